@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The main job: set up, then plan the tiny Llama-3 on this CPU machine (2 gloo ranks) and run it,
+# printing predicted beside measured latency. Extra arguments are passed to `planner optimize`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+. .venv/bin/activate
+mkdir -p out
+planner optimize examples/llama3.py --cluster local-cpu --nproc 2 --run \
+  --out out/plan.yaml --json out/report.json --emit out/sharded "$@"
