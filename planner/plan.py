@@ -1,0 +1,320 @@
+"""The plan: a typed, serialisable value produced by the planner and consumed by passes and runtime.
+
+A `Plan` says how one model runs on one cluster for one workload:
+
+- the mesh `tp x pp x dp` (tensor-, pipeline- and data-parallel degrees);
+- `splits`: how each weight is sharded over the `tp` axis, keyed by parameter FQN (a weight missing
+  from `splits` is replicated);
+- `stages`: which layers each pipeline stage holds (contiguous, in order);
+- `ladder_layers`: the layers that use ladder residual connections;
+- `predicted`: the predicted latency / throughput / memory with a per-layer breakdown, and
+  `baseline`: the prediction of the hand-written Megatron plan under the same cost model;
+- `solver`, `decisions`, `excluded`, `mesh_candidates`: why the plan is what it is.
+
+Split conventions (`WeightSplit`):
+
+| style       | meaning                                                        | nn.Linear (out, in) | HF Conv1D (in, out) |
+|-------------|----------------------------------------------------------------|---------------------|---------------------|
+| "colwise"   | output features split; output stays sharded on its last dim   | dim 0               | dim 1               |
+| "rowwise"   | input features split; output is a partial sum (all-reduce)    | dim 1               | dim 0               |
+| "vocab"     | embedding: rows (vocab) split, masked lookup + all-reduce;      | dim 0               | dim 1               |
+|             | LM head: vocab (output) split, logits all-gathered on last dim |                     |                     |
+| "replicate" | not split (listed only when a decision was made about it)      | -                   | -                   |
+
+A colwise weight's bias is split like its output; a rowwise weight's bias is added once, after the
+reduction. A fused projection (GPT-2 `c_attn`: Q, K and V in one matrix) carries `parts`, the sizes
+of its parts along the split dim; each part is split into `tp` equal pieces separately and rank r
+holds piece r of every part, concatenated in part order.
+
+YAML round trip: `Plan.to_yaml(path)` writes atomically; `Plan.from_yaml(path)` reads with
+`yaml.safe_load` only (loading a plan never executes code) and raises `InputError` naming the field
+for a malformed plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from costmodels.dtypes import DTYPE_BYTES
+from planner.errors import InputError
+
+SPLIT_STYLES: tuple[str, ...] = ("colwise", "rowwise", "vocab", "replicate")
+WORKLOADS: tuple[str, ...] = ("forward", "decode", "train")
+
+
+@dataclass
+class WeightSplit:
+    """How one weight is sharded over the tensor-parallel axis."""
+
+    weight: str  # parameter FQN, e.g. "model.layers.0.mlp.up_proj.weight"
+    style: str  # "colwise" | "rowwise" | "vocab" | "replicate"
+    dim: int  # tensor dim that is split (0 or 1); for "replicate" the dim is 0 and unused
+    parts: list[int] | None = None  # fused projections: sizes of the parts along `dim`, split separately
+
+
+@dataclass
+class LayerCost:
+    """Predicted cost of one transformer layer (or of the non-layer ops, layer = -1) under the plan."""
+
+    layer: int  # layer index; -1 for embeddings / final norm / LM head
+    stage: int  # pipeline stage holding the layer
+    compute_s: float  # compute time per step (all micro-batches, forward [+ backward])
+    exposed_comm_s: float  # communication time not hidden behind compute
+    overlapped_comm_s: float  # communication time hidden behind compute (ladder residual)
+    memory_bytes: float  # memory per rank attributable to this layer
+    strategy: dict[str, str] = field(default_factory=dict)  # op group -> chosen strategy
+
+
+@dataclass
+class Prediction:
+    """Predicted performance of a plan (per training step, per forward pass or per decode step)."""
+
+    latency_s: float  # time of one step (forward pass / decode step / training step)
+    throughput_tokens_per_s: float  # tokens processed (or generated, for decode) per second
+    peak_memory_bytes: float  # largest memory of any rank
+    compute_s: float  # compute time on the critical path
+    exposed_comm_s: float  # communication time on the critical path
+    overlapped_comm_s: float  # communication hidden behind compute
+    bubble_s: float  # pipeline bubble time
+    per_layer: list[LayerCost] = field(default_factory=list)
+
+
+@dataclass
+class SolverInfo:
+    """How the ILP solve went. `status` is `pulp.LpSolution[prob.sol_status]` (honest about time-outs)."""
+
+    status: str  # e.g. "Optimal Solution Found", "Solution Found" (time limit hit, feasible)
+    objective: float  # objective value of the chosen mesh's ILP (seconds)
+    gap: float  # relative optimality gap (0.0 when proven optimal)
+    time_s: float  # total solver wall time over all mesh candidates
+    num_variables: int  # variables of the chosen mesh's ILP
+
+
+@dataclass
+class Decision:
+    """One choice the planner made, with the predicted cost of each alternative (in seconds)."""
+
+    subject: str  # e.g. "layers.mlp", "mesh", "ladder"
+    chosen: str
+    options: dict[str, float]  # alternative -> cost in seconds (inf = not allowed)
+    reason: str
+
+
+@dataclass
+class MeshCandidate:
+    """One mesh shape considered by the search, with its predicted latency (None: infeasible)."""
+
+    tp: int
+    pp: int
+    dp: int
+    latency_s: float | None
+    note: str = ""  # why infeasible, or solver status
+
+
+@dataclass
+class Plan:
+    """A parallelisation plan for one model, cluster and workload. See the module docstring."""
+
+    model: str
+    cluster: str  # cluster name
+    workload: str  # "forward" | "decode" | "train"
+    batch_size: int  # global batch (sequences)
+    seq_len: int  # tokens per sequence (decode: 1 new token per sequence)
+    context: int  # decode: KV-cache length in tokens; 0 otherwise
+    micro_batches: int  # pipeline micro-batches per step (1 when pp == 1 and not training)
+    dtype: str  # "bf16" | "fp16" | "fp32"
+    tp: int
+    pp: int
+    dp: int
+    splits: dict[str, WeightSplit]  # by weight FQN; missing = replicated
+    stages: list[list[int]]  # layer indices per stage
+    ladder_layers: list[int]
+    predicted: Prediction
+    solver: SolverInfo
+    decisions: list[Decision] = field(default_factory=list)
+    excluded: list[str] = field(default_factory=list)  # e.g. "tp=3: 32 heads not divisible by 3"
+    baseline: Prediction | None = None  # the hand-written Megatron plan under the same cost model
+    mesh_candidates: list[MeshCandidate] = field(default_factory=list)
+
+    @property
+    def num_devices(self) -> int:
+        """Devices used by the plan."""
+        return self.tp * self.pp * self.dp
+
+    def stage_of(self, layer: int) -> int:
+        """The pipeline stage that holds `layer`."""
+        for stage, layers in enumerate(self.stages):
+            if layer in layers:
+                return stage
+        raise KeyError(f"layer {layer} is in no stage of the plan")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of builtins (YAML/JSON-safe)."""
+        return _to_builtin(self)
+
+    @classmethod
+    def from_dict(cls, data: object, origin: str = "plan") -> Plan:
+        """Build and validate a plan from plain data; `InputError` names the offending field."""
+        try:
+            plan = _from_builtin(cls, data, "")
+        except InputError as e:
+            raise InputError(f"{origin}: {e}") from None
+        plan.validate(origin)
+        return plan
+
+    def to_yaml(self, path: str | os.PathLike[str]) -> None:
+        """Write the plan as YAML, atomically (temp file in the same folder, then rename)."""
+        path = Path(path)
+        text = yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=110)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+        try:
+            with os.fdopen(fd, "w") as handle:
+                handle.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> Plan:
+        """Read a plan written by `to_yaml` (yaml.safe_load only). Raises `InputError` when malformed."""
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise InputError(f"cannot read plan file {str(path)!r}: {e.strerror}") from e
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise InputError(f"{path}: not valid YAML: {e}") from e
+        return cls.from_dict(data, origin=str(path))
+
+    def validate(self, origin: str = "plan") -> None:
+        """Check invariants a consumer relies on; raise `InputError` naming the field."""
+
+        def bad(field_name: str, why: str) -> InputError:
+            return InputError(f"{origin}: field {field_name!r}: {why}")
+
+        if self.workload not in WORKLOADS:
+            raise bad("workload", f"{self.workload!r} is not one of {list(WORKLOADS)}")
+        if self.dtype not in DTYPE_BYTES:
+            raise bad("dtype", f"{self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+        for name in ("tp", "pp", "dp", "batch_size", "seq_len", "micro_batches"):
+            if getattr(self, name) < 1:
+                raise bad(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.context < 0:
+            raise bad("context", f"must be >= 0, got {self.context}")
+        for key, split in self.splits.items():
+            where = f"splits.{key}"
+            if split.weight != key:
+                raise bad(f"{where}.weight", f"{split.weight!r} differs from its key {key!r}")
+            if split.style not in SPLIT_STYLES:
+                raise bad(f"{where}.style", f"{split.style!r} is not one of {list(SPLIT_STYLES)}")
+            if split.dim not in (0, 1):
+                raise bad(f"{where}.dim", f"must be 0 or 1, got {split.dim}")
+            if split.parts is not None and (not split.parts or any(p < 1 for p in split.parts)):
+                raise bad(f"{where}.parts", f"must be a non-empty list of positive sizes, got {split.parts}")
+        if len(self.stages) != self.pp:
+            raise bad("stages", f"has {len(self.stages)} stages but pp is {self.pp}")
+        flat = [i for stage in self.stages for i in stage]
+        if flat != sorted(flat) or len(set(flat)) != len(flat):
+            raise bad("stages", "layers must be contiguous, in order and each in one stage")
+        if any(not stage for stage in self.stages) and flat:
+            raise bad("stages", "a stage holds no layers")
+        unknown = sorted(set(self.ladder_layers) - set(flat))
+        if unknown:
+            raise bad("ladder_layers", f"layers {unknown} are in no stage")
+
+
+# ---------------------------------------------------------------------------------------------
+# Generic dataclass <-> builtin conversion, driven by the type hints above.
+
+
+def _to_builtin(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _to_builtin(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): _to_builtin(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_builtin(v) for v in value]
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if hasattr(value, "item"):  # numpy / torch scalars
+        return value.item()
+    raise TypeError(f"cannot serialise {type(value).__name__} in a plan")
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _from_builtin(tp: Any, data: object, where: str) -> Any:
+    """Convert `data` to type `tp`, raising InputError naming `where` on a mismatch."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if data is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _from_builtin(inner, data, where)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(data, dict):
+            raise InputError(f"field {where or 'plan'!r}: expected a mapping, got {type(data).__name__}")
+        hints = _hints(tp)
+        known = {f.name for f in dataclasses.fields(tp)}
+        extra = sorted(set(data) - known)
+        if extra:
+            raise InputError(f"field {where!r}: unknown keys {extra}")
+        kwargs = {}
+        for f in dataclasses.fields(tp):
+            sub = f"{where}.{f.name}" if where else f.name
+            if f.name not in data:
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                    raise InputError(f"field {sub!r} is missing")
+                continue
+            kwargs[f.name] = _from_builtin(hints[f.name], data[f.name], sub)
+        return tp(**kwargs)
+    if origin is list:
+        (inner,) = typing.get_args(tp)
+        if not isinstance(data, list):
+            raise InputError(f"field {where!r}: expected a list, got {type(data).__name__}")
+        return [_from_builtin(inner, v, f"{where}[{i}]") for i, v in enumerate(data)]
+    if origin is dict:
+        key_t, val_t = typing.get_args(tp)
+        if not isinstance(data, dict):
+            raise InputError(f"field {where!r}: expected a mapping, got {type(data).__name__}")
+        return {
+            _from_builtin(key_t, k, where): _from_builtin(val_t, v, f"{where}.{k}") for k, v in data.items()
+        }
+    if tp is float:
+        if isinstance(data, bool) or not isinstance(data, (int, float)):
+            raise InputError(f"field {where!r}: expected a number, got {data!r}")
+        return float(data)
+    if tp is int:
+        if isinstance(data, bool) or not isinstance(data, int):
+            raise InputError(f"field {where!r}: expected an integer, got {data!r}")
+        return data
+    if tp is str:
+        if not isinstance(data, str):
+            raise InputError(f"field {where!r}: expected a string, got {data!r}")
+        return data
+    if tp is bool:
+        if not isinstance(data, bool):
+            raise InputError(f"field {where!r}: expected true/false, got {data!r}")
+        return data
+    raise TypeError(f"unsupported type {tp!r} in plan schema")  # internal: schema uses only the above

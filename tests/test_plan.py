@@ -1,0 +1,122 @@
+"""Plan dataclass: YAML round trip, atomic write, malformed plans rejected naming the field."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from planner.errors import InputError
+from planner.plan import (
+    Decision,
+    LayerCost,
+    MeshCandidate,
+    Plan,
+    Prediction,
+    SolverInfo,
+    WeightSplit,
+)
+
+
+def _prediction(latency_s: float = 0.01) -> Prediction:
+    return Prediction(
+        latency_s=latency_s,
+        throughput_tokens_per_s=1000.0,
+        peak_memory_bytes=2.0e9,
+        compute_s=0.008,
+        exposed_comm_s=0.002,
+        overlapped_comm_s=0.0,
+        bubble_s=0.0,
+        per_layer=[LayerCost(0, 0, 0.004, 0.001, 0.0, 1e9, {"mlp": "megatron"})],
+    )
+
+
+def make_plan() -> Plan:
+    """A small, valid two-layer plan."""
+    splits = {
+        "layers.0.mlp.up.weight": WeightSplit("layers.0.mlp.up.weight", "colwise", 0),
+        "layers.0.mlp.down.weight": WeightSplit("layers.0.mlp.down.weight", "rowwise", 1),
+        "h.0.attn.c_attn.weight": WeightSplit("h.0.attn.c_attn.weight", "colwise", 1, [768, 768, 768]),
+        "wte.weight": WeightSplit("wte.weight", "vocab", 0),
+    }
+    return Plan(
+        model="toy",
+        cluster="dgx-h100",
+        workload="forward",
+        batch_size=4,
+        seq_len=128,
+        context=0,
+        micro_batches=1,
+        dtype="bf16",
+        tp=2,
+        pp=1,
+        dp=1,
+        splits=splits,
+        stages=[[0, 1]],
+        ladder_layers=[1],
+        predicted=_prediction(),
+        solver=SolverInfo("Optimal Solution Found", 0.01, 0.0, 0.05, 42),
+        decisions=[
+            Decision("layers.mlp", "megatron", {"megatron": 0.001, "replicate": math.inf}, "cheapest")
+        ],
+        excluded=["tp=3: 32 heads not divisible by 3"],
+        baseline=_prediction(0.02),
+        mesh_candidates=[MeshCandidate(2, 1, 1, 0.01), MeshCandidate(4, 1, 1, None, "does not fit")],
+    )
+
+
+def test_yaml_round_trip(tmp_path: Path) -> None:
+    plan = make_plan()
+    path = tmp_path / "plan.yaml"
+    plan.to_yaml(path)
+    loaded = Plan.from_yaml(path)
+    assert loaded == plan
+    assert loaded.splits["h.0.attn.c_attn.weight"].parts == [768, 768, 768]
+    assert math.isinf(loaded.decisions[0].options["replicate"])
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.yaml"]  # no temp file left behind
+
+
+def test_safe_load_only(tmp_path: Path) -> None:
+    path = tmp_path / "evil.yaml"
+    path.write_text("!!python/object/apply:os.system ['echo hacked']\n")
+    with pytest.raises(InputError, match="not valid YAML"):
+        Plan.from_yaml(path)
+
+
+@pytest.mark.parametrize(
+    ("edit", "field_name"),
+    [
+        (lambda d: d.pop("tp"), "tp"),
+        (lambda d: d.__setitem__("tp", "eight"), "tp"),
+        (lambda d: d["splits"]["wte.weight"].__setitem__("style", "diagonal"), "splits.wte.weight.style"),
+        (lambda d: d["splits"]["wte.weight"].__setitem__("dim", 2), "splits.wte.weight.dim"),
+        (lambda d: d["predicted"].__setitem__("latency_s", "fast"), "predicted.latency_s"),
+        (lambda d: d["predicted"]["per_layer"][0].pop("stage"), "predicted.per_layer[0].stage"),
+        (lambda d: d.__setitem__("stages", [[0], [1]]), "stages"),
+        (lambda d: d.__setitem__("workload", "serve"), "workload"),
+        (lambda d: d.__setitem__("ladder_layers", [7]), "ladder_layers"),
+        (lambda d: d.__setitem__("extra_key", 1), "plan"),
+    ],
+)
+def test_malformed_plan_names_field(tmp_path: Path, edit, field_name: str) -> None:
+    data = make_plan().to_dict()
+    edit(data)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(InputError) as info:
+        Plan.from_yaml(path)
+    assert field_name in str(info.value)
+
+
+def test_not_a_mapping(tmp_path: Path) -> None:
+    path = tmp_path / "list.yaml"
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(InputError, match="expected a mapping"):
+        Plan.from_yaml(path)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="cannot read"):
+        Plan.from_yaml(tmp_path / "nope.yaml")
