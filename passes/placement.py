@@ -1,0 +1,106 @@
+"""Tensor placements on a tensor-parallel axis and the shape algebra the TP pass needs.
+
+A value in a TP-rewritten graph is, on each rank of the axis, one of:
+
+- `Placement.replicate()` - the full tensor, identical on every rank;
+- `Placement.shard(dim, parts)` - a contiguous 1/tp chunk along `dim` (global shape / tp). With
+  `parts` (a fused projection such as GPT-2's `c_attn`, global part sizes along `dim`) the chunk is
+  taken from every part and the chunks are concatenated: [q_r | k_r | v_r];
+- `Placement.partial()` - a per-rank partial sum; the full value is the sum over ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a value lives on the TP axis; `dim` is non-negative for shards."""
+
+    kind: str  # "R" | "S" | "P"
+    dim: int = -1
+    parts: tuple[int, ...] | None = None
+
+    @staticmethod
+    def replicate() -> Placement:
+        return Placement("R")
+
+    @staticmethod
+    def shard(dim: int, parts: tuple[int, ...] | None = None) -> Placement:
+        return Placement("S", dim, parts)
+
+    @staticmethod
+    def partial() -> Placement:
+        return Placement("P")
+
+    @property
+    def is_shard(self) -> bool:
+        return self.kind == "S"
+
+    def __str__(self) -> str:
+        if self.kind == "S":
+            return f"Shard({self.dim})" + (f"[parts={list(self.parts)}]" if self.parts else "")
+        return {"R": "Replicate()", "P": "Partial()"}[self.kind]
+
+
+def local_shape(global_shape: tuple[int, ...], placement: Placement, tp: int) -> tuple[int, ...]:
+    """The per-rank shape of a value of `global_shape` with `placement` over `tp` ranks."""
+    if not placement.is_shard:
+        return tuple(global_shape)
+    shape = list(global_shape)
+    shape[placement.dim] //= tp
+    return tuple(shape)
+
+
+def view_groups(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> list[tuple[range, range]]:
+    """Split a reshape into groups of input dims and output dims with equal products.
+
+    Example: (2, 8, 64) -> (2, 8, 4, 16) gives [(0)->(0), (1)->(1), (2)->(2, 3)]. Raises ValueError
+    when the element counts differ.
+    """
+    if math.prod(in_shape) != math.prod(out_shape):
+        raise ValueError(f"reshape {tuple(in_shape)} -> {tuple(out_shape)} changes the element count")
+    groups: list[tuple[range, range]] = []
+    i = j = 0
+    while i < len(in_shape) or j < len(out_shape):
+        start_i, start_j = i, j
+        p_in = p_out = 1
+        if i < len(in_shape):
+            p_in *= in_shape[i]
+            i += 1
+        if j < len(out_shape):
+            p_out *= out_shape[j]
+            j += 1
+        while p_in != p_out:
+            if p_in < p_out:
+                p_in *= in_shape[i]
+                i += 1
+            else:
+                p_out *= out_shape[j]
+                j += 1
+        groups.append((range(start_i, i), range(start_j, j)))
+    return groups
+
+
+def view_shard_dim(in_shape: tuple[int, ...], out_shape: tuple[int, ...], dim: int, tp: int) -> int:
+    """Output dim that carries the shard of input dim `dim` through a reshape, or raise ValueError.
+
+    A contiguous 1/tp chunk of a group of dims stays contiguous only when the shard is on the
+    outermost non-unit dim of its input group, and the outermost non-unit output dim of the group
+    divides by tp. (B, T, H*hd) sharded on dim 2 -> (B, T, H, hd) is sharded on H: whole heads.
+    """
+    for in_dims, out_dims in view_groups(in_shape, out_shape):
+        if dim not in in_dims:
+            continue
+        leading = [d for d in in_dims if in_shape[d] != 1]
+        if not leading or leading[0] != dim:
+            raise ValueError(
+                f"input dim {dim} is not the outermost dim of the reshaped group {list(in_dims)} of {tuple(in_shape)}"
+            )
+        outs = [d for d in out_dims if out_shape[d] != 1]
+        if not outs or out_shape[outs[0]] % tp:
+            raise ValueError(f"no output dim of {tuple(out_shape)} in group {list(out_dims)} divides by tp={tp}")
+        return outs[0]
+    raise ValueError(f"dim {dim} out of range for shape {tuple(in_shape)}")

@@ -1,0 +1,210 @@
+"""Collectives that the rewrite passes insert into fx graphs, on a named mesh axis.
+
+The passes insert `call_function` nodes whose targets are the plain functions of this module, with the
+mesh axis as a string argument (`tp_all_reduce(x, "tp")`), so a generated module's Python source stays
+readable and importable without the planner. The process group behind an axis is registered once per
+process by the runtime (`register_group("tp", group)`) before the module runs; an unregistered axis
+raises a `RuntimeError` that says so. A single-rank axis (`tp=1`, or no process group at all) makes
+every collective the identity, so the same generated module runs unsharded.
+
+Autograd follows Megatron-LM (Shoeybi et al., 2019, section 3, operators `f` and `g`):
+
+| function              | forward                     | backward                      |
+|-----------------------|-----------------------------|-------------------------------|
+| `tp_copy`             | identity                    | all-reduce (sum)              |
+| `tp_all_reduce`       | all-reduce (sum)            | identity                      |
+| `tp_all_gather`       | all-gather along `dim`      | keep this rank's chunk        |
+| `tp_shard`            | keep this rank's chunk      | all-gather along `dim`        |
+
+`tp_all_reduce_start` / `tp_wait` split an all-reduce in two so that the ladder-residual pass can place
+compute between issuing it and waiting for it (the communication overlaps that compute). They are for
+inference: under autograd, `tp_all_reduce_start` falls back to the synchronous `tp_all_reduce`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+_GROUPS: dict[str, dist.ProcessGroup | None] = {}
+
+
+def register_group(axis: str, group: dist.ProcessGroup | None) -> None:
+    """Bind mesh axis `axis` ("tp", ...) to a process group for this process; None means a single rank."""
+    _GROUPS[axis] = group
+
+
+def clear_groups() -> None:
+    """Forget every registered axis (used when a process group is destroyed)."""
+    _GROUPS.clear()
+
+
+def _group(axis: str) -> dist.ProcessGroup | None:
+    if axis not in _GROUPS:
+        if not dist.is_initialized():
+            return None
+        raise RuntimeError(
+            f"mesh axis {axis!r} has no process group; call runtime.collectives.register_group({axis!r}, group) "
+            "before running a generated module"
+        )
+    return _GROUPS[axis]
+
+
+def axis_size(axis: str) -> int:
+    """Number of ranks on `axis` in this process (1 when unregistered and no process group exists)."""
+    group = _group(axis)
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def axis_rank(axis: str) -> int:
+    """This process's rank on `axis` (0 when the axis has a single rank)."""
+    group = _group(axis)
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
+    group = _group(axis)
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def _all_gather(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
+    group = _group(axis)
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _chunk(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
+    group = _group(axis)
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    size = dist.get_world_size(group)
+    if x.shape[dim] % size:
+        raise RuntimeError(f"cannot shard dim {dim} of size {x.shape[dim]} over {size} ranks of axis {axis!r}")
+    return x.chunk(size, dim=dim)[dist.get_rank(group)].contiguous()
+
+
+class _CopyToParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: str) -> torch.Tensor:
+        ctx.axis = axis
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_reduce(grad, ctx.axis), None
+
+
+class _ReduceFromParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: str) -> torch.Tensor:
+        return _all_reduce(x, axis)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _GatherFromParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
+        ctx.dim, ctx.axis = dim, axis
+        return _all_gather(x, dim, axis)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _chunk(grad, ctx.dim, ctx.axis), None, None
+
+
+class _ScatterToParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
+        ctx.dim, ctx.axis = dim, axis
+        return _chunk(x, dim, axis)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_gather(grad, ctx.dim, ctx.axis), None, None
+
+
+def tp_copy(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """Identity forward, all-reduce backward: marks a replicated tensor entering a sharded region.
+
+    x: any shape. Returns x itself in forward.
+    """
+    return _CopyToParallel.apply(x, axis)
+
+
+def tp_all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """Sum `x` over the ranks of `axis` (forward); identity backward. Same shape as `x`."""
+    return _ReduceFromParallel.apply(x, axis)
+
+
+def tp_all_gather(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
+    """Concatenate the ranks' `x` along `dim`: shape[dim] grows by the axis size. Backward keeps the local chunk."""
+    return _GatherFromParallel.apply(x, dim, axis)
+
+
+def tp_shard(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
+    """This rank's contiguous chunk of a replicated `x` along `dim` (shape[dim] / axis size).
+
+    Raises RuntimeError if shape[dim] does not divide by the axis size. Backward all-gathers.
+    """
+    return _ScatterToParallel.apply(x, dim, axis)
+
+
+@dataclass
+class PendingAllReduce:
+    """An all-reduce issued by `tp_all_reduce_start` and not yet waited for."""
+
+    tensor: torch.Tensor
+    work: object | None
+
+
+def tp_all_reduce_start(x: torch.Tensor, axis: str) -> PendingAllReduce:
+    """Issue a sum all-reduce of `x` over `axis` without waiting; `tp_wait` returns the result.
+
+    Under autograd (grad mode on and `x` requires grad) the all-reduce is done synchronously through
+    `tp_all_reduce`, so gradients stay right; the overlap is an inference optimisation.
+    """
+    group = _group(axis)
+    if group is None or dist.get_world_size(group) == 1:
+        return PendingAllReduce(x, None)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return PendingAllReduce(tp_all_reduce(x, axis), None)
+    out = x.contiguous().clone()
+    work = dist.all_reduce(out, group=group, async_op=True)
+    return PendingAllReduce(out, work)
+
+
+def tp_wait(pending: PendingAllReduce) -> torch.Tensor:
+    """Wait for an all-reduce issued by `tp_all_reduce_start` and return its (reduced) tensor."""
+    if pending.work is not None:
+        pending.work.wait()
+        pending.work = None
+    return pending.tensor
+
+
+def vocab_parallel_embedding(weight_shard: torch.Tensor, ids: torch.Tensor, axis: str) -> torch.Tensor:
+    """Embedding lookup with the vocabulary split over `axis` (Megatron VocabParallelEmbedding).
+
+    weight_shard: (vocab / tp, dim), rows [rank * vocab/tp, (rank + 1) * vocab/tp) of the full table.
+    ids: integer tensor of any shape (global token ids). Returns (*ids.shape, dim), summed over ranks:
+    each rank looks up the ids it owns, zeros the rest, and an all-reduce combines them.
+    """
+    rows = weight_shard.shape[0]
+    start = axis_rank(axis) * rows
+    local = ids - start
+    outside = (local < 0) | (local >= rows)
+    local = local.masked_fill(outside, 0)
+    out = torch.nn.functional.embedding(local, weight_shard)
+    out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+    return tp_all_reduce(out, axis)
