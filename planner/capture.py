@@ -1,0 +1,309 @@
+"""Capture a model as one normalised ATen-level `torch.fx.GraphModule`.
+
+Decision: every model, hand-written or Hugging Face, goes through
+`torch.export.export(model, args, kwargs, strict=False).module()`, then the normalisation below.
+Why: `torch.fx.symbolic_trace` fails on every HF model (control flow on shapes, `ModelOutput`,
+cache objects) and records module calls rather than ops; strict export (TorchDynamo) rejects much
+ordinary Python; non-strict export runs the real Python with fake tensors, so it handles both kinds
+of model, works on the meta device (a Llama-3-70B config traces in seconds) and produces one graph
+form (ATen ops, `node.meta["val"]` on every node). The price: shapes in the graph are literals
+(`aten.view(x, [2, 16, 4, 32])`), which the tensor-parallel pass rewrites per rank.
+
+Guarantees of the returned graph (docs/ARCHITECTURE.md):
+
+- parameters and buffers are `get_attr` nodes whose `target` is the FQN in the original model
+  (`model.layers.0.self_attn.q_proj.weight`); a tied weight appears once, under one of its names
+  (GPT-2: `lm_head.weight` feeds both the token embedding and the LM head);
+- every node has `node.meta["module_path"]`: the innermost module FQN as in `model.named_modules()`,
+  "" for the top level (for `get_attr`: the module owning the tensor); every tensor node has
+  `node.meta["val"]` (a FakeTensor with the global shape and dtype);
+- removed: the input guard module, `aten._assert_*` nodes, no-op `aten.to` (same dtype and device)
+  and `aten.dropout` in eval mode / with p = 0;
+- inputs: one placeholder per tensor leaf of `(args, kwargs)` in pytree order (non-tensor inputs such
+  as `use_cache=False` are baked in); call it as `gm(*flat_inputs(args, kwargs))`;
+- output form: the tensor leaves of the model's output, with a `logits` field first when the output
+  is a mapping / HF `ModelOutput` (None fields dropped). If there is exactly one leaf, the graph
+  returns that tensor itself (the output node's arg is a Node), otherwise a tuple of tensors.
+  `flatten_output(eager_output)` gives the eager model's output in the same form.
+
+Errors: a model that cannot be captured raises `InputError` naming the op, the line of the user's
+code that was running (first traceback frame outside torch / transformers / the standard library)
+and the usual fixes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import sysconfig
+import traceback
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+
+from planner.errors import InputError
+
+_ASSERT_TARGETS = {
+    "aten._assert_tensor_metadata",
+    "aten._assert_scalar",
+    "aten._assert_async",
+    "aten.sym_constrain_range",
+    "aten.sym_constrain_range_for_size",
+    "aten._functional_assert_async",
+    "aten._functional_sym_constrain_range",
+}
+
+_FIXES = (
+    "Usual fixes: avoid Python control flow on tensor values (`if x.sum() > 0:`, `.item()`, `.tolist()`; "
+    "use torch.where instead); return tensors (or tuples / dicts of tensors) from forward; "
+    "for Hugging Face models pass use_cache=False (example_kwargs() -> {'use_cache': False})."
+)
+
+
+def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> fx.GraphModule:
+    """Export `model(*args, **kwargs)` and normalise the graph (see the module docstring).
+
+    Tensor inputs are moved to the device of the model's parameters first (so meta-device models
+    take CPU example inputs). Raises InputError when the model cannot be captured.
+    """
+    kwargs = dict(kwargs or {})
+    args, kwargs = _inputs_on_model_device(model, tuple(args), kwargs)
+    try:
+        exported = torch.export.export(model, args, kwargs, strict=False)
+    except Exception as e:  # export raises many types; all mean "this model does not trace"
+        raise InputError(_capture_error_message(model, e)) from e
+    gm = exported.module()
+    out_spec = gm._out_spec
+    module_names = {name for name, _ in model.named_modules()}
+    gm = _normalise(gm, out_spec, module_names)
+    return gm
+
+
+def flat_inputs(args: tuple, kwargs: dict | None = None) -> tuple[torch.Tensor, ...]:
+    """The positional inputs of a captured graph: tensor leaves of (args, kwargs) in pytree order."""
+    leaves = pytree.tree_leaves((tuple(args), dict(kwargs or {})))
+    return tuple(x for x in leaves if isinstance(x, torch.Tensor))
+
+
+def flatten_output(output: Any) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """An eager model's output in the captured graph's output form (logits first, one tensor bare)."""
+    leaves, spec = pytree.tree_flatten(output)
+    order = _output_order(spec)
+    tensors = [leaves[i] for i in order if isinstance(leaves[i], torch.Tensor)]
+    return tensors[0] if len(tensors) == 1 else tuple(tensors)
+
+
+def retarget_device(gm: fx.GraphModule, device: torch.device | str) -> fx.GraphModule:
+    """Rewrite literal `device=` arguments (aten.arange, aten.to, ...) to `device`, in place.
+
+    The captured graph records the capture device in factory ops; call this before running a graph
+    captured on the CPU or meta device somewhere else. Returns `gm` (recompiled).
+    """
+    device = torch.device(device)
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if isinstance(node.kwargs.get("device"), torch.device):
+            node.kwargs = {**node.kwargs, "device": device}
+        node.args = tuple(device if isinstance(a, torch.device) else a for a in node.args)
+    gm.recompile()
+    return gm
+
+
+# ------------------------------------------------------------------------------------------ inputs
+
+
+def _inputs_on_model_device(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    tensor = next(iter(model.parameters()), None)
+    if tensor is None:
+        tensor = next(iter(model.buffers()), None)
+    if tensor is None:
+        return args, kwargs
+    device = tensor.device
+
+    def move(x: Any) -> Any:
+        return x.to(device) if isinstance(x, torch.Tensor) and x.device != device else x
+
+    return pytree.tree_map(move, (args, kwargs))
+
+
+# ----------------------------------------------------------------------------------- normalisation
+
+
+def _normalise(gm: fx.GraphModule, out_spec: pytree.TreeSpec, module_names: set[str]) -> fx.GraphModule:
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":
+            graph.erase_node(node)
+        elif node.op == "call_function" and _op_name(node.target) in _ASSERT_TARGETS and not node.users:
+            graph.erase_node(node)
+    for node in list(graph.nodes):
+        if _is_noop(node):
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+    _flatten_output_node(graph, out_spec)
+    for node in list(graph.nodes):
+        if node.op == "placeholder" and not node.users and not isinstance(node.meta.get("val"), torch.Tensor):
+            graph.erase_node(node)
+        elif node.op == "placeholder" and not isinstance(node.meta.get("val"), torch.Tensor):
+            raise InputError(
+                f"the non-tensor model input {node.target!r} is used as a value in the graph; "
+                "make it a constant of the model or pass it as a tensor"
+            )
+    graph.eliminate_dead_code()
+    for node in graph.nodes:
+        node.meta["module_path"] = _module_path(node, module_names)
+    graph._codegen = fx.graph.CodeGen()  # plain positional inputs, no pytree (un)flattening
+    new_gm = fx.GraphModule(gm, graph, class_name="CapturedModel")
+    new_gm.graph.lint()
+    new_gm.recompile()
+    return new_gm
+
+
+def _op_name(target: Any) -> str:
+    """'aten.linear' for torch.ops.aten.linear.default; '' for non-ATen targets."""
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._opname}"
+    return ""
+
+
+def _is_noop(node: fx.Node) -> bool:
+    """aten.to / aten.type_as that change nothing, or dropout that is the identity."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    name = _op_name(node.target)
+    if name == "aten.dropout":
+        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        return p == 0 or not train
+    if name == "aten.type_as":
+        src, dst = node.args[0].meta.get("val"), node.meta.get("val")
+        return isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor) and src.dtype == dst.dtype
+    if name in ("aten.to", "aten._to_copy"):
+        src, dst = node.args[0].meta.get("val"), node.meta.get("val")
+        if not isinstance(src, torch.Tensor) or not isinstance(dst, torch.Tensor):
+            return False
+        memory_format = node.kwargs.get("memory_format")
+        return (
+            src.dtype == dst.dtype
+            and src.device == dst.device
+            and memory_format in (None, torch.preserve_format)
+            and name == "aten.to"  # _to_copy always copies; keep it (it may break aliasing)
+        )
+    return False
+
+
+def _output_order(spec: pytree.TreeSpec) -> list[int]:
+    """Leaf indices of an output spec, with the leaf of a top-level `logits` field first."""
+    indices = list(range(spec.num_leaves))
+    try:
+        structure = pytree.tree_unflatten(indices, spec)
+    except Exception:  # an exotic container that cannot be rebuilt from ints: keep pytree order
+        return indices
+    logits = None
+    if isinstance(structure, dict) or hasattr(structure, "keys"):
+        try:
+            logits = structure["logits"]
+        except (KeyError, TypeError):
+            logits = None
+    if isinstance(logits, int):
+        return [logits] + [i for i in indices if i != logits]
+    return indices
+
+
+def _flatten_output_node(graph: fx.Graph, out_spec: pytree.TreeSpec) -> None:
+    output = graph.output_node()
+    leaves = list(pytree.tree_leaves(output.args[0]))
+    assert len(leaves) == out_spec.num_leaves, (len(leaves), out_spec)
+    order = _output_order(out_spec)
+    tensors = [
+        leaves[i]
+        for i in order
+        if isinstance(leaves[i], fx.Node) and isinstance(leaves[i].meta.get("val"), torch.Tensor)
+    ]
+    if not tensors:
+        raise InputError(
+            "the model returns no tensor; forward must return the logits (or a tuple / dict of tensors)"
+        )
+    output.args = (tensors[0] if len(tensors) == 1 else tuple(tensors),)
+
+
+def _module_path(node: fx.Node, module_names: set[str]) -> str:
+    if node.op == "get_attr":
+        owner = str(node.target).rpartition(".")[0]
+        return owner if owner in module_names else ""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = _clean_path(list(stack.values())[-1][0])
+    while path and path not in module_names:  # a path export spelled differently: nearest known prefix
+        path = path.rpartition(".")[0]
+    return path
+
+
+def _clean_path(path: str) -> str:
+    """'L['self'].layers[0].attn' or 'L__self___layers_0' style -> 'layers.0.attn'; FQNs unchanged."""
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    path = re.sub(r"\['([^']+)'\]", r".\1", path)
+    return path.removeprefix("self.").strip(".")
+
+
+# ------------------------------------------------------------------------------------------ errors
+
+_LIBRARY_DIRS = tuple(
+    os.path.realpath(p)
+    for p in {
+        sysconfig.get_paths()["stdlib"],
+        sysconfig.get_paths()["purelib"],
+        sysconfig.get_paths()["platlib"],
+    }
+) + (os.path.dirname(os.path.realpath(__file__)),)
+
+
+def _user_frame(model: nn.Module, exc: BaseException) -> traceback.FrameSummary | None:
+    """The innermost traceback frame in the model's own file, else outside any library directory."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    try:
+        model_file = os.path.realpath(inspect.getsourcefile(type(model)) or "")
+    except TypeError:
+        model_file = ""
+    in_model = [f for f in frames if os.path.realpath(f.filename) == model_file]
+    if in_model:
+        return in_model[-1]
+    outside = [
+        f
+        for f in frames
+        if not os.path.realpath(f.filename).startswith(_LIBRARY_DIRS) and not f.filename.startswith("<frozen")
+    ]
+    return outside[-1] if outside else None
+
+
+def _failing_op(exc: BaseException) -> str:
+    text = str(exc)
+    if "data-dependent" in text or type(exc).__name__ in ("GuardOnDataDependentSymNode", "UserError"):
+        return "data-dependent control flow (a Python bool / int of a tensor value, e.g. `if x.sum() > 0:` or .item())"
+    match = re.search(r"\b(aten\.\w+(?:\.\w+)?)", text)
+    if match:
+        return match.group(1)
+    return type(exc).__name__
+
+
+def _capture_error_message(model: nn.Module, exc: BaseException) -> str:
+    frame = _user_frame(model, exc)
+    where = "unknown line (no frame of the model's code in the traceback)"
+    if frame is not None:
+        where = f"{frame.filename}:{frame.lineno}"
+        if frame.line:
+            where += f": {frame.line.strip()}"
+    first_line = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+    return (
+        f"cannot capture {type(model).__name__} with torch.export (non-strict)\n"
+        f"  op:    {_failing_op(exc)}\n"
+        f"  line:  {where}\n"
+        f"  error: {type(exc).__name__}: {first_line[:300]}\n"
+        f"{_FIXES}"
+    )

@@ -1,0 +1,163 @@
+"""Load a user's model file: a Python file defining the model and its example inputs.
+
+The contract (what `planner optimize model.py` needs):
+
+    def build_model() -> torch.nn.Module: ...
+    def example_inputs(batch_size=2, seq_len=16) -> tuple: ...   # the positional args of forward
+    def example_kwargs() -> dict: ...                              # optional, e.g. {"use_cache": False}
+
+`example_inputs` may take keyword arguments `batch_size` and `seq_len`; the planner passes them when
+the user (or a workload, e.g. decode with `seq_len=1`) overrides the example sizes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from planner.errors import InputError, PlannerError
+
+_EXAMPLE = """    def build_model():
+        return MyModel()
+    def example_inputs(batch_size=2, seq_len=16):
+        return (torch.randint(0, 1000, (batch_size, seq_len)),)"""
+
+_REQUIRED = ("build_model", "example_inputs")
+
+
+@dataclass
+class ModelFile:
+    """A loaded model file. `path` is absolute; `module` is the imported Python module."""
+
+    path: str
+    module: ModuleType
+
+    @property
+    def name(self) -> str:
+        """The file's stem, e.g. "llama3_70b" (used to name plans and outputs)."""
+        return os.path.splitext(os.path.basename(self.path))[0]
+
+    def build(self, device: str = "cpu") -> nn.Module:
+        """Call `build_model()` under `torch.device(device)` and return the model in eval mode.
+
+        With device="meta" no weight memory is allocated. A model file may build on the meta device
+        itself (the published large configs do); that wins over `device`.
+        Raises InputError if build_model raises or does not return an nn.Module.
+        """
+        with torch.device(device):
+            model = self._call("build_model")
+        if not isinstance(model, nn.Module):
+            raise InputError(
+                f"{self.path}: build_model() returned {type(model).__name__}, expected a torch.nn.Module"
+            )
+        return model.eval()
+
+    def inputs(
+        self, batch_size: int | None = None, seq_len: int | None = None, device: str = "cpu"
+    ) -> tuple[tuple, dict]:
+        """The example (args, kwargs) for forward, tensors moved to `device`.
+
+        `batch_size` / `seq_len` (None: the file's defaults) are passed to `example_inputs` as
+        keyword arguments. Raises InputError if it does not accept an override asked for, or if
+        it returns something other than a tuple (a single tensor is wrapped).
+        """
+        fn = self.module.example_inputs
+        overrides = {k: v for k, v in (("batch_size", batch_size), ("seq_len", seq_len)) if v is not None}
+        params = inspect.signature(fn).parameters
+        takes_var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        missing = [k for k in overrides if k not in params and not takes_var_kw]
+        if missing:
+            raise InputError(
+                f"{self.path}: example_inputs() does not accept {', '.join(missing)}, which was asked for; "
+                f"give it keyword arguments, e.g.\n    def example_inputs(batch_size=2, seq_len=16): ..."
+            )
+        args = self._call("example_inputs", **overrides)
+        if isinstance(args, torch.Tensor):
+            args = (args,)
+        if isinstance(args, list):
+            args = tuple(args)
+        if not isinstance(args, tuple):
+            raise InputError(
+                f"{self.path}: example_inputs() returned {type(args).__name__}, expected a tuple of forward args"
+            )
+        kwargs: dict[str, Any] = {}
+        if hasattr(self.module, "example_kwargs"):
+            kwargs = self._call("example_kwargs")
+            if not isinstance(kwargs, dict):
+                raise InputError(
+                    f"{self.path}: example_kwargs() returned {type(kwargs).__name__}, expected a dict"
+                )
+
+        def move(x: Any) -> Any:
+            return x.to(device) if isinstance(x, torch.Tensor) else x
+
+        return pytree.tree_map(move, (args, dict(kwargs)))
+
+    def _call(self, name: str, **kwargs: Any) -> Any:
+        try:
+            return getattr(self.module, name)(**kwargs)
+        except PlannerError:
+            raise
+        except Exception as e:  # any error in user code -> one message naming the line
+            raise InputError(f"{self.path}: {name}() raised {_describe(e, self.path)}") from e
+
+
+def load_model_file(path: str | os.PathLike[str]) -> ModelFile:
+    """Import the model file at `path` and check it defines build_model and example_inputs.
+
+    The file is imported under a unique module name; its directory is put on sys.path (once) so
+    that it can import modules next to it. Raises InputError: file missing or not a .py file,
+    an exception while importing it (with the file:line), or missing functions.
+    """
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isfile(path):
+        raise InputError(f"model file not found: {path}")
+    if not path.endswith(".py"):
+        raise InputError(f"model file must be a Python file (*.py): {path}")
+    directory = os.path.dirname(path)
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
+    stem = os.path.splitext(os.path.basename(path))[0]
+    module_name = f"planner_model_{stem}_{hashlib.sha1(path.encode()).hexdigest()[:8]}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise InputError(f"cannot import model file {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses and pickling look the module up by name
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # user code: report the line, keep the cause
+        del sys.modules[module_name]
+        raise InputError(f"importing model file {path} raised {_describe(e, path)}") from e
+    missing = [name for name in _REQUIRED if not callable(getattr(module, name, None))]
+    if missing:
+        raise InputError(
+            f"model file {path} does not define {' and '.join(missing)}; a model file defines "
+            f"build_model() -> nn.Module and example_inputs() -> tuple, e.g.\n{_EXAMPLE}"
+        )
+    return ModelFile(path=path, module=module)
+
+
+def _describe(exc: BaseException, path: str) -> str:
+    """'ValueError: msg (at /x/model.py:12: line)': the innermost frame in `path`, else the last frame."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    in_file = [f for f in frames if os.path.abspath(f.filename) == path]
+    frame = in_file[-1] if in_file else (frames[-1] if frames else None)
+    if isinstance(exc, SyntaxError) and exc.filename:
+        where = f"{exc.filename}:{exc.lineno}"
+    elif frame is not None:
+        where = f"{frame.filename}:{frame.lineno}" + (f": {frame.line.strip()}" if frame.line else "")
+    else:
+        where = "unknown location"
+    return f"{type(exc).__name__}: {exc} (at {where})"

@@ -1,0 +1,53 @@
+"""Shared fixtures: the example model files, loaded and captured once per test session."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from torch import fx, nn
+
+from planner.capture import capture
+from planner.modelfile import ModelFile, load_model_file
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@dataclass
+class Captured:
+    """An example model built on the CPU (meta for the published large configs) and its graph."""
+
+    model_file: ModelFile
+    model: nn.Module
+    args: tuple
+    kwargs: dict
+    gm: fx.GraphModule
+
+
+@pytest.fixture(scope="session")
+def example_path():
+    """example_path("llama3") -> the absolute path of examples/llama3.py."""
+
+    def path(name: str) -> Path:
+        return EXAMPLES / f"{name}.py"
+
+    return path
+
+
+@pytest.fixture(scope="session")
+def captured():
+    """captured("gpt2_tiny") -> Captured, cached for the session (seeded, so deterministic)."""
+    cache: dict[str, Captured] = {}
+
+    def get(name: str) -> Captured:
+        if name not in cache:
+            torch.manual_seed(0)
+            mf = load_model_file(EXAMPLES / f"{name}.py")
+            model = mf.build("cpu")
+            args, kwargs = mf.inputs()
+            cache[name] = Captured(mf, model, args, kwargs, capture(model, args, kwargs))
+        return cache[name]
+
+    return get

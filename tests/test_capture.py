@@ -1,0 +1,100 @@
+"""planner.capture: one normalised ATen graph for hand-written and Hugging Face models."""
+
+from __future__ import annotations
+
+import textwrap
+import time
+
+import pytest
+import torch
+
+from planner.capture import capture, flat_inputs, flatten_output
+from planner.errors import InputError
+from planner.modelfile import load_model_file
+
+RUNNABLE = ["gpt2_tiny", "llama3", "mlp", "hf_llama", "hf_gpt2"]
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_captured_graph_equals_eager(captured, name):
+    c = captured(name)
+    with torch.no_grad():
+        expected = flatten_output(c.model(*c.args, **c.kwargs))
+        got = c.gm(*flat_inputs(c.args, c.kwargs))
+    assert isinstance(got, torch.Tensor)  # one output tensor -> returned bare (HF: the logits)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_graph_guarantees(captured, name):
+    c = captured(name)
+    params = dict(c.model.named_parameters(remove_duplicate=False)) | dict(c.model.named_buffers())
+    modules = {n for n, _ in c.model.named_modules()}
+    for node in c.gm.graph.nodes:
+        assert node.meta["module_path"] in modules, node.format_node()
+        if node.op == "get_attr":
+            assert node.target in params, node.target
+        if node.op == "call_function":
+            assert "_assert" not in str(node.target), node.format_node()
+            assert "val" in node.meta, node.format_node()
+        assert node.op != "call_module", node.format_node()
+
+
+def test_module_paths_are_innermost(captured):
+    gm = captured("llama3").gm
+    paths = {n.name: n.meta["module_path"] for n in gm.graph.nodes}
+    linears = [n for n in gm.graph.nodes if n.target == torch.ops.aten.linear.default]
+    assert paths[linears[0].name] == "layers.0.attention.wq"
+    assert gm.graph.find_nodes(op="call_function", target=torch.ops.aten.embedding.default)[0].meta[
+        "module_path"
+    ] == ("tok_embeddings")
+
+
+def test_tied_weight_appears_once(captured):
+    gm = captured("gpt2_tiny").gm
+    embedding = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.embedding.default)[0]
+    last_linear = [n for n in gm.graph.nodes if n.target == torch.ops.aten.linear.default][-1]
+    assert embedding.args[0].target == last_linear.args[1].target == "lm_head.weight"
+
+
+def test_meta_70b_captures_quickly(example_path):
+    model = load_model_file(example_path("llama3_70b")).build()
+    start = time.perf_counter()
+    gm = capture(model, *load_model_file(example_path("llama3_70b")).inputs(batch_size=1, seq_len=128))
+    assert time.perf_counter() - start < 15
+    linears = [n for n in gm.graph.nodes if n.target == torch.ops.aten.linear.default]
+    assert len(linears) == 80 * 7 + 1
+    assert linears[-1].meta["val"].shape == (1, 128, 128256)
+
+
+def test_untraceable_model_names_the_line(tmp_path):
+    path = tmp_path / "bad_model.py"
+    path.write_text(
+        textwrap.dedent(
+            """\
+            import torch
+
+            class Net(torch.nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.fc = torch.nn.Linear(4, 4)
+
+                def forward(self, x):
+                    if x.sum() > 0:
+                        return self.fc(x)
+                    return x
+
+            def build_model():
+                return Net()
+
+            def example_inputs():
+                return (torch.ones(2, 4),)
+            """
+        )
+    )
+    mf = load_model_file(path)
+    with pytest.raises(InputError) as info:
+        capture(mf.build(), *mf.inputs())
+    message = str(info.value)
+    assert f"{path}:9" in message and "if x.sum() > 0:" in message
+    assert "data-dependent" in message and "use_cache=False" in message

@@ -1,0 +1,130 @@
+"""planner.modelfile: loading model files, building models, example inputs and their errors."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from planner.errors import InputError
+from planner.modelfile import load_model_file
+
+
+def write(tmp_path, text: str, name: str = "model.py"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_loads_example_and_builds_in_eval_mode(example_path):
+    mf = load_model_file(example_path("gpt2_tiny"))
+    model = mf.build()
+    assert not model.training
+    (idx,), kwargs = mf.inputs()
+    assert idx.shape == (2, 16) and idx.dtype == torch.long and kwargs == {}
+    assert mf.name == "gpt2_tiny"
+
+
+def test_overrides_pass_through(example_path):
+    mf = load_model_file(example_path("llama3"))
+    (tokens,), _ = mf.inputs(batch_size=3, seq_len=1)  # decode workload: one token
+    assert tokens.shape == (3, 1)
+
+
+def test_meta_build_allocates_no_weights(example_path):
+    model = load_model_file(example_path("gpt2_tiny")).build("meta")
+    assert all(p.device.type == "meta" for p in model.parameters())
+    big = load_model_file(example_path("llama3_405b")).build("cpu")  # builds on meta by itself
+    assert all(p.device.type == "meta" for p in big.parameters())
+
+
+def test_hf_example_kwargs(example_path):
+    _, kwargs = load_model_file(example_path("hf_llama")).inputs()
+    assert kwargs == {"use_cache": False}
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(InputError, match="not found"):
+        load_model_file(tmp_path / "nope.py")
+
+
+def test_missing_functions_named_with_example(tmp_path):
+    path = write(tmp_path, "def example_inputs():\n    return ()\n")
+    with pytest.raises(InputError) as info:
+        load_model_file(path)
+    message = str(info.value)
+    assert "build_model" in message and "example_inputs" not in message.split(";")[0]
+    assert "def build_model():" in message and "def example_inputs(batch_size=2, seq_len=16):" in message
+
+
+def test_import_error_names_file_and_line(tmp_path):
+    path = write(
+        tmp_path,
+        """\
+        import torch
+
+        X = 1 / 0
+        """,
+    )
+    with pytest.raises(InputError) as info:
+        load_model_file(path)
+    assert f"{path}:3" in str(info.value) and "ZeroDivisionError" in str(info.value)
+
+
+def test_build_error_names_line(tmp_path):
+    path = write(
+        tmp_path,
+        """\
+        import torch
+
+        def build_model():
+            raise RuntimeError("boom")
+
+        def example_inputs():
+            return (torch.zeros(2),)
+        """,
+    )
+    with pytest.raises(InputError, match=r"build_model\(\) raised RuntimeError: boom .*model.py:4"):
+        load_model_file(path).build()
+
+
+def test_unsupported_override_says_which_signature(tmp_path):
+    path = write(
+        tmp_path,
+        """\
+        import torch
+
+        def build_model():
+            return torch.nn.Linear(4, 4)
+
+        def example_inputs():
+            return torch.zeros(2, 4)
+        """,
+    )
+    mf = load_model_file(path)
+    (x,), _ = mf.inputs()  # a bare tensor is wrapped in a tuple
+    assert x.shape == (2, 4)
+    with pytest.raises(InputError, match=r"def example_inputs\(batch_size=2, seq_len=16\)"):
+        mf.inputs(seq_len=1)
+
+
+def test_sibling_imports_and_no_repeated_sys_path_entries(tmp_path):
+    write(tmp_path, "import torch\n\nclass Net(torch.nn.Linear):\n    pass\n", name="netlib.py")
+    path = write(
+        tmp_path,
+        """\
+        import torch
+        from netlib import Net
+
+        def build_model():
+            return Net(4, 4)
+
+        def example_inputs(batch_size=2):
+            return (torch.zeros(batch_size, 4),)
+        """,
+    )
+    load_model_file(path)
+    load_model_file(path)
+    assert sys.path.count(str(tmp_path)) == 1
