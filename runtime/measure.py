@@ -1,0 +1,206 @@
+"""Timing and memory measurement on each rank, and summaries over ranks.
+
+Timing: `time_iterations` runs `warmup` untimed calls, then `iters` timed calls, each started right
+after a barrier on `group` (when a process group is initialised) so that every rank times the same
+step. On CUDA each call is bracketed by CUDA events (device time, in seconds); on CPU by
+`time.perf_counter`. The latency of a synchronous step is the slowest rank's, so `summarise_ranks`
+reports, per iteration, the maximum over ranks.
+
+Memory: on CUDA, `torch.cuda.max_memory_allocated` (bytes held by tensors at the peak since the last
+`reset_peak_memory`, tensors allocated before the reset included). On CPU there is no allocator
+counter, so it is the growth of the process's resident-set high-water mark (VmHWM in
+/proc/self/status) above its value at `reset_peak_memory`, which resets VmHWM to the current RSS by
+writing "5" to /proc/self/clear_refs. Memory allocated before the reset and still held is therefore
+not counted on CPU. Without /proc, `resource.getrusage(...).ru_maxrss` is the fallback (it cannot be
+reset, so only growth above the previous peak is seen).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from planner.errors import InputError
+
+_STATUS_PATH = "/proc/self/status"
+_CLEAR_REFS_PATH = "/proc/self/clear_refs"
+_RESET_HWM = "5"  # clear_refs command that resets the peak RSS (Linux >= 4.0, proc(5))
+
+# RSS high-water mark (bytes) at the last reset_peak_memory on CPU; per process, like VmHWM itself.
+_cpu_baseline_bytes = 0
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Wall or device time of each timed iteration on one rank, in seconds, and its order statistics."""
+
+    samples_s: list[float]
+    median_s: float
+    p10_s: float  # 10th percentile (linear interpolation between order statistics)
+    p90_s: float
+    min_s: float
+
+    @classmethod
+    def from_samples(cls, samples_s: list[float]) -> Timing:
+        """Timing of `samples_s` (seconds, at least one). Raises InputError when empty."""
+        if not samples_s:
+            raise InputError("Timing needs at least one sample")
+        ordered = sorted(samples_s)
+        return cls(
+            samples_s=list(samples_s),
+            median_s=statistics.median(ordered),
+            p10_s=_percentile(ordered, 0.10),
+            p90_s=_percentile(ordered, 0.90),
+            min_s=ordered[0],
+        )
+
+
+def _percentile(ordered: list[float], fraction: float) -> float:
+    position = fraction * (len(ordered) - 1)
+    low, high = math.floor(position), math.ceil(position)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def _barrier(group: dist.ProcessGroup | None) -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier(group=group)
+
+
+def time_iterations(
+    fn: Callable[[], Any],
+    *,
+    warmup: int,
+    iters: int,
+    device: torch.device,
+    group: dist.ProcessGroup | None = None,
+) -> Timing:
+    """Call `fn()` `warmup` times untimed, then time `iters` calls; return their Timing in seconds.
+
+    Every timed call starts right after a barrier on `group` (the default group when None) if a process
+    group is initialised, so all ranks of the group must call this with the same `iters`. On a CUDA
+    `device` the time is measured with CUDA events (device time of the work `fn` enqueues); otherwise
+    with `time.perf_counter` around the call. Raises InputError for `warmup < 0` or `iters < 1`.
+    """
+    if warmup < 0 or iters < 1:
+        raise InputError(
+            f"time_iterations needs warmup >= 0 and iters >= 1, got warmup={warmup}, iters={iters}"
+        )
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        return Timing.from_samples(_time_cuda(fn, iters, device, group))
+    return Timing.from_samples(_time_cpu(fn, iters, group))
+
+
+def _time_cpu(fn: Callable[[], Any], iters: int, group: dist.ProcessGroup | None) -> list[float]:
+    samples_s = []
+    for _ in range(iters):
+        _barrier(group)
+        start = time.perf_counter()
+        fn()
+        samples_s.append(time.perf_counter() - start)
+    return samples_s
+
+
+def _time_cuda(
+    fn: Callable[[], Any], iters: int, device: torch.device, group: dist.ProcessGroup | None
+) -> list[float]:
+    events = []
+    for _ in range(iters):
+        torch.cuda.synchronize(device)  # the barrier then aligns the ranks, not their queued work
+        _barrier(group)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize(device)
+    return [start.elapsed_time(end) / 1e3 for start, end in events]  # elapsed_time is in ms
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak-memory window on `device` for `peak_memory_bytes` (see the module docstring)."""
+    global _cpu_baseline_bytes
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open(_CLEAR_REFS_PATH, "w") as clear_refs:
+            clear_refs.write(_RESET_HWM)
+    except OSError:
+        pass  # not Linux, or not allowed: the baseline below is then the earlier peak
+    _cpu_baseline_bytes = _cpu_high_water_bytes()
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory in bytes since the last `reset_peak_memory(device)`.
+
+    CUDA: `torch.cuda.max_memory_allocated(device)`. CPU: growth of the RSS high-water mark above its
+    value at the reset (the absolute high-water mark when never reset).
+    """
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return max(0, _cpu_high_water_bytes() - _cpu_baseline_bytes)
+
+
+def _cpu_high_water_bytes() -> int:
+    """Peak resident set size of this process in bytes: VmHWM, else ru_maxrss."""
+    try:
+        with open(_STATUS_PATH) as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except OSError:
+        pass
+    import resource  # Unix only; imported here so that the module still imports elsewhere
+
+    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(max_rss if sys.platform == "darwin" else max_rss * 1024)  # bytes on macOS, kB on Linux
+
+
+def gather_to_rank0(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any] | None:
+    """Gather a picklable `obj` from every rank of `group`: the list in rank order on the group's first
+    rank (global rank 0 for the default group), None on the others. `[obj]` without a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    dst = dist.get_global_rank(group, 0) if group is not None else 0
+    gathered = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
+    dist.gather_object(obj, gathered, dst=dst, group=group)
+    return gathered
+
+
+def summarise_ranks(per_rank: list[Timing]) -> dict[str, Any]:
+    """Summary over ranks of one timed step, in seconds.
+
+    Keys: "num_ranks"; "median_s_per_rank" (list, rank order); "median_s_min" and "median_s_max" over
+    ranks; "spread_s" = max - min of the medians, and "spread_fraction" = spread_s / median_s_max;
+    "step_median_s": the step latency, the median over iterations of the slowest rank's time in that
+    iteration (iterations are aligned by barriers; when ranks have different sample counts it falls
+    back to "median_s_max"). Raises InputError for an empty list.
+    """
+    if not per_rank:
+        raise InputError("summarise_ranks needs the Timing of at least one rank")
+    medians = [timing.median_s for timing in per_rank]
+    counts = {len(timing.samples_s) for timing in per_rank}
+    if len(counts) == 1:
+        step_s = statistics.median(max(samples) for samples in zip(*(t.samples_s for t in per_rank)))
+    else:
+        step_s = max(medians)
+    spread_s = max(medians) - min(medians)
+    return {
+        "num_ranks": len(per_rank),
+        "median_s_per_rank": medians,
+        "median_s_min": min(medians),
+        "median_s_max": max(medians),
+        "spread_s": spread_s,
+        "spread_fraction": spread_s / max(medians) if max(medians) > 0 else 0.0,
+        "step_median_s": step_s,
+    }

@@ -1,0 +1,289 @@
+"""runtime.launch and runtime.mesh on gloo: results, mesh groups, and each fault the launcher handles.
+
+Entry functions are module-level: the spawned ranks import this module to find them.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from planner.errors import InputError, RunError
+from runtime import launch as launch_module
+from runtime.launch import RankContext, launch
+from runtime.mesh import axis_ranks, build_mesh, mesh_coords
+
+# ---------------------------------------------------------------------------------------------------
+# Entries (run in the spawned ranks)
+
+
+def _all_reduce_rank(ctx: RankContext, payload: int) -> dict:
+    value = torch.tensor([float(ctx.rank)])
+    dist.all_reduce(value)
+    return {
+        "rank": ctx.rank,
+        "world_size": ctx.world_size,
+        "local_rank": ctx.local_rank,
+        "backend": ctx.backend,
+        "device": str(ctx.device),
+        "sum": value.item(),
+        "payload": payload,
+        "env": {key: os.environ[key] for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")},
+        "threads": torch.get_num_threads(),
+        "tensor": torch.arange(3) * ctx.rank,  # results travel by value, tensors included
+    }
+
+
+def _mesh_layout(ctx: RankContext, payload: tuple[int, int, int]) -> dict:
+    tp, pp, dp = payload
+    mesh = build_mesh(tp, pp, dp, "cpu")
+    value = torch.tensor([float(ctx.rank)])
+    dist.all_reduce(value, group=mesh.group("tp"))  # the TP group really connects its ranks
+    return {
+        "coords": (mesh.dp_rank, mesh.pp_rank, mesh.tp_rank),
+        "groups": {axis: dist.get_process_group_ranks(mesh.group(axis)) for axis in ("dp", "pp", "tp")},
+        "prev": mesh.prev_stage_rank,
+        "next": mesh.next_stage_rank,
+        "tp_sum": value.item(),
+    }
+
+
+def _wrong_mesh(ctx: RankContext, payload: None) -> str:
+    try:
+        build_mesh(3, 1, 2, "cpu")
+    except InputError as exc:
+        return str(exc)
+    return "no error"
+
+
+def _write_pid(directory: str, rank: int) -> None:
+    Path(directory, f"rank{rank}.pid").write_text(str(os.getpid()))
+
+
+def _raise_on_rank1(ctx: RankContext, pid_dir: str) -> int:
+    _write_pid(pid_dir, ctx.rank)
+    if ctx.rank == 1:
+        raise ValueError("boom")
+    dist.all_reduce(torch.zeros(1))  # rank 0 waits for a rank that never comes
+    return ctx.rank
+
+
+def _kill_rank1_mid_run(ctx: RankContext, pid_dir: str) -> int:
+    _write_pid(pid_dir, ctx.rank)
+    dist.barrier()  # both ranks are up and connected
+    if ctx.rank == 1:
+        time.sleep(0.5)  # let rank 0 block in the all-reduce first
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(torch.zeros(1))
+    return ctx.rank
+
+
+def _rank1_sleeps(ctx: RankContext, payload: None) -> int:
+    if ctx.rank == 1:
+        time.sleep(120)
+    return ctx.rank
+
+
+def _sleep_forever(ctx: RankContext, pid_dir: str) -> None:
+    _write_pid(pid_dir, ctx.rank)
+    time.sleep(120)
+
+
+def _return_rank(ctx: RankContext, payload: None) -> int:
+    return ctx.rank
+
+
+# ---------------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _pids(directory: Path) -> list[int]:
+    return [int(path.read_text()) for path in sorted(directory.glob("rank*.pid"))]
+
+
+def _assert_no_children(pid_dir: Path) -> None:
+    assert multiprocessing.active_children() == []
+    pids = _pids(pid_dir)
+    assert pids, "the entry never ran"
+    assert [pid for pid in pids if _alive(pid)] == []
+
+
+# ---------------------------------------------------------------------------------------------------
+# Results and mesh
+
+
+@pytest.mark.slow
+def test_launch_returns_results_in_rank_order() -> None:
+    results = launch(_all_reduce_rank, 7, 2, timeout_s=30)
+    assert [r["rank"] for r in results] == [0, 1]
+    for rank, result in enumerate(results):
+        assert result["sum"] == 1.0  # 0 + 1
+        assert result["world_size"] == 2 and result["local_rank"] == rank
+        assert result["backend"] == "gloo" and result["device"] == "cpu"
+        assert result["payload"] == 7
+        assert result["env"] == {
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": "2",
+        }
+        assert result["threads"] == max(1, (os.cpu_count() or 1) // 2)
+        assert torch.equal(result["tensor"], torch.arange(3) * rank)
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.slow
+def test_mesh_groups_tp2_pp2_on_four_ranks() -> None:
+    results = launch(_mesh_layout, (2, 2, 1), 4, timeout_s=60)
+    tp_groups = {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}
+    pp_groups = {0: [0, 2], 1: [1, 3], 2: [0, 2], 3: [1, 3]}
+    for rank, result in enumerate(results):
+        assert result["coords"] == mesh_coords(rank, tp=2, pp=2, dp=1)
+        assert result["groups"] == {"dp": [rank], "pp": pp_groups[rank], "tp": tp_groups[rank]}
+        assert result["tp_sum"] == float(sum(tp_groups[rank]))
+    assert [(r["prev"], r["next"]) for r in results] == [(None, 2), (None, 3), (0, None), (1, None)]
+
+
+def test_mesh_arithmetic_without_processes() -> None:
+    # tp=2, pp=2, dp=2: rank = (dp_rank * 2 + pp_rank) * 2 + tp_rank
+    assert mesh_coords(6, tp=2, pp=2, dp=2) == (1, 1, 0)
+    assert axis_ranks(6, "tp", tp=2, pp=2, dp=2) == [6, 7]
+    assert axis_ranks(6, "pp", tp=2, pp=2, dp=2) == [4, 6]
+    assert axis_ranks(6, "dp", tp=2, pp=2, dp=2) == [2, 6]
+    with pytest.raises(InputError, match="unknown mesh axis 'ep'"):
+        axis_ranks(0, "ep", tp=2, pp=2, dp=2)
+
+
+@pytest.mark.slow
+def test_mesh_size_mismatch_quotes_values() -> None:
+    results = launch(_wrong_mesh, None, 2, timeout_s=30)
+    assert results == ["dp(2) * pp(1) * tp(3) != world_size(2)"] * 2
+
+
+# ---------------------------------------------------------------------------------------------------
+# Faults
+
+
+@pytest.mark.slow
+def test_rank_that_raises_is_reported_and_others_terminated(tmp_path: Path) -> None:
+    start = time.monotonic()
+    with pytest.raises(RunError) as info:
+        launch(_raise_on_rank1, str(tmp_path), 2, timeout_s=30)
+    assert time.monotonic() - start < 20
+    message = str(info.value)
+    assert message.startswith("rank 1 of 2 raised ValueError: boom")
+    assert "_raise_on_rank1" in message and 'raise ValueError("boom")' in message  # last frames
+    assert info.value.exit_code == 4
+    _assert_no_children(tmp_path)
+
+
+@pytest.mark.slow
+def test_rank_killed_mid_run_is_reported(tmp_path: Path) -> None:
+    timeout_s = 10.0
+    start = time.monotonic()
+    with pytest.raises(RunError, match=r"rank 1 of 2 was killed by signal SIGKILL"):
+        launch(_kill_rank1_mid_run, str(tmp_path), 2, timeout_s=timeout_s)
+    assert time.monotonic() - start < timeout_s
+    _assert_no_children(tmp_path)
+
+
+@pytest.mark.slow
+def test_wall_timeout_names_unfinished_ranks() -> None:
+    timeout_s = 4.0
+    start = time.monotonic()
+    with pytest.raises(RunError, match=r"timed out .* ranks \[1\] of 2 had not finished \(ranks \[0\] had\)"):
+        launch(_rank1_sleeps, None, 2, timeout_s=timeout_s)
+    assert (
+        time.monotonic() - start < timeout_s + launch_module._WALL_MARGIN_S + 2 * launch_module._GRACE_S + 1
+    )
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.slow
+def test_keyboard_interrupt_terminates_children(tmp_path: Path) -> None:
+    def interrupt_when_ranks_run() -> None:
+        deadline = time.monotonic() + 30
+        while len(_pids(tmp_path)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    thread = threading.Thread(target=interrupt_when_ranks_run, daemon=True)
+    thread.start()
+    with pytest.raises(KeyboardInterrupt):
+        launch(_sleep_forever, str(tmp_path), 2, timeout_s=60)
+    thread.join()
+    _assert_no_children(tmp_path)
+
+
+@pytest.mark.slow
+def test_taken_port_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = iter([taken.getsockname()[1], launch_module._free_port()])
+        monkeypatch.setattr(launch_module, "_free_port", lambda: next(ports))
+        attempts = []
+        run_local = launch_module._run_local
+
+        def counting_run_local(*args: object) -> list:
+            attempts.append(args[2])  # the port
+            return run_local(*args)
+
+        monkeypatch.setattr(launch_module, "_run_local", counting_run_local)
+        assert launch(_return_rank, None, 2, timeout_s=30) == [0, 1]
+        assert attempts[0] == taken.getsockname()[1] and len(attempts) == 2  # the taken port failed first
+
+
+def test_entry_must_be_picklable() -> None:
+    with pytest.raises(InputError, match="module-level entry"):
+        launch(lambda ctx, payload: None, None, 2)
+    with pytest.raises(InputError, match="nproc must be a positive integer"):
+        launch(_return_rank, None, 0)
+    with pytest.raises(InputError, match="backend must be one of"):
+        launch(_return_rank, None, 2, backend="mpi")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Under torchrun
+
+
+def test_under_torchrun_runs_in_this_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    env = {
+        "PLANNER_UNDER_TORCHRUN": "1",
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(launch_module._free_port()),
+    }
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(InputError, match=r"nproc\(2\) != WORLD_SIZE\(1\)"):
+            launch(_return_rank, None, 2)
+        results = launch(_all_reduce_rank, 3, 1, timeout_s=30)
+    finally:
+        torch.set_num_threads(threads)
+    assert [r["rank"] for r in results] == [0] and results[0]["sum"] == 0.0
+    assert results[0]["payload"] == 3
+    assert not dist.is_initialized()
+    assert multiprocessing.active_children() == []
