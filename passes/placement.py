@@ -101,6 +101,8 @@ def view_shard_dim(in_shape: tuple[int, ...], out_shape: tuple[int, ...], dim: i
             )
         outs = [d for d in out_dims if out_shape[d] != 1]
         if not outs or out_shape[outs[0]] % tp:
-            raise ValueError(f"no output dim of {tuple(out_shape)} in group {list(out_dims)} divides by tp={tp}")
+            raise ValueError(
+                f"no output dim of {tuple(out_shape)} in group {list(out_dims)} divides by tp={tp}"
+            )
         return outs[0]
     raise ValueError(f"dim {dim} out of range for shape {tuple(in_shape)}")

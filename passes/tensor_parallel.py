@@ -92,7 +92,15 @@ _SOFTMAX = {aten._softmax, aten.softmax, aten._log_softmax, aten.log_softmax}
 
 
 class _Rewriter:
-    def __init__(self, gm: fx.GraphModule, splits: Mapping[str, SplitLike], rank: int, tp: int, axis: str, training: bool):
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        splits: Mapping[str, SplitLike],
+        rank: int,
+        tp: int,
+        axis: str,
+        training: bool,
+    ):
         self.gm, self.graph = gm, gm.graph
         self.splits, self.rank, self.tp, self.axis, self.training = splits, rank, tp, axis, training
         self.place: dict[fx.Node, Any] = {}
@@ -104,7 +112,9 @@ class _Rewriter:
 
     # ---------------------------------------------------------------- helpers
     def fail(self, node: fx.Node, why: str) -> TensorParallelError:
-        return TensorParallelError(f"tensor-parallel rewrite of node `{node.format_node()}` (tp={self.tp}): {why}")
+        return TensorParallelError(
+            f"tensor-parallel rewrite of node `{node.format_node()}` (tp={self.tp}): {why}"
+        )
 
     def gshape(self, node: fx.Node) -> tuple[int, ...]:
         return tuple(self.global_val[node].shape)
@@ -121,7 +131,9 @@ class _Rewriter:
         node.meta["tp_placement"] = str(placement)
         val = self.global_val.get(node)
         if isinstance(placement, Placement) and isinstance(val, torch.Tensor):
-            node.meta["val"] = torch.empty(local_shape(tuple(val.shape), placement, self.tp), dtype=val.dtype, device="meta")
+            node.meta["val"] = torch.empty(
+                local_shape(tuple(val.shape), placement, self.tp), dtype=val.dtype, device="meta"
+            )
 
     def replicated(self, node: fx.Node) -> fx.Node:
         """`node` as a replicated value: all-gather a shard; partial sums never leave a matmul rule."""
@@ -133,7 +145,9 @@ class _Rewriter:
         if p.parts:
             raise self.fail(node, "a fused projection's output must be split into its parts before other ops")
         if node not in self._replicated:
-            self._replicated[node] = self.insert(node, collectives.tp_all_gather, (node, p.dim, self.axis), R, node)
+            self._replicated[node] = self.insert(
+                node, collectives.tp_all_gather, (node, p.dim, self.axis), R, node
+            )
         return self._replicated[node]
 
     def sharded(self, node: fx.Node, dim: int) -> fx.Node:
@@ -146,7 +160,9 @@ class _Rewriter:
             raise self.fail(node, f"dim {dim} of size {self.gshape(node)[dim]} does not divide by tp")
         key = (full, dim)
         if key not in self._sharded:
-            self._sharded[key] = self.insert(full, collectives.tp_shard, (full, dim, self.axis), Placement.shard(dim), node)
+            self._sharded[key] = self.insert(
+                full, collectives.tp_shard, (full, dim, self.axis), Placement.shard(dim), node
+            )
         return self._sharded[key]
 
     def copy_in(self, node: fx.Node) -> fx.Node:
@@ -166,7 +182,9 @@ class _Rewriter:
             split = self.splits[node.target]
             if split.style == "replicate":
                 continue
-            self.param_split[node.target] = Placement.shard(split.dim, tuple(split.parts) if split.parts else None)
+            self.param_split[node.target] = Placement.shard(
+                split.dim, tuple(split.parts) if split.parts else None
+            )
 
     def replace_param(self, fqn: str, dim: int, parts) -> None:
         owner_path, _, name = fqn.rpartition(".")
@@ -180,7 +198,10 @@ class _Rewriter:
             raise TensorParallelError(f"weight `{fqn}` of shape {tuple(full.shape)}: {e}") from e
         new = torch.nn.Parameter(shard, requires_grad=full.requires_grad)
         new._tp_sharded = True
-        setattr(owner, name, new)
+        for module in self.gm.modules():  # every alias of a tied weight gets the shard
+            for pname, value in list(module._parameters.items()):
+                if value is full:
+                    module._parameters[pname] = new
 
     # ---------------------------------------------------------------- rules
     def rule_matmul(self, node: fx.Node) -> None:
@@ -233,7 +254,11 @@ class _Rewriter:
             return
         self.replace_param(w.target, sp.dim, sp.parts)
         if sp.dim == 0:
-            node.target, node.args, node.kwargs = collectives.vocab_parallel_embedding, (w, self.replicated(ids), self.axis), {}
+            node.target, node.args, node.kwargs = (
+                collectives.vocab_parallel_embedding,
+                (w, self.replicated(ids), self.axis),
+                {},
+            )
             self.set_meta(node, R)
         else:
             self.set_meta(node, Placement.shard(len(self.gshape(node)) - 1))
@@ -246,7 +271,9 @@ class _Rewriter:
             self.generic(node)
             return
         if not all(p.is_shard and p.dim == 1 and not p.parts for p in places):
-            raise self.fail(node, f"attention inputs are {', '.join(map(str, places))}; head-parallel needs all Shard(1)")
+            raise self.fail(
+                node, f"attention inputs are {', '.join(map(str, places))}; head-parallel needs all Shard(1)"
+            )
         mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
         if isinstance(mask, fx.Node):
             mshape = self.gshape(mask)
@@ -268,7 +295,9 @@ class _Rewriter:
         except ValueError as e:
             raise self.fail(node, str(e)) from e
         if p.parts and self.gshape(x)[p.dim] != self.gshape(node)[out_dim]:
-            raise self.fail(node, "reshape merges a fused projection's output with other dims before its parts are split")
+            raise self.fail(
+                node, "reshape merges a fused projection's output with other dims before its parts are split"
+            )
         placement = Placement.shard(out_dim, p.parts)
         node.args = (x, list(local_shape(self.gshape(node), placement, self.tp)), *node.args[2:])
         self.set_meta(node, placement)
@@ -308,6 +337,17 @@ class _Rewriter:
             new = d - 1 if (op is aten.select and dim < d) else d
         elif op in (aten.split, aten.split_with_sizes):
             return self.rule_split(node, p)
+        elif op is aten.chunk:
+            dim = int(node.args[2] if len(node.args) > 2 else 0) % nd
+            if dim == d:
+                raise self.fail(node, f"chunk along the sharded dim {d}")
+            self.place[node] = [Placement.shard(d, p.parts)] * len(self.global_val[node])
+            node.meta["tp_placement"] = str(p)
+            return
+        elif op is aten.repeat_interleave:
+            if not isinstance(node.args[1], int):
+                return self.generic(node)
+            new = d  # GQA: each rank repeats its own whole K/V heads to its own query heads
         else:
             raise AssertionError(op)
         self.set_meta(node, Placement.shard(new, p.parts))
@@ -321,9 +361,15 @@ class _Rewriter:
             node.meta["tp_placement"] = str(p)
             return
         full = self.gshape(x)[dim]
-        sizes = list(size) if isinstance(size, (list, tuple)) else [size] * (full // size) + ([full % size] if full % size else [])
+        sizes = (
+            list(size)
+            if isinstance(size, (list, tuple))
+            else [size] * (full // size) + ([full % size] if full % size else [])
+        )
         if not p.parts or list(p.parts) != sizes or any(s % self.tp for s in sizes):
-            raise self.fail(node, f"split sizes {sizes} along the sharded dim do not match the fused parts {p.parts}")
+            raise self.fail(
+                node, f"split sizes {sizes} along the sharded dim do not match the fused parts {p.parts}"
+            )
         local = [s // self.tp for s in sizes]
         node.args = (x, local if isinstance(size, (list, tuple)) else local[0], *node.args[2:])
         self.place[node] = [Placement.shard(dim)] * len(sizes)
@@ -386,7 +432,11 @@ class _Rewriter:
             dims, keep = list(range(nd - len(node.args[1]), nd)), True
         else:
             raw = node.args[1] if len(node.args) > 1 else None
-            dims = list(range(nd)) if raw is None else [int(v) % nd for v in (raw if isinstance(raw, (list, tuple)) else [raw])]
+            dims = (
+                list(range(nd))
+                if raw is None
+                else [int(v) % nd for v in (raw if isinstance(raw, (list, tuple)) else [raw])]
+            )
             keep = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
         if p.dim in dims:
             return self.generic(node)
@@ -421,19 +471,39 @@ class _Rewriter:
         if node.target in (collectives.vocab_parallel_embedding,):
             return
         try:
-            out = node.target(*fx.node.map_aggregate(node.args, meta), **fx.node.map_aggregate(node.kwargs, meta))
+            out = node.target(
+                *fx.node.map_aggregate(node.args, meta), **fx.node.map_aggregate(node.kwargs, meta)
+            )
         except Exception as e:
             raise self.fail(node, f"could not evaluate the rewritten op on local shapes: {e}") from e
         want = node.meta["val"].shape
         if tuple(out.shape) != tuple(want):
-            raise self.fail(node, f"local shape {tuple(out.shape)} != expected {tuple(want)} for {node.meta['tp_placement']}")
+            raise self.fail(
+                node,
+                f"local shape {tuple(out.shape)} != expected {tuple(want)} for {node.meta['tp_placement']}",
+            )
 
     # ---------------------------------------------------------------- driver
     def run(self) -> fx.GraphModule:
         self.shard_parameters()
         matmuls = {aten.linear, aten.addmm, aten.mm}
-        shape_ops = {aten.transpose, aten.t, aten.permute, aten.unsqueeze, aten.expand, aten.slice, aten.select}
-        shape_ops |= {aten.narrow, aten.split, aten.split_with_sizes, aten.cat}
+        shape_ops = {
+            aten.transpose,
+            aten.t,
+            aten.permute,
+            aten.unsqueeze,
+            aten.expand,
+            aten.slice,
+            aten.select,
+        }
+        shape_ops |= {
+            aten.narrow,
+            aten.split,
+            aten.split_with_sizes,
+            aten.cat,
+            aten.chunk,
+            aten.repeat_interleave,
+        }
         views = {aten.view, aten.reshape, aten._unsafe_view}
         reductions = _REDUCE_DIMS | _SOFTMAX | {aten.layer_norm}
         if hasattr(aten, "rms_norm"):
@@ -478,7 +548,9 @@ class _Rewriter:
         # tied weights (GPT-2 wte / lm_head) reach the graph under one FQN; only those present are checked
         unsharded = [f for f in self.param_split if not getattr(self._param(f), "_tp_sharded", False)]
         if unsharded:
-            raise TensorParallelError(f"split weights not used by a matmul or embedding the pass understands: {unsharded}")
+            raise TensorParallelError(
+                f"split weights not used by a matmul or embedding the pass understands: {unsharded}"
+            )
         self.graph.lint()
         self.gm.recompile()
         return self.gm

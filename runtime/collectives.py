@@ -77,7 +77,9 @@ def _all_gather(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
     group = _group(axis)
     if group is None or dist.get_world_size(group) == 1:
         return x
-    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(dist.get_world_size(group))]
+    parts = [
+        torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(dist.get_world_size(group))
+    ]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
 
@@ -88,7 +90,9 @@ def _chunk(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
         return x
     size = dist.get_world_size(group)
     if x.shape[dim] % size:
-        raise RuntimeError(f"cannot shard dim {dim} of size {x.shape[dim]} over {size} ranks of axis {axis!r}")
+        raise RuntimeError(
+            f"cannot shard dim {dim} of size {x.shape[dim]} over {size} ranks of axis {axis!r}"
+        )
     return x.chunk(size, dim=dim)[dist.get_rank(group)].contiguous()
 
 

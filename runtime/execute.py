@@ -1,0 +1,227 @@
+"""Run a plan on real process groups: rewrite the captured graph for this rank, check it, time it.
+
+`run_rank(ctx, job)` is the per-rank entry that `runtime.launch.launch` starts on every rank (spawned
+locally, or one process per rank under `torchrun`). Each rank:
+
+1. builds the model from the model file with the same seed (identical weights everywhere) and
+   captures it (`planner.capture.capture`);
+2. computes the reference: the unsharded graph, with the plan's ladder layers applied when there are
+   any (so `max_abs_diff` measures the rewrite alone), and `ladder_deviation`, how far ladder residual
+   moved the original model's outputs;
+3. rewrites a copy for its mesh coordinates: TP pass (`passes.tensor_parallel`), ladder pass
+   (`passes.ladder`), pipeline split (`passes.pipeline`) for PP > 1;
+4. runs forward (or a training step: forward, backward, SGD step) and compares outputs (and
+   gradients) with the reference;
+5. times warm-up + timed iterations with a barrier around each (`runtime.measure`) and reports the
+   peak memory.
+
+The result of each rank is a `RankReport`; `summarise` turns the list into the report's `measured`
+and `numerics` sections.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from planner.analysis import ModelStructure, analyse
+
+from passes.ladder import apply_ladder, ladder_deviation
+from passes.tensor_parallel import apply_tensor_parallel, shard_weight
+from planner.capture import capture, flat_inputs
+from planner.modelfile import load_model_file
+from planner.plan import Plan
+from runtime import collectives
+from runtime.launch import RankContext
+from runtime.measure import peak_memory_bytes, reset_peak_memory, time_iterations
+from runtime.mesh import build_mesh
+
+
+@dataclass
+class RunJob:
+    """What every rank needs to execute a plan (pickled to the ranks)."""
+
+    model_path: str
+    plan: dict[str, Any]  # Plan.to_dict()
+    batch_size: int | None = None
+    seq_len: int | None = None
+    workload: str = "forward"  # "forward" | "train"
+    warmup: int = 2
+    iters: int = 5
+    seed: int = 0
+
+
+@dataclass
+class RankReport:
+    """One rank's measurements (seconds, bytes) and numerics against the unsharded reference."""
+
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    latency_samples_s: list[float]
+    median_s: float
+    peak_memory_bytes: int
+    max_abs_diff: float | None  # vs the unsharded reference (ladder applied to both); None off the last stage
+    output_scale: float | None  # max |reference output|
+    grad_max_abs_diff: float | None = None  # training: worst gradient difference over this rank's parameters
+    ladder_deviation: float | None = None  # relative L2 of laddered vs original outputs
+    notes: list[str] = field(default_factory=list)
+
+
+def ladder_residual_adds(structure: ModelStructure, layers: list[int]) -> list[str]:
+    """Residual-add node names of the laddered layers, attention then MLP, lowest layer first.
+
+    Raises ValueError naming a layer without a recognised attention/MLP residual add.
+    """
+    adds: list[str] = []
+    for index in sorted(layers):
+        layer = structure.layers[index]
+        for block, name in ((layer.attention, "attention"), (layer.mlp, "MLP")):
+            if block is None or block.residual_add is None:
+                raise ValueError(f"layer {index} ({layer.module_path}) has no {name} residual add to ladder")
+            adds.append(block.residual_add)
+    return adds
+
+
+def _as_tensor(out: Any) -> torch.Tensor:
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def run_rank(ctx: RankContext, job: RunJob) -> RankReport:
+    """Per-rank entry: rewrite, check, time. See the module docstring. Raises on any failure (the
+    launcher turns it into a RunError naming this rank)."""
+    plan = Plan.from_dict(job.plan)
+    if plan.pp > 1:
+        from runtime.pipeline_run import run_pipeline_rank  # noqa: PLC0415 - only PP plans need it
+
+        return run_pipeline_rank(ctx, job, plan)
+    mesh = build_mesh(plan.tp, plan.pp, plan.dp, ctx.device.type)
+    collectives.register_group("tp", mesh.group("tp"))
+    model_file = load_model_file(job.model_path)
+    torch.manual_seed(job.seed)
+    model = model_file.build(str(ctx.device))
+    args, kwargs = model_file.inputs(job.batch_size, job.seq_len, device=str(ctx.device))
+    inputs = flat_inputs(args, kwargs)
+    full = capture(model, args, kwargs)
+    structure = analyse(full)
+    adds = ladder_residual_adds(structure, plan.ladder_layers)
+    training = job.workload == "train"
+
+    reference = copy.deepcopy(full)
+    deviation = None
+    if adds:
+        with torch.no_grad():
+            original_out = _as_tensor(full(*inputs))
+        apply_ladder(reference, adds)
+    gm = copy.deepcopy(full)
+    del full, model
+    apply_tensor_parallel(gm, plan.splits, mesh.tp_rank, plan.tp, training=training)
+    apply_ladder(gm, adds)
+
+    with torch.no_grad():
+        ref_out = _as_tensor(reference(*inputs))
+        if adds:
+            deviation = ladder_deviation(original_out, ref_out)
+    report = RankReport(
+        rank=ctx.rank,
+        tp_rank=mesh.tp_rank,
+        pp_rank=mesh.pp_rank,
+        latency_samples_s=[],
+        median_s=0.0,
+        peak_memory_bytes=0,
+        max_abs_diff=None,
+        output_scale=float(ref_out.abs().max()),
+        ladder_deviation=deviation,
+    )
+    if training:
+        step = _training_step(gm, reference, inputs, plan, mesh.tp_rank, report)
+    else:
+        with torch.no_grad():
+            out = _as_tensor(gm(*inputs))
+        report.max_abs_diff = float((out - ref_out).abs().max())
+
+        def step() -> None:
+            with torch.no_grad():
+                gm(*inputs)
+
+    reset_peak_memory(ctx.device)
+    timing = time_iterations(step, warmup=job.warmup, iters=job.iters, device=ctx.device)
+    report.latency_samples_s = list(timing.samples_s)
+    report.median_s = timing.median_s
+    report.peak_memory_bytes = peak_memory_bytes(ctx.device)
+    return report
+
+
+def _training_step(gm, reference, inputs, plan: Plan, tp_rank: int, report: RankReport):
+    """Check one forward+backward against the unsharded reference; return a timed training step."""
+    ref_out = _as_tensor(reference(*inputs))
+    target = torch.linspace(-1.0, 1.0, ref_out.numel(), device=ref_out.device).reshape(ref_out.shape)
+    torch.nn.functional.mse_loss(ref_out, target).backward()
+    full_grads = {name: p.grad for name, p in reference.named_parameters()}
+    out = _as_tensor(gm(*inputs))
+    report.max_abs_diff = float((out.detach() - ref_out.detach()).abs().max())
+    torch.nn.functional.mse_loss(out, target).backward()
+    worst = 0.0
+    for name, p in gm.named_parameters():
+        want = full_grads.get(name)
+        if p.grad is None or want is None:
+            continue
+        if tuple(want.shape) != tuple(p.shape):
+            split = plan.splits.get(name) or plan.splits.get(name.rsplit(".", 1)[0] + ".weight")
+            dim = split.dim if name in plan.splits else 0
+            want = shard_weight(want, dim, split.parts, tp_rank, plan.tp)
+        worst = max(worst, float((p.grad - want).abs().max()))
+    report.grad_max_abs_diff = worst
+    optimizer = torch.optim.SGD(gm.parameters(), lr=1e-3)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(_as_tensor(gm(*inputs)), target).backward()
+        optimizer.step()
+
+    return step
+
+
+def summarise(reports: list[RankReport]) -> dict[str, Any]:
+    """The report's `measured` and `numerics` sections from all ranks' reports.
+
+    latency_s: median over iterations of the slowest rank (a synchronous step ends when the last
+    rank ends); spread: p10/p90 of that rank's samples.
+    """
+    slowest = max(reports, key=lambda r: r.median_s)
+    diffs = [r.max_abs_diff for r in reports if r.max_abs_diff is not None]
+    grads = [r.grad_max_abs_diff for r in reports if r.grad_max_abs_diff is not None]
+    scale = max((r.output_scale or 0.0) for r in reports)
+    samples = sorted(slowest.latency_samples_s)
+    return {
+        "measured": {
+            "latency_s": slowest.median_s,
+            "latency_p10_s": samples[len(samples) // 10] if samples else None,
+            "latency_p90_s": samples[min(len(samples) - 1, (9 * len(samples)) // 10)] if samples else None,
+            "per_rank_median_s": [r.median_s for r in reports],
+            "peak_memory_bytes": max(r.peak_memory_bytes for r in reports),
+            "per_rank_peak_memory_bytes": [r.peak_memory_bytes for r in reports],
+            "iterations": len(samples),
+        },
+        "numerics": {
+            "max_abs_diff": max(diffs) if diffs else None,
+            "relative_max_abs_diff": (max(diffs) / scale) if diffs and scale else None,
+            "output_scale": scale,
+            "grad_max_abs_diff": max(grads) if grads else None,
+            "ladder_deviation": next(
+                (r.ladder_deviation for r in reports if r.ladder_deviation is not None), None
+            ),
+            "median_rank_latency_s": statistics.median(r.median_s for r in reports),
+        },
+        "ranks": [asdict(r) | {"latency_samples_s": r.latency_samples_s} for r in reports],
+    }
+
+
+def world_barrier() -> None:
+    """Barrier on the default group when one is initialised (no-op otherwise)."""
+    if dist.is_initialized():
+        dist.barrier()
