@@ -261,8 +261,9 @@ def _rank_main(
     conn.send(_Result(rank, data))
     conn.close()
     try:
-        dist.barrier()  # rank 0 hosts the rendezvous store: nobody leaves before everybody is done
-        dist.destroy_process_group()
+        if dist.is_initialized():  # unless entry destroyed it itself
+            dist.barrier()  # rank 0 hosts the rendezvous store: nobody leaves before everybody is done
+            dist.destroy_process_group()
     except Exception as exc:  # the result is delivered; a failed tear-down only sets the exit code
         print(f"rank {rank}: process group tear-down failed after returning: {exc!r}", file=sys.stderr)
         _exit_now(1)

@@ -9,6 +9,8 @@ import multiprocessing
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -107,11 +109,16 @@ def _return_rank(ctx: RankContext, payload: None) -> int:
 
 
 def _alive(pid: int) -> bool:
+    """Whether `pid` runs; a zombie (dead, not yet reaped by a reparenting init) counts as dead."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state not in ("Z", "X")
 
 
 def _pids(directory: Path) -> list[int]:
@@ -230,6 +237,31 @@ def test_keyboard_interrupt_terminates_children(tmp_path: Path) -> None:
         launch(_sleep_forever, str(tmp_path), 2, timeout_s=60)
     thread.join()
     _assert_no_children(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux only")
+def test_children_die_with_the_parent(tmp_path: Path) -> None:
+    script = (
+        "import sys\n"
+        f"sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]\n"
+        "from test_launch import _sleep_forever\n"
+        "from runtime.launch import launch\n"
+        f"launch(_sleep_forever, {str(tmp_path)!r}, 2, timeout_s=60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 30
+        while len(_pids(tmp_path)) < 2 and time.monotonic() < deadline and parent.poll() is None:
+            time.sleep(0.05)
+        assert len(_pids(tmp_path)) == 2, "the ranks never started"
+    finally:
+        parent.kill()  # SIGKILL: no finally block runs in the parent, only PR_SET_PDEATHSIG helps
+        parent.wait()
+    deadline = time.monotonic() + 5
+    while any(_alive(pid) for pid in _pids(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [pid for pid in _pids(tmp_path) if _alive(pid)] == []
 
 
 @pytest.mark.slow
