@@ -1,0 +1,412 @@
+"""``planner calibrate``: measure this machine and write a cluster spec the cost model can use.
+
+Spawns ``nproc`` local processes (gloo on CPU; NCCL with one GPU each when CUDA has enough
+devices), all measuring at the same time, because that is how the ranks of a plan will run:
+
+1. matmul throughput per dtype (each process with ``max(1, cores // nproc)`` threads on CPU);
+2. memory bandwidth (large tensor copy: bytes read + written);
+3. per-op launch overhead (a one-element add);
+4. all-reduce at 4 KiB ... 16 MiB, fitted by least squares (relative errors) to the same alpha-beta
+   formula ``costmodels.comm.all_reduce_time_s`` predicts with, so prediction reproduces measurement;
+5. overlap efficiency: an async all-reduce beside a matmul of the same duration, against the two
+   run one after the other: ``(t_matmul + t_allreduce - t_both) / min(t_matmul, t_allreduce)``.
+
+Measured throughputs become the peaks with efficiency 1.0 (they already are what is achievable).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import platform
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import yaml
+
+from costmodels.cluster import ClusterSpec, cluster_to_dict, load_cluster, parse_cluster
+from costmodels.dtypes import DTYPE_BYTES, torch_dtype
+from planner.errors import InputError, RunError
+
+Progress = Callable[[str, float], None]
+
+ALL_REDUCE_SIZES_BYTES = tuple(4096 * 4**i for i in range(7))  # 4 KiB, 16 KiB, ..., 16 MiB
+OVERLAP_SIZE_BYTES = 4 * 2**20  # all-reduce beside a matmul in the overlap measurement
+_MIN_OP_S = 0.01  # matmul sizes grow until one product takes this long (timer resolution >> 1 µs)
+_TIME_PER_POINT_S = 0.3  # repeat each measurement for about this long (median taken)
+_STARTUP_TIMEOUT_S = 60.0  # init_process_group timeout
+_MIN_ROUNDS, _MAX_ROUNDS = 5, 60  # interleaved rounds of collective timings (median taken)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time_s(
+    fn: Callable[[], object], device: torch.device, budget_s: float = _TIME_PER_POINT_S
+) -> float:
+    """Median wall time of ``fn`` (after one warm-up), repeated for about ``budget_s``, 3..50 times."""
+    fn()
+    _sync(device)
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < 3 or (time.perf_counter() - start < budget_s and len(times) < 50):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _matmul_flops_per_s(dtype: str, device: torch.device, max_n: int) -> float:
+    n = 128
+    while True:
+        a = torch.randn(n, n, device=device).to(torch_dtype(dtype))
+        b = torch.randn(n, n, device=device).to(torch_dtype(dtype))
+        t = _median_time_s(lambda a=a, b=b: a @ b, device, budget_s=0.0)
+        if t >= _MIN_OP_S or n >= max_n:
+            break
+        n *= 2
+    return 2.0 * n**3 / _median_time_s(lambda: a @ b, device)
+
+
+def _copy_bytes_per_s(device: torch.device, nbytes: int) -> float:
+    src = torch.ones(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    return 2.0 * nbytes / _median_time_s(lambda: dst.copy_(src), device)
+
+
+def _launch_overhead_s(device: torch.device, ops: int = 200) -> float:
+    x = torch.zeros(1, device=device)
+
+    def burst() -> None:
+        for _ in range(ops):
+            torch.add(x, 1.0, out=x)
+
+    return _median_time_s(burst, device, budget_s=0.2) / ops
+
+
+def _rounds_agreed(round_fn: Callable[[], object], device: torch.device, budget_s: float) -> int:
+    """Rounds that fit ``budget_s`` after one timed warm-up round, the same number on every rank
+    (collectives must be called equally often everywhere, or ranks pair up wrongly)."""
+    t0 = time.perf_counter()
+    round_fn()
+    _sync(device)
+    (t_round,) = _reduce([time.perf_counter() - t0], dist.ReduceOp.MAX, device)
+    return int(min(_MAX_ROUNDS, max(_MIN_ROUNDS, budget_s // max(t_round, 1e-9))))
+
+
+def _interleaved_medians_s(
+    fns: list[Callable[[], object]], device: torch.device, budget_s: float
+) -> list[float]:
+    """Median time of each of ``fns``, timed in interleaved rounds (fn0, fn1, ..., fn0, ...), so a burst
+    of load from elsewhere on the machine spreads over all of them instead of skewing one."""
+    times: list[list[float]] = [[] for _ in fns]
+
+    def one_round(start: int = 0, record: bool = False) -> None:
+        for i in range(len(fns)):  # rotate the order each round, the same way on every rank
+            k = (start + i) % len(fns)
+            t0 = time.perf_counter()
+            fns[k]()
+            _sync(device)
+            if record:
+                times[k].append(time.perf_counter() - t0)
+
+    for r in range(_rounds_agreed(one_round, device, budget_s)):
+        one_round(start=r, record=True)
+    return [statistics.median(t) for t in times]
+
+
+def _all_reduce_times_s(device: torch.device) -> list[float]:
+    bufs = [torch.ones(nbytes // 4, device=device) for nbytes in ALL_REDUCE_SIZES_BYTES]
+    return _interleaved_medians_s([lambda b=b: dist.all_reduce(b) for b in bufs], device, budget_s=3.0)
+
+
+def _overlap_times_s(device: torch.device, t_ar: float) -> list[float]:
+    """Times [matmul alone, all-reduce alone, both overlapped] in seconds on this rank; the matmul
+    is sized to take about as long as the all-reduce (``t_ar`` seconds), where overlap matters most."""
+    n = 256
+    for _ in range(3):  # refine n ~ cube root of time; min of 3 runs resists bursts of outside load
+        a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+        a @ b
+        t = min(_median_time_s(lambda a=a, b=b: a @ b, device, budget_s=0.0) for _ in range(3))
+        n = int(min(8192, max(64, round(n * (t_ar / t) ** (1 / 3) / 64) * 64)))
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    buf = torch.ones(OVERLAP_SIZE_BYTES // 4, device=device)
+
+    def both() -> None:
+        work = dist.all_reduce(buf, async_op=True)
+        a @ b
+        work.wait()
+
+    return _interleaved_medians_s([lambda: a @ b, lambda: dist.all_reduce(buf), both], device, budget_s=2.0)
+
+
+def _reduce(values: list[float], op: dist.ReduceOp, device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def _worker(rank: int, nproc: int, port: int, use_cuda: bool, queue: object) -> None:
+    """One calibration rank. Rank 0 sends ("progress", step, fraction) and ("result", dict)."""
+    cores = os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // nproc))
+    device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if use_cuda else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=nproc,
+        timeout=datetime.timedelta(seconds=_STARTUP_TIMEOUT_S),
+    )
+
+    def progress(step: str, fraction: float) -> None:
+        if rank == 0:
+            queue.put(("progress", step, fraction))
+
+    try:
+        result: dict = {"threads_per_process": torch.get_num_threads()}
+        peaks = []
+        for i, dtype in enumerate(DTYPE_BYTES):
+            progress(f"matmul {dtype}", 0.05 + 0.1 * i)
+            dist.barrier()
+            peaks.append(_matmul_flops_per_s(dtype, device, max_n=8192 if use_cuda else 2048))
+        progress("memory bandwidth", 0.35)
+        dist.barrier()
+        mem_bw = _copy_bytes_per_s(device, 2**30 if use_cuda else 64 * 2**20)
+        progress("launch overhead", 0.4)
+        dist.barrier()
+        launch = _launch_overhead_s(device)
+        *peaks, mem_bw = _reduce([*peaks, mem_bw], dist.ReduceOp.MIN, device)  # slowest rank
+        (launch,) = _reduce([launch], dist.ReduceOp.MAX, device)
+        result.update(peaks=dict(zip(DTYPE_BYTES, peaks)), memory_bandwidth=mem_bw, launch_s=launch)
+        if nproc > 1:
+            progress("all-reduce 4 KiB to 16 MiB", 0.45)
+            result["all_reduce_s"] = _reduce(_all_reduce_times_s(device), dist.ReduceOp.MAX, device)
+            progress("overlap", 0.85)
+            t_ar = result["all_reduce_s"][ALL_REDUCE_SIZES_BYTES.index(OVERLAP_SIZE_BYTES)]
+            result["overlap_s"] = _reduce(_overlap_times_s(device, t_ar), dist.ReduceOp.MAX, device)
+        if use_cuda:
+            result["memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
+            result["device_name"] = torch.cuda.get_device_name(device)
+        if rank == 0:
+            queue.put(("result", result))
+    finally:
+        dist.destroy_process_group()
+
+
+def fit_all_reduce(
+    sizes_bytes: list[float], times_s: list[float], n: int, launch_overhead_s: float
+) -> tuple[float, float]:
+    """Least-squares fit of (alpha latency_s, bandwidth_bytes_per_s) to measured all-reduce times.
+
+    Fits the model of ``costmodels.comm.all_reduce_time_s`` for one node:
+    ``t = launch + min(ring: 2(n-1) alpha + 2(n-1)/n S beta, doubling: ceil(log2 n)(alpha + S beta))``,
+    minimising relative errors; each point takes the variant the model would pick, refitted until
+    stable. ``alpha >= 0``. Raises RunError if the times do not grow with size (beta <= 0).
+    """
+    assert n > 1 and len(sizes_bytes) == len(times_s) >= 2
+    steps = math.ceil(math.log2(n))
+    ring = [(2.0 * (n - 1), 2.0 * (n - 1) / n * s) for s in sizes_bytes]
+    doubling = [(float(steps), steps * float(s)) for s in sizes_bytes]
+    coeffs = ring
+    alpha, beta = 0.0, 0.0
+    for _ in range(10):
+        w = [1.0 / t**2 for t in times_s]  # relative errors: residual / t
+        y = [t - launch_overhead_s for t in times_s]
+        saa = sum(wi * a * a for wi, (a, _) in zip(w, coeffs))
+        sab = sum(wi * a * b for wi, (a, b) in zip(w, coeffs))
+        sbb = sum(wi * b * b for wi, (_, b) in zip(w, coeffs))
+        say = sum(wi * a * yi for wi, (a, _), yi in zip(w, coeffs, y))
+        sby = sum(wi * b * yi for wi, (_, b), yi in zip(w, coeffs, y))
+        det = saa * sbb - sab * sab
+        alpha, beta = (sbb * say - sab * sby) / det, (saa * sby - sab * say) / det
+        if alpha < 0:
+            alpha, beta = 0.0, sby / sbb
+        if beta <= 0:
+            raise RunError(
+                f"all-reduce times {times_s} do not grow with message size; cannot fit a bandwidth"
+            )
+        chosen = [
+            r if r[0] * alpha + r[1] * beta <= d[0] * alpha + d[1] * beta else d
+            for r, d in zip(ring, doubling)
+        ]
+        if chosen == coeffs:
+            break
+        coeffs = chosen
+    return alpha, 1.0 / beta
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "CPU"
+
+
+def _host_memory_bytes() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 8.0 * 2**30  # unknown platform: rough default, 8 GiB
+
+
+def _run_workers(nproc: int, use_cuda: bool, progress: Progress | None, timeout_s: float) -> dict:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    context = mp.spawn(_worker, args=(nproc, port, use_cuda, queue), nprocs=nproc, join=False)
+    result = None
+    deadline = time.monotonic() + timeout_s
+    try:
+        done = False
+        while not done or not queue.empty():
+            while not queue.empty():
+                message = queue.get()
+                if message[0] == "progress" and progress is not None:
+                    progress(message[1], message[2])
+                elif message[0] == "result":
+                    result = message[1]
+            if not done:
+                done = context.join(timeout=0.1)
+            if time.monotonic() > deadline:
+                raise RunError(f"calibration did not finish in {timeout_s:.0f} s")
+    except mp.ProcessRaisedException as e:
+        raise RunError(f"calibration failed in a worker process:\n{e}") from e
+    except mp.ProcessExitedException as e:
+        raise RunError(f"a calibration process died: {e}") from e
+    finally:
+        for p in context.processes:
+            if p.is_alive():
+                p.terminate()
+    if result is None:
+        raise RunError("calibration processes ended without a result")
+    return result
+
+
+def calibrate(nproc: int, progress: Progress | None = None, timeout_s: float = 180.0) -> ClusterSpec:
+    """Measure this machine with ``nproc`` concurrent processes; return a spec named "local-calibrated".
+
+    Uses CUDA + NCCL when ``torch.cuda.device_count() >= nproc``, else CPU processes + gloo. With
+    ``nproc == 1`` nothing is communicated: links and overlap come from the ``local-cpu`` preset.
+    ``progress(step, fraction)`` is called from this process as the workers advance (fraction in
+    [0, 1]). Takes about 15-40 s on CPU.
+
+    Raises:
+        InputError: ``nproc`` < 1.
+        RunError: a worker process failed, died or ran past ``timeout_s`` seconds.
+    """
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise InputError(f"nproc must be an integer >= 1, got {nproc!r}")
+    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= nproc
+    if progress is not None:
+        progress("starting processes", 0.0)
+    m = _run_workers(nproc, use_cuda, progress, timeout_s)
+    fallback = load_cluster("local-cpu", nproc=nproc)
+    today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    sources = [f"measured by planner calibrate on {today}, {socket.gethostname()}, nproc={nproc}"]
+    intra = cluster_to_dict(fallback)["links"]["intra_node"]
+    overlap = fallback.overlap_efficiency
+    if nproc > 1:
+        alpha_s, bandwidth = fit_all_reduce(
+            list(ALL_REDUCE_SIZES_BYTES), m["all_reduce_s"], nproc, m["launch_s"]
+        )
+        intra = {
+            "kind": "nvlink" if use_cuda else "loopback",
+            "bandwidth_GBps": _sig(bandwidth / 1e9),
+            "latency_us": _sig(alpha_s * 1e6),
+        }
+        t_mm, t_ar, t_both = m["overlap_s"]
+        overlap = min(1.0, max(0.0, (t_mm + t_ar - t_both) / min(t_mm, t_ar)))
+        points = ", ".join(
+            f"{s // 1024} KiB {t * 1e6:.0f} us" for s, t in zip(ALL_REDUCE_SIZES_BYTES, m["all_reduce_s"])
+        )
+        sources.append(f"all-reduce ({'nccl' if use_cuda else 'gloo'}, {nproc} ranks): {points}")
+        sources.append(
+            f"overlap: matmul {t_mm * 1e3:.2f} ms, all-reduce 4 MiB {t_ar * 1e3:.2f} ms, both {t_both * 1e3:.2f} ms"
+        )
+    else:
+        sources.append("nproc=1: links and overlap_efficiency are the local-cpu preset's rough defaults")
+    memory = m.get("memory_bytes", _host_memory_bytes() / nproc)
+    name = m.get("device_name", f"{_cpu_name()}, {m['threads_per_process']} thread(s) per process")
+    data = {
+        "name": "local-calibrated",
+        "nodes": 1,
+        "devices_per_node": nproc,
+        "backend": "nccl" if use_cuda else "gloo",
+        "overlap_efficiency": _sig(overlap),
+        "sources": sources,
+        "device": {
+            "name": name,
+            "memory_GiB": _sig(memory / 2**30),
+            "peak_TFLOPS": {dt: _sig(v / 1e12) for dt, v in m["peaks"].items()},
+            "memory_bandwidth_GBps": _sig(m["memory_bandwidth"] / 1e9),
+            "matmul_efficiency": 1.0,
+            "memory_efficiency": 1.0,
+            "launch_overhead_us": _sig(m["launch_s"] * 1e6),
+        },
+        "links": {"intra_node": intra},
+    }
+    spec = parse_cluster(data, "planner calibrate")
+    if progress is not None:
+        progress("done", 1.0)
+    return spec
+
+
+def _sig(value: float, digits: int = 4) -> float:
+    """``value`` rounded to ``digits`` significant digits (measurements are not more precise)."""
+    return float(f"{value:.{digits}g}")
+
+
+_HEADER = """\
+# Cluster spec written by `planner calibrate`: measured on this machine (see sources).
+# Peaks and bandwidths are measured achievable figures, so the efficiencies are 1.0.
+# Load with: load_cluster("{path}")
+"""
+
+
+def write_cluster_yaml(spec: ClusterSpec, path: str | os.PathLike) -> None:
+    """Write ``spec`` as YAML (human units) to ``path`` atomically: a temporary file in the same
+    folder, then a rename, so a failure never leaves a partial file.
+
+    Raises:
+        InputError: the folder does not exist or is not writable.
+    """
+    target = Path(path)
+    text = _HEADER.format(path=target) + yaml.safe_dump(
+        cluster_to_dict(spec), sort_keys=False, allow_unicode=True
+    )
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    except OSError as e:
+        raise InputError(f"cannot write {target}: {e.strerror} ({target.parent})") from e
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

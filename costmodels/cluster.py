@@ -1,0 +1,446 @@
+"""Cluster specs: YAML (human units) -> frozen dataclasses (SI units), validated once at load.
+
+YAML layout (units in the field names; see the presets in ``costmodels/clusters/``)::
+
+    name: dgx-h100
+    nodes: 1
+    devices_per_node: 8            # or "auto": os.cpu_count(), for CPU-process clusters
+    backend: nccl                  # nccl | gloo
+    overlap_efficiency: 0.8        # [0, 1]: share of async communication hidden behind compute
+    sources: ["...", "..."]        # optional: where each number came from
+    device:
+      name: H100 SXM5 80GB
+      memory_GiB: 79.6
+      peak_TFLOPS: {bf16: 989, fp16: 989, fp32: 67}
+      memory_bandwidth_GBps: 3350
+      matmul_efficiency: 0.7       # (0, 1]
+      memory_efficiency: 0.8       # (0, 1]
+      launch_overhead_us: 4
+    links:
+      intra_node: {kind: nvlink, bandwidth_GBps: 370, latency_us: 3.3}   # per direction, per device
+      inter_node: {kind: infiniband, bandwidth_GBps: 37.5, latency_us: 6, nics_per_node: 8}  # per NIC
+
+Every error is a :class:`SpecError` whose message starts with the origin (file or preset) and the
+YAML path of the field, and says what is expected (type, unit, range).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from planner.errors import InputError
+
+DTYPES = ("bf16", "fp16", "fp32")
+LINK_KINDS = ("nvlink", "pcie", "loopback", "infiniband", "ethernet")
+BACKENDS = ("nccl", "gloo")
+
+# Unit conversions, applied once here (ARCHITECTURE.md: SI inside, human units at the YAML edge).
+_GIB = 2.0**30  # bytes per GiB
+_GB = 1e9  # bytes per GB (link and memory bandwidths are decimal GB/s, as in datasheets)
+_TFLOPS = 1e12  # FLOP/s per TFLOP/s
+_US = 1e-6  # seconds per microsecond
+_ROUND_DIGITS = 12  # significant digits kept by cluster_to_dict, so that YAML round-trips exactly
+
+
+class SpecError(InputError):
+    """A malformed cluster spec. ``path`` is the YAML path of the offending field ("" for the file)."""
+
+    def __init__(self, origin: str, path: str, message: str) -> None:
+        self.origin = origin
+        self.path = path
+        where = f"{origin}: {path}" if path else origin
+        super().__init__(f"{where}: {message}")
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator (or one CPU process). All values SI."""
+
+    name: str
+    memory_bytes: float  # usable memory per device
+    peak_flops_per_s: dict[str, float]  # dense matmul peak, keys "bf16", "fp16", "fp32"
+    memory_bandwidth_bytes_per_s: float
+    matmul_efficiency: float  # achievable fraction of peak for large matmuls (0, 1]
+    memory_efficiency: float  # achievable fraction of memory bandwidth (0, 1]
+    launch_overhead_s: float  # fixed cost per kernel / per op (and per collective)
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """A link class. Bandwidth is the achievable figure that the alpha-beta model uses."""
+
+    kind: str  # "nvlink" | "pcie" | "loopback" | "infiniband" | "ethernet"
+    bandwidth_bytes_per_s: float  # per direction, per device (inter-node: per NIC)
+    latency_s: float  # alpha: fixed cost of one step of a collective over this link
+    nics_per_node: int = 1  # inter-node only
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """A homogeneous cluster: ``num_nodes`` nodes of ``devices_per_node`` identical devices."""
+
+    name: str
+    num_nodes: int
+    devices_per_node: int
+    device: DeviceSpec
+    intra_node: LinkSpec
+    inter_node: LinkSpec | None  # None when num_nodes == 1
+    backend: str  # "nccl" | "gloo"
+    overlap_efficiency: float  # fraction of async comm that really hides behind compute [0, 1]
+    sources: tuple[str, ...]
+
+    @property
+    def num_devices(self) -> int:
+        """Total number of devices (ranks) in the cluster."""
+        return self.num_nodes * self.devices_per_node
+
+
+# --------------------------------------------------------------------------------------------
+# Field readers. Each takes the raw YAML value and its path and returns a checked Python value.
+
+
+class _Reader:
+    def __init__(self, origin: str) -> None:
+        self.origin = origin
+
+    def fail(self, path: str, message: str) -> SpecError:
+        return SpecError(self.origin, path, message)
+
+    def mapping(
+        self, value: Any, path: str, required: tuple[str, ...], optional: tuple[str, ...] = ()
+    ) -> dict:
+        what = f"a mapping with keys {', '.join(required + optional)}"
+        if not isinstance(value, dict):
+            raise self.fail(path, f"expected {what}, got {_describe(value)}")
+        allowed = required + optional
+        for key in value:
+            if key not in allowed:
+                key_path = f"{path}.{key}" if path else str(key)
+                raise self.fail(key_path, f"unknown key {key!r}; allowed keys here: {', '.join(allowed)}")
+        for key in required:
+            if key not in value:
+                key_path = f"{path}.{key}" if path else key
+                raise self.fail(key_path, f"missing; expected {_EXPECT.get(key, 'a value')}")
+        return value
+
+    def number(self, value: Any, path: str, unit: str, example: str, *, allow_zero: bool = False) -> float:
+        bound = ">= 0" if allow_zero else "> 0"
+        expected = f"a number in {unit} {bound}, e.g. {example}"
+        if isinstance(value, bool):
+            raise self.fail(path, f"got a boolean ({str(value).lower()}); expected {expected}")
+        if isinstance(value, str):
+            raise self.fail(path, f"got the string {value!r}; give a number in {unit}, e.g. {example}")
+        if not isinstance(value, (int, float)):
+            raise self.fail(path, f"expected {expected}, got {_describe(value)}")
+        number = float(value)
+        if not math.isfinite(number) or number < 0 or (number == 0 and not allow_zero):
+            raise self.fail(path, f"must be {bound} {unit}, got {value}")
+        return number
+
+    def integer(self, value: Any, path: str, what: str, example: str) -> int:
+        expected = f"an integer >= 1 ({what}), e.g. {example}"
+        if isinstance(value, bool):
+            raise self.fail(path, f"got a boolean ({str(value).lower()}); expected {expected}")
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, int):
+            raise self.fail(path, f"expected {expected}, got {_describe(value)}")
+        if value < 1:
+            raise self.fail(path, f"must be >= 1, got {value}")
+        return value
+
+    def fraction(self, value: Any, path: str, *, allow_zero: bool = False) -> float:
+        interval = "[0, 1]" if allow_zero else "(0, 1]"
+        expected = f"a fraction in {interval}, e.g. 0.8"
+        if isinstance(value, bool):
+            raise self.fail(path, f"got a boolean ({str(value).lower()}); expected {expected}")
+        if isinstance(value, str):
+            raise self.fail(
+                path, f"got the string {value!r}; expected {expected} (a plain number, not a percentage)"
+            )
+        if not isinstance(value, (int, float)):
+            raise self.fail(path, f"expected {expected}, got {_describe(value)}")
+        number = float(value)
+        low_ok = number >= 0 if allow_zero else number > 0
+        if not (low_ok and number <= 1):
+            raise self.fail(path, f"must be in {interval}, got {value}")
+        return number
+
+    def string(self, value: Any, path: str, choices: tuple[str, ...] | None = None) -> str:
+        expected = f"one of {', '.join(choices)}" if choices else "a string"
+        if not isinstance(value, str) or not value:
+            raise self.fail(path, f"expected {expected}, got {_describe(value)}")
+        if choices and value not in choices:
+            raise self.fail(path, f"got {value!r}; expected one of {', '.join(choices)}")
+        return value
+
+
+# What a missing key should hold, for the "missing" message.
+_EXPECT = {
+    "name": "a string naming the cluster",
+    "nodes": "an integer >= 1 (number of nodes)",
+    "devices_per_node": "an integer >= 1 (devices per node), or auto",
+    "backend": f"one of {', '.join(BACKENDS)}",
+    "overlap_efficiency": "a fraction in [0, 1] of async communication hidden behind compute",
+    "device": "a mapping describing one device",
+    "links": "a mapping with intra_node (and inter_node when nodes > 1)",
+    "intra_node": "a mapping with kind, bandwidth_GBps, latency_us",
+    "memory_GiB": "a number in GiB > 0 (memory per device), e.g. 80",
+    "peak_TFLOPS": "a mapping {bf16: ..., fp16: ..., fp32: ...} in TFLOP/s (dense)",
+    "memory_bandwidth_GBps": "a number in GB/s > 0, e.g. 3350",
+    "matmul_efficiency": "a fraction in (0, 1] of peak reached by large matmuls",
+    "memory_efficiency": "a fraction in (0, 1] of memory bandwidth reached",
+    "launch_overhead_us": "a number in µs >= 0 (per kernel), e.g. 4",
+    "kind": f"one of {', '.join(LINK_KINDS)}",
+    "bandwidth_GBps": "a number in GB/s > 0 (per direction; per device, or per NIC for inter_node)",
+    "latency_us": "a number in µs >= 0, e.g. 3",
+    "nics_per_node": "an integer >= 1 (NICs per node)",
+    "bf16": "a number in TFLOP/s > 0",
+    "fp16": "a number in TFLOP/s > 0",
+    "fp32": "a number in TFLOP/s > 0",
+}
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "nothing (null)"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, str):
+        return f"the string {value!r}"
+    return f"{type(value).__name__} {value!r}"
+
+
+# --------------------------------------------------------------------------------------------
+# Parsing
+
+
+def _parse_device(r: _Reader, raw: Any) -> DeviceSpec:
+    keys = (
+        "name",
+        "memory_GiB",
+        "peak_TFLOPS",
+        "memory_bandwidth_GBps",
+        "matmul_efficiency",
+        "memory_efficiency",
+        "launch_overhead_us",
+    )
+    d = r.mapping(raw, "device", keys)
+    peaks = r.mapping(d["peak_TFLOPS"], "device.peak_TFLOPS", DTYPES)
+    return DeviceSpec(
+        name=r.string(d["name"], "device.name"),
+        memory_bytes=r.number(d["memory_GiB"], "device.memory_GiB", "GiB", "80") * _GIB,
+        peak_flops_per_s={
+            dt: r.number(peaks[dt], f"device.peak_TFLOPS.{dt}", "TFLOP/s", "989") * _TFLOPS for dt in DTYPES
+        },
+        memory_bandwidth_bytes_per_s=r.number(
+            d["memory_bandwidth_GBps"], "device.memory_bandwidth_GBps", "GB/s", "3350"
+        )
+        * _GB,
+        matmul_efficiency=r.fraction(d["matmul_efficiency"], "device.matmul_efficiency"),
+        memory_efficiency=r.fraction(d["memory_efficiency"], "device.memory_efficiency"),
+        launch_overhead_s=r.number(
+            d["launch_overhead_us"], "device.launch_overhead_us", "µs", "4", allow_zero=True
+        )
+        * _US,
+    )
+
+
+def _parse_link(r: _Reader, raw: Any, path: str, inter: bool) -> LinkSpec:
+    required = ("kind", "bandwidth_GBps", "latency_us") + (("nics_per_node",) if inter else ())
+    d = r.mapping(raw, path, required)
+    per = "per NIC, per direction" if inter else "per direction, per device"
+    return LinkSpec(
+        kind=r.string(d["kind"], f"{path}.kind", LINK_KINDS),
+        bandwidth_bytes_per_s=r.number(d["bandwidth_GBps"], f"{path}.bandwidth_GBps", f"GB/s ({per})", "450")
+        * _GB,
+        latency_s=r.number(d["latency_us"], f"{path}.latency_us", "µs", "3", allow_zero=True) * _US,
+        nics_per_node=r.integer(d["nics_per_node"], f"{path}.nics_per_node", "NICs per node", "8")
+        if inter
+        else 1,
+    )
+
+
+def _parse_sources(r: _Reader, raw: Any) -> tuple[str, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not all(isinstance(s, str) for s in raw):
+        raise r.fail("sources", f"expected a list of strings (citations), got {_describe(raw)}")
+    return tuple(raw)
+
+
+def parse_cluster(data: object, origin: str) -> ClusterSpec:
+    """Validate a ``yaml.safe_load`` result and convert it to a :class:`ClusterSpec` (SI units).
+
+    ``origin`` (file path or preset name) starts every error message. ``devices_per_node: auto``
+    becomes ``os.cpu_count()``. An ``inter_node`` link given for a one-node cluster is dropped
+    (``ClusterSpec.inter_node`` is None exactly when there is one node).
+
+    Raises:
+        SpecError: naming the YAML path of the first bad field and what it expects.
+    """
+    r = _Reader(origin)
+    if not isinstance(data, dict):
+        raise r.fail(
+            "", f"the top level must be a mapping of cluster fields (name, nodes, ...), got {_describe(data)}"
+        )
+    top_required = ("name", "nodes", "devices_per_node", "backend", "overlap_efficiency", "device", "links")
+    d = r.mapping(data, "", top_required, ("sources",))
+    nodes = r.integer(d["nodes"], "nodes", "number of nodes", "1")
+    if d["devices_per_node"] == "auto":
+        devices_per_node = os.cpu_count() or 1
+    else:
+        devices_per_node = r.integer(
+            d["devices_per_node"], "devices_per_node", "devices per node, or auto", "8"
+        )
+    links = r.mapping(d["links"], "links", ("intra_node",), ("inter_node",))
+    intra = _parse_link(r, links["intra_node"], "links.intra_node", inter=False)
+    inter = None
+    if links.get("inter_node") is not None:
+        inter = _parse_link(r, links["inter_node"], "links.inter_node", inter=True)
+    if nodes > 1 and inter is None:
+        raise r.fail(
+            "links.inter_node",
+            f"missing; nodes is {nodes}, so give the inter-node link: "
+            "{kind, bandwidth_GBps (per NIC, per direction), latency_us, nics_per_node}",
+        )
+    return ClusterSpec(
+        name=r.string(d["name"], "name"),
+        num_nodes=nodes,
+        devices_per_node=devices_per_node,
+        device=_parse_device(r, d["device"]),
+        intra_node=intra,
+        inter_node=inter if nodes > 1 else None,
+        backend=r.string(d["backend"], "backend", BACKENDS),
+        overlap_efficiency=r.fraction(d["overlap_efficiency"], "overlap_efficiency", allow_zero=True),
+        sources=_parse_sources(r, d.get("sources")),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+
+
+def preset_names() -> list[str]:
+    """Names of the cluster presets shipped in ``costmodels/clusters/*.yaml``, sorted."""
+    folder = resources.files("costmodels.clusters")
+    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def _read_yaml(text: str, origin: str) -> object:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise SpecError(origin, "", f"YAML syntax error{where}: {problem}") from e
+
+
+def load_cluster(name_or_path: str, nproc: int | None = None) -> ClusterSpec:
+    """Load a cluster from a preset name (see :func:`preset_names`) or a YAML file path.
+
+    ``nproc`` sets how many devices (ranks) are used: on a one-node cluster it becomes
+    ``devices_per_node`` (up to the node's size; any number for ``devices_per_node: auto`` or the
+    gloo backend, whose devices are CPU processes); on a multi-node cluster it must be a multiple of
+    ``devices_per_node`` no larger than the cluster, and sets the number of nodes.
+
+    Raises:
+        SpecError: unknown preset (lists the presets), file not found, YAML syntax error (with
+            line), malformed spec (names the field), or an ``nproc`` the cluster cannot provide.
+    """
+    presets = preset_names()
+    looks_like_path = name_or_path.endswith((".yaml", ".yml")) or os.sep in name_or_path
+    if looks_like_path or (name_or_path not in presets and Path(name_or_path).exists()):
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise SpecError(str(path), "", f"file not found (presets are: {', '.join(presets)})")
+        origin, text = str(path), path.read_text(encoding="utf-8")
+    elif name_or_path in presets:
+        origin = f"preset {name_or_path}"
+        text = (
+            resources.files("costmodels.clusters")
+            .joinpath(f"{name_or_path}.yaml")
+            .read_text(encoding="utf-8")
+        )
+    else:
+        raise SpecError(
+            repr(name_or_path),
+            "",
+            f"unknown cluster preset; presets are: {', '.join(presets)} (or give a YAML path)",
+        )
+    data = _read_yaml(text, origin)
+    spec = parse_cluster(data, origin)
+    if nproc is None:
+        return spec
+    auto = isinstance(data, dict) and data.get("devices_per_node") == "auto"
+    return _with_nproc(spec, nproc, origin, flexible=auto or spec.backend == "gloo")
+
+
+def _with_nproc(spec: ClusterSpec, nproc: int, origin: str, flexible: bool) -> ClusterSpec:
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise SpecError(origin, "nproc", f"expected an integer >= 1 (number of ranks), got {nproc!r}")
+    dpn = spec.devices_per_node
+    if spec.num_nodes == 1 and (flexible or nproc <= dpn):
+        return replace(spec, devices_per_node=nproc)
+    if nproc <= dpn:
+        return replace(spec, num_nodes=1, devices_per_node=nproc, inter_node=None)
+    if nproc % dpn or nproc // dpn > spec.num_nodes:
+        raise SpecError(
+            origin,
+            "nproc",
+            f"nproc={nproc} does not fit: the cluster has {spec.num_nodes} node(s) x {dpn} devices; "
+            f"give at most {dpn} or a multiple of {dpn} up to {spec.num_devices}",
+        )
+    return replace(spec, num_nodes=nproc // dpn)
+
+
+def _human(value: float) -> float | int:
+    rounded = float(f"{value:.{_ROUND_DIGITS}g}")
+    return int(rounded) if rounded.is_integer() else rounded
+
+
+def _link_to_dict(link: LinkSpec, inter: bool) -> dict:
+    out: dict[str, Any] = {
+        "kind": link.kind,
+        "bandwidth_GBps": _human(link.bandwidth_bytes_per_s / _GB),
+        "latency_us": _human(link.latency_s / _US),
+    }
+    if inter:
+        out["nics_per_node"] = link.nics_per_node
+    return out
+
+
+def cluster_to_dict(spec: ClusterSpec) -> dict:
+    """The YAML form (human units) of a spec; ``parse_cluster(cluster_to_dict(s), o) == s``."""
+    dev = spec.device
+    links = {"intra_node": _link_to_dict(spec.intra_node, inter=False)}
+    if spec.inter_node is not None:
+        links["inter_node"] = _link_to_dict(spec.inter_node, inter=True)
+    return {
+        "name": spec.name,
+        "nodes": spec.num_nodes,
+        "devices_per_node": spec.devices_per_node,
+        "backend": spec.backend,
+        "overlap_efficiency": _human(spec.overlap_efficiency),
+        "sources": list(spec.sources),
+        "device": {
+            "name": dev.name,
+            "memory_GiB": _human(dev.memory_bytes / _GIB),
+            "peak_TFLOPS": {dt: _human(dev.peak_flops_per_s[dt] / _TFLOPS) for dt in DTYPES},
+            "memory_bandwidth_GBps": _human(dev.memory_bandwidth_bytes_per_s / _GB),
+            "matmul_efficiency": _human(dev.matmul_efficiency),
+            "memory_efficiency": _human(dev.memory_efficiency),
+            "launch_overhead_us": _human(dev.launch_overhead_s / _US),
+        },
+        "links": links,
+    }

@@ -1,0 +1,124 @@
+"""Compute cost: per-op time by roofline, and the FLOP / byte counts of common ops.
+
+    time_s = max(flops / (peak_flops_per_s[dtype] * matmul_efficiency),
+                 bytes_moved / (memory_bandwidth_bytes_per_s * memory_efficiency)) + launch_overhead_s
+
+(Williams, Waterman, Patterson, "Roofline: an insightful visual performance model", CACM 2009.)
+All functions are pure; FLOP counts are multiply and add counted separately (one FMA = 2 FLOP),
+bytes are bytes read plus bytes written, times are seconds.
+"""
+
+from __future__ import annotations
+
+from costmodels.cluster import DeviceSpec
+from costmodels.dtypes import DTYPE_BYTES
+
+OP_KINDS = ("matmul", "memory")
+
+# FLOP per element of a normalisation: LayerNorm = mean, subtract, square, mean, rsqrt-scale,
+# affine (~8); RMSNorm = square, mean, rsqrt-scale, weight (~4). Counting convention, not measured.
+NORM_FLOPS_PER_ELEMENT = {"layernorm": 8, "rmsnorm": 4}
+_INDEX_BYTES = 8  # int64 token ids read by an embedding lookup
+
+
+def op_time_s(flops: float, bytes_moved: float, device: DeviceSpec, dtype: str, kind: str) -> float:
+    """Time in seconds of one op on one device, by roofline plus a fixed launch overhead.
+
+    Args:
+        flops: floating-point operations of the op (FLOP).
+        bytes_moved: bytes read plus written from device memory (bytes).
+        device: the device; its efficiencies scale peak FLOP/s and memory bandwidth.
+        dtype: "bf16" | "fp16" | "fp32", selects the peak.
+        kind: "matmul" (runs on matrix units at ``peak_flops_per_s[dtype]``) or "memory"
+            (elementwise, norm, softmax, copies: vector units, so its compute roof is the fp32 peak).
+
+    Raises:
+        ValueError: unknown ``dtype`` or ``kind``, or negative counts.
+    """
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}")
+    if kind not in OP_KINDS:
+        raise ValueError(f"unknown op kind {kind!r}; expected one of {OP_KINDS}")
+    if flops < 0 or bytes_moved < 0:
+        raise ValueError(f"flops and bytes_moved must be >= 0, got {flops}, {bytes_moved}")
+    peak = device.peak_flops_per_s[dtype if kind == "matmul" else "fp32"]
+    compute_s = flops / (peak * device.matmul_efficiency)
+    memory_s = bytes_moved / (device.memory_bandwidth_bytes_per_s * device.memory_efficiency)
+    return max(compute_s, memory_s) + device.launch_overhead_s
+
+
+def matmul_flops(m: float, k: float, n: float) -> float:
+    """FLOP of an (m, k) @ (k, n) matmul: 2*m*k*n."""
+    return 2.0 * m * k * n
+
+
+def matmul_bytes(m: float, k: float, n: float, dtype: str) -> float:
+    """Bytes of an (m, k) @ (k, n) matmul: read both operands, write the (m, n) result once."""
+    return (m * k + k * n + m * n) * DTYPE_BYTES[dtype]
+
+
+def linear_flops(tokens: float, in_features: float, out_features: float, bias: bool = False) -> float:
+    """FLOP of ``nn.Linear`` on ``tokens`` rows: 2*tokens*in*out, plus tokens*out for the bias add."""
+    return matmul_flops(tokens, in_features, out_features) + (tokens * out_features if bias else 0.0)
+
+
+def linear_bytes(
+    tokens: float, in_features: float, out_features: float, dtype: str, bias: bool = False
+) -> float:
+    """Bytes of ``nn.Linear``: input (tokens, in), weight (out, in), bias (out), output (tokens, out)."""
+    return matmul_bytes(tokens, in_features, out_features, dtype) + (
+        out_features * DTYPE_BYTES[dtype] if bias else 0.0
+    )
+
+
+def attention_flops(
+    batch: float, heads: float, q_len: float, kv_len: float, head_dim: float, causal: bool = False
+) -> float:
+    """FLOP of the attention core (SDPA): Q K^T and P V, 2 * (2*B*H*Tq*Tk*hd) = 4*B*H*Tq*Tk*hd.
+
+    ``causal=True`` halves it (a causal kernel skips the masked upper triangle when Tq == Tk;
+    approximate otherwise). Softmax FLOPs are negligible beside these and not counted.
+    """
+    flops = 4.0 * batch * heads * q_len * kv_len * head_dim
+    return flops / 2.0 if causal else flops
+
+
+def attention_bytes(
+    batch: float, heads: float, kv_heads: float, q_len: float, kv_len: float, head_dim: float, dtype: str
+) -> float:
+    """Bytes of a fused (flash-style) SDPA: read Q (B,H,Tq,hd), K and V (B,Hkv,Tk,hd), write O (B,H,Tq,hd).
+
+    The (Tq, Tk) score matrix stays on chip, so it moves no memory. With a KV cache (decode) this
+    is dominated by reading K and V.
+    """
+    q_and_out = 2.0 * batch * heads * q_len * head_dim
+    k_and_v = 2.0 * batch * kv_heads * kv_len * head_dim
+    return (q_and_out + k_and_v) * DTYPE_BYTES[dtype]
+
+
+def elementwise_flops(numel: float, flops_per_element: float = 1.0) -> float:
+    """FLOP of an elementwise op over ``numel`` output elements (1 per element for add/mul)."""
+    return numel * flops_per_element
+
+
+def elementwise_bytes(numel: float, dtype: str, num_inputs: int = 1, num_outputs: int = 1) -> float:
+    """Bytes of an elementwise op: each of its inputs read and outputs written once, ``numel`` each."""
+    return numel * (num_inputs + num_outputs) * DTYPE_BYTES[dtype]
+
+
+def norm_flops(tokens: float, hidden: float, kind: str = "layernorm") -> float:
+    """FLOP of LayerNorm / RMSNorm over (tokens, hidden), see ``NORM_FLOPS_PER_ELEMENT``."""
+    if kind not in NORM_FLOPS_PER_ELEMENT:
+        raise ValueError(f"unknown norm kind {kind!r}; expected one of {sorted(NORM_FLOPS_PER_ELEMENT)}")
+    return tokens * hidden * NORM_FLOPS_PER_ELEMENT[kind]
+
+
+def norm_bytes(tokens: float, hidden: float, dtype: str, kind: str = "layernorm") -> float:
+    """Bytes of a norm: read x, write y (tokens, hidden), read the weight (and LayerNorm's bias)."""
+    params = 2 if kind == "layernorm" else 1
+    return (2.0 * tokens * hidden + params * hidden) * DTYPE_BYTES[dtype]
+
+
+def embedding_bytes(tokens: float, dim: float, dtype: str) -> float:
+    """Bytes of an embedding lookup: read int64 ids, read ``tokens`` rows of ``dim``, write them out."""
+    return tokens * _INDEX_BYTES + 2.0 * tokens * dim * DTYPE_BYTES[dtype]

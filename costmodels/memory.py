@@ -1,0 +1,123 @@
+"""Memory cost per rank: weights, gradients, optimizer state, activations kept for backward, KV cache.
+
+Sources:
+- Training state: Rajbhandari et al., "ZeRO: Memory optimizations toward training trillion parameter
+  models" (SC 2020), section 3.1: mixed-precision Adam keeps fp16/bf16 parameters and gradients
+  (2 + 2 bytes) plus fp32 master parameters, momentum and variance (4 + 4 + 4 bytes): 16 bytes per
+  parameter (K = 12 for the optimizer states).
+- Activations: Korthikanti et al., "Reducing activation recomputation in large transformer models"
+  (MLSys 2023, arXiv:2205.05198), section 4, equations (1)-(4): per GPT layer with 16-bit
+  activations, ``s*b*h*(34 + 5*a*s/h)`` bytes without parallelism and ``s*b*h*(10 + 24/t + 5*a*s/(h*t))``
+  with tensor parallel degree t; sequence parallelism also divides the remaining 10 by t.
+- KV cache: two tensors (K and V) of (batch, context, kv_heads, head_dim) per layer.
+
+All results are bytes on one rank; ``tp`` is the tensor-parallel degree, pipeline parallelism enters
+through which layers a stage holds and :func:`inflight_micro_batches`.
+"""
+
+from __future__ import annotations
+
+import math
+
+from costmodels.dtypes import DTYPE_BYTES
+
+ADAM_MOMENT_BYTES = 8  # fp32 momentum + fp32 variance per parameter (ZeRO section 3.1)
+FP32_MASTER_BYTES = 4  # fp32 master copy of 16-bit parameters in mixed precision (ZeRO section 3.1)
+# Korthikanti et al. eq. (2): per-layer activation bytes / (s*b*h) = 34 + 5*a*s/h; of the 34, 24
+# (QKV/MLP inputs and intermediates) are sharded by tensor parallelism and 10 (layer-norm inputs,
+# dropout masks, attention/MLP block inputs) are not, unless sequence parallelism is used (eq. 3, 4).
+ACT_SHARDED_PER_TOKEN_HIDDEN = 24
+ACT_REPLICATED_PER_TOKEN_HIDDEN = 10
+ACT_SCORES_PER_HEAD_TOKEN = 5  # softmax out (2) + dropout mask (1) + dropout out (2), times a*s^2*b
+_KORTHIKANTI_DTYPE_BYTES = 2  # the paper's counts assume 16-bit activations
+
+
+def param_bytes(num_params: float, dtype: str) -> float:
+    """Bytes of ``num_params`` parameters stored in ``dtype``."""
+    return num_params * DTYPE_BYTES[dtype]
+
+
+def grad_bytes(num_params: float, dtype: str) -> float:
+    """Bytes of the gradients of ``num_params`` parameters (kept in the parameter dtype)."""
+    return num_params * DTYPE_BYTES[dtype]
+
+
+def adam_state_bytes(num_params: float, dtype: str) -> float:
+    """Adam optimizer state bytes: fp32 momentum and variance (8 B/param), plus an fp32 master copy
+    (4 B/param) when parameters are 16-bit (mixed precision). ZeRO section 3.1."""
+    master = FP32_MASTER_BYTES if DTYPE_BYTES[dtype] < 4 else 0
+    return num_params * (ADAM_MOMENT_BYTES + master)
+
+
+def training_state_bytes(num_params: float, dtype: str) -> float:
+    """Parameters + gradients + Adam state: 16 bytes per parameter for bf16/fp16 mixed precision
+    (2 + 2 + 12, ZeRO section 3.1), and also 16 for fp32 (4 + 4 + 8)."""
+    return (
+        param_bytes(num_params, dtype) + grad_bytes(num_params, dtype) + adam_state_bytes(num_params, dtype)
+    )
+
+
+def params_per_rank(sharded_params: float, replicated_params: float, tp: int) -> float:
+    """Parameters held by one tensor-parallel rank: the sharded ones split ``tp`` ways, plus every
+    replicated one (norms, biases of row-parallel layers, anything left unsplit)."""
+    if tp < 1:
+        raise ValueError(f"tp must be >= 1, got {tp}")
+    return sharded_params / tp + replicated_params
+
+
+def activation_bytes_per_layer(
+    seq_len: int,
+    batch: int,
+    hidden: int,
+    num_heads: int,
+    tp: int = 1,
+    *,
+    sequence_parallel: bool = False,
+    stores_attention_scores: bool = True,
+    dtype: str = "bf16",
+) -> float:
+    """Activation bytes one transformer layer keeps for backward on one rank (Korthikanti et al. 2022).
+
+    ``s*b*h*(10 + 24/t + 5*a*s/(h*t))`` for 16-bit activations; with ``sequence_parallel`` the 10 is
+    divided by t too. ``stores_attention_scores=False`` drops the ``5*a*s/h`` term (flash / memory-
+    efficient SDPA keeps no (s, s) score matrix, as with selective recomputation in the paper). The
+    paper counts a GPT layer with a 4h MLP and dropout; other ``dtype`` sizes scale it proportionally.
+    """
+    if tp < 1:
+        raise ValueError(f"tp must be >= 1, got {tp}")
+    s, b, h, a = seq_len, batch, hidden, num_heads
+    replicated = ACT_REPLICATED_PER_TOKEN_HIDDEN / (tp if sequence_parallel else 1)
+    per_token_hidden = replicated + ACT_SHARDED_PER_TOKEN_HIDDEN / tp
+    if stores_attention_scores:
+        per_token_hidden += ACT_SCORES_PER_HEAD_TOKEN * a * s / (h * tp)
+    return s * b * h * per_token_hidden * DTYPE_BYTES[dtype] / _KORTHIKANTI_DTYPE_BYTES
+
+
+def kv_cache_bytes(
+    num_layers: int, batch: int, context: int, num_kv_heads: int, head_dim: int, dtype: str, tp: int = 1
+) -> float:
+    """KV-cache bytes on one rank: ``2 * layers * batch * context * kv_heads_per_rank * head_dim * dtype_bytes``.
+
+    Tensor parallelism splits KV heads: ``ceil(num_kv_heads / tp)`` per rank (a GQA model with fewer
+    KV heads than ranks replicates them, one per rank).
+    """
+    if tp < 1:
+        raise ValueError(f"tp must be >= 1, got {tp}")
+    kv_heads_per_rank = math.ceil(num_kv_heads / tp)
+    return 2.0 * num_layers * batch * context * kv_heads_per_rank * head_dim * DTYPE_BYTES[dtype]
+
+
+def inflight_micro_batches(pp: int, stage: int, micro_batches: int, schedule: str = "1f1b") -> int:
+    """Micro-batches whose activations stage ``stage`` (0-based) holds at its peak.
+
+    GPipe: all ``micro_batches`` (every forward runs before any backward). 1F1B: ``min(pp - stage,
+    micro_batches)`` (Narayanan et al., "Efficient large-scale language model training on GPU
+    clusters using Megatron-LM", SC 2021, section 2.2.1; the first stage holds ``pp``).
+    """
+    if not 0 <= stage < pp:
+        raise ValueError(f"stage must be in [0, {pp}), got {stage}")
+    if schedule == "gpipe":
+        return micro_batches
+    if schedule == "1f1b":
+        return min(pp - stage, micro_batches)
+    raise ValueError(f"unknown pipeline schedule {schedule!r}; expected '1f1b' or 'gpipe'")
