@@ -1,0 +1,743 @@
+"""Cost of every operator of a model under every sharding strategy, for one mesh and workload.
+
+    ModelStructure + ClusterSpec + Workload + MeshShape ─► LayerGraph (ops, options, edges) ─► ILP
+
+A layer is a small graph of ops. Each op has *options* (strategies), each option consuming its
+inputs in given layouts and producing its output in one layout, with a compute time and a memory
+per rank. Layouts over the tensor-parallel axis:
+
+    "R"  Replicate           every rank holds the whole tensor
+    "S"  Shard(last dim)     rank r holds slice r of the last dim (heads, for attention)
+    "P"  Partial             every rank holds a partial sum; the tensor is their sum
+
+Converting a producer's layout into the layout its consumer needs costs (``conversion_time_s``):
+P->R all-reduce, S->R all-gather, P->S reduce-scatter, R->S free (local slice), same layout free.
+Nothing consumes P (a partial sum may not pass through a nonlinearity), so it must be converted.
+
+Strategies:
+    projection (nn.Linear / HF Conv1D)  replicate (R->R), colwise (R->S), rowwise (S->P)
+    attention core (SDPA)               replicate (R->R), head (S->S: whole heads, GQA kv heads too)
+    elementwise (activation, SwiGLU)    replicate (R->R), shard (S->S)
+    embedding                           replicate, vocab (rows split, masked lookup, output P)
+    LM head                             replicate, vocab (output sharded on the vocab)
+
+The residual stream between blocks is always R, so each block's output is converted to R: that
+conversion (one all-reduce for Megatron's column-then-row) is what ladder residual overlaps.
+
+Times are per micro-batch on one rank. Training multiplies compute by `TRAIN_COMPUTE_FACTOR`
+(backward = 2x forward FLOPs) and communication by `TRAIN_COMM_FACTOR` (each forward collective
+has a conjugate backward one of the same size: Megatron's f/g operators).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from costmodels import compute
+from costmodels.cluster import ClusterSpec
+from costmodels.comm import Group, all_gather_time_s, all_reduce_time_s, p2p_time_s, reduce_scatter_time_s
+from costmodels.dtypes import DTYPE_BYTES
+from planner.errors import InputError
+from planner.plan import WORKLOADS, LayerCost, Prediction
+
+if TYPE_CHECKING:
+    from planner.analysis import Layer, ModelStructure, Projection
+
+TRAIN_COMPUTE_FACTOR = 3.0  # forward + backward (2x forward FLOPs: input grads and weight grads)
+TRAIN_COMM_FACTOR = 2.0  # forward collectives plus their backward conjugates (Megatron f/g)
+ADAM_STATE_BYTES_PER_PARAM = 12.0  # fp32 master weight + Adam m + v (mixed precision, no ZeRO)
+OPTIMIZER_BYTES_MOVED_PER_PARAM = 2 * 12.0 + 2 * 2.0  # read+write master/m/v, read grad, write param
+NORM_KIND = "rmsnorm"  # FLOP convention for the per-layer norms (cheap either way: memory bound)
+INF = math.inf
+
+LAYOUTS = ("R", "S", "P")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one step is.
+
+    kind: "forward" (one forward pass, prefill), "decode" (one new token per sequence with a KV
+    cache of `context` tokens) or "train" (forward + backward + optimizer step).
+    """
+
+    kind: str
+    batch_size: int  # global batch, sequences
+    seq_len: int  # tokens per sequence (forward / train); ignored for decode (1 new token)
+    context: int = 0  # decode: tokens already in the KV cache
+    micro_batches: int | None = None  # None: the search chooses
+    dtype: str | None = None  # None: the model's dtype
+
+    def __post_init__(self) -> None:
+        if self.kind not in WORKLOADS:
+            raise InputError(f"workload {self.kind!r} is not one of {list(WORKLOADS)}")
+        for name in ("batch_size", "seq_len"):
+            if getattr(self, name) < 1:
+                raise InputError(f"workload {name} must be >= 1, got {getattr(self, name)}")
+        if self.context < 0 or (self.kind == "decode" and self.context < 1):
+            raise InputError(
+                f"workload context must be >= 1 for decode (KV-cache tokens), got {self.context}"
+            )
+        if self.micro_batches is not None and self.micro_batches < 1:
+            raise InputError(f"workload micro_batches must be >= 1, got {self.micro_batches}")
+        if self.dtype is not None and self.dtype not in DTYPE_BYTES:
+            raise InputError(f"workload dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+
+    @property
+    def tokens_per_sequence(self) -> int:
+        """New tokens processed per sequence in one step."""
+        return 1 if self.kind == "decode" else self.seq_len
+
+    @property
+    def kv_len(self) -> int:
+        """Keys/values each query attends to."""
+        return self.context + 1 if self.kind == "decode" else self.seq_len
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """A candidate mesh: tp x pp x dp devices, `micro_batches` per step and pipeline."""
+
+    tp: int
+    pp: int
+    dp: int
+    micro_batches: int
+
+    @property
+    def num_devices(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+@dataclass
+class OpOption:
+    """One strategy of one op."""
+
+    name: str  # "replicate" | "colwise" | "rowwise" | "head" | "shard" | "vocab"
+    in_layout: str  # layout each input must arrive in
+    out_layout: str
+    compute_s: float  # per micro-batch (training: forward + backward)
+    static_bytes: float  # per rank, independent of micro-batches: params, grads, optimizer, KV cache
+    activation_bytes: float  # per rank, per in-flight micro-batch (training only)
+    comm_s: float = 0.0  # communication inside the op itself
+    grad_bytes: float = 0.0  # gradient bytes per rank (training: all-reduced across DP)
+
+
+@dataclass
+class Op:
+    """One op of a layer graph with its options. `inputs` name producer ops ("" = the stream, R)."""
+
+    name: str  # unique in its graph, e.g. "q", "core", "down", "mlp.0"
+    block: str  # "attention" | "mlp" | "embedding" | "head"
+    options: list[OpOption]
+    inputs: list[str]
+    out_bytes: float  # bytes of the full (unsharded) output tensor, per micro-batch
+    weight: str | None = None  # parameter FQN for projections / embeddings
+    projection: Any = None  # the analysis Projection, when the op is one
+    excluded: dict[str, str] = field(default_factory=dict)  # option name -> why it is not offered
+
+    def option(self, name: str) -> OpOption:
+        for opt in self.options:
+            if opt.name == name:
+                return opt
+        raise KeyError(f"op {self.name} has no option {name!r}")
+
+
+@dataclass
+class LayerGraph:
+    """Ops of one layer class (identical layers share it) or of the non-layer ops."""
+
+    key: str  # class key (layers with equal keys share strategy variables)
+    ops: list[Op]
+    block_outputs: dict[str, str]  # block -> op whose output joins the residual stream (needs R)
+    fixed_compute_s: float  # norms and residual adds: not sharded
+    fixed_static_bytes: float  # norm weights etc. (with optimizer state when training)
+    fixed_activation_bytes: float
+    fixed_grad_bytes: float = 0.0
+
+    def op(self, name: str) -> Op:
+        for op in self.ops:
+            if op.name == name:
+                return op
+        raise KeyError(name)
+
+    def edges(self) -> list[tuple[str, str]]:
+        """(producer, consumer) pairs between ops of this graph."""
+        return [(src, op.name) for op in self.ops for src in op.inputs if src]
+
+
+@dataclass
+class CostContext:
+    """Everything the per-op costs depend on, fixed for one mesh candidate."""
+
+    structure: Any  # ModelStructure
+    cluster: ClusterSpec
+    workload: Workload
+    mesh: MeshShape
+    dtype: str
+
+    @property
+    def bytes_per_element(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def train(self) -> bool:
+        return self.workload.kind == "train"
+
+    @property
+    def sequences_per_micro_batch(self) -> float:
+        return self.workload.batch_size / self.mesh.dp / self.mesh.micro_batches
+
+    @property
+    def tokens(self) -> float:
+        """Tokens per micro-batch per DP replica."""
+        return self.sequences_per_micro_batch * self.workload.tokens_per_sequence
+
+    @property
+    def compute_factor(self) -> float:
+        return TRAIN_COMPUTE_FACTOR if self.train else 1.0
+
+    @property
+    def comm_factor(self) -> float:
+        return TRAIN_COMM_FACTOR if self.train else 1.0
+
+    def state_factor(self) -> float:
+        """Bytes per rank per parameter byte: weights, plus grads and Adam state when training."""
+        if not self.train:
+            return 1.0
+        b = self.bytes_per_element
+        return (b + b + ADAM_STATE_BYTES_PER_PARAM) / b
+
+    def tp_group(self) -> Group:
+        tp, per_node = self.mesh.tp, self.cluster.devices_per_node
+        return Group(tp, tp if tp <= per_node else math.gcd(tp, per_node))
+
+    def dp_group(self) -> Group:
+        """DP ranks sit after the TP ranks: those in one node share it."""
+        per_node = self.cluster.devices_per_node
+        tp = self.mesh.tp
+        on_node = max(1, per_node // tp) if tp < per_node else 1
+        on_node = math.gcd(on_node, self.mesh.dp)
+        return Group(self.mesh.dp, on_node)
+
+    def op_time(self, flops: float, bytes_moved: float, kind: str) -> float:
+        one = compute.op_time_s(flops, bytes_moved, self.cluster.device, self.dtype, kind)
+        return self.compute_factor * one
+
+
+def conversion_time_s(src: str, dst: str, nbytes: float, ctx: CostContext) -> float:
+    """Time to turn a tensor of `nbytes` (full size) from layout `src` into `dst` over the TP axis.
+
+    P->R all-reduce, S->R all-gather, P->S reduce-scatter, R->S free, same layout free; a target
+    layout P is never needed (returns inf). Training doubles it (backward conjugate collective).
+    """
+    if src == dst or (src == "R" and dst == "S"):
+        return 0.0
+    if dst == "P" or ctx.mesh.tp == 1:
+        return INF if dst == "P" else 0.0
+    group, cluster = ctx.tp_group(), ctx.cluster
+    if src == "P" and dst == "R":
+        one = all_reduce_time_s(nbytes, group, cluster)
+    elif src == "S" and dst == "R":
+        one = all_gather_time_s(nbytes, group, cluster)
+    elif src == "P" and dst == "S":
+        one = reduce_scatter_time_s(nbytes, group, cluster)
+    else:  # internal: every (src, dst) pair is covered above
+        raise AssertionError(f"no conversion {src}->{dst}")
+    return ctx.comm_factor * one
+
+
+# ---------------------------------------------------------------------------------------------
+# Options of each op kind
+
+
+def projection_options(
+    proj: Projection, tokens: float, ctx: CostContext
+) -> tuple[list[OpOption], dict[str, str]]:
+    """replicate / colwise / rowwise for one projection; divisibility decides which are offered."""
+    b, tp = ctx.bytes_per_element, ctx.mesh.tp
+    n_in, n_out = proj.in_features, proj.out_features
+    has_bias = proj.bias is not None
+    weight_bytes = (n_in * n_out + (n_out if has_bias else 0)) * b
+    state = ctx.state_factor()
+    act_in = tokens * n_in * b if ctx.train else 0.0
+
+    def option(name: str, in_layout: str, out_layout: str, k: float, m: float, shard: int) -> OpOption:
+        flops = compute.linear_flops(tokens, k, m, has_bias)
+        moved = compute.linear_bytes(tokens, k, m, ctx.dtype, has_bias)
+        stored = act_in / (shard if in_layout == "S" else 1)
+        grads = weight_bytes / shard if ctx.train else 0.0
+        return OpOption(name, in_layout, out_layout, ctx.op_time(flops, moved, "matmul"),
+                        weight_bytes * state / shard, stored, grad_bytes=grads)  # fmt: skip
+
+    options = [option("replicate", "R", "R", n_in, n_out, 1)]
+    excluded: dict[str, str] = {}
+    if tp == 1:
+        return options, excluded
+    parts = tuple(proj.parts) if proj.parts else (n_out,)
+    if all(p % tp == 0 for p in parts):
+        options.append(option("colwise", "R", "S", n_in, n_out / tp, tp))
+    else:
+        excluded["colwise"] = f"out features {list(parts)} not divisible by tp={tp}"
+    if n_in % tp == 0:
+        options.append(option("rowwise", "S", "P", n_in / tp, n_out, tp))
+    else:
+        excluded["rowwise"] = f"in features {n_in} not divisible by tp={tp}"
+    return options, excluded
+
+
+def attention_core_options(attn: Any, ctx: CostContext) -> tuple[list[OpOption], dict[str, str]]:
+    """SDPA: replicate, or head-parallel when query and KV heads both divide by tp."""
+    w, b, tp = ctx.workload, ctx.bytes_per_element, ctx.mesh.tp
+    seqs = ctx.sequences_per_micro_batch
+    heads, kv_heads, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    q_len, kv_len = w.tokens_per_sequence, w.kv_len
+    causal = w.kind != "decode"
+    replica_seqs = w.batch_size / ctx.mesh.dp
+    kv_cache = 2.0 * replica_seqs * kv_len * kv_heads * hd * b if w.kind == "decode" else 0.0
+    stored = (2.0 * heads + 2.0 * kv_heads) * seqs * q_len * hd * b if ctx.train else 0.0
+
+    def option(name: str, layout: str, shard: int) -> OpOption:
+        flops = compute.attention_flops(seqs, heads / shard, q_len, kv_len, hd, causal)
+        moved = compute.attention_bytes(seqs, heads / shard, kv_heads / shard, q_len, kv_len, hd, ctx.dtype)
+        return OpOption(
+            name, layout, layout, ctx.op_time(flops, moved, "matmul"), kv_cache / shard, stored / shard
+        )
+
+    options = [option("replicate", "R", 1)]
+    excluded: dict[str, str] = {}
+    if tp == 1:
+        return options, excluded
+    if heads % tp:
+        excluded["head"] = f"{heads} heads not divisible by tp={tp}"
+    elif kv_heads % tp:
+        excluded["head"] = f"{kv_heads} KV heads (GQA) not divisible by tp={tp}"
+    else:
+        options.append(option("head", "S", tp))
+    return options, excluded
+
+
+def elementwise_options(width: int, num_inputs: int, tokens: float, ctx: CostContext) -> list[OpOption]:
+    """An activation (GELU) or SwiGLU's silu(gate) * up over (tokens, width): R->R or S->S."""
+    b, tp = ctx.bytes_per_element, ctx.mesh.tp
+    stored = num_inputs * tokens * width * b if ctx.train else 0.0
+
+    def option(name: str, layout: str, shard: int) -> OpOption:
+        numel = tokens * width / shard
+        t = ctx.op_time(
+            compute.elementwise_flops(numel, 4.0),
+            compute.elementwise_bytes(numel, ctx.dtype, num_inputs),
+            "memory",
+        )
+        return OpOption(name, layout, layout, t, 0.0, stored / shard)
+
+    options = [option("replicate", "R", 1)]
+    if tp > 1 and width % tp == 0:
+        options.append(option("shard", "S", tp))
+    return options
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer graphs
+
+
+def layer_key(layer: Layer) -> str:
+    """Layers with the same key have identical shapes and share strategy variables."""
+    parts: list[str] = []
+    if layer.attention is not None:
+        a = layer.attention
+        parts.append(f"attn{a.num_heads}/{a.num_kv_heads}/{a.head_dim}")
+        parts += [_proj_key(p) for p in a.projections]
+    if layer.mlp is not None:
+        parts.append("mlp")
+        parts += [_proj_key(p) for p in layer.mlp.projections]
+    parts.append(f"p{layer.param_bytes}")
+    return ";".join(parts)
+
+
+def _proj_key(p: Projection) -> str:
+    return f"{p.role}:{p.in_features}x{p.out_features}:{p.bias is not None}:{p.parts}"
+
+
+def build_layer_graph(layer: Layer, ctx: CostContext) -> LayerGraph:
+    """The op graph of one transformer layer: attention block then MLP block."""
+    s = ctx.structure
+    tokens, b = ctx.tokens, ctx.bytes_per_element
+    ops: list[Op] = []
+    outputs: dict[str, str] = {}
+    proj_bytes = 0.0
+    if layer.attention is not None:
+        outputs["attention"] = _attention_ops(layer.attention, tokens, ctx, ops)
+        proj_bytes += sum(_param_bytes(p, b) for p in layer.attention.projections)
+    if layer.mlp is not None:
+        outputs["mlp"] = _mlp_ops(layer.mlp.projections, tokens, ctx, ops, "mlp")
+        proj_bytes += sum(_param_bytes(p, b) for p in layer.mlp.projections)
+    hidden = s.hidden_size
+    num_norms = len(outputs)
+    fixed = num_norms * ctx.op_time(
+        compute.norm_flops(tokens, hidden, NORM_KIND) + compute.elementwise_flops(tokens * hidden),
+        compute.norm_bytes(tokens, hidden, ctx.dtype, NORM_KIND)
+        + compute.elementwise_bytes(tokens * hidden, ctx.dtype, 2),
+        "memory",
+    )
+    # param_bytes is in the captured model's dtype; re-express it in the planned dtype.
+    as_planned = layer.param_bytes / DTYPE_BYTES[s.dtype] * b
+    other_params = max(0.0, as_planned - proj_bytes)
+    fixed_act = 2.0 * num_norms * tokens * hidden * b if ctx.train else 0.0
+    return LayerGraph(
+        key=layer_key(layer),
+        ops=ops,
+        block_outputs=outputs,
+        fixed_compute_s=fixed,
+        fixed_static_bytes=other_params * ctx.state_factor(),
+        fixed_activation_bytes=fixed_act,
+        fixed_grad_bytes=other_params if ctx.train else 0.0,
+    )
+
+
+def build_chain_graph(projections: list[Projection], ctx: CostContext) -> LayerGraph:
+    """A plain MLP (no transformer layers): linears with an activation between consecutive ones."""
+    ops: list[Op] = []
+    last = _mlp_ops(projections, ctx.tokens, ctx, ops, "mlp")
+    return LayerGraph("chain", ops, {"mlp": last}, 0.0, 0.0, 0.0)
+
+
+def _param_bytes(p: Projection, b: int) -> float:
+    return (p.in_features * p.out_features + (p.out_features if p.bias is not None else 0)) * b
+
+
+def _proj_op(name: str, block: str, p: Projection, inputs: list[str], tokens: float, ctx: CostContext) -> Op:
+    options, excluded = projection_options(p, tokens, ctx)
+    out_bytes = tokens * p.out_features * ctx.bytes_per_element
+    return Op(name, block, options, inputs, out_bytes, p.weight, p, excluded)
+
+
+def _attention_ops(attn: Any, tokens: float, ctx: CostContext, ops: list[Op]) -> str:
+    by_role = {p.role: p for p in attn.projections}
+    core_inputs = []
+    for role in ("qkv", "q", "k", "v"):
+        if role in by_role:
+            ops.append(_proj_op(role, "attention", by_role[role], [""], tokens, ctx))
+            core_inputs.append(role)
+    core_options, core_excluded = attention_core_options(attn, ctx)
+    core_bytes = tokens * attn.num_heads * attn.head_dim * ctx.bytes_per_element
+    ops.append(Op("core", "attention", core_options, core_inputs, core_bytes, excluded=core_excluded))
+    o = by_role.get("o")
+    if o is None:
+        return "core"
+    ops.append(_proj_op("o", "attention", o, ["core"], tokens, ctx))
+    return "o"
+
+
+def _mlp_ops(
+    projections: list[Projection], tokens: float, ctx: CostContext, ops: list[Op], block: str
+) -> str:
+    """Gated (gate, up -> act -> down) or a chain (fc -> act -> fc -> ...). Returns the last op."""
+    by_role = {p.role: p for p in projections}
+    if "gate" in by_role and "up" in by_role and "down" in by_role:
+        ops.append(_proj_op("gate", block, by_role["gate"], [""], tokens, ctx))
+        ops.append(_proj_op("up", block, by_role["up"], [""], tokens, ctx))
+        width = by_role["gate"].out_features
+        act_bytes = tokens * width * ctx.bytes_per_element
+        ops.append(Op("act", block, elementwise_options(width, 2, tokens, ctx), ["gate", "up"], act_bytes))
+        ops.append(_proj_op("down", block, by_role["down"], ["act"], tokens, ctx))
+        return "down"
+    prev = ""
+    for i, (name, p) in enumerate(mlp_op_names(projections).items()):
+        if i > 0:
+            width = projections[i - 1].out_features
+            act_bytes = tokens * width * ctx.bytes_per_element
+            ops.append(Op(f"act{i}", block, elementwise_options(width, 1, tokens, ctx), [prev], act_bytes))
+            prev = f"act{i}"
+        ops.append(_proj_op(name, block, p, [prev], tokens, ctx))
+        prev = name
+    return prev
+
+
+def mlp_op_names(projections: list[Projection]) -> dict[str, Projection]:
+    """Op name of each MLP projection: gate/up/down for SwiGLU, else role + position ("fc0", "fc1")."""
+    roles = [p.role for p in projections]
+    if {"gate", "up", "down"} <= set(roles) or len(set(roles)) == len(roles) and "fc" not in roles:
+        return {p.role: p for p in projections}
+    return {f"{p.role}{i}": p for i, p in enumerate(projections)}
+
+
+def layer_projection_ops(layer: Layer) -> dict[str, Projection]:
+    """Op name -> projection of one layer, as `build_layer_graph` names them."""
+    out: dict[str, Projection] = {}
+    if layer.attention is not None:
+        out.update({p.role: p for p in layer.attention.projections})
+    if layer.mlp is not None:
+        out.update(mlp_op_names(layer.mlp.projections))
+    return out
+
+
+def build_ends_graph(ctx: CostContext) -> LayerGraph:
+    """Embedding (first stage) and final norm + LM head (last stage); tied weights share a choice."""
+    s = ctx.structure
+    b, tp, tokens = ctx.bytes_per_element, ctx.mesh.tp, ctx.tokens
+    state = ctx.state_factor()
+    ops: list[Op] = []
+    for i, emb in enumerate(s.embeddings):
+        weight_bytes = emb.vocab_size * emb.dim * b
+        t = ctx.op_time(0.0, compute.embedding_bytes(tokens, emb.dim, ctx.dtype), "memory")
+        grads = weight_bytes if ctx.train else 0.0
+        options = [OpOption("replicate", "R", "R", t, weight_bytes * state, 0.0, grad_bytes=grads)]
+        excluded = {}
+        out_bytes = tokens * emb.dim * b
+        if tp > 1 and emb.vocab_size % tp == 0:
+            comm = conversion_time_s("P", "R", out_bytes, ctx)
+            options.append(OpOption("vocab", "R", "R", t, weight_bytes * state / tp, 0.0, comm, grads / tp))
+        elif tp > 1:
+            excluded["vocab"] = f"vocab {emb.vocab_size} not divisible by tp={tp}"
+        ops.append(Op(f"embedding{i}", "embedding", options, [], out_bytes, emb.weight, None, excluded))
+    head = s.lm_head
+    fixed = 0.0
+    if head is not None:
+        hidden = head.in_features
+        fixed = ctx.op_time(
+            compute.norm_flops(tokens, hidden, NORM_KIND),
+            compute.norm_bytes(tokens, hidden, ctx.dtype, NORM_KIND),
+            "memory",
+        )
+        options, excluded = projection_options(head, tokens, ctx)
+        options = [o for o in options if o.name != "rowwise"]
+        excluded.pop("rowwise", None)
+        logits_bytes = tokens * head.out_features * b
+        for opt in options:
+            if opt.name == "colwise":
+                opt.name = "vocab"
+                # Logits leave sharded on the vocab: inference gathers them; training computes the
+                # loss vocab-parallel (two all-reduces of one fp32 per token: max and sum).
+                if ctx.train:
+                    opt.comm_s = 2 * conversion_time_s("P", "R", tokens * 4.0, ctx)
+                else:
+                    opt.comm_s = conversion_time_s("S", "R", logits_bytes, ctx)
+            opt.out_layout = "R"
+            if ctx.train:  # fp32 logits kept for the loss
+                opt.activation_bytes += tokens * head.out_features * 4.0 / (tp if opt.name == "vocab" else 1)
+        if "colwise" in excluded:
+            excluded["vocab"] = excluded.pop("colwise")
+        if s.tied_lm_head:
+            for opt in options:  # the weight is counted once, with the embedding
+                opt.static_bytes = 0.0
+                opt.grad_bytes = 0.0
+        ops.append(Op("lm_head", "head", options, [], logits_bytes, head.weight, head, excluded))
+    return LayerGraph("ends", ops, {}, fixed, 0.0, 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Mesh-level terms
+
+
+def p2p_stage_time_s(ctx: CostContext) -> float:
+    """Send one micro-batch's activations (tokens x hidden) to the next stage (and grads back)."""
+    if ctx.mesh.pp == 1:
+        return 0.0
+    nbytes = ctx.tokens * ctx.structure.hidden_size * ctx.bytes_per_element
+    inter = ctx.cluster.num_nodes > 1 and ctx.mesh.num_devices > ctx.cluster.devices_per_node
+    return ctx.comm_factor * p2p_time_s(nbytes, ctx.cluster, inter)
+
+
+def in_flight_micro_batches(ctx: CostContext, stage: int) -> int:
+    """Training micro-batches whose activations stage `stage` holds at once under 1F1B."""
+    if not ctx.train:
+        return 0
+    return min(ctx.mesh.micro_batches, ctx.mesh.pp - stage)
+
+
+def transient_bytes(ctx: CostContext) -> float:
+    """Inference working set per rank: a few live activations of one micro-batch (not stored)."""
+    if ctx.train:
+        return 0.0
+    s = ctx.structure
+    widest = max([s.hidden_size] + [p.out_features for p in _all_projections(s)])
+    return 4.0 * ctx.tokens * widest * ctx.bytes_per_element
+
+
+def _all_projections(s: ModelStructure) -> list[Projection]:
+    out = list(s.mlp_chain)
+    for layer in s.layers:
+        if layer.attention is not None:
+            out += layer.attention.projections
+        if layer.mlp is not None:
+            out += layer.mlp.projections
+    return out
+
+
+@dataclass(frozen=True)
+class LinearCost:
+    """time ~= alpha_s + beta_s_per_byte * nbytes: an affine fit of a collective, used inside the ILP."""
+
+    alpha_s: float
+    beta_s_per_byte: float
+
+    def __call__(self, nbytes: float) -> float:
+        return self.alpha_s + self.beta_s_per_byte * nbytes if nbytes > 0 else 0.0
+
+
+def gradient_sync_cost(ctx: CostContext) -> LinearCost:
+    """Affine fit of the DP gradient all-reduce plus the optimizer step, per gradient byte on a rank."""
+    if not ctx.train:
+        return LinearCost(0.0, 0.0)
+    b = ctx.bytes_per_element
+    dev = ctx.cluster.device
+    opt_per_byte = (
+        OPTIMIZER_BYTES_MOVED_PER_PARAM / b / (dev.memory_bandwidth_bytes_per_s * dev.memory_efficiency)
+    )
+    if ctx.mesh.dp == 1:
+        return LinearCost(dev.launch_overhead_s, opt_per_byte)
+    group = ctx.dp_group()
+    small, big = 1e6, 1e9
+    t_small = all_reduce_time_s(small, group, ctx.cluster)
+    t_big = all_reduce_time_s(big, group, ctx.cluster)
+    beta = (t_big - t_small) / (big - small)
+    return LinearCost(t_small - beta * small + dev.launch_overhead_s, beta + opt_per_byte)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prediction of a chosen plan (plain arithmetic over the same tables the ILP uses)
+
+
+@dataclass
+class StageBreakdown:
+    """Per-micro-batch time split of one stage and its memory per rank."""
+
+    compute_s: float = 0.0
+    exposed_comm_s: float = 0.0
+    overlapped_comm_s: float = 0.0
+    memory_bytes: float = 0.0
+    grad_bytes: float = 0.0
+
+    @property
+    def time_s(self) -> float:
+        return self.compute_s + self.exposed_comm_s
+
+
+def layer_breakdown(
+    graph: LayerGraph, key: str, choices: dict[tuple[str, str], str], laddered: bool, ctx: CostContext
+):
+    """(compute_s, exposed_comm_s, overlapped_comm_s, static_bytes, activation_bytes, grad_bytes) of one layer."""
+    opt = {op.name: op.option(choices[(key, op.name)]) for op in graph.ops}
+    compute_block = {
+        b: sum(opt[op.name].compute_s for op in graph.ops if op.block == b) for b in ("attention", "mlp")
+    }
+    internal = sum(
+        conversion_time_s(opt[u].out_layout, opt[v].in_layout, graph.op(u).out_bytes, ctx)
+        for u, v in graph.edges()
+    ) + sum(o.comm_s for o in opt.values())
+    exposed = overlapped = 0.0
+    eta = ctx.cluster.overlap_efficiency
+    for block, other in (("attention", "mlp"), ("mlp", "attention")):
+        out = graph.block_outputs.get(block)
+        if out is None:
+            continue
+        comm = conversion_time_s(opt[out].out_layout, "R", graph.op(out).out_bytes, ctx)
+        hidden = min(comm, eta * compute_block[other]) if laddered else 0.0
+        exposed += comm - hidden
+        overlapped += hidden
+    compute_s = graph.fixed_compute_s + compute_block["attention"] + compute_block["mlp"]
+    static = graph.fixed_static_bytes + sum(o.static_bytes for o in opt.values())
+    act = graph.fixed_activation_bytes + sum(o.activation_bytes for o in opt.values())
+    grad = graph.fixed_grad_bytes + sum(o.grad_bytes for o in opt.values())
+    return compute_s, internal + exposed, overlapped, static, act, grad
+
+
+def predict(
+    ctx: CostContext,
+    graphs: dict[str, LayerGraph],
+    layer_keys: list[str],
+    ends: LayerGraph,
+    choices: dict[tuple[str, str], str],
+    stages: list[list[int]],
+    ladder_layers: list[int],
+) -> tuple[Prediction, list[StageBreakdown]]:
+    """Predicted step time, memory and breakdown of a plan (choices per (graph key, op))."""
+    mesh, m = ctx.mesh, ctx.mesh.micro_batches
+    ladder = set(ladder_layers)
+    stage_of = {i: s for s, layers in enumerate(stages) for i in layers}
+    per_layer: list[LayerCost] = []
+    stages_bd = [StageBreakdown() for _ in range(mesh.pp)]
+    for i, key in enumerate(layer_keys):
+        graph = graphs[key]
+        comp, exposed, overlapped, static, act, grad = layer_breakdown(graph, key, choices, i in ladder, ctx)
+        s = stage_of[i]
+        mem = static + in_flight_micro_batches(ctx, s) * act
+        bd = stages_bd[s]
+        bd.compute_s += comp
+        bd.exposed_comm_s += exposed
+        bd.overlapped_comm_s += overlapped
+        bd.memory_bytes += mem
+        bd.grad_bytes += grad
+        strategy = {op.name: choices[(key, op.name)] for op in graph.ops}
+        per_layer.append(
+            LayerCost(i if key != "chain" else 0, s, m * comp, m * exposed, m * overlapped, mem, strategy)
+        )
+    # Embedding on the first stage, final norm + LM head on the last.
+    ends_strategy = {}
+    for op in ends.ops:
+        o = op.option(choices[("ends", op.name)])
+        ends_strategy[op.name] = o.name
+        s = 0 if op.block == "embedding" else mesh.pp - 1
+        bd = stages_bd[s]
+        bd.compute_s += o.compute_s
+        bd.exposed_comm_s += o.comm_s
+        bd.memory_bytes += o.static_bytes + in_flight_micro_batches(ctx, s) * o.activation_bytes
+        bd.grad_bytes += o.grad_bytes
+        if op.block == "head" and ctx.structure.tied_lm_head and mesh.pp > 1:
+            emb = ends.ops[0].option(choices[("ends", ends.ops[0].name)])
+            bd.memory_bytes += emb.static_bytes
+            bd.grad_bytes += emb.grad_bytes
+    stages_bd[-1].compute_s += ends.fixed_compute_s
+    p2p = p2p_stage_time_s(ctx)
+    for s in range(mesh.pp - 1):
+        stages_bd[s].exposed_comm_s += p2p
+    for bd in stages_bd:
+        bd.memory_bytes += transient_bytes(ctx)
+    times = [bd.time_s for bd in stages_bd]
+    slowest = max(range(mesh.pp), key=lambda s: times[s])
+    tail_comm, tail_compute = _tail_s(ctx, max(bd.grad_bytes for bd in stages_bd))
+    latency = sum(times) + (m - 1) * times[slowest] + tail_comm + tail_compute
+    bottleneck = stages_bd[slowest]
+    compute_s = m * bottleneck.compute_s + tail_compute
+    exposed_s = m * bottleneck.exposed_comm_s + tail_comm
+    ends_opts = [ends.op(o).option(c) for o, c in ends_strategy.items()]
+    per_layer.append(
+        LayerCost(
+            -1,
+            0,
+            m * (ends.fixed_compute_s + sum(o.compute_s for o in ends_opts)),
+            m * sum(o.comm_s for o in ends_opts),
+            0.0,
+            sum(o.static_bytes for o in ends_opts),
+            ends_strategy,
+        )  # fmt: skip
+    )
+    w = ctx.workload
+    tokens = w.batch_size * w.tokens_per_sequence
+    prediction = Prediction(
+        latency_s=latency,
+        throughput_tokens_per_s=tokens / latency,
+        peak_memory_bytes=max(bd.memory_bytes for bd in stages_bd),
+        compute_s=compute_s,
+        exposed_comm_s=exposed_s,
+        overlapped_comm_s=m * bottleneck.overlapped_comm_s,
+        bubble_s=max(0.0, latency - compute_s - exposed_s),
+        per_layer=per_layer,
+    )
+    return prediction, stages_bd
+
+
+def _tail_s(ctx: CostContext, grad_bytes: float) -> tuple[float, float]:
+    """(DP gradient all-reduce, optimizer step) of the stage with the most gradient bytes."""
+    if not ctx.train or grad_bytes <= 0:
+        return 0.0, 0.0
+    dev = ctx.cluster.device
+    b = ctx.bytes_per_element
+    opt = dev.launch_overhead_s + grad_bytes / b * OPTIMIZER_BYTES_MOVED_PER_PARAM / (
+        dev.memory_bandwidth_bytes_per_s * dev.memory_efficiency
+    )
+    if ctx.mesh.dp == 1:
+        return 0.0, opt
+    return all_reduce_time_s(grad_bytes, ctx.dp_group(), ctx.cluster), opt

@@ -1,0 +1,590 @@
+"""The inner ILP: strategies, pipeline stages, ladder residual and memory for one mesh, in one PuLP model.
+
+The outer search (`planner.search`) fixes the mesh (tp, pp, dp, micro-batches m); this module
+builds and solves one mixed-integer program for it with CBC. Notation: graphs g (one per class of
+identical layers, plus the "ends": embedding and LM head), ops o of g, options k of o (costs from
+`planner.costing`), layers l = 0..L-1 of class g(l), stages s = 0..p-1.
+
+Variables
+    x[g,o,k] in {0,1}     op o of class g uses option k (shared by every layer of class g, so the
+                          model does not grow with depth)                    `_strategy_variables`
+    e[g,u,v,k,j] in [0,1] edge u->v carries u's option k into v's option j  `_edge_variables`
+    lad[l] in {0,1}       layer l uses ladder residual (only allowed layers) `_ladder_variables`
+    qa[g], qm[g] >= 0     exposed block-output comm of a laddered layer of g `_ladder_variables`
+    za[l], zm[l] >= 0     exposed block-output comm of layer l (auto ladder) `_ladder_variables`
+    beta[b,j] in {0,1}    stage b (1..p-1) starts at layer j (j in a window) `_stage_variables`
+    y[l,s], v[l,s], w[l,s] >= 0   time / memory / gradient bytes of a window layer l if in stage s
+    T >= 0                slowest stage time per micro-batch; Tail >= 0: DP gradient sync + optimizer
+
+Constraints (each family is named by the prefix of its constraint names)
+    onehot_*        sum_k x[g,o,k] = 1                                          `_strategy_variables`
+    edge_src_*, edge_dst_*   sum_j e[..k,j] = x[g,u,k];  sum_k e[..k,j] = x[g,v,j]   `_edge_variables`
+                    (pairs whose conversion is impossible, e.g. P into a nonlinearity, have no e)
+    tied_*          tied embedding / LM head choose the same split            `_strategy_variables`
+    ladder_att_*, ladder_mlp_*   qa[g] >= comm_att[g] - eta * compute_mlp[g]  (eta = overlap_efficiency)
+    ladder_auto_*   za[l] >= comm_att[g] - M (1 - lad[l]) ... and za[l] >= qa[g]   `_ladder_variables`
+    ladder_upper_*  lad[l] <= lad[l+1]: laddered layers are contiguous with the top   `_ladder_variables`
+    start_*         sum_j beta[b,j] = 1;  order_*: start(b) + 1 <= start(b+1)     `_stage_variables`
+    stime_*, smem_*, sgrad_*   y[l,s] >= t[l] - M (1 - a[l,s])   (a[l,s] = [l in stage s], linear in beta)
+    slowest_*       T >= S[s] = sum_l a[l,s] t[l] + ends(s) + p2p                 `_stage_time`
+    memory_*        sum_l a[l,s] (static[l] + f(s) act[l]) + ends(s) + transient <= cap   `_memory_constraints`
+    tail_*          Tail >= alpha + beta * grad_bytes[s]   (training: DP all-reduce + optimizer)  `_tail`
+
+Objective (`_objective`): one step's time
+    sum_l t[l] + ends + (p-1) p2p + (m-1) T + Tail + penalty * sum_l lad[l]
+where t[l] = compute[g] + internal_comm[g] + exposed_comm[l]; exposed is comm_att + comm_mlp for a
+standard layer and qa + qm (or za + zm) for a laddered one. With one stage, T = sum_l t[l] + ends.
+The ladder penalty (`LADDER_MIN_SAVING_FRACTION` of a layer's time) makes the solver ladder a layer
+only if it saves more than that: ladder residual changes the function the model computes.
+Stage boundaries are searched in a window around the split that balances a reference layer time
+(`stage_windows`); with identical layers the optimum lies within a layer or two of the even split.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import pulp
+
+from planner.costing import (
+    CostContext,
+    LayerGraph,
+    conversion_time_s,
+    gradient_sync_cost,
+    in_flight_micro_batches,
+    p2p_stage_time_s,
+    transient_bytes,
+)
+from planner.errors import InputError
+
+LADDER_MIN_SAVING_FRACTION = 0.05  # a laddered layer must save >= 5% of its time (it changes the model)
+WINDOW_FRACTION = 0.25  # stage-boundary window: +-25% of the layers per stage around the balanced split
+MIN_WINDOW = 2  # ... and at least +-2 layers
+
+
+@dataclass(frozen=True)
+class LadderPolicy:
+    """Which layers may use ladder residual: none, exactly the upper N, or the solver's choice of the upper N."""
+
+    mode: str  # "none" | "upper" | "auto"
+    count: int = 0  # upper: exactly this many; auto: at most this many
+
+    @classmethod
+    def parse(cls, text: str, num_layers: int) -> LadderPolicy:
+        """'none' | 'upper:N' | 'auto' | 'auto:max=N'. Raises InputError naming the option."""
+        text = text.strip()
+        if text == "none":
+            return cls("none", 0)
+        if text == "auto":
+            return cls("auto", num_layers)
+        m = re.fullmatch(r"upper:(\d+)", text) or re.fullmatch(r"auto:max=(\d+)", text)
+        if m is None:
+            raise InputError(f"ladder {text!r}: expected 'none', 'upper:N', 'auto' or 'auto:max=N'")
+        n = int(m.group(1))
+        if n > num_layers:
+            raise InputError(f"ladder {text!r}: the model has only {num_layers} layers")
+        return cls("upper" if text.startswith("upper") else "auto", n)
+
+    def eligible(self, num_layers: int) -> list[int]:
+        """Layers that may (auto) or must (upper) be laddered: the top `count`."""
+        return list(range(num_layers - self.count, num_layers)) if self.mode != "none" else []
+
+
+@dataclass
+class IlpProblem:
+    """Inputs of one ILP: a mesh's cost context, its layer graphs and the user's constraints."""
+
+    ctx: CostContext
+    graphs: dict[str, LayerGraph]  # by class key
+    layer_keys: list[str]  # class key of each layer, in order
+    ends: LayerGraph  # embedding + LM head
+    ladder: LadderPolicy
+    memory_cap_bytes: float | None
+    time_limit_s: float = 10.0
+    ladder_min_saving_fraction: float = LADDER_MIN_SAVING_FRACTION
+
+
+@dataclass
+class IlpSolution:
+    """The solver's answer for one mesh."""
+
+    status: str  # pulp.LpSolution[sol_status]
+    feasible: bool
+    objective: float
+    gap: float
+    time_s: float
+    num_variables: int
+    num_constraints: int
+    choices: dict[tuple[str, str], str] = field(default_factory=dict)  # (graph key, op) -> option
+    ladder_layers: list[int] = field(default_factory=list)
+    stages: list[list[int]] = field(default_factory=list)
+
+
+def _name(*parts: object) -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", "_".join(str(p) for p in parts))
+
+
+class _Builder:
+    """Builds the model family by family; each `_...` method documents its constraint family."""
+
+    def __init__(self, prob: IlpProblem) -> None:
+        self.p = prob
+        self.ctx = prob.ctx
+        self.m = pulp.LpProblem("plan", pulp.LpMinimize)
+        self.gid = {key: f"g{i}" for i, key in enumerate(prob.graphs)}
+        self.gid["ends"] = "ends"
+        self.x: dict[tuple[str, str], dict[str, pulp.LpVariable]] = {}
+        self.num_layers = len(prob.layer_keys)
+
+    # -- strategies ------------------------------------------------------------------------
+    def _strategy_variables(self) -> None:
+        """x[g,o,k] one-hot per op (onehot_*); tied embedding / LM head (tied_*)."""
+        for key, graph in [*self.p.graphs.items(), ("ends", self.p.ends)]:
+            for op in graph.ops:
+                xs = {
+                    o.name: pulp.LpVariable(_name("x", self.gid[key], op.name, o.name), cat="Binary")
+                    for o in op.options
+                }
+                self.x[(key, op.name)] = xs
+                self.m += pulp.lpSum(xs.values()) == 1, _name("onehot", self.gid[key], op.name)
+        s = self.ctx.structure
+        if s.tied_lm_head and s.embeddings and s.lm_head is not None:
+            emb, head = self.x[("ends", "embedding0")], self.x[("ends", "lm_head")]
+            for name in set(emb) | set(head):
+                if name in emb and name in head:
+                    self.m += emb[name] == head[name], _name("tied", name)
+                else:
+                    self.m += (emb.get(name) or head.get(name)) == 0, _name("tied_only", name)
+
+    def _edge_variables(self, key: str, graph: LayerGraph) -> pulp.LpAffineExpression:
+        """e[..] linearising x[u,k] * x[v,j] (edge_src_*, edge_dst_*); returns the conversion time."""
+        cost = []
+        for u, v in graph.edges():
+            src, dst = graph.op(u), graph.op(v)
+            e: dict[tuple[str, str], pulp.LpVariable] = {}
+            for k in src.options:
+                for j in dst.options:
+                    t = conversion_time_s(k.out_layout, j.in_layout, src.out_bytes, self.ctx)
+                    if math.isinf(t):
+                        continue
+                    var = pulp.LpVariable(_name("e", self.gid[key], u, v, k.name, j.name), 0, 1)
+                    e[(k.name, j.name)] = var
+                    cost.append(t * var)
+            for k in src.options:
+                self.m += (
+                    pulp.lpSum(var for (a, _), var in e.items() if a == k.name) == self.x[(key, u)][k.name],
+                    _name("edge_src", self.gid[key], u, v, k.name),
+                )
+            for j in dst.options:
+                self.m += (
+                    pulp.lpSum(var for (_, b), var in e.items() if b == j.name) == self.x[(key, v)][j.name],
+                    _name("edge_dst", self.gid[key], u, v, j.name),
+                )
+        return pulp.lpSum(cost)
+
+    def _graph_terms(self, key: str, graph: LayerGraph) -> dict[str, pulp.LpAffineExpression]:
+        """Linear expressions of one graph: compute per block, output comm per block, totals, memory."""
+        x = self.x
+        terms: dict[str, pulp.LpAffineExpression] = {}
+        for block in ("attention", "mlp"):
+            terms[f"compute_{block}"] = pulp.lpSum(
+                o.compute_s * x[(key, op.name)][o.name]
+                for op in graph.ops
+                if op.block == block
+                for o in op.options
+            )
+            out = graph.block_outputs.get(block)
+            if out is None:
+                terms[f"comm_{block}"] = pulp.LpAffineExpression()
+                continue
+            op = graph.op(out)
+            terms[f"comm_{block}"] = pulp.lpSum(
+                conversion_time_s(o.out_layout, "R", op.out_bytes, self.ctx) * x[(key, out)][o.name]
+                for o in op.options
+            )
+        internal = self._edge_variables(key, graph)
+        op_comm = pulp.lpSum(o.comm_s * x[(key, op.name)][o.name] for op in graph.ops for o in op.options)
+        terms["base"] = (
+            terms["compute_attention"] + terms["compute_mlp"] + internal + op_comm + graph.fixed_compute_s
+        )
+        terms["static"] = graph.fixed_static_bytes + pulp.lpSum(
+            o.static_bytes * x[(key, op.name)][o.name] for op in graph.ops for o in op.options
+        )
+        terms["act"] = graph.fixed_activation_bytes + pulp.lpSum(
+            o.activation_bytes * x[(key, op.name)][o.name] for op in graph.ops for o in op.options
+        )
+        terms["grad"] = graph.fixed_grad_bytes + pulp.lpSum(
+            o.grad_bytes * x[(key, op.name)][o.name] for op in graph.ops for o in op.options
+        )
+        return terms
+
+    def _ends_terms(self) -> dict[str, pulp.LpAffineExpression]:
+        """Time / memory of the embedding (first stage) and final norm + LM head (last stage)."""
+        x, ends = self.x, self.p.ends
+        res: dict[str, pulp.LpAffineExpression] = {}
+        for part, block in (("first", "embedding"), ("last", "head")):
+            ops = [op for op in ends.ops if op.block == block]
+            res[f"time_{part}"] = pulp.lpSum(
+                (o.compute_s + o.comm_s) * x[("ends", op.name)][o.name] for op in ops for o in op.options
+            )
+            for kind in ("static", "activation", "grad"):
+                attr = {"static": "static_bytes", "activation": "activation_bytes", "grad": "grad_bytes"}[
+                    kind
+                ]
+                res[f"{kind}_{part}"] = pulp.lpSum(
+                    getattr(o, attr) * x[("ends", op.name)][o.name] for op in ops for o in op.options
+                )
+        res["time_last"] += ends.fixed_compute_s
+        s = self.ctx.structure
+        if s.tied_lm_head and self.ctx.mesh.pp > 1:  # the last stage holds its own copy of the tied weight
+            res["static_last"] += res["static_first"]
+            res["grad_last"] += res["grad_first"]
+        return res
+
+    # -- ladder ----------------------------------------------------------------------------
+    def _ladder_variables(self, terms: dict[str, dict]) -> dict[int, pulp.LpAffineExpression]:
+        """Exposed block-output comm per layer (ladder_att_*, ladder_mlp_*, ladder_auto_*, ladder_upper_*).
+
+        Returns the exposed-comm expression of every laddered or ladder-eligible layer; the others
+        expose comm_attention + comm_mlp of their class.
+        """
+        policy, eta = self.p.ladder, self.ctx.cluster.overlap_efficiency
+        eligible = policy.eligible(self.num_layers)
+        self.lad: dict[int, pulp.LpVariable] = {}
+        exposed: dict[int, pulp.LpAffineExpression] = {}
+        if not eligible:
+            return exposed
+        q: dict[str, tuple[pulp.LpVariable, pulp.LpVariable]] = {}
+        for key in {self.p.layer_keys[i] for i in eligible}:
+            t = terms[key]
+            qa = pulp.LpVariable(_name("qa", self.gid[key]), 0)
+            qm = pulp.LpVariable(_name("qm", self.gid[key]), 0)
+            self.m += qa >= t["comm_attention"] - eta * t["compute_mlp"], _name("ladder_att", self.gid[key])
+            self.m += qm >= t["comm_mlp"] - eta * t["compute_attention"], _name("ladder_mlp", self.gid[key])
+            q[key] = (qa, qm)
+        for i in eligible:
+            key = self.p.layer_keys[i]
+            qa, qm = q[key]
+            if policy.mode == "upper":
+                exposed[i] = qa + qm
+                continue
+            t = terms[key]
+            lad = pulp.LpVariable(_name("lad", i), cat="Binary")
+            self.lad[i] = lad
+            za = pulp.LpVariable(_name("za", i), 0)
+            zm = pulp.LpVariable(_name("zm", i), 0)
+            big_a, big_m = self._comm_bound(key, "attention"), self._comm_bound(key, "mlp")
+            self.m += za >= t["comm_attention"] - big_a * lad, _name("ladder_auto_att", i)
+            self.m += zm >= t["comm_mlp"] - big_m * lad, _name("ladder_auto_mlp", i)
+            self.m += za >= qa, _name("ladder_auto_att_min", i)
+            self.m += zm >= qm, _name("ladder_auto_mlp_min", i)
+            exposed[i] = za + zm
+        for i in sorted(self.lad)[:-1]:
+            self.m += self.lad[i] <= self.lad[i + 1], _name("ladder_upper", i)
+        return exposed
+
+    def _comm_bound(self, key: str, block: str) -> float:
+        graph = self.p.graphs[key]
+        out = graph.block_outputs.get(block)
+        if out is None:
+            return 0.0
+        op = graph.op(out)
+        return max(conversion_time_s(o.out_layout, "R", op.out_bytes, self.ctx) for o in op.options)
+
+    def _time_bound(self, key: str) -> float:
+        """Upper bound of one layer's time (big-M of the stage linearisation)."""
+        graph = self.p.graphs[key]
+        t = graph.fixed_compute_s + sum(max(o.compute_s + o.comm_s for o in op.options) for op in graph.ops)
+        for u, _v in graph.edges():
+            src = graph.op(u)
+            t += max(
+                (
+                    c
+                    for k in src.options
+                    for lay in "RS"
+                    if not math.isinf(c := conversion_time_s(k.out_layout, lay, src.out_bytes, self.ctx))
+                ),
+                default=0.0,
+            )
+        return t + self._comm_bound(key, "attention") + self._comm_bound(key, "mlp")
+
+    # -- stages ----------------------------------------------------------------------------
+    def _stage_variables(
+        self, windows: list[list[int]]
+    ) -> dict[tuple[int, int], pulp.LpAffineExpression | int]:
+        """beta[b,j]: stage b starts at layer j (start_*, order_*). Returns a[l,s] (0/1 constants or expressions)."""
+        pp, L = self.ctx.mesh.pp, self.num_layers
+        self.beta: dict[int, dict[int, pulp.LpVariable]] = {}
+        starts: dict[int, pulp.LpAffineExpression] = {}
+        for b in range(1, pp):
+            self.beta[b] = {j: pulp.LpVariable(_name("beta", b, j), cat="Binary") for j in windows[b - 1]}
+            self.m += pulp.lpSum(self.beta[b].values()) == 1, _name("start", b)
+            starts[b] = pulp.lpSum(j * var for j, var in self.beta[b].items())
+        for b in range(1, pp - 1):
+            self.m += starts[b] + 1 <= starts[b + 1], _name("order", b)
+
+        def g(b: int, layer: int) -> pulp.LpAffineExpression | int:
+            """[stage b starts at or before layer]."""
+            if b == 0:
+                return 1
+            if b == pp:
+                return 0
+            win = windows[b - 1]
+            if layer < win[0]:
+                return 0
+            if layer >= win[-1]:
+                return 1
+            return pulp.lpSum(var for j, var in self.beta[b].items() if j <= layer)
+
+        a: dict[tuple[int, int], pulp.LpAffineExpression | int] = {}
+        for s in range(pp):
+            for layer in range(L):
+                lo, hi = g(s, layer), g(s + 1, layer)
+                if isinstance(lo, int) and isinstance(hi, int):
+                    if lo - hi:
+                        a[(layer, s)] = 1
+                    continue
+                a[(layer, s)] = lo - hi
+        return a
+
+    def _product(self, prefix: str, layer: int, stage: int, expr, a, bound: float) -> pulp.LpVariable:
+        """y >= expr - bound * (1 - a), y >= 0: equals expr * a at the optimum (stime_/smem_/sgrad_*)."""
+        y = pulp.LpVariable(_name(prefix[0], layer, stage), 0)
+        self.m += y >= expr - bound * (1 - a), _name(prefix, layer, stage)
+        return y
+
+    # -- assembly --------------------------------------------------------------------------
+    def build(self) -> None:
+        p, ctx = self.p, self.ctx
+        mesh = ctx.mesh
+        self._strategy_variables()
+        terms = {key: self._graph_terms(key, g) for key, g in p.graphs.items()}
+        ends = self._ends_terms()
+        exposed = self._ladder_variables(terms)
+        keys = p.layer_keys
+
+        def layer_time(i: int) -> pulp.LpAffineExpression:
+            t = terms[keys[i]]
+            return t["base"] + exposed.get(i, t["comm_attention"] + t["comm_mlp"])
+
+        p2p = p2p_stage_time_s(ctx)
+        counts: dict[str, int] = {}
+        for i, key in enumerate(keys):
+            if i not in exposed:
+                counts[key] = counts.get(key, 0) + 1
+        total = (
+            pulp.lpSum(
+                n * (terms[k]["base"] + terms[k]["comm_attention"] + terms[k]["comm_mlp"])
+                for k, n in counts.items()
+            )
+            + pulp.lpSum(layer_time(i) for i in exposed)
+            + ends["time_first"]
+            + ends["time_last"]
+            + (mesh.pp - 1) * p2p
+        )
+        self.total = total
+        stage_time: list[pulp.LpAffineExpression] = []
+        stage_static: list = []
+        stage_act: list = []
+        stage_grad: list = []
+        if mesh.pp == 1:
+            stage_time.append(total)
+            stage_static.append(pulp.lpSum(n * terms[k]["static"] for k, n in self._class_counts().items()))
+            stage_act.append(pulp.lpSum(n * terms[k]["act"] for k, n in self._class_counts().items()))
+            stage_grad.append(pulp.lpSum(n * terms[k]["grad"] for k, n in self._class_counts().items()))
+        else:
+            a = self._stage_variables(stage_windows(self.p))
+            for s in range(mesh.pp):
+                f = in_flight_micro_batches(ctx, s)
+                st, sm, sg = [], [], []
+                certain: dict[str, int] = {}
+                for i in range(self.num_layers):
+                    if (i, s) not in a:
+                        continue
+                    key = keys[i]
+                    mem_i = terms[key]["static"] + f * terms[key]["act"]
+                    if isinstance(a[(i, s)], int):
+                        if i in exposed:
+                            st.append(layer_time(i))
+                        else:
+                            certain[key] = certain.get(key, 0) + 1
+                        continue
+                    st.append(self._product("stime", i, s, layer_time(i), a[(i, s)], self._time_bound(key)))
+                    sm.append(self._product("smem", i, s, mem_i, a[(i, s)], self._memory_bound(key, f)))
+                    if ctx.train:
+                        sg.append(
+                            self._product("sgrad", i, s, terms[key]["grad"], a[(i, s)], self._grad_bound(key))
+                        )
+                for key, n in certain.items():
+                    t = terms[key]
+                    st.append(n * (t["base"] + t["comm_attention"] + t["comm_mlp"]))
+                for i in range(self.num_layers):
+                    if isinstance(a.get((i, s)), int):
+                        key = keys[i]
+                        sm.append(terms[key]["static"] + f * terms[key]["act"])
+                        sg.append(terms[key]["grad"])
+                stage_time.append(pulp.lpSum(st) + (p2p if s < mesh.pp - 1 else 0.0))
+                stage_static.append(pulp.lpSum(sm))
+                stage_act.append(pulp.LpAffineExpression())  # folded into stage_static (f depends on s)
+                stage_grad.append(pulp.lpSum(sg))
+        stage_time[0] += ends["time_first"] if mesh.pp > 1 else 0.0
+        stage_time[-1] += ends["time_last"] if mesh.pp > 1 else 0.0
+        self.stage_time = stage_time
+        self._memory_constraints(stage_static, stage_act, stage_grad, ends)
+        slowest = self._stage_time(stage_time)
+        tail = self._tail(stage_grad, ends)
+        self._objective(total, slowest, tail)
+
+    def _class_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for key in self.p.layer_keys:
+            counts[key] = counts.get(key, 0) + 1
+        return counts
+
+    def _memory_bound(self, key: str, f: int) -> float:
+        graph = self.p.graphs[key]
+        return (
+            graph.fixed_static_bytes
+            + f * graph.fixed_activation_bytes
+            + sum(max(o.static_bytes + f * o.activation_bytes for o in op.options) for op in graph.ops)
+        )
+
+    def _grad_bound(self, key: str) -> float:
+        graph = self.p.graphs[key]
+        return graph.fixed_grad_bytes + sum(max(o.grad_bytes for o in op.options) for op in graph.ops)
+
+    def _memory_constraints(self, static, act, grad, ends) -> None:
+        """memory_*: per stage, params (+ grads + Adam) + in-flight activations + ends <= cap."""
+        ctx, cap = self.ctx, self.p.memory_cap_bytes
+        pp = ctx.mesh.pp
+        self.stage_memory = []
+        for s in range(pp):
+            f = in_flight_micro_batches(ctx, s)
+            mem = static[s] + (f * act[s] if pp == 1 else 0) + transient_bytes(ctx)
+            if s == 0:
+                mem += ends["static_first"] + f * ends["activation_first"]
+            if s == pp - 1:
+                mem += ends["static_last"] + f * ends["activation_last"]
+            self.stage_memory.append(mem)
+            if cap is not None:
+                self.m += mem <= cap, _name("memory", s)
+
+    def _stage_time(self, stage_time) -> pulp.LpAffineExpression | pulp.LpVariable:
+        """slowest_*: T >= stage time per micro-batch, for every stage."""
+        if self.ctx.mesh.pp == 1:
+            return stage_time[0]
+        slowest = pulp.LpVariable("T", 0)
+        for s, t in enumerate(stage_time):
+            self.m += slowest >= t, _name("slowest", s)
+        return slowest
+
+    def _tail(self, stage_grad, ends):
+        """tail_*: training: Tail >= DP gradient all-reduce + optimizer step of every stage."""
+        if not self.ctx.train:
+            return 0.0
+        fit = gradient_sync_cost(self.ctx)
+        tail = pulp.LpVariable("Tail", 0)
+        pp = self.ctx.mesh.pp
+        for s in range(pp):
+            g = stage_grad[s]
+            if s == 0:
+                g += ends["grad_first"]
+            if s == pp - 1:
+                g += ends["grad_last"]
+            self.m += tail >= fit.alpha_s + fit.beta_s_per_byte * g, _name("tail", s)
+        return tail
+
+    def _objective(self, total, slowest, tail) -> None:
+        """One step: all stage work once, plus (m-1) x the slowest stage, plus the training tail."""
+        m = self.ctx.mesh.micro_batches
+        penalty = 0.0
+        if self.lad:
+            ref = self._reference_layer_time()
+            penalty = self.p.ladder_min_saving_fraction * ref
+        objective = total + (m - 1) * slowest + tail + penalty * pulp.lpSum(self.lad.values())
+        self.m += objective
+
+    def _reference_layer_time(self) -> float:
+        """A layer's time with its cheapest option per op (ladder penalty scale)."""
+        key = self.p.layer_keys[-1]
+        graph = self.p.graphs[key]
+        return graph.fixed_compute_s + sum(min(o.compute_s for o in op.options) for op in graph.ops)
+
+
+def stage_windows(prob: IlpProblem) -> list[list[int]]:
+    """Candidate start layers of stages 1..p-1: a window around the balanced split of reference times."""
+    pp, keys = prob.ctx.mesh.pp, prob.layer_keys
+    L = len(keys)
+    ref = {
+        k: g.fixed_compute_s + sum(min(o.compute_s for o in op.options) for op in g.ops)
+        for k, g in prob.graphs.items()
+    }
+    weights = [ref[k] for k in keys]
+    total = sum(weights) or 1.0
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    half = max(MIN_WINDOW, math.ceil(WINDOW_FRACTION * L / pp))
+    windows = []
+    for b in range(1, pp):
+        target = total * b / pp
+        ideal = min(range(1, L), key=lambda j: abs(prefix[j] - target))
+        lo, hi = max(b, ideal - half), min(L - (pp - b), ideal + half)
+        windows.append(list(range(lo, hi + 1)))
+    return windows
+
+
+def solve(prob: IlpProblem) -> IlpSolution:
+    """Build and solve the ILP of one mesh with CBC. Never raises for infeasibility: see `feasible`."""
+    builder = _Builder(prob)
+    builder.build()
+    model = builder.m
+    with tempfile.TemporaryDirectory() as tmp:
+        log = os.path.join(tmp, "cbc.log")
+        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=prob.time_limit_s, logPath=log)
+        start = time.perf_counter()
+        model.solve(solver)
+        elapsed = time.perf_counter() - start
+        log_text = open(log).read() if os.path.exists(log) else ""
+    status = pulp.LpSolution[model.sol_status]
+    feasible = model.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+    sol = IlpSolution(
+        status=status,
+        feasible=feasible,
+        objective=pulp.value(model.objective) if feasible else math.inf,
+        gap=_gap(log_text, model.sol_status),
+        time_s=elapsed,
+        num_variables=len(model.variables()),
+        num_constraints=len(model.constraints),
+    )
+    if not feasible:
+        return sol
+    for (key, op), xs in builder.x.items():
+        sol.choices[(key, op)] = max(xs, key=lambda name: xs[name].varValue or 0.0)
+    L = len(prob.layer_keys)
+    eligible = prob.ladder.eligible(L)
+    if prob.ladder.mode == "upper":
+        sol.ladder_layers = eligible
+    else:
+        sol.ladder_layers = [i for i, var in builder.lad.items() if (var.varValue or 0.0) > 0.5]
+    starts = [0]
+    for b in range(1, prob.ctx.mesh.pp):
+        starts.append(max(builder.beta[b], key=lambda j: builder.beta[b][j].varValue or 0.0))
+    starts.append(L)
+    sol.stages = [list(range(starts[s], starts[s + 1])) for s in range(prob.ctx.mesh.pp)]
+    return sol
+
+
+def _gap(log_text: str, sol_status: int) -> float:
+    """Relative gap from CBC's log ("Gap: 0.05"); 0 when proven optimal, inf when unknown."""
+    if sol_status == pulp.LpSolutionOptimal:
+        return 0.0
+    m = re.search(r"Gap:\s*([0-9.eE+-]+)", log_text)
+    if m:
+        return float(m.group(1))
+    return math.inf

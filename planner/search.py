@@ -1,0 +1,551 @@
+"""The planner's entry point: enumerate mesh shapes around the inner ILP and return the best `Plan`.
+
+    plan_model(structure, cluster, workload, constraints) -> Plan
+
+For every candidate mesh (tp, pp, dp, micro-batches) allowed by the constraints, `planner.costing`
+prices every op option and `planner.ilp` solves one ILP (strategies, stages, ladder, memory).
+Candidates are visited in order of a cheap lower bound (perfectly sharded compute) and skipped
+once the bound exceeds the best plan found, so the search stays fast on 1,000-device clusters.
+The hand-written Megatron plan (`planner.baseline`) is costed with the same model and stored in the
+plan; if it were ever better than the search result (time limit hit), it is returned instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from costmodels.cluster import ClusterSpec
+from planner.baseline import BaselinePlan, baseline_plan, megatron_choices, megatron_mesh
+from planner.costing import (
+    CostContext,
+    LayerGraph,
+    MeshShape,
+    Workload,
+    build_chain_graph,
+    build_ends_graph,
+    build_layer_graph,
+    conversion_time_s,
+    in_flight_micro_batches,
+    layer_key,
+    layer_projection_ops,
+    mlp_op_names,
+    predict,
+)
+from planner.errors import InfeasibleError, InputError
+from planner.ilp import LADDER_MIN_SAVING_FRACTION, IlpProblem, IlpSolution, LadderPolicy, solve
+from planner.plan import Decision, MeshCandidate, Plan, SolverInfo, WeightSplit
+
+__all__ = ["Constraints", "Workload", "plan_model"]
+
+_GIB = 2.0**30
+MAX_BLOCK_COMBINATIONS = 20000  # decision tables enumerate a block's option combinations up to this
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """What the user pins or allows. None = the search chooses."""
+
+    tp: int | None = None  # pinned tensor-parallel degree
+    pp: int | None = None  # pinned pipeline-parallel degree
+    dp: int | None = None  # pinned data-parallel degree
+    max_devices: int | None = None  # use at most this many devices (default: the whole cluster)
+    ladder: str = "none"  # "none" | "upper:N" | "auto" | "auto:max=N"
+    tp_across_nodes: bool = False  # consider TP groups larger than a node (off: TP stays in a node)
+    memory_fraction: float = 0.9  # share of device memory plans may use (rest: runtime, fragmentation)
+    time_limit_s: float = 10.0  # CBC time limit per ILP
+    ladder_min_saving_fraction: float = LADDER_MIN_SAVING_FRACTION
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp", "max_devices"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise InputError(f"constraint {name} must be >= 1, got {value}")
+        if not 0 < self.memory_fraction <= 1:
+            raise InputError(f"constraint memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.time_limit_s <= 0:
+            raise InputError(f"constraint time_limit_s must be > 0, got {self.time_limit_s}")
+
+
+@dataclass
+class _Candidate:
+    mesh: MeshShape
+    ctx: CostContext
+    graphs: dict[str, LayerGraph]
+    ends: LayerGraph
+    lower_bound_s: float
+    memory_lower_bound_bytes: float
+    solution: IlpSolution | None = None
+    note: str = ""
+    latency_s: float | None = None
+
+
+@dataclass
+class _Search:
+    structure: object
+    cluster: ClusterSpec
+    workload: Workload
+    constraints: Constraints
+    dtype: str
+    layer_keys: list[str]
+    ladder: LadderPolicy
+    cap_bytes: float
+    excluded: list[str] = field(default_factory=list)
+    candidates: list[_Candidate] = field(default_factory=list)
+    solver_time_s: float = 0.0
+
+
+def plan_model(
+    structure: object,
+    cluster: ClusterSpec,
+    workload: Workload,
+    constraints: Constraints,
+    *,
+    model_name: str = "model",
+) -> Plan:
+    """Find the fastest plan (latency of one step) for `structure` on `cluster`.
+
+    Raises:
+        InputError: constraints that contradict the model or cluster (pinned degrees, ladder spec).
+        InfeasibleError: no mesh fits memory; the message names the binding constraint and what would fit.
+    """
+    search = _setup(structure, cluster, workload, constraints)
+    _enumerate(search)
+    best = _solve_candidates(search)
+    return _make_plan(search, best, model_name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Set-up and enumeration
+
+
+def _setup(structure, cluster, workload, constraints) -> _Search:
+    dtype = workload.dtype or structure.dtype
+    if structure.layers:
+        keys = [layer_key(layer) for layer in structure.layers]
+    elif structure.mlp_chain:
+        keys = ["chain"]
+    else:
+        raise InputError("the model has neither transformer layers nor linear layers to plan")
+    num_layers = len(structure.layers)
+    ladder = LadderPolicy.parse(constraints.ladder, num_layers)
+    if ladder.mode != "none":
+        missing = [i for i in ladder.eligible(num_layers) if not _has_both_blocks(structure.layers[i])]
+        if missing:
+            raise InputError(
+                f"ladder {constraints.ladder!r}: layers {missing} lack an attention or MLP block"
+            )
+    cap = cluster.device.memory_bytes * constraints.memory_fraction
+    return _Search(structure, cluster, workload, constraints, dtype, keys, ladder, cap)
+
+
+def _has_both_blocks(layer) -> bool:
+    return layer.attention is not None and layer.mlp is not None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _head_counts(structure) -> tuple[set[int], set[int]]:
+    heads = {layer.attention.num_heads for layer in structure.layers if layer.attention is not None}
+    kv = {layer.attention.num_kv_heads for layer in structure.layers if layer.attention is not None}
+    return heads, kv
+
+
+def _tp_options(search: _Search, num_devices: int) -> list[int]:
+    c, cluster = search.constraints, search.cluster
+    heads, kv = _head_counts(search.structure)
+    out = []
+    for tp in _divisors(num_devices) if c.tp is None else [c.tp]:
+        if c.tp is None and tp > cluster.devices_per_node and not c.tp_across_nodes:
+            search.excluded.append(
+                f"tp={tp}: spans {math.ceil(tp / cluster.devices_per_node)} nodes "
+                f"(TP stays inside a node of {cluster.devices_per_node} unless tp_across_nodes)"
+            )
+            continue
+        bad = sorted(h for h in heads if h % tp)
+        if bad and c.tp is None:
+            search.excluded.append(f"tp={tp}: {bad[0]} heads not divisible by {tp}")
+            continue
+        if bad:
+            search.excluded.append(
+                f"tp={tp} (pinned): {bad[0]} heads not divisible by {tp}; attention stays replicated"
+            )
+        bad_kv = sorted(h for h in kv if h % tp)
+        if bad_kv and not bad and tp > 1:
+            search.excluded.append(
+                f"tp={tp}: head-parallel attention excluded: {bad_kv[0]} KV heads (GQA) not divisible by {tp}"
+            )
+        out.append(tp)
+    return out
+
+
+def _micro_batch_options(search: _Search, pp: int, dp: int) -> list[int]:
+    w = search.workload
+    per_replica = w.batch_size // dp
+    if w.micro_batches is not None:
+        return [w.micro_batches] if per_replica % w.micro_batches == 0 else []
+    divisors = _divisors(per_replica)
+    if pp == 1 and w.kind != "train":
+        return [1]
+    limits = (pp, 4 * pp, per_replica) if pp > 1 else (1, per_replica)
+    return sorted({max(d for d in divisors if d <= lim) for lim in limits})
+
+
+def _enumerate(search: _Search) -> None:
+    """Every allowed (tp, pp, dp, m), priced, with lower bounds of time and memory."""
+    c, w, cluster = search.constraints, search.workload, search.cluster
+    num_devices = min(c.max_devices or cluster.num_devices, cluster.num_devices)
+    if c.max_devices is not None and c.max_devices > cluster.num_devices:
+        raise InputError(f"max_devices {c.max_devices} exceeds the cluster's {cluster.num_devices} devices")
+    num_layers = len(search.structure.layers) or 1
+    tps = _tp_options(search, num_devices)
+    pps = [c.pp] if c.pp is not None else [p for p in _divisors(num_devices) if p <= num_layers]
+    if c.pp is not None and c.pp > num_layers:
+        raise InputError(f"pp={c.pp} exceeds the model's {num_layers} layers")
+    if not search.structure.layers and c.pp not in (None, 1):
+        raise InputError("pp > 1 needs transformer layers; this model is a plain chain of linears")
+    if not search.structure.layers:
+        pps = [1]
+    dps = [c.dp] if c.dp is not None else [d for d in _divisors(num_devices) if w.batch_size % d == 0]
+    if c.dp is not None and w.batch_size % c.dp:
+        raise InputError(f"dp={c.dp} does not divide the batch size {w.batch_size}")
+    for tp, pp, dp in itertools.product(tps, pps, dps):
+        if tp * pp * dp > num_devices:
+            continue
+        for m in _micro_batch_options(search, pp, dp):
+            search.candidates.append(_price(search, MeshShape(tp, pp, dp, m)))
+    if not search.candidates:
+        pinned = {k: getattr(c, k) for k in ("tp", "pp", "dp") if getattr(c, k) is not None}
+        raise InfeasibleError(
+            f"no mesh shape fits {num_devices} devices with {pinned or 'no pinned degrees'} and batch "
+            f"{w.batch_size}; excluded: {'; '.join(search.excluded) or 'none'}"
+        )
+
+
+def _price(search: _Search, mesh: MeshShape) -> _Candidate:
+    ctx = CostContext(search.structure, search.cluster, search.workload, mesh, search.dtype)
+    s = search.structure
+    if s.layers:
+        graphs: dict[str, LayerGraph] = {}
+        for layer, key in zip(s.layers, search.layer_keys):
+            if key not in graphs:
+                graphs[key] = build_layer_graph(layer, ctx)
+    else:
+        graphs = {"chain": build_chain_graph(s.mlp_chain, ctx)}
+    ends = build_ends_graph(ctx)
+    per_layer_min = {
+        k: g.fixed_compute_s + sum(min(o.compute_s for o in op.options) for op in g.ops)
+        for k, g in graphs.items()
+    }
+    ends_min = ends.fixed_compute_s + sum(min(o.compute_s for o in op.options) for op in ends.ops)
+    work = sum(per_layer_min[k] for k in search.layer_keys) + ends_min
+    bound = work * (1 + (mesh.micro_batches - 1) / mesh.pp)
+    f = in_flight_micro_batches(ctx, 0)
+    static_min = {
+        k: g.fixed_static_bytes + f * g.fixed_activation_bytes
+        + sum(min(o.static_bytes + f * o.activation_bytes for o in op.options) for op in g.ops)
+        for k, g in graphs.items()
+    }  # fmt: skip
+    ends_static = sum(min(o.static_bytes for o in op.options) for op in ends.ops)
+    memory = (sum(static_min[k] for k in search.layer_keys) + ends_static) / mesh.pp
+    return _Candidate(mesh, ctx, graphs, ends, bound, memory)
+
+
+# ---------------------------------------------------------------------------------------------
+# Solving
+
+
+def _solve_candidates(search: _Search) -> _Candidate | None:
+    best: _Candidate | None = None
+    order = sorted(search.candidates, key=lambda c: (c.lower_bound_s, c.mesh.num_devices))
+    for cand in order:
+        if cand.memory_lower_bound_bytes > search.cap_bytes:
+            cand.note = f"needs at least {cand.memory_lower_bound_bytes / _GIB:.1f} GiB per device"
+            continue
+        if best is not None and cand.lower_bound_s >= best.latency_s:
+            cand.note = f"pruned: lower bound {cand.lower_bound_s * 1e3:.3g} ms >= best"
+            continue
+        prob = IlpProblem(
+            ctx=cand.ctx,
+            graphs=cand.graphs,
+            layer_keys=search.layer_keys,
+            ends=cand.ends,
+            ladder=search.ladder,
+            memory_cap_bytes=search.cap_bytes,
+            time_limit_s=search.constraints.time_limit_s,
+            ladder_min_saving_fraction=search.constraints.ladder_min_saving_fraction,
+        )
+        sol = solve(prob)
+        search.solver_time_s += sol.time_s
+        cand.solution = sol
+        cand.note = sol.status
+        if not sol.feasible:
+            cand.note = f"{sol.status}: does not fit {search.cap_bytes / _GIB:.1f} GiB per device"
+            continue
+        prediction, _ = predict(
+            cand.ctx, cand.graphs, search.layer_keys, cand.ends, sol.choices, sol.stages, sol.ladder_layers
+        )
+        cand.latency_s = prediction.latency_s
+        if best is None or cand.latency_s < best.latency_s:
+            best = cand
+    return best
+
+
+# ---------------------------------------------------------------------------------------------
+# Infeasibility
+
+
+def _infeasible(search: _Search) -> InfeasibleError:
+    """Name the binding constraint for the candidate closest to fitting, and what would fit."""
+    closest = min(search.candidates, key=lambda c: c.memory_lower_bound_bytes / c.mesh.num_devices**0)
+    mesh = closest.mesh
+    choices = _min_memory_choices(closest)
+    from planner.baseline import even_stages
+
+    stages = even_stages(len(search.layer_keys), mesh.pp)
+    prediction, breakdown = predict(
+        closest.ctx, closest.graphs, search.layer_keys, closest.ends, choices, stages, []
+    )
+    worst = max(range(mesh.pp), key=lambda s: breakdown[s].memory_bytes)
+    need = breakdown[worst].memory_bytes
+    total = sum(bd.memory_bytes for bd in breakdown) * mesh.dp
+    devices_needed = math.ceil(total / search.cap_bytes)
+    cap_gib = search.cluster.device.memory_bytes / _GIB
+    hints = [f"about {devices_needed} devices of this kind (e.g. a larger pp)"]
+    if search.workload.kind == "train":
+        hints.append("more micro-batches or a smaller batch (less activation memory)")
+    elif search.workload.kind == "decode":
+        hints.append("a smaller batch or context (less KV cache)")
+    else:
+        hints.append("a smaller batch")
+    return InfeasibleError(
+        f"no plan fits memory: with tp={mesh.tp} pp={mesh.pp} dp={mesh.dp} (the mesh closest to fitting) "
+        f"stage {worst} needs {need / _GIB:.1f} GiB, devices have {cap_gib:.1f} GiB "
+        f"({search.cap_bytes / _GIB:.1f} GiB usable at memory_fraction {search.constraints.memory_fraction}); "
+        f"would fit: {', or '.join(hints)}"
+    )
+
+
+def _min_memory_choices(cand: _Candidate) -> dict[tuple[str, str], str]:
+    """Most-sharded feasible strategy (Megatron's), the plan with the least memory per rank."""
+    return megatron_choices(cand.graphs, cand.ends)
+
+
+# ---------------------------------------------------------------------------------------------
+# The Plan
+
+
+def _make_plan(search: _Search, best: _Candidate | None, model_name: str) -> Plan:
+    s, w = search.structure, search.workload
+    baseline = _baseline(search)
+    if best is None:
+        raise _infeasible(search)
+    sol = best.solution
+    assert sol is not None
+    choices, stages, ladder = sol.choices, sol.stages, sol.ladder_layers
+    cand_ctx, graphs, ends = best.ctx, best.graphs, best.ends
+    decisions: list[Decision] = []
+    if (
+        baseline is not None
+        and baseline.prediction.peak_memory_bytes <= search.cap_bytes
+        and baseline.prediction.latency_s < best.latency_s * (1 - 1e-9)
+        and search.ladder.mode != "upper"
+    ):
+        bcand = _price(search, baseline.mesh)
+        choices, stages, ladder = baseline.choices, baseline.stages, []
+        cand_ctx, graphs, ends = bcand.ctx, bcand.graphs, bcand.ends
+        decisions.append(Decision("fallback", "megatron", {"search": best.latency_s, "megatron": baseline.prediction.latency_s},
+                                  f"the ILP stopped at {sol.status} (gap {sol.gap:.3g}); Megatron's plan is faster"))  # fmt: skip
+    prediction, _ = predict(cand_ctx, graphs, search.layer_keys, ends, choices, stages, ladder)
+    mesh = cand_ctx.mesh
+    decisions = _mesh_decision(search, mesh) + decisions
+    decisions += _strategy_decisions(search, cand_ctx, graphs, ends, choices)
+    decisions += _ladder_decision(
+        search, cand_ctx, graphs, ends, choices, stages, ladder, prediction.latency_s
+    )
+    excluded = list(dict.fromkeys(search.excluded + _op_exclusions(graphs, ends)))
+    return Plan(
+        model=model_name,
+        cluster=search.cluster.name,
+        workload=w.kind,
+        batch_size=w.batch_size,
+        seq_len=w.seq_len,
+        context=w.context,
+        micro_batches=mesh.micro_batches,
+        dtype=search.dtype,
+        tp=mesh.tp,
+        pp=mesh.pp,
+        dp=mesh.dp,
+        splits=_splits(s, graphs, search.layer_keys, choices, mesh.tp),
+        stages=stages if s.layers else [[]],
+        ladder_layers=ladder,
+        predicted=prediction,
+        solver=SolverInfo(sol.status, sol.objective, sol.gap, search.solver_time_s, sol.num_variables),
+        decisions=decisions,
+        excluded=excluded,
+        baseline=baseline.prediction if baseline is not None else None,
+        mesh_candidates=[
+            MeshCandidate(c.mesh.tp, c.mesh.pp, c.mesh.dp, c.latency_s, f"m={c.mesh.micro_batches}: {c.note}")
+            for c in sorted(search.candidates, key=lambda c: (c.latency_s is None, c.latency_s or 0.0))
+        ],
+    )
+
+
+def _baseline(search: _Search) -> BaselinePlan | None:
+    s, cluster = search.structure, search.cluster
+    heads, _ = _head_counts(s)
+    num_heads = math.gcd(*heads) if heads else None
+    mesh = megatron_mesh(cluster, search.workload, num_heads, len(s.layers) or 1)
+    if not s.layers:
+        mesh = MeshShape(mesh.tp, 1, 1, 1)
+    if search.workload.batch_size % mesh.micro_batches:
+        return None
+    cand = _price(search, mesh)
+    return baseline_plan(cand.ctx, cand.graphs, search.layer_keys, cand.ends)
+
+
+def _splits(structure, graphs, layer_keys, choices, tp: int) -> dict[str, WeightSplit]:
+    """WeightSplit per weight FQN: colwise splits the output dim, rowwise the input dim."""
+    splits: dict[str, WeightSplit] = {}
+
+    def add(proj, style: str) -> None:
+        out_dim = proj.weight_out_dim
+        if style == "colwise" or style == "vocab":
+            dim = out_dim
+        elif style == "rowwise":
+            dim = 1 - out_dim
+        else:
+            dim = 0
+        parts = list(proj.parts) if proj.parts and style == "colwise" else None
+        splits[proj.weight] = WeightSplit(proj.weight, style, dim, parts)
+
+    if structure.layers:
+        for layer, key in zip(structure.layers, layer_keys):
+            for name, proj in layer_projection_ops(layer).items():
+                add(proj, choices[(key, name)])
+    else:
+        for name, proj in mlp_op_names(structure.mlp_chain).items():
+            add(proj, choices[("chain", name)])
+    for i, emb in enumerate(structure.embeddings):
+        style = choices[("ends", f"embedding{i}")]
+        splits[emb.weight] = WeightSplit(emb.weight, "vocab" if style == "vocab" else "replicate", 0, None)
+    if structure.lm_head is not None and structure.lm_head.weight not in splits:
+        add(structure.lm_head, choices[("ends", "lm_head")])
+    return splits
+
+
+def _mesh_label(mesh: MeshShape) -> str:
+    return f"tp={mesh.tp} pp={mesh.pp} dp={mesh.dp} m={mesh.micro_batches}"
+
+
+def _mesh_decision(search: _Search, chosen: MeshShape) -> list[Decision]:
+    options = {
+        _mesh_label(c.mesh): (c.latency_s if c.latency_s is not None else math.inf) for c in search.candidates
+    }
+    solved = sum(1 for c in search.candidates if c.solution is not None)
+    return [
+        Decision(
+            "mesh",
+            _mesh_label(chosen),
+            options,
+            f"lowest predicted step time of {solved} solved mesh candidates ({len(options)} considered; "
+            "inf = infeasible or pruned by its lower bound)",
+        )
+    ]
+
+
+def _block_table(
+    graph: LayerGraph, key: str, block: str, ctx: CostContext
+) -> dict[tuple[str, str], float] | None:
+    """Best block time (compute + conversions) with each (op, option) forced; None if too many combinations."""
+    ops = [op for op in graph.ops if op.block == block]
+    if not ops or math.prod(len(op.options) for op in ops) > MAX_BLOCK_COMBINATIONS:
+        return None
+    names = {op.name for op in ops}
+    out = graph.block_outputs.get(block)
+    best: dict[tuple[str, str], float] = {}
+    for combo in itertools.product(*[op.options for op in ops]):
+        chosen = {op.name: o for op, o in zip(ops, combo)}
+        t = sum(o.compute_s + o.comm_s for o in combo)
+        for op in ops:
+            for src in op.inputs:
+                if src in names:
+                    t += conversion_time_s(
+                        chosen[src].out_layout, chosen[op.name].in_layout, graph.op(src).out_bytes, ctx
+                    )
+        if out is not None:
+            t += conversion_time_s(chosen[out].out_layout, "R", graph.op(out).out_bytes, ctx)
+        for op in ops:
+            k = (op.name, chosen[op.name].name)
+            if t < best.get(k, math.inf):
+                best[k] = t
+    return best
+
+
+def _strategy_decisions(search, ctx, graphs, ends, choices) -> list[Decision]:
+    """Per class of layers and op: the step time of the class with each option of that op forced."""
+    decisions = []
+    counts: dict[str, list[int]] = {}
+    for i, key in enumerate(search.layer_keys):
+        counts.setdefault(key, []).append(i)
+    m = ctx.mesh.micro_batches
+    for key, graph in graphs.items():
+        layers = counts[key]
+        span = f"layers[{layers[0]}..{layers[-1]}]" if search.structure.layers else "mlp"
+        for block in ("attention", "mlp"):
+            table = _block_table(graph, key, block, ctx)
+            if table is None:
+                continue
+            for op in graph.ops:
+                if op.block != block:
+                    continue
+                options = {
+                    o.name: table.get((op.name, o.name), math.inf) * len(layers) * m for o in op.options
+                }
+                for name, _why in op.excluded.items():
+                    options[name] = math.inf
+                chosen = choices[(key, op.name)]
+                cheapest = min(options, key=options.get)
+                reason = "cheapest: predicted time of these layers with this option, the rest of the block re-optimised"
+                if cheapest != chosen and options[cheapest] < options[chosen] * (1 - 1e-9):
+                    reason = f"{cheapest} is faster alone but breaks a memory, pipeline or ladder constraint"
+                if op.excluded:
+                    reason += "; not offered: " + "; ".join(f"{n}: {why}" for n, why in op.excluded.items())
+                decisions.append(Decision(f"{span}.{block}.{op.name}", chosen, options, reason))
+    for op in ends.ops:
+        options = {o.name: (o.compute_s + o.comm_s) * m for o in op.options}
+        for name in op.excluded:
+            options[name] = math.inf
+        reason = "time of this op per step; memory may favour the sharded option"
+        if op.excluded:
+            reason += "; not offered: " + "; ".join(f"{n}: {why}" for n, why in op.excluded.items())
+        decisions.append(Decision(op.name, choices[("ends", op.name)], options, reason))
+    return decisions
+
+
+def _ladder_decision(search, ctx, graphs, ends, choices, stages, ladder, latency_s) -> list[Decision]:
+    if search.ladder.mode == "none":
+        return []
+    plain, _ = predict(ctx, graphs, search.layer_keys, ends, choices, stages, [])
+    label = f"layers {ladder[0]}..{ladder[-1]}" if ladder else "none"
+    options = {"none": plain.latency_s, label: latency_s}
+    if search.ladder.mode == "auto":
+        reason = (
+            f"solver's choice among the upper {search.ladder.count} layers; a layer is laddered only if it saves "
+            f">= {search.constraints.ladder_min_saving_fraction:.0%} of its time (ladder changes the model's function)"
+        )
+    else:
+        reason = f"the user asked for exactly the upper {search.ladder.count} layers"
+    return [Decision("ladder", label, options, reason)]
+
+
+def _op_exclusions(graphs: dict[str, LayerGraph], ends: LayerGraph) -> list[str]:
+    out = []
+    for graph in [*graphs.values(), ends]:
+        for op in graph.ops:
+            for name, why in op.excluded.items():
+                out.append(f"{op.name} {name}: {why}")
+    return out
