@@ -27,11 +27,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from planner.analysis import ModelStructure, analyse
 
 from passes.ladder import apply_ladder, ladder_deviation
 from passes.tensor_parallel import apply_tensor_parallel, shard_weight
+from planner.analysis import ModelStructure, analyse
 from planner.capture import capture, flat_inputs
 from planner.modelfile import load_model_file
 from planner.plan import Plan
@@ -53,6 +52,7 @@ class RunJob:
     warmup: int = 2
     iters: int = 5
     seed: int = 0
+    return_output: bool = False  # put the rank's output tensor in the report (tests)
 
 
 @dataclass
@@ -70,6 +70,7 @@ class RankReport:
     grad_max_abs_diff: float | None = None  # training: worst gradient difference over this rank's parameters
     ladder_deviation: float | None = None  # relative L2 of laddered vs original outputs
     notes: list[str] = field(default_factory=list)
+    output: torch.Tensor | None = None  # only with RunJob.return_output
 
 
 def ladder_residual_adds(structure: ModelStructure, layers: list[int]) -> list[str]:
@@ -143,6 +144,8 @@ def run_rank(ctx: RankContext, job: RunJob) -> RankReport:
         with torch.no_grad():
             out = _as_tensor(gm(*inputs))
         report.max_abs_diff = float((out - ref_out).abs().max())
+        if job.return_output:
+            report.output = out.cpu()
 
         def step() -> None:
             with torch.no_grad():
@@ -217,11 +220,5 @@ def summarise(reports: list[RankReport]) -> dict[str, Any]:
             ),
             "median_rank_latency_s": statistics.median(r.median_s for r in reports),
         },
-        "ranks": [asdict(r) | {"latency_samples_s": r.latency_samples_s} for r in reports],
+        "ranks": [{k: v for k, v in asdict(r).items() if k != "output"} for r in reports],
     }
-
-
-def world_barrier() -> None:
-    """Barrier on the default group when one is initialised (no-op otherwise)."""
-    if dist.is_initialized():
-        dist.barrier()

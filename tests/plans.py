@@ -1,0 +1,51 @@
+"""Hand-written Megatron-style plans for the parity tests (independent of the ILP, on purpose)."""
+
+from __future__ import annotations
+
+from planner.analysis import ModelStructure
+from planner.plan import Plan, Prediction, SolverInfo, WeightSplit
+
+
+def megatron_splits(structure: ModelStructure, vocab: bool = True) -> dict[str, WeightSplit]:
+    """Column-parallel Q/K/V (whole heads) and up/gate, row-parallel output and down projections;
+    vocab-parallel embedding and LM head when `vocab`."""
+    splits: dict[str, WeightSplit] = {}
+    for layer in structure.layers:
+        blocks = [b for b in (layer.attention, layer.mlp) if b is not None]
+        for block in blocks:
+            for p in block.projections:
+                col = p.role in ("q", "k", "v", "qkv", "up", "gate")
+                dim = p.weight_out_dim if col else 1 - p.weight_out_dim
+                parts = list(p.parts) if p.parts else None
+                splits[p.weight] = WeightSplit(p.weight, "colwise" if col else "rowwise", dim, parts)
+    if vocab:
+        for emb in structure.embeddings:
+            if emb.vocab_size == structure.vocab_size:
+                splits[emb.weight] = WeightSplit(emb.weight, "vocab", 0)
+        if structure.lm_head is not None:
+            head = structure.lm_head
+            splits[head.weight] = WeightSplit(head.weight, "vocab", head.weight_out_dim)
+    return splits
+
+
+def fixed_plan(
+    structure: ModelStructure,
+    model: str,
+    tp: int,
+    pp: int = 1,
+    ladder_layers: list[int] | None = None,
+    workload: str = "forward",
+    micro_batches: int = 1,
+    vocab: bool = True,
+) -> Plan:
+    """A Plan with Megatron splits at degree `tp`, layers split evenly over `pp` stages."""
+    n = len(structure.layers)
+    per = -(-n // pp)
+    stages = [list(range(s * per, min(n, (s + 1) * per))) for s in range(pp)]
+    zero = Prediction(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    return Plan(
+        model=model, cluster="local-cpu", workload=workload, batch_size=structure.batch_size,
+        seq_len=structure.seq_len, context=0, micro_batches=micro_batches, dtype="fp32", tp=tp, pp=pp, dp=1,
+        splits=megatron_splits(structure, vocab) if tp > 1 else {}, stages=stages,
+        ladder_layers=list(ladder_layers or []), predicted=zero, solver=SolverInfo("fixed", 0.0, 0.0, 0.0, 0),
+    )  # fmt: skip

@@ -1,0 +1,169 @@
+"""Numeric parity of the tensor-parallel and ladder rewrites against the unsharded model (gloo ranks).
+
+Each multi-rank test launches once and runs several jobs on the same process group (spawning ranks
+costs seconds on this 2-core machine). Tolerance: max |sharded - unsharded| <= 1e-5 x output scale.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from passes.ladder import apply_ladder
+from passes.tensor_parallel import TensorParallelError, apply_tensor_parallel
+from planner.analysis import analyse
+from planner.capture import capture
+from planner.modelfile import load_model_file
+from runtime import collectives
+from runtime.execute import RunJob, ladder_residual_adds, summarise
+from runtime.launch import launch
+from tests.parity_entry import run_jobs
+from tests.plans import fixed_plan
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+REL_TOL = 1e-5
+
+
+def _structure(name: str):
+    model_file = load_model_file(EXAMPLES / name)
+    args, kwargs = model_file.inputs()
+    gm = capture(model_file.build("meta"), args, kwargs)
+    return gm, analyse(gm)
+
+
+def _job(name: str, tp: int, workload: str = "forward", ladder: list[int] | None = None, **kw) -> RunJob:
+    _, structure = _structure(name)
+    plan = fixed_plan(structure, str(EXAMPLES / name), tp, ladder_layers=ladder, workload=workload)
+    return RunJob(str(EXAMPLES / name), plan.to_dict(), workload=workload, warmup=0, iters=1, **kw)
+
+
+def _assert_parity(reports, what: str) -> None:
+    s = summarise(reports)["numerics"]
+    assert s["max_abs_diff"] is not None, what
+    assert s["max_abs_diff"] <= REL_TOL * s["output_scale"], f"{what}: {s}"
+    if s["grad_max_abs_diff"] is not None:
+        assert s["grad_max_abs_diff"] <= 1e-6, f"{what}: gradients differ: {s}"
+
+
+def ladder_reference(model, tokens: torch.Tensor, first_laddered: int) -> torch.Tensor:
+    """Hand-written from the definition (shared/DESIGN.md), for examples.models.Llama: standard layers
+    below `first_laddered`; above, each module reads the stream before the previous module's output
+    was added; the two pending outputs are added before the final norm."""
+    T = tokens.shape[1]
+    cos, sin = model.rope_cos[None, :T, None, :], model.rope_sin[None, :T, None, :]  # (1, T, 1, hd)
+    r = model.tok_embeddings(tokens)
+    pending_attn = pending_mlp = 0
+    for i, layer in enumerate(model.layers):
+        if i < first_laddered:
+            r = r + layer.attention(layer.attention_norm(r), cos, sin)
+            r = r + layer.feed_forward(layer.ffn_norm(r))
+            continue
+        r = r + pending_attn
+        pending_attn = layer.attention(layer.attention_norm(r), cos, sin)
+        r = r + pending_mlp
+        pending_mlp = layer.feed_forward(layer.ffn_norm(r))
+    r = r + pending_attn + pending_mlp
+    return model.output(model.norm(r))
+
+
+def test_collective_count_is_two_all_reduces_per_layer():
+    gm, structure = _structure("llama3.py")
+    plan = fixed_plan(structure, "llama3.py", 2, vocab=False)
+    collectives.clear_groups()
+    apply_tensor_parallel(gm, plan.splits, 0, 2)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(collectives.tp_all_reduce) == 2 * len(structure.layers)
+    assert targets.count(collectives.tp_all_gather) == 0
+
+
+def test_vocab_parallel_adds_one_all_reduce_and_one_all_gather():
+    gm, structure = _structure("gpt2_tiny.py")
+    plan = fixed_plan(structure, "gpt2_tiny.py", 2)
+    apply_tensor_parallel(gm, plan.splits, 1, 2)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(collectives.vocab_parallel_embedding) == 1  # tied wte / lm_head, vocab-parallel
+    assert targets.count(collectives.tp_all_reduce) == 2 * len(structure.layers)
+    assert targets.count(collectives.tp_all_gather) == 1  # logits, sharded by vocab
+
+
+def test_fused_qkv_view_literals_are_rewritten():
+    gm, structure = _structure("hf_gpt2.py")
+    plan = fixed_plan(structure, "hf_gpt2.py", 2)
+    apply_tensor_parallel(gm, plan.splits, 0, 2)
+    splits = [n for n in gm.graph.nodes if str(n.target) == "aten.split.Tensor"]
+    assert splits and all(n.args[1] == 64 for n in splits)  # 128 per part / tp=2
+    qkv = structure.layers[0].attention.projections[0]
+    assert qkv.role == "qkv" and qkv.parts == (128, 128, 128)
+
+
+def test_kv_heads_not_divisible_is_an_error_naming_the_node():
+    gm, structure = _structure("hf_llama.py")  # 2 KV heads
+    plan = fixed_plan(structure, "hf_llama.py", 4)
+    with pytest.raises(TensorParallelError, match=r"view.*tp=4"):
+        apply_tensor_parallel(gm, plan.splits, 0, 4)
+
+
+def test_ladder_pass_equals_reference_unsharded():
+    model_file = load_model_file(EXAMPLES / "llama3.py")
+    torch.manual_seed(0)
+    model = model_file.build()
+    args, kwargs = model_file.inputs()
+    gm = capture(model, args, kwargs)
+    structure = analyse(gm)
+    for first in (0, 2):
+        g = capture(model, args, kwargs)
+        apply_ladder(g, ladder_residual_adds(structure, list(range(first, len(structure.layers)))))
+        with torch.no_grad():
+            got, want, standard = g(*args), ladder_reference(model, *args, first), model(*args)
+        assert torch.allclose(got, want, atol=1e-6, rtol=0), first
+        assert (got - standard).abs().max() > 1e-3  # ladder changes the function
+
+
+@pytest.mark.slow
+def test_tp2_forward_and_training_parity():
+    jobs = [
+        _job("llama3.py", 2),
+        _job("gpt2_tiny.py", 2),
+        _job("hf_llama.py", 2),
+        _job("hf_gpt2.py", 2),
+        _job("llama3.py", 2, "train"),
+        _job("gpt2_tiny.py", 2, "train"),
+        _job("hf_gpt2.py", 2, "train"),
+        _job("llama3.py", 2, ladder=[2, 3], return_output=True),
+    ]
+    results = launch(run_jobs, jobs, nproc=2, timeout_s=120)
+    per_job = list(zip(*results))
+    for job, reports in zip(jobs, per_job):
+        _assert_parity(reports, f"{Path(job.model_path).name} {job.workload}")
+    assert per_job[4][0].grad_max_abs_diff is not None
+    _check_ladder_against_reference(per_job[-1], first_laddered=2)
+
+
+@pytest.mark.slow
+def test_tp4_forward_parity_and_ladder():
+    jobs = [
+        _job("llama3.py", 4),
+        _job("gpt2_tiny.py", 4),
+        _job("hf_gpt2.py", 4),
+        _job("llama3.py", 4, "train"),
+        _job("llama3.py", 4, ladder=[1, 2, 3], return_output=True),
+    ]
+    results = launch(run_jobs, jobs, nproc=4, timeout_s=180)
+    per_job = list(zip(*results))
+    for job, reports in zip(jobs, per_job):
+        _assert_parity(reports, f"{Path(job.model_path).name} {job.workload} tp=4")
+    _check_ladder_against_reference(per_job[-1], first_laddered=1)
+
+
+def _check_ladder_against_reference(reports, first_laddered: int) -> None:
+    model_file = load_model_file(EXAMPLES / "llama3.py")
+    torch.manual_seed(0)
+    model = model_file.build()
+    (tokens,), _ = model_file.inputs()
+    with torch.no_grad():
+        want = ladder_reference(model, tokens, first_laddered)
+    for r in reports:
+        assert torch.allclose(r.output, want, atol=REL_TOL * float(want.abs().max()), rtol=0)
+        assert r.ladder_deviation is not None and r.ladder_deviation > 1e-3
