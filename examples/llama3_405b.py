@@ -16,7 +16,7 @@ CONFIG = LLAMA_CONFIGS["405b"]
 
 def build_model() -> torch.nn.Module:
     with torch.device("meta"):  # no weights allocated
-        return Llama(CONFIG)
+        return Llama(CONFIG).to(torch.bfloat16)  # published checkpoints are bf16
 
 
 def example_inputs(batch_size: int = 1, seq_len: int = 2048) -> tuple:

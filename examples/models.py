@@ -179,9 +179,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, T, n, hd); cos, sin: (T, hd) -> rotated x, same shape."""
-    cos = cos[None, :, None, :]  # (1, T, 1, hd)
-    sin = sin[None, :, None, :]
+    """x: (B, T, n, hd); cos, sin: (1, T, 1, hd) -> rotated x, same shape."""
     return x * cos + _rotate_half(x) * sin
 
 
@@ -260,7 +258,9 @@ class Llama(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: (B, T) int64 -> logits (B, T, vocab_size)."""
         T = tokens.shape[1]
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, hd), computed once, used by every layer
+        # computed once, used by every layer (side inputs of the layers, not part of the stream)
+        cos = self.rope_cos[None, :T, None, :]  # (1, T, 1, hd)
+        sin = self.rope_sin[None, :T, None, :]  # (1, T, 1, hd)
         h = self.tok_embeddings(tokens)  # (B, T, C)
         for layer in self.layers:
             h = layer(h, cos, sin)

@@ -157,10 +157,8 @@ def _normalise(gm: fx.GraphModule, out_spec: pytree.TreeSpec, module_names: set[
     for node in graph.nodes:
         node.meta["module_path"] = _module_path(node, module_names)
     graph._codegen = fx.graph.CodeGen()  # plain positional inputs, no pytree (un)flattening
-    new_gm = fx.GraphModule(gm, graph, class_name="CapturedModel")
-    new_gm.graph.lint()
-    new_gm.recompile()
-    return new_gm
+    graph.lint()
+    return fx.GraphModule(gm, graph, class_name="CapturedModel")  # compiles forward from the graph
 
 
 def _op_name(target: Any) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import textwrap
-import time
 
 import pytest
 import torch
@@ -57,14 +56,15 @@ def test_tied_weight_appears_once(captured):
     assert embedding.args[0].target == last_linear.args[1].target == "lm_head.weight"
 
 
-def test_meta_70b_captures_quickly(example_path):
-    model = load_model_file(example_path("llama3_70b")).build()
-    start = time.perf_counter()
-    gm = capture(model, *load_model_file(example_path("llama3_70b")).inputs(batch_size=1, seq_len=128))
-    assert time.perf_counter() - start < 15
+def test_meta_model_captures_without_weights(example_path):
+    mf = load_model_file(example_path("llama3_8b"))
+    model = mf.build()  # meta device, bf16: no weight memory
+    gm = capture(model, *mf.inputs(batch_size=1, seq_len=128))  # CPU inputs are moved to meta
     linears = [n for n in gm.graph.nodes if n.target == torch.ops.aten.linear.default]
-    assert len(linears) == 80 * 7 + 1
-    assert linears[-1].meta["val"].shape == (1, 128, 128256)
+    assert len(linears) == 32 * 7 + 1
+    logits = linears[-1].meta["val"]
+    assert logits.shape == (1, 128, 128256) and logits.dtype == torch.bfloat16
+    assert all(n.meta["val"].device.type == "meta" for n in gm.graph.nodes if n.op == "get_attr")
 
 
 def test_untraceable_model_names_the_line(tmp_path):

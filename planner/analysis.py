@@ -1,0 +1,599 @@
+"""Analyse a captured graph: per-node costs and the model's structure (layers, roles, embeddings).
+
+Input: a GraphModule from `planner.capture.capture` (ATen ops, `meta["val"]`, `meta["module_path"]`).
+Output: `ModelStructure` (docs/ARCHITECTURE.md), independent of how the model was written.
+
+How the structure is found (by dataflow; module names are used only to group nodes into layers):
+
+1. Projections: matmuls with a parameter weight - `aten.linear(x, W)` (W is (out, in),
+   `weight_out_dim=0`), `aten.addmm(b, x, W)` / `aten.mm(x, W)` / `aten.matmul(x, W)` with W in
+   (in, out) layout (HF Conv1D, `weight_out_dim=1`) or `aten.t(W)` (`weight_out_dim=0`).
+2. Layers: the numbered children of one module prefix (`model.layers.3`, `transformer.h.3`,
+   `layers.3`), numbered 0..n-1, each holding at least two projections; the prefix with the most
+   projections wins (so a `nn.Sequential` of single Linears is a plain MLP, not a layer stack).
+3. Attention core: `aten.scaled_dot_product_attention`, or a manual softmax(Q K^T) V (matmul ->
+   softmax -> matmul). q / k / v: the projections reached walking back from the core's q / k / v
+   inputs (through RoPE, reshapes, GQA repeats); one fused projection reaching all three is "qkv" with
+   `parts` from the split of its output. "o": the projection reached walking forward from the core.
+4. MLP: the layer's other projections. "down": its input derives from other MLP projections; of the
+   rest, the one passed through an activation before the product is "gate", the other "up"
+   (a 2-matmul GPT MLP is up / down).
+5. Residual adds: the `aten.add` with one operand derived from o (resp. down) and the other the stream.
+6. Cut points: `input_node` is the stream operand of the layer's first residual add (walked back to
+   the last node outside the layer); `output_node` the layer's last node used outside it. Every other
+   value the layer reads from outside is a side input (RoPE cos / sin, attention mask): the layer is
+   a pipeline cut if none of them depends on the stream (checked with networkx; the exceptions are
+   listed in `Layer.cross_inputs`).
+
+Costs (`NodeCost`, per forward pass, global shapes): matmul FLOPs = 2 * M * N * K (+ M * N for a
+bias); attention core = 4 * B * H * T * S * hd, the full T x S score matrix - causal masking is NOT
+halved (kernels such as FlashAttention skip the masked half, so this is an upper bound of 2x on the
+core); other ops count 1 FLOP per output element (per input element for reductions). Bytes: every
+tensor input read once and every output written once (embedding: only the gathered rows); views
+(view, transpose, expand, split, getitem, ...) move nothing.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from math import prod
+
+import networkx as nx
+import torch
+from torch import fx
+
+from costmodels.dtypes import dtype_name
+
+aten = torch.ops.aten
+
+_VIEW_OPS = {
+    "aten.view", "aten._unsafe_view", "aten.reshape", "aten.transpose", "aten.permute", "aten.t",
+    "aten.expand", "aten.unsqueeze", "aten.squeeze", "aten.slice", "aten.select", "aten.split",
+    "aten.split_with_sizes", "aten.chunk", "aten.unbind", "aten.alias", "aten.detach", "aten.as_strided",
+    "aten.unflatten", "aten.flatten", "aten.contiguous", "aten.lift_fresh_copy",
+}  # fmt: skip
+_REDUCTIONS = {"aten.mean", "aten.sum", "aten.amax", "aten.max", "aten.var", "aten.var_mean", "aten.std"}
+_ACTIVATIONS = {
+    "aten.silu", "aten.gelu", "aten.relu", "aten.sigmoid", "aten.tanh", "aten.erf", "aten.elu",
+    "aten.leaky_relu", "aten.hardswish", "aten.mish", "aten.softplus",
+}  # fmt: skip
+_SPLITS = {"aten.split", "aten.split_with_sizes", "aten.chunk"}
+_MATMULS = {"aten.linear", "aten.addmm", "aten.mm", "aten.matmul"}
+
+
+@dataclass
+class Projection:
+    """One matmul with a parameter weight."""
+
+    node: str  # fx node name of the matmul (aten.linear / aten.addmm / aten.mm / aten.matmul)
+    weight: str  # parameter FQN
+    bias: str | None
+    role: str  # "q","k","v","qkv","o","up","gate","down","fc" (plain MLP), "lm_head"
+    in_features: int
+    out_features: int
+    weight_out_dim: int  # 0 for nn.Linear (out, in), 1 for HF Conv1D (in, out)
+    parts: tuple[int, ...] | None  # fused projection: out sizes of its parts, e.g. (768, 768, 768)
+    flops: float  # per forward pass, global
+
+
+@dataclass
+class Attention:
+    projections: list[Projection]  # q, k, v (or qkv), o - in that order
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    sdpa_node: str  # the SDPA node, or the final matmul of a manual softmax(QK^T)V
+    residual_add: str | None
+    flops: float  # attention core only (QK^T and PV), full T x S (causal not halved)
+
+
+@dataclass
+class Mlp:
+    projections: list[Projection]  # graph order
+    residual_add: str | None
+
+
+@dataclass
+class Layer:
+    index: int
+    module_path: str  # "model.layers.3"
+    attention: Attention | None
+    mlp: Mlp | None
+    nodes: list[str]  # fx node names of this layer (its get_attr weights included), in graph order
+    input_node: str  # the stream value entering the layer (pipeline cut point)
+    output_node: str  # the stream value leaving the layer
+    param_bytes: int
+    flops: float
+    bytes_moved: float
+    side_inputs: list[str] = field(default_factory=list)  # other values read from outside (RoPE, mask)
+    cross_inputs: list[str] = field(default_factory=list)  # side inputs that depend on the stream
+
+
+@dataclass
+class Embedding:
+    node: str
+    weight: str  # parameter FQN (a tied weight may carry the LM head's name)
+    vocab_size: int
+    dim: int
+
+
+@dataclass
+class NodeCost:
+    flops: float
+    bytes_read: float
+    bytes_written: float
+    shape: tuple[int, ...]  # output shape; () for multi-output nodes
+    dtype: str  # "bf16" | "fp16" | "fp32" for floats, else the torch name ("int64", "bool")
+    module_path: str
+
+
+@dataclass
+class ModelStructure:
+    layers: list[Layer]
+    embeddings: list[Embedding]
+    lm_head: Projection | None
+    tied_lm_head: bool
+    hidden_size: int
+    vocab_size: int | None
+    num_params: int
+    param_bytes: int
+    batch_size: int
+    seq_len: int
+    dtype: str
+    node_costs: dict[str, NodeCost]
+    mlp_chain: list[Projection]  # models without transformer layers: the projections in order
+
+
+def analyse(gm: fx.GraphModule) -> ModelStructure:
+    """The structure and per-node costs of a captured graph. Pure: does not modify `gm`."""
+    nodes = list(gm.graph.nodes)
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    costs = {n.name: _node_cost(n) for n in nodes if n.op != "output"}
+    projections = [p for n in nodes if (p := _projection(n, params)) is not None]
+    by_node = {p.node: p for p in projections}
+    graph = _dataflow(gm.graph)
+    layer_groups = _find_layers(nodes, by_node)
+    layers = [
+        _layer(i, path, members, by_node, graph, costs, params)
+        for i, (path, members) in enumerate(layer_groups)
+    ]
+    _mark_cross_inputs(layers, graph)
+    in_layers = {name for layer in layers for name in layer.nodes}
+
+    embeddings = [
+        Embedding(n.name, n.args[0].target, *n.args[0].meta["val"].shape)
+        for n in nodes
+        if n.target == aten.embedding.default and n.args[0].op == "get_attr" and n.args[0].target in params
+    ]
+    vocab_size = max((e.vocab_size for e in embeddings), default=None)
+    outside = [p for p in projections if p.node not in in_layers]
+    lm_head = next((p for p in reversed(outside) if vocab_size and p.out_features == vocab_size), None)
+    tied = False
+    if lm_head is not None:
+        lm_head.role = "lm_head"
+        tied = any(params[e.weight] is params[lm_head.weight] for e in embeddings)
+    mlp_chain: list[Projection] = []
+    if not layers:
+        mlp_chain = [p for p in outside if p is not lm_head]
+        for p in mlp_chain:
+            p.role = "fc"
+
+    unique = dict(gm.named_parameters())  # deduplicated: a tied weight counts once
+    placeholders = [
+        n.meta["val"] for n in nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
+    ]
+    batch_size, seq_len = _batch_and_seq(placeholders)
+    float_params = [p.dtype for p in unique.values() if p.is_floating_point()]
+    dtype = dtype_name(Counter(float_params).most_common(1)[0][0]) if float_params else "fp32"
+    return ModelStructure(
+        layers=layers,
+        embeddings=embeddings,
+        lm_head=lm_head,
+        tied_lm_head=tied,
+        hidden_size=_hidden_size(layers, embeddings, projections, {n.name: n for n in nodes}),
+        vocab_size=vocab_size,
+        num_params=sum(p.numel() for p in unique.values()),
+        param_bytes=sum(p.numel() * p.element_size() for p in unique.values()),
+        batch_size=batch_size,
+        seq_len=seq_len,
+        dtype=dtype,
+        node_costs=costs,
+        mlp_chain=mlp_chain,
+    )
+
+
+# ------------------------------------------------------------------------------------------- costs
+
+
+def op_name(target: object) -> str:
+    """'aten.linear' for torch.ops.aten.linear.default, 'getitem' for operator.getitem, else ''."""
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._opname}"
+    if target is operator.getitem:
+        return "getitem"
+    return ""
+
+
+def _nbytes(val: object) -> int:
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    if isinstance(val, (list, tuple)):
+        return sum(_nbytes(v) for v in val)
+    return 0
+
+
+def _dtype_str(dtype: torch.dtype) -> str:
+    return dtype_name(dtype) if dtype.is_floating_point else str(dtype).removeprefix("torch.")
+
+
+def _node_cost(node: fx.Node) -> NodeCost:
+    val = node.meta.get("val")
+    shape = tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+    dtype = _dtype_str(val.dtype) if isinstance(val, torch.Tensor) else ""
+    path = node.meta.get("module_path", "")
+    name = op_name(node.target)
+    if node.op != "call_function" or name in _VIEW_OPS or name == "getitem":
+        return NodeCost(0.0, 0.0, 0.0, shape, dtype, path)
+    inputs = [a.meta.get("val") for a in node.all_input_nodes]
+    written = float(_nbytes(val))
+    read = float(sum(_nbytes(v) for v in inputs))
+    out_numel = val.numel() if isinstance(val, torch.Tensor) else 0
+    if name in _MATMULS:
+        x = node.args[1] if name == "aten.addmm" else node.args[0]
+        k = x.meta["val"].shape[-1]
+        has_bias = name == "aten.addmm" or (
+            name == "aten.linear" and len(node.args) > 2 and node.args[2] is not None
+        )
+        flops = 2.0 * out_numel * k + (out_numel if has_bias else 0)
+    elif name == "aten.bmm":
+        flops = 2.0 * out_numel * node.args[0].meta["val"].shape[-1]
+    elif name == "aten.scaled_dot_product_attention":
+        flops = _sdpa_flops(*(a.meta["val"] for a in node.args[:3]))
+    elif name == "aten.embedding":
+        flops, read = 0.0, written + _nbytes(inputs[1])  # gathers rows, does not read the table
+    elif name in _REDUCTIONS:
+        flops = float(max((v.numel() for v in inputs if isinstance(v, torch.Tensor)), default=0))
+    else:
+        flops = float(out_numel)
+    return NodeCost(flops, read, written, shape, dtype, path)
+
+
+def _sdpa_flops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> float:
+    """QK^T and PV over the full T x S matrix: 2*B*H*T*S*(hd_qk + hd_v) = 4*B*H*T*S*hd."""
+    batch_heads = prod(q.shape[:-2])
+    t, s = q.shape[-2], v.shape[-2]  # k may be given transposed (manual Q @ K^T): take S from v
+    return 2.0 * batch_heads * t * s * (q.shape[-1] + v.shape[-1])
+
+
+# ------------------------------------------------------------------------------------- projections
+
+
+def _projection(node: fx.Node, params: dict[str, torch.nn.Parameter]) -> Projection | None:
+    name = op_name(node.target)
+    if node.op != "call_function" or name not in _MATMULS:
+        return None
+    if name == "aten.linear":
+        x, w, b = node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else None
+        out_dim = 0
+    else:
+        b = node.args[0] if name == "aten.addmm" else None
+        x, w = node.args[-2], node.args[-1]
+        out_dim = 1
+        if isinstance(w, fx.Node) and op_name(w.target) == "aten.t":
+            w, out_dim = w.args[0], 0
+    if not (
+        isinstance(w, fx.Node) and w.op == "get_attr" and w.target in params and w.meta["val"].dim() == 2
+    ):
+        return None
+    shape = w.meta["val"].shape
+    out_features, in_features = shape[out_dim], shape[1 - out_dim]
+    bias = b.target if isinstance(b, fx.Node) and b.op == "get_attr" else None
+    tokens = x.meta["val"].numel() // in_features
+    flops = 2.0 * tokens * in_features * out_features + (tokens * out_features if bias else 0)
+    return Projection(node.name, w.target, bias, "", in_features, out_features, out_dim, _parts(node), flops)
+
+
+def _parts(node: fx.Node) -> tuple[int, ...] | None:
+    """Sizes of the parts when the output is split on its last dim (through views that keep it)."""
+    out_features = node.meta["val"].shape[-1]
+    while len(node.users) == 1:
+        (user,) = node.users
+        name = op_name(user.target)
+        if name in _SPLITS:
+            dim = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
+            vals = user.meta["val"]
+            if dim % vals[0].dim() != vals[0].dim() - 1:
+                return None
+            return tuple(v.shape[-1] for v in vals)
+        if (
+            name not in ("aten.view", "aten.reshape", "aten._unsafe_view")
+            or user.meta["val"].shape[-1] != out_features
+        ):
+            return None
+        node = user
+    return None
+
+
+# ------------------------------------------------------------------------------------------ layers
+
+
+def _dataflow(graph: fx.Graph) -> nx.DiGraph:
+    g = nx.DiGraph()
+    for node in graph.nodes:
+        g.add_node(node.name)
+        g.add_edges_from((a.name, node.name) for a in node.all_input_nodes)
+    return g
+
+
+def _find_layers(nodes: list[fx.Node], projections: dict[str, Projection]) -> list[tuple[str, list[fx.Node]]]:
+    """[(module_path, nodes)] of the repeated layers, in index order; [] when there are none."""
+    groups: dict[str, dict[int, list[fx.Node]]] = {}
+    for node in nodes:
+        parts = node.meta.get("module_path", "").split(".")
+        for i, part in enumerate(parts):
+            if part.isdigit():
+                groups.setdefault(".".join(parts[:i]), {}).setdefault(int(part), []).append(node)
+    best, best_count = None, 0
+    for prefix, children in groups.items():
+        counts = [sum(n.name in projections for n in children[i]) for i in sorted(children)]
+        if sorted(children) != list(range(len(children))) or min(counts) < 2:
+            continue
+        if sum(counts) > best_count or (sum(counts) == best_count and prefix.count(".") < best.count(".")):
+            best, best_count = prefix, sum(counts)
+    if best is None:
+        return []
+    children = groups[best]
+    return [(f"{best}.{i}" if best else str(i), children[i]) for i in sorted(children)]
+
+
+def _layer(index, path, members, projections, graph, costs, params) -> Layer:
+    member_names = {n.name for n in members}
+    projs = [projections[n.name] for n in members if n.name in projections]
+    attention, attention_projs = _attention(members, member_names, projections)
+    mlp_projs = [p for p in projs if p not in attention_projs]
+    mlp = _mlp(mlp_projs, members, member_names, projections) if mlp_projs else None
+    used_outside = [
+        n for n in members if n.op != "get_attr" and any(u.name not in member_names for u in n.users)
+    ]
+    assert used_outside, f"layer {path} has no output"
+    output = used_outside[-1]
+    external = []
+    for n in members:
+        for a in n.all_input_nodes:
+            if a.name not in member_names and a not in external:
+                external.append(a)
+    stream = _stream_input(attention, mlp, members, member_names, external, output)
+    weights = {n.target for n in members if n.op == "get_attr" and n.target in params}
+    return Layer(
+        index=index,
+        module_path=path,
+        attention=attention,
+        mlp=mlp,
+        nodes=[n.name for n in members],
+        input_node=stream.name,
+        output_node=output.name,
+        param_bytes=sum(params[w].numel() * params[w].element_size() for w in weights),
+        flops=sum(costs[n.name].flops for n in members),
+        bytes_moved=sum(costs[n.name].bytes_read + costs[n.name].bytes_written for n in members),
+        side_inputs=[a.name for a in external if a is not stream],
+    )
+
+
+def _stream_input(attention, mlp, members, member_names, external, output) -> fx.Node:
+    """The stream operand of the first residual add, walked back to the last node outside the layer."""
+    node = None
+    block = attention if attention and attention.residual_add else mlp if mlp and mlp.residual_add else None
+    if block is not None:
+        proj = next(p for p in reversed(block.projections) if p.role in ("o", "down"))
+        source = next(n for n in members if n.name == proj.node)
+        node = _residual_add(source, member_names)[1]
+        while node.name in member_names and len(node.all_input_nodes) >= 1:
+            node = node.all_input_nodes[0]
+        if node.name in member_names:
+            node = None
+    if node is None:  # no residual found: the external input shaped like the output
+        shape = output.meta["val"].shape
+        candidates = [
+            a for a in external if a.op != "get_attr" and getattr(a.meta.get("val"), "shape", None) == shape
+        ]
+        node = (candidates or [a for a in external if a.op != "get_attr"] or external)[0]
+    return node
+
+
+def _mark_cross_inputs(layers: list[Layer], graph: nx.DiGraph) -> None:
+    """Side inputs that depend on the stream (a cross-layer value): the cut is not clean there."""
+    if not layers:
+        return
+    downstream = nx.descendants(graph, layers[0].input_node) | {layers[0].input_node}
+    for layer in layers:
+        layer.cross_inputs = [s for s in layer.side_inputs if s in downstream]
+
+
+# --------------------------------------------------------------------------------------- attention
+
+
+def _walk(start: fx.Node, member_names: set[str], projections: dict, forward: bool) -> list[fx.Node]:
+    """Projections reached from `start` (exclusive) without crossing a projection or leaving the layer."""
+    found, seen, queue = [], {start.name}, deque([start])
+    while queue:
+        node = queue.popleft()
+        nexts = list(node.users) if forward else node.all_input_nodes
+        for n in nexts:
+            if n.name in seen or n.name not in member_names:
+                continue
+            seen.add(n.name)
+            if n.name in projections:
+                found.append(n)
+            else:
+                queue.append(n)
+    return found
+
+
+def _cores(members: list[fx.Node]) -> list[tuple[fx.Node, fx.Node, fx.Node, fx.Node]]:
+    """(core output, q, k, v) for SDPA nodes and manual softmax(Q K^T) V patterns."""
+    cores = []
+    for n in members:
+        name = op_name(n.target)
+        if name == "aten.scaled_dot_product_attention":
+            cores.append((n, n.args[0], n.args[1], n.args[2]))
+        elif name in ("aten.softmax", "aten._softmax"):
+            scores = _back_to(n.args[0], {"aten.matmul", "aten.bmm"})
+            pv = _forward_to(n, {"aten.matmul", "aten.bmm"})
+            if scores is not None and pv is not None:
+                cores.append((pv, scores.args[0], scores.args[1], pv.args[1]))
+    return cores
+
+
+def _back_to(node: fx.Node, targets: set[str], limit: int = 6) -> fx.Node | None:
+    for _ in range(limit):
+        if op_name(node.target) in targets:
+            return node
+        if not node.all_input_nodes:
+            return None
+        node = node.all_input_nodes[0]
+    return None
+
+
+def _forward_to(node: fx.Node, targets: set[str], limit: int = 4) -> fx.Node | None:
+    for _ in range(limit):
+        if len(node.users) != 1:
+            return None
+        (node,) = node.users
+        if op_name(node.target) in targets:
+            return node
+    return None
+
+
+def _attention(members, member_names, projections) -> tuple[Attention | None, list[Projection]]:
+    cores = _cores(members)
+    if not cores:
+        return None, []
+    core, q, k, v = cores[0]  # a second core (cross-attention) is not modelled
+    sources = [_walk_inclusive(x, member_names, projections) for x in (q, k, v)]
+    first = [s[0] if s else None for s in sources]
+    projs: list[Projection] = []
+    if first[0] is not None and first[0] is first[1] is first[2]:
+        fused = projections[first[0].name]
+        fused.role = "qkv"
+        projs.append(fused)
+    else:
+        for node, role in zip(first, ("q", "k", "v")):
+            if node is not None:
+                projections[node.name].role = role
+                projs.append(projections[node.name])
+    o_nodes = _walk(core, member_names, projections, forward=True)
+    residual = None
+    if o_nodes:
+        o = projections[o_nodes[0].name]
+        o.role = "o"
+        projs.append(o)
+        found = _residual_add(o_nodes[0], member_names)
+        residual = found[0].name if found else None
+    q_shape = q.meta["val"].shape  # (B, H, T, hd)
+    num_heads, head_dim = q_shape[-3], q_shape[-1]
+    k_proj = next((p for p in projs if p.role == "k"), None)
+    if k_proj is not None:
+        num_kv_heads = k_proj.out_features // head_dim
+    elif projs and projs[0].role == "qkv" and projs[0].parts and len(projs[0].parts) == 3:
+        num_kv_heads = projs[0].parts[1] // head_dim
+    else:
+        num_kv_heads = k.meta["val"].shape[-3]
+    flops = _sdpa_flops(q.meta["val"], k.meta["val"], v.meta["val"])
+    attention = Attention(projs, num_heads, num_kv_heads, head_dim, core.name, residual, flops)
+    return attention, projs
+
+
+def _walk_inclusive(node: fx.Node, member_names: set[str], projections: dict) -> list[fx.Node]:
+    if node.name in projections:
+        return [node]
+    return _walk(node, member_names, projections, forward=False)
+
+
+def _residual_add(proj: fx.Node, member_names: set[str]) -> tuple[fx.Node, fx.Node] | None:
+    """(add, stream operand): the first aten.add downstream of `proj` whose other operand does not
+    derive from it."""
+    derived, queue = {proj.name}, deque([proj])
+    while queue:
+        node = queue.popleft()
+        for user in node.users:
+            if user.name not in member_names or user.name in derived:
+                continue
+            if user.target == aten.add.Tensor and len(user.all_input_nodes) == 2:
+                other = next((a for a in user.all_input_nodes if a.name not in derived), None)
+                if other is not None:
+                    return user, other
+            derived.add(user.name)
+            queue.append(user)
+    return None
+
+
+# --------------------------------------------------------------------------------------------- mlp
+
+
+def _mlp(projs: list[Projection], members, member_names, projections) -> Mlp:
+    node_of = {n.name: n for n in members}
+    feeds = {
+        p.node: {s.name for s in _walk(node_of[p.node], member_names, projections, forward=False)}
+        for p in projs
+    }
+    mine = {p.node for p in projs}
+    firsts = [p for p in projs if not (feeds[p.node] & mine)]
+    for p in projs:
+        if p in firsts:
+            continue
+        consumers = {n.name for n in _walk(node_of[p.node], member_names, projections, forward=True)}
+        p.role = "fc" if consumers & mine else "down"
+    if len(firsts) == 1:
+        firsts[0].role = "up"
+    else:
+        for p in firsts:
+            p.role = "gate" if _activated(node_of[p.node], member_names, projections) else "up"
+        if all(p.role == "gate" for p in firsts) or all(p.role == "up" for p in firsts):
+            for p in firsts:
+                p.role = "fc"
+    down = next((p for p in reversed(projs) if p.role == "down"), None)
+    found = _residual_add(node_of[down.node], member_names) if down else None
+    return Mlp(projs, found[0].name if found else None)
+
+
+def _activated(node: fx.Node, member_names: set[str], projections: dict) -> bool:
+    """Whether an activation lies between `node` and the next product (or projection)."""
+    queue, seen = deque([node]), {node.name}
+    while queue:
+        n = queue.popleft()
+        for user in n.users:
+            if user.name in seen or user.name not in member_names or user.name in projections:
+                continue
+            name = op_name(user.target)
+            if name in _ACTIVATIONS:
+                return True
+            if name == "aten.mul" and all(isinstance(a, fx.Node) for a in user.args[:2]):
+                continue  # the gating product: stop this path
+            seen.add(user.name)
+            queue.append(user)
+    return False
+
+
+# ----------------------------------------------------------------------------------------- summary
+
+
+def _hidden_size(layers, embeddings, projections, node_of: dict[str, fx.Node]) -> int:
+    """The last dim of the stream entering the first layer, else the embedding / first input width."""
+    if layers:
+        return int(node_of[layers[0].input_node].meta["val"].shape[-1])
+    if embeddings:
+        return embeddings[0].dim
+    return projections[0].in_features if projections else 0
+
+
+def _batch_and_seq(inputs: list[torch.Tensor]) -> tuple[int, int]:
+    """(B, T) of the token ids (first integer input), else of the first input ((B, ...) -> T = 1)."""
+    ints = [v for v in inputs if not v.is_floating_point() and v.dim() >= 1]
+    x = ints[0] if ints else (inputs[0] if inputs else None)
+    if x is None or x.dim() == 0:
+        return 1, 1
+    if ints:
+        return x.shape[0], (x.shape[1] if x.dim() > 1 else 1)
+    return x.shape[0], (x.shape[1] if x.dim() > 2 else 1)

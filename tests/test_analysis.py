@@ -1,0 +1,159 @@
+"""planner.analysis: roles by dataflow, costs, layers and cut points for every example."""
+
+from __future__ import annotations
+
+import time
+
+import networkx as nx
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from planner.analysis import analyse
+from planner.capture import capture
+from planner.modelfile import load_model_file
+
+# example -> (num layers, attention roles, mlp roles, heads, kv heads, head dim, tied, weight_out_dim)
+EXPECTED = {
+    "gpt2_tiny": (2, ["qkv", "o"], ["up", "down"], 4, 4, 16, True, 0),
+    "llama3": (4, ["q", "k", "v", "o"], ["gate", "up", "down"], 8, 4, 16, False, 0),
+    "hf_llama": (2, ["q", "k", "v", "o"], ["gate", "up", "down"], 4, 2, 32, False, 0),
+    "hf_gpt2": (2, ["qkv", "o"], ["up", "down"], 4, 4, 32, True, 1),
+}
+
+
+@pytest.fixture(scope="module")
+def structures(captured):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = analyse(captured(name).gm)
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_roles(structures, name):
+    num_layers, attn_roles, mlp_roles, heads, kv_heads, head_dim, tied, out_dim = EXPECTED[name]
+    s = structures(name)
+    assert len(s.layers) == num_layers
+    for layer in s.layers:
+        assert [p.role for p in layer.attention.projections] == attn_roles
+        assert [p.role for p in layer.mlp.projections] == mlp_roles
+        assert (layer.attention.num_heads, layer.attention.num_kv_heads, layer.attention.head_dim) == (
+            heads,
+            kv_heads,
+            head_dim,
+        )
+        assert all(p.weight_out_dim == out_dim for p in layer.attention.projections + layer.mlp.projections)
+        assert layer.attention.residual_add and layer.mlp.residual_add
+        assert all(p.weight.startswith(layer.module_path + ".") for p in layer.mlp.projections)
+    assert s.lm_head is not None and s.lm_head.role == "lm_head" and s.lm_head.out_features == s.vocab_size
+    assert s.tied_lm_head is tied
+    assert s.mlp_chain == []
+
+
+def test_fused_qkv_parts(structures):
+    qkv = structures("gpt2_tiny").layers[0].attention.projections[0]
+    assert (qkv.in_features, qkv.out_features, qkv.parts) == (64, 192, (64, 64, 64))
+    assert (
+        qkv.weight == "transformer.h.0.attn.c_attn.weight" and qkv.bias == "transformer.h.0.attn.c_attn.bias"
+    )
+    conv = structures("hf_gpt2").layers[1].attention.projections[0]  # HF Conv1D: weight (in, out)
+    assert (conv.weight_out_dim, conv.in_features, conv.out_features, conv.parts) == (1, 128, 384, (128,) * 3)
+
+
+def test_plain_mlp_chain(structures):
+    s = structures("mlp")
+    assert s.layers == [] and s.lm_head is None and s.embeddings == []
+    assert [p.weight for p in s.mlp_chain] == ["net.0.weight", "net.2.weight", "net.4.weight", "net.6.weight"]
+    assert all(p.role == "fc" for p in s.mlp_chain)
+    assert (s.batch_size, s.hidden_size) == (8, 64)
+
+
+def test_llama_flops_closed_form(structures, captured):
+    s = structures("llama3")
+    model = captured("llama3").model
+    b, t = s.batch_size, s.seq_len
+    assert (b, t) == (2, 32)
+    for layer in s.layers:
+        params = sum(p.numel() for p in model.get_submodule(layer.module_path).parameters())
+        matmul_flops = sum(p.flops for p in layer.attention.projections + layer.mlp.projections)
+        assert matmul_flops == pytest.approx(2 * params * b * t, rel=0.01)
+        a = layer.attention
+        # the attention core counts the full T x T score matrix (causal masking is not halved)
+        assert a.flops == 4 * b * a.num_heads * t * t * a.head_dim
+        assert s.node_costs[a.sdpa_node].flops == a.flops
+        assert layer.flops == pytest.approx(matmul_flops + a.flops, rel=0.05)  # + elementwise ops
+    assert s.num_params == sum(p.numel() for p in model.parameters())
+    assert s.param_bytes == 4 * s.num_params and s.dtype == "fp32"
+
+
+def test_node_costs(structures):
+    s = structures("llama3")
+    wq = s.layers[0].attention.projections[0]
+    cost = s.node_costs[wq.node]
+    assert cost.shape == (2, 32, 128) and cost.dtype == "fp32" and cost.module_path == "layers.0.attention.wq"
+    assert cost.bytes_written == 2 * 32 * 128 * 4
+    assert cost.bytes_read == (2 * 32 * 128 + 128 * 128) * 4  # activation + weight
+    embedding = s.node_costs[s.embeddings[0].node]
+    assert embedding.bytes_read < 256 * 128 * 4  # gathered rows, not the whole table
+    views = [c for c in s.node_costs.values() if c.flops == 0 and c.bytes_written == 0]
+    assert views  # views / getitem / get_attr move nothing
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_layer_cut_points(structures, captured, name):
+    s = structures(name)
+    gm = captured(name).gm
+    g = nx.DiGraph()
+    for node in gm.graph.nodes:
+        g.add_edges_from((a.name, node.name) for a in node.all_input_nodes)
+    inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    for prev, layer in zip(s.layers, s.layers[1:]):
+        assert prev.output_node == layer.input_node
+    for layer in s.layers:
+        assert layer.output_node in layer.nodes and layer.input_node not in layer.nodes
+        assert layer.cross_inputs == []
+        # every path from the model inputs to the layer's output passes through input_node (or a
+        # side input computed before the layers): removing them disconnects the output
+        cut = g.copy()
+        cut.remove_nodes_from([layer.input_node, *layer.side_inputs])
+        assert not any(nx.has_path(cut, i, layer.output_node) for i in inputs if i in cut)
+        assert all(not nx.has_path(g, s.layers[0].input_node, side) for side in layer.side_inputs)
+
+
+def test_side_inputs(structures):
+    assert len(structures("llama3").layers[0].side_inputs) == 2  # RoPE cos, sin
+    assert structures("gpt2_tiny").layers[0].side_inputs == []
+    assert len(structures("hf_llama").layers[0].side_inputs) == 3  # cos, sin, attention mask
+
+
+def test_manual_softmax_attention():
+    config = GPT2Config(
+        vocab_size=128, n_positions=32, n_embd=64, n_layer=2, n_head=4, attn_implementation="eager"
+    )
+    model = GPT2LMHeadModel(config).eval()
+    s = analyse(capture(model, (torch.randint(0, 128, (2, 8)),), {"use_cache": False}))
+    a = s.layers[0].attention
+    assert [p.role for p in a.projections] == ["qkv", "o"]
+    assert (a.num_heads, a.head_dim) == (4, 16)
+    assert a.flops == 4 * 2 * 4 * 8 * 8 * 16
+
+
+def test_llama3_70b_on_meta_is_fast(example_path):
+    mf = load_model_file(example_path("llama3_70b"))
+    model = mf.build()
+    args, kwargs = mf.inputs(batch_size=1, seq_len=128)
+    # CPU time of this process, so that other processes sharing the machine do not make it flaky
+    start = time.process_time()
+    s = analyse(capture(model, args, kwargs))
+    elapsed = time.process_time() - start
+    assert elapsed < 15, f"capture + analyse took {elapsed:.1f} s of CPU time"
+    assert len(s.layers) == 80 and s.hidden_size == 8192 and s.vocab_size == 128256
+    a = s.layers[-1].attention
+    assert (a.num_heads, a.num_kv_heads, a.head_dim) == (64, 8, 128)
+    assert [p.out_features for p in s.layers[0].mlp.projections] == [28672, 28672, 8192]
+    assert s.num_params == pytest.approx(70.55e9, rel=0.001) and s.dtype == "bf16"
