@@ -1,0 +1,238 @@
+"""Cluster specs: every preset loads and round-trips; malformed specs name the YAML path and unit."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from costmodels.cluster import (
+    ClusterSpec,
+    SpecError,
+    cluster_to_dict,
+    load_cluster,
+    parse_cluster,
+    preset_names,
+)
+from planner.errors import InputError
+
+PRESETS = ["dgx-a100", "dgx-h100", "h100-ib-128node", "h100-ib-2node", "h100-pcie", "local-cpu"]
+
+
+def _valid() -> dict:
+    """A valid two-node spec in YAML form, to break one field at a time."""
+    return {
+        "name": "test",
+        "nodes": 2,
+        "devices_per_node": 8,
+        "backend": "nccl",
+        "overlap_efficiency": 0.8,
+        "sources": ["hand-written for tests"],
+        "device": {
+            "name": "gpu",
+            "memory_GiB": 80,
+            "peak_TFLOPS": {"bf16": 989, "fp16": 989, "fp32": 67},
+            "memory_bandwidth_GBps": 3350,
+            "matmul_efficiency": 0.8,
+            "memory_efficiency": 0.85,
+            "launch_overhead_us": 4,
+        },
+        "links": {
+            "intra_node": {"kind": "nvlink", "bandwidth_GBps": 370, "latency_us": 5.1},
+            "inter_node": {"kind": "infiniband", "bandwidth_GBps": 37.5, "latency_us": 6, "nics_per_node": 8},
+        },
+    }
+
+
+def _set(data: dict, path: str, value: object) -> dict:
+    *parents, last = path.split(".")
+    node = data
+    for key in parents:
+        node = node[key]
+    if value is _DELETE:
+        del node[last]
+    else:
+        node[last] = value
+    return data
+
+
+_DELETE = object()
+
+
+def test_preset_names_lists_shipped_yaml() -> None:
+    assert preset_names() == PRESETS
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_preset_loads_cites_sources_and_round_trips(name: str) -> None:
+    spec = load_cluster(name)
+    assert isinstance(spec, ClusterSpec)
+    assert spec.sources, "every preset cites where its numbers came from"
+    assert (spec.inter_node is None) == (spec.num_nodes == 1)
+    assert parse_cluster(cluster_to_dict(spec), "round trip") == spec
+    # cluster_to_dict is plain YAML data
+    assert parse_cluster(yaml.safe_load(yaml.safe_dump(cluster_to_dict(spec))), "yaml") == spec
+
+
+def test_units_are_converted_to_si_once() -> None:
+    spec = parse_cluster(_valid(), "t")
+    assert spec.device.memory_bytes == 80 * 2**30
+    assert spec.device.peak_flops_per_s == {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}
+    assert spec.device.memory_bandwidth_bytes_per_s == 3350e9
+    assert spec.device.launch_overhead_s == pytest.approx(4e-6)
+    assert spec.intra_node.bandwidth_bytes_per_s == 370e9
+    assert spec.intra_node.latency_s == pytest.approx(5.1e-6)
+    assert spec.inter_node is not None and spec.inter_node.nics_per_node == 8
+    assert spec.num_devices == 16
+
+
+def test_preset_shapes() -> None:
+    assert load_cluster("dgx-h100").num_devices == 8
+    assert load_cluster("h100-pcie").intra_node.kind == "pcie"
+    ib = load_cluster("h100-ib-128node")
+    assert (ib.num_nodes, ib.devices_per_node, ib.inter_node.nics_per_node) == (128, 8, 8)
+    assert load_cluster("h100-ib-2node").inter_node.bandwidth_bytes_per_s <= 50e9  # 400 Gb/s line rate
+
+
+def test_local_cpu_follows_cpu_count_and_nproc() -> None:
+    assert load_cluster("local-cpu").devices_per_node == (os.cpu_count() or 1)
+    spec = load_cluster("local-cpu", nproc=4)
+    assert (spec.num_nodes, spec.devices_per_node, spec.backend) == (1, 4, "gloo")
+
+
+def test_nproc_shrinks_gpu_clusters_and_rejects_what_does_not_fit() -> None:
+    assert load_cluster("dgx-h100", nproc=4).devices_per_node == 4
+    two = load_cluster("h100-ib-128node", nproc=16)
+    assert (two.num_nodes, two.devices_per_node) == (2, 8)
+    one = load_cluster("h100-ib-2node", nproc=8)
+    assert one.num_nodes == 1 and one.inter_node is None
+    with pytest.raises(SpecError, match="nproc=16 does not fit"):
+        load_cluster("dgx-h100", nproc=16)
+    with pytest.raises(SpecError, match="nproc=12 does not fit"):
+        load_cluster("h100-ib-2node", nproc=12)
+    with pytest.raises(SpecError, match="nproc"):
+        load_cluster("dgx-h100", nproc=0)
+
+
+def test_load_from_file(tmp_path: Path) -> None:
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump(_valid()))
+    assert load_cluster(str(path)) == parse_cluster(_valid(), "x")
+
+
+# ---- malformed specs: each kind names the YAML path and what is expected -------------------------
+
+MALFORMED = [
+    # (kind, path to change, new value, YAML path in message, words the message must contain)
+    (
+        "unknown key",
+        "links.intra_node.bandwith_GBps",
+        450,
+        "links.intra_node.bandwith_GBps",
+        ["allowed keys", "bandwidth_GBps"],
+    ),
+    ("missing field", "device.memory_GiB", _DELETE, "device.memory_GiB", ["missing", "GiB"]),
+    (
+        "missing peak dtype",
+        "device.peak_TFLOPS.fp16",
+        _DELETE,
+        "device.peak_TFLOPS.fp16",
+        ["missing", "TFLOP/s"],
+    ),
+    (
+        "wrong type",
+        "device.memory_bandwidth_GBps",
+        [3350],
+        "device.memory_bandwidth_GBps",
+        ["expected a number in GB/s", "a list"],
+    ),
+    ("negative", "links.intra_node.latency_us", -1, "links.intra_node.latency_us", [">= 0", "µs"]),
+    ("zero", "device.memory_GiB", 0, "device.memory_GiB", ["> 0", "GiB"]),
+    (
+        "bool for a number",
+        "links.intra_node.bandwidth_GBps",
+        True,
+        "links.intra_node.bandwidth_GBps",
+        ["boolean", "GB/s"],
+    ),
+    ("bool for an integer", "nodes", True, "nodes", ["boolean", "integer"]),
+    (
+        "string with unit",
+        "links.intra_node.bandwidth_GBps",
+        "450GB/s",
+        "links.intra_node.bandwidth_GBps",
+        ["'450GB/s'", "give a number in GB/s", "e.g. 450"],
+    ),
+    ("efficiency above 1", "device.matmul_efficiency", 1.5, "device.matmul_efficiency", ["(0, 1]", "1.5"]),
+    ("efficiency zero", "device.memory_efficiency", 0, "device.memory_efficiency", ["(0, 1]"]),
+    ("percentage string", "overlap_efficiency", "80%", "overlap_efficiency", ["[0, 1]", "not a percentage"]),
+    ("inter_node missing", "links.inter_node", _DELETE, "links.inter_node", ["nodes is 2", "nics_per_node"]),
+    ("non-integer count", "devices_per_node", 2.5, "devices_per_node", ["integer"]),
+    ("bad choice", "backend", "mpi", "backend", ["nccl", "gloo"]),
+    ("bad link kind", "links.inter_node.kind", "roce", "links.inter_node.kind", ["infiniband", "ethernet"]),
+    ("sources not strings", "sources", [1, 2], "sources", ["list of strings"]),
+    ("section not a mapping", "device", "H100", "device", ["mapping", "memory_GiB"]),
+]
+
+
+@pytest.mark.parametrize(
+    ("kind", "where", "value", "path", "words"), MALFORMED, ids=[m[0] for m in MALFORMED]
+)
+def test_malformed_spec_names_the_field(
+    kind: str, where: str, value: object, path: str, words: list[str]
+) -> None:
+    data = _set(copy.deepcopy(_valid()), where, value)
+    with pytest.raises(SpecError) as info:
+        parse_cluster(data, "spec.yaml")
+    message = str(info.value)
+    assert message.startswith(f"spec.yaml: {path}: "), message
+    assert info.value.path == path
+    for word in words:
+        assert word in message, (word, message)
+
+
+def test_spec_error_is_an_input_error_with_exit_code_2() -> None:
+    with pytest.raises(InputError) as info:
+        parse_cluster([], "x.yaml")
+    assert info.value.exit_code == 2
+    assert "top level must be a mapping" in str(info.value)
+
+
+def test_file_not_found_lists_presets(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match=r"nope\.yaml: file not found \(presets are: dgx-a100"):
+        load_cluster(str(tmp_path / "nope.yaml"))
+
+
+def test_yaml_syntax_error_gives_line(tmp_path: Path) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text("name: x\nnodes: 1\ndevice: {name: gpu, memory_GiB: 80\nlinks: {}\n")
+    with pytest.raises(SpecError, match=r"YAML syntax error at line \d+, column \d+"):
+        load_cluster(str(path))
+
+
+def test_top_level_not_a_mapping(tmp_path: Path) -> None:
+    path = tmp_path / "list.yaml"
+    path.write_text("- dgx-h100\n")
+    with pytest.raises(SpecError, match="top level must be a mapping.*got a list"):
+        load_cluster(str(path))
+    path.write_text("")
+    with pytest.raises(SpecError, match="got nothing"):
+        load_cluster(str(path))
+
+
+def test_unknown_preset_lists_presets() -> None:
+    with pytest.raises(SpecError) as info:
+        load_cluster("dgx-h200")
+    assert "unknown cluster preset" in str(info.value)
+    for name in PRESETS:
+        assert name in str(info.value)
+
+
+def test_yaml_is_loaded_safely(tmp_path: Path) -> None:
+    path = tmp_path / "evil.yaml"
+    path.write_text("!!python/object/apply:os.system ['echo hacked']\n")
+    with pytest.raises(SpecError, match="YAML syntax error"):
+        load_cluster(str(path))

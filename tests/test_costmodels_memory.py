@@ -1,0 +1,69 @@
+"""Memory formulas against hand-derived values (ZeRO; Korthikanti et al. 2022; KV cache)."""
+
+from __future__ import annotations
+
+import pytest
+
+from costmodels import memory
+
+
+def test_training_state_is_16_bytes_per_parameter() -> None:
+    # ZeRO section 3.1: 2 (bf16 params) + 2 (bf16 grads) + 12 (fp32 master, m, v) = 16 bytes / param
+    assert memory.param_bytes(1e9, "bf16") == 2e9
+    assert memory.grad_bytes(1e9, "bf16") == 2e9
+    assert memory.adam_state_bytes(1e9, "bf16") == 12e9
+    assert memory.training_state_bytes(1e9, "bf16") == 16e9
+    # fp32 training: no separate master copy: 4 + 4 + 8
+    assert memory.adam_state_bytes(1e9, "fp32") == 8e9
+    assert memory.training_state_bytes(1e9, "fp32") == 16e9
+
+
+def test_params_per_rank() -> None:
+    assert memory.params_per_rank(8e9, 1e6, tp=8) == 1e9 + 1e6
+    with pytest.raises(ValueError):
+        memory.params_per_rank(1, 1, tp=0)
+
+
+# GPT-3 175B layer, Korthikanti et al. section 4: s=2048, b=1, h=12288, a=96 -> 5as/h = 80
+S, B, H, A = 2048, 1, 12288, 96
+SBH = S * B * H
+
+
+def test_activations_without_parallelism() -> None:
+    assert memory.activation_bytes_per_layer(S, B, H, A) == SBH * (34 + 80)
+
+
+def test_activations_with_tensor_parallelism() -> None:
+    # 10 + 24/t + 5as/(ht) with t = 8: 10 + 3 + 10
+    assert memory.activation_bytes_per_layer(S, B, H, A, tp=8) == SBH * 23
+
+
+def test_activations_with_sequence_parallelism() -> None:
+    # sbh/t * (34 + 5as/h)
+    assert memory.activation_bytes_per_layer(S, B, H, A, tp=8, sequence_parallel=True) == pytest.approx(
+        SBH * 114 / 8
+    )
+
+
+def test_activations_with_flash_attention_and_dtype() -> None:
+    assert memory.activation_bytes_per_layer(S, B, H, A, tp=8, stores_attention_scores=False) == SBH * 13
+    assert memory.activation_bytes_per_layer(S, B, H, A, dtype="fp32") == 2 * SBH * 114
+
+
+def test_kv_cache_llama3_8b() -> None:
+    # 2 * 32 layers * 1 * 8192 tokens * 8 kv heads * 128 * 2 bytes = 1 GiB
+    assert memory.kv_cache_bytes(32, 1, 8192, 8, 128, "bf16") == 2**30
+    assert memory.kv_cache_bytes(32, 1, 8192, 8, 128, "bf16", tp=8) == 2**30 / 8
+    # more ranks than KV heads: each rank keeps one (replicated) head
+    assert memory.kv_cache_bytes(32, 1, 8192, 8, 128, "bf16", tp=16) == 2**30 / 8
+
+
+def test_inflight_micro_batches() -> None:
+    assert memory.inflight_micro_batches(4, 0, 8) == 4  # 1F1B: first stage holds pp
+    assert memory.inflight_micro_batches(4, 3, 8) == 1
+    assert memory.inflight_micro_batches(4, 0, 2) == 2
+    assert memory.inflight_micro_batches(4, 1, 8, "gpipe") == 8
+    with pytest.raises(ValueError, match="stage"):
+        memory.inflight_micro_batches(4, 4, 8)
+    with pytest.raises(ValueError, match="schedule"):
+        memory.inflight_micro_batches(4, 0, 8, "zb")
