@@ -35,7 +35,6 @@ tensor input read once and every output written once (embedding: only the gather
 
 from __future__ import annotations
 
-import operator
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from math import prod
@@ -45,6 +44,7 @@ import torch
 from torch import fx
 
 from costmodels.dtypes import dtype_name
+from planner.capture import op_name
 
 aten = torch.ops.aten
 
@@ -156,8 +156,7 @@ def analyse(gm: fx.GraphModule) -> ModelStructure:
     graph = _dataflow(gm.graph)
     layer_groups = _find_layers(nodes, by_node)
     layers = [
-        _layer(i, path, members, by_node, graph, costs, params)
-        for i, (path, members) in enumerate(layer_groups)
+        _layer(i, path, members, by_node, costs, params) for i, (path, members) in enumerate(layer_groups)
     ]
     _mark_cross_inputs(layers, graph)
     in_layers = {name for layer in layers for name in layer.nodes}
@@ -205,15 +204,6 @@ def analyse(gm: fx.GraphModule) -> ModelStructure:
 
 
 # ------------------------------------------------------------------------------------------- costs
-
-
-def op_name(target: object) -> str:
-    """'aten.linear' for torch.ops.aten.linear.default, 'getitem' for operator.getitem, else ''."""
-    if isinstance(target, torch._ops.OpOverload):
-        return f"{target.namespace}.{target._opname}"
-    if target is operator.getitem:
-        return "getitem"
-    return ""
 
 
 def _nbytes(val: object) -> int:
@@ -296,11 +286,17 @@ def _projection(node: fx.Node, params: dict[str, torch.nn.Parameter]) -> Project
 
 
 def _parts(node: fx.Node) -> tuple[int, ...] | None:
-    """Sizes of the parts when the output is split on its last dim (through views that keep it)."""
+    """Sizes of the parts when the output is split on its last dim (through views that keep it), or
+    viewed as (..., 3, H, hd) - q, k, v blocks. A per-head interleaved (..., H, 3, hd) layout is not
+    a part split (a contiguous split keeps whole heads), so it gives None."""
     out_features = node.meta["val"].shape[-1]
     while len(node.users) == 1:
         (user,) = node.users
         name = op_name(user.target)
+        shape = user.meta["val"].shape if isinstance(user.meta.get("val"), torch.Tensor) else ()
+        if name in ("aten.view", "aten.reshape") and len(shape) >= 3 and shape[-3] == 3:
+            if shape[-3] * shape[-2] * shape[-1] == out_features:
+                return (out_features // 3,) * 3
         if name in _SPLITS:
             dim = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
             vals = user.meta["val"]
@@ -320,6 +316,7 @@ def _parts(node: fx.Node) -> tuple[int, ...] | None:
 
 
 def _dataflow(graph: fx.Graph) -> nx.DiGraph:
+    """Node names, with an edge from each input to its user."""
     g = nx.DiGraph()
     for node in graph.nodes:
         g.add_node(node.name)
@@ -348,7 +345,15 @@ def _find_layers(nodes: list[fx.Node], projections: dict[str, Projection]) -> li
     return [(f"{best}.{i}" if best else str(i), children[i]) for i in sorted(children)]
 
 
-def _layer(index, path, members, projections, graph, costs, params) -> Layer:
+def _layer(
+    index: int,
+    path: str,
+    members: list[fx.Node],
+    projections: dict[str, Projection],
+    costs: dict[str, NodeCost],
+    params: dict[str, torch.nn.Parameter],
+) -> Layer:
+    """One layer: its attention and MLP blocks, cut points, side inputs and totals."""
     member_names = {n.name for n in members}
     projs = [projections[n.name] for n in members if n.name in projections]
     attention, attention_projs = _attention(members, member_names, projections)
@@ -381,7 +386,14 @@ def _layer(index, path, members, projections, graph, costs, params) -> Layer:
     )
 
 
-def _stream_input(attention, mlp, members, member_names, external, output) -> fx.Node:
+def _stream_input(
+    attention: Attention | None,
+    mlp: Mlp | None,
+    members: list[fx.Node],
+    member_names: set[str],
+    external: list[fx.Node],
+    output: fx.Node,
+) -> fx.Node:
     """The stream operand of the first residual add, walked back to the last node outside the layer."""
     node = None
     block = attention if attention and attention.residual_add else mlp if mlp and mlp.residual_add else None
@@ -466,7 +478,10 @@ def _forward_to(node: fx.Node, targets: set[str], limit: int = 4) -> fx.Node | N
     return None
 
 
-def _attention(members, member_names, projections) -> tuple[Attention | None, list[Projection]]:
+def _attention(
+    members: list[fx.Node], member_names: set[str], projections: dict[str, Projection]
+) -> tuple[Attention | None, list[Projection]]:
+    """The layer's attention block (roles set on its projections) and those projections."""
     cores = _cores(members)
     if not cores:
         return None, []
@@ -532,7 +547,13 @@ def _residual_add(proj: fx.Node, member_names: set[str]) -> tuple[fx.Node, fx.No
 # --------------------------------------------------------------------------------------------- mlp
 
 
-def _mlp(projs: list[Projection], members, member_names, projections) -> Mlp:
+def _mlp(
+    projs: list[Projection],
+    members: list[fx.Node],
+    member_names: set[str],
+    projections: dict[str, Projection],
+) -> Mlp:
+    """The layer's MLP block from its non-attention projections (roles set on them)."""
     node_of = {n.name: n for n in members}
     feeds = {
         p.node: {s.name for s in _walk(node_of[p.node], member_names, projections, forward=False)}
@@ -579,7 +600,12 @@ def _activated(node: fx.Node, member_names: set[str], projections: dict) -> bool
 # ----------------------------------------------------------------------------------------- summary
 
 
-def _hidden_size(layers, embeddings, projections, node_of: dict[str, fx.Node]) -> int:
+def _hidden_size(
+    layers: list[Layer],
+    embeddings: list[Embedding],
+    projections: list[Projection],
+    node_of: dict[str, fx.Node],
+) -> int:
     """The last dim of the stream entering the first layer, else the embedding / first input width."""
     if layers:
         return int(node_of[layers[0].input_node].meta["val"].shape[-1])

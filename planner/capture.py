@@ -34,6 +34,7 @@ and the usual fixes.
 from __future__ import annotations
 
 import inspect
+import operator
 import os
 import re
 import sysconfig
@@ -138,7 +139,7 @@ def _normalise(gm: fx.GraphModule, out_spec: pytree.TreeSpec, module_names: set[
     for node in list(graph.nodes):
         if node.op == "call_module" and node.target == "_guards_fn":
             graph.erase_node(node)
-        elif node.op == "call_function" and _op_name(node.target) in _ASSERT_TARGETS and not node.users:
+        elif node.op == "call_function" and op_name(node.target) in _ASSERT_TARGETS and not node.users:
             graph.erase_node(node)
     for node in list(graph.nodes):
         if _is_noop(node):
@@ -161,10 +162,12 @@ def _normalise(gm: fx.GraphModule, out_spec: pytree.TreeSpec, module_names: set[
     return fx.GraphModule(gm, graph, class_name="CapturedModel")  # compiles forward from the graph
 
 
-def _op_name(target: Any) -> str:
-    """'aten.linear' for torch.ops.aten.linear.default; '' for non-ATen targets."""
+def op_name(target: Any) -> str:
+    """'aten.linear' for torch.ops.aten.linear.default, 'getitem' for operator.getitem, else ''."""
     if isinstance(target, torch._ops.OpOverload):
         return f"{target.namespace}.{target._opname}"
+    if target is operator.getitem:
+        return "getitem"
     return ""
 
 
@@ -172,7 +175,7 @@ def _is_noop(node: fx.Node) -> bool:
     """aten.to / aten.type_as that change nothing, or dropout that is the identity."""
     if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
         return False
-    name = _op_name(node.target)
+    name = op_name(node.target)
     if name == "aten.dropout":
         p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
         train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
@@ -275,7 +278,7 @@ def _user_frame(model: nn.Module, exc: BaseException) -> traceback.FrameSummary 
     outside = [
         f
         for f in frames
-        if not os.path.realpath(f.filename).startswith(_LIBRARY_DIRS) and not f.filename.startswith("<frozen")
+        if not os.path.realpath(f.filename).startswith(_LIBRARY_DIRS) and not f.filename.startswith("<")
     ]
     return outside[-1] if outside else None
 
@@ -284,6 +287,9 @@ def _failing_op(exc: BaseException) -> str:
     text = str(exc)
     if "data-dependent" in text or type(exc).__name__ in ("GuardOnDataDependentSymNode", "UserError"):
         return "data-dependent control flow (a Python bool / int of a tensor value, e.g. `if x.sum() > 0:` or .item())"
+    match = re.search(r"Found (<class '[\w.]+'>) in output, which is not a known type", text)
+    if match:
+        return f"forward returns a {match.group(1)} object, not tensors"
     match = re.search(r"\b(aten\.\w+(?:\.\w+)?)", text)
     if match:
         return match.group(1)
