@@ -7,7 +7,7 @@ import textwrap
 import pytest
 import torch
 
-from planner.capture import capture, flat_inputs, flatten_output
+from planner.capture import capture, flat_inputs, flatten_output, retarget_device
 from planner.errors import InputError
 from planner.modelfile import load_model_file
 
@@ -98,3 +98,30 @@ def test_untraceable_model_names_the_line(tmp_path):
     message = str(info.value)
     assert f"{path}:9" in message and "if x.sum() > 0:" in message
     assert "data-dependent" in message and "use_cache=False" in message
+
+
+def test_model_output_flattened_logits_first(captured):
+    c = captured("hf_llama")
+    kwargs = dict(c.kwargs, labels=c.args[0])  # CausalLMOutputWithPast(loss, logits)
+    gm = capture(c.model, c.args, kwargs)
+    logits, loss = gm(*flat_inputs(c.args, kwargs))
+    expected = c.model(*c.args, **kwargs)
+    torch.testing.assert_close(logits, expected.logits)
+    torch.testing.assert_close(loss, expected.loss)
+
+
+def test_hf_cache_output_is_an_input_error(captured):
+    c = captured("hf_llama")
+    with pytest.raises(InputError, match="DynamicCache") as info:
+        capture(c.model, c.args, {"use_cache": True})
+    assert "use_cache=False" in str(info.value)
+
+
+def test_retarget_device(captured):
+    gm = captured("gpt2_tiny").gm
+    aranges = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.arange.start)
+    assert aranges and aranges[0].kwargs["device"] == torch.device("cpu")
+    moved = retarget_device(torch.fx.GraphModule(gm, gm.graph.__deepcopy__()), "meta")
+    arange = moved.graph.find_nodes(op="call_function", target=torch.ops.aten.arange.start)[0]
+    assert arange.kwargs["device"] == torch.device("meta")
+    assert aranges[0].kwargs["device"] == torch.device("cpu")  # the original is untouched
