@@ -106,25 +106,33 @@ def run_rank(ctx: RankContext, job: RunJob) -> RankReport:
     torch.manual_seed(job.seed)
     model = model_file.build(str(ctx.device))
     args, kwargs = model_file.inputs(job.batch_size, job.seq_len, device=str(ctx.device))
+    full_inputs = flat_inputs(args, kwargs)
+    training = job.workload == "train"
+    if plan.dp > 1:  # capture on this replica's share of the batch: the graph's shapes are literals
+        args, kwargs = _slice_args(args, kwargs, plan.dp, mesh.dp_rank)
     inputs = flat_inputs(args, kwargs)
     full = capture(model, args, kwargs)
     structure = analyse(full)
     adds = ladder_residual_adds(structure, plan.ladder_layers)
-    training = job.workload == "train"
 
     reference = copy.deepcopy(full)
+    if training and plan.dp > 1:  # the reference gradients are those of the whole batch
+        reference = capture(model, *model_file.inputs(job.batch_size, job.seq_len, device=str(ctx.device)))
+        if adds:
+            apply_ladder(reference, ladder_residual_adds(analyse(reference), plan.ladder_layers))
     deviation = None
     if adds:
         with torch.no_grad():
             original_out = _as_tensor(full(*inputs))
-        apply_ladder(reference, adds)
+        if not (training and plan.dp > 1):
+            apply_ladder(reference, adds)
     gm = copy.deepcopy(full)
     del full, model
     apply_tensor_parallel(gm, plan.splits, mesh.tp_rank, plan.tp, training=training)
     apply_ladder(gm, adds)
 
     with torch.no_grad():
-        ref_out = _as_tensor(reference(*inputs))
+        ref_out = _as_tensor(reference(*(full_inputs if training and plan.dp > 1 else inputs)))
         if adds:
             deviation = ladder_deviation(original_out, ref_out)
     report = RankReport(
@@ -139,7 +147,7 @@ def run_rank(ctx: RankContext, job: RunJob) -> RankReport:
         ladder_deviation=deviation,
     )
     if training:
-        step = _training_step(gm, reference, inputs, plan, mesh.tp_rank, report)
+        step = _training_step(gm, reference, full_inputs, inputs, plan, mesh, report)
     else:
         with torch.no_grad():
             out = _as_tensor(gm(*inputs))
@@ -159,15 +167,44 @@ def run_rank(ctx: RankContext, job: RunJob) -> RankReport:
     return report
 
 
-def _training_step(gm, reference, inputs, plan: Plan, tp_rank: int, report: RankReport):
-    """Check one forward+backward against the unsharded reference; return a timed training step."""
-    ref_out = _as_tensor(reference(*inputs))
-    target = torch.linspace(-1.0, 1.0, ref_out.numel(), device=ref_out.device).reshape(ref_out.shape)
-    torch.nn.functional.mse_loss(ref_out, target).backward()
+def _slice_args(args: tuple, kwargs: dict, dp: int, dp_rank: int) -> tuple[tuple, dict]:
+    """(args, kwargs) with every tensor leaf cut to this DP replica's share of the batch (dim 0)."""
+    import torch.utils._pytree as pytree  # noqa: PLC0415
+
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    sliced = iter(_data_parallel_slice(tuple(tensors), dp, dp_rank))
+    leaves = [next(sliced) if isinstance(x, torch.Tensor) else x for x in leaves]
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def _data_parallel_slice(inputs: tuple, dp: int, dp_rank: int) -> tuple:
+    """This DP replica's share of the batch: every input split along dim 0 (the batch)."""
+    if dp == 1:
+        return inputs
+    for x in inputs:
+        if x.shape[0] % dp:
+            raise ValueError(
+                f"batch {x.shape[0]} of an input of shape {tuple(x.shape)} does not divide by dp={dp}"
+            )
+    return tuple(x.chunk(dp, dim=0)[dp_rank] for x in inputs)
+
+
+def _training_step(gm, reference, full_inputs, inputs, plan: Plan, mesh, report: RankReport):
+    """Check one forward+backward against the unsharded reference on the whole batch (DP replicas
+    average their gradients over the DP group); return a timed training step (forward, backward,
+    DP gradient all-reduce, SGD update)."""
+    ref_out = _as_tensor(reference(*full_inputs))
+    target_full = torch.linspace(-1.0, 1.0, ref_out.numel(), device=ref_out.device).reshape(ref_out.shape)
+    torch.nn.functional.mse_loss(ref_out, target_full).backward()
     full_grads = {name: p.grad for name, p in reference.named_parameters()}
+    ref_local = _data_parallel_slice((ref_out.detach(),), plan.dp, mesh.dp_rank)[0]
+    target = _data_parallel_slice((target_full,), plan.dp, mesh.dp_rank)[0]
     out = _as_tensor(gm(*inputs))
-    report.max_abs_diff = float((out.detach() - ref_out.detach()).abs().max())
+    report.max_abs_diff = float((out.detach() - ref_local).abs().max())
     torch.nn.functional.mse_loss(out, target).backward()
+    _average_gradients(gm, plan.dp, mesh)
+    tp_rank = mesh.tp_rank
     worst = 0.0
     for name, p in gm.named_parameters():
         want = full_grads.get(name)
@@ -184,9 +221,21 @@ def _training_step(gm, reference, inputs, plan: Plan, tp_rank: int, report: Rank
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
         torch.nn.functional.mse_loss(_as_tensor(gm(*inputs)), target).backward()
+        _average_gradients(gm, plan.dp, mesh)
         optimizer.step()
 
     return step
+
+
+def _average_gradients(module: torch.nn.Module, dp: int, mesh) -> None:
+    """Data parallelism: mean of the replicas' gradients (one all-reduce per parameter, DP group)."""
+    if dp == 1:
+        return
+    group = mesh.group("dp")
+    for p in module.parameters():
+        if p.grad is not None:
+            torch.distributed.all_reduce(p.grad, group=group)
+            p.grad /= dp
 
 
 def summarise(reports: list[RankReport]) -> dict[str, Any]:

@@ -1,0 +1,294 @@
+"""`planner`: the command line.
+
+    planner optimize MODEL.py [--cluster SPEC.yaml|PRESET] [--workload forward|decode|train] ...
+    planner show PLAN.yaml
+    planner run PLAN.yaml --model MODEL.py [--nproc N]
+    planner calibrate --out SPEC.yaml [--nproc N]
+
+Exit codes: 0 success; 2 bad input (file, YAML, options); 3 no feasible plan; 4 run failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.text import Text
+
+from planner.errors import InputError, PlannerError
+
+_WIDTH = None if sys.stdout.isatty() else 150  # rich assumes 80 columns when piped; tables need more
+console = Console(width=_WIDTH)
+err_console = Console(stderr=True, width=_WIDTH)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's own errors: exit code 2 with our format
+        self.print_usage(sys.stderr)
+        raise InputError(message)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of all subcommands."""
+    parser = _Parser(prog="planner", description="Plan, rewrite and run tensor/pipeline/ladder parallelism.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    opt = sub.add_parser("optimize", help="plan a model for a cluster (and optionally run it)")
+    opt.add_argument("model", help="model file defining build_model() and example_inputs()")
+    opt.add_argument(
+        "--cluster", help="preset name (dgx-h100, local-cpu, ...) or YAML file; default: this machine"
+    )
+    opt.add_argument("--workload", default="forward", choices=["forward", "decode", "train"])
+    opt.add_argument("--batch-size", type=_positive)
+    opt.add_argument("--seq-len", type=_positive)
+    opt.add_argument("--context", type=_positive, help="decode: KV-cache length in tokens")
+    opt.add_argument("--micro-batches", type=_positive)
+    opt.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
+    opt.add_argument("--ladder", default="none", help="none | upper:N | auto | auto:max=N")
+    opt.add_argument("--tp", type=_positive, help="pin the tensor-parallel degree")
+    opt.add_argument("--pp", type=_positive, help="pin the pipeline-parallel degree")
+    opt.add_argument("--dp", type=_positive, help="pin the data-parallel degree")
+    opt.add_argument("--out", help="write the plan as YAML")
+    opt.add_argument("--emit", help="write the generated sharded module of every rank into this folder")
+    opt.add_argument("--json", help="write the JSON report")
+    opt.add_argument("--why", action="store_true", help="show every decision beside its alternatives")
+    _run_options(opt)
+    opt.add_argument("--run", action="store_true", help="execute the plan on local ranks and measure it")
+    opt.add_argument(
+        "--scale-to-local", action="store_true", help="with --run: re-plan for this machine if needed"
+    )
+
+    show = sub.add_parser("show", help="print a saved plan")
+    show.add_argument("plan")
+    show.add_argument("--why", action="store_true")
+
+    run = sub.add_parser("run", help="execute a saved plan on local ranks and measure it")
+    run.add_argument("plan")
+    run.add_argument("--model", required=True)
+    run.add_argument("--json")
+    _run_options(run)
+
+    cal = sub.add_parser("calibrate", help="measure this machine and write a cluster spec")
+    cal.add_argument("--out", required=True)
+    cal.add_argument("--nproc", type=_positive, default=os.cpu_count() or 1)
+    return parser
+
+
+def _run_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--nproc", type=_positive, help="local ranks (default: the plan's device count / core count)"
+    )
+    p.add_argument("--iters", type=_positive, default=10, help="timed iterations")
+    p.add_argument("--warmup", type=int, default=3, help="warm-up iterations")
+    p.add_argument("--timeout", type=float, default=120.0, help="process-group timeout per rank, seconds")
+
+
+@contextmanager
+def _progress():
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=True,
+    ) as progress:
+        yield progress
+
+
+def _write_atomic(path: str, text: str) -> None:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def cmd_optimize(args: argparse.Namespace) -> int:
+    from planner import workflow  # noqa: PLC0415 - keeps `planner --help` fast
+
+    with _progress() as progress:
+        task = progress.add_task("tracing the model (meta device)", total=None)
+        prepared = workflow.prepare(
+            args.model,
+            args.workload,
+            args.batch_size,
+            args.seq_len,
+            args.context,
+            args.micro_batches,
+            args.dtype,
+        )
+        progress.update(task, description="loading the cluster spec")
+        nproc = args.nproc
+        cluster = workflow.resolve_cluster(
+            args.cluster,
+            nproc,
+            progress=lambda step, frac: progress.update(task, description=f"calibrating: {step}"),
+        )
+        progress.update(task, description="solving the ILP")
+        constraints = workflow.constraints_from(args.tp, args.pp, args.dp, args.ladder)
+        plan = workflow.make_plan(prepared, cluster, constraints, args.model)
+    n = len(prepared.structure.layers)
+    console.print(
+        f"Traced {args.model}: {n} layers, {prepared.structure.num_params / 1e6:,.1f} M parameters, "
+        f"batch {prepared.structure.batch_size} × seq {prepared.structure.seq_len}"
+    )
+    from planner.render import render_decisions, render_plan, render_run  # noqa: PLC0415
+
+    render_plan(console, plan)
+    if args.why:
+        render_decisions(console, plan)
+    if args.out:
+        plan.to_yaml(args.out)
+        console.print(f"plan written to {args.out}")
+    if args.emit:
+        from planner.emitting import emit_plan  # noqa: PLC0415
+
+        emit_plan(plan, args.model, args.emit)
+        console.print(f"generated sharded modules written to {args.emit}/ (see its README.md)")
+    run = None
+    if args.run:
+        plan, run = _run(args, plan, prepared, cluster)
+    report = workflow.report_dict(plan, run, args.model, cluster)
+    if run is not None:
+        render_run(console, report)
+    if args.json:
+        _write_atomic(args.json, json.dumps(report, indent=2, default=float))
+        console.print(f"report written to {args.json}")
+    return 0
+
+
+def _run(args, plan, prepared, cluster):
+    from planner import workflow  # noqa: PLC0415
+
+    nproc = args.nproc or plan.num_devices
+    local_devices = torch_devices() if cluster.backend == "nccl" else None
+    fits = nproc == plan.num_devices and (local_devices is None or local_devices >= nproc)
+    if not fits:
+        if not args.scale_to_local:
+            raise InputError(
+                f"the plan uses {plan.num_devices} devices (tp={plan.tp} x pp={plan.pp} x dp={plan.dp}) on {cluster.name}; "
+                f"this machine runs {nproc} rank(s). Pass --scale-to-local to re-plan for local-cpu with --nproc ranks"
+            )
+        nproc = args.nproc or (os.cpu_count() or 1)
+        local = workflow.resolve_cluster("local-cpu", nproc)
+        console.print(
+            f"[yellow]re-planning for this machine (local-cpu, {nproc} ranks) to run it (--scale-to-local)[/yellow]"
+        )
+        constraints = workflow.constraints_from(args.tp, args.pp, args.dp, args.ladder, max_devices=nproc)
+        plan = workflow.make_plan(prepared, local, constraints, args.model)
+        from planner.render import render_plan  # noqa: PLC0415
+
+        render_plan(console, plan)
+        nproc = plan.num_devices
+    with _progress() as progress:
+        progress.add_task(
+            f"running on {nproc} rank(s): rewrite, check numerics, time {args.iters} iterations", total=None
+        )
+        run = workflow.run_plan(plan, args.model, nproc, args.iters, args.warmup, args.timeout)
+    return plan, run
+
+
+def torch_devices() -> int:
+    """CUDA devices on this machine (0 without CUDA)."""
+    import torch  # noqa: PLC0415
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from planner.plan import Plan  # noqa: PLC0415
+    from planner.render import render_decisions, render_plan  # noqa: PLC0415
+
+    plan = Plan.from_yaml(args.plan)
+    render_plan(console, plan)
+    if args.why:
+        render_decisions(console, plan)
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from costmodels.cluster import load_cluster  # noqa: PLC0415
+    from planner import workflow  # noqa: PLC0415
+    from planner.plan import Plan  # noqa: PLC0415
+    from planner.render import render_run  # noqa: PLC0415
+
+    plan = Plan.from_yaml(args.plan)
+    if not Path(args.model).exists():
+        raise InputError(f"model file {args.model} does not exist")
+    nproc = args.nproc or plan.num_devices
+    with _progress() as progress:
+        progress.add_task(f"running on {nproc} rank(s)", total=None)
+        run = workflow.run_plan(plan, args.model, nproc, args.iters, args.warmup, args.timeout)
+    try:
+        cluster = load_cluster(plan.cluster)
+    except PlannerError:
+        cluster = load_cluster("local-cpu", nproc=nproc)
+    report = workflow.report_dict(plan, run, args.model, cluster)
+    render_run(console, report)
+    if args.json:
+        _write_atomic(args.json, json.dumps(report, indent=2, default=float))
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from costmodels.calibrate import calibrate, write_cluster_yaml  # noqa: PLC0415
+    from costmodels.cluster import load_cluster  # noqa: PLC0415
+
+    with Progress(console=err_console, transient=True) as progress:
+        task = progress.add_task("calibrating", total=1.0)
+        spec = calibrate(
+            args.nproc, progress=lambda step, frac: progress.update(task, description=step, completed=frac)
+        )
+    write_cluster_yaml(spec, args.out)
+    spec = load_cluster(args.out)
+    d = spec.device
+    console.print(f"wrote {args.out}: {spec.num_devices} × {d.name}")
+    console.print(
+        f"  matmul fp32 {d.peak_flops_per_s['fp32'] / 1e9:.1f} GFLOP/s per rank, memory {d.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
+        f"launch {d.launch_overhead_s * 1e6:.1f} µs; all-reduce alpha {spec.intra_node.latency_s * 1e6:.1f} µs, "
+        f"bandwidth {spec.intra_node.bandwidth_bytes_per_s / 1e9:.2f} GB/s; overlap efficiency {spec.overlap_efficiency:.2f}"
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `planner` console script; returns the process exit code."""
+    try:
+        args = build_parser().parse_args(argv)
+        handler = {"optimize": cmd_optimize, "show": cmd_show, "run": cmd_run, "calibrate": cmd_calibrate}[
+            args.command
+        ]
+        return handler(args)
+    except PlannerError as e:
+        kind = {2: "bad input", 3: "no feasible plan", 4: "run failed"}.get(e.exit_code, "error")
+        err_console.print(Text.assemble((f"error ({kind}): ", "bold red"), str(e)), highlight=False)
+        return e.exit_code
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

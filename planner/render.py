@@ -1,0 +1,181 @@
+"""Terminal rendering of plans and runs with rich: the mesh, per-stage/per-layer costs, baseline, runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from planner.plan import LayerCost, Plan
+
+_GIB = 2.0**30
+
+
+def fmt_s(seconds: float | None) -> str:
+    """Seconds in a readable unit (s, ms, µs)."""
+    if seconds is None:
+        return "-"
+    if seconds >= 1:
+        return f"{seconds:.3f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3f} ms"
+    return f"{seconds * 1e6:.1f} µs"
+
+
+def fmt_bytes(nbytes: float | None) -> str:
+    """Bytes in GiB or MiB."""
+    if nbytes is None:
+        return "-"
+    return f"{nbytes / _GIB:.2f} GiB" if nbytes >= _GIB / 10 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _strategy_text(cost: LayerCost) -> str:
+    """Ops grouped by chosen strategy: "colwise: q k v up gate; rowwise: o down"."""
+    by_style: dict[str, list[str]] = {}
+    for op, style in cost.strategy.items():
+        by_style.setdefault(style, []).append(op)
+    return "; ".join(f"{style}: {' '.join(ops)}" for style, ops in sorted(by_style.items())) or "-"
+
+
+def _grouped(per_layer: list[LayerCost]) -> list[tuple[str, LayerCost, int]]:
+    """Consecutive layers with identical costs and strategy shown as one row ("4-79")."""
+    rows: list[tuple[str, LayerCost, int]] = []
+    for cost in per_layer:
+        if rows:
+            label, first, count = rows[-1]
+            same = (
+                cost.layer >= 0
+                and first.layer >= 0
+                and cost.stage == first.stage
+                and cost.strategy == first.strategy
+                and abs(cost.compute_s - first.compute_s) <= 1e-12 + 1e-9 * first.compute_s
+                and abs(cost.exposed_comm_s - first.exposed_comm_s) <= 1e-12 + 1e-9 * first.exposed_comm_s
+                and abs(cost.overlapped_comm_s - first.overlapped_comm_s)
+                <= 1e-12 + 1e-9 * first.overlapped_comm_s
+            )
+            if same:
+                rows[-1] = (label, first, count + 1)
+                continue
+        rows.append((str(cost.layer) if cost.layer >= 0 else "ends", cost, 1))
+    return [(label if n == 1 else f"{c.layer}-{c.layer + n - 1}", c, n) for label, c, n in rows]
+
+
+def render_plan(console: Console, plan: Plan) -> None:
+    """Print the mesh, the per-stage/per-layer table, predicted totals and the Megatron comparison."""
+    console.print(
+        f"[bold]Plan[/bold] for {plan.model} on [bold]{plan.cluster}[/bold] ({plan.workload}, batch {plan.batch_size}, "
+        f"seq {plan.seq_len}"
+        + (f", context {plan.context}" if plan.workload == "decode" else "")
+        + f", {plan.dtype})"
+    )
+    console.print(
+        f"Mesh: [bold]TP={plan.tp} × PP={plan.pp} × DP={plan.dp}[/bold] = {plan.num_devices} devices, "
+        f"{plan.micro_batches} micro-batch(es); ladder residual on layers {_ranges(plan.ladder_layers) or 'none'}"
+    )
+    table = Table(title="Per stage and layer (per step, per rank)", show_lines=False)
+    for col in (
+        "stage",
+        "layers",
+        "split choices",
+        "compute",
+        "exposed comm",
+        "overlapped comm",
+        "memory/rank",
+    ):
+        table.add_column(col, justify="right" if col not in ("split choices", "layers") else "left")
+    for label, cost, count in _grouped(plan.predicted.per_layer):
+        mult = f" ×{count}" if count > 1 else ""
+        table.add_row(
+            str(cost.stage),
+            label + mult,
+            _strategy_text(cost),
+            fmt_s(cost.compute_s),
+            fmt_s(cost.exposed_comm_s),
+            fmt_s(cost.overlapped_comm_s),
+            fmt_bytes(cost.memory_bytes),
+        )
+    console.print(table)
+    p = plan.predicted
+    what = "step" if plan.workload == "train" else ("decode step" if plan.workload == "decode" else "forward")
+    console.print(
+        f"Predicted {what} latency: [bold]{fmt_s(p.latency_s)}[/bold] "
+        f"(compute {fmt_s(p.compute_s)}, exposed comm {fmt_s(p.exposed_comm_s)}, overlapped {fmt_s(p.overlapped_comm_s)}, "
+        f"bubble {fmt_s(p.bubble_s)}); {p.throughput_tokens_per_s:,.0f} tokens/s; peak memory {fmt_bytes(p.peak_memory_bytes)}/rank"
+    )
+    if plan.baseline is not None:
+        b = plan.baseline
+        console.print(
+            f"Hand-written Megatron plan (TP across the node, PP across nodes): {fmt_s(b.latency_s)}, "
+            f"{fmt_bytes(b.peak_memory_bytes)}/rank -> this plan is [bold]{b.latency_s / p.latency_s:.2f}×[/bold] its speed"
+        )
+    for note in plan.excluded[:8]:
+        console.print(f"[dim]excluded: {note}[/dim]")
+    s = plan.solver
+    console.print(
+        f"[dim]solver: {s.status}, gap {s.gap:.3g}, {s.time_s:.2f} s, {s.num_variables} variables[/dim]"
+    )
+
+
+def render_decisions(console: Console, plan: Plan) -> None:
+    """The "why" table: each decision with the predicted cost of every alternative."""
+    table = Table(title="Why: each decision beside its alternatives (predicted seconds)")
+    for col in ("decision", "chosen", "alternatives", "reason"):
+        table.add_column(col)
+    for d in plan.decisions:
+        options = ", ".join(
+            f"{k}: {fmt_s(v) if v != float('inf') else 'not allowed'}" for k, v in d.options.items()
+        )
+        table.add_row(d.subject, d.chosen, options, d.reason)
+    console.print(table)
+
+
+def render_run(console: Console, report: dict[str, Any]) -> None:
+    """Predicted beside measured, with the ratio, and the numerics check."""
+    m, n, p = report["measured"], report["numerics"], report["predicted"]
+    table = Table(title="Predicted vs measured")
+    for col in ("quantity", "predicted", "measured", "predicted / measured"):
+        table.add_column(col, justify="right")
+    ratio = p["latency_s"] / m["latency_s"] if m["latency_s"] else None
+    table.add_row("latency", fmt_s(p["latency_s"]), fmt_s(m["latency_s"]), f"{ratio:.2f}" if ratio else "-")
+    mem_ratio = p["peak_memory_bytes"] / m["peak_memory_bytes"] if m["peak_memory_bytes"] else None
+    table.add_row(
+        "peak memory / rank",
+        fmt_bytes(p["peak_memory_bytes"]),
+        fmt_bytes(m["peak_memory_bytes"]),
+        f"{mem_ratio:.2f}" if mem_ratio else "-",
+    )
+    console.print(table)
+    console.print(
+        f"measured: median of {m['iterations']} iterations on the slowest rank; p10 {fmt_s(m['latency_p10_s'])}, "
+        f"p90 {fmt_s(m['latency_p90_s'])}; per-rank medians {', '.join(fmt_s(x) for x in m['per_rank_median_s'])}"
+    )
+    diff = n["max_abs_diff"]
+    console.print(
+        f"numerics: max |sharded - unsharded| = {diff:.3g} (output scale {n['output_scale']:.3g})"
+        + (
+            f"; gradients max diff {n['grad_max_abs_diff']:.3g}"
+            if n.get("grad_max_abs_diff") is not None
+            else ""
+        )
+        + (
+            f"; ladder residual moved the outputs by {n['ladder_deviation']:.3g} (relative L2) vs the original model"
+            if n.get("ladder_deviation") is not None
+            else ""
+        )
+    )
+
+
+def _ranges(values: list[int]) -> str:
+    if not values:
+        return ""
+    values = sorted(values)
+    out, start, prev = [], values[0], values[0]
+    for v in values[1:] + [None]:
+        if v is not None and v == prev + 1:
+            prev = v
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if v is not None:
+            start = prev = v
+    return ", ".join(out)

@@ -1,0 +1,196 @@
+"""The steps behind `planner optimize`: load, capture, plan, emit, run, report.
+
+    model.py ─► capture ─► analyse ─► plan_model (cost model + ILP) ─► Plan ─► emit / run ─► report
+
+Each function is one step with typed inputs and outputs; the CLI (`planner.cli`) only parses options,
+shows progress and renders. Errors are `planner.errors` exceptions with the exit code of their kind.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from costmodels.cluster import ClusterSpec, load_cluster, preset_names
+from planner.analysis import ModelStructure, analyse
+from planner.capture import capture
+from planner.errors import InputError
+from planner.modelfile import ModelFile, load_model_file
+from planner.plan import Plan
+from planner.search import Constraints, Workload, plan_model
+
+DEFAULT_CONTEXT = 2048  # decode: KV-cache tokens when --context is not given
+CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "parallel-planner"
+
+
+@dataclass
+class Prepared:
+    """A model file captured and analysed for planning (on the meta device: no weights allocated)."""
+
+    model_file: ModelFile
+    structure: ModelStructure
+    workload: Workload
+
+
+def prepare(
+    model_path: str,
+    workload: str = "forward",
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    context: int | None = None,
+    micro_batches: int | None = None,
+    dtype: str | None = None,
+) -> Prepared:
+    """Load `model_path`, build it on `meta`, capture and analyse it, and describe the workload.
+
+    decode: the example inputs are asked for with seq_len=1 (one new token per sequence) and the KV
+    cache holds `context` tokens (default DEFAULT_CONTEXT). Raises InputError (bad file, options,
+    untraceable model).
+    """
+    if workload not in ("forward", "decode", "train"):
+        raise InputError(f"--workload must be forward, decode or train, got {workload!r}")
+    for name, value in (("--batch-size", batch_size), ("--seq-len", seq_len), ("--context", context)):
+        if value is not None and value < 1:
+            raise InputError(f"{name} must be a positive integer, got {value}")
+    if workload == "decode":
+        if seq_len not in (None, 1):
+            raise InputError(
+                "--seq-len is the prompt length; decode plans one new token: use --context for the KV cache"
+            )
+        seq_len = 1
+        context = context or DEFAULT_CONTEXT
+    elif context:
+        raise InputError("--context only applies to --workload decode")
+    model_file = load_model_file(model_path)
+    args, kwargs = model_file.inputs(batch_size, seq_len)
+    model = model_file.build("meta")
+    gm = capture(model, args, kwargs)
+    structure = analyse(gm)
+    wl = Workload(
+        kind=workload,
+        batch_size=structure.batch_size,
+        seq_len=structure.seq_len,
+        context=context or 0,
+        micro_batches=micro_batches,
+        dtype=dtype,
+    )
+    return Prepared(model_file, structure, wl)
+
+
+def resolve_cluster(name_or_path: str | None, nproc: int | None, progress=None) -> ClusterSpec:
+    """The cluster to plan for: a preset name, a YAML file, or (None) this machine, calibrated on
+    first use and cached under CACHE_DIR. Raises InputError (SpecError) for a bad name or file."""
+    if name_or_path:
+        return load_cluster(name_or_path, nproc=nproc)
+    nproc = nproc or os.cpu_count() or 1
+    cached = CACHE_DIR / f"local-nproc{nproc}.yaml"
+    if cached.exists():
+        return load_cluster(str(cached))
+    from costmodels.calibrate import calibrate, write_cluster_yaml  # noqa: PLC0415 - only on first use
+
+    spec = calibrate(nproc, progress=progress)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    write_cluster_yaml(spec, cached)
+    return load_cluster(str(cached))
+
+
+def constraints_from(
+    tp: int | None, pp: int | None, dp: int | None, ladder: str, max_devices: int | None = None
+) -> Constraints:
+    """Constraints from CLI options. Raises InputError for a malformed --ladder."""
+    ladder = ladder or "none"
+    ok = ladder == "none" or ladder == "auto" or ladder.startswith("upper:") or ladder.startswith("auto:max=")
+    if ok and ":" in ladder:
+        ok = ladder.rsplit("=" if "=" in ladder else ":", 1)[1].isdigit()
+    if not ok:
+        raise InputError(f"--ladder must be none, upper:N, auto or auto:max=N (N layers), got {ladder!r}")
+    return Constraints(tp=tp, pp=pp, dp=dp, ladder=ladder, max_devices=max_devices)
+
+
+def make_plan(prepared: Prepared, cluster: ClusterSpec, constraints: Constraints, model_path: str) -> Plan:
+    """Solve for the best plan. Raises InfeasibleError (exit 3) or InputError (exit 2)."""
+    return plan_model(prepared.structure, cluster, prepared.workload, constraints, model_name=str(model_path))
+
+
+def run_plan(
+    plan: Plan, model_path: str, nproc: int, iters: int, warmup: int, timeout_s: float
+) -> dict[str, Any]:
+    """Execute `plan` on `nproc` local ranks (gloo on CPU, NCCL on GPUs) and summarise the ranks.
+
+    Raises InputError when nproc != the plan's device count, RunError (exit 4) when a rank fails.
+    """
+    from runtime.execute import RunJob, run_rank, summarise  # noqa: PLC0415 - heavy imports only for --run
+    from runtime.launch import launch  # noqa: PLC0415
+
+    if nproc != plan.num_devices:
+        raise InputError(
+            f"the plan uses {plan.num_devices} devices (tp={plan.tp} x pp={plan.pp} x dp={plan.dp}) but --nproc is {nproc}; "
+            "re-plan with --nproc, or pass --scale-to-local to re-plan for this machine"
+        )
+    workload = "train" if plan.workload == "train" else "forward"
+    job = RunJob(
+        model_path=str(model_path),
+        plan=plan.to_dict(),
+        batch_size=plan.batch_size,
+        seq_len=plan.seq_len,
+        workload=workload,
+        warmup=warmup,
+        iters=iters,
+    )
+    return summarise(launch(run_rank, job, nproc=nproc, timeout_s=timeout_s))
+
+
+def report_dict(
+    plan: Plan, run: dict[str, Any] | None, model_path: str, cluster: ClusterSpec
+) -> dict[str, Any]:
+    """The JSON report: plan, predicted, baseline, solver, and with a run measured and numerics."""
+    p = plan.predicted
+    report: dict[str, Any] = {
+        "model": str(model_path),
+        "cluster": cluster.name,
+        "workload": plan.workload,
+        "plan": {
+            "tp": plan.tp,
+            "pp": plan.pp,
+            "dp": plan.dp,
+            "micro_batches": plan.micro_batches,
+            "ladder_layers": list(plan.ladder_layers),
+            "stages": [list(s) for s in plan.stages],
+            "splits": {k: v.style for k, v in plan.splits.items()},
+        },
+        "predicted": {
+            "latency_s": p.latency_s,
+            "throughput_tokens_per_s": p.throughput_tokens_per_s,
+            "peak_memory_bytes": p.peak_memory_bytes,
+            "compute_s": p.compute_s,
+            "exposed_comm_s": p.exposed_comm_s,
+            "overlapped_comm_s": p.overlapped_comm_s,
+            "bubble_s": p.bubble_s,
+        },
+        "baseline": {
+            "latency_s": plan.baseline.latency_s if plan.baseline else None,
+            "peak_memory_bytes": plan.baseline.peak_memory_bytes if plan.baseline else None,
+            "speedup": (plan.baseline.latency_s / p.latency_s) if plan.baseline and p.latency_s else None,
+        },
+        "solver": {
+            "status": plan.solver.status,
+            "objective": plan.solver.objective,
+            "gap": plan.solver.gap,
+            "time_s": plan.solver.time_s,
+            "num_variables": plan.solver.num_variables,
+        },
+        "excluded": list(plan.excluded),
+    }
+    if run is not None:
+        report["measured"] = run["measured"]
+        report["numerics"] = run["numerics"]
+        measured = run["measured"]["latency_s"]
+        report["measured"]["predicted_over_measured"] = p.latency_s / measured if measured else None
+    return report
+
+
+def known_clusters() -> str:
+    """Preset names, for messages."""
+    return ", ".join(preset_names())
