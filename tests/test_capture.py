@@ -125,3 +125,12 @@ def test_retarget_device(captured):
     arange = moved.graph.find_nodes(op="call_function", target=torch.ops.aten.arange.start)[0]
     assert arange.kwargs["device"] == torch.device("meta")
     assert aranges[0].kwargs["device"] == torch.device("cpu")  # the original is untouched
+
+
+def test_gpt2_124m_runs_on_cpu(example_path):
+    mf = load_model_file(example_path("gpt2"))
+    model = mf.build()
+    args, kwargs = mf.inputs()  # batch 1, 64 tokens
+    gm = capture(model, args, kwargs)
+    with torch.no_grad():
+        torch.testing.assert_close(gm(*flat_inputs(args, kwargs)), model(*args), rtol=1e-4, atol=1e-4)

@@ -128,3 +128,18 @@ def test_sibling_imports_and_no_repeated_sys_path_entries(tmp_path):
     load_model_file(path)
     load_model_file(path)
     assert sys.path.count(str(tmp_path)) == 1
+
+
+@pytest.mark.parametrize(
+    "name, num_params",
+    [
+        ("gpt2", 124_439_808),  # GPT-2 124M, tied LM head counted once
+        ("llama3_8b", 8_030_261_248),
+        ("llama3_70b", 70_553_706_496),
+        ("llama3_405b", 405_853_388_800),
+        ("gpt3_175b", 174_635_323_392),
+    ],
+)
+def test_published_configs(example_path, name, num_params):
+    model = load_model_file(example_path(name)).build("meta")
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(num_params, rel=1e-3)
