@@ -14,9 +14,13 @@ Every collective also pays the device's ``launch_overhead_s`` once (it is one ke
 
 A group spanning ``k`` nodes with ``r`` ranks on each is priced hierarchically: reduce-scatter
 inside each node (NVLink), an all-reduce of the ``S / r`` shard across the ``k`` nodes, all-gather
-inside each node. Across nodes, the ``r`` ranks of a node share its NICs, so each rank gets
-``nics_per_node * nic_bandwidth / r``. (A model blind to ranks-per-node gives every rank a whole
-NIC: it mispriced all-reduce against reduce-scatter 8x and flipped a plan; tests/test_costmodels_comm.py.)
+inside each node. Across nodes, the ranks of a node share its NICs. Every rank of a node runs its own
+group's collective at the same time (SPMD: the 8 data-parallel groups of a TP=8 node all-reduce
+together; the 8 ranks of a stage send together), so each rank gets
+``nics_per_node * nic_bandwidth / devices_per_node`` -- for a group holding all of a node's ranks
+that is ``nics_per_node * nic_bandwidth / ranks_per_node``. (A model blind to ranks-per-node gives
+every rank the whole node's NICs: it mispriced all-reduce against reduce-scatter 8x and flipped a
+plan; see tests/test_costmodels_comm.py.)
 """
 
 from __future__ import annotations
@@ -98,8 +102,17 @@ def _check(nbytes: float, group: Group, cluster: ClusterSpec) -> tuple[LinkSpec,
         raise ValueError(
             f"group spans {group.num_nodes} nodes but cluster {cluster.name!r} has no inter_node link"
         )
-    per_rank_bw = inter.nics_per_node * inter.bandwidth_bytes_per_s / group.ranks_per_node if inter else 0.0
-    return cluster.intra_node, inter, per_rank_bw
+    return cluster.intra_node, inter, inter_node_bandwidth_per_rank(cluster) if inter else 0.0
+
+
+def inter_node_bandwidth_per_rank(cluster: ClusterSpec) -> float:
+    """Bytes/s across nodes that one rank gets while every rank of its node communicates across
+    nodes at once: ``nics_per_node * nic_bandwidth / devices_per_node``. Raises ValueError on a
+    one-node cluster."""
+    inter = cluster.inter_node
+    if inter is None:
+        raise ValueError(f"cluster {cluster.name!r} has one node: no inter-node link")
+    return inter.nics_per_node * inter.bandwidth_bytes_per_s / cluster.devices_per_node
 
 
 def all_reduce_time_s(nbytes: float, group: Group, cluster: ClusterSpec) -> float:
@@ -176,14 +189,20 @@ def broadcast_time_s(nbytes: float, group: Group, cluster: ClusterSpec) -> float
 def p2p_time_s(nbytes: float, cluster: ClusterSpec, inter_node: bool) -> float:
     """Seconds to send ``nbytes`` from one rank to another (pipeline stage boundary).
 
-    ``inter_node=True`` uses one NIC of the inter-node link. Raises ValueError if the cluster has
-    no inter-node link.
+    ``inter_node=True``: every rank of the node sends at once (one flow per rank), so each flow gets
+    ``min(one NIC, inter_node_bandwidth_per_rank)``. Raises ValueError if the cluster has no
+    inter-node link.
     """
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-    link = cluster.inter_node if inter_node else cluster.intra_node
-    if link is None:
-        raise ValueError(f"cluster {cluster.name!r} has one node: no inter-node link for a send")
+    if inter_node:
+        link = cluster.inter_node
+        if link is None:
+            raise ValueError(f"cluster {cluster.name!r} has one node: no inter-node link for a send")
+        bandwidth = min(link.bandwidth_bytes_per_s, inter_node_bandwidth_per_rank(cluster))
+    else:
+        link = cluster.intra_node
+        bandwidth = link.bandwidth_bytes_per_s
     if nbytes == 0:
         return 0.0
-    return cluster.device.launch_overhead_s + link.latency_s + nbytes / link.bandwidth_bytes_per_s
+    return cluster.device.launch_overhead_s + link.latency_s + nbytes / bandwidth

@@ -18,6 +18,7 @@ from costmodels.comm import (
     all_gather_time_s,
     all_reduce_time_s,
     broadcast_time_s,
+    inter_node_bandwidth_per_rank,
     p2p_time_s,
     reduce_scatter_time_s,
 )
@@ -73,7 +74,8 @@ def test_intra_node_reduce_scatter_all_gather_broadcast_p2p() -> None:
     assert all_gather_time_s(S, Group(8, 8), TOY) == pytest.approx(ring_half)
     assert broadcast_time_s(S, Group(8, 8), TOY) == pytest.approx(7 * US + 0.01)  # pipelined chain
     assert p2p_time_s(S, TOY, inter_node=False) == pytest.approx(US + 0.01)
-    assert p2p_time_s(S, TOY, inter_node=True) == pytest.approx(10 * US + S / (25 * GB))  # one NIC
+    # 8 ranks of a node send at once over 4 NICs: 12.5 GB/s per flow
+    assert p2p_time_s(S, TOY, inter_node=True) == pytest.approx(10 * US + S / (12.5 * GB))
 
 
 def test_launch_overhead_paid_once_per_collective() -> None:
@@ -103,9 +105,13 @@ def test_two_node_reduce_scatter_and_all_gather() -> None:
     assert all_gather_time_s(S, Group(16, 8), TOY) == pytest.approx(expected)
 
 
-def test_one_rank_per_node_gets_all_nics() -> None:
-    # Group(2, 1): the whole node's 4 NICs serve one rank: 100 GB/s; doubling: 10 us + S / 100 GB/s
-    assert all_reduce_time_s(S, Group(2, 1), TOY) == pytest.approx(10 * US + S / (100 * GB))
+def test_one_rank_per_node_groups_still_share_the_nics() -> None:
+    # Group(2, 1), e.g. data parallel across 2 nodes with TP=8 inside: the 8 DP groups of a node
+    # all-reduce at the same time over its 4 NICs, 12.5 GB/s each (not the node's 100 GB/s).
+    assert inter_node_bandwidth_per_rank(TOY) == 12.5 * GB
+    assert all_reduce_time_s(S, Group(2, 1), TOY) == pytest.approx(10 * US + S / (12.5 * GB))
+    with pytest.raises(ValueError, match="one node"):
+        inter_node_bandwidth_per_rank(load_cluster("dgx-h100"))
 
 
 @pytest.mark.parametrize("cluster_name", ["toy", "dgx-h100", "dgx-a100", "h100-pcie", "h100-ib-2node"])
