@@ -33,10 +33,14 @@ and the usual fixes.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
+import logging
 import operator
 import os
 import re
+import sys
 import sysconfig
 import traceback
 from typing import Any
@@ -72,10 +76,20 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> fx.Gra
     """
     kwargs = dict(kwargs or {})
     args, kwargs = _inputs_on_model_device(model, tuple(args), kwargs)
+    # On failure export logs a warning and prints the partial graph to stderr; we report one message
+    # instead (the partial graph still names the failing op in it). On success stderr is replayed.
+    shapes_logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = shapes_logger.level
+    shapes_logger.setLevel(logging.ERROR)
+    stderr = io.StringIO()
     try:
-        exported = torch.export.export(model, args, kwargs, strict=False)
+        with contextlib.redirect_stderr(stderr):
+            exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as e:  # export raises many types; all mean "this model does not trace"
-        raise InputError(_capture_error_message(model, e)) from e
+        raise InputError(_capture_error_message(model, e, stderr.getvalue())) from e
+    finally:
+        shapes_logger.setLevel(level)
+    sys.stderr.write(stderr.getvalue())
     gm = exported.module()
     out_spec = gm._out_spec
     module_names = {name for name, _ in model.named_modules()}
@@ -192,6 +206,7 @@ def _is_noop(node: fx.Node) -> bool:
             src.dtype == dst.dtype
             and src.device == dst.device
             and memory_format in (None, torch.preserve_format)
+            and not node.kwargs.get("copy", False)
             and name == "aten.to"  # _to_copy always copies; keep it (it may break aliasing)
         )
     return False
@@ -283,10 +298,13 @@ def _user_frame(model: nn.Module, exc: BaseException) -> traceback.FrameSummary 
     return outside[-1] if outside else None
 
 
-def _failing_op(exc: BaseException) -> str:
+def _failing_op(exc: BaseException, partial_graph: str) -> str:
+    """What failed: the op (from the message, or the last op of the partial graph) and why."""
     text = str(exc)
-    if "data-dependent" in text or type(exc).__name__ in ("GuardOnDataDependentSymNode", "UserError"):
-        return "data-dependent control flow (a Python bool / int of a tensor value, e.g. `if x.sum() > 0:` or .item())"
+    if "data-dependent" in text or type(exc).__name__ == "GuardOnDataDependentSymNode":
+        ops = re.findall(r"torch\.ops\.aten\.(\w+)\.", text + "\n" + partial_graph)
+        op = f"aten.{ops[-1]}: " if ops else ""
+        return f"{op}data-dependent control flow (a Python bool / int of a tensor value: `if x.sum() > 0:`, .item())"
     match = re.search(r"Found (<class '[\w.]+'>) in output, which is not a known type", text)
     if match:
         return f"forward returns a {match.group(1)} object, not tensors"
@@ -296,7 +314,7 @@ def _failing_op(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-def _capture_error_message(model: nn.Module, exc: BaseException) -> str:
+def _capture_error_message(model: nn.Module, exc: BaseException, partial_graph: str) -> str:
     frame = _user_frame(model, exc)
     where = "unknown line (no frame of the model's code in the traceback)"
     if frame is not None:
@@ -306,7 +324,7 @@ def _capture_error_message(model: nn.Module, exc: BaseException) -> str:
     first_line = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
     return (
         f"cannot capture {type(model).__name__} with torch.export (non-strict)\n"
-        f"  op:    {_failing_op(exc)}\n"
+        f"  op:    {_failing_op(exc, partial_graph)}\n"
         f"  line:  {where}\n"
         f"  error: {type(exc).__name__}: {first_line[:300]}\n"
         f"{_FIXES}"

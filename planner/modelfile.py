@@ -28,10 +28,9 @@ from torch import nn
 
 from planner.errors import InputError, PlannerError
 
-_EXAMPLE = """    def build_model():
-        return MyModel()
-    def example_inputs(batch_size=2, seq_len=16):
-        return (torch.randint(0, 1000, (batch_size, seq_len)),)"""
+_EXAMPLE = """    import torch
+    def build_model(): return MyModel()
+    def example_inputs(batch_size=2, seq_len=16): return (torch.randint(0, 1000, (batch_size, seq_len)),)"""
 
 _REQUIRED = ("build_model", "example_inputs")
 

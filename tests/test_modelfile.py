@@ -56,7 +56,8 @@ def test_missing_functions_named_with_example(tmp_path):
         load_model_file(path)
     message = str(info.value)
     assert "build_model" in message and "example_inputs" not in message.split(";")[0]
-    assert "def build_model():" in message and "def example_inputs(batch_size=2, seq_len=16):" in message
+    assert "def build_model(): return MyModel()" in message
+    assert "def example_inputs(batch_size=2, seq_len=16): return" in message
 
 
 def test_import_error_names_file_and_line(tmp_path):
@@ -71,6 +72,12 @@ def test_import_error_names_file_and_line(tmp_path):
     with pytest.raises(InputError) as info:
         load_model_file(path)
     assert f"{path}:3" in str(info.value) and "ZeroDivisionError" in str(info.value)
+
+
+def test_syntax_error_names_file_and_line(tmp_path):
+    path = write(tmp_path, "import torch\n\ndef build_model(:\n    pass\n")
+    with pytest.raises(InputError, match=rf"SyntaxError: .*{path}:3"):
+        load_model_file(path)
 
 
 def test_build_error_names_line(tmp_path):
