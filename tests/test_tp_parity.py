@@ -33,9 +33,13 @@ def _structure(name: str):
     return gm, analyse(gm)
 
 
-def _job(name: str, tp: int, workload: str = "forward", ladder: list[int] | None = None, **kw) -> RunJob:
+def _job(
+    name: str, tp: int, workload: str = "forward", ladder: list[int] | None = None, pp: int = 1, **kw
+) -> RunJob:
     _, structure = _structure(name)
-    plan = fixed_plan(structure, str(EXAMPLES / name), tp, ladder_layers=ladder, workload=workload)
+    plan = fixed_plan(
+        structure, str(EXAMPLES / name), tp, pp=pp, ladder_layers=ladder, workload=workload, micro_batches=pp
+    )
     return RunJob(str(EXAMPLES / name), plan.to_dict(), workload=workload, warmup=0, iters=1, **kw)
 
 
@@ -149,12 +153,15 @@ def test_tp4_forward_parity_and_ladder():
         _job("hf_gpt2.py", 4),
         _job("llama3.py", 4, "train"),
         _job("llama3.py", 4, ladder=[1, 2, 3], return_output=True),
+        _job("llama3.py", 2, pp=2),  # TP=2 x PP=2 on the same 4 ranks, 2 micro-batches
+        _job("gpt2_tiny.py", 2, "train", pp=2),  # tied embedding / LM head across stages
     ]
     results = launch(run_jobs, jobs, nproc=4, timeout_s=180)
     per_job = list(zip(*results))
     for job, reports in zip(jobs, per_job):
         _assert_parity(reports, f"{Path(job.model_path).name} {job.workload} tp=4")
-    _check_ladder_against_reference(per_job[-1], first_laddered=1)
+    _check_ladder_against_reference(per_job[4], first_laddered=1)
+    assert per_job[-1][-1].grad_max_abs_diff is not None
 
 
 def _check_ladder_against_reference(reports, first_laddered: int) -> None:
