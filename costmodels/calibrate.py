@@ -121,6 +121,7 @@ def _interleaved_medians_s(
     def one_round(start: int = 0, record: bool = False) -> None:
         for i in range(len(fns)):  # rotate the order each round, the same way on every rank
             k = (start + i) % len(fns)
+            dist.barrier()  # start together: a rank still busy with the last fn would inflate this one
             t0 = time.perf_counter()
             fns[k]()
             _sync(device)

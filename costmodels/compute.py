@@ -11,7 +11,7 @@ bytes are bytes read plus bytes written, times are seconds.
 from __future__ import annotations
 
 from costmodels.cluster import DeviceSpec
-from costmodels.dtypes import DTYPE_BYTES
+from costmodels.dtypes import DTYPE_BYTES, dtype_bytes
 
 OP_KINDS = ("matmul", "memory")
 
@@ -54,7 +54,7 @@ def matmul_flops(m: float, k: float, n: float) -> float:
 
 def matmul_bytes(m: float, k: float, n: float, dtype: str) -> float:
     """Bytes of an (m, k) @ (k, n) matmul: read both operands, write the (m, n) result once."""
-    return (m * k + k * n + m * n) * DTYPE_BYTES[dtype]
+    return (m * k + k * n + m * n) * dtype_bytes(dtype)
 
 
 def linear_flops(tokens: float, in_features: float, out_features: float, bias: bool = False) -> float:
@@ -67,7 +67,7 @@ def linear_bytes(
 ) -> float:
     """Bytes of ``nn.Linear``: input (tokens, in), weight (out, in), bias (out), output (tokens, out)."""
     return matmul_bytes(tokens, in_features, out_features, dtype) + (
-        out_features * DTYPE_BYTES[dtype] if bias else 0.0
+        out_features * dtype_bytes(dtype) if bias else 0.0
     )
 
 
@@ -93,7 +93,7 @@ def attention_bytes(
     """
     q_and_out = 2.0 * batch * heads * q_len * head_dim
     k_and_v = 2.0 * batch * kv_heads * kv_len * head_dim
-    return (q_and_out + k_and_v) * DTYPE_BYTES[dtype]
+    return (q_and_out + k_and_v) * dtype_bytes(dtype)
 
 
 def elementwise_flops(numel: float, flops_per_element: float = 1.0) -> float:
@@ -103,7 +103,7 @@ def elementwise_flops(numel: float, flops_per_element: float = 1.0) -> float:
 
 def elementwise_bytes(numel: float, dtype: str, num_inputs: int = 1, num_outputs: int = 1) -> float:
     """Bytes of an elementwise op: each of its inputs read and outputs written once, ``numel`` each."""
-    return numel * (num_inputs + num_outputs) * DTYPE_BYTES[dtype]
+    return numel * (num_inputs + num_outputs) * dtype_bytes(dtype)
 
 
 def norm_flops(tokens: float, hidden: float, kind: str = "layernorm") -> float:
@@ -116,9 +116,9 @@ def norm_flops(tokens: float, hidden: float, kind: str = "layernorm") -> float:
 def norm_bytes(tokens: float, hidden: float, dtype: str, kind: str = "layernorm") -> float:
     """Bytes of a norm: read x, write y (tokens, hidden), read the weight (and LayerNorm's bias)."""
     params = 2 if kind == "layernorm" else 1
-    return (2.0 * tokens * hidden + params * hidden) * DTYPE_BYTES[dtype]
+    return (2.0 * tokens * hidden + params * hidden) * dtype_bytes(dtype)
 
 
 def embedding_bytes(tokens: float, dim: float, dtype: str) -> float:
     """Bytes of an embedding lookup: read int64 ids, read ``tokens`` rows of ``dim``, write them out."""
-    return tokens * _INDEX_BYTES + 2.0 * tokens * dim * DTYPE_BYTES[dtype]
+    return tokens * _INDEX_BYTES + 2.0 * tokens * dim * dtype_bytes(dtype)

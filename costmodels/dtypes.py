@@ -22,3 +22,11 @@ def dtype_name(dtype: torch.dtype) -> str:
         if value == dtype:
             return name
     return "fp32"
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes per element of a dtype name. Raises ValueError naming the accepted names."""
+    try:
+        return DTYPE_BYTES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPE_BYTES)}") from None

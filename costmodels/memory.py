@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 
-from costmodels.dtypes import DTYPE_BYTES
+from costmodels.dtypes import dtype_bytes
 
 ADAM_MOMENT_BYTES = 8  # fp32 momentum + fp32 variance per parameter (ZeRO section 3.1)
 FP32_MASTER_BYTES = 4  # fp32 master copy of 16-bit parameters in mixed precision (ZeRO section 3.1)
@@ -34,18 +34,18 @@ _KORTHIKANTI_DTYPE_BYTES = 2  # the paper's counts assume 16-bit activations
 
 def param_bytes(num_params: float, dtype: str) -> float:
     """Bytes of ``num_params`` parameters stored in ``dtype``."""
-    return num_params * DTYPE_BYTES[dtype]
+    return num_params * dtype_bytes(dtype)
 
 
 def grad_bytes(num_params: float, dtype: str) -> float:
     """Bytes of the gradients of ``num_params`` parameters (kept in the parameter dtype)."""
-    return num_params * DTYPE_BYTES[dtype]
+    return num_params * dtype_bytes(dtype)
 
 
 def adam_state_bytes(num_params: float, dtype: str) -> float:
     """Adam optimizer state bytes: fp32 momentum and variance (8 B/param), plus an fp32 master copy
     (4 B/param) when parameters are 16-bit (mixed precision). ZeRO section 3.1."""
-    master = FP32_MASTER_BYTES if DTYPE_BYTES[dtype] < 4 else 0
+    master = FP32_MASTER_BYTES if dtype_bytes(dtype) < 4 else 0
     return num_params * (ADAM_MOMENT_BYTES + master)
 
 
@@ -90,7 +90,7 @@ def activation_bytes_per_layer(
     per_token_hidden = replicated + ACT_SHARDED_PER_TOKEN_HIDDEN / tp
     if stores_attention_scores:
         per_token_hidden += ACT_SCORES_PER_HEAD_TOKEN * a * s / (h * tp)
-    return s * b * h * per_token_hidden * DTYPE_BYTES[dtype] / _KORTHIKANTI_DTYPE_BYTES
+    return s * b * h * per_token_hidden * dtype_bytes(dtype) / _KORTHIKANTI_DTYPE_BYTES
 
 
 def kv_cache_bytes(
@@ -104,7 +104,7 @@ def kv_cache_bytes(
     if tp < 1:
         raise ValueError(f"tp must be >= 1, got {tp}")
     kv_heads_per_rank = math.ceil(num_kv_heads / tp)
-    return 2.0 * num_layers * batch * context * kv_heads_per_rank * head_dim * DTYPE_BYTES[dtype]
+    return 2.0 * num_layers * batch * context * kv_heads_per_rank * head_dim * dtype_bytes(dtype)
 
 
 def inflight_micro_batches(pp: int, stage: int, micro_batches: int, schedule: str = "1f1b") -> int:

@@ -77,3 +77,8 @@ def test_elementwise_norm_embedding() -> None:
     assert compute.embedding_bytes(16, 4096, "bf16") == 16 * 8 + 2 * 16 * 4096 * 2
     with pytest.raises(ValueError, match="norm kind"):
         compute.norm_flops(1, 1, "batchnorm")
+
+
+def test_helpers_reject_unknown_dtype() -> None:
+    with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
+        compute.linear_bytes(1, 1, 1, "fp8")

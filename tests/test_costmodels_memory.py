@@ -67,3 +67,8 @@ def test_inflight_micro_batches() -> None:
         memory.inflight_micro_batches(4, 4, 8)
     with pytest.raises(ValueError, match="schedule"):
         memory.inflight_micro_batches(4, 0, 8, "zb")
+
+
+def test_unknown_dtype_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="unknown dtype 'int4'"):
+        memory.kv_cache_bytes(1, 1, 1, 1, 1, "int4")
