@@ -31,8 +31,9 @@ Node metadata: every stage node keeps the original `node.meta` (copied), plus `n
 trainable parameter of an earlier stage, so a gradient is sent back for it). Stage modules carry `stage.meta["pp_param_keys"]`: {get_attr target: key}, equal keys in two
 stages meaning one tensor of the original graph.
 
-Running (`run_pipeline_forward`, `run_pipeline_train_step`): one stage per rank of the `pp` process
-group (stage index = rank in that group), micro-batches along dim 0. Captured graphs have literal
+Running (`PipelineRunner`, or the one-shot `run_pipeline_forward` / `run_pipeline_train_step`): one
+stage per rank of the `pp` process group (stage index = rank in that group), micro-batches along
+dim 0, `PipelineStage` with `ScheduleGPipe` or `Schedule1F1B`. Captured graphs have literal
 shapes, so the graph must be captured (and TP-rewritten) at the micro-batch size, batch / micro_batches;
 a mismatch is a ValueError. The stage's P2P metadata is static, taken from `node.meta["val"]` (no
 shape-inference forward with empty buffers, so integer tensors crossing a boundary, such as token ids
@@ -348,39 +349,6 @@ def _stage_io_examples(
     return inputs, outputs
 
 
-def _make_schedule(
-    stage_module: fx.GraphModule,
-    stage_index: int,
-    num_stages: int,
-    micro_batches: int,
-    pp_group: dist.ProcessGroup | None,
-    device: torch.device | str,
-    schedule: str,
-    loss_fn: Callable[..., torch.Tensor] | None,
-):
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-    if schedule not in _SCHEDULES:
-        raise ValueError(f"schedule must be one of {_SCHEDULES}, got {schedule!r}")
-    if micro_batches < 1:
-        raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
-    group_rank = dist.get_rank(pp_group) if pp_group is not None else dist.get_rank()
-    group_size = dist.get_world_size(pp_group) if pp_group is not None else dist.get_world_size()
-    if group_size != num_stages or group_rank != stage_index:
-        raise ValueError(
-            f"stage_index({stage_index}) / num_stages({num_stages}) must equal this rank's rank({group_rank}) / "
-            f"size({group_size}) in the pp group: one stage per rank"
-        )
-    device = torch.device(device)
-    inputs, outputs = _stage_io_examples(stage_module, stage_index, device)
-    module: nn.Module = stage_module if stage_index == num_stages - 1 else _ContiguousOutputs(stage_module)
-    stage = PipelineStage(
-        module, stage_index, num_stages, device, input_args=inputs, output_args=outputs, group=pp_group
-    )
-    cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-    return cls(stage, n_microbatches=micro_batches, loss_fn=loss_fn), inputs
-
-
 def _check_batch(
     inputs: Sequence[torch.Tensor], examples: Sequence[torch.Tensor], micro_batches: int
 ) -> None:
@@ -398,6 +366,119 @@ def _check_batch(
             )
 
 
+class PipelineRunner:
+    """This rank's stage of a pipeline, with its `torch.distributed.pipelining` schedule built once.
+
+    Building a `PipelineStage` and schedule costs P2P handshakes (about 100 ms on gloo for the tiny
+    Llama, five times its step), so code that runs many steps (timing, training loops) builds one
+    runner and calls `forward` / `train_step` repeatedly; `run_pipeline_forward` and
+    `run_pipeline_train_step` are one-shot wrappers. Every rank of the pp group must make the same
+    calls in the same order (each builds its schedule lazily, on first use, collectively).
+
+    stage_module: from `split_stages` (captured at the micro-batch size). stage_index must equal this
+    rank's rank in `pp_group` (None: the default group) and num_stages its size. schedule: "gpipe" or
+    "1f1b". loss_fn(output_micro_batch, target_micro_batch) -> scalar mean loss; needed for train_step.
+    Raises ValueError for a bad schedule, micro_batches or group layout.
+    """
+
+    def __init__(
+        self,
+        stage_module: fx.GraphModule,
+        stage_index: int,
+        num_stages: int,
+        micro_batches: int,
+        pp_group: dist.ProcessGroup | None,
+        device: torch.device | str,
+        *,
+        schedule: str = "gpipe",
+        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        if schedule not in _SCHEDULES:
+            raise ValueError(f"schedule must be one of {_SCHEDULES}, got {schedule!r}")
+        if micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+        group_rank = dist.get_rank(pp_group) if pp_group is not None else dist.get_rank()
+        group_size = dist.get_world_size(pp_group) if pp_group is not None else dist.get_world_size()
+        if group_size != num_stages or group_rank != stage_index:
+            raise ValueError(
+                f"stage_index({stage_index}) / num_stages({num_stages}) must equal this rank's "
+                f"rank({group_rank}) / size({group_size}) in the pp group: one stage per rank"
+            )
+        self.stage_module = stage_module
+        self.stage_index, self.num_stages, self.micro_batches = stage_index, num_stages, micro_batches
+        self.pp_group = pp_group
+        self.device = torch.device(device)
+        self.schedule = schedule
+        self.loss_fn = loss_fn
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        self._examples, self._outputs = _stage_io_examples(stage_module, stage_index, self.device)
+        self._schedules: dict[bool, Any] = {}  # training? -> schedule
+
+    def _schedule(self, training: bool) -> Any:
+        if training not in self._schedules:
+            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+            module = self.stage_module if self.is_last else _ContiguousOutputs(self.stage_module)
+            stage = PipelineStage(
+                module,
+                self.stage_index,
+                self.num_stages,
+                self.device,
+                input_args=self._examples,
+                output_args=self._outputs,
+                group=self.pp_group,
+            )
+            cls = ScheduleGPipe if self.schedule == "gpipe" else Schedule1F1B
+            loss_fn = self.loss_fn if training else None
+            self._schedules[training] = cls(stage, n_microbatches=self.micro_batches, loss_fn=loss_fn)
+        return self._schedules[training]
+
+    def _stage_args(self, inputs_or_none: Sequence[torch.Tensor] | None) -> tuple:
+        if not self.is_first:
+            return ()
+        if inputs_or_none is None:
+            raise ValueError("stage 0 needs the pipeline's inputs")
+        args = tuple(x.to(self.device) for x in inputs_or_none)
+        _check_batch(args, self._examples, self.micro_batches)
+        return args
+
+    def forward(self, inputs_or_none: Sequence[torch.Tensor] | None) -> Any:
+        """One forward pass (under `torch.no_grad()`, no loss). inputs_or_none: on stage 0 the graph's
+        inputs for the whole batch, each (micro_batches * b, ...) with b the captured batch; None
+        elsewhere. Returns on the last stage the graph's output for the whole batch (micro-batch
+        outputs concatenated along dim 0; a tuple for a multi-output graph), None elsewhere.
+        Raises ValueError for a missing or mis-shaped input."""
+        args = self._stage_args(inputs_or_none)
+        with torch.no_grad():
+            out = self._schedule(False).step(*args)
+        return out if self.is_last else None
+
+    def train_step(
+        self, inputs_or_none: Sequence[torch.Tensor] | None, target: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """Forward and backward of one training step; accumulates into the stage parameters' `.grad`.
+
+        target: whole batch, split along dim 0 like the inputs; required on the last stage, ignored
+        elsewhere. Gradients are scaled by 1 / micro_batches, so with a mean loss_fn they equal the
+        gradients of the mean loss over the whole batch (zero them before the step). Tied parameters
+        (`tied_parameters`) still need `all_reduce_tied_gradients` afterwards. Returns the mean of the
+        micro-batch losses (detached) on the last stage, None elsewhere.
+        """
+        if self.loss_fn is None:
+            raise ValueError("train_step needs a runner built with loss_fn")
+        args = self._stage_args(inputs_or_none)
+        if self.is_last and target is None:
+            raise ValueError("the last stage needs `target` for the loss")
+        losses: list[torch.Tensor] = []
+        with torch.enable_grad():
+            self._schedule(True).step(
+                *args,
+                target=target.to(self.device) if self.is_last else None,
+                losses=losses if self.is_last else None,
+            )
+        return torch.stack([loss.detach() for loss in losses]).mean() if self.is_last else None
+
+
 def run_pipeline_forward(
     stage_module: fx.GraphModule,
     stage_index: int,
@@ -408,28 +489,15 @@ def run_pipeline_forward(
     device: torch.device | str,
     schedule: str = "gpipe",
 ) -> Any:
-    """Forward pass of a pipeline of stages from `split_stages`, one stage on this rank.
+    """One-shot forward pass of this rank's stage: `PipelineRunner(...).forward(inputs_or_none)`.
 
-    Collective over `pp_group` (None: the default group); stage_index must equal this rank's rank in it.
-    inputs_or_none: on stage 0, the graph's inputs for the whole batch, each of shape
-    (micro_batches * b, ...) where b is the batch the graph was captured at; None on other stages.
-    Runs under `torch.no_grad()` with `ScheduleGPipe` or `Schedule1F1B` (no loss: forward only).
-    Returns on the last stage the graph's output for the whole batch (micro-batch outputs concatenated
-    along dim 0; a tuple for a multi-output graph), None on the other stages.
-    Raises ValueError for a bad schedule, micro_batches, group layout or input shape.
+    Collective over `pp_group`. Returns the whole batch's output on the last stage, None elsewhere.
+    Builds the schedule on every call (P2P handshakes): for repeated steps use a `PipelineRunner`.
     """
-    sched, examples = _make_schedule(
-        stage_module, stage_index, num_stages, micro_batches, pp_group, device, schedule, None
+    runner = PipelineRunner(
+        stage_module, stage_index, num_stages, micro_batches, pp_group, device, schedule=schedule
     )
-    args: tuple = ()
-    if stage_index == 0:
-        if inputs_or_none is None:
-            raise ValueError("stage 0 needs the pipeline's inputs")
-        args = tuple(x.to(device) for x in inputs_or_none)
-        _check_batch(args, examples, micro_batches)
-    with torch.no_grad():
-        out = sched.step(*args)
-    return out if stage_index == num_stages - 1 else None
+    return runner.forward(inputs_or_none)
 
 
 def run_pipeline_train_step(
@@ -445,33 +513,22 @@ def run_pipeline_train_step(
     target: torch.Tensor | None = None,
     schedule: str = "gpipe",
 ) -> torch.Tensor | None:
-    """Forward and backward of one training step through the pipeline; fills the stage's `.grad`s.
+    """One-shot training step: `PipelineRunner(..., loss_fn=loss_fn).train_step(inputs_or_none, target)`.
 
-    Like `run_pipeline_forward`, plus: `loss_fn(output_micro_batch, target_micro_batch) -> scalar`
-    (a mean over the micro-batch), and `target` (whole batch, split along dim 0; required on the last
-    stage, ignored elsewhere). Gradients are accumulated into the stage's parameters (zero them before
-    the step) and scaled by 1 / micro_batches, so with a mean loss they equal the gradients of the mean
-    loss over the whole batch. Tied parameters (`tied_parameters`) still need
-    `all_reduce_tied_gradients` afterwards. Returns the mean of the micro-batch losses (detached) on the
-    last stage, None elsewhere. Integer tensors crossing a boundary get no gradient (see the module
-    docstring).
+    Fills the stage parameters' `.grad` (see `PipelineRunner.train_step`); returns the mean loss on the
+    last stage, None elsewhere. For repeated steps use a `PipelineRunner`.
     """
-    sched, examples = _make_schedule(
-        stage_module, stage_index, num_stages, micro_batches, pp_group, device, schedule, loss_fn
+    runner = PipelineRunner(
+        stage_module,
+        stage_index,
+        num_stages,
+        micro_batches,
+        pp_group,
+        device,
+        schedule=schedule,
+        loss_fn=loss_fn,
     )
-    args: tuple = ()
-    if stage_index == 0:
-        if inputs_or_none is None:
-            raise ValueError("stage 0 needs the pipeline's inputs")
-        args = tuple(x.to(device) for x in inputs_or_none)
-        _check_batch(args, examples, micro_batches)
-    is_last = stage_index == num_stages - 1
-    if is_last and target is None:
-        raise ValueError("the last stage needs `target` for the loss")
-    losses: list[torch.Tensor] = []
-    with torch.enable_grad():
-        sched.step(*args, target=target.to(device) if is_last else None, losses=losses if is_last else None)
-    return torch.stack([loss.detach() for loss in losses]).mean() if is_last else None
+    return runner.train_step(inputs_or_none, target)
 
 
 def all_reduce_tied_gradients(

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from passes.pipeline import (
+    PipelineRunner,
     PipelineSplitError,
     all_reduce_tied_gradients,
     run_pipeline_forward,
@@ -156,21 +157,65 @@ def test_stage_of_layers_and_bad_cuts() -> None:
 # Entries (run in the spawned ranks)
 
 
-def _pp_forward(ctx: RankContext, payload: None) -> dict:
-    """pp=2, 2 micro-batches of 1 sequence, both schedules; the last stage compares with the model."""
+def _pp_forward(rank: int) -> dict:
+    """pp=2, 2 micro-batches of 1 sequence, both schedules, and a reused runner."""
     _, reference, gm = build("llama3", 1)
-    stage = even_stages("llama3", gm, 2)[ctx.rank]
+    stage = even_stages("llama3", gm, 2)[rank]
     x = tokens(2)
-    result = {}
+    inputs = (x,) if rank == 0 else None
+    result: dict = {}
     for schedule in ("gpipe", "1f1b"):
-        out = run_pipeline_forward(
-            stage, ctx.rank, 2, (x,) if ctx.rank == 0 else None, 2, None, "cpu", schedule
-        )
-        if ctx.rank == 1:
-            result[schedule] = (out - reference(x)).abs().max().item()
-        else:
-            assert out is None
+        out = run_pipeline_forward(stage, rank, 2, inputs, 2, None, "cpu", schedule)
+        result[schedule] = None if out is None else (out - reference(x)).abs().max().item()
+    runner = PipelineRunner(stage, rank, 2, 2, None, "cpu")  # built once, stepped many times
+    outs = [runner.forward(inputs) for _ in range(3)]
+    if rank == 1:
+        result["runner"] = (outs[0] - reference(x)).abs().max().item()
+        result["runner_repeats_equal"] = all(torch.equal(o, outs[0]) for o in outs)
     return result
+
+
+def _pp_train(rank: int, name: str) -> dict:
+    """pp=2 training step, 4 micro-batches (1F1B one-shot, then a reused GPipe runner twice);
+    gradients compared with the unsharded model's."""
+    _, reference, gm = build(name, 1)
+    stages = even_stages(name, gm, 2)
+    stage, tied = stages[rank], tied_parameters(stages)
+    x, target = tokens(4), tokens(4, seed=2)
+    inputs, stage_target = ((x,) if rank == 0 else None), (target if rank == 1 else None)
+    loss = run_pipeline_train_step(
+        stage, rank, 2, inputs, 4, None, "cpu", loss_fn=lm_loss, target=stage_target, schedule="1f1b"
+    )
+    all_reduce_tied_gradients(stage, rank, tied, None)
+    first_grads = {fqn: p.grad.clone() for fqn, p in stage.named_parameters()}
+    runner = PipelineRunner(stage, rank, 2, 4, None, "cpu", schedule="gpipe", loss_fn=lm_loss)
+    for _ in range(2):  # a reused runner gives the same gradients every step
+        stage.zero_grad(set_to_none=True)
+        runner.train_step(inputs, stage_target)
+        all_reduce_tied_gradients(stage, rank, tied, None)
+    ref_loss = lm_loss(reference(x), target)
+    ref_loss.backward()
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    diffs, runner_diff = {}, 0.0
+    for fqn, param in stage.named_parameters():
+        assert first_grads[fqn].abs().max() > 0, fqn
+        diffs[fqn] = (first_grads[fqn] - ref_params[fqn].grad).abs().max().item()
+        runner_diff = max(runner_diff, (param.grad - first_grads[fqn]).abs().max().item())
+    return {
+        "diffs": diffs,
+        "runner_diff": runner_diff,
+        "loss_diff": None if loss is None else abs(loss.item() - ref_loss.item()),
+        "tied": tied,
+    }
+
+
+def _pp2_checks(ctx: RankContext, payload: None) -> dict:
+    """Every pp=2 check in one launch (spawning ranks costs more than the checks)."""
+    return {
+        "forward": _pp_forward(ctx.rank),
+        "train_llama3": _pp_train(ctx.rank, "llama3"),
+        "train_gpt2_tiny": _pp_train(ctx.rank, "gpt2_tiny"),
+    }
 
 
 def _tp_pp_forward(ctx: RankContext, payload: None) -> dict:
@@ -194,53 +239,38 @@ def _tp_pp_forward(ctx: RankContext, payload: None) -> dict:
     return {"pp_rank": mesh.pp_rank, "tp_rank": mesh.tp_rank, "diff": diff, "wq_shape": tuple(sharded)}
 
 
-def _pp_train(ctx: RankContext, name: str) -> dict:
-    """pp=2 training step, 4 micro-batches; gradients compared with the unsharded model's."""
-    _, reference, gm = build(name, 1)
-    stages = even_stages(name, gm, 2)
-    stage, tied = stages[ctx.rank], tied_parameters(stages)
-    x, target = tokens(4), tokens(4, seed=2)
-    loss = run_pipeline_train_step(
-        stage,
-        ctx.rank,
-        2,
-        (x,) if ctx.rank == 0 else None,
-        4,
-        None,
-        "cpu",
-        loss_fn=lm_loss,
-        target=target if ctx.rank == 1 else None,
-        schedule="1f1b",
-    )
-    all_reduce_tied_gradients(stage, ctx.rank, tied, None)
-    ref_loss = lm_loss(reference(x), target)
-    ref_loss.backward()
-    ref_params = dict(reference.named_parameters(remove_duplicate=False))
-    diffs = {}
-    for fqn, param in stage.named_parameters():
-        assert param.grad is not None and param.grad.abs().max() > 0, fqn
-        diffs[fqn] = (param.grad - ref_params[fqn].grad).abs().max().item()
-    return {
-        "diffs": diffs,
-        "loss_diff": None if loss is None else abs(loss.item() - ref_loss.item()),
-        "tied": tied,
-    }
-
-
 # ---------------------------------------------------------------------------------------------------
 # Distributed
 
 
+@pytest.fixture(scope="module")
+def pp2_results() -> list[dict]:
+    return launch(_pp2_checks, None, 2, timeout_s=80)
+
+
 @pytest.mark.slow
-def test_pipelined_forward_equals_model_pp2() -> None:
-    first, last = launch(_pp_forward, None, 2, timeout_s=60)
-    assert first == {}
-    assert last["gpipe"] <= 1e-5 and last["1f1b"] <= 1e-5
+def test_pipelined_forward_equals_model_pp2(pp2_results: list[dict]) -> None:
+    first, last = (r["forward"] for r in pp2_results)
+    assert first == {"gpipe": None, "1f1b": None}
+    assert last["gpipe"] <= 1e-5 and last["1f1b"] <= 1e-5 and last["runner"] <= 1e-5
+    assert last["runner_repeats_equal"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama3", "gpt2_tiny"])
+def test_pipelined_training_step_gradients_pp2(pp2_results: list[dict], name: str) -> None:
+    results = [r[f"train_{name}"] for r in pp2_results]
+    for r in results:
+        assert r["diffs"] and max(r["diffs"].values()) <= 1e-6, r["diffs"]
+        assert r["runner_diff"] <= 1e-6  # reused GPipe runner == one-shot 1F1B step
+    assert results[0]["loss_diff"] is None and results[1]["loss_diff"] <= 1e-6
+    if name == "gpt2_tiny":
+        assert results[0]["tied"] == [(0, "lm_head.weight", 1, "lm_head.weight")]
 
 
 @pytest.mark.slow
 def test_tp2_pp2_forward_equals_model() -> None:
-    results = launch(_tp_pp_forward, None, 4, timeout_s=60)
+    results = launch(_tp_pp_forward, None, 4, timeout_s=80)
     assert [(r["pp_rank"], r["tp_rank"]) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert all(r["wq_shape"] == (64, 128) for r in results)  # 128 query features split in 2
     for r in results:
@@ -248,14 +278,3 @@ def test_tp2_pp2_forward_equals_model() -> None:
             assert r["diff"] <= 1e-5
         else:
             assert r["diff"] is None
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama3", "gpt2_tiny"])
-def test_pipelined_training_step_gradients_pp2(name: str) -> None:
-    results = launch(_pp_train, name, 2, timeout_s=60)
-    for r in results:
-        assert r["diffs"] and max(r["diffs"].values()) <= 1e-6, r["diffs"]
-    assert results[0]["loss_diff"] is None and results[1]["loss_diff"] <= 1e-6
-    if name == "gpt2_tiny":
-        assert results[0]["tied"] == [(0, "lm_head.weight", 1, "lm_head.weight")]
