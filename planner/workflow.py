@@ -109,8 +109,29 @@ def constraints_from(
     return Constraints(tp=tp, pp=pp, dp=dp, ladder=ladder, max_devices=max_devices)
 
 
+def check_pinned_tp(structure: ModelStructure, tp: int | None) -> None:
+    """A pinned --tp must split every attention layer's heads and KV heads into whole heads per rank.
+
+    Raises InputError naming the head counts and the degrees that would work.
+    """
+    if tp is None or tp == 1:
+        return
+    counts = sorted(
+        {layer.attention.num_heads for layer in structure.layers if layer.attention}
+        | {layer.attention.num_kv_heads for layer in structure.layers if layer.attention}
+    )
+    if counts and any(c % tp for c in counts):
+        limit = min(counts)
+        ok = [d for d in range(1, limit + 1) if all(c % d == 0 for c in counts)]
+        raise InputError(
+            f"--tp {tp} does not divide the attention heads: head / KV-head counts are {counts}; "
+            f"tensor parallelism splits whole heads, so use --tp in {ok} (or leave --tp out to let the planner choose)"
+        )
+
+
 def make_plan(prepared: Prepared, cluster: ClusterSpec, constraints: Constraints, model_path: str) -> Plan:
     """Solve for the best plan. Raises InfeasibleError (exit 3) or InputError (exit 2)."""
+    check_pinned_tp(prepared.structure, constraints.tp)
     return plan_model(prepared.structure, cluster, prepared.workload, constraints, model_name=str(model_path))
 
 

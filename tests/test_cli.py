@@ -1,0 +1,118 @@
+"""The `planner` command end to end: a run on 2 gloo ranks, and every bad input's exit code and message."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+
+def planner(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "planner.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+@pytest.mark.slow
+def test_optimize_run_tiny_llama_on_two_gloo_ranks(tmp_path):
+    report_path, plan_path = tmp_path / "report.json", tmp_path / "plan.yaml"
+    r = planner(
+        "optimize", str(EXAMPLES / "llama3.py"), "--cluster", "local-cpu", "--nproc", "2", "--tp", "2",
+        "--ladder", "upper:2", "--run", "--iters", "3", "--warmup", "1",
+        "--json", str(report_path), "--out", str(plan_path), "--emit", str(tmp_path / "emit"),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "Predicted vs measured" in r.stdout
+    report = json.loads(report_path.read_text())
+    assert report["plan"]["tp"] == 2 and report["plan"]["ladder_layers"] == [2, 3]
+    assert report["predicted"]["latency_s"] > 0 and report["measured"]["latency_s"] > 0
+    assert report["measured"]["peak_memory_bytes"] >= 0 and report["baseline"]["latency_s"] > 0
+    assert report["solver"]["status"] and report["solver"]["time_s"] >= 0
+    assert report["numerics"]["max_abs_diff"] <= 1e-5 * report["numerics"]["output_scale"]
+    assert report["numerics"]["ladder_deviation"] > 0  # ladder changed the function; reported
+    assert (tmp_path / "emit" / "rank1" / "module.py").exists() and (tmp_path / "emit" / "README.md").exists()
+    shown = planner("show", str(plan_path))
+    assert shown.returncode == 0 and "TP=2" in shown.stdout
+
+
+def _write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+UNTRACEABLE = """
+import torch
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+    def forward(self, x):
+        if x.sum() > 0:
+            return self.lin(x)
+        return x
+def build_model():
+    return M()
+def example_inputs():
+    return (torch.randn(2, 8),)
+"""
+
+
+@pytest.mark.parametrize(
+    "case, expected_code, pattern",
+    [
+        ("missing_file", 2, "does not exist|not found|No such"),
+        ("no_build_model", 2, "build_model"),
+        ("untraceable", 2, "line"),
+        ("malformed_yaml", 2, "links.intra_node.bandwidth_GBps"),
+        ("unknown_preset", 2, "unknown cluster preset"),
+        ("infeasible_memory", 3, "GiB"),
+        ("tp_not_dividing_heads", 2, "does not divide the attention heads"),
+        ("bad_ladder", 2, "--ladder"),
+    ],
+)
+def test_bad_inputs_exit_with_documented_code(tmp_path, case, expected_code, pattern):
+    llama = str(EXAMPLES / "llama3.py")
+    args = {
+        "missing_file": ["optimize", str(tmp_path / "nope.py"), "--cluster", "local-cpu"],
+        "no_build_model": ["optimize", _write(tmp_path, "m.py", "x = 1\n"), "--cluster", "local-cpu"],
+        "untraceable": ["optimize", _write(tmp_path, "u.py", UNTRACEABLE), "--cluster", "local-cpu"],
+        "malformed_yaml": ["optimize", llama, "--cluster", _write(tmp_path, "c.yaml", _bad_spec())],
+        "unknown_preset": ["optimize", llama, "--cluster", "dgx-h900"],
+        "infeasible_memory": [
+            "optimize",
+            str(EXAMPLES / "llama3_70b.py"),
+            "--cluster",
+            "local-cpu",
+            "--nproc",
+            "2",
+        ],
+        "tp_not_dividing_heads": ["optimize", llama, "--cluster", "local-cpu", "--nproc", "8", "--tp", "3"],
+        "bad_ladder": ["optimize", llama, "--cluster", "local-cpu", "--ladder", "sideways"],
+    }[case]
+    r = planner(*args)
+    assert r.returncode == expected_code, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
+
+    assert re.search(pattern, r.stderr), r.stderr
+
+
+def _bad_spec() -> str:
+    import yaml
+
+    from costmodels.cluster import cluster_to_dict, load_cluster
+
+    data = cluster_to_dict(load_cluster("dgx-h100"))
+    data["links"]["intra_node"]["bandwidth_GBps"] = "450GB/s"
+    return yaml.safe_dump(data)
