@@ -7,7 +7,8 @@ How the structure is found (by dataflow; module names are used only to group nod
 
 1. Projections: matmuls with a parameter weight - `aten.linear(x, W)` (W is (out, in),
    `weight_out_dim=0`), `aten.addmm(b, x, W)` / `aten.mm(x, W)` / `aten.matmul(x, W)` with W in
-   (in, out) layout (HF Conv1D, `weight_out_dim=1`) or `aten.t(W)` (`weight_out_dim=0`).
+   (in, out) layout (HF Conv1D, `weight_out_dim=1`) or transposed, `aten.t(W)` / `W.T`
+   (`weight_out_dim=0`).
 2. Layers: the numbered children of one module prefix (`model.layers.3`, `transformer.h.3`,
    `layers.3`), numbered 0..n-1, each holding at least two projections; the prefix with the most
    projections wins (so a `nn.Sequential` of single Linears is a plain MLP, not a layer stack).
@@ -80,23 +81,29 @@ class Projection:
 
 @dataclass
 class Attention:
+    """The attention block of a layer: its projections, head geometry and core."""
+
     projections: list[Projection]  # q, k, v (or qkv), o - in that order
     num_heads: int
     num_kv_heads: int
     head_dim: int
     sdpa_node: str  # the SDPA node, or the final matmul of a manual softmax(QK^T)V
-    residual_add: str | None
-    flops: float  # attention core only (QK^T and PV), full T x S (causal not halved)
+    residual_add: str | None  # the aten.add adding o's output to the stream (None: no residual found)
+    flops: float  # FLOP per forward, attention core only (QK^T and PV), full T x S (causal not halved)
 
 
 @dataclass
 class Mlp:
+    """The feed-forward block of a layer."""
+
     projections: list[Projection]  # graph order
-    residual_add: str | None
+    residual_add: str | None  # the aten.add adding down's output to the stream
 
 
 @dataclass
 class Layer:
+    """One repeated transformer layer (a pipeline-stage unit)."""
+
     index: int
     module_path: str  # "model.layers.3"
     attention: Attention | None
@@ -104,15 +111,17 @@ class Layer:
     nodes: list[str]  # fx node names of this layer (its get_attr weights included), in graph order
     input_node: str  # the stream value entering the layer (pipeline cut point)
     output_node: str  # the stream value leaving the layer
-    param_bytes: int
-    flops: float
-    bytes_moved: float
+    param_bytes: int  # bytes of the layer's parameters, in their dtype
+    flops: float  # FLOP per forward, all ops of the layer
+    bytes_moved: float  # bytes read + written per forward, all ops of the layer (see NodeCost)
     side_inputs: list[str] = field(default_factory=list)  # other values read from outside (RoPE, mask)
     cross_inputs: list[str] = field(default_factory=list)  # side inputs that depend on the stream
 
 
 @dataclass
 class Embedding:
+    """An aten.embedding with a parameter table (vocab_size, dim): token or position embedding."""
+
     node: str
     weight: str  # parameter FQN (a tied weight may carry the LM head's name)
     vocab_size: int
@@ -121,9 +130,11 @@ class Embedding:
 
 @dataclass
 class NodeCost:
-    flops: float
-    bytes_read: float
-    bytes_written: float
+    """Cost of one node per forward pass (global shapes); rules in the module docstring."""
+
+    flops: float  # FLOP
+    bytes_read: float  # bytes
+    bytes_written: float  # bytes
     shape: tuple[int, ...]  # output shape; () for multi-output nodes
     dtype: str  # "bf16" | "fp16" | "fp32" for floats, else the torch name ("int64", "bool")
     module_path: str
@@ -131,18 +142,20 @@ class NodeCost:
 
 @dataclass
 class ModelStructure:
+    """What the planner needs to know about a model, from its captured graph."""
+
     layers: list[Layer]
     embeddings: list[Embedding]
-    lm_head: Projection | None
-    tied_lm_head: bool
-    hidden_size: int
-    vocab_size: int | None
-    num_params: int
-    param_bytes: int
-    batch_size: int
-    seq_len: int
-    dtype: str
-    node_costs: dict[str, NodeCost]
+    lm_head: Projection | None  # the last projection outside the layers with vocab_size outputs
+    tied_lm_head: bool  # the LM head and an embedding share one parameter
+    hidden_size: int  # width of the residual stream
+    vocab_size: int | None  # rows of the token embedding; None without embeddings
+    num_params: int  # unique parameters (a tied weight counts once)
+    param_bytes: int  # bytes of the unique parameters, in their dtype
+    batch_size: int  # of the example inputs the graph was captured with
+    seq_len: int  # tokens per sequence of the example inputs (1 for 2-D float inputs)
+    dtype: str  # most common floating parameter dtype: "bf16" | "fp16" | "fp32"
+    node_costs: dict[str, NodeCost]  # by fx node name, every node but the output
     mlp_chain: list[Projection]  # models without transformer layers: the projections in order
 
 
@@ -166,7 +179,7 @@ def analyse(gm: fx.GraphModule) -> ModelStructure:
         for n in nodes
         if n.target == aten.embedding.default and n.args[0].op == "get_attr" and n.args[0].target in params
     ]
-    vocab_size = max((e.vocab_size for e in embeddings), default=None)
+    vocab_size = _token_vocab_size(embeddings, {n.name: n for n in nodes})
     outside = [p for p in projections if p.node not in in_layers]
     lm_head = next((p for p in reversed(outside) if vocab_size and p.out_features == vocab_size), None)
     tied = False
@@ -271,7 +284,7 @@ def _projection(node: fx.Node, params: dict[str, torch.nn.Parameter]) -> Project
         b = node.args[0] if name == "aten.addmm" else None
         x, w = node.args[-2], node.args[-1]
         out_dim = 1
-        if isinstance(w, fx.Node) and op_name(w.target) == "aten.t":
+        if isinstance(w, fx.Node) and _is_transpose_2d(w):  # x @ W.T with W (out, in): nn.Linear layout
             w, out_dim = w.args[0], 0
     if not (
         isinstance(w, fx.Node) and w.op == "get_attr" and w.target in params and w.meta["val"].dim() == 2
@@ -285,31 +298,68 @@ def _projection(node: fx.Node, params: dict[str, torch.nn.Parameter]) -> Project
     return Projection(node.name, w.target, bias, "", in_features, out_features, out_dim, _parts(node), flops)
 
 
+def _is_transpose_2d(node: fx.Node) -> bool:
+    """aten.t / numpy_T / transpose(0, 1) / permute([1, 0]) of a 2-D tensor."""
+    name = op_name(node.target)
+    if name in ("aten.t", "aten.numpy_T"):
+        return True
+    if name == "aten.transpose":
+        return sorted(d % 2 for d in node.args[1:3]) == [0, 1]
+    return name == "aten.permute" and [d % 2 for d in node.args[1]] == [1, 0]
+
+
 def _parts(node: fx.Node) -> tuple[int, ...] | None:
-    """Sizes of the parts when the output is split on its last dim (through views that keep it), or
-    viewed as (..., 3, H, hd) - q, k, v blocks. A per-head interleaved (..., H, 3, hd) layout is not
-    a part split (a contiguous split keeps whole heads), so it gives None."""
+    """Sizes of the parts of a fused projection's output, None when it is not split into parts.
+
+    Found through views that keep the last dim: a split / chunk on the last dim (GPT-2 `c_attn`),
+    slices that tile the last dim (Phi-3 `qkv_proj`), or a view to (..., 3, H, hd) (q, k, v blocks).
+    A per-head interleaved (..., H, 3 * hd) layout (GPT-NeoX) is not a part split: a contiguous
+    split keeps whole heads, so it gives None.
+    """
     out_features = node.meta["val"].shape[-1]
-    while len(node.users) == 1:
-        (user,) = node.users
+    while True:
+        users = list(node.users)
+        slices = _tiling_slices(users, out_features)
+        if slices is not None:
+            return slices
+        if len(users) != 1:
+            return None
+        (user,) = users
         name = op_name(user.target)
-        shape = user.meta["val"].shape if isinstance(user.meta.get("val"), torch.Tensor) else ()
-        if name in ("aten.view", "aten.reshape") and len(shape) >= 3 and shape[-3] == 3:
-            if shape[-3] * shape[-2] * shape[-1] == out_features:
-                return (out_features // 3,) * 3
+        val = user.meta.get("val")
         if name in _SPLITS:
             dim = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
-            vals = user.meta["val"]
-            if dim % vals[0].dim() != vals[0].dim() - 1:
+            if dim % val[0].dim() != val[0].dim() - 1:
                 return None
-            return tuple(v.shape[-1] for v in vals)
+            return tuple(v.shape[-1] for v in val)
+        if name not in ("aten.view", "aten.reshape", "aten._unsafe_view"):
+            return None
         if (
-            name not in ("aten.view", "aten.reshape", "aten._unsafe_view")
-            or user.meta["val"].shape[-1] != out_features
+            val.dim() >= 3
+            and val.shape[-3] == 3
+            and val.shape[-3] * val.shape[-2] * val.shape[-1] == out_features
         ):
+            return (out_features // 3,) * 3
+        if val.shape[-1] != out_features:
             return None
         node = user
-    return None
+
+
+def _tiling_slices(users: list[fx.Node], size: int) -> tuple[int, ...] | None:
+    """Part sizes if `users` are >= 2 step-1 slices on the last dim that tile [0, size) exactly."""
+    if len(users) < 2 or any(op_name(u.target) != "aten.slice" for u in users):
+        return None
+    spans = []
+    for u in users:
+        ndim = u.args[0].meta["val"].dim()
+        dim, start, end, step = (list(u.args[1:]) + [0, None, None, 1][len(u.args) - 1 :])[:4]
+        if dim % ndim != ndim - 1 or step != 1:
+            return None
+        spans.append((start or 0, size if end is None else min(end, size)))
+    spans.sort()
+    if spans[0][0] != 0 or spans[-1][1] != size or any(a[1] != b[0] for a, b in zip(spans, spans[1:])):
+        return None
+    return tuple(end - start for start, end in spans)
 
 
 # ------------------------------------------------------------------------------------------ layers
@@ -369,7 +419,7 @@ def _layer(
         for a in n.all_input_nodes:
             if a.name not in member_names and a not in external:
                 external.append(a)
-    stream = _stream_input(attention, mlp, members, member_names, external, output)
+    stream = _stream_input(attention, mlp, members, member_names, external, output, projections)
     weights = {n.target for n in members if n.op == "get_attr" and n.target in params}
     return Layer(
         index=index,
@@ -393,6 +443,7 @@ def _stream_input(
     member_names: set[str],
     external: list[fx.Node],
     output: fx.Node,
+    projections: dict[str, Projection],
 ) -> fx.Node:
     """The stream operand of the first residual add, walked back to the last node outside the layer."""
     node = None
@@ -400,7 +451,7 @@ def _stream_input(
     if block is not None:
         proj = next(p for p in reversed(block.projections) if p.role in ("o", "down"))
         source = next(n for n in members if n.name == proj.node)
-        node = _residual_add(source, member_names)[1]
+        node = _residual_add(source, member_names, projections)[1]
         while node.name in member_names and len(node.all_input_nodes) >= 1:
             node = node.all_input_nodes[0]
         if node.name in member_names:
@@ -504,7 +555,7 @@ def _attention(
         o = projections[o_nodes[0].name]
         o.role = "o"
         projs.append(o)
-        found = _residual_add(o_nodes[0], member_names)
+        found = _residual_add(o_nodes[0], member_names, projections)
         residual = found[0].name if found else None
     q_shape = q.meta["val"].shape  # (B, H, T, hd)
     num_heads, head_dim = q_shape[-3], q_shape[-1]
@@ -526,22 +577,52 @@ def _walk_inclusive(node: fx.Node, member_names: set[str], projections: dict) ->
     return _walk(node, member_names, projections, forward=False)
 
 
-def _residual_add(proj: fx.Node, member_names: set[str]) -> tuple[fx.Node, fx.Node] | None:
-    """(add, stream operand): the first aten.add downstream of `proj` whose other operand does not
-    derive from it."""
-    derived, queue = {proj.name}, deque([proj])
+def _residual_add(
+    proj: fx.Node, member_names: set[str], projections: dict[str, Projection]
+) -> tuple[fx.Node, fx.Node] | None:
+    """(add, stream operand) of the block whose last projection is `proj` (o or down).
+
+    The first aten.add downstream of `proj` with one operand derived from `proj` and the other derived
+    from no projection of the layer except those upstream of `proj` - the residual stream. In a
+    parallel-residual layer (GPT-J, GPT-NeoX: x + attn(x) + mlp(x)) that is the add after both blocks,
+    so attention and MLP report the same add.
+    """
+    upstream = _projection_ancestors(proj, member_names, projections)
+    queue, seen = deque([proj]), {proj.name}
     while queue:
         node = queue.popleft()
         for user in node.users:
-            if user.name not in member_names or user.name in derived:
+            if user.name not in member_names or user.name in seen:
                 continue
-            if user.target == aten.add.Tensor and len(user.all_input_nodes) == 2:
-                other = next((a for a in user.all_input_nodes if a.name not in derived), None)
-                if other is not None:
-                    return user, other
-            derived.add(user.name)
+            seen.add(user.name)
+            if user.target in (aten.add.Tensor, aten.add_.Tensor) and len(user.all_input_nodes) == 2:
+                a, b = user.all_input_nodes
+                for mine, other in ((a, b), (b, a)):
+                    other_sources = _projection_ancestors(other, member_names, projections, inclusive=True)
+                    from_proj = mine is proj or proj.name in _projection_ancestors(
+                        mine, member_names, projections
+                    )
+                    if from_proj and other_sources <= upstream:
+                        return user, other
             queue.append(user)
     return None
+
+
+def _projection_ancestors(
+    node: fx.Node, member_names: set[str], projections: dict[str, Projection], inclusive: bool = False
+) -> set[str]:
+    """Names of the layer's projections that `node` derives from (itself too if `inclusive`)."""
+    found = {node.name} if inclusive and node.name in projections else set()
+    queue, seen = deque([node]), {node.name}
+    while queue:
+        for a in queue.popleft().all_input_nodes:
+            if a.name in seen or a.name not in member_names:
+                continue
+            seen.add(a.name)
+            if a.name in projections:
+                found.add(a.name)
+            queue.append(a)
+    return found
 
 
 # --------------------------------------------------------------------------------------------- mlp
@@ -575,7 +656,7 @@ def _mlp(
             for p in firsts:
                 p.role = "fc"
     down = next((p for p in reversed(projs) if p.role == "down"), None)
-    found = _residual_add(node_of[down.node], member_names) if down else None
+    found = _residual_add(node_of[down.node], member_names, projections) if down else None
     return Mlp(projs, found[0].name if found else None)
 
 
@@ -598,6 +679,18 @@ def _activated(node: fx.Node, member_names: set[str], projections: dict) -> bool
 
 
 # ----------------------------------------------------------------------------------------- summary
+
+
+def _token_vocab_size(embeddings: list[Embedding], node_of: dict[str, fx.Node]) -> int | None:
+    """Rows of the token embedding: the one indexed by a model input (through views only; position
+    embeddings are indexed by aranges or cumsums), else the largest."""
+    for e in embeddings:
+        index = node_of[e.node].args[1]
+        while op_name(index.target) in _VIEW_OPS and index.all_input_nodes:
+            index = index.all_input_nodes[0]
+        if index.op == "placeholder":
+            return e.vocab_size
+    return max((e.vocab_size for e in embeddings), default=None)
 
 
 def _hidden_size(

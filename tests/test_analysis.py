@@ -10,7 +10,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from planner.analysis import analyse
-from planner.capture import capture
+from planner.capture import capture, flat_inputs
 from planner.modelfile import load_model_file
 
 # example -> (num layers, attention roles, mlp roles, heads, kv heads, head dim, tied, weight_out_dim)
@@ -157,3 +157,46 @@ def test_llama3_70b_on_meta_is_fast(example_path):
     assert (a.num_heads, a.num_kv_heads, a.head_dim) == (64, 8, 128)
     assert [p.out_features for p in s.layers[0].mlp.projections] == [28672, 28672, 8192]
     assert s.num_params == pytest.approx(70.55e9, rel=0.001) and s.dtype == "bf16"
+
+
+def _hf(model_cls, config_cls, **config):
+    torch.manual_seed(0)
+    return model_cls(config_cls(**config, attn_implementation="sdpa")).eval()
+
+
+HF_SMALL = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+
+
+@pytest.mark.parametrize(
+    "arch, check",
+    [
+        # fused qkv_proj / gate_up_proj split by slices, GQA: parts from the slices
+        ("phi3", lambda s: s.layers[0].attention.projections[0].parts == (64, 32, 32)
+         and s.layers[0].attention.num_kv_heads == 2 and s.layers[0].mlp.projections[0].parts == (128, 128)),
+        # parallel residual x + attn(x) + mlp(x): both blocks report the add onto the stream
+        ("gptj", lambda s: s.layers[0].attention.residual_add == s.layers[0].mlp.residual_add
+         and s.layers[0].input_node == "embedding"),
+        # learned position embedding with more rows than the vocabulary: vocab from the token embedding
+        ("opt", lambda s: s.vocab_size == 256 and s.lm_head is not None and s.tied_lm_head),
+        # FalconLinear: x @ W.T (aten.numpy_T) is a projection in nn.Linear layout
+        ("falcon", lambda s: [p.role for p in s.layers[0].attention.projections] == ["qkv", "o"]
+         and s.layers[0].attention.projections[0].weight_out_dim == 0),
+    ],
+)  # fmt: skip
+def test_other_hf_architectures(arch, check):
+    import transformers as hf
+
+    build = {
+        "phi3": lambda: _hf(hf.Phi3ForCausalLM, hf.Phi3Config, **HF_SMALL, intermediate_size=128,
+                            num_key_value_heads=2, pad_token_id=0),
+        "gptj": lambda: _hf(hf.GPTJForCausalLM, hf.GPTJConfig, vocab_size=256, n_embd=64, n_layer=2, n_head=4,
+                            rotary_dim=8),
+        "opt": lambda: _hf(hf.OPTForCausalLM, hf.OPTConfig, **HF_SMALL, ffn_dim=128, word_embed_proj_dim=64),
+        "falcon": lambda: _hf(hf.FalconForCausalLM, hf.FalconConfig, **HF_SMALL),
+    }[arch]  # fmt: skip
+    model = build()
+    args, kwargs = (torch.randint(0, 256, (2, 8)),), {"use_cache": False}
+    gm = capture(model, args, kwargs)
+    with torch.no_grad():
+        torch.testing.assert_close(gm(*flat_inputs(args, kwargs)), model(*args, **kwargs).logits)
+    assert check(analyse(gm))
