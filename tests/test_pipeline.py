@@ -209,12 +209,36 @@ def _pp_train(rank: int, name: str) -> dict:
     }
 
 
+def _pp_int_crossing(rank: int) -> dict:
+    """Cut right after the RoPE slices: the int64 token ids cross the boundary (forward and backward)."""
+    _, reference, gm = build("llama3", 1)
+    stages = split_stages(gm, ["slice_2"])
+    crossing = [
+        (n.name, n.meta["val"].dtype, n.meta["pp_requires_grad"])
+        for n in stages[1].graph.nodes
+        if n.op == "placeholder"
+    ]
+    x, target = tokens(4), tokens(4, seed=2)
+    runner = PipelineRunner(stages[rank], rank, 2, 4, None, "cpu", schedule="1f1b", loss_fn=lm_loss)
+    out = runner.forward((x,) if rank == 0 else None)
+    runner.train_step((x,) if rank == 0 else None, target if rank == 1 else None)
+    lm_loss(reference(x), target).backward()
+    ref_params = dict(reference.named_parameters())
+    grads = [(p.grad - ref_params[n].grad).abs().max().item() for n, p in stages[rank].named_parameters()]
+    return {
+        "crossing": crossing,
+        "diff": None if out is None else (out - reference(x)).abs().max().item(),
+        "grad_diff": max(grads, default=None),
+    }
+
+
 def _pp2_checks(ctx: RankContext, payload: None) -> dict:
     """Every pp=2 check in one launch (spawning ranks costs more than the checks)."""
     return {
         "forward": _pp_forward(ctx.rank),
         "train_llama3": _pp_train(ctx.rank, "llama3"),
         "train_gpt2_tiny": _pp_train(ctx.rank, "gpt2_tiny"),
+        "int_crossing": _pp_int_crossing(ctx.rank),
     }
 
 
@@ -266,6 +290,15 @@ def test_pipelined_training_step_gradients_pp2(pp2_results: list[dict], name: st
     assert results[0]["loss_diff"] is None and results[1]["loss_diff"] <= 1e-6
     if name == "gpt2_tiny":
         assert results[0]["tied"] == [(0, "lm_head.weight", 1, "lm_head.weight")]
+
+
+@pytest.mark.slow
+def test_integer_tokens_crossing_a_stage_boundary(pp2_results: list[dict]) -> None:
+    first, last = (r["int_crossing"] for r in pp2_results)
+    assert first["crossing"][0] == ("tokens", torch.int64, False)
+    assert all(not needs_grad for _, _, needs_grad in first["crossing"])  # RoPE tables: no parameter
+    assert first["grad_diff"] is None  # stage 0 holds no parameter
+    assert last["diff"] <= 1e-5 and last["grad_diff"] <= 1e-6
 
 
 @pytest.mark.slow
