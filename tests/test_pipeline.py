@@ -8,6 +8,7 @@ micro_batches times that.
 from __future__ import annotations
 
 import copy
+import operator
 
 import pytest
 import torch
@@ -131,6 +132,36 @@ def test_gpt2_tied_weight_is_copied_per_stage() -> None:
     first, last = (stage.get_parameter("lm_head.weight") for stage in stages)
     assert first is not last and first.data_ptr() != last.data_ptr()
     assert torch.equal(first, last)
+
+
+class _RecordValues(fx.Interpreter):
+    def run_node(self, n: fx.Node):
+        value = super().run_node(n)
+        n.meta["val"] = value
+        return value
+
+
+def test_multi_output_op_and_early_value_returned_by_the_graph() -> None:
+    """A getitem after the cut stays with its chunk; a stage-0 value the graph returns is passed through."""
+    aten = torch.ops.aten
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    a = graph.call_function(aten.relu.default, (x,))
+    parts = graph.call_function(aten.chunk.default, (a, 2))
+    first = graph.call_function(operator.getitem, (parts, 0))
+    second = graph.call_function(operator.getitem, (parts, 1))
+    b = graph.call_function(aten.add.Tensor, (first, 1.0))
+    c = graph.call_function(aten.mul.Tensor, (second, b))
+    graph.output((a, c))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    x_in = torch.randn(4, 6)
+    _RecordValues(gm).run(x_in)
+    stages = split_stages(gm, [parts.name])
+    sent = [n.name for n in stages[0].graph.output_node().args[0]]
+    assert sent == [a.name, first.name, second.name]
+    out = run_stages_sequentially(stages, x_in)
+    expected = gm(x_in)
+    assert all(torch.equal(o, e) for o, e in zip(out, expected, strict=True))
 
 
 def test_stage_of_layers_and_bad_cuts() -> None:
