@@ -28,8 +28,9 @@ optimizer step.
 
 Node metadata: every stage node keeps the original `node.meta` (copied), plus `node.meta["pp_stage"]`
 (int); a stage's placeholders also get `node.meta["pp_requires_grad"]` (bool: the value depends on a
-trainable parameter of an earlier stage, so a gradient is sent back for it). Stage modules carry `stage.meta["pp_param_keys"]`: {get_attr target: key}, equal keys in two
-stages meaning one tensor of the original graph.
+trainable parameter of an earlier stage, so a gradient is sent back for it). Stage modules carry
+`stage.meta["pp_stage"]`, `stage.meta["pp_num_stages"]` and `stage.meta["pp_param_keys"]`
+({get_attr target: key}; equal keys in two stages mean one tensor of the original graph).
 
 Running (`PipelineRunner`, or the one-shot `run_pipeline_forward` / `run_pipeline_train_step`): one
 stage per rank of the `pp` process group (stage index = rank in that group), micro-batches along
@@ -257,25 +258,30 @@ def _build_stage(
 
 
 def _untie(stages: list[fx.GraphModule]) -> None:
-    """Give every stage its own copy of a tensor that more than one stage uses."""
-    users: dict[int, list[tuple[int, str]]] = {}
+    """Give every stage its own copy of a tensor that more than one stage uses (one copy per stage,
+    shared by all the names the stage uses for it)."""
+    holders: dict[int, list[tuple[int, str]]] = {}
     for k, stage in enumerate(stages):
         for target in stage.meta["pp_param_keys"]:
-            users.setdefault(id(_fetch(stage, target)), []).append((k, target))
-    for holders in users.values():
-        if len({k for k, _ in holders}) < 2:
+            holders.setdefault(id(_fetch(stage, target)), []).append((k, target))
+    for found in holders.values():
+        if len({k for k, _ in found}) < 2:
             continue
-        for k, target in holders:
+        copies: dict[int, Any] = {}  # stage -> its copy
+        for k, target in found:
             owner_path, _, name = target.rpartition(".")
             owner = stages[k].get_submodule(owner_path) if owner_path else stages[k]
             value = getattr(owner, name)
+            if k not in copies:
+                copies[k] = value.detach().clone()
+                if isinstance(value, nn.Parameter):
+                    copies[k] = nn.Parameter(copies[k], requires_grad=value.requires_grad)
             if isinstance(value, nn.Parameter):
-                copy: Any = nn.Parameter(value.detach().clone(), requires_grad=value.requires_grad)
-                owner._parameters[name] = copy
+                owner._parameters[name] = copies[k]
             elif name in owner._buffers:
-                owner._buffers[name] = value.detach().clone()
+                owner._buffers[name] = copies[k]
             else:
-                setattr(owner, name, value.detach().clone())
+                setattr(owner, name, copies[k])
 
 
 def tied_parameters(stages: Sequence[fx.GraphModule]) -> list[tuple[int, str, int, str]]:
@@ -287,12 +293,13 @@ def tied_parameters(stages: Sequence[fx.GraphModule]) -> list[tuple[int, str, in
     `lm_head.weight`). Only trainable parameters are listed (buffers need no gradient). Sorted, so every
     rank gets the same list.
     """
-    holders: dict[str, list[tuple[int, str]]] = {}
+    holders: dict[str, list[tuple[int, str]]] = {}  # key -> [(stage, first name in that stage)]
     for k, stage in enumerate(stages):
         for target, key in stage.meta.get("pp_param_keys", {}).items():
             value = _fetch(stage, target)
-            if isinstance(value, nn.Parameter) and value.requires_grad:
-                holders.setdefault(key, []).append((k, target))
+            found = holders.setdefault(key, [])
+            if isinstance(value, nn.Parameter) and value.requires_grad and k not in (s for s, _ in found):
+                found.append((k, target))
     pairs: list[tuple[int, str, int, str]] = []
     for found in holders.values():
         for i, (a, fqn_a) in enumerate(found):

@@ -164,6 +164,31 @@ def test_multi_output_op_and_early_value_returned_by_the_graph() -> None:
     assert all(torch.equal(o, e) for o, e in zip(out, expected, strict=True))
 
 
+def test_tensor_with_several_names_in_several_stages() -> None:
+    """One parameter under names a, b (stage 0) and c (stage 1): one copy per stage, one tied pair."""
+    aten = torch.ops.aten
+    root = torch.nn.Module()
+    shared = torch.nn.Parameter(torch.randn(3, 3))
+    for name in ("a", "b", "c"):
+        setattr(root, name, torch.nn.Module())
+        getattr(root, name).weight = shared
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    y = graph.call_function(aten.mm.default, (x, graph.get_attr("a.weight")))
+    y = graph.call_function(aten.mm.default, (y, graph.get_attr("b.weight")))
+    z = graph.call_function(aten.mm.default, (y, graph.get_attr("c.weight")))
+    graph.output(z)
+    gm = fx.GraphModule(root, graph)
+    x_in = torch.randn(2, 3)
+    _RecordValues(gm).run(x_in)
+    stages = split_stages(gm, [y.name])
+    assert tied_parameters(stages) == [(0, "a.weight", 1, "c.weight")]
+    assert stages[0].get_parameter("a.weight") is stages[0].get_parameter("b.weight")
+    assert stages[0].get_parameter("a.weight") is not stages[1].get_parameter("c.weight")
+    assert stages[0].get_parameter("a.weight") is not shared
+    torch.testing.assert_close(run_stages_sequentially(stages, x_in), gm(x_in), rtol=0, atol=0)
+
+
 def test_stage_of_layers_and_bad_cuts() -> None:
     outs = ["a0", "a1", "a2", "a3"]
     assert stage_of_layers(4, [[0, 1], [2, 3]], outs) == ["a1"]
