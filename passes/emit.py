@@ -356,27 +356,32 @@ Start one process per rank (e.g. `torchrun --nproc-per-node {world} your_script.
 directory that holds `runtime/` on `PYTHONPATH`, then:
 
 ```python
+import importlib.util
 import os
 import torch
 import torch.distributed as dist
-from passes.emit import load_rank_module          # or import rank{{r}}/module.py yourself and call load()
 from runtime.collectives import register_group
 
 dist.init_process_group("{backend}")
 rank = dist.get_rank()
 tp = {tp}
-groups = [dist.new_group(list(range(s, s + tp))) for s in range(0, dist.get_world_size(), tp)]  # every rank creates every group
+groups = [dist.new_group(list(range(s, s + tp))) for s in range(0, dist.get_world_size(), tp)]  # all ranks make all
 register_group("tp", groups[rank // tp])          # before the first call
 device = {device}
-module = load_rank_module("{out_dir.name}", rank, device)   # path of this folder
+
+folder = "path/to/{out_dir.name}"                  # this folder
+spec = importlib.util.spec_from_file_location(f"rank{{rank}}", f"{{folder}}/rank{{rank}}/module.py")
+generated = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(generated)
+module = generated.load(device)                   # same as passes.emit.load_rank_module(folder, rank, device)
 with torch.no_grad():
     out = module(*inputs)                         # inputs: {info.get("inputs", "as in meta.json")}
 ```
 
 Every rank of a TP group passes the same inputs and gets the same (replicated) output. With pp > 1,
 rank modules are pipeline stages: stage 0 takes the model inputs, each stage returns the tuple the
-next one takes (`meta.json` lists them); run them with `torch.distributed.pipelining`
-(`passes.pipeline.run_pipeline_forward` does it for you). Shapes are fixed: the batch and sequence
+next one takes (`meta.json` lists them); run them with `torch.distributed.pipelining` over the
+pp group (`passes.pipeline.PipelineRunner` does it; the mesh groups come from `runtime.mesh.build_mesh`). Shapes are fixed: the batch and sequence
 length the plan was made for (per micro-batch under pp).
 """
     fd, tmp = tempfile.mkstemp(prefix=".README.md.", suffix=".tmp", dir=out_dir)
