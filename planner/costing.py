@@ -615,6 +615,11 @@ class StageBreakdown:
         return self.compute_s + self.exposed_comm_s
 
 
+def recompute_input_bytes(ctx: CostContext) -> float:
+    """Activation bytes a layer keeps per micro-batch under full recomputation: its input (tokens x hidden)."""
+    return ctx.tokens * ctx.structure.hidden_size * ctx.bytes_per_element
+
+
 def layer_breakdown(
     graph: LayerGraph, key: str, choices: dict[tuple[str, str], str], laddered: bool, ctx: CostContext
 ):
@@ -641,6 +646,10 @@ def layer_breakdown(
     static = graph.fixed_static_bytes + sum(o.static_bytes for o in opt.values())
     act = graph.fixed_activation_bytes + sum(o.activation_bytes for o in opt.values())
     grad = graph.fixed_grad_bytes + sum(o.grad_bytes for o in opt.values())
+    if choices.get((key, "recompute")) == "full":  # forward again in backward; keep only the input
+        internal += (internal + exposed + overlapped) / TRAIN_COMM_FACTOR
+        compute_s += compute_s / TRAIN_COMPUTE_FACTOR
+        act = recompute_input_bytes(ctx)
     return compute_s, internal + exposed, overlapped, static, act, grad
 
 
@@ -671,6 +680,8 @@ def predict(
         bd.memory_bytes += mem
         bd.grad_bytes += grad
         strategy = {op.name: choices[(key, op.name)] for op in graph.ops}
+        if ctx.train:
+            strategy["recompute"] = choices.get((key, "recompute"), "none")
         per_layer.append(
             LayerCost(i if key != "chain" else 0, s, m * comp, m * exposed, m * overlapped, mem, strategy)
         )

@@ -15,6 +15,7 @@ Variables
     beta[b,j] in {0,1}    stage b (1..p-1) starts at layer j (j in a window) `_stage_variables`
     y[l,s], v[l,s], w[l,s] >= 0   time / memory / gradient bytes of a window layer l if in stage s
     T >= 0                slowest stage time per micro-batch; Tail >= 0: DP gradient sync + optimizer
+    r[g] in {0,1}         training: class g recomputes its forward in backward (keeps only its input)
 
 Constraints (each family is named by the prefix of its constraint names)
     onehot_*        sum_k x[g,o,k] = 1                                          `_strategy_variables`
@@ -26,22 +27,30 @@ Constraints (each family is named by the prefix of its constraint names)
     ladder_upper_*  lad[l] <= lad[l+1]: laddered layers are contiguous with the top   `_ladder_variables`
     start_*         sum_j beta[b,j] = 1;  order_*: start(b) + 1 <= start(b+1)     `_stage_variables`
     stime_*, smem_*, sgrad_*   y[l,s] >= t[l] - M (1 - a[l,s])   (a[l,s] = [l in stage s], linear in beta)
-    slowest_*       T >= S[s] = sum_l a[l,s] t[l] + ends(s) + p2p                 `_stage_time`
+    slowest_*       T >= S[s] = sum_l a[l,s] t[l] + ends(s) + p2p;  T >= sum_s S[s] / p   `_stage_time`
     memory_*        sum_l a[l,s] (static[l] + f(s) act[l]) + ends(s) + transient <= cap   `_memory_constraints`
+    recompute_*     act[g] -> act[g] - ra[g] + r[g] input_bytes; time += rt[g] >= fwd[g] - M (1 - r[g])
+                                                                                  `_recompute`
     tail_*          Tail >= alpha + beta * grad_bytes[s]   (training: DP all-reduce + optimizer)  `_tail`
 
 Objective (`_objective`): one step's time
-    sum_l t[l] + ends + (p-1) p2p + (m-1) T + Tail + penalty * sum_l lad[l]
+    sum_l t[l] + ends + (p-1) p2p + (m-1) T + Tail + penalty * sum_l lad[l] + BALANCE_TIE_BREAK * T
 where t[l] = compute[g] + internal_comm[g] + exposed_comm[l]; exposed is comm_att + comm_mlp for a
 standard layer and qa + qm (or za + zm) for a laddered one. With one stage, T = sum_l t[l] + ends.
 The ladder penalty (`LADDER_MIN_SAVING_FRACTION` of a layer's time) makes the solver ladder a layer
 only if it saves more than that: ladder residual changes the function the model computes.
 Stage boundaries are searched in a window around the split that balances a reference layer time
 (`stage_windows`); with identical layers the optimum lies within a layer or two of the even split.
+Deep pipelines (more than `MAX_BOUNDARY_BINARIES` boundary binaries, e.g. pp=32 over 126 layers) would
+make the big-M stage products slow to close in CBC: there the split comes from `balanced_split` (exact
+for contiguous splits: bisection on the slowest stage + greedy fill under the memory cap) on the
+per-layer costs, the ILP is solved with that split fixed, and the two alternate until the split
+repeats (`_solve_with_split_search`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -52,19 +61,26 @@ from dataclasses import dataclass, field
 import pulp
 
 from planner.costing import (
+    TRAIN_COMM_FACTOR,
+    TRAIN_COMPUTE_FACTOR,
     CostContext,
     LayerGraph,
     conversion_time_s,
     gradient_sync_cost,
     in_flight_micro_batches,
+    layer_breakdown,
     p2p_stage_time_s,
+    recompute_input_bytes,
     transient_bytes,
 )
 from planner.errors import InputError
 
 LADDER_MIN_SAVING_FRACTION = 0.05  # a laddered layer must save >= 5% of its time (it changes the model)
+BALANCE_TIE_BREAK = 1e-3  # weight of the slowest stage when (m-1) = 0: balance stages among equal plans
 WINDOW_FRACTION = 0.25  # stage-boundary window: +-25% of the layers per stage around the balanced split
 MIN_WINDOW = 2  # ... and at least +-2 layers
+MAX_BOUNDARY_BINARIES = 48  # deeper pipelines: stage split by `balanced_split`, alternating with the ILP
+MAX_SPLIT_ROUNDS = 3
 
 
 @dataclass(frozen=True)
@@ -106,6 +122,8 @@ class IlpProblem:
     ladder: LadderPolicy
     memory_cap_bytes: float | None
     time_limit_s: float = 10.0
+    mip_gap: float = 0.01  # relative gap at which CBC stops
+    stage_starts: list[int] | None = None  # fixed first layer of each stage (None: the ILP decides)
     ladder_min_saving_fraction: float = LADDER_MIN_SAVING_FRACTION
 
 
@@ -140,6 +158,8 @@ class _Builder:
         self.gid["ends"] = "ends"
         self.x: dict[tuple[str, str], dict[str, pulp.LpVariable]] = {}
         self.num_layers = len(prob.layer_keys)
+        self.recompute: dict[str, pulp.LpVariable] = {}
+        self.lad: dict[int, pulp.LpVariable] = {}
 
     # -- strategies ------------------------------------------------------------------------
     def _strategy_variables(self) -> None:
@@ -218,10 +238,33 @@ class _Builder:
         terms["act"] = graph.fixed_activation_bytes + pulp.lpSum(
             o.activation_bytes * x[(key, op.name)][o.name] for op in graph.ops for o in op.options
         )
+        if self.ctx.train:
+            self._recompute(key, graph, terms, internal + op_comm)
         terms["grad"] = graph.fixed_grad_bytes + pulp.lpSum(
             o.grad_bytes * x[(key, op.name)][o.name] for op in graph.ops for o in op.options
         )
         return terms
+
+    def _recompute(self, key: str, graph: LayerGraph, terms: dict, internal_comm) -> None:
+        """recompute_*: training may keep only each layer's input and recompute its forward in backward.
+
+        r[g] in {0,1}; activations become act - ra + r * input_bytes (ra <= act, ra <= M r) and the
+        time gains rt >= forward compute + forward comm - M (1 - r).
+        """
+        gid = self.gid[key]
+        r = pulp.LpVariable(_name("r", gid), cat="Binary")
+        self.recompute[key] = r
+        ra = pulp.LpVariable(_name("ra", gid), 0)
+        self.m += ra <= terms["act"], _name("recompute_act", gid)
+        self.m += ra <= self._memory_bound(key, 1) * r, _name("recompute_act_on", gid)
+        terms["act"] = terms["act"] - ra + recompute_input_bytes(self.ctx) * r
+        forward = (
+            terms["compute_attention"] + terms["compute_mlp"] + graph.fixed_compute_s
+        ) / TRAIN_COMPUTE_FACTOR
+        forward_comm = (internal_comm + terms["comm_attention"] + terms["comm_mlp"]) / TRAIN_COMM_FACTOR
+        rt = pulp.LpVariable(_name("rt", gid), 0)
+        self.m += rt >= forward + forward_comm - self._time_bound(key) * (1 - r), _name("recompute_time", gid)
+        terms["base"] = terms["base"] + rt
 
     def _ends_terms(self) -> dict[str, pulp.LpAffineExpression]:
         """Time / memory of the embedding (first stage) and final norm + LM head (last stage)."""
@@ -255,7 +298,6 @@ class _Builder:
         """
         policy, eta = self.p.ladder, self.ctx.cluster.overlap_efficiency
         eligible = policy.eligible(self.num_layers)
-        self.lad: dict[int, pulp.LpVariable] = {}
         exposed: dict[int, pulp.LpAffineExpression] = {}
         if not eligible:
             return exposed
@@ -354,7 +396,7 @@ class _Builder:
 
     def _product(self, prefix: str, layer: int, stage: int, expr, a, bound: float) -> pulp.LpVariable:
         """y >= expr - bound * (1 - a), y >= 0: equals expr * a at the optimum (stime_/smem_/sgrad_*)."""
-        y = pulp.LpVariable(_name(prefix[0], layer, stage), 0)
+        y = pulp.LpVariable(_name({"stime": "y", "smem": "v", "sgrad": "w"}[prefix], layer, stage), 0)
         self.m += y >= expr - bound * (1 - a), _name(prefix, layer, stage)
         return y
 
@@ -436,7 +478,7 @@ class _Builder:
         stage_time[-1] += ends["time_last"] if mesh.pp > 1 else 0.0
         self.stage_time = stage_time
         self._memory_constraints(stage_static, stage_act, stage_grad, ends)
-        slowest = self._stage_time(stage_time)
+        slowest = self._stage_time(stage_time, total)
         tail = self._tail(stage_grad, ends)
         self._objective(total, slowest, tail)
 
@@ -474,13 +516,18 @@ class _Builder:
             if cap is not None:
                 self.m += mem <= cap, _name("memory", s)
 
-    def _stage_time(self, stage_time) -> pulp.LpAffineExpression | pulp.LpVariable:
-        """slowest_*: T >= stage time per micro-batch, for every stage."""
+    def _stage_time(self, stage_time, total) -> pulp.LpAffineExpression | pulp.LpVariable:
+        """slowest_*: T >= stage time per micro-batch, for every stage; slowest_average: T >= total / p.
+
+        The average cut is implied by the others at integral points (the stage times sum to the
+        total) but not in the LP relaxation, where the big-M products are weak: it closes most of the gap.
+        """
         if self.ctx.mesh.pp == 1:
             return stage_time[0]
         slowest = pulp.LpVariable("T", 0)
         for s, t in enumerate(stage_time):
             self.m += slowest >= t, _name("slowest", s)
+        self.m += slowest >= total * (1.0 / self.ctx.mesh.pp), "slowest_average"
         return slowest
 
     def _tail(self, stage_grad, ends):
@@ -506,7 +553,8 @@ class _Builder:
         if self.lad:
             ref = self._reference_layer_time()
             penalty = self.p.ladder_min_saving_fraction * ref
-        objective = total + (m - 1) * slowest + tail + penalty * pulp.lpSum(self.lad.values())
+        balance = BALANCE_TIE_BREAK * slowest if self.ctx.mesh.pp > 1 else 0.0
+        objective = total + (m - 1) * slowest + tail + penalty * pulp.lpSum(self.lad.values()) + balance
         self.m += objective
 
     def _reference_layer_time(self) -> float:
@@ -520,6 +568,8 @@ def stage_windows(prob: IlpProblem) -> list[list[int]]:
     """Candidate start layers of stages 1..p-1: a window around the balanced split of reference times."""
     pp, keys = prob.ctx.mesh.pp, prob.layer_keys
     L = len(keys)
+    if prob.stage_starts is not None:
+        return [[j] for j in prob.stage_starts[1:]]
     ref = {
         k: g.fixed_compute_s + sum(min(o.compute_s for o in op.options) for op in g.ops)
         for k, g in prob.graphs.items()
@@ -530,6 +580,8 @@ def stage_windows(prob: IlpProblem) -> list[list[int]]:
     for w in weights:
         prefix.append(prefix[-1] + w)
     half = max(MIN_WINDOW, math.ceil(WINDOW_FRACTION * L / pp))
+    if len(set(keys)) == 1 and prob.ladder.mode != "auto":
+        half = MIN_WINDOW  # identical layers: the balanced split is within a layer or two of the even one
     windows = []
     for b in range(1, pp):
         target = total * b / pp
@@ -540,13 +592,166 @@ def stage_windows(prob: IlpProblem) -> list[list[int]]:
 
 
 def solve(prob: IlpProblem) -> IlpSolution:
-    """Build and solve the ILP of one mesh with CBC. Never raises for infeasibility: see `feasible`."""
+    """Solve the ILP of one mesh with CBC. Never raises for infeasibility: see `feasible`.
+
+    Deep pipelines (more than `MAX_BOUNDARY_BINARIES` stage-boundary binaries) are split by
+    `balanced_split` instead, alternating with the ILP (`_solve_with_split_search`).
+    """
+    if prob.ctx.mesh.pp > 1 and prob.stage_starts is None:
+        if sum(len(w) for w in stage_windows(prob)) > MAX_BOUNDARY_BINARIES:
+            return _solve_with_split_search(prob)
+    return _solve_once(prob)
+
+
+def _solve_with_split_search(prob: IlpProblem) -> IlpSolution:
+    """Split by `balanced_split` on per-layer costs, solve the ILP with that split, re-split on the
+    solution's costs, ... until the split repeats (at most `MAX_SPLIT_ROUNDS`); keep the best."""
+    costs = _reference_costs(prob)
+    best: IlpSolution | None = None
+    last: IlpSolution | None = None
+    seen: set[tuple[int, ...]] = set()
+    elapsed = 0.0
+    for _ in range(MAX_SPLIT_ROUNDS):
+        starts = balanced_split(prob, *costs)
+        if starts is None or tuple(starts) in seen:
+            break
+        seen.add(tuple(starts))
+        last = _solve_once(dataclasses.replace(prob, stage_starts=starts))
+        elapsed += last.time_s
+        if not last.feasible:
+            break
+        if best is None or last.objective < best.objective:
+            best = last
+        costs = _solution_costs(prob, last)
+    result = best or last
+    if result is None:  # no split fits memory even with the most sharded options
+        return IlpSolution("No Solution Exists", False, math.inf, math.inf, 0.0, 0, 0)
+    result.time_s = elapsed
+    return result
+
+
+def _reference_costs(
+    prob: IlpProblem,
+) -> tuple[list[float], list[float], list[float], tuple[float, float], tuple[float, float]]:
+    """Optimistic per-layer (time, static bytes, activation bytes) and ends: cheapest option per op."""
+    per_class = {}
+    for key, g in prob.graphs.items():
+        t = g.fixed_compute_s + sum(min(o.compute_s for o in op.options) for op in g.ops)
+        st = g.fixed_static_bytes + sum(min(o.static_bytes for o in op.options) for op in g.ops)
+        act = g.fixed_activation_bytes + sum(min(o.activation_bytes for o in op.options) for op in g.ops)
+        if prob.ctx.train:
+            act = min(act, recompute_input_bytes(prob.ctx))
+        per_class[key] = (t, st, act)
+    keys = prob.layer_keys
+    ends = prob.ends
+    first = [op for op in ends.ops if op.block == "embedding"]
+    last = [op for op in ends.ops if op.block == "head"]
+    ends_time = (
+        sum(min(o.compute_s + o.comm_s for o in op.options) for op in first),
+        ends.fixed_compute_s + sum(min(o.compute_s + o.comm_s for o in op.options) for op in last),
+    )
+    ends_mem = (
+        sum(min(o.static_bytes for o in op.options) for op in first),
+        sum(min(o.static_bytes for o in op.options) for op in last),
+    )
+    return (
+        [per_class[k][0] for k in keys],
+        [per_class[k][1] for k in keys],
+        [per_class[k][2] for k in keys],
+        ends_time,
+        ends_mem,
+    )
+
+
+def _solution_costs(prob: IlpProblem, sol: IlpSolution):
+    """Per-layer (time, static bytes, activation bytes) and ends of a solved plan."""
+    times, static, act = [], [], []
+    ladder = set(sol.ladder_layers)
+    for i, key in enumerate(prob.layer_keys):
+        comp, exposed, _, st, a, _ = layer_breakdown(
+            prob.graphs[key], key, sol.choices, i in ladder, prob.ctx
+        )
+        times.append(comp + exposed)
+        static.append(st)
+        act.append(a)
+    ends = prob.ends
+    chosen = {op.name: op.option(sol.choices[("ends", op.name)]) for op in ends.ops}
+    first = [chosen[op.name] for op in ends.ops if op.block == "embedding"]
+    last = [chosen[op.name] for op in ends.ops if op.block == "head"]
+    ends_time = (
+        sum(o.compute_s + o.comm_s for o in first),
+        ends.fixed_compute_s + sum(o.compute_s + o.comm_s for o in last),
+    )
+    ends_mem = (sum(o.static_bytes for o in first), sum(o.static_bytes for o in last))
+    return times, static, act, ends_time, ends_mem
+
+
+def balanced_split(
+    prob: IlpProblem,
+    times: list[float],
+    static: list[float],
+    act: list[float],
+    ends_time: tuple[float, float],
+    ends_mem: tuple[float, float],
+) -> list[int] | None:
+    """First layer of each stage minimising the slowest stage under the memory cap (None: nothing fits).
+
+    Bisection on the slowest-stage time T; for a given T, filling each stage greedily with as many
+    layers as fit (time <= T, memory <= cap, enough layers left for the later stages) is optimal for
+    contiguous splits, because leaving fewer layers to later stages never makes them harder.
+    """
+    ctx, cap = prob.ctx, prob.memory_cap_bytes
+    pp, L = ctx.mesh.pp, len(times)
+    p2p = p2p_stage_time_s(ctx)
+    flight = [in_flight_micro_batches(ctx, s) for s in range(pp)]
+    base_mem = transient_bytes(ctx)
+
+    def greedy(limit: float) -> list[int] | None:
+        starts, i = [], 0
+        for s in range(pp):
+            starts.append(i)
+            t = (
+                (ends_time[0] if s == 0 else 0.0)
+                + (ends_time[1] if s == pp - 1 else 0.0)
+                + (p2p if s < pp - 1 else 0.0)
+            )
+            mem = base_mem + (ends_mem[0] if s == 0 else 0.0) + (ends_mem[1] if s == pp - 1 else 0.0)
+            must_leave = pp - 1 - s
+            taken = 0
+            while i < L - must_leave:
+                t_next = t + times[i]
+                mem_next = mem + static[i] + flight[s] * act[i]
+                last_stage = s == pp - 1
+                if taken and not last_stage and (t_next > limit or (cap is not None and mem_next > cap)):
+                    break
+                t, mem, i, taken = t_next, mem_next, i + 1, taken + 1
+            if taken == 0 or t > limit * (1 + 1e-9) or (cap is not None and mem > cap):
+                return None
+        return starts if i == L else None
+
+    hi = sum(times) + sum(ends_time) + pp * p2p
+    if greedy(hi) is None:
+        return None
+    lo = 0.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if greedy(mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    starts = greedy(hi)
+    assert starts is not None
+    return starts
+
+
+def _solve_once(prob: IlpProblem) -> IlpSolution:
+    """Build and solve one ILP with CBC."""
     builder = _Builder(prob)
     builder.build()
     model = builder.m
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "cbc.log")
-        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=prob.time_limit_s, logPath=log)
+        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=prob.time_limit_s, gapRel=prob.mip_gap, logPath=log)
         start = time.perf_counter()
         model.solve(solver)
         elapsed = time.perf_counter() - start
@@ -566,6 +771,8 @@ def solve(prob: IlpProblem) -> IlpSolution:
         return sol
     for (key, op), xs in builder.x.items():
         sol.choices[(key, op)] = max(xs, key=lambda name: xs[name].varValue or 0.0)
+    for key, r in builder.recompute.items():
+        sol.choices[(key, "recompute")] = "full" if (r.varValue or 0.0) > 0.5 else "none"
     L = len(prob.layer_keys)
     eligible = prob.ladder.eligible(L)
     if prob.ladder.mode == "upper":

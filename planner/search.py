@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from dataclasses import dataclass, field
 
 from costmodels.cluster import ClusterSpec
@@ -32,6 +33,7 @@ from planner.costing import (
     layer_projection_ops,
     mlp_op_names,
     predict,
+    recompute_input_bytes,
 )
 from planner.errors import InfeasibleError, InputError
 from planner.ilp import LADDER_MIN_SAVING_FRACTION, IlpProblem, IlpSolution, LadderPolicy, solve
@@ -40,6 +42,7 @@ from planner.plan import Decision, MeshCandidate, Plan, SolverInfo, WeightSplit
 __all__ = ["Constraints", "Workload", "plan_model"]
 
 _GIB = 2.0**30
+TIE_TOLERANCE = 1e-6  # relative: plans this close in latency are ties, broken by fewer devices
 MAX_BLOCK_COMBINATIONS = 20000  # decision tables enumerate a block's option combinations up to this
 
 
@@ -55,6 +58,8 @@ class Constraints:
     tp_across_nodes: bool = False  # consider TP groups larger than a node (off: TP stays in a node)
     memory_fraction: float = 0.9  # share of device memory plans may use (rest: runtime, fragmentation)
     time_limit_s: float = 10.0  # CBC time limit per ILP
+    search_time_limit_s: float = 60.0  # all ILPs together; candidates left unsolved are reported
+    mip_gap: float = 0.01  # relative optimality gap at which CBC stops (1%; reported in SolverInfo.gap)
     ladder_min_saving_fraction: float = LADDER_MIN_SAVING_FRACTION
 
     def __post_init__(self) -> None:
@@ -243,15 +248,33 @@ def _price(search: _Search, mesh: MeshShape) -> _Candidate:
     ends_min = ends.fixed_compute_s + sum(min(o.compute_s for o in op.options) for op in ends.ops)
     work = sum(per_layer_min[k] for k in search.layer_keys) + ends_min
     bound = work * (1 + (mesh.micro_batches - 1) / mesh.pp)
-    f = in_flight_micro_batches(ctx, 0)
-    static_min = {
-        k: g.fixed_static_bytes + f * g.fixed_activation_bytes
-        + sum(min(o.static_bytes + f * o.activation_bytes for o in op.options) for op in g.ops)
-        for k, g in graphs.items()
-    }  # fmt: skip
-    ends_static = sum(min(o.static_bytes for o in op.options) for op in ends.ops)
-    memory = (sum(static_min[k] for k in search.layer_keys) + ends_static) / mesh.pp
+    memory = _memory_lower_bound(ctx, graphs, ends, len(search.layer_keys))
     return _Candidate(mesh, ctx, graphs, ends, bound, memory)
+
+
+def _memory_lower_bound(
+    ctx: CostContext, graphs: dict[str, LayerGraph], ends: LayerGraph, num_layers: int
+) -> float:
+    """A lower bound of the largest stage's memory per rank, without solving.
+
+    Every layer needs at least c[s] = min over classes and options of (static + f(s) * activations)
+    on stage s, where f(s) is the stage's in-flight micro-batches; spreading L layers fractionally so
+    that all stages are equal gives max_s n[s] c[s] >= L / sum_s (1 / c[s]).
+    """
+    keep = recompute_input_bytes(ctx) if ctx.train else math.inf  # recomputation keeps only the input
+    static = min(
+        g.fixed_static_bytes + sum(min(o.static_bytes for o in op.options) for op in g.ops)
+        for g in graphs.values()
+    )
+    act = min(
+        min(keep, g.fixed_activation_bytes + sum(min(o.activation_bytes for o in op.options) for op in g.ops))
+        for g in graphs.values()
+    )
+    per_stage = [static + in_flight_micro_batches(ctx, s) * act for s in range(ctx.mesh.pp)]
+    if min(per_stage) <= 0:
+        return 0.0
+    ends_static = sum(min(o.static_bytes for o in op.options) for op in ends.ops) / ctx.mesh.pp
+    return num_layers / sum(1.0 / c for c in per_stage) + ends_static
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,12 +284,17 @@ def _price(search: _Search, mesh: MeshShape) -> _Candidate:
 def _solve_candidates(search: _Search) -> _Candidate | None:
     best: _Candidate | None = None
     order = sorted(search.candidates, key=lambda c: (c.lower_bound_s, c.mesh.num_devices))
+    start = time.perf_counter()
     for cand in order:
+        left = search.constraints.search_time_limit_s - (time.perf_counter() - start)
         if cand.memory_lower_bound_bytes > search.cap_bytes:
             cand.note = f"needs at least {cand.memory_lower_bound_bytes / _GIB:.1f} GiB per device"
             continue
-        if best is not None and cand.lower_bound_s >= best.latency_s:
+        if best is not None and cand.lower_bound_s > best.latency_s * (1 + TIE_TOLERANCE):
             cand.note = f"pruned: lower bound {cand.lower_bound_s * 1e3:.3g} ms >= best"
+            continue
+        if left <= 0 and best is not None:
+            cand.note = f"not solved: search time limit {search.constraints.search_time_limit_s} s reached"
             continue
         prob = IlpProblem(
             ctx=cand.ctx,
@@ -275,7 +303,8 @@ def _solve_candidates(search: _Search) -> _Candidate | None:
             ends=cand.ends,
             ladder=search.ladder,
             memory_cap_bytes=search.cap_bytes,
-            time_limit_s=search.constraints.time_limit_s,
+            time_limit_s=max(1.0, min(search.constraints.time_limit_s, left)),
+            mip_gap=search.constraints.mip_gap,
             ladder_min_saving_fraction=search.constraints.ladder_min_saving_fraction,
         )
         sol = solve(prob)
@@ -289,9 +318,18 @@ def _solve_candidates(search: _Search) -> _Candidate | None:
             cand.ctx, cand.graphs, search.layer_keys, cand.ends, sol.choices, sol.stages, sol.ladder_layers
         )
         cand.latency_s = prediction.latency_s
-        if best is None or cand.latency_s < best.latency_s:
+        if best is None or _better(cand, best):
             best = cand
     return best
+
+
+def _better(cand: _Candidate, best: _Candidate) -> bool:
+    """Faster, or as fast (within TIE_TOLERANCE) on fewer devices: idle TP ranks are waste."""
+    assert cand.latency_s is not None and best.latency_s is not None
+    if cand.latency_s < best.latency_s * (1 - TIE_TOLERANCE):
+        return True
+    tie = cand.latency_s <= best.latency_s * (1 + TIE_TOLERANCE)
+    return tie and cand.mesh.num_devices < best.mesh.num_devices
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,7 +338,7 @@ def _solve_candidates(search: _Search) -> _Candidate | None:
 
 def _infeasible(search: _Search) -> InfeasibleError:
     """Name the binding constraint for the candidate closest to fitting, and what would fit."""
-    closest = min(search.candidates, key=lambda c: c.memory_lower_bound_bytes / c.mesh.num_devices**0)
+    closest = min(search.candidates, key=lambda c: (c.memory_lower_bound_bytes, -c.mesh.tp))
     mesh = closest.mesh
     choices = _min_memory_choices(closest)
     from planner.baseline import even_stages
@@ -311,10 +349,13 @@ def _infeasible(search: _Search) -> InfeasibleError:
     )
     worst = max(range(mesh.pp), key=lambda s: breakdown[s].memory_bytes)
     need = breakdown[worst].memory_bytes
-    total = sum(bd.memory_bytes for bd in breakdown) * mesh.dp
+    total = sum(bd.memory_bytes for bd in breakdown) * mesh.tp * mesh.dp  # all ranks' bytes
     devices_needed = math.ceil(total / search.cap_bytes)
     cap_gib = search.cluster.device.memory_bytes / _GIB
-    hints = [f"about {devices_needed} devices of this kind (e.g. a larger pp)"]
+    per_node = search.cluster.devices_per_node
+    hints = [
+        f"about {devices_needed} devices ({math.ceil(devices_needed / per_node)} nodes of {per_node}, e.g. pp across them)"
+    ]
     if search.workload.kind == "train":
         hints.append("more micro-batches or a smaller batch (less activation memory)")
     elif search.workload.kind == "decode":
@@ -330,8 +371,11 @@ def _infeasible(search: _Search) -> InfeasibleError:
 
 
 def _min_memory_choices(cand: _Candidate) -> dict[tuple[str, str], str]:
-    """Most-sharded feasible strategy (Megatron's), the plan with the least memory per rank."""
-    return megatron_choices(cand.graphs, cand.ends)
+    """Most-sharded strategy (Megatron's, with recomputation when training): the least memory per rank."""
+    choices = megatron_choices(cand.graphs, cand.ends)
+    if cand.ctx.train:
+        choices.update({(key, "recompute"): "full" for key in cand.graphs})
+    return choices
 
 
 # ---------------------------------------------------------------------------------------------
