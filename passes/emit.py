@@ -3,7 +3,9 @@
     emit_rank_module(gm, out_dir, rank, meta) -> out_dir/rank{rank}/
         module.py     readable source: `class ShardedModule(torch.nn.Module)` with the graph's code as
                       `forward`, and `load(device)` that builds it and loads the weights
-        weights.pt    this rank's weight shards: {FQN: tensor} (`torch.save`, loaded with weights_only=True)
+        weights.pt    this rank's weight shards: {FQN: tensor} (`torch.save`, loaded with weights_only=True);
+                      absent when gm's tensors are on the meta device (large models planned without
+                      weights): module.py's `build()` then gives the module, to be filled from a checkpoint
         meta.json     `meta` plus what the emitter knows: inputs / outputs (names, local shapes, dtypes),
                       tensor count and bytes, tied aliases, torch version
     load_rank_module(out_dir, rank, device) -> nn.Module   (imports module.py by path, calls its load())
@@ -68,16 +70,26 @@ def emit_rank_module(gm: fx.GraphModule, out_dir: str | os.PathLike[str], rank: 
     gm: the rank's rewritten graph (after the TP / pipeline passes). meta: JSON-serialisable facts to
     record (plan, mesh coordinates, ...); the keys "rank", "class_name", "inputs", "outputs",
     "tensors", "aliases" and "torch_version" are filled by the emitter. Creates out_dir if needed.
-    Raises EmitError for a `call_module` / `call_method` node, a global the source cannot import, a
-    non-tensor attribute, or a meta that is not JSON-serialisable; nothing is left behind then.
+    When every tensor of gm is on the meta device, no weights.pt is written (meta.json says
+    "weights_included": false). Raises EmitError for a `call_module` / `call_method` node, a global
+    the source cannot import, a non-tensor attribute, a mix of meta and real tensors, or a meta that is
+    not JSON-serialisable; nothing is left behind then.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors, aliases = _collect_tensors(gm)
     source = _module_source(gm, rank, tensors, aliases)
     record = dict(meta)
+    on_meta = [fqn for fqn, t, _ in tensors if t.device.type == "meta"]
+    if on_meta and len(on_meta) != len(tensors):
+        raise EmitError(
+            f"rank {rank}: {len(on_meta)} of {len(tensors)} tensors are on the meta device (e.g. {on_meta[0]!r}); "
+            "emit either all weights or none"
+        )
+    weights_included = not on_meta
     record.update(
         rank=rank,
+        weights_included=weights_included,
         class_name=CLASS_NAME,
         inputs=[_describe(n) for n in gm.graph.nodes if n.op == "placeholder"],
         outputs=[_describe(n) for n in _output_nodes(gm)],
@@ -94,7 +106,8 @@ def emit_rank_module(gm: fx.GraphModule, out_dir: str | os.PathLike[str], rank: 
     tmp = Path(tempfile.mkdtemp(prefix=f".rank{rank}.tmp-", dir=out_dir))
     try:
         (tmp / MODULE_FILE).write_text(source)
-        torch.save({fqn: t.detach().cpu() for fqn, t, _ in tensors}, tmp / WEIGHTS_FILE)
+        if weights_included:
+            torch.save({fqn: t.detach().cpu() for fqn, t, _ in tensors}, tmp / WEIGHTS_FILE)
         (tmp / META_FILE).write_text(meta_text + "\n")
         compile(source, str(final / MODULE_FILE), "exec")  # a syntax error never reaches `final`
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
@@ -150,8 +163,6 @@ def _collect_tensors(gm: fx.GraphModule) -> tuple[list[tuple[str, torch.Tensor, 
             raise EmitError(
                 f"cannot emit `{node.format_node()}`: attribute {fqn!r} is a {type(value).__name__}"
             )
-        if value.device.type == "meta":
-            raise EmitError(f"cannot emit `{node.format_node()}`: {fqn!r} is on the meta device (no weights)")
         if id(value) in seen:
             aliases[fqn] = seen[id(value)]
             continue
@@ -282,10 +293,21 @@ class {CLASS_NAME}(torch.nn.Module):
 {forward}
 
 
+def build() -> {CLASS_NAME}:
+    """The module with weights on the meta device; fill it with load_state_dict(state, assign=True)."""
+    return {CLASS_NAME}()
+
+
 def load(device: str | torch.device = "cpu") -> {CLASS_NAME}:
-    """Build the module and load this rank's weights onto `device`."""
+    """Build the module and load this rank's weights ({WEIGHTS_FILE}) onto `device`."""
+    path = os.path.join(_HERE, "{WEIGHTS_FILE}")
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"{{path}} does not exist: this module was emitted without weights (from the meta device). Use "
+            "build() and load_state_dict(your_shards, assign=True) with the names and local shapes in _TENSORS"
+        )
     module = {CLASS_NAME}()
-    state = torch.load(os.path.join(_HERE, "{WEIGHTS_FILE}"), map_location=device, weights_only=True)
+    state = torch.load(path, map_location=device, weights_only=True)
     result = module.load_state_dict(state, strict=False, assign=True)
     missing = set(result.missing_keys) - set(_ALIASES)
     if missing or result.unexpected_keys:
@@ -307,7 +329,8 @@ def load_rank_module(
 
     The module calls `runtime.collectives`, so `runtime` must be importable, and the mesh axes must be
     registered (`register_group`) before the first call. Raises FileNotFoundError when the folder or a
-    file is missing, RuntimeError when the weights do not match the module.
+    file is missing (weights.pt is absent for modules emitted from the meta device: import module.py
+    and use its `build()`), RuntimeError when the weights do not match the module.
     """
     folder = Path(out_dir) / f"rank{rank}"
     path = folder / MODULE_FILE

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -133,6 +134,24 @@ def test_tied_alias_and_call_module_rejected(tmp_path: Path) -> None:
     with pytest.raises(EmitError, match="call_module"):
         emit_rank_module(traced, tmp_path, 1, {})
     assert not (tmp_path / "rank1").exists()
+
+
+def test_meta_device_graph_emits_source_without_weights(tmp_path: Path) -> None:
+    mf = load_model_file(EXAMPLES / "llama3.py")
+    model = mf.build("meta")
+    args, kwargs = mf.inputs(batch_size=2, seq_len=16)
+    gm = capture(model, args, kwargs)
+    folder = emit_rank_module(gm, tmp_path, 0, {})
+    assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "module.py"]
+    assert json.loads((folder / "meta.json").read_text())["weights_included"] is False
+    with pytest.raises(FileNotFoundError, match="without weights"):
+        load_rank_module(tmp_path, 0)
+    spec = importlib.util.spec_from_file_location("rank0_meta", folder / "module.py")
+    generated = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generated)
+    built = generated.build()
+    assert built.get_parameter("layers.0.attention.wk.weight").shape == (64, 128)
+    assert built.get_parameter("layers.0.attention.wk.weight").device.type == "meta"
 
 
 def test_write_readme(tmp_path: Path) -> None:
