@@ -396,7 +396,7 @@ def _make_plan(search: _Search, best: _Candidate | None, model_name: str) -> Pla
         baseline is not None
         and baseline.prediction.peak_memory_bytes <= search.cap_bytes
         and baseline.prediction.latency_s < best.latency_s * (1 - 1e-9)
-        and search.ladder.mode != "upper"
+        and _allowed(search, baseline.mesh)
     ):
         bcand = _price(search, baseline.mesh)
         choices, stages, ladder = baseline.choices, baseline.stages, []
@@ -436,6 +436,14 @@ def _make_plan(search: _Search, best: _Candidate | None, model_name: str) -> Pla
             for c in sorted(search.candidates, key=lambda c: (c.latency_s is None, c.latency_s or 0.0))
         ],
     )
+
+
+def _allowed(search: _Search, mesh: MeshShape) -> bool:
+    """Whether the user's constraints admit `mesh` (pinned degrees, device limit) and a plan without ladder."""
+    c = search.constraints
+    pinned_ok = all(getattr(c, k) in (None, getattr(mesh, k)) for k in ("tp", "pp", "dp"))
+    devices_ok = mesh.num_devices <= (c.max_devices or search.cluster.num_devices)
+    return pinned_ok and devices_ok and search.ladder.mode != "upper"
 
 
 def _baseline(search: _Search) -> BaselinePlan | None:
