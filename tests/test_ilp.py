@@ -1,0 +1,211 @@
+"""The inner ILP and the mesh search on hand-built structures: exactness against brute force, sizes,
+named constraints, pipeline split, ladder, solver status. Fast: no tracing."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import random
+
+import pulp
+import pytest
+
+from costmodels.cluster import load_cluster
+from costmodels.comm import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s
+from planner import ilp
+from planner.costing import CostContext, MeshShape, conversion_time_s, predict
+from planner.errors import InputError
+from planner.ilp import IlpProblem, LadderPolicy, balanced_split
+from planner.plan import Plan
+from planner.search import Constraints, Workload, _price, _setup, plan_model
+from tests.planner_fixtures import handmade_llama
+
+
+@pytest.fixture(scope="module")
+def h100():
+    return load_cluster("dgx-h100")
+
+
+def problem(structure, cluster, workload, mesh, ladder="none", cap=None) -> IlpProblem:
+    search = _setup(structure, cluster, workload, Constraints(ladder=ladder))
+    cand = _price(search, mesh)
+    return IlpProblem(
+        cand.ctx,
+        cand.graphs,
+        search.layer_keys,
+        cand.ends,
+        search.ladder,
+        cap if cap is not None else search.cap_bytes,
+    )
+
+
+def test_ladder_policy_parse() -> None:
+    assert LadderPolicy.parse("none", 8).eligible(8) == []
+    assert LadderPolicy.parse("upper:3", 8).eligible(8) == [5, 6, 7]
+    assert LadderPolicy.parse("auto", 8) == LadderPolicy("auto", 8)
+    assert LadderPolicy.parse("auto:max=2", 8).eligible(8) == [6, 7]
+    for bad in ("upper", "upper:x", "auto:max=", "upper:9", "all"):
+        with pytest.raises(InputError, match="ladder"):
+            LadderPolicy.parse(bad, 8)
+
+
+def test_conversion_costs(h100) -> None:
+    structure = handmade_llama()
+    ctx = CostContext(structure, h100, Workload("forward", 1, 128), MeshShape(8, 1, 1, 1), "bf16")
+    group, n = ctx.tp_group(), 1e6
+    assert conversion_time_s("P", "R", n, ctx) == all_reduce_time_s(n, group, h100)
+    assert conversion_time_s("S", "R", n, ctx) == all_gather_time_s(n, group, h100)
+    assert conversion_time_s("P", "S", n, ctx) == reduce_scatter_time_s(n, group, h100)
+    assert conversion_time_s("R", "S", n, ctx) == 0.0  # a local slice
+    assert math.isinf(conversion_time_s("R", "P", n, ctx))  # nothing consumes a partial sum
+    train = CostContext(structure, h100, Workload("train", 8, 128), MeshShape(8, 1, 1, 1), "bf16")
+    assert conversion_time_s("P", "R", n, train) == 2 * all_reduce_time_s(n, group, h100)
+
+
+def test_ilp_matches_brute_force(h100) -> None:
+    """The linearised edge variables price every combination exactly: the ILP finds the true optimum."""
+    structure = handmade_llama(num_layers=2, hidden=2048, heads=16, kv_heads=8, ffn=8192)
+    prob = problem(structure, h100, Workload("forward", 4, 512), MeshShape(4, 1, 1, 1))
+    sol = ilp.solve(prob)
+    assert sol.status == "Optimal Solution Found" and sol.feasible
+    (key,) = prob.graphs
+    graph = prob.graphs[key]
+    best = math.inf
+    ends_choices = {
+        ("ends", op.name): min(op.options, key=lambda o: o.compute_s + o.comm_s).name for op in prob.ends.ops
+    }
+    for combo in itertools.product(*[op.options for op in graph.ops]):
+        choices = {(key, op.name): o.name for op, o in zip(graph.ops, combo)} | ends_choices
+        pred, _ = predict(prob.ctx, prob.graphs, prob.layer_keys, prob.ends, choices, [[0, 1]], [])
+        best = min(best, pred.latency_s)
+    chosen, _ = predict(prob.ctx, prob.graphs, prob.layer_keys, prob.ends, sol.choices, sol.stages, [])
+    assert chosen.latency_s == pytest.approx(best, rel=1e-9)
+    assert sol.objective == pytest.approx(best, rel=1e-6)
+
+
+def test_identical_layers_share_variables(h100) -> None:
+    sizes = []
+    for depth in (4, 64):
+        prob = problem(
+            handmade_llama(num_layers=depth), h100, Workload("forward", 1, 256), MeshShape(8, 1, 1, 1)
+        )
+        sizes.append(ilp.solve(prob).num_variables)
+    assert sizes[0] == sizes[1]
+
+
+def test_named_constraints_and_infeasible_memory(h100) -> None:
+    prob = problem(handmade_llama(), h100, Workload("forward", 1, 256), MeshShape(2, 2, 1, 1), cap=1e6)
+    builder = ilp._Builder(prob)
+    builder.build()
+    names = set(builder.m.constraints)
+    for family in ("onehot_", "edge_src_", "edge_dst_", "memory_", "slowest_", "start_"):
+        assert any(n.startswith(family) for n in names), family
+    sol = ilp.solve(prob)
+    assert not sol.feasible and sol.status in pulp.LpSolution.values()
+
+
+def test_pipeline_balances_non_identical_layers(h100) -> None:
+    """Six light layers then two heavy ones: the balanced split is not the even one."""
+    structure = handmade_llama(
+        num_layers=8, hidden=2048, heads=16, kv_heads=8, ffn_per_layer=[2048] * 6 + [32768] * 2
+    )
+    prob = problem(structure, h100, Workload("forward", 8, 1024), MeshShape(8, 2, 1, 8))
+    sol = ilp.solve(prob)
+    assert sol.feasible
+    best = None
+    for cut in range(1, 8):
+        stages = [list(range(cut)), list(range(cut, 8))]
+        pred, _ = predict(prob.ctx, prob.graphs, prob.layer_keys, prob.ends, sol.choices, stages, [])
+        if best is None or pred.latency_s < best[0]:
+            best = (pred.latency_s, stages)
+    chosen, _ = predict(prob.ctx, prob.graphs, prob.layer_keys, prob.ends, sol.choices, sol.stages, [])
+    assert chosen.latency_s == pytest.approx(best[0], rel=1e-6)
+    assert len(sol.stages[0]) > len(sol.stages[1])
+
+
+def test_balanced_split_matches_brute_force(h100) -> None:
+    rng = random.Random(0)
+    structure = handmade_llama(num_layers=9)
+    prob = problem(structure, h100, Workload("forward", 8, 256), MeshShape(1, 3, 1, 4))
+    times = [rng.uniform(1.0, 5.0) for _ in range(9)]
+    zeros = [0.0] * 9
+    starts = balanced_split(prob, times, zeros, zeros, (0.0, 0.0), (0.0, 0.0))
+    p2p = ilp.p2p_stage_time_s(prob.ctx)
+
+    def slowest(cuts):
+        bounds = [0, *cuts, 9]
+        return max(sum(times[bounds[s] : bounds[s + 1]]) + (p2p if s < 2 else 0.0) for s in range(3))
+
+    optimum = min(slowest(c) for c in itertools.combinations(range(1, 9), 2))
+    assert slowest(starts[1:]) == pytest.approx(optimum, rel=1e-6)
+
+
+def test_deep_pipeline_uses_split_search(h100) -> None:
+    prob = problem(handmade_llama(num_layers=64), h100, Workload("train", 64, 256), MeshShape(1, 32, 1, 64))
+    prob.memory_cap_bytes = None
+    sol = ilp.solve(prob)
+    assert sol.feasible and len(sol.stages) == 32
+    assert max(map(len, sol.stages)) == 2  # 64 identical layers over 32 stages: two each
+
+
+def test_ladder_auto_is_contiguous_with_top() -> None:
+    pcie = load_cluster("h100-pcie")
+    structure = handmade_llama(num_layers=12, hidden=8192, heads=64, kv_heads=8, ffn=28672)
+    plan = plan_model(
+        structure, pcie, Workload("decode", 1, 1, context=512), Constraints(tp=8, ladder="auto:max=5")
+    )
+    assert plan.ladder_layers == [7, 8, 9, 10, 11]
+    laddered = [c for c in plan.predicted.per_layer if c.layer in plan.ladder_layers]
+    assert all(c.overlapped_comm_s > 0 for c in laddered)
+
+
+def test_conv1d_splits_transpose_dims(h100) -> None:
+    structure = handmade_llama(num_layers=2, hidden=4096, heads=32, kv_heads=32, ffn=16384)
+    for layer in structure.layers:
+        for p in layer.attention.projections + layer.mlp.projections:
+            p.weight_out_dim = 1  # HF Conv1D: weight is (in, out)
+    plan = plan_model(structure, h100, Workload("forward", 8, 2048), Constraints(tp=8, pp=1, dp=1))
+    assert plan.splits["layers.0.w1.weight"].style == "colwise" and plan.splits["layers.0.w1.weight"].dim == 1
+    assert plan.splits["layers.0.w2.weight"].style == "rowwise" and plan.splits["layers.0.w2.weight"].dim == 0
+
+
+def test_plan_yaml_round_trip_and_explanations(tmp_path, h100) -> None:
+    plan = plan_model(handmade_llama(), h100, Workload("forward", 2, 512), Constraints(), model_name="hand")
+    path = tmp_path / "plan.yaml"
+    plan.to_yaml(path)
+    assert Plan.from_yaml(path) == plan
+    assert plan.solver.status in pulp.LpSolution.values() and plan.solver.num_variables > 0
+    assert plan.baseline is not None and plan.mesh_candidates
+    assert {d.subject for d in plan.decisions} >= {"mesh", "lm_head", "embedding0"}
+    assert plan.predicted.latency_s == pytest.approx(
+        plan.predicted.compute_s + plan.predicted.exposed_comm_s + plan.predicted.bubble_s
+    )
+
+
+def test_pinned_tp_with_indivisible_heads_is_reported(h100) -> None:
+    structure = handmade_llama(num_layers=2, hidden=1536, heads=12, kv_heads=4, ffn=6144)
+    plan = plan_model(structure, h100, Workload("forward", 1, 256), Constraints(tp=8, pp=1, dp=1))
+    assert plan.tp == 8
+    assert any("12 heads not divisible by 8" in e for e in plan.excluded)
+    assert plan.predicted.per_layer[0].strategy["core"] == "replicate"
+
+
+def test_bad_constraints_are_input_errors(h100) -> None:
+    with pytest.raises(InputError, match="dp=3 does not divide the batch size 4"):
+        plan_model(handmade_llama(), h100, Workload("forward", 4, 256), Constraints(dp=3))
+    with pytest.raises(InputError, match="pp=9 exceeds"):
+        plan_model(handmade_llama(), h100, Workload("forward", 4, 256), Constraints(pp=9))
+    with pytest.raises(InputError, match="micro_batches"):
+        Workload("train", 4, 256, micro_batches=0)
+    with pytest.raises(InputError, match="memory_fraction"):
+        Constraints(memory_fraction=1.5)
+
+
+def test_time_limit_reports_status_and_gap(h100) -> None:
+    structure = handmade_llama(num_layers=40, ffn_per_layer=[4096 + 512 * (i % 5) for i in range(40)])
+    prob = problem(structure, h100, Workload("train", 64, 512), MeshShape(2, 4, 1, 16))
+    prob = dataclasses.replace(prob, time_limit_s=1.0)
+    sol = ilp.solve(prob)
+    assert sol.status in ("Optimal Solution Found", "Solution Found")
+    assert sol.gap == 0.0 if sol.status == "Optimal Solution Found" else sol.gap >= 0.0
