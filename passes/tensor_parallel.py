@@ -109,6 +109,7 @@ class _Rewriter:
         self._copied: dict[fx.Node, fx.Node] = {}
         self._sharded: dict[tuple[fx.Node, int], fx.Node] = {}
         self.param_split: dict[str, Placement] = {}
+        self._sharded_ids: set[int] = set()  # id() of the shard Parameters this pass created
 
     # ---------------------------------------------------------------- helpers
     def fail(self, node: fx.Node, why: str) -> TensorParallelError:
@@ -190,14 +191,14 @@ class _Rewriter:
         owner_path, _, name = fqn.rpartition(".")
         owner = self.gm.get_submodule(owner_path) if owner_path else self.gm
         full = getattr(owner, name)
-        if getattr(full, "_tp_sharded", False):
+        if id(full) in self._sharded_ids:
             return
         try:
             shard = shard_weight(full.detach(), dim, parts, self.rank, self.tp)
         except ValueError as e:
             raise TensorParallelError(f"weight `{fqn}` of shape {tuple(full.shape)}: {e}") from e
         new = torch.nn.Parameter(shard, requires_grad=full.requires_grad)
-        new._tp_sharded = True
+        self._sharded_ids.add(id(new))
         for module in self.gm.modules():  # every alias of a tied weight gets the shard
             for pname, value in list(module._parameters.items()):
                 if value is full:
@@ -546,7 +547,7 @@ class _Rewriter:
             else:
                 self.generic(node)
         # tied weights (GPT-2 wte / lm_head) reach the graph under one FQN; only those present are checked
-        unsharded = [f for f in self.param_split if not getattr(self._param(f), "_tp_sharded", False)]
+        unsharded = [f for f in self.param_split if id(self._param(f)) not in self._sharded_ids]
         if unsharded:
             raise TensorParallelError(
                 f"split weights not used by a matmul or embedding the pass understands: {unsharded}"
@@ -590,3 +591,55 @@ def apply_tensor_parallel(
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
     return _Rewriter(gm, splits, tp_rank, tp_size, axis, training).run()
+
+
+def load_sharded_weights(
+    gm: fx.GraphModule,
+    checkpoint: str | Mapping[str, torch.Tensor],
+    splits: Mapping[str, SplitLike],
+    tp_rank: int,
+    tp_size: int,
+) -> fx.GraphModule:
+    """Fill a rewritten `gm` (built on `meta`, shards of local shape) with this rank's weight shards.
+
+    checkpoint: the unsharded state dict, or the path of one saved with `torch.save`; a path is
+    opened with `mmap=True`, so a rank reads only the slices it keeps and never holds the whole
+    model. A colwise weight's bias is sliced like its output. Raises KeyError naming a tensor the
+    checkpoint lacks and ValueError for a shape that does not match the plan.
+    """
+    full = torch.load(checkpoint, mmap=True, weights_only=True) if isinstance(checkpoint, str) else checkpoint
+    owners: dict[str, str] = {}
+    for node in gm.graph.nodes:  # bias FQN -> weight FQN of colwise matmuls, to slice biases the same way
+        if node.op == "call_function" and _op(node) in (aten.linear, aten.addmm):
+            w, b = (node.args[1], node.args[2] if len(node.args) > 2 else None)
+            if _op(node) is aten.addmm:
+                b, w = node.args[0], node.args[2]
+            if isinstance(w, fx.Node) and isinstance(b, fx.Node):
+                owners[str(b.target)] = str(w.target)
+    for name, tensor in list(gm.named_parameters()) + list(gm.named_buffers()):
+        if name not in full:
+            raise KeyError(
+                f"checkpoint has no tensor `{name}`; save non-persistent buffers too: "
+                "torch.save({**model.state_dict(), **dict(model.named_buffers())}, path)"
+            )
+        source = full[name]
+        split = splits.get(name)
+        if split is None and name in owners and owners[name] in splits:
+            split = splits[owners[name]]
+            split_dim = 0
+        else:
+            split_dim = split.dim if split is not None else None
+        if split is not None and split.style != "replicate" and tuple(source.shape) != tuple(tensor.shape):
+            source = shard_weight(source, split_dim, split.parts, tp_rank, tp_size)
+        if tuple(source.shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"`{name}`: checkpoint shape {tuple(source.shape)} != rank shape {tuple(tensor.shape)}"
+            )
+        owner_path, _, leaf = name.rpartition(".")
+        owner = gm.get_submodule(owner_path) if owner_path else gm
+        value = source.detach().clone().to(dtype=tensor.dtype)
+        if leaf in owner._parameters:
+            owner._parameters[leaf] = torch.nn.Parameter(value, requires_grad=tensor.requires_grad)
+        else:
+            owner._buffers[leaf] = value
+    return gm
