@@ -1,6 +1,7 @@
 """GPT-2 124M (12 layers, hidden 768, 12 heads, vocab 50257, fused c_attn, tied LM head), runnable on a CPU.
 
-Other sizes: `build_model("medium")`, "large", "xl" (see GPT_CONFIGS in examples/models.py).
+Other sizes: `build_model("medium")`, "large", "xl" (see GPT_CONFIGS in examples/models.py); these
+allocate their weights on the current device (`ModelFile.build("meta")` plans them without).
 """
 
 import sys

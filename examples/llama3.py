@@ -1,7 +1,8 @@
 """Llama-3, tiny by default (vocab 256, hidden 128, 4 layers, 8 heads, 4 KV heads, SwiGLU 256).
 
-Real weights on the CPU: runnable. Other sizes: `build_model("8b")`, or the files llama3_8b.py,
-llama3_70b.py, llama3_405b.py (meta device, planned but never run).
+Real weights on the CPU: runnable. `build_model("8b")` allocates a published size's weights on the
+current device; to plan one without weights use llama3_8b.py, llama3_70b.py or llama3_405b.py
+(built on the meta device, planned but never run).
 """
 
 import sys
