@@ -1,0 +1,78 @@
+"""Planner speed: trace + analyse + plan, timed per phase. Targets (the planner issue):
+
+    Llama-3-70B on one 8-GPU node (dgx-h100), trace + ILP          < 10 s
+    Llama-3-405B training on 128 nodes x 8 GPUs (h100-ib-128node)  < 60 s
+
+Run from the repository root:  python bench/plan_speed.py [--quick]
+The models are the published configs in examples/, traced in full on the meta device (no weights).
+`--quick` traces two layers and repeats them (tests/planner_fixtures.py) to time the planner alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from costmodels.cluster import load_cluster  # noqa: E402
+from planner.analysis import analyse  # noqa: E402
+from planner.capture import capture  # noqa: E402
+from planner.modelfile import load_model_file  # noqa: E402
+from planner.search import Constraints, Workload, plan_model  # noqa: E402
+
+CASES = [
+    # (name, model file, cluster, workload, target seconds)
+    ("llama3-70b forward, dgx-h100", "examples/llama3_70b.py", "dgx-h100", Workload("forward", 1, 2048, dtype="bf16"), 10.0),
+    ("llama3-70b decode, dgx-h100", "examples/llama3_70b.py", "dgx-h100", Workload("decode", 8, 1, context=4096, dtype="bf16"), 10.0),
+    ("llama3-405b train, 128 x 8 H100", "examples/llama3_405b.py", "h100-ib-128node", Workload("train", 2048, 8192, dtype="bf16"), 60.0),
+]  # fmt: skip
+
+
+def trace(path: str, quick: bool):
+    """(structure, seconds): the analysed model, traced on meta."""
+    start = time.perf_counter()
+    if quick:
+        from tests.planner_fixtures import analysed_llama
+
+        structure = analysed_llama("405b" if "405b" in path else "70b")
+    else:
+        model_file = load_model_file(ROOT / path)
+        model = model_file.build("meta")
+        args, kwargs = model_file.inputs(batch_size=1, seq_len=128)
+        structure = analyse(capture(model, args, kwargs))
+    return structure, time.perf_counter() - start
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="trace 2 layers and repeat them")
+    opts = parser.parse_args()
+    failed = 0
+    cache: dict[str, tuple] = {}
+    for name, path, cluster_name, workload, target in CASES:
+        if path not in cache:
+            cache[path] = trace(path, opts.quick)
+        structure, trace_s = cache[path]
+        start = time.perf_counter()
+        plan = plan_model(structure, load_cluster(cluster_name), workload, Constraints(), model_name=Path(path).stem)
+        plan_s = time.perf_counter() - start
+        total = trace_s + plan_s
+        ok = total < target
+        failed += not ok
+        p = plan.predicted
+        print(
+            f"{name:34s} trace {trace_s:6.2f} s  plan {plan_s:6.2f} s (ILP {plan.solver.time_s:5.2f} s, "
+            f"{len(plan.mesh_candidates)} meshes)  total {total:6.2f} s  target {target:4.0f} s  "
+            f"{'ok' if ok else 'SLOW'} | tp={plan.tp} pp={plan.pp} dp={plan.dp} m={plan.micro_batches} "
+            f"step {p.latency_s * 1e3:.1f} ms, {p.throughput_tokens_per_s:,.0f} tok/s, "
+            f"peak {p.peak_memory_bytes / 2**30:.1f} GiB, {plan.solver.status}"
+        )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
