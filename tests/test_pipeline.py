@@ -35,8 +35,8 @@ from runtime.launch import RankContext, launch
 from runtime.mesh import build_mesh
 from tests.conftest import EXAMPLES
 
-LAYER_PREFIX = {"llama3": "layers", "gpt2_tiny": "transformer.h"}
-NUM_LAYERS = {"llama3": 4, "gpt2_tiny": 2}
+LAYER_PREFIX = {"llama3": "layers", "gpt2_tiny": "transformer.h", "hf_llama": "model.layers"}
+NUM_LAYERS = {"llama3": 4, "gpt2_tiny": 2, "hf_llama": 2}
 SEQ_LEN = 16
 
 
@@ -288,6 +288,17 @@ def _pp_int_crossing(rank: int) -> dict:
     }
 
 
+def _pp_hf_llama(rank: int) -> dict:
+    """HF LlamaForCausalLM: a bool attention mask and RoPE cos/sin cross the boundary with the stream."""
+    model, reference, gm = build("hf_llama", 1)
+    stage = even_stages("hf_llama", gm, 2)[rank]
+    crossing = [str(n.meta["val"].dtype) for n in stage.graph.nodes if n.op == "placeholder"]
+    x = tokens(2)
+    out = run_pipeline_forward(stage, rank, 2, (x,) if rank == 0 else None, 2, None, "cpu")
+    want = reference(x, use_cache=False).logits
+    return {"crossing": crossing, "diff": None if out is None else (out - want).abs().max().item()}
+
+
 def _pp2_checks(ctx: RankContext, payload: None) -> dict:
     """Every pp=2 check in one launch (spawning ranks costs more than the checks)."""
     return {
@@ -295,6 +306,7 @@ def _pp2_checks(ctx: RankContext, payload: None) -> dict:
         "train_llama3": _pp_train(ctx.rank, "llama3"),
         "train_gpt2_tiny": _pp_train(ctx.rank, "gpt2_tiny"),
         "int_crossing": _pp_int_crossing(ctx.rank),
+        "hf_llama": _pp_hf_llama(ctx.rank),
     }
 
 
@@ -355,6 +367,13 @@ def test_integer_tokens_crossing_a_stage_boundary(pp2_results: list[dict]) -> No
     assert all(not needs_grad for _, _, needs_grad in first["crossing"])  # RoPE tables: no parameter
     assert first["grad_diff"] is None  # stage 0 holds no parameter
     assert last["diff"] <= 1e-5 and last["grad_diff"] <= 1e-6
+
+
+@pytest.mark.slow
+def test_hf_llama_pipelined_forward_with_bool_mask(pp2_results: list[dict]) -> None:
+    first, last = (r["hf_llama"] for r in pp2_results)
+    assert "torch.bool" in last["crossing"]
+    assert last["diff"] <= 1e-5
 
 
 @pytest.mark.slow
