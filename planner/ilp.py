@@ -56,6 +56,7 @@ import os
 import re
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import pulp
@@ -167,7 +168,7 @@ class _Builder:
         for key, graph in [*self.p.graphs.items(), ("ends", self.p.ends)]:
             for op in graph.ops:
                 xs = {
-                    o.name: pulp.LpVariable(_name("x", self.gid[key], op.name, o.name), cat="Binary")
+                    o.name: self.m.add_variable(_name("x", self.gid[key], op.name, o.name), cat="Binary")
                     for o in op.options
                 }
                 self.x[(key, op.name)] = xs
@@ -192,7 +193,7 @@ class _Builder:
                     t = conversion_time_s(k.out_layout, j.in_layout, src.out_bytes, self.ctx)
                     if math.isinf(t):
                         continue
-                    var = pulp.LpVariable(_name("e", self.gid[key], u, v, k.name, j.name), 0, 1)
+                    var = self.m.add_variable(_name("e", self.gid[key], u, v, k.name, j.name), 0, 1)
                     e[(k.name, j.name)] = var
                     cost.append(t * var)
             for k in src.options:
@@ -252,9 +253,9 @@ class _Builder:
         time gains rt >= forward compute + forward comm - M (1 - r).
         """
         gid = self.gid[key]
-        r = pulp.LpVariable(_name("r", gid), cat="Binary")
+        r = self.m.add_variable(_name("r", gid), cat="Binary")
         self.recompute[key] = r
-        ra = pulp.LpVariable(_name("ra", gid), 0)
+        ra = self.m.add_variable(_name("ra", gid), 0)
         self.m += ra <= terms["act"], _name("recompute_act", gid)
         self.m += ra <= self._memory_bound(key, 1) * r, _name("recompute_act_on", gid)
         terms["act"] = terms["act"] - ra + recompute_input_bytes(self.ctx) * r
@@ -262,7 +263,7 @@ class _Builder:
             terms["compute_attention"] + terms["compute_mlp"] + graph.fixed_compute_s
         ) / TRAIN_COMPUTE_FACTOR
         forward_comm = (internal_comm + terms["comm_attention"] + terms["comm_mlp"]) / TRAIN_COMM_FACTOR
-        rt = pulp.LpVariable(_name("rt", gid), 0)
+        rt = self.m.add_variable(_name("rt", gid), 0)
         self.m += rt >= forward + forward_comm - self._time_bound(key) * (1 - r), _name("recompute_time", gid)
         terms["base"] = terms["base"] + rt
 
@@ -304,8 +305,8 @@ class _Builder:
         q: dict[str, tuple[pulp.LpVariable, pulp.LpVariable]] = {}
         for key in {self.p.layer_keys[i] for i in eligible}:
             t = terms[key]
-            qa = pulp.LpVariable(_name("qa", self.gid[key]), 0)
-            qm = pulp.LpVariable(_name("qm", self.gid[key]), 0)
+            qa = self.m.add_variable(_name("qa", self.gid[key]), 0)
+            qm = self.m.add_variable(_name("qm", self.gid[key]), 0)
             self.m += qa >= t["comm_attention"] - eta * t["compute_mlp"], _name("ladder_att", self.gid[key])
             self.m += qm >= t["comm_mlp"] - eta * t["compute_attention"], _name("ladder_mlp", self.gid[key])
             q[key] = (qa, qm)
@@ -316,10 +317,10 @@ class _Builder:
                 exposed[i] = qa + qm
                 continue
             t = terms[key]
-            lad = pulp.LpVariable(_name("lad", i), cat="Binary")
+            lad = self.m.add_variable(_name("lad", i), cat="Binary")
             self.lad[i] = lad
-            za = pulp.LpVariable(_name("za", i), 0)
-            zm = pulp.LpVariable(_name("zm", i), 0)
+            za = self.m.add_variable(_name("za", i), 0)
+            zm = self.m.add_variable(_name("zm", i), 0)
             big_a, big_m = self._comm_bound(key, "attention"), self._comm_bound(key, "mlp")
             self.m += za >= t["comm_attention"] - big_a * lad, _name("ladder_auto_att", i)
             self.m += zm >= t["comm_mlp"] - big_m * lad, _name("ladder_auto_mlp", i)
@@ -364,7 +365,7 @@ class _Builder:
         self.beta: dict[int, dict[int, pulp.LpVariable]] = {}
         starts: dict[int, pulp.LpAffineExpression] = {}
         for b in range(1, pp):
-            self.beta[b] = {j: pulp.LpVariable(_name("beta", b, j), cat="Binary") for j in windows[b - 1]}
+            self.beta[b] = {j: self.m.add_variable(_name("beta", b, j), cat="Binary") for j in windows[b - 1]}
             self.m += pulp.lpSum(self.beta[b].values()) == 1, _name("start", b)
             starts[b] = pulp.lpSum(j * var for j, var in self.beta[b].items())
         for b in range(1, pp - 1):
@@ -396,7 +397,7 @@ class _Builder:
 
     def _product(self, prefix: str, layer: int, stage: int, expr, a, bound: float) -> pulp.LpVariable:
         """y >= expr - bound * (1 - a), y >= 0: equals expr * a at the optimum (stime_/smem_/sgrad_*)."""
-        y = pulp.LpVariable(_name({"stime": "y", "smem": "v", "sgrad": "w"}[prefix], layer, stage), 0)
+        y = self.m.add_variable(_name({"stime": "y", "smem": "v", "sgrad": "w"}[prefix], layer, stage), 0)
         self.m += y >= expr - bound * (1 - a), _name(prefix, layer, stage)
         return y
 
@@ -524,7 +525,7 @@ class _Builder:
         """
         if self.ctx.mesh.pp == 1:
             return stage_time[0]
-        slowest = pulp.LpVariable("T", 0)
+        slowest = self.m.add_variable("T", 0)
         for s, t in enumerate(stage_time):
             self.m += slowest >= t, _name("slowest", s)
         self.m += slowest >= total * (1.0 / self.ctx.mesh.pp), "slowest_average"
@@ -535,7 +536,7 @@ class _Builder:
         if not self.ctx.train:
             return 0.0
         fit = gradient_sync_cost(self.ctx)
-        tail = pulp.LpVariable("Tail", 0)
+        tail = self.m.add_variable("Tail", 0)
         pp = self.ctx.mesh.pp
         for s in range(pp):
             g = stage_grad[s]
@@ -751,7 +752,11 @@ def _solve_once(prob: IlpProblem) -> IlpSolution:
     model = builder.m
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "cbc.log")
-        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=prob.time_limit_s, gapRel=prob.mip_gap, logPath=log)
+        with warnings.catch_warnings():  # the bundled CBC, as the issue asks; PuLP 4 renames it
+            warnings.simplefilter("ignore", DeprecationWarning)
+            solver = pulp.PULP_CBC_CMD(
+                msg=False, timeLimit=prob.time_limit_s, gapRel=prob.mip_gap, logPath=log
+            )
         start = time.perf_counter()
         model.solve(solver)
         elapsed = time.perf_counter() - start
@@ -764,8 +769,8 @@ def _solve_once(prob: IlpProblem) -> IlpSolution:
         objective=pulp.value(model.objective) if feasible else math.inf,
         gap=_gap(log_text, model.sol_status),
         time_s=elapsed,
-        num_variables=len(model.variables()),
-        num_constraints=len(model.constraints),
+        num_variables=model.numVariables(),
+        num_constraints=model.numConstraints(),
     )
     if not feasible:
         return sol
