@@ -107,7 +107,7 @@ def emit_rank_module(gm: fx.GraphModule, out_dir: str | os.PathLike[str], rank: 
     try:
         (tmp / MODULE_FILE).write_text(source)
         if weights_included:
-            torch.save({fqn: t.detach().cpu() for fqn, t, _ in tensors}, tmp / WEIGHTS_FILE)
+            torch.save({fqn: _compact(t) for fqn, t, _ in tensors}, tmp / WEIGHTS_FILE)
         (tmp / META_FILE).write_text(meta_text + "\n")
         compile(source, str(final / MODULE_FILE), "exec")  # a syntax error never reaches `final`
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
@@ -116,6 +116,14 @@ def emit_rank_module(gm: fx.GraphModule, out_dir: str | os.PathLike[str], rank: 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """`t` on the CPU in a storage of its own (torch.save writes a view's whole storage)."""
+    t = t.detach().cpu()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or not t.is_contiguous():
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t
 
 
 def _replace_dir(new: Path, final: Path) -> None:
