@@ -68,8 +68,8 @@ def emit_rank_module(gm: fx.GraphModule, out_dir: str | os.PathLike[str], rank: 
     """Write rank `rank`'s module to `out_dir/rank{rank}/` (module.py, weights.pt, meta.json); return the folder.
 
     gm: the rank's rewritten graph (after the TP / pipeline passes). meta: JSON-serialisable facts to
-    record (plan, mesh coordinates, ...); the keys "rank", "class_name", "inputs", "outputs",
-    "tensors", "aliases" and "torch_version" are filled by the emitter. Creates out_dir if needed.
+    record (plan, mesh coordinates, ...); the keys "rank", "weights_included", "class_name", "inputs",
+    "outputs", "tensors", "tensor_bytes", "aliases" and "torch_version" are set by the emitter. Creates out_dir if needed.
     When every tensor of gm is on the meta device, no weights.pt is written (meta.json says
     "weights_included": false). Raises EmitError for a `call_module` / `call_method` node, a global
     the source cannot import, a non-tensor attribute, a mix of meta and real tensors, or a meta that is
