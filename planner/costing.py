@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from costmodels import compute
+from costmodels import compute, memory
 from costmodels.cluster import ClusterSpec
 from costmodels.comm import Group, all_gather_time_s, all_reduce_time_s, p2p_time_s, reduce_scatter_time_s
 from costmodels.dtypes import DTYPE_BYTES
@@ -47,7 +47,6 @@ if TYPE_CHECKING:
 
 TRAIN_COMPUTE_FACTOR = 3.0  # forward + backward (2x forward FLOPs: input grads and weight grads)
 TRAIN_COMM_FACTOR = 2.0  # forward collectives plus their backward conjugates (Megatron f/g)
-ADAM_STATE_BYTES_PER_PARAM = 12.0  # fp32 master weight + Adam m + v (mixed precision, no ZeRO)
 OPTIMIZER_BYTES_MOVED_PER_PARAM = 2 * 12.0 + 2 * 2.0  # read+write master/m/v, read grad, write param
 NORM_KIND = "rmsnorm"  # FLOP convention for the per-layer norms (cheap either way: memory bound)
 INF = math.inf
@@ -206,8 +205,7 @@ class CostContext:
         """Bytes per rank per parameter byte: weights, plus grads and Adam state when training."""
         if not self.train:
             return 1.0
-        b = self.bytes_per_element
-        return (b + b + ADAM_STATE_BYTES_PER_PARAM) / b
+        return memory.training_state_bytes(1, self.dtype) / memory.param_bytes(1, self.dtype)  # no ZeRO
 
     def tp_group(self) -> Group:
         tp, per_node = self.mesh.tp, self.cluster.devices_per_node
@@ -295,7 +293,9 @@ def attention_core_options(attn: Any, ctx: CostContext) -> tuple[list[OpOption],
     q_len, kv_len = w.tokens_per_sequence, w.kv_len
     causal = w.kind != "decode"
     replica_seqs = w.batch_size / ctx.mesh.dp
-    kv_cache = 2.0 * replica_seqs * kv_len * kv_heads * hd * b if w.kind == "decode" else 0.0
+    kv_cache = (
+        memory.kv_cache_bytes(1, replica_seqs, kv_len, kv_heads, hd, ctx.dtype) if w.kind == "decode" else 0.0
+    )
     stored = (2.0 * heads + 2.0 * kv_heads) * seqs * q_len * hd * b if ctx.train else 0.0
 
     def option(name: str, layout: str, shard: int) -> OpOption:
@@ -544,7 +544,7 @@ def in_flight_micro_batches(ctx: CostContext, stage: int) -> int:
     """Training micro-batches whose activations stage `stage` holds at once under 1F1B."""
     if not ctx.train:
         return 0
-    return min(ctx.mesh.micro_batches, ctx.mesh.pp - stage)
+    return memory.inflight_micro_batches(ctx.mesh.pp, stage, ctx.mesh.micro_batches, "1f1b")
 
 
 def transient_bytes(ctx: CostContext) -> float:
