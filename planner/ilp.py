@@ -23,10 +23,11 @@ Constraints (each family is named by the prefix of its constraint names)
                     (pairs whose conversion is impossible, e.g. P into a nonlinearity, have no e)
     tied_*          tied embedding / LM head choose the same split            `_strategy_variables`
     ladder_att_*, ladder_mlp_*   qa[g] >= comm_att[g] - eta * compute_mlp[g]  (eta = overlap_efficiency)
-    ladder_auto_*   za[l] >= comm_att[g] - M (1 - lad[l]) ... and za[l] >= qa[g]   `_ladder_variables`
+    ladder_auto_*   za[l] >= comm_att[g] - M lad[l],  za[l] >= qa[g]  (zm alike)   `_ladder_variables`
     ladder_upper_*  lad[l] <= lad[l+1]: laddered layers are contiguous with the top   `_ladder_variables`
     start_*         sum_j beta[b,j] = 1;  order_*: start(b) + 1 <= start(b+1)     `_stage_variables`
-    stime_*, smem_*, sgrad_*   y[l,s] >= t[l] - M (1 - a[l,s])   (a[l,s] = [l in stage s], linear in beta)
+    stime_*, smem_*, sgrad_*   y[l,s] >= t[l] - M (1 - a[l,s])  (a[l,s] = [l in stage s], linear in beta;
+                    only for layers inside a window, the others' a is a constant)   `_product`
     slowest_*       T >= S[s] = sum_l a[l,s] t[l] + ends(s) + p2p;  T >= sum_s S[s] / p   `_stage_time`
     memory_*        sum_l a[l,s] (static[l] + f(s) act[l]) + ends(s) + transient <= cap   `_memory_constraints`
     recompute_*     act[g] -> act[g] - ra[g] + r[g] input_bytes; time += rt[g] >= fwd[g] - M (1 - r[g])
