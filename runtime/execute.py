@@ -163,7 +163,7 @@ def run_rank(ctx: RankContext, job: RunJob) -> RankReport:
     timing = time_iterations(step, warmup=job.warmup, iters=job.iters, device=ctx.device)
     report.latency_samples_s = list(timing.samples_s)
     report.median_s = timing.median_s
-    report.peak_memory_bytes = peak_memory_bytes(ctx.device)
+    report.peak_memory_bytes = rank_peak_memory_bytes(gm, ctx.device)
     return report
 
 
@@ -188,6 +188,21 @@ def _data_parallel_slice(inputs: tuple, dp: int, dp_rank: int) -> tuple:
                 f"batch {x.shape[0]} of an input of shape {tuple(x.shape)} does not divide by dp={dp}"
             )
     return tuple(x.chunk(dp, dim=0)[dp_rank] for x in inputs)
+
+
+def rank_peak_memory_bytes(module: torch.nn.Module, device: torch.device) -> int:
+    """Peak memory of this rank's step, bytes: on GPU `max_memory_allocated` (weights included); on CPU
+    the rank module's weight shards and buffers plus the resident-set growth during the timed steps
+    (the process's own RSS also holds torch's libraries, which a GPU's memory does not)."""
+    if device.type == "cuda":
+        return peak_memory_bytes(device)
+    seen: set[int] = set()
+    resident = 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            resident += t.numel() * t.element_size()
+    return resident + peak_memory_bytes(device)
 
 
 def _training_step(gm, reference, full_inputs, inputs, plan: Plan, mesh, report: RankReport):

@@ -14,9 +14,8 @@ from __future__ import annotations
 import torch
 
 from passes.pipeline import (
+    PipelineRunner,
     all_reduce_tied_gradients,
-    run_pipeline_forward,
-    run_pipeline_train_step,
     split_stages,
     stage_of_layers,
     tied_parameters,
@@ -33,9 +32,10 @@ from runtime.execute import (
     _as_tensor,
     _average_gradients,
     _slice_args,
+    rank_peak_memory_bytes,
 )
 from runtime.launch import RankContext
-from runtime.measure import peak_memory_bytes, reset_peak_memory, time_iterations
+from runtime.measure import reset_peak_memory, time_iterations
 from runtime.mesh import build_mesh
 
 
@@ -83,6 +83,10 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, plan: Plan) -> RankReport:
         peak_memory_bytes=0, max_abs_diff=None, output_scale=float(ref_out.detach().abs().max()),
     )  # fmt: skip
     stage_inputs = inputs if first else None
+    loss_fn = torch.nn.functional.mse_loss if training else None
+    runner = PipelineRunner(
+        stage, mesh.pp_rank, plan.pp, m, pp_group, ctx.device, loss_fn=loss_fn
+    )  # schedule built once
 
     if training:
         target = torch.linspace(-1.0, 1.0, ref_out.numel(), device=ref_out.device).reshape(ref_out.shape)
@@ -92,10 +96,7 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, plan: Plan) -> RankReport:
 
         def step() -> torch.Tensor | None:
             optimizer.zero_grad(set_to_none=True)
-            loss = run_pipeline_train_step(
-                stage, mesh.pp_rank, plan.pp, stage_inputs, m, pp_group, ctx.device,
-                loss_fn=torch.nn.functional.mse_loss, target=target if last else None,
-            )  # fmt: skip
+            loss = runner.train_step(stage_inputs, target=target if last else None)
             all_reduce_tied_gradients(stage, mesh.pp_rank, tied, pp_group)
             _average_gradients(stage, plan.dp, mesh)
             return loss
@@ -107,7 +108,7 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, plan: Plan) -> RankReport:
     else:
 
         def step() -> None:
-            return run_pipeline_forward(stage, mesh.pp_rank, plan.pp, stage_inputs, m, pp_group, ctx.device)
+            return runner.forward(stage_inputs)
 
         out = step()
         if last:
@@ -123,7 +124,7 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, plan: Plan) -> RankReport:
     timing = time_iterations(timed, warmup=job.warmup, iters=job.iters, device=ctx.device)
     report.latency_samples_s = list(timing.samples_s)
     report.median_s = timing.median_s
-    report.peak_memory_bytes = peak_memory_bytes(ctx.device)
+    report.peak_memory_bytes = rank_peak_memory_bytes(stage, ctx.device)
     return report
 
 
