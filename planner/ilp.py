@@ -5,6 +5,9 @@ builds and solves one mixed-integer program for it with CBC. Notation: graphs g 
 identical layers, plus the "ends": embedding and LM head), ops o of g, options k of o (costs from
 `planner.costing`), layers l = 0..L-1 of class g(l), stages s = 0..p-1.
 
+Units inside the model: seconds and GiB (`GIB`): with bytes the coefficients would span 17 orders of
+magnitude and CBC returned non-optimal "optimal" plans.
+
 Variables
     x[g,o,k] in {0,1}     op o of class g uses option k (shared by every layer of class g, so the
                           model does not grow with depth)                    `_strategy_variables`
@@ -83,6 +86,7 @@ WINDOW_FRACTION = 0.25  # stage-boundary window: +-25% of the layers per stage a
 MIN_WINDOW = 2  # ... and at least +-2 layers
 MAX_BOUNDARY_BINARIES = 48  # deeper pipelines: stage split by `balanced_split`, alternating with the ILP
 MAX_SPLIT_ROUNDS = 3
+GIB = 2.0**30  # the ILP counts memory in GiB: with bytes, coefficients would span 1e-6 s .. 1e11 B
 
 
 @dataclass(frozen=True)
@@ -234,16 +238,16 @@ class _Builder:
         terms["base"] = (
             terms["compute_attention"] + terms["compute_mlp"] + internal + op_comm + graph.fixed_compute_s
         )
-        terms["static"] = graph.fixed_static_bytes + pulp.lpSum(
-            o.static_bytes * x[(key, op.name)][o.name] for op in graph.ops for o in op.options
+        terms["static"] = graph.fixed_static_bytes / GIB + pulp.lpSum(
+            o.static_bytes / GIB * x[(key, op.name)][o.name] for op in graph.ops for o in op.options
         )
-        terms["act"] = graph.fixed_activation_bytes + pulp.lpSum(
-            o.activation_bytes * x[(key, op.name)][o.name] for op in graph.ops for o in op.options
+        terms["act"] = graph.fixed_activation_bytes / GIB + pulp.lpSum(
+            o.activation_bytes / GIB * x[(key, op.name)][o.name] for op in graph.ops for o in op.options
         )
         if self.ctx.train:
             self._recompute(key, graph, terms, internal + op_comm)
-        terms["grad"] = graph.fixed_grad_bytes + pulp.lpSum(
-            o.grad_bytes * x[(key, op.name)][o.name] for op in graph.ops for o in op.options
+        terms["grad"] = graph.fixed_grad_bytes / GIB + pulp.lpSum(
+            o.grad_bytes / GIB * x[(key, op.name)][o.name] for op in graph.ops for o in op.options
         )
         return terms
 
@@ -259,7 +263,7 @@ class _Builder:
         ra = self.m.add_variable(_name("ra", gid), 0)
         self.m += ra <= terms["act"], _name("recompute_act", gid)
         self.m += ra <= self._memory_bound(key, 1) * r, _name("recompute_act_on", gid)
-        terms["act"] = terms["act"] - ra + recompute_input_bytes(self.ctx) * r
+        terms["act"] = terms["act"] - ra + recompute_input_bytes(self.ctx) / GIB * r
         forward = (
             terms["compute_attention"] + terms["compute_mlp"] + graph.fixed_compute_s
         ) / TRAIN_COMPUTE_FACTOR
@@ -282,7 +286,7 @@ class _Builder:
                     kind
                 ]
                 res[f"{kind}_{part}"] = pulp.lpSum(
-                    getattr(o, attr) * x[("ends", op.name)][o.name] for op in ops for o in op.options
+                    getattr(o, attr) / GIB * x[("ends", op.name)][o.name] for op in ops for o in op.options
                 )
         res["time_last"] += ends.fixed_compute_s
         s = self.ctx.structure
@@ -491,16 +495,17 @@ class _Builder:
         return counts
 
     def _memory_bound(self, key: str, f: int) -> float:
+        """Upper bound of one layer's memory per rank, GiB."""
         graph = self.p.graphs[key]
         return (
             graph.fixed_static_bytes
             + f * graph.fixed_activation_bytes
             + sum(max(o.static_bytes + f * o.activation_bytes for o in op.options) for op in graph.ops)
-        )
+        ) / GIB
 
     def _grad_bound(self, key: str) -> float:
         graph = self.p.graphs[key]
-        return graph.fixed_grad_bytes + sum(max(o.grad_bytes for o in op.options) for op in graph.ops)
+        return (graph.fixed_grad_bytes + sum(max(o.grad_bytes for o in op.options) for op in graph.ops)) / GIB
 
     def _memory_constraints(self, static, act, grad, ends) -> None:
         """memory_*: per stage, params (+ grads + Adam) + in-flight activations + ends <= cap."""
@@ -509,14 +514,14 @@ class _Builder:
         self.stage_memory = []
         for s in range(pp):
             f = in_flight_micro_batches(ctx, s)
-            mem = static[s] + (f * act[s] if pp == 1 else 0) + transient_bytes(ctx)
+            mem = static[s] + (f * act[s] if pp == 1 else 0) + transient_bytes(ctx) / GIB
             if s == 0:
                 mem += ends["static_first"] + f * ends["activation_first"]
             if s == pp - 1:
                 mem += ends["static_last"] + f * ends["activation_last"]
             self.stage_memory.append(mem)
             if cap is not None:
-                self.m += mem <= cap, _name("memory", s)
+                self.m += mem <= cap / GIB, _name("memory", s)
 
     def _stage_time(self, stage_time, total) -> pulp.LpAffineExpression | pulp.LpVariable:
         """slowest_*: T >= stage time per micro-batch, for every stage; slowest_average: T >= total / p.
@@ -545,7 +550,7 @@ class _Builder:
                 g += ends["grad_first"]
             if s == pp - 1:
                 g += ends["grad_last"]
-            self.m += tail >= fit.alpha_s + fit.beta_s_per_byte * g, _name("tail", s)
+            self.m += tail >= fit.alpha_s + fit.beta_s_per_byte * GIB * g, _name("tail", s)
         return tail
 
     def _objective(self, total, slowest, tail) -> None:

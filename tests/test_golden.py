@@ -177,3 +177,13 @@ def test_never_worse_than_megatron(h100, work: Workload) -> None:
     plan = plan_model(analysed_llama("70b"), h100, work, Constraints())
     assert plan.baseline is not None
     assert plan.predicted.latency_s <= plan.baseline.latency_s * (1 + 1e-9)
+
+
+def test_optional_ladder_never_slower(pcie) -> None:
+    """Allowing ladder adds choices, so it can only help (regression: byte-scaled memory rows made
+    CBC report a worse split as optimal)."""
+    gpt = analysed_gpt("124m")
+    work = Workload("train", 32, 1024, dtype="bf16")
+    plain = plan_model(gpt, pcie, work, Constraints())
+    auto = plan_model(gpt, pcie, work, Constraints(ladder="auto"))
+    assert auto.predicted.latency_s <= plain.predicted.latency_s * (1 + 1e-6)
