@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from costmodels.cluster import ClusterSpec, load_cluster, preset_names
-from planner.analysis import ModelStructure, analyse
-from planner.capture import capture
+from planner.analysis import ModelStructure
+from planner.depth import capture_for_planning
 from planner.errors import InputError
 from planner.modelfile import ModelFile, load_model_file
 from planner.plan import Plan
@@ -66,8 +66,7 @@ def prepare(
     model_file = load_model_file(model_path)
     args, kwargs = model_file.inputs(batch_size, seq_len)
     model = model_file.build("meta")
-    gm = capture(model, args, kwargs)
-    structure = analyse(gm)
+    _, structure = capture_for_planning(model, args, kwargs)
     wl = Workload(
         kind=workload,
         batch_size=structure.batch_size,

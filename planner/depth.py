@@ -1,0 +1,103 @@
+"""Capture a deep model through a short representative slice of its repeated layers.
+
+Planning needs each layer's shapes and costs, not 80 copies of the same graph: exporting a
+Llama-3-70B on `meta` takes 7-12 s on a 2-core machine, almost all of it spent tracing 80 identical
+blocks. So for planning, the longest `nn.ModuleList` whose children are identical (same class, same
+parameter names and shapes) is temporarily cut to its first `KEEP_LAYERS` blocks, the model is
+captured and analysed, the list is restored, and the structure is extended to the full depth by
+copying the last traced layer with its parameter names renumbered (`layers.1.` -> `layers.37.`).
+
+Anything unexpected falls back to capturing the whole model: a model whose forward fails with the
+shorter list, an analysis that does not find exactly the kept layers under that list, or a list
+shorter than `MIN_LAYERS_TO_TRUNCATE`. The rewrite passes and the runtime always capture the full
+model; only the planner uses the representative slice. The fx node names of the copied layers
+(`Layer.nodes`, `residual_add`, ...) name the template layer's nodes in the representative graph.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+from torch import fx, nn
+
+from planner.analysis import ModelStructure, Projection, analyse
+from planner.capture import capture
+from planner.errors import InputError
+
+KEEP_LAYERS = 2  # blocks traced: two, so the analysis sees a layer-to-layer boundary
+MIN_LAYERS_TO_TRUNCATE = 8  # shallower models are traced whole (it is fast and exact)
+
+
+def repeated_blocks(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """The longest ModuleList of identical blocks: (its FQN, the list), or None when there is none."""
+    best: tuple[str, nn.ModuleList] | None = None
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) < 2:
+            continue
+        signature = _signature(module[0])
+        if all(type(b) is type(module[0]) and _signature(b) == signature for b in module):
+            if best is None or len(module) > len(best[1]):
+                best = (name, module)
+    return best
+
+
+def _signature(block: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+    return [(n, tuple(p.shape), str(p.dtype)) for n, p in block.named_parameters()]
+
+
+def capture_for_planning(
+    model: nn.Module, args: tuple, kwargs: dict
+) -> tuple[fx.GraphModule, ModelStructure]:
+    """Capture and analyse `model` for planning, through a representative slice when it is deep.
+
+    Returns the captured graph (of the slice, when truncated) and the structure at full depth.
+    Raises InputError when the model cannot be captured at all.
+    """
+    found = repeated_blocks(model)
+    if found is None or len(found[1]) < MIN_LAYERS_TO_TRUNCATE or not found[0]:
+        gm = capture(model, args, kwargs)
+        return gm, analyse(gm)
+    path, blocks = found
+    parent_path, _, attr = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    try:
+        setattr(parent, attr, nn.ModuleList(list(blocks)[:KEEP_LAYERS]))
+        gm = capture(model, args, kwargs)
+        structure = analyse(gm)
+    except InputError:
+        structure = None
+    finally:
+        setattr(parent, attr, blocks)
+    expected = [f"{path}.{i}" for i in range(KEEP_LAYERS)]
+    if structure is None or [layer.module_path for layer in structure.layers] != expected:
+        gm = capture(model, args, kwargs)
+        return gm, analyse(gm)
+    return gm, _extend(structure, model, path, len(blocks))
+
+
+def _extend(structure: ModelStructure, model: nn.Module, path: str, depth: int) -> ModelStructure:
+    """`structure` with its last layer copied up to `depth` layers, parameter names renumbered."""
+    template = structure.layers[-1]
+    old = f"{path}.{template.index}."
+    layers = list(structure.layers)
+    for i in range(len(layers), depth):
+        new = f"{path}.{i}."
+        layer = copy.deepcopy(template)
+        layer.index = i
+        layer.module_path = f"{path}.{i}"
+        for block in (layer.attention, layer.mlp):
+            if block is not None:
+                block.projections = [_renamed(p, old, new) for p in block.projections]
+        layers.append(layer)
+    unique = {id(p): p for p in model.parameters()}.values()
+    num_params = sum(p.numel() for p in unique)
+    param_bytes = sum(p.numel() * p.element_size() for p in unique)
+    return dataclasses.replace(structure, layers=layers, num_params=num_params, param_bytes=param_bytes)
+
+
+def _renamed(p: Projection, old: str, new: str) -> Projection:
+    def rename(fqn: str | None) -> str | None:
+        return new + fqn[len(old) :] if fqn and fqn.startswith(old) else fqn
+
+    return dataclasses.replace(p, weight=rename(p.weight), bias=rename(p.bias))
