@@ -1,6 +1,6 @@
 """A small Hugging Face LlamaForCausalLM built from a LlamaConfig (random weights, no download).
 
-2 layers, hidden 128, 4 heads, 2 KV heads (GQA), SwiGLU 256, vocab 256, SDPA attention.
+2 layers, hidden 128, 8 heads, 4 KV heads (GQA: TP 2 and 4 both split whole KV heads), SwiGLU 256, vocab 256, SDPA attention.
 """
 
 import torch
@@ -11,8 +11,8 @@ CONFIG = dict(
     hidden_size=128,
     intermediate_size=256,
     num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
     max_position_embeddings=256,
     tie_word_embeddings=False,
 )

@@ -17,7 +17,7 @@ from planner.modelfile import load_model_file
 EXPECTED = {
     "gpt2_tiny": (2, ["qkv", "o"], ["up", "down"], 4, 4, 16, True, 0),
     "llama3": (4, ["q", "k", "v", "o"], ["gate", "up", "down"], 8, 4, 16, False, 0),
-    "hf_llama": (2, ["q", "k", "v", "o"], ["gate", "up", "down"], 4, 2, 32, False, 0),
+    "hf_llama": (2, ["q", "k", "v", "o"], ["gate", "up", "down"], 8, 4, 16, False, 0),
     "hf_gpt2": (2, ["qkv", "o"], ["up", "down"], 4, 4, 32, True, 1),
 }
 

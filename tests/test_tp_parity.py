@@ -103,10 +103,10 @@ def test_fused_qkv_view_literals_are_rewritten():
 
 
 def test_kv_heads_not_divisible_is_an_error_naming_the_node():
-    gm, structure = _structure("hf_llama.py")  # 2 KV heads
-    plan = fixed_plan(structure, "hf_llama.py", 4)
-    with pytest.raises(TensorParallelError, match=r"view.*tp=4"):
-        apply_tensor_parallel(gm, plan.splits, 0, 4)
+    gm, structure = _structure("hf_llama.py")  # 8 heads, 4 KV heads: tp=8 would split a KV head
+    plan = fixed_plan(structure, "hf_llama.py", 8)
+    with pytest.raises(TensorParallelError, match=r"view.*tp=8"):
+        apply_tensor_parallel(gm, plan.splits, 0, 8)
 
 
 def test_ladder_pass_equals_reference_unsharded():
@@ -151,6 +151,7 @@ def test_tp4_forward_parity_and_ladder():
         _job("llama3.py", 4),
         _job("gpt2_tiny.py", 4),
         _job("hf_gpt2.py", 4),
+        _job("hf_llama.py", 4),
         _job("llama3.py", 4, "train"),
         _job("llama3.py", 4, ladder=[1, 2, 3], return_output=True),
         _job("llama3.py", 2, pp=2),  # TP=2 x PP=2 on the same 4 ranks, 2 micro-batches
@@ -160,7 +161,7 @@ def test_tp4_forward_parity_and_ladder():
     per_job = list(zip(*results))
     for job, reports in zip(jobs, per_job):
         _assert_parity(reports, f"{Path(job.model_path).name} {job.workload} tp=4")
-    _check_ladder_against_reference(per_job[4], first_laddered=1)
+    _check_ladder_against_reference(per_job[5], first_laddered=1)
     assert per_job[-1][-1].grad_max_abs_diff is not None
 
 
