@@ -154,7 +154,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         f"Traced {args.model}: {n} layers, {prepared.structure.num_params / 1e6:,.1f} M parameters, "
         f"batch {prepared.structure.batch_size} × seq {prepared.structure.seq_len}"
     )
-    from planner.render import render_decisions, render_plan, render_run  # noqa: PLC0415
+    from planner.render import render_decisions, render_layer_comparison, render_plan, render_run  # noqa: PLC0415
 
     render_plan(console, plan)
     if args.why:
@@ -173,6 +173,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     report = workflow.report_dict(plan, run, args.model, cluster)
     if run is not None:
         render_run(console, report)
+        render_layer_comparison(console, plan, run["measured"].get("per_layer_s", {}))
     if args.json:
         _write_atomic(args.json, json.dumps(report, indent=2, default=float))
         console.print(f"report written to {args.json}")

@@ -166,6 +166,34 @@ def render_run(console: Console, report: dict[str, Any]) -> None:
     )
 
 
+def render_layer_comparison(console: Console, plan: Plan, measured_per_layer_s: dict[str, float]) -> None:
+    """Predicted (compute + exposed comm) beside measured time per layer, to locate a prediction error.
+
+    Measured per layer comes from one node-by-node profiling pass (runtime.profile), which adds a small
+    per-node overhead; compare shares and ratios between layers, not only absolute values.
+    """
+    if not measured_per_layer_s:
+        return
+    table = Table(title="Per layer: predicted vs measured (one profiled forward, slowest rank)")
+    for col in ("layers", "predicted", "measured", "predicted / measured"):
+        table.add_column(col, justify="right")
+    predicted = {c.layer: c.compute_s + c.exposed_comm_s for c in plan.predicted.per_layer}
+    for label, cost, count in _grouped(plan.predicted.per_layer):
+        keys = ["ends"] if cost.layer < 0 else [f"layer {cost.layer + k}" for k in range(count)]
+        got = [measured_per_layer_s[k] for k in keys if k in measured_per_layer_s]
+        if not got:
+            continue
+        want = predicted[cost.layer]
+        mean = sum(got) / len(got)
+        table.add_row(
+            label + (" (mean)" if count > 1 else ""),
+            fmt_s(want),
+            fmt_s(mean),
+            f"{want / mean:.2f}" if mean else "-",
+        )
+    console.print(table)
+
+
 def _ranges(values: list[int]) -> str:
     if not values:
         return ""

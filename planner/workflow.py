@@ -158,6 +158,7 @@ def run_plan(
         workload=workload,
         warmup=warmup,
         iters=iters,
+        profile_layers=plan.pp == 1 and workload == "forward",
     )
     return summarise(launch(run_rank, job, nproc=nproc, timeout_s=timeout_s))
 

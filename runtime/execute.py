@@ -38,6 +38,7 @@ from runtime import collectives
 from runtime.launch import RankContext
 from runtime.measure import peak_memory_bytes, reset_peak_memory, time_iterations
 from runtime.mesh import build_mesh
+from runtime.profile import profile_layers
 
 
 @dataclass
@@ -53,6 +54,7 @@ class RunJob:
     iters: int = 5
     seed: int = 0
     return_output: bool = False  # put the rank's output tensor in the report (tests)
+    profile_layers: bool = False  # forward: time every node once more, summed per layer (runtime.profile)
 
 
 @dataclass
@@ -71,6 +73,9 @@ class RankReport:
     ladder_deviation: float | None = None  # relative L2 of laddered vs original outputs
     notes: list[str] = field(default_factory=list)
     output: torch.Tensor | None = None  # only with RunJob.return_output
+    per_layer_s: dict[str, float] = field(
+        default_factory=dict
+    )  # forward: measured seconds per layer / "ends"
 
 
 def ladder_residual_adds(structure: ModelStructure, layers: list[int]) -> list[str]:
@@ -164,6 +169,8 @@ def run_rank(ctx: RankContext, job: RunJob) -> RankReport:
     report.latency_samples_s = list(timing.samples_s)
     report.median_s = timing.median_s
     report.peak_memory_bytes = rank_peak_memory_bytes(gm, ctx.device)
+    if job.profile_layers and not training:
+        report.per_layer_s = profile_layers(gm, inputs, [layer.module_path for layer in structure.layers])
     return report
 
 
@@ -264,6 +271,10 @@ def summarise(reports: list[RankReport]) -> dict[str, Any]:
     grads = [r.grad_max_abs_diff for r in reports if r.grad_max_abs_diff is not None]
     scale = max((r.output_scale or 0.0) for r in reports)
     samples = sorted(slowest.latency_samples_s)
+    per_layer: dict[str, float] = {}
+    for r in reports:  # a layer takes as long as its slowest rank
+        for key, value in r.per_layer_s.items():
+            per_layer[key] = max(per_layer.get(key, 0.0), value)
     return {
         "measured": {
             "latency_s": slowest.median_s,
@@ -273,6 +284,7 @@ def summarise(reports: list[RankReport]) -> dict[str, Any]:
             "peak_memory_bytes": max(r.peak_memory_bytes for r in reports),
             "per_rank_peak_memory_bytes": [r.peak_memory_bytes for r in reports],
             "iterations": len(samples),
+            "per_layer_s": per_layer,
         },
         "numerics": {
             "max_abs_diff": max(diffs) if diffs else None,
