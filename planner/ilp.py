@@ -49,7 +49,8 @@ Deep pipelines (more than `MAX_BOUNDARY_BINARIES` boundary binaries, e.g. pp=32 
 make the big-M stage products slow to close in CBC: there the split comes from `balanced_split` (exact
 for contiguous splits: bisection on the slowest stage + greedy fill under the memory cap) on the
 per-layer costs, the ILP is solved with that split fixed, and the two alternate until the split
-repeats (`_solve_with_split_search`).
+repeats (`_solve_with_split_search`). The split ignores how the stages' DP gradient sync differs, so
+it may be a few percent from the joint optimum there; the window ILP is exact but slow to close.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ LADDER_MIN_SAVING_FRACTION = 0.05  # a laddered layer must save >= 5% of its tim
 BALANCE_TIE_BREAK = 1e-3  # weight of the slowest stage when (m-1) = 0: balance stages among equal plans
 WINDOW_FRACTION = 0.25  # stage-boundary window: +-25% of the layers per stage around the balanced split
 MIN_WINDOW = 2  # ... and at least +-2 layers
-MAX_BOUNDARY_BINARIES = 48  # deeper pipelines: stage split by `balanced_split`, alternating with the ILP
+MAX_BOUNDARY_BINARIES = 20  # deeper pipelines: stage split by `balanced_split`, alternating with the ILP
 MAX_SPLIT_ROUNDS = 3
 GIB = 2.0**30  # the ILP counts memory in GiB: with bytes, coefficients would span 1e-6 s .. 1e11 B
 
@@ -129,7 +130,7 @@ class IlpProblem:
     memory_cap_bytes: float | None
     time_limit_s: float = 10.0
     mip_gap: float = 0.01  # relative gap at which CBC stops
-    stage_starts: list[int] | None = None  # fixed first layer of each stage (None: the ILP decides)
+    windows: list[list[int]] | None = None  # candidate first layers of stages 1..p-1 (None: `stage_windows`)
     ladder_min_saving_fraction: float = LADDER_MIN_SAVING_FRACTION
 
 
@@ -575,8 +576,8 @@ def stage_windows(prob: IlpProblem) -> list[list[int]]:
     """Candidate start layers of stages 1..p-1: a window around the balanced split of reference times."""
     pp, keys = prob.ctx.mesh.pp, prob.layer_keys
     L = len(keys)
-    if prob.stage_starts is not None:
-        return [[j] for j in prob.stage_starts[1:]]
+    if prob.windows is not None:
+        return prob.windows
     ref = {
         k: g.fixed_compute_s + sum(min(o.compute_s for o in op.options) for op in g.ops)
         for k, g in prob.graphs.items()
@@ -604,7 +605,7 @@ def solve(prob: IlpProblem) -> IlpSolution:
     Deep pipelines (more than `MAX_BOUNDARY_BINARIES` stage-boundary binaries) are split by
     `balanced_split` instead, alternating with the ILP (`_solve_with_split_search`).
     """
-    if prob.ctx.mesh.pp > 1 and prob.stage_starts is None:
+    if prob.ctx.mesh.pp > 1 and prob.windows is None:
         if sum(len(w) for w in stage_windows(prob)) > MAX_BOUNDARY_BINARIES:
             return _solve_with_split_search(prob)
     return _solve_once(prob)
@@ -623,7 +624,7 @@ def _solve_with_split_search(prob: IlpProblem) -> IlpSolution:
         if starts is None or tuple(starts) in seen:
             break
         seen.add(tuple(starts))
-        last = _solve_once(dataclasses.replace(prob, stage_starts=starts))
+        last = _solve_once(dataclasses.replace(prob, windows=[[j] for j in starts[1:]]))
         elapsed += last.time_s
         if not last.feasible:
             break
