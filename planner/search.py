@@ -494,19 +494,19 @@ def _mesh_label(mesh: MeshShape) -> str:
 
 
 def _mesh_decision(search: _Search, chosen: MeshShape) -> list[Decision]:
-    options = {
-        _mesh_label(c.mesh): (c.latency_s if c.latency_s is not None else math.inf) for c in search.candidates
-    }
-    solved = sum(1 for c in search.candidates if c.solution is not None)
-    return [
-        Decision(
-            "mesh",
-            _mesh_label(chosen),
-            options,
-            f"lowest predicted step time of {solved} solved mesh candidates ({len(options)} considered; "
-            "inf = infeasible or pruned by its lower bound)",
-        )
-    ]
+    """Predicted step time of every solved mesh (inf: does not fit); pruned ones are only counted."""
+    options: dict[str, float] = {}
+    pruned = 0
+    for c in search.candidates:
+        if c.note.startswith(("pruned", "not solved")):
+            pruned += 1
+            continue
+        options[_mesh_label(c.mesh)] = c.latency_s if c.latency_s is not None else math.inf
+    reason = (
+        f"lowest predicted step time of {len(search.candidates)} mesh candidates; inf = does not fit memory; "
+        f"{pruned} more not solved (their lower bound exceeds the chosen time, or the search time limit)"
+    )
+    return [Decision("mesh", _mesh_label(chosen), options, reason)]
 
 
 def _block_table(
