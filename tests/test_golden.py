@@ -187,3 +187,26 @@ def test_optional_ladder_never_slower(pcie) -> None:
     plain = plan_model(gpt, pcie, work, Constraints())
     auto = plan_model(gpt, pcie, work, Constraints(ladder="auto"))
     assert auto.predicted.latency_s <= plain.predicted.latency_s * (1 + 1e-6)
+
+
+@pytest.mark.parametrize(
+    ("size", "tp", "published_tokens_per_s"),
+    [
+        ("8b", 1, 93.83),
+        ("8b", 2, 149.10),
+        ("8b", 4, 217.21),
+        ("8b", 8, 276.01),
+        ("70b", 4, 37.45),
+        ("70b", 8, 58.78),
+    ],
+)
+def test_decode_prediction_matches_gpt_fast(size: str, tp: int, published_tokens_per_s: float) -> None:
+    """Llama-3.1 decode, batch 1, on 8x A100-80GB (pytorch-labs/gpt-fast README, shared/reference/published.md):
+    the plan's predicted tokens/s at a pinned TP degree is within 10% of the published figure."""
+    plan = plan_model(
+        analysed_llama(size),
+        load_cluster("dgx-a100"),
+        Workload("decode", 1, 1, context=5, dtype="bf16"),
+        Constraints(tp=tp, pp=1, dp=1),
+    )
+    assert plan.predicted.throughput_tokens_per_s == pytest.approx(published_tokens_per_s, rel=0.10)
