@@ -48,7 +48,9 @@ def trace(path: str, quick: bool):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="trace 2 layers and repeat them")
     opts = parser.parse_args()
     failed = 0
@@ -58,7 +60,9 @@ def main() -> int:
             cache[path] = trace(path, opts.quick)
         structure, trace_s = cache[path]
         start = time.perf_counter()
-        plan = plan_model(structure, load_cluster(cluster_name), workload, Constraints(), model_name=Path(path).stem)
+        plan = plan_model(
+            structure, load_cluster(cluster_name), workload, Constraints(), model_name=Path(path).stem
+        )
         plan_s = time.perf_counter() - start
         total = trace_s + plan_s
         ok = total < target

@@ -27,23 +27,22 @@ from planner.costing import (
     build_chain_graph,
     build_ends_graph,
     build_layer_graph,
-    conversion_time_s,
     in_flight_micro_batches,
     layer_key,
     layer_projection_ops,
     mlp_op_names,
-    predict,
     recompute_input_bytes,
 )
 from planner.errors import InfeasibleError, InputError
+from planner.explain import ladder_decision, mesh_decision, op_exclusions, strategy_decisions
 from planner.ilp import LADDER_MIN_SAVING_FRACTION, IlpProblem, IlpSolution, LadderPolicy, solve
 from planner.plan import Decision, MeshCandidate, Plan, SolverInfo, WeightSplit
+from planner.prediction import predict
 
 __all__ = ["Constraints", "Workload", "plan_model"]
 
 _GIB = 2.0**30
 TIE_TOLERANCE = 1e-6  # relative: plans this close in latency are ties, broken by fewer devices
-MAX_BLOCK_COMBINATIONS = 20000  # decision tables enumerate a block's option combinations up to this
 
 
 @dataclass(frozen=True)
@@ -405,12 +404,21 @@ def _make_plan(search: _Search, best: _Candidate | None, model_name: str) -> Pla
                                   f"the ILP stopped at {sol.status} (gap {sol.gap:.3g}); Megatron's plan is faster"))  # fmt: skip
     prediction, _ = predict(cand_ctx, graphs, search.layer_keys, ends, choices, stages, ladder)
     mesh = cand_ctx.mesh
-    decisions = _mesh_decision(search, mesh) + decisions
-    decisions += _strategy_decisions(search, cand_ctx, graphs, ends, choices)
-    decisions += _ladder_decision(
-        search, cand_ctx, graphs, ends, choices, stages, ladder, prediction.latency_s
+    decisions = mesh_decision(search.candidates, mesh) + decisions
+    decisions += strategy_decisions(search.layer_keys, bool(s.layers), cand_ctx, graphs, ends, choices)
+    decisions += ladder_decision(
+        search.ladder,
+        search.constraints.ladder_min_saving_fraction,
+        search.layer_keys,
+        cand_ctx,
+        graphs,
+        ends,
+        choices,
+        stages,
+        ladder,
+        prediction.latency_s,
     )
-    excluded = list(dict.fromkeys(search.excluded + _op_exclusions(graphs, ends)))
+    excluded = list(dict.fromkeys(search.excluded + op_exclusions(graphs, ends)))
     return Plan(
         model=model_name,
         cluster=search.cluster.name,
@@ -487,117 +495,3 @@ def _splits(structure, graphs, layer_keys, choices, tp: int) -> dict[str, Weight
     if structure.lm_head is not None and structure.lm_head.weight not in splits:
         add(structure.lm_head, choices[("ends", "lm_head")])
     return splits
-
-
-def _mesh_label(mesh: MeshShape) -> str:
-    return f"tp={mesh.tp} pp={mesh.pp} dp={mesh.dp} m={mesh.micro_batches}"
-
-
-def _mesh_decision(search: _Search, chosen: MeshShape) -> list[Decision]:
-    """Predicted step time of every solved mesh (inf: does not fit); pruned ones are only counted."""
-    options: dict[str, float] = {}
-    pruned = 0
-    for c in search.candidates:
-        if c.note.startswith(("pruned", "not solved")):
-            pruned += 1
-            continue
-        options[_mesh_label(c.mesh)] = c.latency_s if c.latency_s is not None else math.inf
-    reason = (
-        f"lowest predicted step time of {len(search.candidates)} mesh candidates; inf = does not fit memory; "
-        f"{pruned} more not solved (their lower bound exceeds the chosen time, or the search time limit)"
-    )
-    return [Decision("mesh", _mesh_label(chosen), options, reason)]
-
-
-def _block_table(
-    graph: LayerGraph, key: str, block: str, ctx: CostContext
-) -> dict[tuple[str, str], float] | None:
-    """Best block time (compute + conversions) with each (op, option) forced; None if too many combinations."""
-    ops = [op for op in graph.ops if op.block == block]
-    if not ops or math.prod(len(op.options) for op in ops) > MAX_BLOCK_COMBINATIONS:
-        return None
-    names = {op.name for op in ops}
-    out = graph.block_outputs.get(block)
-    best: dict[tuple[str, str], float] = {}
-    for combo in itertools.product(*[op.options for op in ops]):
-        chosen = {op.name: o for op, o in zip(ops, combo)}
-        t = sum(o.compute_s + o.comm_s for o in combo)
-        for op in ops:
-            for src in op.inputs:
-                if src in names:
-                    t += conversion_time_s(
-                        chosen[src].out_layout, chosen[op.name].in_layout, graph.op(src).out_bytes, ctx
-                    )
-        if out is not None:
-            t += conversion_time_s(chosen[out].out_layout, "R", graph.op(out).out_bytes, ctx)
-        for op in ops:
-            k = (op.name, chosen[op.name].name)
-            if t < best.get(k, math.inf):
-                best[k] = t
-    return best
-
-
-def _strategy_decisions(search, ctx, graphs, ends, choices) -> list[Decision]:
-    """Per class of layers and op: the step time of the class with each option of that op forced."""
-    decisions = []
-    counts: dict[str, list[int]] = {}
-    for i, key in enumerate(search.layer_keys):
-        counts.setdefault(key, []).append(i)
-    m = ctx.mesh.micro_batches
-    for key, graph in graphs.items():
-        layers = counts[key]
-        span = f"layers[{layers[0]}..{layers[-1]}]" if search.structure.layers else "mlp"
-        for block in ("attention", "mlp"):
-            table = _block_table(graph, key, block, ctx)
-            if table is None:
-                continue
-            for op in graph.ops:
-                if op.block != block:
-                    continue
-                options = {
-                    o.name: table.get((op.name, o.name), math.inf) * len(layers) * m for o in op.options
-                }
-                for name, _why in op.excluded.items():
-                    options[name] = math.inf
-                chosen = choices[(key, op.name)]
-                cheapest = min(options, key=options.get)
-                reason = "cheapest: predicted time of these layers with this option, the rest of the block re-optimised"
-                if cheapest != chosen and options[cheapest] < options[chosen] * (1 - 1e-9):
-                    reason = f"{cheapest} is faster alone but breaks a memory, pipeline or ladder constraint"
-                if op.excluded:
-                    reason += "; not offered: " + "; ".join(f"{n}: {why}" for n, why in op.excluded.items())
-                decisions.append(Decision(f"{span}.{block}.{op.name}", chosen, options, reason))
-    for op in ends.ops:
-        options = {o.name: (o.compute_s + o.comm_s) * m for o in op.options}
-        for name in op.excluded:
-            options[name] = math.inf
-        reason = "time of this op per step; memory may favour the sharded option"
-        if op.excluded:
-            reason += "; not offered: " + "; ".join(f"{n}: {why}" for n, why in op.excluded.items())
-        decisions.append(Decision(op.name, choices[("ends", op.name)], options, reason))
-    return decisions
-
-
-def _ladder_decision(search, ctx, graphs, ends, choices, stages, ladder, latency_s) -> list[Decision]:
-    if search.ladder.mode == "none":
-        return []
-    plain, _ = predict(ctx, graphs, search.layer_keys, ends, choices, stages, [])
-    label = f"layers {ladder[0]}..{ladder[-1]}" if ladder else "none"
-    options = {"none": plain.latency_s, label: latency_s}
-    if search.ladder.mode == "auto":
-        reason = (
-            f"solver's choice among the upper {search.ladder.count} layers; a layer is laddered only if it saves "
-            f">= {search.constraints.ladder_min_saving_fraction:.0%} of its time (ladder changes the model's function)"
-        )
-    else:
-        reason = f"the user asked for exactly the upper {search.ladder.count} layers"
-    return [Decision("ladder", label, options, reason)]
-
-
-def _op_exclusions(graphs: dict[str, LayerGraph], ends: LayerGraph) -> list[str]:
-    out = []
-    for graph in [*graphs.values(), ends]:
-        for op in graph.ops:
-            for name, why in op.excluded.items():
-                out.append(f"{op.name} {name}: {why}")
-    return out

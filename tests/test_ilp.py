@@ -14,11 +14,13 @@ import pytest
 from costmodels.cluster import load_cluster
 from costmodels.comm import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s
 from planner import ilp
-from planner.costing import CostContext, MeshShape, conversion_time_s, predict
+from planner.costing import CostContext, MeshShape, conversion_time_s
 from planner.errors import InputError
-from planner.ilp import IlpProblem, LadderPolicy, balanced_split
+from planner.ilp import IlpProblem, LadderPolicy
 from planner.plan import Plan
+from planner.prediction import predict
 from planner.search import Constraints, Workload, _price, _setup, plan_model
+from planner.stages import balanced_split
 from tests.planner_fixtures import handmade_llama
 
 

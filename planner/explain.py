@@ -1,0 +1,152 @@
+"""Why the plan is what it is: decisions with the predicted cost of each alternative.
+
+A user asks "why row-parallel here?" and gets, for every op of every class of layers, the step time
+of those layers with each option of that op forced and the rest of its block re-optimised
+(`block_table` enumerates the block's option combinations); for the mesh, the predicted step time
+of every candidate solved; for ladder residual, the plan with and without it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+from planner.costing import CostContext, LayerGraph, MeshShape, conversion_time_s
+from planner.ilp import LadderPolicy
+from planner.plan import Decision
+from planner.prediction import predict
+
+MAX_BLOCK_COMBINATIONS = 20000  # decision tables enumerate a block's option combinations up to this
+
+
+def mesh_label(mesh: MeshShape) -> str:
+    return f"tp={mesh.tp} pp={mesh.pp} dp={mesh.dp} m={mesh.micro_batches}"
+
+
+def mesh_decision(candidates: list, chosen: MeshShape) -> list[Decision]:
+    """Predicted step time of every solved mesh (inf: does not fit); pruned ones are only counted."""
+    options: dict[str, float] = {}
+    pruned = 0
+    for c in candidates:
+        if c.note.startswith(("pruned", "not solved")):
+            pruned += 1
+            continue
+        options[mesh_label(c.mesh)] = c.latency_s if c.latency_s is not None else math.inf
+    reason = (
+        f"lowest predicted step time of {len(candidates)} mesh candidates; inf = does not fit memory; "
+        f"{pruned} more not solved (their lower bound exceeds the chosen time, or the search time limit)"
+    )
+    return [Decision("mesh", mesh_label(chosen), options, reason)]
+
+
+def block_table(
+    graph: LayerGraph, key: str, block: str, ctx: CostContext
+) -> dict[tuple[str, str], float] | None:
+    """Best block time (compute + conversions) with each (op, option) forced; None if too many combinations."""
+    ops = [op for op in graph.ops if op.block == block]
+    if not ops or math.prod(len(op.options) for op in ops) > MAX_BLOCK_COMBINATIONS:
+        return None
+    names = {op.name for op in ops}
+    out = graph.block_outputs.get(block)
+    best: dict[tuple[str, str], float] = {}
+    for combo in itertools.product(*[op.options for op in ops]):
+        chosen = {op.name: o for op, o in zip(ops, combo)}
+        t = sum(o.compute_s + o.comm_s for o in combo)
+        for op in ops:
+            for src in op.inputs:
+                if src in names:
+                    t += conversion_time_s(
+                        chosen[src].out_layout, chosen[op.name].in_layout, graph.op(src).out_bytes, ctx
+                    )
+        if out is not None:
+            t += conversion_time_s(chosen[out].out_layout, "R", graph.op(out).out_bytes, ctx)
+        for op in ops:
+            k = (op.name, chosen[op.name].name)
+            if t < best.get(k, math.inf):
+                best[k] = t
+    return best
+
+
+def strategy_decisions(
+    layer_keys: list[str],
+    has_layers: bool,
+    ctx: CostContext,
+    graphs: dict[str, LayerGraph],
+    ends: LayerGraph,
+    choices: dict[tuple[str, str], str],
+) -> list[Decision]:
+    """Per class of layers and op: the step time of the class with each option of that op forced."""
+    decisions = []
+    counts: dict[str, list[int]] = {}
+    for i, key in enumerate(layer_keys):
+        counts.setdefault(key, []).append(i)
+    m = ctx.mesh.micro_batches
+    for key, graph in graphs.items():
+        layers = counts[key]
+        span = f"layers[{layers[0]}..{layers[-1]}]" if has_layers else "mlp"
+        for block in ("attention", "mlp"):
+            table = block_table(graph, key, block, ctx)
+            if table is None:
+                continue
+            for op in graph.ops:
+                if op.block != block:
+                    continue
+                options = {
+                    o.name: table.get((op.name, o.name), math.inf) * len(layers) * m for o in op.options
+                }
+                for name, _why in op.excluded.items():
+                    options[name] = math.inf
+                chosen = choices[(key, op.name)]
+                cheapest = min(options, key=options.get)
+                reason = "cheapest: predicted time of these layers with this option, the rest of the block re-optimised"
+                if cheapest != chosen and options[cheapest] < options[chosen] * (1 - 1e-9):
+                    reason = f"{cheapest} is faster alone but breaks a memory, pipeline or ladder constraint"
+                if op.excluded:
+                    reason += "; not offered: " + "; ".join(f"{n}: {why}" for n, why in op.excluded.items())
+                decisions.append(Decision(f"{span}.{block}.{op.name}", chosen, options, reason))
+    for op in ends.ops:
+        options = {o.name: (o.compute_s + o.comm_s) * m for o in op.options}
+        for name in op.excluded:
+            options[name] = math.inf
+        reason = "time of this op per step; memory may favour the sharded option"
+        if op.excluded:
+            reason += "; not offered: " + "; ".join(f"{n}: {why}" for n, why in op.excluded.items())
+        decisions.append(Decision(op.name, choices[("ends", op.name)], options, reason))
+    return decisions
+
+
+def ladder_decision(
+    policy: LadderPolicy,
+    min_saving_fraction: float,
+    layer_keys: list[str],
+    ctx: CostContext,
+    graphs: dict[str, LayerGraph],
+    ends: LayerGraph,
+    choices: dict[tuple[str, str], str],
+    stages: list[list[int]],
+    ladder: list[int],
+    latency_s: float,
+) -> list[Decision]:
+    """The plan with and without its ladder layers (same strategies and stages)."""
+    if policy.mode == "none":
+        return []
+    plain, _ = predict(ctx, graphs, layer_keys, ends, choices, stages, [])
+    label = f"layers {ladder[0]}..{ladder[-1]}" if ladder else "none"
+    options = {"none": plain.latency_s, label: latency_s}
+    if policy.mode == "auto":
+        reason = (
+            f"solver's choice among the upper {policy.count} layers; a layer is laddered only if it saves "
+            f">= {min_saving_fraction:.0%} of its time (ladder changes the model's function)"
+        )
+    else:
+        reason = f"the user asked for exactly the upper {policy.count} layers"
+    return [Decision("ladder", label, options, reason)]
+
+
+def op_exclusions(graphs: dict[str, LayerGraph], ends: LayerGraph) -> list[str]:
+    out = []
+    for graph in [*graphs.values(), ends]:
+        for op in graph.ops:
+            for name, why in op.excluded.items():
+                out.append(f"{op.name} {name}: {why}")
+    return out

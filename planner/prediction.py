@@ -1,0 +1,179 @@
+"""Predicted time, memory and breakdown of a chosen plan: plain arithmetic over the costing tables.
+
+The ILP (`planner.ilp`) optimises linear expressions of the same per-op options; this module
+evaluates one assignment (choices per op, stages, ladder layers) exactly, with the real collective
+cost functions where the ILP uses an affine fit (DP gradient all-reduce). It produces the `Prediction`
+stored in a plan, the Megatron baseline's prediction, and the per-layer costs `planner.stages` splits on.
+
+Decomposition: latency = compute_s + exposed_comm_s + bubble_s, where compute and exposed comm are
+those of the slowest stage times the micro-batches (plus the optimizer step and the DP gradient
+all-reduce) and the bubble is the rest (the other stages' share of the pipeline fill and drain).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from costmodels.comm import all_reduce_time_s
+from planner.costing import (
+    OPTIMIZER_BYTES_MOVED_PER_PARAM,
+    TRAIN_COMM_FACTOR,
+    TRAIN_COMPUTE_FACTOR,
+    CostContext,
+    LayerGraph,
+    conversion_time_s,
+    in_flight_micro_batches,
+    p2p_stage_time_s,
+    recompute_input_bytes,
+    transient_bytes,
+)
+from planner.plan import LayerCost, Prediction
+
+
+@dataclass
+class StageBreakdown:
+    """Per-micro-batch time split of one stage and its memory per rank."""
+
+    compute_s: float = 0.0
+    exposed_comm_s: float = 0.0
+    overlapped_comm_s: float = 0.0
+    memory_bytes: float = 0.0
+    grad_bytes: float = 0.0
+
+    @property
+    def time_s(self) -> float:
+        return self.compute_s + self.exposed_comm_s
+
+
+def layer_breakdown(
+    graph: LayerGraph, key: str, choices: dict[tuple[str, str], str], laddered: bool, ctx: CostContext
+):
+    """(compute_s, exposed_comm_s, overlapped_comm_s, static_bytes, activation_bytes, grad_bytes) of one layer."""
+    opt = {op.name: op.option(choices[(key, op.name)]) for op in graph.ops}
+    compute_block = {
+        b: sum(opt[op.name].compute_s for op in graph.ops if op.block == b) for b in ("attention", "mlp")
+    }
+    internal = sum(
+        conversion_time_s(opt[u].out_layout, opt[v].in_layout, graph.op(u).out_bytes, ctx)
+        for u, v in graph.edges()
+    ) + sum(o.comm_s for o in opt.values())
+    exposed = overlapped = 0.0
+    eta = ctx.cluster.overlap_efficiency
+    for block, other in (("attention", "mlp"), ("mlp", "attention")):
+        out = graph.block_outputs.get(block)
+        if out is None:
+            continue
+        comm = conversion_time_s(opt[out].out_layout, "R", graph.op(out).out_bytes, ctx)
+        hidden = min(comm, eta * compute_block[other]) if laddered else 0.0
+        exposed += comm - hidden
+        overlapped += hidden
+    compute_s = graph.fixed_compute_s + compute_block["attention"] + compute_block["mlp"]
+    static = graph.fixed_static_bytes + sum(o.static_bytes for o in opt.values())
+    act = graph.fixed_activation_bytes + sum(o.activation_bytes for o in opt.values())
+    grad = graph.fixed_grad_bytes + sum(o.grad_bytes for o in opt.values())
+    if choices.get((key, "recompute")) == "full":  # forward again in backward; keep only the input
+        internal += (internal + exposed + overlapped) / TRAIN_COMM_FACTOR
+        compute_s += compute_s / TRAIN_COMPUTE_FACTOR
+        act = recompute_input_bytes(ctx)
+    return compute_s, internal + exposed, overlapped, static, act, grad
+
+
+def predict(
+    ctx: CostContext,
+    graphs: dict[str, LayerGraph],
+    layer_keys: list[str],
+    ends: LayerGraph,
+    choices: dict[tuple[str, str], str],
+    stages: list[list[int]],
+    ladder_layers: list[int],
+) -> tuple[Prediction, list[StageBreakdown]]:
+    """Predicted step time, memory and breakdown of a plan (choices per (graph key, op))."""
+    mesh, m = ctx.mesh, ctx.mesh.micro_batches
+    ladder = set(ladder_layers)
+    stage_of = {i: s for s, layers in enumerate(stages) for i in layers}
+    per_layer: list[LayerCost] = []
+    stages_bd = [StageBreakdown() for _ in range(mesh.pp)]
+    for i, key in enumerate(layer_keys):
+        graph = graphs[key]
+        comp, exposed, overlapped, static, act, grad = layer_breakdown(graph, key, choices, i in ladder, ctx)
+        s = stage_of[i]
+        mem = static + in_flight_micro_batches(ctx, s) * act
+        bd = stages_bd[s]
+        bd.compute_s += comp
+        bd.exposed_comm_s += exposed
+        bd.overlapped_comm_s += overlapped
+        bd.memory_bytes += mem
+        bd.grad_bytes += grad
+        strategy = {op.name: choices[(key, op.name)] for op in graph.ops}
+        if ctx.train:
+            strategy["recompute"] = choices.get((key, "recompute"), "none")
+        per_layer.append(
+            LayerCost(i if key != "chain" else 0, s, m * comp, m * exposed, m * overlapped, mem, strategy)
+        )
+    # Embedding on the first stage, final norm + LM head on the last.
+    ends_strategy = {}
+    for op in ends.ops:
+        o = op.option(choices[("ends", op.name)])
+        ends_strategy[op.name] = o.name
+        s = 0 if op.block == "embedding" else mesh.pp - 1
+        bd = stages_bd[s]
+        bd.compute_s += o.compute_s
+        bd.exposed_comm_s += o.comm_s
+        bd.memory_bytes += o.static_bytes + in_flight_micro_batches(ctx, s) * o.activation_bytes
+        bd.grad_bytes += o.grad_bytes
+        if op.block == "head" and ctx.structure.tied_lm_head and mesh.pp > 1:
+            emb = ends.ops[0].option(choices[("ends", ends.ops[0].name)])
+            bd.memory_bytes += emb.static_bytes
+            bd.grad_bytes += emb.grad_bytes
+    stages_bd[-1].compute_s += ends.fixed_compute_s
+    p2p = p2p_stage_time_s(ctx)
+    for s in range(mesh.pp - 1):
+        stages_bd[s].exposed_comm_s += p2p
+    for bd in stages_bd:
+        bd.memory_bytes += transient_bytes(ctx)
+    times = [bd.time_s for bd in stages_bd]
+    slowest = max(range(mesh.pp), key=lambda s: times[s])
+    tail_comm, tail_compute = _tail_s(ctx, max(bd.grad_bytes for bd in stages_bd))
+    latency = sum(times) + (m - 1) * times[slowest] + tail_comm + tail_compute
+    bottleneck = stages_bd[slowest]
+    compute_s = m * bottleneck.compute_s + tail_compute
+    exposed_s = m * bottleneck.exposed_comm_s + tail_comm
+    ends_opts = [ends.op(o).option(c) for o, c in ends_strategy.items()]
+    per_layer.append(
+        LayerCost(
+            -1,
+            0,
+            m * (ends.fixed_compute_s + sum(o.compute_s for o in ends_opts)),
+            m * sum(o.comm_s for o in ends_opts),
+            0.0,
+            sum(o.static_bytes for o in ends_opts),
+            ends_strategy,
+        )  # fmt: skip
+    )
+    w = ctx.workload
+    tokens = w.batch_size * w.tokens_per_sequence
+    prediction = Prediction(
+        latency_s=latency,
+        throughput_tokens_per_s=tokens / latency,
+        peak_memory_bytes=max(bd.memory_bytes for bd in stages_bd),
+        compute_s=compute_s,
+        exposed_comm_s=exposed_s,
+        overlapped_comm_s=m * bottleneck.overlapped_comm_s,
+        bubble_s=max(0.0, latency - compute_s - exposed_s),
+        per_layer=per_layer,
+    )
+    return prediction, stages_bd
+
+
+def _tail_s(ctx: CostContext, grad_bytes: float) -> tuple[float, float]:
+    """(DP gradient all-reduce, optimizer step) of the stage with the most gradient bytes."""
+    if not ctx.train or grad_bytes <= 0:
+        return 0.0, 0.0
+    dev = ctx.cluster.device
+    b = ctx.bytes_per_element
+    opt = dev.launch_overhead_s + grad_bytes / b * OPTIMIZER_BYTES_MOVED_PER_PARAM / (
+        dev.memory_bandwidth_bytes_per_s * dev.memory_efficiency
+    )
+    if ctx.mesh.dp == 1:
+        return 0.0, opt
+    return all_reduce_time_s(grad_bytes, ctx.dp_group(), ctx.cluster), opt
