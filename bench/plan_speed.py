@@ -3,9 +3,10 @@
     Llama-3-70B on one 8-GPU node (dgx-h100), trace + ILP          < 10 s
     Llama-3-405B training on 128 nodes x 8 GPUs (h100-ib-128node)  < 60 s
 
-Run from the repository root:  python bench/plan_speed.py [--quick]
-The models are the published configs in examples/, traced in full on the meta device (no weights).
-`--quick` traces two layers and repeats them (tests/planner_fixtures.py) to time the planner alone.
+Run from the repository root:  python bench/plan_speed.py [--whole]
+The models are the published configs in examples/, built on the meta device (no weights) and
+captured as `planner optimize` does (`planner.depth.capture_for_planning`: a two-layer slice of the
+repeated blocks, extended to full depth). `--whole` captures all layers (what the passes use).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 from costmodels.cluster import load_cluster  # noqa: E402
 from planner.analysis import analyse  # noqa: E402
 from planner.capture import capture  # noqa: E402
+from planner.depth import capture_for_planning  # noqa: E402
 from planner.modelfile import load_model_file  # noqa: E402
 from planner.search import Constraints, Workload, plan_model  # noqa: E402
 
@@ -32,18 +34,16 @@ CASES = [
 ]  # fmt: skip
 
 
-def trace(path: str, quick: bool):
-    """(structure, seconds): the analysed model, traced on meta."""
+def trace(path: str, whole: bool):
+    """(structure, seconds): the analysed model, built and captured on meta."""
     start = time.perf_counter()
-    if quick:
-        from tests.planner_fixtures import analysed_llama
-
-        structure = analysed_llama("405b" if "405b" in path else "70b")
-    else:
-        model_file = load_model_file(ROOT / path)
-        model = model_file.build("meta")
-        args, kwargs = model_file.inputs(batch_size=1, seq_len=128)
+    model_file = load_model_file(ROOT / path)
+    model = model_file.build("meta")
+    args, kwargs = model_file.inputs(batch_size=1, seq_len=128)
+    if whole:
         structure = analyse(capture(model, args, kwargs))
+    else:
+        _, structure = capture_for_planning(model, args, kwargs)
     return structure, time.perf_counter() - start
 
 
@@ -51,13 +51,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="trace 2 layers and repeat them")
+    parser.add_argument("--whole", action="store_true", help="capture every layer, not a 2-layer slice")
     opts = parser.parse_args()
     failed = 0
     cache: dict[str, tuple] = {}
     for name, path, cluster_name, workload, target in CASES:
         if path not in cache:
-            cache[path] = trace(path, opts.quick)
+            cache[path] = trace(path, opts.whole)
         structure, trace_s = cache[path]
         start = time.perf_counter()
         plan = plan_model(
