@@ -248,6 +248,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         cluster = load_cluster("local-cpu", nproc=nproc)
     report = workflow.report_dict(plan, run, args.model, cluster)
     render_run(console, report)
+    if cluster.backend != ("nccl" if torch_devices() else "gloo"):
+        console.print(
+            f"[yellow]note: the plan was predicted for {plan.cluster} ({cluster.backend}); it was measured on this machine, "
+            "so predicted / measured compares different hardware. Re-plan with --cluster for this machine to compare.[/yellow]"
+        )
     if args.json:
         _write_atomic(args.json, json.dumps(report, indent=2, default=float))
     return 0
