@@ -192,7 +192,7 @@ def _interpretation(summary: list[tuple[str, str, float, Spread, tuple[int, int,
         "--cluster with a calibrated spec gives this machine's compute speed). On this 2-core machine with "
         "one compute thread per rank, gloo's all-reduce runs on its own threads that compete with the "
         "matmuls for the same two cores, so little of the transfer itself overlaps (~10%). What ladder can "
-        "hide here is mostly waiting: a blocking all-reduce in the graph costs 3-5 ms on this loaded VM "
+        "hide here is mostly waiting: a blocking all-reduce in the graph costs 3-10 ms on this loaded VM "
         "(a gloo thread waiting to be scheduled, and rank skew) against 0.5 ms for a lone one "
         "(bench/predict_vs_measure.py, collectives row), which no spec term models yet. On GPUs NCCL runs "
         "on its own SMs and the overlap is nearly free, which the GPU presets count with "
