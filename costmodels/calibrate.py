@@ -3,15 +3,25 @@
 Spawns ``nproc`` local processes (gloo on CPU; NCCL with one GPU each when CUDA has enough
 devices), all measuring at the same time, because that is how the ranks of a plan will run:
 
-1. matmul throughput per dtype (each process with ``max(1, cores // nproc)`` threads on CPU);
+1. matmul throughput per dtype (each process with ``max(1, cores // nproc)`` threads on CPU): the
+   median rate over a square matmul and the transformer shapes ``TRANSFORMER_MATMUL_SHAPES``, timed in
+   interleaved rounds for about ``_MATMUL_BUDGET_S`` each;
 2. memory bandwidth (large tensor copy: bytes read + written);
 3. per-op launch overhead (a one-element add);
-4. all-reduce at 4 KiB ... 16 MiB, fitted by least squares (relative errors) to the same alpha-beta
-   formula ``costmodels.comm.all_reduce_time_s`` predicts with, so prediction reproduces measurement;
+4. all-reduce at 4 KiB ... 16 MiB, each issued right after a compute segment of a few ms on every
+   rank and without a barrier (as a tensor-parallel graph issues it, so the time includes waiting
+   for the peer rank and for the backend's threads), fitted by least squares (relative errors) to the
+   same alpha-beta formula ``costmodels.comm.all_reduce_time_s`` predicts with;
 5. overlap efficiency: an async all-reduce beside a matmul of the same duration, against the two
    run one after the other: ``(t_matmul + t_allreduce - t_both) / min(t_matmul, t_allreduce)``.
 
 Measured throughputs become the peaks with efficiency 1.0 (they already are what is achievable).
+
+Clock: on CPU with one intra-op thread per process, 1-3 are timed in CPU time of the calling thread
+(``time.thread_time``; the op runs on that thread), so a machine shared with other load is measured
+as it is when a rank has its core, not by the share of a core it got during calibration; the wall /
+CPU ratio seen while measuring and the load average are recorded in ``sources``. Otherwise (CUDA,
+several threads) wall time. Collectives are always wall time (their cost is waiting).
 """
 
 from __future__ import annotations
@@ -44,6 +54,12 @@ _MIN_OP_S = 0.01  # matmul sizes grow until one product takes this long (timer r
 _TIME_PER_POINT_S = 0.3  # repeat each measurement for about this long (median taken)
 _STARTUP_TIMEOUT_S = 60.0  # init_process_group timeout
 _MIN_ROUNDS, _MAX_ROUNDS = 5, 60  # interleaved rounds of collective timings (median taken)
+# (T x C) @ (C x 4C) for T in {64, 512}, C in {768, 1024}: the MLP / attention projection shapes of
+# small transformers, timed beside the square matmul (their rate differs from the square one).
+TRANSFORMER_MATMUL_SHAPES = tuple((t, c, 4 * c) for t in (64, 512) for c in (768, 1024))
+_MATMUL_BUDGET_S = 2.0  # interleaved matmul rounds per dtype, wall seconds
+_MAX_SHAPE_S = 0.1  # a shape whose one product would take longer (slow dtype) is left out
+_SEGMENT_S = 0.003  # compute before each timed all-reduce (as a TP graph issues it)
 
 
 def _free_port() -> int:
@@ -57,38 +73,94 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _clock(device: torch.device) -> Callable[[], float]:
+    """The clock compute is timed with: the calling thread's CPU time on CPU with one intra-op thread
+    (the op runs on this thread, so time spent descheduled by other load is not counted), else wall."""
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        return time.thread_time
+    return time.perf_counter
+
+
+def _timed(fn: Callable[[], object], device: torch.device) -> tuple[float, float]:
+    """(clock seconds, wall seconds) of one call of ``fn``."""
+    clock = _clock(device)
+    c0, w0 = clock(), time.perf_counter()
+    fn()
+    _sync(device)
+    return clock() - c0, time.perf_counter() - w0
+
+
 def _median_time_s(
     fn: Callable[[], object], device: torch.device, budget_s: float = _TIME_PER_POINT_S
 ) -> float:
-    """Median wall time of ``fn`` (after one warm-up), repeated for about ``budget_s``, 3..50 times."""
+    """Median time of ``fn`` by ``_clock`` (after one warm-up), repeated for about ``budget_s`` wall
+    seconds, 3..50 times."""
     fn()
     _sync(device)
     times: list[float] = []
     start = time.perf_counter()
     while len(times) < 3 or (time.perf_counter() - start < budget_s and len(times) < 50):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
+        times.append(_timed(fn, device)[0])
     return statistics.median(times)
 
 
-def _matmul_flops_per_s(dtype: str, device: torch.device, max_n: int) -> float:
+def _interleaved_rates(
+    fns: list[Callable[[], object]], amounts: list[float], device: torch.device, budget_s: float
+) -> tuple[list[float], float]:
+    """Median rate (``amount / clock time``) of each of ``fns``, timed in rounds (fn0, fn1, ...; order
+    rotated each round) for about ``budget_s`` wall seconds, at least 3 rounds; and the ratio of wall
+    time to clock time over all of them (1.0 on a quiet machine, larger when descheduled)."""
+    for fn in fns:
+        fn()
+    _sync(device)
+    times: list[list[float]] = [[] for _ in fns]
+    walls = clocks = 0.0
+    start, r = time.perf_counter(), 0
+    while r < 3 or time.perf_counter() - start < budget_s:
+        for i in range(len(fns)):
+            k = (r + i) % len(fns)
+            c, w = _timed(fns[k], device)
+            times[k].append(c)
+            clocks, walls = clocks + c, walls + w
+        r += 1
+    rates = [a / max(statistics.median(t), 1e-12) for a, t in zip(amounts, times)]
+    return rates, walls / max(clocks, 1e-12)
+
+
+def _matmul_flops_per_s(dtype: str, device: torch.device, max_n: int) -> tuple[float, float]:
+    """(FLOP/s, wall / clock ratio): the median rate over a square matmul (grown until one product
+    takes ``_MIN_OP_S``) and the ``TRANSFORMER_MATMUL_SHAPES`` a product of which is expected to take
+    at most ``_MAX_SHAPE_S`` at the square rate, timed interleaved for ``_MATMUL_BUDGET_S``."""
+    dt = torch_dtype(dtype)
     n = 128
     while True:
-        a = torch.randn(n, n, device=device).to(torch_dtype(dtype))
-        b = torch.randn(n, n, device=device).to(torch_dtype(dtype))
+        a = torch.randn(n, n, device=device).to(dt)
+        b = torch.randn(n, n, device=device).to(dt)
         t = _median_time_s(lambda a=a, b=b: a @ b, device, budget_s=0.0)
         if t >= _MIN_OP_S or n >= max_n:
             break
         n *= 2
-    return 2.0 * n**3 / _median_time_s(lambda: a @ b, device)
+    square_rate = 2.0 * n**3 / max(t, 1e-12)
+    shapes = [(n, n, n)] + [
+        s for s in TRANSFORMER_MATMUL_SHAPES if 2.0 * math.prod(s) / square_rate <= _MAX_SHAPE_S
+    ]
+    pairs = [
+        (torch.randn(m, k, device=device).to(dt), torch.randn(k, p, device=device).to(dt))
+        for m, k, p in shapes
+    ]
+    rates, wall_ratio = _interleaved_rates(
+        [lambda x=x, w=w: x @ w for x, w in pairs],
+        [2.0 * math.prod(s) for s in shapes],
+        device,
+        _MATMUL_BUDGET_S,
+    )
+    return statistics.median(rates), wall_ratio
 
 
 def _copy_bytes_per_s(device: torch.device, nbytes: int) -> float:
     src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    return 2.0 * nbytes / _median_time_s(lambda: dst.copy_(src), device)
+    return 2.0 * nbytes / _median_time_s(lambda: dst.copy_(src), device, budget_s=1.0)
 
 
 def _launch_overhead_s(device: torch.device, ops: int = 200) -> float:
@@ -98,7 +170,7 @@ def _launch_overhead_s(device: torch.device, ops: int = 200) -> float:
         for _ in range(ops):
             torch.add(x, 1.0, out=x)
 
-    return _median_time_s(burst, device, budget_s=0.2) / ops
+    return _median_time_s(burst, device, budget_s=0.5) / ops
 
 
 def _rounds_agreed(round_fn: Callable[[], object], device: torch.device, budget_s: float) -> int:
@@ -133,9 +205,30 @@ def _interleaved_medians_s(
     return [statistics.median(t) for t in times]
 
 
-def _all_reduce_times_s(device: torch.device) -> list[float]:
+def _all_reduce_times_s(device: torch.device, flops_per_s: float) -> list[float]:
+    """Wall time of an all-reduce of each of ``ALL_REDUCE_SIZES_BYTES`` as a tensor-parallel graph
+    issues it: right after a compute segment of about ``_SEGMENT_S`` (a square matmul) on every rank,
+    with no barrier, so it includes waiting for the peer rank and for the backend's threads to be
+    scheduled. Median over interleaved rounds (the same number on every rank)."""
+    n = int(min(4096, max(32, round((_SEGMENT_S * flops_per_s / 2.0) ** (1 / 3)))))
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     bufs = [torch.ones(nbytes // 4, device=device) for nbytes in ALL_REDUCE_SIZES_BYTES]
-    return _interleaved_medians_s([lambda b=b: dist.all_reduce(b) for b in bufs], device, budget_s=3.0)
+    times: list[list[float]] = [[] for _ in bufs]
+
+    def one_round(start: int = 0, record: bool = False) -> None:
+        for i in range(len(bufs)):
+            k = (start + i) % len(bufs)
+            a @ b
+            _sync(device)
+            t0 = time.perf_counter()
+            dist.all_reduce(bufs[k])
+            _sync(device)
+            if record:
+                times[k].append(time.perf_counter() - t0)
+
+    for r in range(_rounds_agreed(one_round, device, budget_s=3.0)):
+        one_round(start=r, record=True)
+    return [statistics.median(t) for t in times]
 
 
 def _overlap_times_s(device: torch.device, t_ar: float) -> list[float]:
@@ -184,12 +277,19 @@ def _worker(rank: int, nproc: int, port: int, use_cuda: bool, queue: object) -> 
             queue.put(("progress", step, fraction))
 
     try:
-        result: dict = {"threads_per_process": torch.get_num_threads()}
-        peaks = []
+        result: dict = {
+            "threads_per_process": torch.get_num_threads(),
+            "clock": "thread CPU time" if _clock(device) is time.thread_time else "wall time",
+            "load_before": os.getloadavg()[0] if hasattr(os, "getloadavg") else -1.0,
+        }
+        peaks, wall_ratios = [], []
         for i, dtype in enumerate(DTYPE_BYTES):
             progress(f"matmul {dtype}", 0.05 + 0.1 * i)
             dist.barrier()
-            peaks.append(_matmul_flops_per_s(dtype, device, max_n=8192 if use_cuda else 2048))
+            rate, ratio = _matmul_flops_per_s(dtype, device, max_n=8192 if use_cuda else 2048)
+            peaks.append(rate)
+            wall_ratios.append(ratio)
+        (result["matmul_wall_ratio"],) = _reduce([max(wall_ratios)], dist.ReduceOp.MAX, device)
         progress("memory bandwidth", 0.35)
         dist.barrier()
         mem_bw = _copy_bytes_per_s(device, 2**30 if use_cuda else 64 * 2**20)
@@ -201,13 +301,17 @@ def _worker(rank: int, nproc: int, port: int, use_cuda: bool, queue: object) -> 
         result.update(peaks=dict(zip(DTYPE_BYTES, peaks)), memory_bandwidth=mem_bw, launch_s=launch)
         if nproc > 1:
             progress("all-reduce 4 KiB to 16 MiB", 0.45)
-            result["all_reduce_s"] = _reduce(_all_reduce_times_s(device), dist.ReduceOp.MAX, device)
+            fp32_rate = result["peaks"]["fp32"]
+            result["all_reduce_s"] = _reduce(
+                _all_reduce_times_s(device, fp32_rate), dist.ReduceOp.MAX, device
+            )
             progress("overlap", 0.85)
             t_ar = result["all_reduce_s"][ALL_REDUCE_SIZES_BYTES.index(OVERLAP_SIZE_BYTES)]
             result["overlap_s"] = _reduce(_overlap_times_s(device, t_ar), dist.ReduceOp.MAX, device)
         if use_cuda:
             result["memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
             result["device_name"] = torch.cuda.get_device_name(device)
+        result["load_after"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else -1.0
         if rank == 0:
             queue.put(("result", result))
     finally:
@@ -326,7 +430,12 @@ def calibrate(nproc: int, progress: Progress | None = None, timeout_s: float = 1
     m = _run_workers(nproc, use_cuda, progress, timeout_s)
     fallback = load_cluster("local-cpu", nproc=nproc)
     today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
-    sources = [f"measured by planner calibrate on {today}, {socket.gethostname()}, nproc={nproc}"]
+    sources = [
+        f"measured by planner calibrate on {today}, {socket.gethostname()}, nproc={nproc}",
+        f"compute timed in {m['clock']}: matmul median over square and (T x C) @ (C x 4C) shapes; "
+        f"wall / clock while measuring {m['matmul_wall_ratio']:.2f} (slowest rank); "
+        f"1-min load average {m['load_before']:.2f} before, {m['load_after']:.2f} after",
+    ]
     intra = cluster_to_dict(fallback)["links"]["intra_node"]
     overlap = fallback.overlap_efficiency
     if nproc > 1:
@@ -343,7 +452,10 @@ def calibrate(nproc: int, progress: Progress | None = None, timeout_s: float = 1
         points = ", ".join(
             f"{s // 1024} KiB {t * 1e6:.0f} us" for s, t in zip(ALL_REDUCE_SIZES_BYTES, m["all_reduce_s"])
         )
-        sources.append(f"all-reduce ({'nccl' if use_cuda else 'gloo'}, {nproc} ranks): {points}")
+        sources.append(
+            f"all-reduce ({'nccl' if use_cuda else 'gloo'}, {nproc} ranks, right after a "
+            f"{_SEGMENT_S * 1e3:.0f} ms compute segment, no barrier): {points}"
+        )
         sources.append(
             f"overlap: matmul {t_mm * 1e3:.2f} ms, all-reduce 4 MiB {t_ar * 1e3:.2f} ms, both {t_both * 1e3:.2f} ms"
         )

@@ -99,3 +99,27 @@ def test_calibrate_two_processes_writes_a_loadable_spec(tmp_path: Path) -> None:
     fractions = [f for _, f in steps]
     assert fractions == sorted(fractions) and fractions[0] == 0.0 and fractions[-1] == 1.0
     assert any(step.startswith("all-reduce") for step, _ in steps)
+
+
+def test_interleaved_rates_use_the_clock_and_report_wall_ratio(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rates are amount / median clock time; the wall / clock ratio sums over every timed call."""
+    import torch
+
+    from costmodels import calibrate as cal
+
+    fake = {0: (0.01, 0.02), 1: (0.02, 0.02)}  # fn index -> (clock s, wall s)
+    monkeypatch.setattr(cal, "_timed", lambda fn, device: fake[fn()])
+    rates, wall_ratio = cal._interleaved_rates([lambda: 0, lambda: 1], [1.0, 4.0], torch.device("cpu"), 0.0)
+    assert rates == pytest.approx([1.0 / 0.01, 4.0 / 0.02])
+    assert wall_ratio == pytest.approx((0.02 + 0.02) / (0.01 + 0.02))
+
+
+def test_clock_is_thread_cpu_time_with_one_cpu_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from costmodels import calibrate as cal
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert cal._clock(torch.device("cpu")) is time.thread_time
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    assert cal._clock(torch.device("cpu")) is time.perf_counter
