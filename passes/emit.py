@@ -359,7 +359,8 @@ def write_readme(out_dir: str | os.PathLike[str], info: dict) -> Path:
     """Write `out_dir/README.md`: how to load and run the emitted modules in the user's own program.
 
     info (all optional): "model" (str), "tp", "pp", "dp" (int degrees), "backend" ("nccl" | "gloo"),
-    "inputs" (str: what to pass, e.g. "tokens (B, T) int64"), "world_size" (int). Written atomically.
+    "inputs" (str: what to pass, e.g. "tokens (B, T) int64"), "world_size" (int), "folder_name" (str:
+    the folder's final name when it is written under a temporary one). Written atomically.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -400,7 +401,7 @@ groups = [dist.new_group(list(range(s, s + tp))) for s in range(0, dist.get_worl
 register_group("tp", groups[rank // tp])          # before the first call
 device = {device}
 
-folder = "path/to/{out_dir.name}"                  # this folder
+folder = "path/to/{info.get("folder_name", out_dir.name)}"                  # this folder
 spec = importlib.util.spec_from_file_location(f"rank{{rank}}", f"{{folder}}/rank{{rank}}/module.py")
 generated = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(generated)

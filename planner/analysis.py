@@ -116,6 +116,11 @@ class Layer:
     bytes_moved: float  # bytes read + written per forward, all ops of the layer (see NodeCost)
     side_inputs: list[str] = field(default_factory=list)  # other values read from outside (RoPE, mask)
     cross_inputs: list[str] = field(default_factory=list)  # side inputs that depend on the stream
+    # node name -> "projection" | "core" (SDPA, or a matmul of a manual attention) | "attention"
+    # (derives from q/k/v, not from o: split with the heads under TP) | "mlp" (derives from the
+    # MLP's first projections, not from down: split with the MLP width) | "stream" (the rest: norms,
+    # residual adds, RoPE tables; not split). Empty when not analysed from a graph.
+    node_blocks: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -421,6 +426,7 @@ def _layer(
                 external.append(a)
     stream = _stream_input(attention, mlp, members, member_names, external, output, projections)
     weights = {n.target for n in members if n.op == "get_attr" and n.target in params}
+    blocks = _node_blocks(members, member_names, projections, attention, mlp)
     return Layer(
         index=index,
         module_path=path,
@@ -433,7 +439,41 @@ def _layer(
         flops=sum(costs[n.name].flops for n in members),
         bytes_moved=sum(costs[n.name].bytes_read + costs[n.name].bytes_written for n in members),
         side_inputs=[a.name for a in external if a is not stream],
+        node_blocks=blocks,
     )
+
+
+def _node_blocks(
+    members: list[fx.Node],
+    member_names: set[str],
+    projections: dict[str, Projection],
+    attention: Attention | None,
+    mlp: Mlp | None,
+) -> dict[str, str]:
+    """``Layer.node_blocks``: each member's block, from the layer projections it derives from."""
+    attn_in = {p.node for p in attention.projections if p.role != "o"} if attention else set()
+    attn_out = {p.node for p in attention.projections if p.role == "o"} if attention else set()
+    mlp_out = {p.node for p in mlp.projections if p.role == "down"} if mlp else set()
+    mlp_in = {p.node for p in mlp.projections} - mlp_out if mlp else set()
+    ancestors: dict[str, set[str]] = {}  # projections of this layer each member derives from
+    blocks: dict[str, str] = {}
+    for n in members:
+        anc: set[str] = set()
+        for a in n.all_input_nodes:
+            if a.name in member_names:
+                anc |= ancestors.get(a.name, set()) | ({a.name} if a.name in projections else set())
+        ancestors[n.name] = anc
+        if n.name in projections:
+            blocks[n.name] = "projection"
+        elif op_name(n.target) in _MATMULS | {"aten.bmm", "aten.scaled_dot_product_attention"}:
+            blocks[n.name] = "core"
+        elif anc & attn_in and not anc & attn_out:
+            blocks[n.name] = "attention"
+        elif anc & mlp_in and not anc & mlp_out:
+            blocks[n.name] = "mlp"
+        else:
+            blocks[n.name] = "stream"
+    return blocks
 
 
 def _stream_input(

@@ -102,10 +102,17 @@ def even_stages(num_layers: int, pp: int) -> list[list[int]]:
 
 
 def baseline_plan(
-    ctx: CostContext, graphs: dict[str, LayerGraph], layer_keys: list[str], ends: LayerGraph
+    ctx: CostContext,
+    graphs: dict[str, LayerGraph],
+    layer_keys: list[str],
+    ends: LayerGraph,
+    recompute: bool = False,
 ) -> BaselinePlan:
-    """Cost Megatron's strategy on the mesh of `ctx` (built by the caller with `megatron_mesh`)."""
+    """Cost Megatron's strategy on the mesh of `ctx` (built by the caller with `megatron_mesh`);
+    `recompute`: full activation recomputation (Megatron's --recompute-granularity full), training only."""
     choices = megatron_choices(graphs, ends)
+    if recompute and ctx.train:
+        choices.update({(key, "recompute"): "full" for key in graphs})
     stages = even_stages(len(layer_keys), ctx.mesh.pp)
     prediction, breakdown = predict(ctx, graphs, layer_keys, ends, choices, stages, [])
     return BaselinePlan(ctx.mesh, choices, stages, prediction, breakdown)

@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
 from planner.errors import InputError, PlannerError
+from planner.files import check_output_path, write_text_atomic
 
 _WIDTH = None if sys.stdout.isatty() else 150  # rich assumes 80 columns when piped; tables need more
 console = Console(width=_WIDTH)
@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--tp", type=_positive, help="pin the tensor-parallel degree")
     opt.add_argument("--pp", type=_positive, help="pin the pipeline-parallel degree")
     opt.add_argument("--dp", type=_positive, help="pin the data-parallel degree")
+    opt.add_argument("--devices", type=_positive, help="use at most this many of the cluster's devices")
     opt.add_argument("--out", help="write the plan as YAML")
     opt.add_argument("--emit", help="write the generated sharded module of every rank into this folder")
     opt.add_argument("--json", help="write the JSON report")
@@ -112,21 +113,17 @@ def _progress():
         yield progress
 
 
-def _write_atomic(path: str, text: str) -> None:
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def _check_outputs(args: argparse.Namespace) -> None:
+    for option, folder in (("out", False), ("json", False), ("emit", True)):
+        value = getattr(args, option, None)
+        if value:
+            check_output_path(f"--{option}", value, folder=folder)
 
 
 def cmd_optimize(args: argparse.Namespace) -> int:
     from planner import workflow  # noqa: PLC0415 - keeps `planner --help` fast
+
+    _check_outputs(args)
 
     with _progress() as progress:
         task = progress.add_task("tracing the model (meta device)", total=None)
@@ -147,7 +144,12 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             progress=lambda step, frac: progress.update(task, description=f"calibrating: {step}"),
         )
         progress.update(task, description="solving the ILP")
-        constraints = workflow.constraints_from(args.tp, args.pp, args.dp, args.ladder)
+        constraints = workflow.constraints_from(
+            args.tp, args.pp, args.dp, args.ladder, max_devices=args.devices
+        )
+        workflow.check_constraints_fit(
+            cluster, constraints, prepared.structure.batch_size, args.micro_batches
+        )
         plan = workflow.make_plan(prepared, cluster, constraints, args.model)
     n = len(prepared.structure.layers)
     console.print(
@@ -165,7 +167,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     if args.emit:
         from planner.emitting import emit_plan  # noqa: PLC0415
 
-        emit_plan(plan, args.model, args.emit)
+        emit_plan(plan, args.model, args.emit, backend=cluster.backend)
         console.print(f"generated sharded modules written to {args.emit}/ (see its README.md)")
     run = None
     if args.run:
@@ -175,7 +177,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         render_run(console, report)
         render_layer_comparison(console, plan, run["measured"].get("per_layer_s", {}))
     if args.json:
-        _write_atomic(args.json, json.dumps(report, indent=2, default=float))
+        write_text_atomic(args.json, json.dumps(report, indent=2, default=float))
         console.print(f"report written to {args.json}")
     return 0
 
@@ -235,10 +237,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     from planner.plan import Plan  # noqa: PLC0415
     from planner.render import render_run  # noqa: PLC0415
 
+    _check_outputs(args)
     plan = Plan.from_yaml(args.plan)
     if not Path(args.model).exists():
         raise InputError(f"model file {args.model} does not exist")
     nproc = args.nproc or plan.num_devices
+    with _progress() as progress:
+        progress.add_task("checking the plan against the model", total=None)
+        prepared = workflow.prepare(args.model, "forward", plan.batch_size, plan.seq_len)
+    workflow.validate_plan_for_model(plan, prepared.structure, args.model, prepared.param_shapes)
+    if nproc != plan.num_devices:
+        workflow.run_plan(
+            plan, args.model, nproc, args.iters, args.warmup, args.timeout
+        )  # raises the message
+    workflow.check_fits_this_machine(plan, prepared.structure, nproc)
     with _progress() as progress:
         progress.add_task(f"running on {nproc} rank(s)", total=None)
         run = workflow.run_plan(plan, args.model, nproc, args.iters, args.warmup, args.timeout)
@@ -254,13 +266,15 @@ def cmd_run(args: argparse.Namespace) -> int:
             "so predicted / measured compares different hardware. Re-plan with --cluster for this machine to compare.[/yellow]"
         )
     if args.json:
-        _write_atomic(args.json, json.dumps(report, indent=2, default=float))
+        write_text_atomic(args.json, json.dumps(report, indent=2, default=float))
     return 0
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from costmodels.calibrate import calibrate, write_cluster_yaml  # noqa: PLC0415
     from costmodels.cluster import load_cluster  # noqa: PLC0415
+
+    _check_outputs(args)
 
     with Progress(console=err_console, transient=True) as progress:
         task = progress.add_task("calibrating", total=1.0)

@@ -285,8 +285,13 @@ def projection_options(
     return options, excluded
 
 
-def attention_core_options(attn: Any, ctx: CostContext) -> tuple[list[OpOption], dict[str, str]]:
-    """SDPA: replicate, or head-parallel when query and KV heads both divide by tp."""
+def attention_core_options(
+    attn: Any, ctx: CostContext, inner_s: float = 0.0
+) -> tuple[list[OpOption], dict[str, str]]:
+    """SDPA: replicate, or head-parallel when query and KV heads both divide by tp.
+
+    ``inner_s``: time of the attention block's other ops (RoPE, GQA repeats, copies between q/k/v and
+    o; see ``layer_node_times_s``), added to each option, divided by tp in the head-parallel one."""
     w, b, tp = ctx.workload, ctx.bytes_per_element, ctx.mesh.tp
     seqs = ctx.sequences_per_micro_batch
     heads, kv_heads, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -301,9 +306,8 @@ def attention_core_options(attn: Any, ctx: CostContext) -> tuple[list[OpOption],
     def option(name: str, layout: str, shard: int) -> OpOption:
         flops = compute.attention_flops(seqs, heads / shard, q_len, kv_len, hd, causal)
         moved = compute.attention_bytes(seqs, heads / shard, kv_heads / shard, q_len, kv_len, hd, ctx.dtype)
-        return OpOption(
-            name, layout, layout, ctx.op_time(flops, moved, "matmul"), kv_cache / shard, stored / shard
-        )
+        t = ctx.op_time(flops, moved, "matmul") + inner_s / shard
+        return OpOption(name, layout, layout, t, kv_cache / shard, stored / shard)
 
     options = [option("replicate", "R", 1)]
     excluded: dict[str, str] = {}
@@ -318,18 +322,26 @@ def attention_core_options(attn: Any, ctx: CostContext) -> tuple[list[OpOption],
     return options, excluded
 
 
-def elementwise_options(width: int, num_inputs: int, tokens: float, ctx: CostContext) -> list[OpOption]:
-    """An activation (GELU) or SwiGLU's silu(gate) * up over (tokens, width): R->R or S->S."""
+def elementwise_options(
+    width: int, num_inputs: int, tokens: float, ctx: CostContext, total_s: float | None = None
+) -> list[OpOption]:
+    """An activation (GELU) or SwiGLU's silu(gate) * up over (tokens, width): R->R or S->S.
+
+    ``total_s``: the unsharded time of the MLP's ops between its projections, summed node by node
+    (``layer_node_times_s``); None prices one elementwise op of 4 FLOP per element."""
     b, tp = ctx.bytes_per_element, ctx.mesh.tp
     stored = num_inputs * tokens * width * b if ctx.train else 0.0
 
     def option(name: str, layout: str, shard: int) -> OpOption:
         numel = tokens * width / shard
-        t = ctx.op_time(
-            compute.elementwise_flops(numel, 4.0),
-            compute.elementwise_bytes(numel, ctx.dtype, num_inputs),
-            "memory",
-        )
+        if total_s is not None:
+            t = total_s / shard
+        else:
+            t = ctx.op_time(
+                compute.elementwise_flops(numel, 4.0),
+                compute.elementwise_bytes(numel, ctx.dtype, num_inputs),
+                "memory",
+            )
         return OpOption(name, layout, layout, t, 0.0, stored / shard)
 
     options = [option("replicate", "R", 1)]
@@ -360,27 +372,66 @@ def _proj_key(p: Projection) -> str:
     return f"{p.role}:{p.in_features}x{p.out_features}:{p.bias is not None}:{p.parts}"
 
 
+def layer_node_times_s(layer: Layer, ctx: CostContext) -> dict[str, float] | None:
+    """Time of a layer's ops other than projections and the attention core, per block of
+    ``Layer.node_blocks`` ("attention", "mlp": unsharded; "stream"), or None when the layer was not
+    analysed node by node.
+
+    Each node that moves memory is one memory-bound op (``compute.op_time_s(kind="memory")``, launch
+    overhead included) on its ``ModelStructure.node_costs``: FLOP and bytes read + written, scaled
+    from the captured tokens (batch x seq) to ``ctx.tokens`` and from the captured dtype to the planned
+    one. Views move nothing and are not priced.
+    """
+    s = ctx.structure
+    if not layer.node_blocks or not s.node_costs:
+        return None
+    scale = ctx.tokens / max(1, s.batch_size * s.seq_len)
+    byte_scale = ctx.bytes_per_element / DTYPE_BYTES[s.dtype]
+    out = {"attention": 0.0, "mlp": 0.0, "stream": 0.0}
+    for name in layer.nodes:
+        block, cost = layer.node_blocks.get(name), s.node_costs.get(name)
+        if block not in out or cost is None:
+            continue
+        moved = cost.bytes_read + cost.bytes_written
+        if moved > 0:
+            out[block] += ctx.op_time(cost.flops * scale, moved * scale * byte_scale, "memory")
+    return out
+
+
 def build_layer_graph(layer: Layer, ctx: CostContext) -> LayerGraph:
-    """The op graph of one transformer layer: attention block then MLP block."""
+    """The op graph of one transformer layer: attention block then MLP block.
+
+    The ops other than projections and the attention core are priced node by node when the layer
+    was analysed from a graph (``layer_node_times_s``): those of the attention block go with the core
+    (split by heads), those of the MLP with its activation op (split by width), the rest (norms,
+    residual adds) in ``fixed_compute_s``. Otherwise by formula: one norm and one residual add per
+    block, one elementwise op per activation.
+    """
     s = ctx.structure
     tokens, b = ctx.tokens, ctx.bytes_per_element
     ops: list[Op] = []
     outputs: dict[str, str] = {}
     proj_bytes = 0.0
+    times = layer_node_times_s(layer, ctx)
     if layer.attention is not None:
-        outputs["attention"] = _attention_ops(layer.attention, tokens, ctx, ops)
+        inner = times["attention"] if times else 0.0
+        outputs["attention"] = _attention_ops(layer.attention, tokens, ctx, ops, inner)
         proj_bytes += sum(_param_bytes(p, b) for p in layer.attention.projections)
     if layer.mlp is not None:
-        outputs["mlp"] = _mlp_ops(layer.mlp.projections, tokens, ctx, ops, "mlp")
+        inner = times["mlp"] if times else None
+        outputs["mlp"] = _mlp_ops(layer.mlp.projections, tokens, ctx, ops, "mlp", inner)
         proj_bytes += sum(_param_bytes(p, b) for p in layer.mlp.projections)
     hidden = s.hidden_size
     num_norms = len(outputs)
-    fixed = num_norms * ctx.op_time(
-        compute.norm_flops(tokens, hidden, NORM_KIND) + compute.elementwise_flops(tokens * hidden),
-        compute.norm_bytes(tokens, hidden, ctx.dtype, NORM_KIND)
-        + compute.elementwise_bytes(tokens * hidden, ctx.dtype, 2),
-        "memory",
-    )
+    if times is not None:
+        fixed = times["stream"]
+    else:
+        fixed = num_norms * ctx.op_time(
+            compute.norm_flops(tokens, hidden, NORM_KIND) + compute.elementwise_flops(tokens * hidden),
+            compute.norm_bytes(tokens, hidden, ctx.dtype, NORM_KIND)
+            + compute.elementwise_bytes(tokens * hidden, ctx.dtype, 2),
+            "memory",
+        )
     # param_bytes is in the captured model's dtype; re-express it in the planned dtype.
     as_planned = layer.param_bytes / DTYPE_BYTES[s.dtype] * b
     other_params = max(0.0, as_planned - proj_bytes)
@@ -413,14 +464,14 @@ def _proj_op(name: str, block: str, p: Projection, inputs: list[str], tokens: fl
     return Op(name, block, options, inputs, out_bytes, p.weight, p, excluded)
 
 
-def _attention_ops(attn: Any, tokens: float, ctx: CostContext, ops: list[Op]) -> str:
+def _attention_ops(attn: Any, tokens: float, ctx: CostContext, ops: list[Op], inner_s: float = 0.0) -> str:
     by_role = {p.role: p for p in attn.projections}
     core_inputs = []
     for role in ("qkv", "q", "k", "v"):
         if role in by_role:
             ops.append(_proj_op(role, "attention", by_role[role], [""], tokens, ctx))
             core_inputs.append(role)
-    core_options, core_excluded = attention_core_options(attn, ctx)
+    core_options, core_excluded = attention_core_options(attn, ctx, inner_s)
     core_bytes = tokens * attn.num_heads * attn.head_dim * ctx.bytes_per_element
     ops.append(Op("core", "attention", core_options, core_inputs, core_bytes, excluded=core_excluded))
     o = by_role.get("o")
@@ -431,16 +482,27 @@ def _attention_ops(attn: Any, tokens: float, ctx: CostContext, ops: list[Op]) ->
 
 
 def _mlp_ops(
-    projections: list[Projection], tokens: float, ctx: CostContext, ops: list[Op], block: str
+    projections: list[Projection],
+    tokens: float,
+    ctx: CostContext,
+    ops: list[Op],
+    block: str,
+    inner_s: float | None = None,
 ) -> str:
-    """Gated (gate, up -> act -> down) or a chain (fc -> act -> fc -> ...). Returns the last op."""
+    """Gated (gate, up -> act -> down) or a chain (fc -> act -> fc -> ...). Returns the last op.
+
+    ``inner_s``: the summed time of the ops between the projections (see ``elementwise_options``),
+    used when there is one activation op (gated, or a chain of two); None: priced by formula."""
     by_role = {p.role: p for p in projections}
+    if len(projections) > 2 and not {"gate", "up", "down"} <= set(by_role):
+        inner_s = None  # a longer chain: its activations may be split differently, keep the formula
     if "gate" in by_role and "up" in by_role and "down" in by_role:
         ops.append(_proj_op("gate", block, by_role["gate"], [""], tokens, ctx))
         ops.append(_proj_op("up", block, by_role["up"], [""], tokens, ctx))
         width = by_role["gate"].out_features
         act_bytes = tokens * width * ctx.bytes_per_element
-        ops.append(Op("act", block, elementwise_options(width, 2, tokens, ctx), ["gate", "up"], act_bytes))
+        act = elementwise_options(width, 2, tokens, ctx, inner_s)
+        ops.append(Op("act", block, act, ["gate", "up"], act_bytes))
         ops.append(_proj_op("down", block, by_role["down"], ["act"], tokens, ctx))
         return "down"
     prev = ""
@@ -448,7 +510,8 @@ def _mlp_ops(
         if i > 0:
             width = projections[i - 1].out_features
             act_bytes = tokens * width * ctx.bytes_per_element
-            ops.append(Op(f"act{i}", block, elementwise_options(width, 1, tokens, ctx), [prev], act_bytes))
+            act = elementwise_options(width, 1, tokens, ctx, inner_s)
+            ops.append(Op(f"act{i}", block, act, [prev], act_bytes))
             prev = f"act{i}"
         ops.append(_proj_op(name, block, p, [prev], tokens, ctx))
         prev = name

@@ -32,9 +32,10 @@ MAX_MATERIALISED_BYTES = 4 * 2**30  # above this, emit from meta (no weights): a
 SEED = 0  # the seed `planner run` builds models with, so emitted weights match a run
 
 
-def emit_plan(plan: Plan, model_path: str, out_dir: str) -> Path:
+def emit_plan(plan: Plan, model_path: str, out_dir: str, backend: str = "gloo") -> Path:
     """Write the generated module of every rank of `plan` into `out_dir`; return its path.
 
+    backend: the process-group backend the README's example initialises ("nccl" for GPU clusters).
     Raises InputError when the plan ladders layers across pipeline stages (not supported) or the
     output folder cannot be written.
     """

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 import types
 import typing
 from dataclasses import dataclass, field
@@ -173,16 +172,11 @@ class Plan:
 
     def to_yaml(self, path: str | os.PathLike[str]) -> None:
         """Write the plan as YAML, atomically (temp file in the same folder, then rename)."""
-        path = Path(path)
-        text = yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=110)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
-        try:
-            with os.fdopen(fd, "w") as handle:
-                handle.write(text)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        from planner.files import write_text_atomic  # noqa: PLC0415
+
+        write_text_atomic(
+            path, yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=110)
+        )
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> Plan:

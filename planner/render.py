@@ -105,9 +105,25 @@ def render_plan(console: Console, plan: Plan) -> None:
     )
     if plan.baseline is not None:
         b = plan.baseline
+        d = next((d for d in plan.decisions if d.subject == "megatron-baseline"), None)
+        layout = (
+            d.chosen.replace("tp=", "TP=").replace("pp=", "PP=").replace("dp=", "DP=")
+            if d
+            else "TP in the node"
+        )
+        fits = d is None or "does not fit" not in d.reason
         console.print(
-            f"Hand-written Megatron plan (TP across the node, PP across nodes): {fmt_s(b.latency_s)}, "
-            f"{fmt_bytes(b.peak_memory_bytes)}/rank -> this plan is [bold]{b.latency_s / p.latency_s:.2f}×[/bold] its speed"
+            f"Hand-written Megatron plan ({layout}): {fmt_s(b.latency_s)}, {fmt_bytes(b.peak_memory_bytes)}/rank"
+            + (
+                f" -> this plan is [bold]{b.latency_s / p.latency_s:.2f}×[/bold] its speed"
+                if fits
+                else f" - [yellow]{d.reason.split('; ')[-1]}[/yellow]"
+            )
+        )
+    if plan.tp > 1 and not any(split.style != "replicate" for split in plan.splits.values()):
+        console.print(
+            f"[yellow]note: TP={plan.tp}, but the cost model keeps every weight replicated on {plan.cluster}: "
+            "for this model the collectives would cost more than the split saves (see --why)[/yellow]"
         )
     for note in plan.excluded[:8]:
         console.print(f"[dim]excluded: {note}[/dim]")

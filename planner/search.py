@@ -404,7 +404,7 @@ def _make_plan(search: _Search, best: _Candidate | None, model_name: str) -> Pla
                                   f"the ILP stopped at {sol.status} (gap {sol.gap:.3g}); Megatron's plan is faster"))  # fmt: skip
     prediction, _ = predict(cand_ctx, graphs, search.layer_keys, ends, choices, stages, ladder)
     mesh = cand_ctx.mesh
-    decisions = mesh_decision(search.candidates, mesh) + decisions
+    decisions = mesh_decision(search.candidates, mesh) + _baseline_decision(search, baseline) + decisions
     decisions += strategy_decisions(search.layer_keys, bool(s.layers), cand_ctx, graphs, ends, choices)
     decisions += ladder_decision(
         search.ladder,
@@ -455,16 +455,51 @@ def _allowed(search: _Search, mesh: MeshShape) -> bool:
 
 
 def _baseline(search: _Search) -> BaselinePlan | None:
-    s, cluster = search.structure, search.cluster
+    """The plan a Megatron-LM user writes by hand: TP = a node's devices (dividing the heads); for
+    inference PP = the nodes; for training the fewest pipeline stages (a divisor of the nodes) whose
+    memory fits (with full activation recomputation if needed), and DP over the remaining nodes (GPT-3 175B on 128 nodes: TP 8, PP 16, DP 8)."""
+    s, cluster, w = search.structure, search.cluster, search.workload
     heads, _ = _head_counts(s)
     num_heads = math.gcd(*heads) if heads else None
-    mesh = megatron_mesh(cluster, search.workload, num_heads, len(s.layers) or 1)
+    mesh = megatron_mesh(cluster, w, num_heads, len(s.layers) or 1)
     if not s.layers:
         mesh = MeshShape(mesh.tp, 1, 1, 1)
-    if search.workload.batch_size % mesh.micro_batches:
-        return None
-    cand = _price(search, mesh)
-    return baseline_plan(cand.ctx, cand.graphs, search.layer_keys, cand.ends)
+    candidates = [mesh]
+    if w.kind == "train" and s.layers and cluster.num_nodes > 1:
+        nodes = cluster.num_nodes
+        candidates = []
+        for pp in (d for d in range(1, nodes + 1) if nodes % d == 0 and d <= len(s.layers)):
+            dp = nodes // pp
+            if w.batch_size % dp:
+                continue
+            per_replica = w.batch_size // dp
+            m = w.micro_batches or max(
+                d for d in range(1, min(per_replica, 4 * pp if pp > 1 else 1) + 1) if per_replica % d == 0
+            )
+            candidates.append(MeshShape(mesh.tp, pp, dp, m))
+    chosen = None
+    for cand_mesh in candidates:
+        if w.batch_size % (cand_mesh.dp * cand_mesh.micro_batches):
+            continue
+        cand = _price(search, cand_mesh)
+        for recompute in (False, True) if w.kind == "train" else (False,):
+            chosen = baseline_plan(cand.ctx, cand.graphs, search.layer_keys, cand.ends, recompute=recompute)
+            if chosen.prediction.peak_memory_bytes <= search.cap_bytes:
+                return chosen
+    return chosen
+
+
+def _baseline_decision(search: _Search, baseline: BaselinePlan | None) -> list[Decision]:
+    if baseline is None:
+        return []
+    b, m = baseline.prediction, baseline.mesh
+    fits = b.peak_memory_bytes <= search.cap_bytes
+    reason = f"hand-written Megatron layout ({m.micro_batches} micro-batches); " + (
+        "fits memory"
+        if fits
+        else f"does not fit: {b.peak_memory_bytes / _GIB:.1f} GiB/rank > {search.cap_bytes / _GIB:.1f} GiB usable"
+    )
+    return [Decision("megatron-baseline", f"tp={m.tp} pp={m.pp} dp={m.dp}", {"latency": b.latency_s}, reason)]
 
 
 def _splits(structure, graphs, layer_keys, choices, tp: int) -> dict[str, WeightSplit]:

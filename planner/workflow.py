@@ -32,6 +32,7 @@ class Prepared:
     model_file: ModelFile
     structure: ModelStructure
     workload: Workload
+    param_shapes: dict[str, tuple[int, ...]]  # every parameter FQN of the model, for validating plans
 
 
 def prepare(
@@ -75,7 +76,8 @@ def prepare(
         micro_batches=micro_batches,
         dtype=dtype,
     )
-    return Prepared(model_file, structure, wl)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
+    return Prepared(model_file, structure, wl, shapes)
 
 
 def resolve_cluster(name_or_path: str | None, nproc: int | None, progress=None) -> ClusterSpec:
@@ -128,6 +130,92 @@ def check_pinned_tp(structure: ModelStructure, tp: int | None) -> None:
         )
 
 
+def check_constraints_fit(
+    cluster: ClusterSpec, constraints: Constraints, batch_size: int, micro_batches: int | None
+) -> None:
+    """Pinned degrees must fit the cluster and the batch. Raises InputError naming the options."""
+    pinned = {k: getattr(constraints, k) for k in ("tp", "pp", "dp") if getattr(constraints, k)}
+    product = 1
+    for value in pinned.values():
+        product *= value
+    devices = constraints.max_devices or cluster.num_devices
+    if product > devices:
+        shown = " x ".join(f"{k}({v})" for k, v in pinned.items())
+        raise InputError(
+            f"{shown} = {product} devices, but {cluster.name} has {devices}"
+            + (" (--nproc / --devices)" if cluster.backend == "gloo" or constraints.max_devices else "")
+        )
+    dp = constraints.dp or 1
+    if batch_size % dp:
+        raise InputError(f"--dp {dp} does not divide the batch of {batch_size} sequences")
+    if micro_batches and (batch_size // dp) % micro_batches:
+        raise InputError(
+            f"--micro-batches {micro_batches} does not divide the batch of {batch_size // dp} sequences per DP replica"
+        )
+
+
+def validate_plan_for_model(
+    plan: Plan, structure: ModelStructure, model_path: str, params: dict[str, tuple]
+) -> None:
+    """A (possibly hand-edited) plan must match the model it is run with. Raises InputError naming the
+    plan field: unknown weights in `splits`, a style/dim that contradicts the weight's layout,
+    `stages` that do not cover every layer once and in order, a batch that does not divide by dp."""
+    unknown = [w for w in plan.splits if w not in params]
+    if unknown:
+        raise InputError(
+            f"plan field splits: weights {unknown[:3]} are not parameters of {model_path} "
+            f"(the plan was made for {plan.model}); re-plan with planner optimize {model_path}"
+        )
+    layouts = {
+        p.weight: p.weight_out_dim
+        for layer in structure.layers
+        for b in (layer.attention, layer.mlp)
+        if b
+        for p in b.projections
+    }
+    if structure.lm_head is not None:
+        layouts[structure.lm_head.weight] = structure.lm_head.weight_out_dim
+    for name, split in plan.splits.items():
+        out_dim = layouts.get(name)
+        if out_dim is None or split.style in ("replicate", "vocab"):
+            continue
+        want = out_dim if split.style == "colwise" else 1 - out_dim
+        if split.dim != want:
+            raise InputError(
+                f"plan field splits.{name}: style {split.style} splits dim {want} of this weight, not dim {split.dim}"
+            )
+    layers = [i for stage in plan.stages for i in stage]
+    if structure.layers and layers != list(range(len(structure.layers))):
+        raise InputError(
+            f"plan field stages: {plan.stages} must list the layers 0..{len(structure.layers) - 1} once each, in order"
+        )
+    if len(plan.stages) != plan.pp:
+        raise InputError(f"plan field stages: {len(plan.stages)} stages but pp is {plan.pp}")
+    if plan.batch_size % plan.dp or (plan.batch_size // plan.dp) % max(
+        1, plan.micro_batches if plan.pp > 1 else 1
+    ):
+        raise InputError(
+            f"plan fields batch_size/dp/micro_batches: batch {plan.batch_size} does not split into dp={plan.dp} "
+            f"replicas of {plan.micro_batches} micro-batches"
+        )
+
+
+def check_fits_this_machine(plan: Plan, structure: ModelStructure, nproc: int) -> None:
+    """Running needs each rank's weights in this machine's memory (every rank also builds the full model
+    once to check numerics). Raises InputError with what would fit."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return
+    need = structure.param_bytes * nproc  # each rank builds the full model for the reference
+    if need > 0.8 * total:
+        raise InputError(
+            f"running this plan here needs about {need / 2**30:.1f} GiB ({nproc} ranks each building the "
+            f"{structure.param_bytes / 2**30:.1f} GiB model), this machine has {total / 2**30:.1f} GiB; "
+            "run it on its cluster (torchrun, see README) or run a smaller configuration of the model"
+        )
+
+
 def make_plan(prepared: Prepared, cluster: ClusterSpec, constraints: Constraints, model_path: str) -> Plan:
     """Solve for the best plan. Raises InfeasibleError (exit 3) or InputError (exit 2)."""
     check_pinned_tp(prepared.structure, constraints.tp)
@@ -147,7 +235,8 @@ def run_plan(
     if nproc != plan.num_devices:
         raise InputError(
             f"the plan uses {plan.num_devices} devices (tp={plan.tp} x pp={plan.pp} x dp={plan.dp}) but --nproc is {nproc}; "
-            "re-plan with --nproc, or pass --scale-to-local to re-plan for this machine"
+            f"re-plan for this machine: planner optimize {model_path} --cluster local-cpu --nproc {nproc} "
+            "(or add --run --scale-to-local to an optimize command)"
         )
     workload = "train" if plan.workload == "train" else "forward"
     job = RunJob(

@@ -10,7 +10,7 @@ locally, or one process per rank under `torchrun`). Each rank:
    moved the original model's outputs;
 3. rewrites a copy for its mesh coordinates: TP pass (`passes.tensor_parallel`), ladder pass
    (`passes.ladder`), pipeline split (`passes.pipeline`) for PP > 1;
-4. runs forward (or a training step: forward, backward, SGD step) and compares outputs (and
+4. runs forward (or a training step: forward, backward, Adam step) and compares outputs (and
    gradients) with the reference;
 5. times warm-up + timed iterations with a barrier around each (`runtime.measure`) and reports the
    peak memory.
@@ -215,7 +215,7 @@ def rank_peak_memory_bytes(module: torch.nn.Module, device: torch.device) -> int
 def _training_step(gm, reference, full_inputs, inputs, plan: Plan, mesh, report: RankReport):
     """Check one forward+backward against the unsharded reference on the whole batch (DP replicas
     average their gradients over the DP group); return a timed training step (forward, backward,
-    DP gradient all-reduce, SGD update)."""
+    DP gradient all-reduce, Adam update - the optimizer the cost model assumes for memory)."""
     ref_out = _as_tensor(reference(*full_inputs))
     target_full = torch.linspace(-1.0, 1.0, ref_out.numel(), device=ref_out.device).reshape(ref_out.shape)
     torch.nn.functional.mse_loss(ref_out, target_full).backward()
@@ -238,7 +238,7 @@ def _training_step(gm, reference, full_inputs, inputs, plan: Plan, mesh, report:
             want = shard_weight(want, dim, split.parts, tp_rank, plan.tp)
         worst = max(worst, float((p.grad - want).abs().max()))
     report.grad_max_abs_diff = worst
-    optimizer = torch.optim.SGD(gm.parameters(), lr=1e-3)
+    optimizer = torch.optim.Adam(gm.parameters(), lr=1e-3)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)

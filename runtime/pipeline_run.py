@@ -6,7 +6,7 @@ Like `runtime.execute.run_rank`, but the TP-rewritten graph is split into the pl
 captured at the micro-batch size (captured shapes are literals); the reference is the unsharded
 model on this DP replica's whole batch. Training: forward + backward through the schedule, tied
 weights (GPT-2 embedding / LM head in different stages) get their gradients summed between the two
-stages, DP replicas average gradients, then an SGD step.
+stages, DP replicas average gradients, then an Adam step (the optimizer the cost model assumes).
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, plan: Plan) -> RankReport:
         target = torch.linspace(-1.0, 1.0, ref_out.numel(), device=ref_out.device).reshape(ref_out.shape)
         torch.nn.functional.mse_loss(ref_out, target).backward()
         full_grads = {name: p.grad for name, p in reference.named_parameters()}
-        optimizer = torch.optim.SGD(stage.parameters(), lr=1e-3)
+        optimizer = torch.optim.Adam(stage.parameters(), lr=1e-3)
 
         def step() -> torch.Tensor | None:
             optimizer.zero_grad(set_to_none=True)
