@@ -200,3 +200,24 @@ def test_other_hf_architectures(arch, check):
     with torch.no_grad():
         torch.testing.assert_close(gm(*flat_inputs(args, kwargs)), model(*args, **kwargs).logits)
     assert check(analyse(gm))
+
+
+@pytest.mark.parametrize("name", ["llama3", "gpt2_tiny"])
+def test_node_blocks(structures, name):
+    """Every layer node has a block: projections, the core, RoPE / GQA copies with attention (split
+    by heads), the activation with the MLP (split by width), norms and residual adds on the stream."""
+    s = structures(name)
+    for layer in s.layers:
+        blocks = layer.node_blocks
+        assert set(blocks) == set(layer.nodes)
+        projections = [*layer.attention.projections, *layer.mlp.projections]
+        assert {blocks[p.node] for p in projections} == {"projection"}
+        assert blocks[layer.attention.sdpa_node] == "core"
+        assert blocks[layer.attention.residual_add] == blocks[layer.mlp.residual_add] == "stream"
+        by_op = {}
+        for n in layer.nodes:
+            by_op.setdefault(n.rstrip("_0123456789"), set()).add(blocks[n])
+        if name == "llama3":
+            assert by_op["silu"] == {"mlp"} and by_op["neg"] == {"attention"} and by_op["rsqrt"] == {"stream"}
+        else:
+            assert by_op["gelu"] == {"mlp"} and by_op["layer_norm"] == {"stream"}

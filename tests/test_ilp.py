@@ -217,3 +217,39 @@ def test_time_limit_reports_status_and_gap(h100) -> None:
     sol = ilp.solve(prob)
     assert sol.status in ("Optimal Solution Found", "Solution Found")
     assert sol.gap == 0.0 if sol.status == "Optimal Solution Found" else sol.gap >= 0.0
+
+
+def test_layer_ops_priced_node_by_node() -> None:
+    """Non-projection ops: bytes / bandwidth per node (scaled from the captured 16 tokens to 32), one
+    launch per block; attention ops join the core (/tp with heads), MLP ops the activation (/tp)."""
+    from planner.analysis import NodeCost
+    from planner.costing import attention_core_options, build_layer_graph, layer_node_times_s
+
+    s = handmade_llama(num_layers=1, dtype="fp32")  # captured batch 1 x seq 16
+    layer = s.layers[0]
+
+    def cost(read: float, written: float) -> NodeCost:
+        return NodeCost(1000.0, read, written, (), "fp32", "")
+
+    s.node_costs = {
+        "rope": cost(1e6, 1e6), "rope2": cost(5e5, 5e5), "view": cost(0.0, 0.0),
+        "act": cost(2e6, 1e6), "norm": cost(1e6, 1e6), "sdpa_0": cost(9e9, 9e9),
+    }  # fmt: skip
+    layer.nodes = list(s.node_costs)
+    layer.node_blocks = {"rope": "attention", "rope2": "attention", "view": "attention",
+                         "act": "mlp", "norm": "stream", "sdpa_0": "core"}  # fmt: skip
+    cluster = load_cluster("local-cpu", nproc=2)  # 20 GB/s, launch 3 us, fp32 0.1 TFLOP/s
+    ctx = CostContext(s, cluster, Workload("forward", 2, 16), MeshShape(2, 1, 1, 1), "fp32")
+    times = layer_node_times_s(layer, ctx)
+    # x2 tokens: rope 4e6 B -> 200 us, rope2 2e6 B -> 100 us; act 6e6 B -> 300 us; norm 4e6 B -> 200 us
+    assert times["attention"] == pytest.approx(300e-6 + 3e-6)
+    assert times["mlp"] == pytest.approx(300e-6 + 3e-6)
+    assert times["stream"] == pytest.approx(200e-6 + 3e-6)
+    graph = build_layer_graph(layer, ctx)
+    assert graph.fixed_compute_s == pytest.approx(203e-6)
+    bare = {o.name: o.compute_s for o in attention_core_options(layer.attention, ctx)[0]}
+    core = graph.op("core")
+    assert core.option("replicate").compute_s == pytest.approx(bare["replicate"] + 303e-6)
+    assert core.option("head").compute_s == pytest.approx(bare["head"] + 303e-6 / 2)
+    assert graph.op("act").option("replicate").compute_s == pytest.approx(303e-6)
+    assert graph.op("act").option("shard").compute_s == pytest.approx(303e-6 / 2)
