@@ -59,6 +59,7 @@ _MIN_ROUNDS, _MAX_ROUNDS = 5, 60  # interleaved rounds of collective timings (me
 TRANSFORMER_MATMUL_SHAPES = tuple((t, c, 4 * c) for t in (64, 512) for c in (768, 1024))
 _MATMUL_BUDGET_S = 2.0  # interleaved matmul rounds per dtype, wall seconds
 _MAX_SHAPE_S = 0.1  # a shape whose one product would take longer (slow dtype) is left out
+STREAM_MATMUL_SHAPE = (64, 1024, 32768)  # (T, C, N): a weight far larger than a CPU cache
 _SEGMENT_S = 0.003  # compute before each timed all-reduce (as a TP graph issues it)
 
 
@@ -155,6 +156,35 @@ def _matmul_flops_per_s(dtype: str, device: torch.device, max_n: int) -> tuple[f
         _MATMUL_BUDGET_S,
     )
     return statistics.median(rates), wall_ratio
+
+
+def _cache_bytes() -> float | None:
+    """Size of the CPU's last-level cache (Linux sysfs), None when unknown."""
+    best: tuple[int, float] | None = None
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level = int((index / "level").read_text())
+            text = (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        units = {"K": 2**10, "M": 2**20, "G": 2**30}
+        size = float(text[:-1]) * units[text[-1]] if text[-1] in units else float(text)
+        if best is None or level > best[0]:
+            best = (level, size)
+    return None if best is None else best[1]
+
+
+def _stream_bandwidth(device: torch.device, flops_per_s: float) -> float | None:
+    """Bytes / s of weight streaming in a matmul far larger than the cache, (64 x 1024) @ (1024 x
+    32768) fp32 (134 MB weight): ``bytes_moved / (t - flops / flops_per_s)``, so that
+    ``costmodels.compute.op_time_s`` reproduces the measured time; None when it runs at the compute
+    rate (no streaming penalty)."""
+    t_, c, n = STREAM_MATMUL_SHAPE
+    x, w = torch.randn(t_, c, device=device), torch.randn(c, n, device=device)
+    t = _median_time_s(lambda: x @ w, device, budget_s=1.0)
+    flops, moved = 2.0 * t_ * c * n, 4.0 * (t_ * c + c * n + t_ * n)
+    extra = t - flops / flops_per_s
+    return moved / extra if extra > 0.05 * t else None
 
 
 def _copy_bytes_per_s(device: torch.device, nbytes: int) -> float:
@@ -297,6 +327,13 @@ def _worker(rank: int, nproc: int, port: int, use_cuda: bool, queue: object) -> 
         dist.barrier()
         launch = _launch_overhead_s(device)
         *peaks, mem_bw = _reduce([*peaks, mem_bw], dist.ReduceOp.MIN, device)  # slowest rank
+        if not use_cuda:
+            progress("matmul streaming a large weight", 0.42)
+            dist.barrier()
+            stream = _stream_bandwidth(device, peaks[list(DTYPE_BYTES).index("fp32")])
+            (stream,) = _reduce([stream or math.inf], dist.ReduceOp.MIN, device)
+            if math.isfinite(stream) and (cache := _cache_bytes()) is not None:
+                result.update(stream_bandwidth=stream, cache_bytes=cache)
         (launch,) = _reduce([launch], dist.ReduceOp.MAX, device)
         result.update(peaks=dict(zip(DTYPE_BYTES, peaks)), memory_bandwidth=mem_bw, launch_s=launch)
         if nproc > 1:
@@ -481,6 +518,14 @@ def calibrate(nproc: int, progress: Progress | None = None, timeout_s: float = 1
         },
         "links": {"intra_node": intra},
     }
+    if "stream_bandwidth" in m:
+        data["device"]["cache_MiB"] = _sig(m["cache_bytes"] / 2**20)
+        data["device"]["stream_bandwidth_GBps"] = _sig(m["stream_bandwidth"] / 1e9)
+        t_, c, n = STREAM_MATMUL_SHAPE
+        sources.append(
+            f"stream bandwidth: ({t_} x {c}) @ ({c} x {n}) fp32 timed, bytes / (time - FLOP / fp32 peak); "
+            "cache: last-level cache size from sysfs"
+        )
     spec = parse_cluster(data, "planner calibrate")
     if progress is not None:
         progress("done", 1.0)

@@ -16,6 +16,10 @@ YAML layout (units in the field names; see the presets in ``costmodels/clusters/
       matmul_efficiency: 0.7       # (0, 1]
       memory_efficiency: 0.8       # (0, 1]
       launch_overhead_us: 4
+      # optional (CPU devices; absent = plain roofline): a matmul moving more than cache_MiB costs
+      # compute + bytes / stream_bandwidth_GBps instead of the max of the two
+      cache_MiB: 32
+      stream_bandwidth_GBps: 4
     links:
       intra_node: {kind: nvlink, bandwidth_GBps: 370, latency_us: 3.3}   # per direction, per device
       inter_node: {kind: infiniband, bandwidth_GBps: 37.5, latency_us: 6, nics_per_node: 8}  # per NIC
@@ -43,6 +47,7 @@ BACKENDS = ("nccl", "gloo")
 
 # Unit conversions, applied once here (ARCHITECTURE.md: SI inside, human units at the YAML edge).
 _GIB = 2.0**30  # bytes per GiB
+_MIB = 2.0**20  # bytes per MiB (cache sizes)
 _GB = 1e9  # bytes per GB (link and memory bandwidths are decimal GB/s, as in datasheets)
 _TFLOPS = 1e12  # FLOP/s per TFLOP/s
 _US = 1e-6  # seconds per microsecond
@@ -70,6 +75,11 @@ class DeviceSpec:
     matmul_efficiency: float  # achievable fraction of peak for large matmuls (0, 1]
     memory_efficiency: float  # achievable fraction of memory bandwidth (0, 1]
     launch_overhead_s: float  # fixed cost per kernel / per op (and per collective)
+    # Optional, for CPUs (None: plain roofline). A matmul moving more than ``cache_bytes`` streams its
+    # weight from memory without overlapping its FMAs (and re-packs it): compute time + bytes moved /
+    # ``stream_bandwidth_bytes_per_s`` (default: memory bandwidth x efficiency) instead of the max.
+    cache_bytes: float | None = None
+    stream_bandwidth_bytes_per_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -198,6 +208,8 @@ _EXPECT = {
     "matmul_efficiency": "a fraction in (0, 1] of peak reached by large matmuls",
     "memory_efficiency": "a fraction in (0, 1] of memory bandwidth reached",
     "launch_overhead_us": "a number in µs >= 0 (per kernel), e.g. 4",
+    "cache_MiB": "a number in MiB > 0 (last-level cache; larger matmuls stream), e.g. 32",
+    "stream_bandwidth_GBps": "a number in GB/s > 0 (weight streaming of matmuls above cache_MiB), e.g. 4",
     "kind": f"one of {', '.join(LINK_KINDS)}",
     "bandwidth_GBps": "a number in GB/s > 0 (per direction; per device, or per NIC for inter_node)",
     "latency_us": "a number in µs >= 0, e.g. 3",
@@ -234,8 +246,10 @@ def _parse_device(r: _Reader, raw: Any) -> DeviceSpec:
         "memory_efficiency",
         "launch_overhead_us",
     )
-    d = r.mapping(raw, "device", keys)
+    d = r.mapping(raw, "device", keys, ("cache_MiB", "stream_bandwidth_GBps"))
     peaks = r.mapping(d["peak_TFLOPS"], "device.peak_TFLOPS", DTYPES)
+    cache = d.get("cache_MiB")
+    stream = d.get("stream_bandwidth_GBps")
     return DeviceSpec(
         name=r.string(d["name"], "device.name"),
         memory_bytes=r.number(d["memory_GiB"], "device.memory_GiB", "GiB", "80") * _GIB,
@@ -252,6 +266,10 @@ def _parse_device(r: _Reader, raw: Any) -> DeviceSpec:
             d["launch_overhead_us"], "device.launch_overhead_us", "µs", "4", allow_zero=True
         )
         * _US,
+        cache_bytes=None if cache is None else r.number(cache, "device.cache_MiB", "MiB", "32") * _MIB,
+        stream_bandwidth_bytes_per_s=None
+        if stream is None
+        else r.number(stream, "device.stream_bandwidth_GBps", "GB/s", "4") * _GB,
     )
 
 
@@ -441,6 +459,12 @@ def cluster_to_dict(spec: ClusterSpec) -> dict:
             "matmul_efficiency": _human(dev.matmul_efficiency),
             "memory_efficiency": _human(dev.memory_efficiency),
             "launch_overhead_us": _human(dev.launch_overhead_s / _US),
+            **({} if dev.cache_bytes is None else {"cache_MiB": _human(dev.cache_bytes / _MIB)}),
+            **(
+                {}
+                if dev.stream_bandwidth_bytes_per_s is None
+                else {"stream_bandwidth_GBps": _human(dev.stream_bandwidth_bytes_per_s / _GB)}
+            ),
         },
         "links": links,
     }

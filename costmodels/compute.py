@@ -4,6 +4,11 @@
                  bytes_moved / (memory_bandwidth_bytes_per_s * memory_efficiency)) + launch_overhead_s
 
 (Williams, Waterman, Patterson, "Roofline: an insightful visual performance model", CACM 2009.)
+On a device with ``cache_bytes`` set (CPUs), a matmul moving more than that streams its weight from
+memory without overlapping the FMAs (measured on the 2-core EPYC dev VM: (64 x 768) @ (768 x 50257)
+runs at ~48 GFLOP/s of thread CPU time against ~87-90 for the layer shapes), so it costs
+
+    time_s = flops / (peak * matmul_efficiency) + bytes_moved / stream_bandwidth + launch_overhead_s
 All functions are pure; FLOP counts are multiply and add counted separately (one FMA = 2 FLOP),
 bytes are bytes read plus bytes written, times are seconds.
 """
@@ -43,7 +48,11 @@ def op_time_s(flops: float, bytes_moved: float, device: DeviceSpec, dtype: str, 
         raise ValueError(f"flops and bytes_moved must be >= 0, got {flops}, {bytes_moved}")
     peak = device.peak_flops_per_s[dtype if kind == "matmul" else "fp32"]
     compute_s = flops / (peak * device.matmul_efficiency)
-    memory_s = bytes_moved / (device.memory_bandwidth_bytes_per_s * device.memory_efficiency)
+    bandwidth = device.memory_bandwidth_bytes_per_s * device.memory_efficiency
+    memory_s = bytes_moved / bandwidth
+    if kind == "matmul" and device.cache_bytes is not None and bytes_moved > device.cache_bytes:
+        stream = device.stream_bandwidth_bytes_per_s or bandwidth
+        return compute_s + bytes_moved / stream + device.launch_overhead_s
     return max(compute_s, memory_s) + device.launch_overhead_s
 
 

@@ -123,3 +123,17 @@ def test_clock_is_thread_cpu_time_with_one_cpu_thread(monkeypatch: pytest.Monkey
     assert cal._clock(torch.device("cpu")) is time.thread_time
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
     assert cal._clock(torch.device("cpu")) is time.perf_counter
+
+
+def test_stream_bandwidth_is_bytes_over_time_beyond_compute(monkeypatch: pytest.MonkeyPatch) -> None:
+    """(64 x 1024) @ (1024 x 32768) fp32: 4.295 GFLOP, 4 * (64*1024 + 1024*32768 + 64*32768) B."""
+    import torch
+
+    from costmodels import calibrate as cal
+
+    monkeypatch.setattr(cal, "STREAM_MATMUL_SHAPE", (4, 8, 16))  # small tensors, same formula
+    monkeypatch.setattr(cal, "_median_time_s", lambda fn, device, budget_s=0.0: 0.010)
+    flops, moved = 2.0 * 4 * 8 * 16, 4.0 * (4 * 8 + 8 * 16 + 4 * 16)
+    # compute at 1024 / 0.004 FLOP/s = 4 ms of the 10 ms: the other 6 ms stream `moved` bytes
+    assert cal._stream_bandwidth(torch.device("cpu"), flops / 0.004) == pytest.approx(moved / 0.006)
+    assert cal._stream_bandwidth(torch.device("cpu"), flops / 0.0099) is None  # within 5%: no penalty

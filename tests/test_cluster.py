@@ -174,6 +174,14 @@ MALFORMED = [
     ("bad choice", "backend", "mpi", "backend", ["nccl", "gloo"]),
     ("bad link kind", "links.inter_node.kind", "roce", "links.inter_node.kind", ["infiniband", "ethernet"]),
     ("sources not strings", "sources", [1, 2], "sources", ["list of strings"]),
+    ("cache zero", "device.cache_MiB", 0, "device.cache_MiB", ["> 0", "MiB"]),
+    (
+        "stream bandwidth string",
+        "device.stream_bandwidth_GBps",
+        "4GB/s",
+        "device.stream_bandwidth_GBps",
+        ["GB/s"],
+    ),
     ("section not a mapping", "device", "H100", "device", ["mapping", "memory_GiB"]),
 ]
 
@@ -236,3 +244,16 @@ def test_yaml_is_loaded_safely(tmp_path: Path) -> None:
     path.write_text("!!python/object/apply:os.system ['echo hacked']\n")
     with pytest.raises(SpecError, match="YAML syntax error"):
         load_cluster(str(path))
+
+
+def test_optional_cache_fields_parse_and_round_trip() -> None:
+    """cache_MiB / stream_bandwidth_GBps are optional (None when absent, not written back)."""
+    plain = parse_cluster(_valid(), "spec.yaml")
+    assert plain.device.cache_bytes is None and plain.device.stream_bandwidth_bytes_per_s is None
+    assert "cache_MiB" not in cluster_to_dict(plain)["device"]
+    data = _valid()
+    data["device"].update(cache_MiB=32, stream_bandwidth_GBps=4.5)
+    spec = parse_cluster(data, "spec.yaml")
+    assert spec.device.cache_bytes == 32 * 2**20
+    assert spec.device.stream_bandwidth_bytes_per_s == pytest.approx(4.5e9)
+    assert parse_cluster(cluster_to_dict(spec), "again") == spec

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from costmodels import compute
@@ -82,3 +84,15 @@ def test_elementwise_norm_embedding() -> None:
 def test_helpers_reject_unknown_dtype() -> None:
     with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
         compute.linear_bytes(1, 1, 1, "fp8")
+
+
+def test_op_time_matmul_above_cache_streams_additively() -> None:
+    # cache 1 MB, stream 1 GB/s: 1e10 FLOP / 5e12 = 2 ms compute + 2e6 B / 1e9 = 2 ms -> 4 ms (not the max)
+    cpu = dataclasses.replace(DEVICE, cache_bytes=1e6, stream_bandwidth_bytes_per_s=1e9)
+    assert compute.op_time_s(1e10, 2e6, cpu, "fp32", "matmul") == pytest.approx(4e-3 + 5e-6)
+    # within the cache: roofline max(2 ms, 1e6 B / 0.5e12 = 2 us)
+    assert compute.op_time_s(1e10, 1e6, cpu, "fp32", "matmul") == pytest.approx(2e-3 + 5e-6)
+    # memory-kind ops keep the roofline; without stream bandwidth: bytes / (1e12 x 0.5) = 4 us
+    assert compute.op_time_s(0, 2e6, cpu, "fp32", "memory") == pytest.approx(4e-6 + 5e-6)
+    no_stream = dataclasses.replace(DEVICE, cache_bytes=1e6)
+    assert compute.op_time_s(1e10, 2e6, no_stream, "fp32", "matmul") == pytest.approx(2e-3 + 4e-6 + 5e-6)
