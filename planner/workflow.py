@@ -232,6 +232,11 @@ def run_plan(
     from runtime.execute import RunJob, run_rank, summarise  # noqa: PLC0415 - heavy imports only for --run
     from runtime.launch import launch  # noqa: PLC0415
 
+    if plan.workload == "decode":
+        raise InputError(
+            "--run executes forward and train plans; running a decode step against a KV cache is not implemented "
+            "in the runtime yet (the plan and its prediction are valid)"
+        )
     if nproc != plan.num_devices:
         raise InputError(
             f"the plan uses {plan.num_devices} devices (tp={plan.tp} x pp={plan.pp} x dp={plan.dp}) but --nproc is {nproc}; "
