@@ -172,6 +172,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     run = None
     if args.run:
         plan, run = _run(args, plan, prepared, cluster)
+    if args.run and run is None:  # a rank other than 0 under torchrun: rank 0 reports
+        return 0
     report = workflow.report_dict(plan, run, args.model, cluster)
     if run is not None:
         render_run(console, report)
@@ -254,6 +256,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     with _progress() as progress:
         progress.add_task(f"running on {nproc} rank(s)", total=None)
         run = workflow.run_plan(plan, args.model, nproc, args.iters, args.warmup, args.timeout)
+    if run is None:  # a rank other than 0 under torchrun: rank 0 reports
+        return 0
     try:
         cluster = load_cluster(plan.cluster)
     except PlannerError:

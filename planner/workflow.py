@@ -224,8 +224,10 @@ def make_plan(prepared: Prepared, cluster: ClusterSpec, constraints: Constraints
 
 def run_plan(
     plan: Plan, model_path: str, nproc: int, iters: int, warmup: int, timeout_s: float
-) -> dict[str, Any]:
+) -> dict[str, Any] | None:
     """Execute `plan` on `nproc` local ranks (gloo on CPU, NCCL on GPUs) and summarise the ranks.
+
+    Under torchrun this process is one rank: rank 0 returns the summary, the other ranks None.
 
     Raises InputError when nproc != the plan's device count, RunError (exit 4) when a rank fails.
     """
@@ -254,7 +256,10 @@ def run_plan(
         iters=iters,
         profile_layers=plan.pp == 1 and workload == "forward",
     )
-    return summarise(launch(run_rank, job, nproc=nproc, timeout_s=timeout_s))
+    reports = launch(run_rank, job, nproc=nproc, timeout_s=timeout_s)
+    if any(r is None for r in reports):
+        return None  # under torchrun, ranks other than 0 do not receive the others' reports
+    return summarise(reports)
 
 
 def report_dict(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -116,3 +117,28 @@ def _bad_spec() -> str:
     data = cluster_to_dict(load_cluster("dgx-h100"))
     data["links"]["intra_node"]["bandwidth_GBps"] = "450GB/s"
     return yaml.safe_dump(data)
+
+
+@pytest.mark.slow
+def test_planner_run_under_torchrun_two_ranks(tmp_path):
+    plan_path, report_path = tmp_path / "plan.yaml", tmp_path / "report.json"
+    made = planner(
+        "optimize",
+        str(EXAMPLES / "llama3.py"),
+        "--cluster",
+        "local-cpu",
+        "--nproc",
+        "2",
+        "--out",
+        str(plan_path),
+    )
+    assert made.returncode == 0, made.stderr
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+         "-m", "planner.cli", "run", str(plan_path), "--model", str(EXAMPLES / "llama3.py"),
+         "--iters", "2", "--json", str(report_path)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PLANNER_UNDER_TORCHRUN": "1"},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert report["measured"]["latency_s"] > 0 and report["numerics"]["max_abs_diff"] == 0.0
