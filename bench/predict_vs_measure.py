@@ -386,7 +386,7 @@ def _model_terms(structure, plan, cluster) -> dict[str, float]:
             terms["attention"] += op_time_s(
                 attention_flops(seqs, heads, seq, seq, a.head_dim, True),
                 attention_bytes(seqs, heads, heads * a.num_kv_heads / a.num_heads, seq, seq, a.head_dim, "fp32"),
-                dev, "fp32", "matmul",
+                dev, "fp32", "attention",
             )  # fmt: skip
     if structure.lm_head is not None:
         terms["lm_head"] = linear(structure.lm_head)

@@ -59,8 +59,9 @@ _MIN_ROUNDS, _MAX_ROUNDS = 5, 60  # interleaved rounds of collective timings (me
 TRANSFORMER_MATMUL_SHAPES = tuple((t, c, 4 * c) for t in (64, 512) for c in (768, 1024))
 _MATMUL_BUDGET_S = 2.0  # interleaved matmul rounds per dtype, wall seconds
 _MAX_SHAPE_S = 0.1  # a shape whose one product would take longer (slow dtype) is left out
+SDPA_SHAPE = (1, 16, 128, 64)  # (batch, heads, seq, head dim) of the timed attention core
 STREAM_MATMUL_SHAPE = (64, 1024, 32768)  # (T, C, N): a weight far larger than a CPU cache
-_SEGMENT_S = 0.003  # compute before each timed all-reduce (as a TP graph issues it)
+_SEGMENT_S = 0.005  # compute before each timed all-reduce: a TP block's compute per rank is 2-10 ms here
 
 
 def _free_port() -> int:
@@ -185,6 +186,18 @@ def _stream_bandwidth(device: torch.device, flops_per_s: float) -> float | None:
     flops, moved = 2.0 * t_ * c * n, 4.0 * (t_ * c + c * n + t_ * n)
     extra = t - flops / flops_per_s
     return moved / extra if extra > 0.05 * t else None
+
+
+def _attention_flops_per_s(device: torch.device, dtype: str) -> float:
+    """FLOP/s of causal SDPA at ``SDPA_SHAPE`` (batch, heads, seq, head dim), counted as
+    ``costmodels.compute.attention_flops(causal=True)`` counts it."""
+    b, h, t, hd = SDPA_SHAPE
+    q, k, v = (torch.randn(b, h, t, hd, device=device).to(torch_dtype(dtype)) for _ in range(3))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    (rate,), _ = _interleaved_rates(
+        [lambda: sdpa(q, k, v, is_causal=True)], [4.0 * b * h * t * t * hd / 2.0], device, 0.5
+    )
+    return rate
 
 
 def _copy_bytes_per_s(device: torch.device, nbytes: int) -> float:
@@ -320,13 +333,16 @@ def _worker(rank: int, nproc: int, port: int, use_cuda: bool, queue: object) -> 
             peaks.append(rate)
             wall_ratios.append(ratio)
         (result["matmul_wall_ratio"],) = _reduce([max(wall_ratios)], dist.ReduceOp.MAX, device)
+        attn_dtype = "bf16" if use_cuda else "fp32"
+        attention = _attention_flops_per_s(device, attn_dtype)
         progress("memory bandwidth", 0.35)
         dist.barrier()
         mem_bw = _copy_bytes_per_s(device, 2**30 if use_cuda else 64 * 2**20)
         progress("launch overhead", 0.4)
         dist.barrier()
         launch = _launch_overhead_s(device)
-        *peaks, mem_bw = _reduce([*peaks, mem_bw], dist.ReduceOp.MIN, device)  # slowest rank
+        *peaks, mem_bw, attention = _reduce([*peaks, mem_bw, attention], dist.ReduceOp.MIN, device)  # slowest
+        result["attention_efficiency"] = min(1.0, attention / peaks[list(DTYPE_BYTES).index(attn_dtype)])
         if not use_cuda:
             progress("matmul streaming a large weight", 0.42)
             dist.barrier()
@@ -515,6 +531,7 @@ def calibrate(nproc: int, progress: Progress | None = None, timeout_s: float = 1
             "matmul_efficiency": 1.0,
             "memory_efficiency": 1.0,
             "launch_overhead_us": _sig(m["launch_s"] * 1e6),
+            "attention_efficiency": _sig(m["attention_efficiency"]),
         },
         "links": {"intra_node": intra},
     }
@@ -526,6 +543,10 @@ def calibrate(nproc: int, progress: Progress | None = None, timeout_s: float = 1
             f"stream bandwidth: ({t_} x {c}) @ ({c} x {n}) fp32 timed, bytes / (time - FLOP / fp32 peak); "
             "cache: last-level cache size from sysfs"
         )
+    b, h, t, hd = SDPA_SHAPE
+    sources.append(
+        f"attention efficiency: causal SDPA (B={b}, H={h}, T={t}, hd={hd}) FLOP/s over the matmul peak"
+    )
     spec = parse_cluster(data, "planner calibrate")
     if progress is not None:
         progress("done", 1.0)

@@ -20,6 +20,7 @@ YAML layout (units in the field names; see the presets in ``costmodels/clusters/
       # compute + bytes / stream_bandwidth_GBps instead of the max of the two
       cache_MiB: 32
       stream_bandwidth_GBps: 4
+      attention_efficiency: 0.3    # optional, (0, 1]: SDPA's fraction of peak (default: matmul_efficiency)
     links:
       intra_node: {kind: nvlink, bandwidth_GBps: 370, latency_us: 3.3}   # per direction, per device
       inter_node: {kind: infiniband, bandwidth_GBps: 37.5, latency_us: 6, nics_per_node: 8}  # per NIC
@@ -79,6 +80,8 @@ class DeviceSpec:
     # weight from memory without overlapping its FMAs (and re-packs it): compute time + bytes moved /
     # ``stream_bandwidth_bytes_per_s`` (default: memory bandwidth x efficiency) instead of the max.
     cache_bytes: float | None = None
+    # Optional: achieved fraction of peak of the attention core (SDPA), None: matmul_efficiency.
+    attention_efficiency: float | None = None
     stream_bandwidth_bytes_per_s: float | None = None
 
 
@@ -208,6 +211,7 @@ _EXPECT = {
     "matmul_efficiency": "a fraction in (0, 1] of peak reached by large matmuls",
     "memory_efficiency": "a fraction in (0, 1] of memory bandwidth reached",
     "launch_overhead_us": "a number in µs >= 0 (per kernel), e.g. 4",
+    "attention_efficiency": "a fraction in (0, 1] of peak reached by the attention core",
     "cache_MiB": "a number in MiB > 0 (last-level cache; larger matmuls stream), e.g. 32",
     "stream_bandwidth_GBps": "a number in GB/s > 0 (weight streaming of matmuls above cache_MiB), e.g. 4",
     "kind": f"one of {', '.join(LINK_KINDS)}",
@@ -246,10 +250,11 @@ def _parse_device(r: _Reader, raw: Any) -> DeviceSpec:
         "memory_efficiency",
         "launch_overhead_us",
     )
-    d = r.mapping(raw, "device", keys, ("cache_MiB", "stream_bandwidth_GBps"))
+    d = r.mapping(raw, "device", keys, ("cache_MiB", "stream_bandwidth_GBps", "attention_efficiency"))
     peaks = r.mapping(d["peak_TFLOPS"], "device.peak_TFLOPS", DTYPES)
     cache = d.get("cache_MiB")
     stream = d.get("stream_bandwidth_GBps")
+    attention = d.get("attention_efficiency")
     return DeviceSpec(
         name=r.string(d["name"], "device.name"),
         memory_bytes=r.number(d["memory_GiB"], "device.memory_GiB", "GiB", "80") * _GIB,
@@ -270,6 +275,9 @@ def _parse_device(r: _Reader, raw: Any) -> DeviceSpec:
         stream_bandwidth_bytes_per_s=None
         if stream is None
         else r.number(stream, "device.stream_bandwidth_GBps", "GB/s", "4") * _GB,
+        attention_efficiency=None
+        if attention is None
+        else r.fraction(attention, "device.attention_efficiency"),
     )
 
 
@@ -464,6 +472,11 @@ def cluster_to_dict(spec: ClusterSpec) -> dict:
                 {}
                 if dev.stream_bandwidth_bytes_per_s is None
                 else {"stream_bandwidth_GBps": _human(dev.stream_bandwidth_bytes_per_s / _GB)}
+            ),
+            **(
+                {}
+                if dev.attention_efficiency is None
+                else {"attention_efficiency": _human(dev.attention_efficiency)}
             ),
         },
         "links": links,

@@ -18,7 +18,7 @@ from __future__ import annotations
 from costmodels.cluster import DeviceSpec
 from costmodels.dtypes import DTYPE_BYTES, dtype_bytes
 
-OP_KINDS = ("matmul", "memory")
+OP_KINDS = ("matmul", "attention", "memory")
 
 # FLOP per element of a normalisation: LayerNorm = mean, subtract, square, mean, rsqrt-scale,
 # affine (~8); RMSNorm = square, mean, rsqrt-scale, weight (~4). Counting convention, not measured.
@@ -34,8 +34,10 @@ def op_time_s(flops: float, bytes_moved: float, device: DeviceSpec, dtype: str, 
         bytes_moved: bytes read plus written from device memory (bytes).
         device: the device; its efficiencies scale peak FLOP/s and memory bandwidth.
         dtype: "bf16" | "fp16" | "fp32", selects the peak.
-        kind: "matmul" (runs on matrix units at ``peak_flops_per_s[dtype]``) or "memory"
-            (elementwise, norm, softmax, copies: vector units, so its compute roof is the fp32 peak).
+        kind: "matmul" (runs on matrix units at ``peak_flops_per_s[dtype]``), "attention" (the
+            attention core: the same peak at ``device.attention_efficiency``, default the matmul
+            efficiency) or "memory" (elementwise, norm, softmax, copies: vector units, so its compute
+            roof is the fp32 peak).
 
     Raises:
         ValueError: unknown ``dtype`` or ``kind``, or negative counts.
@@ -46,8 +48,11 @@ def op_time_s(flops: float, bytes_moved: float, device: DeviceSpec, dtype: str, 
         raise ValueError(f"unknown op kind {kind!r}; expected one of {OP_KINDS}")
     if flops < 0 or bytes_moved < 0:
         raise ValueError(f"flops and bytes_moved must be >= 0, got {flops}, {bytes_moved}")
-    peak = device.peak_flops_per_s[dtype if kind == "matmul" else "fp32"]
-    compute_s = flops / (peak * device.matmul_efficiency)
+    peak = device.peak_flops_per_s["fp32" if kind == "memory" else dtype]
+    efficiency = device.matmul_efficiency
+    if kind == "attention" and device.attention_efficiency is not None:
+        efficiency = device.attention_efficiency
+    compute_s = flops / (peak * efficiency)
     bandwidth = device.memory_bandwidth_bytes_per_s * device.memory_efficiency
     memory_s = bytes_moved / bandwidth
     if kind == "matmul" and device.cache_bytes is not None and bytes_moved > device.cache_bytes:

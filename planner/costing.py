@@ -306,7 +306,7 @@ def attention_core_options(
     def option(name: str, layout: str, shard: int) -> OpOption:
         flops = compute.attention_flops(seqs, heads / shard, q_len, kv_len, hd, causal)
         moved = compute.attention_bytes(seqs, heads / shard, kv_heads / shard, q_len, kv_len, hd, ctx.dtype)
-        t = ctx.op_time(flops, moved, "matmul") + inner_s / shard
+        t = ctx.op_time(flops, moved, "attention") + inner_s / shard
         return OpOption(name, layout, layout, t, kv_cache / shard, stored / shard)
 
     options = [option("replicate", "R", 1)]

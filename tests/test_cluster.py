@@ -176,6 +176,13 @@ MALFORMED = [
     ("sources not strings", "sources", [1, 2], "sources", ["list of strings"]),
     ("cache zero", "device.cache_MiB", 0, "device.cache_MiB", ["> 0", "MiB"]),
     (
+        "attention efficiency above 1",
+        "device.attention_efficiency",
+        2,
+        "device.attention_efficiency",
+        ["(0, 1]"],
+    ),
+    (
         "stream bandwidth string",
         "device.stream_bandwidth_GBps",
         "4GB/s",
@@ -247,13 +254,14 @@ def test_yaml_is_loaded_safely(tmp_path: Path) -> None:
 
 
 def test_optional_cache_fields_parse_and_round_trip() -> None:
-    """cache_MiB / stream_bandwidth_GBps are optional (None when absent, not written back)."""
+    """cache_MiB / stream_bandwidth_GBps / attention_efficiency are optional (None when absent, not written back)."""
     plain = parse_cluster(_valid(), "spec.yaml")
     assert plain.device.cache_bytes is None and plain.device.stream_bandwidth_bytes_per_s is None
     assert "cache_MiB" not in cluster_to_dict(plain)["device"]
     data = _valid()
-    data["device"].update(cache_MiB=32, stream_bandwidth_GBps=4.5)
+    data["device"].update(cache_MiB=32, stream_bandwidth_GBps=4.5, attention_efficiency=0.4)
     spec = parse_cluster(data, "spec.yaml")
+    assert spec.device.attention_efficiency == 0.4
     assert spec.device.cache_bytes == 32 * 2**20
     assert spec.device.stream_bandwidth_bytes_per_s == pytest.approx(4.5e9)
     assert parse_cluster(cluster_to_dict(spec), "again") == spec

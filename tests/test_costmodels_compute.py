@@ -96,3 +96,11 @@ def test_op_time_matmul_above_cache_streams_additively() -> None:
     assert compute.op_time_s(0, 2e6, cpu, "fp32", "memory") == pytest.approx(4e-6 + 5e-6)
     no_stream = dataclasses.replace(DEVICE, cache_bytes=1e6)
     assert compute.op_time_s(1e10, 2e6, no_stream, "fp32", "matmul") == pytest.approx(2e-3 + 4e-6 + 5e-6)
+
+
+def test_op_time_attention_kind_uses_attention_efficiency() -> None:
+    # 1e12 FLOP bf16 at 100e12 x 0.25 = 40 ms; without the field: matmul efficiency 0.5 -> 20 ms
+    sdpa = dataclasses.replace(DEVICE, attention_efficiency=0.25)
+    assert compute.op_time_s(1e12, 1e6, sdpa, "bf16", "attention") == pytest.approx(0.04 + 5e-6)
+    assert compute.op_time_s(1e12, 1e6, DEVICE, "bf16", "attention") == pytest.approx(0.02 + 5e-6)
+    assert compute.op_time_s(1e12, 1e6, sdpa, "bf16", "matmul") == pytest.approx(0.02 + 5e-6)
