@@ -7,6 +7,10 @@ A value in a TP-rewritten graph is, on each rank of the axis, one of:
   `parts` (a fused projection such as GPT-2's `c_attn`, global part sizes along `dim`) the chunk is
   taken from every part and the chunks are concatenated: [q_r | k_r | v_r];
 - `Placement.partial()` - a per-rank partial sum; the full value is the sum over ranks.
+
+A shard may be padded (`size`: the padded global length along `dim`, a multiple of tp): a vocabulary
+of 50257 rows split over 2 ranks is held as 2 x 25129 rows, the last one zero (Megatron-LM pads the
+vocabulary the same way); gathering it drops the padding.
 """
 
 from __future__ import annotations
@@ -22,14 +26,15 @@ class Placement:
     kind: str  # "R" | "S" | "P"
     dim: int = -1
     parts: tuple[int, ...] | None = None
+    size: int | None = None  # padded global length along `dim` (None: not padded)
 
     @staticmethod
     def replicate() -> Placement:
         return Placement("R")
 
     @staticmethod
-    def shard(dim: int, parts: tuple[int, ...] | None = None) -> Placement:
-        return Placement("S", dim, parts)
+    def shard(dim: int, parts: tuple[int, ...] | None = None, size: int | None = None) -> Placement:
+        return Placement("S", dim, parts, size)
 
     @staticmethod
     def partial() -> Placement:
@@ -41,7 +46,8 @@ class Placement:
 
     def __str__(self) -> str:
         if self.kind == "S":
-            return f"Shard({self.dim})" + (f"[parts={list(self.parts)}]" if self.parts else "")
+            padded = f"[padded to {self.size}]" if self.size else ""
+            return f"Shard({self.dim})" + (f"[parts={list(self.parts)}]" if self.parts else "") + padded
         return {"R": "Replicate()", "P": "Partial()"}[self.kind]
 
 
@@ -50,7 +56,7 @@ def local_shape(global_shape: tuple[int, ...], placement: Placement, tp: int) ->
     if not placement.is_shard:
         return tuple(global_shape)
     shape = list(global_shape)
-    shape[placement.dim] //= tp
+    shape[placement.dim] = (placement.size or shape[placement.dim]) // tp
     return tuple(shape)
 
 

@@ -56,12 +56,30 @@ class TensorParallelError(ValueError):
     """A node the TP rewrite cannot make correct; the message names the node and the reason."""
 
 
-def shard_weight(full: torch.Tensor, dim: int, parts: list[int] | tuple[int, ...] | None, rank: int, tp: int):
+def padded_size(size: int, tp: int) -> int:
+    """`size` rounded up to a multiple of tp (a padded vocabulary)."""
+    return -(-size // tp) * tp
+
+
+def shard_weight(
+    full: torch.Tensor,
+    dim: int,
+    parts: list[int] | tuple[int, ...] | None,
+    rank: int,
+    tp: int,
+    pad: bool = False,
+):
     """This rank's shard of `full` along `dim`: a contiguous 1/tp chunk, taken per part for fused weights.
 
-    full: the global parameter, e.g. (out_features, in_features). Raises ValueError when a size does
-    not divide by tp. Meta tensors give meta shards.
+    full: the global parameter, e.g. (out_features, in_features). pad: a vocabulary that does not
+    divide by tp is first padded with zero rows to `padded_size` (only for vocab splits: the padded
+    rows' outputs are dropped when gathered). Raises ValueError when a size does not divide by tp.
+    Meta tensors give meta shards.
     """
+    if pad and not parts and full.shape[dim] % tp:
+        extra = list(full.shape)
+        extra[dim] = padded_size(full.shape[dim], tp) - full.shape[dim]
+        full = torch.cat([full, full.new_zeros(extra)], dim=dim)
     pieces = [full] if not parts else list(full.split(list(parts), dim=dim))
     out = []
     for piece in pieces:
@@ -146,15 +164,21 @@ class _Rewriter:
         if p.parts:
             raise self.fail(node, "a fused projection's output must be split into its parts before other ops")
         if node not in self._replicated:
-            self._replicated[node] = self.insert(
-                node, collectives.tp_all_gather, (node, p.dim, self.axis), R, node
-            )
+            gathered = self.insert(node, collectives.tp_all_gather, (node, p.dim, self.axis), R, node)
+            if p.size:  # a padded vocabulary: drop the padding rows after the gather
+                length = self.gshape(node)[p.dim]
+                val = self.global_val[node]
+                shape = list(val.shape)
+                shape[p.dim] = p.size
+                gathered.meta["val"] = torch.empty(shape, dtype=val.dtype, device="meta")
+                gathered = self.insert(gathered, aten.slice.Tensor, (gathered, p.dim, 0, length), R, node)
+            self._replicated[node] = gathered
         return self._replicated[node]
 
     def sharded(self, node: fx.Node, dim: int) -> fx.Node:
         """`node` sharded along `dim` (slicing a replicated value locally)."""
         p = self.place.get(node, R)
-        if isinstance(p, Placement) and p.is_shard and p.dim == dim and not p.parts:
+        if isinstance(p, Placement) and p.is_shard and p.dim == dim and not p.parts and not p.size:
             return node
         full = self.replicated(node)
         if self.gshape(node)[dim] % self.tp:
@@ -183,18 +207,20 @@ class _Rewriter:
             split = self.splits[node.target]
             if split.style == "replicate":
                 continue
+            length = tuple(self.global_val[node].shape)[split.dim]
+            size = padded_size(length, self.tp) if split.style == "vocab" and length % self.tp else None
             self.param_split[node.target] = Placement.shard(
-                split.dim, tuple(split.parts) if split.parts else None
+                split.dim, tuple(split.parts) if split.parts else None, size
             )
 
-    def replace_param(self, fqn: str, dim: int, parts) -> None:
+    def replace_param(self, fqn: str, dim: int, parts, pad: bool = False) -> None:
         owner_path, _, name = fqn.rpartition(".")
         owner = self.gm.get_submodule(owner_path) if owner_path else self.gm
         full = getattr(owner, name)
         if id(full) in self._sharded_ids:
             return
         try:
-            shard = shard_weight(full.detach(), dim, parts, self.rank, self.tp)
+            shard = shard_weight(full.detach(), dim, parts, self.rank, self.tp, pad=pad)
         except ValueError as e:
             raise TensorParallelError(f"weight `{fqn}` of shape {tuple(full.shape)}: {e}") from e
         new = torch.nn.Parameter(shard, requires_grad=full.requires_grad)
@@ -221,14 +247,14 @@ class _Rewriter:
         if sp is None:
             self.generic(node)
             return
-        self.replace_param(w.target, sp.dim, sp.parts)
+        self.replace_param(w.target, sp.dim, sp.parts, pad=sp.size is not None)
         if sp.dim == out_dim_of_w:  # column-parallel: replicated in, sharded out
             if isinstance(b, fx.Node):
-                self.replace_param(b.target, 0, sp.parts)
-                self.set_meta(b, Placement.shard(0, sp.parts))
+                self.replace_param(b.target, 0, sp.parts, pad=sp.size is not None)
+                self.set_meta(b, Placement.shard(0, sp.parts, sp.size))
             x_new = self.copy_in(self.replicated(x))
             node.replace_input_with(x, x_new)
-            self.set_meta(node, Placement.shard(len(self.gshape(node)) - 1, sp.parts))
+            self.set_meta(node, Placement.shard(len(self.gshape(node)) - 1, sp.parts, sp.size))
             self.check(node)
             return
         # row-parallel: sharded in, partial out -> all-reduce now, bias after the reduction
@@ -253,7 +279,7 @@ class _Rewriter:
         if sp is None:
             self.generic(node)
             return
-        self.replace_param(w.target, sp.dim, sp.parts)
+        self.replace_param(w.target, sp.dim, sp.parts, pad=sp.size is not None)
         if sp.dim == 0:
             node.target, node.args, node.kwargs = (
                 collectives.vocab_parallel_embedding,
@@ -522,7 +548,12 @@ class _Rewriter:
                 node.args = (fx.node.map_arg(node.args[0], self.replicated),)
             elif node.op == "call_function":
                 op = _op(node)
-                if node.target is operator.getitem:
+                if any(
+                    isinstance(self.place.get(a), Placement) and self.place[a].size
+                    for a in node.all_input_nodes
+                ) and op not in (aten.linear, aten.addmm, aten.mm, aten.embedding):
+                    self.generic(node)  # a padded vocabulary shard is gathered (and unpadded) first
+                elif node.target is operator.getitem:
                     self.rule_getitem(node)
                 elif op in matmuls:
                     self.rule_matmul(node)
@@ -628,7 +659,9 @@ def load_sharded_weights(
         else:
             split_dim = split.dim if split is not None else None
         if split is not None and split.style != "replicate" and tuple(source.shape) != tuple(tensor.shape):
-            source = shard_weight(source, split_dim, split.parts, tp_rank, tp_size)
+            source = shard_weight(
+                source, split_dim, split.parts, tp_rank, tp_size, pad=split.style == "vocab"
+            )
         if tuple(source.shape) != tuple(tensor.shape):
             raise ValueError(
                 f"`{name}`: checkpoint shape {tuple(source.shape)} != rank shape {tuple(tensor.shape)}"

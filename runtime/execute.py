@@ -235,7 +235,7 @@ def _training_step(gm, reference, full_inputs, inputs, plan: Plan, mesh, report:
         if tuple(want.shape) != tuple(p.shape):
             split = plan.splits.get(name) or plan.splits.get(name.rsplit(".", 1)[0] + ".weight")
             dim = split.dim if name in plan.splits else 0
-            want = shard_weight(want, dim, split.parts, tp_rank, plan.tp)
+            want = shard_weight(want, dim, split.parts, tp_rank, plan.tp, pad=split.style == "vocab")
         worst = max(worst, float((p.grad - want).abs().max()))
     report.grad_max_abs_diff = worst
     optimizer = torch.optim.Adam(gm.parameters(), lr=1e-3)

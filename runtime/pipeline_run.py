@@ -138,6 +138,6 @@ def _grad_diff(stage: torch.nn.Module, full_grads: dict, plan: Plan, tp_rank: in
         if tuple(want.shape) != tuple(p.shape):
             split = plan.splits.get(name) or plan.splits.get(name.rsplit(".", 1)[0] + ".weight")
             dim = split.dim if name in plan.splits else 0
-            want = shard_weight(want, dim, split.parts, tp_rank, plan.tp)
+            want = shard_weight(want, dim, split.parts, tp_rank, plan.tp, pad=split.style == "vocab")
         worst = max(worst, float((p.grad - want).abs().max()))
     return worst

@@ -26,8 +26,14 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 REL_TOL = 1e-5
 
 
+def _path(name: str) -> Path:
+    return (
+        EXAMPLES / name if (EXAMPLES / name).exists() else Path(__file__).resolve().parent / "models" / name
+    )
+
+
 def _structure(name: str):
-    model_file = load_model_file(EXAMPLES / name)
+    model_file = load_model_file(_path(name))
     args, kwargs = model_file.inputs()
     gm = capture(model_file.build("meta"), args, kwargs)
     return gm, analyse(gm)
@@ -38,9 +44,9 @@ def _job(
 ) -> RunJob:
     _, structure = _structure(name)
     plan = fixed_plan(
-        structure, str(EXAMPLES / name), tp, pp=pp, ladder_layers=ladder, workload=workload, micro_batches=pp
+        structure, str(_path(name)), tp, pp=pp, ladder_layers=ladder, workload=workload, micro_batches=pp
     )
-    return RunJob(str(EXAMPLES / name), plan.to_dict(), workload=workload, warmup=0, iters=1, **kw)
+    return RunJob(str(_path(name)), plan.to_dict(), workload=workload, warmup=0, iters=1, **kw)
 
 
 def _assert_parity(reports, what: str) -> None:
@@ -92,6 +98,18 @@ def test_vocab_parallel_adds_one_all_reduce_and_one_all_gather():
     assert targets.count(collectives.tp_all_gather) == 1  # logits, sharded by vocab
 
 
+def test_odd_vocabulary_is_padded_not_excluded():
+    gm, structure = _structure("gpt2_odd_vocab.py")
+    plan = fixed_plan(structure, "gpt2_odd_vocab.py", 2)
+    apply_tensor_parallel(gm, plan.splits, 1, 2)
+    assert dict(gm.named_parameters())["lm_head.weight"].shape[0] == 129  # 257 padded to 258, halved
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert (
+        targets.count(collectives.tp_all_gather) == 1
+        and targets.count(collectives.vocab_parallel_embedding) == 1
+    )
+
+
 def test_fused_qkv_view_literals_are_rewritten():
     gm, structure = _structure("hf_gpt2.py")
     plan = fixed_plan(structure, "hf_gpt2.py", 2)
@@ -135,13 +153,15 @@ def test_tp2_forward_and_training_parity():
         _job("llama3.py", 2, "train"),
         _job("gpt2_tiny.py", 2, "train"),
         _job("hf_gpt2.py", 2, "train"),
+        _job("gpt2_odd_vocab.py", 2),  # vocab 257: padded to 258 and split, logits gathered and unpadded
+        _job("gpt2_odd_vocab.py", 2, "train"),
         _job("llama3.py", 2, ladder=[2, 3], return_output=True),
     ]
     results = launch(run_jobs, jobs, nproc=2, timeout_s=120)
     per_job = list(zip(*results))
     for job, reports in zip(jobs, per_job):
         _assert_parity(reports, f"{Path(job.model_path).name} {job.workload}")
-    assert per_job[4][0].grad_max_abs_diff is not None
+    assert per_job[4][0].grad_max_abs_diff is not None and per_job[8][0].grad_max_abs_diff is not None
     _check_ladder_against_reference(per_job[-1], first_laddered=2)
 
 
