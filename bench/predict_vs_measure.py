@@ -279,11 +279,11 @@ def main(argv: list[str] | None = None) -> int:
             if errors
             else ""
         )
-        + "A matmul ratio far from 1 means the calibrated peak (one square matmul timed for 0.3 s on a "
-        "shared VM) is not what these shapes reach; 'collectives' is the time blocking all-reduces take "
+        + "A matmul ratio far from 1 means the calibrated peak (thread CPU time, median over a square and "
+        "transformer shapes) is not what these shapes reach, or the ranks did not get their cores; 'collectives' is the time blocking all-reduces take "
         "inside the graph (waiting for the other rank and for gloo's threads to be scheduled), against "
-        "alpha-beta between ranks that start together; 'other' holds the ops the cost model does not "
-        "price one by one (RoPE, casts, copies). The corrected column re-plans with the in-situ matmul "
+        "alpha-beta fitted on all-reduces issued the same way by calibrate; 'other' is every non-matmul, "
+        "non-attention op (priced node by node as memory-bound ops). The corrected column re-plans with the in-situ matmul "
         "rate and all-reduce latency. CPU / wall below 1 is time a rank did not compute (descheduled by "
         "other load, or blocked in a collective): a wall-clock prediction on a shared machine cannot know "
         "it. See bench/README.md for the diagnosis and the fixes."
