@@ -31,6 +31,7 @@ has a conjugate backward one of the same size: Megatron's f/g operators).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -554,11 +555,13 @@ def build_ends_graph(ctx: CostContext) -> LayerGraph:
         options = [OpOption("replicate", "R", "R", t, weight_bytes * state, 0.0, grad_bytes=grads)]
         excluded = {}
         out_bytes = tokens * emb.dim * b
-        if tp > 1 and emb.vocab_size % tp == 0:
+        if tp > 1:  # a vocabulary that does not divide by tp is padded (passes.tensor_parallel.padded_size)
+            rows = -(-emb.vocab_size // tp)
+            shard_bytes = rows * emb.dim * b
             comm = conversion_time_s("P", "R", out_bytes, ctx)
-            options.append(OpOption("vocab", "R", "R", t, weight_bytes * state / tp, 0.0, comm, grads / tp))
-        elif tp > 1:
-            excluded["vocab"] = f"vocab {emb.vocab_size} not divisible by tp={tp}"
+            options.append(
+                OpOption("vocab", "R", "R", t, shard_bytes * state, 0.0, comm, grads and shard_bytes)
+            )
         ops.append(Op(f"embedding{i}", "embedding", options, [], out_bytes, emb.weight, None, excluded))
     head = s.lm_head
     fixed = 0.0
@@ -569,7 +572,8 @@ def build_ends_graph(ctx: CostContext) -> LayerGraph:
             compute.norm_bytes(tokens, hidden, ctx.dtype, NORM_KIND),
             "memory",
         )
-        options, excluded = projection_options(head, tokens, ctx)
+        padded = dataclasses.replace(head, out_features=-(-head.out_features // tp) * tp, parts=None)
+        options, excluded = projection_options(padded, tokens, ctx)  # vocab padded to a multiple of tp
         options = [o for o in options if o.name != "rowwise"]
         excluded.pop("rowwise", None)
         logits_bytes = tokens * head.out_features * b
