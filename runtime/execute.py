@@ -197,6 +197,25 @@ def _data_parallel_slice(inputs: tuple, dp: int, dp_rank: int) -> tuple:
     return tuple(x.chunk(dp, dim=0)[dp_rank] for x in inputs)
 
 
+def grad_max_abs_diff(module: torch.nn.Module, full_grads: dict, plan: Plan, tp_rank: int) -> float:
+    """Worst |gradient of a rank's parameter - the unsharded model's gradient, sharded like the parameter|.
+
+    full_grads: parameter FQN -> gradient of the unsharded model. A colwise weight's bias is sharded
+    like the weight's output; a vocab split is padded as the TP pass pads it.
+    """
+    worst = 0.0
+    for name, p in module.named_parameters():
+        want = full_grads.get(name)
+        if p.grad is None or want is None:
+            continue
+        if tuple(want.shape) != tuple(p.shape):
+            split = plan.splits.get(name) or plan.splits.get(name.rsplit(".", 1)[0] + ".weight")
+            dim = split.dim if name in plan.splits else 0
+            want = shard_weight(want, dim, split.parts, tp_rank, plan.tp, pad=split.style == "vocab")
+        worst = max(worst, float((p.grad - want).abs().max()))
+    return worst
+
+
 def rank_peak_memory_bytes(module: torch.nn.Module, device: torch.device) -> int:
     """Peak memory of this rank's step, bytes: on GPU `max_memory_allocated` (weights included); on CPU
     the rank module's weight shards and buffers plus the resident-set growth during the timed steps
@@ -226,18 +245,7 @@ def _training_step(gm, reference, full_inputs, inputs, plan: Plan, mesh, report:
     report.max_abs_diff = float((out.detach() - ref_local).abs().max())
     torch.nn.functional.mse_loss(out, target).backward()
     _average_gradients(gm, plan.dp, mesh)
-    tp_rank = mesh.tp_rank
-    worst = 0.0
-    for name, p in gm.named_parameters():
-        want = full_grads.get(name)
-        if p.grad is None or want is None:
-            continue
-        if tuple(want.shape) != tuple(p.shape):
-            split = plan.splits.get(name) or plan.splits.get(name.rsplit(".", 1)[0] + ".weight")
-            dim = split.dim if name in plan.splits else 0
-            want = shard_weight(want, dim, split.parts, tp_rank, plan.tp, pad=split.style == "vocab")
-        worst = max(worst, float((p.grad - want).abs().max()))
-    report.grad_max_abs_diff = worst
+    report.grad_max_abs_diff = grad_max_abs_diff(gm, full_grads, plan, mesh.tp_rank)
     optimizer = torch.optim.Adam(gm.parameters(), lr=1e-3)
 
     def step() -> None:

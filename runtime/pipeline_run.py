@@ -20,7 +20,7 @@ from passes.pipeline import (
     stage_of_layers,
     tied_parameters,
 )
-from passes.tensor_parallel import apply_tensor_parallel, shard_weight
+from passes.tensor_parallel import apply_tensor_parallel
 from planner.analysis import analyse
 from planner.capture import capture, flat_inputs
 from planner.modelfile import load_model_file
@@ -32,6 +32,7 @@ from runtime.execute import (
     _as_tensor,
     _average_gradients,
     _slice_args,
+    grad_max_abs_diff,
     rank_peak_memory_bytes,
 )
 from runtime.launch import RankContext
@@ -104,7 +105,7 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, plan: Plan) -> RankReport:
         loss = step()
         if last:  # the pipeline's loss against the unsharded model's loss on the same batch
             report.max_abs_diff = float((loss - torch.nn.functional.mse_loss(ref_out, target)).abs())
-        report.grad_max_abs_diff = _grad_diff(stage, full_grads, plan, mesh.tp_rank)
+        report.grad_max_abs_diff = grad_max_abs_diff(stage, full_grads, plan, mesh.tp_rank)
     else:
 
         def step() -> None:
@@ -126,18 +127,3 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, plan: Plan) -> RankReport:
     report.median_s = timing.median_s
     report.peak_memory_bytes = rank_peak_memory_bytes(stage, ctx.device)
     return report
-
-
-def _grad_diff(stage: torch.nn.Module, full_grads: dict, plan: Plan, tp_rank: int) -> float:
-    """Worst |stage gradient - the unsharded model's gradient (sharded like the parameter)|."""
-    worst = 0.0
-    for name, p in stage.named_parameters():
-        want = full_grads.get(name)
-        if p.grad is None or want is None:
-            continue
-        if tuple(want.shape) != tuple(p.shape):
-            split = plan.splits.get(name) or plan.splits.get(name.rsplit(".", 1)[0] + ".weight")
-            dim = split.dim if name in plan.splits else 0
-            want = shard_weight(want, dim, split.parts, tp_rank, plan.tp, pad=split.style == "vocab")
-        worst = max(worst, float((p.grad - want).abs().max()))
-    return worst
