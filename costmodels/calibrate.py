@@ -129,10 +129,30 @@ def _interleaved_rates(
     return rates, walls / max(clocks, 1e-12)
 
 
-def _matmul_flops_per_s(dtype: str, device: torch.device, max_n: int) -> tuple[float, float]:
-    """(FLOP/s, wall / clock ratio): the median rate over a square matmul (grown until one product
-    takes ``_MIN_OP_S``) and the ``TRANSFORMER_MATMUL_SHAPES`` a product of which is expected to take
-    at most ``_MAX_SHAPE_S`` at the square rate, timed interleaved for ``_MATMUL_BUDGET_S``."""
+def fit_half_rows(shapes: list[tuple[int, int, int]], rates: list[float]) -> float:
+    """Rows h such that an (M x C) @ (C x N) product runs at M / (M + h) of the large-M rate, from the
+    rates of the same (C, N) at two row counts (the (64 x C) and (512 x C) transformer shapes): with
+    q = rate(M1) / rate(M2), h = M1 M2 (1 - q) / (q M2 - M1); the median over the (C, N) pairs, 0 when
+    small products are not slower."""
+    by_cn: dict[tuple[int, int], dict[int, float]] = {}
+    for (m, c, n), rate in zip(shapes, rates):
+        by_cn.setdefault((c, n), {})[m] = rate
+    fits = []
+    for rows in by_cn.values():
+        if len(rows) < 2:
+            continue
+        m1, m2 = min(rows), max(rows)
+        q = rows[m1] / rows[m2]
+        fits.append(max(0.0, m1 * m2 * (1 - q) / (q * m2 - m1)) if q * m2 > m1 else 0.0)
+    return statistics.median(fits) if fits else 0.0
+
+
+def _matmul_flops_per_s(dtype: str, device: torch.device, max_n: int) -> tuple[float, float, float]:
+    """(FLOP/s at large M, wall / clock ratio, half rows h): rates of a square matmul (grown until one
+    product takes ``_MIN_OP_S``) and of the ``TRANSFORMER_MATMUL_SHAPES`` a product of which is
+    expected to take at most ``_MAX_SHAPE_S`` at the square rate, timed interleaved for
+    ``_MATMUL_BUDGET_S``; h = `fit_half_rows` of the transformer shapes, and the FLOP/s the median
+    of rate x (M + h) / M over all shapes."""
     dt = torch_dtype(dtype)
     n = 128
     while True:
@@ -156,7 +176,11 @@ def _matmul_flops_per_s(dtype: str, device: torch.device, max_n: int) -> tuple[f
         device,
         _MATMUL_BUDGET_S,
     )
-    return statistics.median(rates), wall_ratio
+    half_rows = fit_half_rows(shapes[1:], rates[1:])
+    # the large-M rate: each shape's rate with its row penalty M / (M + h) taken out, so that
+    # op_time_s (which applies the penalty) reproduces every measured shape
+    large_m = [r * (m + half_rows) / m for r, (m, _, _) in zip(rates, shapes)]
+    return statistics.median(large_m), wall_ratio, half_rows
 
 
 def _cache_bytes() -> float | None:
@@ -325,13 +349,19 @@ def _worker(rank: int, nproc: int, port: int, use_cuda: bool, queue: object) -> 
             "clock": "thread CPU time" if _clock(device) is time.thread_time else "wall time",
             "load_before": os.getloadavg()[0] if hasattr(os, "getloadavg") else -1.0,
         }
-        peaks, wall_ratios = [], []
+        peaks, wall_ratios, half_rows = [], [], {}
         for i, dtype in enumerate(DTYPE_BYTES):
             progress(f"matmul {dtype}", 0.05 + 0.1 * i)
             dist.barrier()
-            rate, ratio = _matmul_flops_per_s(dtype, device, max_n=8192 if use_cuda else 2048)
+            rate, ratio, half_rows[dtype] = _matmul_flops_per_s(
+                dtype, device, max_n=8192 if use_cuda else 2048
+            )
             peaks.append(rate)
             wall_ratios.append(ratio)
+        # the dtype the ranks will compute in: bf16 on GPUs, fp32 on CPUs
+        (result["matmul_half_rows"],) = _reduce(
+            [half_rows["bf16" if use_cuda else "fp32"]], dist.ReduceOp.MAX, device
+        )
         (result["matmul_wall_ratio"],) = _reduce([max(wall_ratios)], dist.ReduceOp.MAX, device)
         attn_dtype = "bf16" if use_cuda else "fp32"
         attention = _attention_flops_per_s(device, attn_dtype)
@@ -532,6 +562,7 @@ def calibrate(nproc: int, progress: Progress | None = None, timeout_s: float = 1
             "memory_efficiency": 1.0,
             "launch_overhead_us": _sig(m["launch_s"] * 1e6),
             "attention_efficiency": _sig(m["attention_efficiency"]),
+            "matmul_half_rows": _sig(m["matmul_half_rows"]),
         },
         "links": {"intra_node": intra},
     }

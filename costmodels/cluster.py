@@ -21,6 +21,7 @@ YAML layout (units in the field names; see the presets in ``costmodels/clusters/
       cache_MiB: 32
       stream_bandwidth_GBps: 4
       attention_efficiency: 0.3    # optional, (0, 1]: SDPA's fraction of peak (default: matmul_efficiency)
+      matmul_half_rows: 16         # optional: a matmul with M rows reaches M / (M + this) of its rate
     links:
       intra_node: {kind: nvlink, bandwidth_GBps: 370, latency_us: 3.3}   # per direction, per device
       inter_node: {kind: infiniband, bandwidth_GBps: 37.5, latency_us: 6, nics_per_node: 8}  # per NIC
@@ -83,6 +84,9 @@ class DeviceSpec:
     # Optional: achieved fraction of peak of the attention core (SDPA), None: matmul_efficiency.
     attention_efficiency: float | None = None
     stream_bandwidth_bytes_per_s: float | None = None
+    # Optional: a matmul of M rows (tokens) runs at M / (M + matmul_half_rows) of the large-M rate
+    # (fitted by `planner calibrate` from (64 x C) and (512 x C) products; None: no row dependence).
+    matmul_half_rows: float | None = None
 
 
 @dataclass(frozen=True)
@@ -212,6 +216,7 @@ _EXPECT = {
     "memory_efficiency": "a fraction in (0, 1] of memory bandwidth reached",
     "launch_overhead_us": "a number in µs >= 0 (per kernel), e.g. 4",
     "attention_efficiency": "a fraction in (0, 1] of peak reached by the attention core",
+    "matmul_half_rows": "a number of rows >= 0 (a matmul of M rows runs at M / (M + this) of its rate), e.g. 16",
     "cache_MiB": "a number in MiB > 0 (last-level cache; larger matmuls stream), e.g. 32",
     "stream_bandwidth_GBps": "a number in GB/s > 0 (weight streaming of matmuls above cache_MiB), e.g. 4",
     "kind": f"one of {', '.join(LINK_KINDS)}",
@@ -250,7 +255,13 @@ def _parse_device(r: _Reader, raw: Any) -> DeviceSpec:
         "memory_efficiency",
         "launch_overhead_us",
     )
-    d = r.mapping(raw, "device", keys, ("cache_MiB", "stream_bandwidth_GBps", "attention_efficiency"))
+    d = r.mapping(
+        raw,
+        "device",
+        keys,
+        ("cache_MiB", "stream_bandwidth_GBps", "attention_efficiency", "matmul_half_rows"),
+    )
+    half_rows = d.get("matmul_half_rows")
     peaks = r.mapping(d["peak_TFLOPS"], "device.peak_TFLOPS", DTYPES)
     cache = d.get("cache_MiB")
     stream = d.get("stream_bandwidth_GBps")
@@ -278,6 +289,9 @@ def _parse_device(r: _Reader, raw: Any) -> DeviceSpec:
         attention_efficiency=None
         if attention is None
         else r.fraction(attention, "device.attention_efficiency"),
+        matmul_half_rows=None
+        if half_rows is None
+        else r.number(half_rows, "device.matmul_half_rows", "rows", "16", allow_zero=True),
     )
 
 
@@ -478,6 +492,7 @@ def cluster_to_dict(spec: ClusterSpec) -> dict:
                 if dev.attention_efficiency is None
                 else {"attention_efficiency": _human(dev.attention_efficiency)}
             ),
+            **({} if dev.matmul_half_rows is None else {"matmul_half_rows": _human(dev.matmul_half_rows)}),
         },
         "links": links,
     }

@@ -26,7 +26,9 @@ NORM_FLOPS_PER_ELEMENT = {"layernorm": 8, "rmsnorm": 4}
 _INDEX_BYTES = 8  # int64 token ids read by an embedding lookup
 
 
-def op_time_s(flops: float, bytes_moved: float, device: DeviceSpec, dtype: str, kind: str) -> float:
+def op_time_s(
+    flops: float, bytes_moved: float, device: DeviceSpec, dtype: str, kind: str, rows: float | None = None
+) -> float:
     """Time in seconds of one op on one device, by roofline plus a fixed launch overhead.
 
     Args:
@@ -38,6 +40,8 @@ def op_time_s(flops: float, bytes_moved: float, device: DeviceSpec, dtype: str, 
             attention core: the same peak at ``device.attention_efficiency``, default the matmul
             efficiency) or "memory" (elementwise, norm, softmax, copies: vector units, so its compute
             roof is the fp32 peak).
+        rows: a matmul's M (tokens); with ``device.matmul_half_rows`` h set, the matmul runs at
+            M / (M + h) of its rate (small-M products under-use the matrix units / vector lanes).
 
     Raises:
         ValueError: unknown ``dtype`` or ``kind``, or negative counts.
@@ -52,6 +56,8 @@ def op_time_s(flops: float, bytes_moved: float, device: DeviceSpec, dtype: str, 
     efficiency = device.matmul_efficiency
     if kind == "attention" and device.attention_efficiency is not None:
         efficiency = device.attention_efficiency
+    if kind == "matmul" and rows and device.matmul_half_rows:
+        efficiency *= rows / (rows + device.matmul_half_rows)
     compute_s = flops / (peak * efficiency)
     bandwidth = device.memory_bandwidth_bytes_per_s * device.memory_efficiency
     memory_s = bytes_moved / bandwidth

@@ -220,8 +220,8 @@ class CostContext:
         on_node = math.gcd(on_node, self.mesh.dp)
         return Group(self.mesh.dp, on_node)
 
-    def op_time(self, flops: float, bytes_moved: float, kind: str) -> float:
-        one = compute.op_time_s(flops, bytes_moved, self.cluster.device, self.dtype, kind)
+    def op_time(self, flops: float, bytes_moved: float, kind: str, rows: float | None = None) -> float:
+        one = compute.op_time_s(flops, bytes_moved, self.cluster.device, self.dtype, kind, rows=rows)
         return self.compute_factor * one
 
 
@@ -267,7 +267,7 @@ def projection_options(
         moved = compute.linear_bytes(tokens, k, m, ctx.dtype, has_bias)
         stored = act_in / (shard if in_layout == "S" else 1)
         grads = weight_bytes / shard if ctx.train else 0.0
-        return OpOption(name, in_layout, out_layout, ctx.op_time(flops, moved, "matmul"),
+        return OpOption(name, in_layout, out_layout, ctx.op_time(flops, moved, "matmul", rows=tokens),
                         weight_bytes * state / shard, stored, grad_bytes=grads)  # fmt: skip
 
     options = [option("replicate", "R", "R", n_in, n_out, 1)]

@@ -265,3 +265,17 @@ def test_optional_cache_fields_parse_and_round_trip() -> None:
     assert spec.device.cache_bytes == 32 * 2**20
     assert spec.device.stream_bandwidth_bytes_per_s == pytest.approx(4.5e9)
     assert parse_cluster(cluster_to_dict(spec), "again") == spec
+
+
+def test_matmul_half_rows_round_trips_and_is_validated():
+    import dataclasses
+
+    from costmodels.cluster import SpecError, cluster_to_dict, load_cluster, parse_cluster
+
+    local = load_cluster("local-cpu")
+    spec = dataclasses.replace(local, device=dataclasses.replace(local.device, matmul_half_rows=12.5))
+    data = cluster_to_dict(spec)
+    assert parse_cluster(data, "x").device.matmul_half_rows == 12.5
+    data["device"]["matmul_half_rows"] = -1
+    with pytest.raises(SpecError, match="device.matmul_half_rows"):
+        parse_cluster(data, "x")

@@ -104,3 +104,29 @@ def test_op_time_attention_kind_uses_attention_efficiency() -> None:
     assert compute.op_time_s(1e12, 1e6, sdpa, "bf16", "attention") == pytest.approx(0.04 + 5e-6)
     assert compute.op_time_s(1e12, 1e6, DEVICE, "bf16", "attention") == pytest.approx(0.02 + 5e-6)
     assert compute.op_time_s(1e12, 1e6, sdpa, "bf16", "matmul") == pytest.approx(0.02 + 5e-6)
+
+
+def test_matmul_rate_depends_on_rows_when_half_rows_is_set():
+    import dataclasses
+
+    from costmodels.cluster import load_cluster
+    from costmodels.compute import op_time_s
+
+    device = dataclasses.replace(load_cluster("local-cpu").device, matmul_half_rows=16.0, cache_bytes=None)
+    flops = 2.0 * 64 * 768 * 3072
+    plain = op_time_s(flops, 0.0, device, "fp32", "matmul") - device.launch_overhead_s
+    rows64 = op_time_s(flops, 0.0, device, "fp32", "matmul", rows=64) - device.launch_overhead_s
+    assert rows64 == pytest.approx(plain * (64 + 16) / 64)  # runs at 64 / (64 + 16) of the rate
+    assert op_time_s(flops, 0.0, device, "fp32", "memory", rows=64) == op_time_s(
+        flops, 0.0, device, "fp32", "memory"
+    )
+
+
+def test_fit_half_rows_inverts_the_rate_model():
+    from costmodels.calibrate import fit_half_rows
+
+    peak, h = 90e9, 20.0
+    shapes = [(64, 768, 3072), (512, 768, 3072), (64, 1024, 4096), (512, 1024, 4096)]
+    rates = [peak * m / (m + h) for m, _, _ in shapes]
+    assert fit_half_rows(shapes, rates) == pytest.approx(h)
+    assert fit_half_rows(shapes, [peak] * 4) == 0.0
