@@ -191,6 +191,11 @@ def _run(args, plan, prepared, cluster):
     local_devices = torch_devices() if cluster.backend == "nccl" else None
     fits = nproc == plan.num_devices and (local_devices is None or local_devices >= nproc)
     if not fits:
+        if not args.scale_to_local and cluster.backend == "gloo" and plan.num_devices < nproc:
+            raise InputError(
+                f"the plan uses {plan.num_devices} of the {nproc} ranks (tp={plan.tp} x pp={plan.pp} x dp={plan.dp}); "
+                f"run it with --nproc {plan.num_devices}"
+            )
         if not args.scale_to_local:
             raise InputError(
                 f"the plan uses {plan.num_devices} devices (tp={plan.tp} x pp={plan.pp} x dp={plan.dp}) on {cluster.name}; "
