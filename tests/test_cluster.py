@@ -279,3 +279,15 @@ def test_matmul_half_rows_round_trips_and_is_validated():
     data["device"]["matmul_half_rows"] = -1
     with pytest.raises(SpecError, match="device.matmul_half_rows"):
         parse_cluster(data, "x")
+
+
+def test_cpu_spec_resized_to_fewer_processes_gets_more_compute_each():
+    import os
+
+    from costmodels.cluster import load_cluster
+
+    cores = os.cpu_count() or 1
+    two = load_cluster("local-cpu", nproc=2)
+    one = load_cluster("local-cpu", nproc=1)
+    ratio = max(1, cores // 1) / max(1, cores // 2)
+    assert one.device.peak_flops_per_s["fp32"] == pytest.approx(two.device.peak_flops_per_s["fp32"] * ratio)
