@@ -12,6 +12,7 @@ plan; if it were ever better than the search result (time limit hit), it is retu
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
@@ -459,6 +460,10 @@ def _baseline(search: _Search) -> BaselinePlan | None:
     inference PP = the nodes; for training the fewest pipeline stages (a divisor of the nodes) whose
     memory fits (with full activation recomputation if needed), and DP over the remaining nodes (GPT-3 175B on 128 nodes: TP 8, PP 16, DP 8)."""
     s, cluster, w = search.structure, search.cluster, search.workload
+    cap = search.constraints.max_devices
+    if cap is not None and cap < cluster.num_devices:  # the hand-written plan gets the same devices
+        dpn = min(cluster.devices_per_node, cap)
+        cluster = dataclasses.replace(cluster, num_nodes=max(1, cap // dpn), devices_per_node=dpn)
     heads, _ = _head_counts(s)
     num_heads = math.gcd(*heads) if heads else None
     mesh = megatron_mesh(cluster, w, num_heads, len(s.layers) or 1)
