@@ -37,6 +37,7 @@ import importlib
 import importlib.util
 import json
 import math
+import operator
 import os
 import re
 import shutil
@@ -142,13 +143,6 @@ def _replace_dir(new: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _fetch(module: nn.Module, target: str) -> Any:
-    obj: Any = module
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def _collect_tensors(gm: fx.GraphModule) -> tuple[list[tuple[str, torch.Tensor, str]], dict[str, str]]:
     """[(FQN, tensor, "parameter" | "buffer")] for every get_attr target, and {alias: canonical FQN}."""
     tensors: list[tuple[str, torch.Tensor, str]] = []
@@ -166,7 +160,7 @@ def _collect_tensors(gm: fx.GraphModule) -> tuple[list[tuple[str, torch.Tensor, 
         if fqn in done:
             continue
         done.add(fqn)
-        value = _fetch(gm, fqn)
+        value = operator.attrgetter(fqn)(gm)
         if not isinstance(value, torch.Tensor):
             raise EmitError(
                 f"cannot emit `{node.format_node()}`: attribute {fqn!r} is a {type(value).__name__}"

@@ -182,7 +182,7 @@ def _requires_grad_nodes(gm: fx.GraphModule) -> set[fx.Node]:
             isinstance(val, torch.Tensor) and val.dtype.is_floating_point
         )
         if node.op == "get_attr":
-            value = _fetch(gm, str(node.target))
+            value = operator.attrgetter(str(node.target))(gm)
             if isinstance(value, nn.Parameter) and value.requires_grad:
                 needs.add(node)
         elif node.op == "placeholder":
@@ -200,16 +200,9 @@ def _param_keys(gm: fx.GraphModule, nodes: list[fx.Node]) -> dict[str, str]:
     for node in nodes:
         if node.op != "get_attr" or node.target in keys:
             continue
-        value = _fetch(gm, str(node.target))
+        value = operator.attrgetter(str(node.target))(gm)
         keys[str(node.target)] = by_id.setdefault(id(value), str(node.target))
     return keys
-
-
-def _fetch(module: nn.Module, target: str) -> Any:
-    obj: Any = module
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _build_stage(
@@ -263,7 +256,7 @@ def _untie(stages: list[fx.GraphModule]) -> None:
     holders: dict[int, list[tuple[int, str]]] = {}
     for k, stage in enumerate(stages):
         for target in stage.meta["pp_param_keys"]:
-            holders.setdefault(id(_fetch(stage, target)), []).append((k, target))
+            holders.setdefault(id(operator.attrgetter(target)(stage)), []).append((k, target))
     for found in holders.values():
         if len({k for k, _ in found}) < 2:
             continue
@@ -296,7 +289,7 @@ def tied_parameters(stages: Sequence[fx.GraphModule]) -> list[tuple[int, str, in
     holders: dict[str, list[tuple[int, str]]] = {}  # key -> [(stage, first name in that stage)]
     for k, stage in enumerate(stages):
         for target, key in stage.meta.get("pp_param_keys", {}).items():
-            value = _fetch(stage, target)
+            value = operator.attrgetter(target)(stage)
             found = holders.setdefault(key, [])
             if isinstance(value, nn.Parameter) and value.requires_grad and k not in (s for s, _ in found):
                 found.append((k, target))

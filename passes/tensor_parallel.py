@@ -576,7 +576,9 @@ class _Rewriter:
             else:
                 self.generic(node)
         # tied weights (GPT-2 wte / lm_head) reach the graph under one FQN; only those present are checked
-        unsharded = [f for f in self.param_split if id(self._param(f)) not in self._sharded_ids]
+        unsharded = [
+            f for f in self.param_split if id(operator.attrgetter(f)(self.gm)) not in self._sharded_ids
+        ]
         if unsharded:
             raise TensorParallelError(
                 f"split weights not used by a matmul or embedding the pass understands: {unsharded}"
@@ -584,10 +586,6 @@ class _Rewriter:
         self.graph.lint()
         self.gm.recompile()
         return self.gm
-
-    def _param(self, fqn: str):
-        owner_path, _, name = fqn.rpartition(".")
-        return getattr(self.gm.get_submodule(owner_path) if owner_path else self.gm, name)
 
     def rule_same(self, node: fx.Node) -> None:
         x = node.args[0] if node.args else None
