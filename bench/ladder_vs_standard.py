@@ -2,7 +2,7 @@
 
     python bench/ladder_vs_standard.py [--nproc 2] [--iters 15] [--cluster local-cpu|SPEC.yaml]
 
-For each model, the planner (`planner.search.plan_model`, tp pinned to `nproc`) plans three variants
+For each model, the planner (`planner.solver.search.plan_model`, tp pinned to `nproc`) plans three variants
 on the given cluster spec: ladder `none`, `upper:N/2` and `upper:N` (all layers). Each plan's
 predicted latency gives the predicted speedup standard / ladder. Every rank then builds the same
 weights, captures the model once and rewrites it per variant exactly as `runtime.execute.run_rank`
@@ -62,7 +62,7 @@ class Payload:
 
 def plan_variants(case: Case, cluster_name: str, tp: int) -> dict[str, object]:
     """Plans for ladder none / upper half / all layers with tp pinned (meta-device capture: no weights)."""
-    from planner.workflow import constraints_from, make_plan, prepare  # noqa: PLC0415
+    from planner.cli.workflow import constraints_from, make_plan, prepare  # noqa: PLC0415
 
     prepared = prepare(case.model_path, batch_size=case.batch_size, seq_len=case.seq_len)
     from costmodels.cluster import load_cluster  # noqa: PLC0415
@@ -82,13 +82,13 @@ def plan_variants(case: Case, cluster_name: str, tp: int) -> dict[str, object]:
 
 def entry(ctx: RankContext, payload: Payload) -> list[dict]:
     """Per rank: each case's variants rewritten from one capture, checked, then timed interleaved."""
+    from passes import collectives  # noqa: PLC0415
     from passes.ladder import apply_ladder, ladder_deviation  # noqa: PLC0415
     from passes.tensor_parallel import apply_tensor_parallel  # noqa: PLC0415
-    from planner.analysis import analyse  # noqa: PLC0415
-    from planner.capture import capture, flat_inputs  # noqa: PLC0415
-    from planner.modelfile import load_model_file  # noqa: PLC0415
+    from planner.frontend.analysis import analyse  # noqa: PLC0415
+    from planner.frontend.capture import capture, flat_inputs  # noqa: PLC0415
+    from planner.frontend.modelfile import load_model_file  # noqa: PLC0415
     from planner.plan import Plan  # noqa: PLC0415
-    from runtime import collectives  # noqa: PLC0415
     from runtime.execute import ladder_residual_adds  # noqa: PLC0415
     from runtime.mesh import build_mesh  # noqa: PLC0415
 

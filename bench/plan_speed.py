@@ -5,7 +5,7 @@
 
 Run from the repository root:  python bench/plan_speed.py [--whole]
 The models are the published configs in examples/, built on the meta device (no weights) and
-captured as `planner optimize` does (`planner.depth.capture_for_planning`: a two-layer slice of the
+captured as `planner optimize` does (`planner.frontend.depth.capture_for_planning`: a two-layer slice of the
 repeated blocks, extended to full depth). `--whole` captures all layers (what the passes use).
 """
 
@@ -20,11 +20,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from costmodels.cluster import load_cluster  # noqa: E402
-from planner.analysis import analyse  # noqa: E402
-from planner.capture import capture  # noqa: E402
-from planner.depth import capture_for_planning  # noqa: E402
-from planner.modelfile import load_model_file  # noqa: E402
-from planner.search import Constraints, Workload, plan_model  # noqa: E402
+from planner.frontend.analysis import analyse  # noqa: E402
+from planner.frontend.capture import capture  # noqa: E402
+from planner.frontend.depth import capture_for_planning  # noqa: E402
+from planner.frontend.modelfile import load_model_file  # noqa: E402
+from planner.solver.search import Constraints, Workload, plan_model  # noqa: E402
 
 CASES = [
     # (name, model file, cluster, workload, target seconds)

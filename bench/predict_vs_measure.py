@@ -5,7 +5,7 @@
 1. The cluster spec: `costmodels.calibrate.calibrate(nproc)` measures this machine first (15-40 s),
    unless `--cluster` names a preset or a spec YAML.
 2. For each configuration (GPT-2 124M and the mid-size Llama-3 of bench/llama3_mid.py, at sizes where
-   a forward takes >= 50 ms here) `planner.workflow.make_plan` plans a forward with tp pinned (the
+   a forward takes >= 50 ms here) `planner.cli.workflow.make_plan` plans a forward with tp pinned (the
    planner chooses dp and pp on the `nproc` devices), and the plan is executed by
    `runtime.launch.launch(runtime.execute.run_rank, ...)` on as many gloo ranks as it uses, each with
    one compute thread (the device the spec describes: one core). `run_rank` checks the sharded output
@@ -85,7 +85,7 @@ def _cluster(args, console: Console):
 
 
 def _plans(cluster, nproc: int, prepared: dict | None = None):
-    from planner.workflow import constraints_from, make_plan, prepare  # noqa: PLC0415
+    from planner.cli.workflow import constraints_from, make_plan, prepare  # noqa: PLC0415
 
     prepared = {} if prepared is None else prepared
     plans = []
@@ -306,7 +306,7 @@ def _category(node, lm_head_node: str | None) -> str | None:
     "other" (the cost model prices it with the norms and adds); a vocab-parallel one as a collective."""
     if node.op != "call_function":
         return None
-    if getattr(node.target, "__module__", "") == "runtime.collectives":
+    if getattr(node.target, "__module__", "") == "passes.collectives":
         return "collectives"  # the time spent in them includes waiting for the slower rank
     op = getattr(getattr(node.target, "overloadpacket", None), "__name__", str(node.target))
     if op in _MATMULS:
@@ -422,12 +422,12 @@ def _cpu_share(gm, inputs, repeats: int) -> tuple[float, float]:
 
 def _profile_entry(ctx: RankContext, payload: tuple[list[ProfileJob], int]) -> list[tuple[dict, dict, tuple]]:
     """Rank entry: each plan's graph rewritten as `run_rank` does (TP pass), profiled term by term."""
+    from passes import collectives  # noqa: PLC0415
     from passes.tensor_parallel import apply_tensor_parallel  # noqa: PLC0415
-    from planner.analysis import analyse  # noqa: PLC0415
-    from planner.capture import capture, flat_inputs  # noqa: PLC0415
-    from planner.modelfile import load_model_file  # noqa: PLC0415
+    from planner.frontend.analysis import analyse  # noqa: PLC0415
+    from planner.frontend.capture import capture, flat_inputs  # noqa: PLC0415
+    from planner.frontend.modelfile import load_model_file  # noqa: PLC0415
     from planner.plan import Plan  # noqa: PLC0415
-    from runtime import collectives  # noqa: PLC0415
     from runtime.mesh import build_mesh  # noqa: PLC0415
 
     jobs, repeats = payload

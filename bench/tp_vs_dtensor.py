@@ -5,7 +5,7 @@
 On the same `nproc` gloo ranks and the same Llama-3 weights (examples/models.py), two sharded versions
 of each model run in interleaved rounds (A, B, B, A, ...):
 
-(a) ours: `planner.capture.capture` -> `passes.tensor_parallel.apply_tensor_parallel` with the
+(a) ours: `planner.frontend.capture.capture` -> `passes.tensor_parallel.apply_tensor_parallel` with the
     hand-written Megatron splits of `tests.plans.megatron_splits` (Q/K/V and w1/w3 column-parallel,
     wo and w2 row-parallel; embedding and LM head replicated) -> the rewritten GraphModule;
 (b) DTensor: the eager model sharded with `torch.distributed.tensor.parallel.parallelize_module`,
@@ -89,8 +89,8 @@ def _build(case: Case):
 
 def _ours(model, tokens, rank: int, tp: int):
     from passes.tensor_parallel import apply_tensor_parallel  # noqa: PLC0415
-    from planner.analysis import analyse  # noqa: PLC0415
-    from planner.capture import capture  # noqa: PLC0415
+    from planner.frontend.analysis import analyse  # noqa: PLC0415
+    from planner.frontend.capture import capture  # noqa: PLC0415
     from tests.plans import megatron_splits  # noqa: PLC0415
 
     gm = capture(model, (tokens,), {})
@@ -122,7 +122,7 @@ def _dtensor(model, tp_mesh, tp: int):
 
 def entry(ctx: RankContext, payload: Payload) -> list[dict]:
     """Per rank: for each case, check both sharded models against the unsharded one, then time them."""
-    from runtime import collectives  # noqa: PLC0415
+    from passes import collectives  # noqa: PLC0415
     from runtime.mesh import build_mesh  # noqa: PLC0415
 
     tp = ctx.world_size

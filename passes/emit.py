@@ -11,12 +11,12 @@
     load_rank_module(out_dir, rank, device) -> nn.Module   (imports module.py by path, calls its load())
     write_readme(out_dir, info) -> out_dir/README.md       (how to load and run it)
 
-The generated module needs only `torch`, and `runtime.collectives` when the graph calls collectives
+The generated module needs only `torch`, and `passes.collectives` when the graph calls collectives
 (`tp_all_reduce(x, "tp")`, ...): none of the planner's passes. Before calling it, the program must
-initialise torch.distributed and bind the mesh axis: `runtime.collectives.register_group("tp", group)`.
+initialise torch.distributed and bind the mesh axis: `passes.collectives.register_group("tp", group)`.
 
 Decision: not `GraphModule.to_folder`. In torch 2.13 its `module.py` (a) does not import the globals
-the graph code uses, so a call to a `runtime.collectives` function fails at the first forward with
+the graph code uses, so a call to a `passes.collectives` function fails at the first forward with
 `NameError: name 'runtime_collectives_tp_all_reduce' is not defined` (fx names non-torch functions by a
 mangled global and only `gm.graph.python_code().globals` knows what it stands for); (b) bakes the
 absolute folder path into the source (the folder cannot be moved, or written to a temp dir and
@@ -28,7 +28,7 @@ Atomicity: a rank folder is written to a temporary sibling (`.rank{r}.tmp-*`) an
 (an existing folder is replaced); an error leaves no half-written `rank{r}`.
 
 The graph's factory ops carry literal devices (`aten.arange(..., device=cpu)`): emit for the device the
-module will run on (`planner.capture.retarget_device(gm, device)` first).
+module will run on (`planner.frontend.capture.retarget_device(gm, device)` first).
 """
 
 from __future__ import annotations
@@ -240,7 +240,7 @@ def _module_source(
 
 Inputs: {inputs or "none"}. Shapes are the local shapes this rank computes with.
 Before calling it: initialise torch.distributed and bind the mesh axes its collectives use,
-`runtime.collectives.register_group("tp", group)`. Then `load(device)(*inputs)`.
+`passes.collectives.register_group("tp", group)`. Then `load(device)(*inputs)`.
 """
 
 import os
@@ -329,7 +329,7 @@ def load_rank_module(
 ) -> nn.Module:
     """Import `out_dir/rank{rank}/module.py` by path and return its `load(device)`: the rank's module.
 
-    The module calls `runtime.collectives`, so `runtime` must be importable, and the mesh axes must be
+    The module calls `passes.collectives`, so `runtime` must be importable, and the mesh axes must be
     registered (`register_group`) before the first call. Raises FileNotFoundError when the folder or a
     file is missing (weights.pt is absent for modules emitted from the meta device: import module.py
     and use its `build()`), RuntimeError when the weights do not match the module.
@@ -372,7 +372,7 @@ Mesh: tp={tp}, pp={pp}, dp={dp} ({world} ranks, backend `{backend}`). Rank r is 
 Each `rank{{r}}/` holds:
 
 - `module.py`: the rank's rewritten model as readable PyTorch source (`class {CLASS_NAME}`,
-  `load(device)`); it imports only `torch` and `runtime.collectives`;
+  `load(device)`); it imports only `torch` and `passes.collectives`;
 - `weights.pt`: the rank's weight shards (`torch.load(..., weights_only=True)`);
 - `meta.json`: the plan facts, the inputs and outputs with their local shapes.
 
@@ -386,7 +386,7 @@ import importlib.util
 import os
 import torch
 import torch.distributed as dist
-from runtime.collectives import register_group
+from passes.collectives import register_group
 
 dist.init_process_group("{backend}")
 rank = dist.get_rank()

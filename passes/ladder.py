@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from runtime import collectives
+from passes import collectives
 
 aten = torch.ops.aten
 

@@ -1,6 +1,6 @@
 """Tensor-parallel rewrite: GraphModule -> this rank's GraphModule with weight shards and collectives.
 
-Input: an ATen-level graph from `planner.capture.capture` (global shapes in `node.meta["val"]`,
+Input: an ATen-level graph from `planner.frontend.capture.capture` (global shapes in `node.meta["val"]`,
 parameters as `get_attr` nodes named by FQN) and the plan's weight splits. Output: the same graph,
 rewritten in place for one rank of the TP axis:
 
@@ -21,7 +21,7 @@ rewritten in place for one rank of the TP axis:
 
 For training (`training=True`) the Megatron conjugate operators are inserted: `tp_copy` (identity
 forward, all-reduce backward) on every replicated float input of an op that produces a shard, and
-the all-reduce after a row-split matmul has an identity backward (`runtime.collectives`).
+the all-reduce after a row-split matmul has an identity backward (`passes.collectives`).
 
 Node metadata written: `node.meta["tp_placement"]` (str), `node.meta["val"]` (a meta tensor of the
 local shape).
@@ -36,8 +36,8 @@ from typing import Any, Protocol
 import torch
 import torch.fx as fx
 
+from passes import collectives
 from passes.placement import Placement, local_shape, view_shard_dim
-from runtime import collectives
 
 aten = torch.ops.aten
 R = Placement.replicate()
@@ -608,9 +608,9 @@ def apply_tensor_parallel(
 ) -> fx.GraphModule:
     """Rewrite `gm` in place into rank `tp_rank`'s shard of a `tp_size`-way tensor-parallel model.
 
-    gm: from `planner.capture.capture` (global shapes in meta). splits: weight FQN -> split (a
+    gm: from `planner.frontend.capture.capture` (global shapes in meta). splits: weight FQN -> split (a
     `planner.plan.WeightSplit`); weights not listed are replicated. Returns `gm`. The rewritten
-    module calls `runtime.collectives` on mesh axis `axis`, which must be registered before it runs.
+    module calls `passes.collectives` on mesh axis `axis`, which must be registered before it runs.
     Raises TensorParallelError naming the node whose local shape cannot be made right.
     """
     if tp_size == 1:

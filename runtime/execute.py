@@ -4,7 +4,7 @@
 locally, or one process per rank under `torchrun`). Each rank:
 
 1. builds the model from the model file with the same seed (identical weights everywhere) and
-   captures it (`planner.capture.capture`);
+   captures it (`planner.frontend.capture.capture`);
 2. computes the reference: the unsharded graph, with the plan's ladder layers applied when there are
    any (so `max_abs_diff` measures the rewrite alone), and `ladder_deviation`, how far ladder residual
    moved the original model's outputs;
@@ -28,13 +28,13 @@ from typing import Any
 
 import torch
 
+from passes import collectives
 from passes.ladder import apply_ladder, ladder_deviation
 from passes.tensor_parallel import apply_tensor_parallel, shard_weight
-from planner.analysis import ModelStructure, analyse
-from planner.capture import capture, flat_inputs
-from planner.modelfile import load_model_file
+from planner.frontend.analysis import ModelStructure, analyse
+from planner.frontend.capture import capture, flat_inputs
+from planner.frontend.modelfile import load_model_file
 from planner.plan import Plan
-from runtime import collectives
 from runtime.launch import RankContext
 from runtime.measure import peak_memory_bytes, reset_peak_memory, time_iterations
 from runtime.mesh import build_mesh

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from passes import collectives
 from passes.pipeline import (
     PipelineRunner,
     all_reduce_tied_gradients,
@@ -21,11 +22,10 @@ from passes.pipeline import (
     tied_parameters,
 )
 from passes.tensor_parallel import apply_tensor_parallel
-from planner.analysis import analyse
-from planner.capture import capture, flat_inputs
-from planner.modelfile import load_model_file
+from planner.frontend.analysis import analyse
+from planner.frontend.capture import capture, flat_inputs
+from planner.frontend.modelfile import load_model_file
 from planner.plan import Plan
-from runtime import collectives
 from runtime.execute import (
     RankReport,
     RunJob,

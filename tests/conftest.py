@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import fx, nn
 
-from planner.capture import capture
-from planner.modelfile import ModelFile, load_model_file
+from planner.frontend.capture import capture
+from planner.frontend.modelfile import ModelFile, load_model_file
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from planner.analysis import Attention, Embedding, Layer, Mlp, ModelStructure, Projection, analyse
-from planner.capture import capture
+from planner.frontend.analysis import Attention, Embedding, Layer, Mlp, ModelStructure, Projection, analyse
+from planner.frontend.capture import capture
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 if str(EXAMPLES) not in sys.path:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from planner.analysis import ModelStructure
+from planner.frontend.analysis import ModelStructure
 from planner.plan import Plan, Prediction, SolverInfo, WeightSplit
 
 

@@ -1,4 +1,4 @@
-"""planner.analysis: roles by dataflow, costs, layers and cut points for every example."""
+"""planner.frontend.analysis: roles by dataflow, costs, layers and cut points for every example."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from planner.analysis import analyse
-from planner.capture import capture, flat_inputs
-from planner.modelfile import load_model_file
+from planner.frontend.analysis import analyse
+from planner.frontend.capture import capture, flat_inputs
+from planner.frontend.modelfile import load_model_file
 
 # example -> (num layers, attention roles, mlp roles, heads, kv heads, head dim, tied, weight_out_dim)
 EXPECTED = {

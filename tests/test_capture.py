@@ -1,4 +1,4 @@
-"""planner.capture: one normalised ATen graph for hand-written and Hugging Face models."""
+"""planner.frontend.capture: one normalised ATen graph for hand-written and Hugging Face models."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import textwrap
 import pytest
 import torch
 
-from planner.capture import capture, flat_inputs, flatten_output, retarget_device
 from planner.errors import InputError
-from planner.modelfile import load_model_file
+from planner.frontend.capture import capture, flat_inputs, flatten_output, retarget_device
+from planner.frontend.modelfile import load_model_file
 
 RUNNABLE = ["gpt2_tiny", "llama3", "mlp", "hf_llama", "hf_gpt2"]
 

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 
 from costmodels.cluster import load_cluster
-from planner.analysis import analyse
-from planner.capture import capture
-from planner.depth import KEEP_LAYERS, capture_for_planning, repeated_blocks
-from planner.modelfile import load_model_file
-from planner.search import Constraints, Workload, plan_model
+from planner.frontend.analysis import analyse
+from planner.frontend.capture import capture
+from planner.frontend.depth import KEEP_LAYERS, capture_for_planning, repeated_blocks
+from planner.frontend.modelfile import load_model_file
+from planner.solver.search import Constraints, Workload, plan_model
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -13,13 +13,13 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
+from passes.collectives import register_group
 from passes.emit import EmitError, emit_rank_module, load_rank_module, write_readme
 from passes.pipeline import run_stages_sequentially, split_stages
 from passes.tensor_parallel import apply_tensor_parallel
-from planner.capture import capture
-from planner.modelfile import load_model_file
+from planner.frontend.capture import capture
+from planner.frontend.modelfile import load_model_file
 from planner.plan import WeightSplit
-from runtime.collectives import register_group
 from runtime.launch import RankContext, launch
 from tests.conftest import EXAMPLES
 
@@ -187,7 +187,7 @@ def _emit_then_load(ctx: RankContext, out_dir: str) -> dict:
         "equal": torch.equal(out, expected),
         "diff_vs_model": (out - reference).abs().max().item(),
         "wq": tuple(module.get_parameter("layers.0.attention.wq.weight").shape),
-        "imports_collectives": "from runtime.collectives import tp_all_reduce as runtime_collectives_tp_all_reduce"
+        "imports_collectives": "from passes.collectives import tp_all_reduce as runtime_collectives_tp_all_reduce"
         in source,
     }
 

@@ -12,7 +12,7 @@ import pytest
 
 from costmodels.cluster import load_cluster
 from planner.errors import InfeasibleError
-from planner.search import Constraints, Workload, plan_model
+from planner.solver.search import Constraints, Workload, plan_model
 from tests.planner_fixtures import analysed_gpt, analysed_llama, analysed_mlp
 
 GIB = 2.0**30

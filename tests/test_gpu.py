@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from planner.analysis import analyse
-from planner.capture import capture
-from planner.modelfile import load_model_file
+from planner.frontend.analysis import analyse
+from planner.frontend.capture import capture
+from planner.frontend.modelfile import load_model_file
 from runtime.execute import RunJob, run_rank, summarise
 from runtime.launch import launch
 from tests.plans import fixed_plan

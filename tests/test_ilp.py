@@ -13,14 +13,14 @@ import pytest
 
 from costmodels.cluster import load_cluster
 from costmodels.comm import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s
-from planner import ilp
-from planner.costing import CostContext, MeshShape, conversion_time_s
 from planner.errors import InputError
-from planner.ilp import IlpProblem, LadderPolicy
 from planner.plan import Plan
-from planner.prediction import predict
-from planner.search import Constraints, Workload, _price, _setup, plan_model
-from planner.stages import balanced_split
+from planner.solver import ilp
+from planner.solver.costing import CostContext, MeshShape, conversion_time_s
+from planner.solver.ilp import IlpProblem, LadderPolicy
+from planner.solver.prediction import predict
+from planner.solver.search import Constraints, Workload, _price, _setup, plan_model
+from planner.solver.stages import balanced_split
 from tests.planner_fixtures import handmade_llama
 
 
@@ -222,8 +222,8 @@ def test_time_limit_reports_status_and_gap(h100) -> None:
 def test_layer_ops_priced_node_by_node() -> None:
     """Non-projection ops: bytes / bandwidth per node (scaled from the captured 16 tokens to 32), one
     launch per block; attention ops join the core (/tp with heads), MLP ops the activation (/tp)."""
-    from planner.analysis import NodeCost
-    from planner.costing import attention_core_options, build_layer_graph, layer_node_times_s
+    from planner.frontend.analysis import NodeCost
+    from planner.solver.costing import attention_core_options, build_layer_graph, layer_node_times_s
 
     s = handmade_llama(num_layers=1, dtype="fp32")  # captured batch 1 x seq 16
     layer = s.layers[0]

@@ -1,4 +1,4 @@
-"""planner.modelfile: loading model files, building models, example inputs and their errors."""
+"""planner.frontend.modelfile: loading model files, building models, example inputs and their errors."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from planner.errors import InputError
-from planner.modelfile import load_model_file
+from planner.frontend.modelfile import load_model_file
 
 
 def write(tmp_path, text: str, name: str = "model.py"):

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from passes.collectives import register_group
 from passes.pipeline import (
     PipelineRunner,
     PipelineSplitError,
@@ -27,10 +28,9 @@ from passes.pipeline import (
     tied_parameters,
 )
 from passes.tensor_parallel import apply_tensor_parallel
-from planner.capture import capture
-from planner.modelfile import load_model_file
+from planner.frontend.capture import capture
+from planner.frontend.modelfile import load_model_file
 from planner.plan import WeightSplit
-from runtime.collectives import register_group
 from runtime.launch import RankContext, launch
 from runtime.mesh import build_mesh
 from tests.conftest import EXAMPLES

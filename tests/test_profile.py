@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from planner.analysis import analyse
-from planner.capture import capture
-from planner.modelfile import load_model_file
+from planner.frontend.analysis import analyse
+from planner.frontend.capture import capture
+from planner.frontend.modelfile import load_model_file
 from runtime.profile import ENDS, layer_of_nodes, profile_layers
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from passes import collectives
 from passes.ladder import apply_ladder
 from passes.tensor_parallel import TensorParallelError, apply_tensor_parallel
-from planner.analysis import analyse
-from planner.capture import capture
-from planner.modelfile import load_model_file
-from runtime import collectives
+from planner.frontend.analysis import analyse
+from planner.frontend.capture import capture
+from planner.frontend.modelfile import load_model_file
 from runtime.execute import RunJob, ladder_residual_adds, summarise
 from runtime.launch import launch
 from tests.parity_entry import run_jobs

@@ -7,9 +7,9 @@ from pathlib import Path
 import torch
 
 from passes.tensor_parallel import apply_tensor_parallel, load_sharded_weights
-from planner.analysis import analyse
-from planner.capture import capture
-from planner.modelfile import load_model_file
+from planner.frontend.analysis import analyse
+from planner.frontend.capture import capture
+from planner.frontend.modelfile import load_model_file
 from tests.plans import fixed_plan
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

@@ -44,7 +44,7 @@ from planner.errors import InputError
 from planner.plan import WORKLOADS
 
 if TYPE_CHECKING:
-    from planner.analysis import Layer, ModelStructure, Projection
+    from planner.frontend.analysis import Layer, ModelStructure, Projection
 
 TRAIN_COMPUTE_FACTOR = 3.0  # forward + backward (2x forward FLOPs: input grads and weight grads)
 TRAIN_COMM_FACTOR = 2.0  # forward collectives plus their backward conjugates (Megatron f/g)

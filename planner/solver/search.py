@@ -2,11 +2,11 @@
 
     plan_model(structure, cluster, workload, constraints) -> Plan
 
-For every candidate mesh (tp, pp, dp, micro-batches) allowed by the constraints, `planner.costing`
-prices every op option and `planner.ilp` solves one ILP (strategies, stages, ladder, memory).
+For every candidate mesh (tp, pp, dp, micro-batches) allowed by the constraints, `planner.solver.costing`
+prices every op option and `planner.solver.ilp` solves one ILP (strategies, stages, ladder, memory).
 Candidates are visited in order of a cheap lower bound (perfectly sharded compute) and skipped
 once the bound exceeds the best plan found, so the search stays fast on 1,000-device clusters.
-The hand-written Megatron plan (`planner.baseline`) is costed with the same model and stored in the
+The hand-written Megatron plan (`planner.solver.baseline`) is costed with the same model and stored in the
 plan; if it were ever better than the search result (time limit hit), it is returned instead.
 """
 
@@ -19,8 +19,10 @@ import time
 from dataclasses import dataclass, field
 
 from costmodels.cluster import ClusterSpec
-from planner.baseline import BaselinePlan, baseline_plan, megatron_choices, megatron_mesh
-from planner.costing import (
+from planner.errors import InfeasibleError, InputError
+from planner.plan import Decision, MeshCandidate, Plan, SolverInfo, WeightSplit
+from planner.solver.baseline import BaselinePlan, baseline_plan, megatron_choices, megatron_mesh
+from planner.solver.costing import (
     CostContext,
     LayerGraph,
     MeshShape,
@@ -34,11 +36,9 @@ from planner.costing import (
     mlp_op_names,
     recompute_input_bytes,
 )
-from planner.errors import InfeasibleError, InputError
-from planner.explain import ladder_decision, mesh_decision, op_exclusions, strategy_decisions
-from planner.ilp import LADDER_MIN_SAVING_FRACTION, IlpProblem, IlpSolution, LadderPolicy, solve
-from planner.plan import Decision, MeshCandidate, Plan, SolverInfo, WeightSplit
-from planner.prediction import predict
+from planner.solver.explain import ladder_decision, mesh_decision, op_exclusions, strategy_decisions
+from planner.solver.ilp import LADDER_MIN_SAVING_FRACTION, IlpProblem, IlpSolution, LadderPolicy, solve
+from planner.solver.prediction import predict
 
 __all__ = ["Constraints", "Workload", "plan_model"]
 
@@ -341,7 +341,7 @@ def _infeasible(search: _Search) -> InfeasibleError:
     closest = min(search.candidates, key=lambda c: (c.memory_lower_bound_bytes, -c.mesh.tp))
     mesh = closest.mesh
     choices = _min_memory_choices(closest)
-    from planner.baseline import even_stages
+    from planner.solver.baseline import even_stages
 
     stages = even_stages(len(search.layer_keys), mesh.pp)
     prediction, breakdown = predict(

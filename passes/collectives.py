@@ -46,7 +46,7 @@ def _group(axis: str) -> dist.ProcessGroup | None:
         if not dist.is_initialized():
             return None
         raise RuntimeError(
-            f"mesh axis {axis!r} has no process group; call runtime.collectives.register_group({axis!r}, group) "
+            f"mesh axis {axis!r} has no process group; call passes.collectives.register_group({axis!r}, group) "
             "before running a generated module"
         )
     return _GROUPS[axis]

@@ -11,10 +11,10 @@ from __future__ import annotations
 import itertools
 import math
 
-from planner.costing import CostContext, LayerGraph, MeshShape, conversion_time_s
-from planner.ilp import LadderPolicy
 from planner.plan import Decision
-from planner.prediction import predict
+from planner.solver.costing import CostContext, LayerGraph, MeshShape, conversion_time_s
+from planner.solver.ilp import LadderPolicy
+from planner.solver.prediction import predict
 
 MAX_BLOCK_COMBINATIONS = 20000  # decision tables enumerate a block's option combinations up to this
 

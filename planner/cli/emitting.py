@@ -22,10 +22,10 @@ from passes.emit import emit_rank_module, write_readme
 from passes.ladder import apply_ladder
 from passes.pipeline import split_stages, stage_of_layers
 from passes.tensor_parallel import apply_tensor_parallel
-from planner.analysis import analyse
-from planner.capture import capture
 from planner.errors import InputError
-from planner.modelfile import load_model_file
+from planner.frontend.analysis import analyse
+from planner.frontend.capture import capture
+from planner.frontend.modelfile import load_model_file
 from planner.plan import Plan
 
 MAX_MATERIALISED_BYTES = 4 * 2**30  # above this, emit from meta (no weights): a laptop cannot hold 70B

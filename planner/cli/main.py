@@ -121,7 +121,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
 
 def cmd_optimize(args: argparse.Namespace) -> int:
-    from planner import workflow  # noqa: PLC0415 - keeps `planner --help` fast
+    from planner.cli import workflow  # noqa: PLC0415 - keeps `planner --help` fast
 
     _check_outputs(args)
 
@@ -156,7 +156,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         f"Traced {args.model}: {n} layers, {prepared.structure.num_params / 1e6:,.1f} M parameters, "
         f"batch {prepared.structure.batch_size} × seq {prepared.structure.seq_len}"
     )
-    from planner.render import render_decisions, render_layer_comparison, render_plan, render_run  # noqa: PLC0415
+    from planner.cli.render import render_decisions, render_layer_comparison, render_plan, render_run  # noqa: PLC0415
 
     render_plan(console, plan)
     if args.why:
@@ -165,7 +165,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         plan.to_yaml(args.out)
         console.print(f"plan written to {args.out}")
     if args.emit:
-        from planner.emitting import emit_plan  # noqa: PLC0415
+        from planner.cli.emitting import emit_plan  # noqa: PLC0415
 
         emit_plan(plan, args.model, args.emit, backend=cluster.backend)
         console.print(f"generated sharded modules written to {args.emit}/ (see its README.md)")
@@ -185,7 +185,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
 
 
 def _run(args, plan, prepared, cluster):
-    from planner import workflow  # noqa: PLC0415
+    from planner.cli import workflow  # noqa: PLC0415
 
     nproc = args.nproc or plan.num_devices
     local_devices = torch_devices() if cluster.backend == "nccl" else None
@@ -208,7 +208,7 @@ def _run(args, plan, prepared, cluster):
         )
         constraints = workflow.constraints_from(args.tp, args.pp, args.dp, args.ladder, max_devices=nproc)
         plan = workflow.make_plan(prepared, local, constraints, args.model)
-        from planner.render import render_plan  # noqa: PLC0415
+        from planner.cli.render import render_plan  # noqa: PLC0415
 
         render_plan(console, plan)
         nproc = plan.num_devices
@@ -228,8 +228,8 @@ def torch_devices() -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    from planner.cli.render import render_decisions, render_plan  # noqa: PLC0415
     from planner.plan import Plan  # noqa: PLC0415
-    from planner.render import render_decisions, render_plan  # noqa: PLC0415
 
     plan = Plan.from_yaml(args.plan)
     render_plan(console, plan)
@@ -240,9 +240,9 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from costmodels.cluster import load_cluster  # noqa: PLC0415
-    from planner import workflow  # noqa: PLC0415
+    from planner.cli import workflow  # noqa: PLC0415
+    from planner.cli.render import render_run  # noqa: PLC0415
     from planner.plan import Plan  # noqa: PLC0415
-    from planner.render import render_run  # noqa: PLC0415
 
     _check_outputs(args)
     plan = Plan.from_yaml(args.plan)

@@ -1,9 +1,9 @@
 """The inner ILP: strategies, pipeline stages, ladder residual and memory for one mesh, in one PuLP model.
 
-The outer search (`planner.search`) fixes the mesh (tp, pp, dp, micro-batches m); this module
+The outer search (`planner.solver.search`) fixes the mesh (tp, pp, dp, micro-batches m); this module
 builds and solves one mixed-integer program for it with CBC. Notation: graphs g (one per class of
 identical layers, plus the "ends": embedding and LM head), ops o of g, options k of o (costs from
-`planner.costing`), layers l = 0..L-1 of class g(l), stages s = 0..p-1.
+`planner.solver.costing`), layers l = 0..L-1 of class g(l), stages s = 0..p-1.
 
 Units inside the model: seconds and GiB (`GIB`): with bytes the coefficients would span 17 orders of
 magnitude and CBC returned non-optimal "optimal" plans.
@@ -66,7 +66,8 @@ from dataclasses import dataclass, field
 
 import pulp
 
-from planner.costing import (
+from planner.errors import InputError
+from planner.solver.costing import (
     TRAIN_COMM_FACTOR,
     TRAIN_COMPUTE_FACTOR,
     CostContext,
@@ -78,8 +79,7 @@ from planner.costing import (
     recompute_input_bytes,
     transient_bytes,
 )
-from planner.errors import InputError
-from planner.stages import balanced_split, reference_costs, solution_costs
+from planner.solver.stages import balanced_split, reference_costs, solution_costs
 
 LADDER_MIN_SAVING_FRACTION = 0.05  # a laddered layer must save >= 5% of its time (it changes the model)
 BALANCE_TIE_BREAK = 1e-3  # weight of the slowest stage when (m-1) = 0: balance stages among equal plans

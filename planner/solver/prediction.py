@@ -1,9 +1,9 @@
 """Predicted time, memory and breakdown of a chosen plan: plain arithmetic over the costing tables.
 
-The ILP (`planner.ilp`) optimises linear expressions of the same per-op options; this module
+The ILP (`planner.solver.ilp`) optimises linear expressions of the same per-op options; this module
 evaluates one assignment (choices per op, stages, ladder layers) exactly, with the real collective
 cost functions where the ILP uses an affine fit (DP gradient all-reduce). It produces the `Prediction`
-stored in a plan, the Megatron baseline's prediction, and the per-layer costs `planner.stages` splits on.
+stored in a plan, the Megatron baseline's prediction, and the per-layer costs `planner.solver.stages` splits on.
 
 Decomposition: latency = compute_s + exposed_comm_s + bubble_s, where compute and exposed comm are
 those of the slowest stage times the micro-batches (plus the optimizer step and the DP gradient
@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from costmodels.comm import all_reduce_time_s
-from planner.costing import (
+from planner.plan import LayerCost, Prediction
+from planner.solver.costing import (
     OPTIMIZER_BYTES_MOVED_PER_PARAM,
     TRAIN_COMM_FACTOR,
     TRAIN_COMPUTE_FACTOR,
@@ -27,7 +28,6 @@ from planner.costing import (
     recompute_input_bytes,
     transient_bytes,
 )
-from planner.plan import LayerCost, Prediction
 
 
 @dataclass

@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from costmodels.cluster import ClusterSpec, load_cluster, preset_names
-from planner.analysis import ModelStructure
-from planner.depth import capture_for_planning
 from planner.errors import InputError
-from planner.modelfile import ModelFile, load_model_file
+from planner.frontend.analysis import ModelStructure
+from planner.frontend.depth import capture_for_planning
+from planner.frontend.modelfile import ModelFile, load_model_file
 from planner.plan import Plan
-from planner.search import Constraints, Workload, plan_model
+from planner.solver.search import Constraints, Workload, plan_model
 
 DEFAULT_CONTEXT = 2048  # decode: KV-cache tokens when --context is not given
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "parallel-planner"

@@ -21,9 +21,9 @@ import dataclasses
 
 from torch import fx, nn
 
-from planner.analysis import ModelStructure, Projection, analyse
-from planner.capture import capture
 from planner.errors import InputError
+from planner.frontend.analysis import ModelStructure, Projection, analyse
+from planner.frontend.capture import capture
 
 KEEP_LAYERS = 2  # blocks traced: two, so the analysis sees a layer-to-layer boundary
 MIN_LAYERS_TO_TRUNCATE = 8  # shallower models are traced whole (it is fast and exact)

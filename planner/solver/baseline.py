@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from costmodels.cluster import ClusterSpec
-from planner.costing import CostContext, LayerGraph, MeshShape, Workload
 from planner.plan import Prediction
-from planner.prediction import StageBreakdown, predict
+from planner.solver.costing import CostContext, LayerGraph, MeshShape, Workload
+from planner.solver.prediction import StageBreakdown, predict
 
 _PREFERENCE: dict[str, tuple[str, ...]] = {
     # op name -> Megatron's strategy, then fall-backs

@@ -1,6 +1,6 @@
 """Analyse a captured graph: per-node costs and the model's structure (layers, roles, embeddings).
 
-Input: a GraphModule from `planner.capture.capture` (ATen ops, `meta["val"]`, `meta["module_path"]`).
+Input: a GraphModule from `planner.frontend.capture.capture` (ATen ops, `meta["val"]`, `meta["module_path"]`).
 Output: `ModelStructure` (docs/ARCHITECTURE.md), independent of how the model was written.
 
 How the structure is found (by dataflow; module names are used only to group nodes into layers):
@@ -45,7 +45,7 @@ import torch
 from torch import fx
 
 from costmodels.dtypes import dtype_name
-from planner.capture import op_name
+from planner.frontend.capture import op_name
 
 aten = torch.ops.aten
 

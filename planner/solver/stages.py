@@ -1,7 +1,7 @@
 """Contiguous pipeline stages for deep pipelines: the split that minimises the slowest stage.
 
-`planner.ilp` decides stage boundaries inside the ILP for shallow pipelines. For deep ones (pp=32 over
-126 layers) the big-M stage products close slowly in CBC, so `planner.ilp._solve_with_split_search`
+`planner.solver.ilp` decides stage boundaries inside the ILP for shallow pipelines. For deep ones (pp=32 over
+126 layers) the big-M stage products close slowly in CBC, so `planner.solver.ilp._solve_with_split_search`
 alternates: `balanced_split` on per-layer costs (`reference_costs` first, then `solution_costs` of the
 last ILP solution), the ILP with that split fixed, and again, until the split repeats.
 """
@@ -10,16 +10,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from planner.costing import (
+from planner.solver.costing import (
     in_flight_micro_batches,
     p2p_stage_time_s,
     recompute_input_bytes,
     transient_bytes,
 )
-from planner.prediction import layer_breakdown
+from planner.solver.prediction import layer_breakdown
 
 if TYPE_CHECKING:
-    from planner.ilp import IlpProblem, IlpSolution
+    from planner.solver.ilp import IlpProblem, IlpSolution
 
 Costs = tuple[list[float], list[float], list[float], tuple[float, float], tuple[float, float]]
 
