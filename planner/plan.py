@@ -34,6 +34,7 @@ for a malformed plan.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 import types
 import typing
@@ -45,9 +46,91 @@ import yaml
 
 from costmodels.dtypes import DTYPE_BYTES
 from planner.errors import InputError
+from planner.files import write_text_atomic
 
-SPLIT_STYLES: tuple[str, ...] = ("colwise", "rowwise", "vocab", "replicate")
-WORKLOADS: tuple[str, ...] = ("forward", "decode", "train")
+
+class Workload(str, enum.Enum):
+    """What one step of the plan is."""
+
+    FORWARD = "forward"  # one forward pass over (batch, seq_len) tokens (inference prefill)
+    DECODE = "decode"  # one new token per sequence against a KV cache of `context` tokens
+    TRAIN = "train"  # forward, backward and optimizer step
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class SplitStyle(str, enum.Enum):
+    """How a weight is sharded over the tensor-parallel axis (table in the module docstring)."""
+
+    COLWISE = "colwise"
+    ROWWISE = "rowwise"
+    VOCAB = "vocab"
+    REPLICATE = "replicate"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Layout(str, enum.Enum):
+    """Where an activation lives over the tensor-parallel axis."""
+
+    REPLICATE = "R"  # every rank holds the whole tensor
+    SHARD = "S"  # rank r holds slice r of the last dim (heads, for attention)
+    PARTIAL = "P"  # every rank holds a partial sum; the tensor is their sum
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Schedule(str, enum.Enum):
+    """Pipeline schedule (how micro-batches flow through the stages).
+
+    GPipe (Huang et al. 2019): all forwards, then all backwards; holds every micro-batch's
+    activations. 1F1B (Narayanan et al. 2021, PipeDream-Flush): one forward, one backward in steady
+    state; stage s holds at most pp - s micro-batches. Both have bubble fraction (p-1)/(m+p-1).
+    """
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+SPLIT_STYLES: tuple[str, ...] = tuple(s.value for s in SplitStyle)
+WORKLOADS: tuple[str, ...] = tuple(w.value for w in Workload)
+SCHEDULES: tuple[str, ...] = tuple(s.value for s in Schedule)
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """The device mesh of a plan: tp x pp x dp devices (rank = (dp_rank * pp + pp_rank) * tp + tp_rank).
+
+    tp: tensor-parallel degree (innermost, fastest-varying: TP ranks share a node); pp: pipeline
+    stages; dp: data-parallel replicas.
+    """
+
+    tp: int
+    pp: int
+    dp: int
+
+    @property
+    def num_devices(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(dp_rank, pp_rank, tp_rank) of global `rank`. Raises ValueError outside the mesh."""
+        if not 0 <= rank < self.num_devices:
+            raise ValueError(f"rank {rank} is outside a mesh of {self.num_devices} devices")
+        return rank // (self.pp * self.tp), (rank // self.tp) % self.pp, rank % self.tp
+
+    def rank_of(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
+        """Global rank at mesh coordinates (dp_rank, pp_rank, tp_rank)."""
+        return (dp_rank * self.pp + pp_rank) * self.tp + tp_rank
+
+    def label(self) -> str:
+        return f"tp={self.tp} pp={self.pp} dp={self.dp}"
 
 
 @dataclass
@@ -55,9 +138,12 @@ class WeightSplit:
     """How one weight is sharded over the tensor-parallel axis."""
 
     weight: str  # parameter FQN, e.g. "model.layers.0.mlp.up_proj.weight"
-    style: str  # "colwise" | "rowwise" | "vocab" | "replicate"
+    style: SplitStyle
     dim: int  # tensor dim that is split (0 or 1); for "replicate" the dim is 0 and unused
     parts: list[int] | None = None  # fused projections: sizes of the parts along `dim`, split separately
+
+    def __post_init__(self) -> None:
+        self.style = _coerce(SplitStyle, self.style, f"splits.{self.weight}.style")
 
 
 @dataclass
@@ -125,7 +211,7 @@ class Plan:
 
     model: str
     cluster: str  # cluster name
-    workload: str  # "forward" | "decode" | "train"
+    workload: Workload
     batch_size: int  # global batch (sequences)
     seq_len: int  # tokens per sequence (decode: 1 new token per sequence)
     context: int  # decode: KV-cache length in tokens; 0 otherwise
@@ -139,15 +225,25 @@ class Plan:
     ladder_layers: list[int]
     predicted: Prediction
     solver: SolverInfo
+    schedule: Schedule = Schedule.ONE_F_ONE_B  # pipeline schedule, priced and run (pp > 1)
     decisions: list[Decision] = field(default_factory=list)
     excluded: list[str] = field(default_factory=list)  # e.g. "tp=3: 32 heads not divisible by 3"
     baseline: Prediction | None = None  # the hand-written Megatron plan under the same cost model
     mesh_candidates: list[MeshCandidate] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self.workload = _coerce(Workload, self.workload, "workload")
+        self.schedule = _coerce(Schedule, self.schedule, "schedule")
+
     @property
     def num_devices(self) -> int:
         """Devices used by the plan."""
         return self.tp * self.pp * self.dp
+
+    @property
+    def mesh(self) -> MeshShape:
+        """The plan's mesh shape."""
+        return MeshShape(self.tp, self.pp, self.dp)
 
     def stage_of(self, layer: int) -> int:
         """The pipeline stage that holds `layer`."""
@@ -172,8 +268,6 @@ class Plan:
 
     def to_yaml(self, path: str | os.PathLike[str]) -> None:
         """Write the plan as YAML, atomically (temp file in the same folder, then rename)."""
-        from planner.files import write_text_atomic  # noqa: PLC0415
-
         write_text_atomic(
             path, yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=110)
         )
@@ -228,11 +322,21 @@ class Plan:
             raise bad("ladder_layers", f"layers {unknown} are in no stage")
 
 
+def _coerce(kind: type[enum.Enum], value: object, field_name: str) -> Any:
+    """`value` as a member of `kind`; InputError naming `field_name` and the allowed values otherwise."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise InputError(f"field {field_name!r}: {value!r} is not one of {[m.value for m in kind]}") from None
+
+
 # ---------------------------------------------------------------------------------------------
 # Generic dataclass <-> builtin conversion, driven by the type hints above.
 
 
 def _to_builtin(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _to_builtin(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, dict):
@@ -295,6 +399,12 @@ def _from_builtin(tp: Any, data: object, where: str) -> Any:
         return {
             _from_builtin(key_t, k, where): _from_builtin(val_t, v, f"{where}.{k}") for k, v in data.items()
         }
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(data)
+        except ValueError:
+            allowed = [m.value for m in tp]
+            raise InputError(f"field {where!r}: {data!r} is not one of {allowed}") from None
     if tp is float:
         if isinstance(data, bool) or not isinstance(data, (int, float)):
             raise InputError(f"field {where!r}: expected a number, got {data!r}")
