@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
@@ -123,6 +124,20 @@ class ClusterSpec:
 # Field readers. Each takes the raw YAML value and its path and returns a checked Python value.
 
 
+class SpecWarning(UserWarning):
+    """A cluster spec value that parses but lies outside physical ranges (most often a unit slip)."""
+
+
+# Plausible ranges (in the YAML's units) of any device or link built so far, generous by about 10x
+# either way: a CPU core (~0.05 TFLOP/s fp32) to a GB200 (~2,500 TFLOP/s dense bf16, NVIDIA datasheet);
+# DDR (~10 GB/s) to HBM3e (8 TB/s); 1 Gb/s Ethernet (0.125 GB/s) to NVLink 5 (900 GB/s per direction).
+_PLAUSIBLE_TFLOPS = (1e-3, 3e4)
+_PLAUSIBLE_MEMORY_GBPS = (1.0, 1e5)
+_PLAUSIBLE_LINK_GBPS = (1e-2, 1e4)
+_PLAUSIBLE_MEMORY_GIB = (0.25, 1e5)
+_PLAUSIBLE_LATENCY_US = (0.0, 1e5)
+
+
 class _Reader:
     def __init__(self, origin: str) -> None:
         self.origin = origin
@@ -147,7 +162,17 @@ class _Reader:
                 raise self.fail(key_path, f"missing; expected {_EXPECT.get(key, 'a value')}")
         return value
 
-    def number(self, value: Any, path: str, unit: str, example: str, *, allow_zero: bool = False) -> float:
+    def number(
+        self,
+        value: Any,
+        path: str,
+        unit: str,
+        example: str,
+        *,
+        allow_zero: bool = False,
+        plausible: tuple[float, float] | None = None,
+    ) -> float:
+        """A number in `unit`; `plausible` (low, high) in the same unit: outside it, warn (unit slip?)."""
         bound = ">= 0" if allow_zero else "> 0"
         expected = f"a number in {unit} {bound}, e.g. {example}"
         if isinstance(value, bool):
@@ -159,6 +184,15 @@ class _Reader:
         number = float(value)
         if not math.isfinite(number) or number < 0 or (number == 0 and not allow_zero):
             raise self.fail(path, f"must be {bound} {unit}, got {value}")
+        if plausible is not None and number > 0 and not plausible[0] <= number <= plausible[1]:
+            warnings.warn(
+                SpecWarning(
+                    f"{self.origin}: {path} = {value} {unit} is outside the physical range "
+                    f"{plausible[0]:g} to {plausible[1]:g} {unit} of any real device or link; "
+                    f"is the unit right (the field is in {unit}, e.g. {example})?"
+                ),
+                stacklevel=2,
+            )
         return number
 
     def integer(self, value: Any, path: str, what: str, example: str) -> int:
@@ -268,12 +302,21 @@ def _parse_device(r: _Reader, raw: Any) -> DeviceSpec:
     attention = d.get("attention_efficiency")
     return DeviceSpec(
         name=r.string(d["name"], "device.name"),
-        memory_bytes=r.number(d["memory_GiB"], "device.memory_GiB", "GiB", "80") * _GIB,
+        memory_bytes=r.number(
+            d["memory_GiB"], "device.memory_GiB", "GiB", "80", plausible=_PLAUSIBLE_MEMORY_GIB
+        )
+        * _GIB,
         peak_flops_per_s={
-            dt: r.number(peaks[dt], f"device.peak_TFLOPS.{dt}", "TFLOP/s", "989") * _TFLOPS for dt in DTYPES
+            dt: r.number(peaks[dt], f"device.peak_TFLOPS.{dt}", "TFLOP/s", "989", plausible=_PLAUSIBLE_TFLOPS)
+            * _TFLOPS
+            for dt in DTYPES
         },
         memory_bandwidth_bytes_per_s=r.number(
-            d["memory_bandwidth_GBps"], "device.memory_bandwidth_GBps", "GB/s", "3350"
+            d["memory_bandwidth_GBps"],
+            "device.memory_bandwidth_GBps",
+            "GB/s",
+            "3350",
+            plausible=_PLAUSIBLE_MEMORY_GBPS,
         )
         * _GB,
         matmul_efficiency=r.fraction(d["matmul_efficiency"], "device.matmul_efficiency"),
@@ -301,9 +344,18 @@ def _parse_link(r: _Reader, raw: Any, path: str, inter: bool) -> LinkSpec:
     per = "per NIC, per direction" if inter else "per direction, per device"
     return LinkSpec(
         kind=r.string(d["kind"], f"{path}.kind", LINK_KINDS),
-        bandwidth_bytes_per_s=r.number(d["bandwidth_GBps"], f"{path}.bandwidth_GBps", f"GB/s ({per})", "450")
+        bandwidth_bytes_per_s=r.number(
+            d["bandwidth_GBps"],
+            f"{path}.bandwidth_GBps",
+            f"GB/s ({per})",
+            "450",
+            plausible=_PLAUSIBLE_LINK_GBPS,
+        )
         * _GB,
-        latency_s=r.number(d["latency_us"], f"{path}.latency_us", "µs", "3", allow_zero=True) * _US,
+        latency_s=r.number(
+            d["latency_us"], f"{path}.latency_us", "µs", "3", allow_zero=True, plausible=_PLAUSIBLE_LATENCY_US
+        )
+        * _US,
         nics_per_node=r.integer(d["nics_per_node"], f"{path}.nics_per_node", "NICs per node", "8")
         if inter
         else 1,

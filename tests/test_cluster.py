@@ -291,3 +291,19 @@ def test_cpu_spec_resized_to_fewer_processes_gets_more_compute_each():
     one = load_cluster("local-cpu", nproc=1)
     ratio = max(1, cores // 1) / max(1, cores // 2)
     assert one.device.peak_flops_per_s["fp32"] == pytest.approx(two.device.peak_flops_per_s["fp32"] * ratio)
+
+
+def test_unit_slip_warns_naming_the_field() -> None:
+    """A bandwidth given in bytes/s instead of GB/s parses but warns, naming the field and the unit."""
+    import warnings
+
+    from costmodels.cluster import SpecWarning, cluster_to_dict, load_cluster, parse_cluster
+
+    data = cluster_to_dict(load_cluster("dgx-h100"))
+    data["links"]["intra_node"]["bandwidth_GBps"] = 370_000_000_000
+    with pytest.warns(SpecWarning, match=r"links\.intra_node\.bandwidth_GBps.*GB/s"):
+        parse_cluster(data, "my.yaml")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name in ("dgx-h100", "dgx-a100", "h100-pcie", "h100-ib-2node", "h100-ib-128node", "local-cpu"):
+            load_cluster(name)  # presets are in range: no warning
