@@ -12,8 +12,9 @@ rewritten in place for one rank of the TP axis:
    output from a replicated input; a row-split weight consumes a sharded input and its partial
    output is all-reduced at once (bias added after the reduction); attention (SDPA) keeps a
    head-sharded layout; reshapes move the shard through `view_shard_dim`; pointwise ops keep it
-   (a replicated full-size operand is sliced locally); an op with no rule gets replicated inputs
-   (all-gather) - correct, only slower;
+   (a replicated full-size operand is sliced locally); an op with no entry is treated as pointwise
+   when ATen tags it so, and otherwise gets replicated inputs (all-gather) - correct, only slower.
+   The rules share one rank's rewrite state, `passes.tp_rules_context.RuleContext`;
 3. literal shapes the split changes (`view(B, T, 12, 64)` -> `view(B, T, 12/tp, 64)`, `expand`,
    `split` sizes of fused projections) are rewritten from the propagated local shapes;
 4. every rewritten node is re-run on `meta` tensors and its local shape compared with the global

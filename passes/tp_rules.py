@@ -107,10 +107,6 @@ def pointwise_overloads(*packets: OpOverloadPacket) -> list[OpOverload]:
     return found
 
 
-def _has_rms_norm() -> bool:
-    return hasattr(aten, "rms_norm")
-
-
 # ---------------------------------------------------------------- matmul and embedding
 def _matmul_operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None, int]:
     """(x, weight, bias, weight's output dim) of linear(x, w, b), addmm(b, x, w) or mm(x, w)."""
@@ -440,7 +436,7 @@ def rule_softmax(ctx: RuleContext, node: fx.Node) -> None:
     _reduce(ctx, node, lambda nd: ([int(node.args[1]) % nd], True))
 
 
-@register_rule(aten.layer_norm, *([aten.rms_norm] if _has_rms_norm() else []))
+@register_rule(aten.layer_norm, *([aten.rms_norm] if hasattr(aten, "rms_norm") else []))
 def rule_norm(ctx: RuleContext, node: fx.Node) -> None:
     """Layer / RMS norm over trailing non-sharded dims keeps the shard; over the shard: gathered."""
     _reduce(ctx, node, lambda nd: (list(range(nd - len(node.args[1]), nd)), True))
