@@ -94,16 +94,20 @@ def even_stages(num_layers: int, pp: int) -> list[list[int]]:
     return stages
 
 
-def baseline_plan(tables: CostTables, recompute: bool = False) -> PricedAssignment:
-    """Cost Megatron's strategy on the mesh of `tables` (a config of `megatron_configs`);
-    `recompute`: full activation recomputation (Megatron's --recompute-granularity full), training only."""
-    ctx = tables.ctx
-    assignment = Assignment(
+def megatron_assignment(tables: CostTables, recompute: bool = False) -> Assignment:
+    """Megatron's strategy (`megatron_choices`: the most sharded one) on even stages, no ladder;
+    `recompute`: full activation recomputation (Megatron's --recompute-granularity full), training only.
+    With recomputation it is also the least memory per rank any plan of this mesh needs."""
+    return Assignment(
         choices=megatron_choices(tables.graphs, tables.ends),
-        stages=even_stages(tables.num_layers, ctx.mesh.pp),
-        recompute=set(tables.graphs) if recompute and ctx.train else set(),
+        stages=even_stages(tables.num_layers, tables.ctx.mesh.pp),
+        recompute=set(tables.graphs) if recompute and tables.ctx.train else set(),
     )
-    return predict(tables, assignment)
+
+
+def baseline_plan(tables: CostTables, recompute: bool = False) -> PricedAssignment:
+    """Megatron's plan (`megatron_assignment`) priced on the mesh of `tables` (a `megatron_configs` one)."""
+    return predict(tables, megatron_assignment(tables, recompute))
 
 
 def megatron_micro_batches(per_replica_batch: int, pp: int, workload: WorkloadSpec) -> int:

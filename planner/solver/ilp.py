@@ -648,6 +648,14 @@ def _solve_with_split_search(prob: IlpProblem) -> IlpSolution:
     return result
 
 
+def lp_model(prob: IlpProblem) -> pulp.LpProblem:
+    """The PuLP model of `prob`, unsolved, with every constraint family named (see the module docstring).
+    The stage boundaries are those of `stage_windows`; `solve` may fix them instead for deep pipelines."""
+    builder = _Builder(prob)
+    builder.build()
+    return builder.m
+
+
 def _solve_once(prob: IlpProblem) -> IlpSolution:
     """Build and solve one ILP with CBC."""
     builder = _Builder(prob)

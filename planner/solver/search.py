@@ -31,7 +31,7 @@ from planner.plan import (
     WeightSplit,
     Workload,
 )
-from planner.solver.baseline import baseline_plan, even_stages, megatron_choices, megatron_configs
+from planner.solver.baseline import baseline_plan, megatron_assignment, megatron_configs
 from planner.solver.costing import (
     CostContext,
     CostTables,
@@ -310,7 +310,7 @@ def _infeasible(search: _Search) -> InfeasibleError:
     """Name the binding constraint for the candidate closest to fitting, and what would fit."""
     closest = min(search.candidates, key=lambda c: (c.memory_lower_bound_bytes, -c.mesh.tp))
     mesh = closest.mesh
-    breakdown = predict(closest.tables, _min_memory_assignment(closest.tables)).stages
+    breakdown = predict(closest.tables, megatron_assignment(closest.tables, recompute=True)).stages
     worst = max(range(mesh.pp), key=lambda s: breakdown[s].memory_bytes)
     need = breakdown[worst].memory_bytes
     total = sum(bd.memory_bytes for bd in breakdown) * mesh.tp * mesh.dp  # all ranks' bytes
@@ -331,16 +331,6 @@ def _infeasible(search: _Search) -> InfeasibleError:
         f"stage {worst} needs {need / _GIB:.1f} GiB, devices have {cap_gib:.1f} GiB "
         f"({search.cap_bytes / _GIB:.1f} GiB usable at memory_fraction {search.constraints.memory_fraction}); "
         f"would fit: {', or '.join(hints)}"
-    )
-
-
-def _min_memory_assignment(tables: CostTables) -> Assignment:
-    """Most-sharded strategy (Megatron's, with recomputation when training) on even stages: the least
-    memory per rank."""
-    return Assignment(
-        choices=megatron_choices(tables.graphs, tables.ends),
-        stages=even_stages(tables.num_layers, tables.ctx.mesh.pp),
-        recompute=set(tables.graphs) if tables.ctx.train else set(),
     )
 
 
