@@ -11,6 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from planner.cli.workflow import constraints_from
+from planner.errors import InputError
+from planner.plan import Schedule
+from planner.solver.problem import LadderMode, LadderPolicy
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -141,3 +146,17 @@ def test_planner_run_under_torchrun_two_ranks(tmp_path, example_path):
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(report_path.read_text())
     assert report["measured"]["latency_s"] > 0 and report["numerics"]["max_abs_diff"] == 0.0
+
+
+def test_constraints_from_options() -> None:
+    """--ladder is read by the solver's one parser; --schedule reaches the constraints as a Schedule."""
+    c = constraints_from(2, None, None, "auto:max=3", max_devices=4, schedule="gpipe")
+    assert (c.tp, c.max_devices, c.ladder, c.schedule) == (
+        2,
+        4,
+        LadderPolicy(LadderMode.AUTO, 3),
+        Schedule.GPIPE,
+    )
+    assert constraints_from(None, None, None, "").ladder.mode is LadderMode.NONE
+    with pytest.raises(InputError, match="--ladder must be"):
+        constraints_from(None, None, None, "upper:")

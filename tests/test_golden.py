@@ -123,7 +123,7 @@ def test_heads_not_divisible_degree_not_chosen(h100) -> None:
     )
     assert plan.tp != 8
     assert "tp=8: 12 heads not divisible by 8" in plan.excluded
-    assert all(c.tp != 8 for c in plan.mesh_candidates)
+    assert all(c.mesh.tp != 8 for c in plan.mesh_candidates)
 
 
 def test_fused_qkv_split_per_part(h100) -> None:
