@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument(
         "--schedule",
         default="1f1b",
-        choices=["1f1b", "gpipe"],
+        choices=["1f1b", "gpipe"],  # planner.plan.Schedule's values; importing it here would slow --help
         help="pipeline schedule the plan is priced with and run with (pp > 1): 1f1b holds fewer activations",
     )
     opt.add_argument("--tp", type=_positive, help="pin the tensor-parallel degree")
