@@ -1,6 +1,7 @@
 """Cost of every operator of a model under every sharding strategy, for one mesh and workload.
 
-    ModelStructure + ClusterSpec + WorkloadSpec + MeshConfig ─► CostTables (LayerGraphs: ops, options, edges) ─► ILP
+    ModelStructure + ClusterSpec + WorkloadSpec + MeshConfig ─► CostTables (LayerGraphs of ops,
+    options, edges) ─► ILP
 
 A layer is a small graph of ops. Each op has *options* (strategies), each option consuming its
 inputs in given layouts and producing its output in one layout, with a compute time and a memory
@@ -24,9 +25,10 @@ Strategies:
 The residual stream between blocks is always R, so each block's output is converted to R: that
 conversion (one all-reduce for Megatron's column-then-row) is what ladder residual overlaps.
 
-Times are per micro-batch on one rank; a pipelined step of them takes `step_time_s`. Training multiplies compute by `TRAIN_COMPUTE_FACTOR`
-(backward = 2x forward FLOPs) and communication by `TRAIN_COMM_FACTOR` (each forward collective
-has a conjugate backward one of the same size: Megatron's f/g operators).
+Times are per micro-batch on one rank; a pipelined step of them takes `step_time_s`. Training
+multiplies compute by `TRAIN_COMPUTE_FACTOR` (backward = 2x forward FLOPs) and communication by
+`TRAIN_COMM_FACTOR` (each forward collective has a conjugate backward one of the same size:
+Megatron's f/g operators).
 """
 
 from __future__ import annotations
