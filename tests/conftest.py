@@ -11,8 +11,7 @@ from torch import fx, nn
 
 from planner.frontend.capture import capture
 from planner.frontend.modelfile import ModelFile, load_model_file
-
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+from tests.planner_fixtures import EXAMPLES
 
 
 @dataclass
