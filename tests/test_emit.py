@@ -187,7 +187,7 @@ def _emit_then_load(ctx: RankContext, out_dir: str) -> dict:
         "equal": torch.equal(out, expected),
         "diff_vs_model": (out - reference).abs().max().item(),
         "wq": tuple(module.get_parameter("layers.0.attention.wq.weight").shape),
-        "imports_collectives": "from passes.collectives import tp_all_reduce as runtime_collectives_tp_all_reduce"
+        "imports_collectives": "from passes.collectives import tp_all_reduce as passes_collectives_tp_all_reduce"
         in source,
     }
 
