@@ -230,7 +230,8 @@ def run_plan(
 
     Raises InputError when nproc != the plan's device count, RunError (exit 4) when a rank fails.
     """
-    from runtime.execute import RunJob, run_rank, summarise  # noqa: PLC0415 - heavy imports only for --run
+    from runtime.execute import run_rank  # noqa: PLC0415 - heavy imports only for --run
+    from runtime.job import RunJob, summarise  # noqa: PLC0415
     from runtime.launch import launch  # noqa: PLC0415
 
     if plan.workload is Workload.DECODE:
