@@ -308,3 +308,12 @@ def test_plan_prices_and_records_its_pipeline_schedule(h100) -> None:
     assert gpipe.stages[0].memory_bytes > one_f_one_b.stages[0].memory_bytes
     assert gpipe.stages[3].memory_bytes > one_f_one_b.stages[3].memory_bytes
     assert gpipe.prediction.peak_memory_bytes > one_f_one_b.prediction.peak_memory_bytes
+
+
+def test_one_f_one_b_with_fewer_micro_batches_than_stages_is_gpipe(h100) -> None:
+    """1F1B with m < pp never reaches its steady state (and torch's Schedule1F1B refuses it): the plan
+    records and prices GPipe, which is what runs."""
+    structure = handmade_llama(num_layers=8)
+    work = WorkloadSpec("train", 2, 512, micro_batches=2)
+    plan = plan_model(structure, h100, work, Constraints(tp=1, pp=4, dp=1))
+    assert (plan.pp, plan.micro_batches, plan.schedule) == (4, 2, Schedule.GPIPE)

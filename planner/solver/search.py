@@ -26,6 +26,7 @@ from planner.plan import (
     MeshCandidate,
     MeshShape,
     Plan,
+    Schedule,
     SolverInfo,
     SplitStyle,
     WeightSplit,
@@ -215,13 +216,22 @@ def _enumerate(search: _Search) -> None:
                 if tp * pp * dp > num_devices:
                     continue
                 for m in _micro_batch_options(search, pp, dp):
-                    config = MeshConfig(MeshShape(tp, pp, dp), m, c.schedule)
+                    config = MeshConfig(MeshShape(tp, pp, dp), m, _schedule_for(c.schedule, pp, m))
                     search.candidates.append(_price(search, config))
     if not search.candidates:
         raise InfeasibleError(
             f"no mesh shape fits {num_devices} devices with {c.pinned or 'no pinned degrees'} and batch "
             f"{w.batch_size}; excluded: {'; '.join(search.excluded) or 'none'}"
         )
+
+
+def _schedule_for(schedule: Schedule, pp: int, micro_batches: int) -> Schedule:
+    """The schedule a (pp, micro_batches) candidate runs: 1F1B with fewer micro-batches than stages
+    never reaches its steady state and is GPipe (the same order and memory), which is what runs then
+    (torch.distributed.pipelining's Schedule1F1B requires micro_batches >= stages)."""
+    if schedule == Schedule.ONE_F_ONE_B and micro_batches < pp:
+        return Schedule.GPIPE
+    return schedule
 
 
 def _price(search: _Search, config: MeshConfig) -> _Candidate:
