@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from passes import collectives
+from planner.frontend.capture import flat_inputs, input_batch_dims
 from planner.frontend.modelfile import ModelFile, load_model_file
 from planner.plan import Plan
 from runtime.data_parallel import args_share
@@ -31,6 +32,9 @@ class RunJob:
     seed: int = 0
     return_output: bool = False  # put the rank's output tensor in the report (tests)
     profile_layers: bool = False  # forward: time every node once more, summed per layer (runtime.profile)
+    # per graph input: its batch dim, None for an input without one (not split by DP / micro-batches);
+    # None: found on the ranks from the model file (planner.frontend.capture.input_batch_dims)
+    input_batch_dims: list[int | None] | None = None
 
 
 @dataclass
@@ -67,8 +71,9 @@ class RankSetup:
     training: bool
     full_args: tuple  # the whole batch, (args, kwargs) of the model call
     full_kwargs: dict
-    args: tuple  # this DP replica's share of the batch (dim 0)
+    args: tuple  # this DP replica's share of the batch (along each input's batch dim)
     kwargs: dict
+    batch_dims: tuple[int | None, ...]  # per graph input: its batch dim, or None (never split)
 
     def build_model(self) -> torch.nn.Module:
         """The model, built with the job's seed on this rank's device: the same weights on every rank."""
@@ -85,11 +90,28 @@ def set_up_rank(ctx: RankContext, job: RunJob) -> RankSetup:
     collectives.register_group("tp", groups.group("tp"))
     model_file = load_model_file(job.model_path)
     full_args, full_kwargs = model_file.inputs(job.batch_size, job.seq_len, device=str(ctx.device))
-    args, kwargs = args_share(full_args, full_kwargs, plan.dp, groups.dp_rank)
+    batch_dims = job_batch_dims(job, model_file, len(flat_inputs(full_args, full_kwargs)))
+    args, kwargs = args_share(full_args, full_kwargs, plan.dp, groups.dp_rank, batch_dims)
     training = job.workload == "train"
     return RankSetup(
-        plan, groups, model_file, ctx.device, job.seed, training, full_args, full_kwargs, args, kwargs
-    )
+        plan, groups, model_file, ctx.device, job.seed, training, full_args, full_kwargs, args, kwargs,
+        batch_dims,
+    )  # fmt: skip
+
+
+def job_batch_dims(job: RunJob, model_file: ModelFile, num_inputs: int) -> tuple[int | None, ...]:
+    """Every graph input's batch dim: the job's, else found from the model file's example inputs at
+    the job's batch size and twice it (`input_batch_dims`). Raises InputError for inputs whose batch
+    dim cannot be found, ValueError when the job's list does not match the inputs."""
+    if job.input_batch_dims is not None:
+        dims = tuple(job.input_batch_dims)
+    else:
+        batch = job.batch_size or 1  # any size shows which dim grows with the batch
+        dims = input_batch_dims(lambda b: model_file.inputs(b, job.seq_len, device="meta"), batch)
+    if len(dims) != num_inputs:
+        raise ValueError(f"the job gives {len(dims)} input batch dims for {num_inputs} inputs: {list(dims)}")
+    return dims
+
 
 
 def summarise(reports: list[RankReport]) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """Running pipeline stages: this rank's stage through a `torch.distributed.pipelining` schedule.
 
 `PipelineRunner` runs one stage (from `passes.pipeline.split_stages`, via `passes.lower.lower_for_rank`)
-per rank of the `pp` process group (stage index = rank in that group), micro-batches along dim 0,
-`PipelineStage` with the plan's schedule (`planner.plan.Schedule`: GPIPE -> `ScheduleGPipe`,
+per rank of the `pp` process group (stage index = rank in that group), micro-batches along each
+input's batch dim (`planner.frontend.capture.input_batch_dims`; an input without one, such as a (T, T)
+attention bias, goes whole to every micro-batch), `PipelineStage` with the plan's schedule (`planner.plan.Schedule`: GPIPE -> `ScheduleGPipe`,
 ONE_F_ONE_B -> `Schedule1F1B`). Captured graphs have literal shapes, so the graph must be captured
 (and TP-rewritten) at the micro-batch size, batch / micro_batches; a mismatch is a ValueError.
 
@@ -27,6 +28,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 
 from passes.pipeline import PipelineSplitError, requires_grad_nodes
 from planner.plan import Schedule
@@ -68,20 +70,34 @@ def _stage_io_examples(
     return inputs, outputs
 
 
+def _chunk_specs(batch_dims: Sequence[int | None]) -> tuple[Any, ...]:
+    """The schedule's `args_chunk_spec`: split a batched input on its batch dim, replicate the others.
+
+    (`_Replicate` is how `torch.distributed.pipelining.microbatch` spells "every micro-batch gets the
+    whole tensor"; it has no public name in torch 2.13.)
+    """
+    return tuple(_Replicate if dim is None else TensorChunkSpec(dim) for dim in batch_dims)
+
+
 def _check_batch(
-    inputs: Sequence[torch.Tensor], examples: Sequence[torch.Tensor], micro_batches: int
+    inputs: Sequence[torch.Tensor],
+    examples: Sequence[torch.Tensor],
+    micro_batches: int,
+    batch_dims: Sequence[int | None],
 ) -> None:
     if len(inputs) != len(examples):
         raise ValueError(
             f"stage 0 takes {len(examples)} inputs (the graph's placeholders), got {len(inputs)}"
         )
-    for i, (x, ex) in enumerate(zip(inputs, examples)):
-        want = (ex.shape[0] * micro_batches, *ex.shape[1:]) if ex.dim() else ()
+    for i, (x, ex, dim) in enumerate(zip(inputs, examples, batch_dims)):
+        want = list(ex.shape)
+        if dim is not None:
+            want[dim] *= micro_batches
         if tuple(x.shape) != tuple(want):
             raise ValueError(
                 f"input {i} has shape {tuple(x.shape)}; the graph was captured for micro-batches of shape "
-                f"{tuple(ex.shape)}, so {micro_batches} micro-batches need {tuple(want)}. Capture the model at "
-                "batch / micro_batches (captured graphs have literal shapes)"
+                f"{tuple(ex.shape)} (batch dim {dim}), so {micro_batches} micro-batches need {tuple(want)}. "
+                "Capture the model at batch / micro_batches (captured graphs have literal shapes)"
             )
 
 
@@ -97,7 +113,9 @@ class PipelineRunner:
     micro-batch size). stage_index must equal this rank's rank in `pp_group` (None: the default group)
     and num_stages its size. schedule: the plan's `Schedule` ("gpipe" / "1f1b" are accepted too); 1F1B
     needs micro_batches >= num_stages. loss_fn(output_micro_batch, target_micro_batch) -> scalar mean
-    loss; needed for train_step. Raises ValueError for a bad schedule, micro_batches or group layout.
+    loss; needed for train_step. input_batch_dims: per graph input (stage 0's placeholders), its batch
+    dim or None (given whole to every micro-batch); None means dim 0 for all. Raises ValueError for a
+    bad schedule, micro_batches, group layout or input_batch_dims.
     """
 
     def __init__(
@@ -111,6 +129,7 @@ class PipelineRunner:
         schedule: Schedule | str,
         *,
         loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+        input_batch_dims: Sequence[int | None] | None = None,
     ) -> None:
         try:
             schedule = Schedule(schedule)
@@ -141,6 +160,12 @@ class PipelineRunner:
         self.loss_fn = loss_fn
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self._examples, self._outputs = _stage_io_examples(stage_module, stage_index, self.device)
+        dims = [0] * len(self._examples) if input_batch_dims is None else list(input_batch_dims)
+        if self.is_first and len(dims) != len(self._examples):
+            raise ValueError(f"stage 0 takes {len(self._examples)} inputs but got {len(dims)} batch dims")
+        if self.is_first and micro_batches > 1 and all(d is None for d in dims):
+            raise ValueError("no pipeline input has a batch dim, so it cannot be cut into micro-batches")
+        self.input_batch_dims = tuple(dims)
         self._schedules: dict[bool, Any] = {}  # training? -> schedule
 
     def _schedule(self, training: bool) -> Any:
@@ -156,8 +181,9 @@ class PipelineRunner:
                 group=self.pp_group,
             )
             loss_fn = self.loss_fn if training else None
+            specs = _chunk_specs(self.input_batch_dims) if self.is_first else None
             self._schedules[training] = self.schedule_class(
-                stage, n_microbatches=self.micro_batches, loss_fn=loss_fn
+                stage, n_microbatches=self.micro_batches, loss_fn=loss_fn, args_chunk_spec=specs
             )
         return self._schedules[training]
 
@@ -167,13 +193,13 @@ class PipelineRunner:
         if inputs_or_none is None:
             raise ValueError("stage 0 needs the pipeline's inputs")
         args = tuple(x.to(self.device) for x in inputs_or_none)
-        _check_batch(args, self._examples, self.micro_batches)
+        _check_batch(args, self._examples, self.micro_batches, self.input_batch_dims)
         return args
 
     def forward(self, inputs_or_none: Sequence[torch.Tensor] | None) -> Any:
         """One forward pass (under `torch.no_grad()`, no loss). inputs_or_none: on stage 0 the graph's
-        inputs for the whole batch, each (micro_batches * b, ...) with b the captured batch; None
-        elsewhere. Returns on the last stage the graph's output for the whole batch (micro-batch
+        inputs for the whole batch, each batched one micro_batches * b long on its batch dim (b the
+        captured batch), the others as captured; None elsewhere. Returns on the last stage the graph's output for the whole batch (micro-batch
         outputs concatenated along dim 0; a tuple for a multi-output graph), None elsewhere.
         Raises ValueError for a missing or mis-shaped input."""
         args = self._stage_args(inputs_or_none)

@@ -1,7 +1,7 @@
 """Run a plan with pipeline stages (PP > 1, optionally with TP inside each stage) on one rank.
 
 Like `runtime.execute.run_rank`, but the graph is captured at the micro-batch size (captured shapes
-are literals), lowered to this rank's stage (`passes.lower.lower_for_rank`: TP pass, then the split
+are literals; inputs are cut on their batch dims, `RankSetup.batch_dims`, inputs without one stay whole), lowered to this rank's stage (`passes.lower.lower_for_rank`: TP pass, then the split
 at the layers' output nodes), and run through `torch.distributed.pipelining` with the plan's schedule
 (`plan.schedule`: GPipe or 1F1B) and micro-batch count (`runtime.pipeline.PipelineRunner`). The
 reference is the unsharded model on this DP replica's batch (its gradients: on the whole batch).
@@ -36,7 +36,7 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
     model = setup.build_model()
     inputs = flat_inputs(setup.args, setup.kwargs)
     m = plan.micro_batches
-    micro_args, micro_kwargs = args_share(setup.args, setup.kwargs, m, 0)
+    micro_args, micro_kwargs = args_share(setup.args, setup.kwargs, m, 0, setup.batch_dims)
     gm = capture(model, micro_args, micro_kwargs)
     lowered = lower_for_rank(gm, analyse(gm), plan, ctx.rank, training=training)
     stage, pp_group = lowered.module, groups.group("pp")
@@ -57,6 +57,7 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
         ctx.device,
         plan.schedule,
         loss_fn=F.mse_loss if training else None,
+        input_batch_dims=setup.batch_dims,
     )  # the schedule is built once, on the first step
     report = RankReport(
         rank=ctx.rank, tp_rank=lowered.tp_rank, pp_rank=lowered.pp_rank, latency_samples_s=[], median_s=0.0,

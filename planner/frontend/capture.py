@@ -43,6 +43,7 @@ import re
 import sys
 import sysconfig
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -129,6 +130,47 @@ def retarget_device(gm: fx.GraphModule, device: torch.device | str) -> fx.GraphM
 
 
 # ------------------------------------------------------------------------------------------ inputs
+
+
+def input_batch_dims(
+    make_inputs: Callable[[int], tuple[tuple, dict]], batch_size: int
+) -> tuple[int | None, ...]:
+    """The batch dim of every graph input (tensor leaf of `(args, kwargs)`, in `flat_inputs` order),
+    or None for an input whose shape does not depend on the batch (a (T, T) attention bias, RoPE
+    tables, HF `position_ids` of shape (1, T)).
+
+    make_inputs(b) -> (args, kwargs): the model's example inputs at batch size b (a model file's
+    `example_inputs`). They are made at `batch_size` and at twice it: the batch dim of an input is the
+    one dim whose size doubles (a flattened (B*T,) input counts); every other dim must stay the same.
+    This is what data parallelism and pipeline micro-batching split; an input without one is given
+    whole to every replica and micro-batch. Only shapes are read (meta tensors are fine).
+
+    Raises InputError naming the input when the inputs change structure with the batch, when more
+    than one dim of an input grows with it, or when a dim changes but not in proportion.
+    """
+    if batch_size < 1:
+        raise InputError(f"batch size must be >= 1 to find the inputs' batch dims, got {batch_size}")
+    base = flat_inputs(*make_inputs(batch_size))
+    probe = flat_inputs(*make_inputs(2 * batch_size))
+    if len(base) != len(probe):
+        raise InputError(
+            f"the example inputs have {len(base)} tensors at batch size {batch_size} but {len(probe)} at "
+            f"{2 * batch_size}; the number of tensor inputs must not depend on the batch size"
+        )
+    dims: list[int | None] = []
+    for i, (x, y) in enumerate(zip(base, probe)):
+        shape, grown = tuple(x.shape), tuple(y.shape)
+        changed = [d for d in range(len(shape)) if len(shape) == len(grown) and shape[d] != grown[d]]
+        batch = [d for d in changed if grown[d] == 2 * shape[d]]
+        if len(shape) != len(grown) or len(changed) > 1 or changed != batch:
+            raise InputError(
+                f"input {i} has shape {shape} at batch size {batch_size} and {grown} at {2 * batch_size}: "
+                "an input's batch dim must be the one dim that grows in proportion to the batch size "
+                "(or none), so that data parallelism and micro-batching can split it"
+            )
+        dims.append(batch[0] if batch else None)
+    return tuple(dims)
+
 
 
 def _inputs_on_model_device(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
