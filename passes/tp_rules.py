@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 from torch._ops import OpOverload, OpOverloadPacket
 
-from passes import collectives
+from passes import collectives, rng
 from passes.placement import Placement, local_shape, view_shard_dim
 from passes.tp_rules_context import R, RuleContext
 
@@ -201,8 +201,24 @@ def rule_sdpa(ctx: RuleContext, node: fx.Node) -> None:
             node.replace_input_with(mask, ctx.sharded(mask, 1))
         else:
             node.replace_input_with(mask, ctx.replicated(mask))
+    _sdpa_dropout_per_rank(ctx, node)
     ctx.set_meta(node, Placement.shard(1))
     ctx.check(node)
+
+
+def _sdpa_dropout_per_rank(ctx: RuleContext, node: fx.Node) -> None:
+    """Head-parallel attention with dropout: the dropout draws from this rank's sharded RNG stream."""
+    names = ("attn_mask", "dropout_p", "is_causal")
+    defaults = (None, 0.0, False)
+    full = list(node.args[:3]) + [
+        node.args[3 + i] if len(node.args) > 3 + i else node.kwargs.get(name, default)
+        for i, (name, default) in enumerate(zip(names, defaults))
+    ]
+    if not full[4]:
+        return
+    node.target = rng.tp_scaled_dot_product_attention
+    node.args = (*full, ctx.axis)
+    node.kwargs = {k: v for k, v in node.kwargs.items() if k not in names}
 
 
 # ---------------------------------------------------------------- reshapes and layout ops
@@ -383,14 +399,46 @@ def rule_cat(ctx: RuleContext, node: fx.Node) -> None:
     aten.detach,
     aten._to_copy,
     aten.to,
-    aten.dropout,
     aten.lift_fresh_copy,
     aten.type_as,
 )
 def rule_same(ctx: RuleContext, node: fx.Node) -> None:
-    """Copy, cast, alias or dropout of a shard: the output keeps the input's shard."""
+    """Copy, cast or alias of a shard: the output keeps the input's shard."""
     p = ctx.shard_of(node.args[0] if node.args else None)
     if p is None:
+        ctx.run_replicated(node)
+        return
+    ctx.set_meta(node, p)
+    ctx.check(node)
+
+
+@register_rule(aten.dropout, aten.native_dropout, aten.bernoulli)
+def rule_dropout(ctx: RuleContext, node: fx.Node) -> None:
+    """Dropout keeps its input's placement; on a shard it draws from this rank's sharded RNG stream.
+
+    On a replicated input the op stays as it is: it draws from the default generator, seeded alike
+    on every TP rank, so all ranks drop the same elements (Megatron's rule for replicated
+    activations). On a shard it becomes `passes.rng.tp_*`, which draws from the stream seeded per
+    rank, so the shards' masks are independent like the parts of one unsharded mask.
+    """
+    x = node.args[0]
+    p = ctx.shard_of(x)
+    if p is None:
+        ctx.run_replicated(node)
+        return
+    if node.target in (aten.dropout.default, aten.native_dropout.default):
+        prob = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        native = node.target is aten.native_dropout.default
+        node.target = rng.tp_native_dropout if native else rng.tp_dropout
+        node.args, node.kwargs = (x, prob, train, ctx.axis), {}
+        if native:  # (output, mask), both sharded like the input
+            ctx.set_tuple(node, [p, p], str(p))
+            return
+    elif node.target in (aten.bernoulli.default, aten.bernoulli.p) and not node.kwargs.get("generator"):
+        prob = node.args[1] if node.target is aten.bernoulli.p else None
+        node.target, node.args, node.kwargs = rng.tp_bernoulli, (x, prob, ctx.axis), {}
+    else:  # another overload (a tensor of probabilities, an explicit generator): one full draw
         ctx.run_replicated(node)
         return
     ctx.set_meta(node, p)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from passes.ladder import apply_ladder, ladder_deviation, ladder_residual_adds
 from passes.lower import lower_for_rank
+from passes.rng import dropout_disabled
 from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture, flat_inputs
 from runtime.data_parallel import average_gradients, batch_share
@@ -39,6 +40,7 @@ from runtime.measure import rank_peak_memory_bytes, reset_peak_memory, time_iter
 from runtime.numerics import first_output, grad_max_abs_diff, training_target
 from runtime.pipeline_run import run_pipeline_rank
 from runtime.profile import profile_layers
+from runtime.run_mode import dropout_note, seed_dropout_rng
 
 
 def run_rank(ctx: RankContext, job: RunJob) -> RankReport:
@@ -62,14 +64,14 @@ def run_rank(ctx: RankContext, job: RunJob) -> RankReport:
         apply_ladder(reference, ladder_residual_adds(analyse(reference), plan.ladder_layers))
     deviation = None
     if adds:
-        with torch.no_grad():
+        with torch.no_grad(), dropout_disabled(full):
             original_out = first_output(full(*inputs))
         if not whole_batch:
             apply_ladder(reference, adds)
     gm = lower_for_rank(copy.deepcopy(full), structure, plan, ctx.rank, training=training).module
     del full, model
 
-    with torch.no_grad():
+    with torch.no_grad(), dropout_disabled(reference):
         ref_out = first_output(reference(*full_inputs))
         if adds:
             deviation = ladder_deviation(original_out, ref_out)
@@ -83,6 +85,7 @@ def run_rank(ctx: RankContext, job: RunJob) -> RankReport:
         max_abs_diff=None,
         output_scale=float(ref_out.abs().max()),
         ladder_deviation=deviation,
+        dtype=plan.dtype,
     )
     if training:
         step = _training_step(gm, reference, full_inputs, inputs, setup, report)
@@ -117,20 +120,25 @@ def _training_step(
 ) -> Callable[[], None]:
     """Check one forward+backward against the unsharded reference on the whole batch (DP replicas
     average their gradients over the DP group); return a timed training step (forward, backward,
-    DP gradient all-reduce, Adam update - the optimizer the cost model assumes for memory)."""
+    DP gradient all-reduce, Adam update - the optimizer the cost model assumes for memory). The check
+    runs with dropout off in both models; the timed steps with dropout on, its RNG seeded per TP rank
+    for shards (`runtime.run_mode`)."""
     plan, groups = setup.plan, setup.groups
     dp_group = groups.group("dp")
-    ref_out = first_output(reference(*full_inputs))
-    target_full = training_target(ref_out)
-    F.mse_loss(ref_out, target_full).backward()
-    full_grads = {name: p.grad for name, p in reference.named_parameters()}
-    ref_local = batch_share((ref_out.detach(),), plan.dp, groups.dp_rank)[0]
-    target = batch_share((target_full,), plan.dp, groups.dp_rank)[0]
-    out = first_output(gm(*inputs))
-    report.max_abs_diff = float((out.detach() - ref_local).abs().max())
-    F.mse_loss(out, target).backward()
-    average_gradients(gm, dp_group, plan.dp)
+    with dropout_disabled(gm, reference):  # like with like: both models without dropout for the check
+        ref_out = first_output(reference(*full_inputs))
+        target_full = training_target(ref_out)
+        F.mse_loss(ref_out, target_full).backward()
+        full_grads = {name: p.grad for name, p in reference.named_parameters()}
+        ref_local = batch_share((ref_out.detach(),), plan.dp, groups.dp_rank)[0]
+        target = batch_share((target_full,), plan.dp, groups.dp_rank)[0]
+        out = first_output(gm(*inputs))
+        report.max_abs_diff = float((out.detach() - ref_local).abs().max())
+        F.mse_loss(out, target).backward()
+        average_gradients(gm, dp_group, plan.dp)
     report.grad_max_abs_diff = grad_max_abs_diff(gm, full_grads, plan, groups.tp_rank)
+    report.notes.append(dropout_note(gm))
+    seed_dropout_rng(setup.seed, groups.pp_rank, groups.tp_rank, setup.device)
     optimizer = torch.optim.Adam(gm.parameters(), lr=1e-3)
 
     def step() -> None:

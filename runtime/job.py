@@ -16,6 +16,7 @@ from planner.plan import Plan
 from runtime.data_parallel import args_share
 from runtime.launch import RankContext
 from runtime.mesh import RankGroups, build_rank_groups
+from runtime.run_mode import cast_inputs, check_dtype_runs, set_run_mode
 
 
 @dataclass
@@ -52,6 +53,7 @@ class RankReport:
     grad_max_abs_diff: float | None = None  # training: worst gradient difference over this rank's parameters
     ladder_deviation: float | None = None  # relative L2 of laddered vs original outputs
     pipeline_schedule: str | None = None  # pp > 1: the torch.distributed.pipelining schedule class run
+    dtype: str | None = None  # the plan dtype the rank ran its model and inputs in ("bf16")
     notes: list[str] = field(default_factory=list)
     output: torch.Tensor | None = None  # only with RunJob.return_output
     per_layer_s: dict[str, float] = field(
@@ -76,20 +78,24 @@ class RankSetup:
     batch_dims: tuple[int | None, ...]  # per graph input: its batch dim, or None (never split)
 
     def build_model(self) -> torch.nn.Module:
-        """The model, built with the job's seed on this rank's device: the same weights on every rank."""
+        """The model, built with the job's seed on this rank's device (the same weights on every rank),
+        in the plan's dtype and in train mode for a training job, else eval mode (`runtime.run_mode`)."""
         torch.manual_seed(self.seed)
-        return self.model_file.build(str(self.device))
+        return set_run_mode(self.model_file.build(str(self.device)), self.plan.dtype, self.training)
 
 
 def set_up_rank(ctx: RankContext, job: RunJob) -> RankSetup:
     """Build this rank's process groups (collective), register the TP group with
-    `passes.collectives`, load the model file and cut the inputs to this DP replica's share.
-    Raises ValueError when the batch does not divide by dp."""
+    `passes.collectives`, load the model file, cast its floating inputs to the plan's dtype and cut
+    them to this DP replica's share. Raises ValueError when the batch does not divide by dp,
+    InputError when this device cannot run the plan's dtype."""
     plan = Plan.from_dict(job.plan)
     groups = build_rank_groups(plan.mesh, ctx.device.type)
     collectives.register_group("tp", groups.group("tp"))
     model_file = load_model_file(job.model_path)
+    check_dtype_runs(plan.dtype, ctx.device)
     full_args, full_kwargs = model_file.inputs(job.batch_size, job.seq_len, device=str(ctx.device))
+    full_args, full_kwargs = cast_inputs(full_args, full_kwargs, plan.dtype)
     batch_dims = job_batch_dims(job, model_file, len(flat_inputs(full_args, full_kwargs)))
     args, kwargs = args_share(full_args, full_kwargs, plan.dp, groups.dp_rank, batch_dims)
     training = job.workload == "train"
@@ -111,7 +117,6 @@ def job_batch_dims(job: RunJob, model_file: ModelFile, num_inputs: int) -> tuple
     if len(dims) != num_inputs:
         raise ValueError(f"the job gives {len(dims)} input batch dims for {num_inputs} inputs: {list(dims)}")
     return dims
-
 
 
 def summarise(reports: list[RankReport]) -> dict[str, Any]:
@@ -138,6 +143,8 @@ def summarise(reports: list[RankReport]) -> dict[str, Any]:
             "peak_memory_bytes": max(r.peak_memory_bytes for r in reports),
             "per_rank_peak_memory_bytes": [r.peak_memory_bytes for r in reports],
             "iterations": len(samples),
+            "dtype": reports[0].dtype,
+            "notes": list(dict.fromkeys(note for r in reports for note in r.notes)),
             "per_layer_s": per_layer,
         },
         "numerics": {

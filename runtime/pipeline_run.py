@@ -7,7 +7,9 @@ at the layers' output nodes), and run through `torch.distributed.pipelining` wit
 reference is the unsharded model on this DP replica's batch (its gradients: on the whole batch).
 Training: forward + backward through the schedule, tied weights (GPT-2 embedding / LM head in
 different stages) get their gradients summed between the two stages, DP replicas average gradients,
-then an Adam step (the optimizer the cost model assumes).
+then an Adam step (the optimizer the cost model assumes). The model runs in the plan's dtype and,
+for training, in train mode; the checked step runs with dropout off, the timed ones with dropout on
+(`runtime.run_mode`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from passes.lower import lower_for_rank
+from passes.rng import dropout_disabled
 from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture, flat_inputs
 from runtime.data_parallel import args_share, average_gradients, batch_share
@@ -24,6 +27,7 @@ from runtime.launch import RankContext
 from runtime.measure import rank_peak_memory_bytes, reset_peak_memory, time_iterations
 from runtime.numerics import first_output, grad_max_abs_diff, training_target
 from runtime.pipeline import PipelineRunner, all_reduce_tied_gradients
+from runtime.run_mode import dropout_note, seed_dropout_rng
 
 
 def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankReport:
@@ -45,7 +49,7 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
     whole_batch = training and plan.dp > 1  # the reference gradients are those of the whole batch
     ref_args, ref_kwargs = (setup.full_args, setup.full_kwargs) if whole_batch else (setup.args, setup.kwargs)
     reference = capture(model, ref_args, ref_kwargs)
-    with torch.set_grad_enabled(training):
+    with torch.set_grad_enabled(training), dropout_disabled(reference):  # the check: dropout off
         ref_full = first_output(reference(*flat_inputs(ref_args, ref_kwargs)))
     ref_out = batch_share((ref_full.detach(),), plan.dp, groups.dp_rank)[0] if whole_batch else ref_full
     runner = PipelineRunner(
@@ -62,7 +66,7 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
     report = RankReport(
         rank=ctx.rank, tp_rank=lowered.tp_rank, pp_rank=lowered.pp_rank, latency_samples_s=[], median_s=0.0,
         peak_memory_bytes=0, max_abs_diff=None, output_scale=float(ref_out.detach().abs().max()),
-        pipeline_schedule=runner.schedule_class.__name__,
+        pipeline_schedule=runner.schedule_class.__name__, dtype=plan.dtype,
     )  # fmt: skip
     stage_inputs = inputs if first else None
 
@@ -81,10 +85,13 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
             average_gradients(stage, dp_group, plan.dp)
             return loss
 
-        loss = step()
+        with dropout_disabled(stage):  # like with like: the reference ran without dropout too
+            loss = step()
         if last:  # the pipeline's loss against the unsharded model's loss on the same batch
             report.max_abs_diff = float((loss - F.mse_loss(ref_out, target)).abs())
         report.grad_max_abs_diff = grad_max_abs_diff(stage, full_grads, plan, lowered.tp_rank)
+        report.notes.append(dropout_note(stage))
+        seed_dropout_rng(setup.seed, lowered.pp_rank, lowered.tp_rank, ctx.device)
 
         def timed() -> None:
             step()

@@ -172,7 +172,6 @@ def input_batch_dims(
     return tuple(dims)
 
 
-
 def _inputs_on_model_device(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     tensor = next(iter(model.parameters()), None)
     if tensor is None:

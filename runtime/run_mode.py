@@ -1,0 +1,87 @@
+"""How a rank runs the plan's model: in the planned dtype, and for training in train mode with
+tensor-parallel-aware dropout RNG.
+
+- dtype: the model's floating parameters and buffers and its floating inputs are cast to the plan's
+  dtype (`Plan.dtype`: "fp32" | "bf16" | "fp16"), so the measured run is the planned one; a device
+  that cannot run a dtype is refused (`check_dtype_runs`).
+- mode: a training plan runs the model in train mode (dropout active, captured into the graph), a
+  forward plan in eval mode.
+- RNG: `seed_dropout_rng` seeds the default generator alike on the ranks of a TP group (seed + 100 x
+  pp_rank, as Megatron-LM does, so stages draw different masks) and the sharded-region stream per TP
+  rank (seed + 2718 + 100 x pp_rank + tp_rank; `passes.rng`).
+- numerics: a training run's check compares the sharded and unsharded models with dropout off
+  (`passes.rng.dropout_disabled`); the timed steps run with dropout on. `dropout_note` says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+from passes.rng import SHARDED_SEED_OFFSET, dropout_nodes, seed_sharded_rng
+from planner.errors import InputError
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+STAGE_SEED_STRIDE = 100  # Megatron-LM: seed + 100 * pipeline rank
+
+
+def torch_dtype(dtype: str) -> torch.dtype:
+    """The torch dtype of a plan dtype name ("bf16" -> torch.bfloat16). Raises InputError for others."""
+    if dtype not in TORCH_DTYPES:
+        raise InputError(f"dtype {dtype!r} is not one of {sorted(TORCH_DTYPES)}")
+    return TORCH_DTYPES[dtype]
+
+
+def check_dtype_runs(dtype: str, device: torch.device) -> None:
+    """Raise InputError when `device` cannot run the model in `dtype` (bf16 on a CUDA device without
+    bf16 support); CPUs run fp32, bf16 and fp16."""
+    want = torch_dtype(dtype)
+    if device.type == "cuda" and want is torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise InputError(
+            f"the plan's dtype is bf16 but {torch.cuda.get_device_name(device)} does not support bf16; "
+            "re-plan with --dtype fp16 or --dtype fp32"
+        )
+
+
+def set_run_mode(model: nn.Module, dtype: str, training: bool) -> nn.Module:
+    """`model` with its floating parameters and buffers in `dtype`, in train or eval mode (in place)."""
+    model.to(torch_dtype(dtype))
+    return model.train(training)
+
+
+def cast_inputs(args: tuple, kwargs: dict, dtype: str) -> tuple[tuple, dict]:
+    """(args, kwargs) with every floating tensor in `dtype` (token ids and masks of other dtypes kept)."""
+    want = torch_dtype(dtype)
+
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != want:
+            return x.to(want)
+        return x
+
+    return pytree.tree_map(cast, (tuple(args), dict(kwargs)))
+
+
+def seed_dropout_rng(seed: int, pp_rank: int, tp_rank: int, device: torch.device) -> None:
+    """Seed this rank's dropout streams: the default generator with seed + 100 x pp_rank (the same on
+    every TP rank of a stage: replicated activations get the same mask), the TP sharded-region stream
+    with seed + 2718 + 100 x pp_rank + tp_rank (a different mask per shard)."""
+    stage_seed = seed + STAGE_SEED_STRIDE * pp_rank
+    torch.manual_seed(stage_seed)
+    seed_sharded_rng("tp", stage_seed + SHARDED_SEED_OFFSET + tp_rank, device)
+
+
+def dropout_note(gm: fx.GraphModule) -> str:
+    """What a training run says about dropout: how many ops draw a mask in the timed steps (how many
+    from the per-rank sharded stream) and that the numerics check ran with dropout off."""
+    nodes = dropout_nodes(gm)
+    if not nodes:
+        return "train mode: no dropout in the graph; numerics checked as run"
+    sharded = sum(1 for n in nodes if n.target.__module__ == "passes.rng")
+    return (
+        f"train mode: {len(nodes)} dropout op(s) active in the timed steps ({sharded} on tensor-parallel "
+        "shards, drawing from a per-rank RNG stream); numerics checked with dropout off"
+    )
