@@ -101,6 +101,8 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
         out = runner.forward(stage_inputs)
         if last:
             report.max_abs_diff = float((first_output(out) - ref_out).abs().max())
+            if job.return_output:
+                report.output = first_output(out).cpu()
 
         def timed() -> None:
             runner.forward(stage_inputs)

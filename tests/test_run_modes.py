@@ -1,0 +1,205 @@
+"""What runs is what was planned (issue 13): inputs without a batch dim (kind 2), train mode with
+tensor-parallel-aware dropout RNG (kind 4), the planned dtype (kind 5).
+
+The models in tests/models are small rewrites of the cases in ../shared/cases (nonbatch_bias.py,
+dropout_tp.py, bf16_llama.py). Multi-rank tests run 2 gloo ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from passes import rng
+from passes.lower import lower_for_rank
+from planner.errors import InputError
+from planner.frontend.analysis import analyse
+from planner.frontend.capture import capture, flat_inputs, input_batch_dims
+from planner.frontend.modelfile import load_model_file
+from planner.plan import MeshShape
+from runtime.data_parallel import args_share, batch_share
+from runtime.job import RunJob, set_up_rank, summarise
+from runtime.launch import RankContext, launch
+from runtime.numerics import tolerance_for
+from runtime.run_mode import cast_inputs, seed_dropout_rng, set_run_mode
+from tests.parity_entry import run_jobs
+from tests.plans import fixed_plan
+
+MODELS = Path(__file__).resolve().parent / "models"
+aten = torch.ops.aten
+
+
+def _plan(name: str, tp: int = 1, pp: int = 1, dp: int = 1, batch_size: int = 4, seq_len: int = 8, **kw):
+    """A Megatron-split plan for tests/models/`name` at the given sizes (`tests.plans.fixed_plan`)."""
+    model_file = load_model_file(MODELS / name)
+    args, kwargs = model_file.inputs(batch_size, seq_len)
+    gm = capture(model_file.build("meta"), args, kwargs)
+    plan = fixed_plan(analyse(gm), str(MODELS / name), tp, pp=pp, **kw)
+    return dataclasses.replace(plan, mesh=MeshShape(tp, pp, dp))
+
+
+def _job(name: str, plan, **kw) -> RunJob:
+    return RunJob(
+        str(MODELS / name), plan.to_dict(), batch_size=plan.batch_size, seq_len=plan.seq_len,
+        workload=str(plan.workload), warmup=0, iters=1, **kw,
+    )  # fmt: skip
+
+
+def _unsharded(name: str, batch_size: int, seq_len: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The unsharded model on the whole batch, built with the runs' seed (0): what every run must give."""
+    model_file = load_model_file(MODELS / name)
+    torch.manual_seed(0)
+    model = model_file.build("cpu").to(dtype)
+    args, kwargs = model_file.inputs(batch_size, seq_len)
+    args = tuple(a.to(dtype) if a.is_floating_point() else a for a in args)
+    with torch.no_grad():
+        return model(*args, **kwargs).float()
+
+
+# ------------------------------------------------------------------ kind 2: inputs without a batch dim
+
+
+def test_batch_dims_are_found_from_the_example_inputs() -> None:
+    model_file = load_model_file(MODELS / "nonbatch_bias.py")
+    assert input_batch_dims(lambda b: model_file.inputs(b, 8), 4) == (0, None)
+    # the batch dim may be any dim, and a flattened (B * T,) input counts
+    assert input_batch_dims(lambda b: ((torch.zeros(8, b), torch.zeros(b * 8), torch.zeros(())), {}), 3) == (
+        1,
+        0,
+        None,
+    )
+    with pytest.raises(InputError, match=r"input 0 has shape \(3, 3\)"):
+        input_batch_dims(lambda b: ((torch.zeros(b, b),), {}), 3)
+
+
+def test_shares_split_batched_inputs_and_keep_the_others_whole() -> None:
+    ids, bias = torch.arange(32).view(4, 8), torch.randn(8, 8)
+    got_ids, got_bias = batch_share((ids, bias), 2, 1, (0, None))
+    assert torch.equal(got_ids, ids[2:]) and got_bias is bias
+    (args, kwargs) = args_share((ids,), {"bias": bias}, 4, 3, (0, None))
+    assert torch.equal(args[0], ids[3:]) and kwargs["bias"] is bias
+    with pytest.raises(ValueError, match="no input has a batch dim"):
+        batch_share((bias,), 2, 0, (None,))
+
+
+@pytest.mark.slow
+def test_pipeline_and_data_parallel_give_an_unbatched_bias_whole() -> None:
+    # PP=2 with 2 micro-batches: splitting the (8, 8) bias on dim 0 made a (4, 8) mask (a traceback);
+    # DP=2 at seq_len 2: a (1, 2) half of the bias broadcast silently (wrong outputs, exit 0)
+    pp = _plan("nonbatch_bias.py", pp=2, micro_batches=2)
+    dp = _plan("nonbatch_bias.py", dp=2, seq_len=2)
+    jobs = [
+        _job("nonbatch_bias.py", pp, return_output=True),
+        _job("nonbatch_bias.py", dp, return_output=True),
+    ]
+    results = launch(run_jobs, jobs, nproc=2, timeout_s=120)
+    pp_reports, dp_reports = zip(*results)
+    want = _unsharded("nonbatch_bias.py", 4, 8)
+    got = pp_reports[1].output  # the last stage holds the pipeline's output
+    assert got is not None and torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()
+    want = _unsharded("nonbatch_bias.py", 4, 2)
+    got = torch.cat([r.output for r in dp_reports])  # DP replicas in rank order: batch shares 0, 1
+    assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()
+
+
+# ------------------------------------------------------------------ kind 4: train mode, dropout RNG
+
+
+def test_tp_pass_draws_dropout_on_shards_from_the_sharded_stream() -> None:
+    model_file = load_model_file(MODELS / "dropout_tp.py")
+    model = set_run_mode(model_file.build("cpu"), "fp32", training=True)
+    args, kwargs = model_file.inputs()
+    gm = capture(model, args, kwargs)
+    plan = _plan("dropout_tp.py", tp=2, batch_size=2, workload="train")
+    lowered = lower_for_rank(gm, analyse(gm), plan, 0, training=True).module
+    targets = [n.target for n in rng.dropout_nodes(lowered)]
+    # per layer: head-parallel attention dropout and the column-parallel hidden dropout are shards
+    assert targets.count(rng.tp_scaled_dot_product_attention) == 2
+    assert targets.count(rng.tp_dropout) == 2
+    # embedding, attention-output and residual dropouts act on replicated values: the default stream
+    assert targets.count(aten.dropout.default) == 5
+    with rng.dropout_disabled(lowered):
+        assert rng.dropout_nodes(lowered) == []
+    assert len(rng.dropout_nodes(lowered)) == 9
+
+
+def _dropout_rng_checks(ctx: RankContext, path: str) -> dict:
+    """Per rank: masks of the two streams, and the lowered train-mode model run with and without dropout."""
+    plan = _plan("dropout_tp.py", tp=2, batch_size=2, workload="train")
+    setup = set_up_rank(ctx, _job("dropout_tp.py", plan))
+    model = setup.build_model()
+    inputs = flat_inputs(setup.args, setup.kwargs)
+    with torch.no_grad():
+        eval_out = model.eval()(*inputs)
+    model.train()
+    gm = capture(model, setup.args, setup.kwargs)
+    lowered = lower_for_rank(gm, analyse(gm), plan, ctx.rank, training=True).module
+    group = setup.groups.group("tp")
+
+    def gathered(x: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(x) for _ in range(2)]
+        dist.all_gather(out, x.contiguous(), group=group)
+        return out
+
+    seed_dropout_rng(0, setup.groups.pp_rank, setup.groups.tp_rank, ctx.device)
+    ones = torch.ones(4096)
+    sharded = gathered(rng.tp_dropout(ones, 0.5, True, "tp"))
+    replicated = gathered(aten.dropout(ones, 0.5, True))
+    with torch.no_grad():
+        first, second = lowered(*inputs), lowered(*inputs)
+        with rng.dropout_disabled(lowered):
+            off = lowered(*inputs)
+    return {
+        "sharded_masks_equal": torch.equal(*sharded),
+        "replicated_masks_equal": torch.equal(*replicated),
+        "outputs_equal_over_tp": torch.equal(*gathered(first)),
+        "dropout_changes_output": not torch.equal(first, second),
+        "off_diff": float((off - eval_out).abs().max()),
+    }
+
+
+@pytest.mark.slow
+def test_training_runs_in_train_mode_with_tensor_parallel_dropout_rng() -> None:
+    results = launch(_dropout_rng_checks, str(MODELS / "dropout_tp.py"), nproc=2, timeout_s=120)
+    for r in results:
+        assert not r["sharded_masks_equal"], r  # a shard's mask is its own (per-rank stream)
+        assert r["replicated_masks_equal"], r  # a replicated value's mask is the same on every rank
+        assert r["outputs_equal_over_tp"], r  # so the replicated outputs stay identical over TP ranks
+        assert r["dropout_changes_output"], r  # the train-mode graph does drop
+        assert r["off_diff"] < 1e-5, r  # with dropout off it is the unsharded eval-mode model
+    # the run itself: train mode, its numerics checked with dropout off (like with like), and it says so
+    plan = _plan("dropout_tp.py", tp=2, batch_size=2, workload="train")
+    reports = launch(run_jobs, [_job("dropout_tp.py", plan)], nproc=2, timeout_s=120)
+    summary = summarise([r[0] for r in reports])
+    assert summary["numerics"]["max_abs_diff"] <= 1e-5 * summary["numerics"]["output_scale"], summary
+    assert summary["numerics"]["grad_max_abs_diff"] <= 1e-6, summary
+    (note,) = summary["measured"]["notes"]
+    assert "9 dropout op(s) active" in note and "4 on tensor-parallel shards" in note, note
+    assert "numerics checked with dropout off" in note, note
+
+
+# ------------------------------------------------------------------ kind 5: the planned dtype
+
+
+def test_model_and_floating_inputs_take_the_plan_dtype() -> None:
+    model = set_run_mode(torch.nn.Linear(4, 4), "bf16", training=False)
+    assert model.weight.dtype is torch.bfloat16 and not model.training
+    (ids, bias), kwargs = cast_inputs((torch.zeros(2, dtype=torch.long), torch.zeros(2)), {}, "bf16")
+    assert ids.dtype is torch.long and bias.dtype is torch.bfloat16 and kwargs == {}
+    assert tolerance_for("torch.bfloat16") > tolerance_for("float32") > 0
+
+
+@pytest.mark.slow
+def test_bf16_plan_runs_in_bf16() -> None:
+    plan = dataclasses.replace(_plan("bf16_llama.py", tp=2, batch_size=2), dtype="bf16")
+    results = launch(run_jobs, [_job("bf16_llama.py", plan, return_output=True)], nproc=2, timeout_s=120)
+    report = results[0][0]
+    assert report.output.dtype is torch.bfloat16 and report.dtype == "bf16"
+    want = _unsharded("bf16_llama.py", 2, 8, torch.bfloat16)
+    assert float((report.output.float() - want).abs().max()) <= tolerance_for("bfloat16") * float(
+        want.abs().max()
+    )
