@@ -414,13 +414,11 @@ def rule_same(ctx: RuleContext, node: fx.Node) -> None:
 
 @register_rule(aten.dropout, aten.native_dropout, aten.bernoulli)
 def rule_dropout(ctx: RuleContext, node: fx.Node) -> None:
-    """Dropout keeps its input's placement; on a shard it draws from this rank's sharded RNG stream.
-
-    On a replicated input the op stays as it is: it draws from the default generator, seeded alike
-    on every TP rank, so all ranks drop the same elements (Megatron's rule for replicated
-    activations). On a shard it becomes `passes.rng.tp_*`, which draws from the stream seeded per
-    rank, so the shards' masks are independent like the parts of one unsharded mask.
-    """
+    """Dropout keeps its input's placement; on a shard it draws from the per-rank stream (passes.rng)."""
+    # On a replicated input the op stays as it is: it draws from the default generator, seeded alike
+    # on every TP rank, so all ranks drop the same elements (Megatron's rule for replicated
+    # activations). On a shard it becomes `passes.rng.tp_*`, which draws from the stream seeded per
+    # rank, so the shards' masks are independent like the parts of one unsharded mask.
     x = node.args[0]
     p = ctx.shard_of(x)
     if p is None:
