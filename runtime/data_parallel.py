@@ -60,6 +60,15 @@ def args_share(
     return pytree.tree_unflatten(leaves, spec)
 
 
+def unbatched_note(inputs: tuple[torch.Tensor, ...], batch_dims: BatchDims) -> list[str]:
+    """The report's note on inputs without a batch dim (given whole to every replica and micro-batch);
+    empty when every input has one."""
+    whole = [f"input {i} {tuple(x.shape)}" for i, (x, d) in enumerate(zip(inputs, batch_dims)) if d is None]
+    if not whole:
+        return []
+    return [f"{', '.join(whole)}: no batch dim, given whole to every data-parallel replica and micro-batch"]
+
+
 def average_gradients(module: torch.nn.Module, group: dist.ProcessGroup, dp: int) -> None:
     """Replace every parameter gradient by the mean over the `dp` replicas of `group`, in place
     (collective over `group`; a no-op when dp == 1)."""

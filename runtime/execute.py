@@ -33,7 +33,7 @@ from passes.lower import lower_for_rank
 from passes.rng import dropout_disabled
 from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture, flat_inputs
-from runtime.data_parallel import average_gradients, batch_share
+from runtime.data_parallel import average_gradients, batch_share, unbatched_note
 from runtime.job import RankReport, RankSetup, RunJob, set_up_rank
 from runtime.launch import RankContext
 from runtime.measure import rank_peak_memory_bytes, reset_peak_memory, time_iterations
@@ -86,6 +86,7 @@ def run_rank(ctx: RankContext, job: RunJob) -> RankReport:
         output_scale=float(ref_out.abs().max()),
         ladder_deviation=deviation,
         dtype=plan.dtype,
+        notes=unbatched_note(flat_inputs(setup.full_args, setup.full_kwargs), setup.batch_dims),
     )
     if training:
         step = _training_step(gm, reference, full_inputs, inputs, setup, report)

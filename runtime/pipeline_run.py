@@ -21,7 +21,7 @@ from passes.lower import lower_for_rank
 from passes.rng import dropout_disabled
 from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture, flat_inputs
-from runtime.data_parallel import args_share, average_gradients, batch_share
+from runtime.data_parallel import args_share, average_gradients, batch_share, unbatched_note
 from runtime.job import RankReport, RankSetup, RunJob
 from runtime.launch import RankContext
 from runtime.measure import rank_peak_memory_bytes, reset_peak_memory, time_iterations
@@ -67,6 +67,7 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
         rank=ctx.rank, tp_rank=lowered.tp_rank, pp_rank=lowered.pp_rank, latency_samples_s=[], median_s=0.0,
         peak_memory_bytes=0, max_abs_diff=None, output_scale=float(ref_out.detach().abs().max()),
         pipeline_schedule=runner.schedule_class.__name__, dtype=plan.dtype,
+        notes=unbatched_note(flat_inputs(setup.full_args, setup.full_kwargs), setup.batch_dims),
     )  # fmt: skip
     stage_inputs = inputs if first else None
 
@@ -90,7 +91,7 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
         if last:  # the pipeline's loss against the unsharded model's loss on the same batch
             report.max_abs_diff = float((loss - F.mse_loss(ref_out, target)).abs())
         report.grad_max_abs_diff = grad_max_abs_diff(stage, full_grads, plan, lowered.tp_rank)
-        report.notes.append(dropout_note(stage))
+        report.notes.append(f"stage {lowered.pp_rank}: {dropout_note(stage)}")
         seed_dropout_rng(setup.seed, lowered.pp_rank, lowered.tp_rank, ctx.device)
 
         def timed() -> None:

@@ -104,6 +104,7 @@ def test_pipeline_and_data_parallel_give_an_unbatched_bias_whole() -> None:
     want = _unsharded("nonbatch_bias.py", 4, 2)
     got = torch.cat([r.output for r in dp_reports])  # DP replicas in rank order: batch shares 0, 1
     assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()
+    assert "input 1 (2, 2): no batch dim" in summarise(list(dp_reports))["measured"]["notes"][0]
 
 
 # ------------------------------------------------------------------ kind 4: train mode, dropout RNG
