@@ -79,7 +79,7 @@ from planner.solver.costing import (
     recompute_input_bytes,
     transient_bytes,
 )
-from planner.solver.stages import balanced_split, reference_costs, solution_costs
+from planner.solver.stages import balanced_split, rebalance, reference_costs, solution_costs
 
 LADDER_MIN_SAVING_FRACTION = 0.05  # a laddered layer must save >= 5% of its time (it changes the model)
 BALANCE_TIE_BREAK = 1e-3  # weight of the slowest stage when (m-1) = 0: balance stages among equal plans
@@ -608,7 +608,10 @@ def solve(prob: IlpProblem) -> IlpSolution:
     if prob.ctx.mesh.pp > 1 and prob.windows is None:
         if sum(len(w) for w in stage_windows(prob)) > MAX_BOUNDARY_BINARIES:
             return _solve_with_split_search(prob)
-    return _solve_once(prob)
+    sol = _solve_once(prob)
+    if prob.windows is None:
+        rebalance(prob, sol)  # never leave a split slower than the balanced one by the model's own costs
+    return sol
 
 
 def _solve_with_split_search(prob: IlpProblem) -> IlpSolution:

@@ -444,6 +444,8 @@ def _make_plan(search: _Search, best: _Candidate | None, model_name: str) -> Pla
             MeshCandidate(c.mesh.tp, c.mesh.pp, c.mesh.dp, c.latency_s, f"m={c.mesh.micro_batches}: {c.note}")
             for c in sorted(search.candidates, key=lambda c: (c.latency_s is None, c.latency_s or 0.0))
         ],
+        token_model=s.token_model,
+        unpriced_ops=s.unknown_ops,
     )
 
 

@@ -134,3 +134,40 @@ def balanced_split(
     starts = greedy(hi)
     assert starts is not None
     return starts
+
+
+def stage_times_s(
+    prob: IlpProblem, times: list[float], ends_time: tuple[float, float], starts: list[int]
+) -> list[float]:
+    """Time per micro-batch of each stage whose first layers are ``starts``: its layers, the embedding
+    on the first stage, the final norm + LM head on the last, the send to the next stage (seconds)."""
+    pp, L = prob.ctx.mesh.pp, len(times)
+    p2p = p2p_stage_time_s(prob.ctx)
+    bounds = list(starts) + [L]
+    out = []
+    for s in range(pp):
+        t = sum(times[bounds[s] : bounds[s + 1]])
+        t += (ends_time[0] if s == 0 else 0.0) + (ends_time[1] if s == pp - 1 else 0.0)
+        out.append(t + (p2p if s < pp - 1 else 0.0))
+    return out
+
+
+def rebalance(prob: IlpProblem, sol: IlpSolution) -> bool:
+    """Replace ``sol.stages`` by `balanced_split` of the solution's own per-layer costs when that split's
+    slowest stage is faster (the ILP's balance term is a tie-break that CBC's gap tolerance may leave
+    unexploited, e.g. [[0], [1, 2, 3]] for 4 identical layers). Returns whether the stages changed.
+    Memory stays within the cap (`balanced_split` checks it)."""
+    if prob.ctx.mesh.pp == 1 or not sol.feasible or not sol.stages:
+        return False
+    times, static, act, ends_time, ends_mem = solution_costs(prob, sol)
+    current = [stage[0] for stage in sol.stages]
+    starts = balanced_split(prob, times, static, act, ends_time, ends_mem)
+    if starts is None or starts == current:
+        return False
+    if max(stage_times_s(prob, times, ends_time, starts)) >= max(
+        stage_times_s(prob, times, ends_time, current)
+    ) * (1 - 1e-9):
+        return False
+    bounds = starts + [len(times)]
+    sol.stages = [list(range(bounds[s], bounds[s + 1])) for s in range(len(starts))]
+    return True
