@@ -66,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--pp", type=_positive, help="pin the pipeline-parallel degree")
     opt.add_argument("--dp", type=_positive, help="pin the data-parallel degree")
     opt.add_argument("--devices", type=_positive, help="use at most this many of the cluster's devices")
+    opt.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="without --cluster: measure this machine again instead of using the cached spec",
+    )
     opt.add_argument("--out", help="write the plan as YAML")
     opt.add_argument("--emit", help="write the generated sharded module of every rank into this folder")
     opt.add_argument("--json", help="write the JSON report")
@@ -142,6 +147,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             args.cluster,
             nproc,
             progress=lambda step, frac: progress.update(task, description=f"calibrating: {step}"),
+            recalibrate=args.recalibrate,
+            notify=lambda text: progress.console.print(f"[dim]{text}[/dim]"),
         )
         progress.update(task, description="solving the ILP")
         constraints = workflow.constraints_from(
@@ -181,6 +188,12 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     if args.json:
         write_text_atomic(args.json, json.dumps(report, indent=2, default=float))
         console.print(f"report written to {args.json}")
+    if run is not None:
+        from planner.cli.render import agreement_line  # noqa: PLC0415
+
+        console.print(
+            f"[bold]{agreement_line(plan.predicted.latency_s, run['measured']['latency_s'])}[/bold]"
+        )
     return 0
 
 
