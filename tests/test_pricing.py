@@ -90,7 +90,8 @@ def test_unknown_op_is_priced_as_memory_bound_and_listed() -> None:
 
 def test_node_overhead_is_charged_for_every_node_and_replaces_launch() -> None:
     s = analysed_llama("tiny")
-    base = load_cluster("local-cpu", nproc=1)
+    cpu = load_cluster("local-cpu", nproc=1)
+    base = dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, node_overhead_s=None))
     with_overhead = dataclasses.replace(base, device=dataclasses.replace(base.device, node_overhead_s=20e-6))
     wl = Workload("forward", s.batch_size, s.seq_len)
     plain = plan_model(s, base, wl, Constraints(tp=1, pp=1, dp=1)).predicted.latency_s

@@ -487,6 +487,12 @@ def graph_node_count(names: list[str], structure: ModelStructure) -> int:
     return sum(1 for n in names if n in costs and costs[n].kind != "none")
 
 
+def _in_layer_module(module_path: str, layer_paths: set[str]) -> bool:
+    """Whether a node's module lies inside one of the layers' modules (its layer prices it)."""
+    parts = module_path.split(".")
+    return any(".".join(parts[:k]) in layer_paths for k in range(1, len(parts) + 1))
+
+
 def outside_nodes_time_s(ctx: CostContext) -> float:
     """Time of every graph node outside the transformer layers, on one rank per micro-batch: the
     per-node overhead of each, plus a roofline time (by its `NodeCost.kind`, scaled to the planned
@@ -495,6 +501,7 @@ def outside_nodes_time_s(ctx: CostContext) -> float:
     norm, RoPE tables, masks, convolutions, pooling, activations between chain projections, ..."""
     s = ctx.structure
     inside = {name for layer in s.layers for name in layer.nodes}
+    paths = {layer.module_path for layer in s.layers}
     as_ops = {e.node for e in s.embeddings} | {p.node for p in s.mlp_chain}
     if s.lm_head is not None:
         as_ops.add(s.lm_head.node)
@@ -502,7 +509,7 @@ def outside_nodes_time_s(ctx: CostContext) -> float:
     byte_scale = ctx.bytes_per_element / DTYPE_BYTES[s.dtype]
     total, nodes = 0.0, 0
     for name, cost in s.node_costs.items():
-        if name in inside or cost.kind == "none":
+        if name in inside or cost.kind == "none" or _in_layer_module(cost.module_path, paths):
             continue
         nodes += 1
         if name in as_ops or cost.kind not in compute.OP_KINDS:
