@@ -19,7 +19,7 @@ from planner.solver.costing import CostContext, MeshShape, graph_node_count, out
 from planner.solver.ilp import IlpProblem
 from planner.solver.search import Constraints, Workload, _price, _setup, plan_model
 from planner.solver.stages import balanced_split, rebalance, solution_costs, stage_times_s
-from tests.planner_fixtures import analysed_llama
+from tests.planner_fixtures import LLAMA_CONFIGS, Llama, analysed_llama, token_ids
 
 
 class _Conv(nn.Module):
@@ -89,16 +89,19 @@ def test_unknown_op_is_priced_as_memory_bound_and_listed() -> None:
 
 
 def test_node_overhead_is_charged_for_every_node_and_replaces_launch() -> None:
-    s = analysed_llama("tiny")
+    with torch.device("meta"):
+        model = Llama(LLAMA_CONFIGS["tiny"])
+    s = analyse(capture(model, token_ids(LLAMA_CONFIGS["tiny"].vocab_size, 2, 32), {}))
     cpu = load_cluster("local-cpu", nproc=1)
     base = dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, node_overhead_s=None))
     with_overhead = dataclasses.replace(base, device=dataclasses.replace(base.device, node_overhead_s=20e-6))
     wl = Workload("forward", s.batch_size, s.seq_len)
     plain = plan_model(s, base, wl, Constraints(tp=1, pp=1, dp=1)).predicted.latency_s
     loaded = plan_model(s, with_overhead, wl, Constraints(tp=1, pp=1, dp=1)).predicted.latency_s
-    inside = {n for layer in s.layers for n in layer.nodes}
-    outside = [n for n in s.node_costs if n not in inside]  # (the fixture repeats one traced layer)
-    nodes = sum(graph_node_count(layer.nodes, s) for layer in s.layers) + graph_node_count(outside, s)
+    nodes = graph_node_count(list(s.node_costs), s)
+    assert nodes == sum(graph_node_count(layer.nodes, s) for layer in s.layers) + graph_node_count(
+        [n for n in s.node_costs if all(n not in layer.nodes for layer in s.layers)], s
+    )
     # every node pays 20 us; the per-op launch (3 us, at most once per op) is no longer charged on top
     assert nodes * (20e-6 - base.device.launch_overhead_s) <= loaded - plain <= nodes * 20e-6
 
