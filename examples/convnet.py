@@ -17,7 +17,12 @@ class ConvNet(nn.Module):
         blocks: list[nn.Module] = []
         c_in = 3
         for c_out in channels:
-            blocks += [nn.Conv2d(c_in, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU(), nn.MaxPool2d(2)]
+            blocks += [
+                nn.Conv2d(c_in, c_out, 3, padding=1),
+                nn.BatchNorm2d(c_out),
+                nn.ReLU(),
+                nn.MaxPool2d(2),
+            ]
             c_in = c_out
         self.features = nn.Sequential(*blocks)
         self.pool = nn.AdaptiveAvgPool2d(1)
