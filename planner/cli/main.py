@@ -161,7 +161,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     n = len(prepared.structure.layers)
     console.print(
         f"Traced {args.model}: {n} layers, {prepared.structure.num_params / 1e6:,.1f} M parameters, "
-        f"batch {prepared.structure.batch_size} × seq {prepared.structure.seq_len}"
+        f"batch {prepared.structure.batch_size}"
+        + (f" × seq {prepared.structure.seq_len}" if prepared.structure.token_model else "")
     )
     from planner.cli.render import render_decisions, render_layer_comparison, render_plan, render_run  # noqa: PLC0415
 
