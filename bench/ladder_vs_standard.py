@@ -5,9 +5,9 @@
 For each model, the planner (`planner.solver.search.plan_model`, tp pinned to `nproc`) plans three variants
 on the given cluster spec: ladder `none`, `upper:N/2` and `upper:N` (all layers). Each plan's
 predicted latency gives the predicted speedup standard / ladder. Every rank then builds the same
-weights, captures the model once and rewrites it per variant exactly as `runtime.execute.run_rank`
-does (`apply_tensor_parallel` with the plan's splits, then `apply_ladder` on its laddered layers'
-residual adds), and the variants are timed in interleaved rounds. Step time = slowest rank; the
+weights, captures the model once and lowers it per variant exactly as `runtime.execute.run_rank`
+does (`passes.lower.lower_for_rank`: TP pass with the plan's splits, then the ladder pass on its
+laddered layers' residual adds), and the variants are timed in interleaved rounds. Step time = slowest rank; the
 table shows medians (p10-p90), the measured speedup (median of per-round ratios standard / ladder)
 and the predicted one, plus how far ladder residual moved the logits (it changes the function).
 """
@@ -83,21 +83,19 @@ def plan_variants(case: Case, cluster_name: str, tp: int) -> dict[str, object]:
 def entry(ctx: RankContext, payload: Payload) -> list[dict]:
     """Per rank: each case's variants rewritten from one capture, checked, then timed interleaved."""
     from passes import collectives  # noqa: PLC0415
-    from passes.ladder import apply_ladder, ladder_deviation  # noqa: PLC0415
-    from passes.tensor_parallel import apply_tensor_parallel  # noqa: PLC0415
+    from passes.ladder import ladder_deviation  # noqa: PLC0415
+    from passes.lower import lower_for_rank  # noqa: PLC0415
     from planner.frontend.analysis import analyse  # noqa: PLC0415
     from planner.frontend.capture import capture, flat_inputs  # noqa: PLC0415
     from planner.frontend.modelfile import load_model_file  # noqa: PLC0415
     from planner.plan import Plan  # noqa: PLC0415
-    from runtime.execute import ladder_residual_adds  # noqa: PLC0415
-    from runtime.mesh import build_mesh  # noqa: PLC0415
+    from runtime.mesh import build_rank_groups  # noqa: PLC0415
 
     results = []
     for case, plan_dicts in zip(payload.cases, payload.plans):
         plans = {name: Plan.from_dict(d) for name, d in plan_dicts.items()}
-        tp = next(iter(plans.values())).tp
-        mesh = build_mesh(tp, 1, ctx.world_size // tp, "cpu")
-        collectives.register_group("tp", mesh.group("tp"))
+        groups = build_rank_groups(next(iter(plans.values())).mesh, "cpu")
+        collectives.register_group("tp", groups.group("tp"))
         model_file = load_model_file(case.model_path)
         torch.manual_seed(0)
         model = model_file.build("cpu")
@@ -107,9 +105,7 @@ def entry(ctx: RankContext, payload: Payload) -> list[dict]:
         structure = analyse(full)
         fns, outputs = {}, {}
         for name, plan in plans.items():
-            gm = copy.deepcopy(full)
-            apply_tensor_parallel(gm, plan.splits, mesh.tp_rank, plan.tp)
-            apply_ladder(gm, ladder_residual_adds(structure, plan.ladder_layers))
+            gm = lower_for_rank(copy.deepcopy(full), structure, plan, ctx.rank).module
             with torch.no_grad():
                 out = gm(*inputs)
             outputs[name] = out[0] if isinstance(out, tuple) else out

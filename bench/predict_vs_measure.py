@@ -110,7 +110,7 @@ CONFIGS = (
 
 @dataclass
 class Payload:
-    jobs: list  # runtime.execute.RunJob
+    jobs: list  # runtime.job.RunJob
     threads: int
 
 
@@ -153,7 +153,7 @@ def _plans(cluster, configs, prepared: dict | None = None):
 
 def _measure(configs, plans, iters: int, warmup: int) -> list[dict]:
     """Run every plan; plans on the same number of ranks share one launch. Returns summarise() dicts."""
-    from runtime.execute import RunJob, summarise  # noqa: PLC0415
+    from runtime.job import RunJob, summarise  # noqa: PLC0415
 
     by_size: dict[int, list[int]] = {}
     for i, plan in enumerate(plans):
@@ -390,24 +390,24 @@ def _profile_entry(ctx: RankContext, payload: tuple[list[ProfileJob], int]) -> l
     from planner.frontend.capture import capture, flat_inputs  # noqa: PLC0415
     from planner.frontend.modelfile import load_model_file  # noqa: PLC0415
     from planner.plan import Plan  # noqa: PLC0415
-    from runtime.mesh import build_mesh  # noqa: PLC0415
+    from runtime.mesh import build_rank_groups  # noqa: PLC0415
 
     jobs, repeats = payload
     torch.set_num_threads(THREADS_PER_RANK)
     out = []
     for job in jobs:
         plan = Plan.from_dict(job.plan)
-        mesh = build_mesh(plan.tp, plan.pp, plan.dp, "cpu")
-        collectives.register_group("tp", mesh.group("tp"))
+        groups = build_rank_groups(plan.mesh, "cpu")
+        collectives.register_group("tp", groups.group("tp"))
         model_file = load_model_file(job.model_path)
         torch.manual_seed(0)
         model = model_file.build("cpu")
         args, kwargs = model_file.inputs(job.batch_size, job.seq_len)
         if plan.dp > 1:
-            args = tuple(a.chunk(plan.dp)[mesh.dp_rank] for a in args)  # this replica's sequences
+            args = tuple(a.chunk(plan.dp)[groups.dp_rank] for a in args)  # this replica's sequences
         gm = capture(model, args, kwargs)
         structure = analyse(gm)
-        apply_tensor_parallel(gm, plan.splits, mesh.tp_rank, plan.tp)
+        apply_tensor_parallel(gm, plan.splits, groups.tp_rank, plan.tp)
         lm_head = structure.lm_head.node if structure.lm_head is not None else None
         inputs = flat_inputs(args, kwargs)
         terms, counts = _profile_graph(gm, inputs, lm_head, repeats)

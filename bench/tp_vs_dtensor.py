@@ -123,18 +123,19 @@ def _dtensor(model, tp_mesh, tp: int):
 def entry(ctx: RankContext, payload: Payload) -> list[dict]:
     """Per rank: for each case, check both sharded models against the unsharded one, then time them."""
     from passes import collectives  # noqa: PLC0415
-    from runtime.mesh import build_mesh  # noqa: PLC0415
+    from planner.plan import MeshShape  # noqa: PLC0415
+    from runtime.mesh import build_rank_groups  # noqa: PLC0415
 
     tp = ctx.world_size
-    mesh = build_mesh(tp, 1, 1, "cpu")
-    collectives.register_group("tp", mesh.group("tp"))
-    tp_mesh = mesh.device_mesh["tp"]
+    groups = build_rank_groups(MeshShape(tp=tp, pp=1, dp=1), "cpu")
+    collectives.register_group("tp", groups.group("tp"))
+    tp_mesh = groups.device_mesh["tp"]
     out = []
     for case in payload.cases:
         model, tokens = _build(case)
         with torch.no_grad():
             reference = model(tokens)
-            ours = _ours(model, tokens, mesh.tp_rank, tp)
+            ours = _ours(model, tokens, groups.tp_rank, tp)
             theirs = _dtensor(model, tp_mesh, tp)
             ours_out = ours(tokens)
             ours_out = ours_out[0] if isinstance(ours_out, tuple) else ours_out

@@ -17,6 +17,7 @@ through which layers a stage holds and :func:`inflight_micro_batches`.
 
 from __future__ import annotations
 
+import enum
 import math
 
 from costmodels.dtypes import dtype_bytes
@@ -30,6 +31,22 @@ ACT_SHARDED_PER_TOKEN_HIDDEN = 24
 ACT_REPLICATED_PER_TOKEN_HIDDEN = 10
 ACT_SCORES_PER_HEAD_TOKEN = 5  # softmax out (2) + dropout mask (1) + dropout out (2), times a*s^2*b
 _KORTHIKANTI_DTYPE_BYTES = 2  # the paper's counts assume 16-bit activations
+
+
+class Schedule(str, enum.Enum):
+    """Pipeline schedule: how micro-batches flow through the stages (``planner.plan.Plan.schedule``).
+
+    GPipe (Huang et al. 2019): all forwards, then all backwards; a stage holds every micro-batch's
+    activations. 1F1B (Narayanan et al. 2021, PipeDream-Flush): one forward, one backward in steady
+    state; stage s holds at most pp - s micro-batches. Both idle for the same fill and drain, a bubble
+    fraction of (p-1)/(m+p-1) of the step: they differ in memory, not in time.
+    """
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 def param_bytes(num_params: float, dtype: str) -> float:
@@ -107,17 +124,22 @@ def kv_cache_bytes(
     return 2.0 * num_layers * batch * context * kv_heads_per_rank * head_dim * dtype_bytes(dtype)
 
 
-def inflight_micro_batches(pp: int, stage: int, micro_batches: int, schedule: str = "1f1b") -> int:
-    """Micro-batches whose activations stage ``stage`` (0-based) holds at its peak.
+def inflight_micro_batches(pp: int, stage: int, micro_batches: int, schedule: Schedule) -> int:
+    """Micro-batches whose activations stage ``stage`` (0-based) holds at its peak under ``schedule``.
 
     GPipe: all ``micro_batches`` (every forward runs before any backward). 1F1B: ``min(pp - stage,
     micro_batches)`` (Narayanan et al., "Efficient large-scale language model training on GPU
     clusters using Megatron-LM", SC 2021, section 2.2.1; the first stage holds ``pp``).
+    Raises ValueError for a stage outside [0, pp) or a schedule that is not a `Schedule`.
     """
     if not 0 <= stage < pp:
         raise ValueError(f"stage must be in [0, {pp}), got {stage}")
-    if schedule == "gpipe":
+    try:
+        schedule = Schedule(schedule)
+    except ValueError:
+        raise ValueError(
+            f"unknown pipeline schedule {schedule!r}; expected one of {[s.value for s in Schedule]}"
+        ) from None
+    if schedule is Schedule.GPIPE:
         return micro_batches
-    if schedule == "1f1b":
-        return min(pp - stage, micro_batches)
-    raise ValueError(f"unknown pipeline schedule {schedule!r}; expected '1f1b' or 'gpipe'")
+    return min(pp - stage, micro_batches)

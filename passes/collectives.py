@@ -36,11 +36,6 @@ def register_group(axis: str, group: dist.ProcessGroup | None) -> None:
     _GROUPS[axis] = group
 
 
-def clear_groups() -> None:
-    """Forget every registered axis (used when a process group is destroyed)."""
-    _GROUPS.clear()
-
-
 def _group(axis: str) -> dist.ProcessGroup | None:
     if axis not in _GROUPS:
         if not dist.is_initialized():
@@ -50,12 +45,6 @@ def _group(axis: str) -> dist.ProcessGroup | None:
             "before running a generated module"
         )
     return _GROUPS[axis]
-
-
-def axis_size(axis: str) -> int:
-    """Number of ranks on `axis` in this process (1 when unregistered and no process group exists)."""
-    group = _group(axis)
-    return 1 if group is None else dist.get_world_size(group)
 
 
 def axis_rank(axis: str) -> int:

@@ -407,8 +407,9 @@ with torch.no_grad():
 Every rank of a TP group passes the same inputs and gets the same (replicated) output. With pp > 1,
 rank modules are pipeline stages: stage 0 takes the model inputs, each stage returns the tuple the
 next one takes (`meta.json` lists them); run them with `torch.distributed.pipelining` over the
-pp group (`passes.pipeline.PipelineRunner` does it; the mesh groups come from `runtime.mesh.build_mesh`). Shapes are fixed: the batch and sequence
-length the plan was made for (per micro-batch under pp).
+pp group, with the plan's schedule and micro-batches (`meta.json` "plan"; `runtime.pipeline.PipelineRunner`
+does it, the mesh groups come from `runtime.mesh.build_rank_groups`). Shapes are fixed: the batch
+and sequence length the plan was made for (per micro-batch under pp).
 """
     fd, tmp = tempfile.mkstemp(prefix=".README.md.", suffix=".tmp", dir=out_dir)
     try:

@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 
 from passes import collectives
+from planner.frontend.analysis import ModelStructure
 
 aten = torch.ops.aten
 
@@ -75,6 +76,23 @@ def _find_module(gm: fx.GraphModule, radd: fx.Node) -> _Module:
 
 def _depth(node) -> int:
     return len(node.meta.get("module_path", "")) if isinstance(node, fx.Node) else -1
+
+
+def ladder_residual_adds(structure: ModelStructure, layers: Sequence[int]) -> list[str]:
+    """Residual-add node names of the laddered `layers`, attention then MLP, lowest layer first: the
+    `residual_adds` argument of `apply_ladder` for a plan's `ladder_layers`.
+
+    structure: `planner.frontend.analysis.analyse` of the graph the pass will rewrite. Raises
+    LadderError naming a layer without a recognised attention/MLP residual add.
+    """
+    adds: list[str] = []
+    for index in sorted(layers):
+        layer = structure.layers[index]
+        for block, name in ((layer.attention, "attention"), (layer.mlp, "MLP")):
+            if block is None or block.residual_add is None:
+                raise LadderError(f"layer {index} ({layer.module_path}) has no {name} residual add to ladder")
+            adds.append(block.residual_add)
+    return adds
 
 
 def apply_ladder(gm: fx.GraphModule, residual_adds: Sequence[str]) -> fx.GraphModule:

@@ -1,12 +1,14 @@
-"""Tensor placements on a tensor-parallel axis and the shape algebra the TP pass needs.
+"""Tensor placements on a tensor-parallel axis, the shape algebra the TP pass needs, weight shards.
 
-A value in a TP-rewritten graph is, on each rank of the axis, one of:
+A value in a TP-rewritten graph is, on each rank of the axis, one of the plan's layouts
+(`planner.plan.Layout`, the same R/S/P the solver costs):
 
-- `Placement.replicate()` - the full tensor, identical on every rank;
-- `Placement.shard(dim, parts)` - a contiguous 1/tp chunk along `dim` (global shape / tp). With
-  `parts` (a fused projection such as GPT-2's `c_attn`, global part sizes along `dim`) the chunk is
-  taken from every part and the chunks are concatenated: [q_r | k_r | v_r];
-- `Placement.partial()` - a per-rank partial sum; the full value is the sum over ranks.
+- `Placement.replicate()` (`Layout.REPLICATE`) - the full tensor, identical on every rank;
+- `Placement.shard(dim, parts)` (`Layout.SHARD`) - a contiguous 1/tp chunk along `dim` (global
+  shape / tp). With `parts` (a fused projection such as GPT-2's `c_attn`, global part sizes along
+  `dim`) the chunk is taken from every part and the chunks are concatenated: [q_r | k_r | v_r];
+- `Placement.partial()` (`Layout.PARTIAL`) - a per-rank partial sum; the full value is the sum over
+  ranks.
 
 A shard may be padded (`size`: the padded global length along `dim`, a multiple of tp): a vocabulary
 of 50257 rows split over 2 ranks is held as 2 x 25129 rows, the last one zero (Megatron-LM pads the
@@ -18,37 +20,55 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
+from planner.plan import Layout
+
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a value lives on the TP axis; `dim` is non-negative for shards."""
+    """Where a value lives on the TP axis; `dim` is non-negative for shards.
 
-    kind: str  # "R" | "S" | "P"
+    kind: a `planner.plan.Layout` (its string value "R" / "S" / "P" is accepted and converted).
+    """
+
+    kind: Layout
     dim: int = -1
     parts: tuple[int, ...] | None = None
     size: int | None = None  # padded global length along `dim` (None: not padded)
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", Layout(self.kind))  # "R" -> Layout.REPLICATE
+
     @staticmethod
     def replicate() -> Placement:
-        return Placement("R")
+        return Placement(Layout.REPLICATE)
 
     @staticmethod
     def shard(dim: int, parts: tuple[int, ...] | None = None, size: int | None = None) -> Placement:
-        return Placement("S", dim, parts, size)
+        return Placement(Layout.SHARD, dim, parts, size)
 
     @staticmethod
     def partial() -> Placement:
-        return Placement("P")
+        return Placement(Layout.PARTIAL)
 
     @property
     def is_shard(self) -> bool:
-        return self.kind == "S"
+        return self.kind is Layout.SHARD
+
+    @property
+    def is_partial(self) -> bool:
+        return self.kind is Layout.PARTIAL
+
+    @property
+    def is_replicate(self) -> bool:
+        return self.kind is Layout.REPLICATE
 
     def __str__(self) -> str:
-        if self.kind == "S":
+        if self.is_shard:
             padded = f"[padded to {self.size}]" if self.size else ""
             return f"Shard({self.dim})" + (f"[parts={list(self.parts)}]" if self.parts else "") + padded
-        return {"R": "Replicate()", "P": "Partial()"}[self.kind]
+        return "Partial()" if self.is_partial else "Replicate()"
 
 
 def local_shape(global_shape: tuple[int, ...], placement: Placement, tp: int) -> tuple[int, ...]:
@@ -58,6 +78,39 @@ def local_shape(global_shape: tuple[int, ...], placement: Placement, tp: int) ->
     shape = list(global_shape)
     shape[placement.dim] = (placement.size or shape[placement.dim]) // tp
     return tuple(shape)
+
+
+def padded_size(size: int, tp: int) -> int:
+    """`size` rounded up to a multiple of tp (a padded vocabulary)."""
+    return -(-size // tp) * tp
+
+
+def shard_weight(
+    full: torch.Tensor,
+    dim: int,
+    parts: list[int] | tuple[int, ...] | None,
+    rank: int,
+    tp: int,
+    pad: bool = False,
+) -> torch.Tensor:
+    """This rank's shard of `full` along `dim`: a contiguous 1/tp chunk, taken per part for fused weights.
+
+    full: the global parameter, e.g. (out_features, in_features). pad: a vocabulary that does not
+    divide by tp is first padded with zero rows to `padded_size` (only for vocab splits: the padded
+    rows' outputs are dropped when gathered). Raises ValueError when a size does not divide by tp.
+    Meta tensors give meta shards.
+    """
+    if pad and not parts and full.shape[dim] % tp:
+        extra = list(full.shape)
+        extra[dim] = padded_size(full.shape[dim], tp) - full.shape[dim]
+        full = torch.cat([full, full.new_zeros(extra)], dim=dim)
+    pieces = [full] if not parts else list(full.split(list(parts), dim=dim))
+    out = []
+    for piece in pieces:
+        if piece.shape[dim] % tp:
+            raise ValueError(f"size {piece.shape[dim]} of dim {dim} does not divide by tp={tp}")
+        out.append(piece.chunk(tp, dim=dim)[rank])
+    return torch.cat(out, dim=dim).contiguous() if len(out) > 1 else out[0].contiguous()
 
 
 def view_groups(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> list[tuple[range, range]]:

@@ -2,7 +2,9 @@
 
 A `Plan` says how one model runs on one cluster for one workload:
 
-- the mesh `tp x pp x dp` (tensor-, pipeline- and data-parallel degrees);
+- the `mesh` `tp x pp x dp` (tensor-, pipeline- and data-parallel degrees, a `MeshShape`), the
+  `micro_batches` per step and the pipeline `schedule` (a `Schedule`, defined with the memory cost
+  model that prices it, `costmodels.memory`, and re-exported here);
 - `splits`: how each weight is sharded over the `tp` axis, keyed by parameter FQN (a weight missing
   from `splits` is replicated);
 - `stages`: which layers each pipeline stage holds (contiguous, in order);
@@ -28,7 +30,8 @@ holds piece r of every part, concatenated in part order.
 
 YAML round trip: `Plan.to_yaml(path)` writes atomically; `Plan.from_yaml(path)` reads with
 `yaml.safe_load` only (loading a plan never executes code) and raises `InputError` naming the field
-for a malformed plan.
+for a malformed plan. Plans written before the mesh was one field (top-level `tp`, `pp`, `dp`, and
+mesh candidates with the micro-batches in their note) are still read.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from typing import Any
 import yaml
 
 from costmodels.dtypes import DTYPE_BYTES
+from costmodels.memory import Schedule
 from planner.errors import InputError
 from planner.files import write_text_atomic
 
@@ -78,21 +82,6 @@ class Layout(str, enum.Enum):
     REPLICATE = "R"  # every rank holds the whole tensor
     SHARD = "S"  # rank r holds slice r of the last dim (heads, for attention)
     PARTIAL = "P"  # every rank holds a partial sum; the tensor is their sum
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class Schedule(str, enum.Enum):
-    """Pipeline schedule (how micro-batches flow through the stages).
-
-    GPipe (Huang et al. 2019): all forwards, then all backwards; holds every micro-batch's
-    activations. 1F1B (Narayanan et al. 2021, PipeDream-Flush): one forward, one backward in steady
-    state; stage s holds at most pp - s micro-batches. Both have bubble fraction (p-1)/(m+p-1).
-    """
-
-    GPIPE = "gpipe"
-    ONE_F_ONE_B = "1f1b"
 
     def __str__(self) -> str:
         return self.value
@@ -196,13 +185,16 @@ class Decision:
 
 @dataclass
 class MeshCandidate:
-    """One mesh shape considered by the search, with its predicted latency (None: infeasible)."""
+    """One mesh considered by the search, with its predicted latency (None: infeasible or not solved)."""
 
-    tp: int
-    pp: int
-    dp: int
+    mesh: MeshShape
+    micro_batches: int  # pipeline micro-batches per step priced with this mesh
     latency_s: float | None
-    note: str = ""  # why infeasible, or solver status
+    note: str = ""  # why infeasible or not solved, or the solver status
+
+    def label(self) -> str:
+        """'tp=8 pp=2 dp=1 m=4'."""
+        return f"{self.mesh.label()} m={self.micro_batches}"
 
 
 @dataclass
@@ -217,9 +209,7 @@ class Plan:
     context: int  # decode: KV-cache length in tokens; 0 otherwise
     micro_batches: int  # pipeline micro-batches per step (1 when pp == 1 and not training)
     dtype: str  # "bf16" | "fp16" | "fp32"
-    tp: int
-    pp: int
-    dp: int
+    mesh: MeshShape
     splits: dict[str, WeightSplit]  # by weight FQN; missing = replicated
     stages: list[list[int]]  # layer indices per stage
     ladder_layers: list[int]
@@ -242,12 +232,22 @@ class Plan:
     @property
     def num_devices(self) -> int:
         """Devices used by the plan."""
-        return self.tp * self.pp * self.dp
+        return self.mesh.num_devices
 
     @property
-    def mesh(self) -> MeshShape:
-        """The plan's mesh shape."""
-        return MeshShape(self.tp, self.pp, self.dp)
+    def tp(self) -> int:
+        """Tensor-parallel degree (`mesh.tp`)."""
+        return self.mesh.tp
+
+    @property
+    def pp(self) -> int:
+        """Pipeline stages (`mesh.pp`)."""
+        return self.mesh.pp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas (`mesh.dp`)."""
+        return self.mesh.dp
 
     def stage_of(self, layer: int) -> int:
         """The pipeline stage that holds `layer`."""
@@ -264,7 +264,7 @@ class Plan:
     def from_dict(cls, data: object, origin: str = "plan") -> Plan:
         """Build and validate a plan from plain data; `InputError` names the offending field."""
         try:
-            plan = _from_builtin(cls, data, "")
+            plan = _from_builtin(cls, _upgrade_flat_mesh(data), "")
         except InputError as e:
             raise InputError(f"{origin}: {e}") from None
         plan.validate(origin)
@@ -299,7 +299,10 @@ class Plan:
             raise bad("workload", f"{self.workload!r} is not one of {list(WORKLOADS)}")
         if self.dtype not in DTYPE_BYTES:
             raise bad("dtype", f"{self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
-        for name in ("tp", "pp", "dp", "batch_size", "seq_len", "micro_batches"):
+        for name in ("tp", "pp", "dp"):
+            if getattr(self.mesh, name) < 1:
+                raise bad(f"mesh.{name}", f"must be >= 1, got {getattr(self.mesh, name)}")
+        for name in ("batch_size", "seq_len", "micro_batches"):
             if getattr(self, name) < 1:
                 raise bad(name, f"must be >= 1, got {getattr(self, name)}")
         if self.context < 0:
@@ -324,6 +327,34 @@ class Plan:
         unknown = sorted(set(self.ladder_layers) - set(flat))
         if unknown:
             raise bad("ladder_layers", f"layers {unknown} are in no stage")
+
+
+def _upgrade_flat_mesh(data: object) -> object:
+    """Plan data written before the mesh was one field: top-level `tp`/`pp`/`dp` become `mesh`, and
+    each mesh candidate's flat degrees and "m=4: ..." note become `mesh` and `micro_batches`.
+    Anything else is returned unchanged (the schema check names what is wrong)."""
+    if not isinstance(data, dict) or "mesh" in data or not {"tp", "pp", "dp"} <= set(data):
+        return data
+    data = dict(data)
+    data["mesh"] = {k: data.pop(k) for k in ("tp", "pp", "dp")}
+    candidates = data.get("mesh_candidates")
+    if isinstance(candidates, list):
+        upgraded = []
+        for c in candidates:
+            if isinstance(c, dict) and {"tp", "pp", "dp"} <= set(c):
+                c = dict(c)
+                mesh = {k: c.pop(k) for k in ("tp", "pp", "dp")}
+                m, sep, note = str(c.get("note", "")).partition(": ")
+                found = m.startswith("m=") and m[2:].isdigit() and sep
+                c = {
+                    "mesh": mesh,
+                    "micro_batches": int(m[2:]) if found else data.get("micro_batches", 1),
+                    **c,
+                    "note": note if found else c.get("note", ""),
+                }
+            upgraded.append(c)
+        data["mesh_candidates"] = upgraded
+    return data
 
 
 def _coerce(kind: type[enum.Enum], value: object, field_name: str) -> Any:

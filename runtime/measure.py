@@ -1,10 +1,9 @@
-"""Timing and memory measurement on each rank, and summaries over ranks.
+"""Timing and memory measurement on each rank.
 
 Timing: `time_iterations` runs `warmup` untimed calls, then `iters` timed calls, each started right
 after a barrier on `group` (when a process group is initialised) so that every rank times the same
 step. On CUDA each call is bracketed by CUDA events (device time, in seconds); on CPU by
-`time.perf_counter`. The latency of a synchronous step is the slowest rank's, so `summarise_ranks`
-reports, per iteration, the maximum over ranks.
+`time.perf_counter`. The latency of a synchronous step is the slowest rank's (`runtime.job.summarise`).
 
 Memory: on CUDA, `torch.cuda.max_memory_allocated` (bytes held by tensors at the peak since the last
 `reset_peak_memory`, tensors allocated before the reset included). On CPU there is no allocator
@@ -166,41 +165,16 @@ def _cpu_high_water_bytes() -> int:
     return int(max_rss if sys.platform == "darwin" else max_rss * 1024)  # bytes on macOS, kB on Linux
 
 
-def gather_to_rank0(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any] | None:
-    """Gather a picklable `obj` from every rank of `group`: the list in rank order on the group's first
-    rank (global rank 0 for the default group), None on the others. `[obj]` without a process group."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return [obj]
-    dst = dist.get_global_rank(group, 0) if group is not None else 0
-    gathered = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
-    dist.gather_object(obj, gathered, dst=dst, group=group)
-    return gathered
-
-
-def summarise_ranks(per_rank: list[Timing]) -> dict[str, Any]:
-    """Summary over ranks of one timed step, in seconds.
-
-    Keys: "num_ranks"; "median_s_per_rank" (list, rank order); "median_s_min" and "median_s_max" over
-    ranks; "spread_s" = max - min of the medians, and "spread_fraction" = spread_s / median_s_max;
-    "step_median_s": the step latency, the median over iterations of the slowest rank's time in that
-    iteration (iterations are aligned by barriers; when ranks have different sample counts it falls
-    back to "median_s_max"). Raises InputError for an empty list.
-    """
-    if not per_rank:
-        raise InputError("summarise_ranks needs the Timing of at least one rank")
-    medians = [timing.median_s for timing in per_rank]
-    counts = {len(timing.samples_s) for timing in per_rank}
-    if len(counts) == 1:
-        step_s = statistics.median(max(samples) for samples in zip(*(t.samples_s for t in per_rank)))
-    else:
-        step_s = max(medians)
-    spread_s = max(medians) - min(medians)
-    return {
-        "num_ranks": len(per_rank),
-        "median_s_per_rank": medians,
-        "median_s_min": min(medians),
-        "median_s_max": max(medians),
-        "spread_s": spread_s,
-        "spread_fraction": spread_s / max(medians) if max(medians) > 0 else 0.0,
-        "step_median_s": step_s,
-    }
+def rank_peak_memory_bytes(module: torch.nn.Module, device: torch.device) -> int:
+    """Peak memory of this rank's step, bytes: on GPU `max_memory_allocated` (weights included); on CPU
+    the rank module's weight shards and buffers plus the resident-set growth since `reset_peak_memory`
+    (the process's own RSS also holds torch's libraries, which a GPU's memory does not)."""
+    if device.type == "cuda":
+        return peak_memory_bytes(device)
+    seen: set[int] = set()
+    resident = 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            resident += t.numel() * t.element_size()
+    return resident + peak_memory_bytes(device)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -11,8 +12,7 @@ from torch import fx, nn
 
 from planner.frontend.capture import capture
 from planner.frontend.modelfile import ModelFile, load_model_file
-
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+from tests.planner_fixtures import EXAMPLES
 
 
 @dataclass
@@ -51,3 +51,12 @@ def captured():
         return cache[name]
 
     return get
+
+
+def run_in_sequence(stages: list[nn.Module], *inputs: torch.Tensor) -> Any:
+    """Run pipeline stages one after the other in this process: stage 0 on `inputs`, each next stage
+    on the previous stage's returned tuple; returns the last stage's output."""
+    values: Any = inputs
+    for stage in stages:
+        values = stage(*values)
+    return values

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from runtime.execute import RankReport, RunJob, run_rank
+from runtime.execute import run_rank
+from runtime.job import RankReport, RunJob
 from runtime.launch import RankContext
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from planner.frontend.analysis import ModelStructure
-from planner.plan import Plan, Prediction, SolverInfo, WeightSplit
+from planner.frontend.analysis import ModelStructure, Role
+from planner.plan import MeshShape, Plan, Prediction, SolverInfo, WeightSplit
 
 
 def megatron_splits(structure: ModelStructure, vocab: bool = True) -> dict[str, WeightSplit]:
@@ -14,7 +14,7 @@ def megatron_splits(structure: ModelStructure, vocab: bool = True) -> dict[str, 
         blocks = [b for b in (layer.attention, layer.mlp) if b is not None]
         for block in blocks:
             for p in block.projections:
-                col = p.role in ("q", "k", "v", "qkv", "up", "gate")
+                col = p.role in (Role.Q, Role.K, Role.V, Role.QKV, Role.UP, Role.GATE)
                 dim = p.weight_out_dim if col else 1 - p.weight_out_dim
                 parts = list(p.parts) if p.parts else None
                 splits[p.weight] = WeightSplit(p.weight, "colwise" if col else "rowwise", dim, parts)
@@ -45,7 +45,7 @@ def fixed_plan(
     zero = Prediction(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
     return Plan(
         model=model, cluster="local-cpu", workload=workload, batch_size=structure.batch_size,
-        seq_len=structure.seq_len, context=0, micro_batches=micro_batches, dtype="fp32", tp=tp, pp=pp, dp=1,
+        seq_len=structure.seq_len, context=0, micro_batches=micro_batches, dtype="fp32", mesh=MeshShape(tp, pp, 1),
         splits=megatron_splits(structure, vocab) if tp > 1 else {}, stages=stages,
         ladder_layers=list(ladder_layers or []), predicted=zero, solver=SolverInfo("fixed", 0.0, 0.0, 0.0, 0),
     )  # fmt: skip

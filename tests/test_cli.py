@@ -11,8 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from planner.cli.workflow import constraints_from
+from planner.errors import InputError
+from planner.plan import Schedule
+from planner.solver.problem import LadderMode, LadderPolicy
+
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = ROOT / "examples"
 
 
 def planner(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -26,10 +30,10 @@ def planner(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_optimize_run_tiny_llama_on_two_gloo_ranks(tmp_path):
+def test_optimize_run_tiny_llama_on_two_gloo_ranks(tmp_path, example_path):
     report_path, plan_path = tmp_path / "report.json", tmp_path / "plan.yaml"
     r = planner(
-        "optimize", str(EXAMPLES / "llama3.py"), "--cluster", "local-cpu", "--nproc", "2", "--tp", "2",
+        "optimize", str(example_path("llama3")), "--cluster", "local-cpu", "--nproc", "2", "--tp", "2",
         "--ladder", "upper:2", "--run", "--iters", "3", "--warmup", "1",
         "--json", str(report_path), "--out", str(plan_path), "--emit", str(tmp_path / "emit"),
     )  # fmt: skip
@@ -83,8 +87,8 @@ def example_inputs():
         ("bad_ladder", 2, "--ladder"),
     ],
 )
-def test_bad_inputs_exit_with_documented_code(tmp_path, case, expected_code, pattern):
-    llama = str(EXAMPLES / "llama3.py")
+def test_bad_inputs_exit_with_documented_code(tmp_path, example_path, case, expected_code, pattern):
+    llama = str(example_path("llama3"))
     args = {
         "missing_file": ["optimize", str(tmp_path / "nope.py"), "--cluster", "local-cpu"],
         "no_build_model": ["optimize", _write(tmp_path, "m.py", "x = 1\n"), "--cluster", "local-cpu"],
@@ -93,7 +97,7 @@ def test_bad_inputs_exit_with_documented_code(tmp_path, case, expected_code, pat
         "unknown_preset": ["optimize", llama, "--cluster", "dgx-h900"],
         "infeasible_memory": [
             "optimize",
-            str(EXAMPLES / "llama3_70b.py"),
+            str(example_path("llama3_70b")),
             "--cluster",
             "local-cpu",
             "--nproc",
@@ -120,11 +124,11 @@ def _bad_spec() -> str:
 
 
 @pytest.mark.slow
-def test_planner_run_under_torchrun_two_ranks(tmp_path):
+def test_planner_run_under_torchrun_two_ranks(tmp_path, example_path):
     plan_path, report_path = tmp_path / "plan.yaml", tmp_path / "report.json"
     made = planner(
         "optimize",
-        str(EXAMPLES / "llama3.py"),
+        str(example_path("llama3")),
         "--cluster",
         "local-cpu",
         "--nproc",
@@ -135,10 +139,24 @@ def test_planner_run_under_torchrun_two_ranks(tmp_path):
     assert made.returncode == 0, made.stderr
     r = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-         "-m", "planner.cli", "run", str(plan_path), "--model", str(EXAMPLES / "llama3.py"),
+         "-m", "planner.cli", "run", str(plan_path), "--model", str(example_path("llama3")),
          "--iters", "2", "--json", str(report_path)],
         capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PLANNER_UNDER_TORCHRUN": "1"},
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(report_path.read_text())
     assert report["measured"]["latency_s"] > 0 and report["numerics"]["max_abs_diff"] == 0.0
+
+
+def test_constraints_from_options() -> None:
+    """--ladder is read by the solver's one parser; --schedule reaches the constraints as a Schedule."""
+    c = constraints_from(2, None, None, "auto:max=3", max_devices=4, schedule="gpipe")
+    assert (c.tp, c.max_devices, c.ladder, c.schedule) == (
+        2,
+        4,
+        LadderPolicy(LadderMode.AUTO, 3),
+        Schedule.GPIPE,
+    )
+    assert constraints_from(None, None, None, "").ladder.mode is LadderMode.NONE
+    with pytest.raises(InputError, match="--ladder must be"):
+        constraints_from(None, None, None, "upper:")

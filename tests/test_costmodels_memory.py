@@ -59,12 +59,14 @@ def test_kv_cache_llama3_8b() -> None:
 
 
 def test_inflight_micro_batches() -> None:
-    assert memory.inflight_micro_batches(4, 0, 8) == 4  # 1F1B: first stage holds pp
-    assert memory.inflight_micro_batches(4, 3, 8) == 1
-    assert memory.inflight_micro_batches(4, 0, 2) == 2
-    assert memory.inflight_micro_batches(4, 1, 8, "gpipe") == 8
+    one_f_one_b, gpipe = memory.Schedule.ONE_F_ONE_B, memory.Schedule.GPIPE
+    assert memory.inflight_micro_batches(4, 0, 8, one_f_one_b) == 4  # 1F1B: first stage holds pp
+    assert memory.inflight_micro_batches(4, 3, 8, one_f_one_b) == 1
+    assert memory.inflight_micro_batches(4, 0, 2, one_f_one_b) == 2
+    assert memory.inflight_micro_batches(4, 1, 8, gpipe) == 8  # GPipe: every micro-batch
+    assert memory.inflight_micro_batches(4, 1, 8, "gpipe") == 8  # the YAML spelling
     with pytest.raises(ValueError, match="stage"):
-        memory.inflight_micro_batches(4, 4, 8)
+        memory.inflight_micro_batches(4, 4, 8, one_f_one_b)
     with pytest.raises(ValueError, match="schedule"):
         memory.inflight_micro_batches(4, 0, 8, "zb")
 

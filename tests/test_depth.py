@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from costmodels.cluster import load_cluster
@@ -11,14 +9,13 @@ from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture
 from planner.frontend.depth import KEEP_LAYERS, capture_for_planning, repeated_blocks
 from planner.frontend.modelfile import load_model_file
-from planner.solver.search import Constraints, Workload, plan_model
+from planner.solver.problem import Constraints, WorkloadSpec
+from planner.solver.search import plan_model
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
-
-@pytest.mark.parametrize("name", ["gpt2.py", "llama3_8b.py"])
-def test_representative_slice_matches_full_capture(name):
-    model_file = load_model_file(EXAMPLES / name)
+@pytest.mark.parametrize("name", ["gpt2", "llama3_8b"])
+def test_representative_slice_matches_full_capture(example_path, name):
+    model_file = load_model_file(example_path(name))
     args, kwargs = model_file.inputs()
     model = model_file.build("meta")
     path, blocks = repeated_blocks(model)
@@ -38,7 +35,7 @@ def test_representative_slice_matches_full_capture(name):
             assert [(p.weight, p.bias, p.role, p.flops) for p in block_a.projections] == [
                 (p.weight, p.bias, p.role, p.flops) for p in block_b.projections
             ]
-    workload = Workload("forward", full.batch_size, full.seq_len, dtype="bf16")
+    workload = WorkloadSpec("forward", full.batch_size, full.seq_len, dtype="bf16")
     p_short = plan_model(short, load_cluster("dgx-h100"), workload, Constraints())
     p_full = plan_model(full, load_cluster("dgx-h100"), workload, Constraints())
     assert p_short.splits == p_full.splits and p_short.predicted.latency_s == p_full.predicted.latency_s

@@ -15,13 +15,13 @@ from torch import fx, nn
 
 from passes.collectives import register_group
 from passes.emit import EmitError, emit_rank_module, load_rank_module, write_readme
-from passes.pipeline import run_stages_sequentially, split_stages
+from passes.pipeline import split_stages
 from passes.tensor_parallel import apply_tensor_parallel
 from planner.frontend.capture import capture
 from planner.frontend.modelfile import load_model_file
 from planner.plan import WeightSplit
 from runtime.launch import RankContext, launch
-from tests.conftest import EXAMPLES
+from tests.conftest import EXAMPLES, run_in_sequence
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -71,7 +71,7 @@ def test_emitted_pipeline_stages_load_and_chain(tmp_path: Path) -> None:
     for k, stage in enumerate(split_stages(gm, [cut])):
         emit_rank_module(stage, tmp_path, k, {"pp_rank": k})
     modules = [load_rank_module(tmp_path, k) for k in range(2)]
-    assert torch.equal(run_stages_sequentially(modules, *args), gm(*args))
+    assert torch.equal(run_in_sequence(modules, *args), gm(*args))
     meta = json.loads((tmp_path / "rank0" / "meta.json").read_text())
     assert [o["name"] for o in meta["outputs"]] == [
         n["name"] for n in json.loads((tmp_path / "rank1" / "meta.json").read_text())["inputs"]
@@ -187,7 +187,7 @@ def _emit_then_load(ctx: RankContext, out_dir: str) -> dict:
         "equal": torch.equal(out, expected),
         "diff_vs_model": (out - reference).abs().max().item(),
         "wq": tuple(module.get_parameter("layers.0.attention.wq.weight").shape),
-        "imports_collectives": "from passes.collectives import tp_all_reduce as runtime_collectives_tp_all_reduce"
+        "imports_collectives": "from passes.collectives import tp_all_reduce as passes_collectives_tp_all_reduce"
         in source,
     }
 

@@ -12,7 +12,8 @@ import pytest
 
 from costmodels.cluster import load_cluster
 from planner.errors import InfeasibleError
-from planner.solver.search import Constraints, Workload, plan_model
+from planner.solver.problem import Constraints, LadderPolicy, WorkloadSpec
+from planner.solver.search import plan_model
 from tests.planner_fixtures import analysed_gpt, analysed_llama, analysed_mlp
 
 GIB = 2.0**30
@@ -38,7 +39,9 @@ def decision(plan, suffix: str):
 
 def test_mlp_column_then_row_not_two_all_gathers(h100) -> None:
     mlp = analysed_mlp(8192, 32768, 8192, 1)  # Linear(8192, 32768) - GELU - Linear(32768, 8192)
-    plan = plan_model(mlp, h100, Workload("forward", 8192, 1, dtype="bf16"), Constraints(tp=8, pp=1, dp=1))
+    plan = plan_model(
+        mlp, h100, WorkloadSpec("forward", 8192, 1, dtype="bf16"), Constraints(tp=8, pp=1, dp=1)
+    )
     up, down = mlp.mlp_chain
     assert (plan.splits[up.weight].style, plan.splits[up.weight].dim) == ("colwise", 0)  # nn.Linear (out, in)
     assert (plan.splits[down.weight].style, plan.splits[down.weight].dim) == ("rowwise", 1)
@@ -51,7 +54,9 @@ def test_mlp_column_then_row_not_two_all_gathers(h100) -> None:
 
 def test_deeper_mlp_alternates_column_and_row(h100) -> None:
     mlp = analysed_mlp(8192, 32768, 8192, 3)
-    plan = plan_model(mlp, h100, Workload("forward", 8192, 1, dtype="bf16"), Constraints(tp=8, pp=1, dp=1))
+    plan = plan_model(
+        mlp, h100, WorkloadSpec("forward", 8192, 1, dtype="bf16"), Constraints(tp=8, pp=1, dp=1)
+    )
     assert [plan.splits[p.weight].style for p in mlp.mlp_chain] == [
         "colwise",
         "rowwise",
@@ -62,7 +67,9 @@ def test_deeper_mlp_alternates_column_and_row(h100) -> None:
 
 
 def test_attention_head_parallel_then_row(h100) -> None:
-    plan = plan_model(analysed_llama("70b"), h100, Workload("forward", 1, 2048, dtype="bf16"), Constraints())
+    plan = plan_model(
+        analysed_llama("70b"), h100, WorkloadSpec("forward", 1, 2048, dtype="bf16"), Constraints()
+    )
     assert (plan.tp, plan.pp) == (8, 1)
     s = strategy(plan)
     assert [s[k] for k in ("q", "k", "v", "core", "o")] == [
@@ -81,18 +88,20 @@ def test_attention_head_parallel_then_row(h100) -> None:
 
 def test_gqa_kv_heads_below_tp_excluded_and_reported(h100) -> None:
     gqa = analysed_llama("8b", n_kv_heads=4)  # 32 query heads, 4 KV heads
-    plan = plan_model(gqa, h100, Workload("forward", 1, 2048, dtype="bf16"), Constraints(tp=8))
+    plan = plan_model(gqa, h100, WorkloadSpec("forward", 1, 2048, dtype="bf16"), Constraints(tp=8))
     assert strategy(plan)["core"] == "replicate"
     assert any("4 KV heads (GQA) not divisible by 8" in e for e in plan.excluded)
     assert "not offered" in decision(plan, "attention.core").reason
     # At tp=4 the KV heads divide: head-parallel is offered and chosen.
-    plan4 = plan_model(gqa, h100, Workload("forward", 1, 2048, dtype="bf16"), Constraints(tp=4, dp=1))
+    plan4 = plan_model(gqa, h100, WorkloadSpec("forward", 1, 2048, dtype="bf16"), Constraints(tp=4, dp=1))
     assert strategy(plan4)["core"] == "head"
 
 
 def test_two_nodes_tp_inside_pp_across() -> None:
     ib = load_cluster("h100-ib-2node")
-    plan = plan_model(analysed_llama("405b"), ib, Workload("forward", 1, 2048, dtype="bf16"), Constraints())
+    plan = plan_model(
+        analysed_llama("405b"), ib, WorkloadSpec("forward", 1, 2048, dtype="bf16"), Constraints()
+    )
     assert plan.tp == ib.devices_per_node and plan.pp == 2  # 810 GB of bf16 weights: not one node
     assert plan.predicted.peak_memory_bytes <= ib.device.memory_bytes
     assert abs(len(plan.stages[0]) - len(plan.stages[1])) <= 6
@@ -102,23 +111,25 @@ def test_two_nodes_tp_inside_pp_across() -> None:
 def test_tiny_model_replicates(h100) -> None:
     for cluster, dtype in ((h100, "bf16"), (load_cluster("local-cpu"), "fp32")):
         plan = plan_model(
-            analysed_gpt("tiny"), cluster, Workload("forward", 1, 64, dtype=dtype), Constraints()
+            analysed_gpt("tiny"), cluster, WorkloadSpec("forward", 1, 64, dtype=dtype), Constraints()
         )
         assert plan.tp == 1 and plan.pp == 1
         assert all(s.style == "replicate" for s in plan.splits.values())
 
 
 def test_heads_not_divisible_degree_not_chosen(h100) -> None:
-    plan = plan_model(analysed_gpt("124m"), h100, Workload("forward", 8, 1024, dtype="bf16"), Constraints())
+    plan = plan_model(
+        analysed_gpt("124m"), h100, WorkloadSpec("forward", 8, 1024, dtype="bf16"), Constraints()
+    )
     assert plan.tp != 8
     assert "tp=8: 12 heads not divisible by 8" in plan.excluded
-    assert all(c.tp != 8 for c in plan.mesh_candidates)
+    assert all(c.mesh.tp != 8 for c in plan.mesh_candidates)
 
 
 def test_fused_qkv_split_per_part(h100) -> None:
     gpt3 = analysed_gpt("gpt3-175b")  # fused c_attn: (12288, 3 * 12288) holding q, k and v
     plan = plan_model(
-        gpt3, h100, Workload("decode", 1, 1, context=2048, dtype="bf16"), Constraints(tp=8, pp=1)
+        gpt3, h100, WorkloadSpec("decode", 1, 1, context=2048, dtype="bf16"), Constraints(tp=8, pp=1)
     )
     qkv = next(p for p in gpt3.layers[0].attention.projections if p.role == "qkv")
     split = plan.splits[qkv.weight]
@@ -130,7 +141,7 @@ def test_fused_qkv_split_per_part(h100) -> None:
 
 def test_memory_forces_sharding(h100) -> None:
     gpt = analysed_gpt("124m")
-    work = Workload("forward", 1, 1024, dtype="bf16")
+    work = WorkloadSpec("forward", 1, 1024, dtype="bf16")
     free = plan_model(gpt, h100, work, Constraints())
     assert free.num_devices == 1  # 0.25 GB of weights: replicated is fastest
     tight = dataclasses.replace(h100, device=dataclasses.replace(h100.device, memory_bytes=0.2 * GIB))
@@ -142,7 +153,9 @@ def test_memory_forces_sharding(h100) -> None:
 
 def test_infeasible_names_binding_constraint(h100) -> None:
     with pytest.raises(InfeasibleError) as info:
-        plan_model(analysed_llama("405b"), h100, Workload("forward", 1, 2048, dtype="bf16"), Constraints())
+        plan_model(
+            analysed_llama("405b"), h100, WorkloadSpec("forward", 1, 2048, dtype="bf16"), Constraints()
+        )
     message = str(info.value)
     assert "needs" in message and "devices have 79.6 GiB" in message and "would fit" in message
 
@@ -150,13 +163,19 @@ def test_infeasible_names_binding_constraint(h100) -> None:
 def test_ladder_when_communication_bound(pcie, h100) -> None:
     l70 = analysed_llama("70b")
     slow = plan_model(
-        l70, pcie, Workload("decode", 1, 1, context=1024, dtype="bf16"), Constraints(ladder="auto:max=40")
+        l70,
+        pcie,
+        WorkloadSpec("decode", 1, 1, context=1024, dtype="bf16"),
+        Constraints(ladder=LadderPolicy.parse("auto:max=40")),
     )
     assert slow.ladder_layers == list(range(40, 80))  # the upper layers, contiguous with the top
     assert slow.predicted.overlapped_comm_s > 0
     assert decision(slow, "ladder").options["none"] > slow.predicted.latency_s
     fast = plan_model(
-        l70, h100, Workload("forward", 64, 2048, dtype="bf16"), Constraints(ladder="auto:max=40")
+        l70,
+        h100,
+        WorkloadSpec("forward", 64, 2048, dtype="bf16"),
+        Constraints(ladder=LadderPolicy.parse("auto:max=40")),
     )
     assert len(fast.ladder_layers) < len(slow.ladder_layers)
 
@@ -165,16 +184,20 @@ def test_ladder_upper_n_is_exact(pcie) -> None:
     plan = plan_model(
         analysed_llama("8b"),
         pcie,
-        Workload("decode", 1, 1, context=512, dtype="bf16"),
-        Constraints(ladder="upper:4"),
+        WorkloadSpec("decode", 1, 1, context=512, dtype="bf16"),
+        Constraints(ladder=LadderPolicy.parse("upper:4")),
     )
     assert plan.ladder_layers == [28, 29, 30, 31]
 
 
 @pytest.mark.parametrize(
-    "work", [Workload("forward", 1, 2048, dtype="bf16"), Workload("decode", 8, 1, context=4096, dtype="bf16")]
+    "work",
+    [
+        WorkloadSpec("forward", 1, 2048, dtype="bf16"),
+        WorkloadSpec("decode", 8, 1, context=4096, dtype="bf16"),
+    ],
 )
-def test_never_worse_than_megatron(h100, work: Workload) -> None:
+def test_never_worse_than_megatron(h100, work: WorkloadSpec) -> None:
     plan = plan_model(analysed_llama("70b"), h100, work, Constraints())
     assert plan.baseline is not None
     assert plan.predicted.latency_s <= plan.baseline.latency_s * (1 + 1e-9)
@@ -184,9 +207,9 @@ def test_optional_ladder_never_slower(pcie) -> None:
     """Allowing ladder adds choices, so it can only help (regression: byte-scaled memory rows made
     CBC report a worse split as optimal)."""
     gpt = analysed_gpt("124m")
-    work = Workload("train", 32, 1024, dtype="bf16")
+    work = WorkloadSpec("train", 32, 1024, dtype="bf16")
     plain = plan_model(gpt, pcie, work, Constraints())
-    auto = plan_model(gpt, pcie, work, Constraints(ladder="auto"))
+    auto = plan_model(gpt, pcie, work, Constraints(ladder=LadderPolicy.parse("auto")))
     assert auto.predicted.latency_s <= plain.predicted.latency_s * (1 + 1e-6)
 
 
@@ -207,7 +230,7 @@ def test_decode_prediction_matches_gpt_fast(size: str, tp: int, published_tokens
     plan = plan_model(
         analysed_llama(size),
         load_cluster("dgx-a100"),
-        Workload("decode", 1, 1, context=5, dtype="bf16"),
+        WorkloadSpec("decode", 1, 1, context=5, dtype="bf16"),
         Constraints(tp=tp, pp=1, dp=1),
     )
     assert plan.predicted.throughput_tokens_per_s == pytest.approx(published_tokens_per_s, rel=0.10)

@@ -10,7 +10,8 @@ import torch
 from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture
 from planner.frontend.modelfile import load_model_file
-from runtime.execute import RunJob, run_rank, summarise
+from runtime.execute import run_rank
+from runtime.job import RunJob, summarise
 from runtime.launch import launch
 from tests.plans import fixed_plan
 

@@ -14,14 +14,25 @@ import pytest
 from costmodels.cluster import load_cluster
 from costmodels.comm import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s
 from planner.errors import InputError
-from planner.plan import Plan
+from planner.frontend.analysis import NodeCost
+from planner.plan import Layout, MeshShape, Plan, Schedule
 from planner.solver import ilp
-from planner.solver.costing import CostContext, MeshShape, conversion_time_s
-from planner.solver.ilp import IlpProblem, LadderPolicy
+from planner.solver.costing import (
+    CostContext,
+    attention_core_options,
+    build_layer_graph,
+    conversion_time_s,
+    layer_node_times_s,
+    p2p_stage_time_s,
+)
+from planner.solver.ilp import IlpProblem
 from planner.solver.prediction import predict
-from planner.solver.search import Constraints, Workload, _price, _setup, plan_model
-from planner.solver.stages import balanced_split
+from planner.solver.problem import Assignment, Constraints, LadderMode, LadderPolicy, MeshConfig, WorkloadSpec
+from planner.solver.search import plan_model, price
+from planner.solver.stages import SplitCosts, balanced_split
 from tests.planner_fixtures import handmade_llama
+
+R, S, P = Layout.REPLICATE, Layout.SHARD, Layout.PARTIAL
 
 
 @pytest.fixture(scope="module")
@@ -29,48 +40,59 @@ def h100():
     return load_cluster("dgx-h100")
 
 
-def problem(structure, cluster, workload, mesh, ladder="none", cap=None) -> IlpProblem:
-    search = _setup(structure, cluster, workload, Constraints(ladder=ladder))
-    cand = _price(search, mesh)
-    return IlpProblem(
-        cand.ctx,
-        cand.graphs,
-        search.layer_keys,
-        cand.ends,
-        search.ladder,
-        cap if cap is not None else search.cap_bytes,
-    )
+def config(tp: int, pp: int, dp: int, micro_batches: int) -> MeshConfig:
+    return MeshConfig(MeshShape(tp, pp, dp), micro_batches)
+
+
+def problem(structure, cluster, workload, mesh: MeshConfig, ladder="none", cap=None) -> IlpProblem:
+    """The ILP plan_model solves for `mesh` (default memory cap: Constraints' share of a device)."""
+    tables = price(structure, cluster, workload, mesh)
+    policy = LadderPolicy.parse(ladder).for_layers(len(structure.layers))
+    usable = cluster.device.memory_bytes * Constraints().memory_fraction
+    return IlpProblem(tables, policy, cap if cap is not None else usable)
+
+
+def evaluate(prob: IlpProblem, choices: dict, stages: list[list[int]], ladder_layers=()) -> float:
+    """Predicted latency of an assignment on the problem's mesh."""
+    return predict(prob.tables, Assignment(choices, stages, list(ladder_layers))).prediction.latency_s
 
 
 def test_ladder_policy_parse() -> None:
-    assert LadderPolicy.parse("none", 8).eligible(8) == []
-    assert LadderPolicy.parse("upper:3", 8).eligible(8) == [5, 6, 7]
-    assert LadderPolicy.parse("auto", 8) == LadderPolicy("auto", 8)
-    assert LadderPolicy.parse("auto:max=2", 8).eligible(8) == [6, 7]
-    for bad in ("upper", "upper:x", "auto:max=", "upper:9", "all"):
+    assert LadderPolicy.parse("none").eligible(8) == []
+    assert LadderPolicy.parse("upper:3").eligible(8) == [5, 6, 7]
+    assert LadderPolicy.parse("auto") == LadderPolicy(LadderMode.AUTO, None)
+    assert LadderPolicy.parse("auto").for_layers(8) == LadderPolicy(LadderMode.AUTO, 8)
+    assert LadderPolicy.parse("auto:max=2").eligible(8) == [6, 7]
+    for text in ("none", "upper:3", "auto", "auto:max=2"):
+        assert str(LadderPolicy.parse(text)) == text
+    for bad in ("upper", "upper:x", "auto:max=", "all"):
         with pytest.raises(InputError, match="ladder"):
-            LadderPolicy.parse(bad, 8)
+            LadderPolicy.parse(bad)
+    with pytest.raises(InputError, match="--ladder must be"):
+        LadderPolicy.parse("sideways", option="--ladder")
+    with pytest.raises(InputError, match="only 8 layers"):
+        LadderPolicy.parse("upper:9").for_layers(8)
 
 
 def test_conversion_costs(h100) -> None:
     structure = handmade_llama()
-    ctx = CostContext(structure, h100, Workload("forward", 1, 128), MeshShape(8, 1, 1, 1), "bf16")
+    ctx = CostContext(structure, h100, WorkloadSpec("forward", 1, 128), config(8, 1, 1, 1), "bf16")
     group, n = ctx.tp_group(), 1e6
-    assert conversion_time_s("P", "R", n, ctx) == all_reduce_time_s(n, group, h100)
-    assert conversion_time_s("S", "R", n, ctx) == all_gather_time_s(n, group, h100)
-    assert conversion_time_s("P", "S", n, ctx) == reduce_scatter_time_s(n, group, h100)
-    assert conversion_time_s("R", "S", n, ctx) == 0.0  # a local slice
-    assert math.isinf(conversion_time_s("R", "P", n, ctx))  # nothing consumes a partial sum
-    train = CostContext(structure, h100, Workload("train", 8, 128), MeshShape(8, 1, 1, 1), "bf16")
-    assert conversion_time_s("P", "R", n, train) == 2 * all_reduce_time_s(n, group, h100)
+    assert conversion_time_s(P, R, n, ctx) == all_reduce_time_s(n, group, h100)
+    assert conversion_time_s(S, R, n, ctx) == all_gather_time_s(n, group, h100)
+    assert conversion_time_s(P, S, n, ctx) == reduce_scatter_time_s(n, group, h100)
+    assert conversion_time_s(R, S, n, ctx) == 0.0  # a local slice
+    assert math.isinf(conversion_time_s(R, P, n, ctx))  # nothing consumes a partial sum
+    train = CostContext(structure, h100, WorkloadSpec("train", 8, 128), config(8, 1, 1, 1), "bf16")
+    assert conversion_time_s(P, R, n, train) == 2 * all_reduce_time_s(n, group, h100)
 
 
 def test_ilp_matches_brute_force(h100) -> None:
     """The linearised edge variables price every combination exactly: the ILP finds the true optimum."""
     structure = handmade_llama(num_layers=2, hidden=2048, heads=16, kv_heads=8, ffn=8192)
-    prob = problem(structure, h100, Workload("forward", 4, 512), MeshShape(4, 1, 1, 1))
+    prob = problem(structure, h100, WorkloadSpec("forward", 4, 512), config(4, 1, 1, 1))
     sol = ilp.solve(prob)
-    assert sol.status == "Optimal Solution Found" and sol.feasible
+    assert sol.status == "Optimal Solution Found" and sol.assignment is not None
     (key,) = prob.graphs
     graph = prob.graphs[key]
     best = math.inf
@@ -79,10 +101,9 @@ def test_ilp_matches_brute_force(h100) -> None:
     }
     for combo in itertools.product(*[op.options for op in graph.ops]):
         choices = {(key, op.name): o.name for op, o in zip(graph.ops, combo)} | ends_choices
-        pred, _ = predict(prob.ctx, prob.graphs, prob.layer_keys, prob.ends, choices, [[0, 1]], [])
-        best = min(best, pred.latency_s)
-    chosen, _ = predict(prob.ctx, prob.graphs, prob.layer_keys, prob.ends, sol.choices, sol.stages, [])
-    assert chosen.latency_s == pytest.approx(best, rel=1e-9)
+        best = min(best, evaluate(prob, choices, [[0, 1]]))
+    chosen = evaluate(prob, sol.assignment.choices, sol.assignment.stages)
+    assert chosen == pytest.approx(best, rel=1e-9)
     assert sol.objective == pytest.approx(best, rel=1e-6)
 
 
@@ -90,16 +111,15 @@ def test_identical_layers_share_variables(h100) -> None:
     sizes = []
     for depth in (4, 64):
         prob = problem(
-            handmade_llama(num_layers=depth), h100, Workload("forward", 1, 256), MeshShape(8, 1, 1, 1)
+            handmade_llama(num_layers=depth), h100, WorkloadSpec("forward", 1, 256), config(8, 1, 1, 1)
         )
         sizes.append(ilp.solve(prob).num_variables)
     assert sizes[0] == sizes[1]
 
 
 def test_named_constraints_and_infeasible_memory(h100) -> None:
-    prob = problem(handmade_llama(), h100, Workload("forward", 1, 256), MeshShape(2, 2, 1, 1), cap=1e6)
-    builder = ilp._Builder(prob)
-    builder.build()
+    prob = problem(handmade_llama(), h100, WorkloadSpec("forward", 1, 256), config(2, 2, 1, 1), cap=1e6)
+    model = ilp.lp_model(prob)
     for name in (
         "onehot_g0_q",
         "edge_src_g0_gate_act_colwise",
@@ -108,9 +128,9 @@ def test_named_constraints_and_infeasible_memory(h100) -> None:
         "slowest_1",
         "start_1",
     ):
-        assert builder.m.get_constraint_by_name(name) is not None, name
+        assert model.get_constraint_by_name(name) is not None, name
     sol = ilp.solve(prob)
-    assert not sol.feasible and sol.status in pulp.LpSolution.values()
+    assert not sol.feasible and sol.assignment is None and sol.status in pulp.LpSolution.values()
 
 
 def test_pipeline_balances_non_identical_layers(h100) -> None:
@@ -118,28 +138,22 @@ def test_pipeline_balances_non_identical_layers(h100) -> None:
     structure = handmade_llama(
         num_layers=8, hidden=2048, heads=16, kv_heads=8, ffn_per_layer=[2048] * 6 + [32768] * 2
     )
-    prob = problem(structure, h100, Workload("forward", 8, 1024), MeshShape(8, 2, 1, 8))
-    sol = ilp.solve(prob)
-    assert sol.feasible
-    best = None
-    for cut in range(1, 8):
-        stages = [list(range(cut)), list(range(cut, 8))]
-        pred, _ = predict(prob.ctx, prob.graphs, prob.layer_keys, prob.ends, sol.choices, stages, [])
-        if best is None or pred.latency_s < best[0]:
-            best = (pred.latency_s, stages)
-    chosen, _ = predict(prob.ctx, prob.graphs, prob.layer_keys, prob.ends, sol.choices, sol.stages, [])
-    assert chosen.latency_s == pytest.approx(best[0], rel=1e-6)
+    prob = problem(structure, h100, WorkloadSpec("forward", 8, 1024), config(8, 2, 1, 8))
+    sol = ilp.solve(prob).assignment
+    assert sol is not None
+    best = min(evaluate(prob, sol.choices, [list(range(cut)), list(range(cut, 8))]) for cut in range(1, 8))
+    assert evaluate(prob, sol.choices, sol.stages) == pytest.approx(best, rel=1e-6)
     assert len(sol.stages[0]) > len(sol.stages[1])
 
 
 def test_balanced_split_matches_brute_force(h100) -> None:
     rng = random.Random(0)
     structure = handmade_llama(num_layers=9)
-    prob = problem(structure, h100, Workload("forward", 8, 256), MeshShape(1, 3, 1, 4))
+    prob = problem(structure, h100, WorkloadSpec("forward", 8, 256), config(1, 3, 1, 4))
     times = [rng.uniform(1.0, 5.0) for _ in range(9)]
     zeros = [0.0] * 9
-    starts = balanced_split(prob, times, zeros, zeros, (0.0, 0.0), (0.0, 0.0))
-    p2p = ilp.p2p_stage_time_s(prob.ctx)
+    starts = balanced_split(prob.tables, SplitCosts(times, zeros, zeros), prob.memory_cap_bytes)
+    p2p = p2p_stage_time_s(prob.ctx)
 
     def slowest(cuts):
         bounds = [0, *cuts, 9]
@@ -150,10 +164,10 @@ def test_balanced_split_matches_brute_force(h100) -> None:
 
 
 def test_deep_pipeline_uses_split_search(h100) -> None:
-    prob = problem(handmade_llama(num_layers=64), h100, Workload("train", 64, 256), MeshShape(1, 32, 1, 64))
+    prob = problem(handmade_llama(num_layers=64), h100, WorkloadSpec("train", 64, 256), config(1, 32, 1, 64))
     prob.memory_cap_bytes = None
-    sol = ilp.solve(prob)
-    assert sol.feasible and len(sol.stages) == 32
+    sol = ilp.solve(prob).assignment
+    assert sol is not None and len(sol.stages) == 32
     assert max(map(len, sol.stages)) == 2  # 64 identical layers over 32 stages: two each
 
 
@@ -161,7 +175,10 @@ def test_ladder_auto_is_contiguous_with_top() -> None:
     pcie = load_cluster("h100-pcie")
     structure = handmade_llama(num_layers=12, hidden=8192, heads=64, kv_heads=8, ffn=28672)
     plan = plan_model(
-        structure, pcie, Workload("decode", 1, 1, context=512), Constraints(tp=8, ladder="auto:max=5")
+        structure,
+        pcie,
+        WorkloadSpec("decode", 1, 1, context=512),
+        Constraints(tp=8, ladder=LadderPolicy.parse("auto:max=5")),
     )
     assert plan.ladder_layers == [7, 8, 9, 10, 11]
     laddered = [c for c in plan.predicted.per_layer if c.layer in plan.ladder_layers]
@@ -173,13 +190,15 @@ def test_conv1d_splits_transpose_dims(h100) -> None:
     for layer in structure.layers:
         for p in layer.attention.projections + layer.mlp.projections:
             p.weight_out_dim = 1  # HF Conv1D: weight is (in, out)
-    plan = plan_model(structure, h100, Workload("forward", 8, 2048), Constraints(tp=8, pp=1, dp=1))
+    plan = plan_model(structure, h100, WorkloadSpec("forward", 8, 2048), Constraints(tp=8, pp=1, dp=1))
     assert plan.splits["layers.0.w1.weight"].style == "colwise" and plan.splits["layers.0.w1.weight"].dim == 1
     assert plan.splits["layers.0.w2.weight"].style == "rowwise" and plan.splits["layers.0.w2.weight"].dim == 0
 
 
 def test_plan_yaml_round_trip_and_explanations(tmp_path, h100) -> None:
-    plan = plan_model(handmade_llama(), h100, Workload("forward", 2, 512), Constraints(), model_name="hand")
+    plan = plan_model(
+        handmade_llama(), h100, WorkloadSpec("forward", 2, 512), Constraints(), model_name="hand"
+    )
     path = tmp_path / "plan.yaml"
     plan.to_yaml(path)
     assert Plan.from_yaml(path) == plan
@@ -193,7 +212,7 @@ def test_plan_yaml_round_trip_and_explanations(tmp_path, h100) -> None:
 
 def test_pinned_tp_with_indivisible_heads_is_reported(h100) -> None:
     structure = handmade_llama(num_layers=2, hidden=1536, heads=12, kv_heads=4, ffn=6144)
-    plan = plan_model(structure, h100, Workload("forward", 1, 256), Constraints(tp=8, pp=1, dp=1))
+    plan = plan_model(structure, h100, WorkloadSpec("forward", 1, 256), Constraints(tp=8, pp=1, dp=1))
     assert plan.tp == 8
     assert any("12 heads not divisible by 8" in e for e in plan.excluded)
     assert plan.predicted.per_layer[0].strategy["core"] == "replicate"
@@ -201,18 +220,29 @@ def test_pinned_tp_with_indivisible_heads_is_reported(h100) -> None:
 
 def test_bad_constraints_are_input_errors(h100) -> None:
     with pytest.raises(InputError, match="dp=3 does not divide the batch size 4"):
-        plan_model(handmade_llama(), h100, Workload("forward", 4, 256), Constraints(dp=3))
+        plan_model(handmade_llama(), h100, WorkloadSpec("forward", 4, 256), Constraints(dp=3))
     with pytest.raises(InputError, match="pp=9 exceeds"):
-        plan_model(handmade_llama(), h100, Workload("forward", 4, 256), Constraints(pp=9))
+        plan_model(handmade_llama(), h100, WorkloadSpec("forward", 4, 256), Constraints(pp=9))
+    with pytest.raises(InputError, match="only 4 layers"):
+        plan_model(
+            handmade_llama(),
+            h100,
+            WorkloadSpec("forward", 4, 256),
+            Constraints(ladder=LadderPolicy.parse("upper:5")),
+        )
     with pytest.raises(InputError, match="micro_batches"):
-        Workload("train", 4, 256, micro_batches=0)
+        WorkloadSpec("train", 4, 256, micro_batches=0)
+    with pytest.raises(InputError, match="workload 'serve'"):
+        WorkloadSpec("serve", 4, 256)
     with pytest.raises(InputError, match="memory_fraction"):
         Constraints(memory_fraction=1.5)
+    with pytest.raises(InputError, match="schedule"):
+        Constraints(schedule="zero-bubble")
 
 
 def test_time_limit_reports_status_and_gap(h100) -> None:
     structure = handmade_llama(num_layers=40, ffn_per_layer=[4096 + 512 * (i % 5) for i in range(40)])
-    prob = problem(structure, h100, Workload("train", 64, 512), MeshShape(2, 4, 1, 16))
+    prob = problem(structure, h100, WorkloadSpec("train", 64, 512), config(2, 4, 1, 16))
     prob = dataclasses.replace(prob, time_limit_s=1.0)
     sol = ilp.solve(prob)
     assert sol.status in ("Optimal Solution Found", "Solution Found")
@@ -222,9 +252,6 @@ def test_time_limit_reports_status_and_gap(h100) -> None:
 def test_layer_ops_priced_node_by_node() -> None:
     """Non-projection ops: bytes / bandwidth per node (scaled from the captured 16 tokens to 32), one
     launch per block; attention ops join the core (/tp with heads), MLP ops the activation (/tp)."""
-    from planner.frontend.analysis import NodeCost
-    from planner.solver.costing import attention_core_options, build_layer_graph, layer_node_times_s
-
     s = handmade_llama(num_layers=1, dtype="fp32")  # captured batch 1 x seq 16
     layer = s.layers[0]
 
@@ -241,7 +268,7 @@ def test_layer_ops_priced_node_by_node() -> None:
     cluster = load_cluster("local-cpu", nproc=2)  # 20 GB/s, launch 3 us, fp32 0.1 TFLOP/s
     # the per-launch model (GPUs): no per-node overhead (tests/test_pricing.py covers that one)
     cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, node_overhead_s=None))
-    ctx = CostContext(s, cluster, Workload("forward", 2, 16), MeshShape(2, 1, 1, 1), "fp32")
+    ctx = CostContext(s, cluster, WorkloadSpec("forward", 2, 16), config(2, 1, 1, 1), "fp32")
     times = layer_node_times_s(layer, ctx)
     # x2 tokens: rope 4e6 B -> 200 us, rope2 2e6 B -> 100 us; act 6e6 B -> 300 us; norm 4e6 B -> 200 us
     assert times["attention"] == pytest.approx(300e-6 + 3e-6)
@@ -255,3 +282,40 @@ def test_layer_ops_priced_node_by_node() -> None:
     assert core.option("head").compute_s == pytest.approx(bare["head"] + 303e-6 / 2)
     assert graph.op("act").option("replicate").compute_s == pytest.approx(303e-6)
     assert graph.op("act").option("shard").compute_s == pytest.approx(303e-6 / 2)
+
+
+def test_plan_prices_and_records_its_pipeline_schedule(h100) -> None:
+    """The plan records the schedule it was priced with. GPipe holds every micro-batch's activations on
+    every stage, 1F1B at most pp - s: the same assignment needs more memory under GPipe, in as much time
+    (the bubble is the same)."""
+    structure = handmade_llama(num_layers=8)
+    work = WorkloadSpec("train", 16, 512, micro_batches=8)
+    plans = {
+        schedule: plan_model(structure, h100, work, Constraints(tp=1, pp=4, dp=1, schedule=schedule))
+        for schedule in Schedule
+    }
+    for schedule, plan in plans.items():
+        assert plan.schedule is schedule and (plan.pp, plan.micro_batches) == (4, 8)
+        assert Plan.from_dict(plan.to_dict()).schedule is schedule
+    assert plans[Schedule.ONE_F_ONE_B].predicted.bubble_s > 0
+    solved = ilp.solve(problem(structure, h100, work, config(1, 4, 1, 8))).assignment
+    assert solved is not None and not solved.recompute
+    priced = {
+        schedule: predict(price(structure, h100, work, MeshConfig(MeshShape(1, 4, 1), 8, schedule)), solved)
+        for schedule in Schedule
+    }
+    gpipe, one_f_one_b = priced[Schedule.GPIPE], priced[Schedule.ONE_F_ONE_B]
+    assert gpipe.prediction.latency_s == pytest.approx(one_f_one_b.prediction.latency_s, rel=1e-12)
+    # stage 0 holds min(pp, m) = 4 micro-batches under 1F1B, the last stage 1; GPipe holds all 8 on each
+    assert gpipe.stages[0].memory_bytes > one_f_one_b.stages[0].memory_bytes
+    assert gpipe.stages[3].memory_bytes > one_f_one_b.stages[3].memory_bytes
+    assert gpipe.prediction.peak_memory_bytes > one_f_one_b.prediction.peak_memory_bytes
+
+
+def test_one_f_one_b_with_fewer_micro_batches_than_stages_is_gpipe(h100) -> None:
+    """1F1B with m < pp never reaches its steady state (and torch's Schedule1F1B refuses it): the plan
+    records and prices GPipe, which is what runs."""
+    structure = handmade_llama(num_layers=8)
+    work = WorkloadSpec("train", 2, 512, micro_batches=2)
+    plan = plan_model(structure, h100, work, Constraints(tp=1, pp=4, dp=1))
+    assert (plan.pp, plan.micro_batches, plan.schedule) == (4, 2, Schedule.GPIPE)

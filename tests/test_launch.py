@@ -20,9 +20,10 @@ import torch
 import torch.distributed as dist
 
 from planner.errors import InputError, RunError
+from planner.plan import MeshShape
 from runtime import launch as launch_module
 from runtime.launch import RankContext, launch
-from runtime.mesh import axis_ranks, build_mesh, mesh_coords
+from runtime.mesh import build_rank_groups
 
 # ---------------------------------------------------------------------------------------------------
 # Entries (run in the spawned ranks)
@@ -46,22 +47,25 @@ def _all_reduce_rank(ctx: RankContext, payload: int) -> dict:
 
 
 def _mesh_layout(ctx: RankContext, payload: tuple[int, int, int]) -> dict:
-    tp, pp, dp = payload
-    mesh = build_mesh(tp, pp, dp, "cpu")
+    groups = build_rank_groups(MeshShape(*payload), "cpu")
     value = torch.tensor([float(ctx.rank)])
-    dist.all_reduce(value, group=mesh.group("tp"))  # the TP group really connects its ranks
+    dist.all_reduce(value, group=groups.group("tp"))  # the TP group really connects its ranks
+    try:
+        groups.group("ep")
+        bad_axis = "no error"
+    except InputError as exc:
+        bad_axis = str(exc)
     return {
-        "coords": (mesh.dp_rank, mesh.pp_rank, mesh.tp_rank),
-        "groups": {axis: dist.get_process_group_ranks(mesh.group(axis)) for axis in ("dp", "pp", "tp")},
-        "prev": mesh.prev_stage_rank,
-        "next": mesh.next_stage_rank,
+        "bad_axis": bad_axis,
+        "coords": (groups.dp_rank, groups.pp_rank, groups.tp_rank),
+        "groups": {axis: dist.get_process_group_ranks(groups.group(axis)) for axis in ("dp", "pp", "tp")},
         "tp_sum": value.item(),
     }
 
 
 def _wrong_mesh(ctx: RankContext, payload: None) -> str:
     try:
-        build_mesh(3, 1, 2, "cpu")
+        build_rank_groups(MeshShape(tp=3, pp=1, dp=2), "cpu")
     except InputError as exc:
         return str(exc)
     return "no error"
@@ -162,20 +166,20 @@ def test_mesh_groups_tp2_pp2_on_four_ranks() -> None:
     tp_groups = {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}
     pp_groups = {0: [0, 2], 1: [1, 3], 2: [0, 2], 3: [1, 3]}
     for rank, result in enumerate(results):
-        assert result["coords"] == mesh_coords(rank, tp=2, pp=2, dp=1)
+        assert result["coords"] == MeshShape(tp=2, pp=2, dp=1).coords(rank)
         assert result["groups"] == {"dp": [rank], "pp": pp_groups[rank], "tp": tp_groups[rank]}
         assert result["tp_sum"] == float(sum(tp_groups[rank]))
-    assert [(r["prev"], r["next"]) for r in results] == [(None, 2), (None, 3), (0, None), (1, None)]
+    assert [r["coords"] for r in results] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
+    assert all("unknown mesh axis 'ep'" in r["bad_axis"] for r in results)
 
 
 def test_mesh_arithmetic_without_processes() -> None:
     # tp=2, pp=2, dp=2: rank = (dp_rank * 2 + pp_rank) * 2 + tp_rank
-    assert mesh_coords(6, tp=2, pp=2, dp=2) == (1, 1, 0)
-    assert axis_ranks(6, "tp", tp=2, pp=2, dp=2) == [6, 7]
-    assert axis_ranks(6, "pp", tp=2, pp=2, dp=2) == [4, 6]
-    assert axis_ranks(6, "dp", tp=2, pp=2, dp=2) == [2, 6]
-    with pytest.raises(InputError, match="unknown mesh axis 'ep'"):
-        axis_ranks(0, "ep", tp=2, pp=2, dp=2)
+    shape = MeshShape(tp=2, pp=2, dp=2)
+    assert shape.coords(6) == (1, 1, 0)
+    assert all(shape.rank_of(*shape.coords(rank)) == rank for rank in range(8))
+    with pytest.raises(ValueError, match="outside a mesh of 8 devices"):
+        shape.coords(8)
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""passes.pipeline: stage split (in one process), pipelined forward / training step on gloo, TP x PP.
+"""passes.pipeline (stage split, in one process), runtime.pipeline (pipelined forward / training step
+on gloo), TP x PP lowering, and a PP plan run with each schedule (runtime.execute.run_rank).
 
 Entry functions are module-level: the spawned ranks import this module to find them. Graphs are
 captured at the micro-batch size (captured graphs have literal shapes); the whole batch is
@@ -8,6 +9,7 @@ micro_batches times that.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import operator
 
 import pytest
@@ -16,24 +18,19 @@ import torch.nn.functional as F
 from torch import fx
 
 from passes.collectives import register_group
-from passes.pipeline import (
-    PipelineRunner,
-    PipelineSplitError,
-    all_reduce_tied_gradients,
-    run_pipeline_forward,
-    run_pipeline_train_step,
-    run_stages_sequentially,
-    split_stages,
-    stage_of_layers,
-    tied_parameters,
-)
-from passes.tensor_parallel import apply_tensor_parallel
+from passes.lower import lower_for_rank
+from passes.pipeline import PipelineSplitError, split_stages, stage_of_layers, tied_parameters
+from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture
 from planner.frontend.modelfile import load_model_file
-from planner.plan import WeightSplit
+from planner.plan import MeshShape, Schedule
+from runtime.execute import run_rank
+from runtime.job import RunJob
 from runtime.launch import RankContext, launch
-from runtime.mesh import build_mesh
-from tests.conftest import EXAMPLES
+from runtime.mesh import build_rank_groups
+from runtime.pipeline import PipelineRunner, all_reduce_tied_gradients
+from tests.conftest import EXAMPLES, run_in_sequence
+from tests.plans import fixed_plan
 
 LAYER_PREFIX = {"llama3": "layers", "gpt2_tiny": "transformer.h", "hf_llama": "model.layers"}
 NUM_LAYERS = {"llama3": 4, "gpt2_tiny": 2, "hf_llama": 2}
@@ -91,7 +88,7 @@ def test_llama_stages_in_sequence_equal_the_graph(num_stages: int) -> None:
     x = tokens(2)
     stages = even_stages("llama3", gm, num_stages)
     assert len(stages) == num_stages
-    out = run_stages_sequentially(stages, x)
+    out = run_in_sequence(stages, x)
     assert torch.equal(out, gm(x))
     torch.testing.assert_close(out, reference(x), rtol=0, atol=1e-5)
     for k, stage in enumerate(stages):
@@ -125,7 +122,7 @@ def test_gpt2_tied_weight_is_copied_per_stage() -> None:
     model, reference, gm = build("gpt2_tiny", 2)
     x = tokens(2)
     stages = even_stages("gpt2_tiny", gm, 2)
-    out = run_stages_sequentially(stages, x)
+    out = run_in_sequence(stages, x)
     assert torch.equal(out, gm(x))
     torch.testing.assert_close(out, reference(x), rtol=0, atol=1e-5)
     assert tied_parameters(stages) == [(0, "lm_head.weight", 1, "lm_head.weight")]
@@ -159,7 +156,7 @@ def test_multi_output_op_and_early_value_returned_by_the_graph() -> None:
     stages = split_stages(gm, [parts.name])
     sent = [n.name for n in stages[0].graph.output_node().args[0]]
     assert sent == [a.name, first.name, second.name]
-    out = run_stages_sequentially(stages, x_in)
+    out = run_in_sequence(stages, x_in)
     expected = gm(x_in)
     assert all(torch.equal(o, e) for o, e in zip(out, expected, strict=True))
 
@@ -186,7 +183,7 @@ def test_tensor_with_several_names_in_several_stages() -> None:
     assert stages[0].get_parameter("a.weight") is stages[0].get_parameter("b.weight")
     assert stages[0].get_parameter("a.weight") is not stages[1].get_parameter("c.weight")
     assert stages[0].get_parameter("a.weight") is not shared
-    torch.testing.assert_close(run_stages_sequentially(stages, x_in), gm(x_in), rtol=0, atol=0)
+    torch.testing.assert_close(run_in_sequence(stages, x_in), gm(x_in), rtol=0, atol=0)
 
 
 def test_stage_of_layers_and_bad_cuts() -> None:
@@ -220,10 +217,10 @@ def _pp_forward(rank: int) -> dict:
     x = tokens(2)
     inputs = (x,) if rank == 0 else None
     result: dict = {}
-    for schedule in ("gpipe", "1f1b"):
-        out = run_pipeline_forward(stage, rank, 2, inputs, 2, None, "cpu", schedule)
-        result[schedule] = None if out is None else (out - reference(x)).abs().max().item()
-    runner = PipelineRunner(stage, rank, 2, 2, None, "cpu")  # built once, stepped many times
+    for schedule in Schedule:
+        out = PipelineRunner(stage, rank, 2, 2, None, "cpu", schedule).forward(inputs)
+        result[str(schedule)] = None if out is None else (out - reference(x)).abs().max().item()
+    runner = PipelineRunner(stage, rank, 2, 2, None, "cpu", "gpipe")  # built once, stepped many times
     outs = [runner.forward(inputs) for _ in range(3)]
     if rank == 1:
         result["runner"] = (outs[0] - reference(x)).abs().max().item()
@@ -232,19 +229,18 @@ def _pp_forward(rank: int) -> dict:
 
 
 def _pp_train(rank: int, name: str) -> dict:
-    """pp=2 training step, 4 micro-batches (1F1B one-shot, then a reused GPipe runner twice);
+    """pp=2 training step, 4 micro-batches (a 1F1B runner once, then a reused GPipe runner twice);
     gradients compared with the unsharded model's."""
     _, reference, gm = build(name, 1)
     stages = even_stages(name, gm, 2)
     stage, tied = stages[rank], tied_parameters(stages)
     x, target = tokens(4), tokens(4, seed=2)
     inputs, stage_target = ((x,) if rank == 0 else None), (target if rank == 1 else None)
-    loss = run_pipeline_train_step(
-        stage, rank, 2, inputs, 4, None, "cpu", loss_fn=lm_loss, target=stage_target, schedule="1f1b"
-    )
+    one_f_one_b = PipelineRunner(stage, rank, 2, 4, None, "cpu", Schedule.ONE_F_ONE_B, loss_fn=lm_loss)
+    loss = one_f_one_b.train_step(inputs, stage_target)
     all_reduce_tied_gradients(stage, rank, tied, None)
     first_grads = {fqn: p.grad.clone() for fqn, p in stage.named_parameters()}
-    runner = PipelineRunner(stage, rank, 2, 4, None, "cpu", schedule="gpipe", loss_fn=lm_loss)
+    runner = PipelineRunner(stage, rank, 2, 4, None, "cpu", Schedule.GPIPE, loss_fn=lm_loss)
     for _ in range(2):  # a reused runner gives the same gradients every step
         stage.zero_grad(set_to_none=True)
         runner.train_step(inputs, stage_target)
@@ -275,7 +271,7 @@ def _pp_int_crossing(rank: int) -> dict:
         if n.op == "placeholder"
     ]
     x, target = tokens(4), tokens(4, seed=2)
-    runner = PipelineRunner(stages[rank], rank, 2, 4, None, "cpu", schedule="1f1b", loss_fn=lm_loss)
+    runner = PipelineRunner(stages[rank], rank, 2, 4, None, "cpu", "1f1b", loss_fn=lm_loss)
     out = runner.forward((x,) if rank == 0 else None)
     runner.train_step((x,) if rank == 0 else None, target if rank == 1 else None)
     lm_loss(reference(x), target).backward()
@@ -294,9 +290,41 @@ def _pp_hf_llama(rank: int) -> dict:
     stage = even_stages("hf_llama", gm, 2)[rank]
     crossing = [str(n.meta["val"].dtype) for n in stage.graph.nodes if n.op == "placeholder"]
     x = tokens(2)
-    out = run_pipeline_forward(stage, rank, 2, (x,) if rank == 0 else None, 2, None, "cpu")
+    out = PipelineRunner(stage, rank, 2, 2, None, "cpu", "gpipe").forward((x,) if rank == 0 else None)
     want = reference(x, use_cache=False).logits
     return {"crossing": crossing, "diff": None if out is None else (out - want).abs().max().item()}
+
+
+def _pp_plan_jobs() -> list[tuple[str, str, RunJob]]:
+    """A pp=2 plan (2 micro-batches) of the tiny Llama run by the runtime, with each schedule and workload."""
+    path = str(EXAMPLES / "llama3.py")
+    _, _, gm = build("llama3", 2)
+    jobs = []
+    for schedule in Schedule:
+        for workload in ("forward", "train"):
+            plan = fixed_plan(analyse(gm), path, 1, pp=2, workload=workload, micro_batches=2)
+            plan = dataclasses.replace(plan, schedule=schedule)
+            jobs.append(
+                (str(schedule), workload, RunJob(path, plan.to_dict(), workload=workload, warmup=0, iters=1))
+            )
+    return jobs
+
+
+def _pp_plan_runs(ctx: RankContext) -> list[dict]:
+    results = []
+    for schedule, workload, job in _pp_plan_jobs():
+        report = run_rank(ctx, job)
+        results.append(
+            {
+                "schedule": schedule,
+                "workload": workload,
+                "ran": report.pipeline_schedule,
+                "diff": report.max_abs_diff,
+                "scale": report.output_scale,
+                "grad_diff": report.grad_max_abs_diff,
+            }
+        )
+    return results
 
 
 def _pp2_checks(ctx: RankContext, payload: None) -> dict:
@@ -307,28 +335,25 @@ def _pp2_checks(ctx: RankContext, payload: None) -> dict:
         "train_gpt2_tiny": _pp_train(ctx.rank, "gpt2_tiny"),
         "int_crossing": _pp_int_crossing(ctx.rank),
         "hf_llama": _pp_hf_llama(ctx.rank),
+        "plan_runs": _pp_plan_runs(ctx),
     }
 
 
 def _tp_pp_forward(ctx: RankContext, payload: None) -> dict:
-    """tp=2 x pp=2 on 4 ranks: Megatron splits, then the stage of this rank's pp coordinate."""
-    mesh = build_mesh(2, 2, 1, "cpu")
-    register_group("tp", mesh.group("tp"))
-    model, reference, gm = build("llama3", 1)
-    splits = {}
-    for name, _ in model.named_parameters():
-        if name.endswith(("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight")):
-            splits[name] = WeightSplit(name, "colwise", 0)
-        elif name.endswith(("wo.weight", "w2.weight")):
-            splits[name] = WeightSplit(name, "rowwise", 1)
-    gm = apply_tensor_parallel(gm, splits, mesh.tp_rank, 2)
-    stage = even_stages("llama3", gm, 2)[mesh.pp_rank]
-    sharded = stage.get_parameter(f"layers.{2 * mesh.pp_rank}.attention.wq.weight").shape
+    """tp=2 x pp=2 on 4 ranks: the plan lowered for this rank (Megatron splits, then its stage)."""
+    groups = build_rank_groups(MeshShape(tp=2, pp=2, dp=1), "cpu")
+    register_group("tp", groups.group("tp"))
+    _, reference, gm = build("llama3", 1)
+    structure = analyse(gm)
+    plan = fixed_plan(structure, "llama3.py", 2, pp=2, micro_batches=2, vocab=False)
+    lowered = lower_for_rank(gm, structure, plan, ctx.rank)
+    stage = lowered.module
+    sharded = stage.get_parameter(f"layers.{2 * lowered.pp_rank}.attention.wq.weight").shape
     x = tokens(2)
-    pp = mesh.group("pp")
-    out = run_pipeline_forward(stage, mesh.pp_rank, 2, (x,) if mesh.pp_rank == 0 else None, 2, pp, "cpu")
+    runner = PipelineRunner(stage, lowered.pp_rank, 2, 2, groups.group("pp"), "cpu", plan.schedule)
+    out = runner.forward((x,) if lowered.pp_rank == 0 else None)
     diff = None if out is None else (out - reference(x)).abs().max().item()
-    return {"pp_rank": mesh.pp_rank, "tp_rank": mesh.tp_rank, "diff": diff, "wq_shape": tuple(sharded)}
+    return {"pp_rank": lowered.pp_rank, "tp_rank": lowered.tp_rank, "diff": diff, "wq_shape": tuple(sharded)}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -354,7 +379,7 @@ def test_pipelined_training_step_gradients_pp2(pp2_results: list[dict], name: st
     results = [r[f"train_{name}"] for r in pp2_results]
     for r in results:
         assert r["diffs"] and max(r["diffs"].values()) <= 1e-6, r["diffs"]
-        assert r["runner_diff"] <= 1e-6  # reused GPipe runner == one-shot 1F1B step
+        assert r["runner_diff"] <= 1e-6  # reused GPipe runner == the 1F1B runner's step
     assert results[0]["loss_diff"] is None and results[1]["loss_diff"] <= 1e-6
     if name == "gpt2_tiny":
         assert results[0]["tied"] == [(0, "lm_head.weight", 1, "lm_head.weight")]
@@ -374,6 +399,34 @@ def test_hf_llama_pipelined_forward_with_bool_mask(pp2_results: list[dict]) -> N
     first, last = (r["hf_llama"] for r in pp2_results)
     assert "torch.bool" in last["crossing"]
     assert last["diff"] <= 1e-5
+
+
+@pytest.mark.slow
+def test_pp2_plan_runs_its_schedule(pp2_results: list[dict]) -> None:
+    """run_rank on a pp=2 plan: the schedule run is the plan's; forward output, training loss and
+    every stage's gradients match the unsharded model, with GPipe and with 1F1B."""
+    first, last = (r["plan_runs"] for r in pp2_results)
+    ran = {(r["schedule"], r["workload"]): r["ran"] for r in first + last}
+    want = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+    assert ran == {(s, w): want[s] for s in want for w in ("forward", "train")}
+    for r in first:
+        assert r["diff"] is None  # the output (and the loss) is on the last stage
+    for r in last:
+        assert r["diff"] is not None and r["diff"] <= 1e-5 * r["scale"], r
+    for r in first + last:
+        if r["workload"] == "train":
+            assert r["grad_diff"] is not None and r["grad_diff"] <= 1e-6, r
+        else:
+            assert r["grad_diff"] is None
+
+
+def test_one_f_one_b_needs_as_many_micro_batches_as_stages() -> None:
+    _, _, gm = build("llama3", 1)
+    stage = even_stages("llama3", gm, 2)[0]
+    with pytest.raises(ValueError, match=r"1f1b needs micro_batches\(1\) >= num_stages\(2\)"):
+        PipelineRunner(stage, 0, 2, 1, None, "cpu", Schedule.ONE_F_ONE_B)
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        PipelineRunner(stage, 0, 2, 2, None, "cpu", "interleaved")
 
 
 @pytest.mark.slow

@@ -13,10 +13,13 @@ from planner.plan import (
     Decision,
     LayerCost,
     MeshCandidate,
+    MeshShape,
     Plan,
     Prediction,
+    Schedule,
     SolverInfo,
     WeightSplit,
+    Workload,
 )
 
 
@@ -50,9 +53,7 @@ def make_plan() -> Plan:
         context=0,
         micro_batches=1,
         dtype="bf16",
-        tp=2,
-        pp=1,
-        dp=1,
+        mesh=MeshShape(2, 1, 1),
         splits=splits,
         stages=[[0, 1]],
         ladder_layers=[1],
@@ -63,7 +64,10 @@ def make_plan() -> Plan:
         ],
         excluded=["tp=3: 32 heads not divisible by 3"],
         baseline=_prediction(0.02),
-        mesh_candidates=[MeshCandidate(2, 1, 1, 0.01), MeshCandidate(4, 1, 1, None, "does not fit")],
+        mesh_candidates=[
+            MeshCandidate(MeshShape(2, 1, 1), 1, 0.01),
+            MeshCandidate(MeshShape(4, 1, 1), 1, None, "does not fit"),
+        ],
     )
 
 
@@ -76,6 +80,27 @@ def test_yaml_round_trip(tmp_path: Path) -> None:
     assert loaded.splits["h.0.attn.c_attn.weight"].parts == [768, 768, 768]
     assert math.isinf(loaded.decisions[0].options["replicate"])
     assert [p.name for p in tmp_path.iterdir()] == ["plan.yaml"]  # no temp file left behind
+    assert loaded.workload is Workload.FORWARD and loaded.schedule is Schedule.ONE_F_ONE_B
+    assert (loaded.tp, loaded.pp, loaded.dp, loaded.num_devices) == (2, 1, 1, 2)
+
+
+def test_reads_plans_with_a_flat_mesh(tmp_path: Path) -> None:
+    """Plans written before the mesh was one field: top-level tp/pp/dp, candidates' m in the note."""
+    data = make_plan().to_dict()
+    data.update(data.pop("mesh"))
+    data.pop("schedule")
+    data["mesh_candidates"] = [
+        {"tp": 2, "pp": 1, "dp": 1, "latency_s": 0.01, "note": "m=1: Optimal Solution Found"},
+        {"tp": 4, "pp": 2, "dp": 1, "latency_s": None, "note": "m=8: does not fit"},
+    ]
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(data))
+    plan = Plan.from_yaml(path)
+    assert plan.mesh == MeshShape(2, 1, 1) and plan.schedule is Schedule.ONE_F_ONE_B
+    assert plan.mesh_candidates == [
+        MeshCandidate(MeshShape(2, 1, 1), 1, 0.01, "Optimal Solution Found"),
+        MeshCandidate(MeshShape(4, 2, 1), 8, None, "does not fit"),
+    ]
 
 
 def test_safe_load_only(tmp_path: Path) -> None:
@@ -88,8 +113,11 @@ def test_safe_load_only(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("edit", "field_name"),
     [
-        (lambda d: d.pop("tp"), "tp"),
-        (lambda d: d.__setitem__("tp", "eight"), "tp"),
+        (lambda d: d["mesh"].pop("tp"), "mesh.tp"),
+        (lambda d: d["mesh"].__setitem__("tp", "eight"), "mesh.tp"),
+        (lambda d: d["mesh"].__setitem__("dp", 0), "mesh.dp"),
+        (lambda d: d.__setitem__("schedule", "zb"), "schedule"),
+        (lambda d: d["mesh_candidates"][0].pop("micro_batches"), "mesh_candidates[0].micro_batches"),
         (lambda d: d["splits"]["wte.weight"].__setitem__("style", "diagonal"), "splits.wte.weight.style"),
         (lambda d: d["splits"]["wte.weight"].__setitem__("dim", 2), "splits.wte.weight.dim"),
         (lambda d: d["predicted"].__setitem__("latency_s", "fast"), "predicted.latency_s"),

@@ -14,10 +14,13 @@ from costmodels import compute
 from costmodels.cluster import load_cluster
 from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture
+from planner.plan import MeshShape
 from planner.solver import ilp
-from planner.solver.costing import CostContext, MeshShape, graph_node_count, outside_nodes_time_s
+from planner.solver.costing import CostContext, graph_node_count, outside_nodes_time_s
 from planner.solver.ilp import IlpProblem
-from planner.solver.search import Constraints, Workload, _price, _setup, plan_model
+from planner.solver.problem import Constraints, LadderPolicy, MeshConfig
+from planner.solver.problem import WorkloadSpec as Workload
+from planner.solver.search import plan_model, price
 from planner.solver.stages import balanced_split, rebalance, solution_costs, stage_times_s
 from tests.planner_fixtures import LLAMA_CONFIGS, Llama, analysed_llama, token_ids
 
@@ -56,7 +59,7 @@ def test_conv_time_scales_with_its_flops_and_uses_conv_efficiency() -> None:
 
     def predicted(size: int) -> float:
         s = analyse(capture(_Conv().eval(), (torch.randn(2, 16, size, size),)))
-        ctx = CostContext(s, cluster, Workload("forward", 2, 1), MeshShape(1, 1, 1, 1), "fp32")
+        ctx = CostContext(s, cluster, Workload("forward", 2, 1), MeshConfig(MeshShape(1, 1, 1), 1), "fp32")
         return outside_nodes_time_s(ctx)
 
     small, large = predicted(8), predicted(32)
@@ -106,12 +109,11 @@ def test_node_overhead_is_charged_for_every_node_and_replaces_launch() -> None:
     assert nodes * (20e-6 - base.device.launch_overhead_s) <= loaded - plain <= nodes * 20e-6
 
 
-def _problem(structure, cluster, mesh: MeshShape) -> IlpProblem:
-    search = _setup(
-        structure, cluster, Workload("forward", structure.batch_size, structure.seq_len), Constraints()
-    )
-    cand = _price(search, mesh)
-    return IlpProblem(cand.ctx, cand.graphs, search.layer_keys, cand.ends, search.ladder, search.cap_bytes)
+def _problem(structure, cluster, mesh: MeshConfig) -> IlpProblem:
+    workload = Workload("forward", structure.batch_size, structure.seq_len)
+    tables = price(structure, cluster, workload, mesh)
+    policy = LadderPolicy.parse("none").for_layers(len(structure.layers))
+    return IlpProblem(tables, policy, cluster.device.memory_bytes * Constraints().memory_fraction)
 
 
 @pytest.mark.parametrize("micro_batches", [1, 2])
@@ -120,22 +122,22 @@ def test_stage_split_is_never_slower_than_the_balanced_one(micro_batches: int) -
     per-layer costs) than the even [[0, 1], [2, 3]] and than balanced_split's."""
     s = analysed_llama("tiny")
     cluster = load_cluster("local-cpu", nproc=4)
-    prob = _problem(s, cluster, MeshShape(1, 2, 1, micro_batches))
+    prob = _problem(s, cluster, MeshConfig(MeshShape(1, 2, 1), micro_batches))
     sol = ilp.solve(prob)
     assert sol.feasible
-    times, static, act, ends_time, ends_mem = solution_costs(prob, sol)
-    chosen = max(stage_times_s(prob, times, ends_time, [st[0] for st in sol.stages]))
-    even = max(stage_times_s(prob, times, ends_time, [0, 2]))
-    best = balanced_split(prob, times, static, act, ends_time, ends_mem)
+    costs = solution_costs(prob.tables, sol.assignment)
+    chosen = max(stage_times_s(prob.tables, costs, [st[0] for st in sol.assignment.stages]))
+    even = max(stage_times_s(prob.tables, costs, [0, 2]))
+    best = balanced_split(prob.tables, costs, prob.memory_cap_bytes)
     assert chosen <= even * (1 + 1e-9)
-    assert chosen <= max(stage_times_s(prob, times, ends_time, best)) * (1 + 1e-9)
+    assert chosen <= max(stage_times_s(prob.tables, costs, best)) * (1 + 1e-9)
 
 
 def test_rebalance_moves_an_unbalanced_split() -> None:
     s = analysed_llama("tiny")
-    prob = _problem(s, load_cluster("local-cpu", nproc=4), MeshShape(1, 2, 1, 1))
-    sol = ilp.solve(prob)
-    sol.stages = [[0], [1, 2, 3]]  # what CBC returned before: the balance term is within its gap
-    assert rebalance(prob, sol)
-    assert sol.stages == [[0, 1], [2, 3]]
-    assert not rebalance(prob, sol)  # already balanced: unchanged
+    prob = _problem(s, load_cluster("local-cpu", nproc=4), MeshConfig(MeshShape(1, 2, 1), 1))
+    assignment = ilp.solve(prob).assignment
+    assignment.stages = [[0], [1, 2, 3]]  # what CBC returned before: the balance term is within its gap
+    assert rebalance(prob.tables, assignment, prob.memory_cap_bytes)
+    assert assignment.stages == [[0, 1], [2, 3]]
+    assert not rebalance(prob.tables, assignment, prob.memory_cap_bytes)  # already balanced: unchanged

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from passes import collectives
-from passes.ladder import apply_ladder
+from passes.ladder import apply_ladder, ladder_residual_adds
 from passes.tensor_parallel import TensorParallelError, apply_tensor_parallel
 from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture
 from planner.frontend.modelfile import load_model_file
-from runtime.execute import RunJob, ladder_residual_adds, summarise
+from runtime.job import RunJob, summarise
 from runtime.launch import launch
 from tests.parity_entry import run_jobs
 from tests.plans import fixed_plan
@@ -81,7 +81,6 @@ def ladder_reference(model, tokens: torch.Tensor, first_laddered: int) -> torch.
 def test_collective_count_is_two_all_reduces_per_layer():
     gm, structure = _structure("llama3.py")
     plan = fixed_plan(structure, "llama3.py", 2, vocab=False)
-    collectives.clear_groups()
     apply_tensor_parallel(gm, plan.splits, 0, 2)
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert targets.count(collectives.tp_all_reduce) == 2 * len(structure.layers)

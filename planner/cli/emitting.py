@@ -1,8 +1,8 @@
 """`planner optimize --emit DIR`: write every rank's generated sharded module for a plan.
 
 For each (pipeline stage, TP rank) of the mesh (DP replicas share the same modules), the captured
-graph is rewritten in this process (TP pass, ladder pass, pipeline split; no process group is needed
-to rewrite) and written with `passes.emit.emit_rank_module` as `DIR/rank{r}/` (module source, weight
+graph is lowered in this process (`passes.lower.lower_for_rank`: TP pass, ladder pass, pipeline
+split; no process group is needed to lower) and written with `passes.emit.emit_rank_module` as `DIR/rank{r}/` (module source, weight
 shards, meta.json), where r = pp_rank * tp + tp_rank is the global rank of DP replica 0. A README in
 DIR says how to load them. Models whose weights exceed `MAX_MATERIALISED_BYTES` are emitted from
 the `meta` device: source and shard shapes only, weights to be loaded from the user's checkpoint.
@@ -19,10 +19,7 @@ from pathlib import Path
 import torch
 
 from passes.emit import emit_rank_module, write_readme
-from passes.ladder import apply_ladder
-from passes.pipeline import split_stages, stage_of_layers
-from passes.tensor_parallel import apply_tensor_parallel
-from planner.errors import InputError
+from passes.lower import lower_for_rank
 from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture
 from planner.frontend.modelfile import load_model_file
@@ -39,10 +36,6 @@ def emit_plan(plan: Plan, model_path: str, out_dir: str, backend: str = "gloo") 
     Raises InputError when the plan ladders layers across pipeline stages (not supported) or the
     output folder cannot be written.
     """
-    if plan.ladder_layers and plan.pp > 1:
-        raise InputError(
-            "--emit: ladder residual with pipeline stages is not supported; use --pp 1 or --ladder none"
-        )
     model_file = load_model_file(model_path)
     meta_model = model_file.build("meta")
     weight_bytes = sum(p.numel() * p.element_size() for p in meta_model.parameters())
@@ -53,32 +46,25 @@ def emit_plan(plan: Plan, model_path: str, out_dir: str, backend: str = "gloo") 
     args, kwargs = model_file.inputs(batch, plan.seq_len)
     gm = capture(model, args, kwargs)
     structure = analyse(gm)
-    adds = []
-    if plan.ladder_layers:
-        from runtime.execute import ladder_residual_adds  # noqa: PLC0415
-
-        adds = ladder_residual_adds(structure, plan.ladder_layers)
     final = Path(out_dir)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
     try:
-        for pp_rank in range(plan.pp):
-            for tp_rank in range(plan.tp):
-                rank_gm = copy.deepcopy(gm)
-                apply_tensor_parallel(rank_gm, plan.splits, tp_rank, plan.tp)
-                apply_ladder(rank_gm, adds)
-                if plan.pp > 1:
-                    outputs = [layer.output_node for layer in structure.layers]
-                    rank_gm = split_stages(
-                        rank_gm, stage_of_layers(len(structure.layers), plan.stages, outputs)
-                    )[pp_rank]
-                meta = {
-                    "plan": {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp},
-                    "tp_rank": tp_rank,
-                    "pp_rank": pp_rank,
-                }
-                meta["weights_materialised"] = device != "meta"
-                emit_rank_module(rank_gm, tmp, pp_rank * plan.tp + tp_rank, meta)
+        for rank in range(plan.tp * plan.pp):  # DP replica 0: ranks 0 .. tp * pp - 1
+            lowered = lower_for_rank(copy.deepcopy(gm), structure, plan, rank)
+            meta = {
+                "plan": {
+                    "tp": plan.tp,
+                    "pp": plan.pp,
+                    "dp": plan.dp,
+                    "micro_batches": plan.micro_batches,
+                    "schedule": str(plan.schedule),
+                },
+                "tp_rank": lowered.tp_rank,
+                "pp_rank": lowered.pp_rank,
+                "weights_materialised": device != "meta",
+            }
+            emit_rank_module(lowered.module, tmp, rank, meta)
         write_readme(
             tmp,
             {

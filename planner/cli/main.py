@@ -62,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--micro-batches", type=_positive)
     opt.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
     opt.add_argument("--ladder", default="none", help="none | upper:N | auto | auto:max=N")
+    opt.add_argument(
+        "--schedule",
+        default="1f1b",
+        choices=["1f1b", "gpipe"],  # planner.plan.Schedule's values; importing it here would slow --help
+        help="pipeline schedule the plan is priced with and run with (pp > 1): 1f1b holds fewer activations",
+    )
     opt.add_argument("--tp", type=_positive, help="pin the tensor-parallel degree")
     opt.add_argument("--pp", type=_positive, help="pin the pipeline-parallel degree")
     opt.add_argument("--dp", type=_positive, help="pin the data-parallel degree")
@@ -152,7 +158,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         )
         progress.update(task, description="solving the ILP")
         constraints = workflow.constraints_from(
-            args.tp, args.pp, args.dp, args.ladder, max_devices=args.devices
+            args.tp, args.pp, args.dp, args.ladder, max_devices=args.devices, schedule=args.schedule
         )
         workflow.check_constraints_fit(
             cluster, constraints, prepared.structure.batch_size, args.micro_batches
@@ -220,7 +226,9 @@ def _run(args, plan, prepared, cluster):
         console.print(
             f"[yellow]re-planning for this machine (local-cpu, {nproc} ranks) to run it (--scale-to-local)[/yellow]"
         )
-        constraints = workflow.constraints_from(args.tp, args.pp, args.dp, args.ladder, max_devices=nproc)
+        constraints = workflow.constraints_from(
+            args.tp, args.pp, args.dp, args.ladder, max_devices=nproc, schedule=args.schedule
+        )
         plan = workflow.make_plan(prepared, local, constraints, args.model)
         from planner.cli.render import render_plan  # noqa: PLC0415
 

@@ -7,7 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from planner.plan import LayerCost, Plan
+from planner.plan import LayerCost, Plan, SplitStyle, Workload
 
 _GIB = 2.0**30
 
@@ -66,12 +66,14 @@ def render_plan(console: Console, plan: Plan) -> None:
     console.print(
         f"[bold]Plan[/bold] for {plan.model} on [bold]{plan.cluster}[/bold] ({plan.workload}, batch {plan.batch_size}"
         + (f", seq {plan.seq_len}" if plan.token_model else "")
-        + (f", context {plan.context}" if plan.workload == "decode" else "")
+        + (f", context {plan.context}" if plan.workload is Workload.DECODE else "")
         + f", {plan.dtype})"
     )
     console.print(
         f"Mesh: [bold]TP={plan.tp} × PP={plan.pp} × DP={plan.dp}[/bold] = {plan.num_devices} devices, "
-        f"{plan.micro_batches} micro-batch(es); ladder residual on layers {_ranges(plan.ladder_layers) or 'none'}"
+        f"{plan.micro_batches} micro-batch(es)"
+        + (f" ({plan.schedule} schedule)" if plan.pp > 1 else "")
+        + f"; ladder residual on layers {_ranges(plan.ladder_layers) or 'none'}"
     )
     table = Table(title="Per stage and layer (per step, per rank)", show_lines=False)
     for col in (
@@ -97,7 +99,9 @@ def render_plan(console: Console, plan: Plan) -> None:
         )
     console.print(table)
     p = plan.predicted
-    what = "step" if plan.workload == "train" else ("decode step" if plan.workload == "decode" else "forward")
+    what = {Workload.TRAIN: "step", Workload.DECODE: "decode step", Workload.FORWARD: "forward"}[
+        plan.workload
+    ]
     console.print(
         f"Predicted {what} latency: [bold]{fmt_s(p.latency_s)}[/bold] "
         f"(compute {fmt_s(p.compute_s)}, exposed comm {fmt_s(p.exposed_comm_s)}, overlapped {fmt_s(p.overlapped_comm_s)}, "
@@ -125,7 +129,7 @@ def render_plan(console: Console, plan: Plan) -> None:
                 else f" - [yellow]{d.reason.split('; ')[-1]}[/yellow]"
             )
         )
-    if plan.tp > 1 and not any(split.style != "replicate" for split in plan.splits.values()):
+    if plan.tp > 1 and all(split.style is SplitStyle.REPLICATE for split in plan.splits.values()):
         console.print(
             f"[yellow]note: TP={plan.tp}, but the cost model keeps every weight replicated on {plan.cluster}: "
             "for this model the collectives would cost more than the split saves (see --why)[/yellow]"

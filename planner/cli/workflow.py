@@ -18,8 +18,9 @@ from planner.errors import InputError
 from planner.frontend.analysis import ModelStructure
 from planner.frontend.depth import capture_for_planning
 from planner.frontend.modelfile import ModelFile, load_model_file
-from planner.plan import Plan
-from planner.solver.search import Constraints, Workload, plan_model
+from planner.plan import WORKLOADS, Plan, Schedule, SplitStyle, Workload
+from planner.solver.problem import Constraints, LadderPolicy, WorkloadSpec
+from planner.solver.search import plan_model
 
 DEFAULT_CONTEXT = 2048  # decode: KV-cache tokens when --context is not given
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "parallel-planner"
@@ -31,7 +32,7 @@ class Prepared:
 
     model_file: ModelFile
     structure: ModelStructure
-    workload: Workload
+    workload: WorkloadSpec
     param_shapes: dict[str, tuple[int, ...]]  # every parameter FQN of the model, for validating plans
 
 
@@ -50,12 +51,12 @@ def prepare(
     cache holds `context` tokens (default DEFAULT_CONTEXT). Raises InputError (bad file, options,
     untraceable model).
     """
-    if workload not in ("forward", "decode", "train"):
-        raise InputError(f"--workload must be forward, decode or train, got {workload!r}")
+    if workload not in WORKLOADS:
+        raise InputError(f"--workload must be one of {', '.join(WORKLOADS)}, got {workload!r}")
     for name, value in (("--batch-size", batch_size), ("--seq-len", seq_len), ("--context", context)):
         if value is not None and value < 1:
             raise InputError(f"{name} must be a positive integer, got {value}")
-    if workload == "decode":
+    if workload == Workload.DECODE:
         if seq_len not in (None, 1):
             raise InputError(
                 "--seq-len is the prompt length; decode plans one new token: use --context for the KV cache"
@@ -68,8 +69,8 @@ def prepare(
     args, kwargs = model_file.inputs(batch_size, seq_len)
     model = model_file.build("meta")
     _, structure = capture_for_planning(model, args, kwargs)
-    wl = Workload(
-        kind=workload,
+    wl = WorkloadSpec(
+        kind=Workload(workload),
         batch_size=structure.batch_size,
         seq_len=structure.seq_len,
         context=context or 0,
@@ -109,16 +110,17 @@ def resolve_cluster(
 
 
 def constraints_from(
-    tp: int | None, pp: int | None, dp: int | None, ladder: str, max_devices: int | None = None
+    tp: int | None,
+    pp: int | None,
+    dp: int | None,
+    ladder: str,
+    max_devices: int | None = None,
+    schedule: Schedule = Schedule.ONE_F_ONE_B,
 ) -> Constraints:
-    """Constraints from CLI options. Raises InputError for a malformed --ladder."""
-    ladder = ladder or "none"
-    ok = ladder == "none" or ladder == "auto" or ladder.startswith("upper:") or ladder.startswith("auto:max=")
-    if ok and ":" in ladder:
-        ok = ladder.rsplit("=" if "=" in ladder else ":", 1)[1].isdigit()
-    if not ok:
-        raise InputError(f"--ladder must be none, upper:N, auto or auto:max=N (N layers), got {ladder!r}")
-    return Constraints(tp=tp, pp=pp, dp=dp, ladder=ladder, max_devices=max_devices)
+    """Constraints from CLI options (`--ladder` read by `LadderPolicy.parse`). Raises InputError for a
+    malformed --ladder or an unknown --schedule."""
+    policy = LadderPolicy.parse(ladder or "none", option="--ladder")
+    return Constraints(tp=tp, pp=pp, dp=dp, ladder=policy, max_devices=max_devices, schedule=schedule)
 
 
 def check_pinned_tp(structure: ModelStructure, tp: int | None) -> None:
@@ -128,10 +130,7 @@ def check_pinned_tp(structure: ModelStructure, tp: int | None) -> None:
     """
     if tp is None or tp == 1:
         return
-    counts = sorted(
-        {layer.attention.num_heads for layer in structure.layers if layer.attention}
-        | {layer.attention.num_kv_heads for layer in structure.layers if layer.attention}
-    )
+    counts = sorted(set(structure.query_head_counts()) | set(structure.kv_head_counts()))
     if counts and any(c % tp for c in counts):
         limit = min(counts)
         ok = [d for d in range(1, limit + 1) if all(c % d == 0 for c in counts)]
@@ -145,7 +144,7 @@ def check_constraints_fit(
     cluster: ClusterSpec, constraints: Constraints, batch_size: int, micro_batches: int | None
 ) -> None:
     """Pinned degrees must fit the cluster and the batch. Raises InputError naming the options."""
-    pinned = {k: getattr(constraints, k) for k in ("tp", "pp", "dp") if getattr(constraints, k)}
+    pinned = constraints.pinned
     product = 1
     for value in pinned.values():
         product *= value
@@ -188,9 +187,9 @@ def validate_plan_for_model(
         layouts[structure.lm_head.weight] = structure.lm_head.weight_out_dim
     for name, split in plan.splits.items():
         out_dim = layouts.get(name)
-        if out_dim is None or split.style in ("replicate", "vocab"):
+        if out_dim is None or split.style in (SplitStyle.REPLICATE, SplitStyle.VOCAB):
             continue
-        want = out_dim if split.style == "colwise" else 1 - out_dim
+        want = out_dim if split.style is SplitStyle.COLWISE else 1 - out_dim
         if split.dim != want:
             raise InputError(
                 f"plan field splits.{name}: style {split.style} splits dim {want} of this weight, not dim {split.dim}"
@@ -242,10 +241,11 @@ def run_plan(
 
     Raises InputError when nproc != the plan's device count, RunError (exit 4) when a rank fails.
     """
-    from runtime.execute import RunJob, run_rank, summarise  # noqa: PLC0415 - heavy imports only for --run
+    from runtime.execute import run_rank  # noqa: PLC0415 - heavy imports only for --run
+    from runtime.job import RunJob, summarise  # noqa: PLC0415
     from runtime.launch import launch  # noqa: PLC0415
 
-    if plan.workload == "decode":
+    if plan.workload is Workload.DECODE:
         raise InputError(
             "--run executes forward and train plans; running a decode step against a KV cache is not implemented "
             "in the runtime yet (the plan and its prediction are valid)"
@@ -256,7 +256,7 @@ def run_plan(
             f"re-plan for this machine: planner optimize {model_path} --cluster local-cpu --nproc {nproc} "
             "(or add --run --scale-to-local to an optimize command)"
         )
-    workload = "train" if plan.workload == "train" else "forward"
+    workload = str(Workload.TRAIN if plan.workload is Workload.TRAIN else Workload.FORWARD)
     job = RunJob(
         model_path=str(model_path),
         plan=plan.to_dict(),
@@ -281,15 +281,16 @@ def report_dict(
     report: dict[str, Any] = {
         "model": str(model_path),
         "cluster": cluster.name,
-        "workload": plan.workload,
+        "workload": str(plan.workload),
         "plan": {
             "tp": plan.tp,
             "pp": plan.pp,
             "dp": plan.dp,
             "micro_batches": plan.micro_batches,
+            "schedule": str(plan.schedule),
             "ladder_layers": list(plan.ladder_layers),
             "stages": [list(s) for s in plan.stages],
-            "splits": {k: v.style for k, v in plan.splits.items()},
+            "splits": {k: str(v.style) for k, v in plan.splits.items()},
         },
         "predicted": {
             "latency_s": p.latency_s,

@@ -41,6 +41,7 @@ an op in none of the known sets is priced "memory" from its tensor sizes with `k
 
 from __future__ import annotations
 
+import enum
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from math import prod
@@ -107,6 +108,24 @@ _ELEMENTWISE = _ACTIVATIONS | {
 }  # fmt: skip
 
 
+class Role(str, enum.Enum):
+    """What a projection computes in its model (found by dataflow, rules in the module docstring)."""
+
+    Q = "q"  # attention query
+    K = "k"  # attention key
+    V = "v"  # attention value
+    QKV = "qkv"  # fused query, key and value (`Projection.parts` gives the sizes)
+    O = "o"  # noqa: E741 - attention output, the projection's conventional name
+    UP = "up"  # MLP up projection (the only first projection of a 2-matmul MLP)
+    GATE = "gate"  # SwiGLU gate: goes through the activation before the product with up
+    DOWN = "down"  # MLP down projection, back to the stream width
+    FC = "fc"  # a linear of a plain MLP chain, or an MLP projection that fits none of the above
+    LM_HEAD = "lm_head"  # the output projection onto the vocabulary
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass
 class Projection:
     """One matmul with a parameter weight."""
@@ -114,12 +133,16 @@ class Projection:
     node: str  # fx node name of the matmul (aten.linear / aten.addmm / aten.mm / aten.matmul)
     weight: str  # parameter FQN
     bias: str | None
-    role: str  # "q","k","v","qkv","o","up","gate","down","fc" (plain MLP), "lm_head"
+    role: Role | None  # None: a projection outside the layers that is not the LM head
     in_features: int
     out_features: int
     weight_out_dim: int  # 0 for nn.Linear (out, in), 1 for HF Conv1D (in, out)
     parts: tuple[int, ...] | None  # fused projection: out sizes of its parts, e.g. (768, 768, 768)
     flops: float  # per forward pass, global
+
+    def __post_init__(self) -> None:
+        if self.role is not None:
+            self.role = Role(self.role)  # ValueError for a string that names no role
 
 
 @dataclass
@@ -220,6 +243,14 @@ class ModelStructure:
         mean something for it; for others (images, feature vectors) samples/s does."""
         return self.vocab_size is not None
 
+    def query_head_counts(self) -> list[int]:
+        """Distinct numbers of query heads of the attention layers, ascending ([] without attention)."""
+        return sorted({layer.attention.num_heads for layer in self.layers if layer.attention is not None})
+
+    def kv_head_counts(self) -> list[int]:
+        """Distinct numbers of key/value heads (fewer than query heads under GQA), ascending."""
+        return sorted({layer.attention.num_kv_heads for layer in self.layers if layer.attention is not None})
+
 
 def analyse(gm: fx.GraphModule) -> ModelStructure:
     """The structure and per-node costs of a captured graph. Pure: does not modify `gm`."""
@@ -246,13 +277,13 @@ def analyse(gm: fx.GraphModule) -> ModelStructure:
     lm_head = next((p for p in reversed(outside) if vocab_size and p.out_features == vocab_size), None)
     tied = False
     if lm_head is not None:
-        lm_head.role = "lm_head"
+        lm_head.role = Role.LM_HEAD
         tied = any(params[e.weight] is params[lm_head.weight] for e in embeddings)
     mlp_chain: list[Projection] = []
     if not layers:
         mlp_chain = [p for p in outside if p is not lm_head]
         for p in mlp_chain:
-            p.role = "fc"
+            p.role = Role.FC
 
     unique = dict(gm.named_parameters())  # deduplicated: a tied weight counts once
     placeholders = [
@@ -397,7 +428,9 @@ def _projection(node: fx.Node, params: dict[str, torch.nn.Parameter]) -> Project
     bias = b.target if isinstance(b, fx.Node) and b.op == "get_attr" else None
     tokens = x.meta["val"].numel() // in_features
     flops = 2.0 * tokens * in_features * out_features + (tokens * out_features if bias else 0)
-    return Projection(node.name, w.target, bias, "", in_features, out_features, out_dim, _parts(node), flops)
+    return Projection(
+        node.name, w.target, bias, None, in_features, out_features, out_dim, _parts(node), flops
+    )
 
 
 def _is_transpose_2d(node: fx.Node) -> bool:
@@ -548,9 +581,9 @@ def _node_blocks(
     mlp: Mlp | None,
 ) -> dict[str, str]:
     """``Layer.node_blocks``: each member's block, from the layer projections it derives from."""
-    attn_in = {p.node for p in attention.projections if p.role != "o"} if attention else set()
-    attn_out = {p.node for p in attention.projections if p.role == "o"} if attention else set()
-    mlp_out = {p.node for p in mlp.projections if p.role == "down"} if mlp else set()
+    attn_in = {p.node for p in attention.projections if p.role is not Role.O} if attention else set()
+    attn_out = {p.node for p in attention.projections if p.role is Role.O} if attention else set()
+    mlp_out = {p.node for p in mlp.projections if p.role is Role.DOWN} if mlp else set()
     mlp_in = {p.node for p in mlp.projections} - mlp_out if mlp else set()
     ancestors: dict[str, set[str]] = {}  # projections of this layer each member derives from
     blocks: dict[str, str] = {}
@@ -586,7 +619,7 @@ def _stream_input(
     node = None
     block = attention if attention and attention.residual_add else mlp if mlp and mlp.residual_add else None
     if block is not None:
-        proj = next(p for p in reversed(block.projections) if p.role in ("o", "down"))
+        proj = next(p for p in reversed(block.projections) if p.role in (Role.O, Role.DOWN))
         source = next(n for n in members if n.name == proj.node)
         node = _residual_add(source, member_names, projections)[1]
         while node.name in member_names and len(node.all_input_nodes) >= 1:
@@ -679,10 +712,10 @@ def _attention(
     projs: list[Projection] = []
     if first[0] is not None and first[0] is first[1] is first[2]:
         fused = projections[first[0].name]
-        fused.role = "qkv"
+        fused.role = Role.QKV
         projs.append(fused)
     else:
-        for node, role in zip(first, ("q", "k", "v")):
+        for node, role in zip(first, (Role.Q, Role.K, Role.V)):
             if node is not None:
                 projections[node.name].role = role
                 projs.append(projections[node.name])
@@ -690,16 +723,16 @@ def _attention(
     residual = None
     if o_nodes:
         o = projections[o_nodes[0].name]
-        o.role = "o"
+        o.role = Role.O
         projs.append(o)
         found = _residual_add(o_nodes[0], member_names, projections)
         residual = found[0].name if found else None
     q_shape = q.meta["val"].shape  # (B, H, T, hd)
     num_heads, head_dim = q_shape[-3], q_shape[-1]
-    k_proj = next((p for p in projs if p.role == "k"), None)
+    k_proj = next((p for p in projs if p.role is Role.K), None)
     if k_proj is not None:
         num_kv_heads = k_proj.out_features // head_dim
-    elif projs and projs[0].role == "qkv" and projs[0].parts and len(projs[0].parts) == 3:
+    elif projs and projs[0].role is Role.QKV and projs[0].parts and len(projs[0].parts) == 3:
         num_kv_heads = projs[0].parts[1] // head_dim
     else:
         num_kv_heads = k.meta["val"].shape[-3]
@@ -783,16 +816,16 @@ def _mlp(
         if p in firsts:
             continue
         consumers = {n.name for n in _walk(node_of[p.node], member_names, projections, forward=True)}
-        p.role = "fc" if consumers & mine else "down"
+        p.role = Role.FC if consumers & mine else Role.DOWN
     if len(firsts) == 1:
-        firsts[0].role = "up"
+        firsts[0].role = Role.UP
     else:
         for p in firsts:
-            p.role = "gate" if _activated(node_of[p.node], member_names, projections) else "up"
-        if all(p.role == "gate" for p in firsts) or all(p.role == "up" for p in firsts):
+            p.role = Role.GATE if _activated(node_of[p.node], member_names, projections) else Role.UP
+        if all(p.role is Role.GATE for p in firsts) or all(p.role is Role.UP for p in firsts):
             for p in firsts:
-                p.role = "fc"
-    down = next((p for p in reversed(projs) if p.role == "down"), None)
+                p.role = Role.FC
+    down = next((p for p in reversed(projs) if p.role is Role.DOWN), None)
     found = _residual_add(node_of[down.node], member_names, projections) if down else None
     return Mlp(projs, found[0].name if found else None)
 

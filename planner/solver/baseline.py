@@ -1,7 +1,8 @@
 """The hand-written Megatron-LM plan, costed with the same model as the planner's plans.
 
 Megatron's recipe (Shoeybi et al. 2019; Narayanan et al. 2021): TP = the devices of one node (the
-largest degree that divides the heads and the node), PP = the number of nodes, DP = 1; attention
+largest degree that divides the heads and the node), PP = the number of nodes, DP = 1 (training on
+several nodes: the fewest stages that fit memory, DP over the other nodes, `megatron_configs`); attention
 head-parallel (Q/K/V column-wise, output row-wise), MLP column-then-row, embedding and LM head
 vocab-parallel, layers split evenly over stages, no ladder residual. Where a split is not
 possible (e.g. KV heads not divisible), that op stays replicated, as a careful hand-written plan would.
@@ -9,12 +10,15 @@ possible (e.g. KV heads not divisible), that op stays replicated, as a careful h
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import math
 
 from costmodels.cluster import ClusterSpec
-from planner.plan import Prediction
-from planner.solver.costing import CostContext, LayerGraph, MeshShape, Workload
-from planner.solver.prediction import StageBreakdown, predict
+from planner.frontend.analysis import ModelStructure
+from planner.plan import Layout, MeshShape, Schedule
+from planner.solver.costing import CostTables, LayerGraph
+from planner.solver.prediction import PricedAssignment, predict
+from planner.solver.problem import Assignment, MeshConfig, WorkloadSpec
 
 _PREFERENCE: dict[str, tuple[str, ...]] = {
     # op name -> Megatron's strategy, then fall-backs
@@ -31,17 +35,6 @@ _PREFERENCE: dict[str, tuple[str, ...]] = {
     "embedding0": ("vocab", "replicate"),
     "lm_head": ("vocab", "replicate"),
 }
-
-
-@dataclass
-class BaselinePlan:
-    """Megatron's plan for one model and cluster, with its prediction."""
-
-    mesh: MeshShape
-    choices: dict[tuple[str, str], str]
-    stages: list[list[int]]
-    prediction: Prediction
-    stage_breakdown: list[StageBreakdown]
 
 
 def megatron_tp(cluster: ClusterSpec, num_heads: int | None) -> int:
@@ -82,7 +75,7 @@ def _fix_layouts(key: str, graph: LayerGraph, choices: dict[tuple[str, str], str
         if not op.name.startswith("act"):
             continue
         producers = [graph.op(src).option(choices[(key, src)]) for src in op.inputs]
-        want = "shard" if all(p.out_layout == "S" for p in producers) else "replicate"
+        want = "shard" if all(p.out_layout == Layout.SHARD for p in producers) else "replicate"
         if want in {o.name for o in op.options}:
             choices[(key, op.name)] = want
         consumer = next((c for c in graph.ops if op.name in c.inputs), None)
@@ -101,35 +94,65 @@ def even_stages(num_layers: int, pp: int) -> list[list[int]]:
     return stages
 
 
-def baseline_plan(
-    ctx: CostContext,
-    graphs: dict[str, LayerGraph],
-    layer_keys: list[str],
-    ends: LayerGraph,
-    recompute: bool = False,
-) -> BaselinePlan:
-    """Cost Megatron's strategy on the mesh of `ctx` (built by the caller with `megatron_mesh`);
-    `recompute`: full activation recomputation (Megatron's --recompute-granularity full), training only."""
-    choices = megatron_choices(graphs, ends)
-    if recompute and ctx.train:
-        choices.update({(key, "recompute"): "full" for key in graphs})
-    stages = even_stages(len(layer_keys), ctx.mesh.pp)
-    prediction, breakdown = predict(ctx, graphs, layer_keys, ends, choices, stages, [])
-    return BaselinePlan(ctx.mesh, choices, stages, prediction, breakdown)
+def megatron_assignment(tables: CostTables, recompute: bool = False) -> Assignment:
+    """Megatron's strategy (`megatron_choices`: the most sharded one) on even stages, no ladder;
+    `recompute`: full activation recomputation (Megatron's --recompute-granularity full), training only.
+    With recomputation it is also the least memory per rank any plan of this mesh needs."""
+    return Assignment(
+        choices=megatron_choices(tables.graphs, tables.ends),
+        stages=even_stages(tables.num_layers, tables.ctx.mesh.pp),
+        recompute=set(tables.graphs) if recompute and tables.ctx.train else set(),
+    )
 
 
-def megatron_mesh(
-    cluster: ClusterSpec, workload: Workload, num_heads: int | None, num_layers: int
-) -> MeshShape:
-    """TP = devices per node (dividing the heads), PP = nodes (at most the layers), DP = 1."""
-    tp = megatron_tp(cluster, num_heads)
-    pp = max(1, min(cluster.num_nodes, num_layers))
+def baseline_plan(tables: CostTables, recompute: bool = False) -> PricedAssignment:
+    """Megatron's plan (`megatron_assignment`) priced on the mesh of `tables` (a `megatron_configs` one)."""
+    return predict(tables, megatron_assignment(tables, recompute))
+
+
+def megatron_micro_batches(per_replica_batch: int, pp: int, workload: WorkloadSpec) -> int:
+    """The workload's micro-batches if given, else the largest divisor of the replica's batch that is at
+    most 4 x pp (a common Megatron-LM setting: enough to shrink the bubble), 1 without a pipeline."""
     if workload.micro_batches is not None:
-        m = workload.micro_batches
+        return workload.micro_batches
+    limit = 4 * pp if pp > 1 else 1
+    return max(d for d in range(1, min(per_replica_batch, limit) + 1) if per_replica_batch % d == 0)
+
+
+def megatron_configs(
+    cluster: ClusterSpec,
+    workload: WorkloadSpec,
+    structure: ModelStructure,
+    schedule: Schedule,
+    max_devices: int | None = None,
+) -> list[MeshConfig]:
+    """The meshes a Megatron-LM user would try, in order: TP = devices per node (dividing the heads),
+    PP = nodes (at most the layers), DP = 1; for training on several nodes, every divisor of the nodes
+    as PP with DP over the rest, fewest stages first (the caller keeps the first that fits memory).
+    `max_devices`: the hand-written plan gets the same device cap as the search."""
+    if max_devices is not None and max_devices < cluster.num_devices:
+        per_node = min(cluster.devices_per_node, max_devices)
+        cluster = dataclasses.replace(
+            cluster, num_nodes=max(1, max_devices // per_node), devices_per_node=per_node
+        )
+    heads = structure.query_head_counts()
+    tp = megatron_tp(cluster, math.gcd(*heads) if heads else None)
+    num_layers = len(structure.layers)
+    if not num_layers:  # a plain MLP: TP only
+        return [MeshConfig(MeshShape(tp, 1, 1), 1, schedule)]
+    if not (workload.train and cluster.num_nodes > 1):
+        pp = max(1, min(cluster.num_nodes, num_layers))
+        configs = [
+            MeshConfig(
+                MeshShape(tp, pp, 1), megatron_micro_batches(workload.batch_size, pp, workload), schedule
+            )
+        ]
     else:
-        m = _largest_divisor_at_most(workload.batch_size, 4 * pp if pp > 1 else 1)
-    return MeshShape(tp, pp, 1, m)
-
-
-def _largest_divisor_at_most(n: int, limit: int) -> int:
-    return max(d for d in range(1, min(n, max(1, limit)) + 1) if n % d == 0)
+        nodes, configs = cluster.num_nodes, []
+        for pp in (d for d in range(1, nodes + 1) if nodes % d == 0 and d <= num_layers):
+            dp = nodes // pp
+            if workload.batch_size % dp:
+                continue
+            m = megatron_micro_batches(workload.batch_size // dp, pp, workload)
+            configs.append(MeshConfig(MeshShape(tp, pp, dp), m, schedule))
+    return [c for c in configs if workload.batch_size % (c.mesh.dp * c.micro_batches) == 0]

@@ -1,14 +1,15 @@
 """Cost of every operator of a model under every sharding strategy, for one mesh and workload.
 
-    ModelStructure + ClusterSpec + Workload + MeshShape ─► LayerGraph (ops, options, edges) ─► ILP
+    ModelStructure + ClusterSpec + WorkloadSpec + MeshConfig ─► CostTables (LayerGraphs of ops,
+    options, edges) ─► ILP
 
 A layer is a small graph of ops. Each op has *options* (strategies), each option consuming its
 inputs in given layouts and producing its output in one layout, with a compute time and a memory
-per rank. Layouts over the tensor-parallel axis:
+per rank. Layouts over the tensor-parallel axis (`planner.plan.Layout`):
 
-    "R"  Replicate           every rank holds the whole tensor
-    "S"  Shard(last dim)     rank r holds slice r of the last dim (heads, for attention)
-    "P"  Partial             every rank holds a partial sum; the tensor is their sum
+    R  Replicate           every rank holds the whole tensor
+    S  Shard(last dim)     rank r holds slice r of the last dim (heads, for attention)
+    P  Partial             every rank holds a partial sum; the tensor is their sum
 
 Converting a producer's layout into the layout its consumer needs costs (``conversion_time_s``):
 P->R all-reduce, S->R all-gather, P->S reduce-scatter, R->S free (local slice), same layout free.
@@ -24,9 +25,10 @@ Strategies:
 The residual stream between blocks is always R, so each block's output is converted to R: that
 conversion (one all-reduce for Megatron's column-then-row) is what ladder residual overlaps.
 
-Times are per micro-batch on one rank. Training multiplies compute by `TRAIN_COMPUTE_FACTOR`
-(backward = 2x forward FLOPs) and communication by `TRAIN_COMM_FACTOR` (each forward collective
-has a conjugate backward one of the same size: Megatron's f/g operators).
+Times are per micro-batch on one rank; a pipelined step of them takes `step_time_s`. Training
+multiplies compute by `TRAIN_COMPUTE_FACTOR` (backward = 2x forward FLOPs) and communication by
+`TRAIN_COMM_FACTOR` (each forward collective has a conjugate backward one of the same size:
+Megatron's f/g operators).
 """
 
 from __future__ import annotations
@@ -34,17 +36,18 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TypeVar
 
 from costmodels import compute, memory
 from costmodels.cluster import ClusterSpec
 from costmodels.comm import Group, all_gather_time_s, all_reduce_time_s, p2p_time_s, reduce_scatter_time_s
 from costmodels.dtypes import DTYPE_BYTES
 from planner.errors import InputError
-from planner.plan import WORKLOADS
+from planner.frontend.analysis import Attention, Layer, ModelStructure, Projection, Role
+from planner.plan import Layout, MeshShape, Workload
+from planner.solver.problem import MeshConfig, WorkloadSpec
 
-if TYPE_CHECKING:
-    from planner.frontend.analysis import Layer, ModelStructure, Projection
+R, S, P = Layout.REPLICATE, Layout.SHARD, Layout.PARTIAL
 
 TRAIN_COMPUTE_FACTOR = 3.0  # forward + backward (2x forward FLOPs: input grads and weight grads)
 TRAIN_COMM_FACTOR = 2.0  # forward collectives plus their backward conjugates (Megatron f/g)
@@ -52,71 +55,14 @@ OPTIMIZER_BYTES_MOVED_PER_PARAM = 2 * 12.0 + 2 * 2.0  # read+write master/m/v, r
 NORM_KIND = "rmsnorm"  # FLOP convention for the per-layer norms (cheap either way: memory bound)
 INF = math.inf
 
-LAYOUTS = ("R", "S", "P")
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What one step is.
-
-    kind: "forward" (one forward pass, prefill), "decode" (one new token per sequence with a KV
-    cache of `context` tokens) or "train" (forward + backward + optimizer step).
-    """
-
-    kind: str
-    batch_size: int  # global batch, sequences
-    seq_len: int  # tokens per sequence (forward / train); ignored for decode (1 new token)
-    context: int = 0  # decode: tokens already in the KV cache
-    micro_batches: int | None = None  # None: the search chooses
-    dtype: str | None = None  # None: the model's dtype
-
-    def __post_init__(self) -> None:
-        if self.kind not in WORKLOADS:
-            raise InputError(f"workload {self.kind!r} is not one of {list(WORKLOADS)}")
-        for name in ("batch_size", "seq_len"):
-            if getattr(self, name) < 1:
-                raise InputError(f"workload {name} must be >= 1, got {getattr(self, name)}")
-        if self.context < 0 or (self.kind == "decode" and self.context < 1):
-            raise InputError(
-                f"workload context must be >= 1 for decode (KV-cache tokens), got {self.context}"
-            )
-        if self.micro_batches is not None and self.micro_batches < 1:
-            raise InputError(f"workload micro_batches must be >= 1, got {self.micro_batches}")
-        if self.dtype is not None and self.dtype not in DTYPE_BYTES:
-            raise InputError(f"workload dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
-
-    @property
-    def tokens_per_sequence(self) -> int:
-        """New tokens processed per sequence in one step."""
-        return 1 if self.kind == "decode" else self.seq_len
-
-    @property
-    def kv_len(self) -> int:
-        """Keys/values each query attends to."""
-        return self.context + 1 if self.kind == "decode" else self.seq_len
-
-
-@dataclass(frozen=True)
-class MeshShape:
-    """A candidate mesh: tp x pp x dp devices, `micro_batches` per step and pipeline."""
-
-    tp: int
-    pp: int
-    dp: int
-    micro_batches: int
-
-    @property
-    def num_devices(self) -> int:
-        return self.tp * self.pp * self.dp
-
 
 @dataclass
 class OpOption:
     """One strategy of one op."""
 
     name: str  # "replicate" | "colwise" | "rowwise" | "head" | "shard" | "vocab"
-    in_layout: str  # layout each input must arrive in
-    out_layout: str
+    in_layout: Layout  # layout each input must arrive in
+    out_layout: Layout
     compute_s: float  # per micro-batch (training: forward + backward)
     static_bytes: float  # per rank, independent of micro-batches: params, grads, optimizer, KV cache
     activation_bytes: float  # per rank, per in-flight micro-batch (training only)
@@ -134,7 +80,7 @@ class Op:
     inputs: list[str]
     out_bytes: float  # bytes of the full (unsharded) output tensor, per micro-batch
     weight: str | None = None  # parameter FQN for projections / embeddings
-    projection: Any = None  # the analysis Projection, when the op is one
+    projection: Projection | None = None  # the analysed projection, when the op is one
     excluded: dict[str, str] = field(default_factory=dict)  # option name -> why it is not offered
 
     def option(self, name: str) -> OpOption:
@@ -166,16 +112,42 @@ class LayerGraph:
         """(producer, consumer) pairs between ops of this graph."""
         return [(src, op.name) for op in self.ops for src in op.inputs if src]
 
+    def ops_of(self, block: str) -> list[Op]:
+        """The ops of one block ("attention", "mlp", "embedding", "head"), in graph order."""
+        return [op for op in self.ops if op.block == block]
+
+    def cheapest_compute_s(self) -> float:
+        """Compute time with every op at its cheapest option, conversions left out: a lower bound."""
+        return self.fixed_compute_s + sum(min(o.compute_s for o in op.options) for op in self.ops)
+
+    def least_static_bytes(self) -> float:
+        """Static bytes per rank with every op at its most frugal option: a lower bound."""
+        return self.fixed_static_bytes + sum(min(o.static_bytes for o in op.options) for op in self.ops)
+
+    def least_activation_bytes(self) -> float:
+        """Activation bytes per micro-batch with every op at its most frugal option: a lower bound."""
+        return self.fixed_activation_bytes + sum(
+            min(o.activation_bytes for o in op.options) for op in self.ops
+        )
+
 
 @dataclass
 class CostContext:
     """Everything the per-op costs depend on, fixed for one mesh candidate."""
 
-    structure: Any  # ModelStructure
+    structure: ModelStructure
     cluster: ClusterSpec
-    workload: Workload
-    mesh: MeshShape
-    dtype: str
+    workload: WorkloadSpec
+    config: MeshConfig  # mesh, micro-batches, pipeline schedule
+    dtype: str  # planned dtype: "bf16" | "fp16" | "fp32"
+
+    @property
+    def mesh(self) -> MeshShape:
+        return self.config.mesh
+
+    @property
+    def micro_batches(self) -> int:
+        return self.config.micro_batches
 
     @property
     def bytes_per_element(self) -> int:
@@ -183,11 +155,11 @@ class CostContext:
 
     @property
     def train(self) -> bool:
-        return self.workload.kind == "train"
+        return self.workload.train
 
     @property
     def sequences_per_micro_batch(self) -> float:
-        return self.workload.batch_size / self.mesh.dp / self.mesh.micro_batches
+        return self.workload.batch_size / self.mesh.dp / self.micro_batches
 
     @property
     def tokens(self) -> float:
@@ -235,22 +207,22 @@ class CostContext:
         return compute.node_overhead_s(self.cluster.device, nodes, backward=self.train)
 
 
-def conversion_time_s(src: str, dst: str, nbytes: float, ctx: CostContext) -> float:
+def conversion_time_s(src: Layout, dst: Layout, nbytes: float, ctx: CostContext) -> float:
     """Time to turn a tensor of `nbytes` (full size) from layout `src` into `dst` over the TP axis.
 
     P->R all-reduce, S->R all-gather, P->S reduce-scatter, R->S free, same layout free; a target
     layout P is never needed (returns inf). Training doubles it (backward conjugate collective).
     """
-    if src == dst or (src == "R" and dst == "S"):
+    if src == dst or (src == R and dst == S):
         return 0.0
-    if dst == "P" or ctx.mesh.tp == 1:
-        return INF if dst == "P" else 0.0
+    if dst == P or ctx.mesh.tp == 1:
+        return INF if dst == P else 0.0
     group, cluster = ctx.tp_group(), ctx.cluster
-    if src == "P" and dst == "R":
+    if src == P and dst == R:
         one = all_reduce_time_s(nbytes, group, cluster)
-    elif src == "S" and dst == "R":
+    elif src == S and dst == R:
         one = all_gather_time_s(nbytes, group, cluster)
-    elif src == "P" and dst == "S":
+    elif src == P and dst == S:
         one = reduce_scatter_time_s(nbytes, group, cluster)
     else:  # internal: every (src, dst) pair is covered above
         raise AssertionError(f"no conversion {src}->{dst}")
@@ -272,32 +244,32 @@ def projection_options(
     state = ctx.state_factor()
     act_in = tokens * n_in * b if ctx.train else 0.0
 
-    def option(name: str, in_layout: str, out_layout: str, k: float, m: float, shard: int) -> OpOption:
+    def option(name: str, in_layout: Layout, out_layout: Layout, k: float, m: float, shard: int) -> OpOption:
         flops = compute.linear_flops(tokens, k, m, has_bias)
         moved = compute.linear_bytes(tokens, k, m, ctx.dtype, has_bias)
-        stored = act_in / (shard if in_layout == "S" else 1)
+        stored = act_in / (shard if in_layout == S else 1)
         grads = weight_bytes / shard if ctx.train else 0.0
         return OpOption(name, in_layout, out_layout, ctx.op_time(flops, moved, "matmul", rows=tokens),
                         weight_bytes * state / shard, stored, grad_bytes=grads)  # fmt: skip
 
-    options = [option("replicate", "R", "R", n_in, n_out, 1)]
+    options = [option("replicate", R, R, n_in, n_out, 1)]
     excluded: dict[str, str] = {}
     if tp == 1:
         return options, excluded
     parts = tuple(proj.parts) if proj.parts else (n_out,)
     if all(p % tp == 0 for p in parts):
-        options.append(option("colwise", "R", "S", n_in, n_out / tp, tp))
+        options.append(option("colwise", R, S, n_in, n_out / tp, tp))
     else:
         excluded["colwise"] = f"out features {list(parts)} not divisible by tp={tp}"
     if n_in % tp == 0:
-        options.append(option("rowwise", "S", "P", n_in / tp, n_out, tp))
+        options.append(option("rowwise", S, P, n_in / tp, n_out, tp))
     else:
         excluded["rowwise"] = f"in features {n_in} not divisible by tp={tp}"
     return options, excluded
 
 
 def attention_core_options(
-    attn: Any, ctx: CostContext, inner_s: float = 0.0
+    attn: Attention, ctx: CostContext, inner_s: float = 0.0
 ) -> tuple[list[OpOption], dict[str, str]]:
     """SDPA: replicate, or head-parallel when query and KV heads both divide by tp.
 
@@ -307,20 +279,22 @@ def attention_core_options(
     seqs = ctx.sequences_per_micro_batch
     heads, kv_heads, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
     q_len, kv_len = w.tokens_per_sequence, w.kv_len
-    causal = w.kind != "decode"
+    causal = w.kind is not Workload.DECODE
     replica_seqs = w.batch_size / ctx.mesh.dp
     kv_cache = (
-        memory.kv_cache_bytes(1, replica_seqs, kv_len, kv_heads, hd, ctx.dtype) if w.kind == "decode" else 0.0
+        memory.kv_cache_bytes(1, replica_seqs, kv_len, kv_heads, hd, ctx.dtype)
+        if w.kind is Workload.DECODE
+        else 0.0
     )
     stored = (2.0 * heads + 2.0 * kv_heads) * seqs * q_len * hd * b if ctx.train else 0.0
 
-    def option(name: str, layout: str, shard: int) -> OpOption:
+    def option(name: str, layout: Layout, shard: int) -> OpOption:
         flops = compute.attention_flops(seqs, heads / shard, q_len, kv_len, hd, causal)
         moved = compute.attention_bytes(seqs, heads / shard, kv_heads / shard, q_len, kv_len, hd, ctx.dtype)
         t = ctx.op_time(flops, moved, "attention") + inner_s / shard
         return OpOption(name, layout, layout, t, kv_cache / shard, stored / shard)
 
-    options = [option("replicate", "R", 1)]
+    options = [option("replicate", R, 1)]
     excluded: dict[str, str] = {}
     if tp == 1:
         return options, excluded
@@ -329,7 +303,7 @@ def attention_core_options(
     elif kv_heads % tp:
         excluded["head"] = f"{kv_heads} KV heads (GQA) not divisible by tp={tp}"
     else:
-        options.append(option("head", "S", tp))
+        options.append(option("head", S, tp))
     return options, excluded
 
 
@@ -343,7 +317,7 @@ def elementwise_options(
     b, tp = ctx.bytes_per_element, ctx.mesh.tp
     stored = num_inputs * tokens * width * b if ctx.train else 0.0
 
-    def option(name: str, layout: str, shard: int) -> OpOption:
+    def option(name: str, layout: Layout, shard: int) -> OpOption:
         numel = tokens * width / shard
         if total_s is not None:
             t = total_s / shard
@@ -355,9 +329,9 @@ def elementwise_options(
             )
         return OpOption(name, layout, layout, t, 0.0, stored / shard)
 
-    options = [option("replicate", "R", 1)]
+    options = [option("replicate", R, 1)]
     if tp > 1 and width % tp == 0:
-        options.append(option("shard", "S", tp))
+        options.append(option("shard", S, tp))
     return options
 
 
@@ -530,17 +504,19 @@ def _proj_op(name: str, block: str, p: Projection, inputs: list[str], tokens: fl
     return Op(name, block, options, inputs, out_bytes, p.weight, p, excluded)
 
 
-def _attention_ops(attn: Any, tokens: float, ctx: CostContext, ops: list[Op], inner_s: float = 0.0) -> str:
+def _attention_ops(
+    attn: Attention, tokens: float, ctx: CostContext, ops: list[Op], inner_s: float = 0.0
+) -> str:
     by_role = {p.role: p for p in attn.projections}
     core_inputs = []
-    for role in ("qkv", "q", "k", "v"):
+    for role in (Role.QKV, Role.Q, Role.K, Role.V):
         if role in by_role:
-            ops.append(_proj_op(role, "attention", by_role[role], [""], tokens, ctx))
-            core_inputs.append(role)
+            ops.append(_proj_op(role.value, "attention", by_role[role], [""], tokens, ctx))
+            core_inputs.append(role.value)
     core_options, core_excluded = attention_core_options(attn, ctx, inner_s)
     core_bytes = tokens * attn.num_heads * attn.head_dim * ctx.bytes_per_element
     ops.append(Op("core", "attention", core_options, core_inputs, core_bytes, excluded=core_excluded))
-    o = by_role.get("o")
+    o = by_role.get(Role.O)
     if o is None:
         return "core"
     ops.append(_proj_op("o", "attention", o, ["core"], tokens, ctx))
@@ -560,17 +536,18 @@ def _mlp_ops(
     ``inner_s``: the summed time of the ops between the projections (see ``elementwise_options``),
     used when there is one activation op (gated, or a chain of two); None: priced by formula."""
     by_role = {p.role: p for p in projections}
-    if len(projections) > 2 and not {"gate", "up", "down"} <= set(by_role):
-        inner_s = None  # a longer chain: its activations may be split differently, keep the formula
-    if "gate" in by_role and "up" in by_role and "down" in by_role:
-        ops.append(_proj_op("gate", block, by_role["gate"], [""], tokens, ctx))
-        ops.append(_proj_op("up", block, by_role["up"], [""], tokens, ctx))
-        width = by_role["gate"].out_features
+    if _gated(projections):
+        gate, up, down = by_role[Role.GATE], by_role[Role.UP], by_role[Role.DOWN]
+        ops.append(_proj_op(Role.GATE.value, block, gate, [""], tokens, ctx))
+        ops.append(_proj_op(Role.UP.value, block, up, [""], tokens, ctx))
+        width = gate.out_features
         act_bytes = tokens * width * ctx.bytes_per_element
         act = elementwise_options(width, 2, tokens, ctx, inner_s)
-        ops.append(Op("act", block, act, ["gate", "up"], act_bytes))
-        ops.append(_proj_op("down", block, by_role["down"], ["act"], tokens, ctx))
-        return "down"
+        ops.append(Op("act", block, act, [Role.GATE.value, Role.UP.value], act_bytes))
+        ops.append(_proj_op(Role.DOWN.value, block, down, ["act"], tokens, ctx))
+        return Role.DOWN.value
+    if len(projections) > 2:
+        inner_s = None  # a longer chain: its activations may be split differently, keep the formula
     prev = ""
     for i, (name, p) in enumerate(mlp_op_names(projections).items()):
         if i > 0:
@@ -584,11 +561,16 @@ def _mlp_ops(
     return prev
 
 
+def _gated(projections: list[Projection]) -> bool:
+    """A SwiGLU MLP: gate and up into an elementwise product, then down."""
+    return {Role.GATE, Role.UP, Role.DOWN} <= {p.role for p in projections}
+
+
 def mlp_op_names(projections: list[Projection]) -> dict[str, Projection]:
     """Op name of each MLP projection: gate/up/down for SwiGLU, else role + position ("fc0", "fc1")."""
     roles = [p.role for p in projections]
-    if {"gate", "up", "down"} <= set(roles) or len(set(roles)) == len(roles) and "fc" not in roles:
-        return {p.role: p for p in projections}
+    if _gated(projections) or len(set(roles)) == len(roles) and Role.FC not in roles:
+        return {str(p.role): p for p in projections}
     return {f"{p.role}{i}": p for i, p in enumerate(projections)}
 
 
@@ -596,7 +578,7 @@ def layer_projection_ops(layer: Layer) -> dict[str, Projection]:
     """Op name -> projection of one layer, as `build_layer_graph` names them."""
     out: dict[str, Projection] = {}
     if layer.attention is not None:
-        out.update({p.role: p for p in layer.attention.projections})
+        out.update({str(p.role): p for p in layer.attention.projections})
     if layer.mlp is not None:
         out.update(mlp_op_names(layer.mlp.projections))
     return out
@@ -612,16 +594,14 @@ def build_ends_graph(ctx: CostContext) -> LayerGraph:
         weight_bytes = emb.vocab_size * emb.dim * b
         t = ctx.op_time(0.0, compute.embedding_bytes(tokens, emb.dim, ctx.dtype), "memory")
         grads = weight_bytes if ctx.train else 0.0
-        options = [OpOption("replicate", "R", "R", t, weight_bytes * state, 0.0, grad_bytes=grads)]
+        options = [OpOption("replicate", R, R, t, weight_bytes * state, 0.0, grad_bytes=grads)]
         excluded = {}
         out_bytes = tokens * emb.dim * b
         if tp > 1:  # a vocabulary that does not divide by tp is padded (passes.tensor_parallel.padded_size)
             rows = -(-emb.vocab_size // tp)
             shard_bytes = rows * emb.dim * b
-            comm = conversion_time_s("P", "R", out_bytes, ctx)
-            options.append(
-                OpOption("vocab", "R", "R", t, shard_bytes * state, 0.0, comm, grads and shard_bytes)
-            )
+            comm = conversion_time_s(P, R, out_bytes, ctx)
+            options.append(OpOption("vocab", R, R, t, shard_bytes * state, 0.0, comm, grads and shard_bytes))
         ops.append(Op(f"embedding{i}", "embedding", options, [], out_bytes, emb.weight, None, excluded))
     head = s.lm_head
     fixed = outside_nodes_time_s(ctx) if s.node_costs else 0.0
@@ -644,10 +624,10 @@ def build_ends_graph(ctx: CostContext) -> LayerGraph:
                 # Logits leave sharded on the vocab: inference gathers them; training computes the
                 # loss vocab-parallel (two all-reduces of one fp32 per token: max and sum).
                 if ctx.train:
-                    opt.comm_s = 2 * conversion_time_s("P", "R", tokens * 4.0, ctx)
+                    opt.comm_s = 2 * conversion_time_s(P, R, tokens * 4.0, ctx)
                 else:
-                    opt.comm_s = conversion_time_s("S", "R", logits_bytes, ctx)
-            opt.out_layout = "R"
+                    opt.comm_s = conversion_time_s(S, R, logits_bytes, ctx)
+            opt.out_layout = R
             if ctx.train:  # fp32 logits kept for the loss
                 opt.activation_bytes += tokens * head.out_features * 4.0 / (tp if opt.name == "vocab" else 1)
         if "colwise" in excluded:
@@ -674,10 +654,60 @@ def p2p_stage_time_s(ctx: CostContext) -> float:
 
 
 def in_flight_micro_batches(ctx: CostContext, stage: int) -> int:
-    """Training micro-batches whose activations stage `stage` holds at once under 1F1B."""
+    """Training micro-batches whose activations stage `stage` holds at once under the candidate's schedule."""
     if not ctx.train:
         return 0
-    return memory.inflight_micro_batches(ctx.mesh.pp, stage, ctx.mesh.micro_batches, "1f1b")
+    return memory.inflight_micro_batches(ctx.mesh.pp, stage, ctx.micro_batches, ctx.config.schedule)
+
+
+Seconds = TypeVar("Seconds")  # a float, or a linear expression of the ILP (`planner.solver.ilp`)
+
+
+def step_time_s(total_s: Seconds, slowest_stage_s: Seconds, micro_batches: int) -> Seconds:
+    """Time of one pipelined step of `micro_batches`: every stage's work on one micro-batch once (the
+    fill and drain), plus (m - 1) times the slowest stage (the steady state). With p equal stages that
+    is (m + p - 1) stage times, a bubble of (p - 1) / (m + p - 1): the same for GPipe and 1F1B, which
+    differ in memory (`in_flight_micro_batches`). One stage: m times its time."""
+    return total_s + (micro_batches - 1) * slowest_stage_s
+
+
+def layer_keys(structure: ModelStructure) -> list[str]:
+    """Class key of each layer (`layer_key`), or ["chain"] for a plain MLP. Raises InputError when
+    the model has nothing to plan."""
+    if structure.layers:
+        return [layer_key(layer) for layer in structure.layers]
+    if structure.mlp_chain:
+        return ["chain"]
+    raise InputError("the model has neither transformer layers nor linear layers to plan")
+
+
+@dataclass
+class CostTables:
+    """Every op option of a model priced on one mesh candidate: the ILP's and the predictor's input."""
+
+    ctx: CostContext
+    graphs: dict[str, LayerGraph]  # by class key (`layer_key`): identical layers share one graph
+    layer_keys: list[str]  # class key of each layer, in order (["chain"]: a plain MLP)
+    ends: LayerGraph  # embedding (first stage), final norm and LM head (last stage)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_keys)
+
+
+def build_cost_tables(ctx: CostContext, keys: list[str] | None = None) -> CostTables:
+    """Price every op of `ctx.structure` on `ctx`'s mesh. `keys`: `layer_keys(ctx.structure)`, if the
+    caller has them. Raises InputError when the model has nothing to plan."""
+    s = ctx.structure
+    keys = layer_keys(s) if keys is None else keys
+    graphs: dict[str, LayerGraph] = {}
+    if s.layers:
+        for layer, key in zip(s.layers, keys):
+            if key not in graphs:
+                graphs[key] = build_layer_graph(layer, ctx)
+    else:
+        graphs["chain"] = build_chain_graph(s.mlp_chain, ctx)
+    return CostTables(ctx, graphs, keys, build_ends_graph(ctx))
 
 
 def transient_bytes(ctx: CostContext) -> float:

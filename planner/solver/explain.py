@@ -8,35 +8,33 @@ of every candidate solved; for ladder residual, the plan with and without it.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
-from planner.plan import Decision
-from planner.solver.costing import CostContext, LayerGraph, MeshShape, conversion_time_s
-from planner.solver.ilp import LadderPolicy
-from planner.solver.prediction import predict
+from planner.plan import Decision, Layout, MeshCandidate
+from planner.solver.costing import CostContext, LayerGraph, conversion_time_s
+from planner.solver.prediction import PricedAssignment, predict
+from planner.solver.problem import LadderMode, LadderPolicy, MeshConfig
 
 MAX_BLOCK_COMBINATIONS = 20000  # decision tables enumerate a block's option combinations up to this
+NOT_SOLVED_NOTES = ("pruned", "not solved")  # how the search's notes of unsolved candidates start
 
 
-def mesh_label(mesh: MeshShape) -> str:
-    return f"tp={mesh.tp} pp={mesh.pp} dp={mesh.dp} m={mesh.micro_batches}"
-
-
-def mesh_decision(candidates: list, chosen: MeshShape) -> list[Decision]:
+def mesh_decision(candidates: list[MeshCandidate], chosen: MeshConfig) -> list[Decision]:
     """Predicted step time of every solved mesh (inf: does not fit); pruned ones are only counted."""
     options: dict[str, float] = {}
     pruned = 0
     for c in candidates:
-        if c.note.startswith(("pruned", "not solved")):
+        if c.note.startswith(NOT_SOLVED_NOTES):
             pruned += 1
             continue
-        options[mesh_label(c.mesh)] = c.latency_s if c.latency_s is not None else math.inf
+        options[c.label()] = c.latency_s if c.latency_s is not None else math.inf
     reason = (
         f"lowest predicted step time of {len(candidates)} mesh candidates; inf = does not fit memory; "
         f"{pruned} more not solved (their lower bound exceeds the chosen time, or the search time limit)"
     )
-    return [Decision("mesh", mesh_label(chosen), options, reason)]
+    return [Decision("mesh", chosen.label(), options, reason)]
 
 
 def block_table(
@@ -59,7 +57,7 @@ def block_table(
                         chosen[src].out_layout, chosen[op.name].in_layout, graph.op(src).out_bytes, ctx
                     )
         if out is not None:
-            t += conversion_time_s(chosen[out].out_layout, "R", graph.op(out).out_bytes, ctx)
+            t += conversion_time_s(chosen[out].out_layout, Layout.REPLICATE, graph.op(out).out_bytes, ctx)
         for op in ops:
             k = (op.name, chosen[op.name].name)
             if t < best.get(k, math.inf):
@@ -67,20 +65,16 @@ def block_table(
     return best
 
 
-def strategy_decisions(
-    layer_keys: list[str],
-    has_layers: bool,
-    ctx: CostContext,
-    graphs: dict[str, LayerGraph],
-    ends: LayerGraph,
-    choices: dict[tuple[str, str], str],
-) -> list[Decision]:
+def strategy_decisions(priced: PricedAssignment) -> list[Decision]:
     """Per class of layers and op: the step time of the class with each option of that op forced."""
+    tables, choices = priced.tables, priced.assignment.choices
+    ctx, graphs, ends = tables.ctx, tables.graphs, tables.ends
+    has_layers = bool(ctx.structure.layers)
     decisions = []
     counts: dict[str, list[int]] = {}
-    for i, key in enumerate(layer_keys):
+    for i, key in enumerate(tables.layer_keys):
         counts.setdefault(key, []).append(i)
-    m = ctx.mesh.micro_batches
+    m = ctx.micro_batches
     for key, graph in graphs.items():
         layers = counts[key]
         span = f"layers[{layers[0]}..{layers[-1]}]" if has_layers else "mlp"
@@ -116,24 +110,16 @@ def strategy_decisions(
 
 
 def ladder_decision(
-    policy: LadderPolicy,
-    min_saving_fraction: float,
-    layer_keys: list[str],
-    ctx: CostContext,
-    graphs: dict[str, LayerGraph],
-    ends: LayerGraph,
-    choices: dict[tuple[str, str], str],
-    stages: list[list[int]],
-    ladder: list[int],
-    latency_s: float,
+    priced: PricedAssignment, policy: LadderPolicy, min_saving_fraction: float
 ) -> list[Decision]:
     """The plan with and without its ladder layers (same strategies and stages)."""
-    if policy.mode == "none":
+    if policy.mode is LadderMode.NONE:
         return []
-    plain, _ = predict(ctx, graphs, layer_keys, ends, choices, stages, [])
+    plain = predict(priced.tables, dataclasses.replace(priced.assignment, ladder_layers=[])).prediction
+    ladder = priced.assignment.ladder_layers
     label = f"layers {ladder[0]}..{ladder[-1]}" if ladder else "none"
-    options = {"none": plain.latency_s, label: latency_s}
-    if policy.mode == "auto":
+    options = {"none": plain.latency_s, label: priced.prediction.latency_s}
+    if policy.mode is LadderMode.AUTO:
         reason = (
             f"solver's choice among the upper {policy.count} layers; a layer is laddered only if it saves "
             f">= {min_saving_fraction:.0%} of its time (ladder changes the model's function)"
@@ -144,6 +130,7 @@ def ladder_decision(
 
 
 def op_exclusions(graphs: dict[str, LayerGraph], ends: LayerGraph) -> list[str]:
+    """ "op option: why" for every option an op does not offer (divisibility), graph by graph."""
     out = []
     for graph in [*graphs.values(), ends]:
         for op in graph.ops:

@@ -1,7 +1,8 @@
 """The inner ILP: strategies, pipeline stages, ladder residual and memory for one mesh, in one PuLP model.
 
-The outer search (`planner.solver.search`) fixes the mesh (tp, pp, dp, micro-batches m); this module
-builds and solves one mixed-integer program for it with CBC. Notation: graphs g (one per class of
+The outer search (`planner.solver.search`) fixes the mesh candidate (tp, pp, dp, micro-batches m,
+pipeline schedule: a `MeshConfig`) and prices it (`CostTables`); this module builds and solves one
+mixed-integer program for it with CBC and returns an `IlpSolution` holding an `Assignment`. Notation: graphs g (one per class of
 identical layers, plus the "ends": embedding and LM head), ops o of g, options k of o (costs from
 `planner.solver.costing`), layers l = 0..L-1 of class g(l), stages s = 0..p-1.
 
@@ -33,11 +34,12 @@ Constraints (each family is named by the prefix of its constraint names)
                     only for layers inside a window, the others' a is a constant)   `_product`
     slowest_*       T >= S[s] = sum_l a[l,s] t[l] + ends(s) + p2p;  T >= sum_s S[s] / p   `_stage_time`
     memory_*        sum_l a[l,s] (static[l] + f(s) act[l]) + ends(s) + transient <= cap   `_memory_constraints`
+                    (f(s): micro-batches stage s holds under the schedule, `in_flight_micro_batches`)
     recompute_*     act[g] -> act[g] - ra[g] + r[g] input_bytes; time += rt[g] >= fwd[g] - M (1 - r[g])
                                                                                   `_recompute`
     tail_*          Tail >= alpha + beta * grad_bytes[s]   (training: DP all-reduce + optimizer)  `_tail`
 
-Objective (`_objective`): one step's time
+Objective (`_objective`): one step's time (`costing.step_time_s` of the total and T)
     sum_l t[l] + ends + (p-1) p2p + (m-1) T + Tail + penalty * sum_l lad[l] + BALANCE_TIE_BREAK * T
 where t[l] = compute[g] + internal_comm[g] + exposed_comm[l]; exposed is comm_att + comm_mlp for a
 standard layer and qa + qm (or za + zm) for a laddered one. With one stage, T = sum_l t[l] + ends.
@@ -62,26 +64,28 @@ import re
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pulp
 
-from planner.errors import InputError
+from planner.plan import Layout
 from planner.solver.costing import (
     TRAIN_COMM_FACTOR,
     TRAIN_COMPUTE_FACTOR,
     CostContext,
+    CostTables,
     LayerGraph,
     conversion_time_s,
     gradient_sync_cost,
     in_flight_micro_batches,
     p2p_stage_time_s,
     recompute_input_bytes,
+    step_time_s,
     transient_bytes,
 )
+from planner.solver.problem import LADDER_MIN_SAVING_FRACTION, Assignment, LadderMode, LadderPolicy
 from planner.solver.stages import balanced_split, rebalance, reference_costs, solution_costs
 
-LADDER_MIN_SAVING_FRACTION = 0.05  # a laddered layer must save >= 5% of its time (it changes the model)
 BALANCE_TIE_BREAK = 1e-3  # weight of the slowest stage when (m-1) = 0: balance stages among equal plans
 WINDOW_FRACTION = 0.25  # stage-boundary window: +-25% of the layers per stage around the balanced split
 MIN_WINDOW = 2  # ... and at least +-2 layers
@@ -90,48 +94,36 @@ MAX_SPLIT_ROUNDS = 3
 GIB = 2.0**30  # the ILP counts memory in GiB: with bytes, coefficients would span 1e-6 s .. 1e11 B
 
 
-@dataclass(frozen=True)
-class LadderPolicy:
-    """Which layers may use ladder residual: none, exactly the upper N, or the solver's choice of the upper N."""
-
-    mode: str  # "none" | "upper" | "auto"
-    count: int = 0  # upper: exactly this many; auto: at most this many
-
-    @classmethod
-    def parse(cls, text: str, num_layers: int) -> LadderPolicy:
-        """'none' | 'upper:N' | 'auto' | 'auto:max=N'. Raises InputError naming the option."""
-        text = text.strip()
-        if text == "none":
-            return cls("none", 0)
-        if text == "auto":
-            return cls("auto", num_layers)
-        m = re.fullmatch(r"upper:(\d+)", text) or re.fullmatch(r"auto:max=(\d+)", text)
-        if m is None:
-            raise InputError(f"ladder {text!r}: expected 'none', 'upper:N', 'auto' or 'auto:max=N'")
-        n = int(m.group(1))
-        if n > num_layers:
-            raise InputError(f"ladder {text!r}: the model has only {num_layers} layers")
-        return cls("upper" if text.startswith("upper") else "auto", n)
-
-    def eligible(self, num_layers: int) -> list[int]:
-        """Layers that may (auto) or must (upper) be laddered: the top `count`."""
-        return list(range(num_layers - self.count, num_layers)) if self.mode != "none" else []
+R = Layout.REPLICATE
 
 
 @dataclass
 class IlpProblem:
-    """Inputs of one ILP: a mesh's cost context, its layer graphs and the user's constraints."""
+    """Inputs of one ILP: a mesh candidate's cost tables and the user's constraints."""
 
-    ctx: CostContext
-    graphs: dict[str, LayerGraph]  # by class key
-    layer_keys: list[str]  # class key of each layer, in order
-    ends: LayerGraph  # embedding + LM head
-    ladder: LadderPolicy
-    memory_cap_bytes: float | None
+    tables: CostTables  # the candidate's context (mesh, micro-batches, schedule), layer graphs and ends
+    ladder: LadderPolicy  # resolved for the model (`LadderPolicy.for_layers`)
+    memory_cap_bytes: float | None  # per device; None: no memory constraint
     time_limit_s: float = 10.0
     mip_gap: float = 0.01  # relative gap at which CBC stops
     windows: list[list[int]] | None = None  # candidate first layers of stages 1..p-1 (None: `stage_windows`)
     ladder_min_saving_fraction: float = LADDER_MIN_SAVING_FRACTION
+
+    @property
+    def ctx(self) -> CostContext:
+        return self.tables.ctx
+
+    @property
+    def graphs(self) -> dict[str, LayerGraph]:
+        return self.tables.graphs
+
+    @property
+    def layer_keys(self) -> list[str]:
+        return self.tables.layer_keys
+
+    @property
+    def ends(self) -> LayerGraph:
+        return self.tables.ends
 
 
 @dataclass
@@ -140,14 +132,40 @@ class IlpSolution:
 
     status: str  # pulp.LpSolution[sol_status]
     feasible: bool
-    objective: float
-    gap: float
-    time_s: float
+    objective: float  # seconds (inf when infeasible)
+    gap: float  # relative optimality gap (0: proven optimal; inf: unknown)
+    time_s: float  # CBC wall time
     num_variables: int
     num_constraints: int
-    choices: dict[tuple[str, str], str] = field(default_factory=dict)  # (graph key, op) -> option
-    ladder_layers: list[int] = field(default_factory=list)
-    stages: list[list[int]] = field(default_factory=list)
+    assignment: Assignment | None = None  # None when not feasible
+
+
+@dataclass
+class _GraphTerms:
+    """Linear expressions of one class of layers: seconds per micro-batch, GiB per rank."""
+
+    compute_attention: pulp.LpAffineExpression
+    compute_mlp: pulp.LpAffineExpression
+    comm_attention: pulp.LpAffineExpression  # the attention block's output converted to R
+    comm_mlp: pulp.LpAffineExpression  # the MLP block's output converted to R
+    base: pulp.LpAffineExpression  # everything else: compute, conversions inside, op collectives, recompute
+    static: pulp.LpAffineExpression  # GiB: parameters (+ gradients and optimizer state)
+    act: pulp.LpAffineExpression  # GiB per in-flight micro-batch
+    grad: pulp.LpAffineExpression  # GiB of gradients (DP all-reduce and optimizer step)
+
+    def standard_time(self) -> pulp.LpAffineExpression:
+        """Time of a layer without ladder residual: every block output exposed."""
+        return self.base + self.comm_attention + self.comm_mlp
+
+
+@dataclass
+class _EndTerms:
+    """Linear expressions of one end of the pipeline (embedding, or final norm + LM head)."""
+
+    time: pulp.LpAffineExpression  # seconds per micro-batch
+    static: pulp.LpAffineExpression  # GiB
+    activation: pulp.LpAffineExpression  # GiB per in-flight micro-batch
+    grad: pulp.LpAffineExpression  # GiB
 
 
 def _name(*parts: object) -> str:
@@ -214,45 +232,50 @@ class _Builder:
                 )
         return pulp.lpSum(cost)
 
-    def _graph_terms(self, key: str, graph: LayerGraph) -> dict[str, pulp.LpAffineExpression]:
+    def _graph_terms(self, key: str, graph: LayerGraph) -> _GraphTerms:
         """Linear expressions of one graph: compute per block, output comm per block, totals, memory."""
         x = self.x
-        terms: dict[str, pulp.LpAffineExpression] = {}
+        compute: dict[str, pulp.LpAffineExpression] = {}
+        comm: dict[str, pulp.LpAffineExpression] = {}
         for block in ("attention", "mlp"):
-            terms[f"compute_{block}"] = pulp.lpSum(
-                o.compute_s * x[(key, op.name)][o.name]
-                for op in graph.ops
-                if op.block == block
-                for o in op.options
+            compute[block] = pulp.lpSum(
+                o.compute_s * x[(key, op.name)][o.name] for op in graph.ops_of(block) for o in op.options
             )
             out = graph.block_outputs.get(block)
             if out is None:
-                terms[f"comm_{block}"] = pulp.LpAffineExpression()
+                comm[block] = pulp.LpAffineExpression()
                 continue
             op = graph.op(out)
-            terms[f"comm_{block}"] = pulp.lpSum(
-                conversion_time_s(o.out_layout, "R", op.out_bytes, self.ctx) * x[(key, out)][o.name]
+            comm[block] = pulp.lpSum(
+                conversion_time_s(o.out_layout, R, op.out_bytes, self.ctx) * x[(key, out)][o.name]
                 for o in op.options
             )
         internal = self._edge_variables(key, graph)
         op_comm = pulp.lpSum(o.comm_s * x[(key, op.name)][o.name] for op in graph.ops for o in op.options)
-        terms["base"] = (
-            terms["compute_attention"] + terms["compute_mlp"] + internal + op_comm + graph.fixed_compute_s
-        )
-        terms["static"] = graph.fixed_static_bytes / GIB + pulp.lpSum(
-            o.static_bytes / GIB * x[(key, op.name)][o.name] for op in graph.ops for o in op.options
-        )
-        terms["act"] = graph.fixed_activation_bytes / GIB + pulp.lpSum(
-            o.activation_bytes / GIB * x[(key, op.name)][o.name] for op in graph.ops for o in op.options
+
+        def per_rank_gib(fixed_bytes: float, attr: str) -> pulp.LpAffineExpression:
+            return fixed_bytes / GIB + pulp.lpSum(
+                getattr(o, attr) / GIB * x[(key, op.name)][o.name] for op in graph.ops for o in op.options
+            )
+
+        terms = _GraphTerms(
+            compute_attention=compute["attention"],
+            compute_mlp=compute["mlp"],
+            comm_attention=comm["attention"],
+            comm_mlp=comm["mlp"],
+            base=compute["attention"] + compute["mlp"] + internal + op_comm + graph.fixed_compute_s,
+            static=per_rank_gib(graph.fixed_static_bytes, "static_bytes"),
+            act=per_rank_gib(graph.fixed_activation_bytes, "activation_bytes"),
+            grad=pulp.LpAffineExpression(),
         )
         if self.ctx.train:
             self._recompute(key, graph, terms, internal + op_comm)
-        terms["grad"] = graph.fixed_grad_bytes / GIB + pulp.lpSum(
-            o.grad_bytes / GIB * x[(key, op.name)][o.name] for op in graph.ops for o in op.options
-        )
+        terms.grad = per_rank_gib(graph.fixed_grad_bytes, "grad_bytes")
         return terms
 
-    def _recompute(self, key: str, graph: LayerGraph, terms: dict, internal_comm) -> None:
+    def _recompute(
+        self, key: str, graph: LayerGraph, terms: _GraphTerms, internal_comm: pulp.LpAffineExpression
+    ) -> None:
         """recompute_*: training may keep only each layer's input and recompute its forward in backward.
 
         r[g] in {0,1}; activations become act - ra + r * input_bytes (ra <= act, ra <= M r) and the
@@ -262,42 +285,42 @@ class _Builder:
         r = self.m.add_variable(_name("r", gid), cat="Binary")
         self.recompute[key] = r
         ra = self.m.add_variable(_name("ra", gid), 0)
-        self.m += ra <= terms["act"], _name("recompute_act", gid)
+        self.m += ra <= terms.act, _name("recompute_act", gid)
         self.m += ra <= self._memory_bound(key, 1) * r, _name("recompute_act_on", gid)
-        terms["act"] = terms["act"] - ra + recompute_input_bytes(self.ctx) / GIB * r
-        forward = (
-            terms["compute_attention"] + terms["compute_mlp"] + graph.fixed_compute_s
-        ) / TRAIN_COMPUTE_FACTOR
-        forward_comm = (internal_comm + terms["comm_attention"] + terms["comm_mlp"]) / TRAIN_COMM_FACTOR
+        terms.act = terms.act - ra + recompute_input_bytes(self.ctx) / GIB * r
+        forward = (terms.compute_attention + terms.compute_mlp + graph.fixed_compute_s) / TRAIN_COMPUTE_FACTOR
+        forward_comm = (internal_comm + terms.comm_attention + terms.comm_mlp) / TRAIN_COMM_FACTOR
         rt = self.m.add_variable(_name("rt", gid), 0)
         self.m += rt >= forward + forward_comm - self._time_bound(key) * (1 - r), _name("recompute_time", gid)
-        terms["base"] = terms["base"] + rt
+        terms.base = terms.base + rt
 
-    def _ends_terms(self) -> dict[str, pulp.LpAffineExpression]:
-        """Time / memory of the embedding (first stage) and final norm + LM head (last stage)."""
+    def _ends_terms(self) -> tuple[_EndTerms, _EndTerms]:
+        """(first, last): the embedding (first stage) and the final norm + LM head (last stage)."""
         x, ends = self.x, self.p.ends
-        res: dict[str, pulp.LpAffineExpression] = {}
-        for part, block in (("first", "embedding"), ("last", "head")):
-            ops = [op for op in ends.ops if op.block == block]
-            res[f"time_{part}"] = pulp.lpSum(
-                (o.compute_s + o.comm_s) * x[("ends", op.name)][o.name] for op in ops for o in op.options
-            )
-            for kind in ("static", "activation", "grad"):
-                attr = {"static": "static_bytes", "activation": "activation_bytes", "grad": "grad_bytes"}[
-                    kind
-                ]
-                res[f"{kind}_{part}"] = pulp.lpSum(
+
+        def end(block: str) -> _EndTerms:
+            ops = ends.ops_of(block)
+
+            def gib(attr: str) -> pulp.LpAffineExpression:
+                return pulp.lpSum(
                     getattr(o, attr) / GIB * x[("ends", op.name)][o.name] for op in ops for o in op.options
                 )
-        res["time_last"] += ends.fixed_compute_s
+
+            time_s = pulp.lpSum(
+                (o.compute_s + o.comm_s) * x[("ends", op.name)][o.name] for op in ops for o in op.options
+            )
+            return _EndTerms(time_s, gib("static_bytes"), gib("activation_bytes"), gib("grad_bytes"))
+
+        first, last = end("embedding"), end("head")
+        last.time += ends.fixed_compute_s
         s = self.ctx.structure
         if s.tied_lm_head and self.ctx.mesh.pp > 1:  # the last stage holds its own copy of the tied weight
-            res["static_last"] += res["static_first"]
-            res["grad_last"] += res["grad_first"]
-        return res
+            last.static += first.static
+            last.grad += first.grad
+        return first, last
 
     # -- ladder ----------------------------------------------------------------------------
-    def _ladder_variables(self, terms: dict[str, dict]) -> dict[int, pulp.LpAffineExpression]:
+    def _ladder_variables(self, terms: dict[str, _GraphTerms]) -> dict[int, pulp.LpAffineExpression]:
         """Exposed block-output comm per layer (ladder_att_*, ladder_mlp_*, ladder_auto_*, ladder_upper_*).
 
         Returns the exposed-comm expression of every laddered or ladder-eligible layer; the others
@@ -313,13 +336,13 @@ class _Builder:
             t = terms[key]
             qa = self.m.add_variable(_name("qa", self.gid[key]), 0)
             qm = self.m.add_variable(_name("qm", self.gid[key]), 0)
-            self.m += qa >= t["comm_attention"] - eta * t["compute_mlp"], _name("ladder_att", self.gid[key])
-            self.m += qm >= t["comm_mlp"] - eta * t["compute_attention"], _name("ladder_mlp", self.gid[key])
+            self.m += qa >= t.comm_attention - eta * t.compute_mlp, _name("ladder_att", self.gid[key])
+            self.m += qm >= t.comm_mlp - eta * t.compute_attention, _name("ladder_mlp", self.gid[key])
             q[key] = (qa, qm)
         for i in eligible:
             key = self.p.layer_keys[i]
             qa, qm = q[key]
-            if policy.mode == "upper":
+            if policy.mode is LadderMode.UPPER:
                 exposed[i] = qa + qm
                 continue
             t = terms[key]
@@ -328,8 +351,8 @@ class _Builder:
             za = self.m.add_variable(_name("za", i), 0)
             zm = self.m.add_variable(_name("zm", i), 0)
             big_a, big_m = self._comm_bound(key, "attention"), self._comm_bound(key, "mlp")
-            self.m += za >= t["comm_attention"] - big_a * lad, _name("ladder_auto_att", i)
-            self.m += zm >= t["comm_mlp"] - big_m * lad, _name("ladder_auto_mlp", i)
+            self.m += za >= t.comm_attention - big_a * lad, _name("ladder_auto_att", i)
+            self.m += zm >= t.comm_mlp - big_m * lad, _name("ladder_auto_mlp", i)
             self.m += za >= qa, _name("ladder_auto_att_min", i)
             self.m += zm >= qm, _name("ladder_auto_mlp_min", i)
             exposed[i] = za + zm
@@ -343,7 +366,7 @@ class _Builder:
         if out is None:
             return 0.0
         op = graph.op(out)
-        return max(conversion_time_s(o.out_layout, "R", op.out_bytes, self.ctx) for o in op.options)
+        return max(conversion_time_s(o.out_layout, R, op.out_bytes, self.ctx) for o in op.options)
 
     def _time_bound(self, key: str) -> float:
         """Upper bound of one layer's time (big-M of the stage linearisation)."""
@@ -355,7 +378,7 @@ class _Builder:
                 (
                     c
                     for k in src.options
-                    for lay in "RS"
+                    for lay in (Layout.REPLICATE, Layout.SHARD)
                     if not math.isinf(c := conversion_time_s(k.out_layout, lay, src.out_bytes, self.ctx))
                 ),
                 default=0.0,
@@ -419,21 +442,19 @@ class _Builder:
 
         def layer_time(i: int) -> pulp.LpAffineExpression:
             t = terms[keys[i]]
-            return t["base"] + exposed.get(i, t["comm_attention"] + t["comm_mlp"])
+            return t.base + exposed.get(i, t.comm_attention + t.comm_mlp)
 
         p2p = p2p_stage_time_s(ctx)
         counts: dict[str, int] = {}
         for i, key in enumerate(keys):
             if i not in exposed:
                 counts[key] = counts.get(key, 0) + 1
+        first, last = ends
         total = (
-            pulp.lpSum(
-                n * (terms[k]["base"] + terms[k]["comm_attention"] + terms[k]["comm_mlp"])
-                for k, n in counts.items()
-            )
+            pulp.lpSum(n * terms[k].standard_time() for k, n in counts.items())
             + pulp.lpSum(layer_time(i) for i in exposed)
-            + ends["time_first"]
-            + ends["time_last"]
+            + first.time
+            + last.time
             + (mesh.pp - 1) * p2p
         )
         self.total = total
@@ -443,9 +464,9 @@ class _Builder:
         stage_grad: list = []
         if mesh.pp == 1:
             stage_time.append(total)
-            stage_static.append(pulp.lpSum(n * terms[k]["static"] for k, n in self._class_counts().items()))
-            stage_act.append(pulp.lpSum(n * terms[k]["act"] for k, n in self._class_counts().items()))
-            stage_grad.append(pulp.lpSum(n * terms[k]["grad"] for k, n in self._class_counts().items()))
+            stage_static.append(pulp.lpSum(n * terms[k].static for k, n in self._class_counts().items()))
+            stage_act.append(pulp.lpSum(n * terms[k].act for k, n in self._class_counts().items()))
+            stage_grad.append(pulp.lpSum(n * terms[k].grad for k, n in self._class_counts().items()))
         else:
             a = self._stage_variables(stage_windows(self.p))
             for s in range(mesh.pp):
@@ -456,7 +477,7 @@ class _Builder:
                     if (i, s) not in a:
                         continue
                     key = keys[i]
-                    mem_i = terms[key]["static"] + f * terms[key]["act"]
+                    mem_i = terms[key].static + f * terms[key].act
                     if isinstance(a[(i, s)], int):
                         if i in exposed:
                             st.append(layer_time(i))
@@ -467,22 +488,21 @@ class _Builder:
                     sm.append(self._product("smem", i, s, mem_i, a[(i, s)], self._memory_bound(key, f)))
                     if ctx.train:
                         sg.append(
-                            self._product("sgrad", i, s, terms[key]["grad"], a[(i, s)], self._grad_bound(key))
+                            self._product("sgrad", i, s, terms[key].grad, a[(i, s)], self._grad_bound(key))
                         )
                 for key, n in certain.items():
-                    t = terms[key]
-                    st.append(n * (t["base"] + t["comm_attention"] + t["comm_mlp"]))
+                    st.append(n * terms[key].standard_time())
                 for i in range(self.num_layers):
                     if isinstance(a.get((i, s)), int):
                         key = keys[i]
-                        sm.append(terms[key]["static"] + f * terms[key]["act"])
-                        sg.append(terms[key]["grad"])
+                        sm.append(terms[key].static + f * terms[key].act)
+                        sg.append(terms[key].grad)
                 stage_time.append(pulp.lpSum(st) + (p2p if s < mesh.pp - 1 else 0.0))
                 stage_static.append(pulp.lpSum(sm))
                 stage_act.append(pulp.LpAffineExpression())  # folded into stage_static (f depends on s)
                 stage_grad.append(pulp.lpSum(sg))
-        stage_time[0] += ends["time_first"] if mesh.pp > 1 else 0.0
-        stage_time[-1] += ends["time_last"] if mesh.pp > 1 else 0.0
+        stage_time[0] += first.time if mesh.pp > 1 else 0.0
+        stage_time[-1] += last.time if mesh.pp > 1 else 0.0
         self.stage_time = stage_time
         self._memory_constraints(stage_static, stage_act, stage_grad, ends)
         slowest = self._stage_time(stage_time, total)
@@ -508,7 +528,7 @@ class _Builder:
         graph = self.p.graphs[key]
         return (graph.fixed_grad_bytes + sum(max(o.grad_bytes for o in op.options) for op in graph.ops)) / GIB
 
-    def _memory_constraints(self, static, act, grad, ends) -> None:
+    def _memory_constraints(self, static, act, grad, ends: tuple[_EndTerms, _EndTerms]) -> None:
         """memory_*: per stage, params (+ grads + Adam) + in-flight activations + ends <= cap."""
         ctx, cap = self.ctx, self.p.memory_cap_bytes
         pp = ctx.mesh.pp
@@ -516,10 +536,9 @@ class _Builder:
         for s in range(pp):
             f = in_flight_micro_batches(ctx, s)
             mem = static[s] + (f * act[s] if pp == 1 else 0) + transient_bytes(ctx) / GIB
-            if s == 0:
-                mem += ends["static_first"] + f * ends["activation_first"]
-            if s == pp - 1:
-                mem += ends["static_last"] + f * ends["activation_last"]
+            for end, here in zip(ends, (s == 0, s == pp - 1)):
+                if here:
+                    mem += end.static + f * end.activation
             self.stage_memory.append(mem)
             if cap is not None:
                 self.m += mem <= cap / GIB, _name("memory", s)
@@ -538,7 +557,7 @@ class _Builder:
         self.m += slowest >= total * (1.0 / self.ctx.mesh.pp), "slowest_average"
         return slowest
 
-    def _tail(self, stage_grad, ends):
+    def _tail(self, stage_grad, ends: tuple[_EndTerms, _EndTerms]):
         """tail_*: training: Tail >= DP gradient all-reduce + optimizer step of every stage."""
         if not self.ctx.train:
             return 0.0
@@ -547,29 +566,23 @@ class _Builder:
         pp = self.ctx.mesh.pp
         for s in range(pp):
             g = stage_grad[s]
-            if s == 0:
-                g += ends["grad_first"]
-            if s == pp - 1:
-                g += ends["grad_last"]
+            for end, here in zip(ends, (s == 0, s == pp - 1)):
+                if here:
+                    g += end.grad
             self.m += tail >= fit.alpha_s + fit.beta_s_per_byte * GIB * g, _name("tail", s)
         return tail
 
     def _objective(self, total, slowest, tail) -> None:
         """One step: all stage work once, plus (m-1) x the slowest stage, plus the training tail."""
-        m = self.ctx.mesh.micro_batches
         penalty = 0.0
-        if self.lad:
-            ref = self._reference_layer_time()
-            penalty = self.p.ladder_min_saving_fraction * ref
+        if self.lad:  # scale: the top layer's time with its cheapest option per op
+            penalty = (
+                self.p.ladder_min_saving_fraction * self.p.graphs[self.p.layer_keys[-1]].cheapest_compute_s()
+            )
         balance = BALANCE_TIE_BREAK * slowest if self.ctx.mesh.pp > 1 else 0.0
-        objective = total + (m - 1) * slowest + tail + penalty * pulp.lpSum(self.lad.values()) + balance
+        step = step_time_s(total, slowest, self.ctx.micro_batches)
+        objective = step + tail + penalty * pulp.lpSum(self.lad.values()) + balance
         self.m += objective
-
-    def _reference_layer_time(self) -> float:
-        """A layer's time with its cheapest option per op (ladder penalty scale)."""
-        key = self.p.layer_keys[-1]
-        graph = self.p.graphs[key]
-        return graph.fixed_compute_s + sum(min(o.compute_s for o in op.options) for op in graph.ops)
 
 
 def stage_windows(prob: IlpProblem) -> list[list[int]]:
@@ -578,17 +591,14 @@ def stage_windows(prob: IlpProblem) -> list[list[int]]:
     L = len(keys)
     if prob.windows is not None:
         return prob.windows
-    ref = {
-        k: g.fixed_compute_s + sum(min(o.compute_s for o in op.options) for op in g.ops)
-        for k, g in prob.graphs.items()
-    }
+    ref = {k: g.cheapest_compute_s() for k, g in prob.graphs.items()}
     weights = [ref[k] for k in keys]
     total = sum(weights) or 1.0
     prefix = [0.0]
     for w in weights:
         prefix.append(prefix[-1] + w)
     half = max(MIN_WINDOW, math.ceil(WINDOW_FRACTION * L / pp))
-    if len(set(keys)) == 1 and prob.ladder.mode != "auto":
+    if len(set(keys)) == 1 and prob.ladder.mode is not LadderMode.AUTO:
         half = MIN_WINDOW  # identical layers: the balanced split is within a layer or two of the even one
     windows = []
     for b in range(1, pp):
@@ -609,36 +619,44 @@ def solve(prob: IlpProblem) -> IlpSolution:
         if sum(len(w) for w in stage_windows(prob)) > MAX_BOUNDARY_BINARIES:
             return _solve_with_split_search(prob)
     sol = _solve_once(prob)
-    if prob.windows is None:
-        rebalance(prob, sol)  # never leave a split slower than the balanced one by the model's own costs
+    if prob.windows is None and sol.assignment is not None:  # never leave a split slower than the
+        rebalance(prob.tables, sol.assignment, prob.memory_cap_bytes)  # balanced one, by its own costs
     return sol
 
 
 def _solve_with_split_search(prob: IlpProblem) -> IlpSolution:
     """Split by `balanced_split` on per-layer costs, solve the ILP with that split, re-split on the
     solution's costs, ... until the split repeats (at most `MAX_SPLIT_ROUNDS`); keep the best."""
-    costs = reference_costs(prob)
+    costs = reference_costs(prob.tables)
     best: IlpSolution | None = None
     last: IlpSolution | None = None
     seen: set[tuple[int, ...]] = set()
     elapsed = 0.0
     for _ in range(MAX_SPLIT_ROUNDS):
-        starts = balanced_split(prob, *costs)
+        starts = balanced_split(prob.tables, costs, prob.memory_cap_bytes)
         if starts is None or tuple(starts) in seen:
             break
         seen.add(tuple(starts))
         last = _solve_once(dataclasses.replace(prob, windows=[[j] for j in starts[1:]]))
         elapsed += last.time_s
-        if not last.feasible:
+        if last.assignment is None:
             break
         if best is None or last.objective < best.objective:
             best = last
-        costs = solution_costs(prob, last)
+        costs = solution_costs(prob.tables, last.assignment)
     result = best or last
     if result is None:  # no split fits memory even with the most sharded options
         return IlpSolution("No Solution Exists", False, math.inf, math.inf, 0.0, 0, 0)
     result.time_s = elapsed
     return result
+
+
+def lp_model(prob: IlpProblem) -> pulp.LpProblem:
+    """The PuLP model of `prob`, unsolved, with every constraint family named (see the module docstring).
+    The stage boundaries are those of `stage_windows`; `solve` may fix them instead for deep pipelines."""
+    builder = _Builder(prob)
+    builder.build()
+    return builder.m
 
 
 def _solve_once(prob: IlpProblem) -> IlpSolution:
@@ -668,24 +686,28 @@ def _solve_once(prob: IlpProblem) -> IlpSolution:
         num_variables=model.numVariables(),
         num_constraints=model.numConstraints(),
     )
-    if not feasible:
-        return sol
+    if feasible:
+        sol.assignment = _assignment(prob, builder)
+    return sol
+
+
+def _assignment(prob: IlpProblem, builder: _Builder) -> Assignment:
+    """The solved model's choices, stages, ladder and recomputed layers."""
+    choices = {}
     for (key, op), xs in builder.x.items():
-        sol.choices[(key, op)] = max(xs, key=lambda name: xs[name].varValue or 0.0)
-    for key, r in builder.recompute.items():
-        sol.choices[(key, "recompute")] = "full" if (r.varValue or 0.0) > 0.5 else "none"
+        choices[(key, op)] = max(xs, key=lambda name: xs[name].varValue or 0.0)
+    recompute = {key for key, r in builder.recompute.items() if (r.varValue or 0.0) > 0.5}
     L = len(prob.layer_keys)
-    eligible = prob.ladder.eligible(L)
-    if prob.ladder.mode == "upper":
-        sol.ladder_layers = eligible
+    if prob.ladder.mode is LadderMode.UPPER:
+        ladder = prob.ladder.eligible(L)
     else:
-        sol.ladder_layers = [i for i, var in builder.lad.items() if (var.varValue or 0.0) > 0.5]
+        ladder = [i for i, var in builder.lad.items() if (var.varValue or 0.0) > 0.5]
     starts = [0]
     for b in range(1, prob.ctx.mesh.pp):
         starts.append(max(builder.beta[b], key=lambda j: builder.beta[b][j].varValue or 0.0))
     starts.append(L)
-    sol.stages = [list(range(starts[s], starts[s + 1])) for s in range(prob.ctx.mesh.pp)]
-    return sol
+    stages = [list(range(starts[s], starts[s + 1])) for s in range(prob.ctx.mesh.pp)]
+    return Assignment(choices, stages, ladder, recompute)
 
 
 def _gap(log_text: str, sol_status: int) -> float:

@@ -1,13 +1,14 @@
 """Predicted time, memory and breakdown of a chosen plan: plain arithmetic over the costing tables.
 
 The ILP (`planner.solver.ilp`) optimises linear expressions of the same per-op options; this module
-evaluates one assignment (choices per op, stages, ladder layers) exactly, with the real collective
+evaluates one `Assignment` (an option per op, stages, ladder and recomputed layers) exactly, with the real collective
 cost functions where the ILP uses an affine fit (DP gradient all-reduce). It produces the `Prediction`
 stored in a plan, the Megatron baseline's prediction, and the per-layer costs `planner.solver.stages` splits on.
 
 Decomposition: latency = compute_s + exposed_comm_s + bubble_s, where compute and exposed comm are
 those of the slowest stage times the micro-batches (plus the optimizer step and the DP gradient
-all-reduce) and the bubble is the rest (the other stages' share of the pipeline fill and drain).
+all-reduce) and the bubble is the rest (the other stages' share of the pipeline fill and drain,
+`costing.step_time_s`). Memory counts the activations each stage holds under the candidate's schedule.
 """
 
 from __future__ import annotations
@@ -15,19 +16,34 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from costmodels.comm import all_reduce_time_s
-from planner.plan import LayerCost, Prediction
+from planner.plan import LayerCost, Layout, Prediction
 from planner.solver.costing import (
     OPTIMIZER_BYTES_MOVED_PER_PARAM,
     TRAIN_COMM_FACTOR,
     TRAIN_COMPUTE_FACTOR,
     CostContext,
+    CostTables,
     LayerGraph,
     conversion_time_s,
     in_flight_micro_batches,
     p2p_stage_time_s,
     recompute_input_bytes,
+    step_time_s,
     transient_bytes,
 )
+from planner.solver.problem import Assignment
+
+
+@dataclass
+class LayerBreakdown:
+    """Per-micro-batch time split of one layer under an assignment, and its memory per rank."""
+
+    compute_s: float
+    comm_s: float  # exposed: conversions inside the layer, op collectives, un-hidden block outputs
+    overlapped_comm_s: float  # block-output communication hidden behind compute (ladder residual)
+    static_bytes: float  # parameters (+ gradients and optimizer state when training)
+    activation_bytes: float  # per in-flight micro-batch
+    grad_bytes: float
 
 
 @dataclass
@@ -45,11 +61,21 @@ class StageBreakdown:
         return self.compute_s + self.exposed_comm_s
 
 
+@dataclass
+class PricedAssignment:
+    """An assignment priced on one mesh candidate: what a plan is made from."""
+
+    tables: CostTables  # the candidate: context (mesh, micro-batches, schedule), graphs, ends
+    assignment: Assignment
+    prediction: Prediction  # stored in the plan
+    stages: list[StageBreakdown]  # per pipeline stage, per micro-batch
+
+
 def layer_breakdown(
-    graph: LayerGraph, key: str, choices: dict[tuple[str, str], str], laddered: bool, ctx: CostContext
-):
-    """(compute_s, exposed_comm_s, overlapped_comm_s, static_bytes, activation_bytes, grad_bytes) of one layer."""
-    opt = {op.name: op.option(choices[(key, op.name)]) for op in graph.ops}
+    graph: LayerGraph, key: str, assignment: Assignment, laddered: bool, ctx: CostContext
+) -> LayerBreakdown:
+    """Time and memory of one layer of class `key` (graph `graph`) under `assignment`."""
+    opt = {op.name: op.option(assignment.option(key, op.name)) for op in graph.ops}
     compute_block = {
         b: sum(opt[op.name].compute_s for op in graph.ops if op.block == b) for b in ("attention", "mlp")
     }
@@ -63,7 +89,7 @@ def layer_breakdown(
         out = graph.block_outputs.get(block)
         if out is None:
             continue
-        comm = conversion_time_s(opt[out].out_layout, "R", graph.op(out).out_bytes, ctx)
+        comm = conversion_time_s(opt[out].out_layout, Layout.REPLICATE, graph.op(out).out_bytes, ctx)
         hidden = min(comm, eta * compute_block[other]) if laddered else 0.0
         exposed += comm - hidden
         overlapped += hidden
@@ -71,44 +97,46 @@ def layer_breakdown(
     static = graph.fixed_static_bytes + sum(o.static_bytes for o in opt.values())
     act = graph.fixed_activation_bytes + sum(o.activation_bytes for o in opt.values())
     grad = graph.fixed_grad_bytes + sum(o.grad_bytes for o in opt.values())
-    if choices.get((key, "recompute")) == "full":  # forward again in backward; keep only the input
+    if key in assignment.recompute:  # forward again in backward; keep only the input
         internal += (internal + exposed + overlapped) / TRAIN_COMM_FACTOR
         compute_s += compute_s / TRAIN_COMPUTE_FACTOR
         act = recompute_input_bytes(ctx)
-    return compute_s, internal + exposed, overlapped, static, act, grad
+    return LayerBreakdown(compute_s, internal + exposed, overlapped, static, act, grad)
 
 
-def predict(
-    ctx: CostContext,
-    graphs: dict[str, LayerGraph],
-    layer_keys: list[str],
-    ends: LayerGraph,
-    choices: dict[tuple[str, str], str],
-    stages: list[list[int]],
-    ladder_layers: list[int],
-) -> tuple[Prediction, list[StageBreakdown]]:
-    """Predicted step time, memory and breakdown of a plan (choices per (graph key, op))."""
-    mesh, m = ctx.mesh, ctx.mesh.micro_batches
-    ladder = set(ladder_layers)
-    stage_of = {i: s for s, layers in enumerate(stages) for i in layers}
+def predict(tables: CostTables, assignment: Assignment) -> PricedAssignment:
+    """Predicted step time, memory and per-layer / per-stage breakdown of `assignment` on `tables`' mesh."""
+    ctx, graphs, ends = tables.ctx, tables.graphs, tables.ends
+    mesh, m = ctx.mesh, ctx.micro_batches
+    choices = assignment.choices
+    ladder = set(assignment.ladder_layers)
+    stage_of = {i: s for s, layers in enumerate(assignment.stages) for i in layers}
     per_layer: list[LayerCost] = []
     stages_bd = [StageBreakdown() for _ in range(mesh.pp)]
-    for i, key in enumerate(layer_keys):
+    for i, key in enumerate(tables.layer_keys):
         graph = graphs[key]
-        comp, exposed, overlapped, static, act, grad = layer_breakdown(graph, key, choices, i in ladder, ctx)
+        layer = layer_breakdown(graph, key, assignment, i in ladder, ctx)
         s = stage_of[i]
-        mem = static + in_flight_micro_batches(ctx, s) * act
+        mem = layer.static_bytes + in_flight_micro_batches(ctx, s) * layer.activation_bytes
         bd = stages_bd[s]
-        bd.compute_s += comp
-        bd.exposed_comm_s += exposed
-        bd.overlapped_comm_s += overlapped
+        bd.compute_s += layer.compute_s
+        bd.exposed_comm_s += layer.comm_s
+        bd.overlapped_comm_s += layer.overlapped_comm_s
         bd.memory_bytes += mem
-        bd.grad_bytes += grad
+        bd.grad_bytes += layer.grad_bytes
         strategy = {op.name: choices[(key, op.name)] for op in graph.ops}
         if ctx.train:
-            strategy["recompute"] = choices.get((key, "recompute"), "none")
+            strategy["recompute"] = "full" if key in assignment.recompute else "none"
         per_layer.append(
-            LayerCost(i if key != "chain" else 0, s, m * comp, m * exposed, m * overlapped, mem, strategy)
+            LayerCost(
+                i if key != "chain" else 0,
+                s,
+                m * layer.compute_s,
+                m * layer.comm_s,
+                m * layer.overlapped_comm_s,
+                mem,
+                strategy,
+            )  # fmt: skip
         )
     # Embedding on the first stage, final norm + LM head on the last.
     ends_strategy = {}
@@ -134,7 +162,7 @@ def predict(
     times = [bd.time_s for bd in stages_bd]
     slowest = max(range(mesh.pp), key=lambda s: times[s])
     tail_comm, tail_compute = _tail_s(ctx, max(bd.grad_bytes for bd in stages_bd))
-    latency = sum(times) + (m - 1) * times[slowest] + tail_comm + tail_compute
+    latency = step_time_s(sum(times), times[slowest], m) + tail_comm + tail_compute
     bottleneck = stages_bd[slowest]
     compute_s = m * bottleneck.compute_s + tail_compute
     exposed_s = m * bottleneck.exposed_comm_s + tail_comm
@@ -162,7 +190,7 @@ def predict(
         bubble_s=max(0.0, latency - compute_s - exposed_s),
         per_layer=per_layer,
     )
-    return prediction, stages_bd
+    return PricedAssignment(tables, assignment, prediction, stages_bd)
 
 
 def _tail_s(ctx: CostContext, grad_bytes: float) -> tuple[float, float]:

@@ -2,99 +2,88 @@
 
     plan_model(structure, cluster, workload, constraints) -> Plan
 
-For every candidate mesh (tp, pp, dp, micro-batches) allowed by the constraints, `planner.solver.costing`
-prices every op option and `planner.solver.ilp` solves one ILP (strategies, stages, ladder, memory).
-Candidates are visited in order of a cheap lower bound (perfectly sharded compute) and skipped
-once the bound exceeds the best plan found, so the search stays fast on 1,000-device clusters.
-The hand-written Megatron plan (`planner.solver.baseline`) is costed with the same model and stored in the
-plan; if it were ever better than the search result (time limit hit), it is returned instead.
+For every candidate mesh (tp, pp, dp, micro-batches, with the constraints' pipeline schedule: a
+`MeshConfig`) allowed by the constraints, `planner.solver.costing` prices every op option and
+`planner.solver.ilp` solves one ILP (strategies, stages, ladder, memory). Candidates are visited in
+order of a cheap lower bound (perfectly sharded compute) and skipped once the bound exceeds the best
+plan found, so the search stays fast on 1,000-device clusters. The hand-written Megatron plan
+(`planner.solver.baseline`) is costed with the same model and stored in the plan; if it were ever
+better than the search result (time limit hit), it is returned instead. The plan records the schedule
+it was priced with (`Plan.schedule`), which the runtime runs.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import math
 import time
 from dataclasses import dataclass, field
 
 from costmodels.cluster import ClusterSpec
 from planner.errors import InfeasibleError, InputError
-from planner.plan import Decision, MeshCandidate, Plan, SolverInfo, WeightSplit
-from planner.solver.baseline import BaselinePlan, baseline_plan, megatron_choices, megatron_mesh
+from planner.frontend.analysis import Layer, ModelStructure
+from planner.plan import (
+    Decision,
+    MeshCandidate,
+    MeshShape,
+    Plan,
+    Schedule,
+    SolverInfo,
+    SplitStyle,
+    WeightSplit,
+    Workload,
+)
+from planner.solver.baseline import baseline_plan, megatron_assignment, megatron_configs
 from planner.solver.costing import (
     CostContext,
-    LayerGraph,
-    MeshShape,
-    Workload,
-    build_chain_graph,
-    build_ends_graph,
-    build_layer_graph,
+    CostTables,
+    build_cost_tables,
     in_flight_micro_batches,
-    layer_key,
+    layer_keys,
     layer_projection_ops,
     mlp_op_names,
     recompute_input_bytes,
+    step_time_s,
 )
 from planner.solver.explain import ladder_decision, mesh_decision, op_exclusions, strategy_decisions
-from planner.solver.ilp import LADDER_MIN_SAVING_FRACTION, IlpProblem, IlpSolution, LadderPolicy, solve
-from planner.solver.prediction import predict
+from planner.solver.ilp import IlpProblem, IlpSolution, solve
+from planner.solver.prediction import PricedAssignment, predict
+from planner.solver.problem import Assignment, Constraints, LadderMode, LadderPolicy, MeshConfig, WorkloadSpec
 
-__all__ = ["Constraints", "Workload", "plan_model"]
+__all__ = ["Constraints", "WorkloadSpec", "plan_model"]
 
 _GIB = 2.0**30
 TIE_TOLERANCE = 1e-6  # relative: plans this close in latency are ties, broken by fewer devices
 
 
-@dataclass(frozen=True)
-class Constraints:
-    """What the user pins or allows. None = the search chooses."""
-
-    tp: int | None = None  # pinned tensor-parallel degree
-    pp: int | None = None  # pinned pipeline-parallel degree
-    dp: int | None = None  # pinned data-parallel degree
-    max_devices: int | None = None  # use at most this many devices (default: the whole cluster)
-    ladder: str = "none"  # "none" | "upper:N" | "auto" | "auto:max=N"
-    tp_across_nodes: bool = False  # consider TP groups larger than a node (off: TP stays in a node)
-    memory_fraction: float = 0.9  # share of device memory plans may use (rest: runtime, fragmentation)
-    time_limit_s: float = 10.0  # CBC time limit per ILP
-    search_time_limit_s: float = 60.0  # all ILPs together; candidates left unsolved are reported
-    mip_gap: float = 0.01  # relative optimality gap at which CBC stops (1%; reported in SolverInfo.gap)
-    ladder_min_saving_fraction: float = LADDER_MIN_SAVING_FRACTION
-
-    def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "max_devices"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise InputError(f"constraint {name} must be >= 1, got {value}")
-        if not 0 < self.memory_fraction <= 1:
-            raise InputError(f"constraint memory_fraction must be in (0, 1], got {self.memory_fraction}")
-        if self.time_limit_s <= 0:
-            raise InputError(f"constraint time_limit_s must be > 0, got {self.time_limit_s}")
-
-
 @dataclass
 class _Candidate:
-    mesh: MeshShape
-    ctx: CostContext
-    graphs: dict[str, LayerGraph]
-    ends: LayerGraph
+    """One mesh candidate, priced, with lower bounds; solved or not."""
+
+    tables: CostTables
     lower_bound_s: float
     memory_lower_bound_bytes: float
     solution: IlpSolution | None = None
     note: str = ""
     latency_s: float | None = None
 
+    @property
+    def config(self) -> MeshConfig:
+        return self.tables.ctx.config
+
+    @property
+    def mesh(self) -> MeshShape:
+        return self.tables.ctx.mesh
+
 
 @dataclass
 class _Search:
-    structure: object
+    structure: ModelStructure
     cluster: ClusterSpec
-    workload: Workload
+    workload: WorkloadSpec
     constraints: Constraints
     dtype: str
     layer_keys: list[str]
-    ladder: LadderPolicy
+    ladder: LadderPolicy  # resolved for the model's layers
     cap_bytes: float
     excluded: list[str] = field(default_factory=list)
     candidates: list[_Candidate] = field(default_factory=list)
@@ -102,9 +91,9 @@ class _Search:
 
 
 def plan_model(
-    structure: object,
+    structure: ModelStructure,
     cluster: ClusterSpec,
-    workload: Workload,
+    workload: WorkloadSpec,
     constraints: Constraints,
     *,
     model_name: str = "model",
@@ -121,31 +110,41 @@ def plan_model(
     return _make_plan(search, best, model_name)
 
 
+def price(
+    structure: ModelStructure,
+    cluster: ClusterSpec,
+    workload: WorkloadSpec,
+    config: MeshConfig,
+) -> CostTables:
+    """Every op option of `structure` priced on one mesh candidate, in the workload's (or the model's)
+    dtype: what `plan_model` hands the ILP for that candidate. Raises InputError for a model with
+    nothing to plan."""
+    ctx = CostContext(structure, cluster, workload, config, workload.dtype or structure.dtype)
+    return build_cost_tables(ctx)
+
+
 # ---------------------------------------------------------------------------------------------
 # Set-up and enumeration
 
 
-def _setup(structure, cluster, workload, constraints) -> _Search:
+def _setup(
+    structure: ModelStructure, cluster: ClusterSpec, workload: WorkloadSpec, constraints: Constraints
+) -> _Search:
     dtype = workload.dtype or structure.dtype
-    if structure.layers:
-        keys = [layer_key(layer) for layer in structure.layers]
-    elif structure.mlp_chain:
-        keys = ["chain"]
-    else:
-        raise InputError("the model has neither transformer layers nor linear layers to plan")
+    keys = layer_keys(structure)
     num_layers = len(structure.layers)
-    ladder = LadderPolicy.parse(constraints.ladder, num_layers)
-    if ladder.mode != "none":
+    ladder = constraints.ladder.for_layers(num_layers)
+    if ladder.mode is not LadderMode.NONE:
         missing = [i for i in ladder.eligible(num_layers) if not _has_both_blocks(structure.layers[i])]
         if missing:
             raise InputError(
-                f"ladder {constraints.ladder!r}: layers {missing} lack an attention or MLP block"
+                f"ladder {str(constraints.ladder)!r}: layers {missing} lack an attention or MLP block"
             )
     cap = cluster.device.memory_bytes * constraints.memory_fraction
     return _Search(structure, cluster, workload, constraints, dtype, keys, ladder, cap)
 
 
-def _has_both_blocks(layer) -> bool:
+def _has_both_blocks(layer: Layer) -> bool:
     return layer.attention is not None and layer.mlp is not None
 
 
@@ -153,15 +152,9 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _head_counts(structure) -> tuple[set[int], set[int]]:
-    heads = {layer.attention.num_heads for layer in structure.layers if layer.attention is not None}
-    kv = {layer.attention.num_kv_heads for layer in structure.layers if layer.attention is not None}
-    return heads, kv
-
-
 def _tp_options(search: _Search, num_devices: int) -> list[int]:
     c, cluster = search.constraints, search.cluster
-    heads, kv = _head_counts(search.structure)
+    heads, kv = search.structure.query_head_counts(), search.structure.kv_head_counts()
     out = []
     for tp in _divisors(num_devices) if c.tp is None else [c.tp]:
         if c.tp is None and tp > cluster.devices_per_node and not c.tp_across_nodes:
@@ -170,7 +163,7 @@ def _tp_options(search: _Search, num_devices: int) -> list[int]:
                 f"(TP stays inside a node of {cluster.devices_per_node} unless tp_across_nodes)"
             )
             continue
-        bad = sorted(h for h in heads if h % tp)
+        bad = [h for h in heads if h % tp]
         if bad and c.tp is None:
             search.excluded.append(f"tp={tp}: {bad[0]} heads not divisible by {tp}")
             continue
@@ -178,7 +171,7 @@ def _tp_options(search: _Search, num_devices: int) -> list[int]:
             search.excluded.append(
                 f"tp={tp} (pinned): {bad[0]} heads not divisible by {tp}; attention stays replicated"
             )
-        bad_kv = sorted(h for h in kv if h % tp)
+        bad_kv = [h for h in kv if h % tp]
         if bad_kv and not bad and tp > 1:
             search.excluded.append(
                 f"tp={tp}: head-parallel attention excluded: {bad_kv[0]} KV heads (GQA) not divisible by {tp}"
@@ -193,7 +186,7 @@ def _micro_batch_options(search: _Search, pp: int, dp: int) -> list[int]:
     if w.micro_batches is not None:
         return [w.micro_batches] if per_replica % w.micro_batches == 0 else []
     divisors = _divisors(per_replica)
-    if pp == 1 and w.kind != "train":
+    if pp == 1 and not w.train:
         return [1]
     limits = (pp, 4 * pp, per_replica) if pp > 1 else (1, per_replica)
     return sorted({max(d for d in divisors if d <= lim) for lim in limits})
@@ -217,64 +210,57 @@ def _enumerate(search: _Search) -> None:
     dps = [c.dp] if c.dp is not None else [d for d in _divisors(num_devices) if w.batch_size % d == 0]
     if c.dp is not None and w.batch_size % c.dp:
         raise InputError(f"dp={c.dp} does not divide the batch size {w.batch_size}")
-    for tp, pp, dp in itertools.product(tps, pps, dps):
-        if tp * pp * dp > num_devices:
-            continue
-        for m in _micro_batch_options(search, pp, dp):
-            search.candidates.append(_price(search, MeshShape(tp, pp, dp, m)))
+    for tp in tps:
+        for pp in pps:
+            for dp in dps:
+                if tp * pp * dp > num_devices:
+                    continue
+                for m in _micro_batch_options(search, pp, dp):
+                    config = MeshConfig(MeshShape(tp, pp, dp), m, _schedule_for(c.schedule, pp, m))
+                    search.candidates.append(_price(search, config))
     if not search.candidates:
-        pinned = {k: getattr(c, k) for k in ("tp", "pp", "dp") if getattr(c, k) is not None}
         raise InfeasibleError(
-            f"no mesh shape fits {num_devices} devices with {pinned or 'no pinned degrees'} and batch "
+            f"no mesh shape fits {num_devices} devices with {c.pinned or 'no pinned degrees'} and batch "
             f"{w.batch_size}; excluded: {'; '.join(search.excluded) or 'none'}"
         )
 
 
-def _price(search: _Search, mesh: MeshShape) -> _Candidate:
-    ctx = CostContext(search.structure, search.cluster, search.workload, mesh, search.dtype)
-    s = search.structure
-    if s.layers:
-        graphs: dict[str, LayerGraph] = {}
-        for layer, key in zip(s.layers, search.layer_keys):
-            if key not in graphs:
-                graphs[key] = build_layer_graph(layer, ctx)
-    else:
-        graphs = {"chain": build_chain_graph(s.mlp_chain, ctx)}
-    ends = build_ends_graph(ctx)
-    per_layer_min = {
-        k: g.fixed_compute_s + sum(min(o.compute_s for o in op.options) for op in g.ops)
-        for k, g in graphs.items()
-    }
-    ends_min = ends.fixed_compute_s + sum(min(o.compute_s for o in op.options) for op in ends.ops)
-    work = sum(per_layer_min[k] for k in search.layer_keys) + ends_min
-    bound = work * (1 + (mesh.micro_batches - 1) / mesh.pp)
-    memory = _memory_lower_bound(ctx, graphs, ends, len(search.layer_keys))
-    return _Candidate(mesh, ctx, graphs, ends, bound, memory)
+def _schedule_for(schedule: Schedule, pp: int, micro_batches: int) -> Schedule:
+    """The schedule a (pp, micro_batches) candidate runs: 1F1B with fewer micro-batches than stages
+    never reaches its steady state and is GPipe (the same order and memory), which is what runs then
+    (torch.distributed.pipelining's Schedule1F1B requires micro_batches >= stages)."""
+    if schedule == Schedule.ONE_F_ONE_B and micro_batches < pp:
+        return Schedule.GPIPE
+    return schedule
 
 
-def _memory_lower_bound(
-    ctx: CostContext, graphs: dict[str, LayerGraph], ends: LayerGraph, num_layers: int
-) -> float:
+def _price(search: _Search, config: MeshConfig) -> _Candidate:
+    ctx = CostContext(search.structure, search.cluster, search.workload, config, search.dtype)
+    tables = build_cost_tables(ctx, search.layer_keys)
+    work = (
+        sum(tables.graphs[k].cheapest_compute_s() for k in tables.layer_keys)
+        + tables.ends.cheapest_compute_s()
+    )
+    bound = step_time_s(work, work / config.mesh.pp, config.micro_batches)
+    return _Candidate(tables, bound, _memory_lower_bound(tables))
+
+
+def _memory_lower_bound(tables: CostTables) -> float:
     """A lower bound of the largest stage's memory per rank, without solving.
 
     Every layer needs at least c[s] = min over classes and options of (static + f(s) * activations)
     on stage s, where f(s) is the stage's in-flight micro-batches; spreading L layers fractionally so
     that all stages are equal gives max_s n[s] c[s] >= L / sum_s (1 / c[s]).
     """
+    ctx, graphs = tables.ctx, tables.graphs.values()
     keep = recompute_input_bytes(ctx) if ctx.train else math.inf  # recomputation keeps only the input
-    static = min(
-        g.fixed_static_bytes + sum(min(o.static_bytes for o in op.options) for op in g.ops)
-        for g in graphs.values()
-    )
-    act = min(
-        min(keep, g.fixed_activation_bytes + sum(min(o.activation_bytes for o in op.options) for op in g.ops))
-        for g in graphs.values()
-    )
+    static = min(g.least_static_bytes() for g in graphs)
+    act = min(min(keep, g.least_activation_bytes()) for g in graphs)
     per_stage = [static + in_flight_micro_batches(ctx, s) * act for s in range(ctx.mesh.pp)]
     if min(per_stage) <= 0:
         return 0.0
-    ends_static = sum(min(o.static_bytes for o in op.options) for op in ends.ops) / ctx.mesh.pp
-    return num_layers / sum(1.0 / c for c in per_stage) + ends_static
+    ends_static = sum(min(o.static_bytes for o in op.options) for op in tables.ends.ops) / ctx.mesh.pp
+    return tables.num_layers / sum(1.0 / c for c in per_stage) + ends_static
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,10 +283,7 @@ def _solve_candidates(search: _Search) -> _Candidate | None:
             cand.note = f"not solved: search time limit {search.constraints.search_time_limit_s} s reached"
             continue
         prob = IlpProblem(
-            ctx=cand.ctx,
-            graphs=cand.graphs,
-            layer_keys=search.layer_keys,
-            ends=cand.ends,
+            tables=cand.tables,
             ladder=search.ladder,
             memory_cap_bytes=search.cap_bytes,
             time_limit_s=max(1.0, min(search.constraints.time_limit_s, left)),
@@ -311,13 +294,10 @@ def _solve_candidates(search: _Search) -> _Candidate | None:
         search.solver_time_s += sol.time_s
         cand.solution = sol
         cand.note = sol.status
-        if not sol.feasible:
+        if sol.assignment is None:
             cand.note = f"{sol.status}: does not fit {search.cap_bytes / _GIB:.1f} GiB per device"
             continue
-        prediction, _ = predict(
-            cand.ctx, cand.graphs, search.layer_keys, cand.ends, sol.choices, sol.stages, sol.ladder_layers
-        )
-        cand.latency_s = prediction.latency_s
+        cand.latency_s = predict(cand.tables, sol.assignment).prediction.latency_s
         if best is None or _better(cand, best):
             best = cand
     return best
@@ -340,13 +320,7 @@ def _infeasible(search: _Search) -> InfeasibleError:
     """Name the binding constraint for the candidate closest to fitting, and what would fit."""
     closest = min(search.candidates, key=lambda c: (c.memory_lower_bound_bytes, -c.mesh.tp))
     mesh = closest.mesh
-    choices = _min_memory_choices(closest)
-    from planner.solver.baseline import even_stages
-
-    stages = even_stages(len(search.layer_keys), mesh.pp)
-    prediction, breakdown = predict(
-        closest.ctx, closest.graphs, search.layer_keys, closest.ends, choices, stages, []
-    )
+    breakdown = predict(closest.tables, megatron_assignment(closest.tables, recompute=True)).stages
     worst = max(range(mesh.pp), key=lambda s: breakdown[s].memory_bytes)
     need = breakdown[worst].memory_bytes
     total = sum(bd.memory_bytes for bd in breakdown) * mesh.tp * mesh.dp  # all ranks' bytes
@@ -356,26 +330,18 @@ def _infeasible(search: _Search) -> InfeasibleError:
     hints = [
         f"about {devices_needed} devices ({math.ceil(devices_needed / per_node)} nodes of {per_node}, e.g. pp across them)"
     ]
-    if search.workload.kind == "train":
+    if search.workload.kind is Workload.TRAIN:
         hints.append("more micro-batches or a smaller batch (less activation memory)")
-    elif search.workload.kind == "decode":
+    elif search.workload.kind is Workload.DECODE:
         hints.append("a smaller batch or context (less KV cache)")
     else:
         hints.append("a smaller batch")
     return InfeasibleError(
-        f"no plan fits memory: with tp={mesh.tp} pp={mesh.pp} dp={mesh.dp} (the mesh closest to fitting) "
+        f"no plan fits memory: with {mesh.label()} (the mesh closest to fitting) "
         f"stage {worst} needs {need / _GIB:.1f} GiB, devices have {cap_gib:.1f} GiB "
         f"({search.cap_bytes / _GIB:.1f} GiB usable at memory_fraction {search.constraints.memory_fraction}); "
         f"would fit: {', or '.join(hints)}"
     )
-
-
-def _min_memory_choices(cand: _Candidate) -> dict[tuple[str, str], str]:
-    """Most-sharded strategy (Megatron's, with recomputation when training): the least memory per rank."""
-    choices = megatron_choices(cand.graphs, cand.ends)
-    if cand.ctx.train:
-        choices.update({(key, "recompute"): "full" for key in cand.graphs})
-    return choices
 
 
 # ---------------------------------------------------------------------------------------------
@@ -388,38 +354,27 @@ def _make_plan(search: _Search, best: _Candidate | None, model_name: str) -> Pla
     if best is None:
         raise _infeasible(search)
     sol = best.solution
-    assert sol is not None
-    choices, stages, ladder = sol.choices, sol.stages, sol.ladder_layers
-    cand_ctx, graphs, ends = best.ctx, best.graphs, best.ends
+    assert sol is not None and sol.assignment is not None and best.latency_s is not None
+    chosen = predict(best.tables, sol.assignment)
     decisions: list[Decision] = []
     if (
         baseline is not None
         and baseline.prediction.peak_memory_bytes <= search.cap_bytes
         and baseline.prediction.latency_s < best.latency_s * (1 - 1e-9)
-        and _allowed(search, baseline.mesh)
+        and _allowed(search, baseline.tables.ctx.mesh)
     ):
-        bcand = _price(search, baseline.mesh)
-        choices, stages, ladder = baseline.choices, baseline.stages, []
-        cand_ctx, graphs, ends = bcand.ctx, bcand.graphs, bcand.ends
+        chosen = baseline
         decisions.append(Decision("fallback", "megatron", {"search": best.latency_s, "megatron": baseline.prediction.latency_s},
                                   f"the ILP stopped at {sol.status} (gap {sol.gap:.3g}); Megatron's plan is faster"))  # fmt: skip
-    prediction, _ = predict(cand_ctx, graphs, search.layer_keys, ends, choices, stages, ladder)
-    mesh = cand_ctx.mesh
-    decisions = mesh_decision(search.candidates, mesh) + _baseline_decision(search, baseline) + decisions
-    decisions += strategy_decisions(search.layer_keys, bool(s.layers), cand_ctx, graphs, ends, choices)
-    decisions += ladder_decision(
-        search.ladder,
-        search.constraints.ladder_min_saving_fraction,
-        search.layer_keys,
-        cand_ctx,
-        graphs,
-        ends,
-        choices,
-        stages,
-        ladder,
-        prediction.latency_s,
-    )
-    excluded = list(dict.fromkeys(search.excluded + op_exclusions(graphs, ends)))
+    config, tables, assignment = chosen.tables.ctx.config, chosen.tables, chosen.assignment
+    candidates = [
+        MeshCandidate(c.config.mesh, c.config.micro_batches, c.latency_s, c.note)
+        for c in sorted(search.candidates, key=lambda c: (c.latency_s is None, c.latency_s or 0.0))
+    ]
+    decisions = mesh_decision(candidates, config) + _baseline_decision(search, baseline) + decisions
+    decisions += strategy_decisions(chosen)
+    decisions += ladder_decision(chosen, search.ladder, search.constraints.ladder_min_saving_fraction)
+    excluded = list(dict.fromkeys(search.excluded + op_exclusions(tables.graphs, tables.ends)))
     return Plan(
         model=model_name,
         cluster=search.cluster.name,
@@ -427,23 +382,19 @@ def _make_plan(search: _Search, best: _Candidate | None, model_name: str) -> Pla
         batch_size=w.batch_size,
         seq_len=w.seq_len,
         context=w.context,
-        micro_batches=mesh.micro_batches,
+        micro_batches=config.micro_batches,
         dtype=search.dtype,
-        tp=mesh.tp,
-        pp=mesh.pp,
-        dp=mesh.dp,
-        splits=_splits(s, graphs, search.layer_keys, choices, mesh.tp),
-        stages=stages if s.layers else [[]],
-        ladder_layers=ladder,
-        predicted=prediction,
+        mesh=config.mesh,
+        splits=_splits(tables, assignment),
+        stages=assignment.stages if s.layers else [[]],
+        ladder_layers=assignment.ladder_layers,
+        predicted=chosen.prediction,
         solver=SolverInfo(sol.status, sol.objective, sol.gap, search.solver_time_s, sol.num_variables),
+        schedule=config.schedule,
         decisions=decisions,
         excluded=excluded,
         baseline=baseline.prediction if baseline is not None else None,
-        mesh_candidates=[
-            MeshCandidate(c.mesh.tp, c.mesh.pp, c.mesh.dp, c.latency_s, f"m={c.mesh.micro_batches}: {c.note}")
-            for c in sorted(search.candidates, key=lambda c: (c.latency_s is None, c.latency_s or 0.0))
-        ],
+        mesh_candidates=candidates,
         token_model=s.token_model,
         unpriced_ops=s.unknown_ops,
     )
@@ -452,88 +403,70 @@ def _make_plan(search: _Search, best: _Candidate | None, model_name: str) -> Pla
 def _allowed(search: _Search, mesh: MeshShape) -> bool:
     """Whether the user's constraints admit `mesh` (pinned degrees, device limit) and a plan without ladder."""
     c = search.constraints
-    pinned_ok = all(getattr(c, k) in (None, getattr(mesh, k)) for k in ("tp", "pp", "dp"))
+    pinned_ok = all(getattr(mesh, k) == v for k, v in c.pinned.items())
     devices_ok = mesh.num_devices <= (c.max_devices or search.cluster.num_devices)
-    return pinned_ok and devices_ok and search.ladder.mode != "upper"
+    return pinned_ok and devices_ok and search.ladder.mode is not LadderMode.UPPER
 
 
-def _baseline(search: _Search) -> BaselinePlan | None:
-    """The plan a Megatron-LM user writes by hand: TP = a node's devices (dividing the heads); for
-    inference PP = the nodes; for training the fewest pipeline stages (a divisor of the nodes) whose
-    memory fits (with full activation recomputation if needed), and DP over the remaining nodes (GPT-3 175B on 128 nodes: TP 8, PP 16, DP 8)."""
-    s, cluster, w = search.structure, search.cluster, search.workload
-    cap = search.constraints.max_devices
-    if cap is not None and cap < cluster.num_devices:  # the hand-written plan gets the same devices
-        dpn = min(cluster.devices_per_node, cap)
-        cluster = dataclasses.replace(cluster, num_nodes=max(1, cap // dpn), devices_per_node=dpn)
-    heads, _ = _head_counts(s)
-    num_heads = math.gcd(*heads) if heads else None
-    mesh = megatron_mesh(cluster, w, num_heads, len(s.layers) or 1)
-    if not s.layers:
-        mesh = MeshShape(mesh.tp, 1, 1, 1)
-    candidates = [mesh]
-    if w.kind == "train" and s.layers and cluster.num_nodes > 1:
-        nodes = cluster.num_nodes
-        candidates = []
-        for pp in (d for d in range(1, nodes + 1) if nodes % d == 0 and d <= len(s.layers)):
-            dp = nodes // pp
-            if w.batch_size % dp:
-                continue
-            per_replica = w.batch_size // dp
-            m = w.micro_batches or max(
-                d for d in range(1, min(per_replica, 4 * pp if pp > 1 else 1) + 1) if per_replica % d == 0
-            )
-            candidates.append(MeshShape(mesh.tp, pp, dp, m))
+def _baseline(search: _Search) -> PricedAssignment | None:
+    """The plan a Megatron-LM user writes by hand (`megatron_configs`), priced: the first of its meshes
+    that fits memory (with full activation recomputation if needed), else the last one tried."""
+    configs = megatron_configs(
+        search.cluster, search.workload, search.structure, search.constraints.schedule,
+        search.constraints.max_devices,
+    )  # fmt: skip
     chosen = None
-    for cand_mesh in candidates:
-        if w.batch_size % (cand_mesh.dp * cand_mesh.micro_batches):
-            continue
-        cand = _price(search, cand_mesh)
-        for recompute in (False, True) if w.kind == "train" else (False,):
-            chosen = baseline_plan(cand.ctx, cand.graphs, search.layer_keys, cand.ends, recompute=recompute)
+    for config in configs:
+        tables = _price(search, config).tables
+        for recompute in (False, True) if search.workload.train else (False,):
+            chosen = baseline_plan(tables, recompute=recompute)
             if chosen.prediction.peak_memory_bytes <= search.cap_bytes:
                 return chosen
     return chosen
 
 
-def _baseline_decision(search: _Search, baseline: BaselinePlan | None) -> list[Decision]:
+def _baseline_decision(search: _Search, baseline: PricedAssignment | None) -> list[Decision]:
     if baseline is None:
         return []
-    b, m = baseline.prediction, baseline.mesh
+    b, config = baseline.prediction, baseline.tables.ctx.config
     fits = b.peak_memory_bytes <= search.cap_bytes
-    reason = f"hand-written Megatron layout ({m.micro_batches} micro-batches); " + (
+    reason = f"hand-written Megatron layout ({config.micro_batches} micro-batches); " + (
         "fits memory"
         if fits
         else f"does not fit: {b.peak_memory_bytes / _GIB:.1f} GiB/rank > {search.cap_bytes / _GIB:.1f} GiB usable"
     )
-    return [Decision("megatron-baseline", f"tp={m.tp} pp={m.pp} dp={m.dp}", {"latency": b.latency_s}, reason)]
+    return [Decision("megatron-baseline", config.mesh.label(), {"latency": b.latency_s}, reason)]
 
 
-def _splits(structure, graphs, layer_keys, choices, tp: int) -> dict[str, WeightSplit]:
+def _splits(tables: CostTables, assignment: Assignment) -> dict[str, WeightSplit]:
     """WeightSplit per weight FQN: colwise splits the output dim, rowwise the input dim."""
+    structure = tables.ctx.structure
     splits: dict[str, WeightSplit] = {}
 
-    def add(proj, style: str) -> None:
+    def add(proj, option: str) -> None:
+        style = SplitStyle(option)
         out_dim = proj.weight_out_dim
-        if style == "colwise" or style == "vocab":
+        if style in (SplitStyle.COLWISE, SplitStyle.VOCAB):
             dim = out_dim
-        elif style == "rowwise":
+        elif style is SplitStyle.ROWWISE:
             dim = 1 - out_dim
         else:
             dim = 0
-        parts = list(proj.parts) if proj.parts and style == "colwise" else None
+        parts = list(proj.parts) if proj.parts and style is SplitStyle.COLWISE else None
         splits[proj.weight] = WeightSplit(proj.weight, style, dim, parts)
 
     if structure.layers:
-        for layer, key in zip(structure.layers, layer_keys):
+        for layer, key in zip(structure.layers, tables.layer_keys):
             for name, proj in layer_projection_ops(layer).items():
-                add(proj, choices[(key, name)])
+                add(proj, assignment.option(key, name))
     else:
         for name, proj in mlp_op_names(structure.mlp_chain).items():
-            add(proj, choices[("chain", name)])
+            add(proj, assignment.option("chain", name))
     for i, emb in enumerate(structure.embeddings):
-        style = choices[("ends", f"embedding{i}")]
-        splits[emb.weight] = WeightSplit(emb.weight, "vocab" if style == "vocab" else "replicate", 0, None)
+        vocab = assignment.option("ends", f"embedding{i}") == SplitStyle.VOCAB
+        splits[emb.weight] = WeightSplit(
+            emb.weight, SplitStyle.VOCAB if vocab else SplitStyle.REPLICATE, 0, None
+        )
     if structure.lm_head is not None and structure.lm_head.weight not in splits:
-        add(structure.lm_head, choices[("ends", "lm_head")])
+        add(structure.lm_head, assignment.option("ends", "lm_head"))
     return splits

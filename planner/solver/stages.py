@@ -1,98 +1,106 @@
 """Contiguous pipeline stages for deep pipelines: the split that minimises the slowest stage.
 
-`planner.solver.ilp` decides stage boundaries inside the ILP for shallow pipelines. For deep ones (pp=32 over
-126 layers) the big-M stage products close slowly in CBC, so `planner.solver.ilp._solve_with_split_search`
-alternates: `balanced_split` on per-layer costs (`reference_costs` first, then `solution_costs` of the
-last ILP solution), the ILP with that split fixed, and again, until the split repeats.
+`planner.solver.ilp` decides stage boundaries inside the ILP for shallow pipelines. For deep ones (pp=32
+over 126 layers) the big-M stage products close slowly in CBC, so the ILP alternates: `balanced_split`
+on per-layer costs (`reference_costs` first, then `solution_costs` of the last ILP solution), the ILP
+with that split fixed, and again, until the split repeats. This module works on the cost tables and
+assignments of `planner.solver.costing` / `planner.solver.problem`, not on the ILP, which imports it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from planner.solver.costing import (
+    CostTables,
+    OpOption,
     in_flight_micro_batches,
     p2p_stage_time_s,
     recompute_input_bytes,
     transient_bytes,
 )
 from planner.solver.prediction import layer_breakdown
-
-if TYPE_CHECKING:
-    from planner.solver.ilp import IlpProblem, IlpSolution
-
-Costs = tuple[list[float], list[float], list[float], tuple[float, float], tuple[float, float]]
+from planner.solver.problem import Assignment
 
 
-def reference_costs(prob: IlpProblem) -> Costs:
-    """Optimistic per-layer (time, static bytes, activation bytes) and ends: cheapest option per op."""
+@dataclass
+class SplitCosts:
+    """The figures a contiguous stage split is balanced on, per layer and for the two ends."""
+
+    time_s: list[float]  # per layer, per micro-batch: compute + exposed communication
+    static_bytes: list[float]  # per layer, per rank: parameters (+ gradients and optimizer state)
+    activation_bytes: list[float]  # per layer, per rank and in-flight micro-batch
+    first_time_s: float = 0.0  # embedding, on the first stage
+    last_time_s: float = 0.0  # final norm and LM head, on the last stage
+    first_static_bytes: float = 0.0
+    last_static_bytes: float = 0.0
+
+
+def reference_costs(tables: CostTables) -> SplitCosts:
+    """Optimistic costs: every op at its cheapest option (time and memory each at their least)."""
+    ctx = tables.ctx
     per_class = {}
-    for key, g in prob.graphs.items():
-        t = g.fixed_compute_s + sum(min(o.compute_s for o in op.options) for op in g.ops)
-        st = g.fixed_static_bytes + sum(min(o.static_bytes for o in op.options) for op in g.ops)
-        act = g.fixed_activation_bytes + sum(min(o.activation_bytes for o in op.options) for op in g.ops)
-        if prob.ctx.train:
-            act = min(act, recompute_input_bytes(prob.ctx))
-        per_class[key] = (t, st, act)
-    keys = prob.layer_keys
-    ends = prob.ends
-    first = [op for op in ends.ops if op.block == "embedding"]
-    last = [op for op in ends.ops if op.block == "head"]
-    ends_time = (
-        sum(min(o.compute_s + o.comm_s for o in op.options) for op in first),
-        ends.fixed_compute_s + sum(min(o.compute_s + o.comm_s for o in op.options) for op in last),
-    )
-    ends_mem = (
-        sum(min(o.static_bytes for o in op.options) for op in first),
-        sum(min(o.static_bytes for o in op.options) for op in last),
-    )
-    return (
-        [per_class[k][0] for k in keys],
-        [per_class[k][1] for k in keys],
-        [per_class[k][2] for k in keys],
-        ends_time,
-        ends_mem,
+    for key, g in tables.graphs.items():
+        act = g.least_activation_bytes()
+        if ctx.train:
+            act = min(act, recompute_input_bytes(ctx))
+        per_class[key] = (g.cheapest_compute_s(), g.least_static_bytes(), act)
+    ends = tables.ends
+
+    def least(block: str, cost) -> float:
+        return sum(min(cost(o) for o in op.options) for op in ends.ops_of(block))
+
+    return SplitCosts(
+        time_s=[per_class[k][0] for k in tables.layer_keys],
+        static_bytes=[per_class[k][1] for k in tables.layer_keys],
+        activation_bytes=[per_class[k][2] for k in tables.layer_keys],
+        first_time_s=least("embedding", _op_time_s),
+        last_time_s=ends.fixed_compute_s + least("head", _op_time_s),
+        first_static_bytes=least("embedding", _static_bytes),
+        last_static_bytes=least("head", _static_bytes),
     )
 
 
-def solution_costs(prob: IlpProblem, sol: IlpSolution):
-    """Per-layer (time, static bytes, activation bytes) and ends of a solved plan."""
-    times, static, act = [], [], []
-    ladder = set(sol.ladder_layers)
-    for i, key in enumerate(prob.layer_keys):
-        comp, exposed, _, st, a, _ = layer_breakdown(
-            prob.graphs[key], key, sol.choices, i in ladder, prob.ctx
-        )
-        times.append(comp + exposed)
-        static.append(st)
-        act.append(a)
-    ends = prob.ends
-    chosen = {op.name: op.option(sol.choices[("ends", op.name)]) for op in ends.ops}
-    first = [chosen[op.name] for op in ends.ops if op.block == "embedding"]
-    last = [chosen[op.name] for op in ends.ops if op.block == "head"]
-    ends_time = (
-        sum(o.compute_s + o.comm_s for o in first),
-        ends.fixed_compute_s + sum(o.compute_s + o.comm_s for o in last),
+def solution_costs(tables: CostTables, solution: Assignment) -> SplitCosts:
+    """The costs of a solved assignment (its strategies, ladder and recomputation)."""
+    ladder = set(solution.ladder_layers)
+    layers = [
+        layer_breakdown(tables.graphs[key], key, solution, i in ladder, tables.ctx)
+        for i, key in enumerate(tables.layer_keys)
+    ]
+    ends = tables.ends
+
+    def chosen(block: str, cost) -> float:
+        return sum(cost(op.option(solution.option("ends", op.name))) for op in ends.ops_of(block))
+
+    return SplitCosts(
+        time_s=[b.compute_s + b.comm_s for b in layers],
+        static_bytes=[b.static_bytes for b in layers],
+        activation_bytes=[b.activation_bytes for b in layers],
+        first_time_s=chosen("embedding", _op_time_s),
+        last_time_s=ends.fixed_compute_s + chosen("head", _op_time_s),
+        first_static_bytes=chosen("embedding", _static_bytes),
+        last_static_bytes=chosen("head", _static_bytes),
     )
-    ends_mem = (sum(o.static_bytes for o in first), sum(o.static_bytes for o in last))
-    return times, static, act, ends_time, ends_mem
 
 
-def balanced_split(
-    prob: IlpProblem,
-    times: list[float],
-    static: list[float],
-    act: list[float],
-    ends_time: tuple[float, float],
-    ends_mem: tuple[float, float],
-) -> list[int] | None:
+def _op_time_s(o: OpOption) -> float:
+    return o.compute_s + o.comm_s
+
+
+def _static_bytes(o: OpOption) -> float:
+    return o.static_bytes
+
+
+def balanced_split(tables: CostTables, costs: SplitCosts, memory_cap_bytes: float | None) -> list[int] | None:
     """First layer of each stage minimising the slowest stage under the memory cap (None: nothing fits).
 
     Bisection on the slowest-stage time T; for a given T, filling each stage greedily with as many
     layers as fit (time <= T, memory <= cap, enough layers left for the later stages) is optimal for
     contiguous splits, because leaving fewer layers to later stages never makes them harder.
     """
-    ctx, cap = prob.ctx, prob.memory_cap_bytes
+    ctx, cap = tables.ctx, memory_cap_bytes
+    times, static, act = costs.time_s, costs.static_bytes, costs.activation_bytes
     pp, L = ctx.mesh.pp, len(times)
     p2p = p2p_stage_time_s(ctx)
     flight = [in_flight_micro_batches(ctx, s) for s in range(pp)]
@@ -103,11 +111,15 @@ def balanced_split(
         for s in range(pp):
             starts.append(i)
             t = (
-                (ends_time[0] if s == 0 else 0.0)
-                + (ends_time[1] if s == pp - 1 else 0.0)
+                (costs.first_time_s if s == 0 else 0.0)
+                + (costs.last_time_s if s == pp - 1 else 0.0)
                 + (p2p if s < pp - 1 else 0.0)
             )
-            mem = base_mem + (ends_mem[0] if s == 0 else 0.0) + (ends_mem[1] if s == pp - 1 else 0.0)
+            mem = (
+                base_mem
+                + (costs.first_static_bytes if s == 0 else 0.0)
+                + (costs.last_static_bytes if s == pp - 1 else 0.0)
+            )
             must_leave = pp - 1 - s
             taken = 0
             while i < L - must_leave:
@@ -121,7 +133,7 @@ def balanced_split(
                 return None
         return starts if i == L else None
 
-    hi = sum(times) + sum(ends_time) + pp * p2p
+    hi = sum(times) + (costs.first_time_s + costs.last_time_s) + pp * p2p
     if greedy(hi) is None:
         return None
     lo = 0.0
@@ -136,38 +148,34 @@ def balanced_split(
     return starts
 
 
-def stage_times_s(
-    prob: IlpProblem, times: list[float], ends_time: tuple[float, float], starts: list[int]
-) -> list[float]:
+def stage_times_s(tables: CostTables, costs: SplitCosts, starts: list[int]) -> list[float]:
     """Time per micro-batch of each stage whose first layers are ``starts``: its layers, the embedding
     on the first stage, the final norm + LM head on the last, the send to the next stage (seconds)."""
-    pp, L = prob.ctx.mesh.pp, len(times)
-    p2p = p2p_stage_time_s(prob.ctx)
-    bounds = list(starts) + [L]
+    pp, times = tables.ctx.mesh.pp, costs.time_s
+    p2p = p2p_stage_time_s(tables.ctx)
+    bounds = list(starts) + [len(times)]
     out = []
     for s in range(pp):
         t = sum(times[bounds[s] : bounds[s + 1]])
-        t += (ends_time[0] if s == 0 else 0.0) + (ends_time[1] if s == pp - 1 else 0.0)
+        t += (costs.first_time_s if s == 0 else 0.0) + (costs.last_time_s if s == pp - 1 else 0.0)
         out.append(t + (p2p if s < pp - 1 else 0.0))
     return out
 
 
-def rebalance(prob: IlpProblem, sol: IlpSolution) -> bool:
-    """Replace ``sol.stages`` by `balanced_split` of the solution's own per-layer costs when that split's
-    slowest stage is faster (the ILP's balance term is a tie-break that CBC's gap tolerance may leave
-    unexploited, e.g. [[0], [1, 2, 3]] for 4 identical layers). Returns whether the stages changed.
-    Memory stays within the cap (`balanced_split` checks it)."""
-    if prob.ctx.mesh.pp == 1 or not sol.feasible or not sol.stages:
+def rebalance(tables: CostTables, assignment: Assignment, memory_cap_bytes: float | None) -> bool:
+    """Replace ``assignment.stages`` by `balanced_split` of the assignment's own per-layer costs when
+    that split's slowest stage is faster (the ILP's balance term is a tie-break that CBC's gap
+    tolerance may leave unexploited, e.g. [[0], [1, 2, 3]] for 4 identical layers). Returns whether
+    the stages changed. Memory stays within the cap (`balanced_split` checks it)."""
+    if tables.ctx.mesh.pp == 1 or not assignment.stages:
         return False
-    times, static, act, ends_time, ends_mem = solution_costs(prob, sol)
-    current = [stage[0] for stage in sol.stages]
-    starts = balanced_split(prob, times, static, act, ends_time, ends_mem)
+    costs = solution_costs(tables, assignment)
+    current = [stage[0] for stage in assignment.stages]
+    starts = balanced_split(tables, costs, memory_cap_bytes)
     if starts is None or starts == current:
         return False
-    if max(stage_times_s(prob, times, ends_time, starts)) >= max(
-        stage_times_s(prob, times, ends_time, current)
-    ) * (1 - 1e-9):
+    if max(stage_times_s(tables, costs, starts)) >= max(stage_times_s(tables, costs, current)) * (1 - 1e-9):
         return False
-    bounds = starts + [len(times)]
-    sol.stages = [list(range(bounds[s], bounds[s + 1])) for s in range(len(starts))]
+    bounds = starts + [len(costs.time_s)]
+    assignment.stages = [list(range(bounds[s], bounds[s + 1])) for s in range(len(starts))]
     return True

@@ -1,0 +1,502 @@
+"""Tensor-parallel op rules: a table from ATen op to the function that places and rewrites its node.
+
+`RULES` maps an ATen `OpOverload` or `OpOverloadPacket` (or `operator.getitem`) to a rule, filled by
+`@register_rule(op, ...)`. A rule is `rule(ctx, node) -> None` (`ctx`: a
+`passes.tp_rules_context.RuleContext`): it reads its inputs' placements, rewrites the node for this
+rank (input collectives, shard-sized literals, shard parameters) and records the node's placement.
+`rule_for(target)` is the dispatch: the overload's entry, else its packet's, else - for an op with no
+entry - the pointwise rule when ATen tags the op pointwise and `RuleContext.run_replicated` (inputs
+all-gathered, output replicated: correct, only slower) otherwise.
+
+A rule that says "replicated" falls back to `ctx.run_replicated`, which gathers any sharded input. An
+input holding a padded vocabulary shard is gathered (and unpadded) before any rule runs, except for
+entries registered with `padded_inputs=True` (matmul, embedding).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch._ops import OpOverload, OpOverloadPacket
+
+from passes import collectives
+from passes.placement import Placement, local_shape, view_shard_dim
+from passes.tp_rules_context import R, RuleContext
+
+aten = torch.ops.aten
+Rule = Callable[[RuleContext, fx.Node], None]
+
+
+@dataclass(frozen=True)
+class RuleEntry:
+    """A registered rule; `padded_inputs`: it takes a padded vocabulary shard as it is."""
+
+    rule: Rule
+    padded_inputs: bool = False
+
+
+class RuleTable:
+    """ATen op (overload, packet, or `operator.getitem`) -> RuleEntry; one entry per op."""
+
+    def __init__(self) -> None:
+        self._entries: dict[object, RuleEntry] = {}
+
+    def register(self, *ops: object, padded_inputs: bool = False) -> Callable[[Rule], Rule]:
+        """Decorator: `rule` handles every op in `ops`. Raises ValueError when an op already has a rule
+        (also an overload whose packet has one, or a packet one of whose overloads has one)."""
+        if not ops:
+            raise ValueError("register a rule for at least one op")
+
+        def add(rule: Rule) -> Rule:
+            for op in ops:
+                clash = self._clash(op)
+                if clash is not None:
+                    raise ValueError(
+                        f"{op} already has a tensor-parallel rule ({clash}: "
+                        f"{self._entries[clash].rule.__name__}); not registering {rule.__name__}"
+                    )
+            for op in ops:
+                self._entries[op] = RuleEntry(rule, padded_inputs)
+            return rule
+
+        return add
+
+    def _clash(self, op: object) -> object | None:
+        if op in self._entries:
+            return op
+        if isinstance(op, OpOverload) and op.overloadpacket in self._entries:
+            return op.overloadpacket
+        if isinstance(op, OpOverloadPacket):
+            return next((k for k in self._entries if getattr(k, "overloadpacket", None) is op), None)
+        return None
+
+    def lookup(self, target: object) -> RuleEntry | None:
+        """The entry of `target` (an fx node's target): its overload's, else its packet's, else None."""
+        entry = self._entries.get(target)
+        if entry is None and isinstance(target, OpOverload):
+            entry = self._entries.get(target.overloadpacket)
+        return entry
+
+    def __contains__(self, target: object) -> bool:
+        return self.lookup(target) is not None
+
+    def ops(self) -> list[object]:
+        """Every registered key."""
+        return list(self._entries)
+
+
+RULES = RuleTable()
+register_rule = RULES.register
+
+
+def pointwise_overloads(*packets: OpOverloadPacket) -> list[OpOverload]:
+    """The overloads of `packets` that ATen tags pointwise (`torch.Tag.pointwise`)."""
+    found = []
+    for packet in packets:
+        tagged = [
+            getattr(packet, name)
+            for name in packet.overloads()
+            if torch.Tag.pointwise in getattr(packet, name).tags
+        ]
+        assert tagged, f"{packet} has no pointwise overload"
+        found += tagged
+    return found
+
+
+# ---------------------------------------------------------------- matmul and embedding
+def _matmul_operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None, int]:
+    """(x, weight, bias, weight's output dim) of linear(x, w, b), addmm(b, x, w) or mm(x, w)."""
+    op = getattr(node.target, "overloadpacket", node.target)
+    if op is aten.linear:
+        return node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else None, 0
+    if op is aten.addmm:
+        return node.args[1], node.args[2], node.args[0], 1
+    return node.args[0], node.args[1], None, 1
+
+
+@register_rule(aten.linear, aten.addmm, aten.mm, padded_inputs=True)
+def rule_matmul(ctx: RuleContext, node: fx.Node) -> None:
+    """Split weight: Megatron column-parallel (R in, S(-1) out) or row-parallel (S in, P all-reduced to R)."""
+    x, w, b, out_dim_of_w = _matmul_operands(node)
+    sp = ctx.split_param(w)
+    if sp is None:
+        ctx.run_replicated(node)
+        return
+    ctx.replace_param(w.target, sp.dim, sp.parts, pad=sp.size is not None)
+    if sp.dim == out_dim_of_w:
+        _column_parallel(ctx, node, x, b, sp)
+    else:
+        _row_parallel(ctx, node, x, w, b)
+
+
+def _column_parallel(ctx: RuleContext, node: fx.Node, x: fx.Node, b: fx.Node | None, sp: Placement) -> None:
+    """Replicated input (tp_copy under training), output sharded like the weight; bias sharded too."""
+    if isinstance(b, fx.Node):
+        ctx.replace_param(b.target, 0, sp.parts, pad=sp.size is not None)
+        ctx.set_meta(b, Placement.shard(0, sp.parts, sp.size))
+    node.replace_input_with(x, ctx.copy_in(ctx.replicated(x)))
+    ctx.set_meta(node, Placement.shard(len(ctx.gshape(node)) - 1, sp.parts, sp.size))
+    ctx.check(node)
+
+
+def _row_parallel(ctx: RuleContext, node: fx.Node, x: fx.Node, w: fx.Node, b: fx.Node | None) -> None:
+    """Input sharded on its last dim, partial output all-reduced at once, the bias added after."""
+    x_new = ctx.sharded(x, len(ctx.gshape(x)) - 1)
+    op = getattr(node.target, "overloadpacket", node.target)
+    if op is aten.linear:
+        node.args = (x_new, w, None)
+    elif op is aten.addmm:
+        node.target, node.args = aten.mm.default, (x_new, w)
+    else:
+        node.args = (x_new, w)
+    ctx.set_meta(node, Placement.partial())
+    ctx.check(node)
+    reduced = ctx.insert(node, collectives.tp_all_reduce, (node, ctx.axis), R, node)
+    result = reduced
+    if isinstance(b, fx.Node):
+        result = ctx.insert(reduced, aten.add.Tensor, (reduced, b), R, node)
+    node.replace_all_uses_with(result, delete_user_cb=lambda user: user is not reduced)
+
+
+@register_rule(aten.embedding, padded_inputs=True)
+def rule_embedding(ctx: RuleContext, node: fx.Node) -> None:
+    """Vocab-split table: vocab-parallel lookup (masked, all-reduced, R); hidden-split table: S(-1)."""
+    w, ids = node.args[0], node.args[1]
+    sp = ctx.split_param(w)
+    if sp is None:
+        ctx.run_replicated(node)
+        return
+    ctx.replace_param(w.target, sp.dim, sp.parts, pad=sp.size is not None)
+    if sp.dim == 0:
+        node.target, node.args, node.kwargs = (
+            collectives.vocab_parallel_embedding,
+            (w, ctx.replicated(ids), ctx.axis),
+            {},
+        )
+        ctx.set_meta(node, R)
+    else:
+        ctx.set_meta(node, Placement.shard(len(ctx.gshape(node)) - 1))
+        ctx.check(node)
+
+
+# ---------------------------------------------------------------- attention
+@register_rule(aten.scaled_dot_product_attention)
+def rule_sdpa(ctx: RuleContext, node: fx.Node) -> None:
+    """Q, K, V all sharded on heads (dim 1): attention per local head, S(1) out, a per-head mask sliced."""
+    q, k, v = node.args[:3]
+    places = [ctx.place.get(t, R) for t in (q, k, v)]
+    if not all(p.is_shard and p.dim == 1 and not p.parts for p in places):
+        # replicated, or not head-parallel (column-parallel Q with a replicated attention core):
+        # gather the inputs and run attention replicated - correct, only slower
+        ctx.run_replicated(node)
+        return
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    if isinstance(mask, fx.Node):
+        mshape = ctx.gshape(mask)
+        if len(mshape) == 4 and mshape[1] == ctx.gshape(q)[1] and mshape[1] > 1:
+            node.replace_input_with(mask, ctx.sharded(mask, 1))
+        else:
+            node.replace_input_with(mask, ctx.replicated(mask))
+    ctx.set_meta(node, Placement.shard(1))
+    ctx.check(node)
+
+
+# ---------------------------------------------------------------- reshapes and layout ops
+@register_rule(aten.view, aten.reshape, aten._unsafe_view)
+def rule_view(ctx: RuleContext, node: fx.Node) -> None:
+    """Reshape of a shard: the shard moves to the output dim `view_shard_dim` finds; literal sizes /tp."""
+    x = node.args[0]
+    p = ctx.shard_of(x)
+    if p is None:
+        ctx.run_replicated(node)
+        return
+    try:
+        out_dim = view_shard_dim(ctx.gshape(x), ctx.gshape(node), p.dim, ctx.tp)
+    except ValueError as e:
+        raise ctx.fail(node, str(e)) from e
+    if p.parts and ctx.gshape(x)[p.dim] != ctx.gshape(node)[out_dim]:
+        raise ctx.fail(
+            node, "reshape merges a fused projection's output with other dims before its parts are split"
+        )
+    placement = Placement.shard(out_dim, p.parts)
+    node.args = (x, list(local_shape(ctx.gshape(node), placement, ctx.tp)), *node.args[2:])
+    ctx.set_meta(node, placement)
+    ctx.check(node)
+
+
+def _move_shard(ctx: RuleContext, node: fx.Node, new_dim: Callable[[Placement, int], int]) -> None:
+    """A layout op on a shard: the output is S(new_dim(p, ndim)); a replicated input stays replicated."""
+    x = node.args[0]
+    p = ctx.shard_of(x)
+    if p is None:
+        ctx.run_replicated(node)
+        return
+    ctx.set_meta(node, Placement.shard(new_dim(p, len(ctx.gshape(x))), p.parts))
+    ctx.check(node)
+
+
+@register_rule(aten.transpose)
+def rule_transpose(ctx: RuleContext, node: fx.Node) -> None:
+    """Transpose of a shard: the shard follows its dim through the swap."""
+
+    def new(p: Placement, nd: int) -> int:
+        a, b = (int(v) % nd for v in node.args[1:3])
+        return b if p.dim == a else a if p.dim == b else p.dim
+
+    _move_shard(ctx, node, new)
+
+
+@register_rule(aten.t)
+def rule_t(ctx: RuleContext, node: fx.Node) -> None:
+    """2-D transpose of a shard: S(d) -> S(1 - d)."""
+    _move_shard(ctx, node, lambda p, nd: 1 - p.dim)
+
+
+@register_rule(aten.permute)
+def rule_permute(ctx: RuleContext, node: fx.Node) -> None:
+    """Permute of a shard: the shard goes where the permutation puts its dim."""
+    _move_shard(ctx, node, lambda p, nd: [int(v) % nd for v in node.args[1]].index(p.dim))
+
+
+@register_rule(aten.unsqueeze)
+def rule_unsqueeze(ctx: RuleContext, node: fx.Node) -> None:
+    """Unsqueeze of a shard: the shard dim moves up by one when the new dim is at or before it."""
+
+    def new(p: Placement, nd: int) -> int:
+        k = int(node.args[1]) % (nd + 1)
+        return p.dim + 1 if k <= p.dim else p.dim
+
+    _move_shard(ctx, node, new)
+
+
+@register_rule(aten.expand)
+def rule_expand(ctx: RuleContext, node: fx.Node) -> None:
+    """Expand of a shard: keeps the shard (offset by new leading dims); its literal size becomes /tp."""
+    x = node.args[0]
+    p = ctx.shard_of(x)
+    if p is None:
+        ctx.run_replicated(node)
+        return
+    sizes = list(node.args[1])
+    new = p.dim + len(sizes) - len(ctx.gshape(x))
+    if sizes[new] != -1:
+        sizes[new] = ctx.gshape(x)[p.dim] // ctx.tp
+    node.args = (x, sizes, *node.args[2:])
+    ctx.set_meta(node, Placement.shard(new, p.parts))
+    ctx.check(node)
+
+
+@register_rule(aten.slice, aten.select, aten.narrow)
+def rule_slice(ctx: RuleContext, node: fx.Node) -> None:
+    """Slice / select / narrow of a shard along another dim keeps it (select drops a dim); along it: error."""
+
+    def new(p: Placement, nd: int) -> int:
+        dim = int(node.args[1]) % nd
+        if dim == p.dim:
+            raise ctx.fail(node, f"slicing along the sharded dim {p.dim}")
+        selecting = getattr(node.target, "overloadpacket", None) is aten.select
+        return p.dim - 1 if (selecting and dim < p.dim) else p.dim
+
+    _move_shard(ctx, node, new)
+
+
+@register_rule(aten.split, aten.split_with_sizes)
+def rule_split(ctx: RuleContext, node: fx.Node) -> None:
+    """Split of a shard: along another dim every piece keeps it; along it only a fused projection's parts."""
+    x, size = node.args[0], node.args[1]
+    p = ctx.shard_of(x)
+    if p is None:
+        ctx.run_replicated(node)
+        return
+    dim = int(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % len(ctx.gshape(x))
+    if dim != p.dim:
+        ctx.set_tuple(node, [Placement.shard(p.dim, p.parts)] * len(ctx.global_val[node]), str(p))
+        return
+    full = ctx.gshape(x)[dim]
+    sizes = (
+        list(size)
+        if isinstance(size, (list, tuple))
+        else [size] * (full // size) + ([full % size] if full % size else [])
+    )
+    if not p.parts or list(p.parts) != sizes or any(s % ctx.tp for s in sizes):
+        raise ctx.fail(
+            node, f"split sizes {sizes} along the sharded dim do not match the fused parts {p.parts}"
+        )
+    local = [s // ctx.tp for s in sizes]
+    node.args = (x, local if isinstance(size, (list, tuple)) else local[0], *node.args[2:])
+    ctx.set_tuple(node, [Placement.shard(dim)] * len(sizes), f"[{Placement.shard(dim)}] * {len(sizes)}")
+
+
+@register_rule(aten.chunk)
+def rule_chunk(ctx: RuleContext, node: fx.Node) -> None:
+    """Chunk of a shard along another dim: every chunk keeps the shard; along it: error."""
+    x = node.args[0]
+    p = ctx.shard_of(x)
+    if p is None:
+        ctx.run_replicated(node)
+        return
+    dim = int(node.args[2] if len(node.args) > 2 else 0) % len(ctx.gshape(x))
+    if dim == p.dim:
+        raise ctx.fail(node, f"chunk along the sharded dim {p.dim}")
+    ctx.set_tuple(node, [Placement.shard(p.dim, p.parts)] * len(ctx.global_val[node]), str(p))
+
+
+@register_rule(operator.getitem)
+def rule_getitem(ctx: RuleContext, node: fx.Node) -> None:
+    """Item of a tuple-producing node: that output's placement (R when the producer was replicated)."""
+    src, idx = node.args
+    p = ctx.place.get(src, R)
+    ctx.set_meta(node, p[idx] if isinstance(p, list) else R)
+
+
+@register_rule(aten.repeat_interleave)
+def rule_repeat_interleave(ctx: RuleContext, node: fx.Node) -> None:
+    """GQA K/V repeat with an int count on a head shard: each rank repeats its own heads, shard kept."""
+    if ctx.shard_of(node.args[0]) is None or not isinstance(node.args[1], int):
+        ctx.run_replicated(node)
+        return
+    _move_shard(ctx, node, lambda p, nd: p.dim)
+
+
+@register_rule(aten.cat)
+def rule_cat(ctx: RuleContext, node: fx.Node) -> None:
+    """Concatenation of equal shards along another dim keeps the shard; anything else is replicated."""
+    tensors, dim = node.args[0], (node.args[1] if len(node.args) > 1 else 0)
+    places = [ctx.place.get(t, R) for t in tensors]
+    dim = int(dim) % len(ctx.gshape(node))
+    first = places[0]
+    if all(p == first for p in places) and first.is_shard and first.dim != dim and not first.parts:
+        ctx.set_meta(node, first)
+        ctx.check(node)
+    else:
+        ctx.run_replicated(node)
+
+
+@register_rule(
+    aten.contiguous,
+    aten.clone,
+    aten.alias,
+    aten.detach,
+    aten._to_copy,
+    aten.to,
+    aten.dropout,
+    aten.lift_fresh_copy,
+    aten.type_as,
+)
+def rule_same(ctx: RuleContext, node: fx.Node) -> None:
+    """Copy, cast, alias or dropout of a shard: the output keeps the input's shard."""
+    p = ctx.shard_of(node.args[0] if node.args else None)
+    if p is None:
+        ctx.run_replicated(node)
+        return
+    ctx.set_meta(node, p)
+    ctx.check(node)
+
+
+# ---------------------------------------------------------------- reductions and normalisations
+def _reduce(ctx: RuleContext, node: fx.Node, dims_keep: Callable[[int], tuple[list[int], bool]]) -> None:
+    """A reduction over dims_keep(ndim) = (dims, keepdim) of an unfused shard on another dim keeps it."""
+    x = node.args[0]
+    p = ctx.shard_of(x)
+    if p is None or p.parts:
+        ctx.run_replicated(node)
+        return
+    dims, keep = dims_keep(len(ctx.gshape(x)))
+    if p.dim in dims:
+        ctx.run_replicated(node)
+        return
+    ctx.set_meta(node, Placement.shard(p.dim if keep else p.dim - sum(1 for d in dims if d < p.dim)))
+    ctx.check(node)
+
+
+@register_rule(aten.mean, aten.sum, aten.amax, aten.amin, aten.var, aten.std)
+def rule_reduce_dims(ctx: RuleContext, node: fx.Node) -> None:
+    """Reduction over non-sharded dims keeps the shard (dim renumbered without keepdim); else replicated."""
+
+    def dims_keep(nd: int) -> tuple[list[int], bool]:
+        raw = node.args[1] if len(node.args) > 1 else None
+        dims = (
+            list(range(nd))
+            if raw is None
+            else [int(v) % nd for v in (raw if isinstance(raw, (list, tuple)) else [raw])]
+        )
+        keep = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
+        return dims, keep
+
+    _reduce(ctx, node, dims_keep)
+
+
+@register_rule(aten._softmax, aten.softmax, aten._log_softmax, aten.log_softmax)
+def rule_softmax(ctx: RuleContext, node: fx.Node) -> None:
+    """Softmax on a non-sharded dim keeps the shard; on the sharded dim the input is gathered."""
+    _reduce(ctx, node, lambda nd: ([int(node.args[1]) % nd], True))
+
+
+@register_rule(aten.layer_norm, *([aten.rms_norm] if hasattr(aten, "rms_norm") else []))
+def rule_norm(ctx: RuleContext, node: fx.Node) -> None:
+    """Layer / RMS norm over trailing non-sharded dims keeps the shard; over the shard: gathered."""
+    _reduce(ctx, node, lambda nd: (list(range(nd - len(node.args[1]), nd)), True))
+
+
+# ---------------------------------------------------------------- pointwise
+@register_rule(
+    *pointwise_overloads(
+        aten.add, aten.sub, aten.mul, aten.div, aten.neg, aten.pow, aten.rsqrt, aten.sqrt, aten.exp,
+        aten.tanh, aten.sigmoid, aten.relu, aten.gelu, aten.silu, aten.cos, aten.sin, aten.where,
+        aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge, aten.bitwise_and, aten.bitwise_or,
+        aten.logical_not,
+    )
+)  # fmt: skip
+def rule_pointwise(ctx: RuleContext, node: fx.Node) -> None:
+    """Elementwise op with one shard dim among its inputs: S out; replicated operands sliced (broadcast)."""
+    out_shape = ctx.gshape(node) if isinstance(ctx.global_val.get(node), torch.Tensor) else None
+    inputs = [a for a in node.all_input_nodes if isinstance(ctx.global_val.get(a), torch.Tensor)]
+    shards = {
+        (ctx.place[a].dim + len(out_shape) - len(ctx.gshape(a)))
+        for a in inputs
+        if isinstance(ctx.place.get(a), Placement) and ctx.place[a].is_shard and not ctx.place[a].parts
+    }
+    if out_shape is None or len(shards) != 1 or any(ctx.place.get(a, R).is_partial for a in inputs):
+        ctx.run_replicated(node)
+        return
+    od = shards.pop()
+    for a in inputs:
+        if ctx.place.get(a, R).is_shard:
+            continue
+        shape = ctx.gshape(a)
+        ad = od - (len(out_shape) - len(shape))
+        if ad >= 0 and shape[ad] != 1:
+            node.replace_input_with(a, ctx.sharded(a, ad))
+        else:
+            node.replace_input_with(a, ctx.copy_in(a))
+    ctx.set_meta(node, Placement.shard(od))
+    ctx.check(node)
+
+
+# ---------------------------------------------------------------- replicated on purpose
+@register_rule(
+    aten.arange, aten.new_ones, aten.new_zeros, aten.zeros, aten.ones, aten.full, aten.empty,
+    aten.__and__, aten.__or__, aten.cumsum, aten.diff, aten.index, aten.triu, aten.tril,
+)  # fmt: skip
+def rule_replicated(ctx: RuleContext, node: fx.Node) -> None:
+    """Factories, mask logic, scans and indexing (positions, causal masks): replicated, inputs gathered."""
+    ctx.run_replicated(node)
+
+
+_POINTWISE = RuleEntry(rule_pointwise)
+_REPLICATED = RuleEntry(RuleContext.run_replicated)
+
+
+def rule_for(target: object) -> RuleEntry:
+    """The rule for an fx node's `target`: its registered entry; with none, the pointwise rule for an op
+    ATen tags pointwise, else `RuleContext.run_replicated`."""
+    entry = RULES.lookup(target)
+    if entry is not None:
+        return entry
+    if hasattr(target, "tags") and torch.Tag.pointwise in target.tags:
+        return _POINTWISE
+    return _REPLICATED

@@ -1,0 +1,228 @@
+"""What a tensor-parallel op rule works with: one rank's rewrite state and the helpers rules share.
+
+A rule (`passes.tp_rules`) gets a `RuleContext` and one node. It reads the placements of the node's
+inputs (`ctx.place`), rewires inputs through `replicated` (all-gather), `sharded` (local slice) or
+`copy_in` (Megatron's `f` under training), replaces split parameters with this rank's shard
+(`replace_param`), records the node's placement and local meta value (`set_meta`), and checks the
+rewritten node's local shape (`check`). `run_replicated` is what an op without a sharding rule gets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import torch
+import torch.fx as fx
+
+from passes import collectives
+from passes.placement import Placement, local_shape, padded_size, shard_weight
+
+R = Placement.replicate()
+
+
+class SplitLike(Protocol):
+    """What the pass reads from a `planner.plan.WeightSplit`."""
+
+    weight: str
+    style: str
+    dim: int
+    parts: list[int] | None
+
+
+class TensorParallelError(ValueError):
+    """A node the TP rewrite cannot make correct; the message names the node and the reason."""
+
+
+class RuleContext:
+    """One rank's tensor-parallel rewrite of `gm`: placements so far, inserted collectives, shards.
+
+    place: node -> its Placement, or a list of Placements for a node producing a tuple (split, chunk).
+    global_val: node -> its global meta value from capture (inserted nodes reuse their source's).
+    param_split: weight FQN -> the Placement of its shard (from the plan's splits; padded for vocab).
+    """
+
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        splits: Mapping[str, SplitLike],
+        rank: int,
+        tp: int,
+        axis: str,
+        training: bool,
+    ):
+        self.gm, self.graph = gm, gm.graph
+        self.splits, self.rank, self.tp, self.axis, self.training = splits, rank, tp, axis, training
+        self.place: dict[fx.Node, Any] = {}
+        self.global_val: dict[fx.Node, Any] = {n: n.meta.get("val") for n in gm.graph.nodes}
+        self._replicated: dict[fx.Node, fx.Node] = {}
+        self._copied: dict[fx.Node, fx.Node] = {}
+        self._sharded: dict[tuple[fx.Node, int], fx.Node] = {}
+        self.param_split: dict[str, Placement] = {}
+        self.sharded_ids: set[int] = set()  # id() of the shard Parameters this pass created
+        self._plan_parameter_shards()
+
+    def _plan_parameter_shards(self) -> None:
+        for node in self.graph.nodes:
+            if node.op != "get_attr" or node.target not in self.splits or not node.users:
+                continue
+            split = self.splits[node.target]
+            if split.style == "replicate":
+                continue
+            length = tuple(self.global_val[node].shape)[split.dim]
+            size = padded_size(length, self.tp) if split.style == "vocab" and length % self.tp else None
+            self.param_split[node.target] = Placement.shard(
+                split.dim, tuple(split.parts) if split.parts else None, size
+            )
+
+    # ---------------------------------------------------------------- reading
+    def fail(self, node: fx.Node, why: str) -> TensorParallelError:
+        """The error for `node`: names the node, tp and `why` (the caller raises it)."""
+        return TensorParallelError(
+            f"tensor-parallel rewrite of node `{node.format_node()}` (tp={self.tp}): {why}"
+        )
+
+    def gshape(self, node: fx.Node) -> tuple[int, ...]:
+        """Global shape of `node` (from capture)."""
+        return tuple(self.global_val[node].shape)
+
+    def shard_of(self, node: Any) -> Placement | None:
+        """`node`'s placement when it is a shard, else None (replicated, partial, not a node)."""
+        p = self.place.get(node, R) if isinstance(node, fx.Node) else R
+        return p if isinstance(p, Placement) and p.is_shard else None
+
+    def split_param(self, node: Any) -> Placement | None:
+        """The shard placement of a split parameter (`get_attr`) node, else None."""
+        if isinstance(node, fx.Node) and node.op == "get_attr":
+            return self.param_split.get(node.target)
+        return None
+
+    # ---------------------------------------------------------------- writing
+    def insert(
+        self, after: fx.Node, fn: Callable, args: tuple, placement: Placement, global_like: fx.Node
+    ) -> fx.Node:
+        """Insert `fn(*args)` after `after`, with `global_like`'s global value and `placement`."""
+        with self.graph.inserting_after(after):
+            new = self.graph.call_function(fn, args)
+        self.global_val[new] = self.global_val[global_like]
+        self.set_meta(new, placement)
+        return new
+
+    def set_meta(self, node: fx.Node, placement: Any) -> None:
+        """Record `placement`; a tensor's `meta["val"]` becomes a meta tensor of its local shape."""
+        self.place[node] = placement
+        node.meta["tp_placement"] = str(placement)
+        val = self.global_val.get(node)
+        if isinstance(placement, Placement) and isinstance(val, torch.Tensor):
+            node.meta["val"] = torch.empty(
+                local_shape(tuple(val.shape), placement, self.tp), dtype=val.dtype, device="meta"
+            )
+
+    def set_tuple(self, node: fx.Node, placements: list[Placement], label: str) -> None:
+        """Record one placement per output of a tuple-producing node; `label` goes to meta."""
+        self.place[node] = placements
+        node.meta["tp_placement"] = label
+
+    def replicated(self, node: fx.Node) -> fx.Node:
+        """`node` as a replicated value: all-gather a shard; partial sums never leave a matmul rule."""
+        p = self.place.get(node, R)
+        if not isinstance(p, Placement) or p.is_replicate:
+            return node
+        if p.is_partial:
+            raise self.fail(node, "a partial sum reached an op that needs the full value")
+        if p.parts:
+            raise self.fail(node, "a fused projection's output must be split into its parts before other ops")
+        if node not in self._replicated:
+            gathered = self.insert(node, collectives.tp_all_gather, (node, p.dim, self.axis), R, node)
+            if p.size:  # a padded vocabulary: drop the padding rows after the gather
+                length = self.gshape(node)[p.dim]
+                val = self.global_val[node]
+                shape = list(val.shape)
+                shape[p.dim] = p.size
+                gathered.meta["val"] = torch.empty(shape, dtype=val.dtype, device="meta")
+                gathered = self.insert(
+                    gathered, torch.ops.aten.slice.Tensor, (gathered, p.dim, 0, length), R, node
+                )
+            self._replicated[node] = gathered
+        return self._replicated[node]
+
+    def sharded(self, node: fx.Node, dim: int) -> fx.Node:
+        """`node` sharded along `dim` (slicing a replicated value locally)."""
+        p = self.place.get(node, R)
+        if isinstance(p, Placement) and p.is_shard and p.dim == dim and not p.parts and not p.size:
+            return node
+        full = self.replicated(node)
+        if self.gshape(node)[dim] % self.tp:
+            raise self.fail(node, f"dim {dim} of size {self.gshape(node)[dim]} does not divide by tp")
+        key = (full, dim)
+        if key not in self._sharded:
+            self._sharded[key] = self.insert(
+                full, collectives.tp_shard, (full, dim, self.axis), Placement.shard(dim), node
+            )
+        return self._sharded[key]
+
+    def copy_in(self, node: fx.Node) -> fx.Node:
+        """Replicated float input of a shard-producing op: under training, wrap in `tp_copy`."""
+        val = self.global_val.get(node)
+        if not self.training or not isinstance(val, torch.Tensor) or not val.dtype.is_floating_point:
+            return node
+        if node not in self._copied:
+            self._copied[node] = self.insert(node, collectives.tp_copy, (node, self.axis), R, node)
+        return self._copied[node]
+
+    def replace_param(self, fqn: str, dim: int, parts: tuple[int, ...] | None, pad: bool = False) -> None:
+        """Swap parameter `fqn` (and every tied alias of it) for this rank's shard, once."""
+        owner_path, _, name = fqn.rpartition(".")
+        owner = self.gm.get_submodule(owner_path) if owner_path else self.gm
+        full = getattr(owner, name)
+        if id(full) in self.sharded_ids:
+            return
+        try:
+            shard = shard_weight(full.detach(), dim, parts, self.rank, self.tp, pad=pad)
+        except ValueError as e:
+            raise TensorParallelError(f"weight `{fqn}` of shape {tuple(full.shape)}: {e}") from e
+        new = torch.nn.Parameter(shard, requires_grad=full.requires_grad)
+        self.sharded_ids.add(id(new))
+        for module in self.gm.modules():  # every alias of a tied weight gets the shard
+            for pname, value in list(module._parameters.items()):
+                if value is full:
+                    module._parameters[pname] = new
+
+    def run_replicated(self, node: fx.Node) -> None:
+        """Any op without a sharding rule: run it on replicated inputs (all-gather shards)."""
+        for a in list(node.all_input_nodes):
+            p = self.place.get(a, R)
+            if isinstance(p, Placement) and not p.is_replicate:
+                node.replace_input_with(a, self.replicated(a))
+        val = self.global_val.get(node)
+        if isinstance(val, (list, tuple)):
+            self.place[node] = [R] * len(val)
+        else:
+            self.set_meta(node, R)
+
+    # ---------------------------------------------------------------- checking
+    def check(self, node: fx.Node) -> None:
+        """Re-run `node` on meta tensors of the local input shapes; compare with the placement's shape."""
+
+        def meta(a):
+            if isinstance(a, fx.Node):
+                v = a.meta.get("val")
+                if isinstance(v, torch.Tensor):
+                    return torch.empty(v.shape, dtype=v.dtype, device="meta")
+                return v
+            return a
+
+        if node.target in (collectives.vocab_parallel_embedding,):
+            return
+        try:
+            out = node.target(
+                *fx.node.map_aggregate(node.args, meta), **fx.node.map_aggregate(node.kwargs, meta)
+            )
+        except Exception as e:
+            raise self.fail(node, f"could not evaluate the rewritten op on local shapes: {e}") from e
+        want = node.meta["val"].shape
+        if tuple(out.shape) != tuple(want):
+            raise self.fail(
+                node,
+                f"local shape {tuple(out.shape)} != expected {tuple(want)} for {node.meta['tp_placement']}",
+            )

@@ -1,0 +1,196 @@
+"""The solver's typed inputs and outputs, shared by its modules (this module imports no other solver one).
+
+    WorkloadSpec + Constraints (user input) ─► MeshConfig per candidate ─► ILP ─► Assignment ─► Plan
+
+- `WorkloadSpec`: what one step is (kind, batch, sequence, KV cache, micro-batches, dtype).
+- `MeshConfig`: one candidate of the mesh search: the `MeshShape`, micro-batches per step and the
+  pipeline `Schedule` it is priced with.
+- `LadderMode`, `LadderPolicy`: which layers may use ladder residual; `LadderPolicy.parse` is the one
+  parser of the `--ladder none|upper:N|auto|auto:max=N` option.
+- `Constraints`: what the user pins or allows.
+- `Assignment`: one solution: an option per op, the pipeline stages, the ladder and recomputed layers.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, field
+
+from costmodels.dtypes import DTYPE_BYTES
+from planner.errors import InputError
+from planner.plan import WORKLOADS, MeshShape, Schedule, Workload
+
+LADDER_MIN_SAVING_FRACTION = 0.05  # a laddered layer must save >= 5% of its time (it changes the model)
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """What one step is. Raises InputError naming the field for a value out of range."""
+
+    kind: Workload  # forward (prefill), decode (one new token per sequence) or train
+    batch_size: int  # global batch, sequences
+    seq_len: int  # tokens per sequence (forward / train); ignored for decode (1 new token)
+    context: int = 0  # decode: tokens already in the KV cache
+    micro_batches: int | None = None  # None: the search chooses
+    dtype: str | None = None  # None: the model's dtype
+
+    def __post_init__(self) -> None:
+        if self.kind not in WORKLOADS:
+            raise InputError(f"workload {self.kind!r} is not one of {list(WORKLOADS)}")
+        object.__setattr__(self, "kind", Workload(self.kind))  # frozen: the one normalisation
+        for name in ("batch_size", "seq_len"):
+            if getattr(self, name) < 1:
+                raise InputError(f"workload {name} must be >= 1, got {getattr(self, name)}")
+        if self.context < 0 or (self.kind is Workload.DECODE and self.context < 1):
+            raise InputError(
+                f"workload context must be >= 1 for decode (KV-cache tokens), got {self.context}"
+            )
+        if self.micro_batches is not None and self.micro_batches < 1:
+            raise InputError(f"workload micro_batches must be >= 1, got {self.micro_batches}")
+        if self.dtype is not None and self.dtype not in DTYPE_BYTES:
+            raise InputError(f"workload dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+
+    @property
+    def train(self) -> bool:
+        return self.kind is Workload.TRAIN
+
+    @property
+    def tokens_per_sequence(self) -> int:
+        """New tokens processed per sequence in one step."""
+        return 1 if self.kind is Workload.DECODE else self.seq_len
+
+    @property
+    def kv_len(self) -> int:
+        """Keys/values each query attends to."""
+        return self.context + 1 if self.kind is Workload.DECODE else self.seq_len
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """One candidate of the mesh search: where the step runs and how it is pipelined."""
+
+    mesh: MeshShape
+    micro_batches: int  # per step and DP replica (1 without pipelining, except for training)
+    schedule: Schedule = Schedule.ONE_F_ONE_B  # decides the activations a stage holds (training)
+
+    @property
+    def num_devices(self) -> int:
+        return self.mesh.num_devices
+
+    def label(self) -> str:
+        """'tp=8 pp=2 dp=1 m=4'."""
+        return f"{self.mesh.label()} m={self.micro_batches}"
+
+
+class LadderMode(str, enum.Enum):
+    """Which layers may use ladder residual connections."""
+
+    NONE = "none"  # no layer
+    UPPER = "upper"  # exactly the upper `count` layers
+    AUTO = "auto"  # the solver's choice among the upper `count` layers (contiguous with the top)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class LadderPolicy:
+    """Which layers may use ladder residual: none, exactly the upper N, or the solver's choice of the upper N."""
+
+    mode: LadderMode = LadderMode.NONE
+    count: int | None = None  # upper: exactly this many; auto: at most this many (None: every layer)
+
+    @classmethod
+    def parse(cls, text: str, option: str = "ladder") -> LadderPolicy:
+        """'none' | 'upper:N' | 'auto' | 'auto:max=N'. Raises InputError naming `option` (e.g. "--ladder")."""
+        text = text.strip()
+        if text == "none":
+            return cls(LadderMode.NONE, 0)
+        if text == "auto":
+            return cls(LadderMode.AUTO, None)
+        m = re.fullmatch(r"(upper):(\d+)|(auto):max=(\d+)", text)
+        if m is None:
+            raise InputError(f"{option} must be none, upper:N, auto or auto:max=N (N layers), got {text!r}")
+        if m.group(1):
+            return cls(LadderMode.UPPER, int(m.group(2)))
+        return cls(LadderMode.AUTO, int(m.group(4)))
+
+    def __str__(self) -> str:
+        if self.mode is LadderMode.NONE:
+            return "none"
+        if self.mode is LadderMode.UPPER:
+            return f"upper:{self.count}"
+        return "auto" if self.count is None else f"auto:max={self.count}"
+
+    def for_layers(self, num_layers: int) -> LadderPolicy:
+        """This policy on a model of `num_layers` layers (count resolved). Raises InputError if it
+        asks for more layers than the model has."""
+        if self.mode is LadderMode.NONE:
+            return LadderPolicy(LadderMode.NONE, 0)
+        if self.count is not None and self.count > num_layers:
+            raise InputError(f"ladder {str(self)!r}: the model has only {num_layers} layers")
+        return LadderPolicy(self.mode, num_layers if self.count is None else self.count)
+
+    def eligible(self, num_layers: int) -> list[int]:
+        """Layers that may (auto) or must (upper) be laddered: the top `count` (all for auto without max)."""
+        if self.mode is LadderMode.NONE:
+            return []
+        count = num_layers if self.count is None else min(self.count, num_layers)
+        return list(range(num_layers - count, num_layers))
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """What the user pins or allows. None = the search chooses. Raises InputError naming the field."""
+
+    tp: int | None = None  # pinned tensor-parallel degree
+    pp: int | None = None  # pinned pipeline-parallel degree
+    dp: int | None = None  # pinned data-parallel degree
+    max_devices: int | None = None  # use at most this many devices (default: the whole cluster)
+    ladder: LadderPolicy = LadderPolicy()  # `LadderPolicy.parse` reads the --ladder option
+    schedule: Schedule = Schedule.ONE_F_ONE_B  # pipeline schedule the plans are priced with (and run)
+    tp_across_nodes: bool = False  # consider TP groups larger than a node (off: TP stays in a node)
+    memory_fraction: float = 0.9  # share of device memory plans may use (rest: runtime, fragmentation)
+    time_limit_s: float = 10.0  # CBC time limit per ILP
+    search_time_limit_s: float = 60.0  # all ILPs together; candidates left unsolved are reported
+    mip_gap: float = 0.01  # relative optimality gap at which CBC stops (1%; reported in SolverInfo.gap)
+    ladder_min_saving_fraction: float = LADDER_MIN_SAVING_FRACTION
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp", "max_devices"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise InputError(f"constraint {name} must be >= 1, got {value}")
+        if not 0 < self.memory_fraction <= 1:
+            raise InputError(f"constraint memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.time_limit_s <= 0:
+            raise InputError(f"constraint time_limit_s must be > 0, got {self.time_limit_s}")
+        if not isinstance(self.ladder, LadderPolicy):
+            raise InputError(
+                f"constraint ladder must be a LadderPolicy (LadderPolicy.parse), got {self.ladder!r}"
+            )
+        if self.schedule not in {s.value for s in Schedule}:
+            raise InputError(
+                f"constraint schedule {self.schedule!r} is not one of {[s.value for s in Schedule]}"
+            )
+        object.__setattr__(self, "schedule", Schedule(self.schedule))
+
+    @property
+    def pinned(self) -> dict[str, int]:
+        """The pinned degrees by axis name ("tp", "pp", "dp"), in mesh order."""
+        return {k: getattr(self, k) for k in ("tp", "pp", "dp") if getattr(self, k) is not None}
+
+
+@dataclass
+class Assignment:
+    """One solution on one mesh: what the ILP returns, the baseline fixes, and the predictor prices."""
+
+    choices: dict[tuple[str, str], str]  # (graph key, op name) -> option name, every op of every graph
+    stages: list[list[int]]  # layers of each pipeline stage, contiguous and in order
+    ladder_layers: list[int] = field(default_factory=list)
+    recompute: set[str] = field(default_factory=set)  # training: graph keys whose forward is recomputed
+
+    def option(self, key: str, op: str) -> str:
+        """The option chosen for op `op` of graph `key`."""
+        return self.choices[(key, op)]

@@ -1,0 +1,132 @@
+"""A run of a plan: what every rank is asked to do (`RunJob`), what it sets up from it
+(`set_up_rank`), what it reports (`RankReport`), and the summary over ranks (`summarise`)."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from passes import collectives
+from planner.frontend.modelfile import ModelFile, load_model_file
+from planner.plan import Plan
+from runtime.data_parallel import args_share
+from runtime.launch import RankContext
+from runtime.mesh import RankGroups, build_rank_groups
+
+
+@dataclass
+class RunJob:
+    """What every rank needs to execute a plan (pickled to the ranks)."""
+
+    model_path: str
+    plan: dict[str, Any]  # Plan.to_dict()
+    batch_size: int | None = None
+    seq_len: int | None = None
+    workload: str = "forward"  # "forward" | "train"
+    warmup: int = 2
+    iters: int = 5
+    seed: int = 0
+    return_output: bool = False  # put the rank's output tensor in the report (tests)
+    profile_layers: bool = False  # forward: time every node once more, summed per layer (runtime.profile)
+
+
+@dataclass
+class RankReport:
+    """One rank's measurements (seconds, bytes) and numerics against the unsharded reference."""
+
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    latency_samples_s: list[float]
+    median_s: float
+    peak_memory_bytes: int
+    max_abs_diff: float | None  # vs the unsharded reference (ladder applied to both); None off the last stage
+    output_scale: float | None  # max |reference output|
+    grad_max_abs_diff: float | None = None  # training: worst gradient difference over this rank's parameters
+    ladder_deviation: float | None = None  # relative L2 of laddered vs original outputs
+    pipeline_schedule: str | None = None  # pp > 1: the torch.distributed.pipelining schedule class run
+    notes: list[str] = field(default_factory=list)
+    output: torch.Tensor | None = None  # only with RunJob.return_output
+    per_layer_s: dict[str, float] = field(
+        default_factory=dict
+    )  # forward: measured seconds per layer / "ends"
+
+
+@dataclass
+class RankSetup:
+    """What a rank sets up from its job before lowering: process groups, model file, inputs."""
+
+    plan: Plan
+    groups: RankGroups  # this rank's process groups; the "tp" axis is registered for the collectives
+    model_file: ModelFile
+    device: torch.device
+    seed: int
+    training: bool
+    full_args: tuple  # the whole batch, (args, kwargs) of the model call
+    full_kwargs: dict
+    args: tuple  # this DP replica's share of the batch (dim 0)
+    kwargs: dict
+
+    def build_model(self) -> torch.nn.Module:
+        """The model, built with the job's seed on this rank's device: the same weights on every rank."""
+        torch.manual_seed(self.seed)
+        return self.model_file.build(str(self.device))
+
+
+def set_up_rank(ctx: RankContext, job: RunJob) -> RankSetup:
+    """Build this rank's process groups (collective), register the TP group with
+    `passes.collectives`, load the model file and cut the inputs to this DP replica's share.
+    Raises ValueError when the batch does not divide by dp."""
+    plan = Plan.from_dict(job.plan)
+    groups = build_rank_groups(plan.mesh, ctx.device.type)
+    collectives.register_group("tp", groups.group("tp"))
+    model_file = load_model_file(job.model_path)
+    full_args, full_kwargs = model_file.inputs(job.batch_size, job.seq_len, device=str(ctx.device))
+    args, kwargs = args_share(full_args, full_kwargs, plan.dp, groups.dp_rank)
+    training = job.workload == "train"
+    return RankSetup(
+        plan, groups, model_file, ctx.device, job.seed, training, full_args, full_kwargs, args, kwargs
+    )
+
+
+def summarise(reports: list[RankReport]) -> dict[str, Any]:
+    """The report's `measured` and `numerics` sections from all ranks' reports.
+
+    latency_s: median over iterations of the slowest rank (a synchronous step ends when the last
+    rank ends); spread: p10/p90 of that rank's samples.
+    """
+    slowest = max(reports, key=lambda r: r.median_s)
+    diffs = [r.max_abs_diff for r in reports if r.max_abs_diff is not None]
+    grads = [r.grad_max_abs_diff for r in reports if r.grad_max_abs_diff is not None]
+    scale = max((r.output_scale or 0.0) for r in reports)
+    samples = sorted(slowest.latency_samples_s)
+    per_layer: dict[str, float] = {}
+    for r in reports:  # a layer takes as long as its slowest rank
+        for key, value in r.per_layer_s.items():
+            per_layer[key] = max(per_layer.get(key, 0.0), value)
+    return {
+        "measured": {
+            "latency_s": slowest.median_s,
+            "latency_p10_s": samples[len(samples) // 10] if samples else None,
+            "latency_p90_s": samples[min(len(samples) - 1, (9 * len(samples)) // 10)] if samples else None,
+            "per_rank_median_s": [r.median_s for r in reports],
+            "peak_memory_bytes": max(r.peak_memory_bytes for r in reports),
+            "per_rank_peak_memory_bytes": [r.peak_memory_bytes for r in reports],
+            "iterations": len(samples),
+            "per_layer_s": per_layer,
+        },
+        "numerics": {
+            "max_abs_diff": max(diffs) if diffs else None,
+            "relative_max_abs_diff": (max(diffs) / scale) if diffs and scale else None,
+            "output_scale": scale,
+            "grad_max_abs_diff": max(grads) if grads else None,
+            "ladder_deviation": next(
+                (r.ladder_deviation for r in reports if r.ladder_deviation is not None), None
+            ),
+            "median_rank_latency_s": statistics.median(r.median_s for r in reports),
+        },
+        "ranks": [{k: v for k, v in asdict(r).items() if k != "output"} for r in reports],
+    }
