@@ -480,7 +480,7 @@ def _worker(rank: int, nproc: int, port: int, use_cuda: bool, queue: object) -> 
         node_f, node_b, probe_nodes = _node_overhead_s(device)
         result["node_overhead_s"] = _reduce([node_f, node_b], dist.ReduceOp.MAX, device)
         result["probe_nodes"] = probe_nodes
-        progress("convolution and pooling", 0.43)
+        progress("convolution and pooling", 0.41)
         dist.barrier()
         result["conv_flops_per_s"], result["pool_bytes_per_s"] = _reduce(
             list(_conv_and_pool_rates(device)), dist.ReduceOp.MIN, device
