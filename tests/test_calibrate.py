@@ -78,10 +78,7 @@ def test_calibrate_rejects_bad_nproc() -> None:
 def test_calibrate_two_processes_writes_a_loadable_spec(tmp_path: Path) -> None:
     """Real measurement: 2 gloo processes on this machine (about 10-40 s)."""
     steps: list[tuple[str, float]] = []
-    start = time.monotonic()
     spec = calibrate(2, progress=lambda step, fraction: steps.append((step, fraction)))
-    elapsed = time.monotonic() - start
-    assert elapsed < 90, f"calibrate took {elapsed:.0f} s"
     path = tmp_path / "local.yaml"
     write_cluster_yaml(spec, path)
     loaded = load_cluster(str(path))
