@@ -22,24 +22,24 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
+from costmodels.dtypes import torch_dtype
 from passes.rng import SHARDED_SEED_OFFSET, dropout_nodes, seed_sharded_rng
 from planner.errors import InputError
 
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 STAGE_SEED_STRIDE = 100  # Megatron-LM: seed + 100 * pipeline rank
 
 
-def torch_dtype(dtype: str) -> torch.dtype:
-    """The torch dtype of a plan dtype name ("bf16" -> torch.bfloat16). Raises InputError for others."""
-    if dtype not in TORCH_DTYPES:
-        raise InputError(f"dtype {dtype!r} is not one of {sorted(TORCH_DTYPES)}")
-    return TORCH_DTYPES[dtype]
+def _torch_dtype(dtype: str) -> torch.dtype:
+    try:
+        return torch_dtype(dtype)
+    except ValueError as e:
+        raise InputError(f"the plan's dtype: {e}") from None
 
 
 def check_dtype_runs(dtype: str, device: torch.device) -> None:
     """Raise InputError when `device` cannot run the model in `dtype` (bf16 on a CUDA device without
     bf16 support); CPUs run fp32, bf16 and fp16."""
-    want = torch_dtype(dtype)
+    want = _torch_dtype(dtype)
     if device.type == "cuda" and want is torch.bfloat16 and not torch.cuda.is_bf16_supported():
         raise InputError(
             f"the plan's dtype is bf16 but {torch.cuda.get_device_name(device)} does not support bf16; "
@@ -49,13 +49,13 @@ def check_dtype_runs(dtype: str, device: torch.device) -> None:
 
 def set_run_mode(model: nn.Module, dtype: str, training: bool) -> nn.Module:
     """`model` with its floating parameters and buffers in `dtype`, in train or eval mode (in place)."""
-    model.to(torch_dtype(dtype))
+    model.to(_torch_dtype(dtype))
     return model.train(training)
 
 
 def cast_inputs(args: tuple, kwargs: dict, dtype: str) -> tuple[tuple, dict]:
     """(args, kwargs) with every floating tensor in `dtype` (token ids and masks of other dtypes kept)."""
-    want = torch_dtype(dtype)
+    want = _torch_dtype(dtype)
 
     def cast(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != want:
