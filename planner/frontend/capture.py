@@ -26,6 +26,9 @@ Guarantees of the returned graph (docs/ARCHITECTURE.md):
   returns that tensor itself (the output node's arg is a Node), otherwise a tuple of tensors.
   `flatten_output(eager_output)` gives the eager model's output in the same form.
 
+`input_batch_dims(make_inputs, batch_size)` says which dim of each input is the batch (or that it has
+none), from the example inputs made at two batch sizes: what DP and micro-batching may split.
+
 Errors: a model that cannot be captured raises `InputError` naming the op, the line of the user's
 code that was running (first traceback frame outside torch / transformers / the standard library)
 and the usual fixes.
