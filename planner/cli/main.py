@@ -149,14 +149,18 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             nproc,
             progress=lambda step, frac: progress.update(task, description=f"calibrating: {step}"),
         )
-        progress.update(task, description="solving the ILP")
+        progress.update(task, description="solving the ILP, then lowering the plan on meta tensors")
         constraints = workflow.constraints_from(
             args.tp, args.pp, args.dp, args.ladder, max_devices=args.devices, schedule=args.schedule
         )
         workflow.check_constraints_fit(
             cluster, constraints, prepared.structure.batch_size, args.micro_batches
         )
-        plan = workflow.make_plan(prepared, cluster, constraints, args.model)
+        if args.run:
+            _check_runs_here(args, cluster)
+        plan = workflow.make_plan(
+            prepared, cluster, constraints, args.model, workflow.cluster_source(args.cluster, nproc)
+        )
     n = len(prepared.structure.layers)
     console.print(
         f"Traced {args.model}: {n} layers, {prepared.structure.num_params / 1e6:,.1f} M parameters, "
@@ -165,6 +169,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     from planner.cli.render import render_decisions, render_layer_comparison, render_plan, render_run  # noqa: PLC0415
 
     render_plan(console, plan)
+    _warn(workflow.plan_warnings(plan))
     if args.why:
         render_decisions(console, plan)
     if args.out:
@@ -185,9 +190,33 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         render_run(console, report)
         render_layer_comparison(console, plan, run["measured"].get("per_layer_s", {}))
     if args.json:
-        write_text_atomic(args.json, json.dumps(report, indent=2, default=float))
+        write_text_atomic(args.json, json.dumps(report, indent=2, default=float), option="--json")
         console.print(f"report written to {args.json}")
     return 0
+
+
+def _warn(lines: list[str]) -> None:
+    for line in lines:
+        err_console.print(Text.assemble(("warning: ", "bold yellow"), line), highlight=False)
+
+
+def _check_runs_here(args: argparse.Namespace, cluster) -> None:
+    """--run on a GPU cluster spec from a machine without enough GPUs: say that the cluster is not this
+    machine and how to plan for it, before any planning work (InputError, exit 2)."""
+    if cluster.backend != "nccl" or args.scale_to_local:
+        return
+    have = torch_devices()
+    want = args.nproc or min(cluster.num_devices, args.devices or cluster.num_devices)
+    if have >= want:
+        return
+    here = f"{have} CUDA device(s)" if have else "no CUDA device"
+    raise InputError(
+        f"--run executes the plan on this machine, but --cluster {args.cluster} describes another one "
+        f"({cluster.name}: {cluster.num_devices} × {cluster.device.name}, nccl) and this machine has {here}. "
+        f"To plan for this machine and run: --cluster local-cpu --nproc N; to re-plan for local-cpu "
+        f"automatically: add --scale-to-local; to run this plan on {cluster.name}: save it with --out and "
+        "start planner run there under torchrun (README)"
+    )
 
 
 def _run(args, plan, prepared, cluster):
@@ -215,7 +244,7 @@ def _run(args, plan, prepared, cluster):
         constraints = workflow.constraints_from(
             args.tp, args.pp, args.dp, args.ladder, max_devices=nproc, schedule=args.schedule
         )
-        plan = workflow.make_plan(prepared, local, constraints, args.model)
+        plan = workflow.make_plan(prepared, local, constraints, args.model, "local-cpu")
         from planner.cli.render import render_plan  # noqa: PLC0415
 
         render_plan(console, plan)
@@ -247,9 +276,8 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from costmodels.cluster import load_cluster  # noqa: PLC0415
     from planner.cli import workflow  # noqa: PLC0415
-    from planner.cli.render import render_run  # noqa: PLC0415
+    from planner.cli.render import render_plan, render_run  # noqa: PLC0415
     from planner.plan import Plan  # noqa: PLC0415
 
     _check_outputs(args)
@@ -258,9 +286,23 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise InputError(f"model file {args.model} does not exist")
     nproc = args.nproc or plan.num_devices
     with _progress() as progress:
-        progress.add_task("checking the plan against the model", total=None)
+        task = progress.add_task("checking the plan against the model", total=None)
         prepared = workflow.prepare(args.model, "forward", plan.batch_size, plan.seq_len)
-    workflow.validate_plan_for_model(plan, prepared.structure, args.model, prepared.param_shapes)
+        workflow.validate_plan_for_model(plan, prepared.structure, args.model, prepared.param_shapes)
+        cluster, note = workflow.plan_cluster(plan, nproc)
+        progress.update(task, description="lowering the plan on meta tensors for every rank")
+        checked = workflow.check_lowering(prepared, plan, cluster)  # a hand-edited plan is checked whole
+    if note:
+        _warn([note])
+    if len(checked.fallbacks) > len(plan.fallbacks):
+        _warn(
+            [
+                "the plan does not price every op the tensor-parallel pass runs replicated (a hand-edited plan?); "
+                "its prediction now includes them:"
+            ]
+        )
+        render_plan(console, checked)
+    plan = checked
     if nproc != plan.num_devices:
         workflow.run_plan(
             plan, args.model, nproc, args.iters, args.warmup, args.timeout
@@ -271,10 +313,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         run = workflow.run_plan(plan, args.model, nproc, args.iters, args.warmup, args.timeout)
     if run is None:  # a rank other than 0 under torchrun: rank 0 reports
         return 0
-    try:
-        cluster = load_cluster(plan.cluster)
-    except PlannerError:
-        cluster = load_cluster("local-cpu", nproc=nproc)
     report = workflow.report_dict(plan, run, args.model, cluster)
     render_run(console, report)
     if cluster.backend != ("nccl" if torch_devices() else "gloo"):
@@ -283,7 +321,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             "so predicted / measured compares different hardware. Re-plan with --cluster for this machine to compare.[/yellow]"
         )
     if args.json:
-        write_text_atomic(args.json, json.dumps(report, indent=2, default=float))
+        write_text_atomic(args.json, json.dumps(report, indent=2, default=float), option="--json")
     return 0
 
 
