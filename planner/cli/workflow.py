@@ -266,7 +266,8 @@ def plan_cluster(plan: Plan, nproc: int) -> tuple[ClusterSpec, str]:
             continue
     where = plan.cluster_source or plan.cluster
     return load_cluster("local-cpu", nproc=nproc), (
-        f"the plan's cluster spec ({where}) cannot be loaded here; its fallbacks are priced for local-cpu"
+        f"the plan's cluster spec ({where}) cannot be loaded here; the plan is checked and its unplanned "
+        "all-gathers priced against local-cpu"
     )
 
 
