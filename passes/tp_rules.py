@@ -358,8 +358,7 @@ def rule_split(ctx: RuleContext, node: fx.Node) -> None:
 
 @register_rule(aten.chunk)
 def rule_chunk(ctx: RuleContext, node: fx.Node) -> None:
-    """Chunk of a shard: along another dim every chunk keeps it; along it only a fused projection's
-    parts (`w13(x).chunk(2, -1)` of a fused gate/up projection: each rank chunks its local halves)."""
+    """Chunk of a shard: along another dim every chunk keeps it; along it only a fused projection's parts."""
     x, chunks = node.args[0], int(node.args[1])
     p = ctx.shard_of(x)
     if p is None:
@@ -380,8 +379,7 @@ def rule_chunk(ctx: RuleContext, node: fx.Node) -> None:
 
 @register_rule(aten.unbind)
 def rule_unbind(ctx: RuleContext, node: fx.Node) -> None:
-    """Unbind of a shard along another dim: every slice keeps the shard (renumbered past the removed
-    dim); along the sharded dim: an error (no fused part is one element wide on every rank)."""
+    """Unbind of a shard along another dim: every slice keeps the shard (dim renumbered); along it: error."""
     x = node.args[0]
     p = ctx.shard_of(x)
     if p is None:
