@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -214,6 +215,11 @@ def _warn(lines: list[str]) -> None:
         err_console.print(Text.assemble(("warning: ", "bold yellow"), line), highlight=False)
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+    """`warnings.showwarning` for the command line: one "warning: ..." line, no source location."""
+    _warn([str(message)])
+
+
 def _check_runs_here(args: argparse.Namespace, cluster) -> None:
     """--run on a GPU cluster spec from a machine without enough GPUs: say that the cluster is not this
     machine and how to plan for it, before any planning work (InputError, exit 2)."""
@@ -364,6 +370,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `planner` console script; returns the process exit code."""
+    warnings.showwarning = _show_warning  # spec and calibration warnings as one line each
     try:
         args = build_parser().parse_args(argv)
         handler = {"optimize": cmd_optimize, "show": cmd_show, "run": cmd_run, "calibrate": cmd_calibrate}[
