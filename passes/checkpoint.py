@@ -8,6 +8,7 @@ tensor: the pages of the mapped file that hold other ranks' rows are not touched
     checkpoint_files(path)                   -> the .safetensors files of a file or a directory
     save_checkpoint(tensors, path)           -> one .safetensors file (aliased tensors stored once each)
     SafetensorsCheckpoint(files).read_shard(name, dim, parts, rank, tp, pad)
+    load_whole(model, files)                 -> every tensor of a model, by name (the unsharded reference)
 
 The shard is the one `passes.placement.shard_weight` cuts from the whole tensor (contiguous 1/tp
 chunk per fused part, vocabulary zero-padded to a multiple of tp), byte for byte.
@@ -146,3 +147,52 @@ class SafetensorsCheckpoint:
             pieces.append(self.read_rows(name, dim, offset + rank * chunk, offset + (rank + 1) * chunk))
             offset += part
         return torch.cat(pieces, dim=dim).contiguous() if len(pieces) > 1 else pieces[0].contiguous()
+
+
+def load_whole(model: torch.nn.Module, weights: str | Sequence[str], help_text: str = "") -> None:
+    """Replace every parameter and buffer of `model` by the tensor of the same name in the
+    safetensors files `weights` (a tied weight may be stored under any one of its names; the tie is
+    kept). Non-persistent buffers absent from the files keep the model's value. Raises InputError
+    naming missing tensors or shapes that do not fit (followed by `help_text`)."""
+    groups: dict[int, list[str]] = {}
+    for name, tensor in [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]:
+        groups.setdefault(id(tensor), []).append(name)
+    persistent = set(model.state_dict())
+    with SafetensorsCheckpoint(checkpoint_files(weights)) as source:
+        missing = [
+            names[0] for names in groups.values() if any(n in persistent for n in names)
+            and not any(n in source for n in names)
+        ]  # fmt: skip
+        if missing:
+            raise InputError(
+                f"the weights {weights} lack {len(missing)} tensors of the model, e.g. {missing[:3]}; {help_text}"
+            )
+        for names in groups.values():
+            stored = next((n for n in names if n in source), None)
+            if stored is None:
+                continue  # a non-persistent buffer: the model's own value (meta ones are refused later)
+            first = (
+                model.get_parameter(names[0]) if is_parameter(model, names[0]) else model.get_buffer(names[0])
+            )
+            value = source.read(stored)
+            if tuple(value.shape) != tuple(first.shape):
+                raise InputError(
+                    f"the weights {weights} do not fit the model: `{stored}` is {tuple(value.shape)}, "
+                    f"the model's is {tuple(first.shape)}"
+                )
+            value = value.to(first.dtype)
+            if isinstance(first, torch.nn.Parameter):
+                value = torch.nn.Parameter(value, requires_grad=first.requires_grad)
+            for name in names:  # every alias gets the same object: a tied weight stays tied
+                owner_path, _, leaf = name.rpartition(".")
+                owner = model.get_submodule(owner_path)
+                (owner._parameters if leaf in owner._parameters else owner._buffers)[leaf] = value
+
+
+def is_parameter(model: torch.nn.Module, name: str) -> bool:
+    """Whether `name` (an FQN) is a parameter of `model` (else a buffer)."""
+    owner_path, _, leaf = name.rpartition(".")
+    return leaf in model.get_submodule(owner_path)._parameters

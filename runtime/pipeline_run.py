@@ -21,7 +21,7 @@ from planner.frontend.capture import capture, flat_inputs
 from runtime.data_parallel import args_share, average_gradients, batch_share
 from runtime.job import RankReport, RankSetup, RunJob
 from runtime.launch import RankContext
-from runtime.measure import rank_peak_memory_bytes, reset_peak_memory, time_iterations
+from runtime.measure import time_iterations
 from runtime.numerics import first_output, grad_max_abs_diff, training_target
 from runtime.pipeline import PipelineRunner, all_reduce_tied_gradients
 
@@ -97,9 +97,8 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
         def timed() -> None:
             runner.forward(stage_inputs)
 
-    reset_peak_memory(ctx.device)
     timing = time_iterations(timed, warmup=job.warmup, iters=job.iters, device=ctx.device)
     report.latency_samples_s = list(timing.samples_s)
     report.median_s = timing.median_s
-    report.peak_memory_bytes = rank_peak_memory_bytes(stage, ctx.device)
+    # peak_memory_bytes: the process's real peak, filled in by runtime.execute.run_rank
     return report
