@@ -12,8 +12,8 @@ from planner.errors import InputError
 from runtime.launch import RankContext, launch
 from runtime.measure import (
     Timing,
-    peak_memory_bytes,
     current_memory_bytes,
+    peak_memory_bytes,
     process_peak_memory_bytes,
     reset_peak_memory,
     time_iterations,
