@@ -29,23 +29,22 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 import torch.nn.functional as F
 
 from passes.checkpoint import SafetensorsCheckpoint
 from passes.lower import lower_for_rank
-from passes.tensor_parallel import load_sharded_weights, read_local_shards
+from passes.tensor_parallel import load_sharded_weights
 from planner.frontend.analysis import ModelStructure, analyse
 from planner.frontend.capture import capture, flat_inputs, retarget_device
 from runtime.data_parallel import average_gradients
 from runtime.job import RankReport, RankSetup, ReferenceFiles, RunJob, set_up_rank
 from runtime.launch import RankContext
 from runtime.measure import current_memory_bytes, process_peak_memory_bytes, time_iterations
-from runtime.numerics import all_outputs, max_abs_diff, replica_share
+from runtime.numerics import all_outputs, replica_share
 from runtime.pipeline_run import run_pipeline_rank
 from runtime.profile import profile_layers
-from runtime.reference import shared_reference
+from runtime.reference import compare_gradients, compare_loss, compare_outputs, dp_mean, shared_reference
 
 
 def run_rank(ctx: RankContext, job: RunJob) -> RankReport:
@@ -54,7 +53,7 @@ def run_rank(ctx: RankContext, job: RunJob) -> RankReport:
     startup_bytes = current_memory_bytes(ctx.device)
     setup = set_up_rank(ctx, job)
     with shared_reference(ctx, job) as reference:
-        setup.weights = reference.weights
+        setup.reference = reference
         if setup.plan.pp > 1:
             report = run_pipeline_rank(ctx, job, setup)
         else:
@@ -123,42 +122,6 @@ def _run_sharded_rank(
     return report
 
 
-def compare_outputs(
-    outs: tuple[torch.Tensor, ...],
-    want: SafetensorsCheckpoint,
-    reference: ReferenceFiles,
-    setup: RankSetup,
-    report: RankReport,
-) -> None:
-    """Fill the report's per-output differences: each output of this rank against its DP replica's
-    part of the whole-batch reference output (`runtime.numerics.replica_share`); an output without
-    a batch dim (a loss, a batch statistic) is averaged over the DP group first (collective over it).
-    Raises ValueError when the rank's outputs do not match the reference's in number or shape."""
-    plan, groups = setup.plan, setup.groups
-    if len(outs) != reference.num_outputs:
-        raise ValueError(
-            f"the rank module returns {len(outs)} outputs, the unsharded model {reference.num_outputs}"
-        )
-    report.output_dtype = str(outs[0].dtype).removeprefix("torch.")
-    for i, out in enumerate(outs):
-        full = want.read(f"output.{i}").to(out.device)
-        got = out.detach()
-        if plan.dp > 1 and tuple(full.shape) == tuple(got.shape) and got.is_floating_point():
-            got = got.clone()
-            dist.all_reduce(got, group=groups.group("dp"))
-            got /= plan.dp
-        share = replica_share(full, tuple(got.shape), plan.dp, groups.dp_rank)
-        if share is None:
-            raise ValueError(
-                f"output {i} of the rank has shape {tuple(got.shape)}, which is no DP share of the unsharded "
-                f"output {tuple(full.shape)} (dp={plan.dp})"
-            )
-        report.output_diffs.append(max_abs_diff(got, share))
-        report.output_scales.append(float(full.double().abs().max()) if full.numel() else 0.0)
-    report.max_abs_diff = max(report.output_diffs)
-    report.output_scale = max(report.output_scales)
-
-
 def _training_step(
     gm: torch.nn.Module,
     inputs: tuple,
@@ -181,21 +144,9 @@ def _training_step(
     loss = F.mse_loss(outs[0], target)
     loss.backward()
     average_gradients(gm, dp_group, plan.dp)
-    mean_loss = loss.detach().clone()
-    if plan.dp > 1:
-        dist.all_reduce(mean_loss, group=dp_group)
-        mean_loss /= plan.dp
-    ref_loss = want.read("loss")
-    report.loss_diff = max_abs_diff(mean_loss.cpu(), ref_loss)
-    report.loss_scale = float(ref_loss.abs())
-    with SafetensorsCheckpoint([reference.grads]) as grads_file:
-        names = [n for n, p in gm.named_parameters() if p.grad is not None and n in grads_file]
-        grads = read_local_shards(gm, grads_file, plan.splits, groups.tp_rank, plan.tp, names)
-    params = dict(gm.named_parameters())
-    report.grad_max_abs_diff = max(
-        (max_abs_diff(params[n].grad.cpu(), g) for n, g in grads.items()), default=0.0
-    )
-    report.grad_scale = max((float(g.abs().max()) for g in grads.values() if g.numel()), default=0.0)
+    mean_loss = dp_mean(loss.detach(), plan.dp, dp_group)
+    compare_loss(mean_loss, want, report)
+    compare_gradients(gm, reference, setup, report)
     optimizer = torch.optim.Adam(gm.parameters(), lr=1e-3)
 
     def step() -> None:

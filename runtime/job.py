@@ -10,7 +10,6 @@ from typing import Any
 import torch
 
 from passes import collectives
-from passes.checkpoint import load_whole
 from planner.frontend.modelfile import ModelFile, load_model_file
 from planner.plan import Plan
 from runtime.data_parallel import args_share
@@ -99,17 +98,7 @@ class RankSetup:
     full_kwargs: dict
     args: tuple  # this DP replica's share of the batch (dim 0)
     kwargs: dict
-    weights: list[str] | None = None  # safetensors files of the unsharded model (ReferenceFiles.weights)
-
-    def build_model(self) -> torch.nn.Module:
-        """The whole model on this rank's device, the same weights on every rank: from `weights`
-        (built on meta, then filled), else with the job's seed."""
-        torch.manual_seed(self.seed)
-        if not self.weights:
-            return self.model_file.build(str(self.device))
-        model = self.model_file.build("meta")
-        load_whole(model, self.weights)
-        return model.to(self.device)
+    reference: ReferenceFiles | None = None  # set by runtime.execute.run_rank before the plan runs
 
 
 def job_inputs(model_file: ModelFile, job: RunJob, device: str) -> tuple[tuple, dict]:

@@ -1,6 +1,7 @@
 """The unsharded reference of a run, computed once, and the weights every rank loads its shards from.
 
     write_reference(job, directory) -> ReferenceFiles
+    compare_outputs(outs, ...)  -> a rank's outputs against its part of the reference (RankReport fields)
 
 1. builds the model once: from the model file with the job's seed, or - with `--weights` - on the
    meta device (when the file builds there) and filled from the user's safetensors files;
@@ -33,14 +34,15 @@ import torch.nn.functional as F
 
 from passes.checkpoint import SafetensorsCheckpoint, checkpoint_files, load_whole, save_checkpoint
 from passes.ladder import apply_ladder, ladder_deviation, ladder_residual_adds
+from passes.tensor_parallel import read_local_shards
 from planner.errors import InputError
 from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture, flat_inputs
 from planner.frontend.modelfile import ModelFile, load_model_file
 from planner.plan import Plan
-from runtime.job import ReferenceFiles, RunJob, job_inputs
+from runtime.job import RankReport, RankSetup, ReferenceFiles, RunJob, job_inputs
 from runtime.launch import RankContext
-from runtime.numerics import all_outputs, training_target
+from runtime.numerics import all_outputs, max_abs_diff, replica_share, training_target
 
 WEIGHTS_HELP = (
     "give the weights as safetensors: --weights FILE.safetensors or a directory of them, with the "
@@ -151,6 +153,75 @@ def shared_reference(ctx: RankContext, job: RunJob) -> Iterator[ReferenceFiles]:
     finally:
         if directory is not None:
             shutil.rmtree(directory, ignore_errors=True)
+
+
+def compare_outputs(
+    outs: tuple[torch.Tensor, ...],
+    want: SafetensorsCheckpoint,
+    reference: ReferenceFiles,
+    setup: RankSetup,
+    report: RankReport,
+) -> None:
+    """Fill the report's per-output differences: each output of this rank against its DP replica's
+    part of the whole-batch reference output (`runtime.numerics.replica_share`); an output without
+    a batch dim (a loss, a batch statistic) is averaged over the DP group first (collective over it).
+    Raises ValueError when the rank's outputs do not match the reference's in number or shape."""
+    plan, groups = setup.plan, setup.groups
+    if len(outs) != reference.num_outputs:
+        raise ValueError(
+            f"the rank module returns {len(outs)} outputs, the unsharded model {reference.num_outputs}"
+        )
+    report.output_dtype = str(outs[0].dtype).removeprefix("torch.")
+    for i, out in enumerate(outs):
+        full = want.read(f"output.{i}").to(out.device)
+        got = out.detach()
+        if plan.dp > 1 and tuple(full.shape) == tuple(got.shape) and got.is_floating_point():
+            got = got.clone()
+            dist.all_reduce(got, group=groups.group("dp"))
+            got /= plan.dp
+        share = replica_share(full, tuple(got.shape), plan.dp, groups.dp_rank)
+        if share is None:
+            raise ValueError(
+                f"output {i} of the rank has shape {tuple(got.shape)}, which is no DP share of the unsharded "
+                f"output {tuple(full.shape)} (dp={plan.dp})"
+            )
+        report.output_diffs.append(max_abs_diff(got, share))
+        report.output_scales.append(float(full.double().abs().max()) if full.numel() else 0.0)
+    report.max_abs_diff = max(report.output_diffs)
+    report.output_scale = max(report.output_scales)
+
+
+def dp_mean(value: torch.Tensor, dp: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The mean of `value` over the `dp` replicas of `group` (collective over it; a copy)."""
+    value = value.detach().clone()
+    if dp > 1:
+        dist.all_reduce(value, group=group)
+        value /= dp
+    return value
+
+
+def compare_loss(mean_loss: torch.Tensor, want: SafetensorsCheckpoint, report: RankReport) -> None:
+    """Training: the run's MSE loss (averaged over the DP replicas, `dp_mean`: equal shares, so the
+    whole batch's mean) against the unsharded model's loss on the whole batch."""
+    ref_loss = want.read("loss")
+    report.loss_diff = max_abs_diff(mean_loss.cpu(), ref_loss)
+    report.loss_scale = float(ref_loss.abs())
+
+
+def compare_gradients(
+    module: torch.nn.Module, reference: ReferenceFiles, setup: RankSetup, report: RankReport
+) -> None:
+    """Training, after the backward and the DP average: every gradient of this rank's parameters
+    against its shard of the unsharded model's whole-batch gradient (read shard by shard)."""
+    plan, groups = setup.plan, setup.groups
+    with SafetensorsCheckpoint([reference.grads]) as grads_file:
+        names = [n for n, p in module.named_parameters() if p.grad is not None and n in grads_file]
+        grads = read_local_shards(module, grads_file, plan.splits, groups.tp_rank, plan.tp, names)
+    params = dict(module.named_parameters())
+    report.grad_max_abs_diff = max(
+        (max_abs_diff(params[n].grad.cpu(), g) for n, g in grads.items()), default=0.0
+    )
+    report.grad_scale = max((float(g.abs().max()) for g in grads.values() if g.numel()), default=0.0)
 
 
 def _named_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
