@@ -72,7 +72,7 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
     stage_inputs = inputs if first else None
 
     if training:
-        target_full = want.read("target")
+        target_full = want.read("target").to(ctx.device)
         target = batch_share((target_full,), plan.dp, groups.dp_rank)[0]
         optimizer = torch.optim.Adam(stage.parameters(), lr=1e-3)
         dp_group = groups.group("dp")
