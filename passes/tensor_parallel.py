@@ -32,11 +32,13 @@ local shape).
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping
+import os
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.fx as fx
 
+from passes.checkpoint import SUFFIX, SafetensorsCheckpoint, checkpoint_files
 from passes.placement import Placement, padded_size, shard_weight
 from passes.tp_rules import rule_for
 from passes.tp_rules_context import R, RuleContext, SplitLike, TensorParallelError
@@ -47,6 +49,7 @@ __all__ = [
     "apply_tensor_parallel",
     "load_sharded_weights",
     "padded_size",
+    "read_local_shards",
     "shard_weight",
 ]
 
@@ -117,21 +120,106 @@ def apply_tensor_parallel(
 
 def load_sharded_weights(
     gm: fx.GraphModule,
-    checkpoint: str | Mapping[str, torch.Tensor],
+    checkpoint: str | Sequence[str] | Mapping[str, torch.Tensor] | SafetensorsCheckpoint,
     splits: Mapping[str, SplitLike],
     tp_rank: int,
     tp_size: int,
 ) -> fx.GraphModule:
     """Fill a rewritten `gm` (built on `meta`, shards of local shape) with this rank's weight shards.
 
-    checkpoint: the unsharded state dict, or the path of one saved with `torch.save`; a path is
-    opened with `mmap=True`, so a rank reads only the slices it keeps and never holds the whole
-    model. A colwise weight's bias is sliced like its output. Raises KeyError naming a tensor the
-    checkpoint lacks and ValueError for a shape that does not match the plan.
+    checkpoint: the unsharded state dict (parameters and buffers, non-persistent ones included);
+    a `.safetensors` file, a directory of them or a list of files (read slice by slice through
+    `passes.checkpoint.SafetensorsCheckpoint`: a rank reads only the rows it keeps); any other path
+    is opened with `torch.load(mmap=True)`. A colwise weight's bias is sliced like its output.
+    Raises KeyError naming a tensor the checkpoint lacks and ValueError for a shape that does not
+    match the plan.
     """
-    full = torch.load(checkpoint, mmap=True, weights_only=True) if isinstance(checkpoint, str) else checkpoint
+    names = [name for name, _ in list(gm.named_parameters()) + list(gm.named_buffers())]
+    for name, value in read_local_shards(gm, checkpoint, splits, tp_rank, tp_size, names).items():
+        owner_path, _, leaf = name.rpartition(".")
+        owner = gm.get_submodule(owner_path) if owner_path else gm
+        if leaf in owner._parameters:
+            old = owner._parameters[leaf]
+            owner._parameters[leaf] = torch.nn.Parameter(value, requires_grad=old.requires_grad)
+        else:
+            owner._buffers[leaf] = value
+    return gm
+
+
+def read_local_shards(
+    gm: fx.GraphModule,
+    checkpoint: str | Sequence[str] | Mapping[str, torch.Tensor] | SafetensorsCheckpoint,
+    splits: Mapping[str, SplitLike],
+    tp_rank: int,
+    tp_size: int,
+    names: Sequence[str],
+) -> dict[str, torch.Tensor]:
+    """This rank's shard of each tensor `names` of `gm` (parameters or buffers), read from the
+    unsharded `checkpoint` (see `load_sharded_weights`), in the dtype of `gm`'s tensor. Also reads
+    tensors shaped like the parameters, e.g. the unsharded model's gradients saved under the same
+    names. Raises KeyError naming a missing tensor, ValueError for a shape that does not match."""
+    source = _open_checkpoint(checkpoint)
+    try:
+        owners = _bias_owners(gm)
+        local = dict(gm.named_parameters())
+        local.update(dict(gm.named_buffers()))
+        out: dict[str, torch.Tensor] = {}
+        for name in names:
+            tensor = local[name]
+            if name not in source:
+                raise KeyError(
+                    f"checkpoint has no tensor `{name}`; save non-persistent buffers too: "
+                    "{**model.state_dict(), **dict(model.named_buffers())}"
+                )
+            split = splits.get(name)
+            split_dim = split.dim if split is not None else None
+            if split is None and name in owners and owners[name] in splits:
+                split, split_dim = splits[owners[name]], 0
+            full_shape = tuple(source.shape(name)) if isinstance(source, SafetensorsCheckpoint) else None
+            sharded = (
+                split is not None
+                and split.style != "replicate"
+                and (full_shape if full_shape is not None else tuple(source[name].shape))
+                != tuple(tensor.shape)
+            )
+            pad = split is not None and split.style == "vocab"
+            if isinstance(source, SafetensorsCheckpoint):
+                value = (
+                    source.read_shard(name, split_dim, split.parts, tp_rank, tp_size, pad=pad)
+                    if sharded
+                    else source.read(name)
+                )
+            else:
+                value = source[name]
+                if sharded:
+                    value = shard_weight(value, split_dim, split.parts, tp_rank, tp_size, pad=pad)
+                value = value.detach().clone()
+            if tuple(value.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"`{name}`: checkpoint shape {tuple(value.shape)} != rank shape {tuple(tensor.shape)}"
+                )
+            out[name] = value.to(dtype=tensor.dtype)
+        return out
+    finally:
+        if isinstance(source, SafetensorsCheckpoint) and source is not checkpoint:
+            source.close()
+
+
+def _open_checkpoint(
+    checkpoint: str | Sequence[str] | Mapping[str, torch.Tensor] | SafetensorsCheckpoint,
+) -> Mapping[str, torch.Tensor] | SafetensorsCheckpoint:
+    if isinstance(checkpoint, (SafetensorsCheckpoint, Mapping)):
+        return checkpoint
+    if isinstance(checkpoint, str) and os.path.isfile(checkpoint) and not checkpoint.endswith(SUFFIX):
+        return torch.load(checkpoint, mmap=True, weights_only=True)
+    return SafetensorsCheckpoint(checkpoint_files(checkpoint))
+
+
+def _bias_owners(gm: fx.GraphModule) -> dict[str, str]:
+    """Bias FQN -> weight FQN of the graph's linear/addmm nodes: a colwise weight's bias is sliced
+    the same way."""
     owners: dict[str, str] = {}
-    for node in gm.graph.nodes:  # bias FQN -> weight FQN of colwise matmuls, to slice biases the same way
+    for node in gm.graph.nodes:
         op = getattr(node.target, "overloadpacket", node.target)
         if node.op == "call_function" and op in (aten.linear, aten.addmm):
             w, b = (node.args[1], node.args[2] if len(node.args) > 2 else None)
@@ -139,32 +227,4 @@ def load_sharded_weights(
                 b, w = node.args[0], node.args[2]
             if isinstance(w, fx.Node) and isinstance(b, fx.Node):
                 owners[str(b.target)] = str(w.target)
-    for name, tensor in list(gm.named_parameters()) + list(gm.named_buffers()):
-        if name not in full:
-            raise KeyError(
-                f"checkpoint has no tensor `{name}`; save non-persistent buffers too: "
-                "torch.save({**model.state_dict(), **dict(model.named_buffers())}, path)"
-            )
-        source = full[name]
-        split = splits.get(name)
-        if split is None and name in owners and owners[name] in splits:
-            split = splits[owners[name]]
-            split_dim = 0
-        else:
-            split_dim = split.dim if split is not None else None
-        if split is not None and split.style != "replicate" and tuple(source.shape) != tuple(tensor.shape):
-            source = shard_weight(
-                source, split_dim, split.parts, tp_rank, tp_size, pad=split.style == "vocab"
-            )
-        if tuple(source.shape) != tuple(tensor.shape):
-            raise ValueError(
-                f"`{name}`: checkpoint shape {tuple(source.shape)} != rank shape {tuple(tensor.shape)}"
-            )
-        owner_path, _, leaf = name.rpartition(".")
-        owner = gm.get_submodule(owner_path) if owner_path else gm
-        value = source.detach().clone().to(dtype=tensor.dtype)
-        if leaf in owner._parameters:
-            owner._parameters[leaf] = torch.nn.Parameter(value, requires_grad=tensor.requires_grad)
-        else:
-            owner._buffers[leaf] = value
-    return gm
+    return owners

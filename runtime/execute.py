@@ -1,150 +1,168 @@
 """Run a plan on real process groups: lower the captured graph for this rank, check it, time it.
 
 `run_rank(ctx, job)` is the per-rank entry that `runtime.launch.launch` starts on every rank (spawned
-locally, or one process per rank under `torchrun`). Plans with pp > 1 go to
-`runtime.pipeline_run.run_pipeline_rank`; for pp == 1 each rank:
+locally, or one process per rank under `torchrun`). The unsharded reference is made once, before
+the ranks start (`runtime.reference`: the whole model on the whole batch, its outputs, loss and
+gradients, and the weights as safetensors); a rank never builds the whole model for it. Plans with
+pp > 1 go to `runtime.pipeline_run.run_pipeline_rank`; for pp == 1 each rank:
 
-1. builds its process groups and the model from the model file with the same seed (identical
-   weights everywhere) and captures it on its DP replica's share of the batch
-   (`runtime.job.set_up_rank`, `planner.frontend.capture.capture`);
-2. computes the reference: the unsharded graph, with the plan's ladder layers applied when there are
-   any (so `max_abs_diff` measures the rewrite alone), and `ladder_deviation`, how far ladder residual
-   moved the original model's outputs;
-3. lowers a copy for its mesh coordinates (`passes.lower.lower_for_rank`: TP pass, ladder pass);
-4. runs forward (or a training step: forward, backward, Adam step) and compares outputs (and
-   gradients) with the reference;
+1. builds its process groups, loads the model file and cuts the inputs to its DP replica's share
+   (`runtime.job.set_up_rank`);
+2. builds the model on the meta device, captures it at its share's shapes and lowers it for its
+   mesh coordinates (`passes.lower.lower_for_rank`: TP pass, ladder pass) - no weight memory yet;
+3. materialises only its own weight shards from the safetensors files
+   (`passes.tensor_parallel.load_sharded_weights`, read slice by slice);
+4. runs forward (or a training step: forward, backward, DP gradient average) and compares EVERY
+   output with its part of the reference's whole-batch output (an output without a batch dim is
+   averaged over the DP replicas first); training also compares the loss and every gradient
+   (`runtime.numerics`);
 5. times warm-up + timed iterations with a barrier around each (`runtime.measure`) and reports the
-   peak memory.
+   process's real peak memory beside what it held at the start.
 
 The result of each rank is a `runtime.job.RankReport`; `runtime.job.summarise` turns the list into
-the report's `measured` and `numerics` sections.
+the report's `measured` and `numerics` sections, and `runtime.numerics.check_failures` says which
+differences are beyond tolerance.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 
-from passes.ladder import apply_ladder, ladder_deviation, ladder_residual_adds
+from passes.checkpoint import SafetensorsCheckpoint
 from passes.lower import lower_for_rank
 from passes.rng import dropout_disabled
-from planner.frontend.analysis import analyse
-from planner.frontend.capture import capture, flat_inputs
-from runtime.data_parallel import average_gradients, batch_share, unbatched_note
-from runtime.job import RankReport, RankSetup, RunJob, set_up_rank
+from passes.tensor_parallel import load_sharded_weights
+from planner.frontend.analysis import ModelStructure, analyse
+from planner.frontend.capture import capture, flat_inputs, retarget_device
+from runtime.data_parallel import average_gradients, unbatched_note
+from runtime.job import RankReport, RankSetup, ReferenceFiles, RunJob, set_up_rank
 from runtime.launch import RankContext
-from runtime.measure import rank_peak_memory_bytes, reset_peak_memory, time_iterations
-from runtime.numerics import first_output, grad_max_abs_diff, training_target
+from runtime.measure import current_memory_bytes, process_peak_memory_bytes, time_iterations
+from runtime.numerics import all_outputs, replica_share
 from runtime.pipeline_run import run_pipeline_rank
 from runtime.profile import profile_layers
-from runtime.run_mode import dropout_note, seed_dropout_rng
+from runtime.reference import compare_gradients, compare_loss, compare_outputs, dp_mean, shared_reference
+from runtime.run_mode import dropout_note, seed_dropout_rng, set_run_mode
 
 
 def run_rank(ctx: RankContext, job: RunJob) -> RankReport:
-    """Per-rank entry: lower, check, time. See the module docstring. Raises on any failure (the
-    launcher turns it into a RunError naming this rank)."""
+    """Per-rank entry: lower, load shards, check, time. See the module docstring. Raises on any
+    failure (the launcher turns it into a RunError naming this rank)."""
+    startup_bytes = current_memory_bytes(ctx.device)
     setup = set_up_rank(ctx, job)
-    if setup.plan.pp > 1:
-        return run_pipeline_rank(ctx, job, setup)
-    plan, groups, training = setup.plan, setup.groups, setup.training
-    model = setup.build_model()
-    inputs = flat_inputs(setup.args, setup.kwargs)
-    full = capture(model, setup.args, setup.kwargs)
-    structure = analyse(full)
-    adds = ladder_residual_adds(structure, plan.ladder_layers)
-    whole_batch = training and plan.dp > 1  # the reference gradients are those of the whole batch
-    reference = copy.deepcopy(full)
-    full_inputs = inputs
-    if whole_batch:
-        full_inputs = flat_inputs(setup.full_args, setup.full_kwargs)
-        reference = capture(model, setup.full_args, setup.full_kwargs)
-        apply_ladder(reference, ladder_residual_adds(analyse(reference), plan.ladder_layers))
-    deviation = None
-    if adds:
-        with torch.no_grad(), dropout_disabled(full):
-            original_out = first_output(full(*inputs))
-        if not whole_batch:
-            apply_ladder(reference, adds)
-    gm = lower_for_rank(copy.deepcopy(full), structure, plan, ctx.rank, training=training).module
-    del full, model
+    with shared_reference(ctx, job) as reference:
+        setup.reference = reference
+        if setup.plan.pp > 1:
+            report = run_pipeline_rank(ctx, job, setup)
+        else:
+            report = _run_sharded_rank(ctx, job, setup, reference)
+    report.startup_memory_bytes = startup_bytes
+    report.peak_memory_bytes = process_peak_memory_bytes(ctx.device)
+    if reference.made_on == f"rank {ctx.rank}":
+        report.notes.append(
+            "the unsharded reference was built on this rank (no launching process made it), so its peak "
+            "memory includes the whole model"
+        )
+    return report
 
-    with torch.no_grad(), dropout_disabled(reference):
-        ref_out = first_output(reference(*full_inputs))
-        if adds:
-            deviation = ladder_deviation(original_out, ref_out)
+
+def build_rank_module(
+    ctx: RankContext, setup: RankSetup, reference: ReferenceFiles
+) -> tuple[fx.GraphModule, ModelStructure]:
+    """This rank's lowered module with its weight shards, built without the whole model: meta build,
+    capture at this DP replica's shapes, `lower_for_rank`, then `load_sharded_weights` from the
+    reference's safetensors files; factory ops retargeted to the rank's device."""
+    plan = setup.plan
+    # the plan's dtype, and train mode for training (dropout in the graph): runtime.run_mode
+    model = set_run_mode(setup.model_file.build("meta"), plan.dtype, setup.training)
+    gm = capture(model, setup.args, setup.kwargs)
+    structure = analyse(gm)
+    gm = lower_for_rank(gm, structure, plan, ctx.rank, training=setup.training).module
+    load_sharded_weights(gm, reference.weights, plan.splits, setup.groups.tp_rank, plan.tp)
+    retarget_device(gm, ctx.device)
+    return gm.to(ctx.device), structure
+
+
+def _run_sharded_rank(
+    ctx: RankContext, job: RunJob, setup: RankSetup, reference: ReferenceFiles
+) -> RankReport:
+    """pp == 1: steps 2-5 of the module docstring."""
+    gm, structure = build_rank_module(ctx, setup, reference)
+    inputs = flat_inputs(setup.args, setup.kwargs)
     report = RankReport(
         rank=ctx.rank,
-        tp_rank=groups.tp_rank,
-        pp_rank=groups.pp_rank,
+        tp_rank=setup.groups.tp_rank,
+        pp_rank=setup.groups.pp_rank,
         latency_samples_s=[],
         median_s=0.0,
         peak_memory_bytes=0,
         max_abs_diff=None,
-        output_scale=float(ref_out.abs().max()),
-        ladder_deviation=deviation,
-        dtype=plan.dtype,
+        output_scale=None,
+        ladder_deviation=reference.ladder_deviation,
+        dtype=setup.plan.dtype,
         notes=unbatched_note(flat_inputs(setup.full_args, setup.full_kwargs), setup.batch_dims),
     )
-    if training:
-        step = _training_step(gm, reference, full_inputs, inputs, setup, report)
-    else:
-        with torch.no_grad():
-            out = first_output(gm(*inputs))
-        report.max_abs_diff = float((out - ref_out).abs().max())
-        if job.return_output:
-            report.output = out.cpu()
-
-        def step() -> None:
+    with SafetensorsCheckpoint([reference.outputs]) as want:
+        if setup.training:
+            step = _training_step(gm, inputs, setup, reference, want, report)
+        else:
             with torch.no_grad():
-                gm(*inputs)
+                outs = all_outputs(gm(*inputs))
+            compare_outputs(outs, want, reference, setup, report)
+            if job.return_output:
+                report.output = outs[0].cpu()
 
-    reset_peak_memory(ctx.device)
+            def step() -> None:
+                with torch.no_grad():
+                    gm(*inputs)
+
     timing = time_iterations(step, warmup=job.warmup, iters=job.iters, device=ctx.device)
     report.latency_samples_s = list(timing.samples_s)
     report.median_s = timing.median_s
-    report.peak_memory_bytes = rank_peak_memory_bytes(gm, ctx.device)
-    if job.profile_layers and not training:
+    if job.profile_layers and not setup.training:
         report.per_layer_s = profile_layers(gm, inputs, [layer.module_path for layer in structure.layers])
     return report
 
 
 def _training_step(
     gm: torch.nn.Module,
-    reference: torch.nn.Module,
-    full_inputs: tuple,
     inputs: tuple,
     setup: RankSetup,
+    reference: ReferenceFiles,
+    want: SafetensorsCheckpoint,
     report: RankReport,
 ) -> Callable[[], None]:
-    """Check one forward+backward against the unsharded reference on the whole batch (DP replicas
-    average their gradients over the DP group); return a timed training step (forward, backward,
-    DP gradient all-reduce, Adam update - the optimizer the cost model assumes for memory). The check
-    runs with dropout off in both models; the timed steps with dropout on, its RNG seeded per TP rank
-    for shards (`runtime.run_mode`)."""
+    """Check one forward+backward against the unsharded model on the whole batch: every output, the
+    MSE loss (averaged over the DP replicas: equal shares, so the whole batch's mean) and every
+    gradient (after the DP average). Return a timed training step (forward, backward, DP gradient
+    all-reduce, Adam update - the optimizer the cost model assumes for memory). The check runs with
+    dropout off (as the reference did); the timed steps with dropout on, its RNG seeded per TP rank
+    for shards (`runtime.run_mode`, `passes.rng`)."""
     plan, groups = setup.plan, setup.groups
     dp_group = groups.group("dp")
-    with dropout_disabled(gm, reference):  # like with like: both models without dropout for the check
-        ref_out = first_output(reference(*full_inputs))
-        target_full = training_target(ref_out)
-        F.mse_loss(ref_out, target_full).backward()
-        full_grads = {name: p.grad for name, p in reference.named_parameters()}
-        ref_local = batch_share((ref_out.detach(),), plan.dp, groups.dp_rank)[0]
-        target = batch_share((target_full,), plan.dp, groups.dp_rank)[0]
-        out = first_output(gm(*inputs))
-        report.max_abs_diff = float((out.detach() - ref_local).abs().max())
-        F.mse_loss(out, target).backward()
+    with dropout_disabled(gm):  # like with like: the reference ran with dropout off too
+        outs = all_outputs(gm(*inputs))
+        compare_outputs(outs, want, reference, setup, report)
+        target_full = want.read("target").to(outs[0].device)
+        target = replica_share(target_full, tuple(outs[0].shape), plan.dp, groups.dp_rank)
+        assert target is not None, "output 0 matched its reference share in compare_outputs"
+        loss = F.mse_loss(outs[0], target)
+        loss.backward()
         average_gradients(gm, dp_group, plan.dp)
-    report.grad_max_abs_diff = grad_max_abs_diff(gm, full_grads, plan, groups.tp_rank)
+    mean_loss = dp_mean(loss.detach(), plan.dp, dp_group)
+    compare_loss(mean_loss, want, report)
+    compare_gradients(gm, reference, setup, report)
     report.notes.append(dropout_note(gm))
-    seed_dropout_rng(setup.seed, groups.pp_rank, groups.tp_rank, setup.device)
+    seed_dropout_rng(setup.seed, groups.pp_rank, groups.tp_rank, setup.device)  # timed steps: dropout on
     optimizer = torch.optim.Adam(gm.parameters(), lr=1e-3)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        F.mse_loss(first_output(gm(*inputs)), target).backward()
+        F.mse_loss(all_outputs(gm(*inputs))[0], target).backward()
         average_gradients(gm, dp_group, plan.dp)
         optimizer.step()
 

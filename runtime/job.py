@@ -16,7 +16,23 @@ from planner.plan import Plan
 from runtime.data_parallel import args_share
 from runtime.launch import RankContext
 from runtime.mesh import RankGroups, build_rank_groups
-from runtime.run_mode import cast_inputs, check_dtype_runs, set_run_mode
+from runtime.numerics import tolerance_for
+from runtime.run_mode import cast_inputs, check_dtype_runs
+
+
+@dataclass
+class ReferenceFiles:
+    """The unsharded model's run on the whole batch, written once (`runtime.reference.write_reference`)
+    for every rank to compare with and to load its weight shards from."""
+
+    directory: str  # folder holding the files below (removed by whoever made it)
+    weights: list[str]  # safetensors files the ranks load their shards from (--weights, plus extra tensors)
+    outputs: str  # safetensors: output.{i} (whole batch); training: target, loss
+    grads: str | None  # training: safetensors of every parameter's whole-batch gradient, by FQN
+    num_outputs: int
+    dtype: str  # dtype of output 0, e.g. "float32": picks the numerics tolerance (runtime.numerics)
+    ladder_deviation: float | None  # relative L2 of laddered vs original outputs; None without ladder
+    made_on: str  # "launching process" | "rank N": where the unsharded model was built and run
 
 
 @dataclass
@@ -36,6 +52,10 @@ class RunJob:
     # per graph input: its batch dim, None for an input without one (not split by DP / micro-batches);
     # None: found on the ranks from the model file (planner.frontend.capture.input_batch_dims)
     input_batch_dims: list[int | None] | None = None
+    weights: list[str] | None = (
+        None  # safetensors files of the unsharded model (--weights); None: seeded init
+    )
+    reference: ReferenceFiles | None = None  # made by the launching process; None: made on each node's rank 0
 
 
 @dataclass
@@ -51,6 +71,15 @@ class RankReport:
     max_abs_diff: float | None  # vs the unsharded reference (ladder applied to both); None off the last stage
     output_scale: float | None  # max |reference output|
     grad_max_abs_diff: float | None = None  # training: worst gradient difference over this rank's parameters
+    output_diffs: list[float] = field(default_factory=list)  # max |diff| of every output, in output order
+    output_scales: list[float] = field(default_factory=list)  # max |reference| of every output
+    output_dtype: str | None = None  # dtype of the outputs compared, e.g. "float32"
+    loss_diff: float | None = None  # training: |loss (DP-averaged) - unsharded loss on the whole batch|
+    loss_scale: float | None = None  # training: |unsharded loss|
+    grad_scale: float | None = None  # training: max |unsharded gradient| over this rank's parameters
+    startup_memory_bytes: int = (
+        0  # memory held when the rank started, before any model tensor (runtime, libraries)
+    )
     ladder_deviation: float | None = None  # relative L2 of laddered vs original outputs
     pipeline_schedule: str | None = None  # pp > 1: the torch.distributed.pipelining schedule class run
     dtype: str | None = None  # the plan dtype the rank ran its model and inputs in ("bf16")
@@ -76,12 +105,15 @@ class RankSetup:
     args: tuple  # this DP replica's share of the batch (along each input's batch dim)
     kwargs: dict
     batch_dims: tuple[int | None, ...]  # per graph input: its batch dim, or None (never split)
+    reference: ReferenceFiles | None = None  # set by runtime.execute.run_rank before the plan runs
 
-    def build_model(self) -> torch.nn.Module:
-        """The model, built with the job's seed on this rank's device (the same weights on every rank),
-        in the plan's dtype and in train mode for a training job, else eval mode (`runtime.run_mode`)."""
-        torch.manual_seed(self.seed)
-        return set_run_mode(self.model_file.build(str(self.device)), self.plan.dtype, self.training)
+
+def job_inputs(model_file: ModelFile, job: RunJob, device: str) -> tuple[tuple, dict]:
+    """The whole batch of the job, (args, kwargs) on `device`: `example_inputs` called right after
+    `torch.manual_seed(job.seed)`, so a file that draws random inputs gives the same batch to the
+    launching process and to every rank. Raises InputError like `ModelFile.inputs`."""
+    torch.manual_seed(job.seed)
+    return model_file.inputs(job.batch_size, job.seq_len, device=device)
 
 
 def set_up_rank(ctx: RankContext, job: RunJob) -> RankSetup:
@@ -94,7 +126,7 @@ def set_up_rank(ctx: RankContext, job: RunJob) -> RankSetup:
     collectives.register_group("tp", groups.group("tp"))
     model_file = load_model_file(job.model_path)
     check_dtype_runs(plan.dtype, ctx.device)
-    full_args, full_kwargs = model_file.inputs(job.batch_size, job.seq_len, device=str(ctx.device))
+    full_args, full_kwargs = job_inputs(model_file, job, str(ctx.device))
     full_args, full_kwargs = cast_inputs(full_args, full_kwargs, plan.dtype)
     batch_dims = job_batch_dims(job, model_file, len(flat_inputs(full_args, full_kwargs)))
     args, kwargs = args_share(full_args, full_kwargs, plan.dp, groups.dp_rank, batch_dims)
@@ -123,13 +155,31 @@ def summarise(reports: list[RankReport]) -> dict[str, Any]:
     """The report's `measured` and `numerics` sections from all ranks' reports.
 
     latency_s: median over iterations of the slowest rank (a synchronous step ends when the last
-    rank ends); spread: p10/p90 of that rank's samples.
+    rank ends); spread: p10/p90 of that rank's samples. peak_memory_bytes: the largest real peak of a
+    rank process (`runtime.measure.process_peak_memory_bytes`). numerics: every output's worst
+    difference over the ranks beside its tolerance (`runtime.numerics`; `check_failures` reads it).
     """
     slowest = max(reports, key=lambda r: r.median_s)
     diffs = [r.max_abs_diff for r in reports if r.max_abs_diff is not None]
     grads = [r.grad_max_abs_diff for r in reports if r.grad_max_abs_diff is not None]
     scale = max((r.output_scale or 0.0) for r in reports)
     samples = sorted(slowest.latency_samples_s)
+    dtype = next((r.output_dtype for r in reports if r.output_dtype), None)
+    rel = tolerance_for(dtype) if dtype else None
+    outputs = []
+    for i in range(max((len(r.output_diffs) for r in reports), default=0)):
+        got = [r.output_diffs[i] for r in reports if i < len(r.output_diffs)]
+        out_scale = max(r.output_scales[i] for r in reports if i < len(r.output_scales))
+        outputs.append(
+            {
+                "index": i,
+                "max_abs_diff": max(got),
+                "scale": out_scale,
+                "tolerance": (rel or 0.0) * out_scale,
+            }
+        )
+    loss_diffs = [r.loss_diff for r in reports if r.loss_diff is not None]
+    grad_scales = [r.grad_scale for r in reports if r.grad_scale is not None]
     per_layer: dict[str, float] = {}
     for r in reports:  # a layer takes as long as its slowest rank
         for key, value in r.per_layer_s.items():
@@ -140,7 +190,8 @@ def summarise(reports: list[RankReport]) -> dict[str, Any]:
             "latency_p10_s": samples[len(samples) // 10] if samples else None,
             "latency_p90_s": samples[min(len(samples) - 1, (9 * len(samples)) // 10)] if samples else None,
             "per_rank_median_s": [r.median_s for r in reports],
-            "peak_memory_bytes": max(r.peak_memory_bytes for r in reports),
+            "peak_memory_bytes": max(r.peak_memory_bytes for r in reports),  # the process's real peak
+            "startup_memory_bytes": max(r.startup_memory_bytes for r in reports),  # of it: before the model
             "per_rank_peak_memory_bytes": [r.peak_memory_bytes for r in reports],
             "iterations": len(samples),
             "dtype": reports[0].dtype,
@@ -152,6 +203,12 @@ def summarise(reports: list[RankReport]) -> dict[str, Any]:
             "relative_max_abs_diff": (max(diffs) / scale) if diffs and scale else None,
             "output_scale": scale,
             "grad_max_abs_diff": max(grads) if grads else None,
+            "grad_scale": max(grad_scales) if grad_scales else None,
+            "loss_diff": max(loss_diffs) if loss_diffs else None,
+            "loss_scale": next((r.loss_scale for r in reports if r.loss_scale is not None), None),
+            "outputs": outputs,  # every output: worst diff over ranks, scale, tolerance
+            "dtype": dtype,
+            "tolerance_rel": rel,  # runtime.numerics.REL_TOLERANCE of the dtype
             "ladder_deviation": next(
                 (r.ladder_deviation for r in reports if r.ladder_deviation is not None), None
             ),

@@ -125,7 +125,7 @@ def launch(
         raise InputError(f"nproc must be a positive integer, got {nproc!r}")
     if not timeout_s > 0:
         raise InputError(f"timeout_s must be positive (seconds), got {timeout_s!r}")
-    if _under_torchrun():
+    if under_torchrun():
         return _run_in_process(entry, payload, nproc, timeout_s, backend)
     backend = _resolve_backend(backend, nproc)
     try:
@@ -152,7 +152,9 @@ def launch(
 # Shared by both modes
 
 
-def _under_torchrun() -> bool:
+def under_torchrun() -> bool:
+    """Whether this process is one rank started by torchrun (see the module docstring): `launch`
+    then runs the entry here instead of spawning ranks."""
     env = os.environ
     return (
         "RANK" in env

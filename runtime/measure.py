@@ -5,13 +5,17 @@ after a barrier on `group` (when a process group is initialised) so that every r
 step. On CUDA each call is bracketed by CUDA events (device time, in seconds); on CPU by
 `time.perf_counter`. The latency of a synchronous step is the slowest rank's (`runtime.job.summarise`).
 
-Memory: on CUDA, `torch.cuda.max_memory_allocated` (bytes held by tensors at the peak since the last
-`reset_peak_memory`, tensors allocated before the reset included). On CPU there is no allocator
-counter, so it is the growth of the process's resident-set high-water mark (VmHWM in
-/proc/self/status) above its value at `reset_peak_memory`, which resets VmHWM to the current RSS by
-writing "5" to /proc/self/clear_refs. Memory allocated before the reset and still held is therefore
-not counted on CPU. Without /proc, `resource.getrusage(...).ru_maxrss` is the fallback (it cannot be
-reset, so only growth above the previous peak is seen).
+Memory of a rank (what the report shows beside the prediction): `process_peak_memory_bytes`, the
+process's real peak since it started - on CUDA `torch.cuda.max_memory_allocated` (every tensor,
+weights and activations), on CPU the resident-set high-water mark (VmHWM in /proc/self/status, else
+`resource.getrusage(...).ru_maxrss`), which also holds torch's libraries and the process group
+(`current_memory_bytes` at the rank's start gives that part, reported beside it).
+
+A window: `reset_peak_memory` + `peak_memory_bytes` measure the peak of one section of code (on CUDA
+since the reset; on CPU the growth of VmHWM above its value at the reset, which resets VmHWM to the
+current RSS by writing "5" to /proc/self/clear_refs - after that the process's earlier peak is lost,
+so a rank that reports its real peak does not reset). Without /proc the fallback ru_maxrss cannot
+be reset, so only growth above the previous peak is seen.
 """
 
 from __future__ import annotations
@@ -165,16 +169,24 @@ def _cpu_high_water_bytes() -> int:
     return int(max_rss if sys.platform == "darwin" else max_rss * 1024)  # bytes on macOS, kB on Linux
 
 
-def rank_peak_memory_bytes(module: torch.nn.Module, device: torch.device) -> int:
-    """Peak memory of this rank's step, bytes: on GPU `max_memory_allocated` (weights included); on CPU
-    the rank module's weight shards and buffers plus the resident-set growth since `reset_peak_memory`
-    (the process's own RSS also holds torch's libraries, which a GPU's memory does not)."""
+def process_peak_memory_bytes(device: torch.device) -> int:
+    """The real peak memory of this process on `device`, bytes: CUDA `max_memory_allocated` (since the
+    start, unless `reset_peak_memory` was called), CPU the resident-set high-water mark."""
     if device.type == "cuda":
-        return peak_memory_bytes(device)
-    seen: set[int] = set()
-    resident = 0
-    for t in list(module.parameters()) + list(module.buffers()):
-        if id(t) not in seen:
-            seen.add(id(t))
-            resident += t.numel() * t.element_size()
-    return resident + peak_memory_bytes(device)
+        return int(torch.cuda.max_memory_allocated(device))
+    return _cpu_high_water_bytes()
+
+
+def current_memory_bytes(device: torch.device) -> int:
+    """Memory held now, bytes: CUDA `memory_allocated`, CPU the resident set size (VmRSS; the
+    high-water mark when /proc is missing)."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    try:
+        with open(_STATUS_PATH) as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except OSError:
+        pass
+    return _cpu_high_water_bytes()

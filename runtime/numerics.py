@@ -1,19 +1,33 @@
-"""Comparing a rank's results with the unsharded reference model (the report's `numerics`)."""
+"""Comparing a rank's results with the unsharded reference model (the report's `numerics`).
+
+The reference is the unsharded model run once on the whole batch (`runtime.reference`). Every
+output of the model is compared (a returned loss included), and in training the MSE loss of the
+run's step and every gradient. A run passes when each worst difference over the ranks is within
+
+    tolerance = REL_TOLERANCE[dtype] x scale
+
+where scale is max |reference| of that output (of the loss; of the gradients, over all parameters).
+Why relative to the output's scale: a sharded run computes the same sums in another order (partial
+matmuls all-reduced, vocabulary shards gathered), so its error is rounding error, which grows with
+the magnitude of the values, not a fixed absolute amount. Why these factors: the unit roundoff
+(torch.finfo(dtype).eps: fp32 1.2e-7, fp16 9.8e-4, bf16 7.8e-3) times the depth of reordered
+accumulations of a model, with margin: fp32 1e-4 (~800 ulp; the project's parity tests see below
+1e-5), fp16 1e-2 (~10 ulp), bf16 5e-2 (~6 ulp; torch.testing.assert_close allows 1.6e-2 for a single
+bf16 op, and a network stacks several). A plan that computes something else (a wrong split, an
+input sliced that should not be, dropped outputs) differs by a sizeable fraction of the scale, far
+above all of these.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
-from passes.tensor_parallel import shard_weight
-from planner.plan import Plan
-
-# max |sharded - unsharded| allowed, as a fraction of max |unsharded|: a sharded run sums in another
-# order, so its error is rounding error of the dtype (unit roundoff fp32 1.2e-7, fp16 9.8e-4, bf16
-# 7.8e-3) times the depth of reordered accumulations, with margin
+# max |sharded - unsharded| allowed, as a fraction of max |unsharded| (see the module docstring)
 REL_TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
-
 
 def tolerance_for(dtype: str) -> float:
     """The relative tolerance of outputs in `dtype` ("float32", "torch.bfloat16", ...); an unknown
@@ -21,9 +35,40 @@ def tolerance_for(dtype: str) -> float:
     return REL_TOLERANCE.get(str(dtype).removeprefix("torch."), 0.0)
 
 
-def first_output(out: Any) -> torch.Tensor:
-    """The tensor a model call's output is compared on: the output itself, or its first element."""
-    return out[0] if isinstance(out, (tuple, list)) else out
+def all_outputs(out: Any) -> tuple[torch.Tensor, ...]:
+    """Every tensor of a model call's output, in pytree order (the captured graph's output order)."""
+    return tuple(x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor))
+
+
+def replica_share(
+    full: torch.Tensor, local_shape: Sequence[int], dp: int, dp_rank: int
+) -> torch.Tensor | None:
+    """The part of the whole-batch reference `full` that DP replica `dp_rank` of `dp` computes, for a
+    local output of shape `local_shape`: `full` itself when the shapes agree, else its `dp_rank`-th
+    chunk along the one dim whose size is dp x the local size (the output's batch dim). None when no
+    such dim exists (the shapes cannot be matched)."""
+    if tuple(full.shape) == tuple(local_shape):
+        return full
+    if len(full.shape) != len(local_shape):
+        return None
+    dims = [
+        d
+        for d, (a, b) in enumerate(zip(full.shape, local_shape))
+        if a != b
+        and a == b * dp
+        and all(x == y for i, (x, y) in enumerate(zip(full.shape, local_shape)) if i != d)
+    ]
+    if len(dims) != 1:
+        return None
+    return full.chunk(dp, dim=dims[0])[dp_rank]
+
+
+def max_abs_diff(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| in float64 (inf when a value is NaN in one and not the other)."""
+    diff = (got.detach().double() - want.detach().double()).abs()
+    if diff.numel() == 0:
+        return 0.0
+    return float("inf") if bool(diff.isnan().any()) else float(diff.max())
 
 
 def training_target(reference_out: torch.Tensor) -> torch.Tensor:
@@ -33,22 +78,26 @@ def training_target(reference_out: torch.Tensor) -> torch.Tensor:
     return values.reshape(reference_out.shape)
 
 
-def grad_max_abs_diff(
-    module: torch.nn.Module, full_grads: dict[str, torch.Tensor], plan: Plan, tp_rank: int
-) -> float:
-    """Worst |gradient of a rank's parameter - the unsharded model's gradient, sharded like the parameter|.
-
-    full_grads: parameter FQN -> gradient of the unsharded model. A colwise weight's bias is sharded
-    like the weight's output; a vocab split is padded as the TP pass pads it.
-    """
-    worst = 0.0
-    for name, p in module.named_parameters():
-        want = full_grads.get(name)
-        if p.grad is None or want is None:
-            continue
-        if tuple(want.shape) != tuple(p.shape):
-            split = plan.splits.get(name) or plan.splits.get(name.rsplit(".", 1)[0] + ".weight")
-            dim = split.dim if name in plan.splits else 0
-            want = shard_weight(want, dim, split.parts, tp_rank, plan.tp, pad=split.style == "vocab")
-        worst = max(worst, float((p.grad - want).abs().max()))
-    return worst
+def check_failures(numerics: dict[str, Any]) -> list[str]:
+    """One line per quantity of a run's `numerics` section (`runtime.job.summarise`) whose worst
+    difference exceeds its tolerance, saying by how much; empty when the run matches."""
+    rel = numerics.get("tolerance_rel")
+    if rel is None:
+        return []
+    lines = []
+    for out in numerics.get("outputs", []):
+        if out["max_abs_diff"] is not None and out["max_abs_diff"] > out["tolerance"]:
+            lines.append(
+                f"output {out['index']}: max |sharded - unsharded| = {out['max_abs_diff']:.3g}, "
+                f"tolerance {out['tolerance']:.3g} ({rel:g} x output scale {out['scale']:.3g}, {numerics['dtype']})"
+            )
+    for what, diff, scale in (
+        ("training loss", numerics.get("loss_diff"), numerics.get("loss_scale")),
+        ("gradients", numerics.get("grad_max_abs_diff"), numerics.get("grad_scale")),
+    ):
+        if diff is not None and scale is not None and diff > rel * scale:
+            lines.append(
+                f"{what}: max |sharded - unsharded| = {diff:.3g}, tolerance {rel * scale:.3g} "
+                f"({rel:g} x scale {scale:.3g})"
+            )
+    return lines

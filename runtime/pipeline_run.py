@@ -4,7 +4,10 @@ Like `runtime.execute.run_rank`, but the graph is captured at the micro-batch si
 are literals; inputs are cut on their batch dims, `RankSetup.batch_dims`, inputs without one stay whole), lowered to this rank's stage (`passes.lower.lower_for_rank`: TP pass, then the split
 at the layers' output nodes), and run through `torch.distributed.pipelining` with the plan's schedule
 (`plan.schedule`: GPipe or 1F1B) and micro-batch count (`runtime.pipeline.PipelineRunner`). The
-reference is the unsharded model on this DP replica's batch (its gradients: on the whole batch).
+graph is captured on the meta device and only the stage's own weight shards are loaded
+(`passes.tensor_parallel.load_sharded_weights`). The reference is the unsharded model on the whole
+batch, made once before the ranks started (`runtime.reference`): the last stage compares every
+output with its DP replica's part of it, and in training the loss; every stage its gradients.
 Training: forward + backward through the schedule, tied weights (GPT-2 embedding / LM head in
 different stages) get their gradients summed between the two stages, DP replicas average gradients,
 then an Adam step (the optimizer the cost model assumes). The model runs in the plan's dtype and,
@@ -17,17 +20,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from passes.checkpoint import SafetensorsCheckpoint
 from passes.lower import lower_for_rank
 from passes.rng import dropout_disabled
+from passes.tensor_parallel import load_sharded_weights
 from planner.frontend.analysis import analyse
-from planner.frontend.capture import capture, flat_inputs
+from planner.frontend.capture import capture, flat_inputs, retarget_device
 from runtime.data_parallel import args_share, average_gradients, batch_share, unbatched_note
 from runtime.job import RankReport, RankSetup, RunJob
 from runtime.launch import RankContext
-from runtime.measure import rank_peak_memory_bytes, reset_peak_memory, time_iterations
-from runtime.numerics import first_output, grad_max_abs_diff, training_target
+from runtime.measure import time_iterations
+from runtime.numerics import all_outputs
 from runtime.pipeline import PipelineRunner, all_reduce_tied_gradients
-from runtime.run_mode import dropout_note, seed_dropout_rng
+from runtime.reference import compare_gradients, compare_loss, compare_outputs, dp_mean
+from runtime.run_mode import dropout_note, seed_dropout_rng, set_run_mode
 
 
 def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankReport:
@@ -37,21 +43,22 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
     ValueError when the batch does not divide into the plan's micro-batches.
     """
     plan, groups, training = setup.plan, setup.groups, setup.training
-    model = setup.build_model()
+    reference = setup.reference
+    assert reference is not None, "runtime.execute.run_rank sets the reference before the plan runs"
     inputs = flat_inputs(setup.args, setup.kwargs)
     m = plan.micro_batches
     micro_args, micro_kwargs = args_share(setup.args, setup.kwargs, m, 0, setup.batch_dims)
+    model = set_run_mode(setup.model_file.build("meta"), plan.dtype, training)  # no weight memory yet
     gm = capture(model, micro_args, micro_kwargs)
     lowered = lower_for_rank(gm, analyse(gm), plan, ctx.rank, training=training)
     stage, pp_group = lowered.module, groups.group("pp")
     del gm
+    # only this stage's parameters, and of those only this rank's TP shards, are materialised
+    load_sharded_weights(stage, reference.weights, plan.splits, lowered.tp_rank, plan.tp)
+    stage = retarget_device(stage, ctx.device).to(ctx.device)
     first, last = lowered.pp_rank == 0, lowered.pp_rank == plan.pp - 1
-    whole_batch = training and plan.dp > 1  # the reference gradients are those of the whole batch
-    ref_args, ref_kwargs = (setup.full_args, setup.full_kwargs) if whole_batch else (setup.args, setup.kwargs)
-    reference = capture(model, ref_args, ref_kwargs)
-    with torch.set_grad_enabled(training), dropout_disabled(reference):  # the check: dropout off
-        ref_full = first_output(reference(*flat_inputs(ref_args, ref_kwargs)))
-    ref_out = batch_share((ref_full.detach(),), plan.dp, groups.dp_rank)[0] if whole_batch else ref_full
+    want = SafetensorsCheckpoint([reference.outputs])  # the unsharded model on the whole batch
+    ref_full = want.read("output.0")
     runner = PipelineRunner(
         stage,
         lowered.pp_rank,
@@ -65,16 +72,14 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
     )  # the schedule is built once, on the first step
     report = RankReport(
         rank=ctx.rank, tp_rank=lowered.tp_rank, pp_rank=lowered.pp_rank, latency_samples_s=[], median_s=0.0,
-        peak_memory_bytes=0, max_abs_diff=None, output_scale=float(ref_out.detach().abs().max()),
-        pipeline_schedule=runner.schedule_class.__name__, dtype=plan.dtype,
+        peak_memory_bytes=0, max_abs_diff=None, output_scale=float(ref_full.abs().max()),
+        pipeline_schedule=runner.schedule_class.__name__, output_dtype=reference.dtype, dtype=plan.dtype,
         notes=unbatched_note(flat_inputs(setup.full_args, setup.full_kwargs), setup.batch_dims),
     )  # fmt: skip
     stage_inputs = inputs if first else None
 
     if training:
-        target_full = training_target(ref_full)
-        F.mse_loss(ref_full, target_full).backward()
-        full_grads = {name: p.grad for name, p in reference.named_parameters()}
+        target_full = want.read("target").to(ctx.device)
         target = batch_share((target_full,), plan.dp, groups.dp_rank)[0]
         optimizer = torch.optim.Adam(stage.parameters(), lr=1e-3)
         dp_group = groups.group("dp")
@@ -88,9 +93,10 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
 
         with dropout_disabled(stage):  # like with like: the reference ran without dropout too
             loss = step()
-        if last:  # the pipeline's loss against the unsharded model's loss on the same batch
-            report.max_abs_diff = float((loss - F.mse_loss(ref_out, target)).abs())
-        report.grad_max_abs_diff = grad_max_abs_diff(stage, full_grads, plan, lowered.tp_rank)
+        if last:  # the pipeline's loss (mean over the DP replicas) against the unsharded model's
+            compare_loss(dp_mean(loss, plan.dp, dp_group), want, report)
+            report.max_abs_diff = report.loss_diff
+        compare_gradients(stage, reference, setup, report)
         report.notes.append(f"stage {lowered.pp_rank}: {dropout_note(stage)}")
         seed_dropout_rng(setup.seed, lowered.pp_rank, lowered.tp_rank, ctx.device)
 
@@ -100,17 +106,17 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
 
     else:
         out = runner.forward(stage_inputs)
-        if last:
-            report.max_abs_diff = float((first_output(out) - ref_out).abs().max())
+        if last:  # every output against this replica's part of the whole-batch reference
+            compare_outputs(all_outputs(out), want, reference, setup, report)
             if job.return_output:
-                report.output = first_output(out).cpu()
+                report.output = all_outputs(out)[0].cpu()
 
         def timed() -> None:
             runner.forward(stage_inputs)
 
-    reset_peak_memory(ctx.device)
+    want.close()
     timing = time_iterations(timed, warmup=job.warmup, iters=job.iters, device=ctx.device)
     report.latency_samples_s = list(timing.samples_s)
     report.median_s = timing.median_s
-    report.peak_memory_bytes = rank_peak_memory_bytes(stage, ctx.device)
+    # peak_memory_bytes: the process's real peak, filled in by runtime.execute.run_rank
     return report

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
+from passes.checkpoint import save_checkpoint
 from passes.tensor_parallel import apply_tensor_parallel, load_sharded_weights
 from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture
@@ -15,17 +17,27 @@ from tests.plans import fixed_plan
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def test_meta_built_rank_loads_only_its_shards_from_a_checkpoint(tmp_path):
-    for name in ("llama3.py", "gpt2_tiny.py"):
-        model_file = load_model_file(EXAMPLES / name)
+@pytest.mark.parametrize("fmt", ["torch", "safetensors"])
+def test_meta_built_rank_loads_only_its_shards_from_a_checkpoint(tmp_path, fmt):
+    for name in ("llama3.py", "gpt2_tiny.py", "gpt2_odd_vocab.py"):
+        path = EXAMPLES / name if (EXAMPLES / name).exists() else Path(__file__).parent / "models" / name
+        model_file = load_model_file(path)
         torch.manual_seed(0)
         model = model_file.build("cpu")
         args, kwargs = model_file.inputs()
-        checkpoint = tmp_path / f"{name}.pt"
-        torch.save({**model.state_dict(), **dict(model.named_buffers())}, checkpoint)
+        tensors = {**model.state_dict(), **dict(model.named_buffers())}
+        if fmt == "torch":
+            checkpoint = tmp_path / f"{name}.pt"
+            torch.save(tensors, checkpoint)
+        else:  # a directory of safetensors files, read slice by slice
+            checkpoint = tmp_path / name
+            checkpoint.mkdir()
+            save_checkpoint(tensors, checkpoint / "model.safetensors")
         for rank in (0, 1):
             real = capture(model, args, kwargs)
             plan = fixed_plan(analyse(real), name, 2)
+            if name == "gpt2_odd_vocab.py":
+                assert any(sp.style == "vocab" for sp in plan.splits.values())
             apply_tensor_parallel(real, plan.splits, rank, 2)
             meta = capture(model_file.build("meta"), args, kwargs)
             apply_tensor_parallel(meta, plan.splits, rank, 2)

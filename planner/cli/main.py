@@ -111,6 +111,11 @@ def _run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=_positive, default=10, help="timed iterations")
     p.add_argument("--warmup", type=int, default=3, help="warm-up iterations")
     p.add_argument("--timeout", type=float, default=120.0, help="process-group timeout per rank, seconds")
+    p.add_argument(
+        "--weights",
+        help="safetensors file or directory of them with the model's weights (state_dict names); "
+        "each rank loads only its shards. Default: seeded random init (a meta-built model needs this)",
+    )
 
 
 @contextmanager
@@ -273,7 +278,9 @@ def _run(args, plan, prepared, cluster):
         progress.add_task(
             f"running on {nproc} rank(s): rewrite, check numerics, time {args.iters} iterations", total=None
         )
-        run = workflow.run_plan(plan, args.model, nproc, args.iters, args.warmup, args.timeout)
+        run = workflow.run_plan(
+            plan, args.model, nproc, args.iters, args.warmup, args.timeout, weights=args.weights
+        )
     return plan, run
 
 
@@ -330,7 +337,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     workflow.check_fits_this_machine(plan, prepared.structure, nproc)
     with _progress() as progress:
         progress.add_task(f"running on {nproc} rank(s)", total=None)
-        run = workflow.run_plan(plan, args.model, nproc, args.iters, args.warmup, args.timeout)
+        run = workflow.run_plan(
+            plan, args.model, nproc, args.iters, args.warmup, args.timeout, weights=args.weights
+        )
     if run is None:  # a rank other than 0 under torchrun: rank 0 reports
         return 0
     report = workflow.report_dict(plan, run, args.model, cluster)

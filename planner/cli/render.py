@@ -208,9 +208,17 @@ def render_run(console: Console, report: dict[str, Any]) -> None:
         f"measured: median of {m['iterations']} iterations on the slowest rank; p10 {fmt_s(m['latency_p10_s'])}, "
         f"p90 {fmt_s(m['latency_p90_s'])}; per-rank medians {', '.join(fmt_s(x) for x in m['per_rank_median_s'])}"
     )
+    if m.get("startup_memory_bytes"):
+        console.print(
+            f"measured peak memory is the rank process's real peak; {fmt_bytes(m['startup_memory_bytes'])} of it "
+            "was held before the model (torch, the process group)"
+        )
     diff = n["max_abs_diff"]
     console.print(
-        f"numerics: max |sharded - unsharded| = {diff:.3g} (output scale {n['output_scale']:.3g})"
+        f"numerics: max |sharded - unsharded| = {diff:.3g} (output scale {n['output_scale']:.3g}"
+        + (f", {len(n['outputs'])} outputs compared" if n.get("outputs") else "")
+        + (f", tolerance {n['tolerance_rel']:g} x scale for {n['dtype']}" if n.get("tolerance_rel") else "")
+        + ")"
         + (
             f"; gradients max diff {n['grad_max_abs_diff']:.3g}"
             if n.get("grad_max_abs_diff") is not None

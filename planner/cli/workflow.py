@@ -215,17 +215,17 @@ def validate_plan_for_model(
 
 
 def check_fits_this_machine(plan: Plan, structure: ModelStructure, nproc: int) -> None:
-    """Running needs each rank's weights in this machine's memory (every rank also builds the full model
-    once to check numerics). Raises InputError with what would fit."""
+    """Running needs the model's weights in this machine's memory twice: the unsharded reference, run
+    once before the ranks start, and the ranks' shards together. Raises InputError with what would fit."""
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         return
-    need = structure.param_bytes * nproc  # each rank builds the full model for the reference
+    need = 2 * structure.param_bytes  # the reference once, then the shards of all ranks (about one model)
     if need > 0.8 * total:
         raise InputError(
-            f"running this plan here needs about {need / 2**30:.1f} GiB ({nproc} ranks each building the "
-            f"{structure.param_bytes / 2**30:.1f} GiB model), this machine has {total / 2**30:.1f} GiB; "
+            f"running this plan here needs about {need / 2**30:.1f} GiB (the {structure.param_bytes / 2**30:.1f} GiB "
+            f"model once for the reference, then its shards over {nproc} ranks), this machine has {total / 2**30:.1f} GiB; "
             "run it on its cluster (torchrun, see README) or run a smaller configuration of the model"
         )
 
@@ -296,17 +296,27 @@ def plan_warnings(plan: Plan) -> list[str]:
 
 
 def run_plan(
-    plan: Plan, model_path: str, nproc: int, iters: int, warmup: int, timeout_s: float
+    plan: Plan,
+    model_path: str,
+    nproc: int,
+    iters: int,
+    warmup: int,
+    timeout_s: float,
+    weights: str | None = None,
 ) -> dict[str, Any] | None:
-    """Execute `plan` on `nproc` local ranks (gloo on CPU, NCCL on GPUs) and summarise the ranks.
+    """Execute `plan` on `nproc` local ranks (gloo on CPU, NCCL on GPUs) and summarise the ranks
+    (`runtime.session.run_job`: the unsharded reference once, each rank its own shards).
 
+    weights: a safetensors file or a directory of them (None: seeded random init).
     Under torchrun this process is one rank: rank 0 returns the summary, the other ranks None.
 
-    Raises InputError when nproc != the plan's device count, RunError (exit 4) when a rank fails.
+    Raises InputError when nproc != the plan's device count or the weights are missing or bad,
+    RunError (exit 4) when a rank fails or the outputs differ from the unsharded model's beyond
+    tolerance.
     """
-    from runtime.execute import run_rank  # noqa: PLC0415 - heavy imports only for --run
-    from runtime.job import RunJob, summarise  # noqa: PLC0415
-    from runtime.launch import launch  # noqa: PLC0415
+    from passes.checkpoint import checkpoint_files  # noqa: PLC0415 - heavy imports only for --run
+    from runtime.job import RunJob  # noqa: PLC0415
+    from runtime.session import run_job  # noqa: PLC0415
 
     if plan.workload is Workload.DECODE:
         raise InputError(
@@ -329,11 +339,9 @@ def run_plan(
         warmup=warmup,
         iters=iters,
         profile_layers=plan.pp == 1 and workload == "forward",
+        weights=checkpoint_files(weights) if weights else None,
     )
-    reports = launch(run_rank, job, nproc=nproc, timeout_s=timeout_s)
-    if any(r is None for r in reports):
-        return None  # under torchrun, ranks other than 0 do not receive the others' reports
-    return summarise(reports)
+    return run_job(job, nproc, timeout_s)
 
 
 def report_dict(

@@ -63,13 +63,17 @@ class ModelFile:
         return model.eval()
 
     def inputs(
-        self, batch_size: int | None = None, seq_len: int | None = None, device: str = "cpu"
+        self, batch_size: int | None = None, seq_len: int | None = None, device: str | None = None
     ) -> tuple[tuple, dict]:
-        """The example (args, kwargs) for forward, tensors moved to `device`.
+        """The example (args, kwargs) for forward, tensors moved to `device` (None: left where
+        example_inputs put them).
 
         `batch_size` / `seq_len` (None: the file's defaults) are passed to `example_inputs` as
-        keyword arguments. Raises InputError if it does not accept an override asked for, or if
-        it returns something other than a tuple (a single tensor is wrapped).
+        keyword arguments. Inputs on the meta device are fine for planning (only shapes and dtypes
+        are read) and left on meta when `device` is None or "meta". Raises InputError if it does
+        not accept an override asked for, if it returns something other than a tuple (a single
+        tensor is wrapped), or if it returns meta tensors and a real `device` is asked for (running
+        needs input values).
         """
         fn = self.module.example_inputs
         overrides = {k: v for k, v in (("batch_size", batch_size), ("seq_len", seq_len)) if v is not None}
@@ -98,8 +102,17 @@ class ModelFile:
                     f"{self.path}: example_kwargs() returned {type(kwargs).__name__}, expected a dict"
                 )
 
+        leaves = pytree.tree_leaves((args, kwargs))
+        if device is not None and torch.device(device).type != "meta":
+            if any(isinstance(x, torch.Tensor) and x.is_meta for x in leaves):
+                raise InputError(
+                    f"{self.path}: example_inputs() returned tensors on the meta device, which have no values; "
+                    "planning works with them, but running needs real inputs: return CPU tensors from "
+                    "example_inputs (e.g. torch.randint(0, vocab, (batch_size, seq_len)))"
+                )
+
         def move(x: Any) -> Any:
-            return x.to(device) if isinstance(x, torch.Tensor) else x
+            return x.to(device) if isinstance(x, torch.Tensor) and device is not None else x
 
         return pytree.tree_map(move, (args, dict(kwargs)))
 

@@ -1,0 +1,234 @@
+"""The unsharded reference of a run, computed once, and the weights every rank loads its shards from.
+
+    write_reference(job, directory) -> ReferenceFiles
+    compare_outputs(outs, ...)  -> a rank's outputs against its part of the reference (RankReport fields)
+
+1. builds the model once: from the model file with the job's seed, or - with `--weights` - on the
+   meta device (when the file builds there) and filled from the user's safetensors files;
+2. captures it on the WHOLE batch, applies the plan's ladder layers (so a run's difference measures
+   the rewrite alone; `ladder_deviation` says how far ladder residual moved the original outputs)
+   and runs it: every output, and for training the MSE loss against `training_target` and every
+   parameter's gradient;
+3. writes to `directory`: `outputs.safetensors` (output.{i}, target, loss), `grads.safetensors`
+   (training) and, unless the user gave weights, `weights.safetensors` (every parameter and
+   buffer, non-persistent ones included); with user weights, only the tensors their files lack
+   (non-persistent buffers) go to `extra.safetensors`.
+
+The launching process calls it before the ranks start (`runtime.session.run_job`), then frees the
+model: no rank builds the whole model. When a rank finds no reference in its job (a test launching
+`run_rank` itself, or torchrun, where no launching process exists), `shared_reference` makes it on
+local rank 0 of each node and hands the folder to the node's other ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from passes.checkpoint import SafetensorsCheckpoint, checkpoint_files, load_whole, save_checkpoint
+from passes.ladder import apply_ladder, ladder_deviation, ladder_residual_adds
+from passes.rng import dropout_disabled
+from passes.tensor_parallel import read_local_shards
+from planner.errors import InputError
+from planner.frontend.analysis import analyse
+from planner.frontend.capture import capture, flat_inputs
+from planner.frontend.modelfile import ModelFile, load_model_file
+from planner.plan import Plan
+from runtime.job import RankReport, RankSetup, ReferenceFiles, RunJob, job_inputs
+from runtime.launch import RankContext
+from runtime.numerics import all_outputs, max_abs_diff, replica_share, training_target
+from runtime.run_mode import cast_inputs, set_run_mode
+
+WEIGHTS_HELP = (
+    "give the weights as safetensors: --weights FILE.safetensors or a directory of them, with the "
+    "names of model.state_dict() (e.g. safetensors.torch.save_file(model.state_dict(), 'model.safetensors'))"
+)
+
+
+def build_unsharded(model_file: ModelFile, seed: int, weights: list[str] | None) -> torch.nn.Module:
+    """The whole model with real weights on the CPU: seeded init (`torch.manual_seed(seed)`), or the
+    tensors of the safetensors files `weights` (loaded into a model built on meta when the file
+    builds there). Raises InputError when the model has meta tensors and no weights are given, or
+    the weights lack a tensor of the model or have another shape."""
+    torch.manual_seed(seed)
+    model = model_file.build("cpu")
+    if weights:
+        load_whole(model, weights, WEIGHTS_HELP)
+    meta = [name for name, t in _named_tensors(model) if t.is_meta]
+    if meta:
+        how = (
+            "the weights do not hold them (non-persistent buffers made in __init__ on the meta device)"
+            if weights
+            else "the model file builds its model on the meta device, so there are no weights to run"
+        )
+        raise InputError(f"{model_file.path}: {how}: {meta[:3]}; {WEIGHTS_HELP}")
+    return model.eval()
+
+
+def write_reference(job: RunJob, directory: str, made_on: str = "launching process") -> ReferenceFiles:
+    """Run the unsharded model once on the whole batch and write its results and weights into
+    `directory` (module docstring). Raises InputError for a model without weights or bad weights."""
+    plan = Plan.from_dict(job.plan)
+    model_file = load_model_file(job.model_path)
+    training = job.workload == "train"
+    # the plan's dtype and mode, as the ranks run it (runtime.run_mode); dropout is switched off below
+    model = set_run_mode(build_unsharded(model_file, job.seed, job.weights), plan.dtype, training)
+    args, kwargs = cast_inputs(*job_inputs(model_file, job, "cpu"), plan.dtype)
+    inputs = flat_inputs(args, kwargs)
+    gm = capture(model, args, kwargs)
+    adds = ladder_residual_adds(analyse(gm), plan.ladder_layers)
+    deviation = None
+    if adds:
+        with torch.no_grad(), dropout_disabled(gm):
+            original = all_outputs(gm(*inputs))[0]
+        apply_ladder(gm, adds)
+    with torch.set_grad_enabled(training), dropout_disabled(gm):
+        outs = all_outputs(gm(*inputs))
+    results = {f"output.{i}": out.detach() for i, out in enumerate(outs)}
+    if adds:
+        deviation = ladder_deviation(original, results["output.0"])
+    grads_path = None
+    if training:
+        target = training_target(outs[0].detach())
+        loss = F.mse_loss(outs[0], target)
+        loss.backward()
+        results.update(target=target, loss=loss.detach())
+        grads = {n: p.grad for n, p in gm.named_parameters(remove_duplicate=False) if p.grad is not None}
+        grads_path = os.path.join(directory, "grads.safetensors")
+        save_checkpoint(grads, grads_path)
+    outputs_path = os.path.join(directory, "outputs.safetensors")
+    save_checkpoint(results, outputs_path)
+    tensors = dict(_named_tensors(model))
+    tensors.update(_named_tensors(gm))  # constants the capture lifted into the graph
+    if job.weights:
+        files = checkpoint_files(job.weights)
+        with SafetensorsCheckpoint(files) as source:
+            extra = {n: t for n, t in tensors.items() if n not in source}
+        if extra:
+            files.append(os.path.join(directory, "extra.safetensors"))
+            save_checkpoint(extra, files[-1])
+    else:
+        files = [os.path.join(directory, "weights.safetensors")]
+        save_checkpoint(tensors, files[0])
+    return ReferenceFiles(
+        directory=directory,
+        weights=files,
+        outputs=outputs_path,
+        grads=grads_path,
+        num_outputs=len(outs),
+        dtype=str(outs[0].dtype).removeprefix("torch."),
+        ladder_deviation=deviation,
+        made_on=made_on,
+    )
+
+
+@contextmanager
+def shared_reference(ctx: RankContext, job: RunJob) -> Iterator[ReferenceFiles]:
+    """The job's reference; without one, local rank 0 of each node writes it to a temporary folder
+    (collective over the default group: every rank must enter) and removes it when every rank of
+    the job is done. A `made_on` naming a rank says that rank's peak memory holds the whole model."""
+    if job.reference is not None:
+        yield job.reference
+        return
+    files = None
+    directory = None
+    if ctx.local_rank == 0:
+        directory = tempfile.mkdtemp(prefix="planner-reference-")
+        try:
+            files = write_reference(job, directory, made_on=f"rank {ctx.rank}")
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+    gathered: list[ReferenceFiles | None] = [None] * ctx.world_size
+    dist.all_gather_object(gathered, files)
+    mine = gathered[ctx.rank - ctx.local_rank]
+    assert mine is not None, "local rank 0 of this node made no reference"
+    try:
+        yield mine
+        dist.barrier()  # nobody still reads the files
+    finally:
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def compare_outputs(
+    outs: tuple[torch.Tensor, ...],
+    want: SafetensorsCheckpoint,
+    reference: ReferenceFiles,
+    setup: RankSetup,
+    report: RankReport,
+) -> None:
+    """Fill the report's per-output differences: each output of this rank against its DP replica's
+    part of the whole-batch reference output (`runtime.numerics.replica_share`); an output without
+    a batch dim (a loss, a batch statistic) is averaged over the DP group first (collective over it).
+    Raises ValueError when the rank's outputs do not match the reference's in number or shape."""
+    plan, groups = setup.plan, setup.groups
+    if len(outs) != reference.num_outputs:
+        raise ValueError(
+            f"the rank module returns {len(outs)} outputs, the unsharded model {reference.num_outputs}"
+        )
+    report.output_dtype = str(outs[0].dtype).removeprefix("torch.")
+    for i, out in enumerate(outs):
+        full = want.read(f"output.{i}").to(out.device)
+        got = out.detach()
+        if plan.dp > 1 and tuple(full.shape) == tuple(got.shape) and got.is_floating_point():
+            got = got.clone()
+            dist.all_reduce(got, group=groups.group("dp"))
+            got /= plan.dp
+        share = replica_share(full, tuple(got.shape), plan.dp, groups.dp_rank)
+        if share is None:
+            raise ValueError(
+                f"output {i} of the rank has shape {tuple(got.shape)}, which is no DP share of the unsharded "
+                f"output {tuple(full.shape)} (dp={plan.dp})"
+            )
+        report.output_diffs.append(max_abs_diff(got, share))
+        report.output_scales.append(float(full.double().abs().max()) if full.numel() else 0.0)
+    report.max_abs_diff = max(report.output_diffs)
+    report.output_scale = max(report.output_scales)
+
+
+def dp_mean(value: torch.Tensor, dp: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The mean of `value` over the `dp` replicas of `group` (collective over it; a copy)."""
+    value = value.detach().clone()
+    if dp > 1:
+        dist.all_reduce(value, group=group)
+        value /= dp
+    return value
+
+
+def compare_loss(mean_loss: torch.Tensor, want: SafetensorsCheckpoint, report: RankReport) -> None:
+    """Training: the run's MSE loss (averaged over the DP replicas, `dp_mean`: equal shares, so the
+    whole batch's mean) against the unsharded model's loss on the whole batch."""
+    ref_loss = want.read("loss")
+    report.loss_diff = max_abs_diff(mean_loss.cpu(), ref_loss)
+    report.loss_scale = float(ref_loss.abs())
+
+
+def compare_gradients(
+    module: torch.nn.Module, reference: ReferenceFiles, setup: RankSetup, report: RankReport
+) -> None:
+    """Training, after the backward and the DP average: every gradient of this rank's parameters
+    against its shard of the unsharded model's whole-batch gradient (read shard by shard)."""
+    plan, groups = setup.plan, setup.groups
+    with SafetensorsCheckpoint([reference.grads]) as grads_file:
+        names = [n for n, p in module.named_parameters() if p.grad is not None and n in grads_file]
+        grads = read_local_shards(module, grads_file, plan.splits, groups.tp_rank, plan.tp, names)
+    params = dict(module.named_parameters())
+    report.grad_max_abs_diff = max(
+        (max_abs_diff(params[n].grad.cpu(), g) for n, g in grads.items()), default=0.0
+    )
+    report.grad_scale = max((float(g.abs().max()) for g in grads.values() if g.numel()), default=0.0)
+
+
+def _named_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer under each of its names (tied weights and aliases included)."""
+    return list(module.named_parameters(remove_duplicate=False)) + list(
+        module.named_buffers(remove_duplicate=False)
+    )

@@ -1,0 +1,57 @@
+"""The launching process's part of a run: the reference once, the ranks, the verdict.
+
+    run_job(job, nproc, timeout_s) -> summary (runtime.job.summarise)
+
+1. the unsharded model is built and run ONCE here, on the whole batch, and its outputs, loss,
+   gradients and weights are written to a temporary folder (`runtime.reference.write_reference`);
+   the model is freed before any rank starts, so no rank holds the whole model;
+2. `nproc` ranks run `runtime.execute.run_rank`, each materialising only its own weight shards;
+3. the ranks' reports are summarised, and a difference beyond the dtype's tolerance
+   (`runtime.numerics`) is a RunError (exit 4) saying which output and by how much.
+
+Under torchrun this process is one of the ranks: there is no launching process, so the reference is
+made on local rank 0 of each node (`runtime.reference.shared_reference`) and only rank 0 returns a
+summary.
+"""
+
+from __future__ import annotations
+
+import gc
+import shutil
+import tempfile
+from dataclasses import replace
+from typing import Any
+
+from planner.errors import RunError
+from runtime.execute import run_rank
+from runtime.job import RunJob, summarise
+from runtime.launch import launch, under_torchrun
+from runtime.numerics import check_failures
+from runtime.reference import write_reference
+
+
+def run_job(job: RunJob, nproc: int, timeout_s: float) -> dict[str, Any] | None:
+    """Run `job` on `nproc` ranks and return `summarise` of their reports (None on a torchrun rank
+    other than 0). Raises InputError for a model without weights or bad --weights (exit 2),
+    RunError when a rank fails or the numerics are beyond tolerance (exit 4)."""
+    if under_torchrun():
+        reports = launch(run_rank, job, nproc=nproc, timeout_s=timeout_s)
+    else:
+        directory = tempfile.mkdtemp(prefix="planner-reference-")
+        try:
+            reference = write_reference(job, directory)
+            gc.collect()  # the whole model is garbage now: the ranks start without it here
+            reports = launch(run_rank, replace(job, reference=reference), nproc=nproc, timeout_s=timeout_s)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+    if any(r is None for r in reports):
+        return None  # under torchrun, ranks other than 0 do not receive the others' reports
+    summary = summarise(reports)
+    failures = check_failures(summary["numerics"])
+    if failures:
+        raise RunError(
+            "the sharded run does not compute what the unsharded model computes on the same batch "
+            "(reference: the unsharded model on the whole batch, tolerances by dtype in runtime.numerics):\n  "
+            + "\n  ".join(failures)
+        )
+    return summary
