@@ -29,6 +29,7 @@ import torch.utils._pytree as pytree
 # max |sharded - unsharded| allowed, as a fraction of max |unsharded| (see the module docstring)
 REL_TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
 
+
 def tolerance_for(dtype: str) -> float:
     """The relative tolerance of outputs in `dtype` ("float32", "torch.bfloat16", ...); an unknown
     (e.g. integer) dtype is compared exactly (0.0)."""
