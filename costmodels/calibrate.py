@@ -758,7 +758,7 @@ def write_cache_metadata(spec_path: str | os.PathLike, nproc: int, now: float | 
         **_machine_identity(nproc),
         "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
-    meta.write_text(json.dumps(data, indent=2), encoding="utf-8")
+    write_text_atomic(meta, json.dumps(data, indent=2))
     return meta
 
 
