@@ -55,10 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument(
         "--cluster", help="preset name (dgx-h100, local-cpu, ...) or YAML file; default: this machine"
     )
-    opt.add_argument("--workload", default="forward", choices=["forward", "decode", "train"])
+    opt.add_argument("--workload", default="forward", choices=["forward", "decode", "train", "generate"])
     opt.add_argument("--batch-size", type=_positive)
     opt.add_argument("--seq-len", type=_positive)
     opt.add_argument("--context", type=_positive, help="decode: KV-cache length in tokens")
+    opt.add_argument(
+        "--new-tokens",
+        type=_positive,
+        help="decode / generate of a model with a KV cache: tokens generated per sequence (default 16)",
+    )
     opt.add_argument("--micro-batches", type=_positive)
     opt.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
     opt.add_argument("--ladder", default="none", help="none | upper:N | auto | auto:max=N")
@@ -141,6 +146,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             args.context,
             args.micro_batches,
             args.dtype,
+            args.new_tokens,
         )
         progress.update(task, description="loading the cluster spec")
         nproc = args.nproc

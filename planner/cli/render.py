@@ -66,7 +66,7 @@ def render_plan(console: Console, plan: Plan) -> None:
     console.print(
         f"[bold]Plan[/bold] for {plan.model} on [bold]{plan.cluster}[/bold] ({plan.workload}, batch {plan.batch_size}, "
         f"seq {plan.seq_len}"
-        + (f", context {plan.context}" if plan.workload is Workload.DECODE else "")
+        + (f", context {plan.context}" if plan.workload in (Workload.DECODE, Workload.GENERATE) else "")
         + f", {plan.dtype})"
     )
     console.print(
@@ -99,14 +99,19 @@ def render_plan(console: Console, plan: Plan) -> None:
         )
     console.print(table)
     p = plan.predicted
-    what = {Workload.TRAIN: "step", Workload.DECODE: "decode step", Workload.FORWARD: "forward"}[
-        plan.workload
-    ]
+    what = {
+        Workload.TRAIN: "step",
+        Workload.DECODE: "decode step",
+        Workload.GENERATE: "decode step",
+        Workload.FORWARD: "forward",
+    }[plan.workload]
     console.print(
         f"Predicted {what} latency: [bold]{fmt_s(p.latency_s)}[/bold] "
         f"(compute {fmt_s(p.compute_s)}, exposed comm {fmt_s(p.exposed_comm_s)}, overlapped {fmt_s(p.overlapped_comm_s)}, "
         f"bubble {fmt_s(p.bubble_s)}); {p.throughput_tokens_per_s:,.0f} tokens/s; peak memory {fmt_bytes(p.peak_memory_bytes)}/rank"
     )
+    if plan.serving is not None:
+        render_serving(console, plan)
     if plan.baseline is not None:
         b = plan.baseline
         d = next((d for d in plan.decisions if d.subject == "megatron-baseline"), None)
@@ -148,6 +153,19 @@ def render_decisions(console: Console, plan: Plan) -> None:
         )
         table.add_row(d.subject, d.chosen, options, d.reason)
     console.print(table)
+
+
+def render_serving(console: Console, plan: Plan) -> None:
+    """The request a serving plan was priced for: TTFT, time per output token, tokens/s."""
+    sv = plan.serving
+    assert sv is not None
+    console.print(
+        f"Request (prompt {sv.prompt_len}, {sv.new_tokens} new tokens, cache {sv.cache_len}, batch {plan.batch_size}): "
+        f"time to first token [bold]{fmt_s(sv.ttft_s)}[/bold], [bold]{sv.tpot_s * 1e3:.3g} ms[/bold] per output token, "
+        f"{sv.tokens_per_s:,.1f} tokens/s over the request; decode graph and prefill graph priced node by node"
+    )
+    for note in sv.fallbacks:
+        console.print(f"[yellow]fallback: {note}[/yellow]")
 
 
 def render_run(console: Console, report: dict[str, Any]) -> None:

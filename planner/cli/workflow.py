@@ -18,11 +18,15 @@ from planner.errors import InputError
 from planner.frontend.analysis import ModelStructure
 from planner.frontend.depth import capture_for_planning
 from planner.frontend.modelfile import ModelFile, load_model_file
-from planner.plan import WORKLOADS, Plan, Schedule, SplitStyle, Workload
+from planner.frontend.phases import build_for, decode_phase, plan_structure, prefill_phase
+from planner.plan import WORKLOADS, Plan, Schedule, Serving, SplitStyle, Workload
 from planner.solver.problem import Constraints, LadderPolicy, WorkloadSpec
 from planner.solver.search import plan_model
+from planner.solver.serving import price_request
 
 DEFAULT_CONTEXT = 2048  # decode: KV-cache tokens when --context is not given
+DEFAULT_NEW_TOKENS = 16  # decode / generate of a model with a KV cache: tokens generated per sequence
+DEFAULT_PROMPT = 128  # generate: prompt tokens when --seq-len is not given
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "parallel-planner"
 
 
@@ -34,6 +38,22 @@ class Prepared:
     structure: ModelStructure
     workload: WorkloadSpec
     param_shapes: dict[str, tuple[int, ...]]  # every parameter FQN of the model, for validating plans
+    request: ServingRequest | None = None  # models with a KV cache, decode / generate: the request priced
+    prefill: ModelStructure | None = None  # ... and its prefill graph, analysed
+
+
+@dataclass(frozen=True)
+class ServingRequest:
+    """A request of a model with a KV cache: `prompt_len` tokens, then `new_tokens` generated."""
+
+    workload: Workload  # DECODE (prompt = --context) or GENERATE (prompt = --seq-len)
+    prompt_len: int
+    new_tokens: int
+
+    @property
+    def cache_len(self) -> int:
+        """The cache the model is built with: room for the prompt and every generated token."""
+        return self.prompt_len + self.new_tokens
 
 
 def prepare(
@@ -44,18 +64,32 @@ def prepare(
     context: int | None = None,
     micro_batches: int | None = None,
     dtype: str | None = None,
+    new_tokens: int | None = None,
 ) -> Prepared:
     """Load `model_path`, build it on `meta`, capture and analyse it, and describe the workload.
 
     decode: the example inputs are asked for with seq_len=1 (one new token per sequence) and the KV
-    cache holds `context` tokens (default DEFAULT_CONTEXT). Raises InputError (bad file, options,
-    untraceable model).
+    cache holds `context` tokens (default DEFAULT_CONTEXT). A model with a KV cache (`step_inputs`)
+    is planned from its own decode graph and its prefill graph is captured too (`_prepare_serving`).
+    Raises InputError (bad file, options, untraceable model).
     """
     if workload not in WORKLOADS:
         raise InputError(f"--workload must be one of {', '.join(WORKLOADS)}, got {workload!r}")
     for name, value in (("--batch-size", batch_size), ("--seq-len", seq_len), ("--context", context)):
         if value is not None and value < 1:
             raise InputError(f"{name} must be a positive integer, got {value}")
+    model_file = load_model_file(model_path)
+    if model_file.has_cache and workload in (Workload.DECODE, Workload.GENERATE):
+        return _prepare_serving(
+            model_file, Workload(workload), batch_size, seq_len, context, new_tokens, dtype
+        )
+    if workload == Workload.GENERATE:
+        raise InputError(
+            f"--workload generate needs a model with a static KV cache; {model_path} defines no "
+            "step_inputs(tokens, input_pos) (README, models with a KV cache)"
+        )
+    if new_tokens is not None:
+        raise InputError("--new-tokens applies to --workload decode / generate of a model with a KV cache")
     if workload == Workload.DECODE:
         if seq_len not in (None, 1):
             raise InputError(
@@ -65,7 +99,6 @@ def prepare(
         context = context or DEFAULT_CONTEXT
     elif context:
         raise InputError("--context only applies to --workload decode")
-    model_file = load_model_file(model_path)
     args, kwargs = model_file.inputs(batch_size, seq_len)
     model = model_file.build("meta")
     _, structure = capture_for_planning(model, args, kwargs)
@@ -79,6 +112,42 @@ def prepare(
     )
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
     return Prepared(model_file, structure, wl, shapes)
+
+
+def _prepare_serving(
+    model_file: ModelFile,
+    workload: Workload,
+    batch_size: int | None,
+    seq_len: int | None,
+    context: int | None,
+    new_tokens: int | None,
+    dtype: str | None,
+) -> Prepared:
+    """decode / generate of a model with a KV cache: the decode step (one token at position
+    `prompt_len`, caches of `prompt_len + new_tokens` tokens) captured for planning, and the prefill."""
+    if workload is Workload.DECODE:
+        if seq_len not in (None, 1):
+            raise InputError(
+                "--seq-len is the prompt length of --workload generate; decode plans one new token after "
+                "--context cached tokens"
+            )
+        prompt = context or DEFAULT_CONTEXT
+    else:
+        if context:
+            raise InputError("--context is the cache of --workload decode; generate's prompt is --seq-len")
+        prompt = seq_len or DEFAULT_PROMPT
+    request = ServingRequest(workload, prompt, new_tokens or DEFAULT_NEW_TOKENS)
+    if request.new_tokens < 1:
+        raise InputError(f"--new-tokens must be a positive integer, got {request.new_tokens}")
+    batch = batch_size or 1
+    _, structure = plan_structure(model_file, decode_phase(batch, prompt, request.cache_len))
+    _, prefill = plan_structure(model_file, prefill_phase(batch, prompt, request.cache_len))
+    wl = WorkloadSpec(
+        kind=Workload.DECODE, batch_size=batch, seq_len=1, context=prompt, micro_batches=None, dtype=dtype
+    )
+    model = build_for(model_file, decode_phase(batch, prompt, request.cache_len), "meta")
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
+    return Prepared(model_file, structure, wl, shapes, request, prefill)
 
 
 def resolve_cluster(name_or_path: str | None, nproc: int | None, progress=None) -> ClusterSpec:
@@ -218,7 +287,21 @@ def check_fits_this_machine(plan: Plan, structure: ModelStructure, nproc: int) -
 def make_plan(prepared: Prepared, cluster: ClusterSpec, constraints: Constraints, model_path: str) -> Plan:
     """Solve for the best plan. Raises InfeasibleError (exit 3) or InputError (exit 2)."""
     check_pinned_tp(prepared.structure, constraints.tp)
-    return plan_model(prepared.structure, cluster, prepared.workload, constraints, model_name=str(model_path))
+    plan = plan_model(prepared.structure, cluster, prepared.workload, constraints, model_name=str(model_path))
+    request = prepared.request
+    if request is not None and prepared.prefill is not None:
+        plan.serving = price_request(
+            plan,
+            prepared.prefill,
+            cluster,
+            prompt_len=request.prompt_len,
+            new_tokens=request.new_tokens,
+            cache_len=request.cache_len,
+        )
+        plan.workload = request.workload
+        if request.workload is Workload.GENERATE:
+            plan.seq_len = request.prompt_len
+    return plan
 
 
 def run_plan(
@@ -304,12 +387,29 @@ def report_dict(
         },
         "excluded": list(plan.excluded),
     }
+    if plan.serving is not None:
+        report["serving"] = {"predicted": serving_dict(plan.serving, plan.batch_size)}
     if run is not None:
         report["measured"] = run["measured"]
         report["numerics"] = run["numerics"]
         measured = run["measured"]["latency_s"]
         report["measured"]["predicted_over_measured"] = p.latency_s / measured if measured else None
     return report
+
+
+def serving_dict(serving: Serving, batch_size: int) -> dict[str, Any]:
+    """A request's figures as serving benchmarks report them (seconds, tokens/s)."""
+    return {
+        "prompt_len": serving.prompt_len,
+        "new_tokens": serving.new_tokens,
+        "cache_len": serving.cache_len,
+        "batch_size": batch_size,
+        "ttft_s": serving.ttft_s,
+        "tpot_s": serving.tpot_s,
+        "request_s": serving.request_s,
+        "tokens_per_s": serving.tokens_per_s,
+        "fallbacks": list(serving.fallbacks),
+    }
 
 
 def known_clusters() -> str:

@@ -276,6 +276,10 @@ def attention_core_options(
         if w.kind is Workload.DECODE
         else 0.0
     )
+    if attn.cache_bytes:  # the model's own cache: attention over all of it (masked), its real size
+        kv_len, causal = attn.kv_len or kv_len, False
+        s = ctx.structure
+        kv_cache = attn.cache_bytes * (replica_seqs / s.batch_size) * b / DTYPE_BYTES[s.dtype]
     stored = (2.0 * heads + 2.0 * kv_heads) * seqs * q_len * hd * b if ctx.train else 0.0
 
     def option(name: str, layout: Layout, shard: int) -> OpOption:
