@@ -188,6 +188,17 @@ class RuleContext:
                 if value is full:
                     module._parameters[pname] = new
 
+    def replace_buffer(self, fqn: str, dim: int) -> None:
+        """Swap buffer `fqn` (a KV cache) for this rank's contiguous slice along `dim`, once."""
+        owner_path, _, name = fqn.rpartition(".")
+        owner = self.gm.get_submodule(owner_path) if owner_path else self.gm
+        full = owner._buffers[name]
+        if id(full) in self.sharded_ids:
+            return
+        shard = shard_weight(full, dim, None, self.rank, self.tp).clone()
+        self.sharded_ids.add(id(shard))
+        owner._buffers[name] = shard
+
     def run_replicated(self, node: fx.Node) -> None:
         """Any op without a sharding rule: run it on replicated inputs (all-gather shards)."""
         for a in list(node.all_input_nodes):

@@ -177,6 +177,7 @@ class Serving:
     tpot_s: float  # predicted time per output token: one decode step
     tokens_per_s: float  # generated tokens over the whole request: batch * new_tokens / request time
     fallbacks: list[str] = field(default_factory=list)  # what the rewrite replicates instead of sharding
+    standard_tpot_s: float | None = None  # ladder plans: the decode step of the same splits without ladder
 
     @property
     def request_s(self) -> float:

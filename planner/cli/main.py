@@ -187,7 +187,11 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     if args.run and run is None:  # a rank other than 0 under torchrun: rank 0 reports
         return 0
     report = workflow.report_dict(plan, run, args.model, cluster)
-    if run is not None:
+    if run is not None and "serving" in report:
+        from planner.cli.render import render_serving_run  # noqa: PLC0415
+
+        render_serving_run(console, report)
+    elif run is not None:
         render_run(console, report)
         render_layer_comparison(console, plan, run["measured"].get("per_layer_s", {}))
     if args.json:

@@ -204,6 +204,49 @@ def render_run(console: Console, report: dict[str, Any]) -> None:
     )
 
 
+def render_serving_run(console: Console, report: dict[str, Any]) -> None:
+    """A served request: TTFT, ms per output token and tokens/s predicted beside measured, the greedy
+    tokens against the unsharded model's, and with ladder layers its deviation and speed-up."""
+    sv, n, m = report["serving"], report["numerics"], report["measured"]
+    p, got = sv["predicted"], sv["measured"]
+    table = Table(
+        title=f"Request: prompt {p['prompt_len']}, {p['new_tokens']} new tokens, batch {p['batch_size']}"
+    )
+    for col in ("quantity", "predicted", "measured", "predicted / measured"):
+        table.add_column(col, justify="right")
+
+    def row(label: str, want: float | None, have: float | None, text=fmt_s) -> None:
+        ratio = f"{want / have:.2f}" if want and have else "-"
+        table.add_row(
+            label, text(want) if want is not None else "-", text(have) if have is not None else "-", ratio
+        )
+
+    row("time to first token", p["ttft_s"], got["ttft_s"])
+    row("time per output token", p["tpot_s"], got["tpot_s"])
+    row("tokens/s over the request", p["tokens_per_s"], got["tokens_per_s"], lambda x: f"{x:,.1f}")
+    if got.get("standard_tpot_s"):
+        row("  same splits without ladder", p["standard_tpot_s"], got["standard_tpot_s"])
+        row("  ladder speed-up", p["ladder_speedup"], got["ladder_speedup"], lambda x: f"{x:.3f}x")
+    pm = report["predicted"]["peak_memory_bytes"]
+    row("peak memory / rank (cache included)", pm, m["peak_memory_bytes"], fmt_bytes)
+    console.print(table)
+    console.print(
+        f"measured: per output token median of {m['iterations']} decode steps on the slowest rank (warm-up "
+        f"excluded), p10 {fmt_s(m['latency_p10_s'])}, p90 {fmt_s(m['latency_p90_s'])}; KV cache "
+        f"{fmt_bytes(m['cache_bytes_per_rank'])}/rank"
+    )
+    same = "identical to" if n["tokens_identical"] else f"[red]{n['tokens_differ']} differ from[/red]"
+    console.print(
+        f"numerics: greedy tokens {same} the unsharded model's; max |logit diff| {n['max_abs_diff']:.3g} "
+        f"(tolerance {n['logit_tolerance']:.3g}, logit scale {n['output_scale']:.3g})"
+    )
+    if n.get("ladder_deviation") is not None:
+        console.print(
+            f"ladder residual vs the original model: prefill logits moved {n['ladder_deviation']:.3g} (relative L2), "
+            f"{n['ladder_tokens_differ']} of {len(n['tokens']) * len(n['tokens'][0])} greedy tokens differ"
+        )
+
+
 def render_layer_comparison(console: Console, plan: Plan, measured_per_layer_s: dict[str, float]) -> None:
     """Predicted (compute + exposed comm) beside measured time per layer, to locate a prediction error.
 

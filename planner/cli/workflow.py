@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from costmodels.cluster import ClusterSpec, load_cluster, preset_names
-from planner.errors import InputError
+from planner.errors import InputError, RunError
 from planner.frontend.analysis import ModelStructure
 from planner.frontend.depth import capture_for_planning
 from planner.frontend.modelfile import ModelFile, load_model_file
@@ -293,6 +293,7 @@ def make_plan(prepared: Prepared, cluster: ClusterSpec, constraints: Constraints
         plan.serving = price_request(
             plan,
             prepared.prefill,
+            prepared.structure,
             cluster,
             prompt_len=request.prompt_len,
             new_tokens=request.new_tokens,
@@ -317,10 +318,13 @@ def run_plan(
     from runtime.job import RunJob, summarise  # noqa: PLC0415
     from runtime.launch import launch  # noqa: PLC0415
 
+    if plan.serving is not None:
+        return run_serving(plan, model_path, nproc, iters, warmup, timeout_s)
     if plan.workload is Workload.DECODE:
         raise InputError(
-            "--run executes forward and train plans; running a decode step against a KV cache is not implemented "
-            "in the runtime yet (the plan and its prediction are valid)"
+            f"--run of a decode plan needs a model with a static KV cache; {model_path} has none (it was priced "
+            "from a formula). Give the model file build_model(max_batch_size, max_seq_len) and "
+            "step_inputs(tokens, input_pos) (README, models with a KV cache)"
         )
     if nproc != plan.num_devices:
         raise InputError(
@@ -343,6 +347,49 @@ def run_plan(
     if any(r is None for r in reports):
         return None  # under torchrun, ranks other than 0 do not receive the others' reports
     return summarise(reports)
+
+
+def run_serving(
+    plan: Plan, model_path: str, nproc: int, iters: int, warmup: int, timeout_s: float
+) -> dict[str, Any] | None:
+    """Serve `plan.serving`'s request on `nproc` local ranks: prefill, then greedy decode steps
+    (`runtime.decode`); `warmup` untimed then `iters` timed requests. Returns the summary (None on
+    ranks other than 0 under torchrun). Raises InputError for pp > 1, dp > 1 or a wrong nproc,
+    RunError (exit 4) when a rank fails or the tokens / logits differ from the unsharded model's."""
+    from runtime.decode import DecodeJob, run_decode_rank, summarise_decode  # noqa: PLC0415 - only for --run
+    from runtime.launch import launch  # noqa: PLC0415
+
+    sv = plan.serving
+    assert sv is not None
+    if plan.pp > 1 or plan.dp > 1:
+        raise InputError(
+            f"--run serves decode plans with tensor parallelism only; the plan has {plan.mesh.label()}: "
+            "re-plan with --pp 1 --dp 1 (or --devices to the TP degree)"
+        )
+    if nproc != plan.num_devices:
+        raise InputError(f"the plan uses {plan.num_devices} devices (tp={plan.tp}) but --nproc is {nproc}")
+    job = DecodeJob(
+        model_path=str(model_path),
+        plan=plan.to_dict(),
+        batch_size=plan.batch_size,
+        prompt_len=sv.prompt_len,
+        new_tokens=sv.new_tokens,
+        cache_len=sv.cache_len,
+        warmup=max(1, warmup),
+        iters=max(1, iters),
+    )
+    reports = launch(run_decode_rank, job, nproc=nproc, timeout_s=timeout_s)
+    if any(r is None for r in reports):
+        return None
+    run = summarise_decode(reports, plan.dtype, plan.batch_size, sv.new_tokens)
+    n = run["numerics"]
+    if not n["ok"]:
+        raise RunError(
+            f"the sharded model does not match the unsharded one: {n['tokens_differ']} greedy tokens differ, "
+            f"max |logit diff| {n['max_abs_diff']:.3g} (tolerance {n['logit_tolerance']:.3g}); "
+            f"tokens {n['tokens']} vs reference {n['reference_tokens']}"
+        )
+    return run
 
 
 def report_dict(
@@ -389,6 +436,13 @@ def report_dict(
     }
     if plan.serving is not None:
         report["serving"] = {"predicted": serving_dict(plan.serving, plan.batch_size)}
+    if run is not None and plan.serving is not None:
+        report["serving"]["measured"] = {
+            k: run["measured"].get(k)
+            for k in ("ttft_s", "tpot_s", "request_s", "tokens_per_s", "standard_tpot_s")
+        }
+        if run["measured"].get("standard_tpot_s"):
+            report["serving"]["measured"]["ladder_speedup"] = run["measured"]["ladder_speedup"]
     if run is not None:
         report["measured"] = run["measured"]
         report["numerics"] = run["numerics"]
@@ -409,6 +463,8 @@ def serving_dict(serving: Serving, batch_size: int) -> dict[str, Any]:
         "request_s": serving.request_s,
         "tokens_per_s": serving.tokens_per_s,
         "fallbacks": list(serving.fallbacks),
+        "standard_tpot_s": serving.standard_tpot_s,
+        "ladder_speedup": serving.standard_tpot_s / serving.tpot_s if serving.standard_tpot_s else None,
     }
 
 

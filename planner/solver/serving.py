@@ -43,9 +43,22 @@ def plan_assignment(plan: Plan, tables: CostTables) -> Assignment:
     return Assignment(choices, [list(s) for s in plan.stages], list(plan.ladder_layers))
 
 
+def predict_with_plan(
+    plan: Plan, structure: ModelStructure, cluster: ClusterSpec, workload: WorkloadSpec, ladder: list[int]
+) -> float:
+    """Predicted step latency (seconds) of `structure` (a phase's graph) under `workload` with the plan's
+    mesh and op choices and `ladder` as the laddered layers."""
+    config = MeshConfig(plan.mesh, plan.micro_batches, plan.schedule)
+    tables = build_cost_tables(CostContext(structure, cluster, workload, config, plan.dtype))
+    assignment = plan_assignment(plan, tables)
+    assignment.ladder_layers = list(ladder)
+    return predict(tables, assignment).prediction.latency_s
+
+
 def price_request(
     plan: Plan,
     prefill: ModelStructure,
+    decode: ModelStructure,
     cluster: ClusterSpec,
     *,
     prompt_len: int,
@@ -53,18 +66,21 @@ def price_request(
     cache_len: int,
     fallbacks: list[str] | None = None,
 ) -> Serving:
-    """The request `plan` serves: its decode step (`plan.predicted`) and the prefill of `prompt_len`
-    tokens (`prefill`: that phase's analysed graph) priced with the plan's choices.
+    """The request `plan` serves: its decode step (`plan.predicted`, solved on `decode`'s graph) and
+    the prefill of `prompt_len` tokens (`prefill`: that phase's analysed graph) priced with the plan's
+    choices. With ladder layers, also the decode step of the same splits without ladder.
 
     tokens/s = batch x new_tokens / (TTFT + (new_tokens - 1) x TPOT): the prefill yields the first
-    token, each decode step one more. Raises InputError when `prefill` does not match the plan."""
+    token, each decode step one more. Raises InputError when a graph does not match the plan."""
     if new_tokens < 1:
         raise InputError(f"--new-tokens must be >= 1, got {new_tokens}")
-    workload = WorkloadSpec(Workload.FORWARD, plan.batch_size, prompt_len, dtype=plan.dtype)
-    config = MeshConfig(plan.mesh, plan.micro_batches, plan.schedule)
-    tables = build_cost_tables(CostContext(prefill, cluster, workload, config, plan.dtype))
-    ttft_s = predict(tables, plan_assignment(plan, tables)).prediction.latency_s
+    prefill_wl = WorkloadSpec(Workload.FORWARD, plan.batch_size, prompt_len, dtype=plan.dtype)
+    ttft_s = predict_with_plan(plan, prefill, cluster, prefill_wl, plan.ladder_layers)
     tpot_s = plan.predicted.latency_s
+    standard_s = None
+    if plan.ladder_layers:
+        decode_wl = WorkloadSpec(Workload.DECODE, plan.batch_size, 1, context=prompt_len, dtype=plan.dtype)
+        standard_s = predict_with_plan(plan, decode, cluster, decode_wl, [])
     request_s = ttft_s + (new_tokens - 1) * tpot_s
     return Serving(
         prompt_len=prompt_len,
@@ -74,4 +90,5 @@ def price_request(
         tpot_s=tpot_s,
         tokens_per_s=plan.batch_size * new_tokens / request_s,
         fallbacks=list(fallbacks or []),
+        standard_tpot_s=standard_s,
     )
