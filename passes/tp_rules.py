@@ -220,8 +220,8 @@ def _cache_target(ctx: RuleContext, dest: object) -> tuple[fx.Node, list[fx.Node
         return None
     owner_path, _, leaf = str(dest.target).rpartition(".")
     owner = ctx.gm.get_submodule(owner_path) if owner_path else ctx.gm
-    if leaf not in owner._buffers:
-        return None
+    if leaf in owner._parameters or not isinstance(getattr(owner, leaf, None), torch.Tensor):
+        return None  # a buffer, or a tensor constant export lifted (Hugging Face's StaticCache)
     return dest, chain[::-1]
 
 

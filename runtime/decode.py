@@ -153,34 +153,46 @@ class _Timer:
         return out
 
 
-def share_state(source: nn.Module, target: nn.Module) -> None:
-    """Make `target` use `source`'s parameter and buffer tensors wherever the FQN and shape match
-    (the decode graph takes the prefill graph's weight shards and KV caches: one copy per rank).
-    Raises ValueError naming a cache buffer the two hold with different shapes."""
-    held = dict(source.named_parameters(remove_duplicate=False))
-    held.update(dict(source.named_buffers(remove_duplicate=False)))
-    for name, tensor in list(target.named_parameters(remove_duplicate=False)) + list(
-        target.named_buffers(remove_duplicate=False)
-    ):
-        other = held.get(name)
-        if other is None:
+def _owner(module: nn.Module, fqn: str) -> tuple[nn.Module, str]:
+    owner_path, _, leaf = fqn.rpartition(".")
+    return (module.get_submodule(owner_path) if owner_path else module), leaf
+
+
+def share_state(source: fx.GraphModule, target: fx.GraphModule) -> None:
+    """Make `target` read `source`'s tensors (parameters, buffers, lifted tensor constants) for every
+    `get_attr` the two graphs share with the same shape: the decode graph takes the prefill graph's
+    weight shards and KV caches, one copy per rank. Raises ValueError naming a tensor the two hold
+    with different shapes."""
+    for node in target.graph.nodes:
+        if node.op != "get_attr":
             continue
-        if tuple(other.shape) != tuple(tensor.shape):
-            raise ValueError(f"`{name}`: prefill holds {tuple(other.shape)}, decode {tuple(tensor.shape)}")
-        owner_path, _, leaf = name.rpartition(".")
-        owner = target.get_submodule(owner_path) if owner_path else target
+        fqn = str(node.target)
+        try:
+            src_owner, leaf = _owner(source, fqn)
+        except AttributeError:  # a submodule the source graph does not have
+            continue
+        other = getattr(src_owner, leaf, None)
+        owner, leaf = _owner(target, fqn)
+        mine = getattr(owner, leaf)
+        if not isinstance(other, torch.Tensor) or not isinstance(mine, torch.Tensor):
+            continue
+        if tuple(other.shape) != tuple(mine.shape):
+            raise ValueError(f"`{fqn}`: prefill holds {tuple(other.shape)}, decode {tuple(mine.shape)}")
         if leaf in owner._parameters:
             owner._parameters[leaf] = other
-        else:
+        elif leaf in owner._buffers:
             owner._buffers[leaf] = other
+        else:
+            setattr(owner, leaf, other)
 
 
 def cache_bytes(gm: fx.GraphModule) -> int:
-    """Bytes of the buffers `gm` updates in place (its KV caches), each once."""
+    """Bytes of the tensors `gm` updates in place (its KV caches), each once."""
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     total, seen = 0, set()
     for node in cache_buffers(nodes):
-        t = gm.get_buffer(str(node.target))
+        owner, leaf = _owner(gm, str(node.target))
+        t = getattr(owner, leaf)
         if id(t) not in seen:
             seen.add(id(t))
             total += t.numel() * t.element_size()
