@@ -186,9 +186,18 @@ def rule_embedding(ctx: RuleContext, node: fx.Node) -> None:
 # ---------------------------------------------------------------- attention
 @register_rule(aten.scaled_dot_product_attention)
 def rule_sdpa(ctx: RuleContext, node: fx.Node) -> None:
-    """Q, K, V all sharded on heads (dim 1): attention per local head, S(1) out, a per-head mask sliced."""
+    """Q, K, V all sharded on heads (dim 1): attention per local head, S(1) out, a per-head mask sliced.
+    Replicated K/V already repeated to the query heads are sliced locally to this rank's heads."""
     q, k, v = node.args[:3]
     places = [ctx.place.get(t, R) for t in (q, k, v)]
+    pq = places[0]
+    if pq.is_shard and pq.dim == 1 and not pq.parts:
+        for t, p in zip((k, v), places[1:]):
+            if p.is_replicate and ctx.gshape(t)[1] == ctx.gshape(q)[1]:
+                # replicated K/V (GQA with fewer KV heads than ranks, repeated to the query heads): each
+                # rank takes the heads its query heads use, a local slice
+                node.replace_input_with(t, ctx.sharded(t, 1))
+        places = [ctx.place.get(t, R) for t in node.args[:3]]
     if not all(p.is_shard and p.dim == 1 and not p.parts for p in places):
         # replicated, or not head-parallel (column-parallel Q with a replicated attention core):
         # gather the inputs and run attention replicated - correct, only slower

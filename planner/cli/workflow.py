@@ -22,7 +22,7 @@ from planner.frontend.phases import build_for, decode_phase, plan_structure, pre
 from planner.plan import WORKLOADS, Plan, Schedule, Serving, SplitStyle, Workload
 from planner.solver.problem import Constraints, LadderPolicy, WorkloadSpec
 from planner.solver.search import plan_model
-from planner.solver.serving import price_request
+from planner.solver.serving import kv_fallbacks, price_request
 
 DEFAULT_CONTEXT = 2048  # decode: KV-cache tokens when --context is not given
 DEFAULT_NEW_TOKENS = 16  # decode / generate of a model with a KV cache: tokens generated per sequence
@@ -188,7 +188,8 @@ def check_pinned_tp(structure: ModelStructure, tp: int | None) -> None:
     """
     if tp is None or tp == 1:
         return
-    counts = sorted(set(structure.query_head_counts()) | set(structure.kv_head_counts()))
+    kv = [c for c in structure.kv_head_counts() if c % tp and tp % c]  # fewer KV heads than tp: replicated
+    counts = sorted(set(structure.query_head_counts()) | set(kv))
     if counts and any(c % tp for c in counts):
         limit = min(counts)
         ok = [d for d in range(1, limit + 1) if all(c % d == 0 for c in counts)]
@@ -298,6 +299,7 @@ def make_plan(prepared: Prepared, cluster: ClusterSpec, constraints: Constraints
             prompt_len=request.prompt_len,
             new_tokens=request.new_tokens,
             cache_len=request.cache_len,
+            fallbacks=kv_fallbacks(plan, prepared.structure),
         )
         plan.workload = request.workload
         if request.workload is Workload.GENERATE:

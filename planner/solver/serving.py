@@ -15,7 +15,7 @@ from costmodels.cluster import ClusterSpec
 from planner.errors import InputError
 from planner.frontend.analysis import ModelStructure
 from planner.plan import Plan, Serving, Workload
-from planner.solver.costing import CostContext, CostTables, build_cost_tables
+from planner.solver.costing import CostContext, CostTables, build_cost_tables, gqa_kv_replicated
 from planner.solver.prediction import predict
 from planner.solver.problem import Assignment, MeshConfig, WorkloadSpec
 
@@ -41,6 +41,26 @@ def plan_assignment(plan: Plan, tables: CostTables) -> Assignment:
     for op in tables.ends.ops:
         choices[("ends", op.name)] = ends.strategy[op.name]
     return Assignment(choices, [list(s) for s in plan.stages], list(plan.ladder_layers))
+
+
+def kv_fallbacks(plan: Plan, structure: ModelStructure) -> list[str]:
+    """What the rewrite of `plan` keeps replicated in head-parallel attention, by layer range: K/V
+    heads of GQA layers with fewer KV heads than tp (priced so by `costing.gqa_kv_replicated`)."""
+    layers = [
+        c.layer
+        for c in plan.predicted.per_layer
+        if c.layer >= 0
+        and c.strategy.get("core") == "head"
+        and structure.layers[c.layer].attention is not None
+        and gqa_kv_replicated(structure.layers[c.layer].attention, plan.tp)
+    ]
+    if not layers:
+        return []
+    kv = structure.layers[layers[0]].attention.num_kv_heads
+    return [
+        f"layers {layers[0]}-{layers[-1]}: {kv} KV heads < tp={plan.tp}: K/V projections and KV cache replicated "
+        "on every rank (priced), each rank slicing the KV heads its query heads use"
+    ]
 
 
 def predict_with_plan(
