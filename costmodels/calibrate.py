@@ -7,8 +7,15 @@ devices), all measuring at the same time, because that is how the ranks of a pla
    median rate over a square matmul and the transformer shapes ``TRANSFORMER_MATMUL_SHAPES``, timed in
    interleaved rounds for about ``_MATMUL_BUDGET_S`` each;
 2. memory bandwidth (large tensor copy: bytes read + written);
-3. per-op launch overhead (a one-element add);
-4. all-reduce at 4 KiB ... 16 MiB, each issued right after a compute segment of a few ms on every
+3. per-op launch overhead (a one-element add), and the per-node overhead of an eager GraphModule:
+   a captured graph of tiny transformer-like blocks (linear, views, transposes, SDPA, norms,
+   elementwise ops, cat / slice; ~34 nodes per block) at 2 and 8 blocks, forward and forward +
+   backward; the slope over the node count is what each extra node costs (Python + ATen dispatch,
+   views included), without the graph's fixed call cost;
+   Convolutions and pooling: a 3x3 conv2d over (8, 64, 16, 16) (FLOP/s over the matmul peak:
+   ``conv_efficiency``) and a 2x2 max pool over (8, 32, 32, 32) (bytes read + written / s:
+   ``pooling_bandwidth_GBps``); CPU kernels of both run far below the roofs;
+4. all-reduce of a 4-byte tensor (the per-call cost of a collective) and at 4 KiB ... 16 MiB, each issued right after a compute segment of a few ms on every
    rank and without a barrier (as a tensor-parallel graph issues it, so the time includes waiting
    for the peer rank and for the backend's threads), fitted by least squares (relative errors) to the
    same alpha-beta formula ``costmodels.comm.all_reduce_time_s`` predicts with;
@@ -16,6 +23,11 @@ devices), all measuring at the same time, because that is how the ranks of a pla
    run one after the other: ``(t_matmul + t_allreduce - t_both) / min(t_matmul, t_allreduce)``.
 
 Measured throughputs become the peaks with efficiency 1.0 (they already are what is achievable).
+
+The machine's load (``os.getloadavg``) is recorded before and after; a load above the core count
+means the ranks did not get their cores while measuring, and `calibrate` warns
+(`CalibrationWarning`). `cache_status` tells whether a cached spec is still valid (age, CPU, torch
+version, process count), from the metadata `write_cache_metadata` stores beside it.
 
 Clock: on CPU with one intra-op thread per process, 1-3 are timed in CPU time of the calling thread
 (``time.thread_time``; the op runs on that thread), so a machine shared with other load is measured
@@ -27,6 +39,7 @@ several threads) wall time. Collectives are always wall time (their cost is wait
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import os
 import platform
@@ -34,6 +47,7 @@ import socket
 import statistics
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -41,6 +55,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
+from torch import nn
 
 from costmodels.cluster import ClusterSpec, cluster_to_dict, load_cluster, parse_cluster
 from costmodels.dtypes import DTYPE_BYTES, torch_dtype
@@ -49,6 +64,9 @@ from planner.errors import InputError, RunError
 Progress = Callable[[str, float], None]
 
 ALL_REDUCE_SIZES_BYTES = tuple(4096 * 4**i for i in range(7))  # 4 KiB, 16 KiB, ..., 16 MiB
+CALL_SIZE_BYTES = 4  # one fp32: an all-reduce this small costs its per-call overhead only
+PROBE_BLOCKS = (2, 8)  # blocks of the node-overhead probe graph: the slope between them is per node
+CACHE_MAX_AGE_DAYS = 7.0  # a cached calibration older than this is measured again
 OVERLAP_SIZE_BYTES = 4 * 2**20  # all-reduce beside a matmul in the overlap measurement
 _MIN_OP_S = 0.01  # matmul sizes grow until one product takes this long (timer resolution >> 1 µs)
 _TIME_PER_POINT_S = 0.3  # repeat each measurement for about this long (median taken)
@@ -240,6 +258,90 @@ def _launch_overhead_s(device: torch.device, ops: int = 200) -> float:
     return _median_time_s(burst, device, budget_s=0.5) / ops
 
 
+class _ProbeBlock(nn.Module):
+    """A transformer block at toy sizes (dim 8, 2 heads, 4 tokens): its compute is ~0, so the time of
+    its captured graph is the per-node overhead. Its op mix is a Llama / GPT block's: linears, views
+    and transposes, a RoPE-like cat / slice / neg, SDPA, norms, SwiGLU, residual adds."""
+
+    def __init__(self, dim: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.o = nn.Linear(dim, dim, bias=False)
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        h = self.norm(x)
+        q, k, v = self.qkv(h).split(c, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        q = torch.cat([-q[..., 1:], q[..., :1]], dim=-1) * 0.5 + q
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, c))
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        g, u = self.up(h).chunk(2, dim=-1)
+        return x + self.down(torch.cat([torch.nn.functional.silu(g) * u, g.relu()], -1)[..., : 2 * c])
+
+
+def _probe_graph(blocks: int, device: torch.device) -> tuple[Callable[[], object], Callable[[], object], int]:
+    """(forward, forward + backward, node count) of the captured probe graph with ``blocks`` blocks.
+
+    Captured with ``torch.export`` (non-strict, ATen ops) as `planner.frontend.capture` does; nodes
+    counted: every ``call_function`` except tuple indexing (``getitem`` is a plain Python index)."""
+    model = nn.Sequential(*[_ProbeBlock() for _ in range(blocks)]).to(device)
+    x = torch.randn(1, 4, 8, device=device)
+    gm = torch.export.export(model, (x,), strict=False).module()
+    nodes = sum(1 for n in gm.graph.nodes if n.op == "call_function" and "getitem" not in str(n.target))
+
+    def forward() -> None:
+        with torch.no_grad():
+            gm(x)
+
+    def train() -> None:
+        gm(x).sum().backward()
+
+    return forward, train, nodes
+
+
+def _node_overhead_s(device: torch.device) -> tuple[float, float, int]:
+    """(forward seconds per node, backward seconds per forward node, nodes of the larger probe): the
+    slope of the probe graph's time over its node count between ``PROBE_BLOCKS`` (fixed costs of a
+    call cancel); timed by `_clock`, interleaved, so all processes measure at once."""
+    probes = [_probe_graph(b, device) for b in PROBE_BLOCKS]
+    fns = [fn for forward, train, _ in probes for fn in (forward, train)]
+    counts = [n for *_, n in probes]
+    rates, _ = _interleaved_rates(fns, [1.0] * len(fns), device, budget_s=1.5)
+    (f1, t1), (f2, t2) = (1 / rates[0], 1 / rates[1]), (1 / rates[2], 1 / rates[3])
+    dn = counts[1] - counts[0]
+    forward_s = max(0.0, (f2 - f1) / dn)
+    backward_s = max(0.0, ((t2 - f2) - (t1 - f1)) / dn)
+    return forward_s, backward_s, counts[1]
+
+
+CONV_SHAPE = (8, 64, 16, 16)  # (batch, channels in = out, height, width) of the timed 3x3 convolution
+POOL_SHAPE = (8, 32, 32, 32)  # (batch, channels, height, width) of the timed 2x2 max pool
+
+
+def _conv_and_pool_rates(device: torch.device) -> tuple[float, float]:
+    """(FLOP/s of a 3x3 conv2d at ``CONV_SHAPE``, bytes / s of a 2x2 max pool at ``POOL_SHAPE``),
+    counted as `planner.frontend.analysis` counts them (conv: 2 * out * C_in * 9; pool: bytes read +
+    written), timed interleaved by `_clock`."""
+    b, c, h, w = CONV_SHAPE
+    x = torch.randn(b, c, h, w, device=device)
+    weight = torch.randn(c, c, 3, 3, device=device)
+    p = torch.randn(*POOL_SHAPE, device=device)
+    conv = torch.nn.functional.conv2d
+    pool = torch.nn.functional.max_pool2d
+    flops = 2.0 * b * c * h * w * c * 9
+    pool_bytes = 4.0 * p.numel() * (1 + 1 / 4)
+    rates, _ = _interleaved_rates(
+        [lambda: conv(x, weight, padding=1), lambda: pool(p, 2)], [flops, pool_bytes], device, 1.0
+    )
+    return rates[0], rates[1]
+
+
 def _rounds_agreed(round_fn: Callable[[], object], device: torch.device, budget_s: float) -> int:
     """Rounds that fit ``budget_s`` after one timed warm-up round, the same number on every rank
     (collectives must be called equally often everywhere, or ranks pair up wrongly)."""
@@ -272,14 +374,16 @@ def _interleaved_medians_s(
     return [statistics.median(t) for t in times]
 
 
-def _all_reduce_times_s(device: torch.device, flops_per_s: float) -> list[float]:
-    """Wall time of an all-reduce of each of ``ALL_REDUCE_SIZES_BYTES`` as a tensor-parallel graph
+def _all_reduce_times_s(
+    device: torch.device, flops_per_s: float, sizes: tuple[int, ...] = ALL_REDUCE_SIZES_BYTES
+) -> list[float]:
+    """Wall time of an all-reduce of each of ``sizes`` (bytes) as a tensor-parallel graph
     issues it: right after a compute segment of about ``_SEGMENT_S`` (a square matmul) on every rank,
     with no barrier, so it includes waiting for the peer rank and for the backend's threads to be
     scheduled. Median over interleaved rounds (the same number on every rank)."""
     n = int(min(4096, max(32, round((_SEGMENT_S * flops_per_s / 2.0) ** (1 / 3)))))
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    bufs = [torch.ones(nbytes // 4, device=device) for nbytes in ALL_REDUCE_SIZES_BYTES]
+    bufs = [torch.ones(max(1, nbytes // 4), device=device) for nbytes in sizes]
     times: list[list[float]] = [[] for _ in bufs]
 
     def one_round(start: int = 0, record: bool = False) -> None:
@@ -368,9 +472,19 @@ def _worker(rank: int, nproc: int, port: int, use_cuda: bool, queue: object) -> 
         progress("memory bandwidth", 0.35)
         dist.barrier()
         mem_bw = _copy_bytes_per_s(device, 2**30 if use_cuda else 64 * 2**20)
-        progress("launch overhead", 0.4)
+        progress("launch overhead", 0.38)
         dist.barrier()
         launch = _launch_overhead_s(device)
+        progress("per-node overhead of a captured graph (forward, backward)", 0.4)
+        dist.barrier()
+        node_f, node_b, probe_nodes = _node_overhead_s(device)
+        result["node_overhead_s"] = _reduce([node_f, node_b], dist.ReduceOp.MAX, device)
+        result["probe_nodes"] = probe_nodes
+        progress("convolution and pooling", 0.41)
+        dist.barrier()
+        result["conv_flops_per_s"], result["pool_bytes_per_s"] = _reduce(
+            list(_conv_and_pool_rates(device)), dist.ReduceOp.MIN, device
+        )
         *peaks, mem_bw, attention = _reduce([*peaks, mem_bw, attention], dist.ReduceOp.MIN, device)  # slowest
         result["attention_efficiency"] = min(1.0, attention / peaks[list(DTYPE_BYTES).index(attn_dtype)])
         if not use_cuda:
@@ -383,11 +497,14 @@ def _worker(rank: int, nproc: int, port: int, use_cuda: bool, queue: object) -> 
         (launch,) = _reduce([launch], dist.ReduceOp.MAX, device)
         result.update(peaks=dict(zip(DTYPE_BYTES, peaks)), memory_bandwidth=mem_bw, launch_s=launch)
         if nproc > 1:
-            progress("all-reduce 4 KiB to 16 MiB", 0.45)
+            progress("all-reduce 4 B (per-call cost) and 4 KiB to 16 MiB", 0.45)
             fp32_rate = result["peaks"]["fp32"]
-            result["all_reduce_s"] = _reduce(
-                _all_reduce_times_s(device, fp32_rate), dist.ReduceOp.MAX, device
+            call_s, *times = _reduce(
+                _all_reduce_times_s(device, fp32_rate, (CALL_SIZE_BYTES, *ALL_REDUCE_SIZES_BYTES)),
+                dist.ReduceOp.MAX,
+                device,
             )
+            result["all_reduce_call_s"], result["all_reduce_s"] = call_s, times
             progress("overlap", 0.85)
             t_ar = result["all_reduce_s"][ALL_REDUCE_SIZES_BYTES.index(OVERLAP_SIZE_BYTES)]
             result["overlap_s"] = _reduce(_overlap_times_s(device, t_ar), dist.ReduceOp.MAX, device)
@@ -523,7 +640,10 @@ def calibrate(nproc: int, progress: Progress | None = None, timeout_s: float = 1
     overlap = fallback.overlap_efficiency
     if nproc > 1:
         alpha_s, bandwidth = fit_all_reduce(
-            list(ALL_REDUCE_SIZES_BYTES), m["all_reduce_s"], nproc, m["launch_s"]
+            [CALL_SIZE_BYTES, *ALL_REDUCE_SIZES_BYTES],
+            [m["all_reduce_call_s"], *m["all_reduce_s"]],
+            nproc,
+            m["launch_s"],
         )
         intra = {
             "kind": "nvlink" if use_cuda else "loopback",
@@ -537,13 +657,20 @@ def calibrate(nproc: int, progress: Progress | None = None, timeout_s: float = 1
         )
         sources.append(
             f"all-reduce ({'nccl' if use_cuda else 'gloo'}, {nproc} ranks, right after a "
-            f"{_SEGMENT_S * 1e3:.0f} ms compute segment, no barrier): {points}"
+            f"{_SEGMENT_S * 1e3:.0f} ms compute segment, no barrier): {CALL_SIZE_BYTES} B "
+            f"{m['all_reduce_call_s'] * 1e6:.0f} us (per-call cost), {points}"
         )
         sources.append(
             f"overlap: matmul {t_mm * 1e3:.2f} ms, all-reduce 4 MiB {t_ar * 1e3:.2f} ms, both {t_both * 1e3:.2f} ms"
         )
     else:
         sources.append("nproc=1: links and overlap_efficiency are the local-cpu preset's rough defaults")
+    node_f, node_b = m["node_overhead_s"]
+    sources.append(
+        f"per-node overhead: captured probe graph of tiny transformer blocks ({m['probe_nodes']} nodes at "
+        f"{PROBE_BLOCKS[-1]} blocks), slope over the node count between {PROBE_BLOCKS[0]} and "
+        f"{PROBE_BLOCKS[-1]} blocks: forward {node_f * 1e6:.2f} us, backward {node_b * 1e6:.2f} us per node"
+    )
     memory = m.get("memory_bytes", _host_memory_bytes() / nproc)
     name = m.get("device_name", f"{_cpu_name()}, {m['threads_per_process']} thread(s) per process")
     data = {
@@ -566,6 +693,17 @@ def calibrate(nproc: int, progress: Progress | None = None, timeout_s: float = 1
         },
         "links": {"intra_node": intra},
     }
+    if not use_cuda:  # GPU kernels are asynchronous: their launch term stays the per-op cost there
+        data["device"]["node_overhead_us"] = _sig(node_f * 1e6)
+        data["device"]["backward_node_overhead_us"] = _sig(node_b * 1e6)
+    data["device"]["conv_efficiency"] = _sig(
+        min(1.0, m["conv_flops_per_s"] / m["peaks"]["bf16" if use_cuda else "fp32"])
+    )
+    data["device"]["pooling_bandwidth_GBps"] = _sig(m["pool_bytes_per_s"] / 1e9)
+    sources.append(
+        f"convolution: 3x3 conv2d over {CONV_SHAPE} {m['conv_flops_per_s'] / 1e9:.1f} GFLOP/s; pooling: "
+        f"2x2 max pool over {POOL_SHAPE} {m['pool_bytes_per_s'] / 1e9:.2f} GB/s (bytes read + written)"
+    )
     if "stream_bandwidth" in m:
         data["device"]["cache_MiB"] = _sig(m["cache_bytes"] / 2**20)
         data["device"]["stream_bandwidth_GBps"] = _sig(m["stream_bandwidth"] / 1e9)
@@ -579,9 +717,74 @@ def calibrate(nproc: int, progress: Progress | None = None, timeout_s: float = 1
         f"attention efficiency: causal SDPA (B={b}, H={h}, T={t}, hd={hd}) FLOP/s over the matmul peak"
     )
     spec = parse_cluster(data, "planner calibrate")
+    busy = busy_message(m["load_before"], m["load_after"], own_processes=nproc)
+    if busy:
+        warnings.warn(CalibrationWarning(busy), stacklevel=2)
     if progress is not None:
         progress("done", 1.0)
     return spec
+
+
+class CalibrationWarning(UserWarning):
+    """The machine was busy while `planner calibrate` measured it: the figures may be too slow."""
+
+
+def busy_message(
+    load_before: float, load_after: float, own_processes: int = 0, cores: int | None = None
+) -> str | None:
+    """A warning text when the 1-minute load average exceeded the number of cores before measuring, or
+    after it less the ``own_processes`` calibration processes (they count in it), else None: the
+    calibration processes did not get their cores. Negative loads (unknown) pass."""
+    cores = cores or os.cpu_count() or 1
+    if max(load_before, load_after - own_processes) <= cores:
+        return None
+    return (
+        f"the machine was busy while calibrating (1-minute load average {load_before:.1f} before, "
+        f"{load_after:.1f} after, {cores} cores): the measured speeds are likely too low; run "
+        "`planner calibrate` (or optimize with --recalibrate) again on a quieter machine"
+    )
+
+
+def _machine_identity(nproc: int) -> dict:
+    return {"cpu": _cpu_name(), "torch": torch.__version__, "nproc": nproc, "cores": os.cpu_count() or 1}
+
+
+def write_cache_metadata(spec_path: str | os.PathLike, nproc: int, now: float | None = None) -> Path:
+    """Store beside a cached spec when and on what it was measured (``SPEC.meta.json``: UNIX time,
+    CPU model, torch version, process count, cores, load average now); returns its path."""
+    meta = Path(f"{spec_path}.meta.json")
+    data = {
+        "measured_at": time.time() if now is None else now,
+        **_machine_identity(nproc),
+        "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+    meta.write_text(json.dumps(data, indent=2), encoding="utf-8")
+    return meta
+
+
+def cache_status(
+    spec_path: str | os.PathLike,
+    nproc: int,
+    max_age_days: float = CACHE_MAX_AGE_DAYS,
+    now: float | None = None,
+) -> str | None:
+    """Why the cached spec at ``spec_path`` must be measured again (missing, no metadata, older than
+    ``max_age_days``, measured on another CPU, torch version or process count), or None if it is valid."""
+    path = Path(spec_path)
+    if not path.exists():
+        return "no cached measurement"
+    meta = Path(f"{spec_path}.meta.json")
+    try:
+        data = json.loads(meta.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "the cached measurement has no metadata (written by an older version)"
+    age_days = ((time.time() if now is None else now) - float(data.get("measured_at", 0))) / 86400
+    if age_days > max_age_days:
+        return f"the cached measurement is {age_days:.0f} days old (more than {max_age_days:g})"
+    for key, value in _machine_identity(nproc).items():
+        if data.get(key) != value:
+            return f"the cached measurement was made with {key} = {data.get(key)!r}, now {value!r}"
+    return None
 
 
 def _sig(value: float, digits: int = 4) -> float:

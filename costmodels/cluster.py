@@ -22,6 +22,14 @@ YAML layout (units in the field names; see the presets in ``costmodels/clusters/
       stream_bandwidth_GBps: 4
       attention_efficiency: 0.3    # optional, (0, 1]: SDPA's fraction of peak (default: matmul_efficiency)
       matmul_half_rows: 16         # optional: a matmul with M rows reaches M / (M + this) of its rate
+      # optional (eager CPU runs; absent = launch_overhead_us per op, as on GPUs): fixed time per fx
+      # node a rewritten GraphModule executes (Python + ATen dispatch, views included), charged for
+      # every node of the graph; backward_node_overhead_us: the same per forward node in a backward
+      # pass (absent = node_overhead_us). `planner calibrate` measures both on a captured graph of tiny ops.
+      node_overhead_us: 12
+      backward_node_overhead_us: 10
+      conv_efficiency: 0.3         # optional, (0, 1]: convolutions' fraction of peak (default: matmul_efficiency)
+      pooling_bandwidth_GBps: 1    # optional: bytes / s of pooling ops (default: memory bandwidth)
     links:
       intra_node: {kind: nvlink, bandwidth_GBps: 370, latency_us: 3.3}   # per direction, per device
       inter_node: {kind: infiniband, bandwidth_GBps: 37.5, latency_us: 6, nics_per_node: 8}  # per NIC
@@ -88,6 +96,17 @@ class DeviceSpec:
     # Optional: a matmul of M rows (tokens) runs at M / (M + matmul_half_rows) of the large-M rate
     # (fitted by `planner calibrate` from (64 x C) and (512 x C) products; None: no row dependence).
     matmul_half_rows: float | None = None
+    # Optional (None: every op pays ``launch_overhead_s``, the GPU model): fixed seconds per fx node
+    # executed by a rewritten GraphModule in eager mode (Python dispatch of the generated code, ATen
+    # dispatch, the kernel call of a tiny op; views and reshapes included), charged for EVERY node of
+    # the graph instead of ``launch_overhead_s`` per op. ``backward_node_overhead_s``: autograd's cost
+    # per forward node in the backward pass (None: ``node_overhead_s``).
+    node_overhead_s: float | None = None
+    backward_node_overhead_s: float | None = None
+    # Optional: achieved fraction of peak of convolutions (None: matmul_efficiency), and bytes / s of
+    # pooling ops (None: memory bandwidth x efficiency): CPU kernels of both are far below the roofs.
+    conv_efficiency: float | None = None
+    pooling_bandwidth_bytes_per_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -251,6 +270,10 @@ _EXPECT = {
     "launch_overhead_us": "a number in µs >= 0 (per kernel), e.g. 4",
     "attention_efficiency": "a fraction in (0, 1] of peak reached by the attention core",
     "matmul_half_rows": "a number of rows >= 0 (a matmul of M rows runs at M / (M + this) of its rate), e.g. 16",
+    "node_overhead_us": "a number in µs >= 0 (per fx node of an eager GraphModule), e.g. 12",
+    "backward_node_overhead_us": "a number in µs >= 0 (per forward node, in backward), e.g. 10",
+    "conv_efficiency": "a fraction in (0, 1] of peak reached by convolutions",
+    "pooling_bandwidth_GBps": "a number in GB/s > 0 (bytes read + written by pooling ops), e.g. 1",
     "cache_MiB": "a number in MiB > 0 (last-level cache; larger matmuls stream), e.g. 32",
     "stream_bandwidth_GBps": "a number in GB/s > 0 (weight streaming of matmuls above cache_MiB), e.g. 4",
     "kind": f"one of {', '.join(LINK_KINDS)}",
@@ -293,8 +316,21 @@ def _parse_device(r: _Reader, raw: Any) -> DeviceSpec:
         raw,
         "device",
         keys,
-        ("cache_MiB", "stream_bandwidth_GBps", "attention_efficiency", "matmul_half_rows"),
+        (
+            "cache_MiB",
+            "stream_bandwidth_GBps",
+            "attention_efficiency",
+            "matmul_half_rows",
+            "node_overhead_us",
+            "backward_node_overhead_us",
+            "conv_efficiency",
+            "pooling_bandwidth_GBps",
+        ),
     )
+    conv = d.get("conv_efficiency")
+    pooling = d.get("pooling_bandwidth_GBps")
+    node_us = d.get("node_overhead_us")
+    backward_us = d.get("backward_node_overhead_us")
     half_rows = d.get("matmul_half_rows")
     peaks = r.mapping(d["peak_TFLOPS"], "device.peak_TFLOPS", DTYPES)
     cache = d.get("cache_MiB")
@@ -335,6 +371,16 @@ def _parse_device(r: _Reader, raw: Any) -> DeviceSpec:
         matmul_half_rows=None
         if half_rows is None
         else r.number(half_rows, "device.matmul_half_rows", "rows", "16", allow_zero=True),
+        node_overhead_s=None
+        if node_us is None
+        else r.number(node_us, "device.node_overhead_us", "µs", "12", allow_zero=True) * _US,
+        backward_node_overhead_s=None
+        if backward_us is None
+        else r.number(backward_us, "device.backward_node_overhead_us", "µs", "10", allow_zero=True) * _US,
+        conv_efficiency=None if conv is None else r.fraction(conv, "device.conv_efficiency"),
+        pooling_bandwidth_bytes_per_s=None
+        if pooling is None
+        else r.number(pooling, "device.pooling_bandwidth_GBps", "GB/s", "1") * _GB,
     )
 
 
@@ -562,6 +608,20 @@ def cluster_to_dict(spec: ClusterSpec) -> dict:
                 else {"attention_efficiency": _human(dev.attention_efficiency)}
             ),
             **({} if dev.matmul_half_rows is None else {"matmul_half_rows": _human(dev.matmul_half_rows)}),
+            **(
+                {} if dev.node_overhead_s is None else {"node_overhead_us": _human(dev.node_overhead_s / _US)}
+            ),
+            **(
+                {}
+                if dev.backward_node_overhead_s is None
+                else {"backward_node_overhead_us": _human(dev.backward_node_overhead_s / _US)}
+            ),
+            **({} if dev.conv_efficiency is None else {"conv_efficiency": _human(dev.conv_efficiency)}),
+            **(
+                {}
+                if dev.pooling_bandwidth_bytes_per_s is None
+                else {"pooling_bandwidth_GBps": _human(dev.pooling_bandwidth_bytes_per_s / _GB)}
+            ),
         },
         "links": links,
     }

@@ -18,7 +18,7 @@ from __future__ import annotations
 from costmodels.cluster import DeviceSpec
 from costmodels.dtypes import DTYPE_BYTES, dtype_bytes
 
-OP_KINDS = ("matmul", "attention", "memory")
+OP_KINDS = ("matmul", "attention", "conv", "pool", "memory")
 
 # FLOP per element of a normalisation: LayerNorm = mean, subtract, square, mean, rsqrt-scale,
 # affine (~8); RMSNorm = square, mean, rsqrt-scale, weight (~4). Counting convention, not measured.
@@ -27,7 +27,13 @@ _INDEX_BYTES = 8  # int64 token ids read by an embedding lookup
 
 
 def op_time_s(
-    flops: float, bytes_moved: float, device: DeviceSpec, dtype: str, kind: str, rows: float | None = None
+    flops: float,
+    bytes_moved: float,
+    device: DeviceSpec,
+    dtype: str,
+    kind: str,
+    rows: float | None = None,
+    launch: bool = True,
 ) -> float:
     """Time in seconds of one op on one device, by roofline plus a fixed launch overhead.
 
@@ -42,6 +48,8 @@ def op_time_s(
             roof is the fp32 peak).
         rows: a matmul's M (tokens); with ``device.matmul_half_rows`` h set, the matmul runs at
             M / (M + h) of its rate (small-M products under-use the matrix units / vector lanes).
+        launch: add ``device.launch_overhead_s``; False when the caller charges a per-node overhead
+            (`node_overhead_s`) for the op instead.
 
     Raises:
         ValueError: unknown ``dtype`` or ``kind``, or negative counts.
@@ -52,19 +60,49 @@ def op_time_s(
         raise ValueError(f"unknown op kind {kind!r}; expected one of {OP_KINDS}")
     if flops < 0 or bytes_moved < 0:
         raise ValueError(f"flops and bytes_moved must be >= 0, got {flops}, {bytes_moved}")
-    peak = device.peak_flops_per_s["fp32" if kind == "memory" else dtype]
+    peak = device.peak_flops_per_s["fp32" if kind in ("memory", "pool") else dtype]
     efficiency = device.matmul_efficiency
     if kind == "attention" and device.attention_efficiency is not None:
         efficiency = device.attention_efficiency
+    if kind == "conv" and device.conv_efficiency is not None:
+        efficiency = device.conv_efficiency
     if kind == "matmul" and rows and device.matmul_half_rows:
         efficiency *= rows / (rows + device.matmul_half_rows)
     compute_s = flops / (peak * efficiency)
     bandwidth = device.memory_bandwidth_bytes_per_s * device.memory_efficiency
+    if kind == "pool" and device.pooling_bandwidth_bytes_per_s is not None:
+        bandwidth = device.pooling_bandwidth_bytes_per_s
     memory_s = bytes_moved / bandwidth
+    overhead = device.launch_overhead_s if launch else 0.0
     if kind == "matmul" and device.cache_bytes is not None and bytes_moved > device.cache_bytes:
         stream = device.stream_bandwidth_bytes_per_s or bandwidth
-        return compute_s + bytes_moved / stream + device.launch_overhead_s
-    return max(compute_s, memory_s) + device.launch_overhead_s
+        return compute_s + bytes_moved / stream + overhead
+    return max(compute_s, memory_s) + overhead
+
+
+def node_overhead_s(device: DeviceSpec, nodes: float, backward: bool = False) -> float:
+    """Fixed seconds of executing ``nodes`` fx nodes in an eager GraphModule on ``device``:
+    ``nodes * device.node_overhead_s`` (+ ``backward_node_overhead_s`` each with ``backward``, the
+    autograd pass of a training step); 0 when the device has no per-node figure (GPU presets: each op
+    pays ``launch_overhead_s`` in `op_time_s` instead)."""
+    if device.node_overhead_s is None:
+        return 0.0
+    per_node = device.node_overhead_s
+    if backward:
+        per_node += (
+            device.node_overhead_s
+            if device.backward_node_overhead_s is None
+            else device.backward_node_overhead_s
+        )
+    return nodes * per_node
+
+
+def conv_flops(
+    out_elements: float, in_channels_per_group: float, kernel_elements: float, bias: bool = False
+) -> float:
+    """FLOP of a convolution: each output element is a dot product over (C_in / groups) x kernel
+    inputs, 2 * out * C_in/groups * kernel (+ out for the bias)."""
+    return 2.0 * out_elements * in_channels_per_group * kernel_elements + (out_elements if bias else 0.0)
 
 
 def matmul_flops(m: float, k: float, n: float) -> float:

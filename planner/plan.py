@@ -243,6 +243,10 @@ class Plan:
     excluded: list[str] = field(default_factory=list)  # e.g. "tp=3: 32 heads not divisible by 3"
     baseline: Prediction | None = None  # the hand-written Megatron plan under the same cost model
     mesh_candidates: list[MeshCandidate] = field(default_factory=list)
+    token_model: bool = True  # reads token ids: sequence length and tokens/s apply (else samples/s)
+    unpriced_ops: list[str] = field(
+        default_factory=list
+    )  # ATen ops the cost model priced as memory-bound by default
     serving: Serving | None = None  # decode / generate plans of models with a KV cache
 
     def __post_init__(self) -> None:

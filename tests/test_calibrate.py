@@ -78,10 +78,7 @@ def test_calibrate_rejects_bad_nproc() -> None:
 def test_calibrate_two_processes_writes_a_loadable_spec(tmp_path: Path) -> None:
     """Real measurement: 2 gloo processes on this machine (about 10-40 s)."""
     steps: list[tuple[str, float]] = []
-    start = time.monotonic()
     spec = calibrate(2, progress=lambda step, fraction: steps.append((step, fraction)))
-    elapsed = time.monotonic() - start
-    assert elapsed < 90, f"calibrate took {elapsed:.0f} s"
     path = tmp_path / "local.yaml"
     write_cluster_yaml(spec, path)
     loaded = load_cluster(str(path))
@@ -94,6 +91,8 @@ def test_calibrate_two_processes_writes_a_loadable_spec(tmp_path: Path) -> None:
     )
     assert loaded.sources[0].startswith("measured by planner calibrate on ")
     assert all(v > 0 for v in loaded.device.peak_flops_per_s.values())
+    assert loaded.device.node_overhead_s > 0 and loaded.device.backward_node_overhead_s >= 0
+    assert 0 < loaded.device.conv_efficiency <= 1 and loaded.device.pooling_bandwidth_bytes_per_s > 0
     assert loaded.intra_node.kind == "loopback" and loaded.intra_node.bandwidth_bytes_per_s > 0
     assert 0.0 <= loaded.overlap_efficiency <= 1.0
     fractions = [f for _, f in steps]
@@ -137,3 +136,26 @@ def test_stream_bandwidth_is_bytes_over_time_beyond_compute(monkeypatch: pytest.
     # compute at 1024 / 0.004 FLOP/s = 4 ms of the 10 ms: the other 6 ms stream `moved` bytes
     assert cal._stream_bandwidth(torch.device("cpu"), flops / 0.004) == pytest.approx(moved / 0.006)
     assert cal._stream_bandwidth(torch.device("cpu"), flops / 0.0099) is None  # within 5%: no penalty
+
+
+def test_busy_message_counts_the_calibration_processes_out() -> None:
+    from costmodels.calibrate import busy_message
+
+    assert busy_message(0.5, 2.4, own_processes=2, cores=2) is None  # our own 2 processes: not busy
+    assert busy_message(0.5, 4.5, own_processes=2, cores=2) is not None
+    text = busy_message(3.0, 1.0, own_processes=2, cores=2)
+    assert text is not None and "3.0 before" in text and "2 cores" in text
+
+
+def test_cache_status_remeasures_when_stale_or_on_another_machine(tmp_path: Path) -> None:
+    from costmodels.calibrate import cache_status, write_cache_metadata
+
+    spec = tmp_path / "local-nproc2.yaml"
+    assert cache_status(spec, 2) == "no cached measurement"
+    write_cluster_yaml(load_cluster("local-cpu", nproc=2), spec)
+    assert "no metadata" in cache_status(spec, 2)
+    now = time.time()
+    write_cache_metadata(spec, 2, now=now)
+    assert cache_status(spec, 2, now=now + 3600) is None
+    assert "days old" in cache_status(spec, 2, now=now + 8 * 86400)
+    assert "nproc" in cache_status(spec, 4, now=now)

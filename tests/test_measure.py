@@ -54,7 +54,7 @@ def test_time_iterations_on_cpu_without_process_group() -> None:
 
     timing = time_iterations(step, warmup=2, iters=5, device=_CPU)
     assert len(calls) == 7 and len(timing.samples_s) == 5
-    assert 0.002 <= timing.min_s <= timing.p10_s <= timing.median_s <= timing.p90_s < 0.5
+    assert 0.002 <= timing.min_s <= timing.p10_s <= timing.median_s <= timing.p90_s  # each step sleeps 2 ms
     with pytest.raises(InputError, match="iters >= 1"):
         time_iterations(step, warmup=0, iters=0, device=_CPU)
 
@@ -81,5 +81,5 @@ def test_rank_peak_memory_on_cpu_counts_the_module_weights_once() -> None:
 def test_measure_on_two_ranks() -> None:
     fast, slow = launch(_measure_all_reduce, None, 2, timeout_s=30)
     assert len(fast["timing"].samples_s) == len(slow["timing"].samples_s) == 5
-    assert 0.005 <= slow["timing"].median_s < 1.0 and 0 < fast["timing"].median_s < 1.0
+    assert slow["timing"].median_s >= 0.005 and fast["timing"].median_s > 0  # the slow rank sleeps 5 ms
     assert all(0 <= r["peak_bytes"] < 256 * _MiB for r in (fast, slow))

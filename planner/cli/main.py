@@ -77,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--pp", type=_positive, help="pin the pipeline-parallel degree")
     opt.add_argument("--dp", type=_positive, help="pin the data-parallel degree")
     opt.add_argument("--devices", type=_positive, help="use at most this many of the cluster's devices")
+    opt.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="without --cluster: measure this machine again instead of using the cached spec",
+    )
     opt.add_argument("--out", help="write the plan as YAML")
     opt.add_argument("--emit", help="write the generated sharded module of every rank into this folder")
     opt.add_argument("--json", help="write the JSON report")
@@ -154,6 +159,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             args.cluster,
             nproc,
             progress=lambda step, frac: progress.update(task, description=f"calibrating: {step}"),
+            recalibrate=args.recalibrate,
+            notify=lambda text: progress.console.print(f"[dim]{text}[/dim]"),
         )
         progress.update(task, description="solving the ILP")
         constraints = workflow.constraints_from(
@@ -166,7 +173,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     n = len(prepared.structure.layers)
     console.print(
         f"Traced {args.model}: {n} layers, {prepared.structure.num_params / 1e6:,.1f} M parameters, "
-        f"batch {prepared.structure.batch_size} × seq {prepared.structure.seq_len}"
+        f"batch {prepared.structure.batch_size}"
+        + (f" × seq {prepared.structure.seq_len}" if prepared.structure.token_model else "")
     )
     from planner.cli.render import render_decisions, render_layer_comparison, render_plan, render_run  # noqa: PLC0415
 
@@ -197,6 +205,12 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     if args.json:
         write_text_atomic(args.json, json.dumps(report, indent=2, default=float))
         console.print(f"report written to {args.json}")
+    if run is not None:
+        from planner.cli.render import agreement_line  # noqa: PLC0415
+
+        console.print(
+            f"[bold]{agreement_line(plan.predicted.latency_s, run['measured']['latency_s'])}[/bold]"
+        )
     return 0
 
 

@@ -64,8 +64,8 @@ def _grouped(per_layer: list[LayerCost]) -> list[tuple[str, LayerCost, int]]:
 def render_plan(console: Console, plan: Plan) -> None:
     """Print the mesh, the per-stage/per-layer table, predicted totals and the Megatron comparison."""
     console.print(
-        f"[bold]Plan[/bold] for {plan.model} on [bold]{plan.cluster}[/bold] ({plan.workload}, batch {plan.batch_size}, "
-        f"seq {plan.seq_len}"
+        f"[bold]Plan[/bold] for {plan.model} on [bold]{plan.cluster}[/bold] ({plan.workload}, batch {plan.batch_size}"
+        + (f", seq {plan.seq_len}" if plan.token_model else "")
         + (f", context {plan.context}" if plan.workload in (Workload.DECODE, Workload.GENERATE) else "")
         + f", {plan.dtype})"
     )
@@ -108,10 +108,15 @@ def render_plan(console: Console, plan: Plan) -> None:
     console.print(
         f"Predicted {what} latency: [bold]{fmt_s(p.latency_s)}[/bold] "
         f"(compute {fmt_s(p.compute_s)}, exposed comm {fmt_s(p.exposed_comm_s)}, overlapped {fmt_s(p.overlapped_comm_s)}, "
-        f"bubble {fmt_s(p.bubble_s)}); {p.throughput_tokens_per_s:,.0f} tokens/s; peak memory {fmt_bytes(p.peak_memory_bytes)}/rank"
+        f"bubble {fmt_s(p.bubble_s)}); {throughput_text(plan)}; peak memory {fmt_bytes(p.peak_memory_bytes)}/rank"
     )
     if plan.serving is not None:
         render_serving(console, plan)
+    if plan.unpriced_ops:
+        console.print(
+            f"[yellow]priced as memory-bound by their tensor sizes (ops the cost model does not know): "
+            f"{', '.join(plan.unpriced_ops)}[/yellow]"
+        )
     if plan.baseline is not None:
         b = plan.baseline
         d = next((d for d in plan.decisions if d.subject == "megatron-baseline"), None)
@@ -140,6 +145,24 @@ def render_plan(console: Console, plan: Plan) -> None:
     console.print(
         f"[dim]solver: {s.status}, gap {s.gap:.3g}, {s.time_s:.2f} s, {s.num_variables} variables[/dim]"
     )
+
+
+def throughput_text(plan: Plan) -> str:
+    """Tokens/s for token models, samples/s for the others (images, feature vectors)."""
+    p = plan.predicted
+    if plan.token_model:
+        return f"{p.throughput_tokens_per_s:,.0f} tokens/s"
+    return f"{plan.batch_size / p.latency_s:,.0f} samples/s" if p.latency_s else "- samples/s"
+
+
+def agreement_line(predicted_s: float, measured_s: float) -> str:
+    """The run's verdict: "measured / predicted = 1.07 (within 25%)" (or how far outside)."""
+    ratio = measured_s / predicted_s if predicted_s else float("inf")
+    if 0.8 <= ratio <= 1.25:
+        verdict = "within 10%" if 1 / 1.1 <= ratio <= 1.1 else "within 25%"
+    else:
+        verdict = f"off by {max(ratio, 1 / ratio):.1f}x: see the per-layer table, and recalibrate on a quiet machine (--recalibrate)"
+    return f"measured / predicted = {ratio:.2f} ({verdict})"
 
 
 def render_decisions(console: Console, plan: Plan) -> None:
@@ -255,7 +278,10 @@ def render_layer_comparison(console: Console, plan: Plan, measured_per_layer_s: 
     """
     if not measured_per_layer_s:
         return
-    table = Table(title="Per layer: predicted vs measured (one profiled forward, slowest rank)")
+    table = Table(
+        title="Per layer: predicted vs measured (profiled forwards, slowest rank; each row times its own "
+        "nodes, including their dispatch overhead and collectives, as the whole forward runs them)"
+    )
     for col in ("layers", "predicted", "measured", "predicted / measured"):
         table.add_column(col, justify="right")
     predicted = {c.layer: c.compute_s + c.exposed_comm_s for c in plan.predicted.per_layer}

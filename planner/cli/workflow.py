@@ -150,20 +150,31 @@ def _prepare_serving(
     return Prepared(model_file, structure, wl, shapes, request, prefill)
 
 
-def resolve_cluster(name_or_path: str | None, nproc: int | None, progress=None) -> ClusterSpec:
+def resolve_cluster(
+    name_or_path: str | None, nproc: int | None, progress=None, recalibrate: bool = False, notify=None
+) -> ClusterSpec:
     """The cluster to plan for: a preset name, a YAML file, or (None) this machine, calibrated on
-    first use and cached under CACHE_DIR. Raises InputError (SpecError) for a bad name or file."""
+    first use and cached under CACHE_DIR; measured again when ``recalibrate`` or when the cache is
+    stale (`costmodels.calibrate.cache_status`: older than a week, another CPU, torch version or
+    process count). ``notify(text)`` is told why it measures. Raises InputError (SpecError) for a
+    bad name or file."""
+    from costmodels.calibrate import cache_status, calibrate, write_cache_metadata, write_cluster_yaml  # noqa: PLC0415
+
     if name_or_path:
         return load_cluster(name_or_path, nproc=nproc)
     nproc = nproc or os.cpu_count() or 1
     cached = CACHE_DIR / f"local-nproc{nproc}.yaml"
-    if cached.exists():
+    why = "--recalibrate" if recalibrate else cache_status(cached, nproc)
+    if why is None:
         return load_cluster(str(cached))
-    from costmodels.calibrate import calibrate, write_cluster_yaml  # noqa: PLC0415 - only on first use
-
+    if notify is not None:
+        notify(
+            f"measuring this machine with {nproc} processes (planner calibrate, ~30 s; {why}); cached in {cached}"
+        )
     spec = calibrate(nproc, progress=progress)
     cached.parent.mkdir(parents=True, exist_ok=True)
     write_cluster_yaml(spec, cached)
+    write_cache_metadata(cached, nproc)
     return load_cluster(str(cached))
 
 

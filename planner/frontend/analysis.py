@@ -29,9 +29,14 @@ How the structure is found (by dataflow; module names are used only to group nod
 Costs (`NodeCost`, per forward pass, global shapes): matmul FLOPs = 2 * M * N * K (+ M * N for a
 bias); attention core = 4 * B * H * T * S * hd, the full T x S score matrix - causal masking is NOT
 halved (kernels such as FlashAttention skip the masked half, so this is an upper bound of 2x on the
-core); other ops count 1 FLOP per output element (per input element for reductions). Bytes: every
-tensor input read once and every output written once (embedding: only the gathered rows); views
-(view, transpose, expand, split, getitem, ...) move nothing.
+core); convolutions 2 * out elements * (in channels / groups) * kernel elements (+ out for a bias);
+pooling one FLOP per window element read; normalisations `NORM_FLOPS_PER_ELEMENT`; other ops 1 FLOP per
+output element (per input element for reductions). Bytes: every tensor input read once and every
+output written once (embedding and indexing: only the gathered rows); views (view, transpose,
+expand, split, getitem, ...) move nothing. `NodeCost.kind` says how the cost model prices a node
+(roofline "matmul" / "attention" / "conv" / "pool" / "memory", "view": only its per-node overhead, "none": not an op);
+an op in none of the known sets is priced "memory" from its tensor sizes with `known=False`, and
+`unknown_ops` lists those so that the report can name them.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import networkx as nx
 import torch
 from torch import fx
 
+from costmodels.compute import conv_flops
 from costmodels.dtypes import dtype_name
 from planner.frontend.capture import op_name
 
@@ -63,6 +69,43 @@ _ACTIVATIONS = {
 }  # fmt: skip
 _SPLITS = {"aten.split", "aten.split_with_sizes", "aten.chunk"}
 _MATMULS = {"aten.linear", "aten.addmm", "aten.mm", "aten.matmul"}
+_CONVS = {"aten.conv1d", "aten.conv2d", "aten.conv3d", "aten.convolution", "aten._convolution",
+          "aten.conv_transpose1d", "aten.conv_transpose2d", "aten.conv_transpose3d"}  # fmt: skip
+_POOLS = {
+    "aten.max_pool1d", "aten.max_pool2d", "aten.max_pool3d", "aten.max_pool2d_with_indices",
+    "aten.avg_pool1d", "aten.avg_pool2d", "aten.avg_pool3d", "aten.adaptive_avg_pool1d",
+    "aten.adaptive_avg_pool2d", "aten.adaptive_avg_pool3d", "aten._adaptive_avg_pool2d",
+    "aten.adaptive_max_pool1d", "aten.adaptive_max_pool2d",
+}  # fmt: skip
+NORM_FLOPS_PER_ELEMENT = 8  # mean, subtract, square, mean, rsqrt-scale, affine (a counting convention)
+_NORMS = {
+    "aten.layer_norm", "aten.native_layer_norm", "aten.batch_norm", "aten.native_batch_norm",
+    "aten._native_batch_norm_legit", "aten._native_batch_norm_legit_no_training", "aten.group_norm",
+    "aten.native_group_norm", "aten.instance_norm", "aten.rms_norm", "aten._fused_rms_norm",
+}  # fmt: skip
+_GATHERS = {"aten.embedding", "aten.index", "aten.index_select", "aten.gather", "aten.take"}
+# Ops priced as memory-bound by their tensor sizes, known to be so (no FLOP worth counting beyond one
+# per output element): elementwise math, comparisons, copies and creation, softmax, indexing writes.
+_ELEMENTWISE = _ACTIVATIONS | {
+    "aten.add", "aten.sub", "aten.rsub", "aten.mul", "aten.div", "aten.neg", "aten.exp", "aten.log",
+    "aten.sqrt", "aten.rsqrt", "aten.pow", "aten.abs", "aten.clamp", "aten.clamp_min", "aten.clamp_max",
+    "aten.where", "aten.masked_fill", "aten.maximum", "aten.minimum", "aten.sin", "aten.cos",
+    "aten.reciprocal", "aten.eq", "aten.ne", "aten.lt", "aten.gt", "aten.le", "aten.ge",
+    "aten.logical_and", "aten.logical_or", "aten.logical_not", "aten.bitwise_and", "aten.bitwise_or",
+    "aten.bitwise_not", "aten.tril", "aten.triu", "aten.to", "aten._to_copy", "aten.clone", "aten.copy",
+    "aten.copy_", "aten.fill", "aten.zeros", "aten.ones", "aten.full", "aten.empty", "aten.arange",
+    "aten.zeros_like", "aten.ones_like", "aten.full_like", "aten.empty_like", "aten.scalar_tensor",
+    "aten.softmax", "aten._softmax", "aten.log_softmax", "aten._log_softmax", "aten.cat", "aten.stack",
+    "aten.repeat", "aten.repeat_interleave", "aten.type_as", "aten.dropout", "aten.scatter",
+    "aten.scatter_add", "aten.index_put", "aten.index_copy", "aten.masked_scatter", "aten.cumsum",
+    "aten.outer", "aten.floor", "aten.ceil", "aten.round", "aten.sign", "aten.square", "aten.addcmul",
+    "aten.lerp", "aten.gelu_", "aten.relu_", "aten.add_", "aten.mul_", "aten.baddbmm", "aten.pad",
+    "aten.constant_pad_nd", "aten.roll", "aten.flip", "aten.new_zeros", "aten.new_ones", "aten.new_empty",
+    "aten.hardtanh", "aten.hardsigmoid", "aten.glu", "aten.log1p", "aten.expm1", "aten.atan2",
+    "aten.linspace", "aten.bucketize", "aten.one_hot", "aten.sort", "aten.topk", "aten.argmax",
+    "aten.argmin", "aten.all", "aten.any", "aten.prod", "aten.logsumexp", "aten.norm", "aten.min",
+    "aten.upsample_nearest2d", "aten.upsample_bilinear2d", "aten.pixel_shuffle", "aten.im2col",
+}  # fmt: skip
 
 
 class Role(str, enum.Enum):
@@ -191,6 +234,9 @@ class NodeCost:
     shape: tuple[int, ...]  # output shape; () for multi-output nodes
     dtype: str  # "bf16" | "fp16" | "fp32" for floats, else the torch name ("int64", "bool")
     module_path: str
+    kind: str = "memory"  # "matmul" | "attention" | "conv" | "pool" | "memory" (roofline), "view", "none"
+    known: bool = True  # False: an op the cost model does not know, priced as memory-bound
+    op: str = ""  # the ATen op name ("aten.conv2d"), "" when not a call_function
 
 
 @dataclass
@@ -210,6 +256,17 @@ class ModelStructure:
     dtype: str  # most common floating parameter dtype: "bf16" | "fp16" | "fp32"
     node_costs: dict[str, NodeCost]  # by fx node name, every node but the output
     mlp_chain: list[Projection]  # models without transformer layers: the projections in order
+
+    @property
+    def unknown_ops(self) -> list[str]:
+        """ATen ops of the graph the cost model does not know (priced as memory-bound), sorted."""
+        return sorted({c.op for c in self.node_costs.values() if not c.known})
+
+    @property
+    def token_model(self) -> bool:
+        """Whether the model reads token ids (has a token embedding): sequence length and tokens/s
+        mean something for it; for others (images, feature vectors) samples/s does."""
+        return self.vocab_size is not None
 
     def query_head_counts(self) -> list[int]:
         """Distinct numbers of query heads of the attention layers, ascending ([] without attention)."""
@@ -298,30 +355,70 @@ def _node_cost(node: fx.Node) -> NodeCost:
     dtype = _dtype_str(val.dtype) if isinstance(val, torch.Tensor) else ""
     path = node.meta.get("module_path", "")
     name = op_name(node.target)
-    if node.op != "call_function" or name in _VIEW_OPS or name == "getitem":
-        return NodeCost(0.0, 0.0, 0.0, shape, dtype, path)
+    if node.op != "call_function" or name == "getitem":
+        return NodeCost(0.0, 0.0, 0.0, shape, dtype, path, kind="none")
+    if name in _VIEW_OPS:
+        return NodeCost(0.0, 0.0, 0.0, shape, dtype, path, kind="view", op=name)
     inputs = [a.meta.get("val") for a in node.all_input_nodes]
     written = float(_nbytes(val))
     read = float(sum(_nbytes(v) for v in inputs))
     out_numel = val.numel() if isinstance(val, torch.Tensor) else 0
+    kind, known = "memory", True
     if name in _MATMULS:
         x = node.args[1] if name == "aten.addmm" else node.args[0]
         k = x.meta["val"].shape[-1]
         has_bias = name == "aten.addmm" or (
             name == "aten.linear" and len(node.args) > 2 and node.args[2] is not None
         )
-        flops = 2.0 * out_numel * k + (out_numel if has_bias else 0)
+        flops, kind = 2.0 * out_numel * k + (out_numel if has_bias else 0), "matmul"
     elif name == "aten.bmm":
-        flops = 2.0 * out_numel * node.args[0].meta["val"].shape[-1]
+        flops, kind = 2.0 * out_numel * node.args[0].meta["val"].shape[-1], "matmul"
+    elif name in _CONVS:
+        flops, kind = _conv_flops(node, out_numel), "conv"
     elif name == "aten.scaled_dot_product_attention":
-        flops = _sdpa_flops(*(a.meta["val"] for a in node.args[:3]))
-    elif name == "aten.embedding":
-        flops, read = 0.0, written + _nbytes(inputs[1])  # gathers rows, does not read the table
+        flops, kind = _sdpa_flops(*(a.meta["val"] for a in node.args[:3])), "attention"
+    elif name in _GATHERS:  # gathers rows: reads the index and the rows it picks, not the whole table
+        index_bytes = sum(
+            _nbytes(v) for v in inputs[1:] if isinstance(v, torch.Tensor) and not v.is_floating_point()
+        )
+        flops, read = 0.0, written + index_bytes
+    elif name in _POOLS:  # every input element of every window read once
+        flops = float(max((v.numel() for v in inputs if isinstance(v, torch.Tensor)), default=0))
+        kind = "pool"
+    elif name in _NORMS:
+        flops = float(NORM_FLOPS_PER_ELEMENT * out_numel)
     elif name in _REDUCTIONS:
         flops = float(max((v.numel() for v in inputs if isinstance(v, torch.Tensor)), default=0))
     else:
         flops = float(out_numel)
-    return NodeCost(flops, read, written, shape, dtype, path)
+        # a Python-level function or an op returning no tensor (sym_size) is not an unknown tensor op
+        known = (
+            name in _ELEMENTWISE
+            or not isinstance(val, torch.Tensor)
+            or not isinstance(node.target, torch._ops.OpOverload)
+        )
+    return NodeCost(flops, read, written, shape, dtype, path, kind=kind, known=known, op=name)
+
+
+def _conv_flops(node: fx.Node, out_numel: int) -> float:
+    """2 * output elements * (input channels / groups) * kernel elements, + output elements for a bias.
+
+    ``aten.convN(x, w, bias, stride, padding, dilation, groups)`` and ``aten.convolution(x, w, bias,
+    stride, padding, dilation, transposed, output_padding, groups)``: the weight is (C_out, C_in /
+    groups, *kernel) (transposed: (C_in, C_out / groups, *kernel)), so each output element takes
+    w.numel() / C_out multiply-adds either way, with the transposed case counted per input element.
+    """
+    w = node.args[1].meta["val"]
+    bias = len(node.args) > 2 and node.args[2] is not None
+    transposed = "transpose" in op_name(node.target) or (
+        op_name(node.target) in ("aten.convolution", "aten._convolution")
+        and len(node.args) > 6
+        and node.args[6]
+    )
+    if transposed:  # each input element scatters into C_out / groups * kernel outputs
+        x = node.args[0].meta["val"]
+        return conv_flops(x.numel(), w.numel() / w.shape[0], 1, False) + (out_numel if bias else 0)
+    return conv_flops(out_numel, w.shape[1], prod(w.shape[2:]), bias)
 
 
 def _sdpa_flops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> float:
@@ -819,4 +916,5 @@ def _batch_and_seq(inputs: list[torch.Tensor]) -> tuple[int, int]:
         return 1, 1
     if ints:
         return x.shape[0], (x.shape[1] if x.dim() > 1 else 1)
-    return x.shape[0], (x.shape[1] if x.dim() > 2 else 1)
+    # float inputs: (B, T, features) has T rows per sample; (B, C, H, W) images have no sequence
+    return x.shape[0], (x.shape[1] if x.dim() == 3 else 1)

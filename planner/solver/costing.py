@@ -193,8 +193,18 @@ class CostContext:
         return Group(self.mesh.dp, on_node)
 
     def op_time(self, flops: float, bytes_moved: float, kind: str, rows: float | None = None) -> float:
-        one = compute.op_time_s(flops, bytes_moved, self.cluster.device, self.dtype, kind, rows=rows)
+        """Roofline time of one op (training: forward + backward). With a per-node overhead on the
+        device (`node_overhead_time`), the op's launch term is left out: its node pays that instead."""
+        dev = self.cluster.device
+        one = compute.op_time_s(
+            flops, bytes_moved, dev, self.dtype, kind, rows=rows, launch=dev.node_overhead_s is None
+        )
         return self.compute_factor * one
+
+    def node_overhead_time(self, nodes: float) -> float:
+        """Per-node overhead of ``nodes`` fx nodes of the rewritten graph on one rank (training: with
+        their backward), 0 on devices priced per kernel launch (see `costmodels.compute.node_overhead_s`)."""
+        return compute.node_overhead_s(self.cluster.device, nodes, backward=self.train)
 
 
 def conversion_time_s(src: Layout, dst: Layout, nbytes: float, ctx: CostContext) -> float:
@@ -216,7 +226,7 @@ def conversion_time_s(src: Layout, dst: Layout, nbytes: float, ctx: CostContext)
         one = reduce_scatter_time_s(nbytes, group, cluster)
     else:  # internal: every (src, dst) pair is covered above
         raise AssertionError(f"no conversion {src}->{dst}")
-    return ctx.comm_factor * one
+    return ctx.comm_factor * one + ctx.node_overhead_time(1)  # the collective is one more graph node
 
 
 # ---------------------------------------------------------------------------------------------
@@ -391,7 +401,8 @@ def layer_node_times_s(layer: Layer, ctx: CostContext) -> dict[str, float] | Non
             continue
         moved = cost.bytes_read + cost.bytes_written
         if moved > 0:
-            out[block] += ctx.op_time(cost.flops * scale, moved * scale * byte_scale, "memory") - launch
+            kind = cost.kind if cost.kind in compute.OP_KINDS else "memory"
+            out[block] += ctx.op_time(cost.flops * scale, moved * scale * byte_scale, kind) - launch
             priced.add(block)
     return {block: t + (launch if block in priced else 0.0) for block, t in out.items()}
 
@@ -430,6 +441,7 @@ def build_layer_graph(layer: Layer, ctx: CostContext) -> LayerGraph:
             + compute.elementwise_bytes(tokens * hidden, ctx.dtype, 2),
             "memory",
         )
+    fixed += ctx.node_overhead_time(graph_node_count(layer.nodes, s))
     # param_bytes is in the captured model's dtype; re-express it in the planned dtype.
     as_planned = layer.param_bytes / DTYPE_BYTES[s.dtype] * b
     other_params = max(0.0, as_planned - proj_bytes)
@@ -446,10 +458,58 @@ def build_layer_graph(layer: Layer, ctx: CostContext) -> LayerGraph:
 
 
 def build_chain_graph(projections: list[Projection], ctx: CostContext) -> LayerGraph:
-    """A plain MLP (no transformer layers): linears with an activation between consecutive ones."""
+    """A plain MLP (no transformer layers): linears with an activation between consecutive ones.
+
+    When the model was analysed node by node, its activations are graph nodes outside any layer and
+    `outside_nodes_time_s` prices them (in the ends graph): the activation ops here then cost 0."""
     ops: list[Op] = []
     last = _mlp_ops(projections, ctx.tokens, ctx, ops, "mlp")
+    if ctx.structure.node_costs:
+        for op in ops:
+            if op.projection is None:
+                for option in op.options:
+                    option.compute_s = 0.0
     return LayerGraph("chain", ops, {"mlp": last}, 0.0, 0.0, 0.0)
+
+
+def graph_node_count(names: list[str], structure: ModelStructure) -> int:
+    """Nodes among ``names`` that a GraphModule executes as op calls (views included; placeholders,
+    weights and tuple indexing not): each costs the device's per-node overhead."""
+    costs = structure.node_costs
+    return sum(1 for n in names if n in costs and costs[n].kind != "none")
+
+
+def _in_layer_module(module_path: str, layer_paths: set[str]) -> bool:
+    """Whether a node's module lies inside one of the layers' modules (its layer prices it)."""
+    parts = module_path.split(".")
+    return any(".".join(parts[:k]) in layer_paths for k in range(1, len(parts) + 1))
+
+
+def outside_nodes_time_s(ctx: CostContext) -> float:
+    """Time of every graph node outside the transformer layers, on one rank per micro-batch: the
+    per-node overhead of each, plus a roofline time (by its `NodeCost.kind`, scaled to the planned
+    tokens and dtype as in `layer_node_times_s`) for those no op of the ends / chain graphs prices
+    already (embeddings, the LM head and the chain projections are ops with their own options): final
+    norm, RoPE tables, masks, convolutions, pooling, activations between chain projections, ..."""
+    s = ctx.structure
+    inside = {name for layer in s.layers for name in layer.nodes}
+    paths = {layer.module_path for layer in s.layers}
+    as_ops = {e.node for e in s.embeddings} | {p.node for p in s.mlp_chain}
+    if s.lm_head is not None:
+        as_ops.add(s.lm_head.node)
+    scale = ctx.tokens / max(1, s.batch_size * s.seq_len)
+    byte_scale = ctx.bytes_per_element / DTYPE_BYTES[s.dtype]
+    total, nodes = 0.0, 0
+    for name, cost in s.node_costs.items():
+        if name in inside or cost.kind == "none" or _in_layer_module(cost.module_path, paths):
+            continue
+        nodes += 1
+        if name in as_ops or cost.kind not in compute.OP_KINDS:
+            continue
+        moved = (cost.bytes_read + cost.bytes_written) * scale * byte_scale
+        if moved > 0 or cost.flops > 0:
+            total += ctx.op_time(cost.flops * scale, moved, cost.kind)
+    return total + ctx.node_overhead_time(nodes)
 
 
 def _param_bytes(p: Projection, b: int) -> float:
@@ -569,14 +629,15 @@ def build_ends_graph(ctx: CostContext) -> LayerGraph:
             options.append(OpOption("vocab", R, R, t, shard_bytes * state, 0.0, comm, grads and shard_bytes))
         ops.append(Op(f"embedding{i}", "embedding", options, [], out_bytes, emb.weight, None, excluded))
     head = s.lm_head
-    fixed = 0.0
+    fixed = outside_nodes_time_s(ctx) if s.node_costs else 0.0
     if head is not None:
         hidden = head.in_features
-        fixed = ctx.op_time(
-            compute.norm_flops(tokens, hidden, NORM_KIND),
-            compute.norm_bytes(tokens, hidden, ctx.dtype, NORM_KIND),
-            "memory",
-        )
+        if not s.node_costs:  # not analysed node by node: the final norm by formula
+            fixed = ctx.op_time(
+                compute.norm_flops(tokens, hidden, NORM_KIND),
+                compute.norm_bytes(tokens, hidden, ctx.dtype, NORM_KIND),
+                "memory",
+            )
         padded = dataclasses.replace(head, out_features=-(-head.out_features // tp) * tp, parts=None)
         options, excluded = projection_options(padded, tokens, ctx)  # vocab padded to a multiple of tp
         options = [o for o in options if o.name != "rowwise"]

@@ -84,7 +84,7 @@ from planner.solver.costing import (
     transient_bytes,
 )
 from planner.solver.problem import LADDER_MIN_SAVING_FRACTION, Assignment, LadderMode, LadderPolicy
-from planner.solver.stages import balanced_split, reference_costs, solution_costs
+from planner.solver.stages import balanced_split, rebalance, reference_costs, solution_costs
 
 BALANCE_TIE_BREAK = 1e-3  # weight of the slowest stage when (m-1) = 0: balance stages among equal plans
 WINDOW_FRACTION = 0.25  # stage-boundary window: +-25% of the layers per stage around the balanced split
@@ -618,7 +618,10 @@ def solve(prob: IlpProblem) -> IlpSolution:
     if prob.ctx.mesh.pp > 1 and prob.windows is None:
         if sum(len(w) for w in stage_windows(prob)) > MAX_BOUNDARY_BINARIES:
             return _solve_with_split_search(prob)
-    return _solve_once(prob)
+    sol = _solve_once(prob)
+    if prob.windows is None and sol.assignment is not None:  # never leave a split slower than the
+        rebalance(prob.tables, sol.assignment, prob.memory_cap_bytes)  # balanced one, by its own costs
+    return sol
 
 
 def _solve_with_split_search(prob: IlpProblem) -> IlpSolution:

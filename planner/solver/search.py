@@ -395,6 +395,8 @@ def _make_plan(search: _Search, best: _Candidate | None, model_name: str) -> Pla
         excluded=excluded,
         baseline=baseline.prediction if baseline is not None else None,
         mesh_candidates=candidates,
+        token_model=s.token_model,
+        unpriced_ops=s.unknown_ops,
     )
 
 

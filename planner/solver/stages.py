@@ -146,3 +146,36 @@ def balanced_split(tables: CostTables, costs: SplitCosts, memory_cap_bytes: floa
     starts = greedy(hi)
     assert starts is not None
     return starts
+
+
+def stage_times_s(tables: CostTables, costs: SplitCosts, starts: list[int]) -> list[float]:
+    """Time per micro-batch of each stage whose first layers are ``starts``: its layers, the embedding
+    on the first stage, the final norm + LM head on the last, the send to the next stage (seconds)."""
+    pp, times = tables.ctx.mesh.pp, costs.time_s
+    p2p = p2p_stage_time_s(tables.ctx)
+    bounds = list(starts) + [len(times)]
+    out = []
+    for s in range(pp):
+        t = sum(times[bounds[s] : bounds[s + 1]])
+        t += (costs.first_time_s if s == 0 else 0.0) + (costs.last_time_s if s == pp - 1 else 0.0)
+        out.append(t + (p2p if s < pp - 1 else 0.0))
+    return out
+
+
+def rebalance(tables: CostTables, assignment: Assignment, memory_cap_bytes: float | None) -> bool:
+    """Replace ``assignment.stages`` by `balanced_split` of the assignment's own per-layer costs when
+    that split's slowest stage is faster (the ILP's balance term is a tie-break that CBC's gap
+    tolerance may leave unexploited, e.g. [[0], [1, 2, 3]] for 4 identical layers). Returns whether
+    the stages changed. Memory stays within the cap (`balanced_split` checks it)."""
+    if tables.ctx.mesh.pp == 1 or not assignment.stages:
+        return False
+    costs = solution_costs(tables, assignment)
+    current = [stage[0] for stage in assignment.stages]
+    starts = balanced_split(tables, costs, memory_cap_bytes)
+    if starts is None or starts == current:
+        return False
+    if max(stage_times_s(tables, costs, starts)) >= max(stage_times_s(tables, costs, current)) * (1 - 1e-9):
+        return False
+    bounds = starts + [len(costs.time_s)]
+    assignment.stages = [list(range(bounds[s], bounds[s + 1])) for s in range(len(starts))]
+    return True
