@@ -186,8 +186,7 @@ def rule_embedding(ctx: RuleContext, node: fx.Node) -> None:
 # ---------------------------------------------------------------- attention
 @register_rule(aten.scaled_dot_product_attention)
 def rule_sdpa(ctx: RuleContext, node: fx.Node) -> None:
-    """Q, K, V all sharded on heads (dim 1): attention per local head, S(1) out, a per-head mask sliced.
-    Replicated K/V already repeated to the query heads are sliced locally to this rank's heads."""
+    """Q, K, V sharded on heads (dim 1; replicated K/V repeated to the query heads sliced locally): S(1) out."""
     q, k, v = node.args[:3]
     places = [ctx.place.get(t, R) for t in (q, k, v)]
     pq = places[0]
@@ -287,9 +286,10 @@ def _shard_cache(ctx: RuleContext, node: fx.Node, dest: fx.Node, values_dim: int
 
 @register_rule(aten.index_put_, aten.index_put, aten.index_copy_, aten.index_copy, aten.copy_)
 def rule_cache_update(ctx: RuleContext, node: fx.Node) -> None:
-    """K/V written into a cache (`cache[:, :, pos] = k` is index_put_, HF's StaticCache index_copy_,
-    `cache[:, :, a:b] = k` a copy_ into a slice): values sharded over heads shard the cache buffer along
-    the same dim (each rank keeps the cache of its own heads); replicated values keep it replicated."""
+    """K/V written into a cache (index_put_ / index_copy_ / copy_ into a slice): head-sharded values shard it."""
+    # `cache[:, :, pos] = k` is index_put_, HF's StaticCache index_copy_, `cache[:, :, a:b] = k` a copy_
+    # into a slice: values sharded over heads shard the cache buffer along the same dim (each rank keeps
+    # the cache of its own heads); replicated values keep it replicated.
     op = getattr(node.target, "overloadpacket", node.target)
     dest = node.args[0]
     if op in (aten.index_put_, aten.index_put):
