@@ -45,7 +45,6 @@ import os
 import platform
 import socket
 import statistics
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -60,6 +59,7 @@ from torch import nn
 from costmodels.cluster import ClusterSpec, cluster_to_dict, load_cluster, parse_cluster
 from costmodels.dtypes import DTYPE_BYTES, torch_dtype
 from planner.errors import InputError, RunError
+from planner.files import write_text_atomic
 
 Progress = Callable[[str, float], None]
 
@@ -800,26 +800,15 @@ _HEADER = """\
 
 
 def write_cluster_yaml(spec: ClusterSpec, path: str | os.PathLike) -> None:
-    """Write ``spec`` as YAML (human units) to ``path`` atomically: a temporary file in the same
-    folder, then a rename, so a failure never leaves a partial file.
+    """Write ``spec`` as YAML (human units) to ``path`` atomically (`planner.files.write_text_atomic`:
+    a temporary file in the same folder, fsynced, then a rename), so a failure never leaves a
+    partial file.
 
     Raises:
-        InputError: the folder does not exist or is not writable.
+        InputError: the folder does not exist, is not writable, or the write fails.
     """
     target = Path(path)
     text = _HEADER.format(path=target) + yaml.safe_dump(
         cluster_to_dict(spec), sort_keys=False, allow_unicode=True
     )
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    except OSError as e:
-        raise InputError(f"cannot write {target}: {e.strerror} ({target.parent})") from e
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_atomic(target, text, fsync=True)

@@ -51,6 +51,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from planner.files import write_text_atomic
+
 MODULE_FILE = "module.py"
 WEIGHTS_FILE = "weights.pt"
 META_FILE = "meta.json"
@@ -352,22 +354,41 @@ def load_rank_module(
 def write_readme(out_dir: str | os.PathLike[str], info: dict) -> Path:
     """Write `out_dir/README.md`: how to load and run the emitted modules in the user's own program.
 
-    info (all optional): "model" (str), "tp", "pp", "dp" (int degrees), "backend" ("nccl" | "gloo"),
-    "inputs" (str: what to pass, e.g. "tokens (B, T) int64"), "world_size" (int), "folder_name" (str:
-    the folder's final name when it is written under a temporary one). Written atomically.
+    info (all optional): "model" (str), "tp", "pp", "dp" (int degrees), "backend" ("nccl" | "gloo";
+    default "gloo": CPU processes), "inputs" (str: what one rank passes, e.g. "idx (2, 16) int64"),
+    "world_size" (int), "folder" (str: the folder's final path, when it is written under a temporary
+    one; default `out_dir`), "batch_size" (int: the plan's global batch). Written atomically
+    (`planner.files.write_text_atomic`); raises InputError when it cannot be written.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tp, pp, dp = (int(info.get(k, 1)) for k in ("tp", "pp", "dp"))
     world = int(info.get("world_size", tp * pp * dp))
-    backend = info.get("backend", "nccl")
-    device = (
-        "torch.device('cuda', int(os.environ['LOCAL_RANK']))" if backend == "nccl" else "torch.device('cpu')"
+    backend = info.get("backend", "gloo")
+    folder = str(info.get("folder", out_dir.resolve()))
+    if backend == "nccl":
+        where = "one process per GPU, NCCL backend"
+        device = "torch.device('cuda', int(os.environ['LOCAL_RANK']))"
+    else:
+        where = "one CPU process per rank, gloo backend (no GPU needed)"
+        device = "torch.device('cpu')"
+    launch = f"torchrun --nproc-per-node {world} your_script.py"
+    ranks = (
+        ", ".join(f"`rank{r}/`" for r in range(world)) if world <= 8 else f"`rank0/` ... `rank{world - 1}/`"
+    )
+    batch = info.get("batch_size")
+    dp_text = (
+        f"With dp={dp}, DP replica `d = rank // {tp * pp}` computes its own slice of the batch: split the "
+        f"{batch if batch else 'global'}-sequence batch into {dp} equal parts on its batch dim and pass part `d` "
+        "(the shapes in `meta.json` are per rank). "
+        if dp > 1
+        else ""
     )
     text = f"""# Sharded {info.get("model", "model")}: one generated module per rank
 
-Mesh: tp={tp}, pp={pp}, dp={dp} ({world} ranks, backend `{backend}`). Rank r is laid out as
+Mesh: tp={tp}, pp={pp}, dp={dp} ({world} ranks: {where}). Rank r is laid out as
 `r = (dp_rank * pp + pp_rank) * tp + tp_rank` (tp fastest), so a TP group is `tp` consecutive ranks.
+This folder holds one module for every rank that runs: {ranks}.
 
 Each `rank{{r}}/` holds:
 
@@ -378,8 +399,8 @@ Each `rank{{r}}/` holds:
 
 ## Run it in your program
 
-Start one process per rank (e.g. `torchrun --nproc-per-node {world} your_script.py`) with the
-directory that holds `runtime/` on `PYTHONPATH`, then:
+Start {world} processes, one per rank (e.g. `{launch}`), with the folder that holds the planner's
+`passes/` package on `PYTHONPATH`, and in each:
 
 ```python
 import importlib.util
@@ -395,7 +416,7 @@ groups = [dist.new_group(list(range(s, s + tp))) for s in range(0, dist.get_worl
 register_group("tp", groups[rank // tp])          # before the first call
 device = {device}
 
-folder = "path/to/{info.get("folder_name", out_dir.name)}"                  # this folder
+folder = {folder!r}
 spec = importlib.util.spec_from_file_location(f"rank{{rank}}", f"{{folder}}/rank{{rank}}/module.py")
 generated = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(generated)
@@ -404,19 +425,12 @@ with torch.no_grad():
     out = module(*inputs)                         # inputs: {info.get("inputs", "as in meta.json")}
 ```
 
-Every rank of a TP group passes the same inputs and gets the same (replicated) output. With pp > 1,
+Every rank of a TP group passes the same inputs and gets the same (replicated) output. {dp_text}With pp > 1,
 rank modules are pipeline stages: stage 0 takes the model inputs, each stage returns the tuple the
 next one takes (`meta.json` lists them); run them with `torch.distributed.pipelining` over the
 pp group, with the plan's schedule and micro-batches (`meta.json` "plan"; `runtime.pipeline.PipelineRunner`
 does it, the mesh groups come from `runtime.mesh.build_rank_groups`). Shapes are fixed: the batch
 and sequence length the plan was made for (per micro-batch under pp).
 """
-    fd, tmp = tempfile.mkstemp(prefix=".README.md.", suffix=".tmp", dir=out_dir)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp, out_dir / "README.md")
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_atomic(out_dir / "README.md", text)
     return out_dir / "README.md"

@@ -413,6 +413,35 @@ def rule_slice(ctx: RuleContext, node: fx.Node) -> None:
     _move_shard(ctx, node, new)
 
 
+def _pieces_along_shard(ctx: RuleContext, node: fx.Node, p: Placement, sizes: list[int]) -> list[int]:
+    """Local sizes of the pieces a split / chunk cuts along the sharded dim of a fused projection.
+
+    Rank r holds piece r of every part, concatenated in part order (`passes.placement.shard_weight`),
+    so the cut is correct exactly when its global pieces are the projection's parts: each rank then
+    cuts its local tensor into part / tp pieces. Raises TensorParallelError otherwise.
+    """
+    if not p.parts:
+        raise ctx.fail(
+            node,
+            f"cuts along the sharded dim {p.dim} into {sizes}, but that dim is not a fused projection's "
+            "parts; split the weight along its parts (a fused projection) or leave it replicated",
+        )
+    if list(p.parts) != sizes or any(s % ctx.tp for s in sizes):
+        raise ctx.fail(
+            node, f"pieces {sizes} along the sharded dim do not match the fused parts {list(p.parts)}"
+        )
+    return [s // ctx.tp for s in sizes]
+
+
+def _split_dim(ctx: RuleContext, node: fx.Node, default: int = 0) -> int:
+    """The dim argument (positional 3rd or `dim=`) of split / chunk / unbind, normalised."""
+    x = node.args[0]
+    raw = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", default)
+    if getattr(node.target, "overloadpacket", None) is aten.unbind:
+        raw = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", default)
+    return int(raw) % len(ctx.gshape(x))
+
+
 @register_rule(aten.split, aten.split_with_sizes)
 def rule_split(ctx: RuleContext, node: fx.Node) -> None:
     """Split of a shard: along another dim every piece keeps it; along it only a fused projection's parts."""
@@ -421,7 +450,7 @@ def rule_split(ctx: RuleContext, node: fx.Node) -> None:
     if p is None:
         ctx.run_replicated(node)
         return
-    dim = int(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % len(ctx.gshape(x))
+    dim = _split_dim(ctx, node)
     if dim != p.dim:
         ctx.set_tuple(node, [Placement.shard(p.dim, p.parts)] * len(ctx.global_val[node]), str(p))
         return
@@ -431,27 +460,45 @@ def rule_split(ctx: RuleContext, node: fx.Node) -> None:
         if isinstance(size, (list, tuple))
         else [size] * (full // size) + ([full % size] if full % size else [])
     )
-    if not p.parts or list(p.parts) != sizes or any(s % ctx.tp for s in sizes):
-        raise ctx.fail(
-            node, f"split sizes {sizes} along the sharded dim do not match the fused parts {p.parts}"
-        )
-    local = [s // ctx.tp for s in sizes]
+    local = _pieces_along_shard(ctx, node, p, sizes)
     node.args = (x, local if isinstance(size, (list, tuple)) else local[0], *node.args[2:])
     ctx.set_tuple(node, [Placement.shard(dim)] * len(sizes), f"[{Placement.shard(dim)}] * {len(sizes)}")
 
 
 @register_rule(aten.chunk)
 def rule_chunk(ctx: RuleContext, node: fx.Node) -> None:
-    """Chunk of a shard along another dim: every chunk keeps the shard; along it: error."""
+    """Chunk of a shard: along another dim every chunk keeps it; along it only a fused projection's parts."""
+    x, chunks = node.args[0], int(node.args[1])
+    p = ctx.shard_of(x)
+    if p is None:
+        ctx.run_replicated(node)
+        return
+    dim = _split_dim(ctx, node)
+    if dim != p.dim:
+        ctx.set_tuple(node, [Placement.shard(p.dim, p.parts)] * len(ctx.global_val[node]), str(p))
+        return
+    full = ctx.gshape(x)[dim]
+    step = -(-full // chunks)  # torch.chunk: pieces of ceil(full / chunks), the last one shorter
+    sizes = [min(step, full - start) for start in range(0, full, step)]
+    local = _pieces_along_shard(ctx, node, p, sizes)
+    if len(set(local)) != 1:  # the local chunk(n) must cut the same pieces: n equal ones
+        raise ctx.fail(node, f"chunk of unequal parts {list(p.parts)}; use split with the part sizes")
+    ctx.set_tuple(node, [Placement.shard(dim)] * len(sizes), f"[{Placement.shard(dim)}] * {len(sizes)}")
+
+
+@register_rule(aten.unbind)
+def rule_unbind(ctx: RuleContext, node: fx.Node) -> None:
+    """Unbind of a shard along another dim: every slice keeps the shard (dim renumbered); along it: error."""
     x = node.args[0]
     p = ctx.shard_of(x)
     if p is None:
         ctx.run_replicated(node)
         return
-    dim = int(node.args[2] if len(node.args) > 2 else 0) % len(ctx.gshape(x))
+    dim = _split_dim(ctx, node)
     if dim == p.dim:
-        raise ctx.fail(node, f"chunk along the sharded dim {p.dim}")
-    ctx.set_tuple(node, [Placement.shard(p.dim, p.parts)] * len(ctx.global_val[node]), str(p))
+        _pieces_along_shard(ctx, node, p, [1] * ctx.gshape(x)[dim])  # raises: a part of 1 does not split
+    new = Placement.shard(p.dim - 1 if dim < p.dim else p.dim, p.parts)
+    ctx.set_tuple(node, [new] * len(ctx.global_val[node]), str(new))
 
 
 @register_rule(operator.getitem)

@@ -4,12 +4,18 @@ A rule (`passes.tp_rules`) gets a `RuleContext` and one node. It reads the place
 inputs (`ctx.place`), rewires inputs through `replicated` (all-gather), `sharded` (local slice) or
 `copy_in` (Megatron's `f` under training), replaces split parameters with this rank's shard
 (`replace_param`), records the node's placement and local meta value (`set_meta`), and checks the
-rewritten node's local shape (`check`). `run_replicated` is what an op without a sharding rule gets.
+rewritten node's local shape (`check`). `run_replicated` is what an op without a sharding rule gets;
+when it has to all-gather a sharded input it records the fallback in `node.meta["tp_fallback"]`
+(a `Fallback`: op, the user's source line, the gathered inputs and bytes), so that the planner can
+price or refuse it (`passes.verify`). `user_line(node)` is the model source line a node came from.
 """
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -30,8 +36,56 @@ class SplitLike(Protocol):
     parts: list[int] | None
 
 
+FALLBACK_META = "tp_fallback"  # node.meta key of a `Fallback`
+
+
+def user_line(node: fx.Node) -> str:
+    """Where `node` comes from in the user's model: 'model.py:39 `gate, up = self.w13(x).chunk(2, dim=-1)`'
+    (the innermost frame of the capture's stack trace), or '' when the capture recorded none."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)', trace)
+    if not frames:
+        return ""
+    path, line, code = frames[-1]
+    return f"{os.path.basename(path)}:{line} `{code.strip()}`"
+
+
+def op_label(node: fx.Node) -> str:
+    """'aten.chunk' for an ATen overload target; the function's name otherwise."""
+    target = node.target
+    packet = getattr(target, "overloadpacket", None)
+    if packet is not None:
+        return f"aten.{packet.__name__}"
+    return getattr(target, "__name__", str(target))
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """An op the TP pass ran replicated because it has no sharding rule for its inputs' placements.
+
+    node: fx node name; op: 'aten.index_put'; line: `user_line`; gathered: the fx names of the sharded
+    inputs it all-gathered; elements: their total global element count; bytes: the same in the
+    captured dtype.
+    """
+
+    node: str
+    op: str
+    line: str
+    gathered: tuple[str, ...]
+    elements: int
+    bytes: int
+
+
 class TensorParallelError(ValueError):
-    """A node the TP rewrite cannot make correct; the message names the node and the reason."""
+    """A node the TP rewrite cannot make correct; the message names the node and the reason.
+
+    node / op / line / why: the fx node name, its op (`op_label`), the user's source line
+    (`user_line`) and the reason alone, for messages that name the model's code rather than the graph.
+    """
+
+    def __init__(self, message: str, node: str = "", op: str = "", line: str = "", why: str = ""):
+        super().__init__(message)
+        self.node, self.op, self.line, self.why = node, op, line, why or message
 
 
 class RuleContext:
@@ -78,8 +132,15 @@ class RuleContext:
     # ---------------------------------------------------------------- reading
     def fail(self, node: fx.Node, why: str) -> TensorParallelError:
         """The error for `node`: names the node, tp and `why` (the caller raises it)."""
+        line = user_line(node)
         return TensorParallelError(
-            f"tensor-parallel rewrite of node `{node.format_node()}` (tp={self.tp}): {why}"
+            f"tensor-parallel rewrite of node `{node.format_node()}` (tp={self.tp})"
+            + (f" at {line}" if line else "")
+            + f": {why}",
+            node=node.name,
+            op=op_label(node),
+            line=line,
+            why=why,
         )
 
     def gshape(self, node: fx.Node) -> tuple[int, ...]:
@@ -204,11 +265,25 @@ class RuleContext:
             setattr(owner, name, shard)
 
     def run_replicated(self, node: fx.Node) -> None:
-        """Any op without a sharding rule: run it on replicated inputs (all-gather shards)."""
+        """Any op without a sharding rule: run it on replicated inputs (all-gather shards). When a
+        shard is gathered, the node's meta records it (`FALLBACK_META`: a `Fallback`)."""
+        gathered: list[fx.Node] = []
         for a in list(node.all_input_nodes):
             p = self.place.get(a, R)
             if isinstance(p, Placement) and not p.is_replicate:
                 node.replace_input_with(a, self.replicated(a))
+                gathered.append(a)
+        if gathered:
+            vals = [self.global_val.get(a) for a in gathered]
+            tensors = [v for v in vals if isinstance(v, torch.Tensor)]
+            node.meta[FALLBACK_META] = Fallback(
+                node=node.name,
+                op=op_label(node),
+                line=user_line(node),
+                gathered=tuple(a.name for a in gathered),
+                elements=sum(t.numel() for t in tensors),
+                bytes=sum(t.numel() * t.element_size() for t in tensors),
+            )
         val = self.global_val.get(node)
         if isinstance(val, (list, tuple)):
             self.place[node] = [R] * len(val)

@@ -1,12 +1,29 @@
-"""Output files the CLI writes: checked before any work starts, written atomically with normal permissions."""
+"""Output files and folders the product writes: checked before any work starts, written atomically,
+with normal permissions, and never at the cost of anything the product did not write.
+
+    check_output_path(option, path, folder)   fail early (exit 2) when `path` cannot be written
+    write_text_atomic(path, text)             a file: temp sibling + rename; one clear error, no leftovers
+    new_output_folder(path, option)           a temp sibling folder to fill, then
+    publish_folder(tmp, path, option)         rename it into place (an earlier emit of ours is replaced)
+
+A folder the product writes carries a marker file (`FOLDER_MARKER`, a JSON list of what it wrote).
+An existing non-empty folder is replaced only when it carries the marker and holds nothing the
+marker does not list; anything else is refused (InputError naming it), so `--emit .` in a folder of
+the user's files leaves them alone.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import tempfile
+import uuid
 from pathlib import Path
 
 from planner.errors import InputError
+
+FOLDER_MARKER = ".planner-output.json"  # in every folder the product writes: what it wrote
 
 
 def _umask_mode(mode: int) -> int:
@@ -15,11 +32,16 @@ def _umask_mode(mode: int) -> int:
     return mode & ~mask
 
 
+def _parent(target: Path) -> Path:
+    return target.parent if str(target.parent) else Path(".")
+
+
 def check_output_path(option: str, path: str, folder: bool = False) -> None:
     """Fail early (InputError, exit 2) when `path` cannot be written: its parent folder is missing or
-    not writable, or it exists as the wrong kind (a folder where a file goes, or the reverse)."""
+    not writable (a probe file is created and removed), it exists as the wrong kind (a folder where
+    a file goes, or the reverse), or (folder) it is a non-empty folder the product did not write."""
     target = Path(path)
-    parent = target.parent if str(target.parent) else Path(".")
+    parent = _parent(target)
     if not parent.is_dir():
         raise InputError(f"{option} {path}: folder {parent} does not exist; create it first")
     if not os.access(parent, os.W_OK):
@@ -28,23 +50,107 @@ def check_output_path(option: str, path: str, folder: bool = False) -> None:
         raise InputError(f"{option} {path}: exists and is not a folder")
     if target.exists() and not folder and target.is_dir():
         raise InputError(f"{option} {path}: is a folder; give a file name")
+    if folder and target.is_dir():
+        _check_replaceable(target, option)
+    try:  # os.access says yes to root everywhere, also on /proc: try it
+        fd, probe = tempfile.mkstemp(prefix=f".{target.resolve().name}.", suffix=".probe", dir=parent)
+    except OSError as e:
+        raise InputError(f"{option} {path}: cannot write into {parent}: {e.strerror}") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
-def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
-    """Write `text` to `path` via a temporary file in the same folder and a rename: readers never see
-    a partial file, and an error leaves none behind. The file gets the usual 0666 & ~umask mode."""
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(
-        prefix=f".{target.name}.", suffix=".tmp", dir=target.parent if str(target.parent) else "."
-    )
+def _check_replaceable(folder: Path, option: str) -> None:
+    """InputError unless `folder` is empty or an earlier output of ours holding only what we wrote."""
+    entries = sorted(p.name for p in folder.iterdir())
+    if not entries:
+        return
+    marker = folder / FOLDER_MARKER
+    if not marker.is_file():
+        raise InputError(
+            f"{option} {folder}: the folder is not empty and was not written by the planner "
+            f"(it holds {', '.join(entries[:3])}{', ...' if len(entries) > 3 else ''}); nothing was "
+            "changed. Give a new or empty folder"
+        )
     try:
-        with os.fdopen(fd, "w") as handle:
+        written = set(json.loads(marker.read_text())["written"]) | {FOLDER_MARKER}
+    except (OSError, ValueError, KeyError, TypeError):
+        raise InputError(f"{option} {folder}: its {FOLDER_MARKER} is unreadable; give a new folder") from None
+    foreign = [e for e in entries if e not in written]
+    if foreign:
+        raise InputError(
+            f"{option} {folder}: an earlier planner output, but it now also holds files the planner did not "
+            f"write ({', '.join(foreign[:3])}); nothing was changed. Move them out or give a new folder"
+        )
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str, option: str = "", fsync: bool = False) -> None:
+    """Write `text` to `path` via a temporary file in the same folder and a rename: readers never see
+    a partial file, and an error leaves none behind. The file gets the usual 0666 & ~umask mode.
+
+    option: the command-line option that named `path` ("--out"), for the message. fsync: flush to
+    disk before the rename. Raises InputError (exit 2) with one line when `path` cannot be written.
+    """
+    target = Path(path)
+    label = f"{option} {path}" if option else str(path)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=_parent(target))
+    except OSError as e:
+        raise InputError(f"{label}: cannot write into {_parent(target)}: {e.strerror or e}") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
+            if fsync:
+                handle.flush()
+                os.fsync(handle.fileno())
         os.chmod(tmp, _umask_mode(0o666))
         os.replace(tmp, target)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise InputError(f"{label}: cannot write it: {e.strerror or e}") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def new_output_folder(path: str | os.PathLike[str], option: str = "") -> Path:
+    """A new empty temporary folder beside `path` (same file system, so `publish_folder` is a
+    rename). Raises InputError when `path` may not be written (`check_output_path`)."""
+    target = Path(path).resolve()
+    check_output_path(option or "output folder", str(target), folder=True)
+    return Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
+
+
+def publish_folder(tmp: str | os.PathLike[str], path: str | os.PathLike[str], option: str = "") -> Path:
+    """Move the filled folder `tmp` (from `new_output_folder`) to `path`, writing the marker first.
+
+    An existing `path` is replaced only when it is empty or an earlier output of ours with nothing
+    foreign in it (checked again here); it is moved aside, the new folder renamed in, and only then
+    the old one removed. Gives the usual folder and file modes. Raises InputError otherwise (then
+    `tmp` is removed and `path` untouched).
+    """
+    tmp, final = Path(tmp), Path(path).resolve()
+    try:
+        written = sorted(p.name for p in tmp.iterdir())
+        (tmp / FOLDER_MARKER).write_text(json.dumps({"written": written}, indent=1) + "\n")
+        fix_tree_permissions(tmp)
+        old = None
+        if final.exists():
+            _check_replaceable(final, option or "output folder")
+            old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+            os.rename(final, old)
+        try:
+            os.rename(tmp, final)
+        except BaseException:
+            if old is not None:
+                os.rename(old, final)
+            raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
 
 
 def fix_tree_permissions(folder: str | os.PathLike[str]) -> None:

@@ -11,7 +11,9 @@ A `Plan` says how one model runs on one cluster for one workload:
 - `ladder_layers`: the layers that use ladder residual connections;
 - `predicted`: the predicted latency / throughput / memory with a per-layer breakdown, and
   `baseline`: the prediction of the hand-written Megatron plan under the same cost model;
-- `solver`, `decisions`, `excluded`, `mesh_candidates`: why the plan is what it is.
+- `solver`, `decisions`, `excluded`, `mesh_candidates`: why the plan is what it is;
+- `fallbacks`: ops the TP pass runs replicated that the ILP did not price (found by lowering the plan,
+  priced into `predicted`), and `cluster_source`: the preset or YAML file the cluster came from.
 
 Split conventions (`WeightSplit`):
 
@@ -221,6 +223,21 @@ class MeshCandidate:
 
 
 @dataclass
+class Fallback:
+    """An op the TP pass runs replicated, all-gathering sharded inputs, that the ILP did not price.
+
+    Found by lowering the plan on meta tensors (`passes.verify`); its all-gather time is added to
+    `Plan.predicted` (exposed communication) and shown as its own line in the report.
+    """
+
+    op: str  # e.g. "aten.index_put"
+    line: str  # the user's source line, e.g. "model.py:31 `cache[:, :, pos] = k`"
+    node: str  # fx node name in the captured graph
+    bytes_gathered: float  # bytes all-gathered per micro-batch, in the plan's dtype
+    comm_s: float  # added to the predicted step time (all micro-batches, backward included)
+
+
+@dataclass
 class Plan:
     """A parallelisation plan for one model, cluster and workload. See the module docstring."""
 
@@ -247,6 +264,8 @@ class Plan:
     unpriced_ops: list[str] = field(
         default_factory=list
     )  # ATen ops the cost model priced as memory-bound by default
+    fallbacks: list[Fallback] = field(default_factory=list)  # unplanned all-gathers, priced (Fallback)
+    cluster_source: str = ""  # where the cluster spec came from: a preset name or the YAML file's path
     serving: Serving | None = None  # decode / generate plans of models with a KV cache
 
     def __post_init__(self) -> None:
@@ -286,7 +305,9 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: object, origin: str = "plan") -> Plan:
-        """Build and validate a plan from plain data; `InputError` names the offending field."""
+        """Build and validate a plan from plain data; `InputError` names the offending field, or says
+        that `data` is not a plan at all (a cluster spec, some other YAML)."""
+        _check_is_plan(data, origin)
         try:
             plan = _from_builtin(cls, _upgrade_flat_mesh(data), "")
         except InputError as e:
@@ -351,6 +372,22 @@ class Plan:
         unknown = sorted(set(self.ladder_layers) - set(flat))
         if unknown:
             raise bad("ladder_layers", f"layers {unknown} are in no stage")
+
+
+_PLAN_KEYS = {"model", "workload", "mesh", "splits", "stages", "predicted", "solver"}
+
+
+def _check_is_plan(data: object, origin: str) -> None:
+    """InputError when `data` shares no key with a plan: say what it looks like and what a plan is."""
+    if not isinstance(data, dict) or _PLAN_KEYS & set(data):
+        return  # not a mapping: the schema check says so; a plan with errors: it names the field
+    looks = ""
+    if {"device", "links"} & set(data):
+        looks = f"; it looks like a cluster spec: use it as planner optimize MODEL.py --cluster {origin}"
+    raise InputError(
+        f"{origin} is not a plan file{looks}. A plan is the YAML that planner optimize MODEL.py --out PLAN.yaml "
+        "writes (keys model, cluster, workload, mesh, splits, stages, predicted, ...)"
+    )
 
 
 def _upgrade_flat_mesh(data: object) -> object:

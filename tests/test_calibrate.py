@@ -58,7 +58,7 @@ def test_write_cluster_yaml_leaves_no_partial_file(tmp_path: Path, monkeypatch: 
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "replace", failing_replace)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(InputError, match="cannot write"):  # one line (exit 2), not a traceback
         write_cluster_yaml(load_cluster("dgx-h100"), path)
     assert path.read_text() == "old: contents\n"
     assert [p.name for p in tmp_path.iterdir()] == ["spec.yaml"]

@@ -160,3 +160,62 @@ def test_constraints_from_options() -> None:
     assert constraints_from(None, None, None, "").ladder.mode is LadderMode.NONE
     with pytest.raises(InputError, match="--ladder must be"):
         constraints_from(None, None, None, "upper:")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Messages that say what is wrong and what to do (issue 13, kind 10)
+
+
+def _said(r: subprocess.CompletedProcess) -> str:
+    return " ".join((r.stdout + r.stderr).split())  # rich wraps long lines
+
+
+def test_show_on_a_cluster_spec_says_not_a_plan_file() -> None:
+    spec = ROOT / "costmodels" / "clusters" / "local-cpu.yaml"
+    r = planner("show", str(spec))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    said = _said(r)
+    assert f"{spec} is not a plan file" in said and "unknown keys" not in said
+    assert f"--cluster {spec}" in said and "--out PLAN.yaml" in said
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.device_count() >= 8, reason="this machine could run a dgx-h100 plan"
+)
+def test_run_with_a_gpu_preset_on_this_machine_says_how_to_plan_for_it(example_path) -> None:
+    r = planner("optimize", str(example_path("llama3")), "--cluster", "dgx-h100", "--run")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    said = _said(r)
+    assert "--cluster dgx-h100 describes another one" in said and "this machine has" in said
+    assert "--cluster local-cpu" in said and "--scale-to-local" in said
+
+
+def test_ladder_at_tp1_warns(example_path) -> None:
+    r = planner(
+        "optimize", str(example_path("llama3")), "--cluster", "local-cpu", "--nproc", "1", "--tp", "1",
+        "--ladder", "upper:2",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    said = _said(r)
+    assert "warning: ladder residual on 2 layer(s) at TP=1" in said and "changes the model's outputs" in said
+    quiet = planner(
+        "optimize", str(example_path("llama3")), "--cluster", "local-cpu", "--nproc", "2", "--tp", "2"
+    )
+    assert "warning: ladder" not in _said(quiet)
+
+
+def test_plan_records_its_cluster_source(tmp_path) -> None:
+    """A plan from --cluster my.yaml records the file; planner show names it."""
+    spec = ROOT / "tests" / "models" / "fastlink.yaml"
+    plan_path = tmp_path / "plan.yaml"
+    made = planner(
+        "optimize", str(ROOT / "tests" / "models" / "swiglu_fused_w13.py"), "--cluster", str(spec), "--tp", "2",
+        "--nproc", "2", "--out", str(plan_path),
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    from planner.plan import Plan  # noqa: PLC0415
+
+    plan = Plan.from_yaml(plan_path)
+    assert plan.cluster == "fastlink-cpu" and plan.cluster_source == str(spec.resolve())
+    shown = planner("show", str(plan_path))
+    assert f"on fastlink-cpu (spec {spec.resolve()})" in _said(shown)

@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -162,14 +163,18 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             recalibrate=args.recalibrate,
             notify=lambda text: progress.console.print(f"[dim]{text}[/dim]"),
         )
-        progress.update(task, description="solving the ILP")
+        progress.update(task, description="solving the ILP, then lowering the plan on meta tensors")
         constraints = workflow.constraints_from(
             args.tp, args.pp, args.dp, args.ladder, max_devices=args.devices, schedule=args.schedule
         )
         workflow.check_constraints_fit(
             cluster, constraints, prepared.structure.batch_size, args.micro_batches
         )
-        plan = workflow.make_plan(prepared, cluster, constraints, args.model)
+        if args.run:
+            _check_runs_here(args, cluster)
+        plan = workflow.make_plan(
+            prepared, cluster, constraints, args.model, workflow.cluster_source(args.cluster, nproc)
+        )
     n = len(prepared.structure.layers)
     console.print(
         f"Traced {args.model}: {n} layers, {prepared.structure.num_params / 1e6:,.1f} M parameters, "
@@ -179,6 +184,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     from planner.cli.render import render_decisions, render_layer_comparison, render_plan, render_run  # noqa: PLC0415
 
     render_plan(console, plan)
+    _warn(workflow.plan_warnings(plan))
     if args.why:
         render_decisions(console, plan)
     if args.out:
@@ -203,7 +209,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         render_run(console, report)
         render_layer_comparison(console, plan, run["measured"].get("per_layer_s", {}))
     if args.json:
-        write_text_atomic(args.json, json.dumps(report, indent=2, default=float))
+        write_text_atomic(args.json, json.dumps(report, indent=2, default=float), option="--json")
         console.print(f"report written to {args.json}")
     if run is not None:
         from planner.cli.render import agreement_line  # noqa: PLC0415
@@ -212,6 +218,35 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             f"[bold]{agreement_line(plan.predicted.latency_s, run['measured']['latency_s'])}[/bold]"
         )
     return 0
+
+
+def _warn(lines: list[str]) -> None:
+    for line in lines:
+        err_console.print(Text.assemble(("warning: ", "bold yellow"), line), highlight=False)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+    """`warnings.showwarning` for the command line: one "warning: ..." line, no source location."""
+    _warn([str(message)])
+
+
+def _check_runs_here(args: argparse.Namespace, cluster) -> None:
+    """--run on a GPU cluster spec from a machine without enough GPUs: say that the cluster is not this
+    machine and how to plan for it, before any planning work (InputError, exit 2)."""
+    if cluster.backend != "nccl" or args.scale_to_local:
+        return
+    have = torch_devices()
+    want = args.nproc or min(cluster.num_devices, args.devices or cluster.num_devices)
+    if have >= want:
+        return
+    here = f"{have} CUDA device(s)" if have else "no CUDA device"
+    raise InputError(
+        f"--run executes the plan on this machine, but --cluster {args.cluster} describes another one "
+        f"({cluster.name}: {cluster.num_devices} × {cluster.device.name}, nccl) and this machine has {here}. "
+        f"To plan for this machine and run: --cluster local-cpu --nproc N; to re-plan for local-cpu "
+        f"automatically: add --scale-to-local; to run this plan on {cluster.name}: save it with --out and "
+        "start planner run there under torchrun (README)"
+    )
 
 
 def _run(args, plan, prepared, cluster):
@@ -239,7 +274,7 @@ def _run(args, plan, prepared, cluster):
         constraints = workflow.constraints_from(
             args.tp, args.pp, args.dp, args.ladder, max_devices=nproc, schedule=args.schedule
         )
-        plan = workflow.make_plan(prepared, local, constraints, args.model)
+        plan = workflow.make_plan(prepared, local, constraints, args.model, "local-cpu")
         from planner.cli.render import render_plan  # noqa: PLC0415
 
         render_plan(console, plan)
@@ -271,9 +306,8 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from costmodels.cluster import load_cluster  # noqa: PLC0415
     from planner.cli import workflow  # noqa: PLC0415
-    from planner.cli.render import render_run  # noqa: PLC0415
+    from planner.cli.render import render_plan, render_run  # noqa: PLC0415
     from planner.plan import Plan  # noqa: PLC0415
 
     _check_outputs(args)
@@ -282,9 +316,23 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise InputError(f"model file {args.model} does not exist")
     nproc = args.nproc or plan.num_devices
     with _progress() as progress:
-        progress.add_task("checking the plan against the model", total=None)
+        task = progress.add_task("checking the plan against the model", total=None)
         prepared = workflow.prepare(args.model, "forward", plan.batch_size, plan.seq_len)
-    workflow.validate_plan_for_model(plan, prepared.structure, args.model, prepared.param_shapes)
+        workflow.validate_plan_for_model(plan, prepared.structure, args.model, prepared.param_shapes)
+        cluster, note = workflow.plan_cluster(plan, nproc)
+        progress.update(task, description="lowering the plan on meta tensors for every rank")
+        checked = workflow.check_lowering(prepared, plan, cluster)  # a hand-edited plan is checked whole
+    if note:
+        _warn([note])
+    if len(checked.fallbacks) > len(plan.fallbacks):
+        _warn(
+            [
+                "the plan does not price every op the tensor-parallel pass runs replicated (a hand-edited plan?); "
+                "its prediction now includes them:"
+            ]
+        )
+        render_plan(console, checked)
+    plan = checked
     if nproc != plan.num_devices:
         workflow.run_plan(
             plan, args.model, nproc, args.iters, args.warmup, args.timeout
@@ -295,10 +343,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         run = workflow.run_plan(plan, args.model, nproc, args.iters, args.warmup, args.timeout)
     if run is None:  # a rank other than 0 under torchrun: rank 0 reports
         return 0
-    try:
-        cluster = load_cluster(plan.cluster)
-    except PlannerError:
-        cluster = load_cluster("local-cpu", nproc=nproc)
     report = workflow.report_dict(plan, run, args.model, cluster)
     render_run(console, report)
     if cluster.backend != ("nccl" if torch_devices() else "gloo"):
@@ -307,7 +351,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             "so predicted / measured compares different hardware. Re-plan with --cluster for this machine to compare.[/yellow]"
         )
     if args.json:
-        write_text_atomic(args.json, json.dumps(report, indent=2, default=float))
+        write_text_atomic(args.json, json.dumps(report, indent=2, default=float), option="--json")
     return 0
 
 
@@ -336,6 +380,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `planner` console script; returns the process exit code."""
+    warnings.showwarning = _show_warning  # spec and calibration warnings as one line each
     try:
         args = build_parser().parse_args(argv)
         handler = {"optimize": cmd_optimize, "show": cmd_show, "run": cmd_run, "calibrate": cmd_calibrate}[

@@ -63,8 +63,11 @@ def _grouped(per_layer: list[LayerCost]) -> list[tuple[str, LayerCost, int]]:
 
 def render_plan(console: Console, plan: Plan) -> None:
     """Print the mesh, the per-stage/per-layer table, predicted totals and the Megatron comparison."""
+    source = plan.cluster_source if plan.cluster_source and plan.cluster_source != plan.cluster else ""
     console.print(
-        f"[bold]Plan[/bold] for {plan.model} on [bold]{plan.cluster}[/bold] ({plan.workload}, batch {plan.batch_size}"
+        f"[bold]Plan[/bold] for {plan.model} on [bold]{plan.cluster}[/bold]"
+        + (f" (spec {source})" if source else "")
+        + f" ({plan.workload}, batch {plan.batch_size}"
         + (f", seq {plan.seq_len}" if plan.token_model else "")
         + (f", context {plan.context}" if plan.workload in (Workload.DECODE, Workload.GENERATE) else "")
         + f", {plan.dtype})"
@@ -112,6 +115,18 @@ def render_plan(console: Console, plan: Plan) -> None:
     )
     if plan.serving is not None:
         render_serving(console, plan)
+    grouped: dict[tuple[str, str], list[float]] = {}
+    for f in plan.fallbacks:  # one line per op and source line (a layer's op repeats per layer)
+        n, nbytes, comm = grouped.setdefault((f.op, f.line), [0, 0.0, 0.0])
+        grouped[(f.op, f.line)] = [n + 1, nbytes + f.bytes_gathered, comm + f.comm_s]
+    for (op, line), (n, nbytes, comm) in grouped.items():
+        times = f" ({int(n)} places)" if n > 1 else ""
+        size = f"{nbytes / 1024:.1f} KiB" if nbytes < 2**20 else fmt_bytes(nbytes)
+        console.print(
+            f"[yellow]unplanned all-gather: the TP pass runs {op} replicated at {line}{times}; "
+            f"{size} gathered, +{fmt_s(comm)} included in the latency above[/yellow]",
+            highlight=False,
+        )
     if plan.unpriced_ops:
         console.print(
             f"[yellow]priced as memory-bound by their tensor sizes (ops the cost model does not know): "

@@ -13,7 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch.fx as fx
+
 from costmodels.cluster import ClusterSpec, load_cluster, preset_names
+from passes.verify import verify_plan
 from planner.errors import InputError, RunError
 from planner.frontend.analysis import ModelStructure
 from planner.frontend.depth import capture_for_planning
@@ -38,6 +41,7 @@ class Prepared:
     structure: ModelStructure
     workload: WorkloadSpec
     param_shapes: dict[str, tuple[int, ...]]  # every parameter FQN of the model, for validating plans
+    graph: fx.GraphModule | None = None  # the planning capture (meta tensors; a slice of a deep model)
     request: ServingRequest | None = None  # models with a KV cache, decode / generate: the request priced
     prefill: ModelStructure | None = None  # ... and its prefill graph, analysed
 
@@ -101,7 +105,7 @@ def prepare(
         raise InputError("--context only applies to --workload decode")
     args, kwargs = model_file.inputs(batch_size, seq_len)
     model = model_file.build("meta")
-    _, structure = capture_for_planning(model, args, kwargs)
+    graph, structure = capture_for_planning(model, args, kwargs)
     wl = WorkloadSpec(
         kind=Workload(workload),
         batch_size=structure.batch_size,
@@ -111,7 +115,7 @@ def prepare(
         dtype=dtype,
     )
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
-    return Prepared(model_file, structure, wl, shapes)
+    return Prepared(model_file, structure, wl, shapes, graph)
 
 
 def _prepare_serving(
@@ -140,14 +144,14 @@ def _prepare_serving(
     if request.new_tokens < 1:
         raise InputError(f"--new-tokens must be a positive integer, got {request.new_tokens}")
     batch = batch_size or 1
-    _, structure = plan_structure(model_file, decode_phase(batch, prompt, request.cache_len))
+    graph, structure = plan_structure(model_file, decode_phase(batch, prompt, request.cache_len))
     _, prefill = plan_structure(model_file, prefill_phase(batch, prompt, request.cache_len))
     wl = WorkloadSpec(
         kind=Workload.DECODE, batch_size=batch, seq_len=1, context=prompt, micro_batches=None, dtype=dtype
     )
     model = build_for(model_file, decode_phase(batch, prompt, request.cache_len), "meta")
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
-    return Prepared(model_file, structure, wl, shapes, request, prefill)
+    return Prepared(model_file, structure, wl, shapes, graph=graph, request=request, prefill=prefill)
 
 
 def resolve_cluster(
@@ -296,11 +300,21 @@ def check_fits_this_machine(plan: Plan, structure: ModelStructure, nproc: int) -
         )
 
 
-def make_plan(prepared: Prepared, cluster: ClusterSpec, constraints: Constraints, model_path: str) -> Plan:
-    """Solve for the best plan. Raises InfeasibleError (exit 3) or InputError (exit 2)."""
+def make_plan(
+    prepared: Prepared,
+    cluster: ClusterSpec,
+    constraints: Constraints,
+    model_path: str,
+    cluster_source: str = "",
+) -> Plan:
+    """Solve for the best plan and check it by lowering it (`check_lowering`). cluster_source: where
+    the cluster spec came from (`cluster_source`), recorded in the plan. Raises InfeasibleError
+    (exit 3: no plan, or one the passes cannot lower) or InputError (exit 2)."""
     check_pinned_tp(prepared.structure, constraints.tp)
     plan = plan_model(prepared.structure, cluster, prepared.workload, constraints, model_name=str(model_path))
     request = prepared.request
+    plan.cluster_source = cluster_source
+    plan = check_lowering(prepared, plan, cluster)
     if request is not None and prepared.prefill is not None:
         plan.serving = price_request(
             plan,
@@ -316,6 +330,55 @@ def make_plan(prepared: Prepared, cluster: ClusterSpec, constraints: Constraints
         if request.workload is Workload.GENERATE:
             plan.seq_len = request.prompt_len
     return plan
+
+
+def check_lowering(prepared: Prepared, plan: Plan, cluster: ClusterSpec) -> Plan:
+    """Lower `plan` for every distinct rank on the meta-device capture (`passes.verify.verify_plan`):
+    the plan with the TP pass's unplanned fallbacks priced and listed. Raises InfeasibleError (exit 3)
+    naming the op and model line the passes cannot lower as priced."""
+    if prepared.graph is None:
+        return plan
+    return verify_plan(prepared.graph, prepared.structure, plan, cluster)
+
+
+def cluster_source(name_or_path: str | None, nproc: int | None) -> str:
+    """Where `resolve_cluster(name_or_path, nproc)` takes the spec from: a preset name, the YAML
+    file's absolute path, or (None) this machine's cached calibration."""
+    if not name_or_path:
+        return str(CACHE_DIR / f"local-nproc{nproc or os.cpu_count() or 1}.yaml")
+    if Path(name_or_path).is_file():
+        return str(Path(name_or_path).resolve())
+    return name_or_path
+
+
+def plan_cluster(plan: Plan, nproc: int) -> tuple[ClusterSpec, str]:
+    """The cluster a saved plan was made for ((spec, "") when its source loads) or, when neither its
+    `cluster_source` nor its `cluster` name loads here, local-cpu with a note saying so."""
+    for source in (plan.cluster_source, plan.cluster):
+        if not source:
+            continue
+        try:
+            return load_cluster(source, nproc=nproc), ""
+        except InputError:
+            continue
+    where = plan.cluster_source or plan.cluster
+    return load_cluster("local-cpu", nproc=nproc), (
+        f"the plan's cluster spec ({where}) cannot be loaded here; the plan is checked and its unplanned "
+        "all-gathers priced against local-cpu"
+    )
+
+
+def plan_warnings(plan: Plan) -> list[str]:
+    """What a user should know about a plan before using it: ladder residual at TP=1 (it changes the
+    model's outputs and overlaps nothing)."""
+    warnings = []
+    if plan.ladder_layers and plan.tp == 1:
+        warnings.append(
+            f"ladder residual on {len(plan.ladder_layers)} layer(s) at TP=1: it changes the model's outputs (each "
+            "laddered layer reads the residual stream one block late) and gains nothing, since it only hides "
+            "tensor-parallel all-reduces and a TP=1 plan has none. Use --ladder none, or plan with --tp 2 or more"
+        )
+    return warnings
 
 
 def run_plan(
@@ -412,7 +475,8 @@ def report_dict(
     p = plan.predicted
     report: dict[str, Any] = {
         "model": str(model_path),
-        "cluster": cluster.name,
+        "cluster": plan.cluster or cluster.name,
+        "cluster_source": plan.cluster_source,
         "workload": str(plan.workload),
         "plan": {
             "tp": plan.tp,
@@ -446,6 +510,10 @@ def report_dict(
             "num_variables": plan.solver.num_variables,
         },
         "excluded": list(plan.excluded),
+        "fallbacks": [
+            {"op": f.op, "line": f.line, "bytes_gathered": f.bytes_gathered, "comm_s": f.comm_s}
+            for f in plan.fallbacks
+        ],
     }
     if plan.serving is not None:
         report["serving"] = {"predicted": serving_dict(plan.serving, plan.batch_size)}

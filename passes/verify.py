@@ -1,0 +1,214 @@
+"""Check a plan before any rank starts: lower it on meta tensors for every distinct rank.
+
+    verify_plan(gm, structure, plan, cluster) -> Plan
+
+The planner prices one program and the passes run another unless something compares them. Here the
+plan is lowered with `passes.lower.lower_for_rank` (the one lowering function every rank uses) on
+the meta-device graph the planner captured, for every distinct (pipeline stage, TP rank) of DP
+replica 0:
+
+- a rewrite the passes cannot do (`TensorParallelError`, `LadderError`, `PipelineSplitError`) is
+  refused with `InfeasibleError` (exit 3) naming the op and the user's source line;
+- an op the TP pass runs replicated by all-gathering a sharded input (`RuleContext.run_replicated`,
+  recorded in `node.meta["tp_fallback"]`) where the ILP priced no such gather is an *unplanned
+  fallback*: its all-gather time (`costmodels.comm.all_gather_time_s`) is added to the prediction
+  and it is listed in `Plan.fallbacks`, which the report prints line by line.
+
+A gather is *planned* (already priced by the ILP as an S->R conversion) when it feeds a projection,
+when it gathers a projection's output (the LM head's logits, a colwise output into a replicated
+consumer), or when it happens inside an attention core or MLP activation the plan keeps replicated.
+
+Deep models are captured for planning through a representative slice of their repeated layers
+(`planner.frontend.depth`): the slice is lowered once per distinct per-layer configuration (split
+styles and ladder, renamed onto the slice's last layer), its fallbacks counted once per layer with
+that configuration, and pipeline stages are not cut (the slice holds too few layers).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Iterator
+
+import torch.fx as fx
+
+from costmodels.cluster import ClusterSpec
+from costmodels.comm import Group, all_gather_time_s
+from costmodels.dtypes import DTYPE_BYTES
+from passes.ladder import LadderError
+from passes.lower import lower_for_rank
+from passes.pipeline import PipelineSplitError
+from passes.tp_rules_context import FALLBACK_META, TensorParallelError
+from passes.tp_rules_context import Fallback as PassFallback
+from planner.errors import InfeasibleError
+from planner.frontend.analysis import ModelStructure, analyse
+from planner.plan import Fallback, MeshShape, Plan, Prediction, Workload
+
+
+@dataclasses.dataclass
+class _Lowering:
+    """One graph to lower: the plan (possibly rewritten onto a slice), the ranks, and how many model
+    layers each fallback in the slice's template layer stands for."""
+
+    plan: Plan
+    structure: ModelStructure
+    ranks: list[int]
+    template_nodes: set[str]
+    template_count: int
+    index: int  # fallbacks outside the template layer are counted from lowering 0 only
+
+
+def verify_plan(gm: fx.GraphModule, structure: ModelStructure, plan: Plan, cluster: ClusterSpec) -> Plan:
+    """Lower `plan` for every distinct rank on `gm` (meta tensors; not modified) and return the plan
+    with the unplanned fallbacks priced (`Plan.fallbacks`, added to `predicted`).
+
+    gm / structure: the planning capture (`planner.frontend.depth.capture_for_planning`) at the
+    plan's global batch. cluster: prices the fallbacks' all-gathers over the TP group.
+    Raises InfeasibleError (exit 3) naming the op and the model source line the passes cannot lower.
+    """
+    found: dict[str, tuple[PassFallback, int]] = {}
+    for job in _lowerings(gm, structure, plan):
+        for rank in job.ranks:
+            lowered = copy.deepcopy(gm)
+            _lower(lowered, job.structure, job.plan, rank)
+            for node in lowered.graph.nodes:
+                fb = node.meta.get(FALLBACK_META)
+                if fb is None or _planned(fb, node, structure, plan):
+                    continue
+                in_template = node.name in job.template_nodes
+                if not in_template and job.index > 0:
+                    continue
+                key = f"{fb.node}@{job.index}" if in_template else fb.node
+                found.setdefault(key, (fb, job.template_count if in_template else 1))
+    fallbacks = [_price(fb, count, plan, cluster) for fb, count in found.values()]
+    return _with_fallbacks(plan, fallbacks)
+
+
+def _lower(gm: fx.GraphModule, structure: ModelStructure, plan: Plan, rank: int) -> None:
+    try:
+        lower_for_rank(gm, structure, plan, rank, training=plan.workload is Workload.TRAIN)
+    except TensorParallelError as e:
+        where = f" at {e.line}" if e.line else f" (graph node {e.node})"
+        raise InfeasibleError(
+            f"the plan cannot be run as priced: {e.op or 'an op'}{where}: {e.why} "
+            f"(tensor-parallel rewrite, tp={plan.tp}, rank {rank}). Re-plan with a different --tp, or "
+            "write the op so that its sharded dim is not cut"
+        ) from e
+    except (LadderError, PipelineSplitError) as e:
+        raise InfeasibleError(f"the plan cannot be run as priced (rank {rank}): {e}") from e
+
+
+def _lowerings(gm: fx.GraphModule, structure: ModelStructure, plan: Plan) -> Iterator[_Lowering]:
+    """The graphs to lower: the whole model for every rank of DP replica 0, or (a representative
+    slice) one TP-only lowering per distinct configuration of the slice's template layer."""
+    targets = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    present = [any(t.startswith(layer.module_path + ".") for t in targets) for layer in structure.layers]
+    if all(present):
+        yield _Lowering(plan, structure, list(range(plan.tp * plan.pp)), set(), 1, 0)
+        return
+    kept = sum(present)
+    sliced = analyse(gm)
+    template = structure.layers[kept - 1]
+    groups: dict[tuple, list[int]] = {}
+    for layer in structure.layers[kept - 1 :]:
+        groups.setdefault(_signature(plan, layer.module_path, template.module_path, layer.index), []).append(
+            layer.index
+        )
+    base = {
+        k: v
+        for k, v in plan.splits.items()
+        if not any(k.startswith(layer.module_path + ".") for layer in structure.layers[kept - 1 :])
+    }
+    for n, ((splits, ladder), layers) in enumerate(groups.items()):
+        split_map = dict(base)
+        source = structure.layers[layers[0]].module_path
+        for fqn, *_ in splits:
+            split_map[fqn] = dataclasses.replace(
+                plan.splits[_rename(fqn, template.module_path, source)], weight=fqn
+            )
+        ladder_layers = [i for i in plan.ladder_layers if i < kept - 1] + ([kept - 1] if ladder else [])
+        sub = dataclasses.replace(
+            plan,
+            mesh=MeshShape(plan.tp, 1, 1),
+            splits=split_map,
+            stages=[list(range(kept))],
+            ladder_layers=ladder_layers,
+        )
+        yield _Lowering(sub, sliced, list(range(plan.tp)), set(template.nodes), len(layers), n)
+
+
+def _rename(fqn: str, old: str, new: str) -> str:
+    return new + fqn[len(old) :] if fqn.startswith(old + ".") else fqn
+
+
+def _signature(plan: Plan, path: str, template: str, index: int) -> tuple:
+    """A layer's splits renamed onto the template layer, and whether it uses ladder residual."""
+    splits = tuple(
+        sorted(
+            (_rename(k, path, template), str(v.style), v.dim, tuple(v.parts) if v.parts else None)
+            for k, v in plan.splits.items()
+            if k.startswith(path + ".")
+        )
+    )
+    return splits, index in plan.ladder_layers
+
+
+def _planned(fb: PassFallback, node: fx.Node, structure: ModelStructure, plan: Plan) -> bool:
+    """Whether the ILP priced this gather (an S->R conversion into a replicated consumer)."""
+    projections = {
+        p.node for layer in structure.layers for b in (layer.attention, layer.mlp) if b for p in b.projections
+    }
+    projections |= {p.node for p in structure.mlp_chain}
+    if structure.lm_head is not None:
+        projections.add(structure.lm_head.node)
+    if node.name in projections or all(g in projections for g in fb.gathered):
+        return True
+    for layer in structure.layers:
+        block = layer.node_blocks.get(node.name)
+        if block is None:
+            continue
+        strategy = (
+            plan.predicted.per_layer[layer.index].strategy
+            if layer.index < len(plan.predicted.per_layer)
+            else {}
+        )
+        if block in ("core", "attention"):
+            return strategy.get("core") == "replicate"
+        if block == "mlp":
+            acts = [v for k, v in strategy.items() if k.startswith("act")]
+            return bool(acts) and all(v == "replicate" for v in acts)
+        return False
+    return False
+
+
+def _price(fb: PassFallback, count: int, plan: Plan, cluster: ClusterSpec) -> Fallback:
+    """The plan's line for a fallback: bytes per micro-batch in the plan's dtype, time per step."""
+    per_step = plan.micro_batches if plan.pp > 1 else 1  # the graph runs once per micro-batch
+    nbytes = fb.elements * DTYPE_BYTES[plan.dtype] / plan.dp / per_step
+    one = all_gather_time_s(nbytes, Group.packed(plan.tp, cluster), cluster)
+    train = 2.0 if plan.workload is Workload.TRAIN else 1.0  # the backward reduce-scatters as much
+    return Fallback(
+        op=fb.op,
+        line=fb.line or f"graph node {fb.node}",
+        node=fb.node,
+        bytes_gathered=nbytes * count,
+        comm_s=one * per_step * train * count,
+    )
+
+
+def _with_fallbacks(plan: Plan, fallbacks: list[Fallback]) -> Plan:
+    """`plan` with `fallbacks` listed and their time added to `predicted` (exposed communication)."""
+    old = {(f.node, f.op) for f in plan.fallbacks}
+    new = [f for f in fallbacks if (f.node, f.op) not in old]
+    if not new:
+        return plan
+    extra = sum(f.comm_s for f in new)
+    p = plan.predicted
+    latency = p.latency_s + extra
+    predicted: Prediction = dataclasses.replace(
+        p,
+        latency_s=latency,
+        exposed_comm_s=p.exposed_comm_s + extra,
+        throughput_tokens_per_s=p.throughput_tokens_per_s * p.latency_s / latency if latency else 0.0,
+    )
+    return dataclasses.replace(plan, predicted=predicted, fallbacks=[*plan.fallbacks, *new])

@@ -1,0 +1,105 @@
+"""Kind 0 of issue 13: the product never deletes what it did not write, and an output it cannot write
+is one clear line with exit 2 and nothing left behind (planner/files.py)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planner.errors import InputError
+from planner.files import (
+    FOLDER_MARKER,
+    check_output_path,
+    new_output_folder,
+    publish_folder,
+    write_text_atomic,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+SWIGLU = str(ROOT / "tests" / "models" / "swiglu_fused_w13.py")
+
+
+def run_planner(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "planner.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+        env=env,
+    )
+
+
+def test_one_atomic_writer() -> None:
+    for name in ("costmodels.calibrate", "passes.emit", "planner.plan"):
+        assert importlib.import_module(name).write_text_atomic is write_text_atomic, name
+
+
+def test_emit_into_a_folder_of_user_files_is_refused(tmp_path: Path) -> None:
+    """`--emit .` in a folder holding the user's files: exit 2 naming it, every file left as it was."""
+    (tmp_path / "notes.txt").write_text("mine\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "data.bin").write_bytes(b"\x00\x01")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    for target in (".", str(tmp_path / "sub")):
+        r = run_planner("optimize", SWIGLU, "--cluster", "local-cpu", "--emit", target, cwd=tmp_path)
+        said = " ".join(r.stderr.split())  # rich wraps long lines
+        assert r.returncode == 2, r.stderr
+        assert "Traceback" not in said and f"--emit {target}: the folder is not empty" in said
+        assert "not written by the planner" in said
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    assert (tmp_path / "notes.txt").read_text() == "mine\n"
+
+
+def test_output_folder_replaces_only_our_own(tmp_path: Path) -> None:
+    out = tmp_path / "emit"
+    for text in ("first", "second"):  # an earlier output of ours (marker) is replaced
+        tmp = new_output_folder(out, "--emit")
+        (tmp / "README.md").write_text(text)
+        publish_folder(tmp, out, "--emit")
+        assert (out / "README.md").read_text() == text and (out / FOLDER_MARKER).is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["emit"]  # no temp or old folder left
+    (out / "my_results.csv").write_text("user data")  # the user added a file: no longer ours alone
+    with pytest.raises(InputError, match="my_results.csv"):
+        new_output_folder(out, "--emit")
+    assert (out / "my_results.csv").read_text() == "user data"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    tmp = new_output_folder(empty, "--emit")
+    publish_folder(tmp, empty, "--emit")
+    assert (empty / FOLDER_MARKER).is_file()
+
+
+@pytest.mark.parametrize("option", ["--out", "--json"])
+def test_unwritable_output_is_one_line(tmp_path: Path, option: str) -> None:
+    r = run_planner("optimize", SWIGLU, "--cluster", "local-cpu", option, "/proc/plan.yaml", cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    said = " ".join(r.stderr.split())
+    assert "Traceback" not in said and f"{option} /proc/plan.yaml: cannot write into /proc" in said
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_write_text_atomic_failure_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "plan.yaml"
+    path.write_text("old\n")
+
+    def failing_replace(src: str, dst: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(InputError, match="--out .*No space left"):
+        write_text_atomic(path, "new\n", option="--out")
+    assert path.read_text() == "old\n" and [p.name for p in tmp_path.iterdir()] == ["plan.yaml"]
+
+
+def test_check_output_path_probes_the_folder(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="cannot write into /proc"):
+        check_output_path("--out", "/proc/plan.yaml")
+    check_output_path("--out", str(tmp_path / "plan.yaml"))
+    assert list(tmp_path.iterdir()) == []  # the probe is removed

@@ -1,0 +1,162 @@
+"""Plans are checked by lowering them on meta tensors before any rank starts (passes/verify.py).
+
+Kind 1 of issue 13 (planner and pass disagree) and kind 8 (hand-edited plans): what the planner
+prices the TP pass must do, what it cannot do is refused with the op and the model line (exit 3),
+and an op the pass runs replicated without the ILP having priced it is priced and named.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from costmodels.cluster import load_cluster
+from passes.lower import lower_for_rank
+from passes.tp_rules_context import FALLBACK_META
+from planner.cli import workflow
+from planner.errors import InfeasibleError
+from planner.plan import Plan
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "tests" / "models"
+SWIGLU = str(MODELS / "swiglu_fused_w13.py")
+CUMSUM = str(MODELS / "mlp_cumsum_fallback.py")
+FASTLINK = str(MODELS / "fastlink.yaml")
+
+
+def _plan(model: str, tp: int = 2, cluster: str = FASTLINK, **options) -> tuple[workflow.Prepared, Plan]:
+    prepared = workflow.prepare(model)
+    spec = workflow.resolve_cluster(cluster, tp)
+    constraints = workflow.constraints_from(tp, None, None, options.get("ladder", "none"))
+    return prepared, workflow.make_plan(prepared, spec, constraints, model, cluster)
+
+
+def planner(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "planner.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+def test_fused_gate_up_chunk_lowers_per_part() -> None:
+    """w13(x).chunk(2, -1) of a fused projection split per part: each rank cuts its local halves."""
+    prepared, plan = _plan(SWIGLU)
+    w13 = plan.splits["blocks.0.mlp.w13.weight"]
+    assert str(w13.style) == "colwise" and w13.parts == [256, 256]
+    for rank in range(2):
+        gm = lower_for_rank(copy.deepcopy(prepared.graph), prepared.structure, plan, rank).module
+        chunks = [n for n in gm.graph.nodes if "chunk" in str(n.target)]
+        gate_up = [u for n in chunks for u in n.users]
+        assert gate_up and all(tuple(u.meta["val"].shape)[-1] == 128 for u in gate_up)  # 256 / tp per part
+    assert plan.fallbacks == []
+
+
+def test_plan_the_pass_cannot_lower_is_refused_with_op_and_line(tmp_path: Path) -> None:
+    """A hand-edited plan that drops the fused parts: the chunk cuts across ranks' shards. `planner run`
+    refuses it before any rank starts: exit 3, naming aten.chunk and the model line."""
+    prepared, plan = _plan(SWIGLU)
+    splits = {k: dataclasses.replace(v, parts=None) if v.parts else v for k, v in plan.splits.items()}
+    edited = dataclasses.replace(plan, splits=splits)
+    with pytest.raises(
+        InfeasibleError, match=r"aten\.chunk at swiglu_fused_w13\.py:41 `gate, up = self\.w13"
+    ):
+        workflow.check_lowering(prepared, edited, load_cluster(FASTLINK, nproc=2))
+    path = tmp_path / "edited.yaml"
+    edited.to_yaml(path)
+    r = planner("run", str(path), "--model", SWIGLU, "--nproc", "2", "--timeout", "20")
+    assert r.returncode == 3, r.stderr
+    assert "Traceback" not in r.stderr and "aten.chunk" in r.stderr and "swiglu_fused_w13.py:41" in r.stderr
+    assert "running on" not in r.stdout
+
+
+def test_unplanned_fallback_is_priced_and_named() -> None:
+    """cumsum between a colwise and a rowwise projection has no rule: the pass gathers the activation.
+    The plan lists it (op, line, bytes) and its all-gather time is in the prediction."""
+    prepared, plan = _plan(CUMSUM)
+    assert [f.op for f in plan.fallbacks] == ["aten.cumsum", "aten.cumsum"]  # one per layer
+    assert all("mlp_cumsum_fallback.py:24 `h = torch.cumsum(h, dim=1)" in f.line for f in plan.fallbacks)
+    # global activation (2 x 16 x 256 fp32) per layer, gathered once per forward
+    assert all(f.bytes_gathered == 2 * 16 * 256 * 4 and f.comm_s > 0 for f in plan.fallbacks)
+    bare = dataclasses.replace(plan, fallbacks=[])
+    bare = dataclasses.replace(
+        bare,
+        predicted=dataclasses.replace(
+            plan.predicted,
+            latency_s=plan.predicted.latency_s - sum(f.comm_s for f in plan.fallbacks),
+            exposed_comm_s=plan.predicted.exposed_comm_s - sum(f.comm_s for f in plan.fallbacks),
+        ),
+    )
+    again = workflow.check_lowering(prepared, bare, load_cluster(FASTLINK, nproc=2))
+    assert again.predicted.latency_s == pytest.approx(plan.predicted.latency_s)
+    assert workflow.check_lowering(prepared, plan, load_cluster(FASTLINK, nproc=2)) is plan  # priced once
+    round_trip = Plan.from_dict(plan.to_dict())
+    assert round_trip.fallbacks == plan.fallbacks
+
+
+def test_fallback_recorded_in_node_meta() -> None:
+    prepared, plan = _plan(CUMSUM)
+    gm = copy.deepcopy(prepared.graph)
+    lower_for_rank(gm, prepared.structure, plan, 0)
+    found = [n.meta[FALLBACK_META] for n in gm.graph.nodes if FALLBACK_META in n.meta]
+    assert [f.op for f in found] == ["aten.cumsum", "aten.cumsum"]
+    assert all(f.bytes == 2 * 16 * 256 * 4 and f.gathered for f in found)
+
+
+@pytest.mark.parametrize(
+    "name, options",
+    [
+        ("llama3", ["--tp", "2"]),
+        ("gpt2", ["--tp", "2", "--workload", "train"]),
+        ("llama3", ["--tp", "2", "--pp", "2"]),
+    ],
+)
+def test_examples_lower_without_unplanned_fallbacks(tmp_path: Path, name: str, options: list[str]) -> None:
+    """The planned gathers (logits, replicated consumers) are not reported as fallbacks."""
+    report = tmp_path / "r.json"
+    r = planner(
+        "optimize", str(ROOT / "examples" / f"{name}.py"), "--cluster", "local-cpu", "--nproc", "4", *options,
+        "--json", str(report),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert json.loads(report.read_text())["fallbacks"] == []
+
+
+def test_cli_names_the_fallback(tmp_path: Path) -> None:
+    report = tmp_path / "r.json"
+    r = planner("optimize", CUMSUM, "--cluster", FASTLINK, "--tp", "2", "--nproc", "2", "--json", str(report))
+    assert r.returncode == 0, r.stderr
+    assert (
+        "unplanned all-gather: the TP pass runs aten.cumsum replicated at mlp_cumsum_fallback.py:24"
+        in r.stdout
+    )
+    assert "(2 places)" in r.stdout
+    assert [f["op"] for f in json.loads(report.read_text())["fallbacks"]] == ["aten.cumsum"] * 2
+
+
+@pytest.mark.slow
+def test_fused_swiglu_runs_and_matches_unsharded(tmp_path: Path) -> None:
+    """The case of issue 13: planned per part, run on 2 gloo ranks, outputs equal to the unsharded model;
+    `planner run` of the saved plan reports the cluster it was planned for (kind 10)."""
+    plan_path, report_path = tmp_path / "plan.yaml", tmp_path / "report.json"
+    r = planner(
+        "optimize", SWIGLU, "--cluster", FASTLINK, "--tp", "2", "--nproc", "2", "--run", "--iters", "2",
+        "--warmup", "1", "--out", str(plan_path),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    plan = Plan.from_yaml(plan_path)
+    assert plan.cluster == "fastlink-cpu" and plan.cluster_source == str(Path(FASTLINK).resolve())
+    r = planner("run", str(plan_path), "--model", SWIGLU, "--iters", "2", "--json", str(report_path))
+    assert r.returncode == 0, r.stderr
+    report = json.loads(report_path.read_text())
+    assert report["cluster"] == "fastlink-cpu" and report["cluster_source"] == plan.cluster_source
+    assert "local-cpu" not in r.stdout + r.stderr
+    assert report["numerics"]["max_abs_diff"] <= 1e-5 * report["numerics"]["output_scale"]
