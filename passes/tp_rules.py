@@ -186,9 +186,17 @@ def rule_embedding(ctx: RuleContext, node: fx.Node) -> None:
 # ---------------------------------------------------------------- attention
 @register_rule(aten.scaled_dot_product_attention)
 def rule_sdpa(ctx: RuleContext, node: fx.Node) -> None:
-    """Q, K, V all sharded on heads (dim 1): attention per local head, S(1) out, a per-head mask sliced."""
+    """Q, K, V sharded on heads (dim 1; replicated K/V repeated to the query heads sliced locally): S(1) out."""
     q, k, v = node.args[:3]
     places = [ctx.place.get(t, R) for t in (q, k, v)]
+    pq = places[0]
+    if pq.is_shard and pq.dim == 1 and not pq.parts:
+        for t, p in zip((k, v), places[1:]):
+            if p.is_replicate and ctx.gshape(t)[1] == ctx.gshape(q)[1]:
+                # replicated K/V (GQA with fewer KV heads than ranks, repeated to the query heads): each
+                # rank takes the heads its query heads use, a local slice
+                node.replace_input_with(t, ctx.sharded(t, 1))
+        places = [ctx.place.get(t, R) for t in node.args[:3]]
     if not all(p.is_shard and p.dim == 1 and not p.parts for p in places):
         # replicated, or not head-parallel (column-parallel Q with a replicated attention core):
         # gather the inputs and run attention replicated - correct, only slower
@@ -219,6 +227,107 @@ def _sdpa_dropout_per_rank(ctx: RuleContext, node: fx.Node) -> None:
     node.target = rng.tp_scaled_dot_product_attention
     node.args = (*full, ctx.axis)
     node.kwargs = {k: v for k, v in node.kwargs.items() if k not in names}
+
+
+# ---------------------------------------------------------------- KV-cache updates
+_VIEW_CHAIN = (aten.slice, aten.select, aten.narrow)
+
+
+def _cache_target(ctx: RuleContext, dest: object) -> tuple[fx.Node, list[fx.Node]] | None:
+    """(buffer get_attr, chain of slice/select/narrow views from it to `dest`) when `dest` is a view
+    of a buffer (not a parameter), else None."""
+    chain: list[fx.Node] = []
+    while isinstance(dest, fx.Node) and getattr(dest.target, "overloadpacket", None) in _VIEW_CHAIN:
+        chain.append(dest)
+        dest = dest.args[0]
+    if not isinstance(dest, fx.Node) or dest.op != "get_attr":
+        return None
+    owner_path, _, leaf = str(dest.target).rpartition(".")
+    owner = ctx.gm.get_submodule(owner_path) if owner_path else ctx.gm
+    if leaf in owner._parameters or not isinstance(getattr(owner, leaf, None), torch.Tensor):
+        return None  # a buffer, or a tensor constant export lifted (Hugging Face's StaticCache)
+    return dest, chain[::-1]
+
+
+def _shard_cache(ctx: RuleContext, node: fx.Node, dest: fx.Node, values_dim: int) -> int:
+    """Shard the cache buffer under `dest` (a buffer or a slice/select view of one) so that `dest`
+    is sharded on `values_dim`, like the values written into it; return that dim. The buffer's rank
+    shard replaces it in the module; the views between keep their (unsharded-dim) literals.
+
+    Raises TensorParallelError, never gathers: a cache that cannot follow its head-sharded values
+    would make every rank hold and attend over the whole cache (the silent fallback this rule exists
+    to prevent)."""
+    if ctx.shard_of(dest) is not None:
+        if ctx.shard_of(dest).dim != values_dim:
+            raise ctx.fail(
+                node, f"the cache is sharded on dim {ctx.shard_of(dest).dim}, its values on {values_dim}"
+            )
+        return values_dim
+    found = _cache_target(ctx, dest)
+    if found is None:
+        raise ctx.fail(
+            node,
+            "values sharded over heads are written into a tensor that is not a cache buffer of the model",
+        )
+    buffer, chain = found
+    # the buffer dim that becomes `dest`'s dim `values_dim`, walking the views back
+    dims = list(range(len(ctx.gshape(buffer))))
+    for view in chain:
+        if getattr(view.target, "overloadpacket", None) is aten.select:
+            dims.pop(int(view.args[1]) % len(dims))
+    bdim = dims[values_dim]
+    size = ctx.gshape(buffer)[bdim]
+    if size != ctx.gshape(dest)[values_dim] or size % ctx.tp:
+        raise ctx.fail(
+            node,
+            f"cache buffer `{buffer.target}` {tuple(ctx.gshape(buffer))}: dim {bdim} of size {size} cannot be "
+            f"sharded like its values (dim {values_dim} of {tuple(ctx.gshape(dest))}) over tp={ctx.tp}",
+        )
+    done = [u for u in buffer.users if u in ctx.place and u not in chain]
+    if done:
+        raise ctx.fail(node, f"cache buffer `{buffer.target}` is read by {done[0].name} before it is written")
+    ctx.replace_buffer(str(buffer.target), bdim)
+    ctx.set_meta(buffer, Placement.shard(bdim))
+    for view in chain:  # slices / selects along other dims: the shard follows its dim
+        src = ctx.shard_of(view.args[0])
+        nd = len(ctx.gshape(view.args[0]))
+        vdim = int(view.args[1]) % nd
+        if vdim == src.dim:
+            raise ctx.fail(view, "the cache is written through a slice along its head dim")
+        selecting = getattr(view.target, "overloadpacket", None) is aten.select
+        ctx.set_meta(view, Placement.shard(src.dim - 1 if selecting and vdim < src.dim else src.dim))
+        ctx.check(view)
+    return values_dim
+
+
+@register_rule(aten.index_put_, aten.index_put, aten.index_copy_, aten.index_copy, aten.copy_)
+def rule_cache_update(ctx: RuleContext, node: fx.Node) -> None:
+    """K/V written into a cache (index_put_ / index_copy_ / copy_ into a slice): head-sharded values shard it."""
+    # `cache[:, :, pos] = k` is index_put_, HF's StaticCache index_copy_, `cache[:, :, a:b] = k` a copy_
+    # into a slice: values sharded over heads shard the cache buffer along the same dim (each rank keeps
+    # the cache of its own heads); replicated values keep it replicated.
+    op = getattr(node.target, "overloadpacket", node.target)
+    dest = node.args[0]
+    if op in (aten.index_put_, aten.index_put):
+        values, indexed = node.args[2], [i for i, ix in enumerate(node.args[1]) if ix is not None]
+    elif op in (aten.index_copy_, aten.index_copy):
+        values, indexed = node.args[3], [int(node.args[1]) % len(ctx.gshape(dest))]
+    else:
+        values, indexed = node.args[1], []
+    pv = ctx.shard_of(values)
+    if pv is None and ctx.shard_of(dest) is None:
+        ctx.run_replicated(node)
+        return
+    offset = len(ctx.gshape(dest)) - len(ctx.gshape(values))  # values broadcast right-aligned
+    if pv is None or pv.parts or offset < 0 or pv.dim + offset in indexed:
+        raise ctx.fail(
+            node,
+            f"cache update with values {ctx.place.get(values, R)} into {ctx.place.get(dest, R)}: only values "
+            "sharded on a dim that is not indexed (heads) can be written into a sharded cache",
+        )
+    dim = _shard_cache(ctx, node, dest, pv.dim + offset)
+    ctx.set_meta(node, Placement.shard(dim))
+    ctx.check(node)
 
 
 # ---------------------------------------------------------------- reshapes and layout ops

@@ -249,6 +249,21 @@ class RuleContext:
                 if value is full:
                     module._parameters[pname] = new
 
+    def replace_buffer(self, fqn: str, dim: int) -> None:
+        """Swap buffer (or lifted tensor constant) `fqn`, a KV cache, for this rank's contiguous slice
+        along `dim`, once."""
+        owner_path, _, name = fqn.rpartition(".")
+        owner = self.gm.get_submodule(owner_path) if owner_path else self.gm
+        full = getattr(owner, name)
+        if id(full) in self.sharded_ids:
+            return
+        shard = shard_weight(full.detach(), dim, None, self.rank, self.tp).clone()
+        self.sharded_ids.add(id(shard))
+        if name in owner._buffers:
+            owner._buffers[name] = shard
+        else:  # a tensor constant lifted by export
+            setattr(owner, name, shard)
+
     def run_replicated(self, node: fx.Node) -> None:
         """Any op without a sharding rule: run it on replicated inputs (all-gather shards). When a
         shard is gathered, the node's meta records it (`FALLBACK_META`: a `Fallback`)."""

@@ -61,6 +61,7 @@ class Workload(str, enum.Enum):
     FORWARD = "forward"  # one forward pass over (batch, seq_len) tokens (inference prefill)
     DECODE = "decode"  # one new token per sequence against a KV cache of `context` tokens
     TRAIN = "train"  # forward, backward and optimizer step
+    GENERATE = "generate"  # a request: prefill of `seq_len` prompt tokens, then decode steps (cached models)
 
     def __str__(self) -> str:
         return self.value
@@ -165,6 +166,28 @@ class Prediction:
 
 
 @dataclass
+class Serving:
+    """A request served with the plan (models with a KV cache): a prefill of `prompt_len` tokens per
+    sequence, then decode steps until `new_tokens` tokens are generated, with the caches allocated for
+    `cache_len` tokens. Every decode step attends over the whole allocated cache, so each costs the same.
+    """
+
+    prompt_len: int  # tokens per sequence before the first decode step (--workload decode: the context)
+    new_tokens: int  # tokens generated per sequence (the first comes from the prefill)
+    cache_len: int  # allocated KV-cache length, tokens
+    ttft_s: float  # predicted time to first token: the prefill step
+    tpot_s: float  # predicted time per output token: one decode step
+    tokens_per_s: float  # generated tokens over the whole request: batch * new_tokens / request time
+    fallbacks: list[str] = field(default_factory=list)  # what the rewrite replicates instead of sharding
+    standard_tpot_s: float | None = None  # ladder plans: the decode step of the same splits without ladder
+
+    @property
+    def request_s(self) -> float:
+        """Predicted time of the whole request: the prefill, then new_tokens - 1 decode steps."""
+        return self.ttft_s + (self.new_tokens - 1) * self.tpot_s
+
+
+@dataclass
 class SolverInfo:
     """How the ILP solve went. `status` is `pulp.LpSolution[prob.sol_status]` (honest about time-outs)."""
 
@@ -243,6 +266,7 @@ class Plan:
     )  # ATen ops the cost model priced as memory-bound by default
     fallbacks: list[Fallback] = field(default_factory=list)  # unplanned all-gathers, priced (Fallback)
     cluster_source: str = ""  # where the cluster spec came from: a preset name or the YAML file's path
+    serving: Serving | None = None  # decode / generate plans of models with a KV cache
 
     def __post_init__(self) -> None:
         self.workload = _coerce(Workload, self.workload, "workload")

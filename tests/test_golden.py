@@ -86,12 +86,14 @@ def test_attention_head_parallel_then_row(h100) -> None:
     assert why.chosen == "rowwise" and why.options["rowwise"] == min(why.options.values())
 
 
-def test_gqa_kv_heads_below_tp_excluded_and_reported(h100) -> None:
+def test_gqa_kv_heads_below_tp_replicated_and_reported(h100) -> None:
     gqa = analysed_llama("8b", n_kv_heads=4)  # 32 query heads, 4 KV heads
+    # tp=8 > 4 KV heads: query heads split, K/V heads replicated (as vLLM does), not refused; the
+    # replicated K/V projections are named in the exclusions
     plan = plan_model(gqa, h100, WorkloadSpec("forward", 1, 2048, dtype="bf16"), Constraints(tp=8))
-    assert strategy(plan)["core"] == "replicate"
-    assert any("4 KV heads (GQA) not divisible by 8" in e for e in plan.excluded)
-    assert "not offered" in decision(plan, "attention.core").reason
+    s = strategy(plan)
+    assert s["core"] == "head" and s["q"] == "colwise" and s["k"] != "colwise" and s["v"] != "colwise"
+    assert any("4 KV heads < tp=8" in e for e in plan.excluded)
     # At tp=4 the KV heads divide: head-parallel is offered and chosen.
     plan4 = plan_model(gqa, h100, WorkloadSpec("forward", 1, 2048, dtype="bf16"), Constraints(tp=4, dp=1))
     assert strategy(plan4)["core"] == "head"

@@ -28,6 +28,7 @@ from planner.files import new_output_folder, publish_folder
 from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture
 from planner.frontend.modelfile import load_model_file
+from planner.frontend.phases import build_for, decode_phase, phase_inputs
 from planner.plan import Plan
 
 MAX_MATERIALISED_BYTES = 4 * 2**30  # above this, emit from meta (no weights): a laptop cannot hold 70B
@@ -45,13 +46,25 @@ def emit_plan(plan: Plan, model_path: str, out_dir: str, backend: str = "gloo") 
     tmp = new_output_folder(out_dir, "--emit")
     try:
         model_file = load_model_file(model_path)
-        meta_model = model_file.build("meta")
+        batch = plan.batch_size // plan.dp // max(1, plan.micro_batches if plan.pp > 1 else 1)
+        sv = plan.serving  # a model with a KV cache: the decode step the plan was solved on
+        phase = (
+            decode_phase(batch, sv.prompt_len, sv.cache_len)
+            if sv is not None and model_file.has_cache
+            else None
+        )
+
+        def build(device: str) -> torch.nn.Module:
+            return model_file.build(device) if phase is None else build_for(model_file, phase, device)
+
+        meta_model = build("meta")
         weight_bytes = sum(p.numel() * p.element_size() for p in meta_model.parameters())
         device = "meta" if weight_bytes > MAX_MATERIALISED_BYTES else "cpu"
         torch.manual_seed(SEED)
-        model = meta_model if device == "meta" else model_file.build("cpu")
-        batch = plan.batch_size // plan.dp // max(1, plan.micro_batches if plan.pp > 1 else 1)
-        args, kwargs = model_file.inputs(batch, plan.seq_len)
+        model = meta_model if device == "meta" else build("cpu")
+        args, kwargs = (
+            model_file.inputs(batch, plan.seq_len) if phase is None else phase_inputs(model_file, phase)
+        )
         gm = capture(model, args, kwargs)
         structure = analyse(gm)
         for rank in range(plan.tp * plan.pp):  # DP replica 0 lowers; every replica gets the module

@@ -56,10 +56,15 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument(
         "--cluster", help="preset name (dgx-h100, local-cpu, ...) or YAML file; default: this machine"
     )
-    opt.add_argument("--workload", default="forward", choices=["forward", "decode", "train"])
+    opt.add_argument("--workload", default="forward", choices=["forward", "decode", "train", "generate"])
     opt.add_argument("--batch-size", type=_positive)
     opt.add_argument("--seq-len", type=_positive)
     opt.add_argument("--context", type=_positive, help="decode: KV-cache length in tokens")
+    opt.add_argument(
+        "--new-tokens",
+        type=_positive,
+        help="decode / generate of a model with a KV cache: tokens generated per sequence (default 16)",
+    )
     opt.add_argument("--micro-batches", type=_positive)
     opt.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
     opt.add_argument("--ladder", default="none", help="none | upper:N | auto | auto:max=N")
@@ -152,6 +157,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             args.context,
             args.micro_batches,
             args.dtype,
+            args.new_tokens,
         )
         progress.update(task, description="loading the cluster spec")
         nproc = args.nproc
@@ -200,7 +206,11 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     if args.run and run is None:  # a rank other than 0 under torchrun: rank 0 reports
         return 0
     report = workflow.report_dict(plan, run, args.model, cluster)
-    if run is not None:
+    if run is not None and "serving" in report:
+        from planner.cli.render import render_serving_run  # noqa: PLC0415
+
+        render_serving_run(console, report)
+    elif run is not None:
         render_run(console, report)
         render_layer_comparison(console, plan, run["measured"].get("per_layer_s", {}))
     if args.json:

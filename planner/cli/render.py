@@ -69,7 +69,7 @@ def render_plan(console: Console, plan: Plan) -> None:
         + (f" (spec {source})" if source else "")
         + f" ({plan.workload}, batch {plan.batch_size}"
         + (f", seq {plan.seq_len}" if plan.token_model else "")
-        + (f", context {plan.context}" if plan.workload is Workload.DECODE else "")
+        + (f", context {plan.context}" if plan.workload in (Workload.DECODE, Workload.GENERATE) else "")
         + f", {plan.dtype})"
     )
     console.print(
@@ -102,14 +102,19 @@ def render_plan(console: Console, plan: Plan) -> None:
         )
     console.print(table)
     p = plan.predicted
-    what = {Workload.TRAIN: "step", Workload.DECODE: "decode step", Workload.FORWARD: "forward"}[
-        plan.workload
-    ]
+    what = {
+        Workload.TRAIN: "step",
+        Workload.DECODE: "decode step",
+        Workload.GENERATE: "decode step",
+        Workload.FORWARD: "forward",
+    }[plan.workload]
     console.print(
         f"Predicted {what} latency: [bold]{fmt_s(p.latency_s)}[/bold] "
         f"(compute {fmt_s(p.compute_s)}, exposed comm {fmt_s(p.exposed_comm_s)}, overlapped {fmt_s(p.overlapped_comm_s)}, "
         f"bubble {fmt_s(p.bubble_s)}); {throughput_text(plan)}; peak memory {fmt_bytes(p.peak_memory_bytes)}/rank"
     )
+    if plan.serving is not None:
+        render_serving(console, plan)
     grouped: dict[tuple[str, str], list[float]] = {}
     for f in plan.fallbacks:  # one line per op and source line (a layer's op repeats per layer)
         n, nbytes, comm = grouped.setdefault((f.op, f.line), [0, 0.0, 0.0])
@@ -188,6 +193,19 @@ def render_decisions(console: Console, plan: Plan) -> None:
     console.print(table)
 
 
+def render_serving(console: Console, plan: Plan) -> None:
+    """The request a serving plan was priced for: TTFT, time per output token, tokens/s."""
+    sv = plan.serving
+    assert sv is not None
+    console.print(
+        f"Request (prompt {sv.prompt_len}, {sv.new_tokens} new tokens, cache {sv.cache_len}, batch {plan.batch_size}): "
+        f"time to first token [bold]{fmt_s(sv.ttft_s)}[/bold], [bold]{sv.tpot_s * 1e3:.3g} ms[/bold] per output token, "
+        f"{sv.tokens_per_s:,.1f} tokens/s over the request; decode graph and prefill graph priced node by node"
+    )
+    for note in sv.fallbacks:
+        console.print(f"[yellow]fallback: {note}[/yellow]")
+
+
 def render_run(console: Console, report: dict[str, Any]) -> None:
     """Predicted beside measured, with the ratio, and the numerics check."""
     m, n, p = report["measured"], report["numerics"], report["predicted"]
@@ -230,6 +248,49 @@ def render_run(console: Console, report: dict[str, Any]) -> None:
             else ""
         )
     )
+
+
+def render_serving_run(console: Console, report: dict[str, Any]) -> None:
+    """A served request: TTFT, ms per output token and tokens/s predicted beside measured, the greedy
+    tokens against the unsharded model's, and with ladder layers its deviation and speed-up."""
+    sv, n, m = report["serving"], report["numerics"], report["measured"]
+    p, got = sv["predicted"], sv["measured"]
+    table = Table(
+        title=f"Request: prompt {p['prompt_len']}, {p['new_tokens']} new tokens, batch {p['batch_size']}"
+    )
+    for col in ("quantity", "predicted", "measured", "predicted / measured"):
+        table.add_column(col, justify="right")
+
+    def row(label: str, want: float | None, have: float | None, text=fmt_s) -> None:
+        ratio = f"{want / have:.2f}" if want and have else "-"
+        table.add_row(
+            label, text(want) if want is not None else "-", text(have) if have is not None else "-", ratio
+        )
+
+    row("time to first token", p["ttft_s"], got["ttft_s"])
+    row("time per output token", p["tpot_s"], got["tpot_s"])
+    row("tokens/s over the request", p["tokens_per_s"], got["tokens_per_s"], lambda x: f"{x:,.1f}")
+    if got.get("standard_tpot_s"):
+        row("  same splits without ladder", p["standard_tpot_s"], got["standard_tpot_s"])
+        row("  ladder speed-up", p["ladder_speedup"], got["ladder_speedup"], lambda x: f"{x:.3f}x")
+    pm = report["predicted"]["peak_memory_bytes"]
+    row("peak memory / rank (cache included)", pm, m["peak_memory_bytes"], fmt_bytes)
+    console.print(table)
+    console.print(
+        f"measured: per output token median of {m['iterations']} decode steps on the slowest rank (warm-up "
+        f"excluded), p10 {fmt_s(m['latency_p10_s'])}, p90 {fmt_s(m['latency_p90_s'])}; KV cache "
+        f"{fmt_bytes(m['cache_bytes_per_rank'])}/rank"
+    )
+    same = "identical to" if n["tokens_identical"] else f"[red]{n['tokens_differ']} differ from[/red]"
+    console.print(
+        f"numerics: greedy tokens {same} the unsharded model's; max |logit diff| {n['max_abs_diff']:.3g} "
+        f"(tolerance {n['logit_tolerance']:.3g}, logit scale {n['output_scale']:.3g})"
+    )
+    if n.get("ladder_deviation") is not None:
+        console.print(
+            f"ladder residual vs the original model: prefill logits moved {n['ladder_deviation']:.3g} (relative L2), "
+            f"{n['ladder_tokens_differ']} of {len(n['tokens']) * len(n['tokens'][0])} greedy tokens differ"
+        )
 
 
 def render_layer_comparison(console: Console, plan: Plan, measured_per_layer_s: dict[str, float]) -> None:

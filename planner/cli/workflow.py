@@ -17,15 +17,19 @@ import torch.fx as fx
 
 from costmodels.cluster import ClusterSpec, load_cluster, preset_names
 from passes.verify import verify_plan
-from planner.errors import InputError
+from planner.errors import InputError, RunError
 from planner.frontend.analysis import ModelStructure
 from planner.frontend.depth import capture_for_planning
 from planner.frontend.modelfile import ModelFile, load_model_file
-from planner.plan import WORKLOADS, Plan, Schedule, SplitStyle, Workload
+from planner.frontend.phases import build_for, decode_phase, plan_structure, prefill_phase
+from planner.plan import WORKLOADS, Plan, Schedule, Serving, SplitStyle, Workload
 from planner.solver.problem import Constraints, LadderPolicy, WorkloadSpec
 from planner.solver.search import plan_model
+from planner.solver.serving import kv_fallbacks, price_request
 
 DEFAULT_CONTEXT = 2048  # decode: KV-cache tokens when --context is not given
+DEFAULT_NEW_TOKENS = 16  # decode / generate of a model with a KV cache: tokens generated per sequence
+DEFAULT_PROMPT = 128  # generate: prompt tokens when --seq-len is not given
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "parallel-planner"
 
 
@@ -38,6 +42,22 @@ class Prepared:
     workload: WorkloadSpec
     param_shapes: dict[str, tuple[int, ...]]  # every parameter FQN of the model, for validating plans
     graph: fx.GraphModule | None = None  # the planning capture (meta tensors; a slice of a deep model)
+    request: ServingRequest | None = None  # models with a KV cache, decode / generate: the request priced
+    prefill: ModelStructure | None = None  # ... and its prefill graph, analysed
+
+
+@dataclass(frozen=True)
+class ServingRequest:
+    """A request of a model with a KV cache: `prompt_len` tokens, then `new_tokens` generated."""
+
+    workload: Workload  # DECODE (prompt = --context) or GENERATE (prompt = --seq-len)
+    prompt_len: int
+    new_tokens: int
+
+    @property
+    def cache_len(self) -> int:
+        """The cache the model is built with: room for the prompt and every generated token."""
+        return self.prompt_len + self.new_tokens
 
 
 def prepare(
@@ -48,18 +68,32 @@ def prepare(
     context: int | None = None,
     micro_batches: int | None = None,
     dtype: str | None = None,
+    new_tokens: int | None = None,
 ) -> Prepared:
     """Load `model_path`, build it on `meta`, capture and analyse it, and describe the workload.
 
     decode: the example inputs are asked for with seq_len=1 (one new token per sequence) and the KV
-    cache holds `context` tokens (default DEFAULT_CONTEXT). Raises InputError (bad file, options,
-    untraceable model).
+    cache holds `context` tokens (default DEFAULT_CONTEXT). A model with a KV cache (`step_inputs`)
+    is planned from its own decode graph and its prefill graph is captured too (`_prepare_serving`).
+    Raises InputError (bad file, options, untraceable model).
     """
     if workload not in WORKLOADS:
         raise InputError(f"--workload must be one of {', '.join(WORKLOADS)}, got {workload!r}")
     for name, value in (("--batch-size", batch_size), ("--seq-len", seq_len), ("--context", context)):
         if value is not None and value < 1:
             raise InputError(f"{name} must be a positive integer, got {value}")
+    model_file = load_model_file(model_path)
+    if model_file.has_cache and workload in (Workload.DECODE, Workload.GENERATE):
+        return _prepare_serving(
+            model_file, Workload(workload), batch_size, seq_len, context, new_tokens, dtype
+        )
+    if workload == Workload.GENERATE:
+        raise InputError(
+            f"--workload generate needs a model with a static KV cache; {model_path} defines no "
+            "step_inputs(tokens, input_pos) (README, models with a KV cache)"
+        )
+    if new_tokens is not None:
+        raise InputError("--new-tokens applies to --workload decode / generate of a model with a KV cache")
     if workload == Workload.DECODE:
         if seq_len not in (None, 1):
             raise InputError(
@@ -69,7 +103,6 @@ def prepare(
         context = context or DEFAULT_CONTEXT
     elif context:
         raise InputError("--context only applies to --workload decode")
-    model_file = load_model_file(model_path)
     args, kwargs = model_file.inputs(batch_size, seq_len)
     model = model_file.build("meta")
     graph, structure = capture_for_planning(model, args, kwargs)
@@ -83,6 +116,42 @@ def prepare(
     )
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
     return Prepared(model_file, structure, wl, shapes, graph)
+
+
+def _prepare_serving(
+    model_file: ModelFile,
+    workload: Workload,
+    batch_size: int | None,
+    seq_len: int | None,
+    context: int | None,
+    new_tokens: int | None,
+    dtype: str | None,
+) -> Prepared:
+    """decode / generate of a model with a KV cache: the decode step (one token at position
+    `prompt_len`, caches of `prompt_len + new_tokens` tokens) captured for planning, and the prefill."""
+    if workload is Workload.DECODE:
+        if seq_len not in (None, 1):
+            raise InputError(
+                "--seq-len is the prompt length of --workload generate; decode plans one new token after "
+                "--context cached tokens"
+            )
+        prompt = context or DEFAULT_CONTEXT
+    else:
+        if context:
+            raise InputError("--context is the cache of --workload decode; generate's prompt is --seq-len")
+        prompt = seq_len or DEFAULT_PROMPT
+    request = ServingRequest(workload, prompt, new_tokens or DEFAULT_NEW_TOKENS)
+    if request.new_tokens < 1:
+        raise InputError(f"--new-tokens must be a positive integer, got {request.new_tokens}")
+    batch = batch_size or 1
+    graph, structure = plan_structure(model_file, decode_phase(batch, prompt, request.cache_len))
+    _, prefill = plan_structure(model_file, prefill_phase(batch, prompt, request.cache_len))
+    wl = WorkloadSpec(
+        kind=Workload.DECODE, batch_size=batch, seq_len=1, context=prompt, micro_batches=None, dtype=dtype
+    )
+    model = build_for(model_file, decode_phase(batch, prompt, request.cache_len), "meta")
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
+    return Prepared(model_file, structure, wl, shapes, graph=graph, request=request, prefill=prefill)
 
 
 def resolve_cluster(
@@ -134,7 +203,8 @@ def check_pinned_tp(structure: ModelStructure, tp: int | None) -> None:
     """
     if tp is None or tp == 1:
         return
-    counts = sorted(set(structure.query_head_counts()) | set(structure.kv_head_counts()))
+    kv = [c for c in structure.kv_head_counts() if c % tp and tp % c]  # fewer KV heads than tp: replicated
+    counts = sorted(set(structure.query_head_counts()) | set(kv))
     if counts and any(c % tp for c in counts):
         limit = min(counts)
         ok = [d for d in range(1, limit + 1) if all(c % d == 0 for c in counts)]
@@ -242,8 +312,24 @@ def make_plan(
     (exit 3: no plan, or one the passes cannot lower) or InputError (exit 2)."""
     check_pinned_tp(prepared.structure, constraints.tp)
     plan = plan_model(prepared.structure, cluster, prepared.workload, constraints, model_name=str(model_path))
+    request = prepared.request
     plan.cluster_source = cluster_source
-    return check_lowering(prepared, plan, cluster)
+    plan = check_lowering(prepared, plan, cluster)
+    if request is not None and prepared.prefill is not None:
+        plan.serving = price_request(
+            plan,
+            prepared.prefill,
+            prepared.structure,
+            cluster,
+            prompt_len=request.prompt_len,
+            new_tokens=request.new_tokens,
+            cache_len=request.cache_len,
+            fallbacks=kv_fallbacks(plan, prepared.structure),
+        )
+        plan.workload = request.workload
+        if request.workload is Workload.GENERATE:
+            plan.seq_len = request.prompt_len
+    return plan
 
 
 def check_lowering(prepared: Prepared, plan: Plan, cluster: ClusterSpec) -> Plan:
@@ -318,10 +404,13 @@ def run_plan(
     from runtime.job import RunJob  # noqa: PLC0415
     from runtime.session import run_job  # noqa: PLC0415
 
+    if plan.serving is not None:
+        return run_serving(plan, model_path, nproc, iters, warmup, timeout_s)
     if plan.workload is Workload.DECODE:
         raise InputError(
-            "--run executes forward and train plans; running a decode step against a KV cache is not implemented "
-            "in the runtime yet (the plan and its prediction are valid)"
+            f"--run of a decode plan needs a model with a static KV cache; {model_path} has none (it was priced "
+            "from a formula). Give the model file build_model(max_batch_size, max_seq_len) and "
+            "step_inputs(tokens, input_pos) (README, models with a KV cache)"
         )
     if nproc != plan.num_devices:
         raise InputError(
@@ -342,6 +431,49 @@ def run_plan(
         weights=checkpoint_files(weights) if weights else None,
     )
     return run_job(job, nproc, timeout_s)
+
+
+def run_serving(
+    plan: Plan, model_path: str, nproc: int, iters: int, warmup: int, timeout_s: float
+) -> dict[str, Any] | None:
+    """Serve `plan.serving`'s request on `nproc` local ranks: prefill, then greedy decode steps
+    (`runtime.decode`); `warmup` untimed then `iters` timed requests. Returns the summary (None on
+    ranks other than 0 under torchrun). Raises InputError for pp > 1, dp > 1 or a wrong nproc,
+    RunError (exit 4) when a rank fails or the tokens / logits differ from the unsharded model's."""
+    from runtime.decode import DecodeJob, run_decode_rank, summarise_decode  # noqa: PLC0415 - only for --run
+    from runtime.launch import launch  # noqa: PLC0415
+
+    sv = plan.serving
+    assert sv is not None
+    if plan.pp > 1 or plan.dp > 1:
+        raise InputError(
+            f"--run serves decode plans with tensor parallelism only; the plan has {plan.mesh.label()}: "
+            "re-plan with --pp 1 --dp 1 (or --devices to the TP degree)"
+        )
+    if nproc != plan.num_devices:
+        raise InputError(f"the plan uses {plan.num_devices} devices (tp={plan.tp}) but --nproc is {nproc}")
+    job = DecodeJob(
+        model_path=str(model_path),
+        plan=plan.to_dict(),
+        batch_size=plan.batch_size,
+        prompt_len=sv.prompt_len,
+        new_tokens=sv.new_tokens,
+        cache_len=sv.cache_len,
+        warmup=max(1, warmup),
+        iters=max(1, iters),
+    )
+    reports = launch(run_decode_rank, job, nproc=nproc, timeout_s=timeout_s)
+    if any(r is None for r in reports):
+        return None
+    run = summarise_decode(reports, plan.dtype, plan.batch_size, sv.new_tokens)
+    n = run["numerics"]
+    if not n["ok"]:
+        raise RunError(
+            f"the sharded model does not match the unsharded one: {n['tokens_differ']} greedy tokens differ, "
+            f"max |logit diff| {n['max_abs_diff']:.3g} (tolerance {n['logit_tolerance']:.3g}); "
+            f"tokens {n['tokens']} vs reference {n['reference_tokens']}"
+        )
+    return run
 
 
 def report_dict(
@@ -391,12 +523,38 @@ def report_dict(
             for f in plan.fallbacks
         ],
     }
+    if plan.serving is not None:
+        report["serving"] = {"predicted": serving_dict(plan.serving, plan.batch_size)}
+    if run is not None and plan.serving is not None:
+        report["serving"]["measured"] = {
+            k: run["measured"].get(k)
+            for k in ("ttft_s", "tpot_s", "request_s", "tokens_per_s", "standard_tpot_s")
+        }
+        if run["measured"].get("standard_tpot_s"):
+            report["serving"]["measured"]["ladder_speedup"] = run["measured"]["ladder_speedup"]
     if run is not None:
         report["measured"] = run["measured"]
         report["numerics"] = run["numerics"]
         measured = run["measured"]["latency_s"]
         report["measured"]["predicted_over_measured"] = p.latency_s / measured if measured else None
     return report
+
+
+def serving_dict(serving: Serving, batch_size: int) -> dict[str, Any]:
+    """A request's figures as serving benchmarks report them (seconds, tokens/s)."""
+    return {
+        "prompt_len": serving.prompt_len,
+        "new_tokens": serving.new_tokens,
+        "cache_len": serving.cache_len,
+        "batch_size": batch_size,
+        "ttft_s": serving.ttft_s,
+        "tpot_s": serving.tpot_s,
+        "request_s": serving.request_s,
+        "tokens_per_s": serving.tokens_per_s,
+        "fallbacks": list(serving.fallbacks),
+        "standard_tpot_s": serving.standard_tpot_s,
+        "ladder_speedup": serving.standard_tpot_s / serving.tpot_s if serving.standard_tpot_s else None,
+    }
 
 
 def known_clusters() -> str:

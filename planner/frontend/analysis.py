@@ -156,6 +156,31 @@ class Attention:
     sdpa_node: str  # the SDPA node, or the final matmul of a manual softmax(QK^T)V
     residual_add: str | None  # the aten.add adding o's output to the stream (None: no residual found)
     flops: float  # FLOP per forward, attention core only (QK^T and PV), full T x S (causal not halved)
+    # a model with a static KV cache (written in forward by an op of CACHE_UPDATE_OPS on a buffer):
+    kv_len: int | None = None  # keys each query attends to in the captured graph (the cache length)
+    cache_bytes: float = 0.0  # bytes of the layer's K/V cache buffers (global, captured dtype); 0: none
+
+
+CACHE_UPDATE_OPS = ("aten.index_put_", "aten.index_put", "aten.index_copy_", "aten.index_copy", "aten.copy_")
+
+
+def cache_buffers(members: list[fx.Node]) -> list[fx.Node]:
+    """The `get_attr` buffers that `members` update in place with a CACHE_UPDATE_OPS op (a KV cache;
+    `copy_` into a slice of a buffer counts), each once, in graph order."""
+    found: dict[fx.Node, None] = {}
+    for node in members:
+        if node.op != "call_function" or op_name(node.target) not in CACHE_UPDATE_OPS:
+            continue
+        dest = node.args[0]
+        while isinstance(dest, fx.Node) and op_name(dest.target) in (
+            "aten.slice",
+            "aten.select",
+            "aten.narrow",
+        ):
+            dest = dest.args[0]
+        if isinstance(dest, fx.Node) and dest.op == "get_attr":
+            found[dest] = None
+    return list(found)
 
 
 @dataclass
@@ -738,6 +763,12 @@ def _attention(
         num_kv_heads = k.meta["val"].shape[-3]
     flops = _sdpa_flops(q.meta["val"], k.meta["val"], v.meta["val"])
     attention = Attention(projs, num_heads, num_kv_heads, head_dim, core.name, residual, flops)
+    buffers = cache_buffers(members)
+    if buffers:
+        attention.kv_len = int(k.meta["val"].shape[-2])
+        attention.cache_bytes = float(
+            sum(b.meta["val"].numel() * b.meta["val"].element_size() for b in buffers)
+        )
     return attention, projs
 
 

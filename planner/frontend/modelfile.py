@@ -8,6 +8,15 @@ The contract (what `planner optimize model.py` needs):
 
 `example_inputs` may take keyword arguments `batch_size` and `seq_len`; the planner passes them when
 the user (or a workload, e.g. decode with `seq_len=1`) overrides the example sizes.
+
+A model with a static KV cache (serving: `--workload decode|generate`) also defines
+
+    def build_model(max_batch_size=2, max_seq_len=64) -> torch.nn.Module: ...  # caches allocated
+    def step_inputs(tokens, input_pos) -> tuple: ...  # forward args: tokens (B, T) at positions (T,)
+
+`build_model` allocates the caches for `max_batch_size` sequences of `max_seq_len` tokens, and a
+forward call writes the new tokens' K/V into them at `input_pos` (prefill: `arange(P)`; decode: one
+position). `example_inputs(batch_size, seq_len)` is then a prefill of `seq_len` tokens.
 """
 
 from __future__ import annotations
@@ -47,15 +56,37 @@ class ModelFile:
         """The file's stem, e.g. "llama3_70b" (used to name plans and outputs)."""
         return os.path.splitext(os.path.basename(self.path))[0]
 
-    def build(self, device: str = "cpu") -> nn.Module:
+    @property
+    def has_cache(self) -> bool:
+        """Whether the file describes a model with a static KV cache (it defines `step_inputs`)."""
+        return callable(getattr(self.module, "step_inputs", None))
+
+    def build(
+        self, device: str = "cpu", max_batch_size: int | None = None, max_seq_len: int | None = None
+    ) -> nn.Module:
         """Call `build_model()` under `torch.device(device)` and return the model in eval mode.
 
         With device="meta" no weight memory is allocated. A model file may build on the meta device
-        itself (the published large configs do); that wins over `device`.
-        Raises InputError if build_model raises or does not return an nn.Module.
+        itself (the published large configs do); that wins over `device`. `max_batch_size` /
+        `max_seq_len` (cached models: the KV-cache allocation) are passed when given.
+        Raises InputError if build_model raises, does not accept the cache sizes asked for, or does
+        not return an nn.Module.
         """
+        sizes = {
+            k: v
+            for k, v in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len))
+            if v is not None
+        }
+        if sizes:
+            params = inspect.signature(self.module.build_model).parameters
+            missing = [k for k in sizes if k not in params]
+            if missing:
+                raise InputError(
+                    f"{self.path}: build_model() does not accept {', '.join(missing)}; a model with a KV "
+                    "cache allocates it in build_model(max_batch_size, max_seq_len) (README, models with a KV cache)"
+                )
         with torch.device(device):
-            model = self._call("build_model")
+            model = self._call("build_model", **sizes)
         if not isinstance(model, nn.Module):
             raise InputError(
                 f"{self.path}: build_model() returned {type(model).__name__}, expected a torch.nn.Module"
@@ -113,6 +144,34 @@ class ModelFile:
 
         def move(x: Any) -> Any:
             return x.to(device) if isinstance(x, torch.Tensor) and device is not None else x
+
+        return pytree.tree_map(move, (args, dict(kwargs)))
+
+    def step_inputs(
+        self, tokens: torch.Tensor, input_pos: torch.Tensor, device: str = "cpu"
+    ) -> tuple[tuple, dict]:
+        """(args, kwargs) of one step of a cached model: tokens (B, T) int64 at positions (T,) int64.
+
+        Raises InputError if the file defines no `step_inputs` or it returns something other than a
+        tuple (a single tensor is wrapped)."""
+        if not self.has_cache:
+            raise InputError(
+                f"{self.path}: no step_inputs(tokens, input_pos); serving workloads need a model with a "
+                "static KV cache (README, models with a KV cache)"
+            )
+        args = self._call("step_inputs", tokens=tokens, input_pos=input_pos)
+        if isinstance(args, torch.Tensor):
+            args = (args,)
+        if isinstance(args, list):
+            args = tuple(args)
+        if not isinstance(args, tuple):
+            raise InputError(f"{self.path}: step_inputs() returned {type(args).__name__}, expected a tuple")
+        kwargs: dict[str, Any] = (
+            self._call("example_kwargs") if hasattr(self.module, "example_kwargs") else {}
+        )
+
+        def move(x: Any) -> Any:
+            return x.to(device) if isinstance(x, torch.Tensor) else x
 
         return pytree.tree_map(move, (args, dict(kwargs)))
 

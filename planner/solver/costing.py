@@ -286,13 +286,20 @@ def attention_core_options(
         if w.kind is Workload.DECODE
         else 0.0
     )
+    if attn.cache_bytes:  # the model's own cache: attention over all of it (masked), its real size
+        kv_len, causal = attn.kv_len or kv_len, False
+        s = ctx.structure
+        kv_cache = attn.cache_bytes * (replica_seqs / s.batch_size) * b / DTYPE_BYTES[s.dtype]
     stored = (2.0 * heads + 2.0 * kv_heads) * seqs * q_len * hd * b if ctx.train else 0.0
 
-    def option(name: str, layout: Layout, shard: int) -> OpOption:
+    def option(name: str, layout: Layout, shard: int, kv_shard: int | None = None) -> OpOption:
+        kv_shard = shard if kv_shard is None else kv_shard
         flops = compute.attention_flops(seqs, heads / shard, q_len, kv_len, hd, causal)
-        moved = compute.attention_bytes(seqs, heads / shard, kv_heads / shard, q_len, kv_len, hd, ctx.dtype)
-        t = ctx.op_time(flops, moved, "attention") + inner_s / shard
-        return OpOption(name, layout, layout, t, kv_cache / shard, stored / shard)
+        moved = compute.attention_bytes(
+            seqs, heads / shard, kv_heads / kv_shard, q_len, kv_len, hd, ctx.dtype
+        )
+        t = ctx.op_time(flops, moved, "attention") + inner_s / kv_shard
+        return OpOption(name, layout, layout, t, kv_cache / kv_shard, stored / shard)
 
     options = [option("replicate", R, 1)]
     excluded: dict[str, str] = {}
@@ -300,11 +307,22 @@ def attention_core_options(
         return options, excluded
     if heads % tp:
         excluded["head"] = f"{heads} heads not divisible by tp={tp}"
-    elif kv_heads % tp:
-        excluded["head"] = f"{kv_heads} KV heads (GQA) not divisible by tp={tp}"
-    else:
+    elif kv_heads % tp == 0:
         options.append(option("head", S, tp))
+    elif tp % kv_heads == 0:
+        # fewer KV heads than ranks (GQA): query heads split, K/V projections, RoPE and cache replicated
+        # on every rank, each rank slicing the KV heads its query heads use (gqa_kv_replicated)
+        options.append(option("head", S, tp, kv_shard=1))
+    else:
+        excluded["head"] = f"{kv_heads} KV heads (GQA) not divisible by tp={tp}"
     return options, excluded
+
+
+def gqa_kv_replicated(attn: Attention, tp: int) -> bool:
+    """Whether head-parallel attention of `attn` at `tp` keeps its K/V heads replicated: fewer KV heads
+    than ranks (tp a multiple of them). vLLM keeps one KV head per rank instead; here every rank holds
+    all of them (projections and cache), priced so and named in the plan's exclusions."""
+    return tp > 1 and attn.num_heads % tp == 0 and attn.num_kv_heads % tp != 0 and tp % attn.num_kv_heads == 0
 
 
 def elementwise_options(
@@ -511,7 +529,14 @@ def _attention_ops(
     core_inputs = []
     for role in (Role.QKV, Role.Q, Role.K, Role.V):
         if role in by_role:
-            ops.append(_proj_op(role.value, "attention", by_role[role], [""], tokens, ctx))
+            op = _proj_op(role.value, "attention", by_role[role], [""], tokens, ctx)
+            if role in (Role.K, Role.V) and gqa_kv_replicated(attn, ctx.mesh.tp):
+                op.options = [o for o in op.options if o.name != "colwise"]
+                op.excluded["colwise"] = (
+                    f"{attn.num_kv_heads} KV heads < tp={ctx.mesh.tp}: K/V projections and cache replicated on every "
+                    "rank, each rank slicing the KV heads of its query heads"
+                )
+            ops.append(op)
             core_inputs.append(role.value)
     core_options, core_excluded = attention_core_options(attn, ctx, inner_s)
     core_bytes = tokens * attn.num_heads * attn.head_dim * ctx.bytes_per_element

@@ -171,7 +171,7 @@ def _tp_options(search: _Search, num_devices: int) -> list[int]:
             search.excluded.append(
                 f"tp={tp} (pinned): {bad[0]} heads not divisible by {tp}; attention stays replicated"
             )
-        bad_kv = [h for h in kv if h % tp]
+        bad_kv = [h for h in kv if h % tp and tp % h]
         if bad_kv and not bad and tp > 1:
             search.excluded.append(
                 f"tp={tp}: head-parallel attention excluded: {bad_kv[0]} KV heads (GQA) not divisible by {tp}"

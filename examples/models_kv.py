@@ -1,0 +1,121 @@
+"""Llama-3 with a static KV cache, gpt-fast style: the serving form of `models.Llama`.
+
+The caches are buffers allocated once for `max_batch_size` sequences of up to `max_seq_len` tokens,
+`(B, n_kv_heads, max_seq_len, hd)` per layer for K and for V. One forward is one step of a request:
+it takes the new tokens and their positions `input_pos`, writes their K/V into the cache at those
+positions (`cache[:, :, input_pos] = k`, an `aten.index_put_` on the buffer) and attends over the
+whole allocated cache with a mask (keys at positions <= the query's position are visible). A prefill
+is `model(prompt, arange(P))`; a decode step is `model(next_token[:, None], tensor([pos]))`.
+
+Module and parameter names follow `models.Llama` (Meta's `layers.N.attention.wq`, ...), so plans and
+checkpoints of the two are interchangeable apart from the cache buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from models import LlamaConfig, LlamaFeedForward, RMSNorm, _init_weights, _rope_tables, apply_rope
+from torch import nn
+
+
+class KVCache(nn.Module):
+    """K and V caches of one layer: two buffers (max_batch_size, n_kv_heads, max_seq_len, hd)."""
+
+    def __init__(self, max_batch_size: int, max_seq_len: int, n_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        shape = (max_batch_size, n_kv_heads, max_seq_len, head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape), persistent=False)
+
+    def update(
+        self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (B, nkv, T, hd) at positions input_pos (T,); return the whole caches."""
+        self.k_cache[:, :, input_pos] = k  # aten.index_put_ on the buffer
+        self.v_cache[:, :, input_pos] = v
+        return self.k_cache, self.v_cache
+
+
+class CachedAttention(nn.Module):
+    """Grouped-query attention with RoPE over a static KV cache."""
+
+    def __init__(self, config: LlamaConfig, max_batch_size: int, max_seq_len: int) -> None:
+        super().__init__()
+        assert config.dim % config.n_heads == 0 and config.n_heads % config.n_kv_heads == 0
+        self.n_heads = config.n_heads
+        self.n_kv_heads = config.n_kv_heads
+        self.head_dim = config.dim // config.n_heads
+        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+        self.kv_cache = KVCache(max_batch_size, max_seq_len, config.n_kv_heads, self.head_dim)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        input_pos: torch.Tensor,
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        hd = self.head_dim
+        q = self.wq(x).view(B, T, self.n_heads, hd)  # (B, T, nh, hd)
+        k = self.wk(x).view(B, T, self.n_kv_heads, hd)  # (B, T, nkv, hd)
+        v = self.wv(x).view(B, T, self.n_kv_heads, hd)  # (B, T, nkv, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, n, T, hd)
+        k, v = self.kv_cache.update(input_pos, k, v)  # (B, nkv, L, hd): the whole cache
+        n_rep = self.n_heads // self.n_kv_heads
+        k = k.repeat_interleave(n_rep, dim=1)  # (B, nh, L, hd)
+        v = v.repeat_interleave(n_rep, dim=1)  # (B, nh, L, hd)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, nh, T, hd)
+        y = y.transpose(1, 2).contiguous().view(B, T, self.n_heads * hd)  # (B, T, nh * hd)
+        return self.wo(y)
+
+
+class CachedBlock(nn.Module):
+    def __init__(self, config: LlamaConfig, max_batch_size: int, max_seq_len: int) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = CachedAttention(config, max_batch_size, max_seq_len)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = LlamaFeedForward(config)
+
+    def forward(self, x, cos, sin, mask, input_pos) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask, input_pos)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class CachedLlama(nn.Module):
+    """Llama-3 (untied LM head `output`) with static K/V caches of `max_seq_len` tokens."""
+
+    def __init__(self, config: LlamaConfig, max_batch_size: int, max_seq_len: int) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(
+            [CachedBlock(config, max_batch_size, max_seq_len) for _ in range(config.n_layers)]
+        )
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        cos, sin = _rope_tables(dataclasses.replace(config, max_seq_len=max_seq_len))
+        self.register_buffer("rope_cos", cos, persistent=False)  # (L, hd)
+        self.register_buffer("rope_sin", sin, persistent=False)  # (L, hd)
+        causal = torch.tril(torch.ones(max_seq_len, max_seq_len, dtype=torch.bool))
+        self.register_buffer("causal_mask", causal, persistent=False)  # (L, L)
+        self.apply(_init_weights)
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        """tokens: (B, T) int64 at positions input_pos (T,) int64 -> logits (B, T, vocab_size)."""
+        cos = self.rope_cos[input_pos][None, :, None, :]  # (1, T, 1, hd)
+        sin = self.rope_sin[input_pos][None, :, None, :]  # (1, T, 1, hd)
+        mask = self.causal_mask[input_pos][None, None]  # (1, 1, T, L): key j visible from query i
+        h = self.tok_embeddings(tokens)  # (B, T, C)
+        for layer in self.layers:
+            h = layer(h, cos, sin, mask, input_pos)
+        return self.output(self.norm(h))  # (B, T, vocab_size)

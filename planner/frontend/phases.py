@@ -1,0 +1,89 @@
+"""The two phases of serving a model with a static KV cache, as inputs and captured graphs.
+
+    prefill: P prompt tokens per sequence at positions 0..P-1, written into an empty cache
+    decode:  one new token per sequence at position C, with C tokens already in the cache
+
+Both run the same model (caches allocated for `batch_size` sequences of `cache_len` tokens:
+`ModelFile.build(max_batch_size, max_seq_len)`) with the model file's `step_inputs(tokens,
+input_pos)`. Captured shapes are literals, so each phase is its own graph; the runtime shares the
+weights and cache buffers between the two rewritten graphs (`runtime.decode`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+
+from planner.errors import InputError
+from planner.frontend.analysis import ModelStructure
+from planner.frontend.depth import capture_for_planning
+from planner.frontend.modelfile import ModelFile
+
+PREFILL = "prefill"
+DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One step of a request: `num_tokens` new tokens per sequence starting at `start_pos`."""
+
+    name: str  # PREFILL | DECODE
+    batch_size: int
+    start_pos: int  # position of the first new token (decode: tokens already in the cache)
+    num_tokens: int  # new tokens per sequence (decode: 1)
+    cache_len: int  # allocated cache length in tokens (>= start_pos + num_tokens)
+
+    def __post_init__(self) -> None:
+        if self.start_pos + self.num_tokens > self.cache_len:
+            raise InputError(
+                f"{self.name}: positions {self.start_pos}..{self.start_pos + self.num_tokens - 1} do not fit "
+                f"a cache of {self.cache_len} tokens"
+            )
+
+    @property
+    def input_pos(self) -> torch.Tensor:
+        """Positions of the new tokens, (num_tokens,) int64."""
+        return torch.arange(self.start_pos, self.start_pos + self.num_tokens)
+
+
+def prefill_phase(batch_size: int, prompt_len: int, cache_len: int) -> Phase:
+    """A prefill of `prompt_len` tokens into a cache of `cache_len` tokens."""
+    return Phase(PREFILL, batch_size, 0, prompt_len, cache_len)
+
+
+def decode_phase(batch_size: int, context: int, cache_len: int) -> Phase:
+    """One decode step at position `context` (that many tokens already cached)."""
+    return Phase(DECODE, batch_size, context, 1, cache_len)
+
+
+def phase_inputs(
+    model_file: ModelFile, phase: Phase, tokens: torch.Tensor | None = None, device: str = "cpu"
+) -> tuple[tuple, dict]:
+    """(args, kwargs) of `phase`; `tokens` (batch, num_tokens) int64, zeros when None."""
+    if tokens is None:
+        tokens = torch.zeros(phase.batch_size, phase.num_tokens, dtype=torch.long)
+    return model_file.step_inputs(tokens, phase.input_pos, device=device)
+
+
+def build_for(model_file: ModelFile, phase: Phase, device: str = "cpu") -> nn.Module:
+    """The model with caches allocated for `phase` (its batch and cache length)."""
+    return model_file.build(device, max_batch_size=phase.batch_size, max_seq_len=phase.cache_len)
+
+
+def plan_structure(model_file: ModelFile, phase: Phase) -> tuple[fx.GraphModule, ModelStructure]:
+    """`phase` captured on the meta device and analysed for planning (deep models through a slice).
+
+    Raises InputError when the model cannot be captured or its analysis finds no KV cache."""
+    model = build_for(model_file, phase, "meta")
+    args, kwargs = phase_inputs(model_file, phase)
+    gm, structure = capture_for_planning(model, args, kwargs)
+    if structure.layers and not any(
+        layer.attention is not None and layer.attention.cache_bytes for layer in structure.layers
+    ):
+        raise InputError(
+            f"{model_file.path}: defines step_inputs but no attention writes a KV-cache buffer in forward "
+            "(index_put_ / index_copy_ on a buffer that SDPA reads); see README, models with a KV cache"
+        )
+    return gm, structure

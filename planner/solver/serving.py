@@ -1,0 +1,114 @@
+"""Pricing a serving request with a plan: the prefill graph and the decode graph, node by node.
+
+    price_request(plan, prefill_structure, cluster, prompt_len, new_tokens, cache_len) -> Serving
+
+A plan of a model with a KV cache is solved on its decode step (`--workload decode|generate`: the
+step a request repeats, captured as its own graph with the cache in it). The same weight splits then
+serve the prefill; this module prices the prefill's own graph with the plan's choices (same mesh,
+same option of every op, same ladder layers) and combines the two into what serving benchmarks
+report: time to first token, time per output token and tokens/s over the whole request.
+"""
+
+from __future__ import annotations
+
+from costmodels.cluster import ClusterSpec
+from planner.errors import InputError
+from planner.frontend.analysis import ModelStructure
+from planner.plan import Plan, Serving, Workload
+from planner.solver.costing import CostContext, CostTables, build_cost_tables, gqa_kv_replicated
+from planner.solver.prediction import predict
+from planner.solver.problem import Assignment, MeshConfig, WorkloadSpec
+
+
+def plan_assignment(plan: Plan, tables: CostTables) -> Assignment:
+    """The plan's choice of every op (from `plan.predicted.per_layer`) on `tables`' op graphs.
+
+    Raises InputError when the plan's layers or ops do not match the tables' (another model)."""
+    per_layer = [c for c in plan.predicted.per_layer if c.layer >= 0]
+    ends = next((c for c in plan.predicted.per_layer if c.layer < 0), None)
+    if len(per_layer) != len(tables.layer_keys) or ends is None:
+        raise InputError(
+            f"the plan has {len(per_layer)} layers, the model's graph {len(tables.layer_keys)}: re-plan it"
+        )
+    choices: dict[tuple[str, str], str] = {}
+    for cost, key in zip(per_layer, tables.layer_keys):
+        for op in tables.graphs[key].ops:
+            if op.name not in cost.strategy:
+                raise InputError(
+                    f"the plan gives no option for op {op.name!r} of layer {cost.layer}: re-plan it"
+                )
+            choices[(key, op.name)] = cost.strategy[op.name]
+    for op in tables.ends.ops:
+        choices[("ends", op.name)] = ends.strategy[op.name]
+    return Assignment(choices, [list(s) for s in plan.stages], list(plan.ladder_layers))
+
+
+def kv_fallbacks(plan: Plan, structure: ModelStructure) -> list[str]:
+    """What the rewrite of `plan` keeps replicated in head-parallel attention, by layer range: K/V
+    heads of GQA layers with fewer KV heads than tp (priced so by `costing.gqa_kv_replicated`)."""
+    layers = [
+        c.layer
+        for c in plan.predicted.per_layer
+        if c.layer >= 0
+        and c.strategy.get("core") == "head"
+        and structure.layers[c.layer].attention is not None
+        and gqa_kv_replicated(structure.layers[c.layer].attention, plan.tp)
+    ]
+    if not layers:
+        return []
+    kv = structure.layers[layers[0]].attention.num_kv_heads
+    return [
+        f"layers {layers[0]}-{layers[-1]}: {kv} KV heads < tp={plan.tp}: K/V projections and KV cache replicated "
+        "on every rank (priced), each rank slicing the KV heads its query heads use"
+    ]
+
+
+def predict_with_plan(
+    plan: Plan, structure: ModelStructure, cluster: ClusterSpec, workload: WorkloadSpec, ladder: list[int]
+) -> float:
+    """Predicted step latency (seconds) of `structure` (a phase's graph) under `workload` with the plan's
+    mesh and op choices and `ladder` as the laddered layers."""
+    config = MeshConfig(plan.mesh, plan.micro_batches, plan.schedule)
+    tables = build_cost_tables(CostContext(structure, cluster, workload, config, plan.dtype))
+    assignment = plan_assignment(plan, tables)
+    assignment.ladder_layers = list(ladder)
+    return predict(tables, assignment).prediction.latency_s
+
+
+def price_request(
+    plan: Plan,
+    prefill: ModelStructure,
+    decode: ModelStructure,
+    cluster: ClusterSpec,
+    *,
+    prompt_len: int,
+    new_tokens: int,
+    cache_len: int,
+    fallbacks: list[str] | None = None,
+) -> Serving:
+    """The request `plan` serves: its decode step (`plan.predicted`, solved on `decode`'s graph) and
+    the prefill of `prompt_len` tokens (`prefill`: that phase's analysed graph) priced with the plan's
+    choices. With ladder layers, also the decode step of the same splits without ladder.
+
+    tokens/s = batch x new_tokens / (TTFT + (new_tokens - 1) x TPOT): the prefill yields the first
+    token, each decode step one more. Raises InputError when a graph does not match the plan."""
+    if new_tokens < 1:
+        raise InputError(f"--new-tokens must be >= 1, got {new_tokens}")
+    prefill_wl = WorkloadSpec(Workload.FORWARD, plan.batch_size, prompt_len, dtype=plan.dtype)
+    ttft_s = predict_with_plan(plan, prefill, cluster, prefill_wl, plan.ladder_layers)
+    tpot_s = plan.predicted.latency_s
+    standard_s = None
+    if plan.ladder_layers:
+        decode_wl = WorkloadSpec(Workload.DECODE, plan.batch_size, 1, context=prompt_len, dtype=plan.dtype)
+        standard_s = predict_with_plan(plan, decode, cluster, decode_wl, [])
+    request_s = ttft_s + (new_tokens - 1) * tpot_s
+    return Serving(
+        prompt_len=prompt_len,
+        new_tokens=new_tokens,
+        cache_len=cache_len,
+        ttft_s=ttft_s,
+        tpot_s=tpot_s,
+        tokens_per_s=plan.batch_size * new_tokens / request_s,
+        fallbacks=list(fallbacks or []),
+        standard_tpot_s=standard_s,
+    )

@@ -1,0 +1,371 @@
+"""Run a serving plan on real process groups: prefill, then greedy decode steps, timed per token.
+
+`run_decode_rank(ctx, job)` is the per-rank entry `runtime.launch.launch` starts for decode / generate
+plans of a model with a static KV cache (`planner.frontend.phases`). Each rank:
+
+1. builds its TP group and the model (same seed everywhere) with caches for the request
+   (`batch_size` sequences of `cache_len` tokens), and captures its two phases: the prefill of the
+   prompt and one decode step (two graphs: captured shapes are literals);
+2. generates greedily with the unsharded graphs: the reference tokens and logits (with the plan's
+   ladder layers applied, so the comparison measures the rewrite alone; with ladder layers the
+   original model generates too, for the ladder's deviation);
+3. lowers copies of both graphs for its rank with `passes.lower.lower_for_rank` (the one lowering:
+   TP pass with the KV-cache rules of `passes.tp_rules`, ladder pass) and makes the decode graph use
+   the prefill graph's weight shards and cache shards (`share_state`): one copy of each per rank;
+4. generates with them and compares tokens and logits with the reference;
+5. times `warmup` untimed requests, then `iters` timed ones: the prefill (time to first token) and
+   every decode step (time per output token) each start after a barrier on the TP group.
+
+Decode steps with a static cache all cost the same (attention runs over the whole allocated cache
+under a mask), so the per-token samples of all timed requests are pooled.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+
+from passes import collectives
+from passes.ladder import apply_ladder, ladder_deviation, ladder_residual_adds
+from passes.lower import lower_for_rank
+from planner.frontend.analysis import CACHE_UPDATE_OPS, ModelStructure, analyse, cache_buffers
+from planner.frontend.capture import capture, flat_inputs
+from planner.frontend.modelfile import ModelFile, load_model_file
+from planner.frontend.phases import Phase, build_for, decode_phase, phase_inputs, prefill_phase
+from planner.plan import Plan
+from runtime.launch import RankContext
+from runtime.measure import Timing, rank_peak_memory_bytes, reset_peak_memory
+from runtime.mesh import build_rank_groups
+from runtime.numerics import first_output
+
+# max |sharded - unsharded| logits, relative to the logits' scale, that still counts as equal: a few
+# ulps of the dtype accumulated over the layers (summation order differs under TP)
+LOGIT_TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2, "fp16": 5e-3}
+
+
+@dataclass
+class DecodeJob:
+    """One serving request, what every rank runs (pickled to the ranks)."""
+
+    model_path: str
+    plan: dict[str, Any]  # Plan.to_dict()
+    batch_size: int
+    prompt_len: int
+    new_tokens: int  # tokens generated per sequence (the prefill yields the first)
+    cache_len: int  # allocated cache, tokens (>= prompt_len + new_tokens)
+    warmup: int = 1  # untimed requests
+    iters: int = 3  # timed requests
+    seed: int = 0
+
+
+@dataclass
+class DecodeRankReport:
+    """One rank's request: tokens, numerics against the unsharded model, timings (seconds), memory."""
+
+    rank: int
+    tp_rank: int
+    tokens: list[list[int]]  # (batch, new_tokens) greedy tokens of the rewritten model
+    reference_tokens: list[list[int]]  # the unsharded model's (ladder applied when the plan has one)
+    max_abs_logit_diff: float  # over every generated position
+    logit_scale: float  # max |reference logits|
+    ttft_samples_s: list[float]
+    tpot_samples_s: list[float]  # every timed decode step, all timed requests
+    peak_memory_bytes: int  # weights, cache and everything allocated while generating
+    cache_bytes: int  # this rank's KV-cache buffers
+    ladder_logit_deviation: float | None = None  # relative L2, prefill logits, laddered vs original
+    ladder_tokens_differ: int | None = None  # greedy tokens that ladder residual changed
+    standard_tpot_samples_s: list[float] = field(default_factory=list)  # ladder plans: without ladder
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Generation:
+    """Greedy tokens (batch, new_tokens) and the logits each was chosen from, [(batch, vocab)] per token."""
+
+    tokens: torch.Tensor
+    logits: list[torch.Tensor]
+
+
+class Request:
+    """A request's two phases and how to call a (prefill, decode) pair of graphs for them."""
+
+    def __init__(self, model_file: ModelFile, batch: int, prompt_len: int, new_tokens: int, cache_len: int):
+        self.model_file = model_file
+        self.prefill = prefill_phase(batch, prompt_len, cache_len)
+        self.decode = decode_phase(batch, prompt_len, cache_len)
+        self.new_tokens = new_tokens
+
+    def step(self, gm: nn.Module, tokens: torch.Tensor, pos: int, device: str) -> torch.Tensor:
+        """Logits (batch, vocab) of the last of `tokens` (batch, T) placed at positions pos.. ."""
+        phase = Phase("step", tokens.shape[0], pos, tokens.shape[1], self.prefill.cache_len)
+        args, kwargs = phase_inputs(self.model_file, phase, tokens, device=device)
+        return first_output(gm(*flat_inputs(args, kwargs)))[:, -1]
+
+    def generate(
+        self,
+        prefill: nn.Module,
+        decode: nn.Module,
+        prompt: torch.Tensor,
+        device: str,
+        timer: _Timer | None = None,
+    ) -> Generation:
+        """Greedy generation: prefill the prompt, then new_tokens - 1 decode steps."""
+        timer = timer or _Timer(None, device)
+        with torch.no_grad():
+            logits = timer.time("ttft", lambda: self.step(prefill, prompt, 0, device))
+            out_logits, tokens = [logits], [logits.argmax(-1)]
+            for i in range(1, self.new_tokens):
+                pos = self.prefill.num_tokens + i - 1
+                last = tokens[-1][:, None]
+                logits = timer.time("tpot", lambda last=last, pos=pos: self.step(decode, last, pos, device))
+                out_logits.append(logits)
+                tokens.append(logits.argmax(-1))
+        return Generation(torch.stack(tokens, dim=1), out_logits)
+
+
+class _Timer:
+    """Times calls after a barrier on `group` (none: untimed); samples in seconds by name."""
+
+    def __init__(self, group: dist.ProcessGroup | None, device: str, enabled: bool = False):
+        self.group, self.device, self.enabled = group, torch.device(device), enabled
+        self.samples: dict[str, list[float]] = {"ttft": [], "tpot": []}
+
+    def time(self, name: str, fn):
+        if not self.enabled:
+            return fn()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if dist.is_initialized():
+            dist.barrier(group=self.group)
+        start = time.perf_counter()
+        out = fn()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.samples[name].append(time.perf_counter() - start)
+        return out
+
+
+def _owner(module: nn.Module, fqn: str) -> tuple[nn.Module, str]:
+    owner_path, _, leaf = fqn.rpartition(".")
+    return (module.get_submodule(owner_path) if owner_path else module), leaf
+
+
+def share_state(source: fx.GraphModule, target: fx.GraphModule) -> None:
+    """Make `target` read `source`'s tensors (parameters, buffers, lifted tensor constants) for every
+    `get_attr` the two graphs share with the same shape: the decode graph takes the prefill graph's
+    weight shards and KV caches, one copy per rank. Raises ValueError naming a tensor the two hold
+    with different shapes."""
+    for node in target.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        fqn = str(node.target)
+        try:
+            src_owner, leaf = _owner(source, fqn)
+        except AttributeError:  # a submodule the source graph does not have
+            continue
+        other = getattr(src_owner, leaf, None)
+        owner, leaf = _owner(target, fqn)
+        mine = getattr(owner, leaf)
+        if not isinstance(other, torch.Tensor) or not isinstance(mine, torch.Tensor):
+            continue
+        if tuple(other.shape) != tuple(mine.shape):
+            raise ValueError(f"`{fqn}`: prefill holds {tuple(other.shape)}, decode {tuple(mine.shape)}")
+        if leaf in owner._parameters:
+            owner._parameters[leaf] = other
+        elif leaf in owner._buffers:
+            owner._buffers[leaf] = other
+        else:
+            setattr(owner, leaf, other)
+
+
+def cache_bytes(gm: fx.GraphModule) -> int:
+    """Bytes of the tensors `gm` updates in place (its KV caches), each once."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    total, seen = 0, set()
+    for node in cache_buffers(nodes):
+        owner, leaf = _owner(gm, str(node.target))
+        t = getattr(owner, leaf)
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _captured(model: nn.Module, request: Request, device: str) -> tuple[fx.GraphModule, fx.GraphModule]:
+    prefill = capture(model, *phase_inputs(request.model_file, request.prefill, device=device))
+    decode = capture(model, *phase_inputs(request.model_file, request.decode, device=device))
+    return prefill, decode
+
+
+def _laddered(gm: fx.GraphModule, structure: ModelStructure, layers: list[int]) -> fx.GraphModule:
+    out = copy.deepcopy(gm)
+    apply_ladder(out, ladder_residual_adds(structure, layers))
+    return out
+
+
+def run_decode_rank(ctx: RankContext, job: DecodeJob) -> DecodeRankReport:
+    """Per-rank entry: generate unsharded and sharded, compare, time (module docstring). Raises
+    ValueError for a plan with pp > 1 or dp > 1 (the runner refuses those before launching)."""
+    plan = Plan.from_dict(job.plan)
+    if plan.pp > 1 or plan.dp > 1:
+        raise ValueError(
+            f"decode runs tensor parallelism only (pp=1, dp=1); the plan has {plan.mesh.label()}"
+        )
+    groups = build_rank_groups(plan.mesh, ctx.device.type)
+    collectives.register_group("tp", groups.group("tp"))
+    device = str(ctx.device)
+    model_file = load_model_file(job.model_path)
+    request = Request(model_file, job.batch_size, job.prompt_len, job.new_tokens, job.cache_len)
+    torch.manual_seed(job.seed)
+    model = build_for(model_file, request.prefill, device)
+    prefill_full, decode_full = _captured(model, request, device)
+    s_prefill, s_decode = analyse(prefill_full), analyse(decode_full)
+    vocab = s_prefill.vocab_size or 2
+    g = torch.Generator().manual_seed(job.seed + 1)
+    prompt = torch.randint(0, vocab, (job.batch_size, job.prompt_len), generator=g).to(device)
+
+    # the reference: unsharded graphs (their own copies of the caches), ladder applied like the plan
+    ladder = list(plan.ladder_layers)
+    ref_p, ref_d = copy.deepcopy(prefill_full), copy.deepcopy(decode_full)
+    share_state(ref_p, ref_d)
+    original = request.generate(ref_p, ref_d, prompt, device)
+    reference = original
+    deviation = differ = None
+    if ladder:
+        lad_p, lad_d = _laddered(ref_p, s_prefill, ladder), _laddered(ref_d, s_decode, ladder)
+        share_state(lad_p, lad_d)
+        reference = request.generate(lad_p, lad_d, prompt, device)
+        deviation = ladder_deviation(original.logits[0], reference.logits[0])
+        differ = int((original.tokens != reference.tokens).sum())
+        del lad_p, lad_d
+    del ref_p, ref_d
+
+    # this rank's graphs: the one lowering, weights and caches shared between the two phases
+    gp = lower_for_rank(copy.deepcopy(prefill_full), s_prefill, plan, ctx.rank).module
+    gd = lower_for_rank(copy.deepcopy(decode_full), s_decode, plan, ctx.rank).module
+    share_state(gp, gd)
+    reset_peak_memory(ctx.device)
+    got = request.generate(gp, gd, prompt, device)
+    peak = rank_peak_memory_bytes(nn.ModuleDict({"prefill": gp, "decode": gd}), ctx.device)
+    diff = max(float((a - b).abs().max()) for a, b in zip(got.logits, reference.logits))
+    scale = max(float(b.abs().max()) for b in reference.logits)
+    variants = {"plan": (gp, gd)}
+    if ladder:  # the same splits without ladder, timed side by side: the measured speed-up
+        standard = dataclasses.replace(plan, ladder_layers=[])
+        sp = lower_for_rank(copy.deepcopy(prefill_full), s_prefill, standard, ctx.rank).module
+        sd = lower_for_rank(copy.deepcopy(decode_full), s_decode, standard, ctx.rank).module
+        share_state(sp, sd)
+        variants["standard"] = (sp, sd)
+    del prefill_full, decode_full, model
+
+    timers = {name: _Timer(groups.group("tp"), device) for name in variants}
+    for _ in range(job.warmup):
+        for name, (p, d) in variants.items():
+            request.generate(p, d, prompt, device, timers[name])
+    for timer in timers.values():
+        timer.enabled = True
+    for _ in range(job.iters):
+        for name, (p, d) in variants.items():
+            request.generate(p, d, prompt, device, timers[name])
+    standard_timer = timers.get("standard")
+    return DecodeRankReport(
+        rank=ctx.rank,
+        tp_rank=groups.tp_rank,
+        tokens=got.tokens.tolist(),
+        reference_tokens=reference.tokens.tolist(),
+        max_abs_logit_diff=diff,
+        logit_scale=scale,
+        ttft_samples_s=timers["plan"].samples["ttft"],
+        tpot_samples_s=timers["plan"].samples["tpot"],
+        peak_memory_bytes=peak,
+        cache_bytes=cache_bytes(gd),
+        ladder_logit_deviation=deviation,
+        ladder_tokens_differ=differ,
+        standard_tpot_samples_s=standard_timer.samples["tpot"] if standard_timer else [],
+    )
+
+
+def summarise_decode(reports: list[DecodeRankReport], dtype: str, batch_size: int, new_tokens: int) -> dict:
+    """The report's `measured` and `numerics` sections of a serving run.
+
+    TTFT and time per output token: medians of the slowest rank's samples (a TP step ends when its
+    last rank ends), p10 / p90 of the same; tokens/s over a request = batch x new_tokens / (TTFT +
+    (new_tokens - 1) x TPOT). Numerics: the greedy tokens must equal the unsharded model's on every
+    rank and the logits agree within LOGIT_TOLERANCE[dtype] x scale (`ok`)."""
+
+    def median(xs: list[float]) -> float:
+        return statistics.median(xs) if xs else 0.0
+
+    slowest = max(reports, key=lambda r: median(r.tpot_samples_s))
+    tpot = sorted(slowest.tpot_samples_s)
+    ttft = median(max(reports, key=lambda r: median(r.ttft_samples_s)).ttft_samples_s)
+    tpot_timing = Timing.from_samples(tpot) if tpot else None
+    tpot_s = tpot_timing.median_s if tpot_timing else 0.0
+    request_s = ttft + (new_tokens - 1) * tpot_s
+    scale = max(r.logit_scale for r in reports)
+    diff = max(r.max_abs_logit_diff for r in reports)
+    same = all(r.tokens == r.reference_tokens for r in reports)
+    agree = all(r.tokens == reports[0].tokens for r in reports)
+    tolerance = LOGIT_TOLERANCE.get(dtype, 1e-4) * max(scale, 1.0)
+    first = reports[0]
+    return {
+        "measured": {
+            "latency_s": tpot_s,
+            "latency_p10_s": tpot_timing.p10_s if tpot_timing else None,
+            "latency_p90_s": tpot_timing.p90_s if tpot_timing else None,
+            "ttft_s": ttft,
+            "tpot_s": tpot_s,
+            "request_s": request_s,
+            "tokens_per_s": batch_size * new_tokens / request_s if request_s else None,
+            "per_rank_median_s": [median(r.tpot_samples_s) for r in reports],
+            "peak_memory_bytes": max(r.peak_memory_bytes for r in reports),
+            "per_rank_peak_memory_bytes": [r.peak_memory_bytes for r in reports],
+            "cache_bytes_per_rank": max(r.cache_bytes for r in reports),
+            "iterations": len(tpot),
+            "per_layer_s": {},
+            **_standard(reports, tpot_s),
+        },
+        "numerics": {
+            "max_abs_diff": diff,
+            "relative_max_abs_diff": diff / scale if scale else None,
+            "output_scale": scale,
+            "logit_tolerance": tolerance,
+            "tokens_identical": same and agree,
+            "tokens_differ": sum(
+                sum(a != b for a, b in zip(x, y)) for x, y in zip(first.tokens, first.reference_tokens)
+            ),
+            "tokens": first.tokens,
+            "reference_tokens": first.reference_tokens,
+            "ladder_deviation": first.ladder_logit_deviation,
+            "ladder_tokens_differ": first.ladder_tokens_differ,
+            "ok": same and agree and diff <= tolerance,
+        },
+    }
+
+
+def _standard(reports: list[DecodeRankReport], tpot_s: float) -> dict[str, float]:
+    """Ladder plans: the same splits without ladder, timed in the same run, and the speed-up."""
+    if not any(r.standard_tpot_samples_s for r in reports):
+        return {}
+    standard_s = max(
+        statistics.median(r.standard_tpot_samples_s) for r in reports if r.standard_tpot_samples_s
+    )
+    return {"standard_tpot_s": standard_s, "ladder_speedup": standard_s / tpot_s if tpot_s else 0.0}
+
+
+__all__ = [
+    "CACHE_UPDATE_OPS",
+    "DecodeJob",
+    "DecodeRankReport",
+    "run_decode_rank",
+    "share_state",
+    "summarise_decode",
+]

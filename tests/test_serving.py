@@ -1,0 +1,165 @@
+"""Serving: models with a static KV cache, planned from their own prefill / decode graphs, rewritten with
+the cache sharded along heads, run greedily on gloo ranks (tokens identical to the unsharded model's)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from passes import collectives
+from passes.lower import lower_for_rank
+from passes.tensor_parallel import apply_tensor_parallel
+from planner.cli import workflow
+from planner.errors import InputError
+from planner.frontend.analysis import analyse
+from planner.frontend.capture import capture, op_name
+from planner.frontend.modelfile import load_model_file
+from planner.frontend.phases import build_for, decode_phase, phase_inputs, plan_structure
+from planner.plan import SplitStyle, WeightSplit, Workload
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ROOT / "tests" / "models"
+MIDLINK = str(MODELS / "midlink-cpu.yaml")  # fast links, slow compute: the ILP splits tiny models
+
+
+def _plan(model: Path, workload: str = "decode", tp: int = 2, ladder: str = "none", **kw):
+    prepared = workflow.prepare(str(model), workload, **kw)
+    cluster = workflow.resolve_cluster(MIDLINK, tp)
+    constraints = workflow.constraints_from(tp, 1, 1, ladder)
+    return prepared, workflow.make_plan(prepared, cluster, constraints, str(model))
+
+
+def _feeds_sdpa(node, hops: int = 4) -> bool:
+    frontier = [node]
+    for _ in range(hops):
+        frontier = [u for n in frontier for u in n.users]
+        if any(op_name(u.target) == "aten.scaled_dot_product_attention" for u in frontier):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("variant", ["index_put", "index_copy"])
+def test_kv_cache_case_is_sharded_with_its_heads_not_gathered(variant, monkeypatch):
+    """../shared/cases/kv_cache_index_put.py: the plan prices head-parallel attention, and the pass must
+    shard the cache buffers along heads (no all-gather of q/k/v feeding attention)."""
+    path = MODELS / "kv_cache_index_put.py"
+    mf = load_model_file(path)
+    monkeypatch.setattr(mf.module, "VARIANT", variant)
+    prepared, plan = _plan(path, context=8, new_tokens=4, batch_size=2)
+    assert {c.strategy["core"] for c in plan.predicted.per_layer if c.layer >= 0} == {"head"}
+    phase = decode_phase(2, 8, 12)
+    model = build_for(mf, phase)
+    gm = capture(model, *phase_inputs(mf, phase))
+    lowered = lower_for_rank(copy.deepcopy(gm), analyse(gm), plan, 0).module
+    gathers = [n for n in lowered.graph.nodes if n.target is collectives.tp_all_gather]
+    assert not [n for n in gathers if _feeds_sdpa(n)], "q/k/v gathered before attention"
+    for i in range(2):
+        assert tuple(lowered.get_buffer(f"blocks.{i}.attn.k_cache").shape) == (2, 2, 12, 32)  # 4 heads / 2
+        assert tuple(lowered.get_buffer(f"blocks.{i}.attn.v_cache").shape) == (2, 2, 12, 32)
+
+
+def test_cache_written_through_a_slice_is_sharded():
+    class SliceWrite(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("cache", torch.zeros(1, 4, 8, 2))
+            self.k = nn.Linear(8, 8, bias=False)
+
+        def forward(self, x):  # x: (1, 1, 8)
+            k = self.k(x).view(1, 1, 4, 2).transpose(1, 2)  # (1, 4, 1, 2)
+            self.cache[:, :, 3:4] = k  # slice + copy_
+            return self.cache.sum(-1)
+
+    gm = capture(SliceWrite(), (torch.randn(1, 1, 8),))
+    split = {"k.weight": WeightSplit("k.weight", SplitStyle.COLWISE, 0, None)}
+    apply_tensor_parallel(gm, split, 1, 2)
+    assert tuple(gm.get_buffer("cache").shape) == (1, 2, 8, 2)
+
+
+def test_decode_is_priced_from_its_own_graph_with_the_cache():
+    path = ROOT / "examples" / "llama3_kv.py"
+    short, plan_short = _plan(path, context=16, new_tokens=4)
+    long, plan_long = _plan(path, context=512, new_tokens=4)
+    attn = long.structure.layers[0].attention
+    assert attn.kv_len == 516 and short.structure.layers[0].attention.kv_len == 20
+    # caches of 4 layers x K and V x (1, 4 KV heads, 516, 16) fp32
+    assert sum(layer.attention.cache_bytes for layer in long.structure.layers) == 4 * 2 * 4 * 516 * 16 * 4
+    assert plan_long.predicted.latency_s > plan_short.predicted.latency_s
+    assert plan_long.predicted.peak_memory_bytes > plan_short.predicted.peak_memory_bytes
+    sv = plan_long.serving
+    assert plan_long.workload is Workload.DECODE and sv.prompt_len == 512 and sv.cache_len == 516
+    assert sv.tpot_s == plan_long.predicted.latency_s and sv.ttft_s > sv.tpot_s
+    assert sv.tokens_per_s == pytest.approx(4 / (sv.ttft_s + 3 * sv.tpot_s))
+
+
+def test_generate_workload_reports_the_request():
+    path = ROOT / "examples" / "llama3_kv.py"
+    _, plan = _plan(path, "generate", seq_len=64, new_tokens=8, batch_size=2)
+    assert plan.workload is Workload.GENERATE and plan.seq_len == 64
+    report = workflow.report_dict(plan, None, str(path), workflow.resolve_cluster(MIDLINK, 2))
+    assert report["serving"]["predicted"]["new_tokens"] == 8
+    assert report["serving"]["predicted"]["tokens_per_s"] == pytest.approx(
+        2 * 8 / (plan.serving.ttft_s + 7 * plan.serving.tpot_s)
+    )
+
+
+def test_serving_contract_errors():
+    with pytest.raises(InputError, match="static KV cache"):
+        workflow.prepare(str(ROOT / "examples" / "llama3.py"), "generate")
+    with pytest.raises(InputError, match="new-tokens"):
+        workflow.prepare(str(ROOT / "examples" / "llama3.py"), "decode", new_tokens=4)
+    mf = load_model_file(ROOT / "examples" / "llama3.py")
+    with pytest.raises(InputError, match="max_seq_len"):
+        mf.build("meta", max_batch_size=1, max_seq_len=8)
+    with pytest.raises(InputError, match="prompt length"):
+        workflow.prepare(str(ROOT / "examples" / "llama3_kv.py"), "decode", seq_len=8)
+
+
+def test_gqa_fewer_kv_heads_than_tp_plans_head_parallel_and_names_the_fallback():
+    _, plan = _plan(MODELS / "llama_2kv.py", tp=4, context=16, new_tokens=4)
+    layer = next(c for c in plan.predicted.per_layer if c.layer == 0)
+    assert layer.strategy["core"] == "head" and layer.strategy["k"] != "colwise"
+    assert plan.serving.fallbacks and "2 KV heads < tp=4" in plan.serving.fallbacks[0]
+
+
+def test_70b_decode_at_tp4_plans_as_vllm():
+    _, structure = plan_structure(
+        load_model_file(ROOT / "examples" / "llama3_70b_kv.py"), decode_phase(8, 4096, 4112)
+    )
+    assert len(structure.layers) == 80 and structure.layers[79].attention.kv_len == 4112
+
+
+# ------------------------------------------------------------------------------------- runs
+
+
+def _serve(model: Path, tp: int, ladder: str = "none", **kw) -> dict:
+    _, plan = _plan(model, tp=tp, ladder=ladder, **kw)
+    return plan, workflow.run_serving(plan, str(model), tp, iters=1, warmup=1, timeout_s=240)
+
+
+def test_decode_run_tp2_tokens_identical_and_ladder_reported():
+    path = ROOT / "examples" / "llama3_kv.py"
+    plan, run = _serve(path, 2, context=8, new_tokens=4)
+    assert run["numerics"]["tokens_identical"] and run["numerics"]["ok"]
+    assert run["measured"]["iterations"] == 3 and run["measured"]["ttft_s"] > 0
+    plan, run = _serve(path, 2, ladder="upper:2", context=8, new_tokens=4)
+    assert plan.ladder_layers == [2, 3]
+    n = run["numerics"]
+    assert n["tokens_identical"] and n["ladder_deviation"] > 0 and n["ladder_tokens_differ"] is not None
+    assert run["measured"]["standard_tpot_s"] > 0 and plan.serving.standard_tpot_s is not None
+
+
+def test_hf_static_cache_decode_run_tp2():
+    plan, run = _serve(ROOT / "examples" / "hf_llama_kv.py", 2, context=8, new_tokens=4)
+    assert run["numerics"]["tokens_identical"] and run["numerics"]["ok"]
+    # 2 layers x K, V x (1, 2 of 4 KV heads, 12, 16) fp32, plus the StaticCache's two int64 position counters
+    assert run["measured"]["cache_bytes_per_rank"] == 2 * 2 * (1 * 2 * 12 * 16 * 4) + 2 * 8
+
+
+def test_two_kv_heads_at_tp4_tokens_identical():
+    plan, run = _serve(MODELS / "llama_2kv.py", 4, context=8, new_tokens=4)
+    assert run["numerics"]["tokens_identical"] and run["numerics"]["ok"]
