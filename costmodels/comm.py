@@ -26,6 +26,7 @@ plan; see tests/test_costmodels_comm.py.)
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from costmodels.cluster import ClusterSpec, LinkSpec
@@ -115,6 +116,28 @@ def inter_node_bandwidth_per_rank(cluster: ClusterSpec) -> float:
     return inter.nics_per_node * inter.bandwidth_bytes_per_s / cluster.devices_per_node
 
 
+def _hierarchical_time_s(
+    flat_s: Callable[[int, float, float, float], float], nbytes: float, group: Group, cluster: ClusterSpec
+) -> float:
+    """A collective of ``nbytes`` whose flat form is ``flat_s(ranks, nbytes, latency_s, bytes_per_s)``:
+    on one node that flat form over the intra-node link; over several, intra-node reduce-scatter (or
+    scatter), the flat form across nodes on each rank's ``nbytes / ranks_per_node`` share with the
+    NICs shared by the node's ranks, then intra-node all-gather. Plus one launch overhead."""
+    intra, inter, per_rank_bw = _check(nbytes, group, cluster)
+    if group.size == 1 or nbytes == 0:
+        return 0.0
+    r, a, b = group.ranks_per_node, intra.latency_s, intra.bandwidth_bytes_per_s
+    if inter is None:
+        wire = flat_s(r, nbytes, a, b)
+    else:
+        wire = (
+            _scatter_gather_flat_s(r, nbytes, a, b)
+            + flat_s(group.num_nodes, nbytes / r, inter.latency_s, per_rank_bw)
+            + _scatter_gather_flat_s(r, nbytes, a, b)
+        )
+    return cluster.device.launch_overhead_s + wire
+
+
 def all_reduce_time_s(nbytes: float, group: Group, cluster: ClusterSpec) -> float:
     """Seconds to all-reduce a tensor of ``nbytes`` bytes (the full tensor, on every rank).
 
@@ -122,19 +145,7 @@ def all_reduce_time_s(nbytes: float, group: Group, cluster: ClusterSpec) -> floa
     intra-node reduce-scatter + inter-node all-reduce of ``nbytes / ranks_per_node`` with NIC
     sharing + intra-node all-gather. Raises ValueError if the group does not fit the cluster.
     """
-    intra, inter, per_rank_bw = _check(nbytes, group, cluster)
-    if group.size == 1 or nbytes == 0:
-        return 0.0
-    r, a, b = group.ranks_per_node, intra.latency_s, intra.bandwidth_bytes_per_s
-    if inter is None:
-        wire = _all_reduce_flat_s(r, nbytes, a, b)
-    else:
-        wire = (
-            _scatter_gather_flat_s(r, nbytes, a, b)
-            + _all_reduce_flat_s(group.num_nodes, nbytes / r, inter.latency_s, per_rank_bw)
-            + _scatter_gather_flat_s(r, nbytes, a, b)
-        )
-    return cluster.device.launch_overhead_s + wire
+    return _hierarchical_time_s(_all_reduce_flat_s, nbytes, group, cluster)
 
 
 # gloo's all-gather and reduce-scatter move as many bytes as its all-reduce of the full tensor
@@ -179,19 +190,7 @@ def broadcast_time_s(nbytes: float, group: Group, cluster: ClusterSpec) -> float
     Several nodes: scatter inside the root's node, broadcast each ``nbytes / ranks_per_node`` shard
     across nodes (NIC sharing), all-gather inside every node.
     """
-    intra, inter, per_rank_bw = _check(nbytes, group, cluster)
-    if group.size == 1 or nbytes == 0:
-        return 0.0
-    r, a, b = group.ranks_per_node, intra.latency_s, intra.bandwidth_bytes_per_s
-    if inter is None:
-        wire = _broadcast_flat_s(r, nbytes, a, b)
-    else:
-        wire = (
-            _scatter_gather_flat_s(r, nbytes, a, b)
-            + _broadcast_flat_s(group.num_nodes, nbytes / r, inter.latency_s, per_rank_bw)
-            + _scatter_gather_flat_s(r, nbytes, a, b)
-        )
-    return cluster.device.launch_overhead_s + wire
+    return _hierarchical_time_s(_broadcast_flat_s, nbytes, group, cluster)
 
 
 def p2p_time_s(nbytes: float, cluster: ClusterSpec, inter_node: bool) -> float:
