@@ -292,6 +292,16 @@ class Plan:
         """Data-parallel replicas (`mesh.dp`)."""
         return self.mesh.dp
 
+    def layout_summary(self) -> dict[str, Any]:
+        """The mesh and schedule as plain data (reports, emitted modules' meta.json)."""
+        return {
+            "tp": self.tp,
+            "pp": self.pp,
+            "dp": self.dp,
+            "micro_batches": self.micro_batches,
+            "schedule": str(self.schedule),
+        }
+
     def stage_of(self, layer: int) -> int:
         """The pipeline stage that holds `layer`."""
         for stage, layers in enumerate(self.stages):

@@ -71,13 +71,7 @@ def emit_plan(plan: Plan, model_path: str, out_dir: str, backend: str = "gloo") 
             lowered = lower_for_rank(copy.deepcopy(gm), structure, plan, rank)
             for dp_rank in range(plan.dp):
                 meta = {
-                    "plan": {
-                        "tp": plan.tp,
-                        "pp": plan.pp,
-                        "dp": plan.dp,
-                        "micro_batches": plan.micro_batches,
-                        "schedule": str(plan.schedule),
-                    },
+                    "plan": plan.layout_summary(),
                     "backend": backend,
                     "world_size": plan.num_devices,
                     "dp_rank": dp_rank,

@@ -487,11 +487,7 @@ def report_dict(
         "cluster_source": plan.cluster_source,
         "workload": str(plan.workload),
         "plan": {
-            "tp": plan.tp,
-            "pp": plan.pp,
-            "dp": plan.dp,
-            "micro_batches": plan.micro_batches,
-            "schedule": str(plan.schedule),
+            **plan.layout_summary(),
             "ladder_layers": list(plan.ladder_layers),
             "stages": [list(s) for s in plan.stages],
             "splits": {k: str(v.style) for k, v in plan.splits.items()},
