@@ -42,9 +42,9 @@ from planner.frontend.modelfile import ModelFile, load_model_file
 from planner.frontend.phases import Phase, build_for, decode_phase, phase_inputs, prefill_phase
 from planner.plan import Plan
 from runtime.launch import RankContext
-from runtime.measure import Timing, rank_peak_memory_bytes, reset_peak_memory
+from runtime.measure import Timing, process_peak_memory_bytes
 from runtime.mesh import build_rank_groups
-from runtime.numerics import first_output
+from runtime.numerics import all_outputs
 
 # max |sharded - unsharded| logits, relative to the logits' scale, that still counts as equal: a few
 # ulps of the dtype accumulated over the layers (summation order differs under TP)
@@ -107,7 +107,7 @@ class Request:
         """Logits (batch, vocab) of the last of `tokens` (batch, T) placed at positions pos.. ."""
         phase = Phase("step", tokens.shape[0], pos, tokens.shape[1], self.prefill.cache_len)
         args, kwargs = phase_inputs(self.model_file, phase, tokens, device=device)
-        return first_output(gm(*flat_inputs(args, kwargs)))[:, -1]
+        return all_outputs(gm(*flat_inputs(args, kwargs)))[0][:, -1]
 
     def generate(
         self,
@@ -252,9 +252,10 @@ def run_decode_rank(ctx: RankContext, job: DecodeJob) -> DecodeRankReport:
     gp = lower_for_rank(copy.deepcopy(prefill_full), s_prefill, plan, ctx.rank).module
     gd = lower_for_rank(copy.deepcopy(decode_full), s_decode, plan, ctx.rank).module
     share_state(gp, gd)
-    reset_peak_memory(ctx.device)
     got = request.generate(gp, gd, prompt, device)
-    peak = rank_peak_memory_bytes(nn.ModuleDict({"prefill": gp, "decode": gd}), ctx.device)
+    # the process's real peak (weights, cache, activations; here also the unsharded reference model,
+    # which serving runs still build on every rank)
+    peak = process_peak_memory_bytes(ctx.device)
     diff = max(float((a - b).abs().max()) for a, b in zip(got.logits, reference.logits))
     scale = max(float(b.abs().max()) for b in reference.logits)
     variants = {"plan": (gp, gd)}
