@@ -1,4 +1,5 @@
-"""The presets against published measurements (shared/reference/published.md).
+"""The presets against published measurements: NVIDIA H100 / A100 datasheets, nccl-tests results in
+NVIDIA/nccl-tests and NVIDIA/nccl issue threads, and the pytorch-labs/gpt-fast README.
 
 Bus bandwidth as nccl-tests reports it: busbw = algbw * 2(n-1)/n, algbw = bytes / time.
 """

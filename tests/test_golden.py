@@ -227,7 +227,7 @@ def test_optional_ladder_never_slower(pcie) -> None:
     ],
 )
 def test_decode_prediction_matches_gpt_fast(size: str, tp: int, published_tokens_per_s: float) -> None:
-    """Llama-3.1 decode, batch 1, on 8x A100-80GB (pytorch-labs/gpt-fast README, shared/reference/published.md):
+    """Llama-3.1 decode, batch 1, on 8x A100-80GB (pytorch-labs/gpt-fast README, benchmark table):
     the plan's predicted tokens/s at a pinned TP degree is within 10% of the published figure."""
     plan = plan_model(
         analysed_llama(size),

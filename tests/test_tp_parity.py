@@ -58,7 +58,7 @@ def _assert_parity(reports, what: str) -> None:
 
 
 def ladder_reference(model, tokens: torch.Tensor, first_laddered: int) -> torch.Tensor:
-    """Hand-written from the definition (shared/DESIGN.md), for examples.models.Llama: standard layers
+    """Hand-written from the definition (Zhang et al. 2025, "Ladder-residual"), for examples.models.Llama: standard layers
     below `first_laddered`; above, each module reads the stream before the previous module's output
     was added; the two pending outputs are added before the final norm."""
     T = tokens.shape[1]
