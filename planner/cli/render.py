@@ -252,6 +252,10 @@ def render_run(console: Console, report: dict[str, Any]) -> None:
             else ""
         )
     )
+    if m.get("dtype"):
+        console.print(f"ran in {m['dtype']} (the plan's dtype)")
+    for note in m.get("notes") or []:  # train mode and dropout, inputs given whole, where the reference ran
+        console.print(f"note: {note}", highlight=False)
 
 
 def render_serving_run(console: Console, report: dict[str, Any]) -> None:
