@@ -82,7 +82,7 @@ STREAM_MATMUL_SHAPE = (64, 1024, 32768)  # (T, C, N): a weight far larger than a
 _SEGMENT_S = 0.005  # compute before each timed all-reduce: a TP block's compute per rank is 2-10 ms here
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -93,7 +93,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _clock(device: torch.device) -> Callable[[], float]:
+def clock(device: torch.device) -> Callable[[], float]:
     """The clock compute is timed with: the calling thread's CPU time on CPU with one intra-op thread
     (the op runs on this thread, so time spent descheduled by other load is not counted), else wall."""
     if device.type == "cpu" and torch.get_num_threads() == 1:
@@ -103,17 +103,17 @@ def _clock(device: torch.device) -> Callable[[], float]:
 
 def _timed(fn: Callable[[], object], device: torch.device) -> tuple[float, float]:
     """(clock seconds, wall seconds) of one call of ``fn``."""
-    clock = _clock(device)
-    c0, w0 = clock(), time.perf_counter()
+    now = clock(device)
+    c0, w0 = now(), time.perf_counter()
     fn()
     _sync(device)
-    return clock() - c0, time.perf_counter() - w0
+    return now() - c0, time.perf_counter() - w0
 
 
 def _median_time_s(
     fn: Callable[[], object], device: torch.device, budget_s: float = _TIME_PER_POINT_S
 ) -> float:
-    """Median time of ``fn`` by ``_clock`` (after one warm-up), repeated for about ``budget_s`` wall
+    """Median time of ``fn`` by ``clock`` (after one warm-up), repeated for about ``budget_s`` wall
     seconds, 3..50 times."""
     fn()
     _sync(device)
@@ -124,7 +124,7 @@ def _median_time_s(
     return statistics.median(times)
 
 
-def _interleaved_rates(
+def interleaved_rates(
     fns: list[Callable[[], object]], amounts: list[float], device: torch.device, budget_s: float
 ) -> tuple[list[float], float]:
     """Median rate (``amount / clock time``) of each of ``fns``, timed in rounds (fn0, fn1, ...; order
@@ -188,7 +188,7 @@ def _matmul_flops_per_s(dtype: str, device: torch.device, max_n: int) -> tuple[f
         (torch.randn(m, k, device=device).to(dt), torch.randn(k, p, device=device).to(dt))
         for m, k, p in shapes
     ]
-    rates, wall_ratio = _interleaved_rates(
+    rates, wall_ratio = interleaved_rates(
         [lambda x=x, w=w: x @ w for x, w in pairs],
         [2.0 * math.prod(s) for s in shapes],
         device,
@@ -217,7 +217,7 @@ def _cache_bytes() -> float | None:
     return None if best is None else best[1]
 
 
-def _stream_bandwidth(device: torch.device, flops_per_s: float) -> float | None:
+def stream_bandwidth(device: torch.device, flops_per_s: float) -> float | None:
     """Bytes / s of weight streaming in a matmul far larger than the cache, (64 x 1024) @ (1024 x
     32768) fp32 (134 MB weight): ``bytes_moved / (t - flops / flops_per_s)``, so that
     ``costmodels.compute.op_time_s`` reproduces the measured time; None when it runs at the compute
@@ -236,7 +236,7 @@ def _attention_flops_per_s(device: torch.device, dtype: str) -> float:
     b, h, t, hd = SDPA_SHAPE
     q, k, v = (torch.randn(b, h, t, hd, device=device).to(torch_dtype(dtype)) for _ in range(3))
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    (rate,), _ = _interleaved_rates(
+    (rate,), _ = interleaved_rates(
         [lambda: sdpa(q, k, v, is_causal=True)], [4.0 * b * h * t * t * hd / 2.0], device, 0.5
     )
     return rate
@@ -308,11 +308,11 @@ def _probe_graph(blocks: int, device: torch.device) -> tuple[Callable[[], object
 def _node_overhead_s(device: torch.device) -> tuple[float, float, int]:
     """(forward seconds per node, backward seconds per forward node, nodes of the larger probe): the
     slope of the probe graph's time over its node count between ``PROBE_BLOCKS`` (fixed costs of a
-    call cancel); timed by `_clock`, interleaved, so all processes measure at once."""
+    call cancel); timed by `clock`, interleaved, so all processes measure at once."""
     probes = [_probe_graph(b, device) for b in PROBE_BLOCKS]
     fns = [fn for forward, train, _ in probes for fn in (forward, train)]
     counts = [n for *_, n in probes]
-    rates, _ = _interleaved_rates(fns, [1.0] * len(fns), device, budget_s=1.5)
+    rates, _ = interleaved_rates(fns, [1.0] * len(fns), device, budget_s=1.5)
     (f1, t1), (f2, t2) = (1 / rates[0], 1 / rates[1]), (1 / rates[2], 1 / rates[3])
     dn = counts[1] - counts[0]
     forward_s = max(0.0, (f2 - f1) / dn)
@@ -327,7 +327,7 @@ POOL_SHAPE = (8, 32, 32, 32)  # (batch, channels, height, width) of the timed 2x
 def _conv_and_pool_rates(device: torch.device) -> tuple[float, float]:
     """(FLOP/s of a 3x3 conv2d at ``CONV_SHAPE``, bytes / s of a 2x2 max pool at ``POOL_SHAPE``),
     counted as `planner.frontend.analysis` counts them (conv: 2 * out * C_in * 9; pool: bytes read +
-    written), timed interleaved by `_clock`."""
+    written), timed interleaved by `clock`."""
     b, c, h, w = CONV_SHAPE
     x = torch.randn(b, c, h, w, device=device)
     weight = torch.randn(c, c, 3, 3, device=device)
@@ -336,7 +336,7 @@ def _conv_and_pool_rates(device: torch.device) -> tuple[float, float]:
     pool = torch.nn.functional.max_pool2d
     flops = 2.0 * b * c * h * w * c * 9
     pool_bytes = 4.0 * p.numel() * (1 + 1 / 4)
-    rates, _ = _interleaved_rates(
+    rates, _ = interleaved_rates(
         [lambda: conv(x, weight, padding=1), lambda: pool(p, 2)], [flops, pool_bytes], device, 1.0
     )
     return rates[0], rates[1]
@@ -450,7 +450,7 @@ def _worker(rank: int, nproc: int, port: int, use_cuda: bool, queue: object) -> 
     try:
         result: dict = {
             "threads_per_process": torch.get_num_threads(),
-            "clock": "thread CPU time" if _clock(device) is time.thread_time else "wall time",
+            "clock": "thread CPU time" if clock(device) is time.thread_time else "wall time",
             "load_before": os.getloadavg()[0] if hasattr(os, "getloadavg") else -1.0,
         }
         peaks, wall_ratios, half_rows = [], [], {}
@@ -490,7 +490,7 @@ def _worker(rank: int, nproc: int, port: int, use_cuda: bool, queue: object) -> 
         if not use_cuda:
             progress("matmul streaming a large weight", 0.42)
             dist.barrier()
-            stream = _stream_bandwidth(device, peaks[list(DTYPE_BYTES).index("fp32")])
+            stream = stream_bandwidth(device, peaks[list(DTYPE_BYTES).index("fp32")])
             (stream,) = _reduce([stream or math.inf], dist.ReduceOp.MIN, device)
             if math.isfinite(stream) and (cache := _cache_bytes()) is not None:
                 result.update(stream_bandwidth=stream, cache_bytes=cache)
@@ -580,7 +580,7 @@ def _host_memory_bytes() -> float:
 def _run_workers(nproc: int, use_cuda: bool, progress: Progress | None, timeout_s: float) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     context = mp.spawn(_worker, args=(nproc, port, use_cuda, queue), nprocs=nproc, join=False)
     result = None
     deadline = time.monotonic() + timeout_s

@@ -136,7 +136,7 @@ def launch(
         ) from exc
     tried: list[int] = []
     for _ in range(_PORT_ATTEMPTS):
-        port = _free_port()
+        port = free_port()
         tried.append(port)
         try:
             return _run_local(job, nproc, port, timeout_s, backend)
@@ -298,7 +298,7 @@ def _exit_now(code: int) -> None:
 # Local mode: the parent
 
 
-def _free_port() -> int:
+def free_port() -> int:
     """A TCP port on MASTER_ADDR that was free a moment ago (bind port 0 and release it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((_MASTER_ADDR, 0))

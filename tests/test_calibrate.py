@@ -108,7 +108,7 @@ def test_interleaved_rates_use_the_clock_and_report_wall_ratio(monkeypatch: pyte
 
     fake = {0: (0.01, 0.02), 1: (0.02, 0.02)}  # fn index -> (clock s, wall s)
     monkeypatch.setattr(cal, "_timed", lambda fn, device: fake[fn()])
-    rates, wall_ratio = cal._interleaved_rates([lambda: 0, lambda: 1], [1.0, 4.0], torch.device("cpu"), 0.0)
+    rates, wall_ratio = cal.interleaved_rates([lambda: 0, lambda: 1], [1.0, 4.0], torch.device("cpu"), 0.0)
     assert rates == pytest.approx([1.0 / 0.01, 4.0 / 0.02])
     assert wall_ratio == pytest.approx((0.02 + 0.02) / (0.01 + 0.02))
 
@@ -119,9 +119,9 @@ def test_clock_is_thread_cpu_time_with_one_cpu_thread(monkeypatch: pytest.Monkey
     from costmodels import calibrate as cal
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    assert cal._clock(torch.device("cpu")) is time.thread_time
+    assert cal.clock(torch.device("cpu")) is time.thread_time
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
-    assert cal._clock(torch.device("cpu")) is time.perf_counter
+    assert cal.clock(torch.device("cpu")) is time.perf_counter
 
 
 def test_stream_bandwidth_is_bytes_over_time_beyond_compute(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -134,8 +134,8 @@ def test_stream_bandwidth_is_bytes_over_time_beyond_compute(monkeypatch: pytest.
     monkeypatch.setattr(cal, "_median_time_s", lambda fn, device, budget_s=0.0: 0.010)
     flops, moved = 2.0 * 4 * 8 * 16, 4.0 * (4 * 8 + 8 * 16 + 4 * 16)
     # compute at 1024 / 0.004 FLOP/s = 4 ms of the 10 ms: the other 6 ms stream `moved` bytes
-    assert cal._stream_bandwidth(torch.device("cpu"), flops / 0.004) == pytest.approx(moved / 0.006)
-    assert cal._stream_bandwidth(torch.device("cpu"), flops / 0.0099) is None  # within 5%: no penalty
+    assert cal.stream_bandwidth(torch.device("cpu"), flops / 0.004) == pytest.approx(moved / 0.006)
+    assert cal.stream_bandwidth(torch.device("cpu"), flops / 0.0099) is None  # within 5%: no penalty
 
 
 def test_busy_message_counts_the_calibration_processes_out() -> None:

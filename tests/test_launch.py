@@ -264,8 +264,8 @@ def test_taken_port_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        ports = iter([taken.getsockname()[1], launch_module._free_port()])
-        monkeypatch.setattr(launch_module, "_free_port", lambda: next(ports))
+        ports = iter([taken.getsockname()[1], launch_module.free_port()])
+        monkeypatch.setattr(launch_module, "free_port", lambda: next(ports))
         attempts = []
         run_local = launch_module._run_local
 
@@ -299,7 +299,7 @@ def test_under_torchrun_runs_in_this_process(monkeypatch: pytest.MonkeyPatch) ->
         "LOCAL_RANK": "0",
         "LOCAL_WORLD_SIZE": "1",
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(launch_module._free_port()),
+        "MASTER_PORT": str(launch_module.free_port()),
     }
     for key, value in env.items():
         monkeypatch.setenv(key, value)
