@@ -39,11 +39,32 @@ class Schedule(str, enum.Enum):
     GPipe (Huang et al. 2019): all forwards, then all backwards; a stage holds every micro-batch's
     activations. 1F1B (Narayanan et al. 2021, PipeDream-Flush): one forward, one backward in steady
     state; stage s holds at most pp - s micro-batches. Both idle for the same fill and drain, a bubble
-    fraction of (p-1)/(m+p-1) of the step: they differ in memory, not in time.
+    fraction of (p-1)/(m+p-1) of the step: they differ in memory, not in time. Interleaved 1F1B
+    (Narayanan et al. 2021, section 2.2.2): each rank holds v model chunks (virtual stages,
+    ``Plan.virtual_stages``); the bubble is divided by v at the cost of v times the pipeline
+    point-to-point messages and more in-flight activations.
     """
 
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved_1f1b"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Recompute(str, enum.Enum):
+    """Activation recomputation of one layer class in training (``planner.plan.Plan.recompute``).
+
+    NONE keeps every activation; SELECTIVE (Korthikanti et al. 2022, section 5) recomputes only the
+    attention core (scores, softmax, dropout, weighted values: large activations, few FLOPs); FULL
+    keeps only the layer's input and re-runs its whole forward in backward (Megatron-LM
+    ``--recompute-granularity full``).
+    """
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
 
     def __str__(self) -> str:
         return self.value

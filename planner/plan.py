@@ -50,7 +50,7 @@ from typing import Any
 import yaml
 
 from costmodels.dtypes import DTYPE_BYTES
-from costmodels.memory import Schedule
+from costmodels.memory import Recompute, Schedule
 from planner.errors import InputError
 from planner.files import write_text_atomic
 
@@ -267,6 +267,17 @@ class Plan:
     fallbacks: list[Fallback] = field(default_factory=list)  # unplanned all-gathers, priced (Fallback)
     cluster_source: str = ""  # where the cluster spec came from: a preset name or the YAML file's path
     serving: Serving | None = None  # decode / generate plans of models with a KV cache
+    # Training at scale (Megatron-LM's layouts). virtual_stages: model chunks per pipeline rank (v of
+    # the interleaved 1F1B schedule; 1 otherwise). sequence_parallel: the norm/dropout regions between
+    # TP blocks are split along the sequence and each TP all-reduce is a reduce-scatter + all-gather
+    # (Korthikanti et al. 2022). recompute: layer class (the CostTables graph key, e.g. "layer") ->
+    # activation recomputation; a class not listed recomputes nothing. distributed_optimizer: optimizer
+    # state sharded over the data-parallel ranks (ZeRO-1; gradients reduce-scattered, parameters
+    # all-gathered).
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+    recompute: dict[str, Recompute] = field(default_factory=dict)
+    distributed_optimizer: bool = False
 
     def __post_init__(self) -> None:
         self.workload = _coerce(Workload, self.workload, "workload")
@@ -300,6 +311,10 @@ class Plan:
             "dp": self.dp,
             "micro_batches": self.micro_batches,
             "schedule": str(self.schedule),
+            "virtual_stages": self.virtual_stages,
+            "sequence_parallel": self.sequence_parallel,
+            "recompute": {k: str(v) for k, v in self.recompute.items()},
+            "distributed_optimizer": self.distributed_optimizer,
         }
 
     def stage_of(self, layer: int) -> int:
@@ -357,7 +372,7 @@ class Plan:
         for name in ("tp", "pp", "dp"):
             if getattr(self.mesh, name) < 1:
                 raise bad(f"mesh.{name}", f"must be >= 1, got {getattr(self.mesh, name)}")
-        for name in ("batch_size", "seq_len", "micro_batches"):
+        for name in ("batch_size", "seq_len", "micro_batches", "virtual_stages"):
             if getattr(self, name) < 1:
                 raise bad(name, f"must be >= 1, got {getattr(self, name)}")
         if self.context < 0:
@@ -379,6 +394,11 @@ class Plan:
             raise bad("stages", "layers must be contiguous, in order and each in one stage")
         if any(not stage for stage in self.stages) and flat:
             raise bad("stages", "a stage holds no layers")
+        if self.virtual_stages > 1 and self.schedule != Schedule.INTERLEAVED_1F1B:
+            raise bad(
+                "virtual_stages",
+                f"is {self.virtual_stages} but only the interleaved_1f1b schedule has model chunks",
+            )
         unknown = sorted(set(self.ladder_layers) - set(flat))
         if unknown:
             raise bad("ladder_layers", f"layers {unknown} are in no stage")
