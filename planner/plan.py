@@ -7,7 +7,8 @@ A `Plan` says how one model runs on one cluster for one workload:
   model that prices it, `costmodels.memory`, and re-exported here);
 - `splits`: how each weight is sharded over the `tp` axis, keyed by parameter FQN (a weight missing
   from `splits` is replicated);
-- `stages`: which layers each pipeline stage holds (contiguous, in order);
+- `stages`: which layers each pipeline rank holds (contiguous, in order; with the interleaved
+  schedule, v runs of consecutive layers: `Plan.virtual_stage_layers`);
 - `ladder_layers`: the layers that use ladder residual connections;
 - `predicted`: the predicted latency / throughput / memory with a per-layer breakdown, and
   `baseline`: the prediction of the hand-written Megatron plan under the same cost model;
@@ -268,7 +269,11 @@ class Plan:
     cluster_source: str = ""  # where the cluster spec came from: a preset name or the YAML file's path
     serving: Serving | None = None  # decode / generate plans of models with a KV cache
     # Training at scale (Megatron-LM's layouts). virtual_stages: model chunks per pipeline rank (v of
-    # the interleaved 1F1B schedule; 1 otherwise). sequence_parallel: the norm/dropout regions between
+    # the interleaved 1F1B schedule; 1 otherwise). With v > 1, stages[r] lists rank r's layers in
+    # order and they form v runs of consecutive layer indices, its chunks; chunk c of rank r is
+    # virtual stage c * pp + r (torch.distributed.pipelining's interleaved placement), and the
+    # virtual stages 0 .. pp * v - 1 hold the layers in model order (`virtual_stage_layers`). E.g. pp=2,
+    # v=2, 8 layers: stages [[0, 1, 4, 5], [2, 3, 6, 7]]. sequence_parallel: the norm/dropout regions between
     # TP blocks are split along the sequence and each TP all-reduce is a reduce-scatter + all-gather
     # (Korthikanti et al. 2022). recompute: layer class (the CostTables graph key, e.g. "layer") ->
     # activation recomputation; a class not listed recomputes nothing. distributed_optimizer: optimizer
@@ -316,6 +321,30 @@ class Plan:
             "recompute": {k: str(v) for k, v in self.recompute.items()},
             "distributed_optimizer": self.distributed_optimizer,
         }
+
+    def virtual_stage_layers(self) -> list[list[int]]:
+        """Layer indices per virtual stage (pp * virtual_stages of them, in pipeline order): chunk c of
+        rank r, the c-th run of consecutive layer indices in `stages[r]`, is virtual stage c * pp + r.
+        With virtual_stages == 1 this is `stages`. Raises InputError naming `stages` when a rank's
+        layers do not form exactly `virtual_stages` runs (an empty rank has none)."""
+        if self.virtual_stages == 1:
+            return [list(layers) for layers in self.stages]
+        chunks: list[list[int]] = [[] for _ in range(self.pp * self.virtual_stages)]
+        for r, layers in enumerate(self.stages):
+            runs: list[list[int]] = []
+            for layer in layers:
+                if runs and layer == runs[-1][-1] + 1:
+                    runs[-1].append(layer)
+                else:
+                    runs.append([layer])
+            if len(runs) != self.virtual_stages:
+                raise InputError(
+                    f"field 'stages': rank {r} holds layers {list(layers)}, {len(runs)} runs of consecutive "
+                    f"layers, but virtual_stages is {self.virtual_stages} (one run per model chunk)"
+                )
+            for c, run in enumerate(runs):
+                chunks[c * self.pp + r] = run
+        return chunks
 
     def stage_of(self, layer: int) -> int:
         """The pipeline stage that holds `layer`."""
@@ -389,16 +418,28 @@ class Plan:
                 raise bad(f"{where}.parts", f"must be a non-empty list of positive sizes, got {split.parts}")
         if len(self.stages) != self.pp:
             raise bad("stages", f"has {len(self.stages)} stages but pp is {self.pp}")
-        flat = [i for stage in self.stages for i in stage]
-        if flat != sorted(flat) or len(set(flat)) != len(flat):
-            raise bad("stages", "layers must be contiguous, in order and each in one stage")
-        if any(not stage for stage in self.stages) and flat:
-            raise bad("stages", "a stage holds no layers")
         if self.virtual_stages > 1 and self.schedule != Schedule.INTERLEAVED_1F1B:
             raise bad(
                 "virtual_stages",
                 f"is {self.virtual_stages} but only the interleaved_1f1b schedule has model chunks",
             )
+        try:
+            chunks = self.virtual_stage_layers()
+        except InputError as e:
+            raise InputError(f"{origin}: {e}") from None
+        flat = [i for stage in chunks for i in stage]
+        if flat != sorted(flat) or len(set(flat)) != len(flat):
+            raise bad(
+                "stages",
+                "layers must be contiguous, in order and each in one stage"
+                + (
+                    " (taking chunk c of rank r as virtual stage c * pp + r)"
+                    if self.virtual_stages > 1
+                    else ""
+                ),
+            )
+        if any(not stage for stage in self.stages) and flat:
+            raise bad("stages", "a stage holds no layers")
         unknown = sorted(set(self.ladder_layers) - set(flat))
         if unknown:
             raise bad("ladder_layers", f"layers {unknown} are in no stage")

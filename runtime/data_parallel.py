@@ -5,11 +5,25 @@ along every input's batch dim (`planner.frontend.capture.input_batch_dims`: dim 
 for a (T, T) attention bias, which every replica gets whole); after the backward, the mean of their
 gradients over the `dp` group is every replica's gradient (one all-reduce per parameter). Pipeline
 micro-batches are cut the same way (`args_share`).
+
+The optimizer is Adam (what the memory model assumes), in one of two forms, chosen by
+`Plan.distributed_optimizer` (`build_optimizer`):
+
+- `ReplicatedAdam`: every replica all-reduces the gradients (`average_gradients`) and keeps Adam's
+  whole state for every parameter;
+- `DistributedAdam` (ZeRO-1, Megatron-LM's distributed optimizer): the gradients of one dtype are
+  one flat buffer, padded to a multiple of dp, reduce-scattered over the dp group so replica i holds
+  the mean gradient of slice i; Adam updates only that slice (its state is 1 / dp of the whole), and
+  the updated slices are all-gathered back into every replica's parameters. Per step and dtype: one
+  reduce-scatter of the gradient bytes and one all-gather of the parameter bytes, together the
+  volume of the all-reduce they replace. (torch's `ZeroRedundancyOptimizer` would all-reduce the
+  whole gradient and broadcast each parameter from its owner, more traffic than what is priced.)
+  Like `ReplicatedAdam`, the state is kept in the parameters' dtype (no fp32 master copy).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -77,10 +91,15 @@ def average_gradients(module: torch.nn.Module, group: dist.ProcessGroup, dp: int
     buckets do and as the cost model prices it (`planner.solver.costing.gradient_sync_cost`: one
     all-reduce of the gradient bytes): one collective call per step, not one per parameter (on gloo
     each call costs about a millisecond of latency)."""
+    average_parameter_gradients(list(module.parameters()), group, dp)
+
+
+def average_parameter_gradients(params: Sequence[torch.Tensor], group: dist.ProcessGroup, dp: int) -> None:
+    """`average_gradients` over a list of parameters (of several modules: a rank's pipeline chunks)."""
     if dp == 1:
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in module.parameters():
+    for p in _unique(params):
         if p.grad is not None:
             by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
     for grads in by_dtype.values():
@@ -91,3 +110,176 @@ def average_gradients(module: torch.nn.Module, group: dist.ProcessGroup, dp: int
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+def _unique(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    seen: set[int] = set()
+    return [p for p in params if not (id(p) in seen or seen.add(id(p)))]
+
+
+class ReplicatedAdam:
+    """Adam on every parameter, after an all-reduce of the gradients over the dp group (plain DP).
+
+    params: the trainable parameters this rank holds (duplicates are dropped). group / dp: the
+    data-parallel group and its size. Call `reduce_gradients` after the backward (the checks read the
+    mean gradients then), then `step`; `step` reduces first when that was not done.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], group: dist.ProcessGroup, dp: int, lr: float = 1e-3):
+        self.params = [p for p in _unique(params) if p.requires_grad]
+        self.group, self.dp = group, dp
+        self.adam = torch.optim.Adam(self.params, lr=lr)
+        self._reduced = False
+
+    def zero_grad(self) -> None:
+        self.adam.zero_grad(set_to_none=True)
+        self._reduced = False
+
+    def reduce_gradients(self) -> None:
+        """Every parameter's gradient becomes the mean over the replicas (one all-reduce per dtype)."""
+        average_parameter_gradients(self.params, self.group, self.dp)
+        self._reduced = True
+
+    def step(self) -> None:
+        if not self._reduced:
+            self.reduce_gradients()
+        self.adam.step()
+        self._reduced = False
+
+    def owned_ranges(self) -> dict[int, tuple[int, int]] | None:
+        """Which flat elements of each parameter hold the replicas' mean gradient after
+        `reduce_gradients`: None, meaning all of every parameter."""
+        return None
+
+    def state_numel(self) -> int:
+        """Elements of optimizer state this rank holds (Adam: two per parameter element, once stepped)."""
+        return _state_numel(self.adam)
+
+    def note(self) -> str:
+        """What the run report says about the optimizer that ran."""
+        sync = f"gradients all-reduced over the {self.dp} data-parallel ranks" if self.dp > 1 else "dp=1"
+        return f"optimizer: Adam, state replicated on every data-parallel rank; {sync}"
+
+
+class DistributedAdam:
+    """ZeRO-1: Adam with its state sharded over the data-parallel ranks (module docstring).
+
+    params: the trainable parameters this rank holds, the same list in the same order on every replica
+    (duplicates are dropped). group / dp / dp_rank: the data-parallel group, its size and this rank's
+    rank in it. Parameters are grouped by dtype; each dtype's flat buffer of N elements is cut into dp
+    slices of ceil(N / dp) (zero padding at the end), slice dp_rank being this rank's. Collective over
+    `group`: every replica calls `reduce_gradients` and `step` together.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        group: dist.ProcessGroup,
+        dp: int,
+        dp_rank: int,
+        lr: float = 1e-3,
+    ):
+        self.params = [p for p in _unique(params) if p.requires_grad]
+        self.group, self.dp, self.dp_rank = group, dp, dp_rank
+        self._groups: list[tuple[list[torch.Tensor], int, torch.Tensor]] = []  # (params, slice, my slice)
+        for dtype in dict.fromkeys(p.dtype for p in self.params):
+            members = [p for p in self.params if p.dtype == dtype]
+            total = sum(p.numel() for p in members)
+            size = -(-total // dp)
+            flat = self._flat([p.detach() for p in members], size * dp)
+            self._groups.append((members, size, flat[dp_rank * size : (dp_rank + 1) * size].clone()))
+        self.adam = torch.optim.Adam([shard for _, _, shard in self._groups], lr=lr)
+        self._reduced = False
+
+    @staticmethod
+    def _flat(tensors: Sequence[torch.Tensor], padded: int) -> torch.Tensor:
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        return torch.nn.functional.pad(flat, (0, padded - flat.numel()))
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+        self.adam.zero_grad(set_to_none=True)
+        self._reduced = False
+
+    def reduce_gradients(self) -> None:
+        """Reduce-scatter the gradients (one collective per dtype): this rank's slice gets the mean
+        over the replicas, for Adam and written back into the owned elements of the parameters'
+        `.grad` (the other elements keep this replica's own gradient, as in Megatron-LM's buffer)."""
+        for members, size, shard in self._groups:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in members]
+            flat = self._flat(grads, size * self.dp)
+            mine = torch.empty(size, dtype=flat.dtype, device=flat.device)
+            dist.reduce_scatter_single(mine, flat, group=self.group)
+            mine /= self.dp
+            shard.grad = mine
+            for p, lo, hi, offset in self._owned(members, size):
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                p.grad.view(-1)[lo:hi] = mine[offset : offset + hi - lo]
+        self._reduced = True
+
+    def step(self) -> None:
+        """Reduce the gradients (unless done since the last step), Adam on this rank's slices, then
+        all-gather the slices into every replica's parameters (one collective per dtype)."""
+        if not self._reduced:
+            self.reduce_gradients()
+        self.adam.step()
+        for members, size, shard in self._groups:
+            flat = torch.empty(size * self.dp, dtype=shard.dtype, device=shard.device)
+            dist.all_gather_single(flat, shard.detach(), group=self.group)
+            offset = 0
+            with torch.no_grad():
+                for p in members:
+                    p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                    offset += p.numel()
+        self._reduced = False
+
+    def _owned(self, members: list[torch.Tensor], size: int) -> Iterator[tuple[torch.Tensor, int, int, int]]:
+        """(param, lo, hi, offset): flat elements lo:hi of param are this rank's slice from `offset` on."""
+        start, end, offset = self.dp_rank * size, (self.dp_rank + 1) * size, 0
+        for p in members:
+            lo, hi = max(start, offset), min(end, offset + p.numel())
+            if lo < hi:
+                yield p, lo - offset, hi - offset, lo - start
+            offset += p.numel()
+
+    def owned_ranges(self) -> dict[int, tuple[int, int]]:
+        """id(param) -> (lo, hi): the flat elements of each parameter in this rank's slice (those whose
+        `.grad` holds the replicas' mean after `reduce_gradients`); parameters not listed have none."""
+        return {
+            id(p): (lo, hi)
+            for members, size, _ in self._groups
+            for p, lo, hi, _ in self._owned(members, size)
+        }
+
+    def state_numel(self) -> int:
+        """Elements of optimizer state this rank holds: two per element of its slices, once stepped."""
+        return _state_numel(self.adam)
+
+    def note(self) -> str:
+        """What the run report says about the optimizer that ran."""
+        return (
+            f"optimizer: distributed optimizer (ZeRO-1), Adam state sharded over the {self.dp} data-parallel "
+            f"ranks (each updates 1/{self.dp} of the parameters); gradients reduce-scattered, parameters "
+            "all-gathered"
+        )
+
+
+def _state_numel(optimizer: torch.optim.Optimizer) -> int:
+    return sum(
+        t.numel()
+        for state in optimizer.state.values()
+        for t in state.values()
+        if torch.is_tensor(t) and t.dim()
+    )
+
+
+def build_optimizer(
+    distributed: bool, params: Sequence[torch.Tensor], group: dist.ProcessGroup, dp: int, dp_rank: int
+) -> ReplicatedAdam | DistributedAdam:
+    """The optimizer a plan runs: `DistributedAdam` when `Plan.distributed_optimizer`, else
+    `ReplicatedAdam`; lr 1e-3."""
+    if distributed:
+        return DistributedAdam(params, group, dp, dp_rank)
+    return ReplicatedAdam(params, group, dp)

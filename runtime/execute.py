@@ -38,7 +38,7 @@ from passes.rng import dropout_disabled
 from passes.tensor_parallel import load_sharded_weights
 from planner.frontend.analysis import ModelStructure, analyse
 from planner.frontend.capture import capture, flat_inputs, retarget_device
-from runtime.data_parallel import average_gradients, unbatched_note
+from runtime.data_parallel import build_optimizer, unbatched_note
 from runtime.job import RankReport, RankSetup, ReferenceFiles, RunJob, set_up_rank
 from runtime.launch import RankContext
 from runtime.measure import current_memory_bytes, process_peak_memory_bytes, time_iterations
@@ -138,12 +138,16 @@ def _training_step(
 ) -> Callable[[], None]:
     """Check one forward+backward against the unsharded model on the whole batch: every output, the
     MSE loss (averaged over the DP replicas: equal shares, so the whole batch's mean) and every
-    gradient (after the DP average). Return a timed training step (forward, backward, DP gradient
-    all-reduce, Adam update - the optimizer the cost model assumes for memory). The check runs with
+    gradient (after the DP reduction). Return a timed training step (forward, backward, DP gradient
+    all-reduce and Adam update, or with `plan.distributed_optimizer` reduce-scatter, sharded Adam
+    and all-gather: `runtime.data_parallel.build_optimizer`). The check runs with
     dropout off (as the reference did); the timed steps with dropout on, its RNG seeded per TP rank
     for shards (`runtime.run_mode`, `passes.rng`)."""
     plan, groups = setup.plan, setup.groups
     dp_group = groups.group("dp")
+    optimizer = build_optimizer(
+        plan.distributed_optimizer, list(gm.parameters()), dp_group, plan.dp, groups.dp_rank
+    )
     with dropout_disabled(gm):  # like with like: the reference ran with dropout off too
         outs = all_outputs(gm(*inputs))
         compare_outputs(outs, want, reference, setup, report)
@@ -152,18 +156,17 @@ def _training_step(
         assert target is not None, "output 0 matched its reference share in compare_outputs"
         loss = F.mse_loss(outs[0], target)
         loss.backward()
-        average_gradients(gm, dp_group, plan.dp)
+        optimizer.reduce_gradients()
     mean_loss = dp_mean(loss.detach(), plan.dp, dp_group)
     compare_loss(mean_loss, want, report)
-    compare_gradients(gm, reference, setup, report)
+    compare_gradients(gm, reference, setup, report, owned=optimizer.owned_ranges())
     report.notes.append(dropout_note(gm))
+    report.notes.append(optimizer.note())
     seed_dropout_rng(setup.seed, groups.pp_rank, groups.tp_rank, setup.device)  # timed steps: dropout on
-    optimizer = torch.optim.Adam(gm.parameters(), lr=1e-3)
 
     def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad()
         F.mse_loss(all_outputs(gm(*inputs))[0], target).backward()
-        average_gradients(gm, dp_group, plan.dp)
-        optimizer.step()
+        optimizer.step()  # reduces the gradients over the DP group first
 
     return step

@@ -17,7 +17,7 @@ from runtime.data_parallel import args_share
 from runtime.launch import RankContext
 from runtime.mesh import RankGroups, build_rank_groups
 from runtime.numerics import tolerance_for
-from runtime.run_mode import cast_inputs, check_dtype_runs
+from runtime.run_mode import cast_inputs, check_dtype_runs, check_plan_runs
 
 
 @dataclass
@@ -120,8 +120,10 @@ def set_up_rank(ctx: RankContext, job: RunJob) -> RankSetup:
     """Build this rank's process groups (collective), register the TP group with
     `passes.collectives`, load the model file, cast its floating inputs to the plan's dtype and cut
     them to this DP replica's share. Raises ValueError when the batch does not divide by dp,
-    InputError when this device cannot run the plan's dtype."""
+    InputError when this device cannot run the plan's dtype or the runtime cannot run the plan as
+    planned (`runtime.run_mode.check_plan_runs`)."""
     plan = Plan.from_dict(job.plan)
+    check_plan_runs(plan, job.workload)
     groups = build_rank_groups(plan.mesh, ctx.device.type)
     collectives.register_group("tp", groups.group("tp"))
     model_file = load_model_file(job.model_path)

@@ -3,9 +3,15 @@
 `PipelineRunner` runs one stage (from `passes.pipeline.split_stages`, via `passes.lower.lower_for_rank`)
 per rank of the `pp` process group (stage index = rank in that group), micro-batches along each
 input's batch dim (`planner.frontend.capture.input_batch_dims`; an input without one, such as a (T, T)
-attention bias, goes whole to every micro-batch), `PipelineStage` with the plan's schedule (`planner.plan.Schedule`: GPIPE -> `ScheduleGPipe`,
-ONE_F_ONE_B -> `Schedule1F1B`). Captured graphs have literal shapes, so the graph must be captured
-(and TP-rewritten) at the micro-batch size, batch / micro_batches; a mismatch is a ValueError.
+attention bias, goes whole to every micro-batch), `PipelineStage` with the plan's schedule
+(`planner.plan.Schedule`: GPIPE -> `ScheduleGPipe`, ONE_F_ONE_B -> `Schedule1F1B`,
+INTERLEAVED_1F1B -> `ScheduleInterleaved1F1B`). With the interleaved schedule a rank runs v model
+chunks (`Plan.virtual_stages`, `passes.lower.RankLowering.chunks`): chunk c of pp rank r is virtual
+stage c * pp + r of pp * v, the placement `ScheduleInterleaved1F1B` computes its actions for. That
+schedule needs micro_batches divisible by its rounds, max(1, micro_batches // pp) (torch 2.13; the
+original paper's micro_batches % pp == 0 satisfies it). Captured graphs have literal shapes, so the
+graph must be captured (and TP-rewritten) at the micro-batch size, batch / micro_batches; a mismatch
+is a ValueError.
 
 The stage's P2P metadata is static, taken from `node.meta["val"]` (no shape-inference forward with
 empty buffers, so integer tensors crossing a boundary, such as token ids or positions used by a later
@@ -15,25 +21,35 @@ parameter-free float values (RoPE tables, masks) cross stages in forward only, a
 back for them.
 
 `all_reduce_tied_gradients` sums the gradients of a parameter that two stages hold a copy of
-(`passes.pipeline.tied_parameters`: GPT-2's tied embedding / LM head) after each backward.
+(`passes.pipeline.tied_parameters`: GPT-2's tied embedding / LM head) after each backward;
+`sum_tied_gradients` does it for ranks holding several chunks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 
 from passes.pipeline import PipelineSplitError, requires_grad_nodes
 from planner.plan import Schedule
 
-SCHEDULE_CLASSES = {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B}
+SCHEDULE_CLASSES = {
+    Schedule.GPIPE: ScheduleGPipe,
+    Schedule.ONE_F_ONE_B: Schedule1F1B,
+    Schedule.INTERLEAVED_1F1B: ScheduleInterleaved1F1B,
+}
 
 
 class _ContiguousOutputs(nn.Module):
@@ -102,7 +118,8 @@ def _check_batch(
 
 
 class PipelineRunner:
-    """This rank's stage of a pipeline, with its `torch.distributed.pipelining` schedule built once.
+    """This rank's stage (or model chunks) of a pipeline, with its `torch.distributed.pipelining`
+    schedule built once.
 
     Building a `PipelineStage` and schedule costs P2P handshakes (about 100 ms on gloo for the tiny
     Llama, five times its step), so code that runs many steps (timing, training loops) builds one
@@ -110,17 +127,20 @@ class PipelineRunner:
     same calls in the same order (each builds its schedule lazily, on first use, collectively).
 
     stage_module: this rank's stage (`passes.lower.lower_for_rank(...).module`, captured at the
-    micro-batch size). stage_index must equal this rank's rank in `pp_group` (None: the default group)
-    and num_stages its size. schedule: the plan's `Schedule` ("gpipe" / "1f1b" are accepted too); 1F1B
-    needs micro_batches >= num_stages. loss_fn(output_micro_batch, target_micro_batch) -> scalar mean
-    loss; needed for train_step. input_batch_dims: per graph input (stage 0's placeholders), its batch
-    dim or None (given whole to every micro-batch); None means dim 0 for all. Raises ValueError for a
-    bad schedule, micro_batches, group layout or input_batch_dims.
+    micro-batch size), or its model chunks in order (`RankLowering.chunks`: chunk c is virtual stage
+    c * num_stages + stage_index); more than one chunk needs the interleaved schedule. stage_index
+    must equal this rank's rank in `pp_group` (None: the default group) and num_stages its size (pipeline
+    ranks, not virtual stages). schedule: the plan's `Schedule` ("gpipe" / "1f1b" / "interleaved_1f1b"
+    are accepted too); 1F1B needs micro_batches >= num_stages, interleaved 1F1B micro_batches divisible
+    by max(1, micro_batches // num_stages). loss_fn(output_micro_batch, target_micro_batch) -> scalar
+    mean loss; needed for train_step. input_batch_dims: per graph input (stage 0's placeholders), its
+    batch dim or None (given whole to every micro-batch); None means dim 0 for all. Raises ValueError
+    for a bad schedule, chunk count, micro_batches, group layout or input_batch_dims.
     """
 
     def __init__(
         self,
-        stage_module: fx.GraphModule,
+        stage_module: fx.GraphModule | Sequence[fx.GraphModule],
         stage_index: int,
         num_stages: int,
         micro_batches: int,
@@ -137,6 +157,14 @@ class PipelineRunner:
             raise ValueError(
                 f"schedule must be one of {[str(s) for s in Schedule]}, got {schedule!r}"
             ) from None
+        chunks = [stage_module] if isinstance(stage_module, fx.GraphModule) else list(stage_module)
+        if not chunks:
+            raise ValueError("a pipeline rank needs at least one stage module")
+        if len(chunks) > 1 and schedule is not Schedule.INTERLEAVED_1F1B:
+            raise ValueError(
+                f"schedule {schedule} runs one stage per rank but this rank has {len(chunks)} model chunks "
+                "(virtual stages); more than one chunk needs the interleaved_1f1b schedule"
+            )
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
         if schedule is Schedule.ONE_F_ONE_B and micro_batches < num_stages:
@@ -144,22 +172,32 @@ class PipelineRunner:
                 f"schedule 1f1b needs micro_batches({micro_batches}) >= num_stages({num_stages}); "
                 "use more micro-batches or the gpipe schedule"
             )
+        rounds = max(1, micro_batches // num_stages)
+        if schedule is Schedule.INTERLEAVED_1F1B and micro_batches % rounds:
+            raise ValueError(
+                f"schedule interleaved_1f1b needs micro_batches({micro_batches}) divisible by its rounds, "
+                f"max(1, micro_batches // num_stages({num_stages})) = {rounds}; use a multiple of {num_stages}"
+            )
         group_rank = dist.get_rank(pp_group) if pp_group is not None else dist.get_rank()
         group_size = dist.get_world_size(pp_group) if pp_group is not None else dist.get_world_size()
         if group_size != num_stages or group_rank != stage_index:
             raise ValueError(
                 f"stage_index({stage_index}) / num_stages({num_stages}) must equal this rank's "
-                f"rank({group_rank}) / size({group_size}) in the pp group: one stage per rank"
+                f"rank({group_rank}) / size({group_size}) in the pp group: one stage (or chunk set) per rank"
             )
-        self.stage_module = stage_module
+        self.chunks = chunks
         self.stage_index, self.num_stages, self.micro_batches = stage_index, num_stages, micro_batches
+        # chunk c is virtual stage c * num_stages + stage_index, of num_stages * len(chunks)
+        self.virtual_indices = [c * num_stages + stage_index for c in range(len(chunks))]
+        self.num_virtual_stages = num_stages * len(chunks)
         self.pp_group = pp_group
         self.device = torch.device(device)
         self.schedule = schedule
         self.schedule_class = SCHEDULE_CLASSES[schedule]  # the torch.distributed.pipelining class run
         self.loss_fn = loss_fn
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
-        self._examples, self._outputs = _stage_io_examples(stage_module, stage_index, self.device)
+        self._io = [_stage_io_examples(m, i, self.device) for m, i in zip(chunks, self.virtual_indices)]
+        self._examples = self._io[0][0]  # on rank 0: virtual stage 0's inputs, the graph's inputs
         dims = [0] * len(self._examples) if input_batch_dims is None else list(input_batch_dims)
         if self.is_first and len(dims) != len(self._examples):
             raise ValueError(f"stage 0 takes {len(self._examples)} inputs but got {len(dims)} batch dims")
@@ -170,22 +208,44 @@ class PipelineRunner:
 
     def _schedule(self, training: bool) -> Any:
         if training not in self._schedules:
-            module = self.stage_module if self.is_last else _ContiguousOutputs(self.stage_module)
-            stage = PipelineStage(
-                module,
-                self.stage_index,
-                self.num_stages,
-                self.device,
-                input_args=self._examples,
-                output_args=self._outputs,
-                group=self.pp_group,
-            )
+            stages = []
+            for chunk, index, (inputs, outputs) in zip(self.chunks, self.virtual_indices, self._io):
+                last = index == self.num_virtual_stages - 1
+                stages.append(
+                    PipelineStage(
+                        chunk if last else _ContiguousOutputs(chunk),
+                        index,
+                        self.num_virtual_stages,
+                        self.device,
+                        input_args=inputs,
+                        output_args=outputs,
+                        group=self.pp_group,
+                    )
+                )
             loss_fn = self.loss_fn if training else None
             specs = _chunk_specs(self.input_batch_dims) if self.is_first else None
+            multi = self.schedule is Schedule.INTERLEAVED_1F1B  # a list of stages, even of one
             self._schedules[training] = self.schedule_class(
-                stage, n_microbatches=self.micro_batches, loss_fn=loss_fn, args_chunk_spec=specs
+                stages if multi else stages[0],
+                n_microbatches=self.micro_batches,
+                loss_fn=loss_fn,
+                args_chunk_spec=specs,
             )
         return self._schedules[training]
+
+    def note(self) -> str:
+        """What the run report says about the schedule that ran (the same on every rank)."""
+        v = len(self.chunks)
+        chunks = (
+            f"v={v} model chunks per pipeline rank ({self.num_virtual_stages} virtual stages; chunk c of rank r "
+            "is virtual stage c * pp + r)"
+            if self.schedule is Schedule.INTERLEAVED_1F1B
+            else "one stage per pipeline rank"
+        )
+        return (
+            f"pipeline schedule: {self.schedule} (torch.distributed.pipelining {self.schedule_class.__name__}) "
+            f"over pp={self.num_stages}, {chunks}, {self.micro_batches} micro-batches"
+        )
 
     def _stage_args(self, inputs_or_none: Sequence[torch.Tensor] | None) -> tuple:
         if not self.is_first:
@@ -246,13 +306,39 @@ def all_reduce_tied_gradients(
     both set grad = grad_a + grad_b. Pairs are handled in list order, so it cannot deadlock. A missing
     gradient counts as zero. Call after the backward, before the optimizer step.
     """
+    size = dist.get_world_size(pp_group) if pp_group is not None else dist.get_world_size()
+    sum_tied_gradients({stage_index: stage_module}, tied, pp_group, size)
+
+
+def sum_tied_gradients(
+    chunks: Mapping[int, nn.Module],
+    tied: Sequence[tuple[int, str, int, str]],
+    pp_group: dist.ProcessGroup | None,
+    num_ranks: int,
+) -> None:
+    """`all_reduce_tied_gradients` for a rank holding several stages: chunks maps each virtual stage
+    index this rank holds to its module (all of them; virtual stage s is held by pp rank s % num_ranks,
+    `runtime.pipeline.PipelineRunner`), tied lists pairs of virtual stage indices. A pair on two ranks
+    is exchanged over `pp_group`; a pair whose two stages are both here is summed locally. Both copies
+    end with grad_a + grad_b, added in that order on every rank (the copies stay bit-identical)."""
     for a, fqn_a, b, fqn_b in tied:
-        if stage_index not in (a, b) or a == b:
+        if a == b or (a not in chunks and b not in chunks):
             continue
-        mine, peer = (fqn_a, b) if stage_index == a else (fqn_b, a)
-        param = stage_module.get_parameter(mine)
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
+        grads = {}
+        for index, fqn in ((a, fqn_a), (b, fqn_b)):
+            if index in chunks:
+                param = chunks[index].get_parameter(fqn)
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                grads[index] = param
+        if len(grads) == 2:  # both copies on this rank
+            total = grads[a].grad + grads[b].grad
+            grads[a].grad, grads[b].grad = total, total.clone()
+            continue
+        assert a % num_ranks != b % num_ranks, f"rank holds stage {a} or {b} of a pair but not both"
+        mine = a if a in grads else b
+        peer = b % num_ranks if mine == a else a % num_ranks
+        param = grads[mine]
         peer_rank = dist.get_global_rank(pp_group, peer) if pp_group is not None else peer
         received = torch.empty_like(param.grad)
         ops = [
@@ -262,4 +348,4 @@ def all_reduce_tied_gradients(
         for work in dist.batch_isend_irecv(ops):
             work.wait()
         # a + b in the same order on both ranks: the two copies stay bit-identical
-        param.grad = param.grad + received if stage_index == a else received + param.grad
+        param.grad = param.grad + received if mine == a else received + param.grad

@@ -3,19 +3,25 @@
 Like `runtime.execute.run_rank`, but the graph is captured at the micro-batch size (captured shapes
 are literals; inputs are cut on their batch dims, `RankSetup.batch_dims`, inputs without one stay whole), lowered to this rank's stage (`passes.lower.lower_for_rank`: TP pass, then the split
 at the layers' output nodes), and run through `torch.distributed.pipelining` with the plan's schedule
-(`plan.schedule`: GPipe or 1F1B) and micro-batch count (`runtime.pipeline.PipelineRunner`). The
+(`plan.schedule`: GPipe, 1F1B, or interleaved 1F1B with `plan.virtual_stages` model chunks per rank)
+and micro-batch count (`runtime.pipeline.PipelineRunner`). The
 graph is captured on the meta device and only the stage's own weight shards are loaded
 (`passes.tensor_parallel.load_sharded_weights`). The reference is the unsharded model on the whole
 batch, made once before the ranks started (`runtime.reference`): the last stage compares every
 output with its DP replica's part of it, and in training the loss; every stage its gradients.
 Training: forward + backward through the schedule, tied weights (GPT-2 embedding / LM head in
 different stages) get their gradients summed between the two stages, DP replicas average gradients,
-then an Adam step (the optimizer the cost model assumes). The model runs in the plan's dtype and,
+then an Adam step (the optimizer the cost model assumes; with `plan.distributed_optimizer` the
+gradients are reduce-scattered, each replica updates its slice and the parameters are all-gathered:
+`runtime.data_parallel.DistributedAdam`). The report's notes say which schedule, how many chunks
+per rank and which optimizer ran. The model runs in the plan's dtype and,
 for training, in train mode; the checked step runs with dropout off, the timed ones with dropout on
 (`runtime.run_mode`).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -26,12 +32,12 @@ from passes.rng import dropout_disabled
 from passes.tensor_parallel import load_sharded_weights
 from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture, flat_inputs, retarget_device
-from runtime.data_parallel import args_share, average_gradients, batch_share, unbatched_note
+from runtime.data_parallel import args_share, batch_share, build_optimizer, unbatched_note
 from runtime.job import RankReport, RankSetup, RunJob
 from runtime.launch import RankContext
 from runtime.measure import time_iterations
 from runtime.numerics import all_outputs
-from runtime.pipeline import PipelineRunner, all_reduce_tied_gradients
+from runtime.pipeline import PipelineRunner, sum_tied_gradients
 from runtime.reference import compare_gradients, compare_loss, compare_outputs, dp_mean
 from runtime.run_mode import dropout_note, seed_dropout_rng, set_run_mode
 
@@ -51,16 +57,20 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
     model = set_run_mode(setup.model_file.build("meta"), plan.dtype, training)  # no weight memory yet
     gm = capture(model, micro_args, micro_kwargs)
     lowered = lower_for_rank(gm, analyse(gm), plan, ctx.rank, training=training)
-    stage, pp_group = lowered.module, groups.group("pp")
+    pp_group = groups.group("pp")
     del gm
-    # only this stage's parameters, and of those only this rank's TP shards, are materialised
-    load_sharded_weights(stage, reference.weights, plan.splits, lowered.tp_rank, plan.tp)
-    stage = retarget_device(stage, ctx.device).to(ctx.device)
+    chunks = []  # this rank's stage, or its model chunks (virtual stages pp_rank, pp_rank + pp, ...)
+    for chunk in lowered.chunks:
+        # only this stage's parameters, and of those only this rank's TP shards, are materialised
+        load_sharded_weights(chunk, reference.weights, plan.splits, lowered.tp_rank, plan.tp)
+        chunks.append(retarget_device(chunk, ctx.device).to(ctx.device))
+    virtual = {c * plan.pp + lowered.pp_rank: chunk for c, chunk in enumerate(chunks)}
+    params = [p for chunk in chunks for p in chunk.parameters()]
     first, last = lowered.pp_rank == 0, lowered.pp_rank == plan.pp - 1
     want = SafetensorsCheckpoint([reference.outputs])  # the unsharded model on the whole batch
     ref_full = want.read("output.0")
     runner = PipelineRunner(
-        stage,
+        chunks,
         lowered.pp_rank,
         plan.pp,
         m,
@@ -76,28 +86,36 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
         pipeline_schedule=runner.schedule_class.__name__, output_dtype=reference.dtype, dtype=plan.dtype,
         notes=unbatched_note(flat_inputs(setup.full_args, setup.full_kwargs), setup.batch_dims),
     )  # fmt: skip
+    report.notes.append(runner.note())
     stage_inputs = inputs if first else None
 
     if training:
         target_full = want.read("target").to(ctx.device)
         target = batch_share((target_full,), plan.dp, groups.dp_rank)[0]
-        optimizer = torch.optim.Adam(stage.parameters(), lr=1e-3)
         dp_group = groups.group("dp")
+        optimizer = build_optimizer(plan.distributed_optimizer, params, dp_group, plan.dp, groups.dp_rank)
 
         def step() -> torch.Tensor | None:
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad()
             loss = runner.train_step(stage_inputs, target=target if last else None)
-            all_reduce_tied_gradients(stage, lowered.pp_rank, lowered.tied, pp_group)
-            average_gradients(stage, dp_group, plan.dp)
+            sum_tied_gradients(virtual, lowered.tied, pp_group, plan.pp)
+            optimizer.reduce_gradients()
             return loss
 
-        with dropout_disabled(stage):  # like with like: the reference ran without dropout too
+        with contextlib.ExitStack() as off:  # like with like: the reference ran without dropout too
+            for chunk in chunks:
+                off.enter_context(dropout_disabled(chunk))
             loss = step()
         if last:  # the pipeline's loss (mean over the DP replicas) against the unsharded model's
             compare_loss(dp_mean(loss, plan.dp, dp_group), want, report)
             report.max_abs_diff = report.loss_diff
-        compare_gradients(stage, reference, setup, report)
-        report.notes.append(f"stage {lowered.pp_rank}: {dropout_note(stage)}")
+        compare_gradients(chunks, reference, setup, report, owned=optimizer.owned_ranges())
+        for index, chunk in virtual.items():
+            label = (
+                f"stage {index}" if len(chunks) == 1 else f"virtual stage {index} (pp rank {lowered.pp_rank})"
+            )
+            report.notes.append(f"{label}: {dropout_note(chunk)}")
+        report.notes.append(optimizer.note())
         seed_dropout_rng(setup.seed, lowered.pp_rank, lowered.tp_rank, ctx.device)
 
         def timed() -> None:

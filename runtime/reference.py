@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -212,19 +212,37 @@ def compare_loss(mean_loss: torch.Tensor, want: SafetensorsCheckpoint, report: R
 
 
 def compare_gradients(
-    module: torch.nn.Module, reference: ReferenceFiles, setup: RankSetup, report: RankReport
+    module: torch.nn.Module | Sequence[torch.nn.Module],
+    reference: ReferenceFiles,
+    setup: RankSetup,
+    report: RankReport,
+    owned: Mapping[int, tuple[int, int]] | None = None,
 ) -> None:
-    """Training, after the backward and the DP average: every gradient of this rank's parameters
-    against its shard of the unsharded model's whole-batch gradient (read shard by shard)."""
+    """Training, after the backward and the DP gradient reduction: every gradient of this rank's
+    parameters (of `module`, or of each module of a sequence: a rank's pipeline chunks) against its
+    shard of the unsharded model's whole-batch gradient (read shard by shard). owned: with the
+    distributed optimizer (`runtime.data_parallel.DistributedAdam.owned_ranges`), id(param) -> the flat
+    elements (lo, hi) that hold the replicas' mean gradient; only those are compared (parameters not
+    listed: none). None compares every element."""
     plan, groups = setup.plan, setup.groups
+    diffs, scales = [], []
+    modules = [module] if isinstance(module, torch.nn.Module) else list(module)
     with SafetensorsCheckpoint([reference.grads]) as grads_file:
-        names = [n for n, p in module.named_parameters() if p.grad is not None and n in grads_file]
-        grads = read_local_shards(module, grads_file, plan.splits, groups.tp_rank, plan.tp, names)
-    params = dict(module.named_parameters())
-    report.grad_max_abs_diff = max(
-        (max_abs_diff(params[n].grad.cpu(), g) for n, g in grads.items()), default=0.0
-    )
-    report.grad_scale = max((float(g.abs().max()) for g in grads.values() if g.numel()), default=0.0)
+        for mod in modules:
+            params = dict(mod.named_parameters())
+            names = [n for n, p in params.items() if p.grad is not None and n in grads_file]
+            grads = read_local_shards(mod, grads_file, plan.splits, groups.tp_rank, plan.tp, names)
+            for n, want in grads.items():
+                got = params[n].grad
+                if owned is not None:
+                    if id(params[n]) not in owned:
+                        continue
+                    lo, hi = owned[id(params[n])]
+                    got, want = got.reshape(-1)[lo:hi], want.reshape(-1)[lo:hi]
+                diffs.append(max_abs_diff(got.cpu(), want))
+                scales.append(float(want.abs().max()) if want.numel() else 0.0)
+    report.grad_max_abs_diff = max(diffs, default=0.0)
+    report.grad_scale = max(scales, default=0.0)
 
 
 def _named_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -11,6 +11,9 @@ tensor-parallel-aware dropout RNG.
   rank (seed + 2718 + 100 x pp_rank + tp_rank; `passes.rng`).
 - numerics: a training run's check compares the sharded and unsharded models with dropout off
   (`passes.rng.dropout_disabled`); the timed steps run with dropout on. `dropout_note` says so.
+- the plan's schedule and optimizer: `check_plan_runs` refuses, naming the plan field, what the
+  runtime would otherwise have to run differently from the plan (the pipeline schedule's
+  micro-batch constraints, a distributed optimizer without an optimizer step).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from torch import nn
 from costmodels.dtypes import torch_dtype
 from passes.rng import SHARDED_SEED_OFFSET, dropout_nodes, seed_sharded_rng
 from planner.errors import InputError
+from planner.plan import Plan, Schedule
 
 STAGE_SEED_STRIDE = 100  # Megatron-LM: seed + 100 * pipeline rank
 
@@ -85,3 +89,29 @@ def dropout_note(gm: fx.GraphModule) -> str:
         f"train mode: {len(nodes)} dropout op(s) active in the timed steps ({sharded} on tensor-parallel "
         "shards, drawing from a per-rank RNG stream); numerics checked with dropout off"
     )
+
+
+def check_plan_runs(plan: Plan, workload: str) -> None:
+    """Raise InputError naming the plan field when the runtime cannot run `plan` as planned for
+    `workload` ("forward" | "train"): 1F1B with fewer micro-batches than pipeline stages, interleaved
+    1F1B with micro-batches that do not divide into its rounds (torch's `ScheduleInterleaved1F1B`
+    needs micro_batches % max(1, micro_batches // pp) == 0), or `distributed_optimizer` on a workload
+    without an optimizer step. Called before the ranks start and on every rank."""
+    m, pp = plan.micro_batches, plan.pp
+    if pp > 1 and plan.schedule == Schedule.ONE_F_ONE_B and m < pp:
+        raise InputError(
+            f"plan field 'micro_batches': the 1f1b schedule needs at least pp={pp} micro-batches, the plan has "
+            f"{m}; re-plan with more micro-batches or --schedule gpipe"
+        )
+    rounds = max(1, m // pp)
+    if pp > 1 and plan.schedule == Schedule.INTERLEAVED_1F1B and m % rounds:
+        raise InputError(
+            f"plan field 'micro_batches': the interleaved_1f1b schedule (torch.distributed.pipelining "
+            f"ScheduleInterleaved1F1B) runs micro-batches in rounds of max(1, m // pp) = {rounds}, which must "
+            f"divide m = {m}; re-plan with micro_batches a multiple of pp={pp}"
+        )
+    if plan.distributed_optimizer and workload != "train":
+        raise InputError(
+            f"plan field 'distributed_optimizer' is true but the run's workload is {workload}: there is no "
+            "optimizer step to shard; plan the train workload, or set distributed_optimizer: false"
+        )

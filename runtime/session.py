@@ -23,17 +23,21 @@ from dataclasses import replace
 from typing import Any
 
 from planner.errors import RunError
+from planner.plan import Plan
 from runtime.execute import run_rank
 from runtime.job import RunJob, summarise
 from runtime.launch import launch, under_torchrun
 from runtime.numerics import check_failures
 from runtime.reference import write_reference
+from runtime.run_mode import check_plan_runs
 
 
 def run_job(job: RunJob, nproc: int, timeout_s: float) -> dict[str, Any] | None:
     """Run `job` on `nproc` ranks and return `summarise` of their reports (None on a torchrun rank
     other than 0). Raises InputError for a model without weights or bad --weights (exit 2),
-    RunError when a rank fails or the numerics are beyond tolerance (exit 4)."""
+    RunError when a rank fails or the numerics are beyond tolerance (exit 4); InputError naming the
+    plan field when the runtime cannot run the plan as planned (`runtime.run_mode.check_plan_runs`)."""
+    check_plan_runs(Plan.from_dict(job.plan), job.workload)
     if under_torchrun():
         reports = launch(run_rank, job, nproc=nproc, timeout_s=timeout_s)
     else:

@@ -28,7 +28,7 @@ from runtime.execute import run_rank
 from runtime.job import RunJob
 from runtime.launch import RankContext, launch
 from runtime.mesh import build_rank_groups
-from runtime.pipeline import PipelineRunner, all_reduce_tied_gradients
+from runtime.pipeline import PipelineRunner, all_reduce_tied_gradients, sum_tied_gradients
 from tests.conftest import EXAMPLES, run_in_sequence
 from tests.plans import fixed_plan
 
@@ -261,6 +261,40 @@ def _pp_train(rank: int, name: str) -> dict:
     }
 
 
+def _pp_interleaved(rank: int) -> dict:
+    """Interleaved 1F1B, pp=2 x v=2 on the 4-layer Llama: 4 virtual stages of one layer, rank r holding
+    virtual stages r and r + 2 (chunk c = virtual stage c * pp + r). Forward with 2 and 4 micro-batches,
+    a training step with 4; gradients of both chunks against the unsharded model's."""
+    _, reference, gm = build("llama3", 1)
+    chunks = even_stages("llama3", gm, 4)[rank::2]
+    result: dict = {
+        "chunk_layers": [
+            sorted({int(t.split(".")[1]) for t in c.meta["pp_param_keys"] if t.startswith("layers.")})
+            for c in chunks
+        ]
+    }
+    for m in (2, 4):
+        x = tokens(m)
+        runner = PipelineRunner(chunks, rank, 2, m, None, "cpu", Schedule.INTERLEAVED_1F1B)
+        out = runner.forward((x,) if rank == 0 else None)
+        result[f"forward_m{m}"] = None if out is None else (out - reference(x)).abs().max().item()
+    x, target = tokens(4), tokens(4, seed=2)
+    runner = PipelineRunner(chunks, rank, 2, 4, None, "cpu", "interleaved_1f1b", loss_fn=lm_loss)
+    loss = runner.train_step((x,) if rank == 0 else None, target if rank == 1 else None)
+    ref_loss = lm_loss(reference(x), target)
+    ref_loss.backward()
+    ref_params = dict(reference.named_parameters())
+    diffs = {}
+    for chunk in chunks:
+        for fqn, param in chunk.named_parameters():
+            assert param.grad.abs().max() > 0, fqn
+            diffs[fqn] = (param.grad - ref_params[fqn].grad).abs().max().item()
+    result["grad_diffs"] = diffs
+    result["loss_diff"] = None if loss is None else abs(loss.item() - ref_loss.item())
+    result["class"] = runner.schedule_class.__name__
+    return result
+
+
 def _pp_int_crossing(rank: int) -> dict:
     """Cut right after the RoPE slices: the int64 token ids cross the boundary (forward and backward)."""
     _, reference, gm = build("llama3", 1)
@@ -304,6 +338,8 @@ def _pp_plan_jobs() -> list[tuple[str, str, RunJob]]:
         for workload in ("forward", "train"):
             plan = fixed_plan(analyse(gm), path, 1, pp=2, workload=workload, micro_batches=2)
             plan = dataclasses.replace(plan, schedule=schedule)
+            if schedule is Schedule.INTERLEAVED_1F1B:  # v=2: chunk c of rank r is virtual stage 2c + r
+                plan = dataclasses.replace(plan, virtual_stages=2, stages=[[0, 2], [1, 3]])
             jobs.append(
                 (str(schedule), workload, RunJob(path, plan.to_dict(), workload=workload, warmup=0, iters=1))
             )
@@ -322,6 +358,7 @@ def _pp_plan_runs(ctx: RankContext) -> list[dict]:
                 "diff": report.max_abs_diff,
                 "scale": report.output_scale,
                 "grad_diff": report.grad_max_abs_diff,
+                "notes": report.notes,
             }
         )
     return results
@@ -333,6 +370,7 @@ def _pp2_checks(ctx: RankContext, payload: None) -> dict:
         "forward": _pp_forward(ctx.rank),
         "train_llama3": _pp_train(ctx.rank, "llama3"),
         "train_gpt2_tiny": _pp_train(ctx.rank, "gpt2_tiny"),
+        "interleaved": _pp_interleaved(ctx.rank),
         "int_crossing": _pp_int_crossing(ctx.rank),
         "hf_llama": _pp_hf_llama(ctx.rank),
         "plan_runs": _pp_plan_runs(ctx),
@@ -368,8 +406,9 @@ def pp2_results() -> list[dict]:
 @pytest.mark.slow
 def test_pipelined_forward_equals_model_pp2(pp2_results: list[dict]) -> None:
     first, last = (r["forward"] for r in pp2_results)
-    assert first == {"gpipe": None, "1f1b": None}
+    assert first == {"gpipe": None, "1f1b": None, "interleaved_1f1b": None}  # one chunk per rank: v=1
     assert last["gpipe"] <= 1e-5 and last["1f1b"] <= 1e-5 and last["runner"] <= 1e-5
+    assert last["interleaved_1f1b"] <= 1e-5
     assert last["runner_repeats_equal"]
 
 
@@ -383,6 +422,18 @@ def test_pipelined_training_step_gradients_pp2(pp2_results: list[dict], name: st
     assert results[0]["loss_diff"] is None and results[1]["loss_diff"] <= 1e-6
     if name == "gpt2_tiny":
         assert results[0]["tied"] == [(0, "lm_head.weight", 1, "lm_head.weight")]
+
+
+@pytest.mark.slow
+def test_interleaved_pp2_v2_matches_the_model(pp2_results: list[dict]) -> None:
+    """ScheduleInterleaved1F1B with two chunks per rank: forward and gradients equal the unsharded model's."""
+    first, last = (r["interleaved"] for r in pp2_results)
+    assert first["chunk_layers"] == [[0], [2]] and last["chunk_layers"] == [[1], [3]]
+    assert first["forward_m2"] is None and first["loss_diff"] is None
+    assert last["forward_m2"] <= 1e-5 and last["forward_m4"] <= 1e-5 and last["loss_diff"] <= 1e-6
+    for r in (first, last):
+        assert r["class"] == "ScheduleInterleaved1F1B"
+        assert len(r["grad_diffs"]) >= 9 and max(r["grad_diffs"].values()) <= 1e-6, r["grad_diffs"]
 
 
 @pytest.mark.slow
@@ -404,11 +455,16 @@ def test_hf_llama_pipelined_forward_with_bool_mask(pp2_results: list[dict]) -> N
 @pytest.mark.slow
 def test_pp2_plan_runs_its_schedule(pp2_results: list[dict]) -> None:
     """run_rank on a pp=2 plan: the schedule run is the plan's; forward output, training loss and
-    every stage's gradients match the unsharded model, with GPipe and with 1F1B."""
+    every stage's gradients match the unsharded model, with GPipe, 1F1B and interleaved 1F1B (v=2);
+    the report's notes say which schedule and how many chunks ran."""
     first, last = (r["plan_runs"] for r in pp2_results)
     ran = {(r["schedule"], r["workload"]): r["ran"] for r in first + last}
-    want = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+    want = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
     assert ran == {(s, w): want[s] for s in want for w in ("forward", "train")}
+    for r in first + last:
+        note = next(n for n in r["notes"] if n.startswith("pipeline schedule:"))
+        assert f"{r['schedule']} (torch.distributed.pipelining {want[r['schedule']]})" in note
+        assert ("v=2 model chunks per pipeline rank" in note) == (r["schedule"] == "interleaved_1f1b")
     for r in first:
         assert r["diff"] is None  # the output (and the loss) is on the last stage
     for r in last:
@@ -439,3 +495,22 @@ def test_tp2_pp2_forward_equals_model() -> None:
             assert r["diff"] <= 1e-5
         else:
             assert r["diff"] is None
+
+
+def test_model_chunks_need_the_interleaved_schedule_and_its_micro_batch_rounds() -> None:
+    _, _, gm = build("llama3", 1)
+    chunks = even_stages("llama3", gm, 4)[0::2]
+    with pytest.raises(ValueError, match="2 model chunks .* needs the interleaved_1f1b schedule"):
+        PipelineRunner(chunks, 0, 2, 4, None, "cpu", Schedule.ONE_F_ONE_B)
+    with pytest.raises(ValueError, match=r"micro_batches\(5\) divisible by its rounds.* = 2"):
+        PipelineRunner(chunks, 0, 2, 5, None, "cpu", Schedule.INTERLEAVED_1F1B)
+
+
+def test_tied_copies_in_two_chunks_of_one_rank_are_summed_locally() -> None:
+    chunks = {0: torch.nn.Linear(2, 2), 2: torch.nn.Linear(2, 2)}
+    for i, chunk in chunks.items():
+        chunk.weight.grad = torch.full((2, 2), float(i + 1))
+    sum_tied_gradients(chunks, [(0, "weight", 2, "weight"), (1, "weight", 3, "weight")], None, 2)
+    assert torch.equal(chunks[0].weight.grad, torch.full((2, 2), 4.0))
+    assert torch.equal(chunks[2].weight.grad, chunks[0].weight.grad)
+    assert chunks[0].bias.grad is None  # untied parameters are left alone

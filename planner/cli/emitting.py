@@ -24,6 +24,7 @@ import torch
 
 from passes.emit import emit_rank_module, write_readme
 from passes.lower import lower_for_rank
+from planner.errors import InputError
 from planner.files import new_output_folder, publish_folder
 from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture
@@ -40,9 +41,16 @@ def emit_plan(plan: Plan, model_path: str, out_dir: str, backend: str = "gloo") 
 
     backend: the process-group backend of the plan's cluster, which the README's example initialises
     ("gloo": CPU processes; "nccl": one GPU per rank). Raises InputError when the plan ladders layers
-    across pipeline stages (not supported), or when `out_dir` cannot be written or is a non-empty
+    across pipeline stages or has more than one model chunk per pipeline rank (`virtual_stages`: an
+    emitted rank folder holds one module), or when `out_dir` cannot be written or is a non-empty
     folder the planner did not write (nothing is changed then).
     """
+    if plan.virtual_stages > 1:
+        raise InputError(
+            f"plan field 'virtual_stages' is {plan.virtual_stages} (interleaved 1F1B): --emit writes one module "
+            "per rank and cannot emit model chunks yet; run the plan with --run, or re-plan with "
+            "--schedule 1f1b to emit it"
+        )
     tmp = new_output_folder(out_dir, "--emit")
     try:
         model_file = load_model_file(model_path)
