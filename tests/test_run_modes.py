@@ -1,5 +1,6 @@
 """What runs is what was planned (issue 13): inputs without a batch dim (kind 2), train mode with
-tensor-parallel-aware dropout RNG (kind 4), the planned dtype (kind 5).
+tensor-parallel-aware dropout RNG (kind 4), the planned dtype (kind 5); the distributed optimizer
+(ZeRO-1) and the plan fields the runtime refuses (issue 14).
 
 The models in tests/models are small rewrites of the cases in ../shared/cases (nonbatch_bias.py,
 dropout_tp.py, bf16_llama.py). Multi-rank tests run 2 gloo ranks.
@@ -7,6 +8,7 @@ dropout_tp.py, bf16_llama.py). Multi-rank tests run 2 gloo ranks.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from pathlib import Path
 
@@ -20,12 +22,12 @@ from planner.errors import InputError
 from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture, flat_inputs, input_batch_dims
 from planner.frontend.modelfile import load_model_file
-from planner.plan import MeshShape
-from runtime.data_parallel import args_share, batch_share
+from planner.plan import MeshShape, Plan, Prediction, Schedule, SolverInfo
+from runtime.data_parallel import DistributedAdam, ReplicatedAdam, args_share, batch_share
 from runtime.job import RunJob, set_up_rank, summarise
 from runtime.launch import RankContext, launch
 from runtime.numerics import tolerance_for
-from runtime.run_mode import cast_inputs, seed_dropout_rng, set_run_mode
+from runtime.run_mode import cast_inputs, check_plan_runs, seed_dropout_rng, set_run_mode
 from tests.parity_entry import run_jobs
 from tests.plans import fixed_plan
 
@@ -86,18 +88,33 @@ def test_shares_split_batched_inputs_and_keep_the_others_whole() -> None:
         batch_share((bias,), 2, 0, (None,))
 
 
-@pytest.mark.slow
-def test_pipeline_and_data_parallel_give_an_unbatched_bias_whole() -> None:
+def _two_rank_checks(ctx: RankContext, jobs: list[RunJob]) -> dict:
+    """The 2-rank checks of this module that share one launch (spawning ranks costs more than them)."""
+    return {"runs": run_jobs(ctx, jobs), "zero1": _zero1_steps(ctx)}
+
+
+@pytest.fixture(scope="module")
+def two_rank_results() -> list[dict]:
+    """One launch: the runs of an unbatched-bias PP=2 and DP=2 plan (kind 2), a DP=2 training plan
+    with the distributed optimizer (issue 14), and the ZeRO-1 optimizer beside plain DP's Adam."""
     # PP=2 with 2 micro-batches: splitting the (8, 8) bias on dim 0 made a (4, 8) mask (a traceback);
     # DP=2 at seq_len 2: a (1, 2) half of the bias broadcast silently (wrong outputs, exit 0)
     pp = _plan("nonbatch_bias.py", pp=2, micro_batches=2)
     dp = _plan("nonbatch_bias.py", dp=2, seq_len=2)
+    zero1 = dataclasses.replace(
+        _plan("dropout_tp.py", dp=2, batch_size=4, workload="train"), distributed_optimizer=True
+    )
     jobs = [
         _job("nonbatch_bias.py", pp, return_output=True),
         _job("nonbatch_bias.py", dp, return_output=True),
+        _job("dropout_tp.py", zero1),
     ]
-    results = launch(run_jobs, jobs, nproc=2, timeout_s=120)
-    pp_reports, dp_reports = zip(*results)
+    return launch(_two_rank_checks, jobs, nproc=2, timeout_s=120)
+
+
+@pytest.mark.slow
+def test_pipeline_and_data_parallel_give_an_unbatched_bias_whole(two_rank_results: list[dict]) -> None:
+    pp_reports, dp_reports, _ = zip(*(r["runs"] for r in two_rank_results))
     want = _unsharded("nonbatch_bias.py", 4, 8)
     got = pp_reports[1].output  # the last stage holds the pipeline's output
     assert got is not None and torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()
@@ -205,3 +222,71 @@ def test_bf16_plan_runs_in_bf16() -> None:
     assert float((report.output.float() - want).abs().max()) <= tolerance_for("bfloat16") * float(
         want.abs().max()
     )
+
+
+# ------------------------------------------------------------------ issue 14: ZeRO-1, refused plan fields
+
+
+def _zero1_steps(ctx: RankContext) -> dict:
+    """dp=2: three Adam steps with the distributed optimizer beside plain data parallelism, on a model
+    with parameters of two dtypes (one flat buffer each, the fp64 one of 4 elements, the fp32 one of 18)."""
+    group = dist.group.WORLD
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+    model[2].double()
+    twin, initial = copy.deepcopy(model), copy.deepcopy(model)
+    plain, zero = (
+        ReplicatedAdam(list(model.parameters()), group, 2),
+        DistributedAdam(list(twin.parameters()), group, 2, ctx.rank),
+    )
+    data = torch.randn(3, 4, 5, generator=torch.Generator().manual_seed(ctx.rank))  # each replica its own
+    for x in data:
+        for net, opt in ((model, plain), (twin, zero)):
+            opt.zero_grad()
+            net[2](net[1](net[0](x)).double()).square().mean().backward()
+            opt.step()
+    diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), twin.parameters()))
+    moved = min((a - b).abs().max().item() for a, b in zip(model.parameters(), initial.parameters()))
+    return {
+        "param_diff": diff,
+        "moved": moved,
+        "state": (plain.state_numel(), zero.state_numel()),
+        "owned": sorted(zero.owned_ranges().values()),
+    }
+
+
+@pytest.mark.slow
+def test_distributed_optimizer_equals_data_parallel_adam_with_a_dp_share_of_the_state(
+    two_rank_results: list[dict],
+) -> None:
+    steps = [r["zero1"] for r in two_rank_results]
+    fp32, fp64 = 5 * 3 + 3, 3 + 1  # elements per dtype: 18 and 4
+    for r in steps:
+        assert r["param_diff"] <= 1e-6 and r["moved"] > 1e-4, r  # every parameter moved, alike
+        assert r["state"] == (2 * (fp32 + fp64), 2 * (fp32 // 2 + fp64 // 2)), r  # Adam: 2 per element
+    # rank 0 owns the first 9 fp32 elements (weight 0:9) and 2 fp64 (weight 0:2); rank 1 the rest
+    assert steps[0]["owned"] == [(0, 2), (0, 9)]
+    assert steps[1]["owned"] == [(0, 1), (0, 3), (2, 3), (9, 15)]
+    # the plan run: gradients checked where each replica owns the mean (its slice), and it says so
+    summary = summarise([r["runs"][2] for r in two_rank_results])
+    assert summary["numerics"]["grad_max_abs_diff"] <= 1e-6, summary["numerics"]
+    assert summary["numerics"]["loss_diff"] <= 1e-6, summary["numerics"]
+    (note,) = [n for n in summary["measured"]["notes"] if n.startswith("optimizer:")]
+    assert "distributed optimizer (ZeRO-1)" in note and "reduce-scattered" in note, note
+
+
+def test_plan_fields_the_runtime_cannot_run_are_refused_by_name() -> None:
+    zero = Prediction(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    plan = Plan(
+        model="m.py", cluster="local-cpu", workload="train", batch_size=4, seq_len=8, context=0, micro_batches=1,
+        dtype="fp32", mesh=MeshShape(1, 2, 1), splits={}, stages=[[0], [1]], ladder_layers=[], predicted=zero,
+        solver=SolverInfo("fixed", 0.0, 0.0, 0.0, 0),
+    )  # fmt: skip
+    with pytest.raises(InputError, match="plan field 'micro_batches': the 1f1b schedule needs at least pp=2"):
+        check_plan_runs(plan, "forward")
+    check_plan_runs(dataclasses.replace(plan, schedule=Schedule.GPIPE), "forward")
+    interleaved = dataclasses.replace(plan, schedule=Schedule.INTERLEAVED_1F1B, micro_batches=5)
+    with pytest.raises(InputError, match=r"plan field 'micro_batches': the interleaved_1f1b .* = 2"):
+        check_plan_runs(interleaved, "train")
+    with pytest.raises(InputError, match="plan field 'distributed_optimizer' is true but .* forward"):
+        check_plan_runs(dataclasses.replace(plan, micro_batches=2, distributed_optimizer=True), "forward")
