@@ -148,3 +148,23 @@ def test_not_a_mapping(tmp_path: Path) -> None:
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="cannot read"):
         Plan.from_yaml(tmp_path / "nope.yaml")
+
+
+def test_interleaved_chunks_are_runs_of_each_ranks_layers() -> None:
+    """Chunk c of pipeline rank r (its c-th run of consecutive layers) is virtual stage c * pp + r."""
+    plan = make_plan()
+    plan.mesh, plan.ladder_layers = MeshShape(1, 2, 1), []
+    plan.schedule, plan.virtual_stages = Schedule.INTERLEAVED_1F1B, 2
+    plan.stages = [[0, 1, 4, 5], [2, 3, 6, 7]]
+    plan.validate()
+    assert plan.virtual_stage_layers() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert Plan.from_dict(plan.to_dict()).virtual_stage_layers() == plan.virtual_stage_layers()
+    plan.stages = [[0, 1, 2, 3], [4, 5, 6, 7]]  # one run per rank: not two chunks
+    with pytest.raises(InputError, match=r"'stages': rank 0 holds layers \[0, 1, 2, 3\], 1 runs"):
+        plan.validate()
+    plan.stages = [[0, 3], [1, 2]]  # rank 1's one run cannot be two chunks
+    with pytest.raises(InputError, match="rank 1 holds layers"):
+        plan.validate()
+    plan.stages = [[2, 4], [0, 3]]  # virtual stage order 2, 0, 4, 3
+    with pytest.raises(InputError, match=r"'stages'.*virtual stage c \* pp \+ r"):
+        plan.validate()
