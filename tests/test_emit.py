@@ -19,9 +19,11 @@ from passes.collectives import register_group
 from passes.emit import EmitError, emit_rank_module, load_rank_module, write_readme
 from passes.pipeline import split_stages
 from passes.tensor_parallel import apply_tensor_parallel
+from planner.cli.emitting import emit_plan
+from planner.errors import InputError
 from planner.frontend.capture import capture
 from planner.frontend.modelfile import load_model_file
-from planner.plan import WeightSplit
+from planner.plan import MeshShape, Plan, Prediction, Schedule, SolverInfo, WeightSplit
 from runtime.launch import RankContext, launch
 from tests.conftest import EXAMPLES, run_in_sequence
 
@@ -110,6 +112,19 @@ def test_failed_emit_leaves_no_folder_and_replaces_an_old_one(tmp_path: Path) ->
     emit_rank_module(gm, tmp_path, 3, {"version": 2})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank3"]
     assert json.loads((tmp_path / "rank3" / "meta.json").read_text())["version"] == 2
+
+
+def test_emit_refuses_model_chunks_by_the_plan_field(tmp_path: Path) -> None:
+    zero = Prediction(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    plan = Plan(
+        model="llama3.py", cluster="local-cpu", workload="train", batch_size=4, seq_len=8, context=0,
+        micro_batches=2, dtype="fp32", mesh=MeshShape(1, 2, 1), splits={}, stages=[[0, 2], [1, 3]],
+        ladder_layers=[], predicted=zero, solver=SolverInfo("fixed", 0.0, 0.0, 0.0, 0),
+        schedule=Schedule.INTERLEAVED_1F1B, virtual_stages=2,
+    )  # fmt: skip
+    with pytest.raises(InputError, match="plan field 'virtual_stages' is 2"):
+        emit_plan(plan, str(EXAMPLES / "llama3.py"), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
 
 
 def test_tied_alias_and_call_module_rejected(tmp_path: Path) -> None:
