@@ -342,6 +342,8 @@ def _pp_plan_jobs() -> list[tuple[str, str, RunJob]]:
     jobs = []
     for schedule in Schedule:
         for workload in ("forward", "train"):
+            if schedule is Schedule.INTERLEAVED_1F1B and workload == "forward":
+                continue  # its forward is checked by _pp_interleaved; the training run checks more
             plan = fixed_plan(analyse(gm), path, 1, pp=2, workload=workload, micro_batches=2)
             plan = dataclasses.replace(plan, schedule=schedule)
             if schedule is Schedule.INTERLEAVED_1F1B:  # v=2: chunk c of rank r is virtual stage 2c + r
@@ -406,7 +408,7 @@ def _tp_pp_forward(ctx: RankContext, payload: None) -> dict:
 
 @pytest.fixture(scope="module")
 def pp2_results() -> list[dict]:
-    return launch(_pp2_checks, None, 2, timeout_s=120)
+    return launch(_pp2_checks, None, 2, timeout_s=180)
 
 
 @pytest.mark.slow
@@ -467,7 +469,13 @@ def test_pp2_plan_runs_its_schedule(pp2_results: list[dict]) -> None:
     first, last = (r["plan_runs"] for r in pp2_results)
     ran = {(r["schedule"], r["workload"]): r["ran"] for r in first + last}
     want = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
-    assert ran == {(s, w): want[s] for s in want for w in ("forward", "train")}
+    runs = {
+        (s, w): want[s]
+        for s in want
+        for w in ("forward", "train")
+        if (s, w) != ("interleaved_1f1b", "forward")
+    }
+    assert ran == runs
     for r in first + last:
         note = next(n for n in r["notes"] if n.startswith("pipeline schedule:"))
         assert f"{r['schedule']} (torch.distributed.pipelining {want[r['schedule']]})" in note
