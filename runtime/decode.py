@@ -31,12 +31,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import shutil
 import statistics
-import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +54,7 @@ from runtime.launch import RankContext
 from runtime.measure import Timing, current_memory_bytes, process_peak_memory_bytes
 from runtime.mesh import build_rank_groups
 from runtime.numerics import all_outputs
+from runtime.reference import shared_reference
 
 # max |sharded - unsharded| logits, relative to the logits' scale, that still counts as equal: a few
 # ulps of the dtype accumulated over the layers (summation order differs under TP)
@@ -351,33 +348,6 @@ def _rank_graphs(
     return gp, gd
 
 
-@contextmanager
-def _shared_decode_reference(ctx: RankContext, job: DecodeJob) -> Iterator[DecodeReference]:
-    """The job's reference; without one, local rank 0 of each node makes it in a temporary folder
-    (collective over the default group) and removes it when every rank is done."""
-    if job.reference is not None:
-        yield job.reference
-        return
-    made = directory = None
-    if ctx.local_rank == 0:
-        directory = tempfile.mkdtemp(prefix="planner-decode-reference-")
-        try:
-            made = write_decode_reference(job, directory, made_on=f"rank {ctx.rank}")
-        except BaseException:
-            shutil.rmtree(directory, ignore_errors=True)
-            raise
-    gathered: list[DecodeReference | None] = [None] * ctx.world_size
-    dist.all_gather_object(gathered, made)
-    mine = gathered[ctx.rank - ctx.local_rank]
-    assert mine is not None, "local rank 0 of this node made no reference"
-    try:
-        yield mine
-        dist.barrier()
-    finally:
-        if directory is not None:
-            shutil.rmtree(directory, ignore_errors=True)
-
-
 def run_decode_rank(ctx: RankContext, job: DecodeJob) -> DecodeRankReport:
     """Per-rank entry: compare the rewritten request with the reference's, then time it (module
     docstring). Raises ValueError for a plan with pp > 1 or dp > 1 (the runner refuses those first)."""
@@ -389,7 +359,7 @@ def run_decode_rank(ctx: RankContext, job: DecodeJob) -> DecodeRankReport:
     groups = build_rank_groups(plan.mesh, ctx.device.type)
     collectives.register_group("tp", groups.group("tp"))
     startup = current_memory_bytes(ctx.device)
-    with _shared_decode_reference(ctx, job) as ref:
+    with shared_reference(ctx, job, make=write_decode_reference) as ref:
         report = _serve_rank(ctx, job, plan, groups, ref)
     report.startup_memory_bytes = startup
     return report
