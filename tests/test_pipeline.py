@@ -386,7 +386,8 @@ def _pp2_checks(ctx: RankContext, payload: None) -> dict:
 
 
 def _tp_pp_forward(ctx: RankContext, payload: None) -> dict:
-    """tp=2 x pp=2 on 4 ranks: the plan lowered for this rank (Megatron splits, then its stage)."""
+    """tp=2 x pp=2 on 4 ranks: the plan lowered for this rank (Megatron splits, then its stage), with
+    one stage per rank and interleaved with two chunks per rank."""
     groups = build_rank_groups(MeshShape(tp=2, pp=2, dp=1), "cpu")
     register_group("tp", groups.group("tp"))
     _, reference, gm = build("llama3", 1)
@@ -399,7 +400,22 @@ def _tp_pp_forward(ctx: RankContext, payload: None) -> dict:
     runner = PipelineRunner(stage, lowered.pp_rank, 2, 2, groups.group("pp"), "cpu", plan.schedule)
     out = runner.forward((x,) if lowered.pp_rank == 0 else None)
     diff = None if out is None else (out - reference(x)).abs().max().item()
-    return {"pp_rank": lowered.pp_rank, "tp_rank": lowered.tp_rank, "diff": diff, "wq_shape": tuple(sharded)}
+    # interleaved, v=2: each TP rank runs its shards of two one-layer chunks
+    _, _, gm = build("llama3", 1)
+    plan = dataclasses.replace(
+        plan, schedule=Schedule.INTERLEAVED_1F1B, virtual_stages=2, stages=[[0, 2], [1, 3]]
+    )
+    chunks = lower_for_rank(gm, structure, plan, ctx.rank).chunks
+    runner = PipelineRunner(chunks, lowered.pp_rank, 2, 2, groups.group("pp"), "cpu", plan.schedule)
+    out = runner.forward((x,) if lowered.pp_rank == 0 else None)
+    interleaved = None if out is None else (out - reference(x)).abs().max().item()
+    return {
+        "pp_rank": lowered.pp_rank,
+        "tp_rank": lowered.tp_rank,
+        "diff": diff,
+        "interleaved_diff": interleaved,
+        "wq_shape": tuple(sharded),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -502,14 +518,14 @@ def test_one_f_one_b_needs_as_many_micro_batches_as_stages() -> None:
 
 @pytest.mark.slow
 def test_tp2_pp2_forward_equals_model() -> None:
-    results = launch(_tp_pp_forward, None, 4, timeout_s=80)
+    results = launch(_tp_pp_forward, None, 4, timeout_s=180)
     assert [(r["pp_rank"], r["tp_rank"]) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert all(r["wq_shape"] == (64, 128) for r in results)  # 128 query features split in 2
     for r in results:
         if r["pp_rank"] == 1:
-            assert r["diff"] <= 1e-5
+            assert r["diff"] <= 1e-5 and r["interleaved_diff"] <= 1e-5
         else:
-            assert r["diff"] is None
+            assert r["diff"] is None and r["interleaved_diff"] is None
 
 
 def test_model_chunks_need_the_interleaved_schedule_and_its_micro_batch_rounds() -> None:
