@@ -270,10 +270,12 @@ def validate_plan_for_model(
             raise InputError(
                 f"plan field splits.{name}: style {split.style} splits dim {want} of this weight, not dim {split.dim}"
             )
-    layers = [i for stage in plan.stages for i in stage]
+    layers = [i for stage in plan.virtual_stage_layers() for i in stage]  # = stages unless interleaved
     if structure.layers and layers != list(range(len(structure.layers))):
+        order = " (chunk c of rank r taken as virtual stage c * pp + r)" if plan.virtual_stages > 1 else ""
         raise InputError(
-            f"plan field stages: {plan.stages} must list the layers 0..{len(structure.layers) - 1} once each, in order"
+            f"plan field stages: {plan.stages} must list the layers 0..{len(structure.layers) - 1} once each, "
+            f"in order{order}"
         )
     if len(plan.stages) != plan.pp:
         raise InputError(f"plan field stages: {len(plan.stages)} stages but pp is {plan.pp}")
