@@ -168,7 +168,9 @@ class DistributedAdam:
     (duplicates are dropped). group / dp / dp_rank: the data-parallel group, its size and this rank's
     rank in it. Parameters are grouped by dtype; each dtype's flat buffer of N elements is cut into dp
     slices of ceil(N / dp) (zero padding at the end), slice dp_rank being this rank's. Collective over
-    `group`: every replica calls `reduce_gradients` and `step` together.
+    `group`: every replica calls `reduce_gradients` and `step` together. A parameter without a
+    gradient counts as a zero gradient (its Adam moments still move it, as in Megatron-LM's zero-filled
+    gradient buffer, where torch's Adam would skip the parameter).
     """
 
     def __init__(
