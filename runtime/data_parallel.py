@@ -170,7 +170,8 @@ class DistributedAdam:
     slices of ceil(N / dp) (zero padding at the end), slice dp_rank being this rank's. Collective over
     `group`: every replica calls `reduce_gradients` and `step` together. A parameter without a
     gradient counts as a zero gradient (its Adam moments still move it, as in Megatron-LM's zero-filled
-    gradient buffer, where torch's Adam would skip the parameter).
+    gradient buffer, where torch's Adam would skip the parameter). The slices are copied from the
+    parameters when it is built: build it after the weights are loaded.
     """
 
     def __init__(
