@@ -40,10 +40,19 @@ class KVCache(nn.Module):
 
 
 class CachedAttention(nn.Module):
-    """Grouped-query attention with RoPE over a static KV cache."""
+    """Grouped-query attention with RoPE over a static KV cache.
 
-    def __init__(self, config: LlamaConfig, max_batch_size: int, max_seq_len: int) -> None:
+    ``fused_gqa=False`` (gpt-fast's form) repeats each K/V head of the whole cache to its query heads
+    before SDPA; ``True`` lets SDPA read each K/V head once for its group of query heads
+    (``enable_gqa``), as the serving engines' attention kernels do (vLLM's paged attention, TensorRT-LLM's
+    and LMDeploy's decoder attention): the cache is never copied.
+    """
+
+    def __init__(
+        self, config: LlamaConfig, max_batch_size: int, max_seq_len: int, fused_gqa: bool = False
+    ) -> None:
         super().__init__()
+        self.fused_gqa = fused_gqa
         assert config.dim % config.n_heads == 0 and config.n_heads % config.n_kv_heads == 0
         self.n_heads = config.n_heads
         self.n_kv_heads = config.n_kv_heads
@@ -70,19 +79,24 @@ class CachedAttention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, n, T, hd)
         k, v = self.kv_cache.update(input_pos, k, v)  # (B, nkv, L, hd): the whole cache
-        n_rep = self.n_heads // self.n_kv_heads
-        k = k.repeat_interleave(n_rep, dim=1)  # (B, nh, L, hd)
-        v = v.repeat_interleave(n_rep, dim=1)  # (B, nh, L, hd)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, nh, T, hd)
+        if self.fused_gqa:  # each KV head read once for its group of query heads, never copied
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        else:
+            n_rep = self.n_heads // self.n_kv_heads
+            k = k.repeat_interleave(n_rep, dim=1)  # (B, nh, L, hd)
+            v = v.repeat_interleave(n_rep, dim=1)  # (B, nh, L, hd)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, nh, T, hd)
         y = y.transpose(1, 2).contiguous().view(B, T, self.n_heads * hd)  # (B, T, nh * hd)
         return self.wo(y)
 
 
 class CachedBlock(nn.Module):
-    def __init__(self, config: LlamaConfig, max_batch_size: int, max_seq_len: int) -> None:
+    def __init__(
+        self, config: LlamaConfig, max_batch_size: int, max_seq_len: int, fused_gqa: bool = False
+    ) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attention = CachedAttention(config, max_batch_size, max_seq_len)
+        self.attention = CachedAttention(config, max_batch_size, max_seq_len, fused_gqa)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = LlamaFeedForward(config)
 
@@ -92,14 +106,17 @@ class CachedBlock(nn.Module):
 
 
 class CachedLlama(nn.Module):
-    """Llama-3 (untied LM head `output`) with static K/V caches of `max_seq_len` tokens."""
+    """Llama-3 (untied LM head `output`) with static K/V caches of `max_seq_len` tokens
+    (``fused_gqa``: see `CachedAttention`)."""
 
-    def __init__(self, config: LlamaConfig, max_batch_size: int, max_seq_len: int) -> None:
+    def __init__(
+        self, config: LlamaConfig, max_batch_size: int, max_seq_len: int, fused_gqa: bool = False
+    ) -> None:
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(
-            [CachedBlock(config, max_batch_size, max_seq_len) for _ in range(config.n_layers)]
+            [CachedBlock(config, max_batch_size, max_seq_len, fused_gqa) for _ in range(config.n_layers)]
         )
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
