@@ -1,6 +1,6 @@
 """Serving benchmarks: decode with a real KV cache, predicted beside measured.
 
-    python bench/serving.py                 # (c) only: predictions vs gpt-fast's published decode figures
+    python bench/serving.py                 # (c) only: predictions vs published serving measurements
     python bench/serving.py --run           # also (a) ladder vs standard at TP=2 and (b) predicted vs
                                             # measured ms/token, on local gloo ranks
 
