@@ -1,4 +1,4 @@
-"""Llama-2 70B: grouped-query attention (64 heads, 8 KV heads) with a static KV cache, built on the meta device: planned, never run.
+"""Llama-2 70B: grouped-query attention (64 heads, 8 KV heads), static KV cache, on the meta device: planned, never run.
 
 The published Llama-2 shapes (Touvron et al. 2023, "Llama 2: Open Foundation and Fine-Tuned Chat
 Models", Table 1, and the model's Hugging Face config.json: 32,000-token vocabulary, RoPE base 10,000,
@@ -18,8 +18,8 @@ _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)  # so that `models` imports when this file is loaded by path
 
-from models import LlamaConfig, token_ids  # noqa: E402
-from models_kv import CachedLlama  # noqa: E402
+from models import LlamaConfig  # noqa: E402
+from models_kv import serving_model_file, step_inputs  # noqa: E402, F401 - step_inputs: the model file API
 
 CONFIG = LlamaConfig(
     vocab_size=32000,
@@ -31,18 +31,6 @@ CONFIG = LlamaConfig(
     rope_theta=10000.0,
     max_seq_len=4096,
 )
-
-
-def build_model(max_batch_size: int = 1, max_seq_len: int = 4096) -> torch.nn.Module:
-    with torch.device("meta"):  # no weights allocated
-        return CachedLlama(CONFIG, max_batch_size, max_seq_len, fused_gqa=True).to(torch.float16)
-
-
-def step_inputs(tokens: torch.Tensor, input_pos: torch.Tensor) -> tuple:
-    """Forward's arguments for new tokens (B, T) at positions input_pos (T,)."""
-    return (tokens, input_pos)
-
-
-def example_inputs(batch_size: int = 1, seq_len: int = 2048) -> tuple:
-    (tokens,) = token_ids(CONFIG.vocab_size, batch_size, seq_len)
-    return step_inputs(tokens, torch.arange(seq_len))
+# no weights allocated (meta), fp16; fused GQA attention (each KV head read for its query heads, as the
+# serving engines do); caches for 4096 tokens, a 2048-token prompt by default
+build_model, example_inputs = serving_model_file(CONFIG, dtype=torch.float16, device="meta", fused_gqa=True)
