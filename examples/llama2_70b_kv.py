@@ -1,4 +1,4 @@
-"""Llama-2 70B: grouped-query attention (64 heads, 8 KV heads), static KV cache, on the meta device: planned, never run.
+"""Llama-2 70B (64 heads, 8 KV heads) with a static KV cache, on meta: planned, never run.
 
 The published Llama-2 shapes (Touvron et al. 2023, "Llama 2: Open Foundation and Fine-Tuned Chat
 Models", Table 1, and the model's Hugging Face config.json: 32,000-token vocabulary, RoPE base 10,000,
@@ -6,7 +6,7 @@ Models", Table 1, and the model's Hugging Face config.json: 32,000-token vocabul
 TensorRT-LLM's and LMDeploy's published fp16 A100 measurements, e.g.
 
     planner optimize examples/llama2_70b_kv.py --cluster dgx-a100 --workload generate --seq-len 128 \
-        --new-tokens 128 --batch-size 64 --dtype fp16 --tp 4
+        --new-tokens 128 --batch-size 64 --dtype fp16 --tp 4 --devices 4
 """
 
 import sys

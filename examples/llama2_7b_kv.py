@@ -1,4 +1,4 @@
-"""Llama-2 7B: multi-head attention (32 heads, 32 KV heads), static KV cache, on the meta device: planned, never run.
+"""Llama-2 7B (32 heads, 32 KV heads: MHA) with a static KV cache, on meta: planned, never run.
 
 The published Llama-2 shapes (Touvron et al. 2023, "Llama 2: Open Foundation and Fine-Tuned Chat
 Models", Table 1, and the model's Hugging Face config.json: 32,000-token vocabulary, RoPE base 10,000,
@@ -6,7 +6,7 @@ Models", Table 1, and the model's Hugging Face config.json: 32,000-token vocabul
 TensorRT-LLM's and LMDeploy's published fp16 A100 measurements, e.g.
 
     planner optimize examples/llama2_7b_kv.py --cluster dgx-a100 --workload generate --seq-len 128 \
-        --new-tokens 128 --batch-size 64 --dtype fp16 --tp 1
+        --new-tokens 128 --batch-size 64 --dtype fp16 --tp 1 --devices 1
 """
 
 import sys
