@@ -10,6 +10,7 @@ Megatron-LM `megatron/training/arguments.py` with the dataclass fields it turns 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import shlex
 import types
@@ -17,7 +18,9 @@ import types
 import pytest
 from torch.distributed.pipelining.schedules import get_schedule_class
 
+from costmodels.cluster import load_cluster
 from planner.cli.main import main
+from planner.cli.workflow import report_dict
 from planner.errors import InputError
 from planner.export import export_plan
 from planner.export.common import virtual_stage_layers
@@ -120,7 +123,10 @@ def test_dtensor_plan_maps_splits_to_styles(llama_plan):
     plan = exported.PLAN
     assert type(plan["layers.0.attention.wq"]).__name__ == "ColwiseParallel"
     assert type(plan["layers.3.feed_forward.w2"]).__name__ == "RowwiseParallel"
-    assert exported.VOCAB == ["output", "tok_embeddings"] and exported.ATTENTION[0] == "layers.0.attention"
+    assert exported.VOCAB == ["output", "tok_embeddings"] and exported.TP_BLOCKS[:2] == [
+        "layers.0.attention",
+        "layers.0.feed_forward",
+    ]
     # a colwise projection without a rowwise sibling gathers its output; a lone rowwise takes it whole
     lone = dict(llama_plan.splits)
     for i in range(4):
@@ -130,7 +136,7 @@ def test_dtensor_plan_maps_splits_to_styles(llama_plan):
     text = export_plan(_with(llama_plan, splits=lone), "dtensor").text
     assert "'layers.0.attention.wq': ColwiseParallel(output_layouts=Replicate())" in text
     assert (
-        "'layers.0.attention.wo'" not in text and "'layers.0.attention'" not in text.split("ATTENTION =")[1]
+        "'layers.0.attention.wo'" not in text and "'layers.0.attention'" not in text.split("TP_BLOCKS =")[1]
     )
 
 
@@ -323,6 +329,8 @@ def _dashed(args: dict) -> dict:
 def test_vllm_refuses_a_training_plan_and_names_the_placeholder(llama_plan):
     with pytest.raises(InputError, match="training plan; vLLM serves"):
         vllm_engine_args(llama_plan)
+    with pytest.raises(InputError, match="does not read token ids"):
+        vllm_engine_args(_with(llama_plan, workload=Workload.FORWARD, token_model=False))
     args, env, warnings = vllm_engine_args(_with(llama_plan, workload=Workload.FORWARD))
     assert args["max_model_len"] == llama_plan.seq_len and not env
     assert any("replace HF_MODEL_ID_OR_CHECKPOINT_DIR" in w for w in warnings)
@@ -364,3 +372,65 @@ def test_export_command_bad_input_exits_2(tmp_path, llama_plan, capsys):
     assert "vLLM serves models" in capsys.readouterr().err
     assert main(["export", str(plan), "--to", "megatron", "--out", str(tmp_path / "no" / "args.sh")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# planner compare
+
+
+def _report(plan: Plan, latency_s: float, measured_s: float | None = None) -> dict:
+    predicted = dataclasses.replace(
+        plan.predicted,
+        latency_s=latency_s,
+        throughput_tokens_per_s=1000 / latency_s,
+        peak_memory_bytes=2.0**30,
+    )
+    run = None
+    if measured_s is not None:
+        run = {
+            "measured": {
+                "latency_s": measured_s,
+                "peak_memory_bytes": 3 * 2.0**30,
+                "startup_memory_bytes": 2.0**30,
+            },
+            "numerics": {"max_abs_diff": 0.0},
+        }
+    return report_dict(_with(plan, predicted=predicted), run, plan.model, load_cluster("local-cpu"))
+
+
+def test_compare_prints_reports_side_by_side(tmp_path, llama_plan, capsys):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(_report(llama_plan, 0.004, measured_s=0.005)))
+    pp = _with(
+        llama_plan, mesh=dataclasses.replace(llama_plan.mesh, pp=2), stages=[[0, 1], [2, 3]], micro_batches=2
+    )
+    b.write_text(json.dumps(_report(pp, 0.002)))
+    assert main(["compare", str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    rows = {
+        line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+        for line in out.splitlines()
+        if line.count("│") == 4
+    }
+    assert rows["mesh"] == ["TP=2 × PP=1 × DP=1", "TP=2 × PP=2 × DP=1"]
+    assert rows["predicted step"] == ["4.000 ms", "2.000 ms"] and rows["measured step"] == ["5.000 ms", "-"]
+    assert rows["predicted / measured"] == ["0.80", "-"]
+    assert rows["measured memory / rank"] == ["2.00 GiB", "-"]  # above start-up, as the run table shows
+    assert rows["predicted tokens/s"] == ["250,000", "500,000"] and rows["measured tokens/s"] == [
+        "200,000",
+        "-",
+    ]
+    assert f"fastest predicted: {b} (2.000 ms per step)" in out
+
+
+def test_compare_bad_files_exit_2(tmp_path, capsys):
+    assert main(["compare", str(tmp_path / "missing.json")]) == 2
+    assert "cannot read report" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert main(["compare", str(bad)]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"model": "x"}))
+    assert main(["compare", str(other)]) == 2
+    assert "is not a planner report" in capsys.readouterr().err

@@ -56,7 +56,8 @@ def comparison_rows(report: dict[str, Any]) -> dict[str, str]:
     plan, p = report["plan"], report["predicted"]
     m = report.get("measured") or {}
     mesh = f"TP={plan.get('tp', '?')} × PP={plan.get('pp', '?')} × DP={plan.get('dp', '?')}"
-    schedule = f"{plan.get('schedule', '-')}, {plan.get('micro_batches', '?')} micro-batch(es)"
+    pipeline = plan.get("schedule", "-") if (plan.get("pp") or 1) > 1 else "no pipeline"
+    schedule = f"{pipeline}, {plan.get('micro_batches', '?')} micro-batch(es)"
     if (plan.get("virtual_stages") or 1) > 1:
         schedule += f", {plan['virtual_stages']} virtual stages"
     extras = [
@@ -101,16 +102,15 @@ def render_comparison(console: Console, paths: list[str]) -> None:
     for label in columns[0]:
         table.add_row(label, *(c[label] for c in columns))
     console.print(table)
-    for key, what in (("predicted", "predicted"), ("measured", "measured")):
-        timed = [
-            (r[key]["latency_s"], path)
-            for r, path in zip(reports, paths)
-            if (r.get(key) or {}).get("latency_s")
-        ]
-        if len(timed) > 1:
-            best_s, best = min(timed)
-            console.print(f"fastest {what}: [bold]{best}[/bold] ({fmt_s(best_s)} per step)")
     if len({(r.get("model"), r.get("workload")) for r in reports}) > 1:
         console.print(
             "[yellow]note: the reports plan different models or workloads; their steps are not the same work[/yellow]"
         )
+        return
+    for key in ("predicted", "measured"):
+        timed = [
+            (r[key]["latency_s"], p) for r, p in zip(reports, paths) if (r.get(key) or {}).get("latency_s")
+        ]
+        if len(timed) > 1:
+            best_s, best = min(timed)
+            console.print(f"fastest {key}: [bold]{best}[/bold] ({fmt_s(best_s)} per step)")

@@ -101,7 +101,7 @@ def _reorder_fused(model: nn.Module, tp: int) -> None:
 def _local_heads(model: nn.Module, tp: int) -> list[str]:
     """Divide the head counts and widths of each attention module by tp; return what changed."""
     changed = []
-    for name in ATTENTION:
+    for name in TP_BLOCKS:
         module = model.get_submodule(name)
         if not any(isinstance(getattr(module, a, None), int) for a in HEAD_ATTRS):
             continue
@@ -144,8 +144,20 @@ def _parent(fqn: str) -> str:
     return fqn.rpartition(".")[0]
 
 
+def _natural(fqn: str) -> list[object]:
+    """Sort key: "layers.2" before "layers.10"."""
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in fqn.split(".")]
+
+
+def _list(names: list[str]) -> str:
+    """A list literal, one name per line when long."""
+    if len(repr(names)) <= 80:
+        return repr(names)
+    return "[\n" + "".join(f"    {n!r},\n" for n in names) + "]"
+
+
 def dtensor_plan(plan: Plan) -> tuple[dict[str, str], list[str], dict[str, list[int]], list[str], list[str]]:
-    """(PLAN as module FQN -> style source, VOCAB modules, FUSED_PARTS, ATTENTION modules, warnings)."""
+    """(PLAN as module FQN -> style source, VOCAB modules, FUSED_PARTS, TP_BLOCKS, warnings)."""
     warnings: list[str] = []
     sp = plan.sequence_parallel and plan.tp > 1
     splits = {w.removesuffix(".weight"): s for w, s in plan.splits.items() if plan.tp > 1}
@@ -173,8 +185,8 @@ def dtensor_plan(plan: Plan) -> tuple[dict[str, str], list[str], dict[str, list[
             if sp:
                 kwargs.append("output_layouts=Shard(1)")
             styles[module] = f"RowwiseParallel({', '.join(kwargs)})"
-    vocab = sorted(m for m, s in splits.items() if s.style is SplitStyle.VOCAB)
-    attention = sorted(col_parents & row_parents)
+    vocab = sorted((m for m, s in splits.items() if s.style is SplitStyle.VOCAB), key=_natural)
+    blocks = sorted(col_parents & row_parents, key=_natural)
     if plan.ladder_layers:
         warnings.append(
             f"ladder residual (layers {plan.ladder_layers}) changes the model's forward, which a parallelize_module "
@@ -194,16 +206,20 @@ def dtensor_plan(plan: Plan) -> tuple[dict[str, str], list[str], dict[str, list[
     for f in plan.fallbacks:
         warnings.append(f"the plan runs {f.op} replicated at {f.line} (priced all-gather); DTensor may not")
     if plan.serving is not None:
+        warnings.append(
+            "KV-cache buffers are not parameters: apply() leaves them whole; allocate each rank's cache for its own "
+            f"heads (KV heads / {plan.tp}) after apply(), as the attention then writes only those"
+        )
         for note in plan.serving.fallbacks:
             warnings.append(f"serving fallback the plan priced, which DTensor cannot express: {note}")
     if plan.tp == 1:
         warnings.append("the plan has tp=1: there is nothing to shard, PLAN is empty")
-    return styles, vocab, fused, attention, warnings
+    return styles, vocab, fused, blocks, warnings
 
 
 def export_dtensor(plan: Plan) -> Export:
     """The Python file (module docstring) with its warnings."""
-    styles, vocab, fused, attention, warnings = dtensor_plan(plan)
+    styles, vocab, fused, blocks, warnings = dtensor_plan(plan)
     sp = plan.sequence_parallel and plan.tp > 1
     plan_lines = "\n".join(f"    {m!r}: {s}," for m, s in styles.items())
     header = f'''"""Tensor-parallel plan for {plan.model} on {plan.cluster} (tp={plan.tp}, {plan.workload}, {plan.dtype}),
@@ -213,15 +229,18 @@ On every rank, after torch.distributed.init_process_group, with the unsharded mo
 weights loaded:
 
     from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh("cuda", ({plan.tp},))   # with data/pipeline axes: init_device_mesh("cuda",
-    model = apply(model, mesh)       # ({plan.dp}, {plan.pp}, {plan.tp}), mesh_dim_names=("dp", "pp", "tp"))["tp"]
+    mesh = init_device_mesh("cuda", ({plan.tp},))
+    # with the data and pipeline axes too, the "tp" axis of the whole mesh:
+    # mesh = init_device_mesh("cuda", ({plan.dp}, {plan.pp}, {plan.tp}), mesh_dim_names=("dp", "pp", "tp"))["tp"]
+    model = apply(model, mesh)
 
 apply() shards the modules of PLAN and VOCAB with parallelize_module. Before that it reorders the rows
 of each fused projection in FUSED_PARTS so that each rank's shard holds its piece of every part (a
 full_tensor() of such a weight is in that order), and divides the head counts and widths
-(HEAD_ATTRS, WIDTH_ATTRS) of each module in ATTENTION by tp: the attention's forward must size its
-views from those attributes (or with -1), as the rank now computes only its own heads. A token
-embedding tied to a vocabulary-split LM head is split with it and tied again.{_SP_NOTE if sp else ""}
+(HEAD_ATTRS, WIDTH_ATTRS) of each module in TP_BLOCKS that has a head count (the attention modules) by
+tp: the attention's forward must size its views from those attributes (or with -1), as the rank now
+computes only its own heads. A token embedding tied to a vocabulary-split LM head is split with it
+and tied again.{_SP_NOTE if sp else ""}
 """
 
 from __future__ import annotations
@@ -247,8 +266,8 @@ RECOMPUTE = {pprint.pformat({k: str(v) for k, v in plan.recompute.items()})}  # 
 PLAN: dict[str, ParallelStyle] = {{  # module FQN -> style
 {plan_lines}
 }}
-VOCAB = {vocab!r}  # split along the vocabulary (styled by type in tp_plan)
+VOCAB = {_list(vocab)}  # split along the vocabulary (styled by type in tp_plan)
 FUSED_PARTS = {fused!r}  # fused projection -> sizes of its parts (rows)
-ATTENTION = {attention!r}  # modules whose head counts become per-rank
+TP_BLOCKS = {_list(blocks)}  # parents of colwise + rowwise pairs; head counts become per-rank
 '''
     return Export(header + _APPLY_SOURCE, warnings)

@@ -42,13 +42,15 @@ def vllm_engine_args(
     """(engine args as `vllm.EngineArgs` names, environment variables, warnings).
 
     model: the Hugging Face id or checkpoint folder vLLM serves (None: a placeholder, with a warning).
-    Raises InputError for a training plan.
+    Raises InputError for a training plan or a model that does not read token ids.
     """
     if plan.workload is Workload.TRAIN:
         raise InputError(
             f"{plan.model}: this is a training plan; vLLM serves models. Plan the serving workload "
             "(planner optimize MODEL.py --workload decode|generate ...) and export that"
         )
+    if not plan.token_model:
+        raise InputError(f"{plan.model} does not read token ids; vLLM serves language models")
     warnings = layout_warnings(plan, TOOL)
     if model is None:
         warnings.append(
