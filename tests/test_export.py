@@ -105,6 +105,7 @@ def test_dtensor_export_runs_equal_to_the_unsharded_model_on_two_gloo_ranks(capt
     for rank in ranks:
         for name, got in rank.items():
             assert got["max_abs_diff"] <= 1e-5 * got["scale"], (name, got)
+            assert got["grad_max_abs_diff"] <= 1e-6, (name, got)  # a training step too
         # the weights really are sharded: half of Q's rows, half of wo's columns, half the vocabulary
         llama = rank["llama3"]["local_shapes"]
         assert llama["layers.0.attention.wq.weight"] == (64, 128)
