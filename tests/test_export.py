@@ -435,3 +435,20 @@ def test_compare_bad_files_exit_2(tmp_path, capsys):
     other.write_text(json.dumps({"model": "x"}))
     assert main(["compare", str(other)]) == 2
     assert "is not a planner report" in capsys.readouterr().err
+
+
+def test_kv_heads_replicated_over_ranks_warn_except_in_vllm(llama_plan):
+    splits = dict(llama_plan.splits)
+    for i in range(4):
+        for w in ("wk", "wv"):
+            key = f"layers.{i}.attention.{w}.weight"
+            splits[key] = dataclasses.replace(splits[key], pieces=1)
+    plan = _with(llama_plan, splits=splits)
+    for fmt in ("megatron", "torchtitan", "dtensor"):
+        assert any(
+            "fewer pieces than TP=2" in w or "into 1 pieces" in w for w in export_plan(plan, fmt).warnings
+        ), fmt
+    serving = _with(plan, workload=Workload.DECODE)
+    assert not any(
+        "pieces" in w for w in export_plan(serving, "vllm").warnings
+    )  # vLLM replicates KV heads too

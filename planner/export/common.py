@@ -98,10 +98,24 @@ def _short_list(items: list[str], limit: int = 4) -> str:
     return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
-def layout_warnings(plan: Plan, tool: str) -> list[str]:
+def kv_piece_splits(plan: Plan) -> list[str]:
+    """Weights split into fewer pieces than tp (K/V projections of a model with fewer KV heads than
+    ranks, each head replicated on tp / pieces ranks), by FQN."""
+    return [w for w, s in plan.splits.items() if s.pieces is not None and s.pieces < plan.tp]
+
+
+def layout_warnings(plan: Plan, tool: str, replicates_kv_heads: bool = False) -> list[str]:
     """Warnings for a tool with Megatron-LM's fixed tensor-parallel layout (Megatron-LM, torchtitan,
-    vLLM): ladder residual, weights the plan keeps replicated, replicated fallbacks it priced."""
+    vLLM): ladder residual, weights the plan keeps replicated, K/V heads replicated over ranks (unless
+    the tool does that too: `replicates_kv_heads`), replicated fallbacks it priced."""
     warnings = []
+    pieces = kv_piece_splits(plan)
+    if pieces and not replicates_kv_heads:
+        warnings.append(
+            f"the plan splits {_short_list(pieces)} into fewer pieces than TP={plan.tp} (fewer KV heads than ranks, "
+            f"each head replicated); {tool} needs the KV heads divisible by the tensor-parallel size: plan with "
+            "--tp at most the KV-head count for it"
+        )
     if plan.ladder_layers:
         warnings.append(
             f"{tool} has no ladder residual: the plan ladders layers {_short_list([str(i) for i in plan.ladder_layers])}; "

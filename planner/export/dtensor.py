@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import pprint
 
-from planner.export.common import Export
+from planner.export.common import Export, kv_piece_splits
 from planner.plan import Plan, SplitStyle
 
 TOOL = "DTensor (torch.distributed.tensor.parallel)"
@@ -187,6 +187,13 @@ def dtensor_plan(plan: Plan) -> tuple[dict[str, str], list[str], dict[str, list[
             styles[module] = f"RowwiseParallel({', '.join(kwargs)})"
     vocab = sorted((m for m, s in splits.items() if s.style is SplitStyle.VOCAB), key=_natural)
     blocks = sorted(col_parents & row_parents, key=_natural)
+    pieces = kv_piece_splits(plan)
+    if pieces:
+        warnings.append(
+            f"the plan splits {len(pieces)} K/V projection(s) ({pieces[0]}, ...) into {plan.splits[pieces[0]].pieces} "
+            f"pieces, each KV head replicated on several of the tp={plan.tp} ranks; a 1-D DTensor plan shards whole "
+            "heads only: apply() refuses the model (plan with --tp at most the KV-head count)"
+        )
     if plan.ladder_layers:
         warnings.append(
             f"ladder residual (layers {plan.ladder_layers}) changes the model's forward, which a parallelize_module "

@@ -51,7 +51,7 @@ def vllm_engine_args(
         )
     if not plan.token_model:
         raise InputError(f"{plan.model} does not read token ids; vLLM serves language models")
-    warnings = layout_warnings(plan, TOOL)
+    warnings = layout_warnings(plan, TOOL, replicates_kv_heads=True)  # vLLM replicates KV heads as planned
     if model is None:
         warnings.append(
             f"vLLM loads a Hugging Face checkpoint, not {plan.model}: replace {MODEL_PLACEHOLDER} "
