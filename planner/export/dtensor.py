@@ -29,6 +29,7 @@ warning.
 from __future__ import annotations
 
 import pprint
+from dataclasses import dataclass
 
 from planner.export.common import Export, kv_piece_splits
 from planner.plan import Plan, SplitStyle
@@ -156,8 +157,19 @@ def _list(names: list[str]) -> str:
     return "[\n" + "".join(f"    {n!r},\n" for n in names) + "]"
 
 
-def dtensor_plan(plan: Plan) -> tuple[dict[str, str], list[str], dict[str, list[int]], list[str], list[str]]:
-    """(PLAN as module FQN -> style source, VOCAB modules, FUSED_PARTS, TP_BLOCKS, warnings)."""
+@dataclass
+class DTensorPlan:
+    """The data of the exported file: what `apply` shards and how, and the warnings."""
+
+    styles: dict[str, str]  # PLAN: module FQN -> style, as source ("ColwiseParallel()")
+    vocab: list[str]  # VOCAB: modules split along the vocabulary (styled by type at apply time)
+    fused: dict[str, list[int]]  # FUSED_PARTS: fused projection -> sizes of its parts
+    blocks: list[str]  # TP_BLOCKS: parents of colwise + rowwise pairs (attention, MLP)
+    warnings: list[str]
+
+
+def dtensor_plan(plan: Plan) -> DTensorPlan:
+    """The plan's tensor-parallel splits as `parallelize_module` styles (table in the module docstring)."""
     warnings: list[str] = []
     sp = plan.sequence_parallel and plan.tp > 1
     splits = {w.removesuffix(".weight"): s for w, s in plan.splits.items() if plan.tp > 1}
@@ -221,14 +233,14 @@ def dtensor_plan(plan: Plan) -> tuple[dict[str, str], list[str], dict[str, list[
             warnings.append(f"serving fallback the plan priced, which DTensor cannot express: {note}")
     if plan.tp == 1:
         warnings.append("the plan has tp=1: there is nothing to shard, PLAN is empty")
-    return styles, vocab, fused, blocks, warnings
+    return DTensorPlan(styles, vocab, fused, blocks, warnings)
 
 
 def export_dtensor(plan: Plan) -> Export:
     """The Python file (module docstring) with its warnings."""
-    styles, vocab, fused, blocks, warnings = dtensor_plan(plan)
+    exported = dtensor_plan(plan)
     sp = plan.sequence_parallel and plan.tp > 1
-    plan_lines = "\n".join(f"    {m!r}: {s}," for m, s in styles.items())
+    plan_lines = "\n".join(f"    {m!r}: {s}," for m, s in exported.styles.items())
     header = f'''"""Tensor-parallel plan for {plan.model} on {plan.cluster} (tp={plan.tp}, {plan.workload}, {plan.dtype}),
 written by planner export --to dtensor, for torch.distributed.tensor.parallel.
 
@@ -273,8 +285,8 @@ RECOMPUTE = {pprint.pformat({k: str(v) for k, v in plan.recompute.items()})}  # 
 PLAN: dict[str, ParallelStyle] = {{  # module FQN -> style
 {plan_lines}
 }}
-VOCAB = {_list(vocab)}  # split along the vocabulary (styled by type in tp_plan)
-FUSED_PARTS = {fused!r}  # fused projection -> sizes of its parts (rows)
-TP_BLOCKS = {_list(blocks)}  # parents of colwise + rowwise pairs; head counts become per-rank
+VOCAB = {_list(exported.vocab)}  # split along the vocabulary (styled by type in tp_plan)
+FUSED_PARTS = {exported.fused!r}  # fused projection -> sizes of its parts (rows)
+TP_BLOCKS = {_list(exported.blocks)}  # parents of colwise + rowwise pairs; head counts become per-rank
 '''
-    return Export(header + _APPLY_SOURCE, warnings)
+    return Export(header + _APPLY_SOURCE, exported.warnings)
