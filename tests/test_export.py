@@ -19,10 +19,10 @@ import pytest
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from costmodels.cluster import load_cluster
-from planner.cli.main import main
+from planner.cli.main import build_parser, main
 from planner.cli.workflow import report_dict
 from planner.errors import InputError
-from planner.export import export_plan
+from planner.export import FORMATS, export_plan
 from planner.export.common import virtual_stage_layers
 from planner.export.megatron import megatron_args
 from planner.export.vllm import vllm_engine_args
@@ -452,3 +452,11 @@ def test_kv_heads_replicated_over_ranks_warn_except_in_vllm(llama_plan):
     assert not any(
         "pieces" in w for w in export_plan(serving, "vllm").warnings
     )  # vLLM replicates KV heads too
+
+
+def test_export_command_offers_every_format():
+    parser = build_parser()
+    export = next(
+        a for a in parser._subparsers._group_actions[0].choices["export"]._actions if a.dest == "to"
+    )
+    assert tuple(export.choices) == FORMATS
