@@ -187,3 +187,18 @@ def test_two_kv_heads_at_tp4_tokens_identical():
     assert run["numerics"]["tokens_identical"] and run["numerics"]["ok"]
     # one of the 2 KV heads per rank: 2 layers x K, V x (1, 1, 12, 16) fp32
     assert run["measured"]["cache_bytes_per_rank"] == 2 * 2 * (1 * 1 * 12 * 16 * 4)
+
+
+def test_decode_ranks_make_the_reference_once_when_no_launcher_did():
+    """Under torchrun there is no launching process: local rank 0 makes the unsharded reference once
+    (in a temporary folder, removed after), every rank reads its shards from it and matches it."""
+    from runtime.decode import DecodeJob, run_decode_rank, summarise_decode
+    from runtime.launch import launch
+
+    path = ROOT / "examples" / "llama3_kv.py"
+    _, plan = _plan(path, context=4, new_tokens=2)
+    job = DecodeJob(str(path), plan.to_dict(), 1, 4, 2, plan.serving.cache_len, warmup=1, iters=1)
+    reports = launch(run_decode_rank, job, nproc=2, timeout_s=240)
+    run = summarise_decode(reports, plan.dtype, 1, 2)
+    assert run["numerics"]["tokens_identical"] and run["numerics"]["ok"]
+    assert "rank 0" in reports[0].notes[0] and reports[0].notes == reports[1].notes
