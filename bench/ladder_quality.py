@@ -67,7 +67,7 @@ from runtime.lm_train import (  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL = REPO_ROOT / "examples" / "llama_small_lm.py"
 OUT = REPO_ROOT / "out" / "ladder_quality"
-BATCH = 16
+BATCH = 8
 LR = 3e-3
 ADAPT_LR = 1e-3
 SEED = 0
@@ -172,7 +172,7 @@ def predicted_decode_speedups(ladder: list[int]) -> dict[str, tuple[float, float
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=400, help="pre-training steps (batch 16 x 128 tokens)")
+    parser.add_argument("--steps", type=int, default=400, help="pre-training steps (batch 8 x 128 tokens)")
     parser.add_argument("--adapt-fraction", type=float, default=0.2, help="adapt steps / pre-training steps")
     parser.add_argument(
         "--eval-batches",

@@ -202,7 +202,8 @@ def load_corpus(
     if max_files is not None:
         train_files, held_files = train_files[:max_files], held_files[:max_files]
     train_texts = [read_text(f) for f in train_files]
-    if not any(t.strip() for t in train_texts):
+    held_texts = [read_text(f) for f in held_files]
+    if not any(t.strip() for t in train_texts + held_texts):
         raise InputError(f"--data {spec}: the text files are empty")
     if tokenizer is None:
         if vocab_size is None:
@@ -218,7 +219,7 @@ def load_corpus(
         train_ids, held_ids = ids[:cut], ids[cut:]
     else:
         train_ids = encode_texts(tok, train_texts)
-        held_ids = encode_texts(tok, [read_text(f) for f in held_files])
+        held_ids = encode_texts(tok, held_texts)
     train, held = TokenBlocks(train_ids, seq_len), TokenBlocks(held_ids, seq_len)
     for name, blocks, ids in (("training", train, train_ids), ("held-out", held, held_ids)):
         if len(blocks) < min_blocks:

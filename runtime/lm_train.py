@@ -9,7 +9,7 @@ and the emitted sharded modules read by name.
 
     lm_graph(model, batch, seq_len, ladder_layers)   -> GraphModule (logits (batch, seq_len, vocab))
     evaluate(gm, blocks, batch)                       -> EvalResult: mean token loss (nats), perplexity
-    ladder_sensitivity(model, blocks, ...)            -> loss of each one-layer ladder
+    laddered_copy(gm, structure, layers)              -> the same graph laddered (its own weights)
     train(gm, blocks, TrainConfig, ...)               -> loss per step (AdamW, warm-up + cosine, clipping)
     run_adapt(AdaptJob, nproc)                        -> the same on `nproc` data-parallel gloo ranks
     save_weights(gm, model, path)                     -> safetensors with the model's state_dict names
@@ -151,27 +151,6 @@ def evaluate(
 def relative_increase(loss: float, reference: float) -> float:
     """(loss - reference) / reference: the ladder's loss increase as a fraction of the standard loss."""
     return (loss - reference) / reference
-
-
-def ladder_sensitivity(
-    gm: fx.GraphModule,
-    structure: ModelStructure,
-    blocks: TokenBlocks,
-    batch_size: int,
-    reference: EvalResult,
-    layers: Sequence[int] | None = None,
-    max_batches: int | None = None,
-    on_layer: Callable[[int, EvalResult], None] | None = None,
-) -> dict[int, float]:
-    """Relative held-out loss increase of laddering each layer alone (`relative_increase` against
-    `reference`, the standard graph's result on the same batches), for `layers` (default: all)."""
-    out: dict[int, float] = {}
-    for layer in layers if layers is not None else range(len(structure.layers)):
-        result = evaluate(laddered_copy(gm, structure, [layer]), blocks, batch_size, max_batches=max_batches)
-        out[layer] = relative_increase(result.loss, reference.loss)
-        if on_layer is not None:
-            on_layer(layer, result)
-    return out
 
 
 # -------------------------------------------------------------------------------------------- train

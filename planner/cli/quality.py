@@ -43,7 +43,7 @@ from planner.files import check_output_path, write_text_atomic
 from planner.frontend.modelfile import ModelFile, load_model_file
 from planner.plan import Plan
 from planner.solver.problem import LadderBudget, LadderMode, LadderPolicy
-from runtime.lm_data import LmCorpus, load_corpus
+from runtime.lm_data import LmCorpus, corpus_files, load_corpus
 from runtime.lm_train import (
     AdaptJob,
     EvalResult,
@@ -146,6 +146,7 @@ def load_setup(args: argparse.Namespace, batch_size: int | None = None) -> LmSet
     _check_sizes(args)
     if not args.data:
         raise InputError("--data PATH is needed: held-out text (a file, a folder of text files, or 'stdlib')")
+    corpus_files(args.data)  # a bad path fails before the model is built
     model_file = load_model_file(args.model)
     weights = checkpoint_files(args.weights) if args.weights else None
     model = build_unsharded(model_file, SEED, weights)
