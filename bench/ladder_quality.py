@@ -17,8 +17,9 @@ Rows of the table (held-out loss in nats per token, perplexity):
    what `planner adapt` runs);
 4. ladder from scratch: the upper-half ladder model pre-trained like 1. from the same initialisation.
 
-Beside them: the planner's predicted decode speed-up of the same ladder at TP=8 on the dgx-h100 preset
-(standard plan latency / ladder plan latency, `planner.cli.workflow.make_plan`).
+Beside them: the planner's predicted speed-up of the same ladder at TP=8 on the dgx-h100 preset
+(standard latency / ladder latency): decode (batch 1) with the planner's best plans and with
+Megatron's all-split assignment, and a 64 x 128-token prefill (`make_plan`, `prediction.predict`).
 
 Run time on 2 shared CPU cores (one thread per process): about 15 minutes per pre-training. Each
 checkpoint is reused when it exists (delete it to redo a part); `--part standard` and `--part scratch`
@@ -143,10 +144,11 @@ def pretrain(model_file, train_blocks, held_blocks, ladder: list[int], steps: in
     console.print(f"[{name}] saved {out}")
 
 
-def predicted_decode_speedups(ladder: list[int]) -> dict[str, tuple[float, float]]:
-    """Predicted (standard s, ladder s) of one decode step (batch 1, the planner's default context) at
-    TP=8 on the dgx-h100 preset: the planner's best plans (`make_plan`, ladder none vs upper) and
-    Megatron's all-split TP=8 assignment priced with and without the ladder (`predict`)."""
+def predicted_speedups(ladder: list[int]) -> dict[str, tuple[float, float]]:
+    """Predicted (standard s, ladder s) at TP=8 on the dgx-h100 preset: one decode step (batch 1, the
+    planner's default context) with the planner's best plans (`make_plan`, ladder none vs upper) and
+    with Megatron's all-split TP=8 assignment priced with and without the ladder (`predict`); and a
+    prefill of 64 x 128 tokens with the planner's best plans."""
     from costmodels.cluster import load_cluster  # noqa: PLC0415
     from planner.cli.workflow import constraints_from, make_plan, prepare  # noqa: PLC0415
     from planner.plan import MeshShape  # noqa: PLC0415
@@ -164,9 +166,16 @@ def predicted_decode_speedups(ladder: list[int]) -> dict[str, tuple[float, float
     meg_std = predict(tables, megatron).prediction.latency_s
     megatron.ladder_layers = list(ladder)
     meg_lad = predict(tables, megatron).prediction.latency_s
+    prefill = prepare(str(MODEL), "forward", batch_size=64, seq_len=128)
+    pre_std = make_plan(prefill, cluster, constraints_from(8, 1, 1, "none"), str(MODEL))
+    pre_lad = make_plan(prefill, cluster, constraints_from(8, 1, 1, f"upper:{len(ladder)}"), str(MODEL))
     return {
-        "planner's best TP=8 plan": (std.predicted.latency_s, lad.predicted.latency_s),
-        "Megatron TP=8 split (every projection sharded)": (meg_std, meg_lad),
+        "decode step (batch 1), planner's best TP=8 plan": (std.predicted.latency_s, lad.predicted.latency_s),
+        "decode step (batch 1), Megatron TP=8 split (every projection sharded)": (meg_std, meg_lad),
+        "prefill (batch 64 x 128 tokens), planner's best TP=8 plan": (
+            pre_std.predicted.latency_s,
+            pre_lad.predicted.latency_s,
+        ),
     }
 
 
@@ -238,7 +247,7 @@ def main() -> None:
         result = evaluate(gm, held_blocks, BATCH, max_batches=args.eval_batches)
         console.print(f"evaluated {name}: {result.loss:.4f} ({time.perf_counter() - start:.0f} s)")
         rows.append((name, result))
-    speedups = predicted_decode_speedups(ladder)
+    speedups = predicted_speedups(ladder)
     reference = rows[0][1].loss
     table = Table(
         title=f"held-out loss on stdlib ({rows[0][1].tokens / 1e6:.2f} M tokens), {args.steps} pre-training steps"
@@ -255,7 +264,7 @@ def main() -> None:
     console.print(table)
     for what, (std_s, lad_s) in speedups.items():
         console.print(
-            f"predicted decode step (batch 1) at TP=8 on dgx-h100, {what}: standard {std_s * 1e6:.1f} µs, "
+            f"predicted at TP=8 on dgx-h100, {what}: standard {std_s * 1e6:.1f} µs, "
             f"ladder upper {len(ladder)}/{n_layers} {lad_s * 1e6:.1f} µs: speed-up {std_s / lad_s:.3f}x"
         )
     goals = {
