@@ -40,6 +40,7 @@ from passes.checkpoint import checkpoint_files, save_checkpoint
 from planner.cli.quality_args import DEFAULT_BATCH
 from planner.errors import InputError, PlannerError
 from planner.files import check_output_path, write_text_atomic
+from planner.frontend.analysis import ModelStructure
 from planner.frontend.modelfile import ModelFile, load_model_file
 from planner.plan import Plan
 from planner.solver.problem import LadderBudget, LadderMode, LadderPolicy
@@ -106,12 +107,9 @@ class LmSetup:
     batch_size: int
     seq_len: int
     standard: torch.fx.GraphModule  # captured at (batch_size, seq_len)
+    structure: ModelStructure  # of `standard`
     eval_batches: int | None
     _measured: dict[tuple[int, ...], EvalResult] = field(default_factory=dict)
-
-    @property
-    def structure(self):
-        return lm_structure(self.standard)
 
     @property
     def num_layers(self) -> int:
@@ -153,7 +151,8 @@ def load_setup(args: argparse.Namespace, batch_size: int | None = None) -> LmSet
     seq_len = args.seq_len or getattr(model_file.module, "SEQ_LEN", DEFAULT_SEQ_LEN)
     batch = batch_size or args.batch_size
     standard = lm_graph(model, batch, seq_len)
-    vocab = lm_structure(standard).vocab_size
+    structure = lm_structure(standard)
+    vocab = structure.vocab_size
     tokenizer = args.tokenizer or getattr(model_file.module, "TOKENIZER", None)
     if tokenizer is not None and not Path(tokenizer).exists():
         if args.tokenizer:
@@ -164,7 +163,7 @@ def load_setup(args: argparse.Namespace, batch_size: int | None = None) -> LmSet
         raise InputError(
             f"the tokenizer has {corpus.tokenizer.get_vocab_size()} tokens, the model's vocabulary {vocab}"
         )
-    return LmSetup(model_file, model, weights, corpus, batch, seq_len, standard, args.eval_batches)
+    return LmSetup(model_file, model, weights, corpus, batch, seq_len, standard, structure, args.eval_batches)
 
 
 def _progress(console: Console) -> Progress:
