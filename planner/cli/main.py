@@ -169,6 +169,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     from planner.cli import workflow  # noqa: PLC0415 - keeps `planner --help` fast
 
     _check_outputs(args)
+    _check_loss_budget_options(args)
 
     with _progress() as progress:
         task = progress.add_task("tracing the model (meta device)", total=None)
@@ -265,6 +266,20 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             f"[bold]{agreement_line(plan.predicted.latency_s, run['measured']['latency_s'])}[/bold]"
         )
     return 0
+
+
+def _check_loss_budget_options(args: argparse.Namespace) -> None:
+    """--ladder auto:max-loss-increase=X% measures held-out loss: without --data, exit 2 before any work."""
+    from planner.solver.problem import LadderPolicy  # noqa: PLC0415
+
+    policy = LadderPolicy.parse(args.ladder or "none", option="--ladder")
+    if policy.max_loss_increase is not None and not args.data:
+        raise InputError(
+            f"--ladder {args.ladder} measures the model's loss on held-out text: give --data PATH "
+            "(a text file, a folder of them, or 'stdlib') and --weights CKPT with the trained weights"
+        )
+    if policy.max_loss_increase is None and (args.data or args.tokenizer):
+        raise InputError("--data / --tokenizer are read only with --ladder auto:max-loss-increase=X%")
 
 
 def _warn(lines: list[str]) -> None:
