@@ -218,7 +218,7 @@ def main() -> None:
         "--eval-batches",
         type=int,
         default=128,
-        help="held-out batches of 16 blocks evaluated (the first ones)",
+        help="held-out batches of 8 blocks evaluated (the first ones)",
     )
     parser.add_argument("--part", choices=["all", "standard", "scratch"], default="all")
     args = parser.parse_args()

@@ -141,7 +141,16 @@ def test_cli_ladder_eval_adapt_and_loss_budget(corpus, tmp_path, capsys) -> None
     with safe_open(str(ckpt), "pt") as f:
         assert set(f.keys()) == set(model.state_dict())
 
-    budget = ["--ladder", "auto:max=2,max-loss-increase=1%", "--cluster", "local-cpu", "--nproc", "2", "--tp", "2"]
+    budget = [
+        "--ladder",
+        "auto:max=2,max-loss-increase=1%",
+        "--cluster",
+        "local-cpu",
+        "--nproc",
+        "2",
+        "--tp",
+        "2",
+    ]
     assert main(["optimize", TINY_LM, *budget]) == 2
     assert "--data" in capsys.readouterr().err
     emit, report = tmp_path / "emit", tmp_path / "plan.json"
