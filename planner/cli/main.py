@@ -46,6 +46,11 @@ def _positive(text: str) -> int:
     return value
 
 
+_PLOT_HELP = (
+    "write PNG figures into this folder: pipeline schedule, per-layer time, memory per rank, ladder gains"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of all subcommands."""
     parser = _Parser(prog="planner", description="Plan, rewrite and run tensor/pipeline/ladder parallelism.")
@@ -87,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--emit", help="write the generated sharded module of every rank into this folder")
     opt.add_argument("--json", help="write the JSON report")
     opt.add_argument("--why", action="store_true", help="show every decision beside its alternatives")
+    opt.add_argument("--plot", metavar="DIR", help=_PLOT_HELP)
     _run_options(opt)
     opt.add_argument("--run", action="store_true", help="execute the plan on local ranks and measure it")
     opt.add_argument(
@@ -96,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     show = sub.add_parser("show", help="print a saved plan")
     show.add_argument("plan")
     show.add_argument("--why", action="store_true")
+    show.add_argument("--plot", metavar="DIR", help=_PLOT_HELP)
 
     run = sub.add_parser("run", help="execute a saved plan on local ranks and measure it")
     run.add_argument("plan")
@@ -136,7 +143,7 @@ def _progress():
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
-    for option, folder in (("out", False), ("json", False), ("emit", True)):
+    for option, folder in (("out", False), ("json", False), ("emit", True), ("plot", True)):
         value = getattr(args, option, None)
         if value:
             check_output_path(f"--{option}", value, folder=folder)
@@ -216,6 +223,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     if args.json:
         write_text_atomic(args.json, json.dumps(report, indent=2, default=float), option="--json")
         console.print(f"report written to {args.json}")
+    if args.plot:
+        _plot(plan, args.plot, report, cluster.device.memory_bytes)
     if run is not None:
         from planner.cli.render import agreement_line  # noqa: PLC0415
 
@@ -305,11 +314,28 @@ def cmd_show(args: argparse.Namespace) -> int:
     from planner.cli.render import render_decisions, render_plan  # noqa: PLC0415
     from planner.plan import Plan  # noqa: PLC0415
 
+    _check_outputs(args)
     plan = Plan.from_yaml(args.plan)
     render_plan(console, plan)
     if args.why:
         render_decisions(console, plan)
+    if args.plot:
+        from planner.cli import workflow  # noqa: PLC0415
+
+        cluster, note = workflow.plan_cluster(plan, plan.num_devices)
+        if note:
+            _warn([f"{note}; the memory figure draws no device capacity"])
+        _plot(plan, args.plot, None, None if note else cluster.device.memory_bytes)
     return 0
+
+
+def _plot(plan, folder: str, report: dict | None, capacity_bytes: float | None) -> None:
+    """--plot: the figures of `plan` (and of the run in `report`) into `folder`, named on the console."""
+    from planner.report.plots import write_figures  # noqa: PLC0415 - matplotlib only for --plot
+
+    figures = write_figures(plan, folder, report, capacity_bytes)
+    _warn(figures.notes)
+    console.print(f"figures written to {folder}/: {', '.join(p.name for p in figures.files)}")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
