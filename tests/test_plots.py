@@ -145,7 +145,7 @@ def test_layer_memory_and_ladder_data_are_the_plans(train_plan, ladder_case) -> 
     assert [m.ranks for m in mem] == [[0, 1], [2, 3]]  # tp innermost
     assert [m.predicted_bytes for m in mem] == [s.memory_bytes for s in train_plan.predicted.per_stage]
     assert max(m.predicted_bytes for m in mem) == train_plan.predicted.peak_memory_bytes
-    assert [m.measured_bytes for m in mem] == [1200, 2000]
+    assert [m.measured_bytes for m in mem] == [1200, 2000] and all(m.above_startup for m in mem)
 
     plan, structure, cluster, workload = ladder_case
     assert plan.ladder_layers == [4, 5, 6, 7]

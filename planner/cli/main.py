@@ -250,7 +250,10 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     if args.json:
         _write_report(args, report)
     if args.plot:
-        _plot(plan, args.plot, report, cluster.device.memory_bytes)
+        spec = cluster
+        if plan.cluster != cluster.name:  # re-planned for this machine (--scale-to-local)
+            spec = workflow.plan_cluster(plan, plan.num_devices)[0]
+        _plot(plan, args.plot, report, spec.device.memory_bytes)
     if run is not None:
         from planner.cli.render import agreement_line  # noqa: PLC0415
 

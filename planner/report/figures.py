@@ -243,24 +243,27 @@ class StageMemory:
     stage: int
     ranks: list[int]  # global ranks holding the stage
     predicted_bytes: float
-    measured_bytes: float | None  # the largest of its ranks' process peaks minus start-up, or None
+    measured_bytes: float | None  # the largest of its ranks' process peaks (minus start-up), or None
+    above_startup: bool  # measured_bytes excludes what the process held before the model
 
 
 def stage_memory(plan: Plan, report: dict[str, Any] | None = None) -> list[StageMemory]:
     """Per stage (`Prediction.per_stage`, every rank of a stage holds the same); measured from the
-    report's `per_rank_peak_memory_bytes` less `startup_memory_bytes` when a run happened. Raises
-    NoStageCosts for a plan without per-stage costs."""
+    report's `per_rank_peak_memory_bytes` less `startup_memory_bytes` (when the run recorded it:
+    serving runs do not) when a run happened. Raises NoStageCosts for a plan without per-stage costs."""
     if len(plan.predicted.per_stage) != plan.pp:
         raise NoStageCosts("the plan records no per-stage costs; re-plan it with planner optimize")
     measured = (report or {}).get("measured") or {}
     peaks = measured.get("per_rank_peak_memory_bytes") or []
-    startup = measured.get("startup_memory_bytes") or 0
+    startup = measured.get("startup_memory_bytes")
     mesh = plan.mesh
     rows = []
     for s in plan.predicted.per_stage:
         ranks = [r for r in range(mesh.num_devices) if mesh.coords(r)[1] == s.stage]
-        got = [peaks[r] - startup for r in ranks if r < len(peaks)]
-        rows.append(StageMemory(s.stage, ranks, s.memory_bytes, max(got) if got else None))
+        got = [peaks[r] - (startup or 0) for r in ranks if r < len(peaks)]
+        rows.append(
+            StageMemory(s.stage, ranks, s.memory_bytes, max(got) if got else None, startup is not None)
+        )
     return rows
 
 

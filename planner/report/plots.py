@@ -220,16 +220,21 @@ def _memory(plan: Plan, report: dict[str, Any] | None, capacity_bytes: float | N
     ]
     values = pred + [y for _, y in got if y > 0]
     cap = capacity_bytes / _GIB if capacity_bytes else None
-    log = cap is not None and max(values) > 0 and cap / max(values) > 20  # else the bars lie flat
+    top = max(values + ([cap] if cap else []))
+    log = min(values) > 0 and top / min(values) > 20  # else the small bars lie flat
     if log:
         ax.set_yscale("log")
     bars = ax.bar(xs, pred, width, color=_COLORS["compute"], label="predicted")
     ax.bar_label(bars, [_gib_text(v, cap) for v in pred], fontsize=7)
     if measured:
+        measured_label = (
+            "measured peak above start-up\n(largest rank of the stage)"
+            if all(r.above_startup for r in rows)
+            else "measured process peak, torch and the\nrun's own buffers included (largest rank)"
+        )
         mbars = ax.bar([x for x, _ in got], [y for _, y in got], width, color=_COLORS["measured"],
-                       label="measured peak above start-up\n(largest rank of the stage)")  # fmt: skip
+                       label=measured_label)  # fmt: skip
         ax.bar_label(mbars, [_gib_text(y, cap) for _, y in got], fontsize=7)
-    top = max(values + ([cap] if cap else []))
     if cap is not None:
         ax.axhline(cap, color="#C44E52", linestyle="--", label=f"device memory {_gib_text(cap)}")
     if log:
