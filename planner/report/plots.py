@@ -154,7 +154,7 @@ def _timeline(plan: Plan) -> Figure:
         + (
             " (same)"
             if math.isclose(t.schedule_s, t.predicted_s, rel_tol=1e-3)
-            else " (cost model: sum of stages + (m-1) x slowest stage)"
+            else f" (stages' sum + (m-1) x slowest = {t.formula_s * _MS:.3g} ms)"
         )
     )
     ax.set_title(f"Pipeline schedule: {title(plan)}\n{relation}{chunk_note}", fontsize=9, loc="left")
