@@ -268,7 +268,10 @@ def _ladder(plan: Plan) -> Figure:
     ax.margins(y=0.12)
     ax.legend(fontsize=8, frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     standard, ladder = sum(r.standard_s for r in rows), sum(r.ladder_s for r in rows)
-    line = f"layers together: standard {standard * _MS:.4g} ms, ladder {ladder * _MS:.4g} ms ({standard / ladder:.3f}x)"
+    where = "layers together" if plan.pp == 1 else f"layers of all {plan.pp} stages together (not the step)"
+    line = (
+        f"{where}: standard {standard * _MS:.4g} ms, ladder {ladder * _MS:.4g} ms ({standard / ladder:.3f}x)"
+    )
     if plan.serving is not None and plan.serving.standard_tpot_s:
         sv = plan.serving
         line += (
