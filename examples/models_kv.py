@@ -13,11 +13,20 @@ checkpoints of the two are interchangeable apart from the cache buffers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
 import torch.nn.functional as F
-from models import LlamaConfig, LlamaFeedForward, RMSNorm, _init_weights, _rope_tables, apply_rope
+from models import (
+    LlamaAttention,
+    LlamaConfig,
+    LlamaFeedForward,
+    RMSNorm,
+    _init_weights,
+    _rope_tables,
+    token_ids,
+)
 from torch import nn
 
 
@@ -39,19 +48,20 @@ class KVCache(nn.Module):
         return self.k_cache, self.v_cache
 
 
-class CachedAttention(nn.Module):
-    """Grouped-query attention with RoPE over a static KV cache."""
+class CachedAttention(LlamaAttention):
+    """Grouped-query attention with RoPE over a static KV cache (`models.LlamaAttention`'s projections
+    and attention core, the K/V of each step written into the cache first).
 
-    def __init__(self, config: LlamaConfig, max_batch_size: int, max_seq_len: int) -> None:
-        super().__init__()
-        assert config.dim % config.n_heads == 0 and config.n_heads % config.n_kv_heads == 0
-        self.n_heads = config.n_heads
-        self.n_kv_heads = config.n_kv_heads
-        self.head_dim = config.dim // config.n_heads
-        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+    ``fused_gqa=False`` (gpt-fast's form, `LlamaAttention.attend`) repeats each K/V head of the whole
+    cache to its query heads before SDPA; ``True`` lets SDPA read each K/V head for its group of query
+    heads (``enable_gqa``), as the serving engines' attention kernels do: the cache is never copied.
+    """
+
+    def __init__(
+        self, config: LlamaConfig, max_batch_size: int, max_seq_len: int, fused_gqa: bool = False
+    ) -> None:
+        super().__init__(config)
+        self.fused_gqa = fused_gqa
         self.kv_cache = KVCache(max_batch_size, max_seq_len, config.n_kv_heads, self.head_dim)
 
     def forward(
@@ -62,27 +72,22 @@ class CachedAttention(nn.Module):
         mask: torch.Tensor,
         input_pos: torch.Tensor,
     ) -> torch.Tensor:
-        B, T, _ = x.shape
-        hd = self.head_dim
-        q = self.wq(x).view(B, T, self.n_heads, hd)  # (B, T, nh, hd)
-        k = self.wk(x).view(B, T, self.n_kv_heads, hd)  # (B, T, nkv, hd)
-        v = self.wv(x).view(B, T, self.n_kv_heads, hd)  # (B, T, nkv, hd)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, n, T, hd)
+        q, k, v = self.project(x, cos, sin)  # (B, n, T, hd)
         k, v = self.kv_cache.update(input_pos, k, v)  # (B, nkv, L, hd): the whole cache
-        n_rep = self.n_heads // self.n_kv_heads
-        k = k.repeat_interleave(n_rep, dim=1)  # (B, nh, L, hd)
-        v = v.repeat_interleave(n_rep, dim=1)  # (B, nh, L, hd)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, nh, T, hd)
-        y = y.transpose(1, 2).contiguous().view(B, T, self.n_heads * hd)  # (B, T, nh * hd)
-        return self.wo(y)
+        if not self.fused_gqa:
+            return self.attend(q, k, v, attn_mask=mask)
+        B, _, T, hd = q.shape
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # (B, nh, T, hd)
+        return self.wo(y.transpose(1, 2).contiguous().view(B, T, self.n_heads * hd))
 
 
 class CachedBlock(nn.Module):
-    def __init__(self, config: LlamaConfig, max_batch_size: int, max_seq_len: int) -> None:
+    def __init__(
+        self, config: LlamaConfig, max_batch_size: int, max_seq_len: int, fused_gqa: bool = False
+    ) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attention = CachedAttention(config, max_batch_size, max_seq_len)
+        self.attention = CachedAttention(config, max_batch_size, max_seq_len, fused_gqa)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = LlamaFeedForward(config)
 
@@ -92,14 +97,17 @@ class CachedBlock(nn.Module):
 
 
 class CachedLlama(nn.Module):
-    """Llama-3 (untied LM head `output`) with static K/V caches of `max_seq_len` tokens."""
+    """Llama-3 (untied LM head `output`) with static K/V caches of `max_seq_len` tokens
+    (``fused_gqa``: see `CachedAttention`)."""
 
-    def __init__(self, config: LlamaConfig, max_batch_size: int, max_seq_len: int) -> None:
+    def __init__(
+        self, config: LlamaConfig, max_batch_size: int, max_seq_len: int, fused_gqa: bool = False
+    ) -> None:
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(
-            [CachedBlock(config, max_batch_size, max_seq_len) for _ in range(config.n_layers)]
+            [CachedBlock(config, max_batch_size, max_seq_len, fused_gqa) for _ in range(config.n_layers)]
         )
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
@@ -119,3 +127,34 @@ class CachedLlama(nn.Module):
         for layer in self.layers:
             h = layer(h, cos, sin, mask, input_pos)
         return self.output(self.norm(h))  # (B, T, vocab_size)
+
+
+def step_inputs(tokens: torch.Tensor, input_pos: torch.Tensor) -> tuple:
+    """Forward's arguments for new tokens (B, T) int64 at positions input_pos (T,) int64."""
+    return (tokens, input_pos)
+
+
+def serving_model_file(
+    config: LlamaConfig,
+    max_batch_size: int = 1,
+    max_seq_len: int = 4096,
+    prompt_len: int = 2048,
+    dtype: torch.dtype | None = None,
+    device: str | None = None,
+    fused_gqa: bool = False,
+):
+    """`build_model` and `example_inputs` of a serving model file (README, models with a KV cache) for
+    `CachedLlama(config, fused_gqa=fused_gqa)`: built on `device` (e.g. "meta": planned, no weights) in
+    `dtype`, with the given default cache and prompt sizes. A model file assigns them at module level
+    together with `step_inputs`."""
+
+    def build_model(max_batch_size: int = max_batch_size, max_seq_len: int = max_seq_len) -> nn.Module:
+        with torch.device(device) if device else contextlib.nullcontext():
+            model = CachedLlama(config, max_batch_size, max_seq_len, fused_gqa)
+        return model.to(dtype) if dtype else model
+
+    def example_inputs(batch_size: int = max_batch_size, seq_len: int = prompt_len) -> tuple:
+        (tokens,) = token_ids(config.vocab_size, batch_size, seq_len)
+        return step_inputs(tokens, torch.arange(seq_len))
+
+    return build_model, example_inputs

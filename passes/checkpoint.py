@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 
 from passes.placement import padded_size
 from planner.errors import InputError
+from planner.files import fix_file_permissions
 
 SUFFIX = ".safetensors"
 
@@ -65,6 +66,7 @@ def save_checkpoint(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike
         out[name] = t.clone().contiguous() if key in seen else t.contiguous()
         seen.add(key)
     save_file(out, os.fspath(path))
+    fix_file_permissions(path)  # safetensors creates the file with mode 0600
 
 
 class SafetensorsCheckpoint:

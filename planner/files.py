@@ -153,6 +153,12 @@ def publish_folder(tmp: str | os.PathLike[str], path: str | os.PathLike[str], op
     return final
 
 
+def fix_file_permissions(path: str | os.PathLike[str]) -> None:
+    """Give a file written by a library that creates it with mode 0600 (safetensors) the usual mode:
+    0666 less the umask."""
+    os.chmod(path, _umask_mode(0o666))
+
+
 def fix_tree_permissions(folder: str | os.PathLike[str]) -> None:
     """Give a folder written through `tempfile.mkdtemp` (mode 0700) the usual modes: folders 0777 and
     files 0666, less the umask."""

@@ -4,6 +4,10 @@
     planner show PLAN.yaml
     planner run PLAN.yaml --model MODEL.py [--nproc N]
     planner calibrate --out SPEC.yaml [--nproc N]
+    planner ladder-eval MODEL.py --data PATH [--ladder upper:N | --layers A-B] [--weights CKPT] [--sensitivity]
+    planner adapt MODEL.py [--ladder upper:N | --layers A-B] --data PATH --steps K --out CKPT.safetensors
+    planner export PLAN.yaml --to dtensor|torchtitan|megatron|vllm [--out FILE] [--model ID]
+    planner compare REPORT.json [REPORT.json ...]
 
 Exit codes: 0 success; 2 bad input (file, YAML, options); 3 no feasible plan; 4 run failed.
 """
@@ -72,7 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     opt.add_argument("--micro-batches", type=_positive)
     opt.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
-    opt.add_argument("--ladder", default="none", help="none | upper:N | auto | auto:max=N")
+    opt.add_argument(
+        "--ladder",
+        default="none",
+        help="none | upper:N | auto | auto:max=N | auto:max-loss-increase=X%% (needs --data, and --weights)",
+    )
     opt.add_argument(
         "--schedule",
         default="1f1b",
@@ -96,6 +104,18 @@ def build_parser() -> argparse.ArgumentParser:
     _run_options(opt)
     opt.add_argument("--run", action="store_true", help="execute the plan on local ranks and measure it")
     opt.add_argument(
+        "--data", help="--ladder auto:max-loss-increase: held-out text (file, folder or 'stdlib')"
+    )
+    opt.add_argument(
+        "--tokenizer", help="--ladder auto:max-loss-increase: tokenizers JSON (default: the model file's)"
+    )
+    opt.add_argument(
+        "--eval-batches",
+        type=_positive,
+        default=32,
+        help="--ladder auto:max-loss-increase: held-out batches per measurement (default 32)",
+    )
+    opt.add_argument(
         "--scale-to-local", action="store_true", help="with --run: re-plan for this machine if needed"
     )
 
@@ -113,6 +133,28 @@ def build_parser() -> argparse.ArgumentParser:
     cal = sub.add_parser("calibrate", help="measure this machine and write a cluster spec")
     cal.add_argument("--out", required=True)
     cal.add_argument("--nproc", type=_positive, default=os.cpu_count() or 1)
+
+    from planner.cli.quality_args import add_adapt_parser, add_ladder_eval_parser  # noqa: PLC0415
+
+    add_ladder_eval_parser(sub)
+    add_adapt_parser(sub)
+
+    exp = sub.add_parser(
+        "export", help="write a plan as the input of Megatron-LM, torchtitan, vLLM or DTensor"
+    )
+    exp.add_argument("plan")
+    exp.add_argument(
+        "--to",
+        required=True,
+        choices=["dtensor", "torchtitan", "megatron", "vllm"],  # planner.export.FORMATS
+        help="dtensor: parallelize_module plan (.py); torchtitan: job TOML sections; megatron: "
+        "command-line arguments (bash); vllm: engine arguments and vllm serve line (.py)",
+    )
+    exp.add_argument("--out", help="write here (atomically) instead of printing")
+    exp.add_argument("--model", help="vllm: the Hugging Face id or checkpoint folder to serve")
+
+    cmp_ = sub.add_parser("compare", help="print the JSON reports of several plans side by side")
+    cmp_.add_argument("reports", nargs="+", metavar="REPORT.json")
     return parser
 
 
@@ -175,6 +217,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     from planner.cli import workflow  # noqa: PLC0415 - keeps `planner --help` fast
 
     _check_outputs(args)
+    _check_loss_budget_options(args)
 
     with _bars(args) as bars:
         bars("tracing the model (meta device)", None)
@@ -206,14 +249,20 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         )
         if args.run:
             _check_runs_here(args, cluster)
-        plan = workflow.make_plan(
-            prepared,
-            cluster,
-            constraints,
-            args.model,
-            workflow.cluster_source(args.cluster, nproc),
-            progress=bars,
-        )
+        source = workflow.cluster_source(args.cluster, nproc)
+        budget = None
+        if constraints.ladder.max_loss_increase is not None:
+            from planner.cli.quality import plan_with_loss_budget  # noqa: PLC0415
+
+            plan, budget = plan_with_loss_budget(
+                args,
+                lambda c: workflow.make_plan(prepared, cluster, c, args.model, source, progress=bars),
+                constraints,
+                len(prepared.structure.layers),
+                bars.rich,
+            )
+        else:
+            plan = workflow.make_plan(prepared, cluster, constraints, args.model, source, progress=bars)
     n = len(prepared.structure.layers)
     console.print(
         f"Traced {args.model}: {n} layers, {prepared.structure.num_params / 1e6:,.1f} M parameters, "
@@ -223,6 +272,10 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     from planner.cli.render import render_decisions, render_layer_comparison, render_plan, render_run  # noqa: PLC0415
 
     render_plan(console, plan)
+    if budget is not None:
+        from planner.cli.quality import render_budget  # noqa: PLC0415
+
+        render_budget(console, budget)
     _warn(workflow.plan_warnings(plan))
     if args.why:
         render_decisions(console, plan)
@@ -240,6 +293,10 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     if args.run and run is None:  # a rank other than 0 under torchrun: rank 0 reports
         return 0
     report = workflow.report_dict(plan, run, args.model, cluster)
+    if budget is not None:
+        from planner.cli.quality import budget_dict  # noqa: PLC0415
+
+        report["ladder_loss_budget"] = budget_dict(budget)
     if run is not None and "serving" in report:
         from planner.cli.render import render_serving_run  # noqa: PLC0415
 
@@ -261,6 +318,20 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             f"[bold]{agreement_line(plan.predicted.latency_s, run['measured']['latency_s'])}[/bold]"
         )
     return 0
+
+
+def _check_loss_budget_options(args: argparse.Namespace) -> None:
+    """--ladder auto:max-loss-increase=X% measures held-out loss: without --data, exit 2 before any work."""
+    from planner.solver.problem import LadderPolicy  # noqa: PLC0415
+
+    policy = LadderPolicy.parse(args.ladder or "none", option="--ladder")
+    if policy.max_loss_increase is not None and not args.data:
+        raise InputError(
+            f"--ladder {args.ladder} measures the model's loss on held-out text: give --data PATH "
+            "(a text file, a folder of them, or 'stdlib') and --weights CKPT with the trained weights"
+        )
+    if policy.max_loss_increase is None and (args.data or args.tokenizer):
+        raise InputError("--data / --tokenizer are read only with --ladder auto:max-loss-increase=X%")
 
 
 def _warn(lines: list[str]) -> None:
@@ -449,14 +520,56 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ladder_eval(args: argparse.Namespace) -> int:
+    from planner.cli.quality import cmd_ladder_eval as run  # noqa: PLC0415
+
+    return run(args, console, err_console)
+
+
+def cmd_adapt(args: argparse.Namespace) -> int:
+    from planner.cli.quality import cmd_adapt as run  # noqa: PLC0415
+
+    return run(args, console, err_console)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from planner.export import export_plan  # noqa: PLC0415
+    from planner.plan import Plan  # noqa: PLC0415
+
+    _check_outputs(args)
+    plan = Plan.from_yaml(args.plan)
+    result = export_plan(plan, args.to, model=args.model)
+    _warn(result.warnings)
+    if args.out:
+        write_text_atomic(args.out, result.text, option="--out")
+        err_console.print(f"{args.to} export written to {args.out}")
+    else:
+        sys.stdout.write(result.text)
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from planner.cli.compare import render_comparison  # noqa: PLC0415
+
+    render_comparison(console, args.reports)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `planner` console script; returns the process exit code."""
     warnings.showwarning = _show_warning  # spec and calibration warnings as one line each
     try:
         args = build_parser().parse_args(argv)
-        handler = {"optimize": cmd_optimize, "show": cmd_show, "run": cmd_run, "calibrate": cmd_calibrate}[
-            args.command
-        ]
+        handler = {
+            "optimize": cmd_optimize,
+            "show": cmd_show,
+            "run": cmd_run,
+            "calibrate": cmd_calibrate,
+            "ladder-eval": cmd_ladder_eval,
+            "adapt": cmd_adapt,
+            "export": cmd_export,
+            "compare": cmd_compare,
+        }[args.command]
         with _report_on_stdout(args):
             return handler(args)
     except PlannerError as e:

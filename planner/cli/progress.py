@@ -38,6 +38,12 @@ class Bars:
         self._task: TaskID | None = None
         self._last: float | None = None
 
+    @property
+    def rich(self) -> Progress:
+        """The rich `Progress` behind the bars, for code that adds its own tasks (inside `with`); a
+        disabled one, showing nothing, when the bars are off."""
+        return self._progress if self._progress is not None else Progress(disable=True)
+
     def __enter__(self) -> Bars:
         if self.enabled:
             self._progress = Progress(

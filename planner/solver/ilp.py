@@ -29,6 +29,9 @@ Constraints (each family is named by the prefix of its constraint names)
     ladder_att_*, ladder_mlp_*   qa[g] >= comm_att[g] - eta * compute_mlp[g]  (eta = overlap_efficiency)
     ladder_auto_*   za[l] >= comm_att[g] - M lad[l],  za[l] >= qa[g]  (zm alike)   `_ladder_variables`
     ladder_upper_*  lad[l] <= lad[l+1]: laddered layers are contiguous with the top   `_ladder_variables`
+    ladder_loss     sum_l s[l] lad[l] <= X: measured per-layer loss increases s within the budget X
+    ladder_nogood_* sum_{l in S} lad[l] - sum_{l not in S} lad[l] <= |S| - 1: the set S, measured over
+                    X as a whole, is not chosen again (`LadderBudget`; auto ladder only)   `_ladder_budget`
     start_*         sum_j beta[b,j] = 1;  order_*: start(b) + 1 <= start(b+1)     `_stage_variables`
     stime_*, smem_*, sgrad_*   y[l,s] >= t[l] - M (1 - a[l,s])  (a[l,s] = [l in stage s], linear in beta;
                     only for layers inside a window, the others' a is a constant)   `_product`
@@ -83,7 +86,13 @@ from planner.solver.costing import (
     step_time_s,
     transient_bytes,
 )
-from planner.solver.problem import LADDER_MIN_SAVING_FRACTION, Assignment, LadderMode, LadderPolicy
+from planner.solver.problem import (
+    LADDER_MIN_SAVING_FRACTION,
+    Assignment,
+    LadderBudget,
+    LadderMode,
+    LadderPolicy,
+)
 from planner.solver.stages import balanced_split, rebalance, reference_costs, solution_costs
 
 BALANCE_TIE_BREAK = 1e-3  # weight of the slowest stage when (m-1) = 0: balance stages among equal plans
@@ -108,6 +117,7 @@ class IlpProblem:
     mip_gap: float = 0.01  # relative gap at which CBC stops
     windows: list[list[int]] | None = None  # candidate first layers of stages 1..p-1 (None: `stage_windows`)
     ladder_min_saving_fraction: float = LADDER_MIN_SAVING_FRACTION
+    ladder_budget: LadderBudget | None = None  # auto ladder: measured quality budget
 
     @property
     def ctx(self) -> CostContext:
@@ -358,7 +368,27 @@ class _Builder:
             exposed[i] = za + zm
         for i in sorted(self.lad)[:-1]:
             self.m += self.lad[i] <= self.lad[i + 1], _name("ladder_upper", i)
+        self._ladder_budget()
         return exposed
+
+    def _ladder_budget(self) -> None:
+        """ladder_loss and ladder_nogood_*: the measured quality budget of an auto ladder."""
+        budget = self.p.ladder_budget
+        if budget is None or not self.lad:
+            return
+        self.m += (
+            pulp.lpSum(budget.cost(i) * var for i, var in self.lad.items()) <= budget.limit,
+            "ladder_loss",
+        )
+        for k, excluded in enumerate(budget.excluded):
+            inside = [var for i, var in self.lad.items() if i in excluded]
+            outside = [var for i, var in self.lad.items() if i not in excluded]
+            if len(inside) != len(excluded):  # a set with a layer not eligible here cannot be chosen
+                continue
+            self.m += (
+                pulp.lpSum(inside) - pulp.lpSum(outside) <= len(excluded) - 1,
+                _name("ladder_nogood", k),
+            )
 
     def _comm_bound(self, key: str, block: str) -> float:
         graph = self.p.graphs[key]

@@ -6,7 +6,9 @@
 - `MeshConfig`: one candidate of the mesh search: the `MeshShape`, micro-batches per step and the
   pipeline `Schedule` it is priced with.
 - `LadderMode`, `LadderPolicy`: which layers may use ladder residual; `LadderPolicy.parse` is the one
-  parser of the `--ladder none|upper:N|auto|auto:max=N` option.
+  parser of the `--ladder none|upper:N|auto|auto:max=N|auto:max-loss-increase=X%` option.
+- `LadderBudget`: measured quality cost of laddering each layer, the allowed total and the sets
+  already measured over it (the ILP's `ladder_loss` constraint and `ladder_nogood_*` cuts).
 - `Constraints`: what the user pins or allows.
 - `Assignment`: one solution: an option per op, the pipeline stages, the ladder and recomputed layers.
 """
@@ -100,28 +102,49 @@ class LadderPolicy:
 
     mode: LadderMode = LadderMode.NONE
     count: int | None = None  # upper: exactly this many; auto: at most this many (None: every layer)
+    # auto only: the largest measured held-out loss increase allowed, a fraction of the standard
+    # model's loss (0.01 = 1%); None: no quality budget. The CLI measures it (`--data`).
+    max_loss_increase: float | None = None
 
     @classmethod
     def parse(cls, text: str, option: str = "ladder") -> LadderPolicy:
-        """'none' | 'upper:N' | 'auto' | 'auto:max=N'. Raises InputError naming `option` (e.g. "--ladder")."""
+        """'none' | 'upper:N' | 'auto' | 'auto:max=N' | 'auto:max-loss-increase=X%' (also
+        'auto:max=N,max-loss-increase=X%'; X a percentage). Raises InputError naming `option` (e.g. "--ladder")."""
         text = text.strip()
         if text == "none":
             return cls(LadderMode.NONE, 0)
         if text == "auto":
             return cls(LadderMode.AUTO, None)
-        m = re.fullmatch(r"(upper):(\d+)|(auto):max=(\d+)", text)
+        m = re.fullmatch(
+            r"upper:(\d+)|auto:(?:max=(\d+)|max-loss-increase=(\d*\.?\d+)%|max=(\d+),max-loss-increase=(\d*\.?\d+)%)",
+            text,
+        )
         if m is None:
-            raise InputError(f"{option} must be none, upper:N, auto or auto:max=N (N layers), got {text!r}")
+            raise InputError(
+                f"{option} must be none, upper:N, auto, auto:max=N (N layers) or auto:max-loss-increase=X% "
+                f"(X: percent of the standard model's held-out loss), got {text!r}"
+            )
         if m.group(1):
-            return cls(LadderMode.UPPER, int(m.group(2)))
-        return cls(LadderMode.AUTO, int(m.group(4)))
+            return cls(LadderMode.UPPER, int(m.group(1)))
+        count = m.group(2) or m.group(4)
+        budget = m.group(3) or m.group(5)
+        return cls(
+            LadderMode.AUTO,
+            int(count) if count is not None else None,
+            float(budget) / 100 if budget is not None else None,
+        )
 
     def __str__(self) -> str:
         if self.mode is LadderMode.NONE:
             return "none"
         if self.mode is LadderMode.UPPER:
             return f"upper:{self.count}"
-        return "auto" if self.count is None else f"auto:max={self.count}"
+        parts = ([f"max={self.count}"] if self.count is not None else []) + (
+            [f"max-loss-increase={self.max_loss_increase * 100:g}%"]
+            if self.max_loss_increase is not None
+            else []
+        )
+        return "auto" + (":" + ",".join(parts) if parts else "")
 
     def for_layers(self, num_layers: int) -> LadderPolicy:
         """This policy on a model of `num_layers` layers (count resolved). Raises InputError if it
@@ -130,7 +153,9 @@ class LadderPolicy:
             return LadderPolicy(LadderMode.NONE, 0)
         if self.count is not None and self.count > num_layers:
             raise InputError(f"ladder {str(self)!r}: the model has only {num_layers} layers")
-        return LadderPolicy(self.mode, num_layers if self.count is None else self.count)
+        return LadderPolicy(
+            self.mode, num_layers if self.count is None else self.count, self.max_loss_increase
+        )
 
     def eligible(self, num_layers: int) -> list[int]:
         """Layers that may (auto) or must (upper) be laddered: the top `count` (all for auto without max)."""
@@ -138,6 +163,37 @@ class LadderPolicy:
             return []
         count = num_layers if self.count is None else min(self.count, num_layers)
         return list(range(num_layers - count, num_layers))
+
+
+@dataclass(frozen=True)
+class LadderBudget:
+    """A quality budget for the ladder (auto mode): the ILP keeps sum_l per_layer[l] * lad[l] <= limit
+    (`ladder_loss`) and excludes each set of `excluded` exactly (`ladder_nogood_*`: a set whose
+    combined loss increase was measured over the limit although its per-layer sum was not).
+
+    per_layer: measured loss increase of laddering layer l alone, a fraction of the standard loss
+    (negative values count as 0). Raises InputError for a negative limit.
+    """
+
+    per_layer: dict[int, float]
+    limit: float
+    excluded: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.limit >= 0:
+            raise InputError(f"the ladder loss budget must be >= 0, got {self.limit}")
+
+    def cost(self, layer: int) -> float:
+        """Layer `layer`'s share of the budget (0 for an unmeasured layer or a negative increase)."""
+        return max(0.0, self.per_layer.get(layer, 0.0))
+
+    def predicted(self, layers: list[int]) -> float:
+        """The linear estimate of laddering `layers` together: the sum of their shares."""
+        return sum(self.cost(i) for i in layers)
+
+    def excluding(self, layers: list[int]) -> LadderBudget:
+        """This budget with the set `layers` excluded too."""
+        return LadderBudget(self.per_layer, self.limit, (*self.excluded, tuple(sorted(layers))))
 
 
 @dataclass(frozen=True)
@@ -156,6 +212,7 @@ class Constraints:
     search_time_limit_s: float = 60.0  # all ILPs together; candidates left unsolved are reported
     mip_gap: float = 0.01  # relative optimality gap at which CBC stops (1%; reported in SolverInfo.gap)
     ladder_min_saving_fraction: float = LADDER_MIN_SAVING_FRACTION
+    ladder_budget: LadderBudget | None = None  # auto ladder: measured quality budget (`LadderBudget`)
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "max_devices"):

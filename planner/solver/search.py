@@ -300,6 +300,7 @@ def _solve_candidates(search: _Search, progress: Progress = silent) -> _Candidat
             time_limit_s=max(1.0, min(search.constraints.time_limit_s, left)),
             mip_gap=search.constraints.mip_gap,
             ladder_min_saving_fraction=search.constraints.ladder_min_saving_fraction,
+            ladder_budget=search.constraints.ladder_budget,
         )
         sol = solve(prob)
         search.solver_time_s += sol.time_s

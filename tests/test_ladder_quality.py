@@ -1,0 +1,184 @@
+"""Ladder quality on a tiny model and corpus: data split and errors, training through the ladder graph,
+checkpoint round trip, the ILP's loss budget, and the ladder-eval / adapt / optimize command paths."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from costmodels.cluster import load_cluster
+from planner.cli.main import main
+from planner.errors import InputError
+from planner.frontend.modelfile import load_model_file
+from planner.plan import MeshShape
+from planner.solver import ilp
+from planner.solver.costing import CostContext, build_cost_tables
+from planner.solver.problem import Constraints, LadderBudget, LadderPolicy, MeshConfig, WorkloadSpec
+from planner.solver.search import plan_model
+from runtime.lm_data import TokenBlocks, corpus_files, load_corpus, split_by_file
+from runtime.lm_train import TrainConfig, evaluate, lm_graph, save_weights, train
+from runtime.reference import build_unsharded
+from tests.planner_fixtures import handmade_llama
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_LM = str(ROOT / "tests" / "models" / "tiny_lm.py")
+STDLIB_FILES = ("json/decoder.py", "json/encoder.py", "json/scanner.py", "json/__init__.py", "textwrap.py", "colorsys.py", "bisect.py", "keyword.py")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    """A folder of eight standard-library source files (about 50 k tokens of real text)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    folder = tmp_path_factory.mktemp("corpus")
+    for name in STDLIB_FILES:
+        shutil.copy(root / name, folder / name.replace("/", "_"))
+    return str(folder)
+
+
+def test_split_by_file_is_deterministic_and_disjoint(corpus) -> None:
+    files = corpus_files(corpus)
+    train, held = split_by_file(files)
+    again = split_by_file(list(reversed(files)))
+    assert {f.key for f in train} == {f.key for f in again[0]} and {f.key for f in held} == {
+        f.key for f in again[1]
+    }
+    assert held and train and not {f.key for f in train} & {f.key for f in held}
+    assert len(train) + len(held) == len(files) == len(STDLIB_FILES)
+    blocks = TokenBlocks(torch.arange(50), seq_len=8)
+    x, y = blocks[5]
+    assert len(blocks) == 6 and x.tolist() == list(range(40, 48)) and y.tolist() == list(range(41, 49))
+
+
+def test_bad_data_is_a_clear_input_error(tmp_path, capsys) -> None:
+    with pytest.raises(InputError, match="no such file"):
+        corpus_files(tmp_path / "missing")
+    with pytest.raises(InputError, match="no text files"):
+        corpus_files(tmp_path)
+    (tmp_path / "a.txt").write_text("")
+    (tmp_path / "b.txt").write_text("  \n")
+    with pytest.raises(InputError, match="empty"):
+        load_corpus(tmp_path, 16, vocab_size=300)
+    (tmp_path / "a.txt").write_text("def f(x):\n    return x + 1\n" * 3)
+    with pytest.raises(InputError, match="too little text"):
+        load_corpus(tmp_path, 16, vocab_size=300, min_blocks=4)
+    code = main(["ladder-eval", TINY_LM, "--data", str(tmp_path / "missing")])
+    assert code == 2 and "no such file" in capsys.readouterr().err
+
+
+def test_lr_schedule_warms_up_then_decays() -> None:
+    config = TrainConfig(steps=100, warmup_steps=10, min_lr_fraction=0.1)
+    factors = [config.lr_factor(s) for s in range(100)]
+    assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(factors[9:], factors[10:])) and factors[-1] == pytest.approx(
+        0.1, abs=1e-3
+    )
+
+
+def test_ladder_training_lowers_loss_and_checkpoint_round_trips(corpus, tmp_path) -> None:
+    torch.manual_seed(0)
+    model_file = load_model_file(TINY_LM)
+    model = build_unsharded(model_file, 0, None)
+    data = load_corpus(corpus, 16, vocab_size=320, min_blocks=4)
+    gm = lm_graph(model, 4, 16, [2, 3])
+    assert any("tp" not in str(n.target) and n.op == "call_function" for n in gm.graph.nodes)
+    before = evaluate(gm, data.held_out, 4, max_batches=4)
+    result = train(gm, data.train, TrainConfig(steps=12, batch_size=4, lr=1e-2, warmup_steps=2))
+    after = evaluate(gm, data.held_out, 4, max_batches=4)
+    assert sum(result.losses[-3:]) < sum(result.losses[:3]) and after.loss < before.loss
+    path = tmp_path / "w.safetensors"
+    save_weights(gm, model, path)
+    loaded = build_unsharded(model_file, 1, [str(path)])  # another seed: every weight comes from the file
+    again = lm_graph(loaded, 4, 16, [2, 3])
+    x, _ = data.held_out[0]
+    assert torch.equal(gm(x.expand(4, -1)), again(x.expand(4, -1)))
+
+
+def test_loss_budget_constrains_the_ilp_and_cuts_measured_sets() -> None:
+    pcie = load_cluster("h100-pcie")
+    structure = handmade_llama(num_layers=6, hidden=8192, heads=64, kv_heads=8, ffn=28672)
+    workload = WorkloadSpec("decode", 1, 1, context=512)
+    auto = LadderPolicy.parse("auto:max-loss-increase=1%")
+    assert auto.max_loss_increase == pytest.approx(0.01) and str(auto) == "auto:max-loss-increase=1%"
+    free = plan_model(structure, pcie, workload, Constraints(tp=8, ladder=auto))
+    assert free.ladder_layers == [0, 1, 2, 3, 4, 5]  # without a budget every layer pays off here
+    budget = LadderBudget({i: 0.004 for i in range(6)}, 0.01)
+    two = plan_model(structure, pcie, workload, Constraints(tp=8, ladder=auto, ladder_budget=budget))
+    assert two.ladder_layers == [4, 5]  # 3 x 0.4% > 1%
+    cut = plan_model(
+        structure, pcie, workload, Constraints(tp=8, ladder=auto, ladder_budget=budget.excluding([4, 5]))
+    )
+    assert cut.ladder_layers == [5]
+    assert cut.predicted.latency_s > two.predicted.latency_s > free.predicted.latency_s
+
+
+@pytest.mark.slow
+def test_cli_ladder_eval_adapt_and_loss_budget(corpus, tmp_path, capsys) -> None:
+    report = tmp_path / "eval.json"
+    common = ["--data", corpus, "--batch-size", "4", "--eval-batches", "3"]
+    assert (
+        main(["ladder-eval", TINY_LM, *common, "--layers", "2-3", "--sensitivity", "--json", str(report)])
+        == 0
+    )
+    got = json.loads(report.read_text())
+    assert got["ladder"]["layers"] == [2, 3] and set(got["sensitivity"]) == {"0", "1", "2", "3"}
+    assert got["standard"]["perplexity"] == pytest.approx(2.718281828 ** got["standard"]["loss"])
+    assert "held-out loss" in capsys.readouterr().out
+
+    ckpt, plots = tmp_path / "adapted.safetensors", tmp_path / "plots"
+    args = ["adapt", TINY_LM, *common, "--ladder", "upper:2", "--steps", "6", "--lr", "1e-2", "--nproc", "2"]
+    assert main([*args, "--plot", str(plots), "--out", str(ckpt)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "training loss" in out and "ladder, adapted" in out and (plots / "adapt_loss.png").stat().st_size > 0
+    )
+    model = build_unsharded(load_model_file(TINY_LM), 0, [str(ckpt)])
+    with safe_open(str(ckpt), "pt") as f:
+        assert set(f.keys()) == set(model.state_dict())
+
+    budget = [
+        "--ladder",
+        "auto:max=2,max-loss-increase=1%",
+        "--cluster",
+        "local-cpu",
+        "--nproc",
+        "2",
+        "--tp",
+        "2",
+    ]
+    assert main(["optimize", TINY_LM, *budget]) == 2
+    assert "--data" in capsys.readouterr().err
+    emit, report = tmp_path / "emit", tmp_path / "plan.json"
+    argv = ["optimize", TINY_LM, *budget, "--data", corpus, "--eval-batches", "2", "--weights", str(ckpt)]
+    assert main([*argv, "--emit", str(emit), "--json", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert "Ladder loss budget 1.00%" in out and "chosen" in out
+    sets = json.loads(report.read_text())["ladder_loss_budget"]["sets"]
+    chosen = [s for s in sets if s["role"] == "chosen"]
+    assert len(chosen) == 1 and chosen[0]["measured_increase"] <= 0.01
+    shards = torch.load(emit / "rank0" / "weights.pt", weights_only=True)
+    with safe_open(str(ckpt), "pt") as f:  # the emitted modules name their tensors as the checkpoint does
+        params = {k for k in shards if not k.startswith("rope")}
+        assert params and params <= set(f.keys())
+
+
+def test_lp_model_names_the_budget_constraints() -> None:
+    structure = handmade_llama(num_layers=4)
+    workload = WorkloadSpec("decode", 1, 1, context=64)
+    ctx = CostContext(
+        structure, load_cluster("h100-pcie"), workload, MeshConfig(MeshShape(4, 1, 1), 1), "bf16"
+    )
+    prob = ilp.IlpProblem(
+        build_cost_tables(ctx),
+        LadderPolicy.parse("auto:max-loss-increase=1%").for_layers(4),
+        None,
+        ladder_budget=LadderBudget({0: 0.002, 3: 0.005}, 0.01, ((2, 3),)),
+    )
+    model = ilp.lp_model(prob)
+    for name in ("ladder_loss", "ladder_nogood_0"):
+        assert model.get_constraint_by_name(name) is not None, name
