@@ -60,8 +60,7 @@ from costmodels.cluster import ClusterSpec, cluster_to_dict, load_cluster, parse
 from costmodels.dtypes import DTYPE_BYTES, torch_dtype
 from planner.errors import InputError, RunError
 from planner.files import write_text_atomic
-
-Progress = Callable[[str, float], None]
+from planner.progress import Progress
 
 ALL_REDUCE_SIZES_BYTES = tuple(4096 * 4**i for i in range(7))  # 4 KiB, 16 KiB, ..., 16 MiB
 CALL_SIZE_BYTES = 4  # one fp32: an all-reduce this small costs its per-call overhead only

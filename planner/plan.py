@@ -157,6 +157,18 @@ class LayerCost:
 
 
 @dataclass
+class StageCost:
+    """Predicted cost of one pipeline stage per micro-batch (training: forward and backward), on each
+    of its ranks: what the step time is made of (`planner.solver.costing.step_time_s`)."""
+
+    stage: int
+    compute_s: float  # per micro-batch
+    exposed_comm_s: float  # per micro-batch: TP collectives not hidden, the send to the next stage
+    overlapped_comm_s: float  # per micro-batch: hidden behind compute (ladder residual)
+    memory_bytes: float  # per rank of the stage: weights, training state, in-flight activations, buffers
+
+
+@dataclass
 class Prediction:
     """Predicted performance of a plan (per training step, per forward pass or per decode step)."""
 
@@ -168,6 +180,11 @@ class Prediction:
     overlapped_comm_s: float  # communication hidden behind compute
     bubble_s: float  # pipeline bubble time
     per_layer: list[LayerCost] = field(default_factory=list)
+    # per stage, per micro-batch (empty in plans written before they were recorded), and the work
+    # after the pipeline drains (training): the DP gradient all-reduce, then the optimizer step
+    per_stage: list[StageCost] = field(default_factory=list)
+    grad_sync_s: float = 0.0
+    optimizer_s: float = 0.0
 
 
 @dataclass

@@ -50,7 +50,7 @@ from planner.frontend.capture import capture, flat_inputs, retarget_device
 from planner.frontend.modelfile import ModelFile, load_model_file
 from planner.frontend.phases import Phase, build_for, decode_phase, phase_inputs, prefill_phase
 from planner.plan import Plan
-from runtime.launch import RankContext
+from runtime.launch import RankContext, report_progress
 from runtime.measure import Timing, current_memory_bytes, process_peak_memory_bytes
 from runtime.mesh import build_rank_groups
 from runtime.numerics import all_outputs
@@ -396,12 +396,14 @@ def _serve_rank(
     del prefill_meta, decode_meta, model
 
     timers = {name: _Timer(groups.group("tp"), device) for name in variants}
-    for _ in range(job.warmup):
+    for i in range(job.warmup):
+        report_progress(f"warm-up request {i + 1}/{job.warmup}", i / job.warmup)
         for name, (p, d) in variants.items():
             request.generate(p, d, prompt, device, timers[name])
     for timer in timers.values():
         timer.enabled = True
-    for _ in range(job.iters):
+    for i in range(job.iters):
+        report_progress(f"timed request {i + 1}/{job.iters}", i / job.iters)
         for name, (p, d) in variants.items():
             request.generate(p, d, prompt, device, timers[name])
     standard_timer = timers.get("standard")

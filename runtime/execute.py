@@ -40,7 +40,7 @@ from planner.frontend.analysis import ModelStructure, analyse
 from planner.frontend.capture import capture, flat_inputs, retarget_device
 from runtime.data_parallel import build_optimizer, unbatched_note
 from runtime.job import RankReport, RankSetup, ReferenceFiles, RunJob, set_up_rank
-from runtime.launch import RankContext
+from runtime.launch import RankContext, report_progress
 from runtime.measure import current_memory_bytes, process_peak_memory_bytes, time_iterations
 from runtime.numerics import all_outputs, replica_share
 from runtime.pipeline_run import run_pipeline_rank
@@ -53,6 +53,7 @@ def run_rank(ctx: RankContext, job: RunJob) -> RankReport:
     """Per-rank entry: lower, load shards, check, time. See the module docstring. Raises on any
     failure (the launcher turns it into a RunError naming this rank)."""
     startup_bytes = current_memory_bytes(ctx.device)
+    report_progress("lowering the plan, loading this rank's shards, checking numerics", None)
     setup = set_up_rank(ctx, job)
     with shared_reference(ctx, job) as reference:
         setup.reference = reference
@@ -120,10 +121,13 @@ def _run_sharded_rank(
                 with torch.no_grad():
                     gm(*inputs)
 
-    timing = time_iterations(step, warmup=job.warmup, iters=job.iters, device=ctx.device)
+    timing = time_iterations(
+        step, warmup=job.warmup, iters=job.iters, device=ctx.device, progress=report_progress
+    )
     report.latency_samples_s = list(timing.samples_s)
     report.median_s = timing.median_s
     if job.profile_layers and not setup.training:
+        report_progress("profiling the layers", None)
         report.per_layer_s = profile_layers(gm, inputs, [layer.module_path for layer in structure.layers])
     return report
 

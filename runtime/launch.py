@@ -12,6 +12,10 @@ barrier for the other ranks (rank 0 hosts the rendezvous store, so it must not l
 the process group. Results travel by value (plain pickle): return CPU tensors or plain data; a CUDA
 tensor would be unpickled onto the same device in the parent.
 
+Progress: `launch(..., progress=fn)` calls `fn(description, fraction)` (`planner.progress`) in the
+parent as the ranks start ("ranks started: 3/4") and whenever rank 0 calls `report_progress` (warm-up
+and timed iterations, `runtime.measure.time_iterations`); the messages travel on the result pipes.
+
 Under torchrun (RANK and WORLD_SIZE set, and PLANNER_UNDER_TORCHRUN or TORCHELASTIC_RUN_ID set) nothing
 is spawned: this process runs `entry` as its own rank (initialising the process group from the env://
 variables unless one exists already) and the results are gathered with `dist.gather_object`. Rank 0
@@ -56,6 +60,7 @@ import torch
 import torch.distributed as dist
 
 from planner.errors import InputError, RunError
+from planner.progress import Progress, silent
 
 _WALL_MARGIN_S = 5.0  # added to timeout_s for the wall-clock limit: spawning, importing torch, tear-down
 _GRACE_S = 2.0  # how long a terminated (SIGTERM) child gets before SIGKILL
@@ -65,6 +70,8 @@ _TRACEBACK_FRAMES = 8  # frames of a failed rank's traceback quoted in the RunEr
 _MASTER_ADDR = "127.0.0.1"
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _BACKENDS = ("gloo", "nccl")
+_PROGRESS_INTERVAL_S = 0.1  # a rank sends at most this often (and every start and end of a task)
+_STARTED = "started"  # a rank's progress message once its process group is up
 
 
 @dataclass(frozen=True)
@@ -99,6 +106,34 @@ class _Failure:
     time_s: float  # time.time() when it happened (child clock) or was noticed (parent clock)
 
 
+@dataclass(frozen=True)
+class _Progress:
+    """A rank's progress message to the parent (`report_progress`)."""
+
+    rank: int
+    description: str
+    fraction: float | None
+
+
+_progress_conn: Any = None  # in a spawned rank: its result pipe (progress messages go there too)
+_progress_rank = -1
+_progress_sent_s = 0.0
+
+
+def report_progress(description: str, fraction: float | None) -> None:
+    """From rank 0 of a local launch: tell the launching process's `progress` callback (see the module
+    docstring). Throttled to one message per _PROGRESS_INTERVAL_S unless a task starts or ends; a
+    no-op on other ranks, under torchrun and outside a launch."""
+    global _progress_sent_s
+    if _progress_conn is None or _progress_rank != 0:
+        return
+    now = time.monotonic()
+    if fraction not in (None, 0.0, 1.0) and now - _progress_sent_s < _PROGRESS_INTERVAL_S:
+        return
+    _progress_sent_s = now
+    _progress_conn.send(_Progress(_progress_rank, description, fraction))
+
+
 class _PortInUse(Exception):
     """Rank 0 could not bind MASTER_PORT; the launch is retried on another port."""
 
@@ -110,8 +145,10 @@ def launch(
     *,
     timeout_s: float = 60.0,
     backend: str | None = None,
+    progress: Progress = silent,
 ) -> list[Any]:
     """Run `entry(ctx, payload)` on `nproc` ranks; return the per-rank results in rank order.
+    `progress`: told of the ranks' start-up and rank 0's `report_progress` (local mode only).
 
     `entry` must be a module-level function (it is pickled by reference); `payload` and the results
     must pickle. `timeout_s` (seconds) is both the process group's collective timeout and, plus
@@ -139,7 +176,7 @@ def launch(
         port = free_port()
         tried.append(port)
         try:
-            return _run_local(job, nproc, port, timeout_s, backend)
+            return _run_local(job, nproc, port, timeout_s, backend, progress)
         except _PortInUse:
             continue
     raise RunError(
@@ -248,18 +285,23 @@ def _rank_main(
         LOCAL_WORLD_SIZE=str(nproc),
     )
     phase = "init"
+    global _progress_conn, _progress_rank
     try:
         entry, payload = pickle.loads(job)
         device = _init_process_group(rank, nproc, rank, nproc, backend, timeout_s)
         ctx = RankContext(rank, nproc, rank, device, backend)
+        conn.send(_Progress(rank, _STARTED, None))
+        _progress_conn, _progress_rank = conn, rank
         phase = "entry"
         result = entry(ctx, payload)
         phase = "result"
         data = pickle.dumps(result)
     except BaseException as exc:  # report everything, SystemExit included, then leave at once
+        _progress_conn = None
         conn.send(_failure_of(rank, phase, exc))
         conn.close()
         _exit_now(1)
+    _progress_conn = None
     conn.send(_Result(rank, data))
     conn.close()
     try:
@@ -305,10 +347,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _run_local(job: bytes, nproc: int, port: int, timeout_s: float, backend: str) -> list[Any]:
+def _run_local(
+    job: bytes, nproc: int, port: int, timeout_s: float, backend: str, progress: Progress = silent
+) -> list[Any]:
     context = mp.get_context("spawn")
     procs: list[Any] = []
     conns: list[Any] = []
+    progress(f"starting {nproc} rank(s)", 0.0)
     try:
         for rank in range(nproc):
             recv, send = context.Pipe(duplex=False)
@@ -322,7 +367,7 @@ def _run_local(job: bytes, nproc: int, port: int, timeout_s: float, backend: str
             procs.append(proc)
             conns.append(recv)
         deadline = time.monotonic() + timeout_s + _WALL_MARGIN_S
-        results = _collect(procs, conns, deadline, timeout_s, port, backend)
+        results = _collect(procs, conns, deadline, timeout_s, port, backend, progress)
         _join(procs, _GRACE_S)
         return results
     finally:  # every way out, KeyboardInterrupt included: no child outlives the launch
@@ -332,10 +377,18 @@ def _run_local(job: bytes, nproc: int, port: int, timeout_s: float, backend: str
 
 
 def _collect(
-    procs: list[Any], conns: list[Any], deadline: float, timeout_s: float, port: int, backend: str
+    procs: list[Any],
+    conns: list[Any],
+    deadline: float,
+    timeout_s: float,
+    port: int,
+    backend: str,
+    progress: Progress = silent,
 ) -> list[Any]:
-    """Wait for one report per rank; raise RunError (or _PortInUse) on the first failure or timeout."""
+    """Wait for one report per rank, passing progress messages on to `progress`; raise RunError (or
+    _PortInUse) on the first failure or timeout."""
     nproc = len(procs)
+    started = 0
     pending = set(range(nproc))
     results: list[Any] = [None] * nproc
     failures: list[_Failure] = []
@@ -353,6 +406,13 @@ def _collect(
             report = _read_report(conns[rank], procs[rank], rank)
             if report is None:
                 continue  # sentinel fired before the pipe drained; read it next round
+            if isinstance(report, _Progress):
+                if report.description == _STARTED:
+                    started += 1
+                    progress(f"ranks started: {started}/{nproc}", started / nproc)
+                else:
+                    progress(report.description, report.fraction)
+                continue
             pending.discard(rank)
             if isinstance(report, _Result):
                 results[rank] = pickle.loads(report.data)
@@ -376,7 +436,7 @@ def _collect(
     return results
 
 
-def _read_report(conn: Any, proc: Any, rank: int) -> _Result | _Failure | None:
+def _read_report(conn: Any, proc: Any, rank: int) -> _Result | _Failure | _Progress | None:
     """The rank's report, a 'died' failure when it exited without one, or None when not ready yet."""
     if conn.poll():
         try:

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from planner.errors import InputError
+from planner.progress import Progress, silent
 
 _STATUS_PATH = "/proc/self/status"
 _CLEAR_REFS_PATH = "/proc/self/clear_refs"
@@ -84,8 +85,10 @@ def time_iterations(
     iters: int,
     device: torch.device,
     group: dist.ProcessGroup | None = None,
+    progress: Progress = silent,
 ) -> Timing:
     """Call `fn()` `warmup` times untimed, then time `iters` calls; return their Timing in seconds.
+    `progress` (`planner.progress`) is told of each warm-up and timed call.
 
     Every timed call starts right after a barrier on `group` (the default group when None) if a process
     group is initialised, so all ranks of the group must call this with the same `iters`. On a CUDA
@@ -96,28 +99,38 @@ def time_iterations(
         raise InputError(
             f"time_iterations needs warmup >= 0 and iters >= 1, got warmup={warmup}, iters={iters}"
         )
-    for _ in range(warmup):
+    for i in range(warmup):
+        progress(f"warm-up {i + 1}/{warmup}", i / warmup)
         fn()
     if device.type == "cuda":
-        return Timing.from_samples(_time_cuda(fn, iters, device, group))
-    return Timing.from_samples(_time_cpu(fn, iters, group))
+        return Timing.from_samples(_time_cuda(fn, iters, device, group, progress))
+    return Timing.from_samples(_time_cpu(fn, iters, group, progress))
 
 
-def _time_cpu(fn: Callable[[], Any], iters: int, group: dist.ProcessGroup | None) -> list[float]:
+def _time_cpu(
+    fn: Callable[[], Any], iters: int, group: dist.ProcessGroup | None, progress: Progress
+) -> list[float]:
     samples_s = []
-    for _ in range(iters):
+    for i in range(iters):
+        progress(f"timed iteration {i + 1}/{iters}", i / iters)
         _barrier(group)
         start = time.perf_counter()
         fn()
         samples_s.append(time.perf_counter() - start)
+    progress(f"timed {iters} iterations", 1.0)
     return samples_s
 
 
 def _time_cuda(
-    fn: Callable[[], Any], iters: int, device: torch.device, group: dist.ProcessGroup | None
+    fn: Callable[[], Any],
+    iters: int,
+    device: torch.device,
+    group: dist.ProcessGroup | None,
+    progress: Progress,
 ) -> list[float]:
     events = []
-    for _ in range(iters):
+    for i in range(iters):
+        progress(f"timed iteration {i + 1}/{iters}", i / iters)
         torch.cuda.synchronize(device)  # the barrier then aligns the ranks, not their queued work
         _barrier(group)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -126,6 +139,7 @@ def _time_cuda(
         end.record()
         events.append((start, end))
     torch.cuda.synchronize(device)
+    progress(f"timed {iters} iterations", 1.0)
     return [start.elapsed_time(end) / 1e3 for start, end in events]  # elapsed_time is in ms
 
 

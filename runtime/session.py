@@ -24,6 +24,7 @@ from typing import Any
 
 from planner.errors import RunError
 from planner.plan import Plan
+from planner.progress import Progress, silent
 from runtime.execute import run_rank
 from runtime.job import RunJob, summarise
 from runtime.launch import launch, under_torchrun
@@ -32,20 +33,29 @@ from runtime.reference import write_reference
 from runtime.run_mode import check_plan_runs
 
 
-def run_job(job: RunJob, nproc: int, timeout_s: float) -> dict[str, Any] | None:
+def run_job(job: RunJob, nproc: int, timeout_s: float, progress: Progress = silent) -> dict[str, Any] | None:
     """Run `job` on `nproc` ranks and return `summarise` of their reports (None on a torchrun rank
-    other than 0). Raises InputError for a model without weights or bad --weights (exit 2),
-    RunError when a rank fails or the numerics are beyond tolerance (exit 4); InputError naming the
-    plan field when the runtime cannot run the plan as planned (`runtime.run_mode.check_plan_runs`)."""
+    other than 0). `progress` (`planner.progress`): the reference, the ranks' start-up, rank 0's
+    warm-up and timed iterations. Raises InputError for a model without weights or bad --weights
+    (exit 2), RunError when a rank fails or the numerics are beyond tolerance (exit 4); InputError
+    naming the plan field when the runtime cannot run the plan as planned
+    (`runtime.run_mode.check_plan_runs`)."""
     check_plan_runs(Plan.from_dict(job.plan), job.workload)
     if under_torchrun():
         reports = launch(run_rank, job, nproc=nproc, timeout_s=timeout_s)
     else:
         directory = tempfile.mkdtemp(prefix="planner-reference-")
         try:
+            progress("running the unsharded model once (the reference)", None)
             reference = write_reference(job, directory)
             gc.collect()  # the whole model is garbage now: the ranks start without it here
-            reports = launch(run_rank, replace(job, reference=reference), nproc=nproc, timeout_s=timeout_s)
+            reports = launch(
+                run_rank,
+                replace(job, reference=reference),
+                nproc=nproc,
+                timeout_s=timeout_s,
+                progress=progress,
+            )
         finally:
             shutil.rmtree(directory, ignore_errors=True)
     if any(r is None for r in reports):

@@ -17,7 +17,7 @@ PACKAGES = ("planner", "passes", "runtime", "costmodels")
 
 # (layer name, module-name prefixes); a module belongs to the first layer whose prefix it matches.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("errors and files", ("planner.errors", "planner.files")),
+    ("errors and files", ("planner.errors", "planner.files", "planner.progress")),
     ("cost models", ("costmodels",)),
     ("front end", ("planner.frontend",)),
     ("plan", ("planner.plan",)),

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from planner.errors import InputError, RunError
 from planner.plan import MeshShape
 from runtime import launch as launch_module
-from runtime.launch import RankContext, launch
+from runtime.launch import RankContext, launch, report_progress
+from runtime.measure import time_iterations
 from runtime.mesh import build_rank_groups
 
 # ---------------------------------------------------------------------------------------------------
@@ -32,6 +33,7 @@ from runtime.mesh import build_rank_groups
 def _all_reduce_rank(ctx: RankContext, payload: int) -> dict:
     value = torch.tensor([float(ctx.rank)])
     dist.all_reduce(value)
+    time_iterations(lambda: None, warmup=2, iters=3, device=ctx.device, progress=report_progress)
     return {
         "rank": ctx.rank,
         "world_size": ctx.world_size,
@@ -142,8 +144,17 @@ def _assert_no_children(pid_dir: Path) -> None:
 
 @pytest.mark.slow
 def test_launch_returns_results_in_rank_order() -> None:
-    results = launch(_all_reduce_rank, 7, 2, timeout_s=30)
+    told: list[tuple[str, float | None]] = []
+    results = launch(
+        _all_reduce_rank, 7, 2, timeout_s=30, progress=lambda text, done: told.append((text, done))
+    )
     assert [r["rank"] for r in results] == [0, 1]
+    # progress reaches the launching process: the ranks' start-up, then rank 0's (only) timing steps
+    said = [text for text, _ in told]
+    assert said[:2] == ["starting 2 rank(s)", "ranks started: 1/2"] and "ranks started: 2/2" in said
+    assert said.count("warm-up 1/2") == said.count("timed iteration 1/3") == 1
+    assert said.index("warm-up 1/2") < said.index("timed iteration 1/3")
+    assert told[-1] == ("timed 3 iterations", 1.0)
     for rank, result in enumerate(results):
         assert result["sum"] == 1.0  # 0 + 1
         assert result["world_size"] == 2 and result["local_rank"] == rank

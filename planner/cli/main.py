@@ -23,9 +23,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
+from planner.cli.progress import Bars
 from planner.errors import InputError, PlannerError
 from planner.files import check_output_path, write_text_atomic
 
@@ -48,6 +48,11 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
+
+
+_PLOT_HELP = (
+    "write PNG figures into this folder: pipeline schedule, per-layer time, memory per rank, ladder gains"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,8 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     opt.add_argument("--out", help="write the plan as YAML")
     opt.add_argument("--emit", help="write the generated sharded module of every rank into this folder")
-    opt.add_argument("--json", help="write the JSON report")
+    opt.add_argument("--json", help="write the JSON report to this file (-: to stdout, the text to stderr)")
     opt.add_argument("--why", action="store_true", help="show every decision beside its alternatives")
+    opt.add_argument("--plot", metavar="DIR", help=_PLOT_HELP)
     _run_options(opt)
     opt.add_argument("--run", action="store_true", help="execute the plan on local ranks and measure it")
     opt.add_argument(
@@ -116,11 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     show = sub.add_parser("show", help="print a saved plan")
     show.add_argument("plan")
     show.add_argument("--why", action="store_true")
+    show.add_argument("--plot", metavar="DIR", help=_PLOT_HELP)
 
     run = sub.add_parser("run", help="execute a saved plan on local ranks and measure it")
     run.add_argument("plan")
     run.add_argument("--model", required=True)
-    run.add_argument("--json")
+    run.add_argument("--json", help="write the JSON report to this file (-: to stdout, the text to stderr)")
     _run_options(run)
 
     cal = sub.add_parser("calibrate", help="measure this machine and write a cluster spec")
@@ -165,22 +172,44 @@ def _run_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _bars(args: argparse.Namespace) -> Bars:
+    """Progress bars on stderr: only on a terminal, and not with --json - (the report on stdout)."""
+    return Bars(err_console, enabled=err_console.is_terminal and not _json_to_stdout(args))
+
+
+def _json_to_stdout(args: argparse.Namespace) -> bool:
+    return getattr(args, "json", None) == "-"
+
+
 @contextmanager
-def _progress():
-    with Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        TimeElapsedColumn(),
-        console=err_console,
-        transient=True,
-    ) as progress:
-        yield progress
+def _report_on_stdout(args: argparse.Namespace):
+    """With --json -, stdout carries the JSON report alone: the console's text goes to stderr."""
+    if not _json_to_stdout(args):
+        yield
+        return
+    console.file = sys.stderr
+    try:
+        yield
+    finally:
+        console.file = None  # rich's default again: sys.stdout at the time of each print
+
+
+def _write_report(args: argparse.Namespace, report: dict, announce: bool = True) -> None:
+    """--json FILE (atomically), or --json - (stdout)."""
+    text = json.dumps(report, indent=2, default=float)
+    if _json_to_stdout(args):
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+        return
+    write_text_atomic(args.json, text, option="--json")
+    if announce:
+        console.print(f"report written to {args.json}")
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
-    for option, folder in (("out", False), ("json", False), ("emit", True)):
+    for option, folder in (("out", False), ("json", False), ("emit", True), ("plot", True)):
         value = getattr(args, option, None)
-        if value:
+        if value and not (option == "json" and value == "-"):
             check_output_path(f"--{option}", value, folder=folder)
 
 
@@ -190,8 +219,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     _check_outputs(args)
     _check_loss_budget_options(args)
 
-    with _progress() as progress:
-        task = progress.add_task("tracing the model (meta device)", total=None)
+    with _bars(args) as bars:
+        bars("tracing the model (meta device)", None)
         prepared = workflow.prepare(
             args.model,
             args.workload,
@@ -202,16 +231,16 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             args.dtype,
             args.new_tokens,
         )
-        progress.update(task, description="loading the cluster spec")
+        bars("loading the cluster spec", None)
         nproc = args.nproc
         cluster = workflow.resolve_cluster(
             args.cluster,
             nproc,
-            progress=lambda step, frac: progress.update(task, description=f"calibrating: {step}"),
+            progress=lambda step, frac: bars(f"calibrating: {step}", frac),
             recalibrate=args.recalibrate,
-            notify=lambda text: progress.console.print(f"[dim]{text}[/dim]"),
+            notify=bars.note,
         )
-        progress.update(task, description="solving the ILP, then lowering the plan on meta tensors")
+        bars("solving the ILP", None)
         constraints = workflow.constraints_from(
             args.tp, args.pp, args.dp, args.ladder, max_devices=args.devices, schedule=args.schedule
         )
@@ -227,13 +256,13 @@ def cmd_optimize(args: argparse.Namespace) -> int:
 
             plan, budget = plan_with_loss_budget(
                 args,
-                lambda c: workflow.make_plan(prepared, cluster, c, args.model, source),
+                lambda c: workflow.make_plan(prepared, cluster, c, args.model, source, progress=bars),
                 constraints,
                 len(prepared.structure.layers),
-                progress,
+                bars.rich,
             )
         else:
-            plan = workflow.make_plan(prepared, cluster, constraints, args.model, source)
+            plan = workflow.make_plan(prepared, cluster, constraints, args.model, source, progress=bars)
     n = len(prepared.structure.layers)
     console.print(
         f"Traced {args.model}: {n} layers, {prepared.structure.num_params / 1e6:,.1f} M parameters, "
@@ -276,8 +305,12 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         render_run(console, report)
         render_layer_comparison(console, plan, run["measured"].get("per_layer_s", {}))
     if args.json:
-        write_text_atomic(args.json, json.dumps(report, indent=2, default=float), option="--json")
-        console.print(f"report written to {args.json}")
+        _write_report(args, report)
+    if args.plot:
+        spec = cluster
+        if plan.cluster != cluster.name:  # re-planned for this machine (--scale-to-local)
+            spec = workflow.plan_cluster(plan, plan.num_devices)[0]
+        _plot(plan, args.plot, report, spec.device.memory_bytes)
     if run is not None:
         from planner.cli.render import agreement_line  # noqa: PLC0415
 
@@ -360,12 +393,16 @@ def _run(args, plan, prepared, cluster):
 
         render_plan(console, plan)
         nproc = plan.num_devices
-    with _progress() as progress:
-        progress.add_task(
-            f"running on {nproc} rank(s): rewrite, check numerics, time {args.iters} iterations", total=None
-        )
+    with _bars(args) as bars:
         run = workflow.run_plan(
-            plan, args.model, nproc, args.iters, args.warmup, args.timeout, weights=args.weights
+            plan,
+            args.model,
+            nproc,
+            args.iters,
+            args.warmup,
+            args.timeout,
+            weights=args.weights,
+            progress=bars,
         )
     return plan, run
 
@@ -381,11 +418,28 @@ def cmd_show(args: argparse.Namespace) -> int:
     from planner.cli.render import render_decisions, render_plan  # noqa: PLC0415
     from planner.plan import Plan  # noqa: PLC0415
 
+    _check_outputs(args)
     plan = Plan.from_yaml(args.plan)
     render_plan(console, plan)
     if args.why:
         render_decisions(console, plan)
+    if args.plot:
+        from planner.cli import workflow  # noqa: PLC0415
+
+        cluster, note = workflow.plan_cluster(plan, plan.num_devices)
+        if note:
+            _warn([f"{note}; the memory figure draws no device capacity"])
+        _plot(plan, args.plot, None, None if note else cluster.device.memory_bytes)
     return 0
+
+
+def _plot(plan, folder: str, report: dict | None, capacity_bytes: float | None) -> None:
+    """--plot: the figures of `plan` (and of the run in `report`) into `folder`, named on the console."""
+    from planner.report.plots import write_figures  # noqa: PLC0415 - matplotlib only for --plot
+
+    figures = write_figures(plan, folder, report, capacity_bytes)
+    _warn(figures.notes)
+    console.print(f"figures written to {folder}/: {', '.join(p.name for p in figures.files)}")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -398,12 +452,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not Path(args.model).exists():
         raise InputError(f"model file {args.model} does not exist")
     nproc = args.nproc or plan.num_devices
-    with _progress() as progress:
-        task = progress.add_task("checking the plan against the model", total=None)
+    with _bars(args) as bars:
+        bars("checking the plan against the model", None)
         prepared = workflow.prepare(args.model, "forward", plan.batch_size, plan.seq_len)
         workflow.validate_plan_for_model(plan, prepared.structure, args.model, prepared.param_shapes)
         cluster, note = workflow.plan_cluster(plan, nproc)
-        progress.update(task, description="lowering the plan on meta tensors for every rank")
+        bars("lowering the plan on meta tensors for every rank", None)
         checked = workflow.check_lowering(prepared, plan, cluster)  # a hand-edited plan is checked whole
     if note:
         _warn([note])
@@ -421,10 +475,16 @@ def cmd_run(args: argparse.Namespace) -> int:
             plan, args.model, nproc, args.iters, args.warmup, args.timeout
         )  # raises the message
     workflow.check_fits_this_machine(plan, prepared.structure, nproc)
-    with _progress() as progress:
-        progress.add_task(f"running on {nproc} rank(s)", total=None)
+    with _bars(args) as bars:
         run = workflow.run_plan(
-            plan, args.model, nproc, args.iters, args.warmup, args.timeout, weights=args.weights
+            plan,
+            args.model,
+            nproc,
+            args.iters,
+            args.warmup,
+            args.timeout,
+            weights=args.weights,
+            progress=bars,
         )
     if run is None:  # a rank other than 0 under torchrun: rank 0 reports
         return 0
@@ -436,7 +496,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             "so predicted / measured compares different hardware. Re-plan with --cluster for this machine to compare.[/yellow]"
         )
     if args.json:
-        write_text_atomic(args.json, json.dumps(report, indent=2, default=float), option="--json")
+        _write_report(args, report, announce=False)
     return 0
 
 
@@ -446,11 +506,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     _check_outputs(args)
 
-    with Progress(console=err_console, transient=True) as progress:
-        task = progress.add_task("calibrating", total=1.0)
-        spec = calibrate(
-            args.nproc, progress=lambda step, frac: progress.update(task, description=step, completed=frac)
-        )
+    with _bars(args) as bars:
+        spec = calibrate(args.nproc, progress=bars)
     write_cluster_yaml(spec, args.out)
     spec = load_cluster(args.out)
     d = spec.device
@@ -513,7 +570,8 @@ def main(argv: list[str] | None = None) -> int:
             "export": cmd_export,
             "compare": cmd_compare,
         }[args.command]
-        return handler(args)
+        with _report_on_stdout(args):
+            return handler(args)
     except PlannerError as e:
         kind = {2: "bad input", 3: "no feasible plan", 4: "run failed"}.get(e.exit_code, "error")
         err_console.print(Text.assemble((f"error ({kind}): ", "bold red"), str(e)), highlight=False)

@@ -25,6 +25,7 @@ from planner.frontend.depth import capture_for_planning
 from planner.frontend.modelfile import ModelFile, load_model_file
 from planner.frontend.phases import build_for, decode_phase, plan_structure, prefill_phase
 from planner.plan import WORKLOADS, Plan, Schedule, Serving, SplitStyle, Workload
+from planner.progress import Progress, silent
 from planner.solver.problem import Constraints, LadderPolicy, WorkloadSpec
 from planner.solver.search import plan_model
 from planner.solver.serving import kv_fallbacks, price_request
@@ -310,14 +311,24 @@ def make_plan(
     constraints: Constraints,
     model_path: str,
     cluster_source: str = "",
+    progress: Progress = silent,
 ) -> Plan:
     """Solve for the best plan and check it by lowering it (`check_lowering`). cluster_source: where
-    the cluster spec came from (`cluster_source`), recorded in the plan. Raises InfeasibleError
-    (exit 3: no plan, or one the passes cannot lower) or InputError (exit 2)."""
+    the cluster spec came from (`cluster_source`), recorded in the plan. `progress`: told of the mesh
+    search and the lowering. Raises InfeasibleError (exit 3: no plan, or one the passes cannot
+    lower) or InputError (exit 2)."""
     check_pinned_tp(prepared.structure, constraints.tp)
-    plan = plan_model(prepared.structure, cluster, prepared.workload, constraints, model_name=str(model_path))
+    plan = plan_model(
+        prepared.structure,
+        cluster,
+        prepared.workload,
+        constraints,
+        model_name=str(model_path),
+        progress=progress,
+    )
     request = prepared.request
     plan.cluster_source = cluster_source
+    progress("lowering the plan on meta tensors for every rank", None)
     plan = check_lowering(prepared, plan, cluster)
     if request is not None and prepared.prefill is not None:
         plan.serving = price_request(
@@ -393,9 +404,11 @@ def run_plan(
     warmup: int,
     timeout_s: float,
     weights: str | None = None,
+    progress: Progress = silent,
 ) -> dict[str, Any] | None:
     """Execute `plan` on `nproc` local ranks (gloo on CPU, NCCL on GPUs) and summarise the ranks
-    (`runtime.session.run_job`: the unsharded reference once, each rank its own shards).
+    (`runtime.session.run_job`: the unsharded reference once, each rank its own shards). `progress`:
+    the reference, the ranks' start-up, warm-up and timed iterations.
 
     weights: a safetensors file or a directory of them (None: seeded random init).
     Under torchrun this process is one rank: rank 0 returns the summary, the other ranks None.
@@ -409,7 +422,7 @@ def run_plan(
     from runtime.session import run_job  # noqa: PLC0415
 
     if plan.serving is not None:
-        return run_serving(plan, model_path, nproc, iters, warmup, timeout_s)
+        return run_serving(plan, model_path, nproc, iters, warmup, timeout_s, progress)
     if plan.workload is Workload.DECODE:
         raise InputError(
             f"--run of a decode plan needs a model with a static KV cache; {model_path} has none (it was priced "
@@ -434,11 +447,17 @@ def run_plan(
         profile_layers=plan.pp == 1 and workload == "forward",
         weights=checkpoint_files(weights) if weights else None,
     )
-    return run_job(job, nproc, timeout_s)
+    return run_job(job, nproc, timeout_s, progress)
 
 
 def run_serving(
-    plan: Plan, model_path: str, nproc: int, iters: int, warmup: int, timeout_s: float
+    plan: Plan,
+    model_path: str,
+    nproc: int,
+    iters: int,
+    warmup: int,
+    timeout_s: float,
+    progress: Progress = silent,
 ) -> dict[str, Any] | None:
     """Serve `plan.serving`'s request on `nproc` local ranks: prefill, then greedy decode steps
     (`runtime.decode`); `warmup` untimed then `iters` timed requests. Returns the summary (None on
@@ -474,8 +493,9 @@ def run_serving(
     if not under_torchrun():  # under torchrun there is no launching process: the ranks make it
         directory = tempfile.mkdtemp(prefix="planner-decode-reference-")
         try:
+            progress("generating with the unsharded model once (the reference)", None)
             job.reference = write_decode_reference(job, directory)
-            reports = launch(run_decode_rank, job, nproc=nproc, timeout_s=timeout_s)
+            reports = launch(run_decode_rank, job, nproc=nproc, timeout_s=timeout_s, progress=progress)
         finally:
             shutil.rmtree(directory, ignore_errors=True)
     else:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from costmodels.comm import all_reduce_time_s
-from planner.plan import LayerCost, Layout, Prediction
+from planner.plan import LayerCost, Layout, Prediction, StageCost
 from planner.solver.costing import (
     OPTIMIZER_BYTES_MOVED_PER_PARAM,
     TRAIN_COMM_FACTOR,
@@ -189,6 +189,12 @@ def predict(tables: CostTables, assignment: Assignment) -> PricedAssignment:
         overlapped_comm_s=m * bottleneck.overlapped_comm_s,
         bubble_s=max(0.0, latency - compute_s - exposed_s),
         per_layer=per_layer,
+        per_stage=[
+            StageCost(s, bd.compute_s, bd.exposed_comm_s, bd.overlapped_comm_s, bd.memory_bytes)
+            for s, bd in enumerate(stages_bd)
+        ],
+        grad_sync_s=tail_comm,
+        optimizer_s=tail_compute,
     )
     return PricedAssignment(tables, assignment, prediction, stages_bd)
 

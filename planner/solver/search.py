@@ -32,6 +32,7 @@ from planner.plan import (
     WeightSplit,
     Workload,
 )
+from planner.progress import Progress, silent
 from planner.solver.baseline import baseline_plan, megatron_assignment, megatron_configs
 from planner.solver.costing import (
     CostContext,
@@ -98,16 +99,18 @@ def plan_model(
     constraints: Constraints,
     *,
     model_name: str = "model",
+    progress: Progress = silent,
 ) -> Plan:
-    """Find the fastest plan (latency of one step) for `structure` on `cluster`.
+    """Find the fastest plan (latency of one step) for `structure` on `cluster`. `progress` is told
+    which mesh candidate is priced, then solved (`planner.progress`).
 
     Raises:
         InputError: constraints that contradict the model or cluster (pinned degrees, ladder spec).
         InfeasibleError: no mesh fits memory; the message names the binding constraint and what would fit.
     """
     search = _setup(structure, cluster, workload, constraints)
-    _enumerate(search)
-    best = _solve_candidates(search)
+    _enumerate(search, progress)
+    best = _solve_candidates(search, progress)
     return _make_plan(search, best, model_name)
 
 
@@ -193,7 +196,7 @@ def _micro_batch_options(search: _Search, pp: int, dp: int) -> list[int]:
     return sorted({max(d for d in divisors if d <= lim) for lim in limits})
 
 
-def _enumerate(search: _Search) -> None:
+def _enumerate(search: _Search, progress: Progress = silent) -> None:
     """Every allowed (tp, pp, dp, m), priced, with lower bounds of time and memory."""
     c, w, cluster = search.constraints, search.workload, search.cluster
     num_devices = min(c.max_devices or cluster.num_devices, cluster.num_devices)
@@ -218,6 +221,10 @@ def _enumerate(search: _Search) -> None:
                     continue
                 for m in _micro_batch_options(search, pp, dp):
                     config = MeshConfig(MeshShape(tp, pp, dp), m, _schedule_for(c.schedule, pp, m))
+                    progress(
+                        f"pricing mesh candidate {len(search.candidates) + 1}: {config.mesh.label()} m={m}",
+                        None,
+                    )
                     search.candidates.append(_price(search, config))
     if not search.candidates:
         raise InfeasibleError(
@@ -268,11 +275,14 @@ def _memory_lower_bound(tables: CostTables) -> float:
 # Solving
 
 
-def _solve_candidates(search: _Search) -> _Candidate | None:
+def _solve_candidates(search: _Search, progress: Progress = silent) -> _Candidate | None:
     best: _Candidate | None = None
     order = sorted(search.candidates, key=lambda c: (c.lower_bound_s, c.mesh.num_devices))
     start = time.perf_counter()
-    for cand in order:
+    for i, cand in enumerate(order):
+        progress(
+            f"mesh {i + 1}/{len(order)}: {cand.mesh.label()} m={cand.config.micro_batches}", i / len(order)
+        )
         left = search.constraints.search_time_limit_s - (time.perf_counter() - start)
         if cand.memory_lower_bound_bytes > search.cap_bytes:
             cand.note = f"needs at least {cand.memory_lower_bound_bytes / _GIB:.1f} GiB per device"
@@ -302,6 +312,7 @@ def _solve_candidates(search: _Search) -> _Candidate | None:
         cand.latency_s = predict(cand.tables, sol.assignment).prediction.latency_s
         if best is None or _better(cand, best):
             best = cand
+    progress(f"searched {len(order)} mesh candidates", 1.0)
     return best
 
 
