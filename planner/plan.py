@@ -7,7 +7,8 @@ A `Plan` says how one model runs on one cluster for one workload:
   model that prices it, `costmodels.memory`, and re-exported here);
 - `splits`: how each weight is sharded over the `tp` axis, keyed by parameter FQN (a weight missing
   from `splits` is replicated);
-- `stages`: which layers each pipeline stage holds (contiguous, in order);
+- `stages`: which layers each pipeline stage holds (contiguous, in order); with the interleaved
+  schedule the `pp * virtual_stages` model chunks in order, chunk c run by pipeline rank c mod pp;
 - `ladder_layers`: the layers that use ladder residual connections;
 - `predicted`: the predicted latency / throughput / memory with a per-layer breakdown, and
   `baseline`: the prediction of the hand-written Megatron plan under the same cost model;
@@ -163,6 +164,18 @@ class Prediction:
     overlapped_comm_s: float  # communication hidden behind compute
     bubble_s: float  # pipeline bubble time
     per_layer: list[LayerCost] = field(default_factory=list)
+    # FLOP of one step's math on the whole model (training: forward + backward; recomputation not
+    # counted; attention causal), and the devices it runs on: model FLOP/s per device =
+    # model_flops / latency_s / num_devices (0: not priced)
+    model_flops: float = 0.0
+    num_devices: int = 0
+
+    @property
+    def model_flops_per_s_per_device(self) -> float:
+        """Model FLOP/s per device (0.0 when not priced)."""
+        if not self.model_flops or not self.num_devices or not self.latency_s:
+            return 0.0
+        return self.model_flops / self.latency_s / self.num_devices
 
 
 @dataclass
@@ -216,10 +229,11 @@ class MeshCandidate:
     micro_batches: int  # pipeline micro-batches per step priced with this mesh
     latency_s: float | None
     note: str = ""  # why infeasible or not solved, or the solver status
+    layout: str = ""  # training features beside the mesh, e.g. "interleaved_1f1b v=2, sp, zero1"
 
     def label(self) -> str:
-        """'tp=8 pp=2 dp=1 m=4'."""
-        return f"{self.mesh.label()} m={self.micro_batches}"
+        """'tp=8 pp=2 dp=1 m=4', with the layout in brackets when there is one."""
+        return f"{self.mesh.label()} m={self.micro_batches}" + (f" [{self.layout}]" if self.layout else "")
 
 
 @dataclass
@@ -318,7 +332,8 @@ class Plan:
         }
 
     def stage_of(self, layer: int) -> int:
-        """The pipeline stage that holds `layer`."""
+        """The pipeline stage (with interleaving: the model chunk; its rank is the chunk mod pp) that
+        holds `layer`."""
         for stage, layers in enumerate(self.stages):
             if layer in layers:
                 return stage
@@ -387,8 +402,9 @@ class Plan:
                 raise bad(f"{where}.dim", f"must be 0 or 1, got {split.dim}")
             if split.parts is not None and (not split.parts or any(p < 1 for p in split.parts)):
                 raise bad(f"{where}.parts", f"must be a non-empty list of positive sizes, got {split.parts}")
-        if len(self.stages) != self.pp:
-            raise bad("stages", f"has {len(self.stages)} stages but pp is {self.pp}")
+        if len(self.stages) != self.pp * self.virtual_stages:
+            chunks = f" x virtual_stages {self.virtual_stages}" if self.virtual_stages > 1 else ""
+            raise bad("stages", f"has {len(self.stages)} stages but pp is {self.pp}{chunks}")
         flat = [i for stage in self.stages for i in stage]
         if flat != sorted(flat) or len(set(flat)) != len(flat):
             raise bad("stages", "layers must be contiguous, in order and each in one stage")

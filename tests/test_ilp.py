@@ -15,7 +15,7 @@ from costmodels.cluster import load_cluster
 from costmodels.comm import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s
 from planner.errors import InputError
 from planner.frontend.analysis import NodeCost
-from planner.plan import Layout, MeshShape, Plan, Schedule
+from planner.plan import Layout, MeshShape, Plan, Recompute, Schedule
 from planner.solver import ilp
 from planner.solver.costing import (
     CostContext,
@@ -299,7 +299,7 @@ def test_plan_prices_and_records_its_pipeline_schedule(h100) -> None:
         assert Plan.from_dict(plan.to_dict()).schedule is schedule
     assert plans[Schedule.ONE_F_ONE_B].predicted.bubble_s > 0
     solved = ilp.solve(problem(structure, h100, work, config(1, 4, 1, 8))).assignment
-    assert solved is not None and not solved.recompute
+    assert solved is not None and set(solved.recompute.values()) <= {Recompute.NONE}
     priced = {
         schedule: predict(price(structure, h100, work, MeshConfig(MeshShape(1, 4, 1), 8, schedule)), solved)
         for schedule in Schedule
