@@ -273,6 +273,7 @@ class Plan:
     decisions: list[Decision] = field(default_factory=list)
     excluded: list[str] = field(default_factory=list)  # e.g. "tp=3: 32 heads not divisible by 3"
     baseline: Prediction | None = None  # the hand-written Megatron plan under the same cost model
+    baseline_layout: dict[str, str] = field(default_factory=dict)  # its `layout_summary`, as text
     mesh_candidates: list[MeshCandidate] = field(default_factory=list)
     token_model: bool = True  # reads token ids: sequence length and tokens/s apply (else samples/s)
     unpriced_ops: list[str] = field(
@@ -317,6 +318,11 @@ class Plan:
         """Data-parallel replicas (`mesh.dp`)."""
         return self.mesh.dp
 
+    @property
+    def micro_batch_size(self) -> float:
+        """Sequences per micro-batch on one data-parallel replica."""
+        return self.batch_size / (self.dp * self.micro_batches)
+
     def layout_summary(self) -> dict[str, Any]:
         """The mesh and schedule as plain data (reports, emitted modules' meta.json)."""
         return {
@@ -324,6 +330,7 @@ class Plan:
             "pp": self.pp,
             "dp": self.dp,
             "micro_batches": self.micro_batches,
+            "micro_batch_size": self.micro_batch_size,
             "schedule": str(self.schedule),
             "virtual_stages": self.virtual_stages,
             "sequence_parallel": self.sequence_parallel,

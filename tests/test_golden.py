@@ -197,6 +197,7 @@ def test_ladder_upper_n_is_exact(pcie) -> None:
     [
         WorkloadSpec("forward", 1, 2048, dtype="bf16"),
         WorkloadSpec("decode", 8, 1, context=4096, dtype="bf16"),
+        WorkloadSpec("train", 64, 4096, dtype="bf16"),  # the expert's SP / recompute / ZeRO-1 baseline
     ],
 )
 def test_never_worse_than_megatron(h100, work: WorkloadSpec) -> None:

@@ -32,18 +32,23 @@ MAX_BLOCK_COMBINATIONS = 20000  # decision tables enumerate a block's option com
 NOT_SOLVED_NOTES = ("pruned", "not solved")  # how the search's notes of unsolved candidates start
 
 
+MAX_MESH_OPTIONS = 30  # the mesh decision lists at most this many solved candidates, fastest first
+
+
 def mesh_decision(candidates: list[MeshCandidate], chosen: MeshConfig) -> list[Decision]:
-    """Predicted step time of every solved mesh (inf: does not fit); pruned ones are only counted."""
-    options: dict[str, float] = {}
-    pruned = 0
-    for c in candidates:
-        if c.note.startswith(NOT_SOLVED_NOTES):
-            pruned += 1
-            continue
-        options[c.label()] = c.latency_s if c.latency_s is not None else math.inf
+    """Predicted step time of the fastest solved meshes (at most `MAX_MESH_OPTIONS`, the chosen one
+    always); those that do not fit memory and those pruned are only counted."""
+    solved = sorted((c for c in candidates if c.latency_s is not None), key=lambda c: c.latency_s)
+    options: dict[str, float] = {c.label(): c.latency_s for c in solved[:MAX_MESH_OPTIONS]}
+    for c in solved[MAX_MESH_OPTIONS:]:
+        if c.label() == chosen.label():
+            options[c.label()] = c.latency_s
+    pruned = sum(1 for c in candidates if c.note.startswith(NOT_SOLVED_NOTES))
+    unfit = len(candidates) - len(solved) - pruned
     reason = (
-        f"lowest predicted step time of {len(candidates)} mesh candidates; inf = does not fit memory; "
-        f"{pruned} more not solved (their lower bound exceeds the chosen time, or the search time limit)"
+        f"lowest predicted step time of {len(candidates)} mesh candidates ({len(options)} fastest shown); "
+        f"{unfit} do not fit memory, {pruned} not solved (their lower bound is within the solver gap of "
+        "the chosen time or above it, or the search time limit)"
     )
     return [Decision("mesh", chosen.label(), options, reason)]
 

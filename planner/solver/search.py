@@ -615,6 +615,7 @@ def _make_plan(search: _Search, best: _Candidate | None, model_name: str) -> Pla
         decisions=decisions,
         excluded=excluded,
         baseline=baseline.prediction if baseline is not None else None,
+        baseline_layout=_layout_text(baseline, w) if baseline is not None else {},
         mesh_candidates=candidates,
         token_model=s.token_model,
         unpriced_ops=s.unknown_ops,
@@ -660,6 +661,23 @@ def _baseline(search: _Search) -> PricedAssignment | None:
             if chosen.prediction.peak_memory_bytes <= search.cap_bytes:
                 return chosen
     return chosen
+
+
+def _layout_text(priced: PricedAssignment, w: WorkloadSpec) -> dict[str, str]:
+    """A priced plan's layout as text, the keys of `Plan.layout_summary`."""
+    config = priced.tables.ctx.config
+    ctx = priced.tables.ctx
+    mesh = config.mesh
+    recompute = {key: str(r) for key, r in priced.assignment.recompute.items()} if w.train else {}
+    return {
+        "tp": str(mesh.tp), "pp": str(mesh.pp), "dp": str(mesh.dp),
+        "micro_batches": str(config.micro_batches),
+        "micro_batch_size": f"{w.batch_size / (mesh.dp * config.micro_batches):g}",
+        "schedule": str(config.schedule), "virtual_stages": str(config.virtual_stages),
+        "sequence_parallel": str(ctx.sequence_parallel).lower(),
+        "recompute": "/".join(sorted(set(recompute.values()))) or "none",
+        "distributed_optimizer": str(ctx.distributed_optimizer).lower(),
+    }  # fmt: skip
 
 
 def _baseline_decision(search: _Search, baseline: PricedAssignment | None) -> list[Decision]:
