@@ -8,7 +8,8 @@ A `Plan` says how one model runs on one cluster for one workload:
 - `splits`: how each weight is sharded over the `tp` axis, keyed by parameter FQN (a weight missing
   from `splits` is replicated);
 - `stages`: which layers each pipeline stage holds (contiguous, in order); with the interleaved
-  schedule the `pp * virtual_stages` model chunks in order, chunk c run by pipeline rank c mod pp;
+  schedule (v = `virtual_stages` > 1) each pipeline rank's layers as v runs of consecutive layers, run c
+  of rank r being model chunk (virtual stage) c * pp + r (`model_chunks`);
 - `ladder_layers`: the layers that use ladder residual connections;
 - `predicted`: the predicted latency / throughput / memory with a per-layer breakdown, and
   `baseline`: the prediction of the hand-written Megatron plan under the same cost model;
@@ -342,9 +343,33 @@ class Plan:
             "distributed_optimizer": self.distributed_optimizer,
         }
 
+    def model_chunks(self, origin: str = "plan") -> list[list[int]]:
+        """The layers of each model chunk (virtual stage) in pipeline order, `pp * virtual_stages` of
+        them: `stages` itself with one chunk per rank; with interleaving, run c of rank r's layers is
+        chunk c * pp + r. Raises InputError naming `stages` when a rank's layers do not form exactly
+        v runs of consecutive layers."""
+        v = self.virtual_stages
+        if v == 1:
+            return [list(layers) for layers in self.stages]
+        chunks: list[list[int]] = [[] for _ in range(self.pp * v)]
+        for rank, layers in enumerate(self.stages):
+            runs: list[list[int]] = []
+            for layer in sorted(layers):
+                if runs and layer == runs[-1][-1] + 1:
+                    runs[-1].append(layer)
+                else:
+                    runs.append([layer])
+            if len(runs) != v:
+                raise InputError(
+                    f"{origin}: field 'stages': pipeline rank {rank} holds {len(runs)} runs of consecutive "
+                    f"layers, but virtual_stages is {v} (one run per model chunk)"
+                )
+            for c, run in enumerate(runs):
+                chunks[c * self.pp + rank] = run
+        return chunks
+
     def stage_of(self, layer: int) -> int:
-        """The pipeline stage (with interleaving: the model chunk; its rank is the chunk mod pp) that
-        holds `layer`."""
+        """The pipeline stage (rank) that holds `layer`."""
         for stage, layers in enumerate(self.stages):
             if layer in layers:
                 return stage
@@ -418,10 +443,9 @@ class Plan:
                     f"{where}.pieces",
                     f"must divide tp={self.mesh.tp} (and exclude parts), got {split.pieces}",
                 )
-        if len(self.stages) != self.pp * self.virtual_stages:
-            chunks = f" x virtual_stages {self.virtual_stages}" if self.virtual_stages > 1 else ""
-            raise bad("stages", f"has {len(self.stages)} stages but pp is {self.pp}{chunks}")
-        flat = [i for stage in self.stages for i in stage]
+        if len(self.stages) != self.pp:
+            raise bad("stages", f"has {len(self.stages)} stages but pp is {self.pp}")
+        flat = [i for stage in self.model_chunks(origin) for i in stage]
         if flat != sorted(flat) or len(set(flat)) != len(flat):
             raise bad("stages", "layers must be contiguous, in order and each in one stage")
         if any(not stage for stage in self.stages) and flat:

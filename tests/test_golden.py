@@ -302,7 +302,10 @@ def test_trillion_free_plan_is_megatrons_kind_and_beats_the_expert(selene) -> No
     assert plan.tp == 8 and plan.pp > 1 and plan.num_devices == 3072
     assert plan.schedule == "interleaved_1f1b" and plan.virtual_stages > 1
     assert plan.sequence_parallel and set(plan.recompute.values()) == {"selective"}
-    assert len(plan.stages) == plan.pp * plan.virtual_stages
+    chunks = plan.model_chunks()  # rank r runs chunks r, r + pp, ...: its layers in v runs
+    assert len(plan.stages) == plan.pp and len(chunks) == plan.pp * plan.virtual_stages
+    assert [i for chunk in chunks for i in chunk] == list(range(128))
+    assert plan.stages[0] == sorted(i for chunk in chunks[:: plan.pp] for i in chunk)
     assert plan.predicted.latency_s <= plan.baseline.latency_s * (1 + 1e-9)
     expert = decision(plan, "megatron-baseline").reason
     assert "interleaved_1f1b" in expert and "sequence parallel on" in expert

@@ -279,16 +279,13 @@ def validate_plan_for_model(
             raise InputError(
                 f"plan field splits.{name}: style {split.style} splits dim {want} of this weight, not dim {split.dim}"
             )
-    layers = [i for stage in plan.stages for i in stage]
+    layers = [i for stage in plan.model_chunks() for i in stage]  # interleaved: in pipeline order
     if structure.layers and layers != list(range(len(structure.layers))):
         raise InputError(
             f"plan field stages: {plan.stages} must list the layers 0..{len(structure.layers) - 1} once each, in order"
         )
-    if len(plan.stages) != plan.pp * plan.virtual_stages:
-        raise InputError(
-            f"plan field stages: {len(plan.stages)} stages but pp is {plan.pp}"
-            + (f" x virtual_stages {plan.virtual_stages}" if plan.virtual_stages > 1 else "")
-        )
+    if len(plan.stages) != plan.pp:
+        raise InputError(f"plan field stages: {len(plan.stages)} stages but pp is {plan.pp}")
     if plan.batch_size % plan.dp or (plan.batch_size // plan.dp) % max(
         1, plan.micro_batches if plan.pp > 1 else 1
     ):

@@ -604,7 +604,7 @@ def _make_plan(search: _Search, best: _Candidate | None, model_name: str) -> Pla
         dtype=search.dtype,
         mesh=config.mesh,
         splits=_splits(tables, assignment),
-        stages=assignment.stages if s.layers else [[]],
+        stages=_rank_stages(assignment.stages, config.mesh.pp) if s.layers else [[]],
         ladder_layers=assignment.ladder_layers,
         predicted=chosen.prediction,
         solver=SolverInfo(sol.status, sol.objective, sol.gap, search.solver_time_s, sol.num_variables),
@@ -621,6 +621,12 @@ def _make_plan(search: _Search, best: _Candidate | None, model_name: str) -> Pla
         token_model=s.token_model,
         unpriced_ops=s.unknown_ops,
     )
+
+
+def _rank_stages(chunks: list[list[int]], pp: int) -> list[list[int]]:
+    """`Plan.stages` from the solver's stages: the same with one chunk per rank; with interleaving
+    (pp * v model chunks, chunk c on rank c mod pp) each rank's layers, its v runs in order."""
+    return [sorted(i for chunk in chunks[rank::pp] for i in chunk) for rank in range(pp)]
 
 
 def _allowed(search: _Search, mesh: MeshShape, config: MeshConfig | None = None) -> bool:
