@@ -7,6 +7,7 @@ YAML layout (units in the field names; see the presets in ``costmodels/clusters/
     devices_per_node: 8            # or "auto": os.cpu_count(), for CPU-process clusters
     backend: nccl                  # nccl | gloo
     overlap_efficiency: 0.8        # [0, 1]: share of async communication hidden behind compute
+    attention_kernel: fused        # optional: fused (flash-style, default) | materialized (see ClusterSpec)
     sources: ["...", "..."]        # optional: where each number came from
     device:
       name: H100 SXM5 80GB
@@ -55,6 +56,7 @@ from planner.errors import InputError
 DTYPES = ("bf16", "fp16", "fp32")
 LINK_KINDS = ("nvlink", "pcie", "loopback", "infiniband", "ethernet")
 BACKENDS = ("nccl", "gloo")
+ATTENTION_KERNELS = ("fused", "materialized")
 
 # Unit conversions, applied once here (ARCHITECTURE.md: SI inside, human units at the YAML edge).
 _GIB = 2.0**30  # bytes per GiB
@@ -132,6 +134,10 @@ class ClusterSpec:
     backend: str  # "nccl" | "gloo"
     overlap_efficiency: float  # fraction of async comm that really hides behind compute [0, 1]
     sources: tuple[str, ...]
+    # The software stack's attention kernel: "fused" (flash-style: the (s, s) scores stay on chip) or
+    # "materialized" (scores written to memory, softmax and dropout over them, kept for backward unless
+    # selectively recomputed: Megatron-LM before FlashAttention, Dao et al. 2022).
+    attention_kernel: str = "fused"
 
     @property
     def num_devices(self) -> int:
@@ -433,7 +439,7 @@ def parse_cluster(data: object, origin: str) -> ClusterSpec:
             "", f"the top level must be a mapping of cluster fields (name, nodes, ...), got {_describe(data)}"
         )
     top_required = ("name", "nodes", "devices_per_node", "backend", "overlap_efficiency", "device", "links")
-    d = r.mapping(data, "", top_required, ("sources",))
+    d = r.mapping(data, "", top_required, ("sources", "attention_kernel"))
     nodes = r.integer(d["nodes"], "nodes", "number of nodes", "1")
     if d["devices_per_node"] == "auto":
         devices_per_node = os.cpu_count() or 1
@@ -462,6 +468,7 @@ def parse_cluster(data: object, origin: str) -> ClusterSpec:
         backend=r.string(d["backend"], "backend", BACKENDS),
         overlap_efficiency=r.fraction(d["overlap_efficiency"], "overlap_efficiency", allow_zero=True),
         sources=_parse_sources(r, d.get("sources")),
+        attention_kernel=r.string(d.get("attention_kernel", "fused"), "attention_kernel", ATTENTION_KERNELS),
     )
 
 
@@ -589,6 +596,7 @@ def cluster_to_dict(spec: ClusterSpec) -> dict:
         "backend": spec.backend,
         "overlap_efficiency": _human(spec.overlap_efficiency),
         "sources": list(spec.sources),
+        **({} if spec.attention_kernel == "fused" else {"attention_kernel": spec.attention_kernel}),
         "device": {
             "name": dev.name,
             "memory_GiB": _human(dev.memory_bytes / _GIB),

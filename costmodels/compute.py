@@ -154,6 +154,30 @@ def attention_bytes(
     return (q_and_out + k_and_v) * dtype_bytes(dtype)
 
 
+# Bytes per (s, s) attention-score element of an attention core that writes its scores to memory
+# (``attention_kernel: materialized``: Megatron-LM's core attention before FlashAttention), 16-bit:
+# forward: QK^T writes the scores (2), softmax reads and writes them (2 + 2), dropout reads them and
+# writes its output and a 1-byte mask (2 + 2 + 1), probabilities @ V reads them (2): 13; inference has
+# no dropout: 8. Backward: grad of the probabilities written (2) and the probabilities read for grad V
+# (2); dropout backward reads the grad and the mask and writes (2 + 1 + 2); softmax backward reads the
+# probabilities and the grad and writes (2 + 2 + 2); grad Q and grad K read the score grads (2 + 2): 19.
+MATERIALIZED_SCORES_FORWARD_BYTES = 13.0
+MATERIALIZED_SCORES_INFERENCE_BYTES = 8.0
+MATERIALIZED_SCORES_BACKWARD_BYTES = 19.0
+
+
+def materialized_scores_bytes(score_elements: float, dtype: str, train: bool) -> tuple[float, float]:
+    """(forward, backward) bytes moved over ``score_elements`` attention scores by an unfused attention
+    core (constants above, scaled from 16-bit to ``dtype``)."""
+    scale = dtype_bytes(dtype) / 2.0
+    if not train:
+        return score_elements * MATERIALIZED_SCORES_INFERENCE_BYTES * scale, 0.0
+    return (
+        score_elements * MATERIALIZED_SCORES_FORWARD_BYTES * scale,
+        score_elements * MATERIALIZED_SCORES_BACKWARD_BYTES * scale,
+    )
+
+
 def elementwise_flops(numel: float, flops_per_element: float = 1.0) -> float:
     """FLOP of an elementwise op over ``numel`` output elements (1 per element for add/mul)."""
     return numel * flops_per_element

@@ -145,13 +145,23 @@ def kv_cache_bytes(
     return 2.0 * num_layers * batch * context * kv_heads_per_rank * head_dim * dtype_bytes(dtype)
 
 
-def inflight_micro_batches(pp: int, stage: int, micro_batches: int, schedule: Schedule) -> int:
-    """Micro-batches whose activations stage ``stage`` (0-based) holds at its peak under ``schedule``.
+def inflight_micro_batches(
+    pp: int, stage: int, micro_batches: int, schedule: Schedule, virtual_stages: int = 1
+) -> float:
+    """Micro-batches whose activations pipeline rank ``stage`` (0-based) holds at its peak under
+    ``schedule``, in units of one micro-batch through all the layers that rank holds.
 
     GPipe: all ``micro_batches`` (every forward runs before any backward). 1F1B: ``min(pp - stage,
     micro_batches)`` (Narayanan et al., "Efficient large-scale language model training on GPU
-    clusters using Megatron-LM", SC 2021, section 2.2.1; the first stage holds ``pp``).
-    Raises ValueError for a stage outside [0, pp) or a schedule that is not a `Schedule`.
+    clusters using Megatron-LM", SC 2021, section 2.2.1; the first stage holds ``pp``). Interleaved
+    1F1B with v = ``virtual_stages`` model chunks per rank (same paper, section 2.2.2): rank r runs
+    ``2 (pp - r - 1) + (v - 1) pp`` warm-up forwards of one chunk before its first backward, and holds
+    one more in the steady state, each chunk holding 1/v of the rank's layers:
+    ``(2 (pp - r - 1) + (v - 1) pp + 1) / v`` micro-batches; for the first rank that is
+    ``pp (1 + (pp - 1) / (pp v))``, the figure of Korthikanti et al. 2022, section 4.2.3. Never more
+    than all ``micro_batches``.
+    Raises ValueError for a stage outside [0, pp), a schedule that is not a `Schedule`, or
+    ``virtual_stages`` < 1 (or > 1 with another schedule).
     """
     if not 0 <= stage < pp:
         raise ValueError(f"stage must be in [0, {pp}), got {stage}")
@@ -161,6 +171,44 @@ def inflight_micro_batches(pp: int, stage: int, micro_batches: int, schedule: Sc
         raise ValueError(
             f"unknown pipeline schedule {schedule!r}; expected one of {[s.value for s in Schedule]}"
         ) from None
+    if virtual_stages < 1 or (virtual_stages > 1 and schedule is not Schedule.INTERLEAVED_1F1B):
+        raise ValueError(f"virtual_stages={virtual_stages} needs >= 1, and > 1 only with interleaved_1f1b")
     if schedule is Schedule.GPIPE:
         return micro_batches
+    if schedule is Schedule.INTERLEAVED_1F1B and virtual_stages > 1:  # one chunk: plain 1F1B
+        v = virtual_stages
+        chunks = 2 * (pp - stage - 1) + (v - 1) * pp + 1
+        return min(chunks / v, micro_batches)
     return min(pp - stage, micro_batches)
+
+
+def pipeline_bubble_fraction(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
+    """Idle share of the ideal (bubble-free) step time of a pipeline of ``pp`` equal stages:
+    ``(pp - 1) / (v m)`` (Narayanan et al. 2021, section 2.2: (p-1)/m for GPipe and 1F1B, divided by v
+    for the interleaved schedule). Raises ValueError for a non-positive argument."""
+    if min(pp, micro_batches, virtual_stages) < 1:
+        raise ValueError(
+            f"pp, micro_batches and virtual_stages must be >= 1, got {pp}, {micro_batches}, {virtual_stages}"
+        )
+    return (pp - 1) / (virtual_stages * micro_batches)
+
+
+def attention_scores_bytes(
+    seq_len: int, batch: int, num_heads: int, tp: int = 1, dtype: str = "bf16"
+) -> float:
+    """Bytes of the attention-score activations one layer keeps for backward on one rank when they are
+    stored: softmax output, dropout mask and dropout output, ``5 a s^2 b / t`` for 16-bit activations
+    (Korthikanti et al. 2022, eq. 2; what selective recomputation frees, section 5)."""
+    if tp < 1:
+        raise ValueError(f"tp must be >= 1, got {tp}")
+    per = ACT_SCORES_PER_HEAD_TOKEN * num_heads * seq_len * seq_len * batch / tp
+    return per * dtype_bytes(dtype) / _KORTHIKANTI_DTYPE_BYTES
+
+
+def sharded_optimizer_state_bytes(num_params: float, dtype: str, dp: int) -> float:
+    """Adam state per rank under the distributed optimizer (ZeRO stage 1, Rajbhandari et al. 2020,
+    section 5.1): `adam_state_bytes` (fp32 master weights, momentum, variance) divided over ``dp``
+    data-parallel ranks. Raises ValueError for dp < 1."""
+    if dp < 1:
+        raise ValueError(f"dp must be >= 1, got {dp}")
+    return adam_state_bytes(num_params, dtype) / dp

@@ -44,6 +44,12 @@ GPT_CONFIGS: dict[str, GPTConfig] = {
     "xl": GPTConfig(n_layer=48, n_head=25, n_embd=1600),
     # Brown et al. 2020, Table 2.1: GPT-3 175B, context 2048.
     "gpt3-175b": GPTConfig(n_positions=2048, n_layer=96, n_head=96, n_embd=12288),
+    # Narayanan et al. 2021 (SC21), Table 1: GPT models trained with Megatron-LM on up to 3,072 A100s,
+    # vocabulary 51,200, sequence 2,048.
+    "megatron-1.7b": GPTConfig(vocab_size=51200, n_positions=2048, n_layer=24, n_head=24, n_embd=2304),
+    "megatron-18.4b": GPTConfig(vocab_size=51200, n_positions=2048, n_layer=40, n_head=48, n_embd=6144),
+    "megatron-145.6b": GPTConfig(vocab_size=51200, n_positions=2048, n_layer=80, n_head=96, n_embd=12288),
+    "megatron-1t": GPTConfig(vocab_size=51200, n_positions=2048, n_layer=128, n_head=160, n_embd=25600),
 }
 
 

@@ -185,6 +185,18 @@ class Prediction:
     per_stage: list[StageCost] = field(default_factory=list)
     grad_sync_s: float = 0.0
     optimizer_s: float = 0.0
+    # FLOP of one step's math on the whole model (training: forward + backward; recomputation not
+    # counted; attention causal), and the devices it runs on: model FLOP/s per device =
+    # model_flops / latency_s / num_devices (0: not priced)
+    model_flops: float = 0.0
+    num_devices: int = 0
+
+    @property
+    def model_flops_per_s_per_device(self) -> float:
+        """Model FLOP/s per device (0.0 when not priced)."""
+        if not self.model_flops or not self.num_devices or not self.latency_s:
+            return 0.0
+        return self.model_flops / self.latency_s / self.num_devices
 
 
 @dataclass
@@ -238,10 +250,11 @@ class MeshCandidate:
     micro_batches: int  # pipeline micro-batches per step priced with this mesh
     latency_s: float | None
     note: str = ""  # why infeasible or not solved, or the solver status
+    layout: str = ""  # training features beside the mesh, e.g. "interleaved_1f1b v=2, sp, zero1"
 
     def label(self) -> str:
-        """'tp=8 pp=2 dp=1 m=4'."""
-        return f"{self.mesh.label()} m={self.micro_batches}"
+        """'tp=8 pp=2 dp=1 m=4', with the layout in brackets when there is one."""
+        return f"{self.mesh.label()} m={self.micro_batches}" + (f" [{self.layout}]" if self.layout else "")
 
 
 @dataclass
@@ -281,6 +294,7 @@ class Plan:
     decisions: list[Decision] = field(default_factory=list)
     excluded: list[str] = field(default_factory=list)  # e.g. "tp=3: 32 heads not divisible by 3"
     baseline: Prediction | None = None  # the hand-written Megatron plan under the same cost model
+    baseline_layout: dict[str, str] = field(default_factory=dict)  # its `layout_summary`, as text
     mesh_candidates: list[MeshCandidate] = field(default_factory=list)
     token_model: bool = True  # reads token ids: sequence length and tokens/s apply (else samples/s)
     unpriced_ops: list[str] = field(
@@ -329,6 +343,11 @@ class Plan:
         """Data-parallel replicas (`mesh.dp`)."""
         return self.mesh.dp
 
+    @property
+    def micro_batch_size(self) -> float:
+        """Sequences per micro-batch on one data-parallel replica."""
+        return self.batch_size / (self.dp * self.micro_batches)
+
     def layout_summary(self) -> dict[str, Any]:
         """The mesh and schedule as plain data (reports, emitted modules' meta.json)."""
         return {
@@ -336,6 +355,7 @@ class Plan:
             "pp": self.pp,
             "dp": self.dp,
             "micro_batches": self.micro_batches,
+            "micro_batch_size": self.micro_batch_size,
             "schedule": str(self.schedule),
             "virtual_stages": self.virtual_stages,
             "sequence_parallel": self.sequence_parallel,
@@ -368,7 +388,7 @@ class Plan:
         return chunks
 
     def stage_of(self, layer: int) -> int:
-        """The pipeline stage that holds `layer`."""
+        """The pipeline stage (rank) that holds `layer`."""
         for stage, layers in enumerate(self.stages):
             if layer in layers:
                 return stage

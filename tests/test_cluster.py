@@ -19,7 +19,17 @@ from costmodels.cluster import (
 )
 from planner.errors import InputError
 
-PRESETS = ["dgx-a100", "dgx-h100", "dgx-h200", "h100-ib-128node", "h100-ib-2node", "h100-pcie", "local-cpu"]
+PRESETS = [
+    "a100-ib-384node",
+    "dgx-a100",
+    "dgx-h100",
+    "dgx-h200",
+    "h100-ib-128node",
+    "h100-ib-2048node",
+    "h100-ib-2node",
+    "h100-pcie",
+    "local-cpu",
+]
 
 
 def _valid() -> dict:
@@ -217,7 +227,9 @@ def test_spec_error_is_an_input_error_with_exit_code_2() -> None:
 
 
 def test_file_not_found_lists_presets(tmp_path: Path) -> None:
-    with pytest.raises(SpecError, match=r"nope\.yaml: file not found \(presets are: dgx-a100"):
+    with pytest.raises(
+        SpecError, match=r"nope\.yaml: file not found \(presets are: a100-ib-384node, dgx-a100"
+    ):
         load_cluster(str(tmp_path / "nope.yaml"))
 
 

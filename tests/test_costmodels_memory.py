@@ -71,6 +71,30 @@ def test_inflight_micro_batches() -> None:
         memory.inflight_micro_batches(4, 0, 8, "zb")
 
 
+def test_interleaved_inflight_and_bubble() -> None:
+    """Interleaved 1F1B, v chunks per rank: rank r holds (2 (p - r - 1) + (v - 1) p + 1) / v
+    micro-batches (Megatron's warm-up count, in units of one micro-batch through the rank's layers);
+    the first rank p (1 + (p - 1) / (p v)) (Korthikanti et al. 2022, section 4.2.3); v = 1 is 1F1B."""
+    inter = memory.Schedule.INTERLEAVED_1F1B
+    p, v = 16, 4
+    assert memory.inflight_micro_batches(p, 0, 64, inter, v) == pytest.approx(p * (1 + (p - 1) / (p * v)))
+    assert memory.inflight_micro_batches(p, p - 1, 64, inter, v) == pytest.approx(((v - 1) * p + 1) / v)
+    assert memory.inflight_micro_batches(p, 3, 64, inter, 1) == p - 3
+    assert memory.inflight_micro_batches(4, 0, 2, inter, 2) == 2  # never more than all micro-batches
+    with pytest.raises(ValueError, match="virtual_stages"):
+        memory.inflight_micro_batches(4, 0, 8, memory.Schedule.ONE_F_ONE_B, 2)
+    assert memory.pipeline_bubble_fraction(8, 32) == 7 / 32
+    assert memory.pipeline_bubble_fraction(8, 32, 4) == 7 / 128  # divided by v
+
+
+def test_attention_scores_and_sharded_optimizer_state() -> None:
+    # Korthikanti et al. eq. (2): 5 a s^2 b bytes of scores per layer (16-bit), / t with TP
+    assert memory.attention_scores_bytes(2048, 1, 96, tp=8) == 5 * 96 * 2048**2 / 8
+    assert memory.attention_scores_bytes(2048, 1, 96, dtype="fp32") == 2 * 5 * 96 * 2048**2
+    # ZeRO-1: 12 bytes of Adam state (with fp32 master weights) per bf16 parameter, over dp ranks
+    assert memory.sharded_optimizer_state_bytes(1e9, "bf16", 8) == 12e9 / 8
+
+
 def test_unknown_dtype_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="unknown dtype 'int4'"):
         memory.kv_cache_bytes(1, 1, 1, 1, 1, "int4")

@@ -15,15 +15,21 @@ from costmodels.cluster import load_cluster
 from costmodels.comm import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s
 from planner.errors import InputError
 from planner.frontend.analysis import NodeCost
-from planner.plan import Layout, MeshShape, Plan, Schedule
+from planner.plan import Layout, MeshShape, Plan, Recompute, Schedule
 from planner.solver import ilp
 from planner.solver.costing import (
     CostContext,
     attention_core_options,
     build_layer_graph,
     conversion_time_s,
+    gradient_sync_time_s,
+    interleaved_chunks,
     layer_node_times_s,
+    optimizer_step_time_s,
     p2p_stage_time_s,
+    stage_p2p_time_s,
+    step_time_s,
+    stream_conversion_time_s,
 )
 from planner.solver.ilp import IlpProblem
 from planner.solver.prediction import predict
@@ -299,7 +305,7 @@ def test_plan_prices_and_records_its_pipeline_schedule(h100) -> None:
         assert Plan.from_dict(plan.to_dict()).schedule is schedule
     assert plans[Schedule.ONE_F_ONE_B].predicted.bubble_s > 0
     solved = ilp.solve(problem(structure, h100, work, config(1, 4, 1, 8))).assignment
-    assert solved is not None and not solved.recompute
+    assert solved is not None and set(solved.recompute.values()) <= {Recompute.NONE}
     priced = {
         schedule: predict(price(structure, h100, work, MeshConfig(MeshShape(1, 4, 1), 8, schedule)), solved)
         for schedule in Schedule
@@ -319,3 +325,67 @@ def test_one_f_one_b_with_fewer_micro_batches_than_stages_is_gpipe(h100) -> None
     work = WorkloadSpec("train", 2, 512, micro_batches=2)
     plan = plan_model(structure, h100, work, Constraints(tp=1, pp=4, dp=1))
     assert (plan.pp, plan.micro_batches, plan.schedule) == (4, 2, Schedule.GPIPE)
+
+
+def test_training_at_scale_terms(h100) -> None:
+    """Sequence parallelism turns a block's all-reduce into a reduce-scatter + all-gather and splits
+    the norms and their activations over TP; ZeRO-1 divides Adam's state by dp and syncs gradients
+    with a reduce-scatter + all-gather; interleaving divides the bubble by v at v times the sends."""
+    structure = handmade_llama(num_layers=8)
+    work = WorkloadSpec("train", 16, 512, micro_batches=8)
+    plain = MeshConfig(MeshShape(2, 2, 2), 8)
+    sp = dataclasses.replace(plain, sequence_parallel=True)
+    ctx = price(structure, h100, work, plain).ctx
+    sp_tables = price(structure, h100, work, sp)
+    n = 4e6
+    group = sp_tables.ctx.tp_group()
+    rs_ag = reduce_scatter_time_s(n, group, h100) + all_gather_time_s(n, group, h100)
+    assert stream_conversion_time_s(Layout.PARTIAL, n, sp_tables.ctx) == pytest.approx(2 * rs_ag)
+    assert stream_conversion_time_s(Layout.PARTIAL, n, ctx) == conversion_time_s(
+        Layout.PARTIAL, Layout.REPLICATE, n, ctx
+    )
+    key = next(iter(sp_tables.graphs))
+    plain_graph = price(structure, h100, work, plain).graphs[key]
+    assert sp_tables.graphs[key].fixed_activation_bytes == pytest.approx(
+        plain_graph.fixed_activation_bytes / 2
+    )
+    zero = price(structure, h100, work, dataclasses.replace(plain, distributed_optimizer=True)).ctx
+    assert zero.state_factor() == pytest.approx((2 + 2 + 12 / 2) / 2)  # bf16 params + grads + Adam / dp
+    assert gradient_sync_time_s(1e9, zero) == pytest.approx(
+        reduce_scatter_time_s(1e9, zero.dp_group(), h100) + all_gather_time_s(1e9, zero.dp_group(), h100)
+    )
+    assert optimizer_step_time_s(1e9, zero) < optimizer_step_time_s(1e9, ctx)
+    inter = price(
+        structure,
+        h100,
+        work,
+        dataclasses.replace(plain, schedule=Schedule.INTERLEAVED_1F1B, virtual_stages=2),
+    )
+    assert stage_p2p_time_s(inter.ctx, 0) == 2 * stage_p2p_time_s(ctx, 0)
+    assert step_time_s(4.0, 1.0, 8, 2) == pytest.approx(8 + 3 / 2)  # m T + (p - 1) T / v
+    assert interleaved_chunks(126, 16, 4)[0] == [0] and len(interleaved_chunks(126, 16, 4)) == 64
+
+
+def test_selective_recompute_frees_the_scores_of_a_materialized_kernel(h100) -> None:
+    """With an attention kernel that writes its scores to memory, the ILP keeps them (none), frees
+    them for the core's forward again (selective) or keeps only the layer input (full), whichever fits:
+    under a cap between the three, selective; and the plan records it per class."""
+    cluster = dataclasses.replace(h100, attention_kernel="materialized")
+    structure = handmade_llama(num_layers=4)
+    work = WorkloadSpec("train", 8, 2048, micro_batches=8)
+    tables = price(structure, cluster, work, MeshConfig(MeshShape(1, 1, 1), 8))
+    key = tables.layer_keys[0]
+    core = tables.graphs[key].op("core").option("replicate")
+    heads = structure.layers[0].attention.num_heads
+    assert core.selective_bytes == pytest.approx(5 * heads * 2048**2)  # 5 a s^2 b, one sequence, 16-bit
+    free = ilp.solve(problem(structure, cluster, work, MeshConfig(MeshShape(1, 1, 1), 8))).assignment
+    memory_of = {
+        r: predict(tables, dataclasses.replace(free, recompute={key: r})).prediction.peak_memory_bytes
+        for r in Recompute
+    }
+    assert memory_of[Recompute.FULL] < memory_of[Recompute.SELECTIVE] < memory_of[Recompute.NONE]
+    cap = (memory_of[Recompute.SELECTIVE] + memory_of[Recompute.NONE]) / 2
+    solved = ilp.solve(
+        problem(structure, cluster, work, MeshConfig(MeshShape(1, 1, 1), 8), cap=cap)
+    ).assignment
+    assert solved.recompute == {key: Recompute.SELECTIVE}

@@ -83,10 +83,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     opt.add_argument(
         "--schedule",
-        default="1f1b",
-        choices=["1f1b", "gpipe"],  # planner.plan.Schedule's values; importing it here would slow --help
-        help="pipeline schedule the plan is priced with and run with (pp > 1): 1f1b holds fewer activations",
+        default="auto",
+        choices=["auto", "1f1b", "gpipe", "interleaved_1f1b"],  # planner.plan.Schedule's values (and auto)
+        help="pipeline schedule the plan is priced with and run with (pp > 1); auto: 1f1b or, training, "
+        "interleaved_1f1b with the search's v, whichever is faster",
     )
+    opt.add_argument(
+        "--virtual-stages",
+        type=_positive,
+        help="interleaved_1f1b: pin the model chunks per pipeline rank (v)",
+    )
+    opt.add_argument(
+        "--recompute",
+        default="auto",
+        choices=["auto", "none", "selective", "full"],
+        help="training: activation recomputation of every layer class (auto: the ILP chooses per class)",
+    )
+    for flag, what in (
+        ("--sequence-parallel", "training: split the norm/dropout regions along the sequence over TP"),
+        ("--distributed-optimizer", "training: shard Adam's state over the DP ranks (ZeRO-1)"),
+    ):
+        opt.add_argument(
+            flag, default="auto", choices=["auto", "on", "off"], help=f"{what} (auto: priced both ways)"
+        )
     opt.add_argument("--tp", type=_positive, help="pin the tensor-parallel degree")
     opt.add_argument("--pp", type=_positive, help="pin the pipeline-parallel degree")
     opt.add_argument("--dp", type=_positive, help="pin the data-parallel degree")
@@ -242,7 +261,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         )
         bars("solving the ILP", None)
         constraints = workflow.constraints_from(
-            args.tp, args.pp, args.dp, args.ladder, max_devices=args.devices, schedule=args.schedule
+            args.tp, args.pp, args.dp, args.ladder, max_devices=args.devices, **_training_options(args)
         )
         workflow.check_constraints_fit(
             cluster, constraints, prepared.structure.batch_size, args.micro_batches
@@ -386,7 +405,7 @@ def _run(args, plan, prepared, cluster):
             f"[yellow]re-planning for this machine (local-cpu, {nproc} ranks) to run it (--scale-to-local)[/yellow]"
         )
         constraints = workflow.constraints_from(
-            args.tp, args.pp, args.dp, args.ladder, max_devices=nproc, schedule=args.schedule
+            args.tp, args.pp, args.dp, args.ladder, max_devices=nproc, **_training_options(args)
         )
         plan = workflow.make_plan(prepared, local, constraints, args.model, "local-cpu")
         from planner.cli.render import render_plan  # noqa: PLC0415
@@ -583,3 +602,19 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _training_options(args: argparse.Namespace) -> dict:
+    """--schedule, --virtual-stages, --recompute, --sequence-parallel, --distributed-optimizer as
+    `workflow.constraints_from` keywords ("auto": None, the search chooses)."""
+
+    def on_off(value: str) -> bool | None:
+        return None if value == "auto" else value == "on"
+
+    return {
+        "schedule": None if args.schedule == "auto" else args.schedule,
+        "virtual_stages": args.virtual_stages,
+        "recompute": None if args.recompute == "auto" else args.recompute,
+        "sequence_parallel": on_off(args.sequence_parallel),
+        "distributed_optimizer": on_off(args.distributed_optimizer),
+    }

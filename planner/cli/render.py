@@ -115,6 +115,8 @@ def render_plan(console: Console, plan: Plan) -> None:
     )
     if plan.serving is not None:
         render_serving(console, plan)
+    if plan.workload is Workload.TRAIN:
+        render_training(console, plan)
     grouped: dict[tuple[str, str], list[float]] = {}
     for f in plan.fallbacks:  # one line per op and source line (a layer's op repeats per layer)
         n, nbytes, comm = grouped.setdefault((f.op, f.line), [0, 0.0, 0.0])
@@ -350,3 +352,55 @@ def _ranges(values: list[int]) -> str:
         if v is not None:
             start = prev = v
     return ", ".join(out)
+
+
+def _recompute_text(recompute: dict) -> str:
+    values = sorted({str(v) for v in recompute.values()})
+    return "/".join(values) if values else "none"
+
+
+def training_rows(plan: Plan) -> list[tuple[str, str, str]]:
+    """(what, this plan, the hand-written Megatron plan) for a training plan: layout, TFLOP/s per
+    device, bubble and memory per rank ("-" where the baseline is unknown)."""
+    p, b, bl = plan.predicted, plan.baseline, plan.baseline_layout
+
+    def tflops(pred) -> str:
+        rate = pred.model_flops_per_s_per_device if pred is not None else 0.0
+        return f"{rate / 1e12:,.1f}" if rate else "-"
+
+    def bubble(pred) -> str:
+        return f"{pred.bubble_s / pred.latency_s:.1%}" if pred is not None and pred.latency_s else "-"
+
+    def schedule(sched: str, v: str | int, pp: str | int) -> str:
+        if str(pp) == "1":
+            return "- (pp=1)"
+        return f"{sched} v={v}" if str(v) != "1" else str(sched)
+
+    on = {"true": "on", "false": "off", True: "on", False: "off"}
+    return [
+        ("mesh", f"TP={plan.tp} × PP={plan.pp} × DP={plan.dp}",
+         f"TP={bl['tp']} × PP={bl['pp']} × DP={bl['dp']}" if bl else "-"),
+        ("schedule", schedule(plan.schedule, plan.virtual_stages, plan.pp),
+         schedule(bl["schedule"], bl["virtual_stages"], bl["pp"]) if bl else "-"),
+        ("micro-batches × size", f"{plan.micro_batches} × {plan.micro_batch_size:g}",
+         f"{bl['micro_batches']} × {bl['micro_batch_size']}" if bl else "-"),
+        ("recompute", _recompute_text(plan.recompute), bl.get("recompute", "-") if bl else "-"),
+        ("sequence parallel", on[plan.sequence_parallel], on.get(bl.get("sequence_parallel"), "-") if bl else "-"),
+        ("distributed optimizer", on[plan.distributed_optimizer],
+         on.get(bl.get("distributed_optimizer"), "-") if bl else "-"),
+        ("step time", fmt_s(p.latency_s), fmt_s(b.latency_s) if b is not None else "-"),
+        ("model TFLOP/s per device", tflops(p), tflops(b)),
+        ("pipeline bubble", bubble(p), bubble(b)),
+        ("memory per rank (peak)", fmt_bytes(p.peak_memory_bytes), fmt_bytes(b.peak_memory_bytes) if b is not None else "-"),
+    ]  # fmt: skip
+
+
+def render_training(console: Console, plan: Plan) -> None:
+    """Training: the plan's layout (schedule, v, micro-batch size, recompute, sequence parallelism,
+    distributed optimizer) with TFLOP/s per device, bubble and memory, beside the Megatron baseline's."""
+    table = Table(title="Training layout (model FLOP/s: forward + backward, recomputation not counted)")
+    for col in ("", "this plan", "hand-written Megatron"):
+        table.add_column(col, justify="left" if not col else "right")
+    for row in training_rows(plan):
+        table.add_row(*row)
+    console.print(table)

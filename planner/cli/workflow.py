@@ -24,7 +24,7 @@ from planner.frontend.analysis import ModelStructure
 from planner.frontend.depth import capture_for_planning
 from planner.frontend.modelfile import ModelFile, load_model_file
 from planner.frontend.phases import build_for, decode_phase, plan_structure, prefill_phase
-from planner.plan import WORKLOADS, Plan, Schedule, Serving, SplitStyle, Workload
+from planner.plan import WORKLOADS, Plan, Recompute, Schedule, Serving, SplitStyle, Workload
 from planner.progress import Progress, silent
 from planner.solver.problem import Constraints, LadderPolicy, WorkloadSpec
 from planner.solver.search import plan_model
@@ -191,12 +191,21 @@ def constraints_from(
     dp: int | None,
     ladder: str,
     max_devices: int | None = None,
-    schedule: Schedule = Schedule.ONE_F_ONE_B,
+    schedule: Schedule | None = None,
+    virtual_stages: int | None = None,
+    recompute: Recompute | None = None,
+    sequence_parallel: bool | None = None,
+    distributed_optimizer: bool | None = None,
 ) -> Constraints:
-    """Constraints from CLI options (`--ladder` read by `LadderPolicy.parse`). Raises InputError for a
-    malformed --ladder or an unknown --schedule."""
+    """Constraints from CLI options (`--ladder` read by `LadderPolicy.parse`; None: the search chooses).
+    Raises InputError for a malformed --ladder, an unknown --schedule or --recompute, or a
+    --virtual-stages without the interleaved schedule."""
     policy = LadderPolicy.parse(ladder or "none", option="--ladder")
-    return Constraints(tp=tp, pp=pp, dp=dp, ladder=policy, max_devices=max_devices, schedule=schedule)
+    return Constraints(
+        tp=tp, pp=pp, dp=dp, ladder=policy, max_devices=max_devices, schedule=schedule,
+        virtual_stages=virtual_stages, recompute=recompute, sequence_parallel=sequence_parallel,
+        distributed_optimizer=distributed_optimizer,
+    )  # fmt: skip
 
 
 def check_pinned_tp(structure: ModelStructure, tp: int | None) -> None:

@@ -6,6 +6,12 @@ several nodes: the fewest stages that fit memory, DP over the other nodes, `mega
 head-parallel (Q/K/V column-wise, output row-wise), MLP column-then-row, embedding and LM head
 vocab-parallel, layers split evenly over stages, no ladder residual. Where a split is not
 possible (e.g. KV heads not divisible), that op stays replicated, as a careful hand-written plan would.
+
+Training, as an expert writes it today (Korthikanti et al. 2022; Megatron-LM's recommended flags
+``--sequence-parallel --recompute-activations --use-distributed-optimizer
+--num-layers-per-virtual-pipeline-stage``): sequence parallelism with TP > 1, selective recomputation
+(full only if memory demands it: the caller tries both), the interleaved 1F1B schedule when PP > 1
+(`megatron_virtual_stages`), and the distributed optimizer with DP > 1.
 """
 
 from __future__ import annotations
@@ -15,8 +21,8 @@ import math
 
 from costmodels.cluster import ClusterSpec
 from planner.frontend.analysis import ModelStructure
-from planner.plan import Layout, MeshShape, Schedule
-from planner.solver.costing import CostTables, LayerGraph
+from planner.plan import Layout, MeshShape, Recompute, Schedule
+from planner.solver.costing import CostTables, LayerGraph, interleaved_chunks
 from planner.solver.prediction import PricedAssignment, predict
 from planner.solver.problem import Assignment, MeshConfig, WorkloadSpec
 
@@ -94,20 +100,47 @@ def even_stages(num_layers: int, pp: int) -> list[list[int]]:
     return stages
 
 
-def megatron_assignment(tables: CostTables, recompute: bool = False) -> Assignment:
-    """Megatron's strategy (`megatron_choices`: the most sharded one) on even stages, no ladder;
-    `recompute`: full activation recomputation (Megatron's --recompute-granularity full), training only.
-    With recomputation it is also the least memory per rank any plan of this mesh needs."""
+def megatron_stages(tables: CostTables) -> list[list[int]]:
+    """Even stages, or with the interleaved schedule the model chunks (`interleaved_chunks`)."""
+    ctx = tables.ctx
+    if ctx.virtual_stages > 1:
+        return interleaved_chunks(tables.num_layers, ctx.mesh.pp, ctx.virtual_stages)
+    return even_stages(tables.num_layers, ctx.mesh.pp)
+
+
+def megatron_assignment(tables: CostTables, recompute: Recompute | bool = Recompute.NONE) -> Assignment:
+    """Megatron's strategy (`megatron_choices`: the most sharded one) on even stages (or chunks), no
+    ladder; `recompute` for every layer class, training only (True: full, Megatron's
+    --recompute-granularity full; with it, it is also the least memory per rank any plan of this mesh
+    needs; selective: --recompute-granularity selective)."""
+    if isinstance(recompute, bool):
+        recompute = Recompute.FULL if recompute else Recompute.NONE
     return Assignment(
         choices=megatron_choices(tables.graphs, tables.ends),
-        stages=even_stages(tables.num_layers, tables.ctx.mesh.pp),
-        recompute=set(tables.graphs) if recompute and tables.ctx.train else set(),
+        stages=megatron_stages(tables),
+        recompute={key: recompute for key in tables.graphs} if tables.ctx.train else {},
     )
 
 
-def baseline_plan(tables: CostTables, recompute: bool = False) -> PricedAssignment:
+def baseline_plan(tables: CostTables, recompute: Recompute | bool = Recompute.NONE) -> PricedAssignment:
     """Megatron's plan (`megatron_assignment`) priced on the mesh of `tables` (a `megatron_configs` one)."""
     return predict(tables, megatron_assignment(tables, recompute))
+
+
+MEGATRON_MAX_VIRTUAL_STAGES = 4  # model chunks per rank a Megatron-LM user typically picks
+
+
+def megatron_virtual_stages(num_layers: int, pp: int, micro_batches: int) -> int:
+    """v of the interleaved schedule a Megatron-LM user picks: the largest v <= 4 with a whole number
+    of layers in every one of the pp * v chunks (``--num-layers-per-virtual-pipeline-stage``); when
+    no v divides, the largest v <= 4 with at least one layer per chunk, the end chunks one layer
+    shorter (as Llama 3 did with 126 layers on 16 stages, `interleaved_chunks`). 1 for pp = 1 or
+    micro-batches not a multiple of pp (Megatron's interleaved schedule needs it)."""
+    if pp == 1 or micro_batches % pp:
+        return 1
+    fits = [v for v in range(2, MEGATRON_MAX_VIRTUAL_STAGES + 1) if pp * v <= num_layers]
+    even = [v for v in fits if num_layers % (pp * v) == 0]
+    return max(even or fits or [1])
 
 
 def megatron_micro_batches(per_replica_batch: int, pp: int, workload: WorkloadSpec) -> int:
@@ -123,12 +156,14 @@ def megatron_configs(
     cluster: ClusterSpec,
     workload: WorkloadSpec,
     structure: ModelStructure,
-    schedule: Schedule,
+    schedule: Schedule | None,
     max_devices: int | None = None,
 ) -> list[MeshConfig]:
     """The meshes a Megatron-LM user would try, in order: TP = devices per node (dividing the heads),
     PP = nodes (at most the layers), DP = 1; for training on several nodes, every divisor of the nodes
     as PP with DP over the rest, fewest stages first (the caller keeps the first that fits memory).
+    Training: sequence parallel (TP > 1), interleaved 1F1B (`megatron_virtual_stages`) unless the
+    user pinned another `schedule`, distributed optimizer (DP > 1).
     `max_devices`: the hand-written plan gets the same device cap as the search."""
     if max_devices is not None and max_devices < cluster.num_devices:
         per_node = min(cluster.devices_per_node, max_devices)
@@ -139,13 +174,11 @@ def megatron_configs(
     tp = megatron_tp(cluster, math.gcd(*heads) if heads else None)
     num_layers = len(structure.layers)
     if not num_layers:  # a plain MLP: TP only
-        return [MeshConfig(MeshShape(tp, 1, 1), 1, schedule)]
+        return [MeshConfig(MeshShape(tp, 1, 1), 1)]
     if not (workload.train and cluster.num_nodes > 1):
         pp = max(1, min(cluster.num_nodes, num_layers))
         configs = [
-            MeshConfig(
-                MeshShape(tp, pp, 1), megatron_micro_batches(workload.batch_size, pp, workload), schedule
-            )
+            MeshConfig(MeshShape(tp, pp, 1), megatron_micro_batches(workload.batch_size, pp, workload))
         ]
     else:
         nodes, configs = cluster.num_nodes, []
@@ -154,5 +187,27 @@ def megatron_configs(
             if workload.batch_size % dp:
                 continue
             m = megatron_micro_batches(workload.batch_size // dp, pp, workload)
-            configs.append(MeshConfig(MeshShape(tp, pp, dp), m, schedule))
-    return [c for c in configs if workload.batch_size % (c.mesh.dp * c.micro_batches) == 0]
+            configs.append(MeshConfig(MeshShape(tp, pp, dp), m))
+    configs = [c for c in configs if workload.batch_size % (c.mesh.dp * c.micro_batches) == 0]
+    return [_expert_training(c, num_layers, workload, schedule) for c in configs]
+
+
+def _expert_training(
+    config: MeshConfig, num_layers: int, workload: WorkloadSpec, schedule: Schedule | None
+) -> MeshConfig:
+    """`config` with what a Megatron-LM user turns on for training (module docstring)."""
+    mesh, m = config.mesh, config.micro_batches
+    if not workload.train:
+        return dataclasses.replace(config, schedule=schedule or Schedule.ONE_F_ONE_B)
+    v = (
+        megatron_virtual_stages(num_layers, mesh.pp, m)
+        if schedule in (None, Schedule.INTERLEAVED_1F1B)
+        else 1
+    )
+    if v > 1:
+        chosen = Schedule.INTERLEAVED_1F1B
+    elif schedule in (None, Schedule.INTERLEAVED_1F1B):
+        chosen = Schedule.ONE_F_ONE_B if m >= mesh.pp else Schedule.GPIPE
+    else:
+        chosen = schedule
+    return MeshConfig(mesh, m, chosen, v, sequence_parallel=mesh.tp > 1, distributed_optimizer=mesh.dp > 1)

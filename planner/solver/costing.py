@@ -23,7 +23,22 @@ Strategies:
     LM head                             replicate, vocab (output sharded on the vocab)
 
 The residual stream between blocks is always R, so each block's output is converted to R: that
-conversion (one all-reduce for Megatron's column-then-row) is what ladder residual overlaps.
+conversion (one all-reduce for Megatron's column-then-row) is what ladder residual overlaps. With
+sequence parallelism (Korthikanti et al. 2022, section 4.2.2; `MeshConfig.sequence_parallel`) the
+stream between blocks is split along the sequence over the TP ranks instead: a block output in P is
+reduce-scattered into it and all-gathered again at the next block's input (the same bytes on the ring
+as one all-reduce, `stream_conversion_time_s`), and the norms, residual adds and their stored
+activations (Korthikanti's 10 s*b*h) are divided by the TP degree.
+
+Training memory also follows Korthikanti et al.: with an attention kernel that writes its scores to
+memory (`ClusterSpec.attention_kernel` "materialized"; their memory traffic is priced too) a layer whose
+attention core is not recomputed keeps them (softmax output, dropout mask and output: 5 a s^2 b per
+layer, `memory.attention_scores_bytes`); selective recomputation (`Recompute.SELECTIVE`) drops them and
+runs the core's forward again in backward. A fused (flash-style) kernel keeps no scores, so selective
+recomputation has nothing to save there. Full recomputation keeps only the layer input
+(`recompute_input_bytes`). The distributed
+optimizer (ZeRO-1) divides Adam's state by the DP degree and replaces the gradient all-reduce by a
+reduce-scatter of gradients and an all-gather of parameters (`gradient_sync_cost`).
 
 Times are per micro-batch on one rank; a pipelined step of them takes `step_time_s`. Training
 multiplies compute by `TRAIN_COMPUTE_FACTOR` (backward = 2x forward FLOPs) and communication by
@@ -68,6 +83,10 @@ class OpOption:
     activation_bytes: float  # per rank, per in-flight micro-batch (training only)
     comm_s: float = 0.0  # communication inside the op itself
     grad_bytes: float = 0.0  # gradient bytes per rank (training: all-reduced across DP)
+    # attention core, training: scores kept for backward unless selectively recomputed (included in
+    # activation_bytes), and the forward time that recomputing them costs
+    selective_bytes: float = 0.0
+    selective_s: float = 0.0
 
 
 @dataclass
@@ -150,6 +169,20 @@ class CostContext:
         return self.config.micro_batches
 
     @property
+    def virtual_stages(self) -> int:
+        return self.config.virtual_stages
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Sequence parallelism is on and means something (tp > 1)."""
+        return self.config.sequence_parallel and self.mesh.tp > 1
+
+    @property
+    def distributed_optimizer(self) -> bool:
+        """ZeRO-1 is on and means something (training, dp > 1)."""
+        return self.config.distributed_optimizer and self.train and self.mesh.dp > 1
+
+    @property
     def bytes_per_element(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
@@ -178,7 +211,11 @@ class CostContext:
         """Bytes per rank per parameter byte: weights, plus grads and Adam state when training."""
         if not self.train:
             return 1.0
-        return memory.training_state_bytes(1, self.dtype) / memory.param_bytes(1, self.dtype)  # no ZeRO
+        if self.distributed_optimizer:  # ZeRO-1: Adam state (with fp32 master weights) divided over DP
+            state = memory.param_bytes(1, self.dtype) + memory.grad_bytes(1, self.dtype)
+            state += memory.sharded_optimizer_state_bytes(1, self.dtype, self.mesh.dp)
+            return state / memory.param_bytes(1, self.dtype)
+        return memory.training_state_bytes(1, self.dtype) / memory.param_bytes(1, self.dtype)
 
     def tp_group(self) -> Group:
         tp, per_node = self.mesh.tp, self.cluster.devices_per_node
@@ -229,6 +266,25 @@ def conversion_time_s(src: Layout, dst: Layout, nbytes: float, ctx: CostContext)
     return ctx.comm_factor * one + ctx.node_overhead_time(1)  # the collective is one more graph node
 
 
+def stream_conversion_time_s(src: Layout, nbytes: float, ctx: CostContext) -> float:
+    """Time to return a block's output of `nbytes` (full size) in layout `src` to the residual stream.
+
+    Without sequence parallelism the stream is R: `conversion_time_s(src, R)`. With it the stream is
+    split along the sequence and the next block all-gathers its input: P is reduce-scattered then
+    all-gathered (Korthikanti et al. 2022, section 4.2.2: g = reduce-scatter, g-bar = all-gather, the
+    same bytes on the ring as the all-reduce they replace), S is all-gathered to R, sliced (free) and
+    all-gathered again, R is sliced and all-gathered. Training doubles each (backward conjugates).
+    """
+    if not ctx.sequence_parallel:
+        return conversion_time_s(src, R, nbytes, ctx)
+    gather = conversion_time_s(S, R, nbytes, ctx)
+    if src == P:
+        return conversion_time_s(P, S, nbytes, ctx) + gather
+    if src == S:
+        return 2 * gather
+    return gather
+
+
 # ---------------------------------------------------------------------------------------------
 # Options of each op kind
 
@@ -251,7 +307,10 @@ def projection_options(
     def option(name: str, in_layout: Layout, out_layout: Layout, k: float, m: float, shard: int) -> OpOption:
         flops = compute.linear_flops(tokens, k, m, has_bias)
         moved = compute.linear_bytes(tokens, k, m, ctx.dtype, has_bias)
-        stored = act_in / (shard if in_layout == S else 1)
+        # a sharded input is stored sharded; with sequence parallelism so is the stream input of a
+        # split projection (its sequence shard, all-gathered again in backward: Korthikanti section 4.2.2)
+        split_stream = ctx.sequence_parallel and in_layout == R and shard > 1
+        stored = act_in / (shard if in_layout == S or split_stream else 1)
         grads = weight_bytes / shard if ctx.train else 0.0
         return OpOption(name, in_layout, out_layout, ctx.op_time(flops, moved, "matmul", rows=tokens),
                         weight_bytes * state / shard, stored, grad_bytes=grads)  # fmt: skip
@@ -279,7 +338,10 @@ def projection_options(
 def attention_core_options(
     attn: Attention, ctx: CostContext, inner_s: float = 0.0
 ) -> tuple[list[OpOption], dict[str, str]]:
-    """SDPA: replicate, or head-parallel when query and KV heads both divide by tp.
+    """SDPA: replicate, or head-parallel when query and KV heads both divide by tp. A materialized
+    attention kernel (`ClusterSpec.attention_kernel`) adds the scores' memory traffic
+    (`compute.materialized_scores_bytes`) and, training, keeps them for backward (`OpOption.selective_bytes`,
+    what selective recomputation frees for `OpOption.selective_s`, the core's forward).
 
     ``inner_s``: time of the attention block's other ops (RoPE, GQA repeats, copies between q/k/v and
     o; see ``layer_node_times_s``), added to each option, divided by tp in the head-parallel one."""
@@ -299,6 +361,9 @@ def attention_core_options(
         s = ctx.structure
         kv_cache = attn.cache_bytes * (replica_seqs / s.batch_size) * b / DTYPE_BYTES[s.dtype]
     stored = (2.0 * heads + 2.0 * kv_heads) * seqs * q_len * hd * b if ctx.train else 0.0
+    materialized = ctx.cluster.attention_kernel == "materialized"
+    dev = ctx.cluster.device
+    bandwidth = dev.memory_bandwidth_bytes_per_s * dev.memory_efficiency
 
     def option(name: str, layout: Layout, shard: int, kv_shard: int | None = None) -> OpOption:
         kv_shard = shard if kv_shard is None else kv_shard
@@ -306,8 +371,19 @@ def attention_core_options(
         moved = compute.attention_bytes(
             seqs, heads / shard, kv_heads / kv_shard, q_len, kv_len, hd, ctx.dtype
         )
-        t = ctx.op_time(flops, moved, "attention") + inner_s / kv_shard
-        return OpOption(name, layout, layout, t, kv_cache / kv_shard, stored / shard)
+        core_s = ctx.op_time(flops, moved, "attention")
+        forward_s = core_s / ctx.compute_factor
+        scores = 0.0
+        if materialized:  # the (s, s) scores go through memory (`ClusterSpec.attention_kernel`)
+            elements = seqs * heads / shard * q_len * kv_len
+            fwd_bytes, bwd_bytes = compute.materialized_scores_bytes(elements, ctx.dtype, ctx.train)
+            forward_s += fwd_bytes / bandwidth
+            core_s += (fwd_bytes + bwd_bytes) / bandwidth
+            if ctx.train:  # Korthikanti et al. eq. (2): softmax output, dropout mask and output, 5 a s^2 b
+                scores = memory.attention_scores_bytes(q_len, seqs, heads, shard, ctx.dtype)
+        t = core_s + inner_s / kv_shard
+        return OpOption(name, layout, layout, t, kv_cache / kv_shard, stored / shard + scores,
+                        selective_bytes=scores, selective_s=forward_s if scores else 0.0)  # fmt: skip
 
     options = [option("replicate", R, 1)]
     excluded: dict[str, str] = {}
@@ -451,11 +527,12 @@ def build_layer_graph(layer: Layer, ctx: CostContext) -> LayerGraph:
             + compute.elementwise_bytes(tokens * hidden, ctx.dtype, 2),
             "memory",
         )
-    fixed += ctx.node_overhead_time(graph_node_count(layer.nodes, s))
+    split = ctx.mesh.tp if ctx.sequence_parallel else 1  # norms and residual adds on a sequence shard
+    fixed = fixed / split + ctx.node_overhead_time(graph_node_count(layer.nodes, s))
     # param_bytes is in the captured model's dtype; re-express it in the planned dtype.
     as_planned = layer.param_bytes / DTYPE_BYTES[s.dtype] * b
     other_params = max(0.0, as_planned - proj_bytes)
-    fixed_act = 2.0 * num_norms * tokens * hidden * b if ctx.train else 0.0
+    fixed_act = 2.0 * num_norms * tokens * hidden * b / split if ctx.train else 0.0
     return LayerGraph(
         key=layer_key(layer),
         ops=ops,
@@ -639,13 +716,14 @@ def build_ends_graph(ctx: CostContext) -> LayerGraph:
         weight_bytes = emb.vocab_size * emb.dim * b
         t = ctx.op_time(0.0, compute.embedding_bytes(tokens, emb.dim, ctx.dtype), "memory")
         grads = weight_bytes if ctx.train else 0.0
-        options = [OpOption("replicate", R, R, t, weight_bytes * state, 0.0, grad_bytes=grads)]
-        excluded = {}
         out_bytes = tokens * emb.dim * b
+        into_stream = stream_conversion_time_s(R, out_bytes, ctx)  # sequence parallel: the first gather
+        options = [OpOption("replicate", R, R, t, weight_bytes * state, 0.0, into_stream, grad_bytes=grads)]
+        excluded = {}
         if tp > 1:  # a vocabulary that does not divide by tp is padded (passes.tensor_parallel.padded_size)
             rows = -(-emb.vocab_size // tp)
             shard_bytes = rows * emb.dim * b
-            comm = conversion_time_s(P, R, out_bytes, ctx)
+            comm = stream_conversion_time_s(P, out_bytes, ctx)
             options.append(OpOption("vocab", R, R, t, shard_bytes * state, 0.0, comm, grads and shard_bytes))
         ops.append(Op(f"embedding{i}", "embedding", options, [], out_bytes, emb.weight, None, excluded))
     head = s.lm_head
@@ -690,30 +768,75 @@ def build_ends_graph(ctx: CostContext) -> LayerGraph:
 
 
 def p2p_stage_time_s(ctx: CostContext) -> float:
-    """Send one micro-batch's activations (tokens x hidden) to the next stage (and grads back)."""
+    """Send one micro-batch's activations (tokens x hidden) to the next stage (and grads back). With
+    sequence parallelism each TP rank sends its sequence shard (1/tp of it)."""
     if ctx.mesh.pp == 1:
         return 0.0
     nbytes = ctx.tokens * ctx.structure.hidden_size * ctx.bytes_per_element
+    if ctx.sequence_parallel:
+        nbytes /= ctx.mesh.tp
     inter = ctx.cluster.num_nodes > 1 and ctx.mesh.num_devices > ctx.cluster.devices_per_node
     return ctx.comm_factor * p2p_time_s(nbytes, ctx.cluster, inter)
 
 
-def in_flight_micro_batches(ctx: CostContext, stage: int) -> int:
-    """Training micro-batches whose activations stage `stage` holds at once under the candidate's schedule."""
+def stage_p2p_time_s(ctx: CostContext, stage: int) -> float:
+    """Point-to-point time per micro-batch of pipeline rank `stage`: one send (and its gradient back)
+    per model chunk boundary it owns: 1 for every rank but the last with one chunk; v for every rank
+    but the last, v - 1 for the last, with v chunks (interleaved 1F1B: v times the messages,
+    Narayanan et al. 2021, section 2.2.2)."""
+    pp, v = ctx.mesh.pp, ctx.virtual_stages
+    if pp == 1:
+        return 0.0
+    return (v if stage < pp - 1 else v - 1) * p2p_stage_time_s(ctx)
+
+
+def interleaved_chunks(num_layers: int, pp: int, virtual_stages: int) -> list[list[int]]:
+    """The layers in ``pp * virtual_stages`` contiguous model chunks, chunk c run by pipeline rank
+    c mod pp (interleaved 1F1B). Sizes differ by at most one layer; the smaller chunks go first to the
+    two ends (the first chunk holds the embedding, the last the LM head), as Llama 3 trained 126
+    layers on 16 stages with one layer fewer on the first and the last (Dubey et al. 2024, section
+    3.3.2). Raises ValueError when there are fewer layers than chunks."""
+    chunks = pp * virtual_stages
+    if num_layers < chunks or min(pp, virtual_stages) < 1:
+        raise ValueError(f"{num_layers} layers do not fill {pp} x {virtual_stages} model chunks")
+    base, extra = divmod(num_layers, chunks)
+    ends_first = [c for pair in zip(range(chunks), reversed(range(chunks))) for c in pair]
+    order = list(dict.fromkeys(ends_first))  # 0, n-1, 1, n-2, ...
+    smaller = set(order[: chunks - extra])
+    sizes = [base if c in smaller else base + 1 for c in range(chunks)]
+    out, start = [], 0
+    for size in sizes:
+        out.append(list(range(start, start + size)))
+        start += size
+    return out
+
+
+def in_flight_micro_batches(ctx: CostContext, stage: int) -> float:
+    """Training micro-batches whose activations stage `stage` holds at once under the candidate's
+    schedule (`memory.inflight_micro_batches`; fractional with interleaving)."""
     if not ctx.train:
         return 0
-    return memory.inflight_micro_batches(ctx.mesh.pp, stage, ctx.micro_batches, ctx.config.schedule)
+    return memory.inflight_micro_batches(
+        ctx.mesh.pp, stage, ctx.micro_batches, ctx.config.schedule, ctx.virtual_stages
+    )
 
 
 Seconds = TypeVar("Seconds")  # a float, or a linear expression of the ILP (`planner.solver.ilp`)
 
 
-def step_time_s(total_s: Seconds, slowest_stage_s: Seconds, micro_batches: int) -> Seconds:
+def step_time_s(
+    total_s: Seconds, slowest_stage_s: Seconds, micro_batches: int, virtual_stages: int = 1
+) -> Seconds:
     """Time of one pipelined step of `micro_batches`: every stage's work on one micro-batch once (the
     fill and drain), plus (m - 1) times the slowest stage (the steady state). With p equal stages that
     is (m + p - 1) stage times, a bubble of (p - 1) / (m + p - 1): the same for GPipe and 1F1B, which
-    differ in memory (`in_flight_micro_batches`). One stage: m times its time."""
-    return total_s + (micro_batches - 1) * slowest_stage_s
+    differ in memory (`in_flight_micro_batches`). One stage: m times its time.
+
+    Interleaved 1F1B with v chunks per rank fills and drains with chunks of 1/v of a stage:
+    total / v + (m - 1/v) slowest, i.e. m stage times plus a bubble of (p - 1) / v of them
+    (Narayanan et al. 2021, section 2.2.2: bubble fraction (p - 1) / (v m) of the ideal step)."""
+    v = virtual_stages
+    return total_s * (1.0 / v) + (micro_batches - 1.0 / v) * slowest_stage_s
 
 
 def layer_keys(structure: ModelStructure) -> list[str]:
@@ -785,25 +908,47 @@ class LinearCost:
         return self.alpha_s + self.beta_s_per_byte * nbytes if nbytes > 0 else 0.0
 
 
+def gradient_sync_time_s(grad_bytes: float, ctx: CostContext) -> float:
+    """DP gradient synchronisation of `grad_bytes` per rank: an all-reduce, or with the distributed
+    optimizer (ZeRO-1) a reduce-scatter of the gradients and, after each rank updates its shard, an
+    all-gather of the parameters (same dtype, same bytes). 0 without training or DP."""
+    if not ctx.train or ctx.mesh.dp == 1 or grad_bytes <= 0:
+        return 0.0
+    group = ctx.dp_group()
+    if ctx.distributed_optimizer:
+        return reduce_scatter_time_s(grad_bytes, group, ctx.cluster) + all_gather_time_s(
+            grad_bytes, group, ctx.cluster
+        )
+    return all_reduce_time_s(grad_bytes, group, ctx.cluster)
+
+
+def optimizer_step_time_s(grad_bytes: float, ctx: CostContext) -> float:
+    """Adam step over the parameters whose gradients are `grad_bytes` per rank (memory-bound: master
+    weights, moments, gradient, parameter), over 1/dp of them with the distributed optimizer."""
+    if not ctx.train or grad_bytes <= 0:
+        return 0.0
+    dev = ctx.cluster.device
+    share = 1.0 / ctx.mesh.dp if ctx.distributed_optimizer else 1.0
+    moved = grad_bytes / ctx.bytes_per_element * OPTIMIZER_BYTES_MOVED_PER_PARAM * share
+    return dev.launch_overhead_s + moved / (dev.memory_bandwidth_bytes_per_s * dev.memory_efficiency)
+
+
 def gradient_sync_cost(ctx: CostContext) -> LinearCost:
-    """Affine fit of the DP gradient all-reduce plus the optimizer step, per gradient byte on a rank."""
+    """Affine fit of the DP gradient sync (`gradient_sync_time_s`) plus the optimizer step, per gradient
+    byte on a rank."""
     if not ctx.train:
         return LinearCost(0.0, 0.0)
-    b = ctx.bytes_per_element
-    dev = ctx.cluster.device
-    opt_per_byte = (
-        OPTIMIZER_BYTES_MOVED_PER_PARAM / b / (dev.memory_bandwidth_bytes_per_s * dev.memory_efficiency)
-    )
-    if ctx.mesh.dp == 1:
-        return LinearCost(dev.launch_overhead_s, opt_per_byte)
-    group = ctx.dp_group()
     small, big = 1e6, 1e9
-    t_small = all_reduce_time_s(small, group, ctx.cluster)
-    t_big = all_reduce_time_s(big, group, ctx.cluster)
-    beta = (t_big - t_small) / (big - small)
-    return LinearCost(t_small - beta * small + dev.launch_overhead_s, beta + opt_per_byte)
+
+    def t(nbytes: float) -> float:
+        return gradient_sync_time_s(nbytes, ctx) + optimizer_step_time_s(nbytes, ctx)
+
+    beta = (t(big) - t(small)) / (big - small)
+    return LinearCost(t(small) - beta * small, beta)
 
 
 def recompute_input_bytes(ctx: CostContext) -> float:
-    """Activation bytes a layer keeps per micro-batch under full recomputation: its input (tokens x hidden)."""
-    return ctx.tokens * ctx.structure.hidden_size * ctx.bytes_per_element
+    """Activation bytes a layer keeps per micro-batch under full recomputation: its input (tokens x
+    hidden), a sequence shard of it with sequence parallelism (Korthikanti et al. 2022, section 5)."""
+    split = ctx.mesh.tp if ctx.sequence_parallel else 1
+    return ctx.tokens * ctx.structure.hidden_size * ctx.bytes_per_element / split

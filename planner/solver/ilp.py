@@ -19,7 +19,8 @@ Variables
     beta[b,j] in {0,1}    stage b (1..p-1) starts at layer j (j in a window) `_stage_variables`
     y[l,s], v[l,s], w[l,s] >= 0   time / memory / gradient bytes of a window layer l if in stage s
     T >= 0                slowest stage time per micro-batch; Tail >= 0: DP gradient sync + optimizer
-    r[g] in {0,1}         training: class g recomputes its forward in backward (keeps only its input)
+    rf[g], rs[g] in {0,1} training: class g recomputes its whole forward in backward (full: keeps only
+                          its input) or only its attention core (selective: keeps no scores)
 
 Constraints (each family is named by the prefix of its constraint names)
     onehot_*        sum_k x[g,o,k] = 1                                          `_strategy_variables`
@@ -38,12 +39,15 @@ Constraints (each family is named by the prefix of its constraint names)
     slowest_*       T >= S[s] = sum_l a[l,s] t[l] + ends(s) + p2p;  T >= sum_s S[s] / p   `_stage_time`
     memory_*        sum_l a[l,s] (static[l] + f(s) act[l]) + ends(s) + transient <= cap   `_memory_constraints`
                     (f(s): micro-batches stage s holds under the schedule, `in_flight_micro_batches`)
-    recompute_*     act[g] -> act[g] - ra[g] + r[g] input_bytes; time += rt[g] >= fwd[g] - M (1 - r[g])
-                                                                                  `_recompute`
+    recompute_*     rf[g] + rs[g] <= 1; act[g] -> act[g] - ra[g] + rf[g] input_bytes - sa[g]
+                    (ra <= act, ra <= M rf; sa <= scores[g], sa <= M rs); time += rt[g] + st[g],
+                    rt >= fwd[g] - M (1 - rf), st >= core_fwd[g] - M (1 - rs)       `_recompute`
     tail_*          Tail >= alpha + beta * grad_bytes[s]   (training: DP all-reduce + optimizer)  `_tail`
 
 Objective (`_objective`): one step's time (`costing.step_time_s` of the total and T)
-    sum_l t[l] + ends + (p-1) p2p + (m-1) T + Tail + penalty * sum_l lad[l] + BALANCE_TIE_BREAK * T
+    sum_l t[l] + ends + p2p + (m-1) T + Tail + penalty * sum_l lad[l] + BALANCE_TIE_BREAK * T
+(interleaved 1F1B with v chunks per rank: (sum_l t[l] + ends + p2p) / v + (m - 1/v) T, the layers split
+evenly into p v chunks, chunk c on rank c mod p, `_interleaved_stages`)
 where t[l] = compute[g] + internal_comm[g] + exposed_comm[l]; exposed is comm_att + comm_mlp for a
 standard layer and qa + qm (or za + zm) for a laddered one. With one stage, T = sum_l t[l] + ends.
 The ladder penalty (`LADDER_MIN_SAVING_FRACTION` of a layer's time) makes the solver ladder a layer
@@ -71,7 +75,7 @@ from dataclasses import dataclass
 
 import pulp
 
-from planner.plan import Layout
+from planner.plan import Layout, Recompute
 from planner.solver.costing import (
     TRAIN_COMM_FACTOR,
     TRAIN_COMPUTE_FACTOR,
@@ -81,9 +85,11 @@ from planner.solver.costing import (
     conversion_time_s,
     gradient_sync_cost,
     in_flight_micro_batches,
-    p2p_stage_time_s,
+    interleaved_chunks,
     recompute_input_bytes,
+    stage_p2p_time_s,
     step_time_s,
+    stream_conversion_time_s,
     transient_bytes,
 )
 from planner.solver.problem import (
@@ -118,6 +124,7 @@ class IlpProblem:
     windows: list[list[int]] | None = None  # candidate first layers of stages 1..p-1 (None: `stage_windows`)
     ladder_min_saving_fraction: float = LADDER_MIN_SAVING_FRACTION
     ladder_budget: LadderBudget | None = None  # auto ladder: measured quality budget
+    recompute: Recompute | None = None  # training: pinned for every class (None: the ILP chooses)
 
     @property
     def ctx(self) -> CostContext:
@@ -193,7 +200,7 @@ class _Builder:
         self.gid["ends"] = "ends"
         self.x: dict[tuple[str, str], dict[str, pulp.LpVariable]] = {}
         self.num_layers = len(prob.layer_keys)
-        self.recompute: dict[str, pulp.LpVariable] = {}
+        self.recompute: dict[str, tuple[pulp.LpVariable, pulp.LpVariable]] = {}  # key -> (rf, rs)
         self.lad: dict[int, pulp.LpVariable] = {}
 
     # -- strategies ------------------------------------------------------------------------
@@ -257,7 +264,7 @@ class _Builder:
                 continue
             op = graph.op(out)
             comm[block] = pulp.lpSum(
-                conversion_time_s(o.out_layout, R, op.out_bytes, self.ctx) * x[(key, out)][o.name]
+                stream_conversion_time_s(o.out_layout, op.out_bytes, self.ctx) * x[(key, out)][o.name]
                 for o in op.options
             )
         internal = self._edge_variables(key, graph)
@@ -286,23 +293,50 @@ class _Builder:
     def _recompute(
         self, key: str, graph: LayerGraph, terms: _GraphTerms, internal_comm: pulp.LpAffineExpression
     ) -> None:
-        """recompute_*: training may keep only each layer's input and recompute its forward in backward.
+        """recompute_*: training chooses per class none, selective or full activation recomputation.
 
-        r[g] in {0,1}; activations become act - ra + r * input_bytes (ra <= act, ra <= M r) and the
-        time gains rt >= forward compute + forward comm - M (1 - r).
+        rf[g], rs[g] in {0,1}, rf + rs <= 1 (recompute_one). Full keeps only each layer's input:
+        activations become act - ra + rf * input_bytes (ra <= act, ra <= M rf) and the time gains
+        rt >= forward compute + forward comm - M (1 - rf). Selective (attention core only) drops the
+        stored scores: act - sa (sa <= scores, sa <= M rs) and the time gains st >= core forward -
+        M (1 - rs). A pinned `IlpProblem.recompute` fixes rf and rs.
         """
         gid = self.gid[key]
-        r = self.m.add_variable(_name("r", gid), cat="Binary")
-        self.recompute[key] = r
+        rf = self.m.add_variable(_name("r", gid), cat="Binary")
+        rs = self.m.add_variable(_name("rs", gid), cat="Binary")
+        self.recompute[key] = (rf, rs)
+        self.m += rf + rs <= 1, _name("recompute_one", gid)
+        x = self.x
+        scores = [
+            (o.selective_bytes, o.selective_s, x[(key, op.name)][o.name])
+            for op in graph.ops
+            for o in op.options
+        ]
+        has_core = any(nbytes > 0 for nbytes, _, _ in scores)
+        pinned = self.p.recompute
+        if pinned is not None:
+            self.m += rf == int(pinned is Recompute.FULL), _name("recompute_pin_full", gid)
+            self.m += rs == int(pinned is Recompute.SELECTIVE and has_core), _name("recompute_pin_sel", gid)
+        elif not has_core:
+            self.m += rs == 0, _name("recompute_no_core", gid)
         ra = self.m.add_variable(_name("ra", gid), 0)
         self.m += ra <= terms.act, _name("recompute_act", gid)
-        self.m += ra <= self._memory_bound(key, 1) * r, _name("recompute_act_on", gid)
-        terms.act = terms.act - ra + recompute_input_bytes(self.ctx) / GIB * r
+        self.m += ra <= self._memory_bound(key, 1) * rf, _name("recompute_act_on", gid)
+        sa = self.m.add_variable(_name("sa", gid), 0)
+        self.m += sa <= pulp.lpSum(b / GIB * var for b, _, var in scores), _name("recompute_sel_act", gid)
+        self.m += sa <= max([b for b, _, _ in scores], default=0.0) / GIB * rs, _name("recompute_sel_on", gid)
+        terms.act = terms.act - ra - sa + recompute_input_bytes(self.ctx) / GIB * rf
         forward = (terms.compute_attention + terms.compute_mlp + graph.fixed_compute_s) / TRAIN_COMPUTE_FACTOR
         forward_comm = (internal_comm + terms.comm_attention + terms.comm_mlp) / TRAIN_COMM_FACTOR
         rt = self.m.add_variable(_name("rt", gid), 0)
-        self.m += rt >= forward + forward_comm - self._time_bound(key) * (1 - r), _name("recompute_time", gid)
-        terms.base = terms.base + rt
+        self.m += (
+            rt >= forward + forward_comm - self._time_bound(key) * (1 - rf),
+            _name("recompute_time", gid),
+        )
+        st = self.m.add_variable(_name("st", gid), 0)
+        core_forward = pulp.lpSum(t * var for _, t, var in scores)
+        self.m += st >= core_forward - self._time_bound(key) * (1 - rs), _name("recompute_sel_time", gid)
+        terms.base = terms.base + rt + st
 
     def _ends_terms(self) -> tuple[_EndTerms, _EndTerms]:
         """(first, last): the embedding (first stage) and the final norm + LM head (last stage)."""
@@ -396,7 +430,7 @@ class _Builder:
         if out is None:
             return 0.0
         op = graph.op(out)
-        return max(conversion_time_s(o.out_layout, R, op.out_bytes, self.ctx) for o in op.options)
+        return max(stream_conversion_time_s(o.out_layout, op.out_bytes, self.ctx) for o in op.options)
 
     def _time_bound(self, key: str) -> float:
         """Upper bound of one layer's time (big-M of the stage linearisation)."""
@@ -454,6 +488,13 @@ class _Builder:
                 a[(layer, s)] = lo - hi
         return a
 
+    def _interleaved_stages(self) -> dict[tuple[int, int], int]:
+        """Interleaved 1F1B: the layers in p v chunks (`interleaved_chunks`), chunk c on pipeline rank
+        c mod p. Returns a[l, s] = 1 for rank s of layer l."""
+        pp, v = self.ctx.mesh.pp, self.ctx.virtual_stages
+        chunks = interleaved_chunks(self.num_layers, pp, v)
+        return {(layer, c % pp): 1 for c, chunk in enumerate(chunks) for layer in chunk}
+
     def _product(self, prefix: str, layer: int, stage: int, expr, a, bound: float) -> pulp.LpVariable:
         """y >= expr - bound * (1 - a), y >= 0: equals expr * a at the optimum (stime_/smem_/sgrad_*)."""
         y = self.m.add_variable(_name({"stime": "y", "smem": "v", "sgrad": "w"}[prefix], layer, stage), 0)
@@ -474,7 +515,7 @@ class _Builder:
             t = terms[keys[i]]
             return t.base + exposed.get(i, t.comm_attention + t.comm_mlp)
 
-        p2p = p2p_stage_time_s(ctx)
+        p2p = [stage_p2p_time_s(ctx, s) for s in range(mesh.pp)]
         counts: dict[str, int] = {}
         for i, key in enumerate(keys):
             if i not in exposed:
@@ -485,7 +526,7 @@ class _Builder:
             + pulp.lpSum(layer_time(i) for i in exposed)
             + first.time
             + last.time
-            + (mesh.pp - 1) * p2p
+            + sum(p2p)
         )
         self.total = total
         stage_time: list[pulp.LpAffineExpression] = []
@@ -498,7 +539,10 @@ class _Builder:
             stage_act.append(pulp.lpSum(n * terms[k].act for k, n in self._class_counts().items()))
             stage_grad.append(pulp.lpSum(n * terms[k].grad for k, n in self._class_counts().items()))
         else:
-            a = self._stage_variables(stage_windows(self.p))
+            if ctx.virtual_stages > 1:
+                a = self._interleaved_stages()
+            else:
+                a = self._stage_variables(stage_windows(self.p))
             for s in range(mesh.pp):
                 f = in_flight_micro_batches(ctx, s)
                 st, sm, sg = [], [], []
@@ -527,7 +571,7 @@ class _Builder:
                         key = keys[i]
                         sm.append(terms[key].static + f * terms[key].act)
                         sg.append(terms[key].grad)
-                stage_time.append(pulp.lpSum(st) + (p2p if s < mesh.pp - 1 else 0.0))
+                stage_time.append(pulp.lpSum(st) + p2p[s])
                 stage_static.append(pulp.lpSum(sm))
                 stage_act.append(pulp.LpAffineExpression())  # folded into stage_static (f depends on s)
                 stage_grad.append(pulp.lpSum(sg))
@@ -610,7 +654,7 @@ class _Builder:
                 self.p.ladder_min_saving_fraction * self.p.graphs[self.p.layer_keys[-1]].cheapest_compute_s()
             )
         balance = BALANCE_TIE_BREAK * slowest if self.ctx.mesh.pp > 1 else 0.0
-        step = step_time_s(total, slowest, self.ctx.micro_batches)
+        step = step_time_s(total, slowest, self.ctx.micro_batches, self.ctx.virtual_stages)
         objective = step + tail + penalty * pulp.lpSum(self.lad.values()) + balance
         self.m += objective
 
@@ -645,6 +689,8 @@ def solve(prob: IlpProblem) -> IlpSolution:
     Deep pipelines (more than `MAX_BOUNDARY_BINARIES` stage-boundary binaries) are split by
     `balanced_split` instead, alternating with the ILP (`_solve_with_split_search`).
     """
+    if prob.ctx.virtual_stages > 1:  # even chunks: no boundaries to search
+        return _solve_once(prob)
     if prob.ctx.mesh.pp > 1 and prob.windows is None:
         if sum(len(w) for w in stage_windows(prob)) > MAX_BOUNDARY_BINARIES:
             return _solve_with_split_search(prob)
@@ -726,17 +772,27 @@ def _assignment(prob: IlpProblem, builder: _Builder) -> Assignment:
     choices = {}
     for (key, op), xs in builder.x.items():
         choices[(key, op)] = max(xs, key=lambda name: xs[name].varValue or 0.0)
-    recompute = {key for key, r in builder.recompute.items() if (r.varValue or 0.0) > 0.5}
+    recompute = {}
+    for key, (rf, rs) in builder.recompute.items():
+        if (rf.varValue or 0.0) > 0.5:
+            recompute[key] = Recompute.FULL
+        elif (rs.varValue or 0.0) > 0.5:
+            recompute[key] = Recompute.SELECTIVE
+        else:
+            recompute[key] = Recompute.NONE
     L = len(prob.layer_keys)
     if prob.ladder.mode is LadderMode.UPPER:
         ladder = prob.ladder.eligible(L)
     else:
         ladder = [i for i, var in builder.lad.items() if (var.varValue or 0.0) > 0.5]
-    starts = [0]
-    for b in range(1, prob.ctx.mesh.pp):
-        starts.append(max(builder.beta[b], key=lambda j: builder.beta[b][j].varValue or 0.0))
-    starts.append(L)
-    stages = [list(range(starts[s], starts[s + 1])) for s in range(prob.ctx.mesh.pp)]
+    if prob.ctx.virtual_stages > 1:  # `_interleaved_stages`
+        stages = interleaved_chunks(L, prob.ctx.mesh.pp, prob.ctx.virtual_stages)
+    else:
+        starts = [0]
+        for b in range(1, prob.ctx.mesh.pp):
+            starts.append(max(builder.beta[b], key=lambda j: builder.beta[b][j].varValue or 0.0))
+        starts.append(L)
+        stages = [list(range(starts[s], starts[s + 1])) for s in range(prob.ctx.mesh.pp)]
     return Assignment(choices, stages, ladder, recompute)
 
 

@@ -15,20 +15,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from costmodels.comm import all_reduce_time_s
-from planner.plan import LayerCost, Layout, Prediction, StageCost
+from costmodels import compute
+from planner.plan import LayerCost, Prediction, Recompute, StageCost, Workload
 from planner.solver.costing import (
-    OPTIMIZER_BYTES_MOVED_PER_PARAM,
     TRAIN_COMM_FACTOR,
     TRAIN_COMPUTE_FACTOR,
     CostContext,
     CostTables,
     LayerGraph,
     conversion_time_s,
+    gradient_sync_time_s,
     in_flight_micro_batches,
-    p2p_stage_time_s,
+    optimizer_step_time_s,
     recompute_input_bytes,
+    stage_p2p_time_s,
     step_time_s,
+    stream_conversion_time_s,
     transient_bytes,
 )
 from planner.solver.problem import Assignment
@@ -89,7 +91,7 @@ def layer_breakdown(
         out = graph.block_outputs.get(block)
         if out is None:
             continue
-        comm = conversion_time_s(opt[out].out_layout, Layout.REPLICATE, graph.op(out).out_bytes, ctx)
+        comm = stream_conversion_time_s(opt[out].out_layout, graph.op(out).out_bytes, ctx)
         hidden = min(comm, eta * compute_block[other]) if laddered else 0.0
         exposed += comm - hidden
         overlapped += hidden
@@ -97,10 +99,14 @@ def layer_breakdown(
     static = graph.fixed_static_bytes + sum(o.static_bytes for o in opt.values())
     act = graph.fixed_activation_bytes + sum(o.activation_bytes for o in opt.values())
     grad = graph.fixed_grad_bytes + sum(o.grad_bytes for o in opt.values())
-    if key in assignment.recompute:  # forward again in backward; keep only the input
+    recompute = assignment.recompute_of(key) if ctx.train else Recompute.NONE
+    if recompute is Recompute.FULL:  # forward again in backward; keep only the input
         internal += (internal + exposed + overlapped) / TRAIN_COMM_FACTOR
         compute_s += compute_s / TRAIN_COMPUTE_FACTOR
         act = recompute_input_bytes(ctx)
+    elif recompute is Recompute.SELECTIVE:  # the attention core again; its scores are not kept
+        compute_s += sum(o.selective_s for o in opt.values())
+        act -= sum(o.selective_bytes for o in opt.values())
     return LayerBreakdown(compute_s, internal + exposed, overlapped, static, act, grad)
 
 
@@ -110,12 +116,15 @@ def predict(tables: CostTables, assignment: Assignment) -> PricedAssignment:
     mesh, m = ctx.mesh, ctx.micro_batches
     choices = assignment.choices
     ladder = set(assignment.ladder_layers)
-    stage_of = {i: s for s, layers in enumerate(assignment.stages) for i in layers}
+    stage_of = {i: s % mesh.pp for s, layers in enumerate(assignment.stages) for i in layers}  # rank
     per_layer: list[LayerCost] = []
     stages_bd = [StageBreakdown() for _ in range(mesh.pp)]
+    breakdowns: dict[tuple[str, bool], LayerBreakdown] = {}  # identical layers cost the same
     for i, key in enumerate(tables.layer_keys):
         graph = graphs[key]
-        layer = layer_breakdown(graph, key, assignment, i in ladder, ctx)
+        if (key, i in ladder) not in breakdowns:
+            breakdowns[(key, i in ladder)] = layer_breakdown(graph, key, assignment, i in ladder, ctx)
+        layer = breakdowns[(key, i in ladder)]
         s = stage_of[i]
         mem = layer.static_bytes + in_flight_micro_batches(ctx, s) * layer.activation_bytes
         bd = stages_bd[s]
@@ -126,7 +135,7 @@ def predict(tables: CostTables, assignment: Assignment) -> PricedAssignment:
         bd.grad_bytes += layer.grad_bytes
         strategy = {op.name: choices[(key, op.name)] for op in graph.ops}
         if ctx.train:
-            strategy["recompute"] = "full" if key in assignment.recompute else "none"
+            strategy["recompute"] = str(assignment.recompute_of(key))
         per_layer.append(
             LayerCost(
                 i if key != "chain" else 0,
@@ -154,15 +163,14 @@ def predict(tables: CostTables, assignment: Assignment) -> PricedAssignment:
             bd.memory_bytes += emb.static_bytes
             bd.grad_bytes += emb.grad_bytes
     stages_bd[-1].compute_s += ends.fixed_compute_s
-    p2p = p2p_stage_time_s(ctx)
-    for s in range(mesh.pp - 1):
-        stages_bd[s].exposed_comm_s += p2p
+    for s in range(mesh.pp):
+        stages_bd[s].exposed_comm_s += stage_p2p_time_s(ctx, s)
     for bd in stages_bd:
         bd.memory_bytes += transient_bytes(ctx)
     times = [bd.time_s for bd in stages_bd]
     slowest = max(range(mesh.pp), key=lambda s: times[s])
     tail_comm, tail_compute = _tail_s(ctx, max(bd.grad_bytes for bd in stages_bd))
-    latency = step_time_s(sum(times), times[slowest], m) + tail_comm + tail_compute
+    latency = step_time_s(sum(times), times[slowest], m, ctx.virtual_stages) + tail_comm + tail_compute
     bottleneck = stages_bd[slowest]
     compute_s = m * bottleneck.compute_s + tail_compute
     exposed_s = m * bottleneck.exposed_comm_s + tail_comm
@@ -196,18 +204,34 @@ def predict(tables: CostTables, assignment: Assignment) -> PricedAssignment:
         grad_sync_s=tail_comm,
         optimizer_s=tail_compute,
     )
+    prediction.model_flops = model_flops(tables)
+    prediction.num_devices = mesh.num_devices
     return PricedAssignment(tables, assignment, prediction, stages_bd)
 
 
+def model_flops(tables: CostTables) -> float:
+    """FLOP of one step's math on the whole model (all replicas): every projection (2 tokens in out)
+    and attention core (`compute.attention_flops`, causal for causal workloads) over the global batch,
+    times 3 for training (forward and backward: the input and weight gradients); recomputation is not
+    counted. 0 for models without layers or a chain to price."""
+    ctx = tables.ctx
+    s, w = ctx.structure, ctx.workload
+    tokens = w.batch_size * w.tokens_per_sequence
+    projections = list(s.mlp_chain) + ([s.lm_head] if s.lm_head is not None else [])
+    flops = 0.0
+    for layer in s.layers:
+        for block in (layer.attention, layer.mlp):
+            projections += block.projections if block is not None else []
+        a = layer.attention
+        if a is not None:
+            causal = w.kind is not Workload.DECODE
+            flops += compute.attention_flops(
+                w.batch_size, a.num_heads, w.tokens_per_sequence, w.kv_len, a.head_dim, causal
+            )
+    flops += sum(compute.linear_flops(tokens, p.in_features, p.out_features) for p in projections)
+    return flops * (TRAIN_COMPUTE_FACTOR if ctx.train else 1.0)
+
+
 def _tail_s(ctx: CostContext, grad_bytes: float) -> tuple[float, float]:
-    """(DP gradient all-reduce, optimizer step) of the stage with the most gradient bytes."""
-    if not ctx.train or grad_bytes <= 0:
-        return 0.0, 0.0
-    dev = ctx.cluster.device
-    b = ctx.bytes_per_element
-    opt = dev.launch_overhead_s + grad_bytes / b * OPTIMIZER_BYTES_MOVED_PER_PARAM / (
-        dev.memory_bandwidth_bytes_per_s * dev.memory_efficiency
-    )
-    if ctx.mesh.dp == 1:
-        return 0.0, opt
-    return all_reduce_time_s(grad_bytes, ctx.dp_group(), ctx.cluster), opt
+    """(DP gradient sync, optimizer step) of the stage with the most gradient bytes (`costing`)."""
+    return gradient_sync_time_s(grad_bytes, ctx), optimizer_step_time_s(grad_bytes, ctx)

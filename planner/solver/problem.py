@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from costmodels.dtypes import DTYPE_BYTES
 from planner.errors import InputError
-from planner.plan import WORKLOADS, MeshShape, Schedule, Workload
+from planner.plan import WORKLOADS, MeshShape, Recompute, Schedule, Workload
 
 LADDER_MIN_SAVING_FRACTION = 0.05  # a laddered layer must save >= 5% of its time (it changes the model)
 
@@ -75,14 +75,25 @@ class MeshConfig:
     mesh: MeshShape
     micro_batches: int  # per step and DP replica (1 without pipelining, except for training)
     schedule: Schedule = Schedule.ONE_F_ONE_B  # decides the activations a stage holds (training)
+    virtual_stages: int = 1  # interleaved 1F1B: model chunks per pipeline rank (v)
+    sequence_parallel: bool = False  # norm/dropout regions split along the sequence over the TP ranks
+    distributed_optimizer: bool = False  # training: Adam state sharded over the DP ranks (ZeRO-1)
 
     @property
     def num_devices(self) -> int:
         return self.mesh.num_devices
 
+    def layout_label(self) -> str:
+        """What runs beside the mesh: "interleaved_1f1b v=2, sp, zero1" ("" for none of them)."""
+        parts = [f"{self.schedule} v={self.virtual_stages}"] if self.virtual_stages > 1 else []
+        parts += ["sp"] if self.sequence_parallel else []
+        parts += ["zero1"] if self.distributed_optimizer else []
+        return ", ".join(parts)
+
     def label(self) -> str:
-        """'tp=8 pp=2 dp=1 m=4'."""
-        return f"{self.mesh.label()} m={self.micro_batches}"
+        """'tp=8 pp=2 dp=1 m=4', with the layout in brackets when there is one (as `MeshCandidate.label`)."""
+        layout = self.layout_label()
+        return f"{self.mesh.label()} m={self.micro_batches}" + (f" [{layout}]" if layout else "")
 
 
 class LadderMode(str, enum.Enum):
@@ -205,7 +216,13 @@ class Constraints:
     dp: int | None = None  # pinned data-parallel degree
     max_devices: int | None = None  # use at most this many devices (default: the whole cluster)
     ladder: LadderPolicy = LadderPolicy()  # `LadderPolicy.parse` reads the --ladder option
-    schedule: Schedule = Schedule.ONE_F_ONE_B  # pipeline schedule the plans are priced with (and run)
+    schedule: Schedule | None = (
+        None  # pipeline schedule (pp > 1); None: the search chooses 1F1B or interleaved
+    )
+    virtual_stages: int | None = None  # interleaved 1F1B chunks per rank; None: the search chooses
+    sequence_parallel: bool | None = None  # None: the search chooses (priced both ways)
+    recompute: Recompute | None = None  # every layer class; None: the ILP chooses per class
+    distributed_optimizer: bool | None = None  # ZeRO-1; None: the search chooses (priced both ways)
     tp_across_nodes: bool = False  # consider TP groups larger than a node (off: TP stays in a node)
     memory_fraction: float = 0.9  # share of device memory plans may use (rest: runtime, fragmentation)
     time_limit_s: float = 10.0  # CBC time limit per ILP
@@ -227,11 +244,26 @@ class Constraints:
             raise InputError(
                 f"constraint ladder must be a LadderPolicy (LadderPolicy.parse), got {self.ladder!r}"
             )
-        if self.schedule not in {s.value for s in Schedule}:
-            raise InputError(
-                f"constraint schedule {self.schedule!r} is not one of {[s.value for s in Schedule]}"
-            )
-        object.__setattr__(self, "schedule", Schedule(self.schedule))
+        if self.schedule is not None:
+            if self.schedule not in {s.value for s in Schedule}:
+                raise InputError(
+                    f"constraint schedule {self.schedule!r} is not one of {[s.value for s in Schedule]}"
+                )
+            object.__setattr__(self, "schedule", Schedule(self.schedule))
+        if self.recompute is not None:
+            if self.recompute not in {r.value for r in Recompute}:
+                raise InputError(
+                    f"constraint recompute {self.recompute!r} is not one of {[r.value for r in Recompute]}"
+                )
+            object.__setattr__(self, "recompute", Recompute(self.recompute))
+        if self.virtual_stages is not None:
+            if self.virtual_stages < 1:
+                raise InputError(f"constraint virtual_stages must be >= 1, got {self.virtual_stages}")
+            if self.virtual_stages > 1 and self.schedule not in (None, Schedule.INTERLEAVED_1F1B):
+                raise InputError(
+                    f"constraint virtual_stages={self.virtual_stages} needs the interleaved_1f1b schedule, "
+                    f"not {self.schedule}"
+                )
 
     @property
     def pinned(self) -> dict[str, int]:
@@ -246,7 +278,12 @@ class Assignment:
     choices: dict[tuple[str, str], str]  # (graph key, op name) -> option name, every op of every graph
     stages: list[list[int]]  # layers of each pipeline stage, contiguous and in order
     ladder_layers: list[int] = field(default_factory=list)
-    recompute: set[str] = field(default_factory=set)  # training: graph keys whose forward is recomputed
+    recompute: dict[str, Recompute] = field(default_factory=dict)  # training: graph key -> recomputation
+    # (a key not listed recomputes nothing)
+
+    def recompute_of(self, key: str) -> Recompute:
+        """The activation recomputation of layer class `key` (NONE when not listed)."""
+        return self.recompute.get(key, Recompute.NONE)
 
     def option(self, key: str, op: str) -> str:
         """The option chosen for op `op` of graph `key`."""

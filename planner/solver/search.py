@@ -2,18 +2,27 @@
 
     plan_model(structure, cluster, workload, constraints) -> Plan
 
-For every candidate mesh (tp, pp, dp, micro-batches, with the constraints' pipeline schedule: a
-`MeshConfig`) allowed by the constraints, `planner.solver.costing` prices every op option and
+For every candidate mesh (tp, pp, dp, micro-batches, pipeline schedule with its model chunks v,
+sequence parallelism on or off, distributed optimizer: a `MeshConfig`) allowed by the constraints, `planner.solver.costing` prices every op option and
 `planner.solver.ilp` solves one ILP (strategies, stages, ladder, memory). Candidates are visited in
 order of a cheap lower bound (perfectly sharded compute) and skipped once the bound exceeds the best
 plan found, so the search stays fast on 1,000-device clusters. The hand-written Megatron plan
 (`planner.solver.baseline`) is costed with the same model and stored in the plan; if it were ever
 better than the search result (time limit hit), it is returned instead. The plan records the schedule
-it was priced with (`Plan.schedule`), which the runtime runs.
+it was priced with (`Plan.schedule`, `Plan.virtual_stages`), which the runtime runs.
+
+Training at scale: the interleaved schedule (v = 2..`MAX_VIRTUAL_STAGES` chunks per rank, micro-batches a
+multiple of pp) and sequence parallelism (tp > 1) are candidates of their own; the ILP chooses the
+activation recomputation per layer class; the distributed optimizer (dp > 1) is priced on the solved
+plan both ways (`_price_optimizer`). A plan uses one of these only if it is predicted faster by more
+than `FEATURE_MIN_SAVING` per feature than without (or needs it to fit): each changes what the runtime
+must do.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -26,6 +35,7 @@ from planner.plan import (
     MeshCandidate,
     MeshShape,
     Plan,
+    Recompute,
     Schedule,
     SolverInfo,
     SplitStyle,
@@ -37,16 +47,26 @@ from planner.solver.baseline import baseline_plan, megatron_assignment, megatron
 from planner.solver.costing import (
     CostContext,
     CostTables,
+    LayerGraph,
+    OpOption,
     build_cost_tables,
     gqa_kv_replicated,
-    in_flight_micro_batches,
+    interleaved_chunks,
     layer_keys,
     layer_projection_ops,
     mlp_op_names,
+    p2p_stage_time_s,
     recompute_input_bytes,
     step_time_s,
 )
-from planner.solver.explain import ladder_decision, mesh_decision, op_exclusions, strategy_decisions
+from planner.solver.explain import (
+    block_table,
+    ladder_decision,
+    mesh_decision,
+    op_exclusions,
+    strategy_decisions,
+    training_decisions,
+)
 from planner.solver.ilp import IlpProblem, IlpSolution, solve
 from planner.solver.prediction import PricedAssignment, predict
 from planner.solver.problem import Assignment, Constraints, LadderMode, LadderPolicy, MeshConfig, WorkloadSpec
@@ -55,6 +75,8 @@ __all__ = ["Constraints", "WorkloadSpec", "plan_model"]
 
 _GIB = 2.0**30
 TIE_TOLERANCE = 1e-6  # relative: plans this close in latency are ties, broken by fewer devices
+MAX_VIRTUAL_STAGES = 8  # interleaved 1F1B: model chunks per pipeline rank considered
+FEATURE_MIN_SAVING = 0.005  # relative saving each of SP / interleaving / ZeRO-1 must buy to be chosen
 
 
 @dataclass
@@ -67,6 +89,7 @@ class _Candidate:
     solution: IlpSolution | None = None
     note: str = ""
     latency_s: float | None = None
+    static_ratio: float = 1.0  # the tables' static bytes still to be multiplied by this (`_materialize`)
 
     @property
     def config(self) -> MeshConfig:
@@ -90,6 +113,12 @@ class _Search:
     excluded: list[str] = field(default_factory=list)
     candidates: list[_Candidate] = field(default_factory=list)
     solver_time_s: float = 0.0
+    # priced graphs (and their summed cheapest compute) by what they depend on (`_tables_key`): the
+    # candidates that differ only in pp, schedule or v share them
+    priced: dict[tuple, tuple[dict, LayerGraph, float, float, tuple[float, float, float]]] = field(
+        default_factory=dict
+    )
+    rescaled: dict[tuple, tuple[dict, LayerGraph]] = field(default_factory=dict)
 
 
 def plan_model(
@@ -219,13 +248,17 @@ def _enumerate(search: _Search, progress: Progress = silent) -> None:
             for dp in dps:
                 if tp * pp * dp > num_devices:
                     continue
+                mesh = MeshShape(tp, pp, dp)
                 for m in _micro_batch_options(search, pp, dp):
-                    config = MeshConfig(MeshShape(tp, pp, dp), m, _schedule_for(c.schedule, pp, m))
-                    progress(
-                        f"pricing mesh candidate {len(search.candidates) + 1}: {config.mesh.label()} m={m}",
-                        None,
-                    )
-                    search.candidates.append(_price(search, config))
+                    for schedule, v in _schedules_for(search, pp, m):
+                        for sp in _sequence_parallel_options(search, tp):
+                            zero1 = w.train and dp > 1 and c.distributed_optimizer is not False
+                            config = MeshConfig(mesh, m, schedule, v, sp, zero1)
+                            progress(
+                                f"pricing mesh candidate {len(search.candidates) + 1}: {config.mesh.label()} m={m}",
+                                None,
+                            )
+                            search.candidates.append(_price(search, config, lazy=True))
     if not search.candidates:
         raise InfeasibleError(
             f"no mesh shape fits {num_devices} devices with {c.pinned or 'no pinned degrees'} and batch "
@@ -242,33 +275,162 @@ def _schedule_for(schedule: Schedule, pp: int, micro_batches: int) -> Schedule:
     return schedule
 
 
-def _price(search: _Search, config: MeshConfig) -> _Candidate:
+def _schedules_for(search: _Search, pp: int, micro_batches: int) -> list[tuple[Schedule, int]]:
+    """(schedule, v) candidates of a (pp, micro_batches) pair. Without a pipeline, or with a pinned
+    GPipe / 1F1B, the one schedule (`_schedule_for`). Training with pp > 1 and no pinned schedule: 1F1B
+    and interleaved 1F1B with the most chunks per rank allowed (at most `MAX_VIRTUAL_STAGES`, at least
+    one layer per chunk, `interleaved_chunks`; once solved, the fewer chunks are priced on its choices,
+    `_price_virtual_stages`), when the micro-batches are a multiple of pp (the interleaved schedule runs
+    them in rounds of pp); a pinned v or interleaved schedule restricts them to those."""
+    c = search.constraints
+    plain = _schedule_for(c.schedule or Schedule.ONE_F_ONE_B, pp, micro_batches)
+    if pp == 1:
+        return [(plain, 1)]
+    out = [] if c.schedule is Schedule.INTERLEAVED_1F1B or (c.virtual_stages or 1) > 1 else [(plain, 1)]
+    if c.schedule not in (None, Schedule.INTERLEAVED_1F1B) or not search.workload.train:
+        return out or [(plain, 1)]
+    most = min(MAX_VIRTUAL_STAGES, len(search.structure.layers) // pp)
+    v = (
+        c.virtual_stages or most
+    )  # the most chunks: fewest in-flight activations (others: `_price_virtual_stages`)
+    if micro_batches % pp == 0 and 2 <= v <= most:
+        out.append((Schedule.INTERLEAVED_1F1B, v))
+    return out
+
+
+def _sequence_parallel_options(search: _Search, tp: int) -> list[bool]:
+    """Sequence parallelism off and on (training with tp > 1), or as pinned."""
+    pinned = search.constraints.sequence_parallel
+    if tp == 1 or not search.workload.train:
+        return [False]
+    return [pinned] if pinned is not None else [False, True]
+
+
+def _tables_key(ctx: CostContext) -> tuple:
+    """What the op times of a candidate depend on: TP degree, micro-batch size, sequence parallelism
+    and, without training, the sequences per DP replica (KV caches). Not pp, the schedule or v (they
+    enter at the stage level), nor the training state per parameter (ZeRO-1 divides it by dp), which
+    scales every static byte of a training candidate (`_with_state_factor`)."""
+    replica = None if ctx.train else ctx.workload.batch_size / ctx.mesh.dp
+    return (ctx.mesh.tp, ctx.sequences_per_micro_batch, ctx.sequence_parallel, replica)
+
+
+def _price(search: _Search, config: MeshConfig, lazy: bool = False) -> _Candidate:
+    """`config` priced, with its lower bounds. `lazy`: the tables' static bytes may still need the
+    candidate's training-state factor (`_materialize` before using them), which only the bounds know."""
     ctx = CostContext(search.structure, search.cluster, search.workload, config, search.dtype)
-    tables = build_cost_tables(ctx, search.layer_keys)
-    work = (
-        sum(tables.graphs[k].cheapest_compute_s() for k in tables.layer_keys)
-        + tables.ends.cheapest_compute_s()
-    )
-    bound = step_time_s(work, work / config.mesh.pp, config.micro_batches)
-    return _Candidate(tables, bound, _memory_lower_bound(tables))
+    key = _tables_key(ctx)
+    if key not in search.priced:
+        tables = build_cost_tables(ctx, search.layer_keys)
+        counts: dict[str, int] = {}
+        for k in tables.layer_keys:
+            counts[k] = counts.get(k, 0) + 1
+        with_comm = search.ladder.mode is LadderMode.NONE  # ladder hides block-output communication
+        work = sum(n * _least_layer_time_s(tables.graphs[k], k, ctx, with_comm) for k, n in counts.items())
+        ends = sum(min(o.compute_s + o.comm_s for o in op.options) for op in tables.ends.ops)
+        work += ends + tables.ends.fixed_compute_s
+        search.priced[key] = (tables.graphs, tables.ends, work, ctx.state_factor(), _least_memory(tables))
+    graphs, ends, work, state, (static, act, ends_static) = search.priced[key]
+    ratio = ctx.state_factor() / state
+    tables = CostTables(ctx, graphs, search.layer_keys, ends)
+    least = (static * ratio, act, ends_static * ratio)
+    pp, v = config.mesh.pp, config.virtual_stages
+    total = work + (pp * v - 1) * p2p_stage_time_s(ctx) if pp > 1 else work  # `stage_p2p_time_s`, summed
+    bound = step_time_s(total, total / config.mesh.pp, config.micro_batches, config.virtual_stages)
+    cand = _Candidate(tables, bound, _memory_lower_bound(tables, least), static_ratio=ratio)
+    if not lazy:
+        _materialize(search, cand)
+    return cand
 
 
-def _memory_lower_bound(tables: CostTables) -> float:
-    """A lower bound of the largest stage's memory per rank, without solving.
+def _materialize(search: _Search, cand: _Candidate) -> None:
+    """Apply the candidate's pending training-state factor to its tables' static bytes (cached)."""
+    if cand.static_ratio == 1.0:
+        return
+    ctx = cand.tables.ctx
+    full_key = (*_tables_key(ctx), ctx.state_factor())
+    if full_key not in search.rescaled:
+        search.rescaled[full_key] = _with_state_factor(
+            cand.tables.graphs, cand.tables.ends, cand.static_ratio
+        )
+    graphs, ends = search.rescaled[full_key]
+    cand.tables = CostTables(ctx, graphs, search.layer_keys, ends)
+    cand.static_ratio = 1.0
+
+
+def _with_state_factor(
+    graphs: dict[str, LayerGraph], ends: LayerGraph, ratio: float
+) -> tuple[dict[str, LayerGraph], LayerGraph]:
+    """Copies of training graphs with every static byte (parameters, gradients, optimizer state)
+    multiplied by `ratio`."""
+
+    def option(o: OpOption) -> OpOption:
+        o = copy.copy(o)
+        o.static_bytes *= ratio
+        return o
+
+    def scaled(graph: LayerGraph) -> LayerGraph:
+        out = copy.copy(graph)
+        out.ops = []
+        for op in graph.ops:
+            op = copy.copy(op)
+            op.options = [option(o) for o in op.options]
+            out.ops.append(op)
+        out.fixed_static_bytes = graph.fixed_static_bytes * ratio
+        return out
+
+    return {k: scaled(g) for k, g in graphs.items()}, scaled(ends)
+
+
+def _least_layer_time_s(graph: LayerGraph, key: str, ctx: CostContext, with_comm: bool) -> float:
+    """A lower bound of one layer's time per micro-batch: per block, the best combination of options
+    with its conversions and output communication (`block_table`; without the communication when
+    `with_comm` is False, or when a block has too many combinations to enumerate)."""
+    total = graph.fixed_compute_s
+    for block in ("attention", "mlp"):
+        ops = graph.ops_of(block)
+        table = block_table(graph, key, block, ctx) if with_comm else None
+        if table:
+            total += min(table.values())
+        else:
+            total += sum(min(o.compute_s for o in op.options) for op in ops)
+    return total
+
+
+def _least_memory(tables: CostTables) -> tuple[float, float, float]:
+    """(static, activation, ends static) bytes: the least of any layer class and option (activations:
+    also under full recomputation, which keeps only the input); the ends' least static bytes."""
+    ctx, graphs = tables.ctx, tables.graphs.values()
+    keep = recompute_input_bytes(ctx) if ctx.train else math.inf  # recomputation keeps only the input
+    static = min(g.least_static_bytes() for g in graphs)
+    act = min(min(keep, g.least_activation_bytes()) for g in graphs)
+    ends_static = sum(min(o.static_bytes for o in op.options) for op in tables.ends.ops)
+    return static, act, ends_static
+
+
+def _memory_lower_bound(tables: CostTables, least: tuple[float, float, float] | None = None) -> float:
+    """A lower bound of the largest stage's memory per rank, without solving (`least`: `_least_memory`
+    of `tables`, if the caller has it).
 
     Every layer needs at least c[s] = min over classes and options of (static + f(s) * activations)
     on stage s, where f(s) is the stage's in-flight micro-batches; spreading L layers fractionally so
     that all stages are equal gives max_s n[s] c[s] >= L / sum_s (1 / c[s]).
     """
-    ctx, graphs = tables.ctx, tables.graphs.values()
-    keep = recompute_input_bytes(ctx) if ctx.train else math.inf  # recomputation keeps only the input
-    static = min(g.least_static_bytes() for g in graphs)
-    act = min(min(keep, g.least_activation_bytes()) for g in graphs)
-    per_stage = [static + in_flight_micro_batches(ctx, s) * act for s in range(ctx.mesh.pp)]
+    ctx = tables.ctx
+    static, act, ends_static = least or _least_memory(tables)
+    pp, m, v = ctx.mesh.pp, ctx.micro_batches, ctx.virtual_stages
+    if not ctx.train:
+        flights = [0.0] * pp
+    elif ctx.config.schedule is Schedule.GPIPE:
+        flights = [float(m)] * pp
+    else:  # `memory.inflight_micro_batches`, inlined: this runs for every candidate
+        flights = [
+            min((2 * (pp - s - 1) + (v - 1) * pp + 1) / v, m) if v > 1 else min(pp - s, m) for s in range(pp)
+        ]
+    per_stage = [static + f * act for f in flights]
     if min(per_stage) <= 0:
         return 0.0
-    ends_static = sum(min(o.static_bytes for o in op.options) for op in tables.ends.ops) / ctx.mesh.pp
-    return tables.num_layers / sum(1.0 / c for c in per_stage) + ends_static
+    return tables.num_layers / sum(1.0 / c for c in per_stage) + ends_static / ctx.mesh.pp
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,12 +449,15 @@ def _solve_candidates(search: _Search, progress: Progress = silent) -> _Candidat
         if cand.memory_lower_bound_bytes > search.cap_bytes:
             cand.note = f"needs at least {cand.memory_lower_bound_bytes / _GIB:.1f} GiB per device"
             continue
-        if best is not None and cand.lower_bound_s > best.latency_s * (1 + TIE_TOLERANCE):
-            cand.note = f"pruned: lower bound {cand.lower_bound_s * 1e3:.3g} ms >= best"
+        if best is not None and cand.lower_bound_s > best.latency_s * (1 - search.constraints.mip_gap):
+            cand.note = (
+                f"pruned: lower bound {cand.lower_bound_s * 1e3:.3g} ms within the solver gap of the best"
+            )
             continue
         if left <= 0 and best is not None:
             cand.note = f"not solved: search time limit {search.constraints.search_time_limit_s} s reached"
             continue
+        _materialize(search, cand)
         prob = IlpProblem(
             tables=cand.tables,
             ladder=search.ladder,
@@ -301,6 +466,7 @@ def _solve_candidates(search: _Search, progress: Progress = silent) -> _Candidat
             mip_gap=search.constraints.mip_gap,
             ladder_min_saving_fraction=search.constraints.ladder_min_saving_fraction,
             ladder_budget=search.constraints.ladder_budget,
+            recompute=search.constraints.recompute,
         )
         sol = solve(prob)
         search.solver_time_s += sol.time_s
@@ -310,18 +476,67 @@ def _solve_candidates(search: _Search, progress: Progress = silent) -> _Candidat
             cand.note = f"{sol.status}: does not fit {search.cap_bytes / _GIB:.1f} GiB per device"
             continue
         cand.latency_s = predict(cand.tables, sol.assignment).prediction.latency_s
+        _price_virtual_stages(search, cand)
+        _price_optimizer(search, cand)
         if best is None or _better(cand, best):
             best = cand
     progress(f"searched {len(order)} mesh candidates", 1.0)
     return best
 
 
+def _price_virtual_stages(search: _Search, cand: _Candidate) -> None:
+    """A solved interleaved candidate (solved with the most chunks allowed, which holds the fewest
+    in-flight activations) priced with every other v on the same choices: keep the fastest that fits
+    memory. v changes the bubble, the point-to-point messages and the in-flight activations, not the
+    per-layer trade-offs the ILP makes."""
+    config = cand.config
+    if config.virtual_stages == 1 or search.constraints.virtual_stages is not None:
+        return
+    assert cand.solution is not None and cand.solution.assignment is not None and cand.latency_s is not None
+    num_layers = cand.tables.num_layers
+    for v in range(2, config.virtual_stages):
+        tables = _price(search, dataclasses.replace(config, virtual_stages=v)).tables
+        stages = interleaved_chunks(num_layers, config.mesh.pp, v)
+        assignment = dataclasses.replace(cand.solution.assignment, stages=stages)
+        p = predict(tables, assignment).prediction
+        if p.peak_memory_bytes <= search.cap_bytes and p.latency_s < cand.latency_s * (1 - TIE_TOLERANCE):
+            cand.tables, cand.latency_s = tables, p.latency_s
+            cand.solution = dataclasses.replace(cand.solution, assignment=assignment)
+            cand.note = (
+                f"{cand.solution.status}; v={v} of 2..{config.virtual_stages} priced on the same choices"
+            )
+
+
+def _price_optimizer(search: _Search, cand: _Candidate) -> None:
+    """A solved candidate with the distributed optimizer, priced with the plain one too (the same
+    strategies, stages and recomputation): keep the plain one when it fits memory and ZeRO-1 does not
+    save `FEATURE_MIN_SAVING`. (Plain data parallelism needs more memory and never less time in this
+    model, except for the extra collective's latency, so the ILP is solved with ZeRO-1 on.)"""
+    config = cand.config
+    if not config.distributed_optimizer or search.constraints.distributed_optimizer is not None:
+        return
+    assert cand.solution is not None and cand.solution.assignment is not None and cand.latency_s is not None
+    plain_tables = _price(search, dataclasses.replace(config, distributed_optimizer=False)).tables
+    plain = predict(plain_tables, cand.solution.assignment).prediction
+    fits = plain.peak_memory_bytes <= search.cap_bytes
+    if fits and plain.latency_s <= cand.latency_s * (1 + FEATURE_MIN_SAVING):
+        cand.tables, cand.latency_s = plain_tables, plain.latency_s
+
+
+def _features(config: MeshConfig) -> int:
+    """How many of sequence parallelism, interleaving and ZeRO-1 a candidate uses."""
+    return int(config.sequence_parallel) + int(config.virtual_stages > 1) + int(config.distributed_optimizer)
+
+
 def _better(cand: _Candidate, best: _Candidate) -> bool:
-    """Faster, or as fast (within TIE_TOLERANCE) on fewer devices: idle TP ranks are waste."""
+    """Faster (each feature of `_features` must save `FEATURE_MIN_SAVING` of the step), or as fast
+    (within TIE_TOLERANCE) on fewer devices: idle TP ranks are waste."""
     assert cand.latency_s is not None and best.latency_s is not None
-    if cand.latency_s < best.latency_s * (1 - TIE_TOLERANCE):
+    score = cand.latency_s * (1 + FEATURE_MIN_SAVING * _features(cand.config))
+    best_score = best.latency_s * (1 + FEATURE_MIN_SAVING * _features(best.config))
+    if score < best_score * (1 - TIE_TOLERANCE):
         return True
-    tie = cand.latency_s <= best.latency_s * (1 + TIE_TOLERANCE)
+    tie = score <= best_score * (1 + TIE_TOLERANCE)
     return tie and cand.mesh.num_devices < best.mesh.num_devices
 
 
@@ -333,6 +548,7 @@ def _infeasible(search: _Search) -> InfeasibleError:
     """Name the binding constraint for the candidate closest to fitting, and what would fit."""
     closest = min(search.candidates, key=lambda c: (c.memory_lower_bound_bytes, -c.mesh.tp))
     mesh = closest.mesh
+    _materialize(search, closest)
     breakdown = predict(closest.tables, megatron_assignment(closest.tables, recompute=True)).stages
     worst = max(range(mesh.pp), key=lambda s: breakdown[s].memory_bytes)
     need = breakdown[worst].memory_bytes
@@ -374,17 +590,18 @@ def _make_plan(search: _Search, best: _Candidate | None, model_name: str) -> Pla
         baseline is not None
         and baseline.prediction.peak_memory_bytes <= search.cap_bytes
         and baseline.prediction.latency_s < best.latency_s * (1 - 1e-9)
-        and _allowed(search, baseline.tables.ctx.mesh)
+        and _allowed(search, baseline.tables.ctx.mesh, baseline.tables.ctx.config)
     ):
         chosen = baseline
         decisions.append(Decision("fallback", "megatron", {"search": best.latency_s, "megatron": baseline.prediction.latency_s},
                                   f"the ILP stopped at {sol.status} (gap {sol.gap:.3g}); Megatron's plan is faster"))  # fmt: skip
     config, tables, assignment = chosen.tables.ctx.config, chosen.tables, chosen.assignment
     candidates = [
-        MeshCandidate(c.config.mesh, c.config.micro_batches, c.latency_s, c.note)
+        MeshCandidate(c.config.mesh, c.config.micro_batches, c.latency_s, c.note, c.config.layout_label())
         for c in sorted(search.candidates, key=lambda c: (c.latency_s is None, c.latency_s or 0.0))
     ]
     decisions = mesh_decision(candidates, config) + _baseline_decision(search, baseline) + decisions
+    decisions += training_decisions(chosen, search.cap_bytes, _alternative_tables(search))
     decisions += strategy_decisions(chosen)
     decisions += ladder_decision(chosen, search.ladder, search.constraints.ladder_min_saving_fraction)
     excluded = list(dict.fromkeys(search.excluded + op_exclusions(tables.graphs, tables.ends)))
@@ -399,26 +616,52 @@ def _make_plan(search: _Search, best: _Candidate | None, model_name: str) -> Pla
         dtype=search.dtype,
         mesh=config.mesh,
         splits=_splits(tables, assignment),
-        stages=assignment.stages if s.layers else [[]],
+        stages=_rank_stages(assignment.stages, config.mesh.pp) if s.layers else [[]],
         ladder_layers=assignment.ladder_layers,
         predicted=chosen.prediction,
         solver=SolverInfo(sol.status, sol.objective, sol.gap, search.solver_time_s, sol.num_variables),
         schedule=config.schedule,
+        virtual_stages=config.virtual_stages,
+        sequence_parallel=tables.ctx.sequence_parallel,
+        recompute=dict(assignment.recompute) if w.train else {},
+        distributed_optimizer=tables.ctx.distributed_optimizer,
         decisions=decisions,
         excluded=excluded,
         baseline=baseline.prediction if baseline is not None else None,
+        baseline_layout=_layout_text(baseline, w) if baseline is not None else {},
         mesh_candidates=candidates,
         token_model=s.token_model,
         unpriced_ops=s.unknown_ops,
     )
 
 
-def _allowed(search: _Search, mesh: MeshShape) -> bool:
-    """Whether the user's constraints admit `mesh` (pinned degrees, device limit) and a plan without ladder."""
+def _rank_stages(chunks: list[list[int]], pp: int) -> list[list[int]]:
+    """`Plan.stages` from the solver's stages: the same with one chunk per rank; with interleaving
+    (pp * v model chunks, chunk c on rank c mod pp) each rank's layers, its v runs in order."""
+    return [sorted(i for chunk in chunks[rank::pp] for i in chunk) for rank in range(pp)]
+
+
+def _allowed(search: _Search, mesh: MeshShape, config: MeshConfig | None = None) -> bool:
+    """Whether the user's constraints admit `mesh` (pinned degrees, device limit) and a plan without
+    ladder, and `config`'s pipeline schedule, sequence parallelism and distributed optimizer."""
     c = search.constraints
     pinned_ok = all(getattr(mesh, k) == v for k, v in c.pinned.items())
     devices_ok = mesh.num_devices <= (c.max_devices or search.cluster.num_devices)
+    if config is not None:
+        pinned_ok = pinned_ok and c.sequence_parallel in (None, config.sequence_parallel)
+        pinned_ok = pinned_ok and c.distributed_optimizer in (None, config.distributed_optimizer)
+        pinned_ok = pinned_ok and c.virtual_stages in (None, config.virtual_stages)
+        pinned_ok = pinned_ok and c.recompute is None
     return pinned_ok and devices_ok and search.ladder.mode is not LadderMode.UPPER
+
+
+def _alternative_tables(search: _Search):
+    """Price `structure` on another `MeshConfig` (for the decisions' alternatives)."""
+
+    def price_config(config: MeshConfig) -> CostTables:
+        return _price(search, config).tables
+
+    return price_config
 
 
 def _baseline(search: _Search) -> PricedAssignment | None:
@@ -429,13 +672,31 @@ def _baseline(search: _Search) -> PricedAssignment | None:
         search.constraints.max_devices,
     )  # fmt: skip
     chosen = None
+    train = search.workload.train
     for config in configs:
         tables = _price(search, config).tables
-        for recompute in (False, True) if search.workload.train else (False,):
+        for recompute in (Recompute.SELECTIVE, Recompute.FULL) if train else (Recompute.NONE,):
             chosen = baseline_plan(tables, recompute=recompute)
             if chosen.prediction.peak_memory_bytes <= search.cap_bytes:
                 return chosen
     return chosen
+
+
+def _layout_text(priced: PricedAssignment, w: WorkloadSpec) -> dict[str, str]:
+    """A priced plan's layout as text, the keys of `Plan.layout_summary`."""
+    config = priced.tables.ctx.config
+    ctx = priced.tables.ctx
+    mesh = config.mesh
+    recompute = {key: str(r) for key, r in priced.assignment.recompute.items()} if w.train else {}
+    return {
+        "tp": str(mesh.tp), "pp": str(mesh.pp), "dp": str(mesh.dp),
+        "micro_batches": str(config.micro_batches),
+        "micro_batch_size": f"{w.batch_size / (mesh.dp * config.micro_batches):g}",
+        "schedule": str(config.schedule), "virtual_stages": str(config.virtual_stages),
+        "sequence_parallel": str(ctx.sequence_parallel).lower(),
+        "recompute": "/".join(sorted(set(recompute.values()))) or "none",
+        "distributed_optimizer": str(ctx.distributed_optimizer).lower(),
+    }  # fmt: skip
 
 
 def _baseline_decision(search: _Search, baseline: PricedAssignment | None) -> list[Decision]:
@@ -443,7 +704,16 @@ def _baseline_decision(search: _Search, baseline: PricedAssignment | None) -> li
         return []
     b, config = baseline.prediction, baseline.tables.ctx.config
     fits = b.peak_memory_bytes <= search.cap_bytes
-    reason = f"hand-written Megatron layout ({config.micro_batches} micro-batches); " + (
+    extras = ""
+    if search.workload.train:
+        recompute = sorted({str(r) for r in baseline.assignment.recompute.values()}) or ["none"]
+        extras = (
+            f", {config.schedule} schedule"
+            + (f" v={config.virtual_stages}" if config.virtual_stages > 1 else "")
+            + f", sequence parallel {'on' if config.sequence_parallel else 'off'}, recompute {'/'.join(recompute)}"
+            + f", distributed optimizer {'on' if config.distributed_optimizer else 'off'}"
+        )
+    reason = f"hand-written Megatron layout ({config.micro_batches} micro-batches{extras}); " + (
         "fits memory"
         if fits
         else f"does not fit: {b.peak_memory_bytes / _GIB:.1f} GiB/rank > {search.cap_bytes / _GIB:.1f} GiB usable"

@@ -15,8 +15,8 @@ from planner.solver.costing import (
     CostTables,
     OpOption,
     in_flight_micro_batches,
-    p2p_stage_time_s,
     recompute_input_bytes,
+    stage_p2p_time_s,
     transient_bytes,
 )
 from planner.solver.prediction import layer_breakdown
@@ -102,7 +102,7 @@ def balanced_split(tables: CostTables, costs: SplitCosts, memory_cap_bytes: floa
     ctx, cap = tables.ctx, memory_cap_bytes
     times, static, act = costs.time_s, costs.static_bytes, costs.activation_bytes
     pp, L = ctx.mesh.pp, len(times)
-    p2p = p2p_stage_time_s(ctx)
+    p2p = [stage_p2p_time_s(ctx, s) for s in range(pp)]
     flight = [in_flight_micro_batches(ctx, s) for s in range(pp)]
     base_mem = transient_bytes(ctx)
 
@@ -110,11 +110,7 @@ def balanced_split(tables: CostTables, costs: SplitCosts, memory_cap_bytes: floa
         starts, i = [], 0
         for s in range(pp):
             starts.append(i)
-            t = (
-                (costs.first_time_s if s == 0 else 0.0)
-                + (costs.last_time_s if s == pp - 1 else 0.0)
-                + (p2p if s < pp - 1 else 0.0)
-            )
+            t = (costs.first_time_s if s == 0 else 0.0) + (costs.last_time_s if s == pp - 1 else 0.0) + p2p[s]
             mem = (
                 base_mem
                 + (costs.first_static_bytes if s == 0 else 0.0)
@@ -133,7 +129,7 @@ def balanced_split(tables: CostTables, costs: SplitCosts, memory_cap_bytes: floa
                 return None
         return starts if i == L else None
 
-    hi = sum(times) + (costs.first_time_s + costs.last_time_s) + pp * p2p
+    hi = sum(times) + (costs.first_time_s + costs.last_time_s) + sum(p2p)
     if greedy(hi) is None:
         return None
     lo = 0.0
@@ -152,13 +148,13 @@ def stage_times_s(tables: CostTables, costs: SplitCosts, starts: list[int]) -> l
     """Time per micro-batch of each stage whose first layers are ``starts``: its layers, the embedding
     on the first stage, the final norm + LM head on the last, the send to the next stage (seconds)."""
     pp, times = tables.ctx.mesh.pp, costs.time_s
-    p2p = p2p_stage_time_s(tables.ctx)
+    p2p = [stage_p2p_time_s(tables.ctx, s) for s in range(pp)]
     bounds = list(starts) + [len(times)]
     out = []
     for s in range(pp):
         t = sum(times[bounds[s] : bounds[s + 1]])
         t += (costs.first_time_s if s == 0 else 0.0) + (costs.last_time_s if s == pp - 1 else 0.0)
-        out.append(t + (p2p if s < pp - 1 else 0.0))
+        out.append(t + p2p[s])
     return out
 
 
@@ -167,7 +163,7 @@ def rebalance(tables: CostTables, assignment: Assignment, memory_cap_bytes: floa
     that split's slowest stage is faster (the ILP's balance term is a tie-break that CBC's gap
     tolerance may leave unexploited, e.g. [[0], [1, 2, 3]] for 4 identical layers). Returns whether
     the stages changed. Memory stays within the cap (`balanced_split` checks it)."""
-    if tables.ctx.mesh.pp == 1 or not assignment.stages:
+    if tables.ctx.mesh.pp == 1 or tables.ctx.virtual_stages > 1 or not assignment.stages:
         return False
     costs = solution_costs(tables, assignment)
     current = [stage[0] for stage in assignment.stages]
