@@ -192,7 +192,7 @@ def recompute_note(regions: list[RecomputedRegion]) -> str:
         layers = [r.layer for r in regions if r.kind is kind and r.num_nodes]
         if layers:
             what = "whole layer" if kind is Recompute.FULL else "attention core"
-            parts.append(f"{kind.value} ({what}) on layers {_ranges(layers)}")
+            parts.append(f"{kind.value} ({what}) on layer{'s' * (len(layers) > 1)} {_ranges(layers)}")
     missing = [r.layer for r in regions if not r.num_nodes]
     text = "activation recompute: " + ("; ".join(parts) if parts else "none on this rank's layers")
     if missing:

@@ -178,10 +178,10 @@ def _row_parallel(ctx: RuleContext, node: fx.Node, x: fx.Node, w: fx.Node, b: fx
 
 @register_rule(aten.embedding, padded_inputs=True)
 def rule_embedding(ctx: RuleContext, node: fx.Node) -> None:
-    """Vocab-split table: vocab-parallel lookup (masked, all-reduced, R); hidden-split table: S(-1).
-    Sequence parallelism: the lookup's sum is reduce-scattered along the tokens (a vocab-split table)
-    or a replicated lookup is cut to this rank's tokens (`tp_shard`): the stream enters the layers as
-    a sequence shard."""
+    """Vocab-split table: vocab-parallel lookup (masked, all-reduced, R); hidden-split table: S(-1)."""
+    # Sequence parallelism: the lookup's sum is reduce-scattered along the tokens (a vocab-split table)
+    # or a replicated lookup is cut to this rank's tokens (`tp_shard`): the stream enters the layers
+    # as a sequence shard.
     w, ids = node.args[0], node.args[1]
     sp = ctx.split_param(w)
     seq = ctx.token_dim(node, min_ndim=2)
@@ -443,8 +443,8 @@ def rule_expand(ctx: RuleContext, node: fx.Node) -> None:
 
 @register_rule(aten.slice, aten.select, aten.narrow)
 def rule_slice(ctx: RuleContext, node: fx.Node) -> None:
-    """Slice / select / narrow of a shard along another dim keeps it (select drops a dim); along it: error,
-    except for a sequence shard (sequence parallelism: x[:, -1]), which is gathered first."""
+    """Slice / select / narrow of a shard along another dim keeps it (select drops a dim); along it: error."""
+    # except a sequence shard (sequence parallelism: x[:, -1]), which is gathered first
     p = ctx.shard_of(node.args[0])
     if p is not None and ctx.sequence_shard_dim(node.args[0]) == int(node.args[1]) % len(
         ctx.gshape(node.args[0])
