@@ -9,7 +9,8 @@ pp > 1 go to `runtime.pipeline_run.run_pipeline_rank`; for pp == 1 each rank:
 1. builds its process groups, loads the model file and cuts the inputs to its DP replica's share
    (`runtime.job.set_up_rank`);
 2. builds the model on the meta device, captures it at its share's shapes and lowers it for its
-   mesh coordinates (`passes.lower.lower_for_rank`: TP pass, ladder pass) - no weight memory yet;
+   mesh coordinates (`passes.lower.lower_for_rank`: TP pass with sequence parallelism when the plan
+   says so, ladder pass, and for training the plan's activation recompute) - no weight memory yet;
 3. materialises only its own weight shards from the safetensors files
    (`passes.tensor_parallel.load_sharded_weights`, read slice by slice);
 4. runs forward (or a training step: forward, backward, DP gradient average) and compares EVERY
@@ -19,7 +20,8 @@ pp > 1 go to `runtime.pipeline_run.run_pipeline_rank`; for pp == 1 each rank:
 5. times warm-up + timed iterations with a barrier around each (`runtime.measure`) and reports the
    process's real peak memory beside what it held at the start.
 
-The result of each rank is a `runtime.job.RankReport`; `runtime.job.summarise` turns the list into
+The report's notes say what the lowering applied (`runtime.run_mode.lowering_notes`: sequence
+parallelism with its collectives, recomputed layers). The result of each rank is a `runtime.job.RankReport`; `runtime.job.summarise` turns the list into
 the report's `measured` and `numerics` sections, and `runtime.numerics.check_failures` says which
 differences are beyond tolerance.
 """
