@@ -15,22 +15,9 @@ _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)  # so that `models` imports when this file is loaded by path
 
-from models import LLAMA_CONFIGS, token_ids  # noqa: E402
-from models_kv import CachedLlama  # noqa: E402
+from models import LLAMA_CONFIGS  # noqa: E402
+from models_kv import serving_model_file, step_inputs  # noqa: E402, F401 - step_inputs: the model file API
 
 CONFIG = LLAMA_CONFIGS["70b"]
-
-
-def build_model(max_batch_size: int = 1, max_seq_len: int = 4096) -> torch.nn.Module:
-    with torch.device("meta"):  # no weights allocated
-        return CachedLlama(CONFIG, max_batch_size, max_seq_len).to(torch.bfloat16)
-
-
-def step_inputs(tokens: torch.Tensor, input_pos: torch.Tensor) -> tuple:
-    """Forward's arguments for new tokens (B, T) at positions input_pos (T,)."""
-    return (tokens, input_pos)
-
-
-def example_inputs(batch_size: int = 1, seq_len: int = 2048) -> tuple:
-    (tokens,) = token_ids(CONFIG.vocab_size, batch_size, seq_len)
-    return step_inputs(tokens, torch.arange(seq_len))
+# no weights allocated (meta), bf16; caches for 4096 tokens, a 2048-token prompt by default
+build_model, example_inputs = serving_model_file(CONFIG, dtype=torch.bfloat16, device="meta")

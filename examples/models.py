@@ -197,20 +197,30 @@ class LlamaAttention(nn.Module):
         self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, T, C) -> q (B, nh, T, hd), k and v (B, nkv, T, hd), RoPE applied to q and k."""
         B, T, _ = x.shape
         hd = self.head_dim
         q = self.wq(x).view(B, T, self.n_heads, hd)  # (B, T, nh, hd)
         k = self.wk(x).view(B, T, self.n_kv_heads, hd)  # (B, T, nkv, hd)
         v = self.wv(x).view(B, T, self.n_kv_heads, hd)  # (B, T, nkv, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, n, T, hd)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, n, T, hd)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **sdpa_kwargs) -> torch.Tensor:
+        """q (B, nh, T, hd) over k, v (B, nkv, L, hd), K/V heads repeated to the query heads -> (B, T, C)."""
+        B, _, T, hd = q.shape
         n_rep = self.n_heads // self.n_kv_heads
-        k = k.repeat_interleave(n_rep, dim=1)  # (B, nh, T, hd)
-        v = v.repeat_interleave(n_rep, dim=1)  # (B, nh, T, hd)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hd)
+        k = k.repeat_interleave(n_rep, dim=1)  # (B, nh, L, hd)
+        v = v.repeat_interleave(n_rep, dim=1)  # (B, nh, L, hd)
+        y = F.scaled_dot_product_attention(q, k, v, **sdpa_kwargs)  # (B, nh, T, hd)
         y = y.transpose(1, 2).contiguous().view(B, T, self.n_heads * hd)  # (B, T, nh * hd)
         return self.wo(y)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.attend(*self.project(x, cos, sin), is_causal=True)
 
 
 class LlamaFeedForward(nn.Module):

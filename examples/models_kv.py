@@ -13,11 +13,19 @@ checkpoints of the two are interchangeable apart from the cache buffers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
-import torch.nn.functional as F
-from models import LlamaConfig, LlamaFeedForward, RMSNorm, _init_weights, _rope_tables, apply_rope
+from models import (
+    LlamaAttention,
+    LlamaConfig,
+    LlamaFeedForward,
+    RMSNorm,
+    _init_weights,
+    _rope_tables,
+    token_ids,
+)
 from torch import nn
 
 
@@ -39,19 +47,12 @@ class KVCache(nn.Module):
         return self.k_cache, self.v_cache
 
 
-class CachedAttention(nn.Module):
-    """Grouped-query attention with RoPE over a static KV cache."""
+class CachedAttention(LlamaAttention):
+    """Grouped-query attention with RoPE over a static KV cache (`models.LlamaAttention`'s projections
+    and attention core, the K/V of each step written into the cache first)."""
 
     def __init__(self, config: LlamaConfig, max_batch_size: int, max_seq_len: int) -> None:
-        super().__init__()
-        assert config.dim % config.n_heads == 0 and config.n_heads % config.n_kv_heads == 0
-        self.n_heads = config.n_heads
-        self.n_kv_heads = config.n_kv_heads
-        self.head_dim = config.dim // config.n_heads
-        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+        super().__init__(config)
         self.kv_cache = KVCache(max_batch_size, max_seq_len, config.n_kv_heads, self.head_dim)
 
     def forward(
@@ -62,20 +63,9 @@ class CachedAttention(nn.Module):
         mask: torch.Tensor,
         input_pos: torch.Tensor,
     ) -> torch.Tensor:
-        B, T, _ = x.shape
-        hd = self.head_dim
-        q = self.wq(x).view(B, T, self.n_heads, hd)  # (B, T, nh, hd)
-        k = self.wk(x).view(B, T, self.n_kv_heads, hd)  # (B, T, nkv, hd)
-        v = self.wv(x).view(B, T, self.n_kv_heads, hd)  # (B, T, nkv, hd)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, n, T, hd)
+        q, k, v = self.project(x, cos, sin)  # (B, n, T, hd)
         k, v = self.kv_cache.update(input_pos, k, v)  # (B, nkv, L, hd): the whole cache
-        n_rep = self.n_heads // self.n_kv_heads
-        k = k.repeat_interleave(n_rep, dim=1)  # (B, nh, L, hd)
-        v = v.repeat_interleave(n_rep, dim=1)  # (B, nh, L, hd)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, nh, T, hd)
-        y = y.transpose(1, 2).contiguous().view(B, T, self.n_heads * hd)  # (B, T, nh * hd)
-        return self.wo(y)
+        return self.attend(q, k, v, attn_mask=mask)
 
 
 class CachedBlock(nn.Module):
@@ -119,3 +109,33 @@ class CachedLlama(nn.Module):
         for layer in self.layers:
             h = layer(h, cos, sin, mask, input_pos)
         return self.output(self.norm(h))  # (B, T, vocab_size)
+
+
+def step_inputs(tokens: torch.Tensor, input_pos: torch.Tensor) -> tuple:
+    """Forward's arguments for new tokens (B, T) int64 at positions input_pos (T,) int64."""
+    return (tokens, input_pos)
+
+
+def serving_model_file(
+    config: LlamaConfig,
+    max_batch_size: int = 1,
+    max_seq_len: int = 4096,
+    prompt_len: int = 2048,
+    dtype: torch.dtype | None = None,
+    device: str | None = None,
+):
+    """`build_model` and `example_inputs` of a serving model file (README, models with a KV cache) for
+    `CachedLlama(config)`: built on `device` (e.g. "meta": planned, no weights) in `dtype`, with the
+    given default cache and prompt sizes. A model file assigns them at module level together with
+    `step_inputs`."""
+
+    def build_model(max_batch_size: int = max_batch_size, max_seq_len: int = max_seq_len) -> nn.Module:
+        with torch.device(device) if device else contextlib.nullcontext():
+            model = CachedLlama(config, max_batch_size, max_seq_len)
+        return model.to(dtype) if dtype else model
+
+    def example_inputs(batch_size: int = max_batch_size, seq_len: int = prompt_len) -> tuple:
+        (tokens,) = token_ids(config.vocab_size, batch_size, seq_len)
+        return step_inputs(tokens, torch.arange(seq_len))
+
+    return build_model, example_inputs

@@ -122,12 +122,27 @@ class SafetensorsCheckpoint:
         return self._where[name].get_slice(name)[index]
 
     def read_shard(
-        self, name: str, dim: int, parts: Sequence[int] | None, rank: int, tp: int, pad: bool = False
+        self,
+        name: str,
+        dim: int,
+        parts: Sequence[int] | None,
+        rank: int,
+        tp: int,
+        pad: bool = False,
+        pieces: int | None = None,
     ) -> torch.Tensor:
         """Rank `rank`'s shard of `name` along `dim`, as `passes.placement.shard_weight` cuts it from
-        the whole tensor, reading only the shard's slices. Raises ValueError when a size does not
-        divide by tp (after padding a vocabulary when `pad`)."""
+        the whole tensor (`pieces`: a piece shared by tp / pieces ranks), reading only the shard's
+        slices. Raises ValueError when a size does not divide by tp (after padding a vocabulary when
+        `pad`) or by `pieces`."""
         size = self.shape(name)[dim]
+        if pieces is not None:
+            if parts or tp % pieces or size % pieces:
+                raise ValueError(
+                    f"`{name}`: size {size} of dim {dim} cannot be cut into {pieces} pieces over tp={tp}"
+                )
+            chunk, index = size // pieces, rank * pieces // tp
+            return self.read_rows(name, dim, index * chunk, (index + 1) * chunk).contiguous()
         if pad and not parts and size % tp:
             chunk = padded_size(size, tp) // tp
             start, stop = rank * chunk, (rank + 1) * chunk

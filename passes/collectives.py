@@ -220,6 +220,33 @@ def tp_sequence_gather(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
     return _GatherFromSequence.apply(x, dim, axis)
 
 
+def tp_shard_pieces(x: torch.Tensor, dim: int, pieces: int, axis: str) -> torch.Tensor:
+    """This rank's piece of a replicated `x` cut into `pieces` (< axis size) along `dim`: rank r holds
+    piece r * pieces // size, shared with the other size / pieces ranks of its group (vLLM's KV-head
+    replication when a model has fewer KV heads than ranks). Inference only (no backward).
+
+    Raises RuntimeError if shape[dim] does not divide by `pieces` or `pieces` does not divide the axis size.
+    """
+    group = _group(axis)
+    size = 1 if group is None else dist.get_world_size(group)
+    if size % pieces or x.shape[dim] % pieces:
+        raise RuntimeError(
+            f"cannot cut dim {dim} of size {x.shape[dim]} into {pieces} pieces over {size} ranks"
+        )
+    rank = 0 if group is None else dist.get_rank(group)
+    return x.chunk(pieces, dim=dim)[rank * pieces // size].contiguous()
+
+
+def tp_gather_pieces(x: torch.Tensor, dim: int, pieces: int, axis: str) -> torch.Tensor:
+    """The whole tensor from pieces held as by `tp_shard_pieces`: all-gather along `dim`, then keep one
+    copy of each piece (every (size / pieces)-th rank's). Inference only (no backward)."""
+    group = _group(axis)
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    every = _all_gather(x, dim, axis).chunk(dist.get_world_size(group), dim=dim)
+    return torch.cat(every[:: dist.get_world_size(group) // pieces], dim=dim)
+
+
 @dataclass
 class PendingAllReduce:
     """An all-reduce issued by `tp_all_reduce_start` and not yet waited for."""

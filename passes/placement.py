@@ -36,6 +36,12 @@ class Placement:
     dim: int = -1
     parts: tuple[int, ...] | None = None
     size: int | None = None  # padded global length along `dim` (None: not padded)
+    # pieces: `dim` is cut into this many pieces (fewer than tp; None: tp pieces) and rank r holds
+    # piece r * pieces // tp, shared by tp / pieces ranks (KV heads replicated as vLLM does when a
+    # GQA model has fewer KV heads than ranks). inner: the value was expanded along dim + 1 (GQA
+    # repeat) and that dim carries the rest of the split: it is cut into tp / pieces parts.
+    pieces: int | None = None
+    inner: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", Layout(self.kind))  # "R" -> Layout.REPLICATE
@@ -45,8 +51,14 @@ class Placement:
         return Placement(Layout.REPLICATE)
 
     @staticmethod
-    def shard(dim: int, parts: tuple[int, ...] | None = None, size: int | None = None) -> Placement:
-        return Placement(Layout.SHARD, dim, parts, size)
+    def shard(
+        dim: int, parts: tuple[int, ...] | None = None, size: int | None = None, pieces: int | None = None
+    ) -> Placement:
+        return Placement(Layout.SHARD, dim, parts, size, pieces)
+
+    def divisor(self, tp: int) -> int:
+        """How many pieces `dim` is cut into: `pieces` for a replicated-piece shard, else tp."""
+        return self.pieces or tp
 
     @staticmethod
     def partial() -> Placement:
@@ -67,7 +79,10 @@ class Placement:
     def __str__(self) -> str:
         if self.is_shard:
             padded = f"[padded to {self.size}]" if self.size else ""
-            return f"Shard({self.dim})" + (f"[parts={list(self.parts)}]" if self.parts else "") + padded
+            pieces = f"[{self.pieces} pieces{', inner' if self.inner else ''}]" if self.pieces else ""
+            return (
+                f"Shard({self.dim})" + (f"[parts={list(self.parts)}]" if self.parts else "") + padded + pieces
+            )
         return "Partial()" if self.is_partial else "Replicate()"
 
 
@@ -76,7 +91,9 @@ def local_shape(global_shape: tuple[int, ...], placement: Placement, tp: int) ->
     if not placement.is_shard:
         return tuple(global_shape)
     shape = list(global_shape)
-    shape[placement.dim] = (placement.size or shape[placement.dim]) // tp
+    shape[placement.dim] = (placement.size or shape[placement.dim]) // placement.divisor(tp)
+    if placement.inner:
+        shape[placement.dim + 1] //= tp // placement.divisor(tp)
     return tuple(shape)
 
 
@@ -92,8 +109,12 @@ def shard_weight(
     rank: int,
     tp: int,
     pad: bool = False,
+    pieces: int | None = None,
 ) -> torch.Tensor:
     """This rank's shard of `full` along `dim`: a contiguous 1/tp chunk, taken per part for fused weights.
+
+    pieces: cut into that many chunks instead (fewer than tp, dividing it); rank r takes chunk
+    r * pieces // tp (KV heads replicated over tp / pieces ranks, as vLLM does).
 
     full: the global parameter, e.g. (out_features, in_features). pad: a vocabulary that does not
     divide by tp is first padded with zero rows to `padded_size` (only for vocab splits: the padded
@@ -104,9 +125,15 @@ def shard_weight(
         extra = list(full.shape)
         extra[dim] = padded_size(full.shape[dim], tp) - full.shape[dim]
         full = torch.cat([full, full.new_zeros(extra)], dim=dim)
-    pieces = [full] if not parts else list(full.split(list(parts), dim=dim))
+    if pieces is not None:
+        if parts or tp % pieces or full.shape[dim] % pieces:
+            raise ValueError(
+                f"size {full.shape[dim]} of dim {dim} cannot be cut into {pieces} pieces over tp={tp}"
+            )
+        return full.chunk(pieces, dim=dim)[rank * pieces // tp].contiguous()
+    blocks = [full] if not parts else list(full.split(list(parts), dim=dim))
     out = []
-    for piece in pieces:
+    for piece in blocks:
         if piece.shape[dim] % tp:
             raise ValueError(f"size {piece.shape[dim]} of dim {dim} does not divide by tp={tp}")
         out.append(piece.chunk(tp, dim=dim)[rank])

@@ -199,16 +199,19 @@ def read_local_shards(
                 != tuple(tensor.shape)
             )
             pad = split is not None and split.style == "vocab"
+            pieces = getattr(split, "pieces", None)
             if isinstance(source, SafetensorsCheckpoint):
                 value = (
-                    source.read_shard(name, split_dim, split.parts, tp_rank, tp_size, pad=pad)
+                    source.read_shard(name, split_dim, split.parts, tp_rank, tp_size, pad=pad, pieces=pieces)
                     if sharded
                     else source.read(name)
                 )
             else:
                 value = source[name]
                 if sharded:
-                    value = shard_weight(value, split_dim, split.parts, tp_rank, tp_size, pad=pad)
+                    value = shard_weight(
+                        value, split_dim, split.parts, tp_rank, tp_size, pad=pad, pieces=pieces
+                    )
                 value = value.detach().clone()
             if tuple(value.shape) != tuple(tensor.shape):
                 raise ValueError(

@@ -15,6 +15,7 @@ entries registered with `padded_inputs=True` (matmul, embedding).
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ import torch.fx as fx
 from torch._ops import OpOverload, OpOverloadPacket
 
 from passes import collectives, rng
-from passes.placement import Placement, local_shape, view_shard_dim
+from passes.placement import Placement, local_shape, view_groups, view_shard_dim
 from passes.tp_rules_context import R, RuleContext
 
 aten = torch.ops.aten
@@ -126,7 +127,7 @@ def rule_matmul(ctx: RuleContext, node: fx.Node) -> None:
     if sp is None:
         ctx.run_replicated(node)
         return
-    ctx.replace_param(w.target, sp.dim, sp.parts, pad=sp.size is not None)
+    ctx.replace_param(w.target, sp.dim, sp.parts, pad=sp.size is not None, pieces=sp.pieces)
     if sp.dim == out_dim_of_w:
         _column_parallel(ctx, node, x, b, sp)
     else:
@@ -138,13 +139,17 @@ def _column_parallel(ctx: RuleContext, node: fx.Node, x: fx.Node, b: fx.Node | N
     A sequence shard (sequence parallelism) is all-gathered by `tp_sequence_gather` (backward:
     reduce-scatter) instead."""
     if isinstance(b, fx.Node):
-        ctx.replace_param(b.target, 0, sp.parts, pad=sp.size is not None)
-        ctx.set_meta(b, Placement.shard(0, sp.parts, sp.size))
+        ctx.replace_param(b.target, 0, sp.parts, pad=sp.size is not None, pieces=sp.pieces)
+        ctx.set_meta(b, dataclasses.replace(sp, dim=0))
+    if sp.pieces and ctx.training:
+        raise ctx.fail(
+            node, "K/V heads replicated over ranks (fewer KV heads than tp) are for inference plans only"
+        )
     if ctx.sequence_shard_dim(x) is not None:
         node.replace_input_with(x, ctx.sequence_gathered(x))
     else:
         node.replace_input_with(x, ctx.copy_in(ctx.replicated(x)))
-    ctx.set_meta(node, Placement.shard(len(ctx.gshape(node)) - 1, sp.parts, sp.size))
+    ctx.set_meta(node, dataclasses.replace(sp, dim=len(ctx.gshape(node)) - 1))
     ctx.check(node)
 
 
@@ -272,9 +277,9 @@ def _cache_target(ctx: RuleContext, dest: object) -> tuple[fx.Node, list[fx.Node
     return dest, chain[::-1]
 
 
-def _shard_cache(ctx: RuleContext, node: fx.Node, dest: fx.Node, values_dim: int) -> int:
+def _shard_cache(ctx: RuleContext, node: fx.Node, dest: fx.Node, values: Placement, values_dim: int) -> int:
     """Shard the cache buffer under `dest` (a buffer or a slice/select view of one) so that `dest`
-    is sharded on `values_dim`, like the values written into it; return that dim. The buffer's rank
+    is sharded on `values_dim`, like the `values` written into it (the same pieces); return that dim. The buffer's rank
     shard replaces it in the module; the views between keep their (unsharded-dim) literals.
 
     Raises TensorParallelError, never gathers: a cache that cannot follow its head-sharded values
@@ -300,7 +305,8 @@ def _shard_cache(ctx: RuleContext, node: fx.Node, dest: fx.Node, values_dim: int
             dims.pop(int(view.args[1]) % len(dims))
     bdim = dims[values_dim]
     size = ctx.gshape(buffer)[bdim]
-    if size != ctx.gshape(dest)[values_dim] or size % ctx.tp:
+    pieces = values.pieces
+    if size != ctx.gshape(dest)[values_dim] or size % values.divisor(ctx.tp):
         raise ctx.fail(
             node,
             f"cache buffer `{buffer.target}` {tuple(ctx.gshape(buffer))}: dim {bdim} of size {size} cannot be "
@@ -309,8 +315,8 @@ def _shard_cache(ctx: RuleContext, node: fx.Node, dest: fx.Node, values_dim: int
     done = [u for u in buffer.users if u in ctx.place and u not in chain]
     if done:
         raise ctx.fail(node, f"cache buffer `{buffer.target}` is read by {done[0].name} before it is written")
-    ctx.replace_buffer(str(buffer.target), bdim)
-    ctx.set_meta(buffer, Placement.shard(bdim))
+    ctx.replace_buffer(str(buffer.target), bdim, pieces)
+    ctx.set_meta(buffer, Placement.shard(bdim, pieces=pieces))
     for view in chain:  # slices / selects along other dims: the shard follows its dim
         src = ctx.shard_of(view.args[0])
         nd = len(ctx.gshape(view.args[0]))
@@ -318,7 +324,9 @@ def _shard_cache(ctx: RuleContext, node: fx.Node, dest: fx.Node, values_dim: int
         if vdim == src.dim:
             raise ctx.fail(view, "the cache is written through a slice along its head dim")
         selecting = getattr(view.target, "overloadpacket", None) is aten.select
-        ctx.set_meta(view, Placement.shard(src.dim - 1 if selecting and vdim < src.dim else src.dim))
+        ctx.set_meta(
+            view, dataclasses.replace(src, dim=src.dim - 1 if selecting and vdim < src.dim else src.dim)
+        )
         ctx.check(view)
     return values_dim
 
@@ -342,14 +350,14 @@ def rule_cache_update(ctx: RuleContext, node: fx.Node) -> None:
         ctx.run_replicated(node)
         return
     offset = len(ctx.gshape(dest)) - len(ctx.gshape(values))  # values broadcast right-aligned
-    if pv is None or pv.parts or offset < 0 or pv.dim + offset in indexed:
+    if pv is None or pv.parts or pv.inner or offset < 0 or pv.dim + offset in indexed:
         raise ctx.fail(
             node,
             f"cache update with values {ctx.place.get(values, R)} into {ctx.place.get(dest, R)}: only values "
             "sharded on a dim that is not indexed (heads) can be written into a sharded cache",
         )
-    dim = _shard_cache(ctx, node, dest, pv.dim + offset)
-    ctx.set_meta(node, Placement.shard(dim))
+    dim = _shard_cache(ctx, node, dest, pv, pv.dim + offset)
+    ctx.set_meta(node, Placement.shard(dim, pieces=pv.pieces))
     ctx.check(node)
 
 
@@ -362,21 +370,41 @@ def rule_view(ctx: RuleContext, node: fx.Node) -> None:
     if p is None:
         ctx.run_replicated(node)
         return
-    try:
-        out_dim = view_shard_dim(ctx.gshape(x), ctx.gshape(node), p.dim, ctx.tp)
-    except ValueError as e:
-        if ctx.sequence_shard_dim(x) is not None:  # (B, T, C) -> (B*T, C): the sequence is gathered
-            ctx.run_replicated(node)
-            return
-        raise ctx.fail(node, str(e)) from e
-    if p.parts and ctx.gshape(x)[p.dim] != ctx.gshape(node)[out_dim]:
-        raise ctx.fail(
-            node, "reshape merges a fused projection's output with other dims before its parts are split"
-        )
-    placement = Placement.shard(out_dim, p.parts)
+    if p.inner:  # a GQA-repeated K/V piece (B, kv, n_rep, ...) merged into the query heads
+        placement = _merge_repeated_heads(ctx, node, p)
+    else:
+        try:
+            out_dim = view_shard_dim(ctx.gshape(x), ctx.gshape(node), p.dim, p.divisor(ctx.tp))
+        except ValueError as e:
+            if ctx.sequence_shard_dim(x) is not None:  # (B, T, C) -> (B*T, C): the sequence is gathered
+                ctx.run_replicated(node)
+                return
+            raise ctx.fail(node, str(e)) from e
+        if p.parts and ctx.gshape(x)[p.dim] != ctx.gshape(node)[out_dim]:
+            raise ctx.fail(
+                node, "reshape merges a fused projection's output with other dims before its parts are split"
+            )
+        placement = dataclasses.replace(p, dim=out_dim)
     node.args = (x, list(local_shape(ctx.gshape(node), placement, ctx.tp)), *node.args[2:])
     ctx.set_meta(node, placement)
     ctx.check(node)
+
+
+def _merge_repeated_heads(ctx: RuleContext, node: fx.Node, p: Placement) -> Placement:
+    """The placement of a reshape that merges a GQA-repeated K/V piece's dims (dim, dim + 1) = (KV
+    heads cut into `pieces`, repeats cut into tp / pieces) into one dim: the query heads, an even 1/tp
+    shard. Raises TensorParallelError for any other reshape of such a value."""
+    for in_dims, out_dims in view_groups(ctx.gshape(x := node.args[0]), ctx.gshape(node)):
+        if p.dim in in_dims:
+            outs = [d for d in out_dims if ctx.gshape(node)[d] != 1]
+            leading = [d for d in in_dims if ctx.gshape(x)[d] != 1 or d in (p.dim, p.dim + 1)]
+            if (
+                leading[:2] == [p.dim, p.dim + 1]
+                and len(outs) == 1
+                and ctx.gshape(node)[outs[0]] % ctx.tp == 0
+            ):
+                return Placement.shard(outs[0])
+    raise ctx.fail(node, "a GQA-repeated K/V piece must be reshaped by merging KV heads with their repeats")
 
 
 def _move_shard(ctx: RuleContext, node: fx.Node, new_dim: Callable[[Placement, int], int]) -> None:
@@ -386,7 +414,9 @@ def _move_shard(ctx: RuleContext, node: fx.Node, new_dim: Callable[[Placement, i
     if p is None:
         ctx.run_replicated(node)
         return
-    ctx.set_meta(node, Placement.shard(new_dim(p, len(ctx.gshape(x))), p.parts))
+    if p.inner:
+        raise ctx.fail(node, "a GQA-repeated K/V piece must be reshaped to the query heads before other ops")
+    ctx.set_meta(node, dataclasses.replace(p, dim=new_dim(p, len(ctx.gshape(x)))))
     ctx.check(node)
 
 
@@ -432,12 +462,23 @@ def rule_expand(ctx: RuleContext, node: fx.Node) -> None:
     if p is None:
         ctx.run_replicated(node)
         return
+    if p.inner:
+        raise ctx.fail(node, "a GQA-repeated K/V piece must be reshaped to the query heads before other ops")
     sizes = list(node.args[1])
     new = p.dim + len(sizes) - len(ctx.gshape(x))
     if sizes[new] != -1:
-        sizes[new] = ctx.gshape(x)[p.dim] // ctx.tp
+        sizes[new] = ctx.gshape(x)[p.dim] // p.divisor(ctx.tp)
+    placement = dataclasses.replace(p, dim=new)
+    if p.pieces and new + 1 < len(sizes) and ctx.gshape(x)[p.dim + 1] == 1 and sizes[new + 1] not in (-1, 1):
+        # GQA repeat of KV heads held as pieces, (B, kv, 1, ...) -> (B, kv, n_rep, ...): this rank's
+        # query heads use n_rep * pieces / tp copies of its KV head
+        rest = ctx.tp // p.pieces
+        if sizes[new + 1] % rest:
+            raise ctx.fail(node, f"GQA repeat of {sizes[new + 1]} does not divide by tp / KV heads = {rest}")
+        sizes[new + 1] //= rest
+        placement = dataclasses.replace(placement, inner=True)
     node.args = (x, sizes, *node.args[2:])
-    ctx.set_meta(node, Placement.shard(new, p.parts))
+    ctx.set_meta(node, placement)
     ctx.check(node)
 
 
@@ -501,7 +542,7 @@ def rule_split(ctx: RuleContext, node: fx.Node) -> None:
         return
     dim = _split_dim(ctx, node)
     if dim != p.dim:
-        ctx.set_tuple(node, [Placement.shard(p.dim, p.parts)] * len(ctx.global_val[node]), str(p))
+        ctx.set_tuple(node, [p] * len(ctx.global_val[node]), str(p))
         return
     full = ctx.gshape(x)[dim]
     sizes = (
@@ -524,7 +565,7 @@ def rule_chunk(ctx: RuleContext, node: fx.Node) -> None:
         return
     dim = _split_dim(ctx, node)
     if dim != p.dim:
-        ctx.set_tuple(node, [Placement.shard(p.dim, p.parts)] * len(ctx.global_val[node]), str(p))
+        ctx.set_tuple(node, [p] * len(ctx.global_val[node]), str(p))
         return
     full = ctx.gshape(x)[dim]
     step = -(-full // chunks)  # torch.chunk: pieces of ceil(full / chunks), the last one shorter
@@ -546,7 +587,7 @@ def rule_unbind(ctx: RuleContext, node: fx.Node) -> None:
     dim = _split_dim(ctx, node)
     if dim == p.dim:
         _pieces_along_shard(ctx, node, p, [1] * ctx.gshape(x)[dim])  # raises: a part of 1 does not split
-    new = Placement.shard(p.dim - 1 if dim < p.dim else p.dim, p.parts)
+    new = dataclasses.replace(p, dim=p.dim - 1 if dim < p.dim else p.dim)
     ctx.set_tuple(node, [new] * len(ctx.global_val[node]), str(new))
 
 
@@ -561,8 +602,22 @@ def rule_getitem(ctx: RuleContext, node: fx.Node) -> None:
 @register_rule(aten.repeat_interleave)
 def rule_repeat_interleave(ctx: RuleContext, node: fx.Node) -> None:
     """GQA K/V repeat with an int count on a head shard: each rank repeats its own heads, shard kept."""
-    if ctx.shard_of(node.args[0]) is None or not isinstance(node.args[1], int):
+    # KV heads held as pieces (fewer KV heads than tp): the rank's one piece is repeated for the query
+    # heads it holds, count * pieces / tp times, and the result is an even 1/tp shard of the heads.
+    p = ctx.shard_of(node.args[0])
+    if p is None or not isinstance(node.args[1], int):
         ctx.run_replicated(node)
+        return
+    nd = len(ctx.gshape(node.args[0]))
+    raw_dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    if p.pieces and raw_dim is not None and int(raw_dim) % nd == p.dim and not p.inner:
+        count, rest = node.args[1], ctx.tp // p.pieces
+        if count % rest:
+            raise ctx.fail(node, f"GQA repeat of {count} does not divide by tp / KV heads = {rest}")
+        node.args = (node.args[0], count // rest, *node.args[2:])
+        node.kwargs = {k: v for k, v in node.kwargs.items() if k != "output_size"}
+        ctx.set_meta(node, Placement.shard(p.dim))
+        ctx.check(node)
         return
     _move_shard(ctx, node, lambda p, nd: p.dim)
 
@@ -642,13 +697,15 @@ def _reduce(ctx: RuleContext, node: fx.Node, dims_keep: Callable[[int], tuple[li
         ctx.run_replicated(node)
         return
     dims, keep = dims_keep(len(ctx.gshape(x)))
-    if p.dim in dims:
+    if p.dim in dims or p.inner:
         ctx.run_replicated(node)
         return
     for a in node.all_input_nodes:  # a norm's scale and shift: its gradient is summed over the shards
         if a is not x and ctx.place.get(a, R) == R:
             node.replace_input_with(a, ctx.copy_in(a))
-    ctx.set_meta(node, Placement.shard(p.dim if keep else p.dim - sum(1 for d in dims if d < p.dim)))
+    ctx.set_meta(
+        node, dataclasses.replace(p, dim=p.dim if keep else p.dim - sum(1 for d in dims if d < p.dim))
+    )
     ctx.check(node)
 
 
@@ -695,24 +752,27 @@ def rule_pointwise(ctx: RuleContext, node: fx.Node) -> None:
     out_shape = ctx.gshape(node) if isinstance(ctx.global_val.get(node), torch.Tensor) else None
     inputs = [a for a in node.all_input_nodes if isinstance(ctx.global_val.get(a), torch.Tensor)]
     shards = {
-        (ctx.place[a].dim + len(out_shape) - len(ctx.gshape(a)))
+        (ctx.place[a].dim + len(out_shape) - len(ctx.gshape(a)), ctx.place[a].pieces)
         for a in inputs
-        if isinstance(ctx.place.get(a), Placement) and ctx.place[a].is_shard and not ctx.place[a].parts
-    }
+        if isinstance(ctx.place.get(a), Placement)
+        and ctx.place[a].is_shard
+        and not ctx.place[a].parts
+        and not ctx.place[a].inner
+    } if out_shape is not None else set()  # fmt: skip
     if out_shape is None or len(shards) != 1 or any(ctx.place.get(a, R).is_partial for a in inputs):
         ctx.run_replicated(node)
         return
-    od = shards.pop()
+    od, pieces = shards.pop()
     for a in inputs:
         if ctx.place.get(a, R).is_shard:
             continue
         shape = ctx.gshape(a)
         ad = od - (len(out_shape) - len(shape))
         if ad >= 0 and shape[ad] != 1:
-            node.replace_input_with(a, ctx.sharded(a, ad))
+            node.replace_input_with(a, ctx.sharded(a, ad, pieces))
         else:
             node.replace_input_with(a, ctx.copy_in(a))
-    ctx.set_meta(node, Placement.shard(od))
+    ctx.set_meta(node, Placement.shard(od, pieces=pieces))
     ctx.check(node)
 
 

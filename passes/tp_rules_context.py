@@ -35,6 +35,7 @@ class SplitLike(Protocol):
     style: str
     dim: int
     parts: list[int] | None
+    pieces: int | None  # colwise over fewer pieces than tp (KV heads replicated, vLLM-style)
 
 
 FALLBACK_META = "tp_fallback"  # node.meta key of a `Fallback`
@@ -133,7 +134,7 @@ class RuleContext:
             length = tuple(self.global_val[node].shape)[split.dim]
             size = padded_size(length, self.tp) if split.style == "vocab" and length % self.tp else None
             self.param_split[node.target] = Placement.shard(
-                split.dim, tuple(split.parts) if split.parts else None, size
+                split.dim, tuple(split.parts) if split.parts else None, size, getattr(split, "pieces", None)
             )
 
     # ---------------------------------------------------------------- reading
@@ -200,6 +201,14 @@ class RuleContext:
             raise self.fail(node, "a partial sum reached an op that needs the full value")
         if p.parts:
             raise self.fail(node, "a fused projection's output must be split into its parts before other ops")
+        if p.inner:
+            raise self.fail(
+                node, "a GQA-repeated K/V piece must be reshaped to the query heads before other ops"
+            )
+        if node not in self._replicated and p.pieces:
+            self._replicated[node] = self.insert(
+                node, collectives.tp_gather_pieces, (node, p.dim, p.pieces, self.axis), R, node
+            )
         if node not in self._replicated:
             gathered = self.insert(node, collectives.tp_all_gather, (node, p.dim, self.axis), R, node)
             if p.size:  # a padded vocabulary: drop the padding rows after the gather
@@ -214,19 +223,26 @@ class RuleContext:
             self._replicated[node] = gathered
         return self._replicated[node]
 
-    def sharded(self, node: fx.Node, dim: int) -> fx.Node:
-        """`node` sharded along `dim` (slicing a replicated value locally)."""
+    def sharded(self, node: fx.Node, dim: int, pieces: int | None = None) -> fx.Node:
+        """`node` sharded along `dim` (slicing a replicated value locally); `pieces`: cut into that many
+        pieces shared by tp / pieces ranks each (`Placement.pieces`)."""
         p = self.place.get(node, R)
-        if isinstance(p, Placement) and p.is_shard and p.dim == dim and not p.parts and not p.size:
+        want = Placement.shard(dim, pieces=pieces)
+        if isinstance(p, Placement) and p == want:
             return node
         full = self.replicated(node)
-        if self.gshape(node)[dim] % self.tp:
-            raise self.fail(node, f"dim {dim} of size {self.gshape(node)[dim]} does not divide by tp")
-        key = (full, dim)
-        if key not in self._sharded:
-            self._sharded[key] = self.insert(
-                full, collectives.tp_shard, (full, dim, self.axis), Placement.shard(dim), node
+        if self.gshape(node)[dim] % want.divisor(self.tp):
+            raise self.fail(
+                node, f"dim {dim} of size {self.gshape(node)[dim]} does not divide by {want.divisor(self.tp)}"
             )
+        key = (full, dim, pieces)
+        if key not in self._sharded:
+            fn, args = (
+                (collectives.tp_shard, (full, dim, self.axis))
+                if pieces is None
+                else (collectives.tp_shard_pieces, (full, dim, pieces, self.axis))
+            )
+            self._sharded[key] = self.insert(full, fn, args, want, node)
         return self._sharded[key]
 
     def token_dim(self, node: fx.Node, min_ndim: int = 3) -> int | None:
@@ -244,7 +260,7 @@ class RuleContext:
         """The dim of `node`'s plain shard when it is not the last (features) dim - a sequence shard
         under sequence parallelism - else None."""
         p = self.shard_of(node)
-        if not self.sequence_parallel or p is None or p.parts or p.size:
+        if not self.sequence_parallel or p is None or p.parts or p.size or p.pieces or p.inner:
             return None
         return p.dim if p.dim != len(self.gshape(node)) - 1 else None
 
@@ -269,7 +285,9 @@ class RuleContext:
             self._copied[node] = self.insert(node, collectives.tp_copy, (node, self.axis), R, node)
         return self._copied[node]
 
-    def replace_param(self, fqn: str, dim: int, parts: tuple[int, ...] | None, pad: bool = False) -> None:
+    def replace_param(
+        self, fqn: str, dim: int, parts: tuple[int, ...] | None, pad: bool = False, pieces: int | None = None
+    ) -> None:
         """Swap parameter `fqn` (and every tied alias of it) for this rank's shard, once."""
         owner_path, _, name = fqn.rpartition(".")
         owner = self.gm.get_submodule(owner_path) if owner_path else self.gm
@@ -277,7 +295,7 @@ class RuleContext:
         if id(full) in self.sharded_ids:
             return
         try:
-            shard = shard_weight(full.detach(), dim, parts, self.rank, self.tp, pad=pad)
+            shard = shard_weight(full.detach(), dim, parts, self.rank, self.tp, pad=pad, pieces=pieces)
         except ValueError as e:
             raise TensorParallelError(f"weight `{fqn}` of shape {tuple(full.shape)}: {e}") from e
         new = torch.nn.Parameter(shard, requires_grad=full.requires_grad)
@@ -287,15 +305,15 @@ class RuleContext:
                 if value is full:
                     module._parameters[pname] = new
 
-    def replace_buffer(self, fqn: str, dim: int) -> None:
+    def replace_buffer(self, fqn: str, dim: int, pieces: int | None = None) -> None:
         """Swap buffer (or lifted tensor constant) `fqn`, a KV cache, for this rank's contiguous slice
-        along `dim`, once."""
+        along `dim` (one of `pieces` when given), once."""
         owner_path, _, name = fqn.rpartition(".")
         owner = self.gm.get_submodule(owner_path) if owner_path else self.gm
         full = getattr(owner, name)
         if id(full) in self.sharded_ids:
             return
-        shard = shard_weight(full.detach(), dim, None, self.rank, self.tp).clone()
+        shard = shard_weight(full.detach(), dim, None, self.rank, self.tp, pieces=pieces).clone()
         self.sharded_ids.add(id(shard))
         if name in owner._buffers:
             owner._buffers[name] = shard

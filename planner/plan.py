@@ -133,6 +133,10 @@ class WeightSplit:
     style: SplitStyle
     dim: int  # tensor dim that is split (0 or 1); for "replicate" the dim is 0 and unused
     parts: list[int] | None = None  # fused projections: sizes of the parts along `dim`, split separately
+    # colwise over fewer pieces than tp (a GQA model with fewer KV heads than ranks: K/V projections cut
+    # into `pieces` KV heads, rank r holds piece r * pieces // tp, each head replicated on tp / pieces
+    # ranks, as vLLM does); None: tp pieces
+    pieces: int | None = None
 
     def __post_init__(self) -> None:
         self.style = _coerce(SplitStyle, self.style, f"splits.{self.weight}.style")
@@ -387,6 +391,11 @@ class Plan:
                 raise bad(f"{where}.dim", f"must be 0 or 1, got {split.dim}")
             if split.parts is not None and (not split.parts or any(p < 1 for p in split.parts)):
                 raise bad(f"{where}.parts", f"must be a non-empty list of positive sizes, got {split.parts}")
+            if split.pieces is not None and (split.pieces < 1 or self.mesh.tp % split.pieces or split.parts):
+                raise bad(
+                    f"{where}.pieces",
+                    f"must divide tp={self.mesh.tp} (and exclude parts), got {split.pieces}",
+                )
         if len(self.stages) != self.pp:
             raise bad("stages", f"has {len(self.stages)} stages but pp is {self.pp}")
         flat = [i for stage in self.stages for i in stage]

@@ -1,19 +1,25 @@
 """Run a serving plan on real process groups: prefill, then greedy decode steps, timed per token.
 
-`run_decode_rank(ctx, job)` is the per-rank entry `runtime.launch.launch` starts for decode / generate
-plans of a model with a static KV cache (`planner.frontend.phases`). Each rank:
+`write_decode_reference(job, directory)` runs the unsharded model once, in the launching process
+(`planner.cli.workflow.run_serving`): it builds the model (seeded) with caches for the request
+(`batch_size` sequences of `cache_len` tokens), captures its two phases - the prefill of the prompt
+and one decode step (two graphs: captured shapes are literals) - writes every tensor the graphs read
+(weights, the empty caches, lifted constants) to a safetensors file, then generates greedily: the
+reference tokens and logits (with the plan's ladder layers applied, so the comparison measures the
+rewrite alone; with ladder layers the original model generates too, for the ladder's deviation).
 
-1. builds its TP group and the model (same seed everywhere) with caches for the request
-   (`batch_size` sequences of `cache_len` tokens), and captures its two phases: the prefill of the
-   prompt and one decode step (two graphs: captured shapes are literals);
-2. generates greedily with the unsharded graphs: the reference tokens and logits (with the plan's
-   ladder layers applied, so the comparison measures the rewrite alone; with ladder layers the
-   original model generates too, for the ladder's deviation);
-3. lowers copies of both graphs for its rank with `passes.lower.lower_for_rank` (the one lowering:
-   TP pass with the KV-cache rules of `passes.tp_rules`, ladder pass) and makes the decode graph use
-   the prefill graph's weight shards and cache shards (`share_state`): one copy of each per rank;
-4. generates with them and compares tokens and logits with the reference;
-5. times `warmup` untimed requests, then `iters` timed ones: the prefill (time to first token) and
+`run_decode_rank(ctx, job)` is the per-rank entry `runtime.launch.launch` starts for decode / generate
+plans of a model with a static KV cache (`planner.frontend.phases`). Without a reference in the job
+(torchrun, tests calling it directly) local rank 0 of each node makes one first. Each rank, without
+ever holding the whole model:
+
+1. builds the model on the meta device and captures its two phases there;
+2. lowers both graphs for its rank with `passes.lower.lower_for_rank` (the one lowering: TP pass with
+   the KV-cache rules of `passes.tp_rules`, ladder pass), reads its shards of the weights and of the
+   caches from the reference's file (`load_rank_state`) and makes the decode graph use the prefill
+   graph's weight and cache shards (`share_state`): one copy of each per rank;
+3. generates with them and compares tokens and logits with the reference;
+4. times `warmup` untimed requests, then `iters` timed ones: the prefill (time to first token) and
    every decode step (time per output token) each start after a barrier on the TP group.
 
 Decode steps with a static cache all cost the same (attention runs over the whole allocated cache
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -34,17 +41,20 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from passes import collectives
+from passes.checkpoint import SafetensorsCheckpoint, save_checkpoint
 from passes.ladder import apply_ladder, ladder_deviation, ladder_residual_adds
 from passes.lower import lower_for_rank
+from passes.tensor_parallel import read_local_shards
 from planner.frontend.analysis import CACHE_UPDATE_OPS, ModelStructure, analyse, cache_buffers
-from planner.frontend.capture import capture, flat_inputs
+from planner.frontend.capture import capture, flat_inputs, retarget_device
 from planner.frontend.modelfile import ModelFile, load_model_file
 from planner.frontend.phases import Phase, build_for, decode_phase, phase_inputs, prefill_phase
 from planner.plan import Plan
 from runtime.launch import RankContext
-from runtime.measure import Timing, process_peak_memory_bytes
+from runtime.measure import Timing, current_memory_bytes, process_peak_memory_bytes
 from runtime.mesh import build_rank_groups
 from runtime.numerics import all_outputs
+from runtime.reference import shared_reference
 
 # max |sharded - unsharded| logits, relative to the logits' scale, that still counts as equal: a few
 # ulps of the dtype accumulated over the layers (summation order differs under TP)
@@ -64,6 +74,20 @@ class DecodeJob:
     warmup: int = 1  # untimed requests
     iters: int = 3  # timed requests
     seed: int = 0
+    reference: DecodeReference | None = None  # made once by the launching process (None: by the ranks)
+
+
+@dataclass
+class DecodeReference:
+    """The unsharded model's request, generated once (`write_decode_reference`): the tensors every
+    rank reads its shards from, and what its tokens and logits must match."""
+
+    directory: str  # folder holding the files (removed by whoever made it)
+    weights: str  # safetensors: every tensor the two captured graphs read, by get_attr name
+    results: str  # safetensors: prompt (B, P), tokens (B, N), logits (N, B, vocab)
+    ladder_logit_deviation: float | None  # relative L2, prefill logits, laddered vs original
+    ladder_tokens_differ: int | None  # greedy tokens that ladder residual changed
+    made_on: str  # "launching process" | "rank N"
 
 
 @dataclass
@@ -84,6 +108,7 @@ class DecodeRankReport:
     ladder_tokens_differ: int | None = None  # greedy tokens that ladder residual changed
     standard_tpot_samples_s: list[float] = field(default_factory=list)  # ladder plans: without ladder
     notes: list[str] = field(default_factory=list)
+    startup_memory_bytes: int = 0  # of peak_memory_bytes: held before the model (torch, process group)
 
 
 @dataclass
@@ -211,9 +236,121 @@ def _laddered(gm: fx.GraphModule, structure: ModelStructure, layers: list[int]) 
     return out
 
 
+def _graph_tensors(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
+    """Every tensor a `get_attr` of `gm` reads (parameters, buffers, lifted constants), by name."""
+    out = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            owner, leaf = _owner(gm, str(node.target))
+            value = getattr(owner, leaf, None)
+            if isinstance(value, torch.Tensor):
+                out[str(node.target)] = value
+    return out
+
+
+def write_decode_reference(
+    job: DecodeJob, directory: str, made_on: str = "launching process"
+) -> DecodeReference:
+    """Build the whole model once (seeded), write the tensors its prefill and decode graphs read (the
+    caches still empty) and its greedy generation into `directory` (module docstring)."""
+    plan = Plan.from_dict(job.plan)
+    model_file = load_model_file(job.model_path)
+    request = Request(model_file, job.batch_size, job.prompt_len, job.new_tokens, job.cache_len)
+    torch.manual_seed(job.seed)
+    model = build_for(model_file, request.prefill, "cpu")
+    prefill, decode = _captured(model, request, "cpu")
+    tensors = {**_graph_tensors(decode), **_graph_tensors(prefill)}
+    weights = os.path.join(directory, "weights.safetensors")
+    save_checkpoint(tensors, weights)  # before generating: the caches are saved empty
+    structure_p, structure_d = analyse(prefill), analyse(decode)
+    g = torch.Generator().manual_seed(job.seed + 1)
+    prompt = torch.randint(0, structure_p.vocab_size or 2, (job.batch_size, job.prompt_len), generator=g)
+    share_state(prefill, decode)
+    ladder = list(plan.ladder_layers)
+    deviation = differ = None
+    if ladder:
+        lad_p, lad_d = _laddered(prefill, structure_p, ladder), _laddered(decode, structure_d, ladder)
+        share_state(lad_p, lad_d)
+        original = request.generate(prefill, decode, prompt, "cpu")
+        reference = request.generate(lad_p, lad_d, prompt, "cpu")
+        deviation = ladder_deviation(original.logits[0], reference.logits[0])
+        differ = int((original.tokens != reference.tokens).sum())
+    else:
+        reference = request.generate(prefill, decode, prompt, "cpu")
+    results = os.path.join(directory, "results.safetensors")
+    save_checkpoint(
+        {"prompt": prompt, "tokens": reference.tokens, "logits": torch.stack(reference.logits)}, results
+    )
+    return DecodeReference(directory, weights, results, deviation, differ, made_on)
+
+
+def load_rank_state(gm: fx.GraphModule, weights: str, plan: Plan, tp_rank: int, device: str) -> None:
+    """Fill a lowered graph built on meta with this rank's tensors from the unsharded `weights`:
+    split weights through `read_local_shards` (the plan's splits), the rest whole, except tensors the
+    TP pass sharded on its own (KV caches along heads): their one dim that differs from the whole
+    tensor's is cut into whole / local pieces and this rank takes piece tp_rank * pieces // tp (an
+    even 1/tp shard, or a KV head replicated on tp / pieces ranks). Raises ValueError for a tensor
+    whose shape fits neither."""
+    local = _graph_tensors(gm)
+    with SafetensorsCheckpoint([weights]) as source:
+        split_names = [
+            n for n in local if n in plan.splits or n.removesuffix(".bias") + ".weight" in plan.splits
+        ]
+        values = (
+            read_local_shards(gm, source, plan.splits, tp_rank, plan.tp, split_names) if split_names else {}
+        )
+        for name, tensor in local.items():
+            if name in values:
+                continue
+            whole = source.read(name)
+            if tuple(whole.shape) != tuple(tensor.shape):
+                differ = [d for d, (a, b) in enumerate(zip(whole.shape, tensor.shape)) if a != b]
+                if (
+                    len(differ) != 1
+                    or whole.dim() != tensor.dim()
+                    or whole.shape[differ[0]] % tensor.shape[differ[0]]
+                ):
+                    raise ValueError(
+                        f"`{name}`: rank shape {tuple(tensor.shape)} is no shard of {tuple(whole.shape)}"
+                    )
+                pieces = whole.shape[differ[0]] // tensor.shape[differ[0]]
+                whole = whole.chunk(pieces, dim=differ[0])[tp_rank * pieces // plan.tp]
+            values[name] = whole.to(dtype=tensor.dtype).contiguous()
+    for name, value in values.items():
+        owner, leaf = _owner(gm, name)
+        value = value.to(device)
+        if leaf in owner._parameters:
+            owner._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+        elif leaf in owner._buffers:
+            owner._buffers[leaf] = value
+        else:
+            setattr(owner, leaf, value)
+    retarget_device(gm, device)
+
+
+def _rank_graphs(
+    prefill: fx.GraphModule,
+    decode: fx.GraphModule,
+    structures: tuple[ModelStructure, ModelStructure],
+    plan: Plan,
+    ctx: RankContext,
+    tp_rank: int,
+    weights: str,
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """This rank's prefill and decode graphs of `plan`, lowered from copies of the meta-captured
+    graphs, filled from `weights`, the decode graph reading the prefill graph's tensors."""
+    device = str(ctx.device)
+    gp = lower_for_rank(copy.deepcopy(prefill), structures[0], plan, ctx.rank).module
+    gd = lower_for_rank(copy.deepcopy(decode), structures[1], plan, ctx.rank).module
+    load_rank_state(gp, weights, plan, tp_rank, device)
+    load_rank_state(gd, weights, plan, tp_rank, device)
+    share_state(gp, gd)
+    return gp, gd
+
+
 def run_decode_rank(ctx: RankContext, job: DecodeJob) -> DecodeRankReport:
-    """Per-rank entry: generate unsharded and sharded, compare, time (module docstring). Raises
-    ValueError for a plan with pp > 1 or dp > 1 (the runner refuses those before launching)."""
+    """Per-rank entry: compare the rewritten request with the reference's, then time it (module
+    docstring). Raises ValueError for a plan with pp > 1 or dp > 1 (the runner refuses those first)."""
     plan = Plan.from_dict(job.plan)
     if plan.pp > 1 or plan.dp > 1:
         raise ValueError(
@@ -221,51 +358,42 @@ def run_decode_rank(ctx: RankContext, job: DecodeJob) -> DecodeRankReport:
         )
     groups = build_rank_groups(plan.mesh, ctx.device.type)
     collectives.register_group("tp", groups.group("tp"))
+    startup = current_memory_bytes(ctx.device)
+    with shared_reference(ctx, job, make=write_decode_reference) as ref:
+        report = _serve_rank(ctx, job, plan, groups, ref)
+    report.startup_memory_bytes = startup
+    return report
+
+
+def _serve_rank(
+    ctx: RankContext, job: DecodeJob, plan: Plan, groups, ref: DecodeReference
+) -> DecodeRankReport:
     device = str(ctx.device)
     model_file = load_model_file(job.model_path)
     request = Request(model_file, job.batch_size, job.prompt_len, job.new_tokens, job.cache_len)
-    torch.manual_seed(job.seed)
-    model = build_for(model_file, request.prefill, device)
-    prefill_full, decode_full = _captured(model, request, device)
-    s_prefill, s_decode = analyse(prefill_full), analyse(decode_full)
-    vocab = s_prefill.vocab_size or 2
-    g = torch.Generator().manual_seed(job.seed + 1)
-    prompt = torch.randint(0, vocab, (job.batch_size, job.prompt_len), generator=g).to(device)
-
-    # the reference: unsharded graphs (their own copies of the caches), ladder applied like the plan
-    ladder = list(plan.ladder_layers)
-    ref_p, ref_d = copy.deepcopy(prefill_full), copy.deepcopy(decode_full)
-    share_state(ref_p, ref_d)
-    original = request.generate(ref_p, ref_d, prompt, device)
-    reference = original
-    deviation = differ = None
-    if ladder:
-        lad_p, lad_d = _laddered(ref_p, s_prefill, ladder), _laddered(ref_d, s_decode, ladder)
-        share_state(lad_p, lad_d)
-        reference = request.generate(lad_p, lad_d, prompt, device)
-        deviation = ladder_deviation(original.logits[0], reference.logits[0])
-        differ = int((original.tokens != reference.tokens).sum())
-        del lad_p, lad_d
-    del ref_p, ref_d
+    model = build_for(model_file, request.prefill, "meta")
+    prefill_meta, decode_meta = _captured(model, request, "meta")
+    structures = (analyse(prefill_meta), analyse(decode_meta))
+    with SafetensorsCheckpoint([ref.results]) as results:
+        prompt = results.read("prompt").to(device)
+        want_tokens = results.read("tokens")
+        want_logits = list(results.read("logits").unbind(0))
 
     # this rank's graphs: the one lowering, weights and caches shared between the two phases
-    gp = lower_for_rank(copy.deepcopy(prefill_full), s_prefill, plan, ctx.rank).module
-    gd = lower_for_rank(copy.deepcopy(decode_full), s_decode, plan, ctx.rank).module
-    share_state(gp, gd)
+    gp, gd = _rank_graphs(prefill_meta, decode_meta, structures, plan, ctx, groups.tp_rank, ref.weights)
     got = request.generate(gp, gd, prompt, device)
-    # the process's real peak (weights, cache, activations; here also the unsharded reference model,
-    # which serving runs still build on every rank)
+    # the process's real peak: this rank's shards, its caches, activations (the whole model is never built here
+    # unless this rank made the reference itself: `ref.made_on`)
     peak = process_peak_memory_bytes(ctx.device)
-    diff = max(float((a - b).abs().max()) for a, b in zip(got.logits, reference.logits))
-    scale = max(float(b.abs().max()) for b in reference.logits)
+    diff = max(float((a.cpu() - b).abs().max()) for a, b in zip(got.logits, want_logits))
+    scale = max(float(b.abs().max()) for b in want_logits)
     variants = {"plan": (gp, gd)}
-    if ladder:  # the same splits without ladder, timed side by side: the measured speed-up
+    if plan.ladder_layers:  # the same splits without ladder, timed side by side: the measured speed-up
         standard = dataclasses.replace(plan, ladder_layers=[])
-        sp = lower_for_rank(copy.deepcopy(prefill_full), s_prefill, standard, ctx.rank).module
-        sd = lower_for_rank(copy.deepcopy(decode_full), s_decode, standard, ctx.rank).module
-        share_state(sp, sd)
-        variants["standard"] = (sp, sd)
-    del prefill_full, decode_full, model
+        variants["standard"] = _rank_graphs(
+            prefill_meta, decode_meta, structures, standard, ctx, groups.tp_rank, ref.weights
+        )
+    del prefill_meta, decode_meta, model
 
     timers = {name: _Timer(groups.group("tp"), device) for name in variants}
     for _ in range(job.warmup):
@@ -281,16 +409,21 @@ def run_decode_rank(ctx: RankContext, job: DecodeJob) -> DecodeRankReport:
         rank=ctx.rank,
         tp_rank=groups.tp_rank,
         tokens=got.tokens.tolist(),
-        reference_tokens=reference.tokens.tolist(),
+        reference_tokens=want_tokens.tolist(),
         max_abs_logit_diff=diff,
         logit_scale=scale,
         ttft_samples_s=timers["plan"].samples["ttft"],
         tpot_samples_s=timers["plan"].samples["tpot"],
         peak_memory_bytes=peak,
         cache_bytes=cache_bytes(gd),
-        ladder_logit_deviation=deviation,
-        ladder_tokens_differ=differ,
+        ladder_logit_deviation=ref.ladder_logit_deviation,
+        ladder_tokens_differ=ref.ladder_tokens_differ,
         standard_tpot_samples_s=standard_timer.samples["tpot"] if standard_timer else [],
+        notes=[f"the unsharded reference was built and run once, in the {ref.made_on}"]
+        if ref.made_on.startswith("launching")
+        else [
+            f"the unsharded reference was built on {ref.made_on}: its peak memory includes the whole model"
+        ],
     )
 
 
@@ -329,6 +462,8 @@ def summarise_decode(reports: list[DecodeRankReport], dtype: str, batch_size: in
             "per_rank_median_s": [median(r.tpot_samples_s) for r in reports],
             "peak_memory_bytes": max(r.peak_memory_bytes for r in reports),
             "per_rank_peak_memory_bytes": [r.peak_memory_bytes for r in reports],
+            "startup_memory_bytes": max(r.startup_memory_bytes for r in reports),
+            "notes": list(dict.fromkeys(note for r in reports for note in r.notes)),
             "cache_bytes_per_rank": max(r.cache_bytes for r in reports),
             "iterations": len(tpot),
             "per_layer_s": {},
@@ -365,6 +500,9 @@ def _standard(reports: list[DecodeRankReport], tpot_s: float) -> dict[str, float
 __all__ = [
     "CACHE_UPDATE_OPS",
     "DecodeJob",
+    "DecodeReference",
+    "load_rank_state",
+    "write_decode_reference",
     "DecodeRankReport",
     "run_decode_rank",
     "share_state",

@@ -25,8 +25,9 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -130,10 +131,12 @@ def write_reference(job: RunJob, directory: str, made_on: str = "launching proce
 
 
 @contextmanager
-def shared_reference(ctx: RankContext, job: RunJob) -> Iterator[ReferenceFiles]:
-    """The job's reference; without one, local rank 0 of each node writes it to a temporary folder
-    (collective over the default group: every rank must enter) and removes it when every rank of
-    the job is done. A `made_on` naming a rank says that rank's peak memory holds the whole model."""
+def shared_reference(ctx: RankContext, job: Any, make: Callable[..., Any] | None = None) -> Iterator[Any]:
+    """The job's reference (`job.reference`); without one, local rank 0 of each node makes it with
+    `make(job, directory, made_on=...)` (default `write_reference`; serving runs pass
+    `runtime.decode.write_decode_reference`) in a temporary folder (collective over the default
+    group: every rank must enter) and removes it when every rank of the job is done. A `made_on`
+    naming a rank says that rank's peak memory holds the whole model."""
     if job.reference is not None:
         yield job.reference
         return
@@ -142,11 +145,11 @@ def shared_reference(ctx: RankContext, job: RunJob) -> Iterator[ReferenceFiles]:
     if ctx.local_rank == 0:
         directory = tempfile.mkdtemp(prefix="planner-reference-")
         try:
-            files = write_reference(job, directory, made_on=f"rank {ctx.rank}")
+            files = (make or write_reference)(job, directory, made_on=f"rank {ctx.rank}")
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
             raise
-    gathered: list[ReferenceFiles | None] = [None] * ctx.world_size
+    gathered: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(gathered, files)
     mine = gathered[ctx.rank - ctx.local_rank]
     assert mine is not None, "local rank 0 of this node made no reference"

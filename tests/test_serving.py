@@ -119,11 +119,33 @@ def test_serving_contract_errors():
         workflow.prepare(str(ROOT / "examples" / "llama3_kv.py"), "decode", seq_len=8)
 
 
-def test_gqa_fewer_kv_heads_than_tp_plans_head_parallel_and_names_the_fallback():
-    _, plan = _plan(MODELS / "llama_2kv.py", tp=4, context=16, new_tokens=4)
+def test_gqa_fewer_kv_heads_than_tp_holds_one_kv_head_per_rank_as_vllm():
+    """2 KV heads at tp=4 (vLLM replicates each KV head on tp / kv = 2 ranks): the plan splits K/V
+    projections into 2 pieces, the memory model counts one KV head of cache per rank, and the rank
+    graphs hold exactly that head's projection rows and cache, with no gather before attention."""
+    path = MODELS / "llama_2kv.py"
+    prepared, plan = _plan(path, tp=4, context=8, new_tokens=4)
     layer = next(c for c in plan.predicted.per_layer if c.layer == 0)
-    assert layer.strategy["core"] == "head" and layer.strategy["k"] != "colwise"
+    assert layer.strategy["core"] == "head" and layer.strategy["k"] == "colwise"
+    k_split = plan.splits["layers.0.attention.wk.weight"]
+    assert (k_split.style, k_split.pieces) == ("colwise", 2)
     assert plan.serving.fallbacks and "2 KV heads < tp=4" in plan.serving.fallbacks[0]
+    assert "replicated on 2 ranks" in plan.serving.fallbacks[0]
+    mf = load_model_file(path)
+    phase = decode_phase(1, 8, 12)
+    model = build_for(mf, phase)
+    gm = capture(model, *phase_inputs(mf, phase))
+    hd = 16  # tiny Llama: dim 128 / 8 heads
+    full_k = model.layers[0].attention.wk.weight.detach()
+    for rank in range(4):
+        lowered = lower_for_rank(copy.deepcopy(gm), analyse(gm), plan, rank).module
+        head = rank // 2
+        torch.testing.assert_close(
+            lowered.get_parameter("layers.0.attention.wk.weight"), full_k[head * hd : (head + 1) * hd]
+        )
+        assert tuple(lowered.get_buffer("layers.0.attention.kv_cache.k_cache").shape) == (1, 1, 12, hd)
+        gathers = [n for n in lowered.graph.nodes if n.target is collectives.tp_all_gather]
+        assert not [n for n in gathers if _feeds_sdpa(n)], "k/v gathered before attention"
 
 
 def test_70b_decode_at_tp4_plans_as_vllm():
@@ -163,3 +185,20 @@ def test_hf_static_cache_decode_run_tp2():
 def test_two_kv_heads_at_tp4_tokens_identical():
     plan, run = _serve(MODELS / "llama_2kv.py", 4, context=8, new_tokens=4)
     assert run["numerics"]["tokens_identical"] and run["numerics"]["ok"]
+    # one of the 2 KV heads per rank: 2 layers x K, V x (1, 1, 12, 16) fp32
+    assert run["measured"]["cache_bytes_per_rank"] == 2 * 2 * (1 * 1 * 12 * 16 * 4)
+
+
+def test_decode_ranks_make_the_reference_once_when_no_launcher_did():
+    """Under torchrun there is no launching process: local rank 0 makes the unsharded reference once
+    (in a temporary folder, removed after), every rank reads its shards from it and matches it."""
+    from runtime.decode import DecodeJob, run_decode_rank, summarise_decode
+    from runtime.launch import launch
+
+    path = ROOT / "examples" / "llama3_kv.py"
+    _, plan = _plan(path, context=4, new_tokens=2)
+    job = DecodeJob(str(path), plan.to_dict(), 1, 4, 2, plan.serving.cache_len, warmup=1, iters=1)
+    reports = launch(run_decode_rank, job, nproc=2, timeout_s=240)
+    run = summarise_decode(reports, plan.dtype, 1, 2)
+    assert run["numerics"]["tokens_identical"] and run["numerics"]["ok"]
+    assert "rank 0" in reports[0].notes[0] and reports[0].notes == reports[1].notes

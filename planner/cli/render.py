@@ -282,7 +282,10 @@ def render_serving_run(console: Console, report: dict[str, Any]) -> None:
         row("  same splits without ladder", p["standard_tpot_s"], got["standard_tpot_s"])
         row("  ladder speed-up", p["ladder_speedup"], got["ladder_speedup"], lambda x: f"{x:.3f}x")
     pm = report["predicted"]["peak_memory_bytes"]
-    row("peak memory / rank (cache included)", pm, m["peak_memory_bytes"], fmt_bytes)
+    # the prediction is the model's memory (weight shards, cache, activations); the process also holds
+    # what it held before the model (torch, the process group): compare above that
+    above = m["peak_memory_bytes"] - (m.get("startup_memory_bytes") or 0)
+    row("peak memory / rank above start-up (cache included)", pm, above if above > 0 else None, fmt_bytes)
     console.print(table)
     console.print(
         f"measured: per output token median of {m['iterations']} decode steps on the slowest rank (warm-up "
@@ -299,6 +302,8 @@ def render_serving_run(console: Console, report: dict[str, Any]) -> None:
             f"ladder residual vs the original model: prefill logits moved {n['ladder_deviation']:.3g} (relative L2), "
             f"{n['ladder_tokens_differ']} of {len(n['tokens']) * len(n['tokens'][0])} greedy tokens differ"
         )
+    for note in m.get("notes") or []:  # where the unsharded reference was built
+        console.print(f"note: {note}", highlight=False)
 
 
 def render_layer_comparison(console: Console, plan: Plan, measured_per_layer_s: dict[str, float]) -> None:

@@ -9,6 +9,8 @@ shows progress and renders. Errors are `planner.errors` exceptions with the exit
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -440,8 +442,13 @@ def run_serving(
     (`runtime.decode`); `warmup` untimed then `iters` timed requests. Returns the summary (None on
     ranks other than 0 under torchrun). Raises InputError for pp > 1, dp > 1 or a wrong nproc,
     RunError (exit 4) when a rank fails or the tokens / logits differ from the unsharded model's."""
-    from runtime.decode import DecodeJob, run_decode_rank, summarise_decode  # noqa: PLC0415 - only for --run
-    from runtime.launch import launch  # noqa: PLC0415
+    from runtime.decode import (  # noqa: PLC0415 - only for --run
+        DecodeJob,
+        run_decode_rank,
+        summarise_decode,
+        write_decode_reference,
+    )
+    from runtime.launch import launch, under_torchrun  # noqa: PLC0415
 
     sv = plan.serving
     assert sv is not None
@@ -462,7 +469,15 @@ def run_serving(
         warmup=max(1, warmup),
         iters=max(1, iters),
     )
-    reports = launch(run_decode_rank, job, nproc=nproc, timeout_s=timeout_s)
+    if not under_torchrun():  # under torchrun there is no launching process: the ranks make it
+        directory = tempfile.mkdtemp(prefix="planner-decode-reference-")
+        try:
+            job.reference = write_decode_reference(job, directory)
+            reports = launch(run_decode_rank, job, nproc=nproc, timeout_s=timeout_s)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+    else:
+        reports = launch(run_decode_rank, job, nproc=nproc, timeout_s=timeout_s)
     if any(r is None for r in reports):
         return None
     run = summarise_decode(reports, plan.dtype, plan.batch_size, sv.new_tokens)

@@ -382,6 +382,17 @@ def _node_cost(node: fx.Node) -> NodeCost:
             _nbytes(v) for v in inputs[1:] if isinstance(v, torch.Tensor) and not v.is_floating_point()
         )
         flops, read = 0.0, written + index_bytes
+    elif name in CACHE_UPDATE_OPS:  # a write into a slice of a buffer (a KV cache): only the values move
+        values = node.args[{"aten.index_put_": 2, "aten.index_put": 2, "aten.copy_": 1}.get(name, 3)]
+        moved = float(_nbytes(values.meta.get("val"))) if isinstance(values, fx.Node) else 0.0
+        index_bytes = sum(
+            _nbytes(v) for v in inputs if isinstance(v, torch.Tensor) and not v.is_floating_point()
+        )
+        flops, read, written = (
+            moved / max(val.element_size(), 1) if isinstance(val, torch.Tensor) else 0.0,
+            moved + index_bytes,
+            moved,
+        )
     elif name in _POOLS:  # every input element of every window read once
         flops = float(max((v.numel() for v in inputs if isinstance(v, torch.Tensor)), default=0))
         kind = "pool"

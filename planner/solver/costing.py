@@ -234,9 +234,13 @@ def conversion_time_s(src: Layout, dst: Layout, nbytes: float, ctx: CostContext)
 
 
 def projection_options(
-    proj: Projection, tokens: float, ctx: CostContext
+    proj: Projection, tokens: float, ctx: CostContext, pieces: int | None = None
 ) -> tuple[list[OpOption], dict[str, str]]:
-    """replicate / colwise / rowwise for one projection; divisibility decides which are offered."""
+    """replicate / colwise / rowwise for one projection; divisibility decides which are offered.
+
+    pieces: K/V projection of a GQA model with fewer KV heads than tp (`gqa_kv_replicated`): colwise
+    cuts it into `pieces` KV heads, each replicated on tp / pieces ranks (vLLM), so a rank computes
+    1/pieces of it; rowwise is not offered."""
     b, tp = ctx.bytes_per_element, ctx.mesh.tp
     n_in, n_out = proj.in_features, proj.out_features
     has_bias = proj.bias is not None
@@ -257,6 +261,10 @@ def projection_options(
     if tp == 1:
         return options, excluded
     parts = tuple(proj.parts) if proj.parts else (n_out,)
+    if pieces is not None:
+        options.append(option("colwise", R, S, n_in, n_out / pieces, pieces))
+        excluded["rowwise"] = f"K/V heads ({pieces}) fewer than tp={tp}: column-parallel over KV heads only"
+        return options, excluded
     if all(p % tp == 0 for p in parts):
         options.append(option("colwise", R, S, n_in, n_out / tp, tp))
     else:
@@ -310,18 +318,20 @@ def attention_core_options(
     elif kv_heads % tp == 0:
         options.append(option("head", S, tp))
     elif tp % kv_heads == 0:
-        # fewer KV heads than ranks (GQA): query heads split, K/V projections, RoPE and cache replicated
-        # on every rank, each rank slicing the KV heads its query heads use (gqa_kv_replicated)
-        options.append(option("head", S, tp, kv_shard=1))
+        # fewer KV heads than ranks (GQA, gqa_kv_replicated): query heads split; inference keeps one KV
+        # head per rank, each replicated on tp / kv_heads ranks (vLLM); training keeps the K/V
+        # projections replicated, each rank slicing the KV heads its query heads use
+        options.append(option("head", S, tp, kv_shard=1 if ctx.train else kv_heads))
     else:
         excluded["head"] = f"{kv_heads} KV heads (GQA) not divisible by tp={tp}"
     return options, excluded
 
 
 def gqa_kv_replicated(attn: Attention, tp: int) -> bool:
-    """Whether head-parallel attention of `attn` at `tp` keeps its K/V heads replicated: fewer KV heads
-    than ranks (tp a multiple of them). vLLM keeps one KV head per rank instead; here every rank holds
-    all of them (projections and cache), priced so and named in the plan's exclusions."""
+    """Whether head-parallel attention of `attn` at `tp` replicates K/V heads: fewer KV heads than ranks
+    (tp a multiple of them). Inference: each rank holds one KV head (its K/V projection rows and cache),
+    each head replicated on tp / kv ranks, as vLLM does; training: every rank holds all of them and
+    slices the heads its query heads use. Priced so and named in the plan."""
     return tp > 1 and attn.num_heads % tp == 0 and attn.num_kv_heads % tp != 0 and tp % attn.num_kv_heads == 0
 
 
@@ -516,8 +526,16 @@ def _param_bytes(p: Projection, b: int) -> float:
     return (p.in_features * p.out_features + (p.out_features if p.bias is not None else 0)) * b
 
 
-def _proj_op(name: str, block: str, p: Projection, inputs: list[str], tokens: float, ctx: CostContext) -> Op:
-    options, excluded = projection_options(p, tokens, ctx)
+def _proj_op(
+    name: str,
+    block: str,
+    p: Projection,
+    inputs: list[str],
+    tokens: float,
+    ctx: CostContext,
+    pieces: int | None = None,
+) -> Op:
+    options, excluded = projection_options(p, tokens, ctx, pieces)
     out_bytes = tokens * p.out_features * ctx.bytes_per_element
     return Op(name, block, options, inputs, out_bytes, p.weight, p, excluded)
 
@@ -529,12 +547,14 @@ def _attention_ops(
     core_inputs = []
     for role in (Role.QKV, Role.Q, Role.K, Role.V):
         if role in by_role:
-            op = _proj_op(role.value, "attention", by_role[role], [""], tokens, ctx)
-            if role in (Role.K, Role.V) and gqa_kv_replicated(attn, ctx.mesh.tp):
+            grouped = role in (Role.K, Role.V) and gqa_kv_replicated(attn, ctx.mesh.tp)
+            pieces = attn.num_kv_heads if grouped and not ctx.train else None
+            op = _proj_op(role.value, "attention", by_role[role], [""], tokens, ctx, pieces)
+            if grouped and ctx.train:
                 op.options = [o for o in op.options if o.name != "colwise"]
                 op.excluded["colwise"] = (
-                    f"{attn.num_kv_heads} KV heads < tp={ctx.mesh.tp}: K/V projections and cache replicated on every "
-                    "rank, each rank slicing the KV heads of its query heads"
+                    f"{attn.num_kv_heads} KV heads < tp={ctx.mesh.tp} in training: K/V projections replicated on "
+                    "every rank, each rank slicing the KV heads of its query heads"
                 )
             ops.append(op)
             core_inputs.append(role.value)

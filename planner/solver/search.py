@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from costmodels.cluster import ClusterSpec
 from planner.errors import InfeasibleError, InputError
-from planner.frontend.analysis import Layer, ModelStructure
+from planner.frontend.analysis import Layer, ModelStructure, Role
 from planner.plan import (
     Decision,
     MeshCandidate,
@@ -37,6 +37,7 @@ from planner.solver.costing import (
     CostContext,
     CostTables,
     build_cost_tables,
+    gqa_kv_replicated,
     in_flight_micro_batches,
     layer_keys,
     layer_projection_ops,
@@ -443,7 +444,7 @@ def _splits(tables: CostTables, assignment: Assignment) -> dict[str, WeightSplit
     structure = tables.ctx.structure
     splits: dict[str, WeightSplit] = {}
 
-    def add(proj, option: str) -> None:
+    def add(proj, option: str, pieces: int | None = None) -> None:
         style = SplitStyle(option)
         out_dim = proj.weight_out_dim
         if style in (SplitStyle.COLWISE, SplitStyle.VOCAB):
@@ -453,12 +454,18 @@ def _splits(tables: CostTables, assignment: Assignment) -> dict[str, WeightSplit
         else:
             dim = 0
         parts = list(proj.parts) if proj.parts and style is SplitStyle.COLWISE else None
-        splits[proj.weight] = WeightSplit(proj.weight, style, dim, parts)
+        pieces = pieces if style is SplitStyle.COLWISE else None
+        splits[proj.weight] = WeightSplit(proj.weight, style, dim, parts, pieces)
 
     if structure.layers:
         for layer, key in zip(structure.layers, tables.layer_keys):
+            attn = layer.attention
+            grouped = (
+                attn is not None and not tables.ctx.train and gqa_kv_replicated(attn, tables.ctx.mesh.tp)
+            )
             for name, proj in layer_projection_ops(layer).items():
-                add(proj, assignment.option(key, name))
+                kv = grouped and proj.role in (Role.K, Role.V)
+                add(proj, assignment.option(key, name), attn.num_kv_heads if kv else None)
     else:
         for name, proj in mlp_op_names(structure.mlp_chain).items():
             add(proj, assignment.option("chain", name))

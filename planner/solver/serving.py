@@ -44,8 +44,9 @@ def plan_assignment(plan: Plan, tables: CostTables) -> Assignment:
 
 
 def kv_fallbacks(plan: Plan, structure: ModelStructure) -> list[str]:
-    """What the rewrite of `plan` keeps replicated in head-parallel attention, by layer range: K/V
-    heads of GQA layers with fewer KV heads than tp (priced so by `costing.gqa_kv_replicated`)."""
+    """What the rewrite of `plan` replicates in head-parallel attention, by layer range: K/V heads of
+    GQA layers with fewer KV heads than tp, each on tp / kv ranks (priced so by
+    `costing.gqa_kv_replicated`)."""
     layers = [
         c.layer
         for c in plan.predicted.per_layer
@@ -58,8 +59,8 @@ def kv_fallbacks(plan: Plan, structure: ModelStructure) -> list[str]:
         return []
     kv = structure.layers[layers[0]].attention.num_kv_heads
     return [
-        f"layers {layers[0]}-{layers[-1]}: {kv} KV heads < tp={plan.tp}: K/V projections and KV cache replicated "
-        "on every rank (priced), each rank slicing the KV heads its query heads use"
+        f"layers {layers[0]}-{layers[-1]}: {kv} KV heads < tp={plan.tp}: each rank holds one KV head (its K/V "
+        f"projection rows and KV cache), each head replicated on {plan.tp // kv} ranks as vLLM does (priced)"
     ]
 
 
