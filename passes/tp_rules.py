@@ -485,12 +485,10 @@ def rule_expand(ctx: RuleContext, node: fx.Node) -> None:
 @register_rule(aten.slice, aten.select, aten.narrow)
 def rule_slice(ctx: RuleContext, node: fx.Node) -> None:
     """Slice / select / narrow of a shard along another dim keeps it (select drops a dim); along it: error."""
-    # except a sequence shard (sequence parallelism: x[:, -1]), which is gathered first
-    p = ctx.shard_of(node.args[0])
-    if p is not None and ctx.sequence_shard_dim(node.args[0]) == int(node.args[1]) % len(
-        ctx.gshape(node.args[0])
-    ):
-        ctx.run_replicated(node)
+    x = node.args[0]
+    seq = ctx.sequence_shard_dim(x)
+    if seq is not None and seq == int(node.args[1]) % len(ctx.gshape(x)):
+        ctx.run_replicated(node)  # a sequence shard (sequence parallelism) cut along T: gathered first
         return
 
     def new(p: Placement, nd: int) -> int:

@@ -3,8 +3,8 @@
 A rule (`passes.tp_rules`) gets a `RuleContext` and one node. It reads the placements of the node's
 inputs (`ctx.place`), rewires inputs through `replicated` (all-gather), `sharded` (local slice) or
 `copy_in` (Megatron's `f` under training) or, under sequence parallelism, `sequence_gathered`
-(all-gather of a sequence shard whose backward reduce-scatters), replaces split parameters with this rank's shard
-(`replace_param`), records the node's placement and local meta value (`set_meta`), and checks the
+(all-gather of a sequence shard whose backward reduce-scatters), replaces split parameters with
+this rank's shard (`replace_param`), records the node's placement and local meta value (`set_meta`), and checks the
 rewritten node's local shape (`check`). `run_replicated` is what an op without a sharding rule gets;
 when it has to all-gather a sharded input it records the fallback in `node.meta["tp_fallback"]`
 (a `Fallback`: op, the user's source line, the gathered inputs and bytes), so that the planner can
