@@ -1,6 +1,6 @@
 """Serving benchmarks: decode with a real KV cache, predicted beside measured.
 
-    python bench/serving.py                 # (c) only: predictions vs gpt-fast's published decode figures
+    python bench/serving.py                 # (c) only: predictions vs published serving measurements
     python bench/serving.py --run           # also (a) ladder vs standard at TP=2 and (b) predicted vs
                                             # measured ms/token, on local gloo ranks
 
@@ -9,11 +9,24 @@
     so the measured speed-up is a ratio from one run; beside it the predicted speed-up.
 (b) predicted vs measured time per output token for the tiny Llama (two cache lengths), the Hugging Face
     static-cache wrapper and the 2-KV-head model at TP=4.
-(c) tokens/s predicted for Llama-3.1-8B / 70B at batch 1, TP 2/4/8, on the dgx-a100 preset (bf16, 5-token
-    prompt, 200 new tokens) against pytorch-labs/gpt-fast's README (8xA100-80GB at 330 W, torch.compile,
-    custom all-reduce; ../shared/reference/published.md). Published decode figures at batch > 1 for the
-    same setup were not found (gpt-fast measures batch 1 only: meta-pytorch/gpt-fast issue #90), so
-    batch 4/16/64 rows print predictions without a measurement.
+(c) decode predictions against published serving measurements (bf16/fp16 only: the planner has no fp8),
+    priced with the planner's own API (`workflow.prepare` / `make_plan`, generate workload) and compared
+    like for like: a source's tokens/s over whole requests with batch x N / (TTFT + (N-1) x TPOT), its
+    end-to-end latency with TTFT + (N-1) x TPOT, gpt-fast's tokens/s per sequence with the same over one
+    sequence. Sources (figures and configurations in bench/README.md, "Published serving figures"):
+      - gpt-fast README (batch 1, Llama-3.1 8B/70B, 8xA100-80GB at 330 W, bf16, 5-token prompt, 200 new
+        tokens; static cache, GQA heads repeated as gpt-fast does: examples/llama3_*_kv.py);
+      - LMDeploy v0.1.0a1 docs/en/benchmark/a100_fp16.md (static inference, A100-80G, fp16, Llama-2 7B TP1
+        and 70B TP4, batch 1/16/32/64, 1-token prompt, 128 new tokens);
+      - TensorRT-LLM release/0.5.0 docs/source/performance.md (A100 FP16 table, static batching,
+        Llama-2 7B TP1 and 70B TP4, batch 16/32/64, 128 or 2048 in and out);
+      - vLLM's performance-benchmark build 9515 (latency tests: H200, batch 8, 32-token prompt, 128 new
+        tokens, mean end-to-end latency; Llama-3.1-8B TP1, Llama-3-70B TP4, checkpoint dtype bf16).
+    The engines' attention reads only the filled part of the cache, once per KV head (paged / fused GQA
+    kernels); the static-cache model attends over all it allocates, so engine rows plan Llama-2 examples
+    with fused GQA (examples/llama2_*_kv.py) and a cache of P + N/2 tokens, the mean filled length
+    (a step's attention time is linear in it, so this prices the mean step). No public batch-4 figure
+    with a known bf16/fp16 configuration was found; batch 8 is the nearest.
 """
 
 from __future__ import annotations
@@ -21,6 +34,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,51 +46,158 @@ from rich.table import Table  # noqa: E402
 from planner.cli import workflow  # noqa: E402
 
 MIDLINK = str(ROOT / "tests" / "models" / "midlink-cpu.yaml")
-GPT_FAST = {  # tokens/s, batch 1 (published.md)
-    ("llama3_8b_kv", 2): 149.10,
-    ("llama3_8b_kv", 4): 217.21,
-    ("llama3_8b_kv", 8): 276.01,
-    ("llama3_70b_kv", 2): 16.03,
-    ("llama3_70b_kv", 4): 37.45,
-    ("llama3_70b_kv", 8): 58.78,
-}
+GPT_FAST = "https://github.com/meta-pytorch/gpt-fast#benchmarks"
+LMDEPLOY = (
+    "https://github.com/InternLM/lmdeploy/blob/3e391df4673326f79363eebe030876861a9b7090/"
+    "docs/en/benchmark/a100_fp16.md"
+)
+TRT_LLM = "https://github.com/NVIDIA/TensorRT-LLM/blob/release/0.5.0/docs/source/performance.md"
+VLLM = "https://buildkite.com/vllm/performance-benchmark/builds/9515"
 
 
-def plan(model: str, cluster: str, tp: int, ladder: str = "none", **kw):
-    prepared = workflow.prepare(str(ROOT / model), "decode", **kw)
+@dataclass(frozen=True)
+class Published:
+    """One published measurement: `value` in `metric` ("tok/s": output tokens/s of the batch over whole
+    requests; "tok/s/seq": per sequence; "ms": mean end-to-end latency of the batch) for `batch`
+    sequences of a `prompt`-token prompt and `new` generated tokens on `cluster` at tensor parallel `tp`.
+    `paged`: the engine attends over the filled cache only (priced with a cache of prompt + new / 2)."""
+
+    source: str
+    url: str
+    model: str  # examples/<model>.py
+    label: str
+    cluster: str
+    tp: int
+    batch: int
+    prompt: int
+    new: int
+    dtype: str
+    metric: str
+    value: float
+    paged: bool = True
+
+
+def _lmdeploy(model: str, label: str, tp: int, batch: int, tok_s: float) -> Published:
+    return Published("LMDeploy v0.1.0a1", LMDEPLOY, model, label, "dgx-a100", tp, batch, 1, 128, "fp16",
+                     "tok/s", tok_s)  # fmt: skip
+
+
+def _trt(model: str, label: str, tp: int, batch: int, prompt: int, new: int, tok_s: float) -> Published:
+    return Published("TensorRT-LLM 0.5.0", TRT_LLM, model, label, "dgx-a100", tp, batch, prompt, new, "fp16",
+                     "tok/s", tok_s)  # fmt: skip
+
+
+def _gpt_fast(model: str, label: str, tp: int, tok_s: float) -> Published:
+    return Published("gpt-fast", GPT_FAST, model, label, "dgx-a100", tp, 1, 5, 200, "bf16", "tok/s/seq",
+                     tok_s, paged=False)  # fmt: skip
+
+
+PUBLISHED = [
+    # gpt-fast README, 8xA100-80GB at 330 W, torch.compile, custom all-reduce (published.md)
+    _gpt_fast("llama3_8b_kv", "Llama-3.1-8B", 2, 149.10),
+    _gpt_fast("llama3_8b_kv", "Llama-3.1-8B", 4, 217.21),
+    _gpt_fast("llama3_8b_kv", "Llama-3.1-8B", 8, 276.01),
+    _gpt_fast("llama3_70b_kv", "Llama-3.1-70B", 2, 16.03),
+    _gpt_fast("llama3_70b_kv", "Llama-3.1-70B", 4, 37.45),
+    _gpt_fast("llama3_70b_kv", "Llama-3.1-70B", 8, 58.78),
+    # LMDeploy static inference benchmark, A100-80G x8, fp16, prompt 1, 128 new tokens, out tok/s
+    _lmdeploy("llama2_7b_kv", "Llama-2-7B", 1, 1, 100.02),
+    _lmdeploy("llama2_7b_kv", "Llama-2-7B", 1, 16, 1504.72),
+    _lmdeploy("llama2_7b_kv", "Llama-2-7B", 1, 32, 2136.73),
+    _lmdeploy("llama2_7b_kv", "Llama-2-7B", 1, 64, 4154.81),
+    _lmdeploy("llama2_70b_kv", "Llama-2-70B", 4, 1, 33.94),
+    _lmdeploy("llama2_70b_kv", "Llama-2-70B", 4, 16, 468.52),
+    _lmdeploy("llama2_70b_kv", "Llama-2-70B", 4, 32, 906.03),
+    _lmdeploy("llama2_70b_kv", "Llama-2-70B", 4, 64, 1425.79),
+    # TensorRT-LLM v0.5.0 "A100 GPUs (FP16)" high-throughput table (static batching), out tok/s
+    _trt("llama2_7b_kv", "Llama-2-7B", 1, 64, 128, 128, 3486),
+    _trt("llama2_7b_kv", "Llama-2-7B", 1, 32, 128, 2048, 1459),
+    _trt("llama2_7b_kv", "Llama-2-7B", 1, 32, 2048, 128, 529),
+    _trt("llama2_7b_kv", "Llama-2-7B", 1, 16, 2048, 2048, 592),
+    _trt("llama2_70b_kv", "Llama-2-70B", 4, 64, 128, 128, 1237),
+    _trt("llama2_70b_kv", "Llama-2-70B", 4, 64, 128, 2048, 1181),
+    _trt("llama2_70b_kv", "Llama-2-70B", 4, 64, 2048, 128, 272),
+    _trt("llama2_70b_kv", "Llama-2-70B", 4, 64, 2048, 2048, 738),
+    # vLLM nightly latency tests (benchmark_latency, load_format dummy), mean end-to-end latency
+    Published(
+        "vLLM (build 9515)",
+        VLLM,
+        "llama3_8b_kv",
+        "Llama-3.1-8B",
+        "dgx-h200",
+        1,
+        8,
+        32,
+        128,
+        "bf16",
+        "ms",
+        833.421,
+    ),  # fmt: skip
+    Published(
+        "vLLM (build 9515)",
+        VLLM,
+        "llama3_70b_kv",
+        "Llama-3-70B",
+        "dgx-h200",
+        4,
+        8,
+        32,
+        128,
+        "bf16",
+        "ms",
+        2077.53,
+    ),  # fmt: skip
+]
+
+
+def plan(model: str, cluster: str, tp: int, ladder: str = "none", workload: str = "decode", **kw):
+    prepared = workflow.prepare(str(ROOT / model), workload, **kw)
     spec = workflow.resolve_cluster(cluster, tp)
     constraints = workflow.constraints_from(tp, 1, 1, ladder, max_devices=tp)
     return workflow.make_plan(prepared, spec, constraints, model)
 
 
-def published(console: Console) -> None:
-    table = Table(title="(c) decode tokens/s, batch 1 (gpt-fast, 8xA100) vs predicted (dgx-a100, bf16)")
-    for col in ("model", "tp", "batch", "predicted tok/s", "published tok/s", "error"):
+def predict(row: Published) -> float:
+    """The planner's figure for `row`, in the row's metric.
+
+    The request is priced as TTFT + (N - 1) x TPOT from a generate plan of the row's prompt; a paged
+    engine's row plans a cache of P + N/2 tokens (generate with N/2 new tokens), the mean filled length,
+    and counts all N tokens."""
+    planned_new = max(1, row.new // 2) if row.paged else row.new
+    p = plan(f"examples/{row.model}.py", row.cluster, row.tp, workload="generate", seq_len=row.prompt,
+             new_tokens=planned_new, batch_size=row.batch, dtype=row.dtype)  # fmt: skip
+    request_s = p.serving.ttft_s + (row.new - 1) * p.serving.tpot_s
+    if row.metric == "ms":
+        return request_s * 1e3
+    if row.metric == "tok/s/seq":
+        return row.new / request_s
+    return row.batch * row.new / request_s
+
+
+def published(console: Console) -> list[tuple[Published, float]]:
+    """Part (c): every published row beside its prediction; the median |error| per batch size."""
+    table = Table(title="(c) decode: published serving measurements vs predicted (planner presets)")
+    for col in ("source", "model", "GPU", "TP", "batch", "prompt/out", "dtype", "metric", "published",
+                "predicted", "speed error"):  # fmt: skip
         table.add_column(col, justify="right")
-    errors = []
-    for name in ("llama3_8b_kv", "llama3_70b_kv"):
-        for tp in (2, 4, 8):
-            for batch in (1, 4, 16, 64):
-                p = plan(
-                    f"examples/{name}.py",
-                    "dgx-a100",
-                    tp,
-                    context=5,
-                    new_tokens=200,
-                    batch_size=batch,
-                    dtype="bf16",
-                )
-                per_seq = p.serving.tokens_per_s / batch  # tokens/s per sequence, as gpt-fast reports
-                want = GPT_FAST.get((name, tp)) if batch == 1 else None
-                err = per_seq / want - 1 if want else None
-                if err is not None:
-                    errors.append(abs(err))
-                table.add_row(name, str(tp), str(batch), f"{per_seq:.1f}", f"{want:.2f}" if want else "-",
-                              f"{err:+.0%}" if err is not None else "not published")  # fmt: skip
+    results, by_batch = [], {}
+    for row in PUBLISHED:
+        pred = predict(row)
+        # speed error: + predicted faster than published (a latency row compares the inverse)
+        err = row.value / pred - 1 if row.metric == "ms" else pred / row.value - 1
+        results.append((row, pred))
+        by_batch.setdefault(row.batch, []).append(abs(err))
+        table.add_row(row.source, row.label, row.cluster, str(row.tp), str(row.batch),
+                      f"{row.prompt}/{row.new}", row.dtype, row.metric, f"{row.value:.2f}", f"{pred:.2f}",
+                      f"{err:+.0%}")  # fmt: skip
     console.print(table)
-    console.print(
-        f"median |error| at batch 1: {statistics.median(errors):.0%} over {len(errors)} configurations"
-    )
+    for batch in sorted(by_batch):
+        errors = by_batch[batch]
+        console.print(
+            f"batch {batch:>2}: median |error| {statistics.median(errors):.0%} over {len(errors)} rows"
+        )
+    console.print("batch 4: no public bf16/fp16 measurement with a known configuration found")
+    return results
 
 
 def measured(console: Console, iters: int) -> None:
@@ -125,7 +246,7 @@ def main() -> None:
     parser.add_argument("--run", action="store_true", help="also run (a) and (b) on local gloo ranks")
     parser.add_argument("--iters", type=int, default=3, help="timed requests per configuration")
     args = parser.parse_args()
-    console = Console(width=160)
+    console = Console(width=200)
     published(console)
     if args.run:
         measured(console, args.iters)

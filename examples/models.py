@@ -59,14 +59,14 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape  # (B, T, C)
+        B, T, _ = x.shape  # (B, T, C)
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # 3 x (B, T, C)
-        hd = C // self.n_head
+        hd = self.n_embd // self.n_head  # from the attributes, so that a TP rank may hold fewer heads
         q = q.view(B, T, self.n_head, hd).transpose(1, 2)  # (B, nh, T, hd)
         k = k.view(B, T, self.n_head, hd).transpose(1, 2)  # (B, nh, T, hd)
         v = v.view(B, T, self.n_head, hd).transpose(1, 2)  # (B, nh, T, hd)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hd)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, self.n_embd)  # (B, T, C)
         return self.c_proj(y)
 
 

@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 from models import (
     LlamaAttention,
     LlamaConfig,
@@ -49,10 +50,18 @@ class KVCache(nn.Module):
 
 class CachedAttention(LlamaAttention):
     """Grouped-query attention with RoPE over a static KV cache (`models.LlamaAttention`'s projections
-    and attention core, the K/V of each step written into the cache first)."""
+    and attention core, the K/V of each step written into the cache first).
 
-    def __init__(self, config: LlamaConfig, max_batch_size: int, max_seq_len: int) -> None:
+    ``fused_gqa=False`` (gpt-fast's form, `LlamaAttention.attend`) repeats each K/V head of the whole
+    cache to its query heads before SDPA; ``True`` lets SDPA read each K/V head for its group of query
+    heads (``enable_gqa``), as the serving engines' attention kernels do: the cache is never copied.
+    """
+
+    def __init__(
+        self, config: LlamaConfig, max_batch_size: int, max_seq_len: int, fused_gqa: bool = False
+    ) -> None:
         super().__init__(config)
+        self.fused_gqa = fused_gqa
         self.kv_cache = KVCache(max_batch_size, max_seq_len, config.n_kv_heads, self.head_dim)
 
     def forward(
@@ -65,14 +74,20 @@ class CachedAttention(LlamaAttention):
     ) -> torch.Tensor:
         q, k, v = self.project(x, cos, sin)  # (B, n, T, hd)
         k, v = self.kv_cache.update(input_pos, k, v)  # (B, nkv, L, hd): the whole cache
-        return self.attend(q, k, v, attn_mask=mask)
+        if not self.fused_gqa:
+            return self.attend(q, k, v, attn_mask=mask)
+        B, _, T, hd = q.shape
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # (B, nh, T, hd)
+        return self.wo(y.transpose(1, 2).contiguous().view(B, T, self.n_heads * hd))
 
 
 class CachedBlock(nn.Module):
-    def __init__(self, config: LlamaConfig, max_batch_size: int, max_seq_len: int) -> None:
+    def __init__(
+        self, config: LlamaConfig, max_batch_size: int, max_seq_len: int, fused_gqa: bool = False
+    ) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attention = CachedAttention(config, max_batch_size, max_seq_len)
+        self.attention = CachedAttention(config, max_batch_size, max_seq_len, fused_gqa)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = LlamaFeedForward(config)
 
@@ -82,14 +97,17 @@ class CachedBlock(nn.Module):
 
 
 class CachedLlama(nn.Module):
-    """Llama-3 (untied LM head `output`) with static K/V caches of `max_seq_len` tokens."""
+    """Llama-3 (untied LM head `output`) with static K/V caches of `max_seq_len` tokens
+    (``fused_gqa``: see `CachedAttention`)."""
 
-    def __init__(self, config: LlamaConfig, max_batch_size: int, max_seq_len: int) -> None:
+    def __init__(
+        self, config: LlamaConfig, max_batch_size: int, max_seq_len: int, fused_gqa: bool = False
+    ) -> None:
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(
-            [CachedBlock(config, max_batch_size, max_seq_len) for _ in range(config.n_layers)]
+            [CachedBlock(config, max_batch_size, max_seq_len, fused_gqa) for _ in range(config.n_layers)]
         )
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
@@ -123,15 +141,16 @@ def serving_model_file(
     prompt_len: int = 2048,
     dtype: torch.dtype | None = None,
     device: str | None = None,
+    fused_gqa: bool = False,
 ):
     """`build_model` and `example_inputs` of a serving model file (README, models with a KV cache) for
-    `CachedLlama(config)`: built on `device` (e.g. "meta": planned, no weights) in `dtype`, with the
-    given default cache and prompt sizes. A model file assigns them at module level together with
-    `step_inputs`."""
+    `CachedLlama(config, fused_gqa=fused_gqa)`: built on `device` (e.g. "meta": planned, no weights) in
+    `dtype`, with the given default cache and prompt sizes. A model file assigns them at module level
+    together with `step_inputs`."""
 
     def build_model(max_batch_size: int = max_batch_size, max_seq_len: int = max_seq_len) -> nn.Module:
         with torch.device(device) if device else contextlib.nullcontext():
-            model = CachedLlama(config, max_batch_size, max_seq_len)
+            model = CachedLlama(config, max_batch_size, max_seq_len, fused_gqa)
         return model.to(dtype) if dtype else model
 
     def example_inputs(batch_size: int = max_batch_size, seq_len: int = prompt_len) -> tuple:

@@ -19,7 +19,7 @@ from costmodels.cluster import (
 )
 from planner.errors import InputError
 
-PRESETS = ["dgx-a100", "dgx-h100", "h100-ib-128node", "h100-ib-2node", "h100-pcie", "local-cpu"]
+PRESETS = ["dgx-a100", "dgx-h100", "dgx-h200", "h100-ib-128node", "h100-ib-2node", "h100-pcie", "local-cpu"]
 
 
 def _valid() -> dict:
@@ -240,7 +240,7 @@ def test_top_level_not_a_mapping(tmp_path: Path) -> None:
 
 def test_unknown_preset_lists_presets() -> None:
     with pytest.raises(SpecError) as info:
-        load_cluster("dgx-h200")
+        load_cluster("dgx-b200")
     assert "unknown cluster preset" in str(info.value)
     for name in PRESETS:
         assert name in str(info.value)

@@ -88,12 +88,18 @@ def test_attention_head_parallel_then_row(h100) -> None:
 
 def test_gqa_kv_heads_below_tp_replicated_and_reported(h100) -> None:
     gqa = analysed_llama("8b", n_kv_heads=4)  # 32 query heads, 4 KV heads
-    # tp=8 > 4 KV heads: query heads split, K/V heads replicated (as vLLM does), not refused; the
-    # replicated K/V projections are named in the exclusions
+    # tp=8 > 4 KV heads, inference: query heads split, each rank holds one KV head replicated on 2
+    # ranks (as vLLM does), not refused: K/V column-parallel over 4 pieces, rowwise excluded and named
     plan = plan_model(gqa, h100, WorkloadSpec("forward", 1, 2048, dtype="bf16"), Constraints(tp=8))
     s = strategy(plan)
-    assert s["core"] == "head" and s["q"] == "colwise" and s["k"] != "colwise" and s["v"] != "colwise"
-    assert any("4 KV heads < tp=8" in e for e in plan.excluded)
+    assert s["core"] == "head" and s["q"] == "colwise" and s["k"] == "colwise" and s["v"] == "colwise"
+    assert plan.splits["layers.0.attention.wk.weight"].pieces == 4
+    assert any("K/V heads (4) fewer than tp=8" in e for e in plan.excluded)
+    # training keeps the K/V projections replicated (each rank slices the KV heads it uses), named too
+    train = plan_model(gqa, h100, WorkloadSpec("train", 8, 2048, dtype="bf16"), Constraints(tp=8))
+    st = strategy(train)
+    assert st["core"] == "head" and st["k"] != "colwise" and st["v"] != "colwise"
+    assert any("4 KV heads < tp=8 in training" in e for e in train.excluded)
     # At tp=4 the KV heads divide: head-parallel is offered and chosen.
     plan4 = plan_model(gqa, h100, WorkloadSpec("forward", 1, 2048, dtype="bf16"), Constraints(tp=4, dp=1))
     assert strategy(plan4)["core"] == "head"

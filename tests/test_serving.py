@@ -148,6 +148,29 @@ def test_gqa_fewer_kv_heads_than_tp_holds_one_kv_head_per_rank_as_vllm():
         assert not [n for n in gathers if _feeds_sdpa(n)], "k/v gathered before attention"
 
 
+def test_fused_gqa_attention_reads_the_cache_once_and_shards_with_its_heads():
+    """fused_gqa (SDPA enable_gqa, as serving engines attend): no repeat of the cache to the query heads
+    in the decode graph, SDPA priced on the 4 KV heads it reads, and each rank's graph holding its 2 KV
+    heads of cache with no gather before attention."""
+    path = MODELS / "llama_fused_gqa.py"
+    prepared, plan = _plan(path, tp=2, context=8, new_tokens=4)
+    ops = {c.op for c in prepared.structure.node_costs.values()}
+    assert "aten.repeat_interleave" not in ops and "aten.scaled_dot_product_attention" in ops
+    sdpas = [c for c in prepared.structure.node_costs.values() if c.op == "aten.scaled_dot_product_attention"]
+    hd, cache_len = 16, 12  # tiny Llama: dim 128 / 8 heads; context 8 + 4 new tokens
+    k_and_v = 2 * 4 * cache_len * hd * 4  # K and V of the 4 KV heads, fp32, read once
+    # + the query (8 heads) and the bool mask, in each of the 2 layers
+    assert [c.bytes_read for c in sdpas] == [k_and_v + 8 * hd * 4 + cache_len] * 2
+    mf = load_model_file(path)
+    phase = decode_phase(1, 8, cache_len)
+    gm = capture(build_for(mf, phase), *phase_inputs(mf, phase))
+    for rank in range(2):
+        lowered = lower_for_rank(copy.deepcopy(gm), analyse(gm), plan, rank).module
+        assert tuple(lowered.get_buffer("layers.0.attention.kv_cache.k_cache").shape) == (1, 2, cache_len, hd)
+        gathers = [n for n in lowered.graph.nodes if n.target is collectives.tp_all_gather]
+        assert not [n for n in gathers if _feeds_sdpa(n)], "k/v gathered before attention"
+
+
 def test_70b_decode_at_tp4_plans_as_vllm():
     _, structure = plan_structure(
         load_model_file(ROOT / "examples" / "llama3_70b_kv.py"), decode_phase(8, 4096, 4112)

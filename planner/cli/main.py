@@ -4,6 +4,8 @@
     planner show PLAN.yaml
     planner run PLAN.yaml --model MODEL.py [--nproc N]
     planner calibrate --out SPEC.yaml [--nproc N]
+    planner export PLAN.yaml --to dtensor|torchtitan|megatron|vllm [--out FILE] [--model ID]
+    planner compare REPORT.json [REPORT.json ...]
 
 Exit codes: 0 success; 2 bad input (file, YAML, options); 3 no feasible plan; 4 run failed.
 """
@@ -106,6 +108,23 @@ def build_parser() -> argparse.ArgumentParser:
     cal = sub.add_parser("calibrate", help="measure this machine and write a cluster spec")
     cal.add_argument("--out", required=True)
     cal.add_argument("--nproc", type=_positive, default=os.cpu_count() or 1)
+
+    exp = sub.add_parser(
+        "export", help="write a plan as the input of Megatron-LM, torchtitan, vLLM or DTensor"
+    )
+    exp.add_argument("plan")
+    exp.add_argument(
+        "--to",
+        required=True,
+        choices=["dtensor", "torchtitan", "megatron", "vllm"],  # planner.export.FORMATS
+        help="dtensor: parallelize_module plan (.py); torchtitan: job TOML sections; megatron: "
+        "command-line arguments (bash); vllm: engine arguments and vllm serve line (.py)",
+    )
+    exp.add_argument("--out", help="write here (atomically) instead of printing")
+    exp.add_argument("--model", help="vllm: the Hugging Face id or checkpoint folder to serve")
+
+    cmp_ = sub.add_parser("compare", help="print the JSON reports of several plans side by side")
+    cmp_.add_argument("reports", nargs="+", metavar="REPORT.json")
     return parser
 
 
@@ -387,14 +406,42 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from planner.export import export_plan  # noqa: PLC0415
+    from planner.plan import Plan  # noqa: PLC0415
+
+    _check_outputs(args)
+    plan = Plan.from_yaml(args.plan)
+    result = export_plan(plan, args.to, model=args.model)
+    _warn(result.warnings)
+    if args.out:
+        write_text_atomic(args.out, result.text, option="--out")
+        err_console.print(f"{args.to} export written to {args.out}")
+    else:
+        sys.stdout.write(result.text)
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from planner.cli.compare import render_comparison  # noqa: PLC0415
+
+    render_comparison(console, args.reports)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `planner` console script; returns the process exit code."""
     warnings.showwarning = _show_warning  # spec and calibration warnings as one line each
     try:
         args = build_parser().parse_args(argv)
-        handler = {"optimize": cmd_optimize, "show": cmd_show, "run": cmd_run, "calibrate": cmd_calibrate}[
-            args.command
-        ]
+        handler = {
+            "optimize": cmd_optimize,
+            "show": cmd_show,
+            "run": cmd_run,
+            "calibrate": cmd_calibrate,
+            "export": cmd_export,
+            "compare": cmd_compare,
+        }[args.command]
         return handler(args)
     except PlannerError as e:
         kind = {2: "bad input", 3: "no feasible plan", 4: "run failed"}.get(e.exit_code, "error")

@@ -1,0 +1,116 @@
+"""`planner compare REPORT.json [REPORT.json ...]`: plans side by side, to choose between them.
+
+Reads the JSON reports of `planner optimize ... --json` / `planner run ... --json` (`workflow.report_dict`)
+and prints one column per report: model, cluster, workload, mesh, schedule, ladder, predicted and
+measured step time, peak memory per rank and tokens/s; then which report is fastest.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from planner.cli.render import fmt_bytes, fmt_s
+from planner.errors import InputError
+
+_REPORT_KEYS = ("plan", "predicted")  # present in every report_dict
+
+
+def load_report(path: str) -> dict[str, Any]:
+    """One JSON report. Raises InputError when it cannot be read, is not JSON, or is not a report."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise InputError(f"cannot read report {path!r}: {e.strerror or e}") from None
+    try:
+        report = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    missing = [k for k in _REPORT_KEYS if not isinstance(report, dict) or not isinstance(report.get(k), dict)]
+    if missing:
+        raise InputError(
+            f"{path} is not a planner report (no {', '.join(missing)}); reports are the JSON that "
+            "planner optimize MODEL.py --json REPORT.json writes"
+        )
+    return report
+
+
+def _measured_tokens_per_s(report: dict[str, Any]) -> float | None:
+    """Measured tokens/s: the served request's, else the predicted tokens per step over the measured step."""
+    serving = (report.get("serving") or {}).get("measured") or {}
+    if serving.get("tokens_per_s"):
+        return float(serving["tokens_per_s"])
+    measured, predicted = report.get("measured") or {}, report["predicted"]
+    if not measured.get("latency_s") or not predicted.get("latency_s"):
+        return None
+    tokens_per_step = predicted.get("throughput_tokens_per_s", 0.0) * predicted["latency_s"]
+    return tokens_per_step / measured["latency_s"] if tokens_per_step else None
+
+
+def comparison_rows(report: dict[str, Any]) -> dict[str, str]:
+    """Row label -> cell text for one report (the column of the comparison table)."""
+    plan, p = report["plan"], report["predicted"]
+    m = report.get("measured") or {}
+    mesh = f"TP={plan.get('tp', '?')} × PP={plan.get('pp', '?')} × DP={plan.get('dp', '?')}"
+    pipeline = plan.get("schedule", "-") if (plan.get("pp") or 1) > 1 else "no pipeline"
+    schedule = f"{pipeline}, {plan.get('micro_batches', '?')} micro-batch(es)"
+    if (plan.get("virtual_stages") or 1) > 1:
+        schedule += f", {plan['virtual_stages']} virtual stages"
+    extras = [
+        "sequence parallel" if plan.get("sequence_parallel") else "",
+        "distributed optimizer" if plan.get("distributed_optimizer") else "",
+        ", ".join(f"recompute {k}: {v}" for k, v in (plan.get("recompute") or {}).items() if v != "none"),
+    ]
+    above = (m.get("peak_memory_bytes") or 0) - (m.get("startup_memory_bytes") or 0)
+    measured_tps = _measured_tokens_per_s(report)
+    ratio = p["latency_s"] / m["latency_s"] if m.get("latency_s") and p.get("latency_s") else None
+    speedup = (report.get("baseline") or {}).get("speedup")
+    return {
+        "model": str(report.get("model", "-")),
+        "cluster": str(report.get("cluster", "-")),
+        "workload": str(report.get("workload", "-")),
+        "mesh": mesh,
+        "schedule": schedule,
+        "training layout": "; ".join(e for e in extras if e) or "-",
+        "ladder layers": str(len(plan.get("ladder_layers") or [])),
+        "predicted step": fmt_s(p.get("latency_s")),
+        "measured step": fmt_s(m.get("latency_s")),
+        "predicted / measured": f"{ratio:.2f}" if ratio else "-",
+        "predicted memory / rank": fmt_bytes(p.get("peak_memory_bytes")),
+        "measured memory / rank": fmt_bytes(above) if m.get("peak_memory_bytes") else "-",
+        "predicted tokens/s": f"{p['throughput_tokens_per_s']:,.0f}"
+        if p.get("throughput_tokens_per_s")
+        else "-",
+        "measured tokens/s": f"{measured_tps:,.0f}" if measured_tps else "-",
+        "vs Megatron baseline": f"{speedup:.2f}×" if speedup else "-",
+    }
+
+
+def render_comparison(console: Console, paths: list[str]) -> None:
+    """Print the reports side by side and which is fastest (predicted, and measured where run).
+    Raises InputError for a file that is not a readable report."""
+    reports = [load_report(path) for path in paths]
+    table = Table(title="Plans side by side (per step; memory per rank)")
+    table.add_column("")
+    for path in paths:
+        table.add_column(Path(path).name, justify="right")
+    columns = [comparison_rows(r) for r in reports]
+    for label in columns[0]:
+        table.add_row(label, *(c[label] for c in columns))
+    console.print(table)
+    if len({(r.get("model"), r.get("workload")) for r in reports}) > 1:
+        console.print(
+            "[yellow]note: the reports plan different models or workloads; their steps are not the same work[/yellow]"
+        )
+        return
+    for key in ("predicted", "measured"):
+        timed = [
+            (r[key]["latency_s"], p) for r, p in zip(reports, paths) if (r.get(key) or {}).get("latency_s")
+        ]
+        if len(timed) > 1:
+            best_s, best = min(timed)
+            console.print(f"fastest {key}: [bold]{best}[/bold] ({fmt_s(best_s)} per step)")

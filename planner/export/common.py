@@ -1,0 +1,138 @@
+"""What every export shares: the result type, the plan's layers and batches in the targets' terms, and
+the warnings about choices a target tool lays out its own way.
+
+Megatron-LM, torchtitan and vLLM shard every transformer layer the same fixed way (column-parallel
+Q/K/V and up/gate projections, row-parallel output and down projections, vocabulary-parallel
+embedding and LM head). A plan may choose otherwise per weight (keep a weight replicated where the
+collectives cost more than the split saves), run ladder residual, or price replicated fallbacks;
+`layout_warnings` names each of those so that the user knows where the tool's run will differ from
+the prediction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from planner.errors import InputError
+from planner.plan import Plan, SplitStyle
+
+
+@dataclass
+class Export:
+    """One exported artefact: its text (a file the target tool reads as it is) and the warnings about
+    plan choices the target cannot express (printed on stderr by the command line)."""
+
+    text: str
+    warnings: list[str] = field(default_factory=list)
+
+
+def num_layers(plan: Plan) -> int:
+    """Transformer layers of the planned model (all pipeline stages together)."""
+    return sum(len(layers) for layers in plan.stages)
+
+
+def virtual_stage_layers(plan: Plan) -> list[list[int]]:
+    """Layer indices per virtual pipeline stage, `pp * virtual_stages` of them in pipeline order.
+
+    With `virtual_stages` v = 1 these are `plan.stages`. With v > 1, `stages[r]` lists rank r's layers
+    as v runs of consecutive indices; run c of rank r is virtual stage c * pp + r (the interleaved
+    placement of Megatron-LM, torchtitan and torch.distributed.pipelining). Raises InputError naming
+    `stages` when a rank's layers do not form exactly v runs.
+    """
+    v = plan.virtual_stages
+    if v == 1:
+        return [list(layers) for layers in plan.stages]
+    chunks: list[list[int]] = [[] for _ in range(plan.pp * v)]
+    for rank, layers in enumerate(plan.stages):
+        runs: list[list[int]] = []
+        for layer in sorted(layers):
+            if runs and layer == runs[-1][-1] + 1:
+                runs[-1].append(layer)
+            else:
+                runs.append([layer])
+        if len(runs) != v:
+            raise InputError(
+                f"field 'stages': pipeline rank {rank} holds layers {list(layers)}, {len(runs)} runs of "
+                f"consecutive layers, but virtual_stages is {v} (one run per model chunk)"
+            )
+        for c, run in enumerate(runs):
+            chunks[c * plan.pp + rank] = run
+    return chunks
+
+
+def uneven_stages(plan: Plan) -> bool:
+    """Whether the (virtual) pipeline stages hold different numbers of layers."""
+    return len({len(layers) for layers in virtual_stage_layers(plan)}) > 1
+
+
+def stage_sizes_text(plan: Plan) -> str:
+    """'17 + 15 layers' for the (virtual) stages, in pipeline order."""
+    return " + ".join(str(len(layers)) for layers in virtual_stage_layers(plan)) + " layers"
+
+
+def micro_batch_size(plan: Plan) -> int:
+    """Sequences per micro-batch per data-parallel rank: batch / dp / micro_batches.
+
+    Raises InputError when the plan's batch does not divide that way (the targets need whole
+    micro-batches).
+    """
+    per_replica, rest = divmod(plan.batch_size, plan.dp)
+    size, rest2 = divmod(per_replica, plan.micro_batches)
+    if rest or rest2 or size < 1:
+        raise InputError(
+            f"the plan's batch {plan.batch_size} does not split into dp={plan.dp} replicas of "
+            f"{plan.micro_batches} whole micro-batches each"
+        )
+    return size
+
+
+def replicated_weights(plan: Plan) -> list[str]:
+    """Weights the plan keeps whole on every tensor-parallel rank (tp > 1 only), by FQN."""
+    if plan.tp == 1:
+        return []
+    return [w for w, s in plan.splits.items() if s.style is SplitStyle.REPLICATE]
+
+
+def _short_list(items: list[str], limit: int = 4) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def kv_piece_splits(plan: Plan) -> list[str]:
+    """Weights split into fewer pieces than tp (K/V projections of a model with fewer KV heads than
+    ranks, each head replicated on tp / pieces ranks), by FQN."""
+    return [w for w, s in plan.splits.items() if s.pieces is not None and s.pieces < plan.tp]
+
+
+def layout_warnings(plan: Plan, tool: str, replicates_kv_heads: bool = False) -> list[str]:
+    """Warnings for a tool with Megatron-LM's fixed tensor-parallel layout (Megatron-LM, torchtitan,
+    vLLM): ladder residual, weights the plan keeps replicated, K/V heads replicated over ranks (unless
+    the tool does that too: `replicates_kv_heads`), replicated fallbacks it priced."""
+    warnings = []
+    pieces = kv_piece_splits(plan)
+    if pieces and not replicates_kv_heads:
+        warnings.append(
+            f"the plan splits {_short_list(pieces)} into fewer pieces than TP={plan.tp} (fewer KV heads than ranks, "
+            f"each head replicated); {tool} needs the KV heads divisible by the tensor-parallel size: plan with "
+            "--tp at most the KV-head count for it"
+        )
+    if plan.ladder_layers:
+        warnings.append(
+            f"{tool} has no ladder residual: the plan ladders layers {_short_list([str(i) for i in plan.ladder_layers])}; "
+            f"{tool} runs the standard residual (outputs as the original model, every TP all-reduce exposed), "
+            f"slower than predicted"
+        )
+    kept = replicated_weights(plan)
+    if kept:
+        warnings.append(
+            f"{tool} shards every layer's projections at TP={plan.tp}; the plan keeps {len(kept)} weight(s) "
+            f"replicated ({_short_list(kept)}), which {tool} will shard: its time and memory differ from the prediction"
+        )
+    for f in plan.fallbacks:
+        warnings.append(
+            f"the plan runs {f.op} replicated at {f.line} (an all-gather it priced); {tool} lays that op out its own way"
+        )
+    if plan.serving is not None:
+        for note in plan.serving.fallbacks:
+            warnings.append(f"serving fallback the plan priced, which {tool} may lay out differently: {note}")
+    return warnings

@@ -1,0 +1,292 @@
+"""`planner export --to dtensor`: the plan's tensor-parallel splits as a `parallelize_module` plan.
+
+The output is a self-contained Python file for `torch.distributed.tensor.parallel`: `PLAN` (module
+FQN -> `ColwiseParallel` / `RowwiseParallel`, `SequenceParallel` styles), `VOCAB` (modules split along
+the vocabulary) and `apply(model, mesh)`, which shards the user's eager model on a 1-D `DeviceMesh`
+(the "tp" axis of a larger mesh) and returns it. Module FQNs are the plan's weight FQNs without
+`.weight`.
+
+| plan split                              | style                                                          |
+|-----------------------------------------|----------------------------------------------------------------|
+| colwise (nn.Linear dim 0)               | ColwiseParallel() (Replicate() output if no rowwise sibling)    |
+| rowwise (nn.Linear dim 1)               | RowwiseParallel() (Replicate() input if no colwise sibling)     |
+| vocab, nn.Embedding                     | RowwiseParallel(input_layouts=Replicate())                      |
+| vocab, nn.Linear (LM head)              | ColwiseParallel(output_layouts=Replicate())                     |
+| replicate / not listed                  | not in PLAN: the module stays whole on every rank               |
+| sequence_parallel                       | norms SequenceParallel(); colwise inputs and rowwise outputs,   |
+|                                         | the embedding's output Shard(1) (the sequence dim)              |
+
+What `apply` does besides `parallelize_module` (the generated file's docstring says it to the user):
+a fused projection (`parts`, GPT-2's `c_attn`) has its rows reordered so that the contiguous shard of
+each rank holds its piece of every part; each attention module (the parent of colwise and rowwise
+projections that has a head-count attribute) gets its head counts and widths divided by tp, so that
+a forward sizing its views from them runs on the rank's heads; a weight tied to a vocabulary-split
+LM head (GPT-2's token embedding) is split with it and tied again. The data and pipeline axes, the
+ladder residual and activation recomputation are not part of a `parallelize_module` plan: each is a
+warning.
+"""
+
+from __future__ import annotations
+
+import pprint
+from dataclasses import dataclass
+
+from planner.export.common import Export, kv_piece_splits
+from planner.plan import Plan, SplitStyle
+
+TOOL = "DTensor (torch.distributed.tensor.parallel)"
+
+_SP_NOTE = """
+
+Sequence parallel: every norm runs on the rank's part of the sequence (SequenceParallel), the stream
+between blocks stays split along the sequence (Shard(1)), and each colwise projection gathers it. The
+model must add nothing to the token embedding's output before the first norm (GPT-2's position
+embedding would need its own PrepareModuleOutput)."""
+
+_APPLY_SOURCE = '''
+HEAD_ATTRS = ("n_heads", "n_head", "num_heads", "n_kv_heads", "num_kv_heads", "num_key_value_heads",
+              "n_local_heads", "n_local_kv_heads", "num_attention_heads")  # per-rank after apply()
+WIDTH_ATTRS = ("n_embd", "embed_dim", "hidden_size", "split_size", "dim")  # of attention modules only
+
+
+def tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
+    """PLAN with the VOCAB modules added, each styled by its type (nn.Embedding or nn.Linear head) and
+    a token embedding tied to a vocabulary-split LM head added with it. ValueError names a module
+    that is missing or of a type these styles cannot split."""
+    modules = dict(model.named_modules())
+    plan = dict(PLAN)
+    vocab = list(VOCAB)
+    for name in vocab:
+        if name not in modules:
+            raise ValueError(f"the plan splits {name!r}, which this model does not have")
+        for other, module in model.named_modules(remove_duplicate=False):
+            if other != name and isinstance(module, nn.Embedding) and module.weight is modules[name].weight:
+                if other not in vocab:
+                    vocab.append(other)  # a tied token embedding is split with its LM head
+    for name in vocab:
+        module = modules.get(name)
+        if isinstance(module, nn.Embedding):
+            plan[name] = RowwiseParallel(
+                input_layouts=Replicate(), output_layouts=Shard(1) if SEQUENCE_PARALLEL else Replicate()
+            )
+        elif isinstance(module, nn.Linear):
+            plan[name] = ColwiseParallel(
+                input_layouts=Shard(1) if SEQUENCE_PARALLEL else Replicate(), output_layouts=Replicate()
+            )
+        else:
+            raise ValueError(f"{name!r} is split along the vocabulary but is a {type(module).__name__}")
+    for name in PLAN:
+        if not isinstance(modules.get(name), nn.Linear):
+            kind = type(modules[name]).__name__ if name in modules else "missing"
+            raise ValueError(f"{name!r} ({kind}): ColwiseParallel / RowwiseParallel split nn.Linear modules only")
+    if SEQUENCE_PARALLEL:
+        for name, module in modules.items():
+            if isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith("Norm"):
+                plan[name] = SequenceParallel()
+    return plan
+
+
+def _reorder_fused(model: nn.Module, tp: int) -> None:
+    """Rows of each fused projection as [part 0 piece 0, part 1 piece 0, ..., part 0 piece 1, ...], so
+    that rank r's contiguous shard holds piece r of every part."""
+    for name, parts in FUSED_PARTS.items():
+        module = model.get_submodule(name)
+        for tensor in (module.weight, module.bias):
+            if tensor is None:
+                continue
+            pieces = [part.chunk(tp, dim=0) for part in tensor.detach().split(parts, dim=0)]
+            with torch.no_grad():
+                tensor.copy_(torch.cat([pieces[p][r] for r in range(tp) for p in range(len(parts))], dim=0))
+
+
+def _local_heads(model: nn.Module, tp: int) -> list[str]:
+    """Divide the head counts and widths of each attention module by tp; return what changed."""
+    changed = []
+    for name in TP_BLOCKS:
+        module = model.get_submodule(name)
+        if not any(isinstance(getattr(module, a, None), int) for a in HEAD_ATTRS):
+            continue
+        for attr in HEAD_ATTRS + WIDTH_ATTRS:
+            value = getattr(module, attr, None)
+            if not isinstance(value, int) or isinstance(value, bool):
+                continue
+            if value % tp:
+                raise ValueError(f"{name}.{attr} = {value} is not divisible by tp={tp}: DTensor shards whole heads")
+            setattr(module, attr, value // tp)
+            changed.append(f"{name}.{attr}: {value} -> {value // tp}")
+    return changed
+
+
+def apply(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Shard `model` (unsharded, eager, weights loaded, the same on every rank) over `mesh` (1-D, the
+    tensor-parallel ranks) as planned; return it. Raises ValueError when the mesh size is not TP_DEGREE
+    or the model lacks a planned module."""
+    tp = mesh.size()
+    if tp != TP_DEGREE:
+        raise ValueError(f"the plan is for tp={TP_DEGREE}, the mesh has {tp} ranks")
+    plan = tp_plan(model)
+    tied = [
+        (name, module, other)
+        for name, module in model.named_modules(remove_duplicate=False)
+        for other in plan
+        if name != other and name in plan and isinstance(module, nn.Embedding)
+        and module.weight is model.get_submodule(other).weight
+    ]
+    _reorder_fused(model, tp)
+    _local_heads(model, tp)
+    parallelize_module(model, mesh, plan)
+    for _, module, other in tied:
+        module.weight = model.get_submodule(other).weight  # tie again: both are the same Shard(0) DTensor
+    return model
+'''
+
+
+def _parent(fqn: str) -> str:
+    return fqn.rpartition(".")[0]
+
+
+def _natural(fqn: str) -> list[object]:
+    """Sort key: "layers.2" before "layers.10"."""
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in fqn.split(".")]
+
+
+def _list(names: list[str]) -> str:
+    """A list literal, one name per line when long."""
+    if len(repr(names)) <= 80:
+        return repr(names)
+    return "[\n" + "".join(f"    {n!r},\n" for n in names) + "]"
+
+
+@dataclass
+class DTensorPlan:
+    """The data of the exported file: what `apply` shards and how, and the warnings."""
+
+    styles: dict[str, str]  # PLAN: module FQN -> style, as source ("ColwiseParallel()")
+    vocab: list[str]  # VOCAB: modules split along the vocabulary (styled by type at apply time)
+    fused: dict[str, list[int]]  # FUSED_PARTS: fused projection -> sizes of its parts
+    blocks: list[str]  # TP_BLOCKS: parents of colwise + rowwise pairs (attention, MLP)
+    warnings: list[str]
+
+
+def dtensor_plan(plan: Plan) -> DTensorPlan:
+    """The plan's tensor-parallel splits as `parallelize_module` styles (table in the module docstring)."""
+    warnings: list[str] = []
+    sp = plan.sequence_parallel and plan.tp > 1
+    splits = {w.removesuffix(".weight"): s for w, s in plan.splits.items() if plan.tp > 1}
+    col = {m for m, s in splits.items() if s.style is SplitStyle.COLWISE}
+    row = {m for m, s in splits.items() if s.style is SplitStyle.ROWWISE}
+    col_parents, row_parents = {_parent(m) for m in col}, {_parent(m) for m in row}
+    styles: dict[str, str] = {}
+    fused: dict[str, list[int]] = {}
+    for module, split in splits.items():
+        linear_dim = {SplitStyle.COLWISE: 0, SplitStyle.ROWWISE: 1}.get(split.style)
+        if linear_dim is not None and split.dim != linear_dim:
+            warnings.append(
+                f"{module} stores its weight (in, out) (a Hugging Face Conv1D?): DTensor's styles split nn.Linear "
+                "only; apply() refuses it"
+            )
+        if split.style is SplitStyle.COLWISE:
+            kwargs = ["input_layouts=Shard(1)"] if sp else []
+            if _parent(module) not in row_parents:
+                kwargs.append("output_layouts=Replicate()")
+            styles[module] = f"ColwiseParallel({', '.join(kwargs)})"
+            if split.parts:
+                fused[module] = list(split.parts)
+        elif split.style is SplitStyle.ROWWISE:
+            kwargs = [] if _parent(module) in col_parents else ["input_layouts=Replicate()"]
+            if sp:
+                kwargs.append("output_layouts=Shard(1)")
+            styles[module] = f"RowwiseParallel({', '.join(kwargs)})"
+    vocab = sorted((m for m, s in splits.items() if s.style is SplitStyle.VOCAB), key=_natural)
+    blocks = sorted(col_parents & row_parents, key=_natural)
+    pieces = kv_piece_splits(plan)
+    if pieces:
+        warnings.append(
+            f"the plan splits {len(pieces)} K/V projection(s) ({pieces[0]}, ...) into {plan.splits[pieces[0]].pieces} "
+            f"pieces, each KV head replicated on several of the tp={plan.tp} ranks; a 1-D DTensor plan shards whole "
+            "heads only: apply() refuses the model (plan with --tp at most the KV-head count)"
+        )
+    if plan.ladder_layers:
+        warnings.append(
+            f"ladder residual (layers {plan.ladder_layers}) changes the model's forward, which a parallelize_module "
+            "plan cannot: the exported plan shards the standard model (every TP all-reduce exposed)"
+        )
+    if plan.pp > 1 or plan.dp > 1:
+        warnings.append(
+            f"the DTensor plan covers the tensor-parallel axis (tp={plan.tp}); apply the pipeline split (pp={plan.pp}, "
+            f"STAGES in the file) with torch.distributed.pipelining and data parallelism (dp={plan.dp}) with "
+            "fully_shard or DDP yourself"
+        )
+    if any(v != "none" for v in plan.recompute.values()):
+        warnings.append(
+            "activation recomputation is not part of the plan's DTensor file: wrap the layers listed in RECOMPUTE "
+            "with torch.utils.checkpoint yourself"
+        )
+    for f in plan.fallbacks:
+        warnings.append(f"the plan runs {f.op} replicated at {f.line} (priced all-gather); DTensor may not")
+    if plan.serving is not None:
+        warnings.append(
+            "KV-cache buffers are not parameters: apply() leaves them whole; allocate each rank's cache for its own "
+            f"heads (KV heads / {plan.tp}) after apply(), as the attention then writes only those"
+        )
+        for note in plan.serving.fallbacks:
+            warnings.append(f"serving fallback the plan priced, which DTensor cannot express: {note}")
+    if plan.tp == 1:
+        warnings.append("the plan has tp=1: there is nothing to shard, PLAN is empty")
+    return DTensorPlan(styles, vocab, fused, blocks, warnings)
+
+
+def export_dtensor(plan: Plan) -> Export:
+    """The Python file (module docstring) with its warnings."""
+    exported = dtensor_plan(plan)
+    sp = plan.sequence_parallel and plan.tp > 1
+    plan_lines = "\n".join(f"    {m!r}: {s}," for m, s in exported.styles.items())
+    header = f'''"""Tensor-parallel plan for {plan.model} on {plan.cluster} (tp={plan.tp}, {plan.workload}, {plan.dtype}),
+written by planner export --to dtensor, for torch.distributed.tensor.parallel.
+
+On every rank, after torch.distributed.init_process_group, with the unsharded model built and its
+weights loaded:
+
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cuda", ({plan.tp},))
+    # with the data and pipeline axes too, the "tp" axis of the whole mesh:
+    # mesh = init_device_mesh("cuda", ({plan.dp}, {plan.pp}, {plan.tp}), mesh_dim_names=("dp", "pp", "tp"))["tp"]
+    model = apply(model, mesh)
+
+apply() shards the modules of PLAN and VOCAB with parallelize_module. Before that it reorders the rows
+of each fused projection in FUSED_PARTS so that each rank's shard holds its piece of every part (a
+full_tensor() of such a weight is in that order), and divides the head counts and widths
+(HEAD_ATTRS, WIDTH_ATTRS) of each module in TP_BLOCKS that has a head count (the attention modules) by
+tp: the attention's forward must size its views from those attributes (or with -1), as the rank now
+computes only its own heads. A token embedding tied to a vocabulary-split LM head is split with it
+and tied again.{_SP_NOTE if sp else ""}
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+TP_DEGREE = {plan.tp}
+SEQUENCE_PARALLEL = {sp}
+MESH = {{"dp": {plan.dp}, "pp": {plan.pp}, "tp": {plan.tp}}}
+STAGES = {pprint.pformat([list(s) for s in plan.stages], compact=True, width=100)}  # layers per pipeline stage
+RECOMPUTE = {pprint.pformat({k: str(v) for k, v in plan.recompute.items()})}  # layer class -> recomputation
+
+PLAN: dict[str, ParallelStyle] = {{  # module FQN -> style
+{plan_lines}
+}}
+VOCAB = {_list(exported.vocab)}  # split along the vocabulary (styled by type in tp_plan)
+FUSED_PARTS = {exported.fused!r}  # fused projection -> sizes of its parts (rows)
+TP_BLOCKS = {_list(exported.blocks)}  # parents of colwise + rowwise pairs; head counts become per-rank
+'''
+    return Export(header + _APPLY_SOURCE, exported.warnings)

@@ -1,0 +1,144 @@
+"""`planner export --to megatron`: the plan as Megatron-LM command-line arguments.
+
+The output is a bash file defining one array, `PLANNER_MEGATRON_ARGS`, to add to a `pretrain_gpt.py`
+command line (`"${PLANNER_MEGATRON_ARGS[@]}"`); the model's size, tokenizer, data and optimizer
+arguments stay the user's. Argument names are Megatron-LM's (`megatron/training/arguments.py`, and
+the dataclass fields it turns into options: `ModelParallelConfig`, `TransformerConfig`,
+`TrainingConfig`):
+
+| plan                                   | Megatron-LM                                                        |
+|----------------------------------------|--------------------------------------------------------------------|
+| mesh.tp, mesh.pp                       | --tensor-model-parallel-size, --pipeline-model-parallel-size       |
+| mesh.dp                                | (derived by Megatron: world size / (tp * pp))                      |
+| stages, even, virtual_stages v         | --num-layers-per-virtual-pipeline-stage (layers per model chunk)   |
+| stages, uneven                         | --pipeline-model-parallel-layout "Et*17|t*15L" (exact, any v)      |
+| sequence_parallel (tp > 1)             | --sequence-parallel                                                |
+| recompute full / selective             | --recompute-granularity full --recompute-method uniform            |
+|                                        | --recompute-num-layers 1 / --recompute-granularity selective       |
+| distributed_optimizer                  | --use-distributed-optimizer                                        |
+| batch / dp / micro_batches, batch      | --micro-batch-size, --global-batch-size                            |
+| dtype bf16 / fp16                      | --bf16 / --fp16 (fp32: none)                                       |
+| seq_len, layers                        | --seq-length, --num-layers                                         |
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from planner.export.common import (
+    Export,
+    layout_warnings,
+    micro_batch_size,
+    num_layers,
+    stage_sizes_text,
+    uneven_stages,
+    virtual_stage_layers,
+)
+from planner.plan import Plan, Recompute, Schedule, Workload
+
+TOOL = "Megatron-LM"
+_STRENGTH = {Recompute.NONE: 0, Recompute.SELECTIVE: 1, Recompute.FULL: 2}
+
+
+def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
+    """(Megatron-LM arguments as argv items, warnings). Raises InputError when the batch does not
+    split into whole micro-batches or the stages do not match `virtual_stages`."""
+    warnings = layout_warnings(plan, TOOL)
+    if plan.workload is not Workload.TRAIN:
+        warnings.append(
+            f"this is a {plan.workload} plan; Megatron-LM's pretraining arguments describe a training step "
+            "(plan with --workload train for its memory and schedule)"
+        )
+    args = [
+        "--tensor-model-parallel-size", str(plan.tp),
+        "--pipeline-model-parallel-size", str(plan.pp),
+        "--num-layers", str(num_layers(plan)),
+        "--seq-length", str(plan.seq_len),
+        "--micro-batch-size", str(micro_batch_size(plan)),
+        "--global-batch-size", str(plan.batch_size),
+    ]  # fmt: skip
+    args += _pipeline_args(plan, warnings)
+    if plan.sequence_parallel and plan.tp > 1:
+        args.append("--sequence-parallel")
+    args += _recompute_args(plan, warnings)
+    if plan.distributed_optimizer:
+        args.append("--use-distributed-optimizer")
+    if plan.dtype == "bf16":
+        args.append("--bf16")
+    elif plan.dtype == "fp16":
+        args.append("--fp16")
+    return args, warnings
+
+
+def _pipeline_args(plan: Plan, warnings: list[str]) -> list[str]:
+    """Stage layout: Megatron's even split by default, chunk size for even interleaving, the layout
+    string otherwise (it places the embedding on the first stage and the loss on the last)."""
+    if plan.pp == 1:
+        return []
+    if plan.schedule is Schedule.GPIPE:
+        warnings.append(
+            "Megatron-LM has no GPipe schedule; it runs 1F1B, with the same bubble and fewer activations "
+            "held than the plan priced"
+        )
+    chunks = virtual_stage_layers(plan)
+    if not uneven_stages(plan):
+        if plan.virtual_stages > 1:
+            return ["--num-layers-per-virtual-pipeline-stage", str(len(chunks[0]))]
+        return []
+    segments = []
+    for index, layers in enumerate(chunks):
+        text = f"t*{len(layers)}" if len(layers) > 1 else "t" * len(layers)
+        if index == 0:
+            text = "E" + text
+        if index == len(chunks) - 1:
+            text += "L"
+        segments.append(text)
+    warnings.append(
+        f"uneven pipeline stages ({stage_sizes_text(plan)}): written as --pipeline-model-parallel-layout, "
+        "which needs a Megatron-LM with that option (2025 or later)"
+    )
+    return ["--pipeline-model-parallel-layout", "|".join(segments)]
+
+
+def _recompute_args(plan: Plan, warnings: list[str]) -> list[str]:
+    """One granularity for every layer: Megatron-LM recomputes all transformer layers alike."""
+    if not plan.recompute:
+        return []
+    choices = set(plan.recompute.values())
+    strongest = max(choices, key=_STRENGTH.__getitem__)
+    if len(choices) > 1:
+        per_class = ", ".join(f"{k}: {v}" for k, v in sorted(plan.recompute.items()))
+        warnings.append(
+            f"the plan recomputes per layer class ({per_class}); Megatron-LM recomputes every layer alike: "
+            f"exported as {strongest} for all (more recomputation than priced, never less memory headroom)"
+        )
+    if strongest is Recompute.FULL:
+        return [
+            "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+        ]  # fmt: skip
+    if strongest is Recompute.SELECTIVE:
+        return ["--recompute-granularity", "selective"]
+    return []
+
+
+def export_megatron(plan: Plan) -> Export:
+    """The bash file defining PLANNER_MEGATRON_ARGS (module docstring), with its warnings."""
+    args, warnings = megatron_args(plan)
+    lines = [
+        f"# Megatron-LM parallelism arguments for {plan.model} on {plan.cluster} ({plan.workload}, "
+        f"tp={plan.tp} pp={plan.pp} dp={plan.dp}), written by planner export --to megatron.",
+        f"# Launch {plan.num_devices} processes (tp * pp * dp): Megatron-LM derives the data-parallel "
+        f"size {plan.dp} from the world size.",
+        '# Use: source this file, then add "${PLANNER_MEGATRON_ARGS[@]}" to the pretrain_gpt.py command line;',
+        "# keep your model-size, tokenizer, data and optimizer arguments (and drop your own copies of these).",
+        "PLANNER_MEGATRON_ARGS=(",
+    ]
+    pairs: list[list[str]] = []
+    for item in args:
+        if item.startswith("--") or not pairs:
+            pairs.append([item])
+        else:
+            pairs[-1].append(item)
+    lines += ["    " + " ".join(shlex.quote(x) for x in pair) for pair in pairs]
+    lines.append(")")
+    return Export("\n".join(lines) + "\n", warnings)

@@ -1,0 +1,108 @@
+"""`planner export --to vllm`: the plan as vLLM engine arguments.
+
+The output is a Python file holding `ENGINE_ARGS`, a dict of `vllm.EngineArgs` fields
+(`vllm/engine/arg_utils.py`) for `vllm.LLM(**ENGINE_ARGS)`, and `SERVE_COMMAND`, the same as a
+`vllm serve` command line (also in its docstring, to copy into a shell):
+
+| plan                                  | vLLM                                                               |
+|---------------------------------------|--------------------------------------------------------------------|
+| mesh.tp, mesh.pp, mesh.dp             | tensor_parallel_size, pipeline_parallel_size, data_parallel_size  |
+| dtype bf16 / fp16 / fp32              | dtype "bfloat16" / "float16" / "float32"                           |
+| serving.cache_len (else context+seq)  | max_model_len                                                      |
+| batch / dp                            | max_num_seqs                                                       |
+| uneven stages                         | environment VLLM_PP_LAYER_PARTITION="17,15"                        |
+
+vLLM loads a Hugging Face checkpoint, not a model file: `model` is the `--model` given to the export,
+else a placeholder to replace. A training plan is refused (vLLM serves).
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from planner.errors import InputError
+from planner.export.common import Export, layout_warnings, stage_sizes_text, uneven_stages
+from planner.plan import Plan, Workload
+
+TOOL = "vLLM"
+MODEL_PLACEHOLDER = "HF_MODEL_ID_OR_CHECKPOINT_DIR"
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def max_model_len(plan: Plan) -> int:
+    """Tokens per sequence the engine must hold: the request's cache, else context + new tokens."""
+    if plan.serving is not None:
+        return plan.serving.cache_len
+    return plan.context + plan.seq_len
+
+
+def vllm_engine_args(
+    plan: Plan, model: str | None = None
+) -> tuple[dict[str, object], dict[str, str], list[str]]:
+    """(engine args as `vllm.EngineArgs` names, environment variables, warnings).
+
+    model: the Hugging Face id or checkpoint folder vLLM serves (None: a placeholder, with a warning).
+    Raises InputError for a training plan or a model that does not read token ids.
+    """
+    if plan.workload is Workload.TRAIN:
+        raise InputError(
+            f"{plan.model}: this is a training plan; vLLM serves models. Plan the serving workload "
+            "(planner optimize MODEL.py --workload decode|generate ...) and export that"
+        )
+    if not plan.token_model:
+        raise InputError(f"{plan.model} does not read token ids; vLLM serves language models")
+    warnings = layout_warnings(plan, TOOL, replicates_kv_heads=True)  # vLLM replicates KV heads as planned
+    if model is None:
+        warnings.append(
+            f"vLLM loads a Hugging Face checkpoint, not {plan.model}: replace {MODEL_PLACEHOLDER} "
+            "(or export with --model ID)"
+        )
+    args: dict[str, object] = {
+        "model": model or MODEL_PLACEHOLDER,
+        "tensor_parallel_size": plan.tp,
+        "pipeline_parallel_size": plan.pp,
+    }
+    if plan.dp > 1:
+        args["data_parallel_size"] = plan.dp
+    args["dtype"] = DTYPE_NAMES[plan.dtype]
+    args["max_model_len"] = max_model_len(plan)
+    args["max_num_seqs"] = max(1, plan.batch_size // plan.dp)
+    env: dict[str, str] = {}
+    if plan.pp > 1 and uneven_stages(plan):
+        env["VLLM_PP_LAYER_PARTITION"] = ",".join(str(len(s)) for s in plan.stages)
+        warnings.append(
+            f"uneven pipeline stages ({stage_sizes_text(plan)}): set VLLM_PP_LAYER_PARTITION as written, "
+            "or vLLM splits the layers evenly"
+        )
+    if plan.virtual_stages > 1:
+        warnings.append(
+            "vLLM pipelines without virtual stages: each rank serves one contiguous block of layers"
+        )
+    return args, env, warnings
+
+
+def serve_argv(args: dict[str, object]) -> list[str]:
+    """`vllm serve MODEL --tensor-parallel-size N ...` as argv items."""
+    argv = ["vllm", "serve", str(args["model"])]
+    for key, value in args.items():
+        if key != "model":
+            argv += ["--" + key.replace("_", "-"), str(value)]
+    return argv
+
+
+def export_vllm(plan: Plan, model: str | None = None) -> Export:
+    """The Python file (module docstring) with its warnings. Raises InputError for a training plan."""
+    args, env, warnings = vllm_engine_args(plan, model)
+    command = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    command = (command + " " if command else "") + shlex.join(serve_argv(args))
+    body = ",\n".join(f"    {k!r}: {v!r}" for k, v in args.items())
+    text = (
+        f'"""vLLM engine arguments for {plan.model} on {plan.cluster} ({plan.workload}, tp={plan.tp} pp={plan.pp} '
+        f"dp={plan.dp}),\nwritten by planner export --to vllm.\n\nServe from a shell:\n\n    {command}\n\n"
+        "or in Python (each environment variable set before vLLM starts):\n\n"
+        "    from vllm import LLM\n    llm = LLM(**ENGINE_ARGS)\n" + '"""\n\n'
+        f"ENGINE_ARGS = {{\n{body},\n}}\n"
+        f"ENVIRONMENT = {env!r}\n"
+        f"SERVE_COMMAND = {command!r}\n"
+    )
+    return Export(text, warnings)
