@@ -15,6 +15,15 @@ Autograd follows Megatron-LM (Shoeybi et al., 2019, section 3, operators `f` and
 | `tp_all_reduce`       | all-reduce (sum)            | identity                      |
 | `tp_all_gather`       | all-gather along `dim`      | keep this rank's chunk        |
 | `tp_shard`            | keep this rank's chunk      | all-gather along `dim`        |
+| `tp_reduce_scatter`   | reduce-scatter along `dim`  | all-gather along `dim`        |
+| `tp_sequence_gather`  | all-gather along `dim`      | reduce-scatter along `dim`    |
+
+The last two are sequence parallelism's pair (Korthikanti et al. 2022, section 4.2.2, operators `g`
+and `g-bar`): a row-parallel block's partial sums are reduce-scattered along the sequence instead of
+all-reduced, and a column-parallel block's sequence-sharded input is all-gathered; each one's backward
+is the other collective. `tp_sequence_gather`'s output may only feed ops whose gradients are partial
+sums over the ranks (column-parallel matmuls), whose sum its backward takes; `tp_all_gather` (with
+`tp_copy` after it) is the gather for anything else.
 
 `tp_all_reduce_start` / `tp_wait` split an all-reduce in two so that the ladder-residual pass can place
 compute between issuing it and waiting for it (the communication overlaps that compute). They are for
@@ -77,6 +86,23 @@ def _all_gather(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
     return torch.cat(flat.view(size, *x.shape).unbind(0), dim=dim)
 
 
+def _reduce_scatter(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
+    """Sum over the ranks of `axis`, keeping this rank's contiguous chunk along `dim`."""
+    group = _group(axis)
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    size = dist.get_world_size(group)
+    if x.shape[dim] % size:
+        raise RuntimeError(
+            f"cannot reduce-scatter dim {dim} of size {x.shape[dim]} over {size} ranks of axis {axis!r}"
+        )
+    front = x.movedim(dim, 0).contiguous()  # the scattered dim first: each rank's chunk is contiguous
+    out = torch.empty((front.shape[0] // size, *front.shape[1:]), dtype=x.dtype, device=x.device)
+    scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter_single(out, front, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
 def _chunk(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
     group = _group(axis)
     if group is None or dist.get_world_size(group) == 1:
@@ -132,6 +158,28 @@ class _ScatterToParallel(torch.autograd.Function):
         return _all_gather(grad, ctx.dim, ctx.axis), None, None
 
 
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
+        ctx.dim, ctx.axis = dim, axis
+        return _reduce_scatter(x, dim, axis)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_gather(grad, ctx.dim, ctx.axis), None, None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
+        ctx.dim, ctx.axis = dim, axis
+        return _all_gather(x, dim, axis)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_scatter(grad, ctx.dim, ctx.axis), None, None
+
+
 def tp_copy(x: torch.Tensor, axis: str) -> torch.Tensor:
     """Identity forward, all-reduce backward: marks a replicated tensor entering a sharded region.
 
@@ -156,6 +204,20 @@ def tp_shard(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
     Raises RuntimeError if shape[dim] does not divide by the axis size. Backward all-gathers.
     """
     return _ScatterToParallel.apply(x, dim, axis)
+
+
+def tp_reduce_scatter(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
+    """Sum the ranks' partial `x` and keep this rank's chunk along `dim` (shape[dim] / axis size):
+    a row-parallel output entering a sequence-parallel region. Backward all-gathers along `dim`.
+    Raises RuntimeError if shape[dim] does not divide by the axis size."""
+    return _ReduceScatterToSequence.apply(x, dim, axis)
+
+
+def tp_sequence_gather(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
+    """Concatenate the ranks' sequence shards along `dim` (shape[dim] grows by the axis size): the
+    input of a column-parallel block under sequence parallelism. Backward reduce-scatters along `dim`
+    (the column-parallel blocks' partial input gradients are summed and each rank keeps its chunk)."""
+    return _GatherFromSequence.apply(x, dim, axis)
 
 
 def tp_shard_pieces(x: torch.Tensor, dim: int, pieces: int, axis: str) -> torch.Tensor:
@@ -217,12 +279,16 @@ def tp_wait(pending: PendingAllReduce) -> torch.Tensor:
     return pending.tensor
 
 
-def vocab_parallel_embedding(weight_shard: torch.Tensor, ids: torch.Tensor, axis: str) -> torch.Tensor:
+def vocab_parallel_embedding(
+    weight_shard: torch.Tensor, ids: torch.Tensor, axis: str, sequence_dim: int | None = None
+) -> torch.Tensor:
     """Embedding lookup with the vocabulary split over `axis` (Megatron VocabParallelEmbedding).
 
     weight_shard: (vocab / tp, dim), rows [rank * vocab/tp, (rank + 1) * vocab/tp) of the full table.
     ids: integer tensor of any shape (global token ids). Returns (*ids.shape, dim), summed over ranks:
-    each rank looks up the ids it owns, zeros the rest, and an all-reduce combines them.
+    each rank looks up the ids it owns, zeros the rest, and an all-reduce combines them. With
+    `sequence_dim` (sequence parallelism) the sum is reduce-scattered along that output dim instead:
+    this rank's chunk of the sequence, shape[sequence_dim] / axis size.
     """
     rows = weight_shard.shape[0]
     start = axis_rank(axis) * rows
@@ -231,4 +297,6 @@ def vocab_parallel_embedding(weight_shard: torch.Tensor, ids: torch.Tensor, axis
     local = local.masked_fill(outside, 0)
     out = torch.nn.functional.embedding(local, weight_shard)
     out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+    if sequence_dim is not None:
+        return tp_reduce_scatter(out, sequence_dim, axis)
     return tp_all_reduce(out, axis)

@@ -5,12 +5,17 @@
 The one sequence every caller uses (`planner optimize --emit`, `--run`, the pipeline runtime):
 
 1. tensor parallelism for the rank's TP coordinate (`passes.tensor_parallel.apply_tensor_parallel`,
-   the plan's `splits`, degree `plan.tp`);
+   the plan's `splits`, degree `plan.tp`), with sequence parallelism when `plan.sequence_parallel`
+   (the stream between TP blocks sharded along the sequence; reduce-scatter / all-gather instead of
+   all-reduce);
 2. ladder residual on the plan's `ladder_layers` (`passes.ladder.apply_ladder`);
 3. pipeline split at the last layer of each stage (`passes.pipeline.split_stages`), keeping the
    rank's stage (pp > 1 only). With the interleaved schedule (`plan.virtual_stages` = v > 1) the graph
    is split into pp * v virtual stages (`Plan.virtual_stage_layers`) and the rank keeps its v chunks,
-   chunk c being virtual stage c * pp + pp_rank.
+   chunk c being virtual stage c * pp + pp_rank;
+4. training only: activation recomputation of the rank's layers (every chunk) as `plan.recompute` says
+   (`passes.recompute.apply_recompute`: selective = attention core, full = whole layer, each region
+   run under `torch.utils.checkpoint`).
 
 The rank's coordinates are `plan.mesh.coords(rank)`; the DP replicas of a (pp_rank, tp_rank) lower
 to the same module. No process group is needed to lower: the collectives the TP pass inserts look
@@ -25,6 +30,7 @@ import torch.fx as fx
 
 from passes.ladder import apply_ladder, ladder_residual_adds
 from passes.pipeline import split_stages, stage_of_layers, tied_parameters
+from passes.recompute import RecomputedRegion, apply_recompute, mark_attention_cores, recompute_of_layers
 from passes.tensor_parallel import apply_tensor_parallel
 from planner.errors import InputError
 from planner.frontend.analysis import ModelStructure
@@ -48,6 +54,8 @@ class RankLowering:
     # this rank's model chunks, chunk c = virtual stage c * num_stages + pp_rank (plan.virtual_stages
     # of them; [module] without the interleaved schedule)
     chunks: list[fx.GraphModule] = field(default_factory=list)
+    sequence_parallel: bool = False  # the TP pass kept the stream sharded along the sequence
+    recomputed: list[RecomputedRegion] = field(default_factory=list)  # training: regions re-run in backward
 
 
 def lower_for_rank(
@@ -62,16 +70,23 @@ def lower_for_rank(
     inserts the collectives backward needs.
 
     Raises InputError when the plan ladders layers with pp > 1 (a pending all-reduce would cross a
-    stage boundary) and ValueError when `rank` is outside the plan's mesh; the passes' own errors
-    (TensorParallelError, LadderError, PipelineSplitError, all ValueError) name the node at fault.
+    stage boundary), for a plan that cannot run as it says (`check_runnable`) and ValueError when
+    `rank` is outside the plan's mesh; the passes' own errors (TensorParallelError, LadderError,
+    PipelineSplitError, all ValueError) name the node at fault.
     """
     if plan.ladder_layers and plan.pp > 1:
         raise InputError(
             "ladder residual with pipeline stages is not supported: a pending all-reduce would cross a "
             "stage boundary; plan with --pp 1 or --ladder none"
         )
+    check_runnable(plan, structure, training)
     dp_rank, pp_rank, tp_rank = plan.mesh.coords(rank)
-    apply_tensor_parallel(gm, plan.splits, tp_rank, plan.tp, training=training)
+    sequence_parallel = plan.sequence_parallel and plan.tp > 1
+    if training:
+        mark_attention_cores(gm, structure)  # before the passes: meta travels with the nodes
+    apply_tensor_parallel(
+        gm, plan.splits, tp_rank, plan.tp, training=training, sequence_parallel=sequence_parallel
+    )
     apply_ladder(gm, ladder_residual_adds(structure, plan.ladder_layers))
     chunks, tied = [gm], []
     if plan.pp > 1:
@@ -80,4 +95,33 @@ def lower_for_rank(
         stages = split_stages(gm, stage_of_layers(len(structure.layers), layers, outputs))
         chunks = stages[pp_rank :: plan.pp]  # virtual stages pp_rank, pp_rank + pp, ...
         tied = tied_parameters(stages)
-    return RankLowering(chunks[0], rank, dp_rank, pp_rank, tp_rank, plan.pp, tied, chunks)
+    recomputed = (
+        [r for chunk in chunks for r in apply_recompute(chunk, structure, plan.recompute)] if training else []
+    )
+    return RankLowering(
+        chunks[0], rank, dp_rank, pp_rank, tp_rank, plan.pp, tied, chunks,
+        sequence_parallel=sequence_parallel, recomputed=recomputed,
+    )  # fmt: skip
+
+
+def check_runnable(plan: Plan, structure: ModelStructure, training: bool) -> None:
+    """Raise InputError, naming the plan field, for training-at-scale settings the passes cannot run
+    as the plan says: sequence parallelism over a sequence that does not divide by tp (a decode step
+    has one token) or together with ladder residual (which overlaps the all-reduces that sequence
+    parallelism replaces); recompute keys that name no layer class of the model, or recomputation
+    of a plain MLP chain (`passes.recompute.recompute_of_layers`). Recompute in a forward-only run
+    is not an error: there is no backward to recompute for (the run's note says so)."""
+    if plan.sequence_parallel and plan.tp > 1:
+        if structure.seq_len % plan.tp:
+            raise InputError(
+                f"the plan's field 'sequence_parallel' is true but the sequence of {structure.seq_len} "
+                f"token(s) does not divide by tp={plan.tp}: each rank would hold an unequal part; use a "
+                f"sequence length that is a multiple of {plan.tp}, or set sequence_parallel: false"
+            )
+        if plan.ladder_layers:
+            raise InputError(
+                "the plan's fields 'sequence_parallel' and 'ladder_layers' cannot both be set: ladder "
+                "residual overlaps the all-reduces that sequence parallelism replaces by reduce-scatters; "
+                "set sequence_parallel: false or ladder_layers: []"
+            )
+    recompute_of_layers(structure, plan.recompute)  # raises for keys that name no layer class

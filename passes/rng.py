@@ -16,6 +16,11 @@ import them); they run the op with the default generator's state swapped for the
 (Megatron's `get_cuda_rng_tracker().fork()`), which then advances only the sharded stream. A stream
 that was never seeded is seeded on first use from `torch.initial_seed() + SHARDED_SEED_OFFSET + rank`.
 
+Activation recomputation (`passes.recompute`) re-runs regions in backward under
+`torch.utils.checkpoint`, which restores the default generator for the re-run;
+`recompute_rng_context` (its `context_fn`) does the same for the sharded streams, so a recomputed
+dropout draws the mask the forward drew.
+
 `dropout_disabled(*modules)` turns every dropout of captured graphs off for a while (the numerics
 check of a training run compares the sharded and unsharded models with dropout off: like with like).
 """
@@ -80,6 +85,27 @@ def sharded_rng(axis: str, device: torch.device | str) -> Iterator[None]:
         _set_state(device, saved)
 
 
+def recompute_rng_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """`context_fn` of `torch.utils.checkpoint.checkpoint` (non-reentrant): called when the region's
+    forward starts, it snapshots every sharded stream; the second context, entered around the re-run
+    in backward, sets the streams to that snapshot and afterwards back to where they are then (so the
+    re-run draws the forward's masks and the streams' later draws are unchanged)."""
+    snapshot = {key: state.clone() for key, state in _STATES.items()}
+    return contextlib.nullcontext(), _replaying(snapshot)
+
+
+@contextlib.contextmanager
+def _replaying(snapshot: dict[tuple[str, torch.device], torch.Tensor]) -> Iterator[None]:
+    current = dict(_STATES)
+    _STATES.clear()  # a stream first seeded inside the region is seeded again the same way
+    _STATES.update({key: state.clone() for key, state in snapshot.items()})
+    try:
+        yield
+    finally:
+        _STATES.clear()
+        _STATES.update(current)
+
+
 def _on_shard(x: torch.Tensor, axis: str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext() if x.device.type == "meta" else sharded_rng(axis, x.device)
 
@@ -135,8 +161,18 @@ _DROPOUT_SWITCH = {
 }
 
 
-def dropout_nodes(gm: fx.GraphModule) -> list[fx.Node]:
-    """The nodes of `gm` that draw a dropout mask when they run (train=True, p > 0)."""
+def _graphs(gm: torch.nn.Module) -> list[fx.GraphModule]:
+    """`gm` and every graph module inside it (regions fused into submodules, `passes.recompute`)."""
+    return [m for m in gm.modules() if isinstance(m, fx.GraphModule)]
+
+
+def dropout_nodes(gm: torch.nn.Module) -> list[fx.Node]:
+    """The nodes of `gm` and of the graph modules inside it that draw a dropout mask when they run
+    (train=True, p > 0)."""
+    return [node for g in _graphs(gm) for node in _own_dropout_nodes(g)]
+
+
+def _own_dropout_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     found = []
     for node in gm.graph.nodes:
         switch = _DROPOUT_SWITCH.get(node.target)
@@ -166,12 +202,12 @@ def _set_arg(node: fx.Node, index: int, keyword: str, value: object) -> None:
 
 
 @contextlib.contextmanager
-def dropout_disabled(*modules: fx.GraphModule) -> Iterator[None]:
-    """Run the body with every dropout of the graphs off (train=False; attention dropout_p=0): the
+def dropout_disabled(*modules: torch.nn.Module) -> Iterator[None]:
+    """Run the body with every dropout of the graphs (and of graph modules inside them) off (train=False; attention dropout_p=0): the
     modules compute their eval-mode function with their train-mode graphs. Restored afterwards."""
     saved: list[tuple[fx.GraphModule, fx.Node, tuple, dict]] = []
-    for gm in modules:
-        for node in dropout_nodes(gm):
+    for gm in (g for module in modules for g in _graphs(module)):
+        for node in _own_dropout_nodes(gm):
             saved.append((gm, node, node.args, dict(node.kwargs)))
             index, keyword, off = _DROPOUT_SWITCH[node.target]
             _set_arg(node, index, keyword, off)

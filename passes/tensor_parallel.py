@@ -25,6 +25,20 @@ For training (`training=True`) the Megatron conjugate operators are inserted: `t
 forward, all-reduce backward) on every replicated float input of an op that produces a shard, and
 the all-reduce after a row-split matmul has an identity backward (`passes.collectives`).
 
+Sequence parallelism (`sequence_parallel=True`, Korthikanti et al. 2022): the partial output of a
+row-split matmul of shape (B, T, C) is reduce-scattered along T (`tp_reduce_scatter`) instead of
+all-reduced, so the norms, dropouts and residual adds between the TP blocks run on this rank's
+T / tp tokens (the pointwise, norm and dropout rules keep a shard on a non-reduced dim as it is;
+dropout on a shard draws from the per-rank stream); a column-split matmul all-gathers such a
+sequence shard (`tp_sequence_gather`, one gather shared by Q, K and V) and, in backward, the two
+swap (reduce-scatter <-> all-gather). The token embedding's lookup is reduce-scattered along the
+tokens (vocab-split) or cut to this rank's tokens (replicated) so that the stream enters the layers
+sharded; the LM head's column-parallel matmul gathers it back. A replicated weight used on a
+sequence shard (a norm's scale, a row-parallel bias) gets `tp_copy`, so its gradient is summed over
+the ranks' tokens. Ops that need the whole sequence (a reshape merging B and T, a slice along T)
+gather it first (a recorded fallback). Shapes that are not (B, T, C) with T divisible by tp keep the
+plain all-reduce.
+
 Node metadata written: `node.meta["tp_placement"]` (str), `node.meta["val"]` (a meta tensor of the
 local shape).
 """
@@ -93,19 +107,21 @@ def apply_tensor_parallel(
     *,
     axis: str = "tp",
     training: bool = False,
+    sequence_parallel: bool = False,
 ) -> fx.GraphModule:
     """Rewrite `gm` in place into rank `tp_rank`'s shard of a `tp_size`-way tensor-parallel model.
 
     gm: from `planner.frontend.capture.capture` (global shapes in meta). splits: weight FQN -> split (a
     `planner.plan.WeightSplit`); weights not listed are replicated. Returns `gm`. The rewritten
     module calls `passes.collectives` on mesh axis `axis`, which must be registered before it runs.
+    sequence_parallel: keep the stream between TP blocks sharded along the sequence (module docstring).
     Raises TensorParallelError naming the node whose local shape cannot be made right.
     """
     if tp_size == 1:
         return gm
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
-    ctx = RuleContext(gm, splits, tp_rank, tp_size, axis, training)
+    ctx = RuleContext(gm, splits, tp_rank, tp_size, axis, training, sequence_parallel)
     _propagate(ctx)
     # tied weights (GPT-2 wte / lm_head) reach the graph under one FQN; only those present are checked
     unsharded = [f for f in ctx.param_split if id(operator.attrgetter(f)(gm)) not in ctx.sharded_ids]

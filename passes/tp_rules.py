@@ -135,7 +135,9 @@ def rule_matmul(ctx: RuleContext, node: fx.Node) -> None:
 
 
 def _column_parallel(ctx: RuleContext, node: fx.Node, x: fx.Node, b: fx.Node | None, sp: Placement) -> None:
-    """Replicated input (tp_copy under training), output sharded like the weight; bias sharded too."""
+    """Replicated input (tp_copy under training), output sharded like the weight; bias sharded too.
+    A sequence shard (sequence parallelism) is all-gathered by `tp_sequence_gather` (backward:
+    reduce-scatter) instead."""
     if isinstance(b, fx.Node):
         ctx.replace_param(b.target, 0, sp.parts, pad=sp.size is not None, pieces=sp.pieces)
         ctx.set_meta(b, dataclasses.replace(sp, dim=0))
@@ -143,13 +145,18 @@ def _column_parallel(ctx: RuleContext, node: fx.Node, x: fx.Node, b: fx.Node | N
         raise ctx.fail(
             node, "K/V heads replicated over ranks (fewer KV heads than tp) are for inference plans only"
         )
-    node.replace_input_with(x, ctx.copy_in(ctx.replicated(x)))
+    if ctx.sequence_shard_dim(x) is not None:
+        node.replace_input_with(x, ctx.sequence_gathered(x))
+    else:
+        node.replace_input_with(x, ctx.copy_in(ctx.replicated(x)))
     ctx.set_meta(node, dataclasses.replace(sp, dim=len(ctx.gshape(node)) - 1))
     ctx.check(node)
 
 
 def _row_parallel(ctx: RuleContext, node: fx.Node, x: fx.Node, w: fx.Node, b: fx.Node | None) -> None:
-    """Input sharded on its last dim, partial output all-reduced at once, the bias added after."""
+    """Input sharded on its last dim, partial output all-reduced at once, the bias added after. Under
+    sequence parallelism a (B, T, C) partial output is reduce-scattered along T instead (a sequence
+    shard; the bias, replicated, is added to each shard and its gradient summed by `tp_copy`)."""
     x_new = ctx.sharded(x, len(ctx.gshape(x)) - 1)
     op = getattr(node.target, "overloadpacket", node.target)
     if op is aten.linear:
@@ -160,29 +167,45 @@ def _row_parallel(ctx: RuleContext, node: fx.Node, x: fx.Node, w: fx.Node, b: fx
         node.args = (x_new, w)
     ctx.set_meta(node, Placement.partial())
     ctx.check(node)
-    reduced = ctx.insert(node, collectives.tp_all_reduce, (node, ctx.axis), R, node)
+    seq = ctx.token_dim(node)
+    if seq is None:
+        reduced = ctx.insert(node, collectives.tp_all_reduce, (node, ctx.axis), R, node)
+    else:
+        reduced = ctx.insert(
+            node, collectives.tp_reduce_scatter, (node, seq, ctx.axis), Placement.shard(seq), node
+        )
     result = reduced
     if isinstance(b, fx.Node):
-        result = ctx.insert(reduced, aten.add.Tensor, (reduced, b), R, node)
+        bias = b if seq is None else ctx.copy_in(b)
+        result = ctx.insert(reduced, aten.add.Tensor, (reduced, bias), ctx.place[reduced], node)
     node.replace_all_uses_with(result, delete_user_cb=lambda user: user is not reduced)
 
 
 @register_rule(aten.embedding, padded_inputs=True)
 def rule_embedding(ctx: RuleContext, node: fx.Node) -> None:
     """Vocab-split table: vocab-parallel lookup (masked, all-reduced, R); hidden-split table: S(-1)."""
+    # Sequence parallelism: the lookup's sum is reduce-scattered along the tokens (a vocab-split table)
+    # or a replicated lookup is cut to this rank's tokens (`tp_shard`): the stream enters the layers
+    # as a sequence shard.
     w, ids = node.args[0], node.args[1]
     sp = ctx.split_param(w)
+    seq = ctx.token_dim(node, min_ndim=2)
     if sp is None:
         ctx.run_replicated(node)
+        if seq is not None:
+            users = [u for u in node.users if u not in ctx.place]
+            shard = ctx.sharded(node, seq)
+            for user in users:
+                user.replace_input_with(node, shard)
         return
     ctx.replace_param(w.target, sp.dim, sp.parts, pad=sp.size is not None)
     if sp.dim == 0:
         node.target, node.args, node.kwargs = (
             collectives.vocab_parallel_embedding,
-            (w, ctx.replicated(ids), ctx.axis),
+            (w, ctx.replicated(ids), ctx.axis, *(() if seq is None else (seq,))),
             {},
         )
-        ctx.set_meta(node, R)
+        ctx.set_meta(node, R if seq is None else Placement.shard(seq))
     else:
         ctx.set_meta(node, Placement.shard(len(ctx.gshape(node)) - 1))
         ctx.check(node)
@@ -353,6 +376,9 @@ def rule_view(ctx: RuleContext, node: fx.Node) -> None:
         try:
             out_dim = view_shard_dim(ctx.gshape(x), ctx.gshape(node), p.dim, p.divisor(ctx.tp))
         except ValueError as e:
+            if ctx.sequence_shard_dim(x) is not None:  # (B, T, C) -> (B*T, C): the sequence is gathered
+                ctx.run_replicated(node)
+                return
             raise ctx.fail(node, str(e)) from e
         if p.parts and ctx.gshape(x)[p.dim] != ctx.gshape(node)[out_dim]:
             raise ctx.fail(
@@ -459,6 +485,11 @@ def rule_expand(ctx: RuleContext, node: fx.Node) -> None:
 @register_rule(aten.slice, aten.select, aten.narrow)
 def rule_slice(ctx: RuleContext, node: fx.Node) -> None:
     """Slice / select / narrow of a shard along another dim keeps it (select drops a dim); along it: error."""
+    x = node.args[0]
+    seq = ctx.sequence_shard_dim(x)
+    if seq is not None and seq == int(node.args[1]) % len(ctx.gshape(x)):
+        ctx.run_replicated(node)  # a sequence shard (sequence parallelism) cut along T: gathered first
+        return
 
     def new(p: Placement, nd: int) -> int:
         dim = int(node.args[1]) % nd
@@ -656,7 +687,8 @@ def rule_dropout(ctx: RuleContext, node: fx.Node) -> None:
 
 # ---------------------------------------------------------------- reductions and normalisations
 def _reduce(ctx: RuleContext, node: fx.Node, dims_keep: Callable[[int], tuple[list[int], bool]]) -> None:
-    """A reduction over dims_keep(ndim) = (dims, keepdim) of an unfused shard on another dim keeps it."""
+    """A reduction over dims_keep(ndim) = (dims, keepdim) of an unfused shard on another dim keeps it;
+    its replicated float operands (a norm's weight and bias) get `tp_copy` under training."""
     x = node.args[0]
     p = ctx.shard_of(x)
     if p is None or p.parts:
@@ -666,6 +698,9 @@ def _reduce(ctx: RuleContext, node: fx.Node, dims_keep: Callable[[int], tuple[li
     if p.dim in dims or p.inner:
         ctx.run_replicated(node)
         return
+    for a in node.all_input_nodes:  # a norm's scale and shift: its gradient is summed over the shards
+        if a is not x and ctx.place.get(a, R) == R:
+            node.replace_input_with(a, ctx.copy_in(a))
     ctx.set_meta(
         node, dataclasses.replace(p, dim=p.dim if keep else p.dim - sum(1 for d in dims if d < p.dim))
     )

@@ -2,8 +2,9 @@
 
 A rule (`passes.tp_rules`) gets a `RuleContext` and one node. It reads the placements of the node's
 inputs (`ctx.place`), rewires inputs through `replicated` (all-gather), `sharded` (local slice) or
-`copy_in` (Megatron's `f` under training), replaces split parameters with this rank's shard
-(`replace_param`), records the node's placement and local meta value (`set_meta`), and checks the
+`copy_in` (Megatron's `f` under training) or, under sequence parallelism, `sequence_gathered`
+(all-gather of a sequence shard whose backward reduce-scatters), replaces split parameters with
+this rank's shard (`replace_param`), records the node's placement and local meta value (`set_meta`), and checks the
 rewritten node's local shape (`check`). `run_replicated` is what an op without a sharding rule gets;
 when it has to all-gather a sharded input it records the fallback in `node.meta["tp_fallback"]`
 (a `Fallback`: op, the user's source line, the gathered inputs and bytes), so that the planner can
@@ -95,6 +96,9 @@ class RuleContext:
     place: node -> its Placement, or a list of Placements for a node producing a tuple (split, chunk).
     global_val: node -> its global meta value from capture (inserted nodes reuse their source's).
     param_split: weight FQN -> the Placement of its shard (from the plan's splits; padded for vocab).
+    sequence_parallel: the plan's `sequence_parallel` (Korthikanti et al. 2022): row-parallel partial
+    sums are reduce-scattered along the token dim (`token_dim`) and the stream between TP blocks is
+    a sequence shard.
     """
 
     def __init__(
@@ -105,14 +109,17 @@ class RuleContext:
         tp: int,
         axis: str,
         training: bool,
+        sequence_parallel: bool = False,
     ):
         self.gm, self.graph = gm, gm.graph
+        self.sequence_parallel = sequence_parallel
         self.splits, self.rank, self.tp, self.axis, self.training = splits, rank, tp, axis, training
         self.place: dict[fx.Node, Any] = {}
         self.global_val: dict[fx.Node, Any] = {n: n.meta.get("val") for n in gm.graph.nodes}
         self._replicated: dict[fx.Node, fx.Node] = {}
         self._copied: dict[fx.Node, fx.Node] = {}
         self._sharded: dict[tuple[fx.Node, int], fx.Node] = {}
+        self._sequence_gathered: dict[fx.Node, fx.Node] = {}
         self.param_split: dict[str, Placement] = {}
         self.sharded_ids: set[int] = set()  # id() of the shard Parameters this pass created
         self._plan_parameter_shards()
@@ -237,6 +244,37 @@ class RuleContext:
             )
             self._sharded[key] = self.insert(full, fn, args, want, node)
         return self._sharded[key]
+
+    def token_dim(self, node: fx.Node, min_ndim: int = 3) -> int | None:
+        """Under sequence parallelism, the dim of `node` that a sequence shard splits: the one before
+        the features, (B, T, C) -> 1, when `node` has at least `min_ndim` dims and that dim divides by
+        tp; else None (the value stays off the sequence-parallel path). A flattened (B*T, C) is not
+        a sequence: a contiguous chunk of it is a batch chunk."""
+        val = self.global_val.get(node)
+        if not self.sequence_parallel or not isinstance(val, torch.Tensor) or val.dim() < min_ndim:
+            return None
+        dim = val.dim() - 2
+        return dim if val.shape[dim] % self.tp == 0 else None
+
+    def sequence_shard_dim(self, node: fx.Node) -> int | None:
+        """The dim of `node`'s plain shard when it is not the last (features) dim - a sequence shard
+        under sequence parallelism - else None."""
+        p = self.shard_of(node)
+        if not self.sequence_parallel or p is None or p.parts or p.size or p.pieces or p.inner:
+            return None
+        return p.dim if p.dim != len(self.gshape(node)) - 1 else None
+
+    def sequence_gathered(self, node: fx.Node) -> fx.Node:
+        """A sequence shard all-gathered for a column-parallel matmul (`tp_sequence_gather`: backward
+        reduce-scatters the matmuls' partial input gradients); one gather per value, shared by every
+        column-parallel consumer (Q, K, V). Its output must feed only ops with partial input gradients."""
+        dim = self.sequence_shard_dim(node)
+        assert dim is not None, f"{node.name} is not a sequence shard"
+        if node not in self._sequence_gathered:
+            self._sequence_gathered[node] = self.insert(
+                node, collectives.tp_sequence_gather, (node, dim, self.axis), R, node
+            )
+        return self._sequence_gathered[node]
 
     def copy_in(self, node: fx.Node) -> fx.Node:
         """Replicated float input of a shard-producing op: under training, wrap in `tp_copy`."""

@@ -38,6 +38,7 @@ from costmodels.dtypes import DTYPE_BYTES
 from passes.ladder import LadderError
 from passes.lower import lower_for_rank
 from passes.pipeline import PipelineSplitError
+from passes.recompute import recompute_of_layers
 from passes.tp_rules_context import FALLBACK_META, TensorParallelError
 from passes.tp_rules_context import Fallback as PassFallback
 from planner.errors import InfeasibleError
@@ -66,8 +67,11 @@ def verify_plan(gm: fx.GraphModule, structure: ModelStructure, plan: Plan, clust
     plan's global batch. cluster: prices the fallbacks' all-gathers over the TP group.
     Raises InfeasibleError (exit 3) naming the op and the model source line the passes cannot lower.
     """
+    recompute_of_layers(structure, plan.recompute)  # InputError for a key that names no layer class
+    # recompute moves a layer's nodes into checkpointed submodules and adds no fallback: the TP
+    # fallbacks are looked for in the graph lowered without it
     found: dict[str, tuple[PassFallback, int]] = {}
-    for job in _lowerings(gm, structure, plan):
+    for job in _lowerings(gm, structure, dataclasses.replace(plan, recompute={})):
         for rank in job.ranks:
             lowered = copy.deepcopy(gm)
             _lower(lowered, job.structure, job.plan, rank)

@@ -9,7 +9,8 @@ pp > 1 go to `runtime.pipeline_run.run_pipeline_rank`; for pp == 1 each rank:
 1. builds its process groups, loads the model file and cuts the inputs to its DP replica's share
    (`runtime.job.set_up_rank`);
 2. builds the model on the meta device, captures it at its share's shapes and lowers it for its
-   mesh coordinates (`passes.lower.lower_for_rank`: TP pass, ladder pass) - no weight memory yet;
+   mesh coordinates (`passes.lower.lower_for_rank`: TP pass with sequence parallelism when the plan
+   says so, ladder pass, and for training the plan's activation recompute) - no weight memory yet;
 3. materialises only its own weight shards from the safetensors files
    (`passes.tensor_parallel.load_sharded_weights`, read slice by slice);
 4. runs forward (or a training step: forward, backward, DP gradient average) and compares EVERY
@@ -19,7 +20,8 @@ pp > 1 go to `runtime.pipeline_run.run_pipeline_rank`; for pp == 1 each rank:
 5. times warm-up + timed iterations with a barrier around each (`runtime.measure`) and reports the
    process's real peak memory beside what it held at the start.
 
-The result of each rank is a `runtime.job.RankReport`; `runtime.job.summarise` turns the list into
+The report's notes say what the lowering applied (`runtime.run_mode.lowering_notes`: sequence
+parallelism with its collectives, recomputed layers). The result of each rank is a `runtime.job.RankReport`; `runtime.job.summarise` turns the list into
 the report's `measured` and `numerics` sections, and `runtime.numerics.check_failures` says which
 differences are beyond tolerance.
 """
@@ -33,7 +35,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from passes.checkpoint import SafetensorsCheckpoint
-from passes.lower import lower_for_rank
+from passes.lower import RankLowering, lower_for_rank
 from passes.rng import dropout_disabled
 from passes.tensor_parallel import load_sharded_weights
 from planner.frontend.analysis import ModelStructure, analyse
@@ -46,7 +48,7 @@ from runtime.numerics import all_outputs, replica_share
 from runtime.pipeline_run import run_pipeline_rank
 from runtime.profile import profile_layers
 from runtime.reference import compare_gradients, compare_loss, compare_outputs, dp_mean, shared_reference
-from runtime.run_mode import dropout_note, seed_dropout_rng, set_run_mode
+from runtime.run_mode import dropout_note, lowering_notes, seed_dropout_rng, set_run_mode
 
 
 def run_rank(ctx: RankContext, job: RunJob) -> RankReport:
@@ -73,26 +75,29 @@ def run_rank(ctx: RankContext, job: RunJob) -> RankReport:
 
 def build_rank_module(
     ctx: RankContext, setup: RankSetup, reference: ReferenceFiles
-) -> tuple[fx.GraphModule, ModelStructure]:
+) -> tuple[fx.GraphModule, ModelStructure, RankLowering]:
     """This rank's lowered module with its weight shards, built without the whole model: meta build,
-    capture at this DP replica's shapes, `lower_for_rank`, then `load_sharded_weights` from the
-    reference's safetensors files; factory ops retargeted to the rank's device."""
+    capture at this DP replica's shapes, `lower_for_rank` (TP with sequence parallelism, ladder,
+    training: activation recompute, as the plan says), then `load_sharded_weights` from the
+    reference's safetensors files; factory ops retargeted to the rank's device. Also returns the
+    captured structure and the lowering (what was applied, for the report's notes)."""
     plan = setup.plan
     # the plan's dtype, and train mode for training (dropout in the graph): runtime.run_mode
     model = set_run_mode(setup.model_file.build("meta"), plan.dtype, setup.training)
     gm = capture(model, setup.args, setup.kwargs)
     structure = analyse(gm)
-    gm = lower_for_rank(gm, structure, plan, ctx.rank, training=setup.training).module
+    lowered = lower_for_rank(gm, structure, plan, ctx.rank, training=setup.training)
+    gm = lowered.module
     load_sharded_weights(gm, reference.weights, plan.splits, setup.groups.tp_rank, plan.tp)
     retarget_device(gm, ctx.device)
-    return gm.to(ctx.device), structure
+    return gm.to(ctx.device), structure, lowered
 
 
 def _run_sharded_rank(
     ctx: RankContext, job: RunJob, setup: RankSetup, reference: ReferenceFiles
 ) -> RankReport:
     """pp == 1: steps 2-5 of the module docstring."""
-    gm, structure = build_rank_module(ctx, setup, reference)
+    gm, structure, lowered = build_rank_module(ctx, setup, reference)
     inputs = flat_inputs(setup.args, setup.kwargs)
     report = RankReport(
         rank=ctx.rank,
@@ -105,7 +110,8 @@ def _run_sharded_rank(
         output_scale=None,
         ladder_deviation=reference.ladder_deviation,
         dtype=setup.plan.dtype,
-        notes=unbatched_note(flat_inputs(setup.full_args, setup.full_kwargs), setup.batch_dims),
+        notes=unbatched_note(flat_inputs(setup.full_args, setup.full_kwargs), setup.batch_dims)
+        + lowering_notes(setup.plan, lowered, setup.training),
     )
     with SafetensorsCheckpoint([reference.outputs]) as want:
         if setup.training:

@@ -39,7 +39,7 @@ from runtime.measure import time_iterations
 from runtime.numerics import all_outputs
 from runtime.pipeline import PipelineRunner, sum_tied_gradients
 from runtime.reference import compare_gradients, compare_loss, compare_outputs, dp_mean
-from runtime.run_mode import dropout_note, seed_dropout_rng, set_run_mode
+from runtime.run_mode import dropout_note, lowering_notes, seed_dropout_rng, set_run_mode
 
 
 def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankReport:
@@ -84,7 +84,8 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
         rank=ctx.rank, tp_rank=lowered.tp_rank, pp_rank=lowered.pp_rank, latency_samples_s=[], median_s=0.0,
         peak_memory_bytes=0, max_abs_diff=None, output_scale=float(ref_full.abs().max()),
         pipeline_schedule=runner.schedule_class.__name__, output_dtype=reference.dtype, dtype=plan.dtype,
-        notes=unbatched_note(flat_inputs(setup.full_args, setup.full_kwargs), setup.batch_dims),
+        notes=unbatched_note(flat_inputs(setup.full_args, setup.full_kwargs), setup.batch_dims)
+        + lowering_notes(plan, lowered, training),
     )  # fmt: skip
     report.notes.append(runner.note())
     stage_inputs = inputs if first else None

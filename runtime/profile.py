@@ -6,9 +6,9 @@
 synchronised at segment edges on GPU) and runs the split module a few times. Each segment runs as
 generated code, as in the whole forward, so a row includes its nodes' dispatch overhead and its
 collectives, and the rows add up to the whole forward (plus one Python call per segment, a few µs).
-A node belongs to the layer whose module path prefixes its own (`layers.3.attention.wq` -> layer 3);
-nodes the passes inserted (collectives) carry no module path and are charged to the node before them,
-so a row-parallel all-reduce counts in its layer. Everything outside the layers is "ends".
+Layer membership is `passes.layers.layer_of_nodes`: by module path; nodes the passes inserted
+(collectives) are charged to the node before them, so a row-parallel all-reduce counts in its layer.
+Everything outside the layers is "ends".
 """
 
 from __future__ import annotations
@@ -21,25 +21,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
-ENDS = "ends"
-
-
-def layer_of_nodes(gm: fx.GraphModule, layer_paths: list[str]) -> dict[fx.Node, str]:
-    """Node -> "layer i" or "ends", by module path (see the module docstring)."""
-    owner: dict[fx.Node, str] = {}
-    current = ENDS
-    for node in gm.graph.nodes:
-        path = node.meta.get("module_path")
-        if path is None:
-            owner[node] = current  # inserted by a pass: belongs with what precedes it
-            continue
-        current = ENDS
-        for i, prefix in enumerate(layer_paths):
-            if path == prefix or path.startswith(prefix + "."):
-                current = f"layer {i}"
-                break
-        owner[node] = current
-    return owner
+from passes.layers import ENDS, layer_of_nodes
 
 
 class _Timed(torch.nn.Module):

@@ -14,6 +14,9 @@ tensor-parallel-aware dropout RNG.
 - the plan's schedule and optimizer: `check_plan_runs` refuses, naming the plan field, what the
   runtime would otherwise have to run differently from the plan (the pipeline schedule's
   micro-batch constraints, a distributed optimizer without an optimizer step).
+- training at scale: sequence parallelism and activation recomputation are applied by the lowering
+  (`passes.lower.lower_for_rank`, from `Plan.sequence_parallel` and `Plan.recompute`);
+  `lowering_notes` says in the run report what was applied on the rank.
 """
 
 from __future__ import annotations
@@ -26,9 +29,12 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from costmodels.dtypes import torch_dtype
+from passes import collectives
+from passes.lower import RankLowering
+from passes.recompute import recompute_note
 from passes.rng import SHARDED_SEED_OFFSET, dropout_nodes, seed_sharded_rng
 from planner.errors import InputError
-from planner.plan import Plan, Schedule
+from planner.plan import Plan, Recompute, Schedule
 
 STAGE_SEED_STRIDE = 100  # Megatron-LM: seed + 100 * pipeline rank
 
@@ -115,3 +121,36 @@ def check_plan_runs(plan: Plan, workload: str) -> None:
             f"plan field 'distributed_optimizer' is true but the run's workload is {workload}: there is no "
             "optimizer step to shard; plan the train workload, or set distributed_optimizer: false"
         )
+
+
+def lowering_notes(plan: Plan, lowered: RankLowering, training: bool) -> list[str]:
+    """The run report's notes on the plan's training-at-scale settings as this rank ran them: sequence
+    parallelism (with the collectives the rewritten forward calls) and activation recomputation (which
+    layers, how), or why a setting had nothing to do."""
+    notes: list[str] = []
+    if plan.sequence_parallel:
+        calls = [n.target for g in lowered.module.modules() if isinstance(g, fx.GraphModule)
+                 for n in g.graph.nodes if n.op == "call_function"]  # fmt: skip
+        if lowered.sequence_parallel and collectives.tp_reduce_scatter not in calls:
+            notes.append(
+                "sequence_parallel is set but no row-parallel output on this rank is a (batch, sequence, "
+                "features) tensor (flattened tokens, e.g. Conv1D / addmm), so its all-reduces stayed"
+            )
+        elif lowered.sequence_parallel:
+            notes.append(
+                f"sequence parallelism applied: norms, dropouts and residual adds between the tensor-parallel "
+                f"blocks ran on 1/{plan.tp} of the sequence per rank; this rank's forward calls "
+                f"{calls.count(collectives.tp_reduce_scatter)} reduce-scatter(s), "
+                f"{calls.count(collectives.tp_sequence_gather)} sequence all-gather(s) and "
+                f"{calls.count(collectives.tp_all_reduce)} all-reduce(s) (backward: the conjugates)"
+            )
+        else:
+            notes.append("sequence_parallel is set but tp=1: there is no tensor-parallel group to split over")
+    asked = any(Recompute(v) is not Recompute.NONE for v in plan.recompute.values())
+    if lowered.recomputed:
+        notes.append(recompute_note(lowered.recomputed))
+    elif asked and not training:
+        notes.append("the plan's recompute applies to training; a forward run keeps nothing for backward")
+    elif asked:
+        notes.append("activation recompute: none of the plan's recomputed layers is on this rank's stage")
+    return notes

@@ -1,0 +1,202 @@
+"""Training at scale, run side (issue 14, items 1 and 2): sequence parallelism in the TP pass and
+activation recomputation at run time.
+
+Fast checks lower on one process (collective counts per layer, errors that name the plan field,
+recompute keys, recompute on an unsharded graph); one 2-rank gloo launch checks sequence
+parallelism against the unsharded model (outputs and gradients, through the runtime) and recompute
+with dropout on (the masks replayed: gradients bitwise equal to no recompute, fewer saved tensors).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from passes import collectives, rng
+from passes.layers import layer_of_nodes
+from passes.lower import lower_for_rank
+from passes.recompute import recompute_of_layers
+from planner.errors import InputError
+from planner.frontend.analysis import analyse
+from planner.frontend.capture import capture, flat_inputs
+from planner.frontend.modelfile import load_model_file
+from planner.plan import Recompute
+from planner.solver.costing import layer_key
+from runtime.execute import run_rank
+from runtime.job import RunJob, set_up_rank, summarise
+from runtime.launch import RankContext, launch
+from runtime.run_mode import seed_dropout_rng, set_run_mode
+from tests.plans import fixed_plan
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA = ROOT / "examples" / "llama3.py"
+DROPOUT = ROOT / "tests" / "models" / "dropout_tp.py"
+
+
+def _captured(path: Path, training: bool = False, device: str = "meta"):
+    """(graph, structure, args, kwargs) of the model file at its example inputs; meta graphs are
+    captured once per file and copied (capture costs seconds on a busy 2-core machine)."""
+    if device == "meta" and path in _META:
+        gm, structure, args, kwargs = _META[path]
+        return copy.deepcopy(gm), structure, args, kwargs
+    model_file = load_model_file(path)
+    args, kwargs = model_file.inputs()
+    model = set_run_mode(model_file.build(device), "fp32", training)
+    gm = capture(model, args, kwargs)
+    found = gm, analyse(gm), args, kwargs
+    if device == "meta":
+        _META[path] = found
+        return _captured(path)
+    return found
+
+
+_META: dict[Path, tuple] = {}
+
+
+def _plan(path: Path, structure, tp: int, workload: str = "train", **fields):
+    plan = fixed_plan(structure, str(path), tp, workload=workload)
+    return dataclasses.replace(plan, **fields)
+
+
+def _calls(gm: torch.fx.GraphModule) -> list[object]:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_sequence_parallel_layers_reduce_scatter_and_gather_twice_and_never_all_reduce():
+    gm, structure, _, _ = _captured(LLAMA)
+    plan = _plan(LLAMA, structure, 2, sequence_parallel=True)
+    lowered = lower_for_rank(gm, structure, plan, 1, training=True)
+    assert lowered.sequence_parallel
+    owner = layer_of_nodes(gm, [layer.module_path for layer in structure.layers])
+    for i in range(len(structure.layers)):
+        calls = [n.target for n in gm.graph.nodes if owner[n] == f"layer {i}" and n.op == "call_function"]
+        assert calls.count(collectives.tp_reduce_scatter) == 2, i
+        assert calls.count(collectives.tp_sequence_gather) == 2, i
+        assert collectives.tp_all_reduce not in calls and collectives.tp_all_gather not in calls, i
+    calls = _calls(gm)
+    (embedding,) = [n for n in gm.graph.nodes if n.target is collectives.vocab_parallel_embedding]
+    assert embedding.args[3:] == (1,)  # the lookup's sum is reduce-scattered along the tokens
+    assert tuple(embedding.meta["val"].shape) == (2, 16, 128)  # (B, T / tp, C)
+    # the LM head gathers the sequence once; its vocab-sharded logits are gathered for the output
+    assert calls.count(collectives.tp_sequence_gather) == 2 * len(structure.layers) + 1
+    assert calls.count(collectives.tp_all_gather) == 1
+    # plain TP of the same plan: two all-reduces per layer, no sequence collectives
+    gm, structure, _, _ = _captured(LLAMA)
+    lower_for_rank(gm, structure, _plan(LLAMA, structure, 2), 1, training=True)
+    calls = _calls(gm)
+    assert calls.count(collectives.tp_all_reduce) == 2 * len(structure.layers)
+    assert collectives.tp_reduce_scatter not in calls and collectives.tp_sequence_gather not in calls
+
+
+def test_sequence_parallel_refuses_what_it_cannot_run_naming_the_field():
+    gm, structure, _, _ = _captured(LLAMA)
+    structure = dataclasses.replace(structure, seq_len=31)  # as captured at 31 tokens
+    with pytest.raises(InputError, match=r"'sequence_parallel'.*31 token\(s\) does not divide by tp=2"):
+        lower_for_rank(gm, structure, _plan(LLAMA, structure, 2, sequence_parallel=True), 0)
+    gm, structure, _, _ = _captured(LLAMA)
+    plan = _plan(LLAMA, structure, 2, workload="forward", sequence_parallel=True, ladder_layers=[3])
+    with pytest.raises(InputError, match="'sequence_parallel' and 'ladder_layers'"):
+        lower_for_rank(gm, structure, plan, 0)
+
+
+def test_recompute_keys_are_the_cost_model_layer_classes_or_plan_wide():
+    _, structure, _, _ = _captured(LLAMA)
+    key = layer_key(structure.layers[0])
+    n = len(structure.layers)
+    assert recompute_of_layers(structure, {key: Recompute.FULL}) == [Recompute.FULL] * n
+    assert recompute_of_layers(structure, {"*": "selective"}) == [Recompute.SELECTIVE] * n
+    assert recompute_of_layers(structure, {"layer": Recompute.FULL, key: "none"}) == [Recompute.NONE] * n
+    assert recompute_of_layers(structure, {}) == [Recompute.NONE] * n
+    with pytest.raises(InputError, match=r"'recompute' names layer classes \['attn'\].*'\*'"):
+        recompute_of_layers(structure, {"attn": Recompute.FULL})
+
+
+def _saved_and_grads(gm: torch.fx.GraphModule, inputs: tuple) -> tuple[int, dict[str, torch.Tensor]]:
+    """Tensors autograd saved in forward (outside recomputed regions), and every parameter gradient
+    after backward of sum(output ** 2)."""
+    count = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal count
+        count += 1
+        return t
+
+    gm.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = gm(*inputs)
+    out.pow(2).sum().backward()
+    return count, {k: p.grad.clone() for k, p in gm.named_parameters()}
+
+
+def test_recompute_keeps_gradients_and_saves_fewer_tensors_unsharded():
+    # dropout on (the default generator: checkpoint restores it for the re-run)
+    runs = {}
+    captured, structure, args, kwargs = _captured(DROPOUT, training=True, device="cpu")
+    for kind in Recompute:
+        plan = _plan(DROPOUT, structure, 1, recompute={"*": kind})
+        lowered = lower_for_rank(copy.deepcopy(captured), structure, plan, 0, training=True)
+        assert len(lowered.recomputed) == (0 if kind is Recompute.NONE else len(structure.layers))
+        torch.manual_seed(1)
+        runs[kind] = _saved_and_grads(lowered.module, flat_inputs(args, kwargs))
+    saved = {kind: count for kind, (count, _) in runs.items()}
+    assert saved[Recompute.FULL] < saved[Recompute.SELECTIVE] < saved[Recompute.NONE], saved
+    for kind in (Recompute.SELECTIVE, Recompute.FULL):
+        for name, grad in runs[Recompute.NONE][1].items():
+            assert torch.equal(runs[kind][1][name], grad), (kind, name)
+
+
+def _recompute_with_dropout(ctx: RankContext, _: object) -> dict:
+    """Per rank, TP=2 with sequence parallelism, dropout on: gradients and saved tensors of the same
+    step lowered with no, selective and full recompute, every dropout stream seeded alike."""
+    gm, structure, _, _ = _captured(DROPOUT)
+    plan = _plan(DROPOUT, structure, 2, sequence_parallel=True, batch_size=2)
+    setup = set_up_rank(ctx, RunJob(str(DROPOUT), plan.to_dict(), workload="train"))
+    inputs = flat_inputs(setup.args, setup.kwargs)
+    out: dict[str, object] = {}
+    for kind in Recompute:
+        torch.manual_seed(0)  # the same weights for every lowering
+        model = set_run_mode(setup.model_file.build("cpu"), "fp32", training=True)
+        gm = capture(model, setup.args, setup.kwargs)
+        planned = dataclasses.replace(plan, recompute={"*": kind})
+        lowered = lower_for_rank(gm, analyse(gm), planned, ctx.rank, training=True)
+        out[f"{kind.value}_dropouts"] = len(rng.dropout_nodes(lowered.module))
+        seed_dropout_rng(7, 0, setup.groups.tp_rank, ctx.device)
+        out[kind.value] = _saved_and_grads(lowered.module, inputs)
+    seed_dropout_rng(8, 0, setup.groups.tp_rank, ctx.device)  # other masks: other gradients
+    out["other_seed"] = _saved_and_grads(lowered.module, inputs)[1]
+    return out
+
+
+def _sequence_parallel_runs(ctx: RankContext, jobs: list[RunJob]) -> dict:
+    return {"reports": [run_rank(ctx, job) for job in jobs], "recompute": _recompute_with_dropout(ctx, None)}
+
+
+@pytest.mark.slow
+def test_sequence_parallel_matches_unsharded_and_recompute_replays_dropout_on_two_ranks():
+    _, structure, _, _ = _captured(LLAMA)
+    plan = _plan(LLAMA, structure, 2, sequence_parallel=True, recompute={"*": Recompute.SELECTIVE})
+    jobs = [RunJob(str(LLAMA), plan.to_dict(), workload="train", warmup=0, iters=1)]
+    results = launch(_sequence_parallel_runs, jobs, nproc=2, timeout_s=180)
+    # sequence parallelism (with selective recompute) through the runtime: outputs, loss and every
+    # gradient against the unsharded model on the whole batch
+    summary = summarise([r["reports"][0] for r in results])
+    n = summary["numerics"]
+    assert n["max_abs_diff"] <= 1e-5 * n["output_scale"], n
+    assert n["grad_max_abs_diff"] is not None and n["grad_max_abs_diff"] <= 1e-6, n
+    notes = summary["measured"]["notes"]
+    assert any("sequence parallelism applied" in t and "8 reduce-scatter(s)" in t for t in notes), notes
+    assert any(t.startswith("activation recompute: selective (attention core) on layers 0-3") for t in notes)
+    for r in results:
+        got = r["recompute"]
+        assert got["none_dropouts"] == got["full_dropouts"] > 0  # dropout drew in every lowering
+        none_saved, none_grads = got["none"]
+        for kind in ("selective", "full"):
+            saved, grads = got[kind]
+            assert saved < none_saved, (kind, saved, none_saved)
+            for name, grad in none_grads.items():  # the recomputed masks are the forward's
+                assert torch.equal(grads[name], grad), (kind, name)
+        assert any(not torch.equal(got["other_seed"][k], g) for k, g in none_grads.items())
