@@ -37,7 +37,11 @@ def train_plan():
     structure = handmade_llama(num_layers=6, hidden=2048, heads=16, kv_heads=8, ffn=8192)
     workload = WorkloadSpec("train", 8, 1024, micro_batches=8, dtype="bf16")
     return plan_model(
-        structure, load_cluster("dgx-h100"), workload, Constraints(tp=2, pp=2, dp=1), model_name="m.py"
+        structure,
+        load_cluster("dgx-h100"),
+        workload,
+        Constraints(tp=2, pp=2, dp=1, schedule=Schedule.ONE_F_ONE_B),
+        model_name="m.py",
     )
 
 
