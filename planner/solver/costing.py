@@ -383,7 +383,7 @@ def attention_core_options(
                 scores = memory.attention_scores_bytes(q_len, seqs, heads, shard, ctx.dtype)
         t = core_s + inner_s / kv_shard
         return OpOption(name, layout, layout, t, kv_cache / kv_shard, stored / shard + scores,
-                        selective_bytes=scores, selective_s=forward_s if scores else 0.0)  # fmt: skip
+                        selective_bytes=scores, selective_s=forward_s)  # fmt: skip
 
     options = [option("replicate", R, 1)]
     excluded: dict[str, str] = {}

@@ -312,11 +312,12 @@ class _Builder:
             for op in graph.ops
             for o in op.options
         ]
-        has_core = any(nbytes > 0 for nbytes, _, _ in scores)
+        has_core = any(nbytes > 0 for nbytes, _, _ in scores)  # stores scores selective would drop
+        core_op = any(seconds > 0 for _, seconds, _ in scores)  # an attention core to recompute at all
         pinned = self.p.recompute
-        if pinned is not None:
+        if pinned is not None:  # the user's choice, even where it saves no memory (a fused kernel)
             self.m += rf == int(pinned is Recompute.FULL), _name("recompute_pin_full", gid)
-            self.m += rs == int(pinned is Recompute.SELECTIVE and has_core), _name("recompute_pin_sel", gid)
+            self.m += rs == int(pinned is Recompute.SELECTIVE and core_op), _name("recompute_pin_sel", gid)
         elif not has_core:
             self.m += rs == 0, _name("recompute_no_core", gid)
         ra = self.m.add_variable(_name("ra", gid), 0)
