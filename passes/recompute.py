@@ -126,23 +126,21 @@ def _core_region(nodes: list[fx.Node]) -> list[fx.Node]:
     if not cores:
         return []
     members = set(nodes)
-    below: set[fx.Node] = set()
-    stack = list(cores)
-    while stack:  # descendants of the cores, inside the layer
-        n = stack.pop()
-        if n in below:
-            continue
-        below.add(n)
-        stack += [u for u in n.users if u in members]
-    above: set[fx.Node] = set()
-    stack = list(cores)
-    while stack:  # ancestors of the cores, inside the layer
-        n = stack.pop()
-        if n in above:
-            continue
-        above.add(n)
-        stack += [a for a in n.all_input_nodes if a in members]
+    below = _reachable(cores, lambda n: [u for u in n.users if u in members])  # descendants, in the layer
+    above = _reachable(cores, lambda n: [a for a in n.all_input_nodes if a in members])  # ancestors
     return [n for n in nodes if n in below and n in above]
+
+
+def _reachable(starts: list[fx.Node], step) -> set[fx.Node]:
+    """`starts` and every node reached from them by repeatedly following `step(node)`."""
+    seen: set[fx.Node] = set()
+    stack = list(starts)
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack += step(n)
+    return seen
 
 
 def apply_recompute(

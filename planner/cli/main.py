@@ -412,8 +412,17 @@ def _run(args, plan, prepared, cluster):
 
         render_plan(console, plan)
         nproc = plan.num_devices
+    run = _run_plan(args, plan, nproc)
+    return plan, run
+
+
+def _run_plan(args: argparse.Namespace, plan, nproc: int):
+    """`workflow.run_plan` of `plan` on `nproc` ranks with the command's iterations, warm-up, timeout
+    and weights, showing progress bars on a terminal (`_bars`)."""
+    from planner.cli import workflow  # noqa: PLC0415 - keeps `planner --help` fast
+
     with _bars(args) as bars:
-        run = workflow.run_plan(
+        return workflow.run_plan(
             plan,
             args.model,
             nproc,
@@ -423,7 +432,6 @@ def _run(args, plan, prepared, cluster):
             weights=args.weights,
             progress=bars,
         )
-    return plan, run
 
 
 def torch_devices() -> int:
@@ -494,17 +502,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             plan, args.model, nproc, args.iters, args.warmup, args.timeout
         )  # raises the message
     workflow.check_fits_this_machine(plan, prepared.structure, nproc)
-    with _bars(args) as bars:
-        run = workflow.run_plan(
-            plan,
-            args.model,
-            nproc,
-            args.iters,
-            args.warmup,
-            args.timeout,
-            weights=args.weights,
-            progress=bars,
-        )
+    run = _run_plan(args, plan, nproc)
     if run is None:  # a rank other than 0 under torchrun: rank 0 reports
         return 0
     report = workflow.report_dict(plan, run, args.model, cluster)
