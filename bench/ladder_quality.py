@@ -1,6 +1,6 @@
 """Ladder residual's cost in model quality, and its recovery, on a small Llama trained here on real text.
 
-    python bench/ladder_quality.py [--steps 800] [--adapt-fraction 0.15] [--part all|standard|scratch]
+    python bench/ladder_quality.py [--steps 1600] [--adapt-fraction 0.2] [--part all|standard|scratch]
 
 Corpus: the Python standard library's source and text files (offline on every machine), split into
 train / held-out by file (`runtime.lm_data`). Tokenizer: byte-level BPE of 2048 tokens trained on the
@@ -23,7 +23,7 @@ Beside them: the planner's predicted speed-up of the same ladder at TP=8 on the 
 (standard latency / ladder latency): decode (batch 1) with the planner's best plans and with
 Megatron's all-split assignment, and a 64 x 128-token prefill (`make_plan`, `prediction.predict`).
 
-Run time on 2 shared CPU cores (one thread per process): about 15 minutes per pre-training. Each
+Run time on 2 shared CPU cores (one thread per process): about 7.5 minutes per 1600-step pre-training on a quiet core. Each
 checkpoint (and each evaluation, out/ladder_quality/eval-*.json) is reused when it exists (delete it to redo a part); `--part standard` and `--part scratch`
 run one pre-training each, so the two can run at once in two processes, then a plain run makes the rest.
 """
@@ -212,7 +212,7 @@ def predicted_speedups(ladder: list[int]) -> dict[str, tuple[float, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=400, help="pre-training steps (batch 8 x 128 tokens)")
+    parser.add_argument("--steps", type=int, default=1600, help="pre-training steps (batch 8 x 128 tokens)")
     parser.add_argument("--adapt-fraction", type=float, default=0.2, help="adapt steps / pre-training steps")
     parser.add_argument(
         "--eval-batches",

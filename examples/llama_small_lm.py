@@ -1,7 +1,7 @@
-"""A small Llama-style language model (2.4 M parameters) trained on the Python standard library's text.
+"""A small Llama-style language model (2.0 M parameters) trained on the Python standard library's text.
 
-Vocabulary 2048 (byte-level BPE, `llama_small_lm.tokenizer.json`), hidden 160, 6 layers, 5 heads of 32,
-GQA with 1 KV head... see CONFIG. Pre-trained weights: `llama_small_lm.safetensors` next to this file,
+Vocabulary 2048 (byte-level BPE, `llama_small_lm.tokenizer.json`), hidden 128, 8 layers, 8 heads of 16,
+GQA with 2 KV heads, SwiGLU 384 (CONFIG). Pre-trained weights: `llama_small_lm.safetensors` next to this file,
 made by `python bench/ladder_quality.py` (which also trains the tokenizer if it is missing); use them
 with `--weights examples/llama_small_lm.safetensors`. Without weights the model is randomly initialised.
 """

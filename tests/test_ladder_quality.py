@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from costmodels.cluster import load_cluster
 from planner.cli.main import main
+from planner.cli.quality import budget_neighbours
 from planner.errors import InputError
 from planner.frontend.modelfile import load_model_file
 from planner.plan import MeshShape
@@ -107,13 +108,17 @@ def test_loss_budget_constrains_the_ilp_and_cuts_measured_sets() -> None:
     assert auto.max_loss_increase == pytest.approx(0.01) and str(auto) == "auto:max-loss-increase=1%"
     free = plan_model(structure, pcie, workload, Constraints(tp=8, ladder=auto))
     assert free.ladder_layers == [0, 1, 2, 3, 4, 5]  # without a budget every layer pays off here
-    budget = LadderBudget({i: 0.004 for i in range(6)}, 0.01)
+    # the top layer is the sensitive one: the budget ladders lower layers instead (any subset may be chosen)
+    spread = LadderBudget({0: 0.004, 1: 0.004, 2: 0.004, 3: 0.004, 4: 0.004, 5: 0.03}, 0.01)
+    below_top = plan_model(structure, pcie, workload, Constraints(tp=8, ladder=auto, ladder_budget=spread))
+    assert len(below_top.ladder_layers) == 2 and 5 not in below_top.ladder_layers  # 3 x 0.4% > 1%
+    budget = LadderBudget({0: 0.02, 1: 0.02, 2: 0.02, 3: 0.02, 4: 0.004, 5: 0.005}, 0.01)
     two = plan_model(structure, pcie, workload, Constraints(tp=8, ladder=auto, ladder_budget=budget))
-    assert two.ladder_layers == [4, 5]  # 3 x 0.4% > 1%
+    assert two.ladder_layers == [4, 5]
     cut = plan_model(
         structure, pcie, workload, Constraints(tp=8, ladder=auto, ladder_budget=budget.excluding([4, 5]))
     )
-    assert cut.ladder_layers == [5]
+    assert len(cut.ladder_layers) == 1 and set(cut.ladder_layers) <= {4, 5}
     assert cut.predicted.latency_s > two.predicted.latency_s > free.predicted.latency_s
 
 
@@ -165,6 +170,16 @@ def test_cli_ladder_eval_adapt_and_loss_budget(corpus, tmp_path, capsys) -> None
     with safe_open(str(ckpt), "pt") as f:  # the emitted modules name their tensors as the checkpoint does
         params = {k for k in shards if not k.startswith("rope")}
         assert params and params <= set(f.keys())
+
+
+def test_budget_neighbours_drop_the_most_and_add_the_least_sensitive_layer() -> None:
+    sens = {0: 0.19, 1: 0.0001, 2: -0.0001, 3: 0.001, 4: 0.0005, 5: 0.0012, 6: 0.0016, 7: 0.029}
+    assert budget_neighbours([1, 2, 3, 4, 5, 6], list(range(8)), sens) == [
+        [1, 2, 3, 4, 5],
+        [1, 2, 3, 4, 5, 6, 7],
+    ]
+    assert budget_neighbours([], list(range(8)), sens) == [[2]]
+    assert budget_neighbours(list(range(8)), list(range(8)), sens) == [list(range(1, 8))]
 
 
 def test_lp_model_names_the_budget_constraints() -> None:

@@ -418,7 +418,7 @@ def plan_with_loss_budget(
     ILP choose the latency-best ladder set whose summed increases stay within X (`LadderBudget`), then
     measure the chosen set together; when it is over X, exclude that set (a no-good cut) and solve
     again. `make_plan(constraints)` plans. Also prices and measures the chosen set's neighbours
-    (one laddered layer fewer / more, same mesh). Raises InputError without --data."""
+    (`budget_neighbours`: one laddered layer fewer / more, same mesh). Raises InputError without --data."""
     policy = constraints.ladder
     limit = policy.max_loss_increase
     if not args.data:
@@ -469,13 +469,10 @@ def plan_with_loss_budget(
             chosen, plan.predicted.latency_s, budget.predicted(chosen), setup.increase(chosen), "chosen"
         )
     ]
-    top = num_layers
-    count = len(chosen)
     mesh = (plan.tp, plan.pp, plan.dp)
-    for n in (count - 1, count + 1):
-        if n < 0 or n > len(eligible) or any(sorted(r.layers) == upper_layers(top, n) for r in rows):
+    for layers in budget_neighbours(chosen, eligible, sens):
+        if any(sorted(r.layers) == layers for r in rows):
             continue
-        layers = upper_layers(top, n)
         with _bar(progress, f"loss budget: neighbour, ladder on layers {_layers_label(layers)}") as bar:
             setup.measure(layers, bar)
         pinned = dataclasses.replace(
@@ -483,8 +480,13 @@ def plan_with_loss_budget(
             tp=mesh[0],
             pp=mesh[1],
             dp=mesh[2],
-            ladder=LadderPolicy(LadderMode.UPPER, n) if n else LadderPolicy(LadderMode.NONE, 0),
-            ladder_budget=None,
+            ladder=LadderPolicy(LadderMode.AUTO, None) if layers else LadderPolicy(LadderMode.NONE, 0),
+            # only `layers` fit this budget: the best plan with (at most) exactly them laddered
+            ladder_budget=LadderBudget(
+                {i: 0.0 if i in layers else 1.0 + limit for i in range(num_layers)}, limit
+            )
+            if layers
+            else None,
         )
         try:
             latency = make_plan(pinned).predicted.latency_s
@@ -493,6 +495,22 @@ def plan_with_loss_budget(
         rows.append(BudgetRow(layers, latency, budget.predicted(layers), setup.increase(layers), "neighbour"))
     rows.sort(key=lambda r: len(r.layers))
     return plan, BudgetReport(limit, standard, sens, rows, rounds)
+
+
+def budget_neighbours(
+    chosen: list[int], eligible: list[int], sensitivity: dict[int, float]
+) -> list[list[int]]:
+    """The chosen ladder set's neighbours: one layer fewer (without its most loss-sensitive layer) and
+    one more (with the least sensitive eligible layer it lacks), each sorted; none past either end."""
+    out = []
+    if chosen:
+        drop = max(chosen, key=lambda i: (sensitivity.get(i, 0.0), i))
+        out.append(sorted(i for i in chosen if i != drop))
+    rest = [i for i in eligible if i not in chosen]
+    if rest:
+        add = min(rest, key=lambda i: (sensitivity.get(i, 0.0), -i))
+        out.append(sorted([*chosen, add]))
+    return out
 
 
 def render_budget(console: Console, report: BudgetReport) -> None:

@@ -30,6 +30,8 @@ Constraints (each family is named by the prefix of its constraint names)
     ladder_att_*, ladder_mlp_*   qa[g] >= comm_att[g] - eta * compute_mlp[g]  (eta = overlap_efficiency)
     ladder_auto_*   za[l] >= comm_att[g] - M lad[l],  za[l] >= qa[g]  (zm alike)   `_ladder_variables`
     ladder_upper_*  lad[l] <= lad[l+1]: laddered layers are contiguous with the top   `_ladder_variables`
+                    (auto without a loss budget: equal layers gain equally, the paper ladders the top;
+                    with one, the measured sensitivities choose, so any subset is allowed)
     ladder_loss     sum_l s[l] lad[l] <= X: measured per-layer loss increases s within the budget X
     ladder_nogood_* sum_{l in S} lad[l] - sum_{l not in S} lad[l] <= |S| - 1: the set S, measured over
                     X as a whole, is not chosen again (`LadderBudget`; auto ladder only)   `_ladder_budget`
@@ -401,8 +403,9 @@ class _Builder:
             self.m += za >= qa, _name("ladder_auto_att_min", i)
             self.m += zm >= qm, _name("ladder_auto_mlp_min", i)
             exposed[i] = za + zm
-        for i in sorted(self.lad)[:-1]:
-            self.m += self.lad[i] <= self.lad[i + 1], _name("ladder_upper", i)
+        if self.p.ladder_budget is None:
+            for i in sorted(self.lad)[:-1]:
+                self.m += self.lad[i] <= self.lad[i + 1], _name("ladder_upper", i)
         self._ladder_budget()
         return exposed
 

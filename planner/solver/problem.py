@@ -101,7 +101,8 @@ class LadderMode(str, enum.Enum):
 
     NONE = "none"  # no layer
     UPPER = "upper"  # exactly the upper `count` layers
-    AUTO = "auto"  # the solver's choice among the upper `count` layers (contiguous with the top)
+    AUTO = "auto"  # the solver's choice among the upper `count` layers (contiguous with the top,
+    # or any subset of them under a measured loss budget, `LadderBudget`)
 
     def __str__(self) -> str:
         return self.value
