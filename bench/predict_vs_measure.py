@@ -151,7 +151,7 @@ def _plans(cluster, configs, prepared: dict | None = None):
     return plans, prepared
 
 
-def _measure(configs, plans, iters: int, warmup: int) -> list[dict]:
+def _measure(configs, plans, iters: int, warmup: int, min_time_s: float = 0.0) -> list[dict]:
     """Run every plan; plans on the same number of ranks share one launch. Returns summarise() dicts."""
     from runtime.job import RunJob, summarise  # noqa: PLC0415
 
@@ -169,6 +169,7 @@ def _measure(configs, plans, iters: int, warmup: int) -> list[dict]:
                 workload=configs[i].workload,
                 warmup=warmup,
                 iters=iters,
+                min_time_s=min_time_s,
             )
             for i in indices
         ]
@@ -185,6 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--iters", type=int, default=5, help="timed steps per configuration (default 5)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    parser.add_argument(
+        "--min-time",
+        type=float,
+        default=2.0,
+        help="time at least this many seconds per configuration (default 2)",
+    )
     parser.add_argument(
         "--cluster", default=None, help="preset or spec YAML (default: this machine, calibrated)"
     )
@@ -206,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     configs = [c for c in CONFIGS if not args.only or args.only in c.name]
     plans, prepared = _plans(cluster, configs)
-    runs = _measure(configs, plans, args.iters, args.warmup)
+    runs = _measure(configs, plans, args.iters, args.warmup, args.min_time)
     cores = os.cpu_count() or 1
     table = Table(title=f"Step latency, predicted vs measured (median of {args.iters}, slowest rank)")
     for col in (
@@ -333,9 +340,8 @@ def _model_terms(structure, plan, cluster) -> dict[str, float]:
         elif shard > 1:
             n_out /= shard
         flops = linear_flops(tokens, n_in, n_out, p.bias is not None)
-        return op_time_s(
-            flops, linear_bytes(tokens, n_in, n_out, "fp32", p.bias is not None), dev, "fp32", "matmul"
-        )
+        moved = linear_bytes(tokens, n_in, n_out, "fp32", p.bias is not None)
+        return op_time_s(flops, moved, dev, "fp32", "matmul", rows=tokens)  # as `costing` prices it
 
     terms = dict.fromkeys(TERMS, 0.0)
     for layer in structure.layers:

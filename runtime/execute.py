@@ -128,10 +128,16 @@ def _run_sharded_rank(
                     gm(*inputs)
 
     timing = time_iterations(
-        step, warmup=job.warmup, iters=job.iters, device=ctx.device, progress=report_progress
+        step,
+        warmup=job.warmup,
+        iters=job.iters,
+        device=ctx.device,
+        progress=report_progress,
+        min_time_s=job.min_time_s,
     )
     report.latency_samples_s = list(timing.samples_s)
     report.median_s = timing.median_s
+    report.steps_per_sample = timing.steps_per_sample
     if job.profile_layers and not setup.training:
         report_progress("profiling the layers", None)
         report.per_layer_s = profile_layers(gm, inputs, [layer.module_path for layer in structure.layers])

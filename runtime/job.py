@@ -46,6 +46,9 @@ class RunJob:
     workload: str = "forward"  # "forward" | "train"
     warmup: int = 2
     iters: int = 5
+    min_time_s: float = (
+        0.0  # time at least this long (more than `iters` calls: runtime.measure.time_iterations)
+    )
     seed: int = 0
     return_output: bool = False  # put the rank's output tensor in the report (tests)
     profile_layers: bool = False  # forward: time every node once more, summed per layer (runtime.profile)
@@ -82,6 +85,7 @@ class RankReport:
     )
     ladder_deviation: float | None = None  # relative L2 of laddered vs original outputs
     pipeline_schedule: str | None = None  # pp > 1: the torch.distributed.pipelining schedule class run
+    steps_per_sample: int = 1  # > 1: each latency sample is the mean of that many back-to-back steps
     dtype: str | None = None  # the plan dtype the rank ran its model and inputs in ("bf16")
     notes: list[str] = field(default_factory=list)
     output: torch.Tensor | None = None  # only with RunJob.return_output
@@ -196,6 +200,7 @@ def summarise(reports: list[RankReport]) -> dict[str, Any]:
             "startup_memory_bytes": max(r.startup_memory_bytes for r in reports),  # of it: before the model
             "per_rank_peak_memory_bytes": [r.peak_memory_bytes for r in reports],
             "iterations": len(samples),
+            "steps_per_sample": slowest.steps_per_sample,
             "dtype": reports[0].dtype,
             "notes": list(dict.fromkeys(note for r in reports for note in r.notes)),
             "per_layer_s": per_layer,

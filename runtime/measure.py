@@ -51,9 +51,10 @@ class Timing:
     p10_s: float  # 10th percentile (linear interpolation between order statistics)
     p90_s: float
     min_s: float
+    steps_per_sample: int = 1  # > 1: each sample is the mean step time of a window of back-to-back steps
 
     @classmethod
-    def from_samples(cls, samples_s: list[float]) -> Timing:
+    def from_samples(cls, samples_s: list[float], steps_per_sample: int = 1) -> Timing:
         """Timing of `samples_s` (seconds, at least one). Raises InputError when empty."""
         if not samples_s:
             raise InputError("Timing needs at least one sample")
@@ -64,6 +65,7 @@ class Timing:
             p10_s=_percentile(ordered, 0.10),
             p90_s=_percentile(ordered, 0.90),
             min_s=ordered[0],
+            steps_per_sample=steps_per_sample,
         )
 
 
@@ -86,9 +88,20 @@ def time_iterations(
     device: torch.device,
     group: dist.ProcessGroup | None = None,
     progress: Progress = silent,
+    min_time_s: float = 0.0,
 ) -> Timing:
     """Call `fn()` `warmup` times untimed, then time `iters` calls; return their Timing in seconds.
     `progress` (`planner.progress`) is told of each warm-up and timed call.
+
+    With `min_time_s` > 0 at least that many seconds of calls are timed: the warm-up calls (one more
+    untimed call without warm-up) estimate a call's time, the ranks agree on the slowest estimate
+    (all-reduce MAX on `group` when a process group is initialised) and time
+    max(iters, min_time_s / estimate) calls, at most `MAX_TIMED_ITERS`; on CPU, calls shorter than
+    `WINDOW_S` are timed in windows of back-to-back calls (one sample per window:
+    `Timing.steps_per_sample`). A shared machine has slow
+    spells of a few seconds (a noisy neighbour halves the speed of this 2-vCPU VM for 1-5 s, about a
+    quarter of the time, measured 2026-11-30): ten calls of a 3 ms step all fall in one spell, a median
+    over two seconds of calls does not.
 
     Every timed call starts right after a barrier on `group` (the default group when None) if a process
     group is initialised, so all ranks of the group must call this with the same `iters`. On a CUDA
@@ -99,25 +112,59 @@ def time_iterations(
         raise InputError(
             f"time_iterations needs warmup >= 0 and iters >= 1, got warmup={warmup}, iters={iters}"
         )
-    for i in range(warmup):
-        progress(f"warm-up {i + 1}/{warmup}", i / warmup)
+    warm_s = []
+    for i in range(max(warmup, 1 if min_time_s > 0 else 0)):
+        progress(f"warm-up {i + 1}/{warmup}", i / max(warmup, 1))
+        start = time.perf_counter()
         fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        warm_s.append(time.perf_counter() - start)
+    window = 1
+    if min_time_s > 0:
+        estimate_s = _slowest(statistics.median(warm_s), device, group)
+        iters = max(iters, min(MAX_TIMED_ITERS, math.ceil(min_time_s / max(estimate_s, 1e-7))))
+        if device.type != "cuda":  # steps shorter than WINDOW_S run back to back between barriers
+            window = max(1, min(iters, math.floor(WINDOW_S / max(estimate_s, 1e-7))))
     if device.type == "cuda":
         return Timing.from_samples(_time_cuda(fn, iters, device, group, progress))
-    return Timing.from_samples(_time_cpu(fn, iters, group, progress))
+    return Timing.from_samples(_time_cpu(fn, math.ceil(iters / window), group, progress, window), window)
+
+
+MAX_TIMED_ITERS = 10_000  # a cap on the iterations `min_time_s` may ask for
+# With `min_time_s`, CPU steps shorter than this are timed in windows of back-to-back steps after one
+# barrier (sample = the window's mean step): a barrier before every sub-millisecond step adds the
+# wake-up of the backend's threads to it (a 0.3 ms MLP step measured 0.47 ms with a barrier before
+# each, 0.30 ms back to back, on 2 gloo ranks of this 2-vCPU VM, 2026-11-30)
+WINDOW_S = 0.02
+
+
+def _slowest(estimate_s: float, device: torch.device, group: dist.ProcessGroup | None) -> float:
+    """The largest `estimate_s` over the ranks of `group` (all-reduce MAX when a process group is
+    initialised), so that every rank times the same number of steps."""
+    if dist.is_available() and dist.is_initialized():
+        slowest = torch.tensor([estimate_s], dtype=torch.float64, device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+        return float(slowest.item())
+    return estimate_s
 
 
 def _time_cpu(
-    fn: Callable[[], Any], iters: int, group: dist.ProcessGroup | None, progress: Progress
+    fn: Callable[[], Any], samples: int, group: dist.ProcessGroup | None, progress: Progress, window: int = 1
 ) -> list[float]:
+    """`samples` samples, each the mean time of `window` back-to-back calls after a barrier."""
     samples_s = []
-    for i in range(iters):
-        progress(f"timed iteration {i + 1}/{iters}", i / iters)
+    for i in range(samples):
+        progress(
+            f"timed sample {i + 1}/{samples}" if window > 1 else f"timed iteration {i + 1}/{samples}",
+            i / samples,
+        )
         _barrier(group)
         start = time.perf_counter()
-        fn()
-        samples_s.append(time.perf_counter() - start)
-    progress(f"timed {iters} iterations", 1.0)
+        for _ in range(window):
+            fn()
+        samples_s.append((time.perf_counter() - start) / window)
+    progress(f"timed {samples * window} iterations", 1.0)
     return samples_s
 
 

@@ -135,9 +135,15 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
 
     want.close()
     timing = time_iterations(
-        timed, warmup=job.warmup, iters=job.iters, device=ctx.device, progress=report_progress
+        timed,
+        warmup=job.warmup,
+        iters=job.iters,
+        device=ctx.device,
+        progress=report_progress,
+        min_time_s=job.min_time_s,
     )
     report.latency_samples_s = list(timing.samples_s)
     report.median_s = timing.median_s
+    report.steps_per_sample = timing.steps_per_sample
     # peak_memory_bytes: the process's real peak, filled in by runtime.execute.run_rank
     return report

@@ -136,6 +136,10 @@ def test_stream_bandwidth_is_bytes_over_time_beyond_compute(monkeypatch: pytest.
     # compute at 1024 / 0.004 FLOP/s = 4 ms of the 10 ms: the other 6 ms stream `moved` bytes
     assert cal.stream_bandwidth(torch.device("cpu"), flops / 0.004) == pytest.approx(moved / 0.006)
     assert cal.stream_bandwidth(torch.device("cpu"), flops / 0.0099) is None  # within 5%: no penalty
+    # with a row penalty of T / (T + h) = 4 / 8 the compute alone takes 8 ms: 2 ms stream the bytes
+    assert cal.stream_bandwidth(torch.device("cpu"), flops / 0.004, half_rows=4.0) == pytest.approx(
+        moved / 0.002
+    )
 
 
 def test_busy_message_counts_the_calibration_processes_out() -> None:

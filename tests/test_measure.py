@@ -60,6 +60,29 @@ def test_time_iterations_on_cpu_without_process_group() -> None:
         time_iterations(step, warmup=0, iters=0, device=_CPU)
 
 
+def test_min_time_fills_the_time_in_windows_of_back_to_back_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    import runtime.measure as measure
+
+    clock = [0.0]  # a fake clock: each step takes exactly `cost` seconds, whatever the machine's load
+    monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    calls = []
+
+    def step(cost: float) -> None:
+        calls.append(None)
+        clock[0] += cost
+
+    timing = time_iterations(lambda: step(0.001), warmup=2, iters=5, device=_CPU, min_time_s=0.1)
+    # 0.1 s / 1 ms = 100 steps, in windows of WINDOW_S / 1 ms = 20 back to back: 5 samples
+    assert timing.steps_per_sample == 20 and len(timing.samples_s) == 5 and len(calls) == 2 + 100
+    assert timing.median_s == pytest.approx(0.001)  # a sample is a window's mean step, not its total
+    calls.clear()
+    slow = time_iterations(lambda: step(0.03), warmup=1, iters=3, device=_CPU, min_time_s=0.1)
+    assert slow.steps_per_sample == 1 and len(slow.samples_s) == 4  # ceil(0.1 / 0.03); one step per sample
+    assert time_iterations(lambda: step(0.001), warmup=1, iters=3, device=_CPU).steps_per_sample == 1
+
+
 def test_peak_memory_on_cpu_counts_growth_since_reset() -> None:
     reset_peak_memory(_CPU)
     block = torch.ones(64 * _MiB // 4)  # 64 MiB of float32, every page touched

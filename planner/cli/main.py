@@ -181,7 +181,15 @@ def _run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--nproc", type=_positive, help="local ranks (default: the plan's device count / core count)"
     )
-    p.add_argument("--iters", type=_positive, default=10, help="timed iterations")
+    p.add_argument("--iters", type=_positive, default=10, help="timed iterations (at least)")
+    p.add_argument(
+        "--min-time",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="time at least this many seconds of iterations, more than --iters when a step is short, so that "
+        "the median spans a shared machine's slow spells (default 2; 0: exactly --iters)",
+    )
     p.add_argument("--warmup", type=int, default=3, help="warm-up iterations")
     p.add_argument("--timeout", type=float, default=120.0, help="process-group timeout per rank, seconds")
     p.add_argument(
@@ -431,6 +439,7 @@ def _run_plan(args: argparse.Namespace, plan, nproc: int):
             args.timeout,
             weights=args.weights,
             progress=bars,
+            min_time_s=args.min_time,
         )
 
 

@@ -208,6 +208,14 @@ def render_serving(console: Console, plan: Plan) -> None:
         console.print(f"[yellow]fallback: {note}[/yellow]")
 
 
+def _samples_text(measured: dict) -> str:
+    """'10 iterations', or '97 samples of 7 back-to-back steps' when steps were timed in windows."""
+    k = measured.get("steps_per_sample", 1)
+    if k > 1:
+        return f"{measured['iterations']} samples of {k} back-to-back steps"
+    return f"{measured['iterations']} iterations"
+
+
 def render_run(console: Console, report: dict[str, Any]) -> None:
     """Predicted beside measured, with the ratio, and the numerics check."""
     m, n, p = report["measured"], report["numerics"], report["predicted"]
@@ -229,7 +237,7 @@ def render_run(console: Console, report: dict[str, Any]) -> None:
     table.add_row("process peak memory / rank", "-", fmt_bytes(m["peak_memory_bytes"]), "-")
     console.print(table)
     console.print(
-        f"measured: median of {m['iterations']} iterations on the slowest rank; p10 {fmt_s(m['latency_p10_s'])}, "
+        f"measured: median of {_samples_text(m)} on the slowest rank; p10 {fmt_s(m['latency_p10_s'])}, "
         f"p90 {fmt_s(m['latency_p90_s'])}; per-rank medians {', '.join(fmt_s(x) for x in m['per_rank_median_s'])}"
     )
     if m.get("startup_memory_bytes"):

@@ -414,12 +414,14 @@ def run_plan(
     timeout_s: float,
     weights: str | None = None,
     progress: Progress = silent,
+    min_time_s: float = 0.0,
 ) -> dict[str, Any] | None:
     """Execute `plan` on `nproc` local ranks (gloo on CPU, NCCL on GPUs) and summarise the ranks
     (`runtime.session.run_job`: the unsharded reference once, each rank its own shards). `progress`:
     the reference, the ranks' start-up, warm-up and timed iterations.
 
     weights: a safetensors file or a directory of them (None: seeded random init).
+    min_time_s: time at least this many seconds of steps (`runtime.measure.time_iterations`).
     Under torchrun this process is one rank: rank 0 returns the summary, the other ranks None.
 
     Raises InputError when nproc != the plan's device count or the weights are missing or bad,
@@ -453,6 +455,7 @@ def run_plan(
         workload=workload,
         warmup=warmup,
         iters=iters,
+        min_time_s=min_time_s,
         profile_layers=plan.pp == 1 and workload == "forward",
         weights=checkpoint_files(weights) if weights else None,
     )
