@@ -256,6 +256,7 @@ class ModelStructure:
     dtype: str  # most common floating parameter dtype: "bf16" | "fp16" | "fp32"
     node_costs: dict[str, NodeCost]  # by fx node name, every node but the output
     mlp_chain: list[Projection]  # models without transformer layers: the projections in order
+    num_param_tensors: int = 0  # unique trainable parameter tensors (an optimizer steps each one)
 
     @property
     def unknown_ops(self) -> list[str]:
@@ -331,6 +332,7 @@ def analyse(gm: fx.GraphModule) -> ModelStructure:
         dtype=dtype,
         node_costs=costs,
         mlp_chain=mlp_chain,
+        num_param_tensors=sum(1 for p in unique.values() if p.requires_grad),
     )
 
 

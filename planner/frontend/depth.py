@@ -93,7 +93,10 @@ def _extend(structure: ModelStructure, model: nn.Module, path: str, depth: int) 
     unique = {id(p): p for p in model.parameters()}.values()
     num_params = sum(p.numel() for p in unique)
     param_bytes = sum(p.numel() * p.element_size() for p in unique)
-    return dataclasses.replace(structure, layers=layers, num_params=num_params, param_bytes=param_bytes)
+    tensors = sum(1 for p in unique if p.requires_grad)
+    return dataclasses.replace(
+        structure, layers=layers, num_params=num_params, param_bytes=param_bytes, num_param_tensors=tensors
+    )
 
 
 def _renamed(p: Projection, old: str, new: str) -> Projection:

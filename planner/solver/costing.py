@@ -67,6 +67,11 @@ R, S, P = Layout.REPLICATE, Layout.SHARD, Layout.PARTIAL
 TRAIN_COMPUTE_FACTOR = 3.0  # forward + backward (2x forward FLOPs: input grads and weight grads)
 TRAIN_COMM_FACTOR = 2.0  # forward collectives plus their backward conjugates (Megatron f/g)
 OPTIMIZER_BYTES_MOVED_PER_PARAM = 2 * 12.0 + 2 * 2.0  # read+write master/m/v, read grad, write param
+# ATen ops per parameter tensor of torch.optim.Adam's per-tensor loop (`_single_tensor_adam`, the
+# default on CPU): step += 1, exp_avg.lerp_, exp_avg_sq.mul_ and .addcmul_, the step's .item(), sqrt,
+# div, add eps, param.addcdiv_. On an eager CPU each costs a node's dispatch overhead: the Adam step of
+# the 39-tensor tiny Llama-3 took 5.6 ms there, 1.6 ms of it memory traffic (2026-11-30).
+ADAM_OPS_PER_TENSOR = 9
 NORM_KIND = "rmsnorm"  # FLOP convention for the per-layer norms (cheap either way: memory bound)
 INF = math.inf
 
@@ -924,13 +929,21 @@ def gradient_sync_time_s(grad_bytes: float, ctx: CostContext) -> float:
 
 def optimizer_step_time_s(grad_bytes: float, ctx: CostContext) -> float:
     """Adam step over the parameters whose gradients are `grad_bytes` per rank (memory-bound: master
-    weights, moments, gradient, parameter), over 1/dp of them with the distributed optimizer."""
+    weights, moments, gradient, parameter), over 1/dp of them with the distributed optimizer; on a
+    device priced per fx node (eager CPU) plus the dispatch of `ADAM_OPS_PER_TENSOR` ops per
+    parameter tensor of the stage."""
     if not ctx.train or grad_bytes <= 0:
         return 0.0
     dev = ctx.cluster.device
     share = 1.0 / ctx.mesh.dp if ctx.distributed_optimizer else 1.0
     moved = grad_bytes / ctx.bytes_per_element * OPTIMIZER_BYTES_MOVED_PER_PARAM * share
-    return dev.launch_overhead_s + moved / (dev.memory_bandwidth_bytes_per_s * dev.memory_efficiency)
+    dispatch = dev.launch_overhead_s
+    if dev.node_overhead_s is not None and not ctx.distributed_optimizer:
+        # eager CPU: torch's Adam loops over the tensors of the stage (the ZeRO-1 optimizer steps one
+        # flat shard per dtype instead)
+        tensors = ctx.structure.num_param_tensors / ctx.mesh.pp
+        dispatch = compute.node_overhead_s(dev, tensors * ADAM_OPS_PER_TENSOR)
+    return dispatch + moved / (dev.memory_bandwidth_bytes_per_s * dev.memory_efficiency)
 
 
 def gradient_sync_cost(ctx: CostContext) -> LinearCost:
