@@ -92,6 +92,10 @@ class OpOption:
     # activation_bytes), and the forward time that recomputing them costs
     selective_bytes: float = 0.0
     selective_s: float = 0.0
+    # full recomputation reruns the forward, priced as compute_s / TRAIN_COMPUTE_FACTOR; this is the
+    # op's forward beyond that (a materialized attention core's forward moves 13 of the 32 bytes per
+    # score element of forward + backward, not a third: `compute.materialized_scores_bytes`)
+    full_extra_s: float = 0.0
 
 
 @dataclass
@@ -387,8 +391,9 @@ def attention_core_options(
             if ctx.train:  # Korthikanti et al. eq. (2): softmax output, dropout mask and output, 5 a s^2 b
                 scores = memory.attention_scores_bytes(q_len, seqs, heads, shard, ctx.dtype)
         t = core_s + inner_s / kv_shard
+        extra = max(0.0, forward_s - core_s / ctx.compute_factor) if ctx.train else 0.0
         return OpOption(name, layout, layout, t, kv_cache / kv_shard, stored / shard + scores,
-                        selective_bytes=scores, selective_s=forward_s)  # fmt: skip
+                        selective_bytes=scores, selective_s=forward_s, full_extra_s=extra)  # fmt: skip
 
     options = [option("replicate", R, 1)]
     excluded: dict[str, str] = {}

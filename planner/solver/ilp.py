@@ -299,7 +299,8 @@ class _Builder:
 
         rf[g], rs[g] in {0,1}, rf + rs <= 1 (recompute_one). Full keeps only each layer's input:
         activations become act - ra + rf * input_bytes (ra <= act, ra <= M rf) and the time gains
-        rt >= forward compute + forward comm - M (1 - rf). Selective (attention core only) drops the
+        rt >= forward compute + forward comm - M (1 - rf) (forward: a third of the training compute
+        plus `OpOption.full_extra_s`). Selective (attention core only) drops the
         stored scores: act - sa (sa <= scores, sa <= M rs) and the time gains st >= core forward -
         M (1 - rs). A pinned `IlpProblem.recompute` fixes rf and rs.
         """
@@ -330,6 +331,9 @@ class _Builder:
         self.m += sa <= max([b for b, _, _ in scores], default=0.0) / GIB * rs, _name("recompute_sel_on", gid)
         terms.act = terms.act - ra - sa + recompute_input_bytes(self.ctx) / GIB * rf
         forward = (terms.compute_attention + terms.compute_mlp + graph.fixed_compute_s) / TRAIN_COMPUTE_FACTOR
+        forward += pulp.lpSum(
+            o.full_extra_s * x[(key, op.name)][o.name] for op in graph.ops for o in op.options
+        )
         forward_comm = (internal_comm + terms.comm_attention + terms.comm_mlp) / TRAIN_COMM_FACTOR
         rt = self.m.add_variable(_name("rt", gid), 0)
         self.m += (

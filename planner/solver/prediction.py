@@ -102,7 +102,7 @@ def layer_breakdown(
     recompute = assignment.recompute_of(key) if ctx.train else Recompute.NONE
     if recompute is Recompute.FULL:  # forward again in backward; keep only the input
         internal += (internal + exposed + overlapped) / TRAIN_COMM_FACTOR
-        compute_s += compute_s / TRAIN_COMPUTE_FACTOR
+        compute_s += compute_s / TRAIN_COMPUTE_FACTOR + sum(o.full_extra_s for o in opt.values())
         act = recompute_input_bytes(ctx)
     elif recompute is Recompute.SELECTIVE:  # the attention core again; its scores are not kept
         compute_s += sum(o.selective_s for o in opt.values())
