@@ -119,6 +119,8 @@ def _unique(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 class ReplicatedAdam:
     """Adam on every parameter, after an all-reduce of the gradients over the dp group (plain DP).
+    16-bit parameters are stepped through fp32 master copies with fp32 moments (mixed precision: the
+    16 bytes per parameter the memory model prices), then copied back.
 
     params: the trainable parameters this rank holds (duplicates are dropped). group / dp: the
     data-parallel group and its size. Call `reduce_gradients` after the backward (the checks read the
@@ -128,10 +130,15 @@ class ReplicatedAdam:
     def __init__(self, params: Sequence[torch.Tensor], group: dist.ProcessGroup, dp: int, lr: float = 1e-3):
         self.params = [p for p in _unique(params) if p.requires_grad]
         self.group, self.dp = group, dp
-        self.adam = torch.optim.Adam(self.params, lr=lr)
+        # mixed precision, as the memory model prices it: 16-bit parameters are stepped through fp32
+        # master copies (Adam's moments follow their dtype), then copied back
+        self._masters = {id(p): p.detach().float().clone() for p in self.params if p.dtype in HALF_DTYPES}
+        self.adam = torch.optim.Adam([self._masters.get(id(p), p) for p in self.params], lr=lr)
         self._reduced = False
 
     def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
         self.adam.zero_grad(set_to_none=True)
         self._reduced = False
 
@@ -143,7 +150,14 @@ class ReplicatedAdam:
     def step(self) -> None:
         if not self._reduced:
             self.reduce_gradients()
+        for p in self.params:
+            if (master := self._masters.get(id(p))) is not None:
+                master.grad = None if p.grad is None else p.grad.float()
         self.adam.step()
+        with torch.no_grad():
+            for p in self.params:
+                if (master := self._masters.get(id(p))) is not None:
+                    p.copy_(master)
         self._reduced = False
 
     def owned_ranges(self) -> dict[int, tuple[int, int]] | None:
@@ -158,7 +172,9 @@ class ReplicatedAdam:
     def note(self) -> str:
         """What the run report says about the optimizer that ran."""
         sync = f"gradients all-reduced over the {self.dp} data-parallel ranks" if self.dp > 1 else "dp=1"
-        return f"optimizer: Adam, state replicated on every data-parallel rank; {sync}"
+        return (
+            f"optimizer: Adam, state replicated on every data-parallel rank{_mixed_note(self.params)}; {sync}"
+        )
 
 
 class DistributedAdam:
@@ -190,7 +206,9 @@ class DistributedAdam:
             total = sum(p.numel() for p in members)
             size = -(-total // dp)
             flat = self._flat([p.detach() for p in members], size * dp)
-            self._groups.append((members, size, flat[dp_rank * size : (dp_rank + 1) * size].clone()))
+            shard = flat[dp_rank * size : (dp_rank + 1) * size].clone()
+            # mixed precision: a 16-bit slice is stepped as an fp32 master copy (as priced)
+            self._groups.append((members, size, shard.float() if dtype in HALF_DTYPES else shard))
         self.adam = torch.optim.Adam([shard for _, _, shard in self._groups], lr=lr)
         self._reduced = False
 
@@ -215,7 +233,7 @@ class DistributedAdam:
             mine = torch.empty(size, dtype=flat.dtype, device=flat.device)
             dist.reduce_scatter_single(mine, flat, group=self.group)
             mine /= self.dp
-            shard.grad = mine
+            shard.grad = mine.to(shard.dtype)
             for p, lo, hi, offset in self._owned(members, size):
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
@@ -229,8 +247,8 @@ class DistributedAdam:
             self.reduce_gradients()
         self.adam.step()
         for members, size, shard in self._groups:
-            flat = torch.empty(size * self.dp, dtype=shard.dtype, device=shard.device)
-            dist.all_gather_single(flat, shard.detach(), group=self.group)
+            flat = torch.empty(size * self.dp, dtype=members[0].dtype, device=shard.device)
+            dist.all_gather_single(flat, shard.detach().to(flat.dtype), group=self.group)
             offset = 0
             with torch.no_grad():
                 for p in members:
@@ -264,9 +282,21 @@ class DistributedAdam:
         """What the run report says about the optimizer that ran."""
         return (
             f"optimizer: distributed optimizer (ZeRO-1), Adam state sharded over the {self.dp} data-parallel "
-            f"ranks (each updates 1/{self.dp} of the parameters); gradients reduce-scattered, parameters "
-            "all-gathered"
+            f"ranks (each updates 1/{self.dp} of the parameters){_mixed_note(self.params)}; gradients "
+            "reduce-scattered, parameters all-gathered"
         )
+
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)  # stepped through fp32 master weights
+
+
+def _mixed_note(params: Sequence[torch.Tensor]) -> str:
+    """', fp32 master weights and moments for the 16-bit parameters' when there are any."""
+    return (
+        ", fp32 master weights and moments for the 16-bit parameters"
+        if any(p.dtype in HALF_DTYPES for p in params)
+        else ""
+    )
 
 
 def _state_numel(optimizer: torch.optim.Optimizer) -> int:

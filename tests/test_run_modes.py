@@ -247,7 +247,22 @@ def _zero1_steps(ctx: RankContext) -> dict:
             opt.step()
     diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), twin.parameters()))
     moved = min((a - b).abs().max().item() for a, b in zip(model.parameters(), initial.parameters()))
+    # bf16 (mixed precision: fp32 masters in both): ZeRO-1 equals plain data parallelism exactly
+    half = torch.nn.Linear(5, 3).to(torch.bfloat16)
+    half_twin = copy.deepcopy(half)
+    pair = (
+        ReplicatedAdam(list(half.parameters()), group, 2),
+        DistributedAdam(list(half_twin.parameters()), group, 2, ctx.rank),
+    )
+    for x in data:
+        for net, opt in zip((half, half_twin), pair):
+            opt.zero_grad()
+            net(x.to(torch.bfloat16)).float().square().mean().backward()
+            opt.step()
     return {
+        "bf16_equal": all(torch.equal(a, b) for a, b in zip(half.parameters(), half_twin.parameters())),
+        "bf16_state_fp32": {s.dtype for st in pair[1].adam.state.values() for s in st.values() if s.dim()}
+        == {torch.float32},
         "param_diff": diff,
         "moved": moved,
         "state": (plain.state_numel(), zero.state_numel()),
@@ -263,6 +278,7 @@ def test_distributed_optimizer_equals_data_parallel_adam_with_a_dp_share_of_the_
     fp32, fp64 = 5 * 3 + 3, 3 + 1  # elements per dtype: 18 and 4
     for r in steps:
         assert r["param_diff"] <= 1e-6 and r["moved"] > 1e-4, r  # every parameter moved, alike
+        assert r["bf16_equal"] and r["bf16_state_fp32"], r
         assert r["state"] == (2 * (fp32 + fp64), 2 * (fp32 // 2 + fp64 // 2)), r  # Adam: 2 per element
     # rank 0 owns the first 9 fp32 elements (weight 0:9) and 2 fp64 (weight 0:2); rank 1 the rest
     assert steps[0]["owned"] == [(0, 2), (0, 9)]
@@ -273,6 +289,30 @@ def test_distributed_optimizer_equals_data_parallel_adam_with_a_dp_share_of_the_
     assert summary["numerics"]["loss_diff"] <= 1e-6, summary["numerics"]
     (note,) = [n for n in summary["measured"]["notes"] if n.startswith("optimizer:")]
     assert "distributed optimizer (ZeRO-1)" in note and "reduce-scattered" in note, note
+
+
+def test_bf16_parameters_step_through_fp32_master_weights_as_priced() -> None:
+    """Mixed precision (the memory model's 16 bytes per parameter): a bf16 model's Adam steps fp32
+    master copies with fp32 moments, and the bf16 parameters are the masters rounded; plain fp32 Adam
+    on fp32 copies given the same gradients lands on the same masters."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 4).to(torch.bfloat16)
+    reference = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    mixed, plain = ReplicatedAdam(list(model.parameters()), None, 1), torch.optim.Adam(reference, lr=1e-3)
+    for step in range(3):
+        mixed.zero_grad()
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+        model(x).float().square().mean().backward()
+        for ref, p in zip(reference, model.parameters()):
+            ref.grad = p.grad.float()
+        mixed.step()
+        plain.step()
+    for ref, p in zip(reference, model.parameters()):
+        assert p.dtype == torch.bfloat16 and torch.equal(p, ref.detach().to(torch.bfloat16))
+    masters = [mixed._masters[id(p)] for p in model.parameters()]
+    assert all(torch.equal(m, ref.detach()) for m, ref in zip(masters, reference))
+    assert all(s.dtype == torch.float32 for st in mixed.adam.state.values() for s in st.values() if s.dim())
+    assert "fp32 master weights" in mixed.note()
 
 
 def test_plan_fields_the_runtime_cannot_run_are_refused_by_name() -> None:
