@@ -41,9 +41,9 @@ from passes.tensor_parallel import load_sharded_weights
 from planner.frontend.analysis import ModelStructure, analyse
 from planner.frontend.capture import capture, flat_inputs, retarget_device
 from runtime.data_parallel import build_optimizer, unbatched_note
-from runtime.job import RankReport, RankSetup, ReferenceFiles, RunJob, set_up_rank
+from runtime.job import RankReport, RankSetup, ReferenceFiles, RunJob, set_up_rank, time_steps
 from runtime.launch import RankContext, report_progress
-from runtime.measure import current_memory_bytes, process_peak_memory_bytes, time_iterations
+from runtime.measure import current_memory_bytes, process_peak_memory_bytes
 from runtime.numerics import all_outputs, replica_share
 from runtime.pipeline_run import run_pipeline_rank
 from runtime.profile import profile_layers
@@ -127,17 +127,7 @@ def _run_sharded_rank(
                 with torch.no_grad():
                     gm(*inputs)
 
-    timing = time_iterations(
-        step,
-        warmup=job.warmup,
-        iters=job.iters,
-        device=ctx.device,
-        progress=report_progress,
-        min_time_s=job.min_time_s,
-    )
-    report.latency_samples_s = list(timing.samples_s)
-    report.median_s = timing.median_s
-    report.steps_per_sample = timing.steps_per_sample
+    time_steps(step, job, ctx.device, report)
     if job.profile_layers and not setup.training:
         report_progress("profiling the layers", None)
         report.per_layer_s = profile_layers(gm, inputs, [layer.module_path for layer in structure.layers])

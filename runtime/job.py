@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -14,7 +15,8 @@ from planner.frontend.capture import flat_inputs, input_batch_dims
 from planner.frontend.modelfile import ModelFile, load_model_file
 from planner.plan import Plan
 from runtime.data_parallel import args_share
-from runtime.launch import RankContext
+from runtime.launch import RankContext, report_progress
+from runtime.measure import time_iterations
 from runtime.mesh import RankGroups, build_rank_groups
 from runtime.numerics import tolerance_for
 from runtime.run_mode import cast_inputs, check_dtype_runs, check_plan_runs
@@ -223,3 +225,20 @@ def summarise(reports: list[RankReport]) -> dict[str, Any]:
         },
         "ranks": [{k: v for k, v in asdict(r).items() if k != "output"} for r in reports],
     }
+
+
+def time_steps(step: Callable[[], object], job: RunJob, device: torch.device, report: RankReport) -> None:
+    """Time `step` as `job` asks (`runtime.measure.time_iterations`: warm-up, at least `job.iters`
+    steps and `job.min_time_s` seconds) and record the samples, their median and the steps per sample
+    in `report`."""
+    timing = time_iterations(
+        step,
+        warmup=job.warmup,
+        iters=job.iters,
+        device=device,
+        progress=report_progress,
+        min_time_s=job.min_time_s,
+    )
+    report.latency_samples_s = list(timing.samples_s)
+    report.median_s = timing.median_s
+    report.steps_per_sample = timing.steps_per_sample

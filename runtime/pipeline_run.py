@@ -33,9 +33,8 @@ from passes.tensor_parallel import load_sharded_weights
 from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture, flat_inputs, retarget_device
 from runtime.data_parallel import args_share, batch_share, build_optimizer, unbatched_note
-from runtime.job import RankReport, RankSetup, RunJob
-from runtime.launch import RankContext, report_progress
-from runtime.measure import time_iterations
+from runtime.job import RankReport, RankSetup, RunJob, time_steps
+from runtime.launch import RankContext
 from runtime.numerics import all_outputs
 from runtime.pipeline import PipelineRunner, sum_tied_gradients
 from runtime.reference import compare_gradients, compare_loss, compare_outputs, dp_mean
@@ -134,16 +133,6 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
             runner.forward(stage_inputs)
 
     want.close()
-    timing = time_iterations(
-        timed,
-        warmup=job.warmup,
-        iters=job.iters,
-        device=ctx.device,
-        progress=report_progress,
-        min_time_s=job.min_time_s,
-    )
-    report.latency_samples_s = list(timing.samples_s)
-    report.median_s = timing.median_s
-    report.steps_per_sample = timing.steps_per_sample
+    time_steps(timed, job, ctx.device, report)
     # peak_memory_bytes: the process's real peak, filled in by runtime.execute.run_rank
     return report
