@@ -32,6 +32,7 @@ inference: under autograd, `tp_all_reduce_start` falls back to the synchronous `
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -115,69 +116,37 @@ def _chunk(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
     return x.chunk(size, dim=dim)[dist.get_rank(group)].contiguous()
 
 
-class _CopyToParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, axis: str) -> torch.Tensor:
-        ctx.axis = axis
-        return x
+def _conjugate(name: str, forward: Callable, backward: Callable) -> type[torch.autograd.Function]:
+    """An autograd Function computing ``forward(x, dim, axis)`` whose gradient is
+    ``backward(grad, dim, axis)`` (Megatron-LM's conjugate pairs: all-reduce / identity, all-gather /
+    chunk, reduce-scatter / all-gather); `dim` is None for the two that work on whole tensors."""
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _all_reduce(grad, ctx.axis), None
-
-
-class _ReduceFromParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, axis: str) -> torch.Tensor:
-        return _all_reduce(x, axis)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
-
-
-class _GatherFromParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
+    def fwd(ctx, x: torch.Tensor, dim: int | None, axis: str) -> torch.Tensor:
         ctx.dim, ctx.axis = dim, axis
-        return _all_gather(x, dim, axis)
+        return forward(x, dim, axis)
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _chunk(grad, ctx.dim, ctx.axis), None, None
+    def bwd(ctx, grad: torch.Tensor):
+        return backward(grad, ctx.dim, ctx.axis), None, None
 
-
-class _ScatterToParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
-        ctx.dim, ctx.axis = dim, axis
-        return _chunk(x, dim, axis)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _all_gather(grad, ctx.dim, ctx.axis), None, None
+    return type(
+        name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)}
+    )
 
 
-class _ReduceScatterToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
-        ctx.dim, ctx.axis = dim, axis
-        return _reduce_scatter(x, dim, axis)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _all_gather(grad, ctx.dim, ctx.axis), None, None
+def _identity(x: torch.Tensor, dim: int | None, axis: str) -> torch.Tensor:
+    return x
 
 
-class _GatherFromSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
-        ctx.dim, ctx.axis = dim, axis
-        return _all_gather(x, dim, axis)
+def _sum(x: torch.Tensor, dim: int | None, axis: str) -> torch.Tensor:
+    return _all_reduce(x, axis)
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _reduce_scatter(grad, ctx.dim, ctx.axis), None, None
+
+_CopyToParallel = _conjugate("_CopyToParallel", _identity, _sum)
+_ReduceFromParallel = _conjugate("_ReduceFromParallel", _sum, _identity)
+_GatherFromParallel = _conjugate("_GatherFromParallel", _all_gather, _chunk)
+_ScatterToParallel = _conjugate("_ScatterToParallel", _chunk, _all_gather)
+_ReduceScatterToSequence = _conjugate("_ReduceScatterToSequence", _reduce_scatter, _all_gather)
+_GatherFromSequence = _conjugate("_GatherFromSequence", _all_gather, _reduce_scatter)
 
 
 def tp_copy(x: torch.Tensor, axis: str) -> torch.Tensor:
@@ -185,12 +154,12 @@ def tp_copy(x: torch.Tensor, axis: str) -> torch.Tensor:
 
     x: any shape. Returns x itself in forward.
     """
-    return _CopyToParallel.apply(x, axis)
+    return _CopyToParallel.apply(x, None, axis)
 
 
 def tp_all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
     """Sum `x` over the ranks of `axis` (forward); identity backward. Same shape as `x`."""
-    return _ReduceFromParallel.apply(x, axis)
+    return _ReduceFromParallel.apply(x, None, axis)
 
 
 def tp_all_gather(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
