@@ -1,8 +1,7 @@
 """Llama-2 70B (64 heads, 8 KV heads) with a static KV cache, on meta: planned, never run.
 
-The published Llama-2 shapes (Touvron et al. 2023, "Llama 2: Open Foundation and Fine-Tuned Chat
-Models", Table 1, and the model's Hugging Face config.json: 32,000-token vocabulary, RoPE base 10,000,
-4,096-token context) on the same classes as the Llama-3 examples. bench/serving.py prices it against
+The published Llama-2 shapes (`models.LLAMA_CONFIGS`, sources there) on the same classes as the Llama-3
+examples. bench/serving.py prices it against
 TensorRT-LLM's and LMDeploy's published fp16 A100 measurements, e.g.
 
     planner optimize examples/llama2_70b_kv.py --cluster dgx-a100 --workload generate --seq-len 128 \
@@ -18,19 +17,10 @@ _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)  # so that `models` imports when this file is loaded by path
 
-from models import LlamaConfig  # noqa: E402
+from models import LLAMA_CONFIGS  # noqa: E402
 from models_kv import serving_model_file, step_inputs  # noqa: E402, F401 - step_inputs: the model file API
 
-CONFIG = LlamaConfig(
-    vocab_size=32000,
-    dim=8192,
-    n_layers=80,
-    n_heads=64,
-    n_kv_heads=8,
-    ffn_dim=28672,
-    rope_theta=10000.0,
-    max_seq_len=4096,
-)
+CONFIG = LLAMA_CONFIGS["llama2-70b"]
 # no weights allocated (meta), fp16; fused GQA attention (each KV head read for its query heads, as the
 # serving engines do); caches for 4096 tokens, a 2048-token prompt by default
 build_model, example_inputs = serving_model_file(CONFIG, dtype=torch.float16, device="meta", fused_gqa=True)

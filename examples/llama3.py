@@ -16,7 +16,7 @@ if _HERE not in sys.path:
 
 from models import LLAMA_CONFIGS, Llama, token_ids  # noqa: E402
 
-SIZE = "tiny"  # a key of LLAMA_CONFIGS: "tiny", "8b", "70b", "405b"
+SIZE = "tiny"  # a key of LLAMA_CONFIGS: "tiny", "8b", "70b", "405b" (Llama-3), "llama2-7b", "llama2-70b"
 
 
 def build_model(size: str = SIZE) -> torch.nn.Module:

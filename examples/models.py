@@ -162,6 +162,24 @@ LLAMA_CONFIGS: dict[str, LlamaConfig] = {
     "8b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336),
     "70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672),
     "405b": LlamaConfig(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248),
+    # Llama-2 (Touvron et al. 2023, "Llama 2: Open Foundation and Fine-Tuned Chat Models", Table 1, and
+    # the models' Hugging Face config.json): 32,000-token vocabulary, RoPE base 10,000, 4,096-token context
+    **{
+        name: LlamaConfig(
+            vocab_size=32000,
+            rope_theta=10000.0,
+            max_seq_len=4096,
+            dim=dim,
+            n_layers=layers,
+            n_heads=heads,
+            n_kv_heads=kv,
+            ffn_dim=ffn,
+        )  # fmt: skip
+        for name, dim, layers, heads, kv, ffn in (
+            ("llama2-7b", 4096, 32, 32, 32, 11008),
+            ("llama2-70b", 8192, 80, 64, 8, 28672),
+        )
+    },
 }
 
 
