@@ -41,6 +41,7 @@ YAML path of the field, and says what is expected (type, unit, range).
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import warnings
@@ -181,7 +182,11 @@ class _Reader:
         for key in value:
             if key not in allowed:
                 key_path = f"{path}.{key}" if path else str(key)
-                raise self.fail(key_path, f"unknown key {key!r}; allowed keys here: {', '.join(allowed)}")
+                close = difflib.get_close_matches(key, allowed, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise self.fail(
+                    key_path, f"unknown key {key!r}; {hint}allowed keys here: {', '.join(allowed)}"
+                )
         for key in required:
             if key not in value:
                 key_path = f"{path}.{key}" if path else key

@@ -44,7 +44,12 @@ def checkpoint_files(path: str | os.PathLike[str] | Sequence[str]) -> list[str]:
             raise InputError(f"weights directory {p} holds no {SUFFIX} files")
         return files
     if not p.exists():
-        raise InputError(f"weights file {p} does not exist")
+        made_by = (
+            "; it is made by `python bench/ladder_quality.py` (README: Ladder residual: quality)"
+            if p.name == "llama_small_lm.safetensors"
+            else ""
+        )
+        raise InputError(f"weights file {p} does not exist{made_by}")
     if p.suffix != SUFFIX:
         raise InputError(
             f"weights file {p} is not a {SUFFIX} file (save one with safetensors.torch.save_file)"

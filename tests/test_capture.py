@@ -100,6 +100,17 @@ def test_untraceable_model_names_the_line(tmp_path):
     assert "aten.item: data-dependent" in message and "use_cache=False" in message
 
 
+def test_inputs_that_do_not_fit_name_the_op_without_torch_logs(capfd):
+    """A library model (nn.Sequential) fed inputs of the wrong width: the message names the matmul and
+    says the inputs do not fit, and torch's own fake-tensor traceback is not printed."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.GELU())
+    with pytest.raises(InputError) as err:
+        capture(model, (torch.randn(2, 8, 32),), {})
+    text = str(err.value)
+    assert "aten.mm" in text and "example inputs do not fit" in text and "container.py" not in text
+    assert "Traceback" not in capfd.readouterr().err
+
+
 def test_model_output_flattened_logits_first(captured):
     c = captured("hf_llama")
     kwargs = dict(c.kwargs, labels=c.args[0])  # CausalLMOutputWithPast(loss, logits)

@@ -399,6 +399,16 @@ def _report(plan: Plan, latency_s: float, measured_s: float | None = None) -> di
     return report_dict(_with(plan, predicted=predicted), run, plan.model, load_cluster("local-cpu"))
 
 
+def test_compare_columns_are_named_by_the_shortest_distinct_path_tail():
+    from planner.cli.compare import column_names
+
+    assert column_names(["x/out/r.json", "y/out/r.json", "a.json"]) == [
+        "x/out/r.json",
+        "y/out/r.json",
+        "a.json",
+    ]
+
+
 def test_compare_prints_reports_side_by_side(tmp_path, llama_plan, capsys):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps(_report(llama_plan, 0.004, measured_s=0.005)))
@@ -415,7 +425,7 @@ def test_compare_prints_reports_side_by_side(tmp_path, llama_plan, capsys):
     }
     assert rows["mesh"] == ["TP=2 × PP=1 × DP=1", "TP=2 × PP=2 × DP=1"]
     assert rows["predicted step"] == ["4.000 ms", "2.000 ms"] and rows["measured step"] == ["5.000 ms", "-"]
-    assert rows["predicted / measured"] == ["0.80", "-"]
+    assert rows["measured / predicted"] == ["1.25", "-"]
     assert rows["measured memory / rank"] == ["2.00 GiB", "-"]  # above start-up, as the run table shows
     assert rows["predicted tokens/s"] == ["250,000", "500,000"] and rows["measured tokens/s"] == [
         "200,000",

@@ -67,7 +67,7 @@ def comparison_rows(report: dict[str, Any]) -> dict[str, str]:
     ]
     above = (m.get("peak_memory_bytes") or 0) - (m.get("startup_memory_bytes") or 0)
     measured_tps = _measured_tokens_per_s(report)
-    ratio = p["latency_s"] / m["latency_s"] if m.get("latency_s") and p.get("latency_s") else None
+    ratio = m["latency_s"] / p["latency_s"] if m.get("latency_s") and p.get("latency_s") else None
     speedup = (report.get("baseline") or {}).get("speedup")
     return {
         "model": str(report.get("model", "-")),
@@ -79,7 +79,7 @@ def comparison_rows(report: dict[str, Any]) -> dict[str, str]:
         "ladder layers": str(len(plan.get("ladder_layers") or [])),
         "predicted step": fmt_s(p.get("latency_s")),
         "measured step": fmt_s(m.get("latency_s")),
-        "predicted / measured": f"{ratio:.2f}" if ratio else "-",
+        "measured / predicted": f"{ratio:.2f}" if ratio else "-",
         "predicted memory / rank": fmt_bytes(p.get("peak_memory_bytes")),
         "measured memory / rank": fmt_bytes(above) if m.get("peak_memory_bytes") else "-",
         "predicted tokens/s": f"{p['throughput_tokens_per_s']:,.0f}"
@@ -90,14 +90,28 @@ def comparison_rows(report: dict[str, Any]) -> dict[str, str]:
     }
 
 
+def column_names(paths: list[str]) -> list[str]:
+    """Each report's shortest path tail (file name, then parent/file name, ...) that no other report's
+    tail of the same length equals."""
+    parts = [Path(p).resolve().parts for p in paths]
+    names = []
+    for i, mine in enumerate(parts):
+        for depth in range(1, len(mine) + 1):
+            tail = mine[-depth:]
+            if all(other[-depth:] != tail for j, other in enumerate(parts) if j != i):
+                break
+        names.append(str(Path(*tail)))
+    return names
+
+
 def render_comparison(console: Console, paths: list[str]) -> None:
     """Print the reports side by side and which is fastest (predicted, and measured where run).
     Raises InputError for a file that is not a readable report."""
     reports = [load_report(path) for path in paths]
     table = Table(title="Plans side by side (per step; memory per rank)")
     table.add_column("")
-    for path in paths:
-        table.add_column(Path(path).name, justify="right")
+    for name in column_names(paths):
+        table.add_column(name, justify="right")
     columns = [comparison_rows(r) for r in reports]
     for label in columns[0]:
         table.add_row(label, *(c[label] for c in columns))

@@ -35,9 +35,8 @@ err_console = Console(stderr=True, width=_WIDTH)
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse's own errors: exit code 2 with our format
-        self.print_usage(sys.stderr)
-        raise InputError(message)
+    def error(self, message: str):  # argparse's own errors: exit code 2 with our format, one line
+        raise InputError(f"{message} (see `{self.prog} --help`)")
 
 
 def _positive(text: str) -> int:
@@ -341,9 +340,12 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     if run is not None:
         from planner.cli.render import agreement_line  # noqa: PLC0415
 
-        console.print(
-            f"[bold]{agreement_line(plan.predicted.latency_s, run['measured']['latency_s'])}[/bold]"
+        verdict = agreement_line(
+            plan.predicted.latency_s,
+            run["measured"]["latency_s"],
+            layer_table="serving" not in report and bool(run["measured"].get("per_layer_s")),
         )
+        console.print(f"[bold]{verdict}[/bold]")
     return 0
 
 
@@ -450,12 +452,32 @@ def torch_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def cmd_show(args: argparse.Namespace) -> int:
-    from planner.cli.render import render_decisions, render_plan  # noqa: PLC0415
+def _saved_plan(path: str):
+    """A saved plan, checked as far as it can be without its model (`workflow.check_plan_fields`: its
+    stages, batch split, and its mesh against its cluster when that loads here). Raises InputError."""
+    from costmodels.cluster import load_cluster  # noqa: PLC0415
+    from planner.cli import workflow  # noqa: PLC0415
     from planner.plan import Plan  # noqa: PLC0415
 
+    plan = Plan.from_yaml(path)
+    cluster = None
+    for source in (plan.cluster_source, plan.cluster):
+        try:
+            cluster = load_cluster(source) if source else None
+        except InputError:
+            continue
+        if cluster is not None and cluster.backend != "gloo":  # local CPU ranks: any count
+            break
+        cluster = None
+    workflow.check_plan_fields(plan, cluster=cluster)
+    return plan
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from planner.cli.render import render_decisions, render_plan  # noqa: PLC0415
+
     _check_outputs(args)
-    plan = Plan.from_yaml(args.plan)
+    plan = _saved_plan(args.plan)
     render_plan(console, plan)
     if args.why:
         render_decisions(console, plan)
@@ -475,18 +497,23 @@ def _plot(plan, folder: str, report: dict | None, capacity_bytes: float | None) 
 
     figures = write_figures(plan, folder, report, capacity_bytes)
     _warn(figures.notes)
-    console.print(f"figures written to {folder}/: {', '.join(p.name for p in figures.files)}")
+    console.print(f"figures written to {folder.rstrip('/')}/: {', '.join(p.name for p in figures.files)}")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from planner.cli import workflow  # noqa: PLC0415
-    from planner.cli.render import render_plan, render_run  # noqa: PLC0415
+    from planner.cli.render import agreement_line, render_layer_comparison, render_plan, render_run  # noqa: PLC0415
     from planner.plan import Plan  # noqa: PLC0415
 
     _check_outputs(args)
     plan = Plan.from_yaml(args.plan)
     if not Path(args.model).exists():
         raise InputError(f"model file {args.model} does not exist")
+    if Path(plan.model).name != Path(args.model).name:
+        raise InputError(
+            f"the plan {args.plan} was made for {plan.model} (its field 'model'), and --model is {args.model}: "
+            f"run it with its own model file, or plan this one (planner optimize {args.model} ...)"
+        )
     nproc = args.nproc or plan.num_devices
     with _bars(args) as bars:
         bars("checking the plan against the model", None)
@@ -516,13 +543,19 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     report = workflow.report_dict(plan, run, args.model, cluster)
     render_run(console, report)
+    per_layer = run["measured"].get("per_layer_s", {})
+    render_layer_comparison(console, plan, per_layer)
     if cluster.backend != ("nccl" if torch_devices() else "gloo"):
         console.print(
             f"[yellow]note: the plan was predicted for {plan.cluster} ({cluster.backend}); it was measured on this machine, "
-            "so predicted / measured compares different hardware. Re-plan with --cluster for this machine to compare.[/yellow]"
+            "so measured / predicted compares different hardware. Re-plan with --cluster for this machine to compare.[/yellow]"
         )
     if args.json:
         _write_report(args, report, announce=False)
+    verdict = agreement_line(
+        plan.predicted.latency_s, run["measured"]["latency_s"], layer_table=bool(per_layer)
+    )
+    console.print(f"[bold]{verdict}[/bold]")
     return 0
 
 
@@ -560,10 +593,9 @@ def cmd_adapt(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from planner.export import export_plan  # noqa: PLC0415
-    from planner.plan import Plan  # noqa: PLC0415
 
     _check_outputs(args)
-    plan = Plan.from_yaml(args.plan)
+    plan = _saved_plan(args.plan)
     result = export_plan(plan, args.to, model=args.model)
     _warn(result.warnings)
     if args.out:

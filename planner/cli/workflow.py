@@ -280,11 +280,21 @@ def validate_plan_for_model(
             raise InputError(
                 f"plan field splits.{name}: style {split.style} splits dim {want} of this weight, not dim {split.dim}"
             )
+    check_plan_fields(plan, len(structure.layers))
+
+
+def check_plan_fields(plan: Plan, num_layers: int | None = None, cluster: ClusterSpec | None = None) -> None:
+    """The checks of a saved (possibly hand-edited) plan that need no model: `stages` list the layers
+    0..num_layers-1 once each, in order (num_layers None: the plan's own per-layer rows), one stage per
+    pipeline rank, the batch splits into dp replicas of the micro-batches, and the mesh fits `cluster`.
+    Raises InputError naming the plan field."""
+    if num_layers is None:
+        num_layers = len({c.layer for c in plan.predicted.per_layer if c.layer >= 0})
     layers = [i for stage in plan.virtual_stage_layers() for i in stage]  # = stages unless interleaved
-    if structure.layers and layers != list(range(len(structure.layers))):
+    if num_layers and layers != list(range(num_layers)):
         order = " (chunk c of rank r taken as virtual stage c * pp + r)" if plan.virtual_stages > 1 else ""
         raise InputError(
-            f"plan field stages: {plan.stages} must list the layers 0..{len(structure.layers) - 1} once each, "
+            f"plan field stages: {plan.stages} must list the layers 0..{num_layers - 1} once each, "
             f"in order{order}"
         )
     if len(plan.stages) != plan.pp:
@@ -295,6 +305,11 @@ def validate_plan_for_model(
         raise InputError(
             f"plan fields batch_size/dp/micro_batches: batch {plan.batch_size} does not split into dp={plan.dp} "
             f"replicas of {plan.micro_batches} micro-batches"
+        )
+    if cluster is not None and plan.num_devices > cluster.num_devices:
+        raise InputError(
+            f"plan field mesh: tp={plan.tp} x pp={plan.pp} x dp={plan.dp} = {plan.num_devices} devices, but "
+            f"{cluster.name} has {cluster.num_devices}; re-plan, or pin degrees whose product fits"
         )
 
 
@@ -393,8 +408,8 @@ def plan_cluster(plan: Plan, nproc: int) -> tuple[ClusterSpec, str]:
 
 
 def plan_warnings(plan: Plan) -> list[str]:
-    """What a user should know about a plan before using it: ladder residual at TP=1 (it changes the
-    model's outputs and overlaps nothing)."""
+    """What a user should know about a plan before using it: ladder residual at TP=1, or on layers the
+    plan keeps replicated (it changes the model's outputs and overlaps nothing)."""
     warnings = []
     if plan.ladder_layers and plan.tp == 1:
         warnings.append(
@@ -402,6 +417,16 @@ def plan_warnings(plan: Plan) -> list[str]:
             "laddered layer reads the residual stream one block late) and gains nothing, since it only hides "
             "tensor-parallel all-reduces and a TP=1 plan has none. Use --ladder none, or plan with --tp 2 or more"
         )
+    elif plan.ladder_layers:
+        laddered = set(plan.ladder_layers)
+        rows = [c for c in plan.predicted.per_layer if c.layer in laddered]
+        if rows and all(c.exposed_comm_s == 0 and c.overlapped_comm_s == 0 for c in rows):
+            warnings.append(
+                f"ladder residual on {len(plan.ladder_layers)} layer(s), but the plan keeps those layers' weights "
+                f"replicated at TP={plan.tp}: they issue no all-reduce for the ladder to hide, so it changes the "
+                "model's outputs (each laddered layer reads the residual stream one block late) and gains nothing. "
+                "Use --ladder none, or a model or batch large enough that splitting pays"
+            )
     return warnings
 
 

@@ -72,6 +72,18 @@ _FIXES = (
 )
 
 
+# an error about shapes: the inputs do not fit the model (or a plan for another model was given)
+_SHAPE_ERROR = re.compile(
+    r"same reduction dim|size mismatch|cannot be multiplied|mat1 and mat2|size of tensor a|"
+    r"to broadcast|is invalid for input of size|expected input\[|channels, but got",
+    re.IGNORECASE,
+)
+_SHAPE_FIXES = (
+    "The example inputs do not fit the model: check the shapes example_inputs() returns against the "
+    "model's first layers (and, with `planner run`, that the plan was made for this model file)."
+)
+
+
 def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> fx.GraphModule:
     """Export `model(*args, **kwargs)` and normalise the graph (see the module docstring).
 
@@ -82,17 +94,24 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> fx.Gra
     args, kwargs = _inputs_on_model_device(model, tuple(args), kwargs)
     # On failure export logs a warning and prints the partial graph to stderr; we report one message
     # instead (the partial graph still names the failing op in it). On success stderr is replayed.
+    # torch's fake-tensor logger prints the failing op's whole traceback (E-lines) on its own handler:
+    # muted while exporting, its text kept for the message
     shapes_logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
-    level = shapes_logger.level
+    fake_logger = logging.getLogger("torch._subclasses.fake_tensor")
+    levels = shapes_logger.level, fake_logger.handlers, fake_logger.propagate
     shapes_logger.setLevel(logging.ERROR)
     stderr = io.StringIO()
+    fake_logger.handlers = [logging.StreamHandler(stderr)]
+    fake_logger.propagate = False
     try:
         with contextlib.redirect_stderr(stderr):
             exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as e:  # export raises many types; all mean "this model does not trace"
         raise InputError(_capture_error_message(model, e, stderr.getvalue())) from e
     finally:
-        shapes_logger.setLevel(level)
+        shapes_logger.setLevel(levels[0])
+        fake_logger.handlers = levels[1]
+        fake_logger.propagate = levels[2]
     sys.stderr.write(stderr.getvalue())
     gm = exported.module()
     out_spec = gm._out_spec
@@ -331,7 +350,9 @@ def _user_frame(model: nn.Module, exc: BaseException) -> traceback.FrameSummary 
         model_file = os.path.realpath(inspect.getsourcefile(type(model)) or "")
     except TypeError:
         model_file = ""
-    in_model = [f for f in frames if os.path.realpath(f.filename) == model_file]
+    if model_file.startswith(_LIBRARY_DIRS):  # a library class (nn.Sequential): the user's code is elsewhere
+        model_file = ""
+    in_model = [f for f in frames if model_file and os.path.realpath(f.filename) == model_file]
     if in_model:
         return in_model[-1]
     outside = [
@@ -352,7 +373,11 @@ def _failing_op(exc: BaseException, partial_graph: str) -> str:
     match = re.search(r"Found (<class '[\w.]+'>) in output, which is not a known type", text)
     if match:
         return f"forward returns a {match.group(1)} object, not tensors"
-    match = re.search(r"\b(aten\.\w+(?:\.\w+)?)", text)
+    match = (
+        re.search(r"\b(aten\.\w+(?:\.\w+)?)", text)
+        or re.search(r"failed while attempting to run meta for (aten\.\w+(?:\.\w+)?)", partial_graph)
+        or re.search(r"torch\.ops\.(aten\.\w+)", partial_graph)
+    )
     if match:
         return match.group(1)
     return type(exc).__name__
@@ -366,10 +391,11 @@ def _capture_error_message(model: nn.Module, exc: BaseException, partial_graph: 
         if frame.line:
             where += f": {frame.line.strip()}"
     first_line = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+    fixes = _SHAPE_FIXES if _SHAPE_ERROR.search(first_line) else _FIXES
     return (
         f"cannot capture {type(model).__name__} with torch.export (non-strict)\n"
         f"  op:    {_failing_op(exc, partial_graph)}\n"
         f"  line:  {where}\n"
         f"  error: {type(exc).__name__}: {first_line[:300]}\n"
-        f"{_FIXES}"
+        f"{fixes}"
     )

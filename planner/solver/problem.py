@@ -164,7 +164,11 @@ class LadderPolicy:
         if self.mode is LadderMode.NONE:
             return LadderPolicy(LadderMode.NONE, 0)
         if self.count is not None and self.count > num_layers:
-            raise InputError(f"ladder {str(self)!r}: the model has only {num_layers} layers")
+            mode = "upper" if self.mode is LadderMode.UPPER else "auto:max"
+            raise InputError(
+                f"ladder {str(self)!r}: the model has only {num_layers} layers; use {mode}:N with N from 1 to "
+                f"{num_layers}"
+            )
         return LadderPolicy(
             self.mode, num_layers if self.count is None else self.count, self.max_loss_increase
         )
