@@ -176,7 +176,7 @@ def resolve_cluster(
         return load_cluster(str(cached))
     if notify is not None:
         notify(
-            f"measuring this machine with {nproc} processes (planner calibrate, ~30 s; {why}); cached in {cached}"
+            f"measuring this machine with {nproc} processes (planner calibrate, 30-40 s; {why}); cached in {cached}"
         )
     spec = calibrate(nproc, progress=progress)
     cached.parent.mkdir(parents=True, exist_ok=True)
