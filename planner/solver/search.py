@@ -27,6 +27,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from costmodels import memory
 from costmodels.cluster import ClusterSpec
 from planner.errors import InfeasibleError, InputError
 from planner.frontend.analysis import Layer, ModelStructure, Role
@@ -560,7 +561,18 @@ def _infeasible(search: _Search) -> InfeasibleError:
         f"about {devices_needed} devices ({math.ceil(devices_needed / per_node)} nodes of {per_node}, e.g. pp across them)"
     ]
     if search.workload.kind is Workload.TRAIN:
-        hints.append("more micro-batches or a smaller batch (less activation memory)")
+        # weights, gradients and Adam state (mixed precision) of one rank, before any activation
+        state = memory.training_state_bytes(
+            search.structure.num_params, search.workload.dtype or search.structure.dtype
+        ) / (mesh.tp * mesh.pp)
+        if state > 0.5 * search.cap_bytes:
+            zero = ", or the distributed optimizer (--distributed-optimizer on)" if mesh.dp > 1 else ""
+            hints.append(
+                f"more tensor / pipeline parallelism{zero}: weights, gradients and Adam state alone take "
+                f"{state / _GIB:.0f} GiB per device on {mesh.label()} (a smaller batch would not help)"
+            )
+        else:
+            hints.append("more micro-batches or a smaller batch (less activation memory)")
     elif search.workload.kind is Workload.DECODE:
         hints.append("a smaller batch or context (less KV cache)")
     else:
