@@ -1,12 +1,13 @@
 """Predicted against measured step latency on this machine: every README local example and the user
 models a planner is tried on first, one command, under 10 minutes on 2 cores.
 
-    python bench/predict_vs_measure.py [--nproc 2] [--iters 5] [--cluster SPEC.yaml] [--recalibrate]
+    python bench/predict_vs_measure.py [--nproc 2] [--iters 5] [--min-time 2] [--cluster SPEC.yaml] [--recalibrate]
                                        [--only NAME] [--components]
 
 1. The cluster spec: this machine as `planner optimize` sees it without --cluster (the spec measured by
    `planner calibrate` and cached in ~/.cache/parallel-planner/, re-measured when stale or with
-   `--recalibrate`), unless `--cluster` names a preset or a spec YAML.
+   `--recalibrate`), unless `--cluster` names a preset or a spec YAML; for the one-rank configurations
+   a spec measured by one process alone (`_single_rank_cluster`).
 2. For each configuration of `CONFIGS` (the README's local examples, then tiny and mid Llama-3,
    GPT-2 124M, HF Llama and GPT-2, an MLP stack, a conv net; TP=1, TP=2, PP=2, DP=2; forward and
    train) `planner.cli.workflow.make_plan` plans it with the mesh pinned, and the plan runs on as many
@@ -131,8 +132,28 @@ def _cluster(args, console: Console):
     return resolve_cluster(None, args.nproc, recalibrate=args.recalibrate, notify=console.print)
 
 
-def _plans(cluster, configs, prepared: dict | None = None):
-    """A plan per configuration with its mesh pinned, priced on ``cluster`` resized to its ranks."""
+def _single_rank_cluster(args, console: Console):
+    """The spec of one process computing alone with THREADS_PER_RANK threads, for the single-rank
+    configurations (None with --cluster: a given spec prices every configuration). The nproc-rank spec
+    is measured with all ranks busy at once, which on this VM runs each rank up to 2x slower than one
+    process alone (bench/README.md): a single-rank run is priced with a spec measured the way it runs.
+    Cached in out/bench/ (re-measured with --recalibrate)."""
+    if args.cluster:
+        return None
+    from costmodels.calibrate import calibrate, write_cluster_yaml  # noqa: PLC0415
+    from costmodels.cluster import load_cluster  # noqa: PLC0415
+
+    path = REPO_ROOT / "out" / "bench" / f"local-1process-{THREADS_PER_RANK}thread.yaml"
+    if args.recalibrate or not path.exists():
+        console.print(f"measuring this machine with 1 process of {THREADS_PER_RANK} thread(s) too (~30 s)")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_cluster_yaml(calibrate(1, threads_per_process=THREADS_PER_RANK), path)
+    return load_cluster(str(path), nproc=1)
+
+
+def _plans(cluster, configs, prepared: dict | None = None, single=None):
+    """A plan per configuration with its mesh pinned, priced on ``cluster`` resized to its ranks
+    (on ``single`` for a one-rank configuration, when given)."""
     import dataclasses  # noqa: PLC0415
 
     from planner.cli.workflow import constraints_from, make_plan, prepare  # noqa: PLC0415
@@ -145,7 +166,8 @@ def _plans(cluster, configs, prepared: dict | None = None):
             prepared[key] = prepare(
                 cfg.model_path, cfg.workload, batch_size=cfg.batch_size, seq_len=cfg.seq_len
             )
-        sized = dataclasses.replace(cluster, devices_per_node=max(cluster.devices_per_node, cfg.ranks))
+        spec = single if single is not None and cfg.ranks == 1 else cluster
+        sized = dataclasses.replace(spec, devices_per_node=max(spec.devices_per_node, cfg.ranks))
         constraints = constraints_from(cfg.tp, cfg.pp, cfg.dp, "none", max_devices=cfg.ranks)
         plans.append(make_plan(prepared[key], sized, constraints, cfg.model_path))
     return plans, prepared
@@ -212,10 +234,20 @@ def main(argv: list[str] | None = None) -> int:
         f"{link.bandwidth_bytes_per_s / 1e9:.2f} GB/s"
     )
     configs = [c for c in CONFIGS if not args.only or args.only in c.name]
-    plans, prepared = _plans(cluster, configs)
+    single = _single_rank_cluster(args, console)
+    if single is not None:
+        d1 = single.device
+        console.print(
+            f"single-rank spec: fp32 {d1.peak_flops_per_s['fp32'] / 1e9:.1f} GFLOP/s, per node "
+            f"{(d1.node_overhead_s or 0) * 1e6:.1f} us (one process alone)"
+        )
+    plans, prepared = _plans(cluster, configs, single=single)
     runs = _measure(configs, plans, args.iters, args.warmup, args.min_time)
     cores = os.cpu_count() or 1
-    table = Table(title=f"Step latency, predicted vs measured (median of {args.iters}, slowest rank)")
+    table = Table(
+        title=f"Step latency, predicted vs measured (median over >= {args.min_time:g} s and >= {args.iters} "
+        "steps, slowest rank)"
+    )
     for col in (
         "configuration",
         "mesh",

@@ -441,10 +441,12 @@ def _reduce(values: list[float], op: dist.ReduceOp, device: torch.device) -> lis
     return t.tolist()
 
 
-def _worker(rank: int, nproc: int, port: int, use_cuda: bool, queue: object) -> None:
+def _worker(
+    rank: int, nproc: int, port: int, use_cuda: bool, queue: object, threads: int | None = None
+) -> None:
     """One calibration rank. Rank 0 sends ("progress", step, fraction) and ("result", dict)."""
     cores = os.cpu_count() or 1
-    torch.set_num_threads(max(1, cores // nproc))
+    torch.set_num_threads(threads or max(1, cores // nproc))
     device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
@@ -602,11 +604,13 @@ def _host_memory_bytes() -> float:
         return 8.0 * 2**30  # unknown platform: rough default, 8 GiB
 
 
-def _run_workers(nproc: int, use_cuda: bool, progress: Progress | None, timeout_s: float) -> dict:
+def _run_workers(
+    nproc: int, use_cuda: bool, progress: Progress | None, timeout_s: float, threads: int | None = None
+) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    context = mp.spawn(_worker, args=(nproc, port, use_cuda, queue), nprocs=nproc, join=False)
+    context = mp.spawn(_worker, args=(nproc, port, use_cuda, queue, threads), nprocs=nproc, join=False)
     result = None
     deadline = time.monotonic() + timeout_s
     try:
@@ -635,8 +639,15 @@ def _run_workers(nproc: int, use_cuda: bool, progress: Progress | None, timeout_
     return result
 
 
-def calibrate(nproc: int, progress: Progress | None = None, timeout_s: float = 180.0) -> ClusterSpec:
+def calibrate(
+    nproc: int,
+    progress: Progress | None = None,
+    timeout_s: float = 180.0,
+    threads_per_process: int | None = None,
+) -> ClusterSpec:
     """Measure this machine with ``nproc`` concurrent processes; return a spec named "local-calibrated".
+    Each CPU process computes with ``threads_per_process`` threads (default: cores // nproc, what
+    `runtime.launch` gives a rank), so a spec describes ranks that run as it measured them.
 
     Uses CUDA + NCCL when ``torch.cuda.device_count() >= nproc``, else CPU processes + gloo. With
     ``nproc == 1`` nothing is communicated: links and overlap come from the ``local-cpu`` preset.
@@ -652,12 +663,13 @@ def calibrate(nproc: int, progress: Progress | None = None, timeout_s: float = 1
     use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= nproc
     if progress is not None:
         progress("starting processes", 0.0)
-    m = _run_workers(nproc, use_cuda, progress, timeout_s)
+    m = _run_workers(nproc, use_cuda, progress, timeout_s, threads_per_process)
     fallback = load_cluster("local-cpu", nproc=nproc)
     today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
     sources = [
         f"measured by planner calibrate on {today}, {socket.gethostname()}, nproc={nproc}",
-        f"compute timed in {m['clock']}: matmul median over square and (T x C) @ (C x 4C) shapes; "
+        f"compute timed in {m['clock']}: matmul median over square and transformer (T x C) @ (C x 4C), "
+        f"(C x C), (4C x C) shapes; "
         f"wall / clock while measuring {m['matmul_wall_ratio']:.2f} (slowest rank); "
         f"1-min load average {m['load_before']:.2f} before, {m['load_after']:.2f} after",
     ]
