@@ -21,12 +21,14 @@
       - TensorRT-LLM release/0.5.0 docs/source/performance.md (A100 FP16 table, static batching,
         Llama-2 7B TP1 and 70B TP4, batch 16/32/64, 128 or 2048 in and out);
       - vLLM's performance-benchmark build 9515 (latency tests: H200, batch 8, 32-token prompt, 128 new
-        tokens, mean end-to-end latency; Llama-3.1-8B TP1, Llama-3-70B TP4, checkpoint dtype bf16).
+        tokens, mean end-to-end latency; Llama-3.1-8B TP1, Llama-3-70B TP4, checkpoint dtype bf16);
+      - the NeMo framework's Llama-2 inference table (TensorRT-LLM underneath; A100 80GB, Llama-2-7B at
+        TP 1/2/4/8 and batch 1/2/4/8, 128-token prompt, 20 new tokens, average latency of a batch).
     The engines' attention reads only the filled part of the cache, once per KV head (paged / fused GQA
     kernels); the static-cache model attends over all it allocates, so engine rows plan Llama-2 examples
     with fused GQA (examples/llama2_*_kv.py) and a cache of P + N/2 tokens, the mean filled length
-    (a step's attention time is linear in it, so this prices the mean step). No public batch-4 figure
-    with a known bf16/fp16 configuration was found; batch 8 is the nearest.
+    (a step's attention time is linear in it, so this prices the mean step). Batch 4 figures: the NeMo
+    rows.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ LMDEPLOY = (
 )
 TRT_LLM = "https://github.com/NVIDIA/TensorRT-LLM/blob/release/0.5.0/docs/source/performance.md"
 VLLM = "https://buildkite.com/vllm/performance-benchmark/builds/9515"
+NEMO = "https://docs.nvidia.com/nemo-framework/user-guide/latest/performance/llama.html"
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,11 @@ def _trt(model: str, label: str, tp: int, batch: int, prompt: int, new: int, tok
                      "tok/s", tok_s)  # fmt: skip
 
 
+def _nemo(tp: int, batch: int, ms: float) -> Published:
+    return Published("NeMo (TensorRT-LLM)", NEMO, "llama2_7b_kv", "Llama-2-7B", "dgx-a100", tp, batch, 128, 20,
+                     "fp16", "ms", ms)  # fmt: skip
+
+
 def _gpt_fast(model: str, label: str, tp: int, tok_s: float) -> Published:
     return Published("gpt-fast", GPT_FAST, model, label, "dgx-a100", tp, 1, 5, 200, "bf16", "tok/s/seq",
                      tok_s, paged=False)  # fmt: skip
@@ -118,6 +126,18 @@ PUBLISHED = [
     _trt("llama2_70b_kv", "Llama-2-70B", 4, 64, 128, 2048, 1181),
     _trt("llama2_70b_kv", "Llama-2-70B", 4, 64, 2048, 128, 272),
     _trt("llama2_70b_kv", "Llama-2-70B", 4, 64, 2048, 2048, 738),
+    # NeMo framework docs, "Llama-2 Results", inference, chatbot use case (128 in, 20 out), A100 80GB
+    # SXM4 (16-bit: the A100 has no fp8), average latency of a batch in ms, TP 1/2/4/8, batch 1-8
+    *(
+        _nemo(tp, batch, ms)
+        for tp, row in (
+            (1, (234.0, 249.6, 272.6, 329.5)),
+            (2, (171.7, 180.3, 202.9, 237.6)),
+            (4, (143.7, 149.9, 165.2, 196.4)),
+            (8, (136.5, 143.3, 158.6, 181.9)),
+        )
+        for batch, ms in zip((1, 2, 4, 8), row)
+    ),
     # vLLM nightly latency tests (benchmark_latency, load_format dummy), mean end-to-end latency
     Published(
         "vLLM (build 9515)",
@@ -196,7 +216,6 @@ def published(console: Console) -> list[tuple[Published, float]]:
         console.print(
             f"batch {batch:>2}: median |error| {statistics.median(errors):.0%} over {len(errors)} rows"
         )
-    console.print("batch 4: no public bf16/fp16 measurement with a known configuration found")
     return results
 
 
