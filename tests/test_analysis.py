@@ -220,3 +220,16 @@ def test_node_blocks(structures, name):
             assert by_op["silu"] == {"mlp"} and by_op["neg"] == {"attention"} and by_op["rsqrt"] == {"stream"}
         else:
             assert by_op["gelu"] == {"mlp"} and by_op["layer_norm"] == {"stream"}
+
+
+def test_layer_classes_do_not_depend_on_the_dtype(example_path):
+    """A plan made in fp32 names its layer classes (recompute per class) as ranks that build the model
+    in bf16 do: the class key counts parameter elements, not bytes."""
+    from planner.solver.costing import layer_key
+
+    mf = load_model_file(example_path("llama3"))
+    keys = []
+    for dtype in (torch.float32, torch.bfloat16):
+        model = mf.build().to(dtype)
+        keys.append([layer_key(layer) for layer in analyse(capture(model, *mf.inputs())).layers])
+    assert keys[0] == keys[1] and all(";n" in k for k in keys[0])

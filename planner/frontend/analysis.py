@@ -212,6 +212,7 @@ class Layer:
     # MLP's first projections, not from down: split with the MLP width) | "stream" (the rest: norms,
     # residual adds, RoPE tables; not split). Empty when not analysed from a graph.
     node_blocks: dict[str, str] = field(default_factory=dict)
+    num_params: int = 0  # elements of the layer's parameters (dtype-free; 0: unknown, handmade)
 
 
 @dataclass
@@ -604,6 +605,7 @@ def _layer(
         input_node=stream.name,
         output_node=output.name,
         param_bytes=sum(params[w].numel() * params[w].element_size() for w in weights),
+        num_params=sum(params[w].numel() for w in weights),
         flops=sum(costs[n.name].flops for n in members),
         bytes_moved=sum(costs[n.name].bytes_read + costs[n.name].bytes_written for n in members),
         side_inputs=[a.name for a in external if a is not stream],

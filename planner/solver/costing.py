@@ -463,7 +463,8 @@ def layer_key(layer: Layer) -> str:
     if layer.mlp is not None:
         parts.append("mlp")
         parts += [_proj_key(p) for p in layer.mlp.projections]
-    parts.append(f"p{layer.param_bytes}")
+    # parameter elements, not bytes: a plan made in one dtype names the same classes as ranks built in another
+    parts.append(f"n{layer.num_params}" if layer.num_params else f"p{layer.param_bytes}")
     return ";".join(parts)
 
 
