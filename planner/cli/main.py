@@ -259,6 +259,12 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         )
         bars("loading the cluster spec", None)
         nproc = args.nproc
+        if args.recalibrate and args.cluster:
+            _warn(
+                [
+                    f"--recalibrate has no effect with --cluster {args.cluster}: it re-measures this machine's own spec, used when --cluster is omitted"
+                ]
+            )
         cluster = workflow.resolve_cluster(
             args.cluster,
             nproc,
@@ -271,7 +277,11 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             args.tp, args.pp, args.dp, args.ladder, max_devices=args.devices, **_training_options(args)
         )
         workflow.check_constraints_fit(
-            cluster, constraints, prepared.structure.batch_size, args.micro_batches
+            cluster,
+            constraints,
+            prepared.structure.batch_size,
+            args.micro_batches,
+            num_layers=len(prepared.structure.layers),
         )
         if args.run:
             _check_runs_here(args, cluster)
@@ -303,6 +313,12 @@ def cmd_optimize(args: argparse.Namespace) -> int:
 
         render_budget(console, budget)
     _warn(workflow.plan_warnings(plan))
+    if getattr(args, "virtual_stages", None) and args.virtual_stages > 1 and plan.pp == 1:
+        _warn(
+            [
+                f"--virtual-stages {args.virtual_stages} had no effect: the search chose no pipeline (pp=1); pin --pp to use it"
+            ]
+        )
     if args.why:
         render_decisions(console, plan)
     if args.out:
@@ -344,6 +360,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             plan.predicted.latency_s,
             run["measured"]["latency_s"],
             layer_table="serving" not in report and bool(run["measured"].get("per_layer_s")),
+            advice=_advice(args.cluster, plan.cluster, cluster),
         )
         console.print(f"[bold]{verdict}[/bold]")
     return 0
@@ -452,6 +469,22 @@ def torch_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def _advice(cluster_option: str | None, planned_for: str, cluster) -> str:
+    """What would make a far-off measured / predicted fair: recalibrating this machine's own spec, or
+    pricing the plan for this machine when it was priced for another cluster."""
+    from planner.cli.render import RECALIBRATE  # noqa: PLC0415
+
+    if cluster.backend != ("nccl" if torch_devices() else "gloo"):
+        return (
+            f"the plan was priced for {planned_for}, not this machine: re-plan without --cluster to compare"
+        )
+    if cluster_option and planned_for != "local-calibrated":
+        return (
+            f"the plan was priced with {cluster_option}; omit --cluster to use this machine's measured spec"
+        )
+    return RECALIBRATE
+
+
 def _saved_plan(path: str):
     """A saved plan, checked as far as it can be without its model (`workflow.check_plan_fields`: its
     stages, batch split, and its mesh against its cluster when that loads here). Raises InputError."""
@@ -553,7 +586,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.json:
         _write_report(args, report, announce=False)
     verdict = agreement_line(
-        plan.predicted.latency_s, run["measured"]["latency_s"], layer_table=bool(per_layer)
+        plan.predicted.latency_s,
+        run["measured"]["latency_s"],
+        layer_table=bool(per_layer),
+        advice=_advice(plan.cluster_source or plan.cluster, plan.cluster, cluster),
     )
     console.print(f"[bold]{verdict}[/bold]")
     return 0

@@ -148,6 +148,13 @@ def load_setup(args: argparse.Namespace, batch_size: int | None = None) -> LmSet
     model_file = load_model_file(args.model)
     weights = checkpoint_files(args.weights) if args.weights else None
     model = build_unsharded(model_file, SEED, weights)
+    first = next((x for x in model_file.inputs()[0] if isinstance(x, torch.Tensor)), None)
+    if first is None or first.is_floating_point():
+        what = "no tensor input" if first is None else f"{first.dtype} inputs of shape {tuple(first.shape)}"
+        raise InputError(
+            f"{args.model} takes {what}, not token ids: {args.command} measures a language model's loss on "
+            "text, so the model must read (batch, sequence) token ids and return logits over its vocabulary"
+        )
     seq_len = args.seq_len or getattr(model_file.module, "SEQ_LEN", DEFAULT_SEQ_LEN)
     batch = batch_size or args.batch_size
     standard = lm_graph(model, batch, seq_len)

@@ -10,7 +10,11 @@ DEFAULT_BATCH = 16
 
 def add_data_options(p: argparse.ArgumentParser, eval_batches: int | None) -> None:
     """--data, --tokenizer, --weights, --seq-len, --batch-size, --eval-batches."""
-    p.add_argument("--data", help="text: a file, a folder of .py/.txt/.rst/.md files, or 'stdlib'")
+    p.add_argument(
+        "--data",
+        help="text: a file, a folder of .py/.txt/.rst/.md files, or 'stdlib' (needed by ladder-eval, adapt and "
+        "--ladder auto:max-loss-increase)",
+    )
     p.add_argument(
         "--tokenizer", help="tokenizers JSON file (default: the model file's TOKENIZER, else trained)"
     )
@@ -22,7 +26,9 @@ def add_data_options(p: argparse.ArgumentParser, eval_batches: int | None) -> No
         "--eval-batches",
         type=int,
         default=eval_batches,
-        help="held-out batches evaluated, the first ones (default: %(default)s; none: all)",
+        help="held-out batches evaluated, the first ones (default: "
+        + ("all of them" if eval_batches is None else "%(default)s")
+        + ")",
     )
 
 
@@ -64,4 +70,4 @@ def add_adapt_parser(sub) -> None:
 def _ladder_choice(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--ladder", help="upper:N (default: the upper half of the layers)")
-    g.add_argument("--layers", help="laddered layers, contiguous: 'A-B' or 'A,B,C' (0-based)")
+    g.add_argument("--layers", help="laddered layers, contiguous, 0-based: 'A-B', or 'A,B,C' listing a run")

@@ -175,15 +175,20 @@ def throughput_text(plan: Plan) -> str:
 SMALL_MEMORY_BYTES = 64 * 2**20  # below this a measured peak is mostly the runtime's own memory
 
 
-def agreement_line(predicted_s: float, measured_s: float, layer_table: bool = True) -> str:
+RECALIBRATE = "recalibrate on a quiet machine (--recalibrate)"
+
+
+def agreement_line(
+    predicted_s: float, measured_s: float, layer_table: bool = True, advice: str = RECALIBRATE
+) -> str:
     """The run's verdict: "measured / predicted = 1.07 (within 25%)" (or how far outside, pointing at
-    the per-layer table when one was printed)."""
+    the per-layer table when one was printed, then `advice`: what would make the comparison fair)."""
     ratio = measured_s / predicted_s if predicted_s else float("inf")
     if 0.8 <= ratio <= 1.25:
         verdict = "within 10%" if 1 / 1.1 <= ratio <= 1.1 else "within 25%"
     else:
         look = "see the per-layer table, and " if layer_table else ""
-        verdict = f"off by {max(ratio, 1 / ratio):.1f}x: {look}recalibrate on a quiet machine (--recalibrate)"
+        verdict = f"off by {max(ratio, 1 / ratio):.1f}x: {look}{advice}"
     return f"measured / predicted = {ratio:.2f} ({verdict})"
 
 

@@ -227,9 +227,15 @@ def check_pinned_tp(structure: ModelStructure, tp: int | None) -> None:
 
 
 def check_constraints_fit(
-    cluster: ClusterSpec, constraints: Constraints, batch_size: int, micro_batches: int | None
+    cluster: ClusterSpec,
+    constraints: Constraints,
+    batch_size: int,
+    micro_batches: int | None,
+    num_layers: int | None = None,
 ) -> None:
-    """Pinned degrees must fit the cluster and the batch. Raises InputError naming the options."""
+    """Pinned degrees must fit the cluster and the batch, and a pinned interleaved schedule the layers
+    and micro-batches (each of pp x v chunks holds a layer; the micro-batches are a multiple of pp).
+    Raises InputError naming the options."""
     pinned = constraints.pinned
     product = 1
     for value in pinned.values():
@@ -248,6 +254,23 @@ def check_constraints_fit(
         raise InputError(
             f"--micro-batches {micro_batches} does not divide the batch of {batch_size // dp} sequences per DP replica"
         )
+    v, pp = constraints.virtual_stages, constraints.pp
+    interleaved = constraints.schedule is Schedule.INTERLEAVED_1F1B or (v or 1) > 1
+    if (v or 1) > 1 and (pp or 1) == 1 and pp is not None:
+        raise InputError(
+            f"--virtual-stages {v} needs a pipeline: pin --pp 2 or more (or leave --pp to the search)"
+        )
+    if interleaved and pp and pp > 1:
+        if v and num_layers and pp * v > num_layers:
+            raise InputError(
+                f"--pp {pp} --virtual-stages {v} cuts the model into {pp * v} chunks, but it has {num_layers} layers: "
+                f"give --virtual-stages {max(1, num_layers // pp)} or less"
+            )
+        if micro_batches and micro_batches % pp:
+            raise InputError(
+                f"the interleaved schedule runs micro-batches in rounds of pp: --micro-batches {micro_batches} must "
+                f"be a multiple of --pp {pp}"
+            )
 
 
 def validate_plan_for_model(
@@ -350,6 +373,12 @@ def make_plan(
         model_name=str(model_path),
         progress=progress,
     )
+    if constraints.sequence_parallel and not any(s.style is SplitStyle.ROWWISE for s in plan.splits.values()):
+        raise InputError(
+            f"--sequence-parallel on: the best plan on {cluster.name} (TP={plan.tp}) keeps every weight replicated "
+            "(splitting would cost more than it saves), so there is no row-parallel block whose all-reduce sequence "
+            "parallelism would split, and it would not run. Use --sequence-parallel auto or off"
+        )
     request = prepared.request
     plan.cluster_source = cluster_source
     progress("lowering the plan on meta tensors for every rank", None)
