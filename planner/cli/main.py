@@ -343,9 +343,10 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         from planner.cli.render import render_serving_run  # noqa: PLC0415
 
         render_serving_run(console, report)
-    elif run is not None:
+    layer_table = False
+    if run is not None and "serving" not in report:
         render_run(console, report)
-        render_layer_comparison(console, plan, run["measured"].get("per_layer_s", {}))
+        layer_table = render_layer_comparison(console, plan, run["measured"].get("per_layer_s", {}))
     if args.json:
         _write_report(args, report)
     if args.plot:
@@ -359,7 +360,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         verdict = agreement_line(
             plan.predicted.latency_s,
             run["measured"]["latency_s"],
-            layer_table="serving" not in report and bool(run["measured"].get("per_layer_s")),
+            layer_table=layer_table,
             advice=_advice(args.cluster, plan.cluster, cluster),
         )
         console.print(f"[bold]{verdict}[/bold]")
@@ -576,8 +577,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     report = workflow.report_dict(plan, run, args.model, cluster)
     render_run(console, report)
-    per_layer = run["measured"].get("per_layer_s", {})
-    render_layer_comparison(console, plan, per_layer)
+    layer_table = render_layer_comparison(console, plan, run["measured"].get("per_layer_s", {}))
     if cluster.backend != ("nccl" if torch_devices() else "gloo"):
         console.print(
             f"[yellow]note: the plan was predicted for {plan.cluster} ({cluster.backend}); it was measured on this machine, "
@@ -588,7 +588,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     verdict = agreement_line(
         plan.predicted.latency_s,
         run["measured"]["latency_s"],
-        layer_table=bool(per_layer),
+        layer_table=layer_table,
         advice=_advice(plan.cluster_source or plan.cluster, plan.cluster, cluster),
     )
     console.print(f"[bold]{verdict}[/bold]")

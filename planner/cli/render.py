@@ -150,6 +150,11 @@ def render_plan(console: Console, plan: Plan) -> None:
                 if fits
                 else f" - [yellow]{d.reason.split('; ')[-1]}[/yellow]"
             )
+            + (
+                " (the expert's own layout for this cluster and batch, not the mesh of this plan)"
+                if d and f"tp={plan.tp} pp={plan.pp} dp={plan.dp}" not in d.chosen
+                else ""
+            )
         )
     if plan.tp > 1 and all(split.style is SplitStyle.REPLICATE for split in plan.splits.values()):
         console.print(
@@ -332,14 +337,17 @@ def render_serving_run(console: Console, report: dict[str, Any]) -> None:
         console.print(f"note: {note}", highlight=False)
 
 
-def render_layer_comparison(console: Console, plan: Plan, measured_per_layer_s: dict[str, float]) -> None:
+def render_layer_comparison(console: Console, plan: Plan, measured_per_layer_s: dict[str, float]) -> bool:
     """Predicted (compute + exposed comm) beside measured time per layer, to locate a prediction error.
+    Returns whether a table was printed: none when the run profiled no layer (a model without
+    transformer layers, e.g. an MLP chain, profiles as one "ends" segment: the whole forward, which the
+    latency row already compares).
 
     Measured per layer comes from one node-by-node profiling pass (runtime.profile), which adds a small
     per-node overhead; compare shares and ratios between layers, not only absolute values.
     """
-    if not measured_per_layer_s:
-        return
+    if not any(k.startswith("layer ") for k in measured_per_layer_s):
+        return False
     table = Table(
         title="Per layer: predicted vs measured (profiled forwards, slowest rank; each row times its own "
         "nodes, including their dispatch overhead and collectives, as the whole forward runs them)"
@@ -361,6 +369,7 @@ def render_layer_comparison(console: Console, plan: Plan, measured_per_layer_s: 
             f"{mean / want:.2f}" if want else "-",
         )
     console.print(table)
+    return True
 
 
 def _ranges(values: list[int]) -> str:
