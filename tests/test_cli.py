@@ -34,7 +34,7 @@ def test_optimize_run_tiny_llama_on_two_gloo_ranks(tmp_path, example_path):
     report_path, plan_path = tmp_path / "report.json", tmp_path / "plan.yaml"
     r = planner(
         "optimize", str(example_path("llama3")), "--cluster", "local-cpu", "--nproc", "2", "--tp", "2",
-        "--ladder", "upper:2", "--run", "--iters", "3", "--warmup", "1",
+        "--ladder", "upper:2", "--run", "--min-time", "0", "--iters", "3", "--warmup", "1",
         "--json", str(report_path), "--out", str(plan_path), "--emit", str(tmp_path / "emit"),
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
@@ -140,7 +140,7 @@ def test_planner_run_under_torchrun_two_ranks(tmp_path, example_path):
     r = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
          "-m", "planner.cli", "run", str(plan_path), "--model", str(example_path("llama3")),
-         "--iters", "2", "--json", str(report_path)],
+         "--iters", "2", "--min-time", "0", "--json", str(report_path)],
         capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PLANNER_UNDER_TORCHRUN": "1"},
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
@@ -183,7 +183,7 @@ def test_show_on_a_cluster_spec_says_not_a_plan_file() -> None:
     __import__("torch").cuda.device_count() >= 8, reason="this machine could run a dgx-h100 plan"
 )
 def test_run_with_a_gpu_preset_on_this_machine_says_how_to_plan_for_it(example_path) -> None:
-    r = planner("optimize", str(example_path("llama3")), "--cluster", "dgx-h100", "--run")
+    r = planner("optimize", str(example_path("llama3")), "--cluster", "dgx-h100", "--run", "--min-time", "0")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     said = _said(r)
     assert "--cluster dgx-h100 describes another one" in said and "this machine has" in said

@@ -88,7 +88,7 @@ def test_dp_run_compares_every_output_with_the_whole_batch_and_fails_beyond_tole
     replica's slice, or on output 0 only, this run passed with diff 0."""
     r = planner(
         "optimize", str(MODELS / "dp_batch_stat.py"), "--cluster", "local-cpu", "--dp", "2", "--nproc", "2",
-        "--run", "--iters", "1", "--warmup", "0",
+        "--run", "--min-time", "0", "--iters", "1", "--warmup", "0",
     )  # fmt: skip
     assert r.returncode == 4, r.stdout + r.stderr
     message = " ".join(r.stderr.split())
@@ -158,7 +158,7 @@ def test_meta_example_inputs_plan_but_do_not_run() -> None:
 
 def test_meta_built_model_without_weights_is_refused_with_how_to_give_them() -> None:
     r = planner(
-        "optimize", str(MODELS / "meta_built.py"), "--cluster", "local-cpu", "--tp", "2", "--nproc", "2", "--run"
+        "optimize", str(MODELS / "meta_built.py"), "--cluster", "local-cpu", "--tp", "2", "--nproc", "2", "--run", "--min-time", "0"
     )  # fmt: skip
     assert r.returncode == 2, r.stdout + r.stderr
     message = " ".join(r.stderr.split())
@@ -188,7 +188,7 @@ def test_meta_built_model_runs_from_safetensors_weights(tmp_path) -> None:
     plan.to_yaml(str(plan_path))
     r = planner(
         "run", str(plan_path), "--model", str(MODELS / "meta_built.py"), "--weights", str(weights),
-        "--iters", "1", "--warmup", "0", "--json", str(report_path),
+        "--iters", "1", "--warmup", "0", "--min-time", "0", "--json", str(report_path),
     )  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     numerics = json.loads(report_path.read_text())["numerics"]

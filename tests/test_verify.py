@@ -148,13 +148,13 @@ def test_fused_swiglu_runs_and_matches_unsharded(tmp_path: Path) -> None:
     `planner run` of the saved plan reports the cluster it was planned for (kind 10)."""
     plan_path, report_path = tmp_path / "plan.yaml", tmp_path / "report.json"
     r = planner(
-        "optimize", SWIGLU, "--cluster", FASTLINK, "--tp", "2", "--nproc", "2", "--run", "--iters", "2",
+        "optimize", SWIGLU, "--cluster", FASTLINK, "--tp", "2", "--nproc", "2", "--run", "--min-time", "0", "--iters", "2",
         "--warmup", "1", "--out", str(plan_path),
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     plan = Plan.from_yaml(plan_path)
     assert plan.cluster == "fastlink-cpu" and plan.cluster_source == str(Path(FASTLINK).resolve())
-    r = planner("run", str(plan_path), "--model", SWIGLU, "--iters", "2", "--json", str(report_path))
+    r = planner("run", str(plan_path), "--model", SWIGLU, "--iters", "2", "--min-time", "0", "--json", str(report_path))
     assert r.returncode == 0, r.stderr
     report = json.loads(report_path.read_text())
     assert report["cluster"] == "fastlink-cpu" and report["cluster_source"] == plan.cluster_source
