@@ -154,7 +154,18 @@ def test_fused_swiglu_runs_and_matches_unsharded(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     plan = Plan.from_yaml(plan_path)
     assert plan.cluster == "fastlink-cpu" and plan.cluster_source == str(Path(FASTLINK).resolve())
-    r = planner("run", str(plan_path), "--model", SWIGLU, "--iters", "2", "--min-time", "0", "--json", str(report_path))
+    r = planner(
+        "run",
+        str(plan_path),
+        "--model",
+        SWIGLU,
+        "--iters",
+        "2",
+        "--min-time",
+        "0",
+        "--json",
+        str(report_path),
+    )
     assert r.returncode == 0, r.stderr
     report = json.loads(report_path.read_text())
     assert report["cluster"] == "fastlink-cpu" and report["cluster_source"] == plan.cluster_source
