@@ -87,16 +87,26 @@ def _all_gather(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
     return torch.cat(flat.view(size, *x.shape).unbind(0), dim=dim)
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
-    """Sum over the ranks of `axis`, keeping this rank's contiguous chunk along `dim`."""
+def _splitting_group(x: torch.Tensor, dim: int, axis: str, verb: str) -> dist.ProcessGroup | None:
+    """The group of `axis` that `x` is split over along `dim`; None with one rank (nothing to split).
+    Raises RuntimeError naming `verb` when shape[dim] does not divide by the group size."""
     group = _group(axis)
     if group is None or dist.get_world_size(group) == 1:
-        return x
+        return None
     size = dist.get_world_size(group)
     if x.shape[dim] % size:
         raise RuntimeError(
-            f"cannot reduce-scatter dim {dim} of size {x.shape[dim]} over {size} ranks of axis {axis!r}"
+            f"cannot {verb} dim {dim} of size {x.shape[dim]} over {size} ranks of axis {axis!r}"
         )
+    return group
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
+    """Sum over the ranks of `axis`, keeping this rank's contiguous chunk along `dim`."""
+    group = _splitting_group(x, dim, axis, "reduce-scatter")
+    if group is None:
+        return x
+    size = dist.get_world_size(group)
     front = x.movedim(dim, 0).contiguous()  # the scattered dim first: each rank's chunk is contiguous
     out = torch.empty((front.shape[0] // size, *front.shape[1:]), dtype=x.dtype, device=x.device)
     scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -105,14 +115,10 @@ def _reduce_scatter(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
 
 
 def _chunk(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
-    group = _group(axis)
-    if group is None or dist.get_world_size(group) == 1:
+    group = _splitting_group(x, dim, axis, "shard")
+    if group is None:
         return x
     size = dist.get_world_size(group)
-    if x.shape[dim] % size:
-        raise RuntimeError(
-            f"cannot shard dim {dim} of size {x.shape[dim]} over {size} ranks of axis {axis!r}"
-        )
     return x.chunk(size, dim=dim)[dist.get_rank(group)].contiguous()
 
 

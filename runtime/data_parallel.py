@@ -117,7 +117,28 @@ def _unique(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [p for p in params if not (id(p) in seen or seen.add(id(p)))]
 
 
-class ReplicatedAdam:
+class _AdamOnRanks:
+    """What both data-parallel optimizers share: `params` (this rank's trainable parameters), the
+    torch Adam `adam` stepping them (or their master copies / slices), and whether the gradients
+    were reduced since the last step."""
+
+    params: list[torch.Tensor]
+    adam: torch.optim.Adam
+    _reduced: bool
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+        self.adam.zero_grad(set_to_none=True)
+        self._reduced = False
+
+    def state_numel(self) -> int:
+        """Elements of Adam state this rank holds: two per element it steps (all of its parameters, or
+        with ZeRO-1 its slices), once stepped."""
+        return _state_numel(self.adam)
+
+
+class ReplicatedAdam(_AdamOnRanks):
     """Adam on every parameter, after an all-reduce of the gradients over the dp group (plain DP).
     16-bit parameters are stepped through fp32 master copies with fp32 moments (mixed precision: the
     16 bytes per parameter the memory model prices), then copied back.
@@ -134,12 +155,6 @@ class ReplicatedAdam:
         # master copies (Adam's moments follow their dtype), then copied back
         self._masters = {id(p): p.detach().float().clone() for p in self.params if p.dtype in HALF_DTYPES}
         self.adam = torch.optim.Adam([self._masters.get(id(p), p) for p in self.params], lr=lr)
-        self._reduced = False
-
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
-        self.adam.zero_grad(set_to_none=True)
         self._reduced = False
 
     def reduce_gradients(self) -> None:
@@ -165,10 +180,6 @@ class ReplicatedAdam:
         `reduce_gradients`: None, meaning all of every parameter."""
         return None
 
-    def state_numel(self) -> int:
-        """Elements of optimizer state this rank holds (Adam: two per parameter element, once stepped)."""
-        return _state_numel(self.adam)
-
     def note(self) -> str:
         """What the run report says about the optimizer that ran."""
         sync = f"gradients all-reduced over the {self.dp} data-parallel ranks" if self.dp > 1 else "dp=1"
@@ -177,7 +188,7 @@ class ReplicatedAdam:
         )
 
 
-class DistributedAdam:
+class DistributedAdam(_AdamOnRanks):
     """ZeRO-1: Adam with its state sharded over the data-parallel ranks (module docstring).
 
     params: the trainable parameters this rank holds, the same list in the same order on every replica
@@ -216,12 +227,6 @@ class DistributedAdam:
     def _flat(tensors: Sequence[torch.Tensor], padded: int) -> torch.Tensor:
         flat = torch.cat([t.reshape(-1) for t in tensors])
         return torch.nn.functional.pad(flat, (0, padded - flat.numel()))
-
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
-        self.adam.zero_grad(set_to_none=True)
-        self._reduced = False
 
     def reduce_gradients(self) -> None:
         """Reduce-scatter the gradients (one collective per dtype): this rank's slice gets the mean
@@ -273,10 +278,6 @@ class DistributedAdam:
             for members, size, _ in self._groups
             for p, lo, hi, _ in self._owned(members, size)
         }
-
-    def state_numel(self) -> int:
-        """Elements of optimizer state this rank holds: two per element of its slices, once stepped."""
-        return _state_numel(self.adam)
 
     def note(self) -> str:
         """What the run report says about the optimizer that ran."""

@@ -470,12 +470,17 @@ def torch_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def _other_hardware(cluster) -> bool:
+    """Whether `cluster` is not this machine's kind (a GPU preset here without CUDA, or the reverse)."""
+    return cluster.backend != ("nccl" if torch_devices() else "gloo")
+
+
 def _advice(cluster_option: str | None, planned_for: str, cluster) -> str:
     """What would make a far-off measured / predicted fair: recalibrating this machine's own spec, or
     pricing the plan for this machine when it was priced for another cluster."""
     from planner.cli.render import RECALIBRATE  # noqa: PLC0415
 
-    if cluster.backend != ("nccl" if torch_devices() else "gloo"):
+    if _other_hardware(cluster):
         return (
             f"the plan was priced for {planned_for}, not this machine: re-plan without --cluster to compare"
         )
@@ -489,21 +494,13 @@ def _advice(cluster_option: str | None, planned_for: str, cluster) -> str:
 def _saved_plan(path: str):
     """A saved plan, checked as far as it can be without its model (`workflow.check_plan_fields`: its
     stages, batch split, and its mesh against its cluster when that loads here). Raises InputError."""
-    from costmodels.cluster import load_cluster  # noqa: PLC0415
     from planner.cli import workflow  # noqa: PLC0415
     from planner.plan import Plan  # noqa: PLC0415
 
     plan = Plan.from_yaml(path)
-    cluster = None
-    for source in (plan.cluster_source, plan.cluster):
-        try:
-            cluster = load_cluster(source) if source else None
-        except InputError:
-            continue
-        if cluster is not None and cluster.backend != "gloo":  # local CPU ranks: any count
-            break
-        cluster = None
-    workflow.check_plan_fields(plan, cluster=cluster)
+    cluster = workflow.saved_cluster(plan)
+    local = cluster is None or cluster.backend == "gloo"  # local CPU ranks: any count
+    workflow.check_plan_fields(plan, cluster=None if local else cluster)
     return plan
 
 
@@ -578,7 +575,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     report = workflow.report_dict(plan, run, args.model, cluster)
     render_run(console, report)
     layer_table = render_layer_comparison(console, plan, run["measured"].get("per_layer_s", {}))
-    if cluster.backend != ("nccl" if torch_devices() else "gloo"):
+    if _other_hardware(cluster):
         console.print(
             f"[yellow]note: the plan was predicted for {plan.cluster} ({cluster.backend}); it was measured on this machine, "
             "so measured / predicted compares different hardware. Re-plan with --cluster for this machine to compare.[/yellow]"
