@@ -7,7 +7,8 @@ YAML layout (units in the field names; see the presets in ``costmodels/clusters/
     devices_per_node: 8            # or "auto": os.cpu_count(), for CPU-process clusters
     backend: nccl                  # nccl | gloo
     overlap_efficiency: 0.8        # [0, 1]: share of async communication hidden behind compute
-    attention_kernel: fused        # optional: fused (flash-style, default) | materialized (see ClusterSpec)
+    attention_kernel: fused        # optional: fused (flash-style, default) | materialized | per_query_head
+                                   # (see ClusterSpec)
     sources: ["...", "..."]        # optional: where each number came from
     device:
       name: H100 SXM5 80GB
@@ -57,7 +58,7 @@ from planner.errors import InputError
 DTYPES = ("bf16", "fp16", "fp32")
 LINK_KINDS = ("nvlink", "pcie", "loopback", "infiniband", "ethernet")
 BACKENDS = ("nccl", "gloo")
-ATTENTION_KERNELS = ("fused", "materialized")
+ATTENTION_KERNELS = ("fused", "materialized", "per_query_head")
 
 # Unit conversions, applied once here (ARCHITECTURE.md: SI inside, human units at the YAML edge).
 _GIB = 2.0**30  # bytes per GiB
@@ -137,7 +138,12 @@ class ClusterSpec:
     sources: tuple[str, ...]
     # The software stack's attention kernel: "fused" (flash-style: the (s, s) scores stay on chip) or
     # "materialized" (scores written to memory, softmax and dropout over them, kept for backward unless
-    # selectively recomputed: Megatron-LM before FlashAttention, Dao et al. 2022).
+    # selectively recomputed: Megatron-LM before FlashAttention, Dao et al. 2022), or "per_query_head"
+    # (fused, but a decode step reads each KV head once per query head that uses it: the masked
+    # multi-head attention kernels of 2023 serving engines run one thread block per query head and
+    # load its KV head through a head mapping, vllm-project/vllm#452; TensorRT-LLM added its XQA kernel
+    # for grouped-query decode in 0.7, NVIDIA TensorRT-LLM docs "XQA kernel"). Same as "fused" for
+    # models without grouped-query attention.
     attention_kernel: str = "fused"
 
     @property

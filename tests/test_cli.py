@@ -202,20 +202,3 @@ def test_ladder_at_tp1_warns(example_path) -> None:
         "optimize", str(example_path("llama3")), "--cluster", "local-cpu", "--nproc", "2", "--tp", "2"
     )
     assert "warning: ladder" not in _said(quiet)
-
-
-def test_plan_records_its_cluster_source(tmp_path) -> None:
-    """A plan from --cluster my.yaml records the file; planner show names it."""
-    spec = ROOT / "tests" / "models" / "fastlink.yaml"
-    plan_path = tmp_path / "plan.yaml"
-    made = planner(
-        "optimize", str(ROOT / "tests" / "models" / "swiglu_fused_w13.py"), "--cluster", str(spec), "--tp", "2",
-        "--nproc", "2", "--out", str(plan_path),
-    )  # fmt: skip
-    assert made.returncode == 0, made.stderr
-    from planner.plan import Plan  # noqa: PLC0415
-
-    plan = Plan.from_yaml(plan_path)
-    assert plan.cluster == "fastlink-cpu" and plan.cluster_source == str(spec.resolve())
-    shown = planner("show", str(plan_path))
-    assert f"on fastlink-cpu (spec {spec.resolve()})" in _said(shown)

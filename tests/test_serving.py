@@ -225,3 +225,29 @@ def test_decode_ranks_make_the_reference_once_when_no_launcher_did():
     run = summarise_decode(reports, plan.dtype, 1, 2)
     assert run["numerics"]["tokens_identical"] and run["numerics"]["ok"]
     assert "rank 0" in reports[0].notes[0] and reports[0].notes == reports[1].notes
+
+
+def test_per_query_head_attention_kernel_prices_decode_kv_reads_per_query_head():
+    """`attention_kernel: per_query_head` (2023 engines' masked MHA kernels): a decode step reads each KV
+    head once per query head that uses it (here 8 query heads on 4 KV heads: twice), prefill unchanged."""
+    import dataclasses  # noqa: PLC0415
+
+    from costmodels.cluster import load_cluster  # noqa: PLC0415
+
+    path = MODELS / "llama_fused_gqa.py"
+    prepared = workflow.prepare(str(path), "generate", seq_len=8, new_tokens=4, batch_size=64)
+    fused = load_cluster("dgx-a100")
+    constraints = workflow.constraints_from(1, 1, 1, "none")
+    plans = {
+        kernel: workflow.make_plan(
+            prepared, dataclasses.replace(fused, attention_kernel=kernel), constraints, str(path)
+        )
+        for kernel in ("fused", "per_query_head")
+    }
+    assert plans["per_query_head"].serving.ttft_s == pytest.approx(plans["fused"].serving.ttft_s)
+    layers, hd, cache_len, kv_heads, bytes_per = 2, 16, 12, 4, 4  # fp32 plan on the tiny model
+    extra = layers * 64 * 2 * kv_heads * cache_len * hd * bytes_per  # the K/V read a second time
+    dev = fused.device
+    extra_s = extra / (dev.memory_bandwidth_bytes_per_s * dev.memory_efficiency)
+    added = plans["per_query_head"].serving.tpot_s - plans["fused"].serving.tpot_s
+    assert added == pytest.approx(extra_s, rel=0.05)

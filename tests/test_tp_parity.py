@@ -145,42 +145,42 @@ def test_ladder_pass_equals_reference_unsharded():
 @pytest.mark.slow
 def test_tp2_forward_and_training_parity():
     jobs = [
+        # a training job checks its forward outputs as well as its gradients, so the GPT-2 models run
+        # only in training; the Llama models run both (their inference graphs differ: no loss)
         _job("llama3.py", 2),
-        _job("gpt2_tiny.py", 2),
         _job("hf_llama.py", 2),
-        _job("hf_gpt2.py", 2),
         _job("llama3.py", 2, "train"),
         _job("gpt2_tiny.py", 2, "train"),
         _job("hf_gpt2.py", 2, "train"),
-        _job("gpt2_odd_vocab.py", 2),  # vocab 257: padded to 258 and split, logits gathered and unpadded
-        _job("gpt2_odd_vocab.py", 2, "train"),
+        _job(
+            "gpt2_odd_vocab.py", 2, "train"
+        ),  # vocab 257: padded to 258 and split, logits gathered and unpadded
         _job("llama3.py", 2, ladder=[2, 3], return_output=True),
     ]
     results = launch(run_jobs, jobs, nproc=2, timeout_s=120)
     per_job = list(zip(*results))
     for job, reports in zip(jobs, per_job):
         _assert_parity(reports, f"{Path(job.model_path).name} {job.workload}")
-    assert per_job[4][0].grad_max_abs_diff is not None and per_job[8][0].grad_max_abs_diff is not None
+    assert per_job[2][0].grad_max_abs_diff is not None and per_job[5][0].grad_max_abs_diff is not None
     _check_ladder_against_reference(per_job[-1], first_laddered=2)
 
 
 @pytest.mark.slow
 def test_tp4_forward_parity_and_ladder():
     jobs = [
+        # GPT-2 at TP=4 forward and TP=2 x PP=2 forward are covered by the TP=2 parity and
+        # tests/test_pipeline.py::test_tp2_pp2_forward_equals_model
         _job("llama3.py", 4),
-        _job("gpt2_tiny.py", 4),
-        _job("hf_gpt2.py", 4),
         _job("hf_llama.py", 4),
         _job("llama3.py", 4, "train"),
         _job("llama3.py", 4, ladder=[1, 2, 3], return_output=True),
-        _job("llama3.py", 2, pp=2),  # TP=2 x PP=2 on the same 4 ranks, 2 micro-batches
-        _job("gpt2_tiny.py", 2, "train", pp=2),  # tied embedding / LM head across stages
+        _job("gpt2_tiny.py", 2, "train", pp=2),  # TP=2 x PP=2, tied embedding / LM head across stages
     ]
     results = launch(run_jobs, jobs, nproc=4, timeout_s=180)
     per_job = list(zip(*results))
     for job, reports in zip(jobs, per_job):
         _assert_parity(reports, f"{Path(job.model_path).name} {job.workload} tp=4")
-    _check_ladder_against_reference(per_job[5], first_laddered=1)
+    _check_ladder_against_reference(per_job[3], first_laddered=1)
     assert per_job[-1][-1].grad_max_abs_diff is not None
 
 

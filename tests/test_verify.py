@@ -144,16 +144,18 @@ def test_cli_names_the_fallback(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_fused_swiglu_runs_and_matches_unsharded(tmp_path: Path) -> None:
-    """The case of issue 13: planned per part, run on 2 gloo ranks, outputs equal to the unsharded model;
-    `planner run` of the saved plan reports the cluster it was planned for (kind 10)."""
+    """The case of issue 13: planned per part, saved, then `planner run` on 2 gloo ranks: outputs equal to
+    the unsharded model; the plan records the cluster file it was planned for, `planner show` names it
+    and `planner run` reports it (kind 10)."""
     plan_path, report_path = tmp_path / "plan.yaml", tmp_path / "report.json"
     r = planner(
-        "optimize", SWIGLU, "--cluster", FASTLINK, "--tp", "2", "--nproc", "2", "--run", "--min-time", "0", "--iters", "2",
-        "--warmup", "1", "--out", str(plan_path),
-    )  # fmt: skip
+        "optimize", SWIGLU, "--cluster", FASTLINK, "--tp", "2", "--nproc", "2", "--out", str(plan_path)
+    )
     assert r.returncode == 0, r.stderr
     plan = Plan.from_yaml(plan_path)
     assert plan.cluster == "fastlink-cpu" and plan.cluster_source == str(Path(FASTLINK).resolve())
+    shown = planner("show", str(plan_path))
+    assert f"on fastlink-cpu (spec {Path(FASTLINK).resolve()})" in shown.stdout + shown.stderr
     r = planner(
         "run",
         str(plan_path),

@@ -246,6 +246,27 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     _check_loss_budget_options(args)
 
     with _bars(args) as bars:
+        nproc = args.nproc
+        if args.recalibrate and args.cluster:
+            _warn(
+                [
+                    f"--recalibrate has no effect with --cluster {args.cluster}: it re-measures this machine's own spec, used when --cluster is omitted"
+                ]
+            )
+
+        def cluster_spec():
+            bars("loading the cluster spec", None)
+            return workflow.resolve_cluster(
+                args.cluster,
+                nproc,
+                progress=lambda step, frac: bars(f"calibrating: {step}", frac),
+                recalibrate=args.recalibrate,
+                notify=bars.note,
+            )
+
+        # a named spec is checked before tracing (a bad one fails at once); this machine's is measured
+        # after it (a model that cannot be traced is reported before a calibration)
+        cluster = cluster_spec() if args.cluster else None
         bars("tracing the model (meta device)", None)
         prepared = workflow.prepare(
             args.model,
@@ -257,21 +278,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             args.dtype,
             args.new_tokens,
         )
-        bars("loading the cluster spec", None)
-        nproc = args.nproc
-        if args.recalibrate and args.cluster:
-            _warn(
-                [
-                    f"--recalibrate has no effect with --cluster {args.cluster}: it re-measures this machine's own spec, used when --cluster is omitted"
-                ]
-            )
-        cluster = workflow.resolve_cluster(
-            args.cluster,
-            nproc,
-            progress=lambda step, frac: bars(f"calibrating: {step}", frac),
-            recalibrate=args.recalibrate,
-            notify=bars.note,
-        )
+        if cluster is None:
+            cluster = cluster_spec()
         bars("solving the ILP", None)
         constraints = workflow.constraints_from(
             args.tp, args.pp, args.dp, args.ladder, max_devices=args.devices, **_training_options(args)

@@ -371,15 +371,17 @@ def attention_core_options(
         kv_cache = attn.cache_bytes * (replica_seqs / s.batch_size) * b / DTYPE_BYTES[s.dtype]
     stored = (2.0 * heads + 2.0 * kv_heads) * seqs * q_len * hd * b if ctx.train else 0.0
     materialized = ctx.cluster.attention_kernel == "materialized"
+    # decode steps only: prefill runs the engines' flash-style context kernel
+    per_query_head = ctx.cluster.attention_kernel == "per_query_head" and w.kind is Workload.DECODE
     dev = ctx.cluster.device
     bandwidth = dev.memory_bandwidth_bytes_per_s * dev.memory_efficiency
 
     def option(name: str, layout: Layout, shard: int, kv_shard: int | None = None) -> OpOption:
         kv_shard = shard if kv_shard is None else kv_shard
         flops = compute.attention_flops(seqs, heads / shard, q_len, kv_len, hd, causal)
-        moved = compute.attention_bytes(
-            seqs, heads / shard, kv_heads / kv_shard, q_len, kv_len, hd, ctx.dtype
-        )
+        # a per-query-head kernel reads each KV head once per query head (`ClusterSpec.attention_kernel`)
+        kv_reads = heads / shard if per_query_head else kv_heads / kv_shard
+        moved = compute.attention_bytes(seqs, heads / shard, kv_reads, q_len, kv_len, hd, ctx.dtype)
         core_s = ctx.op_time(flops, moved, "attention")
         forward_s = core_s / ctx.compute_factor
         scores = 0.0
