@@ -6,6 +6,7 @@ costs seconds on this 2-core machine). Tolerance: max |sharded - unsharded| <= 1
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from passes.tensor_parallel import TensorParallelError, apply_tensor_parallel
 from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture
 from planner.frontend.modelfile import load_model_file
+from planner.plan import Schedule
 from runtime.job import RunJob, summarise
 from runtime.launch import launch
 from tests.parity_entry import run_jobs
@@ -47,6 +49,17 @@ def _job(
         structure, str(_path(name)), tp, pp=pp, ladder_layers=ladder, workload=workload, micro_batches=pp
     )
     return RunJob(str(_path(name)), plan.to_dict(), workload=workload, warmup=0, iters=1, **kw)
+
+
+def _interleaved_job(name: str, tp: int, workload: str) -> RunJob:
+    """TP=`tp` x PP=2 with the interleaved 1F1B schedule, v=2 one-layer chunks per rank (layers 0 and 2 on
+    pipeline rank 0, 1 and 3 on rank 1), 2 micro-batches."""
+    _, structure = _structure(name)
+    plan = fixed_plan(structure, str(_path(name)), tp, pp=2, workload=workload, micro_batches=2)
+    plan = dataclasses.replace(
+        plan, schedule=Schedule.INTERLEAVED_1F1B, virtual_stages=2, stages=[[0, 2], [1, 3]]
+    )
+    return RunJob(str(_path(name)), plan.to_dict(), workload=workload, warmup=0, iters=1)
 
 
 def _assert_parity(reports, what: str) -> None:
@@ -175,13 +188,17 @@ def test_tp4_forward_parity_and_ladder():
         _job("llama3.py", 4, "train"),
         _job("llama3.py", 4, ladder=[1, 2, 3], return_output=True),
         _job("gpt2_tiny.py", 2, "train", pp=2),  # TP=2 x PP=2, tied embedding / LM head across stages
+        _interleaved_job("llama3.py", 2, "train"),  # TP=2 x interleaved PP=2, v=2: loss and gradients
     ]
     results = launch(run_jobs, jobs, nproc=4, timeout_s=180)
     per_job = list(zip(*results))
     for job, reports in zip(jobs, per_job):
         _assert_parity(reports, f"{Path(job.model_path).name} {job.workload} tp=4")
     _check_ladder_against_reference(per_job[3], first_laddered=1)
-    assert per_job[-1][-1].grad_max_abs_diff is not None
+    assert per_job[4][-1].grad_max_abs_diff is not None
+    interleaved = summarise(per_job[5])
+    assert interleaved["numerics"]["grad_max_abs_diff"] is not None
+    assert any("v=2 model chunks per pipeline rank" in n for n in interleaved["measured"]["notes"])
 
 
 def _check_ladder_against_reference(reports, first_laddered: int) -> None:
