@@ -1,6 +1,7 @@
 """Llama-3 70B with a static KV cache (published config), built on the meta device: planned, never run.
 
-Serving it as vLLM does with `tensor_parallel_size=4` (8 KV heads: 2 per rank; bf16):
+Serving it as vLLM does with `tensor_parallel_size=4` (8 KV heads: 2 per rank; bf16; attention reads each
+KV head once for its query heads, as vLLM's kernels do: `fused_gqa=True`, SDPA with `enable_gqa`):
 
     planner optimize examples/llama3_70b_kv.py --cluster dgx-h100 --workload decode --context 4096 \
         --batch-size 8 --dtype bf16 --tp 4
@@ -20,4 +21,4 @@ from models_kv import serving_model_file, step_inputs  # noqa: E402, F401 - step
 
 CONFIG = LLAMA_CONFIGS["70b"]
 # no weights allocated (meta), bf16; caches for 4096 tokens, a 2048-token prompt by default
-build_model, example_inputs = serving_model_file(CONFIG, dtype=torch.bfloat16, device="meta")
+build_model, example_inputs = serving_model_file(CONFIG, dtype=torch.bfloat16, device="meta", fused_gqa=True)

@@ -318,6 +318,9 @@ class Plan:
     sequence_parallel: bool = False
     recompute: dict[str, Recompute] = field(default_factory=dict)
     distributed_optimizer: bool = False
+    # parameters of the model the plan was made for (0: a plan written before this field): `planner run`
+    # refuses a model file whose parameter count differs (it changed since planning)
+    model_params: int = 0
 
     def __post_init__(self) -> None:
         self.workload = _coerce(Workload, self.workload, "workload")
@@ -496,6 +499,12 @@ _PLAN_KEYS = {"model", "workload", "mesh", "splits", "stages", "predicted", "sol
 
 def _check_is_plan(data: object, origin: str) -> None:
     """InputError when `data` shares no key with a plan: say what it looks like and what a plan is."""
+    if isinstance(data, dict) and isinstance(data.get("plan"), dict) and "model" not in data:
+        raise InputError(
+            f"{origin} is a report (what --json writes), not a plan: it holds the plan under 'plan' beside the "
+            "measured figures. Give the plan YAML that planner optimize MODEL.py --out PLAN.yaml writes "
+            "(planner compare reads reports)"
+        )
     if not isinstance(data, dict) or _PLAN_KEYS & set(data):
         return  # not a mapping: the schema check says so; a plan with errors: it names the field
     looks = ""

@@ -199,6 +199,9 @@ def test_ladder_at_tp1_warns(example_path) -> None:
     said = _said(r)
     assert "warning: ladder residual on 2 layer(s) at TP=1" in said and "changes the model's outputs" in said
     quiet = planner(
-        "optimize", str(example_path("llama3")), "--cluster", "local-cpu", "--nproc", "2", "--tp", "2"
-    )
+        "optimize", str(example_path("llama3")), "--cluster", "local-cpu", "--nproc", "2", "--tp", "2",
+        "--recompute", "full",
+    )  # fmt: skip
     assert "warning: ladder" not in _said(quiet)
+    # a training option on a forward plan is said to do nothing
+    assert "--recompute full had no effect: training options apply to --workload train only" in _said(quiet)

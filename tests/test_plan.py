@@ -168,3 +168,23 @@ def test_interleaved_chunks_are_runs_of_each_ranks_layers() -> None:
     plan.stages = [[2, 4], [0, 3]]  # virtual stage order 2, 0, 4, 3
     with pytest.raises(InputError, match=r"'stages'.*virtual stage c \* pp \+ r"):
         plan.validate()
+
+
+def test_a_json_report_given_as_a_plan_says_it_is_a_report() -> None:
+    report = {"plan": make_plan().to_dict(), "predicted": {}, "measured": {}, "cluster": "local-cpu"}
+    with pytest.raises(InputError, match=r"r\.json is a report \(what --json writes\), not a plan"):
+        Plan.from_dict(report, origin="r.json")
+
+
+def test_a_model_that_changed_since_planning_is_refused() -> None:
+    """`planner run` checks the model's parameter count against the plan's `model_params`."""
+    from planner.cli import workflow  # noqa: PLC0415
+
+    prepared = workflow.prepare(str(Path(__file__).parents[1] / "examples" / "llama3.py"))
+    cluster = workflow.resolve_cluster("local-cpu", 2)
+    plan = workflow.make_plan(prepared, cluster, workflow.constraints_from(2, 1, 1, "none"), "llama3.py")
+    assert plan.model_params == prepared.structure.num_params > 0
+    workflow.validate_plan_for_model(plan, prepared.structure, "llama3.py", prepared.param_shapes)
+    plan.model_params += 64
+    with pytest.raises(InputError, match="plan field model_params: .* the model changed since planning"):
+        workflow.validate_plan_for_model(plan, prepared.structure, "llama3.py", prepared.param_shapes)

@@ -198,11 +198,34 @@ def test_decode_run_tp2_tokens_identical_and_ladder_reported():
     assert run["measured"]["standard_tpot_s"] > 0 and plan.serving.standard_tpot_s is not None
 
 
-def test_hf_static_cache_decode_run_tp2():
-    plan, run = _serve(ROOT / "examples" / "hf_llama_kv.py", 2, context=8, new_tokens=4)
-    assert run["numerics"]["tokens_identical"] and run["numerics"]["ok"]
+def test_hf_static_cache_generate_plan_saved_then_served_by_planner_run(tmp_path: Path):
+    """A generate plan of the Hugging Face static-cache wrapper, saved with --out (batch 1: the plan's
+    batch and prompt, not the model file's example batch), served by `planner run`: the request's
+    figures and tokens identical to the unsharded model's."""
+    import json  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    model, plan_path, report_path = (
+        str(ROOT / "examples" / "hf_llama_kv.py"),
+        tmp_path / "p.yaml",
+        tmp_path / "r.json",
+    )
+
+    def planner(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "planner.cli", *argv], capture_output=True, text=True,
+                              timeout=300, cwd=ROOT)  # fmt: skip
+
+    made = planner("optimize", model, "--cluster", MIDLINK, "--workload", "generate", "--seq-len", "8",
+                   "--new-tokens", "4", "--tp", "2", "--nproc", "2", "--out", str(plan_path))  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    ran = planner("run", str(plan_path), "--model", model, "--iters", "1", "--json", str(report_path))
+    assert ran.returncode == 0, ran.stderr
+    assert "time to first token" in ran.stdout and "greedy tokens identical" in ran.stdout
+    report = json.loads(report_path.read_text())
+    assert report["numerics"]["tokens_identical"] and report["serving"]["measured"]["ttft_s"] > 0
     # 2 layers x K, V x (1, 2 of 4 KV heads, 12, 16) fp32, plus the StaticCache's two int64 position counters
-    assert run["measured"]["cache_bytes_per_rank"] == 2 * 2 * (1 * 2 * 12 * 16 * 4) + 2 * 8
+    assert report["measured"]["cache_bytes_per_rank"] == 2 * 2 * (1 * 2 * 12 * 16 * 4) + 2 * 8
 
 
 def test_two_kv_heads_at_tp4_tokens_identical():

@@ -244,6 +244,18 @@ def cmd_optimize(args: argparse.Namespace) -> int:
 
     _check_outputs(args)
     _check_loss_budget_options(args)
+    if args.workload != "train":
+        ignored = [
+            f"{flag} {value}"
+            for flag, value in (
+                ("--recompute", args.recompute),
+                ("--sequence-parallel", args.sequence_parallel),
+                ("--distributed-optimizer", args.distributed_optimizer),
+            )
+            if value != "auto"
+        ]
+        if ignored:
+            _warn([f"{', '.join(ignored)} had no effect: training options apply to --workload train only"])
 
     with _bars(args) as bars:
         nproc = args.nproc
@@ -556,7 +568,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     nproc = args.nproc or plan.num_devices
     with _bars(args) as bars:
         bars("checking the plan against the model", None)
-        prepared = workflow.prepare(args.model, "forward", plan.batch_size, plan.seq_len)
+        prepared = workflow.prepare_for_plan(plan, args.model)
         workflow.validate_plan_for_model(plan, prepared.structure, args.model, prepared.param_shapes)
         cluster, note = workflow.plan_cluster(plan, nproc)
         bars("lowering the plan on meta tensors for every rank", None)
@@ -581,8 +593,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     if run is None:  # a rank other than 0 under torchrun: rank 0 reports
         return 0
     report = workflow.report_dict(plan, run, args.model, cluster)
-    render_run(console, report)
-    layer_table = render_layer_comparison(console, plan, run["measured"].get("per_layer_s", {}))
+    layer_table = False
+    if "serving" in report:  # a request served: prefill, then greedy decode steps
+        from planner.cli.render import render_serving_run  # noqa: PLC0415
+
+        render_serving_run(console, report)
+    else:
+        render_run(console, report)
+        layer_table = render_layer_comparison(console, plan, run["measured"].get("per_layer_s", {}))
     if _other_hardware(cluster):
         console.print(
             f"[yellow]note: the plan was predicted for {plan.cluster} ({cluster.backend}); it was measured on this machine, "

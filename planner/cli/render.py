@@ -231,9 +231,9 @@ def _samples_text(measured: dict) -> str:
     return f"{measured['iterations']} iterations"
 
 
-def _small_memory_note(console: Console, above_startup_bytes: float) -> None:
-    """Says so when a measured peak above start-up is too small for its ratio to test the memory model."""
-    if 0 < above_startup_bytes < SMALL_MEMORY_BYTES:
+def _small_memory_note(console: Console, above_startup_bytes: float, predicted_bytes: float) -> None:
+    """Says so when the predicted or measured peak is too small for their ratio to test the memory model."""
+    if above_startup_bytes > 0 and min(above_startup_bytes, predicted_bytes) < SMALL_MEMORY_BYTES:
         console.print(
             f"[dim]memory: under {fmt_bytes(SMALL_MEMORY_BYTES)} the allocator's and the runtime's own working "
             "memory (pools, gloo buffers, autograd) dominate the measured peak: its ratio does not test the "
@@ -261,7 +261,7 @@ def render_run(console: Console, report: dict[str, Any]) -> None:
     )
     table.add_row("process peak memory / rank", "-", fmt_bytes(m["peak_memory_bytes"]), "-")
     console.print(table)
-    _small_memory_note(console, above)
+    _small_memory_note(console, above, p["peak_memory_bytes"])
     console.print(
         f"measured: median of {_samples_text(m)} on the slowest rank; p10 {fmt_s(m['latency_p10_s'])}, "
         f"p90 {fmt_s(m['latency_p90_s'])}; per-rank medians {', '.join(fmt_s(x) for x in m['per_rank_median_s'])}"
@@ -323,7 +323,7 @@ def render_serving_run(console: Console, report: dict[str, Any]) -> None:
     above = m["peak_memory_bytes"] - (m.get("startup_memory_bytes") or 0)
     row("peak memory / rank above start-up (cache included)", pm, above if above > 0 else None, fmt_bytes)
     console.print(table)
-    _small_memory_note(console, above)
+    _small_memory_note(console, above, pm)
     console.print(
         f"measured: per output token median of {m['iterations']} decode steps on the slowest rank (warm-up "
         f"excluded), p10 {fmt_s(m['latency_p10_s'])}, p90 {fmt_s(m['latency_p90_s'])}; KV cache "

@@ -273,12 +273,38 @@ def check_constraints_fit(
             )
 
 
+def prepare_for_plan(plan: Plan, model_path: str) -> Prepared:
+    """`prepare` `model_path` as `plan` was made: a serving plan's request (decode: its context is the
+    prompt; generate: its prompt is the sequence length), in the plan's dtype; any other plan's
+    forward graph at the plan's batch and sequence length. Raises InputError as `prepare`."""
+    sv = plan.serving
+    if sv is None:
+        return prepare(model_path, "forward", plan.batch_size, plan.seq_len)
+    decode = plan.workload is Workload.DECODE
+    return prepare(
+        model_path,
+        str(plan.workload),
+        plan.batch_size,
+        seq_len=None if decode else sv.prompt_len,
+        context=sv.prompt_len if decode else None,
+        dtype=plan.dtype,
+        new_tokens=sv.new_tokens,
+    )
+
+
 def validate_plan_for_model(
     plan: Plan, structure: ModelStructure, model_path: str, params: dict[str, tuple]
 ) -> None:
     """A (possibly hand-edited) plan must match the model it is run with. Raises InputError naming the
-    plan field: unknown weights in `splits`, a style/dim that contradicts the weight's layout,
+    plan field: a parameter count that differs from `model_params` (the model file changed since
+    planning), unknown weights in `splits`, a style/dim that contradicts the weight's layout,
     `stages` that do not cover every layer once and in order, a batch that does not divide by dp."""
+    if plan.model_params and int(structure.num_params) != plan.model_params:
+        raise InputError(
+            f"plan field model_params: the plan was made for a model of {plan.model_params:,} parameters and "
+            f"{model_path} has {int(structure.num_params):,}: the model changed since planning; re-plan with "
+            f"planner optimize {model_path} ..."
+        )
     unknown = [w for w in plan.splits if w not in params]
     if unknown:
         raise InputError(

@@ -159,6 +159,9 @@ class Attention:
     # a model with a static KV cache (written in forward by an op of CACHE_UPDATE_OPS on a buffer):
     kv_len: int | None = None  # keys each query attends to in the captured graph (the cache length)
     cache_bytes: float = 0.0  # bytes of the layer's K/V cache buffers (global, captured dtype); 0: none
+    # heads of the keys the core reads: num_kv_heads when it attends grouped K/V as they are (SDPA
+    # enable_gqa), num_heads when the model repeats them to the query heads first (None: not recorded)
+    core_kv_heads: int | None = None
 
 
 CACHE_UPDATE_OPS = ("aten.index_put_", "aten.index_put", "aten.index_copy_", "aten.index_copy", "aten.copy_")
@@ -778,6 +781,7 @@ def _attention(
         num_kv_heads = k.meta["val"].shape[-3]
     flops = _sdpa_flops(q.meta["val"], k.meta["val"], v.meta["val"])
     attention = Attention(projs, num_heads, num_kv_heads, head_dim, core.name, residual, flops)
+    attention.core_kv_heads = int(k.meta["val"].shape[-3]) if k.meta["val"].dim() >= 3 else None
     buffers = cache_buffers(members)
     if buffers:
         attention.kv_len = int(k.meta["val"].shape[-2])

@@ -46,6 +46,7 @@ import re
 import sys
 import sysconfig
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -103,21 +104,48 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> fx.Gra
     stderr = io.StringIO()
     fake_logger.handlers = [logging.StreamHandler(stderr)]
     fake_logger.propagate = False
-    try:
-        with contextlib.redirect_stderr(stderr):
-            exported = torch.export.export(model, args, kwargs, strict=False)
-    except Exception as e:  # export raises many types; all mean "this model does not trace"
-        raise InputError(_capture_error_message(model, e, stderr.getvalue())) from e
-    finally:
-        shapes_logger.setLevel(levels[0])
-        fake_logger.handlers = levels[1]
-        fake_logger.propagate = levels[2]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with contextlib.redirect_stderr(stderr):
+                exported = torch.export.export(model, args, kwargs, strict=False)
+        except Exception as e:  # export raises many types; all mean "this model does not trace"
+            raise InputError(_capture_error_message(model, e, stderr.getvalue())) from e
+        finally:
+            shapes_logger.setLevel(levels[0])
+            fake_logger.handlers = levels[1]
+            fake_logger.propagate = levels[2]
+        gm = exported.module()
     sys.stderr.write(stderr.getvalue())
-    gm = exported.module()
+    _replay_unlift_warnings(caught)
     out_spec = gm._out_spec
     module_names = {name for name, _ in model.named_modules()}
     gm = _normalise(gm, out_spec, module_names)
     return gm
+
+
+# torch.export's unlifting warns once per tensor attribute that requires grad but is not a parameter
+# (Hugging Face's static-cache export wrapper has one per attention layer): said once per process, as one line
+_LIFTED_CONSTANT = re.compile(r"A model attribute `(.+?)` requires gradient")
+_lifted_said = False
+
+
+def _replay_unlift_warnings(caught: list[warnings.WarningMessage]) -> None:
+    global _lifted_said  # noqa: PLW0603 - once per process
+    lifted = []
+    for w in caught:
+        found = _LIFTED_CONSTANT.search(str(w.message))
+        if found:
+            lifted.append(found.group(1))
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if lifted and not _lifted_said:
+        _lifted_said = True
+        warnings.warn(
+            f"torch.export keeps {len(set(lifted))} tensor attribute(s) that require grad but are not parameters as "
+            f"constants without gradient (e.g. {lifted[0]}); register them as parameters if they must train",
+            stacklevel=3,
+        )
 
 
 def flat_inputs(args: tuple, kwargs: dict | None = None) -> tuple[torch.Tensor, ...]:

@@ -371,8 +371,13 @@ def attention_core_options(
         kv_cache = attn.cache_bytes * (replica_seqs / s.batch_size) * b / DTYPE_BYTES[s.dtype]
     stored = (2.0 * heads + 2.0 * kv_heads) * seqs * q_len * hd * b if ctx.train else 0.0
     materialized = ctx.cluster.attention_kernel == "materialized"
-    # decode steps only: prefill runs the engines' flash-style context kernel
-    per_query_head = ctx.cluster.attention_kernel == "per_query_head" and w.kind is Workload.DECODE
+    # decode steps only (prefill runs the engines' flash-style context kernel), and only where the core
+    # reads grouped K/V as they are (a model that repeats them to the query heads pays that already)
+    per_query_head = (
+        ctx.cluster.attention_kernel == "per_query_head"
+        and w.kind is Workload.DECODE
+        and (attn.core_kv_heads or kv_heads) < heads
+    )
     dev = ctx.cluster.device
     bandwidth = dev.memory_bandwidth_bytes_per_s * dev.memory_efficiency
 

@@ -644,6 +644,7 @@ def _make_plan(search: _Search, best: _Candidate | None, model_name: str) -> Pla
         mesh_candidates=candidates,
         token_model=s.token_model,
         unpriced_ops=s.unknown_ops,
+        model_params=int(s.num_params),
     )
 
 
@@ -678,11 +679,12 @@ def _alternative_tables(search: _Search):
 
 def _baseline(search: _Search) -> PricedAssignment | None:
     """The plan a Megatron-LM user writes by hand (`megatron_configs`), priced: the first of its meshes
-    that fits memory (with full activation recomputation if needed), else the last one tried."""
+    that fits memory (with full activation recomputation if needed), else the last one tried. It is the
+    expert's layout whatever the user pinned (schedule, sequence parallelism, recompute): a pin that
+    costs time shows as a plan slower than it. Only the device cap is shared with the search."""
     configs = megatron_configs(
-        search.cluster, search.workload, search.structure, search.constraints.schedule,
-        search.constraints.max_devices,
-    )  # fmt: skip
+        search.cluster, search.workload, search.structure, None, search.constraints.max_devices
+    )
     chosen = None
     train = search.workload.train
     for config in configs:
