@@ -199,7 +199,9 @@ def agreement_line(
 
 def render_decisions(console: Console, plan: Plan) -> None:
     """The "why" table: each decision with the predicted cost of every alternative."""
-    table = Table(title="Why: each decision beside its alternatives (predicted seconds)")
+    table = Table(
+        title="Why: each decision beside its alternatives (predicted seconds; each reason says what its times cover)"
+    )
     for col in ("decision", "chosen", "alternatives", "reason"):
         table.add_column(col)
     for d in plan.decisions:
