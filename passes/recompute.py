@@ -50,10 +50,10 @@ from passes.layers import layer_of_nodes
 from passes.rng import recompute_rng_context
 from planner.errors import InputError
 from planner.frontend.analysis import ModelStructure
-from planner.plan import Recompute
+from planner.plan import RECOMPUTE_PLAN_WIDE_KEYS, Recompute
 from planner.solver.costing import layer_key
 
-PLAN_WIDE_KEYS = ("*", "layer")  # Plan.recompute keys that set every layer whose class is not named
+PLAN_WIDE_KEYS = RECOMPUTE_PLAN_WIDE_KEYS  # Plan.recompute keys that set every layer whose class is not named
 CORE_META = "attention_core"
 SUBMODULE_PREFIX = "recompute_"  # the regions' submodules: recompute_0, recompute_1, ... in layer order  # node.meta key: the node is an attention-core node of its layer (bool)
 

@@ -44,6 +44,7 @@ import enum
 import os
 import types
 import typing
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,7 @@ class Layout(str, enum.Enum):
         return self.value
 
 
+RECOMPUTE_PLAN_WIDE_KEYS = ("*", "layer")  # Plan.recompute keys that set every layer whose class is not named
 SPLIT_STYLES: tuple[str, ...] = tuple(s.value for s in SplitStyle)
 WORKLOADS: tuple[str, ...] = tuple(w.value for w in Workload)
 SCHEDULES: tuple[str, ...] = tuple(s.value for s in Schedule)
@@ -311,7 +313,8 @@ class Plan:
     # v=2, 8 layers: stages [[0, 1, 4, 5], [2, 3, 6, 7]]. sequence_parallel: the norm/dropout regions between
     # TP blocks are split along the sequence and each TP all-reduce is a reduce-scatter + all-gather
     # (Korthikanti et al. 2022). recompute: layer class (the CostTables graph key, e.g. "layer") ->
-    # activation recomputation; a class not listed recomputes nothing. distributed_optimizer: optimizer
+    # activation recomputation; a class not listed recomputes nothing (users read it by layer:
+    # `recompute_text`, `recompute_ranges`). distributed_optimizer: optimizer
     # state sharded over the data-parallel ranks (ZeRO-1; gradients reduce-scattered, parameters
     # all-gathered).
     virtual_stages: int = 1
@@ -362,9 +365,52 @@ class Plan:
             "schedule": str(self.schedule),
             "virtual_stages": self.virtual_stages,
             "sequence_parallel": self.sequence_parallel,
-            "recompute": {k: str(v) for k, v in self.recompute.items()},
+            "recompute": self.recompute_ranges(),
             "distributed_optimizer": self.distributed_optimizer,
         }
+
+    def recompute_by_layer(self) -> dict[int, str] | None:
+        """The recomputation of each layer (index -> "none" | "selective" | "full"), for what a user
+        reads; None when the plan does not record it (`recompute_text` then says so).
+
+        `recompute` is keyed by layer class (`planner.solver.costing.layer_key`, resolved against the
+        model by `passes.recompute.recompute_of_layers`), which the plan alone cannot map to layers.
+        Plan-wide keys only ("*", "layer"): every layer of `stages`. Otherwise the prediction's
+        per-layer record (`LayerCost.strategy["recompute"]`, written from the same assignment), used
+        only when its modes are those of `recompute` (a plan edited by hand may disagree)."""
+        if not self.recompute:
+            return {}
+        modes = {str(v) for v in self.recompute.values()}
+        layers = sorted(i for stage in self.stages for i in stage)
+        if set(self.recompute) <= set(RECOMPUTE_PLAN_WIDE_KEYS) and len(modes) == 1:
+            return dict.fromkeys(layers, modes.pop())
+        recorded = {
+            c.layer: str(c.strategy["recompute"])
+            for c in self.predicted.per_layer
+            if c.layer >= 0 and "recompute" in c.strategy
+        }
+        if sorted(recorded) == layers and set(recorded.values()) == modes:
+            return recorded
+        return {} if modes == {"none"} else None
+
+    def recompute_ranges(self) -> dict[str, str]:
+        """Machine-readable recomputation for reports and exports: runs of consecutive layers with the
+        same recomputation, "first-last" (inclusive; "i" for one layer) -> mode, in layer order. When
+        the plan does not record its layers (`recompute_by_layer` is None): {"per layer class":
+        "none/selective"}, the modes only."""
+        by_layer = self.recompute_by_layer()
+        if by_layer is None:
+            return {"per layer class": "/".join(sorted({str(v) for v in self.recompute.values()}))}
+        return recompute_runs(by_layer)
+
+    def recompute_text(self) -> str:
+        """The recomputation as a user reads it: "none", "all 126 layers: full", or per mode its layer
+        ranges ("layers 0-3: selective, layers 4-7: none")."""
+        by_layer = self.recompute_by_layer()
+        if by_layer is None:
+            modes = "/".join(sorted({str(v) for v in self.recompute.values()}))
+            return f"{modes} (per layer class; the plan does not record which layers)"
+        return recompute_summary(by_layer)
 
     def virtual_stage_layers(self) -> list[list[int]]:
         """Layer indices per virtual stage (pp * virtual_stages of them, in pipeline order): chunk c of
@@ -492,6 +538,68 @@ class Plan:
         unknown = sorted(set(self.ladder_layers) - set(flat))
         if unknown:
             raise bad("ladder_layers", f"layers {unknown} are in no stage")
+
+
+def layer_ranges(layers: Iterable[int]) -> str:
+    """Layer indices as ranges of consecutive ones: [0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in _runs(sorted(set(layers))))
+
+
+def _runs(values: list[int]) -> list[tuple[int, int]]:
+    """(first, last) of each run of consecutive integers in sorted `values`."""
+    runs: list[tuple[int, int]] = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], v)
+        else:
+            runs.append((v, v))
+    return runs
+
+
+def recompute_runs(by_layer: Mapping[int, str]) -> dict[str, str]:
+    """{"first-last": mode} (inclusive; "i" for one layer) for each run of consecutive layers with the
+    same recomputation, in layer order."""
+    out: dict[str, str] = {}
+    layers = sorted(by_layer)
+    start = 0
+    for k in range(1, len(layers) + 1):
+        if (
+            k == len(layers)
+            or layers[k] != layers[k - 1] + 1
+            or by_layer[layers[k]] != by_layer[layers[start]]
+        ):
+            a, b = layers[start], layers[k - 1]
+            out[f"{a}" if a == b else f"{a}-{b}"] = str(by_layer[a])
+            start = k
+    return out
+
+
+def parse_layer_run(text: str) -> list[int] | None:
+    """The layers of a `recompute_runs` key ("3" or "0-125"), or None for anything else."""
+    a, sep, b = text.partition("-")
+    if not a.isdigit() or (sep and not b.isdigit()) or (sep and int(b) < int(a)):
+        return None
+    return list(range(int(a), int(b if sep else a) + 1))
+
+
+def recompute_summary(by_layer: Mapping[int, str]) -> str:
+    """Per-layer recomputation as text: "none" when nothing is recomputed, "all 126 layers: full" when
+    every layer is alike, else each mode with its layer ranges in order of their first layer
+    ("layers 0-3: selective, layers 4-7: none")."""
+    modes: dict[str, list[int]] = {}
+    for layer in sorted(by_layer):
+        modes.setdefault(str(by_layer[layer]), []).append(layer)
+    if not modes or set(modes) == {"none"}:
+        return "none"
+    if len(modes) == 1:
+        ((mode, layers),) = modes.items()
+        n = len(layers)
+        return f"all {n} layers: {mode}" if n > 1 else f"layer {layers[0]}: {mode}"
+    parts = []
+    for mode, layers in modes.items():
+        word = "layers" if len(layers) > 1 else "layer"
+        parts.append(f"{word} {layer_ranges(layers)}: {mode}")
+    return ", ".join(parts)
 
 
 _PLAN_KEYS = {"model", "workload", "mesh", "splits", "stages", "predicted", "solver"}

@@ -27,7 +27,7 @@ from planner.export.common import virtual_stage_layers
 from planner.export.megatron import megatron_args
 from planner.export.vllm import vllm_engine_args
 from planner.frontend.analysis import analyse
-from planner.plan import Plan, Recompute, Schedule, Serving, SplitStyle, Workload
+from planner.plan import LayerCost, Plan, Recompute, Schedule, Serving, SplitStyle, Workload
 from runtime.launch import launch
 from tests.dtensor_entry import apply_exported
 from tests.planner_fixtures import EXAMPLES
@@ -287,7 +287,7 @@ def test_megatron_interleaved_even_stages_and_warnings(llama_plan):
     assert args["--recompute-granularity"] == "selective" and "--recompute-method" not in args
     assert "--sequence-parallel" not in argv and "--fp16" not in argv
     text = "\n".join(warnings)
-    assert "Megatron-LM has no ladder residual" in text and "per layer class" in text
+    assert "Megatron-LM has no ladder residual" in text and "recomputes layers differently" in text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -470,3 +470,60 @@ def test_export_command_offers_every_format():
         a for a in parser._subparsers._group_actions[0].choices["export"]._actions if a.dest == "to"
     )
     assert tuple(export.choices) == FORMATS
+
+
+# ---------------------------------------------------------------------------------------------
+# Recomputation as users read it: layer ranges, never the layer-class keys of the cost model
+
+CLASS_A = "attn32/8/128;q:4096x4096:False:None;o:4096x4096:False:None;mlp;n100"  # layer_key's form
+CLASS_B = "attn32/8/128;q:4096x4096:False:None;o:4096x4096:False:None;mlp;n200"
+
+
+def _per_class_plan(plan: Plan) -> Plan:
+    """Layers 0-1 of one class recompute selectively, layers 2-3 of another nothing, as the search
+    records it: `recompute` by class key, the prediction's per-layer strategies by layer."""
+    modes = ["selective", "selective", "none", "none"]
+    per_layer = [
+        LayerCost(i, 0, 0.0, 0.0, 0.0, 0.0, {"q": "colwise", "recompute": m}) for i, m in enumerate(modes)
+    ]
+    predicted = dataclasses.replace(plan.predicted, per_layer=per_layer)
+    return _with(plan, predicted=predicted, recompute={CLASS_A: Recompute.SELECTIVE, CLASS_B: Recompute.NONE})
+
+
+def test_recompute_reads_as_layer_ranges_everywhere(tmp_path, llama_plan, capsys):
+    from planner.cli.render import training_rows
+
+    plan = _per_class_plan(llama_plan)
+    text = "layers 0-1: selective, layers 2-3: none"
+    assert plan.recompute_text() == text
+    assert dict((r[0], r[1]) for r in training_rows(plan))["recompute"] == text
+    report = _report(plan, 0.004)
+    assert report["plan"]["recompute"] == {"0-1": "selective", "2-3": "none"}  # machine-readable, by layers
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(report))
+    assert main(["compare", str(path), str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "recompute layers 0-1: selective" in out and "2-3: none" in out
+    dtensor = export_plan(plan, "dtensor")
+    assert "RECOMPUTE = {'0-1': 'selective', '2-3': 'none'}" in dtensor.text
+    assert any(text in w for w in dtensor.warnings)
+    for target in ("megatron", "torchtitan"):
+        warnings = "\n".join(export_plan(plan, target).warnings)
+        assert f"recomputes layers differently ({text})" in warnings, target
+    for shown in (out, dtensor.text, *dtensor.warnings, json.dumps(report)):
+        assert "attn32" not in shown and "n100" not in shown
+
+
+def test_recompute_text_uniform_unrecorded_and_old_reports(llama_plan, capsys):
+    from planner.cli.compare import comparison_rows
+
+    assert _with(llama_plan, recompute={"*": Recompute.FULL}).recompute_text() == "all 4 layers: full"
+    assert _with(llama_plan, recompute={"layer": Recompute.NONE}).recompute_text() == "none"
+    # a hand-edited plan whose per-layer record does not match: the modes, never the class keys
+    edited = _with(_per_class_plan(llama_plan), recompute={CLASS_A: Recompute.FULL, CLASS_B: Recompute.NONE})
+    assert edited.recompute_text() == "full/none (per layer class; the plan does not record which layers)"
+    assert edited.recompute_ranges() == {"per layer class": "full/none"}
+    # a report written before recomputation was by layer range
+    old = _report(llama_plan, 0.004)
+    old["plan"]["recompute"] = {CLASS_A: "full", CLASS_B: "none"}
+    assert comparison_rows(old)["training layout"] == "recompute full (per layer class)"

@@ -7,6 +7,7 @@ over InfiniBand), local-cpu (gloo over loopback).
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -321,5 +322,17 @@ def test_trillion_free_plan_is_megatrons_kind_and_beats_the_expert(selene) -> No
     for subject in ("sequence-parallel", "recompute", "schedule", "distributed-optimizer"):
         assert subject in whys and len(whys[subject].options) >= 2
     assert whys["recompute"].options["selective"] < whys["recompute"].options["full"]
+    # each "not allowed" says why, and the per-op rows say what their times cover (not a step time)
+    assert "on: needed to fit memory" in whys["sequence-parallel"].reason
+    assert re.search(r"off needs [\d.]+ GiB per device > [\d.]+ GiB usable", whys["sequence-parallel"].reason)
+    assert (
+        "none needs" in whys["recompute"].reason
+        and "the step with only this changed" in whys["recompute"].reason
+    )
+    qkv = whys["qkv"]
+    assert qkv.options[qkv.chosen] > plan.predicted.latency_s  # a sum over layers, so the reason must say so
+    assert (
+        "summed over 128 layers × 128 micro-batch(es) on all pipeline stages (not a step time)" in qkv.reason
+    )
     chosen = whys["schedule"]
     assert chosen.options[chosen.chosen] == min(chosen.options.values())

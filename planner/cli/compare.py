@@ -16,6 +16,7 @@ from rich.table import Table
 
 from planner.cli.render import fmt_bytes, fmt_s
 from planner.errors import InputError
+from planner.plan import parse_layer_run, recompute_summary
 
 _REPORT_KEYS = ("plan", "predicted")  # present in every report_dict
 
@@ -51,6 +52,20 @@ def _measured_tokens_per_s(report: dict[str, Any]) -> float | None:
     return tokens_per_step / measured["latency_s"] if tokens_per_step else None
 
 
+def _recompute_cell(recompute: dict[str, Any]) -> str:
+    """The report's recomputation (`Plan.recompute_ranges`: layer run -> mode) as text, "" for none.
+    Reports written before it was by layer range keyed it by layer class: only their modes are shown."""
+    by_layer: dict[int, str] = {}
+    for key, mode in recompute.items():
+        layers = parse_layer_run(str(key))
+        if layers is None:  # a layer class or "per layer class": no layer indices to show
+            modes = sorted({str(v) for v in recompute.values()} - {"none"})
+            return f"recompute {'/'.join(modes)} (per layer class)" if modes else ""
+        by_layer.update(dict.fromkeys(layers, str(mode)))
+    text = recompute_summary(by_layer)
+    return "" if text == "none" else f"recompute {text}"
+
+
 def comparison_rows(report: dict[str, Any]) -> dict[str, str]:
     """Row label -> cell text for one report (the column of the comparison table)."""
     plan, p = report["plan"], report["predicted"]
@@ -63,7 +78,7 @@ def comparison_rows(report: dict[str, Any]) -> dict[str, str]:
     extras = [
         "sequence parallel" if plan.get("sequence_parallel") else "",
         "distributed optimizer" if plan.get("distributed_optimizer") else "",
-        ", ".join(f"recompute {k}: {v}" for k, v in (plan.get("recompute") or {}).items() if v != "none"),
+        _recompute_cell(plan.get("recompute") or {}),
     ]
     above = (m.get("peak_memory_bytes") or 0) - (m.get("startup_memory_bytes") or 0)
     measured_tps = _measured_tokens_per_s(report)

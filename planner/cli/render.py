@@ -7,7 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from planner.plan import LayerCost, Plan, SplitStyle, Workload
+from planner.plan import LayerCost, Plan, SplitStyle, Workload, layer_ranges
 
 _GIB = 2.0**30
 
@@ -76,7 +76,7 @@ def render_plan(console: Console, plan: Plan) -> None:
         f"Mesh: [bold]TP={plan.tp} × PP={plan.pp} × DP={plan.dp}[/bold] = {plan.num_devices} devices, "
         f"{plan.micro_batches} micro-batch(es)"
         + (f" ({plan.schedule} schedule)" if plan.pp > 1 else "")
-        + f"; ladder residual on layers {_ranges(plan.ladder_layers) or 'none'}"
+        + f"; ladder residual on layers {layer_ranges(plan.ladder_layers) or 'none'}"
     )
     table = Table(title="Per stage and layer (per step, per rank)", show_lines=False)
     for col in (
@@ -199,7 +199,9 @@ def agreement_line(
 
 def render_decisions(console: Console, plan: Plan) -> None:
     """The "why" table: each decision with the predicted cost of every alternative."""
-    table = Table(title="Why: each decision beside its alternatives (predicted seconds)")
+    table = Table(
+        title="Why: each decision beside its alternatives (predicted seconds; each reason says what its times cover)"
+    )
     for col in ("decision", "chosen", "alternatives", "reason"):
         table.add_column(col)
     for d in plan.decisions:
@@ -378,26 +380,6 @@ def render_layer_comparison(console: Console, plan: Plan, measured_per_layer_s: 
     return True
 
 
-def _ranges(values: list[int]) -> str:
-    if not values:
-        return ""
-    values = sorted(values)
-    out, start, prev = [], values[0], values[0]
-    for v in values[1:] + [None]:
-        if v is not None and v == prev + 1:
-            prev = v
-            continue
-        out.append(str(start) if start == prev else f"{start}-{prev}")
-        if v is not None:
-            start = prev = v
-    return ", ".join(out)
-
-
-def _recompute_text(recompute: dict) -> str:
-    values = sorted({str(v) for v in recompute.values()})
-    return "/".join(values) if values else "none"
-
-
 def training_rows(plan: Plan) -> list[tuple[str, str, str]]:
     """(what, this plan, the hand-written Megatron plan) for a training plan: layout, TFLOP/s per
     device, bubble and memory per rank ("-" where the baseline is unknown)."""
@@ -423,7 +405,7 @@ def training_rows(plan: Plan) -> list[tuple[str, str, str]]:
          schedule(bl["schedule"], bl["virtual_stages"], bl["pp"]) if bl else "-"),
         ("micro-batches × size", f"{plan.micro_batches} × {plan.micro_batch_size:g}",
          f"{bl['micro_batches']} × {bl['micro_batch_size']}" if bl else "-"),
-        ("recompute", _recompute_text(plan.recompute), bl.get("recompute", "-") if bl else "-"),
+        ("recompute", plan.recompute_text(), bl.get("recompute", "-") if bl else "-"),
         ("sequence parallel", on[plan.sequence_parallel], on.get(bl.get("sequence_parallel"), "-") if bl else "-"),
         ("distributed optimizer", on[plan.distributed_optimizer],
          on.get(bl.get("distributed_optimizer"), "-") if bl else "-"),

@@ -220,7 +220,7 @@ def dtensor_plan(plan: Plan) -> DTensorPlan:
     if any(v != "none" for v in plan.recompute.values()):
         warnings.append(
             "activation recomputation is not part of the plan's DTensor file: wrap the layers listed in RECOMPUTE "
-            "with torch.utils.checkpoint yourself"
+            f"({plan.recompute_text()}) with torch.utils.checkpoint yourself"
         )
     for f in plan.fallbacks:
         warnings.append(f"the plan runs {f.op} replicated at {f.line} (priced all-gather); DTensor may not")
@@ -280,7 +280,7 @@ TP_DEGREE = {plan.tp}
 SEQUENCE_PARALLEL = {sp}
 MESH = {{"dp": {plan.dp}, "pp": {plan.pp}, "tp": {plan.tp}}}
 STAGES = {pprint.pformat([list(s) for s in plan.stages], compact=True, width=100)}  # layers per pipeline stage
-RECOMPUTE = {pprint.pformat({k: str(v) for k, v in plan.recompute.items()})}  # layer class -> recomputation
+RECOMPUTE = {pprint.pformat(plan.recompute_ranges())}  # layers (first-last, inclusive) -> recomputation
 
 PLAN: dict[str, ParallelStyle] = {{  # module FQN -> style
 {plan_lines}

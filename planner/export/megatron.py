@@ -107,9 +107,8 @@ def _recompute_args(plan: Plan, warnings: list[str]) -> list[str]:
     choices = set(plan.recompute.values())
     strongest = max(choices, key=_STRENGTH.__getitem__)
     if len(choices) > 1:
-        per_class = ", ".join(f"{k}: {v}" for k, v in sorted(plan.recompute.items()))
         warnings.append(
-            f"the plan recomputes per layer class ({per_class}); Megatron-LM recomputes every layer alike: "
+            f"the plan recomputes layers differently ({plan.recompute_text()}); Megatron-LM recomputes every layer alike: "
             f"exported as {strongest} for all (more recomputation than priced, never less memory headroom)"
         )
     if strongest is Recompute.FULL:

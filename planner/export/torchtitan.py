@@ -110,9 +110,8 @@ def _ac_mode(plan: Plan, warnings: list[str]) -> str:
     choices = set(plan.recompute.values())
     strongest = max(choices, key=_STRENGTH.__getitem__)
     if len(choices) > 1:
-        per_class = ", ".join(f"{k}: {v}" for k, v in sorted(plan.recompute.items()))
         warnings.append(
-            f"the plan recomputes per layer class ({per_class}); torchtitan checkpoints every layer alike: "
+            f"the plan recomputes layers differently ({plan.recompute_text()}); torchtitan checkpoints every layer alike: "
             f"exported as {strongest}"
         )
     return str(strongest)

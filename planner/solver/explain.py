@@ -1,8 +1,9 @@
 """Why the plan is what it is: decisions with the predicted cost of each alternative.
 
-A user asks "why row-parallel here?" and gets, for every op of every class of layers, the step time
-of those layers with each option of that op forced and the rest of its block re-optimised
-(`block_table` enumerates the block's option combinations); for the mesh, the predicted step time
+A user asks "why row-parallel here?" and gets, for every op of every class of layers, the time of its
+block (attention or MLP) summed over those layers and the micro-batches with each option of that op
+forced and the rest of its block re-optimised (`block_table` enumerates the block's option
+combinations; not a step time: every pipeline stage's share is added); for the mesh, the predicted step time
 of every candidate solved; for ladder residual, the plan with and without it; for training, the plan
 with each alternative of sequence parallelism, activation recomputation (per layer class), pipeline
 schedule and v, and the distributed optimizer, the rest of the plan unchanged (`training_decisions`).
@@ -26,10 +27,22 @@ from planner.solver.costing import (
     stream_conversion_time_s,
 )
 from planner.solver.prediction import PricedAssignment, predict
-from planner.solver.problem import Assignment, LadderMode, LadderPolicy, MeshConfig
+from planner.solver.problem import (
+    FEATURE_MIN_SAVING,
+    Assignment,
+    Constraints,
+    LadderMode,
+    LadderPolicy,
+    MeshConfig,
+)
 
 MAX_BLOCK_COMBINATIONS = 20000  # decision tables enumerate a block's option combinations up to this
 NOT_SOLVED_NOTES = ("pruned", "not solved")  # how the search's notes of unsolved candidates start
+
+
+def _percent(fraction: float) -> str:
+    """A small relative difference as text: "0.43%", or "under 0.01%"."""
+    return f"{fraction:.2%}" if fraction >= 1e-4 else "under 0.01%"
 
 
 MAX_MESH_OPTIONS = 30  # the mesh decision lists at most this many solved candidates, fastest first
@@ -82,7 +95,9 @@ def block_table(
 
 
 def strategy_decisions(priced: PricedAssignment) -> list[Decision]:
-    """Per class of layers and op: the step time of the class with each option of that op forced."""
+    """Per class of layers and op: with each option of that op forced and the rest of its block
+    re-optimised (`block_table`), the block's time summed over the class's layers and the micro-batches
+    (every pipeline stage's share added: not a step time, which the reason says)."""
     tables, choices = priced.tables, priced.assignment.choices
     ctx, graphs, ends = tables.ctx, tables.graphs, tables.ends
     has_layers = bool(ctx.structure.layers)
@@ -91,13 +106,19 @@ def strategy_decisions(priced: PricedAssignment) -> list[Decision]:
     for i, key in enumerate(tables.layer_keys):
         counts.setdefault(key, []).append(i)
     m = ctx.micro_batches
+    work = "compute + TP comm, forward + backward" if ctx.train else "compute + TP comm"
     for key, graph in graphs.items():
         layers = counts[key]
         span = f"layers[{layers[0]}..{layers[-1]}]" if has_layers else "mlp"
+        count = f"{len(layers)} layers" if len(layers) > 1 else "1 layer"
         for block in ("attention", "mlp"):
             table = block_table(graph, key, block, ctx)
             if table is None:
                 continue
+            times = (
+                f"times: {block} block ({work}) with this option, rest of the block re-optimised, summed over "
+                f"{count} × {m} micro-batch(es) on all pipeline stages (not a step time)"
+            )
             for op in graph.ops:
                 if op.block != block:
                     continue
@@ -108,9 +129,14 @@ def strategy_decisions(priced: PricedAssignment) -> list[Decision]:
                     options[name] = math.inf
                 chosen = choices[(key, op.name)]
                 cheapest = min(options, key=options.get)
-                reason = "cheapest: predicted time of these layers with this option, the rest of the block re-optimised"
+                reason = "cheapest"
                 if cheapest != chosen and options[cheapest] < options[chosen] * (1 - 1e-9):
-                    reason = f"{cheapest} is faster alone but breaks a memory, pipeline or ladder constraint"
+                    reason = (
+                        f"{cheapest} is {_percent(options[chosen] / options[cheapest] - 1)} faster in this table, which "
+                        "prices the block alone (not recomputation, memory, stages or ladder); the whole plan's "
+                        f"solve chose {chosen}"
+                    )
+                reason += f"; {times}"
                 if op.excluded:
                     reason += "; not offered: " + "; ".join(f"{n}: {why}" for n, why in op.excluded.items())
                 decisions.append(Decision(f"{span}.{block}.{op.name}", chosen, options, reason))
@@ -118,7 +144,7 @@ def strategy_decisions(priced: PricedAssignment) -> list[Decision]:
         options = {o.name: (o.compute_s + o.comm_s) * m for o in op.options}
         for name in op.excluded:
             options[name] = math.inf
-        reason = "time of this op per step; memory may favour the sharded option"
+        reason = f"times: this op over the step's {m} micro-batch(es), on its stage; memory may favour the sharded option"
         if op.excluded:
             reason += "; not offered: " + "; ".join(f"{n}: {why}" for n, why in op.excluded.items())
         decisions.append(Decision(op.name, choices[("ends", op.name)], options, reason))
@@ -158,42 +184,86 @@ def op_exclusions(graphs: dict[str, LayerGraph], ends: LayerGraph) -> list[str]:
 MAX_SCHEDULE_ALTERNATIVES = 8  # interleaved alternatives shown: v = 2 .. this
 
 
+_GIB = 2.0**30
+
+
+def _feature_reason(what: str, options: dict[str, float], chosen: str, pinned: bool | None, flag: str) -> str:
+    """Why an on/off feature (sequence parallelism, distributed optimizer) is `chosen`, by the search's
+    rule: pinned by the user, else needed to fit memory, else on only when it saves at least
+    `FEATURE_MIN_SAVING` of the step (the plan with it off over the plan with it on, minus 1)."""
+    if pinned is not None:
+        return f"{what}; pinned by {flag} {'on' if pinned else 'off'}"
+    on, off = options["on"], options["off"]
+    rule = f"a feature must save at least {FEATURE_MIN_SAVING:.1%} of the step"
+    if chosen == "on":
+        if off == math.inf:
+            return f"{what}; on: needed to fit memory"
+        saving = off / on - 1
+        if saving >= FEATURE_MIN_SAVING:
+            return f"{what}; on saves {saving:.1%} of the step ({rule})"
+        return (
+            f"{what}; on saves {_percent(saving)} of the step with the rest of the plan unchanged; the search compared "
+            f"the plans solved with and without it, where it saved at least {FEATURE_MIN_SAVING:.1%}"
+        )
+    if on == math.inf:
+        return f"{what}; off: on does not fit or is not possible here"
+    if on >= off:
+        return f"{what}; off: on is not faster"
+    return f"{what}; on saves {_percent(off / on - 1)} (< {FEATURE_MIN_SAVING:.1%} threshold: kept off, the simpler layout)"
+
+
 def training_decisions(
-    priced: PricedAssignment, cap_bytes: float, price_config: Callable[[MeshConfig], CostTables]
+    priced: PricedAssignment,
+    cap_bytes: float,
+    price_config: Callable[[MeshConfig], CostTables],
+    constraints: Constraints | None = None,
 ) -> list[Decision]:
     """Training: the step time of the plan with each alternative of sequence parallelism, activation
     recomputation (per layer class), pipeline schedule and v, and the distributed optimizer, the rest
     unchanged (strategies, and stages unless the schedule changes them); inf: does not fit `cap_bytes`
-    per device, or not possible on this mesh. `price_config` prices the model on another `MeshConfig`."""
+    per device, or not possible on this mesh, which the reason says. `price_config` prices the model on
+    another `MeshConfig`; `constraints`: what the user pinned (the reason names the option)."""
     tables, assignment = priced.tables, priced.assignment
     ctx = tables.ctx
     if not ctx.train:
         return []
+    c = constraints or Constraints()
     config, mesh = ctx.config, ctx.mesh
+    unfit: dict[str, str] = {}  # alternative -> "needs X GiB" (of the decision being built)
 
-    def cost(alt_config: MeshConfig, alt: Assignment) -> float:
+    def cost(alt_config: MeshConfig, alt: Assignment, name: str) -> float:
         alt_tables = tables if alt_config == config else price_config(alt_config)
         p = predict(alt_tables, alt).prediction
-        return p.latency_s if p.peak_memory_bytes <= cap_bytes else math.inf
+        if p.peak_memory_bytes <= cap_bytes:
+            return p.latency_s
+        unfit[name] = f"{p.peak_memory_bytes / _GIB:.1f} GiB"
+        return math.inf
 
-    fit_note = "inf = does not fit memory or not possible here; the rest of the plan unchanged"
+    def fit_note() -> str:
+        """Which alternatives do not fit memory, then clears the record for the next decision."""
+        note = ""
+        if unfit:
+            needs = ", ".join(f"{k} needs {v}" for k, v in unfit.items())
+            note = f"; not allowed = does not fit memory ({needs} per device > {cap_bytes / _GIB:.1f} GiB usable)"
+        unfit.clear()
+        return note + "; times: the step with only this changed"
+
     out = []
     # sequence parallelism
     sp = {"off": math.inf, "on": math.inf}
     for on in (False, True):
         if on and mesh.tp == 1:
             continue
-        sp["on" if on else "off"] = cost(dataclasses.replace(config, sequence_parallel=on), assignment)
-    chosen_sp = "on" if ctx.sequence_parallel else "off"
-    out.append(
-        Decision(
-            "sequence-parallel",
-            chosen_sp,
-            sp,
-            f"norm/residual regions split along the sequence over tp={mesh.tp} (Korthikanti et al. 2022); "
-            + fit_note,
+        sp["on" if on else "off"] = cost(
+            dataclasses.replace(config, sequence_parallel=on), assignment, "on" if on else "off"
         )
-    )
+    chosen_sp = "on" if ctx.sequence_parallel else "off"
+    what = f"norm/residual regions split along the sequence over tp={mesh.tp} (Korthikanti et al. 2022)"
+    if mesh.tp == 1:
+        reason = "needs tp > 1 (nothing to split the sequence over)" + fit_note()
+    else:
+        reason = _feature_reason(what, sp, chosen_sp, c.sequence_parallel, "--sequence-parallel") + fit_note()
+    out.append(Decision("sequence-parallel", chosen_sp, sp, reason))
     # recomputation per layer class
     spans: dict[str, list[int]] = {}
     for i, key in enumerate(tables.layer_keys):
@@ -202,10 +272,14 @@ def training_decisions(
         options = {}
         for r in Recompute:
             alt = dataclasses.replace(assignment, recompute={**assignment.recompute, key: r})
-            options[str(r)] = cost(config, alt)
+            options[str(r)] = cost(config, alt, str(r))
         label = f"layers[{layers[0]}..{layers[-1]}]" if ctx.structure.layers else "mlp"
-        out.append(Decision(f"{label}.recompute", str(assignment.recompute_of(key)), options,
-                            "selective: attention core only (scores not kept); full: keep only the layer input; " + fit_note))  # fmt: skip
+        reason = "selective: attention core only (scores not kept); full: keep only the layer input"
+        if c.recompute is not None:
+            reason += f"; pinned by --recompute {c.recompute}"
+        out.append(
+            Decision(f"{label}.recompute", str(assignment.recompute_of(key)), options, reason + fit_note())
+        )
     # pipeline schedule and v
     if mesh.pp > 1:
         L, m = tables.num_layers, ctx.micro_batches
@@ -215,39 +289,29 @@ def training_decisions(
             if schedule is Schedule.ONE_F_ONE_B and m < mesh.pp:
                 continue
             alt_config = dataclasses.replace(config, schedule=schedule, virtual_stages=1)
-            options[str(schedule)] = cost(alt_config, dataclasses.replace(assignment, stages=plain_stages))
+            options[str(schedule)] = cost(
+                alt_config, dataclasses.replace(assignment, stages=plain_stages), str(schedule)
+            )
         for v in range(2, MAX_SCHEDULE_ALTERNATIVES + 1):
             if mesh.pp * v > L or m % mesh.pp:
                 continue
             alt_config = dataclasses.replace(config, schedule=Schedule.INTERLEAVED_1F1B, virtual_stages=v)
             chunks = interleaved_chunks(L, mesh.pp, v)
-            options[f"interleaved_1f1b v={v}"] = cost(
-                alt_config, dataclasses.replace(assignment, stages=chunks)
-            )
+            name = f"interleaved_1f1b v={v}"
+            options[name] = cost(alt_config, dataclasses.replace(assignment, stages=chunks), name)
         chosen = str(config.schedule) + (f" v={config.virtual_stages}" if config.virtual_stages > 1 else "")
-        out.append(
-            Decision(
-                "schedule",
-                chosen,
-                options,
-                f"bubble (p-1)/(v m) of the ideal step with p={mesh.pp}, m={m}; v times the point-to-point messages; "
-                + fit_note,
-            )
-        )
+        reason = f"bubble (p-1)/(v m) of the ideal step with p={mesh.pp}, m={m}; v times the point-to-point messages"
+        if c.schedule is not None or c.virtual_stages is not None:
+            reason += "; pinned by --schedule / --virtual-stages"
+        out.append(Decision("schedule", chosen, options, reason + fit_note()))
     # distributed optimizer
     if mesh.dp > 1:
         options = {
-            "off": cost(dataclasses.replace(config, distributed_optimizer=False), assignment),
-            "on": cost(dataclasses.replace(config, distributed_optimizer=True), assignment),
+            "off": cost(dataclasses.replace(config, distributed_optimizer=False), assignment, "off"),
+            "on": cost(dataclasses.replace(config, distributed_optimizer=True), assignment, "on"),
         }
         chosen = "on" if ctx.distributed_optimizer else "off"
-        out.append(
-            Decision(
-                "distributed-optimizer",
-                chosen,
-                options,
-                f"ZeRO-1: Adam state / dp={mesh.dp}, gradients reduce-scattered and parameters all-gathered; "
-                + fit_note,
-            )
-        )
+        what = f"ZeRO-1: Adam state / dp={mesh.dp}, gradients reduce-scattered and parameters all-gathered"
+        reason = _feature_reason(what, options, chosen, c.distributed_optimizer, "--distributed-optimizer")
+        out.append(Decision("distributed-optimizer", chosen, options, reason + fit_note()))
     return out

@@ -24,6 +24,7 @@ from planner.errors import InputError
 from planner.plan import WORKLOADS, MeshShape, Recompute, Schedule, Workload
 
 LADDER_MIN_SAVING_FRACTION = 0.05  # a laddered layer must save >= 5% of its time (it changes the model)
+FEATURE_MIN_SAVING = 0.005  # relative saving each of SP / interleaving / ZeRO-1 must buy to be chosen
 
 
 @dataclass(frozen=True)

@@ -70,14 +70,21 @@ from planner.solver.explain import (
 )
 from planner.solver.ilp import IlpProblem, IlpSolution, solve
 from planner.solver.prediction import PricedAssignment, predict
-from planner.solver.problem import Assignment, Constraints, LadderMode, LadderPolicy, MeshConfig, WorkloadSpec
+from planner.solver.problem import (
+    FEATURE_MIN_SAVING,
+    Assignment,
+    Constraints,
+    LadderMode,
+    LadderPolicy,
+    MeshConfig,
+    WorkloadSpec,
+)
 
 __all__ = ["Constraints", "WorkloadSpec", "plan_model"]
 
 _GIB = 2.0**30
 TIE_TOLERANCE = 1e-6  # relative: plans this close in latency are ties, broken by fewer devices
 MAX_VIRTUAL_STAGES = 8  # interleaved 1F1B: model chunks per pipeline rank considered
-FEATURE_MIN_SAVING = 0.005  # relative saving each of SP / interleaving / ZeRO-1 must buy to be chosen
 
 
 @dataclass
@@ -613,7 +620,7 @@ def _make_plan(search: _Search, best: _Candidate | None, model_name: str) -> Pla
         for c in sorted(search.candidates, key=lambda c: (c.latency_s is None, c.latency_s or 0.0))
     ]
     decisions = mesh_decision(candidates, config) + _baseline_decision(search, baseline) + decisions
-    decisions += training_decisions(chosen, search.cap_bytes, _alternative_tables(search))
+    decisions += training_decisions(chosen, search.cap_bytes, _alternative_tables(search), search.constraints)
     decisions += strategy_decisions(chosen)
     decisions += ladder_decision(chosen, search.ladder, search.constraints.ladder_min_saving_fraction)
     excluded = list(dict.fromkeys(search.excluded + op_exclusions(tables.graphs, tables.ends)))
