@@ -278,7 +278,7 @@ def measured(console: Console, iters: int) -> None:
         "config",
         "predicted",
         "measured (p10-p90)",
-        "pred / meas",
+        "measured / predicted",
         "tokens identical",
         "ladder speed-up pred / meas",
     ):
@@ -311,7 +311,7 @@ def measured(console: Console, iters: int) -> None:
             speed = f"{sv.standard_tpot_s / sv.tpot_s:.3f} / {m['ladder_speedup']:.3f}"
         table.add_row(label, f"{sv.tpot_s * 1e3:.2f} ms",
                       f"{m['tpot_s'] * 1e3:.2f} ms ({m['latency_p10_s'] * 1e3:.1f}-{m['latency_p90_s'] * 1e3:.1f})",
-                      f"{sv.tpot_s / m['tpot_s']:.2f}", str(n["tokens_identical"]), speed)  # fmt: skip
+                      f"{m['tpot_s'] / sv.tpot_s:.2f}", str(n["tokens_identical"]), speed)  # fmt: skip
     console.print(table)
 
 
