@@ -188,3 +188,16 @@ def test_a_model_that_changed_since_planning_is_refused() -> None:
     plan.model_params += 64
     with pytest.raises(InputError, match="plan field model_params: .* the model changed since planning"):
         workflow.validate_plan_for_model(plan, prepared.structure, "llama3.py", prepared.param_shapes)
+
+
+def test_plan_table_groups_a_stages_identical_layers_and_places_the_ends() -> None:
+    """An interleaved stage's model chunks (layers 0, 4 and 1, 5 on two ranks) are one row per stage;
+    layers with another strategy start their own row; the non-layer ops come last."""
+    from planner.cli.render import _grouped  # noqa: PLC0415
+    from planner.plan import LayerCost  # noqa: PLC0415
+
+    split, other = {"attention": "head"}, {"attention": "replicate"}
+    costs = [LayerCost(i, i % 2, 1.0, 0.5, 0.0, 10.0, split) for i in (0, 1, 4, 5)]
+    costs += [LayerCost(2, 0, 1.0, 0.0, 0.0, 10.0, other), LayerCost(-1, 0, 2.0, 0.0, 0.0, 5.0, {})]
+    rows = [(label, cost.stage, layers) for label, cost, layers in _grouped(costs)]
+    assert rows == [("0, 4", 0, [0, 4]), ("2", 0, [2]), ("1, 5", 1, [1, 5]), ("ends", 0, [])]

@@ -38,27 +38,22 @@ def _strategy_text(cost: LayerCost) -> str:
     return "; ".join(f"{style}: {' '.join(ops)}" for style, ops in sorted(by_style.items())) or "-"
 
 
-def _grouped(per_layer: list[LayerCost]) -> list[tuple[str, LayerCost, int]]:
-    """Consecutive layers with identical costs and strategy shown as one row ("4-79")."""
-    rows: list[tuple[str, LayerCost, int]] = []
+def _grouped(per_layer: list[LayerCost]) -> list[tuple[str, LayerCost, list[int]]]:
+    """Layers of one stage with identical costs and strategy shown as one row: (label, the first
+    layer's cost, the layers), label "4-79" or, for an interleaved stage's model chunks, "0, 16, 32"; the
+    non-layer ops ("ends", layer -1) last, as they come."""
+
+    def key(c: LayerCost) -> tuple:
+        times = tuple(f"{t:.9g}" for t in (c.compute_s, c.exposed_comm_s, c.overlapped_comm_s))
+        return (c.stage, tuple(sorted(c.strategy.items())), times)
+
+    groups: dict[tuple, tuple[LayerCost, list[int]]] = {}
     for cost in per_layer:
-        if rows:
-            label, first, count = rows[-1]
-            same = (
-                cost.layer >= 0
-                and first.layer >= 0
-                and cost.stage == first.stage
-                and cost.strategy == first.strategy
-                and abs(cost.compute_s - first.compute_s) <= 1e-12 + 1e-9 * first.compute_s
-                and abs(cost.exposed_comm_s - first.exposed_comm_s) <= 1e-12 + 1e-9 * first.exposed_comm_s
-                and abs(cost.overlapped_comm_s - first.overlapped_comm_s)
-                <= 1e-12 + 1e-9 * first.overlapped_comm_s
-            )
-            if same:
-                rows[-1] = (label, first, count + 1)
-                continue
-        rows.append((str(cost.layer) if cost.layer >= 0 else "ends", cost, 1))
-    return [(label if n == 1 else f"{c.layer}-{c.layer + n - 1}", c, n) for label, c, n in rows]
+        if cost.layer >= 0:
+            groups.setdefault(key(cost), (cost, []))[1].append(cost.layer)
+    rows = sorted(groups.values(), key=lambda g: (g[0].stage, g[1][0]))
+    out = [(layer_ranges(layers), first, layers) for first, layers in rows]
+    return out + [("ends", cost, []) for cost in per_layer if cost.layer < 0]
 
 
 def render_plan(console: Console, plan: Plan) -> None:
@@ -89,10 +84,13 @@ def render_plan(console: Console, plan: Plan) -> None:
         "memory/rank",
     ):
         table.add_column(col, justify="right" if col not in ("split choices", "layers") else "left")
-    for label, cost, count in _grouped(plan.predicted.per_layer):
-        mult = f" ×{count}" if count > 1 else ""
+    for label, cost, layers in _grouped(plan.predicted.per_layer):
+        mult = f" ×{len(layers)}" if len(layers) > 1 else ""
+        stage = str(cost.stage)
+        if not layers and plan.pp > 1:  # the embedding on the first stage, final norm and head on the last
+            stage = f"0, {plan.pp - 1}"
         table.add_row(
-            str(cost.stage),
+            stage,
             label + mult,
             _strategy_text(cost),
             fmt_s(cost.compute_s),
@@ -363,15 +361,15 @@ def render_layer_comparison(console: Console, plan: Plan, measured_per_layer_s: 
     for col in ("layers", "predicted", "measured", "measured / predicted"):
         table.add_column(col, justify="right")
     predicted = {c.layer: c.compute_s + c.exposed_comm_s for c in plan.predicted.per_layer}
-    for label, cost, count in _grouped(plan.predicted.per_layer):
-        keys = ["ends"] if cost.layer < 0 else [f"layer {cost.layer + k}" for k in range(count)]
+    for label, cost, layers in _grouped(plan.predicted.per_layer):
+        keys = [f"layer {i}" for i in layers] if layers else ["ends"]
         got = [measured_per_layer_s[k] for k in keys if k in measured_per_layer_s]
         if not got:
             continue
         want = predicted[cost.layer]
         mean = sum(got) / len(got)
         table.add_row(
-            label + (" (mean)" if count > 1 else ""),
+            label + (" (mean)" if len(layers) > 1 else ""),
             fmt_s(want),
             fmt_s(mean),
             f"{mean / want:.2f}" if want else "-",
