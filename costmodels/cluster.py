@@ -567,14 +567,29 @@ def _cpu_processes(spec: ClusterSpec, nproc: int) -> ClusterSpec:
     """A one-node gloo spec re-sized to `nproc` CPU processes. Each rank runs cores // nproc threads
     (runtime.launch), so a device's compute peaks scale with the threads per process it gets, and its
     share of host memory with 1 / nproc (linear thread scaling of GEMMs: measured 1.9x from 1 to 2
-    threads on this 2-core VM)."""
+    threads on this 2-core VM). More processes than cores time-share them: each gets cores / nproc of
+    one core, which slows its compute and its per-node (Python dispatch) overhead alike."""
     cores = os.cpu_count() or 1
-    threads = max(1, cores // nproc) / max(1, cores // spec.devices_per_node)
+
+    def share(n: int) -> float:  # cores' worth of compute one of n processes gets
+        return cores // n if n <= cores else cores / n
+
+    scale = share(nproc) / share(spec.devices_per_node)
     device = replace(
         spec.device,
-        peak_flops_per_s={k: v * threads for k, v in spec.device.peak_flops_per_s.items()},
+        peak_flops_per_s={k: v * scale for k, v in spec.device.peak_flops_per_s.items()},
         memory_bytes=spec.device.memory_bytes * spec.devices_per_node / nproc,
     )
+    slowdown = min(1.0, share(nproc)) / min(1.0, share(spec.devices_per_node))  # < 1 when oversubscribed
+    if slowdown < 1.0:
+        device = replace(
+            device,
+            launch_overhead_s=device.launch_overhead_s / slowdown,
+            node_overhead_s=None if device.node_overhead_s is None else device.node_overhead_s / slowdown,
+            backward_node_overhead_s=None
+            if device.backward_node_overhead_s is None
+            else device.backward_node_overhead_s / slowdown,
+        )
     return replace(spec, devices_per_node=nproc, device=device)
 
 

@@ -73,9 +73,16 @@ def _check_replaceable(folder: Path, option: str) -> None:
             "changed. Give a new or empty folder"
         )
     try:
-        written = set(json.loads(marker.read_text())["written"]) | {FOLDER_MARKER}
-    except (OSError, ValueError, KeyError, TypeError):
+        record = json.loads(marker.read_text())
+        written = set(record["written"]) | {FOLDER_MARKER}
+        kind = record.get("kind")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise InputError(f"{option} {folder}: its {FOLDER_MARKER} is unreadable; give a new folder") from None
+    if kind and kind != option:
+        raise InputError(
+            f"{option} {folder}: the folder holds the planner's {kind} output, which {option} would replace; "
+            "nothing was changed. Give another folder"
+        )
     foreign = [e for e in entries if e not in written]
     if foreign:
         raise InputError(
@@ -132,7 +139,8 @@ def publish_folder(tmp: str | os.PathLike[str], path: str | os.PathLike[str], op
     tmp, final = Path(tmp), Path(path).resolve()
     try:
         written = sorted(p.name for p in tmp.iterdir())
-        (tmp / FOLDER_MARKER).write_text(json.dumps({"written": written}, indent=1) + "\n")
+        record = {"written": written, "kind": option or "output folder"}  # the option that wrote it
+        (tmp / FOLDER_MARKER).write_text(json.dumps(record, indent=1) + "\n")
         fix_tree_permissions(tmp)
         old = None
         if final.exists():

@@ -326,3 +326,14 @@ def test_unit_slip_warns_naming_the_field() -> None:
             warnings.simplefilter("always")
             load_cluster(name)
         assert not [w for w in caught if issubclass(w.category, SpecWarning)], name  # presets in range
+
+
+def test_more_processes_than_cores_time_share_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """4 ranks on 2 cores: each gets half a core, so half the compute and twice the per-node time of
+    one rank per core; up to one rank per core nothing is shared."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    two, four = load_cluster("local-cpu", nproc=2), load_cluster("local-cpu", nproc=4)
+    assert four.device.peak_flops_per_s["fp32"] == pytest.approx(two.device.peak_flops_per_s["fp32"] / 2)
+    assert four.device.launch_overhead_s == pytest.approx(2 * two.device.launch_overhead_s)
+    if two.device.node_overhead_s is not None:
+        assert four.device.node_overhead_s == pytest.approx(2 * two.device.node_overhead_s)

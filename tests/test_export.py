@@ -432,6 +432,14 @@ def test_compare_prints_reports_side_by_side(tmp_path, llama_plan, capsys):
         "-",
     ]
     assert f"fastest predicted: {b} (2.000 ms per step)" in out
+    # another batch is other work per step: the most tokens/s wins, not the shortest step
+    c = tmp_path / "c.json"
+    doubled = _report(_with(llama_plan, batch_size=2 * llama_plan.batch_size), 0.006)
+    doubled["predicted"]["throughput_tokens_per_s"] = 2000 / 0.006  # twice the tokens of a's step
+    c.write_text(json.dumps(doubled))
+    assert main(["compare", str(a), str(c)]) == 0
+    out = capsys.readouterr().out
+    assert "batches differ" in out and f"fastest predicted: {c}" in out
 
 
 def test_compare_bad_files_exit_2(tmp_path, capsys):
@@ -527,3 +535,13 @@ def test_recompute_text_uniform_unrecorded_and_old_reports(llama_plan, capsys):
     old = _report(llama_plan, 0.004)
     old["plan"]["recompute"] = {CLASS_A: "full", CLASS_B: "none"}
     assert comparison_rows(old)["training layout"] == "recompute full (per layer class)"
+
+
+def test_position_embeddings_kept_replicated_raise_no_layout_warning() -> None:
+    """Megatron-LM and torchtitan keep learned position embeddings whole too: no "will shard" warning."""
+    from planner.export.common import _position_embedding  # noqa: PLC0415
+
+    assert _position_embedding("transformer.wpe.weight") and _position_embedding(
+        "embeddings.position_embeddings.weight"
+    )
+    assert not _position_embedding("transformer.wte.weight") and not _position_embedding("lm_head.weight")

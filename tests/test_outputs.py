@@ -103,3 +103,24 @@ def test_check_output_path_probes_the_folder(tmp_path: Path) -> None:
         check_output_path("--out", "/proc/plan.yaml")
     check_output_path("--out", str(tmp_path / "plan.yaml"))
     assert list(tmp_path.iterdir()) == []  # the probe is removed
+
+
+def test_a_folder_of_one_option_is_not_replaced_by_another(tmp_path: Path) -> None:
+    """--emit must not replace a --plot folder (or the reverse), and one command may not give both
+    options the same folder: the second writer would delete the first's files."""
+    import argparse  # noqa: PLC0415
+
+    from planner.cli.main import _check_outputs  # noqa: PLC0415
+
+    figures = tmp_path / "figures"
+    tmp = new_output_folder(figures, "--plot")
+    (tmp / "timeline.png").write_bytes(b"png")
+    publish_folder(tmp, figures, "--plot")
+    check_output_path("--plot", str(figures), folder=True)  # an earlier --plot output: replaceable
+    with pytest.raises(InputError, match="holds the planner's --plot output, which --emit would replace"):
+        check_output_path("--emit", str(figures), folder=True)
+    assert (figures / "timeline.png").read_bytes() == b"png"
+    same = str(tmp_path / "both")
+    args = argparse.Namespace(out=None, json=None, emit=same, plot=same)
+    with pytest.raises(InputError, match="--emit and --plot both name"):
+        _check_outputs(args)

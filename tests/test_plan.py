@@ -201,3 +201,40 @@ def test_plan_table_groups_a_stages_identical_layers_and_places_the_ends() -> No
     costs += [LayerCost(2, 0, 1.0, 0.0, 0.0, 10.0, other), LayerCost(-1, 0, 2.0, 0.0, 0.0, 5.0, {})]
     rows = [(label, cost.stage, layers) for label, cost, layers in _grouped(costs)]
     assert rows == [("0, 4", 0, [0, 4]), ("2", 0, [2]), ("1, 5", 1, [1, 5]), ("ends", 0, [])]
+
+
+def test_ladder_layer_sets_are_labelled_by_their_ranges() -> None:
+    from planner.cli.quality import _layers_label  # noqa: PLC0415
+
+    assert _layers_label([1, 2, 4, 5, 6, 7]) == "1-2, 4-7" and _layers_label([]) == "none"
+
+
+def test_pinned_interleaving_a_shallow_model_cannot_have_says_why() -> None:
+    from planner.cli import workflow  # noqa: PLC0415
+    from planner.errors import InfeasibleError  # noqa: PLC0415
+
+    prepared = workflow.prepare(str(Path(__file__).parents[1] / "examples" / "gpt2_tiny.py"), "train", 8)
+    constraints = workflow.constraints_from(None, 2, None, "none", max_devices=2, schedule="interleaved_1f1b")
+    with pytest.raises(
+        InfeasibleError, match=r"with pp=2 and batch 8; excluded: pp=2: the interleaved schedule"
+    ):
+        workflow.make_plan(prepared, workflow.resolve_cluster("local-cpu", 2), constraints, "gpt2_tiny.py")
+
+
+def test_batchnorm_training_keeps_the_whole_batch_and_counts_the_conv_parameters() -> None:
+    """A conv net with BatchNorm trains on one data-parallel replica with one micro-batch (its batch
+    statistics), pinned --dp 2 is refused saying why; its conv and norm parameters (outside any
+    transformer layer) are in the memory prediction with their gradient and Adam state."""
+    from planner.cli import workflow  # noqa: PLC0415
+
+    prepared = workflow.prepare(str(Path(__file__).parents[1] / "examples" / "convnet.py"), "train")
+    cluster = workflow.resolve_cluster("local-cpu", 2)
+    plan = workflow.make_plan(
+        prepared, cluster, workflow.constraints_from(None, None, None, "none"), "convnet.py"
+    )
+    assert plan.dp == 1 and plan.micro_batches == 1
+    assert any("BatchNorm" in e for e in plan.excluded)
+    # fp32 parameters, gradients and two Adam moments: at least 16 bytes per parameter
+    assert plan.predicted.peak_memory_bytes >= 16 * prepared.structure.num_params
+    with pytest.raises(InputError, match="trains with BatchNorm"):
+        workflow.make_plan(prepared, cluster, workflow.constraints_from(None, None, 2, "none"), "convnet.py")

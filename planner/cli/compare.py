@@ -66,6 +66,14 @@ def _recompute_cell(recompute: dict[str, Any]) -> str:
     return "" if text == "none" else f"recompute {text}"
 
 
+def _batch_text(plan: dict[str, Any]) -> str:
+    """ "8 × 128" (sequences × tokens each), or the batch alone when the plan has no sequence length."""
+    batch, seq = plan.get("batch_size"), plan.get("seq_len")
+    if batch is None:
+        return "-"
+    return f"{batch} × {seq}" if seq and seq > 1 else str(batch)
+
+
 def comparison_rows(report: dict[str, Any]) -> dict[str, str]:
     """Row label -> cell text for one report (the column of the comparison table)."""
     plan, p = report["plan"], report["predicted"]
@@ -88,6 +96,7 @@ def comparison_rows(report: dict[str, Any]) -> dict[str, str]:
         "model": str(report.get("model", "-")),
         "cluster": str(report.get("cluster", "-")),
         "workload": str(report.get("workload", "-")),
+        "batch": _batch_text(plan),
         "mesh": mesh,
         "schedule": schedule,
         "training layout": "; ".join(e for e in extras if e) or "-",
@@ -135,6 +144,18 @@ def render_comparison(console: Console, paths: list[str]) -> None:
         console.print(
             "[yellow]note: the reports plan different models or workloads; their steps are not the same work[/yellow]"
         )
+        return
+    if len({_batch_text(r["plan"]) for r in reports}) > 1:  # the same model, other work per step: by rate
+        console.print("note: the reports' batches differ: the fastest is the one with the most tokens/s")
+        rates = {
+            "predicted": [(r["predicted"].get("throughput_tokens_per_s"), p) for r, p in zip(reports, paths)],
+            "measured": [(_measured_tokens_per_s(r), p) for r, p in zip(reports, paths)],
+        }
+        for key, pairs in rates.items():
+            pairs = [(rate, p) for rate, p in pairs if rate]
+            if len(pairs) > 1:
+                rate, best = max(pairs)
+                console.print(f"fastest {key}: [bold]{best}[/bold] ({rate:,.0f} tokens/s)")
         return
     for key in ("predicted", "measured"):
         timed = [

@@ -233,10 +233,19 @@ def _write_report(args: argparse.Namespace, report: dict, announce: bool = True)
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
+    """Every output path may be written, and no two options write the same path (InputError, exit 2)."""
+    given: dict[Path, str] = {}
     for option, folder in (("out", False), ("json", False), ("emit", True), ("plot", True)):
         value = getattr(args, option, None)
         if value and not (option == "json" and value == "-"):
             check_output_path(f"--{option}", value, folder=folder)
+            where = Path(value).resolve()
+            if where in given:
+                raise InputError(
+                    f"--{given[where]} and --{option} both name {value}: each writes its own file or folder; "
+                    "give them different paths"
+                )
+            given[where] = option
 
 
 def cmd_optimize(args: argparse.Namespace) -> int:

@@ -42,7 +42,7 @@ from planner.errors import InputError, PlannerError
 from planner.files import check_output_path, write_text_atomic
 from planner.frontend.analysis import ModelStructure
 from planner.frontend.modelfile import ModelFile, load_model_file
-from planner.plan import Plan
+from planner.plan import Plan, layer_ranges
 from planner.solver.problem import LadderBudget, LadderMode, LadderPolicy
 from runtime.lm_data import LmCorpus, corpus_files, load_corpus
 from runtime.lm_train import (
@@ -201,9 +201,8 @@ def _bar(progress: Progress, description: str) -> Iterator[Callable[[int, int], 
 
 
 def _layers_label(layers: list[int]) -> str:
-    if not layers:
-        return "none"
-    return str(layers[0]) if len(layers) == 1 else f"{layers[0]}-{layers[-1]}"
+    """Laddered layers as ranges ("1-2, 4-7"), "none" for none."""
+    return layer_ranges(layers) if layers else "none"
 
 
 # -------------------------------------------------------------------------------------- ladder-eval

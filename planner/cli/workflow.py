@@ -626,6 +626,8 @@ def report_dict(
         "workload": str(plan.workload),
         "plan": {
             **plan.layout_summary(),
+            "batch_size": plan.batch_size,
+            "seq_len": plan.seq_len,
             "ladder_layers": list(plan.ladder_layers),
             "stages": [list(s) for s in plan.stages],
             "splits": {k: str(v.style) for k, v in plan.splits.items()},

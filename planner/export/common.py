@@ -93,6 +93,13 @@ def replicated_weights(plan: Plan) -> list[str]:
     return [w for w, s in plan.splits.items() if s.style is SplitStyle.REPLICATE]
 
 
+def _position_embedding(fqn: str) -> bool:
+    """Whether a weight's name says it is a learned position embedding (GPT-2's `wpe`, `position_embeddings`,
+    `pos_emb`...)."""
+    name = fqn.lower()
+    return any(key in name for key in ("wpe", "position", "pos_emb"))
+
+
 def _short_list(items: list[str], limit: int = 4) -> str:
     shown = ", ".join(items[:limit])
     return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
@@ -122,7 +129,9 @@ def layout_warnings(plan: Plan, tool: str, replicates_kv_heads: bool = False) ->
             f"{tool} runs the standard residual (outputs as the original model, every TP all-reduce exposed), "
             f"slower than predicted"
         )
-    kept = replicated_weights(plan)
+    # learned position embeddings stay replicated in these tools too (Megatron-LM's LanguageModelEmbedding
+    # shards only the word embedding over the vocabulary)
+    kept = [w for w in replicated_weights(plan) if not _position_embedding(w)]
     if kept:
         warnings.append(
             f"{tool} shards every layer's projections at TP={plan.tp}; the plan keeps {len(kept)} weight(s) "

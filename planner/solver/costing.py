@@ -778,7 +778,20 @@ def build_ends_graph(ctx: CostContext) -> LayerGraph:
                 opt.static_bytes = 0.0
                 opt.grad_bytes = 0.0
         ops.append(Op("lm_head", "head", options, [], logits_bytes, head.weight, head, excluded))
-    return LayerGraph("ends", ops, {}, fixed, 0.0, 0.0)
+    # parameters no op above holds (convolutions, norms and biases outside the layers, ...): replicated
+    other = outside_params(s) * b
+    return LayerGraph("ends", ops, {}, fixed, other * state, 0.0, other if ctx.train else 0.0)
+
+
+def outside_params(s: ModelStructure) -> int:
+    """Parameter elements outside the transformer layers, the embeddings, the LM head and the chain's
+    projections (convolutions, norms, biases, ...): what no op option of the cost tables holds."""
+    held = sum(layer.num_params for layer in s.layers)
+    held += sum(e.vocab_size * e.dim for e in s.embeddings)
+    if s.lm_head is not None and not s.tied_lm_head:
+        held += s.lm_head.in_features * s.lm_head.out_features
+    held += sum(p.in_features * p.out_features for p in s.mlp_chain)
+    return max(0, int(s.num_params) - held)
 
 
 # ---------------------------------------------------------------------------------------------

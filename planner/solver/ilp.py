@@ -364,6 +364,8 @@ class _Builder:
 
         first, last = end("embedding"), end("head")
         last.time += ends.fixed_compute_s
+        first.static += ends.fixed_static_bytes / GIB  # parameters outside the layers, on the first stage
+        first.grad += ends.fixed_grad_bytes / GIB
         s = self.ctx.structure
         if s.tied_lm_head and self.ctx.mesh.pp > 1:  # the last stage holds its own copy of the tied weight
             last.static += first.static

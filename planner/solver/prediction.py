@@ -163,6 +163,8 @@ def predict(tables: CostTables, assignment: Assignment) -> PricedAssignment:
             bd.memory_bytes += emb.static_bytes
             bd.grad_bytes += emb.grad_bytes
     stages_bd[-1].compute_s += ends.fixed_compute_s
+    stages_bd[0].memory_bytes += ends.fixed_static_bytes  # parameters outside the layers (`outside_params`)
+    stages_bd[0].grad_bytes += ends.fixed_grad_bytes
     for s in range(mesh.pp):
         stages_bd[s].exposed_comm_s += stage_p2p_time_s(ctx, s)
     for bd in stages_bd:
@@ -182,7 +184,7 @@ def predict(tables: CostTables, assignment: Assignment) -> PricedAssignment:
             m * (ends.fixed_compute_s + sum(o.compute_s for o in ends_opts)),
             m * sum(o.comm_s for o in ends_opts),
             0.0,
-            sum(o.static_bytes for o in ends_opts),
+            sum(o.static_bytes for o in ends_opts) + ends.fixed_static_bytes,
             ends_strategy,
         )  # fmt: skip
     )

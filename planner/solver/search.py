@@ -221,9 +221,25 @@ def _tp_options(search: _Search, num_devices: int) -> list[int]:
     return out
 
 
+# Ops that normalise with the statistics of the batch they see when training (BatchNorm): a data-parallel
+# replica or a micro-batch sees part of the batch, so only dp = 1 with one micro-batch computes what the
+# unsharded model computes (SyncBatchNorm is not supported)
+BATCH_STATISTICS_OPS = frozenset({"aten.batch_norm", "aten._native_batch_norm_legit_functional",
+                                  "aten._native_batch_norm_legit", "aten.native_batch_norm"})  # fmt: skip
+
+
+def _batch_statistics(search: _Search) -> bool:
+    """Whether training this model normalises over the batch (`BATCH_STATISTICS_OPS`)."""
+    return search.workload.train and any(
+        c.op in BATCH_STATISTICS_OPS for c in search.structure.node_costs.values()
+    )
+
+
 def _micro_batch_options(search: _Search, pp: int, dp: int) -> list[int]:
     w = search.workload
     per_replica = w.batch_size // dp
+    if _batch_statistics(search):
+        return [1]
     if w.micro_batches is not None:
         return [w.micro_batches] if per_replica % w.micro_batches == 0 else []
     divisors = _divisors(per_replica)
@@ -249,6 +265,18 @@ def _enumerate(search: _Search, progress: Progress = silent) -> None:
     if not search.structure.layers:
         pps = [1]
     dps = [c.dp] if c.dp is not None else [d for d in _divisors(num_devices) if w.batch_size % d == 0]
+    if _batch_statistics(search):
+        if (c.dp or 1) > 1 or (w.micro_batches or 1) > 1:
+            raise InputError(
+                "the model trains with BatchNorm, which normalises over the batch it sees: data-parallel "
+                "replicas and micro-batches each see part of the batch and would compute other outputs than "
+                "the unsharded model (SyncBatchNorm is not supported); use --dp 1 and one micro-batch, or "
+                "a normalisation without batch statistics (LayerNorm, GroupNorm)"
+            )
+        dps = [1]
+        search.excluded.append(
+            "dp>1, micro-batches>1: BatchNorm normalises over the batch it sees (training)"
+        )
     if c.dp is not None and w.batch_size % c.dp:
         raise InputError(f"dp={c.dp} does not divide the batch size {w.batch_size}")
     for tp in tps:
@@ -269,7 +297,8 @@ def _enumerate(search: _Search, progress: Progress = silent) -> None:
                             search.candidates.append(_price(search, config, lazy=True))
     if not search.candidates:
         raise InfeasibleError(
-            f"no mesh shape fits {num_devices} devices with {c.pinned or 'no pinned degrees'} and batch "
+            f"no mesh shape fits {num_devices} devices with "
+            f"{' '.join(f'{k}={v}' for k, v in c.pinned.items()) or 'no pinned degrees'} and batch "
             f"{w.batch_size}; excluded: {'; '.join(search.excluded) or 'none'}"
         )
 
@@ -297,12 +326,22 @@ def _schedules_for(search: _Search, pp: int, micro_batches: int) -> list[tuple[S
     out = [] if c.schedule is Schedule.INTERLEAVED_1F1B or (c.virtual_stages or 1) > 1 else [(plain, 1)]
     if c.schedule not in (None, Schedule.INTERLEAVED_1F1B) or not search.workload.train:
         return out or [(plain, 1)]
-    most = min(MAX_VIRTUAL_STAGES, len(search.structure.layers) // pp)
+    num_layers = len(search.structure.layers)
+    most = min(MAX_VIRTUAL_STAGES, num_layers // pp)
     v = (
         c.virtual_stages or most
     )  # the most chunks: fewest in-flight activations (others: `_price_virtual_stages`)
     if micro_batches % pp == 0 and 2 <= v <= most:
         out.append((Schedule.INTERLEAVED_1F1B, v))
+    elif not out and not 2 <= v <= most:  # pinned interleaving this pipeline cannot have: say why
+        reason = (
+            f"pp={pp}: the interleaved schedule needs at least 2 model chunks of a layer or more per rank, "
+            f"and {num_layers} layers over {pp} ranks give {num_layers // pp} per rank"
+            if most < 2
+            else f"pp={pp}: --virtual-stages {v} needs {v} layers per rank, {num_layers} layers give {most}"
+        )
+        if reason not in search.excluded:
+            search.excluded.append(reason)
     return out
 
 
