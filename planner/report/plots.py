@@ -35,6 +35,7 @@ from planner.report.figures import (
     GRAD_SYNC,
     OPTIMIZER,
     NoStageCosts,
+    Timeline,
     ladder_times,
     layer_times,
     schedule_timeline,
@@ -145,20 +146,37 @@ def _timeline(plan: Plan) -> Figure:
         if t.chunks > 1
         else "; box label: micro-batch"
     )
-    relation = (
-        f"this schedule: {t.schedule_s * _MS:.3g} ms per step (pipeline {t.pipeline_s * _MS:.3g} ms, bubble "
-        f"{t.bubble_s * _MS:.3g} ms = {t.bubble_s / t.pipeline_s:.0%} of it"
-        + (f", + {t.tail_s * _MS:.3g} ms after it" if t.tail_s else "")
-        + (f", + {t.fallback_s * _MS:.3g} ms unplanned all-gathers" if t.fallback_s else "")
-        + f"); plan predicts {t.predicted_s * _MS:.3g} ms"
-        + (
-            " (same)"
-            if math.isclose(t.schedule_s, t.predicted_s, rel_tol=1e-3)
-            else f" (stages' sum + (m-1) x slowest = {t.formula_s * _MS:.3g} ms)"
-        )
+    ax.set_title(
+        f"Pipeline schedule: {title(plan)}\n{timeline_caption(t)}{chunk_note}", fontsize=9, loc="left"
     )
-    ax.set_title(f"Pipeline schedule: {title(plan)}\n{relation}{chunk_note}", fontsize=9, loc="left")
     return fig
+
+
+def timeline_caption(t: Timeline) -> str:
+    """The timeline's caption: the plan's bubble (the number the plan table prints), the drawn order's
+    step and each stage's idle time in it, and how the drawn step relates to the prediction."""
+    v = f"/{t.chunks}" if t.chunks > 1 else ""
+    plan_bubble = (
+        f"plan's bubble {t.bubble_s * _MS:.3g} ms = {t.bubble_s / t.predicted_s:.1%} of the step "
+        f"(fill and drain: the other stages' time{v} beyond {t.micro_batches} x the slowest stage)"
+    )
+    idle = ", ".join(f"stage {s} {x * _MS:.3g}" for s, x in enumerate(t.stage_idle_s))
+    drawn = (
+        f"drawn: {t.schedule_s * _MS:.3g} ms per step (pipeline {t.pipeline_s * _MS:.3g} ms, idle ms: {idle}"
+        + (f"; + {t.tail_s * _MS:.3g} ms after it" if t.tail_s else "")
+        + (f"; + {t.fallback_s * _MS:.3g} ms unplanned all-gathers" if t.fallback_s else "")
+        + ")"
+    )
+    if math.isclose(t.schedule_s, t.predicted_s, rel_tol=1e-3):
+        relation = f"plan predicts {t.predicted_s * _MS:.3g} ms (same)"
+    else:
+        formula = "stages' sum/v + (m-1/v) x slowest" if t.chunks > 1 else "stages' sum + (m-1) x slowest"
+        relation = (
+            f"plan predicts {t.predicted_s * _MS:.3g} ms ({formula}); this order on unequal stages "
+            f"{'saves' if t.schedule_s < t.predicted_s else 'adds'} {abs(t.predicted_s - t.schedule_s) * _MS:.3g} ms "
+            f"(its bubble {t.schedule_bubble_s * _MS:.3g} ms)"
+        )
+    return f"{plan_bubble}\n{drawn}; {relation}"
 
 
 def _layer_times(plan: Plan, report: dict[str, Any] | None) -> Figure:
