@@ -7,9 +7,11 @@ import dataclasses
 import itertools
 
 import pytest
+from rich.console import Console
 
 from costmodels.cluster import load_cluster
 from planner.cli.main import main
+from planner.cli.render import fmt_s, render_plan
 from planner.plan import Schedule
 from planner.report.figures import (
     BACKWARD,
@@ -22,7 +24,7 @@ from planner.report.figures import (
     schedule_timeline,
     stage_memory,
 )
-from planner.report.plots import timeline_caption, write_figures
+from planner.report.plots import layer_totals_caption, timeline_caption, write_figures
 from planner.solver.costing import step_time_s
 from planner.solver.problem import Constraints, LadderPolicy, WorkloadSpec
 from planner.solver.search import plan_model
@@ -179,6 +181,40 @@ def test_interleaved_timeline_quotes_the_plans_bubble(interleaved_plan) -> None:
     assert f"plan's bubble {_ms(bubble)} = {bubble / latency:.1%} of the step" in caption
     assert "bubble 0 ms" in caption and "saves" in caption  # the drawn order's own, named as such
     assert f"stage 1 {idle[1] * 1e3:.3g}" in caption
+
+
+def test_pp_plan_table_and_layer_figure_say_what_their_totals_are(train_plan) -> None:
+    """pp > 1: per-layer numbers are one layer per step (all micro-batches); the table's stage totals
+    and the layer figure's per-stage times are the plan's per-stage costs per step, the slowest of which
+    (plus the tail) is the headline; the bars' sum is named work over all stages, not the step."""
+    plan, p, m = train_plan, train_plan.predicted, train_plan.micro_batches
+    assert plan.pp == 2 and m == 8
+    stage_totals = [(m * s.compute_s, m * s.exposed_comm_s) for s in p.per_stage]
+    slowest = max(range(2), key=lambda s: sum(stage_totals[s]))
+    assert p.compute_s == pytest.approx(stage_totals[slowest][0] + p.optimizer_s)
+    assert p.exposed_comm_s == pytest.approx(stage_totals[slowest][1] + p.grad_sync_s)
+    bars = sum(c.compute_s for c in p.per_layer)
+    assert bars == pytest.approx(sum(c for c, _ in stage_totals))  # work over both stages ...
+    assert bars > p.compute_s  # ... which is not the step's compute
+
+    console = Console(record=True, width=250)
+    render_plan(console, plan)
+    text = console.export_text()
+    assert "Per layer: one layer's time per step (all 8 micro-batches) on a rank of its stage" in text
+    assert "(per step, per rank)" not in text
+    for s, (compute, exposed) in enumerate(stage_totals):
+        row = next(line for line in text.splitlines() if f"│     {s} │ stage total" in line)
+        assert fmt_s(compute) in row and fmt_s(exposed) in row
+    assert f"slowest stage's total (stage {slowest})" in " ".join(text.split())
+    assert "not the sum of the rows" in " ".join(text.split())
+
+    caption = layer_totals_caption(plan, layer_times(plan))
+    assert f"bars of all 2 stages summed (work over ranks, not step time): compute {_ms(bars)}" in caption
+    for s, (compute, exposed) in enumerate(stage_totals):
+        assert f"stage {s} {_ms(compute)[:-3]} + {_ms(exposed)}" in caption
+    assert f"the step's compute {_ms(p.compute_s)} and exposed comm {_ms(p.exposed_comm_s)}" in caption
+    assert f"are stage {slowest}'s (the slowest) plus the optimizer step" in caption
+    assert "summed: compute" not in caption.replace("stages summed", "")  # no bare sum posing as the step
 
 
 def test_layer_memory_and_ladder_data_are_the_plans(train_plan, ladder_case) -> None:
