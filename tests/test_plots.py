@@ -7,9 +7,11 @@ import dataclasses
 import itertools
 
 import pytest
+from rich.console import Console
 
 from costmodels.cluster import load_cluster
 from planner.cli.main import main
+from planner.cli.render import fmt_s, render_plan
 from planner.plan import Schedule
 from planner.report.figures import (
     BACKWARD,
@@ -22,7 +24,8 @@ from planner.report.figures import (
     schedule_timeline,
     stage_memory,
 )
-from planner.report.plots import write_figures
+from planner.report.plots import layer_totals_caption, timeline_caption, write_figures
+from planner.solver.costing import step_time_s
 from planner.solver.problem import Constraints, LadderPolicy, WorkloadSpec
 from planner.solver.search import plan_model
 from planner.solver.serving import predict_with_plan
@@ -55,6 +58,15 @@ def ladder_case():
         structure, cluster, workload, Constraints(tp=8, pp=1, dp=1, ladder=LadderPolicy.parse("upper:4"))
     )
     return plan, structure, cluster, workload
+
+
+@pytest.fixture(scope="module")
+def interleaved_plan():
+    """TP=1 x PP=2 training of a small Llama on H100s, 4 micro-batches of interleaved 1F1B, v=2."""
+    structure = handmade_llama(num_layers=8, hidden=1024, heads=8, kv_heads=8, ffn=4096)
+    workload = WorkloadSpec("train", 4, 512, micro_batches=4, dtype="bf16")
+    constraints = Constraints(tp=1, pp=2, dp=1, schedule=Schedule.INTERLEAVED_1F1B, virtual_stages=2)
+    return plan_model(structure, load_cluster("dgx-h100"), workload, constraints, model_name="m.py")
 
 
 def _check_schedule(boxes, stages: int, micro_batches: int, chunks: int, train: bool) -> None:
@@ -129,6 +141,80 @@ def test_timeline_of_a_training_plan_adds_up_to_its_prediction(train_plan) -> No
         sum(b.end_s - b.start_s for b in t.boxes if b.stage == s and b.micro_batch >= 0) for s in range(2)
     ]
     assert busy == pytest.approx([8 * x for x in per_stage])
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"
+
+
+def test_interleaved_timeline_quotes_the_plans_bubble(interleaved_plan) -> None:
+    plan = interleaved_plan
+    p = plan.predicted
+    assert plan.schedule == Schedule.INTERLEAVED_1F1B and plan.virtual_stages == 2 and p.bubble_s > 0
+    t = schedule_timeline(plan)
+    assert t.chunks == 2
+    assert t.formula_s == pytest.approx(p.latency_s, rel=1e-9)  # the interleaved formula, v included
+    assert t.bubble_s == pytest.approx(p.bubble_s, rel=1e-9)
+    caption = timeline_caption(t)
+    assert f"plan's bubble {_ms(p.bubble_s)} = {p.bubble_s / p.latency_s:.1%} of the step" in caption
+
+    # Unequal stages, the first the slowest: the drawn interleaved order never lets stage 0 wait (its
+    # own bubble 0) while stage 1 idles; the figure still quotes the plan's bubble, and says both.
+    stages = [dataclasses.replace(p.per_stage[0], compute_s=3 * p.per_stage[0].compute_s), p.per_stage[1]]
+    times = [s.compute_s + s.exposed_comm_s for s in stages]
+    pipeline = step_time_s(sum(times), max(times), 4, 2)
+    latency = pipeline + p.grad_sync_s + p.optimizer_s
+    bubble = pipeline - 4 * max(times)
+    assert bubble == pytest.approx((sum(times) - max(times)) / 2)  # (p-1)/v of the other stage
+    skewed = dataclasses.replace(
+        plan,
+        predicted=dataclasses.replace(
+            p, per_stage=stages, latency_s=latency, bubble_s=bubble, compute_s=4 * stages[0].compute_s
+        ),
+    )
+    t = schedule_timeline(skewed)
+    idle = t.stage_idle_s
+    assert t.schedule_bubble_s == pytest.approx(0, abs=1e-12) and idle[0] == pytest.approx(0, abs=1e-12)
+    assert idle[1] > 0
+    assert t.bubble_s == pytest.approx(bubble, rel=1e-9) and t.formula_s == pytest.approx(latency)
+    caption = timeline_caption(t)
+    assert f"plan's bubble {_ms(bubble)} = {bubble / latency:.1%} of the step" in caption
+    assert "bubble 0 ms" in caption and "saves" in caption  # the drawn order's own, named as such
+    assert f"stage 1 {idle[1] * 1e3:.3g}" in caption
+
+
+def test_pp_plan_table_and_layer_figure_say_what_their_totals_are(train_plan) -> None:
+    """pp > 1: per-layer numbers are one layer per step (all micro-batches); the table's stage totals
+    and the layer figure's per-stage times are the plan's per-stage costs per step, the slowest of which
+    (plus the tail) is the headline; the bars' sum is named work over all stages, not the step."""
+    plan, p, m = train_plan, train_plan.predicted, train_plan.micro_batches
+    assert plan.pp == 2 and m == 8
+    stage_totals = [(m * s.compute_s, m * s.exposed_comm_s) for s in p.per_stage]
+    slowest = max(range(2), key=lambda s: sum(stage_totals[s]))
+    assert p.compute_s == pytest.approx(stage_totals[slowest][0] + p.optimizer_s)
+    assert p.exposed_comm_s == pytest.approx(stage_totals[slowest][1] + p.grad_sync_s)
+    bars = sum(c.compute_s for c in p.per_layer)
+    assert bars == pytest.approx(sum(c for c, _ in stage_totals))  # work over both stages ...
+    assert bars > p.compute_s  # ... which is not the step's compute
+
+    console = Console(record=True, width=250)
+    render_plan(console, plan)
+    text = console.export_text()
+    assert "Per layer: one layer's time per step (all 8 micro-batches) on a rank of its stage" in text
+    assert "(per step, per rank)" not in text
+    for s, (compute, exposed) in enumerate(stage_totals):
+        row = next(line for line in text.splitlines() if f"│     {s} │ stage total" in line)
+        assert fmt_s(compute) in row and fmt_s(exposed) in row
+    assert f"slowest stage's total (stage {slowest})" in " ".join(text.split())
+    assert "not the sum of the rows" in " ".join(text.split())
+
+    caption = layer_totals_caption(plan, layer_times(plan))
+    assert f"bars of all 2 stages summed (work over ranks, not step time): compute {_ms(bars)}" in caption
+    for s, (compute, exposed) in enumerate(stage_totals):
+        assert f"stage {s} {_ms(compute)[:-3]} + {_ms(exposed)}" in caption
+    assert f"the step's compute {_ms(p.compute_s)} and exposed comm {_ms(p.exposed_comm_s)}" in caption
+    assert f"are stage {slowest}'s (the slowest) plus the optimizer step" in caption
+    assert "summed: compute" not in caption.replace("stages summed", "")  # no bare sum posing as the step
 
 
 def test_layer_memory_and_ladder_data_are_the_plans(train_plan, ladder_case) -> None:

@@ -56,6 +56,32 @@ def _grouped(per_layer: list[LayerCost]) -> list[tuple[str, LayerCost, list[int]
     return out + [("ends", cost, []) for cost in per_layer if cost.layer < 0]
 
 
+def _layer_table_title(plan: Plan) -> str:
+    """What the plan table's numbers are: each row one layer's time per step (all micro-batches) on a
+    rank of its stage; "×k" rows stand for k such layers."""
+    mb = f"all {plan.micro_batches} micro-batches" if plan.micro_batches > 1 else "one micro-batch"
+    return f"Per layer: one layer's time per step ({mb}) on a rank of its stage; ×k: k such layers"
+
+
+def _ends_of(plan: Plan, stage: int) -> str:
+    """The non-layer ops a stage holds: the embedding on the first, final norm and LM head on the last."""
+    ends = (["embedding"] if stage == 0 else []) + (["head"] if stage == plan.pp - 1 else [])
+    return f" + {' + '.join(ends)}" if ends else ""
+
+
+def _stage_totals_caption(plan: Plan) -> str | None:
+    """pp > 1: how the stage totals relate to the headline (the slowest stage's, not the rows' sum)."""
+    stages = plan.predicted.per_stage
+    if plan.pp == 1 or len(stages) != plan.pp:
+        return None
+    slowest = max(stages, key=lambda s: s.compute_s + s.exposed_comm_s).stage
+    tail = " plus the optimizer step and DP gradient all-reduce" if plan.workload is Workload.TRAIN else ""
+    return (
+        f"Stages run in parallel: the step's compute and exposed comm below are the slowest stage's "
+        f"total (stage {slowest}){tail}, not the sum of the rows (that is work over all stages)"
+    )
+
+
 def render_plan(console: Console, plan: Plan) -> None:
     """Print the mesh, the per-stage/per-layer table, predicted totals and the Megatron comparison."""
     source = plan.cluster_source if plan.cluster_source and plan.cluster_source != plan.cluster else ""
@@ -73,7 +99,8 @@ def render_plan(console: Console, plan: Plan) -> None:
         + (f" ({plan.schedule} schedule)" if plan.pp > 1 else "")
         + f"; ladder residual on layers {layer_ranges(plan.ladder_layers) or 'none'}"
     )
-    table = Table(title="Per stage and layer (per step, per rank)", show_lines=False)
+    m = plan.micro_batches
+    table = Table(title=_layer_table_title(plan), caption=_stage_totals_caption(plan), show_lines=False)
     for col in (
         "stage",
         "layers",
@@ -98,6 +125,18 @@ def render_plan(console: Console, plan: Plan) -> None:
             fmt_s(cost.overlapped_comm_s),
             fmt_bytes(cost.memory_bytes),
         )
+    if plan.pp > 1 and len(plan.predicted.per_stage) == plan.pp:
+        table.add_section()
+        for st in plan.predicted.per_stage:
+            table.add_row(
+                str(st.stage),
+                "stage total",
+                f"its layers{_ends_of(plan, st.stage)} + point-to-point, x {m} micro-batches",
+                fmt_s(m * st.compute_s),
+                fmt_s(m * st.exposed_comm_s),
+                fmt_s(m * st.overlapped_comm_s),
+                fmt_bytes(st.memory_bytes),
+            )
     console.print(table)
     p = plan.predicted
     what = {

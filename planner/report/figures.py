@@ -27,8 +27,16 @@ has a backward conjugate, `TRAIN_COMM_FACTOR`); a chunk of an interleaved rank t
 rank's time. After the pipeline drains, training adds the DP gradient all-reduce and the optimizer
 step on every rank, and the unplanned all-gathers (`Plan.fallbacks`) are added to the step as the
 prediction adds them. The predicted step time itself is `costing.step_time_s` (the stages' sum plus
-(m-1) times the slowest); `Timeline.schedule_s` and `Timeline.formula_s` hold both so the figure can
-say how they relate (equal for equal stages and for GPipe/forward-only pipelines).
+(m-1) times the slowest; interleaved: the sum / v plus (m - 1/v) times the slowest);
+`Timeline.schedule_s` and `Timeline.formula_s` hold both so the figure can say how they relate (equal
+for equal stages and for GPipe/forward-only pipelines).
+
+The bubble has one definition, the plan's (`Prediction.bubble_s`): the pipeline's length beyond m times
+the slowest stage's time per micro-batch. `Timeline.bubble_s` is it on the cost model's pipeline, so the
+figure quotes the same number as the plan table; `Timeline.schedule_bubble_s` is it on the drawn order
+and `Timeline.stage_idle_s` each stage's idle time there. On unequal stages the drawn order can be
+shorter than the formula (interleaved 1F1B whose first stage is the slowest never lets it wait), so the
+two bubbles can differ; the figure names both.
 """
 
 from __future__ import annotations
@@ -71,17 +79,25 @@ class Timeline:
     tail_s: float  # DP gradient all-reduce + optimizer step, after the pipeline
     fallback_s: float  # unplanned all-gathers the prediction adds (Plan.fallbacks)
     schedule_s: float  # pipeline_s + tail_s + fallback_s: this schedule's step
-    formula_s: float  # the cost model's step: step_time_s(sum, slowest, m) + tail + fallbacks
+    formula_s: float  # the cost model's step: step_time_s(sum, slowest, m, v) + tail + fallbacks
     predicted_s: float  # plan.predicted.latency_s
+    bubble_s: float  # the plan's bubble: the cost model's pipeline beyond m x the slowest stage
 
     @property
-    def bubble_s(self) -> float:
-        """Idle time of the busiest stage during the pipeline (seconds)."""
+    def stage_idle_s(self) -> list[float]:
+        """Idle time of each stage during the drawn pipeline (seconds): its makespan less the stage's
+        forward and backward passes."""
         busy = [0.0] * self.stages
         for b in self.boxes:
             if b.kind in (FORWARD, BACKWARD):
                 busy[b.stage] += b.end_s - b.start_s
-        return self.pipeline_s - max(busy)
+        return [self.pipeline_s - x for x in busy]
+
+    @property
+    def schedule_bubble_s(self) -> float:
+        """The bubble of the drawn order (seconds): its pipeline beyond m x the slowest stage, i.e. the
+        slowest stage's idle time. Equals `bubble_s` for equal stages."""
+        return min(self.stage_idle_s)
 
 
 def stage_pass_times_s(plan: Plan) -> list[tuple[float, float]]:
@@ -188,7 +204,8 @@ def schedule_timeline(plan: Plan) -> Timeline:
     tail_s = p.grad_sync_s + p.optimizer_s
     fallback_s = sum(f.comm_s for f in plan.fallbacks)
     per_stage = [f + b for f, b in times]
-    formula_s = step_time_s(sum(per_stage), max(per_stage), plan.micro_batches) + tail_s + fallback_s
+    formula_pipeline_s = step_time_s(sum(per_stage), max(per_stage), plan.micro_batches, v)
+    formula_s = formula_pipeline_s + tail_s + fallback_s
     return Timeline(
         boxes=boxes,
         stages=plan.pp,
@@ -201,6 +218,7 @@ def schedule_timeline(plan: Plan) -> Timeline:
         schedule_s=pipeline_s + tail_s + fallback_s,
         formula_s=formula_s,
         predicted_s=p.latency_s,
+        bubble_s=max(0.0, formula_pipeline_s - plan.micro_batches * max(per_stage)),
     )
 
 

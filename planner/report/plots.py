@@ -5,9 +5,11 @@
 Files written into `out_dir` (a folder the planner owns: `planner.files.publish_folder`):
 
 - ``timeline.png``: the pipeline schedule, stages x time (ms), a box per forward / backward pass of
-  each micro-batch, labelled with its number, idle time (the bubble) left blank;
-- ``layer_times.png``: per layer, compute / exposed / overlapped communication (ms per step), stacked,
-  with the profiled time beside it when a run measured it;
+  each micro-batch, labelled with its number, idle time left blank; the title quotes the plan's bubble
+  (the plan table's number) and each stage's idle time in the drawn order;
+- ``layer_times.png``: per layer, compute / exposed / overlapped communication (ms per step, all
+  micro-batches), stacked, with the profiled time beside it when a run measured it; with pp > 1 the title
+  gives each stage's time per step (the slowest is the step's) and calls the bars' sum work over stages;
 - ``memory.png``: memory per rank of each stage (GiB), predicted and measured, against the device's
   capacity;
 - ``ladder.png`` (plans with ladder residual layers): each layer's time with and without ladder.
@@ -28,13 +30,15 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from planner.files import new_output_folder, publish_folder
-from planner.plan import Plan
+from planner.plan import Plan, layer_ranges
 from planner.report.figures import (
     BACKWARD,
     FORWARD,
     GRAD_SYNC,
     OPTIMIZER,
+    LayerTime,
     NoStageCosts,
+    Timeline,
     ladder_times,
     layer_times,
     schedule_timeline,
@@ -145,20 +149,37 @@ def _timeline(plan: Plan) -> Figure:
         if t.chunks > 1
         else "; box label: micro-batch"
     )
-    relation = (
-        f"this schedule: {t.schedule_s * _MS:.3g} ms per step (pipeline {t.pipeline_s * _MS:.3g} ms, bubble "
-        f"{t.bubble_s * _MS:.3g} ms = {t.bubble_s / t.pipeline_s:.0%} of it"
-        + (f", + {t.tail_s * _MS:.3g} ms after it" if t.tail_s else "")
-        + (f", + {t.fallback_s * _MS:.3g} ms unplanned all-gathers" if t.fallback_s else "")
-        + f"); plan predicts {t.predicted_s * _MS:.3g} ms"
-        + (
-            " (same)"
-            if math.isclose(t.schedule_s, t.predicted_s, rel_tol=1e-3)
-            else f" (stages' sum + (m-1) x slowest = {t.formula_s * _MS:.3g} ms)"
-        )
+    ax.set_title(
+        f"Pipeline schedule: {title(plan)}{chunk_note}\n{timeline_caption(t)}", fontsize=9, loc="left"
     )
-    ax.set_title(f"Pipeline schedule: {title(plan)}\n{relation}{chunk_note}", fontsize=9, loc="left")
     return fig
+
+
+def timeline_caption(t: Timeline) -> str:
+    """The timeline's caption: the plan's bubble (the number the plan table prints), the drawn order's
+    step and each stage's idle time in it, and how the drawn step relates to the prediction."""
+    v = f"/{t.chunks}" if t.chunks > 1 else ""
+    plan_bubble = (
+        f"plan's bubble {t.bubble_s * _MS:.3g} ms = {t.bubble_s / t.predicted_s:.1%} of the step "
+        f"(fill and drain: the other stages' time{v} beyond {t.micro_batches} x the slowest stage)"
+    )
+    idle = ", ".join(f"stage {s} {x * _MS:.3g}" for s, x in enumerate(t.stage_idle_s))
+    drawn = (
+        f"drawn: {t.schedule_s * _MS:.3g} ms per step (pipeline {t.pipeline_s * _MS:.3g} ms, idle ms: {idle}"
+        + (f"; + {t.tail_s * _MS:.3g} ms after it" if t.tail_s else "")
+        + (f"; + {t.fallback_s * _MS:.3g} ms unplanned all-gathers" if t.fallback_s else "")
+        + ")"
+    )
+    if math.isclose(t.schedule_s, t.predicted_s, rel_tol=1e-3):
+        relation = f"plan predicts {t.predicted_s * _MS:.3g} ms (same)"
+    else:
+        formula = "stages' sum/v + (m-1/v) x slowest" if t.chunks > 1 else "stages' sum + (m-1) x slowest"
+        relation = (
+            f"plan predicts {t.predicted_s * _MS:.3g} ms ({formula}); this order on unequal stages "
+            f"{'saves' if t.schedule_s < t.predicted_s else 'adds'} {abs(t.predicted_s - t.schedule_s) * _MS:.3g} ms "
+            f"(its bubble {t.schedule_bubble_s * _MS:.3g} ms)"
+        )
+    return f"{plan_bubble}\n{drawn}\n{relation}"
 
 
 def _layer_times(plan: Plan, report: dict[str, Any] | None) -> Figure:
@@ -187,8 +208,9 @@ def _layer_times(plan: Plan, report: dict[str, Any] | None) -> Figure:
         ax.bar([x for x, _ in got], [y for _, y in got], width, color=_COLORS["measured"],
                label="measured (profiled forward, its nodes as run)")  # fmt: skip
     _layer_ticks(ax, [r.label for r in rows])
-    ax.set_xlabel("layer")
-    ax.set_ylabel("time per step (ms)")
+    ax.set_xlabel("layer" + (f" ({layer_stages_text(plan)})" if plan.pp > 1 else ""))
+    mb = f"all {plan.micro_batches} micro-batches" if plan.micro_batches > 1 else "one micro-batch"
+    ax.set_ylabel(f"one layer's time per step,\n{mb} (ms)")
     ax.margins(y=0.12)
     ax.legend(fontsize=8, frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     note = (
@@ -196,16 +218,51 @@ def _layer_times(plan: Plan, report: dict[str, Any] | None) -> Figure:
         if measured
         else "predicted (per-layer times are measured by --run of pp=1 forward plans)"
     )
-    parts = ", ".join(
+    ax.set_title(
+        f"Per-layer time: {title(plan)}\n{note}; {layer_totals_caption(plan, rows)}", fontsize=9, loc="left"
+    )
+    return fig
+
+
+def layer_stages_text(plan: Plan) -> str:
+    """Which layers each pipeline stage holds: "stage 0: 0-2, stage 1: 3-5"."""
+    by_stage: dict[int, list[int]] = {}
+    for c in plan.predicted.per_layer:
+        if c.layer >= 0:
+            by_stage.setdefault(c.stage, []).append(c.layer)
+    return "; ".join(f"stage {s}: {layer_ranges(layers)}" for s, layers in sorted(by_stage.items()))
+
+
+def layer_totals_caption(plan: Plan, rows: list[LayerTime]) -> str:
+    """The layer figure's totals, saying what they are. pp = 1: the bars' sum beside the step's compute
+    and comm. pp > 1: the bars' sum is work over all stages (stages run in parallel), so the caption
+    gives each stage's own time per step too and names the slowest, whose time the step's is."""
+    summed = ", ".join(
         f"{name} {sum(v) * _MS:.3g} ms"
         for name, v in (
             ("compute", [r.compute_s for r in rows]),
-            ("exposed", [r.exposed_comm_s for r in rows]),
+            ("exposed comm", [r.exposed_comm_s for r in rows]),
             ("overlapped", [r.overlapped_comm_s for r in rows]),
         )
     )
-    ax.set_title(f"Per-layer time: {title(plan)}\n{note}; summed: {parts}", fontsize=9, loc="left")
-    return fig
+    p = plan.predicted
+    step = f"the step's compute {p.compute_s * _MS:.3g} ms and exposed comm {p.exposed_comm_s * _MS:.3g} ms"
+    has_tail = bool(p.optimizer_s or p.grad_sync_s)
+    if plan.pp == 1 or len(p.per_stage) != plan.pp:
+        tail = " (with the optimizer step and DP all-reduce)" if has_tail else ""
+        return f"bars summed: {summed}; {step}{tail}"
+    tail = " plus the optimizer step and DP all-reduce" if has_tail else ""
+    m = plan.micro_batches
+    stages = p.per_stage
+    slowest = max(stages, key=lambda s: s.compute_s + s.exposed_comm_s)
+    per_stage = ", ".join(
+        f"stage {s.stage} {m * s.compute_s * _MS:.3g} + {m * s.exposed_comm_s * _MS:.3g} ms" for s in stages
+    )
+    return (
+        f"bars of all {plan.pp} stages summed (work over ranks, not step time): {summed}\n"
+        f"per stage per step (compute + exposed comm, point-to-point included): {per_stage}\n"
+        f"{step} are stage {slowest.stage}'s (the slowest){tail}"
+    )
 
 
 def _memory(plan: Plan, report: dict[str, Any] | None, capacity_bytes: float | None) -> Figure:
