@@ -31,11 +31,18 @@ def fmt_bytes(nbytes: float | None) -> str:
 
 
 def _strategy_text(cost: LayerCost) -> str:
-    """Ops grouped by chosen strategy: "colwise: q k v up gate; rowwise: o down"."""
+    """Ops grouped by chosen strategy: "colwise: q k v up gate; rowwise: o down", then the layer's
+    activation recomputation ("recompute full") when training."""
     by_style: dict[str, list[str]] = {}
+    recompute = None
     for op, style in cost.strategy.items():
+        if op == "recompute":
+            recompute = style
+            continue
         by_style.setdefault(style, []).append(op)
-    return "; ".join(f"{style}: {' '.join(ops)}" for style, ops in sorted(by_style.items())) or "-"
+    parts = [f"{style}: {' '.join(ops)}" for style, ops in sorted(by_style.items())]
+    parts += [f"recompute {recompute}"] if recompute is not None else []
+    return "; ".join(parts) or "-"
 
 
 def _grouped(per_layer: list[LayerCost]) -> list[tuple[str, LayerCost, list[int]]]:
