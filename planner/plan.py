@@ -361,7 +361,9 @@ class Plan:
             "pp": self.pp,
             "dp": self.dp,
             "micro_batches": self.micro_batches,
-            "micro_batch_size": self.micro_batch_size,
+            "micro_batch_size": int(self.micro_batch_size)
+            if float(self.micro_batch_size).is_integer()
+            else self.micro_batch_size,
             "schedule": str(self.schedule),
             "virtual_stages": self.virtual_stages,
             "sequence_parallel": self.sequence_parallel,

@@ -119,6 +119,10 @@ def test_dtensor_export_runs_equal_to_the_unsharded_model_on_two_gloo_ranks(capt
 
 def test_dtensor_plan_maps_splits_to_styles(llama_plan):
     text = export_plan(llama_plan, "dtensor").text
+    assert 'init_device_mesh("cpu", (2,))' in text  # the plan's cluster is gloo (local-cpu)
+    assert (
+        'init_device_mesh("cuda", (2,))' in export_plan(_with(llama_plan, cluster="dgx-h100"), "dtensor").text
+    )
     exported = types.ModuleType("exported")
     exec(compile(text, "<export>", "exec"), exported.__dict__)
     plan = exported.PLAN

@@ -31,6 +31,8 @@ from __future__ import annotations
 import pprint
 from dataclasses import dataclass
 
+from costmodels.cluster import load_cluster
+from planner.errors import InputError
 from planner.export.common import Export, kv_piece_splits
 from planner.plan import Plan, SplitStyle
 
@@ -236,9 +238,23 @@ def dtensor_plan(plan: Plan) -> DTensorPlan:
     return DTensorPlan(styles, vocab, fused, blocks, warnings)
 
 
+def _mesh_device(plan: Plan) -> str:
+    """The device type of the plan's cluster for init_device_mesh: "cpu" for a gloo cluster, else
+    "cuda" (also when its spec does not load here)."""
+    for source in (plan.cluster_source, plan.cluster):
+        if not source:
+            continue
+        try:
+            return "cpu" if load_cluster(source).backend == "gloo" else "cuda"
+        except InputError:
+            continue
+    return "cuda"
+
+
 def export_dtensor(plan: Plan) -> Export:
     """The Python file (module docstring) with its warnings."""
     exported = dtensor_plan(plan)
+    device = _mesh_device(plan)
     sp = plan.sequence_parallel and plan.tp > 1
     plan_lines = "\n".join(f"    {m!r}: {s}," for m, s in exported.styles.items())
     header = f'''"""Tensor-parallel plan for {plan.model} on {plan.cluster} (tp={plan.tp}, {plan.workload}, {plan.dtype}),
@@ -248,9 +264,9 @@ On every rank, after torch.distributed.init_process_group, with the unsharded mo
 weights loaded:
 
     from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh("cuda", ({plan.tp},))
+    mesh = init_device_mesh("{device}", ({plan.tp},))
     # with the data and pipeline axes too, the "tp" axis of the whole mesh:
-    # mesh = init_device_mesh("cuda", ({plan.dp}, {plan.pp}, {plan.tp}), mesh_dim_names=("dp", "pp", "tp"))["tp"]
+    # mesh = init_device_mesh("{device}", ({plan.dp}, {plan.pp}, {plan.tp}), mesh_dim_names=("dp", "pp", "tp"))["tp"]
     model = apply(model, mesh)
 
 apply() shards the modules of PLAN and VOCAB with parallelize_module. Before that it reorders the rows
