@@ -238,3 +238,20 @@ def test_batchnorm_training_keeps_the_whole_batch_and_counts_the_conv_parameters
     assert plan.predicted.peak_memory_bytes >= 16 * prepared.structure.num_params
     with pytest.raises(InputError, match="trains with BatchNorm"):
         workflow.make_plan(prepared, cluster, workflow.constraints_from(None, None, 2, "none"), "convnet.py")
+
+
+def test_why_table_prints_labels_with_brackets_as_text() -> None:
+    """A mesh label such as "m=2 [interleaved_1f1b v=2]" is text, not rich markup (it lost its bracket)."""
+    import io  # noqa: PLC0415
+
+    from rich.console import Console  # noqa: PLC0415
+
+    from planner.cli.render import render_decisions  # noqa: PLC0415
+    from planner.plan import Decision  # noqa: PLC0415
+
+    plan = make_plan()
+    label = "tp=1 pp=2 dp=1 m=2 [interleaved_1f1b v=2]"
+    plan.decisions = [Decision("mesh", label, {label: 0.0156, "tp=1 pp=2 dp=1 m=2": 0.0169}, "fastest")]
+    out = io.StringIO()
+    render_decisions(Console(file=out, width=300), plan)
+    assert out.getvalue().count("[interleaved_1f1b v=2]") == 2

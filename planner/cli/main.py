@@ -265,6 +265,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         ]
         if ignored:
             _warn([f"{', '.join(ignored)} had no effect: training options apply to --workload train only"])
+            args.recompute = args.sequence_parallel = args.distributed_optimizer = "auto"  # as said: ignored
 
     with _bars(args) as bars:
         nproc = args.nproc

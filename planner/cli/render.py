@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from planner.plan import LayerCost, Plan, SplitStyle, Workload, layer_ranges
@@ -188,11 +189,11 @@ def render_plan(console: Console, plan: Plan) -> None:
         )
         fits = d is None or "does not fit" not in d.reason
         console.print(
-            f"Hand-written Megatron plan ({layout}): {fmt_s(b.latency_s)}, {fmt_bytes(b.peak_memory_bytes)}/rank"
+            f"Hand-written Megatron plan ({escape(layout)}): {fmt_s(b.latency_s)}, {fmt_bytes(b.peak_memory_bytes)}/rank"
             + (
                 f" -> this plan is [bold]{b.latency_s / p.latency_s:.2f}×[/bold] its speed"
                 if fits
-                else f" - [yellow]{d.reason.split('; ')[-1]}[/yellow]"
+                else f" - [yellow]{escape(d.reason.split('; ')[-1])}[/yellow]"
             )
             + (
                 " (the expert's own layout for this cluster and batch, not the mesh of this plan)"
@@ -252,7 +253,8 @@ def render_decisions(console: Console, plan: Plan) -> None:
         options = ", ".join(
             f"{k}: {fmt_s(v) if v != float('inf') else 'not allowed'}" for k, v in d.options.items()
         )
-        table.add_row(d.subject, d.chosen, options, d.reason)
+        # plain text: labels such as "m=2 [interleaved_1f1b v=2]" are not rich markup
+        table.add_row(*(escape(str(cell)) for cell in (d.subject, d.chosen, options, d.reason)))
     console.print(table)
 
 
