@@ -433,7 +433,9 @@ def training_rows(plan: Plan) -> list[tuple[str, str, str]]:
 
     def tflops(pred) -> str:
         rate = pred.model_flops_per_s_per_device if pred is not None else 0.0
-        return f"{rate / 1e12:,.1f}" if rate else "-"
+        if not rate:
+            return "-"
+        return f"{rate / 1e12:,.1f}" if rate >= 1e12 else f"{rate / 1e12:.3g}"  # CPUs: 0.026, not 0.0
 
     def bubble(pred) -> str:
         return f"{pred.bubble_s / pred.latency_s:.1%}" if pred is not None and pred.latency_s else "-"

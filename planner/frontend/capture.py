@@ -139,7 +139,9 @@ def _replay_unlift_warnings(caught: list[warnings.WarningMessage]) -> None:
             lifted.append(found.group(1))
         else:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    if lifted and not _lifted_said:
+    # a rank process (RANK set by the launcher or torchrun) stays quiet: the process that planned or
+    # launched the run captured the same model and said it
+    if lifted and not _lifted_said and "RANK" not in os.environ:
         _lifted_said = True
         warnings.warn(
             f"torch.export keeps {len(set(lifted))} tensor attribute(s) that require grad but are not parameters as "
