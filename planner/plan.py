@@ -47,7 +47,7 @@ import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -55,6 +55,9 @@ from costmodels.dtypes import DTYPE_BYTES
 from costmodels.memory import Recompute, Schedule
 from planner.errors import InputError
 from planner.files import write_text_atomic
+
+if TYPE_CHECKING:
+    from costmodels.cluster import ClusterSpec
 
 
 class Workload(str, enum.Enum):
@@ -328,6 +331,20 @@ class Plan:
     def __post_init__(self) -> None:
         self.workload = _coerce(Workload, self.workload, "workload")
         self.schedule = _coerce(Schedule, self.schedule, "schedule")
+
+    def saved_cluster(self, nproc: int | None = None) -> ClusterSpec | None:
+        """The cluster the plan was made for, from its `cluster_source` or else its `cluster` name; None
+        when neither loads here (``nproc`` as `costmodels.cluster.load_cluster` takes it)."""
+        from costmodels.cluster import load_cluster  # noqa: PLC0415 - specs are read only on demand
+
+        for source in (self.cluster_source, self.cluster):
+            if not source:
+                continue
+            try:
+                return load_cluster(source, nproc=nproc)
+            except InputError:
+                continue
+        return None
 
     @property
     def num_devices(self) -> int:

@@ -335,7 +335,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         f"batch {prepared.structure.batch_size}"
         + (f" × seq {prepared.structure.seq_len}" if prepared.structure.token_model else "")
     )
-    from planner.cli.render import render_decisions, render_layer_comparison, render_plan, render_run  # noqa: PLC0415
+    from planner.cli.render import render_decisions, render_plan  # noqa: PLC0415
 
     render_plan(console, plan)
     if budget is not None:
@@ -369,14 +369,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         from planner.cli.quality import budget_dict  # noqa: PLC0415
 
         report["ladder_loss_budget"] = budget_dict(budget)
-    if run is not None and "serving" in report:
-        from planner.cli.render import render_serving_run  # noqa: PLC0415
-
-        render_serving_run(console, report)
-    layer_table = False
-    if run is not None and "serving" not in report:
-        render_run(console, report)
-        layer_table = render_layer_comparison(console, plan, run["measured"].get("per_layer_s", {}))
+    layer_table = _render_measured(plan, run, report) if run is not None else False
     if args.json:
         _write_report(args, report)
     if args.plot:
@@ -385,16 +378,30 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             spec = workflow.plan_cluster(plan, plan.num_devices)[0]
         _plot(plan, args.plot, report, spec.device.memory_bytes)
     if run is not None:
-        from planner.cli.render import agreement_line  # noqa: PLC0415
-
-        verdict = agreement_line(
-            plan.predicted.latency_s,
-            run["measured"]["latency_s"],
-            layer_table=layer_table,
-            advice=_advice(args.cluster, plan.cluster, cluster),
-        )
-        console.print(f"[bold]{verdict}[/bold]")
+        _print_verdict(plan, run, layer_table, _advice(args.cluster, plan.cluster, cluster))
     return 0
+
+
+def _render_measured(plan, run: dict, report: dict) -> bool:
+    """A run's tables: a served request (prefill, then greedy decode steps), else predicted beside
+    measured and the per-layer comparison. Returns whether a per-layer table was printed."""
+    from planner.cli.render import render_layer_comparison, render_run, render_serving_run  # noqa: PLC0415
+
+    if "serving" in report:
+        render_serving_run(console, report)
+        return False
+    render_run(console, report)
+    return render_layer_comparison(console, plan, run["measured"].get("per_layer_s", {}))
+
+
+def _print_verdict(plan, run: dict, layer_table: bool, advice: str) -> None:
+    """The run's last line: measured / predicted and how far apart (`render.agreement_line`)."""
+    from planner.cli.render import agreement_line  # noqa: PLC0415
+
+    verdict = agreement_line(
+        plan.predicted.latency_s, run["measured"]["latency_s"], layer_table=layer_table, advice=advice
+    )
+    console.print(f"[bold]{verdict}[/bold]")
 
 
 def _check_loss_budget_options(args: argparse.Namespace) -> None:
@@ -528,7 +535,7 @@ def _saved_plan(path: str):
     from planner.plan import Plan  # noqa: PLC0415
 
     plan = Plan.from_yaml(path)
-    cluster = workflow.saved_cluster(plan)
+    cluster = plan.saved_cluster()
     local = cluster is None or cluster.backend == "gloo"  # local CPU ranks: any count
     workflow.check_plan_fields(plan, cluster=None if local else cluster)
     return plan
@@ -563,7 +570,7 @@ def _plot(plan, folder: str, report: dict | None, capacity_bytes: float | None) 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from planner.cli import workflow  # noqa: PLC0415
-    from planner.cli.render import agreement_line, render_layer_comparison, render_plan, render_run  # noqa: PLC0415
+    from planner.cli.render import render_plan  # noqa: PLC0415
     from planner.plan import Plan  # noqa: PLC0415
 
     _check_outputs(args)
@@ -603,14 +610,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if run is None:  # a rank other than 0 under torchrun: rank 0 reports
         return 0
     report = workflow.report_dict(plan, run, args.model, cluster)
-    layer_table = False
-    if "serving" in report:  # a request served: prefill, then greedy decode steps
-        from planner.cli.render import render_serving_run  # noqa: PLC0415
-
-        render_serving_run(console, report)
-    else:
-        render_run(console, report)
-        layer_table = render_layer_comparison(console, plan, run["measured"].get("per_layer_s", {}))
+    layer_table = _render_measured(plan, run, report)
     if _other_hardware(cluster):
         console.print(
             f"[yellow]note: the plan was predicted for {plan.cluster} ({cluster.backend}); it was measured on this machine, "
@@ -618,13 +618,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     if args.json:
         _write_report(args, report, announce=False)
-    verdict = agreement_line(
-        plan.predicted.latency_s,
-        run["measured"]["latency_s"],
-        layer_table=layer_table,
-        advice=_advice(plan.cluster_source or plan.cluster, plan.cluster, cluster),
+    _print_verdict(
+        plan, run, layer_table, _advice(plan.cluster_source or plan.cluster, plan.cluster, cluster)
     )
-    console.print(f"[bold]{verdict}[/bold]")
     return 0
 
 

@@ -445,23 +445,10 @@ def cluster_source(name_or_path: str | None, nproc: int | None) -> str:
     return name_or_path
 
 
-def saved_cluster(plan: Plan, nproc: int | None = None) -> ClusterSpec | None:
-    """The cluster a saved plan was made for, from its `cluster_source` or else its `cluster` name;
-    None when neither loads here (``nproc`` as `load_cluster` takes it)."""
-    for source in (plan.cluster_source, plan.cluster):
-        if not source:
-            continue
-        try:
-            return load_cluster(source, nproc=nproc)
-        except InputError:
-            continue
-    return None
-
-
 def plan_cluster(plan: Plan, nproc: int) -> tuple[ClusterSpec, str]:
-    """The cluster a saved plan was made for ((spec, "") when its source loads: `saved_cluster`) or,
-    when it does not load here, local-cpu with a note saying so."""
-    spec = saved_cluster(plan, nproc)
+    """The cluster a saved plan was made for ((spec, "") when its source loads: `Plan.saved_cluster`)
+    or, when it does not load here, local-cpu with a note saying so."""
+    spec = plan.saved_cluster(nproc)
     if spec is not None:
         return spec, ""
     where = plan.cluster_source or plan.cluster

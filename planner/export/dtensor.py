@@ -31,8 +31,6 @@ from __future__ import annotations
 import pprint
 from dataclasses import dataclass
 
-from costmodels.cluster import load_cluster
-from planner.errors import InputError
 from planner.export.common import Export, kv_piece_splits
 from planner.plan import Plan, SplitStyle
 
@@ -241,14 +239,8 @@ def dtensor_plan(plan: Plan) -> DTensorPlan:
 def _mesh_device(plan: Plan) -> str:
     """The device type of the plan's cluster for init_device_mesh: "cpu" for a gloo cluster, else
     "cuda" (also when its spec does not load here)."""
-    for source in (plan.cluster_source, plan.cluster):
-        if not source:
-            continue
-        try:
-            return "cpu" if load_cluster(source).backend == "gloo" else "cuda"
-        except InputError:
-            continue
-    return "cuda"
+    cluster = plan.saved_cluster()
+    return "cpu" if cluster is not None and cluster.backend == "gloo" else "cuda"
 
 
 def export_dtensor(plan: Plan) -> Export:

@@ -156,14 +156,13 @@ def megatron_configs(
     cluster: ClusterSpec,
     workload: WorkloadSpec,
     structure: ModelStructure,
-    schedule: Schedule | None,
     max_devices: int | None = None,
 ) -> list[MeshConfig]:
     """The meshes a Megatron-LM user would try, in order: TP = devices per node (dividing the heads),
     PP = nodes (at most the layers), DP = 1; for training on several nodes, every divisor of the nodes
     as PP with DP over the rest, fewest stages first (the caller keeps the first that fits memory).
-    Training: sequence parallel (TP > 1), interleaved 1F1B (`megatron_virtual_stages`) unless the
-    user pinned another `schedule`, distributed optimizer (DP > 1).
+    Training: sequence parallel (TP > 1), interleaved 1F1B (`megatron_virtual_stages`), distributed
+    optimizer (DP > 1). The expert's layout, whatever the user pins for the search.
     `max_devices`: the hand-written plan gets the same device cap as the search."""
     if max_devices is not None and max_devices < cluster.num_devices:
         per_node = min(cluster.devices_per_node, max_devices)
@@ -189,25 +188,17 @@ def megatron_configs(
             m = megatron_micro_batches(workload.batch_size // dp, pp, workload)
             configs.append(MeshConfig(MeshShape(tp, pp, dp), m))
     configs = [c for c in configs if workload.batch_size % (c.mesh.dp * c.micro_batches) == 0]
-    return [_expert_training(c, num_layers, workload, schedule) for c in configs]
+    return [_expert_training(c, num_layers, workload) for c in configs]
 
 
-def _expert_training(
-    config: MeshConfig, num_layers: int, workload: WorkloadSpec, schedule: Schedule | None
-) -> MeshConfig:
+def _expert_training(config: MeshConfig, num_layers: int, workload: WorkloadSpec) -> MeshConfig:
     """`config` with what a Megatron-LM user turns on for training (module docstring)."""
     mesh, m = config.mesh, config.micro_batches
     if not workload.train:
-        return dataclasses.replace(config, schedule=schedule or Schedule.ONE_F_ONE_B)
-    v = (
-        megatron_virtual_stages(num_layers, mesh.pp, m)
-        if schedule in (None, Schedule.INTERLEAVED_1F1B)
-        else 1
-    )
+        return dataclasses.replace(config, schedule=Schedule.ONE_F_ONE_B)
+    v = megatron_virtual_stages(num_layers, mesh.pp, m)
     if v > 1:
         chosen = Schedule.INTERLEAVED_1F1B
-    elif schedule in (None, Schedule.INTERLEAVED_1F1B):
-        chosen = Schedule.ONE_F_ONE_B if m >= mesh.pp else Schedule.GPIPE
     else:
-        chosen = schedule
+        chosen = Schedule.ONE_F_ONE_B if m >= mesh.pp else Schedule.GPIPE
     return MeshConfig(mesh, m, chosen, v, sequence_parallel=mesh.tp > 1, distributed_optimizer=mesh.dp > 1)

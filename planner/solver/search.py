@@ -238,8 +238,6 @@ def _batch_statistics(search: _Search) -> bool:
 def _micro_batch_options(search: _Search, pp: int, dp: int) -> list[int]:
     w = search.workload
     per_replica = w.batch_size // dp
-    if _batch_statistics(search):
-        return [1]
     if w.micro_batches is not None:
         return [w.micro_batches] if per_replica % w.micro_batches == 0 else []
     divisors = _divisors(per_replica)
@@ -265,7 +263,8 @@ def _enumerate(search: _Search, progress: Progress = silent) -> None:
     if not search.structure.layers:
         pps = [1]
     dps = [c.dp] if c.dp is not None else [d for d in _divisors(num_devices) if w.batch_size % d == 0]
-    if _batch_statistics(search):
+    batch_statistics = _batch_statistics(search)  # then one replica and one micro-batch only
+    if batch_statistics:
         if (c.dp or 1) > 1 or (w.micro_batches or 1) > 1:
             raise InputError(
                 "the model trains with BatchNorm, which normalises over the batch it sees: data-parallel "
@@ -285,7 +284,7 @@ def _enumerate(search: _Search, progress: Progress = silent) -> None:
                 if tp * pp * dp > num_devices:
                     continue
                 mesh = MeshShape(tp, pp, dp)
-                for m in _micro_batch_options(search, pp, dp):
+                for m in [1] if batch_statistics else _micro_batch_options(search, pp, dp):
                     for schedule, v in _schedules_for(search, pp, m):
                         for sp in _sequence_parallel_options(search, tp):
                             zero1 = w.train and dp > 1 and c.distributed_optimizer is not False
@@ -729,7 +728,7 @@ def _baseline(search: _Search) -> PricedAssignment | None:
     expert's layout whatever the user pinned (schedule, sequence parallelism, recompute): a pin that
     costs time shows as a plan slower than it. Only the device cap is shared with the search."""
     configs = megatron_configs(
-        search.cluster, search.workload, search.structure, None, search.constraints.max_devices
+        search.cluster, search.workload, search.structure, search.constraints.max_devices
     )
     chosen = None
     train = search.workload.train
