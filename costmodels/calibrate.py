@@ -56,7 +56,7 @@ import torch.multiprocessing as mp
 import yaml
 from torch import nn
 
-from costmodels.cluster import ClusterSpec, cluster_to_dict, load_cluster, parse_cluster
+from costmodels.cluster import CALIBRATED_SPEC_NAME, ClusterSpec, cluster_to_dict, load_cluster, parse_cluster
 from costmodels.dtypes import DTYPE_BYTES, torch_dtype
 from planner.errors import InputError, RunError
 from planner.files import write_text_atomic
@@ -331,6 +331,56 @@ def _node_overhead_s(device: torch.device, budget_s: float = 1.5) -> tuple[float
     forward_s = max(0.0, (f2 - f1) / dn)
     backward_s = max(0.0, ((t2 - f2) - (t1 - f1)) / dn)
     return forward_s, backward_s, counts[1]
+
+
+class NodeOverheadProbe:
+    """The calibration's per-node overhead measurement (`_node_overhead_s`: the probe graph at
+    ``PROBE_BLOCKS``), re-timed beside a run's steps so that the run can say how fast the machine
+    dispatched ops while it was timed.
+
+    A shared VM changes speed in spells of 10-20 s: on this 2-vCPU machine the probe's per-node
+    overhead read 7.0-7.6 us in some 3-s windows and 14-17 us in others of the same minute, with the
+    same model's forward at 3.1-3.9 ms and 5.8-7.4 ms beside it (60-s trace of two processes,
+    2026-11-30). A spec calibrated in one spell and a run timed in the other then differ by 1.5-2x
+    whatever the cost model does; the probe measures the spell the run was in.
+
+    `sample` times each probe graph once (forward; with ``backward`` also forward + backward) by
+    `clock`, as the calibration does. Raises nothing; building it captures two small graphs (~1 s).
+    """
+
+    def __init__(self, device: torch.device, backward: bool = False) -> None:
+        self.device = device
+        probes = [_probe_graph(b, device) for b in PROBE_BLOCKS]
+        self._nodes = probes[1][2] - probes[0][2]
+        self._fns = [
+            fn for forward, train, _ in probes for fn in ((forward, train) if backward else (forward,))
+        ]
+        self._times: list[list[float]] = [[] for _ in self._fns]
+        for fn in self._fns:  # warm-up: the first call of a captured graph is slower
+            fn()
+        _sync(device)
+
+    def sample(self) -> float:
+        """Time each probe graph once; returns the wall seconds this took."""
+        start = time.perf_counter()
+        for fn, times in zip(self._fns, self._times):
+            times.append(_timed(fn, self.device)[0])
+        return time.perf_counter() - start
+
+    @property
+    def samples(self) -> int:
+        return len(self._times[0])
+
+    def overhead_s(self) -> tuple[float, float | None] | None:
+        """(forward seconds per node, backward seconds per forward node or None without ``backward``)
+        from the medians of the samples, as `_node_overhead_s`; None before any sample."""
+        if not self.samples:
+            return None
+        med = [statistics.median(t) for t in self._times]
+        if len(med) == 2:
+            return max(0.0, (med[1] - med[0]) / self._nodes), None
+        (f1, t1, f2, t2) = med
+        return max(0.0, (f2 - f1) / self._nodes), max(0.0, ((t2 - f2) - (t1 - f1)) / self._nodes)
 
 
 CONV_SHAPE = (8, 64, 16, 16)  # (batch, channels in = out, height, width) of the timed 3x3 convolution
@@ -717,7 +767,7 @@ def calibrate(
     memory = m.get("memory_bytes", _host_memory_bytes() / nproc)
     name = m.get("device_name", f"{_cpu_name()}, {m['threads_per_process']} thread(s) per process")
     data = {
-        "name": "local-calibrated",
+        "name": CALIBRATED_SPEC_NAME,
         "nodes": 1,
         "devices_per_node": nproc,
         "backend": "nccl" if use_cuda else "gloo",

@@ -113,6 +113,9 @@ class DeviceSpec:
     pooling_bandwidth_bytes_per_s: float | None = None
 
 
+CALIBRATED_SPEC_NAME = "local-calibrated"  # the name of a spec written by `planner calibrate`
+
+
 @dataclass(frozen=True)
 class LinkSpec:
     """A link class. Bandwidth is the achievable figure that the alpha-beta model uses."""

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from costmodels.calibrate import NodeOverheadProbe
 from passes import collectives
 from planner.frontend.capture import flat_inputs, input_batch_dims
 from planner.frontend.modelfile import ModelFile, load_model_file
@@ -61,6 +62,9 @@ class RunJob:
         None  # safetensors files of the unsharded model (--weights); None: seeded init
     )
     reference: ReferenceFiles | None = None  # made by the launching process; None: made on each node's rank 0
+    # CPU: time the calibration's per-node overhead probe between the timed samples (the machine's
+    # speed during the run: costmodels.calibrate.NodeOverheadProbe); ~2 s to build on each rank
+    speed_probe: bool = False
 
 
 @dataclass
@@ -90,6 +94,11 @@ class RankReport:
     steps_per_sample: int = 1  # > 1: each latency sample is the mean of that many back-to-back steps
     dtype: str | None = None  # the plan dtype the rank ran its model and inputs in ("bf16")
     notes: list[str] = field(default_factory=list)
+    # RunJob.speed_probe: the per-node overhead measured beside the timed steps, seconds per node
+    # (backward: per forward node, training only), and how many probe samples it is the median of
+    probe_node_overhead_s: float | None = None
+    probe_backward_node_overhead_s: float | None = None
+    probe_samples: int = 0
     output: torch.Tensor | None = None  # only with RunJob.return_output
     per_layer_s: dict[str, float] = field(
         default_factory=dict
@@ -203,6 +212,7 @@ def summarise(reports: list[RankReport]) -> dict[str, Any]:
             "per_rank_peak_memory_bytes": [r.peak_memory_bytes for r in reports],
             "iterations": len(samples),
             "steps_per_sample": slowest.steps_per_sample,
+            "speed_probe": _speed_probe(reports),
             "dtype": reports[0].dtype,
             "notes": list(dict.fromkeys(note for r in reports for note in r.notes)),
             "per_layer_s": per_layer,
@@ -227,10 +237,32 @@ def summarise(reports: list[RankReport]) -> dict[str, Any]:
     }
 
 
+def _speed_probe(reports: list[RankReport]) -> dict[str, Any] | None:
+    """The per-node overhead measured beside the timed steps (`RunJob.speed_probe`), the slowest
+    rank's (the calibration keeps the largest over ranks too); None when no rank probed."""
+    probed = [r for r in reports if r.probe_node_overhead_s is not None]
+    if not probed:
+        return None
+    backward = [
+        r.probe_backward_node_overhead_s for r in probed if r.probe_backward_node_overhead_s is not None
+    ]
+    return {
+        "node_overhead_s": max(r.probe_node_overhead_s for r in probed),
+        "backward_node_overhead_s": max(backward) if backward else None,
+        "samples": min(r.probe_samples for r in probed),
+        "per_rank_node_overhead_s": [r.probe_node_overhead_s for r in reports],
+    }
+
+
 def time_steps(step: Callable[[], object], job: RunJob, device: torch.device, report: RankReport) -> None:
     """Time `step` as `job` asks (`runtime.measure.time_iterations`: warm-up, at least `job.iters`
     steps and `job.min_time_s` seconds) and record the samples, their median and the steps per sample
-    in `report`."""
+    in `report`; with `job.speed_probe` on CPU also the per-node overhead measured between the
+    samples (`costmodels.calibrate.NodeOverheadProbe`)."""
+    probe = None
+    if job.speed_probe and device.type == "cpu":
+        report_progress("building the speed probe (the calibration's per-node overhead graphs)", 0.0)
+        probe = NodeOverheadProbe(device, backward=job.workload == "train")
     timing = time_iterations(
         step,
         warmup=job.warmup,
@@ -238,7 +270,11 @@ def time_steps(step: Callable[[], object], job: RunJob, device: torch.device, re
         device=device,
         progress=report_progress,
         min_time_s=job.min_time_s,
+        probe=probe.sample if probe is not None else None,
     )
+    if probe is not None and (overhead := probe.overhead_s()) is not None:
+        report.probe_node_overhead_s, report.probe_backward_node_overhead_s = overhead
+        report.probe_samples = probe.samples
     report.latency_samples_s = list(timing.samples_s)
     report.median_s = timing.median_s
     report.steps_per_sample = timing.steps_per_sample

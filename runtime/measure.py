@@ -89,6 +89,7 @@ def time_iterations(
     group: dist.ProcessGroup | None = None,
     progress: Progress = silent,
     min_time_s: float = 0.0,
+    probe: Callable[[], float] | None = None,
 ) -> Timing:
     """Call `fn()` `warmup` times untimed, then time `iters` calls; return their Timing in seconds.
     `progress` (`planner.progress`) is told of each warm-up and timed call.
@@ -102,6 +103,10 @@ def time_iterations(
     spells of a few seconds (a noisy neighbour halves the speed of this 2-vCPU VM for 1-5 s, about a
     quarter of the time, measured 2026-11-30): ten calls of a 3 ms step all fall in one spell, a median
     over two seconds of calls does not.
+
+    `probe` (CPU only): called between samples, outside the timed windows, while its calls have taken
+    less than `PROBE_SHARE` of the timed time; it returns the wall seconds it took. The run uses it to
+    measure the machine's speed beside the steps (`costmodels.calibrate.NodeOverheadProbe`).
 
     Every timed call starts right after a barrier on `group` (the default group when None) if a process
     group is initialised, so all ranks of the group must call this with the same `iters`. On a CUDA
@@ -128,7 +133,9 @@ def time_iterations(
             window = max(1, min(iters, math.floor(WINDOW_S / max(estimate_s, 1e-7))))
     if device.type == "cuda":
         return Timing.from_samples(_time_cuda(fn, iters, device, group, progress))
-    return Timing.from_samples(_time_cpu(fn, math.ceil(iters / window), group, progress, window), window)
+    return Timing.from_samples(
+        _time_cpu(fn, math.ceil(iters / window), group, progress, window, probe), window
+    )
 
 
 MAX_TIMED_ITERS = 10_000  # a cap on the iterations `min_time_s` may ask for
@@ -137,6 +144,7 @@ MAX_TIMED_ITERS = 10_000  # a cap on the iterations `min_time_s` may ask for
 # wake-up of the backend's threads to it (a 0.3 ms MLP step measured 0.47 ms with a barrier before
 # each, 0.30 ms back to back, on 2 gloo ranks of this 2-vCPU VM, 2026-11-30)
 WINDOW_S = 0.02
+PROBE_SHARE = 0.5  # `probe` calls take at most about this fraction of the timed time
 
 
 def _slowest(estimate_s: float, device: torch.device, group: dist.ProcessGroup | None) -> float:
@@ -150,10 +158,17 @@ def _slowest(estimate_s: float, device: torch.device, group: dist.ProcessGroup |
 
 
 def _time_cpu(
-    fn: Callable[[], Any], samples: int, group: dist.ProcessGroup | None, progress: Progress, window: int = 1
+    fn: Callable[[], Any],
+    samples: int,
+    group: dist.ProcessGroup | None,
+    progress: Progress,
+    window: int = 1,
+    probe: Callable[[], float] | None = None,
 ) -> list[float]:
-    """`samples` samples, each the mean time of `window` back-to-back calls after a barrier."""
-    samples_s = []
+    """`samples` samples, each the mean time of `window` back-to-back calls after a barrier; `probe`
+    called after a sample while its calls have taken under `PROBE_SHARE` of the timed time."""
+    samples_s: list[float] = []
+    probe_s = 0.0
     for i in range(samples):
         progress(
             f"timed sample {i + 1}/{samples}" if window > 1 else f"timed iteration {i + 1}/{samples}",
@@ -164,6 +179,8 @@ def _time_cpu(
         for _ in range(window):
             fn()
         samples_s.append((time.perf_counter() - start) / window)
+        if probe is not None and probe_s < PROBE_SHARE * window * sum(samples_s):
+            probe_s += probe()
     progress(f"timed {samples * window} iterations", 1.0)
     return samples_s
 

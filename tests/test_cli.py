@@ -31,9 +31,13 @@ def planner(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_optimize_run_tiny_llama_on_two_gloo_ranks(tmp_path, example_path):
+    """The whole path on a spec named as `planner calibrate` names its own (local-cpu's figures), so
+    the run also times the speed probe and re-prices the plan at the machine's speed during the run."""
     report_path, plan_path = tmp_path / "report.json", tmp_path / "plan.yaml"
+    preset = (ROOT / "costmodels" / "clusters" / "local-cpu.yaml").read_text()
+    spec = _write(tmp_path, "calibrated.yaml", preset.replace("name: local-cpu", "name: local-calibrated"))
     r = planner(
-        "optimize", str(example_path("llama3")), "--cluster", "local-cpu", "--nproc", "2", "--tp", "2",
+        "optimize", str(example_path("llama3")), "--cluster", spec, "--nproc", "2", "--tp", "2",
         "--ladder", "upper:2", "--run", "--min-time", "0", "--iters", "3", "--warmup", "1",
         "--json", str(report_path), "--out", str(plan_path), "--emit", str(tmp_path / "emit"),
     )  # fmt: skip
@@ -46,6 +50,11 @@ def test_optimize_run_tiny_llama_on_two_gloo_ranks(tmp_path, example_path):
     assert report["solver"]["status"] and report["solver"]["time_s"] >= 0
     assert report["numerics"]["max_abs_diff"] <= 1e-5 * report["numerics"]["output_scale"]
     assert report["numerics"]["ladder_deviation"] > 0  # ladder changed the function; reported
+    probe = report["measured"]["speed_probe"]
+    assert probe["samples"] >= 1 and 0 < probe["node_overhead_s"] < 1e-3
+    at_run = report["measured"]["at_run_speed"]
+    assert at_run["latency_s"] > 0 and at_run["speed_ratio"] == pytest.approx(probe["node_overhead_s"] / 9e-6)
+    assert "latency at the run's machine speed" in r.stdout
     assert (tmp_path / "emit" / "rank1" / "module.py").exists() and (tmp_path / "emit" / "README.md").exists()
     shown = planner("show", str(plan_path))
     assert shown.returncode == 0 and "TP=2" in shown.stdout

@@ -107,3 +107,43 @@ def test_measure_on_two_ranks() -> None:
     assert len(fast["timing"].samples_s) == len(slow["timing"].samples_s) == 5
     assert slow["timing"].median_s >= 0.005 and fast["timing"].median_s > 0  # the slow rank sleeps 5 ms
     assert all(0 <= r["peak_bytes"] < 256 * _MiB for r in (fast, slow))
+
+
+def test_speed_probe_runs_between_samples_within_its_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe runs outside the timed windows, and its calls take at most about PROBE_SHARE of the
+    timed time (fake clock: a step costs 1 ms, a probe call 4 ms)."""
+    import types
+
+    import runtime.measure as measure
+
+    clock = [0.0]
+    monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    probes = []
+
+    def probe() -> float:
+        probes.append(clock[0])
+        clock[0] += 0.004
+        return 0.004
+
+    def step() -> None:
+        clock[0] += 0.001
+
+    timing = time_iterations(step, warmup=1, iters=5, device=_CPU, min_time_s=0.2, probe=probe)
+    assert timing.median_s == pytest.approx(0.001)  # probe time is never inside a sample
+    timed_s = sum(timing.samples_s) * timing.steps_per_sample
+    assert 0 < len(probes) * 0.004 <= measure.PROBE_SHARE * timed_s + 0.004
+
+
+def test_node_overhead_probe_measures_a_positive_per_node_cost() -> None:
+    """The calibration's probe graphs, re-timed: a forward per-node cost, a backward one only when asked."""
+    from costmodels.calibrate import NodeOverheadProbe
+
+    forward_only = NodeOverheadProbe(_CPU)
+    assert forward_only.overhead_s() is None  # before any sample
+    for _ in range(5):
+        assert forward_only.sample() > 0
+    per_node, backward = forward_only.overhead_s()
+    assert 1e-7 < per_node < 1e-3 and backward is None and forward_only.samples == 5
+    with_backward = NodeOverheadProbe(_CPU, backward=True)
+    with_backward.sample()
+    assert with_backward.overhead_s()[1] is not None

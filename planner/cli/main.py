@@ -364,7 +364,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         plan, run = _run(args, plan, prepared, cluster)
     if args.run and run is None:  # a rank other than 0 under torchrun: rank 0 reports
         return 0
-    report = workflow.report_dict(plan, run, args.model, cluster)
+    report = workflow.report_dict(plan, run, args.model, cluster, prepared.structure)
     if budget is not None:
         from planner.cli.quality import budget_dict  # noqa: PLC0415
 
@@ -378,7 +378,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             spec = workflow.plan_cluster(plan, plan.num_devices)[0]
         _plot(plan, args.plot, report, spec.device.memory_bytes)
     if run is not None:
-        _print_verdict(plan, run, layer_table, _advice(args.cluster, plan.cluster, cluster))
+        _print_verdict(plan, report, layer_table, _advice(args.cluster, plan.cluster, cluster))
     return 0
 
 
@@ -394,14 +394,17 @@ def _render_measured(plan, run: dict, report: dict) -> bool:
     return render_layer_comparison(console, plan, run["measured"].get("per_layer_s", {}))
 
 
-def _print_verdict(plan, run: dict, layer_table: bool, advice: str) -> None:
-    """The run's last line: measured / predicted and how far apart (`render.agreement_line`)."""
-    from planner.cli.render import agreement_line  # noqa: PLC0415
+def _print_verdict(plan, report: dict, layer_table: bool, advice: str) -> None:
+    """The run's last lines: measured / predicted and how far apart (`render.agreement_line`); when the
+    speed probe found the machine faster or slower than calibrated, also the ratio at the run's speed."""
+    from planner.cli.render import agreement_line, speed_line  # noqa: PLC0415
 
-    verdict = agreement_line(
-        plan.predicted.latency_s, run["measured"]["latency_s"], layer_table=layer_table, advice=advice
-    )
+    measured_s = report["measured"]["latency_s"]
+    verdict = agreement_line(plan.predicted.latency_s, measured_s, layer_table=layer_table, advice=advice)
     console.print(f"[bold]{verdict}[/bold]")
+    line = speed_line(report["measured"].get("at_run_speed"), measured_s)
+    if line:
+        console.print(f"[bold]{line}[/bold]")
 
 
 def _check_loss_budget_options(args: argparse.Namespace) -> None:
@@ -477,13 +480,14 @@ def _run(args, plan, prepared, cluster):
 
         render_plan(console, plan)
         nproc = plan.num_devices
-    run = _run_plan(args, plan, nproc)
+    run = _run_plan(args, plan, nproc, speed_probe=fits and workflow.probes_speed(cluster))
     return plan, run
 
 
-def _run_plan(args: argparse.Namespace, plan, nproc: int):
+def _run_plan(args: argparse.Namespace, plan, nproc: int, speed_probe: bool = False):
     """`workflow.run_plan` of `plan` on `nproc` ranks with the command's iterations, warm-up, timeout
-    and weights, showing progress bars on a terminal (`_bars`)."""
+    and weights, showing progress bars on a terminal (`_bars`); `speed_probe`: time the calibration's
+    probe beside the steps (`workflow.probes_speed`)."""
     from planner.cli import workflow  # noqa: PLC0415 - keeps `planner --help` fast
 
     with _bars(args) as bars:
@@ -497,6 +501,7 @@ def _run_plan(args: argparse.Namespace, plan, nproc: int):
             weights=args.weights,
             progress=bars,
             min_time_s=args.min_time,
+            speed_probe=speed_probe,
         )
 
 
@@ -606,10 +611,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             plan, args.model, nproc, args.iters, args.warmup, args.timeout
         )  # raises the message
     workflow.check_fits_this_machine(plan, prepared.structure, nproc)
-    run = _run_plan(args, plan, nproc)
+    run = _run_plan(args, plan, nproc, speed_probe=workflow.probes_speed(cluster))
     if run is None:  # a rank other than 0 under torchrun: rank 0 reports
         return 0
-    report = workflow.report_dict(plan, run, args.model, cluster)
+    report = workflow.report_dict(plan, run, args.model, cluster, prepared.structure)
     layer_table = _render_measured(plan, run, report)
     if _other_hardware(cluster):
         console.print(
@@ -619,7 +624,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.json:
         _write_report(args, report, announce=False)
     _print_verdict(
-        plan, run, layer_table, _advice(plan.cluster_source or plan.cluster, plan.cluster, cluster)
+        plan, report, layer_table, _advice(plan.cluster_source or plan.cluster, plan.cluster, cluster)
     )
     return 0
 

@@ -242,6 +242,29 @@ def agreement_line(
     return f"measured / predicted = {ratio:.2f} ({verdict})"
 
 
+SPEED_NOTE_FACTOR = 1.1  # the speed line is printed when the probe read outside this factor of calibration
+
+
+def speed_line(at_run: dict[str, Any] | None, measured_s: float) -> str | None:
+    """The verdict at the machine's speed during the run (`workflow.at_run_speed`), when the speed
+    probe read outside `SPEED_NOTE_FACTOR` of the calibrated per-node overhead; else None."""
+    if not at_run or 1 / SPEED_NOTE_FACTOR <= at_run["speed_ratio"] <= SPEED_NOTE_FACTOR:
+        return None
+    ratio = at_run["speed_ratio"]
+    how = f"{ratio:.2f}x slower" if ratio > 1 else f"{1 / ratio:.2f}x faster"
+    verdict = agreement_line(
+        at_run["latency_s"],
+        measured_s,
+        layer_table=False,
+        advice="the cost model, not the machine's speed, is off for this plan",
+    )
+    return (
+        f"the machine dispatched ops {how} than when calibrated (probe between the timed steps: "
+        f"{at_run['node_overhead_s'] * 1e6:.1f} µs per node, calibrated {at_run['calibrated_node_overhead_s'] * 1e6:.1f} µs); "
+        f"re-priced at that speed ({fmt_s(at_run['latency_s'])}): {verdict}"
+    )
+
+
 def render_decisions(console: Console, plan: Plan) -> None:
     """The "why" table: each decision with the predicted cost of every alternative."""
     table = Table(
@@ -297,6 +320,14 @@ def render_run(console: Console, report: dict[str, Any]) -> None:
         table.add_column(col, justify="right")
     ratio = m["latency_s"] / p["latency_s"] if p["latency_s"] else None
     table.add_row("latency", fmt_s(p["latency_s"]), fmt_s(m["latency_s"]), f"{ratio:.2f}" if ratio else "-")
+    if at_run := m.get("at_run_speed"):  # the same plan priced at the probe's per-node overhead
+        table.add_row(
+            f"latency at the run's machine speed ({at_run['node_overhead_s'] * 1e6:.1f} µs per node, "
+            f"calibrated {at_run['calibrated_node_overhead_s'] * 1e6:.1f})",
+            fmt_s(at_run["latency_s"]),
+            fmt_s(m["latency_s"]),
+            f"{m['latency_s'] / at_run['latency_s']:.2f}",
+        )
     # the prediction is the model's memory (weights, gradients, optimizer state, activations); the
     # process also holds what it held before the model (torch, the process group): compare above that
     above = m["peak_memory_bytes"] - (m.get("startup_memory_bytes") or 0)

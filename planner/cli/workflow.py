@@ -11,13 +11,13 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch.fx as fx
 
-from costmodels.cluster import ClusterSpec, load_cluster, preset_names
+from costmodels.cluster import CALIBRATED_SPEC_NAME, ClusterSpec, load_cluster, preset_names
 from passes.verify import verify_plan
 from planner.errors import InputError, RunError
 from planner.frontend.analysis import ModelStructure
@@ -28,7 +28,7 @@ from planner.plan import WORKLOADS, Plan, Recompute, Schedule, Serving, SplitSty
 from planner.progress import Progress, silent
 from planner.solver.problem import Constraints, LadderPolicy, WorkloadSpec
 from planner.solver.search import plan_model
-from planner.solver.serving import kv_fallbacks, price_request
+from planner.solver.serving import kv_fallbacks, predict_with_plan, price_request
 
 DEFAULT_CONTEXT = 2048  # decode: KV-cache tokens when --context is not given
 DEFAULT_NEW_TOKENS = 16  # decode / generate of a model with a KV cache: tokens generated per sequence
@@ -491,6 +491,7 @@ def run_plan(
     weights: str | None = None,
     progress: Progress = silent,
     min_time_s: float = 0.0,
+    speed_probe: bool = False,
 ) -> dict[str, Any] | None:
     """Execute `plan` on `nproc` local ranks (gloo on CPU, NCCL on GPUs) and summarise the ranks
     (`runtime.session.run_job`: the unsharded reference once, each rank its own shards). `progress`:
@@ -498,6 +499,8 @@ def run_plan(
 
     weights: a safetensors file or a directory of them (None: seeded random init).
     min_time_s: time at least this many seconds of steps (`runtime.measure.time_iterations`).
+    speed_probe: time the calibration's per-node overhead probe beside the steps (`RunJob.speed_probe`;
+    `at_run_speed` re-prices the plan with it).
     Under torchrun this process is one rank: rank 0 returns the summary, the other ranks None.
 
     Raises InputError when nproc != the plan's device count or the weights are missing or bad,
@@ -534,6 +537,7 @@ def run_plan(
         min_time_s=min_time_s,
         profile_layers=plan.pp == 1 and workload == "forward",
         weights=checkpoint_files(weights) if weights else None,
+        speed_probe=speed_probe,
     )
     return run_job(job, nproc, timeout_s, progress)
 
@@ -601,10 +605,66 @@ def run_serving(
     return run
 
 
+def probes_speed(cluster: ClusterSpec) -> bool:
+    """Whether a run priced with `cluster` times the speed probe: a spec `planner calibrate` measured on
+    this machine (its per-node overhead is the probe's reading at calibration)."""
+    return cluster.name == CALIBRATED_SPEC_NAME and cluster.device.node_overhead_s is not None
+
+
+# The machine ran at its calibrated speed when the probe read within this factor of the spec's figure
+SPEED_DRIFT_TOLERANCE = 1.1
+
+
+def at_run_speed(
+    plan: Plan, structure: ModelStructure | None, cluster: ClusterSpec, run: dict[str, Any]
+) -> dict[str, Any] | None:
+    """The plan re-priced at the per-node overhead the speed probe measured beside the timed steps
+    (`RunJob.speed_probe`), the other machine figures as calibrated: what the cost model predicts for
+    the machine as fast as it was during the run. The backward per-node overhead is the probe's
+    (training) or the calibrated one scaled like the forward one.
+
+    Returns {"node_overhead_s", "calibrated_node_overhead_s", "speed_ratio" (probe / calibrated; > 1:
+    slower than calibrated), "latency_s" (re-priced, seconds)}, or None without a probe reading, for
+    a served request (its decode steps are timed by `runtime.decode`, unprobed) or without `structure`.
+    """
+    probe = run["measured"].get("speed_probe")
+    dev = cluster.device
+    if not probe or structure is None or plan.serving is not None or not dev.node_overhead_s:
+        return None
+    forward_s = probe["node_overhead_s"]
+    ratio = forward_s / dev.node_overhead_s
+    backward_s = probe.get("backward_node_overhead_s")
+    if backward_s is None and dev.backward_node_overhead_s is not None:
+        backward_s = dev.backward_node_overhead_s * ratio
+    at_run = replace(
+        cluster, device=replace(dev, node_overhead_s=forward_s, backward_node_overhead_s=backward_s)
+    )
+    workload = WorkloadSpec(
+        plan.workload, plan.batch_size, plan.seq_len, micro_batches=plan.micro_batches, dtype=plan.dtype
+    )
+    as_planned = predict_with_plan(plan, structure, cluster, workload, plan.ladder_layers)
+    repriced = predict_with_plan(plan, structure, at_run, workload, plan.ladder_layers)
+    # the ratio carries the probe's effect onto the plan's own prediction (same op choices and layout)
+    latency_s = plan.predicted.latency_s * repriced / as_planned if as_planned else repriced
+    return {
+        "node_overhead_s": forward_s,
+        "calibrated_node_overhead_s": dev.node_overhead_s,
+        "speed_ratio": ratio,
+        "latency_s": latency_s,
+        "probe_samples": probe.get("samples"),
+    }
+
+
 def report_dict(
-    plan: Plan, run: dict[str, Any] | None, model_path: str, cluster: ClusterSpec
+    plan: Plan,
+    run: dict[str, Any] | None,
+    model_path: str,
+    cluster: ClusterSpec,
+    structure: ModelStructure | None = None,
 ) -> dict[str, Any]:
-    """The JSON report: plan, predicted, baseline, solver, and with a run measured and numerics."""
+    """The JSON report: plan, predicted, baseline, solver, and with a run measured and numerics (and,
+    given the model's `structure` and a speed-probed run, the prediction at the run's speed:
+    `at_run_speed`)."""
     p = plan.predicted
     report: dict[str, Any] = {
         "model": str(model_path),
@@ -660,6 +720,7 @@ def report_dict(
         report["numerics"] = run["numerics"]
         measured = run["measured"]["latency_s"]
         report["measured"]["predicted_over_measured"] = p.latency_s / measured if measured else None
+        report["measured"]["at_run_speed"] = at_run_speed(plan, structure, cluster, run)
     return report
 
 

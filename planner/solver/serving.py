@@ -68,11 +68,20 @@ def predict_with_plan(
     plan: Plan, structure: ModelStructure, cluster: ClusterSpec, workload: WorkloadSpec, ladder: list[int]
 ) -> float:
     """Predicted step latency (seconds) of `structure` (a phase's graph) under `workload` with the plan's
-    mesh and op choices and `ladder` as the laddered layers."""
-    config = MeshConfig(plan.mesh, plan.micro_batches, plan.schedule)
+    mesh, schedule, layout (virtual stages, sequence parallelism, distributed optimizer, recompute) and
+    op choices, and `ladder` as the laddered layers: the plan re-priced, e.g. on another `cluster`."""
+    config = MeshConfig(
+        plan.mesh,
+        plan.micro_batches,
+        plan.schedule,
+        plan.virtual_stages,
+        plan.sequence_parallel,
+        plan.distributed_optimizer,
+    )
     tables = build_cost_tables(CostContext(structure, cluster, workload, config, plan.dtype))
     assignment = plan_assignment(plan, tables)
     assignment.ladder_layers = list(ladder)
+    assignment.recompute = dict(plan.recompute) if workload.train else {}
     return predict(tables, assignment).prediction.latency_s
 
 
