@@ -153,13 +153,14 @@ def _single_rank_cluster(args, console: Console):
 
 def _plans(cluster, configs, prepared: dict | None = None, single=None):
     """A plan per configuration with its mesh pinned, priced on ``cluster`` resized to its ranks
-    (on ``single`` for a one-rank configuration, when given)."""
+    (on ``single`` for a one-rank configuration, when given). Returns (plans, prepared models by
+    (path, batch, seq, workload), the spec each plan was priced with)."""
     import dataclasses  # noqa: PLC0415
 
     from planner.cli.workflow import constraints_from, make_plan, prepare  # noqa: PLC0415
 
     prepared = {} if prepared is None else prepared
-    plans = []
+    plans, specs = [], []
     for cfg in configs:
         key = (cfg.model_path, cfg.batch_size, cfg.seq_len, cfg.workload)
         if key not in prepared:
@@ -170,11 +171,15 @@ def _plans(cluster, configs, prepared: dict | None = None, single=None):
         sized = dataclasses.replace(spec, devices_per_node=max(spec.devices_per_node, cfg.ranks))
         constraints = constraints_from(cfg.tp, cfg.pp, cfg.dp, "none", max_devices=cfg.ranks)
         plans.append(make_plan(prepared[key], sized, constraints, cfg.model_path))
-    return plans, prepared
+        specs.append(sized)
+    return plans, prepared, specs
 
 
-def _measure(configs, plans, iters: int, warmup: int, min_time_s: float = 0.0) -> list[dict]:
-    """Run every plan; plans on the same number of ranks share one launch. Returns summarise() dicts."""
+def _measure(configs, plans, iters: int, warmup: int, min_time_s: float = 0.0, specs=None) -> list[dict]:
+    """Run every plan; plans on the same number of ranks share one launch. Returns summarise() dicts.
+    With `specs` (each plan's), a plan priced on a calibrated spec times the speed probe beside its
+    steps (`RunJob.speed_probe`)."""
+    from planner.cli.workflow import probes_speed  # noqa: PLC0415
     from runtime.job import RunJob, summarise  # noqa: PLC0415
 
     by_size: dict[int, list[int]] = {}
@@ -192,6 +197,7 @@ def _measure(configs, plans, iters: int, warmup: int, min_time_s: float = 0.0) -
                 warmup=warmup,
                 iters=iters,
                 min_time_s=min_time_s,
+                speed_probe=specs is not None and probes_speed(specs[i]),
             )
             for i in indices
         ]
@@ -241,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             f"single-rank spec: fp32 {d1.peak_flops_per_s['fp32'] / 1e9:.1f} GFLOP/s, per node "
             f"{(d1.node_overhead_s or 0) * 1e6:.1f} us (one process alone)"
         )
-    plans, prepared = _plans(cluster, configs, single=single)
-    runs = _measure(configs, plans, args.iters, args.warmup, args.min_time)
+    plans, prepared, specs = _plans(cluster, configs, single=single)
+    runs = _measure(configs, plans, args.iters, args.warmup, args.min_time, specs)
     cores = os.cpu_count() or 1
     table = Table(
         title=f"Step latency, predicted vs measured (median over >= {args.min_time:g} s and >= {args.iters} "
@@ -254,16 +260,25 @@ def main(argv: list[str] | None = None) -> int:
         "predicted",
         "measured (p10-p90)",
         "measured / predicted",
+        "per node: run / calibrated",
+        "measured / predicted at the run's speed",
         "max|diff|",
     ):
         table.add_column(col, justify="left" if col in ("configuration", "mesh") else "right")
+    from planner.cli.workflow import at_run_speed  # noqa: PLC0415
+
     ratios: list[float] = []
-    for cfg, plan, run in zip(configs, plans, runs):
+    at_speed: list[float] = []
+    for cfg, plan, run, spec in zip(configs, plans, runs, specs):
         m = run["measured"]
         ratio = m["latency_s"] / plan.predicted.latency_s
+        structure = prepared[(cfg.model_path, cfg.batch_size, cfg.seq_len, cfg.workload)].structure
+        at_run = at_run_speed(plan, structure, spec, run)
         counted = cfg.ranks <= cores
         if counted:
             ratios.append(ratio)
+            if at_run:
+                at_speed.append(m["latency_s"] / at_run["latency_s"])
         table.add_row(
             cfg.label,
             f"tp={plan.tp} pp={plan.pp} dp={plan.dp}"
@@ -271,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{plan.predicted.latency_s * 1e3:.2f} ms",
             f"{m['latency_s'] * 1e3:.2f} ms ({m['latency_p10_s'] * 1e3:.1f}-{m['latency_p90_s'] * 1e3:.1f})",
             f"{ratio:.2f}",
+            f"{at_run['speed_ratio']:.2f}" if at_run else "-",
+            f"{m['latency_s'] / at_run['latency_s']:.2f}" if at_run else "-",
             f"{run['numerics']['max_abs_diff']:.1e}" if run["numerics"]["max_abs_diff"] is not None else "-",
         )
     console.print(table)
@@ -282,6 +299,14 @@ def main(argv: list[str] | None = None) -> int:
             f"measured / predicted over {len(ratios)} configurations with a core per rank: median "
             f"{statistics.median(ratios):.2f}, worst {worst:.2f}, {within} within 25% "
             "(goal on a quiet machine: median within 10%, every one within 25%)"
+        )
+    if at_speed:
+        worst = max(at_speed, key=lambda r: max(r, 1 / r))
+        within = sum(1 for r in at_speed if 0.8 <= r <= 1.25)
+        console.print(
+            f"at the machine's speed during each run (the plan re-priced at the per-node overhead the speed "
+            f"probe read beside its steps): median {statistics.median(at_speed):.2f}, worst {worst:.2f}, "
+            f"{within} of {len(at_speed)} within 25%"
         )
     console.print(
         f"load average (1, 5, 15 min) before {tuple(round(x, 2) for x in load_before)}, after "

@@ -63,3 +63,21 @@ def test_speed_line_only_when_the_machine_drifted() -> None:
     assert speed_line({**at_run, "speed_ratio": 1.05}, 0.0052) is None
     assert "0.50x" not in speed_line({**at_run, "speed_ratio": 0.5}, 0.0052)  # said as "2.00x faster"
     assert speed_line(None, 0.0052) is None
+
+
+def test_a_plan_repriced_on_its_own_cluster_is_its_prediction(calibrated) -> None:
+    """`predict_with_plan` re-prices the plan's whole layout: a training plan with recompute and a
+    chain of linears (no transformer layers, stages [[]] in the plan) come back at their own figure."""
+    from planner.solver.serving import predict_with_plan
+    from tests.planner_fixtures import analysed_mlp
+
+    llama = analysed_llama("tiny")
+    train = plan_model(
+        llama, calibrated, WorkloadSpec("train", 4, 32), Constraints(tp=1, pp=2, dp=1, recompute="full")
+    )
+    chain = analysed_mlp(64, 256, 64, 3)
+    mlp = plan_model(chain, calibrated, WorkloadSpec("forward", 4, 1), Constraints(tp=2, pp=1, dp=1))
+    for plan, structure in ((train, llama), (mlp, chain)):
+        wl = WorkloadSpec(plan.workload, plan.batch_size, plan.seq_len, micro_batches=plan.micro_batches)
+        repriced = predict_with_plan(plan, structure, calibrated, wl, plan.ladder_layers)
+        assert repriced == pytest.approx(plan.predicted.latency_s)

@@ -40,7 +40,10 @@ def plan_assignment(plan: Plan, tables: CostTables) -> Assignment:
             choices[(key, op.name)] = cost.strategy[op.name]
     for op in tables.ends.ops:
         choices[("ends", op.name)] = ends.strategy[op.name]
-    return Assignment(choices, [list(s) for s in plan.stages], list(plan.ladder_layers))
+    stages = [list(s) for s in plan.stages]
+    if not any(stages):  # a chain of linears (no transformer layers): its graph is layer 0, pp = 1
+        stages = [list(range(len(tables.layer_keys)))]
+    return Assignment(choices, stages, list(plan.ladder_layers))
 
 
 def kv_fallbacks(plan: Plan, structure: ModelStructure) -> list[str]:
