@@ -65,6 +65,9 @@ from planner.progress import Progress
 ALL_REDUCE_SIZES_BYTES = tuple(4096 * 4**i for i in range(7))  # 4 KiB, 16 KiB, ..., 16 MiB
 CALL_SIZE_BYTES = 4  # one fp32: an all-reduce this small costs its per-call overhead only
 PROBE_BLOCKS = (2, 8)  # blocks of the node-overhead probe graph: the slope between them is per node
+# (T, C, N) of the speed probe's matmul, (T x C) @ (C x N) in fp32: an attention projection of a small
+# transformer (a TRANSFORMER_MATMUL_SHAPES width at 64 tokens); its 2.4 MB weight stays in cache
+PROBE_MATMUL_SHAPE = (64, 768, 768)
 CACHE_MAX_AGE_DAYS = 7.0  # a cached calibration older than this is measured again
 OVERLAP_SIZE_BYTES = 4 * 2**20  # all-reduce beside a matmul in the overlap measurement
 _MIN_OP_S = 0.01  # matmul sizes grow until one product takes this long (timer resolution >> 1 µs)
@@ -314,54 +317,60 @@ def _probe_graph(blocks: int, device: torch.device) -> tuple[Callable[[], object
 NODE_PROBE_WINDOWS = 3  # node-overhead windows spread over the calibration; the spec takes their median
 
 
-def _node_overhead_s(device: torch.device, budget_s: float = 1.5) -> tuple[float, float, int]:
-    """(forward seconds per node, backward seconds per forward node, nodes of the larger probe): the
-    slope of the probe graph's time over its node count between ``PROBE_BLOCKS`` (fixed costs of a
-    call cancel); timed by `clock`, interleaved for ``budget_s``, so all processes measure at once.
+def _node_overhead_s(device: torch.device, budget_s: float = 1.5) -> tuple[float, float, int, float]:
+    """(forward seconds per node, backward seconds per forward node, nodes of the larger probe, FLOP/s
+    of the speed probe's matmul): the slope of the probe graph's time over its node count between
+    ``PROBE_BLOCKS`` (fixed costs of a call cancel), and `PROBE_MATMUL_SHAPE` in fp32, the reference a
+    run's `SpeedProbe` compares with; timed by `clock`, interleaved for ``budget_s``, so all processes
+    measure at once.
 
     One window can fall into a slow spell of a shared VM (this 2-vCPU machine measured 7.5 us per
     node in some 1.5 s windows and 13-14 us in others minutes apart, 2026-11-30): `calibrate` measures
     ``NODE_PROBE_WINDOWS`` windows at different points of its run and keeps the median."""
     probes = [_probe_graph(b, device) for b in PROBE_BLOCKS]
-    fns = [fn for forward, train, _ in probes for fn in (forward, train)]
+    t, c, n = PROBE_MATMUL_SHAPE
+    a, w = torch.randn(t, c, device=device), torch.randn(c, n, device=device)
+    fns = [fn for forward, train, _ in probes for fn in (forward, train)] + [lambda: torch.mm(a, w)]
     counts = [n for *_, n in probes]
-    rates, _ = interleaved_rates(fns, [1.0] * len(fns), device, budget_s=budget_s)
+    rates, _ = interleaved_rates(fns, [1.0] * 4 + [2.0 * t * c * n], device, budget_s=budget_s)
     (f1, t1), (f2, t2) = (1 / rates[0], 1 / rates[1]), (1 / rates[2], 1 / rates[3])
     dn = counts[1] - counts[0]
     forward_s = max(0.0, (f2 - f1) / dn)
     backward_s = max(0.0, ((t2 - f2) - (t1 - f1)) / dn)
-    return forward_s, backward_s, counts[1]
+    return forward_s, backward_s, counts[1], rates[4]
 
 
-class NodeOverheadProbe:
+class SpeedProbe:
     """The calibration's per-node overhead measurement (`_node_overhead_s`: the probe graph at
-    ``PROBE_BLOCKS``), re-timed beside a run's steps so that the run can say how fast the machine
-    dispatched ops while it was timed.
+    ``PROBE_BLOCKS``) and one matmul (`PROBE_MATMUL_SHAPE`, fp32), re-timed beside a run's steps so
+    that the run can say how fast the machine dispatched ops and multiplied while it was timed.
 
     A shared VM changes speed in spells of 10-20 s: on this 2-vCPU machine the probe's per-node
     overhead read 7.0-7.6 us in some 3-s windows and 14-17 us in others of the same minute, with the
     same model's forward at 3.1-3.9 ms and 5.8-7.4 ms beside it (60-s trace of two processes,
-    2026-11-30). A spec calibrated in one spell and a run timed in the other then differ by 1.5-2x
-    whatever the cost model does; the probe measures the spell the run was in.
+    2026-11-30); a 256^3 matmul moved by ~10% meanwhile. A spec calibrated in one spell and a run
+    timed in another then differ by up to 2x whatever the cost model does; the probe measures the
+    spell the run was in.
 
-    `sample` times each probe graph once (forward; with ``backward`` also forward + backward) by
-    `clock`, as the calibration does. Raises nothing; building it captures two small graphs (~1 s).
+    `sample` times each probe graph once (forward; with ``backward`` also forward + backward) and the
+    matmul once, by `clock`, as the calibration does. Building it captures two small graphs (~2 s).
     """
 
     def __init__(self, device: torch.device, backward: bool = False) -> None:
         self.device = device
         probes = [_probe_graph(b, device) for b in PROBE_BLOCKS]
         self._nodes = probes[1][2] - probes[0][2]
-        self._fns = [
-            fn for forward, train, _ in probes for fn in ((forward, train) if backward else (forward,))
-        ]
+        graphs = [fn for forward, train, _ in probes for fn in ((forward, train) if backward else (forward,))]
+        t, c, n = PROBE_MATMUL_SHAPE
+        a, w = torch.randn(t, c, device=device), torch.randn(c, n, device=device)
+        self._fns = [*graphs, lambda: torch.mm(a, w)]
         self._times: list[list[float]] = [[] for _ in self._fns]
         for fn in self._fns:  # warm-up: the first call of a captured graph is slower
             fn()
         _sync(device)
 
     def sample(self) -> float:
-        """Time each probe graph once; returns the wall seconds this took."""
+        """Time each probe once; returns the wall seconds this took."""
         start = time.perf_counter()
         for fn, times in zip(self._fns, self._times):
             times.append(_timed(fn, self.device)[0])
@@ -376,11 +385,18 @@ class NodeOverheadProbe:
         from the medians of the samples, as `_node_overhead_s`; None before any sample."""
         if not self.samples:
             return None
-        med = [statistics.median(t) for t in self._times]
+        med = [statistics.median(t) for t in self._times[:-1]]
         if len(med) == 2:
             return max(0.0, (med[1] - med[0]) / self._nodes), None
         (f1, t1, f2, t2) = med
         return max(0.0, (f2 - f1) / self._nodes), max(0.0, ((t2 - f2) - (t1 - f1)) / self._nodes)
+
+    def matmul_flops_per_s(self) -> float | None:
+        """FLOP/s of the probe matmul (median time of the samples); None before any sample."""
+        if not self.samples:
+            return None
+        t, c, n = PROBE_MATMUL_SHAPE
+        return 2 * t * c * n / max(statistics.median(self._times[-1]), 1e-9)
 
 
 CONV_SHAPE = (8, 64, 16, 16)  # (batch, channels in = out, height, width) of the timed 3x3 convolution
@@ -584,6 +600,9 @@ def _worker(
             [statistics.median(w[0] for w in node_windows), statistics.median(w[1] for w in node_windows)],
             dist.ReduceOp.MAX,
             device,
+        )
+        (result["probe_matmul_flops_per_s"],) = _reduce(
+            [statistics.median(w[3] for w in node_windows)], dist.ReduceOp.MIN, device
         )
         if use_cuda:
             result["memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
@@ -789,6 +808,12 @@ def calibrate(
     if not use_cuda:  # GPU kernels are asynchronous: their launch term stays the per-op cost there
         data["device"]["node_overhead_us"] = _sig(node_f * 1e6)
         data["device"]["backward_node_overhead_us"] = _sig(node_b * 1e6)
+        data["device"]["probe_matmul_GFLOPS"] = _sig(m["probe_matmul_flops_per_s"] / 1e9)
+        t, c, n = PROBE_MATMUL_SHAPE
+        sources.append(
+            f"speed probe reference: fp32 ({t} x {c}) @ ({c} x {n}) at {m['probe_matmul_flops_per_s'] / 1e9:.1f} GFLOP/s "
+            "in the per-node windows (a run times the same probe beside its steps)"
+        )
     data["device"]["conv_efficiency"] = _sig(
         min(1.0, m["conv_flops_per_s"] / m["peaks"]["bf16" if use_cuda else "fp32"])
     )

@@ -32,6 +32,7 @@ YAML layout (units in the field names; see the presets in ``costmodels/clusters/
       backward_node_overhead_us: 10
       conv_efficiency: 0.3         # optional, (0, 1]: convolutions' fraction of peak (default: matmul_efficiency)
       pooling_bandwidth_GBps: 1    # optional: bytes / s of pooling ops (default: memory bandwidth)
+      probe_matmul_GFLOPS: 60      # optional, written by `planner calibrate`: the speed probe's reference
     links:
       intra_node: {kind: nvlink, bandwidth_GBps: 370, latency_us: 3.3}   # per direction, per device
       inter_node: {kind: infiniband, bandwidth_GBps: 37.5, latency_us: 6, nics_per_node: 8}  # per NIC
@@ -63,6 +64,7 @@ ATTENTION_KERNELS = ("fused", "materialized", "per_query_head")
 # Unit conversions, applied once here (ARCHITECTURE.md: SI inside, human units at the YAML edge).
 _GIB = 2.0**30  # bytes per GiB
 _MIB = 2.0**20  # bytes per MiB (cache sizes)
+_GFLOPS = 1e9  # FLOP/s per GFLOP/s
 _GB = 1e9  # bytes per GB (link and memory bandwidths are decimal GB/s, as in datasheets)
 _TFLOPS = 1e12  # FLOP/s per TFLOP/s
 _US = 1e-6  # seconds per microsecond
@@ -111,6 +113,9 @@ class DeviceSpec:
     # pooling ops (None: memory bandwidth x efficiency): CPU kernels of both are far below the roofs.
     conv_efficiency: float | None = None
     pooling_bandwidth_bytes_per_s: float | None = None
+    # Optional (written by `planner calibrate`): FLOP/s of the speed probe's fp32 matmul
+    # (`costmodels.calibrate.PROBE_MATMUL_SHAPE`) at calibration; a run's probe compares with it.
+    probe_matmul_flops_per_s: float | None = None
 
 
 CALIBRATED_SPEC_NAME = "local-calibrated"  # the name of a spec written by `planner calibrate`
@@ -295,6 +300,7 @@ _EXPECT = {
     "backward_node_overhead_us": "a number in µs >= 0 (per forward node, in backward), e.g. 10",
     "conv_efficiency": "a fraction in (0, 1] of peak reached by convolutions",
     "pooling_bandwidth_GBps": "a number in GB/s > 0 (bytes read + written by pooling ops), e.g. 1",
+    "probe_matmul_GFLOPS": "a number in GFLOP/s > 0 (the speed probe's matmul at calibration), e.g. 60",
     "cache_MiB": "a number in MiB > 0 (last-level cache; larger matmuls stream), e.g. 32",
     "stream_bandwidth_GBps": "a number in GB/s > 0 (weight streaming of matmuls above cache_MiB), e.g. 4",
     "kind": f"one of {', '.join(LINK_KINDS)}",
@@ -346,6 +352,7 @@ def _parse_device(r: _Reader, raw: Any) -> DeviceSpec:
             "backward_node_overhead_us",
             "conv_efficiency",
             "pooling_bandwidth_GBps",
+            "probe_matmul_GFLOPS",
         ),
     )
     conv = d.get("conv_efficiency")
@@ -402,6 +409,9 @@ def _parse_device(r: _Reader, raw: Any) -> DeviceSpec:
         pooling_bandwidth_bytes_per_s=None
         if pooling is None
         else r.number(pooling, "device.pooling_bandwidth_GBps", "GB/s", "1") * _GB,
+        probe_matmul_flops_per_s=None
+        if (probe_mm := d.get("probe_matmul_GFLOPS")) is None
+        else r.number(probe_mm, "device.probe_matmul_GFLOPS", "GFLOP/s", "60") * _GFLOPS,
     )
 
 
@@ -581,6 +591,9 @@ def _cpu_processes(spec: ClusterSpec, nproc: int) -> ClusterSpec:
     device = replace(
         spec.device,
         peak_flops_per_s={k: v * scale for k, v in spec.device.peak_flops_per_s.items()},
+        probe_matmul_flops_per_s=None
+        if spec.device.probe_matmul_flops_per_s is None
+        else spec.device.probe_matmul_flops_per_s * scale,
         memory_bytes=spec.device.memory_bytes * spec.devices_per_node / nproc,
     )
     slowdown = min(1.0, share(nproc)) / min(1.0, share(spec.devices_per_node))  # < 1 when oversubscribed
@@ -659,6 +672,11 @@ def cluster_to_dict(spec: ClusterSpec) -> dict:
                 {}
                 if dev.pooling_bandwidth_bytes_per_s is None
                 else {"pooling_bandwidth_GBps": _human(dev.pooling_bandwidth_bytes_per_s / _GB)}
+            ),
+            **(
+                {}
+                if dev.probe_matmul_flops_per_s is None
+                else {"probe_matmul_GFLOPS": _human(dev.probe_matmul_flops_per_s / _GFLOPS)}
             ),
         },
         "links": links,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -10,7 +11,7 @@ from typing import Any
 
 import torch
 
-from costmodels.calibrate import NodeOverheadProbe
+from costmodels.calibrate import PROBE_MATMUL_SHAPE, SpeedProbe
 from passes import collectives
 from planner.frontend.capture import flat_inputs, input_batch_dims
 from planner.frontend.modelfile import ModelFile, load_model_file
@@ -63,7 +64,7 @@ class RunJob:
     )
     reference: ReferenceFiles | None = None  # made by the launching process; None: made on each node's rank 0
     # CPU: time the calibration's per-node overhead probe between the timed samples (the machine's
-    # speed during the run: costmodels.calibrate.NodeOverheadProbe); ~2 s to build on each rank
+    # speed during the run: costmodels.calibrate.SpeedProbe); ~2 s to build on each rank
     speed_probe: bool = False
 
 
@@ -98,6 +99,7 @@ class RankReport:
     # (backward: per forward node, training only), and how many probe samples it is the median of
     probe_node_overhead_s: float | None = None
     probe_backward_node_overhead_s: float | None = None
+    probe_matmul_flops_per_s: float | None = None  # the probe's fp32 matmul (PROBE_MATMUL_SHAPE)
     probe_samples: int = 0
     output: torch.Tensor | None = None  # only with RunJob.return_output
     per_layer_s: dict[str, float] = field(
@@ -238,8 +240,8 @@ def summarise(reports: list[RankReport]) -> dict[str, Any]:
 
 
 def _speed_probe(reports: list[RankReport]) -> dict[str, Any] | None:
-    """The per-node overhead measured beside the timed steps (`RunJob.speed_probe`), the slowest
-    rank's (the calibration keeps the largest over ranks too); None when no rank probed."""
+    """The per-node overhead and matmul rate measured beside the timed steps (`RunJob.speed_probe`),
+    the slowest rank's (the calibration keeps the slowest over ranks too); None when no rank probed."""
     probed = [r for r in reports if r.probe_node_overhead_s is not None]
     if not probed:
         return None
@@ -251,6 +253,8 @@ def _speed_probe(reports: list[RankReport]) -> dict[str, Any] | None:
         "backward_node_overhead_s": max(backward) if backward else None,
         "samples": min(r.probe_samples for r in probed),
         "per_rank_node_overhead_s": [r.probe_node_overhead_s for r in reports],
+        "matmul_flops_per_s": min(r.probe_matmul_flops_per_s or math.inf for r in probed),
+        "matmul_shape": list(PROBE_MATMUL_SHAPE),
     }
 
 
@@ -258,11 +262,11 @@ def time_steps(step: Callable[[], object], job: RunJob, device: torch.device, re
     """Time `step` as `job` asks (`runtime.measure.time_iterations`: warm-up, at least `job.iters`
     steps and `job.min_time_s` seconds) and record the samples, their median and the steps per sample
     in `report`; with `job.speed_probe` on CPU also the per-node overhead measured between the
-    samples (`costmodels.calibrate.NodeOverheadProbe`)."""
+    samples (`costmodels.calibrate.SpeedProbe`)."""
     probe = None
     if job.speed_probe and device.type == "cpu":
         report_progress("building the speed probe (the calibration's per-node overhead graphs)", 0.0)
-        probe = NodeOverheadProbe(device, backward=job.workload == "train")
+        probe = SpeedProbe(device, backward=job.workload == "train")
     timing = time_iterations(
         step,
         warmup=job.warmup,
@@ -274,6 +278,7 @@ def time_steps(step: Callable[[], object], job: RunJob, device: torch.device, re
     )
     if probe is not None and (overhead := probe.overhead_s()) is not None:
         report.probe_node_overhead_s, report.probe_backward_node_overhead_s = overhead
+        report.probe_matmul_flops_per_s = probe.matmul_flops_per_s()
         report.probe_samples = probe.samples
     report.latency_samples_s = list(timing.samples_s)
     report.median_s = timing.median_s

@@ -106,7 +106,7 @@ def time_iterations(
 
     `probe` (CPU only): called between samples, outside the timed windows, while its calls have taken
     less than `PROBE_SHARE` of the timed time; it returns the wall seconds it took. The run uses it to
-    measure the machine's speed beside the steps (`costmodels.calibrate.NodeOverheadProbe`).
+    measure the machine's speed beside the steps (`costmodels.calibrate.SpeedProbe`).
 
     Every timed call starts right after a barrier on `group` (the default group when None) if a process
     group is initialised, so all ranks of the group must call this with the same `iters`. On a CUDA

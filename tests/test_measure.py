@@ -134,16 +134,18 @@ def test_speed_probe_runs_between_samples_within_its_share(monkeypatch: pytest.M
     assert 0 < len(probes) * 0.004 <= measure.PROBE_SHARE * timed_s + 0.004
 
 
-def test_node_overhead_probe_measures_a_positive_per_node_cost() -> None:
-    """The calibration's probe graphs, re-timed: a forward per-node cost, a backward one only when asked."""
-    from costmodels.calibrate import NodeOverheadProbe
+def test_speed_probe_measures_a_per_node_cost_and_a_matmul_rate() -> None:
+    """The calibration's probe graphs and matmul, re-timed: a forward per-node cost, a backward one only
+    when asked, and the matmul's FLOP/s."""
+    from costmodels.calibrate import SpeedProbe
 
-    forward_only = NodeOverheadProbe(_CPU)
-    assert forward_only.overhead_s() is None  # before any sample
+    forward_only = SpeedProbe(_CPU)
+    assert forward_only.overhead_s() is None and forward_only.matmul_flops_per_s() is None  # no sample yet
     for _ in range(5):
         assert forward_only.sample() > 0
     per_node, backward = forward_only.overhead_s()
     assert 1e-7 < per_node < 1e-3 and backward is None and forward_only.samples == 5
-    with_backward = NodeOverheadProbe(_CPU, backward=True)
+    assert 1e8 < forward_only.matmul_flops_per_s() < 1e14
+    with_backward = SpeedProbe(_CPU, backward=True)
     with_backward.sample()
     assert with_backward.overhead_s()[1] is not None

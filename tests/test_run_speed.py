@@ -4,6 +4,7 @@ per-node overhead the speed probe read replaces the calibrated one, the rest of 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -24,8 +25,15 @@ def _plan(structure, cluster, workload: str):
     return plan_model(structure, cluster, WorkloadSpec(workload, 2, 32), Constraints(tp=2, pp=1, dp=1))
 
 
-def _run(measured_s: float, node_overhead_s: float, backward_s: float | None = None) -> dict:
-    probe = {"node_overhead_s": node_overhead_s, "backward_node_overhead_s": backward_s, "samples": 40}
+def _run(
+    measured_s: float, node_overhead_s: float, backward_s: float | None = None, matmul: float | None = None
+) -> dict:
+    probe = {
+        "node_overhead_s": node_overhead_s,
+        "backward_node_overhead_s": backward_s,
+        "samples": 40,
+        "matmul_flops_per_s": matmul,
+    }
     return {"measured": {"latency_s": measured_s, "speed_probe": probe}}
 
 
@@ -43,6 +51,14 @@ def test_at_run_speed_reprices_the_plan_at_the_probed_per_node_overhead(calibrat
     # only the dispatch share of the step moves: slower, but less than 2x (compute and comm stay)
     assert plan.predicted.latency_s < slow["latency_s"] < 2 * plan.predicted.latency_s
     assert 0.5 * plan.predicted.latency_s < fast["latency_s"] < plan.predicted.latency_s
+    assert same["matmul_ratio"] is None  # local-cpu's figures record no probe matmul reference
+    referenced = dataclasses.replace(
+        calibrated, device=dataclasses.replace(calibrated.device, probe_matmul_flops_per_s=50e9)
+    )
+    half = workflow.at_run_speed(plan, structure, referenced, _run(1.0, base_s, matmul=25e9))
+    # matmuls at half their calibrated rate: slower, by less than 2x (dispatch and comm stay)
+    assert half["matmul_ratio"] == pytest.approx(2.0)
+    assert plan.predicted.latency_s < half["latency_s"] < 2 * plan.predicted.latency_s
     assert workflow.at_run_speed(plan, None, calibrated, _run(1.0, base_s)) is None
     assert workflow.at_run_speed(plan, structure, calibrated, {"measured": {"latency_s": 1.0}}) is None
 
@@ -63,6 +79,9 @@ def test_speed_line_only_when_the_machine_drifted() -> None:
     assert speed_line({**at_run, "speed_ratio": 1.05}, 0.0052) is None
     assert "0.50x" not in speed_line({**at_run, "speed_ratio": 0.5}, 0.0052)  # said as "2.00x faster"
     assert speed_line(None, 0.0052) is None
+    matmul = {**at_run, "speed_ratio": 1.0, "matmul_ratio": 1.25, "matmul_flops_per_s": 40e9}
+    line = speed_line({**matmul, "calibrated_matmul_flops_per_s": 50e9}, 0.0052)
+    assert "multiplied 1.25x slower" in line and "matmul 40.0 GFLOP/s (calibrated 50.0)" in line
 
 
 def test_a_plan_repriced_on_its_own_cluster_is_its_prediction(calibrated) -> None:
@@ -81,3 +100,21 @@ def test_a_plan_repriced_on_its_own_cluster_is_its_prediction(calibrated) -> Non
         wl = WorkloadSpec(plan.workload, plan.batch_size, plan.seq_len, micro_batches=plan.micro_batches)
         repriced = predict_with_plan(plan, structure, calibrated, wl, plan.ladder_layers)
         assert repriced == pytest.approx(plan.predicted.latency_s)
+
+
+def test_probe_matmul_reference_is_read_written_and_checked(tmp_path) -> None:
+    from costmodels.calibrate import write_cluster_yaml
+    from costmodels.cluster import SpecError
+
+    preset = Path(__file__).resolve().parent.parent / "costmodels" / "clusters" / "local-cpu.yaml"
+    text = preset.read_text().replace(
+        "  node_overhead_us: 9\n", "  node_overhead_us: 9\n  probe_matmul_GFLOPS: 61.5\n"
+    )
+    (tmp_path / "a.yaml").write_text(text)
+    spec = load_cluster(str(tmp_path / "a.yaml"), 2)
+    assert spec.device.probe_matmul_flops_per_s == pytest.approx(61.5e9)
+    write_cluster_yaml(spec, tmp_path / "b.yaml")
+    assert load_cluster(str(tmp_path / "b.yaml"), 2).device.probe_matmul_flops_per_s == pytest.approx(61.5e9)
+    (tmp_path / "c.yaml").write_text(text.replace("61.5", "-3"))
+    with pytest.raises(SpecError, match="device.probe_matmul_GFLOPS"):
+        load_cluster(str(tmp_path / "c.yaml"), 2)

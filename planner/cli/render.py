@@ -242,16 +242,39 @@ def agreement_line(
     return f"measured / predicted = {ratio:.2f} ({verdict})"
 
 
-SPEED_NOTE_FACTOR = 1.1  # the speed line is printed when the probe read outside this factor of calibration
+SPEED_NOTE_FACTOR = 1.1  # the speed line is printed when a probe read outside this factor of calibration
+
+
+def _probe_text(at_run: dict[str, Any]) -> str:
+    """'7.5 µs per node (calibrated 13.8), matmul 95.1 GFLOP/s (calibrated 110.2)'."""
+    text = (
+        f"{at_run['node_overhead_s'] * 1e6:.1f} µs per node "
+        f"(calibrated {at_run['calibrated_node_overhead_s'] * 1e6:.1f})"
+    )
+    if at_run.get("matmul_ratio"):
+        text += (
+            f", matmul {at_run['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s "
+            f"(calibrated {at_run['calibrated_matmul_flops_per_s'] / 1e9:.1f})"
+        )
+    return text
+
+
+def _off(ratio: float | None) -> bool:
+    return ratio is not None and not 1 / SPEED_NOTE_FACTOR <= ratio <= SPEED_NOTE_FACTOR
 
 
 def speed_line(at_run: dict[str, Any] | None, measured_s: float) -> str | None:
     """The verdict at the machine's speed during the run (`workflow.at_run_speed`), when the speed
-    probe read outside `SPEED_NOTE_FACTOR` of the calibrated per-node overhead; else None."""
-    if not at_run or 1 / SPEED_NOTE_FACTOR <= at_run["speed_ratio"] <= SPEED_NOTE_FACTOR:
+    probe's per-node overhead or matmul rate read outside `SPEED_NOTE_FACTOR` of calibration; else None."""
+    if not at_run or not (_off(at_run["speed_ratio"]) or _off(at_run.get("matmul_ratio"))):
         return None
-    ratio = at_run["speed_ratio"]
-    how = f"{ratio:.2f}x slower" if ratio > 1 else f"{1 / ratio:.2f}x faster"
+    parts = []
+    for what, ratio in (
+        ("dispatched ops", at_run["speed_ratio"]),
+        ("multiplied", at_run.get("matmul_ratio")),
+    ):
+        if ratio is not None:
+            parts.append(f"{what} {ratio:.2f}x slower" if ratio >= 1 else f"{what} {1 / ratio:.2f}x faster")
     verdict = agreement_line(
         at_run["latency_s"],
         measured_s,
@@ -259,9 +282,8 @@ def speed_line(at_run: dict[str, Any] | None, measured_s: float) -> str | None:
         advice="the cost model, not the machine's speed, is off for this plan",
     )
     return (
-        f"the machine dispatched ops {how} than when calibrated (probe between the timed steps: "
-        f"{at_run['node_overhead_s'] * 1e6:.1f} µs per node, calibrated {at_run['calibrated_node_overhead_s'] * 1e6:.1f} µs); "
-        f"re-priced at that speed ({fmt_s(at_run['latency_s'])}): {verdict}"
+        f"the machine {' and '.join(parts)} than when calibrated (probe between the timed steps: "
+        f"{_probe_text(at_run)}); re-priced at that speed ({fmt_s(at_run['latency_s'])}): {verdict}"
     )
 
 
@@ -322,8 +344,7 @@ def render_run(console: Console, report: dict[str, Any]) -> None:
     table.add_row("latency", fmt_s(p["latency_s"]), fmt_s(m["latency_s"]), f"{ratio:.2f}" if ratio else "-")
     if at_run := m.get("at_run_speed"):  # the same plan priced at the probe's per-node overhead
         table.add_row(
-            f"latency at the run's machine speed ({at_run['node_overhead_s'] * 1e6:.1f} µs per node, "
-            f"calibrated {at_run['calibrated_node_overhead_s'] * 1e6:.1f})",
+            f"latency at the run's machine speed ({_probe_text(at_run)})",
             fmt_s(at_run["latency_s"]),
             fmt_s(m["latency_s"]),
             f"{m['latency_s'] / at_run['latency_s']:.2f}",

@@ -8,6 +8,7 @@ shows progress and renders. Errors are `planner.errors` exceptions with the exit
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -618,14 +619,18 @@ SPEED_DRIFT_TOLERANCE = 1.1
 def at_run_speed(
     plan: Plan, structure: ModelStructure | None, cluster: ClusterSpec, run: dict[str, Any]
 ) -> dict[str, Any] | None:
-    """The plan re-priced at the per-node overhead the speed probe measured beside the timed steps
-    (`RunJob.speed_probe`), the other machine figures as calibrated: what the cost model predicts for
-    the machine as fast as it was during the run. The backward per-node overhead is the probe's
-    (training) or the calibrated one scaled like the forward one.
+    """The plan re-priced at the machine's speed the speed probe measured beside the timed steps
+    (`RunJob.speed_probe`): its per-node overhead replaces the calibrated one (the backward one is the
+    probe's when training, else the calibrated one scaled alike), and when the spec records the probe
+    matmul's rate at calibration (`DeviceSpec.probe_matmul_flops_per_s`) every peak is scaled by the
+    probe matmul's rate now over then; memory and link figures stay as calibrated. What the cost
+    model predicts for the machine as fast as it was during the run.
 
-    Returns {"node_overhead_s", "calibrated_node_overhead_s", "speed_ratio" (probe / calibrated; > 1:
-    slower than calibrated), "latency_s" (re-priced, seconds)}, or None without a probe reading, for
-    a served request (its decode steps are timed by `runtime.decode`, unprobed) or without `structure`.
+    Returns {"node_overhead_s", "calibrated_node_overhead_s", "speed_ratio" (per-node overhead, probe /
+    calibrated; > 1: slower than calibrated), "matmul_flops_per_s", "calibrated_matmul_flops_per_s",
+    "matmul_ratio" (calibrated / probe rate; > 1: slower; None without a reference), "latency_s"
+    (re-priced, seconds), "probe_samples"}, or None without a probe reading, for a served request
+    (its decode steps are timed by `runtime.decode`, unprobed) or without `structure`.
     """
     probe = run["measured"].get("speed_probe")
     dev = cluster.device
@@ -636,9 +641,15 @@ def at_run_speed(
     backward_s = probe.get("backward_node_overhead_s")
     if backward_s is None and dev.backward_node_overhead_s is not None:
         backward_s = dev.backward_node_overhead_s * ratio
-    at_run = replace(
-        cluster, device=replace(dev, node_overhead_s=forward_s, backward_node_overhead_s=backward_s)
-    )
+    run_dev = replace(dev, node_overhead_s=forward_s, backward_node_overhead_s=backward_s)
+    matmul_now, matmul_then = probe.get("matmul_flops_per_s"), dev.probe_matmul_flops_per_s
+    matmul_ratio = None
+    if matmul_now and matmul_then and math.isfinite(matmul_now):
+        matmul_ratio = matmul_then / matmul_now
+        run_dev = replace(
+            run_dev, peak_flops_per_s={k: v / matmul_ratio for k, v in dev.peak_flops_per_s.items()}
+        )
+    at_run = replace(cluster, device=run_dev)
     workload = WorkloadSpec(
         plan.workload, plan.batch_size, plan.seq_len, micro_batches=plan.micro_batches, dtype=plan.dtype
     )
@@ -650,6 +661,9 @@ def at_run_speed(
         "node_overhead_s": forward_s,
         "calibrated_node_overhead_s": dev.node_overhead_s,
         "speed_ratio": ratio,
+        "matmul_flops_per_s": matmul_now,
+        "calibrated_matmul_flops_per_s": matmul_then,
+        "matmul_ratio": matmul_ratio,
         "latency_s": latency_s,
         "probe_samples": probe.get("samples"),
     }
