@@ -100,9 +100,9 @@ def time_iterations(
     max(iters, min_time_s / estimate) calls, at most `MAX_TIMED_ITERS`; on CPU, calls shorter than
     `WINDOW_S` are timed in windows of back-to-back calls (one sample per window:
     `Timing.steps_per_sample`). A shared machine has slow
-    spells of a few seconds (a noisy neighbour halves the speed of this 2-vCPU VM for 1-5 s, about a
-    quarter of the time, measured 2026-11-30): ten calls of a 3 ms step all fall in one spell, a median
-    over two seconds of calls does not.
+    spells (a noisy neighbour halves the speed of this 2-vCPU VM for 1-5 s, about a quarter of the
+    time, and for 10-20 s at other times, measured 2026-11-30): ten calls of a 3 ms step all fall in one
+    spell, a median over two seconds of calls in fewer; what the spells leave, the `probe` measures.
 
     `probe` (CPU only): called between samples, outside the timed windows, while its calls have taken
     less than `PROBE_SHARE` of the timed time; it returns the wall seconds it took. The run uses it to
