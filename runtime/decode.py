@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
+from costmodels.calibrate import SpeedProbe
 from passes import collectives
 from passes.checkpoint import SafetensorsCheckpoint, save_checkpoint
 from passes.ladder import apply_ladder, ladder_deviation, ladder_residual_adds
@@ -50,6 +51,7 @@ from planner.frontend.capture import capture, flat_inputs, retarget_device
 from planner.frontend.modelfile import ModelFile, load_model_file
 from planner.frontend.phases import Phase, build_for, decode_phase, phase_inputs, prefill_phase
 from planner.plan import Plan
+from runtime.job import speed_probe_summary
 from runtime.launch import RankContext, report_progress
 from runtime.measure import Timing, current_memory_bytes, process_peak_memory_bytes
 from runtime.mesh import build_rank_groups
@@ -59,6 +61,9 @@ from runtime.reference import shared_reference
 # max |sharded - unsharded| logits, relative to the logits' scale, that still counts as equal: a few
 # ulps of the dtype accumulated over the layers (summation order differs under TP)
 LOGIT_TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2, "fp16": 5e-3}
+
+
+PROBE_SAMPLES_PER_REQUEST = 5  # speed-probe samples after each timed request (DecodeJob.speed_probe)
 
 
 @dataclass
@@ -75,6 +80,7 @@ class DecodeJob:
     iters: int = 3  # timed requests
     seed: int = 0
     reference: DecodeReference | None = None  # made once by the launching process (None: by the ranks)
+    speed_probe: bool = False  # CPU: time the speed probe after each timed request (`runtime.job.RunJob`)
 
 
 @dataclass
@@ -109,6 +115,11 @@ class DecodeRankReport:
     standard_tpot_samples_s: list[float] = field(default_factory=list)  # ladder plans: without ladder
     notes: list[str] = field(default_factory=list)
     startup_memory_bytes: int = 0  # of peak_memory_bytes: held before the model (torch, process group)
+    # DecodeJob.speed_probe: as `runtime.job.RankReport`'s fields of the same names
+    probe_node_overhead_s: float | None = None
+    probe_backward_node_overhead_s: float | None = None
+    probe_matmul_flops_per_s: float | None = None
+    probe_samples: int = 0
 
 
 @dataclass
@@ -402,12 +413,16 @@ def _serve_rank(
             request.generate(p, d, prompt, device, timers[name])
     for timer in timers.values():
         timer.enabled = True
+    probe = SpeedProbe(ctx.device) if job.speed_probe and ctx.device.type == "cpu" else None
     for i in range(job.iters):
         report_progress(f"timed request {i + 1}/{job.iters}", i / job.iters)
         for name, (p, d) in variants.items():
             request.generate(p, d, prompt, device, timers[name])
+        if probe is not None:  # outside the timed steps, as `runtime.measure.time_iterations` does
+            for _ in range(PROBE_SAMPLES_PER_REQUEST):
+                probe.sample()
     standard_timer = timers.get("standard")
-    return DecodeRankReport(
+    report = DecodeRankReport(
         rank=ctx.rank,
         tp_rank=groups.tp_rank,
         tokens=got.tokens.tolist(),
@@ -427,6 +442,11 @@ def _serve_rank(
             f"the unsharded reference was built on {ref.made_on}: its peak memory includes the whole model"
         ],
     )
+    if probe is not None and (overhead := probe.overhead_s()) is not None:
+        report.probe_node_overhead_s, report.probe_backward_node_overhead_s = overhead
+        report.probe_matmul_flops_per_s = probe.matmul_flops_per_s()
+        report.probe_samples = probe.samples
+    return report
 
 
 def summarise_decode(reports: list[DecodeRankReport], dtype: str, batch_size: int, new_tokens: int) -> dict:
@@ -469,6 +489,7 @@ def summarise_decode(reports: list[DecodeRankReport], dtype: str, batch_size: in
             "cache_bytes_per_rank": max(r.cache_bytes for r in reports),
             "iterations": len(tpot),
             "per_layer_s": {},
+            "speed_probe": speed_probe_summary(reports),
             **_standard(reports, tpot_s),
         },
         "numerics": {

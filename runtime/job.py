@@ -214,7 +214,7 @@ def summarise(reports: list[RankReport]) -> dict[str, Any]:
             "per_rank_peak_memory_bytes": [r.peak_memory_bytes for r in reports],
             "iterations": len(samples),
             "steps_per_sample": slowest.steps_per_sample,
-            "speed_probe": _speed_probe(reports),
+            "speed_probe": speed_probe_summary(reports),
             "dtype": reports[0].dtype,
             "notes": list(dict.fromkeys(note for r in reports for note in r.notes)),
             "per_layer_s": per_layer,
@@ -239,9 +239,10 @@ def summarise(reports: list[RankReport]) -> dict[str, Any]:
     }
 
 
-def _speed_probe(reports: list[RankReport]) -> dict[str, Any] | None:
+def speed_probe_summary(reports: list[Any]) -> dict[str, Any] | None:
     """The per-node overhead and matmul rate measured beside the timed steps (`RunJob.speed_probe`),
-    the slowest rank's (the calibration keeps the slowest over ranks too); None when no rank probed."""
+    the slowest rank's (the calibration keeps the slowest over ranks too); None when no rank probed.
+    `reports`: `RankReport`s or `runtime.decode.DecodeRankReport`s (the same probe fields)."""
     probed = [r for r in reports if r.probe_node_overhead_s is not None]
     if not probed:
         return None

@@ -4,12 +4,14 @@ the cache sharded along heads, run greedily on gloo ranks (tokens identical to t
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from costmodels.cluster import CALIBRATED_SPEC_NAME
 from passes import collectives
 from passes.lower import lower_for_rank
 from passes.tensor_parallel import apply_tensor_parallel
@@ -181,17 +183,34 @@ def test_70b_decode_at_tp4_plans_as_vllm():
 # ------------------------------------------------------------------------------------- runs
 
 
-def _serve(model: Path, tp: int, ladder: str = "none", **kw) -> dict:
-    _, plan = _plan(model, tp=tp, ladder=ladder, **kw)
-    return plan, workflow.run_serving(plan, str(model), tp, iters=1, warmup=1, timeout_s=240)
+def _serve(model: Path, tp: int, ladder: str = "none", speed_probe: bool = False, **kw) -> dict:
+    prepared, plan = _plan(model, tp=tp, ladder=ladder, **kw)
+    run = workflow.run_serving(
+        plan, str(model), tp, iters=1, warmup=1, timeout_s=240, speed_probe=speed_probe
+    )
+    return plan, run, prepared
+
+
+def _probe_at(run: dict, spec) -> dict:
+    """`run` with a probe that read exactly the spec's per-node overhead (no matmul reference)."""
+    probe = {**run["measured"]["speed_probe"], "node_overhead_s": spec.device.node_overhead_s}
+    return {"measured": {**run["measured"], "speed_probe": probe}}
 
 
 def test_decode_run_tp2_tokens_identical_and_ladder_reported():
+    """Also: the speed probe timed after the request, and the decode step re-priced at its readings."""
     path = ROOT / "examples" / "llama3_kv.py"
-    plan, run = _serve(path, 2, context=8, new_tokens=4)
+    plan, run, prepared = _serve(path, 2, context=8, new_tokens=4, speed_probe=True)
     assert run["numerics"]["tokens_identical"] and run["numerics"]["ok"]
     assert run["measured"]["iterations"] == 3 and run["measured"]["ttft_s"] > 0
-    plan, run = _serve(path, 2, ladder="upper:2", context=8, new_tokens=4)
+    probe = run["measured"]["speed_probe"]
+    assert probe["samples"] >= 1 and probe["node_overhead_s"] > 0 and probe["matmul_flops_per_s"] > 0
+    spec = workflow.resolve_cluster("local-cpu", 2)  # a spec with a per-node overhead to re-price
+    calibrated = dataclasses.replace(spec, name=CALIBRATED_SPEC_NAME)
+    at_run = workflow.at_run_speed(plan, prepared.structure, calibrated, run)
+    base = workflow.at_run_speed(plan, prepared.structure, calibrated, _probe_at(run, spec))
+    assert at_run["latency_s"] > 0 and base["latency_s"] == pytest.approx(plan.predicted.latency_s)
+    plan, run, _ = _serve(path, 2, ladder="upper:2", context=8, new_tokens=4)
     assert plan.ladder_layers == [2, 3]
     n = run["numerics"]
     assert n["tokens_identical"] and n["ladder_deviation"] > 0 and n["ladder_tokens_differ"] is not None
@@ -229,7 +248,7 @@ def test_hf_static_cache_generate_plan_saved_then_served_by_planner_run(tmp_path
 
 
 def test_two_kv_heads_at_tp4_tokens_identical():
-    plan, run = _serve(MODELS / "llama_2kv.py", 4, context=8, new_tokens=4)
+    plan, run, _ = _serve(MODELS / "llama_2kv.py", 4, context=8, new_tokens=4)
     assert run["numerics"]["tokens_identical"] and run["numerics"]["ok"]
     # one of the 2 KV heads per rank: 2 layers x K, V x (1, 1, 12, 16) fp32
     assert run["measured"]["cache_bytes_per_rank"] == 2 * 2 * (1 * 1 * 12 * 16 * 4)

@@ -413,6 +413,8 @@ def render_serving_run(console: Console, report: dict[str, Any]) -> None:
 
     row("time to first token", p["ttft_s"], got["ttft_s"])
     row("time per output token", p["tpot_s"], got["tpot_s"])
+    if at_run := m.get("at_run_speed"):  # the decode step priced at the speed probe's readings
+        row(f"  at the run's machine speed ({_probe_text(at_run)})", at_run["latency_s"], got["tpot_s"])
     row("tokens/s over the request", p["tokens_per_s"], got["tokens_per_s"], lambda x: f"{x:,.1f}")
     if got.get("standard_tpot_s"):
         row("  same splits without ladder", p["standard_tpot_s"], got["standard_tpot_s"])

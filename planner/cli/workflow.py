@@ -513,7 +513,7 @@ def run_plan(
     from runtime.session import run_job  # noqa: PLC0415
 
     if plan.serving is not None:
-        return run_serving(plan, model_path, nproc, iters, warmup, timeout_s, progress)
+        return run_serving(plan, model_path, nproc, iters, warmup, timeout_s, progress, speed_probe)
     if plan.workload is Workload.DECODE:
         raise InputError(
             f"--run of a decode plan needs a model with a static KV cache; {model_path} has none (it was priced "
@@ -551,9 +551,11 @@ def run_serving(
     warmup: int,
     timeout_s: float,
     progress: Progress = silent,
+    speed_probe: bool = False,
 ) -> dict[str, Any] | None:
     """Serve `plan.serving`'s request on `nproc` local ranks: prefill, then greedy decode steps
-    (`runtime.decode`); `warmup` untimed then `iters` timed requests. Returns the summary (None on
+    (`runtime.decode`); `warmup` untimed then `iters` timed requests (`speed_probe`: the speed probe
+    timed after each, as `run_plan`'s). Returns the summary (None on
     ranks other than 0 under torchrun). Raises InputError for pp > 1, dp > 1 or a wrong nproc,
     RunError (exit 4) when a rank fails or the tokens / logits differ from the unsharded model's."""
     from runtime.decode import (  # noqa: PLC0415 - only for --run
@@ -582,6 +584,7 @@ def run_serving(
         cache_len=sv.cache_len,
         warmup=max(1, warmup),
         iters=max(1, iters),
+        speed_probe=speed_probe,
     )
     if not under_torchrun():  # under torchrun there is no launching process: the ranks make it
         directory = tempfile.mkdtemp(prefix="planner-decode-reference-")
@@ -629,12 +632,12 @@ def at_run_speed(
     Returns {"node_overhead_s", "calibrated_node_overhead_s", "speed_ratio" (per-node overhead, probe /
     calibrated; > 1: slower than calibrated), "matmul_flops_per_s", "calibrated_matmul_flops_per_s",
     "matmul_ratio" (calibrated / probe rate; > 1: slower; None without a reference), "latency_s"
-    (re-priced, seconds), "probe_samples"}, or None without a probe reading, for a served request
-    (its decode steps are timed by `runtime.decode`, unprobed) or without `structure`.
+    (re-priced, seconds; a served request's decode step, `structure` being its decode graph),
+    "probe_samples"}, or None without a probe reading or without `structure`.
     """
     probe = run["measured"].get("speed_probe")
     dev = cluster.device
-    if not probe or structure is None or plan.serving is not None or not dev.node_overhead_s:
+    if not probe or structure is None or not dev.node_overhead_s:
         return None
     forward_s = probe["node_overhead_s"]
     ratio = forward_s / dev.node_overhead_s
@@ -650,9 +653,14 @@ def at_run_speed(
             run_dev, peak_flops_per_s={k: v / matmul_ratio for k, v in dev.peak_flops_per_s.items()}
         )
     at_run = replace(cluster, device=run_dev)
-    workload = WorkloadSpec(
-        plan.workload, plan.batch_size, plan.seq_len, micro_batches=plan.micro_batches, dtype=plan.dtype
-    )
+    if plan.serving is not None:  # the decode step (`structure`: the decode graph), as `price_request`
+        workload = WorkloadSpec(
+            Workload.DECODE, plan.batch_size, 1, context=plan.serving.prompt_len, dtype=plan.dtype
+        )
+    else:
+        workload = WorkloadSpec(
+            plan.workload, plan.batch_size, plan.seq_len, micro_batches=plan.micro_batches, dtype=plan.dtype
+        )
     as_planned = predict_with_plan(plan, structure, cluster, workload, plan.ladder_layers)
     repriced = predict_with_plan(plan, structure, at_run, workload, plan.ladder_layers)
     # the ratio carries the probe's effect onto the plan's own prediction (same op choices and layout)
