@@ -56,7 +56,14 @@ import torch.multiprocessing as mp
 import yaml
 from torch import nn
 
-from costmodels.cluster import CALIBRATED_SPEC_NAME, ClusterSpec, cluster_to_dict, load_cluster, parse_cluster
+from costmodels.cluster import (
+    CALIBRATED_SOURCE,
+    CALIBRATED_SPEC_NAME,
+    ClusterSpec,
+    cluster_to_dict,
+    load_cluster,
+    parse_cluster,
+)
 from costmodels.dtypes import DTYPE_BYTES, torch_dtype
 from planner.errors import InputError, RunError
 from planner.files import write_text_atomic
@@ -736,7 +743,7 @@ def calibrate(
     fallback = load_cluster("local-cpu", nproc=nproc)
     today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
     sources = [
-        f"measured by planner calibrate on {today}, {socket.gethostname()}, nproc={nproc}",
+        f"{CALIBRATED_SOURCE} on {today}, {socket.gethostname()}, nproc={nproc}",
         f"compute timed in {m['clock']}: matmul median over square and transformer (T x C) @ (C x 4C), "
         f"(C x C), (4C x C) shapes; "
         f"wall / clock while measuring {m['matmul_wall_ratio']:.2f} (slowest rank); "

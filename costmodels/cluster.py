@@ -119,6 +119,7 @@ class DeviceSpec:
 
 
 CALIBRATED_SPEC_NAME = "local-calibrated"  # the name of a spec written by `planner calibrate`
+CALIBRATED_SOURCE = "measured by planner calibrate"  # how its first source line starts
 
 
 @dataclass(frozen=True)

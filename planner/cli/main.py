@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import warnings
@@ -46,6 +47,28 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    """An integer >= 0 (argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """A number of seconds >= 0 (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
     return value
 
 
@@ -139,18 +162,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     show = sub.add_parser("show", help="print a saved plan")
     show.add_argument("plan")
-    show.add_argument("--why", action="store_true")
+    show.add_argument("--why", action="store_true", help="show every decision beside its alternatives")
     show.add_argument("--plot", metavar="DIR", help=_PLOT_HELP)
 
     run = sub.add_parser("run", help="execute a saved plan on local ranks and measure it")
     run.add_argument("plan")
-    run.add_argument("--model", required=True)
+    run.add_argument("--model", required=True, help="the model file the plan was made for")
     run.add_argument("--json", help="write the JSON report to this file (-: to stdout, the text to stderr)")
     _run_options(run)
 
     cal = sub.add_parser("calibrate", help="measure this machine and write a cluster spec")
-    cal.add_argument("--out", required=True)
-    cal.add_argument("--nproc", type=_positive, default=os.cpu_count() or 1)
+    cal.add_argument("--out", required=True, help="write the cluster spec YAML here (atomically)")
+    cal.add_argument(
+        "--nproc",
+        type=_positive,
+        default=os.cpu_count() or 1,
+        help="processes measured at once, as many as the ranks it will price (default: the core count)",
+    )
 
     from planner.cli.quality_args import add_adapt_parser, add_ladder_eval_parser  # noqa: PLC0415
 
@@ -180,16 +208,16 @@ def _run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--nproc", type=_positive, help="local ranks (default: the plan's device count / core count)"
     )
-    p.add_argument("--iters", type=_positive, default=10, help="timed iterations (at least)")
+    p.add_argument("--iters", type=_positive, default=10, help="timed iterations, at least (default 10)")
     p.add_argument(
         "--min-time",
-        type=float,
+        type=_seconds,
         default=2.0,
         metavar="SECONDS",
         help="time at least this many seconds of iterations, more than --iters when a step is short, so that "
         "the median spans a shared machine's slow spells (default 2; 0: exactly --iters)",
     )
-    p.add_argument("--warmup", type=int, default=3, help="warm-up iterations")
+    p.add_argument("--warmup", type=_non_negative, default=3, help="warm-up iterations (default 3)")
     p.add_argument("--timeout", type=float, default=120.0, help="process-group timeout per rank, seconds")
     p.add_argument(
         "--weights",
@@ -220,7 +248,7 @@ def _report_on_stdout(args: argparse.Namespace):
         console.file = None  # rich's default again: sys.stdout at the time of each print
 
 
-def _write_report(args: argparse.Namespace, report: dict, announce: bool = True) -> None:
+def _write_report(args: argparse.Namespace, report: dict) -> None:
     """--json FILE (atomically), or --json - (stdout)."""
     text = json.dumps(report, indent=2, default=float)
     if _json_to_stdout(args):
@@ -228,8 +256,7 @@ def _write_report(args: argparse.Namespace, report: dict, announce: bool = True)
         sys.stdout.flush()
         return
     write_text_atomic(args.json, text, option="--json")
-    if announce:
-        console.print(f"report written to {args.json}")
+    console.print(f"report written to {args.json}")
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
@@ -359,12 +386,12 @@ def cmd_optimize(args: argparse.Namespace) -> int:
 
         emit_plan(plan, args.model, args.emit, backend=cluster.backend)
         console.print(f"generated sharded modules written to {args.emit}/ (see its README.md)")
-    run = None
+    run, run_cluster = None, cluster
     if args.run:
-        plan, run = _run(args, plan, prepared, cluster)
+        plan, run, run_cluster = _run(args, plan, prepared, cluster)
     if args.run and run is None:  # a rank other than 0 under torchrun: rank 0 reports
         return 0
-    report = workflow.report_dict(plan, run, args.model, cluster, prepared.structure)
+    report = workflow.report_dict(plan, run, args.model, run_cluster, prepared.structure)
     if budget is not None:
         from planner.cli.quality import budget_dict  # noqa: PLC0415
 
@@ -378,7 +405,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             spec = workflow.plan_cluster(plan, plan.num_devices)[0]
         _plot(plan, args.plot, report, spec.device.memory_bytes)
     if run is not None:
-        _print_verdict(plan, report, layer_table, _advice(args.cluster, plan.cluster, cluster))
+        _print_verdict(plan, report, layer_table, _advice(args.cluster, plan.cluster, run_cluster))
     return 0
 
 
@@ -395,14 +422,19 @@ def _render_measured(plan, run: dict, report: dict) -> bool:
 
 
 def _print_verdict(plan, report: dict, layer_table: bool, advice: str) -> None:
-    """The run's last lines: measured / predicted and how far apart (`render.agreement_line`); when the
-    speed probe found the machine faster or slower than calibrated, also the ratio at the run's speed."""
+    """The run's last lines: measured / predicted and how far apart (`render.agreement_line`; a served
+    request's is its time per output token); when the speed probe found the machine faster or slower
+    than calibrated, also the ratio at the run's speed (`render.speed_line`), which the first line's
+    advice then points to."""
     from planner.cli.render import agreement_line, speed_line  # noqa: PLC0415
 
     measured_s = report["measured"]["latency_s"]
-    verdict = agreement_line(plan.predicted.latency_s, measured_s, layer_table=layer_table, advice=advice)
-    console.print(f"[bold]{verdict}[/bold]")
     line = speed_line(report["measured"].get("at_run_speed"), measured_s)
+    if line:
+        advice = "the machine ran at another speed than when calibrated: see the next line"
+    verdict = agreement_line(plan.predicted.latency_s, measured_s, layer_table=layer_table, advice=advice)
+    what = "time per output token: " if "serving" in report else ""
+    console.print(f"[bold]{what}{verdict}[/bold]")
     if line:
         console.print(f"[bold]{line}[/bold]")
 
@@ -451,37 +483,43 @@ def _check_runs_here(args: argparse.Namespace, cluster) -> None:
 
 
 def _run(args, plan, prepared, cluster):
+    """Run `plan` (--run): on its own device count when it uses fewer local gloo ranks than --nproc,
+    re-planned with this machine's measured spec under --scale-to-local when it does not fit here.
+    Returns (the plan run, its run summary or None on a rank other than 0 under torchrun, the spec it
+    was priced with). Raises InputError when the plan cannot run here and --scale-to-local is absent."""
     from planner.cli import workflow  # noqa: PLC0415
 
     nproc = args.nproc or plan.num_devices
     local_devices = torch_devices() if cluster.backend == "nccl" else None
     fits = nproc == plan.num_devices and (local_devices is None or local_devices >= nproc)
+    if not fits and not args.scale_to_local and cluster.backend == "gloo" and plan.num_devices < nproc:
+        console.print(
+            f"[yellow]the plan uses {plan.num_devices} of the {nproc} ranks (tp={plan.tp} x pp={plan.pp} x dp={plan.dp}): "
+            f"running it on {plan.num_devices}[/yellow]"
+        )
+        nproc, fits = plan.num_devices, True
     if not fits:
-        if not args.scale_to_local and cluster.backend == "gloo" and plan.num_devices < nproc:
-            raise InputError(
-                f"the plan uses {plan.num_devices} of the {nproc} ranks (tp={plan.tp} x pp={plan.pp} x dp={plan.dp}); "
-                f"run it with --nproc {plan.num_devices}"
-            )
         if not args.scale_to_local:
             raise InputError(
                 f"the plan uses {plan.num_devices} devices (tp={plan.tp} x pp={plan.pp} x dp={plan.dp}) on {cluster.name}; "
-                f"this machine runs {nproc} rank(s). Pass --scale-to-local to re-plan for local-cpu with --nproc ranks"
+                f"this machine runs {nproc} rank(s). Pass --scale-to-local to re-plan for this machine with --nproc ranks"
             )
         nproc = args.nproc or (os.cpu_count() or 1)
-        local = workflow.resolve_cluster("local-cpu", nproc)
+        cluster = workflow.resolve_cluster(None, nproc, notify=console.print)
         console.print(
-            f"[yellow]re-planning for this machine (local-cpu, {nproc} ranks) to run it (--scale-to-local)[/yellow]"
+            f"[yellow]re-planning for this machine (its measured spec, {nproc} ranks) to run it (--scale-to-local)[/yellow]"
         )
         constraints = workflow.constraints_from(
             args.tp, args.pp, args.dp, args.ladder, max_devices=nproc, **_training_options(args)
         )
-        plan = workflow.make_plan(prepared, local, constraints, args.model, "local-cpu")
+        source = workflow.cluster_source(None, nproc)
+        plan = workflow.make_plan(prepared, cluster, constraints, args.model, source)
         from planner.cli.render import render_plan  # noqa: PLC0415
 
         render_plan(console, plan)
         nproc = plan.num_devices
-    run = _run_plan(args, plan, nproc, speed_probe=fits and workflow.probes_speed(cluster))
-    return plan, run
+    run = _run_plan(args, plan, nproc, speed_probe=workflow.probes_speed(cluster))
+    return plan, run, cluster
 
 
 def _run_plan(args: argparse.Namespace, plan, nproc: int, speed_probe: bool = False):
@@ -520,13 +558,14 @@ def _other_hardware(cluster) -> bool:
 def _advice(cluster_option: str | None, planned_for: str, cluster) -> str:
     """What would make a far-off measured / predicted fair: recalibrating this machine's own spec, or
     pricing the plan for this machine when it was priced for another cluster."""
+    from costmodels.cluster import CALIBRATED_SPEC_NAME  # noqa: PLC0415
     from planner.cli.render import RECALIBRATE  # noqa: PLC0415
 
     if _other_hardware(cluster):
         return (
             f"the plan was priced for {planned_for}, not this machine: re-plan without --cluster to compare"
         )
-    if cluster_option and planned_for != "local-calibrated":
+    if cluster_option and planned_for != CALIBRATED_SPEC_NAME:
         return (
             f"the plan was priced with {cluster_option}; omit --cluster to use this machine's measured spec"
         )
@@ -622,7 +661,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             "so measured / predicted compares different hardware. Re-plan with --cluster for this machine to compare.[/yellow]"
         )
     if args.json:
-        _write_report(args, report, announce=False)
+        _write_report(args, report)
     _print_verdict(
         plan, report, layer_table, _advice(plan.cluster_source or plan.cluster, plan.cluster, cluster)
     )

@@ -153,9 +153,16 @@ def render_plan(console: Console, plan: Plan) -> None:
         Workload.GENERATE: "decode step",
         Workload.FORWARD: "forward",
     }[plan.workload]
+    # training: the step's tail (optimizer step, DP gradient sync) is in compute and exposed comm, not in the rows
+    opt = (
+        f" incl. optimizer step {fmt_s(p.optimizer_s)}"
+        if plan.workload is Workload.TRAIN and p.optimizer_s
+        else ""
+    )
+    sync = f" incl. DP gradient sync {fmt_s(p.grad_sync_s)}" if p.grad_sync_s else ""
     console.print(
         f"Predicted {what} latency: [bold]{fmt_s(p.latency_s)}[/bold] "
-        f"(compute {fmt_s(p.compute_s)}, exposed comm {fmt_s(p.exposed_comm_s)}, overlapped {fmt_s(p.overlapped_comm_s)}, "
+        f"(compute {fmt_s(p.compute_s)}{opt}, exposed comm {fmt_s(p.exposed_comm_s)}{sync}, overlapped {fmt_s(p.overlapped_comm_s)}, "
         f"bubble {fmt_s(p.bubble_s)}); {throughput_text(plan)}; peak memory {fmt_bytes(p.peak_memory_bytes)}/rank"
     )
     if plan.serving is not None:
@@ -251,6 +258,11 @@ def _probe_text(at_run: dict[str, Any]) -> str:
         f"{at_run['node_overhead_s'] * 1e6:.1f} µs per node "
         f"(calibrated {at_run['calibrated_node_overhead_s'] * 1e6:.1f})"
     )
+    if at_run.get("backward_ratio"):
+        text += (
+            f", backward {at_run['backward_node_overhead_s'] * 1e6:.1f} µs "
+            f"(calibrated {at_run['calibrated_backward_node_overhead_s'] * 1e6:.1f})"
+        )
     if at_run.get("matmul_ratio"):
         text += (
             f", matmul {at_run['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s "
@@ -259,20 +271,30 @@ def _probe_text(at_run: dict[str, Any]) -> str:
     return text
 
 
+def _listed(parts: list[str]) -> str:
+    """'a', 'a and b', 'a, b and c'."""
+    return parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
+
+
 def _off(ratio: float | None) -> bool:
     return ratio is not None and not 1 / SPEED_NOTE_FACTOR <= ratio <= SPEED_NOTE_FACTOR
 
 
 def speed_line(at_run: dict[str, Any] | None, measured_s: float) -> str | None:
     """The verdict at the machine's speed during the run (`workflow.at_run_speed`), when the speed
-    probe's per-node overhead or matmul rate read outside `SPEED_NOTE_FACTOR` of calibration; else None."""
-    if not at_run or not (_off(at_run["speed_ratio"]) or _off(at_run.get("matmul_ratio"))):
+    probe's per-node overhead (forward, or backward when training) or matmul rate read outside
+    `SPEED_NOTE_FACTOR` of calibration; else None."""
+    if not at_run:
+        return None
+    kinds = (
+        ("dispatched ops", at_run["speed_ratio"]),
+        ("ran backward ops", at_run.get("backward_ratio")),
+        ("multiplied", at_run.get("matmul_ratio")),
+    )
+    if not any(_off(ratio) for _, ratio in kinds):
         return None
     parts = []
-    for what, ratio in (
-        ("dispatched ops", at_run["speed_ratio"]),
-        ("multiplied", at_run.get("matmul_ratio")),
-    ):
+    for what, ratio in kinds:
         if ratio is not None:
             parts.append(f"{what} {ratio:.2f}x slower" if ratio >= 1 else f"{what} {1 / ratio:.2f}x faster")
     verdict = agreement_line(
@@ -282,7 +304,7 @@ def speed_line(at_run: dict[str, Any] | None, measured_s: float) -> str | None:
         advice="the cost model, not the machine's speed, is off for this plan",
     )
     return (
-        f"the machine {' and '.join(parts)} than when calibrated (probe between the timed steps: "
+        f"the machine {_listed(parts)} than when calibrated (probe between the timed steps: "
         f"{_probe_text(at_run)}); re-priced at that speed ({fmt_s(at_run['latency_s'])}): {verdict}"
     )
 

@@ -18,7 +18,13 @@ from typing import Any
 
 import torch.fx as fx
 
-from costmodels.cluster import CALIBRATED_SPEC_NAME, ClusterSpec, load_cluster, preset_names
+from costmodels.cluster import (
+    CALIBRATED_SOURCE,
+    CALIBRATED_SPEC_NAME,
+    ClusterSpec,
+    load_cluster,
+    preset_names,
+)
 from passes.verify import verify_plan
 from planner.errors import InputError, RunError
 from planner.frontend.analysis import ModelStructure
@@ -523,8 +529,8 @@ def run_plan(
     if nproc != plan.num_devices:
         raise InputError(
             f"the plan uses {plan.num_devices} devices (tp={plan.tp} x pp={plan.pp} x dp={plan.dp}) but --nproc is {nproc}; "
-            f"re-plan for this machine: planner optimize {model_path} --cluster local-cpu --nproc {nproc} "
-            "(or add --run --scale-to-local to an optimize command)"
+            f"re-plan for this machine: planner optimize {model_path} --nproc {nproc} (this machine's measured "
+            "spec; or add --run --scale-to-local to an optimize command)"
         )
     workload = str(Workload.TRAIN if plan.workload is Workload.TRAIN else Workload.FORWARD)
     job = RunJob(
@@ -610,9 +616,13 @@ def run_serving(
 
 
 def probes_speed(cluster: ClusterSpec) -> bool:
-    """Whether a run priced with `cluster` times the speed probe: a spec `planner calibrate` measured on
-    this machine (its per-node overhead is the probe's reading at calibration)."""
-    return cluster.name == CALIBRATED_SPEC_NAME and cluster.device.node_overhead_s is not None
+    """Whether a run priced with `cluster` times the speed probe: a spec `planner calibrate` measured
+    (named so, or whatever its name, with its first source line; its per-node overhead is the probe's
+    reading at calibration)."""
+    measured = cluster.name == CALIBRATED_SPEC_NAME or any(
+        s.startswith(CALIBRATED_SOURCE) for s in cluster.sources
+    )
+    return measured and cluster.device.node_overhead_s is not None
 
 
 # The machine ran at its calibrated speed when the probe read within this factor of the spec's figure
@@ -630,10 +640,12 @@ def at_run_speed(
     model predicts for the machine as fast as it was during the run.
 
     Returns {"node_overhead_s", "calibrated_node_overhead_s", "speed_ratio" (per-node overhead, probe /
-    calibrated; > 1: slower than calibrated), "matmul_flops_per_s", "calibrated_matmul_flops_per_s",
+    calibrated; > 1: slower than calibrated), "backward_node_overhead_s",
+    "calibrated_backward_node_overhead_s", "backward_ratio" (training: the same for the backward
+    per-node overhead, else None), "matmul_flops_per_s", "calibrated_matmul_flops_per_s",
     "matmul_ratio" (calibrated / probe rate; > 1: slower; None without a reference), "latency_s"
     (re-priced, seconds; a served request's decode step, `structure` being its decode graph),
-    "probe_samples"}, or None without a probe reading or without `structure`.
+    "measured_over_predicted" (the measured latency over it), "probe_samples"}, or None without a probe reading or without `structure`.
     """
     probe = run["measured"].get("speed_probe")
     dev = cluster.device
@@ -641,9 +653,12 @@ def at_run_speed(
         return None
     forward_s = probe["node_overhead_s"]
     ratio = forward_s / dev.node_overhead_s
-    backward_s = probe.get("backward_node_overhead_s")
+    backward_s = probe_backward_s = probe.get("backward_node_overhead_s")
     if backward_s is None and dev.backward_node_overhead_s is not None:
         backward_s = dev.backward_node_overhead_s * ratio
+    backward_ratio = None
+    if probe_backward_s is not None and dev.backward_node_overhead_s:
+        backward_ratio = probe_backward_s / dev.backward_node_overhead_s
     run_dev = replace(dev, node_overhead_s=forward_s, backward_node_overhead_s=backward_s)
     matmul_now, matmul_then = probe.get("matmul_flops_per_s"), dev.probe_matmul_flops_per_s
     matmul_ratio = None
@@ -669,10 +684,14 @@ def at_run_speed(
         "node_overhead_s": forward_s,
         "calibrated_node_overhead_s": dev.node_overhead_s,
         "speed_ratio": ratio,
+        "backward_node_overhead_s": probe_backward_s,
+        "calibrated_backward_node_overhead_s": dev.backward_node_overhead_s,
+        "backward_ratio": backward_ratio,
         "matmul_flops_per_s": matmul_now,
         "calibrated_matmul_flops_per_s": matmul_then,
         "matmul_ratio": matmul_ratio,
         "latency_s": latency_s,
+        "measured_over_predicted": run["measured"]["latency_s"] / latency_s if latency_s else None,
         "probe_samples": probe.get("samples"),
     }
 
@@ -742,6 +761,7 @@ def report_dict(
         report["numerics"] = run["numerics"]
         measured = run["measured"]["latency_s"]
         report["measured"]["predicted_over_measured"] = p.latency_s / measured if measured else None
+        report["measured"]["measured_over_predicted"] = measured / p.latency_s if p.latency_s else None
         report["measured"]["at_run_speed"] = at_run_speed(plan, structure, cluster, run)
     return report
 

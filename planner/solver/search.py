@@ -772,7 +772,8 @@ def _baseline_decision(search: _Search, baseline: PricedAssignment | None) -> li
             + f", sequence parallel {'on' if config.sequence_parallel else 'off'}, recompute {'/'.join(recompute)}"
             + f", distributed optimizer {'on' if config.distributed_optimizer else 'off'}"
         )
-    reason = f"hand-written Megatron layout ({config.micro_batches} micro-batches{extras}); " + (
+    mbs = f"{config.micro_batches} micro-batch" + ("es" if config.micro_batches > 1 else "")
+    reason = f"hand-written Megatron layout ({mbs}{extras}); " + (
         "fits memory"
         if fits
         else f"does not fit: {b.peak_memory_bytes / _GIB:.1f} GiB/rank > {search.cap_bytes / _GIB:.1f} GiB usable"
