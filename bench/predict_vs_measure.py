@@ -207,6 +207,15 @@ def _measure(configs, plans, iters: int, warmup: int, min_time_s: float = 0.0, s
     return out
 
 
+def _slower(at_run: dict | None) -> str:
+    """'1.93, 0.90': the run's per-node overhead over the calibrated one and the calibrated matmul
+    rate over the run's (> 1: the machine was slower than when calibrated)."""
+    if not at_run:
+        return "-"
+    matmul = at_run.get("matmul_ratio")
+    return f"{at_run['speed_ratio']:.2f}, " + (f"{matmul:.2f}" if matmul else "-")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -260,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         "predicted",
         "measured (p10-p90)",
         "measured / predicted",
-        "per node: run / calibrated",
+        "slower than calibrated: per node, matmul",
         "measured / predicted at the run's speed",
         "max|diff|",
     ):
@@ -286,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{plan.predicted.latency_s * 1e3:.2f} ms",
             f"{m['latency_s'] * 1e3:.2f} ms ({m['latency_p10_s'] * 1e3:.1f}-{m['latency_p90_s'] * 1e3:.1f})",
             f"{ratio:.2f}",
-            f"{at_run['speed_ratio']:.2f}" if at_run else "-",
+            _slower(at_run),
             f"{m['latency_s'] / at_run['latency_s']:.2f}" if at_run else "-",
             f"{run['numerics']['max_abs_diff']:.1e}" if run["numerics"]["max_abs_diff"] is not None else "-",
         )
@@ -304,8 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         worst = max(at_speed, key=lambda r: max(r, 1 / r))
         within = sum(1 for r in at_speed if 0.8 <= r <= 1.25)
         console.print(
-            f"at the machine's speed during each run (the plan re-priced at the per-node overhead the speed "
-            f"probe read beside its steps): median {statistics.median(at_speed):.2f}, worst {worst:.2f}, "
+            f"at the machine's speed during each run (the plan re-priced at the per-node overhead and matmul "
+            f"rate the speed probe read beside its steps): median {statistics.median(at_speed):.2f}, worst {worst:.2f}, "
             f"{within} of {len(at_speed)} within 25%"
         )
     console.print(
