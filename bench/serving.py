@@ -180,12 +180,19 @@ PUBLISHED = [
 
 def plan(model: str, cluster: str | None, tp: int, ladder: str = "none", workload: str = "decode",
          attention_kernel: str = "fused", **kw):  # fmt: skip
+    """The plan of `model` on `cluster` (None: this machine's calibrated spec) at TP=`tp`."""
+    return planned(model, cluster, tp, ladder, workload, attention_kernel, **kw)[0]
+
+
+def planned(model: str, cluster: str | None, tp: int, ladder: str = "none", workload: str = "decode",
+            attention_kernel: str = "fused", **kw):  # fmt: skip
+    """(plan, the prepared model, the spec it was priced with)."""
     prepared = workflow.prepare(str(ROOT / model), workload, **kw)
     spec = workflow.resolve_cluster(cluster, tp)
     if attention_kernel != spec.attention_kernel:
         spec = dataclasses.replace(spec, attention_kernel=attention_kernel)
     constraints = workflow.constraints_from(tp, 1, 1, ladder, max_devices=tp)
-    return workflow.make_plan(prepared, spec, constraints, model)
+    return workflow.make_plan(prepared, spec, constraints, model), prepared, spec
 
 
 def request_s(row: Published) -> float:
@@ -279,6 +286,7 @@ def measured(console: Console, iters: int) -> None:
         "predicted",
         "measured (p10-p90)",
         "measured / predicted",
+        "at the run's speed (probe: per node, matmul slower by)",
         "tokens identical",
         "ladder speed-up pred / meas",
     ):
@@ -303,15 +311,28 @@ def measured(console: Console, iters: int) -> None:
          dict(context=64, new_tokens=16)),
     ]  # fmt: skip
     for label, model, tp, ladder, cluster, kw in configs:
-        p = plan(model, cluster, tp, ladder, **kw)
-        run = workflow.run_serving(p, str(ROOT / model), tp, iters=iters, warmup=1, timeout_s=600)
+        p, prepared, spec = planned(model, cluster, tp, ladder, **kw)
+        run = workflow.run_serving(
+            p,
+            str(ROOT / model),
+            tp,
+            iters=iters,
+            warmup=1,
+            timeout_s=600,
+            speed_probe=workflow.probes_speed(spec),
+        )
         m, n, sv = run["measured"], run["numerics"], p.serving
+        at_run = workflow.at_run_speed(p, prepared.structure, spec, run)
+        at_speed = "-"
+        if at_run:
+            matmul = f"{at_run['matmul_ratio']:.2f}" if at_run.get("matmul_ratio") else "-"
+            at_speed = f"{m['tpot_s'] / at_run['latency_s']:.2f} ({at_run['speed_ratio']:.2f}, {matmul})"
         speed = "-"
         if m.get("standard_tpot_s"):
             speed = f"{sv.standard_tpot_s / sv.tpot_s:.3f} / {m['ladder_speedup']:.3f}"
         table.add_row(label, f"{sv.tpot_s * 1e3:.2f} ms",
                       f"{m['tpot_s'] * 1e3:.2f} ms ({m['latency_p10_s'] * 1e3:.1f}-{m['latency_p90_s'] * 1e3:.1f})",
-                      f"{m['tpot_s'] / sv.tpot_s:.2f}", str(n["tokens_identical"]), speed)  # fmt: skip
+                      f"{m['tpot_s'] / sv.tpot_s:.2f}", at_speed, str(n["tokens_identical"]), speed)  # fmt: skip
     console.print(table)
 
 
