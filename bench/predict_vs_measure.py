@@ -142,12 +142,14 @@ def _single_rank_cluster(args, console: Console):
         return None
     from costmodels.calibrate import calibrate, write_cluster_yaml  # noqa: PLC0415
     from costmodels.cluster import load_cluster  # noqa: PLC0415
+    from planner.cli.workflow import probe_roofline  # noqa: PLC0415
 
     path = REPO_ROOT / "out" / "bench" / f"local-1process-{THREADS_PER_RANK}thread.yaml"
     if args.recalibrate or not path.exists():
         console.print(f"measuring this machine with 1 process of {THREADS_PER_RANK} thread(s) too (~30 s)")
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_cluster_yaml(calibrate(1, threads_per_process=THREADS_PER_RANK), path)
+        spec = calibrate(1, threads_per_process=THREADS_PER_RANK, probe_roofline=probe_roofline)
+        write_cluster_yaml(spec, path)
     return load_cluster(str(path), nproc=1)
 
 

@@ -73,7 +73,8 @@ ALL_REDUCE_SIZES_BYTES = tuple(4096 * 4**i for i in range(7))  # 4 KiB, 16 KiB, 
 CALL_SIZE_BYTES = 4  # one fp32: an all-reduce this small costs its per-call overhead only
 PROBE_BLOCKS = (2, 8)  # blocks of the node-overhead probe graph: the slope between them is per node
 # (T, C, N) of the speed probe's matmul, (T x C) @ (C x N) in fp32: an attention projection of a small
-# transformer (a TRANSFORMER_MATMUL_SHAPES width at 64 tokens); its 2.4 MB weight stays in cache
+# transformer, one of TRANSFORMER_MATMUL_SHAPES (so the spec's matmul fit covers it; a run compares
+# the probe's rate with the rate the spec prices for it); its 2.4 MB weight stays in cache
 PROBE_MATMUL_SHAPE = (64, 768, 768)
 CACHE_MAX_AGE_DAYS = 7.0  # a cached calibration older than this is measured again
 OVERLAP_SIZE_BYTES = 4 * 2**20  # all-reduce beside a matmul in the overlap measurement
@@ -301,13 +302,31 @@ class _ProbeBlock(nn.Module):
         return x + self.down(torch.cat([torch.nn.functional.silu(g) * u, g.relu()], -1)[..., : 2 * c])
 
 
-def _probe_graph(blocks: int, device: torch.device) -> tuple[Callable[[], object], Callable[[], object], int]:
+# (dim, heads, tokens) of the probe graph at a small model's scale (a tiny Llama's activations at
+# batch 1): its per-node time, net of the roofline the cost model prices for its ops
+# (`calibrate(probe_roofline=...)`), is the spec's per-node overhead. The toy probe (dim 8, 4 tokens)
+# leaves out the allocation and cache traffic of real activations: on this 2-vCPU VM (2026-11-30, one
+# process) its slope read 7.2 us per node where the dim-64 probe, net of its roofline, read 9.3-9.9;
+# priced with the latter the tiny Llama-3 forward (batch 1) came out at 3.15-3.26 ms against 3.15-3.29
+# measured beside it, with the former 2.7 ms.
+SIZED_PROBE = (64, 4, 32)
+
+
+def probe_model(blocks: int, dim: int = 8, heads: int = 2) -> nn.Module:
+    """The probe graph's model: ``blocks`` tiny transformer blocks (`_ProbeBlock`) in sequence; its
+    input is (1, tokens, dim)."""
+    return nn.Sequential(*[_ProbeBlock(dim, heads) for _ in range(blocks)])
+
+
+def _probe_graph(
+    blocks: int, device: torch.device, dim: int = 8, heads: int = 2, tokens: int = 4
+) -> tuple[Callable[[], object], Callable[[], object], int]:
     """(forward, forward + backward, node count) of the captured probe graph with ``blocks`` blocks.
 
     Captured with ``torch.export`` (non-strict, ATen ops) as `planner.frontend.capture` does; nodes
     counted: every ``call_function`` except tuple indexing (``getitem`` is a plain Python index)."""
-    model = nn.Sequential(*[_ProbeBlock() for _ in range(blocks)]).to(device)
-    x = torch.randn(1, 4, 8, device=device)
+    model = probe_model(blocks, dim, heads).to(device)
+    x = torch.randn(1, tokens, dim, device=device)
     gm = torch.export.export(model, (x,), strict=False).module()
     nodes = sum(1 for n in gm.graph.nodes if n.op == "call_function" and "getitem" not in str(n.target))
 
@@ -324,27 +343,25 @@ def _probe_graph(blocks: int, device: torch.device) -> tuple[Callable[[], object
 NODE_PROBE_WINDOWS = 3  # node-overhead windows spread over the calibration; the spec takes their median
 
 
-def _node_overhead_s(device: torch.device, budget_s: float = 1.5) -> tuple[float, float, int, float]:
-    """(forward seconds per node, backward seconds per forward node, nodes of the larger probe, FLOP/s
-    of the speed probe's matmul): the slope of the probe graph's time over its node count between
-    ``PROBE_BLOCKS`` (fixed costs of a call cancel), and `PROBE_MATMUL_SHAPE` in fp32, the reference a
-    run's `SpeedProbe` compares with; timed by `clock`, interleaved for ``budget_s``, so all processes
-    measure at once.
+def _node_overhead_s(device: torch.device, budget_s: float = 1.5) -> tuple[float, float, int, list[float]]:
+    """(forward seconds per node, backward seconds per forward node, nodes of the larger probe, the
+    `SIZED_PROBE` graph's median seconds [forward, forward + backward] at each of ``PROBE_BLOCKS``):
+    the slope of the probe graph's time over its node count between ``PROBE_BLOCKS`` (fixed costs of
+    a call cancel); timed by `clock`, interleaved for ``budget_s``, so all processes measure at once.
 
     One window can fall into a slow spell of a shared VM (this 2-vCPU machine measured 7.5 us per
     node in some 1.5 s windows and 13-14 us in others minutes apart, 2026-11-30): `calibrate` measures
     ``NODE_PROBE_WINDOWS`` windows at different points of its run and keeps the median."""
     probes = [_probe_graph(b, device) for b in PROBE_BLOCKS]
-    t, c, n = PROBE_MATMUL_SHAPE
-    a, w = torch.randn(t, c, device=device), torch.randn(c, n, device=device)
-    fns = [fn for forward, train, _ in probes for fn in (forward, train)] + [lambda: torch.mm(a, w)]
+    sized = [_probe_graph(b, device, *SIZED_PROBE) for b in PROBE_BLOCKS]
+    fns = [fn for forward, train, _ in (*probes, *sized) for fn in (forward, train)]
     counts = [n for *_, n in probes]
-    rates, _ = interleaved_rates(fns, [1.0] * 4 + [2.0 * t * c * n], device, budget_s=budget_s)
+    rates, _ = interleaved_rates(fns, [1.0] * len(fns), device, budget_s=budget_s)
     (f1, t1), (f2, t2) = (1 / rates[0], 1 / rates[1]), (1 / rates[2], 1 / rates[3])
     dn = counts[1] - counts[0]
     forward_s = max(0.0, (f2 - f1) / dn)
     backward_s = max(0.0, ((t2 - f2) - (t1 - f1)) / dn)
-    return forward_s, backward_s, counts[1], rates[4]
+    return forward_s, backward_s, counts[1], [1 / r for r in rates[4:]]
 
 
 class SpeedProbe:
@@ -608,8 +625,8 @@ def _worker(
             dist.ReduceOp.MAX,
             device,
         )
-        (result["probe_matmul_flops_per_s"],) = _reduce(
-            [statistics.median(w[3] for w in node_windows)], dist.ReduceOp.MIN, device
+        result["sized_probe_s"] = _reduce(
+            [statistics.median(w[3][i] for w in node_windows) for i in range(4)], dist.ReduceOp.MAX, device
         )
         if use_cuda:
             result["memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
@@ -720,10 +737,18 @@ def calibrate(
     progress: Progress | None = None,
     timeout_s: float = 180.0,
     threads_per_process: int | None = None,
+    probe_roofline: Callable[[int, ClusterSpec], tuple[float, int]] | None = None,
 ) -> ClusterSpec:
     """Measure this machine with ``nproc`` concurrent processes; return a spec named "local-calibrated".
     Each CPU process computes with ``threads_per_process`` threads (default: cores // nproc, what
     `runtime.launch` gives a rank), so a spec describes ranks that run as it measured them.
+
+    ``probe_roofline(blocks, spec)``: the forward seconds the cost model prices for the `SIZED_PROBE`
+    graph of ``blocks`` blocks on ``spec`` without any per-node term, and the nodes it charges that
+    term for (the planner's pricing, `planner.cli.workflow.probe_roofline`). Given, the CPU per-node
+    overheads are the sized probe's time per node net of that roofline (forward; backward net of
+    twice it), and the toy probe's slopes stay in the spec as the speed probe's references
+    (`probe_node_overhead_us`, `probe_backward_node_overhead_us`); without it, the toy probe's slopes.
 
     Uses CUDA + NCCL when ``torch.cuda.device_count() >= nproc``, else CPU processes + gloo. With
     ``nproc == 1`` nothing is communicated: links and overlap come from the ``local-cpu`` preset.
@@ -815,12 +840,6 @@ def calibrate(
     if not use_cuda:  # GPU kernels are asynchronous: their launch term stays the per-op cost there
         data["device"]["node_overhead_us"] = _sig(node_f * 1e6)
         data["device"]["backward_node_overhead_us"] = _sig(node_b * 1e6)
-        data["device"]["probe_matmul_GFLOPS"] = _sig(m["probe_matmul_flops_per_s"] / 1e9)
-        t, c, n = PROBE_MATMUL_SHAPE
-        sources.append(
-            f"speed probe reference: fp32 ({t} x {c}) @ ({c} x {n}) at {m['probe_matmul_flops_per_s'] / 1e9:.1f} GFLOP/s "
-            "in the per-node windows (a run times the same probe beside its steps)"
-        )
     data["device"]["conv_efficiency"] = _sig(
         min(1.0, m["conv_flops_per_s"] / m["peaks"]["bf16" if use_cuda else "fp32"])
     )
@@ -842,12 +861,46 @@ def calibrate(
         f"attention efficiency: causal SDPA (B={b}, H={h}, T={t}, hd={hd}) FLOP/s over the matmul peak"
     )
     spec = parse_cluster(data, "planner calibrate")
+    if probe_roofline is not None and not use_cuda:
+        spec = _net_of_roofline(spec, data, m["sized_probe_s"], probe_roofline)
     busy = busy_message(m["load_before"], m["load_after"], own_processes=nproc)
     if busy:
         warnings.warn(CalibrationWarning(busy), stacklevel=2)
     if progress is not None:
         progress("done", 1.0)
     return spec
+
+
+def _net_of_roofline(
+    spec: ClusterSpec,
+    data: dict,
+    sized_s: list[float],
+    probe_roofline: Callable[[int, ClusterSpec], tuple[float, int]],
+) -> ClusterSpec:
+    """`spec` with its per-node overheads measured on the `SIZED_PROBE` graph net of the roofline the
+    cost model prices for it (`calibrate`'s ``probe_roofline``); the toy probe's figures move to the
+    speed-probe references. A net figure that is not positive leaves the toy one."""
+    f_small, t_small, f_big, t_big = sized_s
+    (r_small, n_small), (r_big, n_big) = (probe_roofline(b, spec) for b in PROBE_BLOCKS)
+    nodes, roofline = n_big - n_small, r_big - r_small
+    if nodes <= 0:
+        return spec
+    forward = (f_big - f_small - roofline) / nodes
+    backward = ((t_big - f_big) - (t_small - f_small) - 2 * roofline) / nodes  # backward: 2x the FLOP
+    dev = data["device"]
+    toy_f, toy_b = dev["node_overhead_us"], dev["backward_node_overhead_us"]
+    if forward > 0:
+        dev["node_overhead_us"], dev["probe_node_overhead_us"] = _sig(forward * 1e6), toy_f
+    if backward > 0:
+        dev["backward_node_overhead_us"], dev["probe_backward_node_overhead_us"] = _sig(backward * 1e6), toy_b
+    dim, heads, tokens = SIZED_PROBE
+    data["sources"].append(
+        f"per-node overhead priced: the probe graph at dim {dim}, {heads} heads, {tokens} tokens, slope between "
+        f"{PROBE_BLOCKS[0]} and {PROBE_BLOCKS[-1]} blocks net of the roofline the cost model prices for its ops "
+        f"({roofline * 1e6 / nodes:.2f} us per node): forward {forward * 1e6:.2f} us, backward {backward * 1e6:.2f} us "
+        f"per node; the tiny probe's slopes ({toy_f} us, {toy_b} us) are the speed probe's references"
+    )
+    return parse_cluster(data, "planner calibrate")
 
 
 class CalibrationWarning(UserWarning):

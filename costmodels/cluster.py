@@ -30,9 +30,9 @@ YAML layout (units in the field names; see the presets in ``costmodels/clusters/
       # pass (absent = node_overhead_us). `planner calibrate` measures both on a captured graph of tiny ops.
       node_overhead_us: 12
       backward_node_overhead_us: 10
+      probe_node_overhead_us: 7    # optional, written by `planner calibrate`: the speed probe's references
       conv_efficiency: 0.3         # optional, (0, 1]: convolutions' fraction of peak (default: matmul_efficiency)
       pooling_bandwidth_GBps: 1    # optional: bytes / s of pooling ops (default: memory bandwidth)
-      probe_matmul_GFLOPS: 60      # optional, written by `planner calibrate`: the speed probe's reference
     links:
       intra_node: {kind: nvlink, bandwidth_GBps: 370, latency_us: 3.3}   # per direction, per device
       inter_node: {kind: infiniband, bandwidth_GBps: 37.5, latency_us: 6, nics_per_node: 8}  # per NIC
@@ -64,7 +64,6 @@ ATTENTION_KERNELS = ("fused", "materialized", "per_query_head")
 # Unit conversions, applied once here (ARCHITECTURE.md: SI inside, human units at the YAML edge).
 _GIB = 2.0**30  # bytes per GiB
 _MIB = 2.0**20  # bytes per MiB (cache sizes)
-_GFLOPS = 1e9  # FLOP/s per GFLOP/s
 _GB = 1e9  # bytes per GB (link and memory bandwidths are decimal GB/s, as in datasheets)
 _TFLOPS = 1e12  # FLOP/s per TFLOP/s
 _US = 1e-6  # seconds per microsecond
@@ -113,9 +112,11 @@ class DeviceSpec:
     # pooling ops (None: memory bandwidth x efficiency): CPU kernels of both are far below the roofs.
     conv_efficiency: float | None = None
     pooling_bandwidth_bytes_per_s: float | None = None
-    # Optional (written by `planner calibrate`): FLOP/s of the speed probe's fp32 matmul
-    # (`costmodels.calibrate.PROBE_MATMUL_SHAPE`) at calibration; a run's probe compares with it.
-    probe_matmul_flops_per_s: float | None = None
+    # Optional (written by `planner calibrate`): the toy probe graph's per-node slopes (forward, backward)
+    # at calibration, when the per-node overheads above were measured at a small model's scale instead;
+    # a run's speed probe (the toy graph) compares with these. None: with node_overhead_s itself.
+    probe_node_overhead_s: float | None = None
+    probe_backward_node_overhead_s: float | None = None
 
 
 CALIBRATED_SPEC_NAME = "local-calibrated"  # the name of a spec written by `planner calibrate`
@@ -301,7 +302,8 @@ _EXPECT = {
     "backward_node_overhead_us": "a number in µs >= 0 (per forward node, in backward), e.g. 10",
     "conv_efficiency": "a fraction in (0, 1] of peak reached by convolutions",
     "pooling_bandwidth_GBps": "a number in GB/s > 0 (bytes read + written by pooling ops), e.g. 1",
-    "probe_matmul_GFLOPS": "a number in GFLOP/s > 0 (the speed probe's matmul at calibration), e.g. 60",
+    "probe_node_overhead_us": "a number in µs > 0 (the speed probe's per-node slope at calibration), e.g. 7",
+    "probe_backward_node_overhead_us": "a number in µs > 0 (the same, backward), e.g. 18",
     "cache_MiB": "a number in MiB > 0 (last-level cache; larger matmuls stream), e.g. 32",
     "stream_bandwidth_GBps": "a number in GB/s > 0 (weight streaming of matmuls above cache_MiB), e.g. 4",
     "kind": f"one of {', '.join(LINK_KINDS)}",
@@ -353,7 +355,8 @@ def _parse_device(r: _Reader, raw: Any) -> DeviceSpec:
             "backward_node_overhead_us",
             "conv_efficiency",
             "pooling_bandwidth_GBps",
-            "probe_matmul_GFLOPS",
+            "probe_node_overhead_us",
+            "probe_backward_node_overhead_us",
         ),
     )
     conv = d.get("conv_efficiency")
@@ -410,9 +413,12 @@ def _parse_device(r: _Reader, raw: Any) -> DeviceSpec:
         pooling_bandwidth_bytes_per_s=None
         if pooling is None
         else r.number(pooling, "device.pooling_bandwidth_GBps", "GB/s", "1") * _GB,
-        probe_matmul_flops_per_s=None
-        if (probe_mm := d.get("probe_matmul_GFLOPS")) is None
-        else r.number(probe_mm, "device.probe_matmul_GFLOPS", "GFLOP/s", "60") * _GFLOPS,
+        probe_node_overhead_s=None
+        if (probe_f := d.get("probe_node_overhead_us")) is None
+        else r.number(probe_f, "device.probe_node_overhead_us", "µs", "7") * _US,
+        probe_backward_node_overhead_s=None
+        if (probe_b := d.get("probe_backward_node_overhead_us")) is None
+        else r.number(probe_b, "device.probe_backward_node_overhead_us", "µs", "18") * _US,
     )
 
 
@@ -592,9 +598,6 @@ def _cpu_processes(spec: ClusterSpec, nproc: int) -> ClusterSpec:
     device = replace(
         spec.device,
         peak_flops_per_s={k: v * scale for k, v in spec.device.peak_flops_per_s.items()},
-        probe_matmul_flops_per_s=None
-        if spec.device.probe_matmul_flops_per_s is None
-        else spec.device.probe_matmul_flops_per_s * scale,
         memory_bytes=spec.device.memory_bytes * spec.devices_per_node / nproc,
     )
     slowdown = min(1.0, share(nproc)) / min(1.0, share(spec.devices_per_node))  # < 1 when oversubscribed
@@ -606,6 +609,12 @@ def _cpu_processes(spec: ClusterSpec, nproc: int) -> ClusterSpec:
             backward_node_overhead_s=None
             if device.backward_node_overhead_s is None
             else device.backward_node_overhead_s / slowdown,
+            probe_node_overhead_s=None
+            if device.probe_node_overhead_s is None
+            else device.probe_node_overhead_s / slowdown,
+            probe_backward_node_overhead_s=None
+            if device.probe_backward_node_overhead_s is None
+            else device.probe_backward_node_overhead_s / slowdown,
         )
     return replace(spec, devices_per_node=nproc, device=device)
 
@@ -676,8 +685,13 @@ def cluster_to_dict(spec: ClusterSpec) -> dict:
             ),
             **(
                 {}
-                if dev.probe_matmul_flops_per_s is None
-                else {"probe_matmul_GFLOPS": _human(dev.probe_matmul_flops_per_s / _GFLOPS)}
+                if dev.probe_node_overhead_s is None
+                else {"probe_node_overhead_us": _human(dev.probe_node_overhead_s / _US)}
+            ),
+            **(
+                {}
+                if dev.probe_backward_node_overhead_s is None
+                else {"probe_backward_node_overhead_us": _human(dev.probe_backward_node_overhead_s / _US)}
             ),
         },
         "links": links,

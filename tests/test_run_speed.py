@@ -51,14 +51,20 @@ def test_at_run_speed_reprices_the_plan_at_the_probed_per_node_overhead(calibrat
     # only the dispatch share of the step moves: slower, but less than 2x (compute and comm stay)
     assert plan.predicted.latency_s < slow["latency_s"] < 2 * plan.predicted.latency_s
     assert 0.5 * plan.predicted.latency_s < fast["latency_s"] < plan.predicted.latency_s
-    assert same["matmul_ratio"] is None  # local-cpu's figures record no probe matmul reference
-    referenced = dataclasses.replace(
-        calibrated, device=dataclasses.replace(calibrated.device, probe_matmul_flops_per_s=50e9)
-    )
-    half = workflow.at_run_speed(plan, structure, referenced, _run(1.0, base_s, matmul=25e9))
-    # matmuls at half their calibrated rate: slower, by less than 2x (dispatch and comm stay)
+    assert same["matmul_ratio"] is None  # no matmul reading, no matmul drift
+    priced = workflow.probe_matmul_rate(calibrated.device)
+    half = workflow.at_run_speed(plan, structure, calibrated, _run(1.0, base_s, matmul=priced / 2))
+    # matmuls at half the rate the spec prices: slower, by less than 2x (dispatch and comm stay)
     assert half["matmul_ratio"] == pytest.approx(2.0)
     assert plan.predicted.latency_s < half["latency_s"] < 2 * plan.predicted.latency_s
+    # a spec measured at a small model's scale keeps the toy probe's slope as the probe's reference
+    sized = dataclasses.replace(
+        calibrated, device=dataclasses.replace(calibrated.device, probe_node_overhead_s=base_s / 2)
+    )
+    at_ref = workflow.at_run_speed(plan, structure, sized, _run(1.0, base_s / 2))
+    assert at_ref["speed_ratio"] == pytest.approx(1.0) and at_ref["latency_s"] == pytest.approx(
+        plan.predicted.latency_s
+    )
     assert workflow.at_run_speed(plan, None, calibrated, _run(1.0, base_s)) is None
     assert workflow.at_run_speed(plan, structure, calibrated, {"measured": {"latency_s": 1.0}}) is None
 
@@ -102,19 +108,41 @@ def test_a_plan_repriced_on_its_own_cluster_is_its_prediction(calibrated) -> Non
         assert repriced == pytest.approx(plan.predicted.latency_s)
 
 
-def test_probe_matmul_reference_is_read_written_and_checked(tmp_path) -> None:
+def test_probe_references_are_read_written_and_checked(tmp_path) -> None:
     from costmodels.calibrate import write_cluster_yaml
     from costmodels.cluster import SpecError
 
     preset = Path(__file__).resolve().parent.parent / "costmodels" / "clusters" / "local-cpu.yaml"
     text = preset.read_text().replace(
-        "  node_overhead_us: 9\n", "  node_overhead_us: 9\n  probe_matmul_GFLOPS: 61.5\n"
+        "  node_overhead_us: 9\n", "  node_overhead_us: 9\n  probe_node_overhead_us: 6.5\n"
     )
     (tmp_path / "a.yaml").write_text(text)
     spec = load_cluster(str(tmp_path / "a.yaml"), 2)
-    assert spec.device.probe_matmul_flops_per_s == pytest.approx(61.5e9)
+    assert spec.device.probe_node_overhead_s == pytest.approx(6.5e-6)
     write_cluster_yaml(spec, tmp_path / "b.yaml")
-    assert load_cluster(str(tmp_path / "b.yaml"), 2).device.probe_matmul_flops_per_s == pytest.approx(61.5e9)
-    (tmp_path / "c.yaml").write_text(text.replace("61.5", "-3"))
-    with pytest.raises(SpecError, match="device.probe_matmul_GFLOPS"):
+    assert load_cluster(str(tmp_path / "b.yaml"), 2).device.probe_node_overhead_s == pytest.approx(6.5e-6)
+    (tmp_path / "c.yaml").write_text(text.replace("6.5", "-3"))
+    with pytest.raises(SpecError, match="device.probe_node_overhead_us"):
         load_cluster(str(tmp_path / "c.yaml"), 2)
+
+
+def test_per_node_overhead_priced_net_of_the_probe_roofline() -> None:
+    """calibrate's sized probe: its time per node net of the roofline the cost model prices for it;
+    the toy probe's slopes become the speed probe's references."""
+    from costmodels.calibrate import _net_of_roofline
+    from costmodels.cluster import cluster_to_dict, parse_cluster
+
+    data = cluster_to_dict(load_cluster("local-cpu", 2))
+    data["sources"] = list(data["sources"])
+    spec = parse_cluster(data, "test")
+    roofline = {2: (100e-6, 70), 8: (400e-6, 270)}  # 1.5 us of roofline per node between them
+    # forward: 2 ms more for 200 more nodes, 300 us of it roofline -> 8.5 us per node; backward: the
+    # train graph adds 5 ms more than the forward, 600 us of it roofline (2x) -> 22 us per node
+    sized = [1e-3, 3e-3, 3e-3, 10e-3]
+    net = _net_of_roofline(spec, data, sized, lambda blocks, _spec: roofline[blocks])
+    assert net.device.node_overhead_s == pytest.approx(8.5e-6)
+    assert net.device.backward_node_overhead_s == pytest.approx(22e-6)
+    assert net.device.probe_node_overhead_s == pytest.approx(9e-6)  # local-cpu's toy figures
+    assert net.device.probe_backward_node_overhead_s == pytest.approx(20e-6)
+    roof_s, nodes = workflow.probe_roofline(8, spec)
+    assert nodes > workflow.probe_roofline(2, spec)[1] and roof_s > 0

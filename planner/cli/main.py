@@ -671,11 +671,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from costmodels.calibrate import calibrate, write_cluster_yaml  # noqa: PLC0415
     from costmodels.cluster import load_cluster  # noqa: PLC0415
+    from planner.cli import workflow  # noqa: PLC0415
 
     _check_outputs(args)
 
     with _bars(args) as bars:
-        spec = calibrate(args.nproc, progress=bars)
+        spec = calibrate(args.nproc, progress=bars, probe_roofline=workflow.probe_roofline)
     write_cluster_yaml(spec, args.out)
     spec = load_cluster(args.out)
     d = spec.device

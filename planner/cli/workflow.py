@@ -185,11 +185,30 @@ def resolve_cluster(
         notify(
             f"measuring this machine with {nproc} processes (planner calibrate, 30-40 s; {why}); cached in {cached}"
         )
-    spec = calibrate(nproc, progress=progress)
+    spec = calibrate(nproc, progress=progress, probe_roofline=probe_roofline)
     cached.parent.mkdir(parents=True, exist_ok=True)
     write_cluster_yaml(spec, cached)
     write_cache_metadata(cached, nproc)
     return load_cluster(str(cached))
+
+
+def probe_roofline(blocks: int, cluster: ClusterSpec) -> tuple[float, int]:
+    """(roofline seconds, charged nodes) the cost model prices for `planner calibrate`'s probe graph
+    at a small model's scale (`costmodels.calibrate.SIZED_PROBE`) with `blocks` blocks, on `cluster`
+    (`planner.solver.costing.graph_roofline_s`, `graph_node_count`); captured on meta. `calibrate`
+    subtracts it from the probe's measured time to price the per-node overhead."""
+    import torch  # noqa: PLC0415
+
+    from costmodels.calibrate import SIZED_PROBE, probe_model  # noqa: PLC0415
+    from planner.frontend.analysis import analyse  # noqa: PLC0415
+    from planner.frontend.capture import capture  # noqa: PLC0415
+    from planner.solver.costing import graph_node_count, graph_roofline_s  # noqa: PLC0415
+
+    dim, heads, tokens = SIZED_PROBE
+    with torch.device("meta"):
+        model = probe_model(blocks, dim, heads)
+    structure = analyse(capture(model, (torch.empty(1, tokens, dim, device="meta"),), {}))
+    return graph_roofline_s(structure, cluster), graph_node_count(list(structure.node_costs), structure)
 
 
 def constraints_from(
@@ -629,21 +648,36 @@ def probes_speed(cluster: ClusterSpec) -> bool:
 SPEED_DRIFT_TOLERANCE = 1.1
 
 
+def probe_matmul_rate(device) -> float:
+    """FLOP/s the spec prices for the speed probe's matmul (`costmodels.calibrate.PROBE_MATMUL_SHAPE`,
+    fp32, roofline with its row penalty): what a run's probe reading is compared with."""
+    from costmodels.calibrate import PROBE_MATMUL_SHAPE  # noqa: PLC0415
+    from costmodels.compute import op_time_s  # noqa: PLC0415
+
+    t, c, n = PROBE_MATMUL_SHAPE
+    flops = 2.0 * t * c * n
+    return flops / op_time_s(
+        flops, 4.0 * (t * c + c * n + t * n), device, "fp32", "matmul", rows=t, launch=False
+    )
+
+
 def at_run_speed(
     plan: Plan, structure: ModelStructure | None, cluster: ClusterSpec, run: dict[str, Any]
 ) -> dict[str, Any] | None:
     """The plan re-priced at the machine's speed the speed probe measured beside the timed steps
-    (`RunJob.speed_probe`): its per-node overhead replaces the calibrated one (the backward one is the
-    probe's when training, else the calibrated one scaled alike), and when the spec records the probe
-    matmul's rate at calibration (`DeviceSpec.probe_matmul_flops_per_s`) every peak is scaled by the
-    probe matmul's rate now over then; memory and link figures stay as calibrated. What the cost
+    (`RunJob.speed_probe`): the per-node overheads scaled by the probe's per-node slope now over its
+    reading at calibration (`DeviceSpec.probe_node_overhead_s`, else the per-node overhead itself;
+    backward by the backward probe when training, else alike), and every peak scaled by the probe
+    matmul's rate over the rate the spec prices for it (`probe_matmul_rate`); memory and link figures
+    stay as calibrated. What the cost
     model predicts for the machine as fast as it was during the run.
 
-    Returns {"node_overhead_s", "calibrated_node_overhead_s", "speed_ratio" (per-node overhead, probe /
-    calibrated; > 1: slower than calibrated), "backward_node_overhead_s",
+    Returns {"node_overhead_s" (the probe's per-node slope), "calibrated_node_overhead_s" (its reading
+    at calibration), "speed_ratio" (the first over the second; > 1: slower than calibrated),
+    "backward_node_overhead_s",
     "calibrated_backward_node_overhead_s", "backward_ratio" (training: the same for the backward
     per-node overhead, else None), "matmul_flops_per_s", "calibrated_matmul_flops_per_s",
-    "matmul_ratio" (calibrated / probe rate; > 1: slower; None without a reference), "latency_s"
+    "matmul_ratio" (priced / probe rate; > 1: slower), "latency_s"
     (re-priced, seconds; a served request's decode step, `structure` being its decode graph),
     "measured_over_predicted" (the measured latency over it), "probe_samples"}, or None without a probe reading or without `structure`.
     """
@@ -651,16 +685,19 @@ def at_run_speed(
     dev = cluster.device
     if not probe or structure is None or not dev.node_overhead_s:
         return None
-    forward_s = probe["node_overhead_s"]
-    ratio = forward_s / dev.node_overhead_s
-    backward_s = probe_backward_s = probe.get("backward_node_overhead_s")
-    if backward_s is None and dev.backward_node_overhead_s is not None:
-        backward_s = dev.backward_node_overhead_s * ratio
+    reference = dev.probe_node_overhead_s or dev.node_overhead_s  # the probe's reading at calibration
+    probe_s = probe["node_overhead_s"]
+    ratio = probe_s / reference
+    probe_backward_s = probe.get("backward_node_overhead_s")
+    backward_reference = dev.probe_backward_node_overhead_s or dev.backward_node_overhead_s
     backward_ratio = None
-    if probe_backward_s is not None and dev.backward_node_overhead_s:
-        backward_ratio = probe_backward_s / dev.backward_node_overhead_s
-    run_dev = replace(dev, node_overhead_s=forward_s, backward_node_overhead_s=backward_s)
-    matmul_now, matmul_then = probe.get("matmul_flops_per_s"), dev.probe_matmul_flops_per_s
+    if probe_backward_s is not None and backward_reference:
+        backward_ratio = probe_backward_s / backward_reference
+    backward_s = None
+    if dev.backward_node_overhead_s is not None:
+        backward_s = dev.backward_node_overhead_s * (backward_ratio if backward_ratio is not None else ratio)
+    run_dev = replace(dev, node_overhead_s=dev.node_overhead_s * ratio, backward_node_overhead_s=backward_s)
+    matmul_now, matmul_then = probe.get("matmul_flops_per_s"), probe_matmul_rate(dev)
     matmul_ratio = None
     if matmul_now and matmul_then and math.isfinite(matmul_now):
         matmul_ratio = matmul_then / matmul_now
@@ -681,11 +718,11 @@ def at_run_speed(
     # the ratio carries the probe's effect onto the plan's own prediction (same op choices and layout)
     latency_s = plan.predicted.latency_s * repriced / as_planned if as_planned else repriced
     return {
-        "node_overhead_s": forward_s,
-        "calibrated_node_overhead_s": dev.node_overhead_s,
+        "node_overhead_s": probe_s,
+        "calibrated_node_overhead_s": reference,
         "speed_ratio": ratio,
         "backward_node_overhead_s": probe_backward_s,
-        "calibrated_backward_node_overhead_s": dev.backward_node_overhead_s,
+        "calibrated_backward_node_overhead_s": backward_reference,
         "backward_ratio": backward_ratio,
         "matmul_flops_per_s": matmul_now,
         "calibrated_matmul_flops_per_s": matmul_then,

@@ -584,6 +584,25 @@ def graph_node_count(names: list[str], structure: ModelStructure) -> int:
     return sum(1 for n in names if n in costs and costs[n].kind != "none")
 
 
+def graph_roofline_s(structure: ModelStructure, cluster: ClusterSpec) -> float:
+    """Roofline seconds of every node of `structure`'s graph on one device of `cluster`, in the
+    captured dtype, without per-node or launch terms: each node by its `NodeCost` (FLOP, bytes, kind;
+    a matmul's rows its output's leading dimensions). What the cost model prices for a graph's ops
+    beside `graph_node_count` x the per-node overhead (`planner calibrate` subtracts it from a probe
+    graph's time to measure that overhead)."""
+    total = 0.0
+    for cost in structure.node_costs.values():
+        kind = cost.kind if cost.kind in compute.OP_KINDS else "memory"
+        moved = cost.bytes_read + cost.bytes_written
+        if cost.kind == "none" or (moved <= 0 and cost.flops <= 0):
+            continue
+        rows = math.prod(cost.shape[:-1]) if kind == "matmul" and len(cost.shape) >= 2 else None
+        total += compute.op_time_s(
+            cost.flops, moved, cluster.device, structure.dtype, kind, rows=rows, launch=False
+        )
+    return total
+
+
 def _in_layer_module(module_path: str, layer_paths: set[str]) -> bool:
     """Whether a node's module lies inside one of the layers' modules (its layer prices it)."""
     parts = module_path.split(".")
