@@ -73,8 +73,8 @@ ALL_REDUCE_SIZES_BYTES = tuple(4096 * 4**i for i in range(7))  # 4 KiB, 16 KiB, 
 CALL_SIZE_BYTES = 4  # one fp32: an all-reduce this small costs its per-call overhead only
 PROBE_BLOCKS = (2, 8)  # blocks of the node-overhead probe graph: the slope between them is per node
 # (T, C, N) of the speed probe's matmul, (T x C) @ (C x N) in fp32: an attention projection of a small
-# transformer, one of TRANSFORMER_MATMUL_SHAPES (so the spec's matmul fit covers it; a run compares
-# the probe's rate with the rate the spec prices for it); its 2.4 MB weight stays in cache
+# transformer, one of TRANSFORMER_MATMUL_SHAPES (timed with them, so its calibrated rate belongs to the
+# same moment as the spec's matmul fit); its 2.4 MB weight stays in cache
 PROBE_MATMUL_SHAPE = (64, 768, 768)
 CACHE_MAX_AGE_DAYS = 7.0  # a cached calibration older than this is measured again
 OVERLAP_SIZE_BYTES = 4 * 2**20  # all-reduce beside a matmul in the overlap measurement
@@ -180,8 +180,11 @@ def fit_half_rows(shapes: list[tuple[int, int, int]], rates: list[float]) -> flo
     return statistics.median(fits) if fits else 0.0
 
 
-def _matmul_flops_per_s(dtype: str, device: torch.device, max_n: int) -> tuple[float, float, float]:
-    """(FLOP/s at large M, wall / clock ratio, half rows h): rates of a square matmul (grown until one
+def _matmul_flops_per_s(
+    dtype: str, device: torch.device, max_n: int
+) -> tuple[float, float, float, float | None]:
+    """(FLOP/s at large M, wall / clock ratio, half rows h, FLOP/s of `PROBE_MATMUL_SHAPE` or None when
+    it was not timed): rates of a square matmul (grown until one
     product takes ``_MIN_OP_S``) and of the ``TRANSFORMER_MATMUL_SHAPES`` a product of which is
     expected to take at most ``_MAX_SHAPE_S`` at the square rate, timed interleaved for
     ``_MATMUL_BUDGET_S``; h = `fit_half_rows` of the transformer shapes, and the FLOP/s the median
@@ -213,7 +216,8 @@ def _matmul_flops_per_s(dtype: str, device: torch.device, max_n: int) -> tuple[f
     # the large-M rate: each shape's rate with its row penalty M / (M + h) taken out, so that
     # op_time_s (which applies the penalty) reproduces every measured shape
     large_m = [r * (m + half_rows) / m for r, (m, _, _) in zip(rates, shapes)]
-    return statistics.median(large_m), wall_ratio, half_rows
+    probe = rates[shapes.index(PROBE_MATMUL_SHAPE)] if PROBE_MATMUL_SHAPE in shapes else None
+    return statistics.median(large_m), wall_ratio, half_rows, probe
 
 
 def _cache_bytes() -> float | None:
@@ -562,9 +566,11 @@ def _worker(
         for i, dtype in enumerate(DTYPE_BYTES):
             progress(f"matmul {dtype}", 0.05 + 0.1 * i)
             dist.barrier()
-            rate, ratio, half_rows[dtype] = _matmul_flops_per_s(
+            rate, ratio, half_rows[dtype], probe_rate = _matmul_flops_per_s(
                 dtype, device, max_n=8192 if use_cuda else 2048
             )
+            if dtype == "fp32":  # the speed probe's matmul, timed with the shapes the spec's fit used
+                result["probe_matmul_flops_per_s"] = probe_rate or 0.0
             peaks.append(rate)
             wall_ratios.append(ratio)
         # the dtype the ranks will compute in: bf16 on GPUs, fp32 on CPUs
@@ -624,6 +630,9 @@ def _worker(
             [statistics.median(w[0] for w in node_windows), statistics.median(w[1] for w in node_windows)],
             dist.ReduceOp.MAX,
             device,
+        )
+        (result["probe_matmul_flops_per_s"],) = _reduce(
+            [result.get("probe_matmul_flops_per_s") or math.inf], dist.ReduceOp.MIN, device
         )
         result["sized_probe_s"] = _reduce(
             [statistics.median(w[3][i] for w in node_windows) for i in range(4)], dist.ReduceOp.MAX, device
@@ -840,6 +849,13 @@ def calibrate(
     if not use_cuda:  # GPU kernels are asynchronous: their launch term stays the per-op cost there
         data["device"]["node_overhead_us"] = _sig(node_f * 1e6)
         data["device"]["backward_node_overhead_us"] = _sig(node_b * 1e6)
+        if math.isfinite(probe_mm := m["probe_matmul_flops_per_s"]) and probe_mm > 0:
+            data["device"]["probe_matmul_GFLOPS"] = _sig(probe_mm / 1e9)
+            t, c, n = PROBE_MATMUL_SHAPE
+            sources.append(
+                f"speed probe reference: fp32 ({t} x {c}) @ ({c} x {n}) at {probe_mm / 1e9:.1f} GFLOP/s, "
+                "timed with the matmul shapes above (a run times the same product beside its steps)"
+            )
     data["device"]["conv_efficiency"] = _sig(
         min(1.0, m["conv_flops_per_s"] / m["peaks"]["bf16" if use_cuda else "fp32"])
     )

@@ -117,6 +117,9 @@ class DeviceSpec:
     # a run's speed probe (the toy graph) compares with these. None: with node_overhead_s itself.
     probe_node_overhead_s: float | None = None
     probe_backward_node_overhead_s: float | None = None
+    # Optional (written by `planner calibrate`): FLOP/s of the speed probe's fp32 matmul
+    # (`costmodels.calibrate.PROBE_MATMUL_SHAPE`) at calibration; a run's probe compares with it.
+    probe_matmul_flops_per_s: float | None = None
 
 
 CALIBRATED_SPEC_NAME = "local-calibrated"  # the name of a spec written by `planner calibrate`
@@ -303,6 +306,7 @@ _EXPECT = {
     "conv_efficiency": "a fraction in (0, 1] of peak reached by convolutions",
     "pooling_bandwidth_GBps": "a number in GB/s > 0 (bytes read + written by pooling ops), e.g. 1",
     "probe_node_overhead_us": "a number in µs > 0 (the speed probe's per-node slope at calibration), e.g. 7",
+    "probe_matmul_GFLOPS": "a number in GFLOP/s > 0 (the speed probe's matmul at calibration), e.g. 60",
     "probe_backward_node_overhead_us": "a number in µs > 0 (the same, backward), e.g. 18",
     "cache_MiB": "a number in MiB > 0 (last-level cache; larger matmuls stream), e.g. 32",
     "stream_bandwidth_GBps": "a number in GB/s > 0 (weight streaming of matmuls above cache_MiB), e.g. 4",
@@ -357,6 +361,7 @@ def _parse_device(r: _Reader, raw: Any) -> DeviceSpec:
             "pooling_bandwidth_GBps",
             "probe_node_overhead_us",
             "probe_backward_node_overhead_us",
+            "probe_matmul_GFLOPS",
         ),
     )
     conv = d.get("conv_efficiency")
@@ -413,6 +418,9 @@ def _parse_device(r: _Reader, raw: Any) -> DeviceSpec:
         pooling_bandwidth_bytes_per_s=None
         if pooling is None
         else r.number(pooling, "device.pooling_bandwidth_GBps", "GB/s", "1") * _GB,
+        probe_matmul_flops_per_s=None
+        if (probe_mm := d.get("probe_matmul_GFLOPS")) is None
+        else r.number(probe_mm, "device.probe_matmul_GFLOPS", "GFLOP/s", "60") * 1e9,
         probe_node_overhead_s=None
         if (probe_f := d.get("probe_node_overhead_us")) is None
         else r.number(probe_f, "device.probe_node_overhead_us", "µs", "7") * _US,
@@ -598,6 +606,9 @@ def _cpu_processes(spec: ClusterSpec, nproc: int) -> ClusterSpec:
     device = replace(
         spec.device,
         peak_flops_per_s={k: v * scale for k, v in spec.device.peak_flops_per_s.items()},
+        probe_matmul_flops_per_s=None
+        if spec.device.probe_matmul_flops_per_s is None
+        else spec.device.probe_matmul_flops_per_s * scale,
         memory_bytes=spec.device.memory_bytes * spec.devices_per_node / nproc,
     )
     slowdown = min(1.0, share(nproc)) / min(1.0, share(spec.devices_per_node))  # < 1 when oversubscribed
@@ -682,6 +693,11 @@ def cluster_to_dict(spec: ClusterSpec) -> dict:
                 {}
                 if dev.pooling_bandwidth_bytes_per_s is None
                 else {"pooling_bandwidth_GBps": _human(dev.pooling_bandwidth_bytes_per_s / _GB)}
+            ),
+            **(
+                {}
+                if dev.probe_matmul_flops_per_s is None
+                else {"probe_matmul_GFLOPS": _human(dev.probe_matmul_flops_per_s / 1e9)}
             ),
             **(
                 {}

@@ -92,6 +92,7 @@ def test_calibrate_two_processes_writes_a_loadable_spec(tmp_path: Path) -> None:
     assert loaded.sources[0].startswith("measured by planner calibrate on ")
     assert all(v > 0 for v in loaded.device.peak_flops_per_s.values())
     assert loaded.device.node_overhead_s > 0 and loaded.device.backward_node_overhead_s >= 0
+    assert loaded.device.probe_matmul_flops_per_s > 0  # the reference a run's speed probe compares with
     assert 0 < loaded.device.conv_efficiency <= 1 and loaded.device.pooling_bandwidth_bytes_per_s > 0
     assert loaded.intra_node.kind == "loopback" and loaded.intra_node.bandwidth_bytes_per_s > 0
     assert 0.0 <= loaded.overlap_efficiency <= 1.0

@@ -51,10 +51,12 @@ def test_at_run_speed_reprices_the_plan_at_the_probed_per_node_overhead(calibrat
     # only the dispatch share of the step moves: slower, but less than 2x (compute and comm stay)
     assert plan.predicted.latency_s < slow["latency_s"] < 2 * plan.predicted.latency_s
     assert 0.5 * plan.predicted.latency_s < fast["latency_s"] < plan.predicted.latency_s
-    assert same["matmul_ratio"] is None  # no matmul reading, no matmul drift
-    priced = workflow.probe_matmul_rate(calibrated.device)
-    half = workflow.at_run_speed(plan, structure, calibrated, _run(1.0, base_s, matmul=priced / 2))
-    # matmuls at half the rate the spec prices: slower, by less than 2x (dispatch and comm stay)
+    assert same["matmul_ratio"] is None  # local-cpu's figures record no probe matmul reference
+    referenced = dataclasses.replace(
+        calibrated, device=dataclasses.replace(calibrated.device, probe_matmul_flops_per_s=50e9)
+    )
+    half = workflow.at_run_speed(plan, structure, referenced, _run(1.0, base_s, matmul=25e9))
+    # matmuls at half their calibrated rate: slower, by less than 2x (dispatch and comm stay)
     assert half["matmul_ratio"] == pytest.approx(2.0)
     assert plan.predicted.latency_s < half["latency_s"] < 2 * plan.predicted.latency_s
     # a spec measured at a small model's scale keeps the toy probe's slope as the probe's reference
@@ -114,13 +116,15 @@ def test_probe_references_are_read_written_and_checked(tmp_path) -> None:
 
     preset = Path(__file__).resolve().parent.parent / "costmodels" / "clusters" / "local-cpu.yaml"
     text = preset.read_text().replace(
-        "  node_overhead_us: 9\n", "  node_overhead_us: 9\n  probe_node_overhead_us: 6.5\n"
+        "  node_overhead_us: 9\n",
+        "  node_overhead_us: 9\n  probe_node_overhead_us: 6.5\n  probe_matmul_GFLOPS: 61.5\n",
     )
     (tmp_path / "a.yaml").write_text(text)
     spec = load_cluster(str(tmp_path / "a.yaml"), 2)
     assert spec.device.probe_node_overhead_s == pytest.approx(6.5e-6)
     write_cluster_yaml(spec, tmp_path / "b.yaml")
     assert load_cluster(str(tmp_path / "b.yaml"), 2).device.probe_node_overhead_s == pytest.approx(6.5e-6)
+    assert load_cluster(str(tmp_path / "b.yaml"), 2).device.probe_matmul_flops_per_s == pytest.approx(61.5e9)
     (tmp_path / "c.yaml").write_text(text.replace("6.5", "-3"))
     with pytest.raises(SpecError, match="device.probe_node_overhead_us"):
         load_cluster(str(tmp_path / "c.yaml"), 2)

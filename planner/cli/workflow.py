@@ -648,28 +648,16 @@ def probes_speed(cluster: ClusterSpec) -> bool:
 SPEED_DRIFT_TOLERANCE = 1.1
 
 
-def probe_matmul_rate(device) -> float:
-    """FLOP/s the spec prices for the speed probe's matmul (`costmodels.calibrate.PROBE_MATMUL_SHAPE`,
-    fp32, roofline with its row penalty): what a run's probe reading is compared with."""
-    from costmodels.calibrate import PROBE_MATMUL_SHAPE  # noqa: PLC0415
-    from costmodels.compute import op_time_s  # noqa: PLC0415
-
-    t, c, n = PROBE_MATMUL_SHAPE
-    flops = 2.0 * t * c * n
-    return flops / op_time_s(
-        flops, 4.0 * (t * c + c * n + t * n), device, "fp32", "matmul", rows=t, launch=False
-    )
-
-
 def at_run_speed(
     plan: Plan, structure: ModelStructure | None, cluster: ClusterSpec, run: dict[str, Any]
 ) -> dict[str, Any] | None:
     """The plan re-priced at the machine's speed the speed probe measured beside the timed steps
     (`RunJob.speed_probe`): the per-node overheads scaled by the probe's per-node slope now over its
     reading at calibration (`DeviceSpec.probe_node_overhead_s`, else the per-node overhead itself;
-    backward by the backward probe when training, else alike), and every peak scaled by the probe
-    matmul's rate over the rate the spec prices for it (`probe_matmul_rate`); memory and link figures
-    stay as calibrated. What the cost
+    backward by the backward probe when training, else alike), and, when the spec records the probe
+    matmul's rate at calibration (`DeviceSpec.probe_matmul_flops_per_s`, timed with the matmuls the
+    spec's peaks were fitted on), every peak scaled by the probe's rate now over then; memory and link
+    figures stay as calibrated. What the cost
     model predicts for the machine as fast as it was during the run.
 
     Returns {"node_overhead_s" (the probe's per-node slope), "calibrated_node_overhead_s" (its reading
@@ -677,7 +665,7 @@ def at_run_speed(
     "backward_node_overhead_s",
     "calibrated_backward_node_overhead_s", "backward_ratio" (training: the same for the backward
     per-node overhead, else None), "matmul_flops_per_s", "calibrated_matmul_flops_per_s",
-    "matmul_ratio" (priced / probe rate; > 1: slower), "latency_s"
+    "matmul_ratio" (calibrated / probe rate; > 1: slower; None without a reference), "latency_s"
     (re-priced, seconds; a served request's decode step, `structure` being its decode graph),
     "measured_over_predicted" (the measured latency over it), "probe_samples"}, or None without a probe reading or without `structure`.
     """
@@ -697,7 +685,7 @@ def at_run_speed(
     if dev.backward_node_overhead_s is not None:
         backward_s = dev.backward_node_overhead_s * (backward_ratio if backward_ratio is not None else ratio)
     run_dev = replace(dev, node_overhead_s=dev.node_overhead_s * ratio, backward_node_overhead_s=backward_s)
-    matmul_now, matmul_then = probe.get("matmul_flops_per_s"), probe_matmul_rate(dev)
+    matmul_now, matmul_then = probe.get("matmul_flops_per_s"), dev.probe_matmul_flops_per_s
     matmul_ratio = None
     if matmul_now and matmul_then and math.isfinite(matmul_now):
         matmul_ratio = matmul_then / matmul_now
