@@ -209,6 +209,13 @@ def _measure(configs, plans, iters: int, warmup: int, min_time_s: float = 0.0, s
     return out
 
 
+def _spread(ratios: list[float]) -> str:
+    """'median 1.02, worst 1.31, 16 of 22 within 25%' of measured / predicted ratios."""
+    worst = max(ratios, key=lambda r: max(r, 1 / r))
+    within = sum(1 for r in ratios if 0.8 <= r <= 1.25)
+    return f"median {statistics.median(ratios):.2f}, worst {worst:.2f}, {within} of {len(ratios)} within 25%"
+
+
 def _slower(at_run: dict | None) -> str:
     """'1.93, 0.90': the run's per-node overhead over the calibrated one and the calibrated matmul
     rate over the run's (> 1: the machine was slower than when calibrated)."""
@@ -304,20 +311,14 @@ def main(argv: list[str] | None = None) -> int:
     console.print(table)
     load_after = os.getloadavg()
     if ratios:
-        worst = max(ratios, key=lambda r: max(r, 1 / r))
-        within = sum(1 for r in ratios if 0.8 <= r <= 1.25)
         console.print(
-            f"measured / predicted over {len(ratios)} configurations with a core per rank: median "
-            f"{statistics.median(ratios):.2f}, worst {worst:.2f}, {within} within 25% "
+            f"measured / predicted over {len(ratios)} configurations with a core per rank: {_spread(ratios)} "
             "(goal on a quiet machine: median within 10%, every one within 25%)"
         )
     if at_speed:
-        worst = max(at_speed, key=lambda r: max(r, 1 / r))
-        within = sum(1 for r in at_speed if 0.8 <= r <= 1.25)
         console.print(
-            f"at the machine's speed during each run (the plan re-priced at the per-node overhead and matmul "
-            f"rate the speed probe read beside its steps): median {statistics.median(at_speed):.2f}, worst {worst:.2f}, "
-            f"{within} of {len(at_speed)} within 25%"
+            "at the machine's speed during each run (the plan re-priced at the per-node overhead and matmul "
+            f"rate the speed probe read beside its steps): {_spread(at_speed)}"
         )
     console.print(
         f"load average (1, 5, 15 min) before {tuple(round(x, 2) for x in load_before)}, after "
