@@ -33,6 +33,7 @@ import dataclasses
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,7 +54,7 @@ from planner.frontend.phases import Phase, build_for, decode_phase, phase_inputs
 from planner.plan import Plan
 from runtime.job import speed_probe_summary
 from runtime.launch import RankContext, report_progress
-from runtime.measure import Timing, current_memory_bytes, process_peak_memory_bytes
+from runtime.measure import PROBE_SHARE, Timing, current_memory_bytes, process_peak_memory_bytes
 from runtime.mesh import build_rank_groups
 from runtime.numerics import all_outputs
 from runtime.reference import shared_reference
@@ -61,9 +62,6 @@ from runtime.reference import shared_reference
 # max |sharded - unsharded| logits, relative to the logits' scale, that still counts as equal: a few
 # ulps of the dtype accumulated over the layers (summation order differs under TP)
 LOGIT_TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2, "fp16": 5e-3}
-
-
-PROBE_SAMPLES_PER_REQUEST = 5  # speed-probe samples after each timed request (DecodeJob.speed_probe)
 
 
 @dataclass
@@ -80,7 +78,7 @@ class DecodeJob:
     iters: int = 3  # timed requests
     seed: int = 0
     reference: DecodeReference | None = None  # made once by the launching process (None: by the ranks)
-    speed_probe: bool = False  # CPU: time the speed probe after each timed request (`runtime.job.RunJob`)
+    speed_probe: bool = False  # CPU: time the speed probe between the timed steps (`runtime.job.RunJob`)
 
 
 @dataclass
@@ -168,11 +166,20 @@ class Request:
 
 
 class _Timer:
-    """Times calls after a barrier on `group` (none: untimed); samples in seconds by name."""
+    """Times calls after a barrier on `group` (none: untimed); samples in seconds by name. `probe`:
+    called after a timed call, outside it, while its calls have taken under `PROBE_SHARE` of the
+    timed time (as `runtime.measure.time_iterations` does between samples)."""
 
-    def __init__(self, group: dist.ProcessGroup | None, device: str, enabled: bool = False):
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        device: str,
+        enabled: bool = False,
+        probe: Callable[[], float] | None = None,
+    ):
         self.group, self.device, self.enabled = group, torch.device(device), enabled
         self.samples: dict[str, list[float]] = {"ttft": [], "tpot": []}
+        self.probe, self._probe_s, self._timed_s = probe, 0.0, 0.0
 
     def time(self, name: str, fn):
         if not self.enabled:
@@ -186,6 +193,9 @@ class _Timer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.samples[name].append(time.perf_counter() - start)
+        self._timed_s += self.samples[name][-1]
+        if self.probe is not None and self._probe_s < PROBE_SHARE * self._timed_s:
+            self._probe_s += self.probe()
         return out
 
 
@@ -406,21 +416,21 @@ def _serve_rank(
         )
     del prefill_meta, decode_meta, model
 
-    timers = {name: _Timer(groups.group("tp"), device) for name in variants}
+    probe = SpeedProbe(ctx.device) if job.speed_probe and ctx.device.type == "cpu" else None
+    timers = {
+        name: _Timer(groups.group("tp"), device, probe=probe.sample if probe and name == "plan" else None)
+        for name in variants
+    }
     for i in range(job.warmup):
         report_progress(f"warm-up request {i + 1}/{job.warmup}", i / job.warmup)
         for name, (p, d) in variants.items():
             request.generate(p, d, prompt, device, timers[name])
     for timer in timers.values():
         timer.enabled = True
-    probe = SpeedProbe(ctx.device) if job.speed_probe and ctx.device.type == "cpu" else None
     for i in range(job.iters):
         report_progress(f"timed request {i + 1}/{job.iters}", i / job.iters)
         for name, (p, d) in variants.items():
             request.generate(p, d, prompt, device, timers[name])
-        if probe is not None:  # outside the timed steps, as `runtime.measure.time_iterations` does
-            for _ in range(PROBE_SAMPLES_PER_REQUEST):
-                probe.sample()
     standard_timer = timers.get("standard")
     report = DecodeRankReport(
         rank=ctx.rank,
