@@ -15,6 +15,8 @@ bytes are bytes read plus bytes written, times are seconds.
 
 from __future__ import annotations
 
+import math
+
 from costmodels.cluster import DeviceSpec
 from costmodels.dtypes import DTYPE_BYTES, dtype_bytes
 
@@ -80,19 +82,41 @@ def op_time_s(
     return max(compute_s, memory_s) + overhead
 
 
-def node_overhead_s(device: DeviceSpec, nodes: float, backward: bool = False) -> float:
+# Activation elements per node of the two probe graphs `planner calibrate` times (costmodels.calibrate:
+# the toy probe, dim 8 x 4 tokens, whose slope the spec keeps as `probe_node_overhead_s`, and
+# SIZED_PROBE, dim 64 x 32 tokens, whose slope net of the roofline is `node_overhead_s`)
+TOY_PROBE_ELEMENTS, SIZED_PROBE_ELEMENTS = 8 * 4, 64 * 32
+
+
+def per_node_overhead_s(device: DeviceSpec, elements: float | None = None) -> float | None:
+    """Seconds per fx node of an eager GraphModule whose activations hold ``elements`` elements
+    (tokens x hidden on one rank): ``device.node_overhead_s``, measured at `SIZED_PROBE_ELEMENTS`;
+    with the toy probe's figure in the spec (``probe_node_overhead_s``), interpolated between the two
+    in log(elements) below that size (a decode step's one token per sequence dispatches like the toy
+    probe), and the sized figure above it. None without a per-node figure."""
+    sized, toy = device.node_overhead_s, device.probe_node_overhead_s
+    if sized is None or toy is None or elements is None or elements >= SIZED_PROBE_ELEMENTS:
+        return sized
+    share = max(0.0, math.log(max(elements, 1.0) / TOY_PROBE_ELEMENTS)) / math.log(
+        SIZED_PROBE_ELEMENTS / TOY_PROBE_ELEMENTS
+    )
+    return toy + (sized - toy) * share
+
+
+def node_overhead_s(
+    device: DeviceSpec, nodes: float, backward: bool = False, elements: float | None = None
+) -> float:
     """Fixed seconds of executing ``nodes`` fx nodes in an eager GraphModule on ``device``:
-    ``nodes * device.node_overhead_s`` (+ ``backward_node_overhead_s`` each with ``backward``, the
-    autograd pass of a training step); 0 when the device has no per-node figure (GPU presets: each op
-    pays ``launch_overhead_s`` in `op_time_s` instead)."""
-    if device.node_overhead_s is None:
+    ``nodes * per_node_overhead_s(device, elements)`` (+ ``backward_node_overhead_s`` each with
+    ``backward``, the autograd pass of a training step); 0 when the device has no per-node figure (GPU
+    presets: each op pays ``launch_overhead_s`` in `op_time_s` instead)."""
+    per_forward = per_node_overhead_s(device, elements)
+    if per_forward is None:
         return 0.0
-    per_node = device.node_overhead_s
+    per_node = per_forward
     if backward:
         per_node += (
-            device.node_overhead_s
-            if device.backward_node_overhead_s is None
-            else device.backward_node_overhead_s
+            per_forward if device.backward_node_overhead_s is None else device.backward_node_overhead_s
         )
     return nodes * per_node
 

@@ -150,3 +150,20 @@ def test_per_node_overhead_priced_net_of_the_probe_roofline() -> None:
     assert net.device.probe_backward_node_overhead_s == pytest.approx(20e-6)
     roof_s, nodes = workflow.probe_roofline(8, spec)
     assert nodes > workflow.probe_roofline(2, spec)[1] and roof_s > 0
+
+
+def test_per_node_overhead_interpolates_down_to_the_toy_probe_for_small_activations() -> None:
+    """Sized figure at and above the sized probe's activations, the toy probe's at its own, log-linear
+    between (a decode step of one token per sequence dispatches like the toy probe)."""
+    from costmodels.compute import SIZED_PROBE_ELEMENTS, TOY_PROBE_ELEMENTS, per_node_overhead_s
+
+    dev = dataclasses.replace(
+        load_cluster("local-cpu", 2).device, node_overhead_s=10e-6, probe_node_overhead_s=7e-6
+    )
+    assert per_node_overhead_s(dev, 4 * SIZED_PROBE_ELEMENTS) == pytest.approx(10e-6)
+    assert per_node_overhead_s(dev, TOY_PROBE_ELEMENTS) == pytest.approx(7e-6)
+    middle = (TOY_PROBE_ELEMENTS * SIZED_PROBE_ELEMENTS) ** 0.5
+    assert per_node_overhead_s(dev, middle) == pytest.approx(8.5e-6)
+    assert per_node_overhead_s(dataclasses.replace(dev, probe_node_overhead_s=None), 1) == pytest.approx(
+        10e-6
+    )

@@ -684,7 +684,12 @@ def at_run_speed(
     backward_s = None
     if dev.backward_node_overhead_s is not None:
         backward_s = dev.backward_node_overhead_s * (backward_ratio if backward_ratio is not None else ratio)
-    run_dev = replace(dev, node_overhead_s=dev.node_overhead_s * ratio, backward_node_overhead_s=backward_s)
+    run_dev = replace(
+        dev,
+        node_overhead_s=dev.node_overhead_s * ratio,
+        probe_node_overhead_s=dev.probe_node_overhead_s * ratio if dev.probe_node_overhead_s else None,
+        backward_node_overhead_s=backward_s,
+    )
     matmul_now, matmul_then = probe.get("matmul_flops_per_s"), dev.probe_matmul_flops_per_s
     matmul_ratio = None
     if matmul_now and matmul_then and math.isfinite(matmul_now):

@@ -250,7 +250,8 @@ class CostContext:
     def node_overhead_time(self, nodes: float) -> float:
         """Per-node overhead of ``nodes`` fx nodes of the rewritten graph on one rank (training: with
         their backward), 0 on devices priced per kernel launch (see `costmodels.compute.node_overhead_s`)."""
-        return compute.node_overhead_s(self.cluster.device, nodes, backward=self.train)
+        elements = self.tokens * self.structure.hidden_size if self.structure.hidden_size else None
+        return compute.node_overhead_s(self.cluster.device, nodes, backward=self.train, elements=elements)
 
 
 def conversion_time_s(src: Layout, dst: Layout, nbytes: float, ctx: CostContext) -> float:
