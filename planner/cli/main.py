@@ -354,9 +354,14 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             )
         else:
             plan = workflow.make_plan(prepared, cluster, constraints, args.model, source, progress=bars)
-    n = len(prepared.structure.layers)
+    n, chain = len(prepared.structure.layers), len(prepared.structure.mlp_chain)
+    shape = (
+        f"{n} layers"
+        if n or not chain
+        else f"a chain of {chain} linears (no transformer layers; row 0 below)"
+    )
     console.print(
-        f"Traced {args.model}: {n} layers, {prepared.structure.num_params / 1e6:,.1f} M parameters, "
+        f"Traced {args.model}: {shape}, {prepared.structure.num_params / 1e6:,.1f} M parameters, "
         f"batch {prepared.structure.batch_size}"
         + (f" × seq {prepared.structure.seq_len}" if prepared.structure.token_model else "")
     )

@@ -485,6 +485,10 @@ def render_layer_comparison(console: Console, plan: Plan, measured_per_layer_s: 
     for col in ("layers", "predicted", "measured", "measured / predicted"):
         table.add_column(col, justify="right")
     predicted = {c.layer: c.compute_s + c.exposed_comm_s for c in plan.predicted.per_layer}
+    table.caption = (
+        "profiled in a pass of its own after the timed steps, so at the machine's speed of that moment: "
+        "the rows need not add up to the measured latency above"
+    )
     for label, cost, layers in _grouped(plan.predicted.per_layer):
         keys = [f"layer {i}" for i in layers] if layers else ["ends"]
         got = [measured_per_layer_s[k] for k in keys if k in measured_per_layer_s]
