@@ -64,6 +64,7 @@ from costmodels.cluster import (
     load_cluster,
     parse_cluster,
 )
+from costmodels.compute import SIZED_PROBE, TOY_PROBE
 from costmodels.dtypes import DTYPE_BYTES, torch_dtype
 from planner.errors import InputError, RunError
 from planner.files import write_text_atomic
@@ -306,24 +307,18 @@ class _ProbeBlock(nn.Module):
         return x + self.down(torch.cat([torch.nn.functional.silu(g) * u, g.relu()], -1)[..., : 2 * c])
 
 
-# (dim, heads, tokens) of the probe graph at a small model's scale (a tiny Llama's activations at
-# batch 1): its per-node time, net of the roofline the cost model prices for its ops
-# (`calibrate(probe_roofline=...)`), is the spec's per-node overhead. The toy probe (dim 8, 4 tokens)
-# leaves out the allocation and cache traffic of real activations: on this 2-vCPU VM (2026-11-30, one
-# process) its slope read 7.2 us per node where the dim-64 probe, net of its roofline, read 9.3-9.9;
-# priced with the latter the tiny Llama-3 forward (batch 1) came out at 3.15-3.26 ms against 3.15-3.29
-# measured beside it, with the former 2.7 ms.
-SIZED_PROBE = (64, 4, 32)
-
-
-def probe_model(blocks: int, dim: int = 8, heads: int = 2) -> nn.Module:
+def probe_model(blocks: int, dim: int = TOY_PROBE[0], heads: int = TOY_PROBE[1]) -> nn.Module:
     """The probe graph's model: ``blocks`` tiny transformer blocks (`_ProbeBlock`) in sequence; its
     input is (1, tokens, dim)."""
     return nn.Sequential(*[_ProbeBlock(dim, heads) for _ in range(blocks)])
 
 
 def _probe_graph(
-    blocks: int, device: torch.device, dim: int = 8, heads: int = 2, tokens: int = 4
+    blocks: int,
+    device: torch.device,
+    dim: int = TOY_PROBE[0],
+    heads: int = TOY_PROBE[1],
+    tokens: int = TOY_PROBE[2],
 ) -> tuple[Callable[[], object], Callable[[], object], int]:
     """(forward, forward + backward, node count) of the captured probe graph with ``blocks`` blocks.
 
@@ -344,6 +339,18 @@ def _probe_graph(
     return forward, train, nodes
 
 
+def _per_node_s(
+    small: tuple[float, float], big: tuple[float, float], nodes: int, roofline_s: float = 0.0
+) -> tuple[float, float]:
+    """(forward, backward) seconds per node from the (forward, forward + backward) times of a probe
+    graph with ``nodes`` fewer nodes (``small``) and more (``big``): the slopes, the forward net of
+    ``roofline_s`` (the priced time of the extra nodes' ops) and the backward net of twice it."""
+    (f_small, t_small), (f_big, t_big) = small, big
+    forward = (f_big - f_small - roofline_s) / nodes
+    backward = ((t_big - f_big) - (t_small - f_small) - 2 * roofline_s) / nodes
+    return forward, backward
+
+
 NODE_PROBE_WINDOWS = 3  # node-overhead windows spread over the calibration; the spec takes their median
 
 
@@ -361,11 +368,10 @@ def _node_overhead_s(device: torch.device, budget_s: float = 1.5) -> tuple[float
     fns = [fn for forward, train, _ in (*probes, *sized) for fn in (forward, train)]
     counts = [n for *_, n in probes]
     rates, _ = interleaved_rates(fns, [1.0] * len(fns), device, budget_s=budget_s)
-    (f1, t1), (f2, t2) = (1 / rates[0], 1 / rates[1]), (1 / rates[2], 1 / rates[3])
-    dn = counts[1] - counts[0]
-    forward_s = max(0.0, (f2 - f1) / dn)
-    backward_s = max(0.0, ((t2 - f2) - (t1 - f1)) / dn)
-    return forward_s, backward_s, counts[1], [1 / r for r in rates[4:]]
+    forward_s, backward_s = _per_node_s(
+        (1 / rates[0], 1 / rates[1]), (1 / rates[2], 1 / rates[3]), counts[1] - counts[0]
+    )
+    return max(0.0, forward_s), max(0.0, backward_s), counts[1], [1 / r for r in rates[4:]]
 
 
 class SpeedProbe:
@@ -416,8 +422,8 @@ class SpeedProbe:
         med = [statistics.median(t) for t in self._times[:-1]]
         if len(med) == 2:
             return max(0.0, (med[1] - med[0]) / self._nodes), None
-        (f1, t1, f2, t2) = med
-        return max(0.0, (f2 - f1) / self._nodes), max(0.0, ((t2 - f2) - (t1 - f1)) / self._nodes)
+        forward, backward = _per_node_s((med[0], med[1]), (med[2], med[3]), self._nodes)
+        return max(0.0, forward), max(0.0, backward)
 
     def matmul_flops_per_s(self) -> float | None:
         """FLOP/s of the probe matmul (median time of the samples); None before any sample."""
@@ -901,8 +907,7 @@ def _net_of_roofline(
     nodes, roofline = n_big - n_small, r_big - r_small
     if nodes <= 0:
         return spec
-    forward = (f_big - f_small - roofline) / nodes
-    backward = ((t_big - f_big) - (t_small - f_small) - 2 * roofline) / nodes  # backward: 2x the FLOP
+    forward, backward = _per_node_s((f_small, t_small), (f_big, t_big), nodes, roofline)
     dev = data["device"]
     toy_f, toy_b = dev["node_overhead_us"], dev["backward_node_overhead_us"]
     if forward > 0:

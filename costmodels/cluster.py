@@ -612,20 +612,12 @@ def _cpu_processes(spec: ClusterSpec, nproc: int) -> ClusterSpec:
         memory_bytes=spec.device.memory_bytes * spec.devices_per_node / nproc,
     )
     slowdown = min(1.0, share(nproc)) / min(1.0, share(spec.devices_per_node))  # < 1 when oversubscribed
-    if slowdown < 1.0:
+    if slowdown < 1.0:  # every per-op and per-node time (those the spec has) stretches alike
+        stretched = ("launch_overhead_s", "node_overhead_s", "backward_node_overhead_s")
+        stretched += ("probe_node_overhead_s", "probe_backward_node_overhead_s")
         device = replace(
             device,
-            launch_overhead_s=device.launch_overhead_s / slowdown,
-            node_overhead_s=None if device.node_overhead_s is None else device.node_overhead_s / slowdown,
-            backward_node_overhead_s=None
-            if device.backward_node_overhead_s is None
-            else device.backward_node_overhead_s / slowdown,
-            probe_node_overhead_s=None
-            if device.probe_node_overhead_s is None
-            else device.probe_node_overhead_s / slowdown,
-            probe_backward_node_overhead_s=None
-            if device.probe_backward_node_overhead_s is None
-            else device.probe_backward_node_overhead_s / slowdown,
+            **{f: getattr(device, f) / slowdown for f in stretched if getattr(device, f) is not None},
         )
     return replace(spec, devices_per_node=nproc, device=device)
 

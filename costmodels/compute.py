@@ -82,10 +82,19 @@ def op_time_s(
     return max(compute_s, memory_s) + overhead
 
 
-# Activation elements per node of the two probe graphs `planner calibrate` times (costmodels.calibrate:
-# the toy probe, dim 8 x 4 tokens, whose slope the spec keeps as `probe_node_overhead_s`, and
-# SIZED_PROBE, dim 64 x 32 tokens, whose slope net of the roofline is `node_overhead_s`)
-TOY_PROBE_ELEMENTS, SIZED_PROBE_ELEMENTS = 8 * 4, 64 * 32
+# (dim, heads, tokens) of the two probe graphs `planner calibrate` times (`costmodels.calibrate`):
+# the toy one, whose slope the spec keeps as `probe_node_overhead_s` (and a run's speed probe
+# re-times), and SIZED_PROBE at a small model's scale (a tiny Llama's activations at batch 1), whose
+# per-node time net of the roofline the cost model prices for its ops
+# (`costmodels.calibrate.calibrate(probe_roofline=...)`) is `node_overhead_s`. The toy probe
+# leaves out the allocation and cache traffic of real activations: on this 2-vCPU VM (2026-11-30, one
+# process) its slope read 7.2 us per node where the dim-64 probe, net of its roofline, read 9.3-9.9;
+# priced with the latter the tiny Llama-3 forward (batch 1) came out at 3.15-3.26 ms against 3.15-3.29
+# measured beside it, with the former 2.7 ms.
+TOY_PROBE = (8, 2, 4)
+SIZED_PROBE = (64, 4, 32)
+# activation elements per node of each (one sequence: tokens x dim)
+TOY_PROBE_ELEMENTS, SIZED_PROBE_ELEMENTS = TOY_PROBE[0] * TOY_PROBE[2], SIZED_PROBE[0] * SIZED_PROBE[2]
 
 
 def per_node_overhead_s(device: DeviceSpec, elements: float | None = None) -> float | None:

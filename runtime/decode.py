@@ -52,7 +52,7 @@ from planner.frontend.capture import capture, flat_inputs, retarget_device
 from planner.frontend.modelfile import ModelFile, load_model_file
 from planner.frontend.phases import Phase, build_for, decode_phase, phase_inputs, prefill_phase
 from planner.plan import Plan
-from runtime.job import speed_probe_summary
+from runtime.job import record_probe, speed_probe_summary
 from runtime.launch import RankContext, report_progress
 from runtime.measure import PROBE_SHARE, Timing, current_memory_bytes, process_peak_memory_bytes
 from runtime.mesh import build_rank_groups
@@ -452,10 +452,8 @@ def _serve_rank(
             f"the unsharded reference was built on {ref.made_on}: its peak memory includes the whole model"
         ],
     )
-    if probe is not None and (overhead := probe.overhead_s()) is not None:
-        report.probe_node_overhead_s, report.probe_backward_node_overhead_s = overhead
-        report.probe_matmul_flops_per_s = probe.matmul_flops_per_s()
-        report.probe_samples = probe.samples
+    if probe is not None:
+        record_probe(report, probe)
     return report
 
 

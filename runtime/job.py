@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -254,9 +253,21 @@ def speed_probe_summary(reports: list[Any]) -> dict[str, Any] | None:
         "backward_node_overhead_s": max(backward) if backward else None,
         "samples": min(r.probe_samples for r in probed),
         "per_rank_node_overhead_s": [r.probe_node_overhead_s for r in reports],
-        "matmul_flops_per_s": min(r.probe_matmul_flops_per_s or math.inf for r in probed),
+        "matmul_flops_per_s": min(rates)
+        if (rates := [r.probe_matmul_flops_per_s for r in probed if r.probe_matmul_flops_per_s])
+        else None,
         "matmul_shape": list(PROBE_MATMUL_SHAPE),
     }
+
+
+def record_probe(report: Any, probe: SpeedProbe) -> None:
+    """Put `probe`'s readings (per-node overheads, matmul rate, sample count) in `report`, a
+    `RankReport` or `runtime.decode.DecodeRankReport`; nothing before its first sample."""
+    if (overhead := probe.overhead_s()) is None:
+        return
+    report.probe_node_overhead_s, report.probe_backward_node_overhead_s = overhead
+    report.probe_matmul_flops_per_s = probe.matmul_flops_per_s()
+    report.probe_samples = probe.samples
 
 
 def time_steps(step: Callable[[], object], job: RunJob, device: torch.device, report: RankReport) -> None:
@@ -277,10 +288,8 @@ def time_steps(step: Callable[[], object], job: RunJob, device: torch.device, re
         min_time_s=job.min_time_s,
         probe=probe.sample if probe is not None else None,
     )
-    if probe is not None and (overhead := probe.overhead_s()) is not None:
-        report.probe_node_overhead_s, report.probe_backward_node_overhead_s = overhead
-        report.probe_matmul_flops_per_s = probe.matmul_flops_per_s()
-        report.probe_samples = probe.samples
+    if probe is not None:
+        record_probe(report, probe)
     report.latency_samples_s = list(timing.samples_s)
     report.median_s = timing.median_s
     report.steps_per_sample = timing.steps_per_sample

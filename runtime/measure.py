@@ -168,7 +168,7 @@ def _time_cpu(
     """`samples` samples, each the mean time of `window` back-to-back calls after a barrier; `probe`
     called after a sample while its calls have taken under `PROBE_SHARE` of the timed time."""
     samples_s: list[float] = []
-    probe_s = 0.0
+    probe_s = timed_s = 0.0
     for i in range(samples):
         progress(
             f"timed sample {i + 1}/{samples}" if window > 1 else f"timed iteration {i + 1}/{samples}",
@@ -178,8 +178,10 @@ def _time_cpu(
         start = time.perf_counter()
         for _ in range(window):
             fn()
-        samples_s.append((time.perf_counter() - start) / window)
-        if probe is not None and probe_s < PROBE_SHARE * window * sum(samples_s):
+        elapsed_s = time.perf_counter() - start
+        samples_s.append(elapsed_s / window)
+        timed_s += elapsed_s
+        if probe is not None and probe_s < PROBE_SHARE * timed_s:
             probe_s += probe()
     progress(f"timed {samples * window} iterations", 1.0)
     return samples_s

@@ -8,7 +8,6 @@ shows progress and renders. Errors are `planner.errors` exceptions with the exit
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import tempfile
@@ -194,12 +193,13 @@ def resolve_cluster(
 
 def probe_roofline(blocks: int, cluster: ClusterSpec) -> tuple[float, int]:
     """(roofline seconds, charged nodes) the cost model prices for `planner calibrate`'s probe graph
-    at a small model's scale (`costmodels.calibrate.SIZED_PROBE`) with `blocks` blocks, on `cluster`
+    at a small model's scale (`costmodels.compute.SIZED_PROBE`) with `blocks` blocks, on `cluster`
     (`planner.solver.costing.graph_roofline_s`, `graph_node_count`); captured on meta. `calibrate`
     subtracts it from the probe's measured time to price the per-node overhead."""
     import torch  # noqa: PLC0415
 
-    from costmodels.calibrate import SIZED_PROBE, probe_model  # noqa: PLC0415
+    from costmodels.calibrate import probe_model  # noqa: PLC0415
+    from costmodels.compute import SIZED_PROBE  # noqa: PLC0415
     from planner.frontend.analysis import analyse  # noqa: PLC0415
     from planner.frontend.capture import capture  # noqa: PLC0415
     from planner.solver.costing import graph_node_count, graph_roofline_s  # noqa: PLC0415
@@ -580,7 +580,7 @@ def run_serving(
 ) -> dict[str, Any] | None:
     """Serve `plan.serving`'s request on `nproc` local ranks: prefill, then greedy decode steps
     (`runtime.decode`); `warmup` untimed then `iters` timed requests (`speed_probe`: the speed probe
-    timed after each, as `run_plan`'s). Returns the summary (None on
+    timed between the decode steps, as `run_plan`'s between its samples). Returns the summary (None on
     ranks other than 0 under torchrun). Raises InputError for pp > 1, dp > 1 or a wrong nproc,
     RunError (exit 4) when a rank fails or the tokens / logits differ from the unsharded model's."""
     from runtime.decode import (  # noqa: PLC0415 - only for --run
@@ -644,10 +644,6 @@ def probes_speed(cluster: ClusterSpec) -> bool:
     return measured and cluster.device.node_overhead_s is not None
 
 
-# The machine ran at its calibrated speed when the probe read within this factor of the spec's figure
-SPEED_DRIFT_TOLERANCE = 1.1
-
-
 def at_run_speed(
     plan: Plan, structure: ModelStructure | None, cluster: ClusterSpec, run: dict[str, Any]
 ) -> dict[str, Any] | None:
@@ -657,8 +653,8 @@ def at_run_speed(
     backward by the backward probe when training, else alike), and, when the spec records the probe
     matmul's rate at calibration (`DeviceSpec.probe_matmul_flops_per_s`, timed with the matmuls the
     spec's peaks were fitted on), every peak scaled by the probe's rate now over then; memory and link
-    figures stay as calibrated. What the cost
-    model predicts for the machine as fast as it was during the run.
+    figures stay as calibrated. What the cost model predicts for the machine as fast as it was during
+    the run.
 
     Returns {"node_overhead_s" (the probe's per-node slope), "calibrated_node_overhead_s" (its reading
     at calibration), "speed_ratio" (the first over the second; > 1: slower than calibrated),
@@ -667,7 +663,8 @@ def at_run_speed(
     per-node overhead, else None), "matmul_flops_per_s", "calibrated_matmul_flops_per_s",
     "matmul_ratio" (calibrated / probe rate; > 1: slower; None without a reference), "latency_s"
     (re-priced, seconds; a served request's decode step, `structure` being its decode graph),
-    "measured_over_predicted" (the measured latency over it), "probe_samples"}, or None without a probe reading or without `structure`.
+    "measured_over_predicted" (the measured latency over it), "probe_samples"}, or None without a
+    probe reading or without `structure`.
     """
     probe = run["measured"].get("speed_probe")
     dev = cluster.device
@@ -692,7 +689,7 @@ def at_run_speed(
     )
     matmul_now, matmul_then = probe.get("matmul_flops_per_s"), dev.probe_matmul_flops_per_s
     matmul_ratio = None
-    if matmul_now and matmul_then and math.isfinite(matmul_now):
+    if matmul_now and matmul_then:
         matmul_ratio = matmul_then / matmul_now
         run_dev = replace(
             run_dev, peak_flops_per_s={k: v / matmul_ratio for k, v in dev.peak_flops_per_s.items()}
