@@ -11,6 +11,7 @@ import random
 import pulp
 import pytest
 
+from costmodels import compute
 from costmodels.cluster import load_cluster
 from costmodels.comm import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s
 from planner.errors import InputError
@@ -389,3 +390,26 @@ def test_selective_recompute_frees_the_scores_of_a_materialized_kernel(h100) -> 
         problem(structure, cluster, work, MeshConfig(MeshShape(1, 1, 1), 8), cap=cap)
     ).assignment
     assert solved.recompute == {key: Recompute.SELECTIVE}
+
+
+def test_materialized_kernel_multiplies_the_masked_scores_too(h100) -> None:
+    """A causal fused kernel skips the masked half of the scores; a materialized one (Megatron-LM's
+    baddbmm over all (s, s) scores, masked afterwards) pays the full Q K^T and P V product. With memory
+    traffic made free, the two cores differ by exactly the masked half's FLOP time."""
+    fast_memory = dataclasses.replace(h100.device, memory_bandwidth_bytes_per_s=1e18)
+    fused_cluster = dataclasses.replace(h100, device=fast_memory)
+    structure = handmade_llama(num_layers=2)
+    work = WorkloadSpec("train", 8, 2048, micro_batches=8)
+    mesh = MeshConfig(MeshShape(1, 1, 1), 8)
+    fused = price(structure, fused_cluster, work, mesh)
+    materialized = price(
+        structure, dataclasses.replace(fused_cluster, attention_kernel="materialized"), work, mesh
+    )
+    key = fused.layer_keys[0]
+    t_fused = fused.graphs[key].op("core").option("replicate").compute_s
+    t_mat = materialized.graphs[key].op("core").option("replicate").compute_s
+    attn = structure.layers[0].attention
+    full = compute.attention_flops(1, attn.num_heads, 2048, 2048, attn.head_dim, causal=False)
+    op_time = materialized.ctx.op_time  # forward and backward, one launch each
+    masked_half_s = op_time(full, 0.0, "attention") - op_time(full / 2, 0.0, "attention")
+    assert t_mat - t_fused == pytest.approx(masked_half_s, rel=0.01)

@@ -382,9 +382,15 @@ def attention_core_options(
     dev = ctx.cluster.device
     bandwidth = dev.memory_bandwidth_bytes_per_s * dev.memory_efficiency
 
+    # a materialized kernel multiplies every (s, s) score and masks the causal half afterwards: Megatron-LM
+    # of 2021 (NVIDIA/Megatron-LM megatron/model/transformer.py, ParallelAttention: torch.baddbmm over all
+    # [sq, sk] scores, the upper triangle masked by FusedScaleMaskSoftmax, then torch.bmm with V); only a
+    # fused kernel skips the masked tiles (Dao et al. 2022)
+    skips_masked = causal and not materialized
+
     def option(name: str, layout: Layout, shard: int, kv_shard: int | None = None) -> OpOption:
         kv_shard = shard if kv_shard is None else kv_shard
-        flops = compute.attention_flops(seqs, heads / shard, q_len, kv_len, hd, causal)
+        flops = compute.attention_flops(seqs, heads / shard, q_len, kv_len, hd, skips_masked)
         # a per-query-head kernel reads each KV head once per query head (`ClusterSpec.attention_kernel`)
         kv_reads = heads / shard if per_query_head else kv_heads / kv_shard
         moved = compute.attention_bytes(seqs, heads / shard, kv_reads, q_len, kv_len, hd, ctx.dtype)
