@@ -43,6 +43,7 @@ import json
 import math
 import os
 import platform
+import re
 import socket
 import statistics
 import time
@@ -60,11 +61,12 @@ from costmodels.cluster import (
     CALIBRATED_SOURCE,
     CALIBRATED_SPEC_NAME,
     ClusterSpec,
+    DeviceSpec,
     cluster_to_dict,
     load_cluster,
     parse_cluster,
 )
-from costmodels.compute import SIZED_PROBE, TOY_PROBE
+from costmodels.compute import SIZED_PROBE, TOY_PROBE, linear_bytes, linear_flops, op_time_s
 from costmodels.dtypes import DTYPE_BYTES, torch_dtype
 from planner.errors import InputError, RunError
 from planner.files import write_text_atomic
@@ -219,6 +221,92 @@ def _matmul_flops_per_s(
     large_m = [r * (m + half_rows) / m for r, (m, _, _) in zip(rates, shapes)]
     probe = rates[shapes.index(PROBE_MATMUL_SHAPE)] if PROBE_MATMUL_SHAPE in shapes else None
     return statistics.median(large_m), wall_ratio, half_rows, probe
+
+
+MODEL_SHAPES_BUDGET_S = 1.0  # wall seconds of interleaved rounds timing a model's matmul shapes
+# shapes priced outside these seconds per product are left out (ratio 1): below, the product is a
+# fraction of its node's dispatch cost (`DeviceSpec.node_overhead_s`) and its ratio mostly timer noise
+_MODEL_SHAPE_MIN_S, _MODEL_SHAPE_MAX_S = 50e-6, 0.1
+# timed beside a model's shapes: its time is the call's own cost (Python and ATen dispatch), which the
+# per-node overhead prices already, so it is taken off each shape's time
+_FLOOR_MATMUL_SHAPE = (1, 8, 8)
+_MODEL_SHAPES_MAX_BYTES = 1 << 30  # operands allocated at once at most; the largest shapes left out first
+
+
+def spec_threads(spec: ClusterSpec) -> int:
+    """Intra-op threads a rank of ``spec`` computes with: the count `calibrate` wrote into the device
+    name ("..., N thread(s) per process"), else the cores shared among the node's ranks (as
+    `runtime.launch` sets them)."""
+    match = re.search(r"(\d+) thread\(s\) per process", spec.device.name)
+    if match:
+        return max(1, int(match.group(1)))
+    return max(1, (os.cpu_count() or 1) // max(1, spec.devices_per_node))
+
+
+def matmul_shape_time_ratios(
+    shapes: list[tuple[int, int, int]],
+    device_spec: DeviceSpec,
+    dtype: str,
+    threads: int = 1,
+    budget_s: float = MODEL_SHAPES_BUDGET_S,
+) -> dict[tuple[int, int], float]:
+    """Measured / priced time of each (M, K, N) product of ``shapes`` on this CPU process, keyed by
+    (K, N), for `DeviceSpec.matmul_shape_time_ratios`.
+
+    Each product is timed in thread CPU time with ``threads`` intra-op threads (what a rank computes
+    with), interleaved with the speed probe's matmul (`PROBE_MATMUL_SHAPE`) for about ``budget_s``
+    wall seconds, and with a (1 x 8) @ (8 x 8) product whose time (the call's dispatch, which the
+    per-node overhead prices) is taken off each. A measured time is brought to the machine's speed at
+    calibration by the probe's rate
+    now over its rate then (``device_spec.probe_matmul_flops_per_s``), so the ratio carries the shape's
+    own rate, not the moment's; the priced time is `costmodels.compute.op_time_s` of the product on
+    ``device_spec`` without a launch term. Shapes priced outside ``_MODEL_SHAPE_MIN_S`` ..
+    ``_MODEL_SHAPE_MAX_S`` a product, and
+    the largest ones past ``_MODEL_SHAPES_MAX_BYTES`` of operands, are left out (priced by the fit).
+
+    Raises:
+        ValueError: ``device_spec`` has no probe matmul reference (a spec `planner calibrate` did not write).
+    """
+    reference = device_spec.probe_matmul_flops_per_s
+    if not reference:
+        raise ValueError(
+            "the spec records no probe_matmul_GFLOPS (written by planner calibrate) to time shapes against"
+        )
+    dt, size = torch_dtype(dtype), DTYPE_BYTES[dtype]
+    priced = {s: op_time_s(linear_flops(*s), linear_bytes(*s, dtype), device_spec, dtype, "matmul", rows=s[0], launch=False)
+              for s in dict.fromkeys(shapes)}  # fmt: skip
+    kept, total = [], 0.0
+    for s in sorted(priced, key=lambda s: math.prod(s)):
+        nbytes = (s[0] * s[1] + s[1] * s[2]) * size
+        if (
+            _MODEL_SHAPE_MIN_S <= priced[s] <= _MODEL_SHAPE_MAX_S
+            and total + nbytes <= _MODEL_SHAPES_MAX_BYTES
+        ):
+            kept.append(s)
+            total += nbytes
+    if not kept:
+        return {}
+    timed = [PROBE_MATMUL_SHAPE, _FLOOR_MATMUL_SHAPE, *kept]
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        pairs = [(torch.randn(m, k).to(dt), torch.randn(k, n).to(dt)) for m, k, n in timed]
+        probe_dt = torch_dtype("fp32")
+        pairs[0] = tuple(t.to(probe_dt) for t in pairs[0])
+        rates, _ = interleaved_rates(
+            [lambda x=x, w=w: x @ w for x, w in pairs],
+            [2.0 * math.prod(s) for s in timed],
+            torch.device("cpu"),
+            budget_s,
+        )
+    finally:
+        torch.set_num_threads(threads_before)
+    slower_now = reference / rates[0]  # > 1: the machine runs slower than at calibration
+    floor_s = 2.0 * math.prod(_FLOOR_MATMUL_SHAPE) / rates[1]  # the call itself, which a node pays already
+    return {
+        (k, n): max(2.0 * m * k * n / rate - floor_s, 0.0) / slower_now / priced[(m, k, n)]
+        for (m, k, n), rate in zip(kept, rates[2:])
+    }
 
 
 def _cache_bytes() -> float | None:

@@ -120,6 +120,12 @@ class DeviceSpec:
     # Optional (written by `planner calibrate`): FLOP/s of the speed probe's fp32 matmul
     # (`costmodels.calibrate.PROBE_MATMUL_SHAPE`) at calibration; a run's probe compares with it.
     probe_matmul_flops_per_s: float | None = None
+    # Optional, set at planning time, never read from YAML: measured / priced time of a model's own
+    # (K, N) matmul shapes on this machine (`costmodels.calibrate.matmul_shape_time_ratios`), which
+    # `costmodels.compute.op_time_s` applies to a matmul of that (K, N) at any M. A CPU's rate depends on
+    # the weight's shape, not on its size alone: on the 2-vCPU dev VM (64 x 768) @ (768 x 3072) runs at
+    # ~73 GFLOP/s and (64 x 3072) @ (3072 x 768) at ~130, so no smooth fit prices both.
+    matmul_shape_time_ratios: dict[tuple[int, int], float] | None = None
 
 
 CALIBRATED_SPEC_NAME = "local-calibrated"  # the name of a spec written by `planner calibrate`

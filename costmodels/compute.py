@@ -36,6 +36,7 @@ def op_time_s(
     kind: str,
     rows: float | None = None,
     launch: bool = True,
+    shape: tuple[float, float] | None = None,
 ) -> float:
     """Time in seconds of one op on one device, by roofline plus a fixed launch overhead.
 
@@ -52,6 +53,8 @@ def op_time_s(
             M / (M + h) of its rate (small-M products under-use the matrix units / vector lanes).
         launch: add ``device.launch_overhead_s``; False when the caller charges a per-node overhead
             (`node_overhead_s`) for the op instead.
+        shape: a matmul's (K, N): with ``device.matmul_shape_time_ratios`` holding it (a model's own
+            shapes timed on this machine), the roofline time is scaled by that measured ratio.
 
     Raises:
         ValueError: unknown ``dtype`` or ``kind``, or negative counts.
@@ -78,8 +81,19 @@ def op_time_s(
     overhead = device.launch_overhead_s if launch else 0.0
     if kind == "matmul" and device.cache_bytes is not None and bytes_moved > device.cache_bytes:
         stream = device.stream_bandwidth_bytes_per_s or bandwidth
-        return compute_s + bytes_moved / stream + overhead
-    return max(compute_s, memory_s) + overhead
+        roofline_s = compute_s + bytes_moved / stream
+    else:
+        roofline_s = max(compute_s, memory_s)
+    return roofline_s * shape_time_ratio(device, kind, shape) + overhead
+
+
+def shape_time_ratio(device: DeviceSpec, kind: str, shape: tuple[float, float] | None) -> float:
+    """Measured / priced time of a matmul of (K, N) ``shape`` on ``device``
+    (``DeviceSpec.matmul_shape_time_ratios``), 1.0 for other ops and for shapes not measured."""
+    ratios = device.matmul_shape_time_ratios
+    if kind != "matmul" or not ratios or shape is None:
+        return 1.0
+    return ratios.get((round(shape[0]), round(shape[1])), 1.0)
 
 
 # (dim, heads, tokens) of the two probe graphs `planner calibrate` times (`costmodels.calibrate`):

@@ -327,6 +327,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         )
         if cluster is None:
             cluster = cluster_spec()
+        # this machine's spec: the model's own matmul shapes timed here, for every use of the spec below
+        cluster = workflow.with_model_matmul_rates(prepared, cluster, bars)
         bars("solving the ILP", None)
         constraints = workflow.constraints_from(
             args.tp, args.pp, args.dp, args.ladder, max_devices=args.devices, **_training_options(args)

@@ -417,6 +417,7 @@ def make_plan(
     search and the lowering. Raises InfeasibleError (exit 3: no plan, or one the passes cannot
     lower) or InputError (exit 2)."""
     check_pinned_tp(prepared.structure, constraints.tp)
+    cluster = with_model_matmul_rates(prepared, cluster, progress)
     plan = plan_model(
         prepared.structure,
         cluster,
@@ -450,6 +451,45 @@ def make_plan(
         if request.workload is Workload.GENERATE:
             plan.seq_len = request.prompt_len
     return plan
+
+
+_SHAPE_RATIOS: dict[tuple, dict[tuple[int, int], float]] = {}  # this process's timings, by spec and shapes
+
+
+def with_model_matmul_rates(
+    prepared: Prepared, cluster: ClusterSpec, progress: Progress = silent
+) -> ClusterSpec:
+    """`cluster` with the model's own matmul shapes timed on this machine
+    (`DeviceSpec.matmul_shape_time_ratios`), when `cluster` is this machine's calibrated spec (a
+    `probes_speed` spec with its probe matmul's rate, gloo); else `cluster` unchanged. Every TP degree
+    that divides the spec's device count is timed (`costing.model_matmul_shapes`), at the workload's
+    tokens per rank (the fit's row term carries other micro-batch sizes), with the threads a rank
+    computes with (`costmodels.calibrate.spec_threads`); about a second, once per model, spec and
+    workload in a process. A spec that holds ratios already is returned as it is."""
+    from costmodels.calibrate import matmul_shape_time_ratios, spec_threads  # noqa: PLC0415
+    from planner.solver.costing import model_matmul_shapes  # noqa: PLC0415
+
+    dev = cluster.device
+    if dev.matmul_shape_time_ratios is not None:  # timed already
+        return cluster
+    if not probes_speed(cluster) or not dev.probe_matmul_flops_per_s or cluster.backend != "gloo":
+        return cluster
+    structure, workload = prepared.structure, prepared.workload
+    tokens = workload.batch_size * workload.tokens_per_sequence
+    tps = [tp for tp in range(1, cluster.num_devices + 1) if cluster.num_devices % tp == 0]
+    shapes = model_matmul_shapes(structure, tokens, tps)
+    prefill = prepared.prefill
+    if prefill is not None and prepared.request is not None:
+        shapes += model_matmul_shapes(prefill, workload.batch_size * prepared.request.prompt_len, tps)
+    if not shapes:
+        return cluster
+    dtype = workload.dtype or structure.dtype
+    threads = spec_threads(cluster)
+    key = (cluster.name, cluster.sources, dev.probe_matmul_flops_per_s, dtype, threads, tuple(shapes))
+    if key not in _SHAPE_RATIOS:
+        progress(f"timing the model's {len(shapes)} matmul shapes on this machine", None)
+        _SHAPE_RATIOS[key] = matmul_shape_time_ratios(shapes, dev, dtype, threads=threads)
+    return replace(cluster, device=replace(dev, matmul_shape_time_ratios=_SHAPE_RATIOS[key]))
 
 
 def check_lowering(prepared: Prepared, plan: Plan, cluster: ClusterSpec) -> Plan:

@@ -238,12 +238,27 @@ class CostContext:
         on_node = math.gcd(on_node, self.mesh.dp)
         return Group(self.mesh.dp, on_node)
 
-    def op_time(self, flops: float, bytes_moved: float, kind: str, rows: float | None = None) -> float:
+    def op_time(
+        self,
+        flops: float,
+        bytes_moved: float,
+        kind: str,
+        rows: float | None = None,
+        shape: tuple[float, float] | None = None,
+    ) -> float:
         """Roofline time of one op (training: forward + backward). With a per-node overhead on the
-        device (`node_overhead_time`), the op's launch term is left out: its node pays that instead."""
+        device (`node_overhead_time`), the op's launch term is left out: its node pays that instead.
+        ``shape``: a matmul's (K, N) on one rank (`costmodels.compute.op_time_s`)."""
         dev = self.cluster.device
         one = compute.op_time_s(
-            flops, bytes_moved, dev, self.dtype, kind, rows=rows, launch=dev.node_overhead_s is None
+            flops,
+            bytes_moved,
+            dev,
+            self.dtype,
+            kind,
+            rows=rows,
+            launch=dev.node_overhead_s is None,
+            shape=shape,
         )
         return self.compute_factor * one
 
@@ -322,7 +337,7 @@ def projection_options(
         split_stream = ctx.sequence_parallel and in_layout == R and shard > 1
         stored = act_in / (shard if in_layout == S or split_stream else 1)
         grads = weight_bytes / shard if ctx.train else 0.0
-        return OpOption(name, in_layout, out_layout, ctx.op_time(flops, moved, "matmul", rows=tokens),
+        return OpOption(name, in_layout, out_layout, ctx.op_time(flops, moved, "matmul", rows=tokens, shape=(k, m)),
                         weight_bytes * state / shard, stored, grad_bytes=grads)  # fmt: skip
 
     options = [option("replicate", R, R, n_in, n_out, 1)]
@@ -952,6 +967,29 @@ def _all_projections(s: ModelStructure) -> list[Projection]:
         if layer.mlp is not None:
             out += layer.mlp.projections
     return out
+
+
+def model_matmul_shapes(s: ModelStructure, tokens: int, tps: list[int]) -> list[tuple[int, int, int]]:
+    """The (M, K, N) products one rank computes for `s`'s projections and LM head at each TP degree of
+    ``tps``, M = ``tokens``: replicated (K, N), column-parallel (K, N / tp) and row-parallel (K / tp, N)
+    where they divide, the LM head's vocabulary padded to a multiple of tp (as `build_ends_graph`
+    prices it). What `costmodels.calibrate.matmul_shape_time_ratios` times on a CPU."""
+    shapes: dict[tuple[int, int, int], None] = {}
+    head = [s.lm_head] if s.lm_head is not None else []
+    for p in _all_projections(s) + head:
+        k, n = p.in_features, p.out_features
+        for tp in tps:
+            if tp == 1:
+                shapes[(tokens, k, n)] = None
+                continue
+            if p is s.lm_head:
+                shapes[(tokens, k, -(-n // tp))] = None
+                continue
+            if n % tp == 0:
+                shapes[(tokens, k, n // tp)] = None
+            if k % tp == 0:
+                shapes[(tokens, k // tp, n)] = None
+    return list(shapes)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,123 @@
+"""A model's own matmul shapes timed on this CPU (`costmodels.calibrate.matmul_shape_time_ratios`):
+the ratio of measured to priced time per (K, N), brought to the calibration's speed by the speed
+probe's matmul, and applied by `costmodels.compute.op_time_s` to matmuls of that (K, N) only."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from costmodels import calibrate as cal
+from costmodels.cluster import CALIBRATED_SPEC_NAME, load_cluster
+from costmodels.compute import linear_bytes, linear_flops, op_time_s
+from planner.cli import workflow
+from planner.solver.costing import model_matmul_shapes
+from tests.planner_fixtures import analysed_llama
+
+
+@pytest.fixture
+def calibrated():
+    """local-cpu named as a calibrated spec, with a probe matmul reference of 100 GFLOP/s."""
+    base = load_cluster("local-cpu", 2)
+    device = dataclasses.replace(base.device, probe_matmul_flops_per_s=100e9)
+    return dataclasses.replace(base, name=CALIBRATED_SPEC_NAME, device=device)
+
+
+def _priced(shape, device) -> float:
+    return op_time_s(linear_flops(*shape), linear_bytes(*shape, "fp32"), device, "fp32", "matmul", rows=shape[0], launch=False)  # fmt: skip
+
+
+def test_ratio_is_measured_over_priced_at_the_calibration_speed(calibrated, monkeypatch) -> None:
+    """Probe at half its reference rate (machine 2x slower now): a shape measured at 2x its priced
+    time, less the dispatch floor, is priced as it was at calibration, ratio (2 t - floor) / 2 / t."""
+    shape = (64, 768, 3072)
+    priced_s = _priced(shape, calibrated.device)
+    floor_s = 4e-6
+    flops = 2.0 * 64 * 768 * 3072
+
+    def fake_rates(fns, amounts, device, budget_s):
+        assert len(fns) == 3  # probe, floor, the shape
+        return [50e9, amounts[1] / floor_s, flops / (2 * priced_s)], 1.0
+
+    monkeypatch.setattr(cal, "interleaved_rates", fake_rates)
+    ratios = cal.matmul_shape_time_ratios([shape], calibrated.device, "fp32")
+    assert ratios == {(768, 3072): pytest.approx((2 * priced_s - floor_s) / 2 / priced_s)}
+
+
+def test_shapes_outside_the_timed_range_keep_the_fit(calibrated) -> None:
+    """A product priced under the dispatch-sized minimum or over the maximum is not timed."""
+    tiny, huge = (1, 8, 16), (8192, 8192, 8192)
+    assert _priced(tiny, calibrated.device) < cal._MODEL_SHAPE_MIN_S
+    assert _priced(huge, calibrated.device) > cal._MODEL_SHAPE_MAX_S
+    assert cal.matmul_shape_time_ratios([tiny, huge], calibrated.device, "fp32") == {}
+    no_reference = dataclasses.replace(calibrated.device, probe_matmul_flops_per_s=None)
+    with pytest.raises(ValueError, match="probe_matmul_GFLOPS"):
+        cal.matmul_shape_time_ratios([tiny], no_reference, "fp32")
+
+
+def test_real_timing_returns_a_positive_ratio_per_shape(calibrated) -> None:
+    """Timed for real (0.2 s): every kept shape gets a finite positive ratio, keyed by (K, N)."""
+    shapes = [(64, 256, 1024), (64, 1024, 256)]
+    ratios = cal.matmul_shape_time_ratios(shapes, calibrated.device, "fp32", budget_s=0.2)
+    assert set(ratios) == {(256, 1024), (1024, 256)}
+    assert all(0 < r < 100 for r in ratios.values())
+
+
+def test_op_time_scales_only_matmuls_of_a_measured_shape(calibrated) -> None:
+    device = dataclasses.replace(calibrated.device, matmul_shape_time_ratios={(768, 3072): 0.5})
+    flops, moved = linear_flops(64, 768, 3072), linear_bytes(64, 768, 3072, "fp32")
+    plain = op_time_s(flops, moved, calibrated.device, "fp32", "matmul", rows=64, launch=False)
+    assert op_time_s(flops, moved, device, "fp32", "matmul", rows=64, launch=False, shape=(768, 3072)) == pytest.approx(plain / 2)  # fmt: skip
+    assert (
+        op_time_s(flops, moved, device, "fp32", "matmul", rows=64, launch=False, shape=(3072, 768)) == plain
+    )
+    assert op_time_s(flops, moved, device, "fp32", "matmul", rows=64, launch=False) == plain
+    launch = calibrated.device.launch_overhead_s
+    with_launch = op_time_s(flops, moved, device, "fp32", "matmul", rows=64, shape=(768.0, 3072.0))
+    assert with_launch == pytest.approx(plain / 2 + launch)  # the launch term is not scaled
+    memory = op_time_s(1e6, 1e6, device, "fp32", "memory", launch=False, shape=(768, 3072))
+    assert memory == op_time_s(1e6, 1e6, calibrated.device, "fp32", "memory", launch=False)
+
+
+def test_model_shapes_cover_every_split_the_planner_prices() -> None:
+    structure = analysed_llama("tiny")
+    shapes = model_matmul_shapes(structure, 32, [1, 2])
+    head = structure.lm_head
+    assert (32, head.in_features, head.out_features) in shapes
+    assert (32, head.in_features, -(-head.out_features // 2)) in shapes
+    for layer in structure.layers:
+        for p in layer.attention.projections + layer.mlp.projections:
+            assert (32, p.in_features, p.out_features) in shapes
+            if p.out_features % 2 == 0:
+                assert (32, p.in_features, p.out_features // 2) in shapes
+            if p.in_features % 2 == 0:
+                assert (32, p.in_features // 2, p.out_features) in shapes
+    assert len(shapes) == len(set(shapes))
+
+
+def test_planning_times_shapes_on_a_calibrated_spec_only(calibrated, monkeypatch) -> None:
+    """A calibrated local spec gets the model's ratios (timed once per process); a preset does not."""
+    calls = []
+
+    def fake(shapes, device, dtype, threads=1, budget_s=1.0):
+        calls.append(shapes)
+        return {(k, n): 0.5 for _, k, n in shapes}
+
+    monkeypatch.setattr(cal, "matmul_shape_time_ratios", fake)
+    monkeypatch.setattr(workflow, "_SHAPE_RATIOS", {})
+    prepared = workflow.prepare("examples/mlp.py", "forward", batch_size=64)
+    timed = workflow.with_model_matmul_rates(prepared, calibrated)
+    assert timed.device.matmul_shape_time_ratios == {(k, n): 0.5 for _, k, n in calls[0]}
+    assert (64, 64, 256) in calls[0]  # the first Linear(64, 256) at 64 rows
+    workflow.with_model_matmul_rates(prepared, calibrated)
+    assert len(calls) == 1  # cached for the process
+    preset = load_cluster("local-cpu", 2)
+    assert workflow.with_model_matmul_rates(prepared, preset) is preset
+    plain = workflow.make_plan(
+        prepared, preset, workflow.constraints_from(1, 1, 1, "none"), "examples/mlp.py"
+    )
+    halved = workflow.make_plan(
+        prepared, calibrated, workflow.constraints_from(1, 1, 1, "none"), "examples/mlp.py"
+    )
+    assert halved.predicted.latency_s < plain.predicted.latency_s
