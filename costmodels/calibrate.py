@@ -226,7 +226,7 @@ def _matmul_flops_per_s(
 MODEL_SHAPES_BUDGET_S = 1.0  # wall seconds of interleaved rounds timing a model's matmul shapes
 # shapes priced outside these seconds per product are left out (ratio 1): below, the product is a
 # fraction of its node's dispatch cost (`DeviceSpec.node_overhead_s`) and its ratio mostly timer noise
-_MODEL_SHAPE_MIN_S, _MODEL_SHAPE_MAX_S = 50e-6, 0.1
+_MODEL_SHAPE_MIN_S, _MODEL_SHAPE_MAX_S = 50e-6, 0.05
 # timed beside a model's shapes: its time is the call's own cost (Python and ATen dispatch), which the
 # per-node overhead prices already, so it is taken off each shape's time
 _FLOOR_MATMUL_SHAPE = (1, 8, 8)
@@ -249,20 +249,25 @@ def matmul_shape_time_ratios(
     dtype: str,
     threads: int = 1,
     budget_s: float = MODEL_SHAPES_BUDGET_S,
+    train: bool = False,
 ) -> dict[tuple[int, int], float]:
     """Measured / priced time of each (M, K, N) product of ``shapes`` on this CPU process, keyed by
     (K, N), for `DeviceSpec.matmul_shape_time_ratios`.
 
     Each product is timed in thread CPU time with ``threads`` intra-op threads (what a rank computes
-    with), interleaved with the speed probe's matmul (`PROBE_MATMUL_SHAPE`) for about ``budget_s``
-    wall seconds, and with a (1 x 8) @ (8 x 8) product whose time (the call's dispatch, which the
-    per-node overhead prices) is taken off each. A measured time is brought to the machine's speed at
-    calibration by the probe's rate
-    now over its rate then (``device_spec.probe_matmul_flops_per_s``), so the ratio carries the shape's
-    own rate, not the moment's; the priced time is `costmodels.compute.op_time_s` of the product on
-    ``device_spec`` without a launch term. Shapes priced outside ``_MODEL_SHAPE_MIN_S`` ..
-    ``_MODEL_SHAPE_MAX_S`` a product, and
-    the largest ones past ``_MODEL_SHAPES_MAX_BYTES`` of operands, are left out (priced by the fit).
+    with), interleaved for about ``budget_s`` wall seconds with the speed probe's matmul
+    (`PROBE_MATMUL_SHAPE`) and a (1 x 8) @ (8 x 8) product. The latter's time, the call's dispatch,
+    which the per-node overhead prices already, is taken off each. A measured time is brought to the
+    machine's speed at calibration by the probe's rate now over its rate then
+    (``device_spec.probe_matmul_flops_per_s``), so the ratio carries the shape's own rate, not the
+    moment's. The priced time is `costmodels.compute.op_time_s` of the product on ``device_spec``
+    without a launch term. With ``train``, a linear's backward products are timed too, the input
+    gradient (M x N) @ (N x K) and the weight gradient (N x M) @ (M x K), and the ratio is their sum
+    with the forward over three forward prices (the training step's `compute_factor`).
+
+    A shape priced over ``_MODEL_SHAPE_MAX_S`` is timed with fewer rows (the ratio is taken as the same
+    at any M; the fit's row term carries M); one priced under ``_MODEL_SHAPE_MIN_S`` (a fraction of its
+    node's dispatch) is left out, and so are the largest past ``_MODEL_SHAPES_MAX_BYTES`` of operands.
 
     Raises:
         ValueError: ``device_spec`` has no probe matmul reference (a spec `planner calibrate` did not write).
@@ -273,26 +278,35 @@ def matmul_shape_time_ratios(
             "the spec records no probe_matmul_GFLOPS (written by planner calibrate) to time shapes against"
         )
     dt, size = torch_dtype(dtype), DTYPE_BYTES[dtype]
-    priced = {s: op_time_s(linear_flops(*s), linear_bytes(*s, dtype), device_spec, dtype, "matmul", rows=s[0], launch=False)
-              for s in dict.fromkeys(shapes)}  # fmt: skip
-    kept, total = [], 0.0
-    for s in sorted(priced, key=lambda s: math.prod(s)):
-        nbytes = (s[0] * s[1] + s[1] * s[2]) * size
-        if (
-            _MODEL_SHAPE_MIN_S <= priced[s] <= _MODEL_SHAPE_MAX_S
-            and total + nbytes <= _MODEL_SHAPES_MAX_BYTES
-        ):
-            kept.append(s)
-            total += nbytes
+
+    def price(m: int, k: int, n: int) -> float:
+        return op_time_s(linear_flops(m, k, n), linear_bytes(m, k, n, dtype), device_spec, dtype, "matmul", rows=m, launch=False)  # fmt: skip
+
+    kept: dict[tuple[int, int, int], list[tuple[int, int, int]]] = {}  # shape timed -> its products
+    products: dict[tuple[int, int, int], None] = {}
+    total = 0.0
+    for m, k, n in sorted(dict.fromkeys(shapes), key=math.prod):
+        priced = price(m, k, n)
+        if priced > _MODEL_SHAPE_MAX_S:
+            m = max(1, int(m * _MODEL_SHAPE_MAX_S / priced))
+            priced = price(m, k, n)
+        if priced < _MODEL_SHAPE_MIN_S or (k, n) in {(kk, nn) for _, kk, nn in kept}:
+            continue
+        own = [(m, k, n)] + ([(m, n, k), (n, m, k)] if train else [])
+        nbytes = sum((a * b + b * c) * size for a, b, c in own if (a, b, c) not in products)
+        if total + nbytes > _MODEL_SHAPES_MAX_BYTES:
+            continue
+        total += nbytes
+        kept[(m, k, n)] = own
+        products.update(dict.fromkeys(own))
     if not kept:
         return {}
-    timed = [PROBE_MATMUL_SHAPE, _FLOOR_MATMUL_SHAPE, *kept]
+    timed = [PROBE_MATMUL_SHAPE, _FLOOR_MATMUL_SHAPE, *products]
     threads_before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         pairs = [(torch.randn(m, k).to(dt), torch.randn(k, n).to(dt)) for m, k, n in timed]
-        probe_dt = torch_dtype("fp32")
-        pairs[0] = tuple(t.to(probe_dt) for t in pairs[0])
+        pairs[0] = tuple(t.float() for t in pairs[0])  # the probe runs in fp32, as at calibration
         rates, _ = interleaved_rates(
             [lambda x=x, w=w: x @ w for x, w in pairs],
             [2.0 * math.prod(s) for s in timed],
@@ -303,9 +317,11 @@ def matmul_shape_time_ratios(
         torch.set_num_threads(threads_before)
     slower_now = reference / rates[0]  # > 1: the machine runs slower than at calibration
     floor_s = 2.0 * math.prod(_FLOOR_MATMUL_SHAPE) / rates[1]  # the call itself, which a node pays already
+    seconds = {
+        s: max(2.0 * math.prod(s) / rate - floor_s, 0.0) / slower_now for s, rate in zip(timed[2:], rates[2:])
+    }
     return {
-        (k, n): max(2.0 * m * k * n / rate - floor_s, 0.0) / slower_now / priced[(m, k, n)]
-        for (m, k, n), rate in zip(kept, rates[2:])
+        (k, n): sum(seconds[p] for p in own) / (len(own) * price(m, k, n)) for (m, k, n), own in kept.items()
     }
 
 

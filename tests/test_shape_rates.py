@@ -5,6 +5,7 @@ probe's matmul, and applied by `costmodels.compute.op_time_s` to matmuls of that
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -45,12 +46,44 @@ def test_ratio_is_measured_over_priced_at_the_calibration_speed(calibrated, monk
     assert ratios == {(768, 3072): pytest.approx((2 * priced_s - floor_s) / 2 / priced_s)}
 
 
+def test_training_ratio_sums_the_backward_products(calibrated, monkeypatch) -> None:
+    """train: the input-gradient (M x N) @ (N x K) and weight-gradient (N x M) @ (M x K) products are
+    timed too; the ratio is the three products' time over three forward prices."""
+    shape = (64, 768, 3072)
+    priced_s = _priced(shape, calibrated.device)
+    seconds = {(64, 768, 3072): priced_s, (64, 3072, 768): 2 * priced_s, (3072, 64, 768): 3 * priced_s}
+    timed = []
+
+    def fake_rates(fns, amounts, device, budget_s):
+        shapes = list(seconds)
+        timed.extend(shapes)
+        return [100e9, 1e30] + [2.0 * 64 * 768 * 3072 / seconds[s] for s in shapes], 1.0
+
+    monkeypatch.setattr(cal, "interleaved_rates", fake_rates)
+    ratios = cal.matmul_shape_time_ratios([shape], calibrated.device, "fp32", train=True)
+    assert ratios == {(768, 3072): pytest.approx((1 + 2 + 3) / 3)}
+
+
+def test_a_shape_priced_too_long_is_timed_with_fewer_rows(calibrated, monkeypatch) -> None:
+    big = (4096, 768, 50257)
+    assert _priced(big, calibrated.device) > cal._MODEL_SHAPE_MAX_S
+    seen = []
+
+    def fake_rates(fns, amounts, device, budget_s):
+        seen.extend(amounts[2:])
+        return [100e9, 1e30] + [1e11] * (len(fns) - 2), 1.0
+
+    monkeypatch.setattr(cal, "interleaved_rates", fake_rates)
+    ratios = cal.matmul_shape_time_ratios([big], calibrated.device, "fp32")
+    assert set(ratios) == {(768, 50257)}
+    assert seen and seen[0] < 2.0 * math.prod(big)
+
+
 def test_shapes_outside_the_timed_range_keep_the_fit(calibrated) -> None:
-    """A product priced under the dispatch-sized minimum or over the maximum is not timed."""
-    tiny, huge = (1, 8, 16), (8192, 8192, 8192)
+    """A product priced under the dispatch-sized minimum is not timed."""
+    tiny = (1, 8, 16)
     assert _priced(tiny, calibrated.device) < cal._MODEL_SHAPE_MIN_S
-    assert _priced(huge, calibrated.device) > cal._MODEL_SHAPE_MAX_S
-    assert cal.matmul_shape_time_ratios([tiny, huge], calibrated.device, "fp32") == {}
+    assert cal.matmul_shape_time_ratios([tiny], calibrated.device, "fp32") == {}
     no_reference = dataclasses.replace(calibrated.device, probe_matmul_flops_per_s=None)
     with pytest.raises(ValueError, match="probe_matmul_GFLOPS"):
         cal.matmul_shape_time_ratios([tiny], no_reference, "fp32")
@@ -100,7 +133,7 @@ def test_planning_times_shapes_on_a_calibrated_spec_only(calibrated, monkeypatch
     """A calibrated local spec gets the model's ratios (timed once per process); a preset does not."""
     calls = []
 
-    def fake(shapes, device, dtype, threads=1, budget_s=1.0):
+    def fake(shapes, device, dtype, threads=1, budget_s=1.0, train=False):
         calls.append(shapes)
         return {(k, n): 0.5 for _, k, n in shapes}
 

@@ -461,7 +461,8 @@ def with_model_matmul_rates(
 ) -> ClusterSpec:
     """`cluster` with the model's own matmul shapes timed on this machine
     (`DeviceSpec.matmul_shape_time_ratios`), when `cluster` is this machine's calibrated spec (a
-    `probes_speed` spec with its probe matmul's rate, gloo); else `cluster` unchanged. Every TP degree
+    `probes_speed` spec with its probe matmul's rate, gloo); else `cluster` unchanged. Training times
+    each linear's backward products too. Every TP degree
     that divides the spec's device count is timed (`costing.model_matmul_shapes`), at the workload's
     tokens per rank (the fit's row term carries other micro-batch sizes), with the threads a rank
     computes with (`costmodels.calibrate.spec_threads`); about a second, once per model, spec and
@@ -485,10 +486,11 @@ def with_model_matmul_rates(
         return cluster
     dtype = workload.dtype or structure.dtype
     threads = spec_threads(cluster)
-    key = (cluster.name, cluster.sources, dev.probe_matmul_flops_per_s, dtype, threads, tuple(shapes))
+    train = workload.kind is Workload.TRAIN
+    key = (cluster.name, cluster.sources, dev.probe_matmul_flops_per_s, dtype, threads, train, tuple(shapes))
     if key not in _SHAPE_RATIOS:
         progress(f"timing the model's {len(shapes)} matmul shapes on this machine", None)
-        _SHAPE_RATIOS[key] = matmul_shape_time_ratios(shapes, dev, dtype, threads=threads)
+        _SHAPE_RATIOS[key] = matmul_shape_time_ratios(shapes, dev, dtype, threads=threads, train=train)
     return replace(cluster, device=replace(dev, matmul_shape_time_ratios=_SHAPE_RATIOS[key]))
 
 
