@@ -57,8 +57,11 @@ def checkpoint_files(path: str | os.PathLike[str] | Sequence[str]) -> list[str]:
     return [str(p)]
 
 
-def save_checkpoint(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str]) -> None:
-    """Write `tensors` (name -> CPU or device tensor) to one safetensors file at `path`.
+def save_checkpoint(
+    tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str], metadata: dict[str, str] | None = None
+) -> None:
+    """Write `tensors` (name -> CPU or device tensor) to one safetensors file at `path`, with the
+    header's string ``metadata`` (the product's own outputs say they wrote it: `planner.files.written_kind`).
 
     safetensors refuses tensors that share memory (tied weights); every name after the first of a
     shared storage is stored as its own copy, so each name can be read on its own.
@@ -70,7 +73,7 @@ def save_checkpoint(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike
         key = t.untyped_storage().data_ptr()
         out[name] = t.clone().contiguous() if key in seen else t.contiguous()
         seen.add(key)
-    save_file(out, os.fspath(path))
+    save_file(out, os.fspath(path), metadata=metadata)
     fix_file_permissions(path)  # safetensors creates the file with mode 0600
 
 

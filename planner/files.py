@@ -10,6 +10,11 @@ A folder the product writes carries a marker file (`FOLDER_MARKER`, a JSON list 
 An existing non-empty folder is replaced only when it carries the marker and holds nothing the
 marker does not list; anything else is refused (InputError naming it), so `--emit .` in a folder of
 the user's files leaves them alone.
+
+A file the product writes says so near its start (`SIGNATURES`: a plan's header comment, a report's
+first key, an export's or a calibrated spec's header, the adapted weights' safetensors metadata). An
+existing non-empty file is replaced only when it carries the signature of the same kind of output:
+`--out README.md`, `--json model.py` or `optimize --out` onto a calibrated spec are refused.
 """
 
 from __future__ import annotations
@@ -24,6 +29,58 @@ from pathlib import Path
 from planner.errors import InputError
 
 FOLDER_MARKER = ".planner-output.json"  # in every folder the product writes: what it wrote
+# kind of output file -> the text it starts with (within its first SIGNATURE_BYTES)
+PLAN_HEADER = "# Plan written by planner optimize --out"
+REPORT_SIGNATURE = '"written_by": "planner'  # the first key of every JSON report
+SIGNATURES = {
+    "plan": PLAN_HEADER,
+    "report": REPORT_SIGNATURE,
+    "cluster spec": "# Cluster spec written by `planner calibrate`",
+    "export": "written by planner export --to",
+}
+SIGNATURE_BYTES = 1024
+WEIGHTS_KIND = "adapted weights"  # safetensors: {"written_by": ...} in the header's __metadata__
+
+
+def written_kind(path: str | os.PathLike[str]) -> str | None:
+    """Which kind of the product's output file `path` is (a key of `SIGNATURES`, or `WEIGHTS_KIND`),
+    None when it does not carry the product's signature (or cannot be read)."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(SIGNATURE_BYTES)
+            if len(head) >= 8 and str(path).endswith(".safetensors"):
+                size = int.from_bytes(head[:8], "little")
+                handle.seek(8)
+                header = json.loads(handle.read(min(size, 1 << 24)))
+                meta = header.get("__metadata__") or {}
+                return WEIGHTS_KIND if str(meta.get("written_by", "")).startswith("planner") else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    text = head.decode("utf-8", errors="replace")
+    for kind, signature in SIGNATURES.items():
+        if signature in text:
+            return kind
+    return None
+
+
+def _check_replaceable_file(target: Path, option: str, kind: str | None) -> None:
+    """InputError unless the existing file `target` is empty or the product's own output of `kind`."""
+    try:
+        if target.stat().st_size == 0:
+            return
+    except OSError:
+        return
+    found = written_kind(target)
+    if found is None:
+        raise InputError(
+            f"{option} {target}: the file exists and was not written by the planner; nothing was changed. "
+            "Give a new file name (or move the file away yourself)"
+        )
+    if kind is not None and found != kind:
+        raise InputError(
+            f"{option} {target}: the file holds the planner's {found}, which {option} would replace with a {kind}; "
+            "nothing was changed. Give another file name"
+        )
 
 
 def _umask_mode(mode: int) -> int:
@@ -36,10 +93,12 @@ def _parent(target: Path) -> Path:
     return target.parent if str(target.parent) else Path(".")
 
 
-def check_output_path(option: str, path: str, folder: bool = False) -> None:
+def check_output_path(option: str, path: str, folder: bool = False, kind: str | None = None) -> None:
     """Fail early (InputError, exit 2) when `path` cannot be written: its parent folder is missing or
     not writable (a probe file is created and removed), it exists as the wrong kind (a folder where
-    a file goes, or the reverse), or (folder) it is a non-empty folder the product did not write."""
+    a file goes, or the reverse), (folder) it is a non-empty folder the product did not write, or
+    (file) it is a non-empty file that is not the product's own output of `kind` (`written_kind`;
+    None: any of the product's outputs)."""
     target = Path(path)
     parent = _parent(target)
     if not parent.is_dir():
@@ -52,6 +111,8 @@ def check_output_path(option: str, path: str, folder: bool = False) -> None:
         raise InputError(f"{option} {path}: is a folder; give a file name")
     if folder and target.is_dir():
         _check_replaceable(target, option)
+    if not folder and target.is_file():
+        _check_replaceable_file(target, option, kind)
     try:  # os.access says yes to root everywhere, also on /proc: try it
         fd, probe = tempfile.mkstemp(prefix=f".{target.resolve().name}.", suffix=".probe", dir=parent)
     except OSError as e:

@@ -54,7 +54,7 @@ import yaml
 from costmodels.dtypes import DTYPE_BYTES
 from costmodels.memory import Recompute, Schedule
 from planner.errors import InputError
-from planner.files import write_text_atomic
+from planner.files import PLAN_HEADER, write_text_atomic
 
 if TYPE_CHECKING:
     from costmodels.cluster import ClusterSpec
@@ -480,9 +480,9 @@ class Plan:
 
     def to_yaml(self, path: str | os.PathLike[str]) -> None:
         """Write the plan as YAML, atomically (temp file in the same folder, then rename)."""
-        write_text_atomic(
-            path, yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=110)
-        )
+        header = f"{PLAN_HEADER} for {self.model} on {self.cluster}; read by planner show / run / export.\n"
+        body = yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=110)
+        write_text_atomic(path, header + body)
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> Plan:

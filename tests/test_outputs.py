@@ -124,3 +124,59 @@ def test_a_folder_of_one_option_is_not_replaced_by_another(tmp_path: Path) -> No
     args = argparse.Namespace(out=None, json=None, emit=same, plot=same)
     with pytest.raises(InputError, match="--emit and --plot both name"):
         _check_outputs(args)
+
+
+def test_out_and_json_never_replace_a_file_the_planner_did_not_write(tmp_path: Path) -> None:
+    """--json onto the model file, --out onto a README: refused before any work, the file untouched;
+    the planner's own plan and report are replaced by the next run; a plan is not written over a
+    report (nor over a calibrated spec)."""
+    model = tmp_path / "model.py"
+    model.write_text(Path(SWIGLU).read_text())
+    readme = tmp_path / "README.md"
+    readme.write_text("# my notes\n")
+    base = ["optimize", str(model), "--cluster", "dgx-h100"]
+    for option, target in (("--json", model), ("--out", readme)):
+        before = target.read_text()
+        result = run_planner(*base, option, str(target), cwd=tmp_path)
+        assert result.returncode == 2, result.stderr
+        assert "was not written by the planner; nothing was changed" in " ".join(result.stderr.split())
+        assert target.read_text() == before
+    plan, report = tmp_path / "plan.yaml", tmp_path / "report.json"
+    assert run_planner(*base, "--out", str(plan), "--json", str(report), cwd=tmp_path).returncode == 0
+    assert run_planner(*base, "--out", str(plan), "--json", str(report), cwd=tmp_path).returncode == 0
+    swapped = run_planner(*base, "--out", str(report), cwd=tmp_path)
+    assert swapped.returncode == 2 and "holds the planner's report" in " ".join(swapped.stderr.split())
+    shown = run_planner("show", str(plan), cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+
+
+def test_written_kind_reads_each_output_signature(tmp_path: Path) -> None:
+    from passes.checkpoint import save_checkpoint
+    from planner.files import PLAN_HEADER, WEIGHTS_KIND, written_kind
+
+    cases = {
+        "plan.yaml": f"{PLAN_HEADER} for m.py on dgx-h100\nmodel: m.py\n",
+        "report.json": '{\n  "written_by": "planner optimize --json",\n  "model": "m.py"\n}',
+        "spec.yaml": "# Cluster spec written by `planner calibrate`: measured on this machine\nname: x\n",
+        "args.sh": "# Megatron-LM parallelism arguments for m.py, written by planner export --to megatron.\n",
+        "mine.yaml": "name: my cluster\n",
+    }
+    for name, text in cases.items():
+        (tmp_path / name).write_text(text)
+    kinds = {name: written_kind(tmp_path / name) for name in cases}
+    assert kinds == {"plan.yaml": "plan", "report.json": "report", "spec.yaml": "cluster spec",
+                     "args.sh": "export", "mine.yaml": None}  # fmt: skip
+    import torch
+
+    save_checkpoint(
+        {"w": torch.zeros(2)}, tmp_path / "ours.safetensors", metadata={"written_by": "planner adapt --out"}
+    )
+    save_checkpoint({"w": torch.zeros(2)}, tmp_path / "theirs.safetensors")
+    assert written_kind(tmp_path / "ours.safetensors") == WEIGHTS_KIND
+    assert written_kind(tmp_path / "theirs.safetensors") is None
+    with pytest.raises(InputError, match="not written by the planner"):
+        check_output_path("--out", str(tmp_path / "theirs.safetensors"), kind=WEIGHTS_KIND)
+    check_output_path("--out", str(tmp_path / "ours.safetensors"), kind=WEIGHTS_KIND)
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    check_output_path("--out", str(empty), kind="plan")  # nothing to lose

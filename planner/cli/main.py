@@ -257,13 +257,16 @@ def _write_report(args: argparse.Namespace, report: dict) -> None:
     console.print(f"report written to {args.json}")
 
 
-def _check_outputs(args: argparse.Namespace) -> None:
-    """Every output path may be written, and no two options write the same path (InputError, exit 2)."""
+def _check_outputs(args: argparse.Namespace, out_kind: str | None = None) -> None:
+    """Every output path may be written, and no two options write the same path (InputError, exit 2).
+    An existing file is replaced only when it is the planner's own output of the same kind
+    (`planner.files.written_kind`): ``out_kind`` for --out, a report for --json."""
     given: dict[Path, str] = {}
+    kinds = {"out": out_kind, "json": "report"}
     for option, folder in (("out", False), ("json", False), ("emit", True), ("plot", True)):
         value = getattr(args, option, None)
         if value and not (option == "json" and value == "-"):
-            check_output_path(f"--{option}", value, folder=folder)
+            check_output_path(f"--{option}", value, folder=folder, kind=kinds.get(option))
             where = Path(value).resolve()
             if where in given:
                 raise InputError(
@@ -276,7 +279,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
 def cmd_optimize(args: argparse.Namespace) -> int:
     from planner.cli import workflow  # noqa: PLC0415 - keeps `planner --help` fast
 
-    _check_outputs(args)
+    _check_outputs(args, out_kind="plan")
     _check_loss_budget_options(args)
     if args.workload != "train":
         ignored = [
@@ -678,7 +681,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from costmodels.cluster import load_cluster  # noqa: PLC0415
     from planner.cli import workflow  # noqa: PLC0415
 
-    _check_outputs(args)
+    _check_outputs(args, out_kind="cluster spec")
 
     with _bars(args) as bars:
         spec = calibrate(args.nproc, progress=bars, probe_roofline=workflow.probe_roofline)
@@ -709,7 +712,7 @@ def cmd_adapt(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from planner.export import export_plan  # noqa: PLC0415
 
-    _check_outputs(args)
+    _check_outputs(args, out_kind="export")
     plan = _saved_plan(args.plan)
     result = export_plan(plan, args.to, model=args.model)
     _warn(result.warnings)

@@ -39,7 +39,7 @@ from rich.table import Table
 from passes.checkpoint import checkpoint_files, save_checkpoint
 from planner.cli.quality_args import DEFAULT_BATCH
 from planner.errors import InputError, PlannerError
-from planner.files import check_output_path, write_text_atomic
+from planner.files import WEIGHTS_KIND, check_output_path, write_text_atomic
 from planner.frontend.analysis import ModelStructure
 from planner.frontend.modelfile import ModelFile, load_model_file
 from planner.plan import Plan, layer_ranges
@@ -211,7 +211,7 @@ def _layers_label(layers: list[int]) -> str:
 def cmd_ladder_eval(args: argparse.Namespace, console: Console, err_console: Console) -> int:
     """`planner ladder-eval`: held-out loss and perplexity, standard vs laddered (and per layer)."""
     if args.json:
-        check_output_path("--json", args.json)
+        check_output_path("--json", args.json, kind="report")
     with _progress(err_console) as progress:
         with _bar(progress, "loading the model and tokenizing the data"):
             setup = load_setup(args)
@@ -251,6 +251,7 @@ def cmd_ladder_eval(args: argparse.Namespace, console: Console, err_console: Con
         console.print("[yellow]note: no --weights: the model has its seeded random initialisation[/yellow]")
     if args.json:
         report = {
+            "written_by": "planner ladder-eval --json",  # first: `planner.files.written_kind` reads it
             "data": setup.corpus.source,
             "tokens": std.tokens,
             "standard": {"loss": std.loss, "perplexity": std.perplexity},
@@ -278,7 +279,7 @@ def _print_corpus(console: Console, setup: LmSetup) -> None:
 
 def cmd_adapt(args: argparse.Namespace, console: Console, err_console: Console) -> int:
     """`planner adapt`: fine-tune the laddered model, print (and plot) the loss curve, save safetensors."""
-    check_output_path("--out", args.out)
+    check_output_path("--out", args.out, kind=WEIGHTS_KIND)
     if not args.out.endswith(".safetensors"):
         raise InputError(
             f"--out {args.out}: the adapted weights are written as safetensors: name it *.safetensors"
@@ -328,7 +329,7 @@ def cmd_adapt(args: argparse.Namespace, console: Console, err_console: Console) 
 
         result = run_adapt(job, args.nproc, on_step)
         progress.remove_task(task)
-        save_checkpoint(result.state, args.out)
+        save_checkpoint(result.state, args.out, metadata={"written_by": "planner adapt --out"})
         adapted_model = build_unsharded(setup.model_file, SEED, [args.out])
         gm = lm_graph(adapted_model, setup.batch_size, setup.seq_len, layers)
         with _bar(progress, "held-out loss after") as bar:

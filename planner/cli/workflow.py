@@ -777,6 +777,7 @@ def report_dict(
     `at_run_speed`)."""
     p = plan.predicted
     report: dict[str, Any] = {
+        "written_by": "planner optimize --json",  # first: `planner.files.written_kind` reads it
         "model": str(model_path),
         "cluster": plan.cluster or cluster.name,
         "cluster_source": plan.cluster_source,
