@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
+import json
 import os
 import types
 import typing
@@ -327,6 +329,9 @@ class Plan:
     # parameters of the model the plan was made for (0: a plan written before this field): `planner run`
     # refuses a model file whose parameter count differs (it changed since planning)
     model_params: int = 0
+    # `decisions_digest` when the plan was priced (empty: a plan written before this field); `planner
+    # run` re-prices a plan whose decisions no longer match it (edited by hand after planning)
+    priced_digest: str = ""
 
     def __post_init__(self) -> None:
         self.workload = _coerce(Workload, self.workload, "workload")
@@ -465,6 +470,18 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of builtins (YAML/JSON-safe)."""
         return _to_builtin(self)
+
+    DECISION_FIELDS = (
+        "workload", "batch_size", "seq_len", "context", "micro_batches", "dtype", "mesh", "splits", "stages",
+        "ladder_layers", "schedule", "virtual_stages", "sequence_parallel", "recompute", "distributed_optimizer",
+    )  # fmt: skip
+
+    def decisions_digest(self) -> str:
+        """SHA-256 (hex, 16 digits) of what the plan decides (`DECISION_FIELDS`: mesh, splits, stages,
+        ladder, schedule, recompute, ... and the workload they were priced for), not of its prediction."""
+        data = self.to_dict()
+        chosen = {k: data[k] for k in self.DECISION_FIELDS}
+        return hashlib.sha256(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     @classmethod
     def from_dict(cls, data: object, origin: str = "plan") -> Plan:

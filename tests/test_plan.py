@@ -255,3 +255,32 @@ def test_why_table_prints_labels_with_brackets_as_text() -> None:
     out = io.StringIO()
     render_decisions(Console(file=out, width=300), plan)
     assert out.getvalue().count("[interleaved_1f1b v=2]") == 2
+
+
+def test_a_plan_edited_after_planning_is_priced_again_as_its_splits_say() -> None:
+    """`planner run` of a hand-edited plan: its decisions no longer match the digest it was priced
+    with, so it is priced again, with the op choices its edited splits (what the passes apply) imply;
+    an unedited plan is left as priced."""
+    import dataclasses
+
+    from costmodels.cluster import load_cluster
+    from planner.cli import workflow
+    from planner.plan import SplitStyle
+
+    cluster = load_cluster("local-cpu", 2)
+    prepared = workflow.prepare("examples/mlp.py", "forward")
+    plan = workflow.make_plan(
+        prepared, cluster, workflow.constraints_from(2, 1, 1, "none"), "examples/mlp.py"
+    )
+    assert {str(s.style) for s in plan.splits.values()} == {"replicate"}
+    assert plan.priced_digest == plan.decisions_digest()
+    assert workflow.reprice_if_edited(plan, prepared, cluster) is None
+    splits = dict(plan.splits)
+    splits["net.2.weight"] = dataclasses.replace(splits["net.2.weight"], style=SplitStyle.COLWISE, dim=0)
+    splits["net.4.weight"] = dataclasses.replace(splits["net.4.weight"], style=SplitStyle.ROWWISE, dim=1)
+    edited = dataclasses.replace(plan, splits=splits)
+    again = workflow.reprice_if_edited(edited, prepared, cluster)
+    assert again is not None and again.priced_digest == again.decisions_digest()
+    strategy = again.predicted.per_layer[0].strategy
+    assert (strategy["fc1"], strategy["act2"], strategy["fc2"]) == ("colwise", "shard", "rowwise")
+    assert again.predicted.exposed_comm_s > 0 == plan.predicted.exposed_comm_s  # the row-parallel all-reduce

@@ -622,7 +622,7 @@ def _plot(plan, folder: str, report: dict | None, capacity_bytes: float | None) 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from planner.cli import workflow  # noqa: PLC0415
-    from planner.cli.render import render_plan  # noqa: PLC0415
+    from planner.cli.render import fmt_s, render_plan  # noqa: PLC0415
     from planner.plan import Plan  # noqa: PLC0415
 
     _check_outputs(args)
@@ -640,11 +640,21 @@ def cmd_run(args: argparse.Namespace) -> int:
         prepared = workflow.prepare_for_plan(plan, args.model)
         workflow.validate_plan_for_model(plan, prepared.structure, args.model, prepared.param_shapes)
         cluster, note = workflow.plan_cluster(plan, nproc)
+        repriced = workflow.reprice_if_edited(plan, prepared, cluster)
         bars("lowering the plan on meta tensors for every rank", None)
-        checked = workflow.check_lowering(prepared, plan, cluster)  # a hand-edited plan is checked whole
+        # a hand-edited plan is checked whole, and priced again when its decisions changed
+        checked = workflow.check_lowering(prepared, repriced or plan, cluster)
     if note:
         _warn([note])
-    if len(checked.fallbacks) > len(plan.fallbacks):
+    if repriced is not None:
+        _warn(
+            [
+                f"the plan's decisions differ from those it was priced with (edited after planning): priced again on "
+                f"{cluster.name}: {fmt_s(plan.predicted.latency_s)} -> {fmt_s(checked.predicted.latency_s)}"
+            ]
+        )
+        render_plan(console, checked)
+    elif len(checked.fallbacks) > len(plan.fallbacks):
         _warn(
             [
                 "the plan does not price every op the tensor-parallel pass runs replicated (a hand-edited plan?); "

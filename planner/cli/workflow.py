@@ -34,7 +34,7 @@ from planner.plan import WORKLOADS, Plan, Recompute, Schedule, Serving, SplitSty
 from planner.progress import Progress, silent
 from planner.solver.problem import Constraints, LadderPolicy, WorkloadSpec
 from planner.solver.search import plan_model
-from planner.solver.serving import kv_fallbacks, predict_with_plan, price_request
+from planner.solver.serving import kv_fallbacks, plan_prediction, predict_with_plan, price_request
 
 DEFAULT_CONTEXT = 2048  # decode: KV-cache tokens when --context is not given
 DEFAULT_NEW_TOKENS = 16  # decode / generate of a model with a KV cache: tokens generated per sequence
@@ -450,7 +450,44 @@ def make_plan(
         plan.workload = request.workload
         if request.workload is Workload.GENERATE:
             plan.seq_len = request.prompt_len
+    plan.priced_digest = plan.decisions_digest()
     return plan
+
+
+def reprice_if_edited(plan: Plan, prepared: Prepared, cluster: ClusterSpec) -> Plan | None:
+    """`plan` priced again on `cluster` when its decisions (splits, mesh, stages, ladder, schedule,
+    recompute, ...: `Plan.decisions_digest`) no longer match those it was priced with (`Plan.priced_digest`:
+    edited by hand after planning), else None. The new plan's fallbacks are cleared for `check_lowering`
+    to price again; a serving plan's request is priced again too."""
+    if not plan.priced_digest or plan.priced_digest == plan.decisions_digest():
+        return None
+    cluster = with_model_matmul_rates(prepared, cluster)
+    structure = prepared.structure
+    serving = plan.serving
+    if serving is not None:
+        workload = WorkloadSpec(
+            Workload.DECODE, plan.batch_size, 1, context=serving.prompt_len, dtype=plan.dtype
+        )
+    else:
+        workload = WorkloadSpec(
+            plan.workload, plan.batch_size, plan.seq_len, micro_batches=plan.micro_batches, dtype=plan.dtype
+        )
+    edited = replace(plan, fallbacks=[])
+    edited.predicted = plan_prediction(edited, structure, cluster, workload, plan.ladder_layers)
+    if serving is not None and prepared.prefill is not None and prepared.request is not None:
+        request = prepared.request
+        edited.serving = price_request(
+            edited,
+            prepared.prefill,
+            structure,
+            cluster,
+            prompt_len=request.prompt_len,
+            new_tokens=request.new_tokens,
+            cache_len=request.cache_len,
+            fallbacks=kv_fallbacks(edited, structure),
+        )
+    edited.priced_digest = edited.decisions_digest()
+    return edited
 
 
 _SHAPE_RATIOS: dict[tuple, dict[tuple[int, int], float]] = {}  # this process's timings, by spec and shapes

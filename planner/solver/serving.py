@@ -14,8 +14,15 @@ from __future__ import annotations
 from costmodels.cluster import ClusterSpec
 from planner.errors import InputError
 from planner.frontend.analysis import ModelStructure
-from planner.plan import Plan, Serving, Workload
-from planner.solver.costing import CostContext, CostTables, build_cost_tables, gqa_kv_replicated
+from planner.plan import Layout, Plan, Prediction, Serving, Workload
+from planner.solver.costing import (
+    CostContext,
+    CostTables,
+    LayerGraph,
+    Op,
+    build_cost_tables,
+    gqa_kv_replicated,
+)
 from planner.solver.prediction import predict
 from planner.solver.problem import Assignment, MeshConfig, WorkloadSpec
 
@@ -37,13 +44,62 @@ def plan_assignment(plan: Plan, tables: CostTables) -> Assignment:
                 raise InputError(
                     f"the plan gives no option for op {op.name!r} of layer {cost.layer}: re-plan it"
                 )
-            choices[(key, op.name)] = cost.strategy[op.name]
+            choices[(key, op.name)] = _split_choice(plan, op, cost.strategy[op.name], cost.layer)
+        if any(choices[(key, n)] != c for n, c in cost.strategy.items() if (key, n) in choices):
+            _follow_layouts(tables.graphs[key], key, choices)  # a split edited by hand
     for op in tables.ends.ops:
-        choices[("ends", op.name)] = ends.strategy[op.name]
+        choices[("ends", op.name)] = _split_choice(plan, op, ends.strategy[op.name], -1)
     stages = [list(s) for s in plan.stages]
     if not any(stages):  # a chain of linears (no transformer layers): its graph is layer 0, pp = 1
         stages = [list(range(len(tables.layer_keys)))]
     return Assignment(choices, stages, list(plan.ladder_layers))
+
+
+# a weight's split style (`Plan.splits`) -> the op options that apply it
+_STYLE_OPTION = {
+    "colwise": ("colwise", "vocab"),
+    "vocab": ("vocab", "colwise"),
+    "rowwise": ("rowwise",),
+    "replicate": ("replicate",),
+}
+
+
+def _split_choice(plan: Plan, op: Op, recorded: str, layer: int) -> str:
+    """The option of a weighted op (projection, embedding, LM head) that the plan's split of its weight
+    says (`Plan.splits`, what the passes apply; a hand edit changes it), else the ``recorded`` one.
+    Raises InputError when the split is not one of the op's options (e.g. colwise on a weight whose
+    rows do not divide by tp)."""
+    split = plan.splits.get(op.weight) if op.weight else None
+    if split is None:
+        return recorded
+    names = {o.name for o in op.options}
+    applying = _STYLE_OPTION.get(str(split.style), ())
+    if recorded in applying:
+        return recorded
+    for name in applying:
+        if name in names:
+            return name
+    why = op.excluded.get(str(split.style)) or f"options {sorted(names)}"
+    where = f"layer {layer}" if layer >= 0 else "the model's ends"
+    raise InputError(
+        f"the plan splits {op.weight} {split.style}, which op {op.name!r} of {where} cannot run: {why}"
+    )
+
+
+def _follow_layouts(graph: LayerGraph, key: str, choices: dict[tuple[str, str], str]) -> None:
+    """Give each weightless op (activation, attention core) the option whose input layout is its
+    producer's output layout, as the passes run it after the projections' splits; the recorded choice
+    where it matches, or where no option does."""
+    produced: dict[str, Layout] = {"": Layout.REPLICATE}
+    for op in graph.ops:
+        chosen = op.option(choices[(key, op.name)])
+        source = produced.get(op.inputs[0]) if op.inputs else None
+        if op.weight is None and source is not None and chosen.in_layout != source:
+            match = next((o for o in op.options if o.in_layout == source), None)
+            if match is not None:
+                chosen = match
+                choices[(key, op.name)] = match.name
+        produced[op.name] = chosen.out_layout
 
 
 def kv_fallbacks(plan: Plan, structure: ModelStructure) -> list[str]:
@@ -73,6 +129,13 @@ def predict_with_plan(
     """Predicted step latency (seconds) of `structure` (a phase's graph) under `workload` with the plan's
     mesh, schedule, layout (virtual stages, sequence parallelism, distributed optimizer, recompute) and
     op choices, and `ladder` as the laddered layers: the plan re-priced, e.g. on another `cluster`."""
+    return plan_prediction(plan, structure, cluster, workload, ladder).latency_s
+
+
+def plan_prediction(
+    plan: Plan, structure: ModelStructure, cluster: ClusterSpec, workload: WorkloadSpec, ladder: list[int]
+) -> Prediction:
+    """The whole `Prediction` (per layer, per stage, memory) of `predict_with_plan`."""
     config = MeshConfig(
         plan.mesh,
         plan.micro_batches,
@@ -85,7 +148,7 @@ def predict_with_plan(
     assignment = plan_assignment(plan, tables)
     assignment.ladder_layers = list(ladder)
     assignment.recompute = dict(plan.recompute) if workload.train else {}
-    return predict(tables, assignment).prediction.latency_s
+    return predict(tables, assignment).prediction
 
 
 def price_request(
