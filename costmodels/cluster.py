@@ -553,9 +553,18 @@ def load_cluster(name_or_path: str, nproc: int | None = None) -> ClusterSpec:
     looks_like_path = name_or_path.endswith((".yaml", ".yml")) or os.sep in name_or_path
     if looks_like_path or (name_or_path not in presets and Path(name_or_path).exists()):
         path = Path(name_or_path)
+        if path.is_dir():
+            raise SpecError(str(path), "", "is a folder; give a cluster spec YAML file (or a preset name)")
         if not path.is_file():
             raise SpecError(str(path), "", f"file not found (presets are: {', '.join(presets)})")
-        origin, text = str(path), path.read_text(encoding="utf-8")
+        try:
+            origin, text = str(path), path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise SpecError(
+                str(path), "", "is not a text file (not UTF-8); a cluster spec is YAML text"
+            ) from None
+        except OSError as e:
+            raise SpecError(str(path), "", f"cannot be read: {e.strerror or e}") from None
     elif name_or_path in presets:
         origin = f"preset {name_or_path}"
         text = (

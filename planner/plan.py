@@ -505,9 +505,13 @@ class Plan:
     def from_yaml(cls, path: str | os.PathLike[str]) -> Plan:
         """Read a plan written by `to_yaml` (yaml.safe_load only). Raises `InputError` when malformed."""
         try:
-            text = Path(path).read_text()
+            text = Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise InputError(
+                f"{path}: not a text file (not UTF-8); a plan is the YAML planner optimize --out writes"
+            ) from None
         except OSError as e:
-            raise InputError(f"cannot read plan file {str(path)!r}: {e.strerror}") from e
+            raise InputError(f"cannot read plan file {str(path)!r}: {e.strerror or e}") from None
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:

@@ -24,7 +24,9 @@ _REPORT_KEYS = ("plan", "predicted")  # present in every report_dict
 def load_report(path: str) -> dict[str, Any]:
     """One JSON report. Raises InputError when it cannot be read, is not JSON, or is not a report."""
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: not a text file (not UTF-8); reports are JSON") from None
     except OSError as e:
         raise InputError(f"cannot read report {path!r}: {e.strerror or e}") from None
     try:

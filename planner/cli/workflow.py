@@ -363,8 +363,9 @@ def check_plan_fields(plan: Plan, num_layers: int | None = None, cluster: Cluste
     0..num_layers-1 once each, in order (num_layers None: the plan's own per-layer rows), one stage per
     pipeline rank, the batch splits into dp replicas of the micro-batches, and the mesh fits `cluster`.
     Raises InputError naming the plan field."""
-    if num_layers is None:
-        num_layers = len({c.layer for c in plan.predicted.per_layer if c.layer >= 0})
+    if num_layers is None:  # a chain of linears (no transformer layers) has one row, layer 0, and stages [[]]
+        chain = plan.pp == 1 and not any(plan.stages)
+        num_layers = 0 if chain else len({c.layer for c in plan.predicted.per_layer if c.layer >= 0})
     layers = [i for stage in plan.virtual_stage_layers() for i in stage]  # = stages unless interleaved
     if num_layers and layers != list(range(num_layers)):
         order = " (chunk c of rank r taken as virtual stage c * pp + r)" if plan.virtual_stages > 1 else ""

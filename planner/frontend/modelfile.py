@@ -192,6 +192,10 @@ def load_model_file(path: str | os.PathLike[str]) -> ModelFile:
     an exception while importing it (with the file:line), or missing functions.
     """
     path = os.path.abspath(os.fspath(path))
+    if os.path.isdir(path):
+        raise InputError(
+            f"model file {path} is a folder; give the model's .py file (e.g. examples/llama3.py)"
+        )
     if not os.path.isfile(path):
         raise InputError(f"model file not found: {path}")
     if not path.endswith(".py"):
