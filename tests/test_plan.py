@@ -299,3 +299,21 @@ def test_show_and_export_read_a_chain_models_plan(tmp_path) -> None:
     for args in (["show", str(plan)], ["export", str(plan), "--to", "dtensor"]):
         done = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
+
+
+def test_binary_or_folder_inputs_are_one_clear_error(tmp_path) -> None:
+    from costmodels.cluster import load_cluster
+    from planner.errors import InputError
+    from planner.frontend.modelfile import load_model_file
+    from planner.plan import Plan
+
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(InputError, match="not UTF-8"):
+        load_cluster(str(binary))
+    with pytest.raises(InputError, match="not UTF-8"):
+        Plan.from_yaml(binary)
+    with pytest.raises(InputError, match="is a folder"):
+        load_cluster(str(tmp_path))
+    with pytest.raises(InputError, match="is a folder"):
+        load_model_file(str(tmp_path))

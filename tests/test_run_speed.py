@@ -167,3 +167,29 @@ def test_per_node_overhead_interpolates_down_to_the_toy_probe_for_small_activati
     assert per_node_overhead_s(dataclasses.replace(dev, probe_node_overhead_s=None), 1) == pytest.approx(
         10e-6
     )
+
+
+def test_verdict_points_at_the_speed_line_only_when_the_speed_explains_the_gap(monkeypatch) -> None:
+    """First verdict line: "see the next line" when the plan re-priced at the run's speed agrees with
+    the stopwatch; when it is off there too, the usual advice and that it is off at the run's speed."""
+    import importlib
+    import io
+    import types
+
+    from rich.console import Console
+
+    main = importlib.import_module("planner.cli.main")
+
+    at_run = {"node_overhead_s": 20e-6, "calibrated_node_overhead_s": 10e-6, "speed_ratio": 2.0}
+    plan = types.SimpleNamespace(predicted=types.SimpleNamespace(latency_s=0.001))
+    for latency_s, expect, refuse in (
+        (0.0045, "see the next line", "cost model, not the machine"),
+        (0.001, "off at the run's own speed too", "see the next line"),
+    ):
+        out = io.StringIO()
+        monkeypatch.setattr(main, "console", Console(file=out, width=300))
+        report = {"measured": {"latency_s": 0.0046, "at_run_speed": {**at_run, "latency_s": latency_s,
+                  "measured_over_predicted": 0.0046 / latency_s}}}  # fmt: skip
+        main._print_verdict(plan, report, False, "recalibrate")
+        first = out.getvalue().splitlines()[0]
+        assert expect in first and refuse not in first

@@ -437,9 +437,12 @@ def _print_verdict(plan, report: dict, layer_table: bool, advice: str) -> None:
     from planner.cli.render import agreement_line, speed_line  # noqa: PLC0415
 
     measured_s = report["measured"]["latency_s"]
-    line = speed_line(report["measured"].get("at_run_speed"), measured_s)
-    if line:
+    at_run = report["measured"].get("at_run_speed")
+    line = speed_line(at_run, measured_s)
+    if line and 0.8 <= (at_run.get("measured_over_predicted") or 0.0) <= 1.25:
         advice = "the machine ran at another speed than when calibrated: see the next line"
+    elif line:  # off at the run's speed too: the next line says the cost model is off
+        advice = f"{advice}; off at the run's own speed too (next line)"
     verdict = agreement_line(plan.predicted.latency_s, measured_s, layer_table=layer_table, advice=advice)
     what = "time per output token: " if "serving" in report else ""
     console.print(f"[bold]{what}{verdict}[/bold]")
