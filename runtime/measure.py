@@ -134,7 +134,7 @@ def time_iterations(
     if device.type == "cuda":
         return Timing.from_samples(_time_cuda(fn, iters, device, group, progress))
     return Timing.from_samples(
-        _time_cpu(fn, math.ceil(iters / window), group, progress, window, probe), window
+        _time_cpu(fn, math.ceil(iters / window), group, progress, window, probe, min_time_s, device), window
     )
 
 
@@ -164,15 +164,27 @@ def _time_cpu(
     progress: Progress,
     window: int = 1,
     probe: Callable[[], float] | None = None,
+    min_time_s: float = 0.0,
+    device: torch.device | None = None,
 ) -> list[float]:
-    """`samples` samples, each the mean time of `window` back-to-back calls after a barrier; `probe`
-    called after a sample while its calls have taken under `PROBE_SHARE` of the timed time."""
+    """`samples` samples, each the mean time of `window` back-to-back calls after a barrier, and more
+    until they add up to `min_time_s` on every rank (the warm-up's estimate of a step can be too
+    long: first calls are slow), at most `MAX_TIMED_ITERS` calls; `probe` called after a sample while
+    its calls have taken under `PROBE_SHARE` of the timed time."""
     samples_s: list[float] = []
     probe_s = timed_s = 0.0
-    for i in range(samples):
+    i = 0
+    while i < samples or (
+        min_time_s > 0
+        and (i + 1) * window <= MAX_TIMED_ITERS
+        and _slowest(float(timed_s < min_time_s), device or torch.device("cpu"), group) > 0
+    ):
+        if i == samples:
+            samples += 1
+        i += 1
         progress(
-            f"timed sample {i + 1}/{samples}" if window > 1 else f"timed iteration {i + 1}/{samples}",
-            i / samples,
+            f"timed sample {i}/{samples}" if window > 1 else f"timed iteration {i}/{samples}",
+            (i - 1) / samples,
         )
         _barrier(group)
         start = time.perf_counter()

@@ -149,3 +149,16 @@ def test_speed_probe_measures_a_per_node_cost_and_a_matmul_rate() -> None:
     with_backward = SpeedProbe(_CPU, backward=True)
     with_backward.sample()
     assert with_backward.overhead_s()[1] is not None
+
+
+def test_min_time_is_honoured_when_the_warm_up_overestimates_a_step() -> None:
+    """The warm-up's (slow first) call says 0.2 s a step, so 1 call would cover --min-time 0.1 s; the
+    steps then take 5 ms: more are timed until 0.1 s of them were (was: 1 sample)."""
+    calls = []
+
+    def step() -> None:
+        time.sleep(0.2 if not calls else 0.005)
+        calls.append(1)
+
+    timing = time_iterations(step, warmup=1, iters=1, device=torch.device("cpu"), min_time_s=0.1)
+    assert len(timing.samples_s) * timing.steps_per_sample * 0.005 >= 0.1 * 0.9
