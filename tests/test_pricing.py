@@ -91,6 +91,23 @@ def test_unknown_op_is_priced_as_memory_bound_and_listed() -> None:
     assert plan.predicted.latency_s > 0
 
 
+class _SortScan(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(256, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.cumsum(self.fc(x), dim=-1)
+        return torch.sort(h, dim=-1).values + torch.topk(h, 4, dim=-1).values.sum()
+
+
+def test_sorts_and_scans_are_listed_as_priced_from_their_sizes_only() -> None:
+    """sort / topk (which return values and indices) and cumsum run far below memory bandwidth on a
+    CPU: the cost model prices them from their sizes and says so, rather than calling them known."""
+    s = analyse(capture(_SortScan(), (torch.randn(64, 256),)))
+    assert s.unknown_ops == ["aten.cumsum", "aten.sort", "aten.topk"]
+
+
 def test_node_overhead_is_charged_for_every_node_and_replaces_launch() -> None:
     with torch.device("meta"):
         model = Llama(LLAMA_CONFIGS["tiny"])

@@ -86,6 +86,9 @@ _NORMS = {
 _GATHERS = {"aten.embedding", "aten.index", "aten.index_select", "aten.gather", "aten.take"}
 # Ops priced as memory-bound by their tensor sizes, known to be so (no FLOP worth counting beyond one
 # per output element): elementwise math, comparisons, copies and creation, softmax, indexing writes.
+# Not here, so listed as priced from their sizes only: sorts and scans (aten.sort, aten.topk,
+# aten.cumsum), whose CPU kernels run far below memory bandwidth (a sort over a (4, 16, 256) fp32
+# tensor took ~0.3 ms on the 2-vCPU dev VM, ~100x its memory time).
 _ELEMENTWISE = _ACTIVATIONS | {
     "aten.add", "aten.sub", "aten.rsub", "aten.mul", "aten.div", "aten.neg", "aten.exp", "aten.log",
     "aten.sqrt", "aten.rsqrt", "aten.pow", "aten.abs", "aten.clamp", "aten.clamp_min", "aten.clamp_max",
@@ -97,12 +100,12 @@ _ELEMENTWISE = _ACTIVATIONS | {
     "aten.zeros_like", "aten.ones_like", "aten.full_like", "aten.empty_like", "aten.scalar_tensor",
     "aten.softmax", "aten._softmax", "aten.log_softmax", "aten._log_softmax", "aten.cat", "aten.stack",
     "aten.repeat", "aten.repeat_interleave", "aten.type_as", "aten.dropout", "aten.scatter",
-    "aten.scatter_add", "aten.index_put", "aten.index_copy", "aten.masked_scatter", "aten.cumsum",
+    "aten.scatter_add", "aten.index_put", "aten.index_copy", "aten.masked_scatter",
     "aten.outer", "aten.floor", "aten.ceil", "aten.round", "aten.sign", "aten.square", "aten.addcmul",
     "aten.lerp", "aten.gelu_", "aten.relu_", "aten.add_", "aten.mul_", "aten.baddbmm", "aten.pad",
     "aten.constant_pad_nd", "aten.roll", "aten.flip", "aten.new_zeros", "aten.new_ones", "aten.new_empty",
     "aten.hardtanh", "aten.hardsigmoid", "aten.glu", "aten.log1p", "aten.expm1", "aten.atan2",
-    "aten.linspace", "aten.bucketize", "aten.one_hot", "aten.sort", "aten.topk", "aten.argmax",
+    "aten.linspace", "aten.bucketize", "aten.one_hot", "aten.argmax",
     "aten.argmin", "aten.all", "aten.any", "aten.prod", "aten.logsumexp", "aten.norm", "aten.min",
     "aten.upsample_nearest2d", "aten.upsample_bilinear2d", "aten.pixel_shuffle", "aten.im2col",
 }  # fmt: skip
@@ -409,11 +412,10 @@ def _node_cost(node: fx.Node) -> NodeCost:
     else:
         flops = float(out_numel)
         # a Python-level function or an op returning no tensor (sym_size) is not an unknown tensor op
-        known = (
-            name in _ELEMENTWISE
-            or not isinstance(val, torch.Tensor)
-            or not isinstance(node.target, torch._ops.OpOverload)
-        )
+        tensor_out = isinstance(val, torch.Tensor) or (
+            isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val)
+        )  # sort, topk, max.dim, ... return (values, indices)
+        known = name in _ELEMENTWISE or not tensor_out or not isinstance(node.target, torch._ops.OpOverload)
     return NodeCost(flops, read, written, shape, dtype, path, kind=kind, known=known, op=name)
 
 
