@@ -483,6 +483,16 @@ def parse_cluster(data: object, origin: str) -> ClusterSpec:
         raise r.fail(
             "", f"the top level must be a mapping of cluster fields (name, nodes, ...), got {_describe(data)}"
         )
+    if {"splits", "stages"} <= set(data) or isinstance(data.get("plan"), dict):
+        what = (
+            "a plan (what planner optimize --out writes)"
+            if "splits" in data
+            else "a report (what --json writes)"
+        )
+        raise r.fail(
+            "",
+            f"is {what}, not a cluster spec: give --cluster a preset name or a cluster YAML (README, --cluster)",
+        )
     top_required = ("name", "nodes", "devices_per_node", "backend", "overlap_efficiency", "device", "links")
     d = r.mapping(data, "", top_required, ("sources", "attention_kernel"))
     nodes = r.integer(d["nodes"], "nodes", "number of nodes", "1")

@@ -647,7 +647,11 @@ _PLAN_KEYS = {"model", "workload", "mesh", "splits", "stages", "predicted", "sol
 
 def _check_is_plan(data: object, origin: str) -> None:
     """InputError when `data` shares no key with a plan: say what it looks like and what a plan is."""
-    if isinstance(data, dict) and isinstance(data.get("plan"), dict) and "model" not in data:
+    if (
+        isinstance(data, dict)
+        and isinstance(data.get("plan"), dict)
+        and ("model" not in data or "written_by" in data)
+    ):
         raise InputError(
             f"{origin} is a report (what --json writes), not a plan: it holds the plan under 'plan' beside the "
             "measured figures. Give the plan YAML that planner optimize MODEL.py --out PLAN.yaml writes "

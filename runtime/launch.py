@@ -431,7 +431,7 @@ def _collect(
         raise RunError(
             f"launch timed out after {timeout_s + _WALL_MARGIN_S:.1f} s (timeout_s={timeout_s:g} + "
             f"{_WALL_MARGIN_S:g} s margin): ranks {sorted(pending)} of {nproc} had not finished "
-            f"(ranks {done} had); they were terminated. Raise timeout_s if the work is just slow."
+            f"(ranks {done} had); they were terminated. Raise the timeout (--timeout SECONDS) if the work is just slow."
         )
     return results
 

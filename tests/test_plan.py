@@ -317,3 +317,36 @@ def test_binary_or_folder_inputs_are_one_clear_error(tmp_path) -> None:
         load_cluster(str(tmp_path))
     with pytest.raises(InputError, match="is a folder"):
         load_model_file(str(tmp_path))
+
+
+def test_messages_name_what_the_user_gave(tmp_path) -> None:
+    """upper:0 / auto:max=0 are refused with the way to say none; a model without transformer layers
+    says so instead of "only 0 layers; N from 1 to 0"; a plan or a report given as a cluster spec, and
+    a report given as a plan, say what they are."""
+    import json
+
+    from costmodels.cluster import load_cluster
+    from planner.errors import InputError
+    from planner.plan import Plan
+    from planner.solver.problem import LadderMode, LadderPolicy
+
+    for text in ("upper:0", "auto:max=0"):
+        with pytest.raises(InputError, match="--ladder none"):
+            LadderPolicy.parse(text, option="--ladder")
+    with pytest.raises(InputError, match="no transformer layers"):
+        LadderPolicy.parse("upper:1").for_layers(0)
+    assert LadderPolicy.parse("auto").for_layers(0).mode is LadderMode.NONE
+    with pytest.raises(InputError, match=r"auto:max=N with N from 1 to 4"):
+        LadderPolicy.parse("auto:max=9").for_layers(4)
+    plan_file = tmp_path / "plan.yaml"
+    plan_file.write_text("model: m.py\nsplits: {}\nstages: [[0]]\n")
+    with pytest.raises(InputError, match="is a plan"):
+        load_cluster(str(plan_file))
+    report = tmp_path / "report.json"
+    report.write_text(
+        json.dumps({"written_by": "planner optimize --json", "model": "m.py", "plan": {}, "predicted": {}})
+    )
+    with pytest.raises(InputError, match="is a report"):
+        load_cluster(str(report))
+    with pytest.raises(InputError, match="is a report"):
+        Plan.from_yaml(report)

@@ -59,6 +59,14 @@ _positive = _at_least(1, "a positive integer")
 _non_negative = _at_least(0, "an integer >= 0")
 
 
+def _positive_seconds(text: str) -> float:
+    """A number of seconds > 0 (argparse type)."""
+    value = _seconds(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
 def _seconds(text: str) -> float:
     """A number of seconds >= 0 (argparse type)."""
     try:
@@ -216,7 +224,9 @@ def _run_options(p: argparse.ArgumentParser) -> None:
         "the median spans a shared machine's slow spells (default 2; 0: exactly --iters)",
     )
     p.add_argument("--warmup", type=_non_negative, default=3, help="warm-up iterations (default 3)")
-    p.add_argument("--timeout", type=float, default=120.0, help="process-group timeout per rank, seconds")
+    p.add_argument(
+        "--timeout", type=_positive_seconds, default=120.0, help="process-group timeout per rank, seconds"
+    )
     p.add_argument(
         "--weights",
         help="safetensors file or directory of them with the model's weights (state_dict names); "
@@ -359,6 +369,12 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             )
         else:
             plan = workflow.make_plan(prepared, cluster, constraints, args.model, source, progress=bars)
+    if args.schedule != "auto" and plan.pp == 1:
+        _warn(
+            [
+                f"--schedule {args.schedule} had no effect: the plan has one pipeline stage (pp=1); pin --pp 2 or more"
+            ]
+        )
     n, chain = len(prepared.structure.layers), len(prepared.structure.mlp_chain)
     shape = (
         f"{n} layers"

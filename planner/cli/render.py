@@ -24,6 +24,11 @@ def fmt_s(seconds: float | None) -> str:
     return f"{seconds * 1e6:.1f} µs"
 
 
+def fmt_rate(per_s: float) -> str:
+    """A rate with its significant digits kept below 1 ("0.0312", not "0.0"), thousands separated above."""
+    return f"{per_s:,.1f}" if per_s >= 10 else f"{per_s:.3g}"
+
+
 def fmt_bytes(nbytes: float | None) -> str:
     """Bytes in GiB or MiB."""
     if nbytes is None:
@@ -332,7 +337,7 @@ def render_serving(console: Console, plan: Plan) -> None:
     console.print(
         f"Request (prompt {sv.prompt_len}, {sv.new_tokens} new tokens, cache {sv.cache_len}, batch {plan.batch_size}): "
         f"time to first token [bold]{fmt_s(sv.ttft_s)}[/bold], [bold]{sv.tpot_s * 1e3:.3g} ms[/bold] per output token, "
-        f"{sv.tokens_per_s:,.1f} tokens/s over the request; decode graph and prefill graph priced node by node"
+        f"{fmt_rate(sv.tokens_per_s)} tokens/s over the request; decode graph and prefill graph priced node by node"
     )
     for note in sv.fallbacks:
         console.print(f"[yellow]fallback: {note}[/yellow]")
@@ -437,7 +442,7 @@ def render_serving_run(console: Console, report: dict[str, Any]) -> None:
     row("time per output token", p["tpot_s"], got["tpot_s"])
     if at_run := m.get("at_run_speed"):  # the decode step priced at the speed probe's readings
         row(f"  at the run's machine speed ({_probe_text(at_run)})", at_run["latency_s"], got["tpot_s"])
-    row("tokens/s over the request", p["tokens_per_s"], got["tokens_per_s"], lambda x: f"{x:,.1f}")
+    row("tokens/s over the request", p["tokens_per_s"], got["tokens_per_s"], fmt_rate)
     if got.get("standard_tpot_s"):
         row("  same splits without ladder", p["standard_tpot_s"], got["standard_tpot_s"])
         row("  ladder speed-up", p["ladder_speedup"], got["ladder_speedup"], lambda x: f"{x:.3f}x")

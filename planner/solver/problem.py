@@ -138,8 +138,16 @@ class LadderPolicy:
                 f"(X: percent of the standard model's held-out loss), got {text!r}"
             )
         if m.group(1):
+            if int(m.group(1)) == 0:
+                raise InputError(
+                    f"{option} upper:0 ladders no layer: use {option} none (or upper:N with N >= 1)"
+                )
             return cls(LadderMode.UPPER, int(m.group(1)))
         count = m.group(2) or m.group(4)
+        if count is not None and int(count) == 0:
+            raise InputError(
+                f"{option} auto:max=0 allows no layer: use {option} none (or auto:max=N with N >= 1)"
+            )
         budget = m.group(3) or m.group(5)
         return cls(
             LadderMode.AUTO,
@@ -164,11 +172,17 @@ class LadderPolicy:
         asks for more layers than the model has."""
         if self.mode is LadderMode.NONE:
             return LadderPolicy(LadderMode.NONE, 0)
-        if self.count is not None and self.count > num_layers:
-            mode = "upper" if self.mode is LadderMode.UPPER else "auto:max"
+        if num_layers == 0 and self.mode is LadderMode.AUTO and self.count is None:
+            return LadderPolicy(LadderMode.NONE, 0)  # auto: nothing to ladder
+        if num_layers == 0:
             raise InputError(
-                f"ladder {str(self)!r}: the model has only {num_layers} layers; use {mode}:N with N from 1 to "
-                f"{num_layers}"
+                f"ladder {str(self)!r}: the model has no transformer layers (attention and MLP blocks) whose "
+                "all-reduces ladder residual could overlap; use --ladder none"
+            )
+        if self.count is not None and self.count > num_layers:
+            form = "upper:N" if self.mode is LadderMode.UPPER else "auto:max=N"
+            raise InputError(
+                f"ladder {str(self)!r}: the model has only {num_layers} layers; use {form} with N from 1 to {num_layers}"
             )
         return LadderPolicy(
             self.mode, num_layers if self.count is None else self.count, self.max_loss_increase

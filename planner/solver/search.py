@@ -252,7 +252,10 @@ def _enumerate(search: _Search, progress: Progress = silent) -> None:
     c, w, cluster = search.constraints, search.workload, search.cluster
     num_devices = min(c.max_devices or cluster.num_devices, cluster.num_devices)
     if c.max_devices is not None and c.max_devices > cluster.num_devices:
-        raise InputError(f"max_devices {c.max_devices} exceeds the cluster's {cluster.num_devices} devices")
+        raise InputError(
+            f"--devices {c.max_devices} exceeds {cluster.name}'s {cluster.num_devices} devices "
+            f"({cluster.num_nodes} node(s) of {cluster.devices_per_node}); give at most {cluster.num_devices}"
+        )
     num_layers = len(search.structure.layers) or 1
     tps = _tp_options(search, num_devices)
     pps = [c.pp] if c.pp is not None else [p for p in _divisors(num_devices) if p <= num_layers]
