@@ -12,6 +12,7 @@ from torch import nn
 
 from costmodels import compute
 from costmodels.cluster import load_cluster
+from planner.errors import InputError
 from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture
 from planner.plan import MeshShape
@@ -158,3 +159,26 @@ def test_rebalance_moves_an_unbalanced_split() -> None:
     assert rebalance(prob.tables, assignment, prob.memory_cap_bytes)
     assert assignment.stages == [[0, 1], [2, 3]]
     assert not rebalance(prob.tables, assignment, prob.memory_cap_bytes)  # already balanced: unchanged
+
+
+class _BatchMean(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        h = h - h.mean(dim=0, keepdim=True)  # each sample's output depends on the others
+        return self.down(h.softmax(dim=-1)) + h.sum(dim=-1, keepdim=True).mean(dim=-1, keepdim=True)
+
+
+def test_a_reduction_over_the_batch_keeps_the_batch_whole() -> None:
+    """mean over dim 0 mixes samples: no data parallelism or micro-batches (pinned: a clear error);
+    reductions over other dims (softmax, sum over the last) do not count."""
+    s = analyse(capture(_BatchMean(), (torch.randn(4, 16, 64),)))
+    assert len(s.batch_mixing) == 1 and s.batch_mixing[0].startswith("aten.mean (test_pricing.py:")
+    cluster = load_cluster("local-cpu", nproc=2)
+    plan = plan_model(s, cluster, Workload("forward", 4, 16), Constraints())
+    assert plan.dp == 1 and any("reduces over the batch dimension" in e for e in plan.excluded)
+    with pytest.raises(InputError, match="reduces over the batch dimension"):
+        plan_model(s, cluster, Workload("forward", 4, 16), Constraints(dp=2))

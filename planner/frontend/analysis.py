@@ -264,6 +264,9 @@ class ModelStructure:
     node_costs: dict[str, NodeCost]  # by fx node name, every node but the output
     mlp_chain: list[Projection]  # models without transformer layers: the projections in order
     num_param_tensors: int = 0  # unique trainable parameter tensors (an optimizer steps each one)
+    # reductions over the batch dimension ("op (model line)", `_batch_mixing`): samples mix, so the batch
+    # may not be split (data parallelism, micro-batches)
+    batch_mixing: list[str] = field(default_factory=list)
 
     @property
     def unknown_ops(self) -> list[str]:
@@ -340,7 +343,48 @@ def analyse(gm: fx.GraphModule) -> ModelStructure:
         node_costs=costs,
         mlp_chain=mlp_chain,
         num_param_tensors=sum(1 for p in unique.values() if p.requires_grad),
+        batch_mixing=_batch_mixing(nodes, batch_size),
     )
+
+
+# Reductions (and scans) that, over a tensor's leading (batch) dimension or over all of it, combine
+# the samples of a batch: a data-parallel replica or a micro-batch would see only some of them
+_BATCH_REDUCTIONS = frozenset({
+    "aten.mean", "aten.sum", "aten.amax", "aten.amin", "aten.max", "aten.min", "aten.var", "aten.std",
+    "aten.var_mean", "aten.std_mean", "aten.logsumexp", "aten.softmax", "aten._softmax", "aten.log_softmax",
+    "aten._log_softmax", "aten.cumsum", "aten.cumprod", "aten.sort", "aten.topk", "aten.norm", "aten.prod",
+})  # fmt: skip
+
+
+def _batch_mixing(nodes: list[fx.Node], batch_size: int) -> list[str]:
+    """ "op (model line)" of every floating-point reduction over the batch dimension (dim 0 of a tensor
+    whose leading size is the batch, or over all dimensions): outputs then depend on the other samples
+    of the batch, so splitting the batch (data parallelism, micro-batches) changes them. Empty for a
+    batch of 1 (nothing to tell apart). BatchNorm is handled apart (`search.BATCH_STATISTICS_OPS`)."""
+    from passes.tp_rules_context import user_line  # noqa: PLC0415 - passes import this module
+
+    if batch_size <= 1:
+        return []
+    found: dict[str, None] = {}
+    for node in nodes:
+        name = op_name(node.target)
+        if node.op != "call_function" or name not in _BATCH_REDUCTIONS or not node.args:
+            continue
+        source = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        if not isinstance(source, torch.Tensor) or not source.is_floating_point() or source.dim() < 2:
+            continue
+        if source.shape[0] != batch_size:
+            continue
+        dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        if isinstance(dims, int):
+            dims = [dims]
+        if dims is None or (isinstance(dims, (list, tuple)) and not dims):  # a reduction over everything
+            mixing = name not in ("aten.softmax", "aten._softmax", "aten.log_softmax", "aten._log_softmax")
+        else:
+            mixing = any(isinstance(d, int) and d % source.dim() == 0 for d in dims)
+        if mixing:
+            found[f"{name} ({user_line(node) or node.name})"] = None
+    return list(found)
 
 
 # ------------------------------------------------------------------------------------------- costs
