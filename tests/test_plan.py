@@ -350,3 +350,22 @@ def test_messages_name_what_the_user_gave(tmp_path) -> None:
         load_cluster(str(report))
     with pytest.raises(InputError, match="is a report"):
         Plan.from_yaml(report)
+
+
+def test_a_sequence_first_input_is_read_as_batch_and_sequence(tmp_path) -> None:
+    """nn.Transformer's default (seq, batch, dim) input: the batch and sequence the user asked for are
+    the plan's (was: swapped, samples/s 4x too high), and the batch is not split (dim 0 is the sequence)."""
+    from planner.cli import workflow
+
+    model = tmp_path / "seqfirst.py"
+    model.write_text(
+        "import torch\nfrom torch import nn\n"
+        "def build_model():\n"
+        "    return nn.TransformerEncoder(nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0), num_layers=2,"
+        " enable_nested_tensor=False)\n"
+        "def example_inputs(batch_size=4, seq_len=16):\n    return (torch.randn(seq_len, batch_size, 64),)\n"
+    )
+    prepared = workflow.prepare(str(model), "forward", batch_size=8, seq_len=32)
+    assert (prepared.structure.batch_size, prepared.structure.seq_len) == (8, 32)
+    assert (prepared.workload.batch_size, prepared.workload.seq_len) == (8, 32)
+    assert "sequence-first" in prepared.structure.batch_mixing[0]

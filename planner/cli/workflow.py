@@ -115,6 +115,12 @@ def prepare(
     args, kwargs = model_file.inputs(batch_size, seq_len)
     model = model_file.build("meta")
     graph, structure = capture_for_planning(model, args, kwargs)
+    if (batch_size, seq_len) == (structure.seq_len, structure.batch_size) and batch_size != seq_len:
+        # the inputs are (seq, batch, ...) (nn.Transformer's default): the planner's batch is dim 0
+        structure.batch_size, structure.seq_len = batch_size, seq_len
+        structure.batch_mixing.append(
+            f"its input is sequence-first ({seq_len}, {batch_size}, ...) and the runtime splits the batch along dim 0"
+        )
     wl = WorkloadSpec(
         kind=Workload(workload),
         batch_size=structure.batch_size,

@@ -264,8 +264,8 @@ class ModelStructure:
     node_costs: dict[str, NodeCost]  # by fx node name, every node but the output
     mlp_chain: list[Projection]  # models without transformer layers: the projections in order
     num_param_tensors: int = 0  # unique trainable parameter tensors (an optimizer steps each one)
-    # reductions over the batch dimension ("op (model line)", `_batch_mixing`): samples mix, so the batch
-    # may not be split (data parallelism, micro-batches)
+    # why the batch may not be split (data parallelism, micro-batches): reductions over the batch
+    # dimension ("op (model line) reduces over ...", `_batch_mixing`), a sequence-first input, ...
     batch_mixing: list[str] = field(default_factory=list)
 
     @property
@@ -383,7 +383,7 @@ def _batch_mixing(nodes: list[fx.Node], batch_size: int) -> list[str]:
         else:
             mixing = any(isinstance(d, int) and d % source.dim() == 0 for d in dims)
         if mixing:
-            found[f"{name} ({user_line(node) or node.name})"] = None
+            found[f"{name} ({user_line(node) or node.name}) reduces over the batch dimension"] = None
     return list(found)
 
 

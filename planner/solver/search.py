@@ -280,18 +280,16 @@ def _enumerate(search: _Search, progress: Progress = silent) -> None:
             "dp>1, micro-batches>1: BatchNorm normalises over the batch it sees (training)"
         )
     mixing = search.structure.batch_mixing
-    if mixing:  # samples mix: the batch may not be split either
+    if mixing:  # samples mix, or the batch is not dim 0: the batch may not be split either
         if (c.dp or 1) > 1 or (w.micro_batches or 1) > 1:
             raise InputError(
-                f"the model reduces over the batch dimension ({mixing[0]}), so each output depends on the other "
-                "samples: data-parallel replicas and micro-batches each see part of the batch and would compute "
-                "other outputs than the unsharded model; use --dp 1 and one micro-batch"
+                f"the batch of this model cannot be split: {mixing[0]}; data-parallel replicas and micro-batches "
+                "would each see part of it and compute other outputs than the unsharded model; use --dp 1 and "
+                "one micro-batch"
             )
         dps = [1]
         batch_statistics = True  # one micro-batch too
-        search.excluded.append(
-            f"dp>1, micro-batches>1: the model reduces over the batch dimension ({mixing[0]})"
-        )
+        search.excluded.append(f"dp>1, micro-batches>1: the batch cannot be split: {mixing[0]}")
     if c.dp is not None and w.batch_size % c.dp:
         raise InputError(f"dp={c.dp} does not divide the batch size {w.batch_size}")
     for tp in tps:
