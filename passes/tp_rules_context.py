@@ -13,8 +13,6 @@ price or refuse it (`passes.verify`). `user_line(node)` is the model source line
 
 from __future__ import annotations
 
-import os
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -24,6 +22,7 @@ import torch.fx as fx
 
 from passes import collectives
 from passes.placement import Placement, local_shape, padded_size, shard_weight
+from planner.frontend.capture import user_line
 
 R = Placement.replicate()
 
@@ -39,17 +38,6 @@ class SplitLike(Protocol):
 
 
 FALLBACK_META = "tp_fallback"  # node.meta key of a `Fallback`
-
-
-def user_line(node: fx.Node) -> str:
-    """Where `node` comes from in the user's model: 'model.py:39 `gate, up = self.w13(x).chunk(2, dim=-1)`'
-    (the innermost frame of the capture's stack trace), or '' when the capture recorded none."""
-    trace = node.meta.get("stack_trace") or ""
-    frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)', trace)
-    if not frames:
-        return ""
-    path, line, code = frames[-1]
-    return f"{os.path.basename(path)}:{line} `{code.strip()}`"
 
 
 def op_label(node: fx.Node) -> str:

@@ -83,8 +83,8 @@ def test_tolerance_follows_the_dtype_and_failures_say_by_how_much() -> None:
 
 @pytest.mark.slow
 def test_dp_run_compares_every_output_with_the_whole_batch_and_fails_beyond_tolerance(tmp_path) -> None:
-    """dp_batch_stat.py at DP=2: output 0 is per sequence (matches), output 1 is centred on the batch
-    mean (a replica sees half the batch: differs). Checked with a reference built from each
+    """dp_batch_stat.py at DP=2: output 0 is per sequence (matches), output 1 is relative to the
+    batch's first sample (a replica sees half the batch: differs). Checked with a reference built from each
     replica's slice, or on output 0 only, this run passed with diff 0."""
     r = planner(
         "optimize", str(MODELS / "dp_batch_stat.py"), "--cluster", "local-cpu", "--dp", "2", "--nproc", "2",

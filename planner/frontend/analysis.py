@@ -52,7 +52,7 @@ from torch import fx
 
 from costmodels.compute import conv_flops
 from costmodels.dtypes import dtype_name
-from planner.frontend.capture import op_name
+from planner.frontend.capture import op_name, user_line
 
 aten = torch.ops.aten
 
@@ -361,8 +361,6 @@ def _batch_mixing(nodes: list[fx.Node], batch_size: int) -> list[str]:
     whose leading size is the batch, or over all dimensions): outputs then depend on the other samples
     of the batch, so splitting the batch (data parallelism, micro-batches) changes them. Empty for a
     batch of 1 (nothing to tell apart). BatchNorm is handled apart (`search.BATCH_STATISTICS_OPS`)."""
-    from passes.tp_rules_context import user_line  # noqa: PLC0415 - passes import this module
-
     if batch_size <= 1:
         return []
     found: dict[str, None] = {}

@@ -269,6 +269,17 @@ def _normalise(gm: fx.GraphModule, out_spec: pytree.TreeSpec, module_names: set[
     return fx.GraphModule(gm, graph, class_name="CapturedModel")  # compiles forward from the graph
 
 
+def user_line(node: fx.Node) -> str:
+    """Where `node` comes from in the user's model: 'model.py:39 `gate, up = self.w13(x).chunk(2, dim=-1)`'
+    (the innermost frame of the capture's stack trace), or '' when the capture recorded none."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)', trace)
+    if not frames:
+        return ""
+    path, line, code = frames[-1]
+    return f"{os.path.basename(path)}:{line} `{code.strip()}`"
+
+
 def op_name(target: Any) -> str:
     """'aten.linear' for torch.ops.aten.linear.default, 'getitem' for operator.getitem, else ''."""
     if isinstance(target, torch._ops.OpOverload):
