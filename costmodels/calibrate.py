@@ -252,38 +252,31 @@ def matmul_shape_time_ratios(
     train: bool = False,
 ) -> dict[tuple[int, int], float]:
     """Measured / priced time of each (M, K, N) product of ``shapes`` on this CPU process, keyed by
-    (K, N), for `DeviceSpec.matmul_shape_time_ratios`.
+    (K, N), for `DeviceSpec.matmul_shape_time_ratios`: how much slower (> 1) or faster a shape runs
+    than the spec's matmul fit says, relative to the shapes the fit was made on.
 
     Each product is timed in thread CPU time with ``threads`` intra-op threads (what a rank computes
-    with), interleaved for about ``budget_s`` wall seconds with the speed probe's matmul
-    (`PROBE_MATMUL_SHAPE`) and a (1 x 8) @ (8 x 8) product. The latter's time, the call's dispatch,
-    which the per-node overhead prices already, is taken off each. A measured time is brought to the
-    machine's speed at calibration by the probe's rate now over its rate then
-    (``device_spec.probe_matmul_flops_per_s``), so the ratio carries the shape's own rate, not the
-    moment's. The priced time is `costmodels.compute.op_time_s` of the product on ``device_spec``
-    without a launch term. With ``train``, a linear's backward products are timed too, the input
-    gradient (M x N) @ (N x K) and the weight gradient (N x M) @ (M x K), and the ratio is their sum
-    with the forward over three forward prices (the training step's `compute_factor`).
+    with), interleaved for about ``budget_s`` wall seconds with the fit's own shapes
+    (`TRANSFORMER_MATMUL_SHAPES`) and a (1 x 8) @ (8 x 8) product. The latter's time, the call's
+    dispatch, which the per-node overhead prices already, is taken off each. A shape's measured /
+    priced time is divided by the median of the same over the fit's shapes timed beside it, so the
+    machine's speed at the moment (this VM changes speed in spells) cancels and the ratio carries the
+    shape's own rate; the priced time is `costmodels.compute.op_time_s` of the product on
+    ``device_spec`` without a launch term. With ``train``, a linear's backward products are timed too,
+    the input gradient (M x N) @ (N x K) and the weight gradient (N x M) @ (M x K), and the ratio is
+    their sum with the forward over three forward prices (the training step's `compute_factor`).
 
     A shape priced over ``_MODEL_SHAPE_MAX_S`` is timed with fewer rows (the ratio is taken as the same
     at any M; the fit's row term carries M); one priced under ``_MODEL_SHAPE_MIN_S`` (a fraction of its
     node's dispatch) is left out, and so are the largest past ``_MODEL_SHAPES_MAX_BYTES`` of operands.
-
-    Raises:
-        ValueError: ``device_spec`` has no probe matmul reference (a spec `planner calibrate` did not write).
     """
-    reference = device_spec.probe_matmul_flops_per_s
-    if not reference:
-        raise ValueError(
-            "the spec records no probe_matmul_GFLOPS (written by planner calibrate) to time shapes against"
-        )
     dt, size = torch_dtype(dtype), DTYPE_BYTES[dtype]
 
     def price(m: int, k: int, n: int) -> float:
         return op_time_s(linear_flops(m, k, n), linear_bytes(m, k, n, dtype), device_spec, dtype, "matmul", rows=m, launch=False)  # fmt: skip
 
-    kept: dict[tuple[int, int, int], list[tuple[int, int, int]]] = {}  # shape timed -> its products
-    products: dict[tuple[int, int, int], None] = {}
+    kept: dict[tuple[int, int, int], list[tuple[str, int, int, int]]] = {}  # shape timed -> its products
+    products: dict[tuple[str, int, int, int], None] = {}
     total = 0.0
     for m, k, n in sorted(dict.fromkeys(shapes), key=math.prod):
         priced = price(m, k, n)
@@ -292,8 +285,11 @@ def matmul_shape_time_ratios(
             priced = price(m, k, n)
         if priced < _MODEL_SHAPE_MIN_S or (k, n) in {(kk, nn) for _, kk, nn in kept}:
             continue
-        own = [(m, k, n)] + ([(m, n, k), (n, m, k)] if train else [])
-        nbytes = sum((a * b + b * c) * size for a, b, c in own if (a, b, c) not in products)
+        # (form, M, K, N): "linear" F.linear(x (M, K), W (N, K)), as nn.Linear runs its forward; "mm" a plain
+        # (M, K) @ (K, N), the input gradient dY @ W; "tmm" a (K, M) tensor transposed @ (K, N), the weight
+        # gradient dY^T @ X (the layouts change a CPU kernel's rate by up to 1.5x at equal shapes)
+        own = [("linear", m, k, n)] + ([("mm", m, n, k), ("tmm", n, m, k)] if train else [])
+        nbytes = sum((a * b + b * c) * size for _, a, b, c in own if (_, a, b, c) not in products)
         if total + nbytes > _MODEL_SHAPES_MAX_BYTES:
             continue
         total += nbytes
@@ -301,28 +297,40 @@ def matmul_shape_time_ratios(
         products.update(dict.fromkeys(own))
     if not kept:
         return {}
-    timed = [PROBE_MATMUL_SHAPE, _FLOOR_MATMUL_SHAPE, *products]
+    # the fit's shapes, timed as the fit timed them (a plain (T x C) @ (C x N))
+    references = [("mm", *s) for s in TRANSFORMER_MATMUL_SHAPES if price(*s) <= _MODEL_SHAPE_MAX_S]
+    timed = [("mm", *_FLOOR_MATMUL_SHAPE), *references, *products]
     threads_before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        pairs = [(torch.randn(m, k).to(dt), torch.randn(k, n).to(dt)) for m, k, n in timed]
-        pairs[0] = tuple(t.float() for t in pairs[0])  # the probe runs in fp32, as at calibration
         rates, _ = interleaved_rates(
-            [lambda x=x, w=w: x @ w for x, w in pairs],
-            [2.0 * math.prod(s) for s in timed],
+            [_product(form, m, k, n, dt) for form, m, k, n in timed],
+            [2.0 * m * k * n for _, m, k, n in timed],
             torch.device("cpu"),
             budget_s,
         )
     finally:
         torch.set_num_threads(threads_before)
-    slower_now = reference / rates[0]  # > 1: the machine runs slower than at calibration
-    floor_s = 2.0 * math.prod(_FLOOR_MATMUL_SHAPE) / rates[1]  # the call itself, which a node pays already
-    seconds = {
-        s: max(2.0 * math.prod(s) / rate - floor_s, 0.0) / slower_now for s, rate in zip(timed[2:], rates[2:])
-    }
+    floor_s = 2.0 * math.prod(_FLOOR_MATMUL_SHAPE) / rates[0]  # the call itself, which a node pays already
+    seconds = {p: max(2.0 * math.prod(p[1:]) / rate - floor_s, 0.0) for p, rate in zip(timed[1:], rates[1:])}
+    # > 1: the machine runs slower now than the fit says, on the fit's own shapes
+    now = statistics.median(seconds[r] / price(*r[1:]) for r in references) if references else 1.0
     return {
-        (k, n): sum(seconds[p] for p in own) / (len(own) * price(m, k, n)) for (m, k, n), own in kept.items()
+        (k, n): sum(seconds[p] for p in own) / (len(own) * price(m, k, n)) / now
+        for (m, k, n), own in kept.items()
     }
+
+
+def _product(form: str, m: int, k: int, n: int, dtype: torch.dtype) -> Callable[[], object]:
+    """A (M x K) @ (K x N) product in the memory layout ``form`` names (`matmul_shape_time_ratios`)."""
+    if form == "linear":
+        x, weight = torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype)
+        return lambda: torch.nn.functional.linear(x, weight)
+    if form == "tmm":
+        a, b = torch.randn(k, m).to(dtype), torch.randn(k, n).to(dtype)
+        return lambda: a.t() @ b
+    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+    return lambda: a @ b
 
 
 def _cache_bytes() -> float | None:

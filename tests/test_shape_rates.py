@@ -29,37 +29,51 @@ def _priced(shape, device) -> float:
     return op_time_s(linear_flops(*shape), linear_bytes(*shape, "fp32"), device, "fp32", "matmul", rows=shape[0], launch=False)  # fmt: skip
 
 
-def test_ratio_is_measured_over_priced_at_the_calibration_speed(calibrated, monkeypatch) -> None:
-    """Probe at half its reference rate (machine 2x slower now): a shape measured at 2x its priced
-    time, less the dispatch floor, is priced as it was at calibration, ratio (2 t - floor) / 2 / t."""
+def _fake_rates(seconds_of):
+    """interleaved_rates stand-in: each product takes ``seconds_of(shape)`` (the floor product 0 s)."""
+
+    def fake(fns, amounts, device, budget_s):
+        return [1e30] + [a / seconds_of(a) for a in amounts[1:]], 1.0
+
+    return fake
+
+
+def test_ratio_is_relative_to_the_fits_own_shapes_timed_beside_it(calibrated, monkeypatch) -> None:
+    """The machine runs 2x slower than the fit on the fit's shapes, and a model shape 3x: its ratio is
+    1.5 (the machine's speed at the moment cancels)."""
     shape = (64, 768, 3072)
     priced_s = _priced(shape, calibrated.device)
-    floor_s = 4e-6
-    flops = 2.0 * 64 * 768 * 3072
+    references = {2.0 * math.prod(s): _priced(s, calibrated.device) for s in cal.TRANSFORMER_MATMUL_SHAPES}
+    flops = 2.0 * math.prod(shape)
 
-    def fake_rates(fns, amounts, device, budget_s):
-        assert len(fns) == 3  # probe, floor, the shape
-        return [50e9, amounts[1] / floor_s, flops / (2 * priced_s)], 1.0
+    def seconds_of(amount):
+        return 3 * priced_s if amount == flops else 2 * references[amount]
 
-    monkeypatch.setattr(cal, "interleaved_rates", fake_rates)
+    monkeypatch.setattr(cal, "interleaved_rates", _fake_rates(seconds_of))
     ratios = cal.matmul_shape_time_ratios([shape], calibrated.device, "fp32")
-    assert ratios == {(768, 3072): pytest.approx((2 * priced_s - floor_s) / 2 / priced_s)}
+    assert ratios == {(768, 3072): pytest.approx(1.5)}
 
 
 def test_training_ratio_sums_the_backward_products(calibrated, monkeypatch) -> None:
     """train: the input-gradient (M x N) @ (N x K) and weight-gradient (N x M) @ (M x K) products are
-    timed too; the ratio is the three products' time over three forward prices."""
+    timed too; the ratio is the three products' time over three forward prices (reference shapes at
+    the fit's speed)."""
     shape = (64, 768, 3072)
     priced_s = _priced(shape, calibrated.device)
-    seconds = {(64, 768, 3072): priced_s, (64, 3072, 768): 2 * priced_s, (3072, 64, 768): 3 * priced_s}
-    timed = []
+    references = {2.0 * math.prod(s): _priced(s, calibrated.device) for s in cal.TRANSFORMER_MATMUL_SHAPES}
+    count = sum(
+        1 for s in cal.TRANSFORMER_MATMUL_SHAPES if _priced(s, calibrated.device) <= cal._MODEL_SHAPE_MAX_S
+    )
 
-    def fake_rates(fns, amounts, device, budget_s):
-        shapes = list(seconds)
-        timed.extend(shapes)
-        return [100e9, 1e30] + [2.0 * 64 * 768 * 3072 / seconds[s] for s in shapes], 1.0
+    def fake(fns, amounts, device, budget_s):
+        model = amounts[1 + count :]  # the floor, the references, then the three products
+        assert len(model) == 3
+        calls = iter([priced_s, 2 * priced_s, 3 * priced_s])
+        return [1e30] + [a / references[a] for a in amounts[1 : 1 + count]] + [
+            a / next(calls) for a in model
+        ], 1.0
 
-    monkeypatch.setattr(cal, "interleaved_rates", fake_rates)
+    monkeypatch.setattr(cal, "interleaved_rates", fake)
     ratios = cal.matmul_shape_time_ratios([shape], calibrated.device, "fp32", train=True)
     assert ratios == {(768, 3072): pytest.approx((1 + 2 + 3) / 3)}
 
@@ -69,14 +83,14 @@ def test_a_shape_priced_too_long_is_timed_with_fewer_rows(calibrated, monkeypatc
     assert _priced(big, calibrated.device) > cal._MODEL_SHAPE_MAX_S
     seen = []
 
-    def fake_rates(fns, amounts, device, budget_s):
-        seen.extend(amounts[2:])
-        return [100e9, 1e30] + [1e11] * (len(fns) - 2), 1.0
+    def fake(fns, amounts, device, budget_s):
+        seen.extend(amounts)
+        return [1e30] + [1e11] * (len(fns) - 1), 1.0
 
-    monkeypatch.setattr(cal, "interleaved_rates", fake_rates)
+    monkeypatch.setattr(cal, "interleaved_rates", fake)
     ratios = cal.matmul_shape_time_ratios([big], calibrated.device, "fp32")
     assert set(ratios) == {(768, 50257)}
-    assert seen and seen[0] < 2.0 * math.prod(big)
+    assert max(seen) < 2.0 * math.prod(big)
 
 
 def test_shapes_outside_the_timed_range_keep_the_fit(calibrated) -> None:
@@ -84,9 +98,6 @@ def test_shapes_outside_the_timed_range_keep_the_fit(calibrated) -> None:
     tiny = (1, 8, 16)
     assert _priced(tiny, calibrated.device) < cal._MODEL_SHAPE_MIN_S
     assert cal.matmul_shape_time_ratios([tiny], calibrated.device, "fp32") == {}
-    no_reference = dataclasses.replace(calibrated.device, probe_matmul_flops_per_s=None)
-    with pytest.raises(ValueError, match="probe_matmul_GFLOPS"):
-        cal.matmul_shape_time_ratios([tiny], no_reference, "fp32")
 
 
 def test_real_timing_returns_a_positive_ratio_per_shape(calibrated) -> None:
