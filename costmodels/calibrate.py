@@ -763,6 +763,10 @@ def _worker(
         result["load_after"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else -1.0
         if rank == 0:
             queue.put(("result", result))
+        # every rank done with its collectives before any tears gloo down: a rank destroying its group
+        # while its peer is still inside one aborted that peer once (SIGABRT, "terminate called without an
+        # active exception", CI 2026-11-30)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
