@@ -161,4 +161,5 @@ def test_min_time_is_honoured_when_the_warm_up_overestimates_a_step() -> None:
         calls.append(1)
 
     timing = time_iterations(step, warmup=1, iters=1, device=torch.device("cpu"), min_time_s=0.1)
-    assert len(timing.samples_s) * timing.steps_per_sample * 0.005 >= 0.1 * 0.9
+    assert sum(timing.samples_s) * timing.steps_per_sample >= 0.1  # the timed calls add up to --min-time
+    assert len(timing.samples_s) * timing.steps_per_sample > 1
