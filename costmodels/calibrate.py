@@ -279,13 +279,14 @@ def matmul_shape_time_ratios(
 
     kept: dict[tuple[int, int, int], list[tuple[str, int, int, int]]] = {}  # shape timed -> its products
     products: dict[tuple[str, int, int, int], None] = {}
+    weights: set[tuple[int, int]] = set()  # (K, N) kept: one M per weight shape
     total = 0.0
     for m, k, n in sorted(dict.fromkeys(shapes), key=math.prod):
         priced = price(m, k, n)
         if priced > _MODEL_SHAPE_MAX_S:
             m = max(1, int(m * _MODEL_SHAPE_MAX_S / priced))
             priced = price(m, k, n)
-        if priced < _MODEL_SHAPE_MIN_S or (k, n) in {(kk, nn) for _, kk, nn in kept}:
+        if priced < _MODEL_SHAPE_MIN_S or (k, n) in weights:
             continue
         # (form, M, K, N): "linear" F.linear(x (M, K), W (N, K)), as nn.Linear runs its forward; "mm" a plain
         # (M, K) @ (K, N), the input gradient dY @ W; "tmm" a (K, M) tensor transposed @ (K, N), the weight
@@ -295,6 +296,7 @@ def matmul_shape_time_ratios(
         if total + nbytes > _MODEL_SHAPES_MAX_BYTES:
             continue
         total += nbytes
+        weights.add((k, n))
         kept[(m, k, n)] = own
         products.update(dict.fromkeys(own))
     if not kept:

@@ -461,6 +461,18 @@ def make_plan(
     return plan
 
 
+def priced_workload(plan: Plan) -> WorkloadSpec:
+    """The workload `plan.predicted` prices: a serving plan's decode step (one token per sequence after
+    its prompt, as `price_request`), else the plan's workload, batch, sequence and micro-batches."""
+    if plan.serving is not None:
+        return WorkloadSpec(
+            Workload.DECODE, plan.batch_size, 1, context=plan.serving.prompt_len, dtype=plan.dtype
+        )
+    return WorkloadSpec(
+        plan.workload, plan.batch_size, plan.seq_len, micro_batches=plan.micro_batches, dtype=plan.dtype
+    )
+
+
 def reprice_if_edited(plan: Plan, prepared: Prepared, cluster: ClusterSpec) -> Plan | None:
     """`plan` priced again on `cluster` when its decisions (splits, mesh, stages, ladder, schedule,
     recompute, ...: `Plan.decisions_digest`) no longer match those it was priced with (`Plan.priced_digest`:
@@ -470,18 +482,9 @@ def reprice_if_edited(plan: Plan, prepared: Prepared, cluster: ClusterSpec) -> P
         return None
     cluster = with_model_matmul_rates(prepared, cluster)
     structure = prepared.structure
-    serving = plan.serving
-    if serving is not None:
-        workload = WorkloadSpec(
-            Workload.DECODE, plan.batch_size, 1, context=serving.prompt_len, dtype=plan.dtype
-        )
-    else:
-        workload = WorkloadSpec(
-            plan.workload, plan.batch_size, plan.seq_len, micro_batches=plan.micro_batches, dtype=plan.dtype
-        )
     edited = replace(plan, fallbacks=[])
-    edited.predicted = plan_prediction(edited, structure, cluster, workload, plan.ladder_layers)
-    if serving is not None and prepared.prefill is not None and prepared.request is not None:
+    edited.predicted = plan_prediction(edited, structure, cluster, priced_workload(plan), plan.ladder_layers)
+    if plan.serving is not None and prepared.prefill is not None and prepared.request is not None:
         request = prepared.request
         edited.serving = price_request(
             edited,
@@ -505,7 +508,7 @@ def with_model_matmul_rates(
 ) -> ClusterSpec:
     """`cluster` with the model's own matmul shapes timed on this machine
     (`DeviceSpec.matmul_shape_time_ratios`), when `cluster` is this machine's calibrated spec (a
-    `probes_speed` spec with its probe matmul's rate, gloo); else `cluster` unchanged. Training times
+    `probes_speed` spec, gloo); else `cluster` unchanged. Training times
     each linear's backward products too. Every TP degree
     that divides the spec's device count is timed (`costing.model_matmul_shapes`), at the workload's
     tokens per rank (the fit's row term carries other micro-batch sizes), with the threads a rank
@@ -517,7 +520,7 @@ def with_model_matmul_rates(
     dev = cluster.device
     if dev.matmul_shape_time_ratios is not None:  # timed already
         return cluster
-    if not probes_speed(cluster) or not dev.probe_matmul_flops_per_s or cluster.backend != "gloo":
+    if not probes_speed(cluster) or cluster.backend != "gloo":
         return cluster
     structure, workload = prepared.structure, prepared.workload
     tokens = workload.batch_size * workload.tokens_per_sequence
@@ -531,7 +534,7 @@ def with_model_matmul_rates(
     dtype = workload.dtype or structure.dtype
     threads = spec_threads(cluster)
     train = workload.kind is Workload.TRAIN
-    key = (cluster.name, cluster.sources, dev.probe_matmul_flops_per_s, dtype, threads, train, tuple(shapes))
+    key = (cluster.name, cluster.sources, dtype, threads, train, tuple(shapes))
     if key not in _SHAPE_RATIOS:
         progress(f"timing the model's {len(shapes)} matmul shapes on this machine", None)
         _SHAPE_RATIOS[key] = matmul_shape_time_ratios(shapes, dev, dtype, threads=threads, train=train)
@@ -781,14 +784,7 @@ def at_run_speed(
             run_dev, peak_flops_per_s={k: v / matmul_ratio for k, v in dev.peak_flops_per_s.items()}
         )
     at_run = replace(cluster, device=run_dev)
-    if plan.serving is not None:  # the decode step (`structure`: the decode graph), as `price_request`
-        workload = WorkloadSpec(
-            Workload.DECODE, plan.batch_size, 1, context=plan.serving.prompt_len, dtype=plan.dtype
-        )
-    else:
-        workload = WorkloadSpec(
-            plan.workload, plan.batch_size, plan.seq_len, micro_batches=plan.micro_batches, dtype=plan.dtype
-        )
+    workload = priced_workload(plan)  # a served request's decode step (`structure`: the decode graph)
     as_planned = predict_with_plan(plan, structure, cluster, workload, plan.ladder_layers)
     repriced = predict_with_plan(plan, structure, at_run, workload, plan.ladder_layers)
     # the ratio carries the probe's effect onto the plan's own prediction (same op choices and layout)

@@ -266,30 +266,29 @@ def _enumerate(search: _Search, progress: Progress = silent) -> None:
     if not search.structure.layers:
         pps = [1]
     dps = [c.dp] if c.dp is not None else [d for d in _divisors(num_devices) if w.batch_size % d == 0]
-    batch_statistics = _batch_statistics(search)  # then one replica and one micro-batch only
-    if batch_statistics:
+    # (error if pinned, exclusion) of what keeps the batch whole: one replica and one micro-batch only
+    whole_batch: list[tuple[str, str]] = []
+    if _batch_statistics(search):
+        whole_batch.append((
+            "the model trains with BatchNorm, which normalises over the batch it sees: data-parallel "
+            "replicas and micro-batches each see part of the batch and would compute other outputs than "
+            "the unsharded model (SyncBatchNorm is not supported); use --dp 1 and one micro-batch, or "
+            "a normalisation without batch statistics (LayerNorm, GroupNorm)",
+            "dp>1, micro-batches>1: BatchNorm normalises over the batch it sees (training)",
+        ))  # fmt: skip
+    if search.structure.batch_mixing:  # samples mix, or the batch is not dim 0
+        why = search.structure.batch_mixing[0]
+        whole_batch.append((
+            f"the batch of this model cannot be split: {why}; data-parallel replicas and micro-batches "
+            "would each see part of it and compute other outputs than the unsharded model; use --dp 1 and "
+            "one micro-batch",
+            f"dp>1, micro-batches>1: the batch cannot be split: {why}",
+        ))  # fmt: skip
+    if whole_batch:
         if (c.dp or 1) > 1 or (w.micro_batches or 1) > 1:
-            raise InputError(
-                "the model trains with BatchNorm, which normalises over the batch it sees: data-parallel "
-                "replicas and micro-batches each see part of the batch and would compute other outputs than "
-                "the unsharded model (SyncBatchNorm is not supported); use --dp 1 and one micro-batch, or "
-                "a normalisation without batch statistics (LayerNorm, GroupNorm)"
-            )
+            raise InputError(whole_batch[0][0])
         dps = [1]
-        search.excluded.append(
-            "dp>1, micro-batches>1: BatchNorm normalises over the batch it sees (training)"
-        )
-    mixing = search.structure.batch_mixing
-    if mixing:  # samples mix, or the batch is not dim 0: the batch may not be split either
-        if (c.dp or 1) > 1 or (w.micro_batches or 1) > 1:
-            raise InputError(
-                f"the batch of this model cannot be split: {mixing[0]}; data-parallel replicas and micro-batches "
-                "would each see part of it and compute other outputs than the unsharded model; use --dp 1 and "
-                "one micro-batch"
-            )
-        dps = [1]
-        batch_statistics = True  # one micro-batch too
-        search.excluded.append(f"dp>1, micro-batches>1: the batch cannot be split: {mixing[0]}")
+        search.excluded += [exclusion for _, exclusion in whole_batch]
     if c.dp is not None and w.batch_size % c.dp:
         raise InputError(f"dp={c.dp} does not divide the batch size {w.batch_size}")
     for tp in tps:
@@ -298,7 +297,7 @@ def _enumerate(search: _Search, progress: Progress = silent) -> None:
                 if tp * pp * dp > num_devices:
                     continue
                 mesh = MeshShape(tp, pp, dp)
-                for m in [1] if batch_statistics else _micro_batch_options(search, pp, dp):
+                for m in [1] if whole_batch else _micro_batch_options(search, pp, dp):
                     for schedule, v in _schedules_for(search, pp, m):
                         for sp in _sequence_parallel_options(search, tp):
                             zero1 = w.train and dp > 1 and c.distributed_optimizer is not False
