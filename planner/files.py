@@ -12,8 +12,9 @@ marker does not list; anything else is refused (InputError naming it), so `--emi
 the user's files leaves them alone.
 
 A file the product writes says so near its start (`SIGNATURES`: a plan's header comment, a report's
-first key, an export's or a calibrated spec's header, the adapted weights' safetensors metadata). An
-existing non-empty file is replaced only when it carries the signature of the same kind of output:
+first key, an export's or a calibrated spec's header, the adapted weights' safetensors metadata); plans
+and reports written before that are recognised by their content. An existing non-empty file is
+replaced only when it is the product's output of the same kind:
 `--out README.md`, `--json model.py` or `optimize --out` onto a calibrated spec are refused.
 """
 
@@ -60,7 +61,30 @@ def written_kind(path: str | os.PathLike[str]) -> str | None:
     for kind, signature in SIGNATURES.items():
         if signature in text:
             return kind
-    return None
+    return _unsigned_kind(path)
+
+
+_PLAN_KEYS = {"model", "mesh", "splits", "stages", "predicted"}  # every plan has these
+_UNSIGNED_MAX_BYTES = 1 << 24  # larger files are not parsed for `_unsigned_kind`
+
+
+def _unsigned_kind(path: str | os.PathLike[str]) -> str | None:
+    """A plan or report written before outputs were signed: a plan YAML (`_PLAN_KEYS` at its top
+    level) or a JSON report (its "plan" and "predicted" objects), parsed whole; None otherwise."""
+    import yaml  # noqa: PLC0415 - only for unsigned files
+
+    try:
+        if os.path.getsize(path) > _UNSIGNED_MAX_BYTES:
+            return None
+        text = Path(path).read_text(encoding="utf-8")
+        data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    if isinstance(data.get("plan"), dict) and isinstance(data.get("predicted"), dict):
+        return "report"
+    return "plan" if _PLAN_KEYS <= set(data) else None
 
 
 def _check_replaceable_file(target: Path, option: str, kind: str | None) -> None:

@@ -177,6 +177,14 @@ def test_written_kind_reads_each_output_signature(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="not written by the planner"):
         check_output_path("--out", str(tmp_path / "theirs.safetensors"), kind=WEIGHTS_KIND)
     check_output_path("--out", str(tmp_path / "ours.safetensors"), kind=WEIGHTS_KIND)
+    old_plan = tmp_path / "old_plan.yaml"  # written before plans were signed: recognised by its keys
+    old_plan.write_text("model: m.py\ncluster: x\nmesh: {tp: 1}\nsplits: {}\nstages: [[0]]\npredicted: {}\n")
+    old_report = tmp_path / "old_report.json"
+    old_report.write_text('{"model": "m.py", "plan": {}, "predicted": {}}')
+    assert (written_kind(old_plan), written_kind(old_report)) == ("plan", "report")
+    check_output_path("--out", str(old_plan), kind="plan")
+    with pytest.raises(InputError, match="holds the planner's report"):
+        check_output_path("--out", str(old_report), kind="plan")
     empty = tmp_path / "empty.yaml"
     empty.write_text("")
     check_output_path("--out", str(empty), kind="plan")  # nothing to lose
