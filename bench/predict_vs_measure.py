@@ -145,7 +145,8 @@ def _single_rank_cluster(args, console: Console):
     from planner.cli.workflow import probe_roofline  # noqa: PLC0415
 
     path = REPO_ROOT / "out" / "bench" / f"local-1process-{THREADS_PER_RANK}thread.yaml"
-    if args.recalibrate or not path.exists():
+    stale = not path.exists() or "adam_ns_per_param" not in path.read_text(encoding="utf-8")  # older format
+    if args.recalibrate or stale:
         console.print(f"measuring this machine with 1 process of {THREADS_PER_RANK} thread(s) too (~30 s)")
         path.parent.mkdir(parents=True, exist_ok=True)
         spec = calibrate(1, threads_per_process=THREADS_PER_RANK, probe_roofline=probe_roofline)

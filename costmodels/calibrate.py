@@ -232,6 +232,7 @@ _MODEL_SHAPE_MIN_S, _MODEL_SHAPE_MAX_S = 200e-6, 0.05
 # timed beside a model's shapes: its time is the call's own cost (Python and ATen dispatch), which the
 # per-node overhead prices already, so it is taken off each shape's time
 _FLOOR_MATMUL_SHAPE = (1, 8, 8)
+_CONV_MIN_S = 20e-6  # convolutions priced under this keep the spec's efficiency (`conv_time_ratios`)
 _MODEL_SHAPES_MAX_BYTES = 1 << 30  # operands allocated at once at most; the largest shapes left out first
 
 
@@ -323,6 +324,80 @@ def matmul_shape_time_ratios(
         (k, n): sum(seconds[p] for p in own) / (len(own) * price(m, k, n)) / now
         for (m, k, n), own in kept.items()
     }
+
+
+def conv_time_ratios(
+    calls: list[tuple[tuple, float, float]],
+    device_spec: DeviceSpec,
+    dtype: str,
+    threads: int = 1,
+    budget_s: float = MODEL_SHAPES_BUDGET_S,
+    train: bool = False,
+) -> dict[tuple, float]:
+    """Measured / priced time of each convolution of ``calls`` on this CPU process, keyed by its call,
+    for `DeviceSpec.conv_time_ratios`: how much slower (> 1) or faster it runs than the spec's
+    ``conv_efficiency`` (measured on `CONV_SHAPE`) says.
+
+    ``calls``: (call, FLOP, bytes moved) per convolution, the call as `planner.frontend.analysis.conv_call`
+    writes it. Each is run on random tensors of its shapes, in thread CPU time with ``threads`` intra-op
+    threads, interleaved for about ``budget_s`` wall seconds with the spec's own `CONV_SHAPE` convolution,
+    whose measured / priced time divides every ratio (the machine's speed of the moment cancels). With
+    ``train`` a call is timed forward and backward (input and weight gradients) against three forward
+    prices (the training step's `compute_factor`). Calls priced under ``_CONV_MIN_S`` or over
+    ``_MODEL_SHAPE_MAX_S`` are left out (they keep the efficiency). The floor is lower than the
+    matmuls': a convolution's rate varies far more with its shape (on the dev VM a 3x3 conv2d from 3
+    input channels at 32 x 32, priced 181 us, ran 1.44 ms: 9.8 GFLOP/s against ~63 from 32 or 64).
+    """
+    dt = torch_dtype(dtype)
+
+    def price(flops: float, moved: float) -> float:
+        return op_time_s(flops, moved, device_spec, dtype, "conv", launch=False)
+
+    kept = {c: (f, b) for c, f, b in calls if _CONV_MIN_S <= price(f, b) <= _MODEL_SHAPE_MAX_S}
+    if not kept:
+        return {}
+    b_, c_, h_, w_ = CONV_SHAPE
+    ref_flops = 2.0 * b_ * c_ * h_ * w_ * c_ * 9
+    ref_call = (
+        "aten.conv2d",
+        (("tensor", CONV_SHAPE, dtype), ("tensor", (c_, c_, 3, 3), dtype), None, (1, 1), (1, 1)),
+    )
+    ref_bytes = 4.0 * (2 * b_ * c_ * h_ * w_ + c_ * c_ * 9)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fns = [_conv_runner(ref_call, dt, backward=False)] + [
+            _conv_runner(c, dt, backward=train) for c in kept
+        ]
+        seconds = [
+            1.0 / r for r in interleaved_rates(fns, [1.0] * len(fns), torch.device("cpu"), budget_s)[0]
+        ]
+    finally:
+        torch.set_num_threads(threads_before)
+    now = seconds[0] / price(ref_flops, ref_bytes)
+    factor = 3.0 if train else 1.0
+    return {c: t / (factor * price(*kept[c])) / now for c, t in zip(kept, seconds[1:])}
+
+
+def _conv_runner(call: tuple, dtype: torch.dtype, backward: bool) -> Callable[[], object]:
+    """The convolution ``call`` (`planner.frontend.analysis.conv_call`) on random tensors; with
+    ``backward``, forward then backward of the output's sum into the input and the weight."""
+    name, template = call
+    op = getattr(torch.ops.aten, name.removeprefix("aten."))
+
+    def real(a: object) -> object:
+        if isinstance(a, tuple) and len(a) == 3 and a[0] == "tensor":
+            t = torch.randn(a[1]).to(dtype if a[2] in DTYPE_BYTES else torch.float32)
+            return t.requires_grad_(backward)
+        if isinstance(a, tuple):
+            return [real(x) for x in a]
+        return a
+
+    args = [real(a) for a in template]
+    if not backward:
+        return lambda: op(*args)
+    leaves = [a for a in args if isinstance(a, torch.Tensor)]
+    return lambda: torch.autograd.grad(op(*args).sum(), leaves)
 
 
 def _product(form: str, m: int, k: int, n: int, dtype: torch.dtype) -> Callable[[], object]:
@@ -571,6 +646,37 @@ def _conv_and_pool_rates(device: torch.device) -> tuple[float, float]:
     return rates[0], rates[1]
 
 
+ADAM_SMALL_TENSORS = (8, 2**20)  # (tensors, fp32 elements each): 4 MiB, under LARGE_TENSOR_BYTES
+ADAM_LARGE_ELEMENTS = 12 * 2**20  # one fp32 tensor of 48 MiB, over it
+
+
+def _optimizer_rates(device: torch.device) -> tuple[float, float, float]:
+    """(seconds per parameter of torch.optim.Adam's step over `ADAM_SMALL_TENSORS`, the same over one
+    tensor of `ADAM_LARGE_ELEMENTS`, bytes / s written by a zero fill into a freshly allocated tensor of
+    that size), timed interleaved by `clock` (page faults are the thread's own system time). The
+    runtime's optimizer (`runtime.data_parallel`) runs the same torch.optim.Adam with its defaults."""
+
+    def stepper(sizes: list[int]) -> Callable[[], object]:
+        params = [nn.Parameter(torch.randn(n, device=device)) for n in sizes]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        return torch.optim.Adam(params, lr=1e-3).step
+
+    count, each = ADAM_SMALL_TENSORS
+    fresh_bytes = 4.0 * ADAM_LARGE_ELEMENTS
+    rates, _ = interleaved_rates(
+        [
+            stepper([each] * count),
+            stepper([ADAM_LARGE_ELEMENTS]),
+            lambda: torch.zeros(ADAM_LARGE_ELEMENTS, device=device),
+        ],
+        [float(count * each), float(ADAM_LARGE_ELEMENTS), fresh_bytes],
+        device,
+        1.0,
+    )
+    return 1.0 / rates[0], 1.0 / rates[1], rates[2]
+
+
 def _rounds_agreed(round_fn: Callable[[], object], device: torch.device, budget_s: float) -> int:
     """Rounds that fit ``budget_s`` after one timed warm-up round, the same number on every rank
     (collectives must be called equally often everywhere, or ranks pair up wrongly)."""
@@ -717,6 +823,12 @@ def _worker(
         result["conv_flops_per_s"], result["pool_bytes_per_s"] = _reduce(
             list(_conv_and_pool_rates(device)), dist.ReduceOp.MIN, device
         )
+        if not use_cuda:  # eager CPU: torch.optim.Adam's step and the page faults of fresh tensors
+            progress("optimizer step and fresh memory", 0.415)
+            dist.barrier()
+            small_s, large_s, fresh = _optimizer_rates(device)
+            result["adam_s_per_param"] = _reduce([small_s, large_s], dist.ReduceOp.MAX, device)
+            (result["fresh_write_bytes_per_s"],) = _reduce([fresh], dist.ReduceOp.MIN, device)
         *peaks, mem_bw, attention = _reduce([*peaks, mem_bw, attention], dist.ReduceOp.MIN, device)  # slowest
         result["attention_efficiency"] = min(1.0, attention / peaks[list(DTYPE_BYTES).index(attn_dtype)])
         if not use_cuda:
@@ -986,6 +1098,18 @@ def calibrate(
         min(1.0, m["conv_flops_per_s"] / m["peaks"]["bf16" if use_cuda else "fp32"])
     )
     data["device"]["pooling_bandwidth_GBps"] = _sig(m["pool_bytes_per_s"] / 1e9)
+    if "adam_s_per_param" in m:
+        small_s, large_s = m["adam_s_per_param"]
+        data["device"]["adam_ns_per_param"] = _sig(small_s * 1e9)
+        data["device"]["adam_large_tensor_ns_per_param"] = _sig(large_s * 1e9)
+        data["device"]["fresh_write_bandwidth_GBps"] = _sig(m["fresh_write_bytes_per_s"] / 1e9)
+        count, each = ADAM_SMALL_TENSORS
+        sources.append(
+            f"optimizer: torch.optim.Adam step over {count} fp32 tensors of {each * 4 / 2**20:.0f} MiB "
+            f"{small_s * 1e9:.2f} ns per parameter, over one of {ADAM_LARGE_ELEMENTS * 4 / 2**20:.0f} MiB "
+            f"{large_s * 1e9:.2f} ns; a zero fill of a fresh {ADAM_LARGE_ELEMENTS * 4 / 2**20:.0f} MiB "
+            f"tensor {m['fresh_write_bytes_per_s'] / 1e9:.2f} GB/s"
+        )
     sources.append(
         f"convolution: 3x3 conv2d over {CONV_SHAPE} {m['conv_flops_per_s'] / 1e9:.1f} GFLOP/s; pooling: "
         f"2x2 max pool over {POOL_SHAPE} {m['pool_bytes_per_s'] / 1e9:.2f} GB/s (bytes read + written)"
@@ -1064,6 +1188,11 @@ def busy_message(
     )
 
 
+# What a calibration measures; raised when a version measures more (a cached spec of an older format
+# lacks fields the cost model would price with): 2 = the optimizer step and fresh-memory writes.
+CALIBRATION_FORMAT = 2
+
+
 def _machine_identity(nproc: int) -> dict:
     return {"cpu": _cpu_name(), "torch": torch.__version__, "nproc": nproc, "cores": os.cpu_count() or 1}
 
@@ -1074,6 +1203,7 @@ def write_cache_metadata(spec_path: str | os.PathLike, nproc: int, now: float | 
     meta = Path(f"{spec_path}.meta.json")
     data = {
         "measured_at": time.time() if now is None else now,
+        "format": CALIBRATION_FORMAT,
         **_machine_identity(nproc),
         "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
@@ -1097,6 +1227,8 @@ def cache_status(
         data = json.loads(meta.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return "the cached measurement has no metadata (written by an older version)"
+    if data.get("format", 1) != CALIBRATION_FORMAT:
+        return "the cached measurement was made by an older version, which measured less"
     age_days = ((time.time() if now is None else now) - float(data.get("measured_at", 0))) / 86400
     if age_days > max_age_days:
         return f"the cached measurement is {age_days:.0f} days old (more than {max_age_days:g})"

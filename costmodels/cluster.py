@@ -33,6 +33,11 @@ YAML layout (units in the field names; see the presets in ``costmodels/clusters/
       probe_node_overhead_us: 7    # optional, written by `planner calibrate`: the speed probe's references
       conv_efficiency: 0.3         # optional, (0, 1]: convolutions' fraction of peak (default: matmul_efficiency)
       pooling_bandwidth_GBps: 1    # optional: bytes / s of pooling ops (default: memory bandwidth)
+      # optional (eager CPU; absent = Adam priced by bytes moved): torch.optim.Adam's step per fp32
+      # parameter in tensors under / over 32 MiB, and bytes / s written into freshly allocated memory
+      adam_ns_per_param: 4
+      adam_large_tensor_ns_per_param: 6
+      fresh_write_bandwidth_GBps: 3
     links:
       intra_node: {kind: nvlink, bandwidth_GBps: 370, latency_us: 3.3}   # per direction, per device
       inter_node: {kind: infiniband, bandwidth_GBps: 37.5, latency_us: 6, nics_per_node: 8}  # per NIC
@@ -120,12 +125,26 @@ class DeviceSpec:
     # Optional (written by `planner calibrate`): FLOP/s of the speed probe's fp32 matmul
     # (`costmodels.calibrate.PROBE_MATMUL_SHAPE`) at calibration; a run's probe compares with it.
     probe_matmul_flops_per_s: float | None = None
+    # Optional (written by `planner calibrate` on CPUs; None: the Adam step is priced by the bytes it
+    # moves, `costmodels.compute.adam_step_time_s`): seconds per fp32 parameter of torch.optim.Adam's
+    # step (the per-tensor loop the runtime runs) over tensors of at most `LARGE_TENSOR_BYTES`, and over
+    # larger ones, whose temporaries glibc maps fresh from the OS every step (page faults); and bytes / s
+    # written into freshly allocated memory of that size (a dense embedding gradient, a tied weight's
+    # gradient sum). Measured on the 2-vCPU dev VM (2026-12-01, one thread): 3.8-4.5 ns per parameter
+    # in 1-16 MiB tensors, 6.2-6.9 ns in 64-160 MiB ones, 2.4-2.8 GB/s fresh against 5-7 GB/s rewritten.
+    adam_s_per_param: float | None = None
+    adam_large_tensor_s_per_param: float | None = None
+    fresh_write_bandwidth_bytes_per_s: float | None = None
     # Optional, set at planning time, never read from YAML: measured / priced time of a model's own
     # (K, N) matmul shapes on this machine (`costmodels.calibrate.matmul_shape_time_ratios`), which
     # `costmodels.compute.op_time_s` applies to a matmul of that (K, N) at any M. A CPU's rate depends on
     # the weight's shape, not on its size alone: on the 2-vCPU dev VM (64 x 768) @ (768 x 3072) runs at
     # ~73 GFLOP/s and (64 x 3072) @ (3072 x 768) at ~130, so no smooth fit prices both.
     matmul_shape_time_ratios: dict[tuple[int, int], float] | None = None
+    # Optional, set at planning time, never read from YAML: the same for a model's own convolutions,
+    # keyed by their call (`planner.frontend.analysis.conv_call`; `costmodels.calibrate.conv_time_ratios`):
+    # on the dev VM a 3x3 conv2d from 3 input channels ran at a fraction of the rate of one from 64.
+    conv_time_ratios: dict[tuple, float] | None = None
 
 
 CALIBRATED_SPEC_NAME = "local-calibrated"  # the name of a spec written by `planner calibrate`
@@ -314,6 +333,9 @@ _EXPECT = {
     "probe_node_overhead_us": "a number in µs > 0 (the speed probe's per-node slope at calibration), e.g. 7",
     "probe_matmul_GFLOPS": "a number in GFLOP/s > 0 (the speed probe's matmul at calibration), e.g. 60",
     "probe_backward_node_overhead_us": "a number in µs > 0 (the same, backward), e.g. 18",
+    "adam_ns_per_param": "a number in ns > 0 (Adam's step per fp32 parameter, tensors <= 32 MiB), e.g. 4",
+    "adam_large_tensor_ns_per_param": "a number in ns > 0 (the same, tensors > 32 MiB), e.g. 6",
+    "fresh_write_bandwidth_GBps": "a number in GB/s > 0 (writes into freshly allocated memory), e.g. 3",
     "cache_MiB": "a number in MiB > 0 (last-level cache; larger matmuls stream), e.g. 32",
     "stream_bandwidth_GBps": "a number in GB/s > 0 (weight streaming of matmuls above cache_MiB), e.g. 4",
     "kind": f"one of {', '.join(LINK_KINDS)}",
@@ -368,6 +390,9 @@ def _parse_device(r: _Reader, raw: Any) -> DeviceSpec:
             "probe_node_overhead_us",
             "probe_backward_node_overhead_us",
             "probe_matmul_GFLOPS",
+            "adam_ns_per_param",
+            "adam_large_tensor_ns_per_param",
+            "fresh_write_bandwidth_GBps",
         ),
     )
     conv = d.get("conv_efficiency")
@@ -433,6 +458,15 @@ def _parse_device(r: _Reader, raw: Any) -> DeviceSpec:
         probe_backward_node_overhead_s=None
         if (probe_b := d.get("probe_backward_node_overhead_us")) is None
         else r.number(probe_b, "device.probe_backward_node_overhead_us", "µs", "18") * _US,
+        adam_s_per_param=None
+        if (adam := d.get("adam_ns_per_param")) is None
+        else r.number(adam, "device.adam_ns_per_param", "ns", "4") * 1e-9,
+        adam_large_tensor_s_per_param=None
+        if (adam_l := d.get("adam_large_tensor_ns_per_param")) is None
+        else r.number(adam_l, "device.adam_large_tensor_ns_per_param", "ns", "6") * 1e-9,
+        fresh_write_bandwidth_bytes_per_s=None
+        if (fresh := d.get("fresh_write_bandwidth_GBps")) is None
+        else r.number(fresh, "device.fresh_write_bandwidth_GBps", "GB/s", "3") * _GB,
     )
 
 
@@ -640,6 +674,7 @@ def _cpu_processes(spec: ClusterSpec, nproc: int) -> ClusterSpec:
     if slowdown < 1.0:  # every per-op and per-node time (those the spec has) stretches alike
         stretched = ("launch_overhead_s", "node_overhead_s", "backward_node_overhead_s")
         stretched += ("probe_node_overhead_s", "probe_backward_node_overhead_s")
+        stretched += ("adam_s_per_param", "adam_large_tensor_s_per_param")
         device = replace(
             device,
             **{f: getattr(device, f) / slowdown for f in stretched if getattr(device, f) is not None},
@@ -725,6 +760,21 @@ def cluster_to_dict(spec: ClusterSpec) -> dict:
                 {}
                 if dev.probe_backward_node_overhead_s is None
                 else {"probe_backward_node_overhead_us": _human(dev.probe_backward_node_overhead_s / _US)}
+            ),
+            **(
+                {}
+                if dev.adam_s_per_param is None
+                else {"adam_ns_per_param": _human(dev.adam_s_per_param * 1e9)}
+            ),
+            **(
+                {}
+                if dev.adam_large_tensor_s_per_param is None
+                else {"adam_large_tensor_ns_per_param": _human(dev.adam_large_tensor_s_per_param * 1e9)}
+            ),
+            **(
+                {}
+                if dev.fresh_write_bandwidth_bytes_per_s is None
+                else {"fresh_write_bandwidth_GBps": _human(dev.fresh_write_bandwidth_bytes_per_s / _GB)}
             ),
         },
         "links": links,

@@ -37,6 +37,7 @@ def op_time_s(
     rows: float | None = None,
     launch: bool = True,
     shape: tuple[float, float] | None = None,
+    call: tuple | None = None,
 ) -> float:
     """Time in seconds of one op on one device, by roofline plus a fixed launch overhead.
 
@@ -55,6 +56,8 @@ def op_time_s(
             (`node_overhead_s`) for the op instead.
         shape: a matmul's (K, N): with ``device.matmul_shape_time_ratios`` holding it (a model's own
             shapes timed on this machine), the roofline time is scaled by that measured ratio.
+        call: a convolution's call (`planner.frontend.analysis.conv_call`): the same with
+            ``device.conv_time_ratios``.
 
     Raises:
         ValueError: unknown ``dtype`` or ``kind``, or negative counts.
@@ -84,12 +87,17 @@ def op_time_s(
         roofline_s = compute_s + bytes_moved / stream
     else:
         roofline_s = max(compute_s, memory_s)
-    return roofline_s * shape_time_ratio(device, kind, shape) + overhead
+    return roofline_s * shape_time_ratio(device, kind, shape, call) + overhead
 
 
-def shape_time_ratio(device: DeviceSpec, kind: str, shape: tuple[float, float] | None) -> float:
+def shape_time_ratio(
+    device: DeviceSpec, kind: str, shape: tuple[float, float] | None, call: tuple | None = None
+) -> float:
     """Measured / priced time of a matmul of (K, N) ``shape`` on ``device``
-    (``DeviceSpec.matmul_shape_time_ratios``), 1.0 for other ops and for shapes not measured."""
+    (``DeviceSpec.matmul_shape_time_ratios``) or of a convolution ``call``
+    (``DeviceSpec.conv_time_ratios``), 1.0 for other ops and for shapes not measured."""
+    if kind == "conv":
+        return (device.conv_time_ratios or {}).get(call, 1.0) if call is not None else 1.0
     ratios = device.matmul_shape_time_ratios
     if kind != "matmul" or not ratios or shape is None:
         return 1.0
@@ -251,3 +259,45 @@ def norm_bytes(tokens: float, hidden: float, dtype: str, kind: str = "layernorm"
 def embedding_bytes(tokens: float, dim: float, dtype: str) -> float:
     """Bytes of an embedding lookup: read int64 ids, read ``tokens`` rows of ``dim``, write them out."""
     return tokens * _INDEX_BYTES + 2.0 * tokens * dim * dtype_bytes(dtype)
+
+
+# glibc's largest dynamic mmap threshold on 64-bit hosts (mallopt(3), M_MMAP_THRESHOLD: DEFAULT_MMAP_
+# THRESHOLD_MAX = 4 * 1024 * 1024 * sizeof(long)): a CPU tensor over this size is mapped fresh from
+# the OS on every allocation and returned on free, so writing it first pays its page faults.
+LARGE_TENSOR_BYTES = 32 * 2**20
+# Bytes one Adam step moves per parameter in the priced layout: read + write the fp32 master weight,
+# momentum and variance (2 x 12 B), read the gradient and write the 16-bit parameter (2 x 2 B), as a
+# fused kernel does (Megatron-LM's FusedAdam; Rajbhandari et al. 2020, ZeRO, 16 B of state per parameter).
+ADAM_BYTES_PER_PARAM = 2 * 12.0 + 2 * 2.0
+
+
+def adam_step_time_s(params: float, large_params: float, device: DeviceSpec, dtype: str) -> float:
+    """Seconds of the Adam update of ``params`` parameter elements on one device, ``large_params`` of
+    them in tensors over `LARGE_TENSOR_BYTES` (fp32), dispatch not included.
+
+    With the device's measured rates (``adam_s_per_param``, ``adam_large_tensor_s_per_param``, from
+    `planner calibrate` on CPUs: torch.optim.Adam's per-tensor loop, which writes two temporaries per
+    tensor and so moves ~2.5x the fused kernel's bytes), those per fp32 parameter; a 16-bit model adds
+    the copies to and from its fp32 master weights (grad.float(), param.copy_(master): 12 B per
+    parameter) at memory bandwidth. Without them, `ADAM_BYTES_PER_PARAM` at memory bandwidth.
+
+    Raises ValueError for negative counts or ``large_params`` > ``params``."""
+    if params < 0 or not 0 <= large_params <= params:
+        raise ValueError(f"need 0 <= large_params <= params, got {large_params}, {params}")
+    bandwidth = device.memory_bandwidth_bytes_per_s * device.memory_efficiency
+    small_s, large_s = device.adam_s_per_param, device.adam_large_tensor_s_per_param
+    if small_s is None:
+        return params * ADAM_BYTES_PER_PARAM / bandwidth
+    large_s = small_s if large_s is None else large_s
+    copies_s = params * 12.0 / bandwidth if dtype_bytes(dtype) < 4 else 0.0
+    return (params - large_params) * small_s + large_params * large_s + copies_s
+
+
+def fresh_write_time_s(nbytes: float, device: DeviceSpec) -> float:
+    """Seconds to write ``nbytes`` into a freshly allocated tensor (a dense embedding gradient): at
+    ``device.fresh_write_bandwidth_bytes_per_s`` when the tensor is over `LARGE_TENSOR_BYTES` and the
+    device measured it (a CPU's page faults), else at memory bandwidth."""
+    fresh = device.fresh_write_bandwidth_bytes_per_s
+    if fresh is not None and nbytes > LARGE_TENSOR_BYTES:
+        return nbytes / fresh
+    return nbytes / (device.memory_bandwidth_bytes_per_s * device.memory_efficiency)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 from pathlib import Path
@@ -94,6 +95,9 @@ def test_calibrate_two_processes_writes_a_loadable_spec(tmp_path: Path) -> None:
     assert loaded.device.node_overhead_s > 0 and loaded.device.backward_node_overhead_s >= 0
     assert loaded.device.probe_matmul_flops_per_s > 0  # the reference a run's speed probe compares with
     assert 0 < loaded.device.conv_efficiency <= 1 and loaded.device.pooling_bandwidth_bytes_per_s > 0
+    dev = loaded.device  # torch.optim.Adam's step by tensor size, and writes into fresh memory
+    assert 0 < dev.adam_s_per_param and 0 < dev.adam_large_tensor_s_per_param
+    assert dev.fresh_write_bandwidth_bytes_per_s > 0
     assert loaded.intra_node.kind == "loopback" and loaded.intra_node.bandwidth_bytes_per_s > 0
     assert 0.0 <= loaded.overlap_efficiency <= 1.0
     fractions = [f for _, f in steps]
@@ -164,3 +168,7 @@ def test_cache_status_remeasures_when_stale_or_on_another_machine(tmp_path: Path
     assert cache_status(spec, 2, now=now + 3600) is None
     assert "days old" in cache_status(spec, 2, now=now + 8 * 86400)
     assert "nproc" in cache_status(spec, 4, now=now)
+    meta = Path(f"{spec}.meta.json")  # a cache written by a version that measured less is measured again
+    data = json.loads(meta.read_text())
+    meta.write_text(json.dumps({k: v for k, v in data.items() if k != "format"}))
+    assert "older version" in cache_status(spec, 2, now=now)

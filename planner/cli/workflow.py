@@ -500,25 +500,26 @@ def reprice_if_edited(plan: Plan, prepared: Prepared, cluster: ClusterSpec) -> P
     return edited
 
 
-_SHAPE_RATIOS: dict[tuple, dict[tuple[int, int], float]] = {}  # this process's timings, by spec and shapes
+# this process's timings (matmul ratios, convolution ratios), by spec and shapes
+_SHAPE_RATIOS: dict[tuple, tuple[dict[tuple[int, int], float], dict[tuple, float]]] = {}
 
 
 def with_model_matmul_rates(
     prepared: Prepared, cluster: ClusterSpec, progress: Progress = silent
 ) -> ClusterSpec:
-    """`cluster` with the model's own matmul shapes timed on this machine
-    (`DeviceSpec.matmul_shape_time_ratios`), when `cluster` is this machine's calibrated spec (a
+    """`cluster` with the model's own matmul shapes and convolutions timed on this machine
+    (`DeviceSpec.matmul_shape_time_ratios`, `DeviceSpec.conv_time_ratios`), when `cluster` is this machine's calibrated spec (a
     `probes_speed` spec, gloo); else `cluster` unchanged. Training times
     each linear's backward products too. Every TP degree
     that divides the spec's device count is timed (`costing.model_matmul_shapes`), at the workload's
     tokens per rank (the fit's row term carries other micro-batch sizes), with the threads a rank
     computes with (`costmodels.calibrate.spec_threads`); about a second, once per model, spec and
     workload in a process. A spec that holds ratios already is returned as it is."""
-    from costmodels.calibrate import matmul_shape_time_ratios, spec_threads  # noqa: PLC0415
+    from costmodels.calibrate import conv_time_ratios, matmul_shape_time_ratios, spec_threads  # noqa: PLC0415
     from planner.solver.costing import model_matmul_shapes  # noqa: PLC0415
 
     dev = cluster.device
-    if dev.matmul_shape_time_ratios is not None:  # timed already
+    if dev.matmul_shape_time_ratios is not None or dev.conv_time_ratios is not None:  # timed already
         return cluster
     if not probes_speed(cluster) or cluster.backend != "gloo":
         return cluster
@@ -529,16 +530,33 @@ def with_model_matmul_rates(
     prefill = prepared.prefill
     if prefill is not None and prepared.request is not None:
         shapes += model_matmul_shapes(prefill, workload.batch_size * prepared.request.prompt_len, tps)
-    if not shapes:
+    # convolutions at the captured batch (a DP share runs the same kernels on fewer images)
+    convs = list(
+        {
+            c.call: (c.call, c.flops, c.bytes_read + c.bytes_written)
+            for c in structure.node_costs.values()
+            if c.call
+        }.values()
+    )
+    if not shapes and not convs:
         return cluster
     dtype = workload.dtype or structure.dtype
     threads = spec_threads(cluster)
     train = workload.kind is Workload.TRAIN
-    key = (cluster.name, cluster.sources, dtype, threads, train, tuple(shapes))
+    key = (cluster.name, cluster.sources, dtype, threads, train, tuple(shapes), tuple(c[0] for c in convs))
     if key not in _SHAPE_RATIOS:
-        progress(f"timing the model's {len(shapes)} matmul shapes on this machine", None)
-        _SHAPE_RATIOS[key] = matmul_shape_time_ratios(shapes, dev, dtype, threads=threads, train=train)
-    return replace(cluster, device=replace(dev, matmul_shape_time_ratios=_SHAPE_RATIOS[key]))
+        progress(
+            f"timing the model's {len(shapes) + len(convs)} matmul and convolution shapes on this machine",
+            None,
+        )
+        _SHAPE_RATIOS[key] = (
+            matmul_shape_time_ratios(shapes, dev, dtype, threads=threads, train=train) if shapes else {},
+            conv_time_ratios(convs, dev, dtype, threads=threads, train=train) if convs else {},
+        )
+    matmuls, conv_ratios = _SHAPE_RATIOS[key]
+    return replace(
+        cluster, device=replace(dev, matmul_shape_time_ratios=matmuls, conv_time_ratios=conv_ratios)
+    )
 
 
 def check_lowering(prepared: Prepared, plan: Plan, cluster: ClusterSpec) -> Plan:

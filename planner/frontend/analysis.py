@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import enum
 from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from math import prod
 
@@ -244,6 +245,9 @@ class NodeCost:
     kind: str = "memory"  # "matmul" | "attention" | "conv" | "pool" | "memory" (roofline), "view", "none"
     known: bool = True  # False: an op the cost model does not know, priced as memory-bound
     op: str = ""  # the ATen op name ("aten.conv2d"), "" when not a call_function
+    # a convolution's call as a hashable template (`conv_call`): what `planner calibrate`'s shape
+    # timing re-runs on this machine (`costmodels.calibrate.conv_time_ratios`); None for other ops
+    call: tuple | None = None
 
 
 @dataclass
@@ -264,6 +268,9 @@ class ModelStructure:
     node_costs: dict[str, NodeCost]  # by fx node name, every node but the output
     mlp_chain: list[Projection]  # models without transformer layers: the projections in order
     num_param_tensors: int = 0  # unique trainable parameter tensors (an optimizer steps each one)
+    # (elements, a matrix or larger: what tensor parallelism may split) of each unique trainable
+    # parameter tensor, largest first (`param_tensors`): the optimizer's step rate depends on its size
+    param_tensor_sizes: tuple[tuple[int, bool], ...] = ()
     # why the batch may not be split (data parallelism, micro-batches): reductions over the batch
     # dimension ("op (model line) reduces over ...", `_batch_mixing`), a sequence-first input, ...
     batch_mixing: list[str] = field(default_factory=list)
@@ -343,8 +350,15 @@ def analyse(gm: fx.GraphModule) -> ModelStructure:
         node_costs=costs,
         mlp_chain=mlp_chain,
         num_param_tensors=sum(1 for p in unique.values() if p.requires_grad),
+        param_tensor_sizes=param_tensors(unique.values()),
         batch_mixing=_batch_mixing(nodes, batch_size),
     )
+
+
+def param_tensors(params: Iterable[torch.Tensor]) -> tuple[tuple[int, bool], ...]:
+    """(elements, at least 2-D) of each trainable tensor of ``params``, largest first
+    (`ModelStructure.param_tensor_sizes`)."""
+    return tuple(sorted(((p.numel(), p.dim() >= 2) for p in params if p.requires_grad), reverse=True))
 
 
 # Reductions (and scans) that, over a tensor's leading (batch) dimension or over all of it, combine
@@ -426,6 +440,7 @@ def _node_cost(node: fx.Node) -> NodeCost:
         flops, kind = 2.0 * out_numel * node.args[0].meta["val"].shape[-1], "matmul"
     elif name in _CONVS:
         flops, kind = _conv_flops(node, out_numel), "conv"
+        return NodeCost(flops, read, written, shape, dtype, path, kind=kind, op=name, call=conv_call(node))
     elif name == "aten.scaled_dot_product_attention":
         flops, kind = _sdpa_flops(*(a.meta["val"] for a in node.args[:3])), "attention"
     elif name in _GATHERS:  # gathers rows: reads the index and the rows it picks, not the whole table
@@ -459,6 +474,26 @@ def _node_cost(node: fx.Node) -> NodeCost:
         )  # sort, topk, max.dim, ... return (values, indices)
         known = name in _ELEMENTWISE or not tensor_out or not isinstance(node.target, torch._ops.OpOverload)
     return NodeCost(flops, read, written, shape, dtype, path, kind=kind, known=known, op=name)
+
+
+def conv_call(node: fx.Node) -> tuple:
+    """``(op name, args)`` of a convolution node, each tensor argument as ("tensor", shape, dtype), lists
+    as tuples, other arguments as they are: hashable, and enough to run the same call on real tensors
+    (`costmodels.calibrate.conv_time_ratios`)."""
+
+    def template(a: object) -> object:
+        if isinstance(a, fx.Node):
+            v = a.meta.get("val")
+            return (
+                ("tensor", tuple(int(d) for d in v.shape), _dtype_str(v.dtype))
+                if isinstance(v, torch.Tensor)
+                else None
+            )
+        if isinstance(a, (list, tuple)):
+            return tuple(template(x) for x in a)
+        return a
+
+    return (op_name(node.target), tuple(template(a) for a in node.args))
 
 
 def _conv_flops(node: fx.Node, out_numel: int) -> float:

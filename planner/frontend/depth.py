@@ -22,7 +22,7 @@ import dataclasses
 from torch import fx, nn
 
 from planner.errors import InputError
-from planner.frontend.analysis import ModelStructure, Projection, analyse
+from planner.frontend.analysis import ModelStructure, Projection, analyse, param_tensors
 from planner.frontend.capture import capture
 
 KEEP_LAYERS = 2  # blocks traced: two, so the analysis sees a layer-to-layer boundary
@@ -95,7 +95,12 @@ def _extend(structure: ModelStructure, model: nn.Module, path: str, depth: int) 
     param_bytes = sum(p.numel() * p.element_size() for p in unique)
     tensors = sum(1 for p in unique if p.requires_grad)
     return dataclasses.replace(
-        structure, layers=layers, num_params=num_params, param_bytes=param_bytes, num_param_tensors=tensors
+        structure,
+        layers=layers,
+        num_params=num_params,
+        param_bytes=param_bytes,
+        num_param_tensors=tensors,
+        param_tensor_sizes=param_tensors(unique),
     )
 
 

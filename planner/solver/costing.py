@@ -66,7 +66,6 @@ R, S, P = Layout.REPLICATE, Layout.SHARD, Layout.PARTIAL
 
 TRAIN_COMPUTE_FACTOR = 3.0  # forward + backward (2x forward FLOPs: input grads and weight grads)
 TRAIN_COMM_FACTOR = 2.0  # forward collectives plus their backward conjugates (Megatron f/g)
-OPTIMIZER_BYTES_MOVED_PER_PARAM = 2 * 12.0 + 2 * 2.0  # read+write master/m/v, read grad, write param
 # ATen ops per parameter tensor of torch.optim.Adam's per-tensor loop (`_single_tensor_adam`, the
 # default on CPU): step += 1, exp_avg.lerp_, exp_avg_sq.mul_ and .addcmul_, the step's .item(), sqrt,
 # div, add eps, param.addcdiv_. On an eager CPU each costs a node's dispatch overhead: the Adam step of
@@ -245,10 +244,11 @@ class CostContext:
         kind: str,
         rows: float | None = None,
         shape: tuple[float, float] | None = None,
+        call: tuple | None = None,
     ) -> float:
         """Roofline time of one op (training: forward + backward). With a per-node overhead on the
         device (`node_overhead_time`), the op's launch term is left out: its node pays that instead.
-        ``shape``: a matmul's (K, N) on one rank (`costmodels.compute.op_time_s`)."""
+        ``shape``: a matmul's (K, N) on one rank, ``call`` a convolution's (`costmodels.compute.op_time_s`)."""
         dev = self.cluster.device
         one = compute.op_time_s(
             flops,
@@ -259,6 +259,7 @@ class CostContext:
             rows=rows,
             launch=dev.node_overhead_s is None,
             shape=shape,
+            call=call,
         )
         return self.compute_factor * one
 
@@ -528,7 +529,9 @@ def layer_node_times_s(layer: Layer, ctx: CostContext) -> dict[str, float] | Non
         moved = cost.bytes_read + cost.bytes_written
         if moved > 0:
             kind = cost.kind if cost.kind in compute.OP_KINDS else "memory"
-            out[block] += ctx.op_time(cost.flops * scale, moved * scale * byte_scale, kind) - launch
+            out[block] += (
+                ctx.op_time(cost.flops * scale, moved * scale * byte_scale, kind, call=cost.call) - launch
+            )
             priced.add(block)
     return {block: t + (launch if block in priced else 0.0) for block, t in out.items()}
 
@@ -654,7 +657,7 @@ def outside_nodes_time_s(ctx: CostContext) -> float:
             continue
         moved = (cost.bytes_read + cost.bytes_written) * scale * byte_scale
         if moved > 0 or cost.flops > 0:
-            total += ctx.op_time(cost.flops * scale, moved, cost.kind)
+            total += ctx.op_time(cost.flops * scale, moved, cost.kind, call=cost.call)
     return total + ctx.node_overhead_time(nodes)
 
 
@@ -777,13 +780,23 @@ def build_ends_graph(ctx: CostContext) -> LayerGraph:
         grads = weight_bytes if ctx.train else 0.0
         out_bytes = tokens * emb.dim * b
         into_stream = stream_conversion_time_s(R, out_bytes, ctx)  # sequence parallel: the first gather
-        options = [OpOption("replicate", R, R, t, weight_bytes * state, 0.0, into_stream, grad_bytes=grads)]
+        head = s.lm_head  # its weight's gradient is summed with this one's on a one-stage tied model
+        tied = (
+            s.tied_lm_head and ctx.mesh.pp == 1 and head is not None and emb.vocab_size == head.out_features
+        )
+        dense = embedding_gradient_time_s(weight_bytes, out_bytes, tied, ctx)
+        options = [
+            OpOption("replicate", R, R, t + dense, weight_bytes * state, 0.0, into_stream, grad_bytes=grads)
+        ]
         excluded = {}
         if tp > 1:  # a vocabulary that does not divide by tp is padded (passes.tensor_parallel.padded_size)
             rows = -(-emb.vocab_size // tp)
             shard_bytes = rows * emb.dim * b
             comm = stream_conversion_time_s(P, out_bytes, ctx)
-            options.append(OpOption("vocab", R, R, t, shard_bytes * state, 0.0, comm, grads and shard_bytes))
+            dense = embedding_gradient_time_s(shard_bytes, out_bytes, tied, ctx)
+            options.append(
+                OpOption("vocab", R, R, t + dense, shard_bytes * state, 0.0, comm, grads and shard_bytes)
+            )
         ops.append(Op(f"embedding{i}", "embedding", options, [], out_bytes, emb.weight, None, excluded))
     head = s.lm_head
     fixed = outside_nodes_time_s(ctx) if s.node_costs else 0.0
@@ -822,6 +835,24 @@ def build_ends_graph(ctx: CostContext) -> LayerGraph:
     # parameters no op above holds (convolutions, norms and biases outside the layers, ...): replicated
     other = outside_params(s) * b
     return LayerGraph("ends", ops, {}, fixed, other * state, 0.0, other if ctx.train else 0.0)
+
+
+def embedding_gradient_time_s(weight_bytes: float, out_bytes: float, tied: bool, ctx: CostContext) -> float:
+    """Training only: the dense gradient of an embedding's ``weight_bytes`` (its rows on this rank),
+    per micro-batch. The backward (`aten.embedding_dense_backward`) fills a fresh weight-sized tensor
+    with zeros and adds the looked-up rows' gradients (``out_bytes``) into it; with the weight tied to
+    the LM head on one stage, autograd then sums the two weight-sized gradients into a fresh tensor
+    (reads both). Fresh memory is written at `costmodels.compute.fresh_write_time_s` (on the 2-vCPU dev
+    VM, GPT-2's 154 MB: 57 ms for the fill, 70 ms for the tied sum, against ~14 and ~40 ms at the
+    rewrite bandwidth, 2026-12-01)."""
+    if not ctx.train:
+        return 0.0
+    dev = ctx.cluster.device
+    bandwidth = dev.memory_bandwidth_bytes_per_s * dev.memory_efficiency
+    fill_s = compute.fresh_write_time_s(weight_bytes, dev) + 3 * out_bytes / bandwidth
+    return fill_s + (
+        2 * weight_bytes / bandwidth + compute.fresh_write_time_s(weight_bytes, dev) if tied else 0.0
+    )
 
 
 def outside_params(s: ModelStructure) -> int:
@@ -1018,22 +1049,36 @@ def gradient_sync_time_s(grad_bytes: float, ctx: CostContext) -> float:
 
 
 def optimizer_step_time_s(grad_bytes: float, ctx: CostContext) -> float:
-    """Adam step over the parameters whose gradients are `grad_bytes` per rank (memory-bound: master
-    weights, moments, gradient, parameter), over 1/dp of them with the distributed optimizer; on a
-    device priced per fx node (eager CPU) plus the dispatch of `ADAM_OPS_PER_TENSOR` ops per
-    parameter tensor of the stage."""
+    """Adam step over the parameters whose gradients are `grad_bytes` per rank, over 1/dp of them with
+    the distributed optimizer (`costmodels.compute.adam_step_time_s`: the device's measured per-parameter
+    rates by tensor size, else the bytes a fused kernel moves); on a device priced per fx node (eager
+    CPU) plus the dispatch of `ADAM_OPS_PER_TENSOR` ops per parameter tensor of the stage."""
     if not ctx.train or grad_bytes <= 0:
         return 0.0
     dev = ctx.cluster.device
     share = 1.0 / ctx.mesh.dp if ctx.distributed_optimizer else 1.0
-    moved = grad_bytes / ctx.bytes_per_element * OPTIMIZER_BYTES_MOVED_PER_PARAM * share
+    params = grad_bytes / ctx.bytes_per_element * share
     dispatch = dev.launch_overhead_s
     if dev.node_overhead_s is not None and not ctx.distributed_optimizer:
         # eager CPU: torch's Adam loops over the tensors of the stage (the ZeRO-1 optimizer steps one
         # flat shard per dtype instead)
         tensors = ctx.structure.num_param_tensors / ctx.mesh.pp
         dispatch = compute.node_overhead_s(dev, tensors * ADAM_OPS_PER_TENSOR)
-    return dispatch + moved / (dev.memory_bandwidth_bytes_per_s * dev.memory_efficiency)
+    return dispatch + compute.adam_step_time_s(
+        params, params * large_param_share(ctx, params), dev, ctx.dtype
+    )
+
+
+def large_param_share(ctx: CostContext, params: float) -> float:
+    """Fraction of a rank's ``params`` optimizer elements in tensors over
+    `costmodels.compute.LARGE_TENSOR_BYTES` in fp32 (the master / moment precision): the distributed
+    optimizer steps one flat shard of ``params``; otherwise the model's tensors, matrices split over
+    the TP degree (`ModelStructure.param_tensor_sizes`; the same fraction on every pipeline stage)."""
+    if ctx.distributed_optimizer:
+        return 1.0 if params * 4 > compute.LARGE_TENSOR_BYTES else 0.0
+    sizes = [n / ctx.mesh.tp if matrix else n for n, matrix in ctx.structure.param_tensor_sizes]
+    total = sum(sizes)
+    return sum(n for n in sizes if n * 4 > compute.LARGE_TENSOR_BYTES) / total if total else 0.0
 
 
 def gradient_sync_cost(ctx: CostContext) -> LinearCost:

@@ -1,0 +1,183 @@
+"""Terms a training step and a conv net pay on an eager CPU that a roofline of the math misses:
+torch.optim.Adam's step by tensor size (`costmodels.compute.adam_step_time_s`), the dense embedding
+gradient written into fresh memory (`costing.embedding_gradient_time_s`), and a model's own
+convolutions timed on this machine (`costmodels.calibrate.conv_time_ratios`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from costmodels import calibrate as cal
+from costmodels import compute
+from costmodels.cluster import CALIBRATED_SPEC_NAME, load_cluster
+from planner.cli import workflow
+from planner.plan import MeshShape
+from planner.solver.costing import (
+    CostContext,
+    embedding_gradient_time_s,
+    large_param_share,
+    optimizer_step_time_s,
+)
+from planner.solver.problem import MeshConfig, WorkloadSpec
+from tests.planner_fixtures import analysed_gpt
+
+MIB = 2**20
+
+
+@pytest.fixture
+def cpu():
+    """local-cpu with measured Adam rates and a fresh-memory bandwidth, as `planner calibrate` writes."""
+    base = load_cluster("local-cpu", 2)
+    device = dataclasses.replace(
+        base.device,
+        adam_s_per_param=4e-9,
+        adam_large_tensor_s_per_param=7e-9,
+        fresh_write_bandwidth_bytes_per_s=2.5e9,
+    )
+    return dataclasses.replace(base, device=device)
+
+
+def _ctx(structure, cluster, tp=1, dp=1, train=True, zero=False) -> CostContext:
+    workload = WorkloadSpec("train" if train else "forward", 2, 32)
+    mesh = MeshConfig(MeshShape(tp, 1, dp), 1, distributed_optimizer=zero)
+    return CostContext(structure, cluster, workload, mesh, "fp32")
+
+
+def test_adam_time_by_measured_rates_and_tensor_size(cpu) -> None:
+    dev = cpu.device
+    assert compute.adam_step_time_s(10e6, 4e6, dev, "fp32") == pytest.approx(6e6 * 4e-9 + 4e6 * 7e-9)
+    bandwidth = dev.memory_bandwidth_bytes_per_s * dev.memory_efficiency
+    copies = 10e6 * 12 / bandwidth  # a 16-bit model steps fp32 masters and copies both ways
+    assert compute.adam_step_time_s(10e6, 0, dev, "bf16") == pytest.approx(10e6 * 4e-9 + copies)
+    plain = load_cluster("local-cpu", 2).device  # no measured rates: the fused kernel's bytes
+    assert compute.adam_step_time_s(10e6, 4e6, plain, "fp32") == pytest.approx(
+        10e6 * compute.ADAM_BYTES_PER_PARAM / (plain.memory_bandwidth_bytes_per_s * plain.memory_efficiency)
+    )
+    with pytest.raises(ValueError, match="large_params"):
+        compute.adam_step_time_s(1e6, 2e6, dev, "fp32")
+
+
+def test_large_tensors_are_the_embedding_until_tp_or_zero_splits_them(cpu) -> None:
+    gpt2 = analysed_gpt("124m")
+    wte = 50257 * 768
+    assert max(gpt2.param_tensor_sizes) == (wte, True)
+    total = sum(n for n, _ in gpt2.param_tensor_sizes)
+    # 154 MB of fp32 is over the 32 MiB threshold, every layer matrix (<= 9.4 MB) under it
+    assert large_param_share(_ctx(gpt2, cpu), total) == pytest.approx(wte / total)
+    assert large_param_share(_ctx(gpt2, cpu, tp=8), total) == 0.0  # 19 MB shards
+    zero = _ctx(gpt2, cpu, dp=2, zero=True)  # the distributed optimizer steps one flat shard
+    assert large_param_share(zero, 1e6) == 0.0 and large_param_share(zero, 20e6) == 1.0
+
+
+def test_optimizer_step_prices_the_measured_rates(cpu) -> None:
+    gpt2 = analysed_gpt("124m")
+    ctx = _ctx(gpt2, cpu)
+    params = sum(n for n, _ in gpt2.param_tensor_sizes)
+    share = large_param_share(ctx, params)
+    dispatch = compute.node_overhead_s(cpu.device, gpt2.num_param_tensors * 9)
+    want = dispatch + params * ((1 - share) * 4e-9 + share * 7e-9)
+    assert optimizer_step_time_s(params * 4, ctx) == pytest.approx(want)
+    assert optimizer_step_time_s(params * 4, _ctx(gpt2, cpu, train=False)) == 0.0
+
+
+def test_embedding_gradient_is_dense_and_fresh_and_tied_sums_twice(cpu) -> None:
+    gpt2 = analysed_gpt("124m")
+    weight, rows = 50257 * 768 * 4.0, 64 * 768 * 4.0
+    dev = cpu.device
+    bandwidth = dev.memory_bandwidth_bytes_per_s * dev.memory_efficiency
+    fill = weight / 2.5e9 + 3 * rows / bandwidth  # over 32 MiB: written at the fresh-memory rate
+    assert embedding_gradient_time_s(weight, rows, False, _ctx(gpt2, cpu)) == pytest.approx(fill)
+    tied = embedding_gradient_time_s(weight, rows, True, _ctx(gpt2, cpu))
+    assert tied == pytest.approx(fill + 2 * weight / bandwidth + weight / 2.5e9)
+    small = 1 * MIB  # under the threshold: at memory bandwidth
+    assert embedding_gradient_time_s(small, 0.0, False, _ctx(gpt2, cpu)) == pytest.approx(small / bandwidth)
+    assert embedding_gradient_time_s(weight, rows, True, _ctx(gpt2, cpu, train=False)) == 0.0
+
+
+def test_training_prediction_includes_the_embedding_gradient(cpu) -> None:
+    """The same plan priced with and without the fresh-memory rate: the difference is the dense
+    gradient of the tied 154 MB embedding (written twice) at the two rates."""
+    gpt2 = analysed_gpt("124m")
+    from planner.solver.costing import build_ends_graph
+
+    slow = build_ends_graph(_ctx(gpt2, cpu)).ops[0].options[0].compute_s
+    plain = dataclasses.replace(
+        cpu, device=dataclasses.replace(cpu.device, fresh_write_bandwidth_bytes_per_s=None)
+    )
+    fast = build_ends_graph(_ctx(gpt2, plain)).ops[0].options[0].compute_s
+    weight = 50257 * 768 * 4.0
+    bandwidth = cpu.device.memory_bandwidth_bytes_per_s * cpu.device.memory_efficiency
+    assert slow - fast == pytest.approx(2 * (weight / 2.5e9 - weight / bandwidth))
+
+
+def _convnet_convs():
+    prepared = workflow.prepare("examples/convnet.py", "forward", batch_size=8)
+    return prepared, [c for c in prepared.structure.node_costs.values() if c.kind == "conv"]
+
+
+def test_conv_call_runs_the_same_convolution_forward_and_backward() -> None:
+    _, convs = _convnet_convs()
+    assert len(convs) == 3 and all(c.call is not None for c in convs)
+    name, args = convs[0].call
+    assert name == "aten.conv2d" and args[0] == ("tensor", (8, 3, 32, 32), "fp32")
+    assert cal._conv_runner(convs[0].call, torch.float32, backward=False)().shape == (8, 32, 32, 32)
+    grads = cal._conv_runner(convs[0].call, torch.float32, backward=True)()
+    assert [tuple(g.shape) for g in grads] == [(8, 3, 32, 32), (32, 3, 3, 3), (32,)]
+
+
+def test_conv_ratios_are_relative_to_the_calibrated_convolution(monkeypatch) -> None:
+    """Each convolution's measured / priced time over the spec's own CONV_SHAPE convolution's."""
+    _, convs = _convnet_convs()
+    device = load_cluster("local-cpu", 2).device
+    calls = [(c.call, c.flops, c.bytes_read + c.bytes_written) for c in convs]
+
+    def price(flops, moved):
+        return compute.op_time_s(flops, moved, device, "fp32", "conv", launch=False)
+
+    b, c, h, w = cal.CONV_SHAPE
+    ref = price(2.0 * b * c * h * w * c * 9, 4.0 * (2 * b * c * h * w + c * c * 9))
+    slow = {calls[0][0]: 3.0}  # the 3-channel convolution runs 3x its price, the others at it
+
+    def fake(fns, amounts, dev, budget_s):
+        seconds = [2 * ref] + [slow.get(call, 1.0) * 2 * price(f, m) for call, f, m in calls]
+        return [1 / s for s in seconds], 1.0  # the whole machine 2x slower now: cancels
+
+    monkeypatch.setattr(cal, "interleaved_rates", fake)
+    ratios = cal.conv_time_ratios(calls, device, "fp32")
+    assert [ratios[call] for call, _, _ in calls] == pytest.approx([3.0, 1.0, 1.0])
+    timed = dataclasses.replace(device, conv_time_ratios=ratios)
+    call, flops, moved = calls[0]
+    plain = compute.op_time_s(flops, moved, device, "fp32", "conv", launch=False)
+    assert compute.op_time_s(flops, moved, timed, "fp32", "conv", launch=False, call=call) == pytest.approx(
+        3 * plain
+    )
+    assert compute.op_time_s(flops, moved, timed, "fp32", "conv", launch=False) == plain  # no call given
+
+
+def test_planning_on_a_calibrated_spec_times_the_convolutions(monkeypatch) -> None:
+    prepared, convs = _convnet_convs()
+    base = load_cluster("local-cpu", 2)
+    calibrated = dataclasses.replace(
+        base,
+        name=CALIBRATED_SPEC_NAME,
+        device=dataclasses.replace(base.device, probe_matmul_flops_per_s=100e9),
+    )
+    seen = []
+
+    def fake(calls, device, dtype, threads=1, budget_s=1.0, train=False):
+        seen.append([c for c, _, _ in calls])
+        return {c: 2.0 for c, _, _ in calls}
+
+    monkeypatch.setattr(cal, "conv_time_ratios", fake)
+    monkeypatch.setattr(cal, "matmul_shape_time_ratios", lambda *a, **k: {})
+    monkeypatch.setattr(workflow, "_SHAPE_RATIOS", {})
+    timed = workflow.with_model_matmul_rates(prepared, calibrated)
+    assert seen == [[c.call for c in convs]]
+    assert timed.device.conv_time_ratios == {c.call: 2.0 for c in convs}
+    constraints = workflow.constraints_from(1, 1, 1, "none")
+    slower = workflow.make_plan(prepared, calibrated, constraints, "examples/convnet.py")
+    plain = workflow.make_plan(prepared, base, constraints, "examples/convnet.py")
+    assert slower.predicted.latency_s > plain.predicted.latency_s
