@@ -361,6 +361,7 @@ def conv_time_ratios(
     ref_call = (
         "aten.conv2d",
         (("tensor", CONV_SHAPE, dtype), ("tensor", (c_, c_, 3, 3), dtype), None, (1, 1), (1, 1)),
+        True,
     )
     ref_bytes = 4.0 * (2 * b_ * c_ * h_ * w_ + c_ * c_ * 9)
     threads_before = torch.get_num_threads()
@@ -381,8 +382,9 @@ def conv_time_ratios(
 
 def _conv_runner(call: tuple, dtype: torch.dtype, backward: bool) -> Callable[[], object]:
     """The convolution ``call`` (`planner.frontend.analysis.conv_call`) on random tensors; with
-    ``backward``, forward then backward of the output's sum into the input and the weight."""
-    name, template = call
+    ``backward``, forward then backward of the output's sum into the weight and bias, and into the
+    input when the call says it needs a gradient."""
+    name, template, input_grad = call
     op = getattr(torch.ops.aten, name.removeprefix("aten."))
 
     def real(a: object) -> object:
@@ -396,7 +398,9 @@ def _conv_runner(call: tuple, dtype: torch.dtype, backward: bool) -> Callable[[]
     args = [real(a) for a in template]
     if not backward:
         return lambda: op(*args)
-    leaves = [a for a in args if isinstance(a, torch.Tensor)]
+    if not input_grad:
+        args[0].requires_grad_(False)
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
     return lambda: torch.autograd.grad(op(*args).sum(), leaves)
 
 

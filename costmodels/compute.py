@@ -97,11 +97,25 @@ def shape_time_ratio(
     (``DeviceSpec.matmul_shape_time_ratios``) or of a convolution ``call``
     (``DeviceSpec.conv_time_ratios``), 1.0 for other ops and for shapes not measured."""
     if kind == "conv":
-        return (device.conv_time_ratios or {}).get(call, 1.0) if call is not None else 1.0
+        return _conv_ratio(device.conv_time_ratios or {}, call) if call is not None else 1.0
     ratios = device.matmul_shape_time_ratios
     if kind != "matmul" or not ratios or shape is None:
         return 1.0
     return ratios.get((round(shape[0]), round(shape[1])), 1.0)
+
+
+def _conv_ratio(ratios: dict[tuple, float], call: tuple) -> float:
+    """The ratio timed for ``call``, else for the same convolution at another batch size (the largest
+    timed), else 1.0."""
+    if call in ratios:
+        return ratios[call]
+    name, args, input_grad = call
+    same = [
+        (k[1][0][1][0], r)
+        for k, r in ratios.items()
+        if k[0] == name and k[1][1:] == args[1:] and k[2] == input_grad
+    ]
+    return max(same)[1] if same else 1.0
 
 
 # (dim, heads, tokens) of the two probe graphs `planner calibrate` times (`costmodels.calibrate`):

@@ -14,6 +14,7 @@ from costmodels import calibrate as cal
 from costmodels import compute
 from costmodels.cluster import CALIBRATED_SPEC_NAME, load_cluster
 from planner.cli import workflow
+from planner.frontend.analysis import conv_call_at_batch
 from planner.plan import MeshShape
 from planner.solver.costing import (
     CostContext,
@@ -121,11 +122,16 @@ def _convnet_convs():
 def test_conv_call_runs_the_same_convolution_forward_and_backward() -> None:
     _, convs = _convnet_convs()
     assert len(convs) == 3 and all(c.call is not None for c in convs)
-    name, args = convs[0].call
+    name, args, input_grad = convs[0].call
     assert name == "aten.conv2d" and args[0] == ("tensor", (8, 3, 32, 32), "fp32")
+    assert not input_grad and convs[1].call[2]  # the image needs no gradient, a feature map does
     assert cal._conv_runner(convs[0].call, torch.float32, backward=False)().shape == (8, 32, 32, 32)
     grads = cal._conv_runner(convs[0].call, torch.float32, backward=True)()
-    assert [tuple(g.shape) for g in grads] == [(8, 3, 32, 32), (32, 3, 3, 3), (32,)]
+    assert [tuple(g.shape) for g in grads] == [(32, 3, 3, 3), (32,)]  # weight and bias only
+    grads = cal._conv_runner(convs[1].call, torch.float32, backward=True)()
+    assert [tuple(g.shape) for g in grads] == [(8, 32, 16, 16), (64, 32, 3, 3), (64,)]
+    half = conv_call_at_batch(convs[1].call, 4)
+    assert half[1][0] == ("tensor", (4, 32, 16, 16), "fp32") and half[1][1:] == convs[1].call[1][1:]
 
 
 def test_conv_ratios_are_relative_to_the_calibrated_convolution(monkeypatch) -> None:
@@ -155,6 +161,10 @@ def test_conv_ratios_are_relative_to_the_calibrated_convolution(monkeypatch) -> 
         3 * plain
     )
     assert compute.op_time_s(flops, moved, timed, "fp32", "conv", launch=False) == plain  # no call given
+    other_batch = conv_call_at_batch(call, 2)  # not timed at this batch: the same convolution's ratio
+    assert compute.op_time_s(
+        flops, moved, timed, "fp32", "conv", launch=False, call=other_batch
+    ) == pytest.approx(3 * plain)
 
 
 def test_planning_on_a_calibrated_spec_times_the_convolutions(monkeypatch) -> None:
@@ -175,9 +185,28 @@ def test_planning_on_a_calibrated_spec_times_the_convolutions(monkeypatch) -> No
     monkeypatch.setattr(cal, "matmul_shape_time_ratios", lambda *a, **k: {})
     monkeypatch.setattr(workflow, "_SHAPE_RATIOS", {})
     timed = workflow.with_model_matmul_rates(prepared, calibrated)
-    assert seen == [[c.call for c in convs]]
-    assert timed.device.conv_time_ratios == {c.call: 2.0 for c in convs}
+    # every convolution at the whole batch and at each DP share over the spec's 2 ranks
+    want = {conv_call_at_batch(c.call, b) for c in convs for b in (4, 8)}
+    assert len(seen) == 1 and set(seen[0]) == want and len(seen[0]) == 6
+    assert timed.device.conv_time_ratios == dict.fromkeys(want, 2.0)
     constraints = workflow.constraints_from(1, 1, 1, "none")
     slower = workflow.make_plan(prepared, calibrated, constraints, "examples/convnet.py")
     plain = workflow.make_plan(prepared, base, constraints, "examples/convnet.py")
     assert slower.predicted.latency_s > plain.predicted.latency_s
+
+
+def test_pooling_backward_is_a_memory_bound_scatter_not_twice_the_forward(cpu) -> None:
+    """A 2x2 max pool's forward runs at the (slow) pooling bandwidth; its backward scatters the output
+    gradient at memory bandwidth (on the dev VM 1.52 ms forward, 1.96 ms forward + backward)."""
+    gpt2 = analysed_gpt("124m")
+    device = dataclasses.replace(cpu.device, pooling_bandwidth_bytes_per_s=0.75e9)
+    cluster = dataclasses.replace(cpu, device=device)
+    moved = 4.0 * 8 * 32 * 32 * 32 * 1.25
+    forward = _ctx(gpt2, cluster, train=False).op_time(0.0, moved, "pool")
+    assert forward == pytest.approx(moved / 0.75e9)
+    train = _ctx(gpt2, cluster).op_time(0.0, moved, "pool")
+    bandwidth = device.memory_bandwidth_bytes_per_s * device.memory_efficiency
+    assert train == pytest.approx(forward + 2 * moved / bandwidth)
+    assert train < 3 * forward
+    matmul = _ctx(gpt2, cluster).op_time(1e9, 1e6, "matmul")  # other ops keep 3x the forward
+    assert matmul == pytest.approx(3 * _ctx(gpt2, cluster, train=False).op_time(1e9, 1e6, "matmul"))

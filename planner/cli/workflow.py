@@ -26,7 +26,7 @@ from costmodels.cluster import (
 )
 from passes.verify import verify_plan
 from planner.errors import InputError, RunError
-from planner.frontend.analysis import ModelStructure
+from planner.frontend.analysis import ModelStructure, conv_call_at_batch
 from planner.frontend.depth import capture_for_planning
 from planner.frontend.modelfile import ModelFile, load_model_file
 from planner.frontend.phases import build_for, decode_phase, plan_structure, prefill_phase
@@ -530,14 +530,7 @@ def with_model_matmul_rates(
     prefill = prepared.prefill
     if prefill is not None and prepared.request is not None:
         shapes += model_matmul_shapes(prefill, workload.batch_size * prepared.request.prompt_len, tps)
-    # convolutions at the captured batch (a DP share runs the same kernels on fewer images)
-    convs = list(
-        {
-            c.call: (c.call, c.flops, c.bytes_read + c.bytes_written)
-            for c in structure.node_costs.values()
-            if c.call
-        }.values()
-    )
+    convs = model_conv_calls(structure, cluster.num_devices)
     if not shapes and not convs:
         return cluster
     dtype = workload.dtype or structure.dtype
@@ -557,6 +550,22 @@ def with_model_matmul_rates(
     return replace(
         cluster, device=replace(dev, matmul_shape_time_ratios=matmuls, conv_time_ratios=conv_ratios)
     )
+
+
+def model_conv_calls(structure: ModelStructure, devices: int) -> list[tuple[tuple, float, float]]:
+    """(call, FLOP, bytes moved) of each distinct convolution of ``structure`` at the captured batch and
+    at each DP share of it over up to ``devices`` ranks (a share runs other kernels' blockings): what
+    `costmodels.calibrate.conv_time_ratios` times (`planner.frontend.analysis.conv_call_at_batch`)."""
+    batch = structure.batch_size
+    shares = sorted({batch // dp for dp in range(1, devices + 1) if devices % dp == 0 and batch % dp == 0})
+    out: dict[tuple, tuple[tuple, float, float]] = {}
+    for c in structure.node_costs.values():
+        if c.call is None:
+            continue
+        for b in shares:
+            call = conv_call_at_batch(c.call, b)
+            out[call] = (call, c.flops * b / batch, (c.bytes_read + c.bytes_written) * b / batch)
+    return list(out.values())
 
 
 def check_lowering(prepared: Prepared, plan: Plan, cluster: ClusterSpec) -> Plan:

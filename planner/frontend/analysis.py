@@ -477,9 +477,10 @@ def _node_cost(node: fx.Node) -> NodeCost:
 
 
 def conv_call(node: fx.Node) -> tuple:
-    """``(op name, args)`` of a convolution node, each tensor argument as ("tensor", shape, dtype), lists
-    as tuples, other arguments as they are: hashable, and enough to run the same call on real tensors
-    (`costmodels.calibrate.conv_time_ratios`)."""
+    """``(op name, args, input needs a gradient)`` of a convolution node, each tensor argument as
+    ("tensor", shape, dtype), lists as tuples, other arguments as they are: hashable, and enough to run
+    the same call on real tensors (`costmodels.calibrate.conv_time_ratios`). The input needs no
+    gradient when it is a graph input (an image batch): its backward then computes the weight's only."""
 
     def template(a: object) -> object:
         if isinstance(a, fx.Node):
@@ -493,7 +494,17 @@ def conv_call(node: fx.Node) -> tuple:
             return tuple(template(x) for x in a)
         return a
 
-    return (op_name(node.target), tuple(template(a) for a in node.args))
+    x = node.args[0]
+    input_grad = not (isinstance(x, fx.Node) and x.op == "placeholder")
+    return (op_name(node.target), tuple(template(a) for a in node.args), input_grad)
+
+
+def conv_call_at_batch(call: tuple, batch: int) -> tuple:
+    """`conv_call`'s ``call`` with its input's leading (batch) dimension set to ``batch`` (a rank's
+    share of the captured batch)."""
+    name, args, input_grad = call
+    kind, shape, dtype = args[0]
+    return (name, ((kind, (batch, *shape[1:]), dtype), *args[1:]), input_grad)
 
 
 def _conv_flops(node: fx.Node, out_numel: int) -> float:

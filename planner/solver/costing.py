@@ -58,7 +58,7 @@ from costmodels.cluster import ClusterSpec
 from costmodels.comm import Group, all_gather_time_s, all_reduce_time_s, p2p_time_s, reduce_scatter_time_s
 from costmodels.dtypes import DTYPE_BYTES
 from planner.errors import InputError
-from planner.frontend.analysis import Attention, Layer, ModelStructure, Projection, Role
+from planner.frontend.analysis import Attention, Layer, ModelStructure, Projection, Role, conv_call_at_batch
 from planner.plan import Layout, MeshShape, Workload
 from planner.solver.problem import MeshConfig, WorkloadSpec
 
@@ -71,6 +71,12 @@ TRAIN_COMM_FACTOR = 2.0  # forward collectives plus their backward conjugates (M
 # div, add eps, param.addcdiv_. On an eager CPU each costs a node's dispatch overhead: the Adam step of
 # the 39-tensor tiny Llama-3 took 5.6 ms there, 1.6 ms of it memory traffic (2026-11-30).
 ADAM_OPS_PER_TENSOR = 9
+# A pooling op's backward zero-fills the input's gradient and scatters the output's gradient into it
+# by the saved indices (read output gradient and int64 indices, write the input twice): about twice
+# the forward's bytes (input + output), at memory bandwidth. Its forward runs far below that
+# (`DeviceSpec.pooling_bandwidth_bytes_per_s`): on the dev VM a 2x2 max pool over (8, 32, 32, 32)
+# took 1.52 ms forward and 1.96 ms forward + backward (2026-12-01), not 3x the forward.
+POOL_BACKWARD_BYTES_FACTOR = 2.0
 NORM_KIND = "rmsnorm"  # FLOP convention for the per-layer norms (cheap either way: memory bound)
 INF = math.inf
 
@@ -246,9 +252,11 @@ class CostContext:
         shape: tuple[float, float] | None = None,
         call: tuple | None = None,
     ) -> float:
-        """Roofline time of one op (training: forward + backward). With a per-node overhead on the
-        device (`node_overhead_time`), the op's launch term is left out: its node pays that instead.
-        ``shape``: a matmul's (K, N) on one rank, ``call`` a convolution's (`costmodels.compute.op_time_s`)."""
+        """Roofline time of one op (training: forward + backward, `compute_factor` times the forward;
+        a pooling op's backward is instead a memory-bound scatter, `POOL_BACKWARD_BYTES_FACTOR` times
+        its forward bytes). With a per-node overhead on the device (`node_overhead_time`), the op's
+        launch term is left out: its node pays that instead. ``shape``: a matmul's (K, N) on one rank,
+        ``call`` a convolution's (`costmodels.compute.op_time_s`)."""
         dev = self.cluster.device
         one = compute.op_time_s(
             flops,
@@ -261,6 +269,10 @@ class CostContext:
             shape=shape,
             call=call,
         )
+        if kind == "pool" and self.train:
+            launch = dev.node_overhead_s is None
+            scatter = POOL_BACKWARD_BYTES_FACTOR * bytes_moved
+            return one + compute.op_time_s(0.0, scatter, dev, self.dtype, "memory", launch=launch)
         return self.compute_factor * one
 
     def node_overhead_time(self, nodes: float) -> float:
@@ -657,8 +669,16 @@ def outside_nodes_time_s(ctx: CostContext) -> float:
             continue
         moved = (cost.bytes_read + cost.bytes_written) * scale * byte_scale
         if moved > 0 or cost.flops > 0:
-            total += ctx.op_time(cost.flops * scale, moved, cost.kind, call=cost.call)
+            total += ctx.op_time(
+                cost.flops * scale, moved, cost.kind, call=rank_conv_call(cost.call, s.batch_size * scale)
+            )
     return total + ctx.node_overhead_time(nodes)
+
+
+def rank_conv_call(call: tuple | None, batch: float) -> tuple | None:
+    """A convolution's call (`NodeCost.call`) at the ``batch`` one rank runs it with (a DP or
+    micro-batch share of the captured batch), the key of its timed ratio; None for other ops."""
+    return None if call is None else conv_call_at_batch(call, max(1, round(batch)))
 
 
 def _param_bytes(p: Projection, b: int) -> float:
