@@ -38,6 +38,7 @@ several threads) wall time. Collectives are always wall time (their cost is wait
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
@@ -48,7 +49,7 @@ import socket
 import statistics
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -246,6 +247,17 @@ def spec_threads(spec: ClusterSpec) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, spec.devices_per_node))
 
 
+@contextlib.contextmanager
+def _intra_op_threads(threads: int) -> Iterator[None]:
+    """Compute with ``threads`` intra-op threads (what a rank computes with) inside the block."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def matmul_shape_time_ratios(
     shapes: list[tuple[int, int, int]],
     device_spec: DeviceSpec,
@@ -305,17 +317,13 @@ def matmul_shape_time_ratios(
     # the fit's shapes, timed as the fit timed them (a plain (T x C) @ (C x N))
     references = [("mm", *s) for s in TRANSFORMER_MATMUL_SHAPES if price(*s) <= _MODEL_SHAPE_MAX_S]
     timed = [("mm", *_FLOOR_MATMUL_SHAPE), *references, *products]
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _intra_op_threads(threads):
         rates, _ = interleaved_rates(
             [_product(form, m, k, n, dt) for form, m, k, n in timed],
             [2.0 * m * k * n for _, m, k, n in timed],
             torch.device("cpu"),
             budget_s,
         )
-    finally:
-        torch.set_num_threads(threads_before)
     floor_s = 2.0 * math.prod(_FLOOR_MATMUL_SHAPE) / rates[0]  # the call itself, which a node pays already
     seconds = {p: max(2.0 * math.prod(p[1:]) / rate - floor_s, 0.0) for p, rate in zip(timed[1:], rates[1:])}
     # > 1: the machine runs slower now than the fit says, on the fit's own shapes
@@ -364,17 +372,13 @@ def conv_time_ratios(
         True,
     )
     ref_bytes = 4.0 * (2 * b_ * c_ * h_ * w_ + c_ * c_ * 9)
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _intra_op_threads(threads):
         fns = [_conv_runner(ref_call, dt, backward=False)] + [
             _conv_runner(c, dt, backward=train) for c in kept
         ]
         seconds = [
             1.0 / r for r in interleaved_rates(fns, [1.0] * len(fns), torch.device("cpu"), budget_s)[0]
         ]
-    finally:
-        torch.set_num_threads(threads_before)
     now = seconds[0] / price(ref_flops, ref_bytes)
     factor = 3.0 if train else 1.0
     return {c: t / (factor * price(*kept[c])) / now for c, t in zip(kept, seconds[1:])}
