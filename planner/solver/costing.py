@@ -541,8 +541,9 @@ def layer_node_times_s(layer: Layer, ctx: CostContext) -> dict[str, float] | Non
         moved = cost.bytes_read + cost.bytes_written
         if moved > 0:
             kind = cost.kind if cost.kind in compute.OP_KINDS else "memory"
+            call = rank_conv_call(cost.call, s.batch_size * scale)
             out[block] += (
-                ctx.op_time(cost.flops * scale, moved * scale * byte_scale, kind, call=cost.call) - launch
+                ctx.op_time(cost.flops * scale, moved * scale * byte_scale, kind, call=call) - launch
             )
             priced.add(block)
     return {block: t + (launch if block in priced else 0.0) for block, t in out.items()}
