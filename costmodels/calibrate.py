@@ -233,7 +233,7 @@ _MODEL_SHAPE_MIN_S, _MODEL_SHAPE_MAX_S = 200e-6, 0.05
 # timed beside a model's shapes: its time is the call's own cost (Python and ATen dispatch), which the
 # per-node overhead prices already, so it is taken off each shape's time
 _FLOOR_MATMUL_SHAPE = (1, 8, 8)
-_CONV_MIN_S = 20e-6  # convolutions priced under this keep the spec's efficiency (`conv_time_ratios`)
+_CONV_MIN_S = 1e-6  # convolutions priced under this keep the spec's efficiency (`conv_time_ratios`)
 _MODEL_SHAPES_MAX_BYTES = 1 << 30  # operands allocated at once at most; the largest shapes left out first
 
 
@@ -351,10 +351,13 @@ def conv_time_ratios(
     threads, interleaved for about ``budget_s`` wall seconds with the spec's own `CONV_SHAPE` convolution,
     whose measured / priced time divides every ratio (the machine's speed of the moment cancels). With
     ``train`` a call is timed forward and backward (input and weight gradients) against three forward
-    prices (the training step's `compute_factor`). Calls priced under ``_CONV_MIN_S`` or over
-    ``_MODEL_SHAPE_MAX_S`` are left out (they keep the efficiency). The floor is lower than the
-    matmuls': a convolution's rate varies far more with its shape (on the dev VM a 3x3 conv2d from 3
-    input channels at 32 x 32, priced 181 us, ran 1.44 ms: 9.8 GFLOP/s against ~63 from 32 or 64).
+    prices (the training step's `compute_factor`). The dispatch of a call (a one-element add timed
+    beside them), which the per-node overhead prices already, is taken off once for a forward and
+    twice for a forward and backward. Calls priced under ``_CONV_MIN_S`` or over ``_MODEL_SHAPE_MAX_S``
+    are left out (they keep the efficiency). Small convolutions are timed too, unlike small matmuls: a
+    convolution's rate varies far more with its shape and its fixed cost is far above a node's
+    dispatch (on the dev VM a 3x3 conv2d from 3 input channels at 32 x 32, priced 181 us, ran 1.44 ms:
+    9.8 GFLOP/s against ~63 from 32 or 64; a Conv1d(8, 16, 4) over (4, 8, 64) ran 88 us).
     """
     dt = torch_dtype(dtype)
 
@@ -372,16 +375,19 @@ def conv_time_ratios(
         True,
     )
     ref_bytes = 4.0 * (2 * b_ * c_ * h_ * w_ + c_ * c_ * 9)
+    one = torch.zeros(1)
     with _intra_op_threads(threads):
-        fns = [_conv_runner(ref_call, dt, backward=False)] + [
-            _conv_runner(c, dt, backward=train) for c in kept
-        ]
+        fns = [lambda: torch.add(one, one), _conv_runner(ref_call, dt, backward=False)]
+        fns += [_conv_runner(c, dt, backward=train) for c in kept]
         seconds = [
             1.0 / r for r in interleaved_rates(fns, [1.0] * len(fns), torch.device("cpu"), budget_s)[0]
         ]
-    now = seconds[0] / price(ref_flops, ref_bytes)
-    factor = 3.0 if train else 1.0
-    return {c: t / (factor * price(*kept[c])) / now for c, t in zip(kept, seconds[1:])}
+    floor_s, ref_s, *own_s = seconds
+    now = (ref_s - floor_s) / price(ref_flops, ref_bytes)
+    factor, dispatches = (3.0, 2) if train else (1.0, 1)
+    return {
+        c: max(t - dispatches * floor_s, 0.0) / (factor * price(*kept[c])) / now for c, t in zip(kept, own_s)
+    }
 
 
 def _conv_runner(call: tuple, dtype: torch.dtype, backward: bool) -> Callable[[], object]:

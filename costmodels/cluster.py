@@ -51,6 +51,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import re
 import warnings
 from dataclasses import dataclass, replace
 from importlib import resources
@@ -252,6 +253,9 @@ class _Reader:
         expected = f"a number in {unit} {bound}, e.g. {example}"
         if isinstance(value, bool):
             raise self.fail(path, f"got a boolean ({str(value).lower()}); expected {expected}")
+        if isinstance(value, str) and _SCIENTIFIC.fullmatch(value.strip()):
+            # YAML 1.1 (PyYAML) reads 1e9 and 1.2e1 as strings: only 1.0e+9 is a float there
+            value = float(value)
         if isinstance(value, str):
             raise self.fail(path, f"got the string {value!r}; give a number in {unit}, e.g. {example}")
         if not isinstance(value, (int, float)):
@@ -346,6 +350,11 @@ _EXPECT = {
     "fp16": "a number in TFLOP/s > 0",
     "fp32": "a number in TFLOP/s > 0",
 }
+
+
+# Adam's step per parameter: ~0.01 ns on a GPU (fused, 28 B at 3 TB/s) to ~10 ns on a slow CPU core
+_PLAUSIBLE_ADAM_NS = (1e-3, 1e3)
+_SCIENTIFIC = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")  # 1e9, 1.2e1, 1e+9, .5e-3
 
 
 def _describe(value: Any) -> str:
@@ -460,13 +469,19 @@ def _parse_device(r: _Reader, raw: Any) -> DeviceSpec:
         else r.number(probe_b, "device.probe_backward_node_overhead_us", "µs", "18") * _US,
         adam_s_per_param=None
         if (adam := d.get("adam_ns_per_param")) is None
-        else r.number(adam, "device.adam_ns_per_param", "ns", "4") * 1e-9,
+        else r.number(adam, "device.adam_ns_per_param", "ns", "4", plausible=_PLAUSIBLE_ADAM_NS) * 1e-9,
         adam_large_tensor_s_per_param=None
         if (adam_l := d.get("adam_large_tensor_ns_per_param")) is None
-        else r.number(adam_l, "device.adam_large_tensor_ns_per_param", "ns", "6") * 1e-9,
+        else r.number(
+            adam_l, "device.adam_large_tensor_ns_per_param", "ns", "6", plausible=_PLAUSIBLE_ADAM_NS
+        )
+        * 1e-9,
         fresh_write_bandwidth_bytes_per_s=None
         if (fresh := d.get("fresh_write_bandwidth_GBps")) is None
-        else r.number(fresh, "device.fresh_write_bandwidth_GBps", "GB/s", "3") * _GB,
+        else r.number(
+            fresh, "device.fresh_write_bandwidth_GBps", "GB/s", "3", plausible=_PLAUSIBLE_MEMORY_GBPS
+        )
+        * _GB,
     )
 
 

@@ -99,6 +99,18 @@ def test_units_are_converted_to_si_once() -> None:
     assert spec.num_devices == 16
 
 
+def test_scientific_notation_reads_as_a_number_though_yaml_1_1_reads_it_as_a_string() -> None:
+    text = yaml.safe_dump(_valid()).replace("memory_bandwidth_GBps: 3350", "memory_bandwidth_GBps: 3.35e3")
+    raw = yaml.safe_load(text)
+    assert raw["device"]["memory_bandwidth_GBps"] == "3.35e3"  # PyYAML's resolver: a string
+    assert parse_cluster(raw, "t").device.memory_bandwidth_bytes_per_s == pytest.approx(3350e9)
+    raw["device"]["adam_ns_per_param"] = "4e0"
+    assert parse_cluster(raw, "t").device.adam_s_per_param == pytest.approx(4e-9)
+    raw["device"]["adam_ns_per_param"] = "4 ns"
+    with pytest.raises(SpecError, match="adam_ns_per_param: got the string '4 ns'"):
+        parse_cluster(raw, "t")
+
+
 def test_preset_shapes() -> None:
     assert load_cluster("dgx-h100").num_devices == 8
     assert load_cluster("h100-pcie").intra_node.kind == "pcie"

@@ -148,8 +148,8 @@ def test_conv_ratios_are_relative_to_the_calibrated_convolution(monkeypatch) -> 
     slow = {calls[0][0]: 3.0}  # the 3-channel convolution runs 3x its price, the others at it
 
     def fake(fns, amounts, dev, budget_s):
-        seconds = [2 * ref] + [slow.get(call, 1.0) * 2 * price(f, m) for call, f, m in calls]
-        return [1 / s for s in seconds], 1.0  # the whole machine 2x slower now: cancels
+        seconds = [1e-9, 2 * ref] + [slow.get(call, 1.0) * 2 * price(f, m) for call, f, m in calls]
+        return [1 / s for s in seconds], 1.0  # a 1 ns dispatch; the whole machine 2x slower now: cancels
 
     monkeypatch.setattr(cal, "interleaved_rates", fake)
     ratios = cal.conv_time_ratios(calls, device, "fp32")
@@ -210,3 +210,18 @@ def test_pooling_backward_is_a_memory_bound_scatter_not_twice_the_forward(cpu) -
     assert train < 3 * forward
     matmul = _ctx(gpt2, cluster).op_time(1e9, 1e6, "matmul")  # other ops keep 3x the forward
     assert matmul == pytest.approx(3 * _ctx(gpt2, cluster, train=False).op_time(1e9, 1e6, "matmul"))
+
+
+def test_model_flops_count_the_convolutions() -> None:
+    """A conv net's TFLOP/s counts its convolutions, not only its classifier (was ~1e4 too low)."""
+    prepared = workflow.prepare("examples/convnet.py", "train", batch_size=8)
+    plan = workflow.make_plan(
+        prepared,
+        load_cluster("local-cpu", 1),
+        workflow.constraints_from(1, 1, 1, "none"),
+        "examples/convnet.py",
+    )
+    convs = sum(c.flops for c in prepared.structure.node_costs.values() if c.kind == "conv")
+    assert convs > 1e8  # three 3x3 convolutions over 8 CIFAR images
+    classifier = 2 * 8 * 128 * 10
+    assert plan.predicted.model_flops == pytest.approx(3 * (convs + classifier))

@@ -178,6 +178,8 @@ def test_verdict_points_at_the_speed_line_only_when_the_speed_explains_the_gap(m
 
     from rich.console import Console
 
+    from planner.cli.render import RECALIBRATE
+
     main = importlib.import_module("planner.cli.main")
 
     at_run = {"node_overhead_s": 20e-6, "calibrated_node_overhead_s": 10e-6, "speed_ratio": 2.0}
@@ -193,3 +195,11 @@ def test_verdict_points_at_the_speed_line_only_when_the_speed_explains_the_gap(m
         main._print_verdict(plan, report, False, "recalibrate")
         first = out.getvalue().splitlines()[0]
         assert expect in first and refuse not in first
+    # the probe read the calibrated speed: no second line, and recalibrating is not the advice
+    out = io.StringIO()
+    monkeypatch.setattr(main, "console", Console(file=out, width=300))
+    calm = {"node_overhead_s": 10e-6, "calibrated_node_overhead_s": 10e-6, "speed_ratio": 1.0}
+    report = {"measured": {"latency_s": 0.0046, "at_run_speed": {**calm, "latency_s": 0.001}}}
+    main._print_verdict(plan, report, False, RECALIBRATE)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1 and "cost model, not the machine" in lines[0] and "recalibrate" not in lines[0]

@@ -449,8 +449,8 @@ def _print_verdict(plan, report: dict, layer_table: bool, advice: str) -> None:
     """The run's last lines: measured / predicted and how far apart (`render.agreement_line`; a served
     request's is its time per output token); when the speed probe found the machine faster or slower
     than calibrated, also the ratio at the run's speed (`render.speed_line`), which the first line's
-    advice then points to."""
-    from planner.cli.render import agreement_line, speed_line  # noqa: PLC0415
+    advice then points to; when the probe read the calibrated speed, the advice blames the cost model."""
+    from planner.cli.render import RECALIBRATE, agreement_line, speed_line  # noqa: PLC0415
 
     measured_s = report["measured"]["latency_s"]
     at_run = report["measured"].get("at_run_speed")
@@ -459,6 +459,11 @@ def _print_verdict(plan, report: dict, layer_table: bool, advice: str) -> None:
         advice = "the machine ran at another speed than when calibrated: see the next line"
     elif line:  # off at the run's speed too: the next line says the cost model is off
         advice = f"{advice}; off at the run's own speed too (next line)"
+    elif at_run and advice == RECALIBRATE:  # the probe read the calibrated speed: recalibrating won't help
+        advice = (
+            "the speed probe read this machine at its calibrated speed, so the cost model, not the "
+            "machine, is off for this plan"
+        )
     verdict = agreement_line(plan.predicted.latency_s, measured_s, layer_table=layer_table, advice=advice)
     what = "time per output token: " if "serving" in report else ""
     console.print(f"[bold]{what}{verdict}[/bold]")

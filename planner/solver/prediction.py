@@ -212,8 +212,8 @@ def predict(tables: CostTables, assignment: Assignment) -> PricedAssignment:
 
 
 def model_flops(tables: CostTables) -> float:
-    """FLOP of one step's math on the whole model (all replicas): every projection (2 tokens in out)
-    and attention core (`compute.attention_flops`, causal for causal workloads) over the global batch,
+    """FLOP of one step's math on the whole model (all replicas): every projection (2 tokens in out),
+    attention core (`compute.attention_flops`, causal for causal workloads) and convolution over the global batch,
     times 3 for training (forward and backward: the input and weight gradients); recomputation is not
     counted. 0 for models without layers or a chain to price."""
     ctx = tables.ctx
@@ -231,6 +231,9 @@ def model_flops(tables: CostTables) -> float:
                 w.batch_size, a.num_heads, w.tokens_per_sequence, w.kv_len, a.head_dim, causal
             )
     flops += sum(compute.linear_flops(tokens, p.in_features, p.out_features) for p in projections)
+    # convolutions, from the captured graph's shapes, over the global batch
+    conv = sum(c.flops for c in s.node_costs.values() if c.kind == "conv")
+    flops += conv * w.batch_size / max(1, s.batch_size)
     return flops * (TRAIN_COMPUTE_FACTOR if ctx.train else 1.0)
 
 
