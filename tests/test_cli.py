@@ -214,3 +214,15 @@ def test_ladder_at_tp1_warns(example_path) -> None:
     assert "warning: ladder" not in _said(quiet)
     # a training option on a forward plan is said to do nothing
     assert "--recompute full had no effect: training options apply to --workload train only" in _said(quiet)
+
+
+def test_run_with_more_ranks_than_the_plan_uses_runs_it_on_its_own(tmp_path, example_path) -> None:
+    """`planner run --nproc 2` of a one-device plan runs it on one rank, as `optimize --run` does (it
+    used to refuse and suggest the very command that had made the plan)."""
+    plan_path = tmp_path / "plan.yaml"
+    mlp = str(ROOT / "examples" / "mlp.py")
+    made = planner("optimize", mlp, "--cluster", "local-cpu", "--nproc", "2", "--tp", "1", "--dp", "1", "--out", str(plan_path))  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    r = planner("run", str(plan_path), "--model", mlp, "--nproc", "2", "--iters", "2", "--min-time", "0")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "running it on 1" in r.stdout and "measured / predicted" in r.stdout

@@ -664,6 +664,17 @@ def cmd_run(args: argparse.Namespace) -> int:
         prepared = workflow.prepare_for_plan(plan, args.model)
         workflow.validate_plan_for_model(plan, prepared.structure, args.model, prepared.param_shapes)
         cluster, note = workflow.plan_cluster(plan, nproc)
+        if cluster.backend == "gloo" and args.nproc != plan.num_devices:
+            # a local spec as planned, with the process count it was measured with (optimize --run prices
+            # it so): resized to the plan's fewer ranks, its per-process peaks would double with the
+            # threads while the speed probe's small matmul does not
+            cluster, note = workflow.plan_cluster(plan, None)
+        if cluster.backend == "gloo" and plan.num_devices < nproc:  # as optimize --run does
+            console.print(
+                f"[yellow]the plan uses {plan.num_devices} of the {nproc} ranks (tp={plan.tp} x pp={plan.pp} x "
+                f"dp={plan.dp}): running it on {plan.num_devices}[/yellow]"
+            )
+            nproc = plan.num_devices
         repriced = workflow.reprice_if_edited(plan, prepared, cluster)
         bars("lowering the plan on meta tensors for every rank", None)
         # a hand-edited plan is checked whole, and priced again when its decisions changed

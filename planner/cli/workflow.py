@@ -587,9 +587,10 @@ def cluster_source(name_or_path: str | None, nproc: int | None) -> str:
     return name_or_path
 
 
-def plan_cluster(plan: Plan, nproc: int) -> tuple[ClusterSpec, str]:
-    """The cluster a saved plan was made for ((spec, "") when its source loads: `Plan.saved_cluster`)
-    or, when it does not load here, local-cpu with a note saying so."""
+def plan_cluster(plan: Plan, nproc: int | None) -> tuple[ClusterSpec, str]:
+    """The cluster a saved plan was made for ((spec, "") when its source loads: `Plan.saved_cluster`,
+    resized to ``nproc`` ranks, None: as saved) or, when it does not load here, local-cpu with a note
+    saying so."""
     spec = plan.saved_cluster(nproc)
     if spec is not None:
         return spec, ""
