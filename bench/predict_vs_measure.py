@@ -145,12 +145,14 @@ def _single_rank_cluster(args, console: Console):
     from planner.cli.workflow import probe_roofline  # noqa: PLC0415
 
     path = REPO_ROOT / "out" / "bench" / f"local-1process-{THREADS_PER_RANK}thread.yaml"
-    stale = not path.exists() or "adam_ns_per_param" not in path.read_text(encoding="utf-8")  # older format
-    if args.recalibrate or stale:
-        console.print(f"measuring this machine with 1 process of {THREADS_PER_RANK} thread(s) too (~30 s)")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        spec = calibrate(1, threads_per_process=THREADS_PER_RANK, probe_roofline=probe_roofline)
-        write_cluster_yaml(spec, path)
+    cached = None if args.recalibrate or not path.exists() else load_cluster(str(path), nproc=1)
+    if cached is not None and cached.device.adam_s_per_param is not None:  # else an older format
+        return cached
+    console.print(f"measuring this machine with 1 process of {THREADS_PER_RANK} thread(s) too (~30 s)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_cluster_yaml(
+        calibrate(1, threads_per_process=THREADS_PER_RANK, probe_roofline=probe_roofline), path
+    )
     return load_cluster(str(path), nproc=1)
 
 

@@ -368,7 +368,6 @@ def conv_time_ratios(
     if not kept:
         return {}
     b_, c_, h_, w_ = CONV_SHAPE
-    ref_flops = 2.0 * b_ * c_ * h_ * w_ * c_ * 9
     ref_call = (
         "aten.conv2d",
         (("tensor", CONV_SHAPE, dtype), ("tensor", (c_, c_, 3, 3), dtype), None, (1, 1), (1, 1)),
@@ -383,7 +382,7 @@ def conv_time_ratios(
             1.0 / r for r in interleaved_rates(fns, [1.0] * len(fns), torch.device("cpu"), budget_s)[0]
         ]
     floor_s, ref_s, *own_s = seconds
-    now = (ref_s - floor_s) / price(ref_flops, ref_bytes)
+    now = (ref_s - floor_s) / price(CONV_FLOPS, ref_bytes)
     factor, dispatches = (3.0, 2) if train else (1.0, 1)
     return {
         c: max(t - dispatches * floor_s, 0.0) / (factor * price(*kept[c])) / now for c, t in zip(kept, own_s)
@@ -639,6 +638,7 @@ class SpeedProbe:
 
 
 CONV_SHAPE = (8, 64, 16, 16)  # (batch, channels in = out, height, width) of the timed 3x3 convolution
+CONV_FLOPS = 2.0 * math.prod(CONV_SHAPE) * CONV_SHAPE[1] * 9  # its FLOP, as the analysis counts a conv
 POOL_SHAPE = (8, 32, 32, 32)  # (batch, channels, height, width) of the timed 2x2 max pool
 
 
@@ -652,7 +652,7 @@ def _conv_and_pool_rates(device: torch.device) -> tuple[float, float]:
     p = torch.randn(*POOL_SHAPE, device=device)
     conv = torch.nn.functional.conv2d
     pool = torch.nn.functional.max_pool2d
-    flops = 2.0 * b * c * h * w * c * 9
+    flops = CONV_FLOPS
     pool_bytes = 4.0 * p.numel() * (1 + 1 / 4)
     rates, _ = interleaved_rates(
         [lambda: conv(x, weight, padding=1), lambda: pool(p, 2)], [flops, pool_bytes], device, 1.0

@@ -525,11 +525,7 @@ def _run(args, plan, prepared, cluster):
     local_devices = torch_devices() if cluster.backend == "nccl" else None
     fits = nproc == plan.num_devices and (local_devices is None or local_devices >= nproc)
     if not fits and not args.scale_to_local and cluster.backend == "gloo" and plan.num_devices < nproc:
-        console.print(
-            f"[yellow]the plan uses {plan.num_devices} of the {nproc} ranks (tp={plan.tp} x pp={plan.pp} x dp={plan.dp}): "
-            f"running it on {plan.num_devices}[/yellow]"
-        )
-        nproc, fits = plan.num_devices, True
+        nproc, fits = _on_its_own_ranks(plan, nproc), True
     if not fits:
         if not args.scale_to_local:
             raise InputError(
@@ -552,6 +548,15 @@ def _run(args, plan, prepared, cluster):
         nproc = plan.num_devices
     run = _run_plan(args, plan, nproc, speed_probe=workflow.probes_speed(cluster))
     return plan, run, cluster
+
+
+def _on_its_own_ranks(plan, nproc: int) -> int:
+    """Say that a plan using fewer local gloo ranks than ``nproc`` runs on its own; return its count."""
+    console.print(
+        f"[yellow]the plan uses {plan.num_devices} of the {nproc} ranks (tp={plan.tp} x pp={plan.pp} x dp={plan.dp}): "
+        f"running it on {plan.num_devices}[/yellow]"
+    )
+    return plan.num_devices
 
 
 def _run_plan(args: argparse.Namespace, plan, nproc: int, speed_probe: bool = False):
@@ -670,11 +675,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             # threads while the speed probe's small matmul does not
             cluster, note = workflow.plan_cluster(plan, None)
         if cluster.backend == "gloo" and plan.num_devices < nproc:  # as optimize --run does
-            console.print(
-                f"[yellow]the plan uses {plan.num_devices} of the {nproc} ranks (tp={plan.tp} x pp={plan.pp} x "
-                f"dp={plan.dp}): running it on {plan.num_devices}[/yellow]"
-            )
-            nproc = plan.num_devices
+            nproc = _on_its_own_ranks(plan, nproc)
         repriced = workflow.reprice_if_edited(plan, prepared, cluster)
         bars("lowering the plan on meta tensors for every rank", None)
         # a hand-edited plan is checked whole, and priced again when its decisions changed
