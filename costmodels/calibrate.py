@@ -389,6 +389,82 @@ def conv_time_ratios(
     }
 
 
+# elements an activation is timed over (`activation_time_ratios`): at least enough that its own work
+# stands out of its dispatch, at most what keeps a call short
+_ACTIVATION_MIN_ELEMENTS, _ACTIVATION_MAX_ELEMENTS = 1 << 14, 1 << 21
+_COPY_REFERENCE_BYTES = 64 * 2**20  # the copy `calibrate` measures the memory bandwidth with
+
+
+def activation_time_ratios(
+    calls: list[tuple[tuple, int]],
+    device_spec: DeviceSpec,
+    dtype: str,
+    threads: int = 1,
+    budget_s: float = MODEL_SHAPES_BUDGET_S / 2,
+    train: bool = False,
+) -> dict[tuple, float]:
+    """Measured / priced time of each activation of ``calls`` on this CPU process, keyed by its call,
+    for `DeviceSpec.activation_time_ratios`: how much slower (> 1) or faster it runs than the
+    memory-bound price `costmodels.compute.op_time_s` gives it (an element read and written).
+
+    ``calls``: (call, elements) per activation, the call as `planner.frontend.analysis.activation_call`
+    writes it, the elements those of its largest node (clamped to ``_ACTIVATION_MIN_ELEMENTS`` ..
+    ``_ACTIVATION_MAX_ELEMENTS``). Each is run over that many random elements and over one, in
+    thread CPU time with ``threads`` intra-op threads, interleaved for about ``budget_s`` wall seconds; then
+    the copy the spec's memory bandwidth was measured on (64 MiB, `_copy_bytes_per_s`) is timed, and its
+    measured / priced time divides every ratio (the machine's speed of the moment cancels). The
+    one-element time (the call's dispatch, which the per-node overhead prices already) is taken off.
+    With ``train`` a call is timed forward and backward (the input's gradient) against three forward
+    prices (the training step's `compute_factor`).
+
+    A ratio is at least 1: an activation is priced no cheaper than any other memory-bound op of its
+    size. Small ones run from cache, faster than the memory-bound price (a plain negation of 64 x 256
+    fp32, 1.9 us against 10 us priced, on the dev VM), as every small op does; the per-node overhead
+    is measured net of that price (`calibrate`'s ``probe_roofline``), so an activation is only priced
+    up, for the erf, tanh or exp it computes (an exact GELU over the same elements: 14 us).
+    """
+    dt = torch_dtype(dtype)
+    size = DTYPE_BYTES[dtype]
+
+    def price(elements: int) -> float:
+        return op_time_s(float(elements), 2.0 * elements * size, device_spec, dtype, "memory", launch=False)
+
+    kept = {c: min(max(n, _ACTIVATION_MIN_ELEMENTS), _ACTIVATION_MAX_ELEMENTS) for c, n in calls}
+    if not kept:
+        return {}
+    src = torch.ones(_COPY_REFERENCE_BYTES // 4)
+    dst = torch.empty_like(src)
+    fns: list[Callable[[], object]] = []
+    for call, elements in kept.items():
+        fns += [_activation_runner(call, elements, dt, train), _activation_runner(call, 1, dt, train)]
+    cpu = torch.device("cpu")
+    with _intra_op_threads(threads):
+        # the copy in a rotation of its own: an op timed right after it ran up to 5x slower (a 64 KiB
+        # GELU 18 -> 101 us on the dev VM), while in a step ops follow the model's own
+        own_s = [1.0 / r for r in interleaved_rates(fns, [1.0] * len(fns), cpu, budget_s * 0.8)[0]]
+        copy_s = 1.0 / interleaved_rates([lambda: dst.copy_(src)], [1.0], cpu, budget_s * 0.2)[0][0]
+    now = copy_s / op_time_s(0.0, 2.0 * _COPY_REFERENCE_BYTES, device_spec, "fp32", "memory", launch=False)
+    factor = 3.0 if train else 1.0
+    return {
+        call: max(1.0, (own_s[2 * i] - own_s[2 * i + 1]) / (factor * price(elements)) / now)
+        for i, (call, elements) in enumerate(kept.items())
+    }
+
+
+def _activation_runner(
+    call: tuple, elements: int, dtype: torch.dtype, backward: bool
+) -> Callable[[], object]:
+    """The activation ``call`` (`planner.frontend.analysis.activation_call`) over ``elements`` random
+    values; with ``backward``, forward then the gradient into its input."""
+    name, args, kwargs = call
+    op = getattr(torch.ops.aten, name.removeprefix("aten."))
+    x = torch.randn(elements).to(dtype).requires_grad_(backward)
+    if not backward:
+        return lambda: op(x, *args, **dict(kwargs))
+    grad = torch.randn(elements).to(dtype)
+    return lambda: torch.autograd.grad(op(x, *args, **dict(kwargs)), x, grad)
+
+
 def _conv_runner(call: tuple, dtype: torch.dtype, backward: bool) -> Callable[[], object]:
     """The convolution ``call`` (`planner.frontend.analysis.conv_call`) on random tensors; with
     ``backward``, forward then backward of the output's sum into the weight and bias, and into the

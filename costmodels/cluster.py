@@ -146,6 +146,12 @@ class DeviceSpec:
     # keyed by their call (`planner.frontend.analysis.conv_call`; `costmodels.calibrate.conv_time_ratios`):
     # on the dev VM a 3x3 conv2d from 3 input channels ran at a fraction of the rate of one from 64.
     conv_time_ratios: dict[tuple, float] | None = None
+    # Optional, set at planning time, never read from YAML: the same for a model's activations (GELU,
+    # SiLU, ...), keyed by `planner.frontend.analysis.activation_call` (`costmodels.calibrate.
+    # activation_time_ratios`): priced as memory-bound ops, but erf and exp are far from free on a CPU
+    # (on the dev VM an exact GELU over 64 x 256 fp32 took ~14 us forward, priced 10 us; its backward
+    # ~2x more than a plain op's).
+    activation_time_ratios: dict[tuple, float] | None = None
 
 
 CALIBRATED_SPEC_NAME = "local-calibrated"  # the name of a spec written by `planner calibrate`

@@ -57,7 +57,8 @@ def op_time_s(
         shape: a matmul's (K, N): with ``device.matmul_shape_time_ratios`` holding it (a model's own
             shapes timed on this machine), the roofline time is scaled by that measured ratio.
         call: a convolution's call (`planner.frontend.analysis.conv_call`): the same with
-            ``device.conv_time_ratios``.
+            ``device.conv_time_ratios``; a "memory" op's, an activation's
+            (`planner.frontend.analysis.activation_call`), with ``device.activation_time_ratios``.
 
     Raises:
         ValueError: unknown ``dtype`` or ``kind``, or negative counts.
@@ -94,10 +95,13 @@ def shape_time_ratio(
     device: DeviceSpec, kind: str, shape: tuple[float, float] | None, call: tuple | None = None
 ) -> float:
     """Measured / priced time of a matmul of (K, N) ``shape`` on ``device``
-    (``DeviceSpec.matmul_shape_time_ratios``) or of a convolution ``call``
-    (``DeviceSpec.conv_time_ratios``), 1.0 for other ops and for shapes not measured."""
+    (``DeviceSpec.matmul_shape_time_ratios``), of a convolution ``call``
+    (``DeviceSpec.conv_time_ratios``) or of an activation ``call`` of kind "memory"
+    (``DeviceSpec.activation_time_ratios``), 1.0 for other ops and for shapes not measured."""
     if kind == "conv":
         return _conv_ratio(device.conv_time_ratios or {}, call) if call is not None else 1.0
+    if kind == "memory":
+        return (device.activation_time_ratios or {}).get(call, 1.0) if call is not None else 1.0
     ratios = device.matmul_shape_time_ratios
     if kind != "matmul" or not ratios or shape is None:
         return 1.0

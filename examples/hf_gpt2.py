@@ -16,6 +16,10 @@ CONFIG = dict(
     resid_pdrop=0.0,
     embd_pdrop=0.0,
     attn_pdrop=0.0,
+    # GPT2Config's default 50256 (GPT-2's <|endoftext|>) lies outside this vocabulary, and transformers
+    # warns of it on every build: the last id of this one plays its part
+    bos_token_id=255,
+    eos_token_id=255,
 )
 
 

@@ -1,7 +1,8 @@
 """Terms a training step and a conv net pay on an eager CPU that a roofline of the math misses:
 torch.optim.Adam's step by tensor size (`costmodels.compute.adam_step_time_s`), the dense embedding
 gradient written into fresh memory (`costing.embedding_gradient_time_s`), and a model's own
-convolutions timed on this machine (`costmodels.calibrate.conv_time_ratios`)."""
+convolutions and activations timed on this machine (`costmodels.calibrate.conv_time_ratios`,
+`costmodels.calibrate.activation_time_ratios`)."""
 
 from __future__ import annotations
 
@@ -183,6 +184,7 @@ def test_planning_on_a_calibrated_spec_times_the_convolutions(monkeypatch) -> No
 
     monkeypatch.setattr(cal, "conv_time_ratios", fake)
     monkeypatch.setattr(cal, "matmul_shape_time_ratios", lambda *a, **k: {})
+    monkeypatch.setattr(cal, "activation_time_ratios", lambda *a, **k: {})
     monkeypatch.setattr(workflow, "_SHAPE_RATIOS", {})
     timed = workflow.with_model_matmul_rates(prepared, calibrated)
     # every convolution at the whole batch and at each DP share over the spec's 2 ranks
@@ -225,3 +227,123 @@ def test_model_flops_count_the_convolutions() -> None:
     assert convs > 1e8  # three 3x3 convolutions over 8 CIFAR images
     classifier = 2 * 8 * 128 * 10
     assert plan.predicted.model_flops == pytest.approx(3 * (convs + classifier))
+
+
+class _Activations(torch.nn.Module):
+    """Exact and tanh GELU, SiLU and a leaky ReLU (a non-tensor argument) over (B, 256)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        h = torch.nn.functional.gelu(h) + torch.nn.functional.gelu(h, approximate="tanh")
+        return torch.nn.functional.leaky_relu(torch.nn.functional.silu(h), 0.2)
+
+
+def _activation_nodes() -> tuple[dict[tuple, list], object]:
+    from planner.frontend.analysis import analyse  # noqa: PLC0415
+    from planner.frontend.capture import capture  # noqa: PLC0415
+
+    structure = analyse(capture(_Activations(), (torch.randn(16, 64),)))
+    out: dict[tuple, list] = {}
+    for c in structure.node_costs.values():
+        if c.call is not None:
+            out.setdefault(c.call, []).append(c)
+    return out, structure
+
+
+GELU = ("aten.gelu", (), ())
+GELU_TANH = ("aten.gelu", (), (("approximate", "tanh"),))
+SILU = ("aten.silu", (), ())
+LEAKY = ("aten.leaky_relu", (0.2,), ())
+
+
+def test_activation_nodes_carry_their_op_and_arguments_as_a_call() -> None:
+    """Each activation is keyed by its op and non-tensor arguments, so exact and tanh GELU time apart;
+    the key runs the same op (`_activation_runner`), forward and into its input's gradient."""
+    nodes, structure = _activation_nodes()
+    assert set(nodes) == {GELU, GELU_TANH, SILU, LEAKY}
+    assert all(c.kind == "memory" for cs in nodes.values() for c in cs)
+    assert workflow.model_activation_calls(structure) == sorted(
+        {GELU: 16 * 256, GELU_TANH: 16 * 256, SILU: 16 * 256, LEAKY: 16 * 256}.items(), key=repr
+    )
+    x = torch.linspace(-3, 3, 7)
+    run = cal._activation_runner(GELU_TANH, 7, torch.float32, backward=False)
+    assert run().shape == (7,)
+    for call, fn in ((GELU_TANH, lambda t: torch.nn.functional.gelu(t, approximate="tanh")),
+                     (LEAKY, lambda t: torch.nn.functional.leaky_relu(t, 0.2))):  # fmt: skip
+        op = getattr(torch.ops.aten, call[0].removeprefix("aten."))
+        assert torch.equal(op(x, *call[1], **dict(call[2])), fn(x))
+    (grad,) = cal._activation_runner(SILU, 7, torch.float32, backward=True)()
+    assert grad.shape == (7,)
+
+
+def test_activation_ratios_are_net_of_dispatch_against_the_memory_price_and_never_below_it(
+    monkeypatch,
+) -> None:
+    """measured (over N elements less over one) / memory-bound price of N elements, divided by the
+    copy's measured / priced time (the machine's speed now); a ratio under 1 (a small op running from
+    cache) is 1: an activation is priced up for its math, never below a plain op of its size."""
+    device = load_cluster("local-cpu", 2).device
+    n = 1 << 16
+
+    def price(elements, kind="memory"):
+        return compute.op_time_s(float(elements), 8.0 * elements, device, "fp32", kind, launch=False)
+
+    copy_price = compute.op_time_s(
+        0.0, 2.0 * cal._COPY_REFERENCE_BYTES, device, "fp32", "memory", launch=False
+    )
+    calls = [(GELU, n), (SILU, n)]
+
+    def fake(fns, amounts, dev, budget_s):
+        if len(fns) == 1:  # the copy, alone: the machine 2x slower than calibrated now
+            return [1 / (2 * copy_price)], 1.0
+        dispatch = 5e-6
+        seconds = [dispatch + 2 * 3.0 * price(n), dispatch, dispatch + 2 * 0.4 * price(n), dispatch]
+        return [1 / s for s in seconds], 1.0
+
+    monkeypatch.setattr(cal, "interleaved_rates", fake)
+    ratios = cal.activation_time_ratios(calls, device, "fp32")
+    assert ratios == pytest.approx({GELU: 3.0, SILU: 1.0})
+    trained = cal.activation_time_ratios(calls, device, "fp32", train=True)  # against 3 forward prices
+    assert trained == pytest.approx({GELU: 1.0, SILU: 1.0})
+    timed = dataclasses.replace(device, activation_time_ratios=ratios)
+    plain = compute.op_time_s(1e5, 8e5, device, "fp32", "memory", launch=False)
+    assert compute.op_time_s(1e5, 8e5, timed, "fp32", "memory", launch=False, call=GELU) == pytest.approx(
+        3 * plain
+    )
+    assert (
+        compute.op_time_s(1e5, 8e5, timed, "fp32", "memory", launch=False, call=GELU_TANH) == plain
+    )  # not timed
+    assert compute.op_time_s(1e5, 8e5, timed, "fp32", "memory", launch=False) == plain
+
+
+def test_an_activation_timed_slower_prices_the_model_slower(monkeypatch) -> None:
+    """Planning on the calibrated spec times the MLP example's GELU; its ratio reaches the plan."""
+    prepared = workflow.prepare("examples/mlp.py", "forward", batch_size=64)
+    base = load_cluster("local-cpu", 1)
+    calibrated = dataclasses.replace(
+        base,
+        name=CALIBRATED_SPEC_NAME,
+        device=dataclasses.replace(base.device, probe_matmul_flops_per_s=100e9),
+    )
+    seen = []
+
+    def fake(calls, device, dtype, threads=1, budget_s=1.0, train=False):
+        seen.append(calls)
+        return {c: 4.0 for c, _ in calls}
+
+    monkeypatch.setattr(cal, "activation_time_ratios", fake)
+    monkeypatch.setattr(cal, "matmul_shape_time_ratios", lambda *a, **k: {})
+    monkeypatch.setattr(workflow, "_SHAPE_RATIOS", {})
+    assert workflow.with_model_matmul_rates(prepared, calibrated).device.activation_time_ratios == {GELU: 4.0}
+    assert seen == [[(GELU, 64 * 256)]]
+    constraints = workflow.constraints_from(1, 1, 1, "none")
+    slower = workflow.make_plan(prepared, calibrated, constraints, "examples/mlp.py")
+    monkeypatch.setattr(workflow, "_SHAPE_RATIOS", {})
+    monkeypatch.setattr(cal, "activation_time_ratios", lambda calls, *a, **k: {c: 1.0 for c, _ in calls})
+    plain = workflow.make_plan(prepared, calibrated, constraints, "examples/mlp.py")
+    gelu = compute.op_time_s(64 * 256, 2 * 4 * 64 * 256, base.device, "fp32", "memory", launch=False)
+    assert slower.predicted.latency_s - plain.predicted.latency_s == pytest.approx(3 * 3 * gelu, rel=1e-6)

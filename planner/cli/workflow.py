@@ -8,6 +8,7 @@ shows progress and renders. Errors are `planner.errors` exceptions with the exit
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -507,19 +508,28 @@ _SHAPE_RATIOS: dict[tuple, tuple[dict[tuple[int, int], float], dict[tuple, float
 def with_model_matmul_rates(
     prepared: Prepared, cluster: ClusterSpec, progress: Progress = silent
 ) -> ClusterSpec:
-    """`cluster` with the model's own matmul shapes and convolutions timed on this machine
-    (`DeviceSpec.matmul_shape_time_ratios`, `DeviceSpec.conv_time_ratios`), when `cluster` is this machine's calibrated spec (a
+    """`cluster` with the model's own matmul shapes, convolutions and activations timed on this machine
+    (`DeviceSpec.matmul_shape_time_ratios`, `DeviceSpec.conv_time_ratios`,
+    `DeviceSpec.activation_time_ratios`), when `cluster` is this machine's calibrated spec (a
     `probes_speed` spec, gloo); else `cluster` unchanged. Training times
     each linear's backward products too. Every TP degree
     that divides the spec's device count is timed (`costing.model_matmul_shapes`), at the workload's
     tokens per rank (the fit's row term carries other micro-batch sizes), with the threads a rank
     computes with (`costmodels.calibrate.spec_threads`); about a second, once per model, spec and
     workload in a process. A spec that holds ratios already is returned as it is."""
-    from costmodels.calibrate import conv_time_ratios, matmul_shape_time_ratios, spec_threads  # noqa: PLC0415
+    from costmodels.calibrate import (  # noqa: PLC0415
+        activation_time_ratios,
+        conv_time_ratios,
+        matmul_shape_time_ratios,
+        spec_threads,
+    )
     from planner.solver.costing import model_matmul_shapes  # noqa: PLC0415
 
     dev = cluster.device
-    if dev.matmul_shape_time_ratios is not None or dev.conv_time_ratios is not None:  # timed already
+    if any(
+        r is not None
+        for r in (dev.matmul_shape_time_ratios, dev.conv_time_ratios, dev.activation_time_ratios)
+    ):  # timed already
         return cluster
     if not probes_speed(cluster) or cluster.backend != "gloo":
         return cluster
@@ -531,25 +541,59 @@ def with_model_matmul_rates(
     if prefill is not None and prepared.request is not None:
         shapes += model_matmul_shapes(prefill, workload.batch_size * prepared.request.prompt_len, tps)
     convs = model_conv_calls(structure, cluster.num_devices)
-    if not shapes and not convs:
+    activations = model_activation_calls(structure, prefill)
+    if not shapes and not convs and not activations:
         return cluster
     dtype = workload.dtype or structure.dtype
     threads = spec_threads(cluster)
     train = workload.kind is Workload.TRAIN
-    key = (cluster.name, cluster.sources, dtype, threads, train, tuple(shapes), tuple(c[0] for c in convs))
+    key = (
+        cluster.name,
+        cluster.sources,
+        dtype,
+        threads,
+        train,
+        tuple(shapes),
+        tuple(c[0] for c in convs),
+        tuple(activations),
+    )
     if key not in _SHAPE_RATIOS:
         progress(
-            f"timing the model's {len(shapes) + len(convs)} matmul and convolution shapes on this machine",
+            f"timing the model's {len(shapes) + len(convs) + len(activations)} matmul, convolution and "
+            "activation shapes on this machine",
             None,
         )
         _SHAPE_RATIOS[key] = (
             matmul_shape_time_ratios(shapes, dev, dtype, threads=threads, train=train) if shapes else {},
             conv_time_ratios(convs, dev, dtype, threads=threads, train=train) if convs else {},
+            activation_time_ratios(activations, dev, dtype, threads=threads, train=train)
+            if activations
+            else {},
         )
-    matmuls, conv_ratios = _SHAPE_RATIOS[key]
+    matmuls, conv_ratios, activation_ratios = _SHAPE_RATIOS[key]
     return replace(
-        cluster, device=replace(dev, matmul_shape_time_ratios=matmuls, conv_time_ratios=conv_ratios)
+        cluster,
+        device=replace(
+            dev,
+            matmul_shape_time_ratios=matmuls,
+            conv_time_ratios=conv_ratios,
+            activation_time_ratios=activation_ratios,
+        ),
     )
+
+
+def model_activation_calls(
+    structure: ModelStructure, prefill: ModelStructure | None = None
+) -> list[tuple[tuple, int]]:
+    """(call, elements of its largest node) of each distinct activation of ``structure`` (and of a
+    serving plan's ``prefill`` graph): what `costmodels.calibrate.activation_time_ratios` times
+    (`planner.frontend.analysis.activation_call`)."""
+    largest: dict[tuple, int] = {}
+    for s in (structure, prefill):
+        for c in s.node_costs.values() if s is not None else ():
+            if c.call is not None and c.kind == "memory":
+                largest[c.call] = max(largest.get(c.call, 0), math.prod(c.shape))
+    return sorted(largest.items(), key=repr)
 
 
 def model_conv_calls(structure: ModelStructure, devices: int) -> list[tuple[tuple, float, float]]:
@@ -560,7 +604,7 @@ def model_conv_calls(structure: ModelStructure, devices: int) -> list[tuple[tupl
     shares = sorted({batch // dp for dp in range(1, devices + 1) if devices % dp == 0 and batch % dp == 0})
     out: dict[tuple, tuple[tuple, float, float]] = {}
     for c in structure.node_costs.values():
-        if c.call is None:
+        if c.call is None or c.kind != "conv":
             continue
         for b in shares:
             call = conv_call_at_batch(c.call, b)

@@ -246,7 +246,9 @@ class NodeCost:
     known: bool = True  # False: an op the cost model does not know, priced as memory-bound
     op: str = ""  # the ATen op name ("aten.conv2d"), "" when not a call_function
     # a convolution's call as a hashable template (`conv_call`): what `planner calibrate`'s shape
-    # timing re-runs on this machine (`costmodels.calibrate.conv_time_ratios`); None for other ops
+    # timing re-runs on this machine (`costmodels.calibrate.conv_time_ratios`); an activation's
+    # (`activation_call`: op and non-tensor arguments, timed by `costmodels.calibrate.
+    # activation_time_ratios`); None for other ops
     call: tuple | None = None
 
 
@@ -464,6 +466,10 @@ def _node_cost(node: fx.Node) -> NodeCost:
         kind = "pool"
     elif name in _NORMS:
         flops = float(NORM_FLOPS_PER_ELEMENT * out_numel)
+    elif name in _ACTIVATIONS and isinstance(val, torch.Tensor):
+        return NodeCost(
+            float(out_numel), read, written, shape, dtype, path, op=name, call=activation_call(node)
+        )
     elif name in _REDUCTIONS:
         flops = float(max((v.numel() for v in inputs if isinstance(v, torch.Tensor)), default=0))
     else:
@@ -497,6 +503,15 @@ def conv_call(node: fx.Node) -> tuple:
     x = node.args[0]
     input_grad = not (isinstance(x, fx.Node) and x.op == "placeholder")
     return (op_name(node.target), tuple(template(a) for a in node.args), input_grad)
+
+
+def activation_call(node: fx.Node) -> tuple:
+    """``(op name, non-tensor arguments, keyword arguments)`` of an activation node (GELU, SiLU, ...),
+    e.g. ``("aten.gelu", (), (("approximate", "tanh"),))``: hashable, the key of its measured rate
+    (`costmodels.calibrate.activation_time_ratios`; its time grows with its elements, whatever their
+    shape) and enough to run the same op on real tensors."""
+    args = tuple(a for a in node.args[1:] if not isinstance(a, fx.Node))
+    return (op_name(node.target), args, tuple(sorted(node.kwargs.items())))
 
 
 def conv_call_at_batch(call: tuple, batch: int) -> tuple:

@@ -58,7 +58,15 @@ from costmodels.cluster import ClusterSpec
 from costmodels.comm import Group, all_gather_time_s, all_reduce_time_s, p2p_time_s, reduce_scatter_time_s
 from costmodels.dtypes import DTYPE_BYTES
 from planner.errors import InputError
-from planner.frontend.analysis import Attention, Layer, ModelStructure, Projection, Role, conv_call_at_batch
+from planner.frontend.analysis import (
+    Attention,
+    Layer,
+    ModelStructure,
+    NodeCost,
+    Projection,
+    Role,
+    conv_call_at_batch,
+)
 from planner.plan import Layout, MeshShape, Workload
 from planner.solver.problem import MeshConfig, WorkloadSpec
 
@@ -541,7 +549,7 @@ def layer_node_times_s(layer: Layer, ctx: CostContext) -> dict[str, float] | Non
         moved = cost.bytes_read + cost.bytes_written
         if moved > 0:
             kind = cost.kind if cost.kind in compute.OP_KINDS else "memory"
-            call = rank_conv_call(cost.call, s.batch_size * scale)
+            call = rank_call(cost, s.batch_size * scale)
             out[block] += (
                 ctx.op_time(cost.flops * scale, moved * scale * byte_scale, kind, call=call) - launch
             )
@@ -671,15 +679,18 @@ def outside_nodes_time_s(ctx: CostContext) -> float:
         moved = (cost.bytes_read + cost.bytes_written) * scale * byte_scale
         if moved > 0 or cost.flops > 0:
             total += ctx.op_time(
-                cost.flops * scale, moved, cost.kind, call=rank_conv_call(cost.call, s.batch_size * scale)
+                cost.flops * scale, moved, cost.kind, call=rank_call(cost, s.batch_size * scale)
             )
     return total + ctx.node_overhead_time(nodes)
 
 
-def rank_conv_call(call: tuple | None, batch: float) -> tuple | None:
-    """A convolution's call (`NodeCost.call`) at the ``batch`` one rank runs it with (a DP or
-    micro-batch share of the captured batch), the key of its timed ratio; None for other ops."""
-    return None if call is None else conv_call_at_batch(call, max(1, round(batch)))
+def rank_call(cost: NodeCost, batch: float) -> tuple | None:
+    """The key of a node's timed ratio (`NodeCost.call`): a convolution's call at the ``batch`` one
+    rank runs it with (a DP or micro-batch share of the captured batch), an activation's as it is (its
+    ratio holds at any size); None for other ops."""
+    if cost.call is None or cost.kind != "conv":
+        return cost.call
+    return conv_call_at_batch(cost.call, max(1, round(batch)))
 
 
 def _param_bytes(p: Projection, b: int) -> float:
