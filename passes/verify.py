@@ -16,7 +16,8 @@ replica 0:
 
 A gather is *planned* (already priced by the ILP as an S->R conversion) when it feeds a projection,
 when it gathers a projection's output (the LM head's logits, a colwise output into a replicated
-consumer), or when it happens inside an attention core or MLP activation the plan keeps replicated.
+consumer), or when it happens inside an attention core or MLP activation the plan keeps replicated
+(a layer's, or a projection chain's gap: `ModelStructure.chain_gaps`).
 
 Deep models are captured for planning through a representative slice of their repeated layers
 (`planner.frontend.depth`): the slice is lowered once per distinct per-layer configuration (split
@@ -167,6 +168,10 @@ def _planned(fb: PassFallback, node: fx.Node, structure: ModelStructure, plan: P
         projections.add(structure.lm_head.node)
     if node.name in projections or all(g in projections for g in fb.gathered):
         return True
+    for i, gap in structure.chain_gaps.items():  # a chain's activation the plan keeps replicated
+        if node.name in gap:
+            strategy = next((c.strategy for c in plan.predicted.per_layer if f"act{i}" in c.strategy), {})
+            return strategy.get(f"act{i}") == "replicate"
     for layer in structure.layers:
         block = layer.node_blocks.get(node.name)
         if block is None:

@@ -102,6 +102,31 @@ def test_unplanned_fallback_is_priced_and_named() -> None:
     assert round_trip.fallbacks == plan.fallbacks
 
 
+def test_a_chain_gap_the_pass_cannot_shard_is_planned_again_replicated() -> None:
+    """A depthwise Conv1d between two linears: solved alone, the ILP carries the first linear's shard
+    through the gap and the pass gathers it at the conv (an unplanned fallback). make_plan finds the
+    gap by lowering, plans again with it replicated (the gather a planned S->R conversion) and keeps
+    the faster plan; the Megatron baseline is priced with the gap replicated too."""
+    from planner.solver.search import plan_model  # noqa: PLC0415
+
+    model = str(MODELS / "depthwise_conv_chain.py")
+    prepared = workflow.prepare(model)
+    assert prepared.structure.chain_gaps == {1: frozenset({"gelu", "transpose", "conv1d", "transpose_1"})}
+    spec = workflow.resolve_cluster(FASTLINK, 2)
+    constraints = workflow.constraints_from(2, None, None, "none")
+    alone = plan_model(prepared.structure, spec, prepared.workload, constraints, model_name=model)
+    alone = workflow.check_lowering(prepared, alone, spec)
+    assert alone.predicted.per_layer[0].strategy["act1"] == "shard"
+    assert [f.op for f in alone.fallbacks] == ["aten.conv1d"]
+    plan = workflow.make_plan(prepared, spec, constraints, model, FASTLINK)
+    assert plan.predicted.per_layer[0].strategy["act1"] == "replicate" and plan.fallbacks == []
+    assert plan.predicted.latency_s <= alone.predicted.latency_s
+    replicated = dataclasses.replace(prepared.structure, replicated_chain_gaps=frozenset({1}))
+    again = plan_model(replicated, spec, prepared.workload, constraints, model_name=model)
+    assert plan.baseline.latency_s == pytest.approx(again.baseline.latency_s)
+    assert workflow.check_lowering(prepared, plan, spec).fallbacks == []  # the conv's gather is planned
+
+
 def test_fallback_recorded_in_node_meta() -> None:
     prepared, plan = _plan(CUMSUM)
     gm = copy.deepcopy(prepared.graph)

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import enum
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from math import prod
 
@@ -276,6 +276,13 @@ class ModelStructure:
     # why the batch may not be split (data parallelism, micro-batches): reductions over the batch
     # dimension ("op (model line) reduces over ...", `_batch_mixing`), a sequence-first input, ...
     batch_mixing: list[str] = field(default_factory=list)
+    # a chain's gaps: gap i (1 <= i < len(mlp_chain)) is the fx nodes between chain projections i - 1
+    # and i (its activation, and whatever else the model computes there: `chain_gap_nodes`)
+    chain_gaps: dict[int, frozenset[str]] = field(default_factory=dict)
+    # gaps the tensor-parallel pass cannot carry a shard through (an op with no sharding rule, such as
+    # a depthwise convolution, runs replicated there), found by lowering a plan
+    # (`planner.cli.workflow.make_plan`): their activation op is priced replicated only
+    replicated_chain_gaps: frozenset[int] = frozenset()
 
     @property
     def unknown_ops(self) -> list[str]:
@@ -354,7 +361,31 @@ def analyse(gm: fx.GraphModule) -> ModelStructure:
         num_param_tensors=sum(1 for p in unique.values() if p.requires_grad),
         param_tensor_sizes=param_tensors(unique.values()),
         batch_mixing=_batch_mixing(nodes, batch_size),
+        chain_gaps=chain_gap_nodes(gm.graph, [p.node for p in mlp_chain]),
     )
+
+
+def chain_gap_nodes(graph: fx.Graph, projections: list[str]) -> dict[int, frozenset[str]]:
+    """For consecutive projections ``projections[i - 1]`` and ``projections[i]`` (fx node names, in
+    graph order), the call nodes between them: downstream of the first and upstream of the second."""
+    by_name = {n.name: n for n in graph.nodes}
+
+    def reach(start: fx.Node, step: Callable[[fx.Node], Iterable[fx.Node]]) -> set[str]:
+        seen: set[str] = set()
+        todo = list(step(start))
+        while todo:
+            n = todo.pop()
+            if n.name not in seen:
+                seen.add(n.name)
+                todo.extend(step(n))
+        return seen
+
+    gaps: dict[int, frozenset[str]] = {}
+    for i in range(1, len(projections)):
+        after = reach(by_name[projections[i - 1]], lambda n: n.users)
+        before = reach(by_name[projections[i]], lambda n: n.all_input_nodes)
+        gaps[i] = frozenset(n for n in after & before if by_name[n].op == "call_function")
+    return gaps
 
 
 def param_tensors(params: Iterable[torch.Tensor]) -> tuple[tuple[int, bool], ...]:

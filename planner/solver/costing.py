@@ -472,12 +472,18 @@ def gqa_kv_replicated(attn: Attention, tp: int) -> bool:
 
 
 def elementwise_options(
-    width: int, num_inputs: int, tokens: float, ctx: CostContext, total_s: float | None = None
+    width: int,
+    num_inputs: int,
+    tokens: float,
+    ctx: CostContext,
+    total_s: float | None = None,
+    shardable: bool = True,
 ) -> list[OpOption]:
     """An activation (GELU) or SwiGLU's silu(gate) * up over (tokens, width): R->R or S->S.
 
     ``total_s``: the unsharded time of the MLP's ops between its projections, summed node by node
-    (``layer_node_times_s``); None prices one elementwise op of 4 FLOP per element."""
+    (``layer_node_times_s``); None prices one elementwise op of 4 FLOP per element. ``shardable``
+    False: R->R only (the tensor-parallel pass cannot carry a shard through these ops)."""
     b, tp = ctx.bytes_per_element, ctx.mesh.tp
     stored = num_inputs * tokens * width * b if ctx.train else 0.0
 
@@ -494,7 +500,7 @@ def elementwise_options(
         return OpOption(name, layout, layout, t, 0.0, stored / shard)
 
     options = [option("replicate", R, 1)]
-    if tp > 1 and width % tp == 0:
+    if tp > 1 and width % tp == 0 and shardable:
         options.append(option("shard", S, tp))
     return options
 
@@ -614,7 +620,7 @@ def build_chain_graph(projections: list[Projection], ctx: CostContext) -> LayerG
     When the model was analysed node by node, its activations are graph nodes outside any layer and
     `outside_nodes_time_s` prices them (in the ends graph): the activation ops here then cost 0."""
     ops: list[Op] = []
-    last = _mlp_ops(projections, ctx.tokens, ctx, ops, "mlp")
+    last = _mlp_ops(projections, ctx.tokens, ctx, ops, "mlp", chain=True)
     if ctx.structure.node_costs:
         for op in ops:
             if op.projection is None:
@@ -746,11 +752,14 @@ def _mlp_ops(
     ops: list[Op],
     block: str,
     inner_s: float | None = None,
+    chain: bool = False,
 ) -> str:
     """Gated (gate, up -> act -> down) or a chain (fc -> act -> fc -> ...). Returns the last op.
 
     ``inner_s``: the summed time of the ops between the projections (see ``elementwise_options``),
-    used when there is one activation op (gated, or a chain of two); None: priced by formula."""
+    used when there is one activation op (gated, or a chain of two); None: priced by formula.
+    ``chain``: the model's projection chain (`ModelStructure.mlp_chain`), whose activation ``act{i}``
+    is replicated only when gap i is in `ModelStructure.replicated_chain_gaps`."""
     by_role = {p.role: p for p in projections}
     if _gated(projections):
         gate, up, down = by_role[Role.GATE], by_role[Role.UP], by_role[Role.DOWN]
@@ -769,7 +778,8 @@ def _mlp_ops(
         if i > 0:
             width = projections[i - 1].out_features
             act_bytes = tokens * width * ctx.bytes_per_element
-            act = elementwise_options(width, 1, tokens, ctx, inner_s)
+            shardable = not chain or i not in ctx.structure.replicated_chain_gaps
+            act = elementwise_options(width, 1, tokens, ctx, inner_s, shardable=shardable)
             ops.append(Op(f"act{i}", block, act, [prev], act_bytes))
             prev = f"act{i}"
         ops.append(_proj_op(name, block, p, [prev], tokens, ctx))
