@@ -100,6 +100,19 @@ def test_unplanned_fallback_is_priced_and_named() -> None:
     assert workflow.check_lowering(prepared, plan, load_cluster(FASTLINK, nproc=2)) is plan  # priced once
     round_trip = Plan.from_dict(plan.to_dict())
     assert round_trip.fallbacks == plan.fallbacks
+    # planned again with the layers' MLP activation replicated (the gather a priced S->R conversion):
+    # not faster here, so the plan stays; the baseline is priced that way (it cannot shard the cumsum)
+    from planner.solver.costing import layer_key  # noqa: PLC0415
+    from planner.solver.search import plan_model  # noqa: PLC0415
+
+    classes = frozenset(layer_key(layer) for layer in prepared.structure.layers)
+    replicated = dataclasses.replace(prepared.structure, replicated_mlp_classes=classes)
+    spec = workflow.resolve_cluster(FASTLINK, 2)
+    again = plan_model(replicated, spec, prepared.workload, workflow.constraints_from(2, None, None, "none"))
+    acts = [v for c in again.predicted.per_layer for k, v in c.strategy.items() if k.startswith("act")]
+    assert len(acts) == 2 and set(acts) == {"replicate"}  # one per layer
+    assert plan.baseline.latency_s == pytest.approx(again.baseline.latency_s)
+    assert plan.predicted.latency_s <= again.predicted.latency_s
 
 
 def test_a_chain_gap_the_pass_cannot_shard_is_planned_again_replicated() -> None:

@@ -473,24 +473,36 @@ def _replan_around_unshardable_gaps(
     progress: Progress = silent,
 ) -> Plan:
     """`plan`, or a better one when lowering found unplanned all-gathers inside a projection chain's
-    gap (`ModelStructure.chain_gaps`: an op there with no sharding rule, such as a depthwise
-    convolution, made the TP pass gather the shard the plan carried through it). The model is planned
-    again with those gaps replicated (`ModelStructure.replicated_chain_gaps`, so their all-gather is a
-    planned S->R conversion the ILP prices and weighs), until no new gap shows; the faster of the plans,
+    gap (`ModelStructure.chain_gaps`) or a layer's MLP activation: an op there with no sharding rule
+    (a depthwise convolution, a cumsum over the sequence) made the TP pass gather the shard the plan
+    carried through it. The model is planned again with those activations replicated
+    (`ModelStructure.replicated_chain_gaps`, `ModelStructure.replicated_mlp_classes`: their
+    all-gather becomes a planned S->R conversion the ILP prices and weighs), until no new one shows;
+    the faster of the plans,
     each with its fallbacks priced, is returned, beside the Megatron baseline priced with those gaps
     replicated (its column- then row-parallel layout gathers there too). Before, the ILP chose column-
     then row-parallel around a depthwise Conv1d, the pass gathered at the conv, and the report compared
     the plan with a baseline priced as if the conv could stay sharded ("0.74x its speed")."""
+    from planner.solver.costing import layer_key  # noqa: PLC0415
+
     structure = prepared.structure
     best = plan
-    for _ in range(len(structure.chain_gaps)):
-        gaps = {i for i, gap in structure.chain_gaps.items() for f in plan.fallbacks if f.node in gap}
-        if not gaps or gaps <= structure.replicated_chain_gaps:
+    for _ in range(len(structure.chain_gaps) + len(structure.layers)):
+        nodes = {f.node for f in plan.fallbacks}
+        gaps = {i for i, gap in structure.chain_gaps.items() if nodes & gap}
+        classes = {
+            layer_key(layer)
+            for layer in structure.layers
+            if any(layer.node_blocks.get(n) == "mlp" for n in nodes)
+        }
+        if gaps <= structure.replicated_chain_gaps and classes <= structure.replicated_mlp_classes:
             break
-        structure = replace(structure, replicated_chain_gaps=structure.replicated_chain_gaps | gaps)
-        progress(
-            f"planning again with chain gap(s) {sorted(structure.replicated_chain_gaps)} replicated", None
+        structure = replace(
+            structure,
+            replicated_chain_gaps=structure.replicated_chain_gaps | gaps,
+            replicated_mlp_classes=structure.replicated_mlp_classes | classes,
         )
+        progress("planning again with the MLP activations the pass cannot shard replicated", None)
         again = replace(prepared, structure=structure)
         plan = plan_model(
             structure, cluster, prepared.workload, constraints, model_name=str(model_path), progress=progress

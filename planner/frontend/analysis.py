@@ -283,6 +283,8 @@ class ModelStructure:
     # a depthwise convolution, runs replicated there), found by lowering a plan
     # (`planner.cli.workflow.make_plan`): their activation op is priced replicated only
     replicated_chain_gaps: frozenset[int] = frozenset()
+    # the same for the MLP activations of layer classes (`planner.solver.costing.layer_key`)
+    replicated_mlp_classes: frozenset[str] = frozenset()
 
     @property
     def unknown_ops(self) -> list[str]:

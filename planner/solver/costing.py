@@ -584,7 +584,8 @@ def build_layer_graph(layer: Layer, ctx: CostContext) -> LayerGraph:
         proj_bytes += sum(_param_bytes(p, b) for p in layer.attention.projections)
     if layer.mlp is not None:
         inner = times["mlp"] if times else None
-        outputs["mlp"] = _mlp_ops(layer.mlp.projections, tokens, ctx, ops, "mlp", inner)
+        shardable = layer_key(layer) not in s.replicated_mlp_classes
+        outputs["mlp"] = _mlp_ops(layer.mlp.projections, tokens, ctx, ops, "mlp", inner, shardable=shardable)
         proj_bytes += sum(_param_bytes(p, b) for p in layer.mlp.projections)
     hidden = s.hidden_size
     num_norms = len(outputs)
@@ -753,13 +754,15 @@ def _mlp_ops(
     block: str,
     inner_s: float | None = None,
     chain: bool = False,
+    shardable: bool = True,
 ) -> str:
     """Gated (gate, up -> act -> down) or a chain (fc -> act -> fc -> ...). Returns the last op.
 
     ``inner_s``: the summed time of the ops between the projections (see ``elementwise_options``),
     used when there is one activation op (gated, or a chain of two); None: priced by formula.
     ``chain``: the model's projection chain (`ModelStructure.mlp_chain`), whose activation ``act{i}``
-    is replicated only when gap i is in `ModelStructure.replicated_chain_gaps`."""
+    is replicated only when gap i is in `ModelStructure.replicated_chain_gaps`; ``shardable`` False:
+    a layer's activation is replicated only (`ModelStructure.replicated_mlp_classes`)."""
     by_role = {p.role: p for p in projections}
     if _gated(projections):
         gate, up, down = by_role[Role.GATE], by_role[Role.UP], by_role[Role.DOWN]
@@ -767,7 +770,7 @@ def _mlp_ops(
         ops.append(_proj_op(Role.UP.value, block, up, [""], tokens, ctx))
         width = gate.out_features
         act_bytes = tokens * width * ctx.bytes_per_element
-        act = elementwise_options(width, 2, tokens, ctx, inner_s)
+        act = elementwise_options(width, 2, tokens, ctx, inner_s, shardable=shardable)
         ops.append(Op("act", block, act, [Role.GATE.value, Role.UP.value], act_bytes))
         ops.append(_proj_op(Role.DOWN.value, block, down, ["act"], tokens, ctx))
         return Role.DOWN.value
@@ -778,8 +781,8 @@ def _mlp_ops(
         if i > 0:
             width = projections[i - 1].out_features
             act_bytes = tokens * width * ctx.bytes_per_element
-            shardable = not chain or i not in ctx.structure.replicated_chain_gaps
-            act = elementwise_options(width, 1, tokens, ctx, inner_s, shardable=shardable)
+            gap_ok = shardable and (not chain or i not in ctx.structure.replicated_chain_gaps)
+            act = elementwise_options(width, 1, tokens, ctx, inner_s, shardable=gap_ok)
             ops.append(Op(f"act{i}", block, act, [prev], act_bytes))
             prev = f"act{i}"
         ops.append(_proj_op(name, block, p, [prev], tokens, ctx))
