@@ -157,7 +157,8 @@ def _training_step(
     with dropout_disabled(gm):  # like with like: the reference ran with dropout off too
         outs = all_outputs(gm(*inputs))
         compare_outputs(outs, want, reference, setup, report)
-        target_full = want.read("target").to(outs[0].device)
+        # its own memory: a view of the mapped outputs file would keep it mapped through the timed steps
+        target_full = want.read("target").to(outs[0].device, copy=True)
         target = replica_share(target_full, tuple(outs[0].shape), plan.dp, groups.dp_rank)
         assert target is not None, "output 0 matched its reference share in compare_outputs"
         loss = F.mse_loss(outs[0], target)

@@ -1027,12 +1027,38 @@ def build_cost_tables(ctx: CostContext, keys: list[str] | None = None) -> CostTa
 
 
 def transient_bytes(ctx: CostContext) -> float:
-    """Inference working set per rank: a few live activations of one micro-batch (not stored)."""
+    """Working memory per rank on top of what is stored. Inference: a few live activations of one
+    micro-batch. Training: `training_transient_bytes`."""
     if ctx.train:
-        return 0.0
+        return training_transient_bytes(ctx)
     s = ctx.structure
     widest = max([s.hidden_size] + [p.out_features for p in _all_projections(s)])
     return 4.0 * ctx.tokens * widest * ctx.bytes_per_element
+
+
+def training_transient_bytes(ctx: CostContext) -> float:
+    """Training: weight-sized temporaries a rank holds for a moment beside its parameters, gradients
+    and Adam state; the larger of the two below (one comes in the backward, the other in the step).
+
+    - Tied LM head on one stage: the embedding's dense gradient and the LM head's gradient are two
+      fresh weight-sized tensors that autograd sums into a third, the gradient kept: two of the
+      embedding's (vocabulary-sharded when tp > 1) size beyond it.
+    - torch's Adam on an eager CPU (the single-tensor loop; not the ZeRO-1 flat shard) computes
+      ``exp_avg_sq.sqrt() / bias_correction2_sqrt`` out of place: two fp32 temporaries the size of the
+      largest parameter tensor (matrices split over tp, as `large_param_share` assumes).
+
+    On the 2-vCPU dev VM, GPT-2 124M at TP=2: each 2 x 73.6 MiB above the stored state (2026-12).
+    Not priced: torch's foreach Adam on CUDA (one temporary per parameter, fp32 state-sized)."""
+    s, tp = ctx.structure, ctx.mesh.tp
+    tied = 0.0
+    if s.tied_lm_head and ctx.mesh.pp == 1 and s.lm_head is not None:
+        rows = -(-s.lm_head.out_features // tp)
+        tied = 2.0 * rows * s.lm_head.in_features * ctx.bytes_per_element
+    adam = 0.0
+    if ctx.cluster.device.node_overhead_s is not None and not ctx.distributed_optimizer:
+        largest = max((n / tp if matrix else n for n, matrix in s.param_tensor_sizes), default=0.0)
+        adam = 2.0 * largest * 4.0  # fp32 moments (and fp32 master weights of 16-bit parameters)
+    return max(tied, adam)
 
 
 def _all_projections(s: ModelStructure) -> list[Projection]:
