@@ -83,6 +83,16 @@ def max_abs_diff(got: torch.Tensor, want: torch.Tensor) -> float:
     return worst
 
 
+def max_abs(t: torch.Tensor) -> float:
+    """max |t| (0.0 for an empty tensor), over chunks of `DIFF_CHUNK_ELEMENTS`: a check's scale
+    without a whole-tensor temporary (a float64 copy of a big-vocabulary output was 2x its bytes)."""
+    flat = t.detach().reshape(-1)
+    worst = 0.0
+    for start in range(0, flat.numel(), DIFF_CHUNK_ELEMENTS):
+        worst = max(worst, float(flat[start : start + DIFF_CHUNK_ELEMENTS].abs().max()))
+    return worst
+
+
 def training_target(reference_out: torch.Tensor) -> torch.Tensor:
     """A fixed regression target shaped like the reference output (values -1 .. 1), for the MSE loss
     that the run's training step minimises; the same on every rank."""

@@ -44,7 +44,7 @@ from planner.frontend.modelfile import ModelFile, load_model_file
 from planner.plan import Plan
 from runtime.job import RankReport, RankSetup, ReferenceFiles, RunJob, job_inputs
 from runtime.launch import RankContext
-from runtime.numerics import all_outputs, max_abs_diff, replica_share, training_target
+from runtime.numerics import all_outputs, max_abs, max_abs_diff, replica_share, training_target
 from runtime.run_mode import cast_inputs, set_run_mode
 
 WEIGHTS_HELP = (
@@ -192,7 +192,7 @@ def compare_outputs(
                 f"output {tuple(full.shape)} (dp={plan.dp})"
             )
         report.output_diffs.append(max_abs_diff(got, share))
-        report.output_scales.append(float(full.double().abs().max()) if full.numel() else 0.0)
+        report.output_scales.append(max_abs(full))
     report.max_abs_diff = max(report.output_diffs)
     report.output_scale = max(report.output_scales)
 
@@ -243,7 +243,7 @@ def compare_gradients(
                     lo, hi = owned[id(params[n])]
                     got, want = got.reshape(-1)[lo:hi], want.reshape(-1)[lo:hi]
                 diffs.append(max_abs_diff(got.cpu(), want))
-                scales.append(float(want.abs().max()) if want.numel() else 0.0)
+                scales.append(max_abs(want))
     report.grad_max_abs_diff = max(diffs, default=0.0)
     report.grad_scale = max(scales, default=0.0)
 
