@@ -347,3 +347,23 @@ def test_an_activation_timed_slower_prices_the_model_slower(monkeypatch) -> None
     plain = workflow.make_plan(prepared, calibrated, constraints, "examples/mlp.py")
     gelu = compute.op_time_s(64 * 256, 2 * 4 * 64 * 256, base.device, "fp32", "memory", launch=False)
     assert slower.predicted.latency_s - plain.predicted.latency_s == pytest.approx(3 * 3 * gelu, rel=1e-6)
+
+
+def test_training_step_temporaries_are_priced_in_memory(cpu) -> None:
+    """A training rank holds weight-sized temporaries beside its state: the tied head's two dense
+    gradients summed into the kept one, and (eager CPU, torch.optim.Adam's per-tensor loop) two fp32
+    temporaries of the largest parameter tensor. GPT-2 124M at TP=2: the vocabulary-split embedding
+    (25,129 x 768) is both; measured 2 x 73.6 MiB above the stored state on the dev VM."""
+    from planner.solver.costing import training_transient_bytes, transient_bytes  # noqa: PLC0415
+
+    gpt2 = analysed_gpt("124m")
+    shard = -(-50257 // 2) * 768 * 4
+    assert training_transient_bytes(_ctx(gpt2, cpu, tp=2)) == pytest.approx(2 * shard)
+    assert transient_bytes(_ctx(gpt2, cpu, tp=2)) == pytest.approx(2 * shard)
+    gpu = load_cluster("dgx-h100", 8)  # priced per kernel: no CPU Adam loop, the tied sum stays
+    assert training_transient_bytes(_ctx(gpt2, gpu, tp=2)) == pytest.approx(2 * shard)
+    untied = dataclasses.replace(gpt2, tied_lm_head=False)
+    largest = max(n / 2 if matrix else n for n, matrix in gpt2.param_tensor_sizes)
+    assert training_transient_bytes(_ctx(untied, cpu, tp=2)) == pytest.approx(2 * largest * 4)
+    assert training_transient_bytes(_ctx(untied, gpu, tp=2)) == 0.0
+    assert transient_bytes(_ctx(gpt2, cpu, tp=2, train=False)) > 0  # inference keeps its working set
