@@ -435,8 +435,17 @@ def activation_time_ratios(
     src = torch.ones(_COPY_REFERENCE_BYTES // 4)
     dst = torch.empty_like(src)
     fns: list[Callable[[], object]] = []
-    for call, elements in kept.items():
-        fns += [_activation_runner(call, elements, dt, train), _activation_runner(call, 1, dt, train)]
+    for call, elements in list(kept.items()):
+        pair = [_activation_runner(call, n, dt, train) for n in (elements, 1)]
+        try:
+            for fn in pair:
+                fn()
+        except (RuntimeError, TypeError, ValueError):  # an op that cannot run on its own keeps its price
+            del kept[call]
+            continue
+        fns += pair
+    if not kept:
+        return {}
     cpu = torch.device("cpu")
     with _intra_op_threads(threads):
         # the copy in a rotation of its own: an op timed right after it ran up to 5x slower (a 64 KiB

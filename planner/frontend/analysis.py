@@ -543,8 +543,12 @@ def activation_call(node: fx.Node) -> tuple:
     e.g. ``("aten.gelu", (), (("approximate", "tanh"),))``: hashable, the key of its measured rate
     (`costmodels.calibrate.activation_time_ratios`; its time grows with its elements, whatever their
     shape) and enough to run the same op on real tensors."""
-    args = tuple(a for a in node.args[1:] if not isinstance(a, fx.Node))
-    return (op_name(node.target), args, tuple(sorted(node.kwargs.items())))
+
+    def frozen(a: object) -> object:
+        return tuple(frozen(x) for x in a) if isinstance(a, (list, tuple)) else a
+
+    args = tuple(frozen(a) for a in node.args[1:] if not isinstance(a, fx.Node))
+    return (op_name(node.target), args, tuple(sorted((k, frozen(v)) for k, v in node.kwargs.items())))
 
 
 def conv_call_at_batch(call: tuple, batch: int) -> tuple:
