@@ -42,6 +42,16 @@ def cpu():
     return dataclasses.replace(base, device=device)
 
 
+def _as_calibrated(base):
+    """``base`` named as this machine's calibrated spec, with a speed-probe reference: planning on it
+    times the model's own shapes (`workflow.with_model_matmul_rates`)."""
+    return dataclasses.replace(
+        base,
+        name=CALIBRATED_SPEC_NAME,
+        device=dataclasses.replace(base.device, probe_matmul_flops_per_s=100e9),
+    )
+
+
 def _ctx(structure, cluster, tp=1, dp=1, train=True, zero=False) -> CostContext:
     workload = WorkloadSpec("train" if train else "forward", 2, 32)
     mesh = MeshConfig(MeshShape(tp, 1, dp), 1, distributed_optimizer=zero)
@@ -171,11 +181,7 @@ def test_conv_ratios_are_relative_to_the_calibrated_convolution(monkeypatch) -> 
 def test_planning_on_a_calibrated_spec_times_the_convolutions(monkeypatch) -> None:
     prepared, convs = _convnet_convs()
     base = load_cluster("local-cpu", 2)
-    calibrated = dataclasses.replace(
-        base,
-        name=CALIBRATED_SPEC_NAME,
-        device=dataclasses.replace(base.device, probe_matmul_flops_per_s=100e9),
-    )
+    calibrated = _as_calibrated(base)
     seen = []
 
     def fake(calls, device, dtype, threads=1, budget_s=1.0, train=False):
@@ -324,11 +330,7 @@ def test_an_activation_timed_slower_prices_the_model_slower(monkeypatch) -> None
     """Planning on the calibrated spec times the MLP example's GELU; its ratio reaches the plan."""
     prepared = workflow.prepare("examples/mlp.py", "forward", batch_size=64)
     base = load_cluster("local-cpu", 1)
-    calibrated = dataclasses.replace(
-        base,
-        name=CALIBRATED_SPEC_NAME,
-        device=dataclasses.replace(base.device, probe_matmul_flops_per_s=100e9),
-    )
+    calibrated = _as_calibrated(base)
     seen = []
 
     def fake(calls, device, dtype, threads=1, budget_s=1.0, train=False):
