@@ -166,9 +166,12 @@ def _planned(fb: PassFallback, node: fx.Node, structure: ModelStructure, plan: P
     projections |= {p.node for p in structure.mlp_chain}
     if structure.lm_head is not None:
         projections.add(structure.lm_head.node)
-    if node.name in projections or all(g in projections for g in fb.gathered):
+    if node.name in projections:  # a projection's replicated input: the ILP priced the S->R
         return True
-    for i, gap in structure.chain_gaps.items():  # a chain's activation the plan keeps replicated
+    # inside a block the plan carries sharded (an activation or an attention core), a gather is
+    # planned only where the plan keeps that block replicated, whatever it gathers: a projection's
+    # output gathered for a softmax or a norm that reads it directly is no less a fallback
+    for i, gap in structure.chain_gaps.items():  # a chain's activation
         if node.name in gap:
             strategy = next((c.strategy for c in plan.predicted.per_layer if f"act{i}" in c.strategy), {})
             return strategy.get(f"act{i}") == "replicate"
@@ -186,8 +189,9 @@ def _planned(fb: PassFallback, node: fx.Node, structure: ModelStructure, plan: P
         if block == "mlp":
             acts = [v for k, v in strategy.items() if k.startswith("act")]
             return bool(acts) and all(v == "replicate" for v in acts)
-        return False
-    return False
+        break
+    # elsewhere, a projection's output gathered into a replicated consumer (the LM head's logits)
+    return all(g in projections for g in fb.gathered)
 
 
 def _price(fb: PassFallback, count: int, plan: Plan, cluster: ClusterSpec) -> Fallback:

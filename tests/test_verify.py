@@ -115,22 +115,31 @@ def test_unplanned_fallback_is_priced_and_named() -> None:
     assert plan.predicted.latency_s <= again.predicted.latency_s
 
 
-def test_a_chain_gap_the_pass_cannot_shard_is_planned_again_replicated() -> None:
-    """A depthwise Conv1d between two linears: solved alone, the ILP carries the first linear's shard
-    through the gap and the pass gathers it at the conv (an unplanned fallback). make_plan finds the
-    gap by lowering, plans again with it replicated (the gather a planned S->R conversion) and keeps
-    the faster plan; the Megatron baseline is priced with the gap replicated too."""
+@pytest.mark.parametrize(
+    "name, gap, op",
+    [
+        ("depthwise_conv_chain.py", {"gelu", "transpose", "conv1d", "transpose_1"}, "aten.conv1d"),
+        ("softmax_chain.py", {"softmax"}, "aten.softmax"),  # gathers the projection's output itself
+    ],
+)
+def test_a_chain_gap_the_pass_cannot_shard_is_planned_again_replicated(name, gap, op) -> None:
+    """A depthwise Conv1d after a GELU, or a softmax reading the projection's output, between two
+    linears: solved alone, the ILP carries the first linear's shard through the gap and the pass
+    gathers it there (an unplanned fallback, priced and named). make_plan finds the gap by lowering,
+    plans again with it replicated (the gather a planned S->R conversion) and keeps the faster plan;
+    the Megatron baseline is priced with the gap replicated too."""
     from planner.solver.search import plan_model  # noqa: PLC0415
 
-    model = str(MODELS / "depthwise_conv_chain.py")
+    model = str(MODELS / name)
     prepared = workflow.prepare(model)
-    assert prepared.structure.chain_gaps == {1: frozenset({"gelu", "transpose", "conv1d", "transpose_1"})}
+    assert prepared.structure.chain_gaps == {1: frozenset(gap)}
     spec = workflow.resolve_cluster(FASTLINK, 2)
     constraints = workflow.constraints_from(2, None, None, "none")
     alone = plan_model(prepared.structure, spec, prepared.workload, constraints, model_name=model)
     alone = workflow.check_lowering(prepared, alone, spec)
     assert alone.predicted.per_layer[0].strategy["act1"] == "shard"
-    assert [f.op for f in alone.fallbacks] == ["aten.conv1d"]
+    assert [f.op for f in alone.fallbacks] == [op] and alone.fallbacks[0].comm_s > 0
+    assert alone.fallbacks[0].line.startswith(f"{name}:")  # the model's line, not torch/nn/modules/conv.py
     plan = workflow.make_plan(prepared, spec, constraints, model, FASTLINK)
     assert plan.predicted.per_layer[0].strategy["act1"] == "replicate" and plan.fallbacks == []
     assert plan.predicted.latency_s <= alone.predicted.latency_s

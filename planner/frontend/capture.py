@@ -271,13 +271,19 @@ def _normalise(gm: fx.GraphModule, out_spec: pytree.TreeSpec, module_names: set[
 
 def user_line(node: fx.Node) -> str:
     """Where `node` comes from in the user's model: 'model.py:39 `gate, up = self.w13(x).chunk(2, dim=-1)`'
-    (the innermost frame of the capture's stack trace), or '' when the capture recorded none."""
+    (the innermost frame of the capture's stack trace outside torch itself: an nn.Conv1d's op is named
+    at the model line that calls the module, not in torch/nn/modules/conv.py), or '' when the capture
+    recorded none."""
     trace = node.meta.get("stack_trace") or ""
     frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)', trace)
     if not frames:
         return ""
-    path, line, code = frames[-1]
+    outside = [f for f in frames if not os.path.abspath(f[0]).startswith(_TORCH_DIR)]
+    path, line, code = (outside or frames)[-1]
     return f"{os.path.basename(path)}:{line} `{code.strip()}`"
+
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
 def op_name(target: Any) -> str:
