@@ -49,7 +49,8 @@ from runtime.run_mode import cast_inputs, set_run_mode
 
 WEIGHTS_HELP = (
     "give the weights as safetensors: --weights FILE.safetensors or a directory of them, with the "
-    "names of model.state_dict() (e.g. safetensors.torch.save_file(model.state_dict(), 'model.safetensors'))"
+    "names of model.state_dict() (e.g. safetensors.torch.save_model(model, 'model.safetensors'), which also "
+    "saves a tied weight once)"
 )
 
 
@@ -93,6 +94,14 @@ def write_reference(job: RunJob, directory: str, made_on: str = "launching proce
     with torch.set_grad_enabled(training), dropout_disabled(gm):
         outs = all_outputs(gm(*inputs))
     results = {f"output.{i}": out.detach() for i, out in enumerate(outs)}
+    for name, out in results.items():
+        if out.is_floating_point() and not bool(torch.isfinite(out).all()):
+            where = f"the weights in {', '.join(job.weights)}" if job.weights else "its seeded random weights"
+            raise InputError(
+                f"the unsharded model's {name.replace('.', ' ')} is not finite (NaN or inf) with {where} and the "
+                f"example inputs in {plan.dtype}: there is nothing for the sharded run to match; check the "
+                "weights (or the dtype: fp16 overflows past 65504)"
+            )
     if adds:
         deviation = ladder_deviation(original, results["output.0"])
     grads_path = None

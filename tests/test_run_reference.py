@@ -97,6 +97,24 @@ def test_dp_run_compares_every_output_with_the_whole_batch_and_fails_beyond_tole
 
 
 @pytest.mark.slow
+def test_weights_that_make_the_reference_nan_are_refused_naming_them(tmp_path) -> None:
+    """A NaN in the weights makes the unsharded output NaN: the run is refused before any rank starts
+    (exit 2) saying so, not reported as an infinite difference at tolerance 0."""
+    plan = _plan("fullload_smallvocab.py")
+    torch.manual_seed(0)
+    model = load_model_file(MODELS / "fullload_smallvocab.py").build()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    first = next(iter(state))
+    state[first].fill_(float("nan"))
+    weights = tmp_path / "nan.safetensors"
+    save_checkpoint(state, str(weights))
+    job = RunJob(
+        str(MODELS / "fullload_smallvocab.py"), plan.to_dict(), warmup=0, iters=1, weights=[str(weights)]
+    )
+    with pytest.raises(InputError, match=r"output 0 is not finite .*nan\.safetensors.*check the weights"):
+        write_reference(job, str(tmp_path))
+
+
 def test_reported_difference_is_the_true_difference_for_a_non_batch_input(tmp_path) -> None:
     """pp_nonbatch_mask at DP=2, batch 4, seq 2 (a (T, T) bias beside the (B, T) tokens): the reported
     difference is the difference to the unsharded model on the whole batch, computed here
