@@ -183,7 +183,9 @@ def test_verdict_points_at_the_speed_line_only_when_the_speed_explains_the_gap(m
     main = importlib.import_module("planner.cli.main")
 
     at_run = {"node_overhead_s": 20e-6, "calibrated_node_overhead_s": 10e-6, "speed_ratio": 2.0}
-    plan = types.SimpleNamespace(predicted=types.SimpleNamespace(latency_s=0.001))
+    plan = types.SimpleNamespace(predicted=types.SimpleNamespace(latency_s=0.001), num_devices=2)
+    busy_during_run = main.busy_during_run
+    monkeypatch.setattr(main, "busy_during_run", lambda ranks: None)  # whatever this machine's load now
     for latency_s, expect, refuse in (
         (0.0045, "see the next line", "cost model, not the machine"),
         (0.001, "off at the run's own speed too", "see the next line"),
@@ -203,3 +205,15 @@ def test_verdict_points_at_the_speed_line_only_when_the_speed_explains_the_gap(m
     main._print_verdict(plan, report, False, RECALIBRATE)
     lines = out.getvalue().splitlines()
     assert len(lines) == 1 and "cost model, not the machine" in lines[0] and "recalibrate" not in lines[0]
+    # other processes shared the cores: the verdict says so, on both lines, instead of blaming the model
+    busy = busy_during_run(2, load=3.5, cores=2)
+    assert busy and "busy" in busy and "3.5 on 2 cores" in busy
+    assert busy_during_run(2, load=2.4, cores=2) is None  # the run's own two ranks
+    monkeypatch.setattr(main, "busy_during_run", lambda ranks: busy)
+    for at in (calm, at_run):
+        out = io.StringIO()
+        monkeypatch.setattr(main, "console", Console(file=out, width=300))
+        report = {"measured": {"latency_s": 0.0046, "at_run_speed": {**at, "latency_s": 0.001}}}
+        main._print_verdict(plan, report, False, RECALIBRATE)
+        text = out.getvalue()
+        assert "machine was busy" in text and "cost model" not in text

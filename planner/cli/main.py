@@ -454,9 +454,12 @@ def _print_verdict(plan, report: dict, layer_table: bool, advice: str) -> None:
 
     measured_s = report["measured"]["latency_s"]
     at_run = report["measured"].get("at_run_speed")
-    line = speed_line(at_run, measured_s)
+    busy = busy_during_run(plan.num_devices)
+    line = speed_line(at_run, measured_s, busy=busy)
     if line and 0.8 <= (at_run.get("measured_over_predicted") or 0.0) <= 1.25:
         advice = "the machine ran at another speed than when calibrated: see the next line"
+    elif busy:  # other processes shared the cores: neither the cost model nor calibration is to blame
+        advice = busy
     elif line:  # off at the run's speed too: the next line says the cost model is off
         advice = f"{advice}; off at the run's own speed too (next line)"
     elif at_run and advice == RECALIBRATE:  # the probe read the calibrated speed: recalibrating won't help
@@ -469,6 +472,24 @@ def _print_verdict(plan, report: dict, layer_table: bool, advice: str) -> None:
     console.print(f"[bold]{what}{verdict}[/bold]")
     if line:
         console.print(f"[bold]{line}[/bold]")
+
+
+def busy_during_run(ranks: int, load: float | None = None, cores: int | None = None) -> str | None:
+    """Advice when other processes shared this machine's cores during a local run: the 1-minute load
+    average (``load``, default `os.getloadavg`) less the run's own ``ranks`` over half the ``cores``
+    (default `os.cpu_count`); else None. The speed probe, timed between the steps, can miss them."""
+    try:
+        load = os.getloadavg()[0] if load is None else load
+    except OSError:
+        return None
+    cores = cores or os.cpu_count() or 1
+    if load - ranks <= 0.5 * cores:
+        return None
+    return (
+        f"the machine was busy (1-minute load average {load:.1f} on {cores} cores, of which this run's "
+        f"{ranks} rank(s) account for at most {ranks}): other processes took time from the ranks; run "
+        "again on a quiet machine"
+    )
 
 
 def _check_loss_budget_options(args: argparse.Namespace) -> None:

@@ -285,10 +285,11 @@ def _off(ratio: float | None) -> bool:
     return ratio is not None and not 1 / SPEED_NOTE_FACTOR <= ratio <= SPEED_NOTE_FACTOR
 
 
-def speed_line(at_run: dict[str, Any] | None, measured_s: float) -> str | None:
+def speed_line(at_run: dict[str, Any] | None, measured_s: float, busy: str | None = None) -> str | None:
     """The verdict at the machine's speed during the run (`workflow.at_run_speed`), when the speed
     probe's per-node overhead (forward, or backward when training) or matmul rate read outside
-    `SPEED_NOTE_FACTOR` of calibration; else None."""
+    `SPEED_NOTE_FACTOR` of calibration; else None. ``busy``: the advice when other processes shared
+    the cores (`main.busy_during_run`), which then replaces blaming the cost model."""
     if not at_run:
         return None
     kinds = (
@@ -306,7 +307,7 @@ def speed_line(at_run: dict[str, Any] | None, measured_s: float) -> str | None:
         at_run["latency_s"],
         measured_s,
         layer_table=False,
-        advice="the cost model, not the machine's speed, is off for this plan",
+        advice=busy or "the cost model, not the machine's speed, is off for this plan",
     )
     return (
         f"the machine {_listed(parts)} than when calibrated (probe between the timed steps: "
