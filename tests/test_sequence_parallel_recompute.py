@@ -200,3 +200,21 @@ def test_sequence_parallel_matches_unsharded_and_recompute_replays_dropout_on_tw
             for name, grad in none_grads.items():  # the recomputed masks are the forward's
                 assert torch.equal(grads[name], grad), (kind, name)
         assert any(not torch.equal(got["other_seed"][k], g) for k, g in none_grads.items())
+
+
+def test_sequence_parallelism_is_not_chosen_without_a_row_parallel_block() -> None:
+    """On nearly free links the ILP splits every projection column-wise: with no row-parallel block,
+    sequence parallelism has nothing to split and the pass would not apply it, so the search keeps it
+    off (it chose it, priced 0.5% faster) and --why says why."""
+    from planner.cli import workflow  # noqa: PLC0415
+
+    model, spec_file = "tests/models/pre_ln_blocks.py", "tests/models/fastlink.yaml"
+    prepared = workflow.prepare(model, "train")
+    spec = workflow.resolve_cluster(spec_file, 2)
+    plan = workflow.make_plan(
+        prepared, spec, workflow.constraints_from(2, None, None, "none"), model, spec_file
+    )
+    assert "rowwise" not in {str(s.style) for s in plan.splits.values()}
+    assert not plan.sequence_parallel
+    (decision,) = [d for d in plan.decisions if d.subject == "sequence-parallel"]
+    assert decision.chosen == "off" and "no row-parallel block" in decision.reason

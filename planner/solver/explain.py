@@ -261,6 +261,11 @@ def training_decisions(
     what = f"norm/residual regions split along the sequence over tp={mesh.tp} (Korthikanti et al. 2022)"
     if mesh.tp == 1:
         reason = "needs tp > 1 (nothing to split the sequence over)" + fit_note()
+    elif "rowwise" not in assignment.choices.values():
+        sp["on"] = math.inf
+        reason = (
+            f"{what}; off: the plan has no row-parallel block whose all-reduce it would split" + fit_note()
+        )
     else:
         reason = _feature_reason(what, sp, chosen_sp, c.sequence_parallel, "--sequence-parallel") + fit_note()
     out.append(Decision("sequence-parallel", chosen_sp, sp, reason))

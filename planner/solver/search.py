@@ -534,6 +534,15 @@ def _solve_candidates(search: _Search, progress: Progress = silent) -> _Candidat
         if sol.assignment is None:
             cand.note = f"{sol.status}: does not fit {search.cap_bytes / _GIB:.1f} GiB per device"
             continue
+        if (
+            cand.config.sequence_parallel
+            and search.constraints.sequence_parallel is None
+            and "rowwise" not in sol.assignment.choices.values()
+        ):  # no row-parallel block: nothing for sequence parallelism to split, and the pass would not apply it
+            cand.note = (
+                "sequence parallelism on, but the solution has no row-parallel block for it to apply to"
+            )
+            continue
         cand.latency_s = predict(cand.tables, sol.assignment).prediction.latency_s
         _price_virtual_stages(search, cand)
         _price_optimizer(search, cand)
