@@ -369,3 +369,32 @@ def test_a_sequence_first_input_is_read_as_batch_and_sequence(tmp_path) -> None:
     assert (prepared.structure.batch_size, prepared.structure.seq_len) == (8, 32)
     assert (prepared.workload.batch_size, prepared.workload.seq_len) == (8, 32)
     assert "sequence-first" in prepared.structure.batch_mixing[0]
+
+
+@pytest.mark.parametrize(
+    "model, why",
+    [
+        ("tests/models/odd_widths_convnet.py", "no weight of this model divides by tp=2"),
+        ("examples/mlp.py", "the collectives would cost more than the split saves"),
+    ],
+)
+def test_an_all_replicated_tp_plan_says_why(model: str, why: str) -> None:
+    """TP=2 with every weight replicated: the note gives the reason, widths that do not divide by tp
+    (the classifier's 7 outputs, 33 inputs) or collectives dearer than the split (the MLP at batch 8
+    on local-cpu's slow links)."""
+    import io  # noqa: PLC0415
+
+    from rich.console import Console  # noqa: PLC0415
+
+    from costmodels.cluster import load_cluster  # noqa: PLC0415
+    from planner.cli import workflow  # noqa: PLC0415
+    from planner.cli.render import render_plan  # noqa: PLC0415
+
+    prepared = workflow.prepare(model)
+    spec = load_cluster("tests/models/fastlink.yaml" if "odd" in model else "local-cpu", 2)
+    plan = workflow.make_plan(prepared, spec, workflow.constraints_from(2, None, None, "none"), model)
+    assert plan.tp == 2 and all(str(s.style) == "replicate" for s in plan.splits.values())
+    out = io.StringIO()
+    render_plan(Console(file=out, width=400), plan)
+    note = next(line for line in out.getvalue().splitlines() if line.startswith("note: TP=2"))
+    assert why in note

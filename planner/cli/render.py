@@ -214,9 +214,20 @@ def render_plan(console: Console, plan: Plan) -> None:
             )
         )
     if plan.tp > 1 and all(split.style is SplitStyle.REPLICATE for split in plan.splits.values()):
+        # a decision between replicating and splitting, with a split that was possible (finite)
+        splittable = any(
+            "replicate" in d.options
+            and any(k != "replicate" and v != float("inf") for k, v in d.options.items())
+            for d in plan.decisions
+        )
+        why = (
+            "for this model the collectives would cost more than the split saves"
+            if splittable
+            else f"no weight of this model divides by tp={plan.tp} (its widths or heads)"
+        )
         console.print(
-            f"[yellow]note: TP={plan.tp}, but the cost model keeps every weight replicated on {plan.cluster}: "
-            "for this model the collectives would cost more than the split saves (see --why)[/yellow]"
+            f"[yellow]note: TP={plan.tp}, but every weight stays replicated on {plan.cluster}: {why} "
+            "(see --why)[/yellow]"
         )
     for note in plan.excluded[:8]:
         console.print(f"[dim]excluded: {note}[/dim]")
