@@ -230,7 +230,8 @@ def load_whole(model: torch.nn.Module, weights: str | Sequence[str], help_text: 
     """Replace every parameter and buffer of `model` by the tensor of the same name in the
     safetensors files `weights` (a tied weight may be stored under any one of its names; the tie is
     kept). Non-persistent buffers absent from the files keep the model's value. Raises InputError
-    naming missing tensors or shapes that do not fit (followed by `help_text`)."""
+    naming missing tensors, tensors the model does not have (as `load_state_dict(strict=True)`) or
+    shapes that do not fit (followed by `help_text`)."""
     groups: dict[int, list[str]] = {}
     for name, tensor in [
         *model.named_parameters(remove_duplicate=False),
@@ -246,6 +247,14 @@ def load_whole(model: torch.nn.Module, weights: str | Sequence[str], help_text: 
         if missing:
             raise InputError(
                 f"the weights {weights} lack {len(missing)} tensors of the model, e.g. {missing[:3]}; {help_text}"
+            )
+        known = {n for names in groups.values() for n in names}
+        unexpected = sorted(n for n in source.keys() if n not in known)
+        if unexpected:  # another model's checkpoint (a deeper one, a renamed module), as strict loading says
+            raise InputError(
+                f"the weights {weights} hold {len(unexpected)} tensors the model does not have, e.g. "
+                f"{unexpected[:3]}: they are not this model's weights (or its module names changed); save "
+                f"the model's own state; {help_text}"
             )
         for names in groups.values():
             stored = next((n for n in names if n in source), None)

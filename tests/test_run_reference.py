@@ -115,6 +115,25 @@ def test_weights_that_make_the_reference_nan_are_refused_naming_them(tmp_path) -
         write_reference(job, str(tmp_path))
 
 
+def test_weights_with_tensors_the_model_lacks_are_refused(tmp_path) -> None:
+    """Another model's checkpoint (here one more layer's tensor) is refused, as strict loading would,
+    instead of running silently on the tensors that happen to match."""
+    plan = _plan("fullload_smallvocab.py")
+    torch.manual_seed(0)
+    model = load_model_file(MODELS / "fullload_smallvocab.py").build()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["blocks.9.q.weight"] = torch.zeros(2, 2)
+    weights = tmp_path / "deeper.safetensors"
+    save_checkpoint(state, str(weights))
+    job = RunJob(
+        str(MODELS / "fullload_smallvocab.py"), plan.to_dict(), warmup=0, iters=1, weights=[str(weights)]
+    )
+    with pytest.raises(
+        InputError, match=r"hold 1 tensors the model does not have, e\.g\. \['blocks\.9\.q\.weight'\]"
+    ):
+        write_reference(job, str(tmp_path))
+
+
 def test_reported_difference_is_the_true_difference_for_a_non_batch_input(tmp_path) -> None:
     """pp_nonbatch_mask at DP=2, batch 4, seq 2 (a (T, T) bias beside the (B, T) tokens): the reported
     difference is the difference to the unsharded model on the whole batch, computed here
