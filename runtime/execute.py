@@ -65,6 +65,10 @@ def run_rank(ctx: RankContext, job: RunJob) -> RankReport:
             report = _run_sharded_rank(ctx, job, setup, reference)
     report.startup_memory_bytes = startup_bytes
     report.peak_memory_bytes = process_peak_memory_bytes(ctx.device)
+    if job.weights:
+        report.notes.append(
+            f"weights read from {', '.join(job.weights)} (cast to the plan's {setup.plan.dtype} where stored otherwise)"
+        )
     if reference.made_on == f"rank {ctx.rank}":
         report.notes.append(
             "the unsharded reference was built on this rank (no launching process made it), so its peak "

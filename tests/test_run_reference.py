@@ -231,8 +231,12 @@ def test_meta_built_model_runs_from_safetensors_weights(tmp_path) -> None:
         "--iters", "1", "--warmup", "0", "--min-time", "0", "--json", str(report_path),
     )  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
-    numerics = json.loads(report_path.read_text())["numerics"]
+    report = json.loads(report_path.read_text())
+    numerics = report["numerics"]
     assert len(numerics["outputs"]) == 1 and not check_failures(numerics), numerics
+    assert any(
+        n.startswith("weights read from") and "part1.safetensors" in n for n in report["measured"]["notes"]
+    )
     (weights / "part1.safetensors").unlink()
     r = planner("run", str(plan_path), "--model", str(MODELS / "meta_built.py"), "--weights", str(weights))
     assert r.returncode == 2 and "lack" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -291,6 +291,13 @@ def cmd_optimize(args: argparse.Namespace) -> int:
 
     _check_outputs(args, out_kind="plan")
     _check_loss_budget_options(args)
+    if args.weights and not args.run and not args.data:  # read by a run or a loss budget only
+        _warn(
+            [
+                f"--weights {args.weights} had no effect: weights are read by a run (add --run, or `planner run`) "
+                "or by --ladder auto:max-loss-increase=X%"
+            ]
+        )
     if args.workload != "train":
         ignored = [
             f"{flag} {value}"
