@@ -220,3 +220,30 @@ def test_fused_swiglu_runs_and_matches_unsharded(tmp_path: Path) -> None:
     assert report["cluster"] == "fastlink-cpu" and report["cluster_source"] == plan.cluster_source
     assert "local-cpu" not in r.stdout + r.stderr
     assert report["numerics"]["max_abs_diff"] <= 1e-5 * report["numerics"]["output_scale"]
+
+
+def test_a_hand_written_attention_core_is_planned_again_replicated() -> None:
+    """A hand-written core (q @ k^T, softmax, p @ v) is not split by heads by the TP pass: planned with
+    head-parallel attention it gathers q, k and v there (unplanned fallbacks, priced, naming the model's
+    line). make_plan plans again with the core replicated and keeps the faster of the two."""
+    from planner.solver.costing import layer_key  # noqa: PLC0415
+    from planner.solver.search import plan_model  # noqa: PLC0415
+
+    model = str(MODELS / "manual_attention.py")
+    prepared = workflow.prepare(model)
+    spec = load_cluster(str(MODELS / "midlink-cpu.yaml"), 2)
+    constraints = workflow.constraints_from(2, None, None, "none")
+    alone = plan_model(prepared.structure, spec, prepared.workload, constraints, model_name=model)
+    alone = workflow.check_lowering(prepared, alone, spec)
+    assert alone.predicted.per_layer[0].strategy["core"] == "head"
+    assert {f.op for f in alone.fallbacks} == {"aten.matmul"}
+    assert all(f.line.startswith("manual_attention.py:") for f in alone.fallbacks)
+    classes = frozenset(layer_key(layer) for layer in prepared.structure.layers)
+    replicated = dataclasses.replace(prepared.structure, replicated_attention_classes=classes)
+    again = plan_model(replicated, spec, prepared.workload, constraints, model_name=model)
+    assert all(c.strategy.get("core") in (None, "replicate") for c in again.predicted.per_layer)
+    plan = workflow.make_plan(prepared, spec, constraints, model)
+    again = workflow.check_lowering(dataclasses.replace(prepared, structure=replicated), again, spec)
+    assert plan.predicted.latency_s == pytest.approx(
+        min(alone.predicted.latency_s, again.predicted.latency_s)
+    )

@@ -473,14 +473,16 @@ def _replan_around_unshardable_gaps(
     progress: Progress = silent,
 ) -> Plan:
     """`plan`, or a better one when lowering found unplanned all-gathers inside a projection chain's
-    gap (`ModelStructure.chain_gaps`) or a layer's MLP activation: an op there with no sharding rule
+    gap (`ModelStructure.chain_gaps`), a layer's MLP activation or its attention core: an op there with
+    no sharding rule
     (a depthwise convolution, a cumsum over the sequence) made the TP pass gather the shard the plan
     carried through it. The model is planned again with those activations replicated
     (`ModelStructure.replicated_chain_gaps`, `ModelStructure.replicated_mlp_classes`: their
     all-gather becomes a planned S->R conversion the ILP prices and weighs), until no new one shows;
     the faster of the plans,
-    each with its fallbacks priced, is returned, beside the Megatron baseline priced with those gaps
-    replicated (its column- then row-parallel layout gathers there too). Before, the ILP chose column-
+    each with its fallbacks priced, is returned, beside the Megatron baseline priced with those MLP
+    activations replicated (its column- then row-parallel layout gathers there too; an attention core's
+    baseline is left as first priced). Before, the ILP chose column-
     then row-parallel around a depthwise Conv1d, the pass gathered at the conv, and the report compared
     the plan with a baseline priced as if the conv could stay sharded ("0.74x its speed")."""
     from planner.solver.costing import layer_key  # noqa: PLC0415
@@ -495,14 +497,26 @@ def _replan_around_unshardable_gaps(
             for layer in structure.layers
             if any(layer.node_blocks.get(n) == "mlp" for n in nodes)
         }
-        if gaps <= structure.replicated_chain_gaps and classes <= structure.replicated_mlp_classes:
+        cores = {
+            layer_key(layer)
+            for layer in structure.layers
+            if any(layer.node_blocks.get(n) in ("core", "attention") for n in nodes)
+        }
+        if (
+            gaps <= structure.replicated_chain_gaps
+            and classes <= structure.replicated_mlp_classes
+            and cores <= structure.replicated_attention_classes
+        ):
             break
         structure = replace(
             structure,
             replicated_chain_gaps=structure.replicated_chain_gaps | gaps,
             replicated_mlp_classes=structure.replicated_mlp_classes | classes,
+            replicated_attention_classes=structure.replicated_attention_classes | cores,
         )
-        progress("planning again with the MLP activations the pass cannot shard replicated", None)
+        progress(
+            "planning again with the activations and attention cores the pass cannot shard replicated", None
+        )
         again = replace(prepared, structure=structure)
         plan = plan_model(
             structure, cluster, prepared.workload, constraints, model_name=str(model_path), progress=progress
@@ -510,8 +524,11 @@ def _replan_around_unshardable_gaps(
         plan = check_lowering(again, plan, cluster)
         if plan.predicted.latency_s < best.predicted.latency_s:
             best = plan
-        # the Megatron layout too runs those gaps replicated (priced as a gather, not as if it could shard)
-        best = replace(best, baseline=plan.baseline, baseline_layout=plan.baseline_layout)
+        if (gaps or classes) and not cores:
+            # the Megatron layout too runs those activations replicated (a gather, not as if it could shard).
+            # Not for attention cores: a baseline with its core replicated also replicates q/k/v/o, slower
+            # than Megatron's head-split projections with the pass's gathers, so it would flatter the plan
+            best = replace(best, baseline=plan.baseline, baseline_layout=plan.baseline_layout)
     return best
 
 

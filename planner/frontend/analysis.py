@@ -285,6 +285,8 @@ class ModelStructure:
     replicated_chain_gaps: frozenset[int] = frozenset()
     # the same for the MLP activations of layer classes (`planner.solver.costing.layer_key`)
     replicated_mlp_classes: frozenset[str] = frozenset()
+    # ... and of the attention cores of layer classes (a hand-written core the pass cannot split by heads)
+    replicated_attention_classes: frozenset[str] = frozenset()
 
     @property
     def unknown_ops(self) -> list[str]:

@@ -580,7 +580,8 @@ def build_layer_graph(layer: Layer, ctx: CostContext) -> LayerGraph:
     times = layer_node_times_s(layer, ctx)
     if layer.attention is not None:
         inner = times["attention"] if times else 0.0
-        outputs["attention"] = _attention_ops(layer.attention, tokens, ctx, ops, inner)
+        head_ok = layer_key(layer) not in s.replicated_attention_classes
+        outputs["attention"] = _attention_ops(layer.attention, tokens, ctx, ops, inner, head_ok=head_ok)
         proj_bytes += sum(_param_bytes(p, b) for p in layer.attention.projections)
     if layer.mlp is not None:
         inner = times["mlp"] if times else None
@@ -719,8 +720,16 @@ def _proj_op(
 
 
 def _attention_ops(
-    attn: Attention, tokens: float, ctx: CostContext, ops: list[Op], inner_s: float = 0.0
+    attn: Attention,
+    tokens: float,
+    ctx: CostContext,
+    ops: list[Op],
+    inner_s: float = 0.0,
+    head_ok: bool = True,
 ) -> str:
+    """The attention block's ops (q/k/v or qkv, core, o); ``head_ok`` False: the core is replicated
+    only (`ModelStructure.replicated_attention_classes`: the TP pass gathers inside it). Returns the
+    last op's name."""
     by_role = {p.role: p for p in attn.projections}
     core_inputs = []
     for role in (Role.QKV, Role.Q, Role.K, Role.V):
@@ -737,6 +746,11 @@ def _attention_ops(
             ops.append(op)
             core_inputs.append(role.value)
     core_options, core_excluded = attention_core_options(attn, ctx, inner_s)
+    if not head_ok and any(o.name == "head" for o in core_options):
+        core_options = [o for o in core_options if o.name != "head"]
+        core_excluded["head"] = (
+            "an op inside this attention has no head-parallel rule: the TP pass gathers there"
+        )
     core_bytes = tokens * attn.num_heads * attn.head_dim * ctx.bytes_per_element
     ops.append(Op("core", "attention", core_options, core_inputs, core_bytes, excluded=core_excluded))
     o = by_role.get(Role.O)
