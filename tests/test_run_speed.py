@@ -209,6 +209,7 @@ def test_verdict_points_at_the_speed_line_only_when_the_speed_explains_the_gap(m
     busy = busy_during_run(2, load=3.5, cores=2)
     assert busy and "busy" in busy and "3.5 on 2 cores" in busy
     assert busy_during_run(2, load=2.4, cores=2) is None  # the run's own two ranks
+    assert busy_during_run(2, load=3.0, cores=2) is not None  # and one busy process beside them
     monkeypatch.setattr(main, "busy_during_run", lambda ranks: busy)
     for at in (calm, at_run):
         out = io.StringIO()

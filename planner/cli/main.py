@@ -483,14 +483,16 @@ def _print_verdict(plan, report: dict, layer_table: bool, advice: str) -> None:
 
 def busy_during_run(ranks: int, load: float | None = None, cores: int | None = None) -> str | None:
     """Advice when other processes shared this machine's cores during a local run: the 1-minute load
-    average (``load``, default `os.getloadavg`) less the run's own ``ranks`` over half the ``cores``
-    (default `os.cpu_count`); else None. The speed probe, timed between the steps, can miss them."""
+    average (``load``, default `os.getloadavg`) less the run's own ``ranks`` at least half the
+    ``cores`` (default `os.cpu_count`); else None. The speed probe, timed between the steps, can miss
+    them; the load average lags (on the dev VM it read ~1 after a minute of one busy process), so a
+    short run beside a new job may not be flagged."""
     try:
         load = os.getloadavg()[0] if load is None else load
     except OSError:
         return None
     cores = cores or os.cpu_count() or 1
-    if load - ranks <= 0.5 * cores:
+    if load - ranks < 0.5 * cores:  # one busy process beside 2 ranks on 2 cores (3.0) counts
         return None
     return (
         f"the machine was busy (1-minute load average {load:.1f} on {cores} cores, of which this run's "

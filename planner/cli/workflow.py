@@ -436,9 +436,9 @@ def make_plan(
     )
     if constraints.sequence_parallel and not any(s.style is SplitStyle.ROWWISE for s in plan.splits.values()):
         raise InputError(
-            f"--sequence-parallel on: the best plan on {cluster.name} (TP={plan.tp}) keeps every weight replicated "
-            "(splitting would cost more than it saves), so there is no row-parallel block whose all-reduce sequence "
-            "parallelism would split, and it would not run. Use --sequence-parallel auto or off"
+            f"--sequence-parallel on: the best plan on {cluster.name} (TP={plan.tp}) splits no projection row-wise "
+            "(its weights are replicated or column-parallel), so there is no row-parallel block whose all-reduce "
+            "sequence parallelism would split, and it would not run. Use --sequence-parallel auto or off"
         )
     request = prepared.request
     plan.cluster_source = cluster_source
