@@ -441,7 +441,6 @@ def make_plan(
             "sequence parallelism would split, and it would not run. Use --sequence-parallel auto or off"
         )
     request = prepared.request
-    plan.cluster_source = cluster_source
     progress("lowering the plan on meta tensors for every rank", None)
     plan = check_lowering(prepared, plan, cluster)
     plan = _replan_around_unshardable_gaps(prepared, plan, cluster, constraints, model_path, progress)
@@ -474,17 +473,16 @@ def _replan_around_unshardable_gaps(
 ) -> Plan:
     """`plan`, or a better one when lowering found unplanned all-gathers inside a projection chain's
     gap (`ModelStructure.chain_gaps`), a layer's MLP activation or its attention core: an op there with
-    no sharding rule
-    (a depthwise convolution, a cumsum over the sequence) made the TP pass gather the shard the plan
-    carried through it. The model is planned again with those activations replicated
-    (`ModelStructure.replicated_chain_gaps`, `ModelStructure.replicated_mlp_classes`: their
-    all-gather becomes a planned S->R conversion the ILP prices and weighs), until no new one shows;
-    the faster of the plans,
-    each with its fallbacks priced, is returned, beside the Megatron baseline priced with those MLP
-    activations replicated (its column- then row-parallel layout gathers there too; an attention core's
-    baseline is left as first priced). Before, the ILP chose column-
-    then row-parallel around a depthwise Conv1d, the pass gathered at the conv, and the report compared
-    the plan with a baseline priced as if the conv could stay sharded ("0.74x its speed")."""
+    no sharding rule (a depthwise convolution, a cumsum over the sequence, a hand-written q @ k^T) made
+    the TP pass gather the shard the plan carried through it. The model is planned again with those
+    parts replicated (`ModelStructure.replicated_chain_gaps`, `replicated_mlp_classes`,
+    `replicated_attention_classes`: their all-gather becomes a planned S->R conversion the ILP prices
+    and weighs), until no new one shows; the faster of the plans, each with its fallbacks priced, is
+    returned, beside the Megatron baseline priced with those MLP activations replicated (its column-
+    then row-parallel layout gathers there too; an attention core's baseline is left as first priced).
+    Before, the ILP chose column- then row-parallel around a depthwise Conv1d, the pass gathered at the
+    conv, and the report compared the plan with a baseline priced as if the conv could stay sharded
+    ("0.74x its speed")."""
     from planner.solver.costing import layer_key  # noqa: PLC0415
 
     structure = prepared.structure
@@ -492,16 +490,14 @@ def _replan_around_unshardable_gaps(
     for _ in range(len(structure.chain_gaps) + len(structure.layers)):
         nodes = {f.node for f in plan.fallbacks}
         gaps = {i for i, gap in structure.chain_gaps.items() if nodes & gap}
-        classes = {
-            layer_key(layer)
-            for layer in structure.layers
-            if any(layer.node_blocks.get(n) == "mlp" for n in nodes)
-        }
-        cores = {
-            layer_key(layer)
-            for layer in structure.layers
-            if any(layer.node_blocks.get(n) in ("core", "attention") for n in nodes)
-        }
+        classes: set[str] = set()  # layer classes whose MLP activation the pass gathered in
+        cores: set[str] = set()  # ... whose attention core it gathered in
+        for layer in structure.layers:
+            blocks = {layer.node_blocks.get(n) for n in nodes}
+            if "mlp" in blocks:
+                classes.add(layer_key(layer))
+            if blocks & {"core", "attention"}:
+                cores.add(layer_key(layer))
         if (
             gaps <= structure.replicated_chain_gaps
             and classes <= structure.replicated_mlp_classes
