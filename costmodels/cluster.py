@@ -651,6 +651,13 @@ def load_cluster(name_or_path: str, nproc: int | None = None) -> ClusterSpec:
     return _with_nproc(spec, nproc, origin, flexible=auto or spec.backend == "gloo")
 
 
+def resize_cluster(spec: ClusterSpec, nproc: int) -> ClusterSpec:
+    """`spec` re-sized to `nproc` ranks as `load_cluster(..., nproc=nproc)` sizes a loaded spec (a gloo
+    node's CPU processes time-share its cores beyond one per core). Raises SpecError for an `nproc`
+    the cluster cannot provide."""
+    return _with_nproc(spec, nproc, spec.name, flexible=spec.backend == "gloo")
+
+
 def _with_nproc(spec: ClusterSpec, nproc: int, origin: str, flexible: bool) -> ClusterSpec:
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise SpecError(origin, "nproc", f"expected an integer >= 1 (number of ranks), got {nproc!r}")
@@ -676,30 +683,47 @@ def _cpu_processes(spec: ClusterSpec, nproc: int) -> ClusterSpec:
     (runtime.launch), so a device's compute peaks scale with the threads per process it gets, and its
     share of host memory with 1 / nproc (linear thread scaling of GEMMs: measured 1.9x from 1 to 2
     threads on this 2-core VM). More processes than cores time-share them: each gets cores / nproc of
-    one core, which slows its compute and its per-node (Python dispatch) overhead alike."""
+    one core, which slows its compute and its per-node (Python dispatch) overhead alike, and the
+    loopback link too: gloo moves a message with CPU threads (copies, and a scheduler slot for its
+    I/O thread), so its latency stretches and its bandwidth shrinks by the same factor. Measured on
+    the README's TP=2 x PP=2 example (4 ranks, 2 cores, 2026-12-01): 9.3-11.2 ms per forward against
+    4.3 ms priced as one core per rank, 6.9 ms with compute and dispatch time-shared, 8.3 ms with
+    the link too."""
     cores = os.cpu_count() or 1
 
     def share(n: int) -> float:  # cores' worth of compute one of n processes gets
         return cores // n if n <= cores else cores / n
 
     scale = share(nproc) / share(spec.devices_per_node)
+    threads = max(1, cores // nproc) / max(1, cores // spec.devices_per_node)
     device = replace(
         spec.device,
         peak_flops_per_s={k: v * scale for k, v in spec.device.peak_flops_per_s.items()},
+        # the speed probe times in thread CPU time with one thread (`costmodels.calibrate.clock`), which
+        # time-sharing does not slow: its references follow the threads per process only
         probe_matmul_flops_per_s=None
         if spec.device.probe_matmul_flops_per_s is None
-        else spec.device.probe_matmul_flops_per_s * scale,
+        else spec.device.probe_matmul_flops_per_s * threads,
         memory_bytes=spec.device.memory_bytes * spec.devices_per_node / nproc,
     )
     slowdown = min(1.0, share(nproc)) / min(1.0, share(spec.devices_per_node))  # < 1 when oversubscribed
     if slowdown < 1.0:  # every per-op and per-node time (those the spec has) stretches alike
         stretched = ("launch_overhead_s", "node_overhead_s", "backward_node_overhead_s")
-        stretched += ("probe_node_overhead_s", "probe_backward_node_overhead_s")
         stretched += ("adam_s_per_param", "adam_large_tensor_s_per_param")
         device = replace(
             device,
             **{f: getattr(device, f) / slowdown for f in stretched if getattr(device, f) is not None},
         )
+        if spec.intra_node.kind == "loopback":
+            link = spec.intra_node
+            spec = replace(
+                spec,
+                intra_node=replace(
+                    link,
+                    latency_s=link.latency_s / slowdown,
+                    bandwidth_bytes_per_s=link.bandwidth_bytes_per_s * slowdown,
+                ),
+            )
     return replace(spec, devices_per_node=nproc, device=device)
 
 

@@ -16,6 +16,7 @@ from costmodels.cluster import (
     load_cluster,
     parse_cluster,
     preset_names,
+    resize_cluster,
 )
 from planner.errors import InputError
 
@@ -349,3 +350,36 @@ def test_more_processes_than_cores_time_share_them(monkeypatch: pytest.MonkeyPat
     assert four.device.launch_overhead_s == pytest.approx(2 * two.device.launch_overhead_s)
     if two.device.node_overhead_s is not None:
         assert four.device.node_overhead_s == pytest.approx(2 * two.device.node_overhead_s)
+    # gloo's loopback moves messages with the same cores: its latency stretches, its bandwidth halves
+    assert four.intra_node.latency_s == pytest.approx(2 * two.intra_node.latency_s)
+    assert four.intra_node.bandwidth_bytes_per_s == pytest.approx(two.intra_node.bandwidth_bytes_per_s / 2)
+    # a spec in hand re-sizes the same way (what the predict-vs-measure bench does)
+    assert resize_cluster(two, 4) == four
+    # up to one rank per core nothing is shared: the link is untouched
+    assert load_cluster("local-cpu", nproc=1).intra_node == two.intra_node
+
+
+def test_more_ranks_than_cores_plan_on_the_one_process_per_core_calibration(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`planner optimize --nproc 4` without --cluster on 2 cores: the machine is not measured with 4
+    processes (timing 4 on 2 cores measures the scheduler); the cached 2-process calibration is loaded
+    and time-shared, and the plan records that file as its cluster source."""
+    from costmodels.calibrate import write_cache_metadata, write_cluster_yaml
+    from planner.cli import workflow
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(workflow, "CACHE_DIR", tmp_path)
+    cached = tmp_path / "local-nproc2.yaml"
+    write_cluster_yaml(load_cluster("local-cpu", nproc=2), cached)
+    write_cache_metadata(cached, 2)
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("calibrated again")
+
+    monkeypatch.setattr("costmodels.calibrate.calibrate", no_measuring)
+    two, four = workflow.resolve_cluster(None, 2), workflow.resolve_cluster(None, 4)
+    assert (two.devices_per_node, four.devices_per_node) == (2, 4)
+    assert four.device.peak_flops_per_s["fp32"] == pytest.approx(two.device.peak_flops_per_s["fp32"] / 2)
+    assert four.intra_node.latency_s == pytest.approx(2 * two.intra_node.latency_s)
+    assert workflow.cluster_source(None, 4) == str(cached)
