@@ -86,7 +86,7 @@ def verify_plan(gm: fx.GraphModule, structure: ModelStructure, plan: Plan, clust
                 key = f"{fb.node}@{job.index}" if in_template else fb.node
                 found.setdefault(key, (fb, job.template_count if in_template else 1))
     fallbacks = [_price(fb, count, plan, cluster) for fb, count in found.values()]
-    return _with_fallbacks(plan, fallbacks)
+    return with_fallbacks(plan, fallbacks)
 
 
 def _lower(gm: fx.GraphModule, structure: ModelStructure, plan: Plan, rank: int) -> None:
@@ -200,22 +200,36 @@ def _price(fb: PassFallback, count: int, plan: Plan, cluster: ClusterSpec) -> Fa
     nbytes = fb.elements * DTYPE_BYTES[plan.dtype] / plan.dp / per_step
     one = all_gather_time_s(nbytes, Group.packed(plan.tp, cluster), cluster)
     train = 2.0 if plan.workload is Workload.TRAIN else 1.0  # the backward reduce-scatters as much
+    # memory: the gathered tensor is whole on every rank where the plan priced a 1/tp shard. Training
+    # keeps it for the backward of the op that reads it, per layer and per micro-batch in flight (1F1B:
+    # up to pp on the first stage): at most (tp - 1) / tp of it more per place; without autograd it
+    # lives while the op runs (`with_fallbacks` adds the largest one).
+    extra = nbytes * (plan.tp - 1) / plan.tp
+    in_flight = min(plan.pp, per_step) if plan.pp > 1 else 1
+    memory = extra * count * in_flight if plan.workload is Workload.TRAIN else extra
     return Fallback(
         op=fb.op,
         line=fb.line or f"graph node {fb.node}",
         node=fb.node,
         bytes_gathered=nbytes * count,
         comm_s=one * per_step * train * count,
+        places=count,
+        memory_bytes=memory,
     )
 
 
-def _with_fallbacks(plan: Plan, fallbacks: list[Fallback]) -> Plan:
-    """`plan` with `fallbacks` listed and their time added to `predicted` (exposed communication)."""
+def with_fallbacks(plan: Plan, fallbacks: list[Fallback]) -> Plan:
+    """`plan` with `fallbacks` listed, their time added to `predicted` (exposed communication) and their
+    memory to its peak (`Fallback.memory_bytes`: training keeps every gathered tensor for the backward,
+    so they add up; a forward holds one at a time, so the largest adds)."""
     old = {(f.node, f.op) for f in plan.fallbacks}
     new = [f for f in fallbacks if (f.node, f.op) not in old]
     if not new:
         return plan
     extra = sum(f.comm_s for f in new)
+    every = [*plan.fallbacks, *new]
+    before = _fallback_memory(plan.fallbacks, plan.workload)
+    memory = _fallback_memory(every, plan.workload) - before
     p = plan.predicted
     latency = p.latency_s + extra
     predicted: Prediction = dataclasses.replace(
@@ -223,5 +237,14 @@ def _with_fallbacks(plan: Plan, fallbacks: list[Fallback]) -> Plan:
         latency_s=latency,
         exposed_comm_s=p.exposed_comm_s + extra,
         throughput_tokens_per_s=p.throughput_tokens_per_s * p.latency_s / latency if latency else 0.0,
+        peak_memory_bytes=p.peak_memory_bytes + memory,
     )
-    return dataclasses.replace(plan, predicted=predicted, fallbacks=[*plan.fallbacks, *new])
+    return dataclasses.replace(plan, predicted=predicted, fallbacks=every)
+
+
+def _fallback_memory(fallbacks: list[Fallback], workload: Workload) -> float:
+    """Bytes per rank the fallbacks add to the peak: the sum in training, else the largest."""
+    sizes = [f.memory_bytes for f in fallbacks]
+    if not sizes:
+        return 0.0
+    return sum(sizes) if workload is Workload.TRAIN else max(sizes)

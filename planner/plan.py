@@ -275,8 +275,10 @@ class Fallback:
     op: str  # e.g. "aten.index_put"
     line: str  # the user's source line, e.g. "model.py:31 `cache[:, :, pos] = k`"
     node: str  # fx node name in the captured graph
-    bytes_gathered: float  # bytes all-gathered per micro-batch, in the plan's dtype
+    bytes_gathered: float  # bytes all-gathered per micro-batch, in the plan's dtype (all its places)
     comm_s: float  # added to the predicted step time (all micro-batches, backward included)
+    places: int = 1  # layers the gather repeats in (a representative layer's lowering stands for them)
+    memory_bytes: float = 0.0  # added to the predicted peak memory per rank (`passes.verify`)
 
 
 @dataclass

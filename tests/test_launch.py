@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -231,18 +230,34 @@ def test_wall_timeout_names_unfinished_ranks() -> None:
 
 @pytest.mark.slow
 def test_keyboard_interrupt_terminates_children(tmp_path: Path) -> None:
-    def interrupt_when_ranks_run() -> None:
+    """Ctrl-C on a launching process (SIGINT, as a terminal sends it): KeyboardInterrupt reaches its
+    caller once every rank is stopped. The launch runs in a process of its own, as a user's does (in
+    the test process, a signal sent from a helper thread sometimes never woke the main thread's wait
+    in a long pytest run, and the launch ran to its deadline)."""
+    script = (
+        "import sys\n"
+        f"sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]\n"
+        "from test_launch import _sleep_forever\n"
+        "from runtime.launch import launch\n"
+        "try:\n"
+        f"    launch(_sleep_forever, {str(tmp_path)!r}, 2, timeout_s=60)\n"
+        "except KeyboardInterrupt:\n"
+        "    import multiprocessing\n"
+        "    sys.exit(130 if multiprocessing.active_children() == [] else 1)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    try:
         deadline = time.monotonic() + 30
-        while len(_pids(tmp_path)) < 2 and time.monotonic() < deadline:
+        while len(_pids(tmp_path)) < 2 and time.monotonic() < deadline and parent.poll() is None:
             time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGINT)
-
-    thread = threading.Thread(target=interrupt_when_ranks_run, daemon=True)
-    thread.start()
-    with pytest.raises(KeyboardInterrupt):
-        launch(_sleep_forever, str(tmp_path), 2, timeout_s=60)
-    thread.join()
-    _assert_no_children(tmp_path)
+        assert len(_pids(tmp_path)) == 2, "the ranks never started"
+        parent.send_signal(signal.SIGINT)
+        assert parent.wait(timeout=30) == 130  # KeyboardInterrupt, no child left to the launcher
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+    assert [pid for pid in _pids(tmp_path) if _alive(pid)] == []
 
 
 @pytest.mark.slow

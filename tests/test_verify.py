@@ -86,6 +86,8 @@ def test_unplanned_fallback_is_priced_and_named() -> None:
     assert all("mlp_cumsum_fallback.py:24 `h = torch.cumsum(h, dim=1)" in f.line for f in plan.fallbacks)
     # global activation (2 x 16 x 256 fp32) per layer, gathered once per forward
     assert all(f.bytes_gathered == 2 * 16 * 256 * 4 and f.comm_s > 0 for f in plan.fallbacks)
+    # and in the memory: the gathered activation is whole where half was priced, one at a time in a forward
+    assert all(f.memory_bytes == 2 * 16 * 256 * 4 / 2 for f in plan.fallbacks)
     bare = dataclasses.replace(plan, fallbacks=[])
     bare = dataclasses.replace(
         bare,
@@ -93,10 +95,12 @@ def test_unplanned_fallback_is_priced_and_named() -> None:
             plan.predicted,
             latency_s=plan.predicted.latency_s - sum(f.comm_s for f in plan.fallbacks),
             exposed_comm_s=plan.predicted.exposed_comm_s - sum(f.comm_s for f in plan.fallbacks),
+            peak_memory_bytes=plan.predicted.peak_memory_bytes - 2 * 16 * 256 * 2,  # the largest one
         ),
     )
     again = workflow.check_lowering(prepared, bare, load_cluster(FASTLINK, nproc=2))
     assert again.predicted.latency_s == pytest.approx(plan.predicted.latency_s)
+    assert again.predicted.peak_memory_bytes == pytest.approx(plan.predicted.peak_memory_bytes)
     assert workflow.check_lowering(prepared, plan, load_cluster(FASTLINK, nproc=2)) is plan  # priced once
     round_trip = Plan.from_dict(plan.to_dict())
     assert round_trip.fallbacks == plan.fallbacks
@@ -247,3 +251,14 @@ def test_a_hand_written_attention_core_is_planned_again_replicated() -> None:
     assert plan.predicted.latency_s == pytest.approx(
         min(alone.predicted.latency_s, again.predicted.latency_s)
     )
+    # the Megatron baseline splits the core's projections by heads: lowered like a plan, the pass gathers
+    # q, k and v at the core for it too, and it is priced with those gathers (it once was priced as if
+    # the core split, and the report called the plan slower than the expert's)
+    assert plan.baseline.latency_s > alone.baseline.latency_s
+    assert plan.predicted.latency_s <= plan.baseline.latency_s * (1 + 1e-9)
+    expert = next(d for d in plan.decisions if d.subject == "megatron-baseline")
+    assert (
+        "all-gather(s) the TP pass adds to it" in expert.reason
+        and "manual_attention.py:26 `s = (q @ k.transpose" in expert.reason
+    )
+    assert expert.options["latency"] == plan.baseline.latency_s

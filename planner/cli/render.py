@@ -95,6 +95,11 @@ def _stage_totals_caption(plan: Plan) -> str | None:
     )
 
 
+def _kib(nbytes: float) -> str:
+    """A size under 1 MiB in KiB, else `fmt_bytes`."""
+    return f"{nbytes / 1024:.1f} KiB" if nbytes < 2**20 else fmt_bytes(nbytes)
+
+
 def render_plan(console: Console, plan: Plan) -> None:
     """Print the mesh, the per-stage/per-layer table, predicted totals and the Megatron comparison."""
     source = plan.cluster_source if plan.cluster_source and plan.cluster_source != plan.cluster else ""
@@ -175,15 +180,20 @@ def render_plan(console: Console, plan: Plan) -> None:
     if plan.workload is Workload.TRAIN:
         render_training(console, plan)
     grouped: dict[tuple[str, str], list[float]] = {}
+    train = plan.workload is Workload.TRAIN
     for f in plan.fallbacks:  # one line per op and source line (a layer's op repeats per layer)
-        n, nbytes, comm = grouped.setdefault((f.op, f.line), [0, 0.0, 0.0])
-        grouped[(f.op, f.line)] = [n + 1, nbytes + f.bytes_gathered, comm + f.comm_s]
-    for (op, line), (n, nbytes, comm) in grouped.items():
+        n, nbytes, comm, memory = grouped.setdefault((f.op, f.line), [0, 0.0, 0.0, 0.0])
+        # training keeps every gathered tensor for the backward; a forward holds one at a time
+        memory = memory + f.memory_bytes if train else max(memory, f.memory_bytes)
+        grouped[(f.op, f.line)] = [n + f.places, nbytes + f.bytes_gathered, comm + f.comm_s, memory]
+    for (op, line), (n, nbytes, comm, memory) in grouped.items():
         times = f" ({int(n)} places)" if n > 1 else ""
-        size = f"{nbytes / 1024:.1f} KiB" if nbytes < 2**20 else fmt_bytes(nbytes)
+        held = ""
+        if memory:
+            held = f", +{_kib(memory)}/rank of memory" + ("" if train else " while it runs")
         console.print(
             f"[yellow]unplanned all-gather: the TP pass runs {op} replicated at {line}{times}; "
-            f"{size} gathered, +{fmt_s(comm)} included in the latency above[/yellow]",
+            f"{_kib(nbytes)} gathered; in the prediction above: +{fmt_s(comm)}{held}[/yellow]",
             highlight=False,
         )
     if plan.unpriced_ops:

@@ -26,15 +26,15 @@ from costmodels.cluster import (
     preset_names,
 )
 from passes.verify import verify_plan
-from planner.errors import InputError, RunError
+from planner.errors import InfeasibleError, InputError, RunError
 from planner.frontend.analysis import ModelStructure, conv_call_at_batch
 from planner.frontend.depth import capture_for_planning
 from planner.frontend.modelfile import ModelFile, load_model_file
 from planner.frontend.phases import build_for, decode_phase, plan_structure, prefill_phase
-from planner.plan import WORKLOADS, Plan, Recompute, Schedule, Serving, SplitStyle, Workload
+from planner.plan import WORKLOADS, Decision, Plan, Recompute, Schedule, Serving, SplitStyle, Workload
 from planner.progress import Progress, silent
 from planner.solver.problem import Constraints, LadderPolicy, WorkloadSpec
-from planner.solver.search import plan_model
+from planner.solver.search import megatron_plan, plan_model
 from planner.solver.serving import kv_fallbacks, plan_prediction, predict_with_plan, price_request
 
 DEFAULT_CONTEXT = 2048  # decode: KV-cache tokens when --context is not given
@@ -183,19 +183,30 @@ def resolve_cluster(
     if name_or_path:
         return load_cluster(name_or_path, nproc=nproc)
     nproc = nproc or os.cpu_count() or 1
-    cached = CACHE_DIR / f"local-nproc{nproc}.yaml"
-    why = "--recalibrate" if recalibrate else cache_status(cached, nproc)
-    if why is None:
-        return load_cluster(str(cached))
-    if notify is not None:
-        notify(
-            f"measuring this machine with {nproc} processes (planner calibrate, 30-40 s; {why}); cached in {cached}"
-        )
-    spec = calibrate(nproc, progress=progress, probe_roofline=probe_roofline)
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    write_cluster_yaml(spec, cached)
-    write_cache_metadata(cached, nproc)
-    return load_cluster(str(cached))
+    measured = calibration_nproc(nproc)
+    cached = CACHE_DIR / f"local-nproc{measured}.yaml"
+    why = "--recalibrate" if recalibrate else cache_status(cached, measured)
+    if why is not None:
+        if notify is not None:
+            notify(
+                f"measuring this machine with {measured} processes (planner calibrate, 30-40 s; {why}); cached in {cached}"
+            )
+        spec = calibrate(measured, progress=progress, probe_roofline=probe_roofline)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        write_cluster_yaml(spec, cached)
+        write_cache_metadata(cached, measured)
+    # more ranks than cores: the one-process-per-core spec, time-shared (`costmodels.cluster.load_cluster`)
+    return load_cluster(str(cached), nproc=nproc if nproc != measured else None)
+
+
+def calibration_nproc(nproc: int) -> int:
+    """How many processes this machine is calibrated with for a run on `nproc` ranks: `nproc`, or one
+    per core when there are more ranks than cores. Four processes timed on two cores measure how the
+    scheduler happened to share them (compute is timed in thread CPU time, which hides the sharing,
+    while the per-node overhead and the all-reduce are timed in wall time, which shows it); the spec
+    measured with one process per core, resized by `load_cluster(..., nproc)`, prices the sharing
+    (each rank gets cores / nproc of a core)."""
+    return min(nproc, os.cpu_count() or 1)
 
 
 def probe_roofline(blocks: int, cluster: ClusterSpec) -> tuple[float, int]:
@@ -443,7 +454,10 @@ def make_plan(
     request = prepared.request
     progress("lowering the plan on meta tensors for every rank", None)
     plan = check_lowering(prepared, plan, cluster)
-    plan = _replan_around_unshardable_gaps(prepared, plan, cluster, constraints, model_path, progress)
+    plan, replicated = _replan_around_unshardable_gaps(
+        prepared, plan, cluster, constraints, model_path, progress
+    )
+    plan = _lower_baseline(prepared, replicated, plan, cluster, constraints, model_path)
     plan.cluster_source = cluster_source
     if request is not None and prepared.prefill is not None:
         plan.serving = price_request(
@@ -470,19 +484,21 @@ def _replan_around_unshardable_gaps(
     constraints: Constraints,
     model_path: str,
     progress: Progress = silent,
-) -> Plan:
-    """`plan`, or a better one when lowering found unplanned all-gathers inside a projection chain's
-    gap (`ModelStructure.chain_gaps`), a layer's MLP activation or its attention core: an op there with
-    no sharding rule (a depthwise convolution, a cumsum over the sequence, a hand-written q @ k^T) made
-    the TP pass gather the shard the plan carried through it. The model is planned again with those
-    parts replicated (`ModelStructure.replicated_chain_gaps`, `replicated_mlp_classes`,
-    `replicated_attention_classes`: their all-gather becomes a planned S->R conversion the ILP prices
-    and weighs), until no new one shows; the faster of the plans, each with its fallbacks priced, is
-    returned, beside the Megatron baseline priced with those MLP activations replicated (its column-
-    then row-parallel layout gathers there too; an attention core's baseline is left as first priced).
-    Before, the ILP chose column- then row-parallel around a depthwise Conv1d, the pass gathered at the
-    conv, and the report compared the plan with a baseline priced as if the conv could stay sharded
-    ("0.74x its speed")."""
+) -> tuple[Plan, ModelStructure]:
+    """(`plan` or a better one, the model's structure with the gaps and MLP activations found replicated)
+    when lowering found unplanned all-gathers inside a projection chain's gap (`ModelStructure.chain_gaps`),
+    a layer's MLP activation or its attention core: an op there with no sharding rule (a depthwise
+    convolution, a cumsum over the sequence, a hand-written q @ k^T) made the TP pass gather the shard
+    the plan carried through it. The model is planned again with those parts replicated
+    (`ModelStructure.replicated_chain_gaps`, `replicated_mlp_classes`, `replicated_attention_classes`:
+    their all-gather becomes a planned S->R conversion the ILP prices and weighs), until no new one
+    shows; the faster of the plans, each with its fallbacks priced, is returned. The structure returned
+    replicates the chain gaps and MLP activations, not the attention cores: it is what the Megatron
+    baseline is priced on (`_lower_baseline`; its column- then row-parallel MLP gathers there too,
+    while a baseline with its core replicated would also replicate q/k/v/o and flatter the plan).
+    Before, the ILP chose column- then row-parallel around a depthwise Conv1d, the pass gathered at
+    the conv, and the report compared the plan with a baseline priced as if the conv could stay
+    sharded ("0.74x its speed")."""
     from planner.solver.costing import layer_key  # noqa: PLC0415
 
     structure = prepared.structure
@@ -520,12 +536,66 @@ def _replan_around_unshardable_gaps(
         plan = check_lowering(again, plan, cluster)
         if plan.predicted.latency_s < best.predicted.latency_s:
             best = plan
-        if (gaps or classes) and not cores:
-            # the Megatron layout too runs those activations replicated (a gather, not as if it could shard).
-            # Not for attention cores: a baseline with its core replicated also replicates q/k/v/o, slower
-            # than Megatron's head-split projections with the pass's gathers, so it would flatter the plan
-            best = replace(best, baseline=plan.baseline, baseline_layout=plan.baseline_layout)
-    return best
+    return best, replace(
+        structure, replicated_attention_classes=prepared.structure.replicated_attention_classes
+    )
+
+
+def _lower_baseline(
+    prepared: Prepared,
+    structure: ModelStructure,
+    plan: Plan,
+    cluster: ClusterSpec,
+    constraints: Constraints,
+    model_path: str,
+) -> Plan:
+    """`plan` with its Megatron baseline (`Plan.baseline`) priced as it would run: the hand-written
+    layout on `structure` (`planner.solver.search.megatron_plan`), lowered for every rank like a plan
+    (`check_lowering`), with the all-gathers the TP pass adds to it priced; the "megatron-baseline"
+    decision says how many and where. Before, a model with a hand-written q @ k^T attention core was
+    compared with a baseline priced as if that core could split by heads ("0.87x its speed"), while
+    the pass gathers q and k there. A baseline the passes cannot lower at all keeps its price, and the
+    decision says why it would not run."""
+    if plan.baseline is None or prepared.graph is None:
+        return plan
+    expert = megatron_plan(structure, cluster, prepared.workload, constraints, model_name=str(model_path))
+    if expert is None or expert.tp == 1:  # no TP pass, nothing to gather
+        return plan
+    lowered = ("mesh", "splits", "stages", "ladder_layers", "workload", "micro_batches")
+    if not plan.fallbacks and all(getattr(expert, f) == getattr(plan, f) for f in lowered):
+        return plan  # the layout `plan` lowered without a fallback: its baseline lowers the same way
+    try:
+        # its recomputation moves no gather (`verify_plan` lowers without it) and may name a layer class
+        # a chain model lacks
+        expert = check_lowering(
+            replace(prepared, structure=structure), replace(expert, recompute={}), cluster
+        )
+    except InfeasibleError as e:
+        return replace(plan, decisions=_baseline_note(plan.decisions, None, f"it would not run: {e}"))
+    note = ""
+    if expert.fallbacks:
+        ops = ", ".join(dict.fromkeys(f"{f.op} at {f.line or f.node}" for f in expert.fallbacks))
+        note = (
+            f"priced with the {len(expert.fallbacks)} all-gather(s) the TP pass adds to it "
+            f"({sum(f.comm_s for f in expert.fallbacks) * 1e3:.3g} ms: {ops})"
+        )
+    return replace(
+        plan,
+        baseline=expert.predicted,
+        decisions=_baseline_note(plan.decisions, expert.predicted.latency_s, note),
+    )
+
+
+def _baseline_note(decisions: list[Decision], latency_s: float | None, note: str) -> list[Decision]:
+    """`decisions` with the "megatron-baseline" one's latency set to `latency_s` (None: kept) and
+    `note` appended to its reason."""
+    out = []
+    for d in decisions:
+        if d.subject == "megatron-baseline":
+            options = dict(d.options) if latency_s is None else {**d.options, "latency": latency_s}
+            d = replace(d, options=options, reason=f"{d.reason}; {note}" if note else d.reason)
+        out.append(d)
+    return out
 
 
 def priced_workload(plan: Plan) -> WorkloadSpec:
@@ -691,7 +761,7 @@ def cluster_source(name_or_path: str | None, nproc: int | None) -> str:
     """Where `resolve_cluster(name_or_path, nproc)` takes the spec from: a preset name, the YAML
     file's absolute path, or (None) this machine's cached calibration."""
     if not name_or_path:
-        return str(CACHE_DIR / f"local-nproc{nproc or os.cpu_count() or 1}.yaml")
+        return str(CACHE_DIR / f"local-nproc{calibration_nproc(nproc or os.cpu_count() or 1)}.yaml")
     if Path(name_or_path).is_file():
         return str(Path(name_or_path).resolve())
     return name_or_path

@@ -657,7 +657,7 @@ def _infeasible(search: _Search) -> InfeasibleError:
 
 
 def _make_plan(search: _Search, best: _Candidate | None, model_name: str) -> Plan:
-    s, w = search.structure, search.workload
+    w = search.workload
     baseline = _baseline(search)
     if best is None:
         raise _infeasible(search)
@@ -674,7 +674,7 @@ def _make_plan(search: _Search, best: _Candidate | None, model_name: str) -> Pla
         chosen = baseline
         decisions.append(Decision("fallback", "megatron", {"search": best.latency_s, "megatron": baseline.prediction.latency_s},
                                   f"the ILP stopped at {sol.status} (gap {sol.gap:.3g}); Megatron's plan is faster"))  # fmt: skip
-    config, tables, assignment = chosen.tables.ctx.config, chosen.tables, chosen.assignment
+    config, tables = chosen.tables.ctx.config, chosen.tables
     candidates = [
         MeshCandidate(c.config.mesh, c.config.micro_batches, c.latency_s, c.note, c.config.layout_label())
         for c in sorted(search.candidates, key=lambda c: (c.latency_s is None, c.latency_s or 0.0))
@@ -683,7 +683,20 @@ def _make_plan(search: _Search, best: _Candidate | None, model_name: str) -> Pla
     decisions += training_decisions(chosen, search.cap_bytes, _alternative_tables(search), search.constraints)
     decisions += strategy_decisions(chosen)
     decisions += ladder_decision(chosen, search.ladder, search.constraints.ladder_min_saving_fraction)
-    excluded = list(dict.fromkeys(search.excluded + op_exclusions(tables.graphs, tables.ends)))
+    plan = _plan_of(search, chosen, model_name, SolverInfo(sol.status, sol.objective, sol.gap, search.solver_time_s, sol.num_variables))  # fmt: skip
+    plan.decisions = decisions
+    plan.excluded = list(dict.fromkeys(search.excluded + op_exclusions(tables.graphs, tables.ends)))
+    plan.baseline = baseline.prediction if baseline is not None else None
+    plan.baseline_layout = _layout_text(baseline, w) if baseline is not None else {}
+    plan.mesh_candidates = candidates
+    return plan
+
+
+def _plan_of(search: _Search, priced: PricedAssignment, model_name: str, solver: SolverInfo) -> Plan:
+    """The Plan of one priced assignment (its mesh, splits, stages, ladder, schedule, recompute and
+    prediction), without decisions or a baseline."""
+    s, w = search.structure, search.workload
+    config, tables, assignment = priced.tables.ctx.config, priced.tables, priced.assignment
     return Plan(
         model=model_name,
         cluster=search.cluster.name,
@@ -697,21 +710,37 @@ def _make_plan(search: _Search, best: _Candidate | None, model_name: str) -> Pla
         splits=_splits(tables, assignment),
         stages=_rank_stages(assignment.stages, config.mesh.pp) if s.layers else [[]],
         ladder_layers=assignment.ladder_layers,
-        predicted=chosen.prediction,
-        solver=SolverInfo(sol.status, sol.objective, sol.gap, search.solver_time_s, sol.num_variables),
+        predicted=priced.prediction,
+        solver=solver,
         schedule=config.schedule,
         virtual_stages=config.virtual_stages,
         sequence_parallel=tables.ctx.sequence_parallel,
         recompute=dict(assignment.recompute) if w.train else {},
         distributed_optimizer=tables.ctx.distributed_optimizer,
-        decisions=decisions,
-        excluded=excluded,
-        baseline=baseline.prediction if baseline is not None else None,
-        baseline_layout=_layout_text(baseline, w) if baseline is not None else {},
-        mesh_candidates=candidates,
         token_model=s.token_model,
         unpriced_ops=s.unknown_ops,
         model_params=int(s.num_params),
+    )
+
+
+def megatron_plan(
+    structure: ModelStructure,
+    cluster: ClusterSpec,
+    workload: WorkloadSpec,
+    constraints: Constraints,
+    *,
+    model_name: str = "model",
+) -> Plan | None:
+    """The hand-written Megatron-LM plan that `plan_model` compares its plan with (`Plan.baseline`), as
+    a Plan of its own, so that it can be lowered like one (`passes.verify.verify_plan` prices the
+    all-gathers the TP pass adds to it); None when no Megatron layout applies. Solver fields: status
+    "megatron", no ILP. Raises InputError as `plan_model`."""
+    search = _setup(structure, cluster, workload, constraints)
+    baseline = _baseline(search)
+    if baseline is None:
+        return None
+    return _plan_of(
+        search, baseline, model_name, SolverInfo("megatron", baseline.prediction.latency_s, 0.0, 0.0, 0)
     )
 
 

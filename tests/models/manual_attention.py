@@ -1,7 +1,8 @@
 """Test model: two pre-LN blocks with a hand-written attention core (q @ k^T, masked softmax, p @ v)
 rather than SDPA. The TP pass splits no hand-written core by heads: it gathers q, k and v there, so
-the planner prices those gathers, plans again with the core replicated, and prices the Megatron
-baseline that way too (it once compared its own optimum with a baseline priced as if the core split).
+the planner prices those gathers, plans again with the core replicated, and lowers the Megatron
+baseline like a plan, pricing the gathers the pass adds to it (it once compared its own optimum with
+a baseline priced as if the core split).
 """
 
 import math
