@@ -353,8 +353,14 @@ def test_more_processes_than_cores_time_share_them(monkeypatch: pytest.MonkeyPat
     # gloo's loopback moves messages with the same cores: its latency stretches, its bandwidth halves
     assert four.intra_node.latency_s == pytest.approx(2 * two.intra_node.latency_s)
     assert four.intra_node.bandwidth_bytes_per_s == pytest.approx(two.intra_node.bandwidth_bytes_per_s / 2)
-    # a spec in hand re-sizes the same way (what the predict-vs-measure bench does)
+    # a spec in hand re-sizes the same way (what the predict-vs-measure bench does), and back (a spec
+    # `planner calibrate --nproc 4` wrote time-shared, loaded for 2 ranks)
     assert resize_cluster(two, 4) == four
+    back = resize_cluster(four, 2)
+    assert back.device.node_overhead_s == pytest.approx(two.device.node_overhead_s)
+    assert back.device.launch_overhead_s == pytest.approx(two.device.launch_overhead_s)
+    assert back.device.peak_flops_per_s["fp32"] == pytest.approx(two.device.peak_flops_per_s["fp32"])
+    assert back.intra_node.latency_s == pytest.approx(two.intra_node.latency_s)
     # up to one rank per core nothing is shared: the link is untouched
     assert load_cluster("local-cpu", nproc=1).intra_node == two.intra_node
 
@@ -383,3 +389,23 @@ def test_more_ranks_than_cores_plan_on_the_one_process_per_core_calibration(
     assert four.device.peak_flops_per_s["fp32"] == pytest.approx(two.device.peak_flops_per_s["fp32"] / 2)
     assert four.intra_node.latency_s == pytest.approx(2 * two.intra_node.latency_s)
     assert workflow.cluster_source(None, 4) == str(cached)
+
+
+def test_a_plan_on_fewer_ranks_than_a_time_shared_spec_is_priced_unshared(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--nproc 3 on 2 cores: a plan that runs 1 or 2 ranks takes a core each (the idle third process
+    takes no share), so it is priced on the 2-process spec; one that runs all 3 is time-shared."""
+    from costmodels.cluster import cluster_for_ranks
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    two, three = load_cluster("local-cpu", nproc=2), load_cluster("local-cpu", nproc=3)
+    assert three.device.node_overhead_s == pytest.approx(1.5 * two.device.node_overhead_s)
+    for ranks in (1, 2):
+        priced = cluster_for_ranks(three, ranks)
+        assert priced.device.node_overhead_s == pytest.approx(two.device.node_overhead_s)
+        assert priced.device.peak_flops_per_s["fp32"] == pytest.approx(two.device.peak_flops_per_s["fp32"])
+        assert priced.intra_node.latency_s == pytest.approx(two.intra_node.latency_s)
+    assert cluster_for_ranks(three, 3) is three
+    assert cluster_for_ranks(two, 1) is two  # one process per core: nothing to undo
+    assert cluster_for_ranks(load_cluster("dgx-h100"), 1).name == "dgx-h100"

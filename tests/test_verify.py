@@ -190,7 +190,11 @@ def test_cli_names_the_fallback(tmp_path: Path) -> None:
         in r.stdout
     )
     assert "(2 places)" in r.stdout
-    assert [f["op"] for f in json.loads(report.read_text())["fallbacks"]] == ["aten.cumsum"] * 2
+    fallbacks = json.loads(report.read_text())["fallbacks"]
+    assert [f["op"] for f in fallbacks] == ["aten.cumsum"] * 2
+    assert all(
+        f["places"] == 1 and f["memory_bytes"] == 2 * 16 * 256 * 4 / 2 for f in fallbacks
+    )  # as the plan
 
 
 @pytest.mark.slow

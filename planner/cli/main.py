@@ -396,6 +396,12 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     from planner.cli.render import render_decisions, render_plan  # noqa: PLC0415
 
     render_plan(console, plan)
+    cores = os.cpu_count() or 1
+    if cluster.backend == "gloo" and cluster.num_nodes == 1 and plan.num_devices > cores:
+        console.print(
+            f"[yellow]{plan.num_devices} ranks time-share this machine's {cores} cores: priced with each rank's "
+            f"compute, per-node overhead and gloo link slowed by {cores}/{plan.num_devices}[/yellow]"
+        )
     if budget is not None:
         from planner.cli.quality import render_budget  # noqa: PLC0415
 
@@ -759,8 +765,19 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     _check_outputs(args, out_kind="cluster spec")
 
+    measured = workflow.calibration_nproc(args.nproc)
+    if measured != args.nproc:
+        console.print(
+            f"[yellow]{args.nproc} processes on {os.cpu_count()} cores: measuring {measured} (one per core) and "
+            f"writing the spec time-shared over {args.nproc} (each gets {measured}/{args.nproc} of a core); "
+            f"{args.nproc} processes timed at once would measure the scheduler[/yellow]"
+        )
     with _bars(args) as bars:
-        spec = calibrate(args.nproc, progress=bars, probe_roofline=workflow.probe_roofline)
+        spec = calibrate(measured, progress=bars, probe_roofline=workflow.probe_roofline)
+    if measured != args.nproc:
+        from costmodels.cluster import resize_cluster  # noqa: PLC0415
+
+        spec = resize_cluster(spec, args.nproc)
     write_cluster_yaml(spec, args.out)
     spec = load_cluster(args.out)
     d = spec.device

@@ -1061,7 +1061,14 @@ def report_dict(
         },
         "excluded": list(plan.excluded),
         "fallbacks": [
-            {"op": f.op, "line": f.line, "bytes_gathered": f.bytes_gathered, "comm_s": f.comm_s}
+            {
+                "op": f.op,
+                "line": f.line,
+                "bytes_gathered": f.bytes_gathered,
+                "comm_s": f.comm_s,
+                "places": f.places,
+                "memory_bytes": f.memory_bytes,
+            }
             for f in plan.fallbacks
         ],
     }

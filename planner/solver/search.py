@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 
 from costmodels import memory
-from costmodels.cluster import ClusterSpec
+from costmodels.cluster import ClusterSpec, cluster_for_ranks
 from planner.errors import InfeasibleError, InputError
 from planner.frontend.analysis import Layer, ModelStructure, Role
 from planner.plan import (
@@ -160,6 +160,7 @@ def price(
     """Every op option of `structure` priced on one mesh candidate, in the workload's (or the model's)
     dtype: what `plan_model` hands the ILP for that candidate. Raises InputError for a model with
     nothing to plan."""
+    cluster = cluster_for_ranks(cluster, config.mesh.num_devices)
     ctx = CostContext(structure, cluster, workload, config, workload.dtype or structure.dtype)
     return build_cost_tables(ctx)
 
@@ -377,7 +378,8 @@ def _tables_key(ctx: CostContext) -> tuple:
 def _price(search: _Search, config: MeshConfig, lazy: bool = False) -> _Candidate:
     """`config` priced, with its lower bounds. `lazy`: the tables' static bytes may still need the
     candidate's training-state factor (`_materialize` before using them), which only the bounds know."""
-    ctx = CostContext(search.structure, search.cluster, search.workload, config, search.dtype)
+    cluster = cluster_for_ranks(search.cluster, config.mesh.num_devices)  # time-shared only by ranks that run
+    ctx = CostContext(search.structure, cluster, search.workload, config, search.dtype)
     key = _tables_key(ctx)
     if key not in search.priced:
         tables = build_cost_tables(ctx, search.layer_keys)

@@ -11,7 +11,7 @@ report: time to first token, time per output token and tokens/s over the whole r
 
 from __future__ import annotations
 
-from costmodels.cluster import ClusterSpec
+from costmodels.cluster import ClusterSpec, cluster_for_ranks
 from planner.errors import InputError
 from planner.frontend.analysis import ModelStructure
 from planner.plan import Layout, Plan, Prediction, Serving, Workload
@@ -144,6 +144,7 @@ def plan_prediction(
         plan.sequence_parallel,
         plan.distributed_optimizer,
     )
+    cluster = cluster_for_ranks(cluster, plan.mesh.num_devices)  # time-shared only by ranks that run
     tables = build_cost_tables(CostContext(structure, cluster, workload, config, plan.dtype))
     assignment = plan_assignment(plan, tables)
     assignment.ladder_layers = list(ladder)
