@@ -35,6 +35,7 @@ import torch.fx as fx
 
 from costmodels.cluster import ClusterSpec
 from costmodels.comm import Group, all_gather_time_s
+from costmodels.compute import OP_KINDS, op_time_s
 from costmodels.dtypes import DTYPE_BYTES
 from passes.ladder import LadderError
 from passes.lower import lower_for_rank
@@ -43,7 +44,7 @@ from passes.recompute import recompute_of_layers
 from passes.tp_rules_context import FALLBACK_META, TensorParallelError
 from passes.tp_rules_context import Fallback as PassFallback
 from planner.errors import InfeasibleError
-from planner.frontend.analysis import ModelStructure, analyse
+from planner.frontend.analysis import ModelStructure, NodeCost, analyse
 from planner.plan import Fallback, MeshShape, Plan, Prediction, Workload
 
 
@@ -71,7 +72,7 @@ def verify_plan(gm: fx.GraphModule, structure: ModelStructure, plan: Plan, clust
     recompute_of_layers(structure, plan.recompute)  # InputError for a key that names no layer class
     # recompute moves a layer's nodes into checkpointed submodules and adds no fallback: the TP
     # fallbacks are looked for in the graph lowered without it
-    found: dict[str, tuple[PassFallback, int]] = {}
+    found: dict[str, tuple[PassFallback, int, NodeCost | None]] = {}
     for job in _lowerings(gm, structure, dataclasses.replace(plan, recompute={})):
         for rank in job.ranks:
             lowered = copy.deepcopy(gm)
@@ -84,8 +85,10 @@ def verify_plan(gm: fx.GraphModule, structure: ModelStructure, plan: Plan, clust
                 if not in_template and job.index > 0:
                     continue
                 key = f"{fb.node}@{job.index}" if in_template else fb.node
-                found.setdefault(key, (fb, job.template_count if in_template else 1))
-    fallbacks = [_price(fb, count, plan, cluster) for fb, count in found.values()]
+                cost = job.structure.node_costs.get(fb.node) or structure.node_costs.get(fb.node)
+                found.setdefault(key, (fb, job.template_count if in_template else 1, cost))
+    dtype = structure.dtype
+    fallbacks = [_price(fb, count, plan, cluster, cost, dtype) for fb, count, cost in found.values()]
     return with_fallbacks(plan, fallbacks)
 
 
@@ -194,12 +197,37 @@ def _planned(fb: PassFallback, node: fx.Node, structure: ModelStructure, plan: P
     return all(g in projections for g in fb.gathered)
 
 
-def _price(fb: PassFallback, count: int, plan: Plan, cluster: ClusterSpec) -> Fallback:
-    """The plan's line for a fallback: bytes per micro-batch in the plan's dtype, time per step."""
+def _price(
+    fb: PassFallback,
+    count: int,
+    plan: Plan,
+    cluster: ClusterSpec,
+    cost: NodeCost | None = None,
+    captured_dtype: str | None = None,
+) -> Fallback:
+    """The plan's line for a fallback: bytes per micro-batch in the plan's dtype, time per step: the
+    all-gather, and the op itself run on the whole tensor where the plan priced a 1/tp shard of it
+    (`cost`: its `NodeCost` at the captured batch and dtype, `captured_dtype`; None: not priced)."""
     per_step = plan.micro_batches if plan.pp > 1 else 1  # the graph runs once per micro-batch
     nbytes = fb.elements * DTYPE_BYTES[plan.dtype] / plan.dp / per_step
     one = all_gather_time_s(nbytes, Group.packed(plan.tp, cluster), cluster)
     train = 2.0 if plan.workload is Workload.TRAIN else 1.0  # the backward reduce-scatters as much
+    compute_s = 0.0
+    if cost is not None and cost.kind != "none" and plan.tp > 1:
+        kind = cost.kind if cost.kind in OP_KINDS else "memory"
+        share = 1.0 / (plan.dp * per_step)  # one rank's micro-batch of the captured batch
+        byte_scale = DTYPE_BYTES[plan.dtype] / DTYPE_BYTES[captured_dtype or plan.dtype]
+        whole = op_time_s(
+            cost.flops * share,
+            (cost.bytes_read + cost.bytes_written) * share * byte_scale,
+            cluster.device,
+            plan.dtype,
+            kind,
+            launch=False,
+        )
+        # a matmul's backward is two matmuls of its size, a memory-bound op's about one pass more
+        passes = (3.0 if kind in ("matmul", "conv") else 2.0) if plan.workload is Workload.TRAIN else 1.0
+        compute_s = whole * (1 - 1 / plan.tp) * passes * per_step * count
     # memory: the gathered tensor is whole on every rank where the plan priced a 1/tp shard. Training
     # keeps it for the backward of the op that reads it, per layer and per micro-batch in flight (1F1B:
     # up to pp on the first stage): at most (tp - 1) / tp of it more per place; without autograd it
@@ -215,6 +243,7 @@ def _price(fb: PassFallback, count: int, plan: Plan, cluster: ClusterSpec) -> Fa
         comm_s=one * per_step * train * count,
         places=count,
         memory_bytes=memory,
+        compute_s=compute_s,
     )
 
 
@@ -227,14 +256,16 @@ def with_fallbacks(plan: Plan, fallbacks: list[Fallback]) -> Plan:
     if not new:
         return plan
     extra = sum(f.comm_s for f in new)
+    compute = sum(f.compute_s for f in new)
     every = [*plan.fallbacks, *new]
     before = _fallback_memory(plan.fallbacks, plan.workload)
     memory = _fallback_memory(every, plan.workload) - before
     p = plan.predicted
-    latency = p.latency_s + extra
+    latency = p.latency_s + extra + compute
     predicted: Prediction = dataclasses.replace(
         p,
         latency_s=latency,
+        compute_s=p.compute_s + compute,
         exposed_comm_s=p.exposed_comm_s + extra,
         throughput_tokens_per_s=p.throughput_tokens_per_s * p.latency_s / latency if latency else 0.0,
         peak_memory_bytes=p.peak_memory_bytes + memory,

@@ -279,6 +279,7 @@ class Fallback:
     comm_s: float  # added to the predicted step time (all micro-batches, backward included)
     places: int = 1  # layers the gather repeats in (a representative layer's lowering stands for them)
     memory_bytes: float = 0.0  # added to the predicted peak memory per rank (`passes.verify`)
+    compute_s: float = 0.0  # the op on the whole tensor instead of a 1/tp shard, added to the step time
 
 
 @dataclass

@@ -88,12 +88,15 @@ def test_unplanned_fallback_is_priced_and_named() -> None:
     assert all(f.bytes_gathered == 2 * 16 * 256 * 4 and f.comm_s > 0 for f in plan.fallbacks)
     # and in the memory: the gathered activation is whole where half was priced, one at a time in a forward
     assert all(f.memory_bytes == 2 * 16 * 256 * 4 / 2 for f in plan.fallbacks)
+    # and the cumsum itself, run on the whole activation where the plan priced half of it
+    assert all(f.compute_s > 0 for f in plan.fallbacks)
     bare = dataclasses.replace(plan, fallbacks=[])
     bare = dataclasses.replace(
         bare,
         predicted=dataclasses.replace(
             plan.predicted,
-            latency_s=plan.predicted.latency_s - sum(f.comm_s for f in plan.fallbacks),
+            latency_s=plan.predicted.latency_s - sum(f.comm_s + f.compute_s for f in plan.fallbacks),
+            compute_s=plan.predicted.compute_s - sum(f.compute_s for f in plan.fallbacks),
             exposed_comm_s=plan.predicted.exposed_comm_s - sum(f.comm_s for f in plan.fallbacks),
             peak_memory_bytes=plan.predicted.peak_memory_bytes - 2 * 16 * 256 * 2,  # the largest one
         ),

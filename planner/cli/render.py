@@ -185,7 +185,12 @@ def render_plan(console: Console, plan: Plan) -> None:
         n, nbytes, comm, memory = grouped.setdefault((f.op, f.line), [0, 0.0, 0.0, 0.0])
         # training keeps every gathered tensor for the backward; a forward holds one at a time
         memory = memory + f.memory_bytes if train else max(memory, f.memory_bytes)
-        grouped[(f.op, f.line)] = [n + f.places, nbytes + f.bytes_gathered, comm + f.comm_s, memory]
+        grouped[(f.op, f.line)] = [
+            n + f.places,
+            nbytes + f.bytes_gathered,
+            comm + f.comm_s + f.compute_s,
+            memory,
+        ]
     for (op, line), (n, nbytes, comm, memory) in grouped.items():
         times = f" ({int(n)} places)" if n > 1 else ""
         held = ""
@@ -193,7 +198,8 @@ def render_plan(console: Console, plan: Plan) -> None:
             held = f", +{_kib(memory)}/rank of memory" + ("" if train else " while it runs")
         console.print(
             f"[yellow]unplanned all-gather: the TP pass runs {op} replicated at {line}{times}; "
-            f"{_kib(nbytes)} gathered; in the prediction above: +{fmt_s(comm)}{held}[/yellow]",
+            f"{_kib(nbytes)} gathered; in the prediction above: +{fmt_s(comm)} (the gather, and the op on the whole "
+            f"tensor){held}[/yellow]",
             highlight=False,
         )
     if plan.unpriced_ops:
@@ -350,6 +356,12 @@ def render_decisions(console: Console, plan: Plan) -> None:
         # plain text: labels such as "m=2 [interleaved_1f1b v=2]" are not rich markup
         table.add_row(*(escape(str(cell)) for cell in (d.subject, d.chosen, options, d.reason)))
     console.print(table)
+    added = sum(f.comm_s + f.compute_s for f in plan.fallbacks)
+    if added:
+        console.print(
+            f"The decisions' times are the solver's; the predicted latency above adds {fmt_s(added)} for the "
+            "unplanned all-gathers found by lowering the plan (their gathers and the ops run on whole tensors)."
+        )
 
 
 def render_serving(console: Console, plan: Plan) -> None:

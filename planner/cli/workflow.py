@@ -577,7 +577,7 @@ def _lower_baseline(
         ops = ", ".join(dict.fromkeys(f"{f.op} at {f.line or f.node}" for f in expert.fallbacks))
         note = (
             f"priced with the {len(expert.fallbacks)} all-gather(s) the TP pass adds to it "
-            f"({sum(f.comm_s for f in expert.fallbacks) * 1e3:.3g} ms: {ops})"
+            f"({sum(f.comm_s + f.compute_s for f in expert.fallbacks) * 1e3:.3g} ms with the ops run whole: {ops})"
         )
     return replace(
         plan,
@@ -1068,6 +1068,7 @@ def report_dict(
                 "comm_s": f.comm_s,
                 "places": f.places,
                 "memory_bytes": f.memory_bytes,
+                "compute_s": f.compute_s,
             }
             for f in plan.fallbacks
         ],
