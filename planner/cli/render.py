@@ -118,7 +118,14 @@ def render_plan(console: Console, plan: Plan) -> None:
         + f"; ladder residual on layers {layer_ranges(plan.ladder_layers) or 'none'}"
     )
     m = plan.micro_batches
-    table = Table(title=_layer_table_title(plan), caption=_stage_totals_caption(plan), show_lines=False)
+    captions = [_stage_totals_caption(plan)]
+    if plan.fallbacks:  # the rows show the solver's choices; lowering found ops that cannot follow them
+        captions.append(
+            "Split choices as solved; the ops named in the unplanned all-gather lines below run replicated "
+            "instead (the rows' times leave them out, the latency includes them)"
+        )
+    caption = "\n".join(c for c in captions if c) or None
+    table = Table(title=_layer_table_title(plan), caption=caption, show_lines=False)
     for col in (
         "stage",
         "layers",
