@@ -658,18 +658,21 @@ def resize_cluster(spec: ClusterSpec, nproc: int) -> ClusterSpec:
     return _with_nproc(spec, nproc, spec.name, flexible=spec.backend == "gloo")
 
 
+def time_shared(spec: ClusterSpec, ranks: int) -> bool:
+    """Whether `ranks` CPU processes on `spec` share cores: one gloo node, more ranks than this
+    machine's cores (`_cpu_processes` slows each by cores / ranks)."""
+    return spec.backend == "gloo" and spec.num_nodes == 1 and ranks > (os.cpu_count() or 1)
+
+
 def cluster_for_ranks(spec: ClusterSpec, ranks: int) -> ClusterSpec:
     """The spec a plan on `ranks` ranks is priced with: `spec`, unless it is one gloo node of more CPU
     processes than cores (time-shared, `_cpu_processes`) and the plan runs fewer, which share the
     cores less: then `spec` re-sized to max(ranks, cores) processes. `planner optimize --nproc 3` on 2
     cores priced a one-rank plan as one of 3 processes sharing 2 cores (3.2 ms predicted, 2.0 ms
     measured); the ranks that do not run take no share."""
-    cores = os.cpu_count() or 1
-    if spec.backend != "gloo" or spec.num_nodes != 1 or spec.devices_per_node <= cores:
+    if not time_shared(spec, spec.devices_per_node) or ranks >= spec.devices_per_node:
         return spec
-    if ranks >= spec.devices_per_node:
-        return spec
-    return _cpu_processes(spec, max(ranks, cores))
+    return _cpu_processes(spec, max(ranks, os.cpu_count() or 1))
 
 
 def _with_nproc(spec: ClusterSpec, nproc: int, origin: str, flexible: bool) -> ClusterSpec:

@@ -89,7 +89,7 @@ def verify_plan(gm: fx.GraphModule, structure: ModelStructure, plan: Plan, clust
                 found.setdefault(key, (fb, job.template_count if in_template else 1, cost))
     dtype = structure.dtype
     fallbacks = [_price(fb, count, plan, cluster, cost, dtype) for fb, count, cost in found.values()]
-    return with_fallbacks(plan, fallbacks)
+    return _with_fallbacks(plan, fallbacks)
 
 
 def _lower(gm: fx.GraphModule, structure: ModelStructure, plan: Plan, rank: int) -> None:
@@ -231,7 +231,7 @@ def _price(
     # memory: the gathered tensor is whole on every rank where the plan priced a 1/tp shard. Training
     # keeps it for the backward of the op that reads it, per layer and per micro-batch in flight (1F1B:
     # up to pp on the first stage): at most (tp - 1) / tp of it more per place; without autograd it
-    # lives while the op runs (`with_fallbacks` adds the largest one).
+    # lives while the op runs (`_with_fallbacks` adds the largest one).
     extra = nbytes * (plan.tp - 1) / plan.tp
     in_flight = min(plan.pp, per_step) if plan.pp > 1 else 1
     memory = extra * count * in_flight if plan.workload is Workload.TRAIN else extra
@@ -247,7 +247,7 @@ def _price(
     )
 
 
-def with_fallbacks(plan: Plan, fallbacks: list[Fallback]) -> Plan:
+def _with_fallbacks(plan: Plan, fallbacks: list[Fallback]) -> Plan:
     """`plan` with `fallbacks` listed, their time added to `predicted` (exposed communication) and their
     memory to its peak (`Fallback.memory_bytes`: training keeps every gathered tensor for the backward,
     so they add up; a forward holds one at a time, so the largest adds)."""

@@ -396,8 +396,10 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     from planner.cli.render import render_decisions, render_plan  # noqa: PLC0415
 
     render_plan(console, plan)
-    cores = os.cpu_count() or 1
-    if cluster.backend == "gloo" and cluster.num_nodes == 1 and plan.num_devices > cores:
+    from costmodels.cluster import time_shared  # noqa: PLC0415
+
+    if time_shared(cluster, plan.num_devices):
+        cores = os.cpu_count() or 1
         console.print(
             f"[yellow]{plan.num_devices} ranks time-share this machine's {cores} cores: priced with each rank's "
             f"compute, per-node overhead and gloo link slowed by {cores}/{plan.num_devices}[/yellow]"
