@@ -5,6 +5,7 @@ cost model's own figures. Fast: small models on CPU, no timing."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +25,8 @@ from planner.solver.problem import WorkloadSpec as Workload
 from planner.solver.search import plan_model, price
 from planner.solver.stages import balanced_split, rebalance, solution_costs, stage_times_s
 from tests.planner_fixtures import LLAMA_CONFIGS, Llama, analysed_llama, token_ids
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 class _Conv(nn.Module):
@@ -149,6 +152,36 @@ def test_stage_split_is_never_slower_than_the_balanced_one(micro_batches: int) -
     best = balanced_split(prob.tables, costs, prob.memory_cap_bytes)
     assert chosen <= even * (1 + 1e-9)
     assert chosen <= max(stage_times_s(prob.tables, costs, best)) * (1 + 1e-9)
+
+
+def test_nodes_before_the_first_layer_are_priced_on_the_first_stage() -> None:
+    """An HF Llama computes its position ids, causal mask and RoPE tables before the first layer:
+    on a pipeline they run on the first stage (the split sends them on), so the prediction charges them
+    there, and the final norm after the last layer on the last stage."""
+    from planner.cli.workflow import prepare  # noqa: PLC0415
+
+    s = prepare(str(REPO / "examples" / "hf_llama.py"), "forward").structure
+    cluster = load_cluster("local-cpu", nproc=2)
+    dev = dataclasses.replace(cluster.device, node_overhead_s=10e-6)
+    cluster = dataclasses.replace(cluster, device=dev)
+    ctx = CostContext(
+        s, cluster, Workload("forward", s.batch_size, s.seq_len), MeshConfig(MeshShape(1, 2, 1), 1), "fp32"
+    )
+    before, after = (
+        outside_nodes_time_s(ctx, before_layers=True),
+        outside_nodes_time_s(ctx, before_layers=False),
+    )
+    assert before > 30 * 10e-6  # ~40 nodes: position ids, mask, RoPE tables
+    assert after > 0  # the final norm
+    assert before + after == pytest.approx(outside_nodes_time_s(ctx))
+    tables = price(
+        s, cluster, Workload("forward", s.batch_size, s.seq_len), MeshConfig(MeshShape(1, 2, 1), 1)
+    )
+    assert tables.ends.first_stage_compute_s == pytest.approx(before)
+    sol = ilp.solve(_problem(s, cluster, MeshConfig(MeshShape(1, 2, 1), 1)))
+    costs = solution_costs(tables, sol.assignment)
+    assert costs.first_time_s >= before
+    assert costs.last_time_s >= after
 
 
 def test_rebalance_moves_an_unbalanced_split() -> None:

@@ -142,6 +142,9 @@ class LayerGraph:
     fixed_static_bytes: float  # norm weights etc. (with optimizer state when training)
     fixed_activation_bytes: float
     fixed_grad_bytes: float = 0.0
+    # the ends only: the part of fixed_compute_s computed before the first layer (RoPE tables, masks,
+    # position ids), which runs on the first pipeline stage; the rest (final norm, ...) on the last
+    first_stage_compute_s: float = 0.0
 
     def op(self, name: str) -> Op:
         for op in self.ops:
@@ -663,12 +666,16 @@ def _in_layer_module(module_path: str, layer_paths: set[str]) -> bool:
     return any(".".join(parts[:k]) in layer_paths for k in range(1, len(parts) + 1))
 
 
-def outside_nodes_time_s(ctx: CostContext) -> float:
+def outside_nodes_time_s(ctx: CostContext, before_layers: bool | None = None) -> float:
     """Time of every graph node outside the transformer layers, on one rank per micro-batch: the
     per-node overhead of each, plus a roofline time (by its `NodeCost.kind`, scaled to the planned
     tokens and dtype as in `layer_node_times_s`) for those no op of the ends / chain graphs prices
     already (embeddings, the LM head and the chain projections are ops with their own options): final
-    norm, RoPE tables, masks, convolutions, pooling, activations between chain projections, ..."""
+    norm, RoPE tables, masks, convolutions, pooling, activations between chain projections, ...
+
+    ``before_layers``: True, only the nodes before the first layer's first op (what a pipeline's
+    first stage computes: an HF Llama's position ids, causal mask and RoPE tables, 43 nodes); False,
+    only the others (after it: the final norm, ..., on the last stage); None, all of them."""
     s = ctx.structure
     inside = {name for layer in s.layers for name in layer.nodes}
     paths = {layer.module_path for layer in s.layers}
@@ -677,9 +684,14 @@ def outside_nodes_time_s(ctx: CostContext) -> float:
         as_ops.add(s.lm_head.node)
     scale = ctx.tokens / max(1, s.batch_size * s.seq_len)
     byte_scale = ctx.bytes_per_element / DTYPE_BYTES[s.dtype]
-    total, nodes = 0.0, 0
-    for name, cost in s.node_costs.items():
+    first_layer = set(s.layers[0].nodes) if s.layers else set()
+    total, nodes, before = 0.0, 0, True
+    for name, cost in s.node_costs.items():  # in graph order
+        if name in first_layer and cost.kind != "none":
+            before = False
         if name in inside or cost.kind == "none" or _in_layer_module(cost.module_path, paths):
+            continue
+        if before_layers is not None and before != before_layers:
             continue
         nodes += 1
         if name in as_ops or cost.kind not in compute.OP_KINDS:
@@ -859,6 +871,7 @@ def build_ends_graph(ctx: CostContext) -> LayerGraph:
         ops.append(Op(f"embedding{i}", "embedding", options, [], out_bytes, emb.weight, None, excluded))
     head = s.lm_head
     fixed = outside_nodes_time_s(ctx) if s.node_costs else 0.0
+    first_stage = outside_nodes_time_s(ctx, before_layers=True) if s.node_costs and s.layers else 0.0
     if head is not None:
         hidden = head.in_features
         if not s.node_costs:  # not analysed node by node: the final norm by formula
@@ -893,7 +906,16 @@ def build_ends_graph(ctx: CostContext) -> LayerGraph:
         ops.append(Op("lm_head", "head", options, [], logits_bytes, head.weight, head, excluded))
     # parameters no op above holds (convolutions, norms and biases outside the layers, ...): replicated
     other = outside_params(s) * b
-    return LayerGraph("ends", ops, {}, fixed, other * state, 0.0, other if ctx.train else 0.0)
+    return LayerGraph(
+        "ends",
+        ops,
+        {},
+        fixed,
+        other * state,
+        0.0,
+        other if ctx.train else 0.0,
+        first_stage_compute_s=first_stage,
+    )
 
 
 def embedding_gradient_time_s(weight_bytes: float, out_bytes: float, tied: bool, ctx: CostContext) -> float:

@@ -30,7 +30,7 @@ class SplitCosts:
     time_s: list[float]  # per layer, per micro-batch: compute + exposed communication
     static_bytes: list[float]  # per layer, per rank: parameters (+ gradients and optimizer state)
     activation_bytes: list[float]  # per layer, per rank and in-flight micro-batch
-    first_time_s: float = 0.0  # embedding, on the first stage
+    first_time_s: float = 0.0  # embedding and the nodes before the first layer, on the first stage
     last_time_s: float = 0.0  # final norm and LM head, on the last stage
     first_static_bytes: float = 0.0
     last_static_bytes: float = 0.0
@@ -54,8 +54,8 @@ def reference_costs(tables: CostTables) -> SplitCosts:
         time_s=[per_class[k][0] for k in tables.layer_keys],
         static_bytes=[per_class[k][1] for k in tables.layer_keys],
         activation_bytes=[per_class[k][2] for k in tables.layer_keys],
-        first_time_s=least("embedding", _op_time_s),
-        last_time_s=ends.fixed_compute_s + least("head", _op_time_s),
+        first_time_s=ends.first_stage_compute_s + least("embedding", _op_time_s),
+        last_time_s=ends.fixed_compute_s - ends.first_stage_compute_s + least("head", _op_time_s),
         first_static_bytes=least("embedding", _static_bytes),
         last_static_bytes=least("head", _static_bytes),
     )
@@ -77,8 +77,8 @@ def solution_costs(tables: CostTables, solution: Assignment) -> SplitCosts:
         time_s=[b.compute_s + b.comm_s for b in layers],
         static_bytes=[b.static_bytes for b in layers],
         activation_bytes=[b.activation_bytes for b in layers],
-        first_time_s=chosen("embedding", _op_time_s),
-        last_time_s=ends.fixed_compute_s + chosen("head", _op_time_s),
+        first_time_s=ends.first_stage_compute_s + chosen("embedding", _op_time_s),
+        last_time_s=ends.fixed_compute_s - ends.first_stage_compute_s + chosen("head", _op_time_s),
         first_static_bytes=chosen("embedding", _static_bytes),
         last_static_bytes=chosen("head", _static_bytes),
     )
