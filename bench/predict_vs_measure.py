@@ -147,7 +147,7 @@ def _single_rank_cluster(args, console: Console):
 
     path = REPO_ROOT / "out" / "bench" / f"local-1process-{THREADS_PER_RANK}thread.yaml"
     cached = None if args.recalibrate or not path.exists() else load_cluster(str(path), nproc=1)
-    if cached is not None and cached.device.adam_s_per_param is not None:  # else an older format
+    if cached is not None and cached.device.adam_tensor_overhead_s is not None:  # else an older format
         return cached
     console.print(f"measuring this machine with 1 process of {THREADS_PER_RANK} thread(s) too (~30 s)")
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -747,12 +747,20 @@ def _conv_and_pool_rates(device: torch.device) -> tuple[float, float]:
 
 ADAM_SMALL_TENSORS = (8, 2**20)  # (tensors, fp32 elements each): 4 MiB, under LARGE_TENSOR_BYTES
 ADAM_LARGE_ELEMENTS = 12 * 2**20  # one fp32 tensor of 48 MiB, over it
+# (tensors, fp32 elements each) of two more Adam steps that small models' parameters look like: 256
+# elements (the per-tensor loop's fixed cost dominates) and 256 KiB (in cache, under
+# `costmodels.compute.CACHED_TENSOR_BYTES`); the two give the fixed cost per tensor and the in-cache
+# rate per parameter
+ADAM_TINY_TENSORS = (64, 256)
+ADAM_CACHED_TENSORS = (16, 2**16)
 
 
-def _optimizer_rates(device: torch.device) -> tuple[float, float, float]:
+def _optimizer_rates(device: torch.device) -> tuple[float, float, float, float, float]:
     """(seconds per parameter of torch.optim.Adam's step over `ADAM_SMALL_TENSORS`, the same over one
     tensor of `ADAM_LARGE_ELEMENTS`, bytes / s written by a zero fill into a freshly allocated tensor of
-    that size), timed interleaved by `clock` (page faults are the thread's own system time). The
+    that size, seconds per tensor of the step's loop, seconds per parameter of in-cache tensors), timed
+    interleaved by `clock` (page faults are the thread's own system time). The last two are solved
+    from `ADAM_TINY_TENSORS` and `ADAM_CACHED_TENSORS` (time per tensor = fixed + elements x rate). The
     runtime's optimizer (`runtime.data_parallel`) runs the same torch.optim.Adam with its defaults."""
 
     def stepper(sizes: list[int]) -> Callable[[], object]:
@@ -762,18 +770,24 @@ def _optimizer_rates(device: torch.device) -> tuple[float, float, float]:
         return torch.optim.Adam(params, lr=1e-3).step
 
     count, each = ADAM_SMALL_TENSORS
+    (tiny_n, tiny_each), (cached_n, cached_each) = ADAM_TINY_TENSORS, ADAM_CACHED_TENSORS
     fresh_bytes = 4.0 * ADAM_LARGE_ELEMENTS
     rates, _ = interleaved_rates(
         [
             stepper([each] * count),
             stepper([ADAM_LARGE_ELEMENTS]),
             lambda: torch.zeros(ADAM_LARGE_ELEMENTS, device=device),
+            stepper([tiny_each] * tiny_n),
+            stepper([cached_each] * cached_n),
         ],
-        [float(count * each), float(ADAM_LARGE_ELEMENTS), fresh_bytes],
+        [float(count * each), float(ADAM_LARGE_ELEMENTS), fresh_bytes, float(tiny_n), float(cached_n)],
         device,
-        1.0,
+        1.5,
     )
-    return 1.0 / rates[0], 1.0 / rates[1], rates[2]
+    tiny_s, cached_s = 1.0 / rates[3], 1.0 / rates[4]  # seconds per tensor
+    per_param = max(0.0, (cached_s - tiny_s) / (cached_each - tiny_each))
+    per_tensor = max(0.0, tiny_s - tiny_each * per_param)
+    return 1.0 / rates[0], 1.0 / rates[1], rates[2], per_tensor, per_param
 
 
 def _rounds_agreed(round_fn: Callable[[], object], device: torch.device, budget_s: float) -> int:
@@ -925,8 +939,10 @@ def _worker(
         if not use_cuda:  # eager CPU: torch.optim.Adam's step and the page faults of fresh tensors
             progress("optimizer step and fresh memory", 0.415)
             dist.barrier()
-            small_s, large_s, fresh = _optimizer_rates(device)
-            result["adam_s_per_param"] = _reduce([small_s, large_s], dist.ReduceOp.MAX, device)
+            small_s, large_s, fresh, per_tensor, cached = _optimizer_rates(device)
+            result["adam_s_per_param"] = _reduce(
+                [small_s, large_s, per_tensor, cached], dist.ReduceOp.MAX, device
+            )
             (result["fresh_write_bytes_per_s"],) = _reduce([fresh], dist.ReduceOp.MIN, device)
         *peaks, mem_bw, attention = _reduce([*peaks, mem_bw, attention], dist.ReduceOp.MIN, device)  # slowest
         result["attention_efficiency"] = min(1.0, attention / peaks[list(DTYPE_BYTES).index(attn_dtype)])
@@ -1198,9 +1214,18 @@ def calibrate(
     )
     data["device"]["pooling_bandwidth_GBps"] = _sig(m["pool_bytes_per_s"] / 1e9)
     if "adam_s_per_param" in m:
-        small_s, large_s = m["adam_s_per_param"]
+        small_s, large_s, per_tensor, cached = m["adam_s_per_param"]
         data["device"]["adam_ns_per_param"] = _sig(small_s * 1e9)
         data["device"]["adam_large_tensor_ns_per_param"] = _sig(large_s * 1e9)
+        if per_tensor > 0 and cached > 0:
+            data["device"]["adam_tensor_overhead_us"] = _sig(per_tensor * 1e6)
+            data["device"]["adam_cached_ns_per_param"] = _sig(cached * 1e9)
+            (tiny_n, tiny_each), (cached_n, cached_each) = ADAM_TINY_TENSORS, ADAM_CACHED_TENSORS
+            sources.append(
+                f"optimizer, small tensors: Adam steps over {tiny_n} tensors of {tiny_each} and {cached_n} of "
+                f"{cached_each} fp32 elements, solved as fixed + elements x rate per tensor: "
+                f"{per_tensor * 1e6:.1f} us per tensor, {cached * 1e9:.2f} ns per parameter in cache"
+            )
         data["device"]["fresh_write_bandwidth_GBps"] = _sig(m["fresh_write_bytes_per_s"] / 1e9)
         count, each = ADAM_SMALL_TENSORS
         sources.append(
@@ -1288,8 +1313,9 @@ def busy_message(
 
 
 # What a calibration measures; raised when a version measures more (a cached spec of an older format
-# lacks fields the cost model would price with): 2 = the optimizer step and fresh-memory writes.
-CALIBRATION_FORMAT = 2
+# lacks fields the cost model would price with): 2 = the optimizer step and fresh-memory writes; 3 = the
+# optimizer's fixed cost per tensor and its in-cache rate.
+CALIBRATION_FORMAT = 3
 
 
 def _machine_identity(nproc: int) -> dict:

@@ -38,6 +38,8 @@ YAML layout (units in the field names; see the presets in ``costmodels/clusters/
       adam_ns_per_param: 4
       adam_large_tensor_ns_per_param: 6
       fresh_write_bandwidth_GBps: 3
+      adam_tensor_overhead_us: 20    # optional: the step's fixed cost per tensor (absent: per-node dispatch)
+      adam_cached_ns_per_param: 2    # optional: per parameter in tensors <= 1 MiB (absent: adam_ns_per_param)
     links:
       intra_node: {kind: nvlink, bandwidth_GBps: 370, latency_us: 3.3}   # per direction, per device
       inter_node: {kind: infiniband, bandwidth_GBps: 37.5, latency_us: 6, nics_per_node: 8}  # per NIC
@@ -136,6 +138,15 @@ class DeviceSpec:
     adam_s_per_param: float | None = None
     adam_large_tensor_s_per_param: float | None = None
     fresh_write_bandwidth_bytes_per_s: float | None = None
+    # Optional (written by `planner calibrate` on CPUs): torch.optim.Adam's fixed cost per parameter
+    # tensor (its per-tensor loop dispatches about a dozen ops; None: `planner.solver.costing.
+    # ADAM_OPS_PER_TENSOR` per-node overheads), and its rate per parameter in tensors of at most
+    # `costmodels.compute.CACHED_TENSOR_BYTES`, which stay in cache (None: adam_s_per_param). Measured
+    # on the 2-vCPU dev VM (2026-12-01, one thread): 22 us per tensor, 1.6-2.0 ns per parameter in
+    # 64K-256K element tensors against 3.2-3.5 ns in 1M element ones; a tiny Llama's 39 tensors of 17K
+    # elements on average stepped in 2.2 ms, priced 4.4 ms with the per-node dispatch and 4 MiB rate.
+    adam_tensor_overhead_s: float | None = None
+    adam_cached_s_per_param: float | None = None
     # Optional, set at planning time, never read from YAML: measured / priced time of a model's own
     # (K, N) matmul shapes on this machine (`costmodels.calibrate.matmul_shape_time_ratios`), which
     # `costmodels.compute.op_time_s` applies to a matmul of that (K, N) at any M. A CPU's rate depends on
@@ -346,6 +357,8 @@ _EXPECT = {
     "adam_ns_per_param": "a number in ns > 0 (Adam's step per fp32 parameter, tensors <= 32 MiB), e.g. 4",
     "adam_large_tensor_ns_per_param": "a number in ns > 0 (the same, tensors > 32 MiB), e.g. 6",
     "fresh_write_bandwidth_GBps": "a number in GB/s > 0 (writes into freshly allocated memory), e.g. 3",
+    "adam_tensor_overhead_us": "a number in µs >= 0 (Adam's fixed cost per parameter tensor), e.g. 20",
+    "adam_cached_ns_per_param": "a number in ns > 0 (Adam's step per fp32 parameter, tensors <= 1 MiB), e.g. 2",
     "cache_MiB": "a number in MiB > 0 (last-level cache; larger matmuls stream), e.g. 32",
     "stream_bandwidth_GBps": "a number in GB/s > 0 (weight streaming of matmuls above cache_MiB), e.g. 4",
     "kind": f"one of {', '.join(LINK_KINDS)}",
@@ -408,6 +421,8 @@ def _parse_device(r: _Reader, raw: Any) -> DeviceSpec:
             "adam_ns_per_param",
             "adam_large_tensor_ns_per_param",
             "fresh_write_bandwidth_GBps",
+            "adam_tensor_overhead_us",
+            "adam_cached_ns_per_param",
         ),
     )
     conv = d.get("conv_efficiency")
@@ -488,6 +503,13 @@ def _parse_device(r: _Reader, raw: Any) -> DeviceSpec:
             fresh, "device.fresh_write_bandwidth_GBps", "GB/s", "3", plausible=_PLAUSIBLE_MEMORY_GBPS
         )
         * _GB,
+        adam_tensor_overhead_s=None
+        if (adam_t := d.get("adam_tensor_overhead_us")) is None
+        else r.number(adam_t, "device.adam_tensor_overhead_us", "µs", "20", allow_zero=True) * _US,
+        adam_cached_s_per_param=None
+        if (adam_c := d.get("adam_cached_ns_per_param")) is None
+        else r.number(adam_c, "device.adam_cached_ns_per_param", "ns", "2", plausible=_PLAUSIBLE_ADAM_NS)
+        * 1e-9,
     )
 
 
@@ -727,7 +749,8 @@ def _cpu_processes(spec: ClusterSpec, nproc: int) -> ClusterSpec:
     slowdown = min(1.0, share(nproc)) / min(1.0, share(spec.devices_per_node))
     if slowdown != 1.0:  # every per-op and per-node time (those the spec has) stretches alike
         stretched = ("launch_overhead_s", "node_overhead_s", "backward_node_overhead_s")
-        stretched += ("adam_s_per_param", "adam_large_tensor_s_per_param")
+        stretched += ("adam_s_per_param", "adam_large_tensor_s_per_param", "adam_tensor_overhead_s")
+        stretched += ("adam_cached_s_per_param",)
         device = replace(
             device,
             **{f: getattr(device, f) / slowdown for f in stretched if getattr(device, f) is not None},
@@ -838,6 +861,16 @@ def cluster_to_dict(spec: ClusterSpec) -> dict:
                 {}
                 if dev.fresh_write_bandwidth_bytes_per_s is None
                 else {"fresh_write_bandwidth_GBps": _human(dev.fresh_write_bandwidth_bytes_per_s / _GB)}
+            ),
+            **(
+                {}
+                if dev.adam_tensor_overhead_s is None
+                else {"adam_tensor_overhead_us": _human(dev.adam_tensor_overhead_s / _US)}
+            ),
+            **(
+                {}
+                if dev.adam_cached_s_per_param is None
+                else {"adam_cached_ns_per_param": _human(dev.adam_cached_s_per_param * 1e9)}
             ),
         },
         "links": links,

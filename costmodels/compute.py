@@ -289,9 +289,15 @@ LARGE_TENSOR_BYTES = 32 * 2**20
 ADAM_BYTES_PER_PARAM = 2 * 12.0 + 2 * 2.0
 
 
-def adam_step_time_s(params: float, large_params: float, device: DeviceSpec, dtype: str) -> float:
+CACHED_TENSOR_BYTES = 2**20  # fp32 tensors up to this size step at the device's in-cache Adam rate
+
+
+def adam_step_time_s(
+    params: float, large_params: float, device: DeviceSpec, dtype: str, cached_params: float = 0.0
+) -> float:
     """Seconds of the Adam update of ``params`` parameter elements on one device, ``large_params`` of
-    them in tensors over `LARGE_TENSOR_BYTES` (fp32), dispatch not included.
+    them in tensors over `LARGE_TENSOR_BYTES` (fp32) and ``cached_params`` in tensors of at most
+    `CACHED_TENSOR_BYTES` (at ``adam_cached_s_per_param`` when the device has it), dispatch not included.
 
     With the device's measured rates (``adam_s_per_param``, ``adam_large_tensor_s_per_param``, from
     `planner calibrate` on CPUs: torch.optim.Adam's per-tensor loop, which writes two temporaries per
@@ -299,16 +305,25 @@ def adam_step_time_s(params: float, large_params: float, device: DeviceSpec, dty
     the copies to and from its fp32 master weights (grad.float(), param.copy_(master): 12 B per
     parameter) at memory bandwidth. Without them, `ADAM_BYTES_PER_PARAM` at memory bandwidth.
 
-    Raises ValueError for negative counts or ``large_params`` > ``params``."""
-    if params < 0 or not 0 <= large_params <= params:
-        raise ValueError(f"need 0 <= large_params <= params, got {large_params}, {params}")
+    Raises ValueError for negative counts or ``large_params + cached_params`` > ``params``."""
+    if (
+        params < 0
+        or large_params < 0
+        or cached_params < 0
+        or large_params + cached_params > params * (1 + 1e-9)
+    ):
+        raise ValueError(
+            f"need 0 <= large_params + cached_params <= params, got {large_params}, {cached_params}, {params}"
+        )
     bandwidth = device.memory_bandwidth_bytes_per_s * device.memory_efficiency
     small_s, large_s = device.adam_s_per_param, device.adam_large_tensor_s_per_param
     if small_s is None:
         return params * ADAM_BYTES_PER_PARAM / bandwidth
     large_s = small_s if large_s is None else large_s
+    cached_s = small_s if device.adam_cached_s_per_param is None else device.adam_cached_s_per_param
     copies_s = params * 12.0 / bandwidth if dtype_bytes(dtype) < 4 else 0.0
-    return (params - large_params) * small_s + large_params * large_s + copies_s
+    middle = max(0.0, params - large_params - cached_params)
+    return middle * small_s + large_params * large_s + cached_params * cached_s + copies_s
 
 
 def fresh_write_time_s(nbytes: float, device: DeviceSpec) -> float:

@@ -97,6 +97,8 @@ def test_calibrate_two_processes_writes_a_loadable_spec(tmp_path: Path) -> None:
     assert 0 < loaded.device.conv_efficiency <= 1 and loaded.device.pooling_bandwidth_bytes_per_s > 0
     dev = loaded.device  # torch.optim.Adam's step by tensor size, and writes into fresh memory
     assert 0 < dev.adam_s_per_param and 0 < dev.adam_large_tensor_s_per_param
+    # the step's fixed cost per tensor (tens of us of Python and dispatch) and its in-cache rate
+    assert 1e-6 < dev.adam_tensor_overhead_s < 1e-3 and 0 < dev.adam_cached_s_per_param
     assert dev.fresh_write_bandwidth_bytes_per_s > 0
     assert loaded.intra_node.kind == "loopback" and loaded.intra_node.bandwidth_bytes_per_s > 0
     assert 0.0 <= loaded.overlap_efficiency <= 1.0

@@ -20,8 +20,8 @@ from planner.plan import MeshShape
 from planner.solver.costing import (
     CostContext,
     embedding_gradient_time_s,
-    large_param_share,
     optimizer_step_time_s,
+    param_size_shares,
 )
 from planner.solver.problem import MeshConfig, WorkloadSpec
 from tests.planner_fixtures import analysed_gpt
@@ -78,21 +78,45 @@ def test_large_tensors_are_the_embedding_until_tp_or_zero_splits_them(cpu) -> No
     assert max(gpt2.param_tensor_sizes) == (wte, True)
     total = sum(n for n, _ in gpt2.param_tensor_sizes)
     # 154 MB of fp32 is over the 32 MiB threshold, every layer matrix (<= 9.4 MB) under it
-    assert large_param_share(_ctx(gpt2, cpu), total) == pytest.approx(wte / total)
-    assert large_param_share(_ctx(gpt2, cpu, tp=8), total) == 0.0  # 19 MB shards
+    assert param_size_shares(_ctx(gpt2, cpu), total)[0] == pytest.approx(wte / total)
+    assert param_size_shares(_ctx(gpt2, cpu, tp=8), total)[0] == 0.0  # 19 MB shards
     zero = _ctx(gpt2, cpu, dp=2, zero=True)  # the distributed optimizer steps one flat shard
-    assert large_param_share(zero, 1e6) == 0.0 and large_param_share(zero, 20e6) == 1.0
+    assert param_size_shares(zero, 1e6) == (0.0, 0.0) and param_size_shares(zero, 20e6) == (1.0, 0.0)
+    assert param_size_shares(zero, 1e5) == (0.0, 1.0)  # 400 KB: in cache
+    # norms and biases (768 elements) are in cache, the 2.4-9.4 MB layer matrices are not
+    small = sum(n for n, _ in gpt2.param_tensor_sizes if n * 4 <= compute.CACHED_TENSOR_BYTES)
+    assert 0 < small < 0.01 * total
+    assert param_size_shares(_ctx(gpt2, cpu), total)[1] == pytest.approx(small / total)
 
 
 def test_optimizer_step_prices_the_measured_rates(cpu) -> None:
     gpt2 = analysed_gpt("124m")
     ctx = _ctx(gpt2, cpu)
     params = sum(n for n, _ in gpt2.param_tensor_sizes)
-    share = large_param_share(ctx, params)
+    share, _ = param_size_shares(ctx, params)
     dispatch = compute.node_overhead_s(cpu.device, gpt2.num_param_tensors * 9)
     want = dispatch + params * ((1 - share) * 4e-9 + share * 7e-9)
     assert optimizer_step_time_s(params * 4, ctx) == pytest.approx(want)
     assert optimizer_step_time_s(params * 4, _ctx(gpt2, cpu, train=False)) == 0.0
+
+
+def test_optimizer_step_prices_a_measured_cost_per_tensor_and_the_in_cache_rate(cpu) -> None:
+    """A small model's Adam step is mostly the loop's fixed cost per tensor and tensors that stay in
+    cache: `planner calibrate` measures both (the tiny Llama's 39 tensors stepped in 2.2 ms, priced
+    4.4 ms by per-node dispatch and the 4 MiB rate, on the dev VM)."""
+    gpt2 = analysed_gpt("124m")
+    dev = dataclasses.replace(cpu.device, adam_tensor_overhead_s=20e-6, adam_cached_s_per_param=2e-9)
+    measured = dataclasses.replace(cpu, device=dev)
+    ctx = _ctx(gpt2, measured)
+    params = sum(n for n, _ in gpt2.param_tensor_sizes)
+    large, cached = param_size_shares(ctx, params)
+    want = gpt2.num_param_tensors * 20e-6 + params * (
+        (1 - large - cached) * 4e-9 + large * 7e-9 + cached * 2e-9
+    )
+    assert optimizer_step_time_s(params * 4, ctx) == pytest.approx(want)
+    assert optimizer_step_time_s(params * 4, ctx) < optimizer_step_time_s(params * 4, _ctx(gpt2, cpu))
+    with pytest.raises(ValueError, match="cached_params"):
+        compute.adam_step_time_s(1e6, 6e5, dev, "fp32", cached_params=6e5)
 
 
 def test_embedding_gradient_is_dense_and_fresh_and_tied_sums_twice(cpu) -> None:

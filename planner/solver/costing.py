@@ -1159,7 +1159,8 @@ def optimizer_step_time_s(grad_bytes: float, ctx: CostContext) -> float:
     """Adam step over the parameters whose gradients are `grad_bytes` per rank, over 1/dp of them with
     the distributed optimizer (`costmodels.compute.adam_step_time_s`: the device's measured per-parameter
     rates by tensor size, else the bytes a fused kernel moves); on a device priced per fx node (eager
-    CPU) plus the dispatch of `ADAM_OPS_PER_TENSOR` ops per parameter tensor of the stage."""
+    CPU) plus the fixed cost of each parameter tensor of the stage in torch's per-tensor loop: the
+    device's measured `adam_tensor_overhead_s`, else `ADAM_OPS_PER_TENSOR` per-node overheads."""
     if not ctx.train or grad_bytes <= 0:
         return 0.0
     dev = ctx.cluster.device
@@ -1170,22 +1171,32 @@ def optimizer_step_time_s(grad_bytes: float, ctx: CostContext) -> float:
         # eager CPU: torch's Adam loops over the tensors of the stage (the ZeRO-1 optimizer steps one
         # flat shard per dtype instead)
         tensors = ctx.structure.num_param_tensors / ctx.mesh.pp
-        dispatch = compute.node_overhead_s(dev, tensors * ADAM_OPS_PER_TENSOR)
-    return dispatch + compute.adam_step_time_s(
-        params, params * large_param_share(ctx, params), dev, ctx.dtype
-    )
+        if dev.adam_tensor_overhead_s is not None:
+            dispatch = tensors * dev.adam_tensor_overhead_s
+        else:
+            dispatch = compute.node_overhead_s(dev, tensors * ADAM_OPS_PER_TENSOR)
+    large, cached = param_size_shares(ctx, params)
+    return dispatch + compute.adam_step_time_s(params, params * large, dev, ctx.dtype, params * cached)
 
 
-def large_param_share(ctx: CostContext, params: float) -> float:
-    """Fraction of a rank's ``params`` optimizer elements in tensors over
-    `costmodels.compute.LARGE_TENSOR_BYTES` in fp32 (the master / moment precision): the distributed
-    optimizer steps one flat shard of ``params``; otherwise the model's tensors, matrices split over
-    the TP degree (`ModelStructure.param_tensor_sizes`; the same fraction on every pipeline stage)."""
+def param_size_shares(ctx: CostContext, params: float) -> tuple[float, float]:
+    """Fractions of a rank's ``params`` optimizer elements in tensors over
+    `costmodels.compute.LARGE_TENSOR_BYTES` and in tensors of at most `costmodels.compute.
+    CACHED_TENSOR_BYTES`, in fp32 (the master / moment precision): the distributed optimizer steps one
+    flat shard of ``params``; otherwise the model's tensors, matrices split over the TP degree
+    (`ModelStructure.param_tensor_sizes`; the same fractions on every pipeline stage)."""
     if ctx.distributed_optimizer:
-        return 1.0 if params * 4 > compute.LARGE_TENSOR_BYTES else 0.0
+        nbytes = params * 4
+        return (1.0 if nbytes > compute.LARGE_TENSOR_BYTES else 0.0), (
+            1.0 if nbytes <= compute.CACHED_TENSOR_BYTES else 0.0
+        )
     sizes = [n / ctx.mesh.tp if matrix else n for n, matrix in ctx.structure.param_tensor_sizes]
     total = sum(sizes)
-    return sum(n for n in sizes if n * 4 > compute.LARGE_TENSOR_BYTES) / total if total else 0.0
+    if not total:
+        return 0.0, 0.0
+    large = sum(n for n in sizes if n * 4 > compute.LARGE_TENSOR_BYTES) / total
+    cached = sum(n for n in sizes if n * 4 <= compute.CACHED_TENSOR_BYTES) / total
+    return large, cached
 
 
 def gradient_sync_cost(ctx: CostContext) -> LinearCost:
