@@ -174,3 +174,14 @@ def test_cache_status_remeasures_when_stale_or_on_another_machine(tmp_path: Path
     data = json.loads(meta.read_text())
     meta.write_text(json.dumps({k: v for k, v in data.items() if k != "format"}))
     assert "older version" in cache_status(spec, 2, now=now)
+
+
+def test_all_reduce_times_are_trimmed_means() -> None:
+    """A busy CPU's all-reduce time is bimodal; a step of many all-reduces costs about their mean."""
+    from costmodels.calibrate import trimmed_mean
+
+    bimodal = [0.4e-3] * 12 + [1.4e-3] * 6 + [9e-3, 20e-3]  # 20 calls: 2 outliers trimmed
+    assert trimmed_mean(bimodal) == pytest.approx((10 * 0.4e-3 + 6 * 1.4e-3) / 16)
+    assert trimmed_mean([3.0]) == 3.0 and trimmed_mean([1.0, 5.0]) == 3.0
+    with pytest.raises(ValueError):
+        trimmed_mean([])
