@@ -80,6 +80,8 @@ PROBE_BLOCKS = (2, 8)  # blocks of the node-overhead probe graph: the slope betw
 # transformer, one of TRANSFORMER_MATMUL_SHAPES (timed with them, so its calibrated rate belongs to the
 # same moment as the spec's matmul fit); its 2.4 MB weight stays in cache
 PROBE_MATMUL_SHAPE = (64, 768, 768)
+# the source line of a one-process calibration, which measures no link (`unmeasured_links` reads it)
+ROUGH_LINKS_SOURCE = "nproc=1: links and overlap_efficiency are the local-cpu preset's rough defaults"
 CACHE_MAX_AGE_DAYS = 7.0  # a cached calibration older than this is measured again
 OVERLAP_SIZE_BYTES = 4 * 2**20  # all-reduce beside a matmul in the overlap measurement
 _MIN_OP_S = 0.01  # matmul sizes grow until one product takes this long (timer resolution >> 1 µs)
@@ -1180,7 +1182,7 @@ def calibrate(
             f"overlap: matmul {t_mm * 1e3:.2f} ms, all-reduce 4 MiB {t_ar * 1e3:.2f} ms, both {t_both * 1e3:.2f} ms"
         )
     else:
-        sources.append("nproc=1: links and overlap_efficiency are the local-cpu preset's rough defaults")
+        sources.append(ROUGH_LINKS_SOURCE)
     node_f, node_b = m["node_overhead_s"]
     sources.append(
         f"per-node overhead: captured probe graph of tiny transformer blocks ({m['probe_nodes']} nodes at "
@@ -1308,6 +1310,18 @@ def _net_of_roofline(
     return parse_cluster(data, "planner calibrate")
 
 
+def unmeasured_links(spec: ClusterSpec, ranks: int) -> str | None:
+    """A warning when a plan on ``ranks`` > 1 ranks is priced with a spec `calibrate` measured with one
+    process (its links and overlap are the local-cpu preset's rough defaults), else None."""
+    if ranks <= 1 or ROUGH_LINKS_SOURCE not in spec.sources:
+        return None
+    return (
+        f"the cluster spec was calibrated with one process, so its link and overlap figures are rough "
+        f"defaults, not this machine's: the plan's {ranks} ranks communicate at prices nobody measured; "
+        f"measure {ranks} processes (`planner calibrate --nproc {ranks} --out SPEC.yaml`, or omit --cluster)"
+    )
+
+
 class CalibrationWarning(UserWarning):
     """The machine was busy while `planner calibrate` measured it: the figures may be too slow."""
 
@@ -1330,8 +1344,8 @@ def busy_message(
 
 # What a calibration measures; raised when a version measures more (a cached spec of an older format
 # lacks fields the cost model would price with): 2 = the optimizer step and fresh-memory writes; 3 = the
-# optimizer's fixed cost per tensor and its in-cache rate, all-reduce times as trimmed means.
-CALIBRATION_FORMAT = 3
+# optimizer's fixed cost per tensor and its in-cache rate; 4 = all-reduce times as trimmed means.
+CALIBRATION_FORMAT = 4
 
 
 def _machine_identity(nproc: int) -> dict:

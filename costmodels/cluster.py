@@ -371,6 +371,9 @@ _EXPECT = {
 }
 
 
+# Python's fixed cost of one op or one optimizer tensor: ~1 us (a fast core, one op) to ~1 ms (a
+# slow core's whole per-tensor Adam loop); a figure outside is most likely a unit slip (ms or s for us)
+_PLAUSIBLE_DISPATCH_US = (0.1, 1e4)
 # Adam's step per parameter: ~0.01 ns on a GPU (fused, 28 B at 3 TB/s) to ~10 ns on a slow CPU core
 _PLAUSIBLE_ADAM_NS = (1e-3, 1e3)
 _SCIENTIFIC = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")  # 1e9, 1.2e1, 1e+9, .5e-3
@@ -425,6 +428,13 @@ def _parse_device(r: _Reader, raw: Any) -> DeviceSpec:
             "adam_cached_ns_per_param",
         ),
     )
+    for rate in ("adam_large_tensor_ns_per_param", "adam_cached_ns_per_param"):
+        if rate in d and "adam_ns_per_param" not in d:  # adam_step_time_s reads them beside it only
+            raise r.fail(
+                f"device.{rate}",
+                "is read only with device.adam_ns_per_param (Adam's rate in tensors up to 32 MiB); give that "
+                "too, as `planner calibrate` writes them together",
+            )
     conv = d.get("conv_efficiency")
     pooling = d.get("pooling_bandwidth_GBps")
     node_us = d.get("node_overhead_us")
@@ -505,7 +515,15 @@ def _parse_device(r: _Reader, raw: Any) -> DeviceSpec:
         * _GB,
         adam_tensor_overhead_s=None
         if (adam_t := d.get("adam_tensor_overhead_us")) is None
-        else r.number(adam_t, "device.adam_tensor_overhead_us", "µs", "20", allow_zero=True) * _US,
+        else r.number(
+            adam_t,
+            "device.adam_tensor_overhead_us",
+            "µs",
+            "20",
+            allow_zero=True,
+            plausible=_PLAUSIBLE_DISPATCH_US,
+        )
+        * _US,
         adam_cached_s_per_param=None
         if (adam_c := d.get("adam_cached_ns_per_param")) is None
         else r.number(adam_c, "device.adam_cached_ns_per_param", "ns", "2", plausible=_PLAUSIBLE_ADAM_NS)

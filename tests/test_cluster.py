@@ -306,6 +306,48 @@ def test_matmul_half_rows_round_trips_and_is_validated():
         parse_cluster(data, "x")
 
 
+def test_adam_fields_round_trip_and_are_validated() -> None:
+    """The calibrated Adam figures: round trip, a unit slip warns, a rate without the base rate it
+    refines is refused (the cost model would ignore it silently)."""
+    import warnings
+
+    from costmodels.cluster import SpecError, SpecWarning
+
+    data = _valid()
+    data["device"].update(adam_ns_per_param=3.5, adam_tensor_overhead_us=25, adam_cached_ns_per_param=2.0)
+    spec = parse_cluster(data, "spec.yaml")
+    assert spec.device.adam_tensor_overhead_s == pytest.approx(25e-6)
+    assert spec.device.adam_cached_s_per_param == pytest.approx(2e-9)
+    assert parse_cluster(cluster_to_dict(spec), "again") == spec
+    data["device"]["adam_tensor_overhead_us"] = 1e9  # seconds written as microseconds?
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        parse_cluster(data, "spec.yaml")
+    assert any(
+        "device.adam_tensor_overhead_us" in str(w.message)
+        for w in caught
+        if issubclass(w.category, SpecWarning)
+    )
+    del data["device"]["adam_ns_per_param"]
+    with pytest.raises(
+        SpecError, match="device.adam_cached_ns_per_param: is read only with device.adam_ns_per_param"
+    ):
+        parse_cluster(data, "spec.yaml")
+
+
+def test_a_one_process_calibration_priced_for_several_ranks_is_flagged() -> None:
+    """`planner calibrate --nproc 1` measures no link: a plan on 2 ranks priced with it says so."""
+    import dataclasses
+
+    from costmodels.calibrate import ROUGH_LINKS_SOURCE, unmeasured_links
+
+    spec = parse_cluster(_valid(), "spec.yaml")
+    one = dataclasses.replace(spec, sources=(*spec.sources, ROUGH_LINKS_SOURCE))
+    message = unmeasured_links(one, 2)
+    assert message and "calibrate --nproc 2" in message and "rough defaults" in message
+    assert unmeasured_links(one, 1) is None and unmeasured_links(spec, 2) is None
+
+
 def test_cpu_spec_resized_to_fewer_processes_gets_more_compute_each():
     import os
 

@@ -171,7 +171,8 @@ def test_per_node_overhead_interpolates_down_to_the_toy_probe_for_small_activati
 
 def test_verdict_points_at_the_speed_line_only_when_the_speed_explains_the_gap(monkeypatch) -> None:
     """First verdict line: "see the next line" when the plan re-priced at the run's speed agrees with
-    the stopwatch; when it is off there too, the usual advice and that it is off at the run's speed."""
+    the stopwatch; when it is off there too, that it is (the next line blames the cost model), never
+    "recalibrate", which the speed line contradicts."""
     import importlib
     import io
     import types
@@ -194,9 +195,10 @@ def test_verdict_points_at_the_speed_line_only_when_the_speed_explains_the_gap(m
         monkeypatch.setattr(main, "console", Console(file=out, width=300))
         report = {"measured": {"latency_s": 0.0046, "at_run_speed": {**at_run, "latency_s": latency_s,
                   "measured_over_predicted": 0.0046 / latency_s}}}  # fmt: skip
-        main._print_verdict(plan, report, False, "recalibrate")
+        main._print_verdict(plan, report, False, RECALIBRATE)
         first = out.getvalue().splitlines()[0]
         assert expect in first and refuse not in first
+        assert "recalibrate" not in first  # both cases: the run's speed, not the calibration, decides
     # the probe read the calibrated speed: no second line, and recalibrating is not the advice
     out = io.StringIO()
     monkeypatch.setattr(main, "console", Console(file=out, width=300))
@@ -218,3 +220,22 @@ def test_verdict_points_at_the_speed_line_only_when_the_speed_explains_the_gap(m
         main._print_verdict(plan, report, False, RECALIBRATE)
         text = out.getvalue()
         assert "machine was busy" in text and "cost model" not in text
+
+
+def test_advice_for_a_calibrated_spec_given_with_cluster_names_its_file(tmp_path) -> None:
+    """--recalibrate re-measures the cached spec only: a calibrate-written file given with --cluster
+    is re-measured with `planner calibrate --out FILE`, and the advice says so."""
+    import importlib
+
+    from costmodels.cluster import CALIBRATED_SPEC_NAME, load_cluster
+    from planner.cli import workflow
+    from planner.cli.render import RECALIBRATE
+
+    main = importlib.import_module("planner.cli.main")
+    local = load_cluster("local-cpu", nproc=2)
+    mine = str(tmp_path / "spec.yaml")
+    advice = main._advice(mine, CALIBRATED_SPEC_NAME, local)
+    assert f"planner calibrate --out {mine}" in advice and "--recalibrate" not in advice
+    cached = str(workflow.CACHE_DIR / "local-nproc2.yaml")
+    assert main._advice(cached, CALIBRATED_SPEC_NAME, local) == RECALIBRATE
+    assert main._advice(None, CALIBRATED_SPEC_NAME, local) == RECALIBRATE

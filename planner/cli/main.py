@@ -396,8 +396,11 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     from planner.cli.render import render_decisions, render_plan  # noqa: PLC0415
 
     render_plan(console, plan)
+    from costmodels.calibrate import unmeasured_links  # noqa: PLC0415
     from costmodels.cluster import time_shared  # noqa: PLC0415
 
+    if rough := unmeasured_links(cluster, plan.num_devices):
+        console.print(f"[yellow]warning: {rough}[/yellow]")
     if time_shared(cluster, plan.num_devices):
         cores = os.cpu_count() or 1
         console.print(
@@ -475,8 +478,8 @@ def _print_verdict(plan, report: dict, layer_table: bool, advice: str) -> None:
         advice = "the machine ran at another speed than when calibrated: see the next line"
     elif busy:  # other processes shared the cores: neither the cost model nor calibration is to blame
         advice = busy
-    elif line:  # off at the run's speed too: the next line says the cost model is off
-        advice = f"{advice}; off at the run's own speed too (next line)"
+    elif line:  # off at the run's speed too: re-measuring the machine would not help
+        advice = "off at the run's own speed too (next line)"
     elif at_run and advice == RECALIBRATE:  # the probe read the calibrated speed: recalibrating won't help
         advice = (
             "the speed probe read this machine at its calibrated speed, so the cost model, not the "
@@ -634,6 +637,7 @@ def _advice(cluster_option: str | None, planned_for: str, cluster) -> str:
     """What would make a far-off measured / predicted fair: recalibrating this machine's own spec, or
     pricing the plan for this machine when it was priced for another cluster."""
     from costmodels.cluster import CALIBRATED_SPEC_NAME  # noqa: PLC0415
+    from planner.cli import workflow  # noqa: PLC0415
     from planner.cli.render import RECALIBRATE  # noqa: PLC0415
 
     if _other_hardware(cluster):
@@ -644,6 +648,9 @@ def _advice(cluster_option: str | None, planned_for: str, cluster) -> str:
         return (
             f"the plan was priced with {cluster_option}; omit --cluster to use this machine's measured spec"
         )
+    if cluster_option and Path(cluster_option).parent != workflow.CACHE_DIR:
+        # a spec file of the user's, written by `planner calibrate`: --recalibrate re-measures the cache only
+        return f"re-measure {cluster_option} on a quiet machine (planner calibrate --out {cluster_option})"
     return RECALIBRATE
 
 

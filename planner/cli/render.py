@@ -77,8 +77,11 @@ def _layer_table_title(plan: Plan) -> str:
 
 
 def _ends_of(plan: Plan, stage: int) -> str:
-    """The non-layer ops a stage holds: the embedding on the first, final norm and LM head on the last."""
-    ends = (["embedding"] if stage == 0 else []) + (["head"] if stage == plan.pp - 1 else [])
+    """The non-layer ops a stage holds: the embedding and the ops before the first layer (position ids,
+    masks, RoPE tables) on the first, the ops after the last layer (final norm, LM head) on the last."""
+    ends = (["embedding and the ops before layer 0"] if stage == 0 else []) + (
+        ["final norm and head"] if stage == plan.pp - 1 else []
+    )
     return f" + {' + '.join(ends)}" if ends else ""
 
 
