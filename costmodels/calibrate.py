@@ -250,7 +250,7 @@ def spec_threads(spec: ClusterSpec) -> int:
 
 
 @contextlib.contextmanager
-def _intra_op_threads(threads: int) -> Iterator[None]:
+def intra_op_threads(threads: int) -> Iterator[None]:
     """Compute with ``threads`` intra-op threads (what a rank computes with) inside the block."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -319,7 +319,7 @@ def matmul_shape_time_ratios(
     # the fit's shapes, timed as the fit timed them (a plain (T x C) @ (C x N))
     references = [("mm", *s) for s in TRANSFORMER_MATMUL_SHAPES if price(*s) <= _MODEL_SHAPE_MAX_S]
     timed = [("mm", *_FLOOR_MATMUL_SHAPE), *references, *products]
-    with _intra_op_threads(threads):
+    with intra_op_threads(threads):
         rates, _ = interleaved_rates(
             [_product(form, m, k, n, dt) for form, m, k, n in timed],
             [2.0 * m * k * n for _, m, k, n in timed],
@@ -377,7 +377,7 @@ def conv_time_ratios(
     )
     ref_bytes = 4.0 * (2 * b_ * c_ * h_ * w_ + c_ * c_ * 9)
     one = torch.zeros(1)
-    with _intra_op_threads(threads):
+    with intra_op_threads(threads):
         fns = [lambda: torch.add(one, one), _conv_runner(ref_call, dt, backward=False)]
         fns += [_conv_runner(c, dt, backward=train) for c in kept]
         seconds = [
@@ -449,7 +449,7 @@ def activation_time_ratios(
     if not kept:
         return {}
     cpu = torch.device("cpu")
-    with _intra_op_threads(threads):
+    with intra_op_threads(threads):
         # the copy in a rotation of its own: an op timed right after it ran up to 5x slower (a 64 KiB
         # GELU 18 -> 101 us on the dev VM), while in a step ops follow the model's own
         own_s = [1.0 / r for r in interleaved_rates(fns, [1.0] * len(fns), cpu, budget_s * 0.8)[0]]

@@ -163,6 +163,10 @@ class DeviceSpec:
     # (on the dev VM an exact GELU over 64 x 256 fp32 took ~14 us forward, priced 10 us; its backward
     # ~2x more than a plain op's).
     activation_time_ratios: dict[tuple, float] | None = None
+    # Optional, set at planning time, never read from YAML: seconds of host work per decode step outside
+    # the graph (building the model file's step inputs, taking the last logits), timed on this machine
+    # for a decode plan of a model with a KV cache (`runtime.decode.host_step_time_s`); None: 0.
+    decode_host_s: float | None = None
 
 
 CALIBRATED_SPEC_NAME = "local-calibrated"  # the name of a spec written by `planner calibrate`

@@ -165,6 +165,33 @@ class Request:
         return Generation(torch.stack(tokens, dim=1), out_logits)
 
 
+def host_step_time_s(
+    model_file: ModelFile, batch: int, prompt_len: int, new_tokens: int, vocab: int, budget_s: float = 0.2
+) -> float:
+    """Seconds of host work in one timed decode step outside its graph, on this process: what
+    `Request.step` runs around the graph call (the model file's `step_inputs`, flattening them, taking
+    the last position's logits), timed through `Request.step` itself with a stand-in graph that
+    returns (batch, 1, vocab) logits. Median of calls for about ``budget_s``, in thread CPU time
+    (`costmodels.calibrate.clock`, as the spec's per-node overhead is timed). On the 2-vCPU dev VM:
+    60-66 us per step for the examples' Llama models (2026-12-01), 5-7% of their ~1 ms decode step.
+    Raises what the model file's `step_inputs` raises."""
+    request = Request(model_file, batch, prompt_len, new_tokens, prompt_len + new_tokens)
+    logits = torch.zeros(batch, 1, vocab)
+    tokens = torch.zeros(batch, 1, dtype=torch.long)
+
+    def graph(*_: object) -> tuple[torch.Tensor]:
+        return (logits,)
+
+    request.step(graph, tokens, prompt_len, "cpu")  # warm-up
+    samples: list[float] = []
+    end = time.perf_counter() + budget_s
+    while len(samples) < 5 or (time.perf_counter() < end and len(samples) < 2000):
+        start = time.thread_time()
+        request.step(graph, tokens, prompt_len, "cpu")
+        samples.append(time.thread_time() - start)
+    return statistics.median(samples)
+
+
 class _Timer:
     """Times calls after a barrier on `group` (none: untimed); samples in seconds by name. `probe`:
     called after a timed call, outside it, while its calls have taken under `PROBE_SHARE` of the

@@ -98,6 +98,37 @@ def test_decode_is_priced_from_its_own_graph_with_the_cache():
     assert sv.tokens_per_s == pytest.approx(4 / (sv.ttft_s + 3 * sv.tpot_s))
 
 
+def test_decode_step_prices_the_serving_loops_host_work_timed_on_this_machine():
+    """Each timed decode step also builds the model file's step inputs and takes the last logits
+    around the graph: on this machine's calibrated spec that host work is timed when planning
+    (`runtime.decode.host_step_time_s`) and priced in the step; never on a spec of other hardware."""
+    from costmodels.cluster import load_cluster
+    from runtime.decode import host_step_time_s
+
+    path = ROOT / "examples" / "llama3_kv.py"
+    prepared = workflow.prepare(str(path), "decode", context=16, new_tokens=4)
+    host_s = host_step_time_s(prepared.model_file, 1, 16, 4, prepared.structure.lm_head.out_features)
+    assert 0 < host_s < 0.05
+    local = load_cluster("local-cpu", nproc=2)
+    calibrated = dataclasses.replace(
+        local, name=CALIBRATED_SPEC_NAME, device=dataclasses.replace(local.device, node_overhead_s=5e-6)
+    )
+    timed = workflow.with_decode_host_time(prepared, calibrated)
+    assert timed.device.decode_host_s and 0 < timed.device.decode_host_s < 0.05
+    assert workflow.with_decode_host_time(prepared, local).device.decode_host_s is None  # not this machine
+    forward = workflow.prepare(str(ROOT / "examples" / "llama3.py"), "forward")
+    assert workflow.with_decode_host_time(forward, calibrated) is calibrated  # no serving request
+    constraints = workflow.constraints_from(1, 1, 1, "none")
+    # make_plan times the host work on a calibrated spec that lacks it: set it, to 0 and to 1 ms
+    none, fixed = (
+        dataclasses.replace(calibrated, device=dataclasses.replace(calibrated.device, decode_host_s=host))
+        for host in (0.0, 1e-3)
+    )
+    without = workflow.make_plan(prepared, none, constraints, str(path)).predicted.latency_s
+    with_host = workflow.make_plan(prepared, fixed, constraints, str(path)).predicted.latency_s
+    assert with_host - without == pytest.approx(1e-3, rel=1e-6)
+
+
 def test_generate_workload_reports_the_request():
     path = ROOT / "examples" / "llama3_kv.py"
     _, plan = _plan(path, "generate", seq_len=64, new_tokens=8, batch_size=2)

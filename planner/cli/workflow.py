@@ -644,6 +644,39 @@ _SHAPE_RATIOS: dict[tuple, tuple[dict[tuple[int, int], float], dict[tuple, float
 def with_model_matmul_rates(
     prepared: Prepared, cluster: ClusterSpec, progress: Progress = silent
 ) -> ClusterSpec:
+    """`_with_model_rates`, and for a serving request on this machine's calibrated spec the host work
+    of a decode step timed too (`with_decode_host_time`)."""
+    return with_decode_host_time(prepared, _with_model_rates(prepared, cluster, progress))
+
+
+_DECODE_HOST_S: dict[tuple, float] = {}  # (model path, batch, prompt, new tokens, vocab, threads) -> s
+
+
+def with_decode_host_time(prepared: Prepared, cluster: ClusterSpec) -> ClusterSpec:
+    """`cluster` with `DeviceSpec.decode_host_s` timed on this machine (`runtime.decode.host_step_time_s`:
+    the model file's step inputs and the last logits, around the graph in each timed decode step),
+    when `prepared` is a serving request and `cluster` this machine's calibrated gloo spec; else
+    `cluster` unchanged. Timed once per request shape in a process (about 0.2 s)."""
+    from costmodels.calibrate import intra_op_threads, spec_threads  # noqa: PLC0415
+    from runtime.decode import host_step_time_s  # noqa: PLC0415
+
+    request, structure = prepared.request, prepared.structure
+    if request is None or cluster.device.decode_host_s is not None:
+        return cluster
+    if not probes_speed(cluster) or cluster.backend != "gloo" or structure.lm_head is None:
+        return cluster
+    batch, vocab = prepared.workload.batch_size, structure.lm_head.out_features
+    threads = spec_threads(cluster)
+    key = (str(prepared.model_file.path), batch, request.prompt_len, request.new_tokens, vocab, threads)
+    if key not in _DECODE_HOST_S:
+        with intra_op_threads(threads):
+            _DECODE_HOST_S[key] = host_step_time_s(
+                prepared.model_file, batch, request.prompt_len, request.new_tokens, vocab
+            )
+    return replace(cluster, device=replace(cluster.device, decode_host_s=_DECODE_HOST_S[key]))
+
+
+def _with_model_rates(prepared: Prepared, cluster: ClusterSpec, progress: Progress = silent) -> ClusterSpec:
     """`cluster` with the model's own matmul shapes, convolutions and activations timed on this machine
     (`DeviceSpec.matmul_shape_time_ratios`, `DeviceSpec.conv_time_ratios`,
     `DeviceSpec.activation_time_ratios`), when `cluster` is this machine's calibrated spec (a

@@ -904,6 +904,8 @@ def build_ends_graph(ctx: CostContext) -> LayerGraph:
                 opt.static_bytes = 0.0
                 opt.grad_bytes = 0.0
         ops.append(Op("lm_head", "head", options, [], logits_bytes, head.weight, head, excluded))
+    if ctx.workload.kind is Workload.DECODE and ctx.cluster.device.decode_host_s:
+        fixed += ctx.cluster.device.decode_host_s  # the serving loop's host work around the graph
     # parameters no op above holds (convolutions, norms and biases outside the layers, ...): replicated
     other = outside_params(s) * b
     return LayerGraph(
