@@ -173,7 +173,8 @@ def host_step_time_s(
     the last position's logits), timed through `Request.step` itself with a stand-in graph that
     returns (batch, 1, vocab) logits. Median of calls for about ``budget_s``, in thread CPU time
     (`costmodels.calibrate.clock`, as the spec's per-node overhead is timed). On the 2-vCPU dev VM:
-    60-66 us per step for the examples' Llama models (2026-12-01), 5-7% of their ~1 ms decode step.
+    30-35 us per step for the examples' Llama models (2026-12-01), about 3% of their 1-1.5 ms decode
+    step. The greedy argmax after the step (about 14 us) is outside the timed step and not counted.
     Raises what the model file's `step_inputs` raises."""
     request = Request(model_file, batch, prompt_len, new_tokens, prompt_len + new_tokens)
     logits = torch.zeros(batch, 1, vocab)
