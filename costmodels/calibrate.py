@@ -958,9 +958,7 @@ def _worker(
             progress("optimizer step and fresh memory", 0.415)
             dist.barrier()
             small_s, large_s, fresh, per_tensor, cached = _optimizer_rates(device)
-            result["adam_s_per_param"] = _reduce(
-                [small_s, large_s, per_tensor, cached], dist.ReduceOp.MAX, device
-            )
+            result["adam_rates"] = _reduce([small_s, large_s, per_tensor, cached], dist.ReduceOp.MAX, device)
             (result["fresh_write_bytes_per_s"],) = _reduce([fresh], dist.ReduceOp.MIN, device)
         *peaks, mem_bw, attention = _reduce([*peaks, mem_bw, attention], dist.ReduceOp.MIN, device)  # slowest
         result["attention_efficiency"] = min(1.0, attention / peaks[list(DTYPE_BYTES).index(attn_dtype)])
@@ -1231,8 +1229,8 @@ def calibrate(
         min(1.0, m["conv_flops_per_s"] / m["peaks"]["bf16" if use_cuda else "fp32"])
     )
     data["device"]["pooling_bandwidth_GBps"] = _sig(m["pool_bytes_per_s"] / 1e9)
-    if "adam_s_per_param" in m:
-        small_s, large_s, per_tensor, cached = m["adam_s_per_param"]
+    if "adam_rates" in m:
+        small_s, large_s, per_tensor, cached = m["adam_rates"]
         data["device"]["adam_ns_per_param"] = _sig(small_s * 1e9)
         data["device"]["adam_large_tensor_ns_per_param"] = _sig(large_s * 1e9)
         if per_tensor > 0 and cached > 0:

@@ -45,7 +45,7 @@ from passes.tp_rules_context import FALLBACK_META, TensorParallelError
 from passes.tp_rules_context import Fallback as PassFallback
 from planner.errors import InfeasibleError
 from planner.frontend.analysis import ModelStructure, NodeCost, analyse
-from planner.plan import Fallback, MeshShape, Plan, Prediction, Workload
+from planner.plan import Fallback, MeshShape, Plan, Prediction, Workload, fallback_memory_bytes
 
 
 @dataclasses.dataclass
@@ -258,8 +258,8 @@ def _with_fallbacks(plan: Plan, fallbacks: list[Fallback]) -> Plan:
     extra = sum(f.comm_s for f in new)
     compute = sum(f.compute_s for f in new)
     every = [*plan.fallbacks, *new]
-    before = _fallback_memory(plan.fallbacks, plan.workload)
-    memory = _fallback_memory(every, plan.workload) - before
+    before = fallback_memory_bytes(plan.fallbacks, plan.workload)
+    memory = fallback_memory_bytes(every, plan.workload) - before
     p = plan.predicted
     latency = p.latency_s + extra + compute
     predicted: Prediction = dataclasses.replace(
@@ -271,11 +271,3 @@ def _with_fallbacks(plan: Plan, fallbacks: list[Fallback]) -> Plan:
         peak_memory_bytes=p.peak_memory_bytes + memory,
     )
     return dataclasses.replace(plan, predicted=predicted, fallbacks=every)
-
-
-def _fallback_memory(fallbacks: list[Fallback], workload: Workload) -> float:
-    """Bytes per rank the fallbacks add to the peak: the sum in training, else the largest."""
-    sizes = [f.memory_bytes for f in fallbacks]
-    if not sizes:
-        return 0.0
-    return sum(sizes) if workload is Workload.TRAIN else max(sizes)

@@ -282,6 +282,15 @@ class Fallback:
     compute_s: float = 0.0  # the op on the whole tensor instead of a 1/tp shard, added to the step time
 
 
+def fallback_memory_bytes(fallbacks: list[Fallback], workload: Workload) -> float:
+    """Bytes per rank `fallbacks` add to the peak: the sum in training, which keeps every gathered
+    tensor for the backward, else the largest (a forward holds one at a time)."""
+    sizes = [f.memory_bytes for f in fallbacks]
+    if not sizes:
+        return 0.0
+    return sum(sizes) if workload is Workload.TRAIN else max(sizes)
+
+
 @dataclass
 class Plan:
     """A parallelisation plan for one model, cluster and workload. See the module docstring."""

@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from planner.plan import LayerCost, Plan, SplitStyle, Workload, layer_ranges
+from planner.plan import Fallback, LayerCost, Plan, SplitStyle, Workload, fallback_memory_bytes, layer_ranges
 
 _GIB = 2.0**30
 
@@ -189,20 +189,16 @@ def render_plan(console: Console, plan: Plan) -> None:
         render_serving(console, plan)
     if plan.workload is Workload.TRAIN:
         render_training(console, plan)
-    grouped: dict[tuple[str, str], list[float]] = {}
+    grouped: dict[tuple[str, str], list[Fallback]] = {}
     train = plan.workload is Workload.TRAIN
     for f in plan.fallbacks:  # one line per op and source line (a layer's op repeats per layer)
-        n, nbytes, comm, memory = grouped.setdefault((f.op, f.line), [0, 0.0, 0.0, 0.0])
-        # training keeps every gathered tensor for the backward; a forward holds one at a time
-        memory = memory + f.memory_bytes if train else max(memory, f.memory_bytes)
-        grouped[(f.op, f.line)] = [
-            n + f.places,
-            nbytes + f.bytes_gathered,
-            comm + f.comm_s + f.compute_s,
-            memory,
-        ]
-    for (op, line), (n, nbytes, comm, memory) in grouped.items():
-        times = f" ({int(n)} places)" if n > 1 else ""
+        grouped.setdefault((f.op, f.line), []).append(f)
+    for (op, line), group in grouped.items():
+        n = sum(f.places for f in group)
+        nbytes = sum(f.bytes_gathered for f in group)
+        comm = sum(f.comm_s + f.compute_s for f in group)
+        memory = fallback_memory_bytes(group, plan.workload)
+        times = f" ({n} places)" if n > 1 else ""
         held = ""
         if memory:
             held = f", +{_kib(memory)}/rank of memory" + ("" if train else " while it runs")

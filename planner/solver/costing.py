@@ -146,6 +146,11 @@ class LayerGraph:
     # position ids), which runs on the first pipeline stage; the rest (final norm, ...) on the last
     first_stage_compute_s: float = 0.0
 
+    @property
+    def last_stage_compute_s(self) -> float:
+        """The ends only: the part of fixed_compute_s the last pipeline stage runs (after the last layer)."""
+        return self.fixed_compute_s - self.first_stage_compute_s
+
     def op(self, name: str) -> Op:
         for op in self.ops:
             if op.name == name:
@@ -870,8 +875,12 @@ def build_ends_graph(ctx: CostContext) -> LayerGraph:
             )
         ops.append(Op(f"embedding{i}", "embedding", options, [], out_bytes, emb.weight, None, excluded))
     head = s.lm_head
-    fixed = outside_nodes_time_s(ctx) if s.node_costs else 0.0
-    first_stage = outside_nodes_time_s(ctx, before_layers=True) if s.node_costs and s.layers else 0.0
+    first_stage, fixed = 0.0, 0.0
+    if s.node_costs and s.layers:  # before the first layer (first stage), and after it
+        first_stage = outside_nodes_time_s(ctx, before_layers=True)
+        fixed = first_stage + outside_nodes_time_s(ctx, before_layers=False)
+    elif s.node_costs:
+        fixed = outside_nodes_time_s(ctx)
     if head is not None:
         hidden = head.in_features
         if not s.node_costs:  # not analysed node by node: the final norm by formula

@@ -363,7 +363,7 @@ class _Builder:
             return _EndTerms(time_s, gib("static_bytes"), gib("activation_bytes"), gib("grad_bytes"))
 
         first, last = end("embedding"), end("head")
-        last.time += ends.fixed_compute_s - ends.first_stage_compute_s
+        last.time += ends.last_stage_compute_s
         first.time += ends.first_stage_compute_s  # nodes before the first layer (RoPE tables, masks)
         first.static += ends.fixed_static_bytes / GIB  # parameters outside the layers, on the first stage
         first.grad += ends.fixed_grad_bytes / GIB

@@ -162,7 +162,7 @@ def predict(tables: CostTables, assignment: Assignment) -> PricedAssignment:
             emb = ends.ops[0].option(choices[("ends", ends.ops[0].name)])
             bd.memory_bytes += emb.static_bytes
             bd.grad_bytes += emb.grad_bytes
-    stages_bd[-1].compute_s += ends.fixed_compute_s - ends.first_stage_compute_s
+    stages_bd[-1].compute_s += ends.last_stage_compute_s
     stages_bd[0].compute_s += ends.first_stage_compute_s  # nodes before the first layer
     stages_bd[0].memory_bytes += ends.fixed_static_bytes  # parameters outside the layers (`outside_params`)
     stages_bd[0].grad_bytes += ends.fixed_grad_bytes

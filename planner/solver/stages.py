@@ -55,7 +55,7 @@ def reference_costs(tables: CostTables) -> SplitCosts:
         static_bytes=[per_class[k][1] for k in tables.layer_keys],
         activation_bytes=[per_class[k][2] for k in tables.layer_keys],
         first_time_s=ends.first_stage_compute_s + least("embedding", _op_time_s),
-        last_time_s=ends.fixed_compute_s - ends.first_stage_compute_s + least("head", _op_time_s),
+        last_time_s=ends.last_stage_compute_s + least("head", _op_time_s),
         first_static_bytes=least("embedding", _static_bytes),
         last_static_bytes=least("head", _static_bytes),
     )
@@ -78,7 +78,7 @@ def solution_costs(tables: CostTables, solution: Assignment) -> SplitCosts:
         static_bytes=[b.static_bytes for b in layers],
         activation_bytes=[b.activation_bytes for b in layers],
         first_time_s=ends.first_stage_compute_s + chosen("embedding", _op_time_s),
-        last_time_s=ends.fixed_compute_s - ends.first_stage_compute_s + chosen("head", _op_time_s),
+        last_time_s=ends.last_stage_compute_s + chosen("head", _op_time_s),
         first_static_bytes=chosen("embedding", _static_bytes),
         last_static_bytes=chosen("head", _static_bytes),
     )
