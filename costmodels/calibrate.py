@@ -462,6 +462,51 @@ def activation_time_ratios(
     }
 
 
+def graph_node_time_ratio(
+    run: Callable[[], object],
+    nodes: int,
+    roofline_s: float,
+    priced_node_s: float,
+    reference_node_s: float,
+    threads: int = 1,
+    budget_s: float = MODEL_SHAPES_BUDGET_S,
+) -> float | None:
+    """Measured / priced per-node time of a model's own captured graph on this CPU process, for
+    `DeviceSpec.decode_node_time_ratio`: how much slower (> 1) or faster its nodes dispatch than the
+    per-node overhead the cost model gives them.
+
+    ``run``: one call of the graph (real tensors, no grad); ``nodes``: the op nodes it executes
+    (`planner.solver.costing.graph_node_count`); ``roofline_s``: the roofline the cost model prices
+    for its ops at the spec's speed (`graph_roofline_s`); ``priced_node_s``: the per-node overhead
+    priced for it (`costmodels.compute.per_node_overhead_s`); ``reference_node_s``: the spec's reading
+    of the toy probe graph's per-node slope (``probe_node_overhead_s``). The graph is timed in thread
+    CPU time interleaved with the toy probe graph at `PROBE_BLOCKS`, for about ``budget_s`` wall
+    seconds with ``threads`` intra-op threads; the probe's slope now over its reading at calibration
+    is the machine's speed of the moment, which cancels (as the speed probe does for a run), and so
+    does the per-process contention the spec's figures carry (measured with all its processes busy:
+    on the 2-vCPU dev VM the decode graphs' ratio read 1.31-1.42 in one process and in each of two
+    running at once, 2026-12-01).
+
+    Why: the probe graph's op mix (linears, views, SDPA, norms) is a transformer block's; a decode
+    step also writes its cache in place (``index_copy_`` / ``index_put_``), builds its mask and
+    gathers positions, ops that dispatch slower. On the dev VM the HF Llama decode graph took 6.7 us
+    per node in one process against the probe's 4.9 us (2026-12-01).
+
+    Returns None when the graph has no nodes or its time net of the roofline is not positive (the
+    priced figures are kept)."""
+    if nodes <= 0:
+        return None
+    cpu = torch.device("cpu")
+    (small, _, n_small), (big, _, n_big) = (_probe_graph(b, cpu) for b in PROBE_BLOCKS)
+    with intra_op_threads(threads), torch.no_grad():
+        graph_rate, small_rate, big_rate = interleaved_rates([run, small, big], [1.0] * 3, cpu, budget_s)[0]
+    slope_now = (1.0 / big_rate - 1.0 / small_rate) / (n_big - n_small)
+    net_s = 1.0 / graph_rate - roofline_s
+    if slope_now <= 0 or net_s <= 0 or reference_node_s <= 0 or priced_node_s <= 0:
+        return None
+    return (net_s / nodes) / (priced_node_s * slope_now / reference_node_s)
+
+
 def _activation_runner(
     call: tuple, elements: int, dtype: torch.dtype, backward: bool
 ) -> Callable[[], object]:

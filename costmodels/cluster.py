@@ -167,6 +167,12 @@ class DeviceSpec:
     # the graph (building the model file's step inputs, taking the last logits), timed on this machine
     # for a decode plan of a model with a KV cache (`runtime.decode.host_step_time_s`); None: 0.
     decode_host_s: float | None = None
+    # Optional, set at planning time, never read from YAML: measured / priced per-node time of the
+    # model's own decode graph on this machine (`costmodels.calibrate.graph_node_time_ratio`), which
+    # scales the per-node overhead of a decode step: its cache writes, mask building and position
+    # gathers dispatch slower than the probe graph's transformer-block ops (on the dev VM the HF Llama
+    # decode graph ran 1.2x the priced per-node time net of its roofline, 2026-12-01); None: 1.
+    decode_node_time_ratio: float | None = None
 
 
 CALIBRATED_SPEC_NAME = "local-calibrated"  # the name of a spec written by `planner calibrate`

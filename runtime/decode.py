@@ -194,9 +194,15 @@ def host_step_time_s(
 
 
 class _Timer:
-    """Times calls after a barrier on `group` (none: untimed); samples in seconds by name. `probe`:
-    called after a timed call, outside it, while its calls have taken under `PROBE_SHARE` of the
-    timed time (as `runtime.measure.time_iterations` does between samples)."""
+    """Times calls (none: untimed); samples in seconds by name. A request's first step ("ttft") starts
+    after a barrier on `group`, so every rank times it from the same moment; its decode steps
+    ("tpot") run back to back, as a serving loop runs them: a sharded plan's ranks keep in step
+    through the graph's own collectives, and a barrier before each step would time a step that
+    starts cold after an idle wait, which no serving loop pays (on the 2-vCPU dev VM the tiny
+    Llama's decode graph took 1.55 ms after a gloo barrier, also with a 0.5 ms sleep after it,
+    against 1.35-1.48 ms back to back, 2026-12-01). `probe`: called after a timed call, outside it,
+    while its calls have taken under `PROBE_SHARE` of the timed time (as
+    `runtime.measure.time_iterations` does between samples)."""
 
     def __init__(
         self,
@@ -214,7 +220,7 @@ class _Timer:
             return fn()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        if dist.is_initialized():
+        if name == "ttft" and dist.is_initialized():
             dist.barrier(group=self.group)
         start = time.perf_counter()
         out = fn()

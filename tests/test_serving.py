@@ -129,6 +129,70 @@ def test_decode_step_prices_the_serving_loops_host_work_timed_on_this_machine():
     assert with_host - without == pytest.approx(1e-3, rel=1e-6)
 
 
+def test_decode_step_prices_its_own_graphs_per_node_time_timed_on_this_machine():
+    """A decode graph's cache writes, mask building and position gathers dispatch slower than the
+    probe graph's ops: on this machine's calibrated spec the model's own decode graph is timed when
+    planning (`costmodels.calibrate.graph_node_time_ratio`) and its ratio scales the decode step's
+    per-node overhead, and nothing else; never on a spec of other hardware."""
+    from costmodels.cluster import load_cluster
+
+    path = ROOT / "examples" / "hf_llama_kv.py"
+    prepared = workflow.prepare(str(path), "decode", context=16, new_tokens=4)
+    local = load_cluster("local-cpu", nproc=2)
+    calibrated = dataclasses.replace(
+        local,
+        name=CALIBRATED_SPEC_NAME,
+        device=dataclasses.replace(local.device, node_overhead_s=5e-6, probe_node_overhead_s=5e-6),
+    )
+    timed = workflow.with_decode_graph_time(prepared, calibrated)
+    ratio = timed.device.decode_node_time_ratio
+    assert ratio is not None and 0.2 < ratio < 5.0  # 1.0-1.4 on the dev VM
+    assert workflow.with_decode_graph_time(prepared, local) is local  # not this machine
+    forward = workflow.prepare(str(ROOT / "examples" / "llama3.py"), "forward")
+    assert workflow.with_decode_graph_time(forward, calibrated) is calibrated  # no serving request
+    big = dataclasses.replace(prepared, param_shapes={"w": (1 << 30,)})
+    assert workflow.with_decode_graph_time(big, calibrated) is calibrated  # too large to build here
+    # the ratio scales the decode step's per-node term: at 2 it adds that term once more
+    constraints = workflow.constraints_from(1, 1, 1, "none")
+    one, two, zero = (
+        dataclasses.replace(
+            calibrated,
+            device=dataclasses.replace(calibrated.device, decode_node_time_ratio=r, decode_host_s=0.0),
+        )
+        for r in (1.0, 2.0, 1e-9)
+    )
+    latency = {
+        r: workflow.make_plan(prepared, spec, constraints, str(path)).predicted.latency_s
+        for r, spec in ((1, one), (2, two), (0, zero))
+    }
+    assert latency[2] - latency[1] == pytest.approx(latency[1] - latency[0], rel=1e-3)
+    assert latency[2] > latency[1] > latency[0]
+    # a forward plan of the same spec is priced without it
+    fwd = workflow.make_plan(forward, two, constraints, str(ROOT / "examples" / "llama3.py"))
+    assert fwd.predicted.latency_s == pytest.approx(
+        workflow.make_plan(
+            forward, one, constraints, str(ROOT / "examples" / "llama3.py")
+        ).predicted.latency_s
+    )
+
+
+def test_decode_steps_are_timed_back_to_back_the_first_step_after_a_barrier(monkeypatch):
+    """A serving loop runs its decode steps back to back: only the request's first step is timed
+    after a barrier (ranks start together); a barrier before each decode step would time steps that
+    start cold after an idle wait."""
+    from runtime import decode
+
+    barriers: list[str] = []
+    monkeypatch.setattr(decode.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(decode.dist, "barrier", lambda group=None: barriers.append("barrier"))
+    timer = decode._Timer(None, "cpu", enabled=True)
+    timer.time("ttft", lambda: barriers.append("ttft"))
+    for _ in range(3):
+        timer.time("tpot", lambda: barriers.append("tpot"))
+    assert barriers == ["barrier", "ttft", "tpot", "tpot", "tpot"]
+    assert len(timer.samples["ttft"]) == 1 and len(timer.samples["tpot"]) == 3
+
+
 def test_generate_workload_reports_the_request():
     path = ROOT / "examples" / "llama3_kv.py"
     _, plan = _plan(path, "generate", seq_len=64, new_tokens=8, batch_size=2)

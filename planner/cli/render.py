@@ -494,8 +494,8 @@ def render_serving_run(console: Console, report: dict[str, Any]) -> None:
     console.print(table)
     _small_memory_note(console, above, pm)
     console.print(
-        f"measured: per output token median of {m['iterations']} decode steps on the slowest rank (warm-up "
-        f"excluded), p10 {fmt_s(m['latency_p10_s'])}, p90 {fmt_s(m['latency_p90_s'])}; KV cache "
+        f"measured: per output token median of {m['iterations']} decode steps on the slowest rank (run back "
+        f"to back as a serving loop runs them, warm-up excluded), p10 {fmt_s(m['latency_p10_s'])}, p90 {fmt_s(m['latency_p90_s'])}; KV cache "
         f"{fmt_bytes(m['cache_bytes_per_rank'])}/rank"
     )
     same = "identical to" if n["tokens_identical"] else f"[red]{n['tokens_differ']} differ from[/red]"

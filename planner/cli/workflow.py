@@ -12,6 +12,7 @@ import math
 import os
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from costmodels.cluster import (
     load_cluster,
     preset_names,
 )
+from costmodels.dtypes import dtype_bytes
 from passes.verify import verify_plan
 from planner.errors import InfeasibleError, InputError, RunError
 from planner.frontend.analysis import ModelStructure, conv_call_at_batch
@@ -645,8 +647,10 @@ def with_model_matmul_rates(
     prepared: Prepared, cluster: ClusterSpec, progress: Progress = silent
 ) -> ClusterSpec:
     """`_with_model_rates`, and for a serving request on this machine's calibrated spec the host work
-    of a decode step timed too (`with_decode_host_time`)."""
-    return with_decode_host_time(prepared, _with_model_rates(prepared, cluster, progress))
+    of a decode step and the per-node time of its graph timed too (`with_decode_host_time`,
+    `with_decode_graph_time`)."""
+    timed = with_decode_host_time(prepared, _with_model_rates(prepared, cluster, progress))
+    return with_decode_graph_time(prepared, timed, progress)
 
 
 _DECODE_HOST_S: dict[tuple, float] = {}  # (model path, batch, prompt, new tokens, vocab, threads) -> s
@@ -674,6 +678,75 @@ def with_decode_host_time(prepared: Prepared, cluster: ClusterSpec) -> ClusterSp
                 prepared.model_file, batch, request.prompt_len, request.new_tokens, vocab
             )
     return replace(cluster, device=replace(cluster.device, decode_host_s=_DECODE_HOST_S[key]))
+
+
+# (model path, batch, prompt, new tokens, threads, spec name, spec sources) -> ratio (None: not timed)
+_DECODE_NODE_RATIOS: dict[tuple, float | None] = {}
+# the most parameter and cache bytes a model may hold for its decode graph to be timed when planning
+# (built with real weights on this machine): the examples' tiny models hold a few MB; a model that
+# runs here at all is far below this
+DECODE_GRAPH_TIMING_MAX_BYTES = 1 << 30
+
+
+def with_decode_graph_time(
+    prepared: Prepared, cluster: ClusterSpec, progress: Progress = silent
+) -> ClusterSpec:
+    """`cluster` with `DeviceSpec.decode_node_time_ratio`: the model's own decode graph built with real
+    weights, captured and timed on this machine against its price
+    (`costmodels.calibrate.graph_node_time_ratio`: its time net of the priced roofline per node, over
+    the per-node overhead priced for it), when `prepared` is a serving request, `cluster` this
+    machine's calibrated gloo spec with the toy probe's reading, and the model's parameters and
+    caches fit in `DECODE_GRAPH_TIMING_MAX_BYTES`; else `cluster` unchanged (the probe's per-node
+    figure prices the step). About 2 s (capture and 1 s of timing), once per request shape in a
+    process. A model whose decode graph fails to build or run here keeps the probe's figure."""
+    from costmodels.calibrate import graph_node_time_ratio, spec_threads  # noqa: PLC0415
+    from costmodels.compute import per_node_overhead_s  # noqa: PLC0415
+    from planner.frontend.analysis import analyse  # noqa: PLC0415
+    from planner.frontend.capture import capture, flat_inputs  # noqa: PLC0415
+    from planner.frontend.phases import phase_inputs  # noqa: PLC0415
+    from planner.solver.costing import graph_node_count, graph_roofline_s  # noqa: PLC0415
+
+    request, structure, dev = prepared.request, prepared.structure, cluster.device
+    if request is None or dev.decode_node_time_ratio is not None or not dev.probe_node_overhead_s:
+        return cluster
+    if not probes_speed(cluster) or cluster.backend != "gloo":
+        return cluster
+    held = sum(math.prod(shape) for shape in prepared.param_shapes.values()) * dtype_bytes(structure.dtype)
+    held += sum(layer.attention.cache_bytes for layer in structure.layers if layer.attention is not None)
+    if held > DECODE_GRAPH_TIMING_MAX_BYTES:
+        return cluster
+    batch = prepared.workload.batch_size
+    threads = spec_threads(cluster)
+    key = (
+        str(prepared.model_file.path), batch, request.prompt_len, request.new_tokens, threads,
+        cluster.name, cluster.sources,
+    )  # fmt: skip
+    if key not in _DECODE_NODE_RATIOS:
+        progress("timing the model's decode graph on this machine", None)
+        phase = decode_phase(batch, request.prompt_len, request.cache_len)
+        try:
+            model = build_for(prepared.model_file, phase, "cpu")
+            args, kwargs = phase_inputs(prepared.model_file, phase, device="cpu")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                gm = capture(model, args, kwargs)
+            inputs = flat_inputs(args, kwargs)
+            timed = analyse(gm)
+            elements = batch * structure.hidden_size if structure.hidden_size else None
+            _DECODE_NODE_RATIOS[key] = graph_node_time_ratio(
+                lambda: gm(*inputs),
+                graph_node_count(list(timed.node_costs), timed),
+                graph_roofline_s(timed, cluster),
+                per_node_overhead_s(dev, elements) or 0.0,
+                dev.probe_node_overhead_s,
+                threads=threads,
+            )
+        except (InputError, RuntimeError, TypeError, ValueError):  # the probe's figure prices it
+            _DECODE_NODE_RATIOS[key] = None
+    ratio = _DECODE_NODE_RATIOS[key]
+    if ratio is None:
+        return cluster
+    return replace(cluster, device=replace(dev, decode_node_time_ratio=ratio))
 
 
 def _with_model_rates(prepared: Prepared, cluster: ClusterSpec, progress: Progress = silent) -> ClusterSpec:

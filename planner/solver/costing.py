@@ -293,9 +293,13 @@ class CostContext:
 
     def node_overhead_time(self, nodes: float) -> float:
         """Per-node overhead of ``nodes`` fx nodes of the rewritten graph on one rank (training: with
-        their backward), 0 on devices priced per kernel launch (see `costmodels.compute.node_overhead_s`)."""
+        their backward), 0 on devices priced per kernel launch (see `costmodels.compute.node_overhead_s`); a
+        decode step's scaled by the model's own decode graph timed on this machine
+        (`DeviceSpec.decode_node_time_ratio`)."""
         elements = self.tokens * self.structure.hidden_size if self.structure.hidden_size else None
-        return compute.node_overhead_s(self.cluster.device, nodes, backward=self.train, elements=elements)
+        dev = self.cluster.device
+        ratio = (dev.decode_node_time_ratio or 1.0) if self.workload.kind is Workload.DECODE else 1.0
+        return ratio * compute.node_overhead_s(dev, nodes, backward=self.train, elements=elements)
 
 
 def conversion_time_s(src: Layout, dst: Layout, nbytes: float, ctx: CostContext) -> float:
