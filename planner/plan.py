@@ -206,6 +206,20 @@ class Prediction:
         return self.model_flops / self.latency_s / self.num_devices
 
 
+# a served request generates at least two tokens: the prefill yields the first, a decode step the next
+# (with one, no decode step runs and there is no time per output token to plan or measure)
+MIN_NEW_TOKENS = 2
+
+
+def check_new_tokens(new_tokens: int, name: str = "--new-tokens") -> None:
+    """Raise InputError naming ``name`` unless ``new_tokens`` >= `MIN_NEW_TOKENS`."""
+    if new_tokens < MIN_NEW_TOKENS:
+        raise InputError(
+            f"{name} must be at least {MIN_NEW_TOKENS}, got {new_tokens}: the prefill yields the first token "
+            "and each decode step one more, so a request of fewer has no decode step to plan or time"
+        )
+
+
 @dataclass
 class Serving:
     """A request served with the plan (models with a KV cache): a prefill of `prompt_len` tokens per
@@ -214,13 +228,16 @@ class Serving:
     """
 
     prompt_len: int  # tokens per sequence before the first decode step (--workload decode: the context)
-    new_tokens: int  # tokens generated per sequence (the first comes from the prefill)
+    new_tokens: int  # tokens generated per sequence (the first comes from the prefill), >= MIN_NEW_TOKENS
     cache_len: int  # allocated KV-cache length, tokens
     ttft_s: float  # predicted time to first token: the prefill step
     tpot_s: float  # predicted time per output token: one decode step
     tokens_per_s: float  # generated tokens over the whole request: batch * new_tokens / request time
     fallbacks: list[str] = field(default_factory=list)  # what the rewrite replicates instead of sharding
     standard_tpot_s: float | None = None  # ladder plans: the decode step of the same splits without ladder
+    # predicted peak memory per rank of the prefill (its P tokens' activations beside the weights and
+    # caches); the plan's `Prediction.peak_memory_bytes` is the larger of it and the decode step's
+    prefill_peak_memory_bytes: float | None = None
 
     @property
     def request_s(self) -> float:
@@ -548,6 +565,16 @@ class Plan:
                 raise bad(name, f"must be >= 1, got {getattr(self, name)}")
         if self.context < 0:
             raise bad("context", f"must be >= 0, got {self.context}")
+        if self.serving is not None:
+            sv = self.serving
+            check_new_tokens(sv.new_tokens, f"{origin}: field 'serving.new_tokens'")
+            if sv.prompt_len < 1:
+                raise bad("serving.prompt_len", f"must be >= 1, got {sv.prompt_len}")
+            if sv.cache_len < sv.prompt_len + sv.new_tokens:
+                raise bad(
+                    "serving.cache_len",
+                    f"is {sv.cache_len}, under prompt_len + new_tokens = {sv.prompt_len + sv.new_tokens}",
+                )
         for key, split in self.splits.items():
             where = f"splits.{key}"
             if split.weight != key:

@@ -226,3 +226,27 @@ def test_run_with_more_ranks_than_the_plan_uses_runs_it_on_its_own(tmp_path, exa
     r = planner("run", str(plan_path), "--model", mlp, "--nproc", "2", "--iters", "2", "--min-time", "0")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "running it on 1" in r.stdout and "measured / predicted" in r.stdout
+
+
+def test_decode_run_with_pipeline_or_data_parallelism_is_refused_before_anything_is_written(tmp_path):
+    """`--run` serves decode plans with tensor parallelism only: a pinned --pp / --dp above 1 is
+    refused up front (exit 2, naming the option), before planning writes --out or --emit."""
+    out, emit = tmp_path / "plan.yaml", tmp_path / "emitted"
+    r = planner(
+        "optimize", "examples/llama3_kv.py", "--workload", "decode", "--pp", "2", "--run",
+        "--cluster", "local-cpu", "--out", str(out), "--emit", str(emit),
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert "--pp 2" in _said(r) and "tensor parallelism only" in _said(r)
+    assert not out.exists() and not emit.exists()
+
+
+def test_decode_of_a_model_file_without_step_inputs_says_it_is_priced_from_a_formula():
+    """A model file without step_inputs has no cache in its graph: its decode plan is priced from a
+    formula, and the report says so (and that --run cannot serve it) instead of passing it off as
+    the model's own decode step."""
+    r = planner(
+        "optimize", "examples/llama3.py", "--workload", "decode", "--context", "32", "--cluster", "local-cpu"
+    )
+    assert r.returncode == 0, r.stderr
+    assert "decode priced from a formula" in _said(r) and "step_inputs" in _said(r)

@@ -549,3 +549,19 @@ def test_position_embeddings_kept_replicated_raise_no_layout_warning() -> None:
         "embeddings.position_embeddings.weight"
     )
     assert not _position_embedding("transformer.wte.weight") and not _position_embedding("lm_head.weight")
+
+
+def test_compare_sets_a_served_requests_predicted_tokens_per_s_beside_its_measured_one(
+    tmp_path, llama_plan, capsys
+):
+    """A served request's measured tokens/s is over the whole request (prefill and decode steps): the
+    predicted one beside it is the request's too, not the decode step's throughput."""
+    a = tmp_path / "a.json"
+    report = _report(llama_plan, 0.004, measured_s=0.005)
+    report["predicted"]["throughput_tokens_per_s"] = 671.0  # the decode step's
+    report["serving"] = {"predicted": {"tokens_per_s": 638.5}, "measured": {"tokens_per_s": 564.0}}
+    a.write_text(json.dumps(report))
+    assert main(["compare", str(a), str(a)]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if "predicted tokens/s" in line)
+    assert "638" in row and "671" not in row

@@ -16,12 +16,12 @@ from passes import collectives
 from passes.lower import lower_for_rank
 from passes.tensor_parallel import apply_tensor_parallel
 from planner.cli import workflow
-from planner.errors import InputError
+from planner.errors import InfeasibleError, InputError
 from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture, op_name
 from planner.frontend.modelfile import load_model_file
 from planner.frontend.phases import build_for, decode_phase, phase_inputs, plan_structure
-from planner.plan import SplitStyle, WeightSplit, Workload
+from planner.plan import Plan, SplitStyle, WeightSplit, Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "tests" / "models"
@@ -214,6 +214,67 @@ def test_serving_contract_errors():
         mf.build("meta", max_batch_size=1, max_seq_len=8)
     with pytest.raises(InputError, match="prompt length"):
         workflow.prepare(str(ROOT / "examples" / "llama3_kv.py"), "decode", seq_len=8)
+
+
+def test_a_request_needs_a_decode_step_and_a_cache_that_holds_it(tmp_path: Path):
+    """A request of one new token has no decode step (refused, also in a saved plan); a model whose
+    caches hold fewer positions than the request writes is refused naming max_seq_len, before any
+    real tensor is indexed out of range."""
+    path = str(ROOT / "examples" / "llama3_kv.py")
+    with pytest.raises(InputError, match="--new-tokens must be at least 2"):
+        workflow.prepare(path, "generate", seq_len=16, new_tokens=1)
+    _, plan = _plan(ROOT / "examples" / "llama3_kv.py", "decode", context=16, new_tokens=4)
+    data = plan.to_dict()
+    data["serving"]["new_tokens"] = 1
+    with pytest.raises(InputError, match="serving.new_tokens"):
+        Plan.from_dict(data)
+    data["serving"]["new_tokens"], data["serving"]["cache_len"] = 4, 10
+    with pytest.raises(InputError, match="serving.cache_len"):
+        Plan.from_dict(data)
+    fixed = tmp_path / "fixed_cache.py"
+    fixed.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(ROOT / 'examples')!r})\n"
+        "import llama3_kv as base\n\n"
+        "def build_model(max_batch_size=1, max_seq_len=64):\n"
+        "    return base.build_model(max_batch_size=max_batch_size, max_seq_len=64)\n\n"
+        "step_inputs = base.step_inputs\n"
+        "example_inputs = base.example_inputs\n"
+    )
+    with pytest.raises(InputError, match=r"64 positions.*writes 116.*max_seq_len"):
+        workflow.prepare(str(fixed), "decode", context=100, new_tokens=16)
+    workflow.prepare(str(fixed), "decode", context=40, new_tokens=8)  # fits its 64 positions
+
+
+def test_serving_memory_counts_the_prefill_and_the_models_buffers():
+    """A request's peak memory is the larger of its decode step's and its prefill's, with the
+    buffers the graph reads (a causal mask sized by the cache) on every rank; a prefill that does not
+    fit is refused, naming it, even when the decode step fits."""
+    path = ROOT / "examples" / "llama3_kv.py"
+    prepared = workflow.prepare(str(path), "decode", context=2000, new_tokens=8)
+    assert prepared.structure.buffer_bytes >= 2008 * 2008  # the bool causal mask, one byte a position
+    prepared, plan = _plan(path, "decode", tp=1, context=2000, new_tokens=8)
+    spec = workflow.resolve_cluster(MIDLINK, 1)
+    sv = plan.serving
+    assert sv.prefill_peak_memory_bytes > 2008 * 2008
+    assert plan.predicted.peak_memory_bytes >= sv.prefill_peak_memory_bytes
+    # a device with room for the decode step and caches but not for the prefill's activations
+    decode_only = dataclasses.replace(plan.serving, prefill_peak_memory_bytes=None)
+    decode_peak = workflow.plan_prediction(
+        plan, prepared.structure, spec, workflow.priced_workload(plan), plan.ladder_layers
+    ).peak_memory_bytes
+    assert decode_peak < sv.prefill_peak_memory_bytes
+    small = dataclasses.replace(
+        spec,
+        device=dataclasses.replace(
+            spec.device, memory_bytes=(decode_peak + sv.prefill_peak_memory_bytes) / 2 / 0.9
+        ),
+    )
+    with pytest.raises(InfeasibleError, match="the prefill of 2000 tokens"):
+        workflow.request_peak_memory(dataclasses.replace(plan, serving=sv), small)
+    assert (
+        workflow.request_peak_memory(dataclasses.replace(plan, serving=decode_only), small) is plan.predicted
+    )
 
 
 def test_gqa_fewer_kv_heads_than_tp_holds_one_kv_head_per_rank_as_vllm():

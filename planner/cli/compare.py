@@ -54,6 +54,15 @@ def _measured_tokens_per_s(report: dict[str, Any]) -> float | None:
     return tokens_per_step / measured["latency_s"] if tokens_per_step else None
 
 
+def _predicted_tokens_per_s(report: dict[str, Any]) -> float | None:
+    """Predicted tokens/s, like for like with `_measured_tokens_per_s`: a served request's over the
+    whole request (prefill and decode steps), else the predicted step's throughput."""
+    serving = (report.get("serving") or {}).get("predicted") or {}
+    if serving.get("tokens_per_s"):
+        return float(serving["tokens_per_s"])
+    return report["predicted"].get("throughput_tokens_per_s") or None
+
+
 def _recompute_cell(recompute: dict[str, Any]) -> str:
     """The report's recomputation (`Plan.recompute_ranges`: layer run -> mode) as text, "" for none.
     Reports written before it was by layer range keyed it by layer class: only their modes are shown."""
@@ -92,6 +101,7 @@ def comparison_rows(report: dict[str, Any]) -> dict[str, str]:
     ]
     above = (m.get("peak_memory_bytes") or 0) - (m.get("startup_memory_bytes") or 0)
     measured_tps = _measured_tokens_per_s(report)
+    predicted_tps = _predicted_tokens_per_s(report)
     ratio = m["latency_s"] / p["latency_s"] if m.get("latency_s") and p.get("latency_s") else None
     speedup = (report.get("baseline") or {}).get("speedup")
     return {
@@ -108,9 +118,7 @@ def comparison_rows(report: dict[str, Any]) -> dict[str, str]:
         "measured / predicted": f"{ratio:.2f}" if ratio else "-",
         "predicted memory / rank": fmt_bytes(p.get("peak_memory_bytes")),
         "measured memory / rank": fmt_bytes(above) if m.get("peak_memory_bytes") else "-",
-        "predicted tokens/s": f"{p['throughput_tokens_per_s']:,.0f}"
-        if p.get("throughput_tokens_per_s")
-        else "-",
+        "predicted tokens/s": f"{predicted_tps:,.0f}" if predicted_tps else "-",
         "measured tokens/s": f"{measured_tps:,.0f}" if measured_tps else "-",
         "vs Megatron baseline": f"{speedup:.2f}×" if speedup else "-",
     }
@@ -150,7 +158,7 @@ def render_comparison(console: Console, paths: list[str]) -> None:
     if len({_batch_text(r["plan"]) for r in reports}) > 1:  # the same model, other work per step: by rate
         console.print("note: the reports' batches differ: the fastest is the one with the most tokens/s")
         rates = {
-            "predicted": [(r["predicted"].get("throughput_tokens_per_s"), p) for r, p in zip(reports, paths)],
+            "predicted": [(_predicted_tokens_per_s(r), p) for r, p in zip(reports, paths)],
             "measured": [(_measured_tokens_per_s(r), p) for r, p in zip(reports, paths)],
         }
         for key, pairs in rates.items():

@@ -96,11 +96,16 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--workload", default="forward", choices=["forward", "decode", "train", "generate"])
     opt.add_argument("--batch-size", type=_positive)
     opt.add_argument("--seq-len", type=_positive)
-    opt.add_argument("--context", type=_positive, help="decode: KV-cache length in tokens")
+    opt.add_argument(
+        "--context",
+        type=_positive,
+        help="decode of a model with a KV cache: tokens already cached when the step runs (default 2048); "
+        "the caches hold context + --new-tokens positions",
+    )
     opt.add_argument(
         "--new-tokens",
         type=_positive,
-        help="decode / generate of a model with a KV cache: tokens generated per sequence (default 16)",
+        help="decode / generate of a model with a KV cache: tokens generated per sequence, at least 2 (default 16)",
     )
     opt.add_argument("--micro-batches", type=_positive)
     opt.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
@@ -291,6 +296,13 @@ def cmd_optimize(args: argparse.Namespace) -> int:
 
     _check_outputs(args, out_kind="plan")
     _check_loss_budget_options(args)
+    pinned = {"--pp": getattr(args, "pp", None), "--dp": getattr(args, "dp", None)}
+    if args.run and args.workload in ("decode", "generate") and any((v or 1) > 1 for v in pinned.values()):
+        degrees = ", ".join(f"{k} {v}" for k, v in pinned.items() if (v or 1) > 1)
+        raise InputError(
+            f"--run serves decode plans with tensor parallelism only, and {degrees} was asked: plan with "
+            "--pp 1 --dp 1 to run it, or leave out --run to plan and price it"
+        )
     if args.weights and not args.run and not args.data:  # read by a run or a loss budget only
         _warn(
             [
@@ -859,10 +871,6 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def _training_options(args: argparse.Namespace) -> dict:
     """--schedule, --virtual-stages, --recompute, --sequence-parallel, --distributed-optimizer as
     `workflow.constraints_from` keywords ("auto": None, the search chooses)."""
@@ -877,3 +885,7 @@ def _training_options(args: argparse.Namespace) -> dict:
         "sequence_parallel": on_off(args.sequence_parallel),
         "distributed_optimizer": on_off(args.distributed_optimizer),
     }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

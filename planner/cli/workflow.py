@@ -33,7 +33,18 @@ from planner.frontend.analysis import ModelStructure, conv_call_at_batch
 from planner.frontend.depth import capture_for_planning
 from planner.frontend.modelfile import ModelFile, load_model_file
 from planner.frontend.phases import build_for, decode_phase, plan_structure, prefill_phase
-from planner.plan import WORKLOADS, Decision, Plan, Recompute, Schedule, Serving, SplitStyle, Workload
+from planner.plan import (
+    WORKLOADS,
+    Decision,
+    Plan,
+    Prediction,
+    Recompute,
+    Schedule,
+    Serving,
+    SplitStyle,
+    Workload,
+    check_new_tokens,
+)
 from planner.progress import Progress, silent
 from planner.solver.problem import Constraints, LadderPolicy, WorkloadSpec
 from planner.solver.search import megatron_plan, plan_model
@@ -159,10 +170,10 @@ def _prepare_serving(
             raise InputError("--context is the cache of --workload decode; generate's prompt is --seq-len")
         prompt = seq_len or DEFAULT_PROMPT
     request = ServingRequest(workload, prompt, new_tokens or DEFAULT_NEW_TOKENS)
-    if request.new_tokens < 1:
-        raise InputError(f"--new-tokens must be a positive integer, got {request.new_tokens}")
+    check_new_tokens(request.new_tokens)
     batch = batch_size or 1
     graph, structure = plan_structure(model_file, decode_phase(batch, prompt, request.cache_len))
+    _check_cache_length(model_file, structure, batch, request)
     _, prefill = plan_structure(model_file, prefill_phase(batch, prompt, request.cache_len))
     wl = WorkloadSpec(
         kind=Workload.DECODE, batch_size=batch, seq_len=1, context=prompt, micro_batches=None, dtype=dtype
@@ -170,6 +181,53 @@ def _prepare_serving(
     model = build_for(model_file, decode_phase(batch, prompt, request.cache_len), "meta")
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
     return Prepared(model_file, structure, wl, shapes, graph=graph, request=request, prefill=prefill)
+
+
+def request_peak_memory(plan: Plan, cluster: ClusterSpec, memory_fraction: float = 0.9) -> Prediction:
+    """`plan.predicted` with its peak memory the larger of the decode step's and the prefill's
+    (`Serving.prefill_peak_memory_bytes`: the prompt's activations beside the same weights and caches),
+    for a serving plan. Raises InfeasibleError (exit 3) when the prefill does not fit
+    ``memory_fraction`` of a device's memory: the decode step alone fitting does not make the request
+    run."""
+    sv = plan.serving
+    if sv is None or sv.prefill_peak_memory_bytes is None:
+        return plan.predicted
+    cap = cluster.device.memory_bytes * memory_fraction
+    if sv.prefill_peak_memory_bytes > cap:
+        gib = 2**30
+        raise InfeasibleError(
+            f"the prefill of {sv.prompt_len} tokens x batch {plan.batch_size} needs "
+            f"{sv.prefill_peak_memory_bytes / gib:.1f} GiB per device on {plan.mesh.label()}, over the "
+            f"{cap / gib:.1f} GiB usable ({cluster.name}, memory_fraction {memory_fraction}); the decode step "
+            f"alone needs {plan.predicted.peak_memory_bytes / gib:.1f} GiB. Would fit: a shorter --context / "
+            "--seq-len, a smaller --batch-size, or more tensor parallelism"
+        )
+    peak = max(plan.predicted.peak_memory_bytes, sv.prefill_peak_memory_bytes)
+    return replace(plan.predicted, peak_memory_bytes=peak)
+
+
+def _check_cache_length(
+    model_file: ModelFile, structure: ModelStructure, batch: int, request: ServingRequest
+) -> None:
+    """Raise InputError when the model's KV caches hold fewer positions than the request writes: a
+    layer's cache bytes over 2 (K and V) x batch x KV heads x head dim x dtype bytes, when that divides
+    exactly (a layout this reads), is its positions. On the meta device an out-of-range cache write
+    goes unnoticed; on real tensors it fails deep inside torch."""
+    size = dtype_bytes(structure.dtype)
+    for i, layer in enumerate(structure.layers):
+        attn = layer.attention
+        if attn is None or not attn.cache_bytes:
+            continue
+        per_position = 2 * batch * attn.num_kv_heads * attn.head_dim * size
+        positions, rest = divmod(int(attn.cache_bytes), per_position)
+        if rest == 0 and 0 < positions < request.cache_len:
+            raise InputError(
+                f"{model_file.path}: build_model(max_batch_size={batch}, max_seq_len={request.cache_len}) "
+                f"allocated layer {i}'s KV cache for {positions} positions, but the request writes "
+                f"{request.cache_len} (prompt {request.prompt_len} + {request.new_tokens} new tokens): "
+                "allocate the caches for max_seq_len positions, or ask for a shorter --context / --seq-len "
+                "/ --new-tokens"
+            )
 
 
 def resolve_cluster(
@@ -472,6 +530,7 @@ def make_plan(
             cache_len=request.cache_len,
             fallbacks=kv_fallbacks(plan, prepared.structure),
         )
+        plan.predicted = request_peak_memory(plan, cluster, constraints.memory_fraction)
         plan.workload = request.workload
         if request.workload is Workload.GENERATE:
             plan.seq_len = request.prompt_len
@@ -635,6 +694,7 @@ def reprice_if_edited(plan: Plan, prepared: Prepared, cluster: ClusterSpec) -> P
             cache_len=request.cache_len,
             fallbacks=kv_fallbacks(edited, structure),
         )
+        edited.predicted = request_peak_memory(edited, cluster)
     edited.priced_digest = edited.decisions_digest()
     return edited
 
@@ -741,7 +801,7 @@ def with_decode_graph_time(
                 dev.probe_node_overhead_s,
                 threads=threads,
             )
-        except (InputError, RuntimeError, TypeError, ValueError):  # the probe's figure prices it
+        except (InputError, IndexError, RuntimeError, TypeError, ValueError):  # the probe's figure prices it
             _DECODE_NODE_RATIOS[key] = None
     ratio = _DECODE_NODE_RATIOS[key]
     if ratio is None:

@@ -279,6 +279,9 @@ class ModelStructure:
     # a chain's gaps: gap i (1 <= i < len(mlp_chain)) is the fx nodes between chain projections i - 1
     # and i (its activation, and whatever else the model computes there: `chain_gap_nodes`)
     chain_gaps: dict[int, frozenset[str]] = field(default_factory=dict)
+    # bytes of the tensors the graph reads that are neither parameters nor KV caches (causal masks,
+    # RoPE tables, other buffers and lifted constants), each once: held whole on every rank
+    buffer_bytes: int = 0
     # gaps the tensor-parallel pass cannot carry a shard through (an op with no sharding rule, such as
     # a depthwise convolution, runs replicated there), found by lowering a plan
     # (`planner.cli.workflow.make_plan`): their activation op is priced replicated only
@@ -366,7 +369,31 @@ def analyse(gm: fx.GraphModule) -> ModelStructure:
         param_tensor_sizes=param_tensors(unique.values()),
         batch_mixing=_batch_mixing(nodes, batch_size),
         chain_gaps=chain_gap_nodes(gm.graph, [p.node for p in mlp_chain]),
+        buffer_bytes=_buffer_bytes(gm, nodes, unique.values()),
     )
+
+
+def _buffer_bytes(gm: fx.GraphModule, nodes: list[fx.Node], params: Iterable[torch.Tensor]) -> int:
+    """`ModelStructure.buffer_bytes`: the tensors `get_attr` nodes read that are neither ``params`` nor
+    a KV cache (`cache_buffers`), each tensor once."""
+
+    def value(node: fx.Node) -> object:
+        obj: object = gm
+        for part in str(node.target).split("."):
+            obj = getattr(obj, part, None)
+        return obj
+
+    skip = {id(p) for p in params}
+    skip |= {id(value(n)) for n in cache_buffers(nodes)}
+    total, seen = 0, set()
+    for node in nodes:
+        if node.op != "get_attr":
+            continue
+        t = value(node)
+        if isinstance(t, torch.Tensor) and id(t) not in skip and id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
 
 
 def chain_gap_nodes(graph: fx.Graph, projections: list[str]) -> dict[int, frozenset[str]]:

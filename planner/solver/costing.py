@@ -919,14 +919,15 @@ def build_ends_graph(ctx: CostContext) -> LayerGraph:
         ops.append(Op("lm_head", "head", options, [], logits_bytes, head.weight, head, excluded))
     if ctx.workload.kind is Workload.DECODE and ctx.cluster.device.decode_host_s:
         fixed += ctx.cluster.device.decode_host_s  # the serving loop's host work around the graph
-    # parameters no op above holds (convolutions, norms and biases outside the layers, ...): replicated
+    # parameters no op above holds (convolutions, norms and biases outside the layers, ...): replicated;
+    # and the buffers the graph reads (masks, RoPE tables), whole on every rank
     other = outside_params(s) * b
     return LayerGraph(
         "ends",
         ops,
         {},
         fixed,
-        other * state,
+        other * state + s.buffer_bytes,
         0.0,
         other if ctx.train else 0.0,
         first_stage_compute_s=first_stage,

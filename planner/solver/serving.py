@@ -14,7 +14,7 @@ from __future__ import annotations
 from costmodels.cluster import ClusterSpec, cluster_for_ranks
 from planner.errors import InputError
 from planner.frontend.analysis import ModelStructure
-from planner.plan import Layout, Plan, Prediction, Serving, Workload
+from planner.plan import Layout, Plan, Prediction, Serving, Workload, check_new_tokens
 from planner.solver.costing import (
     CostContext,
     CostTables,
@@ -169,10 +169,10 @@ def price_request(
 
     tokens/s = batch x new_tokens / (TTFT + (new_tokens - 1) x TPOT): the prefill yields the first
     token, each decode step one more. Raises InputError when a graph does not match the plan."""
-    if new_tokens < 1:
-        raise InputError(f"--new-tokens must be >= 1, got {new_tokens}")
+    check_new_tokens(new_tokens)
     prefill_wl = WorkloadSpec(Workload.FORWARD, plan.batch_size, prompt_len, dtype=plan.dtype)
-    ttft_s = predict_with_plan(plan, prefill, cluster, prefill_wl, plan.ladder_layers)
+    prefill_prediction = plan_prediction(plan, prefill, cluster, prefill_wl, plan.ladder_layers)
+    ttft_s = prefill_prediction.latency_s
     tpot_s = plan.predicted.latency_s
     standard_s = None
     if plan.ladder_layers:
@@ -188,4 +188,5 @@ def price_request(
         tokens_per_s=plan.batch_size * new_tokens / request_s,
         fallbacks=list(fallbacks or []),
         standard_tpot_s=standard_s,
+        prefill_peak_memory_bytes=prefill_prediction.peak_memory_bytes,
     )
