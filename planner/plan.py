@@ -510,6 +510,8 @@ class Plan:
         ladder, schedule, recompute, ... and the workload they were priced for), not of its prediction."""
         data = self.to_dict()
         chosen = {k: data[k] for k in self.DECISION_FIELDS}
+        if data.get("serving"):  # the request served: its prompt, new tokens and caches
+            chosen["request"] = {k: data["serving"][k] for k in ("prompt_len", "new_tokens", "cache_len")}
         return hashlib.sha256(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     @classmethod
@@ -567,9 +569,22 @@ class Plan:
             raise bad("context", f"must be >= 0, got {self.context}")
         if self.serving is not None:
             sv = self.serving
+            if self.workload not in ("decode", "generate"):
+                raise bad(
+                    "workload",
+                    f"is {self.workload} but the plan serves a request (field 'serving'): a served request is "
+                    "planned as decode or generate; plan the model again for another workload",
+                )
             check_new_tokens(sv.new_tokens, f"{origin}: field 'serving.new_tokens'")
             if sv.prompt_len < 1:
                 raise bad("serving.prompt_len", f"must be >= 1, got {sv.prompt_len}")
+            prompt_field = "context" if self.workload == "decode" else "seq_len"
+            if self.workload in ("decode", "generate") and getattr(self, prompt_field) != sv.prompt_len:
+                raise bad(
+                    prompt_field,
+                    f"is {getattr(self, prompt_field)} but the request served has serving.prompt_len "
+                    f"{sv.prompt_len}: edit both together (serving.cache_len must hold prompt_len + new_tokens)",
+                )
             if sv.cache_len < sv.prompt_len + sv.new_tokens:
                 raise bad(
                     "serving.cache_len",

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from planner.cli.workflow import constraints_from
 from planner.errors import InputError
@@ -250,3 +251,19 @@ def test_decode_of_a_model_file_without_step_inputs_says_it_is_priced_from_a_for
     )
     assert r.returncode == 0, r.stderr
     assert "decode priced from a formula" in _said(r) and "step_inputs" in _said(r)
+
+
+def test_run_of_a_plan_edited_to_more_devices_than_the_cluster_names_the_mesh(tmp_path):
+    """A saved plan whose mesh was edited beyond the cluster it runs on: exit 2 naming field 'mesh',
+    not a traceback from the cost model."""
+    out = tmp_path / "plan.yaml"
+    r = planner(
+        "optimize", "examples/llama3.py", "--cluster", "local-cpu", "--nproc", "2", "--tp", "2", "--out", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    data = yaml.safe_load(out.read_text())
+    data["mesh"]["tp"] = 4
+    out.write_text(yaml.safe_dump(data))
+    r = planner("run", str(out), "--model", "examples/llama3.py", "--nproc", "2")
+    assert r.returncode == 2, r.stderr
+    assert "field 'mesh'" in _said(r) and "4 devices" in _said(r) and "Traceback" not in r.stderr

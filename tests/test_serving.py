@@ -246,6 +246,47 @@ def test_a_request_needs_a_decode_step_and_a_cache_that_holds_it(tmp_path: Path)
     workflow.prepare(str(fixed), "decode", context=40, new_tokens=8)  # fits its 64 positions
 
 
+def test_hand_edits_of_a_serving_plan_are_priced_per_layer_and_with_the_request_edited():
+    """A saved serving plan edited by hand: each layer's own split is what prices it (an edit of one
+    layer of a shape shared by others is refused, naming the field, not priced as if every layer had
+    it); an edited request (new tokens, caches) is priced again; the prompt must agree with the
+    plan's context."""
+    path = ROOT / "examples" / "llama3_kv.py"
+    prepared, plan = _plan(path, "decode", context=16, new_tokens=4)
+    cluster = workflow.resolve_cluster(MIDLINK, 2)
+    assert plan.splits["layers.1.attention.wq.weight"].style is SplitStyle.COLWISE  # midlink splits it
+    one = copy.deepcopy(plan)
+    one.splits["layers.1.attention.wq.weight"] = WeightSplit(
+        "layers.1.attention.wq.weight", SplitStyle.REPLICATE, 0
+    )
+    with pytest.raises(
+        InputError, match=r"field 'splits'.*'q' projection is colwise in layer 0 and replicate in layer 1"
+    ):
+        workflow.reprice_if_edited(one, prepared, cluster)
+    every = copy.deepcopy(plan)
+    for i in range(4):
+        w = f"layers.{i}.attention.wq.weight"
+        every.splits[w] = WeightSplit(w, SplitStyle.REPLICATE, 0)
+    repriced = workflow.reprice_if_edited(every, prepared, cluster)
+    assert repriced is not None and repriced.predicted.latency_s != pytest.approx(plan.predicted.latency_s)
+    # the request edited (8 new tokens, caches for them): priced again, tokens/s for 8
+    data = plan.to_dict()
+    data["serving"]["new_tokens"], data["serving"]["cache_len"] = 8, 24
+    edited = Plan.from_dict(data)
+    again = workflow.reprice_if_edited(edited, workflow.prepare_for_plan(edited, str(path)), cluster)
+    assert again is not None and again.serving.new_tokens == 8
+    assert again.serving.tokens_per_s == pytest.approx(8 / again.serving.request_s)
+    data["context"] = 100  # the plan's context is the request's prompt
+    with pytest.raises(InputError, match="field 'context'.*serving.prompt_len 16"):
+        Plan.from_dict(data)
+    data["context"], data["workload"] = 16, "forward"  # a served request is a decode / generate plan
+    with pytest.raises(InputError, match="field 'workload'.*serves a request"):
+        Plan.from_dict(data)
+    data["workload"], data["serving"] = "decode", None  # a cached model's decode plan serves a request
+    with pytest.raises(InputError, match="no field 'serving'"):
+        workflow.prepare_for_plan(Plan.from_dict(data), str(path))
+
+
 def test_serving_memory_counts_the_prefill_and_the_models_buffers():
     """A request's peak memory is the larger of its decode step's and its prefill's, with the
     buffers the graph reads (a causal mask sized by the cache) on every rank; a prefill that does not

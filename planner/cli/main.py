@@ -733,6 +733,14 @@ def cmd_run(args: argparse.Namespace) -> int:
             cluster, note = workflow.plan_cluster(plan, None)
         if cluster.backend == "gloo" and plan.num_devices < nproc:  # as optimize --run does
             nproc = _on_its_own_ranks(plan, nproc)
+        if plan.num_devices > cluster.num_devices:
+            raise InputError(
+                f"{args.plan}: field 'mesh' asks for {plan.num_devices} devices ({plan.mesh.label()}), but "
+                f"{cluster.name} has {cluster.num_devices}"
+                + (f" with --nproc {nproc}" if cluster.backend == "gloo" else "")
+                + ": set mesh.tp / mesh.pp / mesh.dp to fit"
+                + (", or give --nproc the plan's device count" if cluster.backend == "gloo" else "")
+            )
         repriced = workflow.reprice_if_edited(plan, prepared, cluster)
         bars("lowering the plan on meta tensors for every rank", None)
         # a hand-edited plan is checked whole, and priced again when its decisions changed

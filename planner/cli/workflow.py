@@ -383,6 +383,12 @@ def prepare_for_plan(plan: Plan, model_path: str) -> Prepared:
     forward graph at the plan's batch and sequence length. Raises InputError as `prepare`."""
     sv = plan.serving
     if sv is None:
+        if plan.workload in (Workload.DECODE, Workload.GENERATE) and load_model_file(model_path).has_cache:
+            raise InputError(
+                f"the plan has no field 'serving', but {model_path} has a KV cache (it defines step_inputs): "
+                "its decode / generate plans serve a request; plan it again (planner optimize ... --workload "
+                f"{plan.workload})"
+            )
         return prepare(model_path, "forward", plan.batch_size, plan.seq_len)
     decode = plan.workload is Workload.DECODE
     return prepare(

@@ -38,13 +38,24 @@ def plan_assignment(plan: Plan, tables: CostTables) -> Assignment:
             f"the plan has {len(per_layer)} layers, the model's graph {len(tables.layer_keys)}: re-plan it"
         )
     choices: dict[tuple[str, str], str] = {}
+    chosen_by: dict[tuple[str, str], int] = {}  # the first layer that set each choice
     for cost, key in zip(per_layer, tables.layer_keys):
         for op in tables.graphs[key].ops:
             if op.name not in cost.strategy:
                 raise InputError(
                     f"the plan gives no option for op {op.name!r} of layer {cost.layer}: re-plan it"
                 )
-            choices[(key, op.name)] = _split_choice(plan, op, cost.strategy[op.name], cost.layer)
+            own = _layer_weight(tables, key, op.weight, cost.layer)
+            choice = _split_choice(plan, op, cost.strategy[op.name], cost.layer, own)
+            first = chosen_by.setdefault((key, op.name), cost.layer)
+            if op.weight is not None and first != cost.layer and choices[(key, op.name)] != choice:
+                raise InputError(
+                    f"field 'splits': the {op.name!r} projection is {choices[(key, op.name)]} in layer {first} "
+                    f"and {choice} in layer {cost.layer}, two layers of one shape, which the cost model prices "
+                    "with one choice: a split edited by hand must be the same in every layer of that shape "
+                    "(edit it in all of them, or plan again)"
+                )
+            choices[(key, op.name)] = choice
         if any(choices[(key, n)] != c for n, c in cost.strategy.items() if (key, n) in choices):
             _follow_layouts(tables.graphs[key], key, choices)  # a split edited by hand
     for op in tables.ends.ops:
@@ -64,12 +75,26 @@ _STYLE_OPTION = {
 }
 
 
-def _split_choice(plan: Plan, op: Op, recorded: str, layer: int) -> str:
+def _layer_weight(tables: CostTables, key: str, weight: str | None, layer: int) -> str | None:
+    """Layer ``layer``'s own parameter for the op whose class graph (``key``, priced on the class's
+    first layer) holds ``weight``: the same name under the layer's module path."""
+    if weight is None:
+        return None
+    layers = tables.ctx.structure.layers
+    first = tables.layer_keys.index(key)
+    if layer >= len(layers) or first >= len(layers):
+        return weight
+    prefix, mine = f"{layers[first].module_path}.", f"{layers[layer].module_path}."
+    return mine + weight[len(prefix) :] if weight.startswith(prefix) else weight
+
+
+def _split_choice(plan: Plan, op: Op, recorded: str, layer: int, weight: str | None = None) -> str:
     """The option of a weighted op (projection, embedding, LM head) that the plan's split of its weight
-    says (`Plan.splits`, what the passes apply; a hand edit changes it), else the ``recorded`` one.
-    Raises InputError when the split is not one of the op's options (e.g. colwise on a weight whose
-    rows do not divide by tp)."""
-    split = plan.splits.get(op.weight) if op.weight else None
+    (``weight``: this layer's own, else the op's) says (`Plan.splits`, what the passes apply; a hand
+    edit changes it), else the ``recorded`` one. Raises InputError when the split is not one of the
+    op's options (e.g. colwise on a weight whose rows do not divide by tp)."""
+    weight = weight or op.weight
+    split = plan.splits.get(weight) if weight else None
     if split is None:
         return recorded
     names = {o.name for o in op.options}
@@ -82,7 +107,7 @@ def _split_choice(plan: Plan, op: Op, recorded: str, layer: int) -> str:
     why = op.excluded.get(str(split.style)) or f"options {sorted(names)}"
     where = f"layer {layer}" if layer >= 0 else "the model's ends"
     raise InputError(
-        f"the plan splits {op.weight} {split.style}, which op {op.name!r} of {where} cannot run: {why}"
+        f"the plan splits {weight} {split.style}, which op {op.name!r} of {where} cannot run: {why}"
     )
 
 
