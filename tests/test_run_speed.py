@@ -220,6 +220,15 @@ def test_verdict_points_at_the_speed_line_only_when_the_speed_explains_the_gap(m
         main._print_verdict(plan, report, False, RECALIBRATE)
         text = out.getvalue()
         assert "machine was busy" in text and "cost model" not in text
+    # steps that spread wide (slow and fast spells the load average missed): said, the model not blamed
+    monkeypatch.setattr(main, "busy_during_run", lambda ranks: None)
+    out = io.StringIO()
+    monkeypatch.setattr(main, "console", Console(file=out, width=300))
+    report = {"measured": {"latency_s": 0.0046, "latency_p10_s": 0.0015, "latency_p90_s": 0.0064,
+              "at_run_speed": {**calm, "latency_s": 0.001}}}  # fmt: skip
+    main._print_verdict(plan, report, False, RECALIBRATE)
+    text = out.getvalue()
+    assert "spread 4.3x" in text and "cost model" not in text
 
 
 def test_advice_for_a_calibrated_spec_given_with_cluster_names_its_file(tmp_path) -> None:

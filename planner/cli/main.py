@@ -490,6 +490,8 @@ def _print_verdict(plan, report: dict, layer_table: bool, advice: str) -> None:
         advice = "the machine ran at another speed than when calibrated: see the next line"
     elif busy:  # other processes shared the cores: neither the cost model nor calibration is to blame
         advice = busy
+    elif spread := _wide_spread(report["measured"]):
+        advice = spread
     elif line:  # off at the run's speed too: re-measuring the machine would not help
         advice = "off at the run's own speed too (next line)"
     elif at_run and advice == RECALIBRATE:  # the probe read the calibrated speed: recalibrating won't help
@@ -502,6 +504,22 @@ def _print_verdict(plan, report: dict, layer_table: bool, advice: str) -> None:
     console.print(f"[bold]{what}{verdict}[/bold]")
     if line:
         console.print(f"[bold]{line}[/bold]")
+
+
+# p90 / p10 of a run's step times beyond which its median says more about the machine's spells than about
+# the plan: on a quiet dev VM a run's steps spread 1.1-1.5x; a ladder run during a busy spell, 1.53-6.39 ms
+WIDE_SPREAD = 2.0
+
+
+def _wide_spread(measured: dict) -> str | None:
+    """Advice when the timed steps spread wider than `WIDE_SPREAD` (p90 / p10), else None."""
+    p10, p90 = measured.get("latency_p10_s"), measured.get("latency_p90_s")
+    if not p10 or not p90 or p90 / p10 < WIDE_SPREAD:
+        return None
+    return (
+        f"the steps spread {p90 / p10:.1f}x (p10 {p10 * 1e3:.3g} ms, p90 {p90 * 1e3:.3g} ms): the machine ran "
+        "in slow and fast spells, which the median does not average out; run again on a quiet machine"
+    )
 
 
 def busy_during_run(ranks: int, load: float | None = None, cores: int | None = None) -> str | None:
