@@ -276,6 +276,14 @@ def test_hand_edits_of_a_serving_plan_are_priced_per_layer_and_with_the_request_
     again = workflow.reprice_if_edited(edited, workflow.prepare_for_plan(edited, str(path)), cluster)
     assert again is not None and again.serving.new_tokens == 8
     assert again.serving.tokens_per_s == pytest.approx(8 / again.serving.request_s)
+    # the job edited (bf16): the Megatron baseline beside it is priced again for that job
+    data["dtype"] = "bf16"
+    bf16 = Plan.from_dict(data)
+    rebased = workflow.reprice_if_edited(bf16, workflow.prepare_for_plan(bf16, str(path)), cluster)
+    assert rebased.baseline is not None and plan.baseline is not None
+    assert rebased.baseline.latency_s != pytest.approx(plan.baseline.latency_s)
+    assert [d.subject for d in rebased.decisions].count("megatron-baseline") == 1
+    data["dtype"] = plan.dtype
     data["context"] = 100  # the plan's context is the request's prompt
     with pytest.raises(InputError, match="field 'context'.*serving.prompt_len 16"):
         Plan.from_dict(data)

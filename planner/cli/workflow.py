@@ -701,8 +701,42 @@ def reprice_if_edited(plan: Plan, prepared: Prepared, cluster: ClusterSpec) -> P
             fallbacks=kv_fallbacks(edited, structure),
         )
         edited.predicted = request_peak_memory(edited, cluster)
+    edited = _rebaselined(edited, structure, cluster, priced_workload(plan))
     edited.priced_digest = edited.decisions_digest()
     return edited
+
+
+def _rebaselined(plan: Plan, structure: ModelStructure, cluster: ClusterSpec, workload: WorkloadSpec) -> Plan:
+    """`plan` with its Megatron baseline priced again for the (edited) job it now describes: the
+    hand-written layout on the plan's devices (`megatron_plan`); none where no Megatron layout applies.
+    An edit of the batch, dtype or request changes the expert's step too."""
+    try:
+        expert = megatron_plan(structure, cluster, workload, Constraints(max_devices=plan.num_devices))
+    except (InputError, InfeasibleError):
+        expert = None
+    if expert is None:
+        kept = [d for d in plan.decisions if d.subject != "megatron-baseline"]
+        return replace(plan, baseline=None, baseline_layout={}, decisions=kept)
+    b = expert.predicted
+    cap = cluster.device.memory_bytes * Constraints().memory_fraction
+    fits = (
+        "fits memory"
+        if b.peak_memory_bytes <= cap
+        else f"does not fit: {b.peak_memory_bytes / 2**30:.1f} GiB/rank"
+    )
+    decision = Decision(
+        "megatron-baseline",
+        expert.mesh.label(),
+        {"latency": b.latency_s},
+        f"hand-written Megatron layout, priced again for the edited plan; {fits}",
+    )
+    kept = [d for d in plan.decisions if d.subject != "megatron-baseline"]
+    return replace(
+        plan,
+        baseline=b,
+        baseline_layout={k: str(v) for k, v in expert.layout_summary().items()},
+        decisions=[decision, *kept],
+    )
 
 
 # this process's timings (matmul ratios, convolution ratios), by spec and shapes
