@@ -233,7 +233,9 @@ class SpecWarning(UserWarning):
 _PLAUSIBLE_TFLOPS = (1e-5, 3e4)
 _PLAUSIBLE_MEMORY_GBPS = (1.0, 1e5)
 _PLAUSIBLE_LINK_GBPS = (1e-2, 1e4)
-_PLAUSIBLE_MEMORY_GIB = (0.25, 1e5)
+# the largest device memory of any accelerator (288 GB HBM3e) and the host memory of a large CPU server
+# (a few TiB) stay inside; a MiB figure typed as GiB does not
+_PLAUSIBLE_MEMORY_GIB = (0.25, 8192.0)
 _PLAUSIBLE_LATENCY_US = (0.0, 1e5)
 
 
@@ -642,9 +644,34 @@ def preset_names() -> list[str]:
     return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses a mapping with the same key twice (plain YAML keeps the last one
+    silently: a spec with ``launch_overhead_us`` given twice planned with the second)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[object, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"key {key!r} appears twice (lines {seen[key]} and {line}); keep one",
+                    key_node.start_mark,
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def safe_load_unique(text: str) -> object:
+    """``yaml.load`` with `UniqueKeyLoader` (safe: no Python objects). Raises yaml.YAMLError."""
+    return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def _read_yaml(text: str, origin: str) -> object:
     try:
-        return yaml.safe_load(text)
+        return safe_load_unique(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

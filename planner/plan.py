@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from costmodels.cluster import safe_load_unique
 from costmodels.dtypes import DTYPE_BYTES
 from costmodels.memory import Recompute, Schedule
 from planner.errors import InputError
@@ -544,7 +545,7 @@ class Plan:
         except OSError as e:
             raise InputError(f"cannot read plan file {str(path)!r}: {e.strerror or e}") from None
         try:
-            data = yaml.safe_load(text)
+            data = safe_load_unique(text)
         except yaml.YAMLError as e:
             raise InputError(f"{path}: not valid YAML: {e}") from e
         return cls.from_dict(data, origin=str(path))

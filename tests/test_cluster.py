@@ -451,3 +451,26 @@ def test_a_plan_on_fewer_ranks_than_a_time_shared_spec_is_priced_unshared(
     assert cluster_for_ranks(three, 3) is three
     assert cluster_for_ranks(two, 1) is two  # one process per core: nothing to undo
     assert cluster_for_ranks(load_cluster("dgx-h100"), 1).name == "dgx-h100"
+
+
+def test_a_key_given_twice_is_refused_and_memory_typed_in_mib_warns(tmp_path: Path) -> None:
+    """Plain YAML keeps the last of two equal keys silently (a spec with launch_overhead_us twice planned
+    with the second): a spec or plan repeating a key is refused naming both lines; a device memory far
+    beyond any device's (MiB typed as GiB) warns."""
+    from planner.plan import Plan
+
+    text = (Path(__file__).resolve().parent.parent / "costmodels" / "clusters" / "dgx-a100.yaml").read_text()
+    dup = tmp_path / "dup.yaml"
+    dup.write_text(
+        text.replace("  launch_overhead_us: 4\n", "  launch_overhead_us: 4\n  launch_overhead_us: 40\n")
+    )
+    with pytest.raises(InputError, match=r"'launch_overhead_us' appears twice \(lines \d+ and \d+\)"):
+        load_cluster(str(dup))
+    mib = tmp_path / "mib.yaml"
+    mib.write_text(text.replace("  memory_GiB: 80\n", "  memory_GiB: 79600\n"))
+    with pytest.warns(UserWarning, match="memory_GiB = 79600"):
+        load_cluster(str(mib))
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("workload: forward\nworkload: train\n")
+    with pytest.raises(InputError, match="'workload' appears twice"):
+        Plan.from_yaml(plan)

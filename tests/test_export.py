@@ -177,7 +177,14 @@ def test_torchtitan_toml_parses_with_torchtitans_field_names(llama_plan):
         assert set(fields) <= TORCHTITAN_FIELDS[section], (section, set(fields) - TORCHTITAN_FIELDS[section])
     par = toml["parallelism"]
     assert (par["tensor_parallel_degree"], par["pipeline_parallel_degree"]) == (2, 2)
-    assert (par["data_parallel_replicate_degree"], par["data_parallel_shard_degree"]) == (2, 1)
+    # torchtitan's DDP runs alone (its parallelize raises with TP or PP): the replicas go out as FSDP shards
+    assert (par["data_parallel_replicate_degree"], par["data_parallel_shard_degree"]) == (1, 2)
+    assert any("DDP only without TP or PP" in w for w in warnings)
+    alone, _ = _titan(_with(llama_plan, mesh=dataclasses.replace(llama_plan.mesh, tp=1, dp=2), batch_size=8))
+    assert (
+        alone["parallelism"]["data_parallel_replicate_degree"],
+        alone["parallelism"]["data_parallel_shard_degree"],
+    ) == (2, 1)
     assert par["pipeline_parallel_microbatch_size"] == 2  # 8 sequences / dp 2 / 2 micro-batches
     assert par["module_fqns_per_model_part"] == [
         ["tok_embeddings", "layers.0", "layers.1", "layers.2"],
@@ -551,17 +558,27 @@ def test_position_embeddings_kept_replicated_raise_no_layout_warning() -> None:
     assert not _position_embedding("transformer.wte.weight") and not _position_embedding("lm_head.weight")
 
 
-def test_compare_sets_a_served_requests_predicted_tokens_per_s_beside_its_measured_one(
+def test_compare_sets_step_tokens_per_s_beside_step_tokens_per_s_and_a_requests_beside_a_requests(
     tmp_path, llama_plan, capsys
 ):
-    """A served request's measured tokens/s is over the whole request (prefill and decode steps): the
-    predicted one beside it is the request's too, not the decode step's throughput."""
-    a = tmp_path / "a.json"
-    report = _report(llama_plan, 0.004, measured_s=0.005)
-    report["predicted"]["throughput_tokens_per_s"] = 671.0  # the decode step's
-    report["serving"] = {"predicted": {"tokens_per_s": 638.5}, "measured": {"tokens_per_s": 564.0}}
-    a.write_text(json.dumps(report))
-    assert main(["compare", str(a), str(a)]) == 0
+    """Every report's step tokens/s, predicted beside measured (a served request's: its decode step), so
+    a cached model's plan and one without a cache compare alike; a served request's tokens/s over the
+    whole request (prefill and decode steps) on a row of its own, predicted beside measured."""
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    served = _report(llama_plan, 0.004, measured_s=0.005)
+    served["predicted"]["throughput_tokens_per_s"] = 671.0  # the decode step's
+    served["serving"] = {"predicted": {"tokens_per_s": 638.5}, "measured": {"tokens_per_s": 564.0}}
+    a.write_text(json.dumps(served))
+    plain = _report(llama_plan, 0.004)
+    plain["predicted"]["throughput_tokens_per_s"] = 671.0
+    b.write_text(json.dumps(plain))
+    assert main(["compare", str(a), str(b)]) == 0
     out = capsys.readouterr().out
-    row = next(line for line in out.splitlines() if "predicted tokens/s" in line)
-    assert "638" in row and "671" not in row
+    rows = {
+        line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+        for line in out.splitlines()
+        if line.count("│") == 4
+    }
+    assert rows["predicted tokens/s"] == ["671", "671"]
+    assert rows["measured tokens/s"] == ["537", "-"]  # 671 x 4 ms / 5 ms
+    assert rows["request tokens/s, predicted / measured"] == ["638 / 564", "-"]

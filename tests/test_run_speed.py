@@ -229,6 +229,12 @@ def test_verdict_points_at_the_speed_line_only_when_the_speed_explains_the_gap(m
     main._print_verdict(plan, report, False, RECALIBRATE)
     text = out.getvalue()
     assert "spread 4.3x" in text and "cost model" not in text
+    out = io.StringIO()  # faster than predicted: spells do not explain that
+    monkeypatch.setattr(main, "console", Console(file=out, width=300))
+    main._print_verdict(
+        plan, {**report, "measured": {**report["measured"], "latency_s": 0.0004}}, False, RECALIBRATE
+    )
+    assert "spread" not in out.getvalue()
 
 
 def test_advice_for_a_calibrated_spec_given_with_cluster_names_its_file(tmp_path) -> None:

@@ -383,6 +383,14 @@ def test_70b_decode_at_tp4_plans_as_vllm():
         load_model_file(ROOT / "examples" / "llama3_70b_kv.py"), decode_phase(8, 4096, 4112)
     )
     assert len(structure.layers) == 80 and structure.layers[79].attention.kv_len == 4112
+    # planned as vLLM runs it: TP=4; its memory and the Megatron baseline's both count the prefill
+    path = str(ROOT / "examples" / "llama3_70b_kv.py")
+    prepared = workflow.prepare(path, "decode", batch_size=8, context=4096, dtype="bf16")
+    constraints = workflow.constraints_from(None, None, None, "none", max_devices=4)
+    plan = workflow.make_plan(prepared, workflow.resolve_cluster("dgx-h100", None), constraints, path)
+    assert plan.tp == 4 and plan.serving.prefill_peak_memory_bytes > 0
+    assert plan.predicted.peak_memory_bytes >= plan.serving.prefill_peak_memory_bytes
+    assert plan.baseline.peak_memory_bytes >= 0.9 * plan.predicted.peak_memory_bytes  # the same splits, alike
 
 
 # ------------------------------------------------------------------------------------- runs

@@ -43,10 +43,8 @@ def load_report(path: str) -> dict[str, Any]:
 
 
 def _measured_tokens_per_s(report: dict[str, Any]) -> float | None:
-    """Measured tokens/s: the served request's, else the predicted tokens per step over the measured step."""
-    serving = (report.get("serving") or {}).get("measured") or {}
-    if serving.get("tokens_per_s"):
-        return float(serving["tokens_per_s"])
+    """Measured tokens/s of the step: the predicted tokens per step over the measured step (a served
+    request's step: one decode step)."""
     measured, predicted = report.get("measured") or {}, report["predicted"]
     if not measured.get("latency_s") or not predicted.get("latency_s"):
         return None
@@ -55,12 +53,23 @@ def _measured_tokens_per_s(report: dict[str, Any]) -> float | None:
 
 
 def _predicted_tokens_per_s(report: dict[str, Any]) -> float | None:
-    """Predicted tokens/s, like for like with `_measured_tokens_per_s`: a served request's over the
-    whole request (prefill and decode steps), else the predicted step's throughput."""
-    serving = (report.get("serving") or {}).get("predicted") or {}
-    if serving.get("tokens_per_s"):
-        return float(serving["tokens_per_s"])
+    """Predicted tokens/s of the step, like for like with `_measured_tokens_per_s`."""
     return report["predicted"].get("throughput_tokens_per_s") or None
+
+
+def _request_tokens_per_s(report: dict[str, Any], key: str) -> float | None:
+    """A served request's tokens/s over the whole request (prefill and decode steps), ``key`` "predicted"
+    or "measured"; None for other reports."""
+    value = ((report.get("serving") or {}).get(key) or {}).get("tokens_per_s")
+    return float(value) if value else None
+
+
+def _request_cell(report: dict[str, Any]) -> str:
+    """A served request's tokens/s over the whole request, predicted / measured ("-" where none)."""
+    pair = [_request_tokens_per_s(report, k) for k in ("predicted", "measured")]
+    if pair[0] is None:
+        return "-"
+    return " / ".join(f"{v:,.0f}" if v else "-" for v in pair)
 
 
 def _recompute_cell(recompute: dict[str, Any]) -> str:
@@ -120,6 +129,7 @@ def comparison_rows(report: dict[str, Any]) -> dict[str, str]:
         "measured memory / rank": fmt_bytes(above) if m.get("peak_memory_bytes") else "-",
         "predicted tokens/s": f"{predicted_tps:,.0f}" if predicted_tps else "-",
         "measured tokens/s": f"{measured_tps:,.0f}" if measured_tps else "-",
+        "request tokens/s, predicted / measured": _request_cell(report),
         "vs Megatron baseline": f"{speedup:.2f}×" if speedup else "-",
     }
 

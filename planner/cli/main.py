@@ -362,8 +362,11 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         # this machine's spec: the model's own matmul shapes timed here, for every use of the spec below
         cluster = workflow.with_model_matmul_rates(prepared, cluster, bars)
         bars("solving the ILP", None)
+        pp, dp = args.pp, args.dp
+        if args.run and prepared.request is not None:  # --run serves a request with tensor parallelism only
+            pp, dp = pp or 1, dp or 1
         constraints = workflow.constraints_from(
-            args.tp, args.pp, args.dp, args.ladder, max_devices=args.devices, **_training_options(args)
+            args.tp, pp, dp, args.ladder, max_devices=args.devices, **_training_options(args)
         )
         workflow.check_constraints_fit(
             cluster,
@@ -490,7 +493,8 @@ def _print_verdict(plan, report: dict, layer_table: bool, advice: str) -> None:
         advice = "the machine ran at another speed than when calibrated: see the next line"
     elif busy:  # other processes shared the cores: neither the cost model nor calibration is to blame
         advice = busy
-    elif spread := _wide_spread(report["measured"]):
+    elif measured_s > plan.predicted.latency_s and (spread := _wide_spread(report["measured"])):
+        # slow spells raise the median; they do not explain a run faster than predicted
         advice = spread
     elif line:  # off at the run's speed too: re-measuring the machine would not help
         advice = "off at the run's own speed too (next line)"
@@ -725,6 +729,7 @@ def _plot(plan, folder: str, report: dict | None, capacity_bytes: float | None) 
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from costmodels.cluster import resize_cluster  # noqa: PLC0415
     from planner.cli import workflow  # noqa: PLC0415
     from planner.cli.render import fmt_s, render_plan  # noqa: PLC0415
     from planner.plan import Plan  # noqa: PLC0415
@@ -751,13 +756,18 @@ def cmd_run(args: argparse.Namespace) -> int:
             cluster, note = workflow.plan_cluster(plan, None)
         if cluster.backend == "gloo" and plan.num_devices < nproc:  # as optimize --run does
             nproc = _on_its_own_ranks(plan, nproc)
+        if cluster.backend == "gloo" and nproc < plan.num_devices:  # local ranks: --nproc below the plan's
+            raise InputError(
+                f"{args.plan}: field 'mesh' asks for {plan.num_devices} devices ({plan.mesh.label()}), but "
+                f"--nproc is {nproc}: give --nproc {plan.num_devices} (or leave it out), or set mesh.tp / "
+                "mesh.pp / mesh.dp to fit"
+            )
+        if cluster.backend == "gloo" and cluster.num_devices < plan.num_devices:
+            cluster = resize_cluster(cluster, plan.num_devices)  # more ranks than it was measured with
         if plan.num_devices > cluster.num_devices:
             raise InputError(
                 f"{args.plan}: field 'mesh' asks for {plan.num_devices} devices ({plan.mesh.label()}), but "
-                f"{cluster.name} has {cluster.num_devices}"
-                + (f" with --nproc {nproc}" if cluster.backend == "gloo" else "")
-                + ": set mesh.tp / mesh.pp / mesh.dp to fit"
-                + (", or give --nproc the plan's device count" if cluster.backend == "gloo" else "")
+                f"{cluster.name} has {cluster.num_devices}: set mesh.tp / mesh.pp / mesh.dp to fit"
             )
         repriced = workflow.reprice_if_edited(plan, prepared, cluster)
         bars("lowering the plan on meta tensors for every rank", None)

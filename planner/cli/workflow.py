@@ -537,6 +537,11 @@ def make_plan(
             fallbacks=kv_fallbacks(plan, prepared.structure),
         )
         plan.predicted = request_peak_memory(plan, cluster, constraints.memory_fraction)
+        if plan.baseline is not None:
+            expert = megatron_plan(
+                prepared.structure, cluster, prepared.workload, constraints, model_name=str(model_path)
+            )
+            plan.baseline = _with_prefill_memory(plan.baseline, expert, prepared.prefill, cluster, request)
         plan.workload = request.workload
         if request.workload is Workload.GENERATE:
             plan.seq_len = request.prompt_len
@@ -701,12 +706,31 @@ def reprice_if_edited(plan: Plan, prepared: Prepared, cluster: ClusterSpec) -> P
             fallbacks=kv_fallbacks(edited, structure),
         )
         edited.predicted = request_peak_memory(edited, cluster)
-    edited = _rebaselined(edited, structure, cluster, priced_workload(plan))
+    edited = _rebaselined(edited, structure, cluster, priced_workload(plan), prepared)
     edited.priced_digest = edited.decisions_digest()
     return edited
 
 
-def _rebaselined(plan: Plan, structure: ModelStructure, cluster: ClusterSpec, workload: WorkloadSpec) -> Plan:
+def _with_prefill_memory(
+    baseline: Prediction,
+    expert: Plan | None,
+    prefill: ModelStructure | None,
+    cluster: ClusterSpec,
+    request: ServingRequest | None,
+) -> Prediction:
+    """A serving plan's Megatron ``baseline`` with its peak memory the larger of its decode step's and
+    its prefill's (``expert``, its plan, priced on the ``prefill`` graph), as `request_peak_memory` does
+    for the plan itself, so the two are compared alike."""
+    if expert is None or prefill is None or request is None:
+        return baseline
+    prefill_wl = WorkloadSpec(Workload.FORWARD, expert.batch_size, request.prompt_len, dtype=expert.dtype)
+    peak = plan_prediction(expert, prefill, cluster, prefill_wl, []).peak_memory_bytes
+    return replace(baseline, peak_memory_bytes=max(baseline.peak_memory_bytes, peak))
+
+
+def _rebaselined(
+    plan: Plan, structure: ModelStructure, cluster: ClusterSpec, workload: WorkloadSpec, prepared: Prepared
+) -> Plan:
     """`plan` with its Megatron baseline priced again for the (edited) job it now describes: the
     hand-written layout on the plan's devices (`megatron_plan`); none where no Megatron layout applies.
     An edit of the batch, dtype or request changes the expert's step too."""
@@ -718,6 +742,8 @@ def _rebaselined(plan: Plan, structure: ModelStructure, cluster: ClusterSpec, wo
         kept = [d for d in plan.decisions if d.subject != "megatron-baseline"]
         return replace(plan, baseline=None, baseline_layout={}, decisions=kept)
     b = expert.predicted
+    if plan.serving is not None:
+        b = _with_prefill_memory(b, expert, prepared.prefill, cluster, prepared.request)
     cap = cluster.device.memory_bytes * Constraints().memory_fraction
     fits = (
         "fits memory"

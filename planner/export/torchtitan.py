@@ -8,7 +8,7 @@ parallelism field names except the micro-batch, which became `num_pp_microbatche
 | plan                                   | torchtitan                                                          |
 |----------------------------------------|---------------------------------------------------------------------|
 | mesh.tp, mesh.pp                       | tensor_parallel_degree, pipeline_parallel_degree                   |
-| mesh.dp, distributed_optimizer false   | data_parallel_replicate_degree = dp, data_parallel_shard_degree = 1 |
+| mesh.dp, distributed_optimizer false   | data_parallel_replicate_degree = dp (DDP) with tp = pp = 1; else as below |
 | mesh.dp, distributed_optimizer true    | data_parallel_shard_degree = dp (FSDP; torchtitan has no ZeRO-1)    |
 | schedule (v virtual stages)            | pipeline_parallel_schedule "GPipe" / "1F1B" / "Interleaved1F1B"    |
 | stages (pp > 1)                        | module_fqns_per_model_part (torchtitan's module names, exact)       |
@@ -47,14 +47,26 @@ def torchtitan_sections(plan: Plan) -> tuple[dict[str, dict[str, object]], list[
             f"this is a {plan.workload} plan; torchtitan trains (plan with --workload train for its memory "
             "and schedule)"
         )
+    # torchtitan's DDP runs alone: its llama3 `parallelize` raises "DDP has not supported > 1D
+    # parallelism" when data-parallel replicas combine with TP or PP (pytorch/torchtitan,
+    # torchtitan/models/llama3/infra/parallelize.py), so such a plan's replicas become FSDP shards
+    ddp_alone = plan.tp == 1 and plan.pp == 1
+    shard = plan.distributed_optimizer or (plan.dp > 1 and not ddp_alone)
     par: dict[str, object] = {
         "tensor_parallel_degree": plan.tp,
         "pipeline_parallel_degree": plan.pp,
-        "data_parallel_replicate_degree": 1 if plan.distributed_optimizer else plan.dp,
-        "data_parallel_shard_degree": plan.dp if plan.distributed_optimizer else 1,
+        "data_parallel_replicate_degree": 1 if shard else plan.dp,
+        "data_parallel_shard_degree": plan.dp if shard else 1,
         "context_parallel_degree": 1,
         "enable_async_tensor_parallel": False,
     }
+    if shard and not plan.distributed_optimizer:
+        warnings.append(
+            f'torchtitan runs DDP only without TP or PP (its parallelize raises "DDP has not supported > 1D '
+            f"parallelism\"): the plan's {plan.dp} data-parallel replicas are exported as FSDP "
+            "(data_parallel_shard_degree), which also shards parameters, gradients and optimizer state: less "
+            "memory, more all-gathers than the plan priced"
+        )
     if plan.distributed_optimizer and plan.dp > 1:
         warnings.append(
             "torchtitan has no ZeRO-1 distributed optimizer: exported as FSDP (data_parallel_shard_degree), which "

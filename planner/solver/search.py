@@ -214,6 +214,13 @@ def _tp_options(search: _Search, num_devices: int) -> list[int]:
                 f"tp={tp} (pinned): {bad[0]} heads not divisible by {tp}; attention stays replicated"
             )
         bad_kv = [h for h in kv if h % tp and tp % h]
+        if bad_kv and c.tp is None:
+            # as a pinned --tp is refused (`planner.cli.workflow.check_pinned_tp`): the K/V projections
+            # and the attention reshapes cannot split into whole KV heads, nor replicate them evenly
+            search.excluded.append(
+                f"tp={tp}: {bad_kv[0]} KV heads (GQA) neither divisible by {tp} nor dividing it"
+            )
+            continue
         if bad_kv and not bad and tp > 1:
             search.excluded.append(
                 f"tp={tp}: head-parallel attention excluded: {bad_kv[0]} KV heads (GQA) not divisible by {tp}"
