@@ -267,3 +267,21 @@ def test_run_of_a_plan_edited_to_more_devices_than_the_cluster_names_the_mesh(tm
     r = planner("run", str(out), "--model", "examples/llama3.py", "--nproc", "2")
     assert r.returncode == 2, r.stderr
     assert "field 'mesh'" in _said(r) and "4 devices" in _said(r) and "Traceback" not in r.stderr
+
+
+def test_show_and_export_of_an_edited_plan_say_it_was_edited_after_pricing(tmp_path):
+    """`planner show` and `planner export` read a saved plan without the model: when its decisions
+    were edited after it was priced they say so (the prices shown are from before the edit) and point
+    to `planner run`, which checks and prices it again; an unedited plan gets no such warning."""
+    out = tmp_path / "plan.yaml"
+    r = planner("optimize", "examples/llama3.py", "--cluster", "local-cpu", "--nproc", "2", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    for cmd in (("show", str(out)), ("export", str(out), "--to", "dtensor")):
+        assert "edited after planning" not in _said(planner(*cmd))
+    data = yaml.safe_load(out.read_text())
+    data["batch_size"] = 2 * data["batch_size"]
+    out.write_text(yaml.safe_dump(data))
+    for cmd in (("show", str(out)), ("export", str(out), "--to", "dtensor")):
+        r = planner(*cmd)
+        assert r.returncode == 0, r.stderr
+        assert "edited after planning" in _said(r) and "planner run" in _said(r)

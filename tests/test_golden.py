@@ -12,6 +12,7 @@ import re
 import pytest
 
 from costmodels.cluster import load_cluster
+from costmodels.memory import Recompute
 from planner.errors import InfeasibleError
 from planner.solver.problem import Constraints, LadderPolicy, WorkloadSpec
 from planner.solver.search import plan_model
@@ -167,6 +168,21 @@ def test_infeasible_names_binding_constraint(h100) -> None:
         )
     message = str(info.value)
     assert "needs" in message and "devices have 79.6 GiB" in message and "would fit" in message
+
+
+def test_infeasible_with_recompute_pinned_off_prices_the_need_without_it(h100) -> None:
+    """With --recompute none pinned, the stage memory the message quotes is without recomputation
+    (it read 8.3 GiB, under the 71.6 usable, while quoting full recomputation), recomputation is named
+    as what would fit, and "more devices" only when the bytes exceed the cluster's."""
+    work = WorkloadSpec("train", 64, 8192, micro_batches=1, dtype="bf16")
+    with pytest.raises(InfeasibleError) as info:
+        plan_model(analysed_llama("8b"), h100, work, Constraints(recompute=Recompute.NONE, tp=8, pp=1, dp=1))
+    message = str(info.value)
+    need = float(message.split("needs ")[1].split(" GiB")[0])
+    assert need > 71.6 and "--recompute full" in message
+    assert (
+        "devices (" not in message or int(message.split("about ")[1].split(" devices")[0]) > h100.num_devices
+    )
 
 
 def test_ladder_when_communication_bound(pcie, h100) -> None:

@@ -506,19 +506,3 @@ def test_per_query_head_attention_kernel_prices_decode_kv_reads_per_query_head()
     extra_s = extra / (dev.memory_bandwidth_bytes_per_s * dev.memory_efficiency)
     added = plans["per_query_head"].serving.tpot_s - plans["fused"].serving.tpot_s
     assert added == pytest.approx(extra_s, rel=0.05)
-
-
-def test_ladder_on_layers_that_stay_replicated_is_named_as_saving_no_time():
-    """Ladder residual overlaps a block's all-reduce: on layers the plan keeps replicated there is none,
-    and the report says so (a fresh user read a 0.70x "speed-up" as ladder's effect)."""
-    from costmodels.cluster import load_cluster
-    from planner.cli.render import idle_ladder_layers
-
-    path = ROOT / "examples" / "llama3_kv.py"
-    _, split = _plan(path, "decode", ladder="upper:2", context=16, new_tokens=4)
-    assert split.ladder_layers == [2, 3] and idle_ladder_layers(split) == []  # midlink splits them
-    prepared = workflow.prepare(str(path), "decode", context=16, new_tokens=4)
-    constraints = workflow.constraints_from(2, 1, 1, "upper:2")
-    kept = workflow.make_plan(prepared, load_cluster("local-cpu", nproc=2), constraints, str(path))
-    assert all(s.style is SplitStyle.REPLICATE for s in kept.splits.values())
-    assert idle_ladder_layers(kept) == [2, 3]

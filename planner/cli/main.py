@@ -706,6 +706,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
     _check_outputs(args)
     plan = _saved_plan(args.plan)
+    _warn(_edited_warning(plan, "the times and memory below are those it was priced with"))
     render_plan(console, plan)
     if args.why:
         render_decisions(console, plan)
@@ -859,13 +860,27 @@ def cmd_adapt(args: argparse.Namespace) -> int:
     return run(args, console, err_console)
 
 
+def _edited_warning(plan, consequence: str) -> list[str]:
+    """A warning when a saved plan's decisions were edited after it was priced (`Plan.priced_digest`),
+    which `planner run` prices again (and checks against the model); none otherwise."""
+    if not plan.priced_digest or plan.priced_digest == plan.decisions_digest():
+        return []
+    return [
+        f"the plan's decisions differ from those it was priced with (edited after planning): {consequence}; "
+        "planner run PLAN --model MODEL.py checks it against the model and prices it again"
+    ]
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from planner.export import export_plan  # noqa: PLC0415
 
     _check_outputs(args, out_kind="export")
     plan = _saved_plan(args.plan)
     result = export_plan(plan, args.to, model=args.model)
-    _warn(result.warnings)
+    _warn(
+        _edited_warning(plan, "the export writes its edited layout, which no prediction checked")
+        + result.warnings
+    )
     if args.out:
         write_text_atomic(args.out, result.text, option="--out")
         err_console.print(f"{args.to} export written to {args.out}")

@@ -258,26 +258,12 @@ def render_plan(console: Console, plan: Plan) -> None:
             "own cache writes and attention over its cache are not in the graph, and --run cannot serve it "
             "(README: models with a KV cache)[/yellow]"
         )
-    idle = idle_ladder_layers(plan)
-    if idle:
-        console.print(
-            f"[yellow]note: ladder residual on layers {layer_ranges(idle)} saves no time: their blocks end in no "
-            "all-reduce (nothing row-parallel), so there is nothing to overlap; it still changes what those "
-            "layers compute[/yellow]"
-        )
     for note in plan.excluded[:8]:
         console.print(f"[dim]excluded: {note}[/dim]")
     s = plan.solver
     console.print(
         f"[dim]solver: {s.status}, gap {s.gap:.3g}, {s.time_s:.2f} s, {s.num_variables} variables[/dim]"
     )
-
-
-def idle_ladder_layers(plan: Plan) -> list[int]:
-    """The plan's laddered layers none of whose ops is row-parallel (`Plan.predicted.per_layer`): no
-    block of theirs ends in an all-reduce, so laddering them overlaps nothing."""
-    rowwise = {c.layer for c in plan.predicted.per_layer if "rowwise" in c.strategy.values()}
-    return [i for i in plan.ladder_layers if i not in rowwise]
 
 
 def throughput_text(plan: Plan) -> str:

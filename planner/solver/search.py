@@ -626,16 +626,25 @@ def _infeasible(search: _Search) -> InfeasibleError:
     closest = min(search.candidates, key=lambda c: (c.memory_lower_bound_bytes, -c.mesh.tp))
     mesh = closest.mesh
     _materialize(search, closest)
-    breakdown = predict(closest.tables, megatron_assignment(closest.tables, recompute=True)).stages
+    # the least memory the user's pins allow: full recomputation unless --recompute is pinned
+    pinned = search.constraints.recompute
+    breakdown = predict(
+        closest.tables, megatron_assignment(closest.tables, recompute=pinned if pinned is not None else True)
+    ).stages
     worst = max(range(mesh.pp), key=lambda s: breakdown[s].memory_bytes)
     need = breakdown[worst].memory_bytes
     total = sum(bd.memory_bytes for bd in breakdown) * mesh.tp * mesh.dp  # all ranks' bytes
     devices_needed = math.ceil(total / search.cap_bytes)
     cap_gib = search.cluster.device.memory_bytes / _GIB
     per_node = search.cluster.devices_per_node
-    hints = [
-        f"about {devices_needed} devices ({math.ceil(devices_needed / per_node)} nodes of {per_node}, e.g. pp across them)"
-    ]
+    hints = []
+    if search.workload.train and pinned is not None and pinned is not Recompute.FULL:
+        hints.append(f"activation recomputation (--recompute full, or leave --recompute {pinned} out)")
+    if devices_needed > search.cluster.num_devices:  # else the bytes fit the cluster: not the binding limit
+        hints.append(
+            f"about {devices_needed} devices ({math.ceil(devices_needed / per_node)} nodes of {per_node}, e.g. pp "
+            "across them)"
+        )
     if search.workload.kind is Workload.TRAIN:
         # weights, gradients and Adam state (mixed precision) of one rank, before any activation
         state = memory.training_state_bytes(
