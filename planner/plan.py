@@ -579,13 +579,16 @@ class Plan:
             check_new_tokens(sv.new_tokens, f"{origin}: field 'serving.new_tokens'")
             if sv.prompt_len < 1:
                 raise bad("serving.prompt_len", f"must be >= 1, got {sv.prompt_len}")
-            prompt_field = "context" if self.workload == "decode" else "seq_len"
-            if self.workload in ("decode", "generate") and getattr(self, prompt_field) != sv.prompt_len:
-                raise bad(
-                    prompt_field,
-                    f"is {getattr(self, prompt_field)} but the request served has serving.prompt_len "
-                    f"{sv.prompt_len}: edit both together (serving.cache_len must hold prompt_len + new_tokens)",
-                )
+            # decode: the context is the prompt; generate: the sequence length is, and the decode step it
+            # prices has that context too
+            fields = ("context",) if self.workload == "decode" else ("seq_len", "context")
+            for prompt_field in fields:
+                if getattr(self, prompt_field) != sv.prompt_len:
+                    raise bad(
+                        prompt_field,
+                        f"is {getattr(self, prompt_field)} but the request served has serving.prompt_len "
+                        f"{sv.prompt_len}: edit them together (serving.cache_len must hold prompt_len + new_tokens)",
+                    )
             if sv.cache_len < sv.prompt_len + sv.new_tokens:
                 raise bad(
                     "serving.cache_len",

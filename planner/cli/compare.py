@@ -32,7 +32,12 @@ def load_report(path: str) -> dict[str, Any]:
     try:
         report = json.loads(text)
     except json.JSONDecodeError as e:
-        raise InputError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        hint = (
+            ": compare reads the JSON reports planner optimize --json REPORT.json writes, not plans"
+            if str(path).endswith((".yaml", ".yml"))
+            else ""
+        )
+        raise InputError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}){hint}") from None
     missing = [k for k in _REPORT_KEYS if not isinstance(report, dict) or not isinstance(report.get(k), dict)]
     if missing:
         raise InputError(

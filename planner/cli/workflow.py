@@ -200,7 +200,8 @@ def request_peak_memory(plan: Plan, cluster: ClusterSpec, memory_fraction: float
             f"{sv.prefill_peak_memory_bytes / gib:.1f} GiB per device on {plan.mesh.label()}, over the "
             f"{cap / gib:.1f} GiB usable ({cluster.name}, memory_fraction {memory_fraction}); the decode step "
             f"alone needs {plan.predicted.peak_memory_bytes / gib:.1f} GiB. Would fit: a shorter --context / "
-            "--seq-len, a smaller --batch-size, or more tensor parallelism"
+            "--seq-len, a smaller --batch-size, or more devices per request (tensor parallelism, or pipeline "
+            "stages: --pp, planned but not run here)"
         )
     peak = max(plan.predicted.peak_memory_bytes, sv.prefill_peak_memory_bytes)
     return replace(plan.predicted, peak_memory_bytes=peak)
