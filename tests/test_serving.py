@@ -391,6 +391,13 @@ def test_70b_decode_at_tp4_plans_as_vllm():
     assert plan.tp == 4 and plan.serving.prefill_peak_memory_bytes > 0
     assert plan.predicted.peak_memory_bytes >= plan.serving.prefill_peak_memory_bytes
     assert plan.baseline.peak_memory_bytes >= 0.9 * plan.predicted.peak_memory_bytes  # the same splits, alike
+    # a prefill a serving engine ran fits: TensorRT-LLM 0.5, Llama-2-70B TP4 on A100 80GB, fp16, batch 64
+    # of 2048-token prompts (its performance.md); its live activations are split over the TP ranks
+    path = str(ROOT / "examples" / "llama2_70b_kv.py")
+    prepared = workflow.prepare(path, "generate", batch_size=64, seq_len=2048, new_tokens=128, dtype="fp16")
+    constraints = workflow.constraints_from(4, 1, 1, "none", max_devices=4)
+    plan = workflow.make_plan(prepared, workflow.resolve_cluster("dgx-a100", None), constraints, path)
+    assert plan.predicted.peak_memory_bytes <= 0.9 * 80 * 2**30
 
 
 # ------------------------------------------------------------------------------------- runs

@@ -1080,11 +1080,14 @@ def build_cost_tables(ctx: CostContext, keys: list[str] | None = None) -> CostTa
 
 def transient_bytes(ctx: CostContext) -> float:
     """Working memory per rank on top of what is stored. Inference: a few live activations of one
-    micro-batch. Training: `training_transient_bytes`."""
+    micro-batch, the widest a rank computes: the residual stream, or a projection's output split over
+    the TP ranks (a 70B MLP's 28672 columns are 7168 per rank at TP=4; priced whole, a 2048-token x 64
+    prefill that TensorRT-LLM 0.5 ran at TP4 on A100 80GB read as not fitting). Training:
+    `training_transient_bytes`."""
     if ctx.train:
         return training_transient_bytes(ctx)
     s = ctx.structure
-    widest = max([s.hidden_size] + [p.out_features for p in _all_projections(s)])
+    widest = max([s.hidden_size] + [p.out_features / ctx.mesh.tp for p in _all_projections(s)])
     return 4.0 * ctx.tokens * widest * ctx.bytes_per_element
 
 
