@@ -213,6 +213,8 @@ def read_local_shards(
                         value, split_dim, split.parts, tp_rank, tp_size, pad=pad, pieces=pieces
                     )
                 value = value.detach().clone()
+            if split is None and tuple(value.shape) != tuple(tensor.shape):
+                value = self_sharded_piece(value, tuple(tensor.shape), tp_rank, tp_size, name)
             if tuple(value.shape) != tuple(tensor.shape):
                 raise ValueError(
                     f"`{name}`: checkpoint shape {tuple(value.shape)} != rank shape {tuple(tensor.shape)}"
@@ -222,6 +224,21 @@ def read_local_shards(
     finally:
         if isinstance(source, SafetensorsCheckpoint) and source is not checkpoint:
             source.close()
+
+
+def self_sharded_piece(
+    whole: torch.Tensor, local_shape: tuple[int, ...], tp_rank: int, tp_size: int, name: str
+) -> torch.Tensor:
+    """This rank's piece of a tensor the TP pass sharded on its own, with no split in the plan (a KV
+    cache along its heads, with the K/V projections that fill it): its one dim that differs from
+    ``local_shape`` is cut into whole / local pieces and the rank takes piece tp_rank * pieces //
+    tp_size (an even 1/tp shard, or a KV head replicated on tp / pieces ranks). Raises ValueError for
+    a shape that is no such shard."""
+    differ = [d for d, (a, b) in enumerate(zip(whole.shape, local_shape)) if a != b]
+    if len(differ) != 1 or whole.dim() != len(local_shape) or whole.shape[differ[0]] % local_shape[differ[0]]:
+        raise ValueError(f"`{name}`: rank shape {local_shape} is no shard of {tuple(whole.shape)}")
+    pieces = whole.shape[differ[0]] // local_shape[differ[0]]
+    return whole.chunk(pieces, dim=differ[0])[tp_rank * pieces // tp_size]
 
 
 def _open_checkpoint(

@@ -46,7 +46,7 @@ from passes import collectives
 from passes.checkpoint import SafetensorsCheckpoint, save_checkpoint
 from passes.ladder import apply_ladder, ladder_deviation, ladder_residual_adds
 from passes.lower import lower_for_rank
-from passes.tensor_parallel import read_local_shards
+from passes.tensor_parallel import read_local_shards, self_sharded_piece
 from planner.frontend.analysis import CACHE_UPDATE_OPS, ModelStructure, analyse, cache_buffers
 from planner.frontend.capture import capture, flat_inputs, retarget_device
 from planner.frontend.modelfile import ModelFile, load_model_file
@@ -359,17 +359,7 @@ def load_rank_state(gm: fx.GraphModule, weights: str, plan: Plan, tp_rank: int, 
                 continue
             whole = source.read(name)
             if tuple(whole.shape) != tuple(tensor.shape):
-                differ = [d for d, (a, b) in enumerate(zip(whole.shape, tensor.shape)) if a != b]
-                if (
-                    len(differ) != 1
-                    or whole.dim() != tensor.dim()
-                    or whole.shape[differ[0]] % tensor.shape[differ[0]]
-                ):
-                    raise ValueError(
-                        f"`{name}`: rank shape {tuple(tensor.shape)} is no shard of {tuple(whole.shape)}"
-                    )
-                pieces = whole.shape[differ[0]] // tensor.shape[differ[0]]
-                whole = whole.chunk(pieces, dim=differ[0])[tp_rank * pieces // plan.tp]
+                whole = self_sharded_piece(whole, tuple(tensor.shape), tp_rank, plan.tp, name)
             values[name] = whole.to(dtype=tensor.dtype).contiguous()
     for name, value in values.items():
         owner, leaf = _owner(gm, name)

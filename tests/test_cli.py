@@ -285,3 +285,19 @@ def test_show_and_export_of_an_edited_plan_say_it_was_edited_after_pricing(tmp_p
         r = planner(*cmd)
         assert r.returncode == 0, r.stderr
         assert "edited after planning" in _said(r) and "planner run" in _said(r)
+
+
+def test_a_kv_cache_the_tp_pass_shards_by_heads_runs_its_rank_shard(tmp_path):
+    """../shared/cases/kv_cache_index_put.py run at TP=2 (forward, not served): the TP pass shards the
+    cache buffers with their heads, and each rank loads its piece of them from the unsharded state
+    (it raised "checkpoint shape (2, 4, 32, 32) != rank shape (2, 2, 32, 32)"); outputs match."""
+    report = tmp_path / "r.json"
+    r = planner(
+        "optimize", "tests/models/kv_cache_index_put.py", "--cluster", "tests/models/midlink-cpu.yaml",
+        "--tp", "2", "--nproc", "2", "--run", "--iters", "1", "--min-time", "0", "--json", str(report),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    data = json.loads(report.read_text())
+    n = data["numerics"]
+    assert n["max_abs_diff"] <= n["outputs"][0]["tolerance"]  # the run fails (exit 4) beyond it, too
+    assert data["plan"]["splits"]["blocks.0.attn.k.weight"] == "colwise"  # the cache's heads split with k

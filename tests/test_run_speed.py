@@ -68,6 +68,9 @@ def test_at_run_speed_reprices_the_plan_at_the_probed_per_node_overhead(calibrat
         plan.predicted.latency_s
     )
     assert workflow.at_run_speed(plan, None, calibrated, _run(1.0, base_s)) is None
+    # a probe that read no per-node slope (0 on a loaded machine) is no reading: nothing re-priced,
+    # and the verdict's speed line (which divides by the ratio) is not printed
+    assert workflow.at_run_speed(plan, structure, calibrated, _run(1.0, 0.0)) is None
     assert workflow.at_run_speed(plan, structure, calibrated, {"measured": {"latency_s": 1.0}}) is None
 
 

@@ -513,3 +513,20 @@ def test_per_query_head_attention_kernel_prices_decode_kv_reads_per_query_head()
     extra_s = extra / (dev.memory_bandwidth_bytes_per_s * dev.memory_efficiency)
     added = plans["per_query_head"].serving.tpot_s - plans["fused"].serving.tpot_s
     assert added == pytest.approx(extra_s, rel=0.05)
+
+
+def test_a_mesh_edited_under_its_splits_is_refused_naming_the_fields():
+    """A saved plan whose mesh was edited so that its splits no longer apply (tp=3 on 128 features,
+    tp=1 with colwise splits) is refused naming 'splits' and 'mesh', not a KeyError from the predictor."""
+    path = ROOT / "examples" / "llama3.py"
+    prepared = workflow.prepare(str(path), "forward")
+    cluster = workflow.resolve_cluster(str(MODELS / "fastlink.yaml"), 2)
+    plan = workflow.make_plan(prepared, cluster, workflow.constraints_from(2, 1, 1, "none"), str(path))
+    assert plan.splits["layers.0.attention.wq.weight"].style is SplitStyle.COLWISE
+    for mesh in (dict(tp=3, pp=1, dp=1), dict(tp=1, pp=1, dp=2)):
+        edited = copy.deepcopy(plan)
+        edited.mesh = dataclasses.replace(plan.mesh, **mesh)
+        with pytest.raises(InputError, match=rf"field 'splits'.*at tp={mesh['tp']}.*field 'mesh'"):
+            workflow.reprice_if_edited(
+                edited, prepared, workflow.resolve_cluster(str(MODELS / "fastlink.yaml"), 4)
+            )

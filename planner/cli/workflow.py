@@ -1200,6 +1200,8 @@ def at_run_speed(
     dev = cluster.device
     if not probe or structure is None or not dev.node_overhead_s:
         return None
+    if not probe.get("node_overhead_s") or probe["node_overhead_s"] <= 0:
+        return None  # no usable reading: a loaded machine can read a slope of 0 (a probe graph's clamp)
     reference = dev.probe_node_overhead_s or dev.node_overhead_s  # the probe's reading at calibration
     probe_s = probe["node_overhead_s"]
     ratio = probe_s / reference

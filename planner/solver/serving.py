@@ -99,7 +99,7 @@ def _split_choice(plan: Plan, op: Op, recorded: str, layer: int, weight: str | N
         return recorded
     names = {o.name for o in op.options}
     applying = _STYLE_OPTION.get(str(split.style), ())
-    if recorded in applying:
+    if recorded in applying and recorded in names:
         return recorded
     for name in applying:
         if name in names:
@@ -107,7 +107,8 @@ def _split_choice(plan: Plan, op: Op, recorded: str, layer: int, weight: str | N
     why = op.excluded.get(str(split.style)) or f"options {sorted(names)}"
     where = f"layer {layer}" if layer >= 0 else "the model's ends"
     raise InputError(
-        f"the plan splits {weight} {split.style}, which op {op.name!r} of {where} cannot run: {why}"
+        f"field 'splits': the plan splits {weight} {split.style}, which op {op.name!r} of {where} cannot run "
+        f"at tp={plan.tp}: {why}; edit field 'mesh' or 'splits' to agree, or plan again"
     )
 
 
