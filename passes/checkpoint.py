@@ -58,7 +58,7 @@ def checkpoint_files(path: str | os.PathLike[str] | Sequence[str]) -> list[str]:
         raise InputError(f"weights file {p} does not exist{made_by}")
     if p.suffix != SUFFIX:
         raise InputError(
-            f"weights file {p} is not a {SUFFIX} file (save one with safetensors.torch.save_file)"
+            f"weights file {p} is not a {SUFFIX} file (save one with safetensors.torch.save_model(model, path), which also keeps tied weights)"
         )
     return [str(p)]
 

@@ -460,9 +460,7 @@ def check_plan_fields(plan: Plan, num_layers: int | None = None, cluster: Cluste
         )
     if len(plan.stages) != plan.pp:
         raise InputError(f"plan field stages: {len(plan.stages)} stages but pp is {plan.pp}")
-    if plan.batch_size % plan.dp or (plan.batch_size // plan.dp) % max(
-        1, plan.micro_batches if plan.pp > 1 else 1
-    ):
+    if plan.batch_size % plan.dp or (plan.batch_size // plan.dp) % max(1, plan.micro_batches):
         raise InputError(
             f"plan fields batch_size/dp/micro_batches: batch {plan.batch_size} does not split into dp={plan.dp} "
             f"replicas of {plan.micro_batches} micro-batches"
