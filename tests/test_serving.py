@@ -530,3 +530,7 @@ def test_a_mesh_edited_under_its_splits_is_refused_naming_the_fields():
             workflow.reprice_if_edited(
                 edited, prepared, workflow.resolve_cluster(str(MODELS / "fastlink.yaml"), 4)
             )
+    # micro-batches that do not divide the batch, also without pipeline stages
+    odd = dataclasses.replace(plan, micro_batches=plan.batch_size + 1)
+    with pytest.raises(InputError, match="batch_size/dp/micro_batches"):
+        workflow.validate_plan_for_model(odd, prepared.structure, str(path), prepared.param_shapes)
