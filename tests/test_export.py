@@ -420,6 +420,15 @@ def test_compare_columns_are_named_by_the_shortest_distinct_path_tail():
     ]
 
 
+def _compare_rows(out: str) -> dict[str, list[str]]:
+    """`planner compare`'s table of two reports: row name -> its two cells."""
+    return {
+        line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+        for line in out.splitlines()
+        if line.count("│") == 4
+    }
+
+
 def test_compare_prints_reports_side_by_side(tmp_path, llama_plan, capsys):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps(_report(llama_plan, 0.004, measured_s=0.005)))
@@ -429,11 +438,7 @@ def test_compare_prints_reports_side_by_side(tmp_path, llama_plan, capsys):
     b.write_text(json.dumps(_report(pp, 0.002)))
     assert main(["compare", str(a), str(b)]) == 0
     out = capsys.readouterr().out
-    rows = {
-        line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
-        for line in out.splitlines()
-        if line.count("│") == 4
-    }
+    rows = _compare_rows(out)
     assert rows["mesh"] == ["TP=2 × PP=1 × DP=1", "TP=2 × PP=2 × DP=1"]
     assert rows["predicted step"] == ["4.000 ms", "2.000 ms"] and rows["measured step"] == ["5.000 ms", "-"]
     assert rows["measured / predicted"] == ["1.25", "-"]
@@ -574,11 +579,7 @@ def test_compare_sets_step_tokens_per_s_beside_step_tokens_per_s_and_a_requests_
     b.write_text(json.dumps(plain))
     assert main(["compare", str(a), str(b)]) == 0
     out = capsys.readouterr().out
-    rows = {
-        line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
-        for line in out.splitlines()
-        if line.count("│") == 4
-    }
+    rows = _compare_rows(out)
     assert rows["predicted tokens/s"] == ["671", "671"]
     assert rows["measured tokens/s"] == ["537", "-"]  # 671 x 4 ms / 5 ms
     assert rows["request tokens/s, predicted / measured"] == ["638 / 564", "-"]
