@@ -561,7 +561,8 @@ def _check_loss_budget_options(args: argparse.Namespace) -> None:
 
 
 def _warn(lines: list[str]) -> None:
-    for line in lines:
+    """Each of ``lines`` once, as a "warning: ..." line on stderr."""
+    for line in dict.fromkeys(lines):
         err_console.print(Text.assemble(("warning: ", "bold yellow"), line), highlight=False)
 
 
