@@ -394,7 +394,7 @@ Each `rank{{r}}/` holds:
 
 - `module.py`: the rank's rewritten model as readable PyTorch source (`class {CLASS_NAME}`,
   `load(device)`); it imports only `torch` and `passes.collectives`, so a custom op the model
-  calls (`torch.ops.<namespace>.<op>`, registered with `torch.library`) must be registered first:
+  calls through `torch.ops` (one registered with `torch.library`) must be registered first:
   import the module that defines it (e.g. the model file) before loading `module.py`;
 - `weights.pt`: the rank's weight shards (`torch.load(..., weights_only=True)`);
 - `meta.json`: the plan facts, the inputs and outputs with their local shapes.

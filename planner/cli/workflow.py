@@ -183,7 +183,9 @@ def _prepare_serving(
     return Prepared(model_file, structure, wl, shapes, graph=graph, request=request, prefill=prefill)
 
 
-def request_peak_memory(plan: Plan, cluster: ClusterSpec, memory_fraction: float = 0.9) -> Prediction:
+def request_peak_memory(
+    plan: Plan, cluster: ClusterSpec, memory_fraction: float = Constraints.memory_fraction
+) -> Prediction:
     """`plan.predicted` with its peak memory the larger of the decode step's and the prefill's
     (`Serving.prefill_peak_memory_bytes`: the prompt's activations beside the same weights and caches),
     for a serving plan. Raises InfeasibleError (exit 3) when the prefill does not fit
@@ -320,7 +322,7 @@ def check_pinned_tp(structure: ModelStructure, tp: int | None) -> None:
     """
     if tp is None or tp == 1:
         return
-    kv = [c for c in structure.kv_head_counts() if c % tp and tp % c]  # fewer KV heads than tp: replicated
+    kv = structure.kv_heads_unsplit_by(tp)  # fewer KV heads than tp and dividing it: replicated, fine
     counts = sorted(set(structure.query_head_counts()) | set(kv))
     if counts and any(c % tp for c in counts):
         limit = min(counts)
@@ -536,11 +538,6 @@ def make_plan(
             fallbacks=kv_fallbacks(plan, prepared.structure),
         )
         plan.predicted = request_peak_memory(plan, cluster, constraints.memory_fraction)
-        if plan.baseline is not None:
-            expert = megatron_plan(
-                prepared.structure, cluster, prepared.workload, constraints, model_name=str(model_path)
-            )
-            plan.baseline = _with_prefill_memory(plan.baseline, expert, prepared.prefill, cluster, request)
         plan.workload = request.workload
         if request.workload is Workload.GENERATE:
             plan.seq_len = request.prompt_len
@@ -626,10 +623,15 @@ def _lower_baseline(
     decision says how many and where. Before, a model with a hand-written q @ k^T attention core was
     compared with a baseline priced as if that core could split by heads ("0.87x its speed"), while
     the pass gathers q and k there. A baseline the passes cannot lower at all keeps its price, and the
-    decision says why it would not run."""
+    decision says why it would not run. A served request's baseline counts its prefill's memory, as
+    the plan's does (`_with_prefill_memory`)."""
     if plan.baseline is None or prepared.graph is None:
         return plan
     expert = megatron_plan(structure, cluster, prepared.workload, constraints, model_name=str(model_path))
+    plan = replace(
+        plan,
+        baseline=_with_prefill_memory(plan.baseline, expert, prepared.prefill, cluster, prepared.request),
+    )
     if expert is None or expert.tp == 1:  # no TP pass, nothing to gather
         return plan
     lowered = ("mesh", "splits", "stages", "ladder_layers", "workload", "micro_batches")
@@ -652,7 +654,7 @@ def _lower_baseline(
         )
     return replace(
         plan,
-        baseline=expert.predicted,
+        baseline=_with_prefill_memory(expert.predicted, expert, prepared.prefill, cluster, prepared.request),
         decisions=_baseline_note(plan.decisions, expert.predicted.latency_s, note),
     )
 
@@ -737,13 +739,13 @@ def _rebaselined(
         expert = megatron_plan(structure, cluster, workload, Constraints(max_devices=plan.num_devices))
     except (InputError, InfeasibleError):
         expert = None
+    kept = [d for d in plan.decisions if d.subject != "megatron-baseline"]
     if expert is None:
-        kept = [d for d in plan.decisions if d.subject != "megatron-baseline"]
         return replace(plan, baseline=None, baseline_layout={}, decisions=kept)
     b = expert.predicted
     if plan.serving is not None:
         b = _with_prefill_memory(b, expert, prepared.prefill, cluster, prepared.request)
-    cap = cluster.device.memory_bytes * Constraints().memory_fraction
+    cap = cluster.device.memory_bytes * Constraints.memory_fraction
     fits = (
         "fits memory"
         if b.peak_memory_bytes <= cap
@@ -755,7 +757,6 @@ def _rebaselined(
         {"latency": b.latency_s},
         f"hand-written Megatron layout, priced again for the edited plan; {fits}",
     )
-    kept = [d for d in plan.decisions if d.subject != "megatron-baseline"]
     return replace(
         plan,
         baseline=b,
@@ -778,6 +779,12 @@ def with_model_matmul_rates(
     return with_decode_graph_time(prepared, timed, progress)
 
 
+def _times_here(cluster: ClusterSpec) -> bool:
+    """Whether `cluster` is this machine's calibrated gloo spec, whose figures the planner refines by
+    timing the model's own shapes and graphs here (`with_model_matmul_rates`)."""
+    return probes_speed(cluster) and cluster.backend == "gloo"
+
+
 _DECODE_HOST_S: dict[tuple, float] = {}  # (model path, batch, prompt, new tokens, vocab, threads) -> s
 
 
@@ -792,7 +799,7 @@ def with_decode_host_time(prepared: Prepared, cluster: ClusterSpec) -> ClusterSp
     request, structure = prepared.request, prepared.structure
     if request is None or cluster.device.decode_host_s is not None:
         return cluster
-    if not probes_speed(cluster) or cluster.backend != "gloo" or structure.lm_head is None:
+    if not _times_here(cluster) or structure.lm_head is None:
         return cluster
     batch, vocab = prepared.workload.batch_size, structure.lm_head.out_features
     threads = spec_threads(cluster)
@@ -834,7 +841,7 @@ def with_decode_graph_time(
     request, structure, dev = prepared.request, prepared.structure, cluster.device
     if request is None or dev.decode_node_time_ratio is not None or not dev.probe_node_overhead_s:
         return cluster
-    if not probes_speed(cluster) or cluster.backend != "gloo":
+    if not _times_here(cluster):
         return cluster
     held = sum(math.prod(shape) for shape in prepared.param_shapes.values()) * dtype_bytes(structure.dtype)
     held += sum(layer.attention.cache_bytes for layer in structure.layers if layer.attention is not None)
@@ -898,7 +905,7 @@ def _with_model_rates(prepared: Prepared, cluster: ClusterSpec, progress: Progre
         for r in (dev.matmul_shape_time_ratios, dev.conv_time_ratios, dev.activation_time_ratios)
     ):  # timed already
         return cluster
-    if not probes_speed(cluster) or cluster.backend != "gloo":
+    if not _times_here(cluster):
         return cluster
     structure, workload = prepared.structure, prepared.workload
     tokens = workload.batch_size * workload.tokens_per_sequence

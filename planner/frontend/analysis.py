@@ -310,6 +310,12 @@ class ModelStructure:
         """Distinct numbers of key/value heads (fewer than query heads under GQA), ascending."""
         return sorted({layer.attention.num_kv_heads for layer in self.layers if layer.attention is not None})
 
+    def kv_heads_unsplit_by(self, tp: int) -> list[int]:
+        """The KV head counts (`kv_head_counts`) that ``tp`` ranks can neither split into whole heads
+        nor replicate evenly (tp not a multiple of them, as vLLM replicates fewer KV heads than
+        ranks): no tensor-parallel degree Megatron-LM or vLLM accepts."""
+        return [kv for kv in self.kv_head_counts() if kv % tp and tp % kv]
+
 
 def analyse(gm: fx.GraphModule) -> ModelStructure:
     """The structure and per-node costs of a captured graph. Pure: does not modify `gm`."""

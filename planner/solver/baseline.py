@@ -43,14 +43,14 @@ _PREFERENCE: dict[str, tuple[str, ...]] = {
 }
 
 
-def megatron_tp(cluster: ClusterSpec, num_heads: int | None, kv_heads: tuple[int, ...] = ()) -> int:
+def megatron_tp(cluster: ClusterSpec, num_heads: int | None, structure: ModelStructure | None = None) -> int:
     """Largest TP degree that divides the devices per node and the number of attention heads, and
-    splits each of ``kv_heads`` (grouped-query KV heads) into whole heads or is a multiple of it (each
-    KV head then held by tp / KV-heads ranks, as vLLM does): Megatron-LM and vLLM refuse other degrees."""
+    splits ``structure``'s KV heads into whole heads or replicates them evenly
+    (`ModelStructure.kv_heads_unsplit_by`): Megatron-LM and vLLM refuse other degrees."""
     for tp in range(cluster.devices_per_node, 0, -1):
         if cluster.devices_per_node % tp or (num_heads is not None and num_heads % tp):
             continue
-        if all(kv % tp == 0 or tp % kv == 0 for kv in kv_heads):
+        if structure is None or not structure.kv_heads_unsplit_by(tp):
             return tp
     return 1
 
@@ -174,7 +174,7 @@ def megatron_configs(
             cluster, num_nodes=max(1, max_devices // per_node), devices_per_node=per_node
         )
     heads = structure.query_head_counts()
-    tp = megatron_tp(cluster, math.gcd(*heads) if heads else None, tuple(structure.kv_head_counts()))
+    tp = megatron_tp(cluster, math.gcd(*heads) if heads else None, structure)
     num_layers = len(structure.layers)
     if not num_layers:  # a plain MLP: TP only
         return [MeshConfig(MeshShape(tp, 1, 1), 1)]

@@ -196,7 +196,7 @@ def _divisors(n: int) -> list[int]:
 
 def _tp_options(search: _Search, num_devices: int) -> list[int]:
     c, cluster = search.constraints, search.cluster
-    heads, kv = search.structure.query_head_counts(), search.structure.kv_head_counts()
+    heads = search.structure.query_head_counts()
     out = []
     for tp in _divisors(num_devices) if c.tp is None else [c.tp]:
         if c.tp is None and tp > cluster.devices_per_node and not c.tp_across_nodes:
@@ -213,7 +213,7 @@ def _tp_options(search: _Search, num_devices: int) -> list[int]:
             search.excluded.append(
                 f"tp={tp} (pinned): {bad[0]} heads not divisible by {tp}; attention stays replicated"
             )
-        bad_kv = [h for h in kv if h % tp and tp % h]
+        bad_kv = search.structure.kv_heads_unsplit_by(tp)
         if bad_kv and c.tp is None:
             # as a pinned --tp is refused (`planner.cli.workflow.check_pinned_tp`): the K/V projections
             # and the attention reshapes cannot split into whole KV heads, nor replicate them evenly
