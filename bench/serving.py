@@ -31,6 +31,10 @@
     with fused GQA (examples/llama2_*_kv.py) and a cache of P + N/2 tokens, the mean filled length
     (a step's attention time is linear in it, so this prices the mean step). Batch 4 figures: the NeMo
     rows.
+    Every published row is also held against a floor no engine can beat: each of its N tokens reads
+    every weight once at the GPU's datasheet HBM bandwidth. A source with a row below it did not run
+    the request it states (NeMo's Llama-2-13B rows, checked but not priced), and the medians are
+    printed a second time without it.
 """
 
 from __future__ import annotations
@@ -178,6 +182,55 @@ PUBLISHED = [
 ]
 
 
+# NeMo's same table, Llama-2-13B (A100 80GB SXM4 column, 128 in / 20 out, average latency of a batch in
+# ms): not priced here (no 13B example is compared), only held against the bandwidth floor below, which
+# five of these rows break
+NEMO_13B_CHECKS = [
+    Published("NeMo (TensorRT-LLM)", NEMO, "llama2-13b", "Llama-2-13B", "dgx-a100", tp, batch, 128, 20, "fp16",
+              "ms", ms)  # fmt: skip
+    for tp, row in ((1, (142.5, 163.3, 198.5, 282.6)), (2, (100.4, 112.2, 320.0, 188.6)))
+    for batch, ms in zip((1, 2, 4, 8), row)
+]
+
+# examples/<model>.py -> its shapes in `models.LLAMA_CONFIGS`
+_CONFIG_OF = {"llama2_7b_kv": "llama2-7b", "llama2_70b_kv": "llama2-70b", "llama3_8b_kv": "8b",
+              "llama3_70b_kv": "70b"}  # fmt: skip
+
+
+def _llama_configs() -> dict:
+    """`LLAMA_CONFIGS` of examples/models.py, loaded by path (examples/ is not a package, and a
+    `models` already imported may be another one)."""
+    import importlib.util  # noqa: PLC0415
+
+    spec = importlib.util.spec_from_file_location("_bench_example_models", ROOT / "examples" / "models.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module.LLAMA_CONFIGS
+
+
+def weight_bytes_read_per_token(config_name: str, dtype: str, tp: int) -> float:
+    """Bytes of weights one device must read from HBM to produce one token of a batch, in bytes: every
+    layer's projection weights and the output head, split over ``tp`` devices; the input embedding is
+    left out (a lookup reads only its rows), norms are negligible. `models.LLAMA_CONFIGS` shapes."""
+    c = _llama_configs()[config_name]
+    head_dim = c.dim // c.n_heads
+    attention = c.dim * (c.dim + 2 * c.n_kv_heads * head_dim) + c.dim * c.dim
+    mlp = 3 * c.dim * c.ffn_dim
+    params = c.n_layers * (attention + mlp) + c.vocab_size * c.dim
+    return params * {"fp16": 2, "bf16": 2, "fp32": 4}[dtype] / tp
+
+
+def floor_s(row: Published) -> float:
+    """The least time a request of `row` can take, in seconds: each of its N tokens (the prefill's and
+    N - 1 decode steps) reads every weight once at the GPU's datasheet memory bandwidth (the preset's
+    `memory_bandwidth_GBps`, no efficiency factor). A published time below it did not run the request
+    the source states (fewer tokens generated, or other weights than the stated dtype's)."""
+    config = _CONFIG_OF.get(row.model, row.model)
+    bandwidth = workflow.resolve_cluster(row.cluster, row.tp).device.memory_bandwidth_bytes_per_s
+    return row.new * weight_bytes_read_per_token(config, row.dtype, row.tp) / bandwidth
+
+
 def plan(model: str, cluster: str | None, tp: int, ladder: str = "none", workload: str = "decode",
          attention_kernel: str = "fused", **kw):  # fmt: skip
     """The plan of `model` on `cluster` (None: this machine's calibrated spec) at TP=`tp`."""
@@ -276,7 +329,42 @@ def published(console: Console) -> list[tuple[Published, float]]:
                 "that have a batch-1 sibling"
             )
         console.print(line)
+    below = below_floor(console)
+    console.print(
+        "Without the sources that publish a row below the bandwidth floor ("
+        + (", ".join(sorted(below)) or "none")
+        + "):"
+    )
+    kept: dict[int, list[float]] = {}
+    for row, pred in results:
+        if row.source not in below:
+            kept.setdefault(row.batch, []).append(abs(speed_error(row, pred)))
+    for batch in sorted(by_batch):
+        errors = kept.get(batch)
+        text = f"{statistics.median(errors):.0%} over {len(errors)} rows" if errors else "no row"
+        console.print(f"batch {batch:>2}: median |error| {text}")
     return results
+
+
+def below_floor(console: Console) -> set[str]:
+    """Every published row (compared or check-only) against `floor_s`; prints those below it and
+    returns their sources: a source whose table holds a request faster than the weights can be read
+    did not measure the requests it states, for those rows at least, so its rows cannot test a cost
+    model's prediction of those requests."""
+    table = Table(title="published requests faster than their weights can be read (HBM datasheet bandwidth)")
+    for col in ("source", "model", "TP", "batch", "prompt/out", "published", "floor", "published / floor"):
+        table.add_column(col, justify="right")
+    sources = set()
+    for row in [*PUBLISHED, *NEMO_13B_CHECKS]:
+        floor = floor_s(row)
+        seconds = published_request_s(row)
+        if seconds < floor:
+            sources.add(row.source)
+            table.add_row(row.source, row.label, str(row.tp), str(row.batch), f"{row.prompt}/{row.new}",
+                          f"{row.value:.1f} {row.metric}", f"{in_metric(row, floor):.1f} {row.metric}",
+                          f"{seconds / floor:.2f}")  # fmt: skip
+    console.print(table)
+    return sources
 
 
 def measured(console: Console, iters: int) -> None:

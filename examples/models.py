@@ -177,6 +177,7 @@ LLAMA_CONFIGS: dict[str, LlamaConfig] = {
         )  # fmt: skip
         for name, dim, layers, heads, kv, ffn in (
             ("llama2-7b", 4096, 32, 32, 32, 11008),
+            ("llama2-13b", 5120, 40, 40, 40, 13824),
             ("llama2-70b", 8192, 80, 64, 8, 28672),
         )
     },
