@@ -218,3 +218,22 @@ def test_sequence_parallelism_is_not_chosen_without_a_row_parallel_block() -> No
     assert not plan.sequence_parallel
     (decision,) = [d for d in plan.decisions if d.subject == "sequence-parallel"]
     assert decision.chosen == "off" and "no row-parallel block" in decision.reason
+
+
+def test_training_with_ladder_keeps_sequence_parallelism_off_or_refuses_the_pinned_pair() -> None:
+    """Ladder residual and sequence parallelism exclude each other (`check_runnable`). With
+    `--ladder upper:N` the search used to choose sequence parallelism on its own and then refuse its
+    own plan (every training plan with a ladder failed under the defaults); now it leaves it off, and
+    a pinned `--sequence-parallel on` with `--ladder upper:N` is refused naming both flags."""
+    from planner.cli import workflow  # noqa: PLC0415
+
+    model = "examples/llama3.py"
+    prepared = workflow.prepare(model, "train")
+    spec = workflow.resolve_cluster("dgx-h100", 2)
+    plan = workflow.make_plan(
+        prepared, spec, workflow.constraints_from(2, 1, 1, "upper:2"), model, "dgx-h100"
+    )
+    assert plan.ladder_layers == [2, 3] and not plan.sequence_parallel
+    pinned = workflow.constraints_from(2, 1, 1, "upper:2", sequence_parallel=True)
+    with pytest.raises(InputError, match="--sequence-parallel on and --ladder upper:N"):
+        workflow.make_plan(prepared, spec, pinned, model, "dgx-h100")

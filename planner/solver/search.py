@@ -366,11 +366,32 @@ def _schedules_for(search: _Search, pp: int, micro_batches: int) -> list[tuple[S
 
 
 def _sequence_parallel_options(search: _Search, tp: int) -> list[bool]:
-    """Sequence parallelism off and on (training with tp > 1), or as pinned."""
+    """Sequence parallelism off and on (training with tp > 1), or as pinned. Ladder residual and
+    sequence parallelism exclude each other (`passes.lower.check_runnable`): with exactly the upper N
+    layers laddered (`--ladder upper:N`) only off; with `auto` both, the on candidate solved without
+    ladder (`_ladder_of`).
+
+    Raises:
+        InputError: sequence parallelism pinned on together with `--ladder upper:N`.
+    """
     pinned = search.constraints.sequence_parallel
     if tp == 1 or not search.workload.train:
         return [False]
+    if search.ladder.mode is LadderMode.UPPER:
+        if pinned:
+            raise InputError(
+                "--sequence-parallel on and --ladder upper:N cannot be used together: ladder residual "
+                "overlaps the all-reduces that sequence parallelism replaces by reduce-scatters; pass "
+                "--sequence-parallel off (or auto), or --ladder none"
+            )
+        return [False]
     return [pinned] if pinned is not None else [False, True]
+
+
+def _ladder_of(search: _Search, config: MeshConfig) -> LadderPolicy:
+    """The ladder policy a candidate is solved with: none under sequence parallelism (they exclude
+    each other), else the search's."""
+    return LadderPolicy() if config.sequence_parallel else search.ladder
 
 
 def _tables_key(ctx: CostContext) -> tuple:
@@ -528,7 +549,7 @@ def _solve_candidates(search: _Search, progress: Progress = silent) -> _Candidat
         _materialize(search, cand)
         prob = IlpProblem(
             tables=cand.tables,
-            ladder=search.ladder,
+            ladder=_ladder_of(search, cand.config),
             memory_cap_bytes=search.cap_bytes,
             time_limit_s=max(1.0, min(search.constraints.time_limit_s, left)),
             mip_gap=search.constraints.mip_gap,
