@@ -180,11 +180,18 @@ def test_torchtitan_toml_parses_with_torchtitans_field_names(llama_plan):
     # torchtitan's DDP runs alone (its parallelize raises with TP or PP): the replicas go out as FSDP shards
     assert (par["data_parallel_replicate_degree"], par["data_parallel_shard_degree"]) == (1, 2)
     assert any("DDP only without TP or PP" in w for w in warnings)
-    alone, _ = _titan(_with(llama_plan, mesh=dataclasses.replace(llama_plan.mesh, tp=1, dp=2), batch_size=8))
+    alone, _ = _titan(
+        _with(
+            llama_plan, mesh=dataclasses.replace(llama_plan.mesh, tp=1, dp=2), batch_size=8, micro_batches=2
+        )
+    )
     assert (
         alone["parallelism"]["data_parallel_replicate_degree"],
         alone["parallelism"]["data_parallel_shard_degree"],
     ) == (2, 1)
+    # without pipeline stages each micro-batch is one of torchtitan's gradient-accumulation steps:
+    # global 8 / (local 2 x dp 2) = 2 steps of 2 sequences, the plan's micro-batches (not one step of 4)
+    assert (alone["training"]["global_batch_size"], alone["training"]["local_batch_size"]) == (8, 2)
     assert par["pipeline_parallel_microbatch_size"] == 2  # 8 sequences / dp 2 / 2 micro-batches
     assert par["module_fqns_per_model_part"] == [
         ["tok_embeddings", "layers.0", "layers.1", "layers.2"],

@@ -17,6 +17,8 @@ parallelism field names except the micro-batch, which became `num_pp_microbatche
 | recompute                              | [activation_checkpoint] mode = "none" / "selective" / "full"       |
 | batch, seq_len, dtype                  | [training] global_batch_size, local_batch_size, seq_len,           |
 |                                        | mixed_precision_param                                               |
+| micro_batches without pipeline stages  | local_batch_size = the micro-batch (torchtitan accumulates          |
+|                                        | gradients over global / (local x dp) steps)                         |
 
 torchtitan's decoder models name their modules `tok_embeddings`, `layers.N`, `norm` and `output`,
 whatever the planned model file called them; the pipeline parts use those names.
@@ -93,7 +95,9 @@ def torchtitan_sections(plan: Plan) -> tuple[dict[str, dict[str, object]], list[
         )
     training: dict[str, object] = {
         "global_batch_size": plan.batch_size,
-        "local_batch_size": plan.batch_size // plan.dp,
+        # torchtitan runs global / (local x dp) gradient-accumulation steps of local_batch_size each; a
+        # pipeline splits its local batch into micro-batches itself, without one each micro-batch is a step
+        "local_batch_size": plan.batch_size // plan.dp if plan.pp > 1 else micro_batch_size(plan),
         "seq_len": plan.seq_len,
     }
     if plan.dtype in _PRECISION:
