@@ -215,6 +215,13 @@ def test_ladder_at_tp1_warns(example_path) -> None:
     assert "warning: ladder" not in _said(quiet)
     # a training option on a forward plan is said to do nothing
     assert "--recompute full had no effect: training options apply to --workload train only" in _said(quiet)
+    # so is a ZeRO-1 optimizer pinned on a plan with one data-parallel replica (it was dropped silently)
+    zero = planner(
+        "optimize", str(example_path("llama3")), "--cluster", "dgx-h100", "--workload", "train", "--dp", "1",
+        "--distributed-optimizer", "on",
+    )  # fmt: skip
+    assert zero.returncode == 0, zero.stderr
+    assert "--distributed-optimizer on had no effect" in _said(zero) and "pin --dp 2" in _said(zero)
 
 
 def test_run_with_more_ranks_than_the_plan_uses_runs_it_on_its_own(tmp_path, example_path) -> None:

@@ -397,6 +397,13 @@ def cmd_optimize(args: argparse.Namespace) -> int:
                 f"--schedule {args.schedule} had no effect: the plan has one pipeline stage (pp=1); pin --pp 2 or more"
             ]
         )
+    if getattr(args, "distributed_optimizer", "auto") == "on" and plan.dp == 1:
+        _warn(
+            [
+                "--distributed-optimizer on had no effect: the plan has one data-parallel replica (dp=1), so there "
+                "is nothing to shard Adam's state over; pin --dp 2 or more"
+            ]
+        )
     n, chain = len(prepared.structure.layers), len(prepared.structure.mlp_chain)
     shape = (
         f"{n} layers"
