@@ -362,6 +362,11 @@ class Plan:
     # `decisions_digest` when the plan was priced (empty: a plan written before this field); `planner
     # run` re-prices a plan whose decisions no longer match it (edited by hand after planning)
     priced_digest: str = ""
+    # what each projection computes in the model, by weight FQN (`planner.frontend.analysis.Role`
+    # values: "q", "k", "v", "qkv", "o", "up", "gate", "down", "fc", "lm_head"): a fact of the model,
+    # not a decision (not in the digest), read by exports to tell a stream-input projection from a
+    # block-output one; empty in plans written before this field
+    roles: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.workload = _coerce(Workload, self.workload, "workload")

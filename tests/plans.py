@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from planner.frontend.analysis import ModelStructure, Role
 from planner.plan import MeshShape, Plan, Prediction, SolverInfo, WeightSplit
+from planner.solver.search import projection_roles
 
 
 def megatron_splits(structure: ModelStructure, vocab: bool = True) -> dict[str, WeightSplit]:
@@ -48,4 +49,5 @@ def fixed_plan(
         seq_len=structure.seq_len, context=0, micro_batches=micro_batches, dtype="fp32", mesh=MeshShape(tp, pp, 1),
         splits=megatron_splits(structure, vocab) if tp > 1 else {}, stages=stages,
         ladder_layers=list(ladder_layers or []), predicted=zero, solver=SolverInfo("fixed", 0.0, 0.0, 0.0, 0),
+        roles=projection_roles(structure),
     )  # fmt: skip

@@ -16,6 +16,7 @@ import shlex
 import types
 
 import pytest
+import torch
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from costmodels.cluster import load_cluster
@@ -143,6 +144,34 @@ def test_dtensor_plan_maps_splits_to_styles(llama_plan):
     assert (
         "'layers.0.attention.wo'" not in text and "'layers.0.attention'" not in text.split("TP_BLOCKS =")[1]
     )
+
+
+def test_dtensor_refuses_a_row_parallel_projection_of_the_block_input(llama_plan):
+    """A plan the solver chose on nearly free links, "colwise q, rowwise k v o": a RowwiseParallel k
+    took the replicated block input as its shard (a crash, or wrong outputs with sequence parallel).
+    The export names the split and apply() refuses it; Megatron's pairing exports as before."""
+    odd = dict(llama_plan.splits)
+    for name in ("wk", "wv"):
+        weight = f"layers.1.attention.{name}.weight"
+        odd[weight] = dataclasses.replace(odd[weight], style=SplitStyle.ROWWISE, dim=1)
+    exported = export_plan(_with(llama_plan, splits=odd), "dtensor")
+    assert any(
+        w.startswith("layers.1.attention.wk: the plan splits this 'k' projection row-wise")
+        for w in exported.warnings
+    )
+    module = types.ModuleType("exported")
+    exec(compile(exported.text, "<export>", "exec"), module.__dict__)
+    assert set(module.UNSUPPORTED) == {"layers.1.attention.wk", "layers.1.attention.wv"}
+    with pytest.raises(
+        ValueError, match="layers.1.attention.wk: the plan splits this 'k' projection row-wise"
+    ):
+        module.apply(torch.nn.Linear(2, 2), None)
+    megatron = export_plan(_with(llama_plan, splits=odd), "megatron")
+    assert any("against Megatron's pairing" in w and "layers.1.attention.wk" in w for w in megatron.warnings)
+    assert not any("against Megatron's pairing" in w for w in export_plan(llama_plan, "megatron").warnings)
+    plain = types.ModuleType("plain")
+    exec(compile(export_plan(llama_plan, "dtensor").text, "<export>", "exec"), plain.__dict__)
+    assert plain.UNSUPPORTED == {}
 
 
 def test_dtensor_warns_for_what_a_tp_plan_cannot_hold(llama_plan):

@@ -111,6 +111,17 @@ def kv_piece_splits(plan: Plan) -> list[str]:
     return [w for w, s in plan.splits.items() if s.pieces is not None and s.pieces < plan.tp]
 
 
+STREAM_INPUT_ROLES = {
+    "q",
+    "k",
+    "v",
+    "qkv",
+    "up",
+    "gate",
+}  # `Plan.roles` of projections reading the block input
+BLOCK_OUTPUT_ROLES = {"o", "down"}  # and of those writing back to the stream
+
+
 def layout_warnings(plan: Plan, tool: str, replicates_kv_heads: bool = False) -> list[str]:
     """Warnings for a tool with Megatron-LM's fixed tensor-parallel layout (Megatron-LM, torchtitan,
     vLLM): ladder residual, weights the plan keeps replicated, K/V heads replicated over ranks (unless
@@ -136,6 +147,18 @@ def layout_warnings(plan: Plan, tool: str, replicates_kv_heads: bool = False) ->
         warnings.append(
             f"{tool} shards every layer's projections at TP={plan.tp}; the plan keeps {len(kept)} weight(s) "
             f"replicated ({_short_list(kept)}), which {tool} will shard: its time and memory differ from the prediction"
+        )
+    flipped = [
+        w.removesuffix(".weight")
+        for w, split in plan.splits.items()
+        if (split.style is SplitStyle.ROWWISE and plan.roles.get(w) in STREAM_INPUT_ROLES)
+        or (split.style is SplitStyle.COLWISE and plan.roles.get(w) in BLOCK_OUTPUT_ROLES)
+    ]
+    if flipped:
+        warnings.append(
+            f"the plan splits {len(flipped)} projection(s) against Megatron's pairing ({_short_list(flipped)}: "
+            f"row-wise where {tool} is column-parallel, or the reverse); {tool} lays them out its own way: its time "
+            "differs from the prediction"
         )
     for f in plan.fallbacks:
         warnings.append(

@@ -13,6 +13,7 @@ the vocabulary) and `apply(model, mesh)`, which shards the user's eager model on
 | vocab, nn.Embedding                     | RowwiseParallel(input_layouts=Replicate())                      |
 | vocab, nn.Linear (LM head)              | ColwiseParallel(output_layouts=Replicate())                     |
 | replicate / not listed                  | not in PLAN: the module stays whole on every rank               |
+| rowwise q/k/v/up/gate, colwise o/down   | none: UNSUPPORTED names it and apply() raises (`Plan.roles`)    |
 | sequence_parallel                       | norms SequenceParallel(); colwise inputs and rowwise outputs,   |
 |                                         | the embedding's output Shard(1) (the sequence dim)              |
 
@@ -31,8 +32,8 @@ from __future__ import annotations
 import pprint
 from dataclasses import dataclass
 
-from planner.export.common import Export, kv_piece_splits
-from planner.plan import Plan, SplitStyle
+from planner.export.common import BLOCK_OUTPUT_ROLES, STREAM_INPUT_ROLES, Export, kv_piece_splits
+from planner.plan import Plan, SplitStyle, WeightSplit
 
 TOOL = "DTensor (torch.distributed.tensor.parallel)"
 
@@ -119,8 +120,11 @@ def _local_heads(model: nn.Module, tp: int) -> list[str]:
 
 def apply(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """Shard `model` (unsharded, eager, weights loaded, the same on every rank) over `mesh` (1-D, the
-    tensor-parallel ranks) as planned; return it. Raises ValueError when the mesh size is not TP_DEGREE
-    or the model lacks a planned module."""
+    tensor-parallel ranks) as planned; return it. Raises ValueError when UNSUPPORTED names a split this
+    file cannot express, when the mesh size is not TP_DEGREE or the model lacks a planned module."""
+    if UNSUPPORTED:
+        name, why = next(iter(UNSUPPORTED.items()))
+        raise ValueError(f"{name}: {why} ({len(UNSUPPORTED)} such split(s) in UNSUPPORTED)")
     tp = mesh.size()
     if tp != TP_DEGREE:
         raise ValueError(f"the plan is for tp={TP_DEGREE}, the mesh has {tp} ranks")
@@ -166,6 +170,7 @@ class DTensorPlan:
     fused: dict[str, list[int]]  # FUSED_PARTS: fused projection -> sizes of its parts
     blocks: list[str]  # TP_BLOCKS: parents of colwise + rowwise pairs (attention, MLP)
     warnings: list[str]
+    unsupported: dict[str, str]  # UNSUPPORTED: module -> why apply() refuses the plan
 
 
 def dtensor_plan(plan: Plan) -> DTensorPlan:
@@ -178,6 +183,11 @@ def dtensor_plan(plan: Plan) -> DTensorPlan:
     col_parents, row_parents = {_parent(m) for m in col}, {_parent(m) for m in row}
     styles: dict[str, str] = {}
     fused: dict[str, list[int]] = {}
+    unsupported = _unsupported_pairings(plan, splits)
+    for module, why in unsupported.items():
+        warnings.append(
+            f"{module}: {why}; apply() refuses the plan (edit that split, or run it with planner run)"
+        )
     for module, split in splits.items():
         linear_dim = {SplitStyle.COLWISE: 0, SplitStyle.ROWWISE: 1}.get(split.style)
         if linear_dim is not None and split.dim != linear_dim:
@@ -233,7 +243,31 @@ def dtensor_plan(plan: Plan) -> DTensorPlan:
             warnings.append(f"serving fallback the plan priced, which DTensor cannot express: {note}")
     if plan.tp == 1:
         warnings.append("the plan has tp=1: there is nothing to shard, PLAN is empty")
-    return DTensorPlan(styles, vocab, fused, blocks, warnings)
+    return DTensorPlan(styles, vocab, fused, blocks, warnings, unsupported)
+
+
+def _unsupported_pairings(plan: Plan, splits: dict[str, WeightSplit]) -> dict[str, str]:
+    """Module -> why, for splits that DTensor's Colwise/RowwiseParallel pairing cannot run as the plan
+    priced: a row-parallel projection that reads the block's input (its partial sums are
+    reduce-scattered onto the heads in the plan; RowwiseParallel here expects the sharded output of a
+    colwise sibling) or a column-parallel projection that writes the stream (the plan all-gathers it).
+    Needs `Plan.roles` (plans written before it: nothing is found)."""
+    out = {}
+    for module, split in splits.items():
+        role = plan.roles.get(f"{module}.weight")
+        if split.style is SplitStyle.ROWWISE and role in STREAM_INPUT_ROLES:
+            out[module] = (
+                f"the plan splits this {role!r} projection row-wise (its input sliced, its partial sums "
+                "reduce-scattered onto the heads); a parallelize_module plan pairs a row-wise projection "
+                "with the column-wise ones that feed it"
+            )
+        elif split.style is SplitStyle.COLWISE and role in BLOCK_OUTPUT_ROLES:
+            out[module] = (
+                f"the plan splits this {role!r} projection column-wise (its output all-gathered back "
+                "onto the stream); a parallelize_module plan pairs a column-wise projection with the "
+                "row-wise one it feeds"
+            )
+    return out
 
 
 def _mesh_device(plan: Plan) -> str:
@@ -296,5 +330,6 @@ PLAN: dict[str, ParallelStyle] = {{  # module FQN -> style
 VOCAB = {_list(exported.vocab)}  # split along the vocabulary (styled by type in tp_plan)
 FUSED_PARTS = {exported.fused!r}  # fused projection -> sizes of its parts (rows)
 TP_BLOCKS = {_list(exported.blocks)}  # parents of colwise + rowwise pairs; head counts become per-rank
+UNSUPPORTED = {pprint.pformat(exported.unsupported, width=100)}  # module -> why apply() refuses the plan
 '''
     return Export(header + _APPLY_SOURCE, exported.warnings)

@@ -759,7 +759,17 @@ def _plan_of(search: _Search, priced: PricedAssignment, model_name: str, solver:
         token_model=s.token_model,
         unpriced_ops=s.unknown_ops,
         model_params=int(s.num_params),
+        roles=projection_roles(s),
     )
+
+
+def projection_roles(structure: ModelStructure) -> dict[str, str]:
+    """Weight FQN -> `Role` value of every projection of the model (`Plan.roles`)."""
+    projections = [p for layer in structure.layers for p in layer_projection_ops(layer).values()]
+    projections += list(structure.mlp_chain)
+    if structure.lm_head is not None:
+        projections.append(structure.lm_head)
+    return {p.weight: str(p.role) for p in projections}
 
 
 def megatron_plan(
