@@ -148,12 +148,25 @@ def megatron_virtual_stages(num_layers: int, pp: int, micro_batches: int) -> int
 
 
 def megatron_micro_batches(per_replica_batch: int, pp: int, workload: WorkloadSpec) -> int:
-    """The workload's micro-batches if given, else the largest divisor of the replica's batch that is at
-    most 4 x pp (a common Megatron-LM setting: enough to shrink the bubble), 1 without a pipeline."""
-    if workload.micro_batches is not None:
-        return workload.micro_batches
+    """The largest divisor of the replica's batch that is at most 4 x pp (a common Megatron-LM setting:
+    enough to shrink the bubble), 1 without a pipeline; the expert's choice, not the user's
+    `--micro-batches` (a pin for the search, which the baseline does not share). `workload` is unused
+    but kept for callers."""
     limit = 4 * pp if pp > 1 else 1
     return max(d for d in range(1, min(per_replica_batch, limit) + 1) if per_replica_batch % d == 0)
+
+
+def megatron_micro_batch_variants(
+    config: MeshConfig, num_layers: int, workload: WorkloadSpec
+) -> list[MeshConfig]:
+    """`config`, then for training the same mesh at micro-batch size 1 (gradient accumulation over the
+    replica's whole batch: Megatron-LM's `--micro-batch-size 1`, what its large-model recipes use), the
+    order in which an expert shrinks activation memory before turning on full recomputation."""
+    replica = workload.batch_size // config.mesh.dp
+    out = [config]
+    if workload.train and num_layers and replica != config.micro_batches:
+        out.append(_expert_training(dataclasses.replace(config, micro_batches=replica), num_layers, workload))
+    return out
 
 
 def megatron_configs(

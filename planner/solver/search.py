@@ -44,7 +44,12 @@ from planner.plan import (
     Workload,
 )
 from planner.progress import Progress, silent
-from planner.solver.baseline import baseline_plan, megatron_assignment, megatron_configs
+from planner.solver.baseline import (
+    baseline_plan,
+    megatron_assignment,
+    megatron_configs,
+    megatron_micro_batch_variants,
+)
 from planner.solver.costing import (
     CostContext,
     CostTables,
@@ -824,20 +829,22 @@ def _alternative_tables(search: _Search):
 
 def _baseline(search: _Search) -> PricedAssignment | None:
     """The plan a Megatron-LM user writes by hand (`megatron_configs`), priced: the first of its meshes
-    that fits memory (with full activation recomputation if needed), else the last one tried. It is the
+    that fits memory (at micro-batch size 1, then with full activation recomputation, if needed:
+    `megatron_micro_batch_variants`), else the last one tried. It is the
     expert's layout whatever the user pinned (schedule, sequence parallelism, recompute): a pin that
     costs time shows as a plan slower than it. Only the device cap is shared with the search."""
     configs = megatron_configs(
         search.cluster, search.workload, search.structure, search.constraints.max_devices
     )
     chosen = None
-    train = search.workload.train
+    train, num_layers = search.workload.train, len(search.structure.layers)
     for config in configs:
-        tables = _price(search, config).tables
+        variants = megatron_micro_batch_variants(config, num_layers, search.workload)
         for recompute in (Recompute.SELECTIVE, Recompute.FULL) if train else (Recompute.NONE,):
-            chosen = baseline_plan(tables, recompute=recompute)
-            if chosen.prediction.peak_memory_bytes <= search.cap_bytes:
-                return chosen
+            for variant in variants:  # smaller micro-batches before full recomputation
+                chosen = baseline_plan(_price(search, variant).tables, recompute=recompute)
+                if chosen.prediction.peak_memory_bytes <= search.cap_bytes:
+                    return chosen
     return chosen
 
 
