@@ -226,16 +226,21 @@ class SafetensorsCheckpoint:
 READ_CHUNK_BYTES = 1 << 20
 
 
-def load_whole(model: torch.nn.Module, weights: str | Sequence[str], help_text: str = "") -> None:
+def load_whole(
+    model: torch.nn.Module, weights: str | Sequence[str], help_text: str = "", parameters_only: bool = False
+) -> None:
     """Replace every parameter and buffer of `model` by the tensor of the same name in the
     safetensors files `weights` (a tied weight may be stored under any one of its names; the tie is
-    kept). Non-persistent buffers absent from the files keep the model's value. Raises InputError
-    naming missing tensors, tensors the model does not have (as `load_state_dict(strict=True)`) or
-    shapes that do not fit (followed by `help_text`)."""
+    kept). Non-persistent buffers absent from the files keep the model's value. With
+    `parameters_only` (a served model, whose KV-cache buffers are sized for the request, not the
+    checkpoint), buffers are neither required nor read. Raises InputError naming missing tensors,
+    tensors the model does not have (as `load_state_dict(strict=True)`) or shapes that do not fit
+    (followed by `help_text`)."""
     groups: dict[int, list[str]] = {}
+    buffers = [name for name, _ in model.named_buffers(remove_duplicate=False)]
     for name, tensor in [
         *model.named_parameters(remove_duplicate=False),
-        *model.named_buffers(remove_duplicate=False),
+        *([] if parameters_only else model.named_buffers(remove_duplicate=False)),
     ]:
         groups.setdefault(id(tensor), []).append(name)
     persistent = set(model.state_dict())
@@ -248,7 +253,7 @@ def load_whole(model: torch.nn.Module, weights: str | Sequence[str], help_text: 
             raise InputError(
                 f"the weights {weights} lack {len(missing)} tensors of the model, e.g. {missing[:3]}; {help_text}"
             )
-        known = {n for names in groups.values() for n in names}
+        known = {n for names in groups.values() for n in names} | set(buffers)
         unexpected = sorted(n for n in source.keys() if n not in known)
         if unexpected:  # another model's checkpoint (a deeper one, a renamed module), as strict loading says
             raise InputError(

@@ -43,7 +43,7 @@ from torch import fx, nn
 
 from costmodels.calibrate import SpeedProbe
 from passes import collectives
-from passes.checkpoint import SafetensorsCheckpoint, save_checkpoint
+from passes.checkpoint import SafetensorsCheckpoint, load_whole, save_checkpoint
 from passes.ladder import apply_ladder, ladder_deviation, ladder_residual_adds
 from passes.lower import lower_for_rank
 from passes.tensor_parallel import read_local_shards, self_sharded_piece
@@ -57,7 +57,7 @@ from runtime.launch import RankContext, report_progress
 from runtime.measure import PROBE_SHARE, Timing, current_memory_bytes, process_peak_memory_bytes
 from runtime.mesh import build_rank_groups
 from runtime.numerics import all_outputs
-from runtime.reference import shared_reference
+from runtime.reference import WEIGHTS_HELP, shared_reference
 
 # max |sharded - unsharded| logits, relative to the logits' scale, that still counts as equal: a few
 # ulps of the dtype accumulated over the layers (summation order differs under TP)
@@ -79,6 +79,9 @@ class DecodeJob:
     seed: int = 0
     reference: DecodeReference | None = None  # made once by the launching process (None: by the ranks)
     speed_probe: bool = False  # CPU: time the speed probe between the timed steps (`runtime.job.RunJob`)
+    weights: list[str] | None = (
+        None  # safetensors files of the model's parameters (--weights); None: seeded init
+    )
 
 
 @dataclass
@@ -306,13 +309,15 @@ def _graph_tensors(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
 def write_decode_reference(
     job: DecodeJob, directory: str, made_on: str = "launching process"
 ) -> DecodeReference:
-    """Build the whole model once (seeded), write the tensors its prefill and decode graphs read (the
+    """Build the whole model once (seeded, or its parameters read from `job.weights`), write the tensors its prefill and decode graphs read (the
     caches still empty) and its greedy generation into `directory` (module docstring)."""
     plan = Plan.from_dict(job.plan)
     model_file = load_model_file(job.model_path)
     request = Request(model_file, job.batch_size, job.prompt_len, job.new_tokens, job.cache_len)
     torch.manual_seed(job.seed)
     model = build_for(model_file, request.prefill, "cpu")
+    if job.weights:  # the parameters only: the caches are sized for this request, not the checkpoint
+        load_whole(model, job.weights, WEIGHTS_HELP, parameters_only=True)
     prefill, decode = _captured(model, request, "cpu")
     tensors = {**_graph_tensors(decode), **_graph_tensors(prefill)}
     weights = os.path.join(directory, "weights.safetensors")
@@ -470,11 +475,20 @@ def _serve_rank(
         ladder_logit_deviation=ref.ladder_logit_deviation,
         ladder_tokens_differ=ref.ladder_tokens_differ,
         standard_tpot_samples_s=standard_timer.samples["tpot"] if standard_timer else [],
-        notes=[f"the unsharded reference was built and run once, in the {ref.made_on}"]
-        if ref.made_on.startswith("launching")
-        else [
-            f"the unsharded reference was built on {ref.made_on}: its peak memory includes the whole model"
-        ],
+        notes=(
+            [f"the unsharded reference was built and run once, in the {ref.made_on}"]
+            if ref.made_on.startswith("launching")
+            else [
+                f"the unsharded reference was built on {ref.made_on}: its peak memory includes the whole model"
+            ]
+        )
+        + (
+            [
+                f"parameters read from {', '.join(job.weights)} (cast to the model's dtype where stored otherwise)"
+            ]
+            if job.weights
+            else []
+        ),
     )
     if probe is not None:
         record_probe(report, probe)

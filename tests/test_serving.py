@@ -534,3 +534,37 @@ def test_a_mesh_edited_under_its_splits_is_refused_naming_the_fields():
     odd = dataclasses.replace(plan, micro_batches=plan.batch_size + 1)
     with pytest.raises(InputError, match="batch_size/dp/micro_batches"):
         workflow.validate_plan_for_model(odd, prepared.structure, str(path), prepared.param_shapes)
+
+
+def test_a_served_request_reads_its_parameters_from_weights(tmp_path: Path):
+    """`--weights` on a decode / generate run: the reference (and so every rank's shards) is built
+    from the checkpoint's parameters, the caches sized for the request; a checkpoint missing a
+    parameter is refused. It was ignored: the run used seeded random weights and said nothing."""
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    from runtime.decode import DecodeJob, write_decode_reference  # noqa: PLC0415
+
+    path = ROOT / "examples" / "llama3_kv.py"
+    _, plan = _plan(path, tp=2, context=8, new_tokens=3)
+    model = load_model_file(str(path)).build("cpu", max_batch_size=1, max_seq_len=64)  # other cache size
+    torch.manual_seed(7)
+    params = {name: torch.randn_like(p) * 0.5 for name, p in model.named_parameters()}
+    save_file(params, str(tmp_path / "w.safetensors"))
+    sv = plan.serving
+
+    def logits(weights: list[str] | None) -> torch.Tensor:
+        job = DecodeJob(str(path), plan.to_dict(), plan.batch_size, sv.prompt_len, sv.new_tokens, sv.cache_len,
+                        weights=weights)  # fmt: skip
+        out = tmp_path / f"ref{len(list(tmp_path.iterdir()))}"
+        out.mkdir()
+        ref = write_decode_reference(job, str(out))
+        from safetensors.torch import load_file  # noqa: PLC0415
+
+        return load_file(ref.results)["logits"]
+
+    seeded, loaded = logits(None), logits([str(tmp_path / "w.safetensors")])
+    assert not torch.allclose(seeded, loaded)
+    name = next(iter(params))
+    save_file({k: v for k, v in params.items() if k != name}, str(tmp_path / "short.safetensors"))
+    with pytest.raises(InputError, match="lack 1 tensors"):
+        logits([str(tmp_path / "short.safetensors")])

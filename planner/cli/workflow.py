@@ -1073,7 +1073,7 @@ def run_plan(
     from runtime.session import run_job  # noqa: PLC0415
 
     if plan.serving is not None:
-        return run_serving(plan, model_path, nproc, iters, warmup, timeout_s, progress, speed_probe)
+        return run_serving(plan, model_path, nproc, iters, warmup, timeout_s, progress, speed_probe, weights)
     if plan.workload is Workload.DECODE:
         raise InputError(
             f"--run of a decode plan needs a model with a static KV cache; {model_path} has none (it was priced "
@@ -1112,12 +1112,15 @@ def run_serving(
     timeout_s: float,
     progress: Progress = silent,
     speed_probe: bool = False,
+    weights: str | None = None,
 ) -> dict[str, Any] | None:
     """Serve `plan.serving`'s request on `nproc` local ranks: prefill, then greedy decode steps
     (`runtime.decode`); `warmup` untimed then `iters` timed requests (`speed_probe`: the speed probe
-    timed between the decode steps, as `run_plan`'s between its samples). Returns the summary (None on
+    timed between the decode steps, as `run_plan`'s between its samples; `weights`: a safetensors file
+    or folder of the model's parameters, None: seeded random init). Returns the summary (None on
     ranks other than 0 under torchrun). Raises InputError for pp > 1, dp > 1 or a wrong nproc,
     RunError (exit 4) when a rank fails or the tokens / logits differ from the unsharded model's."""
+    from passes.checkpoint import checkpoint_files  # noqa: PLC0415 - only for --run
     from runtime.decode import (  # noqa: PLC0415 - only for --run
         DecodeJob,
         run_decode_rank,
@@ -1145,6 +1148,7 @@ def run_serving(
         warmup=max(1, warmup),
         iters=max(1, iters),
         speed_probe=speed_probe,
+        weights=checkpoint_files(weights) if weights else None,
     )
     if not under_torchrun():  # under torchrun there is no launching process: the ranks make it
         directory = tempfile.mkdtemp(prefix="planner-decode-reference-")
