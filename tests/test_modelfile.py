@@ -97,6 +97,33 @@ def test_build_error_names_line(tmp_path):
         load_model_file(path).build()
 
 
+def test_sys_exit_in_a_model_file_is_an_error_naming_the_line(tmp_path):
+    """A model file that exits (a script's argparse or main at import, or in build_model) used to end
+    the planner silently with the file's exit code (0, or 3: "no feasible plan")."""
+    at_import = write(tmp_path, "import sys\nsys.exit(0)\n", "script.py")
+    with pytest.raises(
+        InputError, match=r"SystemExit \(sys.exit\(0\), at .*script.py:2.*__name__ == '__main__'"
+    ):
+        load_model_file(at_import)
+    in_build = write(
+        tmp_path,
+        """\
+        import sys
+        import torch
+
+        def build_model():
+            sys.exit(3)
+
+        def example_inputs():
+            return (torch.zeros(2),)
+        """,
+    )
+    with pytest.raises(
+        InputError, match=r"build_model\(\) raised SystemExit \(sys.exit\(3\), at .*model.py:5"
+    ):
+        load_model_file(in_build).build()
+
+
 def test_unsupported_override_says_which_signature(tmp_path):
     path = write(
         tmp_path,

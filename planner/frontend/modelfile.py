@@ -180,7 +180,7 @@ class ModelFile:
             return getattr(self.module, name)(**kwargs)
         except PlannerError:
             raise
-        except Exception as e:  # any error in user code -> one message naming the line
+        except (Exception, SystemExit) as e:  # any error in user code -> one message naming the line
             raise InputError(f"{self.path}: {name}() raised {_describe(e, self.path)}") from e
 
 
@@ -212,7 +212,7 @@ def load_model_file(path: str | os.PathLike[str]) -> ModelFile:
     sys.modules[module_name] = module  # dataclasses and pickling look the module up by name
     try:
         spec.loader.exec_module(module)
-    except Exception as e:  # user code: report the line, keep the cause
+    except (Exception, SystemExit) as e:  # user code: report the line, keep the cause
         del sys.modules[module_name]
         raise InputError(f"importing model file {path} raised {_describe(e, path)}") from e
     missing = [name for name in _REQUIRED if not callable(getattr(module, name, None))]
@@ -235,4 +235,9 @@ def _describe(exc: BaseException, path: str) -> str:
         where = f"{frame.filename}:{frame.lineno}" + (f": {frame.line.strip()}" if frame.line else "")
     else:
         where = "unknown location"
+    if isinstance(exc, SystemExit):  # sys.exit() or argparse in code the planner imports and calls
+        return (
+            f"SystemExit (sys.exit({exc.code!r}), at {where}): the planner imports a model file and calls its "
+            "functions; put script code (argument parsing, a main()) under if __name__ == '__main__':"
+        )
     return f"{type(exc).__name__}: {exc} (at {where})"
