@@ -838,9 +838,15 @@ def with_decode_graph_time(
     from planner.frontend.phases import phase_inputs  # noqa: PLC0415
     from planner.solver.costing import graph_node_count, graph_roofline_s  # noqa: PLC0415
 
+    from costmodels.cluster import cluster_for_ranks  # noqa: PLC0415
+
     request, structure, dev = prepared.request, prepared.structure, cluster.device
     if request is None or dev.decode_node_time_ratio is not None or not dev.probe_node_overhead_s:
         return cluster
+    # the graph is timed in one process with its own core: priced against the spec's figures for a
+    # process that does not time-share (a spec re-sized to more ranks than cores stretches its
+    # per-node overhead and slows its peaks, which the ratio would otherwise undo)
+    alone = cluster_for_ranks(cluster, 1)
     if not _times_here(cluster):
         return cluster
     held = sum(math.prod(shape) for shape in prepared.param_shapes.values()) * dtype_bytes(structure.dtype)
@@ -868,8 +874,8 @@ def with_decode_graph_time(
             _DECODE_NODE_RATIOS[key] = graph_node_time_ratio(
                 lambda: gm(*inputs),
                 graph_node_count(list(timed.node_costs), timed),
-                graph_roofline_s(timed, cluster),
-                per_node_overhead_s(dev, elements) or 0.0,
+                graph_roofline_s(timed, alone),
+                per_node_overhead_s(alone.device, elements) or 0.0,
                 dev.probe_node_overhead_s,
                 threads=threads,
             )
