@@ -832,13 +832,12 @@ def with_decode_graph_time(
     figure prices the step). About 2 s (capture and 1 s of timing), once per request shape in a
     process. A model whose decode graph fails to build or run here keeps the probe's figure."""
     from costmodels.calibrate import graph_node_time_ratio, spec_threads  # noqa: PLC0415
+    from costmodels.cluster import cluster_for_ranks  # noqa: PLC0415
     from costmodels.compute import per_node_overhead_s  # noqa: PLC0415
     from planner.frontend.analysis import analyse  # noqa: PLC0415
     from planner.frontend.capture import capture, flat_inputs  # noqa: PLC0415
     from planner.frontend.phases import phase_inputs  # noqa: PLC0415
     from planner.solver.costing import graph_node_count, graph_roofline_s  # noqa: PLC0415
-
-    from costmodels.cluster import cluster_for_ranks  # noqa: PLC0415
 
     request, structure, dev = prepared.request, prepared.structure, cluster.device
     if request is None or dev.decode_node_time_ratio is not None or not dev.probe_node_overhead_s:
