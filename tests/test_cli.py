@@ -274,6 +274,15 @@ def test_run_of_a_plan_edited_to_more_devices_than_the_cluster_names_the_mesh(tm
     r = planner("run", str(out), "--model", "examples/llama3.py", "--nproc", "2")
     assert r.returncode == 2, r.stderr
     assert "field 'mesh'" in _said(r) and "4 devices" in _said(r) and "Traceback" not in r.stderr
+    # a GPU preset's plan run with too few ranks: it said "dgx-h100 has 2" (the preset re-sized to --nproc)
+    gpu = tmp_path / "gpu.yaml"
+    r = planner("optimize", "examples/llama3.py", "--cluster", "dgx-h100", "--tp", "4", "--out", str(gpu))
+    assert r.returncode == 0, r.stderr
+    r = planner("run", str(gpu), "--model", "examples/llama3.py", "--nproc", "2")
+    assert r.returncode == 2 and "dgx-h100 has" not in _said(r), _said(r)
+    needs = yaml.safe_load(gpu.read_text())["mesh"]
+    devices = needs["tp"] * needs["pp"] * needs["dp"]
+    assert f"needs {devices} devices" in _said(r) and f"give --nproc {devices}" in _said(r)
 
 
 def test_show_and_export_of_an_edited_plan_say_it_was_edited_after_pricing(tmp_path):

@@ -765,11 +765,13 @@ def cmd_run(args: argparse.Namespace) -> int:
             cluster, note = workflow.plan_cluster(plan, None)
         if cluster.backend == "gloo" and plan.num_devices < nproc:  # as optimize --run does
             nproc = _on_its_own_ranks(plan, nproc)
-        if cluster.backend == "gloo" and nproc < plan.num_devices:  # local ranks: --nproc below the plan's
+        if (
+            nproc < plan.num_devices
+        ):  # --nproc below the plan's ranks (a GPU preset re-sized to it says too few)
             raise InputError(
-                f"{args.plan}: field 'mesh' asks for {plan.num_devices} devices ({plan.mesh.label()}), but "
-                f"--nproc is {nproc}: give --nproc {plan.num_devices} (or leave it out), or set mesh.tp / "
-                "mesh.pp / mesh.dp to fit"
+                f"{args.plan}: the plan's field 'mesh' needs {plan.num_devices} devices ({plan.mesh.label()}), but --nproc is "
+                f"{nproc}: give --nproc {plan.num_devices} (or leave it out), or plan for {nproc} ranks "
+                f"(planner optimize {args.model} --nproc {nproc})"
             )
         if cluster.backend == "gloo" and cluster.num_devices < plan.num_devices:
             cluster = resize_cluster(cluster, plan.num_devices)  # more ranks than it was measured with
