@@ -515,6 +515,13 @@ def render_serving_run(console: Console, report: dict[str, Any]) -> None:
             f"ladder residual vs the original model: prefill logits moved {n['ladder_deviation']:.3g} (relative L2), "
             f"{n['ladder_tokens_differ']} of {len(n['tokens']) * len(n['tokens'][0])} greedy tokens differ"
         )
+    if got.get("standard_tpot_s") and p.get("ladder_speedup") and abs(p["ladder_speedup"] - 1.0) < 1e-3:
+        console.print(
+            f"ladder speed-up: the laddered layers issue no collective in this plan (their weights stay "
+            f"replicated), so the laddered and the standard rewrite do the same work: the measured "
+            f"{got['ladder_speedup']:.3f}x is this run's noise, not a gain of ladder residual",
+            highlight=False,
+        )
     for note in m.get("notes") or []:  # where the unsharded reference was built
         console.print(f"note: {note}", highlight=False)
 
