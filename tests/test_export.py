@@ -174,6 +174,19 @@ def test_dtensor_refuses_a_row_parallel_projection_of_the_block_input(llama_plan
     assert plain.UNSUPPORTED == {}
 
 
+def test_dtensor_says_to_shard_the_kv_cache_only_when_attention_heads_are_split(llama_plan):
+    """A served plan whose weights all stay replicated exports an empty PLAN: telling the user to
+    allocate each rank's cache for KV heads / tp would break the replicated attention."""
+    served = _with(llama_plan, workload=Workload.DECODE, context=64, seq_len=1,
+                   serving=Serving(64, 16, 80, 0.01, 0.001, 100.0))  # fmt: skip
+    cache_note = "allocate each rank's cache for its own heads"
+    assert any(cache_note in w for w in export_plan(served, "dtensor").warnings)
+    replicated = {
+        w: dataclasses.replace(sp, style=SplitStyle.REPLICATE, dim=0) for w, sp in served.splits.items()
+    }
+    assert not any(cache_note in w for w in export_plan(_with(served, splits=replicated), "dtensor").warnings)
+
+
 def test_dtensor_warns_for_what_a_tp_plan_cannot_hold(llama_plan):
     plan = _with(llama_plan, ladder_layers=[2, 3], recompute={"layer": Recompute.FULL})
     plan = _with(plan, mesh=dataclasses.replace(plan.mesh, dp=2))

@@ -234,11 +234,15 @@ def dtensor_plan(plan: Plan) -> DTensorPlan:
         )
     for f in plan.fallbacks:
         warnings.append(f"the plan runs {f.op} replicated at {f.line} (priced all-gather); DTensor may not")
+    # an attention split over its heads (plans without roles: any column-parallel split)
+    heads_split = any(s.style is SplitStyle.COLWISE and plan.roles.get(f"{m}.weight", "k") in ("q", "k", "v", "qkv")
+                      for m, s in splits.items())  # fmt: skip
     if plan.serving is not None:
-        warnings.append(
-            "KV-cache buffers are not parameters: apply() leaves them whole; allocate each rank's cache for its own "
-            f"heads (KV heads / {plan.tp}) after apply(), as the attention then writes only those"
-        )
+        if heads_split:
+            warnings.append(
+                "KV-cache buffers are not parameters: apply() leaves them whole; allocate each rank's cache for its "
+                f"own heads (KV heads / {plan.tp}) after apply(), as the attention then writes only those"
+            )
         for note in plan.serving.fallbacks:
             warnings.append(f"serving fallback the plan priced, which DTensor cannot express: {note}")
     if plan.tp == 1:
