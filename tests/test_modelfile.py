@@ -177,3 +177,26 @@ def test_sibling_imports_and_no_repeated_sys_path_entries(tmp_path):
 def test_published_configs(example_path, name, num_params):
     model = load_model_file(example_path(name)).build("meta")
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(num_params, rel=1e-3)
+
+
+def test_example_inputs_that_ignore_the_batch_asked_for_are_refused(tmp_path):
+    """`example_inputs(batch_size=32)` returning a batch of 4: the plan was silently for batch 4."""
+    from planner.cli import workflow  # noqa: PLC0415
+
+    path = write(
+        tmp_path,
+        """\
+        import torch
+
+        def build_model():
+            return torch.nn.Linear(8, 8)
+
+        def example_inputs(batch_size=4, seq_len=16):
+            return (torch.randn(4, 8),)
+        """,
+    )
+    assert workflow.prepare(str(path), "forward").structure.batch_size == 4  # its own batch: fine
+    with pytest.raises(
+        InputError, match=r"example_inputs\(batch_size=32\) returned inputs with batch_size 4"
+    ):
+        workflow.prepare(str(path), "forward", batch_size=32)

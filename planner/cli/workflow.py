@@ -135,6 +135,16 @@ def prepare(
         structure.batch_mixing.append(
             f"its input is sequence-first ({seq_len}, {batch_size}, ...) and the runtime splits the batch along dim 0"
         )
+    asked = [("batch_size", batch_size, structure.batch_size, "--batch-size")]
+    if structure.token_model:
+        asked.append(("seq_len", seq_len, structure.seq_len, "--seq-len"))
+    for name, want, got, flag in asked:
+        if want is not None and got != want:  # the file took the keyword and ignored it
+            raise InputError(
+                f"{model_path}: example_inputs({name}={want}) returned inputs with {name} {got}: the model file "
+                f"ignores {name}, so the plan would be for {got}, not the {flag} {want} asked for; make "
+                f"example_inputs build its tensors from {name}, or leave {flag} out"
+            )
     wl = WorkloadSpec(
         kind=Workload(workload),
         batch_size=structure.batch_size,
