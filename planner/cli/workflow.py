@@ -333,12 +333,16 @@ def check_pinned_tp(structure: ModelStructure, tp: int | None) -> None:
     if tp is None or tp == 1:
         return
     kv = structure.kv_heads_unsplit_by(tp)  # fewer KV heads than tp and dividing it: replicated, fine
-    counts = sorted(set(structure.query_head_counts()) | set(kv))
+    heads = sorted(set(structure.query_head_counts()))
+    counts = sorted(set(heads) | set(kv))
     if counts and any(c % tp for c in counts):
         limit = min(counts)
         ok = [d for d in range(1, limit + 1) if all(c % d == 0 for c in counts)]
+        said = f"{'/'.join(map(str, heads))} query heads" + (
+            f", {'/'.join(map(str, sorted(set(kv))))} KV heads" if kv else ""
+        )
         raise InputError(
-            f"--tp {tp} does not divide the attention heads: head / KV-head counts are {counts}; "
+            f"--tp {tp} does not divide the attention heads: the model has {said}; "
             f"tensor parallelism splits whole heads, so use --tp in {ok} (or leave --tp out to let the planner choose)"
         )
 
