@@ -197,3 +197,17 @@ def test_lp_model_names_the_budget_constraints() -> None:
     model = ilp.lp_model(prob)
     for name in ("ladder_loss", "ladder_nogood_0"):
         assert model.get_constraint_by_name(name) is not None, name
+
+
+def test_quality_commands_refuse_a_kv_cache_model_and_a_reversed_layer_range(capsys) -> None:
+    """`ladder-eval` of a KV-cache model failed inside torch.export ("missing a required argument:
+    'input_pos'"); `--layers 5-2` said "the model has layers 0-7"."""
+    import argparse  # noqa: PLC0415
+
+    from planner.cli.quality import ladder_layers  # noqa: PLC0415
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    rc = main(["ladder-eval", str(examples / "llama3_kv.py"), "--data", "stdlib"])
+    assert rc == 2 and "has a KV cache" in " ".join(capsys.readouterr().err.split())
+    with pytest.raises(InputError, match="the range is reversed; write it low-high, e.g. --layers 2-5"):
+        ladder_layers(argparse.Namespace(layers="5-2", ladder=None), 8)

@@ -79,6 +79,10 @@ def ladder_layers(args: argparse.Namespace, num_layers: int) -> list[int]:
         except ValueError:
             raise InputError(f"--layers must be 'A-B' or 'A,B,C' (layer numbers), got {text!r}") from None
         layers = sorted(set(layers))
+        if m and int(m.group(1)) > int(m.group(2)):
+            raise InputError(
+                f"--layers {text}: the range is reversed; write it low-high, e.g. --layers {m.group(2)}-{m.group(1)}"
+            )
         bad = [i for i in layers if not 0 <= i < num_layers]
         if not layers or bad:
             raise InputError(f"--layers {text}: the model has layers 0-{num_layers - 1}")
@@ -146,6 +150,13 @@ def load_setup(args: argparse.Namespace, batch_size: int | None = None) -> LmSet
         raise InputError("--data PATH is needed: held-out text (a file, a folder of text files, or 'stdlib')")
     corpus_files(args.data)  # a bad path fails before the model is built
     model_file = load_model_file(args.model)
+    if model_file.has_cache:
+        raise InputError(
+            f"{args.model} has a KV cache (it defines step_inputs): its forward writes the cache at input_pos, "
+            f"while {args.command} runs whole (batch, sequence) blocks of token ids through a plain forward; "
+            "evaluate the same weights through a model file without the cache (e.g. examples/llama3.py for "
+            "examples/llama3_kv.py)"
+        )
     weights = checkpoint_files(args.weights) if args.weights else None
     model = build_unsharded(model_file, SEED, weights)
     first = next((x for x in model_file.inputs()[0] if isinstance(x, torch.Tensor)), None)
