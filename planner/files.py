@@ -102,9 +102,14 @@ def _check_replaceable_file(target: Path, option: str, kind: str | None) -> None
         )
     if kind is not None and found != kind:
         raise InputError(
-            f"{option} {target}: the file holds the planner's {found}, which {option} would replace with a {kind}; "
+            f"{option} {target}: the file holds the planner's {found}, which {option} would replace with {_article(kind)} {kind}; "
             "nothing was changed. Give another file name"
         )
+
+
+def _article(noun: str) -> str:
+    """ "an" before a vowel sound ("an export"), else "a"."""
+    return "an" if noun[:1].lower() in "aeio" else "a"
 
 
 def _umask_mode(mode: int) -> int:
