@@ -62,6 +62,7 @@ MEGATRON_FLAGS = {
     "--micro-batch-size", "--global-batch-size", "--pipeline-model-parallel-layout",
     "--num-layers-per-virtual-pipeline-stage", "--sequence-parallel", "--recompute-granularity",
     "--recompute-method", "--recompute-num-layers", "--use-distributed-optimizer", "--bf16", "--fp16",
+    "--overlap-grad-reduce", "--overlap-param-gather",
 }  # fmt: skip
 VLLM_ENGINE_ARGS = {
     "model", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "dtype", "max_model_len",
@@ -325,6 +326,14 @@ def test_megatron_arguments_are_megatrons_names_and_values(llama_plan):
     assert args["--recompute-num-layers"] == "1"
     assert {"--sequence-parallel", "--use-distributed-optimizer", "--bf16"} <= set(argv)
     assert any("uneven pipeline stages (3 + 1 layers)" in w for w in warnings)
+    # with data parallelism, what a Megatron-LM user turns on, said to be faster than the plan's price
+    assert {"--overlap-grad-reduce", "--overlap-param-gather"} <= set(argv)
+    assert any("prices as exposed" in w for w in warnings)
+    # Megatron's fp32 main gradients: 2 bytes per parameter the plan (16-bit gradients) does not hold
+    main_grads = [w for w in warnings if "main_grad" in w]
+    assert main_grads and "GiB more per rank" in main_grads[0]
+    no_dp, _ = _megatron_argv(_with(plan, mesh=dataclasses.replace(plan.mesh, dp=1), batch_size=8))
+    assert "--overlap-grad-reduce" not in no_dp
 
 
 def test_megatron_interleaved_even_stages_and_warnings(llama_plan):

@@ -63,11 +63,43 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
     args += _recompute_args(plan, warnings)
     if plan.distributed_optimizer:
         args.append("--use-distributed-optimizer")
+    if plan.workload is Workload.TRAIN and plan.dp > 1:
+        # what a Megatron-LM user turns on with data parallelism; the plan prices the sync exposed
+        args.append("--overlap-grad-reduce")
+        if plan.distributed_optimizer:
+            args.append("--overlap-param-gather")
+        warnings.append(
+            f"--overlap-grad-reduce{' and --overlap-param-gather' if plan.distributed_optimizer else ''}: Megatron-LM "
+            f"hides the data-parallel gradient traffic behind the backward pass, which the plan prices as exposed "
+            f"({plan.predicted.grad_sync_s * 1e3:.4g} ms of its step): expect a faster step than predicted"
+        )
     if plan.dtype == "bf16":
         args.append("--bf16")
     elif plan.dtype == "fp16":
         args.append("--fp16")
+    if plan.workload is Workload.TRAIN and plan.dtype == "bf16":
+        warnings.append(_main_grads_warning(plan))
     return args, warnings
+
+
+def _main_grads_warning(plan: Plan) -> str:
+    """Megatron-LM's --bf16 keeps fp32 main gradients (its --accumulate-allreduce-grads-in-fp32 is on
+    for bf16), 2 bytes per parameter more than the plan's 16-bit gradients (the planner's runtime
+    keeps them in the parameters' dtype, as ZeRO's 16-byte mixed-precision count does)."""
+    extra = 2.0 * plan.model_params / (plan.tp * plan.pp)  # a rank's share of the parameters, bytes
+    peak = plan.predicted.peak_memory_bytes + extra
+    cluster = plan.saved_cluster()
+    fits = ""
+    if cluster is not None:
+        fits = f" of the device's {cluster.device.memory_bytes / 2**30:.1f} GiB" + (
+            ": it does not fit; plan with more pipeline stages or the distributed optimizer"
+            if peak > cluster.device.memory_bytes
+            else ""
+        )
+    return (
+        f"Megatron-LM with --bf16 accumulates and reduces gradients in fp32 (main_grad): about "
+        f"{extra / 2**30:.1f} GiB more per rank than the plan's 16-bit gradients, a peak near {peak / 2**30:.1f} GiB{fits}"
+    )
 
 
 def _pipeline_args(plan: Plan, warnings: list[str]) -> list[str]:
