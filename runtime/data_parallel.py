@@ -154,6 +154,7 @@ class ReplicatedAdam(_AdamOnRanks):
         # mixed precision, as the memory model prices it: 16-bit parameters are stepped through fp32
         # master copies (Adam's moments follow their dtype), then copied back
         self._masters = {id(p): p.detach().float().clone() for p in self.params if p.dtype in HALF_DTYPES}
+        self.lr = lr
         self.adam = torch.optim.Adam([self._masters.get(id(p), p) for p in self.params], lr=lr)
         self._reduced = False
 
@@ -220,6 +221,7 @@ class DistributedAdam(_AdamOnRanks):
             shard = flat[dp_rank * size : (dp_rank + 1) * size].clone()
             # mixed precision: a 16-bit slice is stepped as an fp32 master copy (as priced)
             self._groups.append((members, size, shard.float() if dtype in HALF_DTYPES else shard))
+        self.lr = lr
         self.adam = torch.optim.Adam([shard for _, _, shard in self._groups], lr=lr)
         self._reduced = False
 

@@ -47,7 +47,14 @@ from runtime.measure import current_memory_bytes, process_peak_memory_bytes
 from runtime.numerics import all_outputs, replica_share
 from runtime.pipeline_run import run_pipeline_rank
 from runtime.profile import profile_layers
-from runtime.reference import compare_gradients, compare_loss, compare_outputs, dp_mean, shared_reference
+from runtime.reference import (
+    compare_gradients,
+    compare_loss,
+    compare_outputs,
+    compare_update,
+    dp_mean,
+    shared_reference,
+)
 from runtime.run_mode import dropout_note, lowering_notes, seed_dropout_rng, set_run_mode
 
 
@@ -171,6 +178,11 @@ def _training_step(
     mean_loss = dp_mean(loss.detach(), plan.dp, dp_group)
     compare_loss(mean_loss, want, report)
     compare_gradients(gm, reference, setup, report, owned=optimizer.owned_ranges())
+    # the first optimizer step (the gradients are reduced already) against Adam's from the reference's
+    before = {n: p.detach().cpu().clone() for n, p in gm.named_parameters() if p.dtype == torch.float32}
+    optimizer.step()
+    compare_update(gm, before, optimizer.lr, reference, setup, report)
+    del before
     report.notes.append(dropout_note(gm))
     report.notes.append(optimizer.note())
     seed_dropout_rng(setup.seed, groups.pp_rank, groups.tp_rank, setup.device)  # timed steps: dropout on

@@ -86,6 +86,10 @@ class RankReport:
     loss_diff: float | None = None  # training: |loss (DP-averaged) - unsharded loss on the whole batch|
     loss_scale: float | None = None  # training: |unsharded loss|
     grad_scale: float | None = None  # training: max |unsharded gradient| over this rank's parameters
+    update_max_abs_diff: float | None = (
+        None  # training: worst first-step update difference (`compare_update`)
+    )
+    update_tolerance: float | None = None  # its tolerance (a share of the learning rate)
     startup_memory_bytes: int = (
         0  # memory held when the rank started, before any model tensor (runtime, libraries)
     )
@@ -224,6 +228,10 @@ def summarise(reports: list[RankReport]) -> dict[str, Any]:
             "output_scale": scale,
             "grad_max_abs_diff": max(grads) if grads else None,
             "grad_scale": max(grad_scales) if grad_scales else None,
+            "update_max_abs_diff": max(
+                (r.update_max_abs_diff for r in reports if r.update_max_abs_diff is not None), default=None
+            ),
+            "update_tolerance": next((r.update_tolerance for r in reports if r.update_tolerance), None),
             "loss_diff": max(loss_diffs) if loss_diffs else None,
             "loss_scale": next((r.loss_scale for r in reports if r.loss_scale is not None), None),
             "outputs": outputs,  # every output: worst diff over ranks, scale, tolerance

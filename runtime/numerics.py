@@ -122,4 +122,10 @@ def check_failures(numerics: dict[str, Any]) -> list[str]:
                 f"{what}: max |sharded - unsharded| = {diff:.3g}, tolerance {rel * scale:.3g} "
                 f"({rel:g} x scale {scale:.3g})"
             )
+    update, tol = numerics.get("update_max_abs_diff"), numerics.get("update_tolerance")
+    if update is not None and tol is not None and update > tol:
+        lines.append(
+            f"optimizer update: max |sharded - unsharded| = {update:.3g} after the first Adam step, tolerance "
+            f"{tol:.3g} (a tenth of the learning rate)"
+        )
     return lines

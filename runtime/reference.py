@@ -257,6 +257,48 @@ def compare_gradients(
     report.grad_scale = max(scales, default=0.0)
 
 
+ADAM_EPS = 1e-8  # torch.optim.Adam's default eps, which the runs' optimizers use
+UPDATE_GRAD_FLOOR = 1e-2  # elements compared: |reference gradient| >= this x the largest one
+UPDATE_TOLERANCE = 0.1  # of the learning rate: the first Adam step moves each element by about lr
+
+
+def compare_update(
+    module: torch.nn.Module,
+    before: Mapping[str, torch.Tensor],
+    lr: float,
+    reference: ReferenceFiles,
+    setup: RankSetup,
+    report: RankReport,
+) -> None:
+    """Training, after the first optimizer step (the DP reduction, Adam and, with the distributed
+    optimizer, the parameters' all-gather): every parameter's update against the update Adam's first
+    step makes from the unsharded model's gradient, -lr g / (|g| + eps) (its bias-corrected moments are
+    g and g^2), on this rank's shard. Compared where |g| >= `UPDATE_GRAD_FLOOR` x the largest |g| (a
+    gradient near 0 flips its step's sign on rounding); the gradients match to the dtype's tolerance,
+    so those updates match to a small share of lr, while a wrong slice updated, an update lost or a
+    gather misplaced moves elements by about lr. fp32 parameters only (a 16-bit weight rounds a 1e-3
+    step away). `before`: the parameters (by name) just before the step."""
+    plan, groups = setup.plan, setup.groups
+    params = dict(module.named_parameters())
+    diffs = []
+    with SafetensorsCheckpoint([reference.grads]) as grads_file:
+        names = [n for n in before if n in grads_file and params[n].dtype == torch.float32]
+        scale = 0.0
+        for n in names:
+            g = read_local_shards(module, grads_file, plan.splits, groups.tp_rank, plan.tp, [n])[n]
+            scale = max(scale, max_abs(g))
+        for n in names:
+            g = read_local_shards(module, grads_file, plan.splits, groups.tp_rank, plan.tp, [n])[n].float()
+            want = -lr * g / (g.abs() + ADAM_EPS)
+            got = (params[n].detach().cpu() - before[n]).float()
+            mask = g.abs() >= UPDATE_GRAD_FLOOR * scale
+            if mask.any():
+                diffs.append(float((got - want)[mask].abs().max()))
+    if diffs:
+        report.update_max_abs_diff = max(diffs)
+        report.update_tolerance = UPDATE_TOLERANCE * lr
+
+
 def _named_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Every parameter and buffer under each of its names (tied weights and aliases included)."""
     return list(module.named_parameters(remove_duplicate=False)) + list(

@@ -289,6 +289,42 @@ def test_distributed_optimizer_equals_data_parallel_adam_with_a_dp_share_of_the_
     assert summary["numerics"]["loss_diff"] <= 1e-6, summary["numerics"]
     (note,) = [n for n in summary["measured"]["notes"] if n.startswith("optimizer:")]
     assert "distributed optimizer (ZeRO-1)" in note and "reduce-scattered" in note, note
+    # the first optimizer step itself (sharded Adam and the parameters' all-gather) is checked too
+    n = summary["numerics"]
+    assert n["update_max_abs_diff"] is not None and n["update_max_abs_diff"] <= n["update_tolerance"], n
+
+
+def test_the_first_optimizer_step_is_checked_against_adam_on_the_reference_gradient(tmp_path) -> None:
+    """`compare_update`: a correct first Adam step (-lr g / (|g| + eps)) passes far inside the
+    tolerance; an update lost on a slice of a parameter (a shard never gathered back) fails it."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from passes.checkpoint import save_checkpoint  # noqa: PLC0415
+    from runtime.numerics import check_failures  # noqa: PLC0415
+    from runtime.reference import compare_update  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = torch.fx.symbolic_trace(torch.nn.Linear(8, 4))  # a rank's graph module
+    model(torch.randn(3, 8)).square().mean().backward()
+    save_checkpoint({n: p.grad for n, p in model.named_parameters()}, str(tmp_path / "grads.safetensors"))
+    reference = SimpleNamespace(grads=str(tmp_path / "grads.safetensors"))
+    setup = SimpleNamespace(plan=SimpleNamespace(splits={}, tp=1), groups=SimpleNamespace(tp_rank=0))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    adam = torch.optim.Adam(model.parameters(), lr=1e-3)
+    adam.step()
+
+    def checked() -> dict:
+        report = SimpleNamespace(update_max_abs_diff=None, update_tolerance=None)
+        compare_update(model, before, 1e-3, reference, setup, report)
+        return {"tolerance_rel": 1e-4, "update_max_abs_diff": report.update_max_abs_diff,
+                "update_tolerance": report.update_tolerance}  # fmt: skip
+
+    good = checked()
+    assert good["update_max_abs_diff"] < 1e-6 and not check_failures(good)
+    with torch.no_grad():
+        model.weight[2:] = before["weight"][2:]  # rows 2-3 never received their update
+    bad = checked()
+    assert bad["update_max_abs_diff"] > 5e-4 and "optimizer update" in check_failures(bad)[0]
 
 
 def test_bf16_parameters_step_through_fp32_master_weights_as_priced() -> None:

@@ -457,6 +457,11 @@ def render_run(console: Console, report: dict[str, Any]) -> None:
             else ""
         )
         + (
+            f"; first optimizer step's update max diff {n['update_max_abs_diff']:.3g} (tolerance {n['update_tolerance']:.3g})"
+            if n.get("update_max_abs_diff") is not None
+            else ""
+        )
+        + (
             f"; ladder residual moved the outputs by {n['ladder_deviation']:.3g} (relative L2) vs the original model"
             if n.get("ladder_deviation") is not None
             else ""
