@@ -219,6 +219,8 @@ def test_generate_workload_reports_the_request():
 def test_serving_contract_errors():
     with pytest.raises(InputError, match="static KV cache"):
         workflow.prepare(str(ROOT / "examples" / "llama3.py"), "generate")
+    with pytest.raises(InputError, match="no attention layer, so there is no KV cache"):
+        workflow.prepare(str(ROOT / "examples" / "mlp.py"), "decode")  # was priced with 2048 cached tokens
     with pytest.raises(InputError, match="new-tokens"):
         workflow.prepare(str(ROOT / "examples" / "llama3.py"), "decode", new_tokens=4)
     mf = load_model_file(ROOT / "examples" / "llama3.py")

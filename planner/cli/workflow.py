@@ -135,6 +135,11 @@ def prepare(
         structure.batch_mixing.append(
             f"its input is sequence-first ({seq_len}, {batch_size}, ...) and the runtime splits the batch along dim 0"
         )
+    if workload == "decode" and not any(layer.attention is not None for layer in structure.layers):
+        raise InputError(
+            f"{model_path} has no attention layer, so there is no KV cache for --workload decode to read: a decode "
+            "step is one new token per sequence attending over its cached ones; plan it with --workload forward"
+        )
     asked = [("batch_size", batch_size, structure.batch_size, "--batch-size")]
     if structure.token_model:
         asked.append(("seq_len", seq_len, structure.seq_len, "--seq-len"))
