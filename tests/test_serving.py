@@ -627,3 +627,13 @@ def test_a_ladder_speed_up_of_replicated_layers_is_reported_as_noise():
 
     assert "the measured 1.844x is this run's noise" in report(1.0)
     assert "noise" not in report(1.3)
+
+
+def test_a_ladder_plan_says_it_changes_the_models_function_unless_its_cost_was_measured():
+    """`--ladder upper:N` / `auto` on split layers: the plan warns that the laddered model computes
+    other outputs, and how to measure or bound the loss, unless a loss budget measured it."""
+    _, plan = _plan(ROOT / "examples" / "llama3_kv.py", tp=2, ladder="upper:2", context=8, new_tokens=4)
+    assert plan.ladder_layers == [2, 3]
+    said = " ".join(workflow.plan_warnings(plan))
+    assert "changes the model's function" in said and "ladder-eval" in said
+    assert not any("function" in w for w in workflow.plan_warnings(plan, quality_measured=True))

@@ -433,7 +433,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         from planner.cli.quality import render_budget  # noqa: PLC0415
 
         render_budget(console, budget)
-    _warn(workflow.plan_warnings(plan))
+    _warn(workflow.plan_warnings(plan, quality_measured=budget is not None))
     if getattr(args, "virtual_stages", None) and args.virtual_stages > 1 and plan.pp == 1:
         _warn(
             [
@@ -710,12 +710,14 @@ def _saved_plan(path: str):
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    from planner.cli import workflow  # noqa: PLC0415
     from planner.cli.render import render_decisions, render_plan  # noqa: PLC0415
 
     _check_outputs(args)
     plan = _saved_plan(args.plan)
     _warn(_edited_warning(plan, "the times and memory below are those it was priced with"))
     render_plan(console, plan)
+    _warn(workflow.plan_warnings(plan, quality_measured=True))  # show: the replicated / TP=1 ladder only
     if args.why:
         render_decisions(console, plan)
     if args.plot:

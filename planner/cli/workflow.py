@@ -1043,9 +1043,11 @@ def plan_cluster(plan: Plan, nproc: int | None) -> tuple[ClusterSpec, str]:
     )
 
 
-def plan_warnings(plan: Plan) -> list[str]:
+def plan_warnings(plan: Plan, quality_measured: bool = False) -> list[str]:
     """What a user should know about a plan before using it: ladder residual at TP=1, or on layers the
-    plan keeps replicated (it changes the model's outputs and overlaps nothing)."""
+    plan keeps replicated (it changes the model's outputs and overlaps nothing), or, unless its cost in
+    quality was measured for the plan (`quality_measured`: `--data` with a loss budget), that ladder
+    residual changes the model's function at all."""
     warnings = []
     if plan.ladder_layers and plan.tp == 1:
         warnings.append(
@@ -1062,6 +1064,14 @@ def plan_warnings(plan: Plan) -> list[str]:
                 f"replicated at TP={plan.tp}: they issue no all-reduce for the ladder to hide, so it changes the "
                 "model's outputs (each laddered layer reads the residual stream one block late) and gains nothing. "
                 "Use --ladder none, or a model or batch large enough that splitting pays"
+            )
+        elif not quality_measured:
+            warnings.append(
+                f"ladder residual on {len(plan.ladder_layers)} layer(s) changes the model's function (each laddered "
+                "layer reads the residual stream one block late): a checkpoint trained without it computes other "
+                "outputs, and loses quality unless trained or adapted with it. Measure the loss it costs with "
+                "planner ladder-eval MODEL.py --data TEXT --weights CKPT, or let the planner bound it with "
+                "--ladder auto:max-loss-increase=1% --data TEXT --weights CKPT"
             )
     return warnings
 
