@@ -889,8 +889,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     _check_outputs(args, out_kind="export")
     plan = _saved_plan(args.plan)
     result = export_plan(plan, args.to, model=args.model)
+    ignored = (
+        [f"--model {args.model} had no effect: it names the Hugging Face model of --to vllm only"]
+        if args.model and args.to != "vllm"
+        else []
+    )
     _warn(
         _edited_warning(plan, "the export writes its edited layout, which no prediction checked")
+        + ignored
         + result.warnings
     )
     if args.out:
