@@ -239,6 +239,9 @@ class Serving:
     # predicted peak memory per rank of the prefill (its P tokens' activations beside the weights and
     # caches); the plan's `Prediction.peak_memory_bytes` is the larger of it and the decode step's
     prefill_peak_memory_bytes: float | None = None
+    # positions the model was trained for, from its config (Hugging Face `max_position_embeddings`, the
+    # examples' `max_seq_len`); None when the model file's model has no such config
+    trained_positions: int | None = None
 
     @property
     def request_s(self) -> float:

@@ -637,3 +637,17 @@ def test_a_ladder_plan_says_it_changes_the_models_function_unless_its_cost_was_m
     said = " ".join(workflow.plan_warnings(plan))
     assert "changes the model's function" in said and "ladder-eval" in said
     assert not any("function" in w for w in workflow.plan_warnings(plan, quality_measured=True))
+
+
+def test_a_request_past_the_models_trained_context_is_said_in_the_plan_and_the_vllm_export():
+    """The tiny Llama's config gives 2048 positions: a request reaching 2056 plans (the cache is the
+    model file's), but the plan says it is past the trained context and the vLLM export that vLLM
+    refuses such a --max-model-len (it wrote 8208 for Llama-2-70B, whose context is 4096)."""
+    from planner.export import export_plan  # noqa: PLC0415
+
+    prepared, plan = _plan(ROOT / "examples" / "llama3_kv.py", tp=2, context=2040, new_tokens=16)
+    assert prepared.request.trained_positions == 2048 and plan.serving.trained_positions == 2048
+    assert any("reaches position 2056" in w for w in workflow.plan_warnings(plan))
+    assert any("VLLM_ALLOW_LONG_MAX_MODEL_LEN" in w for w in export_plan(plan, "vllm", model="m").warnings)
+    _, short = _plan(ROOT / "examples" / "llama3_kv.py", tp=2, context=64, new_tokens=16)
+    assert not any("reaches position" in w for w in workflow.plan_warnings(short))

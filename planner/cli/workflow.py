@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from costmodels.cluster import (
@@ -76,6 +77,7 @@ class ServingRequest:
     workload: Workload  # DECODE (prompt = --context) or GENERATE (prompt = --seq-len)
     prompt_len: int
     new_tokens: int
+    trained_positions: int | None = None  # the model config's context (`trained_positions`)
 
     @property
     def cache_len(self) -> int:
@@ -195,7 +197,20 @@ def _prepare_serving(
     )
     model = build_for(model_file, decode_phase(batch, prompt, request.cache_len), "meta")
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
+    request = replace(request, trained_positions=trained_positions(model))
     return Prepared(model_file, structure, wl, shapes, graph=graph, request=request, prefill=prefill)
+
+
+def trained_positions(model: torch.nn.Module) -> int | None:
+    """The context a model was trained for, from the first module's `config` holding one: Hugging Face's
+    `max_position_embeddings`, or `max_seq_len` (the examples' `LlamaConfig`); None without one."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        for attr in ("max_position_embeddings", "max_seq_len"):
+            value = getattr(config, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
 
 
 def request_peak_memory(
@@ -554,6 +569,7 @@ def make_plan(
             prompt_len=request.prompt_len,
             new_tokens=request.new_tokens,
             cache_len=request.cache_len,
+            trained_positions=request.trained_positions,
             fallbacks=kv_fallbacks(plan, prepared.structure),
         )
         plan.predicted = request_peak_memory(plan, cluster, constraints.memory_fraction)
@@ -723,6 +739,7 @@ def reprice_if_edited(plan: Plan, prepared: Prepared, cluster: ClusterSpec) -> P
             prompt_len=request.prompt_len,
             new_tokens=request.new_tokens,
             cache_len=request.cache_len,
+            trained_positions=request.trained_positions,
             fallbacks=kv_fallbacks(edited, structure),
         )
         edited.predicted = request_peak_memory(edited, cluster)
@@ -1049,6 +1066,13 @@ def plan_warnings(plan: Plan, quality_measured: bool = False) -> list[str]:
     quality was measured for the plan (`quality_measured`: `--data` with a loss budget), that ladder
     residual changes the model's function at all."""
     warnings = []
+    sv = plan.serving
+    if sv is not None and sv.trained_positions and sv.cache_len > sv.trained_positions:
+        warnings.append(
+            f"the request reaches position {sv.cache_len} (prompt {sv.prompt_len} + {sv.new_tokens} new tokens), past "
+            f"the {sv.trained_positions} positions the model's config gives its context: the positions beyond are "
+            "outside what it was trained on, and vLLM refuses a --max-model-len above it"
+        )
     if plan.ladder_layers and plan.tp == 1:
         warnings.append(
             f"ladder residual on {len(plan.ladder_layers)} layer(s) at TP=1: it changes the model's outputs (each "

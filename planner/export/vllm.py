@@ -52,6 +52,13 @@ def vllm_engine_args(
     if not plan.token_model:
         raise InputError(f"{plan.model} does not read token ids; vLLM serves language models")
     warnings = layout_warnings(plan, TOOL, replicates_kv_heads=True)  # vLLM replicates KV heads as planned
+    trained = plan.serving.trained_positions if plan.serving is not None else None
+    if trained and max_model_len(plan) > trained:
+        warnings.append(
+            f"max_model_len {max_model_len(plan)} is above the {trained} positions of the model's config: vLLM refuses "
+            "it unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 is set (and the positions beyond were never trained); plan a "
+            f"request of at most {trained} tokens"
+        )
     if model is None:
         warnings.append(
             f"vLLM loads a Hugging Face checkpoint, not {plan.model}: replace {MODEL_PLACEHOLDER} "

@@ -188,6 +188,7 @@ def price_request(
     new_tokens: int,
     cache_len: int,
     fallbacks: list[str] | None = None,
+    trained_positions: int | None = None,
 ) -> Serving:
     """The request `plan` serves: its decode step (`plan.predicted`, solved on `decode`'s graph) and
     the prefill of `prompt_len` tokens (`prefill`: that phase's analysed graph) priced with the plan's
@@ -215,4 +216,5 @@ def price_request(
         fallbacks=list(fallbacks or []),
         standard_tpot_s=standard_s,
         prefill_peak_memory_bytes=prefill_prediction.peak_memory_bytes,
+        trained_positions=trained_positions,
     )
