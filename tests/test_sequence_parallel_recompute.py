@@ -237,3 +237,17 @@ def test_training_with_ladder_keeps_sequence_parallelism_off_or_refuses_the_pinn
     pinned = workflow.constraints_from(2, 1, 1, "upper:2", sequence_parallel=True)
     with pytest.raises(InputError, match="--sequence-parallel on and --ladder upper:N"):
         workflow.make_plan(prepared, spec, pinned, model, "dgx-h100")
+
+
+def test_a_pinned_micro_batch_count_survives_the_megatron_fallback() -> None:
+    """The search falls back to the Megatron plan when that is faster, but only if it honours the
+    user's pins: a pinned --micro-batches 4 came back as 1 micro-batch (the baseline picks its own)."""
+    from planner.cli import workflow  # noqa: PLC0415
+
+    model = "examples/llama3_8b.py"
+    prepared = workflow.prepare(model, "train", batch_size=8, seq_len=4096, micro_batches=4, dtype="bf16")
+    spec = workflow.resolve_cluster("dgx-h100", None)
+    plan = workflow.make_plan(
+        prepared, spec, workflow.constraints_from(8, None, None, "none"), model, "dgx-h100"
+    )
+    assert plan.micro_batches == 4

@@ -806,7 +806,8 @@ def _rank_stages(chunks: list[list[int]], pp: int) -> list[list[int]]:
 
 def _allowed(search: _Search, mesh: MeshShape, config: MeshConfig | None = None) -> bool:
     """Whether the user's constraints admit `mesh` (pinned degrees, device limit) and a plan without
-    ladder, and `config`'s pipeline schedule, sequence parallelism and distributed optimizer."""
+    ladder, and `config`'s pipeline schedule, sequence parallelism, distributed optimizer and
+    micro-batches."""
     c = search.constraints
     pinned_ok = all(getattr(mesh, k) == v for k, v in c.pinned.items())
     devices_ok = mesh.num_devices <= (c.max_devices or search.cluster.num_devices)
@@ -815,6 +816,8 @@ def _allowed(search: _Search, mesh: MeshShape, config: MeshConfig | None = None)
         pinned_ok = pinned_ok and c.distributed_optimizer in (None, config.distributed_optimizer)
         pinned_ok = pinned_ok and c.virtual_stages in (None, config.virtual_stages)
         pinned_ok = pinned_ok and c.recompute is None
+        # a pinned --micro-batches (the baseline picks its own: `megatron_micro_batches`)
+        pinned_ok = pinned_ok and search.workload.micro_batches in (None, config.micro_batches)
     return pinned_ok and devices_ok and search.ladder.mode is not LadderMode.UPPER
 
 
