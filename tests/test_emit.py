@@ -127,6 +127,37 @@ def test_emit_refuses_model_chunks_by_the_plan_field(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
+def test_emit_shards_the_weights_given(tmp_path: Path) -> None:
+    """`--emit` with `--weights`: the rank modules hold the checkpoint's tensors (they held the seeded
+    init while a run with the same flags said it read the file)."""
+    from safetensors.torch import save_model  # noqa: PLC0415
+
+    model, args, gm = build_llama()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-3.0)  # unlike any seeded init
+    save_model(model, str(tmp_path / "w.safetensors"))
+    zero = Prediction(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    plan = Plan(
+        model="llama3.py", cluster="local-cpu", workload="forward", batch_size=2, seq_len=16, context=0,
+        micro_batches=1, dtype="fp32", mesh=MeshShape(1, 1, 1), splits={}, stages=[[0, 1, 2, 3]],
+        ladder_layers=[], predicted=zero, solver=SolverInfo("fixed", 0.0, 0.0, 0.0, 0),
+    )  # fmt: skip
+    emit_plan(
+        plan, str(EXAMPLES / "llama3.py"), str(tmp_path / "out"), weights=str(tmp_path / "w.safetensors")
+    )
+    module = load_rank_module(tmp_path / "out", 0)
+    assert torch.allclose(module(*args), model(*args), atol=1e-5)
+    with pytest.raises(InputError, match="does not exist"):
+        emit_plan(
+            plan,
+            str(EXAMPLES / "llama3.py"),
+            str(tmp_path / "o2"),
+            weights=str(tmp_path / "nope.safetensors"),
+        )
+    assert not (tmp_path / "o2").exists()
+
+
 def test_tied_alias_and_call_module_rejected(tmp_path: Path) -> None:
     root = nn.Module()
     root.a = nn.Module()

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from passes.checkpoint import checkpoint_files, load_whole
 from passes.emit import emit_rank_module, write_readme
 from passes.lower import lower_for_rank
 from planner.errors import InputError
@@ -31,16 +32,23 @@ from planner.frontend.capture import capture
 from planner.frontend.modelfile import load_model_file
 from planner.frontend.phases import build_for, decode_phase, phase_inputs
 from planner.plan import Plan
+from runtime.reference import WEIGHTS_HELP
 
 MAX_MATERIALISED_BYTES = 4 * 2**30  # above this, emit from meta (no weights): a laptop cannot hold 70B
 SEED = 0  # the seed `planner run` builds models with, so emitted weights match a run
 
 
-def emit_plan(plan: Plan, model_path: str, out_dir: str, backend: str = "gloo") -> Path:
+def emit_plan(
+    plan: Plan, model_path: str, out_dir: str, backend: str = "gloo", weights: str | None = None
+) -> Path:
     """Write the generated module of every rank of `plan` into `out_dir`; return its path.
 
     backend: the process-group backend of the plan's cluster, which the README's example initialises
-    ("gloo": CPU processes; "nccl": one GPU per rank). Raises InputError when the plan ladders layers
+    ("gloo": CPU processes; "nccl": one GPU per rank). weights: a safetensors file or folder of the
+    model's weights (`--weights`), the tensors the rank modules are sharded from (None: the seeded
+    init; a served model reads the parameters only, its caches stay as the request sizes them).
+    Raises InputError when the weights are missing, do not fit the model, or the model is too large
+    to hold here with them (`MAX_MATERIALISED_BYTES`), when the plan ladders layers
     across pipeline stages or has more than one model chunk per pipeline rank (`virtual_stages`: an
     emitted rank folder holds one module), or when `out_dir` cannot be written or is a non-empty
     folder the planner did not write (nothing is changed then).
@@ -68,8 +76,16 @@ def emit_plan(plan: Plan, model_path: str, out_dir: str, backend: str = "gloo") 
         meta_model = build("meta")
         weight_bytes = sum(p.numel() * p.element_size() for p in meta_model.parameters())
         device = "meta" if weight_bytes > MAX_MATERIALISED_BYTES else "cpu"
+        if weights and device == "meta":
+            raise InputError(
+                f"--emit with --weights: the model's {weight_bytes / 2**30:.1f} GiB of parameters exceed the "
+                f"{MAX_MATERIALISED_BYTES / 2**30:.0f} GiB --emit holds in memory to shard; emit without --weights "
+                "(the modules are written on meta, to load each rank's shards yourself)"
+            )
         torch.manual_seed(SEED)
         model = meta_model if device == "meta" else build("cpu")
+        if weights:
+            load_whole(model, checkpoint_files(weights), WEIGHTS_HELP, parameters_only=phase is not None)
         args, kwargs = (
             model_file.inputs(batch, plan.seq_len) if phase is None else phase_inputs(model_file, phase)
         )

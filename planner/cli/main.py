@@ -303,11 +303,13 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             f"--run serves decode plans with tensor parallelism only, and {degrees} was asked: plan with "
             "--pp 1 --dp 1 to run it, or leave out --run to plan and price it"
         )
-    if args.weights and not args.run and not args.data:  # read by a run or a loss budget only
+    if (
+        args.weights and not args.run and not args.data and not args.emit
+    ):  # read by a run, --emit, a loss budget
         _warn(
             [
-                f"--weights {args.weights} had no effect: weights are read by a run (add --run, or `planner run`) "
-                "or by --ladder auto:max-loss-increase=X%"
+                f"--weights {args.weights} had no effect: weights are read by a run (add --run, or `planner run`), "
+                "by --emit, or by --ladder auto:max-loss-increase=X%"
             ]
         )
     if args.workload != "train":
@@ -448,7 +450,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     if args.emit:
         from planner.cli.emitting import emit_plan  # noqa: PLC0415
 
-        emit_plan(plan, args.model, args.emit, backend=cluster.backend)
+        emit_plan(plan, args.model, args.emit, backend=cluster.backend, weights=args.weights)
         console.print(f"generated sharded modules written to {args.emit}/ (see its README.md)")
     run, run_cluster = None, cluster
     if args.run:
