@@ -200,3 +200,34 @@ def test_example_inputs_that_ignore_the_batch_asked_for_are_refused(tmp_path):
         InputError, match=r"example_inputs\(batch_size=32\) returned inputs with batch_size 4"
     ):
         workflow.prepare(str(path), "forward", batch_size=32)
+
+
+def test_sys_exit_in_forward_is_an_error_naming_the_line(tmp_path):
+    """A forward that calls sys.exit() while traced ended the planner silently with exit 0."""
+    from planner.cli import workflow  # noqa: PLC0415
+
+    path = write(
+        tmp_path,
+        """\
+        import sys
+        import torch
+
+        class M(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(8, 8)
+
+            def forward(self, x):
+                if x.shape[0] > 100:
+                    sys.exit(0)
+                return self.lin(x)
+
+        def build_model():
+            return M()
+
+        def example_inputs(batch_size=4, seq_len=16):
+            return (torch.randn(batch_size, 8),)
+        """,
+    )
+    with pytest.raises(InputError, match=r"M.forward called sys.exit\(0\) at .*model.py:11"):
+        workflow.prepare(str(path), "forward", batch_size=128)

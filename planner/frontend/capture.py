@@ -111,6 +111,13 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> fx.Gra
                 exported = torch.export.export(model, args, kwargs, strict=False)
         except Exception as e:  # export raises many types; all mean "this model does not trace"
             raise InputError(_capture_error_message(model, e, stderr.getvalue())) from e
+        except SystemExit as e:  # the model's forward called sys.exit(): an error, not the planner's exit
+            frame = _user_frame(model, e)
+            where = f" at {frame.filename}:{frame.lineno}" if frame is not None else ""
+            raise InputError(
+                f"{type(model).__name__}.forward called sys.exit({e.code!r}){where} while the planner traced it; "
+                "a model's forward must return its outputs (raise an exception to refuse an input)"
+            ) from e
         finally:
             shapes_logger.setLevel(levels[0])
             fake_logger.handlers = levels[1]
