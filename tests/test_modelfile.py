@@ -231,3 +231,27 @@ def test_sys_exit_in_forward_is_an_error_naming_the_line(tmp_path):
     )
     with pytest.raises(InputError, match=r"M.forward called sys.exit\(0\) at .*model.py:11"):
         workflow.prepare(str(path), "forward", batch_size=128)
+
+
+def test_a_batch_the_runtime_cannot_split_keeps_one_replica(tmp_path):
+    """`example_inputs` that always returns batch 4: no input has a batch dim, so the search keeps
+    dp=1 and one micro-batch (it picked DP=2, and the run failed with a traceback)."""
+    from planner.cli import workflow  # noqa: PLC0415
+
+    path = write(
+        tmp_path,
+        """\
+        import torch
+
+        def build_model():
+            return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+
+        def example_inputs(batch_size=4, seq_len=16):
+            return (torch.randn(4, 16, 64),)
+        """,
+    )
+    prepared = workflow.prepare(str(path), "forward")
+    assert any("no input has a batch dim" in why for why in prepared.structure.batch_mixing)
+    with pytest.raises(InputError, match="no input has a batch dim"):
+        spec = workflow.resolve_cluster("local-cpu", 2)
+        workflow.make_plan(prepared, spec, workflow.constraints_from(None, None, 2, "none"), str(path))

@@ -31,6 +31,7 @@ from costmodels.dtypes import dtype_bytes
 from passes.verify import verify_plan
 from planner.errors import InfeasibleError, InputError, RunError
 from planner.frontend.analysis import ModelStructure, conv_call_at_batch
+from planner.frontend.capture import input_batch_dims
 from planner.frontend.depth import capture_for_planning
 from planner.frontend.modelfile import ModelFile, load_model_file
 from planner.frontend.phases import build_for, decode_phase, plan_structure, prefill_phase
@@ -137,6 +138,9 @@ def prepare(
         structure.batch_mixing.append(
             f"its input is sequence-first ({seq_len}, {batch_size}, ...) and the runtime splits the batch along dim 0"
         )
+    unsplit = _unsplittable_batch(model_file, structure.batch_size, seq_len)
+    if unsplit:  # the search keeps one replica and one micro-batch (as for a batch that mixes samples)
+        structure.batch_mixing.append(unsplit)
     if workload == "decode" and not any(layer.attention is not None for layer in structure.layers):
         raise InputError(
             f"{model_path} has no attention layer, so there is no KV cache for --workload decode to read: a decode "
@@ -162,6 +166,22 @@ def prepare(
     )
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
     return Prepared(model_file, structure, wl, shapes, graph)
+
+
+def _unsplittable_batch(model_file: ModelFile, batch_size: int, seq_len: int | None) -> str | None:
+    """Why the runtime could not split this model's batch over data-parallel replicas or micro-batches
+    (`planner.frontend.capture.input_batch_dims`: `example_inputs` at the batch and twice it), or None
+    when some input has a batch dim. A file whose `example_inputs` ignores `batch_size` has none: the
+    search used to pick DP=2 for it, and the run then failed."""
+    if batch_size < 2:
+        return None  # nothing to split
+    try:
+        dims = input_batch_dims(lambda b: model_file.inputs(b, seq_len, device="meta"), batch_size)
+    except InputError as e:
+        return f"its inputs' batch dim cannot be found ({e})"
+    if dims and all(d is None for d in dims):
+        return "example_inputs(batch_size) changes no input's shape, so no input has a batch dim to split"
+    return None
 
 
 def _prepare_serving(
