@@ -170,6 +170,16 @@ def test_dtensor_refuses_a_row_parallel_projection_of_the_block_input(llama_plan
     megatron = export_plan(_with(llama_plan, splits=odd), "megatron")
     assert any("against Megatron's pairing" in w and "layers.1.attention.wk" in w for w in megatron.warnings)
     assert not any("against Megatron's pairing" in w for w in export_plan(llama_plan, "megatron").warnings)
+    # K/V heads replicated over ranks (fewer KV heads than tp) have no 1-D DTensor style either
+    shared = dict(llama_plan.splits)
+    weight = "layers.0.attention.wk.weight"
+    shared[weight] = dataclasses.replace(shared[weight], pieces=1)
+    heads = types.ModuleType("heads")
+    exec(
+        compile(export_plan(_with(llama_plan, splits=shared), "dtensor").text, "<export>", "exec"),
+        heads.__dict__,
+    )
+    assert "KV heads over tp=2" in heads.UNSUPPORTED["layers.0.attention.wk"]
     plain = types.ModuleType("plain")
     exec(compile(export_plan(llama_plan, "dtensor").text, "<export>", "exec"), plain.__dict__)
     assert plain.UNSUPPORTED == {}

@@ -522,9 +522,10 @@ def render_serving_run(console: Console, report: dict[str, Any]) -> None:
         )
     if got.get("standard_tpot_s") and p.get("ladder_speedup") and abs(p["ladder_speedup"] - 1.0) < 1e-3:
         console.print(
-            f"ladder speed-up: the laddered layers issue no collective in this plan (their weights stay "
-            f"replicated), so the laddered and the standard rewrite do the same work: the measured "
-            f"{got['ladder_speedup']:.3f}x is this run's noise, not a gain of ladder residual",
+            f"ladder speed-up: the plan prices no communication for the laddered layers to hide (their weights "
+            f"stay replicated, or the spec's links cost next to nothing), so it predicts the laddered and the "
+            f"standard rewrite alike: the measured {got['ladder_speedup']:.3f}x is this run's noise, not a "
+            "gain it priced",
             highlight=False,
         )
     for note in m.get("notes") or []:  # where the unsharded reference was built

@@ -184,6 +184,11 @@ def dtensor_plan(plan: Plan) -> DTensorPlan:
     styles: dict[str, str] = {}
     fused: dict[str, list[int]] = {}
     unsupported = _unsupported_pairings(plan, splits)
+    for weight in kv_piece_splits(plan):  # a KV head replicated over ranks: no 1-D DTensor style holds it
+        unsupported[weight.removesuffix(".weight")] = (
+            f"the plan cuts this K/V projection into {plan.splits[weight].pieces} KV heads over tp={plan.tp} ranks "
+            "(each head replicated, as vLLM does); a parallelize_module plan shards whole heads only"
+        )
     for module, why in unsupported.items():
         warnings.append(
             f"{module}: {why}; apply() refuses the plan (edit that split, or run it with planner run)"

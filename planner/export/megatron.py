@@ -92,7 +92,10 @@ def _main_grads_warning(plan: Plan) -> str:
     fits = ""
     if cluster is not None:
         fits = f" of the device's {cluster.device.memory_bytes / 2**30:.1f} GiB" + (
-            ": it does not fit; plan with more pipeline stages or the distributed optimizer"
+            (
+                ": it does not fit; plan with more pipeline stages"
+                + ("" if plan.distributed_optimizer else " or the distributed optimizer")
+            )
             if peak > cluster.device.memory_bytes
             else ""
         )

@@ -55,9 +55,9 @@ def vllm_engine_args(
     trained = plan.serving.trained_positions if plan.serving is not None else None
     if trained and max_model_len(plan) > trained:
         warnings.append(
-            f"max_model_len {max_model_len(plan)} is above the {trained} positions of the model's config: vLLM refuses "
-            "it unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 is set (and the positions beyond were never trained); plan a "
-            f"request of at most {trained} tokens"
+            f"max_model_len {max_model_len(plan)} is above the {trained} positions the planned model file's config "
+            "gives: if the checkpoint you serve has no more (its max_position_embeddings), vLLM refuses it unless "
+            "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 is set, and the positions beyond were never trained"
         )
     if model is None:
         warnings.append(
