@@ -53,6 +53,7 @@ from runtime.reference import (
     compare_outputs,
     compare_update,
     dp_mean,
+    fp32_parameters,
     shared_reference,
 )
 from runtime.run_mode import dropout_note, lowering_notes, seed_dropout_rng, set_run_mode
@@ -179,7 +180,7 @@ def _training_step(
     compare_loss(mean_loss, want, report)
     compare_gradients(gm, reference, setup, report, owned=optimizer.owned_ranges())
     # the first optimizer step (the gradients are reduced already) against Adam's from the reference's
-    before = {n: p.detach().cpu().clone() for n, p in gm.named_parameters() if p.dtype == torch.float32}
+    before = fp32_parameters(gm)
     optimizer.step()
     compare_update(gm, before, optimizer.lr, reference, setup, report)
     del before

@@ -37,7 +37,14 @@ from runtime.job import RankReport, RankSetup, RunJob, time_steps
 from runtime.launch import RankContext
 from runtime.numerics import all_outputs
 from runtime.pipeline import PipelineRunner, sum_tied_gradients
-from runtime.reference import compare_gradients, compare_loss, compare_outputs, dp_mean
+from runtime.reference import (
+    compare_gradients,
+    compare_loss,
+    compare_outputs,
+    compare_update,
+    dp_mean,
+    fp32_parameters,
+)
 from runtime.run_mode import dropout_note, lowering_notes, seed_dropout_rng, set_run_mode
 
 
@@ -110,6 +117,10 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
             compare_loss(dp_mean(loss, plan.dp, dp_group), want, report)
             report.max_abs_diff = report.loss_diff
         compare_gradients(chunks, reference, setup, report, owned=optimizer.owned_ranges())
+        before = fp32_parameters(chunks)  # the first optimizer step, against Adam's from the reference's
+        optimizer.step()
+        compare_update(chunks, before, optimizer.lr, reference, setup, report)
+        del before
         for index, chunk in virtual.items():
             label = (
                 f"stage {index}" if len(chunks) == 1 else f"virtual stage {index} (pp rank {lowered.pp_rank})"

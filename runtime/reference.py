@@ -262,9 +262,19 @@ UPDATE_GRAD_FLOOR = 1e-2  # elements compared: |reference gradient| >= this x th
 UPDATE_TOLERANCE = 0.1  # of the learning rate: the first Adam step moves each element by about lr
 
 
+def fp32_parameters(modules: torch.nn.Module | Sequence[torch.nn.Module]) -> list[dict[str, torch.Tensor]]:
+    """A copy of every fp32 parameter of each module (a rank's graph, or its pipeline chunks), by name:
+    `compare_update`'s `before`."""
+    mods = [modules] if isinstance(modules, torch.nn.Module) else list(modules)
+    return [
+        {n: p.detach().cpu().clone() for n, p in m.named_parameters() if p.dtype == torch.float32}
+        for m in mods
+    ]
+
+
 def compare_update(
-    module: torch.nn.Module,
-    before: Mapping[str, torch.Tensor],
+    module: torch.nn.Module | Sequence[torch.nn.Module],
+    before: Sequence[Mapping[str, torch.Tensor]],
     lr: float,
     reference: ReferenceFiles,
     setup: RankSetup,
@@ -277,26 +287,37 @@ def compare_update(
     gradient near 0 flips its step's sign on rounding); the gradients match to the dtype's tolerance,
     so those updates match to a small share of lr, while a wrong slice updated, an update lost or a
     gather misplaced moves elements by about lr. fp32 parameters only (a 16-bit weight rounds a 1e-3
-    step away). `before`: the parameters (by name) just before the step."""
+    step away). `module`: the rank's graph, or its pipeline chunks; `before`: `fp32_parameters` of them
+    just before the step, one mapping per module."""
     plan, groups = setup.plan, setup.groups
-    params = dict(module.named_parameters())
+    modules = [module] if isinstance(module, torch.nn.Module) else list(module)
     diffs = []
     with SafetensorsCheckpoint([reference.grads]) as grads_file:
-        names = [n for n in before if n in grads_file and params[n].dtype == torch.float32]
-        scale = 0.0
-        for n in names:
-            g = read_local_shards(module, grads_file, plan.splits, groups.tp_rank, plan.tp, [n])[n]
-            scale = max(scale, max_abs(g))
-        for n in names:
-            g = read_local_shards(module, grads_file, plan.splits, groups.tp_rank, plan.tp, [n])[n].float()
+
+        def grad(mod: torch.nn.Module, name: str) -> torch.Tensor:
+            return read_local_shards(mod, grads_file, plan.splits, groups.tp_rank, plan.tp, [name])[
+                name
+            ].float()
+
+        params = [
+            (mod, n, was) for mod, old in zip(modules, before) for n, was in old.items() if n in grads_file
+        ]
+        scale = max((max_abs(grad(mod, n)) for mod, n, _ in params), default=0.0)
+        for mod, n, was in params:
+            g = grad(mod, n)
             want = -lr * g / (g.abs() + ADAM_EPS)
-            got = (params[n].detach().cpu() - before[n]).float()
+            got = (mod.get_parameter(n).detach().cpu() - was).float()
             mask = g.abs() >= UPDATE_GRAD_FLOOR * scale
             if mask.any():
                 diffs.append(float((got - want)[mask].abs().max()))
     if diffs:
         report.update_max_abs_diff = max(diffs)
         report.update_tolerance = UPDATE_TOLERANCE * lr
+    elif not any(before):  # 16-bit parameters: their fp32 master copies are the optimizer's own
+        report.notes.append(
+            "the first optimizer step is checked on fp32 parameters only: this run's are 16-bit, where a step "
+            "of lr = 1e-3 rounds away (the gradients before it are checked)"
+        )
 
 
 def _named_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

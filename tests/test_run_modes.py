@@ -315,7 +315,7 @@ def test_the_first_optimizer_step_is_checked_against_adam_on_the_reference_gradi
 
     def checked() -> dict:
         report = SimpleNamespace(update_max_abs_diff=None, update_tolerance=None)
-        compare_update(model, before, 1e-3, reference, setup, report)
+        compare_update(model, [before], 1e-3, reference, setup, report)
         return {"tolerance_rel": 1e-4, "update_max_abs_diff": report.update_max_abs_diff,
                 "update_tolerance": report.update_tolerance}  # fmt: skip
 
