@@ -40,7 +40,7 @@ from passes.rng import dropout_disabled
 from passes.tensor_parallel import load_sharded_weights
 from planner.frontend.analysis import ModelStructure, analyse
 from planner.frontend.capture import capture, flat_inputs, retarget_device
-from runtime.data_parallel import build_optimizer, unbatched_note
+from runtime.data_parallel import args_share, build_optimizer, unbatched_note
 from runtime.job import RankReport, RankSetup, ReferenceFiles, RunJob, set_up_rank, time_steps
 from runtime.launch import RankContext, report_progress
 from runtime.measure import current_memory_bytes, process_peak_memory_bytes
@@ -86,17 +86,18 @@ def run_rank(ctx: RankContext, job: RunJob) -> RankReport:
 
 
 def build_rank_module(
-    ctx: RankContext, setup: RankSetup, reference: ReferenceFiles
+    ctx: RankContext, setup: RankSetup, reference: ReferenceFiles, call: tuple[tuple, dict] | None = None
 ) -> tuple[fx.GraphModule, ModelStructure, RankLowering]:
     """This rank's lowered module with its weight shards, built without the whole model: meta build,
-    capture at this DP replica's shapes, `lower_for_rank` (TP with sequence parallelism, ladder,
+    capture at this DP replica's shapes (or `call`'s (args, kwargs): one micro-batch of them),
+    `lower_for_rank` (TP with sequence parallelism, ladder,
     training: activation recompute, as the plan says), then `load_sharded_weights` from the
     reference's safetensors files; factory ops retargeted to the rank's device. Also returns the
     captured structure and the lowering (what was applied, for the report's notes)."""
     plan = setup.plan
     # the plan's dtype, and train mode for training (dropout in the graph): runtime.run_mode
     model = set_run_mode(setup.model_file.build("meta"), plan.dtype, setup.training)
-    gm = capture(model, setup.args, setup.kwargs)
+    gm = capture(model, *(call or (setup.args, setup.kwargs)))
     structure = analyse(gm)
     lowered = lower_for_rank(gm, structure, plan, ctx.rank, training=setup.training)
     gm = lowered.module
@@ -108,8 +109,13 @@ def build_rank_module(
 def _run_sharded_rank(
     ctx: RankContext, job: RunJob, setup: RankSetup, reference: ReferenceFiles
 ) -> RankReport:
-    """pp == 1: steps 2-5 of the module docstring."""
-    gm, structure, lowered = build_rank_module(ctx, setup, reference)
+    """pp == 1: steps 2-5 of the module docstring. Training with m > 1 micro-batches: the module is
+    captured at one micro-batch's shapes and the step accumulates over them (`_training_step`)."""
+    m = setup.plan.micro_batches if setup.training else 1
+    micro = (
+        [args_share(setup.args, setup.kwargs, m, i, setup.batch_dims) for i in range(m)] if m > 1 else None
+    )
+    gm, structure, lowered = build_rank_module(ctx, setup, reference, micro[0] if micro else None)
     inputs = flat_inputs(setup.args, setup.kwargs)
     report = RankReport(
         rank=ctx.rank,
@@ -127,7 +133,8 @@ def _run_sharded_rank(
     )
     with SafetensorsCheckpoint([reference.outputs]) as want:
         if setup.training:
-            step = _training_step(gm, inputs, setup, reference, want, report)
+            parts = [flat_inputs(*call) for call in micro] if micro else [inputs]
+            step = _training_step(gm, parts, setup, reference, want, report)
         else:
             with torch.no_grad():
                 outs = all_outputs(gm(*inputs))
@@ -148,7 +155,7 @@ def _run_sharded_rank(
 
 def _training_step(
     gm: torch.nn.Module,
-    inputs: tuple,
+    parts: list[tuple],
     setup: RankSetup,
     reference: ReferenceFiles,
     want: SafetensorsCheckpoint,
@@ -156,28 +163,47 @@ def _training_step(
 ) -> Callable[[], None]:
     """Check one forward+backward against the unsharded model on the whole batch: every output, the
     MSE loss (averaged over the DP replicas: equal shares, so the whole batch's mean) and every
-    gradient (after the DP reduction). Return a timed training step (forward, backward, DP gradient
-    all-reduce and Adam update, or with `plan.distributed_optimizer` reduce-scatter, sharded Adam
-    and all-gather: `runtime.data_parallel.build_optimizer`). The check runs with
-    dropout off (as the reference did); the timed steps with dropout on, its RNG seeded per TP rank
-    for shards (`runtime.run_mode`, `passes.rng`)."""
+    gradient (after the DP reduction), then the first optimizer step. Return a timed training step
+    (forward, backward, DP gradient all-reduce and Adam update, or with `plan.distributed_optimizer`
+    reduce-scatter, sharded Adam and all-gather: `runtime.data_parallel.build_optimizer`).
+
+    parts: the replica's inputs (flat), whole, or as the plan's m micro-batches: then each runs its
+    forward and backward with its loss / m, the gradients accumulating (equal shares, so the same
+    mean) before one reduction and optimizer step, as the plan priced it; the checked step does the
+    same, and the replica's outputs are the micro-batches' joined along their batch dim. The check
+    runs with dropout off (as the reference did); the timed steps with dropout on, its RNG seeded
+    per TP rank for shards (`runtime.run_mode`, `passes.rng`)."""
     plan, groups = setup.plan, setup.groups
     dp_group = groups.group("dp")
     optimizer = build_optimizer(
         plan.distributed_optimizer, list(gm.parameters()), dp_group, plan.dp, groups.dp_rank
     )
+    m = len(parts)
     with dropout_disabled(gm):  # like with like: the reference ran with dropout off too
-        outs = all_outputs(gm(*inputs))
-        compare_outputs(outs, want, reference, setup, report)
+        outs = [all_outputs(gm(*part)) for part in parts]
+        replica_outs = _joined(outs, want, plan.dp * m)
+        if replica_outs is not None:
+            compare_outputs(replica_outs, want, reference, setup, report)
         # its own memory: a view of the mapped outputs file would keep it mapped through the timed steps
-        target_full = want.read("target").to(outs[0].device, copy=True)
-        target = replica_share(target_full, tuple(outs[0].shape), plan.dp, groups.dp_rank)
-        assert target is not None, "output 0 matched its reference share in compare_outputs"
-        loss = F.mse_loss(outs[0], target)
-        loss.backward()
+        target_full = want.read("target").to(outs[0][0].device, copy=True)
+        targets = []
+        for i, out in enumerate(outs):  # micro-batch i of replica r is share r * m + i of the batch
+            part_target = replica_share(target_full, tuple(out[0].shape), plan.dp * m, groups.dp_rank * m + i)
+            assert part_target is not None, "output 0 is a share of the unsharded output (checked above)"
+            targets.append(part_target)
+        losses = [F.mse_loss(out[0], t) / m for out, t in zip(outs, targets)]
+        for part_loss in losses:
+            part_loss.backward()
+        loss = sum(part_loss.detach() for part_loss in losses)
+        del outs, losses
         optimizer.reduce_gradients()
-    mean_loss = dp_mean(loss.detach(), plan.dp, dp_group)
+    mean_loss = dp_mean(loss, plan.dp, dp_group)
     compare_loss(mean_loss, want, report)
+    if (
+        replica_outs is None
+    ):  # no output joins into the replica's: the loss stands for them (as in a pipeline)
+        report.output_dtype = str(mean_loss.dtype).removeprefix("torch.")
+        report.max_abs_diff, report.output_scale = report.loss_diff, report.loss_scale
     compare_gradients(gm, reference, setup, report, owned=optimizer.owned_ranges())
     # the first optimizer step (the gradients are reduced already) against Adam's from the reference's
     before = fp32_parameters(gm)
@@ -186,11 +212,39 @@ def _training_step(
     del before
     report.notes.append(dropout_note(gm))
     report.notes.append(optimizer.note())
+    if m > 1:
+        report.notes.append(
+            f"{m} micro-batches per step: gradients accumulated over them, then one optimizer step"
+        )
     seed_dropout_rng(setup.seed, groups.pp_rank, groups.tp_rank, setup.device)  # timed steps: dropout on
 
     def step() -> None:
         optimizer.zero_grad()
-        F.mse_loss(all_outputs(gm(*inputs))[0], target).backward()
+        for part, part_target in zip(parts, targets):
+            (F.mse_loss(all_outputs(gm(*part))[0], part_target) / m).backward()
         optimizer.step()  # reduces the gradients over the DP group first
 
     return step
+
+
+def _joined(
+    outs: list[tuple[torch.Tensor, ...]], want: SafetensorsCheckpoint, shares: int
+) -> tuple[torch.Tensor, ...] | None:
+    """The replica's outputs from its micro-batches' (`outs`, one tuple per micro-batch; one entry:
+    returned as it is): each output joined along the one dim where the unsharded output is `shares`
+    times the micro-batch's, or, with the unsharded output's shape (no batch dim), their mean. None
+    when an output is neither (the caller compares the loss instead)."""
+    if len(outs) == 1:
+        return outs[0]
+    joined = []
+    for i, pieces in enumerate(zip(*outs)):
+        full = tuple(want.shape(f"output.{i}"))
+        shape = tuple(pieces[0].shape)
+        if tuple(full) == shape:
+            joined.append(torch.stack([p.detach() for p in pieces]).mean(0))
+            continue
+        dims = [d for d in range(len(shape)) if len(full) == len(shape) and full[d] == shape[d] * shares]
+        if len(dims) != 1:
+            return None
+        joined.append(torch.cat([p.detach() for p in pieces], dim=dims[0]))
+    return tuple(joined)

@@ -366,3 +366,26 @@ def test_plan_fields_the_runtime_cannot_run_are_refused_by_name() -> None:
         check_plan_runs(interleaved, "train")
     with pytest.raises(InputError, match="plan field 'distributed_optimizer' is true but .* forward"):
         check_plan_runs(dataclasses.replace(plan, micro_batches=2, distributed_optimizer=True), "forward")
+
+
+def test_training_micro_batches_without_a_pipeline_accumulate_gradients_as_priced() -> None:
+    """pp=1 with m micro-batches: the plan prices m forward/backward passes and one optimizer step;
+    the run did one pass over the whole replica batch. It now captures one micro-batch, accumulates
+    the gradients of all m (checked: outputs joined, loss, gradients, the first optimizer step) and
+    says so, on two DP replicas with the distributed optimizer too."""
+    from planner.cli import workflow  # noqa: PLC0415
+
+    model = "examples/llama3.py"
+    spec = workflow.resolve_cluster("tests/models/fastlink.yaml", 2)
+    for dp in (1, 2):
+        prepared = workflow.prepare(model, "train", batch_size=8, seq_len=16, micro_batches=2)
+        constraints = workflow.constraints_from(1, 1, dp, "none", distributed_optimizer=dp > 1)
+        plan = workflow.make_plan(prepared, spec, constraints, model)
+        assert (plan.micro_batches, plan.dp) == (2, dp)
+        run = workflow.run_plan(plan, model, dp, iters=1, warmup=0, timeout_s=240)
+        n = run["numerics"]
+        assert n["outputs"] and n["max_abs_diff"] <= 1e-5 and n["grad_max_abs_diff"] <= 1e-6, n
+        assert n["update_max_abs_diff"] <= n["update_tolerance"], n
+        assert any(
+            "2 micro-batches per step: gradients accumulated" in note for note in run["measured"]["notes"]
+        )
