@@ -576,6 +576,12 @@ class Plan:
                 raise bad(name, f"must be >= 1, got {getattr(self, name)}")
         if self.context < 0:
             raise bad("context", f"must be >= 0, got {self.context}")
+        if self.workload == "decode" and self.context < 1:
+            raise bad(
+                "context",
+                f"is {self.context}, but a decode plan prices a step over cached tokens: set context to their "
+                "number (the --context it was planned with), or plan the model again for this workload",
+            )
         if self.serving is not None:
             sv = self.serving
             if self.workload not in ("decode", "generate"):

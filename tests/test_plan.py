@@ -124,6 +124,7 @@ def test_safe_load_only(tmp_path: Path) -> None:
         (lambda d: d["predicted"]["per_layer"][0].pop("stage"), "predicted.per_layer[0].stage"),
         (lambda d: d.__setitem__("stages", [[0], [1]]), "stages"),
         (lambda d: d.__setitem__("workload", "serve"), "workload"),
+        (lambda d: d.__setitem__("workload", "decode"), "context"),  # a train plan edited to decode
         (lambda d: d.__setitem__("ladder_layers", [7]), "ladder_layers"),
         (lambda d: d.__setitem__("extra_key", 1), "plan"),
     ],
