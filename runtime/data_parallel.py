@@ -181,6 +181,15 @@ class ReplicatedAdam(_AdamOnRanks):
         `reduce_gradients`: None, meaning all of every parameter."""
         return None
 
+    def fp32_values(self) -> dict[int, tuple[int, int, torch.Tensor]]:
+        """id(param) -> (lo, hi, flat fp32 values of its elements lo:hi) as Adam steps them: an fp32
+        parameter itself, a 16-bit one's master copy (views: read them before and after a step)."""
+        return {
+            id(p): (0, p.numel(), self._masters.get(id(p), p).detach().view(-1))
+            for p in self.params
+            if p.dtype == torch.float32 or id(p) in self._masters
+        }
+
     def note(self) -> str:
         """What the run report says about the optimizer that ran."""
         sync = f"gradients all-reduced over the {self.dp} data-parallel ranks" if self.dp > 1 else "dp=1"
@@ -271,6 +280,17 @@ class DistributedAdam(_AdamOnRanks):
             if lo < hi:
                 yield p, lo - offset, hi - offset, lo - start
             offset += p.numel()
+
+    def fp32_values(self) -> dict[int, tuple[int, int, torch.Tensor]]:
+        """id(param) -> (lo, hi, flat fp32 values of its elements lo:hi) as this rank's step leaves them:
+        an fp32 parameter whole (after the all-gather: every slice), a 16-bit one's master copy of the
+        elements in this rank's slice (views: read them before and after a step)."""
+        out = {id(p): (0, p.numel(), p.detach().view(-1)) for p in self.params if p.dtype == torch.float32}
+        for members, size, shard in self._groups:
+            if members[0].dtype in HALF_DTYPES:
+                for p, lo, hi, offset in self._owned(members, size):
+                    out[id(p)] = (lo, hi, shard.detach()[offset : offset + hi - lo])
+        return out
 
     def owned_ranges(self) -> dict[int, tuple[int, int]]:
         """id(param) -> (lo, hi): the flat elements of each parameter in this rank's slice (those whose

@@ -53,8 +53,8 @@ from runtime.reference import (
     compare_outputs,
     compare_update,
     dp_mean,
-    fp32_parameters,
     shared_reference,
+    update_snapshot,
 )
 from runtime.run_mode import dropout_note, lowering_notes, seed_dropout_rng, set_run_mode
 
@@ -206,9 +206,9 @@ def _training_step(
         report.max_abs_diff, report.output_scale = report.loss_diff, report.loss_scale
     compare_gradients(gm, reference, setup, report, owned=optimizer.owned_ranges())
     # the first optimizer step (the gradients are reduced already) against Adam's from the reference's
-    before = fp32_parameters(gm)
+    before = update_snapshot(gm, optimizer)
     optimizer.step()
-    compare_update(gm, before, optimizer.lr, reference, setup, report)
+    compare_update(gm, before, optimizer, reference, setup, report)
     del before
     report.notes.append(dropout_note(gm))
     report.notes.append(optimizer.note())

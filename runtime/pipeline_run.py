@@ -43,7 +43,7 @@ from runtime.reference import (
     compare_outputs,
     compare_update,
     dp_mean,
-    fp32_parameters,
+    update_snapshot,
 )
 from runtime.run_mode import dropout_note, lowering_notes, seed_dropout_rng, set_run_mode
 
@@ -117,9 +117,11 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
             compare_loss(dp_mean(loss, plan.dp, dp_group), want, report)
             report.max_abs_diff = report.loss_diff
         compare_gradients(chunks, reference, setup, report, owned=optimizer.owned_ranges())
-        before = fp32_parameters(chunks)  # the first optimizer step, against Adam's from the reference's
+        before = update_snapshot(
+            chunks, optimizer
+        )  # the first optimizer step, against Adam's from the reference's
         optimizer.step()
-        compare_update(chunks, before, optimizer.lr, reference, setup, report)
+        compare_update(chunks, before, optimizer, reference, setup, report)
         del before
         for index, chunk in virtual.items():
             label = (

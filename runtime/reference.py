@@ -44,7 +44,7 @@ from planner.frontend.modelfile import ModelFile, load_model_file
 from planner.plan import Plan
 from runtime.job import RankReport, RankSetup, ReferenceFiles, RunJob, job_inputs
 from runtime.launch import RankContext
-from runtime.numerics import all_outputs, max_abs, max_abs_diff, replica_share, training_target
+from runtime.numerics import all_outputs, max_abs, max_abs_diff, replica_share, tolerance_for, training_target
 from runtime.run_mode import cast_inputs, set_run_mode
 
 WEIGHTS_HELP = (
@@ -258,66 +258,75 @@ def compare_gradients(
 
 
 ADAM_EPS = 1e-8  # torch.optim.Adam's default eps, which the runs' optimizers use
-UPDATE_GRAD_FLOOR = 1e-2  # elements compared: |reference gradient| >= this x the largest one
+UPDATE_GRAD_FLOOR = 1e-2  # elements compared: |reference gradient| >= this x the largest one (fp32)
 UPDATE_TOLERANCE = 0.1  # of the learning rate: the first Adam step moves each element by about lr
 
 
-def fp32_parameters(modules: torch.nn.Module | Sequence[torch.nn.Module]) -> list[dict[str, torch.Tensor]]:
-    """A copy of every fp32 parameter of each module (a rank's graph, or its pipeline chunks), by name:
-    `compare_update`'s `before`."""
+def update_snapshot(
+    modules: torch.nn.Module | Sequence[torch.nn.Module], optimizer: Any
+) -> list[dict[str, tuple[int, int, torch.Tensor]]]:
+    """The values the optimizer steps, per module (a rank's graph, or its pipeline chunks) and
+    parameter name: (lo, hi, a copy of the flat fp32 values of elements lo:hi): an fp32 parameter
+    whole, a 16-bit one's fp32 master copy (`optimizer.fp32_values`). `compare_update`'s `before`."""
     mods = [modules] if isinstance(modules, torch.nn.Module) else list(modules)
-    return [
-        {n: p.detach().cpu().clone() for n, p in m.named_parameters() if p.dtype == torch.float32}
-        for m in mods
-    ]
+    values = optimizer.fp32_values()
+    snapshot = []
+    for m in mods:
+        stepped = {}
+        for n, p in m.named_parameters():
+            if id(p) in values:
+                lo, hi, flat = values[id(p)]
+                stepped[n] = (lo, hi, flat.cpu().clone())
+        snapshot.append(stepped)
+    return snapshot
 
 
 def compare_update(
     module: torch.nn.Module | Sequence[torch.nn.Module],
-    before: Sequence[Mapping[str, torch.Tensor]],
-    lr: float,
+    before: Sequence[Mapping[str, tuple[int, int, torch.Tensor]]],
+    optimizer: Any,
     reference: ReferenceFiles,
     setup: RankSetup,
     report: RankReport,
 ) -> None:
     """Training, after the first optimizer step (the DP reduction, Adam and, with the distributed
-    optimizer, the parameters' all-gather): every parameter's update against the update Adam's first
-    step makes from the unsharded model's gradient, -lr g / (|g| + eps) (its bias-corrected moments are
-    g and g^2), on this rank's shard. Compared where |g| >= `UPDATE_GRAD_FLOOR` x the largest |g| (a
-    gradient near 0 flips its step's sign on rounding); the gradients match to the dtype's tolerance,
-    so those updates match to a small share of lr, while a wrong slice updated, an update lost or a
-    gather misplaced moves elements by about lr. fp32 parameters only (a 16-bit weight rounds a 1e-3
-    step away). `module`: the rank's graph, or its pipeline chunks; `before`: `fp32_parameters` of them
-    just before the step, one mapping per module."""
+    optimizer, the parameters' all-gather): every stepped value's update against the update Adam's
+    first step makes from the unsharded model's gradient, -lr g / (|g| + eps) (its bias-corrected
+    moments are g and g^2), on this rank's shard: an fp32 parameter whole (so after the all-gather),
+    a 16-bit one through its fp32 master copy (this rank's slice of it with the distributed
+    optimizer; the 16-bit weight would round a 1e-3 step away). Compared where |g| is at least
+    `UPDATE_GRAD_FLOOR` (fp32), or twice the dtype's numerics tolerance, times the largest |g|: there
+    the gradients' allowed difference cannot flip a step's sign, so the updates match to a small share
+    of lr, while a wrong slice updated, an update lost or a gather misplaced moves elements by about
+    lr. `module`: the rank's graph, or its pipeline chunks; `before`: `update_snapshot` of them just
+    before the step."""
     plan, groups = setup.plan, setup.groups
     modules = [module] if isinstance(module, torch.nn.Module) else list(module)
+    lr, now = optimizer.lr, update_snapshot(modules, optimizer)
     diffs = []
     with SafetensorsCheckpoint([reference.grads]) as grads_file:
 
         def grad(mod: torch.nn.Module, name: str) -> torch.Tensor:
-            return read_local_shards(mod, grads_file, plan.splits, groups.tp_rank, plan.tp, [name])[
-                name
-            ].float()
+            shard = read_local_shards(mod, grads_file, plan.splits, groups.tp_rank, plan.tp, [name])[name]
+            return shard.float().reshape(-1)
 
-        params = [
-            (mod, n, was) for mod, old in zip(modules, before) for n, was in old.items() if n in grads_file
+        stepped = [
+            (mod, n, lo, hi, was, now_m[n][2])
+            for mod, old, now_m in zip(modules, before, now)
+            for n, (lo, hi, was) in old.items()
+            if n in grads_file and n in now_m
         ]
-        scale = max((max_abs(grad(mod, n)) for mod, n, _ in params), default=0.0)
-        for mod, n, was in params:
-            g = grad(mod, n)
+        scale = max((max_abs(grad(mod, n)) for mod, n, *_ in stepped), default=0.0)
+        for mod, n, lo, hi, was, after in stepped:
+            g = grad(mod, n)[lo:hi]
+            floor = max(UPDATE_GRAD_FLOOR, 2 * tolerance_for(str(mod.get_parameter(n).dtype)))
             want = -lr * g / (g.abs() + ADAM_EPS)
-            got = (mod.get_parameter(n).detach().cpu() - was).float()
-            mask = g.abs() >= UPDATE_GRAD_FLOOR * scale
+            mask = g.abs() >= floor * scale
             if mask.any():
-                diffs.append(float((got - want)[mask].abs().max()))
+                diffs.append(float((after - was - want)[mask].abs().max()))
     if diffs:
         report.update_max_abs_diff = max(diffs)
         report.update_tolerance = UPDATE_TOLERANCE * lr
-    elif not any(before):  # 16-bit parameters: their fp32 master copies are the optimizer's own
-        report.notes.append(
-            "the first optimizer step is checked on fp32 parameters only: this run's are 16-bit, where a step "
-            "of lr = 1e-3 rounds away (the gradients before it are checked)"
-        )
 
 
 def _named_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

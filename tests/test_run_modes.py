@@ -301,7 +301,7 @@ def test_the_first_optimizer_step_is_checked_against_adam_on_the_reference_gradi
 
     from passes.checkpoint import save_checkpoint  # noqa: PLC0415
     from runtime.numerics import check_failures  # noqa: PLC0415
-    from runtime.reference import compare_update  # noqa: PLC0415
+    from runtime.reference import compare_update, update_snapshot  # noqa: PLC0415
 
     torch.manual_seed(0)
     model = torch.fx.symbolic_trace(torch.nn.Linear(8, 4))  # a rank's graph module
@@ -309,20 +309,23 @@ def test_the_first_optimizer_step_is_checked_against_adam_on_the_reference_gradi
     save_checkpoint({n: p.grad for n, p in model.named_parameters()}, str(tmp_path / "grads.safetensors"))
     reference = SimpleNamespace(grads=str(tmp_path / "grads.safetensors"))
     setup = SimpleNamespace(plan=SimpleNamespace(splits={}, tp=1), groups=SimpleNamespace(tp_rank=0))
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = SimpleNamespace(  # the interface of runtime.data_parallel's optimizers
+        lr=1e-3, fp32_values=lambda: {id(p): (0, p.numel(), p.detach().view(-1)) for p in model.parameters()}
+    )
+    before = update_snapshot(model, optimizer)
     adam = torch.optim.Adam(model.parameters(), lr=1e-3)
     adam.step()
 
     def checked() -> dict:
         report = SimpleNamespace(update_max_abs_diff=None, update_tolerance=None)
-        compare_update(model, [before], 1e-3, reference, setup, report)
+        compare_update(model, before, optimizer, reference, setup, report)
         return {"tolerance_rel": 1e-4, "update_max_abs_diff": report.update_max_abs_diff,
                 "update_tolerance": report.update_tolerance}  # fmt: skip
 
     good = checked()
     assert good["update_max_abs_diff"] < 1e-6 and not check_failures(good)
     with torch.no_grad():
-        model.weight[2:] = before["weight"][2:]  # rows 2-3 never received their update
+        model.weight[2:] = before[0]["weight"][2].view(4, 8)[2:]  # rows 2-3 never received their update
     bad = checked()
     assert bad["update_max_abs_diff"] > 5e-4 and "optimizer update" in check_failures(bad)[0]
 
