@@ -257,3 +257,12 @@ def test_advice_for_a_calibrated_spec_given_with_cluster_names_its_file(tmp_path
     cached = str(workflow.CACHE_DIR / "local-nproc2.yaml")
     assert main._advice(cached, CALIBRATED_SPEC_NAME, local) == RECALIBRATE
     assert main._advice(None, CALIBRATED_SPEC_NAME, local) == RECALIBRATE
+
+
+def test_the_verdict_band_is_the_printed_ratios() -> None:
+    """1.1033 prints as 1.10, which the README puts in "within 10%" (0.91-1.10); it said 25%."""
+    from planner.cli.render import agreement_line  # noqa: PLC0415
+
+    assert agreement_line(1.0, 1.1033).endswith("= 1.10 (within 10%)")
+    assert agreement_line(1.0, 1.106).endswith("= 1.11 (within 25%)")
+    assert agreement_line(1.0, 0.905).endswith("= 0.91 (within 10%)")
