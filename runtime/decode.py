@@ -19,7 +19,8 @@ ever holding the whole model:
    caches from the reference's file (`load_rank_state`) and makes the decode graph use the prefill
    graph's weight and cache shards (`share_state`): one copy of each per rank;
 3. generates with them and compares tokens and logits with the reference;
-4. times `warmup` untimed requests, then `iters` timed ones: the prefill (time to first token) and
+4. times `warmup` untimed requests, then `iters` timed ones (more until `min_time_s` has passed on
+   every rank): the prefill (time to first token) and
    every decode step (time per output token) each start after a barrier on the TP group.
 
 Decode steps with a static cache all cost the same (attention runs over the whole allocated cache
@@ -79,9 +80,8 @@ class DecodeJob:
     seed: int = 0
     reference: DecodeReference | None = None  # made once by the launching process (None: by the ranks)
     speed_probe: bool = False  # CPU: time the speed probe between the timed steps (`runtime.job.RunJob`)
-    weights: list[str] | None = (
-        None  # safetensors files of the model's parameters (--weights); None: seeded init
-    )
+    weights: list[str] | None = None  # safetensors of the model's parameters (--weights); None: seeded init
+    min_time_s: float = 0.0  # time requests until at least `iters` and this many seconds (--min-time)
 
 
 @dataclass
@@ -398,6 +398,20 @@ def _rank_graphs(
     return gp, gd
 
 
+MAX_TIMED_REQUESTS = 1000  # --min-time stops adding requests here whatever the clock says
+
+
+def _more_time(start: float, min_time_s: float, device: torch.device) -> bool:
+    """Whether to time another request after the `iters` asked for: until every rank has timed for
+    `min_time_s` (the ranks agree through one all-reduce, so that all run the same requests)."""
+    if min_time_s <= 0:
+        return False
+    more = torch.tensor([float(time.perf_counter() - start < min_time_s)], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(more, op=dist.ReduceOp.MAX)
+    return bool(more.item())
+
+
 def run_decode_rank(ctx: RankContext, job: DecodeJob) -> DecodeRankReport:
     """Per-rank entry: compare the rewritten request with the reference's, then time it (module
     docstring). Raises ValueError for a plan with pp > 1 or dp > 1 (the runner refuses those first)."""
@@ -456,10 +470,12 @@ def _serve_rank(
             request.generate(p, d, prompt, device, timers[name])
     for timer in timers.values():
         timer.enabled = True
-    for i in range(job.iters):
-        report_progress(f"timed request {i + 1}/{job.iters}", i / job.iters)
+    start, i = time.perf_counter(), 0
+    while i < job.iters or (i < MAX_TIMED_REQUESTS and _more_time(start, job.min_time_s, device)):
+        report_progress(f"timed request {i + 1}/{job.iters}", min(1.0, i / job.iters))
         for name, (p, d) in variants.items():
             request.generate(p, d, prompt, device, timers[name])
+        i += 1
     standard_timer = timers.get("standard")
     report = DecodeRankReport(
         rank=ctx.rank,

@@ -651,3 +651,13 @@ def test_a_request_past_the_models_trained_context_is_said_in_the_plan_and_the_v
     assert any("VLLM_ALLOW_LONG_MAX_MODEL_LEN" in w for w in export_plan(plan, "vllm", model="m").warnings)
     _, short = _plan(ROOT / "examples" / "llama3_kv.py", tp=2, context=64, new_tokens=16)
     assert not any("reaches position" in w for w in workflow.plan_warnings(short))
+
+
+def test_min_time_times_more_requests_on_every_rank_alike():
+    """`--min-time` was ignored by serving runs (30 decode steps whatever it said); the ranks now keep
+    timing requests until each has timed that long, agreeing through an all-reduce."""
+    _, plan = _plan(ROOT / "examples" / "llama3_kv.py", tp=2, context=8, new_tokens=4)
+    path = str(ROOT / "examples" / "llama3_kv.py")
+    run = workflow.run_serving(plan, path, 2, iters=1, warmup=1, timeout_s=240, min_time_s=0.3)
+    assert run["measured"]["iterations"] > 3 * (plan.serving.new_tokens - 1)  # several requests, not one
+    assert run["numerics"]["tokens_identical"]

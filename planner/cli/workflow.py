@@ -1151,7 +1151,9 @@ def run_plan(
     from runtime.session import run_job  # noqa: PLC0415
 
     if plan.serving is not None:
-        return run_serving(plan, model_path, nproc, iters, warmup, timeout_s, progress, speed_probe, weights)
+        return run_serving(
+            plan, model_path, nproc, iters, warmup, timeout_s, progress, speed_probe, weights, min_time_s
+        )
     if plan.workload is Workload.DECODE:
         raise InputError(
             f"--run of a decode plan needs a model with a static KV cache; {model_path} has none (it was priced "
@@ -1191,9 +1193,11 @@ def run_serving(
     progress: Progress = silent,
     speed_probe: bool = False,
     weights: str | None = None,
+    min_time_s: float = 0.0,
 ) -> dict[str, Any] | None:
     """Serve `plan.serving`'s request on `nproc` local ranks: prefill, then greedy decode steps
-    (`runtime.decode`); `warmup` untimed then `iters` timed requests (`speed_probe`: the speed probe
+    (`runtime.decode`); `warmup` untimed then `iters` timed requests, more until `min_time_s` seconds
+    of them (`--min-time`) (`speed_probe`: the speed probe
     timed between the decode steps, as `run_plan`'s between its samples; `weights`: a safetensors file
     or folder of the model's parameters, None: seeded random init). Returns the summary (None on
     ranks other than 0 under torchrun). Raises InputError for pp > 1, dp > 1 or a wrong nproc,
@@ -1227,6 +1231,7 @@ def run_serving(
         iters=max(1, iters),
         speed_probe=speed_probe,
         weights=checkpoint_files(weights) if weights else None,
+        min_time_s=min_time_s,
     )
     if not under_torchrun():  # under torchrun there is no launching process: the ranks make it
         directory = tempfile.mkdtemp(prefix="planner-decode-reference-")
