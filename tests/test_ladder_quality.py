@@ -145,6 +145,14 @@ def test_cli_ladder_eval_adapt_and_loss_budget(corpus, tmp_path, capsys) -> None
     model = build_unsharded(load_model_file(TINY_LM), 0, [str(ckpt)])
     with safe_open(str(ckpt), "pt") as f:
         assert set(f.keys()) == set(model.state_dict())
+    # --plot never overwrites a user's file, and --out / --plot naming one path is refused before training
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "adapt_loss.png").write_text("mine")
+    assert main([*args, "--plot", str(mine), "--out", str(tmp_path / "b.safetensors")]) == 2
+    assert (mine / "adapt_loss.png").read_text() == "mine" and not (tmp_path / "b.safetensors").exists()
+    assert main([*args, "--plot", str(ckpt), "--out", str(ckpt)]) == 2
+    assert "both name" in " ".join(capsys.readouterr().err.split())
 
     budget = [
         "--ladder",

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -39,7 +40,13 @@ from rich.table import Table
 from passes.checkpoint import checkpoint_files, save_checkpoint
 from planner.cli.quality_args import DEFAULT_BATCH
 from planner.errors import InputError, PlannerError
-from planner.files import WEIGHTS_KIND, check_output_path, write_text_atomic
+from planner.files import (
+    WEIGHTS_KIND,
+    check_output_path,
+    new_output_folder,
+    publish_folder,
+    write_text_atomic,
+)
 from planner.frontend.analysis import ModelStructure
 from planner.frontend.modelfile import ModelFile, load_model_file
 from planner.plan import Plan, layer_ranges
@@ -296,11 +303,13 @@ def cmd_adapt(args: argparse.Namespace, console: Console, err_console: Console) 
             f"--out {args.out}: the adapted weights are written as safetensors: name it *.safetensors"
         )
     if args.plot:
-        plot = Path(args.plot)
-        if plot.exists() and not plot.is_dir():
-            raise InputError(f"--plot {args.plot}: exists and is not a folder")
-        if not plot.exists():
-            check_output_path("--plot", args.plot, folder=True)
+        if Path(args.plot).resolve() == Path(args.out).resolve():
+            raise InputError(
+                f"--out and --plot both name {args.out}: the weights go to a file, the plot to a folder; "
+                "give them different paths"
+            )
+        # an existing folder only if the planner wrote it: a user's files in it are never replaced
+        check_output_path("--plot", args.plot, folder=True)
     _check_sizes(args)
     if args.batch_size % args.nproc:
         raise InputError(f"--batch-size {args.batch_size} must divide by --nproc {args.nproc}")
@@ -383,23 +392,28 @@ def loss_curve_table(losses: list[float], lrs: list[float], rows: int = 10) -> T
 
 
 def plot_loss_curve(losses: list[float], folder: str, title: str) -> str:
-    """Write `folder`/adapt_loss.png (matplotlib, no display needed); returns its path."""
+    """Write `folder`/adapt_loss.png (matplotlib, no display needed) as a folder of the planner's
+    (`planner.files.new_output_folder` / `publish_folder`: a folder holding files it did not write
+    is refused, never overwritten); returns the file's path."""
     import matplotlib  # noqa: PLC0415 - only with --plot
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    os.makedirs(folder, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(range(1, len(losses) + 1), losses, lw=1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats/token)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    path = os.path.join(folder, "adapt_loss.png")
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    tmp = new_output_folder(folder, "--plot")
+    try:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot(range(1, len(losses) + 1), losses, lw=1)
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss (nats/token)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        fig.savefig(tmp / "adapt_loss.png", dpi=100, bbox_inches="tight")
+        plt.close(fig)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return str(publish_folder(tmp, folder, "--plot") / "adapt_loss.png")
 
 
 # ------------------------------------------------------------------ optimize with a loss budget
