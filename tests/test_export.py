@@ -28,7 +28,7 @@ from planner.export.common import virtual_stage_layers
 from planner.export.megatron import megatron_args
 from planner.export.vllm import vllm_engine_args
 from planner.frontend.analysis import analyse
-from planner.plan import LayerCost, Plan, Recompute, Schedule, Serving, SplitStyle, Workload
+from planner.plan import LayerCost, Plan, Recompute, Schedule, Serving, SplitStyle, WeightSplit, Workload
 from runtime.launch import launch
 from tests.dtensor_entry import apply_exported
 from tests.planner_fixtures import EXAMPLES
@@ -97,7 +97,26 @@ def test_dtensor_export_runs_equal_to_the_unsharded_model_on_two_gloo_ranks(capt
             export_plan(_with(llama_plan, sequence_parallel=True), "dtensor").text,
         ),
         "gpt2_tiny": (str(EXAMPLES / "gpt2_tiny.py"), export_plan(gpt, "dtensor").text),
+        # sequence parallel with the token embedding kept whole: its output is cut along the sequence
+        # (the norm after it took the whole sequence as its rank's part: a RoPE shape error)
+        "llama3_sp_whole_embedding": (
+            str(EXAMPLES / "llama3.py"),
+            export_plan(
+                _with(
+                    llama_plan,
+                    sequence_parallel=True,
+                    splits={
+                        **llama_plan.splits,
+                        "tok_embeddings.weight": WeightSplit(
+                            "tok_embeddings.weight", SplitStyle.REPLICATE, 0
+                        ),
+                    },
+                ),
+                "dtensor",
+            ).text,
+        ),
     }
+    assert "WHOLE_EMBEDDINGS = ['tok_embeddings']" in jobs["llama3_sp_whole_embedding"][1]
     assert (
         "SEQUENCE_PARALLEL = False" in jobs["llama3"][1]
         and "SEQUENCE_PARALLEL = True" in jobs["llama3_sp"][1]

@@ -15,7 +15,8 @@ the vocabulary) and `apply(model, mesh)`, which shards the user's eager model on
 | replicate / not listed                  | not in PLAN: the module stays whole on every rank               |
 | rowwise q/k/v/up/gate, colwise o/down   | none: UNSUPPORTED names it and apply() raises (`Plan.roles`)    |
 | sequence_parallel                       | norms SequenceParallel(); colwise inputs and rowwise outputs,   |
-|                                         | the embedding's output Shard(1) (the sequence dim)              |
+|                                         | the embedding's output Shard(1) (the sequence dim); an          |
+|                                         | embedding kept whole: PrepareModuleOutput to Shard(1)           |
 
 What `apply` does besides `parallelize_module` (the generated file's docstring says it to the user):
 a fused projection (`parts`, GPT-2's `c_attn`) has its rows reordered so that the contiguous shard of
@@ -30,7 +31,7 @@ warning.
 from __future__ import annotations
 
 import pprint
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from planner.export.common import BLOCK_OUTPUT_ROLES, STREAM_INPUT_ROLES, Export, kv_piece_splits
 from planner.plan import Plan, SplitStyle, WeightSplit
@@ -84,6 +85,9 @@ def tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
         for name, module in modules.items():
             if isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith("Norm"):
                 plan[name] = SequenceParallel()
+        for name in WHOLE_EMBEDDINGS:  # kept whole: its output is cut along the sequence (a local slice)
+            if name in modules and name not in plan:
+                plan[name] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
     return plan
 
 
@@ -171,6 +175,8 @@ class DTensorPlan:
     blocks: list[str]  # TP_BLOCKS: parents of colwise + rowwise pairs (attention, MLP)
     warnings: list[str]
     unsupported: dict[str, str]  # UNSUPPORTED: module -> why apply() refuses the plan
+    # WHOLE_EMBEDDINGS: embeddings the plan keeps whole (a replicated weight no projection role names)
+    whole_embeddings: list[str] = field(default_factory=list)
 
 
 def dtensor_plan(plan: Plan) -> DTensorPlan:
@@ -252,7 +258,15 @@ def dtensor_plan(plan: Plan) -> DTensorPlan:
             warnings.append(f"serving fallback the plan priced, which DTensor cannot express: {note}")
     if plan.tp == 1:
         warnings.append("the plan has tp=1: there is nothing to shard, PLAN is empty")
-    return DTensorPlan(styles, vocab, fused, blocks, warnings, unsupported)
+    whole = sorted(
+        (
+            w.removesuffix(".weight")
+            for w, sp in plan.splits.items()
+            if plan.tp > 1 and sp.style is SplitStyle.REPLICATE and plan.roles and w not in plan.roles
+        ),
+        key=_natural,
+    )
+    return DTensorPlan(styles, vocab, fused, blocks, warnings, unsupported, whole)
 
 
 def _unsupported_pairings(plan: Plan, splits: dict[str, WeightSplit]) -> dict[str, str]:
@@ -322,6 +336,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -340,5 +355,6 @@ VOCAB = {_list(exported.vocab)}  # split along the vocabulary (styled by type in
 FUSED_PARTS = {exported.fused!r}  # fused projection -> sizes of its parts (rows)
 TP_BLOCKS = {_list(exported.blocks)}  # parents of colwise + rowwise pairs; head counts become per-rank
 UNSUPPORTED = {pprint.pformat(exported.unsupported, width=100)}  # module -> why apply() refuses the plan
+WHOLE_EMBEDDINGS = {_list(exported.whole_embeddings)}  # kept whole; with SEQUENCE_PARALLEL output cut along T
 '''
     return Export(header + _APPLY_SOURCE, exported.warnings)
