@@ -552,6 +552,7 @@ def summarise_decode(reports: list[DecodeRankReport], dtype: str, batch_size: in
             "iterations": len(tpot),
             "per_layer_s": {},
             "speed_probe": speed_probe_summary(reports),
+            "dtype": dtype,  # the plan's dtype, which the ranks ran
             **_standard(reports, tpot_s),
         },
         "numerics": {
@@ -559,6 +560,8 @@ def summarise_decode(reports: list[DecodeRankReport], dtype: str, batch_size: in
             "relative_max_abs_diff": diff / scale if scale else None,
             "output_scale": scale,
             "logit_tolerance": tolerance,
+            "tolerance_rel": LOGIT_TOLERANCE.get(dtype, 1e-4),  # of the logit scale (at least 1)
+            "dtype": dtype,
             "tokens_identical": same and agree,
             "tokens_differ": sum(
                 sum(a != b for a, b in zip(x, y)) for x, y in zip(first.tokens, first.reference_tokens)
