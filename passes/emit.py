@@ -357,7 +357,8 @@ def write_readme(out_dir: str | os.PathLike[str], info: dict) -> Path:
     info (all optional): "model" (str), "tp", "pp", "dp" (int degrees), "backend" ("nccl" | "gloo";
     default "gloo": CPU processes), "inputs" (str: what one rank passes, e.g. "idx (2, 16) int64"),
     "world_size" (int), "folder" (str: the folder's final path, when it is written under a temporary
-    one; default `out_dir`), "batch_size" (int: the plan's global batch). Written atomically
+    one; default `out_dir`), "batch_size" (int: the plan's global batch), "serving" (str: the served
+    request, for a decode plan of a model with a KV cache: adds how the caches are filled). Written atomically
     (`planner.files.write_text_atomic`); raises InputError when it cannot be written.
     """
     out_dir = Path(out_dir)
@@ -433,6 +434,18 @@ next one takes (`meta.json` lists them); run them with `torch.distributed.pipeli
 pp group, with the plan's schedule and micro-batches (`meta.json` "plan"; `runtime.pipeline.PipelineRunner`
 does it, the mesh groups come from `runtime.mesh.build_rank_groups`). Shapes are fixed: the batch
 and sequence length the plan was made for (per micro-batch under pp).
+"""
+    if info.get("serving"):
+        text += f"""
+## A served request: the decode step
+
+{info["serving"]} Each module is one decode step: one new token per sequence at `input_pos`,
+with the rank's part of the KV caches as buffers (its own heads where the plan splits attention),
+allocated empty. The prefill is
+not emitted: a serving loop of your own must fill the caches first (run the prompt through the
+model file's prefill and load each rank's head slice of the caches), then call the module once per
+token. `planner run PLAN.yaml --model MODEL.py` serves the whole request (prefill, then the decode
+steps) on local ranks and checks the tokens against the unsharded model.
 """
     write_text_atomic(out_dir / "README.md", text)
     return out_dir / "README.md"

@@ -661,3 +661,16 @@ def test_min_time_times_more_requests_on_every_rank_alike():
     run = workflow.run_serving(plan, path, 2, iters=1, warmup=1, timeout_s=240, min_time_s=0.3)
     assert run["measured"]["iterations"] > 3 * (plan.serving.new_tokens - 1)  # several requests, not one
     assert run["numerics"]["tokens_identical"]
+
+
+def test_the_emitted_readme_of_a_served_plan_says_how_its_caches_are_filled(tmp_path: Path):
+    """`--emit` of a decode plan writes the decode step's modules; its README said nothing of the caches
+    or of the prefill, which is not emitted."""
+    from planner.cli.emitting import emit_plan  # noqa: PLC0415
+
+    path = ROOT / "examples" / "llama3_kv.py"
+    _, plan = _plan(path, tp=2, context=8, new_tokens=4)
+    emit_plan(plan, str(path), str(tmp_path / "out"))
+    readme = " ".join((tmp_path / "out" / "README.md").read_text().split())
+    assert "A served request: the decode step" in readme and "The prefill is not emitted" in readme
+    assert "prompt of 8 tokens and 4 new ones" in readme

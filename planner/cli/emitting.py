@@ -122,6 +122,12 @@ def emit_plan(
                 "folder": str(Path(out_dir).resolve()),
                 "inputs": f"{inputs} (one rank's share, like the model file's example_inputs)",
                 "batch_size": plan.batch_size,
+                "serving": (
+                    f"The plan serves a prompt of {sv.prompt_len} tokens and {sv.new_tokens} new ones per "
+                    f"sequence, with caches of {sv.cache_len} tokens."
+                    if phase is not None
+                    else ""
+                ),
             },
         )
     except BaseException:
