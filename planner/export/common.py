@@ -111,15 +111,23 @@ def kv_piece_splits(plan: Plan) -> list[str]:
     return [w for w, s in plan.splits.items() if s.pieces is not None and s.pieces < plan.tp]
 
 
-STREAM_INPUT_ROLES = {
-    "q",
-    "k",
-    "v",
-    "qkv",
-    "up",
-    "gate",
-}  # `Plan.roles` of projections reading the block input
-BLOCK_OUTPUT_ROLES = {"o", "down"}  # and of those writing back to the stream
+# `Plan.roles` of the projections that read a block's input, and of those that write back to the stream
+STREAM_INPUT_ROLES = {"q", "k", "v", "qkv", "up", "gate"}
+BLOCK_OUTPUT_ROLES = {"o", "down"}
+
+
+def against_megatron_pairing(plan: Plan) -> dict[str, str]:
+    """Weight FQN -> role of each split opposite to Megatron-LM's pairing: a row-parallel projection
+    that reads the block's input, or a column-parallel one that writes the stream (`Plan.roles`;
+    a plan written before them: none found)."""
+    out = {}
+    for weight, split in plan.splits.items():
+        role = plan.roles.get(weight)
+        if (split.style is SplitStyle.ROWWISE and role in STREAM_INPUT_ROLES) or (
+            split.style is SplitStyle.COLWISE and role in BLOCK_OUTPUT_ROLES
+        ):
+            out[weight] = role
+    return out
 
 
 def layout_warnings(plan: Plan, tool: str, replicates_kv_heads: bool = False) -> list[str]:
@@ -148,12 +156,7 @@ def layout_warnings(plan: Plan, tool: str, replicates_kv_heads: bool = False) ->
             f"{tool} shards every layer's projections at TP={plan.tp}; the plan keeps {len(kept)} weight(s) "
             f"replicated ({_short_list(kept)}), which {tool} will shard: its time and memory differ from the prediction"
         )
-    flipped = [
-        w.removesuffix(".weight")
-        for w, split in plan.splits.items()
-        if (split.style is SplitStyle.ROWWISE and plan.roles.get(w) in STREAM_INPUT_ROLES)
-        or (split.style is SplitStyle.COLWISE and plan.roles.get(w) in BLOCK_OUTPUT_ROLES)
-    ]
+    flipped = [w.removesuffix(".weight") for w in against_megatron_pairing(plan)]
     if flipped:
         warnings.append(
             f"the plan splits {len(flipped)} projection(s) against Megatron's pairing ({_short_list(flipped)}: "

@@ -33,8 +33,8 @@ from __future__ import annotations
 import pprint
 from dataclasses import dataclass, field
 
-from planner.export.common import BLOCK_OUTPUT_ROLES, STREAM_INPUT_ROLES, Export, kv_piece_splits
-from planner.plan import Plan, SplitStyle, WeightSplit
+from planner.export.common import Export, against_megatron_pairing, kv_piece_splits
+from planner.plan import Plan, SplitStyle
 
 TOOL = "DTensor (torch.distributed.tensor.parallel)"
 
@@ -189,7 +189,7 @@ def dtensor_plan(plan: Plan) -> DTensorPlan:
     col_parents, row_parents = {_parent(m) for m in col}, {_parent(m) for m in row}
     styles: dict[str, str] = {}
     fused: dict[str, list[int]] = {}
-    unsupported = _unsupported_pairings(plan, splits)
+    unsupported = _unsupported_pairings(plan)
     for weight in kv_piece_splits(plan):  # a KV head replicated over ranks: no 1-D DTensor style holds it
         unsupported[weight.removesuffix(".weight")] = (
             f"the plan cuts this K/V projection into {plan.splits[weight].pieces} KV heads over tp={plan.tp} ranks "
@@ -269,27 +269,29 @@ def dtensor_plan(plan: Plan) -> DTensorPlan:
     return DTensorPlan(styles, vocab, fused, blocks, warnings, unsupported, whole)
 
 
-def _unsupported_pairings(plan: Plan, splits: dict[str, WeightSplit]) -> dict[str, str]:
+def _unsupported_pairings(plan: Plan) -> dict[str, str]:
     """Module -> why, for splits that DTensor's Colwise/RowwiseParallel pairing cannot run as the plan
-    priced: a row-parallel projection that reads the block's input (its partial sums are
-    reduce-scattered onto the heads in the plan; RowwiseParallel here expects the sharded output of a
-    colwise sibling) or a column-parallel projection that writes the stream (the plan all-gathers it).
-    Needs `Plan.roles` (plans written before it: nothing is found)."""
+    priced (`against_megatron_pairing`): a row-parallel projection that reads the block's input (its
+    partial sums are reduce-scattered onto the heads in the plan; RowwiseParallel here expects the
+    sharded output of a colwise sibling) or a column-parallel projection that writes the stream (the
+    plan all-gathers it). None at tp=1, where nothing is split."""
+    if plan.tp == 1:
+        return {}
     out = {}
-    for module, split in splits.items():
-        role = plan.roles.get(f"{module}.weight")
-        if split.style is SplitStyle.ROWWISE and role in STREAM_INPUT_ROLES:
-            out[module] = (
+    for weight, role in against_megatron_pairing(plan).items():
+        if plan.splits[weight].style is SplitStyle.ROWWISE:
+            why = (
                 f"the plan splits this {role!r} projection row-wise (its input sliced, its partial sums "
                 "reduce-scattered onto the heads); a parallelize_module plan pairs a row-wise projection "
                 "with the column-wise ones that feed it"
             )
-        elif split.style is SplitStyle.COLWISE and role in BLOCK_OUTPUT_ROLES:
-            out[module] = (
+        else:
+            why = (
                 f"the plan splits this {role!r} projection column-wise (its output all-gathered back "
                 "onto the stream); a parallelize_module plan pairs a column-wise projection with the "
                 "row-wise one it feeds"
             )
+        out[weight.removesuffix(".weight")] = why
     return out
 
 
