@@ -394,9 +394,9 @@ This folder holds one module for every rank that runs: {ranks}.
 Each `rank{{r}}/` holds:
 
 - `module.py`: the rank's rewritten model as readable PyTorch source (`class {CLASS_NAME}`,
-  `load(device)`); it imports only `torch` and `passes.collectives`, so a custom op the model
-  calls through `torch.ops` (one registered with `torch.library`) must be registered first:
-  import the module that defines it (e.g. the model file) before loading `module.py`;
+  `load(device)`); it imports only `torch` and `passes.collectives`, so a custom operator the
+  model registers with PyTorch's custom-op API must be registered first: import the module that
+  defines it (e.g. the model file) before loading `module.py`;
 - `weights.pt`: the rank's weight shards (`torch.load(..., weights_only=True)`);
 - `meta.json`: the plan facts, the inputs and outputs with their local shapes.
 
@@ -441,10 +441,9 @@ and sequence length the plan was made for (per micro-batch under pp).
 
 {info["serving"]} Each module is one decode step: one new token per sequence at `input_pos`,
 with the rank's part of the KV caches as buffers (its own heads where the plan splits attention),
-allocated empty. The prefill is
-not emitted: a serving loop of your own must fill the caches first (run the prompt through the
-model file's prefill and load each rank's head slice of the caches), then call the module once per
-token. `planner run PLAN.yaml --model MODEL.py` serves the whole request (prefill, then the decode
+allocated empty. The prefill is not emitted: a serving loop of your own must fill the caches first
+(run the prompt through the model file's prefill and load each rank's head slice of the caches),
+then call the module once per token. `planner run PLAN.yaml --model MODEL.py` serves the whole request (prefill, then the decode
 steps) on local ranks and checks the tokens against the unsharded model.
 """
     write_text_atomic(out_dir / "README.md", text)

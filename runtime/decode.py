@@ -309,8 +309,9 @@ def _graph_tensors(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
 def write_decode_reference(
     job: DecodeJob, directory: str, made_on: str = "launching process"
 ) -> DecodeReference:
-    """Build the whole model once (seeded, or its parameters read from `job.weights`), write the tensors its prefill and decode graphs read (the
-    caches still empty) and its greedy generation into `directory` (module docstring)."""
+    """Build the whole model once (seeded, or its parameters read from `job.weights`), write the
+    tensors its prefill and decode graphs read (the caches still empty) and its greedy generation
+    into `directory` (module docstring)."""
     plan = Plan.from_dict(job.plan)
     model_file = load_model_file(job.model_path)
     request = Request(model_file, job.batch_size, job.prompt_len, job.new_tokens, job.cache_len)
@@ -491,21 +492,16 @@ def _serve_rank(
         ladder_logit_deviation=ref.ladder_logit_deviation,
         ladder_tokens_differ=ref.ladder_tokens_differ,
         standard_tpot_samples_s=standard_timer.samples["tpot"] if standard_timer else [],
-        notes=(
-            [f"the unsharded reference was built and run once, in the {ref.made_on}"]
+        notes=[
+            f"the unsharded reference was built and run once, in the {ref.made_on}"
             if ref.made_on.startswith("launching")
-            else [
-                f"the unsharded reference was built on {ref.made_on}: its peak memory includes the whole model"
-            ]
-        )
-        + (
-            [
-                f"parameters read from {', '.join(job.weights)} (cast to the model's dtype where stored otherwise)"
-            ]
-            if job.weights
-            else []
-        ),
+            else f"the unsharded reference was built on {ref.made_on}: its peak memory includes the whole model"
+        ],
     )
+    if job.weights:
+        report.notes.append(
+            f"parameters read from {', '.join(job.weights)} (cast to the model's dtype where stored otherwise)"
+        )
     if probe is not None:
         record_probe(report, probe)
     return report

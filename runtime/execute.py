@@ -199,9 +199,8 @@ def _training_step(
         optimizer.reduce_gradients()
     mean_loss = dp_mean(loss, plan.dp, dp_group)
     compare_loss(mean_loss, want, report)
-    if (
-        replica_outs is None
-    ):  # no output joins into the replica's: the loss stands for them (as in a pipeline)
+    # no output joins into the replica's: the loss stands for them (as in a pipeline)
+    if replica_outs is None:
         report.output_dtype = str(mean_loss.dtype).removeprefix("torch.")
         report.max_abs_diff, report.output_scale = report.loss_diff, report.loss_scale
     compare_gradients(gm, reference, setup, report, owned=optimizer.owned_ranges())
@@ -240,7 +239,7 @@ def _joined(
     for i, pieces in enumerate(zip(*outs)):
         full = tuple(want.shape(f"output.{i}"))
         shape = tuple(pieces[0].shape)
-        if tuple(full) == shape:
+        if full == shape:
             joined.append(torch.stack([p.detach() for p in pieces]).mean(0))
             continue
         dims = [d for d in range(len(shape)) if len(full) == len(shape) and full[d] == shape[d] * shares]

@@ -86,9 +86,7 @@ class RankReport:
     loss_diff: float | None = None  # training: |loss (DP-averaged) - unsharded loss on the whole batch|
     loss_scale: float | None = None  # training: |unsharded loss|
     grad_scale: float | None = None  # training: max |unsharded gradient| over this rank's parameters
-    update_max_abs_diff: float | None = (
-        None  # training: worst first-step update difference (`compare_update`)
-    )
+    update_max_abs_diff: float | None = None  # training: first optimizer step (`compare_update`)
     update_tolerance: float | None = None  # its tolerance (a share of the learning rate)
     startup_memory_bytes: int = (
         0  # memory held when the rank started, before any model tensor (runtime, libraries)

@@ -117,9 +117,8 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
             compare_loss(dp_mean(loss, plan.dp, dp_group), want, report)
             report.max_abs_diff = report.loss_diff
         compare_gradients(chunks, reference, setup, report, owned=optimizer.owned_ranges())
-        before = update_snapshot(
-            chunks, optimizer
-        )  # the first optimizer step, against Adam's from the reference's
+        # the first optimizer step, against Adam's from the reference's gradients
+        before = update_snapshot(chunks, optimizer)
         optimizer.step()
         compare_update(chunks, before, optimizer, reference, setup, report)
         del before

@@ -310,15 +310,15 @@ def compare_update(
             shard = read_local_shards(mod, grads_file, plan.splits, groups.tp_rank, plan.tp, [name])[name]
             return shard.float().reshape(-1)
 
-        stepped = [
-            (mod, n, lo, hi, was, now_m[n][2])
+        stepped = [  # each gradient shard read once: the largest |g| scales the floor of every one
+            (mod, n, grad(mod, n), lo, hi, was, now_m[n][2])
             for mod, old, now_m in zip(modules, before, now)
             for n, (lo, hi, was) in old.items()
             if n in grads_file and n in now_m
         ]
-        scale = max((max_abs(grad(mod, n)) for mod, n, *_ in stepped), default=0.0)
-        for mod, n, lo, hi, was, after in stepped:
-            g = grad(mod, n)[lo:hi]
+        scale = max((max_abs(g) for _, _, g, *_ in stepped), default=0.0)
+        for mod, n, full, lo, hi, was, after in stepped:
+            g = full[lo:hi]
             floor = max(UPDATE_GRAD_FLOOR, 2 * tolerance_for(str(mod.get_parameter(n).dtype)))
             want = -lr * g / (g.abs() + ADAM_EPS)
             mask = g.abs() >= floor * scale

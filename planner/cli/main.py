@@ -303,9 +303,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             f"--run serves decode plans with tensor parallelism only, and {degrees} was asked: plan with "
             "--pp 1 --dp 1 to run it, or leave out --run to plan and price it"
         )
-    if (
-        args.weights and not args.run and not args.data and not args.emit
-    ):  # read by a run, --emit, a loss budget
+    if args.weights and not (args.run or args.data or args.emit):  # read by a run, --emit, a loss budget
         _warn(
             [
                 f"--weights {args.weights} had no effect: weights are read by a run (add --run, or `planner run`), "
@@ -769,9 +767,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             cluster, note = workflow.plan_cluster(plan, None)
         if cluster.backend == "gloo" and plan.num_devices < nproc:  # as optimize --run does
             nproc = _on_its_own_ranks(plan, nproc)
-        if (
-            nproc < plan.num_devices
-        ):  # --nproc below the plan's ranks (a GPU preset re-sized to it says too few)
+        # --nproc below the plan's ranks (a GPU preset re-sized to it would say it has too few devices)
+        if nproc < plan.num_devices:
             raise InputError(
                 f"{args.plan}: the plan's field 'mesh' needs {plan.num_devices} devices ({plan.mesh.label()}), but --nproc is "
                 f"{nproc}: give --nproc {plan.num_devices} (or leave it out), or plan for {nproc} ranks "

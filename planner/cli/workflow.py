@@ -898,10 +898,6 @@ def with_decode_graph_time(
     request, structure, dev = prepared.request, prepared.structure, cluster.device
     if request is None or dev.decode_node_time_ratio is not None or not dev.probe_node_overhead_s:
         return cluster
-    # the graph is timed in one process with its own core: priced against the spec's figures for a
-    # process that does not time-share (a spec re-sized to more ranks than cores stretches its
-    # per-node overhead and slows its peaks, which the ratio would otherwise undo)
-    alone = cluster_for_ranks(cluster, 1)
     if not _times_here(cluster):
         return cluster
     held = sum(math.prod(shape) for shape in prepared.param_shapes.values()) * dtype_bytes(structure.dtype)
@@ -916,6 +912,10 @@ def with_decode_graph_time(
     )  # fmt: skip
     if key not in _DECODE_NODE_RATIOS:
         progress("timing the model's decode graph on this machine", None)
+        # the graph is timed in one process with its own core: priced against the spec's figures for a
+        # process that does not time-share (a spec re-sized to more ranks than cores stretches its
+        # per-node overhead and slows its peaks, which the ratio would otherwise undo)
+        alone = cluster_for_ranks(cluster, 1)
         phase = decode_phase(batch, request.prompt_len, request.cache_len)
         try:
             model = build_for(prepared.model_file, phase, "cpu")
