@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import statistics
 import sys
 from dataclasses import dataclass
@@ -198,8 +199,9 @@ _CONFIG_OF = {"llama2_7b_kv": "llama2-7b", "llama2_70b_kv": "llama2-70b", "llama
               "llama3_70b_kv": "70b"}  # fmt: skip
 
 
+@functools.cache
 def _llama_configs() -> dict:
-    """`LLAMA_CONFIGS` of examples/models.py, loaded by path (examples/ is not a package, and a
+    """`LLAMA_CONFIGS` of examples/models.py, loaded by path once (examples/ is not a package, and a
     `models` already imported may be another one)."""
     import importlib.util  # noqa: PLC0415
 
