@@ -106,17 +106,18 @@ def lower_for_rank(
 
 def check_runnable(plan: Plan, structure: ModelStructure, training: bool) -> None:
     """Raise InputError, naming the plan field, for training-at-scale settings the passes cannot run
-    as the plan says: sequence parallelism over a sequence that does not divide by tp (a decode step
-    has one token) or together with ladder residual (which overlaps the all-reduces that sequence
-    parallelism replaces); recompute keys that name no layer class of the model, or recomputation
+    as the plan says: sequence parallelism over a layer sequence that does not divide by tp (a decode
+    step has one token; `ModelStructure.stream_tokens`) or together with ladder residual (which
+    overlaps the all-reduces that sequence parallelism replaces); recompute keys that name no layer class of the model, or recomputation
     of a plain MLP chain (`passes.recompute.recompute_of_layers`). Recompute in a forward-only run
     is not an error: there is no backward to recompute for (the run's note says so)."""
     if plan.sequence_parallel and plan.tp > 1:
-        if structure.seq_len % plan.tp:
+        uneven = [t for t in structure.stream_tokens() if t % plan.tp]
+        if uneven:
             raise InputError(
-                f"the plan's field 'sequence_parallel' is true but the sequence of {structure.seq_len} "
+                f"the plan's field 'sequence_parallel' is true but the layers' sequence of {uneven[0]} "
                 f"token(s) does not divide by tp={plan.tp}: each rank would hold an unequal part; use a "
-                f"sequence length that is a multiple of {plan.tp}, or set sequence_parallel: false"
+                f"sequence length that makes it a multiple of {plan.tp}, or set sequence_parallel: false"
             )
         if plan.ladder_layers:
             raise InputError(

@@ -16,11 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from costmodels.cluster import load_cluster
 from passes import collectives, rng
 from passes.layers import layer_of_nodes
 from passes.lower import lower_for_rank
 from passes.recompute import recompute_of_layers
-from planner.errors import InputError
+from planner.cli.workflow import constraints_from, make_plan, prepare
+from planner.errors import InfeasibleError, InputError
 from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture, flat_inputs
 from planner.frontend.modelfile import load_model_file
@@ -35,6 +37,8 @@ from tests.plans import fixed_plan
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA = ROOT / "examples" / "llama3.py"
 DROPOUT = ROOT / "tests" / "models" / "dropout_tp.py"
+VIT = ROOT / "tests" / "models" / "tiny_vit.py"
+FASTLINK = ROOT / "tests" / "models" / "fastlink.yaml"
 
 
 def _captured(path: Path, training: bool = False, device: str = "meta"):
@@ -93,14 +97,36 @@ def test_sequence_parallel_layers_reduce_scatter_and_gather_twice_and_never_all_
 
 
 def test_sequence_parallel_refuses_what_it_cannot_run_naming_the_field():
-    gm, structure, _, _ = _captured(LLAMA)
-    structure = dataclasses.replace(structure, seq_len=31)  # as captured at 31 tokens
+    model_file = load_model_file(LLAMA)
+    args, kwargs = model_file.inputs(seq_len=31)
+    gm = capture(model_file.build("meta"), args, kwargs)
+    structure = analyse(gm)
     with pytest.raises(InputError, match=r"'sequence_parallel'.*31 token\(s\) does not divide by tp=2"):
         lower_for_rank(gm, structure, _plan(LLAMA, structure, 2, sequence_parallel=True), 0)
     gm, structure, _, _ = _captured(LLAMA)
     plan = _plan(LLAMA, structure, 2, workload="forward", sequence_parallel=True, ladder_layers=[3])
     with pytest.raises(InputError, match="'sequence_parallel' and 'ladder_layers'"):
         lower_for_rank(gm, structure, plan, 0)
+
+
+def test_a_vit_gets_sequence_parallelism_only_where_its_patch_tokens_divide_by_tp():
+    """A ViT's layers see 17 tokens (16 patches and the class token) of (B, 3, 32, 32) images, whose
+    input has no sequence (`seq_len` 1). `--sequence-parallel off` failed with exit 2: "the plan's
+    field 'sequence_parallel' is true but the sequence of 1 token(s) does not divide by tp=2", from
+    the Megatron baseline (sequence parallel at any TP > 1) lowered beside the plan. Now off and auto
+    plan without it, the baseline too, and on is refused naming the 17 tokens."""
+    prepared = prepare(str(VIT), "train")
+    assert prepared.structure.seq_len == 1 and prepared.structure.stream_tokens() == [17]
+    cluster = load_cluster(str(FASTLINK))
+    for pinned in (False, None):
+        constraints = constraints_from(2, None, None, "none", sequence_parallel=pinned)
+        plan = make_plan(prepared, cluster, constraints, str(VIT))
+        assert plan.tp == 2 and not plan.sequence_parallel, pinned
+        assert plan.baseline is not None and plan.baseline_layout["sequence_parallel"] == "false"
+    with pytest.raises(InfeasibleError, match=r"sequence of 17 token\(s\) does not divide by 2"):
+        make_plan(
+            prepared, cluster, constraints_from(2, None, None, "none", sequence_parallel=True), str(VIT)
+        )
 
 
 def test_recompute_keys_are_the_cost_model_layer_classes_or_plan_wide():

@@ -310,6 +310,23 @@ class ModelStructure:
         """Distinct numbers of key/value heads (fewer than query heads under GQA), ascending."""
         return sorted({layer.attention.num_kv_heads for layer in self.layers if layer.attention is not None})
 
+    def stream_tokens(self, seq_len: int | None = None) -> list[int]:
+        """Distinct tokens per sequence of the layers' residual streams, ascending: the dim before the
+        features of each layer's input, (B, T, C) -> T; what sequence parallelism splits. It differs
+        from `seq_len` where the layers see another sequence than the inputs carry: a ViT's patches
+        and class token (17 tokens from (B, 3, 32, 32) images, `seq_len` 1). `seq_len`: the sequence
+        length of a workload priced at another length than captured; a stream as long as the captured
+        sequence is taken to be that long. [`seq_len`] without layers (or a stream of under 3 dims)."""
+        want = self.seq_len if seq_len is None else seq_len
+        found: set[int] = set()
+        for layer in self.layers:
+            cost = self.node_costs.get(layer.input_node)
+            if cost is None or len(cost.shape) < 3:
+                continue
+            tokens = cost.shape[-2]
+            found.add(want if tokens == self.seq_len else tokens)
+        return sorted(found) or [want]
+
     def kv_heads_unsplit_by(self, tp: int) -> list[int]:
         """The KV head counts (`kv_head_counts`) that ``tp`` ranks can neither split into whole heads
         nor replicate evenly (tp not a multiple of them, as vLLM replicates fewer KV heads than

@@ -165,7 +165,8 @@ def megatron_micro_batch_variants(
     replica = workload.batch_size // config.mesh.dp
     out = [config]
     if workload.train and num_layers and replica != config.micro_batches:
-        out.append(_expert_training(dataclasses.replace(config, micro_batches=replica), num_layers, workload))
+        smaller = _expert_training(dataclasses.replace(config, micro_batches=replica), num_layers, workload)
+        out.append(dataclasses.replace(smaller, sequence_parallel=config.sequence_parallel))
     return out
 
 
@@ -178,7 +179,8 @@ def megatron_configs(
     """The meshes a Megatron-LM user would try, in order: TP = devices per node (dividing the heads),
     PP = nodes (at most the layers), DP = 1; for training on several nodes, every divisor of the nodes
     as PP with DP over the rest, fewest stages first (the caller keeps the first that fits memory).
-    Training: sequence parallel (TP > 1), interleaved 1F1B (`megatron_virtual_stages`), distributed
+    Training: sequence parallel (TP > 1, where every layer's sequence divides by TP, as Megatron-LM
+    requires: not a ViT's 17 patch and class tokens at TP 2), interleaved 1F1B (`megatron_virtual_stages`), distributed
     optimizer (DP > 1). The expert's layout, whatever the user pins for the search.
     `max_devices`: the hand-written plan gets the same device cap as the search."""
     if max_devices is not None and max_devices < cluster.num_devices:
@@ -205,11 +207,17 @@ def megatron_configs(
             m = megatron_micro_batches(workload.batch_size // dp, pp, workload)
             configs.append(MeshConfig(MeshShape(tp, pp, dp), m))
     configs = [c for c in configs if workload.batch_size % (c.mesh.dp * c.micro_batches) == 0]
-    return [_expert_training(c, num_layers, workload) for c in configs]
+    tokens = structure.stream_tokens(workload.seq_len)
+    return [
+        _expert_training(c, num_layers, workload, all(t % c.mesh.tp == 0 for t in tokens)) for c in configs
+    ]
 
 
-def _expert_training(config: MeshConfig, num_layers: int, workload: WorkloadSpec) -> MeshConfig:
-    """`config` with what a Megatron-LM user turns on for training (module docstring)."""
+def _expert_training(
+    config: MeshConfig, num_layers: int, workload: WorkloadSpec, sequence_divides: bool = True
+) -> MeshConfig:
+    """`config` with what a Megatron-LM user turns on for training (module docstring); sequence
+    parallelism only where `sequence_divides` (every layer's sequence by TP)."""
     mesh, m = config.mesh, config.micro_batches
     if not workload.train:
         return dataclasses.replace(config, schedule=Schedule.ONE_F_ONE_B)
@@ -218,4 +226,5 @@ def _expert_training(config: MeshConfig, num_layers: int, workload: WorkloadSpec
         chosen = Schedule.INTERLEAVED_1F1B
     else:
         chosen = Schedule.ONE_F_ONE_B if m >= mesh.pp else Schedule.GPIPE
-    return MeshConfig(mesh, m, chosen, v, sequence_parallel=mesh.tp > 1, distributed_optimizer=mesh.dp > 1)
+    sp = mesh.tp > 1 and sequence_divides
+    return MeshConfig(mesh, m, chosen, v, sequence_parallel=sp, distributed_optimizer=mesh.dp > 1)

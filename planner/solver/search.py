@@ -374,13 +374,26 @@ def _sequence_parallel_options(search: _Search, tp: int) -> list[bool]:
     """Sequence parallelism off and on (training with tp > 1), or as pinned. Ladder residual and
     sequence parallelism exclude each other (`passes.lower.check_runnable`): with exactly the upper N
     layers laddered (`--ladder upper:N`) only off; with `auto` both, the on candidate solved without
-    ladder (`_ladder_of`).
+    ladder (`_ladder_of`). Never on where a layer's sequence does not divide by tp
+    (`ModelStructure.stream_tokens`: a ViT's 17 patches and class token at tp=2): each rank would hold
+    an unequal part, and the passes refuse the plan; pinned on, that tp is excluded and says why.
 
     Raises:
         InputError: sequence parallelism pinned on together with `--ladder upper:N`.
     """
     pinned = search.constraints.sequence_parallel
-    if tp == 1 or not search.workload.train:
+    if tp == 1 or not search.workload.train or pinned is False:
+        return [False]
+    uneven = [t for t in search.structure.stream_tokens(search.workload.seq_len) if t % tp]
+    if uneven:
+        if pinned:
+            reason = (
+                f"tp={tp}: --sequence-parallel on, and the layers' sequence of {uneven[0]} token(s) does "
+                f"not divide by {tp}"
+            )
+            if reason not in search.excluded:
+                search.excluded.append(reason)
+            return []
         return [False]
     if search.ladder.mode is LadderMode.UPPER:
         if pinned:
