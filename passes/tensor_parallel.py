@@ -53,9 +53,10 @@ import torch
 import torch.fx as fx
 
 from passes.checkpoint import SUFFIX, SafetensorsCheckpoint, checkpoint_files
+from passes.general_rules import general_rule
 from passes.placement import Placement, padded_size, shard_weight
-from passes.tp_rules import rule_for
-from passes.tp_rules_context import R, RuleContext, SplitLike, TensorParallelError
+from passes.tp_rules import RuleEntry, rule_for
+from passes.tp_rules_context import FALLBACK_META, R, RuleContext, SplitLike, TensorParallelError
 
 __all__ = [
     "SplitLike",
@@ -64,10 +65,12 @@ __all__ = [
     "load_sharded_weights",
     "padded_size",
     "read_local_shards",
+    "rule_coverage",
     "shard_weight",
 ]
 
 aten = torch.ops.aten
+RULE_META = "tp_rule"  # node.meta key: "general" | "own" | "replicated" (`rule_coverage`)
 
 
 def _propagate(ctx: RuleContext) -> None:
@@ -93,10 +96,37 @@ def _propagate(ctx: RuleContext) -> None:
             )
             if padded and not entry.padded_inputs:
                 ctx.run_replicated(node)  # a padded vocabulary shard is gathered (and unpadded) first
+                node.meta[RULE_META] = "replicated"
+            elif entry.general and general_rule(ctx, node):
+                node.meta[RULE_META] = "general"
             else:
                 entry.rule(ctx, node)
+                node.meta[RULE_META] = _kind_of(ctx, node, entry)
         else:
             ctx.run_replicated(node)
+
+
+def _kind_of(ctx: RuleContext, node: fx.Node, entry: RuleEntry) -> str:
+    """'own' when our rule placed a shard in or out of `node`, else 'replicated' (`RULE_META`)."""
+    if entry.rule is RuleContext.run_replicated or FALLBACK_META in node.meta:
+        return "replicated"
+    outs = ctx.place.get(node, R)
+    outs = outs if isinstance(outs, list) else [outs]
+    ins = [ctx.place.get(a, R) for a in node.all_input_nodes]
+    return "own" if any(isinstance(p, Placement) and not p.is_replicate for p in outs + ins) else "replicated"
+
+
+def rule_coverage(gm: fx.GraphModule) -> dict[str, int]:
+    """How the TP pass placed the calls of the captured graph: {'general': placed by DTensor's sharding
+    semantics (`passes.general_rules`), 'own': by a rule of ours (`passes.tp_rules`), 'replicated': run
+    whole on replicated inputs (a gathered one has a `tp_fallback`)}. Nodes the pass inserted
+    (collectives, slices) are not counted."""
+    counts = {"general": 0, "own": 0, "replicated": 0}
+    for node in gm.graph.nodes:
+        kind = node.meta.get(RULE_META)
+        if kind in counts:
+            counts[kind] += 1
+    return counts
 
 
 def apply_tensor_parallel(

@@ -34,10 +34,14 @@ Rule = Callable[[RuleContext, fx.Node], None]
 
 @dataclass(frozen=True)
 class RuleEntry:
-    """A registered rule; `padded_inputs`: it takes a padded vocabulary shard as it is."""
+    """A registered rule; `padded_inputs`: it takes a padded vocabulary shard as it is. `general`: on
+    plain placements (`passes.general_rules.is_plain`) DTensor's sharding semantics decide first
+    (`passes.general_rules.general_rule`) and this rule is only for the layouts they have no word
+    for (a fused projection's parts, K/V pieces) or what they leave replicated."""
 
     rule: Rule
     padded_inputs: bool = False
+    general: bool = False
 
 
 class RuleTable:
@@ -46,7 +50,9 @@ class RuleTable:
     def __init__(self) -> None:
         self._entries: dict[object, RuleEntry] = {}
 
-    def register(self, *ops: object, padded_inputs: bool = False) -> Callable[[Rule], Rule]:
+    def register(
+        self, *ops: object, padded_inputs: bool = False, general: bool = False
+    ) -> Callable[[Rule], Rule]:
         """Decorator: `rule` handles every op in `ops`. Raises ValueError when an op already has a rule
         (also an overload whose packet has one, or a packet one of whose overloads has one)."""
         if not ops:
@@ -61,7 +67,7 @@ class RuleTable:
                         f"{self._entries[clash].rule.__name__}); not registering {rule.__name__}"
                     )
             for op in ops:
-                self._entries[op] = RuleEntry(rule, padded_inputs)
+                self._entries[op] = RuleEntry(rule, padded_inputs, general)
             return rule
 
         return add
@@ -362,7 +368,7 @@ def rule_cache_update(ctx: RuleContext, node: fx.Node) -> None:
 
 
 # ---------------------------------------------------------------- reshapes and layout ops
-@register_rule(aten.view, aten.reshape, aten._unsafe_view)
+@register_rule(aten.view, aten.reshape, aten._unsafe_view, general=True)
 def rule_view(ctx: RuleContext, node: fx.Node) -> None:
     """Reshape of a shard: the shard moves to the output dim `view_shard_dim` finds; literal sizes /tp."""
     x = node.args[0]
@@ -420,7 +426,7 @@ def _move_shard(ctx: RuleContext, node: fx.Node, new_dim: Callable[[Placement, i
     ctx.check(node)
 
 
-@register_rule(aten.transpose)
+@register_rule(aten.transpose, general=True)
 def rule_transpose(ctx: RuleContext, node: fx.Node) -> None:
     """Transpose of a shard: the shard follows its dim through the swap."""
 
@@ -431,19 +437,19 @@ def rule_transpose(ctx: RuleContext, node: fx.Node) -> None:
     _move_shard(ctx, node, new)
 
 
-@register_rule(aten.t)
+@register_rule(aten.t, general=True)
 def rule_t(ctx: RuleContext, node: fx.Node) -> None:
     """2-D transpose of a shard: S(d) -> S(1 - d)."""
     _move_shard(ctx, node, lambda p, nd: 1 - p.dim)
 
 
-@register_rule(aten.permute)
+@register_rule(aten.permute, general=True)
 def rule_permute(ctx: RuleContext, node: fx.Node) -> None:
     """Permute of a shard: the shard goes where the permutation puts its dim."""
     _move_shard(ctx, node, lambda p, nd: [int(v) % nd for v in node.args[1]].index(p.dim))
 
 
-@register_rule(aten.unsqueeze)
+@register_rule(aten.unsqueeze, general=True)
 def rule_unsqueeze(ctx: RuleContext, node: fx.Node) -> None:
     """Unsqueeze of a shard: the shard dim moves up by one when the new dim is at or before it."""
 
@@ -454,7 +460,7 @@ def rule_unsqueeze(ctx: RuleContext, node: fx.Node) -> None:
     _move_shard(ctx, node, new)
 
 
-@register_rule(aten.expand)
+@register_rule(aten.expand, general=True)
 def rule_expand(ctx: RuleContext, node: fx.Node) -> None:
     """Expand of a shard: keeps the shard (offset by new leading dims); its literal size becomes /tp."""
     x = node.args[0]
@@ -482,23 +488,60 @@ def rule_expand(ctx: RuleContext, node: fx.Node) -> None:
     ctx.check(node)
 
 
-@register_rule(aten.slice, aten.select, aten.narrow)
+@register_rule(aten.slice, aten.select, aten.narrow, general=True)
 def rule_slice(ctx: RuleContext, node: fx.Node) -> None:
-    """Slice / select / narrow of a shard along another dim keeps it (select drops a dim); along it: error."""
+    """Slice / select / narrow of a shard: along another dim it keeps it; along it see `_slice_parts`."""
+    # Along the sharded dim: a slice of a fused projection's output that takes whole parts (Phi-3's
+    # `qkv[..., :query_pos]`) is cut per part on each rank; any other cut gathers (a recorded fallback).
     x = node.args[0]
-    seq = ctx.sequence_shard_dim(x)
-    if seq is not None and seq == int(node.args[1]) % len(ctx.gshape(x)):
-        ctx.run_replicated(node)  # a sequence shard (sequence parallelism) cut along T: gathered first
+    p = ctx.shard_of(x)
+    nd = len(ctx.gshape(x))
+    dim = int(node.args[1]) % nd
+    if p is None or (p.dim == dim and not p.parts) or p.size:
+        ctx.run_replicated(node)  # replicated, or a cut across the ranks' shards: gathered first
+        return
+    if p.dim == dim:
+        _slice_parts(ctx, node, p)
         return
 
     def new(p: Placement, nd: int) -> int:
-        dim = int(node.args[1]) % nd
-        if dim == p.dim:
-            raise ctx.fail(node, f"slicing along the sharded dim {p.dim}")
         selecting = getattr(node.target, "overloadpacket", None) is aten.select
         return p.dim - 1 if (selecting and dim < p.dim) else p.dim
 
     _move_shard(ctx, node, new)
+
+
+def _slice_parts(ctx: RuleContext, node: fx.Node, p: Placement) -> None:
+    """A step-1 slice / narrow of a fused projection's output along its parts' dim that starts and
+    ends on part boundaries: each rank takes the same parts of its local [part_0 / tp | part_1 / tp |
+    ...]. Raises TensorParallelError for any other cut (it would mix the parts of different ranks)."""
+    op = getattr(node.target, "overloadpacket", None)
+    size = ctx.gshape(node.args[0])[p.dim]
+    if op is aten.slice:
+        start, end, step = (list(node.args[2:]) + [None, None, 1][len(node.args) - 2 :])[:3]
+        start, end = start or 0, size if end is None else end
+    elif op is aten.narrow:
+        start, end, step = node.args[2], node.args[2] + node.args[3], 1
+    else:
+        start, end, step = None, None, None
+    start = start + size if isinstance(start, int) and start < 0 else start
+    end = min(end + size if isinstance(end, int) and end < 0 else end, size) if isinstance(end, int) else end
+    bounds = [0]
+    for part in p.parts:
+        bounds.append(bounds[-1] + part)
+    if step != 1 or start not in bounds or end not in bounds or start >= end:
+        raise ctx.fail(
+            node,
+            f"cuts along the sharded dim {p.dim} of a fused projection with parts {list(p.parts)} "
+            "elsewhere than at the parts' boundaries",
+        )
+    first, last = bounds.index(start), bounds.index(end)
+    taken = p.parts[first:last]
+    lo, hi = bounds[first] // ctx.tp, bounds[last] // ctx.tp
+    node.target = aten.slice.Tensor
+    node.args, node.kwargs = (node.args[0], p.dim, lo, hi, 1), {}
+    ctx.set_meta(node, Placement.shard(p.dim, tuple(taken) if len(taken) > 1 else None))
+    ctx.check(node)
 
 
 def _pieces_along_shard(ctx: RuleContext, node: fx.Node, p: Placement, sizes: list[int]) -> list[int]:
@@ -530,7 +573,7 @@ def _split_dim(ctx: RuleContext, node: fx.Node, default: int = 0) -> int:
     return int(raw) % len(ctx.gshape(x))
 
 
-@register_rule(aten.split, aten.split_with_sizes)
+@register_rule(aten.split, aten.split_with_sizes, general=True)
 def rule_split(ctx: RuleContext, node: fx.Node) -> None:
     """Split of a shard: along another dim every piece keeps it; along it only a fused projection's parts."""
     x, size = node.args[0], node.args[1]
@@ -553,7 +596,7 @@ def rule_split(ctx: RuleContext, node: fx.Node) -> None:
     ctx.set_tuple(node, [Placement.shard(dim)] * len(sizes), f"[{Placement.shard(dim)}] * {len(sizes)}")
 
 
-@register_rule(aten.chunk)
+@register_rule(aten.chunk, general=True)
 def rule_chunk(ctx: RuleContext, node: fx.Node) -> None:
     """Chunk of a shard: along another dim every chunk keeps it; along it only a fused projection's parts."""
     x, chunks = node.args[0], int(node.args[1])
@@ -574,7 +617,7 @@ def rule_chunk(ctx: RuleContext, node: fx.Node) -> None:
     ctx.set_tuple(node, [Placement.shard(dim)] * len(sizes), f"[{Placement.shard(dim)}] * {len(sizes)}")
 
 
-@register_rule(aten.unbind)
+@register_rule(aten.unbind, general=True)
 def rule_unbind(ctx: RuleContext, node: fx.Node) -> None:
     """Unbind of a shard along another dim: every slice keeps the shard (dim renumbered); along it: error."""
     x = node.args[0]
@@ -597,7 +640,7 @@ def rule_getitem(ctx: RuleContext, node: fx.Node) -> None:
     ctx.set_meta(node, p[idx] if isinstance(p, list) else R)
 
 
-@register_rule(aten.repeat_interleave)
+@register_rule(aten.repeat_interleave, general=True)
 def rule_repeat_interleave(ctx: RuleContext, node: fx.Node) -> None:
     """GQA K/V repeat with an int count on a head shard: each rank repeats its own heads, shard kept."""
     # KV heads held as pieces (fewer KV heads than tp): the rank's one piece is repeated for the query
@@ -620,7 +663,7 @@ def rule_repeat_interleave(ctx: RuleContext, node: fx.Node) -> None:
     _move_shard(ctx, node, lambda p, nd: p.dim)
 
 
-@register_rule(aten.cat)
+@register_rule(aten.cat, general=True)
 def rule_cat(ctx: RuleContext, node: fx.Node) -> None:
     """Concatenation of equal shards along another dim keeps the shard; anything else is replicated."""
     tensors, dim = node.args[0], (node.args[1] if len(node.args) > 1 else 0)
@@ -643,6 +686,7 @@ def rule_cat(ctx: RuleContext, node: fx.Node) -> None:
     aten.to,
     aten.lift_fresh_copy,
     aten.type_as,
+    general=True,
 )
 def rule_same(ctx: RuleContext, node: fx.Node) -> None:
     """Copy, cast or alias of a shard: the output keeps the input's shard."""
@@ -707,7 +751,7 @@ def _reduce(ctx: RuleContext, node: fx.Node, dims_keep: Callable[[int], tuple[li
     ctx.check(node)
 
 
-@register_rule(aten.mean, aten.sum, aten.amax, aten.amin, aten.var, aten.std)
+@register_rule(aten.mean, aten.sum, aten.amax, aten.amin, aten.var, aten.std, general=True)
 def rule_reduce_dims(ctx: RuleContext, node: fx.Node) -> None:
     """Reduction over non-sharded dims keeps the shard (dim renumbered without keepdim); else replicated."""
 
@@ -724,13 +768,13 @@ def rule_reduce_dims(ctx: RuleContext, node: fx.Node) -> None:
     _reduce(ctx, node, dims_keep)
 
 
-@register_rule(aten._softmax, aten.softmax, aten._log_softmax, aten.log_softmax)
+@register_rule(aten._softmax, aten.softmax, aten._log_softmax, aten.log_softmax, general=True)
 def rule_softmax(ctx: RuleContext, node: fx.Node) -> None:
     """Softmax on a non-sharded dim keeps the shard; on the sharded dim the input is gathered."""
     _reduce(ctx, node, lambda nd: ([int(node.args[1]) % nd], True))
 
 
-@register_rule(aten.layer_norm, *([aten.rms_norm] if hasattr(aten, "rms_norm") else []))
+@register_rule(aten.layer_norm, *([aten.rms_norm] if hasattr(aten, "rms_norm") else []), general=True)
 def rule_norm(ctx: RuleContext, node: fx.Node) -> None:
     """Layer / RMS norm over trailing non-sharded dims keeps the shard; over the shard: gathered."""
     _reduce(ctx, node, lambda nd: (list(range(nd - len(node.args[1]), nd)), True))
@@ -743,7 +787,8 @@ def rule_norm(ctx: RuleContext, node: fx.Node) -> None:
         aten.tanh, aten.sigmoid, aten.relu, aten.gelu, aten.silu, aten.cos, aten.sin, aten.where,
         aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge, aten.bitwise_and, aten.bitwise_or,
         aten.logical_not,
-    )
+    ),
+    general=True,
 )  # fmt: skip
 def rule_pointwise(ctx: RuleContext, node: fx.Node) -> None:
     """Elementwise op with one shard dim among its inputs: S out; replicated operands sliced (broadcast)."""
@@ -774,18 +819,8 @@ def rule_pointwise(ctx: RuleContext, node: fx.Node) -> None:
     ctx.check(node)
 
 
-# ---------------------------------------------------------------- replicated on purpose
-@register_rule(
-    aten.arange, aten.new_ones, aten.new_zeros, aten.zeros, aten.ones, aten.full, aten.empty,
-    aten.__and__, aten.__or__, aten.cumsum, aten.diff, aten.index, aten.triu, aten.tril,
-)  # fmt: skip
-def rule_replicated(ctx: RuleContext, node: fx.Node) -> None:
-    """Factories, mask logic, scans and indexing (positions, causal masks): replicated, inputs gathered."""
-    ctx.run_replicated(node)
-
-
-_POINTWISE = RuleEntry(rule_pointwise)
-_REPLICATED = RuleEntry(RuleContext.run_replicated)
+_POINTWISE = RuleEntry(rule_pointwise, general=True)
+_REPLICATED = RuleEntry(RuleContext.run_replicated, general=True)
 
 
 def rule_for(target: object) -> RuleEntry:

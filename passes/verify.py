@@ -41,6 +41,7 @@ from passes.ladder import LadderError
 from passes.lower import lower_for_rank
 from passes.pipeline import PipelineSplitError
 from passes.recompute import recompute_of_layers
+from passes.tensor_parallel import rule_coverage
 from passes.tp_rules_context import FALLBACK_META, TensorParallelError
 from passes.tp_rules_context import Fallback as PassFallback
 from planner.errors import InfeasibleError
@@ -73,10 +74,13 @@ def verify_plan(gm: fx.GraphModule, structure: ModelStructure, plan: Plan, clust
     # recompute moves a layer's nodes into checkpointed submodules and adds no fallback: the TP
     # fallbacks are looked for in the graph lowered without it
     found: dict[str, tuple[PassFallback, int, NodeCost | None]] = {}
+    coverage: dict[str, int] = {}
     for job in _lowerings(gm, structure, dataclasses.replace(plan, recompute={})):
         for rank in job.ranks:
             lowered = copy.deepcopy(gm)
             _lower(lowered, job.structure, job.plan, rank)
+            if rank == 0 and job.index == 0 and plan.tp > 1:
+                coverage = rule_coverage(lowered)
             for node in lowered.graph.nodes:
                 fb = node.meta.get(FALLBACK_META)
                 if fb is None or _planned(fb, node, structure, plan):
@@ -89,7 +93,7 @@ def verify_plan(gm: fx.GraphModule, structure: ModelStructure, plan: Plan, clust
                 found.setdefault(key, (fb, job.template_count if in_template else 1, cost))
     dtype = structure.dtype
     fallbacks = [_price(fb, count, plan, cluster, cost, dtype) for fb, count, cost in found.values()]
-    return _with_fallbacks(plan, fallbacks)
+    return dataclasses.replace(_with_fallbacks(plan, fallbacks), op_placement=coverage)
 
 
 def _lower(gm: fx.GraphModule, structure: ModelStructure, plan: Plan, rank: int) -> None:
@@ -189,6 +193,8 @@ def _planned(fb: PassFallback, node: fx.Node, structure: ModelStructure, plan: P
         )
         if block in ("core", "attention"):
             return strategy.get("core") == "replicate"
+        if block in ("cross_core", "cross"):  # a decoder's cross-attention (`Layer.cross_attention`)
+            return strategy.get("cross.core") == "replicate"
         if block == "mlp":
             acts = [v for k, v in strategy.items() if k.startswith("act")]
             return bool(acts) and all(v == "replicate" for v in acts)

@@ -370,6 +370,10 @@ class Plan:
     # not a decision (not in the digest), read by exports to tell a stream-input projection from a
     # block-output one; empty in plans written before this field
     roles: dict[str, str] = field(default_factory=dict)
+    # how the TP pass placed the captured graph's ops on one rank (`passes.tensor_parallel.rule_coverage`):
+    # "general" (DTensor's sharding semantics), "own" (a rule of this project's), "replicated" (run
+    # whole; the gathered ones are `fallbacks`); empty for TP=1 plans and plans written before this field
+    op_placement: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.workload = _coerce(Workload, self.workload, "workload")

@@ -83,7 +83,7 @@ def test_unplanned_fallback_is_priced_and_named() -> None:
     The plan lists it (op, line, bytes) and its all-gather time is in the prediction."""
     prepared, plan = _plan(CUMSUM)
     assert [f.op for f in plan.fallbacks] == ["aten.cumsum", "aten.cumsum"]  # one per layer
-    assert all("mlp_cumsum_fallback.py:24 `h = torch.cumsum(h, dim=1)" in f.line for f in plan.fallbacks)
+    assert all("mlp_cumsum_fallback.py:24 `h = torch.cumsum(h, dim=-1)" in f.line for f in plan.fallbacks)
     # global activation (2 x 16 x 256 fp32) per layer, gathered once per forward
     assert all(f.bytes_gathered == 2 * 16 * 256 * 4 and f.comm_s > 0 for f in plan.fallbacks)
     # and in the memory: the gathered activation is whole where half was priced, one at a time in a forward

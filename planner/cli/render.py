@@ -370,6 +370,16 @@ def render_decisions(console: Console, plan: Plan) -> None:
         # plain text: labels such as "m=2 [interleaved_1f1b v=2]" are not rich markup
         table.add_row(*(escape(str(cell)) for cell in (d.subject, d.chosen, options, d.reason)))
     console.print(table)
+    c = plan.op_placement
+    if c:
+        gathered = dict.fromkeys(f"{f.op} at {f.line or f.node}" for f in plan.fallbacks)
+        console.print(
+            f"Op placement on one rank at TP={plan.tp}: {c.get('general', 0)} op(s) by general sharding rules "
+            f"(PyTorch DTensor's), {c.get('own', 0)} by the planner's own (matmuls, attention, caches, fused parts, "
+            f"RNG), {c.get('replicated', 0)} run replicated"
+            + (f", of which gathered: {'; '.join(gathered)}" if gathered else " (none gathers a shard)"),
+            highlight=False,
+        )
     added = sum(f.comm_s + f.compute_s for f in plan.fallbacks)
     if added:
         console.print(

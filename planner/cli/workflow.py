@@ -1387,6 +1387,7 @@ def report_dict(
             "num_variables": plan.solver.num_variables,
         },
         "excluded": list(plan.excluded),
+        "op_placement": dict(plan.op_placement),
         "fallbacks": [
             {
                 "op": f.op,

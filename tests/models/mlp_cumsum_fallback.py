@@ -1,8 +1,8 @@
-"""Test model: an MLP with a running mean over the sequence between its projections.
+"""Test model: an MLP with a running mean over its hidden features between its projections.
 
-`torch.cumsum` has no sharding rule in the TP pass, so with the up projection split column-wise and
-the down projection row-wise (what the planner prices as a sharded activation), the pass gathers the
-activation, runs the cumsum replicated and slices it again: an all-gather the ILP did not price.
+A cumsum along the dim a column-parallel projection shards cannot run on the shards (one along the
+sequence could), so with the up projection split column-wise and the down projection row-wise, the
+pass gathers the activation, runs the cumsum replicated and slices it again: an all-gather the ILP did not price.
 The planner must find it by lowering the plan and price it, naming the line below.
 """
 
@@ -21,7 +21,7 @@ class Mlp(nn.Module):
 
     def forward(self, x):
         h = F.gelu(self.up(x))
-        h = torch.cumsum(h, dim=1) / x.shape[1]  # running mean over the sequence
+        h = torch.cumsum(h, dim=-1) / h.shape[-1]  # running mean over the hidden features
         return self.down(h)
 
 
