@@ -399,3 +399,50 @@ def test_an_all_replicated_tp_plan_says_why(model: str, why: str) -> None:
     render_plan(Console(file=out, width=400), plan)
     note = next(line for line in out.getvalue().splitlines() if line.startswith("note: TP=2"))
     assert why in note
+
+
+def test_the_baseline_line_says_when_the_experts_layout_does_not_fit_memory() -> None:
+    """The default output's baseline line says when the hand-written Megatron layout exceeds the
+    device's memory, with the bytes, also when notes follow the memory part of its decision (the
+    line quoted the reason's last part, a note on the baseline's gathers, and said so only in --why).
+    gpt2_tiny (4 heads) on 8 devices of 126 KiB: the expert's TP=4 on 4 devices needs 180 KiB per
+    rank; the plan uses all 8."""
+    import dataclasses  # noqa: PLC0415
+    import io  # noqa: PLC0415
+    import re  # noqa: PLC0415
+
+    from rich.console import Console  # noqa: PLC0415
+
+    from costmodels.cluster import SpecWarning, parse_cluster  # noqa: PLC0415
+    from planner.cli import workflow  # noqa: PLC0415
+    from planner.cli.render import render_plan  # noqa: PLC0415
+
+    spec = yaml.safe_load(Path("tests/models/fastlink.yaml").read_text())
+    spec["devices_per_node"] = 8
+    spec["device"]["memory_GiB"] = 0.00012
+    with pytest.warns(SpecWarning, match="memory_GiB"):  # tiny, as wanted
+        cluster = parse_cluster(spec, "tiny-memory")
+    model = "examples/gpt2_tiny.py"
+    plan = workflow.make_plan(
+        workflow.prepare(model), cluster, workflow.constraints_from(None, None, None, "none"), model
+    )
+    assert (
+        plan.baseline.peak_memory_bytes
+        > 0.9 * cluster.device.memory_bytes
+        >= plan.predicted.peak_memory_bytes
+    )
+
+    def baseline_line(p: Plan) -> str:
+        out = io.StringIO()
+        render_plan(Console(file=out, width=400), p)
+        return next(line for line in out.getvalue().splitlines() if line.startswith("Hand-written Megatron"))
+
+    said = r"does not fit: needs 1\d\d KiB per rank, over the 113 KiB usable of the device's 126 KiB"
+    assert re.search(said, baseline_line(plan)) and "its speed" not in baseline_line(plan)
+    noted = [
+        dataclasses.replace(d, reason=f"{d.reason}; priced with the 2 all-gather(s) the TP pass adds to it")
+        if d.subject == "megatron-baseline"
+        else d
+        for d in plan.decisions
+    ]
+    assert re.search(said, baseline_line(dataclasses.replace(plan, decisions=noted)))

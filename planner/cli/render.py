@@ -221,13 +221,16 @@ def render_plan(console: Console, plan: Plan) -> None:
             if d
             else "TP in the node"
         )
-        fits = d is None or "does not fit" not in d.reason
+        # the decision's memory part (`explain.memory_fit_text`), wherever notes follow it
+        unfit = next(
+            (part for part in (d.reason.split("; ") if d else []) if part.startswith("does not fit")), ""
+        )
         console.print(
             f"Hand-written Megatron plan ({escape(layout)}): {fmt_s(b.latency_s)}, {fmt_bytes(b.peak_memory_bytes)}/rank"
             + (
                 f" -> this plan is [bold]{b.latency_s / p.latency_s:.2f}×[/bold] its speed"
-                if fits
-                else f" - [yellow]{escape(d.reason.split('; ')[-1])}[/yellow]"
+                if not unfit
+                else f" - [yellow]{escape(unfit)}[/yellow]"
             )
             + (
                 " (the expert's own layout for this cluster and batch, not the mesh of this plan)"

@@ -48,6 +48,7 @@ from planner.plan import (
     check_new_tokens,
 )
 from planner.progress import Progress, silent
+from planner.solver.explain import memory_fit_text, with_memory_fit
 from planner.solver.problem import Constraints, LadderPolicy, WorkloadSpec
 from planner.solver.search import megatron_plan, plan_model
 from planner.solver.serving import kv_fallbacks, plan_prediction, predict_with_plan, price_request
@@ -683,9 +684,13 @@ def _lower_baseline(
     if plan.baseline is None or prepared.graph is None:
         return plan
     expert = megatron_plan(structure, cluster, prepared.workload, constraints, model_name=str(model_path))
-    plan = replace(
-        plan,
-        baseline=_with_prefill_memory(plan.baseline, expert, prepared.prefill, cluster, prepared.request),
+    plan = _baseline_fit(
+        replace(
+            plan,
+            baseline=_with_prefill_memory(plan.baseline, expert, prepared.prefill, cluster, prepared.request),
+        ),
+        cluster,
+        constraints,
     )
     if expert is None or expert.tp == 1:  # no TP pass, nothing to gather
         return plan
@@ -707,11 +712,27 @@ def _lower_baseline(
             f"priced with the {len(expert.fallbacks)} all-gather(s) the TP pass adds to it "
             f"({sum(f.comm_s + f.compute_s for f in expert.fallbacks) * 1e3:.3g} ms with the ops run whole: {ops})"
         )
-    return replace(
+    plan = replace(
         plan,
         baseline=_with_prefill_memory(expert.predicted, expert, prepared.prefill, cluster, prepared.request),
         decisions=_baseline_note(plan.decisions, expert.predicted.latency_s, note),
     )
+    return _baseline_fit(plan, cluster, constraints)  # its gathers' memory counted
+
+
+def _baseline_fit(plan: Plan, cluster: ClusterSpec, constraints: Constraints) -> Plan:
+    """`plan` with its "megatron-baseline" decision saying whether `Plan.baseline`'s peak memory, as
+    priced now (a served request's prefill, the gathers the TP pass adds), fits the device
+    (`explain.memory_fit_text`: the report's baseline line quotes it)."""
+    if plan.baseline is None:
+        return plan
+    cap = cluster.device.memory_bytes * constraints.memory_fraction
+    fit = memory_fit_text(plan.baseline.peak_memory_bytes, cap, cluster.device.memory_bytes)
+    decisions = [
+        replace(d, reason=with_memory_fit(d.reason, fit)) if d.subject == "megatron-baseline" else d
+        for d in plan.decisions
+    ]
+    return replace(plan, decisions=decisions)
 
 
 def _baseline_note(decisions: list[Decision], latency_s: float | None, note: str) -> list[Decision]:
@@ -802,11 +823,7 @@ def _rebaselined(
     if plan.serving is not None:
         b = _with_prefill_memory(b, expert, prepared.prefill, cluster, prepared.request)
     cap = cluster.device.memory_bytes * Constraints.memory_fraction
-    fits = (
-        "fits memory"
-        if b.peak_memory_bytes <= cap
-        else f"does not fit: {b.peak_memory_bytes / 2**30:.1f} GiB/rank"
-    )
+    fits = memory_fit_text(b.peak_memory_bytes, cap, cluster.device.memory_bytes)
     decision = Decision(
         "megatron-baseline",
         expert.mesh.label(),

@@ -171,6 +171,37 @@ def ladder_decision(
     return [Decision("ladder", label, options, reason)]
 
 
+def bytes_text(nbytes: float) -> str:
+    """Bytes in the largest binary unit they fill (GiB, MiB, else KiB), 3 significant digits."""
+    for unit, size in (("GiB", 2.0**30), ("MiB", 2.0**20)):
+        if nbytes >= size:
+            return f"{nbytes / size:.3g} {unit}"
+    return f"{nbytes / 2.0**10:.3g} KiB"
+
+
+def memory_fit_text(peak_bytes: float, cap_bytes: float, device_bytes: float) -> str:
+    """The memory part of the "megatron-baseline" decision's reason: "fits memory", or "does not
+    fit: needs X per rank, over the Y usable of the device's Z" (the report's baseline line quotes
+    it, `planner.cli.render.render_plan`)."""
+    if peak_bytes <= cap_bytes:
+        return "fits memory"
+    return (
+        f"does not fit: needs {bytes_text(peak_bytes)} per rank, over the {bytes_text(cap_bytes)} usable "
+        f"of the device's {bytes_text(device_bytes)}"
+    )
+
+
+def with_memory_fit(reason: str, fit: str) -> str:
+    """`reason` with its memory part ("fits memory" / "does not fit: ...", `memory_fit_text`) replaced
+    by `fit`, or `fit` appended when it has none."""
+    parts = reason.split("; ")
+    at = [i for i, part in enumerate(parts) if part == "fits memory" or part.startswith("does not fit")]
+    if not at:
+        return f"{reason}; {fit}" if reason else fit
+    parts[at[0]] = fit
+    return "; ".join(parts)
+
+
 def op_exclusions(graphs: dict[str, LayerGraph], ends: LayerGraph) -> list[str]:
     """ "op option: why" for every option an op does not offer (divisibility), graph by graph."""
     out = []

@@ -68,6 +68,7 @@ from planner.solver.costing import (
 from planner.solver.explain import (
     block_table,
     ladder_decision,
+    memory_fit_text,
     mesh_decision,
     op_exclusions,
     strategy_decisions,
@@ -885,7 +886,6 @@ def _baseline_decision(search: _Search, baseline: PricedAssignment | None) -> li
     if baseline is None:
         return []
     b, config = baseline.prediction, baseline.tables.ctx.config
-    fits = b.peak_memory_bytes <= search.cap_bytes
     extras = ""
     if search.workload.train:
         recompute = sorted({str(r) for r in baseline.assignment.recompute.values()}) or ["none"]
@@ -896,10 +896,9 @@ def _baseline_decision(search: _Search, baseline: PricedAssignment | None) -> li
             + f", distributed optimizer {'on' if config.distributed_optimizer else 'off'}"
         )
     mbs = f"{config.micro_batches} micro-batch" + ("es" if config.micro_batches > 1 else "")
-    reason = f"hand-written Megatron layout ({mbs}{extras}); " + (
-        "fits memory"
-        if fits
-        else f"does not fit: {b.peak_memory_bytes / _GIB:.1f} GiB/rank > {search.cap_bytes / _GIB:.1f} GiB usable"
+    device = search.cluster.device.memory_bytes
+    reason = f"hand-written Megatron layout ({mbs}{extras}); " + memory_fit_text(
+        b.peak_memory_bytes, search.cap_bytes, device
     )
     return [Decision("megatron-baseline", config.mesh.label(), {"latency": b.latency_s}, reason)]
 
