@@ -93,7 +93,8 @@ def verify_plan(gm: fx.GraphModule, structure: ModelStructure, plan: Plan, clust
                 found.setdefault(key, (fb, job.template_count if in_template else 1, cost))
     dtype = structure.dtype
     fallbacks = [_price(fb, count, plan, cluster, cost, dtype) for fb, count, cost in found.values()]
-    return dataclasses.replace(_with_fallbacks(plan, fallbacks), op_placement=coverage)
+    out = _with_fallbacks(plan, fallbacks)
+    return out if out.op_placement == coverage else dataclasses.replace(out, op_placement=coverage)
 
 
 def _lower(gm: fx.GraphModule, structure: ModelStructure, plan: Plan, rank: int) -> None:
