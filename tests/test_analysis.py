@@ -233,3 +233,54 @@ def test_layer_classes_do_not_depend_on_the_dtype(example_path):
         model = mf.build().to(dtype)
         keys.append([layer_key(layer) for layer in analyse(capture(model, *mf.inputs())).layers])
     assert keys[0] == keys[1] and all(";n" in k for k in keys[0])
+
+
+def test_an_encoder_decoder_has_both_stacks_and_cross_attention_roles():
+    """T5 (tests/models/tiny_t5.py: 2 encoder and 2 decoder blocks) was traced as "2 layers": the
+    decoder's stack only (the encoder's projections fell to the ends), its cross-attention's q/k/v/o
+    labelled fc and the o split column-wise. Both stacks are layers now, in graph order; each has a
+    self-attention with q/k/v/o, each decoder block a cross-attention whose k / v read the encoder's
+    output (the encoder's last value, a side input of the decoder blocks); a TP=2 plan splits every
+    o row-wise."""
+    from pathlib import Path
+
+    from costmodels.cluster import load_cluster
+    from planner.cli.workflow import constraints_from, make_plan, prepare
+    from planner.plan import SplitStyle
+
+    path = Path(__file__).parent / "models" / "tiny_t5.py"
+    prepared = prepare(str(path), "forward")
+    s = prepared.structure
+    assert [layer.module_path for layer in s.layers] == [
+        "encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1",
+    ]  # fmt: skip
+    qkvo = [Role.Q, Role.K, Role.V, Role.O]
+    for layer in s.layers:
+        assert [p.role for p in layer.attention.projections] == qkvo
+        assert [p.role for p in layer.mlp.projections] == [Role.UP, Role.DOWN]
+        assert layer.attention.residual_add and layer.mlp.residual_add
+        cross = layer.cross_attention
+        assert (cross is not None) is layer.module_path.startswith("decoder")
+        if cross is not None:
+            assert [p.role for p in cross.projections] == qkvo
+            assert all(".EncDecAttention." in p.weight for p in cross.projections)
+            assert (cross.num_heads, cross.head_dim) == (4, 16) and cross.residual_add
+            assert layer.node_blocks[cross.sdpa_node] == "cross_core"
+            # k and v read the encoder's output: a value from outside the layer that depends on the stream
+            nodes = {n.name: n for n in prepared.graph.graph.nodes}
+            for p in cross.projections[1:3]:
+                source = nodes[p.node].args[0]
+                assert source.name not in layer.nodes and source.name in layer.cross_inputs
+    plan = make_plan(
+        prepared,
+        load_cluster(str(path.parent / "fastlink.yaml")),
+        constraints_from(2, 1, 1, "none"),
+        str(path),
+    )
+    outputs = [p.weight for layer in s.layers for b in (layer.attention, layer.cross_attention) if b
+               for p in b.projections if p.role is Role.O]  # fmt: skip
+    assert len(outputs) == 6
+    assert all(plan.splits[w].style is SplitStyle.ROWWISE for w in outputs)
+    assert plan.roles[outputs[-1]] == "o"
+    embeddings = {plan.splits[e.weight].style for e in s.embeddings if e.weight == s.lm_head.weight}
+    assert len(embeddings) == 1  # the encoder's and the decoder's lookups of the shared table split alike

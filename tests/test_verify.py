@@ -269,3 +269,26 @@ def test_a_hand_written_attention_core_is_planned_again_replicated() -> None:
         and "manual_attention.py:26 `s = (q @ k.transpose" in expert.reason
     )
     assert expert.options["latency"] == plan.baseline.latency_s
+
+
+def test_the_replicated_core_exclusion_names_the_ops_and_lines_that_gathered(tmp_path: Path) -> None:
+    """When the plan with the hand-written core replicated wins (a spec where q, k and v's gathers
+    cost more than splitting the attention saves: fastlink's with 100x its matmul rate and 300 us per
+    collective), its "excluded: core head" line names the ops the TP pass gathered at and the model's
+    lines; it said only "an op inside this attention has no head-parallel rule"."""
+    import yaml  # noqa: PLC0415
+
+    spec = yaml.safe_load(Path(FASTLINK).read_text())
+    spec["device"]["peak_TFLOPS"] = dict.fromkeys(spec["device"]["peak_TFLOPS"], 0.01)
+    spec["links"]["intra_node"]["latency_us"] = 300
+    path = tmp_path / "slow-collectives.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    r = planner("optimize", str(MODELS / "manual_attention.py"), "--cluster", str(path), "--tp", "2")
+    assert r.returncode == 0, r.stderr
+    said = " ".join((r.stdout + r.stderr).split())  # rich wraps long lines
+    assert (
+        "excluded: core head: aten.matmul at manual_attention.py:26 `s = (q @ k.transpose(-1, -2)) / "
+        "math.sqrt(HD)`; aten.matmul at manual_attention.py:29 `return self.o((p @ v).transpose(1, 2)"
+        ".reshape(b, t, C))` have no head-parallel rule: the TP pass gathers there"
+    ) in said
+    assert "an op inside this attention" not in said

@@ -601,6 +601,9 @@ def make_plan(
     return plan
 
 
+ATTENTION_BLOCKS = frozenset({"core", "attention", "cross_core", "cross"})  # `Layer.node_blocks` of attention
+
+
 def _replan_around_unshardable_gaps(
     prepared: Prepared,
     plan: Plan,
@@ -632,12 +635,16 @@ def _replan_around_unshardable_gaps(
         gaps = {i for i, gap in structure.chain_gaps.items() if nodes & gap}
         classes: set[str] = set()  # layer classes whose MLP activation the pass gathered in
         cores: set[str] = set()  # ... whose attention core it gathered in
+        gathered: dict[str, dict[str, None]] = {}  # ... and there, "op at line" (the exclusion names them)
         for layer in structure.layers:
             blocks = {layer.node_blocks.get(n) for n in nodes}
             if "mlp" in blocks:
                 classes.add(layer_key(layer))
-            if blocks & {"core", "attention"}:
+            if blocks & ATTENTION_BLOCKS:
                 cores.add(layer_key(layer))
+                for f in plan.fallbacks:
+                    if layer.node_blocks.get(f.node) in ATTENTION_BLOCKS:
+                        gathered.setdefault(layer_key(layer), {})[f"{f.op} at {f.line or f.node}"] = None
         if (
             gaps <= structure.replicated_chain_gaps
             and classes <= structure.replicated_mlp_classes
@@ -649,6 +656,10 @@ def _replan_around_unshardable_gaps(
             replicated_chain_gaps=structure.replicated_chain_gaps | gaps,
             replicated_mlp_classes=structure.replicated_mlp_classes | classes,
             replicated_attention_classes=structure.replicated_attention_classes | cores,
+            replicated_attention_reasons={
+                **{key: "; ".join(found) for key, found in gathered.items()},
+                **structure.replicated_attention_reasons,
+            },
         )
         progress(
             "planning again with the activations and attention cores the pass cannot shard replicated", None

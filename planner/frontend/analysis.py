@@ -11,11 +11,16 @@ How the structure is found (by dataflow; module names are used only to group nod
    (`weight_out_dim=0`).
 2. Layers: the numbered children of one module prefix (`model.layers.3`, `transformer.h.3`,
    `layers.3`), numbered 0..n-1, each holding at least two projections; the prefix with the most
-   projections wins (so a `nn.Sequential` of single Linears is a plain MLP, not a layer stack).
+   projections wins (so a `nn.Sequential` of single Linears is a plain MLP, not a layer stack). An
+   encoder-decoder has two such stacks (T5's `encoder.block.i` and `decoder.block.i`): every stack
+   neither inside another nor interleaved with it in graph order is taken, in graph order, and the
+   layers are numbered through them (the encoder's 0..n-1, the decoder's n..).
 3. Attention core: `aten.scaled_dot_product_attention`, or a manual softmax(Q K^T) V (matmul ->
    softmax -> matmul). q / k / v: the projections reached walking back from the core's q / k / v
    inputs (through RoPE, reshapes, GQA repeats); one fused projection reaching all three is "qkv" with
    `parts` from the split of its output. "o": the projection reached walking forward from the core.
+   A second core in the layer is its cross-attention (`Layer.cross_attention`: a decoder's, whose q
+   reads the stream and k / v the encoder's output), with its own q / k / v / o.
 4. MLP: the layer's other projections. "down": its input derives from other MLP projections; of the
    rest, the one passed through an activation before the product is "gate", the other "up"
    (a 2-matmul GPT MLP is up / down).
@@ -215,11 +220,16 @@ class Layer:
     side_inputs: list[str] = field(default_factory=list)  # other values read from outside (RoPE, mask)
     cross_inputs: list[str] = field(default_factory=list)  # side inputs that depend on the stream
     # node name -> "projection" | "core" (SDPA, or a matmul of a manual attention) | "attention"
-    # (derives from q/k/v, not from o: split with the heads under TP) | "mlp" (derives from the
-    # MLP's first projections, not from down: split with the MLP width) | "stream" (the rest: norms,
-    # residual adds, RoPE tables; not split). Empty when not analysed from a graph.
+    # (derives from q/k/v, not from o: split with the heads under TP) | "cross_core", "cross" (the
+    # same of `cross_attention`) | "mlp" (derives from the MLP's first projections, not from down:
+    # split with the MLP width) | "stream" (the rest: norms, residual adds, RoPE tables; not split).
+    # Empty when not analysed from a graph.
     node_blocks: dict[str, str] = field(default_factory=dict)
     num_params: int = 0  # elements of the layer's parameters (dtype-free; 0: unknown, handmade)
+    # a second attention block after `attention`: an encoder-decoder's cross-attention, q from the
+    # stream, k / v from the encoder's output (a side input); its nodes are "cross" in `node_blocks`
+    # ("cross_core": its SDPA / matmuls), like "attention" and "core" of the first
+    cross_attention: Attention | None = None
 
 
 @dataclass
@@ -290,6 +300,9 @@ class ModelStructure:
     replicated_mlp_classes: frozenset[str] = frozenset()
     # ... and of the attention cores of layer classes (a hand-written core the pass cannot split by heads)
     replicated_attention_classes: frozenset[str] = frozenset()
+    # why, per class of `replicated_attention_classes`: the ops the pass gathered at and the model's
+    # lines, e.g. "aten.matmul at model.py:26 `s = q @ k.transpose(-1, -2)`" (the exclusion names them)
+    replicated_attention_reasons: dict[str, str] = field(default_factory=dict)
 
     @property
     def unknown_ops(self) -> list[str]:
@@ -746,24 +759,49 @@ def _dataflow(graph: fx.Graph) -> nx.DiGraph:
 
 
 def _find_layers(nodes: list[fx.Node], projections: dict[str, Projection]) -> list[tuple[str, list[fx.Node]]]:
-    """[(module_path, nodes)] of the repeated layers, in index order; [] when there are none."""
+    """[(module_path, nodes)] of the repeated layers, in index order; [] when there are none.
+
+    A stack is a module prefix whose children are numbered 0..n-1, each holding at least two
+    projections. The stack with the most projections is taken, then every other one that is neither
+    inside nor around a taken one (an MoE layer's experts are inside its layer) and does not
+    interleave with the taken ones in graph order: an encoder-decoder's two stacks, in graph order."""
+    position = {n.name: i for i, n in enumerate(nodes)}
     groups: dict[str, dict[int, list[fx.Node]]] = {}
     for node in nodes:
         parts = node.meta.get("module_path", "").split(".")
         for i, part in enumerate(parts):
             if part.isdigit():
                 groups.setdefault(".".join(parts[:i]), {}).setdefault(int(part), []).append(node)
-    best, best_count = None, 0
+    stacks: list[tuple[int, int, str]] = []  # (-projections, depth, prefix): the most projections first
     for prefix, children in groups.items():
         counts = [sum(n.name in projections for n in children[i]) for i in sorted(children)]
         if sorted(children) != list(range(len(children))) or min(counts) < 2:
             continue
-        if sum(counts) > best_count or (sum(counts) == best_count and prefix.count(".") < best.count(".")):
-            best, best_count = prefix, sum(counts)
-    if best is None:
-        return []
-    children = groups[best]
-    return [(f"{best}.{i}" if best else str(i), children[i]) for i in sorted(children)]
+        stacks.append((-sum(counts), prefix.count(".") + bool(prefix), prefix))
+
+    def inside(inner: str, outer: str) -> bool:
+        return outer == "" or inner.startswith(f"{outer}.")
+
+    def span(prefix: str) -> tuple[int, int]:  # of its ops (weights' get_attr nodes head the graph)
+        found = [
+            position[n.name] for child in groups[prefix].values() for n in child if n.op == "call_function"
+        ]
+        return (min(found), max(found)) if found else (0, len(nodes))
+
+    taken: list[str] = []
+    for _, _, prefix in sorted(stacks):
+        if any(inside(prefix, t) or inside(t, prefix) for t in taken):
+            continue
+        start, end = span(prefix)
+        if any(start <= span(t)[1] and span(t)[0] <= end for t in taken):
+            continue  # interleaved with a taken stack: not one after the other
+        taken.append(prefix)
+    taken.sort(key=lambda prefix: span(prefix)[0])
+    return [
+        (f"{prefix}.{i}" if prefix else str(i), groups[prefix][i])
+        for prefix in taken
+        for i in sorted(groups[prefix])
+    ]
 
 
 def _layer(
@@ -777,7 +815,7 @@ def _layer(
     """One layer: its attention and MLP blocks, cut points, side inputs and totals."""
     member_names = {n.name for n in members}
     projs = [projections[n.name] for n in members if n.name in projections]
-    attention, attention_projs = _attention(members, member_names, projections)
+    attention, cross, attention_projs = _attention(members, member_names, projections)
     mlp_projs = [p for p in projs if p not in attention_projs]
     mlp = _mlp(mlp_projs, members, member_names, projections) if mlp_projs else None
     used_outside = [
@@ -792,7 +830,7 @@ def _layer(
                 external.append(a)
     stream = _stream_input(attention, mlp, members, member_names, external, output, projections)
     weights = {n.target for n in members if n.op == "get_attr" and n.target in params}
-    blocks = _node_blocks(members, member_names, projections, attention, mlp)
+    blocks = _node_blocks(members, member_names, projections, attention, mlp, cross)
     return Layer(
         index=index,
         module_path=path,
@@ -807,6 +845,7 @@ def _layer(
         bytes_moved=sum(costs[n.name].bytes_read + costs[n.name].bytes_written for n in members),
         side_inputs=[a.name for a in external if a is not stream],
         node_blocks=blocks,
+        cross_attention=cross,
     )
 
 
@@ -816,10 +855,13 @@ def _node_blocks(
     projections: dict[str, Projection],
     attention: Attention | None,
     mlp: Mlp | None,
+    cross: Attention | None = None,
 ) -> dict[str, str]:
     """``Layer.node_blocks``: each member's block, from the layer projections it derives from."""
     attn_in = {p.node for p in attention.projections if p.role is not Role.O} if attention else set()
     attn_out = {p.node for p in attention.projections if p.role is Role.O} if attention else set()
+    cross_in = {p.node for p in cross.projections if p.role is not Role.O} if cross else set()
+    cross_out = {p.node for p in cross.projections if p.role is Role.O} if cross else set()
     mlp_out = {p.node for p in mlp.projections if p.role is Role.DOWN} if mlp else set()
     mlp_in = {p.node for p in mlp.projections} - mlp_out if mlp else set()
     ancestors: dict[str, set[str]] = {}  # projections of this layer each member derives from
@@ -830,12 +872,15 @@ def _node_blocks(
             if a.name in member_names:
                 anc |= ancestors.get(a.name, set()) | ({a.name} if a.name in projections else set())
         ancestors[n.name] = anc
+        in_cross = bool(anc & cross_in) and not anc & cross_out
         if n.name in projections:
             blocks[n.name] = "projection"
         elif op_name(n.target) in _MATMULS | {"aten.bmm", "aten.scaled_dot_product_attention"}:
-            blocks[n.name] = "core"
+            blocks[n.name] = "cross_core" if in_cross else "core"
         elif anc & attn_in and not anc & attn_out:
             blocks[n.name] = "attention"
+        elif in_cross:
+            blocks[n.name] = "cross"
         elif anc & mlp_in and not anc & mlp_out:
             blocks[n.name] = "mlp"
         else:
@@ -938,14 +983,38 @@ def _forward_to(node: fx.Node, targets: set[str], limit: int = 4) -> fx.Node | N
 
 def _attention(
     members: list[fx.Node], member_names: set[str], projections: dict[str, Projection]
-) -> tuple[Attention | None, list[Projection]]:
-    """The layer's attention block (roles set on its projections) and those projections."""
+) -> tuple[Attention | None, Attention | None, list[Projection]]:
+    """The layer's attention block, its cross-attention block (a second core: a decoder's, whose
+    k / v read the encoder's output; None without one), roles set on their projections, and those
+    projections. A third core is not modelled (its projections fall to the MLP)."""
     cores = _cores(members)
     if not cores:
-        return None, []
-    core, q, k, v = cores[0]  # a second core (cross-attention) is not modelled
+        return None, None, []
+    attention = _attention_block(*cores[0], members, member_names, projections)
+    cross = None
+    if len(cores) > 1:
+        taken = {p.node for p in attention.projections}
+        cross = _attention_block(*cores[1], members, member_names, projections, taken)
+        if not cross.projections:
+            cross = None
+    projs = attention.projections + (cross.projections if cross else [])
+    return attention, cross, projs
+
+
+def _attention_block(
+    core: fx.Node,
+    q: fx.Node,
+    k: fx.Node,
+    v: fx.Node,
+    members: list[fx.Node],
+    member_names: set[str],
+    projections: dict[str, Projection],
+    taken: set[str] = frozenset(),
+) -> Attention:
+    """One attention block from its core (SDPA or the manual PV matmul) and the core's q / k / v
+    inputs; projections in `taken` (another block's) are not claimed."""
     sources = [_walk_inclusive(x, member_names, projections) for x in (q, k, v)]
-    first = [s[0] if s else None for s in sources]
+    first = [s[0] if s and s[0].name not in taken else None for s in sources]
     projs: list[Projection] = []
     if first[0] is not None and first[0] is first[1] is first[2]:
         fused = projections[first[0].name]
@@ -956,7 +1025,7 @@ def _attention(
             if node is not None:
                 projections[node.name].role = role
                 projs.append(projections[node.name])
-    o_nodes = _walk(core, member_names, projections, forward=True)
+    o_nodes = [n for n in _walk(core, member_names, projections, forward=True) if n.name not in taken]
     residual = None
     if o_nodes:
         o = projections[o_nodes[0].name]
@@ -982,7 +1051,7 @@ def _attention(
         attention.cache_bytes = float(
             sum(b.meta["val"].numel() * b.meta["val"].element_size() for b in buffers)
         )
-    return attention, projs
+    return attention
 
 
 def _walk_inclusive(node: fx.Node, member_names: set[str], projections: dict) -> list[fx.Node]:

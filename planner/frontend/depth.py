@@ -86,7 +86,7 @@ def _extend(structure: ModelStructure, model: nn.Module, path: str, depth: int) 
         layer = copy.deepcopy(template)
         layer.index = i
         layer.module_path = f"{path}.{i}"
-        for block in (layer.attention, layer.mlp):
+        for block in (layer.attention, layer.cross_attention, layer.mlp):
             if block is not None:
                 block.projections = [_renamed(p, old, new) for p in block.projections]
         layers.append(layer)

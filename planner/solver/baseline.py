@@ -56,19 +56,25 @@ def megatron_tp(cluster: ClusterSpec, num_heads: int | None, structure: ModelStr
 
 
 def megatron_choices(graphs: dict[str, LayerGraph], ends: LayerGraph) -> dict[tuple[str, str], str]:
-    """Megatron's strategy per op: attention by heads, MLP column-then-row, chain MLP alternating."""
+    """Megatron's strategy per op: attention by heads (a decoder's cross-attention, "cross.q" ...
+    "cross.o", too), MLP column-then-row, chain MLP alternating."""
     choices: dict[tuple[str, str], str] = {}
     for key, graph in [*graphs.items(), ("ends", ends)]:
-        head_ok = any(o.name == "head" for op in graph.ops if op.name == "core" for o in op.options)
+        head_ok = {
+            op.name.removesuffix("core"): any(o.name == "head" for o in op.options)
+            for op in graph.ops
+            if op.name in ("core", "cross.core")
+        }
         linear_index = 0
         for op in graph.ops:
             names = {o.name for o in op.options}
-            if op.name in ("q", "k", "v", "qkv") and not head_ok:
+            prefix, _, base = op.name.rpartition(".")
+            prefix = f"{prefix}." if prefix in ("cross",) else ""
+            base = base if prefix else op.name
+            if base in ("q", "k", "v", "qkv", "o") and not head_ok.get(prefix, False):
                 prefs: tuple[str, ...] = ("replicate",)
-            elif op.name == "o" and not head_ok:
-                prefs = ("replicate",)
-            elif op.name in _PREFERENCE:
-                prefs = _PREFERENCE[op.name]
+            elif base in _PREFERENCE:
+                prefs = _PREFERENCE[base]
             elif op.name.startswith("act"):
                 prefs = ("shard", "replicate")
             else:  # a chain of linears: column, row, column, row, ...
@@ -76,6 +82,12 @@ def megatron_choices(graphs: dict[str, LayerGraph], ends: LayerGraph) -> dict[tu
                 linear_index += 1
             choices[(key, op.name)] = next(p for p in prefs if p in names)
         _fix_layouts(key, graph, choices)
+    first_of: dict[str, str] = {}  # an embedding of the weight an earlier one looks up splits as that one
+    for op in ends.ops:
+        if op.block == "embedding" and op.weight is not None:
+            first = first_of.setdefault(op.weight, op.name)
+            if choices[("ends", first)] in {o.name for o in op.options}:
+                choices[("ends", op.name)] = choices[("ends", first)]
     return choices
 
 

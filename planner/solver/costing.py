@@ -116,7 +116,7 @@ class Op:
     """One op of a layer graph with its options. `inputs` name producer ops ("" = the stream, R)."""
 
     name: str  # unique in its graph, e.g. "q", "core", "down", "mlp.0"
-    block: str  # "attention" | "mlp" | "embedding" | "head"
+    block: str  # "attention" | "cross" (a decoder's cross-attention) | "mlp" | "embedding" | "head"
     options: list[OpOption]
     inputs: list[str]
     out_bytes: float  # bytes of the full (unsharded) output tensor, per micro-batch
@@ -164,6 +164,12 @@ class LayerGraph:
     def ops_of(self, block: str) -> list[Op]:
         """The ops of one block ("attention", "mlp", "embedding", "head"), in graph order."""
         return [op for op in self.ops if op.block == block]
+
+    def timed_ops(self, block: str) -> list[Op]:
+        """The ops whose compute counts as `block`'s ("attention" or "mlp") in a layer's time: a
+        decoder's cross-attention ("cross") counts with its attention (ladder residual hides an
+        attention block's all-reduce behind the MLP and the MLP's behind the next attention)."""
+        return [op for op in self.ops if op.block == block or (block == "attention" and op.block == "cross")]
 
     def cheapest_compute_s(self) -> float:
         """Compute time with every op at its cheapest option, conversions left out: a lower bound."""
@@ -394,7 +400,7 @@ def projection_options(
 
 
 def attention_core_options(
-    attn: Attention, ctx: CostContext, inner_s: float = 0.0
+    attn: Attention, ctx: CostContext, inner_s: float = 0.0, cross: bool = False
 ) -> tuple[list[OpOption], dict[str, str]]:
     """SDPA: replicate, or head-parallel when query and KV heads both divide by tp. A materialized
     attention kernel (`ClusterSpec.attention_kernel`) adds the scores' memory traffic
@@ -402,12 +408,15 @@ def attention_core_options(
     what selective recomputation frees for `OpOption.selective_s`, the core's forward).
 
     ``inner_s``: time of the attention block's other ops (RoPE, GQA repeats, copies between q/k/v and
-    o; see ``layer_node_times_s``), added to each option, divided by tp in the head-parallel one."""
+    o; see ``layer_node_times_s``), added to each option, divided by tp in the head-parallel one.
+    ``cross``: a decoder's cross-attention (`Layer.cross_attention`): every query attends to every
+    encoder token (no causal mask), and selective recomputation, which re-runs the layer's first
+    core only (`passes.recompute`), frees none of its scores."""
     w, b, tp = ctx.workload, ctx.bytes_per_element, ctx.mesh.tp
     seqs = ctx.sequences_per_micro_batch
     heads, kv_heads, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
     q_len, kv_len = w.tokens_per_sequence, w.kv_len
-    causal = w.kind is not Workload.DECODE
+    causal = w.kind is not Workload.DECODE and not cross
     replica_seqs = w.batch_size / ctx.mesh.dp
     kv_cache = (
         memory.kv_cache_bytes(1, replica_seqs, kv_len, kv_heads, hd, ctx.dtype)
@@ -455,7 +464,8 @@ def attention_core_options(
         t = core_s + inner_s / kv_shard
         extra = max(0.0, forward_s - core_s / ctx.compute_factor) if ctx.train else 0.0
         return OpOption(name, layout, layout, t, kv_cache / kv_shard, stored / shard + scores,
-                        selective_bytes=scores, selective_s=forward_s, full_extra_s=extra)  # fmt: skip
+                        selective_bytes=0.0 if cross else scores, selective_s=0.0 if cross else forward_s,
+                        full_extra_s=extra)  # fmt: skip
 
     options = [option("replicate", R, 1)]
     excluded: dict[str, str] = {}
@@ -528,6 +538,10 @@ def layer_key(layer: Layer) -> str:
         a = layer.attention
         parts.append(f"attn{a.num_heads}/{a.num_kv_heads}/{a.head_dim}")
         parts += [_proj_key(p) for p in a.projections]
+    if layer.cross_attention is not None:
+        a = layer.cross_attention
+        parts.append(f"cross{a.num_heads}/{a.num_kv_heads}/{a.head_dim}")
+        parts += [_proj_key(p) for p in a.projections]
     if layer.mlp is not None:
         parts.append("mlp")
         parts += [_proj_key(p) for p in layer.mlp.projections]
@@ -542,8 +556,8 @@ def _proj_key(p: Projection) -> str:
 
 def layer_node_times_s(layer: Layer, ctx: CostContext) -> dict[str, float] | None:
     """Time of a layer's ops other than projections and the attention core, per block of
-    ``Layer.node_blocks`` ("attention", "mlp": unsharded; "stream"), or None when the layer was not
-    analysed node by node.
+    ``Layer.node_blocks`` ("attention", "cross", "mlp": unsharded; "stream"), or None when the layer
+    was not analysed node by node.
 
     Each node that moves memory is a memory-bound op (``compute.op_time_s(kind="memory")``) on its
     ``ModelStructure.node_costs``: FLOP and bytes read + written, scaled from the captured tokens
@@ -558,7 +572,7 @@ def layer_node_times_s(layer: Layer, ctx: CostContext) -> dict[str, float] | Non
     scale = ctx.tokens / max(1, s.batch_size * s.seq_len)
     byte_scale = ctx.bytes_per_element / DTYPE_BYTES[s.dtype]
     launch = ctx.op_time(0.0, 0.0, "memory")
-    out = {"attention": 0.0, "mlp": 0.0, "stream": 0.0}
+    out = {"attention": 0.0, "cross": 0.0, "mlp": 0.0, "stream": 0.0}
     priced: set[str] = set()
     for name in layer.nodes:
         block, cost = layer.node_blocks.get(name), s.node_costs.get(name)
@@ -576,7 +590,8 @@ def layer_node_times_s(layer: Layer, ctx: CostContext) -> dict[str, float] | Non
 
 
 def build_layer_graph(layer: Layer, ctx: CostContext) -> LayerGraph:
-    """The op graph of one transformer layer: attention block then MLP block.
+    """The op graph of one transformer layer: attention block, a decoder's cross-attention block
+    (`Layer.cross_attention`: ops "cross.q", ..., "cross.o", block "cross"), then MLP block.
 
     The ops other than projections and the attention core are priced node by node when the layer
     was analysed from a graph (``layer_node_times_s``): those of the attention block go with the core
@@ -593,15 +608,26 @@ def build_layer_graph(layer: Layer, ctx: CostContext) -> LayerGraph:
     if layer.attention is not None:
         inner = times["attention"] if times else 0.0
         head_ok = layer_key(layer) not in s.replicated_attention_classes
-        outputs["attention"] = _attention_ops(layer.attention, tokens, ctx, ops, inner, head_ok=head_ok)
+        gathers = s.replicated_attention_reasons.get(layer_key(layer), "")
+        outputs["attention"] = _attention_ops(
+            layer.attention, tokens, ctx, ops, inner, head_ok=head_ok, gathers=gathers
+        )
         proj_bytes += sum(_param_bytes(p, b) for p in layer.attention.projections)
+    if layer.cross_attention is not None:
+        inner = times["cross"] if times else 0.0
+        head_ok = layer_key(layer) not in s.replicated_attention_classes
+        gathers = s.replicated_attention_reasons.get(layer_key(layer), "")
+        _attention_ops(
+            layer.cross_attention, tokens, ctx, ops, inner, head_ok=head_ok, block="cross", gathers=gathers
+        )
+        proj_bytes += sum(_param_bytes(p, b) for p in layer.cross_attention.projections)
     if layer.mlp is not None:
         inner = times["mlp"] if times else None
         shardable = layer_key(layer) not in s.replicated_mlp_classes
         outputs["mlp"] = _mlp_ops(layer.mlp.projections, tokens, ctx, ops, "mlp", inner, shardable=shardable)
         proj_bytes += sum(_param_bytes(p, b) for p in layer.mlp.projections)
     hidden = s.hidden_size
-    num_norms = len(outputs)
+    num_norms = len(outputs) + (layer.cross_attention is not None)
     if times is not None:
         fixed = times["stream"]
     else:
@@ -747,17 +773,25 @@ def _attention_ops(
     ops: list[Op],
     inner_s: float = 0.0,
     head_ok: bool = True,
+    block: str = "attention",
+    gathers: str = "",
 ) -> str:
     """The attention block's ops (q/k/v or qkv, core, o); ``head_ok`` False: the core is replicated
-    only (`ModelStructure.replicated_attention_classes`: the TP pass gathers inside it). Returns the
-    last op's name."""
+    only (`ModelStructure.replicated_attention_classes`: the TP pass gathers inside it; ``gathers``
+    names the ops it gathered at and their lines, `ModelStructure.replicated_attention_reasons`,
+    for the exclusion's reason). Returns the
+    last op's name. ``block`` "cross": a decoder's cross-attention, its ops named "cross.q", ...,
+    "cross.o"; its k / v read the encoder's output (replicated, as the stream), and the return of
+    its o to the residual stream is priced in that op (`OpOption.comm_s`, always exposed), the
+    block's output in `LayerGraph.block_outputs` being attention's and the MLP's."""
+    prefix = "cross." if block == "cross" else ""
     by_role = {p.role: p for p in attn.projections}
     core_inputs = []
     for role in (Role.QKV, Role.Q, Role.K, Role.V):
         if role in by_role:
             grouped = role in (Role.K, Role.V) and gqa_kv_replicated(attn, ctx.mesh.tp)
             pieces = attn.num_kv_heads if grouped and not ctx.train else None
-            op = _proj_op(role.value, "attention", by_role[role], [""], tokens, ctx, pieces)
+            op = _proj_op(prefix + role.value, block, by_role[role], [""], tokens, ctx, pieces)
             if grouped and ctx.train:
                 op.options = [o for o in op.options if o.name != "colwise"]
                 op.excluded["colwise"] = (
@@ -765,20 +799,28 @@ def _attention_ops(
                     "every rank, each rank slicing the KV heads of its query heads"
                 )
             ops.append(op)
-            core_inputs.append(role.value)
-    core_options, core_excluded = attention_core_options(attn, ctx, inner_s)
+            core_inputs.append(prefix + role.value)
+    core_options, core_excluded = attention_core_options(attn, ctx, inner_s, cross=block == "cross")
     if not head_ok and any(o.name == "head" for o in core_options):
         core_options = [o for o in core_options if o.name != "head"]
-        core_excluded["head"] = (
-            "an op inside this attention has no head-parallel rule: the TP pass gathers there"
+        what = (
+            f"{gathers} {'have' if '; ' in gathers else 'has'}"
+            if gathers
+            else "an op inside this attention has"
         )
+        core_excluded["head"] = f"{what} no head-parallel rule: the TP pass gathers there"
     core_bytes = tokens * attn.num_heads * attn.head_dim * ctx.bytes_per_element
-    ops.append(Op("core", "attention", core_options, core_inputs, core_bytes, excluded=core_excluded))
+    ops.append(Op(prefix + "core", block, core_options, core_inputs, core_bytes, excluded=core_excluded))
     o = by_role.get(Role.O)
     if o is None:
-        return "core"
-    ops.append(_proj_op("o", "attention", o, ["core"], tokens, ctx))
-    return "o"
+        return prefix + "core"
+    ops.append(_proj_op(prefix + "o", block, o, [prefix + "core"], tokens, ctx))
+    if prefix:  # back to the stream inside the op: R, with its all-reduce (or SP's pair) priced
+        last = ops[-1]
+        for option in last.options:
+            option.comm_s += stream_conversion_time_s(option.out_layout, last.out_bytes, ctx)
+            option.out_layout = R
+    return prefix + "o"
 
 
 def _mlp_ops(
@@ -843,6 +885,8 @@ def layer_projection_ops(layer: Layer) -> dict[str, Projection]:
     out: dict[str, Projection] = {}
     if layer.attention is not None:
         out.update({str(p.role): p for p in layer.attention.projections})
+    if layer.cross_attention is not None:
+        out.update({f"cross.{p.role}": p for p in layer.cross_attention.projections})
     if layer.mlp is not None:
         out.update(mlp_op_names(layer.mlp.projections))
     return out
@@ -854,6 +898,7 @@ def build_ends_graph(ctx: CostContext) -> LayerGraph:
     b, tp, tokens = ctx.bytes_per_element, ctx.mesh.tp, ctx.tokens
     state = ctx.state_factor()
     ops: list[Op] = []
+    held: set[str] = set()  # weights an earlier embedding op holds (T5's encoder and decoder lookups)
     for i, emb in enumerate(s.embeddings):
         weight_bytes = emb.vocab_size * emb.dim * b
         t = ctx.op_time(0.0, compute.embedding_bytes(tokens, emb.dim, ctx.dtype), "memory")
@@ -877,6 +922,10 @@ def build_ends_graph(ctx: CostContext) -> LayerGraph:
             options.append(
                 OpOption("vocab", R, R, t + dense, shard_bytes * state, 0.0, comm, grads and shard_bytes)
             )
+        if emb.weight in held:  # one weight, looked up twice: counted (and its gradient) once
+            for opt in options:
+                opt.static_bytes = opt.grad_bytes = 0.0
+        held.add(emb.weight)
         ops.append(Op(f"embedding{i}", "embedding", options, [], out_bytes, emb.weight, None, excluded))
     head = s.lm_head
     first_stage, fixed = 0.0, 0.0
@@ -1121,6 +1170,8 @@ def _all_projections(s: ModelStructure) -> list[Projection]:
     for layer in s.layers:
         if layer.attention is not None:
             out += layer.attention.projections
+        if layer.cross_attention is not None:
+            out += layer.cross_attention.projections
         if layer.mlp is not None:
             out += layer.mlp.projections
     return out

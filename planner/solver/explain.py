@@ -111,7 +111,7 @@ def strategy_decisions(priced: PricedAssignment) -> list[Decision]:
         layers = counts[key]
         span = f"layers[{layers[0]}..{layers[-1]}]" if has_layers else "mlp"
         count = f"{len(layers)} layers" if len(layers) > 1 else "1 layer"
-        for block in ("attention", "mlp"):
+        for block in ("attention", "cross", "mlp"):
             table = block_table(graph, key, block, ctx)
             if table is None:
                 continue
@@ -139,7 +139,10 @@ def strategy_decisions(priced: PricedAssignment) -> list[Decision]:
                 reason += f"; {times}"
                 if op.excluded:
                     reason += "; not offered: " + "; ".join(f"{n}: {why}" for n, why in op.excluded.items())
-                decisions.append(Decision(f"{span}.{block}.{op.name}", chosen, options, reason))
+                subject = (
+                    f"{span}.{op.name}" if op.name.startswith(f"{block}.") else f"{span}.{block}.{op.name}"
+                )
+                decisions.append(Decision(subject, chosen, options, reason))
     for op in ends.ops:
         options = {o.name: (o.compute_s + o.comm_s) * m for o in op.options}
         for name in op.excluded:

@@ -27,6 +27,7 @@ Constraints (each family is named by the prefix of its constraint names)
     edge_src_*, edge_dst_*   sum_j e[..k,j] = x[g,u,k];  sum_k e[..k,j] = x[g,v,j]   `_edge_variables`
                     (pairs whose conversion is impossible, e.g. P into a nonlinearity, have no e)
     tied_*          tied embedding / LM head choose the same split            `_strategy_variables`
+    tied_emb_*      embeddings of one weight (encoder, decoder) the same split `_strategy_variables`
     ladder_att_*, ladder_mlp_*   qa[g] >= comm_att[g] - eta * compute_mlp[g]  (eta = overlap_efficiency)
     ladder_auto_*   za[l] >= comm_att[g] - M lad[l],  za[l] >= qa[g]  (zm alike)   `_ladder_variables`
     ladder_upper_*  lad[l] <= lad[l+1]: laddered layers are contiguous with the top   `_ladder_variables`
@@ -224,6 +225,19 @@ class _Builder:
                     self.m += emb[name] == head[name], _name("tied", name)
                 else:
                     self.m += (emb.get(name) or head.get(name)) == 0, _name("tied_only", name)
+        first_of: dict[str, str] = {}  # embeddings of one weight (T5's encoder and decoder lookups)
+        for op in self.p.ends.ops:
+            if op.block != "embedding" or op.weight is None:
+                continue
+            first = first_of.setdefault(op.weight, op.name)
+            if first == op.name:
+                continue
+            a, b = self.x[("ends", first)], self.x[("ends", op.name)]
+            for name in set(a) | set(b):
+                if name in a and name in b:
+                    self.m += a[name] == b[name], _name("tied_emb", op.name, name)
+                else:
+                    self.m += (a.get(name) or b.get(name)) == 0, _name("tied_emb_only", op.name, name)
 
     def _edge_variables(self, key: str, graph: LayerGraph) -> pulp.LpAffineExpression:
         """e[..] linearising x[u,k] * x[v,j] (edge_src_*, edge_dst_*); returns the conversion time."""
@@ -258,7 +272,7 @@ class _Builder:
         comm: dict[str, pulp.LpAffineExpression] = {}
         for block in ("attention", "mlp"):
             compute[block] = pulp.lpSum(
-                o.compute_s * x[(key, op.name)][o.name] for op in graph.ops_of(block) for o in op.options
+                o.compute_s * x[(key, op.name)][o.name] for op in graph.timed_ops(block) for o in op.options
             )
             out = graph.block_outputs.get(block)
             if out is None:

@@ -79,7 +79,7 @@ def layer_breakdown(
     """Time and memory of one layer of class `key` (graph `graph`) under `assignment`."""
     opt = {op.name: op.option(assignment.option(key, op.name)) for op in graph.ops}
     compute_block = {
-        b: sum(opt[op.name].compute_s for op in graph.ops if op.block == b) for b in ("attention", "mlp")
+        b: sum(opt[op.name].compute_s for op in graph.timed_ops(b)) for b in ("attention", "mlp")
     }
     internal = sum(
         conversion_time_s(opt[u].out_layout, opt[v].in_layout, graph.op(u).out_bytes, ctx)

@@ -186,14 +186,17 @@ def _setup(
         missing = [i for i in ladder.eligible(num_layers) if not _has_both_blocks(structure.layers[i])]
         if missing:
             raise InputError(
-                f"ladder {str(constraints.ladder)!r}: layers {missing} lack an attention or MLP block"
+                f"ladder {str(constraints.ladder)!r}: layers {missing} lack an attention or MLP block, or "
+                "have a cross-attention, which ladder residual does not rewrite"
             )
     cap = cluster.device.memory_bytes * constraints.memory_fraction
     return _Search(structure, cluster, workload, constraints, dtype, keys, ladder, cap)
 
 
 def _has_both_blocks(layer: Layer) -> bool:
-    return layer.attention is not None and layer.mlp is not None
+    """An attention and an MLP block, and no cross-attention between them (the ladder pass rewrites
+    a layer's two residual adds)."""
+    return layer.attention is not None and layer.mlp is not None and layer.cross_attention is None
 
 
 def _divisors(n: int) -> list[int]:
@@ -495,7 +498,7 @@ def _least_layer_time_s(graph: LayerGraph, key: str, ctx: CostContext, with_comm
     with its conversions and output communication (`block_table`; without the communication when
     `with_comm` is False, or when a block has too many combinations to enumerate)."""
     total = graph.fixed_compute_s
-    for block in ("attention", "mlp"):
+    for block in ("attention", "cross", "mlp"):
         ops = graph.ops_of(block)
         table = block_table(graph, key, block, ctx) if with_comm else None
         if table:
@@ -923,11 +926,11 @@ def _splits(tables: CostTables, assignment: Assignment) -> dict[str, WeightSplit
 
     if structure.layers:
         for layer, key in zip(structure.layers, tables.layer_keys):
-            attn = layer.attention
-            grouped = (
-                attn is not None and not tables.ctx.train and gqa_kv_replicated(attn, tables.ctx.mesh.tp)
-            )
             for name, proj in layer_projection_ops(layer).items():
+                attn = layer.cross_attention if name.startswith("cross.") else layer.attention
+                grouped = (
+                    attn is not None and not tables.ctx.train and gqa_kv_replicated(attn, tables.ctx.mesh.tp)
+                )
                 kv = grouped and proj.role in (Role.K, Role.V)
                 add(proj, assignment.option(key, name), attn.num_kv_heads if kv else None)
     else:
