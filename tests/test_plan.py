@@ -446,3 +446,41 @@ def test_the_baseline_line_says_when_the_experts_layout_does_not_fit_memory() ->
         for d in plan.decisions
     ]
     assert re.search(said, baseline_line(dataclasses.replace(plan, decisions=noted)))
+
+
+def test_layout_megatron_runs_the_split_layout_where_auto_keeps_every_weight_replicated() -> None:
+    """--tp 2 on local-cpu: the solver keeps every weight of the tiny Llama replicated (its collectives
+    cost more than the split saves) and the note names --layout megatron; with it, the splits are the
+    hand-written Megatron-LM layout at TP=2 (column-parallel q/k/v/gate/up, row-parallel o/down,
+    vocab-parallel embedding and LM head), priced as the baseline prices that layout."""
+    import io  # noqa: PLC0415
+
+    from rich.console import Console  # noqa: PLC0415
+
+    from costmodels.cluster import load_cluster  # noqa: PLC0415
+    from planner.cli import workflow  # noqa: PLC0415
+    from planner.cli.render import render_plan  # noqa: PLC0415
+
+    model = "examples/llama3.py"
+    prepared = workflow.prepare(model)
+    spec = load_cluster("local-cpu", 2)
+    auto = workflow.make_plan(prepared, spec, workflow.constraints_from(2, None, None, "none"), model)
+    assert auto.tp == 2 and all(str(s.style) == "replicate" for s in auto.splits.values())
+    out = io.StringIO()
+    render_plan(Console(file=out, width=400), auto)
+    note = next(line for line in out.getvalue().splitlines() if line.startswith("note: TP=2"))
+    assert "every weight stays replicated" in note and "--layout megatron" in note
+
+    constraints = workflow.constraints_from(2, None, None, "none", layout="megatron")
+    plan = workflow.make_plan(prepared, spec, constraints, model)
+    want = {"q": "colwise", "k": "colwise", "v": "colwise", "gate": "colwise", "up": "colwise",
+            "o": "rowwise", "down": "rowwise", "lm_head": "vocab"}  # fmt: skip
+    assert plan.tp == 2 and {w: want[r] for w, r in plan.roles.items()} == {
+        w: str(plan.splits[w].style) for w in plan.roles
+    }
+    assert all(str(plan.splits[e.weight].style) == "vocab" for e in prepared.structure.embeddings)
+    assert plan.predicted.latency_s == pytest.approx(plan.baseline.latency_s)
+    assert plan.predicted.latency_s > auto.predicted.latency_s  # what the solver avoided, as priced
+    assert any(d.subject == "layout" and d.chosen == "megatron" for d in plan.decisions)
+    with pytest.raises(InputError, match="layout must be one of auto, megatron"):
+        workflow.constraints_from(2, None, None, "none", layout="sideways")

@@ -139,6 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
         opt.add_argument(
             flag, default="auto", choices=["auto", "on", "off"], help=f"{what} (auto: priced both ways)"
         )
+    opt.add_argument(
+        "--layout",
+        default="auto",
+        choices=["auto", "megatron"],
+        help="split choices: auto, the solver's; megatron, the hand-written Megatron-LM layout (column-parallel "
+        "q/k/v/up/gate, row-parallel o/down, vocab-parallel embedding and LM head) at the chosen or pinned "
+        "degrees, priced, lowered and run like any plan",
+    )
     opt.add_argument("--tp", type=_positive, help="pin the tensor-parallel degree")
     opt.add_argument("--pp", type=_positive, help="pin the pipeline-parallel degree")
     opt.add_argument("--dp", type=_positive, help="pin the data-parallel degree")
@@ -366,7 +374,13 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         if args.run and prepared.request is not None:  # --run serves a request with tensor parallelism only
             pp, dp = pp or 1, dp or 1
         constraints = workflow.constraints_from(
-            args.tp, pp, dp, args.ladder, max_devices=args.devices, **_training_options(args)
+            args.tp,
+            pp,
+            dp,
+            args.ladder,
+            max_devices=args.devices,
+            layout=args.layout,
+            **_training_options(args),
         )
         workflow.check_constraints_fit(
             cluster,
@@ -621,7 +635,13 @@ def _run(args, plan, prepared, cluster):
             f"[yellow]re-planning for this machine (its measured spec, {nproc} ranks) to run it (--scale-to-local)[/yellow]"
         )
         constraints = workflow.constraints_from(
-            args.tp, args.pp, args.dp, args.ladder, max_devices=nproc, **_training_options(args)
+            args.tp,
+            args.pp,
+            args.dp,
+            args.ladder,
+            max_devices=nproc,
+            layout=args.layout,
+            **_training_options(args),
         )
         source = workflow.cluster_source(None, nproc)
         plan = workflow.make_plan(prepared, cluster, constraints, args.model, source)

@@ -250,9 +250,15 @@ def render_plan(console: Console, plan: Plan) -> None:
             if splittable
             else f"no weight of this model divides by tp={plan.tp} (its widths or heads)"
         )
+        run_split = (
+            f"; --layout megatron plans, prices and runs the hand-written Megatron-LM split layout at TP={plan.tp} "
+            "anyway"
+            if splittable
+            else ""
+        )
         console.print(
             f"[yellow]note: TP={plan.tp}, but every weight stays replicated on {plan.cluster}: {why} "
-            "(see --why)[/yellow]"
+            f"(see --why){run_split}[/yellow]"
         )
     if plan.workload is Workload.DECODE and plan.serving is None:
         console.print(
@@ -427,12 +433,13 @@ def render_run(console: Console, report: dict[str, Any]) -> None:
     m, n, p = report["measured"], report["numerics"], report["predicted"]
     table = Table(title="Predicted vs measured")
     for col in ("quantity", "predicted", "measured", "measured / predicted"):
-        table.add_column(col, justify="right")
+        # the labels stay whole (the probe's readings, which made the speed row's label wrap, follow the table)
+        table.add_column(col, justify="right", no_wrap=col == "quantity")
     ratio = m["latency_s"] / p["latency_s"] if p["latency_s"] else None
     table.add_row("latency", fmt_s(p["latency_s"]), fmt_s(m["latency_s"]), f"{ratio:.2f}" if ratio else "-")
     if at_run := m.get("at_run_speed"):  # the same plan priced at the probe's per-node overhead
         table.add_row(
-            f"latency at the run's machine speed ({_probe_text(at_run)})",
+            "latency at the run's machine speed",
             fmt_s(at_run["latency_s"]),
             fmt_s(m["latency_s"]),
             f"{m['latency_s'] / at_run['latency_s']:.2f}",
@@ -449,6 +456,10 @@ def render_run(console: Console, report: dict[str, Any]) -> None:
     )
     table.add_row("process peak memory / rank", "-", fmt_bytes(m["peak_memory_bytes"]), "-")
     console.print(table)
+    if at_run:
+        console.print(
+            f"latency at the run's machine speed: the probe between the timed steps read {_probe_text(at_run)}"
+        )
     _small_memory_note(console, above, p["peak_memory_bytes"])
     console.print(
         f"measured: median of {_samples_text(m)} on the slowest rank; p10 {fmt_s(m['latency_p10_s'])}, "

@@ -354,15 +354,17 @@ def constraints_from(
     recompute: Recompute | None = None,
     sequence_parallel: bool | None = None,
     distributed_optimizer: bool | None = None,
+    layout: str = "auto",
 ) -> Constraints:
-    """Constraints from CLI options (`--ladder` read by `LadderPolicy.parse`; None: the search chooses).
-    Raises InputError for a malformed --ladder, an unknown --schedule or --recompute, or a
-    --virtual-stages without the interleaved schedule."""
+    """Constraints from CLI options (`--ladder` read by `LadderPolicy.parse`; None: the search chooses;
+    `layout`: --layout, "auto" or "megatron", `Constraints.layout`). Raises InputError for a malformed
+    --ladder, an unknown --schedule, --recompute or --layout, or a --virtual-stages without the
+    interleaved schedule."""
     policy = LadderPolicy.parse(ladder or "none", option="--ladder")
     return Constraints(
         tp=tp, pp=pp, dp=dp, ladder=policy, max_devices=max_devices, schedule=schedule,
         virtual_stages=virtual_stages, recompute=recompute, sequence_parallel=sequence_parallel,
-        distributed_optimizer=distributed_optimizer,
+        distributed_optimizer=distributed_optimizer, layout=layout,
     )  # fmt: skip
 
 

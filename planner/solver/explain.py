@@ -129,7 +129,7 @@ def strategy_decisions(priced: PricedAssignment) -> list[Decision]:
                     options[name] = math.inf
                 chosen = choices[(key, op.name)]
                 cheapest = min(options, key=options.get)
-                reason = "cheapest"
+                reason = "cheapest" if len(op.options) > 1 else "the only option offered"
                 if cheapest != chosen and options[cheapest] < options[chosen] * (1 - 1e-9):
                     reason = (
                         f"{cheapest} is {_percent(options[chosen] / options[cheapest] - 1)} faster in this table, which "

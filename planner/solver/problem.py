@@ -227,6 +227,9 @@ class LadderBudget:
         return LadderBudget(self.per_layer, self.limit, (*self.excluded, tuple(sorted(layers))))
 
 
+LAYOUTS = ("auto", "megatron")  # `Constraints.layout` (--layout)
+
+
 @dataclass(frozen=True)
 class Constraints:
     """What the user pins or allows. None = the search chooses. Raises InputError naming the field."""
@@ -250,6 +253,10 @@ class Constraints:
     mip_gap: float = 0.01  # relative optimality gap at which CBC stops (1%; reported in SolverInfo.gap)
     ladder_min_saving_fraction: float = LADDER_MIN_SAVING_FRACTION
     ladder_budget: LadderBudget | None = None  # auto ladder: measured quality budget (`LadderBudget`)
+    # split choices: "auto" the ILP's; "megatron" the hand-written Megatron-LM layout at the mesh's TP
+    # degree (`baseline.megatron_choices`: column-parallel q/k/v/up/gate, row-parallel o/down,
+    # vocab-parallel embedding and LM head), the rest (mesh, stages, recompute, ...) searched as usual
+    layout: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "max_devices"):
@@ -260,6 +267,8 @@ class Constraints:
             raise InputError(f"constraint memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.time_limit_s <= 0:
             raise InputError(f"constraint time_limit_s must be > 0, got {self.time_limit_s}")
+        if self.layout not in LAYOUTS:
+            raise InputError(f"constraint layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
         if not isinstance(self.ladder, LadderPolicy):
             raise InputError(
                 f"constraint ladder must be a LadderPolicy (LadderPolicy.parse), got {self.ladder!r}"

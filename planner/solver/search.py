@@ -47,6 +47,7 @@ from planner.progress import Progress, silent
 from planner.solver.baseline import (
     baseline_plan,
     megatron_assignment,
+    megatron_choices,
     megatron_configs,
     megatron_micro_batch_variants,
 )
@@ -433,6 +434,8 @@ def _price(search: _Search, config: MeshConfig, lazy: bool = False) -> _Candidat
     key = _tables_key(ctx)
     if key not in search.priced:
         tables = build_cost_tables(ctx, search.layer_keys)
+        if search.constraints.layout == "megatron":
+            _megatron_layout_only(tables)
         counts: dict[str, int] = {}
         for k in tables.layer_keys:
             counts[k] = counts.get(k, 0) + 1
@@ -452,6 +455,15 @@ def _price(search: _Search, config: MeshConfig, lazy: bool = False) -> _Candidat
     if not lazy:
         _materialize(search, cand)
     return cand
+
+
+def _megatron_layout_only(tables: CostTables) -> None:
+    """`--layout megatron`: every op of `tables` keeps only the option of the hand-written Megatron-LM
+    layout (`megatron_choices`, as the baseline splits), in place; the ILP then chooses the rest."""
+    choices = megatron_choices(tables.graphs, tables.ends)
+    for key, graph in [*tables.graphs.items(), ("ends", tables.ends)]:
+        for op in graph.ops:
+            op.options = [op.option(choices[(key, op.name)])]
 
 
 def _materialize(search: _Search, cand: _Candidate) -> None:
@@ -741,6 +753,17 @@ def _make_plan(search: _Search, best: _Candidate | None, model_name: str) -> Pla
         for c in sorted(search.candidates, key=lambda c: (c.latency_s is None, c.latency_s or 0.0))
     ]
     decisions = mesh_decision(candidates, config) + _baseline_decision(search, baseline) + decisions
+    if search.constraints.layout == "megatron":
+        decisions.append(
+            Decision(
+                "layout",
+                "megatron",
+                {"megatron": chosen.prediction.latency_s},
+                "pinned by --layout megatron: the hand-written Megatron-LM splits at the mesh's TP degree "
+                "(column-parallel q/k/v/up/gate, row-parallel o/down, vocab-parallel embedding and LM head), "
+                "not the solver's; each op's row below has that one option",
+            )
+        )
     decisions += training_decisions(chosen, search.cap_bytes, _alternative_tables(search), search.constraints)
     decisions += strategy_decisions(chosen)
     decisions += ladder_decision(chosen, search.ladder, search.constraints.ladder_min_saving_fraction)
