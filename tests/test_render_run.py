@@ -1,0 +1,65 @@
+"""The "Predicted vs measured" table (planner.cli.render.render_run) at a terminal's width."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from rich.console import Console
+
+from planner.cli.render import render_run
+
+LABELS = (
+    "latency",
+    "latency at the run's machine speed",
+    "peak memory / rank, above start-up",
+    "process peak memory / rank",
+)
+
+
+def _report() -> dict:
+    """A 2-rank run's report as workflow writes it, with the speed probe re-pricing (forward, backward
+    and matmul readings: the longest probe text)."""
+    return {
+        "predicted": {"latency_s": 2.4e-3, "peak_memory_bytes": 3 * 2**20},
+        "measured": {
+            "latency_s": 2.8e-3,
+            "latency_p10_s": 2.5e-3,
+            "latency_p90_s": 3.5e-3,
+            "per_rank_median_s": [2.5e-3, 2.8e-3],
+            "iterations": 10,
+            "peak_memory_bytes": 350 * 2**20,
+            "startup_memory_bytes": 300 * 2**20,
+            "at_run_speed": {
+                "latency_s": 2.9e-3,
+                "speed_ratio": 1.9,
+                "node_overhead_s": 14.2e-6,
+                "calibrated_node_overhead_s": 7.5e-6,
+                "backward_ratio": 1.8,
+                "backward_node_overhead_s": 30.1e-6,
+                "calibrated_backward_node_overhead_s": 16.4e-6,
+                "matmul_ratio": 1.2,
+                "matmul_flops_per_s": 95.1e9,
+                "calibrated_matmul_flops_per_s": 110.2e9,
+            },
+        },
+        "numerics": {"max_abs_diff": 0.0, "output_scale": 0.9},
+    }
+
+
+@pytest.mark.parametrize("width", [80, 100, 120])
+def test_predicted_vs_measured_keeps_each_quantity_on_one_line(width: int) -> None:
+    """No quantity label is broken across lines (one was cut mid-parenthesis at 100 columns), and the
+    speed probe's readings are still printed in full."""
+    out = io.StringIO()
+    render_run(Console(file=out, width=width, color_system=None, highlight=False), _report())
+    text = out.getvalue()
+    first_cells = [line.split("│")[1].strip() for line in text.splitlines() if line.startswith("│")]
+    assert first_cells == list(LABELS), f"a label broken across lines at {width} columns:\n{text}"
+    flat = " ".join(text.split())
+    for reading in (
+        "14.2 µs per node (calibrated 7.5)",
+        "backward 30.1 µs",
+        "matmul 95.1 GFLOP/s (calibrated 110.2)",
+    ):
+        assert reading in flat, text
