@@ -4,6 +4,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-ruff check .
-ruff format --check .
+
+# ruff checks the files git tracks: files git does not know (a scratch model of your own next to
+# the examples) are excluded, as ruff already excludes what .gitignore names. Ruff still picks the
+# file types (.py, pyproject.toml, Markdown code blocks). Outside a git checkout: the whole tree.
+untracked=()
+if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+  while IFS= read -r -d '' path; do
+    path=$(printf '%s' "${path%/}" | sed 's/[][\\*?{}]/\\&/g; s/,/?/g')  # as a glob (',' splits ruff's list)
+    untracked+=(--extend-exclude "$path")
+  done < <(git ls-files -z --others --exclude-standard --directory)
+fi
+ruff check ${untracked[@]+"${untracked[@]}"} .
+ruff format --check ${untracked[@]+"${untracked[@]}"} .
 pytest -q "$@"
