@@ -59,8 +59,13 @@ def is_plain(p: Any) -> bool:
 
 
 def _spec(mesh: DeviceMesh, p: Placement, val: torch.Tensor) -> DTensorSpec:
+    """The DTensor spec of a value of `val`'s shape and dtype placed `p`, with contiguous strides:
+    placements do not depend on strides, and DTensor's decomposition path views its inputs (the
+    captured strides of a transposed K made `matmul`'s decomposition fail, so a hand-written
+    q @ k^T gathered)."""
     placement = Replicate() if p.is_replicate else Shard(p.dim)
-    return DTensorSpec(mesh, (placement,), TensorMeta(val.shape, val.stride(), val.dtype))
+    stride = torch.empty(val.shape, device="meta").stride()
+    return DTensorSpec(mesh, (placement,), TensorMeta(val.shape, stride, val.dtype))
 
 
 def _ours(spec: Any, val: Any, tp: int) -> Placement | None:
@@ -153,7 +158,9 @@ def propagate_placements(
         return None
     val = ctx.global_val.get(node)
     if isinstance(val, (list, tuple)):
-        specs = out.output_spec if isinstance(out.output_spec, (list, tuple)) else [out.output_spec] * len(val)
+        specs = (
+            out.output_spec if isinstance(out.output_spec, (list, tuple)) else [out.output_spec] * len(val)
+        )
         if len(specs) != len(val):
             return None
         outputs: Any = [_ours(s, v, ctx.tp) if isinstance(v, torch.Tensor) else R for s, v in zip(specs, val)]

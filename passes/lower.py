@@ -33,7 +33,7 @@ from passes.pipeline import split_stages, stage_of_layers, tied_parameters
 from passes.recompute import RecomputedRegion, apply_recompute, mark_attention_cores, recompute_of_layers
 from passes.tensor_parallel import apply_tensor_parallel
 from planner.errors import InputError
-from planner.frontend.analysis import ModelStructure
+from planner.frontend.analysis import ModelStructure, Role
 from planner.plan import Plan
 
 
@@ -56,6 +56,21 @@ class RankLowering:
     chunks: list[fx.GraphModule] = field(default_factory=list)
     sequence_parallel: bool = False  # the TP pass kept the stream sharded along the sequence
     recomputed: list[RecomputedRegion] = field(default_factory=list)  # training: regions re-run in backward
+
+
+def stream_output_weights(structure: ModelStructure) -> frozenset[str]:
+    """Weight FQNs of the projections whose output joins the residual stream: each attention block's
+    o and each MLP's last projection (down, or the last of a chain), as the cost tables'
+    `block_outputs` (`planner.solver.costing.LayerGraph`) read them."""
+    found = set()
+    for layer in structure.layers:
+        for attn in (layer.attention, layer.cross_attention):
+            if attn is not None:
+                found.update(p.weight for p in attn.projections if p.role is Role.O)
+        if layer.mlp is not None and layer.mlp.projections:
+            down = [p for p in layer.mlp.projections if p.role is Role.DOWN]
+            found.add((down or layer.mlp.projections)[-1].weight)
+    return frozenset(found)
 
 
 def lower_for_rank(
@@ -85,7 +100,13 @@ def lower_for_rank(
     if training:
         mark_attention_cores(gm, structure)  # before the passes: meta travels with the nodes
     apply_tensor_parallel(
-        gm, plan.splits, tp_rank, plan.tp, training=training, sequence_parallel=sequence_parallel
+        gm,
+        plan.splits,
+        tp_rank,
+        plan.tp,
+        training=training,
+        sequence_parallel=sequence_parallel,
+        stream_outputs=stream_output_weights(structure),
     )
     apply_ladder(gm, ladder_residual_adds(structure, plan.ladder_layers))
     chunks, tied = [gm], []

@@ -138,6 +138,7 @@ def apply_tensor_parallel(
     axis: str = "tp",
     training: bool = False,
     sequence_parallel: bool = False,
+    stream_outputs: frozenset[str] = frozenset(),
 ) -> fx.GraphModule:
     """Rewrite `gm` in place into rank `tp_rank`'s shard of a `tp_size`-way tensor-parallel model.
 
@@ -145,13 +146,15 @@ def apply_tensor_parallel(
     `planner.plan.WeightSplit`); weights not listed are replicated. Returns `gm`. The rewritten
     module calls `passes.collectives` on mesh axis `axis`, which must be registered before it runs.
     sequence_parallel: keep the stream between TP blocks sharded along the sequence (module docstring).
+    stream_outputs: weight FQNs of the projections whose output joins the residual stream
+    (`passes.lower.stream_output_weights`): a column-parallel one is all-gathered right after it.
     Raises TensorParallelError naming the node whose local shape cannot be made right.
     """
     if tp_size == 1:
         return gm
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
-    ctx = RuleContext(gm, splits, tp_rank, tp_size, axis, training, sequence_parallel)
+    ctx = RuleContext(gm, splits, tp_rank, tp_size, axis, training, sequence_parallel, stream_outputs)
     _propagate(ctx)
     # tied weights (GPT-2 wte / lm_head) reach the graph under one FQN; only those present are checked
     unsharded = [f for f in ctx.param_split if id(operator.attrgetter(f)(gm)) not in ctx.sharded_ids]

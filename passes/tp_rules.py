@@ -136,6 +136,12 @@ def rule_matmul(ctx: RuleContext, node: fx.Node) -> None:
     ctx.replace_param(w.target, sp.dim, sp.parts, pad=sp.size is not None, pieces=sp.pieces)
     if sp.dim == out_dim_of_w:
         _column_parallel(ctx, node, x, b, sp)
+        if w.target in ctx.stream_outputs:
+            # a block's output projection split column-wise: the plan prices its S -> R all-gather
+            # here, where the output joins the residual stream (not at the next norm, which cannot
+            # run on a feature shard)
+            gathered = ctx.replicated(node)
+            node.replace_all_uses_with(gathered, delete_user_cb=lambda user: user is not gathered)
     else:
         _row_parallel(ctx, node, x, w, b)
 

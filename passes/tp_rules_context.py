@@ -87,6 +87,8 @@ class RuleContext:
     sequence_parallel: the plan's `sequence_parallel` (Korthikanti et al. 2022): row-parallel partial
     sums are reduce-scattered along the token dim (`token_dim`) and the stream between TP blocks is
     a sequence shard.
+    stream_outputs: weight FQNs of the projections whose output joins the residual stream (a block's o /
+    down): split column-wise, their output is all-gathered at once, as the plan prices it.
     """
 
     def __init__(
@@ -98,8 +100,10 @@ class RuleContext:
         axis: str,
         training: bool,
         sequence_parallel: bool = False,
+        stream_outputs: frozenset[str] = frozenset(),
     ):
         self.gm, self.graph = gm, gm.graph
+        self.stream_outputs = stream_outputs
         self.sequence_parallel = sequence_parallel
         self.splits, self.rank, self.tp, self.axis, self.training = splits, rank, tp, axis, training
         self.place: dict[fx.Node, Any] = {}

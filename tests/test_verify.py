@@ -233,22 +233,31 @@ def test_fused_swiglu_runs_and_matches_unsharded(tmp_path: Path) -> None:
     assert report["numerics"]["max_abs_diff"] <= 1e-5 * report["numerics"]["output_scale"]
 
 
+def test_a_hand_written_attention_core_splits_by_heads() -> None:
+    """q @ k^T, a masked softmax and p @ v written out (no SDPA) keep the head shard by the general
+    sharding rules (batched matmuls over a head-sharded dim): no gather, the core head-parallel."""
+    prepared, plan = _plan(str(MODELS / "manual_attention.py"), cluster=str(MODELS / "midlink-cpu.yaml"))
+    assert plan.fallbacks == []
+    assert all(c.strategy["core"] == "head" for c in plan.predicted.per_layer if "core" in c.strategy)
+    assert plan.op_placement["general"] > 0
+
+
 def test_a_hand_written_attention_core_is_planned_again_replicated() -> None:
-    """A hand-written core (q @ k^T, softmax, p @ v) is not split by heads by the TP pass: planned with
-    head-parallel attention it gathers q, k and v there (unplanned fallbacks, priced, naming the model's
-    line). make_plan plans again with the core replicated and keeps the faster of the two."""
+    """A hand-written core that mixes the heads' logits (talking heads) cannot be split by heads: planned
+    with head-parallel attention the TP pass gathers the logits at the mix (unplanned fallbacks, priced,
+    naming the model's line). make_plan plans again with the core replicated and keeps the faster."""
     from planner.solver.costing import layer_key  # noqa: PLC0415
     from planner.solver.search import plan_model  # noqa: PLC0415
 
-    model = str(MODELS / "manual_attention.py")
+    model = str(MODELS / "talking_heads.py")
     prepared = workflow.prepare(model)
     spec = load_cluster(str(MODELS / "midlink-cpu.yaml"), 2)
     constraints = workflow.constraints_from(2, None, None, "none")
     alone = plan_model(prepared.structure, spec, prepared.workload, constraints, model_name=model)
     alone = workflow.check_lowering(prepared, alone, spec)
     assert alone.predicted.per_layer[0].strategy["core"] == "head"
-    assert {f.op for f in alone.fallbacks} == {"aten.matmul"}
-    assert all(f.line.startswith("manual_attention.py:") for f in alone.fallbacks)
+    assert {f.op for f in alone.fallbacks} == {"aten.einsum"}
+    assert all(f.line.startswith("talking_heads.py:28") for f in alone.fallbacks)
     classes = frozenset(layer_key(layer) for layer in prepared.structure.layers)
     replicated = dataclasses.replace(prepared.structure, replicated_attention_classes=classes)
     again = plan_model(replicated, spec, prepared.workload, constraints, model_name=model)
@@ -259,20 +268,20 @@ def test_a_hand_written_attention_core_is_planned_again_replicated() -> None:
         min(alone.predicted.latency_s, again.predicted.latency_s)
     )
     # the Megatron baseline splits the core's projections by heads: lowered like a plan, the pass gathers
-    # q, k and v at the core for it too, and it is priced with those gathers (it once was priced as if
+    # the logits at the mix for it too, and it is priced with those gathers (it once was priced as if
     # the core split, and the report called the plan slower than the expert's)
     assert plan.baseline.latency_s > alone.baseline.latency_s
     assert plan.predicted.latency_s <= plan.baseline.latency_s * (1 + 1e-9)
     expert = next(d for d in plan.decisions if d.subject == "megatron-baseline")
     assert (
         "all-gather(s) the TP pass adds to it" in expert.reason
-        and "manual_attention.py:26 `s = (q @ k.transpose" in expert.reason
+        and "talking_heads.py:28 `s = torch.einsum(" in expert.reason
     )
     assert expert.options["latency"] == plan.baseline.latency_s
 
 
 def test_the_replicated_core_exclusion_names_the_ops_and_lines_that_gathered(tmp_path: Path) -> None:
-    """When the plan with the hand-written core replicated wins (a spec where q, k and v's gathers
+    """When the plan with the talking-heads core replicated wins (a spec where the logits' gathers
     cost more than splitting the attention saves: fastlink's with 100x its matmul rate and 300 us per
     collective), its "excluded: core head" line names the ops the TP pass gathered at and the model's
     lines; it said only "an op inside this attention has no head-parallel rule"."""
@@ -283,12 +292,11 @@ def test_the_replicated_core_exclusion_names_the_ops_and_lines_that_gathered(tmp
     spec["links"]["intra_node"]["latency_us"] = 300
     path = tmp_path / "slow-collectives.yaml"
     path.write_text(yaml.safe_dump(spec))
-    r = planner("optimize", str(MODELS / "manual_attention.py"), "--cluster", str(path), "--tp", "2")
+    r = planner("optimize", str(MODELS / "talking_heads.py"), "--cluster", str(path), "--tp", "2")
     assert r.returncode == 0, r.stderr
     said = " ".join((r.stdout + r.stderr).split())  # rich wraps long lines
     assert (
-        "excluded: core head: aten.matmul at manual_attention.py:26 `s = (q @ k.transpose(-1, -2)) / "
-        "math.sqrt(HD)`; aten.matmul at manual_attention.py:29 `return self.o((p @ v).transpose(1, 2)"
-        ".reshape(b, t, C))` have no head-parallel rule: the TP pass gathers there"
+        'excluded: core head: aten.einsum at talking_heads.py:28 `s = torch.einsum("bhts,hg->bgts", '
+        "(q @ k.transpose(-1, -2)) / math.sqrt(HD), self.mix)` has no head-parallel rule: the TP pass gathers there"
     ) in said
     assert "an op inside this attention" not in said

@@ -1,8 +1,6 @@
 """Test model: two pre-LN blocks with a hand-written attention core (q @ k^T, masked softmax, p @ v)
-rather than SDPA. The TP pass splits no hand-written core by heads: it gathers q, k and v there, so
-the planner prices those gathers, plans again with the core replicated, and lowers the Megatron
-baseline like a plan, pricing the gathers the pass adds to it (it once compared its own optimum with
-a baseline priced as if the core split).
+rather than SDPA. Its batched matmuls keep a head shard (the TP pass's general sharding rules), so
+the core splits by heads like SDPA; tests/models/talking_heads.py is the core that cannot.
 """
 
 import math
