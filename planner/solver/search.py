@@ -608,12 +608,63 @@ def _solve_candidates(search: _Search, progress: Progress = silent) -> _Candidat
             )
             continue
         cand.latency_s = predict(cand.tables, sol.assignment).prediction.latency_s
+        _prefer_megatron_pairing(cand, prob)
         _price_virtual_stages(search, cand)
         _price_optimizer(search, cand)
         if best is None or _better(cand, best):
             best = cand
     progress(f"searched {len(order)} mesh candidates", 1.0)
     return best
+
+
+# against Megatron-LM's pairing: a row-parallel projection reading the block's input, a column-parallel
+# one returning the block's output to the stream (`planner.export.common.against_megatron_pairing`)
+_FLIPPED = {"q": "rowwise", "k": "rowwise", "v": "rowwise", "qkv": "rowwise", "gate": "rowwise",
+            "up": "rowwise", "o": "colwise", "down": "colwise"}  # fmt: skip
+PAIRING_MIN_SAVING_FRACTION = 0.005  # as a feature must save 0.5% of the step (README, training)
+
+
+def _without_flipped_splits(tables: CostTables) -> CostTables | None:
+    """Copies of `tables` whose q/k/v/qkv/gate/up ops offer no row-wise and o/down no column-wise
+    option (`_FLIPPED`); None when no op offers one."""
+    changed = False
+
+    def trimmed(graph: LayerGraph) -> LayerGraph:
+        nonlocal changed
+        out = copy.copy(graph)
+        out.ops = []
+        for op in graph.ops:
+            flip = _FLIPPED.get(op.name.removeprefix("cross."))
+            keep = [o for o in op.options if o.name != flip]
+            if flip is not None and len(keep) < len(op.options) and keep:
+                op = copy.copy(op)
+                op.options = keep
+                changed = True
+            out.ops.append(op)
+        return out
+
+    graphs = {k: trimmed(g) for k, g in tables.graphs.items()}
+    ends = trimmed(tables.ends)
+    return CostTables(tables.ctx, graphs, tables.layer_keys, ends) if changed else None
+
+
+def _prefer_megatron_pairing(cand: _Candidate, prob: IlpProblem) -> None:
+    """A solved candidate with a split against Megatron-LM's pairing (`_FLIPPED`, e.g. a column-parallel
+    o on links so fast that two all-gathers cost what one all-reduce does) is solved again without
+    such splits, and that solution kept unless the flipped one saves `PAIRING_MIN_SAVING_FRACTION` of
+    its step: what an expert writes by hand wins a tie, and exports need no warning for it."""
+    choices = cand.solution.assignment.choices
+    if not any(_FLIPPED.get(name.removeprefix("cross.")) == choice for (_, name), choice in choices.items()):
+        return
+    tables = _without_flipped_splits(cand.tables)
+    if tables is None:
+        return
+    sol = solve(dataclasses.replace(prob, tables=tables))
+    if sol.assignment is None:
+        return
+    latency_s = predict(tables, sol.assignment).prediction.latency_s
+    if latency_s <= cand.latency_s * (1 + PAIRING_MIN_SAVING_FRACTION):
+        cand.tables, cand.solution, cand.latency_s = tables, sol, latency_s
 
 
 def _price_virtual_stages(search: _Search, cand: _Candidate) -> None:
