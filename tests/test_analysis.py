@@ -284,3 +284,29 @@ def test_an_encoder_decoder_has_both_stacks_and_cross_attention_roles():
     assert plan.roles[outputs[-1]] == "o"
     embeddings = {plan.splits[e.weight].style for e in s.embeddings if e.weight == s.lm_head.weight}
     assert len(embeddings) == 1  # the encoder's and the decoder's lookups of the shared table split alike
+
+
+def test_a_mixture_of_experts_router_is_a_router_and_stays_replicated():
+    """Hugging Face Mixtral's router (`mlp.gate`: a linear to the 4 expert logits, softmax, top-2) was
+    labelled an MLP `up` projection and split column-wise; it is `router` now, in the plan's roles, and
+    no split of the plan names it (each rank routes its own tokens with the whole router)."""
+    from pathlib import Path
+
+    from costmodels.cluster import load_cluster
+    from planner.cli.workflow import constraints_from, make_plan, prepare
+
+    path = Path(__file__).parent / "models" / "tiny_mixtral.py"
+    prepared = prepare(str(path), "forward")
+    for layer in prepared.structure.layers:
+        assert [(p.weight, p.role) for p in layer.routers] == [
+            (f"model.layers.{layer.index}.mlp.gate.weight", Role.ROUTER)
+        ]
+        assert layer.mlp is None or all(p.role is not Role.ROUTER for p in layer.mlp.projections)
+        assert layer.node_blocks[layer.routers[0].node] == "stream"
+    fastlink = str(Path(__file__).parent / "models" / "fastlink.yaml")
+    plan = make_plan(
+        prepared, load_cluster(fastlink, nproc=2), constraints_from(2, None, None, "none"), str(path)
+    )
+    assert plan.roles["model.layers.0.mlp.gate.weight"] == "router"
+    assert not [w for w in plan.splits if ".mlp.gate." in w]
+    assert plan.predicted.per_layer[0].strategy["core"] == "head"

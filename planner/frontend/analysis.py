@@ -130,6 +130,7 @@ class Role(str, enum.Enum):
     DOWN = "down"  # MLP down projection, back to the stream width
     FC = "fc"  # a linear of a plain MLP chain, or an MLP projection that fits none of the above
     LM_HEAD = "lm_head"  # the output projection onto the vocabulary
+    ROUTER = "router"  # a mixture-of-experts router: a linear to the expert logits, then top-k
 
     def __str__(self) -> str:
         return self.value
@@ -230,6 +231,9 @@ class Layer:
     # stream, k / v from the encoder's output (a side input); its nodes are "cross" in `node_blocks`
     # ("cross_core": its SDPA / matmuls), like "attention" and "core" of the first
     cross_attention: Attention | None = None
+    # mixture-of-experts routers (`Role.ROUTER`): linears whose logits choose experts by top-k; not an
+    # MLP projection, kept replicated (each rank routes its tokens); nodes "stream" in `node_blocks`
+    routers: list[Projection] = field(default_factory=list)
 
 
 @dataclass
@@ -816,7 +820,13 @@ def _layer(
     member_names = {n.name for n in members}
     projs = [projections[n.name] for n in members if n.name in projections]
     attention, cross, attention_projs = _attention(members, member_names, projections)
-    mlp_projs = [p for p in projs if p not in attention_projs]
+    node_of = {n.name: n for n in members}
+    routers = [
+        p for p in projs if p not in attention_projs and _routes(node_of[p.node], member_names, projections)
+    ]
+    for p in routers:
+        p.role = Role.ROUTER
+    mlp_projs = [p for p in projs if p not in attention_projs and p not in routers]
     mlp = _mlp(mlp_projs, members, member_names, projections) if mlp_projs else None
     used_outside = [
         n for n in members if n.op != "get_attr" and any(u.name not in member_names for u in n.users)
@@ -831,11 +841,13 @@ def _layer(
     stream = _stream_input(attention, mlp, members, member_names, external, output, projections)
     weights = {n.target for n in members if n.op == "get_attr" and n.target in params}
     blocks = _node_blocks(members, member_names, projections, attention, mlp, cross)
+    blocks.update({p.node: "stream" for p in routers})  # replicated, priced with the stream's ops
     return Layer(
         index=index,
         module_path=path,
         attention=attention,
         mlp=mlp,
+        routers=routers,
         nodes=[n.name for n in members],
         input_node=stream.name,
         output_node=output.name,
@@ -1109,6 +1121,22 @@ def _projection_ancestors(
 
 
 # --------------------------------------------------------------------------------------------- mlp
+
+
+def _routes(node: fx.Node, member_names: set[str], projections: dict[str, Projection]) -> bool:
+    """Whether `node`'s output reaches an `aten.topk` inside the layer without passing through another
+    projection: a mixture-of-experts router (Mixtral's `gate`, Qwen-MoE's, DeepSeek's, softmax or
+    sigmoid before the top-k)."""
+    queue, seen = deque([node]), {node.name}
+    while queue:
+        for user in queue.popleft().users:
+            if user.name in seen or user.name not in member_names or user.name in projections:
+                continue
+            if op_name(user.target) == "aten.topk":
+                return True
+            seen.add(user.name)
+            queue.append(user)
+    return False
 
 
 def _mlp(

@@ -862,6 +862,7 @@ def _plan_of(search: _Search, priced: PricedAssignment, model_name: str, solver:
 def projection_roles(structure: ModelStructure) -> dict[str, str]:
     """Weight FQN -> `Role` value of every projection of the model (`Plan.roles`)."""
     projections = [p for layer in structure.layers for p in layer_projection_ops(layer).values()]
+    projections += [p for layer in structure.layers for p in layer.routers]
     projections += list(structure.mlp_chain)
     if structure.lm_head is not None:
         projections.append(structure.lm_head)
