@@ -125,6 +125,45 @@ def _is_tensor_node(ctx: RuleContext, a: Any) -> bool:
     return isinstance(a, fx.Node) and isinstance(ctx.global_val.get(a), torch.Tensor)
 
 
+def _ask(op: OpOverload, args_schema: tuple, kwargs_schema: dict) -> Any:
+    """DTensor's OutputSharding for `op` on these specs, or None when it has no answer."""
+    prop = DTensor._op_dispatcher.sharding_propagator
+    info = prop.op_to_schema_info.get(op) or prop.op_to_schema_info_for_single_dim_strategy.get(op)
+    try:
+        return prop.propagate_op_sharding(OpSchema(op, args_schema, kwargs_schema, schema_info=info))
+    except Exception:  # no strategy (NotImplementedError) or the propagator gave up on this op
+        return None
+
+
+def _ask_tensor_overload(mesh: DeviceMesh, op: OpOverload, args_schema: tuple, kwargs_schema: dict) -> Any:
+    """DTensor's answer for `op` through a sibling overload that takes a tensor where `op` takes a
+    Python scalar, the scalars as replicated 0-dim tensors: `where.ScalarOther(c, x, -inf)` (HF T5's
+    masked attention under training) is placed as `where.self(c, x, tensor(-inf))` would be. The
+    scalars stay scalars in the rewritten node. None when no sibling answers."""
+    for name in op.overloadpacket.overloads():
+        sibling = getattr(op.overloadpacket, name)
+        params = [a for a in sibling._schema.arguments if not a.kwarg_only]
+        if sibling is op or len(params) < len(args_schema):
+            continue
+        wrapped = []
+        for arg, param in zip(args_schema, params):
+            if (
+                isinstance(arg, (int, float))
+                and not isinstance(arg, bool)
+                and param.type.kind() == "TensorType"
+            ):
+                dtype = torch.float32 if isinstance(arg, float) else torch.int64
+                wrapped.append(DTensorSpec(mesh, (Replicate(),), TensorMeta(torch.Size(()), (), dtype)))
+            else:
+                wrapped.append(arg)
+        if wrapped == list(args_schema):
+            continue
+        out = _ask(sibling, tuple(wrapped), kwargs_schema)
+        if out is not None:
+            return out
+    return None
+
+
 def propagate_placements(
     ctx: RuleContext, node: fx.Node
 ) -> tuple[list[Placement], list[Any], dict[str, Any], Any] | None:
@@ -149,12 +188,10 @@ def propagate_placements(
     args, kwargs = _nonnegative_dims(ctx, node)
     args_schema = fx.node.map_aggregate(args, to_schema)
     kwargs_schema = {k: fx.node.map_aggregate(v, to_schema) for k, v in kwargs.items()}
-    prop = DTensor._op_dispatcher.sharding_propagator
-    info = prop.op_to_schema_info.get(op) or prop.op_to_schema_info_for_single_dim_strategy.get(op)
-    try:
-        schema = OpSchema(op, tuple(args_schema), kwargs_schema, schema_info=info)
-        out = prop.propagate_op_sharding(schema)
-    except Exception:  # no strategy (NotImplementedError) or the propagator gave up on this op
+    out = _ask(op, tuple(args_schema), kwargs_schema)
+    if out is None:
+        out = _ask_tensor_overload(mesh, op, tuple(args_schema), kwargs_schema)
+    if out is None:
         return None
     val = ctx.global_val.get(node)
     if isinstance(val, (list, tuple)):
@@ -192,7 +229,11 @@ def propagate_placements(
                 return None
             wanted.append(p)
             values.append(a)
-        elif new_leaves is not None and out.use_val_from_redistribute_schema:
+        elif (
+            new_leaves is not None
+            and out.use_val_from_redistribute_schema
+            and not isinstance(new_leaves[i], DTensorSpec)
+        ):
             values.append(new_leaves[i])
         else:
             values.append(a)

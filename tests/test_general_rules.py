@@ -150,3 +150,28 @@ def test_slices_of_a_fused_projection_take_each_rank_s_part() -> None:
     assert not [n.name for n in _calls(gm) if FALLBACK_META in n.meta]
     (sdpa,) = [n for n in _calls(gm) if "scaled_dot_product" in str(n.target)]
     assert sdpa.meta["tp_placement"] == "Shard(1)"
+
+
+class MaskedWithScalar(nn.Module):
+    """torch.where(mask, h, -1e4): the overload that takes a Python scalar (where.ScalarOther) has no
+    DTensor strategy of its own; it is placed as the tensor overload would be."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(C, 4 * C, bias=False), nn.Linear(4 * C, C, bias=False)
+        self.register_buffer("keep", torch.rand(1, T, 1) > 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.where(self.keep, self.up(x), -1e4))
+
+
+def test_an_overload_taking_a_scalar_is_placed_as_its_tensor_overload() -> None:
+    splits = {
+        "up.weight": WeightSplit("up.weight", "colwise", 0),
+        "down.weight": WeightSplit("down.weight", "rowwise", 1),
+    }
+    gm = _lower(MaskedWithScalar(), splits, torch.randn(B, T, C))
+    (where,) = [n for n in _calls(gm) if "where" in str(n.target)]
+    assert str(where.target) == "aten.where.ScalarOther" and where.args[2] == -1e4
+    assert where.meta["tp_placement"] == "Shard(2)" and where.meta["tp_rule"] == "general"
+    assert not [n.name for n in _calls(gm) if FALLBACK_META in n.meta]
