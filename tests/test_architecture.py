@@ -106,3 +106,53 @@ def test_layer_check_catches_an_upward_import(tmp_path: Path) -> None:
     # the check itself can fail: a cost model importing the solver is against the order
     assert layer_of("planner.solver.ilp") > layer_of("costmodels.comm")
     assert layer_of("planner.cli.main") > layer_of("runtime.execute") > layer_of("passes.tensor_parallel")
+
+
+# pricing the command line may not do itself: the cost models' formulas, calibration's timers, the
+# solver's cost tables (`layer_key` names a layer class, it prices nothing)
+PRICING_MODULES = ("costmodels.compute", "costmodels.comm", "costmodels.memory")
+PRICING_NAMES = {
+    "costmodels.calibrate": {"matmul_shape_time_ratios", "conv_time_ratios", "activation_time_ratios",
+                             "graph_node_time_ratio", "probe_model", "spec_threads"},
+    "planner.solver.costing": None,  # every name but the allowed ones
+}  # fmt: skip
+ALLOWED_COSTING = {"layer_key"}
+
+
+def pricing_in(path: Path) -> list[str]:
+    """The pricing a command-line module does itself: imports of the cost models' formulas or timers,
+    and specs whose device it rebuilds (`replace(..., device=...)`)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module in PRICING_MODULES:
+                found.append(f"{path.name}:{node.lineno} imports {node.module}")
+            elif node.module in PRICING_NAMES:
+                banned = PRICING_NAMES[node.module]
+                for alias in node.names:
+                    if (banned is None and alias.name not in ALLOWED_COSTING) or (
+                        banned and alias.name in banned
+                    ):
+                        found.append(f"{path.name}:{node.lineno} imports {node.module}.{alias.name}")
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "replace":
+            if any(k.arg == "device" for k in node.keywords):
+                found.append(f"{path.name}:{node.lineno} rebuilds a cluster spec's device")
+    return found
+
+
+def test_the_command_line_prices_nothing_itself() -> None:
+    """Pricing (the cost models, calibration's timers, a spec refined with the model's own timings)
+    lives in costmodels and planner.solver (`planner.solver.machine.priced_machine`); planner.cli only
+    orchestrates and renders."""
+    found = [hit for path in sorted((ROOT / "planner" / "cli").glob("*.py")) for hit in pricing_in(path)]
+    assert not found, found
+
+
+def test_the_pricing_check_catches_a_spec_rebuilt_in_the_command_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "from dataclasses import replace\nfrom costmodels.calibrate import matmul_shape_time_ratios\n"
+        "def f(c):\n    return replace(c, device=replace(c.device, node_overhead_s=1.0))\n"
+    )
+    assert len(pricing_in(bad)) == 2  # the timer imported, the device rebuilt

@@ -17,6 +17,7 @@ from costmodels.cluster import CALIBRATED_SPEC_NAME, load_cluster
 from planner.cli import workflow
 from planner.frontend.analysis import conv_call_at_batch
 from planner.plan import MeshShape
+from planner.solver import machine
 from planner.solver.costing import (
     CostContext,
     embedding_gradient_time_s,
@@ -44,7 +45,7 @@ def cpu():
 
 def _as_calibrated(base):
     """``base`` named as this machine's calibrated spec, with a speed-probe reference: planning on it
-    times the model's own shapes (`workflow.with_model_matmul_rates`)."""
+    times the model's own shapes (`workflow.priced_cluster`)."""
     return dataclasses.replace(
         base,
         name=CALIBRATED_SPEC_NAME,
@@ -215,8 +216,8 @@ def test_planning_on_a_calibrated_spec_times_the_convolutions(monkeypatch) -> No
     monkeypatch.setattr(cal, "conv_time_ratios", fake)
     monkeypatch.setattr(cal, "matmul_shape_time_ratios", lambda *a, **k: {})
     monkeypatch.setattr(cal, "activation_time_ratios", lambda *a, **k: {})
-    monkeypatch.setattr(workflow, "_SHAPE_RATIOS", {})
-    timed = workflow.with_model_matmul_rates(prepared, calibrated)
+    monkeypatch.setattr(machine, "_SHAPE_RATIOS", {})
+    timed = workflow.priced_cluster(prepared, calibrated)
     # every convolution at the whole batch and at each DP share over the spec's 2 ranks
     want = {conv_call_at_batch(c.call, b) for c in convs for b in (4, 8)}
     assert len(seen) == 1 and set(seen[0]) == want and len(seen[0]) == 6
@@ -296,7 +297,7 @@ def test_activation_nodes_carry_their_op_and_arguments_as_a_call() -> None:
     nodes, structure = _activation_nodes()
     assert set(nodes) == {GELU, GELU_TANH, SILU, LEAKY}
     assert all(c.kind == "memory" for cs in nodes.values() for c in cs)
-    assert workflow.model_activation_calls(structure) == sorted(
+    assert machine.model_activation_calls(structure) == sorted(
         {GELU: 16 * 256, GELU_TANH: 16 * 256, SILU: 16 * 256, LEAKY: 16 * 256}.items(), key=repr
     )
     x = torch.linspace(-3, 3, 7)
@@ -363,12 +364,12 @@ def test_an_activation_timed_slower_prices_the_model_slower(monkeypatch) -> None
 
     monkeypatch.setattr(cal, "activation_time_ratios", fake)
     monkeypatch.setattr(cal, "matmul_shape_time_ratios", lambda *a, **k: {})
-    monkeypatch.setattr(workflow, "_SHAPE_RATIOS", {})
-    assert workflow.with_model_matmul_rates(prepared, calibrated).device.activation_time_ratios == {GELU: 4.0}
+    monkeypatch.setattr(machine, "_SHAPE_RATIOS", {})
+    assert workflow.priced_cluster(prepared, calibrated).device.activation_time_ratios == {GELU: 4.0}
     assert seen == [[(GELU, 64 * 256)]]
     constraints = workflow.constraints_from(1, 1, 1, "none")
     slower = workflow.make_plan(prepared, calibrated, constraints, "examples/mlp.py")
-    monkeypatch.setattr(workflow, "_SHAPE_RATIOS", {})
+    monkeypatch.setattr(machine, "_SHAPE_RATIOS", {})
     monkeypatch.setattr(cal, "activation_time_ratios", lambda calls, *a, **k: {c: 1.0 for c, _ in calls})
     plain = workflow.make_plan(prepared, calibrated, constraints, "examples/mlp.py")
     gelu = compute.op_time_s(64 * 256, 2 * 4 * 64 * 256, base.device, "fp32", "memory", launch=False)

@@ -1,4 +1,4 @@
-"""A run re-priced at the machine's speed measured beside its steps (`workflow.at_run_speed`): the
+"""A run re-priced at the machine's speed measured beside its steps (`planner.solver.machine.at_run_speed`): the
 per-node overhead the speed probe read replaces the calibrated one, the rest of the spec stays."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import pytest
 from costmodels.cluster import CALIBRATED_SPEC_NAME, load_cluster
 from planner.cli import workflow
 from planner.cli.render import speed_line
+from planner.solver import machine
 from planner.solver.problem import Constraints, WorkloadSpec
 from planner.solver.search import plan_model
 from tests.planner_fixtures import analysed_llama
@@ -43,11 +44,11 @@ def test_at_run_speed_reprices_the_plan_at_the_probed_per_node_overhead(calibrat
     plan = _plan(structure, calibrated, workload)
     base_s = calibrated.device.node_overhead_s
     assert workflow.probes_speed(calibrated) and not workflow.probes_speed(load_cluster("local-cpu", 2))
-    same = workflow.at_run_speed(plan, structure, calibrated, _run(1.0, base_s))
+    same = machine.at_run_speed(plan, structure, calibrated, _run(1.0, base_s))
     assert same["speed_ratio"] == pytest.approx(1.0)
     assert same["latency_s"] == pytest.approx(plan.predicted.latency_s)  # unchanged at the calibrated speed
-    slow = workflow.at_run_speed(plan, structure, calibrated, _run(1.0, 2 * base_s))
-    fast = workflow.at_run_speed(plan, structure, calibrated, _run(1.0, 0.5 * base_s))
+    slow = machine.at_run_speed(plan, structure, calibrated, _run(1.0, 2 * base_s))
+    fast = machine.at_run_speed(plan, structure, calibrated, _run(1.0, 0.5 * base_s))
     # only the dispatch share of the step moves: slower, but less than 2x (compute and comm stay)
     assert plan.predicted.latency_s < slow["latency_s"] < 2 * plan.predicted.latency_s
     assert 0.5 * plan.predicted.latency_s < fast["latency_s"] < plan.predicted.latency_s
@@ -55,7 +56,7 @@ def test_at_run_speed_reprices_the_plan_at_the_probed_per_node_overhead(calibrat
     referenced = dataclasses.replace(
         calibrated, device=dataclasses.replace(calibrated.device, probe_matmul_flops_per_s=50e9)
     )
-    half = workflow.at_run_speed(plan, structure, referenced, _run(1.0, base_s, matmul=25e9))
+    half = machine.at_run_speed(plan, structure, referenced, _run(1.0, base_s, matmul=25e9))
     # matmuls at half their calibrated rate: slower, by less than 2x (dispatch and comm stay)
     assert half["matmul_ratio"] == pytest.approx(2.0)
     assert plan.predicted.latency_s < half["latency_s"] < 2 * plan.predicted.latency_s
@@ -63,15 +64,15 @@ def test_at_run_speed_reprices_the_plan_at_the_probed_per_node_overhead(calibrat
     sized = dataclasses.replace(
         calibrated, device=dataclasses.replace(calibrated.device, probe_node_overhead_s=base_s / 2)
     )
-    at_ref = workflow.at_run_speed(plan, structure, sized, _run(1.0, base_s / 2))
+    at_ref = machine.at_run_speed(plan, structure, sized, _run(1.0, base_s / 2))
     assert at_ref["speed_ratio"] == pytest.approx(1.0) and at_ref["latency_s"] == pytest.approx(
         plan.predicted.latency_s
     )
-    assert workflow.at_run_speed(plan, None, calibrated, _run(1.0, base_s)) is None
+    assert machine.at_run_speed(plan, None, calibrated, _run(1.0, base_s)) is None
     # a probe that read no per-node slope (0 on a loaded machine) is no reading: nothing re-priced,
     # and the verdict's speed line (which divides by the ratio) is not printed
-    assert workflow.at_run_speed(plan, structure, calibrated, _run(1.0, 0.0)) is None
-    assert workflow.at_run_speed(plan, structure, calibrated, {"measured": {"latency_s": 1.0}}) is None
+    assert machine.at_run_speed(plan, structure, calibrated, _run(1.0, 0.0)) is None
+    assert machine.at_run_speed(plan, structure, calibrated, {"measured": {"latency_s": 1.0}}) is None
 
 
 def test_speed_line_only_when_the_machine_drifted() -> None:

@@ -13,6 +13,7 @@ from costmodels import calibrate as cal
 from costmodels.cluster import CALIBRATED_SPEC_NAME, load_cluster
 from costmodels.compute import linear_bytes, linear_flops, op_time_s
 from planner.cli import workflow
+from planner.solver import machine
 from planner.solver.costing import model_matmul_shapes
 from tests.planner_fixtures import analysed_llama
 
@@ -149,15 +150,15 @@ def test_planning_times_shapes_on_a_calibrated_spec_only(calibrated, monkeypatch
         return {(k, n): 0.5 for _, k, n in shapes}
 
     monkeypatch.setattr(cal, "matmul_shape_time_ratios", fake)
-    monkeypatch.setattr(workflow, "_SHAPE_RATIOS", {})
+    monkeypatch.setattr(machine, "_SHAPE_RATIOS", {})
     prepared = workflow.prepare("examples/mlp.py", "forward", batch_size=64)
-    timed = workflow.with_model_matmul_rates(prepared, calibrated)
+    timed = workflow.priced_cluster(prepared, calibrated)
     assert timed.device.matmul_shape_time_ratios == {(k, n): 0.5 for _, k, n in calls[0]}
     assert (64, 64, 256) in calls[0]  # the first Linear(64, 256) at 64 rows
-    workflow.with_model_matmul_rates(prepared, calibrated)
+    workflow.priced_cluster(prepared, calibrated)
     assert len(calls) == 1  # cached for the process
     preset = load_cluster("local-cpu", 2)
-    assert workflow.with_model_matmul_rates(prepared, preset) is preset
+    assert workflow.priced_cluster(prepared, preset) is preset
     plain = workflow.make_plan(
         prepared, preset, workflow.constraints_from(1, 1, 1, "none"), "examples/mlp.py"
     )

@@ -368,7 +368,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         if cluster is None:
             cluster = cluster_spec()
         # this machine's spec: the model's own matmul shapes timed here, for every use of the spec below
-        cluster = workflow.with_model_matmul_rates(prepared, cluster, bars)
+        cluster = workflow.priced_cluster(prepared, cluster, bars)
         bars("solving the ILP", None)
         pp, dp = args.pp, args.dp
         if args.run and prepared.request is not None:  # --run serves a request with tensor parallelism only

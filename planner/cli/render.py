@@ -336,7 +336,7 @@ def _off(ratio: float | None) -> bool:
 
 
 def speed_line(at_run: dict[str, Any] | None, measured_s: float, busy: str | None = None) -> str | None:
-    """The verdict at the machine's speed during the run (`workflow.at_run_speed`), when the speed
+    """The verdict at the machine's speed during the run (`planner.solver.machine.at_run_speed`), when the speed
     probe's per-node overhead (forward, or backward when training) or matmul rate read outside
     `SPEED_NOTE_FACTOR` of calibration; else None. ``busy``: the advice when other processes shared
     the cores (`main.busy_during_run`), which then replaces blaming the cost model."""

@@ -8,11 +8,9 @@ shows progress and renders. Errors are `planner.errors` exceptions with the exit
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import tempfile
-import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -21,8 +19,6 @@ import torch
 import torch.fx as fx
 
 from costmodels.cluster import (
-    CALIBRATED_SOURCE,
-    CALIBRATED_SPEC_NAME,
     ClusterSpec,
     load_cluster,
     preset_names,
@@ -30,7 +26,7 @@ from costmodels.cluster import (
 from costmodels.dtypes import dtype_bytes
 from passes.verify import verify_plan
 from planner.errors import InfeasibleError, InputError, RunError
-from planner.frontend.analysis import ModelStructure, conv_call_at_batch
+from planner.frontend.analysis import ModelStructure
 from planner.frontend.capture import input_batch_dims
 from planner.frontend.depth import capture_for_planning
 from planner.frontend.modelfile import ModelFile, load_model_file
@@ -49,9 +45,12 @@ from planner.plan import (
 )
 from planner.progress import Progress, silent
 from planner.solver.explain import memory_fit_text, with_memory_fit
+from planner.solver.machine import at_run_speed, priced_machine, priced_workload
+from planner.solver.machine import probe_roofline as probe_roofline  # re-exported for planner calibrate
+from planner.solver.machine import probes_speed as probes_speed  # re-exported for planner run
 from planner.solver.problem import Constraints, LadderPolicy, WorkloadSpec
 from planner.solver.search import megatron_plan, plan_model
-from planner.solver.serving import kv_fallbacks, plan_prediction, predict_with_plan, price_request
+from planner.solver.serving import kv_fallbacks, plan_prediction, price_request
 
 DEFAULT_CONTEXT = 2048  # decode: KV-cache tokens when --context is not given
 DEFAULT_NEW_TOKENS = 16  # decode / generate of a model with a KV cache: tokens generated per sequence
@@ -323,26 +322,6 @@ def calibration_nproc(nproc: int) -> int:
     return min(nproc, os.cpu_count() or 1)
 
 
-def probe_roofline(blocks: int, cluster: ClusterSpec) -> tuple[float, int]:
-    """(roofline seconds, charged nodes) the cost model prices for `planner calibrate`'s probe graph
-    at a small model's scale (`costmodels.compute.SIZED_PROBE`) with `blocks` blocks, on `cluster`
-    (`planner.solver.costing.graph_roofline_s`, `graph_node_count`); captured on meta. `calibrate`
-    subtracts it from the probe's measured time to price the per-node overhead."""
-    import torch  # noqa: PLC0415
-
-    from costmodels.calibrate import probe_model  # noqa: PLC0415
-    from costmodels.compute import SIZED_PROBE  # noqa: PLC0415
-    from planner.frontend.analysis import analyse  # noqa: PLC0415
-    from planner.frontend.capture import capture  # noqa: PLC0415
-    from planner.solver.costing import graph_node_count, graph_roofline_s  # noqa: PLC0415
-
-    dim, heads, tokens = SIZED_PROBE
-    with torch.device("meta"):
-        model = probe_model(blocks, dim, heads)
-    structure = analyse(capture(model, (torch.empty(1, tokens, dim, device="meta"),), {}))
-    return graph_roofline_s(structure, cluster), graph_node_count(list(structure.node_costs), structure)
-
-
 def constraints_from(
     tp: int | None,
     pp: int | None,
@@ -560,7 +539,7 @@ def make_plan(
     search and the lowering. Raises InfeasibleError (exit 3: no plan, or one the passes cannot
     lower) or InputError (exit 2)."""
     check_pinned_tp(prepared.structure, constraints.tp)
-    cluster = with_model_matmul_rates(prepared, cluster, progress)
+    cluster = priced_cluster(prepared, cluster, progress)
     plan = plan_model(
         prepared.structure,
         cluster,
@@ -760,18 +739,6 @@ def _baseline_note(decisions: list[Decision], latency_s: float | None, note: str
     return out
 
 
-def priced_workload(plan: Plan) -> WorkloadSpec:
-    """The workload `plan.predicted` prices: a serving plan's decode step (one token per sequence after
-    its prompt, as `price_request`), else the plan's workload, batch, sequence and micro-batches."""
-    if plan.serving is not None:
-        return WorkloadSpec(
-            Workload.DECODE, plan.batch_size, 1, context=plan.serving.prompt_len, dtype=plan.dtype
-        )
-    return WorkloadSpec(
-        plan.workload, plan.batch_size, plan.seq_len, micro_batches=plan.micro_batches, dtype=plan.dtype
-    )
-
-
 def reprice_if_edited(plan: Plan, prepared: Prepared, cluster: ClusterSpec) -> Plan | None:
     """`plan` priced again on `cluster` when its decisions (splits, mesh, stages, ladder, schedule,
     recompute, ...: `Plan.decisions_digest`) no longer match those it was priced with (`Plan.priced_digest`:
@@ -779,7 +746,7 @@ def reprice_if_edited(plan: Plan, prepared: Prepared, cluster: ClusterSpec) -> P
     to price again; a serving plan's request is priced again too."""
     if not plan.priced_digest or plan.priced_digest == plan.decisions_digest():
         return None
-    cluster = with_model_matmul_rates(prepared, cluster)
+    cluster = priced_cluster(prepared, cluster)
     structure = prepared.structure
     edited = replace(plan, fallbacks=[])
     edited.predicted = plan_prediction(edited, structure, cluster, priced_workload(plan), plan.ladder_layers)
@@ -851,230 +818,12 @@ def _rebaselined(
     )
 
 
-# this process's timings (matmul ratios, convolution ratios), by spec and shapes
-_SHAPE_RATIOS: dict[tuple, tuple[dict[tuple[int, int], float], dict[tuple, float]]] = {}
+def priced_cluster(prepared: Prepared, cluster: ClusterSpec, progress: Progress = silent) -> ClusterSpec:
+    """`planner.solver.machine.priced_machine` for `prepared`, with the serving loop's own decode step
+    (`runtime.decode.host_step_time_s`) as the timer of a served request's host work."""
+    from runtime.decode import host_step_time_s  # noqa: PLC0415 - the runtime only when pricing a request here
 
-
-def with_model_matmul_rates(
-    prepared: Prepared, cluster: ClusterSpec, progress: Progress = silent
-) -> ClusterSpec:
-    """`_with_model_rates`, and for a serving request on this machine's calibrated spec the host work
-    of a decode step and the per-node time of its graph timed too (`with_decode_host_time`,
-    `with_decode_graph_time`)."""
-    timed = with_decode_host_time(prepared, _with_model_rates(prepared, cluster, progress))
-    return with_decode_graph_time(prepared, timed, progress)
-
-
-def _times_here(cluster: ClusterSpec) -> bool:
-    """Whether `cluster` is this machine's calibrated gloo spec, whose figures the planner refines by
-    timing the model's own shapes and graphs here (`with_model_matmul_rates`)."""
-    return probes_speed(cluster) and cluster.backend == "gloo"
-
-
-_DECODE_HOST_S: dict[tuple, float] = {}  # (model path, batch, prompt, new tokens, vocab, threads) -> s
-
-
-def with_decode_host_time(prepared: Prepared, cluster: ClusterSpec) -> ClusterSpec:
-    """`cluster` with `DeviceSpec.decode_host_s` timed on this machine (`runtime.decode.host_step_time_s`:
-    the model file's step inputs and the last logits, around the graph in each timed decode step),
-    when `prepared` is a serving request and `cluster` this machine's calibrated gloo spec; else
-    `cluster` unchanged. Timed once per request shape in a process (about 0.2 s)."""
-    from costmodels.calibrate import intra_op_threads, spec_threads  # noqa: PLC0415
-    from runtime.decode import host_step_time_s  # noqa: PLC0415
-
-    request, structure = prepared.request, prepared.structure
-    if request is None or cluster.device.decode_host_s is not None:
-        return cluster
-    if not _times_here(cluster) or structure.lm_head is None:
-        return cluster
-    batch, vocab = prepared.workload.batch_size, structure.lm_head.out_features
-    threads = spec_threads(cluster)
-    key = (str(prepared.model_file.path), batch, request.prompt_len, request.new_tokens, vocab, threads)
-    if key not in _DECODE_HOST_S:
-        with intra_op_threads(threads):
-            _DECODE_HOST_S[key] = host_step_time_s(
-                prepared.model_file, batch, request.prompt_len, request.new_tokens, vocab
-            )
-    return replace(cluster, device=replace(cluster.device, decode_host_s=_DECODE_HOST_S[key]))
-
-
-# (model path, batch, prompt, new tokens, threads, spec name, spec sources) -> ratio (None: not timed)
-_DECODE_NODE_RATIOS: dict[tuple, float | None] = {}
-# the most parameter and cache bytes a model may hold for its decode graph to be timed when planning
-# (built with real weights on this machine): the examples' tiny models hold a few MB; a model that
-# runs here at all is far below this
-DECODE_GRAPH_TIMING_MAX_BYTES = 1 << 30
-
-
-def with_decode_graph_time(
-    prepared: Prepared, cluster: ClusterSpec, progress: Progress = silent
-) -> ClusterSpec:
-    """`cluster` with `DeviceSpec.decode_node_time_ratio`: the model's own decode graph built with real
-    weights, captured and timed on this machine against its price
-    (`costmodels.calibrate.graph_node_time_ratio`: its time net of the priced roofline per node, over
-    the per-node overhead priced for it), when `prepared` is a serving request, `cluster` this
-    machine's calibrated gloo spec with the toy probe's reading, and the model's parameters and
-    caches fit in `DECODE_GRAPH_TIMING_MAX_BYTES`; else `cluster` unchanged (the probe's per-node
-    figure prices the step). About 2 s (capture and 1 s of timing), once per request shape in a
-    process. A model whose decode graph fails to build or run here keeps the probe's figure."""
-    from costmodels.calibrate import graph_node_time_ratio, spec_threads  # noqa: PLC0415
-    from costmodels.cluster import cluster_for_ranks  # noqa: PLC0415
-    from costmodels.compute import per_node_overhead_s  # noqa: PLC0415
-    from planner.frontend.analysis import analyse  # noqa: PLC0415
-    from planner.frontend.capture import capture, flat_inputs  # noqa: PLC0415
-    from planner.frontend.phases import phase_inputs  # noqa: PLC0415
-    from planner.solver.costing import graph_node_count, graph_roofline_s  # noqa: PLC0415
-
-    request, structure, dev = prepared.request, prepared.structure, cluster.device
-    if request is None or dev.decode_node_time_ratio is not None or not dev.probe_node_overhead_s:
-        return cluster
-    if not _times_here(cluster):
-        return cluster
-    held = sum(math.prod(shape) for shape in prepared.param_shapes.values()) * dtype_bytes(structure.dtype)
-    held += sum(layer.attention.cache_bytes for layer in structure.layers if layer.attention is not None)
-    if held > DECODE_GRAPH_TIMING_MAX_BYTES:
-        return cluster
-    batch = prepared.workload.batch_size
-    threads = spec_threads(cluster)
-    key = (
-        str(prepared.model_file.path), batch, request.prompt_len, request.new_tokens, threads,
-        cluster.name, cluster.sources,
-    )  # fmt: skip
-    if key not in _DECODE_NODE_RATIOS:
-        progress("timing the model's decode graph on this machine", None)
-        # the graph is timed in one process with its own core: priced against the spec's figures for a
-        # process that does not time-share (a spec re-sized to more ranks than cores stretches its
-        # per-node overhead and slows its peaks, which the ratio would otherwise undo)
-        alone = cluster_for_ranks(cluster, 1)
-        phase = decode_phase(batch, request.prompt_len, request.cache_len)
-        try:
-            model = build_for(prepared.model_file, phase, "cpu")
-            args, kwargs = phase_inputs(prepared.model_file, phase, device="cpu")
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                gm = capture(model, args, kwargs)
-            inputs = flat_inputs(args, kwargs)
-            timed = analyse(gm)
-            elements = batch * structure.hidden_size if structure.hidden_size else None
-            _DECODE_NODE_RATIOS[key] = graph_node_time_ratio(
-                lambda: gm(*inputs),
-                graph_node_count(list(timed.node_costs), timed),
-                graph_roofline_s(timed, alone),
-                per_node_overhead_s(alone.device, elements) or 0.0,
-                dev.probe_node_overhead_s,
-                threads=threads,
-            )
-        except (InputError, IndexError, RuntimeError, TypeError, ValueError):  # the probe's figure prices it
-            _DECODE_NODE_RATIOS[key] = None
-    ratio = _DECODE_NODE_RATIOS[key]
-    if ratio is None:
-        return cluster
-    return replace(cluster, device=replace(dev, decode_node_time_ratio=ratio))
-
-
-def _with_model_rates(prepared: Prepared, cluster: ClusterSpec, progress: Progress = silent) -> ClusterSpec:
-    """`cluster` with the model's own matmul shapes, convolutions and activations timed on this machine
-    (`DeviceSpec.matmul_shape_time_ratios`, `DeviceSpec.conv_time_ratios`,
-    `DeviceSpec.activation_time_ratios`), when `cluster` is this machine's calibrated spec (a
-    `probes_speed` spec, gloo); else `cluster` unchanged. Training times
-    each linear's backward products too. Every TP degree
-    that divides the spec's device count is timed (`costing.model_matmul_shapes`), at the workload's
-    tokens per rank (the fit's row term carries other micro-batch sizes), with the threads a rank
-    computes with (`costmodels.calibrate.spec_threads`); about a second, once per model, spec and
-    workload in a process. A spec that holds ratios already is returned as it is."""
-    from costmodels.calibrate import (  # noqa: PLC0415
-        activation_time_ratios,
-        conv_time_ratios,
-        matmul_shape_time_ratios,
-        spec_threads,
-    )
-    from planner.solver.costing import model_matmul_shapes  # noqa: PLC0415
-
-    dev = cluster.device
-    if any(
-        r is not None
-        for r in (dev.matmul_shape_time_ratios, dev.conv_time_ratios, dev.activation_time_ratios)
-    ):  # timed already
-        return cluster
-    if not _times_here(cluster):
-        return cluster
-    structure, workload = prepared.structure, prepared.workload
-    tokens = workload.batch_size * workload.tokens_per_sequence
-    tps = [tp for tp in range(1, cluster.num_devices + 1) if cluster.num_devices % tp == 0]
-    shapes = model_matmul_shapes(structure, tokens, tps)
-    prefill = prepared.prefill
-    if prefill is not None and prepared.request is not None:
-        shapes += model_matmul_shapes(prefill, workload.batch_size * prepared.request.prompt_len, tps)
-    convs = model_conv_calls(structure, cluster.num_devices)
-    activations = model_activation_calls(structure, prefill)
-    if not shapes and not convs and not activations:
-        return cluster
-    dtype = workload.dtype or structure.dtype
-    threads = spec_threads(cluster)
-    train = workload.kind is Workload.TRAIN
-    key = (
-        cluster.name,
-        cluster.sources,
-        dtype,
-        threads,
-        train,
-        tuple(shapes),
-        tuple(c[0] for c in convs),
-        tuple(activations),
-    )
-    if key not in _SHAPE_RATIOS:
-        progress(
-            f"timing the model's {len(shapes) + len(convs) + len(activations)} matmul, convolution and "
-            "activation shapes on this machine",
-            None,
-        )
-        _SHAPE_RATIOS[key] = (
-            matmul_shape_time_ratios(shapes, dev, dtype, threads=threads, train=train) if shapes else {},
-            conv_time_ratios(convs, dev, dtype, threads=threads, train=train) if convs else {},
-            activation_time_ratios(activations, dev, dtype, threads=threads, train=train)
-            if activations
-            else {},
-        )
-    matmuls, conv_ratios, activation_ratios = _SHAPE_RATIOS[key]
-    return replace(
-        cluster,
-        device=replace(
-            dev,
-            matmul_shape_time_ratios=matmuls,
-            conv_time_ratios=conv_ratios,
-            activation_time_ratios=activation_ratios,
-        ),
-    )
-
-
-def model_activation_calls(
-    structure: ModelStructure, prefill: ModelStructure | None = None
-) -> list[tuple[tuple, int]]:
-    """(call, elements of its largest node) of each distinct activation of ``structure`` (and of a
-    serving plan's ``prefill`` graph): what `costmodels.calibrate.activation_time_ratios` times
-    (`planner.frontend.analysis.activation_call`)."""
-    largest: dict[tuple, int] = {}
-    for s in (structure, prefill):
-        for c in s.node_costs.values() if s is not None else ():
-            if c.call is not None and c.kind == "memory":
-                largest[c.call] = max(largest.get(c.call, 0), math.prod(c.shape))
-    return sorted(largest.items(), key=repr)
-
-
-def model_conv_calls(structure: ModelStructure, devices: int) -> list[tuple[tuple, float, float]]:
-    """(call, FLOP, bytes moved) of each distinct convolution of ``structure`` at the captured batch and
-    at each DP share of it over up to ``devices`` ranks (a share runs other kernels' blockings): what
-    `costmodels.calibrate.conv_time_ratios` times (`planner.frontend.analysis.conv_call_at_batch`)."""
-    batch = structure.batch_size
-    shares = sorted({batch // dp for dp in range(1, devices + 1) if devices % dp == 0 and batch % dp == 0})
-    out: dict[tuple, tuple[tuple, float, float]] = {}
-    for c in structure.node_costs.values():
-        if c.call is None or c.kind != "conv":
-            continue
-        for b in shares:
-            call = conv_call_at_batch(c.call, b)
-            out[call] = (call, c.flops * b / batch, (c.bytes_read + c.bytes_written) * b / batch)
-    return list(out.values())
+    return priced_machine(prepared, cluster, progress, host_step_time_s)
 
 
 def check_lowering(prepared: Prepared, plan: Plan, cluster: ClusterSpec) -> Plan:
@@ -1284,90 +1033,6 @@ def run_serving(
             f"tokens {n['tokens']} vs reference {n['reference_tokens']}"
         )
     return run
-
-
-def probes_speed(cluster: ClusterSpec) -> bool:
-    """Whether a run priced with `cluster` times the speed probe: a spec `planner calibrate` measured
-    (named so, or whatever its name, with its first source line; its per-node overhead is the probe's
-    reading at calibration)."""
-    measured = cluster.name == CALIBRATED_SPEC_NAME or any(
-        s.startswith(CALIBRATED_SOURCE) for s in cluster.sources
-    )
-    return measured and cluster.device.node_overhead_s is not None
-
-
-def at_run_speed(
-    plan: Plan, structure: ModelStructure | None, cluster: ClusterSpec, run: dict[str, Any]
-) -> dict[str, Any] | None:
-    """The plan re-priced at the machine's speed the speed probe measured beside the timed steps
-    (`RunJob.speed_probe`): the per-node overheads scaled by the probe's per-node slope now over its
-    reading at calibration (`DeviceSpec.probe_node_overhead_s`, else the per-node overhead itself;
-    backward by the backward probe when training, else alike), and, when the spec records the probe
-    matmul's rate at calibration (`DeviceSpec.probe_matmul_flops_per_s`, timed with the matmuls the
-    spec's peaks were fitted on), every peak scaled by the probe's rate now over then; memory and link
-    figures stay as calibrated. What the cost model predicts for the machine as fast as it was during
-    the run.
-
-    Returns {"node_overhead_s" (the probe's per-node slope), "calibrated_node_overhead_s" (its reading
-    at calibration), "speed_ratio" (the first over the second; > 1: slower than calibrated),
-    "backward_node_overhead_s",
-    "calibrated_backward_node_overhead_s", "backward_ratio" (training: the same for the backward
-    per-node overhead, else None), "matmul_flops_per_s", "calibrated_matmul_flops_per_s",
-    "matmul_ratio" (calibrated / probe rate; > 1: slower; None without a reference), "latency_s"
-    (re-priced, seconds; a served request's decode step, `structure` being its decode graph),
-    "measured_over_predicted" (the measured latency over it), "probe_samples"}, or None without a
-    probe reading or without `structure`.
-    """
-    probe = run["measured"].get("speed_probe")
-    dev = cluster.device
-    if not probe or structure is None or not dev.node_overhead_s:
-        return None
-    if not probe.get("node_overhead_s") or probe["node_overhead_s"] <= 0:
-        return None  # no usable reading: a loaded machine can read a slope of 0 (a probe graph's clamp)
-    reference = dev.probe_node_overhead_s or dev.node_overhead_s  # the probe's reading at calibration
-    probe_s = probe["node_overhead_s"]
-    ratio = probe_s / reference
-    probe_backward_s = probe.get("backward_node_overhead_s")
-    backward_reference = dev.probe_backward_node_overhead_s or dev.backward_node_overhead_s
-    backward_ratio = None
-    if probe_backward_s is not None and backward_reference:
-        backward_ratio = probe_backward_s / backward_reference
-    backward_s = None
-    if dev.backward_node_overhead_s is not None:
-        backward_s = dev.backward_node_overhead_s * (backward_ratio if backward_ratio is not None else ratio)
-    run_dev = replace(
-        dev,
-        node_overhead_s=dev.node_overhead_s * ratio,
-        probe_node_overhead_s=dev.probe_node_overhead_s * ratio if dev.probe_node_overhead_s else None,
-        backward_node_overhead_s=backward_s,
-    )
-    matmul_now, matmul_then = probe.get("matmul_flops_per_s"), dev.probe_matmul_flops_per_s
-    matmul_ratio = None
-    if matmul_now and matmul_then:
-        matmul_ratio = matmul_then / matmul_now
-        run_dev = replace(
-            run_dev, peak_flops_per_s={k: v / matmul_ratio for k, v in dev.peak_flops_per_s.items()}
-        )
-    at_run = replace(cluster, device=run_dev)
-    workload = priced_workload(plan)  # a served request's decode step (`structure`: the decode graph)
-    as_planned = predict_with_plan(plan, structure, cluster, workload, plan.ladder_layers)
-    repriced = predict_with_plan(plan, structure, at_run, workload, plan.ladder_layers)
-    # the ratio carries the probe's effect onto the plan's own prediction (same op choices and layout)
-    latency_s = plan.predicted.latency_s * repriced / as_planned if as_planned else repriced
-    return {
-        "node_overhead_s": probe_s,
-        "calibrated_node_overhead_s": reference,
-        "speed_ratio": ratio,
-        "backward_node_overhead_s": probe_backward_s,
-        "calibrated_backward_node_overhead_s": backward_reference,
-        "backward_ratio": backward_ratio,
-        "matmul_flops_per_s": matmul_now,
-        "calibrated_matmul_flops_per_s": matmul_then,
-        "matmul_ratio": matmul_ratio,
-        "latency_s": latency_s,
-        "measured_over_predicted": run["measured"]["latency_s"] / latency_s if latency_s else None,
-        "probe_samples": probe.get("samples"),
-    }
 
 
 def report_dict(
