@@ -252,6 +252,10 @@ class Constraints:
     search_time_limit_s: float = 60.0  # all ILPs together; candidates left unsolved are reported
     mip_gap: float = 0.01  # relative optimality gap at which CBC stops (1%; reported in SolverInfo.gap)
     ladder_min_saving_fraction: float = LADDER_MIN_SAVING_FRACTION
+    # a split against Megatron-LM's pairing (row-parallel q/k/v/gate/up, column-parallel o/down) is kept
+    # only when it saves this share of the step over the plan solved without such splits; None: the
+    # ILP's choice stands (`planner.solver.search._prefer_megatron_pairing`)
+    pairing_min_saving_fraction: float | None = 0.005
     ladder_budget: LadderBudget | None = None  # auto ladder: measured quality budget (`LadderBudget`)
     # split choices: "auto" the ILP's; "megatron" the hand-written Megatron-LM layout at the mesh's TP
     # degree (`baseline.megatron_choices`: column-parallel q/k/v/up/gate, row-parallel o/down,

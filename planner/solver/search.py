@@ -608,7 +608,7 @@ def _solve_candidates(search: _Search, progress: Progress = silent) -> _Candidat
             )
             continue
         cand.latency_s = predict(cand.tables, sol.assignment).prediction.latency_s
-        _prefer_megatron_pairing(cand, prob)
+        _prefer_megatron_pairing(cand, prob, search.constraints.pairing_min_saving_fraction)
         _price_virtual_stages(search, cand)
         _price_optimizer(search, cand)
         if best is None or _better(cand, best):
@@ -621,7 +621,6 @@ def _solve_candidates(search: _Search, progress: Progress = silent) -> _Candidat
 # one returning the block's output to the stream (`planner.export.common.against_megatron_pairing`)
 _FLIPPED = {"q": "rowwise", "k": "rowwise", "v": "rowwise", "qkv": "rowwise", "gate": "rowwise",
             "up": "rowwise", "o": "colwise", "down": "colwise"}  # fmt: skip
-PAIRING_MIN_SAVING_FRACTION = 0.005  # as a feature must save 0.5% of the step (README, training)
 
 
 def _without_flipped_splits(tables: CostTables) -> CostTables | None:
@@ -648,11 +647,14 @@ def _without_flipped_splits(tables: CostTables) -> CostTables | None:
     return CostTables(tables.ctx, graphs, tables.layer_keys, ends) if changed else None
 
 
-def _prefer_megatron_pairing(cand: _Candidate, prob: IlpProblem) -> None:
+def _prefer_megatron_pairing(cand: _Candidate, prob: IlpProblem, min_saving: float | None) -> None:
     """A solved candidate with a split against Megatron-LM's pairing (`_FLIPPED`, e.g. a column-parallel
     o on links so fast that two all-gathers cost what one all-reduce does) is solved again without
-    such splits, and that solution kept unless the flipped one saves `PAIRING_MIN_SAVING_FRACTION` of
-    its step: what an expert writes by hand wins a tie, and exports need no warning for it."""
+    such splits, and that solution kept unless the flipped one saves `min_saving` of its step
+    (`Constraints.pairing_min_saving_fraction`, 0.5% as a training feature must; None: not re-solved):
+    what an expert writes by hand wins a tie, and exports need no warning for it."""
+    if min_saving is None:
+        return
     choices = cand.solution.assignment.choices
     if not any(_FLIPPED.get(name.removeprefix("cross.")) == choice for (_, name), choice in choices.items()):
         return
@@ -663,7 +665,7 @@ def _prefer_megatron_pairing(cand: _Candidate, prob: IlpProblem) -> None:
     if sol.assignment is None:
         return
     latency_s = predict(tables, sol.assignment).prediction.latency_s
-    if latency_s <= cand.latency_s * (1 + PAIRING_MIN_SAVING_FRACTION):
+    if latency_s <= cand.latency_s * (1 + min_saving):
         cand.tables, cand.solution, cand.latency_s = tables, sol, latency_s
 
 
