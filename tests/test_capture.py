@@ -56,6 +56,7 @@ def test_tied_weight_appears_once(captured):
     assert embedding.args[0].target == last_linear.args[1].target == "lm_head.weight"
 
 
+@pytest.mark.slow
 def test_meta_model_captures_without_weights(example_path):
     mf = load_model_file(example_path("llama3_8b"))
     model = mf.build()  # meta device, bf16: no weight memory
@@ -138,6 +139,7 @@ def test_retarget_device(captured):
     assert aranges[0].kwargs["device"] == torch.device("cpu")  # the original is untouched
 
 
+@pytest.mark.slow
 def test_gpt2_124m_runs_on_cpu(example_path):
     mf = load_model_file(example_path("gpt2"))
     model = mf.build()

@@ -118,6 +118,7 @@ def example_inputs():
         ("bad_ladder", 2, "--ladder"),
     ],
 )
+@pytest.mark.slow
 def test_bad_inputs_exit_with_documented_code(tmp_path, example_path, case, expected_code, pattern):
     llama = str(example_path("llama3"))
     args = {
@@ -201,6 +202,7 @@ def _said(r: subprocess.CompletedProcess) -> str:
     return " ".join((r.stdout + r.stderr).split())  # rich wraps long lines
 
 
+@pytest.mark.slow
 def test_show_on_a_cluster_spec_says_not_a_plan_file() -> None:
     spec = ROOT / "costmodels" / "clusters" / "local-cpu.yaml"
     r = planner("show", str(spec))
@@ -213,6 +215,7 @@ def test_show_on_a_cluster_spec_says_not_a_plan_file() -> None:
 @pytest.mark.skipif(
     __import__("torch").cuda.device_count() >= 8, reason="this machine could run a dgx-h100 plan"
 )
+@pytest.mark.slow
 def test_run_with_a_gpu_preset_on_this_machine_says_how_to_plan_for_it(example_path) -> None:
     r = planner("optimize", str(example_path("llama3")), "--cluster", "dgx-h100", "--run", "--min-time", "0")
     assert r.returncode == 2 and "Traceback" not in r.stderr
@@ -221,6 +224,7 @@ def test_run_with_a_gpu_preset_on_this_machine_says_how_to_plan_for_it(example_p
     assert "--cluster local-cpu" in said and "--scale-to-local" in said
 
 
+@pytest.mark.slow
 def test_ladder_at_tp1_warns(example_path) -> None:
     r = planner(
         "optimize", str(example_path("llama3")), "--cluster", "local-cpu", "--nproc", "1", "--tp", "1",
@@ -245,6 +249,7 @@ def test_ladder_at_tp1_warns(example_path) -> None:
     assert "--distributed-optimizer on had no effect" in _said(zero) and "pin --dp 2" in _said(zero)
 
 
+@pytest.mark.slow
 def test_run_with_more_ranks_than_the_plan_uses_runs_it_on_its_own(tmp_path, example_path) -> None:
     """`planner run --nproc 2` of a one-device plan runs it on one rank, as `optimize --run` does (it
     used to refuse and suggest the very command that had made the plan)."""
@@ -257,6 +262,7 @@ def test_run_with_more_ranks_than_the_plan_uses_runs_it_on_its_own(tmp_path, exa
     assert "running it on 1" in r.stdout and "measured / predicted" in r.stdout
 
 
+@pytest.mark.slow
 def test_decode_run_with_pipeline_or_data_parallelism_is_refused_before_anything_is_written(tmp_path):
     """`--run` serves decode plans with tensor parallelism only: a pinned --pp / --dp above 1 is
     refused up front (exit 2, naming the option), before planning writes --out or --emit."""
@@ -270,6 +276,7 @@ def test_decode_run_with_pipeline_or_data_parallelism_is_refused_before_anything
     assert not out.exists() and not emit.exists()
 
 
+@pytest.mark.slow
 def test_decode_of_a_model_file_without_step_inputs_says_it_is_priced_from_a_formula():
     """A model file without step_inputs has no cache in its graph: its decode plan is priced from a
     formula, and the report says so (and that --run cannot serve it) instead of passing it off as
@@ -281,6 +288,7 @@ def test_decode_of_a_model_file_without_step_inputs_says_it_is_priced_from_a_for
     assert "decode priced from a formula" in _said(r) and "step_inputs" in _said(r)
 
 
+@pytest.mark.slow
 def test_run_of_a_plan_edited_to_more_devices_than_the_cluster_names_the_mesh(tmp_path):
     """A saved plan whose mesh was edited beyond the cluster it runs on: exit 2 naming field 'mesh',
     not a traceback from the cost model."""
@@ -306,6 +314,7 @@ def test_run_of_a_plan_edited_to_more_devices_than_the_cluster_names_the_mesh(tm
     assert f"needs {devices} devices" in _said(r) and f"give --nproc {devices}" in _said(r)
 
 
+@pytest.mark.slow
 def test_show_and_export_of_an_edited_plan_say_it_was_edited_after_pricing(tmp_path):
     """`planner show` and `planner export` read a saved plan without the model: when its decisions
     were edited after it was priced they say so (the prices shown are from before the edit) and point
@@ -324,6 +333,7 @@ def test_show_and_export_of_an_edited_plan_say_it_was_edited_after_pricing(tmp_p
         assert "edited after planning" in _said(r) and "planner run" in _said(r)
 
 
+@pytest.mark.slow
 def test_a_kv_cache_the_tp_pass_shards_by_heads_runs_its_rank_shard(tmp_path):
     """../shared/cases/kv_cache_index_put.py run at TP=2 (forward, not served): the TP pass shards the
     cache buffers with their heads, and each rank loads its piece of them from the unsharded state

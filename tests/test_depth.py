@@ -13,6 +13,7 @@ from planner.solver.problem import Constraints, WorkloadSpec
 from planner.solver.search import plan_model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "llama3_8b"])
 def test_representative_slice_matches_full_capture(example_path, name):
     model_file = load_model_file(example_path(name))

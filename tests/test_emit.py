@@ -82,6 +82,7 @@ def test_emitted_pipeline_stages_load_and_chain(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.slow
 def test_generated_module_runs_in_a_fresh_process_without_the_planner(tmp_path: Path) -> None:
     _, args, gm = build_llama()
     emit_rank_module(gm, tmp_path / "out", 0, {})

@@ -41,6 +41,7 @@ def test_one_atomic_writer() -> None:
         assert importlib.import_module(name).write_text_atomic is write_text_atomic, name
 
 
+@pytest.mark.slow
 def test_emit_into_a_folder_of_user_files_is_refused(tmp_path: Path) -> None:
     """`--emit .` in a folder holding the user's files: exit 2 naming it, every file left as it was."""
     (tmp_path / "notes.txt").write_text("mine\n")
@@ -126,6 +127,7 @@ def test_a_folder_of_one_option_is_not_replaced_by_another(tmp_path: Path) -> No
         _check_outputs(args)
 
 
+@pytest.mark.slow
 def test_out_and_json_never_replace_a_file_the_planner_did_not_write(tmp_path: Path) -> None:
     """--json onto the model file, --out onto a README: refused before any work, the file untouched;
     the planner's own plan and report are replaced by the next run; a plan is not written over a

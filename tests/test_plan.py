@@ -287,6 +287,7 @@ def test_a_plan_edited_after_planning_is_priced_again_as_its_splits_say() -> Non
     assert again.predicted.exposed_comm_s > 0 == plan.predicted.exposed_comm_s  # the row-parallel all-reduce
 
 
+@pytest.mark.slow
 def test_show_and_export_read_a_chain_models_plan(tmp_path) -> None:
     """A plan the planner wrote for a model without transformer layers (stages [[]]) is shown and
     exported like any other (was: 'stages must list the layers 0..0')."""

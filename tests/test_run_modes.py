@@ -371,6 +371,7 @@ def test_plan_fields_the_runtime_cannot_run_are_refused_by_name() -> None:
         check_plan_runs(dataclasses.replace(plan, micro_batches=2, distributed_optimizer=True), "forward")
 
 
+@pytest.mark.slow
 def test_training_micro_batches_without_a_pipeline_accumulate_gradients_as_priced() -> None:
     """pp=1 with m micro-batches: the plan prices m forward/backward passes and one optimizer step;
     the run did one pass over the whole replica batch. It now captures one micro-batch, accumulates

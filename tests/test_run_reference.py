@@ -134,6 +134,7 @@ def test_weights_with_tensors_the_model_lacks_are_refused(tmp_path) -> None:
         write_reference(job, str(tmp_path))
 
 
+@pytest.mark.slow
 def test_reported_difference_is_the_true_difference_for_a_non_batch_input(tmp_path) -> None:
     """pp_nonbatch_mask at DP=2, batch 4, seq 2 (a (T, T) bias beside the (B, T) tokens): the reported
     difference is the difference to the unsharded model on the whole batch, computed here
@@ -196,6 +197,7 @@ def test_meta_example_inputs_plan_but_do_not_run() -> None:
         load_model_file(MODELS / "meta_inputs.py").inputs(device="cpu")
 
 
+@pytest.mark.slow
 def test_meta_built_model_without_weights_is_refused_with_how_to_give_them() -> None:
     r = planner(
         "optimize", str(MODELS / "meta_built.py"), "--cluster", "local-cpu", "--tp", "2", "--nproc", "2", "--run", "--min-time", "0"

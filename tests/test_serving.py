@@ -134,6 +134,7 @@ def test_decode_step_prices_the_serving_loops_host_work_timed_on_this_machine():
     assert with_host - without == pytest.approx(1e-3, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_decode_step_prices_its_own_graphs_per_node_time_timed_on_this_machine():
     """A decode graph's cache writes, mask building and position gathers dispatch slower than the
     probe graph's ops: on this machine's calibrated spec the model's own decode graph is timed when
@@ -265,6 +266,7 @@ def test_a_request_needs_a_decode_step_and_a_cache_that_holds_it(tmp_path: Path)
     workflow.prepare(str(fixed), "decode", context=40, new_tokens=8)  # fits its 64 positions
 
 
+@pytest.mark.slow
 def test_hand_edits_of_a_serving_plan_are_priced_per_layer_and_with_the_request_edited():
     """A saved serving plan edited by hand: each layer's own split is what prices it (an edit of one
     layer of a shape shared by others is refused, naming the field, not priced as if every layer had
@@ -397,6 +399,7 @@ def test_fused_gqa_attention_reads_the_cache_once_and_shards_with_its_heads():
         assert not [n for n in gathers if _feeds_sdpa(n)], "k/v gathered before attention"
 
 
+@pytest.mark.slow
 def test_70b_decode_at_tp4_plans_as_vllm():
     _, structure = plan_structure(
         load_model_file(ROOT / "examples" / "llama3_70b_kv.py"), decode_phase(8, 4096, 4112)
@@ -436,6 +439,7 @@ def _probe_at(run: dict, spec) -> dict:
     return {"measured": {**run["measured"], "speed_probe": probe}}
 
 
+@pytest.mark.slow
 def test_decode_run_tp2_tokens_identical_and_ladder_reported():
     """Also: the speed probe timed after the request, and the decode step re-priced at its readings."""
     path = ROOT / "examples" / "llama3_kv.py"
@@ -456,6 +460,7 @@ def test_decode_run_tp2_tokens_identical_and_ladder_reported():
     assert run["measured"]["standard_tpot_s"] > 0 and plan.serving.standard_tpot_s is not None
 
 
+@pytest.mark.slow
 def test_hf_static_cache_generate_plan_saved_then_served_by_planner_run(tmp_path: Path):
     """A generate plan of the Hugging Face static-cache wrapper, saved with --out (batch 1: the plan's
     batch and prompt, not the model file's example batch), served by `planner run`: the request's
@@ -486,6 +491,7 @@ def test_hf_static_cache_generate_plan_saved_then_served_by_planner_run(tmp_path
     assert report["measured"]["cache_bytes_per_rank"] == 2 * 2 * (1 * 2 * 12 * 16 * 4) + 2 * 8
 
 
+@pytest.mark.slow
 def test_two_kv_heads_at_tp4_tokens_identical():
     plan, run, _ = _serve(MODELS / "llama_2kv.py", 4, context=8, new_tokens=4)
     assert run["numerics"]["tokens_identical"] and run["numerics"]["ok"]
@@ -493,6 +499,7 @@ def test_two_kv_heads_at_tp4_tokens_identical():
     assert run["measured"]["cache_bytes_per_rank"] == 2 * 2 * (1 * 1 * 12 * 16 * 4)
 
 
+@pytest.mark.slow
 def test_decode_ranks_make_the_reference_once_when_no_launcher_did():
     """Under torchrun there is no launching process: local rank 0 makes the unsharded reference once
     (in a temporary folder, removed after), every rank reads its shards from it and matches it."""
@@ -658,6 +665,7 @@ def test_a_request_past_the_models_trained_context_is_said_in_the_plan_and_the_v
     assert not any("reaches position" in w for w in workflow.plan_warnings(short))
 
 
+@pytest.mark.slow
 def test_min_time_times_more_requests_on_every_rank_alike():
     """`--min-time` was ignored by serving runs (30 decode steps whatever it said); the ranks now keep
     timing requests until each has timed that long, agreeing through an all-reduce."""

@@ -17,6 +17,7 @@ from tests.plans import fixed_plan
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["torch", "safetensors"])
 def test_meta_built_rank_loads_only_its_shards_from_a_checkpoint(tmp_path, fmt):
     for name in ("llama3.py", "gpt2_tiny.py", "gpt2_odd_vocab.py"):

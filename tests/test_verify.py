@@ -60,6 +60,7 @@ def test_fused_gate_up_chunk_lowers_per_part() -> None:
     assert plan.fallbacks == []
 
 
+@pytest.mark.slow
 def test_plan_the_pass_cannot_lower_is_refused_with_op_and_line(tmp_path: Path) -> None:
     """A hand-edited plan that drops the fused parts: the chunk cuts across ranks' shards. `planner run`
     refuses it before any rank starts: exit 3, naming aten.chunk and the model line."""
@@ -173,6 +174,7 @@ def test_fallback_recorded_in_node_meta() -> None:
         ("llama3", ["--tp", "2", "--pp", "2"]),
     ],
 )
+@pytest.mark.slow
 def test_examples_lower_without_unplanned_fallbacks(tmp_path: Path, name: str, options: list[str]) -> None:
     """The planned gathers (logits, replicated consumers) are not reported as fallbacks."""
     report = tmp_path / "r.json"
@@ -184,6 +186,7 @@ def test_examples_lower_without_unplanned_fallbacks(tmp_path: Path, name: str, o
     assert json.loads(report.read_text())["fallbacks"] == []
 
 
+@pytest.mark.slow
 def test_cli_names_the_fallback(tmp_path: Path) -> None:
     report = tmp_path / "r.json"
     r = planner("optimize", CUMSUM, "--cluster", FASTLINK, "--tp", "2", "--nproc", "2", "--json", str(report))
@@ -280,6 +283,7 @@ def test_a_hand_written_attention_core_is_planned_again_replicated() -> None:
     assert expert.options["latency"] == plan.baseline.latency_s
 
 
+@pytest.mark.slow
 def test_the_replicated_core_exclusion_names_the_ops_and_lines_that_gathered(tmp_path: Path) -> None:
     """When the plan with the talking-heads core replicated wins (a spec where the logits' gathers
     cost more than splitting the attention saves: fastlink's with 100x its matmul rate and 300 us per
