@@ -1,10 +1,13 @@
 """`planner export`: each target's output is read by that target's own rules, with the plan's choices
 under the target's names, and the DTensor plan runs on 2 gloo ranks equal to the unsharded model.
 
-Target names checked against (read through the search tools, not imported: none is a dependency):
-torchtitan v0.2.2 `torchtitan/config/job_config.py` (the last release with TOML job files),
-Megatron-LM `megatron/training/arguments.py` with the dataclass fields it turns into options
-(`ModelParallelConfig`, `TransformerConfig`, `TrainingConfig`), vLLM `vllm/engine/arg_utils.py`.
+Target names checked against the released packages' source (read, not imported: none is a
+dependency; bench/exports_conformance.py feeds the exports to the real parsers): torchtitan 0.3.0
+`torchtitan/config/configs.py` and `torchtitan/distributed/activation_checkpoint.py` (command-line
+overrides), torchtitan 0.2.2 `torchtitan/config/job_config.py` (the last release with TOML job
+files), Megatron-Core 0.19.2 `megatron/training/arguments.py` with the dataclass fields it turns into
+options (`ModelParallelConfig`, `TransformerConfig`, `TrainingConfig`), vLLM 0.33.0
+`vllm/engine/arg_utils.py`.
 """
 
 from __future__ import annotations
@@ -56,6 +59,29 @@ TORCHTITAN_FIELDS = {
         "dataloader",
     },
 }  # fmt: skip
+# torchtitan 0.3.0 config/configs.py: the fields of the dataclasses the overrides set
+TORCHTITAN_03_FIELDS = {
+    "parallelism": {
+        "data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward",
+        "enable_fsdp_symm_mem", "tensor_parallel_degree", "enable_sequence_parallel", "spmd_backend",
+        "pipeline_parallel_degree", "module_fqns_per_model_part", "pipeline_parallel_first_stage_less_layers",
+        "pipeline_parallel_last_stage_less_layers", "pipeline_parallel_layers_per_stage",
+        "pipeline_parallel_schedule", "pipeline_parallel_schedule_csv", "pipeline_parallel_microbatch_size",
+        "context_parallel_degree", "context_parallel_load_balancer", "context_parallel_ptrr_mask_key",
+        "expert_parallel_degree",
+    },
+    "training": {
+        "local_batch_size", "global_batch_size", "seq_len", "max_norm", "steps", "enable_cpu_offload",
+        "disable_cuda_graphs", "dtype", "mixed_precision_param", "mixed_precision_reduce", "gc_freq", "gc_debug",
+    },
+    "compile": {"enable", "enable_async_tensor_parallel", "components", "backend"},
+}  # fmt: skip
+TORCHTITAN_03_FLAGS = {
+    "training.disable_cuda_graphs",
+    "parallelism.enable_sequence_parallel",
+}  # tyro booleans
+# torchtitan 0.3.0 ActivationCheckpointingConfig's tyro subcommands
+TORCHTITAN_03_AC = {"activation-checkpoint:" + m for m in ("selective", "full", "memory-budget", "none")}
 # Megatron-LM options the export may write (arguments.py and the config dataclasses' fields)
 MEGATRON_FLAGS = {
     "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--num-layers", "--seq-length",
@@ -230,8 +256,9 @@ def test_dtensor_warns_for_what_a_tp_plan_cannot_hold(llama_plan):
 
 
 def _titan(plan: Plan) -> tuple[dict, list[str]]:
+    """torchtitan 0.2's TOML sections, read as TOML."""
     tomllib = pytest.importorskip("tomllib", reason="reading TOML needs Python 3.11")
-    result = export_plan(plan, "torchtitan")
+    result = export_plan(plan, "torchtitan", torchtitan_version="0.2")
     return tomllib.loads(result.text), result.warnings
 
 
@@ -306,6 +333,127 @@ def test_torchtitan_interleaved_zero1_and_selective(llama_plan):
     )
 
 
+def _titan03(plan: Plan) -> tuple[list[str], list[str]]:
+    """torchtitan 0.3's override array, read as bash would (shlex), and the warnings."""
+    result = export_plan(plan, "torchtitan")
+    body = re.search(r"PLANNER_TORCHTITAN_ARGS=\(\n(.*?)\n\)", result.text, re.S)
+    assert body, result.text
+    return shlex.split(body.group(1)), result.warnings
+
+
+def _titan03_options(argv: list[str]) -> dict[str, list[str]]:
+    """--section.field -> its values (none for a flag), checked against 0.3.0's names on the way;
+    the activation-checkpoint subcommand under "subcommand" (it must come last)."""
+    options: dict[str, list[str]] = {}
+    current = None
+    for item in argv:
+        if item.startswith("--"):
+            name = item[2:]
+            section, _, key = name.partition(".")
+            flag = name.replace(".no_", ".")
+            assert key.removeprefix("no_") in TORCHTITAN_03_FIELDS[section], name
+            if key.startswith("no_"):
+                assert flag in TORCHTITAN_03_FLAGS, name
+            current = options.setdefault(item, [])
+        elif item.startswith("activation-checkpoint:"):
+            assert item in TORCHTITAN_03_AC and item == argv[-1], item
+            options["subcommand"] = [item]
+        else:
+            assert current is not None, item
+            current.append(item)
+    for flag in TORCHTITAN_03_FLAGS:
+        assert not options.get("--" + flag), flag  # a tyro flag takes no value
+    return options
+
+
+def test_torchtitan_03_overrides_use_03_names_and_module_names(llama_plan):
+    """torchtitan 0.3 reads no TOML: command-line overrides in 0.3.0's names, async TP, loss parallel and
+    the selective option not written (moved under compile / removed), PP with disable_cuda_graphs,
+    the stage list ending in 0.3's `lm_head` (a list naming `output` made every stage drop the head)."""
+    plan = _with(
+        llama_plan,
+        mesh=dataclasses.replace(llama_plan.mesh, pp=2, dp=2),
+        stages=[[0, 2], [1, 3]],
+        schedule=Schedule.INTERLEAVED_1F1B,
+        virtual_stages=2,
+        micro_batches=2,
+        batch_size=8,
+        sequence_parallel=False,
+        recompute={"layer": Recompute.SELECTIVE},
+    )
+    argv, warnings = _titan03(plan)
+    options = _titan03_options(argv)
+    assert options["--parallelism.tensor_parallel_degree"] == ["2"]
+    assert options["--parallelism.pipeline_parallel_degree"] == ["2"]
+    # 0.3 replicates with TP and PP (fully_shard's replicate dimension): the plan's DDP, not FSDP
+    assert options["--parallelism.data_parallel_replicate_degree"] == ["2"]
+    assert options["--parallelism.data_parallel_shard_degree"] == ["1"]
+    assert options["--parallelism.pipeline_parallel_schedule"] == ["Interleaved1F1B"]
+    assert options["--parallelism.pipeline_parallel_microbatch_size"] == ["2"]  # 8 / dp 2 / 2
+    parts = [p.split(",") for p in options["--parallelism.module_fqns_per_model_part"]]
+    assert parts == [
+        ["tok_embeddings", "layers.0"], ["layers.1"], ["layers.2"], ["layers.3", "norm", "lm_head"],
+    ]  # fmt: skip
+    assert "--training.disable_cuda_graphs" in options  # 0.3's Trainer.Config refuses CUDA graphs with PP
+    assert "--parallelism.no_enable_sequence_parallel" in options  # the plan's plain TP, expressible in 0.3
+    assert options["subcommand"] == ["activation-checkpoint:selective"]
+    assert options["--training.local_batch_size"] == ["4"] and options["--training.global_batch_size"] == [
+        "8"
+    ]
+    assert options["--training.mixed_precision_param"] == ["bfloat16"]
+    assert not any(
+        "enable_async_tensor_parallel" in a or "loss_parallel" in a or "selective_ac" in a for a in argv
+    )
+    assert not any("always runs sequence parallel" in w or "DDP only" in w for w in warnings)
+    # no recomputation: the base config's own checkpointing (llama3_8b: selective) is switched off
+    none, _ = _titan03(_with(llama_plan, recompute={}))
+    assert none[-1] == "activation-checkpoint:none" and "--training.disable_cuda_graphs" not in none
+    # ZeRO-1 has no torchtitan form: FSDP shards, said so
+    zero, zero_warnings = _titan03(_with(plan, distributed_optimizer=True))
+    assert _titan03_options(zero)["--parallelism.data_parallel_shard_degree"] == ["2"]
+    assert any("no ZeRO-1" in w for w in zero_warnings)
+
+
+def test_torchtitan_02_bf16_without_fsdp_writes_the_dtype_and_says_why(llama_plan):
+    """torchtitan 0.2 applies mixed precision only through FSDP (or autocast without TP and PP): a
+    bf16 TP plan without data-parallel shards trained in fp32, silently. The TOML sets training.dtype
+    and the warning names the trap; with FSDP shards, and in 0.3, nothing changes."""
+    toml, warnings = _titan(llama_plan)  # tp=2, dp=1, bf16
+    assert toml["training"]["dtype"] == "bfloat16"
+    assert any("Mixed precision training with TP or PP is only supported" in w for w in warnings)
+    sharded, sharded_warnings = _titan(
+        _with(
+            llama_plan,
+            mesh=dataclasses.replace(llama_plan.mesh, dp=2),
+            batch_size=4,
+            distributed_optimizer=True,
+        )
+    )
+    assert "dtype" not in sharded["training"] and not any("only through FSDP" in w for w in sharded_warnings)
+    fp32, _ = _titan(_with(llama_plan, dtype="fp32"))
+    assert "dtype" not in fp32["training"] and fp32["training"]["mixed_precision_param"] == "float32"
+    argv, warnings03 = _titan03(llama_plan)
+    assert not any(a.startswith("--training.dtype") for a in argv) and not any(
+        "FSDP" in w for w in warnings03
+    )
+
+
+def test_torchtitan_version_option(tmp_path, llama_plan, capsys):
+    path = tmp_path / "plan.yaml"
+    llama_plan.to_yaml(path)
+    assert main(["export", str(path), "--to", "torchtitan"]) == 0
+    assert "PLANNER_TORCHTITAN_ARGS=(" in capsys.readouterr().out
+    assert main(["export", str(path), "--to", "torchtitan", "--torchtitan-version", "0.2"]) == 0
+    assert "[parallelism]" in capsys.readouterr().out
+    assert main(["export", str(path), "--to", "megatron", "--torchtitan-version", "0.2"]) == 0
+    assert "--torchtitan-version 0.2 had no effect" in capsys.readouterr().err
+    with pytest.raises(InputError, match="torchtitan 0.3 or 0.2"):
+        export_plan(llama_plan, "torchtitan", torchtitan_version="0.1")
+    assert export_plan(llama_plan, "torchtitan", torchtitan_version="0.2.2").text.startswith(
+        "# torchtitan 0.2"
+    )
+
+
 def test_virtual_stage_layers_needs_one_run_per_chunk(llama_plan):
     plan = _with(llama_plan, mesh=dataclasses.replace(llama_plan.mesh, pp=2), stages=[[0, 1], [2, 3]])
     assert virtual_stage_layers(plan) == [[0, 1], [2, 3]]
@@ -363,6 +511,15 @@ def test_megatron_arguments_are_megatrons_names_and_values(llama_plan):
     assert main_grads and "GiB more per rank" in main_grads[0]
     no_dp, _ = _megatron_argv(_with(plan, mesh=dataclasses.replace(plan.mesh, dp=1), batch_size=8))
     assert "--overlap-grad-reduce" not in no_dp
+
+
+def test_megatron_file_exports_cuda_device_max_connections_with_tp(llama_plan):
+    """Megatron-Core 0.19's validate_args asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with TP > 1 on Hopper:
+    the sourced file sets it (before the array), only when TP > 1."""
+    text = export_plan(llama_plan, "megatron").text
+    assert "\nexport CUDA_DEVICE_MAX_CONNECTIONS=1\nPLANNER_MEGATRON_ARGS=(" in text
+    tp1 = _with(llama_plan, mesh=dataclasses.replace(llama_plan.mesh, tp=1), splits={})
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in export_plan(tp1, "megatron").text
 
 
 def test_megatron_interleaved_even_stages_and_warnings(llama_plan):

@@ -7,6 +7,7 @@
     planner ladder-eval MODEL.py --data PATH [--ladder upper:N | --layers A-B] [--weights CKPT] [--sensitivity]
     planner adapt MODEL.py [--ladder upper:N | --layers A-B] --data PATH --steps K --out CKPT.safetensors
     planner export PLAN.yaml --to dtensor|torchtitan|megatron|vllm [--out FILE] [--model ID]
+                   [--torchtitan-version 0.3|0.2]
     planner compare REPORT.json [REPORT.json ...]
 
 Exit codes: 0 success; 2 bad input (file, YAML, options); 3 no feasible plan; 4 run failed.
@@ -212,11 +213,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--to",
         required=True,
         choices=["dtensor", "torchtitan", "megatron", "vllm"],  # planner.export.FORMATS
-        help="dtensor: parallelize_module plan (.py); torchtitan: job TOML sections; megatron: "
-        "command-line arguments (bash); vllm: engine arguments and vllm serve line (.py)",
+        help="dtensor: parallelize_module plan (.py); torchtitan: command-line overrides (bash; "
+        "--torchtitan-version 0.2: job TOML sections); megatron: command-line arguments (bash); vllm: "
+        "engine arguments and vllm serve line (.py)",
     )
     exp.add_argument("--out", help="write here (atomically) instead of printing")
     exp.add_argument("--model", help="vllm: the Hugging Face id or checkpoint folder to serve")
+    exp.add_argument(
+        "--torchtitan-version",
+        choices=["0.3", "0.2"],  # planner.export.TORCHTITAN_VERSIONS
+        default="0.3",
+        help="torchtitan: the release to write for: 0.3 (default; overrides of a config_registry "
+        "function) or 0.2 (TOML job file sections)",
+    )
 
     cmp_ = sub.add_parser("compare", help="print the JSON reports of several plans side by side")
     cmp_.add_argument("reports", nargs="+", metavar="REPORT.json")
@@ -907,12 +916,16 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     _check_outputs(args, out_kind="export")
     plan = _saved_plan(args.plan)
-    result = export_plan(plan, args.to, model=args.model)
+    result = export_plan(plan, args.to, model=args.model, torchtitan_version=args.torchtitan_version)
     ignored = (
         [f"--model {args.model} had no effect: it names the Hugging Face model of --to vllm only"]
         if args.model and args.to != "vllm"
         else []
     )
+    if args.torchtitan_version != "0.3" and args.to != "torchtitan":
+        ignored.append(
+            f"--torchtitan-version {args.torchtitan_version} had no effect: it applies to --to torchtitan only"
+        )
     _warn(
         _edited_warning(plan, "the export writes its edited layout, which no prediction checked")
         + ignored

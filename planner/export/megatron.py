@@ -19,6 +19,12 @@ the dataclass fields it turns into options: `ModelParallelConfig`, `TransformerC
 | batch / dp / micro_batches, batch      | --micro-batch-size, --global-batch-size                            |
 | dtype bf16 / fp16                      | --bf16 / --fp16 (fp32: none)                                       |
 | seq_len, layers                        | --seq-length, --num-layers                                         |
+| mesh.tp > 1                            | export CUDA_DEVICE_MAX_CONNECTIONS=1 (environment)                 |
+
+Megatron-LM's `validate_args` (Megatron-Core 0.19.2, PyPI `megatron-core==0.19.2`,
+`megatron/training/arguments.py`) asserts `CUDA_DEVICE_MAX_CONNECTIONS=1` when the tensor- (or
+context-) parallel size is above 1 on GPUs before Blackwell (compute capability < 10) and FSDP is
+off: its TP communication overlap relies on one hardware queue. The file exports it with TP > 1.
 """
 
 from __future__ import annotations
@@ -38,6 +44,11 @@ from planner.plan import Plan, Recompute, Schedule, Workload
 
 TOOL = "Megatron-LM"
 _STRENGTH = {Recompute.NONE: 0, Recompute.SELECTIVE: 1, Recompute.FULL: 2}
+
+
+def megatron_environment(plan: Plan) -> dict[str, str]:
+    """Environment variables Megatron-LM's validation needs for the plan (module docstring)."""
+    return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if plan.tp > 1 else {}
 
 
 def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
@@ -165,8 +176,15 @@ def export_megatron(plan: Plan) -> Export:
         f"size {plan.dp} from the world size.",
         '# Use: source this file, then add "${PLANNER_MEGATRON_ARGS[@]}" to the pretrain_gpt.py command line;',
         "# keep your model-size, tokenizer, data and optimizer arguments (and drop your own copies of these).",
-        "PLANNER_MEGATRON_ARGS=(",
     ]
+    env = megatron_environment(plan)
+    if env:
+        lines += [
+            "# Megatron-LM's validate_args requires this with TP > 1 on GPUs before Blackwell (TP comm overlap",
+            "# relies on one hardware queue; harmless on Blackwell, where it is no longer checked):",
+        ]
+        lines += [f"export {key}={shlex.quote(value)}" for key, value in env.items()]
+    lines.append("PLANNER_MEGATRON_ARGS=(")
     pairs: list[list[str]] = []
     for item in args:
         if item.startswith("--") or not pairs:

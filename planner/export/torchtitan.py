@@ -1,121 +1,120 @@
-"""`planner export --to torchtitan`: the plan as sections of a torchtitan job TOML.
+"""`planner export --to torchtitan`: the plan as torchtitan's configuration, for the release chosen.
 
-Written for torchtitan's TOML job files (`--job.config_file`, releases up to v0.2.2; the names are
-those of `torchtitan/config/job_config.py`: classes `Parallelism`, `ActivationCheckpoint`,
-`Training`). Later torchtitan configures runs in Python (`ParallelismConfig`) with the same
-parallelism field names except the micro-batch, which became `num_pp_microbatches`.
+torchtitan 0.3 (the default, `--torchtitan-version 0.3`) reads no TOML job file: a run is a
+`config_registry` function (`--module llama3 --config llama3_8b`) with command-line overrides
+`--section.field value` parsed by tyro against its config dataclasses. The export is a bash file
+defining `PLANNER_TORCHTITAN_ARGS`, those overrides, to put last on the `torchtitan.train` command
+line (its last item, `activation-checkpoint:...`, is a tyro subcommand, after which only that
+subcommand's options are read). Names are those of torchtitan 0.3.0 (PyPI `torchtitan==0.3.0`):
+`torchtitan/config/configs.py` (`TrainingConfig`, `ParallelismConfig`, `CompileConfig`),
+`torchtitan/trainer.py` (`Trainer.Config`: `activation_checkpoint` is the union
+`ActivationCheckpointingConfig` of `torchtitan/distributed/activation_checkpoint.py`, subcommands
+`activation-checkpoint:selective|full|memory-budget|none`). Booleans are tyro flags
+(`--training.disable_cuda_graphs`, `--parallelism.no_enable_sequence_parallel`).
 
-| plan                                   | torchtitan                                                          |
+`--torchtitan-version 0.2` writes the `[parallelism]`, `[activation_checkpoint]` and `[training]`
+sections of a job TOML (`--job.config_file`, torchtitan 0.2.x; names of 0.2.2's
+`torchtitan/config/job_config.py`: classes `Parallelism`, `ActivationCheckpoint`, `Training`).
+
+| plan                                   | torchtitan 0.3 override / 0.2 TOML key                              |
 |----------------------------------------|---------------------------------------------------------------------|
-| mesh.tp, mesh.pp                       | tensor_parallel_degree, pipeline_parallel_degree                   |
-| mesh.dp, distributed_optimizer false   | data_parallel_replicate_degree = dp (DDP) with tp = pp = 1; else as below |
+| mesh.tp, mesh.pp                       | parallelism.tensor_parallel_degree, pipeline_parallel_degree        |
+| mesh.dp, distributed_optimizer false   | 0.3: data_parallel_replicate_degree = dp (replicated, as DDP)       |
+|                                        | 0.2: the same with tp = pp = 1, else data_parallel_shard_degree     |
 | mesh.dp, distributed_optimizer true    | data_parallel_shard_degree = dp (FSDP; torchtitan has no ZeRO-1)    |
+| sequence_parallel (tp > 1)             | 0.3: parallelism.[no_]enable_sequence_parallel; 0.2: always on       |
 | schedule (v virtual stages)            | pipeline_parallel_schedule "GPipe" / "1F1B" / "Interleaved1F1B"    |
-| stages (pp > 1)                        | module_fqns_per_model_part (torchtitan's module names, exact)       |
+| stages (pp > 1)                        | module_fqns_per_model_part, in the version's module names           |
 | batch / dp / micro_batches             | pipeline_parallel_microbatch_size                                   |
-| LM head vocabulary-split               | disable_loss_parallel = false                                       |
-| recompute                              | [activation_checkpoint] mode = "none" / "selective" / "full"       |
-| batch, seq_len, dtype                  | [training] global_batch_size, local_batch_size, seq_len,           |
-|                                        | mixed_precision_param                                               |
+| pp > 1 (0.3)                           | --training.disable_cuda_graphs (0.3 refuses CUDA graphs with PP)    |
+| LM head vocabulary-split (0.2)         | disable_loss_parallel = false (0.3: always loss parallel)           |
+| recompute                              | 0.3: activation-checkpoint:none / selective / full                  |
+|                                        | 0.2: [activation_checkpoint] mode (+ selective_ac_option "op")      |
+| batch, seq_len                         | training.global_batch_size, local_batch_size, seq_len               |
+| dtype                                  | training.mixed_precision_param; 0.2 with TP or PP and no FSDP:      |
+|                                        | training.dtype = "bfloat16" (see below)                             |
 | micro_batches without pipeline stages  | local_batch_size = the micro-batch (torchtitan accumulates          |
 |                                        | gradients over global / (local x dp) steps)                         |
 
-torchtitan's decoder models name their modules `tok_embeddings`, `layers.N`, `norm` and `output`,
-whatever the planned model file called them; the pipeline parts use those names.
+Module names of the pipeline parts: torchtitan's Llama names its modules `tok_embeddings`,
+`layers.N`, `norm` and, in 0.3, `lm_head` (0.3.0 `torchtitan/models/common/decoder.py`; its
+`split_module` sets every top-level module not listed to None, so a stage list naming `output`
+would drop the head) or, in 0.2, `output` (0.2.2 `torchtitan/models/llama3/model/model.py`).
+
+Mixed precision: torchtitan 0.2 applies `mixed_precision_param` only through FSDP (data-parallel
+shards) or, without TP and PP, torch.autocast; with TP or PP and no FSDP it trains in float32 (0.2.2
+`torchtitan/distributed/utils.py` `maybe_enable_amp`: "Mixed precision training with TP or PP is
+only supported when FSDP/HSDP/CP is enabled"). Such a 16-bit plan exports `training.dtype =
+"bfloat16"` for 0.2, with a warning. torchtitan 0.3 always wraps the model in fully_shard (shard
+degree 1 included), which installs the mixed-precision policy: no such case.
 """
 
 from __future__ import annotations
 
+import shlex
+
+from planner.errors import InputError
 from planner.export.common import Export, layout_warnings, micro_batch_size, virtual_stage_layers
 from planner.plan import Plan, Recompute, Schedule, SplitStyle, Workload
 
 TOOL = "torchtitan"
+VERSIONS: tuple[str, ...] = (
+    "0.3",
+    "0.2",
+)  # torchtitan releases the export writes for; the first is the default
+DEFAULT_VERSION = VERSIONS[0]
 SCHEDULE_NAMES = {
     Schedule.GPIPE: "GPipe",
     Schedule.ONE_F_ONE_B: "1F1B",
     Schedule.INTERLEAVED_1F1B: "Interleaved1F1B",
 }  # torch.distributed.pipelining's schedule class names, which torchtitan looks up
+HEAD_NAMES = {"0.3": "lm_head", "0.2": "output"}  # torchtitan's Llama LM head module, per release
 _PRECISION = {"bf16": "bfloat16", "fp32": "float32"}
 _STRENGTH = {Recompute.NONE: 0, Recompute.SELECTIVE: 1, Recompute.FULL: 2}
+FP32_TRAP = "Mixed precision training with TP or PP is only supported when FSDP/HSDP/CP is enabled"
 
 
-def torchtitan_sections(plan: Plan) -> tuple[dict[str, dict[str, object]], list[str]]:
-    """({section: {field: value}}, warnings): the `[parallelism]`, `[activation_checkpoint]` and
-    `[training]` fields the plan decides. Raises InputError when the batch does not split into whole
-    micro-batches or the stages do not match `virtual_stages`."""
-    warnings = layout_warnings(plan, TOOL)
-    if plan.workload is not Workload.TRAIN:
-        warnings.append(
-            f"this is a {plan.workload} plan; torchtitan trains (plan with --workload train for its memory "
-            "and schedule)"
+def check_version(version: str) -> str:
+    """`version` as one of VERSIONS ("0.3.0" reads as "0.3"); InputError naming the choices otherwise."""
+    short = ".".join(str(version).split(".")[:2])
+    if short not in VERSIONS:
+        raise InputError(
+            f"torchtitan version {version!r}: the export writes for torchtitan {' or '.join(VERSIONS)} "
+            "(0.3: command-line overrides of a config_registry function; 0.2: job TOML sections)"
         )
-    # torchtitan's DDP runs alone: its llama3 `parallelize` raises "DDP has not supported > 1D
-    # parallelism" when data-parallel replicas combine with TP or PP (pytorch/torchtitan,
-    # torchtitan/models/llama3/infra/parallelize.py), so such a plan's replicas become FSDP shards
-    ddp_alone = plan.tp == 1 and plan.pp == 1
-    shard = plan.distributed_optimizer or (plan.dp > 1 and not ddp_alone)
-    par: dict[str, object] = {
-        "tensor_parallel_degree": plan.tp,
-        "pipeline_parallel_degree": plan.pp,
-        "data_parallel_replicate_degree": 1 if shard else plan.dp,
-        "data_parallel_shard_degree": plan.dp if shard else 1,
-        "context_parallel_degree": 1,
-        "enable_async_tensor_parallel": False,
-    }
-    if shard and not plan.distributed_optimizer:
-        warnings.append(
-            f'torchtitan runs DDP only without TP or PP (its parallelize raises "DDP has not supported > 1D '
-            f"parallelism\"): the plan's {plan.dp} data-parallel replicas are exported as FSDP "
-            "(data_parallel_shard_degree), which also shards parameters, gradients and optimizer state: less "
-            "memory, more all-gathers than the plan priced"
-        )
-    if plan.distributed_optimizer and plan.dp > 1:
+    return short
+
+
+def _data_parallel(plan: Plan, version: str, warnings: list[str]) -> tuple[int, int]:
+    """(data_parallel_replicate_degree, data_parallel_shard_degree) for the plan's dp."""
+    if plan.dp > 1 and plan.distributed_optimizer:
         warnings.append(
             "torchtitan has no ZeRO-1 distributed optimizer: exported as FSDP (data_parallel_shard_degree), which "
             "also shards parameters and gradients: less memory, more all-gathers than the plan priced"
         )
-    if plan.tp > 1:
-        heads = [s for s in plan.splits.values() if s.style is SplitStyle.VOCAB]
-        par["disable_loss_parallel"] = not heads
-        if not plan.sequence_parallel:
-            warnings.append(
-                "torchtitan's tensor parallelism always runs sequence parallel (norms split along the sequence); "
-                "the plan priced plain all-reduces"
-            )
-    if plan.pp > 1:
-        par["pipeline_parallel_schedule"] = SCHEDULE_NAMES[plan.schedule]
-        par["pipeline_parallel_microbatch_size"] = micro_batch_size(plan)
-        par["module_fqns_per_model_part"] = _model_parts(plan)
-    ac: dict[str, object] = {"mode": _ac_mode(plan, warnings)}
-    if ac["mode"] == "selective":
-        ac["selective_ac_option"] = "op"
+        return 1, plan.dp
+    # torchtitan 0.2's DDP runs alone: its llama3 `parallelize` raises "DDP has not supported > 1D
+    # parallelism" when data-parallel replicas combine with TP or PP (0.2.2
+    # torchtitan/models/llama3/infra/parallelize.py), so such a plan's replicas become FSDP shards.
+    # 0.3 replicates through fully_shard's replicate mesh dimension with any other axis.
+    if version == "0.2" and plan.dp > 1 and (plan.tp > 1 or plan.pp > 1):
         warnings.append(
-            "torchtitan's selective checkpointing ('op' policy) keeps matmul and attention outputs and recomputes "
-            "the rest, not Megatron-LM's attention-core recomputation the plan priced: activation memory differs"
+            f'torchtitan 0.2 runs DDP only without TP or PP (its parallelize raises "DDP has not supported > 1D '
+            f"parallelism\"): the plan's {plan.dp} data-parallel replicas are exported as FSDP "
+            "(data_parallel_shard_degree), which also shards parameters, gradients and optimizer state: less "
+            "memory, more all-gathers than the plan priced (torchtitan 0.3 replicates them as planned)"
         )
-    training: dict[str, object] = {
-        "global_batch_size": plan.batch_size,
-        # torchtitan runs global / (local x dp) gradient-accumulation steps of local_batch_size each; a
-        # pipeline splits its local batch into micro-batches itself, without one each micro-batch is a step
-        "local_batch_size": plan.batch_size // plan.dp if plan.pp > 1 else micro_batch_size(plan),
-        "seq_len": plan.seq_len,
-    }
-    if plan.dtype in _PRECISION:
-        training["mixed_precision_param"] = _PRECISION[plan.dtype]
-    else:
-        warnings.append(
-            f"torchtitan trains in bfloat16 or float32, not {plan.dtype}: choose mixed_precision_param"
-        )
-    return {"parallelism": par, "activation_checkpoint": ac, "training": training}, warnings
+        return 1, plan.dp
+    return plan.dp, 1
 
 
-def _model_parts(plan: Plan) -> list[list[str]]:
+def _model_parts(plan: Plan, version: str) -> list[list[str]]:
     """Module FQNs per (virtual) stage: the embedding with the first, the final norm and LM head with
-    the last, in torchtitan's module names."""
+    the last, in the module names of torchtitan `version`'s Llama."""
     chunks = virtual_stage_layers(plan)
     parts = [[f"layers.{i}" for i in layers] for layers in chunks]
     parts[0].insert(0, "tok_embeddings")
-    parts[-1] += ["norm", "output"]
+    parts[-1] += ["norm", HEAD_NAMES[version]]
     return parts
 
 
@@ -133,6 +132,114 @@ def _ac_mode(plan: Plan, warnings: list[str]) -> str:
     return str(strongest)
 
 
+def _common(plan: Plan, version: str) -> tuple[dict[str, object], str, dict[str, object], list[str]]:
+    """(parallelism fields, activation-checkpoint mode, training fields, warnings) shared by both
+    versions' forms."""
+    warnings = layout_warnings(plan, TOOL)
+    if plan.workload is not Workload.TRAIN:
+        warnings.append(
+            f"this is a {plan.workload} plan; torchtitan trains (plan with --workload train for its memory "
+            "and schedule)"
+        )
+    replicate, shard = _data_parallel(plan, version, warnings)
+    par: dict[str, object] = {
+        "tensor_parallel_degree": plan.tp,
+        "pipeline_parallel_degree": plan.pp,
+        "data_parallel_replicate_degree": replicate,
+        "data_parallel_shard_degree": shard,
+        "context_parallel_degree": 1,
+    }
+    if plan.pp > 1:
+        par["pipeline_parallel_schedule"] = SCHEDULE_NAMES[plan.schedule]
+        par["pipeline_parallel_microbatch_size"] = micro_batch_size(plan)
+        par["module_fqns_per_model_part"] = _model_parts(plan, version)
+    mode = _ac_mode(plan, warnings)
+    if mode == "selective":
+        policy = (
+            "saves the attention and every other matmul output and recomputes the rest"
+            if version == "0.3"
+            else "'op' policy: keeps matmul and attention outputs and recomputes the rest"
+        )
+        warnings.append(
+            f"torchtitan's selective checkpointing ({policy}), not Megatron-LM's attention-core recomputation the "
+            "plan priced: activation memory differs"
+        )
+    training: dict[str, object] = {
+        "global_batch_size": plan.batch_size,
+        # torchtitan runs global / (local x dp) gradient-accumulation steps of local_batch_size each; a
+        # pipeline splits its local batch into micro-batches itself, without one each micro-batch is a step
+        "local_batch_size": plan.batch_size // plan.dp if plan.pp > 1 else micro_batch_size(plan),
+        "seq_len": plan.seq_len,
+    }
+    if plan.dtype in _PRECISION:
+        training["mixed_precision_param"] = _PRECISION[plan.dtype]
+    else:
+        warnings.append(
+            f"torchtitan trains in bfloat16 or float32, not {plan.dtype}: choose training.mixed_precision_param"
+        )
+    if plan.tp > 1 and not any(s.style is SplitStyle.VOCAB for s in plan.splits.values()):
+        if version == "0.3":
+            warnings.append(
+                "torchtitan 0.3 always splits the LM head along the vocabulary under TP (loss parallel); the plan "
+                "keeps it whole: its time and memory differ from the prediction"
+            )
+    return par, mode, training, warnings
+
+
+def torchtitan_sections(plan: Plan) -> tuple[dict[str, dict[str, object]], list[str]]:
+    """torchtitan 0.2: ({section: {field: value}}, warnings), the `[parallelism]`,
+    `[activation_checkpoint]` and `[training]` fields the plan decides. Raises InputError when the
+    batch does not split into whole micro-batches or the stages do not match `virtual_stages`."""
+    par, mode, training, warnings = _common(plan, "0.2")
+    par["enable_async_tensor_parallel"] = False
+    if plan.tp > 1:
+        par["disable_loss_parallel"] = not any(s.style is SplitStyle.VOCAB for s in plan.splits.values())
+        if not plan.sequence_parallel:
+            warnings.append(
+                "torchtitan 0.2's tensor parallelism always runs sequence parallel (norms split along the "
+                "sequence); the plan priced plain all-reduces (torchtitan 0.3: --parallelism.no_enable_sequence_parallel)"
+            )
+    ac: dict[str, object] = {"mode": mode}
+    if mode == "selective":
+        ac["selective_ac_option"] = "op"
+    fsdp = par["data_parallel_shard_degree"] != 1  # type: ignore[comparison-overlap]
+    if plan.dtype in ("bf16", "fp16") and (plan.tp > 1 or plan.pp > 1) and not fsdp:
+        training["dtype"] = "bfloat16"
+        warnings.append(
+            f"torchtitan 0.2 applies mixed_precision_param only through FSDP or, without TP and PP, autocast: at "
+            f"tp={plan.tp} pp={plan.pp} without data-parallel shards it would train in float32 (its log: "
+            f'"{FP32_TRAP}"). Exported with training.dtype = "bfloat16": parameters, gradients and optimizer '
+            "state in bf16 without an fp32 master copy (less memory than the plan's mixed precision, other "
+            "numerics); to train in float32 instead remove that key; torchtitan 0.3 applies mixed precision here"
+        )
+    return {"parallelism": par, "activation_checkpoint": ac, "training": training}, warnings
+
+
+def torchtitan_overrides(plan: Plan) -> tuple[list[str], list[str]]:
+    """torchtitan 0.3: (command-line overrides as argv items, warnings), the `activation-checkpoint:`
+    subcommand last. Raises InputError as `torchtitan_sections`."""
+    par, mode, training, warnings = _common(plan, "0.3")
+    argv: list[str] = []
+    for key, value in par.items():
+        if key == "module_fqns_per_model_part":
+            # tyro reads list[list[str]] as one argument per part, each part's names comma-separated
+            argv += [f"--parallelism.{key}", *(",".join(part) for part in value)]  # type: ignore[attr-defined]
+        else:
+            argv += [f"--parallelism.{key}", str(value)]
+    if plan.tp > 1:
+        argv.append(
+            "--parallelism.enable_sequence_parallel"
+            if plan.sequence_parallel
+            else "--parallelism.no_enable_sequence_parallel"
+        )
+    for key, value in training.items():
+        argv += [f"--training.{key}", str(value)]
+    if plan.pp > 1:
+        argv.append("--training.disable_cuda_graphs")  # 0.3's Trainer.Config refuses CUDA graphs with PP
+    argv.append(f"activation-checkpoint:{mode}")
+    return argv, warnings
+
+
 def _toml_value(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -147,12 +254,20 @@ def _toml_value(value: object) -> str:
     raise TypeError(f"no TOML form for {type(value).__name__}")  # internal: sections hold only the above
 
 
-def export_torchtitan(plan: Plan) -> Export:
-    """The TOML text (module docstring) with its warnings."""
+def _registry_config(plan: Plan) -> str:
+    """The torchtitan llama3 config_registry function nearest the planned model, as a suggestion."""
+    name = plan.model.lower().replace("-", "_")
+    for size in ("405b", "70b", "8b"):
+        if size in name:
+            return f"llama3_{size}"
+    return "YOUR_CONFIG"
+
+
+def _export_toml(plan: Plan) -> Export:
     sections, warnings = torchtitan_sections(plan)
     lines = [
-        f"# torchtitan job config sections for {plan.model} on {plan.cluster} ({plan.workload}, "
-        f"tp={plan.tp} pp={plan.pp} dp={plan.dp}), written by planner export --to torchtitan.",
+        f"# torchtitan 0.2 job config sections for {plan.model} on {plan.cluster} ({plan.workload}, "
+        f"tp={plan.tp} pp={plan.pp} dp={plan.dp}), written by planner export --to torchtitan --torchtitan-version 0.2.",
         "# Replace the [parallelism] and [activation_checkpoint] sections of your job TOML with these and set",
         f"# the [training] keys below; run on {plan.num_devices} GPUs (NGPU={plan.num_devices}).",
     ]
@@ -160,3 +275,34 @@ def export_torchtitan(plan: Plan) -> Export:
         lines += ["", f"[{name}]"]
         lines += [f"{key} = {_toml_value(value)}" for key, value in fields.items()]
     return Export("\n".join(lines) + "\n", warnings)
+
+
+def _export_overrides(plan: Plan) -> Export:
+    argv, warnings = torchtitan_overrides(plan)
+    lines = [
+        f"# torchtitan 0.3 command-line overrides for {plan.model} on {plan.cluster} ({plan.workload}, "
+        f"tp={plan.tp} pp={plan.pp} dp={plan.dp}), written by planner export --to torchtitan.",
+        f"# Use: source this file, then on each of the {plan.num_devices} GPUs' nodes run, with these last",
+        "# (the final activation-checkpoint:... is a subcommand: torchtitan reads only its options after it):",
+        "#   torchrun --nproc_per_node=GPUS_PER_NODE ... -m torchtitan.train --module llama3 "
+        f'--config {_registry_config(plan)} YOUR_OTHER_OVERRIDES "${{PLANNER_TORCHTITAN_ARGS[@]}}"',
+        "# keep your model, tokenizer, data and optimizer settings (and drop your own copies of these).",
+        "PLANNER_TORCHTITAN_ARGS=(",
+    ]
+    pairs: list[list[str]] = []
+    for item in argv:
+        if item.startswith("--") or item.startswith("activation-checkpoint:") or not pairs:
+            pairs.append([item])
+        else:
+            pairs[-1].append(item)
+    lines += ["    " + " ".join(shlex.quote(x) for x in pair) for pair in pairs]
+    lines.append(")")
+    return Export("\n".join(lines) + "\n", warnings)
+
+
+def export_torchtitan(plan: Plan, version: str = DEFAULT_VERSION) -> Export:
+    """The export for torchtitan `version` (module docstring): 0.3's overrides as a bash array, or
+    0.2's TOML sections, with the warnings. InputError for a version not in VERSIONS."""
+    if check_version(version) == "0.2":
+        return _export_toml(plan)
+    return _export_overrides(plan)
