@@ -63,3 +63,31 @@ def test_predicted_vs_measured_keeps_each_quantity_on_one_line(width: int) -> No
         "matmul 95.1 GFLOP/s (calibrated 110.2)",
     ):
         assert reading in flat, text
+
+
+@pytest.mark.parametrize("width", [80, 100, 120])
+def test_a_served_requests_table_keeps_each_quantity_on_one_line(width: int) -> None:
+    """The serving table's speed row carried the probe's readings in its label and wrapped as the
+    training table's did; the readings follow the table now."""
+    from planner.cli.render import render_serving_run  # noqa: PLC0415
+
+    timing = {"ttft_s": 2e-3, "tpot_s": 1.5e-3, "tokens_per_s": 600.0}
+    report = _report()
+    report["serving"] = {
+        "predicted": {**timing, "prompt_len": 64, "new_tokens": 16, "batch_size": 1},
+        "measured": dict(timing),
+    }
+    report["numerics"] = {
+        "tokens_identical": True,
+        "max_abs_diff": 0.0,
+        "logit_tolerance": 1e-3,
+        "output_scale": 1.0,
+    }
+    report["measured"].update(cache_bytes_per_rank=1024)
+    out = io.StringIO()
+    render_serving_run(Console(file=out, width=width, color_system=None, highlight=False), report)
+    text = out.getvalue()
+    first_cells = [line.split("│")[1].strip() for line in text.splitlines() if line.startswith("│")]
+    assert "at the run's machine speed" in first_cells, text
+    assert all(cell for cell in first_cells), f"a label broken across lines at {width} columns:\n{text}"
+    assert "the probe between the timed steps read" in " ".join(text.split())

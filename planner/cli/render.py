@@ -507,7 +507,8 @@ def render_serving_run(console: Console, report: dict[str, Any]) -> None:
         title=f"Request: prompt {p['prompt_len']}, {p['new_tokens']} new tokens, batch {p['batch_size']}"
     )
     for col in ("quantity", "predicted", "measured", "measured / predicted"):
-        table.add_column(col, justify="right")
+        # the labels stay whole (the probe's readings follow the table, as in `render_run`)
+        table.add_column(col, justify="right", no_wrap=col == "quantity")
 
     def row(label: str, want: float | None, have: float | None, text=fmt_s) -> None:
         ratio = f"{have / want:.2f}" if want and have else "-"
@@ -518,7 +519,7 @@ def render_serving_run(console: Console, report: dict[str, Any]) -> None:
     row("time to first token", p["ttft_s"], got["ttft_s"])
     row("time per output token", p["tpot_s"], got["tpot_s"])
     if at_run := m.get("at_run_speed"):  # the decode step priced at the speed probe's readings
-        row(f"  at the run's machine speed ({_probe_text(at_run)})", at_run["latency_s"], got["tpot_s"])
+        row("  at the run's machine speed", at_run["latency_s"], got["tpot_s"])
     row("tokens/s over the request", p["tokens_per_s"], got["tokens_per_s"], fmt_rate)
     if got.get("standard_tpot_s"):
         row("  same splits without ladder", p["standard_tpot_s"], got["standard_tpot_s"])
@@ -527,8 +528,13 @@ def render_serving_run(console: Console, report: dict[str, Any]) -> None:
     # the prediction is the model's memory (weight shards, cache, activations); the process also holds
     # what it held before the model (torch, the process group): compare above that
     above = m["peak_memory_bytes"] - (m.get("startup_memory_bytes") or 0)
-    row("peak memory / rank above start-up (cache included)", pm, above if above > 0 else None, fmt_bytes)
+    row("peak memory / rank, above start-up", pm, above if above > 0 else None, fmt_bytes)  # cache included
     console.print(table)
+    if at_run:
+        console.print(
+            f"time per output token at the run's machine speed: the probe between the timed steps read "
+            f"{_probe_text(at_run)}"
+        )
     _small_memory_note(console, above, pm)
     console.print(
         f"measured: per output token median of {m['iterations']} decode steps on the slowest rank (run back "
