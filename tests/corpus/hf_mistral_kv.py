@@ -1,45 +1,20 @@
 """Corpus: `hf_mistral.py`'s Mistral (MistralForCausalLM) served through transformers' static-cache export wrapper.
 
-`transformers.integrations.executorch.TorchExportableModuleWithStaticCache` holds a `StaticCache` whose
-K/V tensors are buffers written in forward with `index_copy_` at `cache_position` (the form ExecuTorch
-exports); the subclass gives its forward positional arguments (input_ids, cache_position), so the
-serving contract of a model file applies (README, models with a KV cache; as examples/hf_llama_kv.py):
+The static-cache wrapper is `_static_cache.py`'s; configuration and constructs are `hf_mistral.py`'s (see
+there); random weights, no download.
 
     planner optimize tests/corpus/hf_mistral_kv.py --cluster tests/models/fastlink.yaml --tp 2 --workload decode --context 32
-
-Same configuration and constructs as `hf_mistral.py` (see there); random weights, no download.
 """
 
+import hf_mistral
 import torch
-from transformers import MistralConfig, MistralForCausalLM
-from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+from _static_cache import prompt_inputs, static_cache_lm
 
-CONFIG = dict(
-    vocab_size=384,
-    hidden_size=128,
-    intermediate_size=448,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-    sliding_window=8,
-    tie_word_embeddings=False,
-)
-
-
-class StaticCacheLM(TorchExportableModuleWithStaticCache):
-    """The HF wrapper with positional forward arguments: (input_ids (B, T), cache_position (T,))."""
-
-    def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
-        return super().forward(input_ids=input_ids, cache_position=cache_position)
+CONFIG = hf_mistral.CONFIG
 
 
 def build_model(max_batch_size: int = 1, max_seq_len: int = 64) -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = MistralForCausalLM(MistralConfig(**CONFIG, attn_implementation="sdpa")).eval()
-    model.generation_config.cache_implementation = "static"
-    return StaticCacheLM(model, batch_size=max_batch_size, max_cache_len=max_seq_len)
+    return static_cache_lm(hf_mistral.build_model(), max_batch_size, max_seq_len)
 
 
 def step_inputs(tokens: torch.Tensor, input_pos: torch.Tensor) -> tuple:
@@ -48,6 +23,4 @@ def step_inputs(tokens: torch.Tensor, input_pos: torch.Tensor) -> tuple:
 
 
 def example_inputs(batch_size: int = 1, seq_len: int = 16) -> tuple:
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, CONFIG["vocab_size"], (batch_size, seq_len), generator=g)
-    return step_inputs(tokens, torch.arange(seq_len))
+    return prompt_inputs(CONFIG["vocab_size"], batch_size, seq_len)
