@@ -260,7 +260,7 @@ def test_a_hand_written_attention_core_is_planned_again_replicated() -> None:
     alone = workflow.check_lowering(prepared, alone, spec)
     assert alone.predicted.per_layer[0].strategy["core"] == "head"
     assert {f.op for f in alone.fallbacks} == {"aten.einsum"}
-    assert all(f.line.startswith("talking_heads.py:28") for f in alone.fallbacks)
+    assert all(f.line.startswith("talking_heads.py:26") for f in alone.fallbacks)
     classes = frozenset(layer_key(layer) for layer in prepared.structure.layers)
     replicated = dataclasses.replace(prepared.structure, replicated_attention_classes=classes)
     again = plan_model(replicated, spec, prepared.workload, constraints, model_name=model)
@@ -278,7 +278,7 @@ def test_a_hand_written_attention_core_is_planned_again_replicated() -> None:
     expert = next(d for d in plan.decisions if d.subject == "megatron-baseline")
     assert (
         "all-gather(s) the TP pass adds to it" in expert.reason
-        and "talking_heads.py:28 `s = torch.einsum(" in expert.reason
+        and "talking_heads.py:26 `s = torch.einsum(" in expert.reason
     )
     assert expert.options["latency"] == plan.baseline.latency_s
 
@@ -300,7 +300,7 @@ def test_the_replicated_core_exclusion_names_the_ops_and_lines_that_gathered(tmp
     assert r.returncode == 0, r.stderr
     said = " ".join((r.stdout + r.stderr).split())  # rich wraps long lines
     assert (
-        'excluded: core head: aten.einsum at talking_heads.py:28 `s = torch.einsum("bhts,hg->bgts", '
+        'excluded: core head: aten.einsum at talking_heads.py:26 `s = torch.einsum("bhts,hg->bgts", '
         "(q @ k.transpose(-1, -2)) / math.sqrt(HD), self.mix)` has no head-parallel rule: the TP pass gathers there"
     ) in said
     assert "an op inside this attention" not in said

@@ -1,25 +1,23 @@
-"""Test model: two pre-LN blocks with talking-heads attention (Shazeer et al. 2020, arXiv:2003.02436):
-a hand-written core whose logits are mixed across the heads by a learned (H, H) matrix before the
-softmax. The mix cannot run on a head shard, so the TP pass gathers the logits there: the planner
-prices that gather, plans again with the core replicated, and lowers the Megatron baseline like a
-plan, pricing the gathers the pass adds to it (it once compared its own optimum with a baseline
-priced as if the core split).
+"""Test model: manual_attention.py's two pre-LN blocks with talking-heads attention (Shazeer et al. 2020,
+arXiv:2003.02436): the hand-written core's logits are mixed across the heads by a learned (H, H)
+matrix before the softmax. The mix cannot run on a head shard, so the TP pass gathers the logits
+there: the planner prices that gather, plans again with the core replicated, and lowers the Megatron
+baseline like a plan, pricing the gathers the pass adds to it (it once compared its own optimum with
+a baseline priced as if the core split).
 """
 
 import math
 
+import manual_attention as base
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-VOCAB, C, H, LAYERS, SEQ = 256, 128, 4, 2, 32
-HD = C // H
+H, HD, C = base.H, base.HD, base.C
 
 
-class Attn(nn.Module):
+class TalkingHeadsAttn(base.Attn):
     def __init__(self) -> None:
         super().__init__()
-        self.q, self.k, self.v, self.o = (nn.Linear(C, C, bias=False) for _ in range(4))
         self.mix = nn.Parameter(torch.eye(H) + 0.1 * torch.randn(H, H))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -31,36 +29,11 @@ class Attn(nn.Module):
         return self.o((p @ v).transpose(1, 2).reshape(b, t, C))
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.n1, self.n2 = nn.LayerNorm(C), nn.LayerNorm(C)
-        self.attn = Attn()
-        self.up, self.down = nn.Linear(C, 4 * C, bias=False), nn.Linear(4 * C, C, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.n1(x))
-        return x + self.down(F.gelu(self.up(self.n2(x))))
-
-
-class Model(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, C)
-        self.blocks = nn.ModuleList([Block() for _ in range(LAYERS)])
-        self.norm = nn.LayerNorm(C)
-        self.head = nn.Linear(C, VOCAB, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.emb(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
-
-
 def build_model() -> nn.Module:
-    return Model()
+    model = base.Model()
+    for block in model.blocks:
+        block.attn = TalkingHeadsAttn()
+    return model
 
 
-def example_inputs(batch_size: int = 2, seq_len: int = SEQ) -> tuple:
-    return (torch.randint(0, VOCAB, (batch_size, seq_len), generator=torch.Generator().manual_seed(0)),)
+example_inputs = base.example_inputs
