@@ -14,10 +14,14 @@ from planner.frontend.modelfile import load_model_file
 from runtime.launch import RankContext
 
 
+def _logits(out) -> torch.Tensor:
+    """A forward's logits (Hugging Face outputs: their `.logits`)."""
+    return getattr(out, "logits", out)
+
+
 def _loss(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits, a scalar loss of them) of one forward (Hugging Face outputs: their `.logits`)."""
-    out = model(*args, **kwargs)
-    logits = getattr(out, "logits", out)
+    """(logits, a scalar loss of them) of one forward."""
+    logits = _logits(model(*args, **kwargs))
     return logits, logits.float().pow(2).mean()
 
 
@@ -27,45 +31,78 @@ def _fused_order(grad: torch.Tensor, parts: list[int], tp: int) -> torch.Tensor:
     return torch.cat([pieces[p][r] for r in range(tp) for p in range(len(parts))], dim=0)
 
 
-def apply_exported(ctx: RankContext, jobs: dict[str, tuple[str, str]]) -> dict[str, dict]:
-    """Each job (model file, exported source): load the source as a module, build the model (seeded,
-    the same on every rank), keep an unsharded copy, apply the plan on a 1-D mesh of all ranks, run a
-    forward and backward of both. Returns per job the largest output and gradient differences, the
-    output scale, the local shape of every sharded parameter and whether GPT-2's token embedding is
-    still tied to its LM head."""
+def _train(ctx: RankContext, exported, model_file, mesh) -> dict:
+    """Forward and backward of the unsharded model and of the sharded one; largest differences."""
+    torch.manual_seed(0)
+    model = model_file.build("cpu")
+    args, kwargs = model_file.inputs()
+    unsharded = copy.deepcopy(model)
+    reference, loss = _loss(unsharded, args, kwargs)
+    loss.backward()
+    exported.apply(model, mesh)
+    sharded, loss = _loss(model, args, kwargs)
+    loss.backward()
+    expected = dict(unsharded.named_parameters())
+    grad_diff = 0.0
+    for key, p in model.named_parameters():
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        want = expected[key].grad
+        module = key.rpartition(".")[0]
+        if module in exported.FUSED_PARTS:
+            want = _fused_order(want, exported.FUSED_PARTS[module], ctx.world_size)
+        grad_diff = max(grad_diff, (grad - want).abs().max().item())
+    params = dict(model.named_parameters(remove_duplicate=False))
+    return {
+        "max_abs_diff": (sharded - reference).abs().max().item(),
+        "scale": reference.abs().max().item(),
+        "grad_max_abs_diff": grad_diff,
+        "local_shapes": {k: tuple(p.to_local().shape) for k, p in params.items() if isinstance(p, DTensor)},
+        "tied": "transformer.wte.weight" in params
+        and params["transformer.wte.weight"] is params["lm_head.weight"],
+    }
+
+
+@torch.no_grad()
+def _decode(exported, model_file, mesh) -> dict:
+    """A prefill and one decode step (its greedy token) of a cached model, unsharded and sharded:
+    largest logit differences of both steps and the cache buffers' local shapes."""
+    torch.manual_seed(0)
+    model = model_file.build("cpu")
+    args, kwargs = model_file.inputs()
+    unsharded = copy.deepcopy(model)
+    exported.apply(model, mesh)
+    out: dict = {"scale": 0.0, "max_abs_diff": 0.0}
+    tokens, position = None, None
+    for step in ("prefill", "decode"):
+        if step == "decode":
+            args, kwargs = model_file.step_inputs(tokens, position)
+        reference = _logits(unsharded(*args, **kwargs))
+        sharded = _logits(model(*args, **kwargs))
+        out[f"{step}_max_abs_diff"] = (sharded - reference).abs().max().item()
+        out["max_abs_diff"] = max(out["max_abs_diff"], out[f"{step}_max_abs_diff"])
+        out["scale"] = max(out["scale"], reference.abs().max().item())
+        tokens = reference[:, -1:].argmax(-1)  # (B, 1): the greedy next token
+        position = torch.tensor([reference.shape[1]])
+    out["cache_shapes"] = {k: tuple(b.shape) for k, b in model.named_buffers() if b.dim() == 4}
+    out["reference_cache_shapes"] = {k: tuple(b.shape) for k, b in unsharded.named_buffers() if b.dim() == 4}
+    return out
+
+
+def apply_exported(ctx: RankContext, jobs: dict[str, tuple]) -> dict[str, dict]:
+    """Each job (model file, exported source[, "train" | "decode"]): load the source as a module,
+    build the model (seeded, the same on every rank), keep an unsharded copy, apply the plan on a
+    1-D mesh of all ranks and run both: "train" (default) a forward and backward (largest output
+    and gradient differences, the output scale, the local shape of every sharded parameter, whether
+    GPT-2's token embedding is still tied to its LM head), "decode" a prefill and a decode step of a
+    cached model (largest logit differences, the KV-cache buffers' shapes)."""
     mesh = init_device_mesh("cpu", (ctx.world_size,))
     results = {}
-    for name, (model_path, source) in jobs.items():
+    for name, (model_path, source, *mode) in jobs.items():
         exported = types.ModuleType(f"exported_{name}")
         exec(compile(source, f"<{name} export>", "exec"), exported.__dict__)
         model_file = load_model_file(model_path)
-        torch.manual_seed(0)
-        model = model_file.build("cpu")
-        args, kwargs = model_file.inputs()
-        unsharded = copy.deepcopy(model)
-        reference, loss = _loss(unsharded, args, kwargs)
-        loss.backward()
-        exported.apply(model, mesh)
-        sharded, loss = _loss(model, args, kwargs)
-        loss.backward()
-        expected = dict(unsharded.named_parameters())
-        grad_diff = 0.0
-        for key, p in model.named_parameters():
-            grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            want = expected[key].grad
-            module = key.rpartition(".")[0]
-            if module in exported.FUSED_PARTS:
-                want = _fused_order(want, exported.FUSED_PARTS[module], ctx.world_size)
-            grad_diff = max(grad_diff, (grad - want).abs().max().item())
-        params = dict(model.named_parameters(remove_duplicate=False))
-        results[name] = {
-            "max_abs_diff": (sharded - reference).abs().max().item(),
-            "scale": reference.abs().max().item(),
-            "grad_max_abs_diff": grad_diff,
-            "local_shapes": {
-                k: tuple(p.to_local().shape) for k, p in params.items() if isinstance(p, DTensor)
-            },
-            "tied": "transformer.wte.weight" in params
-            and params["transformer.wte.weight"] is params["lm_head.weight"],
-        }
+        if mode and mode[0] == "decode":
+            results[name] = _decode(exported, model_file, mesh)
+        else:
+            results[name] = _train(ctx, exported, model_file, mesh)
     return results

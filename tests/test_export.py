@@ -113,55 +113,101 @@ def _with(plan: Plan, **changes) -> Plan:
 # DTensor: the exported file, run on 2 gloo ranks against the unsharded model
 
 
-@pytest.mark.slow
-def test_dtensor_export_runs_equal_to_the_unsharded_model_on_two_gloo_ranks(captured, llama_plan):
-    gpt = fixed_plan(analyse(captured("gpt2_tiny").gm), str(EXAMPLES / "gpt2_tiny.py"), 2)
-    jobs = {
-        "llama3": (str(EXAMPLES / "llama3.py"), export_plan(llama_plan, "dtensor").text),
-        "llama3_sp": (
-            str(EXAMPLES / "llama3.py"),
-            export_plan(_with(llama_plan, sequence_parallel=True), "dtensor").text,
-        ),
-        "gpt2_tiny": (str(EXAMPLES / "gpt2_tiny.py"), export_plan(gpt, "dtensor").text),
-        # sequence parallel with the token embedding kept whole: its output is cut along the sequence
-        # (the norm after it took the whole sequence as its rank's part: a RoPE shape error)
-        "llama3_sp_whole_embedding": (
-            str(EXAMPLES / "llama3.py"),
-            export_plan(
-                _with(
-                    llama_plan,
-                    sequence_parallel=True,
-                    splits={
-                        **llama_plan.splits,
-                        "tok_embeddings.weight": WeightSplit(
-                            "tok_embeddings.weight", SplitStyle.REPLICATE, 0
-                        ),
-                    },
-                ),
-                "dtensor",
-            ).text,
-        ),
-    }
-    assert "WHOLE_EMBEDDINGS = ['tok_embeddings']" in jobs["llama3_sp_whole_embedding"][1]
-    assert (
-        "SEQUENCE_PARALLEL = False" in jobs["llama3"][1]
-        and "SEQUENCE_PARALLEL = True" in jobs["llama3_sp"][1]
+def _served(plan: Plan) -> Plan:
+    """`plan` as a decode plan of a served request (KV caches of 80 positions)."""
+    return _with(
+        plan, workload=Workload.DECODE, context=64, seq_len=1, serving=Serving(64, 16, 80, 0.01, 0.001, 100.0)
     )
-    assert "'layers.0.attention.wq': ColwiseParallel(input_layouts=Shard(1))," in jobs["llama3_sp"][1]
-    ranks = launch(apply_exported, jobs, 2, timeout_s=120)
+
+
+def _dtensor_jobs(captured, tp: int) -> dict[str, tuple]:
+    """Every layout the DTensor export claims, at `tp`: the example Llama-3, a Hugging Face Llama, with
+    and without sequence parallel; GPT-2 (fused c_attn, tied head, position embedding added to the
+    token embedding's output); a decode step of the cached Llama-3 and of transformers' static-cache
+    Llama."""
+
+    def plan(name: str, **changes) -> Plan:
+        return _with(
+            fixed_plan(analyse(captured(name).gm), str(EXAMPLES / f"{name}.py"), tp), dtype="bf16", **changes
+        )
+
+    def job(name: str, exported: Plan, *mode: str) -> tuple:
+        return (str(EXAMPLES / f"{name}.py"), export_plan(exported, "dtensor").text, *mode)
+
+    llama = plan("llama3", workload=Workload.TRAIN)
+    hf = plan("hf_llama", workload=Workload.TRAIN)
+    jobs = {
+        "llama3": job("llama3", llama),
+        "llama3_sp": job("llama3", _with(llama, sequence_parallel=True)),
+        "hf_llama": job("hf_llama", hf),
+        # a Hugging Face attention sizes its views from its input's shape and builds its positions from the
+        # embedding's output: given the rank's part of the sequence it failed in apply_rotary_pos_emb
+        "hf_llama_sp": job("hf_llama", _with(hf, sequence_parallel=True)),
+        "llama3_kv_decode": job("llama3_kv", _served(plan("llama3_kv")), "decode"),
+        "hf_llama_kv_decode": job("hf_llama_kv", _served(plan("hf_llama_kv")), "decode"),
+    }
+    if tp == 2:
+        gpt = plan("gpt2_tiny", workload=Workload.TRAIN)
+        jobs["gpt2_tiny"] = job("gpt2_tiny", gpt)
+        jobs["gpt2_tiny_sp"] = job("gpt2_tiny", _with(gpt, sequence_parallel=True))
+        # sequence parallel with the token embedding kept whole (the norm after it once took the whole
+        # sequence as its rank's part: a RoPE shape error)
+        whole = {
+            **llama.splits,
+            "tok_embeddings.weight": WeightSplit("tok_embeddings.weight", SplitStyle.REPLICATE, 0),
+        }
+        jobs["llama3_sp_whole_embedding"] = job("llama3", _with(llama, sequence_parallel=True, splits=whole))
+    return jobs
+
+
+def _check_dtensor_ranks(ranks: list[dict], tp: int) -> None:
     for rank in ranks:
         for name, got in rank.items():
             assert got["max_abs_diff"] <= 1e-5 * got["scale"], (name, got)
-            assert got["grad_max_abs_diff"] <= 1e-6, (name, got)  # a training step too
-        # the weights really are sharded: half of Q's rows, half of wo's columns, half the vocabulary
+            if "grad_max_abs_diff" in got:
+                assert got["grad_max_abs_diff"] <= 1e-6, (name, got)  # a training step too
+        # the weights really are sharded: Q's rows, wo's columns, the vocabulary
         llama = rank["llama3"]["local_shapes"]
-        assert llama["layers.0.attention.wq.weight"] == (64, 128)
-        assert llama["layers.0.attention.wo.weight"] == (128, 64)
-        assert llama["tok_embeddings.weight"] == (128, 128) and llama["output.weight"] == (128, 128)
+        assert llama["layers.0.attention.wq.weight"] == (128 // tp, 128)
+        assert llama["layers.0.attention.wo.weight"] == (128, 128 // tp)
+        assert llama["tok_embeddings.weight"] == (256 // tp, 128) and llama["output.weight"] == (
+            256 // tp,
+            128,
+        )
         assert "norm.weight" in rank["llama3_sp"]["local_shapes"]  # sequence parallel norms are DTensors
-        gpt_shapes = rank["gpt2_tiny"]["local_shapes"]
-        assert gpt_shapes["transformer.h.0.attn.c_attn.weight"] == (96, 64)  # fused q, k, v: half of each
-        assert rank["gpt2_tiny"]["tied"]  # token embedding split with the tied LM head, tied again
+        assert rank["hf_llama_sp"]["local_shapes"]["model.layers.0.self_attn.q_proj.weight"] == (
+            128 // tp,
+            128,
+        )
+        # each rank's KV caches hold its own 4 / tp KV heads (dim 1 of (B, heads, positions, head dim))
+        for name in ("llama3_kv_decode", "hf_llama_kv_decode"):
+            cut, whole = rank[name]["cache_shapes"], rank[name]["reference_cache_shapes"]
+            assert cut and set(cut) == set(whole), name
+            for key, shape in whole.items():
+                assert cut[key] == (shape[0], shape[1] // tp, *shape[2:]), (name, key, cut[key])
+        if tp == 2:
+            gpt_shapes = rank["gpt2_tiny"]["local_shapes"]
+            assert gpt_shapes["transformer.h.0.attn.c_attn.weight"] == (96, 64)  # fused q, k, v: half of each
+            assert rank["gpt2_tiny"]["tied"]  # token embedding split with the tied LM head, tied again
+
+
+@pytest.mark.slow
+def test_dtensor_export_runs_equal_to_the_unsharded_model_on_two_gloo_ranks(captured):
+    """Every layout the export claims, in one launch: forward and backward (decode: a prefill and a
+    decode step with the per-rank caches apply() cuts) equal to the unsharded model's."""
+    jobs = _dtensor_jobs(captured, 2)
+    assert "FIRST_LAYER = None" in jobs["llama3"][1] and "FIRST_LAYER = 'layers.0'" in jobs["llama3_sp"][1]
+    assert "FIRST_LAYER = 'model.layers.0'" in jobs["hf_llama_sp"][1]
+    assert "KV_CACHES = True" in jobs["llama3_kv_decode"][1] and "KV_CACHES = False" in jobs["llama3"][1]
+    # a block gathers its input once: its projections take it whole; the LM head gathers its own
+    assert "'layers.0.attention.wq': ColwiseParallel()," in jobs["llama3_sp"][1]
+    assert "'layers.0.attention.wo': RowwiseParallel(output_layouts=Shard(1))," in jobs["llama3_sp"][1]
+    _check_dtensor_ranks(launch(apply_exported, jobs, 2, timeout_s=300), 2)
+
+
+@pytest.mark.slow
+def test_dtensor_export_runs_equal_to_the_unsharded_model_on_four_gloo_ranks(captured):
+    _check_dtensor_ranks(launch(apply_exported, _dtensor_jobs(captured, 4), 4, timeout_s=300), 4)
 
 
 def test_dtensor_plan_maps_splits_to_styles(llama_plan):
@@ -230,17 +276,19 @@ def test_dtensor_refuses_a_row_parallel_projection_of_the_block_input(llama_plan
     assert plain.UNSUPPORTED == {}
 
 
-def test_dtensor_says_to_shard_the_kv_cache_only_when_attention_heads_are_split(llama_plan):
-    """A served plan whose weights all stay replicated exports an empty PLAN: telling the user to
-    allocate each rank's cache for KV heads / tp would break the replicated attention."""
-    served = _with(llama_plan, workload=Workload.DECODE, context=64, seq_len=1,
-                   serving=Serving(64, 16, 80, 0.01, 0.001, 100.0))  # fmt: skip
-    cache_note = "allocate each rank's cache for its own heads"
-    assert any(cache_note in w for w in export_plan(served, "dtensor").warnings)
+def test_dtensor_cuts_the_kv_caches_only_when_attention_heads_are_split(llama_plan):
+    """A served plan with attention split by heads: apply() cuts the KV caches to the rank's heads
+    itself (once only a warning told the user to). One whose weights all stay replicated exports an
+    empty PLAN and leaves the caches whole (the replicated attention reads every head)."""
+    served = _served(llama_plan)
+    text = export_plan(served, "dtensor").text
+    assert "KV_CACHES = True" in text and "KV caches: after sharding" in text
+    assert not any("cache" in w for w in export_plan(served, "dtensor").warnings)
     replicated = {
         w: dataclasses.replace(sp, style=SplitStyle.REPLICATE, dim=0) for w, sp in served.splits.items()
     }
-    assert not any(cache_note in w for w in export_plan(_with(served, splits=replicated), "dtensor").warnings)
+    assert "KV_CACHES = False" in export_plan(_with(served, splits=replicated), "dtensor").text
+    assert "KV_CACHES = False" in export_plan(llama_plan, "dtensor").text  # training: no caches to cut
 
 
 def test_dtensor_warns_for_what_a_tp_plan_cannot_hold(llama_plan):

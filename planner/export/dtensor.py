@@ -14,24 +14,33 @@ the vocabulary) and `apply(model, mesh)`, which shards the user's eager model on
 | vocab, nn.Linear (LM head)              | ColwiseParallel(output_layouts=Replicate())                     |
 | replicate / not listed                  | not in PLAN: the module stays whole on every rank               |
 | rowwise q/k/v/up/gate, colwise o/down   | none: UNSUPPORTED names it and apply() raises (`Plan.roles`)    |
-| sequence_parallel                       | norms SequenceParallel(); colwise inputs and rowwise outputs,   |
-|                                         | the embedding's output Shard(1) (the sequence dim); an          |
-|                                         | embedding kept whole: PrepareModuleOutput to Shard(1)           |
+| sequence_parallel                       | the stream cut along the sequence (Shard(1)) at the first      |
+|                                         | layer's input, norms from there on SequenceParallel(), each     |
+|                                         | block's input gathered once at the block (a DTensor, so the     |
+|                                         | gradient is reduce-scattered), rowwise outputs Shard(1), the LM |
+|                                         | head's input Shard(1)                                           |
 
 What `apply` does besides `parallelize_module` (the generated file's docstring says it to the user):
 a fused projection (`parts`, GPT-2's `c_attn`) has its rows reordered so that the contiguous shard of
 each rank holds its piece of every part; each attention module (the parent of colwise and rowwise
 projections that has a head-count attribute) gets its head counts and widths divided by tp, so that
 a forward sizing its views from them runs on the rank's heads; a weight tied to a vocabulary-split
-LM head (GPT-2's token embedding) is split with it and tied again. The data and pipeline axes, the
-ladder residual and activation recomputation are not part of a `parallelize_module` plan: each is a
-warning.
+LM head (GPT-2's token embedding) is split with it and tied again. A served plan's KV caches (4-D
+buffers with a dim of the attention's KV-head count, and the objects holding the same tensors, as
+transformers' StaticCache layers) are cut to the rank's heads.
+
+Sequence parallel is applied from the first layer's input on, not at the embedding's output: the
+model computes what it derives from the embedding's output (Hugging Face's position ids, RoPE tables
+and causal mask, GPT-2's added position embedding) on the whole sequence, and every attention or MLP
+block receives the whole sequence (a Hugging Face attention sizes its views from its input's shape:
+given the rank's half it failed in `apply_rotary_pos_emb`). The data and pipeline axes, the ladder
+residual and activation recomputation are not part of a `parallelize_module` plan: each is a warning.
 """
 
 from __future__ import annotations
 
 import pprint
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from planner.export.common import Export, against_megatron_pairing, kv_piece_splits
 from planner.plan import Plan, SplitStyle
@@ -40,15 +49,27 @@ TOOL = "DTensor (torch.distributed.tensor.parallel)"
 
 _SP_NOTE = """
 
-Sequence parallel: every norm runs on the rank's part of the sequence (SequenceParallel), the stream
-between blocks stays split along the sequence (Shard(1)), and each colwise projection gathers it. The
-model must add nothing to the token embedding's output before the first norm (GPT-2's position
-embedding would need its own PrepareModuleOutput)."""
+Sequence parallel: from the input of FIRST_LAYER on, the stream between blocks is split along the
+sequence (dim 1, Shard(1); its length must divide by tp), every norm after that point runs on the
+rank's part (SequenceParallel), each block of TP_BLOCKS gathers its input once (a Replicate DTensor:
+its forward sees the whole sequence) and its row-parallel projection reduce-scatters back to the
+rank's part. Everything before the first layer (embeddings, position ids, masks) runs on the whole
+sequence."""
+
+_CACHE_NOTE = """
+
+KV caches: after sharding, each 4-D floating buffer with a dim (1 or 2) of an attention module's
+KV-head count (before apply(): n_kv_heads, num_key_value_heads, ... or its config's) is replaced by
+the rank's contiguous part of that dim, its own heads, and so is the same tensor where another object
+holds it (transformers' StaticCache layers). A cache your code passes to forward instead must be
+allocated per rank for KV heads / tp."""
 
 _APPLY_SOURCE = '''
 HEAD_ATTRS = ("n_heads", "n_head", "num_heads", "n_kv_heads", "num_kv_heads", "num_key_value_heads",
               "n_local_heads", "n_local_kv_heads", "num_attention_heads")  # per-rank after apply()
 WIDTH_ATTRS = ("n_embd", "embed_dim", "hidden_size", "split_size", "dim")  # of attention modules only
+KV_ATTRS = ("n_kv_heads", "num_kv_heads", "num_key_value_heads", "n_local_kv_heads")  # a cache's head count
+STREAM_KWARGS = ("hidden_states", "x")  # the stream, when a layer or block takes it by keyword
 
 
 def tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
@@ -67,10 +88,8 @@ def tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
                     vocab.append(other)  # a tied token embedding is split with its LM head
     for name in vocab:
         module = modules.get(name)
-        if isinstance(module, nn.Embedding):
-            plan[name] = RowwiseParallel(
-                input_layouts=Replicate(), output_layouts=Shard(1) if SEQUENCE_PARALLEL else Replicate()
-            )
+        if isinstance(module, nn.Embedding):  # whole output: sequence parallel starts at FIRST_LAYER
+            plan[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
         elif isinstance(module, nn.Linear):
             plan[name] = ColwiseParallel(
                 input_layouts=Shard(1) if SEQUENCE_PARALLEL else Replicate(), output_layouts=Replicate()
@@ -82,13 +101,92 @@ def tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
             kind = type(modules[name]).__name__ if name in modules else "missing"
             raise ValueError(f"{name!r} ({kind}): ColwiseParallel / RowwiseParallel split nn.Linear modules only")
     if SEQUENCE_PARALLEL:
-        for name, module in modules.items():
-            if isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith("Norm"):
+        if FIRST_LAYER not in modules:
+            raise ValueError(f"the plan's first layer {FIRST_LAYER!r} is not a module of this model")
+        names = list(modules)
+        for name in names[names.index(FIRST_LAYER):]:  # norms from the first layer on, none inside a block
+            module = modules[name]
+            inside = any(name.startswith(block + ".") for block in TP_BLOCKS)
+            norm = isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith("Norm")
+            if norm and not inside:
                 plan[name] = SequenceParallel()
-        for name in WHOLE_EMBEDDINGS:  # kept whole: its output is cut along the sequence (a local slice)
-            if name in modules and name not in plan:
-                plan[name] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
     return plan
+
+
+def _on_stream(args: tuple, kwargs: dict, fn) -> tuple[tuple, dict]:
+    """(args, kwargs) with `fn` applied to the stream: the first positional tensor, else the
+    STREAM_KWARGS keyword."""
+    if args and isinstance(args[0], torch.Tensor):
+        return (fn(args[0]), *args[1:]), kwargs
+    for key in STREAM_KWARGS:
+        if isinstance(kwargs.get(key), torch.Tensor):
+            return args, {**kwargs, key: fn(kwargs[key])}
+    raise ValueError("sequence parallel: found no stream tensor (first argument or hidden_states / x)")
+
+
+def _sequence_hooks(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Cut the stream along the sequence at FIRST_LAYER's input; gather it at each block's input."""
+
+    def cut(module, args, kwargs):
+        return _on_stream(args, kwargs, lambda x: DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+                          .redistribute(mesh, (Shard(1),)).to_local())
+
+    def gather(module, args, kwargs):
+        def whole(x):
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, mesh, (Shard(1),), run_check=False)
+            return x.redistribute(mesh, (Replicate(),))  # a DTensor: the gradient is reduce-scattered
+
+        return _on_stream(args, kwargs, whole)
+
+    model.get_submodule(FIRST_LAYER).register_forward_pre_hook(cut, with_kwargs=True)
+    for name in TP_BLOCKS:
+        model.get_submodule(name).register_forward_pre_hook(gather, with_kwargs=True)
+
+
+def _kv_heads(model: nn.Module) -> set[int]:
+    """KV-head counts of the attention modules of TP_BLOCKS (their own attribute, else their config's,
+    else their head count), read before apply() divides them."""
+    counts = set()
+    for name in TP_BLOCKS:
+        module = model.get_submodule(name)
+        values = [getattr(module, a, None) for a in KV_ATTRS]
+        values.append(getattr(getattr(module, "config", None), "num_key_value_heads", None))
+        values += [getattr(module, a, None) for a in HEAD_ATTRS]
+        count = next((v for v in values if isinstance(v, int) and not isinstance(v, bool)), None)
+        if count is not None:  # an MLP block has none of these
+            counts.add(count)
+    return counts
+
+
+def _local_caches(model: nn.Module, mesh: DeviceMesh, kv_heads: set[int]) -> list[str]:
+    """Replace each KV-cache buffer (4-D, floating, dim 1 or 2 of a KV-head count) by the rank's part
+    of its heads, also where another object holds the same tensor; return the buffers cut."""
+    tp, rank = mesh.size(), mesh.get_local_rank()
+    swapped: dict[int, torch.Tensor] = {}
+    changed = []
+    for owner_name, owner in model.named_modules():
+        for attr, buf in list(owner._buffers.items()):
+            if buf is None or buf.dim() != 4 or not buf.is_floating_point():
+                continue
+            dim = next((d for d in (1, 2) if buf.shape[d] in kv_heads and buf.shape[d] % tp == 0), None)
+            if dim is None:
+                continue
+            if id(buf) not in swapped:
+                swapped[id(buf)] = buf.detach().chunk(tp, dim=dim)[rank].clone()
+            owner._buffers[attr] = swapped[id(buf)]
+            changed.append(f"{owner_name + '.' if owner_name else ''}{attr}: dim {dim} {buf.shape[dim]} -> "
+                           f"{buf.shape[dim] // tp}")
+    for module in model.modules():  # other holders of the same tensors (transformers' StaticCache layers)
+        for value in list(vars(module).values()):
+            layers = getattr(value, "layers", None)
+            if not isinstance(layers, (list, tuple)):
+                continue
+            for layer in layers:
+                for key, tensor in list(getattr(layer, "__dict__", {}).items()):
+                    if isinstance(tensor, torch.Tensor) and id(tensor) in swapped:
+                        setattr(layer, key, swapped[id(tensor)])
+    return changed
 
 
 def _reorder_fused(model: nn.Module, tp: int) -> None:
@@ -141,10 +239,15 @@ def apply(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         and module.weight is model.get_submodule(other).weight
     ]
     _reorder_fused(model, tp)
+    kv_heads = _kv_heads(model)
     _local_heads(model, tp)
     parallelize_module(model, mesh, plan)
     for _, module, other in tied:
         module.weight = model.get_submodule(other).weight  # tie again: both are the same Shard(0) DTensor
+    if SEQUENCE_PARALLEL:
+        _sequence_hooks(model, mesh)
+    if KV_CACHES:
+        _local_caches(model, mesh, kv_heads)
     return model
 '''
 
@@ -175,8 +278,9 @@ class DTensorPlan:
     blocks: list[str]  # TP_BLOCKS: parents of colwise + rowwise pairs (attention, MLP)
     warnings: list[str]
     unsupported: dict[str, str]  # UNSUPPORTED: module -> why apply() refuses the plan
-    # WHOLE_EMBEDDINGS: embeddings the plan keeps whole (a replicated weight no projection role names)
-    whole_embeddings: list[str] = field(default_factory=list)
+    # FIRST_LAYER: under sequence parallel, the layer at whose input the stream is cut along the sequence
+    first_layer: str | None = None
+    kv_caches: bool = False  # KV_CACHES: a served plan splitting attention heads: apply() cuts the caches
 
 
 def dtensor_plan(plan: Plan) -> DTensorPlan:
@@ -187,6 +291,10 @@ def dtensor_plan(plan: Plan) -> DTensorPlan:
     col = {m for m, s in splits.items() if s.style is SplitStyle.COLWISE}
     row = {m for m, s in splits.items() if s.style is SplitStyle.ROWWISE}
     col_parents, row_parents = {_parent(m) for m in col}, {_parent(m) for m in row}
+    blocks = sorted(col_parents & row_parents, key=_natural)
+    if sp and not blocks:
+        warnings.append("sequence parallel without a split attention or MLP block: exported without it")
+        sp = False
     styles: dict[str, str] = {}
     fused: dict[str, list[int]] = {}
     unsupported = _unsupported_pairings(plan)
@@ -207,7 +315,9 @@ def dtensor_plan(plan: Plan) -> DTensorPlan:
                 "only; apply() refuses it"
             )
         if split.style is SplitStyle.COLWISE:
-            kwargs = ["input_layouts=Shard(1)"] if sp else []
+            # under sequence parallel a block gathers its input itself (apply()'s hook); a projection
+            # outside the blocks (an LM head kept apart) gathers its own
+            kwargs = ["input_layouts=Shard(1)"] if sp and _parent(module) not in blocks else []
             if _parent(module) not in row_parents:
                 kwargs.append("output_layouts=Replicate()")
             styles[module] = f"ColwiseParallel({', '.join(kwargs)})"
@@ -219,7 +329,6 @@ def dtensor_plan(plan: Plan) -> DTensorPlan:
                 kwargs.append("output_layouts=Shard(1)")
             styles[module] = f"RowwiseParallel({', '.join(kwargs)})"
     vocab = sorted((m for m, s in splits.items() if s.style is SplitStyle.VOCAB), key=_natural)
-    blocks = sorted(col_parents & row_parents, key=_natural)
     pieces = kv_piece_splits(plan)
     if pieces:
         warnings.append(
@@ -249,24 +358,13 @@ def dtensor_plan(plan: Plan) -> DTensorPlan:
     heads_split = any(s.style is SplitStyle.COLWISE and plan.roles.get(f"{m}.weight", "k") in ("q", "k", "v", "qkv")
                       for m, s in splits.items())  # fmt: skip
     if plan.serving is not None:
-        if heads_split:
-            warnings.append(
-                "KV-cache buffers are not parameters: apply() leaves them whole; allocate each rank's cache for its "
-                f"own heads (KV heads / {plan.tp}) after apply(), as the attention then writes only those"
-            )
         for note in plan.serving.fallbacks:
             warnings.append(f"serving fallback the plan priced, which DTensor cannot express: {note}")
     if plan.tp == 1:
         warnings.append("the plan has tp=1: there is nothing to shard, PLAN is empty")
-    whole = sorted(
-        (
-            w.removesuffix(".weight")
-            for w, sp in plan.splits.items()
-            if plan.tp > 1 and sp.style is SplitStyle.REPLICATE and plan.roles and w not in plan.roles
-        ),
-        key=_natural,
-    )
-    return DTensorPlan(styles, vocab, fused, blocks, warnings, unsupported, whole)
+    first_layer = _parent(blocks[0]) if sp else None
+    kv_caches = plan.serving is not None and heads_split
+    return DTensorPlan(styles, vocab, fused, blocks, warnings, unsupported, first_layer, kv_caches)
 
 
 def _unsupported_pairings(plan: Plan) -> dict[str, str]:
@@ -306,7 +404,7 @@ def export_dtensor(plan: Plan) -> Export:
     """The Python file (module docstring) with its warnings."""
     exported = dtensor_plan(plan)
     device = _mesh_device(plan)
-    sp = plan.sequence_parallel and plan.tp > 1
+    sp = exported.first_layer is not None
     plan_lines = "\n".join(f"    {m!r}: {s}," for m, s in exported.styles.items())
     header = f'''"""Tensor-parallel plan for {plan.model} on {plan.cluster} (tp={plan.tp}, {plan.workload}, {plan.dtype}),
 written by planner export --to dtensor, for torch.distributed.tensor.parallel.
@@ -326,7 +424,7 @@ full_tensor() of such a weight is in that order), and divides the head counts an
 (HEAD_ATTRS, WIDTH_ATTRS) of each module in TP_BLOCKS that has a head count (the attention modules) by
 tp: the attention's forward must size its views from those attributes (or with -1), as the rank now
 computes only its own heads. A token embedding tied to a vocabulary-split LM head is split with it
-and tied again.{_SP_NOTE if sp else ""}
+and tied again.{_SP_NOTE if sp else ""}{_CACHE_NOTE if exported.kv_caches else ""}
 """
 
 from __future__ import annotations
@@ -334,11 +432,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
-    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -357,6 +454,7 @@ VOCAB = {_list(exported.vocab)}  # split along the vocabulary (styled by type in
 FUSED_PARTS = {exported.fused!r}  # fused projection -> sizes of its parts (rows)
 TP_BLOCKS = {_list(exported.blocks)}  # parents of colwise + rowwise pairs; head counts become per-rank
 UNSUPPORTED = {pprint.pformat(exported.unsupported, width=100)}  # module -> why apply() refuses the plan
-WHOLE_EMBEDDINGS = {_list(exported.whole_embeddings)}  # kept whole; with SEQUENCE_PARALLEL output cut along T
+FIRST_LAYER = {exported.first_layer!r}  # SEQUENCE_PARALLEL: the stream is cut along the sequence at its input
+KV_CACHES = {exported.kv_caches}  # a served plan with attention heads split: apply() cuts the KV caches
 '''
     return Export(header + _APPLY_SOURCE, exported.warnings)
