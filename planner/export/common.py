@@ -66,8 +66,18 @@ def uneven_stages(plan: Plan) -> bool:
 
 
 def stage_sizes_text(plan: Plan) -> str:
-    """'17 + 15 layers' for the (virtual) stages, in pipeline order."""
-    return " + ".join(str(len(layers)) for layers in virtual_stage_layers(plan)) + " layers"
+    """'17 + 15 layers' for the (virtual) stages, in pipeline order; past 12 stages, runs of equal
+    sizes counted: '1 (x49) + 2 (x14) + 1 (x49) layers'."""
+    sizes = [len(layers) for layers in virtual_stage_layers(plan)]
+    if len(sizes) <= 12:
+        return " + ".join(str(n) for n in sizes) + " layers"
+    runs: list[list[int]] = []
+    for n in sizes:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    return " + ".join(f"{n} (x{count})" if count > 1 else str(n) for n, count in runs) + " layers"
 
 
 def micro_batch_size(plan: Plan) -> int:
