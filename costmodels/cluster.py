@@ -598,7 +598,7 @@ def parse_cluster(data: object, origin: str) -> ClusterSpec:
         )
         raise r.fail(
             "",
-            f"is {what}, not a cluster spec: give --cluster a preset name or a cluster YAML (README, --cluster)",
+            f"is {what}, not a cluster spec: give --cluster a preset name or a cluster YAML (docs/cluster-yaml.md)",
         )
     top_required = ("name", "nodes", "devices_per_node", "backend", "overlap_efficiency", "device", "links")
     d = r.mapping(data, "", top_required, ("sources", "attention_kernel"))

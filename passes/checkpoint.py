@@ -51,7 +51,7 @@ def checkpoint_files(path: str | os.PathLike[str] | Sequence[str]) -> list[str]:
         return files
     if not p.exists():
         made_by = (
-            "; it is made by `python bench/ladder_quality.py` (README: Ladder residual: quality)"
+            "; it is made by `python bench/ladder_quality.py` (docs/ladder.md)"
             if p.name == "llama_small_lm.safetensors"
             else ""
         )

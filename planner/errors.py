@@ -1,6 +1,6 @@
 """Errors a user can act on, each with the process exit code the CLI returns for it.
 
-Exit codes (documented in the README): 0 success, 2 bad input (file, YAML, options),
+Exit codes (documented in docs/report.md): 0 success, 2 bad input (file, YAML, options),
 3 no feasible plan, 4 run failed.
 """
 

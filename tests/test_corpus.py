@@ -44,7 +44,7 @@ NAMES = [p.stem for p in FILES]
 
 
 def _served(name: str) -> bool:
-    """A model file with a static KV cache (README, models with a KV cache): it defines step_inputs."""
+    """A model file with a static KV cache (docs/model-files.md, models with a KV cache): it defines step_inputs."""
     return "def step_inputs(" in (CORPUS / f"{name}.py").read_text()
 
 

@@ -616,7 +616,7 @@ def _check_runs_here(args: argparse.Namespace, cluster) -> None:
         f"({cluster.name}: {cluster.num_devices} × {cluster.device.name}, nccl) and this machine has {here}. "
         f"To plan for this machine and run: --cluster local-cpu --nproc N; to re-plan for local-cpu "
         f"automatically: add --scale-to-local; to run this plan on {cluster.name}: save it with --out and "
-        "start planner run there under torchrun (README)"
+        "start planner run there under torchrun (docs/real-cluster.md)"
     )
 
 

@@ -265,7 +265,7 @@ def render_plan(console: Console, plan: Plan) -> None:
             f"[yellow]note: decode priced from a formula: one token through the forward graph plus the K/V of "
             f"{plan.context} cached tokens read once per layer; the model file defines no step_inputs, so its "
             "own cache writes and attention over its cache are not in the graph, and --run cannot serve it "
-            "(README: models with a KV cache)[/yellow]"
+            "(docs/model-files.md: models with a KV cache)[/yellow]"
         )
     for note in plan.excluded[:8]:
         console.print(f"[dim]excluded: {note}[/dim]")

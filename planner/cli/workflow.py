@@ -116,7 +116,7 @@ def prepare(
     if workload == Workload.GENERATE:
         raise InputError(
             f"--workload generate needs a model with a static KV cache; {model_path} defines no "
-            "step_inputs(tokens, input_pos) (README, models with a KV cache)"
+            "step_inputs(tokens, input_pos) (docs/model-files.md, models with a KV cache)"
         )
     if new_tokens is not None:
         raise InputError("--new-tokens applies to --workload decode / generate of a model with a KV cache")
@@ -522,7 +522,7 @@ def check_fits_this_machine(plan: Plan, structure: ModelStructure, nproc: int) -
         raise InputError(
             f"running this plan here needs about {need / 2**30:.1f} GiB (the {structure.param_bytes / 2**30:.1f} GiB "
             f"model once for the reference, then its shards over {nproc} ranks), this machine has {total / 2**30:.1f} GiB; "
-            "run it on its cluster (torchrun, see README) or run a smaller configuration of the model"
+            "run it on its cluster (torchrun, see docs/real-cluster.md) or run a smaller configuration of the model"
         )
 
 
@@ -937,7 +937,7 @@ def run_plan(
         raise InputError(
             f"--run of a decode plan needs a model with a static KV cache; {model_path} has none (it was priced "
             "from a formula). Give the model file build_model(max_batch_size, max_seq_len) and "
-            "step_inputs(tokens, input_pos) (README, models with a KV cache)"
+            "step_inputs(tokens, input_pos) (docs/model-files.md, models with a KV cache)"
         )
     if nproc != plan.num_devices:
         raise InputError(

@@ -83,7 +83,7 @@ class ModelFile:
             if missing:
                 raise InputError(
                     f"{self.path}: build_model() does not accept {', '.join(missing)}; a model with a KV "
-                    "cache allocates it in build_model(max_batch_size, max_seq_len) (README, models with a KV cache)"
+                    "cache allocates it in build_model(max_batch_size, max_seq_len) (docs/model-files.md, models with a KV cache)"
                 )
         with torch.device(device):
             model = self._call("build_model", **sizes)
@@ -157,7 +157,7 @@ class ModelFile:
         if not self.has_cache:
             raise InputError(
                 f"{self.path}: no step_inputs(tokens, input_pos); serving workloads need a model with a "
-                "static KV cache (README, models with a KV cache)"
+                "static KV cache (docs/model-files.md, models with a KV cache)"
             )
         args = self._call("step_inputs", tokens=tokens, input_pos=input_pos)
         if isinstance(args, torch.Tensor):

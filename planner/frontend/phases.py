@@ -84,6 +84,6 @@ def plan_structure(model_file: ModelFile, phase: Phase) -> tuple[fx.GraphModule,
     ):
         raise InputError(
             f"{model_file.path}: defines step_inputs but no attention writes a KV-cache buffer in forward "
-            "(index_put_ / index_copy_ on a buffer that SDPA reads); see README, models with a KV cache"
+            "(index_put_ / index_copy_ on a buffer that SDPA reads); see docs/model-files.md, models with a KV cache"
         )
     return gm, structure
