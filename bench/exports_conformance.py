@@ -16,8 +16,8 @@ torchtitan (0.2.2 and 0.3.0) and vLLM's argument parsing and validation.
    its compiled dataset helper is left out), torchtitan 0.2.2 and 0.3.0 (each with its own
    dependencies; 0.3.0 with torchao, which its llama3_405b config's float8 LM head imports), vLLM 0.33.0 without its dependencies plus the packages its argument parser
    imports. triton is installed without dependencies where the tool imports it at module load (it
-   is a compiler, not a CUDA runtime). The first run downloads about 1 GB and takes minutes; later
-   runs reuse the environments.
+   is a compiler, not a CUDA runtime). The first run downloads about 1 GB, takes about 20 minutes and
+   leaves about 10 GB of environments; later runs reuse them (2 minutes).
 4. Checks, in each tool's environment (this file run with --check): the export is given to the
    tool's own parser and validation, and what the tool parsed is compared with what the plan says:
    - Megatron-Core: `megatron.training.arguments` `parse_args` (every option known: the parser's
