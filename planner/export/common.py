@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from planner.errors import InputError
-from planner.plan import Plan, SplitStyle
+from planner.plan import Plan, Recompute, SplitStyle
 
 
 @dataclass
@@ -181,3 +181,24 @@ def layout_warnings(plan: Plan, tool: str, replicates_kv_heads: bool = False) ->
         for note in plan.serving.fallbacks:
             warnings.append(f"serving fallback the plan priced, which {tool} may lay out differently: {note}")
     return warnings
+
+
+_STRENGTH = {Recompute.NONE: 0, Recompute.SELECTIVE: 1, Recompute.FULL: 2}
+
+
+def strongest_recompute(
+    plan: Plan, warnings: list[str], tool: str, consequence: str = ""
+) -> Recompute | None:
+    """The strongest recomputation `plan` asks for of any layer class (None: none asked), for a tool
+    that recomputes every layer alike; a plan that recomputes its layers differently gets a warning
+    naming `tool` and, after it, `consequence`."""
+    if not plan.recompute:
+        return None
+    choices = set(plan.recompute.values())
+    strongest = max(choices, key=_STRENGTH.__getitem__)
+    if len(choices) > 1:
+        warnings.append(
+            f"the plan recomputes layers differently ({plan.recompute_text()}); {tool} recomputes every layer "
+            f"alike: exported as {strongest}{consequence}"
+        )
+    return strongest

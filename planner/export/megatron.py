@@ -37,13 +37,13 @@ from planner.export.common import (
     micro_batch_size,
     num_layers,
     stage_sizes_text,
+    strongest_recompute,
     uneven_stages,
     virtual_stage_layers,
 )
 from planner.plan import Plan, Recompute, Schedule, Workload
 
 TOOL = "Megatron-LM"
-_STRENGTH = {Recompute.NONE: 0, Recompute.SELECTIVE: 1, Recompute.FULL: 2}
 
 
 def megatron_environment(plan: Plan) -> dict[str, str]:
@@ -148,15 +148,11 @@ def _pipeline_args(plan: Plan, warnings: list[str]) -> list[str]:
 
 def _recompute_args(plan: Plan, warnings: list[str]) -> list[str]:
     """One granularity for every layer: Megatron-LM recomputes all transformer layers alike."""
-    if not plan.recompute:
+    strongest = strongest_recompute(
+        plan, warnings, "Megatron-LM", " for all (more recomputation than priced, never less memory headroom)"
+    )
+    if strongest is None:
         return []
-    choices = set(plan.recompute.values())
-    strongest = max(choices, key=_STRENGTH.__getitem__)
-    if len(choices) > 1:
-        warnings.append(
-            f"the plan recomputes layers differently ({plan.recompute_text()}); Megatron-LM recomputes every layer alike: "
-            f"exported as {strongest} for all (more recomputation than priced, never less memory headroom)"
-        )
     if strongest is Recompute.FULL:
         return [
             "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",

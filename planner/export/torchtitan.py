@@ -54,8 +54,14 @@ from __future__ import annotations
 import shlex
 
 from planner.errors import InputError
-from planner.export.common import Export, layout_warnings, micro_batch_size, virtual_stage_layers
-from planner.plan import Plan, Recompute, Schedule, SplitStyle, Workload
+from planner.export.common import (
+    Export,
+    layout_warnings,
+    micro_batch_size,
+    strongest_recompute,
+    virtual_stage_layers,
+)
+from planner.plan import Plan, Schedule, SplitStyle, Workload
 
 TOOL = "torchtitan"
 VERSIONS: tuple[str, ...] = (
@@ -70,7 +76,6 @@ SCHEDULE_NAMES = {
 }  # torch.distributed.pipelining's schedule class names, which torchtitan looks up
 HEAD_NAMES = {"0.3": "lm_head", "0.2": "output"}  # torchtitan's Llama LM head module, per release
 _PRECISION = {"bf16": "bfloat16", "fp32": "float32"}
-_STRENGTH = {Recompute.NONE: 0, Recompute.SELECTIVE: 1, Recompute.FULL: 2}
 FP32_TRAP = "Mixed precision training with TP or PP is only supported when FSDP/HSDP/CP is enabled"
 
 
@@ -120,16 +125,8 @@ def _model_parts(plan: Plan, version: str) -> list[list[str]]:
 
 def _ac_mode(plan: Plan, warnings: list[str]) -> str:
     """torchtitan checkpoints every layer alike: the strongest recomputation the plan asks for."""
-    if not plan.recompute:
-        return "none"
-    choices = set(plan.recompute.values())
-    strongest = max(choices, key=_STRENGTH.__getitem__)
-    if len(choices) > 1:
-        warnings.append(
-            f"the plan recomputes layers differently ({plan.recompute_text()}); torchtitan checkpoints every layer alike: "
-            f"exported as {strongest}"
-        )
-    return str(strongest)
+    strongest = strongest_recompute(plan, warnings, "torchtitan")
+    return "none" if strongest is None else str(strongest)
 
 
 def _common(plan: Plan, version: str) -> tuple[dict[str, object], str, dict[str, object], list[str]]:
