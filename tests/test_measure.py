@@ -146,7 +146,7 @@ def test_speed_probe_measures_a_per_node_cost_and_a_matmul_rate() -> None:
     assert forward_only.overhead_s() is None and forward_only.matmul_flops_per_s() is None  # no sample yet
     for _ in range(5):
         wall_s = forward_only.sample()
-        assert 0 < wall_s < math.inf
+        assert wall_s > 0 and math.isfinite(wall_s)  # a sample was timed; no bound on how long
     per_node, backward = forward_only.overhead_s()
     assert 0 <= per_node < math.inf and backward is None and forward_only.samples == 5
     assert 0 < forward_only.matmul_flops_per_s() < math.inf
