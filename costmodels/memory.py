@@ -70,6 +70,77 @@ class Recompute(str, enum.Enum):
         return self.value
 
 
+class DataParallel(str, enum.Enum):
+    """How the data-parallel ranks hold the training state (``planner.plan.Plan.dp_style``); the ZeRO
+    stages of Rajbhandari et al. 2020, section 5, as Megatron-Core's
+    ``--data-parallel-sharding-strategy`` (no_shard / optim / optim_grads / optim_grads_params) and
+    PyTorch FSDP2 (``fully_shard``) name them.
+
+    DDP: every replica holds parameters, gradients and Adam state whole; gradients all-reduced.
+    ZERO1: Adam state (and fp32 master weights) sharded (Megatron-LM's distributed optimizer);
+    gradients reduce-scattered, updated parameters all-gathered after the step.
+    ZERO2: gradients sharded too (each rank keeps only its reduce-scattered slice).
+    FSDP: parameters sharded too (ZeRO-3): each wrapping unit (one layer; the parameters outside the
+    layers another) is all-gathered before its forward, and again before its backward when resharded
+    after forward, and its gradients reduce-scattered after its backward. With a shard degree below
+    the data-parallel degree it is HSDP: sharded inside groups of ``dp_shard`` ranks, replicated
+    across the ``dp / dp_shard`` groups (gradient shards all-reduced across them).
+    """
+
+    DDP = "ddp"
+    ZERO1 = "zero1"
+    ZERO2 = "zero2"
+    FSDP = "fsdp"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def shards_optimizer(self) -> bool:
+        return self is not DataParallel.DDP
+
+    @property
+    def shards_gradients(self) -> bool:
+        return self in (DataParallel.ZERO2, DataParallel.FSDP)
+
+    @property
+    def shards_parameters(self) -> bool:
+        return self is DataParallel.FSDP
+
+
+def dp_state_bytes(
+    num_params: float, dtype: str, style: DataParallel, shard: int, reshard_after_forward: bool = True
+) -> float:
+    """Parameters + gradients + Adam state per rank of ``num_params`` parameters (per TP / pipeline
+    rank) under data-parallel ``style`` over ``shard`` ranks (ZeRO section 5.1: P_os, P_os+g,
+    P_os+g+p): each sharded state divided by ``shard``. FSDP without reshard after forward keeps every
+    unit's gathered parameters from its forward to its backward, so the parameters count whole (the
+    peak of the step). The units in flight of FSDP are working memory (`fsdp_unit_bytes`). Raises
+    ValueError for shard < 1."""
+    if shard < 1:
+        raise ValueError(f"shard must be >= 1, got {shard}")
+    params = param_bytes(num_params, dtype)
+    grads = grad_bytes(num_params, dtype)
+    adam = adam_state_bytes(num_params, dtype)
+    if style.shards_optimizer:
+        adam /= shard
+    if style.shards_gradients:
+        grads /= shard
+    if style.shards_parameters and reshard_after_forward:
+        params /= shard
+    return params + grads + adam
+
+
+def fsdp_unit_bytes(unit_params: float, dtype: str, reshard_after_forward: bool = True) -> float:
+    """FSDP working memory per rank beyond `dp_state_bytes`, for a largest wrapping unit of
+    ``unit_params`` parameters (per TP rank): with reshard after forward, two units' gathered
+    parameters (the one computing and the one prefetched, FSDP2's default of one unit ahead) and one
+    unit's unsharded gradients before their reduce-scatter; without it the parameters are already
+    counted whole, so only the gradients."""
+    gathered = 2 * param_bytes(unit_params, dtype) if reshard_after_forward else 0.0
+    return gathered + grad_bytes(unit_params, dtype)
+
+
 def param_bytes(num_params: float, dtype: str) -> float:
     """Bytes of ``num_params`` parameters stored in ``dtype``."""
     return num_params * dtype_bytes(dtype)

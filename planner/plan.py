@@ -55,7 +55,7 @@ import yaml
 
 from costmodels.cluster import safe_load_unique
 from costmodels.dtypes import DTYPE_BYTES
-from costmodels.memory import Recompute, Schedule
+from costmodels.memory import DataParallel, Recompute, Schedule
 from planner.errors import InputError
 from planner.files import PLAN_HEADER, write_text_atomic
 
@@ -102,6 +102,7 @@ RECOMPUTE_PLAN_WIDE_KEYS = ("*", "layer")  # Plan.recompute keys that set every 
 SPLIT_STYLES: tuple[str, ...] = tuple(s.value for s in SplitStyle)
 WORKLOADS: tuple[str, ...] = tuple(w.value for w in Workload)
 SCHEDULES: tuple[str, ...] = tuple(s.value for s in Schedule)
+DP_STYLES: tuple[str, ...] = tuple(s.value for s in DataParallel)
 
 
 @dataclass(frozen=True)
@@ -352,13 +353,17 @@ class Plan:
     # TP blocks are split along the sequence and each TP all-reduce is a reduce-scatter + all-gather
     # (Korthikanti et al. 2022). recompute: layer class (the CostTables graph key, e.g. "layer") ->
     # activation recomputation; a class not listed recomputes nothing (users read it by layer:
-    # `recompute_text`, `recompute_ranges`). distributed_optimizer: optimizer
-    # state sharded over the data-parallel ranks (ZeRO-1; gradients reduce-scattered, parameters
-    # all-gathered).
+    # `recompute_text`, `recompute_ranges`). dp_style: how the data-parallel ranks hold the training
+    # state (`DataParallel`: ddp, zero1 = Megatron-LM's distributed optimizer, zero2, fsdp); dp_shard:
+    # the ranks each sharded state is split over (1 for ddp; dp for zero1 / zero2; a divisor of dp
+    # for fsdp, HSDP when below dp: replicated over dp / dp_shard groups); reshard_after_forward: fsdp
+    # frees each unit's gathered parameters after its forward and gathers them again for its backward.
     virtual_stages: int = 1
     sequence_parallel: bool = False
     recompute: dict[str, Recompute] = field(default_factory=dict)
-    distributed_optimizer: bool = False
+    dp_style: DataParallel = DataParallel.DDP
+    dp_shard: int = 1
+    reshard_after_forward: bool = True
     # parameters of the model the plan was made for (0: a plan written before this field): `planner run`
     # refuses a model file whose parameter count differs (it changed since planning)
     model_params: int = 0
@@ -378,6 +383,22 @@ class Plan:
     def __post_init__(self) -> None:
         self.workload = _coerce(Workload, self.workload, "workload")
         self.schedule = _coerce(Schedule, self.schedule, "schedule")
+        self.dp_style = _coerce(DataParallel, self.dp_style, "dp_style")
+
+    @property
+    def distributed_optimizer(self) -> bool:
+        """Adam's state is sharded over the data-parallel ranks (ZeRO-1 or more: `dp_style`)."""
+        return self.dp_style.shards_optimizer
+
+    @property
+    def dp_replicate(self) -> int:
+        """Replicas of each shard: dp / dp_shard (HSDP's replicate degree; dp for ddp)."""
+        return self.mesh.dp // max(1, self.dp_shard)
+
+    def dp_style_text(self) -> str:
+        """The data-parallel style as a user reads it: "ddp", "zero1", "fsdp (reshard after forward)",
+        "hsdp: fsdp over 4 x replicate 2"."""
+        return dp_style_text(self.dp_style, self.mesh.dp, self.dp_shard, self.reshard_after_forward)
 
     def saved_cluster(self, nproc: int | None = None) -> ClusterSpec | None:
         """The cluster the plan was made for, from its `cluster_source` or else its `cluster` name; None
@@ -433,6 +454,10 @@ class Plan:
             "sequence_parallel": self.sequence_parallel,
             "recompute": self.recompute_ranges(),
             "distributed_optimizer": self.distributed_optimizer,
+            "dp_style": str(self.dp_style),
+            "dp_shard": self.dp_shard,
+            "dp_replicate": self.dp_replicate,
+            "reshard_after_forward": self.reshard_after_forward,
         }
 
     def recompute_by_layer(self) -> dict[int, str] | None:
@@ -515,7 +540,8 @@ class Plan:
 
     DECISION_FIELDS = (
         "workload", "batch_size", "seq_len", "context", "micro_batches", "dtype", "mesh", "splits", "stages",
-        "ladder_layers", "schedule", "virtual_stages", "sequence_parallel", "recompute", "distributed_optimizer",
+        "ladder_layers", "schedule", "virtual_stages", "sequence_parallel", "recompute", "dp_style",
+        "dp_shard", "reshard_after_forward",
     )  # fmt: skip
 
     def decisions_digest(self) -> str:
@@ -533,7 +559,7 @@ class Plan:
         that `data` is not a plan at all (a cluster spec, some other YAML)."""
         _check_is_plan(data, origin)
         try:
-            plan = _from_builtin(cls, _upgrade_flat_mesh(data), "")
+            plan = _from_builtin(cls, _upgrade_distributed_optimizer(_upgrade_flat_mesh(data)), "")
         except InputError as e:
             raise InputError(f"{origin}: {e}") from None
         plan.validate(origin)
@@ -580,6 +606,21 @@ class Plan:
                 raise bad(name, f"must be >= 1, got {getattr(self, name)}")
         if self.context < 0:
             raise bad("context", f"must be >= 0, got {self.context}")
+        dp = self.mesh.dp
+        if self.dp_shard < 1 or dp % self.dp_shard:
+            raise bad(
+                "dp_shard", f"is {self.dp_shard}, which does not divide mesh.dp={dp}; use a divisor of {dp}"
+            )
+        if self.dp_style is DataParallel.DDP and self.dp_shard != 1:
+            raise bad(
+                "dp_shard", f"is {self.dp_shard} but dp_style is ddp (nothing sharded): set dp_shard: 1"
+            )
+        if self.dp_style in (DataParallel.ZERO1, DataParallel.ZERO2) and self.dp_shard != dp:
+            raise bad(
+                "dp_shard",
+                f"is {self.dp_shard} but dp_style {self.dp_style} shards over every data-parallel rank: set "
+                f"dp_shard: {dp} (only fsdp shards over fewer, as HSDP)",
+            )
         if self.workload == "decode" and self.context < 1:
             raise bad(
                 "context",
@@ -742,6 +783,30 @@ def _check_is_plan(data: object, origin: str) -> None:
         f"{origin} is not a plan file{looks}. A plan is the YAML that planner optimize MODEL.py --out PLAN.yaml "
         "writes (keys model, cluster, workload, mesh, splits, stages, predicted, ...)"
     )
+
+
+def dp_style_text(style: DataParallel, dp: int, shard: int, reshard_after_forward: bool) -> str:
+    """`Plan.dp_style_text` of the given fields."""
+    if style is not DataParallel.FSDP:
+        return str(style)
+    reshard = "reshard after forward" if reshard_after_forward else "no reshard after forward"
+    if 1 < shard < dp:
+        return f"hsdp: fsdp over {shard} x replicate {dp // shard} ({reshard})"
+    return f"fsdp ({reshard})"
+
+
+def _upgrade_distributed_optimizer(data: object) -> object:
+    """Plan data written before `dp_style`: ``distributed_optimizer: true`` is ZeRO-1 over every DP
+    rank, false plain DDP. Anything else is returned unchanged."""
+    if not isinstance(data, dict) or "distributed_optimizer" not in data:
+        return data
+    data = dict(data)
+    flag = data.pop("distributed_optimizer")
+    if "dp_style" not in data and flag is True:
+        mesh = data.get("mesh")
+        data["dp_style"] = "zero1"
+        data.setdefault("dp_shard", mesh.get("dp", 1) if isinstance(mesh, dict) else 1)
+    return data
 
 
 def _upgrade_flat_mesh(data: object) -> object:

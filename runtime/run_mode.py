@@ -101,7 +101,7 @@ def check_plan_runs(plan: Plan, workload: str) -> None:
     """Raise InputError naming the plan field when the runtime cannot run `plan` as planned for
     `workload` ("forward" | "train"): 1F1B with fewer micro-batches than pipeline stages, interleaved
     1F1B with micro-batches that do not divide into its rounds (torch's `ScheduleInterleaved1F1B`
-    needs micro_batches % max(1, micro_batches // pp) == 0), or `distributed_optimizer` on a workload
+    needs micro_batches % max(1, micro_batches // pp) == 0), or a sharded `dp_style` on a workload
     without an optimizer step. Called before the ranks start and on every rank."""
     m, pp = plan.micro_batches, plan.pp
     if pp > 1 and plan.schedule == Schedule.ONE_F_ONE_B and m < pp:
@@ -118,8 +118,8 @@ def check_plan_runs(plan: Plan, workload: str) -> None:
         )
     if plan.distributed_optimizer and workload != "train":
         raise InputError(
-            f"plan field 'distributed_optimizer' is true but the run's workload is {workload}: there is no "
-            "optimizer step to shard; plan the train workload, or set distributed_optimizer: false"
+            f"plan field 'dp_style' is {plan.dp_style} but the run's workload is {workload}: there is no "
+            "training state to shard; plan the train workload, or set dp_style: ddp and dp_shard: 1"
         )
 
 

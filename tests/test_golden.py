@@ -333,9 +333,9 @@ def test_trillion_free_plan_is_megatrons_kind_and_beats_the_expert(selene) -> No
     assert plan.predicted.latency_s <= plan.baseline.latency_s * (1 + 1e-9)
     expert = decision(plan, "megatron-baseline").reason
     assert "interleaved_1f1b" in expert and "sequence parallel on" in expert
-    assert "distributed optimizer on" in expert
+    assert "data parallel zero1" in expert
     whys = {d.subject.split(".")[-1]: d for d in plan.decisions}
-    for subject in ("sequence-parallel", "recompute", "schedule", "distributed-optimizer"):
+    for subject in ("sequence-parallel", "recompute", "schedule", "data-parallel"):
         assert subject in whys and len(whys[subject].options) >= 2
     assert whys["recompute"].options["selective"] < whys["recompute"].options["full"]
     # each "not allowed" says why, and the per-op rows say what their times cover (not a step time)

@@ -16,7 +16,7 @@ from costmodels.cluster import load_cluster
 from costmodels.comm import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s
 from planner.errors import InputError
 from planner.frontend.analysis import NodeCost
-from planner.plan import Layout, MeshShape, Plan, Recompute, Schedule
+from planner.plan import DataParallel, Layout, MeshShape, Plan, Recompute, Schedule
 from planner.solver import ilp
 from planner.solver.costing import (
     CostContext,
@@ -350,7 +350,7 @@ def test_training_at_scale_terms(h100) -> None:
     assert sp_tables.graphs[key].fixed_activation_bytes == pytest.approx(
         plain_graph.fixed_activation_bytes / 2
     )
-    zero = price(structure, h100, work, dataclasses.replace(plain, distributed_optimizer=True)).ctx
+    zero = price(structure, h100, work, dataclasses.replace(plain, dp_style=DataParallel.ZERO1)).ctx
     assert zero.state_factor() == pytest.approx((2 + 2 + 12 / 2) / 2)  # bf16 params + grads + Adam / dp
     assert gradient_sync_time_s(1e9, zero) == pytest.approx(
         reduce_scatter_time_s(1e9, zero.dp_group(), h100) + all_gather_time_s(1e9, zero.dp_group(), h100)

@@ -16,7 +16,7 @@ from costmodels import compute
 from costmodels.cluster import CALIBRATED_SPEC_NAME, load_cluster
 from planner.cli import workflow
 from planner.frontend.analysis import conv_call_at_batch
-from planner.plan import MeshShape
+from planner.plan import DataParallel, MeshShape
 from planner.solver import machine
 from planner.solver.costing import (
     CostContext,
@@ -55,7 +55,7 @@ def _as_calibrated(base):
 
 def _ctx(structure, cluster, tp=1, dp=1, train=True, zero=False) -> CostContext:
     workload = WorkloadSpec("train" if train else "forward", 2, 32)
-    mesh = MeshConfig(MeshShape(tp, 1, dp), 1, distributed_optimizer=zero)
+    mesh = MeshConfig(MeshShape(tp, 1, dp), 1, dp_style=DataParallel.ZERO1 if zero else DataParallel.DDP)
     return CostContext(structure, cluster, workload, mesh, "fp32")
 
 

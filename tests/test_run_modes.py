@@ -22,7 +22,7 @@ from planner.errors import InputError
 from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture, flat_inputs, input_batch_dims
 from planner.frontend.modelfile import load_model_file
-from planner.plan import MeshShape, Plan, Prediction, Schedule, SolverInfo
+from planner.plan import DataParallel, MeshShape, Plan, Prediction, Schedule, SolverInfo
 from runtime.data_parallel import DistributedAdam, ReplicatedAdam, args_share, batch_share
 from runtime.job import RunJob, set_up_rank, summarise
 from runtime.launch import RankContext, launch
@@ -102,7 +102,7 @@ def two_rank_results() -> list[dict]:
     pp = _plan("nonbatch_bias.py", pp=2, micro_batches=2)
     dp = _plan("nonbatch_bias.py", dp=2, seq_len=2)
     zero1 = dataclasses.replace(
-        _plan("dropout_tp.py", dp=2, batch_size=4, workload="train"), distributed_optimizer=True
+        _plan("dropout_tp.py", dp=2, batch_size=4, workload="train"), dp_style="zero1", dp_shard=2
     )
     jobs = [
         _job("nonbatch_bias.py", pp, return_output=True),
@@ -367,8 +367,8 @@ def test_plan_fields_the_runtime_cannot_run_are_refused_by_name() -> None:
     interleaved = dataclasses.replace(plan, schedule=Schedule.INTERLEAVED_1F1B, micro_batches=5)
     with pytest.raises(InputError, match=r"plan field 'micro_batches': the interleaved_1f1b .* = 2"):
         check_plan_runs(interleaved, "train")
-    with pytest.raises(InputError, match="plan field 'distributed_optimizer' is true but .* forward"):
-        check_plan_runs(dataclasses.replace(plan, micro_batches=2, distributed_optimizer=True), "forward")
+    with pytest.raises(InputError, match="plan field 'dp_style' is zero1 but .* forward"):
+        check_plan_runs(dataclasses.replace(plan, micro_batches=2, dp_style=DataParallel.ZERO1), "forward")
 
 
 @pytest.mark.slow

@@ -110,7 +110,7 @@ def comparison_rows(report: dict[str, Any]) -> dict[str, str]:
         schedule += f", {plan['virtual_stages']} virtual stages"
     extras = [
         "sequence parallel" if plan.get("sequence_parallel") else "",
-        "distributed optimizer" if plan.get("distributed_optimizer") else "",
+        (plan.get("dp_style") or "zero1") if plan.get("distributed_optimizer") else "",
         _recompute_cell(plan.get("recompute") or {}),
     ]
     above = (m.get("peak_memory_bytes") or 0) - (m.get("startup_memory_bytes") or 0)

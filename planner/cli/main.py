@@ -30,6 +30,7 @@ from rich.text import Text
 from planner.cli.progress import Bars
 from planner.errors import InputError, PlannerError
 from planner.files import check_output_path, write_text_atomic
+from planner.plan import DP_STYLES
 
 _WIDTH = None if sys.stdout.isatty() else 150  # rich assumes 80 columns when piped; tables need more
 console = Console(width=_WIDTH)
@@ -135,11 +136,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for flag, what in (
         ("--sequence-parallel", "training: split the norm/dropout regions along the sequence over TP"),
-        ("--distributed-optimizer", "training: shard Adam's state over the DP ranks (ZeRO-1)"),
+        ("--distributed-optimizer", "training: shard Adam's state over the DP ranks (on: ZeRO-1, off: DDP)"),
+        (
+            "--reshard-after-forward",
+            "training, fsdp: free each layer's gathered parameters after its forward",
+        ),
     ):
         opt.add_argument(
             flag, default="auto", choices=["auto", "on", "off"], help=f"{what} (auto: priced both ways)"
         )
+    opt.add_argument(
+        "--dp-style",
+        default="auto",
+        choices=["auto", *DP_STYLES],
+        help="training: how the data-parallel ranks hold the state: ddp (replicas), zero1 (Adam state sharded, "
+        "Megatron's distributed optimizer), zero2 (and gradients), fsdp (and parameters, gathered per layer; "
+        "HSDP with --dp-shard); auto: each priced, the fastest that fits",
+    )
+    opt.add_argument(
+        "--dp-shard",
+        type=_positive,
+        help="training: FSDP shard degree; with --dp N the mesh has N x this many data-parallel ranks (HSDP: "
+        "sharded over --dp-shard, replicated over --dp)",
+    )
     opt.add_argument(
         "--layout",
         default="auto",
@@ -334,12 +353,15 @@ def cmd_optimize(args: argparse.Namespace) -> int:
                 ("--recompute", args.recompute),
                 ("--sequence-parallel", args.sequence_parallel),
                 ("--distributed-optimizer", args.distributed_optimizer),
+                ("--dp-style", args.dp_style),
+                ("--reshard-after-forward", args.reshard_after_forward),
             )
             if value != "auto"
         ]
         if ignored:
             _warn([f"{', '.join(ignored)} had no effect: training options apply to --workload train only"])
             args.recompute = args.sequence_parallel = args.distributed_optimizer = "auto"  # as said: ignored
+            args.dp_style = args.reshard_after_forward = "auto"
 
     with _bars(args) as bars:
         nproc = args.nproc
@@ -985,6 +1007,9 @@ def _training_options(args: argparse.Namespace) -> dict:
         "recompute": None if args.recompute == "auto" else args.recompute,
         "sequence_parallel": on_off(args.sequence_parallel),
         "distributed_optimizer": on_off(args.distributed_optimizer),
+        "dp_style": None if args.dp_style == "auto" else args.dp_style,
+        "dp_shard": args.dp_shard,
+        "reshard_after_forward": on_off(args.reshard_after_forward),
     }
 
 

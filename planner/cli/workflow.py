@@ -334,16 +334,23 @@ def constraints_from(
     sequence_parallel: bool | None = None,
     distributed_optimizer: bool | None = None,
     layout: str = "auto",
+    dp_style: str | None = None,
+    dp_shard: int | None = None,
+    reshard_after_forward: bool | None = None,
 ) -> Constraints:
     """Constraints from CLI options (`--ladder` read by `LadderPolicy.parse`; None: the search chooses;
+    with `dp_shard` (--dp-shard) a given `dp` is the replicate degree: the mesh has dp x dp_shard DP ranks;
     `layout`: --layout, "auto" or "megatron", `Constraints.layout`). Raises InputError for a malformed
     --ladder, an unknown --schedule, --recompute or --layout, or a --virtual-stages without the
     interleaved schedule."""
     policy = LadderPolicy.parse(ladder or "none", option="--ladder")
+    if dp_shard is not None and dp is not None:  # --dp is then the replicate degree (HSDP's)
+        dp *= dp_shard
     return Constraints(
         tp=tp, pp=pp, dp=dp, ladder=policy, max_devices=max_devices, schedule=schedule,
         virtual_stages=virtual_stages, recompute=recompute, sequence_parallel=sequence_parallel,
-        distributed_optimizer=distributed_optimizer, layout=layout,
+        distributed_optimizer=distributed_optimizer, layout=layout, dp_style=dp_style, dp_shard=dp_shard,
+        reshard_after_forward=reshard_after_forward,
     )  # fmt: skip
 
 

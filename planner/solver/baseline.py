@@ -21,7 +21,7 @@ import math
 
 from costmodels.cluster import ClusterSpec
 from planner.frontend.analysis import ModelStructure
-from planner.plan import Layout, MeshShape, Recompute, Schedule
+from planner.plan import DataParallel, Layout, MeshShape, Recompute, Schedule
 from planner.solver.costing import CostTables, LayerGraph, interleaved_chunks
 from planner.solver.prediction import PricedAssignment, predict
 from planner.solver.problem import Assignment, MeshConfig, WorkloadSpec
@@ -239,4 +239,5 @@ def _expert_training(
     else:
         chosen = Schedule.ONE_F_ONE_B if m >= mesh.pp else Schedule.GPIPE
     sp = mesh.tp > 1 and sequence_divides
-    return MeshConfig(mesh, m, chosen, v, sequence_parallel=sp, distributed_optimizer=mesh.dp > 1)
+    style = DataParallel.ZERO1 if mesh.dp > 1 else DataParallel.DDP  # --use-distributed-optimizer
+    return MeshConfig(mesh, m, chosen, v, sequence_parallel=sp, dp_style=style)

@@ -67,7 +67,7 @@ from planner.frontend.analysis import (
     Role,
     conv_call_at_batch,
 )
-from planner.plan import Layout, MeshShape, Workload
+from planner.plan import DataParallel, Layout, MeshShape, Workload
 from planner.solver.problem import MeshConfig, WorkloadSpec
 
 R, S, P = Layout.REPLICATE, Layout.SHARD, Layout.PARTIAL
@@ -214,9 +214,27 @@ class CostContext:
         return self.config.sequence_parallel and self.mesh.tp > 1
 
     @property
+    def dp_style(self) -> DataParallel:
+        """The data-parallel style in effect: the config's when training with dp > 1, else DDP (nothing
+        to shard)."""
+        if not self.train or self.mesh.dp == 1:
+            return DataParallel.DDP
+        return self.config.dp_style
+
+    @property
     def distributed_optimizer(self) -> bool:
-        """ZeRO-1 is on and means something (training, dp > 1)."""
-        return self.config.distributed_optimizer and self.train and self.mesh.dp > 1
+        """Adam's state is sharded and that means something (training, dp > 1): ZeRO-1 or more."""
+        return self.dp_style.shards_optimizer
+
+    @property
+    def shard_degree(self) -> int:
+        """Ranks each sharded state is split over (1 without sharding)."""
+        return self.config.shard_degree if self.dp_style is not DataParallel.DDP else 1
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """FSDP gathers each unit again for its backward (False for the other styles)."""
+        return self.dp_style is DataParallel.FSDP and self.config.reshard_after_forward
 
     @property
     def bytes_per_element(self) -> int:
@@ -247,11 +265,26 @@ class CostContext:
         """Bytes per rank per parameter byte: weights, plus grads and Adam state when training."""
         if not self.train:
             return 1.0
-        if self.distributed_optimizer:  # ZeRO-1: Adam state (with fp32 master weights) divided over DP
-            state = memory.param_bytes(1, self.dtype) + memory.grad_bytes(1, self.dtype)
-            state += memory.sharded_optimizer_state_bytes(1, self.dtype, self.mesh.dp)
-            return state / memory.param_bytes(1, self.dtype)
-        return memory.training_state_bytes(1, self.dtype) / memory.param_bytes(1, self.dtype)
+        # ZeRO-1/2 and FSDP divide the sharded states over the shard degree (`memory.dp_state_bytes`)
+        state = memory.dp_state_bytes(
+            1, self.dtype, self.dp_style, self.shard_degree, self.reshard_after_forward
+        )
+        return state / memory.param_bytes(1, self.dtype)
+
+    def dp_shard_group(self) -> Group:
+        """The ranks a sharded state is split over: `shard_degree` consecutive DP ranks (HSDP's shard
+        groups are the inner DP dimension, as torchtitan's ("dp_replicate", "dp_shard") mesh)."""
+        per_node = self.dp_group().ranks_per_node
+        shard = self.shard_degree
+        return Group(shard, math.gcd(per_node, shard))
+
+    def dp_replicate_group(self) -> Group:
+        """HSDP: the ranks holding the same shard, one per shard group (across nodes unless the shard
+        groups are smaller than a node)."""
+        per_node = self.dp_group().ranks_per_node
+        shard = self.shard_degree
+        replicate = self.mesh.dp // shard
+        return Group(replicate, math.gcd(max(1, per_node // shard), replicate))
 
     def tp_group(self) -> Group:
         tp, per_node = self.mesh.tp, self.cluster.devices_per_node
@@ -1162,7 +1195,20 @@ def training_transient_bytes(ctx: CostContext) -> float:
     if ctx.cluster.device.node_overhead_s is not None and not ctx.distributed_optimizer:
         largest = max((n / tp if matrix else n for n, matrix in s.param_tensor_sizes), default=0.0)
         adam = 2.0 * largest * 4.0  # fp32 moments (and fp32 master weights of 16-bit parameters)
-    return max(tied, adam)
+    return max(tied, adam) + fsdp_transient_bytes(ctx)
+
+
+def fsdp_transient_bytes(ctx: CostContext) -> float:
+    """FSDP: the unsharded units in flight (`memory.fsdp_unit_bytes`) for the largest unit, a layer's
+    parameters split over the TP ranks or the parameters outside the layers (embedding, LM head); 0
+    for the other styles."""
+    if ctx.dp_style is not DataParallel.FSDP:
+        return 0.0
+    s, tp = ctx.structure, ctx.mesh.tp
+    layer_params = max((layer.num_params for layer in s.layers), default=0)
+    outside = max(0, s.num_params - sum(layer.num_params for layer in s.layers))
+    unit = max(layer_params, outside) / tp
+    return memory.fsdp_unit_bytes(unit, ctx.dtype, ctx.reshard_after_forward)
 
 
 def _all_projections(s: ModelStructure) -> list[Projection]:
@@ -1212,17 +1258,62 @@ class LinearCost:
 
 
 def gradient_sync_time_s(grad_bytes: float, ctx: CostContext) -> float:
-    """DP gradient synchronisation of `grad_bytes` per rank: an all-reduce, or with the distributed
-    optimizer (ZeRO-1) a reduce-scatter of the gradients and, after each rank updates its shard, an
-    all-gather of the parameters (same dtype, same bytes). 0 without training or DP."""
+    """Data-parallel traffic of one step for a rank whose gradients are `grad_bytes` (the TP / stage
+    shard, unsharded over DP), all of it, exposed or not (`dp_sync_parts`). 0 without training or DP."""
+    return dp_sync_parts(grad_bytes, ctx)[0]
+
+
+def dp_sync_parts(grad_bytes: float, ctx: CostContext) -> tuple[float, float]:
+    """(all data-parallel traffic of one step, the part of it no compute can hide), seconds, for a
+    rank with `grad_bytes` of gradients, by `CostContext.dp_style`:
+
+    - ddp: one all-reduce of the gradients after the backward (exposed, as the runtime runs it);
+    - zero1: reduce-scatter of the gradients and, after each rank steps its slice, all-gather of the
+      parameters (same dtype, same bytes; exposed);
+    - zero2: the gradients reduce-scattered after each micro-batch's backward (m of them; the slice
+      accumulates), the all-gather after the step (exposed);
+    - fsdp: per micro-batch, each unit's parameters all-gathered over the shard group before its
+      forward and, resharded after forward, again before its backward, and its gradients
+      reduce-scattered after its backward; HSDP adds the all-reduce of each gradient shard over the
+      replicate group. The runtime prefetches the next unit's gather while the current unit computes
+      and issues the reduce-scatters asynchronously (FSDP2's default, one unit ahead), so all but one
+      unit's share (the first gather, the last reduce) can hide behind compute: `dp_sync_exposed_s`
+      takes `ClusterSpec.overlap_efficiency` of the stage's compute off the rest.
+    """
     if not ctx.train or ctx.mesh.dp == 1 or grad_bytes <= 0:
-        return 0.0
+        return 0.0, 0.0
+    style, cluster, m = ctx.dp_style, ctx.cluster, ctx.micro_batches
     group = ctx.dp_group()
-    if ctx.distributed_optimizer:
-        return reduce_scatter_time_s(grad_bytes, group, ctx.cluster) + all_gather_time_s(
-            grad_bytes, group, ctx.cluster
+    if style is DataParallel.DDP:
+        t = all_reduce_time_s(grad_bytes, group, cluster)
+        return t, t
+    if style is DataParallel.ZERO1:
+        t = reduce_scatter_time_s(grad_bytes, group, cluster) + all_gather_time_s(grad_bytes, group, cluster)
+        return t, t
+    if style is DataParallel.ZERO2:
+        t = m * reduce_scatter_time_s(grad_bytes, group, cluster) + all_gather_time_s(
+            grad_bytes, group, cluster
         )
-    return all_reduce_time_s(grad_bytes, group, ctx.cluster)
+        return t, t
+    shard = ctx.dp_shard_group()
+    gathers = 2 if ctx.reshard_after_forward else 1
+    per_micro = gathers * all_gather_time_s(grad_bytes, shard, cluster)
+    per_micro += reduce_scatter_time_s(grad_bytes, shard, cluster)
+    if shard.size < ctx.mesh.dp:
+        per_micro += all_reduce_time_s(grad_bytes / shard.size, ctx.dp_replicate_group(), cluster)
+    total = m * per_micro
+    units = max(1.0, len(ctx.structure.layers) / ctx.mesh.pp) + 1.0  # one per layer, one for the rest
+    return total, total / units
+
+
+def dp_sync_exposed_s(grad_bytes: float, stage_compute_s: float, ctx: CostContext) -> float:
+    """The data-parallel traffic of `dp_sync_parts` that the step waits for: with FSDP what
+    ``overlap_efficiency`` x the stage's compute of the step (`stage_compute_s`, all micro-batches)
+    cannot hide, at least the one unit's share nothing can; the other styles all of it."""
+    total, unhidden = dp_sync_parts(grad_bytes, ctx)
+    if ctx.dp_style is not DataParallel.FSDP:
+        return total
+    return max(unhidden, total - ctx.cluster.overlap_efficiency * stage_compute_s)
 
 
 def optimizer_step_time_s(grad_bytes: float, ctx: CostContext) -> float:
@@ -1234,7 +1325,7 @@ def optimizer_step_time_s(grad_bytes: float, ctx: CostContext) -> float:
     if not ctx.train or grad_bytes <= 0:
         return 0.0
     dev = ctx.cluster.device
-    share = 1.0 / ctx.mesh.dp if ctx.distributed_optimizer else 1.0
+    share = 1.0 / ctx.shard_degree
     params = grad_bytes / ctx.bytes_per_element * share
     dispatch = dev.launch_overhead_s
     if dev.node_overhead_s is not None and not ctx.distributed_optimizer:
@@ -1278,6 +1369,20 @@ def gradient_sync_cost(ctx: CostContext) -> LinearCost:
 
     def t(nbytes: float) -> float:
         return gradient_sync_time_s(nbytes, ctx) + optimizer_step_time_s(nbytes, ctx)
+
+    beta = (t(big) - t(small)) / (big - small)
+    return LinearCost(t(small) - beta * small, beta)
+
+
+def unhidden_sync_cost(ctx: CostContext) -> LinearCost:
+    """Affine fit of the optimizer step plus the part of the DP traffic nothing hides
+    (`dp_sync_parts`' second term), per gradient byte on a rank: the ILP's floor under FSDP's tail."""
+    if not ctx.train:
+        return LinearCost(0.0, 0.0)
+    small, big = 1e6, 1e9
+
+    def t(nbytes: float) -> float:
+        return dp_sync_parts(nbytes, ctx)[1] + optimizer_step_time_s(nbytes, ctx)
 
     beta = (t(big) - t(small)) / (big - small)
     return LinearCost(t(small) - beta * small, beta)

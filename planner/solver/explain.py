@@ -34,6 +34,7 @@ from planner.solver.problem import (
     LadderMode,
     LadderPolicy,
     MeshConfig,
+    dp_style_variants,
 )
 
 MAX_BLOCK_COMBINATIONS = 20000  # decision tables enumerate a block's option combinations up to this
@@ -343,14 +344,42 @@ def training_decisions(
         if c.schedule is not None or c.virtual_stages is not None:
             reason += "; pinned by --schedule / --virtual-stages"
         out.append(Decision("schedule", chosen, options, reason + fit_note()))
-    # distributed optimizer
+    # data-parallel style
     if mesh.dp > 1:
-        options = {
-            "off": cost(dataclasses.replace(config, distributed_optimizer=False), assignment, "off"),
-            "on": cost(dataclasses.replace(config, distributed_optimizer=True), assignment, "on"),
-        }
-        chosen = "on" if ctx.distributed_optimizer else "off"
-        what = f"ZeRO-1: Adam state / dp={mesh.dp}, gradients reduce-scattered and parameters all-gathered"
-        reason = _feature_reason(what, options, chosen, c.distributed_optimizer, "--distributed-optimizer")
-        out.append(Decision("distributed-optimizer", chosen, options, reason + fit_note()))
+        out.append(_dp_style_decision(tables, assignment, c, price_config, cap_bytes))
     return out
+
+
+def _dp_style_decision(
+    tables: CostTables,
+    assignment: Assignment,
+    c: Constraints,
+    price_config: Callable[[MeshConfig], CostTables],
+    cap_bytes: float,
+) -> Decision:
+    """The step time of every data-parallel style the constraints allow (`dp_style_variants`), the rest
+    of the plan unchanged (inf: does not fit); the reason gives each one's peak memory per rank."""
+    config = tables.ctx.config
+    options: dict[str, float] = {}
+    memory: list[str] = []
+    for variant in dp_style_variants(config, c):
+        name = variant.dp_label()
+        alt = tables if variant == config else price_config(variant)
+        p = predict(alt, assignment).prediction
+        options[name] = p.latency_s if p.peak_memory_bytes <= cap_bytes else math.inf
+        memory.append(f"{name} {p.peak_memory_bytes / _GIB:.1f}")
+    what = (
+        f"over dp={config.mesh.dp}: ddp all-reduces gradients; zero1 shards Adam's state (Megatron's "
+        "distributed optimizer); zero2 gradients too; fsdp parameters too, gathered per layer (prefetched one "
+        "layer ahead, reduce-scatters issued as each layer's backward ends); hsdp SxR shards over S ranks and "
+        "replicates over R; -noreshard keeps the gathered layers from forward to backward"
+    )
+    pinned = [
+        flag for flag, value in (
+            ("--dp-style", c.dp_style), ("--dp-shard", c.dp_shard),
+            ("--reshard-after-forward", c.reshard_after_forward), ("--distributed-optimizer", c.distributed_optimizer),
+        ) if value is not None
+    ]  # fmt: skip
+    reason = what + (f"; pinned by {' '.join(pinned)}" if pinned else "")
+    reason += f"; peak memory per rank, GiB: {', '.join(memory)} (usable {cap_bytes / _GIB:.1f})"
+    return Decision("data-parallel", config.dp_label(), options, reason)

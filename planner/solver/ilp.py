@@ -78,7 +78,7 @@ from dataclasses import dataclass
 
 import pulp
 
-from planner.plan import Layout, Recompute
+from planner.plan import DataParallel, Layout, Recompute
 from planner.solver.costing import (
     TRAIN_COMM_FACTOR,
     TRAIN_COMPUTE_FACTOR,
@@ -94,6 +94,7 @@ from planner.solver.costing import (
     step_time_s,
     stream_conversion_time_s,
     transient_bytes,
+    unhidden_sync_cost,
 )
 from planner.solver.problem import (
     LADDER_MIN_SAVING_FRACTION,
@@ -663,12 +664,20 @@ class _Builder:
         fit = gradient_sync_cost(self.ctx)
         tail = self.m.add_variable("Tail", 0)
         pp = self.ctx.mesh.pp
+        # FSDP: the traffic hides behind eta x the stage's step (`costing.dp_sync_exposed_s`), down to
+        # the part nothing hides
+        fsdp = self.ctx.dp_style is DataParallel.FSDP
+        hide = self.ctx.cluster.overlap_efficiency * self.ctx.micro_batches if fsdp else 0.0
+        floor = unhidden_sync_cost(self.ctx) if fsdp else None
         for s in range(pp):
             g = stage_grad[s]
             for end, here in zip(ends, (s == 0, s == pp - 1)):
                 if here:
                     g += end.grad
-            self.m += tail >= fit.alpha_s + fit.beta_s_per_byte * GIB * g, _name("tail", s)
+            hidden = hide * self.stage_time[s] if fsdp else 0.0
+            self.m += tail >= fit.alpha_s + fit.beta_s_per_byte * GIB * g - hidden, _name("tail", s)
+            if floor is not None:
+                self.m += tail >= floor.alpha_s + floor.beta_s_per_byte * GIB * g, _name("tail_floor", s)
         return tail
 
     def _objective(self, total, slowest, tail) -> None:

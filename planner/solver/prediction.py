@@ -24,7 +24,7 @@ from planner.solver.costing import (
     CostTables,
     LayerGraph,
     conversion_time_s,
-    gradient_sync_time_s,
+    dp_sync_exposed_s,
     in_flight_micro_batches,
     optimizer_step_time_s,
     recompute_input_bytes,
@@ -172,7 +172,9 @@ def predict(tables: CostTables, assignment: Assignment) -> PricedAssignment:
         bd.memory_bytes += transient_bytes(ctx)
     times = [bd.time_s for bd in stages_bd]
     slowest = max(range(mesh.pp), key=lambda s: times[s])
-    tail_comm, tail_compute = _tail_s(ctx, max(bd.grad_bytes for bd in stages_bd))
+    tail_comm, tail_compute = max(
+        (_tail_s(ctx, bd.grad_bytes, m * bd.time_s) for bd in stages_bd), key=lambda t: t[0] + t[1]
+    )
     latency = step_time_s(sum(times), times[slowest], m, ctx.virtual_stages) + tail_comm + tail_compute
     bottleneck = stages_bd[slowest]
     compute_s = m * bottleneck.compute_s + tail_compute
@@ -238,6 +240,8 @@ def model_flops(tables: CostTables) -> float:
     return flops * (TRAIN_COMPUTE_FACTOR if ctx.train else 1.0)
 
 
-def _tail_s(ctx: CostContext, grad_bytes: float) -> tuple[float, float]:
-    """(DP gradient sync, optimizer step) of the stage with the most gradient bytes (`costing`)."""
-    return gradient_sync_time_s(grad_bytes, ctx), optimizer_step_time_s(grad_bytes, ctx)
+def _tail_s(ctx: CostContext, grad_bytes: float, stage_step_s: float) -> tuple[float, float]:
+    """(exposed DP traffic, optimizer step) of a stage with `grad_bytes` of gradients whose micro-batches
+    take `stage_step_s` (`costing.dp_sync_exposed_s`: FSDP's gathers and reduce-scatters partly hide
+    behind them); the step waits for the slowest stage's."""
+    return dp_sync_exposed_s(grad_bytes, stage_step_s, ctx), optimizer_step_time_s(grad_bytes, ctx)

@@ -15,13 +15,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import re
 from dataclasses import dataclass, field
 
 from costmodels.dtypes import DTYPE_BYTES
 from planner.errors import InputError
-from planner.plan import WORKLOADS, MeshShape, Recompute, Schedule, Workload
+from planner.plan import WORKLOADS, DataParallel, MeshShape, Recompute, Schedule, Workload
 
 LADDER_MIN_SAVING_FRACTION = 0.05  # a laddered layer must save >= 5% of its time (it changes the model)
 FEATURE_MIN_SAVING = 0.005  # relative saving each of SP / interleaving / ZeRO-1 must buy to be chosen
@@ -78,17 +79,40 @@ class MeshConfig:
     schedule: Schedule = Schedule.ONE_F_ONE_B  # decides the activations a stage holds (training)
     virtual_stages: int = 1  # interleaved 1F1B: model chunks per pipeline rank (v)
     sequence_parallel: bool = False  # norm/dropout regions split along the sequence over the TP ranks
-    distributed_optimizer: bool = False  # training: Adam state sharded over the DP ranks (ZeRO-1)
+    # training: how the DP ranks hold parameters, gradients and Adam state (`DataParallel`)
+    dp_style: DataParallel = DataParallel.DDP
+    dp_shard: int | None = None  # ranks each sharded state is split over; None: every DP rank
+    reshard_after_forward: bool = True  # fsdp: gather each unit again for its backward
 
     @property
     def num_devices(self) -> int:
         return self.mesh.num_devices
 
+    @property
+    def distributed_optimizer(self) -> bool:
+        """Adam's state is sharded over the DP ranks (ZeRO-1 or more)."""
+        return self.dp_style.shards_optimizer
+
+    @property
+    def shard_degree(self) -> int:
+        """Ranks each sharded state is split over: 1 for ddp, `dp_shard` (default every DP rank)."""
+        if self.dp_style is DataParallel.DDP:
+            return 1
+        return self.mesh.dp if self.dp_shard is None else self.dp_shard
+
+    def dp_label(self) -> str:
+        """The DP style as the layout label writes it: "zero1", "fsdp", "fsdp-noreshard", "hsdp 4x2"."""
+        if self.dp_style is not DataParallel.FSDP:
+            return str(self.dp_style)
+        shard = self.shard_degree
+        name = f"hsdp {shard}x{self.mesh.dp // shard}" if shard < self.mesh.dp else "fsdp"
+        return name + ("" if self.reshard_after_forward else "-noreshard")
+
     def layout_label(self) -> str:
         """What runs beside the mesh: "interleaved_1f1b v=2, sp, zero1" ("" for none of them)."""
         parts = [f"{self.schedule} v={self.virtual_stages}"] if self.virtual_stages > 1 else []
         parts += ["sp"] if self.sequence_parallel else []
-        parts += ["zero1"] if self.distributed_optimizer else []
+        parts += [self.dp_label()] if self.dp_style is not DataParallel.DDP else []
         return ", ".join(parts)
 
     def label(self) -> str:
@@ -246,6 +270,10 @@ class Constraints:
     sequence_parallel: bool | None = None  # None: the search chooses (priced both ways)
     recompute: Recompute | None = None  # every layer class; None: the ILP chooses per class
     distributed_optimizer: bool | None = None  # ZeRO-1; None: the search chooses (priced both ways)
+    # data-parallel style (--dp-style); None: the search chooses among the styles `dp_styles` allows
+    dp_style: DataParallel | None = None
+    dp_shard: int | None = None  # --dp-shard: FSDP / HSDP shard degree; None: the search chooses
+    reshard_after_forward: bool | None = None  # --reshard-after-forward on|off; None: the search chooses
     tp_across_nodes: bool = False  # consider TP groups larger than a node (off: TP stays in a node)
     memory_fraction: float = 0.9  # share of device memory plans may use (rest: runtime, fragmentation)
     time_limit_s: float = 10.0  # CBC time limit per ILP
@@ -277,6 +305,26 @@ class Constraints:
             raise InputError(
                 f"constraint ladder must be a LadderPolicy (LadderPolicy.parse), got {self.ladder!r}"
             )
+        if self.dp_style is not None:
+            if self.dp_style not in {s.value for s in DataParallel}:
+                raise InputError(
+                    f"constraint dp_style {self.dp_style!r} is not one of {[s.value for s in DataParallel]}"
+                )
+            object.__setattr__(self, "dp_style", DataParallel(self.dp_style))
+            want = self.dp_style.shards_optimizer
+            if self.distributed_optimizer is not None and self.distributed_optimizer != want:
+                raise InputError(
+                    f"--distributed-optimizer {'on' if self.distributed_optimizer else 'off'} contradicts "
+                    f"--dp-style {self.dp_style} (which shards Adam's state: {'yes' if want else 'no'}); "
+                    "give only --dp-style"
+                )
+        if self.dp_shard is not None and self.dp_shard < 1:
+            raise InputError(f"constraint dp_shard (--dp-shard) must be >= 1, got {self.dp_shard}")
+        if self.dp_shard is not None and self.dp_style not in (None, DataParallel.FSDP):
+            raise InputError(
+                f"--dp-shard {self.dp_shard} shards parameters (FSDP / HSDP) but --dp-style is {self.dp_style}; "
+                "use --dp-style fsdp or leave it out"
+            )
         if self.schedule is not None:
             if self.schedule not in {s.value for s in Schedule}:
                 raise InputError(
@@ -297,6 +345,19 @@ class Constraints:
                     f"constraint virtual_stages={self.virtual_stages} needs the interleaved_1f1b schedule, "
                     f"not {self.schedule}"
                 )
+
+    def dp_styles(self) -> list[DataParallel]:
+        """The data-parallel styles the search may choose: the pinned one, else those that agree with
+        --distributed-optimizer and --dp-shard."""
+        if self.dp_style is not None:
+            return [self.dp_style]
+        if self.dp_shard is not None or self.reshard_after_forward is not None:
+            return [DataParallel.FSDP]
+        if self.distributed_optimizer is False:
+            return [DataParallel.DDP]
+        if self.distributed_optimizer is True:
+            return [DataParallel.ZERO1]
+        return list(DataParallel)
 
     @property
     def pinned(self) -> dict[str, int]:
@@ -321,3 +382,39 @@ class Assignment:
     def option(self, key: str, op: str) -> str:
         """The option chosen for op `op` of graph `key`."""
         return self.choices[(key, op)]
+
+
+def dp_style_variants(config: MeshConfig, constraints: Constraints) -> list[MeshConfig]:
+    """`config` with every data-parallel style the constraints allow on its mesh: ddp, zero1, zero2,
+    fsdp over every power-of-two shard degree dividing dp (below dp: HSDP), with and without reshard
+    after forward (each as pinned); `config` itself when dp == 1."""
+    dp = config.mesh.dp
+    if dp == 1:
+        return [config]
+    out = []
+    for style in constraints.dp_styles():
+        if style is not DataParallel.FSDP:
+            out.append(dataclasses.replace(config, dp_style=style, dp_shard=None, reshard_after_forward=True))
+            continue
+        shards = [constraints.dp_shard] if constraints.dp_shard is not None else _power_divisors(dp)
+        pinned = constraints.reshard_after_forward
+        reshards = [pinned] if pinned is not None else [True, False]
+        for shard in shards:
+            if shard < 2 or dp % shard:
+                continue
+            for reshard in reshards:
+                out.append(
+                    dataclasses.replace(
+                        config,
+                        dp_style=style,
+                        dp_shard=None if shard == dp else shard,
+                        reshard_after_forward=reshard,
+                    )  # fmt: skip
+                )
+    return out or [config]
+
+
+def _power_divisors(n: int) -> list[int]:
+    """Divisors of n that are powers of two, and n itself, descending (HSDP shard degrees)."""
+    out = {n} | {d for d in (2**k for k in range(1, n.bit_length())) if n % d == 0}
+    return sorted(out, reverse=True)

@@ -32,6 +32,7 @@ from costmodels.cluster import ClusterSpec, cluster_for_ranks
 from planner.errors import InfeasibleError, InputError
 from planner.frontend.analysis import Layer, ModelStructure, Role
 from planner.plan import (
+    DataParallel,
     Decision,
     MeshCandidate,
     MeshShape,
@@ -42,6 +43,7 @@ from planner.plan import (
     SplitStyle,
     WeightSplit,
     Workload,
+    dp_style_text,
 )
 from planner.progress import Progress, silent
 from planner.solver.baseline import (
@@ -85,6 +87,7 @@ from planner.solver.problem import (
     LadderPolicy,
     MeshConfig,
     WorkloadSpec,
+    dp_style_variants,
 )
 
 __all__ = ["Constraints", "WorkloadSpec", "plan_model"]
@@ -309,6 +312,22 @@ def _enumerate(search: _Search, progress: Progress = silent) -> None:
         search.excluded += [exclusion for _, exclusion in whole_batch]
     if c.dp is not None and w.batch_size % c.dp:
         raise InputError(f"dp={c.dp} does not divide the batch size {w.batch_size}")
+    if c.dp_shard is not None:
+        if not w.train:
+            raise InputError(
+                f"--dp-shard {c.dp_shard} shards the training state, but the workload is {w.kind}: leave it out "
+                "or plan --workload train"
+            )
+        fits = [dp for dp in dps if dp % c.dp_shard == 0]
+        if not fits:
+            raise InputError(
+                f"--dp-shard {c.dp_shard} divides none of the data-parallel degrees this cluster and batch allow "
+                f"({', '.join(map(str, dps))}); use one of their divisors, e.g. --dp-shard {max(dps)}"
+            )
+        search.excluded += [
+            f"dp={dp}: --dp-shard {c.dp_shard} does not divide it" for dp in dps if dp not in fits
+        ]
+        dps = fits
     for tp in tps:
         for pp in pps:
             for dp in dps:
@@ -318,13 +337,16 @@ def _enumerate(search: _Search, progress: Progress = silent) -> None:
                 for m in [1] if whole_batch else _micro_batch_options(search, pp, dp):
                     for schedule, v in _schedules_for(search, pp, m):
                         for sp in _sequence_parallel_options(search, tp):
-                            zero1 = w.train and dp > 1 and c.distributed_optimizer is not False
-                            config = MeshConfig(mesh, m, schedule, v, sp, zero1)
-                            progress(
-                                f"pricing mesh candidate {len(search.candidates) + 1}: {config.mesh.label()} m={m}",
-                                None,
-                            )
-                            search.candidates.append(_price(search, config, lazy=True))
+                            for style in _solved_styles(search, dp):
+                                config = MeshConfig(
+                                    mesh, m, schedule, v, sp, style, c.dp_shard,
+                                    c.reshard_after_forward is not False,
+                                )  # fmt: skip
+                                progress(
+                                    f"pricing mesh candidate {len(search.candidates) + 1}: {config.label()}",
+                                    None,
+                                )
+                                search.candidates.append(_price(search, config, lazy=True))
     if not search.candidates:
         raise InfeasibleError(
             f"no mesh shape fits {num_devices} devices with "
@@ -610,7 +632,7 @@ def _solve_candidates(search: _Search, progress: Progress = silent) -> _Candidat
         cand.latency_s = predict(cand.tables, sol.assignment).prediction.latency_s
         _prefer_megatron_pairing(cand, prob, search.constraints.pairing_min_saving_fraction)
         _price_virtual_stages(search, cand)
-        _price_optimizer(search, cand)
+        _price_dp_styles(search, cand)
         if best is None or _better(cand, best):
             best = cand
     progress(f"searched {len(order)} mesh candidates", 1.0)
@@ -692,24 +714,53 @@ def _price_virtual_stages(search: _Search, cand: _Candidate) -> None:
             )
 
 
-def _price_optimizer(search: _Search, cand: _Candidate) -> None:
-    """A solved candidate with the distributed optimizer, priced with the plain one too (the same
-    strategies, stages and recomputation): keep the plain one when it fits memory and ZeRO-1 does not
-    save `FEATURE_MIN_SAVING`. (Plain data parallelism needs more memory and never less time in this
-    model, except for the extra collective's latency, so the ILP is solved with ZeRO-1 on.)"""
+def _solved_styles(search: _Search, dp: int) -> list[DataParallel]:
+    """The data-parallel styles a mesh's ILP is solved with: DDP without training or dp > 1; else one
+    that keeps the parameters whole (ZeRO-1, else ZeRO-2, else DDP: those allowed) and FSDP, as the
+    constraints allow. The styles differ in memory (which recomputation and splits fit) and in how
+    much traffic hides; the others are priced on each solution (`_price_dp_styles`)."""
+    if not search.workload.train or dp == 1:
+        return [DataParallel.DDP]
+    allowed = search.constraints.dp_styles()
+    whole = [s for s in (DataParallel.ZERO1, DataParallel.ZERO2, DataParallel.DDP) if s in allowed]
+    return whole[:1] + ([DataParallel.FSDP] if DataParallel.FSDP in allowed else [])
+
+
+# how much a data-parallel style asks of the runtime, for ties: ddp < zero1 < zero2 < fsdp < hsdp
+_DP_LEVEL = {DataParallel.DDP: 0, DataParallel.ZERO1: 1, DataParallel.ZERO2: 2, DataParallel.FSDP: 2}
+
+
+def _dp_level(config: MeshConfig) -> int:
+    """`_DP_LEVEL`, one more for HSDP (a shard degree below dp)."""
+    level = _DP_LEVEL[config.dp_style] if config.mesh.dp > 1 else 0
+    return level + int(config.dp_style is DataParallel.FSDP and config.shard_degree < config.mesh.dp)
+
+
+def _price_dp_styles(search: _Search, cand: _Candidate) -> None:
+    """A solved training candidate priced with every data-parallel style its constraints allow on the
+    same strategies, stages and recomputation (`dp_style_variants`): keep the fastest that fits memory,
+    a style asking more of the runtime (`_DP_LEVEL`) only when it saves `FEATURE_MIN_SAVING` per level."""
     config = cand.config
-    if not config.distributed_optimizer or search.constraints.distributed_optimizer is not None:
+    if not search.workload.train or config.mesh.dp == 1:
         return
     assert cand.solution is not None and cand.solution.assignment is not None and cand.latency_s is not None
-    plain_tables = _price(search, dataclasses.replace(config, distributed_optimizer=False)).tables
-    plain = predict(plain_tables, cand.solution.assignment).prediction
-    fits = plain.peak_memory_bytes <= search.cap_bytes
-    if fits and plain.latency_s <= cand.latency_s * (1 + FEATURE_MIN_SAVING):
-        cand.tables, cand.latency_s = plain_tables, plain.latency_s
+
+    def score(latency_s: float, c: MeshConfig) -> float:
+        return latency_s * (1 + FEATURE_MIN_SAVING * _dp_level(c))
+
+    best = (score(cand.latency_s, config), cand.tables, cand.latency_s)
+    for variant in dp_style_variants(config, search.constraints):
+        if variant == config:
+            continue
+        tables = _price(search, variant).tables
+        p = predict(tables, cand.solution.assignment).prediction
+        if p.peak_memory_bytes <= search.cap_bytes and score(p.latency_s, variant) < best[0]:
+            best = (score(p.latency_s, variant), tables, p.latency_s)
+    cand.tables, cand.latency_s = best[1], best[2]
 
 
 def _features(config: MeshConfig) -> int:
-    """How many of sequence parallelism, interleaving and ZeRO-1 a candidate uses."""
+    """How many of sequence parallelism, interleaving and a sharded data-parallel style a candidate uses."""
     return int(config.sequence_parallel) + int(config.virtual_stages > 1) + int(config.distributed_optimizer)
 
 
@@ -853,7 +904,10 @@ def _plan_of(search: _Search, priced: PricedAssignment, model_name: str, solver:
         virtual_stages=config.virtual_stages,
         sequence_parallel=tables.ctx.sequence_parallel,
         recompute=dict(assignment.recompute) if w.train else {},
-        distributed_optimizer=tables.ctx.distributed_optimizer,
+        dp_style=tables.ctx.dp_style,
+        dp_shard=tables.ctx.shard_degree,
+        reshard_after_forward=tables.ctx.reshard_after_forward
+        or tables.ctx.dp_style is not DataParallel.FSDP,
         token_model=s.token_model,
         unpriced_ops=s.unknown_ops,
         model_params=int(s.num_params),
@@ -907,7 +961,8 @@ def _allowed(search: _Search, mesh: MeshShape, config: MeshConfig | None = None)
     devices_ok = mesh.num_devices <= (c.max_devices or search.cluster.num_devices)
     if config is not None:
         pinned_ok = pinned_ok and c.sequence_parallel in (None, config.sequence_parallel)
-        pinned_ok = pinned_ok and c.distributed_optimizer in (None, config.distributed_optimizer)
+        dp_ok = not search.workload.train or mesh.dp == 1 or config.dp_style in c.dp_styles()
+        pinned_ok = pinned_ok and dp_ok
         pinned_ok = pinned_ok and c.virtual_stages in (None, config.virtual_stages)
         pinned_ok = pinned_ok and c.recompute is None
         # a pinned --micro-batches (the baseline picks its own: `megatron_micro_batches`)
@@ -959,6 +1014,7 @@ def _layout_text(priced: PricedAssignment, w: WorkloadSpec) -> dict[str, str]:
         "sequence_parallel": str(ctx.sequence_parallel).lower(),
         "recompute": "/".join(sorted(set(recompute.values()))) or "none",
         "distributed_optimizer": str(ctx.distributed_optimizer).lower(),
+        "dp_style": dp_style_text(ctx.dp_style, mesh.dp, ctx.shard_degree, ctx.reshard_after_forward),
     }  # fmt: skip
 
 
@@ -973,7 +1029,7 @@ def _baseline_decision(search: _Search, baseline: PricedAssignment | None) -> li
             f", {config.schedule} schedule"
             + (f" v={config.virtual_stages}" if config.virtual_stages > 1 else "")
             + f", sequence parallel {'on' if config.sequence_parallel else 'off'}, recompute {'/'.join(recompute)}"
-            + f", distributed optimizer {'on' if config.distributed_optimizer else 'off'}"
+            + f", data parallel {baseline.tables.ctx.config.dp_label() if config.mesh.dp > 1 else 'none'}"
         )
     mbs = f"{config.micro_batches} micro-batch" + ("es" if config.micro_batches > 1 else "")
     device = search.cluster.device.memory_bytes

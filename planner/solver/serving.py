@@ -168,7 +168,9 @@ def plan_prediction(
         plan.schedule,
         plan.virtual_stages,
         plan.sequence_parallel,
-        plan.distributed_optimizer,
+        plan.dp_style,
+        None if plan.dp_shard == plan.dp else plan.dp_shard,
+        plan.reshard_after_forward,
     )
     cluster = cluster_for_ranks(cluster, plan.mesh.num_devices)  # time-shared only by ranks that run
     tables = build_cost_tables(CostContext(structure, cluster, workload, config, plan.dtype))
