@@ -54,7 +54,7 @@ def narayanan_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) 
 
 def show(console: Console, title: str, plan) -> None:
     table = Table(title=title)
-    for col in ("", "this plan", "hand-written Megatron"):
+    for col in ("", "this plan", "hand-written Megatron", "torchtitan recipe"):
         table.add_column(col, justify="left" if not col else "right")
     for row in training_rows(plan):
         table.add_row(*row)

@@ -336,6 +336,10 @@ class Plan:
     excluded: list[str] = field(default_factory=list)  # e.g. "tp=3: 32 heads not divisible by 3"
     baseline: Prediction | None = None  # the hand-written Megatron plan under the same cost model
     baseline_layout: dict[str, str] = field(default_factory=dict)  # its `layout_summary`, as text
+    # training: the torchtitan recipe a PyTorch-native user writes (FSDP, TP 8 for large models, PP when
+    # needed; `planner.solver.baseline.torchtitan_configs`) under the same cost model, and its layout
+    torchtitan_baseline: Prediction | None = None
+    torchtitan_layout: dict[str, str] = field(default_factory=dict)
     mesh_candidates: list[MeshCandidate] = field(default_factory=list)
     token_model: bool = True  # reads token ids: sequence length and tokens/s apply (else samples/s)
     unpriced_ops: list[str] = field(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from rich.console import Console
@@ -213,9 +214,13 @@ def render_plan(console: Console, plan: Plan) -> None:
             f"[yellow]priced as memory-bound by their tensor sizes (ops the cost model does not know): "
             f"{', '.join(plan.unpriced_ops)}[/yellow]"
         )
-    if plan.baseline is not None:
-        b = plan.baseline
-        d = next((d for d in plan.decisions if d.subject == "megatron-baseline"), None)
+    for name, b, subject in (
+        ("Hand-written Megatron plan", plan.baseline, "megatron-baseline"),
+        ("torchtitan recipe", plan.torchtitan_baseline, "torchtitan-baseline"),
+    ):
+        if b is None:
+            continue
+        d = next((d for d in plan.decisions if d.subject == subject), None)
         layout = (
             d.chosen.replace("tp=", "TP=").replace("pp=", "PP=").replace("dp=", "DP=")
             if d
@@ -226,7 +231,7 @@ def render_plan(console: Console, plan: Plan) -> None:
             (part for part in (d.reason.split("; ") if d else []) if part.startswith("does not fit")), ""
         )
         console.print(
-            f"Hand-written Megatron plan ({escape(layout)}): {fmt_s(b.latency_s)}, {fmt_bytes(b.peak_memory_bytes)}/rank"
+            f"{name} ({escape(layout)}): {fmt_s(b.latency_s)}, {fmt_bytes(b.peak_memory_bytes)}/rank"
             + (
                 f" -> this plan is [bold]{b.latency_s / p.latency_s:.2f}×[/bold] its speed"
                 if not unfit
@@ -602,9 +607,21 @@ def render_layer_comparison(console: Console, plan: Plan, measured_per_layer_s: 
     return True
 
 
-def training_rows(plan: Plan) -> list[tuple[str, str, str]]:
-    """(what, this plan, the hand-written Megatron plan) for a training plan: layout, TFLOP/s per
-    device, bubble and memory per rank ("-" where the baseline is unknown)."""
+def training_rows(plan: Plan) -> list[tuple[str, str, str, str]]:
+    """(what, this plan, the hand-written Megatron plan, the torchtitan recipe) for a training plan:
+    layout, TFLOP/s per device, bubble and memory per rank ("-" where a baseline is unknown)."""
+    rows = _training_rows(plan)
+    titan = _training_rows(_as_baseline(plan, plan.torchtitan_baseline, plan.torchtitan_layout))
+    return [(*row, other[2]) for row, other in zip(rows, titan)]
+
+
+def _as_baseline(plan: Plan, prediction, layout: dict[str, str]) -> Plan:
+    """`plan` with another hand-written plan in its baseline fields (for `_training_rows`' third column)."""
+    return dataclasses.replace(plan, baseline=prediction, baseline_layout=layout)
+
+
+def _training_rows(plan: Plan) -> list[tuple[str, str, str]]:
+    """(what, this plan, the plan's `baseline`) rows of `training_rows`."""
     p, b, bl = plan.predicted, plan.baseline, plan.baseline_layout
 
     def tflops(pred) -> str:
@@ -644,7 +661,7 @@ def render_training(console: Console, plan: Plan) -> None:
     """Training: the plan's layout (schedule, v, micro-batch size, recompute, sequence parallelism,
     distributed optimizer) with TFLOP/s per device, bubble and memory, beside the Megatron baseline's."""
     table = Table(title="Training layout (model FLOP/s: forward + backward, recomputation not counted)")
-    for col in ("", "this plan", "hand-written Megatron"):
+    for col in ("", "this plan", "hand-written Megatron", "torchtitan recipe"):
         table.add_column(col, justify="left" if not col else "right")
     for row in training_rows(plan):
         table.add_row(*row)

@@ -241,3 +241,56 @@ def _expert_training(
     sp = mesh.tp > 1 and sequence_divides
     style = DataParallel.ZERO1 if mesh.dp > 1 else DataParallel.DDP  # --use-distributed-optimizer
     return MeshConfig(mesh, m, chosen, v, sequence_parallel=sp, dp_style=style)
+
+
+# torchtitan's published Llama 3 recipes (pytorch/torchtitan, torchtitan/models/llama3/train_configs/:
+# llama3_8b.toml FSDP over every GPU, TP 1, selective activation checkpointing; llama3_70b.toml and
+# llama3_405b.toml TP 8 with FSDP over the rest, full checkpointing; the torchtitan paper, Liang et al.
+# 2024, arXiv:2410.06511, Table 6, adds PP for 405B at 512 GPUs): TP from this many parameters on
+TORCHTITAN_TP_FROM_PARAMS = 30e9
+
+
+def torchtitan_configs(
+    cluster: ClusterSpec,
+    workload: WorkloadSpec,
+    structure: ModelStructure,
+    max_devices: int | None = None,
+) -> list[tuple[MeshConfig, Recompute]]:
+    """The layouts a torchtitan user writes for training, in the order they would try them (the caller
+    keeps the first that fits memory): FSDP (``data_parallel_shard_degree = -1``, resharded after
+    forward) over the devices TP and PP leave; TP 1 below `TORCHTITAN_TP_FROM_PARAMS` with selective
+    activation checkpointing, above it TP = the node (dividing the heads, `megatron_tp`) with full
+    checkpointing and sequence parallelism (torchtitan's TP plan always shards the norms'
+    sequence); then PP 2, 4, ... stages (1F1B, one sequence per micro-batch) while it does not fit.
+    Empty for workloads other than training and models without layers. The devices used are the cluster's (or `max_devices`),
+    less any that would not divide the batch."""
+    if not workload.train or not structure.layers:  # a recipe for transformer layers
+        return []
+    devices = min(cluster.num_devices, max_devices or cluster.num_devices)
+    heads = structure.query_head_counts()
+    big = structure.num_params >= TORCHTITAN_TP_FROM_PARAMS
+    tp = megatron_tp(cluster, math.gcd(*heads) if heads else None, structure) if big else 1
+    recompute = Recompute.FULL if big else Recompute.SELECTIVE
+    num_layers = max(1, len(structure.layers))
+    tokens = structure.stream_tokens(workload.seq_len)
+    sp = tp > 1 and all(t % tp == 0 for t in tokens)
+    out = []
+    pp = 1
+    while pp <= num_layers and tp * pp <= devices:
+        dp = devices // (tp * pp)
+        while dp > 1 and workload.batch_size % dp:
+            dp -= 1
+        per_replica = workload.batch_size // dp
+        style = DataParallel.FSDP if dp > 1 else DataParallel.DDP
+        # without PP: the whole local batch, then gradient accumulation over one sequence at a time,
+        # then full checkpointing; with PP: micro-batches of one sequence (pipeline_parallel_microbatch_size)
+        tries = [(1, recompute), (per_replica, recompute), (per_replica, Recompute.FULL)] if pp == 1 else []
+        tries += [(per_replica, recompute), (per_replica, Recompute.FULL)] if pp > 1 else []
+        for m, r in dict.fromkeys(tries):
+            schedule = Schedule.ONE_F_ONE_B if m >= pp else Schedule.GPIPE
+            # torchtitan's "default" reshard policy: reshard after forward unless pipelined (one gather
+            # per micro-batch would be too many)
+            config = MeshConfig(MeshShape(tp, pp, dp), m, schedule, 1, sp, style, None, pp == 1)
+            out.append((config, r))
+        pp *= 2
+    return out

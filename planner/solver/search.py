@@ -52,6 +52,7 @@ from planner.solver.baseline import (
     megatron_choices,
     megatron_configs,
     megatron_micro_batch_variants,
+    torchtitan_configs,
 )
 from planner.solver.costing import (
     CostContext,
@@ -59,6 +60,7 @@ from planner.solver.costing import (
     LayerGraph,
     OpOption,
     build_cost_tables,
+    fsdp_transient_bytes,
     gqa_kv_replicated,
     interleaved_chunks,
     layer_keys,
@@ -785,6 +787,9 @@ def _infeasible(search: _Search) -> InfeasibleError:
     closest = min(search.candidates, key=lambda c: (c.memory_lower_bound_bytes, -c.mesh.tp))
     mesh = closest.mesh
     _materialize(search, closest)
+    unit = _unit_does_not_fit(search)
+    if unit is not None:
+        return unit
     # the least memory the user's pins allow: full recomputation unless --recompute is pinned
     pinned = search.constraints.recompute
     breakdown = predict(
@@ -829,6 +834,27 @@ def _infeasible(search: _Search) -> InfeasibleError:
     )
 
 
+def _unit_does_not_fit(search: _Search) -> InfeasibleError | None:
+    """With FSDP pinned (--dp-style fsdp / --dp-shard): the error when no candidate can hold even a
+    wrapping unit's gathered parameters (`costing.fsdp_transient_bytes`: two layers' parameters and
+    one layer's gradients per rank), naming the flags and the TP degree that would hold them."""
+    c = search.constraints
+    if c.dp_styles() != [DataParallel.FSDP] or not search.candidates:
+        return None
+    least = min(search.candidates, key=lambda cand: fsdp_transient_bytes(cand.tables.ctx))
+    need = fsdp_transient_bytes(least.tables.ctx)
+    if need <= search.cap_bytes:
+        return None
+    tp = least.mesh.tp
+    fits = next((t for t in (2 * tp, 4 * tp, 8 * tp) if need * tp / t <= search.cap_bytes), None)
+    what = f"--tp {fits} (the layer split over more ranks)" if fits else "a smaller model layer or more TP"
+    return InfeasibleError(
+        f"--dp-style fsdp: one layer's gathered parameters (two layers in flight and one layer's gradients) "
+        f"need {need / _GIB:.1f} GiB per rank at tp={tp}, more than the {search.cap_bytes / _GIB:.1f} GiB usable; "
+        f"would fit: {what}"
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # The Plan
 
@@ -836,27 +862,35 @@ def _infeasible(search: _Search) -> InfeasibleError:
 def _make_plan(search: _Search, best: _Candidate | None, model_name: str) -> Plan:
     w = search.workload
     baseline = _baseline(search)
+    titan = _torchtitan_baseline(search)
     if best is None:
         raise _infeasible(search)
     sol = best.solution
     assert sol is not None and sol.assignment is not None and best.latency_s is not None
     chosen = predict(best.tables, sol.assignment)
     decisions: list[Decision] = []
-    if (
-        baseline is not None
-        and baseline.prediction.peak_memory_bytes <= search.cap_bytes
-        and baseline.prediction.latency_s < best.latency_s * (1 - 1e-9)
-        and _allowed(search, baseline.tables.ctx.mesh, baseline.tables.ctx.config)
-    ):
-        chosen = baseline
-        decisions.append(Decision("fallback", "megatron", {"search": best.latency_s, "megatron": baseline.prediction.latency_s},
-                                  f"the ILP stopped at {sol.status} (gap {sol.gap:.3g}); Megatron's plan is faster"))  # fmt: skip
+    for name, expert in (("megatron", baseline), ("torchtitan", titan)):
+        if (
+            expert is not None
+            and expert.prediction.peak_memory_bytes <= search.cap_bytes
+            and expert.prediction.latency_s < chosen.prediction.latency_s * (1 - 1e-9)
+            and _allowed(search, expert.tables.ctx.mesh, expert.tables.ctx.config)
+        ):
+            options = {"search": best.latency_s, name: expert.prediction.latency_s}
+            why = f"the search's plan ({sol.status}, gap {sol.gap:.3g}) is slower than {name}'s hand-written one"
+            chosen = expert
+            decisions.append(Decision("fallback", name, options, why))
     config, tables = chosen.tables.ctx.config, chosen.tables
     candidates = [
         MeshCandidate(c.config.mesh, c.config.micro_batches, c.latency_s, c.note, c.config.layout_label())
         for c in sorted(search.candidates, key=lambda c: (c.latency_s is None, c.latency_s or 0.0))
     ]
-    decisions = mesh_decision(candidates, config) + _baseline_decision(search, baseline) + decisions
+    decisions = (
+        mesh_decision(candidates, config)
+        + _baseline_decision(search, baseline)
+        + _torchtitan_decision(search, titan)
+        + decisions
+    )
     if search.constraints.layout == "megatron":
         decisions.append(
             Decision(
@@ -876,6 +910,8 @@ def _make_plan(search: _Search, best: _Candidate | None, model_name: str) -> Pla
     plan.excluded = list(dict.fromkeys(search.excluded + op_exclusions(tables.graphs, tables.ends)))
     plan.baseline = baseline.prediction if baseline is not None else None
     plan.baseline_layout = _layout_text(baseline, w) if baseline is not None else {}
+    plan.torchtitan_baseline = titan.prediction if titan is not None else None
+    plan.torchtitan_layout = _layout_text(titan, w) if titan is not None else {}
     plan.mesh_candidates = candidates
     return plan
 
@@ -961,13 +997,27 @@ def _allowed(search: _Search, mesh: MeshShape, config: MeshConfig | None = None)
     devices_ok = mesh.num_devices <= (c.max_devices or search.cluster.num_devices)
     if config is not None:
         pinned_ok = pinned_ok and c.sequence_parallel in (None, config.sequence_parallel)
-        dp_ok = not search.workload.train or mesh.dp == 1 or config.dp_style in c.dp_styles()
-        pinned_ok = pinned_ok and dp_ok
+        pinned_ok = pinned_ok and (not search.workload.train or mesh.dp == 1 or _dp_pins_hold(c, config))
         pinned_ok = pinned_ok and c.virtual_stages in (None, config.virtual_stages)
         pinned_ok = pinned_ok and c.recompute is None
         # a pinned --micro-batches (the baseline picks its own: `megatron_micro_batches`)
         pinned_ok = pinned_ok and search.workload.micro_batches in (None, config.micro_batches)
     return pinned_ok and devices_ok and search.ladder.mode is not LadderMode.UPPER
+
+
+def _dp_pins_hold(c: Constraints, config: MeshConfig) -> bool:
+    """`config`'s data-parallel style is one the constraints allow, with the pinned shard degree and
+    reshard policy (--dp-style, --dp-shard, --reshard-after-forward, --distributed-optimizer)."""
+    fsdp = config.dp_style is DataParallel.FSDP
+    return (
+        config.dp_style in c.dp_styles()
+        and (c.dp_shard is None or config.shard_degree == c.dp_shard)
+        and (
+            c.reshard_after_forward is None
+            or not fsdp
+            or config.reshard_after_forward == c.reshard_after_forward
+        )
+    )
 
 
 def _alternative_tables(search: _Search):
@@ -1000,6 +1050,22 @@ def _baseline(search: _Search) -> PricedAssignment | None:
     return chosen
 
 
+def _torchtitan_baseline(search: _Search) -> PricedAssignment | None:
+    """The training plan a torchtitan user writes by hand (`torchtitan_configs`: FSDP, TP 8 for large
+    models, PP when needed), priced with Megatron's splits (torchtitan's TP plan is the same
+    column-then-row pairing): the first that fits memory, else the last one tried; None without
+    training."""
+    chosen = None
+    c = search.constraints
+    for config, recompute in torchtitan_configs(
+        search.cluster, search.workload, search.structure, c.max_devices
+    ):
+        chosen = baseline_plan(_price(search, config).tables, recompute=recompute)
+        if chosen.prediction.peak_memory_bytes <= search.cap_bytes:
+            return chosen
+    return chosen
+
+
 def _layout_text(priced: PricedAssignment, w: WorkloadSpec) -> dict[str, str]:
     """A priced plan's layout as text, the keys of `Plan.layout_summary`."""
     config = priced.tables.ctx.config
@@ -1016,6 +1082,21 @@ def _layout_text(priced: PricedAssignment, w: WorkloadSpec) -> dict[str, str]:
         "distributed_optimizer": str(ctx.distributed_optimizer).lower(),
         "dp_style": dp_style_text(ctx.dp_style, mesh.dp, ctx.shard_degree, ctx.reshard_after_forward),
     }  # fmt: skip
+
+
+def _torchtitan_decision(search: _Search, titan: PricedAssignment | None) -> list[Decision]:
+    """The torchtitan recipe's step beside the plan's (training only)."""
+    if titan is None:
+        return []
+    t, ctx = titan.prediction, titan.tables.ctx
+    recompute = "/".join(sorted({str(r) for r in titan.assignment.recompute.values()})) or "none"
+    reason = (
+        f"torchtitan's Llama 3 recipe ({ctx.config.dp_label() if ctx.mesh.dp > 1 else 'no DP'}, "
+        f"sequence parallel {'on' if ctx.sequence_parallel else 'off'}, activation checkpointing {recompute}, "
+        f"{ctx.micro_batches} micro-batch(es)); "
+        + memory_fit_text(t.peak_memory_bytes, search.cap_bytes, search.cluster.device.memory_bytes)
+    )
+    return [Decision("torchtitan-baseline", ctx.mesh.label(), {"latency": t.latency_s}, reason)]
 
 
 def _baseline_decision(search: _Search, baseline: PricedAssignment | None) -> list[Decision]:
