@@ -115,7 +115,7 @@ def rows(console: Console, before: bool) -> None:
         layout += (
             f" sp={free.sequence_parallel} rc={'/'.join(sorted({str(r) for r in free.recompute.values()}))}"
         )
-        layout += f" zero1={free.distributed_optimizer}"
+        layout += f" dp={free.dp_style_text()}"
         table.add_row(
             name, plan.mesh.label(), f"{p.latency_s:.2f} s", f"{tflops:.1f}", str(published),
             f"{tflops / published:.2f}", f"{p.bubble_s / p.latency_s:.1%}", layout, f"{free.predicted.latency_s:.2f} s",

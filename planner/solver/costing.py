@@ -1206,7 +1206,10 @@ def fsdp_transient_bytes(ctx: CostContext) -> float:
         return 0.0
     s, tp = ctx.structure, ctx.mesh.tp
     layer_params = max((layer.num_params for layer in s.layers), default=0)
-    outside = max(0, s.num_params - sum(layer.num_params for layer in s.layers))
+    outside = outside_params(s) + sum(e.vocab_size * e.dim for e in s.embeddings)
+    if s.lm_head is not None and not s.tied_lm_head:
+        outside += s.lm_head.in_features * s.lm_head.out_features
+    outside += sum(p.in_features * p.out_features for p in s.mlp_chain)
     unit = max(layer_params, outside) / tp
     return memory.fsdp_unit_bytes(unit, ctx.dtype, ctx.reshard_after_forward)
 

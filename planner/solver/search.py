@@ -839,17 +839,19 @@ def _unit_does_not_fit(search: _Search) -> InfeasibleError | None:
     wrapping unit's gathered parameters (`costing.fsdp_transient_bytes`: two layers' parameters and
     one layer's gradients per rank), naming the flags and the TP degree that would hold them."""
     c = search.constraints
-    if c.dp_styles() != [DataParallel.FSDP] or not search.candidates:
+    sharded = [cand for cand in search.candidates if cand.mesh.dp > 1]
+    if c.dp_styles() != [DataParallel.FSDP] or not sharded:
         return None
-    least = min(search.candidates, key=lambda cand: fsdp_transient_bytes(cand.tables.ctx))
+    least = min(sharded, key=lambda cand: fsdp_transient_bytes(cand.tables.ctx))
     need = fsdp_transient_bytes(least.tables.ctx)
     if need <= search.cap_bytes:
         return None
     tp = least.mesh.tp
     fits = next((t for t in (2 * tp, 4 * tp, 8 * tp) if need * tp / t <= search.cap_bytes), None)
-    what = f"--tp {fits} (the layer split over more ranks)" if fits else "a smaller model layer or more TP"
+    what = f"--tp {fits} (the unit split over more ranks)" if fits else "more tensor parallelism"
     return InfeasibleError(
-        f"--dp-style fsdp: one layer's gathered parameters (two layers in flight and one layer's gradients) "
+        f"--dp-style fsdp: the largest wrapping unit's gathered parameters (a layer, or the embedding and LM "
+        f"head; two units in flight and one unit's gradients) "
         f"need {need / _GIB:.1f} GiB per rank at tp={tp}, more than the {search.cap_bytes / _GIB:.1f} GiB usable; "
         f"would fit: {what}"
     )

@@ -1,0 +1,189 @@
+"""Sharded data parallelism in the plan space: ZeRO-1/2, FSDP and HSDP priced in memory and time,
+chosen by the search or pinned, and refused in one line when a pin cannot work."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from costmodels import memory
+from costmodels.cluster import load_cluster
+from costmodels.comm import all_gather_time_s, all_reduce_time_s
+from planner.errors import InfeasibleError, InputError
+from planner.plan import DataParallel, MeshShape, Plan
+from planner.solver.costing import CostContext, dp_sync_exposed_s, dp_sync_parts, fsdp_transient_bytes
+from planner.solver.problem import Constraints, MeshConfig, WorkloadSpec, dp_style_variants
+from planner.solver.search import plan_model
+from tests.planner_fixtures import analysed_llama
+
+GB = 1e9
+
+
+@pytest.mark.parametrize(
+    ("style", "published_gb"),
+    [
+        (DataParallel.DDP, 120.0),
+        (DataParallel.ZERO1, 31.4),
+        (DataParallel.ZERO2, 16.6),
+        (DataParallel.FSDP, 1.9),
+    ],
+)
+def test_state_per_rank_is_zero_figure_1(style: DataParallel, published_gb: float) -> None:
+    """Rajbhandari et al. 2020, Figure 1: a 7.5B-parameter model on 64 data-parallel GPUs with
+    mixed-precision Adam (K = 12) holds 120 GB per GPU replicated, 31.4 GB with P_os, 16.6 GB with
+    P_os+g and 1.9 GB with P_os+g+p."""
+    got = memory.dp_state_bytes(7.5e9, "bf16", style, 64 if style is not DataParallel.DDP else 1) / GB
+    assert got == pytest.approx(published_gb, abs=0.05)  # the figure rounds to 0.1 GB
+
+
+def test_fsdp_without_reshard_keeps_the_parameters_whole() -> None:
+    """No reshard after forward: the gathered units stay from forward to backward (parameters count
+    whole); the units in flight are then only the gradients of one."""
+    n = 1e9
+    resharded = memory.dp_state_bytes(n, "bf16", DataParallel.FSDP, 8)
+    kept = memory.dp_state_bytes(n, "bf16", DataParallel.FSDP, 8, reshard_after_forward=False)
+    assert kept - resharded == pytest.approx(2 * n * (1 - 1 / 8))
+    assert memory.fsdp_unit_bytes(n, "bf16") == pytest.approx(3 * 2 * n)
+    assert memory.fsdp_unit_bytes(n, "bf16", reshard_after_forward=False) == pytest.approx(2 * n)
+
+
+def _ctx(dp: int, style: DataParallel, shard: int | None = None, reshard: bool = True, cluster="dgx-h100"):
+    structure = analysed_llama("8b")
+    spec = load_cluster(cluster)
+    config = MeshConfig(MeshShape(1, 1, dp), 1, dp_style=style, dp_shard=shard, reshard_after_forward=reshard)
+    return CostContext(structure, spec, WorkloadSpec("train", dp, 4096), config, "bf16")
+
+
+def test_fsdp_moves_one_and_a_half_times_the_bytes_of_an_all_reduce() -> None:
+    """Per step, FSDP gathers the parameters twice (forward, and backward after resharding) and
+    reduce-scatters the gradients: 3 (n-1)/n of the bytes on the ring where an all-reduce moves
+    2 (n-1)/n; without reshard one gather fewer: as much as the all-reduce."""
+    nbytes = 16e9  # bandwidth-bound: the latency terms vanish
+    ddp = dp_sync_parts(nbytes, _ctx(8, DataParallel.DDP))[0]
+    fsdp = dp_sync_parts(nbytes, _ctx(8, DataParallel.FSDP))[0]
+    kept = dp_sync_parts(nbytes, _ctx(8, DataParallel.FSDP, reshard=False))[0]
+    assert fsdp / ddp == pytest.approx(1.5, rel=0.02)
+    assert kept / ddp == pytest.approx(1.0, rel=0.02)
+
+
+def test_hsdp_keeps_gathers_in_the_node_and_sends_a_shard_across() -> None:
+    """HSDP 8 x 2 on two DGX nodes: the gathers and reduce-scatters run over the 8 GPUs of a node
+    (NVLink), and only 1/8 of the gradients crosses the network in the replicate all-reduce; FSDP over
+    all 16 runs every collective across the nodes."""
+    nbytes = 16e9
+    hsdp = _ctx(16, DataParallel.FSDP, shard=8, cluster="h100-ib-2node")
+    full = _ctx(16, DataParallel.FSDP, cluster="h100-ib-2node")
+    assert hsdp.dp_shard_group().num_nodes == 1 and hsdp.dp_replicate_group().num_nodes == 2
+    assert full.dp_shard_group().num_nodes == 2
+    cluster = hsdp.cluster
+    across = all_reduce_time_s(nbytes / 8, hsdp.dp_replicate_group(), cluster)
+    inside = 2 * all_gather_time_s(nbytes, hsdp.dp_shard_group(), cluster)
+    assert dp_sync_parts(nbytes, hsdp)[0] > inside + across * 0.99
+    assert dp_sync_parts(nbytes, hsdp)[0] < dp_sync_parts(nbytes, full)[0]
+
+
+def test_fsdp_hides_behind_compute_down_to_one_unit() -> None:
+    """The prefetched gathers and asynchronous reduce-scatters hide behind overlap_efficiency of the
+    stage's compute; one unit's share (the first gather, the last reduce-scatter) never hides. DDP's
+    all-reduce runs after the backward: all of it exposed."""
+    nbytes = 16e9
+    fsdp, ddp = _ctx(8, DataParallel.FSDP), _ctx(8, DataParallel.DDP)
+    total, floor = dp_sync_parts(nbytes, fsdp)
+    assert 0 < floor < total
+    assert dp_sync_exposed_s(nbytes, 0.0, fsdp) == pytest.approx(total)
+    assert dp_sync_exposed_s(nbytes, 1e3, fsdp) == pytest.approx(floor)
+    eta = fsdp.cluster.overlap_efficiency
+    assert dp_sync_exposed_s(nbytes, 0.1, fsdp) == pytest.approx(max(floor, total - eta * 0.1))
+    assert dp_sync_exposed_s(nbytes, 1e3, ddp) == pytest.approx(dp_sync_parts(nbytes, ddp)[0])
+
+
+def test_fsdp_units_in_flight_are_the_largest_layer_split_over_tp() -> None:
+    """Two layers' gathered parameters and one layer's gradients, per TP rank (bf16)."""
+    ctx = _ctx(8, DataParallel.FSDP)
+    layer = max(layer.num_params for layer in ctx.structure.layers)
+    assert layer == pytest.approx(218e6, rel=0.01)  # Llama-3-8B: 4 x 4096^2 / 4 (GQA) + 3 x 4096 x 14336
+    ends = 2 * 128256 * 4096 + 4096  # embedding and untied LM head (the largest unit), final norm
+    assert fsdp_transient_bytes(ctx) == pytest.approx(3 * 2 * ends, rel=1e-5)
+    assert fsdp_transient_bytes(_ctx(8, DataParallel.FSDP, reshard=False)) == pytest.approx(
+        2 * ends, rel=1e-5
+    )
+    assert fsdp_transient_bytes(_ctx(8, DataParallel.ZERO1)) == 0.0
+
+
+def test_variants_cover_every_style_and_hsdp_degree() -> None:
+    config = MeshConfig(MeshShape(1, 1, 8), 1, dp_style=DataParallel.ZERO1)
+    labels = [v.dp_label() for v in dp_style_variants(config, Constraints())]
+    assert labels[:3] == ["ddp", "zero1", "zero2"]
+    assert {"fsdp", "fsdp-noreshard", "hsdp 4x2", "hsdp 2x4", "hsdp 2x4-noreshard"} <= set(labels)
+    pinned = dp_style_variants(config, Constraints(dp_shard=4, reshard_after_forward=False))
+    assert [v.dp_label() for v in pinned] == ["hsdp 4x2-noreshard"]
+
+
+def _plan(**pins) -> Plan:
+    work = WorkloadSpec("train", 16, 8192, dtype="bf16")
+    return plan_model(analysed_llama("8b"), load_cluster("dgx-h100"), work, Constraints(**pins))
+
+
+def test_llama3_8b_at_8k_tokens_on_one_node_shards_and_says_why() -> None:
+    """Replicas of an 8B model do not fit 80 GB with Adam (16 B/param = 128 GB): the search shards,
+    the --why decision lists every style with its time and memory, and the plan is never slower
+    than either hand-written one (Megatron-LM's or torchtitan's recipe, FSDP over the node)."""
+    plan = _plan()
+    assert plan.dp > 1 and plan.dp_style is not DataParallel.DDP
+    why = next(d for d in plan.decisions if d.subject == "data-parallel")
+    assert why.chosen == "fsdp" if plan.dp_style is DataParallel.FSDP else True
+    assert why.options["ddp"] == float("inf")  # does not fit
+    assert "peak memory per rank" in why.reason and "ddp 1" in why.reason
+    assert plan.torchtitan_baseline is not None and plan.torchtitan_layout["dp_style"].startswith("fsdp")
+    assert plan.predicted.latency_s <= plan.torchtitan_baseline.latency_s * (1 + 1e-9)
+    assert plan.predicted.latency_s <= plan.baseline.latency_s * (1 + 1e-9)
+    assert "fsdp" in plan.torchtitan_layout["dp_style"]
+
+
+def test_pins_hold_and_bad_pins_are_refused_in_one_line() -> None:
+    hsdp = _plan(dp=8, dp_shard=4, reshard_after_forward=False)
+    assert (hsdp.dp_style, hsdp.dp_shard, hsdp.dp_replicate, hsdp.reshard_after_forward) == (
+        DataParallel.FSDP, 4, 2, False,
+    )  # fmt: skip
+    assert _plan(dp_style="zero2").dp_style is DataParallel.ZERO2
+    with pytest.raises(InputError, match=r"--dp-shard 3 divides none of the data-parallel degrees"):
+        _plan(dp_shard=3)
+    with pytest.raises(InputError, match=r"--dp-shard 2 shards parameters .* but --dp-style is zero1"):
+        Constraints(dp_shard=2, dp_style="zero1")
+    with pytest.raises(InputError, match=r"--distributed-optimizer off contradicts --dp-style fsdp"):
+        Constraints(dp_style="fsdp", distributed_optimizer=False)
+
+
+def test_a_layer_that_cannot_be_gathered_is_refused_naming_the_flag() -> None:
+    """A device too small for the largest unit's gathered parameters under FSDP (Llama-3-8B: the
+    embedding and LM head, 2.1 GB in bf16): refused naming --dp-style fsdp and the TP degree that would
+    hold them."""
+    spec = load_cluster("dgx-h100")
+    tiny = dataclasses.replace(spec, device=dataclasses.replace(spec.device, memory_bytes=1.5 * 2**30))
+    work = WorkloadSpec("train", 16, 8192, dtype="bf16")
+    with pytest.raises(
+        InfeasibleError,
+        match=r"--dp-style fsdp: the largest wrapping unit's gathered .* 5.9 GiB per rank at tp=1.* --tp 8",
+    ):
+        plan_model(analysed_llama("8b"), tiny, work, Constraints(tp=1, dp_style="fsdp"))
+
+
+def test_plans_round_trip_and_old_zero1_plans_load(tmp_path) -> None:
+    plan = _plan(dp=8, dp_shard=4)
+    path = tmp_path / "plan.yaml"
+    plan.to_yaml(path)
+    again = Plan.from_yaml(path)
+    assert (again.dp_style, again.dp_shard, again.reshard_after_forward) == (
+        plan.dp_style, plan.dp_shard, plan.reshard_after_forward,
+    )  # fmt: skip
+    data = plan.to_dict()
+    for key in ("dp_style", "dp_shard", "reshard_after_forward"):
+        data.pop(key)
+    data["distributed_optimizer"] = True  # a plan written before dp_style
+    old = Plan.from_dict(data)
+    assert old.dp_style is DataParallel.ZERO1 and old.dp_shard == old.dp
+    data["dp_shard"] = 3
+    data["dp_style"] = "fsdp"
+    with pytest.raises(InputError, match=r"field 'dp_shard': is 3, which does not divide mesh.dp=8"):
+        Plan.from_dict(data)
