@@ -1081,6 +1081,16 @@ def report_dict(
             "peak_memory_bytes": plan.baseline.peak_memory_bytes if plan.baseline else None,
             "speedup": (plan.baseline.latency_s / p.latency_s) if plan.baseline and p.latency_s else None,
         },
+        "torchtitan_baseline": {
+            "latency_s": plan.torchtitan_baseline.latency_s if plan.torchtitan_baseline else None,
+            "peak_memory_bytes": plan.torchtitan_baseline.peak_memory_bytes
+            if plan.torchtitan_baseline
+            else None,
+            "speedup": (plan.torchtitan_baseline.latency_s / p.latency_s)
+            if plan.torchtitan_baseline and p.latency_s
+            else None,
+            "layout": dict(plan.torchtitan_layout),
+        },
         "solver": {
             "status": plan.solver.status,
             "objective": plan.solver.objective,
