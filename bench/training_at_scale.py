@@ -52,6 +52,26 @@ def narayanan_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) 
     return 96 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
 
 
+def gpt_structure(config):
+    """A GPT of ``config`` (examples/models.py) captured on meta in bf16 for planning."""
+    with torch.device("meta"):
+        model = GPT(config).to(torch.bfloat16)
+    return capture_for_planning(model, token_ids(config.vocab_size, 1, 128), {})[1]
+
+
+def narayanan_pinned(row: tuple, structure=None) -> tuple:
+    """One `ROWS` row's published layout pinned with the software of 2021 on a100-ib-384node:
+    (Plan, predicted TFLOP/s per GPU counted as section 5.1 counts it)."""
+    name, tp, pp, gpus, batch, _ = row
+    config = GPT_CONFIGS[name]
+    structure = gpt_structure(config) if structure is None else structure
+    work = WorkloadSpec("train", batch, 2048, dtype="bf16")
+    pin = Constraints(tp=tp, pp=pp, dp=gpus // (tp * pp), max_devices=gpus, recompute="full", **BEFORE)
+    plan = plan_model(structure, load_cluster("a100-ib-384node"), work, pin)
+    flops = narayanan_flops(batch, 2048, config.n_layer, config.n_embd, config.vocab_size)
+    return plan, flops / plan.predicted.latency_s / gpus / 1e12
+
+
 def show(console: Console, title: str, plan) -> None:
     table = Table(title=title)
     for col in ("", "this plan", "hand-written Megatron", "torchtitan recipe"):
@@ -61,15 +81,35 @@ def show(console: Console, title: str, plan) -> None:
     console.print(table)
 
 
-def llama_405b(console: Console, before: bool) -> None:
-    start = time.perf_counter()
+# Llama-3-405B's published run (Dubey et al. 2024, Table 4): 16,384 H100s, TP8 CP1 PP16 DP128,
+# 2,048 sequences of 8,192 tokens (16M tokens) per step, 400 TFLOP/s per GPU (BF16 MFU 41%)
+LLAMA_405B = {"cluster": "h100-ib-2048node", "batch": 2048, "seq": 8192, "tp": 8, "pp": 16, "dp": 128,
+              "published_tflops": 400.0}  # fmt: skip
+
+
+def llama_405b_structure():
+    """The 405B model file captured on meta for planning (the two-layer slice, extended)."""
     model_file = load_model_file(ROOT / "examples/llama3_405b.py")
     model = model_file.build("meta")
     args, kwargs = model_file.inputs(batch_size=1, seq_len=128)
-    _, structure = capture_for_planning(model, args, kwargs)
+    return capture_for_planning(model, args, kwargs)[1]
+
+
+def llama_405b_pinned(structure, before: bool = False):
+    """The published layout of `LLAMA_405B` pinned (the rest searched): the planned Plan."""
+    cluster = load_cluster(LLAMA_405B["cluster"])
+    work = WorkloadSpec("train", LLAMA_405B["batch"], LLAMA_405B["seq"], dtype="bf16")
+    extra = BEFORE if before else {}
+    pin = Constraints(tp=LLAMA_405B["tp"], pp=LLAMA_405B["pp"], dp=LLAMA_405B["dp"], **extra)
+    return plan_model(structure, cluster, work, pin)
+
+
+def llama_405b(console: Console, before: bool) -> None:
+    start = time.perf_counter()
+    structure = llama_405b_structure()
     traced = time.perf_counter()
-    cluster = load_cluster("h100-ib-2048node")
-    work = WorkloadSpec("train", 2048, 8192, dtype="bf16")
+    cluster = load_cluster(LLAMA_405B["cluster"])
+    work = WorkloadSpec("train", LLAMA_405B["batch"], LLAMA_405B["seq"], dtype="bf16")
     extra = BEFORE if before else {}
     free = plan_model(structure, cluster, work, Constraints(**extra), model_name="llama3-405b")
     planned = time.perf_counter()
@@ -79,7 +119,7 @@ def llama_405b(console: Console, before: bool) -> None:
         f"{planned - start:.1f} s wall ({verdict} the {PLAN_TARGET_S:.0f} s target; this VM is shared, see README)"
     )
     show(console, "Llama-3-405B, 16,384 H100s, free plan", free)
-    pinned = plan_model(structure, cluster, work, Constraints(tp=8, pp=16, dp=128, **extra))
+    pinned = llama_405b_pinned(structure, before)
     show(console, "Llama-3-405B, published layout TP8 x PP16 x DP128 pinned", pinned)
 
 
@@ -98,17 +138,12 @@ def rows(console: Console, before: bool) -> None:
         "free step",
     ):
         table.add_column(col, justify="right")
-    for name, tp, pp, gpus, batch, published in ROWS:
-        config = GPT_CONFIGS[name]
-        with torch.device("meta"):
-            model = GPT(config).to(torch.bfloat16)
-        _, structure = capture_for_planning(model, token_ids(config.vocab_size, 1, 128), {})
-        work = WorkloadSpec("train", batch, 2048, dtype="bf16")
-        pin = Constraints(tp=tp, pp=pp, dp=gpus // (tp * pp), max_devices=gpus, recompute="full", **BEFORE)
-        plan = plan_model(structure, cluster, work, pin)
+    for row in ROWS:
+        name, tp, pp, gpus, batch, published = row
+        structure = gpt_structure(GPT_CONFIGS[name])
+        plan, tflops = narayanan_pinned(row, structure)
         p = plan.predicted
-        flops = narayanan_flops(batch, 2048, config.n_layer, config.n_embd, config.vocab_size)
-        tflops = flops / p.latency_s / gpus / 1e12
+        work = WorkloadSpec("train", batch, 2048, dtype="bf16")
         extra = BEFORE if before else {}
         free = plan_model(structure, cluster, work, Constraints(max_devices=gpus, **extra))
         layout = f"{free.mesh.label()} m={free.micro_batches} {free.schedule} v={free.virtual_stages}"

@@ -1,0 +1,191 @@
+"""Predicted vs published training steps, side by side: Megatron-Core's weak-scaling table, the
+Narayanan et al. 2021 rows and the Llama-3-405B run.
+
+    python bench/training_published.py [--only megatron|narayanan|405b]
+
+(a) Megatron-Core r0.8 README, weak-scaling table (`images/model_table.png`; NVIDIA/Megatron-LM at
+    core_r0.8.0): GPT models on H100 SXM (h100-ib-2048node), bf16, sequence 4,096, vocabulary 131,072,
+    DP 48, layouts pinned as published (TP, PP, DP) with sequence parallelism where TP > 1 and the
+    distributed optimizer (both implied by the run's --tp-comm-overlap and --overlap-param-gather);
+    schedule, micro-batches and recomputation searched. The published step is Megatron's FLOP count
+    72 B s l h^2 (1 + s / 6h + V / 12 l h) over the published TFLOP/s per GPU x GPUs.
+(b) Narayanan et al. 2021, Table 1 (a100-ib-384node, the software of 2021): `bench/training_at_scale.py`'s
+    rows, priced by its `narayanan_pinned`; the published step is section 5.1's FLOP count over the
+    published TFLOP/s per GPU x GPUs.
+(c) Llama-3-405B (Dubey et al. 2024, Table 4): 16,384 H100s, TP8 PP16 DP128, 16M tokens per step,
+    400 TFLOP/s per GPU; the published step is the plan's own model FLOP count (`Prediction.model_flops`,
+    6 N T plus causal attention) over 400 TFLOP/s x 16,384.
+
+Each table gives per row predicted and published step and the error (predicted / published - 1:
+negative = predicted too fast), then its median |error| and worst row. The goal (issue 32) is a
+median within 10% and every row within 20% (Narayanan within 10%): a benchmark goal, not a test.
+The published Megatron-Core runs overlap TP communication with GEMMs (--tp-comm-overlap) and the DP
+gradient reduce-scatter / parameter all-gather with compute; the plans here expose them (the
+runtime does not overlap them), so the table also prints the exposed TP and DP communication per
+step and the error with it taken out (what the communication-overlap issue would change).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "examples"))
+
+from models import GPTConfig  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+from training_at_scale import (  # noqa: E402
+    LLAMA_405B,
+    ROWS,
+    gpt_structure,
+    llama_405b_pinned,
+    llama_405b_structure,
+    narayanan_pinned,
+)
+
+from costmodels.cluster import load_cluster  # noqa: E402
+from planner.solver.problem import Constraints, WorkloadSpec  # noqa: E402
+from planner.solver.search import plan_model  # noqa: E402
+
+SEQ, VOCAB, DP = 4096, 131072, 48
+# Megatron-Core r0.8 README weak-scaling table: (size, heads, hidden, layers, TP, PP, GPUs, global
+# batch, published TFLOP/s per GPU)
+MEGATRON_ROWS = [
+    ("1.7B", 16, 2048, 24, 1, 1, 48, 192, 408.8),
+    ("7.1B", 32, 4096, 30, 2, 1, 96, 192, 465.9),
+    ("16B", 48, 6144, 32, 4, 1, 192, 192, 489.1),
+    ("32B", 56, 7168, 48, 8, 1, 384, 192, 459.6),
+    ("70B", 64, 8192, 84, 8, 2, 768, 384, 419.7),
+    ("119B", 80, 10240, 92, 8, 4, 1536, 768, 420.5),
+    ("177B", 96, 12288, 96, 8, 6, 2304, 1152, 432.8),
+    ("314B", 128, 16384, 96, 8, 8, 3072, 1536, 474.4),
+    ("462B", 144, 18432, 112, 8, 16, 6144, 3072, 459.9),
+]
+MEDIAN_GOAL, ROW_GOAL, NARAYANAN_GOAL = 0.10, 0.20, 0.10
+
+
+def megatron_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
+    """Megatron-LM's training FLOP count per step without recomputation (megatron/training/training.py
+    num_floating_point_operations for a GPT with a 4h MLP): 72 B s l h^2 (1 + s / 6h + V / 12 l h)."""
+    return 72 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
+
+
+def summary(console: Console, name: str, errors: list[tuple[str, float]], goal: str) -> None:
+    """Print a table's median |error| and its worst row."""
+    median = statistics.median(abs(e) for _, e in errors)
+    worst = max(errors, key=lambda r: abs(r[1]))
+    console.print(f"{name}: median |error| {median:.1%}, worst {worst[0]} {worst[1]:+.1%} ({goal})\n")
+
+
+def megatron(console: Console) -> list[tuple[str, float]]:
+    cluster = load_cluster("h100-ib-2048node")
+    table = Table(
+        title="Megatron-Core r0.8 weak scaling (H100, bf16, seq 4096, vocab 131072): predicted vs published step"
+    )
+    for col in ("size", "layout", "plan", "published TFLOP/s", "predicted TFLOP/s", "published step",
+                "predicted step", "error", "exposed TP + DP comm", "error without it"):  # fmt: skip
+        table.add_column(col, justify="right")
+    errors = []
+    for size, heads, hidden, layers, tp, pp, gpus, batch, published in MEGATRON_ROWS:
+        config = GPTConfig(vocab_size=VOCAB, n_positions=SEQ, n_layer=layers, n_head=heads, n_embd=hidden)
+        structure = gpt_structure(config)
+        work = WorkloadSpec("train", batch, SEQ, dtype="bf16")
+        pin = Constraints(tp=tp, pp=pp, dp=gpus // (tp * pp), max_devices=gpus,
+                          sequence_parallel=tp > 1, dp_style="zero1")  # fmt: skip
+        plan = plan_model(structure, cluster, work, pin)
+        p = plan.predicted
+        flops = megatron_flops(batch, SEQ, layers, hidden, VOCAB)
+        published_s = flops / (published * 1e12 * gpus)
+        error = p.latency_s / published_s - 1
+        comm = p.exposed_comm_s  # TP collectives, stage sends and the DP gradient sync
+        errors.append((size, error))
+        recompute = "/".join(sorted({str(r) for r in plan.recompute.values()}))
+        table.add_row(
+            size, plan.mesh.label(), f"m={plan.micro_batches} {plan.schedule} v={plan.virtual_stages} rc={recompute}",
+            f"{published:.1f}", f"{flops / p.latency_s / gpus / 1e12:.1f}", f"{published_s:.3f} s",
+            f"{p.latency_s:.3f} s", f"{error:+.1%}", f"{comm:.3f} s", f"{(p.latency_s - comm) / published_s - 1:+.1%}",
+        )  # fmt: skip
+    console.print(table)
+    summary(
+        console, "Megatron-Core", errors, f"goal: median <= {MEDIAN_GOAL:.0%}, every row <= {ROW_GOAL:.0%}"
+    )
+    return errors
+
+
+def narayanan(console: Console) -> list[tuple[str, float]]:
+    table = Table(title="Narayanan et al. 2021, Table 1 (A100, 2021 software): predicted vs published step")
+    for col in (
+        "model",
+        "layout",
+        "published TFLOP/s",
+        "predicted TFLOP/s",
+        "published step",
+        "predicted step",
+        "error",
+    ):
+        table.add_column(col, justify="right")
+    errors = []
+    for row in ROWS:
+        name, _, _, gpus, batch, published = row
+        plan, tflops = narayanan_pinned(row)
+        predicted_s = plan.predicted.latency_s
+        published_s = predicted_s * tflops / published
+        errors.append((name, predicted_s / published_s - 1))
+        table.add_row(name, plan.mesh.label(), f"{published}", f"{tflops:.1f}", f"{published_s:.2f} s",
+                      f"{predicted_s:.2f} s", f"{errors[-1][1]:+.1%}")  # fmt: skip
+    console.print(table)
+    summary(console, "Narayanan et al. 2021", errors, f"goal: every row <= {NARAYANAN_GOAL:.0%}")
+    return errors
+
+
+def llama_405b(console: Console) -> list[tuple[str, float]]:
+    plan = llama_405b_pinned(llama_405b_structure())
+    p = plan.predicted
+    gpus = LLAMA_405B["tp"] * LLAMA_405B["pp"] * LLAMA_405B["dp"]
+    published_s = p.model_flops / (LLAMA_405B["published_tflops"] * 1e12 * gpus)
+    error = p.latency_s / published_s - 1
+    table = Table(title="Llama-3-405B (Dubey et al. 2024, Table 4): predicted vs published step")
+    for col in (
+        "layout",
+        "plan",
+        "published TFLOP/s",
+        "predicted TFLOP/s",
+        "published step",
+        "predicted step",
+        "error",
+    ):
+        table.add_column(col, justify="right")
+    recompute = "/".join(sorted({str(r) for r in plan.recompute.values()}))
+    table.add_row(
+        plan.mesh.label(), f"m={plan.micro_batches} {plan.schedule} v={plan.virtual_stages} rc={recompute} dp={plan.dp_style_text()}",
+        f"{LLAMA_405B['published_tflops']:.0f}", f"{p.model_flops_per_s_per_device / 1e12:.1f}",
+        f"{published_s:.2f} s", f"{p.latency_s:.2f} s", f"{error:+.1%}",
+    )  # fmt: skip
+    console.print(table)
+    summary(console, "Llama-3-405B", [("405B", error)], f"goal: within {ROW_GOAL:.0%}")
+    return [("405B", error)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--only", choices=["megatron", "narayanan", "405b"])
+    args = parser.parse_args()
+    console = Console(width=200)
+    if args.only in (None, "megatron"):
+        megatron(console)
+    if args.only in (None, "narayanan"):
+        narayanan(console)
+    if args.only in (None, "405b"):
+        llama_405b(console)
+
+
+if __name__ == "__main__":
+    main()
