@@ -4,8 +4,9 @@ torchtitan (0.2.2 and 0.3.0) and vLLM's argument parsing and validation.
     python bench/exports_conformance.py [--cache DIR] [--plans DIR] [--tools NAME,...] [--json FILE]
 
 1. Plans: `planner optimize` makes each plan of PLANS (Llama-3 8B / 70B / 405B training with TP, PP,
-   DP, SP, recomputation and ZeRO-1; Llama-3-70B decode at TP=4, TP4 x PP4 and TP2 x PP3), seconds
-   each, into CACHE/plans (or read from --plans DIR, files NAME.yaml).
+   DP, SP, recomputation and the data-parallel styles: the search's own choice, and ZeRO-1, ZeRO-2
+   and HSDP pinned; Llama-3-70B decode at TP=4, TP4 x PP4 and TP2 x PP3), seconds each, into
+   CACHE/plans (or read from --plans DIR, files NAME.yaml).
 2. Exports: every format each plan has (megatron, torchtitan for 0.3 and 0.2 for training plans,
    vllm for serving plans), with the warnings the export prints, into CACHE/exports.
 3. Tools: each in its own virtual environment under CACHE (default
@@ -25,16 +26,18 @@ torchtitan (0.2.2 and 0.3.0) and vLLM's argument parsing and validation.
      plan, the environment the file exports and the GPU read as Hopper (compute capability 9, the
      plans' H100s); then tp, pp, the data-parallel size Megatron derives, micro-batch arithmetic,
      virtual stages and the layers each (virtual) stage builds (its `PipelineParallelLayerLayout`
-     or its even split) against the plan.
+     or its even split), and the data-parallel style it runs (distributed optimizer, Megatron-FSDP's
+     sharding strategy and optimizer instances) against the plan.
    - torchtitan 0.3.0: `ConfigManager().parse_args(["--module", "llama3", "--config", CONFIG,
      *overrides])` (tyro; `Trainer.Config` validation), `ParallelDims.from_config` at the plan's
      world size, the stage list against the module names of the model the config builds (on the
      meta device), gradient-accumulation and pipeline micro-batch arithmetic, the checkpointing
-     subcommand.
+     subcommand, the data-parallel style (shard and replicate degrees, the reshard policy resolved as
+     torchtitan's `get_fsdp_reshard_after_forward_policy` does).
    - torchtitan 0.2.2: `ConfigManager().parse_args(["--job.config_file", TOML])` on the exported
      sections plus a `[model]` section, `ParallelDims`, its DDP-with-TP/PP refusal, the stage list
-     against the 0.2.2 model's module names, the same arithmetic, and its `maybe_enable_amp`: the
-     precision a step would run in.
+     against the 0.2.2 model's module names, the same arithmetic and data-parallel style, and its
+     `maybe_enable_amp`: the precision a step would run in.
    - vLLM 0.33.0: the `vllm serve` parser (`make_arg_parser`), `validate_parsed_serve_args`,
      `EngineArgs.from_cli_args` and `EngineArgs(**ENGINE_ARGS)`, `ParallelConfig`, and the layers
      per pipeline rank from vLLM's `get_pp_indices` under the file's VLLM_PP_LAYER_PARTITION.
@@ -71,6 +74,15 @@ TORCH = (
 PLANS: list[tuple[str, str, str, list[str]]] = [
     ("llama3_8b_train", "examples/llama3_8b.py", "8b",
      ["--cluster", "h100-ib-2node", "--workload", "train", "--dtype", "bf16", "--batch-size", "16", "--seq-len", "4096"]),
+    ("llama3_8b_zero1_tp2", "examples/llama3_8b.py", "8b",
+     ["--cluster", "h100-ib-2node", "--workload", "train", "--dtype", "bf16", "--batch-size", "16", "--seq-len", "4096",
+      "--tp", "2", "--dp-style", "zero1"]),
+    ("llama3_8b_zero2", "examples/llama3_8b.py", "8b",
+     ["--cluster", "h100-ib-2node", "--workload", "train", "--dtype", "bf16", "--batch-size", "16", "--seq-len", "4096",
+      "--dp-style", "zero2"]),
+    ("llama3_8b_hsdp_tp2", "examples/llama3_8b.py", "8b",
+     ["--cluster", "h100-ib-2node", "--workload", "train", "--dtype", "bf16", "--batch-size", "16", "--seq-len", "4096",
+      "--tp", "2", "--dp", "2", "--dp-shard", "4", "--dp-style", "fsdp", "--reshard-after-forward", "on"]),
     ("llama3_8b_tp8_selective", "examples/llama3_8b.py", "8b",
      ["--cluster", "dgx-h100", "--workload", "train", "--dtype", "bf16", "--batch-size", "16", "--seq-len", "4096",
       "--tp", "8", "--dp", "1", "--recompute", "selective"]),
@@ -243,7 +255,7 @@ def plan_facts(plan, size: str) -> dict:
     sys.path.insert(0, str(ROOT / "examples"))
     from models import LLAMA_CONFIGS  # noqa: PLC0415
 
-    from planner.export.common import micro_batch_size, num_layers, virtual_stage_layers  # noqa: PLC0415
+    from planner.export.common import dp_label, micro_batch_size, num_layers, virtual_stage_layers  # noqa: PLC0415
 
     config = LLAMA_CONFIGS[size]
     facts = {
@@ -251,7 +263,8 @@ def plan_facts(plan, size: str) -> dict:
         "batch_size": plan.batch_size, "micro_batches": plan.micro_batches, "virtual_stages": plan.virtual_stages,
         "seq_len": plan.seq_len, "layers": num_layers(plan), "dtype": plan.dtype,
         "sequence_parallel": bool(plan.sequence_parallel and plan.tp > 1),
-        "distributed_optimizer": bool(plan.distributed_optimizer),
+        "dp_style": str(plan.dp_style), "dp_shard": plan.dp_shard, "dp_replicate": plan.dp_replicate,
+        "reshard_after_forward": plan.reshard_after_forward, "dp_label": dp_label(plan),
         "recompute": sorted({str(v) for v in plan.recompute.values()}) if plan.recompute else [],
         "schedule": str(plan.schedule), "stages": [len(s) for s in plan.stages],
         "chunk_layers": [len(c) for c in virtual_stage_layers(plan)],
@@ -354,6 +367,40 @@ def _fields_from_argv(argv: list[str]) -> list[tuple[str, list[str]]]:
     return out
 
 
+# the words of every export warning about a data-parallel style other than the plan's
+# (planner.export.common.NOT_PRICED; the checkers import only the standard library and the tool)
+DP_HINT = "not what the plan priced"
+
+
+def _dp_label(shard: int, replicate: int, reshard: bool) -> str:
+    """A data-parallel layout in the planner's labels (planner.export.common.dp_label)."""
+    if shard == 1:
+        return "ddp"
+    return ("fsdp" if replicate == 1 else f"hsdp {shard}x{replicate}") + ("" if reshard else "-noreshard")
+
+
+def _megatron_dp_label(args) -> str:
+    """The data-parallel style Megatron-LM runs for parsed `args`, in the planner's labels: its DDP or
+    distributed optimizer, or Megatron-FSDP's --data-parallel-sharding-strategy (which reshards after
+    forward) over dp / --num-distributed-optimizer-instances ranks."""
+    dp = args.data_parallel_size
+    if dp == 1:
+        return "ddp"
+    if not getattr(args, "use_megatron_fsdp", False):
+        return "zero1" if args.use_distributed_optimizer else "ddp"
+    strategy = args.data_parallel_sharding_strategy
+    instances = args.num_distributed_optimizer_instances
+    if strategy in ("no_shard", "optim", "optim_grads"):
+        return {"no_shard": "ddp", "optim": "zero1", "optim_grads": "zero2"}[strategy]
+    return _dp_label(dp // instances, instances, True)
+
+
+def _titan_dp_label(shard: int, replicate: int, policy: str, pp: int) -> str:
+    """torchtitan's data-parallel layout in the planner's labels; its reshard policy resolved as its
+    get_fsdp_reshard_after_forward_policy does ("default": reshard unless pipeline parallel)."""
+    return _dp_label(shard, replicate, {"always": True, "never": False}.get(policy, pp == 1))
+
+
 def check_megatron(items: list[dict]) -> list[dict]:
     import megatron.training.arguments as margs  # noqa: PLC0415
 
@@ -418,9 +465,7 @@ def check_megatron(items: list[dict]) -> list[dict]:
             ),  # fmt: skip
             _check("virtual stages", facts["virtual_stages"], vpp),
             _check("sequence parallel", facts["sequence_parallel"], bool(args.sequence_parallel)),
-            _check(
-                "distributed optimizer", facts["distributed_optimizer"], bool(args.use_distributed_optimizer)
-            ),
+            _check("data-parallel style", facts["dp_label"], _megatron_dp_label(args), DP_HINT),
             _check("bf16", facts["dtype"] == "bf16", bool(args.bf16)),
         ]
         layout = args.pipeline_model_parallel_layout
@@ -577,11 +622,11 @@ def check_torchtitan_03(items: list[dict]) -> list[dict]:
             _check("pp", facts["pp"], dims.pp),
             _check("dp (replicate x shard)", facts["dp"], dims.dp_replicate * dims.dp_shard),
             _check(
-                "dp replicated (no ZeRO-1 in torchtitan)",
-                not facts["distributed_optimizer"],
-                not dims.dp_shard_enabled,
-                "no ZeRO-1",
-            ),  # fmt: skip
+                "data-parallel style",
+                facts["dp_label"],
+                _titan_dp_label(dims.dp_shard, dims.dp_replicate, par.fsdp_reshard_after_forward, dims.pp),
+                DP_HINT,
+            ),
             _check(
                 "sequence parallel",
                 facts["sequence_parallel"],
@@ -679,11 +724,11 @@ def check_torchtitan_02(items: list[dict]) -> list[dict]:
             _check("pp", facts["pp"], dims.pp),
             _check("dp (replicate x shard)", facts["dp"], dims.dp_replicate * dims.dp_shard),
             _check(
-                "dp replicated",
-                not facts["distributed_optimizer"],
-                not dims.dp_shard_enabled,
-                "no ZeRO-1" if facts["distributed_optimizer"] else "DDP only without TP or PP",
-            ),  # fmt: skip
+                "data-parallel style",
+                facts["dp_label"],
+                _titan_dp_label(dims.dp_shard, dims.dp_replicate, par.fsdp_reshard_after_forward, dims.pp),
+                DP_HINT,
+            ),
             _check(
                 "sequence parallel", facts["sequence_parallel"], dims.tp > 1, "always runs sequence parallel"
             ),

@@ -31,7 +31,7 @@ def _fused_order(grad: torch.Tensor, parts: list[int], tp: int) -> torch.Tensor:
     return torch.cat([pieces[p][r] for r in range(tp) for p in range(len(parts))], dim=0)
 
 
-def _train(ctx: RankContext, exported, model_file, mesh) -> dict:
+def _train(exported, model_file, mesh) -> dict:
     """Forward and backward of the unsharded model and of the sharded one; largest differences."""
     torch.manual_seed(0)
     model = model_file.build("cpu")
@@ -49,7 +49,7 @@ def _train(ctx: RankContext, exported, model_file, mesh) -> dict:
         want = expected[key].grad
         module = key.rpartition(".")[0]
         if module in exported.FUSED_PARTS:
-            want = _fused_order(want, exported.FUSED_PARTS[module], ctx.world_size)
+            want = _fused_order(want, exported.FUSED_PARTS[module], exported.TP_DEGREE)
         grad_diff = max(grad_diff, (grad - want).abs().max().item())
     params = dict(model.named_parameters(remove_duplicate=False))
     return {
@@ -57,6 +57,7 @@ def _train(ctx: RankContext, exported, model_file, mesh) -> dict:
         "scale": reference.abs().max().item(),
         "grad_max_abs_diff": grad_diff,
         "local_shapes": {k: tuple(p.to_local().shape) for k, p in params.items() if isinstance(p, DTensor)},
+        "placements": {k: str(p.placements) for k, p in params.items() if isinstance(p, DTensor)},
         "tied": "transformer.wte.weight" in params
         and params["transformer.wte.weight"] is params["lm_head.weight"],
     }
@@ -89,12 +90,14 @@ def _decode(exported, model_file, mesh) -> dict:
 
 
 def apply_exported(ctx: RankContext, jobs: dict[str, tuple]) -> dict[str, dict]:
-    """Each job (model file, exported source[, "train" | "decode"]): load the source as a module,
-    build the model (seeded, the same on every rank), keep an unsharded copy, apply the plan on a
-    1-D mesh of all ranks and run both: "train" (default) a forward and backward (largest output
-    and gradient differences, the output scale, the local shape of every sharded parameter, whether
-    GPT-2's token embedding is still tied to its LM head), "decode" a prefill and a decode step of a
-    cached model (largest logit differences, the KV-cache buffers' shapes)."""
+    """Each job (model file, exported source[, "train" | "decode" | "whole"]): load the source as a
+    module, build the model (seeded, the same on every rank), keep an unsharded copy, apply the plan
+    on a 1-D mesh of all ranks and run both: "train" (default) a forward and backward (largest output
+    and gradient differences, the output scale, the local shape and placements of every sharded
+    parameter, whether GPT-2's token embedding is still tied to its LM head), "decode" a prefill and
+    a decode step of a cached model (largest logit differences, the KV-cache buffers' shapes);
+    "whole": as "train" on the file's own init_mesh("cpu") (its tensor and data parallelism; every
+    rank feeds the same batch, so the averaged gradients are the unsharded model's)."""
     mesh = init_device_mesh("cpu", (ctx.world_size,))
     results = {}
     for name, (model_path, source, *mode) in jobs.items():
@@ -103,6 +106,8 @@ def apply_exported(ctx: RankContext, jobs: dict[str, tuple]) -> dict[str, dict]:
         model_file = load_model_file(model_path)
         if mode and mode[0] == "decode":
             results[name] = _decode(exported, model_file, mesh)
+        elif mode and mode[0] == "whole":
+            results[name] = _train(exported, model_file, exported.init_mesh("cpu"))
         else:
-            results[name] = _train(ctx, exported, model_file, mesh)
+            results[name] = _train(exported, model_file, mesh)
     return results

@@ -1,5 +1,7 @@
 """`planner export`: each target's output is read by that target's own rules, with the plan's choices
-under the target's names, and the DTensor plan runs on 2 gloo ranks equal to the unsharded model.
+under the target's names (the data-parallel style included: each tool's form, or the nearest by the
+plan's prices with a warning), and the DTensor file runs on 2 and 4 gloo ranks equal to the
+unsharded model, with its fully_shard data parallelism too.
 
 Target names checked against the released packages' source (read, not imported: none is a
 dependency; bench/exports_conformance.py feeds the exports to the real parsers): torchtitan 0.3.0
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import shlex
 import types
@@ -27,11 +30,23 @@ from planner.cli.main import build_parser, main
 from planner.cli.workflow import report_dict
 from planner.errors import InputError
 from planner.export import FORMATS, export_plan
-from planner.export.common import virtual_stage_layers
+from planner.export.common import NOT_PRICED, dp_label, dp_price_text, nearest_dp_form, virtual_stage_layers
 from planner.export.megatron import megatron_args
 from planner.export.vllm import vllm_engine_args
 from planner.frontend.analysis import analyse
-from planner.plan import LayerCost, Plan, Recompute, Schedule, Serving, SplitStyle, WeightSplit, Workload
+from planner.plan import (
+    DataParallel,
+    Decision,
+    LayerCost,
+    MeshShape,
+    Plan,
+    Recompute,
+    Schedule,
+    Serving,
+    SplitStyle,
+    WeightSplit,
+    Workload,
+)
 from runtime.launch import launch
 from tests.dtensor_entry import apply_exported
 from tests.planner_fixtures import EXAMPLES
@@ -88,8 +103,13 @@ MEGATRON_FLAGS = {
     "--micro-batch-size", "--global-batch-size", "--pipeline-model-parallel-layout",
     "--num-layers-per-virtual-pipeline-stage", "--sequence-parallel", "--recompute-granularity",
     "--recompute-method", "--recompute-num-layers", "--use-distributed-optimizer", "--bf16", "--fp16",
-    "--overlap-grad-reduce", "--overlap-param-gather",
+    "--overlap-grad-reduce", "--overlap-param-gather", "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+    "--ckpt-format", "--num-distributed-optimizer-instances",
 }  # fmt: skip
+# Megatron-Core 0.19.2 --data-parallel-sharding-strategy choices and --ckpt-format choices
+MEGATRON_SHARDING = {"no_shard", "optim", "optim_grads", "optim_grads_params"}
+MEGATRON_CKPT_FORMATS = {"torch", "torch_dist", "torch_dcp", "fsdp_dtensor"}
+TORCHTITAN_RESHARD = {"default", "always", "never"}  # fsdp_reshard_after_forward, 0.2.2 and 0.3.0
 VLLM_ENGINE_ARGS = {
     "model", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "dtype", "max_model_len",
     "max_num_seqs",
@@ -210,6 +230,55 @@ def test_dtensor_export_runs_equal_to_the_unsharded_model_on_four_gloo_ranks(cap
     _check_dtensor_ranks(launch(apply_exported, _dtensor_jobs(captured, 4), 4, timeout_s=300), 4)
 
 
+@pytest.mark.slow
+def test_dtensor_data_parallel_export_runs_equal_to_the_unsharded_model_on_four_gloo_ranks(captured):
+    """The file's own mesh (init_mesh) and fully_shard composed with its tensor parallelism, in one
+    launch of 4 gloo ranks (fully_shard runs on CPU with gloo in torch 2.13, its reduce-scatter
+    included): FSDP x TP2, HSDP 2x2 without reshard after forward at TP1, DDP (a replicate dim over a
+    shard dim of 1) x TP2 under sequence parallel, and GPT-2's ZeRO-1 (exported as FSDP, tied head)
+    x TP2. Every rank feeds the same batch, so outputs and averaged gradients equal the unsharded
+    model's; the local shapes show the shards."""
+
+    def plan(name: str, tp: int, dp: int, style: DataParallel, shard: int = 1, **changes) -> Plan:
+        base = fixed_plan(analyse(captured(name).gm), str(EXAMPLES / f"{name}.py"), tp, workload="train")
+        return _with(base, dtype="bf16", mesh=MeshShape(tp, 1, dp), dp_style=style, dp_shard=shard, **changes)
+
+    def job(name: str, exported: Plan) -> tuple:
+        return (str(EXAMPLES / f"{name}.py"), export_plan(exported, "dtensor").text, "whole")
+
+    jobs = {
+        "llama3_fsdp": job("llama3", plan("llama3", 2, 2, DataParallel.FSDP, 2)),
+        "llama3_hsdp_noreshard": job(
+            "llama3", plan("llama3", 1, 4, DataParallel.FSDP, 2, reshard_after_forward=False)
+        ),
+        "hf_llama_sp_ddp": job("hf_llama", plan("hf_llama", 2, 2, DataParallel.DDP, sequence_parallel=True)),
+        "gpt2_tiny_zero1": job("gpt2_tiny", plan("gpt2_tiny", 2, 2, DataParallel.ZERO1, 2)),
+    }
+    assert "DP_STYLE = 'hsdp 2x2-noreshard'" in jobs["llama3_hsdp_noreshard"][1]
+    assert "DP_STYLE = 'fsdp-noreshard'" in jobs["gpt2_tiny_zero1"][1]
+    ranks = launch(apply_exported, jobs, 4, timeout_s=300)
+    for rank in ranks:
+        for name, got in rank.items():
+            assert got["max_abs_diff"] <= 1e-5 * got["scale"], (name, got["max_abs_diff"])
+            assert got["grad_max_abs_diff"] <= 1e-6, (name, got["grad_max_abs_diff"])
+        shapes = {name: got["local_shapes"] for name, got in rank.items()}
+        # wq (128, 128): rows split over tp=2, then over dp_shard=2; wo (128, 128): columns over tp, rows over dp
+        assert shapes["llama3_fsdp"]["layers.0.attention.wq.weight"] == (32, 128)
+        assert shapes["llama3_fsdp"]["layers.0.attention.wo.weight"] == (64, 64)
+        assert shapes["llama3_fsdp"]["tok_embeddings.weight"] == (64, 128)  # vocab 256 / tp 2 / dp 2
+        assert shapes["llama3_hsdp_noreshard"]["layers.0.attention.wq.weight"] == (
+            64,
+            128,
+        )  # 2 shards, 2 replicas
+        assert "Replicate()" in rank["llama3_hsdp_noreshard"]["placements"]["layers.0.attention.wq.weight"]
+        assert shapes["hf_llama_sp_ddp"]["model.layers.0.self_attn.q_proj.weight"] == (64, 128)  # tp only
+        assert shapes["gpt2_tiny_zero1"]["transformer.h.0.attn.c_attn.weight"] == (
+            48,
+            64,
+        )  # 192 / tp 2 / dp 2
+        assert rank["gpt2_tiny_zero1"]["tied"]
+
+
 def test_dtensor_plan_maps_splits_to_styles(llama_plan):
     text = export_plan(llama_plan, "dtensor").text
     assert 'init_device_mesh("cpu", (2,))' in text  # the plan's cluster is gloo (local-cpu)
@@ -295,8 +364,14 @@ def test_dtensor_warns_for_what_a_tp_plan_cannot_hold(llama_plan):
     plan = _with(llama_plan, ladder_layers=[2, 3], recompute={"layer": Recompute.FULL})
     plan = _with(plan, mesh=dataclasses.replace(plan.mesh, dp=2))
     warnings = "\n".join(export_plan(plan, "dtensor").warnings)
-    assert "ladder residual (layers [2, 3])" in warnings
-    assert "dp=2" in warnings and "torch.utils.checkpoint" in warnings
+    assert "ladder residual (layers [2, 3])" in warnings and "torch.utils.checkpoint" in warnings
+    assert "dp=2" not in warnings  # the file applies the data parallelism itself (fully_shard)
+    staged = _with(plan, mesh=dataclasses.replace(plan.mesh, pp=2), stages=[[0, 1], [2, 3]])
+    warnings = "\n".join(export_plan(staged, "dtensor").warnings)
+    assert (
+        "torch.distributed.pipelining yourself" in warnings
+        and "apply_data_parallel(stage_module, mesh)" in warnings
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,7 +401,10 @@ def test_torchtitan_toml_parses_with_torchtitans_field_names(llama_plan):
     assert (par["tensor_parallel_degree"], par["pipeline_parallel_degree"]) == (2, 2)
     # torchtitan's DDP runs alone (its parallelize raises with TP or PP): the replicas go out as FSDP shards
     assert (par["data_parallel_replicate_degree"], par["data_parallel_shard_degree"]) == (1, 2)
-    assert any("DDP only without TP or PP" in w for w in warnings)
+    assert (
+        par["fsdp_reshard_after_forward"] == "never"
+    )  # DDP's traffic: the parameters whole through the step
+    assert any("torchtitan 0.2 has no DDP with TP or PP" in w and NOT_PRICED in w for w in warnings)
     alone, _ = _titan(
         _with(
             llama_plan, mesh=dataclasses.replace(llama_plan.mesh, tp=1, dp=2), batch_size=8, micro_batches=2
@@ -362,7 +440,8 @@ def test_torchtitan_interleaved_zero1_and_selective(llama_plan):
         virtual_stages=2,
         micro_batches=1,
         batch_size=4,
-        distributed_optimizer=True,
+        dp_style=DataParallel.ZERO1,
+        dp_shard=2,
         sequence_parallel=True,
         recompute={"layer": Recompute.SELECTIVE},
     )
@@ -376,7 +455,8 @@ def test_torchtitan_interleaved_zero1_and_selective(llama_plan):
     ]  # fmt: skip
     assert (par["data_parallel_replicate_degree"], par["data_parallel_shard_degree"]) == (1, 2)
     assert toml["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "op"}
-    assert any("ZeRO-1" in w for w in warnings) and not any(
+    assert par["fsdp_reshard_after_forward"] == "never"  # the plan priced no other style: ZeRO-2's traffic
+    assert any("torchtitan has no ZeRO-1" in w and NOT_PRICED in w for w in warnings) and not any(
         "always runs sequence parallel" in w for w in warnings
     )
 
@@ -452,14 +532,15 @@ def test_torchtitan_03_overrides_use_03_names_and_module_names(llama_plan):
     assert not any(
         "enable_async_tensor_parallel" in a or "loss_parallel" in a or "selective_ac" in a for a in argv
     )
-    assert not any("always runs sequence parallel" in w or "DDP only" in w for w in warnings)
+    assert not any("always runs sequence parallel" in w or "has no DDP" in w for w in warnings)
+    assert "--parallelism.fsdp_reshard_after_forward" not in options  # nothing sharded: no policy
     # no recomputation: the base config's own checkpointing (llama3_8b: selective) is switched off
     none, _ = _titan03(_with(llama_plan, recompute={}))
     assert none[-1] == "activation-checkpoint:none" and "--training.disable_cuda_graphs" not in none
     # ZeRO-1 has no torchtitan form: FSDP shards, said so
-    zero, zero_warnings = _titan03(_with(plan, distributed_optimizer=True))
+    zero, zero_warnings = _titan03(_with(plan, dp_style=DataParallel.ZERO1, dp_shard=2))
     assert _titan03_options(zero)["--parallelism.data_parallel_shard_degree"] == ["2"]
-    assert any("no ZeRO-1" in w for w in zero_warnings)
+    assert any("torchtitan has no ZeRO-1" in w and NOT_PRICED in w for w in zero_warnings)
 
 
 def test_torchtitan_02_bf16_without_fsdp_writes_the_dtype_and_says_why(llama_plan):
@@ -474,7 +555,8 @@ def test_torchtitan_02_bf16_without_fsdp_writes_the_dtype_and_says_why(llama_pla
             llama_plan,
             mesh=dataclasses.replace(llama_plan.mesh, dp=2),
             batch_size=4,
-            distributed_optimizer=True,
+            dp_style=DataParallel.FSDP,
+            dp_shard=2,
         )
     )
     assert "dtype" not in sharded["training"] and not any("only through FSDP" in w for w in sharded_warnings)
@@ -536,7 +618,8 @@ def test_megatron_arguments_are_megatrons_names_and_values(llama_plan):
         batch_size=16,
         micro_batches=4,
         sequence_parallel=True,
-        distributed_optimizer=True,
+        dp_style=DataParallel.ZERO1,
+        dp_shard=2,
         recompute={"layer": Recompute.FULL},
     )
     argv, warnings = _megatron_argv(plan)
@@ -638,6 +721,243 @@ def test_vllm_refuses_a_training_plan_and_names_the_placeholder(llama_plan):
     args, env, warnings = vllm_engine_args(_with(llama_plan, workload=Workload.FORWARD))
     assert args["max_model_len"] == llama_plan.seq_len and not env
     assert any("replace HF_MODEL_ID_OR_CHECKPOINT_DIR" in w for w in warnings)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data-parallel styles: each tool's form of ddp, zero1, zero2, fsdp, HSDP and reshard after forward
+
+
+def _dp(
+    plan: Plan, style: DataParallel, dp: int, shard: int | None = None, reshard: bool = True, **changes
+) -> Plan:
+    """`plan` (tp=2, 4 layers) over `dp` data-parallel ranks with data-parallel `style` (shard: fsdp's
+    dp_shard, default every rank)."""
+    shard = 1 if style is DataParallel.DDP else (dp if shard is None else shard)
+    changes.setdefault("mesh", dataclasses.replace(plan.mesh, dp=dp))
+    return _with(
+        plan, batch_size=4 * dp, dp_style=style, dp_shard=shard, reshard_after_forward=reshard, **changes
+    )
+
+
+def _priced(plan: Plan, **times_ms: float) -> Plan:
+    """`plan` with a "data-parallel" decision as the search writes it: label -> step time (ms; inf:
+    does not fit), and each label's peak memory in its reason."""
+    labels = {k.replace("_", "-").replace("hsdp-", "hsdp "): v for k, v in times_ms.items()}
+    options = {k: v / 1e3 for k, v in labels.items()}
+    memory = ", ".join(f"{k} {10.0 + i:.1f}" for i, k in enumerate(labels))
+    reason = f"over dp={plan.dp}: ddp all-reduces gradients; ...; peak memory per rank, GiB: {memory} (usable 70.0)"
+    return _with(plan, decisions=[Decision("data-parallel", dp_label(plan), options, reason)])
+
+
+def test_dp_labels_prices_and_the_nearest_form(llama_plan):
+    """The plan's style in the search's labels, the prices of its "data-parallel" decision read back,
+    and the nearest of a tool's forms by those prices (a tie within 1% of the step: the default)."""
+    assert dp_label(llama_plan) == "ddp"  # dp=1
+    assert dp_label(_dp(llama_plan, DataParallel.ZERO1, 4)) == "zero1"
+    assert dp_label(_dp(llama_plan, DataParallel.FSDP, 4)) == "fsdp"
+    assert dp_label(_dp(llama_plan, DataParallel.FSDP, 4, shard=2, reshard=False)) == "hsdp 2x2-noreshard"
+    # sharded over one rank: replicas
+    assert dp_label(_dp(llama_plan, DataParallel.FSDP, 4, shard=1)) == "ddp"
+    zero2 = _priced(
+        _dp(llama_plan, DataParallel.ZERO2, 4), zero2=100.0, fsdp=101.2, fsdp_noreshard=100.5, ddp=math.inf
+    )
+    assert nearest_dp_form(zero2, ["fsdp-noreshard", "fsdp"], "fsdp") == "fsdp"  # 0.7 ms nearer: within 1%
+    assert nearest_dp_form(zero2, ["fsdp-noreshard", "fsdp"], "fsdp-noreshard") == "fsdp-noreshard"
+    far = _priced(_dp(llama_plan, DataParallel.ZERO2, 4), zero2=100.0, fsdp=101.0, fsdp_noreshard=120.0)
+    assert nearest_dp_form(far, ["fsdp-noreshard", "fsdp"], "fsdp-noreshard") == "fsdp"
+    assert (
+        nearest_dp_form(_dp(llama_plan, DataParallel.ZERO2, 4), ["fsdp"], "fsdp-noreshard")
+        == "fsdp-noreshard"
+    )
+    text = dp_price_text(far, "fsdp")
+    assert text == (
+        "the plan priced zero2 at 100 ms a step and 10.0 GiB per rank, fsdp at 101 ms a step and 11.0 GiB per rank "
+        "(+1.0% step time)"
+    )
+    assert "did not price fsdp-noreshard" in dp_price_text(
+        _dp(llama_plan, DataParallel.ZERO2, 4), "fsdp-noreshard"
+    )
+    assert "ddp as not fitting" in dp_price_text(zero2, "ddp")
+
+
+def _titan_dp(plan: Plan) -> tuple[dict[str, object], dict[str, object], list[str], list[str]]:
+    """The data-parallel fields of both torchtitan exports: (0.3 overrides, 0.2 TOML keys, 0.3
+    warnings, 0.2 warnings), checked against the releases' names and choices."""
+    argv, warnings03 = _titan03(plan)
+    options = _titan03_options(argv)
+    keys = ("data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward")
+    v03 = {k: options["--parallelism." + k][0] for k in keys if "--parallelism." + k in options}
+    toml, warnings02 = _titan(plan)
+    v02 = {k: toml["parallelism"][k] for k in keys if k in toml["parallelism"]}
+    for policy in (v03.get(keys[2]), v02.get(keys[2])):
+        assert policy is None or policy in TORCHTITAN_RESHARD
+    return v03, v02, warnings03, warnings02
+
+
+def test_torchtitan_data_parallel_styles(llama_plan):
+    """fsdp: shard degree dp_shard, replicate dp / dp_shard (HSDP when both > 1), the reshard policy
+    written out; ddp: replicas (0.3; 0.2 alone); zero1 / zero2: FSDP over dp, reshard as the plan
+    priced nearer, with a warning giving both prices."""
+    fsdp = _dp(llama_plan, DataParallel.FSDP, 4)
+    v03, v02, w03, w02 = _titan_dp(fsdp)
+    want = {
+        "data_parallel_replicate_degree": 1,
+        "data_parallel_shard_degree": 4,
+        "fsdp_reshard_after_forward": "always",
+    }
+    assert v02 == want and v03 == {k: str(v) for k, v in want.items()}
+    assert not any(NOT_PRICED in w for w in w03 + w02)
+    hsdp = _dp(llama_plan, DataParallel.FSDP, 4, shard=2, reshard=False)
+    v03, v02, w03, w02 = _titan_dp(hsdp)
+    want = {
+        "data_parallel_replicate_degree": 2,
+        "data_parallel_shard_degree": 2,
+        "fsdp_reshard_after_forward": "never",
+    }
+    assert v02 == want and v03 == {k: str(v) for k, v in want.items()}
+    assert not any(NOT_PRICED in w for w in w03 + w02)
+    ddp03, ddp02, w03, w02 = _titan_dp(_dp(llama_plan, DataParallel.DDP, 4))
+    assert ddp03 == {
+        "data_parallel_replicate_degree": "4",
+        "data_parallel_shard_degree": "1",
+    }
+    assert not any(NOT_PRICED in w for w in w03)
+    assert ddp02["data_parallel_shard_degree"] == 4 and any(
+        "torchtitan 0.2 has no DDP with TP or PP" in w for w in w02
+    )
+    alone = _dp(llama_plan, DataParallel.DDP, 4, mesh=MeshShape(1, 1, 4), splits={})
+    assert _titan_dp(alone)[1] == {"data_parallel_replicate_degree": 4, "data_parallel_shard_degree": 1}
+    # ZeRO-2: FSDP over dp 4, resharded: the plan priced fsdp nearer its zero2 than fsdp-noreshard
+    zero2 = _priced(_dp(llama_plan, DataParallel.ZERO2, 4), zero2=100.0, fsdp=101.0, fsdp_noreshard=120.0)
+    v03, v02, w03, w02 = _titan_dp(zero2)
+    assert v02 == {
+        "data_parallel_replicate_degree": 1,
+        "data_parallel_shard_degree": 4,
+        "fsdp_reshard_after_forward": "always",
+    }
+    (warning,) = [w for w in w03 if NOT_PRICED in w]
+    assert warning.startswith("torchtitan has no ZeRO-2") and 'fsdp_reshard_after_forward "always"' in warning
+    assert "the plan priced zero2 at 100 ms a step and 10.0 GiB per rank, fsdp at 101 ms" in warning
+    assert "exported as FSDP" in warning and [w for w in w02 if NOT_PRICED in w] == [warning]  # said alike
+    # without prices: the parameters whole from forward to backward (ZeRO-2's traffic per micro-batch)
+    assert _titan_dp(_dp(llama_plan, DataParallel.ZERO1, 4))[0]["fsdp_reshard_after_forward"] == "never"
+
+
+def _megatron_dp(plan: Plan) -> tuple[list[str], str, list[str]]:
+    """(the data-parallel arguments of the Megatron-LM export, its file, its warnings)."""
+    argv, warnings = _megatron_argv(plan)
+    assert {a for a in argv if a.startswith("--")} <= MEGATRON_FLAGS
+    dp_flags = {"--use-distributed-optimizer", "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+                "--ckpt-format", "--num-distributed-optimizer-instances"}  # fmt: skip
+    out, keep = [], False
+    for item in argv:
+        keep = item in dp_flags if item.startswith("--") else keep
+        if keep:
+            out.append(item)
+    args = dict(zip(argv, [*argv[1:], ""]))
+    assert args.get("--data-parallel-sharding-strategy", "optim") in MEGATRON_SHARDING
+    assert args.get("--ckpt-format", "torch") in MEGATRON_CKPT_FORMATS
+    return out, export_plan(plan, "megatron").text, warnings
+
+
+def test_megatron_data_parallel_styles(llama_plan):
+    """zero1: the distributed optimizer; zero2 / fsdp: Megatron-FSDP with optim_grads /
+    optim_grads_params (and the checkpoint format and environment its validate_args asserts); HSDP:
+    --num-distributed-optimizer-instances = replicas; no reshard after forward (which Megatron-FSDP
+    lacks): the nearer of fsdp and zero2 by the plan's prices, warned."""
+    fsdp_args = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+                 "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor"]  # fmt: skip
+    args, text, warnings = _megatron_dp(_dp(llama_plan, DataParallel.DDP, 4))
+    assert args == [] and "export CUDA_DEVICE_MAX_CONNECTIONS=1" in text
+    args, text, warnings = _megatron_dp(_dp(llama_plan, DataParallel.ZERO1, 4))
+    assert args == ["--use-distributed-optimizer"] and "export CUDA_DEVICE_MAX_CONNECTIONS=1" in text
+    assert any("main_grad" in w for w in warnings) and any(
+        "prices as exposed for zero1" in w for w in warnings
+    )
+    args, text, warnings = _megatron_dp(_dp(llama_plan, DataParallel.ZERO2, 4))
+    assert args == [*fsdp_args[:2], "optim_grads", *fsdp_args[3:]]
+    # Megatron-FSDP's validate_args asserts CUDA_DEVICE_MAX_CONNECTIONS != 1: unset, never exported
+    assert (
+        "\nunset CUDA_DEVICE_MAX_CONNECTIONS\nPLANNER_MEGATRON_ARGS=(" in text and "export CUDA" not in text
+    )
+    assert not any("main_grad" in w for w in warnings)  # Megatron-FSDP keeps gradients in bf16, as planned
+    assert any("CUDA_DEVICE_MAX_CONNECTIONS unset" in w for w in warnings)  # with TP > 1: said
+    args, text, warnings = _megatron_dp(_dp(llama_plan, DataParallel.FSDP, 4))
+    assert args == fsdp_args and not any(NOT_PRICED in w or "prices as exposed" in w for w in warnings)
+    full = _megatron_argv(_dp(llama_plan, DataParallel.FSDP, 4))[0]
+    assert (
+        full[full.index("--overlap-grad-reduce") + 1] == "--overlap-param-gather"
+    )  # the overlap the plan priced
+    args, _, warnings = _megatron_dp(_dp(llama_plan, DataParallel.FSDP, 8, shard=4))
+    assert args == [*fsdp_args, "--num-distributed-optimizer-instances", "2"]  # 2 replicas of 4-rank shards
+    assert not any(NOT_PRICED in w for w in warnings)
+    # no reshard after forward: resharded by default; ZeRO-2 (optim_grads) where the plan priced it nearer
+    args, _, warnings = _megatron_dp(_dp(llama_plan, DataParallel.FSDP, 4, reshard=False))
+    assert args == fsdp_args
+    (warning,) = [w for w in warnings if NOT_PRICED in w]
+    assert (
+        warning.startswith("Megatron-LM has no FSDP without reshard after forward")
+        and "did not price fsdp" in warning
+    )
+    nearer = _priced(
+        _dp(llama_plan, DataParallel.FSDP, 4, reshard=False), fsdp_noreshard=100.0, fsdp=110.0, zero2=103.0
+    )
+    args, _, warnings = _megatron_dp(nearer)
+    assert args[2] == "optim_grads" and any("that is zero2" in w and "zero2 at 103 ms" in w for w in warnings)
+    args, _, _ = _megatron_dp(_dp(llama_plan, DataParallel.FSDP, 8, shard=4, reshard=False))
+    assert args == [*fsdp_args, "--num-distributed-optimizer-instances", "2"]  # HSDP: no zero2 over all 8
+
+
+def _dtensor_module(plan: Plan) -> types.ModuleType:
+    module = types.ModuleType("exported")
+    exec(compile(export_plan(plan, "dtensor").text, "<export>", "exec"), module.__dict__)
+    return module
+
+
+def test_dtensor_data_parallel_styles(llama_plan):
+    """The DTensor file's mesh and fully_shard settings per style: fsdp over dp_shard, HSDP with
+    replicas, reshard as planned, DDP as a replicate dim over a shard dim of 1, ZeRO-1 / ZeRO-2 as
+    FSDP with a warning; the layers are the FSDP units."""
+    fsdp = _dtensor_module(_dp(llama_plan, DataParallel.FSDP, 4))
+    assert fsdp.MESH_DIMS == {"dp_replicate": 1, "dp_shard": 4, "pp": 1, "tp": 2}
+    assert (fsdp.DP_STYLE, fsdp.RESHARD_AFTER_FORWARD) == ("fsdp", True)
+    assert fsdp.DP_UNITS == ["layers.0", "layers.1", "layers.2", "layers.3"] and fsdp.NUM_LAYERS == 4
+    hsdp = _dtensor_module(_dp(llama_plan, DataParallel.FSDP, 4, shard=2, reshard=False))
+    assert hsdp.MESH_DIMS == {"dp_replicate": 2, "dp_shard": 2, "pp": 1, "tp": 2}
+    assert (hsdp.DP_STYLE, hsdp.RESHARD_AFTER_FORWARD) == ("hsdp 2x2-noreshard", False)
+    text = export_plan(_dp(llama_plan, DataParallel.FSDP, 4, shard=2, reshard=False), "dtensor").text
+    assert 'fully_shard(module, mesh=mesh["dp_replicate", "dp_shard"], reshard_after_forward=False)' in text
+    ddp = _dtensor_module(_dp(llama_plan, DataParallel.DDP, 4))
+    assert ddp.MESH_DIMS == {"dp_replicate": 4, "dp_shard": 1, "pp": 1, "tp": 2} and ddp.DP_STYLE == "ddp"
+    zero1 = _dp(llama_plan, DataParallel.ZERO1, 4)
+    module = _dtensor_module(zero1)
+    assert module.MESH_DIMS["dp_shard"] == 4 and (module.DP_STYLE, module.RESHARD_AFTER_FORWARD) == (
+        "fsdp-noreshard",
+        False,
+    )
+    assert any(
+        w.startswith("fully_shard (FSDP2) has no ZeRO-1") and NOT_PRICED in w
+        for w in export_plan(zero1, "dtensor").warnings
+    )
+    plain = _dtensor_module(llama_plan)  # dp=1: nothing to do
+    assert plain.MESH_DIMS == {"dp_replicate": 1, "dp_shard": 1, "pp": 1, "tp": 2}
+    assert plain.apply_data_parallel(torch.nn.Linear(2, 2), None) is not None  # returns at once
+    # a plan whose weights say nothing of its layers: apply() finds their ModuleList itself
+    unnamed = _dtensor_module(_with(_dp(llama_plan, DataParallel.FSDP, 4), roles={}, splits={}))
+    assert unnamed.DP_UNITS is None
+    model = torch.nn.Sequential(
+        torch.nn.Linear(2, 2), torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(4)])
+    )
+    assert unnamed._layer_names(model) == ["1.0", "1.1", "1.2", "1.3"]
+    with pytest.raises(ValueError, match="dims"):  # data parallelism needs init_mesh()'s mesh
+        fsdp.apply_data_parallel(model, types.SimpleNamespace(mesh_dim_names=("tp",)))
+
+
+def test_vllm_reads_no_data_parallel_style(llama_plan):
+    """Serving plans replicate (dp_style ddp); the vLLM export carries dp as data_parallel_size only."""
+    served = _served(_with(llama_plan, mesh=dataclasses.replace(llama_plan.mesh, dp=2), batch_size=8))
+    args, _, _ = vllm_engine_args(served)
+    assert args["data_parallel_size"] == 2 and not {k for k in args if "shard" in k or "fsdp" in k}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,10 +11,12 @@ the prediction.
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 
 from planner.errors import InputError
-from planner.plan import Plan, Recompute, SplitStyle
+from planner.plan import DataParallel, Plan, Recompute, SplitStyle
 
 
 @dataclass
@@ -202,3 +204,103 @@ def strongest_recompute(
             f"alike: exported as {strongest}{consequence}"
         )
     return strongest
+
+
+# ---------------------------------------------------------------------------------------------
+# The data-parallel style in the planner's labels, and the tools' nearest forms
+
+DP_DECISION = "data-parallel"  # the subject of the plan's decision pricing every data-parallel style
+NOT_PRICED = "not what the plan priced"
+DP_TIE = 0.01  # nearest_dp_form: candidates this near (fraction of the planned step) are alike
+# what ZeRO-1 / ZeRO-2 shard, for the warnings of tools that have neither
+ZERO_NAMES = {
+    DataParallel.ZERO1: "ZeRO-1 (optimizer state sharded alone)",
+    DataParallel.ZERO2: "ZeRO-2 (optimizer state and gradients sharded, parameters whole)",
+}  # in every warning of an exported style other than the plan's
+
+
+def dp_label(plan: Plan) -> str:
+    """The plan's data-parallel style as the search labels it (`MeshConfig.dp_label`, the keys of the
+    "data-parallel" decision): "ddp", "zero1", "zero2", "fsdp", "fsdp-noreshard", "hsdp 4x2" (shard 4,
+    replicate 2), "hsdp 4x2-noreshard"; "ddp" at dp=1 (nothing to shard) and for fsdp over 1 rank."""
+    style, dp, shard = plan.dp_style, plan.dp, plan.dp_shard
+    if dp == 1 or style is DataParallel.DDP or (style is DataParallel.FSDP and shard == 1):
+        return "ddp"
+    if style is not DataParallel.FSDP:
+        return str(style)
+    name = f"hsdp {shard}x{dp // shard}" if shard < dp else "fsdp"
+    return name + ("" if plan.reshard_after_forward else "-noreshard")
+
+
+def dp_prices(plan: Plan) -> dict[str, tuple[float, float | None]]:
+    """label -> (step time the plan priced, s; inf where it does not fit), peak memory per rank, GiB
+    (None where the decision's reason does not give it)) of each data-parallel style of the plan's
+    "data-parallel" decision; empty when the plan has none (dp=1, a plan written before it)."""
+    decision = next((d for d in plan.decisions if d.subject == DP_DECISION), None)
+    if decision is None:
+        return {}
+    memory: dict[str, float] = {}
+    found = re.search(r"peak memory per rank, GiB: (.*?)(?: \(usable|$)", decision.reason)
+    if found:
+        for item in found.group(1).split(", "):
+            name, _, value = item.rpartition(" ")
+            try:
+                memory[name] = float(value)
+            except ValueError:
+                continue
+    return {name: (float(t), memory.get(name)) for name, t in decision.options.items()}
+
+
+def nearest_dp_form(plan: Plan, candidates: list[str], default: str) -> str:
+    """Of the data-parallel styles a tool can run instead of the plan's (`candidates`, labels as
+    `dp_label`), the one whose step time the plan priced nearest its own among those that fit;
+    `default` when the plan priced none of them or it is as near within `DP_TIE` of the step."""
+    prices = dp_prices(plan)
+    planned = prices.get(dp_label(plan), (plan.predicted.latency_s, None))[0]
+    fits = [c for c in candidates if c in prices and math.isfinite(prices[c][0])]
+    if not fits or not math.isfinite(planned):
+        return default
+    best = min(fits, key=lambda c: (abs(prices[c][0] - planned), c != default))
+    if default in fits and abs(prices[default][0] - planned) - abs(prices[best][0] - planned) <= (
+        DP_TIE * planned
+    ):
+        return default  # as near within DP_TIE: the structural default
+    return best
+
+
+def _priced(label: str, price: tuple[float, float | None]) -> str:
+    time_s, gib = price
+    memory = f" ({gib:.1f} GiB per rank)" if gib is not None else ""
+    if not math.isfinite(time_s):
+        return f"{label} as not fitting{memory}"
+    step = f"{time_s:.4g} s" if time_s >= 10 else f"{time_s * 1e3:.4g} ms"
+    return f"{label} at {step} a step" + (f" and {gib:.1f} GiB per rank" if gib is not None else "")
+
+
+def dp_price_text(plan: Plan, exported: str) -> str:
+    """What the plan priced for its own data-parallel style and for `exported` (labels as `dp_label`):
+    "the plan priced zero1 at 476.4 ms a step and 60.5 GiB per rank, fsdp at 352.7 ms a step and 38.3
+    GiB per rank (-26.0% step time)", or that it did not price `exported`."""
+    prices = dp_prices(plan)
+    own = dp_label(plan)
+    mine = prices.get(own, (plan.predicted.latency_s, None))
+    if exported not in prices:
+        return (
+            f"the plan priced {_priced(own, mine)} and did not price {exported} (planned with --dp-style auto, "
+            "a plan prices every style)"
+        )
+    theirs = prices[exported]
+    text = f"the plan priced {_priced(own, mine)}, {_priced(exported, theirs)}"
+    if math.isfinite(theirs[0]) and math.isfinite(mine[0]) and mine[0] > 0:
+        text += f" ({(theirs[0] / mine[0] - 1) * 100:+.1f}% step time)"
+    return text
+
+
+def dp_substitute_warning(plan: Plan, tool: str, missing: str, exported: str, form: str) -> str:
+    """The warning for a data-parallel style `tool` cannot run: it has no `missing` (what the plan's
+    style is), so it gets `form` (the tool's settings), the planner's `exported` style, which is
+    `NOT_PRICED`, with both prices (`dp_price_text`)."""
+    return (
+        f"{tool} has no {missing}, the plan's {dp_label(plan)} over dp={plan.dp}: exported as {form}; that is "
+        f"{exported}, the nearest form {tool} has, and {NOT_PRICED}: {dp_price_text(plan, exported)}"
+    )

@@ -1,10 +1,15 @@
-"""`planner export --to dtensor`: the plan's tensor-parallel splits as a `parallelize_module` plan.
+"""`planner export --to dtensor`: the plan's tensor-parallel splits as a `parallelize_module` plan and
+its data parallelism as `fully_shard` calls.
 
-The output is a self-contained Python file for `torch.distributed.tensor.parallel`: `PLAN` (module
-FQN -> `ColwiseParallel` / `RowwiseParallel`, `SequenceParallel` styles), `VOCAB` (modules split along
-the vocabulary) and `apply(model, mesh)`, which shards the user's eager model on a 1-D `DeviceMesh`
-(the "tp" axis of a larger mesh) and returns it. Module FQNs are the plan's weight FQNs without
-`.weight`.
+The output is a self-contained Python file for `torch.distributed.tensor.parallel` and
+`torch.distributed.fsdp.fully_shard`: `PLAN` (module FQN -> `ColwiseParallel` / `RowwiseParallel`,
+`SequenceParallel` styles), `VOCAB` (modules split along the vocabulary), `init_mesh(device)` (the
+plan's mesh as torchtitan names its dims: `MESH_DIMS` dp_replicate x dp_shard x pp x tp, TP
+innermost, in the plan's rank order) and `apply(model, mesh)`, which shards the user's eager model
+on that mesh's "tp" dim, then applies the data parallelism on its dp dims (`apply_data_parallel`;
+with pipeline stages the user calls it per stage after the split), and returns it; given a 1-D
+`DeviceMesh` instead it shards the tensor-parallel axis alone. Module FQNs are the plan's weight FQNs
+without `.weight`.
 
 | plan split                              | style                                                          |
 |-----------------------------------------|----------------------------------------------------------------|
@@ -33,17 +38,43 @@ Sequence parallel is applied from the first layer's input on, not at the embeddi
 model computes what it derives from the embedding's output (Hugging Face's position ids, RoPE tables
 and causal mask, GPT-2's added position embedding) on the whole sequence, and every attention or MLP
 block receives the whole sequence (a Hugging Face attention sizes its views from its input's shape:
-given the rank's half it failed in `apply_rotary_pos_emb`). The data and pipeline axes, the ladder
-residual and activation recomputation are not part of a `parallelize_module` plan: each is a warning.
+given the rank's half it failed in `apply_rotary_pos_emb`). The pipeline axis, the ladder residual and
+activation recomputation are not part of the file: each is a warning.
+
+| plan dp_style (dp > 1)                  | apply_data_parallel: fully_shard(unit, mesh=..., ...)          |
+|-----------------------------------------|----------------------------------------------------------------|
+| fsdp, dp_shard = dp                     | mesh["dp_shard"], reshard_after_forward as planned             |
+| fsdp, dp_shard S < dp (HSDP)            | mesh["dp_replicate", "dp_shard"] (R x S), as planned           |
+| ddp                                     | mesh["dp_replicate", "dp_shard"] (dp x 1), no reshard: DDP as  |
+|                                         | torchtitan 0.3 runs it (gradients all-reduced, nothing sharded) |
+| zero1 / zero2 (no fully_shard form)     | mesh["dp_shard"] over dp, reshard False or True, the one the   |
+|                                         | plan priced nearer (default False); a warning gives both prices |
+
+The units are each transformer layer (`DP_UNITS`: the plan's weight names up to the layer index;
+without them, the model's ModuleList / ModuleDict of the plan's layer count) and then the model
+itself (embeddings, final norm, LM head), as the plan prices FSDP. fully_shard runs on CPU with gloo
+in torch 2.13 (its reduce-scatter included) and composes with the tensor-parallel DTensors
+(tests/test_export.py runs FSDP x TP, HSDP, DDP x TP with sequence parallel and a ZeRO-1 plan on 4
+gloo ranks against the unsharded model).
 """
 
 from __future__ import annotations
 
 import pprint
+import textwrap
 from dataclasses import dataclass
 
-from planner.export.common import Export, against_megatron_pairing, kv_piece_splits
-from planner.plan import Plan, SplitStyle
+from planner.export.common import (
+    ZERO_NAMES,
+    Export,
+    against_megatron_pairing,
+    dp_label,
+    dp_substitute_warning,
+    kv_piece_splits,
+    nearest_dp_form,
+    num_layers,
+)
+from planner.plan import DataParallel, Plan, SplitStyle
 
 TOOL = "DTensor (torch.distributed.tensor.parallel)"
 
@@ -220,16 +251,70 @@ def _local_heads(model: nn.Module, tp: int) -> list[str]:
     return changed
 
 
+def init_mesh(device: str = DEVICE) -> DeviceMesh:
+    """The plan's whole mesh, dims MESH_DIMS in order (dp_replicate, dp_shard, pp, tp: TP innermost,
+    rank = ((replica * dp_shard + shard) * pp + stage) * tp + tp_rank, the plan's rank layout), for
+    apply(). Call it on every rank after init_process_group."""
+    return init_device_mesh(device, tuple(MESH_DIMS.values()), mesh_dim_names=tuple(MESH_DIMS))
+
+
+def _layer_names(module: nn.Module) -> list[str]:
+    """The transformer layers of `module` that are FSDP units: those of DP_UNITS it has (a pipeline
+    stage holds some), else the children of its first ModuleList / ModuleDict of NUM_LAYERS modules."""
+    modules = dict(module.named_modules())
+    if DP_UNITS is not None:
+        return [name for name in DP_UNITS if name in modules]
+    for name, child in modules.items():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)) and len(child) == NUM_LAYERS:
+            return [f"{name}.{key}" if name else key for key, _ in child.named_children()]
+    raise ValueError(f"found no ModuleList / ModuleDict of the plan's {NUM_LAYERS} layers: set DP_UNITS")
+
+
+def apply_data_parallel(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Data parallelism as DP_STYLE says, on the data-parallel dims of `mesh` (init_mesh()'s):
+    fully_shard(layer, mesh=dp_mesh, reshard_after_forward=RESHARD_AFTER_FORWARD) for each layer,
+    then for `module` itself (its parameters outside the layers: embeddings, final norm, LM head),
+    dp_mesh = mesh["dp_replicate", "dp_shard"] with replicas (HSDP; DDP with a shard dim of 1), else
+    mesh["dp_shard"]. After apply()'s tensor parallelism (fully_shard composes with its DTensors);
+    with pipeline stages, on each stage's module after the split. Nothing at dp=1."""
+    if MESH_DIMS["dp_replicate"] * MESH_DIMS["dp_shard"] == 1:
+        return module
+    names = mesh.mesh_dim_names or ()
+    if "dp_shard" not in names:
+        raise ValueError(f"data parallelism needs init_mesh()'s mesh (dims {tuple(MESH_DIMS)}), got dims {names}")
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if MESH_DIMS["dp_replicate"] > 1 else mesh["dp_shard"]
+    for name in _layer_names(module):
+        fully_shard(module.get_submodule(name), mesh=dp_mesh, reshard_after_forward=RESHARD_AFTER_FORWARD)
+    fully_shard(module, mesh=dp_mesh, reshard_after_forward=RESHARD_AFTER_FORWARD)
+    return module
+
+
 def apply(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """Shard `model` (unsharded, eager, weights loaded, the same on every rank) over `mesh` (1-D, the
-    tensor-parallel ranks) as planned; return it. Raises ValueError when UNSUPPORTED names a split this
-    file cannot express, when the mesh size is not TP_DEGREE or the model lacks a planned module."""
+    """Shard `model` (unsharded, eager, weights loaded, the same on every rank) as planned; return it.
+    `mesh`: init_mesh()'s (tensor parallelism on its "tp" dim, then, without pipeline stages, data
+    parallelism on its dp dims: apply_data_parallel), or a 1-D mesh of the tensor-parallel ranks
+    (tensor parallelism only). Raises ValueError when UNSUPPORTED names a split this file cannot
+    express, when the mesh does not match the plan or the model lacks a planned module."""
     if UNSUPPORTED:
         name, why = next(iter(UNSUPPORTED.items()))
         raise ValueError(f"{name}: {why} ({len(UNSUPPORTED)} such split(s) in UNSUPPORTED)")
-    tp = mesh.size()
+    whole = "tp" in (mesh.mesh_dim_names or ())
+    if whole and tuple(mesh.shape) != tuple(MESH_DIMS.values()):
+        raise ValueError(f"the plan's mesh is {MESH_DIMS}, this one has shape {tuple(mesh.shape)}")
+    tp_mesh = mesh["tp"] if whole else mesh
+    tp = tp_mesh.size()
     if tp != TP_DEGREE:
         raise ValueError(f"the plan is for tp={TP_DEGREE}, the mesh has {tp} ranks")
+    if TP_DEGREE > 1:
+        _tensor_parallel(model, tp_mesh)
+    if whole and PP_DEGREE == 1:
+        apply_data_parallel(model, mesh)
+    return model
+
+
+def _tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
+    """PLAN and VOCAB on the 1-D tensor-parallel `mesh` (the file's docstring)."""
+    tp = mesh.size()
     plan = tp_plan(model)
     tied = [
         (name, module, other)
@@ -248,7 +333,6 @@ def apply(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         _sequence_hooks(model, mesh)
     if KV_CACHES:
         _local_caches(model, mesh, kv_heads)
-    return model
 '''
 
 
@@ -281,6 +365,13 @@ class DTensorPlan:
     # FIRST_LAYER: under sequence parallel, the layer at whose input the stream is cut along the sequence
     first_layer: str | None = None
     kv_caches: bool = False  # KV_CACHES: a served plan splitting attention heads: apply() cuts the caches
+    # data parallelism: DP_STYLE (the style fully_shard runs, a `dp_label`), MESH_DIMS' dp_replicate and
+    # dp_shard, RESHARD_AFTER_FORWARD, DP_UNITS (the layers' module FQNs; None: found at apply time)
+    dp_style: str = "ddp"
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    reshard_after_forward: bool = True
+    dp_units: list[str] | None = None
 
 
 def dtensor_plan(plan: Plan) -> DTensorPlan:
@@ -341,11 +432,16 @@ def dtensor_plan(plan: Plan) -> DTensorPlan:
             f"ladder residual (layers {plan.ladder_layers}) changes the model's forward, which a parallelize_module "
             "plan cannot: the exported plan shards the standard model (every TP all-reduce exposed)"
         )
-    if plan.pp > 1 or plan.dp > 1:
+    if plan.pp > 1:
         warnings.append(
-            f"the DTensor plan covers the tensor-parallel axis (tp={plan.tp}); apply the pipeline split (pp={plan.pp}, "
-            f"STAGES in the file) with torch.distributed.pipelining and data parallelism (dp={plan.dp}) with "
-            "fully_shard or DDP yourself"
+            f"the DTensor file covers the tensor- and data-parallel axes; apply the pipeline split (pp={plan.pp}, "
+            "STAGES in the file) with torch.distributed.pipelining yourself"
+            + (
+                f", then apply_data_parallel(stage_module, mesh) on each stage's module (apply() leaves the "
+                f"data parallelism, dp={plan.dp} {plan.dp_style_text()}, to it with pipeline stages)"
+                if plan.dp > 1
+                else ""
+            )
         )
     if any(v != "none" for v in plan.recompute.values()):
         warnings.append(
@@ -361,10 +457,59 @@ def dtensor_plan(plan: Plan) -> DTensorPlan:
         for note in plan.serving.fallbacks:
             warnings.append(f"serving fallback the plan priced, which DTensor cannot express: {note}")
     if plan.tp == 1:
-        warnings.append("the plan has tp=1: there is nothing to shard, PLAN is empty")
+        warnings.append(
+            "the plan has tp=1: no tensor parallelism, PLAN is empty"
+            + (" (apply() runs the data parallelism alone)" if plan.dp > 1 else ": there is nothing to shard")
+        )
     first_layer = _parent(blocks[0]) if sp else None
     kv_caches = plan.serving is not None and heads_split
-    return DTensorPlan(styles, vocab, fused, blocks, warnings, unsupported, first_layer, kv_caches)
+    exported = DTensorPlan(styles, vocab, fused, blocks, warnings, unsupported, first_layer, kv_caches)
+    _data_parallel(plan, exported)
+    return exported
+
+
+def _data_parallel(plan: Plan, exported: DTensorPlan) -> None:
+    """The data-parallel fields of `exported` for the plan's style (module docstring's table), and the
+    warning for a ZeRO-1 / ZeRO-2 plan, which fully_shard cannot run."""
+    label = dp_label(plan)
+    exported.dp_units = _layer_units(plan)
+    if plan.dp == 1:
+        return
+    if label == "ddp":  # as torchtitan 0.3: fully_shard over a replicate dim and a shard dim of 1
+        exported.dp_style, exported.dp_replicate, exported.reshard_after_forward = "ddp", plan.dp, False
+        return
+    if plan.dp_style is DataParallel.FSDP:
+        exported.dp_style = label
+        exported.dp_replicate, exported.dp_shard = plan.dp_replicate, plan.dp_shard
+        exported.reshard_after_forward = plan.reshard_after_forward
+        return
+    form = nearest_dp_form(plan, ["fsdp-noreshard", "fsdp"], "fsdp-noreshard")
+    exported.dp_style, exported.dp_shard = form, plan.dp
+    exported.reshard_after_forward = not form.endswith("-noreshard")
+    exported.warnings.append(
+        dp_substitute_warning(
+            plan,
+            "fully_shard (FSDP2)",
+            ZERO_NAMES[plan.dp_style],
+            form,
+            f"fully_shard over the {plan.dp} data-parallel ranks with "
+            f"reshard_after_forward={exported.reshard_after_forward}, which shards the parameters too",
+        )
+    )
+
+
+def _layer_units(plan: Plan) -> list[str] | None:
+    """Module FQNs of the plan's transformer layers (the prefix of each weight of `roles` and `splits`
+    up to its first numeric part: "model.layers.3"), in order; None unless they are the plan's
+    number of layers (apply() then finds the layers' ModuleList itself)."""
+    units = set()
+    for weight in [*plan.roles, *plan.splits]:
+        parts = weight.split(".")
+        index = next((i for i, p in enumerate(parts[:-1]) if p.isdigit()), None)
+        if index is not None:
+            units.add(".".join(parts[: index + 1]))
+    ordered = sorted(units, key=_natural)
+    return ordered if len(ordered) == num_layers(plan) else None
 
 
 def _unsupported_pairings(plan: Plan) -> dict[str, str]:
@@ -400,22 +545,68 @@ def _mesh_device(plan: Plan) -> str:
     return "cpu" if cluster is not None and cluster.backend == "gloo" else "cuda"
 
 
+def _dp_note(plan: Plan, exported: DTensorPlan) -> str:
+    """The data-parallel paragraph of the file's docstring ("" at dp=1)."""
+    if plan.dp == 1:
+        return ""
+    r, sh = exported.dp_replicate, exported.dp_shard
+    mesh = 'mesh["dp_replicate", "dp_shard"]' if r > 1 else 'mesh["dp_shard"]'
+    what = {
+        "ddp": f"DDP as torchtitan runs it: replicated over dp_replicate={r}, a shard dim of 1, the gradients "
+        "all-reduced",
+    }.get(
+        exported.dp_style,
+        f"sharded over dp_shard={sh}" + (f", replicated over dp_replicate={r} (HSDP)" if r > 1 else ""),
+    )
+    when = (
+        "apply() does it after the tensor parallelism"
+        if plan.pp == 1
+        else (
+            "with pipeline stages apply() leaves it to you: call apply_data_parallel(stage_module, mesh) on each "
+            "stage's module after the split"
+        )
+    )
+
+    def fill(text: str) -> str:
+        return textwrap.fill(text, width=100, break_long_words=False, break_on_hyphens=False)
+
+    head = fill(
+        f"Data parallelism (DP_STYLE {exported.dp_style!r}, the plan's {plan.dp_style_text()}): apply_data_parallel() "
+        "calls, on each transformer layer (DP_UNITS) and then on the model itself (the parameters outside the "
+        "layers):"
+    )
+    call = f"    fully_shard(module, mesh={mesh}, reshard_after_forward={exported.reshard_after_forward})"
+    tail = fill(
+        f"{what}; {when}. The gradients are averaged over the dp ranks, which each feed their own batch."
+    )
+    return f"\n\n{head}\n\n{call}\n\n{tail[0].upper()}{tail[1:]}"
+
+
 def export_dtensor(plan: Plan) -> Export:
     """The Python file (module docstring) with its warnings."""
     exported = dtensor_plan(plan)
     device = _mesh_device(plan)
     sp = exported.first_layer is not None
     plan_lines = "\n".join(f"    {m!r}: {s}," for m, s in exported.styles.items())
-    header = f'''"""Tensor-parallel plan for {plan.model} on {plan.cluster} (tp={plan.tp}, {plan.workload}, {plan.dtype}),
-written by planner export --to dtensor, for torch.distributed.tensor.parallel.
+    dims = {
+        "dp_replicate": exported.dp_replicate,
+        "dp_shard": exported.dp_shard,
+        "pp": plan.pp,
+        "tp": plan.tp,
+    }
+    header = f'''"""Tensor- and data-parallel plan for {plan.model} on {plan.cluster} (tp={plan.tp} dp={plan.dp}, {plan.workload},
+{plan.dtype}), written by planner export --to dtensor, for torch.distributed.tensor.parallel and fully_shard.
 
 On every rank, after torch.distributed.init_process_group, with the unsharded model built and its
 weights loaded:
 
+    mesh = init_mesh("{device}")  # MESH_DIMS {dims}
+    model = apply(model, mesh)
+
+or, for the tensor-parallel axis alone, a 1-D mesh of its ranks:
+
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("{device}", ({plan.tp},))
-    # with the data and pipeline axes too, the "tp" axis of the whole mesh:
-    # mesh = init_device_mesh("{device}", ({plan.dp}, {plan.pp}, {plan.tp}), mesh_dim_names=("dp", "pp", "tp"))["tp"]
     model = apply(model, mesh)
 
 apply() shards the modules of PLAN and VOCAB with parallelize_module. Before that it reorders the rows
@@ -424,14 +615,15 @@ full_tensor() of such a weight is in that order), and divides the head counts an
 (HEAD_ATTRS, WIDTH_ATTRS) of each module in TP_BLOCKS that has a head count (the attention modules) by
 tp: the attention's forward must size its views from those attributes (or with -1), as the rank now
 computes only its own heads. A token embedding tied to a vocabulary-split LM head is split with it
-and tied again.{_SP_NOTE if sp else ""}{_CACHE_NOTE if exported.kv_caches else ""}
+and tied again.{_SP_NOTE if sp else ""}{_CACHE_NOTE if exported.kv_caches else ""}{_dp_note(plan, exported)}
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -442,8 +634,16 @@ from torch.distributed.tensor.parallel import (
 )
 
 TP_DEGREE = {plan.tp}
+PP_DEGREE = {plan.pp}
 SEQUENCE_PARALLEL = {sp}
 MESH = {{"dp": {plan.dp}, "pp": {plan.pp}, "tp": {plan.tp}}}
+# init_mesh()'s dims, in rank order (TP innermost); dp_replicate x dp_shard = dp
+MESH_DIMS = {dims!r}
+DEVICE = {device!r}  # init_mesh()'s default device type: the plan's cluster's
+DP_STYLE = {exported.dp_style!r}  # what fully_shard runs: ddp, fsdp, fsdp-noreshard, hsdp SxR[-noreshard]
+RESHARD_AFTER_FORWARD = {exported.reshard_after_forward}  # fully_shard's reshard_after_forward, every unit
+NUM_LAYERS = {num_layers(plan)}
+DP_UNITS = {pprint.pformat(exported.dp_units, compact=True, width=100)}  # FSDP units, in order (None: found by apply)
 STAGES = {pprint.pformat([list(s) for s in plan.stages], compact=True, width=100)}  # layers per pipeline stage
 RECOMPUTE = {pprint.pformat(plan.recompute_ranges())}  # layers (first-last, inclusive) -> recomputation
 

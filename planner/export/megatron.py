@@ -15,16 +15,42 @@ the dataclass fields it turns into options: `ModelParallelConfig`, `TransformerC
 | sequence_parallel (tp > 1)             | --sequence-parallel                                                |
 | recompute full / selective             | --recompute-granularity full --recompute-method uniform            |
 |                                        | --recompute-num-layers 1 / --recompute-granularity selective       |
-| distributed_optimizer                  | --use-distributed-optimizer                                        |
+| dp_style ddp                           | (none: Megatron's DDP)                                             |
+| dp_style zero1                         | --use-distributed-optimizer                                        |
+| dp_style zero2                         | --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads  |
+| dp_style fsdp (dp_shard = dp)          | --use-megatron-fsdp --data-parallel-sharding-strategy              |
+|                                        | optim_grads_params                                                 |
+|   with zero2 / fsdp                    | --use-distributed-optimizer --ckpt-format fsdp_dtensor (asserted   |
+|                                        | by validate_args), CUDA_DEVICE_MAX_CONNECTIONS unset               |
+| HSDP (dp_shard S < dp, R = dp / S)     | the fsdp arguments + --num-distributed-optimizer-instances R       |
+| reshard_after_forward off (fsdp)       | no Megatron-FSDP form (optim_grads_params always reshards): fsdp   |
+|                                        | resharded or zero2 (optim_grads), whichever the plan priced nearer |
+| dp > 1 (training)                      | --overlap-grad-reduce, and --overlap-param-gather except with ddp  |
 | batch / dp / micro_batches, batch      | --micro-batch-size, --global-batch-size                            |
 | dtype bf16 / fp16                      | --bf16 / --fp16 (fp32: none)                                       |
 | seq_len, layers                        | --seq-length, --num-layers                                         |
-| mesh.tp > 1                            | export CUDA_DEVICE_MAX_CONNECTIONS=1 (environment)                 |
+| mesh.tp > 1, no Megatron-FSDP          | export CUDA_DEVICE_MAX_CONNECTIONS=1 (environment)                 |
 
 Megatron-LM's `validate_args` (Megatron-Core 0.19.2, PyPI `megatron-core==0.19.2`,
 `megatron/training/arguments.py`) asserts `CUDA_DEVICE_MAX_CONNECTIONS=1` when the tensor- (or
 context-) parallel size is above 1 on GPUs before Blackwell (compute capability < 10) and FSDP is
 off: its TP communication overlap relies on one hardware queue. The file exports it with TP > 1.
+With Megatron-FSDP (`--use-megatron-fsdp`; 0.19 has no `--use-custom-fsdp` option any more, it sets
+`use_custom_fsdp` itself) the same function asserts the opposite (not 1) and
+`--ckpt-format fsdp_dtensor`, so the file unsets the variable instead.
+
+Data parallelism (`Plan.dp_style`, the ZeRO stages as Megatron-Core's
+`--data-parallel-sharding-strategy` names them): ZeRO-1 is Megatron's distributed optimizer; ZeRO-2
+and FSDP are Megatron-FSDP with `optim_grads` / `optim_grads_params`; HSDP is Megatron-FSDP with
+`--num-distributed-optimizer-instances R`: the DP ranks split into R instances of dp / R consecutive
+ranks (`parallel_state`'s intra-partial data-parallel groups, the plan's shard groups), sharded inside
+each and replicated across them (`--outer-dp-sharding-strategy no_shard`, the default; its
+`mcore_fsdp_adapter` turns HSDP on when the instances are above 1). Megatron-FSDP frees each unit's
+gathered parameters after its forward, with no option to keep them: a plan without reshard after
+forward is exported as its resharded style or as ZeRO-2 (the parameters whole through the step), the
+one the plan's "data-parallel" decision priced nearer, with a warning giving both prices. Megatron-FSDP
+keeps gradients in the parameters' dtype (`--megatron-fsdp-main-grads-dtype auto`), as the plan does;
+the fp32 main-gradient warning is for Megatron's DDP and distributed optimizer.
 """
 
 from __future__ import annotations
@@ -33,8 +59,11 @@ import shlex
 
 from planner.export.common import (
     Export,
+    dp_label,
+    dp_substitute_warning,
     layout_warnings,
     micro_batch_size,
+    nearest_dp_form,
     num_layers,
     stage_sizes_text,
     strongest_recompute,
@@ -47,7 +76,10 @@ TOOL = "Megatron-LM"
 
 
 def megatron_environment(plan: Plan) -> dict[str, str]:
-    """Environment variables Megatron-LM's validation needs for the plan (module docstring)."""
+    """Environment variables Megatron-LM's validation needs for the plan (module docstring): none with
+    Megatron-FSDP, whose validation asserts CUDA_DEVICE_MAX_CONNECTIONS is not 1 (the file unsets it)."""
+    if uses_megatron_fsdp(megatron_dp_form(plan, [])):
+        return {}
     return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if plan.tp > 1 else {}
 
 
@@ -72,25 +104,81 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
     if plan.sequence_parallel and plan.tp > 1:
         args.append("--sequence-parallel")
     args += _recompute_args(plan, warnings)
-    if plan.distributed_optimizer:
-        args.append("--use-distributed-optimizer")
+    form = megatron_dp_form(plan, warnings)
+    args += _dp_args(plan, form)
     if plan.workload is Workload.TRAIN and plan.dp > 1:
-        # what a Megatron-LM user turns on with data parallelism; the plan prices the sync exposed
+        # what a Megatron-LM user turns on with data parallelism
+        gathers = form != "ddp"  # the distributed optimizer's and Megatron-FSDP's parameter all-gathers
         args.append("--overlap-grad-reduce")
-        if plan.distributed_optimizer:
+        if gathers:
             args.append("--overlap-param-gather")
-        warnings.append(
-            f"--overlap-grad-reduce{' and --overlap-param-gather' if plan.distributed_optimizer else ''}: Megatron-LM "
-            f"hides the data-parallel gradient traffic behind the backward pass, which the plan prices as exposed "
-            f"({plan.predicted.grad_sync_s * 1e3:.4g} ms of its step): expect a faster step than predicted"
-        )
+        if not form.startswith(("fsdp", "hsdp")):  # the plan prices FSDP's prefetch overlap, the rest exposed
+            warnings.append(
+                f"--overlap-grad-reduce{' and --overlap-param-gather' if gathers else ''}: Megatron-LM hides the "
+                f"data-parallel traffic behind the backward pass, which the plan prices as exposed for {form} "
+                f"({plan.predicted.grad_sync_s * 1e3:.4g} ms of its step): expect a faster step than predicted"
+            )
     if plan.dtype == "bf16":
         args.append("--bf16")
     elif plan.dtype == "fp16":
         args.append("--fp16")
-    if plan.workload is Workload.TRAIN and plan.dtype == "bf16":
+    if plan.workload is Workload.TRAIN and plan.dtype == "bf16" and not uses_megatron_fsdp(form):
         warnings.append(_main_grads_warning(plan))
+    if uses_megatron_fsdp(form) and plan.tp > 1:
+        warnings.append(
+            "Megatron-FSDP needs CUDA_DEVICE_MAX_CONNECTIONS unset or above 1 (validate_args asserts it; the file "
+            "unsets it), where Megatron-LM's TP communication overlap wants 1: with TP > 1 its validate_args warns that "
+            "the two overlap less well together"
+        )
     return args, warnings
+
+
+def megatron_dp_form(plan: Plan, warnings: list[str]) -> str:
+    """The data-parallel style Megatron-LM runs for the plan, as `dp_label` names it: the plan's, but
+    for FSDP without reshard after forward, which Megatron-FSDP does not have (it frees each unit's
+    parameters after its forward under optim_grads_params): FSDP with it or ZeRO-2 (optim_grads, the
+    parameters whole), the one the plan priced nearer, with a warning."""
+    label = dp_label(plan)
+    if not label.endswith("-noreshard"):
+        return label
+    resharded = label.removesuffix("-noreshard")
+    candidates = [resharded] + (["zero2"] if plan.dp_shard == plan.dp else [])
+    form = nearest_dp_form(plan, candidates, resharded)
+    settings = " ".join(_dp_args(plan, form))
+    warnings.append(
+        dp_substitute_warning(
+            plan,
+            TOOL,
+            "FSDP without reshard after forward (Megatron-FSDP's optim_grads_params frees each unit's "
+            "parameters after its forward and gathers them again for its backward)",
+            form,
+            settings,
+        )
+    )
+    return form
+
+
+def uses_megatron_fsdp(form: str) -> bool:
+    """Whether Megatron-LM runs data-parallel style `form` (a `dp_label`) with Megatron-FSDP."""
+    return form == "zero2" or form.startswith(("fsdp", "hsdp"))
+
+
+def _dp_args(plan: Plan, form: str) -> list[str]:
+    """Megatron-LM's arguments for data-parallel style `form` (a `dp_label`; module docstring)."""
+    if form == "ddp":
+        return []
+    if form == "zero1":
+        return ["--use-distributed-optimizer"]
+    strategy = "optim_grads" if form == "zero2" else "optim_grads_params"
+    args = [
+        "--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy, "--use-distributed-optimizer",
+        "--ckpt-format", "fsdp_dtensor",
+    ]  # fmt: skip
+    if form.startswith("hsdp"):
+        # HSDP: the distributed optimizer (and Megatron-FSDP's shards) over dp / instances consecutive DP
+        # ranks, replicated over the instances (--outer-dp-sharding-strategy no_shard, the default)
+        args += ["--num-distributed-optimizer-instances", str(plan.dp_replicate)]
+    return args
 
 
 def _main_grads_warning(plan: Plan) -> str:
@@ -180,6 +268,11 @@ def export_megatron(plan: Plan) -> Export:
             "# relies on one hardware queue; harmless on Blackwell, where it is no longer checked):",
         ]
         lines += [f"export {key}={shlex.quote(value)}" for key, value in env.items()]
+    elif uses_megatron_fsdp(megatron_dp_form(plan, [])):
+        lines += [
+            "# Megatron-FSDP: validate_args asserts CUDA_DEVICE_MAX_CONNECTIONS is unset or above 1:",
+            "unset CUDA_DEVICE_MAX_CONNECTIONS",
+        ]
     lines.append("PLANNER_MEGATRON_ARGS=(")
     pairs: list[list[str]] = []
     for item in args:

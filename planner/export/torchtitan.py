@@ -19,9 +19,14 @@ sections of a job TOML (`--job.config_file`, torchtitan 0.2.x; names of 0.2.2's
 | plan                                   | torchtitan 0.3 override / 0.2 TOML key                              |
 |----------------------------------------|---------------------------------------------------------------------|
 | mesh.tp, mesh.pp                       | parallelism.tensor_parallel_degree, pipeline_parallel_degree        |
-| mesh.dp, distributed_optimizer false   | 0.3: data_parallel_replicate_degree = dp (replicated, as DDP)       |
-|                                        | 0.2: the same with tp = pp = 1, else data_parallel_shard_degree     |
-| mesh.dp, distributed_optimizer true    | data_parallel_shard_degree = dp (FSDP; torchtitan has no ZeRO-1)    |
+| dp_style ddp (mesh.dp)                 | data_parallel_replicate_degree = dp, data_parallel_shard_degree = 1 |
+|                                        | 0.2 with TP or PP (its DDP refuses them): FSDP over dp, a warning   |
+| dp_style fsdp: dp_shard S, replicas R  | data_parallel_shard_degree = S, data_parallel_replicate_degree = R  |
+|                                        | (HSDP when both > 1)                                                |
+| reshard_after_forward (fsdp)           | fsdp_reshard_after_forward = "always" / "never"                     |
+| dp_style zero1 / zero2                 | no torchtitan form: FSDP over dp (shard degree dp), reshard         |
+|                                        | "never" or "always", the one the plan priced nearer; a warning      |
+|                                        | gives both prices                                                   |
 | sequence_parallel (tp > 1)             | 0.3: parallelism.[no_]enable_sequence_parallel; 0.2: always on       |
 | schedule (v virtual stages)            | pipeline_parallel_schedule "GPipe" / "1F1B" / "Interleaved1F1B"    |
 | stages (pp > 1)                        | module_fqns_per_model_part, in the version's module names           |
@@ -35,6 +40,17 @@ sections of a job TOML (`--job.config_file`, torchtitan 0.2.x; names of 0.2.2's
 |                                        | training.dtype = "bfloat16" (see below)                             |
 | micro_batches without pipeline stages  | local_batch_size = the micro-batch (torchtitan accumulates          |
 |                                        | gradients over global / (local x dp) steps)                         |
+
+Data parallelism: torchtitan runs DDP, FSDP and HSDP through `fully_shard` on its
+`["dp_replicate", "fsdp"]` mesh (0.3 always, shard degree 1 included; 0.2 FSDP / HSDP, and
+`replicate` for DDP alone). It has no ZeRO-1 or ZeRO-2: a plan with either is exported as FSDP over
+every data-parallel rank (which shards the parameters too), with or without reshard after forward as
+the plan's own "data-parallel" decision priced nearer the planned style (without one: "never", the
+parameters whole from forward to backward as in ZeRO-2, the same traffic per micro-batch); the
+warning names what was exported, says it is not what the plan priced, and gives the plan's step time
+and memory of both (`common.dp_substitute_warning`). torchtitan 0.2's DDP with TP or PP goes out the
+same way. The policy is written only with a shard degree above 1 ("default" would reshard unless
+pipeline parallel).
 
 Module names of the pipeline parts: torchtitan's Llama names its modules `tok_embeddings`,
 `layers.N`, `norm` and, in 0.3, `lm_head` (0.3.0 `torchtitan/models/common/decoder.py`; its
@@ -55,13 +71,17 @@ import shlex
 
 from planner.errors import InputError
 from planner.export.common import (
+    ZERO_NAMES,
     Export,
+    dp_label,
+    dp_substitute_warning,
     layout_warnings,
     micro_batch_size,
+    nearest_dp_form,
     strongest_recompute,
     virtual_stage_layers,
 )
-from planner.plan import Plan, Schedule, SplitStyle, Workload
+from planner.plan import DataParallel, Plan, Schedule, SplitStyle, Workload
 
 TOOL = "torchtitan"
 VERSIONS: tuple[str, ...] = (
@@ -74,6 +94,9 @@ SCHEDULE_NAMES = {
     Schedule.ONE_F_ONE_B: "1F1B",
     Schedule.INTERLEAVED_1F1B: "Interleaved1F1B",
 }  # torch.distributed.pipelining's schedule class names, which torchtitan looks up
+# parallelism.fsdp_reshard_after_forward (0.3.0 configs.py, 0.2.2 job_config.py: "default" | "always" |
+# "never"; "default" reshards unless pipeline parallel): the plan's choice, written out
+RESHARD_POLICY = {True: "always", False: "never"}
 HEAD_NAMES = {"0.3": "lm_head", "0.2": "output"}  # torchtitan's Llama LM head module, per release
 _PRECISION = {"bf16": "bfloat16", "fp32": "float32"}
 FP32_TRAP = "Mixed precision training with TP or PP is only supported when FSDP/HSDP/CP is enabled"
@@ -90,27 +113,48 @@ def check_version(version: str) -> str:
     return short
 
 
-def _data_parallel(plan: Plan, version: str, warnings: list[str]) -> tuple[int, int]:
-    """(data_parallel_replicate_degree, data_parallel_shard_degree) for the plan's dp."""
-    if plan.dp > 1 and plan.distributed_optimizer:
-        warnings.append(
-            "torchtitan has no ZeRO-1 distributed optimizer: exported as FSDP (data_parallel_shard_degree), which "
-            "also shards parameters and gradients: less memory, more all-gathers than the plan priced"
+def _data_parallel(plan: Plan, version: str, warnings: list[str]) -> tuple[int, int, str | None]:
+    """(data_parallel_replicate_degree, data_parallel_shard_degree, fsdp_reshard_after_forward policy
+    or None to leave it out) for the plan's data-parallel style (module docstring's table)."""
+    label = dp_label(plan)
+    if label == "ddp":
+        # torchtitan 0.2's DDP runs alone: its llama3 `parallelize` raises "DDP has not supported > 1D
+        # parallelism" when data-parallel replicas combine with TP or PP (0.2.2
+        # torchtitan/models/llama3/infra/parallelize.py). 0.3 replicates through fully_shard's replicate
+        # mesh dimension with any other axis.
+        if version == "0.2" and plan.dp > 1 and (plan.tp > 1 or plan.pp > 1):
+            form = nearest_dp_form(plan, ["fsdp-noreshard", "fsdp"], "fsdp-noreshard")
+            policy = RESHARD_POLICY[not form.endswith("-noreshard")]
+            warnings.append(
+                dp_substitute_warning(
+                    plan,
+                    "torchtitan 0.2",
+                    'DDP with TP or PP (its parallelize raises "DDP has not supported > 1D parallelism")',
+                    form,
+                    f"FSDP over the {plan.dp} data-parallel ranks (data_parallel_shard_degree "
+                    f'{plan.dp}, fsdp_reshard_after_forward "{policy}")',
+                )
+                + "; torchtitan 0.3 replicates them as planned"
+            )
+            return 1, plan.dp, policy
+        return plan.dp, 1, None
+    if plan.dp_style is DataParallel.FSDP:
+        return plan.dp_replicate, plan.dp_shard, RESHARD_POLICY[plan.reshard_after_forward]
+    # ZeRO-1 / ZeRO-2: FSDP over every data-parallel rank, the parameters kept whole from forward to
+    # backward or resharded, whichever the plan priced nearer its own style
+    form = nearest_dp_form(plan, ["fsdp-noreshard", "fsdp"], "fsdp-noreshard")
+    policy = RESHARD_POLICY[not form.endswith("-noreshard")]
+    warnings.append(
+        dp_substitute_warning(
+            plan,
+            "torchtitan",
+            ZERO_NAMES[plan.dp_style],
+            form,
+            f"FSDP over the {plan.dp} data-parallel ranks (data_parallel_shard_degree "
+            f'{plan.dp}, fsdp_reshard_after_forward "{policy}"), which shards the parameters too',
         )
-        return 1, plan.dp
-    # torchtitan 0.2's DDP runs alone: its llama3 `parallelize` raises "DDP has not supported > 1D
-    # parallelism" when data-parallel replicas combine with TP or PP (0.2.2
-    # torchtitan/models/llama3/infra/parallelize.py), so such a plan's replicas become FSDP shards.
-    # 0.3 replicates through fully_shard's replicate mesh dimension with any other axis.
-    if version == "0.2" and plan.dp > 1 and (plan.tp > 1 or plan.pp > 1):
-        warnings.append(
-            f'torchtitan 0.2 runs DDP only without TP or PP (its parallelize raises "DDP has not supported > 1D '
-            f"parallelism\"): the plan's {plan.dp} data-parallel replicas are exported as FSDP "
-            "(data_parallel_shard_degree), which also shards parameters, gradients and optimizer state: less "
-            "memory, more all-gathers than the plan priced (torchtitan 0.3 replicates them as planned)"
-        )
-        return 1, plan.dp
-    return plan.dp, 1
+    )
+    return 1, plan.dp, policy
 
 
 def _model_parts(plan: Plan, version: str) -> list[list[str]]:
@@ -138,14 +182,16 @@ def _common(plan: Plan, version: str) -> tuple[dict[str, object], str, dict[str,
             f"this is a {plan.workload} plan; torchtitan trains (plan with --workload train for its memory "
             "and schedule)"
         )
-    replicate, shard = _data_parallel(plan, version, warnings)
+    replicate, shard, reshard = _data_parallel(plan, version, warnings)
     par: dict[str, object] = {
         "tensor_parallel_degree": plan.tp,
         "pipeline_parallel_degree": plan.pp,
         "data_parallel_replicate_degree": replicate,
         "data_parallel_shard_degree": shard,
-        "context_parallel_degree": 1,
     }
+    if reshard is not None:
+        par["fsdp_reshard_after_forward"] = reshard
+    par["context_parallel_degree"] = 1
     if plan.pp > 1:
         par["pipeline_parallel_schedule"] = SCHEDULE_NAMES[plan.schedule]
         par["pipeline_parallel_microbatch_size"] = micro_batch_size(plan)
