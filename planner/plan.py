@@ -269,6 +269,9 @@ class Decision:
     chosen: str
     options: dict[str, float]  # alternative -> cost in seconds (inf = not allowed)
     reason: str
+    # alternative -> its predicted peak memory per rank, bytes, where the decision prices it (the
+    # data-parallel styles); empty otherwise
+    memory_bytes: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -787,6 +790,18 @@ def _check_is_plan(data: object, origin: str) -> None:
         f"{origin} is not a plan file{looks}. A plan is the YAML that planner optimize MODEL.py --out PLAN.yaml "
         "writes (keys model, cluster, workload, mesh, splits, stages, predicted, ...)"
     )
+
+
+def dp_label(style: DataParallel, dp: int, shard: int, reshard_after_forward: bool) -> str:
+    """The data-parallel style as the search labels it (the keys of the "data-parallel" decision):
+    "ddp", "zero1", "zero2", "fsdp", "fsdp-noreshard", "hsdp 4x2" (shard 4, replicate 2),
+    "hsdp 4x2-noreshard"; "ddp" at dp=1 (nothing to shard) and for fsdp over 1 rank."""
+    if dp == 1 or style is DataParallel.DDP or (style is DataParallel.FSDP and shard == 1):
+        return "ddp"
+    if style is not DataParallel.FSDP:
+        return str(style)
+    name = f"hsdp {shard}x{dp // shard}" if shard < dp else "fsdp"
+    return name + ("" if reshard_after_forward else "-noreshard")
 
 
 def dp_style_text(style: DataParallel, dp: int, shard: int, reshard_after_forward: bool) -> str:

@@ -741,12 +741,12 @@ def _dp(
 
 def _priced(plan: Plan, **times_ms: float) -> Plan:
     """`plan` with a "data-parallel" decision as the search writes it: label -> step time (ms; inf:
-    does not fit), and each label's peak memory in its reason."""
+    does not fit), and each label's peak memory (10, 11, ... GiB) in its `memory_bytes`."""
     labels = {k.replace("_", "-").replace("hsdp-", "hsdp "): v for k, v in times_ms.items()}
     options = {k: v / 1e3 for k, v in labels.items()}
-    memory = ", ".join(f"{k} {10.0 + i:.1f}" for i, k in enumerate(labels))
-    reason = f"over dp={plan.dp}: ddp all-reduces gradients; ...; peak memory per rank, GiB: {memory} (usable 70.0)"
-    return _with(plan, decisions=[Decision("data-parallel", dp_label(plan), options, reason)])
+    memory = {k: (10.0 + i) * 2**30 for i, k in enumerate(labels)}
+    reason = f"over dp={plan.dp}: ddp all-reduces gradients; ..."
+    return _with(plan, decisions=[Decision("data-parallel", dp_label(plan), options, reason, memory)])
 
 
 def test_dp_labels_prices_and_the_nearest_form(llama_plan):

@@ -12,11 +12,11 @@ the prediction.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 
 from planner.errors import InputError
 from planner.plan import DataParallel, Plan, Recompute, SplitStyle
+from planner.plan import dp_label as plan_dp_label
 
 
 @dataclass
@@ -220,34 +220,19 @@ ZERO_NAMES = {
 
 
 def dp_label(plan: Plan) -> str:
-    """The plan's data-parallel style as the search labels it (`MeshConfig.dp_label`, the keys of the
-    "data-parallel" decision): "ddp", "zero1", "zero2", "fsdp", "fsdp-noreshard", "hsdp 4x2" (shard 4,
-    replicate 2), "hsdp 4x2-noreshard"; "ddp" at dp=1 (nothing to shard) and for fsdp over 1 rank."""
-    style, dp, shard = plan.dp_style, plan.dp, plan.dp_shard
-    if dp == 1 or style is DataParallel.DDP or (style is DataParallel.FSDP and shard == 1):
-        return "ddp"
-    if style is not DataParallel.FSDP:
-        return str(style)
-    name = f"hsdp {shard}x{dp // shard}" if shard < dp else "fsdp"
-    return name + ("" if plan.reshard_after_forward else "-noreshard")
+    """The plan's data-parallel style as the search labels it (`planner.plan.dp_label`)."""
+    return plan_dp_label(plan.dp_style, plan.dp, plan.dp_shard, plan.reshard_after_forward)
 
 
 def dp_prices(plan: Plan) -> dict[str, tuple[float, float | None]]:
     """label -> (step time the plan priced, s; inf where it does not fit), peak memory per rank, GiB
-    (None where the decision's reason does not give it)) of each data-parallel style of the plan's
-    "data-parallel" decision; empty when the plan has none (dp=1, a plan written before it)."""
+    (None where the decision does not record it)) of each data-parallel style of the plan's
+    "data-parallel" decision (`Decision.memory_bytes`); empty when the plan has none (dp=1, a plan
+    written before it)."""
     decision = next((d for d in plan.decisions if d.subject == DP_DECISION), None)
     if decision is None:
         return {}
-    memory: dict[str, float] = {}
-    found = re.search(r"peak memory per rank, GiB: (.*?)(?: \(usable|$)", decision.reason)
-    if found:
-        for item in found.group(1).split(", "):
-            name, _, value = item.rpartition(" ")
-            try:
-                memory[name] = float(value)
-            except ValueError:
-                continue
+    memory = {name: b / 2**30 for name, b in decision.memory_bytes.items()}
     return {name: (float(t), memory.get(name)) for name, t in decision.options.items()}
 
 

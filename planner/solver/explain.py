@@ -362,11 +362,13 @@ def _dp_style_decision(
     config = tables.ctx.config
     options: dict[str, float] = {}
     memory: list[str] = []
+    peaks: dict[str, float] = {}
     for variant in dp_style_variants(config, c):
         name = variant.dp_label()
         alt = tables if variant == config else price_config(variant)
         p = predict(alt, assignment).prediction
         options[name] = p.latency_s if p.peak_memory_bytes <= cap_bytes else math.inf
+        peaks[name] = p.peak_memory_bytes
         memory.append(f"{name} {p.peak_memory_bytes / _GIB:.1f}")
     what = (
         f"over dp={config.mesh.dp}: ddp all-reduces gradients; zero1 shards Adam's state (Megatron's "
@@ -382,4 +384,4 @@ def _dp_style_decision(
     ]  # fmt: skip
     reason = what + (f"; pinned by {' '.join(pinned)}" if pinned else "")
     reason += f"; peak memory per rank, GiB: {', '.join(memory)} (usable {cap_bytes / _GIB:.1f})"
-    return Decision("data-parallel", config.dp_label(), options, reason)
+    return Decision("data-parallel", config.dp_label(), options, reason, peaks)

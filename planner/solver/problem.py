@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from costmodels.dtypes import DTYPE_BYTES
 from planner.errors import InputError
-from planner.plan import WORKLOADS, DataParallel, MeshShape, Recompute, Schedule, Workload
+from planner.plan import WORKLOADS, DataParallel, MeshShape, Recompute, Schedule, Workload, dp_label
 
 LADDER_MIN_SAVING_FRACTION = 0.05  # a laddered layer must save >= 5% of its time (it changes the model)
 FEATURE_MIN_SAVING = 0.005  # relative saving each of SP / interleaving / ZeRO-1 must buy to be chosen
@@ -101,12 +101,11 @@ class MeshConfig:
         return self.mesh.dp if self.dp_shard is None else self.dp_shard
 
     def dp_label(self) -> str:
-        """The DP style as the layout label writes it: "zero1", "fsdp", "fsdp-noreshard", "hsdp 4x2"."""
-        if self.dp_style is not DataParallel.FSDP:
+        """The DP style as the layout label writes it: "zero1", "fsdp", "fsdp-noreshard", "hsdp 4x2"
+        (`planner.plan.dp_label`; a sharded style keeps its name at dp=1)."""
+        if self.dp_style is not DataParallel.FSDP or self.mesh.dp == 1:
             return str(self.dp_style)
-        shard = self.shard_degree
-        name = f"hsdp {shard}x{self.mesh.dp // shard}" if shard < self.mesh.dp else "fsdp"
-        return name + ("" if self.reshard_after_forward else "-noreshard")
+        return dp_label(self.dp_style, self.mesh.dp, self.shard_degree, self.reshard_after_forward)
 
     def layout_label(self) -> str:
         """What runs beside the mesh: "interleaved_1f1b v=2, sp, zero1" ("" for none of them)."""
