@@ -89,6 +89,37 @@ class SpecError(InputError):
 
 
 @dataclass(frozen=True)
+class GemmSpec:
+    """How a GPU's GEMM (cuBLAS / CUTLASS) rate depends on its shape (`costmodels.compute.gemm_efficiency`).
+
+    The kernel cuts the (M, N) output into tiles, runs them in waves of ``sms`` thread blocks and
+    loops over K in each (NVIDIA, "Matrix Multiplication Background User's Guide": tile and wave
+    quantization): efficiency = ``efficiency`` x tile fill x wave fill x K / (K + ``half_k``), the best
+    over ``tiles``; with fewer tiles than SMs, K is split (split-K / stream-K) into slices of at least
+    ``min_split_k``. All figures are fitted to published measurements named in the preset."""
+
+    efficiency: float  # fraction of peak of a GEMM with full tiles and waves as K grows without bound
+    half_k: float  # K (elements) at which one tile's main loop reaches half that rate
+    sms: int  # thread blocks running at once (one per SM)
+    tiles: tuple[tuple[int, int], ...]  # (rows, columns) of the output tiles the library picks among
+    min_split_k: float  # smallest K slice (elements) of a split-K kernel
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """A fused (flash-style) attention kernel's rate by sequence length
+    (`costmodels.compute.attention_kernel_efficiency`): ``efficiency`` x L / (L + half), with ``half``
+    = ``half_seq`` without a causal mask and ``causal_half_seq`` with one (L the key length); its
+    backward takes ``backward_time_factor`` times the forward's time (FlashAttention's backward runs
+    2.5x the forward's FLOPs at a lower rate)."""
+
+    efficiency: float  # fraction of peak as the sequence grows without bound
+    half_seq: float  # key length (tokens) at half that rate, no mask
+    causal_half_seq: float  # the same under a causal mask
+    backward_time_factor: float  # backward time / forward time
+
+
+@dataclass(frozen=True)
 class DeviceSpec:
     """One accelerator (or one CPU process). All values SI."""
 
@@ -173,6 +204,11 @@ class DeviceSpec:
     # gathers dispatch slower than the probe graph's transformer-block ops (on the dev VM the HF Llama
     # decode graph ran 1.2x the priced per-node time net of its roofline, 2026-12-01); None: 1.
     decode_node_time_ratio: float | None = None
+    # Optional (GPU presets): GEMMs priced by (M, N, K) (`GemmSpec`) instead of ``matmul_efficiency``
+    # alone, and fused attention by sequence length (`AttentionSpec`) instead of
+    # ``attention_efficiency``; None: those fixed efficiencies (CPU specs are priced as before).
+    gemm: GemmSpec | None = None
+    attention: AttentionSpec | None = None
 
 
 CALIBRATED_SPEC_NAME = "local-calibrated"  # the name of a spec written by `planner calibrate`
@@ -377,6 +413,14 @@ _EXPECT = {
     "bandwidth_GBps": "a number in GB/s > 0 (per direction; per device, or per NIC for inter_node)",
     "latency_us": "a number in µs >= 0, e.g. 3",
     "nics_per_node": "an integer >= 1 (NICs per node)",
+    "efficiency": "a fraction in (0, 1] of peak (device.gemm / device.attention)",
+    "half_k": "a number of elements >= 0 (K at which a GEMM tile reaches half its rate), e.g. 230",
+    "sms": "an integer >= 1 (SMs: thread blocks in one wave), e.g. 132",
+    "tiles": "a list of [rows, columns] output tiles, e.g. [[128, 256], [256, 128]]",
+    "min_split_k": "a number of elements > 0 (smallest K slice of a split-K GEMM), e.g. 256",
+    "half_seq": "a number of tokens >= 0 (key length at half the attention kernel's rate), e.g. 220",
+    "causal_half_seq": "a number of tokens >= 0 (the same under a causal mask), e.g. 1100",
+    "backward_time_factor": "a number > 0 (attention backward time / forward time), e.g. 3.2",
     "bf16": "a number in TFLOP/s > 0",
     "fp16": "a number in TFLOP/s > 0",
     "fp32": "a number in TFLOP/s > 0",
@@ -438,6 +482,8 @@ def _parse_device(r: _Reader, raw: Any) -> DeviceSpec:
             "fresh_write_bandwidth_GBps",
             "adam_tensor_overhead_us",
             "adam_cached_ns_per_param",
+            "gemm",
+            "attention",
         ),
     )
     for rate in ("adam_large_tensor_ns_per_param", "adam_cached_ns_per_param"):
@@ -540,6 +586,56 @@ def _parse_device(r: _Reader, raw: Any) -> DeviceSpec:
         if (adam_c := d.get("adam_cached_ns_per_param")) is None
         else r.number(adam_c, "device.adam_cached_ns_per_param", "ns", "2", plausible=_PLAUSIBLE_ADAM_NS)
         * 1e-9,
+        gemm=None if (gemm := d.get("gemm")) is None else _parse_gemm(r, gemm),
+        attention=None if (attn := d.get("attention")) is None else _parse_attention(r, attn),
+    )
+
+
+def _parse_gemm(r: _Reader, raw: Any) -> GemmSpec:
+    path = "device.gemm"
+    d = r.mapping(raw, path, ("efficiency", "half_k", "sms", "tiles", "min_split_k"))
+    tiles = d["tiles"]
+    if not isinstance(tiles, list) or not tiles:
+        raise r.fail(
+            f"{path}.tiles",
+            f"expected a list of [rows, columns] pairs, e.g. [[128, 256]], got {_describe(tiles)}",
+        )
+    parsed = []
+    for i, tile in enumerate(tiles):
+        if (
+            not isinstance(tile, list)
+            or len(tile) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in tile)
+        ):
+            raise r.fail(
+                f"{path}.tiles[{i}]", f"expected [rows, columns], two integers > 0, got {_describe(tile)}"
+            )
+        parsed.append((tile[0], tile[1]))
+    sms = d["sms"]
+    if not isinstance(sms, int) or isinstance(sms, bool) or sms < 1:
+        raise r.fail(
+            f"{path}.sms", f"expected an integer >= 1 (SMs: thread blocks in one wave), got {_describe(sms)}"
+        )
+    return GemmSpec(
+        efficiency=r.fraction(d["efficiency"], f"{path}.efficiency"),
+        half_k=r.number(d["half_k"], f"{path}.half_k", "elements", "230", allow_zero=True),
+        sms=sms,
+        tiles=tuple(parsed),
+        min_split_k=r.number(d["min_split_k"], f"{path}.min_split_k", "elements", "256"),
+    )
+
+
+def _parse_attention(r: _Reader, raw: Any) -> AttentionSpec:
+    path = "device.attention"
+    keys = ("efficiency", "half_seq", "causal_half_seq", "backward_time_factor")
+    d = r.mapping(raw, path, keys)
+    return AttentionSpec(
+        efficiency=r.fraction(d["efficiency"], f"{path}.efficiency"),
+        half_seq=r.number(d["half_seq"], f"{path}.half_seq", "tokens", "220", allow_zero=True),
+        causal_half_seq=r.number(
+            d["causal_half_seq"], f"{path}.causal_half_seq", "tokens", "1100", allow_zero=True
+        ),
+        backward_time_factor=r.number(d["backward_time_factor"], f"{path}.backward_time_factor", "x", "3.2"),
     )
 
 
@@ -927,6 +1023,27 @@ def cluster_to_dict(spec: ClusterSpec) -> dict:
                 if dev.adam_cached_s_per_param is None
                 else {"adam_cached_ns_per_param": _human(dev.adam_cached_s_per_param * 1e9)}
             ),
+            **({} if dev.gemm is None else {"gemm": _gemm_to_dict(dev.gemm)}),
+            **({} if dev.attention is None else {"attention": _attention_to_dict(dev.attention)}),
         },
         "links": links,
+    }
+
+
+def _gemm_to_dict(g: GemmSpec) -> dict:
+    return {
+        "efficiency": _human(g.efficiency),
+        "half_k": _human(g.half_k),
+        "sms": g.sms,
+        "tiles": [list(t) for t in g.tiles],
+        "min_split_k": _human(g.min_split_k),
+    }
+
+
+def _attention_to_dict(a: AttentionSpec) -> dict:
+    return {
+        "efficiency": _human(a.efficiency),
+        "half_seq": _human(a.half_seq),
+        "causal_half_seq": _human(a.causal_half_seq),
+        "backward_time_factor": _human(a.backward_time_factor),
     }

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-from costmodels.cluster import DeviceSpec
+from costmodels.cluster import AttentionSpec, DeviceSpec, GemmSpec
 from costmodels.dtypes import DTYPE_BYTES, dtype_bytes
 
 OP_KINDS = ("matmul", "attention", "conv", "pool", "memory")
@@ -38,6 +38,7 @@ def op_time_s(
     launch: bool = True,
     shape: tuple[float, float] | None = None,
     call: tuple | None = None,
+    seq: tuple[float, float, bool] | None = None,
 ) -> float:
     """Time in seconds of one op on one device, by roofline plus a fixed launch overhead.
 
@@ -56,9 +57,13 @@ def op_time_s(
             (`node_overhead_s`) for the op instead.
         shape: a matmul's (K, N): with ``device.matmul_shape_time_ratios`` holding it (a model's own
             shapes timed on this machine), the roofline time is scaled by that measured ratio.
+            With ``device.gemm`` set (GPU presets) and ``rows`` given, the matmul's efficiency is
+            instead `gemm_efficiency` (M = rows, K, N) = ``shape``.
         call: a convolution's call (`planner.frontend.analysis.conv_call`): the same with
             ``device.conv_time_ratios``; a "memory" op's, an activation's
             (`planner.frontend.analysis.activation_call`), with ``device.activation_time_ratios``.
+        seq: an attention core's (query length, key length, causal mask) in tokens: with
+            ``device.attention`` set, its efficiency is `attention_kernel_efficiency` of them.
 
     Raises:
         ValueError: unknown ``dtype`` or ``kind``, or negative counts.
@@ -75,6 +80,10 @@ def op_time_s(
         efficiency = device.attention_efficiency
     if kind == "conv" and device.conv_efficiency is not None:
         efficiency = device.conv_efficiency
+    if kind == "attention" and device.attention is not None and seq is not None:
+        efficiency = attention_kernel_efficiency(seq[1], seq[2], device.attention)
+    if kind == "matmul" and rows and device.gemm is not None and shape is not None:
+        efficiency = gemm_efficiency(rows, shape[1], shape[0], device.gemm)
     if kind == "matmul" and rows and device.matmul_half_rows:
         efficiency *= rows / (rows + device.matmul_half_rows)
     compute_s = flops / (peak * efficiency)
@@ -89,6 +98,54 @@ def op_time_s(
     else:
         roofline_s = max(compute_s, memory_s)
     return roofline_s * shape_time_ratio(device, kind, shape, call) + overhead
+
+
+def gemm_efficiency(m: float, n: float, k: float, gemm: GemmSpec) -> float:
+    """Fraction of peak FLOP/s at which an (m, k) @ (k, n) GEMM runs (dimensions in elements), by the
+    tile and wave quantization of NVIDIA's "Matrix Multiplication Background User's Guide"
+    (docs.nvidia.com/deeplearning/performance/dl-performance-matrix-multiplication): for each output
+    tile (tm, tn) of ``gemm.tiles`` the kernel computes ceil(m / tm) x ceil(n / tn) whole tiles
+    (tile fill = m n / (tiles x tm tn)) in waves of ``gemm.sms`` (wave fill = tiles / (waves x sms));
+    with fewer tiles than SMs it splits K over up to sms / tiles slices of at least
+    ``gemm.min_split_k`` (split-K / stream-K: Osama et al. 2023, "Stream-K: work-centric parallel
+    decomposition for dense matrix-matrix multiplication on the GPU"); each tile's K loop of length
+    K' = k / splits runs at K' / (K' + ``gemm.half_k``) (the prologue and epilogue of a tile, fitted
+    in the preset). The result is ``gemm.efficiency`` times these fills, the best over the tiles (the
+    library's heuristic picks a tile per shape). Memory-bound shapes are left to the roofline."""
+    if m <= 0 or n <= 0 or k <= 0:
+        return gemm.efficiency
+    best = 0.0
+    for tm, tn in gemm.tiles:
+        rows, cols = math.ceil(m / tm), math.ceil(n / tn)
+        tiles = rows * cols
+        tile_fill = (m * n) / (tiles * tm * tn)
+        splits = 1
+        if tiles < gemm.sms:
+            splits = max(1, min(gemm.sms // tiles, int(k // gemm.min_split_k)))
+        blocks = tiles * splits
+        wave_fill = blocks / (math.ceil(blocks / gemm.sms) * gemm.sms)
+        k_slice = k / splits
+        k_fill = k_slice / (k_slice + gemm.half_k)
+        best = max(best, tile_fill * wave_fill * k_fill)
+    return gemm.efficiency * best
+
+
+def attention_kernel_efficiency(kv_len: float, causal: bool, attention: AttentionSpec) -> float:
+    """Fraction of peak FLOP/s of a fused attention kernel's forward over keys of ``kv_len`` tokens
+    (FLOPs counted as `attention_flops` counts them, the causal half only under a mask):
+    ``attention.efficiency`` x L / (L + half), half = ``causal_half_seq`` under a causal mask, else
+    ``half_seq`` (short sequences leave the kernel's per-block softmax and pipeline fill uncovered;
+    a causal mask's diagonal blocks run part-empty). Fitted in the preset to published kernel tables."""
+    half = attention.causal_half_seq if causal else attention.half_seq
+    length = max(kv_len, 1.0)
+    return attention.efficiency * length / (length + half)
+
+
+def training_gemm_shapes(m: float, k: float, n: float) -> tuple[tuple[float, float, float], ...]:
+    """The (rows, K, N) of a linear layer's three training GEMMs for an (m, k) @ (k, n) forward:
+    the forward, the input gradient (m, n) @ (n, k) and the weight gradient (k, m) @ (m, n)
+    (each 2 m k n FLOP; the weight gradient reduces over the m tokens)."""
+    return ((m, k, n), (m, n, k), (k, m, n))
 
 
 def shape_time_ratio(

@@ -54,17 +54,19 @@ def test_mlp_column_then_row_not_two_all_gathers(h100) -> None:
     assert why.options["rowwise"] < why.options["colwise"] < why.options["replicate"]
 
 
-def test_deeper_mlp_alternates_column_and_row(h100) -> None:
+def test_deeper_mlp_column_first_row_last_no_more_communication(h100) -> None:
+    # 8192 -> 32768 -> 32768 -> 32768 -> 8192: alternating column / row parallel (Megatron's pairing)
+    # all-reduces the two 32768-wide outputs; column-parallel twice all-gathers them instead (the same
+    # ring bytes) and keeps K = 32768 in the middle products, where the GEMM priced by shape
+    # (dgx-h100's device.gemm) runs 5% faster than at K = 4096 (tilelang's H800 table: 736 vs 766
+    # TFLOP/s): either may win; the plan never communicates more, nor is slower, than the pairing.
     mlp = analysed_mlp(8192, 32768, 8192, 3)
     plan = plan_model(
         mlp, h100, WorkloadSpec("forward", 8192, 1, dtype="bf16"), Constraints(tp=8, pp=1, dp=1)
     )
-    assert [plan.splits[p.weight].style for p in mlp.mlp_chain] == [
-        "colwise",
-        "rowwise",
-        "colwise",
-        "rowwise",
-    ]
+    styles = [plan.splits[p.weight].style for p in mlp.mlp_chain]
+    assert styles[0] == "colwise" and styles[-1] == "rowwise" and "replicate" not in styles
+    assert plan.predicted.exposed_comm_s <= plan.baseline.exposed_comm_s * 1.01
     assert plan.predicted.latency_s <= plan.baseline.latency_s * (1 + 1e-9)
 
 
@@ -202,7 +204,13 @@ def test_ladder_when_communication_bound(pcie, h100) -> None:
         WorkloadSpec("forward", 64, 2048, dtype="bf16"),
         Constraints(ladder=LadderPolicy.parse("auto:max=40")),
     )
-    assert len(fast.ladder_layers) < len(slow.ladder_layers)
+
+    def saving(plan) -> float:  # the share of the step the ladder saves
+        return 1 - plan.predicted.latency_s / decision(plan, "ladder").options["none"]
+
+    # compute-bound prefill on NVLink: the ladder saves a much smaller share than PCIe decode (whether
+    # the free mesh takes TP 1 and no ladder or TP 2 with one is a near tie: 0.2% apart)
+    assert saving(fast) < saving(slow) / 3
 
 
 def test_ladder_upper_n_is_exact(pcie) -> None:

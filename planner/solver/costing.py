@@ -306,13 +306,31 @@ class CostContext:
         rows: float | None = None,
         shape: tuple[float, float] | None = None,
         call: tuple | None = None,
+        seq: tuple[float, float, bool] | None = None,
     ) -> float:
         """Roofline time of one op (training: forward + backward, `compute_factor` times the forward;
         a pooling op's backward is instead a memory-bound scatter, `POOL_BACKWARD_BYTES_FACTOR` times
         its forward bytes). With a per-node overhead on the device (`node_overhead_time`), the op's
         launch term is left out: its node pays that instead. ``shape``: a matmul's (K, N) on one rank,
-        ``call`` a convolution's (`costmodels.compute.op_time_s`)."""
+        ``call`` a convolution's, ``seq`` an attention core's (query length, key length, causal)
+        (`costmodels.compute.op_time_s`).
+
+        On a device priced by GEMM shape (``DeviceSpec.gemm``), a training matmul is its three GEMMs
+        (`costmodels.compute.training_gemm_shapes`: forward, input and weight gradients) each at its
+        own shape's efficiency; on one with a fused attention fit (``DeviceSpec.attention``), a
+        training attention core is its forward plus ``backward_time_factor`` forwards."""
         dev = self.cluster.device
+        launch = dev.node_overhead_s is None
+        if self.train and kind == "matmul" and dev.gemm is not None and rows and shape is not None:
+            return sum(
+                compute.op_time_s(
+                    flops, bytes_moved, dev, self.dtype, kind, rows=m, launch=launch, shape=(k, n)
+                )
+                for m, k, n in compute.training_gemm_shapes(rows, shape[0], shape[1])
+            )
+        if self.train and kind == "attention" and dev.attention is not None and seq is not None:
+            forward = compute.op_time_s(flops, bytes_moved, dev, self.dtype, kind, launch=launch, seq=seq)
+            return forward * (1.0 + dev.attention.backward_time_factor)
         one = compute.op_time_s(
             flops,
             bytes_moved,
@@ -484,8 +502,12 @@ def attention_core_options(
         # a per-query-head kernel reads each KV head once per query head (`ClusterSpec.attention_kernel`)
         kv_reads = heads / shard if per_query_head else kv_heads / kv_shard
         moved = compute.attention_bytes(seqs, heads / shard, kv_reads, q_len, kv_len, hd, ctx.dtype)
-        core_s = ctx.op_time(flops, moved, "attention")
-        forward_s = core_s / ctx.compute_factor
+        # a fused kernel's rate by sequence length (`DeviceSpec.attention`); not the materialized kind's GEMMs
+        seq = None if materialized else (q_len, kv_len, skips_masked)
+        core_s = ctx.op_time(flops, moved, "attention", seq=seq)
+        fit = ctx.cluster.device.attention
+        fitted = ctx.train and fit is not None and seq is not None
+        forward_s = core_s / (1.0 + fit.backward_time_factor) if fitted else core_s / ctx.compute_factor
         scores = 0.0
         if materialized:  # the (s, s) scores go through memory (`ClusterSpec.attention_kernel`)
             elements = seqs * heads / shard * q_len * kv_len

@@ -1,0 +1,128 @@
+"""GPU compute priced by shape: GEMM tile / wave quantization and split-K, fused attention by
+sequence length, each fit against the published figures its preset cites (costmodels/clusters/dgx-h100.yaml)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from costmodels.cluster import AttentionSpec, GemmSpec, cluster_to_dict, load_cluster, parse_cluster
+from costmodels.compute import (
+    attention_kernel_efficiency,
+    gemm_efficiency,
+    matmul_bytes,
+    matmul_flops,
+    op_time_s,
+    training_gemm_shapes,
+)
+
+H100_PEAK_TFLOPS = 989.0
+
+
+@pytest.fixture(scope="module")
+def h100():
+    return load_cluster("dgx-h100").device
+
+
+# tilelang's benchmark/matmul/README.md (xwhzz/tilelang, H800 SXM, fp16, M = N = 8192) and the
+# maximum achievable matmul FLOPS of an H100 SXM (mag-/gpu_benchmark README): (M, N, K, TFLOP/s)
+PUBLISHED_GEMMS = [
+    (8192, 8192, 256, 386),
+    (8192, 8192, 512, 520),
+    (8192, 8192, 1024, 628),
+    (8192, 8192, 2048, 705),
+    (8192, 8192, 4096, 736),
+    (8192, 8192, 8192, 758),
+    (8192, 8192, 16384, 766),
+    (6144, 17920, 2816, 792.1),
+]
+
+
+@pytest.mark.parametrize("m,n,k,published", PUBLISHED_GEMMS)
+def test_gemm_fit_reproduces_published_rates(h100, m, n, k, published) -> None:
+    predicted = gemm_efficiency(m, n, k, h100.gemm) * H100_PEAK_TFLOPS
+    assert predicted == pytest.approx(published, rel=0.04)
+
+
+# vllm-project/vllm#49363 (H100, torch bf16, N = 12288, K = 5376): weight-streaming shapes, where the
+# memory roof decides (TFLOP/s at M = 16, 64, 128)
+@pytest.mark.parametrize("m,published", [(16, 46.5), (64, 182.6), (128, 352.6)])
+def test_small_m_gemm_is_memory_bound_as_published(h100, m, published) -> None:
+    flops = matmul_flops(m, 5376, 12288)
+    t = op_time_s(
+        flops, matmul_bytes(m, 5376, 12288, "bf16"), h100, "bf16", "matmul", rows=m, shape=(5376, 12288)
+    )
+    assert flops / t / 1e12 == pytest.approx(published, rel=0.12)
+
+
+def test_wave_quantization() -> None:
+    gemm = GemmSpec(efficiency=1.0, half_k=0.0, sms=132, tiles=((128, 256),), min_split_k=1e9)
+    full = gemm_efficiency(128 * 12, 256 * 11, 4096, gemm)  # 132 tiles: one full wave
+    assert full == pytest.approx(1.0)
+    one_more = gemm_efficiency(128 * 12, 256 * 11 + 256, 4096, gemm)  # 144 tiles: a second, 12/132 full
+    assert one_more == pytest.approx(144 / 264)
+
+
+def test_tile_quantization_and_best_tile() -> None:
+    gemm = GemmSpec(efficiency=1.0, half_k=0.0, sms=1, tiles=((128, 256),), min_split_k=1e9)
+    assert gemm_efficiency(129, 256, 64, gemm) == pytest.approx(129 / 256)  # two row tiles, one barely used
+    both = dataclasses.replace(gemm, tiles=((128, 256), (64, 256)))
+    assert gemm_efficiency(64, 256, 64, both) == pytest.approx(1.0)  # the 64-row tile fits exactly
+
+
+def test_small_k_and_split_k() -> None:
+    gemm = GemmSpec(efficiency=1.0, half_k=256.0, sms=132, tiles=((128, 256),), min_split_k=256.0)
+    # one 128 x 256 tile over K = 4096: split 16 ways (K slices of 256), 16 of 132 SMs busy
+    assert gemm_efficiency(128, 256, 4096, gemm) == pytest.approx(16 / 132 * 0.5)
+    # full waves, K = 256: the tile's K loop at half rate
+    assert gemm_efficiency(128 * 12, 256 * 11, 256, gemm) == pytest.approx(0.5)
+
+
+def test_training_gemm_shapes() -> None:
+    assert training_gemm_shapes(4096, 2048, 8192) == (
+        (4096, 2048, 8192),
+        (4096, 8192, 2048),
+        (2048, 4096, 8192),
+    )
+
+
+# meta-pytorch/tritonbench#1254: Hopper flash_v3 forward, bf16, head dim 128, no mask, (4, 48, S, S, 128)
+@pytest.mark.parametrize("seq,published", [(1024, 541.3), (2048, 617.8), (4096, 628.4), (8192, 638.6)])
+def test_attention_fit_reproduces_published_rates(h100, seq, published) -> None:
+    predicted = attention_kernel_efficiency(seq, False, h100.attention) * H100_PEAK_TFLOPS
+    assert predicted == pytest.approx(published, rel=0.03)
+
+
+def test_causal_attention_half_length_ratio_from_flash_attention_4() -> None:
+    # Dao-AILab/flash-attention#2605 (B200, head dim 128): causal 829, 1172, 1431 TFLOP/s at 1k, 2k, 4k,
+    # unmasked 1540, 1706, 1796, 1837, 1882 at 1k ... 16k (2,250 dense); the preset's causal_half_seq
+    # carries the ratio of the two fitted half lengths over to Hopper
+    b200 = AttentionSpec(efficiency=0.845, half_seq=235, causal_half_seq=235 * 5.6, backward_time_factor=3.1)
+    for seq, published in ((1024, 829), (2048, 1172), (4096, 1431)):
+        assert attention_kernel_efficiency(seq, True, b200) * 2250 == pytest.approx(published, rel=0.04)
+    for seq, published in ((1024, 1540), (2048, 1706), (4096, 1796), (8192, 1837), (16384, 1882)):
+        assert attention_kernel_efficiency(seq, False, b200) * 2250 == pytest.approx(published, rel=0.04)
+
+
+def test_attention_backward_factor_as_published(h100) -> None:
+    # Dao-AILab/flash-attention#2280 (head dim 128, seq 8192): backward / forward 2.459 / 0.775 ms causal,
+    # 4.407 / 1.433 ms unmasked
+    assert h100.attention.backward_time_factor == pytest.approx((2.459 / 0.775 + 4.407 / 1.433) / 2, rel=0.02)
+
+
+def test_cpu_specs_are_not_priced_by_gemm_shape() -> None:
+    cpu = load_cluster("local-cpu").device
+    assert cpu.gemm is None and cpu.attention is None
+
+
+def test_gpu_shape_pricing_round_trips_yaml() -> None:
+    spec = load_cluster("dgx-h100")
+    assert parse_cluster(cluster_to_dict(spec), "round trip") == spec
+
+
+def test_gemm_tiles_malformed_names_the_field() -> None:
+    raw = cluster_to_dict(load_cluster("dgx-h100"))
+    raw["device"]["gemm"]["tiles"] = [[128]]
+    with pytest.raises(ValueError, match=r"device\.gemm\.tiles\[0\]"):
+        parse_cluster(raw, "bad")
