@@ -12,7 +12,8 @@
     write_readme(out_dir, info) -> out_dir/README.md       (how to load and run it)
 
 The generated module needs only `torch`, and `passes.collectives` when the graph calls collectives
-(`tp_all_reduce(x, "tp")`, ...): none of the planner's passes. Before calling it, the program must
+(`tp_all_reduce(x, "tp")`, ...), `passes.fsdp` for a fully sharded plan's gathers: none of the
+planner's passes. Before calling it, the program must
 initialise torch.distributed and bind the mesh axis: `passes.collectives.register_group("tp", group)`.
 
 Decision: not `GraphModule.to_folder`. In torch 2.13 its `module.py` (a) does not import the globals
@@ -357,7 +358,8 @@ def write_readme(out_dir: str | os.PathLike[str], info: dict) -> Path:
     info (all optional): "model" (str), "tp", "pp", "dp" (int degrees), "backend" ("nccl" | "gloo";
     default "gloo": CPU processes), "inputs" (str: what one rank passes, e.g. "idx (2, 16) int64"),
     "world_size" (int), "folder" (str: the folder's final path, when it is written under a temporary
-    one; default `out_dir`), "batch_size" (int: the plan's global batch), "serving" (str: the served
+    one; default `out_dir`), "batch_size" (int: the plan's global batch), "fsdp" (str: a fully sharded
+    plan's shard layout: adds how the shard groups are bound), "serving" (str: the served
     request, for a decode plan of a model with a KV cache: adds how the caches are filled). Written atomically
     (`planner.files.write_text_atomic`); raises InputError when it cannot be written.
     """
@@ -394,7 +396,8 @@ This folder holds one module for every rank that runs: {ranks}.
 Each `rank{{r}}/` holds:
 
 - `module.py`: the rank's rewritten model as readable PyTorch source (`class {CLASS_NAME}`,
-  `load(device)`); it imports only `torch` and `passes.collectives`, so a custom operator the
+  `load(device)`); it imports only `torch` and `passes.collectives` (and `passes.fsdp` when the
+  plan is fully sharded), so a custom operator the
   model registers with PyTorch's custom-op API must be registered first: import the module that
   defines it (e.g. the model file) before loading `module.py`;
 - `weights.pt`: the rank's weight shards (`torch.load(..., weights_only=True)`);
@@ -434,6 +437,23 @@ next one takes (`meta.json` lists them); run them with `torch.distributed.pipeli
 pp group, with the plan's schedule and micro-batches (`meta.json` "plan"; `runtime.pipeline.PipelineRunner`
 does it, the mesh groups come from `runtime.mesh.build_rank_groups`). Shapes are fixed: the batch
 and sequence length the plan was made for (per micro-batch under pp).
+"""
+    if info.get("fsdp"):
+        text += f"""
+## Fully sharded data parallelism
+
+{info["fsdp"]}. Each rank's `weights.pt` holds only its flat shard of every wrapping unit (a
+layer, and one unit for the parameters outside the layers): the parameters `fsdp_shard_<k>`, whose
+layout (unit, parameters, shapes, offsets) is in `meta.json` "fsdp". The module gathers each unit
+(`passes.fsdp.fsdp_gather`) right before it is used, over the process group registered for the
+"dp_shard" axis, and its backward reduce-scatters the unit's gradient into the shard's `.grad` (the
+mean over the shard group; with replicas, also all-reduced over the "dp_replicate" axis). Before the
+first call, with DP rank `d = rank // {tp * pp}` and S = the shard size in `meta.json`, every rank
+makes every group: the shard groups are S consecutive DP ranks of the same (pp, tp) coordinate
+(`runtime.mesh.hsdp_ranks`), and `register_group("dp_shard", ...)` / `register_group("dp_replicate",
+...)` bind this rank's. Step any optimizer over `module.parameters()` (the shards). Run this way it
+gathers synchronously; `planner run` runs it with prefetch and reshard after forward
+(`passes.fsdp.FsdpRuntime`).
 """
     if info.get("serving"):
         text += f"""

@@ -6,8 +6,8 @@ for a (T, T) attention bias, which every replica gets whole); after the backward
 gradients over the `dp` group is every replica's gradient (one all-reduce per parameter). Pipeline
 micro-batches are cut the same way (`args_share`).
 
-The optimizer is Adam (what the memory model assumes), in one of two forms, chosen by
-`Plan.distributed_optimizer` (`build_optimizer`):
+The optimizer is Adam (what the memory model assumes), in the form `Plan.dp_style` says
+(`build_plan_optimizer`; `build_optimizer` for the first two, which the pipeline runtime runs):
 
 - `ReplicatedAdam`: every replica all-reduces the gradients (`average_gradients`) and keeps Adam's
   whole state for every parameter;
@@ -18,16 +18,26 @@ The optimizer is Adam (what the memory model assumes), in one of two forms, chos
   reduce-scatter of the gradient bytes and one all-gather of the parameter bytes, together the
   volume of the all-reduce they replace. (torch's `ZeroRedundancyOptimizer` would all-reduce the
   whole gradient and broadcast each parameter from its owner, more traffic than what is priced.)
-  Like `ReplicatedAdam`, the state is kept in the parameters' dtype (no fp32 master copy).
+  Like `ReplicatedAdam`, 16-bit parameters are stepped through fp32 master copies (of the slice).
+- `Zero2Adam` (ZeRO-2): gradients sharded too, reduce-scattered unit by unit as the backward
+  finishes them, only the rank's slice kept;
+- `FsdpAdam` (ZeRO-3 / HSDP): the parameters sharded too, on a module rewritten by
+  `passes.fsdp.apply_fsdp`, gathered and reduced by its `passes.fsdp.FsdpRuntime`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
+from torch import nn
+
+from costmodels.memory import DataParallel
+from passes.fsdp import Bucket, FsdpRuntime, fsdp_layout, make_buckets
 
 BatchDims = Sequence[int | None]  # per tensor input (flat_inputs order): its batch dim, or None
 
@@ -190,6 +200,10 @@ class ReplicatedAdam(_AdamOnRanks):
             if p.dtype == torch.float32 or id(p) in self._masters
         }
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The training state this rank holds (parameters, gradients, Adam state and masters)."""
+        return _held(self.params, self.adam, list(self._masters.values()))
+
     def note(self) -> str:
         """What the run report says about the optimizer that ran."""
         sync = f"gradients all-reduced over the {self.dp} data-parallel ranks" if self.dp > 1 else "dp=1"
@@ -301,6 +315,11 @@ class DistributedAdam(_AdamOnRanks):
             for p, lo, hi, _ in self._owned(members, size)
         }
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The training state this rank holds (parameters, gradients, Adam state and slices)."""
+        shards = [t for _, _, shard in self._groups for t in (shard, shard.grad) if t is not None]
+        return _held(self.params, self.adam, shards)
+
     def note(self) -> str:
         """What the run report says about the optimizer that ran."""
         return (
@@ -311,6 +330,11 @@ class DistributedAdam(_AdamOnRanks):
 
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)  # stepped through fp32 master weights
+
+
+def _held(params: Sequence[torch.Tensor], adam: torch.optim.Optimizer, extra: list[torch.Tensor]) -> list:
+    state = [t for st in adam.state.values() for t in st.values() if torch.is_tensor(t)]
+    return list(params) + [p.grad for p in params if p.grad is not None] + extra + state
 
 
 def _mixed_note(params: Sequence[torch.Tensor]) -> str:
@@ -339,3 +363,378 @@ def build_optimizer(
     if distributed:
         return DistributedAdam(params, group, dp, dp_rank)
     return ReplicatedAdam(params, group, dp)
+
+
+# ------------------------------------------------------------------ ZeRO-2 and FSDP (sharded gradients)
+
+
+class _BucketAdam(_AdamOnRanks):
+    """What ZeRO-2 and FSDP share: per wrapping unit and dtype a bucket (`passes.fsdp.Bucket`) of
+    which this rank holds one slice (`_values[k]`); the accumulated mean gradient slices of one dtype
+    are one flat buffer, and so are the fp32 masters of 16-bit slices, which Adam steps (one tensor
+    per dtype, as the cost model prices a distributed optimizer's step); fp32 slices are stepped in
+    place (no copy: the 8 bytes of moments per element are all the state the memory model adds)."""
+
+    buckets: list[Bucket]
+    shard_rank: int
+    lr: float
+
+    def _build_stores(self, slices: Sequence[torch.Tensor], lr: float, shared_values: bool) -> None:
+        """slices[k]: this rank's slice of bucket k (its dtype, `shard_numel` elements). shared_values
+        (FSDP): the slices of one dtype are copied into one flat store, which `_values` views (the
+        caller re-points its shard parameters there) and Adam steps as one tensor; otherwise (ZeRO-2:
+        views of the parameters' flat buckets) they are stepped as they are."""
+        self._where: dict[int, int] = {}  # bucket -> its offset in its dtype's flat buffers
+        self._grads: dict[torch.dtype, torch.Tensor] = {}
+        self._masters: dict[torch.dtype, torch.Tensor] = {}
+        self._values: list[torch.Tensor] = [torch.empty(0)] * len(self.buckets)
+        self._store: list[torch.Tensor] = []
+        stepped: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor Adam steps, its gradient)
+        for dtype in dict.fromkeys(b.dtype for b in self.buckets):
+            members = [(b, s.detach().reshape(-1)) for b, s in zip(self.buckets, slices) if b.dtype == dtype]
+            offset = 0
+            for b, _ in members:
+                self._where[b.index] = offset
+                offset += b.shard_numel
+            grads = self._grads[dtype] = torch.zeros(offset, dtype=dtype, device=members[0][1].device)
+            if shared_values:
+                store = torch.cat([v for _, v in members])
+                self._store.append(store)
+                for b, _ in members:
+                    self._values[b.index] = store[self._where[b.index] : self._where[b.index] + b.shard_numel]
+            else:
+                for b, v in members:
+                    self._values[b.index] = v
+            if dtype in HALF_DTYPES:  # mixed precision: one fp32 master of the dtype's slices
+                master = self._masters[dtype] = torch.cat([self._values[b.index] for b, _ in members]).float()
+                stepped.append((master, grads))
+            elif shared_values:
+                stepped.append((store, grads))
+            else:
+                stepped += [(self._values[b.index], self.slice_grad(b.index)) for b, _ in members]
+        self._stepped = stepped
+        self.lr = lr
+        self.adam = torch.optim.Adam([t for t, _ in stepped], lr=lr)
+        self._reduced = False
+
+    def slice_values(self, k: int) -> torch.Tensor:
+        return self._values[k]
+
+    def slice_grad(self, k: int) -> torch.Tensor:
+        b = self.buckets[k]
+        return self._grads[b.dtype][self._where[k] : self._where[k] + b.shard_numel]
+
+    def _slice_master(self, k: int) -> torch.Tensor:
+        b = self.buckets[k]
+        master = self._masters.get(b.dtype)
+        return self._values[k] if master is None else master[self._where[k] : self._where[k] + b.shard_numel]
+
+    def _step_slices(self) -> None:
+        """Adam on the slices (gradients: the accumulated mean slices), 16-bit values from their masters."""
+        for tensor, grad in self._stepped:
+            tensor.grad = grad.float() if grad.dtype != tensor.dtype else grad
+        self.adam.step()
+        with torch.no_grad():
+            for b in self.buckets:
+                if b.dtype in self._masters:
+                    self._values[b.index].copy_(self._slice_master(b.index))
+
+    def zero_grad(self) -> None:
+        for grads in self._grads.values():
+            grads.zero_()
+        for tensor, _ in self._stepped:
+            tensor.grad = None
+        for p in self.params:
+            p.grad = None
+        self._reduced = False
+
+    def owned_ranges(self) -> dict[int, tuple[int, int]]:
+        """Nothing is compared through the parameters' `.grad` (the full gradients are not kept):
+        `gradient_segments` holds the mean gradients."""
+        return {}
+
+    def gradient_segments(self) -> dict[str, list[tuple[int, int, torch.Tensor]]]:
+        """FQN -> [(lo, hi, the mean gradient of flat elements lo:hi of the local parameter)] for the
+        elements in this rank's slices (after `reduce_gradients`)."""
+        out: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
+        for b in self.buckets:
+            grad = self.slice_grad(b.index)
+            for p, lo, hi, at in b.owned(self.shard_rank):
+                out.setdefault(p.fqn, []).append((lo, hi, grad[at : at + hi - lo]))
+        return out
+
+    def _master_segments(self) -> dict[str, tuple[int, int, torch.Tensor]]:
+        out = {}
+        for b in self.buckets:
+            master = self._slice_master(b.index)
+            for p, lo, hi, at in b.owned(self.shard_rank):
+                out[p.fqn] = (lo, hi, master[at : at + hi - lo])
+        return out
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The training state this rank holds (parameters, gradients, Adam state and masters)."""
+        return _held(self.params, self.adam, [*self._grads.values(), *self._masters.values(), *self._store])
+
+
+class Zero2Adam(_BucketAdam):
+    """ZeRO-2: the gradients sharded too. Every rank holds the (TP-shard) parameters whole; each wrapping
+    unit's gradients (`passes.fsdp.make_buckets`: a layer, or the parameters outside the layers, per
+    dtype) are reduce-scattered over the dp group as soon as the unit's last gradient is accumulated in
+    the backward (`register_post_accumulate_grad_hook`; async, one in flight), the rank keeping only
+    its mean slice (accumulated over micro-batches) and the full-size `.grad` freed; at the end of each
+    backward a unit some of whose parameters got no gradient is reduced with zeros for them. The
+    step: Adam on the slices (fp32 masters for 16-bit), then one all-gather per dtype of the updated
+    slices into every rank's parameters. Priced as m reduce-scatters and one all-gather of the
+    gradient bytes (`planner.solver.costing.dp_sync_parts`).
+
+    module: the rank module; units: the layers' module paths; group / dp / dp_rank: the dp group."""
+
+    def __init__(
+        self, module: nn.Module, units: Sequence[str], group: dist.ProcessGroup, dp: int, dp_rank: int,
+        lr: float = 1e-3,
+    ):  # fmt: skip
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.group, self.dp, self.shard_rank = group, dp, dp_rank
+        self.buckets = make_buckets(named, units, dp)
+        self._members = [[dict(named)[p.fqn] for p in b.params] for b in self.buckets]
+        # each unit's parameters become views of one flat (padded) buffer, so that this rank's slice
+        # is a view too: Adam steps it in place and the all-gather writes the buffer
+        self._flats = []
+        for b, members in zip(self.buckets, self._members):
+            flat = DistributedAdam._flat([p.detach() for p in members], b.padded_numel)
+            for p, fp in zip(members, b.params):
+                p.data = flat[fp.offset : fp.offset + fp.numel].view(fp.shape)
+            self._flats.append(flat)
+        slices = [
+            flat[dp_rank * b.shard_numel : (dp_rank + 1) * b.shard_numel]
+            for b, flat in zip(self.buckets, self._flats)
+        ]
+        self._build_stores(slices, lr, shared_values=False)
+        self._ready: list[set[int]] = [set() for _ in self.buckets]
+        self._scatters: deque[tuple[int, torch.Tensor, torch.Tensor, Any]] = deque()
+        self._end_queued = False
+        self.counts: Counter[str] = Counter()
+        for b, members in zip(self.buckets, self._members):
+            for p in members:
+                p.register_post_accumulate_grad_hook(self._hook(b.index))
+
+    def _hook(self, k: int) -> Callable[[torch.Tensor], None]:
+        def ready(p: torch.Tensor) -> None:
+            if not self._end_queued:  # the backward's end reduces any unit left incomplete
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+                self._end_queued = True
+            self._ready[k].add(id(p))
+            if len(self._ready[k]) == len(self._members[k]):
+                self._reduce(k)
+
+        return ready
+
+    def _end_of_backward(self) -> None:
+        self._end_queued = False
+        for k, ready in enumerate(self._ready):
+            if ready:
+                self._reduce(k)
+
+    def _reduce(self, k: int) -> None:
+        b, members = self.buckets[k], self._members[k]
+        flat = DistributedAdam._flat(
+            [p.grad if p.grad is not None else torch.zeros_like(p) for p in members], b.padded_numel
+        )
+        for p in members:
+            p.grad = None  # only this rank's slice is kept
+        self._ready[k].clear()
+        out = torch.empty(b.shard_numel, dtype=flat.dtype, device=flat.device)
+        self.counts["reduce_scatter"] += 1
+        work = dist.reduce_scatter_single(out, flat, group=self.group, async_op=True) if self.dp > 1 else None
+        if work is None:
+            out.copy_(flat)
+        self._scatters.append((k, out, flat, work))
+        self._wait(keep=1)
+
+    def _wait(self, keep: int) -> None:
+        while len(self._scatters) > keep:
+            k, out, _, work = self._scatters.popleft()
+            if work is not None:
+                work.wait()
+            self.slice_grad(k).add_(self.mean(out))
+
+    def mean(self, total: torch.Tensor) -> torch.Tensor:
+        """The mean over the dp ranks of `total`, their sum (in place)."""
+        return total.div_(self.dp)
+
+    def reduce_gradients(self) -> None:
+        """Wait for the reduce-scatters in flight: every slice holds the mean gradient of the step."""
+        self._wait(keep=0)
+        self._reduced = True
+
+    def step(self) -> None:
+        """Adam on the slices, then one all-gather per dtype of the updated slices into the parameters."""
+        if not self._reduced:
+            self.reduce_gradients()
+        self._step_slices()
+        for dtype in dict.fromkeys(b.dtype for b in self.buckets):
+            members = [b for b in self.buckets if b.dtype == dtype]
+            mine = torch.cat([self._values[b.index] for b in members])  # the updated slices, one buffer
+            gathered = torch.empty(mine.numel() * self.dp, dtype=dtype, device=mine.device)
+            self.counts["all_gather"] += 1
+            if self.dp > 1:
+                dist.all_gather_single(gathered, mine, group=self.group)
+            else:
+                gathered.copy_(mine)
+            per_rank = gathered.view(self.dp, mine.numel())
+            with torch.no_grad():
+                for b in members:
+                    offset = self._where[b.index]
+                    self._flats[b.index].copy_(per_rank[:, offset : offset + b.shard_numel].reshape(-1))
+        self._reduced = False
+
+    def fp32_values_by_name(self) -> dict[str, tuple[int, int, torch.Tensor]]:
+        """FQN -> (lo, hi, flat fp32 values of elements lo:hi) as the step leaves them: an fp32
+        parameter whole (after the all-gather), a 16-bit one's master copy of this rank's slice."""
+        out = self._master_segments()
+        named = {p.fqn: m for b, ms in zip(self.buckets, self._members) for p, m in zip(b.params, ms)}
+        for fqn, p in named.items():
+            if p.dtype == torch.float32:
+                out[fqn] = (0, p.numel(), p.detach().view(-1))
+            elif p.dtype not in HALF_DTYPES:
+                out.pop(fqn, None)
+        return out
+
+    @property
+    def local_module(self) -> None:
+        return None  # the rank module itself holds the parameters at their FQNs
+
+    def note(self) -> str:
+        return (
+            f"optimizer: ZeRO-2, gradients and Adam state sharded over the {self.dp} data-parallel ranks"
+            f"{_mixed_note(self.params)}; each unit's gradients ({len(self.buckets)} units: a layer each, one "
+            "for the parameters outside the layers) reduce-scattered as the backward finishes them (async), "
+            "the full gradients freed; updated slices all-gathered into the parameters after the step; "
+            f"collectives in the checked step: {_counts_text(self.counts)}"
+        )
+
+
+class FsdpAdam(_BucketAdam):
+    """FSDP (ZeRO-3) and HSDP: Adam on the flat parameter shards of an `passes.fsdp.apply_fsdp`
+    module, with the `passes.fsdp.FsdpRuntime` that gathers them (prefetched, resharded after forward
+    when the plan says so) and reduce-scatters their gradients (async, waited in `reduce_gradients`).
+    The shards of one dtype are made views of one flat store (`_BucketAdam`), which Adam steps
+    (through an fp32 master for 16-bit parameters); there is no gather after the step: the next
+    forward gathers the updated shards.
+
+    module: the rewritten rank module (its `gm.meta["fsdp"]` layout); shard_group / replicate_group:
+    HSDP's groups (`runtime.mesh.RankGroups`), dp: all data-parallel ranks (the mean's divisor)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        shard_group: dist.ProcessGroup | None,
+        replicate_group: dist.ProcessGroup | None,
+        dp: int,
+        reshard_after_forward: bool = True,
+        lr: float = 1e-3,
+    ):
+        layout = fsdp_layout(module)
+        assert layout is not None, "FsdpAdam needs a module rewritten by passes.fsdp.apply_fsdp"
+        self.layout, self.dp, self.shard_rank = layout, dp, layout.shard_rank
+        self.buckets = layout.buckets
+        shards = [module.get_parameter(layout.shard_name(b.index)) for b in self.buckets]
+        self.params = shards
+        self._build_stores(shards, lr, shared_values=True)
+        for b, shard in zip(self.buckets, shards):  # the shards live in the flat stores from now on
+            shard.data = self.slice_values(b.index)
+        self.runtime = FsdpRuntime(
+            layout, shards, [self.slice_grad(b.index) for b in self.buckets], shard_group, replicate_group,
+            dp, reshard_after_forward,
+        )  # fmt: skip
+        self.runtime.attach(module)
+        self.counts = self.runtime.counts
+        self.replicas = dp // layout.shard_size
+
+    def reduce_gradients(self) -> None:
+        """Wait for the gradients' reduce-scatters (and HSDP's all-reduces): every shard's gradient is
+        the mean over the dp ranks."""
+        self.runtime.finish()
+        self._reduced = True
+
+    def step(self) -> None:
+        if not self._reduced:
+            self.reduce_gradients()
+        self._step_slices()
+        self._reduced = False
+
+    def fp32_values_by_name(self) -> dict[str, tuple[int, int, torch.Tensor]]:
+        """FQN -> (lo, hi, flat fp32 values of elements lo:hi of the local parameter) in this rank's
+        shard: the shard itself (fp32) or its master copy (16-bit)."""
+        return self._master_segments()
+
+    @property
+    def local_module(self) -> nn.Module:
+        """Meta stand-in with the replaced parameters at their FQNs and local shapes (the checks read
+        the reference's shards through it)."""
+        return self.layout.local_module()
+
+    def note(self) -> str:
+        shard = self.layout.shard_size
+        gathered = (
+            "each unit gathered before its forward and again before its backward (resharded after forward)"
+            if self.runtime.reshard_after_forward
+            else "each unit gathered once before its forward and kept to its backward (no reshard after forward)"
+        )
+        hsdp = (
+            f" (HSDP: {self.replicas} replicas of each shard, gradient shards all-reduced across them)"
+            if self.replicas > 1
+            else ""
+        )
+        largest = max(b.padded_numel * b.dtype.itemsize for b in self.buckets)
+        return (
+            f"optimizer: fsdp, parameters, gradients and Adam state sharded over {shard} ranks{hsdp}"
+            f"{_mixed_note(self.params)}; {len(self.buckets)} units (a layer each, one for the parameters "
+            f"outside the layers), {gathered}, the next unit's gather prefetched (async), gradients "
+            "reduce-scattered as each unit's backward ends (async, waited before the step); collectives "
+            f"in the checked step: {_counts_text(self.counts)}; at most "
+            f"{self.runtime.peak_gathered_bytes / 2**10:.1f} KiB of gathered parameters alive at once "
+            f"(largest unit {largest / 2**10:.1f} KiB)"
+        )
+
+
+def _counts_text(counts: Mapping[str, int]) -> str:
+    names = {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter", "all_reduce": "all-reduce"}
+    text = ", ".join(f"{counts[k]} {v}(s)" for k, v in names.items() if counts.get(k)) or "none"
+    if counts.get("prefetched"):
+        text += f" ({counts['prefetched']} of the all-gathers prefetched one unit ahead)"
+    return text
+
+
+def state_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of the distinct storages under `tensors` (a view counted once, with its whole storage)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None or t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def build_plan_optimizer(
+    plan: Any, module: nn.Module, groups: Any, units: Sequence[str]
+) -> ReplicatedAdam | DistributedAdam | Zero2Adam | FsdpAdam:
+    """The optimizer `plan.dp_style` runs on a pp == 1 rank module: ddp `ReplicatedAdam`, zero1
+    `DistributedAdam`, zero2 `Zero2Adam` (units: the layers' module paths), fsdp `FsdpAdam` (the module
+    rewritten by `passes.fsdp.apply_fsdp`). groups: the rank's `runtime.mesh.RankGroups`."""
+    style = DataParallel(plan.dp_style)
+    if style is DataParallel.FSDP:
+        return FsdpAdam(
+            module,
+            groups.group("dp_shard"),
+            groups.group("dp_replicate"),
+            plan.dp,
+            plan.reshard_after_forward,
+        )
+    if style is DataParallel.ZERO2:
+        return Zero2Adam(module, units, groups.group("dp"), plan.dp, groups.dp_rank)
+    return build_optimizer(
+        plan.distributed_optimizer, list(module.parameters()), groups.group("dp"), plan.dp, groups.dp_rank
+    )

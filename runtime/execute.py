@@ -28,19 +28,22 @@ differences are beyond tolerance.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from costmodels.memory import DataParallel, dp_state_bytes
 from passes.checkpoint import SafetensorsCheckpoint
+from passes.fsdp import apply_fsdp, fsdp_layout, load_fsdp_weights
 from passes.lower import RankLowering, lower_for_rank
 from passes.rng import dropout_disabled
 from passes.tensor_parallel import load_sharded_weights
 from planner.frontend.analysis import ModelStructure, analyse
 from planner.frontend.capture import capture, flat_inputs, retarget_device
-from runtime.data_parallel import args_share, build_optimizer, unbatched_note
+from planner.plan import Plan
+from runtime.data_parallel import args_share, build_plan_optimizer, state_bytes, unbatched_note
 from runtime.job import RankReport, RankSetup, ReferenceFiles, RunJob, set_up_rank, time_steps
 from runtime.launch import RankContext, report_progress
 from runtime.measure import current_memory_bytes, process_peak_memory_bytes
@@ -93,7 +96,10 @@ def build_rank_module(
     `lower_for_rank` (TP with sequence parallelism, ladder,
     training: activation recompute, as the plan says), then `load_sharded_weights` from the
     reference's safetensors files; factory ops retargeted to the rank's device. Also returns the
-    captured structure and the lowering (what was applied, for the report's notes)."""
+    captured structure and the lowering (what was applied, for the report's notes). A training fsdp
+    plan's module is then sharded by wrapping unit (`passes.fsdp.apply_fsdp`: each layer's parameters,
+    and those outside the layers, one flat shard per rank of the shard group, gathered in the graph)
+    and only this rank's shards are loaded (`passes.fsdp.load_fsdp_weights`)."""
     plan = setup.plan
     # the plan's dtype, and train mode for training (dropout in the graph): runtime.run_mode
     model = set_run_mode(setup.model_file.build("meta"), plan.dtype, setup.training)
@@ -101,7 +107,13 @@ def build_rank_module(
     structure = analyse(gm)
     lowered = lower_for_rank(gm, structure, plan, ctx.rank, training=setup.training)
     gm = lowered.module
-    load_sharded_weights(gm, reference.weights, plan.splits, setup.groups.tp_rank, plan.tp)
+    if setup.training and plan.dp_style is DataParallel.FSDP:
+        # FSDP after the lowering (which DP replicas share): this DP rank's flat shard of every unit
+        units = [layer.module_path for layer in structure.layers]
+        layout = apply_fsdp(gm, units, plan.dp_shard, setup.groups.shard_rank)
+        load_fsdp_weights(gm, layout, reference.weights, plan.splits, setup.groups.tp_rank, plan.tp)
+    else:
+        load_sharded_weights(gm, reference.weights, plan.splits, setup.groups.tp_rank, plan.tp)
     retarget_device(gm, ctx.device)
     return gm.to(ctx.device), structure, lowered
 
@@ -134,7 +146,8 @@ def _run_sharded_rank(
     with SafetensorsCheckpoint([reference.outputs]) as want:
         if setup.training:
             parts = [flat_inputs(*call) for call in micro] if micro else [inputs]
-            step = _training_step(gm, parts, setup, reference, want, report)
+            units = [layer.module_path for layer in structure.layers]
+            step = _training_step(gm, parts, setup, reference, want, report, units)
         else:
             with torch.no_grad():
                 outs = all_outputs(gm(*inputs))
@@ -160,12 +173,16 @@ def _training_step(
     reference: ReferenceFiles,
     want: SafetensorsCheckpoint,
     report: RankReport,
+    units: Sequence[str] = (),
 ) -> Callable[[], None]:
     """Check one forward+backward against the unsharded model on the whole batch: every output, the
     MSE loss (averaged over the DP replicas: equal shares, so the whole batch's mean) and every
     gradient (after the DP reduction), then the first optimizer step. Return a timed training step
     (forward, backward, DP gradient all-reduce and Adam update, or with `plan.distributed_optimizer`
-    reduce-scatter, sharded Adam and all-gather: `runtime.data_parallel.build_optimizer`).
+    reduce-scatter, sharded Adam and all-gather; ZeRO-2 and FSDP as `plan.dp_style` says:
+    `runtime.data_parallel.build_plan_optimizer`; units: the layers' module paths, ZeRO-2's units).
+    With sharded gradients the check compares each element's mean gradient on the rank that holds it
+    (`gradient_segments`), and the first step through the values each rank steps.
 
     parts: the replica's inputs (flat), whole, or as the plan's m micro-batches: then each runs its
     forward and backward with its loss / m, the gradients accumulating (equal shares, so the same
@@ -175,9 +192,7 @@ def _training_step(
     per TP rank for shards (`runtime.run_mode`, `passes.rng`)."""
     plan, groups = setup.plan, setup.groups
     dp_group = groups.group("dp")
-    optimizer = build_optimizer(
-        plan.distributed_optimizer, list(gm.parameters()), dp_group, plan.dp, groups.dp_rank
-    )
+    optimizer = build_plan_optimizer(plan, gm, groups, units)
     m = len(parts)
     with dropout_disabled(gm):  # like with like: the reference ran with dropout off too
         outs = [all_outputs(gm(*part)) for part in parts]
@@ -203,12 +218,18 @@ def _training_step(
     if replica_outs is None:
         report.output_dtype = str(mean_loss.dtype).removeprefix("torch.")
         report.max_abs_diff, report.output_scale = report.loss_diff, report.loss_scale
-    compare_gradients(gm, reference, setup, report, owned=optimizer.owned_ranges())
+    segments = optimizer.gradient_segments() if hasattr(optimizer, "gradient_segments") else None
+    local = getattr(optimizer, "local_module", None)
+    compare_gradients(
+        gm, reference, setup, report, owned=optimizer.owned_ranges(), segments=segments, local=local
+    )
+    del segments
     # the first optimizer step (the gradients are reduced already) against Adam's from the reference's
     before = update_snapshot(gm, optimizer)
     optimizer.step()
     compare_update(gm, before, optimizer, reference, setup, report)
     del before
+    _record_state(report, optimizer, gm, plan)
     report.notes.append(dropout_note(gm))
     report.notes.append(optimizer.note())
     if m > 1:
@@ -224,6 +245,26 @@ def _training_step(
         optimizer.step()  # reduces the gradients over the DP group first
 
     return step
+
+
+def _record_state(report: RankReport, optimizer: object, gm: torch.nn.Module, plan: Plan) -> None:
+    """The training state the rank holds after its first step (parameters, gradients, Adam state,
+    masters: distinct storages) beside the cost model's `dp_state_bytes` of the rank's parameter
+    count (at rest: sharded parameters counted as shards); zero2 / fsdp also the collectives of the
+    checked step."""
+    report.state_bytes = state_bytes(optimizer.held_tensors())
+    layout = fsdp_layout(gm)
+    if layout is not None:
+        params = sum(b.numel for b in layout.buckets)
+    else:
+        params = sum(p.numel() for p in gm.parameters() if p.requires_grad)
+    report.predicted_state_bytes = dp_state_bytes(params, plan.dtype, plan.dp_style, plan.dp_shard)
+    counts = getattr(optimizer, "counts", None)
+    if counts is not None:
+        report.dp_collectives = dict(counts)
+    runtime = getattr(optimizer, "runtime", None)
+    if runtime is not None:
+        report.gathered_peak_bytes = runtime.peak_gathered_bytes
 
 
 def _joined(

@@ -14,11 +14,11 @@ from costmodels.calibrate import PROBE_MATMUL_SHAPE, SpeedProbe
 from passes import collectives
 from planner.frontend.capture import flat_inputs, input_batch_dims
 from planner.frontend.modelfile import ModelFile, load_model_file
-from planner.plan import Plan
+from planner.plan import DataParallel, Plan
 from runtime.data_parallel import args_share
 from runtime.launch import RankContext, report_progress
 from runtime.measure import time_iterations
-from runtime.mesh import RankGroups, build_rank_groups
+from runtime.mesh import DP_AXES, RankGroups, build_rank_groups
 from runtime.numerics import tolerance_for
 from runtime.run_mode import cast_inputs, check_dtype_runs, check_plan_runs
 
@@ -86,6 +86,7 @@ class RankReport:
     loss_diff: float | None = None  # training: |loss (DP-averaged) - unsharded loss on the whole batch|
     loss_scale: float | None = None  # training: |unsharded loss|
     grad_scale: float | None = None  # training: max |unsharded gradient| over this rank's parameters
+    grads_compared: int = 0  # training: gradients (or, sharded, pieces of them) compared on this rank
     update_max_abs_diff: float | None = None  # training: first optimizer step (`compare_update`)
     update_tolerance: float | None = None  # its tolerance (a share of the learning rate)
     startup_memory_bytes: int = (
@@ -102,6 +103,14 @@ class RankReport:
     probe_backward_node_overhead_s: float | None = None
     probe_matmul_flops_per_s: float | None = None  # the probe's fp32 matmul (PROBE_MATMUL_SHAPE)
     probe_samples: int = 0
+    # training: the state this rank holds after the first step (parameters, gradients, Adam state and
+    # fp32 masters; distinct storages), and the cost model's `dp_state_bytes` of its parameter count
+    state_bytes: int | None = None
+    predicted_state_bytes: float | None = None
+    # training: collectives the data-parallel optimizer issued in the checked step, by kind
+    # ("all_gather", "reduce_scatter", "all_reduce"); zero2 and fsdp only
+    dp_collectives: dict[str, int] = field(default_factory=dict)
+    gathered_peak_bytes: int | None = None  # fsdp: most bytes of gathered parameters alive at once
     output: torch.Tensor | None = None  # only with RunJob.return_output
     per_layer_s: dict[str, float] = field(
         default_factory=dict
@@ -135,15 +144,18 @@ def job_inputs(model_file: ModelFile, job: RunJob, device: str) -> tuple[tuple, 
 
 
 def set_up_rank(ctx: RankContext, job: RunJob) -> RankSetup:
-    """Build this rank's process groups (collective), register the TP group with
-    `passes.collectives`, load the model file, cast its floating inputs to the plan's dtype and cut
+    """Build this rank's process groups (collective; fsdp's HSDP shard and replicate groups too),
+    register the TP group (and fsdp's "dp_shard" / "dp_replicate") with `passes.collectives`, load the model file, cast its floating inputs to the plan's dtype and cut
     them to this DP replica's share. Raises ValueError when the batch does not divide by dp,
     InputError when this device cannot run the plan's dtype or the runtime cannot run the plan as
     planned (`runtime.run_mode.check_plan_runs`)."""
     plan = Plan.from_dict(job.plan)
     check_plan_runs(plan, job.workload)
-    groups = build_rank_groups(plan.mesh, ctx.device.type)
+    dp_shard = plan.dp_shard if plan.dp_style is DataParallel.FSDP else 1
+    groups = build_rank_groups(plan.mesh, ctx.device.type, dp_shard)
     collectives.register_group("tp", groups.group("tp"))
+    for axis in DP_AXES:  # fsdp's gathers (passes.fsdp) run on these
+        collectives.register_group(axis, groups.group(axis))
     model_file = load_model_file(job.model_path)
     check_dtype_runs(plan.dtype, ctx.device)
     full_args, full_kwargs = job_inputs(model_file, job, str(ctx.device))
@@ -213,6 +225,14 @@ def summarise(reports: list[RankReport]) -> dict[str, Any]:
             "peak_memory_bytes": max(r.peak_memory_bytes for r in reports),  # the process's real peak
             "startup_memory_bytes": max(r.startup_memory_bytes for r in reports),  # of it: before the model
             "per_rank_peak_memory_bytes": [r.peak_memory_bytes for r in reports],
+            "per_rank_startup_memory_bytes": [r.startup_memory_bytes for r in reports],
+            # training: the state each rank holds (parameters, gradients, Adam) beside the cost model's
+            "state_bytes": max((r.state_bytes for r in reports if r.state_bytes is not None), default=None),
+            "predicted_state_bytes": max(
+                (r.predicted_state_bytes for r in reports if r.predicted_state_bytes is not None),
+                default=None,
+            ),
+            "per_rank_state_bytes": [r.state_bytes for r in reports],
             "iterations": len(samples),
             "steps_per_sample": slowest.steps_per_sample,
             "speed_probe": speed_probe_summary(reports),
@@ -226,6 +246,8 @@ def summarise(reports: list[RankReport]) -> dict[str, Any]:
             "output_scale": scale,
             "grad_max_abs_diff": max(grads) if grads else None,
             "grad_scale": max(grad_scales) if grad_scales else None,
+            # training: gradients (or sharded pieces of them) compared over all ranks; 0 fails the check
+            "grads_compared": sum(r.grads_compared for r in reports) if grads else None,
             "update_max_abs_diff": max(
                 (r.update_max_abs_diff for r in reports if r.update_max_abs_diff is not None), default=None
             ),

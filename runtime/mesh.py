@@ -9,6 +9,13 @@ stage 0 = ranks 0,1.
 `build_rank_groups(shape, device_type)` creates the groups with
 `torch.distributed.device_mesh.init_device_mesh` inside an initialised default process group (e.g.
 inside `runtime.launch.launch`); the coordinates come from `MeshShape.coords`.
+
+Sharded data parallelism over fewer ranks than dp (HSDP, `Plan.dp_shard` < dp, fsdp only) adds two
+axes inside the dp one, as torchtitan's ("dp_replicate", "dp_shard") mesh with dp_shard the inner
+dim: a shard group is `dp_shard` consecutive DP ranks (dp_rank // dp_shard the same), a replicate
+group the DP ranks with the same dp_rank % dp_shard. Every rank creates every such group, in the
+same order (`torch.distributed.new_group` is collective). With dp_shard == dp the shard group is the
+dp group and there is no replicate group (None: a single rank); with dp_shard == 1 the reverse.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from planner.errors import InputError, RunError
 from planner.plan import MeshShape
 
 AXES = ("dp", "pp", "tp")  # mesh dims, outermost first
+DP_AXES = ("dp_shard", "dp_replicate")  # HSDP's split of the dp axis (sharded data parallelism)
 _DEVICE_TYPES = ("cpu", "cuda")
 
 
@@ -32,6 +40,9 @@ class RankGroups:
     shape: MeshShape
     rank: int  # global rank of this process
     device_mesh: DeviceMesh  # dims ("dp", "pp", "tp")
+    dp_shard: int = 1  # ranks a sharded state is split over (`Plan.dp_shard` for fsdp)
+    shard_group: dist.ProcessGroup | None = None  # None: a single rank
+    replicate_group: dist.ProcessGroup | None = None  # None: a single rank
 
     @property
     def dp_rank(self) -> int:
@@ -48,10 +59,20 @@ class RankGroups:
         """Rank within the tensor-parallel group."""
         return self.shape.coords(self.rank)[2]
 
-    def group(self, axis: str) -> dist.ProcessGroup:
-        """Process group of this rank on `axis` ("dp" | "pp" | "tp"). Raises InputError for another name."""
+    @property
+    def shard_rank(self) -> int:
+        """This rank's place in its shard group (dp_rank % dp_shard)."""
+        return self.dp_rank % self.dp_shard
+
+    def group(self, axis: str) -> dist.ProcessGroup | None:
+        """Process group of this rank on `axis` ("dp" | "pp" | "tp", or HSDP's "dp_shard" |
+        "dp_replicate": None for a single rank). Raises InputError for another name."""
+        if axis == "dp_shard":
+            return self.shard_group
+        if axis == "dp_replicate":
+            return self.replicate_group
         if axis not in AXES:
-            raise InputError(f"unknown mesh axis {axis!r}; expected one of {AXES}")
+            raise InputError(f"unknown mesh axis {axis!r}; expected one of {AXES + DP_AXES}")
         return self.device_mesh.get_group(axis)
 
 
@@ -65,12 +86,14 @@ def _axis_ranks(shape: MeshShape, rank: int, axis: str) -> list[int]:
     return [shape.rank_of(d, pp_rank, tp_rank) for d in range(shape.dp)]
 
 
-def build_rank_groups(shape: MeshShape, device_type: str) -> RankGroups:
+def build_rank_groups(shape: MeshShape, device_type: str, dp_shard: int = 1) -> RankGroups:
     """Create the (dp, pp, tp) device mesh and its process groups; collective, every rank must call it.
 
-    `device_type` is "cpu" (gloo) or "cuda" (nccl). Raises InputError when the degrees are not positive
-    integers or `dp * pp * tp` differs from the world size, RunError when no default process group is
-    initialised.
+    `device_type` is "cpu" (gloo) or "cuda" (nccl). dp_shard: the ranks a sharded data-parallel state
+    is split over (fsdp's `Plan.dp_shard`; 1 for the other styles): the shard and replicate groups
+    (module docstring). Raises InputError when the degrees are not positive integers, `dp * pp * tp`
+    differs from the world size or dp_shard does not divide dp, RunError when no default process
+    group is initialised.
     """
     for name in AXES:
         value = getattr(shape, name)
@@ -85,8 +108,45 @@ def build_rank_groups(shape: MeshShape, device_type: str) -> RankGroups:
     world_size = dist.get_world_size()
     if shape.num_devices != world_size:
         raise InputError(f"dp({shape.dp}) * pp({shape.pp}) * tp({shape.tp}) != world_size({world_size})")
+    if dp_shard < 1 or shape.dp % dp_shard:
+        raise InputError(f"dp_shard={dp_shard} does not divide dp={shape.dp}")
     device_mesh = init_device_mesh(device_type, (shape.dp, shape.pp, shape.tp), mesh_dim_names=AXES)
-    groups = RankGroups(shape, dist.get_rank(), device_mesh)
+    rank = dist.get_rank()
+    groups = RankGroups(shape, rank, device_mesh)
     for axis in AXES:  # the plan's layout and DeviceMesh's must agree
         assert dist.get_process_group_ranks(groups.group(axis)) == _axis_ranks(shape, groups.rank, axis), axis
-    return groups
+    shard = replicate = None
+    dp_group = device_mesh.get_group("dp")
+    if dp_shard == shape.dp:
+        shard = dp_group if shape.dp > 1 else None
+    elif dp_shard == 1:
+        replicate = dp_group
+    else:
+        shard, replicate = _hsdp_groups(shape, dp_shard, rank)
+    return RankGroups(shape, rank, device_mesh, dp_shard, shard, replicate)
+
+
+def hsdp_ranks(shape: MeshShape, dp_shard: int, rank: int) -> tuple[list[int], list[int]]:
+    """Global ranks of `rank`'s HSDP shard group and replicate group (in DP order)."""
+    dp_rank, pp_rank, tp_rank = shape.coords(rank)
+    block, inner = divmod(dp_rank, dp_shard)
+    shard = [shape.rank_of(block * dp_shard + s, pp_rank, tp_rank) for s in range(dp_shard)]
+    replicate = [shape.rank_of(r * dp_shard + inner, pp_rank, tp_rank) for r in range(shape.dp // dp_shard)]
+    return shard, replicate
+
+
+def _hsdp_groups(shape: MeshShape, dp_shard: int, rank: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """Every shard group, then every replicate group, created on every rank in the same order (rank
+    0's view of the mesh first); this rank's two."""
+    mine: dict[str, dist.ProcessGroup] = {}
+    for kind in (0, 1):
+        seen: set[tuple[int, ...]] = set()
+        for other in range(shape.num_devices):
+            ranks = tuple(hsdp_ranks(shape, dp_shard, other)[kind])
+            if ranks in seen:
+                continue
+            seen.add(ranks)
+            group = dist.new_group(list(ranks))
+            if rank in ranks:
+                mine[DP_AXES[kind]] = group
+    return mine["dp_shard"], mine["dp_replicate"]

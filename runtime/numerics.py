@@ -122,6 +122,8 @@ def check_failures(numerics: dict[str, Any]) -> list[str]:
                 f"{what}: max |sharded - unsharded| = {diff:.3g}, tolerance {rel * scale:.3g} "
                 f"({rel:g} x scale {scale:.3g})"
             )
+    if numerics.get("grads_compared") == 0:
+        lines.append("gradients: none compared (no rank's gradients matched a reference gradient by name)")
     update, tol = numerics.get("update_max_abs_diff"), numerics.get("update_tolerance")
     if update is not None and tol is not None and update > tol:
         lines.append(

@@ -229,17 +229,32 @@ def compare_gradients(
     setup: RankSetup,
     report: RankReport,
     owned: Mapping[int, tuple[int, int]] | None = None,
+    segments: Mapping[str, Sequence[tuple[int, int, torch.Tensor]]] | None = None,
+    local: torch.nn.Module | None = None,
 ) -> None:
     """Training, after the backward and the DP gradient reduction: every gradient of this rank's
     parameters (of `module`, or of each module of a sequence: a rank's pipeline chunks) against its
     shard of the unsharded model's whole-batch gradient (read shard by shard). owned: with the
     distributed optimizer (`runtime.data_parallel.DistributedAdam.owned_ranges`), id(param) -> the flat
     elements (lo, hi) that hold the replicas' mean gradient; only those are compared (parameters not
-    listed: none). None compares every element."""
+    listed: none). None compares every element. segments: with sharded gradients (ZeRO-2, FSDP:
+    `gradient_segments`, the full `.grad` is not kept), FQN -> [(lo, hi, mean gradient of the local
+    parameter's flat elements lo:hi)], compared instead of `.grad`; `local` (FSDP, whose module
+    holds flat shards) is the module holding the local parameters at their FQNs (shapes and dtypes)."""
     plan, groups = setup.plan, setup.groups
     diffs, scales = [], []
     modules = [module] if isinstance(module, torch.nn.Module) else list(module)
     with SafetensorsCheckpoint([reference.grads]) as grads_file:
+        if segments is not None:
+            source = local if local is not None else modules[0]
+            for n, pieces in segments.items():
+                if n not in grads_file:
+                    continue
+                want = read_local_shards(source, grads_file, plan.splits, groups.tp_rank, plan.tp, [n])[n]
+                for lo, hi, got in pieces:
+                    diffs.append(max_abs_diff(got.cpu(), want.reshape(-1)[lo:hi]))
+                    scales.append(max_abs(want))
+            modules = []
         for mod in modules:
             params = dict(mod.named_parameters())
             names = [n for n, p in params.items() if p.grad is not None and n in grads_file]
@@ -255,6 +270,7 @@ def compare_gradients(
                 scales.append(max_abs(want))
     report.grad_max_abs_diff = max(diffs, default=0.0)
     report.grad_scale = max(scales, default=0.0)
+    report.grads_compared = len(diffs)
 
 
 ADAM_EPS = 1e-8  # torch.optim.Adam's default eps, which the runs' optimizers use
@@ -269,6 +285,9 @@ def update_snapshot(
     parameter name: (lo, hi, a copy of the flat fp32 values of elements lo:hi): an fp32 parameter
     whole, a 16-bit one's fp32 master copy (`optimizer.fp32_values`). `compare_update`'s `before`."""
     mods = [modules] if isinstance(modules, torch.nn.Module) else list(modules)
+    if hasattr(optimizer, "fp32_values_by_name"):  # ZeRO-2 / FSDP: by FQN (FSDP's module holds flat shards)
+        named = optimizer.fp32_values_by_name()
+        return [{n: (lo, hi, flat.cpu().clone()) for n, (lo, hi, flat) in named.items()}]
     values = optimizer.fp32_values()
     snapshot = []
     for m in mods:
@@ -303,6 +322,8 @@ def compare_update(
     plan, groups = setup.plan, setup.groups
     modules = [module] if isinstance(module, torch.nn.Module) else list(module)
     lr, now = optimizer.lr, update_snapshot(modules, optimizer)
+    if getattr(optimizer, "local_module", None) is not None:  # FSDP: the local parameters' stand-in
+        modules = [optimizer.local_module]
     diffs = []
     with SafetensorsCheckpoint([reference.grads]) as grads_file:
 

@@ -5,7 +5,9 @@ For each (pipeline stage, TP rank) of the mesh, the captured graph is lowered in
 lower) and written with `passes.emit.emit_rank_module` as `DIR/rank{r}/` (module source, weight
 shards, meta.json) for every rank r that runs it: DP replicas run the same module, so each of them
 gets its own copy under its own rank. A README in DIR says how to start them (backend and devices of
-the plan's cluster, the folder's real path). Models whose weights exceed `MAX_MATERIALISED_BYTES`
+the plan's cluster, the folder's real path). A training fsdp plan's modules are sharded after the
+lowering (`passes.fsdp.apply_fsdp`): each DP rank's folder holds only its flat shard of every unit
+(`fsdp_shard_<k>`, the layout in meta.json "fsdp"). Models whose weights exceed `MAX_MATERIALISED_BYTES`
 are emitted from the `meta` device: source and shard shapes only, weights to be loaded from the
 user's checkpoint.
 
@@ -24,6 +26,7 @@ import torch
 
 from passes.checkpoint import checkpoint_files, load_whole
 from passes.emit import emit_rank_module, write_readme
+from passes.fsdp import apply_fsdp
 from passes.lower import lower_for_rank
 from planner.errors import InputError
 from planner.files import new_output_folder, publish_folder
@@ -31,7 +34,7 @@ from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture
 from planner.frontend.modelfile import load_model_file
 from planner.frontend.phases import build_for, decode_phase, phase_inputs
-from planner.plan import Plan
+from planner.plan import DataParallel, Plan, Workload
 from runtime.reference import WEIGHTS_HELP
 
 MAX_MATERIALISED_BYTES = 4 * 2**30  # above this, emit from meta (no weights): a laptop cannot hold 70B
@@ -91,9 +94,19 @@ def emit_plan(
         )
         gm = capture(model, args, kwargs)
         structure = analyse(gm)
+        fsdp = plan.workload is Workload.TRAIN and plan.dp_style is DataParallel.FSDP
+        units = [layer.module_path for layer in structure.layers]
         for rank in range(plan.tp * plan.pp):  # DP replica 0 lowers; every replica gets the module
             lowered = lower_for_rank(copy.deepcopy(gm), structure, plan, rank)
+            sharded: dict[int, tuple] = {}  # fsdp: shard rank -> (module, layout), cut once
             for dp_rank in range(plan.dp):
+                module = lowered.module
+                if fsdp:  # each DP rank's files hold only its flat shard of every unit (passes.fsdp)
+                    shard_rank = dp_rank % plan.dp_shard
+                    if shard_rank not in sharded:
+                        copied = copy.deepcopy(lowered.module)
+                        sharded[shard_rank] = (copied, apply_fsdp(copied, units, plan.dp_shard, shard_rank))
+                    module = sharded[shard_rank][0]
                 meta = {
                     "plan": plan.layout_summary(),
                     "backend": backend,
@@ -103,8 +116,10 @@ def emit_plan(
                     "pp_rank": lowered.pp_rank,
                     "weights_materialised": device != "meta",
                 }
+                if fsdp:
+                    meta["fsdp"] = sharded[dp_rank % plan.dp_shard][1].summary()
                 global_rank = plan.mesh.rank_of(dp_rank, lowered.pp_rank, lowered.tp_rank)
-                emit_rank_module(lowered.module, tmp, global_rank, meta)
+                emit_rank_module(module, tmp, global_rank, meta)
         inputs = ", ".join(
             f"{tuple(a.shape)} {str(a.dtype).removeprefix('torch.')}"
             for a in args
@@ -122,6 +137,12 @@ def emit_plan(
                 "folder": str(Path(out_dir).resolve()),
                 "inputs": f"{inputs} (one rank's share, like the model file's example_inputs)",
                 "batch_size": plan.batch_size,
+                "fsdp": (
+                    f"{plan.dp_style_text()}: shard groups of {plan.dp_shard} consecutive DP ranks"
+                    + (f", {plan.dp_replicate} replicas of each shard" if plan.dp_replicate > 1 else "")
+                    if fsdp
+                    else ""
+                ),
                 "serving": (
                     f"The plan serves a prompt of {sv.prompt_len} tokens and {sv.new_tokens} new ones per "
                     f"sequence, with caches of {sv.cache_len} tokens."

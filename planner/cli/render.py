@@ -433,6 +433,27 @@ def _small_memory_note(console: Console, above_startup_bytes: float, predicted_b
         )
 
 
+def _per_rank_memory(console: Console, m: dict[str, Any], predicted_bytes: float) -> None:
+    """Each rank's measured peak above its start-up (and, training, the state it held) beside the
+    predicted peak per rank, when more than one rank ran."""
+    peaks, starts = m.get("per_rank_peak_memory_bytes") or [], m.get("per_rank_startup_memory_bytes") or []
+    if len(peaks) < 2 or len(starts) != len(peaks):
+        return
+    above = ", ".join(
+        f"rank {r} {fmt_bytes(max(0, peak - start))}" for r, (peak, start) in enumerate(zip(peaks, starts))
+    )
+    states = m.get("per_rank_state_bytes") or []
+    held = (
+        "; training state held: " + ", ".join(fmt_bytes(b) for b in states)
+        if states and all(b is not None for b in states)
+        else ""
+    )
+    console.print(
+        f"memory per rank, above start-up (predicted {fmt_bytes(predicted_bytes)} each): {above}{held}",
+        highlight=False,
+    )
+
+
 def render_run(console: Console, report: dict[str, Any]) -> None:
     """Predicted beside measured, with the ratio, and the numerics check."""
     m, n, p = report["measured"], report["numerics"], report["predicted"]
@@ -460,7 +481,16 @@ def render_run(console: Console, report: dict[str, Any]) -> None:
         f"{mem_ratio:.2f}" if mem_ratio else "-",
     )
     table.add_row("process peak memory / rank", "-", fmt_bytes(m["peak_memory_bytes"]), "-")
+    if m.get("state_bytes") is not None and m.get("predicted_state_bytes"):
+        # training: what the data-parallel style leaves on a rank, counted tensor by tensor
+        table.add_row(
+            "training state / rank (parameters, gradients, Adam)",
+            fmt_bytes(m["predicted_state_bytes"]),
+            fmt_bytes(m["state_bytes"]),
+            f"{m['state_bytes'] / m['predicted_state_bytes']:.2f}",
+        )
     console.print(table)
+    _per_rank_memory(console, m, p["peak_memory_bytes"])
     if at_run:
         console.print(
             f"latency at the run's machine speed: the probe between the timed steps read {_probe_text(at_run)}"
