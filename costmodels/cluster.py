@@ -223,6 +223,9 @@ class LinkSpec:
     bandwidth_bytes_per_s: float  # per direction, per device (inter-node: per NIC)
     latency_s: float  # alpha: fixed cost of one step of a collective over this link
     nics_per_node: int = 1  # inter-node only
+    # alpha of each collective after the first of a back-to-back stream (ZeRO-2 / FSDP: one per layer),
+    # where the backend is already running; measured by `planner calibrate`; None: `latency_s`
+    burst_latency_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -412,6 +415,7 @@ _EXPECT = {
     "kind": f"one of {', '.join(LINK_KINDS)}",
     "bandwidth_GBps": "a number in GB/s > 0 (per direction; per device, or per NIC for inter_node)",
     "latency_us": "a number in µs >= 0, e.g. 3",
+    "burst_latency_us": "a number in µs >= 0, e.g. 1 (optional: each further collective of a back-to-back stream)",
     "nics_per_node": "an integer >= 1 (NICs per node)",
     "efficiency": "a fraction in (0, 1] of peak (device.gemm / device.attention)",
     "half_k": "a number of elements >= 0 (K at which a GEMM tile reaches half its rate), e.g. 230",
@@ -641,7 +645,8 @@ def _parse_attention(r: _Reader, raw: Any) -> AttentionSpec:
 
 def _parse_link(r: _Reader, raw: Any, path: str, inter: bool) -> LinkSpec:
     required = ("kind", "bandwidth_GBps", "latency_us") + (("nics_per_node",) if inter else ())
-    d = r.mapping(raw, path, required)
+    d = r.mapping(raw, path, required, ("burst_latency_us",))
+    burst = d.get("burst_latency_us")
     per = "per NIC, per direction" if inter else "per direction, per device"
     return LinkSpec(
         kind=r.string(d["kind"], f"{path}.kind", LINK_KINDS),
@@ -660,6 +665,12 @@ def _parse_link(r: _Reader, raw: Any, path: str, inter: bool) -> LinkSpec:
         nics_per_node=r.integer(d["nics_per_node"], f"{path}.nics_per_node", "NICs per node", "8")
         if inter
         else 1,
+        burst_latency_s=None
+        if burst is None
+        else r.number(
+            burst, f"{path}.burst_latency_us", "µs", "1", allow_zero=True, plausible=_PLAUSIBLE_LATENCY_US
+        )
+        * _US,
     )
 
 
@@ -914,6 +925,7 @@ def _cpu_processes(spec: ClusterSpec, nproc: int) -> ClusterSpec:
                     link,
                     latency_s=link.latency_s / slowdown,
                     bandwidth_bytes_per_s=link.bandwidth_bytes_per_s * slowdown,
+                    burst_latency_s=None if link.burst_latency_s is None else link.burst_latency_s / slowdown,
                 ),
             )
     return replace(spec, devices_per_node=nproc, device=device)
@@ -932,6 +944,8 @@ def _link_to_dict(link: LinkSpec, inter: bool) -> dict:
     }
     if inter:
         out["nics_per_node"] = link.nics_per_node
+    if link.burst_latency_s is not None:
+        out["burst_latency_us"] = _human(link.burst_latency_s / _US)
     return out
 
 

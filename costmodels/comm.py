@@ -25,6 +25,7 @@ plan; see tests/test_costmodels_comm.py.)
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -213,3 +214,17 @@ def p2p_time_s(nbytes: float, cluster: ClusterSpec, inter_node: bool) -> float:
     if nbytes == 0:
         return 0.0
     return cluster.device.launch_overhead_s + link.latency_s + nbytes / bandwidth
+
+
+def burst_cluster(cluster: ClusterSpec) -> ClusterSpec:
+    """`cluster` with each link's alpha replaced by its `LinkSpec.burst_latency_s` (where measured):
+    the price of each collective after the first of a back-to-back asynchronous stream, as ZeRO-2
+    and FSDP issue one per layer (`planner.solver.costing.dp_sync_parts`)."""
+    intra, inter = cluster.intra_node, cluster.inter_node
+
+    def bursting(link: LinkSpec | None) -> LinkSpec | None:
+        if link is None or link.burst_latency_s is None:
+            return link
+        return dataclasses.replace(link, latency_s=link.burst_latency_s)
+
+    return dataclasses.replace(cluster, intra_node=bursting(intra), inter_node=bursting(inter))

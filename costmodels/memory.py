@@ -131,14 +131,22 @@ def dp_state_bytes(
     return params + grads + adam
 
 
-def fsdp_unit_bytes(unit_params: float, dtype: str, reshard_after_forward: bool = True) -> float:
-    """FSDP working memory per rank beyond `dp_state_bytes`, for a largest wrapping unit of
-    ``unit_params`` parameters (per TP rank): with reshard after forward, two units' gathered
-    parameters (the one computing and the one prefetched, FSDP2's default of one unit ahead) and one
-    unit's unsharded gradients before their reduce-scatter; without it the parameters are already
-    counted whole, so only the gradients."""
-    gathered = 2 * param_bytes(unit_params, dtype) if reshard_after_forward else 0.0
-    return gathered + grad_bytes(unit_params, dtype)
+def fsdp_unit_bytes(
+    layer_params: float, outside_params: float, dtype: str, reshard_after_forward: bool = True
+) -> float:
+    """FSDP working memory per rank beyond `dp_state_bytes`: the wrapping units gathered at once, for
+    layers of ``layer_params`` parameters and the unit outside the layers (embedding, final norm, LM
+    head) of ``outside_params`` (both per TP rank). That unit is used from the first op to the last,
+    so it stays gathered through the step (FSDP2 keeps its root unit so), and its gradients build up
+    through the whole backward; the layers: with reshard after forward two of them gathered (the one
+    computing and the one prefetched, FSDP2's default of one unit ahead), and one layer's unsharded
+    gradients before their reduce-scatter. Without reshard every gathered parameter is already
+    counted whole by `dp_state_bytes`, so only the gradients. Measured on gloo ranks
+    (tests/test_sharded_dp.py): the outside unit and two layers gathered at the peak."""
+    grads = grad_bytes(layer_params + outside_params, dtype)
+    if not reshard_after_forward:
+        return grads
+    return param_bytes(2 * layer_params + outside_params, dtype) + grads
 
 
 def param_bytes(num_params: float, dtype: str) -> float:

@@ -399,7 +399,13 @@ def check_constraints_fit(
         )
     dp = constraints.dp or 1
     if batch_size % dp:
-        raise InputError(f"--dp {dp} does not divide the batch of {batch_size} sequences")
+        shard = constraints.dp_shard
+        flags = (
+            f"--dp {dp // shard} x --dp-shard {shard} = {dp} data-parallel ranks" if shard else f"--dp {dp}"
+        )
+        raise InputError(
+            f"{flags} does not divide the batch of {batch_size} sequences; use a --batch-size that is a multiple of {dp}"
+        )
     if micro_batches and (batch_size // dp) % micro_batches:
         raise InputError(
             f"--micro-batches {micro_batches} does not divide the batch of {batch_size // dp} sequences per DP replica"

@@ -55,7 +55,14 @@ from typing import TypeVar
 
 from costmodels import compute, memory
 from costmodels.cluster import ClusterSpec
-from costmodels.comm import Group, all_gather_time_s, all_reduce_time_s, p2p_time_s, reduce_scatter_time_s
+from costmodels.comm import (
+    Group,
+    all_gather_time_s,
+    all_reduce_time_s,
+    burst_cluster,
+    p2p_time_s,
+    reduce_scatter_time_s,
+)
 from costmodels.dtypes import DTYPE_BYTES
 from planner.errors import InputError
 from planner.frontend.analysis import (
@@ -1221,9 +1228,9 @@ def training_transient_bytes(ctx: CostContext) -> float:
 
 
 def fsdp_transient_bytes(ctx: CostContext) -> float:
-    """FSDP: the unsharded units in flight (`memory.fsdp_unit_bytes`) for the largest unit, a layer's
-    parameters split over the TP ranks or the parameters outside the layers (embedding, LM head); 0
-    for the other styles."""
+    """FSDP: the unsharded units in flight (`memory.fsdp_unit_bytes`): the largest layer's parameters
+    and those outside the layers (embedding, LM head, the chain), split over the TP ranks; 0 for the
+    other styles."""
     if ctx.dp_style is not DataParallel.FSDP:
         return 0.0
     s, tp = ctx.structure, ctx.mesh.tp
@@ -1232,8 +1239,7 @@ def fsdp_transient_bytes(ctx: CostContext) -> float:
     if s.lm_head is not None and not s.tied_lm_head:
         outside += s.lm_head.in_features * s.lm_head.out_features
     outside += sum(p.in_features * p.out_features for p in s.mlp_chain)
-    unit = max(layer_params, outside) / tp
-    return memory.fsdp_unit_bytes(unit, ctx.dtype, ctx.reshard_after_forward)
+    return memory.fsdp_unit_bytes(layer_params / tp, outside / tp, ctx.dtype, ctx.reshard_after_forward)
 
 
 def _all_projections(s: ModelStructure) -> list[Projection]:
@@ -1295,9 +1301,11 @@ def dp_sync_parts(grad_bytes: float, ctx: CostContext) -> tuple[float, float]:
     - ddp: one all-reduce of the gradients after the backward (exposed, as the runtime runs it);
     - zero1: reduce-scatter of the gradients and, after each rank steps its slice, all-gather of the
       parameters (same dtype, same bytes; exposed);
-    - zero2: the gradients reduce-scattered after each micro-batch's backward (m of them; the slice
-      accumulates), the all-gather after the step (exposed);
-    - fsdp: per micro-batch, each unit's parameters all-gathered over the shard group before its
+    - zero2: each unit's gradients (a layer's; the parameters outside the layers one more unit)
+      reduce-scattered as each micro-batch's backward finishes them (the slice accumulates), the
+      all-gather after the step (exposed);
+    - fsdp: per micro-batch, each unit's parameters (one collective per unit) all-gathered over the
+      shard group before its
       forward and, resharded after forward, again before its backward, and its gradients
       reduce-scattered after its backward; HSDP adds the all-reduce of each gradient shard over the
       replicate group. The runtime prefetches the next unit's gather while the current unit computes
@@ -1315,20 +1323,31 @@ def dp_sync_parts(grad_bytes: float, ctx: CostContext) -> tuple[float, float]:
     if style is DataParallel.ZERO1:
         t = reduce_scatter_time_s(grad_bytes, group, cluster) + all_gather_time_s(grad_bytes, group, cluster)
         return t, t
+    # ZeRO-2 and FSDP run one collective per wrapping unit (a layer; the parameters outside the layers
+    # one more), back to back and asynchronous: the first unit's pay the link's latency, the others
+    # its burst latency where measured (`comm.burst_cluster`)
+    units = max(1, round(len(ctx.structure.layers) / ctx.mesh.pp)) + 1
+    unit_bytes = grad_bytes / units
+    burst = burst_cluster(cluster)
     if style is DataParallel.ZERO2:
-        t = m * reduce_scatter_time_s(grad_bytes, group, cluster) + all_gather_time_s(
-            grad_bytes, group, cluster
-        )
+
+        def per_unit(c: ClusterSpec) -> float:
+            return reduce_scatter_time_s(unit_bytes, group, c)
+
+        t = m * units * per_unit(burst) + per_unit(cluster) - per_unit(burst)
+        t += all_gather_time_s(grad_bytes, group, cluster)
         return t, t
     shard = ctx.dp_shard_group()
     gathers = 2 if ctx.reshard_after_forward else 1
-    per_micro = gathers * all_gather_time_s(grad_bytes, shard, cluster)
-    per_micro += reduce_scatter_time_s(grad_bytes, shard, cluster)
-    if shard.size < ctx.mesh.dp:
-        per_micro += all_reduce_time_s(grad_bytes / shard.size, ctx.dp_replicate_group(), cluster)
-    total = m * per_micro
-    units = max(1.0, len(ctx.structure.layers) / ctx.mesh.pp) + 1.0  # one per layer, one for the rest
-    return total, total / units
+
+    def per_unit(c: ClusterSpec) -> float:
+        t = gathers * all_gather_time_s(unit_bytes, shard, c) + reduce_scatter_time_s(unit_bytes, shard, c)
+        if shard.size < ctx.mesh.dp:
+            t += all_reduce_time_s(unit_bytes / shard.size, ctx.dp_replicate_group(), c)
+        return t
+
+    total = m * units * per_unit(burst) + per_unit(cluster) - per_unit(burst)
+    return total, m * per_unit(cluster)
 
 
 def dp_sync_exposed_s(grad_bytes: float, stage_compute_s: float, ctx: CostContext) -> float:
@@ -1353,10 +1372,13 @@ def optimizer_step_time_s(grad_bytes: float, ctx: CostContext) -> float:
     share = 1.0 / ctx.shard_degree
     params = grad_bytes / ctx.bytes_per_element * share
     dispatch = dev.launch_overhead_s
-    if dev.node_overhead_s is not None and not ctx.distributed_optimizer:
-        # eager CPU: torch's Adam loops over the tensors of the stage (the ZeRO-1 optimizer steps one
-        # flat shard per dtype instead)
+    # eager CPU: torch's Adam loops over the tensors of the stage; ZeRO-1 and FSDP step one flat shard
+    # per dtype, ZeRO-2 one slice per wrapping unit of fp32 parameters (16-bit: one fp32 master)
+    zero2_slices = ctx.dp_style is DataParallel.ZERO2 and ctx.bytes_per_element == 4
+    if dev.node_overhead_s is not None and (not ctx.distributed_optimizer or zero2_slices):
         tensors = ctx.structure.num_param_tensors / ctx.mesh.pp
+        if zero2_slices:
+            tensors = max(1, round(len(ctx.structure.layers) / ctx.mesh.pp)) + 1
         if dev.adam_tensor_overhead_s is not None:
             dispatch = tensors * dev.adam_tensor_overhead_s
         else:

@@ -850,8 +850,8 @@ def _unit_does_not_fit(search: _Search) -> InfeasibleError | None:
     fits = next((t for t in (2 * tp, 4 * tp, 8 * tp) if need * tp / t <= search.cap_bytes), None)
     what = f"--tp {fits} (the unit split over more ranks)" if fits else "more tensor parallelism"
     return InfeasibleError(
-        f"--dp-style fsdp: the largest wrapping unit's gathered parameters (a layer, or the embedding and LM "
-        f"head; two units in flight and one unit's gradients) "
+        f"--dp-style fsdp: the wrapping units gathered at once (two layers and the embedding / LM head unit, "
+        f"with their gradients) "
         f"need {need / _GIB:.1f} GiB per rank at tp={tp}, more than the {search.cap_bytes / _GIB:.1f} GiB usable; "
         f"would fit: {what}"
     )
