@@ -146,8 +146,11 @@ def _assert_matches(label: str, plan, summary: dict) -> None:
         label,
         n,
     )
-    (note,) = [x for x in summary["measured"]["notes"] if x.startswith("optimizer:")]
-    assert ("ZeRO-2" if plan.dp_style == "zero2" else "fsdp") in note, note
+    # one note per distinct rank text: the gathered bytes alive at once are measured on each rank and
+    # can differ with the timing of the prefetches
+    notes = [x for x in summary["measured"]["notes"] if x.startswith("optimizer:")]
+    assert 1 <= len(notes) <= len(summary["ranks"]), notes
+    assert all(("ZeRO-2" if plan.dp_style == "zero2" else "fsdp") in note for note in notes), notes
 
 
 @pytest.mark.slow
