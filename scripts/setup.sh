@@ -14,7 +14,7 @@ if ! python -c "import torch" >/dev/null 2>&1; then
   echo "installing torch 2.13.0 (CPU build) into .venv ..."
   pip install --disable-pip-version-check torch==2.13.0 >>"$log" 2>&1 || { cat "$log"; exit 1; }
 fi
-if ! python -c "import planner, pulp, transformers, ruff, pytest" >/dev/null 2>&1 || [ pyproject.toml -nt .venv/installed.stamp ]; then
+if ! python -c "import planner, pulp, transformers, ruff, pytest, xdist" >/dev/null 2>&1 || [ pyproject.toml -nt .venv/installed.stamp ]; then
   echo "installing the project and its test tools into .venv ..."
   pip install --disable-pip-version-check -e '.[test]' >>"$log" 2>&1 || { cat "$log"; exit 1; }
   touch .venv/installed.stamp
