@@ -250,6 +250,9 @@ def apply_fsdp(gm: fx.GraphModule, units: Sequence[str], shard_size: int, shard_
                 fsdp_gather, (shard_node, b.index, [list(p.shape) for p in b.params], SHARD_AXIS)
             )
             gather.meta["module_path"] = getters[b.params[0].fqn].meta.get("module_path", "")
+            vals = [getters[p.fqn].meta.get("val") for p in b.params]
+            if all(isinstance(v, torch.Tensor) for v in vals):  # a multi-output node: the parameters'
+                gather.meta["val"] = tuple(vals)  # (what `passes.pipeline.requires_grad_nodes` follows)
             for j, p in enumerate(b.params):
                 old = getters[p.fqn]
                 item = gm.graph.call_function(operator.getitem, (gather, j))
@@ -468,6 +471,7 @@ class FsdpRuntime:
             else None
         )
         self.dp, self.reshard_after_forward, self.prefetch = dp, reshard_after_forward, prefetch
+        self.divisor = dp  # the mean's divisor (`mean`): dp, or dp x micro-batches in a pipeline
         n = len(layout.buckets)
         self._forward_next = {k: k + 1 for k in range(n - 1)}
         order = layout.backward_order
@@ -604,8 +608,8 @@ class FsdpRuntime:
         self.grads[k].add_(self.mean(total).to(self.grads[k].dtype))
 
     def mean(self, total: torch.Tensor) -> torch.Tensor:
-        """The mean over the dp ranks of `total`, their sum (in place)."""
-        return total.div_(self.dp)
+        """The mean over the dp ranks of `total`, their sum (in place): divided by `divisor`."""
+        return total.div_(self.divisor)
 
     def finish(self) -> None:
         """Wait for every collective in flight and accumulate the gradient shards (collective: after

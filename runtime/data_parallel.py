@@ -496,6 +496,7 @@ class Zero2Adam(_BucketAdam):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         self.group, self.dp, self.shard_rank = group, dp, dp_rank
+        self.divisor = dp  # the mean's divisor (`mean`)
         self.buckets = make_buckets(named, units, dp)
         self._members = [[dict(named)[p.fqn] for p in b.params] for b in self.buckets]
         # each unit's parameters become views of one flat (padded) buffer, so that this rank's slice
@@ -560,8 +561,9 @@ class Zero2Adam(_BucketAdam):
             self.slice_grad(k).add_(self.mean(out))
 
     def mean(self, total: torch.Tensor) -> torch.Tensor:
-        """The mean over the dp ranks of `total`, their sum (in place)."""
-        return total.div_(self.dp)
+        """The mean over the dp ranks of `total`, their sum (in place); divided by `divisor` (dp, or
+        dp x micro-batches in a pipeline, whose schedule cannot scale a gradient it never holds)."""
+        return total.div_(self.divisor)
 
     def reduce_gradients(self) -> None:
         """Wait for the reduce-scatters in flight: every slice holds the mean gradient of the step."""
@@ -696,6 +698,85 @@ class FsdpAdam(_BucketAdam):
             f"in the checked step: {_counts_text(self.counts)}; at most "
             f"{self.runtime.peak_gathered_bytes / 2**10:.1f} KiB of gathered parameters alive at once "
             f"(largest unit {largest / 2**10:.1f} KiB)"
+        )
+
+
+class ChunkedShardedAdam:
+    """ZeRO-2 or FSDP on a pipeline rank: one `Zero2Adam` / `FsdpAdam` per model chunk the rank holds
+    (`parts`, of `modules`; with the interleaved schedule several, each chunk's wrapping units its
+    own: its layers, and the parameters outside the layers it holds as one more unit), run together.
+    The pipeline schedule scales the parameters' `.grad` by 1 / micro-batches, but sharded gradients
+    are never a `.grad`: each part divides its reduced sums by dp x `micro_batches` instead.
+    Exposes what the checks and the report read (`gradient_segments`, `fp32_values_by_name`,
+    `local_module`: one meta stand-in with every chunk's parameters at their FQNs)."""
+
+    def __init__(
+        self, parts: Sequence[Zero2Adam | FsdpAdam], modules: Sequence[nn.Module], micro_batches: int
+    ):
+        from passes.fsdp import FsdpLayout, _bias_owners  # noqa: PLC0415
+
+        self.parts = list(parts)
+        for part in self.parts:
+            target = part.runtime if isinstance(part, FsdpAdam) else part
+            target.divisor = part.dp * micro_batches
+        self.lr = self.parts[0].lr
+        buckets = [b for part in self.parts for b in part.buckets]
+        owners: dict[str, str] = {}
+        for module in modules:
+            layout = fsdp_layout(module)
+            owners.update(layout.bias_owners if layout is not None else _bias_owners(module))
+        self._local = FsdpLayout(buckets, 1, 0, [], owners).local_module()
+        self.style = "fsdp" if isinstance(self.parts[0], FsdpAdam) else "zero2"
+
+    def zero_grad(self) -> None:
+        for part in self.parts:
+            part.zero_grad()
+
+    def reduce_gradients(self) -> None:
+        for part in self.parts:
+            part.reduce_gradients()
+
+    def step(self) -> None:
+        for part in self.parts:
+            part.step()
+
+    def owned_ranges(self) -> dict[int, tuple[int, int]]:
+        return {}  # no full `.grad` is kept: `gradient_segments` holds the mean gradients
+
+    def gradient_segments(self) -> dict[str, list[tuple[int, int, torch.Tensor]]]:
+        return {n: v for part in self.parts for n, v in part.gradient_segments().items()}
+
+    def fp32_values_by_name(self) -> dict[str, tuple[int, int, torch.Tensor]]:
+        return {n: v for part in self.parts for n, v in part.fp32_values_by_name().items()}
+
+    @property
+    def local_module(self) -> nn.Module:
+        return self._local
+
+    @property
+    def counts(self) -> Counter[str]:
+        return sum((Counter(part.counts) for part in self.parts), Counter())
+
+    @property
+    def peak_gathered_bytes(self) -> int | None:
+        peaks = [part.runtime.peak_gathered_bytes for part in self.parts if isinstance(part, FsdpAdam)]
+        return sum(peaks) if peaks else None
+
+    def state_params(self) -> int:
+        """Parameters this rank holds, at their local (TP-shard) sizes: `dp_state_bytes`' count."""
+        return sum(b.numel for part in self.parts for b in part.buckets)
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        return [t for part in self.parts for t in part.held_tensors()]
+
+    def note(self) -> str:
+        if len(self.parts) == 1:
+            return self.parts[0].note()
+        return (
+            f"optimizer: {len(self.parts)} model chunks on this rank, each with its own units: "
+            + " | ".join(
+                f"chunk {i}: {part.note().removeprefix('optimizer: ')}" for i, part in enumerate(self.parts)
+            )
         )
 
 

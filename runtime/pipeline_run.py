@@ -13,7 +13,11 @@ Training: forward + backward through the schedule, tied weights (GPT-2 embedding
 different stages) get their gradients summed between the two stages, DP replicas average gradients,
 then an Adam step (the optimizer the cost model assumes; with `plan.distributed_optimizer` the
 gradients are reduce-scattered, each replica updates its slice and the parameters are all-gathered:
-`runtime.data_parallel.DistributedAdam`). The report's notes say which schedule, how many chunks
+`runtime.data_parallel.DistributedAdam`; zero2 / fsdp: one `Zero2Adam` / `FsdpAdam` per model
+chunk, each chunk's layers and the parameters outside the layers it holds its units, fsdp chunks
+rewritten by `passes.fsdp.apply_fsdp` and loaded shard by shard, the gradient sums divided by
+dp x micro-batches: `runtime.data_parallel.ChunkedShardedAdam`; refused with parameters tied across
+stages). The report's notes say which schedule, how many chunks
 per rank and which optimizer ran. The model runs in the plan's dtype and,
 for training, in train mode; the checked step runs with dropout off, the timed ones with dropout on
 (`runtime.run_mode`).
@@ -26,13 +30,24 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from costmodels.memory import DataParallel, dp_state_bytes
 from passes.checkpoint import SafetensorsCheckpoint
+from passes.fsdp import apply_fsdp, load_fsdp_weights
 from passes.lower import lower_for_rank
 from passes.rng import dropout_disabled
 from passes.tensor_parallel import load_sharded_weights
+from planner.errors import InputError
 from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture, flat_inputs, retarget_device
-from runtime.data_parallel import args_share, batch_share, build_optimizer, unbatched_note
+from runtime.data_parallel import (
+    ChunkedShardedAdam,
+    args_share,
+    batch_share,
+    build_optimizer,
+    build_plan_optimizer,
+    state_bytes,
+    unbatched_note,
+)
 from runtime.job import RankReport, RankSetup, RunJob, time_steps
 from runtime.launch import RankContext
 from runtime.numerics import all_outputs
@@ -62,13 +77,27 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
     micro_args, micro_kwargs = args_share(setup.args, setup.kwargs, m, 0, setup.batch_dims)
     model = set_run_mode(setup.model_file.build("meta"), plan.dtype, training)  # no weight memory yet
     gm = capture(model, micro_args, micro_kwargs)
-    lowered = lower_for_rank(gm, analyse(gm), plan, ctx.rank, training=training)
+    structure = analyse(gm)
+    lowered = lower_for_rank(gm, structure, plan, ctx.rank, training=training)
     pp_group = groups.group("pp")
     del gm
+    sharded = training and plan.dp_style in (DataParallel.ZERO2, DataParallel.FSDP)
+    if sharded and lowered.tied:
+        raise InputError(
+            f"plan field 'dp_style' is {plan.dp_style} with pp={plan.pp} and parameters tied across stages "
+            f"({', '.join(f'{a}:{fa} ~ {b}:{fb}' for a, fa, b, fb in lowered.tied)}): their sharded gradients "
+            "cannot be summed between the stages; re-plan with --dp-style zero1 (or ddp), or --pp 1"
+        )
+    units = [layer.module_path for layer in structure.layers]  # ZeRO-2's and FSDP's wrapping units
     chunks = []  # this rank's stage, or its model chunks (virtual stages pp_rank, pp_rank + pp, ...)
     for chunk in lowered.chunks:
         # only this stage's parameters, and of those only this rank's TP shards, are materialised
-        load_sharded_weights(chunk, reference.weights, plan.splits, lowered.tp_rank, plan.tp)
+        if sharded and plan.dp_style is DataParallel.FSDP:
+            # each chunk's units its own: its layers, and the parameters outside them it holds
+            layout = apply_fsdp(chunk, units, plan.dp_shard, groups.shard_rank)
+            load_fsdp_weights(chunk, layout, reference.weights, plan.splits, lowered.tp_rank, plan.tp)
+        else:
+            load_sharded_weights(chunk, reference.weights, plan.splits, lowered.tp_rank, plan.tp)
         chunks.append(retarget_device(chunk, ctx.device).to(ctx.device))
     virtual = {c * plan.pp + lowered.pp_rank: chunk for c, chunk in enumerate(chunks)}
     params = [p for chunk in chunks for p in chunk.parameters()]
@@ -100,12 +129,17 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
         target_full = want.read("target").to(ctx.device)
         target = batch_share((target_full,), plan.dp, groups.dp_rank)[0]
         dp_group = groups.group("dp")
-        optimizer = build_optimizer(plan.distributed_optimizer, params, dp_group, plan.dp, groups.dp_rank)
+        if sharded:  # one ZeRO-2 / FSDP optimizer per chunk, its gradient sums divided by dp x m
+            parts = [build_plan_optimizer(plan, chunk, groups, units) for chunk in chunks]
+            optimizer = ChunkedShardedAdam(parts, chunks, m)
+        else:
+            optimizer = build_optimizer(plan.distributed_optimizer, params, dp_group, plan.dp, groups.dp_rank)
 
         def step() -> torch.Tensor | None:
             optimizer.zero_grad()
             loss = runner.train_step(stage_inputs, target=target if last else None)
-            sum_tied_gradients(virtual, lowered.tied, pp_group, plan.pp)
+            if not sharded:  # (refused above for sharded gradients)
+                sum_tied_gradients(virtual, lowered.tied, pp_group, plan.pp)
             optimizer.reduce_gradients()
             return loss
 
@@ -116,12 +150,25 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
         if last:  # the pipeline's loss (mean over the DP replicas) against the unsharded model's
             compare_loss(dp_mean(loss, plan.dp, dp_group), want, report)
             report.max_abs_diff = report.loss_diff
-        compare_gradients(chunks, reference, setup, report, owned=optimizer.owned_ranges())
+        if sharded:  # each element's mean gradient on the rank that holds it
+            compare_gradients(
+                chunks, reference, setup, report, owned={}, segments=optimizer.gradient_segments(),
+                local=optimizer.local_module,
+            )  # fmt: skip
+        else:
+            compare_gradients(chunks, reference, setup, report, owned=optimizer.owned_ranges())
         # the first optimizer step, against Adam's from the reference's gradients
         before = update_snapshot(chunks, optimizer)
         optimizer.step()
         compare_update(chunks, before, optimizer, reference, setup, report)
         del before
+        if sharded:  # the held state beside the memory model's, and the checked step's collectives
+            report.state_bytes = state_bytes(optimizer.held_tensors())
+            report.predicted_state_bytes = dp_state_bytes(
+                optimizer.state_params(), plan.dtype, plan.dp_style, plan.dp_shard
+            )
+            report.dp_collectives = dict(optimizer.counts)
+            report.gathered_peak_bytes = optimizer.peak_gathered_bytes
         for index, chunk in virtual.items():
             label = (
                 f"stage {index}" if len(chunks) == 1 else f"virtual stage {index} (pp rank {lowered.pp_rank})"

@@ -34,7 +34,7 @@ from passes.lower import RankLowering
 from passes.recompute import recompute_note
 from passes.rng import SHARDED_SEED_OFFSET, dropout_nodes, seed_sharded_rng
 from planner.errors import InputError
-from planner.plan import DataParallel, Plan, Recompute, Schedule
+from planner.plan import Plan, Recompute, Schedule
 
 STAGE_SEED_STRIDE = 100  # Megatron-LM: seed + 100 * pipeline rank
 
@@ -101,9 +101,11 @@ def check_plan_runs(plan: Plan, workload: str) -> None:
     """Raise InputError naming the plan field when the runtime cannot run `plan` as planned for
     `workload` ("forward" | "train"): 1F1B with fewer micro-batches than pipeline stages, interleaved
     1F1B with micro-batches that do not divide into its rounds (torch's `ScheduleInterleaved1F1B`
-    needs micro_batches % max(1, micro_batches // pp) == 0), a sharded `dp_style` on a workload
-    without an optimizer step, or zero2 / fsdp with pipeline stages (the pipeline runtime runs ddp and
-    zero1 only). Called before the ranks start and on every rank."""
+    needs micro_batches % max(1, micro_batches // pp) == 0), or a sharded `dp_style` on a workload
+    without an optimizer step. zero2 / fsdp with pipeline stages run (`runtime.pipeline_run`: each
+    model chunk's units its own); only tied parameters across stages are refused there, on the ranks
+    (`RankLowering.tied` is known once the graph is split). Called before the ranks start and on
+    every rank."""
     m, pp = plan.micro_batches, plan.pp
     if pp > 1 and plan.schedule == Schedule.ONE_F_ONE_B and m < pp:
         raise InputError(
@@ -116,12 +118,6 @@ def check_plan_runs(plan: Plan, workload: str) -> None:
             f"plan field 'micro_batches': the interleaved_1f1b schedule (torch.distributed.pipelining "
             f"ScheduleInterleaved1F1B) runs micro-batches in rounds of max(1, m // pp) = {rounds}, which must "
             f"divide m = {m}; re-plan with micro_batches a multiple of pp={pp}"
-        )
-    if pp > 1 and plan.dp_style in (DataParallel.ZERO2, DataParallel.FSDP) and workload == "train":
-        raise InputError(
-            f"plan field 'dp_style' is {plan.dp_style} with pp={pp}: the pipeline runtime shards only the optimizer "
-            "state (it would run zero1: full gradients summed over tied stages, then reduce-scattered), so it "
-            "cannot run the plan as priced; re-plan with --dp-style zero1 (or ddp), or --pp 1 for zero2 / fsdp"
         )
     if plan.distributed_optimizer and workload != "train":
         raise InputError(

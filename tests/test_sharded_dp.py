@@ -27,7 +27,7 @@ from planner.errors import InputError
 from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture
 from planner.frontend.modelfile import load_model_file
-from planner.plan import MeshShape
+from planner.plan import MeshShape, Schedule
 from runtime.data_parallel import Zero2Adam
 from runtime.execute import run_rank
 from runtime.job import RunJob, summarise
@@ -41,8 +41,10 @@ MODELS = Path(__file__).resolve().parent / "models"
 LLAMA4, LLAMA2 = "tiny_lm.py", "bf16_llama.py"  # tiny Llamas with 4 and 2 layers
 
 
-def _sharded(name: str, style: str, dp: int, shard: int, tp: int = 1, m: int = 1, batch: int = 4, **kw):
-    plan = _plan(name, tp=tp, dp=dp, batch_size=batch, workload="train", micro_batches=m)
+def _sharded(
+    name: str, style: str, dp: int, shard: int, tp: int = 1, m: int = 1, batch: int = 4, pp: int = 1, **kw
+):
+    plan = _plan(name, tp=tp, pp=pp, dp=dp, batch_size=batch, workload="train", micro_batches=m)
     return dataclasses.replace(plan, dp_style=style, dp_shard=shard, **kw)
 
 
@@ -106,6 +108,24 @@ FOUR_RANK = {
     "tp2_fsdp2": (LLAMA2, dict(style="fsdp", dp=2, shard=2, tp=2)),
     "hsdp_m2": (LLAMA2, dict(style="fsdp", dp=4, shard=2, m=2, batch=8)),
 }
+PIPELINED = {  # pp=2 x dp=2: each stage's (each chunk's) units its own
+    "pp2_fsdp2_m2": (LLAMA4, dict(style="fsdp", dp=2, shard=2, pp=2, m=2)),
+    "pp2_zero2_m2": (LLAMA4, dict(style="zero2", dp=2, shard=2, pp=2, m=2)),
+    "pp2v2_fsdp2_no_reshard": (
+        LLAMA4,
+        dict(
+            style="fsdp",
+            dp=2,
+            shard=2,
+            pp=2,
+            m=2,
+            reshard_after_forward=False,
+            schedule=Schedule.INTERLEAVED_1F1B,
+            virtual_stages=2,
+            stages=[[0, 2], [1, 3]],
+        ),
+    ),
+}
 WRONG = {"fsdp_wrong_mean": (LLAMA2, dict(style="fsdp", dp=2, shard=2)),
          "zero2_wrong_mean": (LLAMA2, dict(style="zero2", dp=2, shard=2))}  # fmt: skip
 
@@ -130,6 +150,11 @@ def two_rank(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def four_rank() -> dict:
     return _launch(FOUR_RANK, {}, 4)
+
+
+@pytest.fixture(scope="module")
+def pipelined() -> dict:
+    return _launch(PIPELINED, {"pp2_zero2_wrong_mean": PIPELINED["pp2_zero2_m2"]}, 4)
 
 
 def _assert_matches(label: str, plan, summary: dict) -> None:
@@ -180,6 +205,39 @@ def test_hsdp_and_tp_with_fsdp_match_the_unsharded_model_on_four_ranks(four_rank
                 label,
                 r["dp_collectives"],
             )
+
+
+@pytest.mark.slow
+def test_zero2_and_fsdp_with_pipeline_stages_match_the_unsharded_model(pipelined: dict) -> None:
+    """PP2 x FSDP2 and PP2 x ZeRO-2 (2 micro-batches, 1F1B) and interleaved PP2 x v2 x FSDP2: loss, every
+    gradient piece and the first step as the unsharded model's; per rank and micro-batch every unit of
+    each of its chunks (its layers, and the parameters outside the layers it holds) reduce-scattered
+    once and (fsdp) gathered once or twice; a gradient sum not divided by dp fails the check."""
+    for label in PIPELINED:
+        plan, summary = pipelined[label]
+        _assert_matches(label, plan, summary)
+        for r in summary["ranks"]:
+            c = r["dp_collectives"]
+            # 3 units a rank: stage 0 its 2 layers and the embedding, stage 1 its 2 layers and the norm
+            # and LM head (interleaved: a layer per chunk, the outside parameters on chunks 0 and 3)
+            n = 3
+            assert c["reduce_scatter"] == n * plan.micro_batches, (label, c)
+            if plan.dp_style == "zero2":
+                assert c["all_gather"] == plan.virtual_stages, (label, c)
+            else:
+                passes = 2 if plan.reshard_after_forward else 1
+                assert c["all_gather"] == passes * n * plan.micro_batches, (label, c)
+        for held in summary["measured"]["per_rank_state_bytes"]:
+            assert held == pytest.approx(summary["measured"]["predicted_state_bytes"], rel=2e-2), (
+                label,
+                held,
+            )
+    notes = [
+        x for x in pipelined["pp2v2_fsdp2_no_reshard"][1]["measured"]["notes"] if x.startswith("optimizer:")
+    ]
+    assert all("2 model chunks on this rank" in note for note in notes), notes
+    failures = check_failures(pipelined["pp2_zero2_wrong_mean"][1]["numerics"])
+    assert any(line.startswith("gradients") for line in failures), failures
 
 
 @pytest.mark.slow
@@ -360,9 +418,10 @@ def _rank_report(checked: SimpleNamespace):
     )  # fmt: skip
 
 
-def test_sharded_gradients_with_pipeline_stages_are_refused_before_any_rank_starts() -> None:
+def test_sharded_gradients_with_pipeline_stages_pass_the_run_check() -> None:
     for style in ("zero2", "fsdp"):
         plan = dataclasses.replace(_sharded(LLAMA2, style, dp=2, shard=2, m=2), mesh=MeshShape(1, 2, 2))
-        with pytest.raises(InputError, match=rf"plan field 'dp_style' is {style} with pp=2"):
-            check_plan_runs(plan, "train")
+        check_plan_runs(plan, "train")  # runs now (tied parameters across stages are refused on the ranks)
+        with pytest.raises(InputError, match=rf"plan field 'dp_style' is {style} but the run's workload"):
+            check_plan_runs(plan, "forward")
     check_plan_runs(_sharded(LLAMA2, "fsdp", dp=2, shard=2), "train")  # pp == 1 runs
