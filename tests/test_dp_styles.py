@@ -231,3 +231,20 @@ def test_burst_latency_round_trips_through_the_cluster_yaml() -> None:
     data["links"]["intra_node"]["burst_latency_us"] = -1
     with pytest.raises(InputError, match=r"links.intra_node.burst_latency_us"):
         parse_cluster(data, "test")
+
+
+def test_an_embedding_tied_across_stages_keeps_its_gradients_whole() -> None:
+    """GPT-2 ties its embedding to its LM head: with pipeline stages the two live on the first and
+    last stage, and sharded gradients (zero2, fsdp) of the one weight cannot be summed between them,
+    so the runtime refuses them: the search leaves them out there, and a pin says so in one line."""
+    from tests.planner_fixtures import analysed_gpt  # noqa: PLC0415
+
+    structure = analysed_gpt("124m")
+    assert structure.tied_lm_head
+    work = WorkloadSpec("train", 64, 1024, dtype="bf16")
+    plan = plan_model(structure, load_cluster("dgx-h100"), work, Constraints(pp=2, dp=4, dp_style=None))
+    assert plan.pp == 2 and not plan.dp_style.shards_gradients
+    with pytest.raises(InputError, match=r"--dp-style fsdp with --pp 2: the model ties its embedding"):
+        plan_model(structure, load_cluster("dgx-h100"), work, Constraints(pp=2, dp=4, dp_style="fsdp"))
+    alone = plan_model(structure, load_cluster("dgx-h100"), work, Constraints(pp=1, dp=8, dp_style="fsdp"))
+    assert alone.dp_style is DataParallel.FSDP

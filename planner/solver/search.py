@@ -314,6 +314,18 @@ def _enumerate(search: _Search, progress: Progress = silent) -> None:
         search.excluded += [exclusion for _, exclusion in whole_batch]
     if c.dp is not None and w.batch_size % c.dp:
         raise InputError(f"dp={c.dp} does not divide the batch size {w.batch_size}")
+    styles = c.dp_styles()
+    if (
+        w.train
+        and search.structure.tied_lm_head
+        and (c.pp or 1) > 1
+        and all(s.shards_gradients for s in styles)
+    ):
+        raise InputError(
+            f"--dp-style {styles[0]} with --pp {c.pp}: the model ties its embedding to its LM head, whose "
+            "sharded gradients on the first and last stage cannot be summed between the stages; use "
+            "--dp-style zero1 or ddp, or --pp 1"
+        )
     if c.dp_shard is not None:
         if not w.train:
             raise InputError(
@@ -339,7 +351,7 @@ def _enumerate(search: _Search, progress: Progress = silent) -> None:
                 for m in [1] if whole_batch else _micro_batch_options(search, pp, dp):
                     for schedule, v in _schedules_for(search, pp, m):
                         for sp in _sequence_parallel_options(search, tp):
-                            for style in _solved_styles(search, dp):
+                            for style in _solved_styles(search, mesh):
                                 config = MeshConfig(
                                     mesh, m, schedule, v, sp, style, c.dp_shard,
                                     c.reshard_after_forward is not False,
@@ -716,16 +728,25 @@ def _price_virtual_stages(search: _Search, cand: _Candidate) -> None:
             )
 
 
-def _solved_styles(search: _Search, dp: int) -> list[DataParallel]:
+def _solved_styles(search: _Search, mesh: MeshShape) -> list[DataParallel]:
     """The data-parallel styles a mesh's ILP is solved with: DDP without training or dp > 1; else one
     that keeps the parameters whole (ZeRO-1, else ZeRO-2, else DDP: those allowed) and FSDP, as the
-    constraints allow. The styles differ in memory (which recomputation and splits fit) and in how
-    much traffic hides; the others are priced on each solution (`_price_dp_styles`)."""
-    if not search.workload.train or dp == 1:
+    constraints allow and the runtime runs them (`_style_runs`). The styles differ in memory (which
+    recomputation and splits fit) and in how much traffic hides; the others are priced on each
+    solution (`_price_dp_styles`)."""
+    if not search.workload.train or mesh.dp == 1:
         return [DataParallel.DDP]
-    allowed = search.constraints.dp_styles()
+    allowed = [s for s in search.constraints.dp_styles() if _style_runs(search, mesh, s)]
     whole = [s for s in (DataParallel.ZERO1, DataParallel.ZERO2, DataParallel.DDP) if s in allowed]
     return whole[:1] + ([DataParallel.FSDP] if DataParallel.FSDP in allowed else [])
+
+
+def _style_runs(search: _Search, mesh: MeshShape, style: DataParallel) -> bool:
+    """Whether the runtime runs `style` on `mesh`: sharded gradients (zero2, fsdp) of a parameter tied
+    across pipeline stages (an embedding shared with the LM head) cannot be summed between the stages,
+    so those are left out of the plan space (the runtime refuses them)."""
+    tied = search.structure.tied_lm_head and mesh.pp > 1
+    return not (tied and style.shards_gradients and search.workload.train and mesh.dp > 1)
 
 
 # how much a data-parallel style asks of the runtime, for ties: ddp < zero1 < zero2 < fsdp < hsdp
@@ -752,7 +773,7 @@ def _price_dp_styles(search: _Search, cand: _Candidate) -> None:
 
     best = (score(cand.latency_s, config), cand.tables, cand.latency_s)
     for variant in dp_style_variants(config, search.constraints):
-        if variant == config:
+        if variant == config or not _style_runs(search, variant.mesh, variant.dp_style):
             continue
         tables = _price(search, variant).tables
         p = predict(tables, cand.solution.assignment).prediction
@@ -1000,6 +1021,7 @@ def _allowed(search: _Search, mesh: MeshShape, config: MeshConfig | None = None)
     if config is not None:
         pinned_ok = pinned_ok and c.sequence_parallel in (None, config.sequence_parallel)
         pinned_ok = pinned_ok and (not search.workload.train or mesh.dp == 1 or _dp_pins_hold(c, config))
+        pinned_ok = pinned_ok and _style_runs(search, mesh, config.dp_style)
         pinned_ok = pinned_ok and c.virtual_stages in (None, config.virtual_stages)
         pinned_ok = pinned_ok and c.recompute is None
         # a pinned --micro-batches (the baseline picks its own: `megatron_micro_batches`)
