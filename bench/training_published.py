@@ -118,11 +118,12 @@ def megatron(console: Console) -> list[tuple[str, float]]:
     return errors
 
 
-def narayanan(console: Console) -> list[tuple[str, float]]:
-    table = Table(title="Narayanan et al. 2021, Table 1 (A100, 2021 software): predicted vs published step")
+def _table(title: str, *first: str) -> Table:
+    """A right-aligned table with the columns `first`, then the published and predicted TFLOP/s and
+    step and the error."""
+    table = Table(title=title)
     for col in (
-        "model",
-        "layout",
+        *first,
         "published TFLOP/s",
         "predicted TFLOP/s",
         "published step",
@@ -130,6 +131,13 @@ def narayanan(console: Console) -> list[tuple[str, float]]:
         "error",
     ):
         table.add_column(col, justify="right")
+    return table
+
+
+def narayanan(console: Console) -> list[tuple[str, float]]:
+    table = _table(
+        "Narayanan et al. 2021, Table 1 (A100, 2021 software): predicted vs published step", "model", "layout"
+    )
     errors = []
     for row in ROWS:
         name, _, _, gpus, batch, published = row
@@ -150,17 +158,7 @@ def llama_405b(console: Console) -> list[tuple[str, float]]:
     gpus = LLAMA_405B["tp"] * LLAMA_405B["pp"] * LLAMA_405B["dp"]
     published_s = p.model_flops / (LLAMA_405B["published_tflops"] * 1e12 * gpus)
     error = p.latency_s / published_s - 1
-    table = Table(title="Llama-3-405B (Dubey et al. 2024, Table 4): predicted vs published step")
-    for col in (
-        "layout",
-        "plan",
-        "published TFLOP/s",
-        "predicted TFLOP/s",
-        "published step",
-        "predicted step",
-        "error",
-    ):
-        table.add_column(col, justify="right")
+    table = _table("Llama-3-405B (Dubey et al. 2024, Table 4): predicted vs published step", "layout", "plan")
     recompute = "/".join(sorted({str(r) for r in plan.recompute.values()}))
     table.add_row(
         plan.mesh.label(), f"m={plan.micro_batches} {plan.schedule} v={plan.virtual_stages} rc={recompute} dp={plan.dp_style_text()}",

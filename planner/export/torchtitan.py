@@ -123,38 +123,33 @@ def _data_parallel(plan: Plan, version: str, warnings: list[str]) -> tuple[int, 
         # torchtitan/models/llama3/infra/parallelize.py). 0.3 replicates through fully_shard's replicate
         # mesh dimension with any other axis.
         if version == "0.2" and plan.dp > 1 and (plan.tp > 1 or plan.pp > 1):
-            form = nearest_dp_form(plan, ["fsdp-noreshard", "fsdp"], "fsdp-noreshard")
-            policy = RESHARD_POLICY[not form.endswith("-noreshard")]
-            warnings.append(
-                dp_substitute_warning(
-                    plan,
-                    "torchtitan 0.2",
-                    'DDP with TP or PP (its parallelize raises "DDP has not supported > 1D parallelism")',
-                    form,
-                    f"FSDP over the {plan.dp} data-parallel ranks (data_parallel_shard_degree "
-                    f'{plan.dp}, fsdp_reshard_after_forward "{policy}")',
-                )
-                + "; torchtitan 0.3 replicates them as planned"
-            )
+            missing = 'DDP with TP or PP (its parallelize raises "DDP has not supported > 1D parallelism")'
+            policy = _as_fsdp(plan, "torchtitan 0.2", missing, "", warnings)
+            warnings[-1] += "; torchtitan 0.3 replicates them as planned"
             return 1, plan.dp, policy
         return plan.dp, 1, None
     if plan.dp_style is DataParallel.FSDP:
         return plan.dp_replicate, plan.dp_shard, RESHARD_POLICY[plan.reshard_after_forward]
     # ZeRO-1 / ZeRO-2: FSDP over every data-parallel rank, the parameters kept whole from forward to
     # backward or resharded, whichever the plan priced nearer its own style
-    form = nearest_dp_form(plan, ["fsdp-noreshard", "fsdp"], "fsdp-noreshard")
-    policy = RESHARD_POLICY[not form.endswith("-noreshard")]
-    warnings.append(
-        dp_substitute_warning(
-            plan,
-            "torchtitan",
-            ZERO_NAMES[plan.dp_style],
-            form,
-            f"FSDP over the {plan.dp} data-parallel ranks (data_parallel_shard_degree "
-            f'{plan.dp}, fsdp_reshard_after_forward "{policy}"), which shards the parameters too',
-        )
+    policy = _as_fsdp(
+        plan, "torchtitan", ZERO_NAMES[plan.dp_style], ", which shards the parameters too", warnings
     )
     return 1, plan.dp, policy
+
+
+def _as_fsdp(plan: Plan, tool: str, missing: str, extra: str, warnings: list[str]) -> str:
+    """The plan's style exported as FSDP over every data-parallel rank, resharded after forward or not,
+    whichever the plan priced nearer its own (`nearest_dp_form`): the policy, with its warning appended
+    to `warnings` (`dp_substitute_warning`: what `tool` lacks, `missing`; `extra` ends the form's text)."""
+    form = nearest_dp_form(plan, ["fsdp-noreshard", "fsdp"], "fsdp-noreshard")
+    policy = RESHARD_POLICY[not form.endswith("-noreshard")]
+    text = (
+        f"FSDP over the {plan.dp} data-parallel ranks (data_parallel_shard_degree "
+        f'{plan.dp}, fsdp_reshard_after_forward "{policy}"){extra}'
+    )
+    warnings.append(dp_substitute_warning(plan, tool, missing, form, text))
+    return policy
 
 
 def _model_parts(plan: Plan, version: str) -> list[list[str]]:
