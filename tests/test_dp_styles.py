@@ -244,6 +244,8 @@ def test_an_embedding_tied_across_stages_keeps_its_gradients_whole() -> None:
     work = WorkloadSpec("train", 64, 1024, dtype="bf16")
     plan = plan_model(structure, load_cluster("dgx-h100"), work, Constraints(pp=2, dp=4, dp_style=None))
     assert plan.pp == 2 and not plan.dp_style.shards_gradients
+    why = next(d for d in plan.decisions if d.subject == "data-parallel")
+    assert why.options["fsdp"] == why.options["zero2"] == float("inf") and "tied to the LM head" in why.reason
     with pytest.raises(InputError, match=r"--dp-style fsdp with --pp 2: the model ties its embedding"):
         plan_model(structure, load_cluster("dgx-h100"), work, Constraints(pp=2, dp=4, dp_style="fsdp"))
     alone = plan_model(structure, load_cluster("dgx-h100"), work, Constraints(pp=1, dp=8, dp_style="fsdp"))

@@ -252,12 +252,15 @@ def training_decisions(
     cap_bytes: float,
     price_config: Callable[[MeshConfig], CostTables],
     constraints: Constraints | None = None,
+    runs: Callable[[MeshConfig], bool] | None = None,
 ) -> list[Decision]:
     """Training: the step time of the plan with each alternative of sequence parallelism, activation
-    recomputation (per layer class), pipeline schedule and v, and the distributed optimizer, the rest
-    unchanged (strategies, and stages unless the schedule changes them); inf: does not fit `cap_bytes`
-    per device, or not possible on this mesh, which the reason says. `price_config` prices the model on
-    another `MeshConfig`; `constraints`: what the user pinned (the reason names the option)."""
+        recomputation (per layer class), pipeline schedule and v, and the distributed optimizer, the rest
+        unchanged (strategies, and stages unless the schedule changes them); inf: does not fit `cap_bytes`
+        per device, or not possible on this mesh, which the reason says. `price_config` prices the model on
+        another `MeshConfig`; `constraints`: what the user pinned (the reason names the option); `runs`:
+    whether the runtime runs a data-parallel style on the mesh (those it does not are shown as not
+    allowed)."""
     tables, assignment = priced.tables, priced.assignment
     ctx = tables.ctx
     if not ctx.train:
@@ -346,7 +349,7 @@ def training_decisions(
         out.append(Decision("schedule", chosen, options, reason + fit_note()))
     # data-parallel style
     if mesh.dp > 1:
-        out.append(_dp_style_decision(tables, assignment, c, price_config, cap_bytes))
+        out.append(_dp_style_decision(tables, assignment, c, price_config, cap_bytes, runs))
     return out
 
 
@@ -356,6 +359,7 @@ def _dp_style_decision(
     c: Constraints,
     price_config: Callable[[MeshConfig], CostTables],
     cap_bytes: float,
+    runs: Callable[[MeshConfig], bool] | None = None,
 ) -> Decision:
     """The step time of every data-parallel style the constraints allow (`dp_style_variants`), the rest
     of the plan unchanged (inf: does not fit); the reason gives each one's peak memory per rank."""
@@ -363,8 +367,13 @@ def _dp_style_decision(
     options: dict[str, float] = {}
     memory: list[str] = []
     peaks: dict[str, float] = {}
+    refused: list[str] = []
     for variant in dp_style_variants(config, c):
         name = variant.dp_label()
+        if runs is not None and not runs(variant):
+            options[name] = math.inf
+            refused.append(name)
+            continue
         alt = tables if variant == config else price_config(variant)
         p = predict(alt, assignment).prediction
         options[name] = p.latency_s if p.peak_memory_bytes <= cap_bytes else math.inf
@@ -384,4 +393,9 @@ def _dp_style_decision(
     ]  # fmt: skip
     reason = what + (f"; pinned by {' '.join(pinned)}" if pinned else "")
     reason += f"; peak memory per rank, GiB: {', '.join(memory)} (usable {cap_bytes / _GIB:.1f})"
+    if refused:
+        reason += (
+            f"; not allowed: {', '.join(refused)} (the embedding tied to the LM head across pipeline stages "
+            "keeps its gradients whole)"
+        )
     return Decision("data-parallel", config.dp_label(), options, reason, peaks)

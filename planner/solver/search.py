@@ -925,7 +925,13 @@ def _make_plan(search: _Search, best: _Candidate | None, model_name: str) -> Pla
                 "not the solver's; each op's row below has that one option",
             )
         )
-    decisions += training_decisions(chosen, search.cap_bytes, _alternative_tables(search), search.constraints)
+    decisions += training_decisions(
+        chosen,
+        search.cap_bytes,
+        _alternative_tables(search),
+        search.constraints,
+        runs=lambda config: _style_runs(search, config.mesh, config.dp_style),
+    )
     decisions += strategy_decisions(chosen)
     decisions += ladder_decision(chosen, search.ladder, search.constraints.ladder_min_saving_fraction)
     plan = _plan_of(search, chosen, model_name, SolverInfo(sol.status, sol.objective, sol.gap, search.solver_time_s, sol.num_variables))  # fmt: skip
