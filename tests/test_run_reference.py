@@ -179,10 +179,10 @@ def test_ranks_hold_only_their_shards_and_report_their_real_peak() -> None:
         assert all(r["notes"] == [] for r in summary["ranks"])  # the reference was not built on a rank
     full_bytes = 2 * 65536 * 128 * 4 - 2 * 256 * 128 * 4  # the vocabulary's weights, unsharded
     grown = peaks["fullload_bigvocab.py"] - peaks["fullload_smallvocab.py"]
-    # the shard (half) plus up to 20 MiB of the runtime's working memory (the rank reads its shards
-    # into its own memory: 42-50 MiB measured), under the whole vocabulary (64 MiB) that a rank
-    # holding the unsharded model would add at least
-    assert 0.4 * full_bytes < grown < 0.5 * full_bytes + 20 * _MiB < full_bytes, (grown / _MiB, peaks)
+    # the shard (half) plus up to 24 MiB of the runtime's working memory (the rank reads its shards
+    # into its own memory: 42-52 MiB measured, ranks forked by the fork server, two pytest workers),
+    # under the whole vocabulary (64 MiB) that a rank holding the unsharded model would add at least
+    assert 0.4 * full_bytes < grown < 0.5 * full_bytes + 24 * _MiB < full_bytes, (grown / _MiB, peaks)
     for name, peak in peaks.items():  # the process's real peak: torch and the process group included
         assert peak > startup[name] > 50 * _MiB, (name, peak, startup[name])
 
