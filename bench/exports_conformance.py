@@ -395,6 +395,22 @@ def _megatron_dp_label(args) -> str:
     return _dp_label(dp // instances, instances, True)
 
 
+def _titan_mesh_checks(facts: dict, dims: object, par: object) -> list[dict]:
+    """The checks of torchtitan's parallel dims against the plan's mesh and data-parallel style (both
+    releases' ParallelDims)."""
+    return [
+        _check("tp", facts["tp"], dims.tp),
+        _check("pp", facts["pp"], dims.pp),
+        _check("dp (replicate x shard)", facts["dp"], dims.dp_replicate * dims.dp_shard),
+        _check(
+            "data-parallel style",
+            facts["dp_label"],
+            _titan_dp_label(dims.dp_shard, dims.dp_replicate, par.fsdp_reshard_after_forward, dims.pp),
+            DP_HINT,
+        ),
+    ]
+
+
 def _titan_dp_label(shard: int, replicate: int, policy: str, pp: int) -> str:
     """torchtitan's data-parallel layout in the planner's labels; its reshard policy resolved as its
     get_fsdp_reshard_after_forward_policy does ("default": reshard unless pipeline parallel)."""
@@ -618,15 +634,7 @@ def check_torchtitan_03(items: list[dict]) -> list[dict]:
             continue
         res["accepted"] = all(f["ok"] for f in res["fields"])
         res["checks"] += [
-            _check("tp", facts["tp"], dims.tp),
-            _check("pp", facts["pp"], dims.pp),
-            _check("dp (replicate x shard)", facts["dp"], dims.dp_replicate * dims.dp_shard),
-            _check(
-                "data-parallel style",
-                facts["dp_label"],
-                _titan_dp_label(dims.dp_shard, dims.dp_replicate, par.fsdp_reshard_after_forward, dims.pp),
-                DP_HINT,
-            ),
+            *_titan_mesh_checks(facts, dims, par),
             _check(
                 "sequence parallel",
                 facts["sequence_parallel"],
@@ -720,15 +728,7 @@ def check_torchtitan_02(items: list[dict]) -> list[dict]:
         if logs and not mixed:
             res["notes"].append(f"torchtitan logs: {logs[0]}; training.dtype = {config.training.dtype}")
         res["checks"] += [
-            _check("tp", facts["tp"], dims.tp),
-            _check("pp", facts["pp"], dims.pp),
-            _check("dp (replicate x shard)", facts["dp"], dims.dp_replicate * dims.dp_shard),
-            _check(
-                "data-parallel style",
-                facts["dp_label"],
-                _titan_dp_label(dims.dp_shard, dims.dp_replicate, par.fsdp_reshard_after_forward, dims.pp),
-                DP_HINT,
-            ),
+            *_titan_mesh_checks(facts, dims, par),
             _check(
                 "sequence parallel", facts["sequence_parallel"], dims.tp > 1, "always runs sequence parallel"
             ),
