@@ -365,12 +365,23 @@ class Plan:
     # the ranks each sharded state is split over (1 for ddp; dp for zero1 / zero2; a divisor of dp
     # for fsdp, HSDP when below dp: replicated over dp / dp_shard groups); reshard_after_forward: fsdp
     # frees each unit's gathered parameters after its forward and gathers them again for its backward.
+    # Communication overlap (each priced as the part of its traffic compute cannot hide):
+    # tp_comm_overlap: each TP block's collectives are cut into chunks along the tokens so that a chunk's
+    # transfer runs while the next chunk's GEMM computes (Megatron-LM --tp-comm-overlap, torchtitan's
+    # async TP); overlap_grad_reduce: training, dp > 1, the data-parallel gradient reduction is issued
+    # per bucket (a layer) from the backward as each bucket's gradients are ready (PyTorch DDP's
+    # reducer, Megatron-LM --overlap-grad-reduce); overlap_param_gather: zero1 / zero2, the parameter
+    # all-gather after the optimizer step is issued per bucket without waiting and each bucket is
+    # waited for just before its first use in the next forward (Megatron-LM --overlap-param-gather).
     virtual_stages: int = 1
     sequence_parallel: bool = False
     recompute: dict[str, Recompute] = field(default_factory=dict)
     dp_style: DataParallel = DataParallel.DDP
     dp_shard: int = 1
     reshard_after_forward: bool = True
+    tp_comm_overlap: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
     # parameters of the model the plan was made for (0: a plan written before this field): `planner run`
     # refuses a model file whose parameter count differs (it changed since planning)
     model_params: int = 0
@@ -465,6 +476,9 @@ class Plan:
             "dp_shard": self.dp_shard,
             "dp_replicate": self.dp_replicate,
             "reshard_after_forward": self.reshard_after_forward,
+            "tp_comm_overlap": self.tp_comm_overlap,
+            "overlap_grad_reduce": self.overlap_grad_reduce,
+            "overlap_param_gather": self.overlap_param_gather,
         }
 
     def recompute_by_layer(self) -> dict[int, str] | None:
@@ -548,7 +562,7 @@ class Plan:
     DECISION_FIELDS = (
         "workload", "batch_size", "seq_len", "context", "micro_batches", "dtype", "mesh", "splits", "stages",
         "ladder_layers", "schedule", "virtual_stages", "sequence_parallel", "recompute", "dp_style",
-        "dp_shard", "reshard_after_forward",
+        "dp_shard", "reshard_after_forward", "tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather",
     )  # fmt: skip
 
     def decisions_digest(self) -> str:
@@ -627,6 +641,22 @@ class Plan:
                 "dp_shard",
                 f"is {self.dp_shard} but dp_style {self.dp_style} shards over every data-parallel rank: set "
                 f"dp_shard: {dp} (only fsdp shards over fewer, as HSDP)",
+            )
+        if self.overlap_grad_reduce and (self.workload != "train" or dp == 1):
+            raise bad(
+                "overlap_grad_reduce",
+                f"is true, but there is no data-parallel gradient reduction to overlap (workload {self.workload}, "
+                f"mesh.dp={dp}): set it to false",
+            )
+        if self.overlap_param_gather and (
+            self.workload != "train"
+            or dp == 1
+            or self.dp_style not in (DataParallel.ZERO1, DataParallel.ZERO2)
+        ):
+            raise bad(
+                "overlap_param_gather",
+                f"is true, but only zero1 / zero2 training with dp > 1 all-gathers the parameters after the step "
+                f"(dp_style {self.dp_style}, mesh.dp={dp}; fsdp prefetches its gathers anyway): set it to false",
             )
         if self.workload == "decode" and self.context < 1:
             raise bad(

@@ -141,6 +141,18 @@ def build_parser() -> argparse.ArgumentParser:
             "--reshard-after-forward",
             "training, fsdp: free each layer's gathered parameters after its forward",
         ),
+        (
+            "--tp-comm-overlap",
+            "TP > 1: cut each block's TP collectives into chunks that overlap the GEMMs beside them",
+        ),
+        (
+            "--overlap-grad-reduce",
+            "training, DP > 1: reduce gradients per layer bucket during the backward",
+        ),
+        (
+            "--overlap-param-gather",
+            "training, zero1/zero2: wait for each layer's parameter all-gather at its first use",
+        ),
     ):
         opt.add_argument(
             flag, default="auto", choices=["auto", "on", "off"], help=f"{what} (auto: priced both ways)"
@@ -355,6 +367,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
                 ("--distributed-optimizer", args.distributed_optimizer),
                 ("--dp-style", args.dp_style),
                 ("--reshard-after-forward", args.reshard_after_forward),
+                ("--overlap-grad-reduce", args.overlap_grad_reduce),
+                ("--overlap-param-gather", args.overlap_param_gather),
             )
             if value != "auto"
         ]
@@ -362,6 +376,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             _warn([f"{', '.join(ignored)} had no effect: training options apply to --workload train only"])
             args.recompute = args.sequence_parallel = args.distributed_optimizer = "auto"  # as said: ignored
             args.dp_style = args.reshard_after_forward = "auto"
+            args.overlap_grad_reduce = args.overlap_param_gather = "auto"
 
     with _bars(args) as bars:
         nproc = args.nproc
@@ -1010,6 +1025,9 @@ def _training_options(args: argparse.Namespace) -> dict:
         "dp_style": None if args.dp_style == "auto" else args.dp_style,
         "dp_shard": args.dp_shard,
         "reshard_after_forward": on_off(args.reshard_after_forward),
+        "tp_comm_overlap": on_off(args.tp_comm_overlap),
+        "overlap_grad_reduce": on_off(args.overlap_grad_reduce),
+        "overlap_param_gather": on_off(args.overlap_param_gather),
     }
 
 

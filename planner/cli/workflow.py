@@ -337,6 +337,9 @@ def constraints_from(
     dp_style: str | None = None,
     dp_shard: int | None = None,
     reshard_after_forward: bool | None = None,
+    tp_comm_overlap: bool | None = None,
+    overlap_grad_reduce: bool | None = None,
+    overlap_param_gather: bool | None = None,
 ) -> Constraints:
     """Constraints from CLI options (`--ladder` read by `LadderPolicy.parse`; None: the search chooses;
     with `dp_shard` (--dp-shard) a given `dp` is the replicate degree: the mesh has dp x dp_shard DP ranks;
@@ -350,7 +353,8 @@ def constraints_from(
         tp=tp, pp=pp, dp=dp, ladder=policy, max_devices=max_devices, schedule=schedule,
         virtual_stages=virtual_stages, recompute=recompute, sequence_parallel=sequence_parallel,
         distributed_optimizer=distributed_optimizer, layout=layout, dp_style=dp_style, dp_shard=dp_shard,
-        reshard_after_forward=reshard_after_forward,
+        reshard_after_forward=reshard_after_forward, tp_comm_overlap=tp_comm_overlap,
+        overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
     )  # fmt: skip
 
 

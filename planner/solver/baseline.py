@@ -193,7 +193,8 @@ def megatron_configs(
     as PP with DP over the rest, fewest stages first (the caller keeps the first that fits memory).
     Training: sequence parallel (TP > 1, where every layer's sequence divides by TP, as Megatron-LM
     requires: not a ViT's 17 patch and class tokens at TP 2), interleaved 1F1B (`megatron_virtual_stages`), distributed
-    optimizer (DP > 1). The expert's layout, whatever the user pins for the search.
+    optimizer (DP > 1), and the communication overlap Megatron-LM's published runs use (TP overlap
+    with sequence parallelism, gradient reduction and parameter gather overlap with DP > 1). The expert's layout, whatever the user pins for the search.
     `max_devices`: the hand-written plan gets the same device cap as the search."""
     if max_devices is not None and max_devices < cluster.num_devices:
         per_node = min(cluster.devices_per_node, max_devices)
@@ -240,7 +241,12 @@ def _expert_training(
         chosen = Schedule.ONE_F_ONE_B if m >= mesh.pp else Schedule.GPIPE
     sp = mesh.tp > 1 and sequence_divides
     style = DataParallel.ZERO1 if mesh.dp > 1 else DataParallel.DDP  # --use-distributed-optimizer
-    return MeshConfig(mesh, m, chosen, v, sequence_parallel=sp, dp_style=style)
+    # what Megatron-Core's published H100 runs turn on (its README's weak-scaling table:
+    # --tp-comm-overlap, which needs sequence parallelism, --overlap-grad-reduce, --overlap-param-gather)
+    return MeshConfig(
+        mesh, m, chosen, v, sequence_parallel=sp, dp_style=style, tp_comm_overlap=sp,
+        overlap_grad_reduce=mesh.dp > 1, overlap_param_gather=mesh.dp > 1,
+    )  # fmt: skip
 
 
 # torchtitan's published Llama 3 recipes (pytorch/torchtitan, torchtitan/models/llama3/train_configs/:

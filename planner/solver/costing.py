@@ -244,6 +244,22 @@ class CostContext:
         return self.dp_style is DataParallel.FSDP and self.config.reshard_after_forward
 
     @property
+    def tp_comm_overlap(self) -> bool:
+        """TP collectives run in chunks under the GEMMs beside them, and that means something (tp > 1)."""
+        return self.config.tp_comm_overlap and self.mesh.tp > 1
+
+    @property
+    def overlap_grad_reduce(self) -> bool:
+        """Gradient reduction per bucket during the backward (training, dp > 1, ddp / zero1 / zero2)."""
+        styles = (DataParallel.DDP, DataParallel.ZERO1, DataParallel.ZERO2)
+        return self.config.overlap_grad_reduce and self.train and self.mesh.dp > 1 and self.dp_style in styles
+
+    @property
+    def overlap_param_gather(self) -> bool:
+        """zero1 / zero2: the parameter all-gather waited for per bucket in the next forward."""
+        return self.config.overlap_param_gather and self.dp_style in (DataParallel.ZERO1, DataParallel.ZERO2)
+
+    @property
     def bytes_per_element(self) -> int:
         return DTYPE_BYTES[self.dtype]
 

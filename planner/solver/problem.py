@@ -83,6 +83,12 @@ class MeshConfig:
     dp_style: DataParallel = DataParallel.DDP
     dp_shard: int | None = None  # ranks each sharded state is split over; None: every DP rank
     reshard_after_forward: bool = True  # fsdp: gather each unit again for its backward
+    # communication overlap (`planner.plan.Plan`'s fields of the same names): TP collectives in chunks
+    # under the GEMMs beside them; DP gradient reduction per bucket during backward; zero1 / zero2
+    # parameter all-gather per bucket, waited for at its first use in the next forward
+    tp_comm_overlap: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
 
     @property
     def num_devices(self) -> int:
@@ -112,7 +118,16 @@ class MeshConfig:
         parts = [f"{self.schedule} v={self.virtual_stages}"] if self.virtual_stages > 1 else []
         parts += ["sp"] if self.sequence_parallel else []
         parts += [self.dp_label()] if self.dp_style is not DataParallel.DDP else []
+        parts += [name for name, on in self.overlap_flags().items() if on]
         return ", ".join(parts)
+
+    def overlap_flags(self) -> dict[str, bool]:
+        """The communication-overlap choices by their Megatron-LM flag names (without dashes)."""
+        return {
+            "tp-comm-overlap": self.tp_comm_overlap,
+            "overlap-grad-reduce": self.overlap_grad_reduce,
+            "overlap-param-gather": self.overlap_param_gather,
+        }
 
     def label(self) -> str:
         """'tp=8 pp=2 dp=1 m=4', with the layout in brackets when there is one (as `MeshCandidate.label`)."""
@@ -273,6 +288,11 @@ class Constraints:
     dp_style: DataParallel | None = None
     dp_shard: int | None = None  # --dp-shard: FSDP / HSDP shard degree; None: the search chooses
     reshard_after_forward: bool | None = None  # --reshard-after-forward on|off; None: the search chooses
+    # communication overlap (--tp-comm-overlap, --overlap-grad-reduce, --overlap-param-gather on|off);
+    # None: the search chooses (priced both ways)
+    tp_comm_overlap: bool | None = None
+    overlap_grad_reduce: bool | None = None
+    overlap_param_gather: bool | None = None
     tp_across_nodes: bool = False  # consider TP groups larger than a node (off: TP stays in a node)
     memory_fraction: float = 0.9  # share of device memory plans may use (rest: runtime, fragmentation)
     time_limit_s: float = 10.0  # CBC time limit per ILP
@@ -411,6 +431,35 @@ def dp_style_variants(config: MeshConfig, constraints: Constraints) -> list[Mesh
                     )  # fmt: skip
                 )
     return out or [config]
+
+
+def overlap_variants(config: MeshConfig, constraints: Constraints, train: bool) -> list[MeshConfig]:
+    """`config` with every combination of the communication-overlap choices that means something on
+    its mesh and the constraints allow: TP overlap with tp > 1; gradient reduction overlap when
+    training with dp > 1 and ddp, zero1 or zero2 (fsdp's reduce-scatters always run from the backward,
+    unit by unit); parameter-gather overlap with zero1 / zero2. Pinned ones as pinned."""
+
+    def choices(pinned: bool | None, meaningful: bool) -> list[bool]:
+        if not meaningful:
+            return [False]
+        return [pinned] if pinned is not None else [False, True]
+
+    dp_train = train and config.mesh.dp > 1
+    tp = choices(constraints.tp_comm_overlap, config.mesh.tp > 1)
+    grad = choices(
+        constraints.overlap_grad_reduce,
+        dp_train and config.dp_style in (DataParallel.DDP, DataParallel.ZERO1, DataParallel.ZERO2),
+    )
+    gather = choices(
+        constraints.overlap_param_gather,
+        dp_train and config.dp_style in (DataParallel.ZERO1, DataParallel.ZERO2),
+    )
+    return [
+        dataclasses.replace(config, tp_comm_overlap=t, overlap_grad_reduce=g, overlap_param_gather=a)
+        for t in tp
+        for g in grad
+        for a in gather
+    ]
 
 
 def _power_divisors(n: int) -> list[int]:

@@ -90,6 +90,7 @@ from planner.solver.problem import (
     MeshConfig,
     WorkloadSpec,
     dp_style_variants,
+    overlap_variants,
 )
 
 __all__ = ["Constraints", "WorkloadSpec", "plan_model"]
@@ -355,6 +356,8 @@ def _enumerate(search: _Search, progress: Progress = silent) -> None:
                                 config = MeshConfig(
                                     mesh, m, schedule, v, sp, style, c.dp_shard,
                                     c.reshard_after_forward is not False,
+                                    c.tp_comm_overlap is True, c.overlap_grad_reduce is True,
+                                    c.overlap_param_gather is True,
                                 )  # fmt: skip
                                 progress(
                                     f"pricing mesh candidate {len(search.candidates) + 1}: {config.label()}",
@@ -760,19 +763,23 @@ def _dp_level(config: MeshConfig) -> int:
 
 
 def _price_dp_styles(search: _Search, cand: _Candidate) -> None:
-    """A solved training candidate priced with every data-parallel style its constraints allow on the
-    same strategies, stages and recomputation (`dp_style_variants`): keep the fastest that fits memory,
-    a style asking more of the runtime (`_DP_LEVEL`) only when it saves `FEATURE_MIN_SAVING` per level."""
+    """A solved candidate priced with every data-parallel style (training) and communication-overlap
+    choice its constraints allow on the same strategies, stages and recomputation (`dp_style_variants`
+    x `overlap_variants`): keep the fastest that fits memory, a variant asking more of the runtime
+    (`_dp_level`, one more per overlap) only when it saves `FEATURE_MIN_SAVING` per level."""
     config = cand.config
-    if not search.workload.train or config.mesh.dp == 1:
-        return
+    train = search.workload.train
     assert cand.solution is not None and cand.solution.assignment is not None and cand.latency_s is not None
 
     def score(latency_s: float, c: MeshConfig) -> float:
-        return latency_s * (1 + FEATURE_MIN_SAVING * _dp_level(c))
+        return latency_s * (1 + FEATURE_MIN_SAVING * (_dp_level(c) + _overlap_level(c)))
 
+    styles = dp_style_variants(config, search.constraints) if train and config.mesh.dp > 1 else [config]
+    variants = [v for style in styles for v in overlap_variants(style, search.constraints, train)]
     best = (score(cand.latency_s, config), cand.tables, cand.latency_s)
-    for variant in dp_style_variants(config, search.constraints):
+    if config not in variants:  # the solved config is not allowed as it stands (a pinned overlap)
+        best = (math.inf, cand.tables, cand.latency_s)
+    for variant in variants:
         if variant == config or not _style_runs(search, variant.mesh, variant.dp_style):
             continue
         tables = _price(search, variant).tables
@@ -780,6 +787,11 @@ def _price_dp_styles(search: _Search, cand: _Candidate) -> None:
         if p.peak_memory_bytes <= search.cap_bytes and score(p.latency_s, variant) < best[0]:
             best = (score(p.latency_s, variant), tables, p.latency_s)
     cand.tables, cand.latency_s = best[1], best[2]
+
+
+def _overlap_level(config: MeshConfig) -> int:
+    """How many communication-overlap choices a candidate turns on (each asks more of the runtime)."""
+    return sum(config.overlap_flags().values())
 
 
 def _features(config: MeshConfig) -> int:
@@ -973,6 +985,9 @@ def _plan_of(search: _Search, priced: PricedAssignment, model_name: str, solver:
         dp_shard=tables.ctx.shard_degree,
         reshard_after_forward=tables.ctx.reshard_after_forward
         or tables.ctx.dp_style is not DataParallel.FSDP,
+        tp_comm_overlap=tables.ctx.tp_comm_overlap,
+        overlap_grad_reduce=tables.ctx.overlap_grad_reduce,
+        overlap_param_gather=tables.ctx.overlap_param_gather,
         token_model=s.token_model,
         unpriced_ops=s.unknown_ops,
         model_params=int(s.num_params),

@@ -171,6 +171,9 @@ def plan_prediction(
         plan.dp_style,
         None if plan.dp_shard == plan.dp else plan.dp_shard,
         plan.reshard_after_forward,
+        plan.tp_comm_overlap,
+        plan.overlap_grad_reduce,
+        plan.overlap_param_gather,
     )
     cluster = cluster_for_ranks(cluster, plan.mesh.num_devices)  # time-shared only by ranks that run
     tables = build_cost_tables(CostContext(structure, cluster, workload, config, plan.dtype))
