@@ -8,7 +8,9 @@ The one sequence every caller uses (`planner optimize --emit`, `--run`, the pipe
    the plan's `splits`, degree `plan.tp`), with sequence parallelism when `plan.sequence_parallel`
    (the stream between TP blocks sharded along the sequence; reduce-scatter / all-gather instead of
    all-reduce);
-2. ladder residual on the plan's `ladder_layers` (`passes.ladder.apply_ladder`);
+2. ladder residual on the plan's `ladder_layers` (`passes.ladder.apply_ladder`), then, with
+   `plan.tp_comm_overlap`, each TP block's collectives cut into chunks that overlap its GEMMs
+   (`passes.tp_overlap.apply_tp_overlap`);
 3. pipeline split at the last layer of each stage (`passes.pipeline.split_stages`), keeping the
    rank's stage (pp > 1 only). With the interleaved schedule (`plan.virtual_stages` = v > 1) the graph
    is split into pp * v virtual stages (`Plan.virtual_stage_layers`) and the rank keeps its v chunks,
@@ -32,6 +34,7 @@ from passes.ladder import apply_ladder, ladder_residual_adds
 from passes.pipeline import split_stages, stage_of_layers, tied_parameters
 from passes.recompute import RecomputedRegion, apply_recompute, mark_attention_cores, recompute_of_layers
 from passes.tensor_parallel import apply_tensor_parallel
+from passes.tp_overlap import apply_tp_overlap
 from planner.errors import InputError
 from planner.frontend.analysis import ModelStructure, Role
 from planner.plan import Plan
@@ -109,6 +112,8 @@ def lower_for_rank(
         stream_outputs=stream_output_weights(structure),
     )
     apply_ladder(gm, ladder_residual_adds(structure, plan.ladder_layers))
+    if plan.tp_comm_overlap and plan.tp > 1:
+        apply_tp_overlap(gm, plan.tp, {name for layer in structure.layers for name in layer.nodes})
     chunks, tied = [gm], []
     if plan.pp > 1:
         outputs = [layer.output_node for layer in structure.layers]
@@ -146,4 +151,9 @@ def check_runnable(plan: Plan, structure: ModelStructure, training: bool) -> Non
                 "residual overlaps the all-reduces that sequence parallelism replaces by reduce-scatters; "
                 "set sequence_parallel: false or ladder_layers: []"
             )
+    if plan.tp_comm_overlap and plan.ladder_layers:
+        raise InputError(
+            "the plan's fields 'tp_comm_overlap' and 'ladder_layers' cannot both be set: ladder residual "
+            "already overlaps its blocks' all-reduces; set tp_comm_overlap: false or ladder_layers: []"
+        )
     recompute_of_layers(structure, plan.recompute)  # raises for keys that name no layer class

@@ -423,6 +423,71 @@ def stream_conversion_time_s(src: Layout, nbytes: float, ctx: CostContext) -> fl
     return gather
 
 
+def tp_overlap_chunks(ctx: CostContext) -> int:
+    """Chunks each TP block's collectives are cut into under `CostContext.tp_comm_overlap`: what
+    `passes.tp_overlap.overlap_chunks` gives for the rows the pass cuts (a micro-batch's tokens on a
+    rank; with sequence parallelism the rank's shard of one sequence)."""
+    tp = ctx.mesh.tp
+    rows = ctx.workload.tokens_per_sequence / tp if ctx.sequence_parallel else ctx.tokens
+    return max(1, min(max(2, tp), int(rows)))
+
+
+def _chunked_exposed_s(
+    collective, nbytes: float, chunks: int, gemm_s: float, ctx: CostContext
+) -> tuple[float, float]:
+    """(exposed, whole) seconds of one TP collective of `nbytes` cut into `chunks` pieces issued back to
+    back (the first at the link's latency, the rest at its burst latency: `comm.burst_cluster`), piece
+    i's transfer running while piece i + 1's GEMM computes (`gemm_s`: all pieces' GEMMs together):
+
+        exposed = sum_{i < C-1} max(0, t_i - eta * gemm_s / C) + t_{C-1}
+
+    (eta = `ClusterSpec.overlap_efficiency`); the last piece has nothing after it to hide behind."""
+    group, cluster = ctx.tp_group(), ctx.cluster
+    first = collective(nbytes / chunks, group, cluster)
+    if chunks == 1:
+        return first, first
+    rest = collective(nbytes / chunks, group, burst_cluster(cluster))
+    hide = cluster.overlap_efficiency * gemm_s / chunks
+    exposed = max(0.0, first - hide) + (chunks - 2) * max(0.0, rest - hide) + rest
+    return exposed, first + (chunks - 1) * rest
+
+
+def tp_block_comm_s(
+    out_layout: Layout, out_bytes: float, column_s: float, row_s: float, ctx: CostContext
+) -> tuple[float, float]:
+    """(exposed, hidden) seconds of one block's TP communication per micro-batch, its output (`out_bytes`
+    full size) leaving in `out_layout`; `column_s` / `row_s` the compute of the block's column- and
+    row-parallel projections (training: forward + both gradient GEMMs, each about a forward).
+
+    Without `CostContext.tp_comm_overlap`, or an output not in P: `stream_conversion_time_s`, all
+    exposed. With it, as `passes.tp_overlap` runs it (each collective `_chunked_exposed_s` with
+    `tp_overlap_chunks` pieces):
+    - no sequence parallelism: the exit all-reduce in chunks under the row-parallel GEMM; training
+      adds the entry's input-gradient all-reduce, whole, under the column-parallel weight-gradient GEMMs;
+    - sequence parallelism: the exit reduce-scatter under the row-parallel GEMM, the next entry's
+      all-gather under the column-parallel GEMMs (identical layers: this block's); training adds their
+      conjugates, the output-gradient all-gather under the row-parallel input-gradient GEMM and the
+      input-gradient reduce-scatter under the column-parallel ones.
+    Each collective is one graph node per chunk (`CostContext.node_overhead_time`)."""
+    whole = stream_conversion_time_s(out_layout, out_bytes, ctx)
+    if not ctx.tp_comm_overlap or out_layout != P:
+        return whole, 0.0
+    chunks = tp_overlap_chunks(ctx)
+    col, row = column_s / ctx.compute_factor, row_s / ctx.compute_factor  # one GEMM each
+    if ctx.sequence_parallel:
+        parts = [(reduce_scatter_time_s, row), (all_gather_time_s, col)]
+        parts += [(all_gather_time_s, row), (reduce_scatter_time_s, col)] if ctx.train else []
+        pieces = [_chunked_exposed_s(fn, out_bytes, chunks, gemm, ctx) for fn, gemm in parts]
+    else:
+        pieces = [_chunked_exposed_s(all_reduce_time_s, out_bytes, chunks, row, ctx)]
+        if ctx.train:
+            t = all_reduce_time_s(out_bytes, ctx.tp_group(), ctx.cluster)
+            pieces.append((max(0.0, t - ctx.cluster.overlap_efficiency * col), t))
+    exposed = sum(e for e, _ in pieces) + ctx.node_overhead_time(len(pieces) * chunks)
+    hidden = sum(t - e for e, t in pieces)
+    return exposed, hidden
+
+
 # ---------------------------------------------------------------------------------------------
 # Options of each op kind
 

@@ -31,6 +31,7 @@ from planner.solver.costing import (
     stage_p2p_time_s,
     step_time_s,
     stream_conversion_time_s,
+    tp_block_comm_s,
     transient_bytes,
 )
 from planner.solver.problem import Assignment
@@ -91,8 +92,19 @@ def layer_breakdown(
         out = graph.block_outputs.get(block)
         if out is None:
             continue
+        if not laddered:  # TP overlap (`tp_block_comm_s`; without it all exposed)
+            split = {
+                name: sum(opt[op.name].compute_s for op in graph.timed_ops(block) if opt[op.name].name == name)
+                for name in ("colwise", "rowwise")
+            }  # fmt: skip
+            comm, hidden = tp_block_comm_s(
+                opt[out].out_layout, graph.op(out).out_bytes, split["colwise"], split["rowwise"], ctx
+            )
+            exposed += comm
+            overlapped += hidden
+            continue
         comm = stream_conversion_time_s(opt[out].out_layout, graph.op(out).out_bytes, ctx)
-        hidden = min(comm, eta * compute_block[other]) if laddered else 0.0
+        hidden = min(comm, eta * compute_block[other])
         exposed += comm - hidden
         overlapped += hidden
     compute_s = graph.fixed_compute_s + compute_block["attention"] + compute_block["mlp"]

@@ -337,6 +337,11 @@ class Constraints:
                     f"--dp-style {self.dp_style} (which shards Adam's state: {'yes' if want else 'no'}); "
                     "give only --dp-style"
                 )
+        if self.tp_comm_overlap and self.ladder.mode is not LadderMode.NONE:
+            raise InputError(
+                f"--tp-comm-overlap on and --ladder {self.ladder} cannot be used together: ladder residual "
+                "overlaps its blocks' all-reduces itself; pass --tp-comm-overlap off (or auto), or --ladder none"
+            )
         if self.dp_shard is not None and self.dp_shard < 1:
             raise InputError(f"constraint dp_shard (--dp-shard) must be >= 1, got {self.dp_shard}")
         if self.dp_shard is not None and self.dp_style not in (None, DataParallel.FSDP):

@@ -776,6 +776,8 @@ def _price_dp_styles(search: _Search, cand: _Candidate) -> None:
 
     styles = dp_style_variants(config, search.constraints) if train and config.mesh.dp > 1 else [config]
     variants = [v for style in styles for v in overlap_variants(style, search.constraints, train)]
+    if cand.solution.assignment.ladder_layers:  # ladder residual overlaps those blocks' all-reduces itself
+        variants = [v for v in variants if not v.tp_comm_overlap]
     best = (score(cand.latency_s, config), cand.tables, cand.latency_s)
     if config not in variants:  # the solved config is not allowed as it stands (a pinned overlap)
         best = (math.inf, cand.tables, cand.latency_s)
