@@ -44,7 +44,10 @@ ROWS = [  # (config, tp, pp, gpus, global batch, published TFLOP/s per GPU): Nar
     ("megatron-145.6b", 8, 8, 1536, 2304, 148),
     ("megatron-1t", 8, 64, 3072, 3072, 163),
 ]
-BEFORE = {"schedule": "1f1b", "sequence_parallel": False, "distributed_optimizer": False}
+# the software of 2021: no sequence parallelism, no distributed optimizer, no communication overlap
+# (Megatron-LM's --tp-comm-overlap and --overlap-grad-reduce came in 2023)
+BEFORE = {"schedule": "1f1b", "sequence_parallel": False, "distributed_optimizer": False,
+          "tp_comm_overlap": False, "overlap_grad_reduce": False}  # fmt: skip
 
 
 def narayanan_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:

@@ -1046,6 +1046,14 @@ def _allowed(search: _Search, mesh: MeshShape, config: MeshConfig | None = None)
         pinned_ok = pinned_ok and (not search.workload.train or mesh.dp == 1 or _dp_pins_hold(c, config))
         pinned_ok = pinned_ok and _style_runs(search, mesh, config.dp_style)
         pinned_ok = pinned_ok and c.virtual_stages in (None, config.virtual_stages)
+        pinned_ok = pinned_ok and all(
+            pin is None or pin == on
+            for pin, on in (
+                (c.tp_comm_overlap, config.tp_comm_overlap and mesh.tp > 1),
+                (c.overlap_grad_reduce, config.overlap_grad_reduce),
+                (c.overlap_param_gather, config.overlap_param_gather),
+            )
+        )
         pinned_ok = pinned_ok and c.recompute is None
         # a pinned --micro-batches (the baseline picks its own: `megatron_micro_batches`)
         pinned_ok = pinned_ok and search.workload.micro_batches in (None, config.micro_batches)

@@ -1,0 +1,232 @@
+"""Tensor-parallel communication overlap (`Plan.tp_comm_overlap`): rewritten, run, ordered and priced.
+
+One 2-rank launch runs the plan's own run (`runtime.execute.run_rank`: outputs, loss, gradients and
+the first optimizer step against the unsharded model) for TP2 with and without sequence parallelism,
+training and forward, plus one job whose chunks are put back in the wrong order (its check must
+fail), and, on an emitted module, a profile of one training step whose `record_function` ranges show
+each chunk's collective issued before the next chunk's GEMM and waited for after it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+
+from costmodels.cluster import load_cluster
+from passes import tp_overlap
+from passes.lower import lower_for_rank
+from planner.errors import InputError
+from planner.frontend.analysis import analyse
+from planner.frontend.capture import capture
+from planner.frontend.modelfile import load_model_file
+from planner.plan import MeshShape
+from planner.solver.costing import CostContext, stream_conversion_time_s, tp_block_comm_s, tp_overlap_chunks
+from planner.solver.problem import Constraints, LadderPolicy, MeshConfig, WorkloadSpec
+from planner.solver.search import plan_model
+from runtime.execute import run_rank
+from runtime.job import summarise
+from runtime.launch import RankContext, launch
+from runtime.numerics import check_failures
+from tests.test_run_modes import _job, _plan
+
+MODELS = Path(__file__).resolve().parent / "models"
+LLAMA4 = "tiny_lm_tokens.py"  # 4 layers, examples/models' Llama, random tokens
+
+LAYOUTS = {  # label: (plan kwargs)
+    "train": dict(workload="train"),
+    "train_sp": dict(workload="train", sequence_parallel=True),
+    "train_sp_m2": dict(workload="train", sequence_parallel=True, micro_batches=2),
+    "forward": dict(workload="forward"),
+    "forward_sp": dict(workload="forward", sequence_parallel=True),
+}
+WRONG = {"train_sp_wrong": dict(workload="train", sequence_parallel=True)}
+
+
+def _overlap_plan(**kw):
+    m = kw.pop("micro_batches", 1)
+    plan = _plan(LLAMA4, tp=2, batch_size=4, workload=kw.pop("workload"))
+    return dataclasses.replace(plan, tp_comm_overlap=True, micro_batches=m, **kw)
+
+
+def _reversed_rows(t: torch.Tensor, size: int, start: int, stop: int) -> torch.Tensor:
+    """A wrong `_ranks_rows`: every rank's rows in reverse rank order."""
+    blocks = t.reshape(size, t.shape[0] // size, *t.shape[1:]).flip(0)
+    return blocks[:, start:stop].reshape(size * (stop - start), *t.shape[1:])
+
+
+def _profiled_step(ctx: RankContext, folder: str) -> list[tuple[str, int, int]]:
+    """This rank's emitted TP2 module (tp_comm_overlap, sequence parallel), one forward and backward
+    under torch.profiler: the `tp_overlap.*` ranges as (name, start us, end us), in start order."""
+    import torch.distributed as dist  # noqa: PLC0415
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    from passes import collectives  # noqa: PLC0415
+    from passes.emit import load_rank_module  # noqa: PLC0415
+
+    collectives.register_group("tp", dist.group.WORLD)
+    module = load_rank_module(folder, ctx.rank, ctx.device)
+    (tokens,) = load_model_file(MODELS / LLAMA4).inputs(4, 8)[0]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        module(tokens).square().mean().backward()
+    events = [
+        (e.name, int(e.time_range.start), int(e.time_range.end))
+        for e in prof.events()
+        if e.name.startswith("tp_overlap.")
+    ]
+    return sorted(events, key=lambda e: e[1])
+
+
+def run_labelled(ctx: RankContext, payload: tuple[list, str]) -> dict:
+    """Rank entry: run_rank for each (label, job, wrong) in turn (wrong: chunks reassembled in the
+    wrong rank order), then the profiled step of the emitted module in `folder`."""
+    jobs, folder = payload
+    out: dict = {}
+    for label, job, wrong in jobs:
+        if wrong:
+            with mock.patch.object(tp_overlap, "_ranks_rows", _reversed_rows):
+                out[label] = run_rank(ctx, job)
+        else:
+            out[label] = run_rank(ctx, job)
+    out["profile"] = _profiled_step(ctx, folder)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_rank(tmp_path_factory) -> dict:
+    from planner.cli.emitting import emit_plan  # noqa: PLC0415
+
+    folder = tmp_path_factory.mktemp("tp_overlap_emit") / "emitted"
+    emit_plan(_overlap_plan(workload="train", sequence_parallel=True), str(MODELS / LLAMA4), str(folder))
+    plans = {label: _overlap_plan(**dict(kw)) for label, kw in {**LAYOUTS, **WRONG}.items()}
+    jobs = [(label, _job(LLAMA4, plan), label in WRONG) for label, plan in plans.items()]
+    reports = launch(run_labelled, (jobs, str(folder)), nproc=2, timeout_s=600)
+    out = {label: (plans[label], summarise([r[label] for r in reports])) for label in plans}
+    out["profile"] = [r["profile"] for r in reports]
+    return out
+
+
+@pytest.mark.slow
+def test_overlapped_tp_matches_the_unsharded_model(two_rank: dict) -> None:
+    """Outputs, loss, gradients and the first optimizer step as the unsharded model's with TP overlap
+    on, with and without sequence parallelism; chunks put back in the wrong order fail the check."""
+    for label in LAYOUTS:
+        plan, summary = two_rank[label]
+        n = summary["numerics"]
+        assert not check_failures(n), (label, check_failures(n))
+        assert n["max_abs_diff"] <= n["tolerance_rel"] * n["output_scale"], (label, n)
+        if plan.workload == "train":
+            assert n["grad_max_abs_diff"] <= n["tolerance_rel"] * n["grad_scale"], (label, n)
+            assert n["update_max_abs_diff"] is not None and n["update_max_abs_diff"] <= n["update_tolerance"]
+    _, wrong = two_rank["train_sp_wrong"]
+    assert check_failures(wrong["numerics"]), wrong["numerics"]
+
+
+@pytest.mark.slow
+def test_each_chunk_is_issued_before_the_next_chunks_gemm_and_waited_after_it(two_rank: dict) -> None:
+    """In a profiled training step of the emitted module (sequence parallel, 2 chunks): in every fused
+    call, chunk 0's collective is issued before chunk 1's GEMM starts and waited for after it ends
+    (forward: row-parallel reduce-scatter; backward: the column-parallel input gradient's
+    reduce-scatter); and the column-parallel all-gathers of both chunks are issued before the first
+    GEMM."""
+    for events in two_rank["profile"]:
+        names = [name for name, *_ in events]
+        assert names.count("tp_overlap.row.issue.0") >= 8, names[:20]  # 8 blocks, forward and backward
+        checked = 0
+        for kind in ("row", "column"):
+            for i, (name, start, end) in enumerate(events):
+                if name != f"tp_overlap.{kind}.issue.0":
+                    continue
+                rest = events[i + 1 :]
+                gemm = next((e for e in rest if e[0] == f"tp_overlap.{kind}.gemm.1"), None)
+                wait = next((e for e in rest if e[0] == f"tp_overlap.{kind}.wait.0"), None)
+                assert gemm is not None and wait is not None, (kind, names[i : i + 8])
+                if wait[1] < gemm[1]:  # an all-gather issued for every chunk first: its wait comes first
+                    issue_1 = next(e for e in rest if e[0] == f"tp_overlap.{kind}.issue.1")
+                    assert issue_1[1] < wait[1] and wait[2] <= gemm[1], (kind, names[i : i + 8])
+                else:
+                    assert end <= gemm[1] and gemm[2] <= wait[1], (kind, names[i : i + 8])
+                checked += 1
+        assert checked >= 32, checked  # 8 blocks x (entry, exit) x (forward, backward)
+
+
+def _lowered(plan):
+    model_file = load_model_file(MODELS / LLAMA4)
+    args, kwargs = model_file.inputs(4, 8)
+    gm = capture(model_file.build("meta"), args, kwargs)
+    return lower_for_rank(gm, analyse(gm), plan, 0, training=plan.workload == "train").module
+
+
+def test_the_pass_fuses_every_layer_block_and_leaves_the_ends() -> None:
+    """Each of the 4 layers' 2 blocks: one fused column-parallel entry and one row-parallel exit; the
+    embedding's and LM head's collectives stay as the TP pass wrote them."""
+    for sp in (False, True):
+        gm = _lowered(_overlap_plan(workload="train", sequence_parallel=sp))
+        assert gm.meta["tp_overlap"] == {"row": 8, "column": 8}, (sp, gm.meta["tp_overlap"])
+        targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        assert targets.count(tp_overlap.tp_row_matmul) == 8
+        assert targets.count(tp_overlap.tp_column_matmuls) == 8
+
+
+def test_tp_overlap_with_ladder_residual_is_refused() -> None:
+    with pytest.raises(InputError, match="--tp-comm-overlap on and --ladder"):
+        Constraints(tp_comm_overlap=True, ladder=LadderPolicy.parse("upper:2"))
+    plan = dataclasses.replace(_overlap_plan(workload="forward"), ladder_layers=[3])
+    with pytest.raises(InputError, match="tp_comm_overlap"):
+        _lowered(plan)
+
+
+def _ctx(cluster: str, overlap: bool, sp: bool, tp: int = 8) -> CostContext:
+    model_file = load_model_file(MODELS / LLAMA4)
+    args, kwargs = model_file.inputs(8, 64)
+    structure = analyse(capture(model_file.build("meta"), args, kwargs))
+    config = MeshConfig(MeshShape(tp, 1, 1), 1, sequence_parallel=sp, tp_comm_overlap=overlap)
+    return CostContext(structure, load_cluster(cluster), WorkloadSpec("train", 8, 64), config, "bf16")
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_overlap_hides_what_the_next_chunks_gemm_covers_and_never_the_last_chunk(sp: bool) -> None:
+    """With overlap a block's exposed TP traffic falls, but never below the last chunk's transfer of
+    each collective; without it (or with nothing to hide behind) it is `stream_conversion_time_s`."""
+    from planner.plan import Layout  # noqa: PLC0415
+
+    on, off = _ctx("dgx-h100", True, sp), _ctx("dgx-h100", False, sp)
+    nbytes, gemm_s = 8 * 4096 * 4096 * 2, 3e-3
+    whole = stream_conversion_time_s(Layout.PARTIAL, nbytes, off)
+    assert tp_block_comm_s(Layout.PARTIAL, nbytes, gemm_s, gemm_s, off) == (whole, 0.0)
+    exposed, hidden = tp_block_comm_s(Layout.PARTIAL, nbytes, gemm_s, gemm_s, on)
+    assert exposed < whole and hidden > 0
+    chunks = tp_overlap_chunks(on)
+    assert chunks == 8
+    # nothing to hide behind: all exposed, plus the chunking's extra latencies
+    bare, none_hidden = tp_block_comm_s(Layout.PARTIAL, nbytes, 0.0, 0.0, on)
+    assert none_hidden == 0.0 and bare >= whole
+    # everything hideable hidden: what is left is at least one chunk's share of each collective
+    floor, _ = tp_block_comm_s(Layout.PARTIAL, nbytes, 1e3, 1e3, on)
+    assert floor >= whole / chunks * 0.99 and floor < exposed
+
+
+def test_the_search_chooses_overlap_where_it_pays_and_honours_pins() -> None:
+    """Llama-3-8B training on 8 H100s at TP 8 with sequence parallelism: the search turns TP overlap
+    on and prices the step faster than with it pinned off."""
+    import sys  # noqa: PLC0415
+
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    sys.path.insert(0, str(examples))
+    model_file = load_model_file(examples / "llama3_8b.py")
+    args, kwargs = model_file.inputs(8, 4096)
+    structure = analyse(capture(model_file.build("meta"), args, kwargs))
+    cluster = load_cluster("dgx-h100")
+    work = WorkloadSpec("train", 8, 4096, dtype="bf16")
+    plans = {
+        pin: plan_model(
+            structure, cluster, work, Constraints(tp=8, sequence_parallel=True, tp_comm_overlap=pin)
+        )
+        for pin in (None, False, True)
+    }
+    assert plans[None].tp_comm_overlap and plans[True].tp_comm_overlap and not plans[False].tp_comm_overlap
+    assert plans[None].predicted.latency_s < plans[False].predicted.latency_s
+    assert plans[True].predicted.overlapped_comm_s > 0 == plans[False].predicted.overlapped_comm_s
