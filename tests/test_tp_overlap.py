@@ -137,7 +137,7 @@ def test_each_chunk_is_issued_before_the_next_chunks_gemm_and_waited_after_it(tw
         assert names.count("tp_overlap.row.issue.0") >= 8, names[:20]  # 8 blocks, forward and backward
         checked = 0
         for kind in ("row", "column"):
-            for i, (name, start, end) in enumerate(events):
+            for i, (name, _start, end) in enumerate(events):
                 if name != f"tp_overlap.{kind}.issue.0":
                     continue
                 rest = events[i + 1 :]
