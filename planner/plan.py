@@ -658,6 +658,12 @@ class Plan:
                 f"is true, but only zero1 / zero2 training with dp > 1 all-gathers the parameters after the step "
                 f"(dp_style {self.dp_style}, mesh.dp={dp}; fsdp prefetches its gathers anyway): set it to false",
             )
+        if self.overlap_param_gather and not self.overlap_grad_reduce:
+            raise bad(
+                "overlap_param_gather",
+                "is true but overlap_grad_reduce is false: the parameter all-gather is overlapped per bucket of "
+                "the overlapped gradient reduction (as Megatron-LM's); set both, or overlap_param_gather: false",
+            )
         if self.workload == "decode" and self.context < 1:
             raise bad(
                 "context",

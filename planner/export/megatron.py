@@ -13,6 +13,7 @@ the dataclass fields it turns into options: `ModelParallelConfig`, `TransformerC
 | stages, even, virtual_stages v         | --num-layers-per-virtual-pipeline-stage (layers per model chunk)   |
 | stages, uneven                         | --pipeline-model-parallel-layout "Et*17|t*15L" (exact, any v)      |
 | sequence_parallel (tp > 1)             | --sequence-parallel                                                |
+| tp_comm_overlap (tp > 1, with SP)      | --tp-comm-overlap (without SP: not exported, a warning)            |
 | recompute full / selective             | --recompute-granularity full --recompute-method uniform            |
 |                                        | --recompute-num-layers 1 / --recompute-granularity selective       |
 | dp_style ddp                           | (none: Megatron's DDP)                                             |
@@ -25,7 +26,8 @@ the dataclass fields it turns into options: `ModelParallelConfig`, `TransformerC
 | HSDP (dp_shard S < dp, R = dp / S)     | the fsdp arguments + --num-distributed-optimizer-instances R       |
 | reshard_after_forward off (fsdp)       | no Megatron-FSDP form (optim_grads_params always reshards): fsdp   |
 |                                        | resharded or zero2 (optim_grads), whichever the plan priced nearer |
-| dp > 1 (training)                      | --overlap-grad-reduce, and --overlap-param-gather except with ddp  |
+| overlap_grad_reduce; fsdp / hsdp       | --overlap-grad-reduce                                              |
+| overlap_param_gather; fsdp / hsdp      | --overlap-param-gather                                             |
 | batch / dp / micro_batches, batch      | --micro-batch-size, --global-batch-size                            |
 | dtype bf16 / fp16                      | --bf16 / --fp16 (fp32: none)                                       |
 | seq_len, layers                        | --seq-length, --num-layers                                         |
@@ -103,21 +105,17 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
     args += _pipeline_args(plan, warnings)
     if plan.sequence_parallel and plan.tp > 1:
         args.append("--sequence-parallel")
+    args += _tp_overlap_args(plan, warnings)
     args += _recompute_args(plan, warnings)
     form = megatron_dp_form(plan, warnings)
     args += _dp_args(plan, form)
     if plan.workload is Workload.TRAIN and plan.dp > 1:
-        # what a Megatron-LM user turns on with data parallelism
-        gathers = form != "ddp"  # the distributed optimizer's and Megatron-FSDP's parameter all-gathers
-        args.append("--overlap-grad-reduce")
-        if gathers:
+        # Megatron-FSDP prefetches and reduces unit by unit as the plan prices FSDP; the rest as planned
+        fsdp = form.startswith(("fsdp", "hsdp"))
+        if plan.overlap_grad_reduce or fsdp:
+            args.append("--overlap-grad-reduce")
+        if (plan.overlap_param_gather and form != "ddp") or fsdp:
             args.append("--overlap-param-gather")
-        if not form.startswith(("fsdp", "hsdp")):  # the plan prices FSDP's prefetch overlap, the rest exposed
-            warnings.append(
-                f"--overlap-grad-reduce{' and --overlap-param-gather' if gathers else ''}: Megatron-LM hides the "
-                f"data-parallel traffic behind the backward pass, which the plan prices as exposed for {form} "
-                f"({plan.predicted.grad_sync_s * 1e3:.4g} ms of its step): expect a faster step than predicted"
-            )
     if plan.dtype == "bf16":
         args.append("--bf16")
     elif plan.dtype == "fp16":
@@ -131,6 +129,24 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
             "the two overlap less well together"
         )
     return args, warnings
+
+
+def _tp_overlap_args(plan: Plan, warnings: list[str]) -> list[str]:
+    """--tp-comm-overlap for a plan that overlaps its TP communication (`Plan.tp_comm_overlap`).
+    Megatron-LM's validate_args asserts --sequence-parallel with it (Transformer Engine's userbuffers
+    overlap the all-gather and reduce-scatter of sequence parallelism); a plan overlapping the
+    all-reduce form is exported without it, with a warning giving the hidden time."""
+    if not plan.tp_comm_overlap or plan.tp == 1:
+        return []
+    if plan.sequence_parallel:
+        return ["--tp-comm-overlap"]
+    warnings.append(
+        "the plan overlaps its TP all-reduces with the GEMMs beside them without sequence parallelism, which "
+        "Megatron-LM's --tp-comm-overlap does not do (it needs --sequence-parallel): exported without it, "
+        f"{plan.predicted.overlapped_comm_s * 1e3:.4g} ms per step the plan hides is exposed there; plan with "
+        "--sequence-parallel on to export it"
+    )
+    return []
 
 
 def megatron_dp_form(plan: Plan, warnings: list[str]) -> str:

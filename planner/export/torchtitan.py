@@ -28,6 +28,8 @@ sections of a job TOML (`--job.config_file`, torchtitan 0.2.x; names of 0.2.2's
 |                                        | "never" or "always", the one the plan priced nearer; a warning      |
 |                                        | gives both prices                                                   |
 | sequence_parallel (tp > 1)             | 0.3: parallelism.[no_]enable_sequence_parallel; 0.2: always on       |
+| tp_comm_overlap (tp > 1)               | 0.3: --compile.enable --compile.enable_async_tensor_parallel;       |
+|                                        | 0.2: parallelism.enable_async_tensor_parallel, [compile] enable     |
 | schedule (v virtual stages)            | pipeline_parallel_schedule "GPipe" / "1F1B" / "Interleaved1F1B"    |
 | stages (pp > 1)                        | module_fqns_per_model_part, in the version's module names           |
 | batch / dp / micro_batches             | pipeline_parallel_microbatch_size                                   |
@@ -152,6 +154,14 @@ def _as_fsdp(plan: Plan, tool: str, missing: str, extra: str, warnings: list[str
     return policy
 
 
+# torchtitan's async TP is an Inductor pass (micro-pipelined all-gather -> matmul and matmul ->
+# reduce-scatter on symmetric memory): it runs only with the model compiled, which the export turns on
+_ASYNC_TP_NOTE = (
+    "the plan overlaps TP communication with its GEMMs: exported as torchtitan's async TP, which runs only "
+    "under torch.compile (turned on here); its chunking is Inductor's, not the plan's"
+)
+
+
 def _model_parts(plan: Plan, version: str) -> list[list[str]]:
     """Module FQNs per (virtual) stage: the embedding with the first, the final norm and LM head with
     the last, in the module names of torchtitan `version`'s Llama."""
@@ -229,7 +239,7 @@ def torchtitan_sections(plan: Plan) -> tuple[dict[str, dict[str, object]], list[
     `[activation_checkpoint]` and `[training]` fields the plan decides. Raises InputError when the
     batch does not split into whole micro-batches or the stages do not match `virtual_stages`."""
     par, mode, training, warnings = _common(plan, "0.2")
-    par["enable_async_tensor_parallel"] = False
+    par["enable_async_tensor_parallel"] = plan.tp_comm_overlap and plan.tp > 1
     if plan.tp > 1:
         par["disable_loss_parallel"] = not any(s.style is SplitStyle.VOCAB for s in plan.splits.values())
         if not plan.sequence_parallel:
@@ -250,7 +260,18 @@ def torchtitan_sections(plan: Plan) -> tuple[dict[str, dict[str, object]], list[
             "state in bf16 without an fp32 master copy (less memory than the plan's mixed precision, other "
             "numerics); to train in float32 instead remove that key; torchtitan 0.3 applies mixed precision here"
         )
-    return {"parallelism": par, "activation_checkpoint": ac, "training": training}, warnings
+    sections: dict[str, dict[str, object]] = {
+        "parallelism": par,
+        "activation_checkpoint": ac,
+        "training": training,
+    }
+    if par["enable_async_tensor_parallel"]:
+        sections["compile"] = {
+            "enable": True,
+            "components": ["model", "loss"],
+        }  # async TP needs the model compiled
+        warnings.append(_ASYNC_TP_NOTE)
+    return sections, warnings
 
 
 def torchtitan_overrides(plan: Plan) -> tuple[list[str], list[str]]:
@@ -270,6 +291,9 @@ def torchtitan_overrides(plan: Plan) -> tuple[list[str], list[str]]:
             if plan.sequence_parallel
             else "--parallelism.no_enable_sequence_parallel"
         )
+    if plan.tp_comm_overlap and plan.tp > 1:  # 0.3: a CompileConfig field; async TP needs the model compiled
+        argv += ["--compile.enable", "--compile.enable_async_tensor_parallel"]
+        warnings.append(_ASYNC_TP_NOTE)
     for key, value in training.items():
         argv += [f"--training.{key}", str(value)]
     if plan.pp > 1:

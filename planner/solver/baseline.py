@@ -254,6 +254,8 @@ def _expert_training(
 # llama3_405b.toml TP 8 with FSDP over the rest, full checkpointing; the torchtitan paper, Liang et al.
 # 2024, arXiv:2410.06511, Table 6, adds PP for 405B at 512 GPUs): TP from this many parameters on
 TORCHTITAN_TP_FROM_PARAMS = 30e9
+# and async TP (`compile.enable_async_tensor_parallel`) from this many: llama3_405b turns it on, llama3_70b not
+TORCHTITAN_ASYNC_TP_FROM_PARAMS = 300e9
 
 
 def torchtitan_configs(
@@ -280,6 +282,7 @@ def torchtitan_configs(
     num_layers = max(1, len(structure.layers))
     tokens = structure.stream_tokens(workload.seq_len)
     sp = tp > 1 and all(t % tp == 0 for t in tokens)
+    async_tp = tp > 1 and structure.num_params >= TORCHTITAN_ASYNC_TP_FROM_PARAMS
     out = []
     pp = 1
     while pp <= num_layers and tp * pp <= devices:
@@ -296,7 +299,7 @@ def torchtitan_configs(
             schedule = Schedule.ONE_F_ONE_B if m >= pp else Schedule.GPIPE
             # torchtitan's "default" reshard policy: reshard after forward unless pipelined (one gather
             # per micro-batch would be too many)
-            config = MeshConfig(MeshShape(tp, pp, dp), m, schedule, 1, sp, style, None, pp == 1)
+            config = MeshConfig(MeshShape(tp, pp, dp), m, schedule, 1, sp, style, None, pp == 1, async_tp)
             out.append((config, r))
         pp *= 2
     return out

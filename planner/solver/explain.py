@@ -6,7 +6,9 @@ forced and the rest of its block re-optimised (`block_table` enumerates the bloc
 combinations; not a step time: every pipeline stage's share is added); for the mesh, the predicted step time
 of every candidate solved; for ladder residual, the plan with and without it; for training, the plan
 with each alternative of sequence parallelism, activation recomputation (per layer class), pipeline
-schedule and v, and the distributed optimizer, the rest of the plan unchanged (`training_decisions`).
+schedule and v, and the distributed optimizer, the rest of the plan unchanged (`training_decisions`);
+for each communication-overlap choice, the plan with it on and off and the exposed share of the
+traffic it concerns (`overlap_decisions`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from planner.solver.costing import (
     CostTables,
     LayerGraph,
     conversion_time_s,
+    gradient_sync_time_s,
     interleaved_chunks,
     stream_conversion_time_s,
 )
@@ -35,6 +38,7 @@ from planner.solver.problem import (
     LadderPolicy,
     MeshConfig,
     dp_style_variants,
+    overlap_variants,
 )
 
 MAX_BLOCK_COMBINATIONS = 20000  # decision tables enumerate a block's option combinations up to this
@@ -351,6 +355,72 @@ def training_decisions(
     if mesh.dp > 1:
         out.append(_dp_style_decision(tables, assignment, c, price_config, cap_bytes, runs))
     return out
+
+
+# each overlap choice: (flag, config field, what it overlaps, the Constraints pin)
+_OVERLAPS = (
+    ("tp-comm-overlap", "tp_comm_overlap",
+     "each TP block's collectives cut into chunks, each chunk's transfer under the next chunk's GEMM"),
+    ("overlap-grad-reduce", "overlap_grad_reduce",
+     "the DP gradient reduction issued per layer bucket during the backward"),
+    ("overlap-param-gather", "overlap_param_gather",
+     "the parameter all-gather after the step waited for per layer at its first use in the next forward"),
+)  # fmt: skip
+
+
+def overlap_decisions(
+    priced: PricedAssignment,
+    cap_bytes: float,
+    price_config: Callable[[MeshConfig], CostTables],
+    constraints: Constraints | None = None,
+) -> list[Decision]:
+    """Each communication-overlap choice that means something on the plan's mesh (`overlap_variants`):
+    the step time with it on and off, the rest of the plan unchanged, and in the reason the traffic
+    it concerns per step and the share of it left exposed with it on (TP: the layers' TP collectives,
+    `Prediction.exposed_comm_s` beside `overlapped_comm_s`; DP: `Prediction.grad_sync_s` beside the
+    whole DP traffic, `costing.gradient_sync_time_s` summed over the stages)."""
+    tables, assignment = priced.tables, priced.assignment
+    ctx, config = tables.ctx, tables.ctx.config
+    c = constraints or Constraints()
+    meaningful = {
+        field: len({getattr(v, field) for v in overlap_variants(config, Constraints(), ctx.train)}) > 1
+        for _, field, _ in _OVERLAPS
+    }
+    out = []
+    for flag, field, what in _OVERLAPS:
+        if not meaningful[field] or (field == "tp_comm_overlap" and assignment.ladder_layers):
+            continue
+        options: dict[str, float] = {}
+        shares: dict[str, str] = {}
+        for on in (False, True):
+            alt_config = dataclasses.replace(config, **{field: on})
+            alt = tables if alt_config == config else price_config(alt_config)
+            p = predict(alt, assignment)
+            name = "on" if on else "off"
+            options[name] = (
+                p.prediction.latency_s if p.prediction.peak_memory_bytes <= cap_bytes else math.inf
+            )
+            shares[name] = _exposed_share(p, field)
+        chosen = "on" if getattr(config, field) else "off"
+        reason = _feature_reason(what, options, chosen, getattr(c, field), f"--{flag}")
+        reason += f"; exposed with it on: {shares['on']}; off: {shares['off']}"
+        out.append(Decision(flag, chosen, options, reason))
+    return out
+
+
+def _exposed_share(priced: PricedAssignment, field: str) -> str:
+    """'X of Y per step (Z%)': the exposed part of the traffic an overlap choice concerns."""
+    p = priced.prediction
+    if field == "tp_comm_overlap":
+        total = p.exposed_comm_s - p.grad_sync_s + p.overlapped_comm_s
+        exposed = p.exposed_comm_s - p.grad_sync_s
+    else:
+        ctx = priced.tables.ctx
+        total = max((gradient_sync_time_s(s.grad_bytes, ctx) for s in priced.stages), default=0.0)
+        exposed = p.grad_sync_s
+    if total <= 0:
+        return "no such traffic"
+    return f"{exposed * 1e3:.3g} ms of {total * 1e3:.3g} ms ({_percent(exposed / total)})"
 
 
 def _dp_style_decision(

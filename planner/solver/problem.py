@@ -342,6 +342,12 @@ class Constraints:
                 f"--tp-comm-overlap on and --ladder {self.ladder} cannot be used together: ladder residual "
                 "overlaps its blocks' all-reduces itself; pass --tp-comm-overlap off (or auto), or --ladder none"
             )
+        if self.overlap_param_gather and self.overlap_grad_reduce is False:
+            raise InputError(
+                "--overlap-param-gather on needs --overlap-grad-reduce on (as Megatron-LM's: the parameter "
+                "all-gather is issued per bucket of the overlapped gradient reduction); turn both on, or leave "
+                "--overlap-grad-reduce auto"
+            )
         if self.dp_shard is not None and self.dp_shard < 1:
             raise InputError(f"constraint dp_shard (--dp-shard) must be >= 1, got {self.dp_shard}")
         if self.dp_shard is not None and self.dp_style not in (None, DataParallel.FSDP):
@@ -464,6 +470,7 @@ def overlap_variants(config: MeshConfig, constraints: Constraints, train: bool) 
         for t in tp
         for g in grad
         for a in gather
+        if g or not a  # as Megatron-LM: the parameter gather overlaps only with the gradient reduction
     ]
 
 

@@ -76,6 +76,7 @@ from planner.solver.explain import (
     memory_fit_text,
     mesh_decision,
     op_exclusions,
+    overlap_decisions,
     strategy_decisions,
     training_decisions,
 )
@@ -946,6 +947,7 @@ def _make_plan(search: _Search, best: _Candidate | None, model_name: str) -> Pla
         search.constraints,
         runs=lambda config: _style_runs(search, config.mesh, config.dp_style),
     )
+    decisions += overlap_decisions(chosen, search.cap_bytes, _alternative_tables(search), search.constraints)
     decisions += strategy_decisions(chosen)
     decisions += ladder_decision(chosen, search.ladder, search.constraints.ladder_min_saving_fraction)
     plan = _plan_of(search, chosen, model_name, SolverInfo(sol.status, sol.objective, sol.gap, search.solver_time_s, sol.num_variables))  # fmt: skip
