@@ -6,7 +6,7 @@ beside what the planner predicted for the same change.
 For each option (TP overlap without and with sequence parallelism at TP 2; the gradient-reduction
 and parameter-gather overlap at DP 2 with ddp / zero1) it runs `planner optimize MODEL --nproc 2
 --workload train --run --json` with the option pinned off and on, alternately, `--rounds` times each
-(default 2), on this machine's calibrated spec (no `--cluster`: `planner calibrate`'s cache), and
+(default 2), TP with Megatron-LM's splits (`--layout megatron`), on this machine's calibrated spec (no `--cluster`: `planner calibrate`'s cache), and
 prints per option the predicted and measured step with it off and on and the ratios on / off. The
 claim is the measured ratio beside the predicted one: CPU processes over gloo overlap less than GPUs
 over NVLink (the gloo thread and the matmul threads share 2 cores), and the calibrated
@@ -32,8 +32,14 @@ from rich.table import Table  # noqa: E402
 
 # option label: (the flag toggled, the other arguments of the run)
 OPTIONS = {
-    "TP overlap, TP 2 (all-reduce form)": ("--tp-comm-overlap", ["--tp", "2", "--sequence-parallel", "off"]),
-    "TP overlap, TP 2 + sequence parallel": ("--tp-comm-overlap", ["--tp", "2", "--sequence-parallel", "on"]),
+    "TP overlap, TP 2 (all-reduce form)": (
+        "--tp-comm-overlap",
+        ["--tp", "2", "--layout", "megatron", "--sequence-parallel", "off"],
+    ),
+    "TP overlap, TP 2 + sequence parallel": (
+        "--tp-comm-overlap",
+        ["--tp", "2", "--layout", "megatron", "--sequence-parallel", "on"],
+    ),
     "gradient reduction overlap, DP 2 ddp": ("--overlap-grad-reduce", ["--dp", "2", "--dp-style", "ddp"]),
     "grad + param-gather overlap, DP 2 zero1": (
         "--overlap-grad-reduce --overlap-param-gather",
@@ -48,7 +54,7 @@ def _run(model: str, flag: str, on: bool, extra: list[str], batch: int, seq: int
         report = Path(tmp) / "report.json"
         pins = [x for f in flag.split() for x in (f, "on" if on else "off")]
         cmd = [
-            sys.executable, "-m", "planner.cli.main", "optimize", model, "--nproc", "2", "--workload", "train",
+            str(Path(sys.executable).parent / "planner"), "optimize", model, "--nproc", "2", "--workload", "train",
             "--batch-size", str(batch), "--seq-len", str(seq), "--run", "--iters", "20",
             "--json", str(report), *extra, *pins,
         ]  # fmt: skip
