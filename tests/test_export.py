@@ -94,6 +94,8 @@ TORCHTITAN_03_FIELDS = {
 TORCHTITAN_03_FLAGS = {
     "training.disable_cuda_graphs",
     "parallelism.enable_sequence_parallel",
+    "compile.enable",
+    "compile.enable_async_tensor_parallel",
 }  # tyro booleans
 # torchtitan 0.3.0 ActivationCheckpointingConfig's tyro subcommands
 TORCHTITAN_03_AC = {"activation-checkpoint:" + m for m in ("selective", "full", "memory-budget", "none")}
@@ -104,7 +106,7 @@ MEGATRON_FLAGS = {
     "--num-layers-per-virtual-pipeline-stage", "--sequence-parallel", "--recompute-granularity",
     "--recompute-method", "--recompute-num-layers", "--use-distributed-optimizer", "--bf16", "--fp16",
     "--overlap-grad-reduce", "--overlap-param-gather", "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
-    "--ckpt-format", "--num-distributed-optimizer-instances",
+    "--ckpt-format", "--num-distributed-optimizer-instances", "--tp-comm-overlap",
 }  # fmt: skip
 # Megatron-Core 0.19.2 --data-parallel-sharding-strategy choices and --ckpt-format choices
 MEGATRON_SHARDING = {"no_shard", "optim", "optim_grads", "optim_grads_params"}
@@ -543,6 +545,25 @@ def test_torchtitan_03_overrides_use_03_names_and_module_names(llama_plan):
     assert any("torchtitan has no ZeRO-1" in w and NOT_PRICED in w for w in zero_warnings)
 
 
+def test_torchtitan_async_tp_as_planned(llama_plan):
+    """TP overlap is torchtitan's async TP, which runs only compiled: 0.3 --compile.enable and
+    --compile.enable_async_tensor_parallel; 0.2 parallelism.enable_async_tensor_parallel with a
+    [compile] section; both say so. Without it neither is written (0.2: false)."""
+    plan = _with(llama_plan, tp_comm_overlap=True, sequence_parallel=True)
+    argv, warnings = _titan03(plan)
+    options = _titan03_options(argv)
+    assert "--compile.enable" in options and "--compile.enable_async_tensor_parallel" in options
+    assert any("async TP" in w and "torch.compile" in w for w in warnings)
+    off = _titan03_options(_titan03(_with(plan, tp_comm_overlap=False))[0])
+    assert not any(k.startswith("--compile.") for k in off)
+    sections, warnings = _titan(plan)
+    assert sections["parallelism"]["enable_async_tensor_parallel"] is True
+    assert sections["compile"] == {"enable": True, "components": ["model", "loss"]}
+    assert any("async TP" in w for w in warnings)
+    sections, _ = _titan(_with(plan, tp_comm_overlap=False))
+    assert sections["parallelism"]["enable_async_tensor_parallel"] is False and "compile" not in sections
+
+
 def test_torchtitan_02_bf16_without_fsdp_writes_the_dtype_and_says_why(llama_plan):
     """torchtitan 0.2 applies mixed precision only through FSDP (or autocast without TP and PP): a
     bf16 TP plan without data-parallel shards trained in fp32, silently. The TOML sets training.dtype
@@ -634,9 +655,16 @@ def test_megatron_arguments_are_megatrons_names_and_values(llama_plan):
     assert args["--recompute-num-layers"] == "1"
     assert {"--sequence-parallel", "--use-distributed-optimizer", "--bf16"} <= set(argv)
     assert any("uneven pipeline stages (3 + 1 layers)" in w for w in warnings)
-    # with data parallelism, what a Megatron-LM user turns on, said to be faster than the plan's price
-    assert {"--overlap-grad-reduce", "--overlap-param-gather"} <= set(argv)
-    assert any("prices as exposed" in w for w in warnings)
+    # the data-parallel overlap as planned: off here, so not passed; on, both flags
+    assert not {"--overlap-grad-reduce", "--overlap-param-gather"} & set(argv)
+    overlapped, _ = _megatron_argv(_with(plan, overlap_grad_reduce=True, overlap_param_gather=True))
+    assert {"--overlap-grad-reduce", "--overlap-param-gather"} <= set(overlapped)
+    # TP overlap with sequence parallelism: --tp-comm-overlap; without it, not exported and warned
+    tp_on, _ = _megatron_argv(_with(plan, tp_comm_overlap=True))
+    assert "--tp-comm-overlap" in tp_on and "--tp-comm-overlap" not in argv
+    no_sp, no_sp_warnings = _megatron_argv(_with(plan, tp_comm_overlap=True, sequence_parallel=False))
+    assert "--tp-comm-overlap" not in no_sp
+    assert any("needs --sequence-parallel" in w for w in no_sp_warnings)
     # Megatron's fp32 main gradients: 2 bytes per parameter the plan (16-bit gradients) does not hold
     main_grads = [w for w in warnings if "main_grad" in w]
     assert main_grads and "GiB more per rank" in main_grads[0]
@@ -871,9 +899,7 @@ def test_megatron_data_parallel_styles(llama_plan):
     assert args == [] and "export CUDA_DEVICE_MAX_CONNECTIONS=1" in text
     args, text, warnings = _megatron_dp(_dp(llama_plan, DataParallel.ZERO1, 4))
     assert args == ["--use-distributed-optimizer"] and "export CUDA_DEVICE_MAX_CONNECTIONS=1" in text
-    assert any("main_grad" in w for w in warnings) and any(
-        "prices as exposed for zero1" in w for w in warnings
-    )
+    assert any("main_grad" in w for w in warnings)
     args, text, warnings = _megatron_dp(_dp(llama_plan, DataParallel.ZERO2, 4))
     assert args == [*fsdp_args[:2], "optim_grads", *fsdp_args[3:]]
     # Megatron-FSDP's validate_args asserts CUDA_DEVICE_MAX_CONNECTIONS != 1: unset, never exported
