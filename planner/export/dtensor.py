@@ -386,6 +386,13 @@ def dtensor_plan(plan: Plan) -> DTensorPlan:
     if sp and not blocks:
         warnings.append("sequence parallel without a split attention or MLP block: exported without it")
         sp = False
+    if plan.tp_comm_overlap and plan.tp > 1:
+        warnings.append(
+            "the plan overlaps TP communication with its GEMMs; eager DTensor runs each collective exposed: "
+            "compile the module with torch._inductor.config._micro_pipeline_tp = True (PyTorch's async TP, "
+            "symmetric memory on the TP group) to overlap them, else expect "
+            f"{plan.predicted.overlapped_comm_s * 1e3:.4g} ms more per step than predicted"
+        )
     styles: dict[str, str] = {}
     fused: dict[str, list[int]] = {}
     unsupported = _unsupported_pairings(plan)
