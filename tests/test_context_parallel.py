@@ -132,8 +132,23 @@ def _layout_checks(ctx: RankContext, size: int) -> dict:
     return out
 
 
+def _ring_profile() -> list[str]:
+    """The `cp.ring.*` record_function ranges of one causal ring forward and backward, in start order."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (
+        cp_shard(torch.randn(1, 2, 16, D, generator=gen), 2, "cp", True).requires_grad_() for _ in "qkv"
+    )
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        cp_attention_ring(q, k, v, "cp", causal=True, load_balance=True).sum().backward()
+    events = [e for e in prof.events() if e.name.startswith("cp.ring.")]
+    return [e.name for e in sorted(events, key=lambda e: e.time_range.start)]
+
+
 def run_cases(ctx: RankContext, payload: dict[str, dict]) -> dict:
-    """Rank entry: every case of `payload` in turn (its errors), then the layout checks."""
+    """Rank entry: every case of `payload` in turn (its errors), then the layout checks and (2 ranks)
+    a profile of the ring."""
     import torch.distributed as dist  # noqa: PLC0415
 
     collectives.register_group("cp", dist.group.WORLD)
@@ -145,6 +160,7 @@ def run_cases(ctx: RankContext, payload: dict[str, dict]) -> dict:
         else:
             results[label] = _run_case(case)
     results["layout"] = _layout_checks(ctx, ctx.world_size)
+    results["profile"] = _ring_profile() if ctx.world_size == 2 else None
     return results
 
 
@@ -192,10 +208,24 @@ def _check_layout(reports: list[dict], size: int) -> None:
         assert layout["odd_lb"] is not None and "3 tokens" in layout["odd_lb"], layout["odd_lb"]
 
 
+def _check_overlap(reports: list[dict], size: int) -> None:
+    """Each ring step's transfer is issued before the step's block attention and waited for after it
+    (forward and backward); the backward's dK/dV accumulator is issued once per step and comes home."""
+    for rank, report in enumerate(reports):
+        names = report["profile"]
+        for phase in ("forward", "backward"):
+            for i in range(size - 1):
+                order = [names.index(f"cp.ring.{phase}.{what}.{i}") for what in ("issue", "compute", "wait")]
+                assert order == sorted(order), (rank, phase, i, names)
+        assert sum(n.startswith("cp.ring.backward.issue_grad.") for n in names) == size, names
+        assert names[-1] == "cp.ring.backward.wait_grad.home", names
+
+
 @pytest.mark.slow
 def test_cp_attention_matches_sdpa_on_two_ranks(two_rank) -> None:
     _check_launch(*two_rank)
     _check_layout(two_rank[1], 2)
+    _check_overlap(two_rank[1], 2)
 
 
 @pytest.mark.slow
