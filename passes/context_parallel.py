@@ -1,0 +1,714 @@
+"""Context parallelism (CP): attention over a sequence whose tokens are split over the ranks of a mesh axis.
+
+Under CP every activation of a layer holds only this rank's tokens of each sequence: shape (B, H,
+T / C, D) for attention's q, k, v on C ranks. Everything but attention is token-wise; attention needs
+every token's K and V. This module is the building block a lowering pass and the runtime will use:
+
+| function                 | what it does                                                          |
+|--------------------------|-----------------------------------------------------------------------|
+| `cp_positions`           | the global token positions a rank holds (pure; for RoPE positions)    |
+| `cp_shard`               | keep this rank's tokens of a replicated tensor; backward all-gathers  |
+| `cp_unshard`             | all-gather the ranks' tokens back in sequence order; backward keeps   |
+|                          | this rank's tokens (the conjugate pair, as `passes.collectives`)      |
+| `cp_attention_ring`      | ring attention (Liu et al. 2023; Megatron-Core / TE "p2p")            |
+| `cp_attention_allgather` | all-gather K/V, local queries over the whole K/V (Llama 3; TE         |
+|                          | "all_gather")                                                         |
+| `cp_attention_alltoall`  | Ulysses (Jacobs et al. 2023; TE "a2a"): all-to-all sequence <-> heads |
+
+Each attention function takes q (B, H, T/C, D) and k, v (B, H_kv, T/C, D) holding this rank's tokens
+(H_kv may divide H: grouped-query attention, query head h uses KV head h // (H / H_kv), as
+`scaled_dot_product_attention(enable_gqa=True)`), and returns this rank's (B, H, T/C, D) rows of
+`scaled_dot_product_attention` on the whole sequence, forward and backward. The CP process group
+comes from the axis name (`passes.collectives.register_group("cp", group)`); with one rank (or no
+process group) every function is plain SDPA / the identity.
+
+**Load balancing.** Under a causal mask the token at position p attends to p + 1 keys, so with
+contiguous shards rank C-1 does about 2C-1 times rank 0's work. With `load_balance=True` the sequence is
+cut into 2C chunks of T / 2C tokens and rank r holds chunks r and 2C-1-r (head-tail, Megatron-Core's
+and torch's round-robin layout): every rank holds one early and one late chunk and does the same
+causal work: T (T + 1) / (2C) visible (query, key) pairs, 1/C of the whole (the tests count them).
+The rank's two chunks are concatenated, early chunk first, so its positions are sorted ascending.
+Without load balancing rank r holds the r-th contiguous C-th of the sequence.
+
+**Ring.** Step i = 0 .. C-1: rank r holds the K/V block of rank s = (r - i) mod C; it posts the
+send of that block to rank r+1 and the receive of the next from r-1 (`dist.isend` / `irecv`), then
+computes its queries' attention over the block while the transfer is in flight, then waits. The
+causal mask of a block is taken from the global positions of the queries and keys: as both are sorted,
+the keys some query may see are a prefix of the block and the queries that see some key a suffix of
+the rank's rows, so each step computes only that rectangle (blocks wholly in the future are skipped;
+with head-tail chunks a step other than the first is one full chunk-by-block or block-by-chunk
+product, no mask) and masks it only when it straddles the diagonal. Partial results are merged by
+the online-softmax rule (Milakov & Gimelshein 2018; FlashAttention): with a block's output o_b and
+log-sum-exp l_b = log sum_j exp(s_j) over its keys, and the running (o, l),
+
+    m = max(l, l_b);   l' = m + log(exp(l - m) + exp(l_b - m))
+    o' = o * exp(l - l') + o_b * exp(l_b - l')
+
+in fp32 (a row that has seen no key yet has l = -inf and o = 0). Backward recomputes each block's
+probabilities from the saved log-sum-exp, P = exp(S - l), with delta = rowsum(dO * O):
+dV = P^T dO, dS = P * (dO V^T - delta), dQ = dS K scale, dK = dS^T Q scale. K/V travel round the ring
+again (prefetched as in forward) and each block's dK/dV accumulator travels with it, one step behind,
+so after C transfers it arrives home summed over every rank's queries.
+
+**All-gather.** K and V are all-gathered (one collective), put in sequence order, and the local
+queries attend over the whole sequence with the causal mask by global positions (only keys up to the
+rank's last query are computed). Backward all-gathers K/V again (nothing whole-sequence is kept
+between forward and backward) and reduce-scatters dK/dV.
+
+**All-to-all (Ulysses).** One all-to-all each for q, k, v turns (this rank's tokens, all heads) into
+(all tokens in sequence order, heads / C); plain SDPA (causal as usual, the sequence is whole); one
+all-to-all back. Backward is the same all-to-alls reversed, through SDPA's own backward. Needs H and
+H_kv to divide by C (else ValueError naming the counts and the variants that work).
+
+**Costs** (per rank, for the planner; b = bytes per element of q/k/v, T_l = T / C tokens per rank,
+KV = 2 B H_kv T_l D b the bytes of one rank's K and V block, Q = B H T_l D b one rank's q or out):
+
+| variant    | forward                                  | backward                                        |
+|------------|------------------------------------------|-------------------------------------------------|
+| ring       | C-1 steps, each sends and receives KV    | C-1 steps sending KV, plus C steps each sending |
+|            | to/from its ring neighbours, hidden      | and receiving the dK/dV accumulator, fp32:      |
+|            | behind the step's block attention        | KV * 4 / b; exposed: the last one               |
+|            | (exposed: the part a step's compute      |                                                 |
+|            | does not cover)                          |                                                 |
+| allgather  | all-gather: receives (C-1) KV, exposed   | all-gather again: (C-1) KV; reduce-scatter of   |
+|            |                                          | dK/dV in fp32: (C-1) KV * 4 / b                 |
+| alltoall   | all-to-alls of q, k, v and out: sends    | the same four (dout in; dq, dk, dv out)         |
+|            | (C-1)/C of (2 Q + KV), exposed           |                                                 |
+
+Ring and all-gather move the same K/V bytes; the ring hides them behind compute but pays C-1
+latencies and needs enough work per step (long sequences); all-gather is one collective (Llama 3
+chose it for its simplicity with GQA's small K/V and document masks). Per rank the ring's and the all-gather's
+bytes stay at about one sequence's K/V whatever C; Ulysses moves q and out too, but only (C-1)/C of
+the rank's own tensors, so its bytes per rank fall as 1/C for a fixed sequence; it cannot overlap
+with the attention and is limited by the head counts. Memory:
+ring and all-gather keep two K/V blocks (all-gather: the whole sequence's K/V during the layer) and
+save only local tensors for backward, plus the fp32 log-sum-exp (B, H, T_l).
+
+References: Liu, Zaharia, Abbeel 2023, "Ring Attention with Blockwise Transformers for Near-Infinite
+Context"; Jacobs et al. 2023, "DeepSpeed Ulysses: System Optimizations for Enabling Training of
+Extreme Long Sequence Transformer Models"; Dubey et al. 2024, "The Llama 3 Herd of Models", section
+3.3.2 (context parallelism with an all-gather of K/V); Megatron-Core's context parallelism
+(`--context-parallel-size`, `--cp-comm-type p2p | a2a | all_gather | a2a+p2p`, Transformer Engine's
+`DotProductAttention` with `cp_group`); PyTorch's `torch.distributed.tensor.experimental.context_parallel`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.profiler import record_function
+
+from passes.collectives import _all_gather, _group, _reduce_scatter
+
+__all__ = [
+    "CP_VARIANTS",
+    "cp_attention",
+    "cp_attention_allgather",
+    "cp_attention_alltoall",
+    "cp_attention_ring",
+    "cp_positions",
+    "cp_shard",
+    "cp_unshard",
+]
+
+CP_VARIANTS = ("ring", "allgather", "alltoall")
+_KV_TAG, _DKV_TAG = 71, 72  # p2p tags of the ring's K/V and dK/dV transfers (distinct: both in flight)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout: which tokens a rank holds
+
+
+def _chunks(seq_len: int, size: int, load_balance: bool) -> int:
+    """How many equal chunks the sequence is cut into (2C with load balancing, else C); ValueError
+    naming both numbers when `seq_len` does not divide."""
+    chunks = 2 * size if load_balance else size
+    if seq_len % chunks:
+        how = f"2 x {size} = {chunks} chunks (load balancing)" if load_balance else f"{chunks} chunks"
+        raise ValueError(
+            f"context parallelism over {size} ranks cannot cut a sequence of {seq_len} tokens into {how}: "
+            f"{seq_len} is not a multiple of {chunks}"
+        )
+    return chunks
+
+
+def cp_positions(seq_len: int, rank: int, size: int, load_balance: bool) -> torch.Tensor:
+    """The global positions (int64, shape (seq_len / size,), ascending) of the tokens rank `rank` of
+    `size` holds: with `load_balance` chunks `rank` and 2*size-1-rank of the sequence cut into 2*size
+    chunks, else the rank-th contiguous size-th. Pure; cut RoPE positions with it.
+
+    Raises ValueError naming both numbers when seq_len does not divide by size (2 * size)."""
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} is not in 0 .. {size - 1}")
+    chunks = _chunks(seq_len, size, load_balance)
+    n = seq_len // chunks
+    if not load_balance:
+        return torch.arange(rank * n, (rank + 1) * n)
+    tail = chunks - 1 - rank
+    return torch.cat([torch.arange(rank * n, (rank + 1) * n), torch.arange(tail * n, (tail + 1) * n)])
+
+
+def _gathered_positions(seq_len: int, size: int, load_balance: bool) -> torch.Tensor:
+    """Positions of the ranks' tokens concatenated in rank order (what an all-gather returns), (seq_len,)."""
+    return torch.cat([cp_positions(seq_len, r, size, load_balance) for r in range(size)])
+
+
+def _size_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if group is None:
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _to_sequence_order(x: torch.Tensor, dim: int, size: int, load_balance: bool) -> torch.Tensor:
+    """Rank-ordered tokens (as gathered) along `dim` -> sequence order."""
+    if not load_balance:
+        return x
+    order = torch.argsort(_gathered_positions(x.shape[dim], size, True)).to(x.device)
+    return x.index_select(dim, order)
+
+
+def _to_rank_order(x: torch.Tensor, dim: int, size: int, load_balance: bool) -> torch.Tensor:
+    """Sequence-ordered tokens along `dim` -> rank order (rank 0's tokens, rank 1's, ...)."""
+    if not load_balance:
+        return x
+    return x.index_select(dim, _gathered_positions(x.shape[dim], size, True).to(x.device))
+
+
+def _keep_local(x: torch.Tensor, dim: int, axis: str, load_balance: bool) -> torch.Tensor:
+    group = _group(axis)
+    size, rank = _size_rank(group)
+    if size == 1:
+        return x
+    dim = dim % x.dim()
+    pos = cp_positions(x.shape[dim], rank, size, load_balance).to(x.device)
+    return x.index_select(dim, pos)
+
+
+def _gather_sequence(x: torch.Tensor, dim: int, axis: str, load_balance: bool) -> torch.Tensor:
+    group = _group(axis)
+    size, _ = _size_rank(group)
+    if size == 1:
+        return x
+    dim = dim % x.dim()
+    return _to_sequence_order(_all_gather(x, dim, axis), dim, size, load_balance)
+
+
+class _Shard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, axis: str, load_balance: bool) -> torch.Tensor:
+        ctx.dim, ctx.axis, ctx.load_balance = dim, axis, load_balance
+        return _keep_local(x, dim, axis, load_balance)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather_sequence(grad, ctx.dim, ctx.axis, ctx.load_balance), None, None, None
+
+
+class _Unshard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, axis: str, load_balance: bool) -> torch.Tensor:
+        ctx.dim, ctx.axis, ctx.load_balance = dim, axis, load_balance
+        return _gather_sequence(x, dim, axis, load_balance)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _keep_local(grad, ctx.dim, ctx.axis, ctx.load_balance), None, None, None
+
+
+def cp_shard(x: torch.Tensor, dim: int, axis: str, load_balance: bool) -> torch.Tensor:
+    """This rank's tokens of a replicated `x` along `dim` (shape[dim] / C, positions `cp_positions`).
+
+    Backward all-gathers the ranks' gradients back in sequence order (Megatron's conjugate of keeping
+    a chunk). Raises ValueError naming both numbers when shape[dim] does not divide by C (2C with
+    `load_balance`). With one rank: `x` itself."""
+    if _size_rank(_group(axis))[0] == 1:
+        return x
+    return _Shard.apply(x, dim, axis, load_balance)
+
+
+def cp_unshard(x: torch.Tensor, dim: int, axis: str, load_balance: bool) -> torch.Tensor:
+    """The whole sequence along `dim` (shape[dim] * C, sequence order) from every rank's tokens as
+    `cp_shard` cut them (all-gather). Backward keeps this rank's tokens of the gradient. With one
+    rank: `x` itself."""
+    if _size_rank(_group(axis))[0] == 1:
+        return x
+    return _Unshard.apply(x, dim, axis, load_balance)
+
+
+# ---------------------------------------------------------------------------------------------
+# Block attention in fp32 with its log-sum-exp, and the online-softmax merge
+
+
+def _block_plan(
+    qpos: torch.Tensor, kpos: torch.Tensor, causal: bool
+) -> tuple[int, int, torch.Tensor | None] | None:
+    """What of a (queries at `qpos`) x (keys at `kpos`) block to compute, both ascending 1-D:
+    None when every pair is masked (the block is wholly in the future), else (first query row,
+    key column stop, mask or None): rows [row:] of the queries over keys [:stop], with the boolean
+    mask (rows, stop) of visible pairs where some pair of that rectangle is in the future."""
+    if not causal:
+        return 0, kpos.numel(), None
+    row = int(torch.searchsorted(qpos, kpos[0]))  # first query that sees the block's first key
+    if row == qpos.numel():
+        return None
+    stop = int(torch.searchsorted(kpos, qpos[-1], right=True))  # keys the last query sees
+    mask = kpos[:stop][None, :] <= qpos[row:][:, None]
+    return row, stop, None if bool(mask.all()) else mask
+
+
+def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, H_kv, T, D) -> (B, H_kv * groups, T, D): KV head j serves query heads j*groups .. (j+1)*groups-1."""
+    return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
+
+
+def _reduce_heads(g: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of `_expand`: (B, H, T, D) -> (B, H / groups, T, D), summed over each group."""
+    if groups == 1:
+        return g
+    b, h, t, d = g.shape
+    return g.view(b, h // groups, groups, t, d).sum(2)
+
+
+def _block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of q (B, H, Tq, D) over k, v (B, H, Tk, D), all fp32, `mask` (Tq, Tk) True
+    where visible: (out (B, H, Tq, D), log-sum-exp of the scaled scores (B, H, Tq); -inf for a row
+    that sees no key, whose out is 0)."""
+    s = (q @ k.transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask.to(s.device), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
+    return p @ v, lse
+
+
+def _block_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv) of a block of attention whose merged output is known: the block's
+    probabilities recomputed as exp(S - lse) with the *final* log-sum-exp (B, H, Tq), and
+    delta = rowsum(dout * out) (B, H, Tq). All fp32; shapes as `_block_forward`."""
+    s = (q @ k.transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask.to(s.device), float("-inf"))
+    p = torch.exp(s - lse.unsqueeze(-1))
+    dv = p.transpose(-1, -2) @ dout
+    ds = p * (dout @ v.transpose(-1, -2) - delta.unsqueeze(-1))
+    return (ds @ k) * scale, (ds.transpose(-1, -2) @ q) * scale, dv
+
+
+def _merge(
+    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Online-softmax merge of a running result (out (..., T, D), lse (..., T)) with a block's over
+    other keys of the same queries; fp32. Rows with lse = -inf (no key yet) take the block's."""
+    m = torch.maximum(lse, block_lse)
+    m = torch.where(torch.isinf(m), 0.0, m)  # both -inf: keep the row empty, not NaN
+    w, w_b = torch.exp(lse - m), torch.exp(block_lse - m)
+    total = w + w_b
+    new_lse = m + torch.log(total)
+    inv = torch.where(total > 0, 1.0 / total, 0.0)
+    new_out = (out * w.unsqueeze(-1) + block_out * w_b.unsqueeze(-1)) * inv.unsqueeze(-1)
+    return new_out, new_lse
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks shared by the variants
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, load_balance: bool, variant: str) -> int:
+    """Validate shapes; return the GQA group size H / H_kv."""
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(
+            f"cp_attention_{variant} needs q (B, H, T, D) and k, v (B, H_kv, T, D) of one shape; "
+            f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    b, h, t, d = q.shape
+    if k.shape[0] != b or k.shape[2] != t or k.shape[3] != d or h % k.shape[1]:
+        raise ValueError(
+            f"cp_attention_{variant}: k, v {tuple(k.shape)} do not fit q {tuple(q.shape)} "
+            "(same batch, local tokens and head dim; query heads a multiple of KV heads)"
+        )
+    if load_balance and t % 2:
+        raise ValueError(
+            f"cp_attention_{variant}: with load balancing a rank holds two equal chunks, "
+            f"but it holds {t} tokens (odd)"
+        )
+    return h // k.shape[1]
+
+
+def _sdpa(q, k, v, causal: bool, scale: float | None) -> torch.Tensor:
+    return F.scaled_dot_product_attention(
+        q, k, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
+def _scale(q: torch.Tensor, scale: float | None) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ring
+
+
+def _pack(*ts: torch.Tensor) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in ts])
+
+
+def _unpack(buf: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
+    n = math.prod(shape)
+    return buf[:n].view(shape), buf[n:].view(shape)
+
+
+def _ring_exchange(send: torch.Tensor, group: dist.ProcessGroup, tag: int) -> tuple[torch.Tensor, list]:
+    """Post the send of `send` to the next rank of the ring and the receive of an equal buffer from
+    the previous one; (receive buffer, [works]) — wait on the works before reading the buffer."""
+    size, rank = _size_rank(group)
+    nxt = dist.get_global_rank(group, (rank + 1) % size)
+    prv = dist.get_global_rank(group, (rank - 1) % size)
+    recv = torch.empty_like(send)
+    works = [dist.isend(send, nxt, group=group, tag=tag), dist.irecv(recv, prv, group=group, tag=tag)]
+    return recv, works
+
+
+def _block_kv(
+    kv: torch.Tensor, shape: torch.Size, stop: int, groups: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys [:stop] of a packed K/V block (`_pack(k, v)`, each of `shape` (B, H_kv, T_l, D)), fp32,
+    expanded to the query heads: 2 x (B, H, stop, D)."""
+    k, v = _unpack(kv, shape)
+    return _expand(k[:, :, :stop].float(), groups), _expand(v[:, :, :stop].float(), groups)
+
+
+def _wait(works: list) -> None:
+    for w in works:
+        w.wait()
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention (module docstring): q (B, H, T_l, D), k, v (B, H_kv, T_l, D) -> (B, H, T_l, D)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, axis: str, causal: bool, load_balance: bool, scale: float):
+        group = _group(axis)
+        size, rank = _size_rank(group)
+        groups = q.shape[1] // k.shape[1]
+        seq_len = q.shape[2] * size
+        qpos = cp_positions(seq_len, rank, size, load_balance)
+        qf = q.float()
+        out = torch.zeros(qf.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(qf.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        kv = _pack(k, v)
+        for i in range(size):
+            src = (rank - i) % size
+            if i < size - 1:
+                with record_function(f"cp.ring.forward.issue.{i}"):
+                    nxt, works = _ring_exchange(kv, group, _KV_TAG)
+            plan = _block_plan(qpos, cp_positions(seq_len, src, size, load_balance), causal)
+            if plan is not None:
+                row, stop, mask = plan
+                with record_function(f"cp.ring.forward.compute.{i}"):
+                    kb, vb = _block_kv(kv, k.shape, stop, groups)
+                    block_out, block_lse = _block_forward(qf[:, :, row:], kb, vb, mask, scale)
+                    out[:, :, row:], lse[:, :, row:] = _merge(
+                        out[:, :, row:], lse[:, :, row:], block_out, block_lse
+                    )
+            if i < size - 1:
+                with record_function(f"cp.ring.forward.wait.{i}"):
+                    _wait(works)
+                kv = nxt
+        result = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.axis, ctx.causal, ctx.load_balance, ctx.scale = axis, causal, load_balance, scale
+        return result
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group = _group(ctx.axis)
+        size, rank = _size_rank(group)
+        groups = q.shape[1] // k.shape[1]
+        seq_len = q.shape[2] * size
+        qpos = cp_positions(seq_len, rank, size, ctx.load_balance)
+        qf, doutf = q.float(), dout.float()
+        delta = (doutf * out.float()).sum(-1)
+        dq = torch.zeros_like(qf)
+        kv = _pack(k, v)
+        dkv_in, dkv_works, sent = None, [], []
+        for i in range(size):
+            src = (rank - i) % size
+            if i < size - 1:
+                with record_function(f"cp.ring.backward.issue.{i}"):
+                    nxt, works = _ring_exchange(kv, group, _KV_TAG)
+            dk_b = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+            dv_b = torch.zeros_like(dk_b)
+            plan = _block_plan(qpos, cp_positions(seq_len, src, size, ctx.load_balance), ctx.causal)
+            if plan is not None:
+                row, stop, mask = plan
+                with record_function(f"cp.ring.backward.compute.{i}"):
+                    kb, vb = _block_kv(kv, k.shape, stop, groups)
+                    dq_r, dk_r, dv_r = _block_backward(
+                        qf[:, :, row:], kb, vb, doutf[:, :, row:], lse[:, :, row:], delta[:, :, row:],
+                        mask, ctx.scale,
+                    )  # fmt: skip
+                    dq[:, :, row:] += dq_r
+                    dk_b[:, :, :stop] = _reduce_heads(dk_r, groups)
+                    dv_b[:, :, :stop] = _reduce_heads(dv_r, groups)
+            with record_function(f"cp.ring.backward.wait_grad.{i}"):
+                _wait(dkv_works)  # the accumulator of this block from the previous rank (and our last send)
+            acc = _pack(dk_b, dv_b)
+            if dkv_in is not None:
+                acc += dkv_in
+            with record_function(f"cp.ring.backward.issue_grad.{i}"):
+                dkv_in, dkv_works = _ring_exchange(acc, group, _DKV_TAG)
+                sent = [acc]  # keep the sent buffer alive until its send completes
+            if i < size - 1:
+                with record_function(f"cp.ring.backward.wait.{i}"):
+                    _wait(works)
+                kv = nxt
+        with record_function("cp.ring.backward.wait_grad.home"):
+            _wait(dkv_works)  # this rank's own block's dK/dV, summed over every rank's queries
+        del sent
+        dk, dv = _unpack(dkv_in, k.shape)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# All-gather
+
+
+def _gather_kv(k: torch.Tensor, v: torch.Tensor, axis: str, size: int, load_balance: bool) -> torch.Tensor:
+    """(T, 2, B, H_kv, D) fp-as-given: every rank's K and V in sequence order (one all-gather)."""
+    local = torch.stack([k, v]).permute(3, 0, 1, 2, 4).contiguous()  # (T_l, 2, B, H_kv, D)
+    return _to_sequence_order(_all_gather(local, 0, axis), 0, size, load_balance)
+
+
+def _whole_kv(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, 2, B, H_kv, D) -> k, v (B, H_kv, T, D)."""
+    full = kv.permute(1, 2, 3, 0, 4)
+    return full[0], full[1]
+
+
+class _AllGatherAttention(torch.autograd.Function):
+    """All-gather attention (module docstring): q (B, H, T_l, D), k, v (B, H_kv, T_l, D) -> (B, H, T_l, D)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, axis: str, causal: bool, load_balance: bool, scale: float):
+        size, rank = _size_rank(_group(axis))
+        groups = q.shape[1] // k.shape[1]
+        seq_len = q.shape[2] * size
+        with record_function("cp.allgather.forward.gather"):
+            kf, vf = _whole_kv(_gather_kv(k, v, axis, size, load_balance))
+        qpos = cp_positions(seq_len, rank, size, load_balance)
+        row, stop, mask = _block_plan(qpos, torch.arange(seq_len), causal)  # never None: a query sees itself
+        assert row == 0
+        with record_function("cp.allgather.forward.compute"):
+            out, lse = _block_forward(
+                q.float(), _expand(kf[:, :, :stop].float(), groups), _expand(vf[:, :, :stop].float(), groups),
+                mask, scale,
+            )  # fmt: skip
+        result = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.axis, ctx.causal, ctx.load_balance, ctx.scale = axis, causal, load_balance, scale
+        return result
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        size, rank = _size_rank(_group(ctx.axis))
+        groups = q.shape[1] // k.shape[1]
+        seq_len = q.shape[2] * size
+        with record_function("cp.allgather.backward.gather"):
+            kf, vf = _whole_kv(_gather_kv(k, v, ctx.axis, size, ctx.load_balance))
+        qpos = cp_positions(seq_len, rank, size, ctx.load_balance)
+        _, stop, mask = _block_plan(qpos, torch.arange(seq_len), ctx.causal)
+        doutf = dout.float()
+        with record_function("cp.allgather.backward.compute"):
+            dq, dk_r, dv_r = _block_backward(
+                q.float(), _expand(kf[:, :, :stop].float(), groups), _expand(vf[:, :, :stop].float(), groups),
+                doutf, lse, (doutf * out.float()).sum(-1), mask, ctx.scale,
+            )  # fmt: skip
+        dkv = torch.zeros((seq_len, 2, *k.shape[:2], k.shape[3]), dtype=torch.float32, device=k.device)
+        dkv[:stop, 0] = _reduce_heads(dk_r, groups).permute(2, 0, 1, 3)
+        dkv[:stop, 1] = _reduce_heads(dv_r, groups).permute(2, 0, 1, 3)
+        with record_function("cp.allgather.backward.reduce_scatter"):
+            local = _reduce_scatter(_to_rank_order(dkv, 0, size, ctx.load_balance), 0, ctx.axis)
+        dk, dv = local.permute(1, 2, 3, 0, 4)  # (T_l, 2, B, H_kv, D) -> 2 x (B, H_kv, T_l, D)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# All-to-all (Ulysses)
+
+
+def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """(C, ...) -> (C, ...): slot j is sent to rank j; slot j of the result came from rank j."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def _seq_to_heads(x: torch.Tensor, axis: str, load_balance: bool) -> torch.Tensor:
+    """(B, H, T_l, D) this rank's tokens, all heads -> (B, H / C, T, D) every token (sequence order),
+    this rank's C-th of the heads."""
+    group = _group(axis)
+    size, _ = _size_rank(group)
+    b, h, t, d = x.shape
+    slots = x.reshape(b, size, h // size, t, d).transpose(0, 1)  # (C, B, H/C, T_l, D): slot j for rank j
+    got = _all_to_all(slots, group)  # slot j: rank j's tokens of our heads
+    whole = got.permute(1, 2, 0, 3, 4).reshape(b, h // size, size * t, d)  # rank order
+    return _to_sequence_order(whole, 2, size, load_balance)
+
+
+def _heads_to_seq(x: torch.Tensor, axis: str, load_balance: bool) -> torch.Tensor:
+    """The inverse of `_seq_to_heads`: (B, H / C, T, D) -> (B, H, T / C, D)."""
+    group = _group(axis)
+    size, _ = _size_rank(group)
+    b, hl, t, d = x.shape
+    ranked = _to_rank_order(x, 2, size, load_balance)
+    slots = ranked.reshape(b, hl, size, t // size, d).permute(2, 0, 1, 3, 4)  # slot j: rank j's tokens
+    got = _all_to_all(slots, group)  # slot j: rank j's heads of our tokens
+    return got.transpose(0, 1).reshape(b, size * hl, t // size, d)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: str, load_balance: bool) -> torch.Tensor:
+        ctx.axis, ctx.load_balance = axis, load_balance
+        with record_function("cp.alltoall.seq_to_heads"):
+            return _seq_to_heads(x, axis, load_balance)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        with record_function("cp.alltoall.heads_to_seq"):
+            return _heads_to_seq(grad, ctx.axis, ctx.load_balance), None, None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: str, load_balance: bool) -> torch.Tensor:
+        ctx.axis, ctx.load_balance = axis, load_balance
+        with record_function("cp.alltoall.heads_to_seq"):
+            return _heads_to_seq(x, axis, load_balance)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        with record_function("cp.alltoall.seq_to_heads"):
+            return _seq_to_heads(grad, ctx.axis, ctx.load_balance), None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Public attention functions
+
+
+def cp_attention_ring(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    axis: str,
+    *,
+    causal: bool,
+    load_balance: bool,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Ring attention over the CP ranks of `axis`: q (B, H, T_l, D), k, v (B, H_kv, T_l, D), this
+    rank's tokens as `cp_shard` cut them (H a multiple of H_kv) -> this rank's (B, H, T_l, D) rows of
+    SDPA over the whole sequence (T = T_l * C), differentiable in q, k, v. K/V blocks travel round the
+    ring peer to peer while each block's attention is computed; merged by the online-softmax rule;
+    fp32 inside. `scale` defaults to 1/sqrt(D). With one rank: plain SDPA.
+
+    Raises ValueError for mismatched shapes, or an odd T_l with `load_balance`."""
+    _check(q, k, v, load_balance, "ring")
+    size, _ = _size_rank(_group(axis))
+    if size == 1:
+        return _sdpa(q, k, v, causal, scale)
+    return _RingAttention.apply(q, k, v, axis, causal, load_balance, _scale(q, scale))
+
+
+def cp_attention_allgather(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    axis: str,
+    *,
+    causal: bool,
+    load_balance: bool,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """All-gather attention (Llama 3's): K/V all-gathered over the CP ranks of `axis`, this rank's
+    queries over the whole sequence with the causal mask by global positions. Shapes, result and
+    errors as `cp_attention_ring`; backward all-gathers K/V again and reduce-scatters dK/dV."""
+    _check(q, k, v, load_balance, "allgather")
+    size, _ = _size_rank(_group(axis))
+    if size == 1:
+        return _sdpa(q, k, v, causal, scale)
+    return _AllGatherAttention.apply(q, k, v, axis, causal, load_balance, _scale(q, scale))
+
+
+def cp_attention_alltoall(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    axis: str,
+    *,
+    causal: bool,
+    load_balance: bool,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Ulysses attention (DeepSpeed-Ulysses): all-to-all q, k, v from (this rank's tokens, all heads)
+    to (whole sequence, H / C and H_kv / C heads), plain SDPA, all-to-all back. Shapes and result as
+    `cp_attention_ring`; backward through the reversed all-to-alls and SDPA's backward.
+
+    Raises ValueError when H or H_kv does not divide by C (naming both head counts, C and the
+    variants that would work), and as `cp_attention_ring`."""
+    _check(q, k, v, load_balance, "alltoall")
+    size, _ = _size_rank(_group(axis))
+    if size == 1:
+        return _sdpa(q, k, v, causal, scale)
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if heads % size or kv_heads % size:
+        raise ValueError(
+            f"cp_attention_alltoall (Ulysses) splits the heads over the {size} CP ranks, but the "
+            f"{heads} query heads and {kv_heads} KV heads do not both divide by {size}; "
+            "use cp_attention_ring or cp_attention_allgather, which work for any head count"
+        )
+    qh, kh, vh = (_SeqToHeads.apply(t, axis, load_balance) for t in (q, k, v))
+    return _HeadsToSeq.apply(_sdpa(qh, kh, vh, causal, scale), axis, load_balance)
+
+
+_VARIANTS = {
+    "ring": cp_attention_ring,
+    "allgather": cp_attention_allgather,
+    "alltoall": cp_attention_alltoall,
+}
+
+
+def cp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    axis: str,
+    *,
+    variant: str,
+    causal: bool,
+    load_balance: bool,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """`cp_attention_<variant>` for `variant` in `CP_VARIANTS`; ValueError naming them otherwise."""
+    if variant not in _VARIANTS:
+        raise ValueError(
+            f"unknown context-parallel attention variant {variant!r}; one of {', '.join(CP_VARIANTS)}"
+        )
+    return _VARIANTS[variant](q, k, v, axis, causal=causal, load_balance=load_balance, scale=scale)
