@@ -37,7 +37,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from costmodels.memory import DataParallel
-from passes.fsdp import Bucket, FsdpRuntime, fsdp_layout, make_buckets
+from passes import dp_overlap
+from passes.fsdp import Bucket, FsdpRuntime, fsdp_layout, make_buckets, unit_of
 
 BatchDims = Sequence[int | None]  # per tensor input (flat_inputs order): its batch dim, or None
 
@@ -148,7 +149,76 @@ class _AdamOnRanks:
         return _state_numel(self.adam)
 
 
-class ReplicatedAdam(_AdamOnRanks):
+class _OverlappedReduce:
+    """overlap_grad_reduce for `ReplicatedAdam` and `DistributedAdam`: each bucket (`passes.fsdp.Bucket`,
+    a wrapping unit's parameters of one dtype) is reduced (`_issue`, asynchronous) from the backward as
+    soon as its gradients are all accumulated for the last time in the step, i.e. in the last of the
+    `rounds` micro-batches' backwards (`register_post_accumulate_grad_hook` counts them: DDP's no_sync
+    over the earlier micro-batches), and waited for in `reduce_gradients`, after the backward. A bucket
+    whose hooks did not all fire (a parameter without a gradient) or holding a `deferred` parameter
+    (a pipeline's tied copy, whose gradient is summed across stages after the backward) is issued in
+    `reduce_gradients`. The gradients a hook issues are divided by `hook_divisor` (dp; dp x micro-
+    batches in a pipeline, whose schedule scales the `.grad` by 1 / micro-batches only after the
+    backward), those issued later by `dp`. `events` records (event, unit) in order for the checks:
+    grad_hook (the first gradient of the bucket in the last round), reduce_issued, reduce_wait,
+    gather_issued, param_wait (`passes.dp_overlap.dp_param_wait`)."""
+
+    buckets: list[Bucket]
+    _members: list[list[torch.Tensor]]
+    dp: int
+    counts: Counter[str]
+    events: list[tuple[str, str]]
+
+    def _init_hooks(self, overlap: bool, rounds: int, hook_divisor: int, deferred: set[int]) -> None:
+        self.overlap_grad_reduce = overlap
+        self.rounds, self.hook_divisor = max(1, rounds), hook_divisor
+        self._seen = [0] * len(self.buckets)
+        self._issued = [False] * len(self.buckets)
+        self._inflight: deque[tuple[int, Callable[[], None]]] = deque()
+        if not overlap:
+            return
+        for k, members in enumerate(self._members):
+            if any(id(p) in deferred for p in members):
+                continue
+            for p in members:
+                p.register_post_accumulate_grad_hook(self._hook(k))
+
+    def _hook(self, k: int) -> Callable[[torch.Tensor], None]:
+        def ready(p: torch.Tensor) -> None:
+            self._seen[k] += 1
+            need = len(self._members[k])
+            if self._seen[k] == need * (self.rounds - 1) + 1:
+                self.events.append(("grad_hook", self.buckets[k].unit))
+            if self._seen[k] == need * self.rounds and not self._issued[k]:
+                self._start(k, self.hook_divisor)
+
+        return ready
+
+    def _start(self, k: int, divisor: int) -> None:
+        self._issued[k] = True
+        self.events.append(("reduce_issued", self.buckets[k].unit))
+        self._inflight.append((k, self._issue(k, divisor)))
+
+    def _issue(self, k: int, divisor: int) -> Callable[[], None]:
+        raise NotImplementedError
+
+    def _finish_overlapped(self) -> None:
+        """Issue the buckets no hook issued, then wait for every reduction in flight, in issue order."""
+        for k in range(len(self.buckets)):
+            if not self._issued[k]:
+                self._start(k, self.dp)
+        while self._inflight:
+            k, finish = self._inflight.popleft()
+            finish()
+            self.events.append(("reduce_wait", self.buckets[k].unit))
+
+    def _reset_hooks(self) -> None:
+        self._seen = [0] * len(self.buckets)
+        self._issued = [False] * len(self.buckets)
+        self.events.clear()
+
+
+class ReplicatedAdam(_OverlappedReduce, _AdamOnRanks):
     """Adam on every parameter, after an all-reduce of the gradients over the dp group (plain DP).
     16-bit parameters are stepped through fp32 master copies with fp32 moments (mixed precision: the
     16 bytes per parameter the memory model prices), then copied back.
@@ -156,9 +226,18 @@ class ReplicatedAdam(_AdamOnRanks):
     params: the trainable parameters this rank holds (duplicates are dropped). group / dp: the
     data-parallel group and its size. Call `reduce_gradients` after the backward (the checks read the
     mean gradients then), then `step`; `step` reduces first when that was not done.
+    overlap_grad_reduce (with `named`, the (fqn, parameter) pairs, and `units`, the layers' module
+    paths): one asynchronous all-reduce per bucket (a layer's parameters of one dtype, one more for the
+    parameters outside the layers) issued from the last micro-batch's backward (`_OverlappedReduce`);
+    otherwise one all-reduce per dtype after the backward.
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], group: dist.ProcessGroup, dp: int, lr: float = 1e-3):
+    def __init__(
+        self, params: Sequence[torch.Tensor], group: dist.ProcessGroup, dp: int, lr: float = 1e-3, *,
+        named: Sequence[tuple[str, torch.Tensor]] | None = None, units: Sequence[str] = (),
+        overlap_grad_reduce: bool = False, micro_batches: int = 1, hook_divisor: int | None = None,
+        deferred: set[int] = frozenset(),
+    ):  # fmt: skip
         self.params = [p for p in _unique(params) if p.requires_grad]
         self.group, self.dp = group, dp
         # mixed precision, as the memory model prices it: 16-bit parameters are stepped through fp32
@@ -167,11 +246,45 @@ class ReplicatedAdam(_AdamOnRanks):
         self.lr = lr
         self.adam = torch.optim.Adam([self._masters.get(id(p), p) for p in self.params], lr=lr)
         self._reduced = False
+        self.counts: Counter[str] = Counter()
+        self.events: list[tuple[str, str]] = []
+        overlap = overlap_grad_reduce and dp > 1
+        pairs = _named_trainable(named, self.params) if overlap else []
+        self.buckets = make_buckets(pairs, units, 1)
+        by_fqn = dict(pairs)
+        self._members = [[by_fqn[p.fqn] for p in b.params] for b in self.buckets]
+        self._init_hooks(overlap, micro_batches, hook_divisor or dp, deferred)
+
+    def _issue(self, k: int, divisor: int) -> Callable[[], None]:
+        members = self._members[k]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in members]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.counts["all_reduce"] += 1
+        work = dist.all_reduce(flat, group=self.group, async_op=True)
+
+        def finish() -> None:
+            work.wait()
+            flat.div_(divisor)
+            offset = 0
+            for p in members:
+                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+
+        return finish
 
     def reduce_gradients(self) -> None:
-        """Every parameter's gradient becomes the mean over the replicas (one all-reduce per dtype)."""
-        average_parameter_gradients(self.params, self.group, self.dp)
+        """Every parameter's gradient becomes the mean over the replicas: one all-reduce per dtype, or
+        with overlap_grad_reduce wait for the buckets' (issuing any the backward did not)."""
+        if self.overlap_grad_reduce:
+            self._finish_overlapped()
+        elif self.dp > 1:
+            self.counts["all_reduce"] += len({p.grad.dtype for p in self.params if p.grad is not None})
+            average_parameter_gradients(self.params, self.group, self.dp)
         self._reduced = True
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        self._reset_hooks()
 
     def step(self) -> None:
         if not self._reduced:
@@ -206,90 +319,205 @@ class ReplicatedAdam(_AdamOnRanks):
 
     def note(self) -> str:
         """What the run report says about the optimizer that ran."""
-        sync = f"gradients all-reduced over the {self.dp} data-parallel ranks" if self.dp > 1 else "dp=1"
+        if self.dp == 1:
+            sync = "dp=1"
+        elif self.overlap_grad_reduce:
+            sync = (
+                f"gradients all-reduced over the {self.dp} data-parallel ranks with overlap-grad-reduce: one "
+                f"all-reduce per bucket ({len(self.buckets)} buckets: a layer each, one for the parameters "
+                "outside the layers) issued from the backward as the bucket's gradients are ready (async, "
+                "last micro-batch only), waited for after the backward"
+            )
+        else:
+            sync = f"gradients all-reduced over the {self.dp} data-parallel ranks after the backward (no overlap)"
         return (
-            f"optimizer: Adam, state replicated on every data-parallel rank{_mixed_note(self.params)}; {sync}"
+            f"optimizer: Adam, state replicated on every data-parallel rank{_mixed_note(self.params)}; {sync}; "
+            f"collectives in the checked step: {_counts_text(self.counts)}"
         )
 
 
-class DistributedAdam(_AdamOnRanks):
+class DistributedAdam(_OverlappedReduce, _AdamOnRanks):
     """ZeRO-1: Adam with its state sharded over the data-parallel ranks (module docstring).
 
     params: the trainable parameters this rank holds, the same list in the same order on every replica
     (duplicates are dropped). group / dp / dp_rank: the data-parallel group, its size and this rank's
-    rank in it. Parameters are grouped by dtype; each dtype's flat buffer of N elements is cut into dp
-    slices of ceil(N / dp) (zero padding at the end), slice dp_rank being this rank's. Collective over
-    `group`: every replica calls `reduce_gradients` and `step` together. A parameter without a
-    gradient counts as a zero gradient (its Adam moments still move it, as in Megatron-LM's zero-filled
-    gradient buffer, where torch's Adam would skip the parameter). The slices are copied from the
-    parameters when it is built: build it after the weights are loaded.
+    rank in it. Parameters are grouped into buckets (`passes.fsdp.Bucket`): one per dtype, or with
+    either overlap one per wrapping unit and dtype (`named` / `units`: a layer's parameters, one more
+    for the parameters outside the layers); each bucket's flat buffer of N elements is cut into dp
+    slices of ceil(N / dp) (zero padding at the end), slice dp_rank being this rank's. This rank's
+    slices of one dtype are one flat store Adam steps (an fp32 master for 16-bit parameters), as the
+    cost model prices the distributed optimizer's step. Collective over `group`: every replica calls
+    `reduce_gradients` and `step` together. A parameter without a gradient counts as a zero gradient
+    (its Adam moments still move it, as in Megatron-LM's zero-filled gradient buffer, where torch's
+    Adam would skip the parameter). The slices are copied from the parameters when it is built: build
+    it after the weights are loaded.
+
+    Without overlap: one reduce-scatter per dtype after the backward and one all-gather per dtype
+    after the step. overlap_grad_reduce: one asynchronous reduce-scatter per bucket from the last
+    micro-batch's backward (`_OverlappedReduce`). overlap_param_gather: one asynchronous all-gather
+    per bucket after the step, each waited for (and copied into the parameters) by
+    `passes.dp_overlap.dp_param_wait` before the bucket's first use in the next forward, or before
+    anything reads the parameters (`wait_gathers`).
     """
 
     def __init__(
-        self,
-        params: Sequence[torch.Tensor],
-        group: dist.ProcessGroup,
-        dp: int,
-        dp_rank: int,
-        lr: float = 1e-3,
-    ):
+        self, params: Sequence[torch.Tensor], group: dist.ProcessGroup, dp: int, dp_rank: int,
+        lr: float = 1e-3, *, named: Sequence[tuple[str, torch.Tensor]] | None = None, units: Sequence[str] = (),
+        overlap_grad_reduce: bool = False, overlap_param_gather: bool = False, micro_batches: int = 1,
+        hook_divisor: int | None = None, deferred: set[int] = frozenset(),
+    ):  # fmt: skip
         self.params = [p for p in _unique(params) if p.requires_grad]
         self.group, self.dp, self.dp_rank = group, dp, dp_rank
-        self._groups: list[tuple[list[torch.Tensor], int, torch.Tensor]] = []  # (params, slice, my slice)
-        for dtype in dict.fromkeys(p.dtype for p in self.params):
-            members = [p for p in self.params if p.dtype == dtype]
-            total = sum(p.numel() for p in members)
-            size = -(-total // dp)
-            flat = self._flat([p.detach() for p in members], size * dp)
-            shard = flat[dp_rank * size : (dp_rank + 1) * size].clone()
+        overlap_grad_reduce = overlap_grad_reduce and dp > 1
+        self.overlap_param_gather = overlap_param_gather and dp > 1
+        per_unit = overlap_grad_reduce or self.overlap_param_gather
+        pairs = (
+            _named_trainable(named, self.params)
+            if per_unit
+            else [(str(i), p) for i, p in enumerate(self.params)]
+        )
+        self.buckets = make_buckets(pairs, units if per_unit else (), dp)
+        by_fqn = dict(pairs)
+        self._members = [[by_fqn[p.fqn] for p in b.params] for b in self.buckets]
+        self._where: dict[int, int] = {}  # bucket -> offset of its slice in its dtype's store
+        self._stores: dict[torch.dtype, torch.Tensor] = {}  # dtype -> this rank's slices (fp32 for 16-bit)
+        self._grads: dict[torch.dtype, torch.Tensor] = {}  # dtype -> the mean gradient of the slices
+        for dtype in dict.fromkeys(b.dtype for b in self.buckets):
+            slices = []
+            for b in self.buckets:
+                if b.dtype == dtype:
+                    self._where[b.index] = sum(s.numel() for s in slices)
+                    flat = self._flat([p.detach() for p in self._members[b.index]], b.padded_numel)
+                    slices.append(flat[dp_rank * b.shard_numel : (dp_rank + 1) * b.shard_numel])
+            store = torch.cat(slices)
             # mixed precision: a 16-bit slice is stepped as an fp32 master copy (as priced)
-            self._groups.append((members, size, shard.float() if dtype in HALF_DTYPES else shard))
+            self._stores[dtype] = store.float() if dtype in HALF_DTYPES else store
+            self._grads[dtype] = torch.zeros_like(store)
         self.lr = lr
-        self.adam = torch.optim.Adam([shard for _, _, shard in self._groups], lr=lr)
+        self.adam = torch.optim.Adam(list(self._stores.values()), lr=lr)
         self._reduced = False
+        self.counts: Counter[str] = Counter()
+        self.events: list[tuple[str, str]] = []
+        self._init_hooks(overlap_grad_reduce, micro_batches, hook_divisor or dp, deferred)
 
     @staticmethod
     def _flat(tensors: Sequence[torch.Tensor], padded: int) -> torch.Tensor:
         flat = torch.cat([t.reshape(-1) for t in tensors])
         return torch.nn.functional.pad(flat, (0, padded - flat.numel()))
 
+    def _slice(self, table: dict[torch.dtype, torch.Tensor], k: int) -> torch.Tensor:
+        b = self.buckets[k]
+        return table[b.dtype][self._where[k] : self._where[k] + b.shard_numel]
+
+    def _bucket_grad(self, k: int) -> torch.Tensor:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._members[k]]
+        return self._flat(grads, self.buckets[k].padded_numel)
+
+    def _keep_mean(self, k: int, mine: torch.Tensor) -> None:
+        """This rank's mean gradient slice of bucket k, for Adam and written back into the owned
+        elements of the parameters' `.grad` (the other elements keep this replica's own gradient, as in
+        Megatron-LM's buffer)."""
+        self._slice(self._grads, k).copy_(mine)
+        for p, lo, hi, offset in self._owned(k):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.view(-1)[lo:hi] = mine[offset : offset + hi - lo]
+
+    def _issue(self, k: int, divisor: int) -> Callable[[], None]:
+        flat = self._bucket_grad(k)
+        mine = torch.empty(self.buckets[k].shard_numel, dtype=flat.dtype, device=flat.device)
+        self.counts["reduce_scatter"] += 1
+        work = dist.reduce_scatter_single(mine, flat, group=self.group, async_op=True)
+
+        def finish() -> None:
+            work.wait()
+            self._keep_mean(k, mine.div_(divisor))
+
+        return finish
+
     def reduce_gradients(self) -> None:
-        """Reduce-scatter the gradients (one collective per dtype): this rank's slice gets the mean
-        over the replicas, for Adam and written back into the owned elements of the parameters'
-        `.grad` (the other elements keep this replica's own gradient, as in Megatron-LM's buffer)."""
-        for members, size, shard in self._groups:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in members]
-            flat = self._flat(grads, size * self.dp)
-            mine = torch.empty(size, dtype=flat.dtype, device=flat.device)
-            dist.reduce_scatter_single(mine, flat, group=self.group)
-            mine /= self.dp
-            shard.grad = mine.to(shard.dtype)
-            for p, lo, hi, offset in self._owned(members, size):
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                p.grad.view(-1)[lo:hi] = mine[offset : offset + hi - lo]
+        """Reduce-scatter the gradients: this rank's slices get the mean over the replicas. Without
+        overlap one collective per dtype (each bucket's rank-r slice goes to rank r); with
+        overlap_grad_reduce wait for the buckets' (issuing any the backward did not)."""
+        if self.overlap_grad_reduce:
+            self._finish_overlapped()
+        else:
+            for dtype in dict.fromkeys(b.dtype for b in self.buckets):
+                members = [b for b in self.buckets if b.dtype == dtype]
+                # rank r's part of the input: every bucket's slice r, in bucket order (as its store)
+                parts = [self._bucket_grad(b.index).view(self.dp, b.shard_numel) for b in members]
+                flat = torch.cat(parts, dim=1).reshape(-1)
+                mine = torch.empty(flat.numel() // self.dp, dtype=flat.dtype, device=flat.device)
+                self.counts["reduce_scatter"] += 1
+                dist.reduce_scatter_single(mine, flat, group=self.group)
+                mine /= self.dp
+                for b in members:
+                    offset = self._where[b.index]
+                    self._keep_mean(b.index, mine[offset : offset + b.shard_numel])
+        for dtype, store in self._stores.items():
+            store.grad = self._grads[dtype].to(store.dtype)
         self._reduced = True
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        for grads in self._grads.values():
+            grads.zero_()
+        self._reset_hooks()
 
     def step(self) -> None:
         """Reduce the gradients (unless done since the last step), Adam on this rank's slices, then
-        all-gather the slices into every replica's parameters (one collective per dtype)."""
+        all-gather the slices into every replica's parameters: one collective per dtype, or with
+        overlap_param_gather one per bucket, asynchronous, waited for at the bucket's first use."""
         if not self._reduced:
             self.reduce_gradients()
         self.adam.step()
-        for members, size, shard in self._groups:
-            flat = torch.empty(size * self.dp, dtype=members[0].dtype, device=shard.device)
-            dist.all_gather_single(flat, shard.detach().to(flat.dtype), group=self.group)
-            offset = 0
-            with torch.no_grad():
-                for p in members:
-                    p.copy_(flat[offset : offset + p.numel()].view_as(p))
-                    offset += p.numel()
+        for dtype in dict.fromkeys(b.dtype for b in self.buckets):
+            members = [b for b in self.buckets if b.dtype == dtype]
+            if self.overlap_param_gather:
+                for b in members:
+                    self._gather_async(b.index)
+                continue
+            mine = self._stores[dtype].detach().to(dtype)
+            gathered = torch.empty(mine.numel() * self.dp, dtype=dtype, device=mine.device)
+            self.counts["all_gather"] += 1
+            dist.all_gather_single(gathered, mine, group=self.group)
+            per_rank = gathered.view(self.dp, mine.numel())
+            for b in members:
+                offset = self._where[b.index]
+                self._copy_in(b.index, per_rank[:, offset : offset + b.shard_numel].reshape(-1))
         self._reduced = False
 
-    def _owned(self, members: list[torch.Tensor], size: int) -> Iterator[tuple[torch.Tensor, int, int, int]]:
-        """(param, lo, hi, offset): flat elements lo:hi of param are this rank's slice from `offset` on."""
+    def _copy_in(self, k: int, flat: torch.Tensor) -> None:
+        offset = 0
+        with torch.no_grad():
+            for p in self._members[k]:
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    def _gather_async(self, k: int) -> None:
+        b = self.buckets[k]
+        mine = self._slice(self._stores, k).detach().to(b.dtype, copy=True)
+        gathered = torch.empty(b.padded_numel, dtype=b.dtype, device=mine.device)
+        self.counts["all_gather"] += 1
+        self.events.append(("gather_issued", b.unit))
+        work = dist.all_gather_single(gathered, mine, group=self.group, async_op=True)
+
+        def finish() -> None:
+            work.wait()
+            self._copy_in(k, gathered)
+
+        dp_overlap.gather_pending(b.unit, finish)
+
+    def wait_gathers(self) -> None:
+        """Wait for the parameters' gathers still in flight (overlap_param_gather)."""
+        dp_overlap.wait_all_gathers()
+
+    def _owned(self, k: int) -> Iterator[tuple[torch.Tensor, int, int, int]]:
+        """(param, lo, hi, offset): flat elements lo:hi of param are bucket k's slice on this rank from
+        `offset` on."""
+        size = self.buckets[k].shard_numel
         start, end, offset = self.dp_rank * size, (self.dp_rank + 1) * size, 0
-        for p in members:
+        for p in self._members[k]:
             lo, hi = max(start, offset), min(end, offset + p.numel())
             if lo < hi:
                 yield p, lo - offset, hi - offset, lo - start
@@ -299,34 +527,59 @@ class DistributedAdam(_AdamOnRanks):
         """id(param) -> (lo, hi, flat fp32 values of its elements lo:hi) as this rank's step leaves them:
         an fp32 parameter whole (after the all-gather: every slice), a 16-bit one's master copy of the
         elements in this rank's slice (views: read them before and after a step)."""
+        self.wait_gathers()
         out = {id(p): (0, p.numel(), p.detach().view(-1)) for p in self.params if p.dtype == torch.float32}
-        for members, size, shard in self._groups:
-            if members[0].dtype in HALF_DTYPES:
-                for p, lo, hi, offset in self._owned(members, size):
-                    out[id(p)] = (lo, hi, shard.detach()[offset : offset + hi - lo])
+        for b in self.buckets:
+            if b.dtype in HALF_DTYPES:
+                master = self._slice(self._stores, b.index)
+                for p, lo, hi, offset in self._owned(b.index):
+                    out[id(p)] = (lo, hi, master.detach()[offset : offset + hi - lo])
         return out
 
     def owned_ranges(self) -> dict[int, tuple[int, int]]:
-        """id(param) -> (lo, hi): the flat elements of each parameter in this rank's slice (those whose
+        """id(param) -> (lo, hi): the flat elements of each parameter in this rank's slices (those whose
         `.grad` holds the replicas' mean after `reduce_gradients`); parameters not listed have none."""
-        return {
-            id(p): (lo, hi)
-            for members, size, _ in self._groups
-            for p, lo, hi, _ in self._owned(members, size)
-        }
+        return {id(p): (lo, hi) for b in self.buckets for p, lo, hi, _ in self._owned(b.index)}
 
     def held_tensors(self) -> list[torch.Tensor]:
         """The training state this rank holds (parameters, gradients, Adam state and slices)."""
-        shards = [t for _, _, shard in self._groups for t in (shard, shard.grad) if t is not None]
-        return _held(self.params, self.adam, shards)
+        return _held(self.params, self.adam, [*self._stores.values(), *self._grads.values()])
 
     def note(self) -> str:
         """What the run report says about the optimizer that ran."""
+        units = f"{len(self.buckets)} buckets: a layer each, one for the parameters outside the layers"
+        if self.overlap_grad_reduce:
+            grads = (
+                f"gradients reduce-scattered with overlap-grad-reduce (one per bucket, {units}, issued from the "
+                "backward as the bucket's gradients are ready, async, last micro-batch only, waited for after "
+                "the backward)"
+            )
+        else:
+            grads = "gradients reduce-scattered after the backward (no overlap-grad-reduce)"
+        if self.overlap_param_gather:
+            gather = (
+                "parameters all-gathered with overlap-param-gather (one per bucket after the step, async, each "
+                "waited for before its first use in the next forward)"
+            )
+        else:
+            gather = "parameters all-gathered after the step (no overlap-param-gather)"
         return (
             f"optimizer: distributed optimizer (ZeRO-1), Adam state sharded over the {self.dp} data-parallel "
-            f"ranks (each updates 1/{self.dp} of the parameters){_mixed_note(self.params)}; gradients "
-            "reduce-scattered, parameters all-gathered"
+            f"ranks (each updates 1/{self.dp} of the parameters){_mixed_note(self.params)}; {grads}; {gather}; "
+            f"collectives in the checked step: {_counts_text(self.counts)}"
         )
+
+
+def _named_trainable(
+    named: Sequence[tuple[str, torch.Tensor]] | None, params: Sequence[torch.Tensor]
+) -> list[tuple[str, torch.Tensor]]:
+    """(fqn, parameter) of `params`, in their order, named by `named` (a parameter named twice: its
+    first name); the wrapping units need the names."""
+    assert named is not None, "overlap needs the parameters' names (named=) to find their units"
+    names: dict[int, str] = {}
+    for fqn, p in named:
+        names.setdefault(id(p), fqn)
+    return [(names[id(p)], p) for p in params]
 
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)  # stepped through fp32 master weights
@@ -356,13 +609,53 @@ def _state_numel(optimizer: torch.optim.Optimizer) -> int:
 
 
 def build_optimizer(
-    distributed: bool, params: Sequence[torch.Tensor], group: dist.ProcessGroup, dp: int, dp_rank: int
+    distributed: bool,
+    params: Sequence[torch.Tensor],
+    group: dist.ProcessGroup,
+    dp: int,
+    dp_rank: int,
+    plan: Any = None,
+    named: Sequence[tuple[str, torch.Tensor]] | None = None,
+    units: Sequence[str] = (),
+    hook_divisor: int | None = None,
+    deferred: set[int] = frozenset(),
 ) -> ReplicatedAdam | DistributedAdam:
     """The optimizer a plan runs: `DistributedAdam` when `Plan.distributed_optimizer`, else
-    `ReplicatedAdam`; lr 1e-3."""
+    `ReplicatedAdam`; lr 1e-3. plan (optional): its overlap_grad_reduce / overlap_param_gather and
+    micro-batches, with `named` (the (fqn, parameter) pairs) and `units` (the layers' module paths) to
+    make the buckets; hook_divisor / deferred as `_OverlappedReduce` says."""
+    overlap = {}
+    if plan is not None and (plan.overlap_grad_reduce or plan.overlap_param_gather):
+        overlap = dict(
+            named=named, units=units, overlap_grad_reduce=plan.overlap_grad_reduce,
+            micro_batches=plan.micro_batches, hook_divisor=hook_divisor, deferred=deferred,
+        )  # fmt: skip
     if distributed:
-        return DistributedAdam(params, group, dp, dp_rank)
-    return ReplicatedAdam(params, group, dp)
+        if overlap:
+            overlap["overlap_param_gather"] = plan.overlap_param_gather
+        return DistributedAdam(params, group, dp, dp_rank, **overlap)
+    return ReplicatedAdam(params, group, dp, **overlap)
+
+
+def prepare_param_waits(
+    plan: Any, modules: Sequence[nn.Module], units: Sequence[str], optimizer: Any
+) -> None:
+    """overlap_param_gather: insert `passes.dp_overlap.dp_param_wait` before each unit's first use in
+    every fx module of `modules` (a rank's graph or its pipeline chunks), and record the waits in the
+    optimizer's `events`. Nothing otherwise, but for waiting for any gather an earlier optimizer of
+    this process left in flight."""
+    dp_overlap.wait_all_gathers()
+    dp_overlap.record_events(None)
+    if not plan.overlap_param_gather or plan.dp == 1:
+        return
+    for module in modules:
+        if isinstance(module, torch.fx.GraphModule):
+            names = [n for n, p in module.named_parameters() if p.requires_grad]
+            dp_overlap.insert_param_waits(module, {n: unit_of(n, units) for n in names})
+    events = getattr(optimizer, "events", None)
+    if events is None and hasattr(optimizer, "parts"):
+        events = getattr(optimizer.parts[0], "events", None)
+    dp_overlap.record_events(events)
 
 
 # ------------------------------------------------------------------ ZeRO-2 and FSDP (sharded gradients)
@@ -480,18 +773,22 @@ class Zero2Adam(_BucketAdam):
     """ZeRO-2: the gradients sharded too. Every rank holds the (TP-shard) parameters whole; each wrapping
     unit's gradients (`passes.fsdp.make_buckets`: a layer, or the parameters outside the layers, per
     dtype) are reduce-scattered over the dp group as soon as the unit's last gradient is accumulated in
-    the backward (`register_post_accumulate_grad_hook`; async, one in flight), the rank keeping only
-    its mean slice (accumulated over micro-batches) and the full-size `.grad` freed; at the end of each
-    backward a unit some of whose parameters got no gradient is reduced with zeros for them. The
+    each micro-batch's backward (`register_post_accumulate_grad_hook`), the rank keeping only its mean
+    slice (accumulated over micro-batches) and the full-size `.grad` freed; at the end of each backward
+    a unit some of whose parameters got no gradient is reduced with zeros for them. With
+    overlap_grad_reduce each reduce-scatter is asynchronous (one in flight, waited for when the next is
+    issued and at the end of the backward); without, each is waited for right after it is issued. The
     step: Adam on the slices (fp32 masters for 16-bit), then one all-gather per dtype of the updated
-    slices into every rank's parameters. Priced as m reduce-scatters and one all-gather of the
-    gradient bytes (`planner.solver.costing.dp_sync_parts`).
+    slices into every rank's parameters, or with overlap_param_gather one asynchronous all-gather per
+    unit, waited for before the unit's first use in the next forward (`passes.dp_overlap`). Priced as
+    m x units reduce-scatters and the all-gather(s) of the gradient bytes
+    (`planner.solver.costing.dp_sync_parts`).
 
     module: the rank module; units: the layers' module paths; group / dp / dp_rank: the dp group."""
 
     def __init__(
         self, module: nn.Module, units: Sequence[str], group: dist.ProcessGroup, dp: int, dp_rank: int,
-        lr: float = 1e-3,
+        lr: float = 1e-3, *, overlap_grad_reduce: bool = True, overlap_param_gather: bool = False,
     ):  # fmt: skip
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
@@ -516,6 +813,9 @@ class Zero2Adam(_BucketAdam):
         self._scatters: deque[tuple[int, torch.Tensor, torch.Tensor, Any]] = deque()
         self._end_queued = False
         self.counts: Counter[str] = Counter()
+        self.events: list[tuple[str, str]] = []  # (event, unit) in order, as `_OverlappedReduce.events`
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.overlap_param_gather = overlap_param_gather and dp > 1
         for b, members in zip(self.buckets, self._members):
             for p in members:
                 p.register_post_accumulate_grad_hook(self._hook(b.index))
@@ -525,6 +825,8 @@ class Zero2Adam(_BucketAdam):
             if not self._end_queued:  # the backward's end reduces any unit left incomplete
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
                 self._end_queued = True
+            if not self._ready[k]:
+                self.events.append(("grad_hook", self.buckets[k].unit))
             self._ready[k].add(id(p))
             if len(self._ready[k]) == len(self._members[k]):
                 self._reduce(k)
@@ -547,17 +849,19 @@ class Zero2Adam(_BucketAdam):
         self._ready[k].clear()
         out = torch.empty(b.shard_numel, dtype=flat.dtype, device=flat.device)
         self.counts["reduce_scatter"] += 1
+        self.events.append(("reduce_issued", b.unit))
         work = dist.reduce_scatter_single(out, flat, group=self.group, async_op=True) if self.dp > 1 else None
         if work is None:
             out.copy_(flat)
         self._scatters.append((k, out, flat, work))
-        self._wait(keep=1)
+        self._wait(keep=1 if self.overlap_grad_reduce else 0)
 
     def _wait(self, keep: int) -> None:
         while len(self._scatters) > keep:
             k, out, _, work = self._scatters.popleft()
             if work is not None:
                 work.wait()
+            self.events.append(("reduce_wait", self.buckets[k].unit))
             self.slice_grad(k).add_(self.mean(out))
 
     def mean(self, total: torch.Tensor) -> torch.Tensor:
@@ -577,6 +881,10 @@ class Zero2Adam(_BucketAdam):
         self._step_slices()
         for dtype in dict.fromkeys(b.dtype for b in self.buckets):
             members = [b for b in self.buckets if b.dtype == dtype]
+            if self.overlap_param_gather:
+                for b in members:
+                    self._gather_async(b.index)
+                continue
             mine = torch.cat([self._values[b.index] for b in members])  # the updated slices, one buffer
             gathered = torch.empty(mine.numel() * self.dp, dtype=dtype, device=mine.device)
             self.counts["all_gather"] += 1
@@ -591,9 +899,28 @@ class Zero2Adam(_BucketAdam):
                     self._flats[b.index].copy_(per_rank[:, offset : offset + b.shard_numel].reshape(-1))
         self._reduced = False
 
+    def _gather_async(self, k: int) -> None:
+        """All-gather unit k's updated slices straight into its flat buffer (the parameters' storage),
+        asynchronously; `passes.dp_overlap.dp_param_wait` waits for it at the unit's first use."""
+        b = self.buckets[k]
+        mine = self._values[k].detach().clone()  # the input may not alias the output
+        self.counts["all_gather"] += 1
+        self.events.append(("gather_issued", b.unit))
+        work = dist.all_gather_single(self._flats[k], mine, group=self.group, async_op=True)
+        dp_overlap.gather_pending(b.unit, lambda: (work.wait(), mine))
+
+    def wait_gathers(self) -> None:
+        """Wait for the parameters' gathers still in flight (overlap_param_gather)."""
+        dp_overlap.wait_all_gathers()
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        self.events.clear()
+
     def fp32_values_by_name(self) -> dict[str, tuple[int, int, torch.Tensor]]:
         """FQN -> (lo, hi, flat fp32 values of elements lo:hi) as the step leaves them: an fp32
         parameter whole (after the all-gather), a 16-bit one's master copy of this rank's slice."""
+        self.wait_gathers()
         out = self._master_segments()
         named = {p.fqn: m for b, ms in zip(self.buckets, self._members) for p, m in zip(b.params, ms)}
         for fqn, p in named.items():
@@ -608,12 +935,22 @@ class Zero2Adam(_BucketAdam):
         return None  # the rank module itself holds the parameters at their FQNs
 
     def note(self) -> str:
+        scatter = (
+            "(async, overlap-grad-reduce)"
+            if self.overlap_grad_reduce
+            else "(each waited for at once: no overlap-grad-reduce)"
+        )
+        gather = (
+            "updated slices all-gathered per unit after the step (async, overlap-param-gather: each waited for "
+            "before the unit's first use in the next forward)"
+            if self.overlap_param_gather
+            else "updated slices all-gathered into the parameters after the step (no overlap-param-gather)"
+        )
         return (
             f"optimizer: ZeRO-2, gradients and Adam state sharded over the {self.dp} data-parallel ranks"
             f"{_mixed_note(self.params)}; each unit's gradients ({len(self.buckets)} units: a layer each, one "
-            "for the parameters outside the layers) reduce-scattered as the backward finishes them (async), "
-            "the full gradients freed; updated slices all-gathered into the parameters after the step; "
-            f"collectives in the checked step: {_counts_text(self.counts)}"
+            f"for the parameters outside the layers) reduce-scattered as the backward finishes them {scatter}, "
+            f"the full gradients freed; {gather}; collectives in the checked step: {_counts_text(self.counts)}"
         )
 
 
@@ -804,7 +1141,9 @@ def build_plan_optimizer(
 ) -> ReplicatedAdam | DistributedAdam | Zero2Adam | FsdpAdam:
     """The optimizer `plan.dp_style` runs on a pp == 1 rank module: ddp `ReplicatedAdam`, zero1
     `DistributedAdam`, zero2 `Zero2Adam` (units: the layers' module paths), fsdp `FsdpAdam` (the module
-    rewritten by `passes.fsdp.apply_fsdp`). groups: the rank's `runtime.mesh.RankGroups`."""
+    rewritten by `passes.fsdp.apply_fsdp`), with the plan's overlap_grad_reduce / overlap_param_gather
+    (the latter inserts the waits into `module`: `prepare_param_waits`). groups: the rank's
+    `runtime.mesh.RankGroups`."""
     style = DataParallel(plan.dp_style)
     if style is DataParallel.FSDP:
         return FsdpAdam(
@@ -815,7 +1154,14 @@ def build_plan_optimizer(
             plan.reshard_after_forward,
         )
     if style is DataParallel.ZERO2:
-        return Zero2Adam(module, units, groups.group("dp"), plan.dp, groups.dp_rank)
-    return build_optimizer(
-        plan.distributed_optimizer, list(module.parameters()), groups.group("dp"), plan.dp, groups.dp_rank
-    )
+        optimizer = Zero2Adam(
+            module, units, groups.group("dp"), plan.dp, groups.dp_rank,
+            overlap_grad_reduce=plan.overlap_grad_reduce, overlap_param_gather=plan.overlap_param_gather,
+        )  # fmt: skip
+    else:
+        optimizer = build_optimizer(
+            plan.distributed_optimizer, list(module.parameters()), groups.group("dp"), plan.dp, groups.dp_rank,
+            plan, list(module.named_parameters()), units,
+        )  # fmt: skip
+    prepare_param_waits(plan, [module], units, optimizer)
+    return optimizer

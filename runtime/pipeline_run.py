@@ -45,6 +45,7 @@ from runtime.data_parallel import (
     batch_share,
     build_optimizer,
     build_plan_optimizer,
+    prepare_param_waits,
     state_bytes,
     unbatched_note,
 )
@@ -133,7 +134,20 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
             parts = [build_plan_optimizer(plan, chunk, groups, units) for chunk in chunks]
             optimizer = ChunkedShardedAdam(parts, chunks, m)
         else:
-            optimizer = build_optimizer(plan.distributed_optimizer, params, dp_group, plan.dp, groups.dp_rank)
+            # overlap_grad_reduce: a hook issues a bucket before the schedule scales the gradients by
+            # 1 / m (so divides by dp x m); tied copies wait for their sum across stages
+            tied = {
+                id(chunk.get_parameter(fqn))
+                for a, fqn_a, b, fqn_b in lowered.tied
+                for index, fqn in ((a, fqn_a), (b, fqn_b))
+                if (chunk := virtual.get(index)) is not None
+            }
+            named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
+            optimizer = build_optimizer(
+                plan.distributed_optimizer, params, dp_group, plan.dp, groups.dp_rank, plan, named, units,
+                hook_divisor=plan.dp * m, deferred=tied,
+            )  # fmt: skip
+        prepare_param_waits(plan, chunks, units, optimizer)
 
         def step() -> torch.Tensor | None:
             optimizer.zero_grad()

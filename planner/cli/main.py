@@ -378,6 +378,11 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             args.dp_style = args.reshard_after_forward = "auto"
             args.overlap_grad_reduce = args.overlap_param_gather = "auto"
 
+    if args.workload == "train":  # contradicting pins fail before any tracing or calibration
+        workflow.constraints_from(
+            args.tp, args.pp, args.dp, args.ladder, max_devices=args.devices, layout=args.layout,
+            **_training_options(args),
+        )  # fmt: skip
     with _bars(args) as bars:
         nproc = args.nproc
         if args.recalibrate and args.cluster:

@@ -1375,70 +1375,127 @@ def gradient_sync_time_s(grad_bytes: float, ctx: CostContext) -> float:
     return dp_sync_parts(grad_bytes, ctx)[0]
 
 
+# shares of a training step's compute in the forward and in the backward (`TRAIN_COMPUTE_FACTOR`:
+# backward = 2x forward): the windows the overlapped parameter gathers and gradient reductions hide in
+FORWARD_SHARE = 1.0 / TRAIN_COMPUTE_FACTOR
+BACKWARD_SHARE = 1.0 - FORWARD_SHARE
+
+
+@dataclass(frozen=True)
+class SyncPhase:
+    """One part of a step's data-parallel traffic (`dp_sync_phases`): `total_s` of it, `unhidden_s`
+    the share no compute can hide (= total_s when the runtime waits for all of it), and `window`: the
+    fraction of the stage's compute of the step (all micro-batches, forward and backward) it runs
+    under (0: none; it is exposed whole)."""
+
+    total_s: float
+    unhidden_s: float
+    window: float
+
+    def exposed_s(self, stage_compute_s: float, overlap_efficiency: float) -> float:
+        """max(unhidden_s, total_s - overlap_efficiency x window x stage_compute_s); total_s without a window."""
+        if self.window <= 0:
+            return self.total_s
+        return max(self.unhidden_s, self.total_s - overlap_efficiency * self.window * stage_compute_s)
+
+
 def dp_sync_parts(grad_bytes: float, ctx: CostContext) -> tuple[float, float]:
     """(all data-parallel traffic of one step, the part of it no compute can hide), seconds, for a
-    rank with `grad_bytes` of gradients, by `CostContext.dp_style`:
+    rank with `grad_bytes` of gradients: the sums over `dp_sync_phases` of their `total_s` and
+    `unhidden_s`."""
+    phases = dp_sync_phases(grad_bytes, ctx)
+    return sum(p.total_s for p in phases), sum(p.unhidden_s for p in phases)
 
-    - ddp: one all-reduce of the gradients after the backward (exposed, as the runtime runs it);
-    - zero1: reduce-scatter of the gradients and, after each rank steps its slice, all-gather of the
-      parameters (same dtype, same bytes; exposed);
-    - zero2: each unit's gradients (a layer's; the parameters outside the layers one more unit)
-      reduce-scattered as each micro-batch's backward finishes them (the slice accumulates), the
-      all-gather after the step (exposed);
+
+def dp_sync_phases(grad_bytes: float, ctx: CostContext) -> list[SyncPhase]:
+    """The data-parallel traffic of one step for a rank with `grad_bytes` of gradients, by
+    `CostContext.dp_style`, as the runtime (`runtime.data_parallel`) runs it; empty without training
+    or DP. With U = wrapping units per rank (a layer each, the parameters outside the layers one
+    more), b = grad_bytes / U, m micro-batches, eta = `ClusterSpec.overlap_efficiency`, C the stage's
+    compute of the step and c(x) a collective of x bytes: collectives issued one per unit back to back
+    cost U x c_burst(b) + c(b) - c_burst(b) (the first pays the link's latency, the others its burst
+    latency where measured: `comm.burst_cluster`); a phase that overlaps compute is exposed for
+    max(one unit's share c(b), total - eta x window x C) (`SyncPhase.exposed_s`):
+
+    - ddp: the gradients' all-reduce. Off: one after the backward (exposed). overlap_grad_reduce: one
+      per unit, issued from the last micro-batch's backward as the unit's gradients are ready (DDP's
+      no_sync before), window `BACKWARD_SHARE` / m, the last unit's all-reduce unhidden;
+    - zero1: the gradients' reduce-scatter (as ddp's all-reduce, off or overlap_grad_reduce) and,
+      after each rank steps its slice, the parameters' all-gather (same dtype, same bytes). Off: one
+      after the step (exposed). overlap_param_gather: one per unit, each waited for at the unit's first
+      use in the next forward, window `FORWARD_SHARE` / m (the first micro-batch's forward), the first
+      unit's all-gather unhidden;
+    - zero2: each unit's gradients reduce-scattered as each micro-batch's backward finishes them (m x U
+      collectives; the slice accumulates): off, each waited for at once (exposed); overlap_grad_reduce,
+      asynchronous, window `BACKWARD_SHARE` (every micro-batch's backward), the last unit's share
+      unhidden; the all-gather after the step as zero1's;
     - fsdp: per micro-batch, each unit's parameters (one collective per unit) all-gathered over the
-      shard group before its
-      forward and, resharded after forward, again before its backward, and its gradients
-      reduce-scattered after its backward; HSDP adds the all-reduce of each gradient shard over the
-      replicate group. The runtime prefetches the next unit's gather while the current unit computes
-      and issues the reduce-scatters asynchronously (FSDP2's default, one unit ahead), so all but one
-      unit's share (the first gather, the last reduce) can hide behind compute: `dp_sync_exposed_s`
-      takes `ClusterSpec.overlap_efficiency` of the stage's compute off the rest.
+      shard group before its forward and, resharded after forward, again before its backward, and its
+      gradients reduce-scattered after its backward; HSDP adds the all-reduce of each gradient shard
+      over the replicate group. The runtime prefetches the next unit's gather while the current unit
+      computes and issues the reduce-scatters asynchronously (FSDP2's default, one unit ahead), so all
+      but one unit's share per micro-batch (the first gather, the last reduce) can hide: window 1 (the
+      whole step's compute).
     """
     if not ctx.train or ctx.mesh.dp == 1 or grad_bytes <= 0:
-        return 0.0, 0.0
+        return []
     style, cluster, m = ctx.dp_style, ctx.cluster, ctx.micro_batches
     group = ctx.dp_group()
-    if style is DataParallel.DDP:
-        t = all_reduce_time_s(grad_bytes, group, cluster)
-        return t, t
-    if style is DataParallel.ZERO1:
-        t = reduce_scatter_time_s(grad_bytes, group, cluster) + all_gather_time_s(grad_bytes, group, cluster)
-        return t, t
-    # ZeRO-2 and FSDP run one collective per wrapping unit (a layer; the parameters outside the layers
-    # one more), back to back and asynchronous: the first unit's pay the link's latency, the others
-    # its burst latency where measured (`comm.burst_cluster`)
     units = max(1, round(len(ctx.structure.layers) / ctx.mesh.pp)) + 1
     unit_bytes = grad_bytes / units
     burst = burst_cluster(cluster)
-    if style is DataParallel.ZERO2:
+
+    def per_unit_phase(collective, count: int, window: float, unhidden_units: int = 1) -> SyncPhase:
+        """count back-to-back collectives of a unit's bytes, `unhidden_units` of them exposed."""
+        one, rest = collective(unit_bytes, group, cluster), collective(unit_bytes, group, burst)
+        return SyncPhase(count * rest + one - rest, unhidden_units * one, window)
+
+    def whole(collective) -> SyncPhase:
+        t = collective(grad_bytes, group, cluster)
+        return SyncPhase(t, t, 0.0)
+
+    if style is DataParallel.FSDP:
+        shard = ctx.dp_shard_group()
+        gathers = 2 if ctx.reshard_after_forward else 1
 
         def per_unit(c: ClusterSpec) -> float:
-            return reduce_scatter_time_s(unit_bytes, group, c)
+            t = gathers * all_gather_time_s(unit_bytes, shard, c) + reduce_scatter_time_s(
+                unit_bytes, shard, c
+            )
+            if shard.size < ctx.mesh.dp:
+                t += all_reduce_time_s(unit_bytes / shard.size, ctx.dp_replicate_group(), c)
+            return t
 
-        t = m * units * per_unit(burst) + per_unit(cluster) - per_unit(burst)
-        t += all_gather_time_s(grad_bytes, group, cluster)
-        return t, t
-    shard = ctx.dp_shard_group()
-    gathers = 2 if ctx.reshard_after_forward else 1
-
-    def per_unit(c: ClusterSpec) -> float:
-        t = gathers * all_gather_time_s(unit_bytes, shard, c) + reduce_scatter_time_s(unit_bytes, shard, c)
-        if shard.size < ctx.mesh.dp:
-            t += all_reduce_time_s(unit_bytes / shard.size, ctx.dp_replicate_group(), c)
-        return t
-
-    total = m * units * per_unit(burst) + per_unit(cluster) - per_unit(burst)
-    return total, m * per_unit(cluster)
+        total = m * units * per_unit(burst) + per_unit(cluster) - per_unit(burst)
+        return [SyncPhase(total, m * per_unit(cluster), 1.0)]
+    overlap_grad = ctx.overlap_grad_reduce
+    if style is DataParallel.DDP:
+        if overlap_grad:
+            return [per_unit_phase(all_reduce_time_s, units, BACKWARD_SHARE / m)]
+        return [whole(all_reduce_time_s)]
+    if style is DataParallel.ZERO2:
+        grad = per_unit_phase(reduce_scatter_time_s, m * units, BACKWARD_SHARE if overlap_grad else 0.0)
+        if not overlap_grad:  # each reduce-scatter waited for at once: all of it exposed
+            grad = SyncPhase(grad.total_s, grad.total_s, 0.0)
+    elif overlap_grad:
+        grad = per_unit_phase(reduce_scatter_time_s, units, BACKWARD_SHARE / m)
+    else:
+        grad = whole(reduce_scatter_time_s)
+    if ctx.overlap_param_gather:
+        gather = per_unit_phase(all_gather_time_s, units, FORWARD_SHARE / m)
+    else:
+        gather = whole(all_gather_time_s)
+    return [grad, gather]
 
 
 def dp_sync_exposed_s(grad_bytes: float, stage_compute_s: float, ctx: CostContext) -> float:
-    """The data-parallel traffic of `dp_sync_parts` that the step waits for: with FSDP what
-    ``overlap_efficiency`` x the stage's compute of the step (`stage_compute_s`, all micro-batches)
-    cannot hide, at least the one unit's share nothing can; the other styles all of it."""
-    total, unhidden = dp_sync_parts(grad_bytes, ctx)
-    if ctx.dp_style is not DataParallel.FSDP:
-        return total
-    return max(unhidden, total - ctx.cluster.overlap_efficiency * stage_compute_s)
+    """The data-parallel traffic of `dp_sync_phases` that the step waits for: the sum over its phases
+    of max(unhidden_s, total_s - eta x window x `stage_compute_s`) (the stage's compute of the step,
+    all micro-batches; eta = `ClusterSpec.overlap_efficiency`), a phase without a window (nothing
+    overlaps it) whole. Without overlap that is all of it but FSDP's, whose traffic hides behind the
+    whole step down to the one unit's share per micro-batch."""
+    eta = ctx.cluster.overlap_efficiency
+    return sum(p.exposed_s(stage_compute_s, eta) for p in dp_sync_phases(grad_bytes, ctx))
 
 
 def optimizer_step_time_s(grad_bytes: float, ctx: CostContext) -> float:
@@ -1514,6 +1571,32 @@ def unhidden_sync_cost(ctx: CostContext) -> LinearCost:
 
     beta = (t(big) - t(small)) / (big - small)
     return LinearCost(t(small) - beta * small, beta)
+
+
+def dp_phase_costs(ctx: CostContext) -> list[tuple[LinearCost, LinearCost, float]]:
+    """Per phase of `dp_sync_phases`, (affine fit of its total_s, of its unhidden_s, its window), per
+    gradient byte on a rank: the ILP's terms for overlapped DP traffic (`ilp` prices each phase as
+    `SyncPhase.exposed_s` does). Empty without training or DP."""
+    if not ctx.train:
+        return []
+    small, big = 1e6, 1e9
+    lo, hi = dp_sync_phases(small, ctx), dp_sync_phases(big, ctx)
+
+    def fit(a: float, b: float) -> LinearCost:
+        beta = (b - a) / (big - small)
+        return LinearCost(a - beta * small, beta)
+
+    return [(fit(p.total_s, q.total_s), fit(p.unhidden_s, q.unhidden_s), p.window) for p, q in zip(lo, hi)]
+
+
+def optimizer_step_cost(ctx: CostContext) -> LinearCost:
+    """Affine fit of the optimizer step (`optimizer_step_time_s`) per gradient byte on a rank."""
+    if not ctx.train:
+        return LinearCost(0.0, 0.0)
+    small, big = 1e6, 1e9
+    a, b = optimizer_step_time_s(small, ctx), optimizer_step_time_s(big, ctx)
+    beta = (b - a) / (big - small)
+    return LinearCost(a - beta * small, beta)
 
 
 def recompute_input_bytes(ctx: CostContext) -> float:

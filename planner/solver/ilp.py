@@ -86,9 +86,11 @@ from planner.solver.costing import (
     CostTables,
     LayerGraph,
     conversion_time_s,
+    dp_phase_costs,
     gradient_sync_cost,
     in_flight_micro_batches,
     interleaved_chunks,
+    optimizer_step_cost,
     recompute_input_bytes,
     stage_p2p_time_s,
     step_time_s,
@@ -661,6 +663,8 @@ class _Builder:
         """tail_*: training: Tail >= DP gradient all-reduce + optimizer step of every stage."""
         if not self.ctx.train:
             return 0.0
+        if self.ctx.overlap_grad_reduce or self.ctx.overlap_param_gather:
+            return self._overlapped_tail(stage_grad, ends)
         fit = gradient_sync_cost(self.ctx)
         tail = self.m.add_variable("Tail", 0)
         pp = self.ctx.mesh.pp
@@ -678,6 +682,37 @@ class _Builder:
             self.m += tail >= fit.alpha_s + fit.beta_s_per_byte * GIB * g - hidden, _name("tail", s)
             if floor is not None:
                 self.m += tail >= floor.alpha_s + floor.beta_s_per_byte * GIB * g, _name("tail_floor", s)
+        return tail
+
+    def _overlapped_tail(self, stage_grad, ends: tuple[_EndTerms, _EndTerms]):
+        """tail_*: with overlap_grad_reduce / overlap_param_gather, Tail >= the optimizer step + each
+        phase of the DP traffic (`costing.dp_sync_phases`) as exposed: a phase with a window w hides
+        behind eta x w x the stage's step (m x its time per micro-batch) down to its unhidden share
+        (phase_*: E >= total - eta w m T_s, E >= unhidden; `SyncPhase.exposed_s`), one without it whole."""
+        ctx = self.ctx
+        tail = self.m.add_variable("Tail", 0)
+        opt, phases = optimizer_step_cost(ctx), dp_phase_costs(ctx)
+        eta, m, pp = ctx.cluster.overlap_efficiency, ctx.micro_batches, ctx.mesh.pp
+        for s in range(pp):
+            g = stage_grad[s]
+            for end, here in zip(ends, (s == 0, s == pp - 1)):
+                if here:
+                    g += end.grad
+            g = GIB * g
+            terms = opt.alpha_s + opt.beta_s_per_byte * g
+            for i, (total, unhidden, window) in enumerate(phases):
+                whole = total.alpha_s + total.beta_s_per_byte * g
+                if window <= 0:
+                    terms += whole
+                    continue
+                exposed = self.m.add_variable(f"Exposed_{s}_{i}", 0)
+                self.m += exposed >= whole - eta * window * m * self.stage_time[s], _name("phase", s, i)
+                self.m += (
+                    exposed >= unhidden.alpha_s + unhidden.beta_s_per_byte * g,
+                    _name("phase_floor", s, i),
+                )
+                terms += exposed
+            self.m += tail >= terms, _name("tail", s)
         return tail
 
     def _objective(self, total, slowest, tail) -> None:

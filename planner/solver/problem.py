@@ -348,6 +348,7 @@ class Constraints:
                 "all-gather is issued per bucket of the overlapped gradient reduction); turn both on, or leave "
                 "--overlap-grad-reduce auto"
             )
+        self._check_overlap_pins()
         if self.dp_shard is not None and self.dp_shard < 1:
             raise InputError(f"constraint dp_shard (--dp-shard) must be >= 1, got {self.dp_shard}")
         if self.dp_shard is not None and self.dp_style not in (None, DataParallel.FSDP):
@@ -376,9 +377,39 @@ class Constraints:
                     f"not {self.schedule}"
                 )
 
+    def _check_overlap_pins(self) -> None:
+        """--overlap-param-gather on needs a style that all-gathers the parameters after the step
+        (zero1 / zero2), --overlap-grad-reduce on one whose reduction it moves into the backward (ddp,
+        zero1, zero2): a contradicting pin is an InputError naming both flags."""
+        fsdp_pins = self.dp_shard is not None or self.reshard_after_forward is not None
+        if self.overlap_param_gather:
+            if self.dp_style in (DataParallel.DDP, DataParallel.FSDP):
+                raise InputError(
+                    f"--overlap-param-gather on contradicts --dp-style {self.dp_style}: only zero1 / zero2 "
+                    "all-gather the parameters after the step; use --dp-style zero1 or zero2, or leave one out"
+                )
+            if self.distributed_optimizer is False:
+                raise InputError(
+                    "--overlap-param-gather on contradicts --distributed-optimizer off: only zero1 / zero2 "
+                    "all-gather the parameters after the step; leave one out"
+                )
+            if fsdp_pins and self.dp_style is None:
+                raise InputError(
+                    "--overlap-param-gather on contradicts --dp-shard / --reshard-after-forward (fsdp): only "
+                    "zero1 / zero2 all-gather the parameters after the step; leave one out"
+                )
+        if self.overlap_grad_reduce and (
+            self.dp_style is DataParallel.FSDP or (fsdp_pins and self.dp_style is None)
+        ):
+            raise InputError(
+                "--overlap-grad-reduce on contradicts --dp-style fsdp (--dp-shard / --reshard-after-forward), "
+                "whose reduce-scatters always run from the backward; leave one out"
+            )
+
     def dp_styles(self) -> list[DataParallel]:
         """The data-parallel styles the search may choose: the pinned one, else those that agree with
-        --distributed-optimizer and --dp-shard."""
+        --distributed-optimizer and --dp-shard, and with --overlap-param-gather on (zero1 / zero2) or
+        --overlap-grad-reduce on (not fsdp)."""
         if self.dp_style is not None:
             return [self.dp_style]
         if self.dp_shard is not None or self.reshard_after_forward is not None:
@@ -387,6 +418,10 @@ class Constraints:
             return [DataParallel.DDP]
         if self.distributed_optimizer is True:
             return [DataParallel.ZERO1]
+        if self.overlap_param_gather:
+            return [DataParallel.ZERO1, DataParallel.ZERO2]
+        if self.overlap_grad_reduce:
+            return [DataParallel.DDP, DataParallel.ZERO1, DataParallel.ZERO2]
         return list(DataParallel)
 
     @property
