@@ -226,6 +226,10 @@ class LinkSpec:
     # alpha of each collective after the first of a back-to-back stream (ZeRO-2 / FSDP: one per layer),
     # where the backend is already running; measured by `planner calibrate`; None: `latency_s`
     burst_latency_s: float | None = None
+    # intra-node only: the node's NVSwitches reduce in the switch (NVLink SHARP, "NVLS": third-generation
+    # NVSwitch with Hopper or later), so NCCL's all-reduce can use its NVLS algorithm
+    # (`costmodels.comm`, backend nccl only)
+    nvls: bool = False
 
 
 @dataclass(frozen=True)
@@ -417,6 +421,7 @@ _EXPECT = {
     "latency_us": "a number in µs >= 0, e.g. 3",
     "burst_latency_us": "a number in µs >= 0, e.g. 1 (optional: each further collective of a back-to-back stream)",
     "nics_per_node": "an integer >= 1 (NICs per node)",
+    "nvls": "true or false (intra_node only: NVSwitch with NVLink SHARP)",
     "efficiency": "a fraction in (0, 1] of peak (device.gemm / device.attention)",
     "half_k": "a number of elements >= 0 (K at which a GEMM tile reaches half its rate), e.g. 230",
     "sms": "an integer >= 1 (SMs: thread blocks in one wave), e.g. 132",
@@ -645,8 +650,16 @@ def _parse_attention(r: _Reader, raw: Any) -> AttentionSpec:
 
 def _parse_link(r: _Reader, raw: Any, path: str, inter: bool) -> LinkSpec:
     required = ("kind", "bandwidth_GBps", "latency_us") + (("nics_per_node",) if inter else ())
-    d = r.mapping(raw, path, required, ("burst_latency_us",))
+    d = r.mapping(raw, path, required, ("burst_latency_us",) + (() if inter else ("nvls",)))
     burst = d.get("burst_latency_us")
+    nvls = d.get("nvls", False)
+    if not isinstance(nvls, bool):
+        raise r.fail(
+            f"{path}.nvls",
+            f"expected true or false (NVLink SHARP in the node's NVSwitches), got {_describe(nvls)}",
+        )
+    if nvls and d["kind"] != "nvlink":
+        raise r.fail(f"{path}.nvls", f"NVLink SHARP needs kind: nvlink, got kind: {d['kind']}")
     per = "per NIC, per direction" if inter else "per direction, per device"
     return LinkSpec(
         kind=r.string(d["kind"], f"{path}.kind", LINK_KINDS),
@@ -671,6 +684,7 @@ def _parse_link(r: _Reader, raw: Any, path: str, inter: bool) -> LinkSpec:
             burst, f"{path}.burst_latency_us", "µs", "1", allow_zero=True, plausible=_PLAUSIBLE_LATENCY_US
         )
         * _US,
+        nvls=nvls,
     )
 
 
@@ -946,6 +960,8 @@ def _link_to_dict(link: LinkSpec, inter: bool) -> dict:
         out["nics_per_node"] = link.nics_per_node
     if link.burst_latency_s is not None:
         out["burst_latency_us"] = _human(link.burst_latency_s / _US)
+    if link.nvls:
+        out["nvls"] = True
     return out
 
 

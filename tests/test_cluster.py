@@ -474,3 +474,29 @@ def test_a_key_given_twice_is_refused_and_memory_typed_in_mib_warns(tmp_path: Pa
     plan.write_text("workload: forward\nworkload: train\n")
     with pytest.raises(InputError, match="'workload' appears twice"):
         Plan.from_yaml(plan)
+
+
+def test_nvls_is_a_validated_intra_node_flag_that_round_trips() -> None:
+    """`links.intra_node.nvls`: NVLink SHARP in the node's NVSwitches (H100 / H200 presets), a boolean,
+    NVLink only, absent = false; not allowed on the inter-node link."""
+    import dataclasses
+
+    h100 = load_cluster("dgx-h100")
+    h100 = dataclasses.replace(h100, intra_node=dataclasses.replace(h100.intra_node, nvls=True))
+    assert not load_cluster("dgx-a100").intra_node.nvls
+    data = cluster_to_dict(h100)
+    assert data["links"]["intra_node"]["nvls"] is True
+    assert parse_cluster(data, "x") == h100
+    for bad, match in (("yes", "true or false"), (1, "true or false")):
+        broken = copy.deepcopy(data)
+        broken["links"]["intra_node"]["nvls"] = bad
+        with pytest.raises(SpecError, match=rf"links\.intra_node\.nvls.*{match}"):
+            parse_cluster(broken, "x")
+    pcie = copy.deepcopy(data)
+    pcie["links"]["intra_node"]["kind"] = "pcie"
+    with pytest.raises(SpecError, match="needs kind: nvlink"):
+        parse_cluster(pcie, "x")
+    two = cluster_to_dict(load_cluster("h100-ib-2node"))
+    two["links"]["inter_node"]["nvls"] = True
+    with pytest.raises(SpecError, match="unknown key 'nvls'"):
+        parse_cluster(two, "x")
