@@ -360,5 +360,8 @@ def test_trillion_free_plan_is_megatrons_kind_and_beats_the_expert(selene) -> No
     assert (
         "summed over 128 layers × 128 micro-batch(es) on all pipeline stages (not a step time)" in qkv.reason
     )
+    # The search prunes meshes and schedules whose lower bound is within the solver's gap of the best
+    # (`_solve_candidates`), so the chosen schedule is the cheapest up to that gap, not exactly: under
+    # NCCL's prices (tests/test_nccl_prices.py) interleaving with v=6 and v=7 tie within 0.005%.
     chosen = whys["schedule"]
-    assert chosen.options[chosen.chosen] == min(chosen.options.values())
+    assert chosen.options[chosen.chosen] <= min(chosen.options.values()) * (1 + Constraints().mip_gap)
