@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--only", help="run the options whose label contains this text")
     args = parser.parse_args(argv)
-    console = Console()
+    console = Console(width=150)
     table = Table(
         title=f"Communication overlap on 2 gloo ranks: {args.model}, train, batch {args.batch_size} x "
         f"{args.seq_len} ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})"

@@ -840,6 +840,14 @@ def dp_label(style: DataParallel, dp: int, shard: int, reshard_after_forward: bo
     return name + ("" if reshard_after_forward else "-noreshard")
 
 
+def overlap_text(tp_comm: bool, grad_reduce: bool, param_gather: bool) -> str:
+    """The communication overlap as a user reads it: "tp, grad-reduce, param-gather" (those on), or "none"."""
+    names = [
+        n for n, on in (("tp", tp_comm), ("grad-reduce", grad_reduce), ("param-gather", param_gather)) if on
+    ]
+    return ", ".join(names) or "none"
+
+
 def dp_style_text(style: DataParallel, dp: int, shard: int, reshard_after_forward: bool) -> str:
     """`Plan.dp_style_text` of the given fields."""
     if style is not DataParallel.FSDP:

@@ -9,7 +9,16 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from planner.plan import Fallback, LayerCost, Plan, SplitStyle, Workload, fallback_memory_bytes, layer_ranges
+from planner.plan import (
+    Fallback,
+    LayerCost,
+    Plan,
+    SplitStyle,
+    Workload,
+    fallback_memory_bytes,
+    layer_ranges,
+    overlap_text,
+)
 
 _GIB = 2.0**30
 
@@ -680,6 +689,8 @@ def _training_rows(plan: Plan) -> list[tuple[str, str, str]]:
         ("sequence parallel", on[plan.sequence_parallel], on.get(bl.get("sequence_parallel"), "-") if bl else "-"),
         ("data parallel", plan.dp_style_text() if plan.dp > 1 else "-",
          (bl.get("dp_style") or on.get(bl.get("distributed_optimizer"), "-")) if bl and bl.get("dp") != "1" else "-"),
+        ("communication overlap", overlap_text(plan.tp_comm_overlap, plan.overlap_grad_reduce, plan.overlap_param_gather),
+         bl.get("overlap", "-") if bl else "-"),
         ("step time", fmt_s(p.latency_s), fmt_s(b.latency_s) if b is not None else "-"),
         ("model TFLOP/s per device", tflops(p), tflops(b)),
         ("pipeline bubble", bubble(p), bubble(b)),

@@ -44,6 +44,7 @@ from planner.plan import (
     WeightSplit,
     Workload,
     dp_style_text,
+    overlap_text,
 )
 from planner.progress import Progress, silent
 from planner.solver.baseline import (
@@ -1138,6 +1139,7 @@ def _layout_text(priced: PricedAssignment, w: WorkloadSpec) -> dict[str, str]:
         "recompute": "/".join(sorted(set(recompute.values()))) or "none",
         "distributed_optimizer": str(ctx.distributed_optimizer).lower(),
         "dp_style": dp_style_text(ctx.dp_style, mesh.dp, ctx.shard_degree, ctx.reshard_after_forward),
+        "overlap": overlap_text(ctx.tp_comm_overlap, ctx.overlap_grad_reduce, ctx.overlap_param_gather),
     }  # fmt: skip
 
 
