@@ -35,13 +35,24 @@
     every weight once at the GPU's datasheet HBM bandwidth. A source with a row below it did not run
     the request it states (NeMo's Llama-2-13B rows, checked but not priced), and the medians are
     printed a second time without it.
+(d) LLM-Inference-Bench (argonne-lcf, Plots/All_results.csv at commit 4211f5d, rows in
+    bench/data/llm_inference_bench_h100.csv): vLLM and TensorRT-LLM on H100, fp16, Llama-2-7B/70B and
+    Llama-3-8B/70B at TP 1/2/4, batch 1/16/32/64, prompt = new tokens = L (128-2048); its throughput is
+    batch x 2L / latency (prompt tokens counted), its latency one whole batch. Each row is planned as a
+    user would (dgx-h100, generate workload, --tp and --devices the row's TP, fp16) and priced like the
+    engine rows of (c): a cache of L + L/2 tokens, request time TTFT + (L-1) x TPOT. A row whose whole
+    request (cache 2L) does not fit the planner's memory is shown refused with the planner's reason.
+    The Llama-3-8B rows are priced a second time with fused GQA (bench/llama3_8b_kv_fused.py), as the
+    engines attend; examples/llama3_8b_kv.py repeats the KV heads as gpt-fast does.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
 import functools
+import re
 import statistics
 import sys
 from dataclasses import dataclass
@@ -54,6 +65,8 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from planner.cli import workflow  # noqa: E402
+from planner.errors import InfeasibleError  # noqa: E402
+from planner.solver.problem import Constraints  # noqa: E402
 
 MIDLINK = str(ROOT / "tests" / "models" / "midlink-cpu.yaml")
 GPT_FAST = "https://github.com/meta-pytorch/gpt-fast#benchmarks"
@@ -370,6 +383,195 @@ def below_floor(console: Console) -> set[str]:
     return sources
 
 
+# (d) LLM-Inference-Bench: the rows, unchanged, with their source in the file's header comment
+LLM_INFERENCE_BENCH = ROOT / "bench" / "data" / "llm_inference_bench_h100.csv"
+LLM_INFERENCE_BENCH_URL = (
+    "https://github.com/argonne-lcf/LLM-Inference-Bench/blob/4211f5d4e9bc0145ed541b6d372d5d8223b44235/"
+    "Plots/All_results.csv"
+)
+# the CSV's Model -> (examples/<file>.py, label, `models.LLAMA_CONFIGS` name)
+_LIB_MODELS = {
+    "meta-llama/Llama-2-7b-hf": ("llama2_7b_kv", "Llama-2-7B", "llama2-7b"),
+    "meta-llama/Llama-2-70b-hf": ("llama2_70b_kv", "Llama-2-70B", "llama2-70b"),
+    "meta-llama/Meta-Llama-3-8B": ("llama3_8b_kv", "Llama-3-8B", "8b"),
+    "meta-llama/Meta-Llama-3-70B": ("llama3_70b_kv", "Llama-3-70B", "70b"),
+}
+_LIB_HARDWARE = {"Nvidia H100 GPU": ("H100", "dgx-h100"), "Nvidia A100 GPU": ("A100", "dgx-a100")}
+# the engines' attention (fused GQA) for the one example that repeats KV heads (gpt-fast's form)
+_FUSED_VARIANT = {"llama3_8b_kv": "bench/llama3_8b_kv_fused.py"}
+
+
+@dataclass(frozen=True)
+class EngineRow:
+    """One row of LLM-Inference-Bench's All_results.csv: `batch` sequences of an `length`-token prompt
+    and `length` generated tokens, served by `framework` on `gpu` at tensor parallel `tp`, fp16;
+    `latency_s` the time of the whole batch, `throughput` = batch x 2 x length / latency_s (tok/s,
+    prompt tokens included)."""
+
+    framework: str
+    model: str  # examples/<model>.py
+    label: str
+    config: str  # models.LLAMA_CONFIGS name
+    gpu: str
+    cluster: str
+    tp: int
+    batch: int
+    length: int
+    latency_s: float
+    throughput: float
+
+
+def engine_rows(path: Path = LLM_INFERENCE_BENCH) -> list[EngineRow]:
+    """The rows of `path` (a header comment, then All_results.csv's own header and rows)."""
+    with path.open() as f:
+        lines = [line for line in f if not line.startswith("#")]
+    rows = []
+    for r in csv.DictReader(lines):
+        model, label, config = _LIB_MODELS[r["Model"]]
+        gpu, cluster = _LIB_HARDWARE[r["Hardware"]]
+        rows.append(EngineRow(r["Framework"], model, label, config, gpu, cluster, int(r["Num of Hardware"]),
+                              int(r["Batch Size"]), int(r["Input Output Length"]), float(r["Latency"]),
+                              float(r["Throughput"])))  # fmt: skip
+    return rows
+
+
+def _kv_cache_bytes_per_device(config_name: str, tp: int, batch: int, positions: int) -> float:
+    """K and V caches of `positions` tokens for `batch` sequences on one of `tp` devices, fp16: each
+    device holds its KV heads (one when there are fewer KV heads than devices)."""
+    c = _llama_configs()[config_name]
+    kv_heads = max(1, c.n_kv_heads // tp)
+    return 2 * c.n_layers * kv_heads * (c.dim // c.n_heads) * 2 * batch * positions
+
+
+@functools.cache
+def engine_request(model: str, config: str, cluster: str, tp: int, batch: int, length: int) -> float | str:
+    """The planner's time for one batch of an engine row, in seconds, or why it refuses the request.
+
+    Priced as the engine rows of (c) are (`request_s`, paged): planned with `length` / 2 new tokens (a
+    cache of the mean filled length), TTFT + (length - 1) x TPOT. The memory of the whole request is
+    that plan's peak plus the cache of the other length / 2 positions; when it is over the usable
+    memory, the request itself is planned (generate, `length` new tokens) for the planner's own reason."""
+    kw = dict(workload="generate", seq_len=length, batch_size=batch, dtype="fp16")
+    try:
+        p = plan(model if model.startswith("bench/") else f"examples/{model}.py", cluster, tp,
+                 new_tokens=max(1, length // 2), **kw)  # fmt: skip
+    except InfeasibleError as e:
+        return str(e)
+    spec = workflow.resolve_cluster(cluster, tp)
+    usable = spec.device.memory_bytes * Constraints.memory_fraction
+    rest = _kv_cache_bytes_per_device(config, tp, batch, length - max(1, length // 2))
+    if p.predicted.peak_memory_bytes + rest > usable:
+        try:
+            plan(model if model.startswith("bench/") else f"examples/{model}.py", cluster, tp,
+                 new_tokens=length, **kw)  # fmt: skip
+        except InfeasibleError as e:
+            return str(e)
+    return p.serving.ttft_s + (length - 1) * p.serving.tpot_s
+
+
+def _refusal(reason: str) -> str:
+    """The planner's refusal, short: the memory it needs and has when that is the reason, else its first
+    clause."""
+    need = re.search(r"needs ([0-9.]+ GiB)", reason)
+    usable = re.search(r"([0-9.]+ GiB) usable", reason)
+    if need and usable:
+        return f"refused: needs {need.group(1)}, {usable.group(1)} usable"
+    return "refused: " + reason.split(". ")[0].split("; ")[0][:60]
+
+
+def engine_floor_s(row: EngineRow) -> float:
+    """`floor_s` of an engine row: its `length` tokens each read every weight once at datasheet bandwidth."""
+    bandwidth = workflow.resolve_cluster(row.cluster, row.tp).device.memory_bandwidth_bytes_per_s
+    return row.length * weight_bytes_read_per_token(row.config, "fp16", row.tp) / bandwidth
+
+
+def llm_inference_bench(console: Console) -> None:
+    """Part (d): LLM-Inference-Bench's vLLM and TensorRT-LLM rows beside the planner's prediction."""
+    rows = engine_rows()
+    table = Table(
+        title="(d) LLM-Inference-Bench (argonne-lcf, Plots/All_results.csv @ 4211f5d): whole requests, fp16, "
+        "throughput = batch x (in + out) / latency"
+    )
+    for col in ("model", "framework", "GPU", "TP", "batch", "in/out", "published tok/s", "predicted tok/s",
+                "error", "8B fused GQA: tok/s (error)"):  # fmt: skip
+        table.add_column(col, justify="right")
+    errors: list[tuple[float, EngineRow]] = []
+    fused_errors: dict[int, list[float]] = {}
+    refused = []
+    for row in rows:
+        seconds = engine_request(row.model, row.config, row.cluster, row.tp, row.batch, row.length)
+        tokens = row.batch * 2 * row.length
+        fused_text = "-"
+        if row.model in _FUSED_VARIANT:
+            fused = engine_request(_FUSED_VARIANT[row.model], row.config, row.cluster, row.tp, row.batch,
+                                   row.length)  # fmt: skip
+            if isinstance(fused, str):
+                fused_text = "refused"
+            else:
+                err = row.latency_s / fused - 1
+                fused_errors.setdefault(row.batch, []).append(err)
+                fused_text = f"{tokens / fused:.0f} ({err:+.0%})"
+        if isinstance(seconds, str):
+            refused.append((row, seconds))
+            pred_text, err_text = "-", _refusal(seconds)
+        else:
+            err = row.latency_s / seconds - 1  # predicted throughput / published - 1
+            errors.append((err, row))
+            pred_text, err_text = f"{tokens / seconds:.0f}", f"{err:+.0%}"
+        table.add_row(row.label, row.framework, row.gpu, str(row.tp), str(row.batch), f"{row.length}/{row.length}",
+                      f"{row.throughput:.0f}", pred_text, err_text, fused_text)  # fmt: skip
+    console.print(table)
+    console.print(
+        f"Source: {LLM_INFERENCE_BENCH_URL}; error = predicted / published throughput - 1 (+: faster)"
+    )
+    by_batch: dict[int, list[float]] = {}
+    by_batch_kind: dict[tuple[int, str], list[float]] = {}
+    for err, row in errors:
+        by_batch.setdefault(row.batch, []).append(abs(err))
+        by_batch_kind.setdefault((row.batch, row.framework), []).append(abs(err))
+    frameworks = sorted({row.framework for row in rows})
+    for batch in sorted(by_batch):
+        parts = [f"batch {batch:>2}: median |error| {statistics.median(by_batch[batch]):.0%} over "
+                 f"{len(by_batch[batch])} rows"]  # fmt: skip
+        parts += [
+            f"{fw} {statistics.median(by_batch_kind[batch, fw]):.0%}"
+            for fw in frameworks
+            if (batch, fw) in by_batch_kind
+        ]
+        n_refused = sum(1 for row, _ in refused if row.batch == batch)
+        if n_refused:
+            parts.append(f"{n_refused} refused")
+        console.print("; ".join(parts))
+    all_errors = [abs(err) for err, _ in errors]
+    console.print(f"all batches: median |error| {statistics.median(all_errors):.0%} over {len(all_errors)} rows "
+                  f"({len(refused)} refused)")  # fmt: skip
+    # the same medians with the Llama-3-8B rows priced with fused GQA, as the engines attend
+    fused_by_batch = {
+        batch: [abs(e) for e, row in errors if row.batch == batch and row.model not in _FUSED_VARIANT]
+        + [abs(e) for e in fused_errors.get(batch, [])]
+        for batch in by_batch
+    }
+    console.print(
+        "with the Llama-3-8B rows priced with fused GQA: "
+        + "; ".join(f"batch {b} {statistics.median(v):.0%}" for b, v in sorted(fused_by_batch.items()) if v)
+        + f"; all {statistics.median([x for v in fused_by_batch.values() for x in v]):.0%}"
+    )
+    worst_err, worst = max(errors, key=lambda e: abs(e[0]))
+    console.print(f"worst row: {worst.label} {worst.framework} {worst.gpu} TP{worst.tp} batch {worst.batch} "
+                  f"{worst.length}/{worst.length}: published {worst.throughput:.0f} tok/s, predicted "
+                  f"{worst.throughput * (1 + worst_err):.0f} ({worst_err:+.0%})")  # fmt: skip
+    for row, reason in refused:
+        console.print(f"refused: {row.label} {row.framework} TP{row.tp} batch {row.batch} "
+                      f"{row.length}/{row.length}: {reason}")  # fmt: skip
+    below = [row for row in rows if row.latency_s < engine_floor_s(row)]
+    console.print(
+        f"published rows faster than their weights can be read (HBM datasheet bandwidth): {len(below)}"
+        + "".join(
+            f"\n  {r.label} {r.framework} TP{r.tp} batch {r.batch} {r.length}/{r.length}" for r in below
+        )
+    )
+
+
 def measured(console: Console, iters: int) -> None:
     table = Table(title="(a, b) time per output token: predicted vs measured (local gloo ranks)")
     for col in (
@@ -436,6 +638,7 @@ def main() -> None:
     args = parser.parse_args()
     console = Console(width=200)
     published(console)
+    llm_inference_bench(console)
     if args.run:
         measured(console, args.iters)
 

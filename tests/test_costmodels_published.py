@@ -129,3 +129,19 @@ def test_published_serving_rows_are_held_against_the_hbm_bandwidth_floor() -> No
     for row in bench.PUBLISHED:
         if not row.source.startswith("NeMo"):
             assert bench.published_request_s(row) > bench.floor_s(row), row
+
+
+def test_llm_inference_bench_rows_read_as_published() -> None:
+    """bench/data/llm_inference_bench_h100.csv: LLM-Inference-Bench's H100 vLLM and TensorRT-LLM rows of
+    the four Llama models at batch 1/16/32/64 (312 of Plots/All_results.csv at 4211f5d). Every row's
+    Throughput is Batch Size x 2 x L / Latency (the scripts' batch x (input_len + output_len) / latency,
+    input = output = 'Input Output Length'), which is how the bench compares them, and every row is
+    above the HBM bandwidth floor of its L generated tokens."""
+    bench = _serving_bench()
+    rows = bench.engine_rows()
+    assert len(rows) == 312
+    assert {r.gpu for r in rows} == {"H100"} and {r.framework for r in rows} == {"vLLM", "TensorRT-LLM"}
+    assert {r.batch for r in rows} == {1, 16, 32, 64} and {r.tp for r in rows} == {1, 2, 4}
+    for r in rows:
+        assert r.throughput == pytest.approx(r.batch * 2 * r.length / r.latency_s, rel=1e-6), r
+        assert r.latency_s > bench.engine_floor_s(r), r
