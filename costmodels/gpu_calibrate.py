@@ -625,3 +625,208 @@ def fit_link(
     # busbw error: priced busbw / measured = measured time / priced time
     busbw_error = max(abs(math.exp(-e) - 1.0) for e in log_errors(spec, large))
     return LinkFit(link, latency, bandwidth, nvls, busbw_error, rel(small), rel(points))
+
+
+# --------------------------------------------------------------------------------------------
+# `planner calibrate` on CUDA: measure on every rank, then write the spec's fields
+
+
+def _max_over_ranks(values: list[float]) -> list[float]:
+    """Each value's largest over the world's ranks (the slowest rank's time)."""
+    if not values or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=_group_device(None))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def cuda_measurements(
+    device: torch.device,
+    timer: EventTimer,
+    gemm_shapes: Sequence[tuple[int, int, int]] = (),
+    node_group: object | None = None,
+    nodes: int = 1,
+    gemm_sweep: Sequence[tuple[int, int, int]] = GEMM_SWEEP_SHAPES,
+    attention_lengths: Sequence[int] = ATTENTION_LENGTHS,
+    sizes: Sequence[int] = COLLECTIVE_SIZES_BYTES,
+    dtype: torch.dtype = torch.bfloat16,
+    attention_kwargs: dict | None = None,
+) -> dict:
+    """What `calibrate` measures on CUDA beside its CPU-style figures, on every rank of the initialised
+    world at once: ``gemm_sweep`` and the model's ``gemm_shapes`` (M, N, K), fused attention at
+    ``attention_lengths``, and the collectives at ``sizes`` over this rank's node (``node_group``;
+    None: the world, one node) and, with ``nodes`` > 1, over the world (spanning the nodes). With one
+    rank, only an 8 B all-reduce (NCCL's per-call floor). Times are the slowest rank's. Returns plain
+    data (picklable): {"gemm": [(m, n, k, s)], "attention": [(L, causal, backward, FLOP, s)],
+    "collectives": {"intra_node": [(kind, bytes, ranks, s)], "inter_node": [...]}, "sms", "cc"}."""
+    shapes = list(dict.fromkeys([*map(tuple, gemm_sweep), *map(tuple, gemm_shapes)]))
+    gemm = time_gemms(shapes, device, timer, dtype)
+    attention = time_attention(attention_lengths, device, timer, dtype, **(attention_kwargs or {}))
+    slowest = _max_over_ranks([p.time_s for p in gemm] + [p.time_s for p in attention])
+    gemm = [dataclasses.replace(p, time_s=t) for p, t in zip(gemm, slowest)]
+    attention = [dataclasses.replace(p, time_s=t) for p, t in zip(attention, slowest[len(gemm) :])]
+    world = dist.get_world_size()
+    collectives: dict[str, list[CollectivePoint]] = {}
+    if world == 1:
+        collectives["intra_node"] = time_collectives((8,), device, timer, kinds=("all_reduce",))
+    else:
+        collectives["intra_node"] = time_collectives(sizes, device, timer, node_group if nodes > 1 else None)
+        if nodes > 1:
+            collectives["inter_node"] = time_collectives(sizes, device, timer, None)
+    props = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
+    return {
+        "gemm": [dataclasses.astuple(p) for p in gemm],
+        "attention": [dataclasses.astuple(p) for p in attention],
+        "collectives": {k: [dataclasses.astuple(p) for p in v] for k, v in collectives.items()},
+        "sms": props.multi_processor_count if props is not None else 132,
+        "cc": [props.major, props.minor] if props is not None else [0, 0],
+    }
+
+
+def _infiniband_nics() -> int:
+    """NICs of this node (entries of /sys/class/infiniband), at least 1."""
+    try:
+        from pathlib import Path  # noqa: PLC0415
+
+        return max(1, len(list(Path("/sys/class/infiniband").iterdir())))
+    except OSError:
+        return 1
+
+
+def _sig(value: float, digits: int = 4) -> float:
+    return float(f"{value:.{digits}g}")
+
+
+def apply_cuda_measurements(data: dict, cuda: dict, nodes: int = 1, nics_per_node: int | None = None) -> dict:
+    """``data`` (the cluster YAML mapping `calibrate` builds, backend nccl) with the CUDA measurements
+    written in: ``device.gemm`` (`fit_gemm` over the fastest GEMM measured as the bf16 peak; fp16 and
+    fp32 peaks scaled by the same factor as bf16, as the square matmuls measured them alike;
+    ``matmul_half_rows`` dropped: the GEMM model carries the row count), ``device.attention``
+    (`fit_attention`), ``links.intra_node`` and with ``nodes`` > 1 ``links.inter_node`` (`fit_link`
+    through `costmodels.comm`; ``nics_per_node`` default: /sys/class/infiniband's entries), each
+    with its ``sources`` line saying what was measured, how, and how well the fit holds. Pure but for
+    the NIC count's default. Returns a new mapping."""
+    from costmodels.cluster import parse_cluster  # noqa: PLC0415
+
+    data = {
+        **data,
+        "device": dict(data["device"]),
+        "links": dict(data["links"]),
+        "sources": list(data["sources"]),
+    }
+    dev, sources = data["device"], data["sources"]
+    peaks = dict(dev["peak_TFLOPS"])
+    gemm = [GemmPoint(*p) for p in cuda["gemm"]]
+    fastest = max(p.flops / p.time_s for p in gemm)
+    scale = fastest / (peaks["bf16"] * 1e12)
+    dev["peak_TFLOPS"] = {dt: _sig(v * scale) for dt, v in peaks.items()}
+    dev.pop("matmul_half_rows", None)
+    fit = fit_gemm(gemm, fastest, int(cuda["sms"]), memory_bytes_per_s=dev["memory_bandwidth_GBps"] * 1e9)
+    g = fit.spec
+    dev["gemm"] = {
+        "efficiency": _sig(g.efficiency),
+        "half_k": _sig(g.half_k),
+        "sms": g.sms,
+        "tiles": [list(t) for t in g.tiles],
+        "min_split_k": _sig(g.min_split_k),
+    }
+    shown = ", ".join(f"{p.m}x{p.n}x{p.k} {p.flops / p.time_s / 1e12:.0f}" for p in gemm)
+    sources.append(
+        f"GEMM (bf16 torch.mm, CUDA events, {WARMUP} warm-up calls, median of {REPS} windows, slowest rank), "
+        f"TFLOP/s by MxNxK: {shown}; peak_TFLOPS = the fastest ({fastest / 1e12:.0f} bf16; fp16, fp32 "
+        f"scaled alike from the square matmuls); device.gemm fitted (costmodels.gpu_calibrate.fit_gemm: "
+        f"efficiency and half_k of gemm_efficiency, {g.sms} SMs from the device, the Hopper presets' tiles) "
+        f"over {fit.used} compute-bound points ({fit.excluded} memory-bound left out): rms {fit.rms_error:.1%}, "
+        f"worst {fit.max_error:.1%}"
+    )
+    attention = [AttentionPoint(*p) for p in cuda["attention"]]
+    if attention:
+        afit = fit_attention(attention, fastest)
+        a = afit.spec
+        dev["attention"] = {
+            "efficiency": _sig(a.efficiency),
+            "half_seq": _sig(a.half_seq),
+            "causal_half_seq": _sig(a.causal_half_seq),
+            "backward_time_factor": _sig(a.backward_time_factor),
+        }
+        forwards = ", ".join(
+            f"{p.kv_len} {p.flops / p.time_s / 1e12:.0f}" for p in attention if p.causal and not p.backward
+        )
+        sources.append(
+            f"attention (scaled_dot_product_attention bf16, {ATTENTION_HEADS} heads of {ATTENTION_HEAD_DIM}, "
+            f"CUDA events): causal forward TFLOP/s by key length {forwards}; unmasked and causal backward "
+            f"timed too; device.attention fitted (fit_attention), worst forward {afit.max_error:.1%}"
+        )
+    intra_points = [CollectivePoint(*p) for p in cuda["collectives"].get("intra_node", [])]
+    ranks_per_node = int(data["devices_per_node"])
+    if len({p.nbytes for p in intra_points}) < 2:
+        for p in intra_points:
+            sources.append(
+                f"NCCL {p.kind} of {p.nbytes} B at world size {p.ranks}: {p.time_s * 1e6:.1f} us per call "
+                "(one GPU: no link measured; links.intra_node is a placeholder)"
+            )
+        return data
+    nodes_data = {**data, "nodes": nodes}
+    if nodes > 1:
+        nics = nics_per_node or _infiniband_nics()
+        nodes_data["links"] = {
+            **data["links"],
+            "inter_node": {
+                "kind": "infiniband",
+                "bandwidth_GBps": 25.0,
+                "latency_us": 5.0,
+                "nics_per_node": nics,
+            },
+        }
+    intra = {"kind": "nvlink", "bandwidth_GBps": 100.0, "latency_us": 5.0}
+    nodes_data["links"] = {**nodes_data["links"], "intra_node": intra}
+    base = parse_cluster(nodes_data, "planner calibrate")
+    hopper = list(cuda.get("cc", [0, 0]))[0] >= 9
+    group = Group(ranks_per_node, ranks_per_node)
+    fit_in = fit_link(intra_points, base, group, "intra_node", (False, True) if hopper else (False,))
+    intra = {
+        "kind": "nvlink",
+        "bandwidth_GBps": _sig(fit_in.bandwidth_bytes_per_s / 1e9),
+        "latency_us": _sig(fit_in.latency_s * 1e6),
+        **({"nvls": True} if fit_in.nvls else {}),
+    }
+    sources.append(_curve_source(intra_points, "intra-node"))
+    sources.append(fit_in.source(group) + " (kind nvlink assumed: NVLink or PCIe is not detected)")
+    links = {**nodes_data["links"], "intra_node": intra}
+    if nodes > 1:
+        base = _with_link(base, "intra_node", fit_in.latency_s, fit_in.bandwidth_bytes_per_s, fit_in.nvls)
+        inter_points = [CollectivePoint(*p) for p in cuda["collectives"]["inter_node"]]
+        world = Group(ranks_per_node * nodes, ranks_per_node)
+        fit_x = fit_link(inter_points, base, world, "inter_node")
+        links["inter_node"] = {
+            **links["inter_node"],
+            "bandwidth_GBps": _sig(fit_x.bandwidth_bytes_per_s / 1e9),
+            "latency_us": _sig(fit_x.latency_s * 1e6),
+        }
+        sources.append(_curve_source(inter_points, f"across {nodes} nodes"))
+        sources.append(fit_x.source(world) + f" ({links['inter_node']['nics_per_node']} NICs per node)")
+    data["nodes"] = nodes
+    data["links"] = links
+    return data
+
+
+def _curve_source(points: Sequence[CollectivePoint], where: str) -> str:
+    """The measured curve in nccl-tests' terms, a few sizes per collective."""
+    parts = []
+    for kind in COLLECTIVE_KINDS:
+        pts = sorted((p for p in points if p.kind == kind), key=lambda p: p.nbytes)
+        if not pts:
+            continue
+        shown = [pts[0], pts[len(pts) // 2], pts[-1]]
+        parts.append(
+            f"{kind} "
+            + ", ".join(
+                f"{p.nbytes} B {p.time_s * 1e6:.1f} us busbw {p.busbw / 1e9:.1f} GB/s"
+                for p in dict.fromkeys(shown)
+            )
+        )
+    ranks = points[0].ranks if points else 0
+    return (
+        f"NCCL collectives {where} ({ranks} ranks; back-to-back calls between CUDA events, median window, "
+        f"slowest rank; nccl-tests' algbw / busbw, 8 B to 1 GiB in powers of 4): " + "; ".join(parts)
+    )

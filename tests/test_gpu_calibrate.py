@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from costmodels.cluster import GemmSpec, LinkSpec, load_cluster
+from costmodels.cluster import GemmSpec, LinkSpec, load_cluster, parse_cluster
 from costmodels.comm import Group
 from costmodels.compute import attention_flops, gemm_efficiency
 from costmodels.gpu_calibrate import (
@@ -23,7 +23,9 @@ from costmodels.gpu_calibrate import (
     CudaEventTimer,
     GemmPoint,
     WallTimer,
+    apply_cuda_measurements,
     collective_elements,
+    cuda_measurements,
     event_median_s,
     fit_attention,
     fit_gemm,
@@ -264,3 +266,112 @@ def test_cuda_events_time_a_gemm_near_its_flop_count() -> None:
     (point,) = time_gemms([(4096, 4096, 4096)], torch.device("cuda"), timer)
     rate = point.flops / point.time_s
     assert 1e12 < rate < 5e15  # between a slow GPU and any datasheet
+
+
+def _calibrated_mapping(devices: int) -> dict:
+    """The mapping `calibrate` builds before the CUDA fields: measured peaks, a half-rows term and
+    the one-process placeholder link (gloo-style figures)."""
+    return {
+        "name": "local-calibrated",
+        "nodes": 1,
+        "devices_per_node": devices,
+        "backend": "nccl",
+        "overlap_efficiency": 0.8,
+        "sources": ["measured by planner calibrate on a test"],
+        "device": {
+            "name": "NVIDIA H100 80GB HBM3",
+            "memory_GiB": 79.2,
+            "peak_TFLOPS": {"bf16": 400.0, "fp16": 400.0, "fp32": 40.0},
+            "memory_bandwidth_GBps": 3000.0,
+            "matmul_efficiency": 1.0,
+            "memory_efficiency": 1.0,
+            "launch_overhead_us": 4.0,
+            "matmul_half_rows": 30.0,
+        },
+        "links": {"intra_node": {"kind": "loopback", "bandwidth_GBps": 2.0, "latency_us": 80.0}},
+    }
+
+
+def _synthetic_cuda(truth, group: Group) -> dict:
+    gemm_truth = GemmSpec(0.84, 260.0, 132, HOPPER_TILES, 256.0)
+    gemm = [
+        (m, n, k, 2.0 * m * n * k / (PEAK * gemm_efficiency(m, n, k, gemm_truth)))
+        for m, n, k in GEMM_SWEEP_SHAPES
+    ]
+    attention = [dataclasses.astuple(p) for p in _attention_points(0.676, 215.0, 1200.0, 3.1, 0.0)]
+    curve = _curve(truth, group, 0.02)
+    return {"gemm": gemm, "attention": attention, "sms": 132, "cc": [9, 0], "collectives": curve}
+
+
+def test_apply_cuda_measurements_writes_gemm_attention_and_the_nccl_link() -> None:
+    base = dataclasses.replace(load_cluster("dgx-h100"), devices_per_node=8)
+    truth = dataclasses.replace(
+        base,
+        intra_node=dataclasses.replace(
+            base.intra_node, latency_s=5e-6, bandwidth_bytes_per_s=360e9, nvls=True
+        ),
+    )
+    cuda = _synthetic_cuda(truth, Group(8, 8))
+    cuda["collectives"] = {"intra_node": [dataclasses.astuple(p) for p in cuda["collectives"]]}
+    data = apply_cuda_measurements(_calibrated_mapping(8), cuda)
+    spec = parse_cluster(data, "test")
+    dev = spec.device
+    assert dev.matmul_half_rows is None and dev.gemm is not None and dev.attention is not None
+    for m, n, k, seconds in cuda["gemm"]:  # the spec prices every measured GEMM within 5%
+        rate = gemm_efficiency(m, n, k, dev.gemm) * dev.peak_flops_per_s["bf16"]
+        assert rate * seconds / (2.0 * m * n * k) == pytest.approx(1.0, abs=0.05)
+    assert dev.peak_flops_per_s["fp32"] == pytest.approx(dev.peak_flops_per_s["bf16"] / 10, rel=1e-3)
+    assert dev.attention.causal_half_seq == pytest.approx(1200.0, rel=0.1)
+    assert spec.intra_node.kind == "nvlink" and spec.intra_node.nvls
+    assert spec.intra_node.bandwidth_bytes_per_s == pytest.approx(360e9, rel=0.05)
+    assert spec.intra_node.latency_s == pytest.approx(5e-6, rel=0.2)
+    text = "\n".join(spec.sources)
+    assert "within tolerance" in text and "busbw" in text and "device.gemm fitted" in text
+    assert _calibrated_mapping(8)["device"]["matmul_half_rows"] == 30.0  # the input is left as it was
+
+
+def test_apply_cuda_measurements_across_nodes_fits_the_inter_node_link() -> None:
+    truth = load_cluster("h100-ib-2node")
+    truth = dataclasses.replace(
+        truth,
+        intra_node=dataclasses.replace(truth.intra_node, latency_s=5e-6, bandwidth_bytes_per_s=360e9),
+        inter_node=dataclasses.replace(truth.inter_node, latency_s=8e-6, bandwidth_bytes_per_s=22e9),
+    )
+    intra = _curve(dataclasses.replace(truth, num_nodes=1), Group(8, 8), 0.02)
+    world = _curve(truth, Group(16, 8), 0.02, seed=3)
+    cuda = _synthetic_cuda(truth, Group(8, 8))
+    cuda["collectives"] = {
+        "intra_node": [dataclasses.astuple(p) for p in intra],
+        "inter_node": [dataclasses.astuple(p) for p in world],
+    }
+    data = apply_cuda_measurements(
+        _calibrated_mapping(8), cuda, nodes=2, nics_per_node=truth.inter_node.nics_per_node
+    )
+    spec = parse_cluster(data, "test")
+    assert spec.num_nodes == 2 and spec.inter_node is not None
+    assert spec.inter_node.bandwidth_bytes_per_s == pytest.approx(22e9, rel=0.08)
+    assert spec.inter_node.nics_per_node == truth.inter_node.nics_per_node
+    assert sum("within tolerance" in s for s in spec.sources) == 2
+
+
+def test_cuda_measurements_run_on_cpu_on_one_rank_and_write_a_spec() -> None:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        cuda = cuda_measurements(
+            torch.device("cpu"),
+            WallTimer(),
+            gemm_shapes=[(32, 32, 32)],
+            gemm_sweep=[(64, 64, 64), (32, 32, 32)],
+            attention_lengths=(16, 32),
+            dtype=torch.float32,
+            attention_kwargs={"heads": 2, "head_dim": 8, "tokens": 64, "warmup": 1, "reps": 2},
+        )
+    finally:
+        dist.destroy_process_group()
+    assert [tuple(p[:3]) for p in cuda["gemm"]] == [(64, 64, 64), (32, 32, 32)]  # the model's shape once
+    assert [p[:3] for p in cuda["collectives"]["intra_node"]] == [("all_reduce", 8, 1)]
+    mapping = _calibrated_mapping(1)
+    mapping["device"]["peak_TFLOPS"] = {"bf16": 0.01, "fp16": 0.01, "fp32": 0.01}  # a CPU's figures
+    spec = parse_cluster(apply_cuda_measurements(mapping, cuda), "test")
+    assert spec.device.gemm is not None and spec.device.attention is not None
+    assert any("world size 1" in s and "no link measured" in s for s in spec.sources)
