@@ -375,3 +375,17 @@ def test_cuda_measurements_run_on_cpu_on_one_rank_and_write_a_spec() -> None:
     spec = parse_cluster(apply_cuda_measurements(mapping, cuda), "test")
     assert spec.device.gemm is not None and spec.device.attention is not None
     assert any("world size 1" in s and "no link measured" in s for s in spec.sources)
+
+
+def test_calibrate_model_option_times_the_models_own_gemm_shapes() -> None:
+    from planner.cli import workflow  # noqa: PLC0415
+    from planner.solver.costing import model_matmul_shapes  # noqa: PLC0415
+    from planner.solver.machine import calibration_gemm_shapes  # noqa: PLC0415
+
+    forward = workflow.prepare("examples/llama3.py")
+    tokens = forward.workload.batch_size * forward.workload.tokens_per_sequence
+    assert calibration_gemm_shapes(forward, 2) == tuple(
+        (m, n, k) for m, k, n in model_matmul_shapes(forward.structure, tokens, [1, 2])
+    )
+    train = calibration_gemm_shapes(workflow.prepare("examples/llama3.py", workload="train"), 1)
+    assert (tokens, 128, 128) in train and (128, 128, tokens) in train  # forward and weight gradient
