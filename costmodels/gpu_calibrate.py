@@ -48,6 +48,7 @@ import torch.distributed as dist
 from costmodels.cluster import AttentionSpec, ClusterSpec, GemmSpec
 from costmodels.comm import Group, all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s
 from costmodels.compute import attention_flops, gemm_efficiency
+from costmodels.dtypes import torch_dtype
 
 # (M, N, K) of the standard sweep, bf16: K at M = N = 8192 (the tile loop's fill), squares (waves),
 # few rows (tile fill, split-K) and an 8B-class transformer's projections at 4096 tokens (hidden
@@ -78,6 +79,10 @@ LARGE_BYTES = 64 * 2**20  # the busbw is held at sizes from here up
 SMALL_BYTES = 64 * 2**10  # the time is held at sizes up to here
 BUSBW_TOLERANCE = 0.10  # |fitted busbw / measured - 1| at large sizes
 SMALL_TIME_TOLERANCE = 0.25  # |fitted time / measured - 1| at small sizes
+# a square GEMM timed in each dtype: the fp16 and fp32 peaks are the bf16 peak (the sweep's fastest)
+# times their square rate over bf16's (fp32 runs on other units: its own rate, as torch runs it)
+SQUARE_SHAPE = (4096, 4096, 4096)
+SQUARE_DTYPES = ("bf16", "fp16", "fp32")
 WARMUP, REPS = 3, 7  # warm-up calls, then timed repetitions (median taken)
 _MIN_WINDOW_S = 1e-3  # a timed window holds enough calls to last about this long (event resolution)
 _MAX_INNER = 200
@@ -661,10 +666,13 @@ def cuda_measurements(
     "collectives": {"intra_node": [(kind, bytes, ranks, s)], "inter_node": [...]}, "sms", "cc"}."""
     shapes = list(dict.fromkeys([*map(tuple, gemm_sweep), *map(tuple, gemm_shapes)]))
     gemm = time_gemms(shapes, device, timer, dtype)
+    square = (max(s[0] for s in shapes),) * 3 if device.type != "cuda" else SQUARE_SHAPE
+    squares = [time_gemms([square], device, timer, torch_dtype(dt))[0].time_s for dt in SQUARE_DTYPES]
     attention = time_attention(attention_lengths, device, timer, dtype, **(attention_kwargs or {}))
-    slowest = _max_over_ranks([p.time_s for p in gemm] + [p.time_s for p in attention])
+    slowest = _max_over_ranks([p.time_s for p in gemm] + [p.time_s for p in attention] + squares)
     gemm = [dataclasses.replace(p, time_s=t) for p, t in zip(gemm, slowest)]
     attention = [dataclasses.replace(p, time_s=t) for p, t in zip(attention, slowest[len(gemm) :])]
+    squares = slowest[len(gemm) + len(attention) :]
     world = dist.get_world_size()
     collectives: dict[str, list[CollectivePoint]] = {}
     if world == 1:
@@ -678,6 +686,7 @@ def cuda_measurements(
         "gemm": [dataclasses.astuple(p) for p in gemm],
         "attention": [dataclasses.astuple(p) for p in attention],
         "collectives": {k: [dataclasses.astuple(p) for p in v] for k, v in collectives.items()},
+        "squares": {dt: 2.0 * math.prod(square) / t for dt, t in zip(SQUARE_DTYPES, squares)},
         "sms": props.multi_processor_count if props is not None else 132,
         "cc": [props.major, props.minor] if props is not None else [0, 0],
     }
@@ -700,7 +709,7 @@ def _sig(value: float, digits: int = 4) -> float:
 def apply_cuda_measurements(data: dict, cuda: dict, nodes: int = 1, nics_per_node: int | None = None) -> dict:
     """``data`` (the cluster YAML mapping `calibrate` builds, backend nccl) with the CUDA measurements
     written in: ``device.gemm`` (`fit_gemm` over the fastest GEMM measured as the bf16 peak; fp16 and
-    fp32 peaks scaled by the same factor as bf16, as the square matmuls measured them alike;
+    fp32 peaks that times their `SQUARE_SHAPE` rate over bf16's;
     ``matmul_half_rows`` dropped: the GEMM model carries the row count), ``device.attention``
     (`fit_attention`), ``links.intra_node`` and with ``nodes`` > 1 ``links.inter_node`` (`fit_link`
     through `costmodels.comm`; ``nics_per_node`` default: /sys/class/infiniband's entries), each
@@ -715,11 +724,10 @@ def apply_cuda_measurements(data: dict, cuda: dict, nodes: int = 1, nics_per_nod
         "sources": list(data["sources"]),
     }
     dev, sources = data["device"], data["sources"]
-    peaks = dict(dev["peak_TFLOPS"])
     gemm = [GemmPoint(*p) for p in cuda["gemm"]]
     fastest = max(p.flops / p.time_s for p in gemm)
-    scale = fastest / (peaks["bf16"] * 1e12)
-    dev["peak_TFLOPS"] = {dt: _sig(v * scale) for dt, v in peaks.items()}
+    squares = cuda["squares"]
+    dev["peak_TFLOPS"] = {dt: _sig(fastest * squares[dt] / squares["bf16"] / 1e12) for dt in SQUARE_DTYPES}
     dev.pop("matmul_half_rows", None)
     fit = fit_gemm(gemm, fastest, int(cuda["sms"]), memory_bytes_per_s=dev["memory_bandwidth_GBps"] * 1e9)
     g = fit.spec
@@ -734,7 +742,8 @@ def apply_cuda_measurements(data: dict, cuda: dict, nodes: int = 1, nics_per_nod
     sources.append(
         f"GEMM (bf16 torch.mm, CUDA events, {WARMUP} warm-up calls, median of {REPS} windows, slowest rank), "
         f"TFLOP/s by MxNxK: {shown}; peak_TFLOPS = the fastest ({fastest / 1e12:.0f} bf16; fp16, fp32 "
-        f"scaled alike from the square matmuls); device.gemm fitted (costmodels.gpu_calibrate.fit_gemm: "
+        f"by their {'x'.join(map(str, SQUARE_SHAPE))} square's rate over bf16's: "
+        f"{', '.join(f'{dt} {r / 1e12:.1f}' for dt, r in squares.items())} TFLOP/s); device.gemm fitted (costmodels.gpu_calibrate.fit_gemm: "
         f"efficiency and half_k of gemm_efficiency, {g.sms} SMs from the device, the Hopper presets' tiles) "
         f"over {fit.used} compute-bound points ({fit.excluded} memory-bound left out): rms {fit.rms_error:.1%}, "
         f"worst {fit.max_error:.1%}"
