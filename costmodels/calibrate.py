@@ -69,6 +69,7 @@ from costmodels.cluster import (
 )
 from costmodels.compute import SIZED_PROBE, TOY_PROBE, linear_bytes, linear_flops, op_time_s
 from costmodels.dtypes import DTYPE_BYTES, torch_dtype
+from costmodels.gpu_calibrate import CudaEventTimer, apply_cuda_measurements, cuda_measurements
 from planner.errors import InputError, RunError
 from planner.files import write_text_atomic
 from planner.progress import Progress
@@ -982,7 +983,13 @@ def _reduce(values: list[float], op: dist.ReduceOp, device: torch.device) -> lis
 
 
 def _worker(
-    rank: int, nproc: int, port: int, use_cuda: bool, queue: object, threads: int | None = None
+    rank: int,
+    nproc: int,
+    port: int,
+    use_cuda: bool,
+    queue: object,
+    threads: int | None = None,
+    gemm_shapes: tuple[tuple[int, int, int], ...] = (),
 ) -> None:
     """One calibration rank. Rank 0 sends ("progress", step, fraction) and ("result", dict)."""
     cores = os.cpu_count() or 1
@@ -997,112 +1004,130 @@ def _worker(
         world_size=nproc,
         timeout=datetime.timedelta(seconds=_STARTUP_TIMEOUT_S),
     )
+    try:
+        _measure_rank(rank, nproc, use_cuda, device, queue, gemm_shapes)
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure_rank(
+    rank: int,
+    nproc: int,
+    use_cuda: bool,
+    device: torch.device,
+    queue: object,
+    gemm_shapes: tuple[tuple[int, int, int], ...] = (),
+    node_group: object | None = None,
+    nodes: int = 1,
+) -> None:
+    """Everything `calibrate` measures, on one rank of an initialised process group of ``nproc`` ranks
+    (``nodes`` nodes; ``node_group``: this rank's node, None when one node). Rank 0 sends
+    ("progress", step, fraction) and ("result", dict) to ``queue``."""
 
     def progress(step: str, fraction: float) -> None:
         if rank == 0:
             queue.put(("progress", step, fraction))
 
-    try:
-        result: dict = {
-            "threads_per_process": torch.get_num_threads(),
-            "clock": "thread CPU time" if clock(device) is time.thread_time else "wall time",
-            "load_before": os.getloadavg()[0] if hasattr(os, "getloadavg") else -1.0,
-        }
-        peaks, wall_ratios, half_rows = [], [], {}
-        for i, dtype in enumerate(DTYPE_BYTES):
-            progress(f"matmul {dtype}", 0.05 + 0.1 * i)
-            dist.barrier()
-            rate, ratio, half_rows[dtype], probe_rate = _matmul_flops_per_s(
-                dtype, device, max_n=8192 if use_cuda else 2048
-            )
-            if dtype == "fp32":  # the speed probe's matmul, timed with the shapes the spec's fit used
-                result["probe_matmul_flops_per_s"] = probe_rate or 0.0
-            peaks.append(rate)
-            wall_ratios.append(ratio)
-        # the dtype the ranks will compute in: bf16 on GPUs, fp32 on CPUs
-        (result["matmul_half_rows"],) = _reduce(
-            [half_rows["bf16" if use_cuda else "fp32"]], dist.ReduceOp.MAX, device
+    result: dict = {
+        "threads_per_process": torch.get_num_threads(),
+        "clock": "thread CPU time" if clock(device) is time.thread_time else "wall time",
+        "load_before": os.getloadavg()[0] if hasattr(os, "getloadavg") else -1.0,
+    }
+    peaks, wall_ratios, half_rows = [], [], {}
+    for i, dtype in enumerate(DTYPE_BYTES):
+        progress(f"matmul {dtype}", 0.05 + 0.1 * i)
+        dist.barrier()
+        rate, ratio, half_rows[dtype], probe_rate = _matmul_flops_per_s(
+            dtype, device, max_n=8192 if use_cuda else 2048
         )
-        (result["matmul_wall_ratio"],) = _reduce([max(wall_ratios)], dist.ReduceOp.MAX, device)
-        attn_dtype = "bf16" if use_cuda else "fp32"
-        attention = _attention_flops_per_s(device, attn_dtype)
-        progress("memory bandwidth", 0.35)
+        if dtype == "fp32":  # the speed probe's matmul, timed with the shapes the spec's fit used
+            result["probe_matmul_flops_per_s"] = probe_rate or 0.0
+        peaks.append(rate)
+        wall_ratios.append(ratio)
+    # the dtype the ranks will compute in: bf16 on GPUs, fp32 on CPUs
+    (result["matmul_half_rows"],) = _reduce(
+        [half_rows["bf16" if use_cuda else "fp32"]], dist.ReduceOp.MAX, device
+    )
+    (result["matmul_wall_ratio"],) = _reduce([max(wall_ratios)], dist.ReduceOp.MAX, device)
+    attn_dtype = "bf16" if use_cuda else "fp32"
+    attention = _attention_flops_per_s(device, attn_dtype)
+    progress("memory bandwidth", 0.35)
+    dist.barrier()
+    mem_bw = _copy_bytes_per_s(device, 2**30 if use_cuda else 64 * 2**20)
+    progress("launch overhead", 0.38)
+    dist.barrier()
+    launch = _launch_overhead_s(device)
+    progress("per-node overhead of a captured graph (forward, backward)", 0.4)
+    dist.barrier()
+    node_windows = [_node_overhead_s(device, budget_s=1.0)]  # more windows below, spread out
+    result["probe_nodes"] = node_windows[0][2]
+    progress("convolution and pooling", 0.41)
+    dist.barrier()
+    result["conv_flops_per_s"], result["pool_bytes_per_s"] = _reduce(
+        list(_conv_and_pool_rates(device)), dist.ReduceOp.MIN, device
+    )
+    if not use_cuda:  # eager CPU: torch.optim.Adam's step and the page faults of fresh tensors
+        progress("optimizer step and fresh memory", 0.415)
         dist.barrier()
-        mem_bw = _copy_bytes_per_s(device, 2**30 if use_cuda else 64 * 2**20)
-        progress("launch overhead", 0.38)
+        small_s, large_s, fresh, per_tensor, cached = _optimizer_rates(device)
+        result["adam_rates"] = _reduce([small_s, large_s, per_tensor, cached], dist.ReduceOp.MAX, device)
+        (result["fresh_write_bytes_per_s"],) = _reduce([fresh], dist.ReduceOp.MIN, device)
+    *peaks, mem_bw, attention = _reduce([*peaks, mem_bw, attention], dist.ReduceOp.MIN, device)  # slowest
+    result["attention_efficiency"] = min(1.0, attention / peaks[list(DTYPE_BYTES).index(attn_dtype)])
+    if not use_cuda:
+        progress("matmul streaming a large weight", 0.42)
         dist.barrier()
-        launch = _launch_overhead_s(device)
-        progress("per-node overhead of a captured graph (forward, backward)", 0.4)
-        dist.barrier()
-        node_windows = [_node_overhead_s(device, budget_s=1.0)]  # more windows below, spread out
-        result["probe_nodes"] = node_windows[0][2]
-        progress("convolution and pooling", 0.41)
-        dist.barrier()
-        result["conv_flops_per_s"], result["pool_bytes_per_s"] = _reduce(
-            list(_conv_and_pool_rates(device)), dist.ReduceOp.MIN, device
-        )
-        if not use_cuda:  # eager CPU: torch.optim.Adam's step and the page faults of fresh tensors
-            progress("optimizer step and fresh memory", 0.415)
-            dist.barrier()
-            small_s, large_s, fresh, per_tensor, cached = _optimizer_rates(device)
-            result["adam_rates"] = _reduce([small_s, large_s, per_tensor, cached], dist.ReduceOp.MAX, device)
-            (result["fresh_write_bytes_per_s"],) = _reduce([fresh], dist.ReduceOp.MIN, device)
-        *peaks, mem_bw, attention = _reduce([*peaks, mem_bw, attention], dist.ReduceOp.MIN, device)  # slowest
-        result["attention_efficiency"] = min(1.0, attention / peaks[list(DTYPE_BYTES).index(attn_dtype)])
-        if not use_cuda:
-            progress("matmul streaming a large weight", 0.42)
-            dist.barrier()
-            stream = stream_bandwidth(
-                device, peaks[list(DTYPE_BYTES).index("fp32")], result["matmul_half_rows"]
-            )
-            (stream,) = _reduce([stream or math.inf], dist.ReduceOp.MIN, device)
-            if math.isfinite(stream) and (cache := _cache_bytes()) is not None:
-                result.update(stream_bandwidth=stream, cache_bytes=cache)
-        (launch,) = _reduce([launch], dist.ReduceOp.MAX, device)
-        result.update(peaks=dict(zip(DTYPE_BYTES, peaks)), memory_bandwidth=mem_bw, launch_s=launch)
-        progress("per-node overhead, second window", 0.44)
-        node_windows.append(_node_overhead_s(device, budget_s=1.0))
-        if nproc > 1:
-            progress("all-reduce 4 B (per-call cost) and 4 KiB to 16 MiB", 0.45)
-            fp32_rate = result["peaks"]["fp32"]
-            call_s, *times = _reduce(
-                _all_reduce_times_s(device, fp32_rate, (CALL_SIZE_BYTES, *ALL_REDUCE_SIZES_BYTES)),
-                dist.ReduceOp.MAX,
-                device,
-            )
-            result["all_reduce_call_s"], result["all_reduce_s"] = call_s, times
-            progress("a burst of back-to-back all-reduces", 0.8)
-            (result["burst_s"],) = _reduce([_burst_time_s(device, fp32_rate)], dist.ReduceOp.MAX, device)
-            progress("overlap", 0.85)
-            t_ar = result["all_reduce_s"][ALL_REDUCE_SIZES_BYTES.index(OVERLAP_SIZE_BYTES)]
-            result["overlap_s"] = _reduce(_overlap_times_s(device, t_ar), dist.ReduceOp.MAX, device)
-        progress("per-node overhead, third window", 0.95)
-        dist.barrier()
-        node_windows.append(_node_overhead_s(device, budget_s=1.0))
-        result["node_overhead_windows_s"] = [w[0] for w in node_windows]
-        result["node_overhead_s"] = _reduce(
-            [statistics.median(w[0] for w in node_windows), statistics.median(w[1] for w in node_windows)],
+        stream = stream_bandwidth(device, peaks[list(DTYPE_BYTES).index("fp32")], result["matmul_half_rows"])
+        (stream,) = _reduce([stream or math.inf], dist.ReduceOp.MIN, device)
+        if math.isfinite(stream) and (cache := _cache_bytes()) is not None:
+            result.update(stream_bandwidth=stream, cache_bytes=cache)
+    (launch,) = _reduce([launch], dist.ReduceOp.MAX, device)
+    result.update(peaks=dict(zip(DTYPE_BYTES, peaks)), memory_bandwidth=mem_bw, launch_s=launch)
+    progress("per-node overhead, second window", 0.44)
+    node_windows.append(_node_overhead_s(device, budget_s=1.0))
+    if nproc > 1:
+        progress("all-reduce 4 B (per-call cost) and 4 KiB to 16 MiB", 0.45)
+        fp32_rate = result["peaks"]["fp32"]
+        call_s, *times = _reduce(
+            _all_reduce_times_s(device, fp32_rate, (CALL_SIZE_BYTES, *ALL_REDUCE_SIZES_BYTES)),
             dist.ReduceOp.MAX,
             device,
         )
-        (result["probe_matmul_flops_per_s"],) = _reduce(
-            [result.get("probe_matmul_flops_per_s") or math.inf], dist.ReduceOp.MIN, device
-        )
-        result["sized_probe_s"] = _reduce(
-            [statistics.median(w[3][i] for w in node_windows) for i in range(4)], dist.ReduceOp.MAX, device
-        )
-        if use_cuda:
-            result["memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
-            result["device_name"] = torch.cuda.get_device_name(device)
-        result["load_after"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else -1.0
-        if rank == 0:
-            queue.put(("result", result))
-        # every rank done with its collectives before any tears gloo down: a rank destroying its group
-        # while its peer is still inside one aborted that peer once (SIGABRT, "terminate called without an
-        # active exception", CI 2026-11-30)
+        result["all_reduce_call_s"], result["all_reduce_s"] = call_s, times
+        progress("a burst of back-to-back all-reduces", 0.8)
+        (result["burst_s"],) = _reduce([_burst_time_s(device, fp32_rate)], dist.ReduceOp.MAX, device)
+        progress("overlap", 0.85)
+        t_ar = result["all_reduce_s"][ALL_REDUCE_SIZES_BYTES.index(OVERLAP_SIZE_BYTES)]
+        result["overlap_s"] = _reduce(_overlap_times_s(device, t_ar), dist.ReduceOp.MAX, device)
+    if use_cuda:
+        progress("GEMM sweep, fused attention and NCCL collectives (CUDA events)", 0.88)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
+        result["cuda"] = cuda_measurements(device, CudaEventTimer(), gemm_shapes, node_group, nodes)
+    progress("per-node overhead, third window", 0.95)
+    dist.barrier()
+    node_windows.append(_node_overhead_s(device, budget_s=1.0))
+    result["node_overhead_windows_s"] = [w[0] for w in node_windows]
+    result["node_overhead_s"] = _reduce(
+        [statistics.median(w[0] for w in node_windows), statistics.median(w[1] for w in node_windows)],
+        dist.ReduceOp.MAX,
+        device,
+    )
+    (result["probe_matmul_flops_per_s"],) = _reduce(
+        [result.get("probe_matmul_flops_per_s") or math.inf], dist.ReduceOp.MIN, device
+    )
+    result["sized_probe_s"] = _reduce(
+        [statistics.median(w[3][i] for w in node_windows) for i in range(4)], dist.ReduceOp.MAX, device
+    )
+    if use_cuda:
+        result["memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
+        result["device_name"] = torch.cuda.get_device_name(device)
+    result["load_after"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else -1.0
+    if rank == 0:
+        queue.put(("result", result))
+    # every rank done with its collectives before any tears gloo down: a rank destroying its group
+    # while its peer is still inside one aborted that peer once (SIGABRT, "terminate called without an
+    # active exception", CI 2026-11-30)
+    dist.barrier()
 
 
 def fit_all_reduce(
@@ -1165,12 +1190,19 @@ def _host_memory_bytes() -> float:
 
 
 def _run_workers(
-    nproc: int, use_cuda: bool, progress: Progress | None, timeout_s: float, threads: int | None = None
+    nproc: int,
+    use_cuda: bool,
+    progress: Progress | None,
+    timeout_s: float,
+    threads: int | None = None,
+    gemm_shapes: tuple[tuple[int, int, int], ...] = (),
 ) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    context = mp.spawn(_worker, args=(nproc, port, use_cuda, queue, threads), nprocs=nproc, join=False)
+    context = mp.spawn(
+        _worker, args=(nproc, port, use_cuda, queue, threads, gemm_shapes), nprocs=nproc, join=False
+    )
     result = None
     deadline = time.monotonic() + timeout_s
     try:
@@ -1205,6 +1237,7 @@ def calibrate(
     timeout_s: float = 180.0,
     threads_per_process: int | None = None,
     probe_roofline: Callable[[int, ClusterSpec], tuple[float, int]] | None = None,
+    gemm_shapes: tuple[tuple[int, int, int], ...] = (),
 ) -> ClusterSpec:
     """Measure this machine with ``nproc`` concurrent processes; return a spec named "local-calibrated".
     Each CPU process computes with ``threads_per_process`` threads (default: cores // nproc, what
@@ -1217,6 +1250,12 @@ def calibrate(
     twice it), and the toy probe's slopes stay in the spec as the speed probe's references
     (`probe_node_overhead_us`, `probe_backward_node_overhead_us`); without it, the toy probe's slopes.
 
+    On CUDA (`costmodels.gpu_calibrate`) it also times a GEMM sweep in bf16 and the model's own
+    ``gemm_shapes`` (M, N, K) (fitted to ``device.gemm``), fused attention (``device.attention``) and
+    NCCL all-reduce / all-gather / reduce-scatter from 8 B to 1 GiB (``links``), with CUDA events.
+    Under torchrun across nodes (`torchrun_world`: WORLD_SIZE above LOCAL_WORLD_SIZE) every rank
+    calls this, ``nproc`` is ignored, and the inter-node link is measured too; every rank gets the spec.
+
     Uses CUDA + NCCL when ``torch.cuda.device_count() >= nproc``, else CPU processes + gloo. With
     ``nproc == 1`` nothing is communicated: links and overlap come from the ``local-cpu`` preset.
     ``progress(step, fraction)`` is called from this process as the workers advance (fraction in
@@ -1228,10 +1267,16 @@ def calibrate(
     """
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise InputError(f"nproc must be an integer >= 1, got {nproc!r}")
-    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= nproc
-    if progress is not None:
-        progress("starting processes", 0.0)
-    m = _run_workers(nproc, use_cuda, progress, timeout_s, threads_per_process)
+    nodes = 1
+    if (launched := torchrun_world()) is not None:
+        nproc, nodes = launched
+        use_cuda = True
+        m = _measure_under_torchrun(nproc, nodes, progress, gemm_shapes)
+    else:
+        use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= nproc
+        if progress is not None:
+            progress("starting processes", 0.0)
+        m = _run_workers(nproc, use_cuda, progress, timeout_s, threads_per_process, tuple(gemm_shapes))
     fallback = load_cluster("local-cpu", nproc=nproc)
     today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
     sources = [
@@ -1362,6 +1407,13 @@ def calibrate(
     sources.append(
         f"attention efficiency: causal SDPA (B={b}, H={h}, T={t}, hd={hd}) FLOP/s over the matmul peak"
     )
+    if use_cuda:
+        data["devices_per_node"] = nproc // nodes
+        data = apply_cuda_measurements(data, m["cuda"], nodes)
+        intra = data["links"]["intra_node"]
+        if "burst_s" in m and nproc // nodes > 1:  # rescaled to the NCCL fit's alpha
+            burst = burst_latency_s(m["burst_s"], m["all_reduce_call_s"], intra["latency_us"] * 1e-6, nproc)
+            intra["burst_latency_us"] = _sig(burst * 1e6)
     spec = parse_cluster(data, "planner calibrate")
     if probe_roofline is not None and not use_cuda:
         spec = _net_of_roofline(spec, data, m["sized_probe_s"], probe_roofline)
@@ -1371,6 +1423,54 @@ def calibrate(
     if progress is not None:
         progress("done", 1.0)
     return spec
+
+
+def torchrun_world() -> tuple[int, int] | None:
+    """(world size, nodes) when this process is one rank of a torchrun job over CUDA (WORLD_SIZE,
+    RANK, LOCAL_WORLD_SIZE set; WORLD_SIZE > 1 and a multiple of LOCAL_WORLD_SIZE), else None."""
+    env = os.environ
+    if not all(k in env for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")):
+        return None
+    world, local = int(env["WORLD_SIZE"]), int(env["LOCAL_WORLD_SIZE"])
+    if world <= 1 or local < 1 or world % local:
+        return None
+    return world, world // local
+
+
+class _ListQueue:
+    """The queue `_measure_rank` reports to, kept in this process (torchrun: no parent to send to)."""
+
+    def __init__(self, progress: Progress | None) -> None:
+        self.items: list = []
+        self.progress = progress
+
+    def put(self, item: tuple) -> None:
+        if item[0] == "progress" and self.progress is not None:
+            self.progress(item[1], item[2])
+        self.items.append(item)
+
+
+def _measure_under_torchrun(
+    world: int, nodes: int, progress: Progress | None, gemm_shapes: tuple[tuple[int, int, int], ...]
+) -> dict:
+    """This rank's part of a calibration run by torchrun over ``nodes`` nodes (NCCL, env://): every
+    measurement with all ranks at once, the collectives per node and across the world; rank 0's
+    result, sent to every rank."""
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=_STARTUP_TIMEOUT_S))
+    try:
+        node_group, _ = dist.new_subgroups(group_size=world // nodes)
+        queue = _ListQueue(progress if rank == 0 else None)
+        _measure_rank(rank, world, True, device, queue, gemm_shapes, node_group, nodes)
+        result = [next((i[1] for i in queue.items if i[0] == "result"), None)]
+        dist.broadcast_object_list(result, src=0)
+    finally:
+        dist.destroy_process_group()
+    if result[0] is None:
+        raise RunError("calibration under torchrun ended without a result on rank 0")
+    return result[0]
 
 
 def _net_of_roofline(

@@ -228,7 +228,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--nproc",
         type=_positive,
         default=os.cpu_count() or 1,
-        help="processes measured at once, as many as the ranks it will price (default: the core count)",
+        help="processes measured at once, as many as the ranks it will price (default: the core count); "
+        "under torchrun across nodes, the torchrun world instead",
+    )
+    cal.add_argument(
+        "--model",
+        help="on CUDA, also time this model file's own GEMM shapes (its forward at the example inputs; "
+        "fitted into device.gemm with the standard sweep); ignored on CPU",
     )
 
     from planner.cli.quality_args import add_adapt_parser, add_ladder_eval_parser  # noqa: PLC0415
@@ -912,9 +918,18 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             f"writing the spec time-shared over {args.nproc} (each gets {measured}/{args.nproc} of a core); "
             f"{args.nproc} processes timed at once would measure the scheduler[/yellow]"
         )
+    gemm_shapes: tuple[tuple[int, int, int], ...] = ()
+    if args.model:
+        from planner.solver.machine import calibration_gemm_shapes  # noqa: PLC0415
+
+        gemm_shapes = calibration_gemm_shapes(workflow.prepare(args.model), args.nproc)
     with _bars(args) as bars:
-        spec = calibrate(measured, progress=bars, probe_roofline=workflow.probe_roofline)
-    if measured != args.nproc:
+        spec = calibrate(
+            measured, progress=bars, probe_roofline=workflow.probe_roofline, gemm_shapes=gemm_shapes
+        )
+    if os.environ.get("RANK", "0") != "0" and os.environ.get("WORLD_SIZE"):
+        return 0  # under torchrun: rank 0 writes the spec
+    if measured != args.nproc and spec.num_nodes == 1:
         from costmodels.cluster import resize_cluster  # noqa: PLC0415
 
         spec = resize_cluster(spec, args.nproc)

@@ -21,7 +21,7 @@ import torch
 
 from costmodels import calibrate
 from costmodels.cluster import CALIBRATED_SOURCE, CALIBRATED_SPEC_NAME, ClusterSpec, cluster_for_ranks
-from costmodels.compute import SIZED_PROBE, per_node_overhead_s
+from costmodels.compute import SIZED_PROBE, per_node_overhead_s, training_gemm_shapes
 from costmodels.dtypes import dtype_bytes
 from planner.errors import InputError
 from planner.frontend.analysis import ModelStructure, analyse, conv_call_at_batch
@@ -104,6 +104,23 @@ def priced_machine(
     if host_step_time is not None:
         timed = with_decode_host_time(prepared, timed, host_step_time)
     return with_decode_graph_time(prepared, timed, progress)
+
+
+def calibration_gemm_shapes(prepared: PricedModel, devices: int) -> tuple[tuple[int, int, int], ...]:
+    """(M, N, K) of the model's own GEMMs that `planner calibrate --model` times on CUDA
+    (`costmodels.gpu_calibrate.cuda_measurements`) beside its standard sweep: its projections and LM
+    head at the workload's tokens, replicated and split for each TP degree dividing ``devices``
+    (`costing.model_matmul_shapes`), with a linear's input- and weight-gradient GEMMs when training
+    (`costmodels.compute.training_gemm_shapes`)."""
+    workload = prepared.workload
+    tokens = workload.batch_size * workload.tokens_per_sequence
+    tps = [tp for tp in range(1, devices + 1) if devices % tp == 0]
+    out: dict[tuple[int, int, int], None] = {}
+    for m, k, n in model_matmul_shapes(prepared.structure, tokens, tps):
+        products = training_gemm_shapes(m, k, n) if workload.kind is Workload.TRAIN else ((m, k, n),)
+        for rows, kk, nn in products:
+            out[(int(rows), int(nn), int(kk))] = None
+    return tuple(out)
 
 
 def times_here(cluster: ClusterSpec) -> bool:
