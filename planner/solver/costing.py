@@ -432,6 +432,24 @@ def tp_overlap_chunks(ctx: CostContext) -> int:
     return max(1, min(max(2, tp), int(rows)))
 
 
+def tp_overlap_chunk_compute_s(op: Op, option: OpOption, ctx: CostContext) -> float:
+    """Extra compute of a split projection run as `tp_overlap_chunks` GEMMs of 1/C of the rows each
+    under `CostContext.tp_comm_overlap` (`passes.tp_overlap` cuts the GEMM with its collective): its
+    option's time x (C x t(rows / C) / t(rows) - 1), t the same option priced at both row counts
+    (`projection_options`: GEMM efficiency by shape on the GPU presets, the small-row penalty and one
+    more node per GEMM on eager CPUs). 0 without overlap, for one chunk, or for an unsplit op."""
+    chunks = tp_overlap_chunks(ctx) if ctx.tp_comm_overlap else 1
+    if chunks == 1 or op.projection is None or option.name not in ("colwise", "rowwise"):
+        return 0.0
+    full = {o.name: o for o in projection_options(op.projection, ctx.tokens, ctx)[0]}
+    small = {o.name: o for o in projection_options(op.projection, ctx.tokens / chunks, ctx)[0]}
+    if option.name not in full or option.name not in small or full[option.name].compute_s <= 0:
+        return 0.0
+    ratio = chunks * small[option.name].compute_s / full[option.name].compute_s
+    extra = option.compute_s * max(0.0, ratio - 1.0)
+    return extra + ctx.node_overhead_time(chunks - 1)  # each chunk's GEMM is one more kernel
+
+
 def _chunked_exposed_s(
     collective, nbytes: float, chunks: int, gemm_s: float, ctx: CostContext
 ) -> tuple[float, float]:

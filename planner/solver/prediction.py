@@ -32,6 +32,7 @@ from planner.solver.costing import (
     step_time_s,
     stream_conversion_time_s,
     tp_block_comm_s,
+    tp_overlap_chunk_compute_s,
     transient_bytes,
 )
 from planner.solver.problem import Assignment
@@ -108,6 +109,8 @@ def layer_breakdown(
         exposed += comm - hidden
         overlapped += hidden
     compute_s = graph.fixed_compute_s + compute_block["attention"] + compute_block["mlp"]
+    if not laddered:  # TP overlap runs each split projection as C GEMMs of 1/C of the rows
+        compute_s += sum(tp_overlap_chunk_compute_s(op, opt[op.name], ctx) for op in graph.ops)
     static = graph.fixed_static_bytes + sum(o.static_bytes for o in opt.values())
     act = graph.fixed_activation_bytes + sum(o.activation_bytes for o in opt.values())
     grad = graph.fixed_grad_bytes + sum(o.grad_bytes for o in opt.values())
