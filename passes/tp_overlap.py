@@ -26,7 +26,7 @@ Megatron-LM's `--tp-comm-overlap` (Transformer Engine's userbuffers) and PyTorch
 |                         | next chunk's GEMM runs                             | async, chunk k's GEMMs while chunk k+1 arrives   |
 
 The last chunk's transfer has nothing after it to hide behind: what the planner prices as exposed
-(`planner.solver.costing.tp_overlap_hidden_s`). The same bytes cross the links as without overlap.
+(`planner.solver.costing.tp_block_comm_s`). The same bytes cross the links as without overlap.
 Each chunk's GEMM, issue and wait is a `torch.profiler.record_function` range
 ("tp_overlap.<function>.<gemm|issue|wait>.<chunk>"), so a profile shows the order.
 
@@ -48,17 +48,11 @@ from torch.profiler import record_function
 
 from passes import collectives
 from passes.collectives import _group
+from planner.plan import tp_overlap_chunk_count
 
 aten = torch.ops.aten
 
-__all__ = ["apply_tp_overlap", "overlap_chunks", "tp_column_matmuls", "tp_row_matmul"]
-
-
-def overlap_chunks(rows: int, tp: int) -> int:
-    """Chunks a TP block's tokens are cut into: the TP degree (at least 2, as a ring exchange has tp
-    steps), at most `rows` (one token per chunk). 1 means no overlap (a single token, e.g. decode at
-    batch 1). The planner prices the same count (`planner.solver.costing.tp_overlap_hidden_s`)."""
-    return max(1, min(max(2, tp), int(rows)))
+__all__ = ["apply_tp_overlap", "tp_column_matmuls", "tp_row_matmul"]
 
 
 def _mm(x: torch.Tensor, w: torch.Tensor, linear: bool) -> torch.Tensor:
@@ -378,13 +372,13 @@ def _fuse_column(gm: fx.GraphModule, entry: fx.Node, chunks: int, inside: Collec
 
 def apply_tp_overlap(gm: fx.GraphModule, tp: int, layer_nodes: Collection[str]) -> fx.GraphModule:
     """Fuse each TP block's collectives with the matmuls beside them into the chunked functions of
-    this module (in place; returns `gm`), `max(2, tp)` chunks each (fewer where a tensor has fewer
-    rows: `overlap_chunks`). Only matmuls of the transformer layers (`layer_nodes`: their fx node
+    this module (in place; returns `gm`), `planner.plan.tp_overlap_chunk_count(tp)` chunks each
+    (fewer where a tensor has fewer rows). Only matmuls of the transformer layers (`layer_nodes`: their fx node
     names, `planner.frontend.analysis.Layer.nodes`) are fused, as the planner prices it; collectives
     in other shapes (a laddered block's `tp_all_reduce_start`, the embedding's, the LM head's) are
     left as they are. Records ``gm.meta["tp_overlap"]`` = {"row":
     fused exits, "column": fused entries}."""
-    chunks = max(2, tp)
+    chunks = tp_overlap_chunk_count(tp)
     counts = {"row": 0, "column": 0}
     for node in list(gm.graph.nodes):
         if node.op != "call_function":

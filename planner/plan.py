@@ -840,6 +840,16 @@ def dp_label(style: DataParallel, dp: int, shard: int, reshard_after_forward: bo
     return name + ("" if reshard_after_forward else "-noreshard")
 
 
+def tp_overlap_chunk_count(tp: int, rows: float | None = None) -> int:
+    """Chunks each TP block's collectives are cut into under `Plan.tp_comm_overlap`: the TP degree, at
+    least 2 (a ring exchange has tp steps, Megatron-LM's TP overlap as many chunks), and at most
+    `rows` (the rows the collective's tensor has; None: not known yet, the cap). 1 means no overlap
+    (a single row, e.g. decode at batch 1). The one rule of the pass (`passes.tp_overlap`) and its
+    price (`planner.solver.costing.tp_overlap_chunks`)."""
+    chunks = max(2, tp)
+    return chunks if rows is None else max(1, min(chunks, int(rows)))
+
+
 def overlap_text(tp_comm: bool, grad_reduce: bool, param_gather: bool) -> str:
     """The communication overlap as a user reads it: "tp, grad-reduce, param-gather" (those on), or "none"."""
     names = [

@@ -74,7 +74,7 @@ from planner.frontend.analysis import (
     Role,
     conv_call_at_batch,
 )
-from planner.plan import DataParallel, Layout, MeshShape, Workload
+from planner.plan import DataParallel, Layout, MeshShape, Workload, tp_overlap_chunk_count
 from planner.solver.problem import MeshConfig, WorkloadSpec
 
 R, S, P = Layout.REPLICATE, Layout.SHARD, Layout.PARTIAL
@@ -424,12 +424,12 @@ def stream_conversion_time_s(src: Layout, nbytes: float, ctx: CostContext) -> fl
 
 
 def tp_overlap_chunks(ctx: CostContext) -> int:
-    """Chunks each TP block's collectives are cut into under `CostContext.tp_comm_overlap`: what
-    `passes.tp_overlap.overlap_chunks` gives for the rows the pass cuts (a micro-batch's tokens on a
-    rank; with sequence parallelism the rank's shard of one sequence)."""
+    """Chunks each TP block's collectives are cut into under `CostContext.tp_comm_overlap`
+    (`planner.plan.tp_overlap_chunk_count`) for the rows the pass cuts: a micro-batch's tokens on a
+    rank; with sequence parallelism the rank's shard of one sequence."""
     tp = ctx.mesh.tp
     rows = ctx.workload.tokens_per_sequence / tp if ctx.sequence_parallel else ctx.tokens
-    return max(1, min(max(2, tp), int(rows)))
+    return tp_overlap_chunk_count(tp, rows)
 
 
 def tp_overlap_chunk_compute_s(op: Op, option: OpOption, ctx: CostContext) -> float:
