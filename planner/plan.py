@@ -103,36 +103,57 @@ SPLIT_STYLES: tuple[str, ...] = tuple(s.value for s in SplitStyle)
 WORKLOADS: tuple[str, ...] = tuple(w.value for w in Workload)
 SCHEDULES: tuple[str, ...] = tuple(s.value for s in Schedule)
 DP_STYLES: tuple[str, ...] = tuple(s.value for s in DataParallel)
+# context-parallel attention variants (`Plan.cp_comm_type`; run by `passes.context_parallel`)
+CP_COMM_TYPES: tuple[str, ...] = ("ring", "allgather", "alltoall")
 
 
 @dataclass(frozen=True)
 class MeshShape:
-    """The device mesh of a plan: tp x pp x dp devices (rank = (dp_rank * pp + pp_rank) * tp + tp_rank).
+    """The device mesh of a plan: tp x cp x pp x dp devices,
+    rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank.
 
-    tp: tensor-parallel degree (innermost, fastest-varying: TP ranks share a node); pp: pipeline
-    stages; dp: data-parallel replicas.
+    tp: tensor-parallel degree (innermost, fastest-varying: TP ranks share a node); cp: context-parallel
+    degree (each sequence's tokens split over cp ranks, next to the TP ranks as Megatron-Core's
+    tp-cp-... order puts them, so a CP group of tp x cp <= devices per node stays on NVLink); pp:
+    pipeline stages; dp: data-parallel replicas. The CP ranks of a replica hold the same weights: the
+    data-parallel gradient reduction and sharded states span dp x cp ranks (`dp_cp`), as in
+    Megatron-Core (its dp-cp group) and torchtitan (FSDP over dp_shard x cp).
     """
 
     tp: int
     pp: int
     dp: int
+    cp: int = 1
 
     @property
     def num_devices(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks holding the same weights: dp x cp (the gradient reduction's group size)."""
+        return self.dp * self.cp
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """(dp_rank, pp_rank, tp_rank) of global `rank`. Raises ValueError outside the mesh."""
+        """(dp_rank, pp_rank, tp_rank) of global `rank` (`cp_rank` gives the fourth). Raises ValueError
+        outside the mesh."""
         if not 0 <= rank < self.num_devices:
             raise ValueError(f"rank {rank} is outside a mesh of {self.num_devices} devices")
-        return rank // (self.pp * self.tp), (rank // self.tp) % self.pp, rank % self.tp
+        inner = self.cp * self.tp
+        return rank // (self.pp * inner), (rank // inner) % self.pp, rank % self.tp
 
-    def rank_of(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
-        """Global rank at mesh coordinates (dp_rank, pp_rank, tp_rank)."""
-        return (dp_rank * self.pp + pp_rank) * self.tp + tp_rank
+    def cp_rank(self, rank: int) -> int:
+        """Context-parallel rank of global `rank` (0 .. cp - 1). Raises ValueError outside the mesh."""
+        self.coords(rank)
+        return (rank // self.tp) % self.cp
+
+    def rank_of(self, dp_rank: int, pp_rank: int, tp_rank: int, cp_rank: int = 0) -> int:
+        """Global rank at mesh coordinates (dp_rank, pp_rank, cp_rank, tp_rank)."""
+        return ((dp_rank * self.pp + pp_rank) * self.cp + cp_rank) * self.tp + tp_rank
 
     def label(self) -> str:
-        return f"tp={self.tp} pp={self.pp} dp={self.dp}"
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        return f"tp={self.tp}{cp} pp={self.pp} dp={self.dp}"
 
 
 @dataclass
@@ -382,6 +403,15 @@ class Plan:
     tp_comm_overlap: bool = False
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
+    # Context parallelism (mesh.cp > 1): every sequence's tokens split over the CP ranks for every layer;
+    # cp_comm_type: how attention reaches the other ranks' keys and values (`CP_COMM_TYPES`: "ring" passes
+    # K/V blocks peer to peer under the blocks' attention, Megatron-Core's p2p; "allgather" gathers K/V
+    # once per layer, Llama 3's choice; "alltoall" swaps tokens for heads around attention, DeepSpeed
+    # Ulysses / Megatron-Core's a2a); cp_load_balance: a causal model's sequence is cut into 2 x cp chunks
+    # and rank r holds chunks r and 2cp-1-r so that every rank does the same attention work
+    # (`passes.context_parallel`). Unused at cp == 1.
+    cp_comm_type: str = "allgather"
+    cp_load_balance: bool = True
     # parameters of the model the plan was made for (0: a plan written before this field): `planner run`
     # refuses a model file whose parameter count differs (it changed since planning)
     model_params: int = 0
@@ -453,6 +483,18 @@ class Plan:
         return self.mesh.dp
 
     @property
+    def cp(self) -> int:
+        """Context-parallel degree (`mesh.cp`): ranks each sequence's tokens are split over."""
+        return self.mesh.cp
+
+    def cp_text(self) -> str:
+        """Context parallelism as a user reads it: "off", "4 (allgather, load-balanced)"."""
+        if self.mesh.cp == 1:
+            return "off"
+        balance = ", load-balanced" if self.cp_load_balance else ""
+        return f"{self.mesh.cp} ({self.cp_comm_type}{balance})"
+
+    @property
     def micro_batch_size(self) -> float:
         """Sequences per micro-batch on one data-parallel replica."""
         return self.batch_size / (self.dp * self.micro_batches)
@@ -461,6 +503,7 @@ class Plan:
         """The mesh and schedule as plain data (reports, emitted modules' meta.json)."""
         return {
             "tp": self.tp,
+            "cp": self.cp,
             "pp": self.pp,
             "dp": self.dp,
             "micro_batches": self.micro_batches,
@@ -479,6 +522,8 @@ class Plan:
             "tp_comm_overlap": self.tp_comm_overlap,
             "overlap_grad_reduce": self.overlap_grad_reduce,
             "overlap_param_gather": self.overlap_param_gather,
+            "cp_comm_type": self.cp_comm_type if self.cp > 1 else "",
+            "cp_load_balance": self.cp_load_balance if self.cp > 1 else False,
         }
 
     def recompute_by_layer(self) -> dict[int, str] | None:
@@ -619,7 +664,7 @@ class Plan:
             raise bad("workload", f"{self.workload!r} is not one of {list(WORKLOADS)}")
         if self.dtype not in DTYPE_BYTES:
             raise bad("dtype", f"{self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
-        for name in ("tp", "pp", "dp"):
+        for name in ("tp", "cp", "pp", "dp"):
             if getattr(self.mesh, name) < 1:
                 raise bad(f"mesh.{name}", f"must be >= 1, got {getattr(self.mesh, name)}")
         for name in ("batch_size", "seq_len", "micro_batches", "virtual_stages"):
@@ -627,6 +672,16 @@ class Plan:
                 raise bad(name, f"must be >= 1, got {getattr(self, name)}")
         if self.context < 0:
             raise bad("context", f"must be >= 0, got {self.context}")
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise bad("cp_comm_type", f"{self.cp_comm_type!r} is not one of {list(CP_COMM_TYPES)}")
+        if self.mesh.cp > 1:
+            check_cp_sequence(self.seq_len, self.mesh.cp, self.cp_load_balance, self.cp_comm_type, origin)
+            if self.workload == "decode":
+                raise bad(
+                    "mesh.cp",
+                    f"is {self.mesh.cp}, but a decode step has one new token per sequence to split: set cp: 1 "
+                    "(context parallelism is for training and prefill)",
+                )
         dp = self.mesh.dp
         if self.dp_shard < 1 or dp % self.dp_shard:
             raise bad(
@@ -738,6 +793,25 @@ class Plan:
         unknown = sorted(set(self.ladder_layers) - set(flat))
         if unknown:
             raise bad("ladder_layers", f"layers {unknown} are in no stage")
+
+
+def check_cp_sequence(seq_len: int, cp: int, load_balance: bool, comm_type: str, where: str = "--cp") -> None:
+    """Raise InputError when context parallelism over `cp` ranks cannot cut a sequence of `seq_len`
+    tokens into equal chunks (2 x cp with `load_balance`, cp without), naming both numbers and what
+    would work."""
+    chunks = 2 * cp if load_balance else cp
+    if seq_len % chunks == 0:
+        return
+    how = f"2 x cp = {chunks} chunks (causal load balancing)" if load_balance else f"cp = {chunks} chunks"
+    fits = [c for c in (2, 4, 8, 16, 32) if c < cp and seq_len % (2 * c if load_balance else c) == 0]
+    fix = f"use cp {fits[-1]}" if fits else "use cp 1"
+    if load_balance and seq_len % cp == 0:
+        fix += f", or turn load balancing off (the {seq_len} tokens divide into {cp} contiguous chunks)"
+    raise InputError(
+        f"{where}: context parallelism cp={cp} ({comm_type}) cannot cut a sequence of {seq_len} tokens into "
+        f"{how}: {seq_len} is not a multiple of {chunks}; {fix}, or a sequence length that is a multiple of "
+        f"{chunks}"
+    )
 
 
 def layer_ranges(layers: Iterable[int]) -> str:

@@ -1143,24 +1143,27 @@ def build_plan_optimizer(
     `DistributedAdam`, zero2 `Zero2Adam` (units: the layers' module paths), fsdp `FsdpAdam` (the module
     rewritten by `passes.fsdp.apply_fsdp`), with the plan's overlap_grad_reduce / overlap_param_gather
     (the latter inserts the waits into `module`: `prepare_param_waits`). groups: the rank's
-    `runtime.mesh.RankGroups`."""
+    `runtime.mesh.RankGroups`. With context parallelism every style spans the dp x cp ranks ("dp_cp",
+    `runtime.mesh`): the CP ranks' gradients are partial sums over their tokens, scaled by cp in the
+    graph (`passes.cp_lower`), so the mean over dp x cp is the whole batch's gradient."""
     style = DataParallel(plan.dp_style)
     if style is DataParallel.FSDP:
         return FsdpAdam(
             module,
             groups.group("dp_shard"),
             groups.group("dp_replicate"),
-            plan.dp,
+            plan.mesh.dp_cp,
             plan.reshard_after_forward,
         )
     if style is DataParallel.ZERO2:
         optimizer = Zero2Adam(
-            module, units, groups.group("dp"), plan.dp, groups.dp_rank,
+            module, units, groups.group("dp_cp"), plan.mesh.dp_cp, groups.dp_cp_rank,
             overlap_grad_reduce=plan.overlap_grad_reduce, overlap_param_gather=plan.overlap_param_gather,
         )  # fmt: skip
     else:
         optimizer = build_optimizer(
-            plan.distributed_optimizer, list(module.parameters()), groups.group("dp"), plan.dp, groups.dp_rank,
+            plan.distributed_optimizer, list(module.parameters()), groups.group("dp_cp"), plan.mesh.dp_cp,
+            groups.dp_cp_rank,
             plan, list(module.named_parameters()), units,
         )  # fmt: skip
     prepare_param_waits(plan, [module], units, optimizer)

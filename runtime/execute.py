@@ -110,7 +110,7 @@ def build_rank_module(
     if setup.training and plan.dp_style is DataParallel.FSDP:
         # FSDP after the lowering (which DP replicas share): this DP rank's flat shard of every unit
         units = [layer.module_path for layer in structure.layers]
-        layout = apply_fsdp(gm, units, plan.dp_shard, setup.groups.shard_rank)
+        layout = apply_fsdp(gm, units, plan.dp_shard * plan.cp, setup.groups.shard_rank)
         load_fsdp_weights(gm, layout, reference.weights, plan.splits, setup.groups.tp_rank, plan.tp)
     else:
         load_sharded_weights(gm, reference.weights, plan.splits, setup.groups.tp_rank, plan.tp)
@@ -258,7 +258,7 @@ def _record_state(report: RankReport, optimizer: object, gm: torch.nn.Module, pl
         params = sum(b.numel for b in layout.buckets)
     else:
         params = sum(p.numel() for p in gm.parameters() if p.requires_grad)
-    report.predicted_state_bytes = dp_state_bytes(params, plan.dtype, plan.dp_style, plan.dp_shard)
+    report.predicted_state_bytes = dp_state_bytes(params, plan.dtype, plan.dp_style, plan.dp_shard * plan.cp)
     counts = getattr(optimizer, "counts", None)
     if counts is not None:
         report.dp_collectives = dict(counts)

@@ -1,7 +1,7 @@
-"""This rank's process groups on the TP x PP x DP mesh of a plan.
+"""This rank's process groups on the TP x CP x PP x DP mesh of a plan.
 
-The layout is the plan's (`planner.plan.MeshShape`: `rank = (dp_rank * pp + pp_rank) * tp + tp_rank`,
-tp fastest), so a TP group is `tp` consecutive ranks (on a node with `tp` or more GPUs it stays
+The layout is the plan's (`planner.plan.MeshShape`:
+`rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank`, tp fastest, then cp), so a TP group is `tp` consecutive ranks (on a node with `tp` or more GPUs it stays
 inside the node, on NVLink), the ranks of one pipeline stage sit next to each other, and DP replicas
 are the outermost blocks. Example, tp=2, pp=2, dp=1: TP groups {0,1} {2,3}; PP groups {0,2} {1,3};
 stage 0 = ranks 0,1.
@@ -16,6 +16,13 @@ dim: a shard group is `dp_shard` consecutive DP ranks (dp_rank // dp_shard the s
 group the DP ranks with the same dp_rank % dp_shard. Every rank creates every such group, in the
 same order (`torch.distributed.new_group` is collective). With dp_shard == dp the shard group is the
 dp group and there is no replicate group (None: a single rank); with dp_shard == 1 the reverse.
+
+Context parallelism (cp > 1): the CP ranks of a replica hold the same weights, so everything the
+data-parallel runtime does spans dp x cp ranks: the gradient reduction and ZeRO's shards run over the
+"dp_cp" group (every (dp_rank, cp_rank) of this (pp_rank, tp_rank), Megatron-Core's dp-cp group) and
+FSDP's shard group is dp_shard x cp ranks (torchtitan shards over dp_shard x cp). A group's ranks are
+numbered in ascending global rank order (`torch.distributed.new_group`), so this rank's place is
+dp_rank * cp + cp_rank in "dp_cp" and (dp_rank % dp_shard) * cp + cp_rank in its shard group.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from planner.errors import InputError, RunError
 from planner.plan import MeshShape
 
-AXES = ("dp", "pp", "tp")  # mesh dims, outermost first
+AXES = ("dp", "pp", "cp", "tp")  # mesh dims, outermost first
 DP_AXES = ("dp_shard", "dp_replicate")  # HSDP's split of the dp axis (sharded data parallelism)
 _DEVICE_TYPES = ("cpu", "cuda")
 
@@ -39,10 +46,11 @@ class RankGroups:
 
     shape: MeshShape
     rank: int  # global rank of this process
-    device_mesh: DeviceMesh  # dims ("dp", "pp", "tp")
-    dp_shard: int = 1  # ranks a sharded state is split over (`Plan.dp_shard` for fsdp)
+    device_mesh: DeviceMesh  # dims ("dp", "pp", "cp", "tp")
+    dp_shard: int = 1  # DP ranks a sharded state is split over (`Plan.dp_shard` for fsdp; x cp ranks)
     shard_group: dist.ProcessGroup | None = None  # None: a single rank
     replicate_group: dist.ProcessGroup | None = None  # None: a single rank
+    dp_cp_group: dist.ProcessGroup | None = None  # the dp x cp ranks of this (pp_rank, tp_rank); None: one
 
     @property
     def dp_rank(self) -> int:
@@ -60,30 +68,47 @@ class RankGroups:
         return self.shape.coords(self.rank)[2]
 
     @property
+    def cp_rank(self) -> int:
+        """Rank within the context-parallel group."""
+        return self.shape.cp_rank(self.rank)
+
+    @property
+    def dp_cp_rank(self) -> int:
+        """This rank's place in the "dp_cp" group: dp_rank * cp + cp_rank."""
+        return self.dp_rank * self.shape.cp + self.cp_rank
+
+    @property
     def shard_rank(self) -> int:
-        """This rank's place in its shard group (dp_rank % dp_shard)."""
-        return self.dp_rank % self.dp_shard
+        """This rank's place in its shard group ((dp_rank % dp_shard) * cp + cp_rank)."""
+        return (self.dp_rank % self.dp_shard) * self.shape.cp + self.cp_rank
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
-        """Process group of this rank on `axis` ("dp" | "pp" | "tp", or HSDP's "dp_shard" |
-        "dp_replicate": None for a single rank). Raises InputError for another name."""
+        """Process group of this rank on `axis` ("dp" | "pp" | "cp" | "tp", "dp_cp", or HSDP's
+        "dp_shard" | "dp_replicate": None for a single rank). Raises InputError for another name."""
+        if axis == "dp_cp":
+            return self.dp_cp_group
         if axis == "dp_shard":
             return self.shard_group
         if axis == "dp_replicate":
             return self.replicate_group
         if axis not in AXES:
-            raise InputError(f"unknown mesh axis {axis!r}; expected one of {AXES + DP_AXES}")
+            raise InputError(f"unknown mesh axis {axis!r}; expected one of {AXES + DP_AXES + ('dp_cp',)}")
         return self.device_mesh.get_group(axis)
 
 
 def _axis_ranks(shape: MeshShape, rank: int, axis: str) -> list[int]:
     """Global ranks of `rank`'s group on `axis`, in axis order, by `MeshShape` arithmetic."""
     dp_rank, pp_rank, tp_rank = shape.coords(rank)
+    cp_rank = shape.cp_rank(rank)
     if axis == "tp":
-        return [shape.rank_of(dp_rank, pp_rank, t) for t in range(shape.tp)]
+        return [shape.rank_of(dp_rank, pp_rank, t, cp_rank) for t in range(shape.tp)]
+    if axis == "cp":
+        return [shape.rank_of(dp_rank, pp_rank, tp_rank, c) for c in range(shape.cp)]
     if axis == "pp":
-        return [shape.rank_of(dp_rank, p, tp_rank) for p in range(shape.pp)]
-    return [shape.rank_of(d, pp_rank, tp_rank) for d in range(shape.dp)]
+        return [shape.rank_of(dp_rank, p, tp_rank, cp_rank) for p in range(shape.pp)]
+    if axis == "dp_cp":
+        return [shape.rank_of(d, pp_rank, tp_rank, c) for d in range(shape.dp) for c in range(shape.cp)]
+    return [shape.rank_of(d, pp_rank, tp_rank, cp_rank) for d in range(shape.dp)]
 
 
 def build_rank_groups(shape: MeshShape, device_type: str, dp_shard: int = 1) -> RankGroups:
@@ -107,35 +132,63 @@ def build_rank_groups(shape: MeshShape, device_type: str, dp_shard: int = 1) -> 
         )
     world_size = dist.get_world_size()
     if shape.num_devices != world_size:
-        raise InputError(f"dp({shape.dp}) * pp({shape.pp}) * tp({shape.tp}) != world_size({world_size})")
+        raise InputError(
+            f"dp({shape.dp}) * pp({shape.pp}) * cp({shape.cp}) * tp({shape.tp}) != world_size({world_size})"
+        )
     if dp_shard < 1 or shape.dp % dp_shard:
         raise InputError(f"dp_shard={dp_shard} does not divide dp={shape.dp}")
-    device_mesh = init_device_mesh(device_type, (shape.dp, shape.pp, shape.tp), mesh_dim_names=AXES)
+    device_mesh = init_device_mesh(device_type, (shape.dp, shape.pp, shape.cp, shape.tp), mesh_dim_names=AXES)
     rank = dist.get_rank()
     groups = RankGroups(shape, rank, device_mesh)
     for axis in AXES:  # the plan's layout and DeviceMesh's must agree
         assert dist.get_process_group_ranks(groups.group(axis)) == _axis_ranks(shape, groups.rank, axis), axis
     shard = replicate = None
     dp_group = device_mesh.get_group("dp")
-    if dp_shard == shape.dp:
+    dp_cp_group = _dp_cp_group(shape, rank) if shape.cp > 1 else (dp_group if shape.dp > 1 else None)
+    if shape.cp > 1:  # every group with the CP ranks in it (module docstring)
+        shard, replicate = _hsdp_groups(shape, dp_shard, rank)
+    elif dp_shard == shape.dp:
         shard = dp_group if shape.dp > 1 else None
     elif dp_shard == 1:
         replicate = dp_group
     else:
         shard, replicate = _hsdp_groups(shape, dp_shard, rank)
-    return RankGroups(shape, rank, device_mesh, dp_shard, shard, replicate)
+    return RankGroups(shape, rank, device_mesh, dp_shard, shard, replicate, dp_cp_group)
+
+
+def _dp_cp_group(shape: MeshShape, rank: int) -> dist.ProcessGroup:
+    """Every "dp_cp" group, created on every rank in the same order; this rank's."""
+    mine, seen = None, set()
+    for other in range(shape.num_devices):
+        ranks = tuple(_axis_ranks(shape, other, "dp_cp"))
+        if ranks in seen:
+            continue
+        seen.add(ranks)
+        group = dist.new_group(list(ranks))
+        if rank in ranks:
+            mine = group
+    assert mine is not None
+    return mine
 
 
 def hsdp_ranks(shape: MeshShape, dp_shard: int, rank: int) -> tuple[list[int], list[int]]:
-    """Global ranks of `rank`'s HSDP shard group and replicate group (in DP order)."""
+    """Global ranks of `rank`'s HSDP shard group (dp_shard DP ranks x every CP rank) and replicate group
+    (in DP order, this rank's CP rank)."""
     dp_rank, pp_rank, tp_rank = shape.coords(rank)
+    cp_rank = shape.cp_rank(rank)
     block, inner = divmod(dp_rank, dp_shard)
-    shard = [shape.rank_of(block * dp_shard + s, pp_rank, tp_rank) for s in range(dp_shard)]
-    replicate = [shape.rank_of(r * dp_shard + inner, pp_rank, tp_rank) for r in range(shape.dp // dp_shard)]
+    shard = [
+        shape.rank_of(block * dp_shard + s, pp_rank, tp_rank, c) for s in range(dp_shard) for c in range(shape.cp)
+    ]
+    replicate = [
+        shape.rank_of(r * dp_shard + inner, pp_rank, tp_rank, cp_rank) for r in range(shape.dp // dp_shard)
+    ]
     return shard, replicate
 
 
-def _hsdp_groups(shape: MeshShape, dp_shard: int, rank: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+def _hsdp_groups(
+    shape: MeshShape, dp_shard: int, rank: int
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
     """Every shard group, then every replicate group, created on every rank in the same order (rank
     0's view of the mesh first); this rank's two."""
     mine: dict[str, dist.ProcessGroup] = {}
@@ -148,5 +201,5 @@ def _hsdp_groups(shape: MeshShape, dp_shard: int, rank: int) -> tuple[dist.Proce
             seen.add(ranks)
             group = dist.new_group(list(ranks))
             if rank in ranks:
-                mine[DP_AXES[kind]] = group
+                mine[DP_AXES[kind]] = group if len(ranks) > 1 else None
     return mine["dp_shard"], mine["dp_replicate"]

@@ -95,7 +95,7 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
         # only this stage's parameters, and of those only this rank's TP shards, are materialised
         if sharded and plan.dp_style is DataParallel.FSDP:
             # each chunk's units its own: its layers, and the parameters outside them it holds
-            layout = apply_fsdp(chunk, units, plan.dp_shard, groups.shard_rank)
+            layout = apply_fsdp(chunk, units, plan.dp_shard * plan.cp, groups.shard_rank)
             load_fsdp_weights(chunk, layout, reference.weights, plan.splits, lowered.tp_rank, plan.tp)
         else:
             load_sharded_weights(chunk, reference.weights, plan.splits, lowered.tp_rank, plan.tp)
@@ -144,8 +144,8 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
             }
             named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
             optimizer = build_optimizer(
-                plan.distributed_optimizer, params, dp_group, plan.dp, groups.dp_rank, plan, named, units,
-                hook_divisor=plan.dp * m, deferred=tied,
+                plan.distributed_optimizer, params, groups.group("dp_cp"), plan.mesh.dp_cp, groups.dp_cp_rank,
+                plan, named, units, hook_divisor=plan.mesh.dp_cp * m, deferred=tied,
             )  # fmt: skip
         prepare_param_waits(plan, chunks, units, optimizer)
 
@@ -179,7 +179,7 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
         if sharded:  # the held state beside the memory model's, and the checked step's collectives
             report.state_bytes = state_bytes(optimizer.held_tensors())
             report.predicted_state_bytes = dp_state_bytes(
-                optimizer.state_params(), plan.dtype, plan.dp_style, plan.dp_shard
+                optimizer.state_params(), plan.dtype, plan.dp_style, plan.dp_shard * plan.cp
             )
             report.dp_collectives = dict(optimizer.counts)
             report.gathered_peak_bytes = optimizer.peak_gathered_bytes
