@@ -102,6 +102,7 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 
 from passes.collectives import _all_gather, _group, _reduce_scatter
+from planner.plan import CP_COMM_TYPES
 
 __all__ = [
     "CP_VARIANTS",
@@ -109,12 +110,16 @@ __all__ = [
     "cp_attention_allgather",
     "cp_attention_alltoall",
     "cp_attention_ring",
+    "cp_gather",
+    "cp_gather_output",
     "cp_positions",
+    "cp_sdpa",
     "cp_shard",
+    "cp_slice",
     "cp_unshard",
 ]
 
-CP_VARIANTS = ("ring", "allgather", "alltoall")
+CP_VARIANTS = CP_COMM_TYPES  # ring, allgather, alltoall (`planner.plan.Plan.cp_comm_type`)
 _KV_TAG, _DKV_TAG = 71, 72  # p2p tags of the ring's K/V and dK/dV transfers (distinct: both in flight)
 
 
@@ -216,6 +221,100 @@ class _Unshard(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return _keep_local(grad, ctx.dim, ctx.axis, ctx.load_balance), None, None, None
+
+
+class _Slice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, axis: str, load_balance: bool) -> torch.Tensor:
+        ctx.dim, ctx.axis, ctx.load_balance, ctx.full = dim % x.dim(), axis, load_balance, x.shape[dim % x.dim()]
+        return _keep_local(x, dim, axis, load_balance)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        size, rank = _size_rank(_group(ctx.axis))
+        shape = list(grad.shape)
+        shape[ctx.dim] = ctx.full
+        out = grad.new_zeros(shape)
+        pos = cp_positions(ctx.full, rank, size, ctx.load_balance).to(grad.device)
+        return out.index_copy(ctx.dim, pos, grad), None, None, None
+
+
+class _GatherOutput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, axis: str, load_balance: bool, grad_scale: float) -> torch.Tensor:
+        ctx.dim, ctx.axis, ctx.load_balance, ctx.grad_scale = dim, axis, load_balance, grad_scale
+        return _gather_sequence(x, dim, axis, load_balance)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        local = _keep_local(grad, ctx.dim, ctx.axis, ctx.load_balance)
+        return local * ctx.grad_scale if ctx.grad_scale != 1 else local, None, None, None, None
+
+
+class _GatherPartial(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, axis: str, load_balance: bool) -> torch.Tensor:
+        ctx.dim, ctx.axis, ctx.load_balance = dim % x.dim(), axis, load_balance
+        return _gather_sequence(x, dim, axis, load_balance)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        size, _ = _size_rank(_group(ctx.axis))
+        rank_order = _to_rank_order(grad, ctx.dim, size, ctx.load_balance)
+        return _reduce_scatter(rank_order, ctx.dim, ctx.axis), None, None, None
+
+
+def cp_slice(x: torch.Tensor, dim: int, axis: str, load_balance: bool) -> torch.Tensor:
+    """The lowering's cut of a replicated value to this rank's tokens along `dim` (token inputs, RoPE
+    tables, position embeddings), as `cp_shard` but with the gradient convention of a lowered graph:
+    backward puts this rank's gradient at its positions and zeros elsewhere (a partial sum over the CP
+    ranks; the data-parallel reduction over dp x cp sums it, `passes.cp_lower`). With one rank: `x`."""
+    if _size_rank(_group(axis))[0] == 1:
+        return x
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return _keep_local(x, dim, axis, load_balance)
+    return _Slice.apply(x, dim, axis, load_balance)
+
+
+def cp_gather_output(x: torch.Tensor, dim: int, axis: str, load_balance: bool, grad_scale: float) -> torch.Tensor:
+    """A graph output's whole sequence from every rank's tokens (all-gather, sequence order). Every CP
+    rank then computes the same loss from the same whole output, so backward keeps this rank's tokens of
+    the gradient, times `grad_scale` (cp under training: the weights' gradients are partial sums over
+    the ranks' tokens and the data-parallel reduction averages over dp x cp; Megatron-LM scales its loss
+    by the CP size for the same reason). With one rank: `x`."""
+    if _size_rank(_group(axis))[0] == 1:
+        return x
+    return _GatherOutput.apply(x, dim, axis, load_balance, float(grad_scale))
+
+
+def cp_gather(x: torch.Tensor, dim: int, axis: str, load_balance: bool) -> torch.Tensor:
+    """The whole sequence of a sharded value inside the graph, for an op that needs every token (a
+    recorded, priced fallback of `passes.cp_lower`): all-gather in sequence order; backward sums the
+    ranks' partial gradients and keeps this rank's tokens (reduce-scatter). With one rank: `x`."""
+    if _size_rank(_group(axis))[0] == 1:
+        return x
+    return _GatherPartial.apply(x, dim, axis, load_balance)
+
+
+def cp_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    axis: str,
+    variant: str,
+    causal: bool,
+    load_balance: bool,
+    scale: float | None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """`scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)` of a lowered graph on this
+    rank's tokens: `cp_attention` with positional arguments (fx nodes); q (B, H, T_l, D), k, v
+    (B, H_kv, T_l, D) -> (B, H, T_l, D), strided as SDPA's output (its transpose(1, 2) contiguous). `enable_gqa` is implied by the head counts (the kernels group heads)."""
+    del enable_gqa
+    out = cp_attention(q, k, v, axis, variant=variant, causal=causal, load_balance=load_balance, scale=scale)
+    # SDPA's own output is laid out (B, T, H, D) in memory, so a captured graph may `view` its
+    # transpose(1, 2) without a copy; give that layout back
+    return out.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def cp_shard(x: torch.Tensor, dim: int, axis: str, load_balance: bool) -> torch.Tensor:

@@ -8,14 +8,17 @@ The one sequence every caller uses (`planner optimize --emit`, `--run`, the pipe
    the plan's `splits`, degree `plan.tp`), with sequence parallelism when `plan.sequence_parallel`
    (the stream between TP blocks sharded along the sequence; reduce-scatter / all-gather instead of
    all-reduce);
-2. ladder residual on the plan's `ladder_layers` (`passes.ladder.apply_ladder`), then, with
+2. context parallelism when `plan.cp` > 1 (`passes.cp_lower.apply_context_parallel`): the token
+   inputs cut to this rank's tokens of each sequence, attention replaced by the plan's
+   `cp_comm_type` kernel, sharded outputs gathered whole;
+3. ladder residual on the plan's `ladder_layers` (`passes.ladder.apply_ladder`), then, with
    `plan.tp_comm_overlap`, each TP block's collectives cut into chunks that overlap its GEMMs
    (`passes.tp_overlap.apply_tp_overlap`);
-3. pipeline split at the last layer of each stage (`passes.pipeline.split_stages`), keeping the
+4. pipeline split at the last layer of each stage (`passes.pipeline.split_stages`), keeping the
    rank's stage (pp > 1 only). With the interleaved schedule (`plan.virtual_stages` = v > 1) the graph
    is split into pp * v virtual stages (`Plan.virtual_stage_layers`) and the rank keeps its v chunks,
    chunk c being virtual stage c * pp + pp_rank;
-4. training only: activation recomputation of the rank's layers (every chunk) as `plan.recompute` says
+5. training only: activation recomputation of the rank's layers (every chunk) as `plan.recompute` says
    (`passes.recompute.apply_recompute`: selective = attention core, full = whole layer, each region
    run under `torch.utils.checkpoint`).
 
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
+from passes.cp_lower import CpLowering, apply_context_parallel
 from passes.ladder import apply_ladder, ladder_residual_adds
 from passes.pipeline import split_stages, stage_of_layers, tied_parameters
 from passes.recompute import RecomputedRegion, apply_recompute, mark_attention_cores, recompute_of_layers
@@ -37,7 +41,7 @@ from passes.tensor_parallel import apply_tensor_parallel
 from passes.tp_overlap import apply_tp_overlap
 from planner.errors import InputError
 from planner.frontend.analysis import ModelStructure, Role
-from planner.plan import Plan
+from planner.plan import Plan, check_cp_sequence
 
 
 @dataclass
@@ -59,6 +63,7 @@ class RankLowering:
     chunks: list[fx.GraphModule] = field(default_factory=list)
     sequence_parallel: bool = False  # the TP pass kept the stream sharded along the sequence
     recomputed: list[RecomputedRegion] = field(default_factory=list)  # training: regions re-run in backward
+    context_parallel: CpLowering | None = None  # what the CP pass did (plan.cp > 1)
 
 
 def stream_output_weights(structure: ModelStructure) -> frozenset[str]:
@@ -111,6 +116,11 @@ def lower_for_rank(
         sequence_parallel=sequence_parallel,
         stream_outputs=stream_output_weights(structure),
     )
+    cp_lowering = None
+    if plan.cp > 1:
+        cp_lowering = apply_context_parallel(
+            gm, plan.cp, plan.seq_len, plan.cp_comm_type, plan.cp_load_balance, training=training
+        )
     apply_ladder(gm, ladder_residual_adds(structure, plan.ladder_layers))
     if plan.tp_comm_overlap and plan.tp > 1:
         apply_tp_overlap(gm, plan.tp, {name for layer in structure.layers for name in layer.nodes})
@@ -126,7 +136,7 @@ def lower_for_rank(
     )
     return RankLowering(
         chunks[0], rank, dp_rank, pp_rank, tp_rank, plan.pp, tied, chunks,
-        sequence_parallel=sequence_parallel, recomputed=recomputed,
+        sequence_parallel=sequence_parallel, recomputed=recomputed, context_parallel=cp_lowering,
     )  # fmt: skip
 
 
@@ -137,8 +147,10 @@ def check_runnable(plan: Plan, structure: ModelStructure, training: bool) -> Non
     overlaps the all-reduces that sequence parallelism replaces); recompute keys that name no layer class of the model, or recomputation
     of a plain MLP chain (`passes.recompute.recompute_of_layers`). Recompute in a forward-only run
     is not an error: there is no backward to recompute for (the run's note says so)."""
+    if plan.cp > 1 and plan.workload != "decode":
+        check_cp_sequence(plan.seq_len, plan.cp, plan.cp_load_balance, plan.cp_comm_type, "the plan's mesh.cp")
     if plan.sequence_parallel and plan.tp > 1:
-        uneven = [t for t in structure.stream_tokens() if t % plan.tp]
+        uneven = [t // plan.cp for t in structure.stream_tokens() if (t // plan.cp) % plan.tp or t % plan.cp]
         if uneven:
             raise InputError(
                 f"the plan's field 'sequence_parallel' is true but the layers' sequence of {uneven[0]} "

@@ -1,0 +1,351 @@
+"""Context-parallel rewrite: one rank's graph -> the graph that runs on its tokens of every sequence.
+
+    apply_context_parallel(gm, cp, seq_len, variant, load_balance, training=...) -> CpLowering
+
+Input: a captured graph (`planner.frontend.capture.capture`), after the tensor-parallel pass when the
+plan has one (its `node.meta["val"]` then holds TP-local shapes, which this pass reads as its global
+ones). Each sequence's tokens are split over the `cp` ranks of the "cp" mesh axis (`planner.plan.
+MeshShape`): rank r holds chunks r and 2cp-1-r of 2cp chunks with `load_balance`, the r-th cp-th
+otherwise (`passes.context_parallel.cp_positions`). Output: the same graph rewritten in place:
+
+1. every token input (a placeholder whose dim 1 has `seq_len` entries: token ids (B, T), embeddings
+   (B, T, C)) is cut to this rank's tokens (`cp_slice`);
+2. a sequence placement (shard of one dim, or replicated) is propagated through every node in order
+   by PyTorch DTensor's sharding semantics on a one-dimensional mesh of cp ranks
+   (`passes.general_rules.propagate_placements`, as the TP pass uses them): a token-wise op keeps the
+   shard (linear, norms, activations, residual adds, views with their literal sizes rewritten to the
+   local ones); a replicated operand that meets a shard along the sequence (RoPE's cos / sin tables,
+   a position embedding) is cut to this rank's positions (`cp_slice`: with load balancing, the same
+   two chunks); the collectives and RNG helpers earlier passes inserted are token-wise and keep it;
+3. attention (`aten.scaled_dot_product_attention` with q, k, v sharded along the sequence) becomes the
+   plan's context-parallel attention (`cp_sdpa`: ring, all-gather of K/V, or Ulysses all-to-all;
+   forward and backward merge partial results by the online-softmax rule); an explicit attention
+   mask, attention dropout under training, or Ulysses with heads that do not divide by cp is refused
+   (InputError naming the node and what would work);
+4. an op that needs every token of a shard (a reduction over the sequence, a reshape merging batch
+   and sequence, a DTensor answer we cannot take) gets the whole sequence (`cp_gather`): a fallback,
+   recorded in `node.meta["cp_fallback"]` and listed in `CpLowering.fallbacks` (priced as an
+   all-gather of its bytes by the planner, named by `planner run`);
+5. every graph output still sharded is gathered whole (`cp_gather_output`), so that the loss sees
+   whole sequences.
+
+Gradients (training): a lowered graph's parameters are the same on the cp ranks and each rank's
+weight gradients sum over its own tokens only: partial sums, which the data-parallel reduction over
+dp x cp ranks averages (`runtime.mesh`'s "dp_cp" group). The output gather's backward keeps this
+rank's tokens of the (identical) loss gradient times cp, so that the average is the whole-batch sum;
+`cp_slice`'s backward puts a gradient at this rank's positions and zeros elsewhere, `cp_gather`'s
+reduce-scatters (both partial sums too). Megatron-LM multiplies its loss by the CP size for the
+same reason.
+
+Node metadata written: `node.meta["cp_placement"]` (str), `node.meta["val"]` (local shape).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._ops import OpOverload
+from torch.utils import _pytree as pytree
+
+from passes.context_parallel import CP_VARIANTS, cp_gather, cp_gather_output, cp_sdpa, cp_slice
+from passes.general_rules import _local_shapes_agree, propagate_placements
+from passes.placement import Placement, local_shape
+from planner.errors import InputError
+from planner.frontend.capture import user_line
+
+__all__ = ["AXIS", "CpLowering", "apply_context_parallel"]
+
+AXIS = "cp"  # the mesh axis name the runtime registers (`passes.collectives.register_group`)
+FALLBACK_META = "cp_fallback"
+_R = Placement.replicate()
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+
+@dataclass
+class CpLowering:
+    """What the context-parallel pass did to one rank's graph."""
+
+    cp: int
+    variant: str
+    load_balance: bool
+    inputs: list[str] = field(default_factory=list)  # placeholders cut to this rank's tokens
+    attention: list[str] = field(default_factory=list)  # SDPA nodes replaced by `cp_sdpa`
+    sliced: list[str] = field(default_factory=list)  # replicated values cut to this rank's positions
+    fallbacks: list[str] = field(default_factory=list)  # "op (line)": inputs gathered whole
+    gathered_outputs: int = 0
+
+
+@dataclass
+class _Ctx:
+    """The state `passes.general_rules.propagate_placements` reads (a `RuleContext`'s fields): the
+    mesh size under the name it expects, each node's shape before this pass and its placement."""
+
+    tp: int
+    global_val: dict[fx.Node, Any]
+    place: dict[fx.Node, Any]
+
+
+def apply_context_parallel(
+    gm: fx.GraphModule,
+    cp: int,
+    seq_len: int,
+    variant: str,
+    load_balance: bool,
+    *,
+    training: bool = False,
+) -> CpLowering:
+    """Rewrite `gm` in place for one rank of `cp` context-parallel ranks (module docstring).
+
+    seq_len: tokens per sequence in the captured graph (the plan's `seq_len`); variant: one of
+    `passes.context_parallel.CP_VARIANTS`; training: the output gather scales its gradient by cp.
+    Raises InputError for a sequence that does not divide into the chunks (naming both numbers), an
+    unknown variant, a model without a token input of `seq_len` entries, or attention the variants
+    cannot run (explicit mask, attention dropout under training, Ulysses heads); ValueError when a
+    rewritten node's local shape disagrees with its placement."""
+    result = CpLowering(cp, variant, load_balance)
+    if cp == 1:
+        return result
+    if variant not in CP_VARIANTS:
+        raise InputError(f"unknown context-parallel attention {variant!r}; one of {', '.join(CP_VARIANTS)}")
+    graph = gm.graph
+    ctx = _Ctx(cp, {n: n.meta.get("val") for n in graph.nodes}, {})
+    slices: dict[tuple[fx.Node, int], fx.Node] = {}
+
+    def insert_after(anchor: fx.Node, fn: Any, args: tuple, val: Any, placement: Placement) -> fx.Node:
+        with graph.inserting_after(anchor):
+            new = graph.call_function(fn, args)
+        new.meta["val"] = val
+        new.meta["cp_placement"] = str(placement)
+        ctx.place[new] = placement
+        return new
+
+    def sliced(node: fx.Node, dim: int) -> fx.Node:
+        key = (node, dim)
+        if key not in slices:
+            val = ctx.global_val[node]
+            if val.shape[dim] % (2 * cp if load_balance else cp):
+                raise InputError(_uneven(node, dim, val.shape[dim], cp, load_balance))
+            local = torch.empty(local_shape(tuple(val.shape), Placement.shard(dim), cp), dtype=val.dtype, device="meta")
+            slices[key] = insert_after(node, cp_slice, (node, dim, AXIS, load_balance), local, Placement.shard(dim))
+            ctx.global_val[slices[key]] = local  # already local: never cut again
+            result.sliced.append(node.name)
+        return slices[key]
+
+    def gathered(node: fx.Node, user: fx.Node) -> fx.Node:
+        p = ctx.place.get(node, _R)
+        if not isinstance(p, Placement) or not p.is_shard:
+            return node
+        val = ctx.global_val[node]
+        new = insert_after(node, cp_gather, (node, p.dim, AXIS, load_balance), val, _R)
+        ctx.global_val[new] = val
+        return new
+
+    found_input = False
+    for node in list(graph.nodes):
+        val = ctx.global_val.get(node)
+        if node.op == "placeholder":
+            if isinstance(val, torch.Tensor) and val.dim() >= 2 and val.shape[1] == seq_len:
+                if seq_len % (2 * cp if load_balance else cp):
+                    raise InputError(_uneven(node, 1, seq_len, cp, load_balance))
+                users = list(node.users)
+                cut = sliced(node, 1)
+                for user in users:
+                    user.replace_input_with(node, cut)
+                result.inputs.append(node.name)
+                found_input = True
+            ctx.place[node] = _R
+            continue
+        if node.op == "get_attr":
+            ctx.place[node] = _R
+            continue
+        if node.op == "output":
+            result.gathered_outputs = _gather_outputs(node, ctx, load_balance, training, insert_after)
+            continue
+        if node.op != "call_function":
+            ctx.place[node] = _R
+            continue
+        inputs = [a for a in node.all_input_nodes if isinstance(ctx.global_val.get(a), torch.Tensor)]
+        placements = [ctx.place.get(a, _R) for a in node.all_input_nodes]
+        if not any(isinstance(p, Placement) and p.is_shard for p in placements) and not any(
+            isinstance(p, list) for p in placements
+        ):
+            ctx.place[node] = _R
+            continue
+        if node.target is operator.getitem:
+            source, index = node.args[0], node.args[1]
+            p = ctx.place.get(source, _R)
+            _set(node, ctx, p[index] if isinstance(p, list) else p)
+            continue
+        if node.target is _SDPA:
+            _attention(node, ctx, result, training)
+            continue
+        if not isinstance(node.target, OpOverload):
+            # collectives / RNG helpers of earlier passes (`passes.collectives`, `passes.rng`): token-wise
+            shards = [p for p in placements if isinstance(p, Placement) and p.is_shard]
+            _set(node, ctx, shards[0])
+            continue
+        if node.target in _TOKENWISE_FIRST and _tokenwise(node, ctx):
+            continue
+        if _general(node, ctx, sliced):
+            continue
+        # no rule: the whole sequence of every sharded input, the op run as it was (a recorded fallback)
+        for a in inputs:
+            if ctx.place.get(a, _R).is_shard:
+                node.replace_input_with(a, gathered(a, node))
+        node.meta[FALLBACK_META] = f"{node.target} ({user_line(node) or node.name})"
+        result.fallbacks.append(node.meta[FALLBACK_META])
+        _set(node, ctx, _R)
+    if not found_input:
+        raise InputError(
+            f"context parallelism needs the model's token input: no input has {seq_len} entries in dim 1 "
+            "(batch, sequence, ...); pass the tokens batch-first, or plan with --cp 1"
+        )
+    graph.lint()
+    gm.recompile()
+    return result
+
+
+# ops whose output is the index input's shape plus trailing dims: a shard of the indices is a shard of the
+# output on the same dim (DTensor's embedding strategy answers only for a sharded weight)
+_TOKENWISE_FIRST = {torch.ops.aten.embedding.default: 1}
+
+
+def _tokenwise(node: fx.Node, ctx: _Ctx) -> bool:
+    """`aten.embedding(weight, indices)` with replicated weight and indices sharded on dim d: the output
+    is sharded on dim d (a lookup per token). False when the inputs are placed otherwise."""
+    weight, indices = node.args[0], node.args[_TOKENWISE_FIRST[node.target]]
+    p = ctx.place.get(indices, _R)
+    if not ctx.place.get(weight, _R).is_replicate or not p.is_shard:
+        return False
+    _set(node, ctx, p)
+    return True
+
+
+def _uneven(node: fx.Node, dim: int, size: int, cp: int, load_balance: bool) -> str:
+    chunks = 2 * cp if load_balance else cp
+    how = f"2 x cp = {chunks} chunks (load balancing)" if load_balance else f"{chunks} chunks"
+    return (
+        f"context parallelism cp={cp} cannot cut {node.name!r} (dim {dim} of {size}) into {how}: {size} is "
+        f"not a multiple of {chunks}; use a sequence length that is a multiple of {chunks}"
+    )
+
+
+def _set(node: fx.Node, ctx: _Ctx, placement: Any) -> None:
+    """Record `placement`; a tensor's meta value becomes its local shape."""
+    ctx.place[node] = placement
+    node.meta["cp_placement"] = str(placement)
+    val = ctx.global_val.get(node)
+    if isinstance(placement, Placement) and isinstance(val, torch.Tensor):
+        node.meta["val"] = torch.empty(local_shape(tuple(val.shape), placement, ctx.tp), dtype=val.dtype, device="meta")
+
+
+def _general(node: fx.Node, ctx: _Ctx, sliced: Any) -> bool:
+    """Place `node` by DTensor's semantics; False when it has no answer we can take (the caller
+    gathers). A replicated input it wants sharded is cut (`sliced`); a shard it wants otherwise is a
+    gather: False."""
+    found = propagate_placements(ctx, node)
+    if found is None:
+        return False
+    wanted, new_args, new_kwargs, outputs = found
+    out_list = outputs if isinstance(outputs, list) else [outputs]
+    leaves, tree = pytree.tree_flatten((new_args, new_kwargs))
+    tensor_leaves = [a for a in leaves if isinstance(a, fx.Node) and isinstance(ctx.global_val.get(a), torch.Tensor)]
+    for a, w in zip(tensor_leaves, wanted):
+        have = ctx.place.get(a, _R)
+        if have.is_shard and have != w:
+            return False
+    if not any(o.is_shard for o in out_list):
+        return False  # a shard in, nothing sharded out: a reduction over the tokens (gathered)
+    if not _local_shapes_agree(ctx, node, leaves, tree, tensor_leaves, wanted, out_list, outputs):
+        return False
+    swap = {}
+    for a, w in zip(tensor_leaves, wanted):
+        if w.is_shard and ctx.place.get(a, _R).is_replicate:
+            swap[id(a)] = sliced(a, w.dim)
+    leaves = [swap.get(id(a), a) if isinstance(a, fx.Node) else a for a in leaves]
+    args, kwargs = pytree.tree_unflatten(leaves, tree)
+    node.args, node.kwargs = tuple(args), kwargs
+    if isinstance(outputs, list):
+        ctx.place[node] = outputs
+        node.meta["cp_placement"] = "[" + ", ".join(map(str, outputs)) + "]"
+        val = ctx.global_val.get(node)
+        if isinstance(val, (list, tuple)):
+            node.meta["val"] = type(val)(
+                torch.empty(local_shape(tuple(v.shape), p, ctx.tp), dtype=v.dtype, device="meta")
+                if isinstance(v, torch.Tensor)
+                else v
+                for v, p in zip(val, outputs)
+            )
+    else:
+        _set(node, ctx, outputs)
+    return True
+
+
+def _attention(node: fx.Node, ctx: _Ctx, result: CpLowering, training: bool) -> None:
+    """SDPA on sequence shards -> `cp_sdpa` (module docstring, step 3)."""
+    schema = node.target._schema
+    bound = {a.name: a.default_value if a.has_default_value() else None for a in schema.arguments}
+    for arg, value in zip(schema.arguments, node.args):
+        bound[arg.name] = value
+    bound.update(node.kwargs)
+    q, k, v = bound["query"], bound["key"], bound["value"]
+    where = f"attention {node.name!r} ({user_line(node) or 'no source line'})"
+    want = Placement.shard(2)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if ctx.place.get(t, _R) != want:
+            raise InputError(
+                f"context parallelism: {where}: {name} is not split along its sequence dim (B, H, T, D) but "
+                f"{ctx.place.get(t, _R)}; attention must take q, k, v in (batch, heads, tokens, head_dim); "
+                "plan with --cp 1"
+            )
+    if bound.get("attn_mask") is not None:
+        raise InputError(
+            f"context parallelism: {where} takes an explicit attention mask; the context-parallel kernels "
+            "compute the causal mask from token positions: call scaled_dot_product_attention(..., "
+            "is_causal=True) without attn_mask, or plan with --cp 1"
+        )
+    if training and bound.get("dropout_p"):
+        raise InputError(
+            f"context parallelism: {where} uses attention dropout ({bound['dropout_p']}), which the "
+            "context-parallel kernels do not run; set the attention dropout to 0 or plan with --cp 1"
+        )
+    heads, kv_heads = ctx.global_val[q].shape[1], ctx.global_val[k].shape[1]
+    if result.variant == "alltoall" and (heads % ctx.tp or kv_heads % ctx.tp):
+        raise InputError(
+            f"context parallelism: {where}: Ulysses (cp_comm_type alltoall) splits the heads over cp={ctx.tp} "
+            f"ranks, but this rank's {heads} query heads and {kv_heads} KV heads do not both divide by "
+            f"{ctx.tp}; use cp_comm_type ring or allgather"
+        )
+    node.target = cp_sdpa
+    node.args = (q, k, v, AXIS, result.variant, bool(bound.get("is_causal")), result.load_balance, bound.get("scale"))
+    node.kwargs = {}
+    result.attention.append(node.name)
+    _set(node, ctx, want)
+
+
+def _gather_outputs(node: fx.Node, ctx: _Ctx, load_balance: bool, training: bool, insert_after: Any) -> int:
+    """Gather every sharded graph output whole (`cp_gather_output`); how many were."""
+    count = 0
+    scale = float(ctx.tp) if training else 1.0
+
+    def whole(a: Any) -> Any:
+        nonlocal count
+        if not isinstance(a, fx.Node):
+            return a
+        p = ctx.place.get(a, _R)
+        if not isinstance(p, Placement) or not p.is_shard:
+            return a
+        count += 1
+        val = ctx.global_val[a]
+        with node.graph.inserting_before(node):
+            new = node.graph.call_function(cp_gather_output, (a, p.dim, AXIS, load_balance, scale))
+        new.meta["val"] = val
+        new.meta["cp_placement"] = str(_R)
+        return new
+
+    node.args = fx.node.map_aggregate(node.args, whole)
+    return count
