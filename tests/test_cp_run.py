@@ -1,0 +1,164 @@
+"""Context parallelism run as the plan says it: the lowering (`passes.cp_lower`) on gloo ranks against
+the unsharded model.
+
+Two launches (2 gloo ranks, 4 gloo ranks) run the plan's own checked run (`runtime.execute.run_rank`:
+outputs, MSE loss, every gradient after the dp x cp reduction, the first Adam step) for each layout in
+turn. The model is tests/models/tiny_lm_tokens.py, the tiny Llama (4 layers, GQA, RoPE) fed random
+tokens, so a rank that computed its tokens at the wrong positions would give other outputs. One job of
+the 2-rank launch runs with the output gather's gradient left unscaled (the CP ranks' partial gradients
+averaged, not summed): its check must fail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+from passes import context_parallel
+from passes.cp_lower import apply_context_parallel
+from planner.errors import InputError
+from planner.frontend.analysis import analyse
+from planner.frontend.capture import capture
+from planner.frontend.modelfile import load_model_file
+from planner.plan import MeshShape
+from runtime.execute import run_rank
+from runtime.job import RunJob, summarise
+from runtime.launch import RankContext, launch
+from runtime.numerics import check_failures
+from tests.plans import fixed_plan
+
+MODELS = Path(__file__).resolve().parent / "models"
+TOKENS = "tiny_lm_tokens.py"
+SEQ = 16
+
+
+def _plan(tp: int, cp: int, dp: int = 1, workload: str = "train", seq: int = SEQ, batch: int = 2, **kw):
+    model_file = load_model_file(MODELS / TOKENS)
+    args, kwargs = model_file.inputs(batch, seq)
+    structure = analyse(capture(model_file.build("meta"), args, kwargs))
+    plan = fixed_plan(structure, str(MODELS / TOKENS), tp, workload=workload)
+    return dataclasses.replace(plan, mesh=MeshShape(tp, 1, dp, cp), **kw)
+
+
+def _job(plan) -> RunJob:
+    return RunJob(
+        str(MODELS / TOKENS), plan.to_dict(), batch_size=plan.batch_size, seq_len=plan.seq_len,
+        workload=str(plan.workload), warmup=0, iters=1,
+    )  # fmt: skip
+
+
+def _unscaled(x, dim, axis, load_balance, grad_scale):
+    return _ORIGINAL(x, dim, axis, load_balance, 1.0)  # wrong: the CP ranks' gradients averaged
+
+
+_ORIGINAL = context_parallel.cp_gather_output
+
+
+def run_labelled(ctx: RankContext, jobs: list[tuple[str, RunJob, bool]]) -> dict:
+    """Rank entry: run_rank for each (label, job, wrong) in turn; wrong runs the job with the output
+    gather's gradient unscaled."""
+    out = {}
+    for label, job, wrong in jobs:
+        if wrong:
+            with mock.patch("passes.cp_lower.cp_gather_output", _unscaled):
+                out[label] = run_rank(ctx, job)
+        else:
+            out[label] = run_rank(ctx, job)
+    return out
+
+
+TWO_RANK = {  # label: plan kwargs
+    "cp2_allgather": dict(tp=1, cp=2),
+    "cp2_ring": dict(tp=1, cp=2, cp_comm_type="ring"),
+    "cp2_alltoall": dict(tp=1, cp=2, cp_comm_type="alltoall"),
+    "cp2_contiguous": dict(tp=1, cp=2, cp_comm_type="ring", cp_load_balance=False),
+    "cp2_prefill": dict(tp=1, cp=2, workload="forward"),
+}
+FOUR_RANK = {
+    "tp2_cp2": dict(tp=2, cp=2),
+    "tp2_cp2_sp_ring": dict(tp=2, cp=2, cp_comm_type="ring", sequence_parallel=True, seq=32),
+    "tp2_cp2_prefill": dict(tp=2, cp=2, workload="forward"),
+    "cp2_dp2_zero1": dict(tp=1, cp=2, dp=2, batch=4, dp_style="zero1", dp_shard=2),
+}
+WRONG = {"cp2_unscaled": dict(tp=1, cp=2)}
+
+
+def _launch(layouts: dict, wrong: dict, nproc: int) -> dict:
+    plans = {label: _plan(**kw) for label, kw in {**layouts, **wrong}.items()}
+    jobs = [(label, _job(plan), label in wrong) for label, plan in plans.items()]
+    reports = launch(run_labelled, jobs, nproc=nproc, timeout_s=600)
+    return {label: (plans[label], summarise([r[label] for r in reports])) for label, *_ in jobs}
+
+
+@pytest.fixture(scope="module")
+def two_rank() -> dict:
+    return _launch(TWO_RANK, WRONG, 2)
+
+
+@pytest.fixture(scope="module")
+def four_rank() -> dict:
+    return _launch(FOUR_RANK, {}, 4)
+
+
+def _assert_matches(label: str, plan, summary: dict) -> None:
+    n = summary["numerics"]
+    assert not check_failures(n), (label, check_failures(n))
+    assert n["outputs"] and all(o["max_abs_diff"] is not None for o in n["outputs"]), (label, n)
+    if str(plan.workload) == "train":
+        assert n["loss_diff"] <= n["tolerance_rel"] * n["loss_scale"], (label, n)
+        assert all(r["grads_compared"] > 0 for r in summary["ranks"]), label
+        assert n["update_max_abs_diff"] is not None and n["update_max_abs_diff"] <= n["update_tolerance"], label
+
+
+@pytest.mark.slow
+def test_cp2_matches_the_unsharded_model_for_every_variant(two_rank: dict) -> None:
+    for label in TWO_RANK:
+        _assert_matches(label, *two_rank[label])
+
+
+@pytest.mark.slow
+def test_tp2_cp2_on_four_ranks_matches_the_unsharded_model(four_rank: dict) -> None:
+    for label in FOUR_RANK:
+        _assert_matches(label, *four_rank[label])
+
+
+@pytest.mark.slow
+def test_unscaled_cp_gradients_fail_the_check(two_rank: dict) -> None:
+    plan, summary = two_rank["cp2_unscaled"]
+    failures = check_failures(summary["numerics"])
+    assert any(line.startswith("gradients") for line in failures), failures
+
+
+def test_the_pass_cuts_tokens_and_rope_and_replaces_attention() -> None:
+    """Without process groups: what the rewrite did to the graph, by node (no fallback on the tiny
+    Llama), and its local shapes."""
+    model_file = load_model_file(MODELS / TOKENS)
+    args, kwargs = model_file.inputs(2, SEQ)
+    gm = capture(model_file.build("meta"), args, kwargs)
+    done = apply_context_parallel(gm, 2, SEQ, "ring", True, training=True)
+    assert done.inputs == ["tokens"] and len(done.attention) == 4 and not done.fallbacks
+    assert done.gathered_outputs == 1 and len(done.sliced) == 3  # tokens, RoPE cos, RoPE sin
+    sdpa = [n for n in gm.graph.nodes if n.target is context_parallel.cp_sdpa]
+    assert [tuple(n.meta["val"].shape) for n in sdpa] == [(2, 4, SEQ // 2, 8)] * 4
+    assert sdpa[0].args[3:7] == ("cp", "ring", True, True)
+
+
+@pytest.mark.parametrize(
+    ("seq", "cp", "balance", "needle"),
+    [(12, 4, True, "12 is not a multiple of 8"), (18, 4, False, "18 is not a multiple of 4")],
+)
+def test_a_sequence_that_does_not_cut_evenly_is_refused(seq, cp, balance, needle) -> None:
+    model_file = load_model_file(MODELS / TOKENS)
+    gm = capture(model_file.build("meta"), *model_file.inputs(2, seq))
+    with pytest.raises(InputError, match=needle):
+        apply_context_parallel(gm, cp, seq, "allgather", balance)
+
+
+def test_ulysses_with_heads_that_do_not_divide_is_refused() -> None:
+    model_file = load_model_file(MODELS / TOKENS)
+    gm = capture(model_file.build("meta"), *model_file.inputs(2, 32))
+    with pytest.raises(InputError, match=r"4 query heads and 4 KV heads do not both divide by 8.*ring or allgather"):
+        apply_context_parallel(gm, 8, 32, "alltoall", False)
