@@ -226,7 +226,12 @@ class _Unshard(torch.autograd.Function):
 class _Slice(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int, axis: str, load_balance: bool) -> torch.Tensor:
-        ctx.dim, ctx.axis, ctx.load_balance, ctx.full = dim % x.dim(), axis, load_balance, x.shape[dim % x.dim()]
+        ctx.dim, ctx.axis, ctx.load_balance, ctx.full = (
+            dim % x.dim(),
+            axis,
+            load_balance,
+            x.shape[dim % x.dim()],
+        )
         return _keep_local(x, dim, axis, load_balance)
 
     @staticmethod
@@ -241,7 +246,9 @@ class _Slice(torch.autograd.Function):
 
 class _GatherOutput(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, axis: str, load_balance: bool, grad_scale: float) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, dim: int, axis: str, load_balance: bool, grad_scale: float
+    ) -> torch.Tensor:
         ctx.dim, ctx.axis, ctx.load_balance, ctx.grad_scale = dim, axis, load_balance, grad_scale
         return _gather_sequence(x, dim, axis, load_balance)
 
@@ -276,7 +283,9 @@ def cp_slice(x: torch.Tensor, dim: int, axis: str, load_balance: bool) -> torch.
     return _Slice.apply(x, dim, axis, load_balance)
 
 
-def cp_gather_output(x: torch.Tensor, dim: int, axis: str, load_balance: bool, grad_scale: float) -> torch.Tensor:
+def cp_gather_output(
+    x: torch.Tensor, dim: int, axis: str, load_balance: bool, grad_scale: float
+) -> torch.Tensor:
     """A graph output's whole sequence from every rank's tokens (all-gather, sequence order). Every CP
     rank then computes the same loss from the same whole output, so backward keeps this rank's tokens of
     the gradient, times `grad_scale` (cp under training: the weights' gradients are partial sums over

@@ -129,8 +129,12 @@ def apply_context_parallel(
             val = ctx.global_val[node]
             if val.shape[dim] % (2 * cp if load_balance else cp):
                 raise InputError(_uneven(node, dim, val.shape[dim], cp, load_balance))
-            local = torch.empty(local_shape(tuple(val.shape), Placement.shard(dim), cp), dtype=val.dtype, device="meta")
-            slices[key] = insert_after(node, cp_slice, (node, dim, AXIS, load_balance), local, Placement.shard(dim))
+            local = torch.empty(
+                local_shape(tuple(val.shape), Placement.shard(dim), cp), dtype=val.dtype, device="meta"
+            )
+            slices[key] = insert_after(
+                node, cp_slice, (node, dim, AXIS, load_balance), local, Placement.shard(dim)
+            )
             ctx.global_val[slices[key]] = local  # already local: never cut again
             result.sliced.append(node.name)
         return slices[key]
@@ -240,7 +244,9 @@ def _set(node: fx.Node, ctx: _Ctx, placement: Any) -> None:
     node.meta["cp_placement"] = str(placement)
     val = ctx.global_val.get(node)
     if isinstance(placement, Placement) and isinstance(val, torch.Tensor):
-        node.meta["val"] = torch.empty(local_shape(tuple(val.shape), placement, ctx.tp), dtype=val.dtype, device="meta")
+        node.meta["val"] = torch.empty(
+            local_shape(tuple(val.shape), placement, ctx.tp), dtype=val.dtype, device="meta"
+        )
 
 
 def _general(node: fx.Node, ctx: _Ctx, sliced: Any) -> bool:
@@ -253,7 +259,9 @@ def _general(node: fx.Node, ctx: _Ctx, sliced: Any) -> bool:
     wanted, new_args, new_kwargs, outputs = found
     out_list = outputs if isinstance(outputs, list) else [outputs]
     leaves, tree = pytree.tree_flatten((new_args, new_kwargs))
-    tensor_leaves = [a for a in leaves if isinstance(a, fx.Node) and isinstance(ctx.global_val.get(a), torch.Tensor)]
+    tensor_leaves = [
+        a for a in leaves if isinstance(a, fx.Node) and isinstance(ctx.global_val.get(a), torch.Tensor)
+    ]
     for a, w in zip(tensor_leaves, wanted):
         have = ctx.place.get(a, _R)
         if have.is_shard and have != w:
@@ -321,7 +329,16 @@ def _attention(node: fx.Node, ctx: _Ctx, result: CpLowering, training: bool) -> 
             f"{ctx.tp}; use cp_comm_type ring or allgather"
         )
     node.target = cp_sdpa
-    node.args = (q, k, v, AXIS, result.variant, bool(bound.get("is_causal")), result.load_balance, bound.get("scale"))
+    node.args = (
+        q,
+        k,
+        v,
+        AXIS,
+        result.variant,
+        bool(bound.get("is_causal")),
+        result.load_balance,
+        bound.get("scale"),
+    )
     node.kwargs = {}
     result.attention.append(node.name)
     _set(node, ctx, want)

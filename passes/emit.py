@@ -455,6 +455,20 @@ makes every group: the shard groups are S consecutive DP ranks of the same (pp, 
 gathers synchronously; `planner run` runs it with prefetch and reshard after forward
 (`passes.fsdp.FsdpRuntime`).
 """
+    if int(info.get("cp", 1)) > 1:
+        cp = int(info["cp"])
+        text += f"""
+## Context parallelism
+
+Context parallelism {info.get("cp_text", cp)}: each rank module takes the whole batch's inputs and
+keeps its own tokens of every sequence (`passes.context_parallel.cp_slice`), runs attention with the
+other CP ranks (`cp_sdpa`), and returns its outputs gathered whole. The CP ranks of a rank are the
+{cp} ranks with the same (dp, pp, tp) coordinate, tp apart (rank = ((dp_rank * pp + pp_rank) * {cp} +
+cp_rank) * tp + tp_rank): every rank makes every such group with `dist.new_group` and binds its own
+with `register_group("cp", group)` before the first call. Training: each rank's parameter gradients
+are partial sums over its tokens (scaled by {cp} at the output gather), so average them over the
+dp x cp ranks that hold the same weights, as `planner run` does.
+"""
     if info.get("serving"):
         text += f"""
 ## A served request: the decode step

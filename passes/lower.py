@@ -148,7 +148,9 @@ def check_runnable(plan: Plan, structure: ModelStructure, training: bool) -> Non
     of a plain MLP chain (`passes.recompute.recompute_of_layers`). Recompute in a forward-only run
     is not an error: there is no backward to recompute for (the run's note says so)."""
     if plan.cp > 1 and plan.workload != "decode":
-        check_cp_sequence(plan.seq_len, plan.cp, plan.cp_load_balance, plan.cp_comm_type, "the plan's mesh.cp")
+        check_cp_sequence(
+            plan.seq_len, plan.cp, plan.cp_load_balance, plan.cp_comm_type, "the plan's mesh.cp"
+        )
     if plan.sequence_parallel and plan.tp > 1:
         uneven = [t // plan.cp for t in structure.stream_tokens() if (t // plan.cp) % plan.tp or t % plan.cp]
         if uneven:

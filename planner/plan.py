@@ -615,6 +615,10 @@ class Plan:
         ladder, schedule, recompute, ... and the workload they were priced for), not of its prediction."""
         data = self.to_dict()
         chosen = {k: data[k] for k in self.DECISION_FIELDS}
+        if self.mesh.cp == 1:  # the digest of a plan without context parallelism, as before it existed
+            chosen["mesh"] = {k: v for k, v in chosen["mesh"].items() if k != "cp"}
+        else:
+            chosen["cp"] = {k: data[k] for k in ("cp_comm_type", "cp_load_balance")}
         if data.get("serving"):  # the request served: its prompt, new tokens and caches
             chosen["request"] = {k: data["serving"][k] for k in ("prompt_len", "new_tokens", "cache_len")}
         return hashlib.sha256(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -178,7 +178,9 @@ def hsdp_ranks(shape: MeshShape, dp_shard: int, rank: int) -> tuple[list[int], l
     cp_rank = shape.cp_rank(rank)
     block, inner = divmod(dp_rank, dp_shard)
     shard = [
-        shape.rank_of(block * dp_shard + s, pp_rank, tp_rank, c) for s in range(dp_shard) for c in range(shape.cp)
+        shape.rank_of(block * dp_shard + s, pp_rank, tp_rank, c)
+        for s in range(dp_shard)
+        for c in range(shape.cp)
     ]
     replicate = [
         shape.rank_of(r * dp_shard + inner, pp_rank, tp_rank, cp_rank) for r in range(shape.dp // dp_shard)

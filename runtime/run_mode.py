@@ -149,6 +149,18 @@ def lowering_notes(plan: Plan, lowered: RankLowering, training: bool) -> list[st
             )
         else:
             notes.append("sequence_parallel is set but tp=1: there is no tensor-parallel group to split over")
+    cp = lowered.context_parallel
+    if cp is not None and cp.cp > 1:
+        balance = (
+            "two chunks per rank, one early and one late (load-balanced)" if cp.load_balance else "contiguous"
+        )
+        notes.append(
+            f"context parallelism applied: each sequence's {plan.seq_len} tokens split over {cp.cp} ranks "
+            f"({plan.seq_len // cp.cp} per rank, {balance}); {len(cp.attention)} attention op(s) ran as "
+            f"{cp.variant} context-parallel attention; {len(cp.sliced)} input(s) / table(s) cut to the rank's "
+            f"positions; {cp.gathered_outputs} output(s) gathered whole"
+            + (f"; gathered for ops without a rule: {', '.join(cp.fallbacks)}" if cp.fallbacks else "")
+        )
     asked = any(Recompute(v) is not Recompute.NONE for v in plan.recompute.values())
     if lowered.recomputed:
         notes.append(recompute_note(lowered.recomputed))

@@ -35,12 +35,22 @@ TOKENS = "tiny_lm_tokens.py"
 SEQ = 16
 
 
-def _plan(tp: int, cp: int, dp: int = 1, workload: str = "train", seq: int = SEQ, batch: int = 2, **kw):
+def _plan(
+    tp: int,
+    cp: int,
+    dp: int = 1,
+    pp: int = 1,
+    m: int = 1,
+    workload: str = "train",
+    seq: int = SEQ,
+    batch: int = 2,
+    **kw,
+):
     model_file = load_model_file(MODELS / TOKENS)
     args, kwargs = model_file.inputs(batch, seq)
     structure = analyse(capture(model_file.build("meta"), args, kwargs))
-    plan = fixed_plan(structure, str(MODELS / TOKENS), tp, workload=workload)
-    return dataclasses.replace(plan, mesh=MeshShape(tp, 1, dp, cp), **kw)
+    plan = fixed_plan(structure, str(MODELS / TOKENS), tp, pp=pp, workload=workload, micro_batches=m)
+    return dataclasses.replace(plan, mesh=MeshShape(tp, pp, dp, cp), **kw)
 
 
 def _job(plan) -> RunJob:
@@ -82,6 +92,8 @@ FOUR_RANK = {
     "tp2_cp2_sp_ring": dict(tp=2, cp=2, cp_comm_type="ring", sequence_parallel=True, seq=32),
     "tp2_cp2_prefill": dict(tp=2, cp=2, workload="forward"),
     "cp2_dp2_zero1": dict(tp=1, cp=2, dp=2, batch=4, dp_style="zero1", dp_shard=2),
+    "pp2_cp2": dict(tp=1, cp=2, pp=2, m=2),
+    "cp2_dp2_fsdp": dict(tp=1, cp=2, dp=2, batch=4, dp_style="fsdp", dp_shard=2),
 }
 WRONG = {"cp2_unscaled": dict(tp=1, cp=2)}
 
@@ -106,11 +118,14 @@ def four_rank() -> dict:
 def _assert_matches(label: str, plan, summary: dict) -> None:
     n = summary["numerics"]
     assert not check_failures(n), (label, check_failures(n))
-    assert n["outputs"] and all(o["max_abs_diff"] is not None for o in n["outputs"]), (label, n)
+    if plan.pp == 1 or str(plan.workload) != "train":  # a training pipeline compares its loss instead
+        assert n["outputs"] and all(o["max_abs_diff"] is not None for o in n["outputs"]), (label, n)
     if str(plan.workload) == "train":
         assert n["loss_diff"] <= n["tolerance_rel"] * n["loss_scale"], (label, n)
         assert all(r["grads_compared"] > 0 for r in summary["ranks"]), label
-        assert n["update_max_abs_diff"] is not None and n["update_max_abs_diff"] <= n["update_tolerance"], label
+        assert n["update_max_abs_diff"] is not None and n["update_max_abs_diff"] <= n["update_tolerance"], (
+            label
+        )
 
 
 @pytest.mark.slow
@@ -160,5 +175,7 @@ def test_a_sequence_that_does_not_cut_evenly_is_refused(seq, cp, balance, needle
 def test_ulysses_with_heads_that_do_not_divide_is_refused() -> None:
     model_file = load_model_file(MODELS / TOKENS)
     gm = capture(model_file.build("meta"), *model_file.inputs(2, 32))
-    with pytest.raises(InputError, match=r"4 query heads and 4 KV heads do not both divide by 8.*ring or allgather"):
+    with pytest.raises(
+        InputError, match=r"4 query heads and 4 KV heads do not both divide by 8.*ring or allgather"
+    ):
         apply_context_parallel(gm, 8, 32, "alltoall", False)

@@ -96,16 +96,18 @@ def emit_plan(
         structure = analyse(gm)
         fsdp = plan.workload is Workload.TRAIN and plan.dp_style is DataParallel.FSDP
         units = [layer.module_path for layer in structure.layers]
-        for rank in range(plan.tp * plan.pp):  # DP replica 0 lowers; every replica gets the module
+        shard_size = plan.dp_shard * plan.cp  # fsdp shards span the CP ranks too (runtime.mesh)
+        for rank in range(plan.tp * plan.cp * plan.pp):  # DP replica 0 lowers; every replica gets the module
             lowered = lower_for_rank(copy.deepcopy(gm), structure, plan, rank)
+            cp_rank = plan.mesh.cp_rank(rank)
             sharded: dict[int, tuple] = {}  # fsdp: shard rank -> (module, layout), cut once
             for dp_rank in range(plan.dp):
                 module = lowered.module
+                shard_rank = (dp_rank % plan.dp_shard) * plan.cp + cp_rank
                 if fsdp:  # each DP rank's files hold only its flat shard of every unit (passes.fsdp)
-                    shard_rank = dp_rank % plan.dp_shard
                     if shard_rank not in sharded:
                         copied = copy.deepcopy(lowered.module)
-                        sharded[shard_rank] = (copied, apply_fsdp(copied, units, plan.dp_shard, shard_rank))
+                        sharded[shard_rank] = (copied, apply_fsdp(copied, units, shard_size, shard_rank))
                     module = sharded[shard_rank][0]
                 meta = {
                     "plan": plan.layout_summary(),
@@ -113,12 +115,13 @@ def emit_plan(
                     "world_size": plan.num_devices,
                     "dp_rank": dp_rank,
                     "tp_rank": lowered.tp_rank,
+                    "cp_rank": cp_rank,
                     "pp_rank": lowered.pp_rank,
                     "weights_materialised": device != "meta",
                 }
                 if fsdp:
-                    meta["fsdp"] = sharded[dp_rank % plan.dp_shard][1].summary()
-                global_rank = plan.mesh.rank_of(dp_rank, lowered.pp_rank, lowered.tp_rank)
+                    meta["fsdp"] = sharded[shard_rank][1].summary()
+                global_rank = plan.mesh.rank_of(dp_rank, lowered.pp_rank, lowered.tp_rank, cp_rank)
                 emit_rank_module(module, tmp, global_rank, meta)
         inputs = ", ".join(
             f"{tuple(a.shape)} {str(a.dtype).removeprefix('torch.')}"
@@ -130,6 +133,8 @@ def emit_plan(
             {
                 "model": str(model_path),
                 "tp": plan.tp,
+                "cp": plan.cp,
+                "cp_text": plan.cp_text(),
                 "pp": plan.pp,
                 "dp": plan.dp,
                 "world_size": plan.num_devices,
