@@ -24,8 +24,9 @@ otherwise (`passes.context_parallel.cp_positions`). Output: the same graph rewri
    (InputError naming the node and what would work);
 4. an op that needs every token of a shard (a reduction over the sequence, a reshape merging batch
    and sequence, a DTensor answer we cannot take) gets the whole sequence (`cp_gather`): a fallback,
-   recorded in `node.meta["cp_fallback"]` and listed in `CpLowering.fallbacks` (priced as an
-   all-gather of its bytes by the planner, named by `planner run`);
+   recorded in `node.meta["cp_fallback"]` (a `passes.tp_rules_context.Fallback`: the gathered inputs
+   and their elements, before the cut) and listed in `CpLowering.fallbacks`; `passes.verify` prices it
+   (an all-gather over the CP ranks, a reduce-scatter in backward) and `planner run` names it;
 5. every graph output still sharded is gathered whole (`cp_gather_output`), so that the loss sees
    whole sequences.
 
@@ -54,6 +55,7 @@ from torch.utils import _pytree as pytree
 from passes.context_parallel import CP_VARIANTS, cp_gather, cp_gather_output, cp_sdpa, cp_slice
 from passes.general_rules import _local_shapes_agree, propagate_placements
 from passes.placement import Placement, local_shape
+from passes.tp_rules_context import Fallback, op_label
 from planner.errors import InputError
 from planner.frontend.capture import user_line
 
@@ -197,11 +199,15 @@ def apply_context_parallel(
         if _general(node, ctx, sliced):
             continue
         # no rule: the whole sequence of every sharded input, the op run as it was (a recorded fallback)
-        for a in inputs:
-            if ctx.place.get(a, _R).is_shard:
-                node.replace_input_with(a, gathered(a, node))
-        node.meta[FALLBACK_META] = f"{node.target} ({user_line(node) or node.name})"
-        result.fallbacks.append(node.meta[FALLBACK_META])
+        sharded_inputs = [a for a in inputs if ctx.place.get(a, _R).is_shard]
+        for a in sharded_inputs:
+            node.replace_input_with(a, gathered(a, node))
+        elements = sum(ctx.global_val[a].numel() for a in sharded_inputs)
+        node.meta[FALLBACK_META] = Fallback(
+            node.name, op_label(node), user_line(node) or "", tuple(a.name for a in sharded_inputs), elements,
+            sum(ctx.global_val[a].numel() * ctx.global_val[a].element_size() for a in sharded_inputs),
+        )  # fmt: skip
+        result.fallbacks.append(f"{op_label(node)} ({user_line(node) or node.name})")
         _set(node, ctx, _R)
     if not found_input:
         raise InputError(

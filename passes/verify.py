@@ -37,6 +37,7 @@ from costmodels.cluster import ClusterSpec
 from costmodels.comm import Group, all_gather_time_s
 from costmodels.compute import OP_KINDS, op_time_s
 from costmodels.dtypes import DTYPE_BYTES
+from passes.cp_lower import FALLBACK_META as CP_FALLBACK_META
 from passes.ladder import LadderError
 from passes.lower import lower_for_rank
 from passes.pipeline import PipelineSplitError
@@ -74,6 +75,7 @@ def verify_plan(gm: fx.GraphModule, structure: ModelStructure, plan: Plan, clust
     # recompute moves a layer's nodes into checkpointed submodules and adds no fallback: the TP
     # fallbacks are looked for in the graph lowered without it
     found: dict[str, tuple[PassFallback, int, NodeCost | None]] = {}
+    cp_found: dict[str, tuple[PassFallback, int]] = {}
     coverage: dict[str, int] = {}
     for job in _lowerings(gm, structure, dataclasses.replace(plan, recompute={})):
         for rank in job.ranks:
@@ -82,6 +84,10 @@ def verify_plan(gm: fx.GraphModule, structure: ModelStructure, plan: Plan, clust
             if rank == 0 and job.index == 0 and plan.tp > 1:
                 coverage = rule_coverage(lowered)
             for node in lowered.graph.nodes:
+                cp_fb = node.meta.get(CP_FALLBACK_META)
+                if cp_fb is not None and (job.index == 0 or node.name in job.template_nodes):
+                    count = job.template_count if node.name in job.template_nodes else 1
+                    cp_found.setdefault(f"{cp_fb.node}@{job.index}", (cp_fb, count))
                 fb = node.meta.get(FALLBACK_META)
                 if fb is None or _planned(fb, node, structure, plan):
                     continue
@@ -93,6 +99,7 @@ def verify_plan(gm: fx.GraphModule, structure: ModelStructure, plan: Plan, clust
                 found.setdefault(key, (fb, job.template_count if in_template else 1, cost))
     dtype = structure.dtype
     fallbacks = [_price(fb, count, plan, cluster, cost, dtype) for fb, count, cost in found.values()]
+    fallbacks += [_price_cp(fb, count, plan, cluster) for fb, count in cp_found.values()]
     out = _with_fallbacks(plan, fallbacks)
     return out if out.op_placement == coverage else dataclasses.replace(out, op_placement=coverage)
 
@@ -117,7 +124,8 @@ def _lowerings(gm: fx.GraphModule, structure: ModelStructure, plan: Plan) -> Ite
     targets = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
     present = [any(t.startswith(layer.module_path + ".") for t in targets) for layer in structure.layers]
     if all(present):
-        yield _Lowering(plan, structure, list(range(plan.tp * plan.pp)), set(), 1, 0)
+        ranks = [plan.mesh.rank_of(0, p, t) for p in range(plan.pp) for t in range(plan.tp)]
+        yield _Lowering(plan, structure, ranks, set(), 1, 0)
         return
     kept = sum(present)
     sliced = analyse(gm)
@@ -142,7 +150,7 @@ def _lowerings(gm: fx.GraphModule, structure: ModelStructure, plan: Plan) -> Ite
         ladder_layers = [i for i in plan.ladder_layers if i < kept - 1] + ([kept - 1] if ladder else [])
         sub = dataclasses.replace(
             plan,
-            mesh=MeshShape(plan.tp, 1, 1),
+            mesh=MeshShape(plan.tp, 1, 1, plan.cp),
             splits=split_map,
             stages=[list(range(kept))],
             ladder_layers=ladder_layers,
@@ -251,6 +259,31 @@ def _price(
         places=count,
         memory_bytes=memory,
         compute_s=compute_s,
+    )
+
+
+def _price_cp(fb: PassFallback, count: int, plan: Plan, cluster: ClusterSpec) -> Fallback:
+    """The plan's line for a context-parallel fallback (`passes.cp_lower`: an op given the whole
+    sequence of its sharded inputs): the all-gather over the CP ranks (the cp ranks of a TP rank, tp
+    apart: on one node while tp x cp fits it), a reduce-scatter as large in backward, and the
+    gathered tensor whole where the plan priced 1/cp of it. fb.elements: the inputs' elements on one
+    TP rank at the captured global batch."""
+    per_step = plan.micro_batches if plan.pp > 1 else 1
+    nbytes = fb.elements * DTYPE_BYTES[plan.dtype] / plan.dp / per_step
+    per_node = max(1, min(plan.cp, cluster.devices_per_node // max(1, plan.tp)))
+    one = all_gather_time_s(nbytes, Group(plan.cp, per_node), cluster)
+    train = 2.0 if plan.workload is Workload.TRAIN else 1.0
+    extra = nbytes * (plan.cp - 1) / plan.cp
+    in_flight = min(plan.pp, per_step) if plan.pp > 1 else 1
+    memory = extra * count * in_flight if plan.workload is Workload.TRAIN else extra
+    return Fallback(
+        op=f"{fb.op} (context parallelism: whole sequence gathered)",
+        line=fb.line or f"graph node {fb.node}",
+        node=fb.node,
+        bytes_gathered=nbytes * count,
+        comm_s=one * per_step * train * count,
+        places=count,
+        memory_bytes=memory,
     )
 
 

@@ -53,9 +53,9 @@ def _plan(
     return dataclasses.replace(plan, mesh=MeshShape(tp, pp, dp, cp), **kw)
 
 
-def _job(plan) -> RunJob:
+def _job(plan, model: str = TOKENS) -> RunJob:
     return RunJob(
-        str(MODELS / TOKENS), plan.to_dict(), batch_size=plan.batch_size, seq_len=plan.seq_len,
+        str(MODELS / model), plan.to_dict(), batch_size=plan.batch_size, seq_len=plan.seq_len,
         workload=str(plan.workload), warmup=0, iters=1,
     )  # fmt: skip
 
@@ -80,12 +80,13 @@ def run_labelled(ctx: RankContext, jobs: list[tuple[str, RunJob, bool]]) -> dict
     return out
 
 
-TWO_RANK = {  # label: plan kwargs
+TWO_RANK = {  # label: plan kwargs (model: another model file than tiny_lm_tokens.py)
     "cp2_allgather": dict(tp=1, cp=2),
     "cp2_ring": dict(tp=1, cp=2, cp_comm_type="ring"),
     "cp2_alltoall": dict(tp=1, cp=2, cp_comm_type="alltoall"),
     "cp2_contiguous": dict(tp=1, cp=2, cp_comm_type="ring", cp_load_balance=False),
     "cp2_prefill": dict(tp=1, cp=2, workload="forward"),
+    "cp2_pooled_fallback": dict(tp=1, cp=2, model="cp_pooled.py"),
 }
 FOUR_RANK = {
     "tp2_cp2": dict(tp=2, cp=2),
@@ -100,7 +101,8 @@ WRONG = {"cp2_unscaled": dict(tp=1, cp=2)}
 
 def _launch(layouts: dict, wrong: dict, nproc: int) -> dict:
     plans = {label: _plan(**kw) for label, kw in {**layouts, **wrong}.items()}
-    jobs = [(label, _job(plan), label in wrong) for label, plan in plans.items()]
+    models = {label: kw.get("model", TOKENS) for label, kw in {**layouts, **wrong}.items()}
+    jobs = [(label, _job(plan, models[label]), label in wrong) for label, plan in plans.items()]
     reports = launch(run_labelled, jobs, nproc=nproc, timeout_s=600)
     return {label: (plans[label], summarise([r[label] for r in reports])) for label, *_ in jobs}
 
@@ -138,6 +140,13 @@ def test_cp2_matches_the_unsharded_model_for_every_variant(two_rank: dict) -> No
 def test_tp2_cp2_on_four_ranks_matches_the_unsharded_model(four_rank: dict) -> None:
     for label in FOUR_RANK:
         _assert_matches(label, *four_rank[label])
+
+
+@pytest.mark.slow
+def test_an_op_over_the_whole_sequence_is_gathered_and_named(two_rank: dict) -> None:
+    plan, summary = two_rank["cp2_pooled_fallback"]
+    notes = " ".join(summary["measured"]["notes"])
+    assert "gathered for ops without a rule: aten.mean" in notes, notes
 
 
 @pytest.mark.slow
@@ -179,3 +188,27 @@ def test_ulysses_with_heads_that_do_not_divide_is_refused() -> None:
         InputError, match=r"4 query heads and 4 KV heads do not both divide by 8.*ring or allgather"
     ):
         apply_context_parallel(gm, 8, 32, "alltoall", False)
+
+
+def test_verify_prices_a_cp_fallback_and_lowers_every_stage() -> None:
+    """`passes.verify.verify_plan` lowers the ranks of every stage of replica 0 (cp sits between tp and
+    pp in the rank order) and prices the pooled model's gather over the CP ranks."""
+    from costmodels.cluster import load_cluster  # noqa: PLC0415
+    from passes.verify import verify_plan  # noqa: PLC0415
+
+    model_file = load_model_file(MODELS / "cp_pooled.py")
+    gm = capture(model_file.build("meta"), *model_file.inputs(2, SEQ))
+    structure = analyse(gm)
+    plan = _plan(tp=1, cp=2, model="cp_pooled.py")
+    checked = verify_plan(gm, structure, plan, load_cluster(str(MODELS / "fastlink.yaml"), nproc=2))
+    (fallback,) = checked.fallbacks
+    assert "aten.mean" in fallback.op and "context parallelism" in fallback.op, fallback
+    assert fallback.bytes_gathered == 2 * SEQ * 320 * 4 and fallback.comm_s > 0  # (B, T, V) fp32 logits
+    assert checked.predicted.latency_s > plan.predicted.latency_s
+    staged = _plan(tp=1, cp=2, pp=2, m=2, model="cp_pooled.py")
+    assert (
+        len(
+            verify_plan(gm, structure, staged, load_cluster(str(MODELS / "fastlink.yaml"), nproc=4)).fallbacks
+        )
+        == 1
+    )
