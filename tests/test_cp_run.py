@@ -212,3 +212,39 @@ def test_verify_prices_a_cp_fallback_and_lowers_every_stage() -> None:
         )
         == 1
     )
+
+
+def _run_emitted_cp(ctx: RankContext, folder: str) -> dict:
+    """This rank's emitted CP module (cp=2: the world is the CP group), run as a user's program would."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from passes import collectives  # noqa: PLC0415
+    from passes.emit import load_rank_module  # noqa: PLC0415
+
+    collectives.register_group("tp", None)
+    collectives.register_group("cp", dist.group.WORLD)
+    module = load_rank_module(folder, ctx.rank, ctx.device)
+    (tokens,) = load_model_file(MODELS / TOKENS).inputs(2, SEQ)[0]
+    return {"output": module(tokens).detach()}
+
+
+@pytest.mark.slow
+def test_emitted_cp_modules_compute_the_unsharded_output(tmp_path) -> None:
+    import json  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    from planner.cli.emitting import emit_plan  # noqa: PLC0415
+
+    plan = _plan(tp=1, cp=2, workload="forward")
+    folder = emit_plan(plan, str(MODELS / TOKENS), str(tmp_path / "emitted"))
+    assert [json.loads((folder / f"rank{r}" / "meta.json").read_text())["cp_rank"] for r in (0, 1)] == [0, 1]
+    assert "## Context parallelism" in (folder / "README.md").read_text()
+    outs = launch(_run_emitted_cp, str(folder), nproc=2, timeout_s=300)
+    model_file = load_model_file(MODELS / TOKENS)
+    torch.manual_seed(0)
+    model = model_file.build("cpu")
+    with torch.no_grad():
+        want = model(*model_file.inputs(2, SEQ)[0])
+    for out in outs:
+        assert torch.allclose(out["output"], want, atol=1e-5), float((out["output"] - want).abs().max())
