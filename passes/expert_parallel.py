@@ -1,0 +1,116 @@
+"""Expert parallelism (EP): a mixture-of-experts layer whose experts are split over the ranks of a mesh axis.
+
+Each of the `ep` ranks of the axis holds E / ep of the E experts (rank r: experts r * E/ep ..
+(r + 1) * E/ep - 1, contiguous as Megatron-Core and torchtitan place them) and its own tokens (EP is
+folded over the data-parallel ranks: each rank routes the tokens of its own micro-batch). A layer
+runs in five steps (GShard, Lepikhin et al. 2020, section 2.2; Megatron-Core's `alltoall` token
+dispatcher):
+
+1. route: the router's top-k gives every token k (expert, weight) pairs; the N x k assignments are
+   sorted by expert, so the rows bound for one rank are contiguous, and for one expert inside them;
+2. dispatch: the rows' counts per expert are exchanged (an all-to-all of E integers), then the rows
+   themselves (an all-to-all of N k C elements in all, `torch.distributed.nn.functional.
+   all_to_all_single`, differentiable: its backward is the reverse all-to-all);
+3. the rank's experts run on the rows they received (each expert on its own rows, grouped);
+4. combine: the outputs go back to the ranks their tokens came from (the reverse all-to-all);
+5. each token's k outputs are weighted by the router's weights and summed (`index_add`).
+
+Nothing is dropped (dropless, as Megatron-Core's `--moe-token-dispatcher-type alltoall` without a
+capacity factor): the all-to-all split sizes follow the routing. With one rank (or no process group)
+the same function runs every expert locally: the reference the parity tests compare with.
+
+`ep_moe` returns the layer output and the rows each of the rank's experts computed (its load: the
+planner prices the busiest rank by an imbalance factor; the run reports the measured one).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.nn.functional import all_to_all_single
+
+from passes.collectives import _group
+
+__all__ = ["ep_moe", "local_experts"]
+
+
+def local_experts(num_experts: int, size: int, rank: int) -> range:
+    """The experts rank `rank` of `size` EP ranks holds; ValueError naming both numbers when `size` does
+    not divide `num_experts`."""
+    if num_experts % size:
+        raise ValueError(f"expert parallelism over {size} ranks cannot split {num_experts} experts evenly")
+    per = num_experts // size
+    return range(rank * per, (rank + 1) * per)
+
+
+def _swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+
+
+def _experts(
+    rows: torch.Tensor, expert_of_row: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every local expert e on the rows with expert_of_row == e (SwiGLU: w_gate, w_up (E_l, I, C), w_down
+    (E_l, C, I)); the outputs in the rows' order and the rows per expert (E_l,)."""
+    local = w_gate.shape[0]
+    order = torch.argsort(expert_of_row, stable=True)
+    counts = torch.bincount(expert_of_row, minlength=local)
+    pieces = []
+    for e, part in enumerate(rows[order].split(counts.tolist())):
+        pieces.append(_swiglu(part, w_gate[e], w_up[e], w_down[e]))
+    out = torch.cat(pieces) if pieces else rows.new_zeros((0, w_down.shape[1]))
+    return out[torch.argsort(order)], counts
+
+
+def ep_moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    num_experts: int,
+    axis: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dropless MoE layer with the experts split over the EP ranks of `axis` (module docstring).
+
+    x: (N, C) this rank's tokens; topk_ids: (N, k) int64 expert ids in 0 .. num_experts - 1;
+    topk_weights: (N, k) the router's weights; w_gate, w_up: (E_l, I, C), w_down: (E_l, C, I) this
+    rank's E_l = num_experts / ep experts (SwiGLU). Returns ((N, C) output, (E_l,) rows each local
+    expert computed). Differentiable in x, topk_weights and the weights. ValueError when the EP size
+    does not divide num_experts or the local weights are not E / ep experts."""
+    group = _group(axis)
+    size = 1 if group is None else dist.get_world_size(group)
+    rank = 0 if group is None else dist.get_rank(group)
+    experts = local_experts(num_experts, size, rank)
+    if w_gate.shape[0] != len(experts):
+        raise ValueError(
+            f"rank {rank} of {size} EP ranks holds {len(experts)} of {num_experts} experts but got weights "
+            f"for {w_gate.shape[0]}"
+        )
+    n, k = topk_ids.shape
+    ids = topk_ids.reshape(-1)
+    order = torch.argsort(ids, stable=True)  # assignments sorted by expert: contiguous per rank
+    token = torch.arange(n, device=x.device).repeat_interleave(k)[order]
+    rows = x[token]  # (N k, C)
+    per_expert = torch.bincount(ids, minlength=num_experts)  # rows this rank sends to each expert
+    if size == 1:
+        out_rows, counts = _experts(rows, ids[order], w_gate, w_up, w_down)
+    else:
+        # how many rows every rank sends to each of this rank's experts: (size, E_l)
+        recv_per_expert = torch.empty_like(per_expert)
+        dist.all_to_all_single(recv_per_expert, per_expert, group=group)
+        recv_per_expert = recv_per_expert.view(size, len(experts))
+        send_splits = per_expert.view(size, len(experts)).sum(1).tolist()
+        recv_splits = recv_per_expert.sum(1).tolist()
+        received = rows.new_empty((sum(recv_splits), x.shape[1]))
+        received = all_to_all_single(received, rows.contiguous(), recv_splits, send_splits, group=group)
+        local_ids = torch.arange(len(experts), device=x.device).repeat(size)
+        expert_of_row = local_ids.repeat_interleave(recv_per_expert.reshape(-1))
+        computed, counts = _experts(received, expert_of_row, w_gate, w_up, w_down)
+        out_rows = rows.new_empty((rows.shape[0], w_down.shape[1]))
+        out_rows = all_to_all_single(out_rows, computed.contiguous(), send_splits, recv_splits, group=group)
+    weighted = out_rows * topk_weights.reshape(-1)[order].unsqueeze(-1).to(out_rows.dtype)
+    out = x.new_zeros((n, w_down.shape[1])).index_add(0, token, weighted)
+    return out, counts
