@@ -16,12 +16,12 @@ from passes import collectives
 from passes import expert_parallel as ep
 from runtime.launch import RankContext, launch
 
-E, K, C, I, N = 8, 2, 16, 32, 12  # experts, top-k, hidden, expert width, tokens per rank
+E, K, C, WIDTH, N = 8, 2, 16, 32, 12  # experts, top-k, hidden, expert width, tokens per rank
 
 
 def _weights(gen: torch.Generator) -> list[torch.Tensor]:
-    return [torch.randn(E, I, C, generator=gen) / C**0.5, torch.randn(E, I, C, generator=gen) / C**0.5,
-            torch.randn(E, C, I, generator=gen) / I**0.5]  # fmt: skip
+    return [torch.randn(E, WIDTH, C, generator=gen) / C**0.5, torch.randn(E, WIDTH, C, generator=gen) / C**0.5,
+            torch.randn(E, C, WIDTH, generator=gen) / WIDTH**0.5]  # fmt: skip
 
 
 def _route(x: torch.Tensor, router: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,7 +71,11 @@ def _rank(ctx: RankContext, wrong: bool) -> dict:
             errors[f"{name}.grad"] = _rel(w.grad, ref.grad[mine.start : mine.stop])
     # rows each local expert computed: what every rank sent it
     total = torch.bincount(torch.cat([_route(xx, router)[0] for xx in xs]).reshape(-1), minlength=E)
-    return {"errors": errors, "counts": counts.tolist(), "want_counts": total[mine.start : mine.stop].tolist()}
+    return {
+        "errors": errors,
+        "counts": counts.tolist(),
+        "want_counts": total[mine.start : mine.stop].tolist(),
+    }
 
 
 def _entry(ctx: RankContext, wrong: bool) -> dict:
