@@ -6,7 +6,10 @@ torchtitan (0.2.2 and 0.3.0) and vLLM's argument parsing and validation.
 1. Plans: `planner optimize` makes each plan of PLANS (Llama-3 8B / 70B / 405B training with TP, PP,
    DP, SP, recomputation and the data-parallel styles: the search's own choice, and ZeRO-1, ZeRO-2
    and HSDP pinned; Llama-3-70B decode at TP=4, TP4 x PP4 and TP2 x PP3), seconds each, into
-   CACHE/plans (or read from --plans DIR, files NAME.yaml).
+   CACHE/plans (or read from --plans DIR, files NAME.yaml). Then the context-parallel plans of
+   CP_PLANS, derived from planned ones (`planner optimize` has no option for cp): Llama-3 405B at
+   TP8 CP16 PP16 DP8 (all-gather, balanced, ZeRO-1), 8B at TP2 CP4 DP2 (ring, not balanced, DDP), 70B
+   at TP8 CP2 PP3 DP4 (all-to-all, HSDP).
 2. Exports: every format each plan has (megatron, torchtitan for 0.3 and 0.2 for training plans,
    vllm for serving plans), with the warnings the export prints, into CACHE/exports.
 3. Tools: each in its own virtual environment under CACHE (default
@@ -24,13 +27,15 @@ torchtitan (0.2.2 and 0.3.0) and vLLM's argument parsing and validation.
    - Megatron-Core: `megatron.training.arguments` `parse_args` (every option known: the parser's
      own `parse_known_args` names the unknown ones) and `validate_args` with the world size of the
      plan, the environment the file exports and the GPU read as Hopper (compute capability 9, the
-     plans' H100s); then tp, pp, the data-parallel size Megatron derives, micro-batch arithmetic,
+     plans' H100s); then tp, cp (its size, comm type and load balancing), pp, the data-parallel size
+     Megatron derives, micro-batch arithmetic,
      virtual stages and the layers each (virtual) stage builds (its `PipelineParallelLayerLayout`
      or its even split), and the data-parallel style it runs (distributed optimizer, Megatron-FSDP's
      sharding strategy and optimizer instances) against the plan.
    - torchtitan 0.3.0: `ConfigManager().parse_args(["--module", "llama3", "--config", CONFIG,
      *overrides])` (tyro; `Trainer.Config` validation), `ParallelDims.from_config` at the plan's
-     world size, the stage list against the module names of the model the config builds (on the
+     world size (cp, and with it its load balancer, K/V exchange and FSDP over the CP ranks), the
+     stage list against the module names of the model the config builds (on the
      meta device), gradient-accumulation and pipeline micro-batch arithmetic, the checkpointing
      subcommand, the data-parallel style (shard and replicate degrees, the reshard policy resolved as
      torchtitan's `get_fsdp_reshard_after_forward_policy` does).
@@ -105,6 +110,23 @@ PLANS: list[tuple[str, str, str, list[str]]] = [
 
 # vLLM 0.33.0 is installed without its dependencies (it pins torch 2.14.0 and CUDA packages); these
 # are what its `vllm serve` parser, EngineArgs and ParallelConfig import, within its own pins
+# Context-parallel plans derived from planned ones: (name, the PLANS entry it starts from, the fields
+# replaced). "mesh" is (tp, cp, pp, dp), the tp of the base plan (its splits); a pp other than the
+# base plan's gets the layers split over one stage per rank (the first ones one layer more, 1F1B). The
+# base plan's decisions are dropped (their prices are for its own layout).
+CP_PLANS: list[tuple[str, str, dict]] = [
+    ("llama3_405b_tp8cp16pp16dp8", "llama3_405b_train",
+     {"mesh": (8, 16, 16, 8), "seq_len": 131072, "batch_size": 128, "micro_batches": 16, "dp_style": "zero1",
+      "dp_shard": 8, "cp_comm_type": "allgather"}),
+    ("llama3_8b_tp2cp4_ring_unbalanced", "llama3_8b_zero1_tp2",
+     {"mesh": (2, 4, 1, 2), "seq_len": 8192, "batch_size": 16, "micro_batches": 4, "dp_style": "ddp", "dp_shard": 1,
+      "overlap_param_gather": False, "cp_comm_type": "ring", "cp_load_balance": False}),
+    ("llama3_70b_tp8cp2pp3_hsdp_a2a", "llama3_70b_tp8pp3_full",
+     {"mesh": (8, 2, 3, 4), "micro_batches": 16, "dp_style": "fsdp", "dp_shard": 2, "cp_comm_type": "alltoall"}),
+]  # fmt: skip
+# Plan.cp_comm_type as Megatron-LM's --cp-comm-type (planner.export.megatron.CP_COMM_TYPES)
+MEGATRON_CP = {"ring": "p2p", "allgather": "all_gather", "alltoall": "a2a"}
+
 VLLM_PARSER_DEPS = [
     "transformers>=5.16.1,<5.21.0", "huggingface_hub>=1.31.0", "tokenizers>=0.23.2", "safetensors", "pydantic>=2.12",
     "msgspec", "cloudpickle", "psutil", "regex", "cachetools", "pyyaml", "numpy", "requests", "tqdm", "pyzmq",
@@ -233,6 +255,7 @@ def _torch_version(spec: str) -> str:
 
 
 def make_plans(cache: Path, plans_dir: Path | None) -> dict[str, Path]:
+    """name -> plan file of PLANS (planned, or read from `plans_dir`) and CP_PLANS (derived)."""
     out = {}
     target = cache / "plans"
     target.mkdir(parents=True, exist_ok=True)
@@ -247,7 +270,36 @@ def make_plans(cache: Path, plans_dir: Path | None) -> dict[str, Path]:
         if done.returncode != 0:
             raise SystemExit(f"planning {name} failed ({done.returncode}):\n{done.stderr[-3000:]}")
         out[name] = path
+    for name, base, changes in CP_PLANS:
+        if plans_dir is not None and (plans_dir / f"{name}.yaml").exists():
+            out[name] = plans_dir / f"{name}.yaml"
+            continue
+        out[name] = target / f"{name}.yaml"
+        derive_cp_plan(out[base], changes).to_yaml(out[name])
     return out
+
+
+def derive_cp_plan(base: Path, changes: dict):
+    """The plan in `base` with `changes` (a CP_PLANS entry's) made, validated."""
+    from planner.plan import MeshShape, Plan, Schedule  # noqa: PLC0415
+
+    plan = Plan.from_yaml(base)
+    fields = dict(changes)
+    tp, cp, pp, dp = fields.pop("mesh")
+    assert tp == plan.tp, "a derived plan keeps its base plan's tp (its splits)"
+    fields["mesh"] = MeshShape(tp, pp, dp, cp)
+    if pp != plan.pp:
+        layers = sorted(layer for stage in plan.stages for layer in stage)
+        per, extra = divmod(len(layers), pp)
+        sizes = [per + (r < extra) for r in range(pp)]
+        starts = [sum(sizes[:r]) for r in range(pp)]
+        fields.update(
+            stages=[layers[s : s + n] for s, n in zip(starts, sizes)], virtual_stages=1,
+            schedule=Schedule.ONE_F_ONE_B,
+        )  # fmt: skip
+    derived = dataclasses.replace(plan, decisions=[], **fields)
+    derived.validate()
+    return derived
 
 
 def plan_facts(plan, size: str) -> dict:
@@ -260,6 +312,7 @@ def plan_facts(plan, size: str) -> dict:
     config = LLAMA_CONFIGS[size]
     facts = {
         "tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "devices": plan.num_devices, "workload": str(plan.workload),
+        "cp": plan.cp, "cp_comm_type": plan.cp_comm_type, "cp_load_balance": plan.cp_load_balance,
         "batch_size": plan.batch_size, "micro_batches": plan.micro_batches, "virtual_stages": plan.virtual_stages,
         "seq_len": plan.seq_len, "layers": num_layers(plan), "dtype": plan.dtype,
         "sequence_parallel": bool(plan.sequence_parallel and plan.tp > 1),
@@ -282,6 +335,7 @@ def make_exports(cache: Path, plans: dict[str, Path]) -> dict[str, list[dict]]:
     from planner.plan import Plan  # noqa: PLC0415
 
     sizes = {name: size for name, _, size, _ in PLANS}
+    sizes.update({name: sizes[base] for name, base, _ in CP_PLANS})
     jobs: dict[str, list[dict]] = {t.kind: [] for t in TOOLS}
     for name, path in plans.items():
         plan = Plan.from_yaml(path)
@@ -400,6 +454,7 @@ def _titan_mesh_checks(facts: dict, dims: object, par: object) -> list[dict]:
     releases' ParallelDims)."""
     return [
         _check("tp", facts["tp"], dims.tp),
+        _check("cp", facts["cp"], dims.cp),
         _check("pp", facts["pp"], dims.pp),
         _check("dp (replicate x shard)", facts["dp"], dims.dp_replicate * dims.dp_shard),
         _check(
@@ -409,6 +464,25 @@ def _titan_mesh_checks(facts: dict, dims: object, par: object) -> list[dict]:
             DP_HINT,
         ),
     ]
+
+
+def _titan_cp_checks(facts: dict, dims: object, par: object, training_exchange: str) -> list[dict]:
+    """torchtitan's context parallelism against the plan's (cp > 1; both releases): its load
+    balancer, the K/V exchange its training steps run (`training_exchange`: neither release's
+    training reads a rotate method, both all-gather) and its FSDP over the CP ranks, which a DDP
+    plan does not do; each difference a warning names by its hint."""
+    if facts["cp"] == 1:
+        return []
+    return [
+        _check(
+            "cp load balance", facts["cp_load_balance"], par.context_parallel_load_balancer is not None,
+            "cp_load_balance false",
+        ),
+        _check("cp K/V exchange (training)", facts["cp_comm_type"], training_exchange,
+               f"cp_comm_type {facts['cp_comm_type']}"),
+        _check("parameters sharded over the CP ranks", facts["dp_label"] != "ddp", dims.cp > 1,
+               "torchtitan shards the parameters over the cp"),
+    ]  # fmt: skip
 
 
 def _titan_dp_label(shard: int, replicate: int, policy: str, pp: int) -> str:
@@ -448,6 +522,8 @@ def check_megatron(items: list[dict]) -> list[dict]:
             parsed = getattr(known, actions[option].dest)
             want = True if not values else values[0]
             got = parsed if isinstance(parsed, bool) or not values else str(parsed)
+            if isinstance(parsed, list):  # nargs="+" (--cp-comm-type): every value written
+                want, got = values, [str(x) for x in parsed]
             res["fields"].append(
                 {"name": option, "written": values, "parsed": str(parsed), "ok": want == got}
             )
@@ -471,6 +547,7 @@ def check_megatron(items: list[dict]) -> list[dict]:
         vpp = args.virtual_pipeline_model_parallel_size or 1
         res["checks"] += [
             _check("tp", facts["tp"], args.tensor_model_parallel_size),
+            _check("cp", facts["cp"], args.context_parallel_size),
             _check("pp", facts["pp"], pp),
             _check("dp (derived)", facts["dp"], args.data_parallel_size),
             _check("micro-batch size", facts["micro_batch_size"], args.micro_batch_size),
@@ -497,6 +574,12 @@ def check_megatron(items: list[dict]) -> list[dict]:
         else:
             chunks = [args.num_layers // (pp * vpp)] * (pp * vpp)
         res["checks"].append(_check("layers per (virtual) stage", facts["chunk_layers"], chunks))
+        if facts["cp"] > 1:
+            res["checks"] += [
+                _check("cp comm type", [MEGATRON_CP[facts["cp_comm_type"]]], list(args.cp_comm_type)),
+                # get_batch_on_this_cp_rank always cuts 2 x cp head-tail chunks
+                _check("cp load balance", facts["cp_load_balance"], True, "cp_load_balance false"),
+            ]
         recompute = [r for r in facts["recompute"] if r != "none"]
         want = ("full" if "full" in recompute else "selective") if recompute else None
         res["checks"].append(_check("recompute", want, args.recompute_granularity))
@@ -647,6 +730,7 @@ def check_torchtitan_03(items: list[dict]) -> list[dict]:
                 _precision(config.training.dtype, config.training.mixed_precision_param),
             ),  # fmt: skip
         ]
+        res["checks"] += _titan_cp_checks(facts, dims, par, "allgather")  # FlexAttention's flex_cp_allgather
         _torchtitan_arith(res, facts, config.training.local_batch_size, config.training.global_batch_size,
                           par.pipeline_parallel_microbatch_size, dims.dp_replicate * dims.dp_shard)  # fmt: skip
         if facts["pp"] > 1:
@@ -733,6 +817,9 @@ def check_torchtitan_02(items: list[dict]) -> list[dict]:
                 "sequence parallel", facts["sequence_parallel"], dims.tp > 1, "always runs sequence parallel"
             ),
             _check("precision of a step", _want_precision(facts), step_dtype, "only through FSDP"),
+            # its training steps run PyTorch's default rotate method; context_parallel_rotate_method is read
+            # by its validation loop only
+            *_titan_cp_checks(facts, dims, par, "allgather"),
         ]
         _torchtitan_arith(res, facts, config.training.local_batch_size, config.training.global_batch_size,
                           par.pipeline_parallel_microbatch_size, dims.dp_replicate * dims.dp_shard)  # fmt: skip

@@ -106,7 +106,8 @@ MEGATRON_FLAGS = {
     "--num-layers-per-virtual-pipeline-stage", "--sequence-parallel", "--recompute-granularity",
     "--recompute-method", "--recompute-num-layers", "--use-distributed-optimizer", "--bf16", "--fp16",
     "--overlap-grad-reduce", "--overlap-param-gather", "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
-    "--ckpt-format", "--num-distributed-optimizer-instances", "--tp-comm-overlap",
+    "--ckpt-format", "--num-distributed-optimizer-instances", "--tp-comm-overlap", "--context-parallel-size",
+    "--cp-comm-type",
 }  # fmt: skip
 # Megatron-Core 0.19.2 --data-parallel-sharding-strategy choices and --ckpt-format choices
 MEGATRON_SHARDING = {"no_shard", "optim", "optim_grads", "optim_grads_params"}

@@ -18,6 +18,9 @@ from planner.errors import InputError
 from planner.plan import DataParallel, Plan, Recompute, SplitStyle
 from planner.plan import dp_label as plan_dp_label
 
+# what the plan's cp_comm_type "alltoall" is, for the warnings of tools without it
+ULYSSES = "all-to-all context parallelism (DeepSpeed Ulysses: tokens swapped for heads around attention)"
+
 
 @dataclass
 class Export:
@@ -82,8 +85,15 @@ def stage_sizes_text(plan: Plan) -> str:
     return " + ".join(f"{n} (x{count})" if count > 1 else str(n) for n, count in runs) + " layers"
 
 
+def device_factors(plan: Plan) -> str:
+    """The factors of the plan's device count as the export headers write them: "tp * pp * dp", with
+    context parallelism "tp * cp * pp * dp" (`MeshShape.num_devices`)."""
+    return "tp * cp * pp * dp" if plan.cp > 1 else "tp * pp * dp"
+
+
 def micro_batch_size(plan: Plan) -> int:
-    """Sequences per micro-batch per data-parallel rank: batch / dp / micro_batches.
+    """Sequences per micro-batch per data-parallel rank: batch / dp / micro_batches (the CP ranks of a
+    replica share its sequences, each holding part of every one's tokens: cp does not divide it).
 
     Raises InputError when the plan's batch does not divide that way (the targets need whole
     micro-batches).
@@ -289,3 +299,21 @@ def dp_substitute_warning(plan: Plan, tool: str, missing: str, exported: str, fo
         f"{tool} has no {missing}, the plan's {dp_label(plan)} over dp={plan.dp}: exported as {form}; that is "
         f"{exported}, the nearest form {tool} has, and {NOT_PRICED}: {dp_price_text(plan, exported)}"
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Context parallelism: the sequence length every tool checks
+
+
+def cp_sequence_warning(plan: Plan, tool: str, divisor: int, check: str) -> list[str]:
+    """A warning, in a list (empty when none), for a context-parallel plan whose sequence length is
+    not a multiple of `divisor`, what `tool` asserts (`check` names where): the tools cut every
+    sequence into 2 x cp head-tail chunks (times what else they split it by), where a plan without
+    load balancing cuts cp contiguous ones (`planner.plan.check_cp_sequence`)."""
+    if plan.cp == 1 or plan.seq_len % divisor == 0:
+        return []
+    return [
+        f"{tool} needs the sequence length a multiple of {divisor} with context parallelism cp={plan.cp} "
+        f"({check}); the plan's {plan.seq_len} tokens are not: it refuses the run (plan a sequence length that "
+        f"is a multiple of {divisor})"
+    ]

@@ -56,6 +56,10 @@ itself (embeddings, final norm, LM head), as the plan prices FSDP. fully_shard r
 in torch 2.13 (its reduce-scatter included) and composes with the tensor-parallel DTensors
 (tests/test_export.py runs FSDP x TP, HSDP, DDP x TP with sequence parallel and a ZeRO-1 plan on 4
 gloo ranks against the unsharded model).
+
+Context parallelism (cp > 1): a "cp" mesh dim, PyTorch's `context_parallel` in
+`context_parallel_step()`, and fully_shard over the dp x cp ranks (`dtensor_cp.py`, where its table
+is); a cp=1 file is as without it.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ import pprint
 import textwrap
 from dataclasses import dataclass
 
+from planner.export import dtensor_cp
 from planner.export.common import (
     ZERO_NAMES,
     Export,
@@ -480,7 +485,7 @@ def _data_parallel(plan: Plan, exported: DTensorPlan) -> None:
     warning for a ZeRO-1 / ZeRO-2 plan, which fully_shard cannot run."""
     label = dp_label(plan)
     exported.dp_units = _layer_units(plan)
-    if plan.dp == 1:
+    if plan.dp == 1 and plan.cp == 1:  # with CP the gradients are averaged over the CP ranks at dp=1 too
         return
     if label == "ddp":  # as torchtitan 0.3: fully_shard over a replicate dim and a shard dim of 1
         exported.dp_style, exported.dp_replicate, exported.reshard_after_forward = "ddp", plan.dp, False
@@ -553,17 +558,23 @@ def _mesh_device(plan: Plan) -> str:
 
 
 def _dp_note(plan: Plan, exported: DTensorPlan) -> str:
-    """The data-parallel paragraph of the file's docstring ("" at dp=1)."""
-    if plan.dp == 1:
+    """The data-parallel paragraph of the file's docstring ("" at dp=1 without context parallelism)."""
+    if plan.dp == 1 and plan.cp == 1:
         return ""
     r, sh = exported.dp_replicate, exported.dp_shard
     mesh = 'mesh["dp_replicate", "dp_shard"]' if r > 1 else 'mesh["dp_shard"]'
+    with_cp = (
+        "" if plan.cp == 1 else f" x cp={plan.cp} ranks (the CP ranks of a replica hold the same weights)"
+    )
+    if plan.cp > 1:
+        mesh = "data_parallel_mesh(mesh)"
     what = {
-        "ddp": f"DDP as torchtitan runs it: replicated over dp_replicate={r}, a shard dim of 1, the gradients "
-        "all-reduced",
+        "ddp": f"DDP as torchtitan runs it: replicated over dp_replicate={r}{with_cp}, a shard dim of 1, the "
+        "gradients all-reduced",
     }.get(
         exported.dp_style,
-        f"sharded over dp_shard={sh}" + (f", replicated over dp_replicate={r} (HSDP)" if r > 1 else ""),
+        f"sharded over dp_shard={sh}{with_cp}"
+        + (f", replicated over dp_replicate={r} (HSDP)" if r > 1 else ""),
     )
     when = (
         "apply() does it after the tensor parallelism"
@@ -583,9 +594,13 @@ def _dp_note(plan: Plan, exported: DTensorPlan) -> str:
         "layers):"
     )
     call = f"    fully_shard(module, mesh={mesh}, reshard_after_forward={exported.reshard_after_forward})"
-    tail = fill(
-        f"{what}; {when}. The gradients are averaged over the dp ranks, which each feed their own batch."
+    averaged = (
+        "The gradients are averaged over the dp ranks, which each feed their own batch."
+        if plan.cp == 1
+        else "The gradients are averaged over the dp x cp ranks: each dp rank feeds its own batch, whose "
+        "sequences its CP ranks split."
     )
+    tail = fill(f"{what}; {when}. {averaged}")
     return f"\n\n{head}\n\n{call}\n\n{tail[0].upper()}{tail[1:]}"
 
 
@@ -599,9 +614,13 @@ def export_dtensor(plan: Plan) -> Export:
         "dp_replicate": exported.dp_replicate,
         "dp_shard": exported.dp_shard,
         "pp": plan.pp,
+        **({"cp": plan.cp} if plan.cp > 1 else {}),  # the plan's rank order: CP next to TP
         "tp": plan.tp,
     }
-    header = f'''"""Tensor- and data-parallel plan for {plan.model} on {plan.cluster} (tp={plan.tp} dp={plan.dp}, {plan.workload},
+    cp = plan.cp > 1
+    axes = "Tensor-, context- and data-parallel" if cp else "Tensor- and data-parallel"
+    cp_label = f" cp={plan.cp}" if cp else ""
+    header = f'''"""{axes} plan for {plan.model} on {plan.cluster} (tp={plan.tp}{cp_label} dp={plan.dp}, {plan.workload},
 {plan.dtype}), written by planner export --to dtensor, for torch.distributed.tensor.parallel and fully_shard.
 
 On every rank, after torch.distributed.init_process_group, with the unsharded model built and its
@@ -622,7 +641,8 @@ full_tensor() of such a weight is in that order), and divides the head counts an
 (HEAD_ATTRS, WIDTH_ATTRS) of each module in TP_BLOCKS that has a head count (the attention modules) by
 tp: the attention's forward must size its views from those attributes (or with -1), as the rank now
 computes only its own heads. A token embedding tied to a vocabulary-split LM head is split with it
-and tied again.{_SP_NOTE if sp else ""}{_CACHE_NOTE if exported.kv_caches else ""}{_dp_note(plan, exported)}
+and tied again.{_SP_NOTE if sp else ""}{_CACHE_NOTE if exported.kv_caches else ""}{dtensor_cp.NOTE if cp else ""}\
+{_dp_note(plan, exported)}
 """
 
 from __future__ import annotations
@@ -639,11 +659,11 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-
+{dtensor_cp.IMPORTS if cp else ""}
 TP_DEGREE = {plan.tp}
 PP_DEGREE = {plan.pp}
 SEQUENCE_PARALLEL = {sp}
-MESH = {{"dp": {plan.dp}, "pp": {plan.pp}, "tp": {plan.tp}}}
+MESH = {{"dp": {plan.dp}, "pp": {plan.pp}, {f'"cp": {plan.cp}, ' if cp else ""}"tp": {plan.tp}}}
 # init_mesh()'s dims, in rank order (TP innermost); dp_replicate x dp_shard = dp
 MESH_DIMS = {dims!r}
 DEVICE = {device!r}  # init_mesh()'s default device type: the plan's cluster's
@@ -664,4 +684,5 @@ UNSUPPORTED = {pprint.pformat(exported.unsupported, width=100)}  # module -> why
 FIRST_LAYER = {exported.first_layer!r}  # SEQUENCE_PARALLEL: the stream is cut along the sequence at its input
 KV_CACHES = {exported.kv_caches}  # a served plan with attention heads split: apply() cuts the KV caches
 '''
-    return Export(header + _APPLY_SOURCE, exported.warnings)
+    text = header + dtensor_cp.constants(plan) + dtensor_cp.apply_source(_APPLY_SOURCE, plan.cp)
+    return Export(text, exported.warnings + dtensor_cp.warnings(plan, device))

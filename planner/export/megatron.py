@@ -9,7 +9,11 @@ the dataclass fields it turns into options: `ModelParallelConfig`, `TransformerC
 | plan                                   | Megatron-LM                                                        |
 |----------------------------------------|--------------------------------------------------------------------|
 | mesh.tp, mesh.pp                       | --tensor-model-parallel-size, --pipeline-model-parallel-size       |
-| mesh.dp                                | (derived by Megatron: world size / (tp * pp))                      |
+| mesh.cp (> 1)                          | --context-parallel-size                                            |
+| cp_comm_type ring / allgather /        | --cp-comm-type p2p / all_gather / a2a                              |
+|   alltoall                             |                                                                    |
+| cp_load_balance off                    | none: Megatron always balances (a warning)                         |
+| mesh.dp                                | (derived by Megatron: world size / (tp * cp * pp))                 |
 | stages, even, virtual_stages v         | --num-layers-per-virtual-pipeline-stage (layers per model chunk)   |
 | stages, uneven                         | --pipeline-model-parallel-layout "Et*17|t*15L" (exact, any v)      |
 | sequence_parallel (tp > 1)             | --sequence-parallel                                                |
@@ -31,7 +35,8 @@ the dataclass fields it turns into options: `ModelParallelConfig`, `TransformerC
 | batch / dp / micro_batches, batch      | --micro-batch-size, --global-batch-size                            |
 | dtype bf16 / fp16                      | --bf16 / --fp16 (fp32: none)                                       |
 | seq_len, layers                        | --seq-length, --num-layers                                         |
-| mesh.tp > 1, no Megatron-FSDP          | export CUDA_DEVICE_MAX_CONNECTIONS=1 (environment)                 |
+| mesh.tp or mesh.cp > 1, no             | export CUDA_DEVICE_MAX_CONNECTIONS=1 (environment)                 |
+|   Megatron-FSDP                        |                                                                    |
 
 Megatron-LM's `validate_args` (Megatron-Core 0.19.2, PyPI `megatron-core==0.19.2`,
 `megatron/training/arguments.py`) asserts `CUDA_DEVICE_MAX_CONNECTIONS=1` when the tensor- (or
@@ -40,6 +45,18 @@ off: its TP communication overlap relies on one hardware queue. The file exports
 With Megatron-FSDP (`--use-megatron-fsdp`; 0.19 has no `--use-custom-fsdp` option any more, it sets
 `use_custom_fsdp` itself) the same function asserts the opposite (not 1) and
 `--ckpt-format fsdp_dtensor`, so the file unsets the variable instead.
+
+Context parallelism (`mesh.cp` > 1): `--context-parallel-size` and `--cp-comm-type`, whose values are
+Transformer Engine's names as `TransformerConfig.cp_comm_type` documents them
+(`megatron/core/transformer/transformer_config.py`: "p2p" passes K/V chunks around a ring under the
+attention, the plan's ring; "all_gather" gathers every rank's K/V before it, the plan's allgather;
+"a2a" swaps tokens for heads as DeepSpeed Ulysses does, the plan's alltoall). Megatron's world size is
+tp * cp * pp * dp (`validate_args` divides it by tp * pp * cp for the data-parallel size) and its
+gradient reduction and distributed optimizer span the dp x cp ranks, as the plan's do. Its batches
+are always cut for causal load balancing (`megatron/core/utils.py` `get_batch_on_this_cp_rank`: 2 x cp
+chunks, rank r holding r and 2cp-1-r, as the plan's `cp_load_balance`), with no option to cut them
+contiguously, and `validate_args` asserts the sequence length a multiple of 2 x cp: a plan without
+load balancing is exported with a warning.
 
 Data parallelism (`Plan.dp_style`, the ZeRO stages as Megatron-Core's
 `--data-parallel-sharding-strategy` names them): ZeRO-1 is Megatron's distributed optimizer; ZeRO-2
@@ -61,6 +78,8 @@ import shlex
 
 from planner.export.common import (
     Export,
+    cp_sequence_warning,
+    device_factors,
     dp_label,
     dp_substitute_warning,
     layout_warnings,
@@ -75,6 +94,8 @@ from planner.export.common import (
 from planner.plan import Plan, Recompute, Schedule, Workload
 
 TOOL = "Megatron-LM"
+# Plan.cp_comm_type -> --cp-comm-type (TransformerConfig.cp_comm_type: Transformer Engine's names)
+CP_COMM_TYPES = {"ring": "p2p", "allgather": "all_gather", "alltoall": "a2a"}
 
 
 def megatron_environment(plan: Plan) -> dict[str, str]:
@@ -82,7 +103,7 @@ def megatron_environment(plan: Plan) -> dict[str, str]:
     Megatron-FSDP, whose validation asserts CUDA_DEVICE_MAX_CONNECTIONS is not 1 (the file unsets it)."""
     if uses_megatron_fsdp(megatron_dp_form(plan, [])):
         return {}
-    return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if plan.tp > 1 else {}
+    return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if plan.tp > 1 or plan.cp > 1 else {}
 
 
 def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
@@ -97,6 +118,7 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
     args = [
         "--tensor-model-parallel-size", str(plan.tp),
         "--pipeline-model-parallel-size", str(plan.pp),
+        *_context_parallel_args(plan, warnings),
         "--num-layers", str(num_layers(plan)),
         "--seq-length", str(plan.seq_len),
         "--micro-batch-size", str(micro_batch_size(plan)),
@@ -122,13 +144,33 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
         args.append("--fp16")
     if plan.workload is Workload.TRAIN and plan.dtype == "bf16" and not uses_megatron_fsdp(form):
         warnings.append(_main_grads_warning(plan))
-    if uses_megatron_fsdp(form) and plan.tp > 1:
+    if uses_megatron_fsdp(form) and (plan.tp > 1 or plan.cp > 1):
+        comm, axes = ("TP", "TP > 1") if plan.cp == 1 else ("TP and CP", "TP or CP > 1")
         warnings.append(
             "Megatron-FSDP needs CUDA_DEVICE_MAX_CONNECTIONS unset or above 1 (validate_args asserts it; the file "
-            "unsets it), where Megatron-LM's TP communication overlap wants 1: with TP > 1 its validate_args warns that "
-            "the two overlap less well together"
+            f"unsets it), where Megatron-LM's {comm} communication overlap wants 1: with {axes} its validate_args "
+            "warns that the two overlap less well together"
         )
     return args, warnings
+
+
+def _context_parallel_args(plan: Plan, warnings: list[str]) -> list[str]:
+    """--context-parallel-size and --cp-comm-type for a plan with cp > 1 (module docstring), with the
+    warnings for what Megatron-LM runs otherwise: its batches always cut for causal load balancing,
+    its sequence length a multiple of 2 x cp."""
+    if plan.cp == 1:
+        return []
+    if not plan.cp_load_balance:
+        warnings.append(
+            f"the plan cuts each sequence into cp={plan.cp} contiguous chunks (cp_load_balance false); Megatron-LM "
+            "always balances causal context parallelism, with no option to turn it off (get_batch_on_this_cp_rank "
+            "cuts 2 x cp chunks, rank r holding r and 2cp-1-r): every rank does the same attention work there, its "
+            "step time differs from the plan's"
+        )
+    warnings += cp_sequence_warning(
+        plan, TOOL, 2 * plan.cp, "validate_args: seq-length a multiple of 2 * context-parallel-size"
+    )
+    return ["--context-parallel-size", str(plan.cp), "--cp-comm-type", CP_COMM_TYPES[plan.cp_comm_type]]
 
 
 def _tp_overlap_args(plan: Plan, warnings: list[str]) -> list[str]:
@@ -271,16 +313,17 @@ def export_megatron(plan: Plan) -> Export:
     args, warnings = megatron_args(plan)
     lines = [
         f"# Megatron-LM parallelism arguments for {plan.model} on {plan.cluster} ({plan.workload}, "
-        f"tp={plan.tp} pp={plan.pp} dp={plan.dp}), written by planner export --to megatron.",
-        f"# Launch {plan.num_devices} processes (tp * pp * dp): Megatron-LM derives the data-parallel "
+        f"{plan.mesh.label()}), written by planner export --to megatron.",
+        f"# Launch {plan.num_devices} processes ({device_factors(plan)}): Megatron-LM derives the data-parallel "
         f"size {plan.dp} from the world size.",
         '# Use: source this file, then add "${PLANNER_MEGATRON_ARGS[@]}" to the pretrain_gpt.py command line;',
         "# keep your model-size, tokenizer, data and optimizer arguments (and drop your own copies of these).",
     ]
     env = megatron_environment(plan)
     if env:
+        axes = "TP" if plan.cp == 1 else "TP or CP"
         lines += [
-            "# Megatron-LM's validate_args requires this with TP > 1 on GPUs before Blackwell (TP comm overlap",
+            f"# Megatron-LM's validate_args requires this with {axes} > 1 on GPUs before Blackwell ({axes} comm overlap",
             "# relies on one hardware queue; harmless on Blackwell, where it is no longer checked):",
         ]
         lines += [f"export {key}={shlex.quote(value)}" for key, value in env.items()]

@@ -19,6 +19,13 @@ sections of a job TOML (`--job.config_file`, torchtitan 0.2.x; names of 0.2.2's
 | plan                                   | torchtitan 0.3 override / 0.2 TOML key                              |
 |----------------------------------------|---------------------------------------------------------------------|
 | mesh.tp, mesh.pp                       | parallelism.tensor_parallel_degree, pipeline_parallel_degree        |
+| mesh.cp                                | context_parallel_degree (1 without context parallelism)             |
+| cp_load_balance off (cp > 1)           | 0.3: context_parallel_load_balancer None; 0.2: none in TOML (a      |
+|                                        | warning gives the command-line override)                            |
+| cp_comm_type (cp > 1)                  | 0.2: context_parallel_rotate_method "alltoall" (ring) / "allgather" |
+|                                        | 0.3: none (all-gather); ring and alltoall: warnings                 |
+| dp_style ddp with cp > 1               | replicate degree dp, shard degree 1, reshard "never" (torchtitan    |
+|                                        | shards over the CP ranks; a warning)                                |
 | dp_style ddp (mesh.dp)                 | data_parallel_replicate_degree = dp, data_parallel_shard_degree = 1 |
 |                                        | 0.2 with TP or PP (its DDP refuses them): FSDP over dp, a warning   |
 | dp_style fsdp: dp_shard S, replicas R  | data_parallel_shard_degree = S, data_parallel_replicate_degree = R  |
@@ -54,6 +61,26 @@ and memory of both (`common.dp_substitute_warning`). torchtitan 0.2's DDP with T
 same way. The policy is written only with a shard degree above 1 ("default" would reshard unless
 pipeline parallel).
 
+Context parallelism (`mesh.cp` > 1): `context_parallel_degree`. torchtitan's world size is
+dp_replicate * dp_shard * cp * tp * pp (`torchtitan/distributed/parallel_dims.py`), its batch spans
+dp_replicate x dp_shard (the CP ranks share their sequences: the batch fields are as without CP) and
+its FSDP dim is dp_shard x cp: it always shards the parameters over the CP ranks (that file's
+`build_mesh`: "we always assume that when cp is used, FSDP is also applied"), as the plan's FSDP does
+over dp_shard x cp. A plan's DDP (gradients all-reduced over dp x cp, parameters whole) therefore
+runs as HSDP there, replicated over dp and sharded over cp, with the parameters kept whole from
+forward to backward ("never"), and a warning. Its batches are cut by the head-tail load balancer by
+default (`context_parallel_load_balancer` "headtail", both releases: rank r holds chunks r and
+2cp-1-r, as the plan's `cp_load_balance`); 0.3 turns it off with None, which a 0.2 TOML cannot write
+(TOML has no null: the warning gives the command-line override). The attention's K/V exchange: 0.3.0
+has no setting (its Llama config's FlexAttention all-gathers K/V, `flex_cp_allgather` in
+`torchtitan/distributed/context_parallel/api.py`; SDPA runs PyTorch's default rotate method,
+all-gather); 0.2.2 has `context_parallel_rotate_method` ("allgather" | "alltoall", PyTorch's
+`set_rotate_method`: "alltoall" passes each K/V shard to the next rank, a ring) but applies it only
+in its validation loop (`torchtitan/components/validate.py`; its training steps run PyTorch's
+default, all-gather): a ring plan is exported with "alltoall" and a warning. Neither has all-to-all
+(Ulysses) context parallelism. Both assert the sequence length a multiple of 2 x cp (times tp: 0.2
+always, 0.3 with sequence parallel).
+
 Module names of the pipeline parts: torchtitan's Llama names its modules `tok_embeddings`,
 `layers.N`, `norm` and, in 0.3, `lm_head` (0.3.0 `torchtitan/models/common/decoder.py`; its
 `split_module` sets every top-level module not listed to None, so a stage list naming `output`
@@ -73,8 +100,10 @@ import shlex
 
 from planner.errors import InputError
 from planner.export.common import (
+    ULYSSES,
     ZERO_NAMES,
     Export,
+    cp_sequence_warning,
     dp_label,
     dp_substitute_warning,
     layout_warnings,
@@ -102,6 +131,9 @@ RESHARD_POLICY = {True: "always", False: "never"}
 HEAD_NAMES = {"0.3": "lm_head", "0.2": "output"}  # torchtitan's Llama LM head module, per release
 _PRECISION = {"bf16": "bfloat16", "fp32": "float32"}
 FP32_TRAP = "Mixed precision training with TP or PP is only supported when FSDP/HSDP/CP is enabled"
+# Plan.cp_comm_type -> torchtitan 0.2.2's context_parallel_rotate_method (PyTorch's set_rotate_method:
+# "alltoall" passes each K/V shard to the next rank, a ring; "allgather" gathers them all); no Ulysses
+ROTATE_METHODS = {"ring": "alltoall", "allgather": "allgather", "alltoall": "allgather"}
 
 
 def check_version(version: str) -> str:
@@ -119,6 +151,16 @@ def _data_parallel(plan: Plan, version: str, warnings: list[str]) -> tuple[int, 
     """(data_parallel_replicate_degree, data_parallel_shard_degree, fsdp_reshard_after_forward policy
     or None to leave it out) for the plan's data-parallel style (module docstring's table)."""
     label = dp_label(plan)
+    if label == "ddp" and plan.cp > 1:
+        warnings.append(
+            f"torchtitan shards the parameters over the cp={plan.cp} context-parallel ranks whenever cp > 1 (its "
+            "FSDP mesh dim is data_parallel_shard_degree x context_parallel_degree, parallel_dims.py); the plan's ddp "
+            f"all-reduces the gradients over dp x cp = {plan.dp * plan.cp} ranks with the parameters whole: exported "
+            f'as HSDP replicated over dp={plan.dp} and sharded over cp, fsdp_reshard_after_forward "never" (the '
+            "parameters gathered once per micro-batch and kept to its backward): its traffic and memory differ from "
+            "the plan's"
+        )
+        return plan.dp, 1, RESHARD_POLICY[False]
     if label == "ddp":
         # torchtitan 0.2's DDP runs alone: its llama3 `parallelize` raises "DDP has not supported > 1D
         # parallelism" when data-parallel replicas combine with TP or PP (0.2.2
@@ -146,8 +188,13 @@ def _as_fsdp(plan: Plan, tool: str, missing: str, extra: str, warnings: list[str
     to `warnings` (`dp_substitute_warning`: what `tool` lacks, `missing`; `extra` ends the form's text)."""
     form = nearest_dp_form(plan, ["fsdp-noreshard", "fsdp"], "fsdp-noreshard")
     policy = RESHARD_POLICY[not form.endswith("-noreshard")]
+    ranks = (
+        f"{plan.dp} data-parallel"
+        if plan.cp == 1
+        else f"{plan.dp} data-parallel x {plan.cp} context-parallel"
+    )
     text = (
-        f"FSDP over the {plan.dp} data-parallel ranks (data_parallel_shard_degree "
+        f"FSDP over the {ranks} ranks (data_parallel_shard_degree "
         f'{plan.dp}, fsdp_reshard_after_forward "{policy}"){extra}'
     )
     warnings.append(dp_substitute_warning(plan, tool, missing, form, text))
@@ -178,6 +225,51 @@ def _ac_mode(plan: Plan, warnings: list[str]) -> str:
     return "none" if strongest is None else str(strongest)
 
 
+def _context_parallel(plan: Plan, version: str, warnings: list[str]) -> dict[str, object]:
+    """The parallelism fields of a plan with cp > 1 besides the degree (module docstring), for
+    torchtitan `version`, with the warnings for what that release runs otherwise."""
+    if plan.cp == 1:
+        return {}
+    fields: dict[str, object] = {}
+    if not plan.cp_load_balance:
+        if version == "0.3":
+            fields["context_parallel_load_balancer"] = None
+        else:
+            warnings.append(
+                f"the plan cuts each sequence into cp={plan.cp} contiguous chunks (cp_load_balance false); torchtitan "
+                '0.2 balances by default (context_parallel_load_balancer "headtail"), and a TOML file cannot turn it '
+                "off (None has no TOML form): add --parallelism.context_parallel_load_balancer None to the command line"
+            )
+    if version == "0.2":
+        fields["context_parallel_rotate_method"] = ROTATE_METHODS[plan.cp_comm_type]
+    if plan.cp_comm_type == "alltoall":
+        warnings.append(
+            f"torchtitan has no {ULYSSES}, the plan's cp_comm_type alltoall: exported as all-gather context "
+            "parallelism (every rank gathers the K/V of the whole sequence), not what the plan priced"
+        )
+    elif plan.cp_comm_type == "ring":
+        runs = (
+            "torchtitan 0.3 has no setting for it: its Llama's FlexAttention all-gathers K/V (flex_cp_allgather; "
+            "SDPA runs PyTorch's default rotate method, all-gather)"
+            if version == "0.3"
+            else 'exported as context_parallel_rotate_method "alltoall" (PyTorch\'s ring rotation), which torchtitan '
+            "0.2.2 applies only in its validation loop (components/validate.py): its training steps run PyTorch's "
+            "default rotate method, all-gather"
+        )
+        warnings.append(
+            "the plan passes K/V around a ring of the CP ranks under the attention (cp_comm_type ring); "
+            f"{runs}, not what the plan priced"
+        )
+    divisor = 2 * plan.cp * (plan.tp if version == "0.2" or plan.sequence_parallel else 1)
+    where = (
+        "its llama3 parallelize asserts seq_len % (tp * 2 * cp) == 0"
+        if version == "0.2"
+        else "its Trainer checks seq_len against 2 * cp, times tp with sequence parallel"
+    )
+    warnings += cp_sequence_warning(plan, f"torchtitan {version}", divisor, where)
+    return fields
+
+
 def _common(plan: Plan, version: str) -> tuple[dict[str, object], str, dict[str, object], list[str]]:
     """(parallelism fields, activation-checkpoint mode, training fields, warnings) shared by both
     versions' forms."""
@@ -196,7 +288,8 @@ def _common(plan: Plan, version: str) -> tuple[dict[str, object], str, dict[str,
     }
     if reshard is not None:
         par["fsdp_reshard_after_forward"] = reshard
-    par["context_parallel_degree"] = 1
+    par["context_parallel_degree"] = plan.cp
+    par.update(_context_parallel(plan, version, warnings))
     if plan.pp > 1:
         par["pipeline_parallel_schedule"] = SCHEDULE_NAMES[plan.schedule]
         par["pipeline_parallel_microbatch_size"] = micro_batch_size(plan)
@@ -250,7 +343,8 @@ def torchtitan_sections(plan: Plan) -> tuple[dict[str, dict[str, object]], list[
     ac: dict[str, object] = {"mode": mode}
     if mode == "selective":
         ac["selective_ac_option"] = "op"
-    fsdp = par["data_parallel_shard_degree"] != 1  # type: ignore[comparison-overlap]
+    # torchtitan 0.2's fully_shard (and with it mixed precision) runs with data-parallel shards or with CP
+    fsdp = par["data_parallel_shard_degree"] != 1 or plan.cp > 1  # type: ignore[comparison-overlap]
     if plan.dtype in ("bf16", "fp16") and (plan.tp > 1 or plan.pp > 1) and not fsdp:
         training["dtype"] = "bfloat16"
         warnings.append(
@@ -329,7 +423,7 @@ def _export_toml(plan: Plan) -> Export:
     sections, warnings = torchtitan_sections(plan)
     lines = [
         f"# torchtitan 0.2 job config sections for {plan.model} on {plan.cluster} ({plan.workload}, "
-        f"tp={plan.tp} pp={plan.pp} dp={plan.dp}), written by planner export --to torchtitan --torchtitan-version 0.2.",
+        f"{plan.mesh.label()}), written by planner export --to torchtitan --torchtitan-version 0.2.",
         "# Replace the [parallelism] and [activation_checkpoint] sections of your job TOML with these and set",
         f"# the [training] keys below; run on {plan.num_devices} GPUs (NGPU={plan.num_devices}).",
     ]
@@ -343,7 +437,7 @@ def _export_overrides(plan: Plan) -> Export:
     argv, warnings = torchtitan_overrides(plan)
     lines = [
         f"# torchtitan 0.3 command-line overrides for {plan.model} on {plan.cluster} ({plan.workload}, "
-        f"tp={plan.tp} pp={plan.pp} dp={plan.dp}), written by planner export --to torchtitan.",
+        f"{plan.mesh.label()}), written by planner export --to torchtitan.",
         f"# Use: source this file, then on each of the {plan.num_devices} GPUs' nodes run, with these last",
         "# (the final activation-checkpoint:... is a subcommand: torchtitan reads only its options after it):",
         "#   torchrun --nproc_per_node=GPUS_PER_NODE ... -m torchtitan.train --module llama3 "

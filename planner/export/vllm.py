@@ -13,7 +13,14 @@ The output is a Python file holding `ENGINE_ARGS`, a dict of `vllm.EngineArgs` f
 | uneven stages                         | environment VLLM_PP_LAYER_PARTITION="17,15"                        |
 
 vLLM loads a Hugging Face checkpoint, not a model file: `model` is the `--model` given to the export,
-else a placeholder to replace. A training plan is refused (vLLM serves).
+else a placeholder to replace. A training plan is refused (vLLM serves), and so is a plan with
+context parallelism (`mesh.cp` > 1: a prefill plan; decode plans never have it). vLLM 0.33.0's
+prefill context parallelism (`--prefill-context-parallel-size`, `ParallelConfig` in
+`vllm/config/parallel.py`) runs only where the attention implementation supports it, which among
+its attention classes only MLA's does (`vllm/v1/attention/backend.py`: `AttentionImpl.supports_pcp`
+False, `MLAAttentionImpl.supports_pcp` True; the backend selector reports "PCP not supported"
+otherwise), and it keeps the KV cache whole on every PCP rank: the multi-head and grouped-query
+attention of the models this planner captures have no form of the plan's sequence split there.
 """
 
 from __future__ import annotations
@@ -25,6 +32,12 @@ from planner.export.common import Export, layout_warnings, stage_sizes_text, une
 from planner.plan import Plan, Workload
 
 TOOL = "vLLM"
+# why a plan with cp > 1 is refused (module docstring)
+CP_REFUSAL = (
+    "vLLM has no context parallelism for this model's prefill: its --prefill-context-parallel-size runs only "
+    "with MLA attention (DeepSeek-style; its other attention backends report 'PCP not supported') and keeps the KV "
+    "cache whole on every rank"
+)
 MODEL_PLACEHOLDER = "HF_MODEL_ID_OR_CHECKPOINT_DIR"
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -42,7 +55,8 @@ def vllm_engine_args(
     """(engine args as `vllm.EngineArgs` names, environment variables, warnings).
 
     model: the Hugging Face id or checkpoint folder vLLM serves (None: a placeholder, with a warning).
-    Raises InputError for a training plan or a model that does not read token ids.
+    Raises InputError for a training plan, a model that does not read token ids or a plan with context
+    parallelism (`CP_REFUSAL`).
     """
     if plan.workload is Workload.TRAIN:
         raise InputError(
@@ -51,6 +65,11 @@ def vllm_engine_args(
         )
     if not plan.token_model:
         raise InputError(f"{plan.model} does not read token ids; vLLM serves language models")
+    if plan.cp > 1:
+        raise InputError(
+            f"{plan.model}: the plan splits each sequence over cp={plan.cp} context-parallel ranks ({plan.cp_text()}); "
+            f"{CP_REFUSAL}. Plan it with cp 1 to export it for vLLM"
+        )
     warnings = layout_warnings(plan, TOOL, replicates_kv_heads=True)  # vLLM replicates KV heads as planned
     trained = plan.serving.trained_positions if plan.serving is not None else None
     if trained and max_model_len(plan) > trained:
@@ -98,7 +117,8 @@ def serve_argv(args: dict[str, object]) -> list[str]:
 
 
 def export_vllm(plan: Plan, model: str | None = None) -> Export:
-    """The Python file (module docstring) with its warnings. Raises InputError for a training plan."""
+    """The Python file (module docstring) with its warnings. Raises InputError for a training plan or
+    one with context parallelism."""
     args, env, warnings = vllm_engine_args(plan, model)
     command = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     command = (command + " " if command else "") + shlex.join(serve_argv(args))
