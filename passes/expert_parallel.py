@@ -49,7 +49,11 @@ def _swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: t
 
 
 def _experts(
-    rows: torch.Tensor, expert_of_row: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
+    rows: torch.Tensor,
+    expert_of_row: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every local expert e on the rows with expert_of_row == e (SwiGLU: w_gate, w_up (E_l, I, C), w_down
     (E_l, C, I)); the outputs in the rows' order and the rows per expert (E_l,)."""
