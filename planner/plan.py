@@ -412,6 +412,13 @@ class Plan:
     # (`passes.context_parallel`). Unused at cp == 1.
     cp_comm_type: str = "allgather"
     cp_load_balance: bool = True
+    # Expert parallelism (mixture-of-experts models): ep: the ranks each MoE layer's experts are split over
+    # (rank e of an EP group holds experts e * E/ep .. (e+1) * E/ep - 1; tokens go to their experts and
+    # back by all-to-all, `passes.expert_parallel`). The EP group folds over the dp x cp ranks of one
+    # (pp, tp) coordinate, as Megatron-Core's and torchtitan's experts borrow the data-parallel ranks:
+    # ep consecutive ranks of the "dp_cp" group; the expert weights are replicated over dp x cp / ep ranks
+    # (the expert data-parallel group, "edp") and over the TP ranks. 1: every rank holds every expert.
+    ep: int = 1
     # parameters of the model the plan was made for (0: a plan written before this field): `planner run`
     # refuses a model file whose parameter count differs (it changed since planning)
     model_params: int = 0
@@ -524,6 +531,7 @@ class Plan:
             "overlap_param_gather": self.overlap_param_gather,
             "cp_comm_type": self.cp_comm_type if self.cp > 1 else "",
             "cp_load_balance": self.cp_load_balance if self.cp > 1 else False,
+            "ep": self.ep,
         }
 
     def recompute_by_layer(self) -> dict[int, str] | None:
@@ -619,6 +627,8 @@ class Plan:
             chosen["mesh"] = {k: v for k, v in chosen["mesh"].items() if k != "cp"}
         else:
             chosen["cp"] = {k: data[k] for k in ("cp_comm_type", "cp_load_balance")}
+        if self.ep > 1:
+            chosen["ep"] = self.ep
         if data.get("serving"):  # the request served: its prompt, new tokens and caches
             chosen["request"] = {k: data["serving"][k] for k in ("prompt_len", "new_tokens", "cache_len")}
         return hashlib.sha256(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -676,6 +686,12 @@ class Plan:
                 raise bad(name, f"must be >= 1, got {getattr(self, name)}")
         if self.context < 0:
             raise bad("context", f"must be >= 0, got {self.context}")
+        if self.ep < 1 or self.mesh.dp_cp % self.ep:
+            raise bad(
+                "ep",
+                f"is {self.ep}, which does not divide the dp x cp = {self.mesh.dp_cp} ranks the experts are split "
+                f"over (mesh.dp={self.mesh.dp}, mesh.cp={self.mesh.cp}); use a divisor of {self.mesh.dp_cp}",
+            )
         if self.cp_comm_type not in CP_COMM_TYPES:
             raise bad("cp_comm_type", f"{self.cp_comm_type!r} is not one of {list(CP_COMM_TYPES)}")
         if self.mesh.cp > 1:

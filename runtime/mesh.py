@@ -51,6 +51,9 @@ class RankGroups:
     shard_group: dist.ProcessGroup | None = None  # None: a single rank
     replicate_group: dist.ProcessGroup | None = None  # None: a single rank
     dp_cp_group: dist.ProcessGroup | None = None  # the dp x cp ranks of this (pp_rank, tp_rank); None: one
+    ep: int = 1  # expert parallelism: "ep" = ep consecutive ranks of "dp_cp", "edp" = the rest (`Plan.ep`)
+    ep_group: dist.ProcessGroup | None = None
+    edp_group: dist.ProcessGroup | None = None
 
     @property
     def dp_rank(self) -> int:
@@ -78,6 +81,11 @@ class RankGroups:
         return self.dp_rank * self.shape.cp + self.cp_rank
 
     @property
+    def ep_rank(self) -> int:
+        """This rank's place in its EP group (dp_cp_rank % ep): it holds experts ep_rank * E/ep onwards."""
+        return self.dp_cp_rank % self.ep
+
+    @property
     def shard_rank(self) -> int:
         """This rank's place in its shard group ((dp_rank % dp_shard) * cp + cp_rank)."""
         return (self.dp_rank % self.dp_shard) * self.shape.cp + self.cp_rank
@@ -87,6 +95,10 @@ class RankGroups:
         "dp_shard" | "dp_replicate": None for a single rank). Raises InputError for another name."""
         if axis == "dp_cp":
             return self.dp_cp_group
+        if axis == "ep":
+            return self.ep_group
+        if axis == "edp":
+            return self.edp_group
         if axis == "dp_shard":
             return self.shard_group
         if axis == "dp_replicate":
@@ -111,7 +123,35 @@ def _axis_ranks(shape: MeshShape, rank: int, axis: str) -> list[int]:
     return [shape.rank_of(d, pp_rank, tp_rank, cp_rank) for d in range(shape.dp)]
 
 
-def build_rank_groups(shape: MeshShape, device_type: str, dp_shard: int = 1) -> RankGroups:
+def ep_ranks(shape: MeshShape, ep: int, rank: int) -> tuple[list[int], list[int]]:
+    """Global ranks of `rank`'s EP group (ep consecutive ranks of its "dp_cp" group) and of its expert
+    data-parallel group (the ranks of "dp_cp" with the same place in their EP groups)."""
+    dp_cp = _axis_ranks(shape, rank, "dp_cp")
+    i = dp_cp.index(rank)
+    block, inner = divmod(i, ep)
+    return dp_cp[block * ep : (block + 1) * ep], dp_cp[inner::ep]
+
+
+def _ep_groups(
+    shape: MeshShape, ep: int, rank: int
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """Every EP group, then every expert data-parallel group, made on every rank in the same order; this
+    rank's (None for a single rank)."""
+    mine: list[dist.ProcessGroup | None] = [None, None]
+    for kind in (0, 1):
+        seen: set[tuple[int, ...]] = set()
+        for other in range(shape.num_devices):
+            ranks = tuple(ep_ranks(shape, ep, other)[kind])
+            if ranks in seen:
+                continue
+            seen.add(ranks)
+            group = dist.new_group(list(ranks))
+            if rank in ranks and len(ranks) > 1:
+                mine[kind] = group
+    return mine[0], mine[1]
+
+
+def build_rank_groups(shape: MeshShape, device_type: str, dp_shard: int = 1, ep: int = 1) -> RankGroups:
     """Create the (dp, pp, tp) device mesh and its process groups; collective, every rank must call it.
 
     `device_type` is "cpu" (gloo) or "cuda" (nccl). dp_shard: the ranks a sharded data-parallel state
@@ -153,7 +193,16 @@ def build_rank_groups(shape: MeshShape, device_type: str, dp_shard: int = 1) -> 
         replicate = dp_group
     else:
         shard, replicate = _hsdp_groups(shape, dp_shard, rank)
-    return RankGroups(shape, rank, device_mesh, dp_shard, shard, replicate, dp_cp_group)
+    if ep < 1 or shape.dp_cp % ep:
+        raise InputError(f"ep={ep} does not divide dp x cp = {shape.dp_cp}")
+    ep_group = edp_group = None
+    if ep > 1:
+        ep_group, edp_group = _ep_groups(shape, ep, rank)
+    elif shape.dp_cp > 1:
+        edp_group = dp_cp_group
+    return RankGroups(
+        shape, rank, device_mesh, dp_shard, shard, replicate, dp_cp_group, ep, ep_group, edp_group
+    )
 
 
 def _dp_cp_group(shape: MeshShape, rank: int) -> dist.ProcessGroup:
