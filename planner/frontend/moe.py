@@ -375,7 +375,7 @@ def _stacked_weights(
 
 
 def _expert_number(fqn: str, layer_path: str) -> tuple[str, int, str] | None:
-    """("experts", 3, "gate_proj.weight") for "<layer>.mlp.experts.3.gate_proj.weight" (the part
+    """("mlp.experts", 3, "gate_proj.weight") for "<layer>.mlp.experts.3.gate_proj.weight" (the part
     after the layer's own number), None without a numbered module."""
     rest = fqn[len(layer_path) + 1 :] if layer_path and fqn.startswith(f"{layer_path}.") else fqn
     parts = rest.split(".")
