@@ -46,10 +46,10 @@ an op in none of the known sets is priced "memory" from its tensor sizes with `k
 
 from __future__ import annotations
 
-import enum
+import warnings
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from math import prod
 
 import networkx as nx
@@ -59,6 +59,9 @@ from torch import fx
 from costmodels.compute import conv_flops
 from costmodels.dtypes import dtype_name
 from planner.frontend.capture import op_name, user_line
+from planner.frontend.moe import MoE, find_moe
+from planner.frontend.roles import ACTIVATION_OPS as _ACTIVATIONS
+from planner.frontend.roles import Projection, Role
 
 aten = torch.ops.aten
 
@@ -69,10 +72,6 @@ _VIEW_OPS = {
     "aten.unflatten", "aten.flatten", "aten.contiguous", "aten.lift_fresh_copy",
 }  # fmt: skip
 _REDUCTIONS = {"aten.mean", "aten.sum", "aten.amax", "aten.max", "aten.var", "aten.var_mean", "aten.std"}
-_ACTIVATIONS = {
-    "aten.silu", "aten.gelu", "aten.relu", "aten.sigmoid", "aten.tanh", "aten.erf", "aten.elu",
-    "aten.leaky_relu", "aten.hardswish", "aten.mish", "aten.softplus",
-}  # fmt: skip
 _SPLITS = {"aten.split", "aten.split_with_sizes", "aten.chunk"}
 _MATMULS = {"aten.linear", "aten.addmm", "aten.mm", "aten.matmul"}
 _CONVS = {"aten.conv1d", "aten.conv2d", "aten.conv3d", "aten.convolution", "aten._convolution",
@@ -115,44 +114,6 @@ _ELEMENTWISE = _ACTIVATIONS | {
     "aten.argmin", "aten.all", "aten.any", "aten.prod", "aten.logsumexp", "aten.norm", "aten.min",
     "aten.upsample_nearest2d", "aten.upsample_bilinear2d", "aten.pixel_shuffle", "aten.im2col",
 }  # fmt: skip
-
-
-class Role(str, enum.Enum):
-    """What a projection computes in its model (found by dataflow, rules in the module docstring)."""
-
-    Q = "q"  # attention query
-    K = "k"  # attention key
-    V = "v"  # attention value
-    QKV = "qkv"  # fused query, key and value (`Projection.parts` gives the sizes)
-    O = "o"  # noqa: E741 - attention output, the projection's conventional name
-    UP = "up"  # MLP up projection (the only first projection of a 2-matmul MLP)
-    GATE = "gate"  # SwiGLU gate: goes through the activation before the product with up
-    DOWN = "down"  # MLP down projection, back to the stream width
-    FC = "fc"  # a linear of a plain MLP chain, or an MLP projection that fits none of the above
-    LM_HEAD = "lm_head"  # the output projection onto the vocabulary
-    ROUTER = "router"  # a mixture-of-experts router: a linear to the expert logits, then top-k
-
-    def __str__(self) -> str:
-        return self.value
-
-
-@dataclass
-class Projection:
-    """One matmul with a parameter weight."""
-
-    node: str  # fx node name of the matmul (aten.linear / aten.addmm / aten.mm / aten.matmul)
-    weight: str  # parameter FQN
-    bias: str | None
-    role: Role | None  # None: a projection outside the layers that is not the LM head
-    in_features: int
-    out_features: int
-    weight_out_dim: int  # 0 for nn.Linear (out, in), 1 for HF Conv1D (in, out)
-    parts: tuple[int, ...] | None  # fused projection: out sizes of its parts, e.g. (768, 768, 768)
-    flops: float  # per forward pass, global
-
-    def __post_init__(self) -> None:
-        if self.role is not None:
-            self.role = Role(self.role)  # ValueError for a string that names no role
 
 
 @dataclass
@@ -223,8 +184,9 @@ class Layer:
     # node name -> "projection" | "core" (SDPA, or a matmul of a manual attention) | "attention"
     # (derives from q/k/v, not from o: split with the heads under TP) | "cross_core", "cross" (the
     # same of `cross_attention`) | "mlp" (derives from the MLP's first projections, not from down:
-    # split with the MLP width) | "stream" (the rest: norms, residual adds, RoPE tables; not split).
-    # Empty when not analysed from a graph.
+    # split with the MLP width) | "experts" (a mixture of experts' routed computation, `MoE.expert_nodes`:
+    # dispatch, expert GEMMs, combine; replicated) | "stream" (the rest: norms, residual adds, RoPE
+    # tables, the router; not split). Empty when not analysed from a graph.
     node_blocks: dict[str, str] = field(default_factory=dict)
     num_params: int = 0  # elements of the layer's parameters (dtype-free; 0: unknown, handmade)
     # a second attention block after `attention`: an encoder-decoder's cross-attention, q from the
@@ -234,6 +196,17 @@ class Layer:
     # mixture-of-experts routers (`Role.ROUTER`): linears whose logits choose experts by top-k; not an
     # MLP projection, kept replicated (each rank routes its tokens); nodes "stream" in `node_blocks`
     routers: list[Projection] = field(default_factory=list)
+    # the layer's mixture-of-experts block (`planner.frontend.moe`): router, routed experts (not in
+    # `mlp`; their nodes "experts" in `node_blocks`, replicated under TP), shared experts (`mlp`)
+    moe: MoE | None = None
+
+    @property
+    def active_params(self) -> int:
+        """Parameter elements one token runs through: all of `num_params` but the routed experts it
+        does not choose (E - top_k of them); `num_params` for a dense layer."""
+        if self.moe is None:
+            return self.num_params
+        return self.num_params - (self.moe.expert_params - self.moe.active_expert_params)
 
 
 @dataclass
@@ -307,6 +280,12 @@ class ModelStructure:
     # why, per class of `replicated_attention_classes`: the ops the pass gathered at and the model's
     # lines, e.g. "aten.matmul at model.py:26 `s = q @ k.transpose(-1, -2)`" (the exclusion names them)
     replicated_attention_reasons: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def active_params(self) -> int:
+        """Parameter elements one token runs through (`Layer.active_params`): `num_params` less the
+        routed experts a token does not choose; what a mixture of experts' model FLOPs count."""
+        return self.num_params - sum(layer.num_params - layer.active_params for layer in self.layers)
 
     @property
     def unknown_ops(self) -> list[str]:
@@ -826,8 +805,16 @@ def _layer(
     ]
     for p in routers:
         p.role = Role.ROUTER
-    mlp_projs = [p for p in projs if p not in attention_projs and p not in routers]
+    found = find_moe(path, members, projections, routers, params)
+    if found.warning:
+        warnings.warn(found.warning, stacklevel=2)
+    experts = {p.node for p in found.expert_projections}
+    mlp_projs = [p for p in projs if p not in attention_projs and p not in routers and p.node not in experts]
     mlp = _mlp(mlp_projs, members, member_names, projections) if mlp_projs else None
+    moe = found.moe
+    if moe is not None:
+        moe.shared = list(mlp.projections) if mlp is not None else []
+        _price_expert_gemms(moe, costs)
     used_outside = [
         n for n in members if n.op != "get_attr" and any(u.name not in member_names for u in n.users)
     ]
@@ -842,12 +829,15 @@ def _layer(
     weights = {n.target for n in members if n.op == "get_attr" and n.target in params}
     blocks = _node_blocks(members, member_names, projections, attention, mlp, cross)
     blocks.update({p.node: "stream" for p in routers})  # replicated, priced with the stream's ops
+    if moe is not None:  # replicated under TP; priced apart (`planner.solver.costing.expert_gemm_time_s`)
+        blocks.update({n: "experts" for n in moe.expert_nodes})
     return Layer(
         index=index,
         module_path=path,
         attention=attention,
         mlp=mlp,
         routers=routers,
+        moe=moe,
         nodes=[n.name for n in members],
         input_node=stream.name,
         output_node=output.name,
@@ -859,6 +849,16 @@ def _layer(
         node_blocks=blocks,
         cross_attention=cross,
     )
+
+
+def _price_expert_gemms(moe: MoE, costs: dict[str, NodeCost]) -> None:
+    """Each expert GEMM's `NodeCost` as a matmul of the rows it runs: 2 x its output elements x one
+    expert's in_features (an einsum or transformers' grouped_mm fallback is otherwise an unknown op)."""
+    for weight in moe.experts:
+        for name in weight.nodes:
+            cost = costs[name]
+            elements = prod(cost.shape) if cost.shape else 0
+            costs[name] = replace(cost, flops=2.0 * elements * weight.in_features, kind="matmul", known=True)
 
 
 def _node_blocks(

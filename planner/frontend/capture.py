@@ -53,6 +53,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from planner.errors import InputError
 
@@ -128,6 +129,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> fx.Gra
     out_spec = gm._out_spec
     module_names = {name for name, _ in model.named_modules()}
     gm = _normalise(gm, out_spec, module_names)
+    _refuse_unplannable(gm, model)
     return gm
 
 
@@ -437,7 +439,74 @@ def _failing_op(exc: BaseException, partial_graph: str) -> str:
     return type(exc).__name__
 
 
+# --------------------------------------------------------------------------- mixtures of experts
+
+# Hugging Face models with a choice of experts implementation (transformers `integrations/moe.py`,
+# `ExpertsInterface`): the one that captures and runs everywhere, and how to ask for it
+_HF_EXPERTS_FIX = (
+    'build the model with experts_implementation="batched_mm" (in its config, or from_pretrained(..., '
+    'experts_implementation="batched_mm")), which computes the same experts with static shapes'
+)
+
+
+def _refuse_unplannable(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Raise a one-line InputError for a captured graph the planner cannot plan or run: a value whose
+    size is only known at run time (torch.export's unbacked sizes: `torch.nonzero`, boolean masking,
+    as a mixture of experts' per-expert token lists), or `aten.histc` on integers (no CPU kernel;
+    Hugging Face's grouped_mm experts count tokens per expert so when built on the meta device)."""
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        vals = val if isinstance(val, (list, tuple)) else [val]
+        if node.op == "call_function" and any(
+            isinstance(v, torch.Tensor) and free_unbacked_symbols(v) for v in vals
+        ):
+            where = user_line(node) or node.meta.get("module_path", "") or node.name
+            raise InputError(
+                f"{type(model).__name__}: {op_name(node.target) or node.target} at {where} makes a tensor whose "
+                "size is known only at run time (a data-dependent shape, e.g. each expert's tokens of a mixture "
+                "of experts), which the planner cannot price or shard; write it with static shapes: give each "
+                "expert a fixed capacity of token slots (gather them, index_add back), or index stacked "
+                "(E, ...) expert weights by the top-k ids (gpt-fast's ConditionalFeedForward); for a Hugging "
+                f"Face model, {_HF_EXPERTS_FIX}"
+            )
+        if node.op == "call_function" and op_name(node.target) == "aten.histc":
+            source = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+            if isinstance(source, torch.Tensor) and not source.is_floating_point():
+                where = node.meta.get("module_path") or user_line(node) or node.name
+                raise InputError(
+                    f"{type(model).__name__}: aten.histc on an integer ({str(source.dtype).removeprefix('torch.')}) tensor at "
+                    f"{where} has no CPU kernel (\"histogram_cpu\" not implemented for 'Int'): transformers' "
+                    "grouped_mm experts count tokens per expert this way when the model is built on the meta "
+                    f"device, as the planner builds it; {_HF_EXPERTS_FIX}"
+                )
+
+
+def _hf_eager_experts(model: nn.Module, exc: BaseException) -> str | None:
+    """A one-line message when `exc` is a data-dependent failure of Hugging Face's eager experts loop
+    (one iteration per expert the batch routes tokens to), else None."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_experts_implementation", None) != "eager" or "data-dependent" not in str(exc):
+        return None
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "transformers" in f.filename]
+    where = next(
+        (
+            f"{os.path.basename(f.filename)}:{f.lineno} `{(f.line or '').strip()}`"
+            for f in reversed(frames)
+            if "expert" in (f.line or "")
+        ),
+        "the experts' forward",
+    )
+    return (
+        f"cannot capture {type(model).__name__}: its experts run transformers' eager loop ({where}), once per "
+        "expert the batch routes tokens to, a number known only at run time, which torch.export cannot "
+        f"capture; {_HF_EXPERTS_FIX}"
+    )
+
+
 def _capture_error_message(model: nn.Module, exc: BaseException, partial_graph: str) -> str:
+    eager_experts = _hf_eager_experts(model, exc)
+    if eager_experts is not None:
+        return eager_experts
     frame = _user_frame(model, exc)
     where = "unknown line (no frame of the model's code in the traceback)"
     if frame is not None:

@@ -22,7 +22,7 @@ import dataclasses
 from torch import fx, nn
 
 from planner.errors import InputError
-from planner.frontend.analysis import ModelStructure, Projection, analyse, param_tensors
+from planner.frontend.analysis import Layer, ModelStructure, Projection, analyse, param_tensors
 from planner.frontend.capture import capture
 
 KEEP_LAYERS = 2  # blocks traced: two, so the analysis sees a layer-to-layer boundary
@@ -30,16 +30,18 @@ MIN_LAYERS_TO_TRUNCATE = 8  # shallower models are traced whole (it is fast and 
 
 
 def repeated_blocks(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
-    """The longest ModuleList of identical blocks: (its FQN, the list), or None when there is none."""
-    best: tuple[str, nn.ModuleList] | None = None
+    """The longest ModuleList of identical blocks that lies in no block of another such list: (its
+    FQN, the list), or None when there is none. A mixture of experts' ModuleList of 64 experts inside
+    each of 24 layers is not the model's depth."""
+    found: list[tuple[str, nn.ModuleList]] = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) < 2:
             continue
         signature = _signature(module[0])
         if all(type(b) is type(module[0]) and _signature(b) == signature for b in module):
-            if best is None or len(module) > len(best[1]):
-                best = (name, module)
-    return best
+            found.append((name, module))
+    outer = [(n, m) for n, m in found if not any(o and n.startswith(f"{o}.") for o, _ in found if o != n)]
+    return max(outer, key=lambda item: len(item[1]), default=None)
 
 
 def _signature(block: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
@@ -86,9 +88,7 @@ def _extend(structure: ModelStructure, model: nn.Module, path: str, depth: int) 
         layer = copy.deepcopy(template)
         layer.index = i
         layer.module_path = f"{path}.{i}"
-        for block in (layer.attention, layer.cross_attention, layer.mlp):
-            if block is not None:
-                block.projections = [_renamed(p, old, new) for p in block.projections]
+        _renumber(layer, old, new)
         layers.append(layer)
     unique = {id(p): p for p in model.parameters()}.values()
     num_params = sum(p.numel() for p in unique)
@@ -104,8 +104,39 @@ def _extend(structure: ModelStructure, model: nn.Module, path: str, depth: int) 
     )
 
 
-def _renamed(p: Projection, old: str, new: str) -> Projection:
-    def rename(fqn: str | None) -> str | None:
-        return new + fqn[len(old) :] if fqn and fqn.startswith(old) else fqn
+def _renumber(layer: Layer, old: str, new: str) -> None:
+    """Rename, in place, the parameter FQNs of a copied layer's projections, routers and experts from
+    the prefix `old` ("layers.1.") to `new` ("layers.37."); a projection held twice (`MoE.shared` is
+    `mlp`'s) stays one object."""
+    renamed: dict[int, Projection] = {}
 
-    return dataclasses.replace(p, weight=rename(p.weight), bias=rename(p.bias))
+    def rename(p: Projection) -> Projection:
+        return renamed.setdefault(id(p), _renamed(p, old, new))
+
+    for block in (layer.attention, layer.cross_attention, layer.mlp):
+        if block is not None:
+            block.projections = [rename(p) for p in block.projections]
+    layer.routers = [rename(p) for p in layer.routers]
+    moe = layer.moe
+    if moe is None:
+        return
+    moe.router, moe.shared = rename(moe.router), [rename(p) for p in moe.shared]
+    moe.module_path = _renamed_fqn(moe.module_path, old.rstrip("."), new.rstrip("."))
+    for weight in moe.experts:
+        weight.weights = [_renamed_fqn(w, old, new) for w in weight.weights]
+        weight.biases = [_renamed_fqn(b, old, new) for b in weight.biases]
+    if moe.selection_bias is not None:
+        moe.selection_bias = _renamed_fqn(moe.selection_bias, old, new)
+
+
+def _renamed_fqn(fqn: str, old: str, new: str) -> str:
+    """`fqn` with its prefix `old` replaced by `new` ("layers.1.mlp.w1" -> "layers.37.mlp.w1"); a
+    prefix without its dot matches the whole name ("layers.1" -> "layers.37")."""
+    if fqn == old or fqn.startswith(old if old.endswith(".") else f"{old}."):
+        return new + fqn[len(old) :]
+    return fqn
+
+
+def _renamed(p: Projection, old: str, new: str) -> Projection:
+    bias = _renamed_fqn(p.bias, old, new) if p.bias else p.bias
+    return dataclasses.replace(p, weight=_renamed_fqn(p.weight, old, new), bias=bias)

@@ -706,6 +706,10 @@ def layer_key(layer: Layer) -> str:
     if layer.mlp is not None:
         parts.append("mlp")
         parts += [_proj_key(p) for p in layer.mlp.projections]
+    if layer.moe is not None:
+        m = layer.moe
+        parts.append(f"moe{m.num_experts}/{m.top_k}")
+        parts += [f"{w.role}:{w.in_features}x{w.out_features}" for w in m.experts]
     # parameter elements, not bytes: a plan made in one dtype names the same classes as ranks built in another
     parts.append(f"n{layer.num_params}" if layer.num_params else f"p{layer.param_bytes}")
     return ";".join(parts)
@@ -717,8 +721,9 @@ def _proj_key(p: Projection) -> str:
 
 def layer_node_times_s(layer: Layer, ctx: CostContext) -> dict[str, float] | None:
     """Time of a layer's ops other than projections and the attention core, per block of
-    ``Layer.node_blocks`` ("attention", "cross", "mlp": unsharded; "stream"), or None when the layer
-    was not analysed node by node.
+    ``Layer.node_blocks`` ("attention", "cross", "mlp": unsharded; "stream"; "experts": a mixture of
+    experts' routed part but its GEMMs, `expert_gemm_time_s`), or None when the layer was not
+    analysed node by node.
 
     Each node that moves memory is a memory-bound op (``compute.op_time_s(kind="memory")``) on its
     ``ModelStructure.node_costs``: FLOP and bytes read + written, scaled from the captured tokens
@@ -733,11 +738,14 @@ def layer_node_times_s(layer: Layer, ctx: CostContext) -> dict[str, float] | Non
     scale = ctx.tokens / max(1, s.batch_size * s.seq_len)
     byte_scale = ctx.bytes_per_element / DTYPE_BYTES[s.dtype]
     launch = ctx.op_time(0.0, 0.0, "memory")
-    out = {"attention": 0.0, "cross": 0.0, "mlp": 0.0, "stream": 0.0}
+    out = {"attention": 0.0, "cross": 0.0, "mlp": 0.0, "stream": 0.0, "experts": 0.0}
     priced: set[str] = set()
+    # a mixture of experts' GEMMs, and the gathers of stacked expert weights they read, are priced
+    # by `expert_gemm_time_s` instead: the active compute, whatever the graph's implementation
+    by_formula = set(layer.moe.gemm_nodes + layer.moe.weight_gather_nodes) if layer.moe is not None else set()
     for name in layer.nodes:
         block, cost = layer.node_blocks.get(name), s.node_costs.get(name)
-        if block not in out or cost is None:
+        if block not in out or cost is None or name in by_formula:
             continue
         moved = cost.bytes_read + cost.bytes_written
         if moved > 0:
@@ -748,6 +756,40 @@ def layer_node_times_s(layer: Layer, ctx: CostContext) -> dict[str, float] | Non
             )
             priced.add(block)
     return {block: t + (launch if block in priced else 0.0) for block, t in out.items()}
+
+
+def expert_gemm_time_s(layer: Layer, ctx: CostContext) -> float:
+    """Time of a mixture-of-experts layer's routed expert GEMMs (`Layer.moe`; 0 for a dense layer) on
+    one rank, which runs them all (the experts stay replicated under tensor parallelism).
+
+    A stop-gap until expert parallelism is priced: each token runs top_k experts, so every expert
+    projection is a matmul of tokens x top_k rows in all (top_k / E of the tokens per expert, the
+    rows its GEMM efficiency is taken at) and 2 x tokens x top_k x in x out FLOP, reading all E
+    experts' weights once (a grouped GEMM's traffic) and its rows in and out. The graph's own way
+    (HF batched_mm gathers a weight copy per token, a ModuleList runs a loop) is not what is priced.
+    """
+    moe = layer.moe
+    if moe is None:
+        return 0.0
+    rows = ctx.tokens * moe.top_k
+    b = ctx.bytes_per_element
+    total = 0.0
+    for w in moe.experts:
+        flops = 2.0 * rows * w.in_features * w.out_features
+        moved = (moe.num_experts * w.params_per_expert + rows * (w.in_features + w.out_features)) * b
+        per_expert = rows / moe.num_experts
+        total += ctx.op_time(flops, moved, "matmul", rows=per_expert, shape=(w.in_features, w.out_features))
+    return total
+
+
+def expert_activation_bytes(layer: Layer, ctx: CostContext) -> float:
+    """Training: bytes a mixture-of-experts layer's routed experts keep for backward on one rank (each
+    expert projection's input and output rows, tokens x top_k of them; 0 for a dense layer)."""
+    moe = layer.moe
+    if moe is None or not ctx.train:
+        return 0.0
+    rows = ctx.tokens * moe.top_k
+    return sum(rows * (w.in_features + w.out_features) for w in moe.experts) * ctx.bytes_per_element
 
 
 def build_layer_graph(layer: Layer, ctx: CostContext) -> LayerGraph:
@@ -789,6 +831,7 @@ def build_layer_graph(layer: Layer, ctx: CostContext) -> LayerGraph:
         proj_bytes += sum(_param_bytes(p, b) for p in layer.mlp.projections)
     hidden = s.hidden_size
     num_norms = len(outputs) + (layer.cross_attention is not None)
+    experts_s = (times["experts"] if times is not None else 0.0) + expert_gemm_time_s(layer, ctx)
     if times is not None:
         fixed = times["stream"]
     else:
@@ -799,11 +842,13 @@ def build_layer_graph(layer: Layer, ctx: CostContext) -> LayerGraph:
             "memory",
         )
     split = ctx.mesh.tp if ctx.sequence_parallel else 1  # norms and residual adds on a sequence shard
-    fixed = fixed / split + ctx.node_overhead_time(graph_node_count(layer.nodes, s))
+    # a mixture of experts' routed part runs whole on every rank, on every token (`expert_gemm_time_s`)
+    fixed = fixed / split + experts_s + ctx.node_overhead_time(graph_node_count(layer.nodes, s))
     # param_bytes is in the captured model's dtype; re-express it in the planned dtype.
     as_planned = layer.param_bytes / DTYPE_BYTES[s.dtype] * b
     other_params = max(0.0, as_planned - proj_bytes)
     fixed_act = 2.0 * num_norms * tokens * hidden * b / split if ctx.train else 0.0
+    fixed_act += expert_activation_bytes(layer, ctx)
     return LayerGraph(
         key=layer_key(layer),
         ops=ops,

@@ -230,9 +230,10 @@ def predict(tables: CostTables, assignment: Assignment) -> PricedAssignment:
 
 
 def model_flops(tables: CostTables) -> float:
-    """FLOP of one step's math on the whole model (all replicas): every projection (2 tokens in out),
-    attention core (`compute.attention_flops`, causal for causal workloads) and convolution over the global batch,
-    times 3 for training (forward and backward: the input and weight gradients); recomputation is not
+    """FLOP of one step's math on the whole model (all replicas): every projection (2 tokens in out;
+    a mixture of experts' router, and its routed experts as each token runs top_k of them: the active
+    parameters), attention core (`compute.attention_flops`, causal for causal workloads) and
+    convolution over the global batch, times 3 for training (forward and backward: the input and weight gradients); recomputation is not
     counted. 0 for models without layers or a chain to price."""
     ctx = tables.ctx
     s, w = ctx.structure, ctx.workload
@@ -242,6 +243,9 @@ def model_flops(tables: CostTables) -> float:
     for layer in s.layers:
         for block in (layer.attention, layer.mlp):
             projections += block.projections if block is not None else []
+        projections += layer.routers
+        if layer.moe is not None:  # the routed experts' active compute: top_k experts per token
+            flops += layer.moe.expert_flops(tokens)
         a = layer.attention
         if a is not None:
             causal = w.kind is not Workload.DECODE

@@ -1001,13 +1001,18 @@ def _plan_of(search: _Search, priced: PricedAssignment, model_name: str, solver:
 
 
 def projection_roles(structure: ModelStructure) -> dict[str, str]:
-    """Weight FQN -> `Role` value of every projection of the model (`Plan.roles`)."""
+    """Weight FQN -> `Role` value of every projection of the model (`Plan.roles`), routers and
+    mixture-of-experts expert weights included ("expert_gate_up", ...)."""
     projections = [p for layer in structure.layers for p in layer_projection_ops(layer).values()]
     projections += [p for layer in structure.layers for p in layer.routers]
     projections += list(structure.mlp_chain)
     if structure.lm_head is not None:
         projections.append(structure.lm_head)
-    return {p.weight: str(p.role) for p in projections}
+    roles = {p.weight: str(p.role) for p in projections}
+    for layer in structure.layers:  # routed experts: every stacked tensor, or every expert's own weight
+        for weight in layer.moe.experts if layer.moe is not None else []:
+            roles.update(dict.fromkeys(weight.weights, str(weight.role)))
+    return roles
 
 
 def megatron_plan(

@@ -1,0 +1,65 @@
+"""What a weight computes in its model: `Role`, and `Projection` (one matmul with a parameter weight).
+
+Shared by the dense analysis (`planner.frontend.analysis`) and the mixture-of-experts recogniser
+(`planner.frontend.moe`); `planner.frontend.analysis` re-exports both names.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+# Ops that count as an activation: the one between a SwiGLU gate and its product with up (its
+# presence tells gate from up), priced by their measured rate (`analysis.activation_call`)
+ACTIVATION_OPS = {
+    "aten.silu", "aten.gelu", "aten.relu", "aten.sigmoid", "aten.tanh", "aten.erf", "aten.elu",
+    "aten.leaky_relu", "aten.hardswish", "aten.mish", "aten.softplus",
+}  # fmt: skip
+
+
+class Role(str, enum.Enum):
+    """What a projection computes in its model (found by dataflow, rules in `planner.frontend.analysis`
+    and, for mixtures of experts, `planner.frontend.moe`)."""
+
+    Q = "q"  # attention query
+    K = "k"  # attention key
+    V = "v"  # attention value
+    QKV = "qkv"  # fused query, key and value (`Projection.parts` gives the sizes)
+    O = "o"  # noqa: E741 - attention output, the projection's conventional name
+    UP = "up"  # MLP up projection (the only first projection of a 2-matmul MLP)
+    GATE = "gate"  # SwiGLU gate: goes through the activation before the product with up
+    DOWN = "down"  # MLP down projection, back to the stream width
+    FC = "fc"  # a linear of a plain MLP chain, or an MLP projection that fits none of the above
+    LM_HEAD = "lm_head"  # the output projection onto the vocabulary
+    ROUTER = "router"  # a mixture-of-experts router: a linear to the expert logits, then top-k
+    # the routed experts' weights (`planner.frontend.moe.ExpertWeight`), each expert a SwiGLU or
+    # 2-matmul MLP: the same three roles as a dense MLP's, for every one of the E experts
+    EXPERT_GATE = "expert_gate"
+    EXPERT_UP = "expert_up"
+    EXPERT_GATE_UP = "expert_gate_up"  # gate and up fused in one matrix (HF `gate_up_proj`: parts)
+    EXPERT_DOWN = "expert_down"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+EXPERT_ROLES = frozenset({Role.EXPERT_GATE, Role.EXPERT_UP, Role.EXPERT_GATE_UP, Role.EXPERT_DOWN})
+
+
+@dataclass
+class Projection:
+    """One matmul with a parameter weight."""
+
+    node: str  # fx node name of the matmul (aten.linear / aten.addmm / aten.mm / aten.matmul)
+    weight: str  # parameter FQN
+    bias: str | None
+    role: Role | None  # None: a projection outside the layers that is not the LM head
+    in_features: int
+    out_features: int
+    weight_out_dim: int  # 0 for nn.Linear (out, in), 1 for HF Conv1D (in, out)
+    parts: tuple[int, ...] | None  # fused projection: out sizes of its parts, e.g. (768, 768, 768)
+    flops: float  # per forward pass, global
+
+    def __post_init__(self) -> None:
+        if self.role is not None:
+            self.role = Role(self.role)  # ValueError for a string that names no role

@@ -1,0 +1,153 @@
+"""Test model: a tiny Llama whose feed-forward is a mixture of experts held as a ModuleList of SwiGLU
+MLPs (as Hugging Face Qwen2-MoE and DeepSeek-V2 hold them, `mlp.experts.3.gate_proj`), with one shared
+expert every token runs, added to the routed output (Qwen2-MoE's `shared_expert`, DeepSeek's
+`shared_experts`).
+
+8 experts, top-2 softmax routing by a linear router (`mlp.gate`), hidden 32, expert width 24, shared
+expert width 48, 2 layers, 4 heads (2 KV heads).
+
+The dispatch has static shapes, so that torch.export captures it: each expert takes a fixed capacity
+of C = ceil(capacity_factor * N * k / E) token slots (GShard, Lepikhin et al. 2020, section 2.2;
+fairseq `fairseq/modules/moe/top2gate.py`), a token's slot in an expert being its running count of
+the tokens that chose it (a cumsum of the one-hot choices); tokens past the capacity are dropped by
+that expert. Each expert gathers its slots' rows (an empty slot reads a zero row), runs, and its
+outputs, times their routing weights, are added back at their tokens with `index_add`.
+
+`dispatch="nonzero"` writes the same dispatch the way that cannot be captured: each expert's tokens
+found with `torch.nonzero` (a number known only at run time), as Hugging Face's eager expert loop
+does; the planner refuses it with one line naming the construct.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
+if _EXAMPLES not in sys.path:
+    sys.path.insert(0, _EXAMPLES)
+
+from models import LlamaAttention, LlamaConfig, RMSNorm, _init_weights, _rope_tables  # noqa: E402
+
+CONFIG = LlamaConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=64)
+NUM_EXPERTS = 8
+TOP_K = 2
+EXPERT_DIM = 24  # each routed expert's SwiGLU width (the shared expert has CONFIG.ffn_dim)
+CAPACITY_FACTOR = 2.0  # slots per expert over an even share of the N * k choices
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)), Hugging Face's names."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoE(nn.Module):
+    """Router `gate`, routed `experts` (a ModuleList), `shared_expert`."""
+
+    def __init__(self, config: LlamaConfig, dispatch: str = "capacity") -> None:
+        super().__init__()
+        self.dispatch = dispatch
+        self.gate = nn.Linear(config.dim, NUM_EXPERTS, bias=False)
+        self.experts = nn.ModuleList([SwiGLU(config.dim, EXPERT_DIM) for _ in range(NUM_EXPERTS)])
+        self.shared_expert = SwiGLU(config.dim, config.ffn_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        x = x.view(-1, C)  # (N, C), N = B * T tokens
+        probs = F.softmax(self.gate(x), dim=-1)  # (N, E)
+        weights, chosen = torch.topk(probs, TOP_K, dim=-1)  # (N, k) each
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.dispatch == "capacity":
+            routed = self._capacity(x, weights, chosen)
+        else:
+            routed = self._nonzero(x, weights, chosen)
+        return (routed + self.shared_expert(x)).view(B, T, C)
+
+    def _capacity(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """x (N, C), weights and chosen (N, k) -> the routed output (N, C), static shapes throughout."""
+        n = x.shape[0]
+        capacity = math.ceil(CAPACITY_FACTOR * n * TOP_K / NUM_EXPERTS)
+        picks = F.one_hot(chosen, NUM_EXPERTS).sum(1)  # (N, E): 1 where the token chose the expert
+        slot = torch.cumsum(picks, dim=0) - 1  # (N, E): the token's place in each expert's queue
+        kept = (picks > 0) & (slot < capacity)  # (N, E)
+        combine = torch.zeros_like(picks, dtype=x.dtype).scatter(1, chosen, weights) * kept  # (N, E)
+        dest = torch.where(kept, slot, capacity).t()  # (E, N): slot of each token, `capacity` = dropped
+        tokens = torch.arange(n, device=x.device).expand(NUM_EXPERTS, n)  # (E, N)
+        slots = torch.full((NUM_EXPERTS, capacity + 1), n, device=x.device).scatter(1, dest, tokens)
+        slots = slots[:, :capacity]  # (E, C): the token in each slot, n for an empty one
+        x_pad = torch.cat([x, x.new_zeros(1, x.shape[1])])  # (N + 1, C): row n is zero
+        combine_pad = torch.cat([combine, combine.new_zeros(1, NUM_EXPERTS)])  # (N + 1, E)
+        out = x.new_zeros(n + 1, x.shape[1])  # (N + 1, C)
+        for e, expert in enumerate(self.experts):
+            idx = slots[e]  # (C,)
+            y = expert(x_pad[idx]) * combine_pad[idx, e].unsqueeze(-1)  # (C, C_model)
+            out = out.index_add(0, idx, y)
+        return out[:n]
+
+    def _nonzero(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """The same without a capacity: each expert's tokens by `torch.nonzero` (data-dependent count)."""
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, k = torch.nonzero(chosen == e, as_tuple=True)  # (n_e,) each
+            y = expert(x[token]) * weights[token, k].unsqueeze(-1)  # (n_e, C)
+            out = out.index_add(0, token, y)
+        return out
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, config: LlamaConfig, dispatch: str) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
+        self.self_attn = LlamaAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
+        self.mlp = SparseMoE(config, dispatch)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MoETransformer(nn.Module):
+    def __init__(self, config: LlamaConfig, dispatch: str) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList([MoEBlock(config, dispatch) for _ in range(config.n_layers)])
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        cos, sin = _rope_tables(config)
+        self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, hd)
+        self.register_buffer("rope_sin", sin, persistent=False)  # (max_seq_len, hd)
+        self.apply(_init_weights)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, vocab_size)."""
+        T = tokens.shape[1]
+        cos = self.rope_cos[None, :T, None, :]  # (1, T, 1, hd)
+        sin = self.rope_sin[None, :T, None, :]  # (1, T, 1, hd)
+        h = self.embed_tokens(tokens)  # (B, T, C)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.lm_head(self.norm(h))
+
+
+def build_model(dispatch: str = "capacity") -> torch.nn.Module:
+    torch.manual_seed(0)
+    return MoETransformer(CONFIG, dispatch)
+
+
+def example_inputs(batch_size: int = 2, seq_len: int = 16) -> tuple:
+    g = torch.Generator().manual_seed(0)
+    return (torch.randint(0, CONFIG.vocab_size, (batch_size, seq_len), generator=g),)

@@ -1,0 +1,296 @@
+"""planner.frontend.moe: mixture-of-experts blocks recognised with their roles (router, routed experts,
+shared experts, combine) in the three ways experts are written - Hugging Face Mixtral's stacked 3-D
+parameters (batched_mm), a ModuleList of expert MLPs with a shared expert, gpt-fast's stacked weights
+indexed by the expert ids - and what the planner does with them: the router and the experts stay
+replicated under tensor parallelism, a block whose experts cannot be found warns and is planned dense,
+and a model the planner cannot capture or run is refused in one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from transformers import MixtralConfig, MixtralForCausalLM
+
+from costmodels.cluster import load_cluster
+from planner.cli.workflow import constraints_from, make_plan, prepare
+from planner.errors import InputError
+from planner.frontend.analysis import ModelStructure, Role, analyse
+from planner.frontend.capture import capture
+from planner.frontend.depth import capture_for_planning
+from planner.frontend.moe import ScoreFunction
+from tests.models import tiny_mixtral, tiny_moe_gptfast, tiny_moe_modulelist
+
+MODELS = Path(__file__).parent / "models"
+FASTLINK = str(MODELS / "fastlink.yaml")
+
+
+@pytest.fixture(scope="module")
+def prepared():
+    """prepared("tiny_mixtral") -> the planner's `Prepared` of tests/models/<name>.py, cached."""
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            cache[name] = prepare(str(MODELS / f"{name}.py"), "forward")
+        return cache[name]
+
+    return get
+
+
+def _tp2_plan(prepared, name: str):
+    return make_plan(
+        prepared(name),
+        load_cluster(FASTLINK, nproc=2),
+        constraints_from(2, None, None, "none"),
+        str(MODELS / f"{name}.py"),
+    )
+
+
+def _expected_active(s: ModelStructure) -> int:
+    return s.num_params - sum(
+        (layer.moe.num_experts - layer.moe.top_k) * layer.moe.params_per_expert for layer in s.layers
+    )
+
+
+def test_hf_mixtral_router_and_stacked_experts(prepared):
+    """Mixtral's `mlp.gate` is the router (softmax, top-2 of 4) and its stacked `experts.gate_up_proj`
+    (4, 256, 64) / `experts.down_proj` (4, 64, 128) are the experts, gate and up fused, not an MLP."""
+    s = prepared("tiny_mixtral").structure
+    for layer in s.layers:
+        moe, prefix = layer.moe, f"model.layers.{layer.index}.mlp"
+        assert layer.mlp is None and moe is not None
+        assert (moe.module_path, moe.router.weight, moe.router.role) == (
+            prefix,
+            f"{prefix}.gate.weight",
+            Role.ROUTER,
+        )
+        assert (moe.num_experts, moe.top_k, moe.score_function) == (4, 2, ScoreFunction.SOFTMAX)
+        assert [(w.role, w.weights, w.stacked) for w in moe.experts] == [
+            (Role.EXPERT_GATE_UP, [f"{prefix}.experts.gate_up_proj"], True),
+            (Role.EXPERT_DOWN, [f"{prefix}.experts.down_proj"], True),
+        ]
+        gate_up, down = moe.experts
+        assert (gate_up.in_features, gate_up.out_features, gate_up.weight_out_dim, gate_up.parts) == (
+            64,
+            256,
+            0,
+            (128, 128),
+        )
+        assert (down.in_features, down.out_features, down.weight_out_dim) == (128, 64, 0)
+        assert (moe.hidden_size, moe.expert_intermediate_size, moe.shared, moe.shared_intermediate_size) == (
+            64,
+            128,
+            [],
+            0,
+        )
+        assert moe.combine_node in moe.expert_nodes and moe.dispatch_nodes and moe.weight_gather_nodes
+        assert all(layer.node_blocks[n] == "experts" for n in moe.expert_nodes)
+        assert layer.node_blocks[moe.router.node] == "stream"
+        # all 4 experts held, 2 run per token: 98,304 expert elements per layer, 49,152 active
+        assert moe.expert_params == 4 * (256 * 64 + 64 * 128) and moe.active_expert_params == 2 * (
+            256 * 64 + 64 * 128
+        )
+        assert layer.num_params - layer.active_params == 2 * (256 * 64 + 64 * 128)
+    assert s.active_params == _expected_active(s) < s.num_params
+    assert "transformers.grouped_mm_fallback" not in s.unknown_ops
+
+
+def test_hf_mixtral_tp2_plan_names_router_and_experts_and_splits_neither(prepared):
+    """The plan's roles read router / expert_gate_up / expert_down; no split names them (each rank
+    routes its own tokens with the whole router and runs every expert); attention is still head-split."""
+    plan = _tp2_plan(prepared, "tiny_mixtral")
+    assert plan.tp == 2
+    assert plan.roles["model.layers.0.mlp.gate.weight"] == "router"
+    assert plan.roles["model.layers.0.mlp.experts.gate_up_proj"] == "expert_gate_up"
+    assert plan.roles["model.layers.1.mlp.experts.down_proj"] == "expert_down"
+    assert not [w for w in plan.splits if ".mlp." in w]
+    assert plan.splits["model.layers.0.self_attn.q_proj.weight"].style.value == "colwise"
+    # model FLOPs count the active experts: 2 x tokens x top_k x (256 x 64 + 64 x 128) per layer, not E
+    tokens = plan.batch_size * plan.seq_len
+    assert plan.predicted.model_flops >= 2 * 2.0 * tokens * 2 * (256 * 64 + 64 * 128)
+
+
+def test_modulelist_experts_and_shared_expert(prepared):
+    """8 expert MLPs in a ModuleList (`mlp.experts.<i>.gate_proj` ...) are the routed experts, each
+    projection's role expert_gate / expert_up / expert_down; the shared expert is the layer's dense MLP
+    (gate / up / down), listed in `MoE.shared`."""
+    s = prepared("tiny_moe_modulelist").structure
+    for layer in s.layers:
+        moe, prefix = layer.moe, f"layers.{layer.index}.mlp"
+        assert moe is not None and (moe.num_experts, moe.top_k, moe.score_function) == (
+            8,
+            2,
+            ScoreFunction.SOFTMAX,
+        )
+        assert moe.router.weight == f"{prefix}.gate.weight"
+        assert [w.role for w in moe.experts] == [Role.EXPERT_GATE, Role.EXPERT_UP, Role.EXPERT_DOWN]
+        assert moe.experts[0].weights == [f"{prefix}.experts.{i}.gate_proj.weight" for i in range(8)]
+        assert all(not w.stacked and len(w.nodes) == 8 for w in moe.experts)
+        assert [(p.weight, p.role) for p in moe.shared] == [
+            (f"{prefix}.shared_expert.{name}_proj.weight", role)
+            for name, role in (("gate", Role.GATE), ("up", Role.UP), ("down", Role.DOWN))
+        ]
+        assert layer.mlp.projections == moe.shared and layer.mlp.residual_add
+        assert (moe.expert_intermediate_size, moe.shared_intermediate_size) == (24, 48)
+        assert layer.node_blocks[moe.combine_node] == "experts"
+    assert s.active_params == _expected_active(s) == s.num_params - 2 * 6 * 3 * 32 * 24
+
+
+def test_modulelist_tp2_plan_splits_the_shared_expert_not_the_routed_ones(prepared):
+    plan = _tp2_plan(prepared, "tiny_moe_modulelist")
+    assert plan.roles["layers.0.mlp.gate.weight"] == "router"
+    assert plan.roles["layers.0.mlp.experts.5.down_proj.weight"] == "expert_down"
+    assert plan.roles["layers.1.mlp.shared_expert.gate_proj.weight"] == "gate"
+    assert not [w for w in plan.splits if ".mlp.gate." in w or ".experts." in w]
+
+
+def test_gptfast_stacked_einsum_experts(prepared):
+    """gpt-fast's w1 / w3 / w2 (E, I, C), (E, I, C), (E, C, I), indexed by the top-k ids and applied by
+    einsum: gate / up / down, (out, in) per expert; the einsums are priced as matmuls."""
+    s = prepared("tiny_moe_gptfast").structure
+    moe = s.layers[1].moe
+    prefix = "layers.1.block_sparse_moe"
+    assert (moe.num_experts, moe.top_k, moe.router.weight) == (4, 2, f"{prefix}.gate.weight")
+    assert [(w.role, w.weights[0], w.in_features, w.out_features, w.weight_out_dim) for w in moe.experts] == [
+        (Role.EXPERT_GATE, f"{prefix}.cond_ffn.w1", 32, 48, 0),
+        (Role.EXPERT_UP, f"{prefix}.cond_ffn.w3", 32, 48, 0),
+        (Role.EXPERT_DOWN, f"{prefix}.cond_ffn.w2", 48, 32, 0),
+    ]
+    assert all(s.node_costs[n].kind == "matmul" and s.node_costs[n].known for n in moe.gemm_nodes)
+
+
+def test_deepseek_style_sigmoid_bias_and_group_limited_routing():
+    """Sigmoid scores, a selection bias of E elements and a top-k over 4 groups of 2 experts before
+    the top-2: the router, its score function, its bias and its group limit are found."""
+    options = tiny_moe_gptfast.MoEOptions(
+        num_experts=8, score_func="sigmoid", expert_bias=True, groups=4, topk_groups=2
+    )
+    with torch.device("meta"):
+        model = tiny_moe_gptfast.build_model(options)
+    moe = analyse(capture(model, tiny_moe_gptfast.example_inputs())).layers[0].moe
+    assert (moe.num_experts, moe.top_k, moe.score_function) == (8, 2, ScoreFunction.SIGMOID)
+    assert moe.selection_bias == "layers.0.block_sparse_moe.expert_bias"
+    assert (moe.num_groups, moe.topk_groups) == (4, 2)
+
+
+def test_a_deep_moe_model_is_extended_with_each_layers_own_expert_names():
+    """Planning traces 2 of 8 layers (`capture_for_planning`): the copies' routers and experts carry their
+    own layer's names, and the experts' ModuleList is not taken for the model's depth."""
+    config = tiny_moe_gptfast.CONFIG
+    with torch.device("meta"):
+        model = tiny_moe_gptfast.MoETransformer(
+            type(config)(**{**config.__dict__, "n_layers": 8}), tiny_moe_gptfast.MoEOptions()
+        )
+    _, s = capture_for_planning(model, tiny_moe_gptfast.example_inputs(), {})
+    moe = s.layers[7].moe
+    assert len(s.layers) == 8 and moe.router.weight == "layers.7.block_sparse_moe.gate.weight"
+    assert moe.experts[0].weights == ["layers.7.block_sparse_moe.cond_ffn.w1"] and s.layers[7].routers == [
+        moe.router
+    ]
+    with torch.device("meta"):
+        listed = tiny_moe_modulelist.build_model()
+    _, s = capture_for_planning(listed, tiny_moe_modulelist.example_inputs(), {})
+    assert all(layer.moe is not None and len(layer.moe.experts[0].weights) == 8 for layer in s.layers)
+
+
+class _UnnamedExperts(nn.Module):
+    """A top-2 router over 2 experts that are plain attributes (`first`, `second`), not a numbered
+    ModuleList, combined by a scattered weight matrix: the experts cannot be recognised."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(16, 2, bias=False)
+        self.first = nn.Linear(16, 16, bias=False)
+        self.second = nn.Linear(16, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = self.router(x).softmax(-1)  # (B, T, 2)
+        weights, chosen = torch.topk(probs, 1, dim=-1)  # (B, T, 1)
+        combine = torch.zeros_like(probs).scatter(-1, chosen, weights)  # (B, T, 2)
+        return x + self.first(x) * combine[..., :1] + self.second(x) * combine[..., 1:]
+
+
+def test_unrecognised_experts_warn_naming_the_block_and_plan_dense():
+    model = nn.Sequential(_UnnamedExperts(), _UnnamedExperts())
+    gm = capture(model, (torch.randn(2, 4, 16),))
+    with pytest.warns(
+        UserWarning, match=r"^\d: a top-1 router \(\d\.router\.weight\) picks among 2 experts"
+    ) as caught:
+        s = analyse(gm)
+    said = [str(w.message) for w in caught]
+    assert [m.split(":")[0] for m in said] == ["0", "1"]  # each block named by its module path
+    assert (
+        "experts were not recognised (the routed projection 0.first.weight is under no numbered module)"
+        in said[0]
+    )
+    assert "planned as a dense model" in said[0]
+    assert [layer.moe for layer in s.layers] == [None, None]
+    assert [p.role for p in s.layers[0].routers] == [Role.ROUTER]
+
+
+def _one_line_refusal(model: nn.Module, args: tuple, kwargs: dict | None = None) -> str:
+    with pytest.raises(InputError) as info:
+        capture(model, args, kwargs)
+    message = str(info.value)
+    assert "\n" not in message and "Traceback" not in message
+    return message
+
+
+def test_hf_grouped_mm_experts_histc_is_refused_in_one_line():
+    """transformers' default (grouped_mm) experts, built on meta, count tokens per expert with
+    torch.histc on int32, which no CPU kernel runs: the rank died with a 20-line traceback."""
+    with torch.device("meta"):
+        model = MixtralForCausalLM(MixtralConfig(**tiny_mixtral.CONFIG, attn_implementation="sdpa")).eval()
+    message = _one_line_refusal(model, tiny_mixtral.example_inputs(), tiny_mixtral.example_kwargs())
+    assert "aten.histc on an integer (int32) tensor at model.layers.0.mlp.experts" in message
+    assert 'experts_implementation="batched_mm"' in message
+
+
+def test_hf_eager_experts_loop_is_refused_in_one_line():
+    with torch.device("meta"):
+        config = MixtralConfig(
+            **tiny_mixtral.CONFIG, attn_implementation="sdpa", experts_implementation="eager"
+        )
+        model = MixtralForCausalLM(config).eval()
+    message = _one_line_refusal(model, tiny_mixtral.example_inputs(), tiny_mixtral.example_kwargs())
+    assert (
+        "transformers' eager loop (modeling_mixtral.py:" in message
+        and 'experts_implementation="batched_mm"' in message
+    )
+
+
+def test_a_data_dependent_dispatch_is_refused_in_one_line_naming_the_construct():
+    """`torch.nonzero` per expert captures with unbacked sizes, which analysis cannot price: refused,
+    naming the op, the model line and the static-shape ways to write it."""
+    with torch.device("meta"):
+        model = tiny_moe_modulelist.build_model("nonzero")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        message = _one_line_refusal(model, tiny_moe_modulelist.example_inputs())
+    assert "aten.nonzero" in message and "tiny_moe_modulelist.py:" in message
+    assert "known only at run time" in message and "fixed capacity" in message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tiny_mixtral", "tiny_moe_modulelist", "tiny_moe_gptfast"])
+def test_moe_models_run_at_tp2_and_match(tmp_path, name):
+    """`planner optimize --tp 2 --run` on 2 gloo ranks: attention (and a shared expert) split, router
+    and routed experts replicated; the outputs match the unsharded model's."""
+    report = tmp_path / "report.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "planner.cli", "optimize", str(MODELS / f"{name}.py"), "--cluster",
+         str(MODELS / "midlink-cpu.yaml"), "--tp", "2", "--nproc", "2", "--run", "--iters", "1",
+         "--min-time", "0", "--json", str(report)],
+        capture_output=True, text=True, timeout=600, cwd=MODELS.parent.parent,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    data = json.loads(report.read_text())
+    assert data["plan"]["tp"] == 2
+    assert data["numerics"]["max_abs_diff"] <= data["numerics"]["outputs"][0]["tolerance"]
