@@ -195,7 +195,7 @@ def test_mesh_arithmetic_without_processes() -> None:
 @pytest.mark.slow
 def test_mesh_size_mismatch_quotes_values() -> None:
     results = launch(_wrong_mesh, None, 2, timeout_s=30)
-    assert results == ["dp(2) * pp(1) * tp(3) != world_size(2)"] * 2
+    assert results == ["dp(2) * pp(1) * cp(1) * tp(3) != world_size(2)"] * 2
 
 
 # ---------------------------------------------------------------------------------------------------
