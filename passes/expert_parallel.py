@@ -32,7 +32,20 @@ from torch.distributed.nn.functional import all_to_all_single
 
 from passes.collectives import _group
 
-__all__ = ["ep_moe", "local_experts"]
+__all__ = ["ep_moe", "last_loads", "local_experts", "reset_loads"]
+
+_LOADS: dict[str, list[int]] = {}  # block label -> rows each local expert computed in its last call
+
+
+def reset_loads() -> None:
+    """Forget the loads of earlier calls (a new lowering)."""
+    _LOADS.clear()
+
+
+def last_loads() -> dict[str, list[int]]:
+    """The rows (token, choice pairs) each of this rank's experts computed in the last call of every
+    labelled block (`ep_moe`'s `label`), for the run report; a copy."""
+    return {k: list(v) for k, v in _LOADS.items()}
 
 
 def local_experts(num_experts: int, size: int, rank: int) -> range:
@@ -76,13 +89,15 @@ def ep_moe(
     w_down: torch.Tensor,
     num_experts: int,
     axis: str,
+    label: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A dropless MoE layer with the experts split over the EP ranks of `axis` (module docstring).
 
     x: (N, C) this rank's tokens; topk_ids: (N, k) int64 expert ids in 0 .. num_experts - 1;
     topk_weights: (N, k) the router's weights; w_gate, w_up: (E_l, I, C), w_down: (E_l, C, I) this
     rank's E_l = num_experts / ep experts (SwiGLU). Returns ((N, C) output, (E_l,) rows each local
-    expert computed). Differentiable in x, topk_weights and the weights. ValueError when the EP size
+    expert computed; also kept under `label` for `last_loads`). Differentiable in x, topk_weights and the
+    weights. ValueError when the EP size
     does not divide num_experts or the local weights are not E / ep experts."""
     group = _group(axis)
     size = 1 if group is None else dist.get_world_size(group)
@@ -115,6 +130,8 @@ def ep_moe(
         computed, counts = _experts(received, expert_of_row, w_gate, w_up, w_down)
         out_rows = rows.new_empty((rows.shape[0], w_down.shape[1]))
         out_rows = all_to_all_single(out_rows, computed.contiguous(), send_splits, recv_splits, group=group)
+    if label:
+        _LOADS[label] = counts.tolist()
     weighted = out_rows * topk_weights.reshape(-1)[order].unsqueeze(-1).to(out_rows.dtype)
     out = x.new_zeros((n, w_down.shape[1])).index_add(0, token, weighted)
     return out, counts

@@ -10,7 +10,9 @@ The one sequence every caller uses (`planner optimize --emit`, `--run`, the pipe
    all-reduce);
 2. context parallelism when `plan.cp` > 1 (`passes.cp_lower.apply_context_parallel`): the token
    inputs cut to this rank's tokens of each sequence, attention replaced by the plan's
-   `cp_comm_type` kernel, sharded outputs gathered whole;
+   `cp_comm_type` kernel, sharded outputs gathered whole; then expert parallelism when `plan.ep` > 1
+   (`passes.ep_lower.apply_expert_parallel`): each MoE block's experts split over the EP ranks, tokens
+   dispatched and combined by all-to-all;
 3. ladder residual on the plan's `ladder_layers` (`passes.ladder.apply_ladder`), then, with
    `plan.tp_comm_overlap`, each TP block's collectives cut into chunks that overlap its GEMMs
    (`passes.tp_overlap.apply_tp_overlap`);
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from passes.cp_lower import CpLowering, apply_context_parallel
+from passes.ep_lower import EpLowering, apply_expert_parallel
 from passes.ladder import apply_ladder, ladder_residual_adds
 from passes.pipeline import split_stages, stage_of_layers, tied_parameters
 from passes.recompute import RecomputedRegion, apply_recompute, mark_attention_cores, recompute_of_layers
@@ -64,6 +67,7 @@ class RankLowering:
     sequence_parallel: bool = False  # the TP pass kept the stream sharded along the sequence
     recomputed: list[RecomputedRegion] = field(default_factory=list)  # training: regions re-run in backward
     context_parallel: CpLowering | None = None  # what the CP pass did (plan.cp > 1)
+    expert_parallel: EpLowering | None = None  # what the EP pass did (plan.ep > 1)
 
 
 def stream_output_weights(structure: ModelStructure) -> frozenset[str]:
@@ -121,6 +125,10 @@ def lower_for_rank(
         cp_lowering = apply_context_parallel(
             gm, plan.cp, plan.seq_len, plan.cp_comm_type, plan.cp_load_balance, training=training
         )
+    ep_lowering = None
+    if plan.ep > 1:
+        ep_rank = (dp_rank * plan.cp + plan.mesh.cp_rank(rank)) % plan.ep
+        ep_lowering = apply_expert_parallel(gm, structure, plan.ep, ep_rank)
     apply_ladder(gm, ladder_residual_adds(structure, plan.ladder_layers))
     if plan.tp_comm_overlap and plan.tp > 1:
         apply_tp_overlap(gm, plan.tp, {name for layer in structure.layers for name in layer.nodes})
@@ -137,6 +145,7 @@ def lower_for_rank(
     return RankLowering(
         chunks[0], rank, dp_rank, pp_rank, tp_rank, plan.pp, tied, chunks,
         sequence_parallel=sequence_parallel, recomputed=recomputed, context_parallel=cp_lowering,
+        expert_parallel=ep_lowering,
     )  # fmt: skip
 
 

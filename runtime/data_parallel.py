@@ -39,6 +39,7 @@ from torch import nn
 from costmodels.memory import DataParallel
 from passes import dp_overlap
 from passes.fsdp import Bucket, FsdpRuntime, fsdp_layout, make_buckets, unit_of
+from planner.errors import InputError
 
 BatchDims = Sequence[int | None]  # per tensor input (flat_inputs order): its batch dim, or None
 
@@ -117,6 +118,28 @@ def average_parameter_gradients(params: Sequence[torch.Tensor], group: dist.Proc
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=group)
         flat /= dp
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def reduce_expert_gradients(
+    params: Sequence[torch.Tensor], group: dist.ProcessGroup | None, divisor: int
+) -> None:
+    """Expert parameters under expert parallelism (`passes.ep_lower`): each gradient already sums the
+    contributions of every EP rank's tokens, so it is summed over the expert data-parallel group (the
+    ranks holding the same experts; None: none) and divided by all dp x cp ranks (`divisor`), the mean
+    the dense parameters get (Megatron-Core scales its expert gradients the same way)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in _unique(params):
+        if p.grad is not None:
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if group is not None:
+            dist.all_reduce(flat, group=group)
+        flat /= divisor
         offset = 0
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
@@ -236,10 +259,14 @@ class ReplicatedAdam(_OverlappedReduce, _AdamOnRanks):
         self, params: Sequence[torch.Tensor], group: dist.ProcessGroup, dp: int, lr: float = 1e-3, *,
         named: Sequence[tuple[str, torch.Tensor]] | None = None, units: Sequence[str] = (),
         overlap_grad_reduce: bool = False, micro_batches: int = 1, hook_divisor: int | None = None,
-        deferred: set[int] = frozenset(),
+        deferred: set[int] = frozenset(), expert: Sequence[torch.Tensor] = (),
+        expert_group: dist.ProcessGroup | None = None,
     ):  # fmt: skip
         self.params = [p for p in _unique(params) if p.requires_grad]
         self.group, self.dp = group, dp
+        # expert parallelism: the experts' gradients are reduced over the expert data-parallel group
+        self.expert, self.expert_group = [p for p in _unique(expert) if p.requires_grad], expert_group
+        expert_ids = {id(p) for p in self.expert}
         # mixed precision, as the memory model prices it: 16-bit parameters are stepped through fp32
         # master copies (Adam's moments follow their dtype), then copied back
         self._masters = {id(p): p.detach().float().clone() for p in self.params if p.dtype in HALF_DTYPES}
@@ -250,6 +277,7 @@ class ReplicatedAdam(_OverlappedReduce, _AdamOnRanks):
         self.events: list[tuple[str, str]] = []
         overlap = overlap_grad_reduce and dp > 1
         pairs = _named_trainable(named, self.params) if overlap else []
+        pairs = [(fqn, p) for fqn, p in pairs if id(p) not in expert_ids]
         self.buckets = make_buckets(pairs, units, 1)
         by_fqn = dict(pairs)
         self._members = [[by_fqn[p.fqn] for p in b.params] for b in self.buckets]
@@ -275,11 +303,17 @@ class ReplicatedAdam(_OverlappedReduce, _AdamOnRanks):
     def reduce_gradients(self) -> None:
         """Every parameter's gradient becomes the mean over the replicas: one all-reduce per dtype, or
         with overlap_grad_reduce wait for the buckets' (issuing any the backward did not)."""
+        expert_ids = {id(p) for p in self.expert}
+        dense = [p for p in self.params if id(p) not in expert_ids]
         if self.overlap_grad_reduce:
             self._finish_overlapped()
         elif self.dp > 1:
-            self.counts["all_reduce"] += len({p.grad.dtype for p in self.params if p.grad is not None})
-            average_parameter_gradients(self.params, self.group, self.dp)
+            self.counts["all_reduce"] += len({p.grad.dtype for p in dense if p.grad is not None})
+            average_parameter_gradients(dense, self.group, self.dp)
+        if self.expert:
+            if self.expert_group is not None:
+                self.counts["all_reduce"] += len({p.grad.dtype for p in self.expert if p.grad is not None})
+            reduce_expert_gradients(self.expert, self.expert_group, self.dp)
         self._reduced = True
 
     def zero_grad(self) -> None:
@@ -1159,6 +1193,19 @@ def build_plan_optimizer(
         optimizer = Zero2Adam(
             module, units, groups.group("dp_cp"), plan.mesh.dp_cp, groups.dp_cp_rank,
             overlap_grad_reduce=plan.overlap_grad_reduce, overlap_param_gather=plan.overlap_param_gather,
+        )  # fmt: skip
+    elif getattr(plan, "ep", 1) > 1:
+        if style is not DataParallel.DDP:
+            raise InputError(
+                f"expert parallelism (ep={plan.ep}) runs with dp_style ddp; {style} keeps one shard of each "
+                "parameter per data-parallel rank, which the experts' own groups do not; set dp_style: ddp"
+            )
+        names = set(getattr(module, "meta", {}).get("ep_params", ()))
+        named = list(module.named_parameters())
+        optimizer = ReplicatedAdam(
+            [p for _, p in named], groups.group("dp_cp"), plan.mesh.dp_cp, named=named, units=units,
+            overlap_grad_reduce=plan.overlap_grad_reduce, expert=[p for n, p in named if n in names],
+            expert_group=groups.group("edp"),
         )  # fmt: skip
     else:
         optimizer = build_optimizer(

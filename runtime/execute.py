@@ -59,7 +59,13 @@ from runtime.reference import (
     shared_reference,
     update_snapshot,
 )
-from runtime.run_mode import dropout_note, lowering_notes, seed_dropout_rng, set_run_mode
+from runtime.run_mode import (
+    dropout_note,
+    expert_load_notes_of,
+    lowering_notes,
+    seed_dropout_rng,
+    set_run_mode,
+)
 
 
 def run_rank(ctx: RankContext, job: RunJob) -> RankReport:
@@ -152,6 +158,7 @@ def _run_sharded_rank(
             with torch.no_grad():
                 outs = all_outputs(gm(*inputs))
             compare_outputs(outs, want, reference, setup, report)
+            report.notes += expert_load_notes_of(gm, ctx.rank)
             if job.return_output:
                 report.output = outs[0].cpu()
 
@@ -199,6 +206,7 @@ def _training_step(
         replica_outs = _joined(outs, want, plan.dp * m)
         if replica_outs is not None:
             compare_outputs(replica_outs, want, reference, setup, report)
+        report.notes += expert_load_notes_of(gm, report.rank)
         # its own memory: a view of the mapped outputs file would keep it mapped through the timed steps
         target_full = want.read("target").to(outs[0][0].device, copy=True)
         targets = []

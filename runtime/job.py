@@ -155,7 +155,9 @@ def set_up_rank(ctx: RankContext, job: RunJob) -> RankSetup:
     groups = build_rank_groups(plan.mesh, ctx.device.type, dp_shard, plan.ep)
     collectives.register_group("tp", groups.group("tp"))
     collectives.register_group("cp", groups.group("cp"))  # context-parallel attention (passes.cp_lower)
-    collectives.register_group("ep", groups.group("ep"))  # expert parallelism's all-to-alls (passes.expert_parallel)
+    collectives.register_group(
+        "ep", groups.group("ep")
+    )  # expert parallelism's all-to-alls (passes.expert_parallel)
     for axis in DP_AXES:  # fsdp's gathers (passes.fsdp) run on these
         collectives.register_group(axis, groups.group(axis))
     model_file = load_model_file(job.model_path)

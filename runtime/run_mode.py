@@ -29,7 +29,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from costmodels.dtypes import torch_dtype
-from passes import collectives
+from passes import collectives, expert_parallel
 from passes.lower import RankLowering
 from passes.recompute import recompute_note
 from passes.rng import SHARDED_SEED_OFFSET, dropout_nodes, seed_sharded_rng
@@ -126,6 +126,16 @@ def check_plan_runs(plan: Plan, workload: str) -> None:
         )
 
 
+def expert_load_notes_of(gm: nn.Module, rank: int) -> list[str]:
+    """Under expert parallelism (`gm` lowered by `passes.ep_lower`), the rows each of this rank's experts
+    computed in the last forward (`passes.expert_parallel.last_loads`), one line per rank; [] otherwise."""
+    loads = expert_parallel.last_loads()
+    if not loads or "ep_params" not in getattr(gm, "meta", {}):
+        return []
+    per_block = "; ".join(f"{block}: {rows}" for block, rows in loads.items())
+    return [f"tokens per expert on rank {rank} (token x choice rows its experts computed): {per_block}"]
+
+
 def lowering_notes(plan: Plan, lowered: RankLowering, training: bool) -> list[str]:
     """The run report's notes on the plan's training-at-scale settings as this rank ran them: sequence
     parallelism (with the collectives the rewritten forward calls) and activation recomputation (which
@@ -160,6 +170,13 @@ def lowering_notes(plan: Plan, lowered: RankLowering, training: bool) -> list[st
             f"{cp.variant} context-parallel attention; {len(cp.sliced)} input(s) / table(s) cut to the rank's "
             f"positions; {cp.gathered_outputs} output(s) gathered whole"
             + (f"; gathered for ops without a rule: {', '.join(cp.fallbacks)}" if cp.fallbacks else "")
+        )
+    ep = lowered.expert_parallel
+    if ep is not None and ep.ep > 1:
+        notes.append(
+            f"expert parallelism applied: {len(ep.blocks)} MoE block(s) with their experts split over {ep.ep} "
+            f"ranks (this rank holds experts {ep.experts[0]}-{ep.experts[-1]}); tokens dispatched to their "
+            "experts and combined back by all-to-all, dropless"
         )
     asked = any(Recompute(v) is not Recompute.NONE for v in plan.recompute.values())
     if lowered.recomputed:

@@ -1,0 +1,214 @@
+"""Expert-parallel rewrite: each MoE block of one rank's graph runs its experts split over the EP ranks.
+
+    apply_expert_parallel(gm, structure, ep, ep_rank) -> EpLowering
+
+Input: a captured graph and its analysis (`planner.frontend.analysis.analyse`: `Layer.moe`, found by
+`planner.frontend.moe`), after the tensor-parallel pass (which keeps the router and the experts
+replicated). For every MoE block the model's own routing is kept (router, score function, bias,
+group limit, top-k, the weights' normalisation: whatever the model computes) and what follows it is
+replaced: the routed experts' computation from the top-k to the combine (`MoE.combine_node`, where
+the routed outputs are one (N, H) row per token again) becomes one call of
+`passes.expert_parallel.ep_moe` on the block's tokens (the router's input, (N, H)), the chosen expert
+ids (N, k) and the weights the model combines with (N, k): tokens go to the ranks holding their
+experts and back by all-to-all, dropless.
+
+This rank keeps experts ep_rank * E/ep .. (ep_rank + 1) * E/ep - 1: a stacked expert weight (E, a, b)
+becomes its (E/ep, a, b) slice under the same name (recorded in `gm.meta["ep_shards"]`, which
+`passes.tensor_parallel.read_local_shards` reads to load the slice), a ModuleList's experts other
+than this rank's are removed from the module. The experts must be SwiGLU MLPs (gate through SiLU,
+times up, then down: Mixtral, Qwen-MoE, DeepSeek, gpt-fast's and torchtitan's MoE); another expert
+form is refused with an InputError naming the block.
+
+Gradients (training): an expert's weights live on one rank of each EP group and their gradients sum
+the contributions of every EP rank's tokens (the dispatch all-to-all's backward); the runtime reduces
+them over the expert data-parallel ranks ("edp") and divides by all dp x cp ranks
+(`runtime.data_parallel`).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from passes.expert_parallel import ep_moe, local_experts, reset_loads
+from planner.errors import InputError
+from planner.frontend.analysis import ModelStructure
+from planner.frontend.moe import ExpertWeight, MoE
+from planner.frontend.roles import Role
+
+__all__ = ["AXIS", "EP_PARAMS_META", "EP_SHARDS_META", "EpLowering", "apply_expert_parallel"]
+
+AXIS = "ep"  # the mesh axis the runtime registers (`passes.collectives.register_group`)
+EP_SHARDS_META = "ep_shards"  # gm.meta key: {parameter FQN: (ep_rank, ep)}: its dim-0 slice is loaded
+EP_PARAMS_META = (
+    "ep_params"  # gm.meta key: FQNs of the expert parameters this rank holds (reduced over "edp")
+)
+
+
+@dataclass
+class EpLowering:
+    """What the expert-parallel pass did to one rank's graph."""
+
+    ep: int
+    ep_rank: int
+    blocks: list[str] = field(default_factory=list)  # MoE module paths rewritten
+    experts: list[int] = field(default_factory=list)  # the experts this rank holds (in every block)
+
+
+def apply_expert_parallel(gm: fx.GraphModule, structure: ModelStructure, ep: int, ep_rank: int) -> EpLowering:
+    """Rewrite every MoE block of `gm` in place for EP rank `ep_rank` of `ep` (module docstring).
+
+    Raises InputError when ep does not divide a block's experts or a block's experts are not SwiGLU
+    MLPs, naming the block and what would work."""
+    result = EpLowering(ep, ep_rank)
+    if ep == 1:
+        return result
+    shards: dict[str, tuple[int, int]] = gm.meta.setdefault(EP_SHARDS_META, {})
+    reset_loads()
+    for layer in structure.layers:
+        moe = layer.moe
+        if moe is None:
+            continue
+        if moe.num_experts % ep:
+            raise InputError(
+                f"expert parallelism ep={ep} cannot split the {moe.num_experts} experts of {moe.module_path} "
+                f"evenly; use an ep that divides {moe.num_experts}"
+            )
+        mine = local_experts(moe.num_experts, ep, ep_rank)
+        result.experts = list(mine)
+        _rewrite_block(gm, moe, mine, ep, ep_rank, shards)
+        result.blocks.append(moe.module_path)
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    _drop_unused_experts(gm, structure)
+    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    gm.meta[EP_PARAMS_META] = sorted(
+        fqn
+        for layer in structure.layers
+        if layer.moe is not None
+        for w in layer.moe.experts
+        for fqn in [*w.weights, *w.biases]
+        if fqn in used
+    )
+    return result
+
+
+def _rewrite_block(
+    gm: fx.GraphModule, moe: MoE, mine: range, ep: int, ep_rank: int, shards: dict[str, tuple[int, int]]
+) -> None:
+    graph = gm.graph
+    nodes = {n.name: n for n in graph.nodes}
+    where = f"the MoE block {moe.module_path}"
+    if moe.combine_node is None or moe.combine_node not in nodes:
+        raise InputError(f"expert parallelism: {where} has no combine the planner found; plan it with --ep 1")
+    combine = nodes[moe.combine_node]
+    router = nodes[moe.router.node]
+    x = router.args[0]
+    tokens, hidden = tuple(x.meta["val"].shape)
+    if not any(nodes[n].target is torch.ops.aten.silu.default for n in moe.expert_nodes if n in nodes):
+        raise InputError(
+            f"expert parallelism: {where}'s experts are not SwiGLU MLPs (no SiLU between their gate and "
+            "down projections); expert parallelism runs SwiGLU experts; plan it with --ep 1"
+        )
+    ids, weights = _routing(combine, tokens, moe.top_k)
+    if ids is None or weights is None:
+        raise InputError(
+            f"expert parallelism: the expert ids and combine weights ({tokens}, {moe.top_k}) of {where} were "
+            "not found before its combine; plan it with --ep 1"
+        )
+    by_role = {w.role: w for w in moe.experts}
+    with graph.inserting_before(combine):
+        if Role.EXPERT_GATE_UP in by_role:
+            fused = _local_weight(gm, by_role[Role.EXPERT_GATE_UP], mine, ep, ep_rank, shards)
+            size = by_role[Role.EXPERT_GATE_UP].parts[0] if by_role[Role.EXPERT_GATE_UP].parts else None
+            if size is None:
+                raise InputError(f"expert parallelism: {where}'s fused gate-and-up weight has no parts")
+            gate = graph.call_function(torch.ops.aten.slice.Tensor, (fused, 1, 0, size))
+            up = graph.call_function(torch.ops.aten.slice.Tensor, (fused, 1, size, 2 * size))
+        else:
+            gate = _local_weight(gm, by_role[Role.EXPERT_GATE], mine, ep, ep_rank, shards)
+            up = _local_weight(gm, by_role[Role.EXPERT_UP], mine, ep, ep_rank, shards)
+        down = _local_weight(gm, by_role[Role.EXPERT_DOWN], mine, ep, ep_rank, shards)
+        call = graph.call_function(
+            ep_moe, (x, ids, weights, gate, up, down, moe.num_experts, AXIS, moe.module_path)
+        )
+        out = graph.call_function(operator.getitem, (call, 0))
+    out.meta["val"] = combine.meta["val"]
+    combine.replace_all_uses_with(out)
+
+
+def _routing(combine: fx.Node, tokens: int, top_k: int) -> tuple[fx.Node | None, fx.Node | None]:
+    """The last integer and the last floating (tokens, top_k) values the combine depends on: the
+    chosen expert ids and the weights the model combines with."""
+    seen: set[fx.Node] = set()
+    stack = [combine]
+    found: list[fx.Node] = []
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and tuple(val.shape) == (tokens, top_k):
+            found.append(node)
+        stack.extend(node.all_input_nodes)
+    order = {n: i for i, n in enumerate(combine.graph.nodes)}
+    found.sort(key=order.__getitem__)
+    ints = [n for n in found if not n.meta["val"].is_floating_point()]
+    floats = [n for n in found if n.meta["val"].is_floating_point()]
+    return (ints[-1] if ints else None), (floats[-1] if floats else None)
+
+
+def _local_weight(
+    gm: fx.GraphModule,
+    w: ExpertWeight,
+    mine: range,
+    ep: int,
+    ep_rank: int,
+    shards: dict[str, tuple[int, int]],
+) -> fx.Node:
+    """A node holding this rank's experts of `w` as (E/ep, out, in): a stacked weight's slice (the
+    parameter replaced by it), or a ModuleList's local experts stacked."""
+    graph = gm.graph
+    if w.stacked:
+        (fqn,) = w.weights
+        owner_path, _, leaf = fqn.rpartition(".")
+        owner = gm.get_submodule(owner_path) if owner_path else gm
+        full = owner._parameters[leaf]
+        local = (
+            full.detach()[mine.start : mine.stop].clone() if full.device.type != "meta" else full[: len(mine)]
+        )
+        owner._parameters[leaf] = torch.nn.Parameter(local, requires_grad=full.requires_grad)
+        shards[fqn] = (ep_rank, ep)
+        node = graph.get_attr(fqn)
+    else:
+        node = graph.call_function(
+            torch.ops.aten.stack.default, ([graph.get_attr(w.weights[e]) for e in mine],)
+        )
+    if w.weight_out_dim == 1:  # stored (in, out), as torchtitan's (E, H, I)
+        node = graph.call_function(torch.ops.aten.transpose.int, (node, 1, 2))
+    return node
+
+
+def _drop_unused_experts(gm: fx.GraphModule, structure: ModelStructure) -> None:
+    """Remove parameters no node reads any more (a ModuleList's other experts) from the module."""
+    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    for layer in structure.layers:
+        if layer.moe is None:
+            continue
+        for w in layer.moe.experts:
+            if w.stacked:
+                continue
+            for fqn in w.weights:
+                if fqn in used:
+                    continue
+                owner_path, _, leaf = fqn.rpartition(".")
+                try:
+                    owner = gm.get_submodule(owner_path) if owner_path else gm
+                except AttributeError:
+                    continue
+                owner._parameters.pop(leaf, None)

@@ -1,0 +1,160 @@
+"""Expert parallelism run as the plan says it: the lowering (`passes.ep_lower`) on gloo ranks against the
+unsharded model.
+
+Two launches (2 gloo ranks, 4 gloo ranks) run the plan's own checked run (`runtime.execute.run_rank`:
+outputs, MSE loss, every gradient after the reduction - dense parameters averaged over dp, experts
+summed over their expert data-parallel ranks and divided by dp - and the first Adam step) for each
+layout in turn. Models: tests/models/tiny_moe_modulelist.py (8 SwiGLU experts in a ModuleList, top-2,
+a shared expert), tiny_moe_gptfast.py (4 stacked experts, gpt-fast's form) and tiny_mixtral.py (Hugging
+Face Mixtral, 4 stacked experts with a fused gate-and-up weight). One job runs with the experts'
+gradients averaged over the EP ranks like the dense ones (wrong): its check must fail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+from passes.ep_lower import apply_expert_parallel
+from planner.errors import InputError
+from planner.frontend.analysis import analyse
+from planner.frontend.capture import capture
+from planner.frontend.modelfile import load_model_file
+from planner.plan import MeshShape
+from runtime import data_parallel
+from runtime.execute import run_rank
+from runtime.job import RunJob, summarise
+from runtime.launch import RankContext, launch
+from runtime.numerics import check_failures
+from tests.plans import fixed_plan
+
+MODELS = Path(__file__).resolve().parent / "models"
+MODULELIST, GPTFAST, MIXTRAL = "tiny_moe_modulelist.py", "tiny_moe_gptfast.py", "tiny_mixtral.py"
+SEQ = 8
+
+
+def _plan(model: str, tp: int, dp: int, ep: int, workload: str = "train", batch: int = 4, **kw):
+    model_file = load_model_file(MODELS / model)
+    args, kwargs = model_file.inputs(batch, SEQ)
+    structure = analyse(capture(model_file.build("meta"), args, kwargs))
+    plan = fixed_plan(structure, str(MODELS / model), tp, workload=workload)
+    return dataclasses.replace(plan, mesh=MeshShape(tp, 1, dp), ep=ep, **kw)
+
+
+def _job(plan, model: str) -> RunJob:
+    return RunJob(
+        str(MODELS / model), plan.to_dict(), batch_size=plan.batch_size, seq_len=plan.seq_len,
+        workload=str(plan.workload), warmup=0, iters=1,
+    )  # fmt: skip
+
+
+def _averaged(params, group, divisor):  # wrong: the experts' gradients averaged over their EP ranks
+    return data_parallel.average_parameter_gradients(params, group, divisor)
+
+
+def run_labelled(ctx: RankContext, jobs: list[tuple[str, RunJob, bool]]) -> dict:
+    out = {}
+    for label, job, wrong in jobs:
+        if wrong:
+            with mock.patch.object(data_parallel, "reduce_expert_gradients", _averaged):
+                out[label] = run_rank(ctx, job)
+        else:
+            out[label] = run_rank(ctx, job)
+    return out
+
+
+TWO_RANK = {  # label: (model, plan kwargs)
+    "ep2_modulelist": (MODULELIST, dict(tp=1, dp=2, ep=2)),
+    "ep2_gptfast": (GPTFAST, dict(tp=1, dp=2, ep=2)),
+    "ep2_mixtral": (MIXTRAL, dict(tp=1, dp=2, ep=2)),
+    "ep2_modulelist_forward": (MODULELIST, dict(tp=1, dp=2, ep=2, workload="forward")),
+}
+FOUR_RANK = {
+    "tp2_ep2_modulelist": (MODULELIST, dict(tp=2, dp=2, ep=2)),
+    "ep4_modulelist": (MODULELIST, dict(tp=1, dp=4, ep=4, batch=8)),
+    "ep2_dp4_mixtral": (MIXTRAL, dict(tp=1, dp=4, ep=2, batch=8)),
+}
+WRONG = {"ep2_averaged": (MODULELIST, dict(tp=1, dp=2, ep=2))}
+
+
+def _launch(layouts: dict, wrong: dict, nproc: int) -> dict:
+    plans = {label: (model, _plan(model, **kw)) for label, (model, kw) in {**layouts, **wrong}.items()}
+    jobs = [(label, _job(plan, model), label in wrong) for label, (model, plan) in plans.items()]
+    reports = launch(run_labelled, jobs, nproc=nproc, timeout_s=600)
+    return {label: (plans[label][1], summarise([r[label] for r in reports])) for label, *_ in jobs}
+
+
+@pytest.fixture(scope="module")
+def two_rank() -> dict:
+    return _launch(TWO_RANK, WRONG, 2)
+
+
+@pytest.fixture(scope="module")
+def four_rank() -> dict:
+    return _launch(FOUR_RANK, {}, 4)
+
+
+def _assert_matches(label: str, plan, summary: dict) -> None:
+    n = summary["numerics"]
+    assert not check_failures(n), (label, check_failures(n))
+    assert n["outputs"] and all(o["max_abs_diff"] is not None for o in n["outputs"]), (label, n)
+    if str(plan.workload) == "train":
+        assert n["loss_diff"] <= n["tolerance_rel"] * n["loss_scale"], (label, n)
+        assert all(r["grads_compared"] > 0 for r in summary["ranks"]), label
+        assert n["update_max_abs_diff"] is not None and n["update_max_abs_diff"] <= n["update_tolerance"], (
+            label
+        )
+
+
+@pytest.mark.slow
+def test_ep2_matches_the_unsharded_model(two_rank: dict) -> None:
+    for label in TWO_RANK:
+        _assert_matches(label, *two_rank[label])
+
+
+@pytest.mark.slow
+def test_ep_with_tp_and_over_more_ranks_matches_the_unsharded_model(four_rank: dict) -> None:
+    for label in FOUR_RANK:
+        _assert_matches(label, *four_rank[label])
+
+
+@pytest.mark.slow
+def test_expert_gradients_averaged_like_dense_ones_fail_the_check(two_rank: dict) -> None:
+    plan, summary = two_rank["ep2_averaged"]
+    failures = check_failures(summary["numerics"])
+    assert any(line.startswith("gradients") for line in failures), failures
+
+
+def test_the_pass_keeps_this_ranks_experts_and_the_models_routing() -> None:
+    model_file = load_model_file(MODELS / MODULELIST)
+    gm = capture(model_file.build("meta"), *model_file.inputs(2, SEQ))
+    structure = analyse(gm)
+    done = apply_expert_parallel(gm, structure, 2, 1)
+    assert done.experts == [4, 5, 6, 7] and len(done.blocks) == len(structure.layers)
+    names = dict(gm.named_parameters())
+    assert (
+        "layers.0.mlp.experts.4.gate_proj.weight" in names
+        and "layers.0.mlp.experts.0.gate_proj.weight" not in names
+    )
+    assert "layers.0.mlp.gate.weight" in names  # the router stays, replicated
+    assert any(
+        n.target is __import__("passes.expert_parallel").expert_parallel.ep_moe for n in gm.graph.nodes
+    )
+
+
+def test_an_ep_that_does_not_divide_the_experts_is_refused() -> None:
+    model_file = load_model_file(MODELS / GPTFAST)
+    gm = capture(model_file.build("meta"), *model_file.inputs(2, SEQ))
+    with pytest.raises(InputError, match=r"ep=8 cannot split the 4 experts"):
+        apply_expert_parallel(gm, analyse(gm), 8, 0)
+
+
+@pytest.mark.slow
+def test_tokens_per_expert_are_reported_per_rank(two_rank: dict) -> None:
+    plan, summary = two_rank["ep2_modulelist"]
+    lines = [n for n in summary["measured"]["notes"] if n.startswith("tokens per expert on rank")]
+    assert len(lines) == 2 and all("layers.0.mlp: [" in line for line in lines), lines
+    assert any("expert parallelism applied" in n for n in summary["measured"]["notes"])
