@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from passes.expert_parallel import ep_moe, local_experts, reset_loads
+from passes.expert_parallel import ep_moe, ep_moe_replicated, local_experts, reset_loads
 from planner.errors import InputError
 from planner.frontend.analysis import ModelStructure
 from planner.frontend.moe import ExpertWeight, MoE
@@ -56,14 +56,19 @@ class EpLowering:
     ep_rank: int
     blocks: list[str] = field(default_factory=list)  # MoE module paths rewritten
     experts: list[int] = field(default_factory=list)  # the experts this rank holds (in every block)
+    fold: str = "dp"  # `planner.plan.Plan.ep_fold`
 
 
-def apply_expert_parallel(gm: fx.GraphModule, structure: ModelStructure, ep: int, ep_rank: int) -> EpLowering:
+def apply_expert_parallel(
+    gm: fx.GraphModule, structure: ModelStructure, ep: int, ep_rank: int, fold: str = "dp"
+) -> EpLowering:
     """Rewrite every MoE block of `gm` in place for EP rank `ep_rank` of `ep` (module docstring).
+    fold: "dp" (the EP ranks hold different tokens: `ep_moe`, all-to-all on the "ep" axis) or "tp" (the
+    TP ranks, holding the same tokens: `ep_moe_replicated`, an all-reduce on the "tp" axis).
 
     Raises InputError when ep does not divide a block's experts or a block's experts are not SwiGLU
     MLPs, naming the block and what would work."""
-    result = EpLowering(ep, ep_rank)
+    result = EpLowering(ep, ep_rank, fold=fold)
     if ep == 1:
         return result
     shards: dict[str, tuple[int, int]] = gm.meta.setdefault(EP_SHARDS_META, {})
@@ -79,7 +84,7 @@ def apply_expert_parallel(gm: fx.GraphModule, structure: ModelStructure, ep: int
             )
         mine = local_experts(moe.num_experts, ep, ep_rank)
         result.experts = list(mine)
-        _rewrite_block(gm, moe, mine, ep, ep_rank, shards)
+        _rewrite_block(gm, moe, mine, ep, ep_rank, shards, fold)
         result.blocks.append(moe.module_path)
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
@@ -98,7 +103,13 @@ def apply_expert_parallel(gm: fx.GraphModule, structure: ModelStructure, ep: int
 
 
 def _rewrite_block(
-    gm: fx.GraphModule, moe: MoE, mine: range, ep: int, ep_rank: int, shards: dict[str, tuple[int, int]]
+    gm: fx.GraphModule,
+    moe: MoE,
+    mine: range,
+    ep: int,
+    ep_rank: int,
+    shards: dict[str, tuple[int, int]],
+    fold: str,
 ) -> None:
     graph = gm.graph
     nodes = {n.name: n for n in graph.nodes}
@@ -133,10 +144,12 @@ def _rewrite_block(
             gate = _local_weight(gm, by_role[Role.EXPERT_GATE], mine, ep, ep_rank, shards)
             up = _local_weight(gm, by_role[Role.EXPERT_UP], mine, ep, ep_rank, shards)
         down = _local_weight(gm, by_role[Role.EXPERT_DOWN], mine, ep, ep_rank, shards)
-        call = graph.call_function(
-            ep_moe, (x, ids, weights, gate, up, down, moe.num_experts, AXIS, moe.module_path)
-        )
-        out = graph.call_function(operator.getitem, (call, 0))
+        if fold == "tp":
+            args = (x, ids, weights, gate, up, down, moe.num_experts, "tp", moe.module_path)
+            out = graph.call_function(ep_moe_replicated, args)
+        else:
+            args = (x, ids, weights, gate, up, down, moe.num_experts, AXIS, moe.module_path)
+            out = graph.call_function(operator.getitem, (graph.call_function(ep_moe, args), 0))
     out.meta["val"] = combine.meta["val"]
     combine.replace_all_uses_with(out)
 

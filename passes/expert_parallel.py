@@ -32,7 +32,7 @@ from torch.distributed.nn.functional import all_to_all_single
 
 from passes.collectives import _group
 
-__all__ = ["ep_moe", "last_loads", "local_experts", "reset_loads"]
+__all__ = ["ep_moe", "ep_moe_replicated", "last_loads", "local_experts", "reset_loads"]
 
 _LOADS: dict[str, list[int]] = {}  # block label -> rows each local expert computed in its last call
 
@@ -135,3 +135,46 @@ def ep_moe(
     weighted = out_rows * topk_weights.reshape(-1)[order].unsqueeze(-1).to(out_rows.dtype)
     out = x.new_zeros((n, w_down.shape[1])).index_add(0, token, weighted)
     return out, counts
+
+
+def ep_moe_replicated(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    num_experts: int,
+    axis: str,
+    label: str = "",
+) -> torch.Tensor:
+    """A MoE layer with the experts split over ranks that hold the same tokens (the TP ranks, whose
+    stream is replicated: vLLM's `--enable-expert-parallel` at data-parallel size 1): each rank runs its
+    experts on every token routed to them, weighs and sums their outputs into an (N, C) partial result,
+    and one all-reduce over `axis` adds the ranks' parts. No token moves. Shapes as `ep_moe`; returns
+    the (N, C) output. Under autograd x and topk_weights enter through `tp_copy` (their gradients are
+    partial on each rank and summed over the axis), and the all-reduce's backward is the identity
+    (Megatron's f and g, `passes.collectives`)."""
+    from passes.collectives import tp_all_reduce, tp_copy  # noqa: PLC0415 - same package, no cycle
+
+    group = _group(axis)
+    size = 1 if group is None else dist.get_world_size(group)
+    rank = 0 if group is None else dist.get_rank(group)
+    experts = local_experts(num_experts, size, rank)
+    if w_gate.shape[0] != len(experts):
+        raise ValueError(
+            f"rank {rank} of {size} EP ranks holds {len(experts)} of {num_experts} experts but got weights "
+            f"for {w_gate.shape[0]}"
+        )
+    x, topk_weights = tp_copy(x, axis), tp_copy(topk_weights, axis)
+    n, k = topk_ids.shape
+    ids = topk_ids.reshape(-1)
+    mine = (ids >= experts.start) & (ids < experts.stop)
+    picked = torch.arange(n * k, device=x.device)[mine]  # static-free indexing: runs eagerly only
+    token = picked // k
+    out_rows, counts = _experts(x[token], ids[picked] - experts.start, w_gate, w_up, w_down)
+    if label:
+        _LOADS[label] = counts.tolist()
+    weighted = out_rows * topk_weights.reshape(-1)[picked].unsqueeze(-1).to(out_rows.dtype)
+    partial = x.new_zeros((n, w_down.shape[1])).index_add(0, token, weighted)
+    return tp_all_reduce(partial, axis)

@@ -126,7 +126,9 @@ def lower_for_rank(
             gm, plan.cp, plan.seq_len, plan.cp_comm_type, plan.cp_load_balance, training=training
         )
     ep_lowering = None
-    if plan.ep > 1:
+    if plan.ep > 1 and plan.ep_fold == "tp":
+        ep_lowering = apply_expert_parallel(gm, structure, plan.ep, tp_rank, fold="tp")
+    elif plan.ep > 1:
         ep_rank = (dp_rank * plan.cp + plan.mesh.cp_rank(rank)) % plan.ep
         ep_lowering = apply_expert_parallel(gm, structure, plan.ep, ep_rank)
     apply_ladder(gm, ladder_residual_adds(structure, plan.ladder_layers))
@@ -178,5 +180,11 @@ def check_runnable(plan: Plan, structure: ModelStructure, training: bool) -> Non
         raise InputError(
             "the plan's fields 'tp_comm_overlap' and 'ladder_layers' cannot both be set: ladder residual "
             "already overlaps its blocks' all-reduces; set tp_comm_overlap: false or ladder_layers: []"
+        )
+    if plan.ep > 1 and plan.ep_fold == "tp" and plan.sequence_parallel and plan.tp > 1:
+        raise InputError(
+            "the plan's fields 'ep_fold' (tp) and 'sequence_parallel' cannot both be set: experts split over "
+            "the TP ranks need the same tokens on every TP rank, which sequence parallelism cuts; set "
+            "sequence_parallel: false or ep_fold: dp"
         )
     recompute_of_layers(structure, plan.recompute)  # raises for keys that name no layer class

@@ -105,6 +105,9 @@ SCHEDULES: tuple[str, ...] = tuple(s.value for s in Schedule)
 DP_STYLES: tuple[str, ...] = tuple(s.value for s in DataParallel)
 # context-parallel attention variants (`Plan.cp_comm_type`; run by `passes.context_parallel`)
 CP_COMM_TYPES: tuple[str, ...] = ("ring", "allgather", "alltoall")
+# where expert parallelism's ranks come from (`Plan.ep_fold`): the dp x cp ranks (tokens move by
+# all-to-all) or the TP ranks (tokens replicated: partial outputs all-reduced)
+EP_FOLDS: tuple[str, ...] = ("dp", "tp")
 
 
 @dataclass(frozen=True)
@@ -418,7 +421,11 @@ class Plan:
     # (pp, tp) coordinate, as Megatron-Core's and torchtitan's experts borrow the data-parallel ranks:
     # ep consecutive ranks of the "dp_cp" group; the expert weights are replicated over dp x cp / ep ranks
     # (the expert data-parallel group, "edp") and over the TP ranks. 1: every rank holds every expert.
+    # ep_fold "tp": the EP group is the TP group instead (ep == tp), whose ranks hold the same tokens:
+    # each runs its experts on every token routed to them and one all-reduce over TP adds the parts, no
+    # token moves (vLLM's --enable-expert-parallel at data-parallel size 1; serving).
     ep: int = 1
+    ep_fold: str = "dp"
     # parameters of the model the plan was made for (0: a plan written before this field): `planner run`
     # refuses a model file whose parameter count differs (it changed since planning)
     model_params: int = 0
@@ -532,6 +539,7 @@ class Plan:
             "cp_comm_type": self.cp_comm_type if self.cp > 1 else "",
             "cp_load_balance": self.cp_load_balance if self.cp > 1 else False,
             "ep": self.ep,
+            "ep_fold": self.ep_fold if self.ep > 1 else "",
         }
 
     def recompute_by_layer(self) -> dict[int, str] | None:
@@ -628,7 +636,7 @@ class Plan:
         else:
             chosen["cp"] = {k: data[k] for k in ("cp_comm_type", "cp_load_balance")}
         if self.ep > 1:
-            chosen["ep"] = self.ep
+            chosen["ep"] = [self.ep, self.ep_fold]
         if data.get("serving"):  # the request served: its prompt, new tokens and caches
             chosen["request"] = {k: data["serving"][k] for k in ("prompt_len", "new_tokens", "cache_len")}
         return hashlib.sha256(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -686,7 +694,15 @@ class Plan:
                 raise bad(name, f"must be >= 1, got {getattr(self, name)}")
         if self.context < 0:
             raise bad("context", f"must be >= 0, got {self.context}")
-        if self.ep < 1 or self.mesh.dp_cp % self.ep:
+        if self.ep_fold not in EP_FOLDS:
+            raise bad("ep_fold", f"{self.ep_fold!r} is not one of {list(EP_FOLDS)}")
+        if self.ep_fold == "tp" and self.ep not in (1, self.mesh.tp):
+            raise bad(
+                "ep",
+                f"is {self.ep} with ep_fold tp: the experts are split over the TP group, so ep must equal "
+                f"mesh.tp={self.mesh.tp}; set ep: {self.mesh.tp} or ep_fold: dp",
+            )
+        if self.ep_fold == "dp" and (self.ep < 1 or self.mesh.dp_cp % self.ep):
             raise bad(
                 "ep",
                 f"is {self.ep}, which does not divide the dp x cp = {self.mesh.dp_cp} ranks the experts are split "

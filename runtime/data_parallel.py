@@ -1205,7 +1205,7 @@ def build_plan_optimizer(
         optimizer = ReplicatedAdam(
             [p for _, p in named], groups.group("dp_cp"), plan.mesh.dp_cp, named=named, units=units,
             overlap_grad_reduce=plan.overlap_grad_reduce, expert=[p for n, p in named if n in names],
-            expert_group=groups.group("edp"),
+            expert_group=groups.group("edp") if plan.ep_fold == "dp" else groups.group("dp_cp"),
         )  # fmt: skip
     else:
         optimizer = build_optimizer(

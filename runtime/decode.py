@@ -59,6 +59,7 @@ from runtime.measure import PROBE_SHARE, Timing, current_memory_bytes, process_p
 from runtime.mesh import build_rank_groups
 from runtime.numerics import all_outputs
 from runtime.reference import WEIGHTS_HELP, shared_reference
+from runtime.run_mode import expert_load_notes_of
 
 # max |sharded - unsharded| logits, relative to the logits' scale, that still counts as equal: a few
 # ulps of the dtype accumulated over the layers (summation order differs under TP)
@@ -364,6 +365,9 @@ def load_rank_state(gm: fx.GraphModule, weights: str, plan: Plan, tp_rank: int, 
             if name in values:
                 continue
             whole = source.read(name)
+            ep_shard = gm.meta.get("ep_shards", {}).get(name)  # this rank's experts (`passes.ep_lower`)
+            if ep_shard is not None and tuple(whole.shape) != tuple(tensor.shape):
+                whole = whole.chunk(ep_shard[1], dim=0)[ep_shard[0]]
             if tuple(whole.shape) != tuple(tensor.shape):
                 whole = self_sharded_piece(whole, tuple(tensor.shape), tp_rank, plan.tp, name)
             values[name] = whole.to(dtype=tensor.dtype).contiguous()
@@ -417,6 +421,11 @@ def run_decode_rank(ctx: RankContext, job: DecodeJob) -> DecodeRankReport:
     """Per-rank entry: compare the rewritten request with the reference's, then time it (module
     docstring). Raises ValueError for a plan with pp > 1 or dp > 1 (the runner refuses those first)."""
     plan = Plan.from_dict(job.plan)
+    if plan.ep > 1 and plan.ep_fold != "tp":
+        raise ValueError(
+            f"decode runs expert parallelism over the TP ranks only (ep_fold tp); the plan folds ep={plan.ep} "
+            "over the data-parallel ranks"
+        )
     if plan.pp > 1 or plan.dp > 1:
         raise ValueError(
             f"decode runs tensor parallelism only (pp=1, dp=1); the plan has {plan.mesh.label()}"
@@ -498,6 +507,12 @@ def _serve_rank(
             else f"the unsharded reference was built on {ref.made_on}: its peak memory includes the whole model"
         ],
     )
+    if plan.ep > 1:
+        report.notes.append(
+            f"expert parallelism applied: each MoE block's {len(gp.meta.get('ep_params', []))} expert weight(s) on "
+            f"this rank hold 1/{plan.ep} of its experts (split over the {plan.ep_fold} ranks); "
+            + (expert_load_notes_of(gd, ctx.rank) or ["no routed tokens recorded"])[0]
+        )
     if job.weights:
         report.notes.append(
             f"parameters read from {', '.join(job.weights)} (cast to the model's dtype where stored otherwise)"

@@ -71,6 +71,8 @@ TWO_RANK = {  # label: (model, plan kwargs)
     "ep2_gptfast": (GPTFAST, dict(tp=1, dp=2, ep=2)),
     "ep2_mixtral": (MIXTRAL, dict(tp=1, dp=2, ep=2)),
     "ep2_modulelist_forward": (MODULELIST, dict(tp=1, dp=2, ep=2, workload="forward")),
+    "ep2_over_tp2_mixtral": (MIXTRAL, dict(tp=2, dp=1, ep=2, ep_fold="tp")),
+    "ep2_over_tp2_gptfast_forward": (GPTFAST, dict(tp=2, dp=1, ep=2, ep_fold="tp", workload="forward")),
 }
 FOUR_RANK = {
     "tp2_ep2_modulelist": (MODULELIST, dict(tp=2, dp=2, ep=2)),
@@ -158,3 +160,19 @@ def test_tokens_per_expert_are_reported_per_rank(two_rank: dict) -> None:
     lines = [n for n in summary["measured"]["notes"] if n.startswith("tokens per expert on rank")]
     assert len(lines) == 2 and all("layers.0.mlp: [" in line for line in lines), lines
     assert any("expert parallelism applied" in n for n in summary["measured"]["notes"])
+
+
+@pytest.mark.slow
+def test_a_served_moe_decodes_the_same_tokens_with_experts_split_over_tp() -> None:
+    """tests/models/tiny_mixtral_kv.py served at TP2 with its 4 experts split over the 2 TP ranks (ep 2,
+    ep_fold tp: vLLM's --enable-expert-parallel): the greedy tokens are the unsharded model's."""
+    from planner.cli import workflow  # noqa: PLC0415
+
+    model = str(MODELS / "tiny_mixtral_kv.py")
+    prepared = workflow.prepare(model, "decode", context=8, new_tokens=4)
+    cluster = workflow.resolve_cluster(str(MODELS / "midlink-cpu.yaml"), 2)
+    plan = workflow.make_plan(prepared, cluster, workflow.constraints_from(2, 1, 1, "none"), model)
+    plan = dataclasses.replace(plan, ep=2, ep_fold="tp")
+    run = workflow.run_serving(plan, model, 2, iters=1, warmup=0, timeout_s=240)
+    assert run["numerics"]["tokens_identical"] and run["numerics"]["ok"], run["numerics"]
+    assert any("expert parallelism applied" in n for n in run["measured"]["notes"]), run["measured"]["notes"]
