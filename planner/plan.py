@@ -697,21 +697,24 @@ class Plan:
                 f"is {self.dp_shard} but dp_style {self.dp_style} shards over every data-parallel rank: set "
                 f"dp_shard: {dp} (only fsdp shards over fewer, as HSDP)",
             )
-        if self.overlap_grad_reduce and (self.workload != "train" or dp == 1):
+        # the gradient reduction spans the dp x cp ranks holding the same weights (`MeshShape.dp_cp`)
+        reducing = self.mesh.dp_cp
+        if self.overlap_grad_reduce and (self.workload != "train" or reducing == 1):
             raise bad(
                 "overlap_grad_reduce",
                 f"is true, but there is no data-parallel gradient reduction to overlap (workload {self.workload}, "
-                f"mesh.dp={dp}): set it to false",
+                f"mesh.dp={dp}, mesh.cp={self.mesh.cp}): set it to false",
             )
         if self.overlap_param_gather and (
             self.workload != "train"
-            or dp == 1
+            or reducing == 1
             or self.dp_style not in (DataParallel.ZERO1, DataParallel.ZERO2)
         ):
             raise bad(
                 "overlap_param_gather",
-                f"is true, but only zero1 / zero2 training with dp > 1 all-gathers the parameters after the step "
-                f"(dp_style {self.dp_style}, mesh.dp={dp}; fsdp prefetches its gathers anyway): set it to false",
+                f"is true, but only zero1 / zero2 training with dp x cp > 1 all-gathers the parameters after the "
+                f"step (dp_style {self.dp_style}, mesh.dp={dp}, mesh.cp={self.mesh.cp}; fsdp prefetches its "
+                "gathers anyway): set it to false",
             )
         if self.overlap_param_gather and not self.overlap_grad_reduce:
             raise bad(

@@ -122,6 +122,7 @@ def layer_breakdown(
     elif recompute is Recompute.SELECTIVE:  # the attention core again; its scores are not kept
         compute_s += sum(o.selective_s for o in opt.values())
         act -= sum(o.selective_bytes for o in opt.values())
+    overlapped += sum(o.hidden_comm_s for o in opt.values())  # context-parallel ring transfers
     return LayerBreakdown(compute_s, internal + exposed, overlapped, static, act, grad)
 
 
