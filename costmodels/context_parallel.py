@@ -165,31 +165,32 @@ def _ring(shape, cp, load_balance, cluster, group, kv_bytes, grad, train, kernel
     last accumulator's transfer exposed."""
     seqs, h, d, t_l = shape.sequences, shape.heads, shape.head_dim, shape.seq_len / cp
     diagonal = compute.attention_flops(seqs, h, t_l, t_l, d, shape.causal)
-    steps = [kernel_s(diagonal, t_l, t_l, shape.causal)]  # own block first
-    if shape.causal and load_balance:  # one chunk of T / 2C by a block of T / C, unmasked
-        rest = kernel_s(compute.attention_flops(seqs, h, t_l / 2, t_l, d), t_l / 2, t_l, False)
+    diag_fwd, diag_bwd = kernel_s(diagonal, t_l, t_l, shape.causal)  # step 0: the rank's own block
+    if shape.causal and load_balance:  # steps 1 .. C-1: one chunk of T / 2C by a block of T / C, unmasked
+        rest_fwd, rest_bwd = kernel_s(compute.attention_flops(seqs, h, t_l / 2, t_l, d), t_l / 2, t_l, False)
     else:  # a whole block (contiguous: the busiest rank's past blocks; no mask: every block)
-        rest = kernel_s(compute.attention_flops(seqs, h, t_l, t_l, d), t_l, t_l, False)
-    steps += [rest] * (cp - 1)
+        rest_fwd, rest_bwd = kernel_s(compute.attention_flops(seqs, h, t_l, t_l, d), t_l, t_l, False)
     inter = group.num_nodes > 1
     eta = cluster.overlap_efficiency
 
     def send_s(nbytes: float) -> float:
         return p2p_time_s(nbytes, cluster, inter)
 
+    # (transfer, the compute it runs under, how many such steps): forward, K/V of steps 0 .. C-2;
+    # backward, K/V of steps 0 .. C-2 and the accumulator of steps 1 .. C-1 (one step behind)
+    kv_s = send_s(kv_bytes)
+    transfers = [(kv_s, diag_fwd, 1), (kv_s, rest_fwd, cp - 2)]
+    if train:
+        transfers += [(kv_s, diag_bwd, 1), (send_s(kv_bytes * (1 + grad)), rest_bwd, cp - 2)]
+        transfers += [(send_s(kv_bytes * grad), rest_bwd, 1)]
     exposed = hidden = 0.0
-    for i, (fwd, bwd) in enumerate(steps):
-        transfers = [(send_s(kv_bytes), fwd)] if i < cp - 1 else []
-        if train:  # K/V again (not the last step), the accumulator of the step before (not the first)
-            nbytes = kv_bytes * ((i < cp - 1) + (grad if i >= 1 else 0.0))
-            transfers.append((send_s(nbytes), bwd))
-        for total, cover in transfers:
-            shown = max(0.0, total - eta * cover)
-            exposed += shown
-            hidden += total - shown
+    for total, cover, count in transfers:
+        shown = max(0.0, total - eta * cover)
+        exposed += count * shown
+        hidden += count * (total - shown)
     if train:
         exposed += send_s(kv_bytes * grad)  # the last accumulator home, after the last block
-    forward = sum(f for f, _ in steps)
-    compute_s = forward + sum(bw for _, bw in steps)
+    forward = diag_fwd + (cp - 1) * rest_fwd
+    compute_s = forward + diag_bwd + (cp - 1) * rest_bwd
     buffers = 2 * kv_bytes * (1.0 + (grad if train else 0.0))
     return CpAttentionCost(compute_s, forward, exposed, hidden, buffers, kv_bytes)

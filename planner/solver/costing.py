@@ -343,16 +343,21 @@ class CostContext:
         per_node = self.cluster.devices_per_node
         tp, cp = self.mesh.tp, self.mesh.cp
         inner = max(1, per_node // tp) if tp < per_node else 1  # (cp, dp) coordinates on a node
-        cp_on_node = math.gcd(inner, cp)
+        cp_on_node = self._cp_on_node(cp)
         dp_on_node = math.gcd(inner // cp, self.mesh.dp) if cp_on_node == cp else 1
         return Group(self.dp_cp, cp_on_node * dp_on_node)
 
     def cp_group(self) -> Group:
         """The cp ranks that split a sequence: tp apart (`MeshShape`), on one node while tp x cp fits it."""
-        per_node = self.cluster.devices_per_node
-        tp, cp = self.mesh.tp, self.cp
-        inner = max(1, per_node // tp) if tp < per_node else 1
-        return Group(cp, math.gcd(inner, cp))
+        return Group(self.cp, self._cp_on_node(self.cp))
+
+    def _cp_on_node(self, cp: int) -> int:
+        """Ranks of a CP group of `cp` on each node it spans: all while tp x cp fits a node, else the
+        cp-th part of the node's TP groups (as `tp_group` counts a TP group's)."""
+        tp, per_node = self.mesh.tp, self.cluster.devices_per_node
+        if tp * cp <= per_node:
+            return cp
+        return math.gcd(max(1, per_node // tp) if tp < per_node else 1, cp)
 
     def op_time(
         self,
@@ -743,24 +748,40 @@ def cp_core_cost(attn: Attention, ctx: CostContext, shard: int = 1, cross: bool 
     )  # fmt: skip
 
 
+def cp_attentions(structure: ModelStructure) -> list[tuple[Attention, bool, int]]:
+    """The model's distinct attention shapes (query and KV heads, head dim, cross or self) as
+    (an attention of that shape, cross, how many layers have it): what context parallelism prices."""
+    out: dict[tuple, list] = {}
+    for layer in structure.layers:
+        for attn, cross in ((layer.attention, False), (layer.cross_attention, True)):
+            if attn is not None:
+                key = (attn.num_heads, attn.num_kv_heads, attn.head_dim, cross)
+                out.setdefault(key, [attn, cross, 0])[2] += 1
+    return [(a, cross, n) for a, cross, n in out.values()]
+
+
+def cp_core_shard(attn: Attention, ctx: CostContext) -> int:
+    """TP ranks the attention core's heads are split over under context parallelism: tp where the
+    heads divide (head-parallel), 1 otherwise or where all-to-all cannot split the heads per TP rank
+    (only the replicated core takes it, `attention_core_options`)."""
+    shard = ctx.mesh.tp if attn.num_heads % ctx.mesh.tp == 0 else 1
+    alltoall = ctx.config.cp_comm_type == "alltoall"
+    if alltoall and ulysses_refusal(attn.num_heads / shard, cp_kv_heads(attn, shard), ctx.cp):
+        return 1
+    return shard
+
+
 def cp_buffer_bytes(ctx: CostContext) -> float:
     """Context parallelism's K/V (and gradient) buffers in flight on a rank while one layer's attention
-    runs (`CpAttentionCost.buffer_bytes`), the largest of the model's attention layers with its heads
-    split over tp where they divide; 0 without context parallelism."""
+    runs (`CpAttentionCost.buffer_bytes`), the largest of the model's attention shapes with its heads
+    split as `cp_core_shard`; 0 without context parallelism."""
     if ctx.cp == 1:
         return 0.0
-    out = 0.0
-    for layer in ctx.structure.layers:
-        for attn in (layer.attention, layer.cross_attention):
-            if attn is None:
-                continue
-            shard = ctx.mesh.tp if attn.num_heads % ctx.mesh.tp == 0 else 1
-            if ctx.config.cp_comm_type == "alltoall" and ulysses_refusal(
-                attn.num_heads / shard, cp_kv_heads(attn, shard), ctx.cp
-            ):
-                shard = 1  # only the replicated core takes the all-to-all (`attention_core_options`)
-            out = max(out, cp_core_cost(attn, ctx, shard, attn is layer.cross_attention).buffer_bytes)
-    return out
+    sizes = [
+        cp_core_cost(a, ctx, cp_core_shard(a, ctx), cross).buffer_bytes
+        for a, cross, _ in cp_attentions(ctx.structure)
+    ]
+    return max(sizes, default=0.0)
 
 
 def gqa_kv_replicated(attn: Attention, tp: int) -> bool:

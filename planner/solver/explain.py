@@ -352,8 +352,8 @@ def training_decisions(
         if c.schedule is not None or c.virtual_stages is not None:
             reason += "; pinned by --schedule / --virtual-stages"
         out.append(Decision("schedule", chosen, options, reason + fit_note()))
-    # data-parallel style
-    if mesh.dp > 1:
+    # data-parallel style (over the dp x cp ranks holding the same weights)
+    if mesh.dp_cp > 1:
         out.append(_dp_style_decision(tables, assignment, c, price_config, cap_bytes, runs))
     return out
 
@@ -451,7 +451,9 @@ def _dp_style_decision(
         peaks[name] = p.peak_memory_bytes
         memory.append(f"{name} {p.peak_memory_bytes / _GIB:.1f}")
     what = (
-        f"over dp={config.mesh.dp}: ddp all-reduces gradients; zero1 shards Adam's state (Megatron's "
+        f"over dp={config.mesh.dp}"
+        + (f" x cp={config.mesh.cp} ranks" if config.mesh.cp > 1 else "")
+        + ": ddp all-reduces gradients; zero1 shards Adam's state (Megatron's "
         "distributed optimizer); zero2 gradients too; fsdp parameters too, gathered per layer (prefetched one "
         "layer ahead, reduce-scatters issued as each layer's backward ends); hsdp SxR shards over S ranks and "
         "replicates over R; -noreshard keeps the gathered layers from forward to backward"

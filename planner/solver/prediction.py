@@ -184,13 +184,13 @@ def predict(tables: CostTables, assignment: Assignment) -> PricedAssignment:
     stages_bd[0].grad_bytes += ends.fixed_grad_bytes
     for s in range(mesh.pp):
         stages_bd[s].exposed_comm_s += stage_p2p_time_s(ctx, s)
+    transient = transient_bytes(ctx)
     for bd in stages_bd:
-        bd.memory_bytes += transient_bytes(ctx)
+        bd.memory_bytes += transient
     times = [bd.time_s for bd in stages_bd]
     slowest = max(range(mesh.pp), key=lambda s: times[s])
-    tail_comm, tail_compute = max(
-        (_tail_s(ctx, bd.grad_bytes, m * bd.time_s) for bd in stages_bd), key=lambda t: t[0] + t[1]
-    )
+    tails = dict.fromkeys((bd.grad_bytes, m * bd.time_s) for bd in stages_bd)  # interior stages alike
+    tail_comm, tail_compute = max((_tail_s(ctx, *tail) for tail in tails), key=lambda t: t[0] + t[1])
     latency = step_time_s(sum(times), times[slowest], m, ctx.virtual_stages) + tail_comm + tail_compute
     bottleneck = stages_bd[slowest]
     compute_s = m * bottleneck.compute_s + tail_compute

@@ -50,10 +50,13 @@ from planner.plan import (
 )
 from planner.progress import Progress, silent
 from planner.solver.baseline import (
+    MEGATRON_CP_DEGREES,
     baseline_plan,
     megatron_assignment,
     megatron_choices,
     megatron_configs,
+    megatron_cp_configs,
+    megatron_cp_degree,
     megatron_micro_batch_variants,
     torchtitan_configs,
 )
@@ -63,7 +66,9 @@ from planner.solver.costing import (
     LayerGraph,
     OpOption,
     build_cost_tables,
+    cp_attentions,
     cp_core_cost,
+    cp_core_shard,
     cp_kv_heads,
     fsdp_transient_bytes,
     gqa_kv_replicated,
@@ -105,11 +110,14 @@ __all__ = ["Constraints", "WorkloadSpec", "plan_model"]
 _GIB = 2.0**30
 TIE_TOLERANCE = 1e-6  # relative: plans this close in latency are ties, broken by fewer devices
 MAX_VIRTUAL_STAGES = 8  # interleaved 1F1B: model chunks per pipeline rank considered
-# context parallelism the search considers (a pinned --cp is taken as it is): powers of two up to
-# MAX_CP (Llama 3 trained at 131k tokens with CP 16, Dubey et al. 2024 Table 4), each rank keeping at
-# least MIN_CP_TOKENS_PER_RANK tokens of a sequence: below that the GEMMs of the rank's rows lose
-# efficiency and the K/V traffic grows against the attention it overlaps (Megatron-Core's guidance is
-# CP for sequences of 8k tokens and more, several thousand per rank)
+# context parallelism the search considers (a pinned --cp is taken as it is): for sequences of at least
+# MIN_CP_SEQ_LEN tokens (longer than the pre-training contexts of today's models: Llama 3 pre-trained at
+# 8k tokens with CP 1 and used CP 16 for its 131k-token stage, Dubey et al. 2024 Table 4; below it every
+# CP degree multiplies the mesh candidates, and the plan time, for sequences data parallelism splits as
+# well), powers of two up to MAX_CP, each rank keeping at least MIN_CP_TOKENS_PER_RANK tokens of a
+# sequence (below that the GEMMs of the rank's rows lose efficiency and the K/V traffic grows against
+# the attention it overlaps)
+MIN_CP_SEQ_LEN = 16384
 MAX_CP = 32
 MIN_CP_TOKENS_PER_RANK = 2048
 
@@ -471,15 +479,22 @@ def _sequence_parallel_options(search: _Search, tp: int, cp: int = 1) -> list[bo
 
 def _cp_options(search: _Search, num_devices: int) -> list[int]:
     """Context-parallel degrees of the search: the pinned --cp (checked: `_check_pinned_cp`), else 1
-    and, for training and prefill of a token model with attention whose layers all see the whole
-    sequence, every power of two up to `MAX_CP` dividing the devices whose ranks keep at least
-    `MIN_CP_TOKENS_PER_RANK` tokens and that cuts the sequence into equal chunks (2 x cp with load
-    balancing, cp without: `check_cp_sequence`); the others are listed in `_Search.excluded`."""
+    and, for training and prefill of sequences of `MIN_CP_SEQ_LEN` tokens or more by a token model with
+    attention whose layers all see the whole sequence, every power of two up to `MAX_CP` dividing the
+    devices whose ranks keep at least `MIN_CP_TOKENS_PER_RANK` tokens and that cuts the sequence into
+    equal chunks (2 x cp with load balancing, cp without: `check_cp_sequence`); the others are listed
+    in `_Search.excluded`."""
     c, w = search.constraints, search.workload
     if c.cp is not None:
         _check_pinned_cp(search)
         return [c.cp]
     if w.kind is Workload.DECODE or _cp_unsupported(search):
+        return [1]
+    if w.seq_len < MIN_CP_SEQ_LEN:
+        search.excluded.append(
+            f"cp>1: sequences of {w.seq_len} tokens, under the {MIN_CP_SEQ_LEN} from which the search considers "
+            "context parallelism (pin --cp to price it)"
+        )
         return [1]
     out, lbs = [1], [c.cp_load_balance] if c.cp_load_balance is not None else [True, False]
     for cp in (2**k for k in range(1, MAX_CP.bit_length())):
@@ -610,19 +625,11 @@ def _cp_variant(search: _Search, mesh: MeshShape, micro_batches: int) -> tuple[s
 
 def _cp_attention_s(ctx: CostContext) -> float:
     """The attention cores of every layer under `ctx`'s context parallelism, kernels plus exposed
-    traffic per micro-batch, head-parallel where the heads allow it (`costing.cp_core_cost`)."""
+    traffic per micro-batch, heads split as `costing.cp_core_shard` (`costing.cp_core_cost`)."""
     total = 0.0
-    for layer in ctx.structure.layers:
-        attn = layer.attention
-        if attn is None:
-            continue
-        shard = ctx.mesh.tp if attn.num_heads % ctx.mesh.tp == 0 else 1
-        if ctx.config.cp_comm_type == "alltoall" and ulysses_refusal(
-            attn.num_heads / shard, cp_kv_heads(attn, shard), ctx.cp
-        ):
-            shard = 1  # only the replicated core takes the all-to-all (`costing.attention_core_options`)
-        cost = cp_core_cost(attn, ctx, shard)
-        total += cost.compute_s + cost.exposed_s
+    for attn, cross, count in cp_attentions(ctx.structure):
+        cost = cp_core_cost(attn, ctx, cp_core_shard(attn, ctx), cross)
+        total += count * (cost.compute_s + cost.exposed_s)
     return total
 
 
@@ -1266,6 +1273,11 @@ def _allowed(search: _Search, mesh: MeshShape, config: MeshConfig | None = None)
             )
         )
         pinned_ok = pinned_ok and c.recompute is None
+        pinned_ok = pinned_ok and (
+            mesh.cp == 1
+            or c.cp_comm_type in (None, config.cp_comm_type)
+            and c.cp_load_balance in (None, config.cp_load_balance)
+        )
         # a pinned --micro-batches (the baseline picks its own: `megatron_micro_batches`)
         pinned_ok = pinned_ok and search.workload.micro_batches in (None, config.micro_batches)
     return pinned_ok and devices_ok and search.ladder.mode is not LadderMode.UPPER
@@ -1298,7 +1310,9 @@ def _alternative_tables(search: _Search):
 def _baseline(search: _Search) -> PricedAssignment | None:
     """The plan a Megatron-LM user writes by hand (`megatron_configs`), priced: the first of its meshes
     that fits memory (at micro-batch size 1, then with full activation recomputation, if needed:
-    `megatron_micro_batch_variants`), else the last one tried. It is the
+    `megatron_micro_batch_variants`); for a sequence longer than `MEGATRON_CP_TOKENS_PER_RANK` its
+    meshes with context parallelism at the expert's degree first (`megatron_cp_degree`), and any other
+    degree where no mesh fits (`megatron_cp_configs`); else the last cp = 1 one tried. It is the
     expert's layout whatever the user pinned (schedule, sequence parallelism, recompute): a pin that
     costs time shows as a plan slower than it. Only the device cap is shared with the search."""
     configs = megatron_configs(
@@ -1306,14 +1320,23 @@ def _baseline(search: _Search) -> PricedAssignment | None:
     )
     chosen = None
     train, num_layers = search.workload.train, len(search.structure.layers)
-    for config in configs:
+    # context parallelism (ring, Megatron-LM's default) at the expert's degree for a long sequence first
+    # (`megatron_cp_degree`), then cp = 1, then any other degree if nothing fits
+    expert_cp = megatron_cp_degree(search.workload.seq_len)
+    others = tuple(cp for cp in MEGATRON_CP_DEGREES if cp != expert_cp)
+    order = megatron_cp_configs(configs, num_layers, search.workload, (expert_cp,)) + configs
+    order += megatron_cp_configs(configs, num_layers, search.workload, others)
+    last_plain = None
+    for config in order:
         variants = megatron_micro_batch_variants(config, num_layers, search.workload)
         for recompute in (Recompute.SELECTIVE, Recompute.FULL) if train else (Recompute.NONE,):
             for variant in variants:  # smaller micro-batches before full recomputation
                 chosen = baseline_plan(_price(search, variant).tables, recompute=recompute)
                 if chosen.prediction.peak_memory_bytes <= search.cap_bytes:
                     return chosen
-    return chosen
+                if config.mesh.cp == 1:
+                    last_plain = chosen
+    return last_plain or chosen
 
 
 def _torchtitan_baseline(search: _Search) -> PricedAssignment | None:
@@ -1379,6 +1402,7 @@ def _baseline_decision(search: _Search, baseline: PricedAssignment | None) -> li
             + (f" v={config.virtual_stages}" if config.virtual_stages > 1 else "")
             + f", sequence parallel {'on' if config.sequence_parallel else 'off'}, recompute {'/'.join(recompute)}"
             + f", data parallel {baseline.tables.ctx.config.dp_label() if config.mesh.dp > 1 else 'none'}"
+            + (f", context parallel {config.cp_label().removeprefix('cp ')}" if config.mesh.cp > 1 else "")
         )
     mbs = f"{config.micro_batches} micro-batch" + ("es" if config.micro_batches > 1 else "")
     device = search.cluster.device.memory_bytes
