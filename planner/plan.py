@@ -489,10 +489,7 @@ class Plan:
 
     def cp_text(self) -> str:
         """Context parallelism as a user reads it: "off", "4 (allgather, load-balanced)"."""
-        if self.mesh.cp == 1:
-            return "off"
-        balance = ", load-balanced" if self.cp_load_balance else ""
-        return f"{self.mesh.cp} ({self.cp_comm_type}{balance})"
+        return cp_text(self.mesh.cp, self.cp_comm_type, self.cp_load_balance)
 
     @property
     def micro_batch_size(self) -> float:
@@ -796,6 +793,13 @@ class Plan:
         unknown = sorted(set(self.ladder_layers) - set(flat))
         if unknown:
             raise bad("ladder_layers", f"layers {unknown} are in no stage")
+
+
+def cp_text(cp: int, comm_type: str, load_balance: bool) -> str:
+    """`Plan.cp_text` of the given fields: "off" at cp 1, else "4 (allgather, load-balanced)"."""
+    if cp == 1:
+        return "off"
+    return f"{cp} ({comm_type}{', load-balanced' if load_balance else ''})"
 
 
 def check_cp_sequence(seq_len: int, cp: int, load_balance: bool, comm_type: str, where: str = "--cp") -> None:

@@ -504,11 +504,13 @@ def cp_decisions(
     out = []
     if len(cps) > 1 or ctx.mesh.cp > 1:
         options: dict[str, float] = {}
+        pruned: list[str] = []
         for cp in cps:
-            solved = [
-                cand.latency_s for cand in candidates if cand.mesh.cp == cp and cand.latency_s is not None
-            ]
+            at = [cand for cand in candidates if cand.mesh.cp == cp]
+            solved = [cand.latency_s for cand in at if cand.latency_s is not None]
             options[f"cp={cp}"] = min(solved) if solved else math.inf
+            if any(cand.note.startswith(NOT_SOLVED_NOTES) for cand in at):
+                pruned.append(f"cp={cp}")
         unsolved = [name for name, t in options.items() if t == math.inf]
         reason = (
             f"each sequence's {ctx.workload.seq_len} tokens split over the cp ranks for every layer (activations "
@@ -518,6 +520,11 @@ def cp_decisions(
         if unsolved:
             reason += (
                 f"; {', '.join(unsolved)}: no mesh solved (does not fit memory, or pruned by its lower bound)"
+            )
+        if pruned:
+            reason += (
+                f"; {', '.join(pruned)}: some meshes not solved, their lower bound no faster than the chosen plan "
+                "(the time shown is the fastest of those solved; pin --cp to solve them all)"
             )
         if c.cp is not None:
             reason += f"; pinned by --cp {c.cp}"

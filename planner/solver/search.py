@@ -45,6 +45,7 @@ from planner.plan import (
     WeightSplit,
     Workload,
     check_cp_sequence,
+    cp_text,
     dp_style_text,
     overlap_text,
 )
@@ -1029,18 +1030,28 @@ def _better(cand: _Candidate, best: _Candidate) -> bool:
 
 
 def _infeasible(search: _Search) -> InfeasibleError:
-    """Name the binding constraint for the candidate closest to fitting, and what would fit."""
-    closest = min(search.candidates, key=lambda c: (c.memory_lower_bound_bytes, -c.mesh.tp))
-    mesh = closest.mesh
-    _materialize(search, closest)
+    """Name the binding constraint for the candidate closest to fitting, and what would fit: the
+    candidate with the least memory lower bound, or with context parallelism priced, of the least per
+    CP degree the one whose predicted need is least (the bounds leave out the LM head's logits, which a
+    long sequence's make large)."""
+    ordered = sorted(search.candidates, key=lambda c: (c.memory_lower_bound_bytes, -c.mesh.tp))
+    per_cp: dict[int, _Candidate] = {}
+    for cand in ordered:
+        per_cp.setdefault(cand.mesh.cp, cand)
     unit = _unit_does_not_fit(search)
     if unit is not None:
         return unit
     # the least memory the user's pins allow: full recomputation unless --recompute is pinned
     pinned = search.constraints.recompute
-    breakdown = predict(
-        closest.tables, megatron_assignment(closest.tables, recompute=pinned if pinned is not None else True)
-    ).stages
+
+    def stages_of(cand: _Candidate) -> list:
+        _materialize(search, cand)
+        recompute = pinned if pinned is not None else True
+        return predict(cand.tables, megatron_assignment(cand.tables, recompute=recompute)).stages
+
+    priced = [(cand, stages_of(cand)) for cand in per_cp.values()]
+    closest, breakdown = min(priced, key=lambda pair: max(bd.memory_bytes for bd in pair[1]))
+    mesh = closest.mesh
     worst = max(range(mesh.pp), key=lambda s: breakdown[s].memory_bytes)
     need = breakdown[worst].memory_bytes
     total = sum(bd.memory_bytes for bd in breakdown) * mesh.tp * mesh.cp * mesh.dp  # all ranks' bytes
@@ -1051,9 +1062,10 @@ def _infeasible(search: _Search) -> InfeasibleError:
     if search.workload.train and pinned is not None and pinned is not Recompute.FULL:
         hints.append(f"activation recomputation (--recompute full, or leave --recompute {pinned} out)")
     if devices_needed > search.cluster.num_devices:  # else the bytes fit the cluster: not the binding limit
+        across = "pp or context parallelism (--cp)" if search.workload.seq_len >= MIN_CP_SEQ_LEN else "pp"
         hints.append(
-            f"about {devices_needed} devices ({math.ceil(devices_needed / per_node)} nodes of {per_node}, e.g. pp "
-            "across them)"
+            f"about {devices_needed} devices ({math.ceil(devices_needed / per_node)} nodes of {per_node}, e.g. "
+            f"{across} across them)"
         )
     if search.workload.kind is Workload.TRAIN:
         # weights, gradients and Adam state (mixed precision) of one rank, before any activation
@@ -1371,7 +1383,7 @@ def _layout_text(priced: PricedAssignment, w: WorkloadSpec) -> dict[str, str]:
         "distributed_optimizer": str(ctx.distributed_optimizer).lower(),
         "dp_style": dp_style_text(ctx.dp_style, mesh.dp, ctx.shard_degree, ctx.reshard_after_forward),
         "overlap": overlap_text(ctx.tp_comm_overlap, ctx.overlap_grad_reduce, ctx.overlap_param_gather),
-        "context_parallel": f"{mesh.cp} ({config.cp_label().removeprefix('cp ')})" if mesh.cp > 1 else "off",
+        "context_parallel": cp_text(mesh.cp, config.cp_comm_type, config.cp_load_balance),
     }  # fmt: skip
 
 
