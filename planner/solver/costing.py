@@ -40,6 +40,13 @@ recomputation has nothing to save there. Full recomputation keeps only the layer
 optimizer (ZeRO-1) divides Adam's state by the DP degree and replaces the gradient all-reduce by a
 reduce-scatter of gradients and an all-gather of parameters (`gradient_sync_cost`).
 
+Context parallelism (`MeshShape.cp`; `CostContext.cp`) splits every sequence's tokens over cp ranks:
+`CostContext.tokens` is a rank's share, so every token-wise op, TP collective, stage send and stored
+activation is priced on it; the attention core is priced per variant by `cp_core_cost`
+(`costmodels.context_parallel`), its K/V buffers in flight added to `transient_bytes`; the CP ranks hold
+the same weights, so the gradient reduction and sharded states span dp x cp ranks (`dp_group`,
+`state_shards`).
+
 Times are per micro-batch on one rank; a pipelined step of them takes `step_time_s`. Training
 multiplies compute by `TRAIN_COMPUTE_FACTOR` (backward = 2x forward FLOPs) and communication by
 `TRAIN_COMM_FACTOR` (each forward collective has a conjugate backward one of the same size:

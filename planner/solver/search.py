@@ -17,6 +17,12 @@ activation recomputation per layer class; the distributed optimizer (dp > 1) is 
 plan both ways (`_price_optimizer`). A plan uses one of these only if it is predicted faster by more
 than `FEATURE_MIN_SAVING` per feature than without (or needs it to fit): each changes what the runtime
 must do.
+
+Context parallelism: the context-parallel degree is a mesh axis of its own (`_cp_options`: pinned by
+--cp, else powers of two for sequences of `MIN_CP_SEQ_LEN` tokens or more); each candidate is solved
+with the attention variant whose cores cost least (`_cp_variant`) and priced with every other variant
+and load balancing the constraints allow on its solution (`_price_cp_variants`); cp > 1 counts as a
+feature.
 """
 
 from __future__ import annotations
@@ -491,11 +497,7 @@ def _cp_options(search: _Search, num_devices: int) -> list[int]:
         return [c.cp]
     if w.kind is Workload.DECODE or _cp_unsupported(search):
         return [1]
-    if w.seq_len < MIN_CP_SEQ_LEN:
-        search.excluded.append(
-            f"cp>1: sequences of {w.seq_len} tokens, under the {MIN_CP_SEQ_LEN} from which the search considers "
-            "context parallelism (pin --cp to price it)"
-        )
+    if w.seq_len < MIN_CP_SEQ_LEN:  # not listed as excluded: every short-sequence plan would say it
         return [1]
     out, lbs = [1], [c.cp_load_balance] if c.cp_load_balance is not None else [True, False]
     for cp in (2**k for k in range(1, MAX_CP.bit_length())):
