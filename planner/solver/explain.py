@@ -58,10 +58,12 @@ def mesh_decision(candidates: list[MeshCandidate], chosen: MeshConfig) -> list[D
     """Predicted step time of the fastest solved meshes (at most `MAX_MESH_OPTIONS`, the chosen one
     always); those that do not fit memory and those pruned are only counted."""
     solved = sorted((c for c in candidates if c.latency_s is not None), key=lambda c: c.latency_s)
-    options: dict[str, float] = {c.label(): c.latency_s for c in solved[:MAX_MESH_OPTIONS]}
+    options: dict[str, float] = {}
+    for c in solved[:MAX_MESH_OPTIONS]:  # two candidates may end with one label (styles priced on each):
+        options.setdefault(c.label(), c.latency_s)  # the faster one's time
     for c in solved[MAX_MESH_OPTIONS:]:
         if c.label() == chosen.label():
-            options[c.label()] = c.latency_s
+            options.setdefault(c.label(), c.latency_s)
     pruned = sum(1 for c in candidates if c.note.startswith(NOT_SOLVED_NOTES))
     unfit = len(candidates) - len(solved) - pruned
     reason = (

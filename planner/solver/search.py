@@ -1275,7 +1275,7 @@ def _allowed(search: _Search, mesh: MeshShape, config: MeshConfig | None = None)
     devices_ok = mesh.num_devices <= (c.max_devices or search.cluster.num_devices)
     if config is not None:
         pinned_ok = pinned_ok and c.sequence_parallel in (None, config.sequence_parallel)
-        pinned_ok = pinned_ok and (not search.workload.train or mesh.dp == 1 or _dp_pins_hold(c, config))
+        pinned_ok = pinned_ok and (not search.workload.train or mesh.dp_cp == 1 or _dp_pins_hold(c, config))
         pinned_ok = pinned_ok and _style_runs(search, mesh, config.dp_style)
         pinned_ok = pinned_ok and c.virtual_stages in (None, config.virtual_stages)
         pinned_ok = pinned_ok and all(
