@@ -1,4 +1,11 @@
-"""Llama-3 405B (published config, see examples/models.py), built on the meta device: planned, never run."""
+"""Llama-3 405B (published config, see examples/models.py), built on the meta device: planned, never run.
+
+Long context (Llama 3's 131k-token stage: 16M tokens per step on 16,384 H100s, context parallelism;
+the RoPE tables are computed for sequences beyond the config's max_seq_len, bench/long_context.py):
+
+    planner optimize examples/llama3_405b.py --cluster h100-ib-2048node --workload train \
+        --batch-size 128 --seq-len 131072 --why
+"""
 
 import sys
 from pathlib import Path

@@ -1,4 +1,11 @@
-"""Llama-3 8B (published config, see examples/models.py), built on the meta device: planned, never run."""
+"""Llama-3 8B (published config, see examples/models.py), built on the meta device: planned, never run.
+
+Long context on one 8-GPU node (context parallelism: the search chooses the degree and the attention
+variant, --cp / --cp-comm-type pin them; bench/long_context.py has 32k to 1M tokens):
+
+    planner optimize examples/llama3_8b.py --cluster dgx-h100 --workload train --batch-size 2 \
+        --seq-len 131072 --why
+"""
 
 import sys
 from pathlib import Path

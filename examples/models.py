@@ -296,17 +296,25 @@ class Llama(nn.Module):
         # computed once, used by every layer (side inputs of the layers, not part of the stream)
         cos = self.rope_cos[None, :T, None, :]  # (1, T, 1, hd)
         sin = self.rope_sin[None, :T, None, :]  # (1, T, 1, hd)
+        if T > self.rope_cos.shape[0]:  # longer than the tables (long-context plans): computed for T here
+            cos, sin = (
+                t.to(self.rope_cos.dtype)[None, :, None, :]
+                for t in _rope_tables(self.config, T, tokens.device)
+            )
         h = self.tok_embeddings(tokens)  # (B, T, C)
         for layer in self.layers:
             h = layer(h, cos, sin)
         return self.output(self.norm(h))  # (B, T, vocab_size)
 
 
-def _rope_tables(config: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotary angles, each (max_seq_len, hd), rotate-half layout."""
+def _rope_tables(
+    config: LlamaConfig, length: int | None = None, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, each (length, hd) (default: max_seq_len), rotate-half layout."""
     hd = config.dim // config.n_heads
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))  # (hd/2,)
-    t = torch.arange(config.max_seq_len, dtype=torch.float32)  # (S,)
+    steps = torch.arange(0, hd, 2, dtype=torch.float32, device=device)
+    inv_freq = 1.0 / (config.rope_theta ** (steps / hd))  # (hd/2,)
+    t = torch.arange(length or config.max_seq_len, dtype=torch.float32, device=device)  # (S,)
     angles = torch.outer(t, inv_freq)  # (S, hd/2)
     emb = torch.cat((angles, angles), dim=-1)  # (S, hd)
     return emb.cos(), emb.sin()

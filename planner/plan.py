@@ -503,10 +503,7 @@ class Plan:
 
     def cp_text(self) -> str:
         """Context parallelism as a user reads it: "off", "4 (allgather, load-balanced)"."""
-        if self.mesh.cp == 1:
-            return "off"
-        balance = ", load-balanced" if self.cp_load_balance else ""
-        return f"{self.mesh.cp} ({self.cp_comm_type}{balance})"
+        return cp_text(self.mesh.cp, self.cp_comm_type, self.cp_load_balance)
 
     @property
     def micro_batch_size(self) -> float:
@@ -733,21 +730,24 @@ class Plan:
                 f"is {self.dp_shard} but dp_style {self.dp_style} shards over every data-parallel rank: set "
                 f"dp_shard: {dp} (only fsdp shards over fewer, as HSDP)",
             )
-        if self.overlap_grad_reduce and (self.workload != "train" or dp == 1):
+        # the gradient reduction spans the dp x cp ranks holding the same weights (`MeshShape.dp_cp`)
+        reducing = self.mesh.dp_cp
+        if self.overlap_grad_reduce and (self.workload != "train" or reducing == 1):
             raise bad(
                 "overlap_grad_reduce",
                 f"is true, but there is no data-parallel gradient reduction to overlap (workload {self.workload}, "
-                f"mesh.dp={dp}): set it to false",
+                f"mesh.dp={dp}, mesh.cp={self.mesh.cp}): set it to false",
             )
         if self.overlap_param_gather and (
             self.workload != "train"
-            or dp == 1
+            or reducing == 1
             or self.dp_style not in (DataParallel.ZERO1, DataParallel.ZERO2)
         ):
             raise bad(
                 "overlap_param_gather",
-                f"is true, but only zero1 / zero2 training with dp > 1 all-gathers the parameters after the step "
-                f"(dp_style {self.dp_style}, mesh.dp={dp}; fsdp prefetches its gathers anyway): set it to false",
+                f"is true, but only zero1 / zero2 training with dp x cp > 1 all-gathers the parameters after the "
+                f"step (dp_style {self.dp_style}, mesh.dp={dp}, mesh.cp={self.mesh.cp}; fsdp prefetches its "
+                "gathers anyway): set it to false",
             )
         if self.overlap_param_gather and not self.overlap_grad_reduce:
             raise bad(
@@ -829,6 +829,13 @@ class Plan:
         unknown = sorted(set(self.ladder_layers) - set(flat))
         if unknown:
             raise bad("ladder_layers", f"layers {unknown} are in no stage")
+
+
+def cp_text(cp: int, comm_type: str, load_balance: bool) -> str:
+    """`Plan.cp_text` of the given fields: "off" at cp 1, else "4 (allgather, load-balanced)"."""
+    if cp == 1:
+        return "off"
+    return f"{cp} ({comm_type}{', load-balanced' if load_balance else ''})"
 
 
 def check_cp_sequence(seq_len: int, cp: int, load_balance: bool, comm_type: str, where: str = "--cp") -> None:

@@ -30,7 +30,7 @@ from rich.text import Text
 from planner.cli.progress import Bars
 from planner.errors import InputError, PlannerError
 from planner.files import check_output_path, write_text_atomic
-from planner.plan import DP_STYLES
+from planner.plan import CP_COMM_TYPES, DP_STYLES
 
 _WIDTH = None if sys.stdout.isatty() else 150  # rich assumes 80 columns when piped; tables need more
 console = Console(width=_WIDTH)
@@ -180,6 +180,26 @@ def build_parser() -> argparse.ArgumentParser:
         "degrees, priced, lowered and run like any plan",
     )
     opt.add_argument("--tp", type=_positive, help="pin the tensor-parallel degree")
+    opt.add_argument(
+        "--cp",
+        type=_positive,
+        help="train / forward: pin the context-parallel degree (each sequence's tokens split over this many ranks)",
+    )
+    opt.add_argument(
+        "--cp-comm-type",
+        default="auto",
+        choices=["auto", *CP_COMM_TYPES],
+        help="context parallelism's attention: ring (K/V passed peer to peer under each block's attention), "
+        "allgather (K/V gathered per layer, Llama 3's), alltoall (Ulysses: heads must divide by cp); auto: "
+        "each priced, the fastest that fits",
+    )
+    opt.add_argument(
+        "--cp-load-balance",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="context parallelism: each rank holds one early and one late chunk of a causal sequence, so "
+        "ranks do equal attention work (the sequence must divide into 2 x cp chunks); auto: priced both ways",
+    )
     opt.add_argument("--pp", type=_positive, help="pin the pipeline-parallel degree")
     opt.add_argument("--dp", type=_positive, help="pin the data-parallel degree")
     opt.add_argument("--devices", type=_positive, help="use at most this many of the cluster's devices")
@@ -384,10 +404,11 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             args.dp_style = args.reshard_after_forward = "auto"
             args.overlap_grad_reduce = args.overlap_param_gather = "auto"
 
+    _check_cp_options(args)
     if args.workload == "train":  # contradicting pins fail before any tracing or calibration
         workflow.constraints_from(
             args.tp, args.pp, args.dp, args.ladder, max_devices=args.devices, layout=args.layout,
-            **_training_options(args),
+            **_training_options(args), **_cp_options(args),
         )  # fmt: skip
     with _bars(args) as bars:
         nproc = args.nproc
@@ -438,6 +459,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             max_devices=args.devices,
             layout=args.layout,
             **_training_options(args),
+            **_cp_options(args),
         )
         workflow.check_constraints_fit(
             cluster,
@@ -1027,6 +1049,32 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         err_console.print("interrupted")
         return 130
+
+
+def _cp_options(args: argparse.Namespace) -> dict:
+    """--cp, --cp-comm-type, --cp-load-balance as `workflow.constraints_from` keywords ("auto": None)."""
+    balance = getattr(args, "cp_load_balance", "auto")
+    comm = getattr(args, "cp_comm_type", "auto")
+    return {
+        "cp": getattr(args, "cp", None),
+        "cp_comm_type": None if comm == "auto" else comm,
+        "cp_load_balance": None if balance == "auto" else balance == "on",
+    }
+
+
+def _check_cp_options(args: argparse.Namespace) -> None:
+    """Context parallelism splits the sequence of a training step or a prefill: a --cp above 1 with
+    --workload decode / generate, or --cp-comm-type / --cp-load-balance with --cp 1, is refused in one
+    line (exit 2), before any tracing."""
+    from planner.solver.problem import Constraints  # noqa: PLC0415 - keeps `planner --help` fast
+
+    Constraints(**_cp_options(args))  # contradicting pins (`Constraints.__post_init__`)
+    cp = getattr(args, "cp", None)
+    if cp is not None and cp > 1 and args.workload in ("decode", "generate"):
+        raise InputError(
+            f"--cp {cp} with --workload {args.workload}: a decode step has one new token per sequence to split; "
+            "context parallelism is for --workload train and forward (prefill): use --cp 1 or leave it out"
+        )
 
 
 def _training_options(args: argparse.Namespace) -> dict:

@@ -125,9 +125,10 @@ def render_plan(console: Console, plan: Plan) -> None:
         + f", {plan.dtype})"
     )
     console.print(
-        f"Mesh: [bold]TP={plan.tp} × PP={plan.pp} × DP={plan.dp}[/bold] = {plan.num_devices} devices, "
+        f"Mesh: [bold]{mesh_text(plan.tp, plan.cp, plan.pp, plan.dp)}[/bold] = {plan.num_devices} devices, "
         f"{plan.micro_batches} micro-batch(es)"
         + (f" ({plan.schedule} schedule)" if plan.pp > 1 else "")
+        + (f"; context parallelism {plan.cp_text()}" if plan.cp > 1 else "")
         + f"; ladder residual on layers {layer_ranges(plan.ladder_layers) or 'none'}"
     )
     m = plan.micro_batches
@@ -231,7 +232,7 @@ def render_plan(console: Console, plan: Plan) -> None:
             continue
         d = next((d for d in plan.decisions if d.subject == subject), None)
         layout = (
-            d.chosen.replace("tp=", "TP=").replace("pp=", "PP=").replace("dp=", "DP=")
+            d.chosen.replace("tp=", "TP=").replace("cp=", "CP=").replace("pp=", "PP=").replace("dp=", "DP=")
             if d
             else "TP in the node"
         )
@@ -646,6 +647,11 @@ def render_layer_comparison(console: Console, plan: Plan, measured_per_layer_s: 
     return True
 
 
+def mesh_text(tp: int | str, cp: int | str, pp: int | str, dp: int | str) -> str:
+    """The mesh as the tables write it: "TP=8 × PP=16 × DP=128", with "× CP=16" after TP when cp > 1."""
+    return f"TP={tp}" + (f" × CP={cp}" if str(cp) != "1" else "") + f" × PP={pp} × DP={dp}"
+
+
 def training_rows(plan: Plan) -> list[tuple[str, str, str, str]]:
     """(what, this plan, the hand-written Megatron plan, the torchtitan recipe) for a training plan:
     layout, TFLOP/s per device, bubble and memory per rank ("-" where a baseline is unknown)."""
@@ -679,15 +685,17 @@ def _training_rows(plan: Plan) -> list[tuple[str, str, str]]:
 
     on = {"true": "on", "false": "off", True: "on", False: "off"}
     return [
-        ("mesh", f"TP={plan.tp} × PP={plan.pp} × DP={plan.dp}",
-         f"TP={bl['tp']} × PP={bl['pp']} × DP={bl['dp']}" if bl else "-"),
+        ("mesh", mesh_text(plan.tp, plan.cp, plan.pp, plan.dp),
+         mesh_text(bl["tp"], bl.get("cp", 1), bl["pp"], bl["dp"]) if bl else "-"),
+        ("context parallelism", plan.cp_text(), bl.get("context_parallel", "off") if bl else "-"),
         ("schedule", schedule(plan.schedule, plan.virtual_stages, plan.pp),
          schedule(bl["schedule"], bl["virtual_stages"], bl["pp"]) if bl else "-"),
         ("micro-batches × size", f"{plan.micro_batches} × {plan.micro_batch_size:g}",
          f"{bl['micro_batches']} × {bl['micro_batch_size']}" if bl else "-"),
         ("recompute", plan.recompute_text(), bl.get("recompute", "-") if bl else "-"),
         ("sequence parallel", on[plan.sequence_parallel], on.get(bl.get("sequence_parallel"), "-") if bl else "-"),
-        ("data parallel", plan.dp_style_text() if plan.dp > 1 else "-",
+        ("data parallel", plan.dp_style_text() + (f" over dp × cp = {plan.mesh.dp_cp}" if plan.cp > 1 else "")
+         if plan.mesh.dp_cp > 1 else "-",
          (bl.get("dp_style") or on.get(bl.get("distributed_optimizer"), "-")) if bl and bl.get("dp") != "1" else "-"),
         ("communication overlap", overlap_text(plan.tp_comm_overlap, plan.overlap_grad_reduce, plan.overlap_param_gather),
          bl.get("overlap", "-") if bl else "-"),

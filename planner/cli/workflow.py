@@ -340,8 +340,12 @@ def constraints_from(
     tp_comm_overlap: bool | None = None,
     overlap_grad_reduce: bool | None = None,
     overlap_param_gather: bool | None = None,
+    cp: int | None = None,
+    cp_comm_type: str | None = None,
+    cp_load_balance: bool | None = None,
 ) -> Constraints:
     """Constraints from CLI options (`--ladder` read by `LadderPolicy.parse`; None: the search chooses;
+    `cp`, `cp_comm_type`, `cp_load_balance`: --cp, --cp-comm-type, --cp-load-balance;
     with `dp_shard` (--dp-shard) a given `dp` is the replicate degree: the mesh has dp x dp_shard DP ranks;
     `layout`: --layout, "auto" or "megatron", `Constraints.layout`). Raises InputError for a malformed
     --ladder, an unknown --schedule, --recompute or --layout, or a --virtual-stages without the
@@ -354,7 +358,8 @@ def constraints_from(
         virtual_stages=virtual_stages, recompute=recompute, sequence_parallel=sequence_parallel,
         distributed_optimizer=distributed_optimizer, layout=layout, dp_style=dp_style, dp_shard=dp_shard,
         reshard_after_forward=reshard_after_forward, tp_comm_overlap=tp_comm_overlap,
-        overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
+        overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather, cp=cp,
+        cp_comm_type=cp_comm_type, cp_load_balance=cp_load_balance,
     )  # fmt: skip
 
 

@@ -21,7 +21,7 @@ import math
 
 from costmodels.cluster import ClusterSpec
 from planner.frontend.analysis import ModelStructure
-from planner.plan import DataParallel, Layout, MeshShape, Recompute, Schedule
+from planner.plan import DataParallel, Layout, MeshShape, Recompute, Schedule, Workload
 from planner.solver.costing import CostTables, LayerGraph, interleaved_chunks
 from planner.solver.prediction import PricedAssignment, predict
 from planner.solver.problem import Assignment, MeshConfig, WorkloadSpec
@@ -226,6 +226,54 @@ def megatron_configs(
     ]
 
 
+# Megatron-LM's context parallelism as its users turn it on for long sequences: `--context-parallel-size`
+# with the default `--cp-comm-type p2p` (ring attention; load-balanced, as Megatron-Core always cuts a
+# causal sequence into 2 x cp chunks), the CP ranks taken from the data-parallel ones, enough of them that
+# each rank keeps at most MEGATRON_CP_TOKENS_PER_RANK tokens of a sequence: Llama 3's long-context stage
+# kept its 8k-token layout TP8 PP16 and went from DP128 to CP16 x DP8 at 131k tokens, 8,192 tokens per
+# rank in both stages (Dubey et al. 2024, Table 4)
+MEGATRON_CP_DEGREES = (2, 4, 8, 16, 32)
+MEGATRON_CP_TOKENS_PER_RANK = 8192
+
+
+def megatron_cp_degree(seq_len: int) -> int:
+    """The context-parallel degree an expert picks for sequences of `seq_len` tokens: the smallest of
+    `MEGATRON_CP_DEGREES` that leaves each rank at most `MEGATRON_CP_TOKENS_PER_RANK` tokens (the
+    largest if none does); 1 for sequences up to that many tokens."""
+    if seq_len <= MEGATRON_CP_TOKENS_PER_RANK:
+        return 1
+    fits = [cp for cp in MEGATRON_CP_DEGREES if seq_len / cp <= MEGATRON_CP_TOKENS_PER_RANK]
+    return fits[0] if fits else MEGATRON_CP_DEGREES[-1]
+
+
+def megatron_cp_configs(
+    configs: list[MeshConfig], num_layers: int, workload: WorkloadSpec, degrees: tuple[int, ...]
+) -> list[MeshConfig]:
+    """`configs` (`megatron_configs`) again with each context-parallel degree of `degrees` that divides
+    their DP degree and cuts the sequence into 2 x cp chunks, the CP ranks taken from the DP ones, ring
+    attention with load balancing, in the order of `degrees` (the caller keeps the first that fits
+    memory). Empty for decode and models without layers."""
+    if workload.kind is Workload.DECODE or not num_layers:
+        return []
+    out = []
+    for cp in degrees:
+        for config in configs:
+            mesh = config.mesh
+            if cp < 2 or mesh.dp % cp or workload.seq_len % (2 * cp):
+                continue
+            dp = mesh.dp // cp
+            if workload.batch_size % dp:
+                continue
+            m = megatron_micro_batches(workload.batch_size // dp, mesh.pp, workload)
+            cp_mesh = MeshShape(mesh.tp, mesh.pp, dp, cp)
+            expert = _expert_training(
+                dataclasses.replace(config, mesh=cp_mesh, micro_batches=m), num_layers, workload,
+                config.sequence_parallel or not workload.train,
+            )  # fmt: skip
+            out.append(dataclasses.replace(expert, cp_comm_type="ring", cp_load_balance=True))
+    return out
+
+
 def _expert_training(
     config: MeshConfig, num_layers: int, workload: WorkloadSpec, sequence_divides: bool = True
 ) -> MeshConfig:
@@ -240,12 +288,14 @@ def _expert_training(
     else:
         chosen = Schedule.ONE_F_ONE_B if m >= mesh.pp else Schedule.GPIPE
     sp = mesh.tp > 1 and sequence_divides
-    style = DataParallel.ZERO1 if mesh.dp > 1 else DataParallel.DDP  # --use-distributed-optimizer
+    # --use-distributed-optimizer, over the dp x cp ranks that hold the same weights (Megatron-Core's dp-cp group)
+    style = DataParallel.ZERO1 if mesh.dp_cp > 1 else DataParallel.DDP
     # what Megatron-Core's published H100 runs turn on (its README's weak-scaling table:
     # --tp-comm-overlap, which needs sequence parallelism, --overlap-grad-reduce, --overlap-param-gather)
     return MeshConfig(
         mesh, m, chosen, v, sequence_parallel=sp, dp_style=style, tp_comm_overlap=sp,
-        overlap_grad_reduce=mesh.dp > 1, overlap_param_gather=mesh.dp > 1,
+        overlap_grad_reduce=mesh.dp_cp > 1, overlap_param_gather=mesh.dp_cp > 1,
+        cp_comm_type=config.cp_comm_type, cp_load_balance=config.cp_load_balance,
     )  # fmt: skip
 
 

@@ -40,6 +40,13 @@ recomputation has nothing to save there. Full recomputation keeps only the layer
 optimizer (ZeRO-1) divides Adam's state by the DP degree and replaces the gradient all-reduce by a
 reduce-scatter of gradients and an all-gather of parameters (`gradient_sync_cost`).
 
+Context parallelism (`MeshShape.cp`; `CostContext.cp`) splits every sequence's tokens over cp ranks:
+`CostContext.tokens` is a rank's share, so every token-wise op, TP collective, stage send and stored
+activation is priced on it; the attention core is priced per variant by `cp_core_cost`
+(`costmodels.context_parallel`), its K/V buffers in flight added to `transient_bytes`; the CP ranks hold
+the same weights, so the gradient reduction and sharded states span dp x cp ranks (`dp_group`,
+`state_shards`).
+
 Times are per micro-batch on one rank; a pipelined step of them takes `step_time_s`. Training
 multiplies compute by `TRAIN_COMPUTE_FACTOR` (backward = 2x forward FLOPs) and communication by
 `TRAIN_COMM_FACTOR` (each forward collective has a conjugate backward one of the same size:
@@ -63,6 +70,7 @@ from costmodels.comm import (
     p2p_time_s,
     reduce_scatter_time_s,
 )
+from costmodels.context_parallel import CpAttentionCost, CpAttentionShape, cp_attention_cost, ulysses_refusal
 from costmodels.dtypes import DTYPE_BYTES
 from planner.errors import InputError
 from planner.frontend.analysis import (
@@ -116,6 +124,9 @@ class OpOption:
     # op's forward beyond that (a materialized attention core's forward moves 13 of the 32 bytes per
     # score element of forward + backward, not a third: `compute.materialized_scores_bytes`)
     full_extra_s: float = 0.0
+    # communication inside the op hidden behind its own compute (context-parallel ring attention's K/V
+    # blocks under the blocks' attention); not in comm_s, which is what the rank waits for
+    hidden_comm_s: float = 0.0
 
 
 @dataclass
@@ -221,10 +232,21 @@ class CostContext:
         return self.config.sequence_parallel and self.mesh.tp > 1
 
     @property
+    def cp(self) -> int:
+        """Context-parallel degree in effect: the mesh's, 1 for a decode step (one new token per sequence)."""
+        return 1 if self.workload.kind is Workload.DECODE else self.mesh.cp
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks holding the same weights, whose gradients are reduced together: dp x cp (the CP ranks
+        of a replica hold the same weights: Megatron-Core's dp-cp group, `MeshShape.dp_cp`)."""
+        return self.mesh.dp * self.mesh.cp
+
+    @property
     def dp_style(self) -> DataParallel:
-        """The data-parallel style in effect: the config's when training with dp > 1, else DDP (nothing
-        to shard)."""
-        if not self.train or self.mesh.dp == 1:
+        """The data-parallel style in effect: the config's when training with dp x cp > 1, else DDP
+        (nothing to shard)."""
+        if not self.train or self.dp_cp == 1:
             return DataParallel.DDP
         return self.config.dp_style
 
@@ -235,8 +257,14 @@ class CostContext:
 
     @property
     def shard_degree(self) -> int:
-        """Ranks each sharded state is split over (1 without sharding)."""
+        """DP ranks each sharded state is split over (1 without sharding; `Plan.dp_shard`)."""
         return self.config.shard_degree if self.dp_style is not DataParallel.DDP else 1
+
+    @property
+    def state_shards(self) -> int:
+        """Ranks each sharded state is split over: `shard_degree` DP ranks x the cp ranks of each (as the
+        runtime shards: `runtime.mesh`, torchtitan's FSDP over dp_shard x cp); 1 without sharding."""
+        return self.shard_degree * self.mesh.cp if self.dp_style is not DataParallel.DDP else 1
 
     @property
     def reshard_after_forward(self) -> bool:
@@ -250,9 +278,9 @@ class CostContext:
 
     @property
     def overlap_grad_reduce(self) -> bool:
-        """Gradient reduction per bucket during the backward (training, dp > 1, ddp / zero1 / zero2)."""
+        """Gradient reduction per bucket during the backward (training, dp x cp > 1, ddp / zero1 / zero2)."""
         styles = (DataParallel.DDP, DataParallel.ZERO1, DataParallel.ZERO2)
-        return self.config.overlap_grad_reduce and self.train and self.mesh.dp > 1 and self.dp_style in styles
+        return self.config.overlap_grad_reduce and self.train and self.dp_cp > 1 and self.dp_style in styles
 
     @property
     def overlap_param_gather(self) -> bool:
@@ -269,12 +297,14 @@ class CostContext:
 
     @property
     def sequences_per_micro_batch(self) -> float:
+        """Sequences per micro-batch per DP replica (its cp ranks share them, `tokens`)."""
         return self.workload.batch_size / self.mesh.dp / self.micro_batches
 
     @property
     def tokens(self) -> float:
-        """Tokens per micro-batch per DP replica."""
-        return self.sequences_per_micro_batch * self.workload.tokens_per_sequence
+        """Tokens per micro-batch on one rank of a DP replica: the replica's sequences' tokens, split over
+        the cp ranks (every token-wise op, TP collective and stored activation runs on these)."""
+        return self.sequences_per_micro_batch * self.workload.tokens_per_sequence / self.cp
 
     @property
     def compute_factor(self) -> float:
@@ -290,36 +320,51 @@ class CostContext:
             return 1.0
         # ZeRO-1/2 and FSDP divide the sharded states over the shard degree (`memory.dp_state_bytes`)
         state = memory.dp_state_bytes(
-            1, self.dtype, self.dp_style, self.shard_degree, self.reshard_after_forward
+            1, self.dtype, self.dp_style, self.state_shards, self.reshard_after_forward
         )
         return state / memory.param_bytes(1, self.dtype)
 
     def dp_shard_group(self) -> Group:
-        """The ranks a sharded state is split over: `shard_degree` consecutive DP ranks (HSDP's shard
-        groups are the inner DP dimension, as torchtitan's ("dp_replicate", "dp_shard") mesh)."""
+        """The ranks a sharded state is split over: `shard_degree` consecutive DP ranks and their cp
+        ranks (`state_shards`; HSDP's shard groups are the inner DP dimension, as torchtitan's
+        ("dp_replicate", "dp_shard") mesh)."""
         per_node = self.dp_group().ranks_per_node
-        shard = self.shard_degree
+        shard = self.state_shards
         return Group(shard, math.gcd(per_node, shard))
 
     def dp_replicate_group(self) -> Group:
         """HSDP: the ranks holding the same shard, one per shard group (across nodes unless the shard
         groups are smaller than a node)."""
         per_node = self.dp_group().ranks_per_node
-        shard = self.shard_degree
-        replicate = self.mesh.dp // shard
-        return Group(replicate, math.gcd(max(1, per_node // shard), replicate))
+        replicate = self.mesh.dp // self.shard_degree
+        return Group(replicate, math.gcd(max(1, per_node // self.state_shards), replicate))
 
     def tp_group(self) -> Group:
         tp, per_node = self.mesh.tp, self.cluster.devices_per_node
         return Group(tp, tp if tp <= per_node else math.gcd(tp, per_node))
 
     def dp_group(self) -> Group:
-        """DP ranks sit after the TP ranks: those in one node share it."""
+        """The dp x cp ranks that reduce gradients together (`dp_cp`). They sit after the TP ranks: the
+        cp ranks of a replica first (`MeshShape`: tp, then cp), then the DP replicas, those in one node
+        sharing it."""
         per_node = self.cluster.devices_per_node
-        tp = self.mesh.tp
-        on_node = max(1, per_node // tp) if tp < per_node else 1
-        on_node = math.gcd(on_node, self.mesh.dp)
-        return Group(self.mesh.dp, on_node)
+        tp, cp = self.mesh.tp, self.mesh.cp
+        inner = max(1, per_node // tp) if tp < per_node else 1  # (cp, dp) coordinates on a node
+        cp_on_node = self._cp_on_node(cp)
+        dp_on_node = math.gcd(inner // cp, self.mesh.dp) if cp_on_node == cp else 1
+        return Group(self.dp_cp, cp_on_node * dp_on_node)
+
+    def cp_group(self) -> Group:
+        """The cp ranks that split a sequence: tp apart (`MeshShape`), on one node while tp x cp fits it."""
+        return Group(self.cp, self._cp_on_node(self.cp))
+
+    def _cp_on_node(self, cp: int) -> int:
+        """Ranks of a CP group of `cp` on each node it spans: all while tp x cp fits a node, else the
+        cp-th part of the node's TP groups (as `tp_group` counts a TP group's)."""
+        tp, per_node = self.mesh.tp, self.cluster.devices_per_node
+        if tp * cp <= per_node:
+            return cp
+        return math.gcd(max(1, per_node // tp) if tp < per_node else 1, cp)
 
     def op_time(
         self,
@@ -426,9 +471,10 @@ def stream_conversion_time_s(src: Layout, nbytes: float, ctx: CostContext) -> fl
 def tp_overlap_chunks(ctx: CostContext) -> int:
     """Chunks each TP block's collectives are cut into under `CostContext.tp_comm_overlap`
     (`planner.plan.tp_overlap_chunk_count`) for the rows the pass cuts: a micro-batch's tokens on a
-    rank; with sequence parallelism the rank's shard of one sequence."""
+    rank; with sequence parallelism the rank's shard of one sequence (of its cp-th of the sequence
+    under context parallelism)."""
     tp = ctx.mesh.tp
-    rows = ctx.workload.tokens_per_sequence / tp if ctx.sequence_parallel else ctx.tokens
+    rows = ctx.workload.tokens_per_sequence / ctx.cp / tp if ctx.sequence_parallel else ctx.tokens
     return tp_overlap_chunk_count(tp, rows)
 
 
@@ -568,8 +614,13 @@ def attention_core_options(
     o; see ``layer_node_times_s``), added to each option, divided by tp in the head-parallel one.
     ``cross``: a decoder's cross-attention (`Layer.cross_attention`): every query attends to every
     encoder token (no causal mask), and selective recomputation, which re-runs the layer's first
-    core only (`passes.recompute`), frees none of its scores."""
-    w, b, tp = ctx.workload, ctx.bytes_per_element, ctx.mesh.tp
+    core only (`passes.recompute`), frees none of its scores.
+
+    Context parallelism (`CostContext.cp` > 1): each option is priced by `cp_core_cost` (the
+    variant's kernels on the rank's tokens, its exposed traffic in `OpOption.comm_s`, the ring's hidden
+    traffic in `OpOption.hidden_comm_s`), its stored q, k, v and out a cp-th of the sequence's; an
+    all-to-all (Ulysses) option whose heads do not divide by cp is not offered (`ulysses_refusal`)."""
+    w, b = ctx.workload, ctx.bytes_per_element
     seqs = ctx.sequences_per_micro_batch
     heads, kv_heads, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
     q_len, kv_len = w.tokens_per_sequence, w.kv_len
@@ -584,7 +635,8 @@ def attention_core_options(
         kv_len, causal = attn.kv_len or kv_len, False
         s = ctx.structure
         kv_cache = attn.cache_bytes * (replica_seqs / s.batch_size) * b / DTYPE_BYTES[s.dtype]
-    stored = (2.0 * heads + 2.0 * kv_heads) * seqs * q_len * hd * b if ctx.train else 0.0
+    cp = ctx.cp
+    stored = (2.0 * heads + 2.0 * kv_heads) * seqs * q_len / cp * hd * b if ctx.train else 0.0
     materialized = ctx.cluster.attention_kernel == "materialized"
     # decode steps only (prefill runs the engines' flash-style context kernel), and only where the core
     # reads grouped K/V as they are (a model that repeats them to the query heads pays that already)
@@ -602,8 +654,25 @@ def attention_core_options(
     # fused kernel skips the masked tiles (Dao et al. 2022)
     skips_masked = causal and not materialized
 
+    refused: dict[str, str] = {}  # option -> why all-to-all (Ulysses) cannot split its heads
+
+    def cp_option(name: str, layout: Layout, shard: int, kv_shard: int) -> OpOption:
+        """An option under context parallelism: the variant's kernels and traffic (`cp_core_cost`)."""
+        if ctx.config.cp_comm_type == "alltoall":
+            refusal = ulysses_refusal(heads / shard, cp_kv_heads(attn, shard), cp)
+            if refusal is not None:
+                refused[name] = refusal
+                return OpOption(name, layout, layout, INF, 0.0, 0.0)
+        cost = cp_core_cost(attn, ctx, shard, cross)
+        extra = max(0.0, cost.forward_s - cost.compute_s / ctx.compute_factor) if ctx.train else 0.0
+        return OpOption(name, layout, layout, cost.compute_s + inner_s / kv_shard, 0.0, stored / shard,
+                        comm_s=cost.exposed_s, selective_s=0.0 if cross else cost.forward_s,
+                        full_extra_s=extra, hidden_comm_s=cost.hidden_s)  # fmt: skip
+
     def option(name: str, layout: Layout, shard: int, kv_shard: int | None = None) -> OpOption:
         kv_shard = shard if kv_shard is None else kv_shard
+        if cp > 1:
+            return cp_option(name, layout, shard, kv_shard)
         flops = compute.attention_flops(seqs, heads / shard, q_len, kv_len, hd, skips_masked)
         # a per-query-head kernel reads each KV head once per query head (`ClusterSpec.attention_kernel`)
         kv_reads = heads / shard if per_query_head else kv_heads / kv_shard
@@ -628,6 +697,19 @@ def attention_core_options(
                         selective_bytes=0.0 if cross else scores, selective_s=0.0 if cross else forward_s,
                         full_extra_s=extra)  # fmt: skip
 
+    options, excluded = _core_options(attn, ctx, option)
+    if refused:  # Ulysses takes whole heads per cp rank
+        options = [o for o in options if o.name not in refused]
+        excluded.update(refused)
+        if not options:
+            raise InputError(next(iter(refused.values())))
+    return options, excluded
+
+
+def _core_options(attn: Attention, ctx: CostContext, option) -> tuple[list[OpOption], dict[str, str]]:
+    """The attention core's options, each priced by ``option(name, layout, shard, kv_shard=None)``:
+    replicate, and head-parallel where the query and KV heads allow it at the mesh's tp."""
+    heads, kv_heads, tp = attn.num_heads, attn.num_kv_heads, ctx.mesh.tp
     options = [option("replicate", R, 1)]
     excluded: dict[str, str] = {}
     if tp == 1:
@@ -644,6 +726,69 @@ def attention_core_options(
     else:
         excluded["head"] = f"{kv_heads} KV heads (GQA) not divisible by tp={tp}"
     return options, excluded
+
+
+def cp_kv_heads(attn: Attention, shard: int) -> float:
+    """KV heads one rank's attention reads with its query heads split over `shard` TP ranks: a
+    `shard`-th of them, at least one (fewer KV heads than ranks: each rank reads the one of its query
+    heads, `gqa_kv_replicated`)."""
+    return max(1.0, attn.num_kv_heads / shard) if shard > 1 else float(attn.num_kv_heads)
+
+
+def cp_core_cost(attn: Attention, ctx: CostContext, shard: int = 1, cross: bool = False) -> CpAttentionCost:
+    """`attn`'s core under `ctx`'s context parallelism (`costmodels.context_parallel.cp_attention_cost`
+    with the config's variant and load balancing), its query heads split over `shard` TP ranks: per
+    micro-batch on the busiest rank, training forward + backward (the backward at the device's fitted
+    ratio, `DeviceSpec.attention`, else twice the forward as `TRAIN_COMPUTE_FACTOR`). A cross-attention
+    has no causal mask. Raises ValueError for an all-to-all the heads cannot take (`ulysses_refusal`)."""
+    fit = ctx.cluster.device.attention
+    backward = 0.0
+    if ctx.train:
+        backward = fit.backward_time_factor if fit is not None else TRAIN_COMPUTE_FACTOR - 1.0
+    shape = CpAttentionShape(
+        ctx.sequences_per_micro_batch, attn.num_heads / shard, cp_kv_heads(attn, shard), attn.head_dim,
+        ctx.workload.tokens_per_sequence, causal=not cross,
+    )  # fmt: skip
+    return cp_attention_cost(
+        shape, ctx.cp, ctx.config.cp_comm_type, ctx.config.cp_load_balance, ctx.cluster, ctx.cp_group(),
+        ctx.dtype, backward,
+    )  # fmt: skip
+
+
+def cp_attentions(structure: ModelStructure) -> list[tuple[Attention, bool, int]]:
+    """The model's distinct attention shapes (query and KV heads, head dim, cross or self) as
+    (an attention of that shape, cross, how many layers have it): what context parallelism prices."""
+    out: dict[tuple, list] = {}
+    for layer in structure.layers:
+        for attn, cross in ((layer.attention, False), (layer.cross_attention, True)):
+            if attn is not None:
+                key = (attn.num_heads, attn.num_kv_heads, attn.head_dim, cross)
+                out.setdefault(key, [attn, cross, 0])[2] += 1
+    return [(a, cross, n) for a, cross, n in out.values()]
+
+
+def cp_core_shard(attn: Attention, ctx: CostContext) -> int:
+    """TP ranks the attention core's heads are split over under context parallelism: tp where the
+    heads divide (head-parallel), 1 otherwise or where all-to-all cannot split the heads per TP rank
+    (only the replicated core takes it, `attention_core_options`)."""
+    shard = ctx.mesh.tp if attn.num_heads % ctx.mesh.tp == 0 else 1
+    alltoall = ctx.config.cp_comm_type == "alltoall"
+    if alltoall and ulysses_refusal(attn.num_heads / shard, cp_kv_heads(attn, shard), ctx.cp):
+        return 1
+    return shard
+
+
+def cp_buffer_bytes(ctx: CostContext) -> float:
+    """Context parallelism's K/V (and gradient) buffers in flight on a rank while one layer's attention
+    runs (`CpAttentionCost.buffer_bytes`), the largest of the model's attention shapes with its heads
+    split as `cp_core_shard`; 0 without context parallelism."""
+    if ctx.cp == 1:
+        return 0.0
+    sizes = [
+        cp_core_cost(a, ctx, cp_core_shard(a, ctx), cross).buffer_bytes
+        for a, cross, _ in cp_attentions(ctx.structure)
+    ]
+    return max(sizes, default=0.0)
 
 
 def gqa_kv_replicated(attn: Attention, tp: int) -> bool:
@@ -1338,12 +1483,12 @@ def transient_bytes(ctx: CostContext) -> float:
     micro-batch, the widest a rank computes: the residual stream, or a projection's output split over
     the TP ranks (a 70B MLP's 28672 columns are 7168 per rank at TP=4; priced whole, a 2048-token x 64
     prefill that TensorRT-LLM 0.5 ran at TP4 on A100 80GB read as not fitting). Training:
-    `training_transient_bytes`."""
+    `training_transient_bytes`. Both: context parallelism's K/V buffers in flight (`cp_buffer_bytes`)."""
     if ctx.train:
-        return training_transient_bytes(ctx)
+        return training_transient_bytes(ctx) + cp_buffer_bytes(ctx)
     s = ctx.structure
     widest = max([s.hidden_size] + [p.out_features / ctx.mesh.tp for p in _all_projections(s)])
-    return 4.0 * ctx.tokens * widest * ctx.bytes_per_element
+    return 4.0 * ctx.tokens * widest * ctx.bytes_per_element + cp_buffer_bytes(ctx)
 
 
 def training_transient_bytes(ctx: CostContext) -> float:
@@ -1500,7 +1645,7 @@ def dp_sync_phases(grad_bytes: float, ctx: CostContext) -> list[SyncPhase]:
       but one unit's share per micro-batch (the first gather, the last reduce) can hide: window 1 (the
       whole step's compute).
     """
-    if not ctx.train or ctx.mesh.dp == 1 or grad_bytes <= 0:
+    if not ctx.train or ctx.dp_cp == 1 or grad_bytes <= 0:
         return []
     style, cluster, m = ctx.dp_style, ctx.cluster, ctx.micro_batches
     group = ctx.dp_group()
@@ -1525,7 +1670,7 @@ def dp_sync_phases(grad_bytes: float, ctx: CostContext) -> list[SyncPhase]:
             t = gathers * all_gather_time_s(unit_bytes, shard, c) + reduce_scatter_time_s(
                 unit_bytes, shard, c
             )
-            if shard.size < ctx.mesh.dp:
+            if shard.size < ctx.dp_cp:
                 t += all_reduce_time_s(unit_bytes / shard.size, ctx.dp_replicate_group(), c)
             return t
 
@@ -1570,7 +1715,7 @@ def optimizer_step_time_s(grad_bytes: float, ctx: CostContext) -> float:
     if not ctx.train or grad_bytes <= 0:
         return 0.0
     dev = ctx.cluster.device
-    share = 1.0 / ctx.shard_degree
+    share = 1.0 / ctx.state_shards
     params = grad_bytes / ctx.bytes_per_element * share
     dispatch = dev.launch_overhead_s
     # eager CPU: torch's Adam loops over the tensors of the stage; ZeRO-1 and FSDP step one flat shard

@@ -8,7 +8,8 @@ of every candidate solved; for ladder residual, the plan with and without it; fo
 with each alternative of sequence parallelism, activation recomputation (per layer class), pipeline
 schedule and v, and the distributed optimizer, the rest of the plan unchanged (`training_decisions`);
 for each communication-overlap choice, the plan with it on and off and the exposed share of the
-traffic it concerns (`overlap_decisions`).
+traffic it concerns (`overlap_decisions`); for context parallelism, the fastest plan at each degree
+and the plan with each attention variant, or why it is refused (`cp_decisions`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import itertools
 import math
 from collections.abc import Callable
 
-from planner.plan import Decision, MeshCandidate, Recompute, Schedule
+from planner.plan import Decision, MeshCandidate, Recompute, Schedule, Workload
 from planner.solver.baseline import even_stages
 from planner.solver.costing import (
     CostContext,
@@ -57,10 +58,12 @@ def mesh_decision(candidates: list[MeshCandidate], chosen: MeshConfig) -> list[D
     """Predicted step time of the fastest solved meshes (at most `MAX_MESH_OPTIONS`, the chosen one
     always); those that do not fit memory and those pruned are only counted."""
     solved = sorted((c for c in candidates if c.latency_s is not None), key=lambda c: c.latency_s)
-    options: dict[str, float] = {c.label(): c.latency_s for c in solved[:MAX_MESH_OPTIONS]}
+    options: dict[str, float] = {}
+    for c in solved[:MAX_MESH_OPTIONS]:  # two candidates may end with one label (styles priced on each):
+        options.setdefault(c.label(), c.latency_s)  # the faster one's time
     for c in solved[MAX_MESH_OPTIONS:]:
         if c.label() == chosen.label():
-            options[c.label()] = c.latency_s
+            options.setdefault(c.label(), c.latency_s)
     pruned = sum(1 for c in candidates if c.note.startswith(NOT_SOLVED_NOTES))
     unfit = len(candidates) - len(solved) - pruned
     reason = (
@@ -351,8 +354,8 @@ def training_decisions(
         if c.schedule is not None or c.virtual_stages is not None:
             reason += "; pinned by --schedule / --virtual-stages"
         out.append(Decision("schedule", chosen, options, reason + fit_note()))
-    # data-parallel style
-    if mesh.dp > 1:
+    # data-parallel style (over the dp x cp ranks holding the same weights)
+    if mesh.dp_cp > 1:
         out.append(_dp_style_decision(tables, assignment, c, price_config, cap_bytes, runs))
     return out
 
@@ -450,7 +453,9 @@ def _dp_style_decision(
         peaks[name] = p.peak_memory_bytes
         memory.append(f"{name} {p.peak_memory_bytes / _GIB:.1f}")
     what = (
-        f"over dp={config.mesh.dp}: ddp all-reduces gradients; zero1 shards Adam's state (Megatron's "
+        f"over dp={config.mesh.dp}"
+        + (f" x cp={config.mesh.cp} ranks" if config.mesh.cp > 1 else "")
+        + ": ddp all-reduces gradients; zero1 shards Adam's state (Megatron's "
         "distributed optimizer); zero2 gradients too; fsdp parameters too, gathered per layer (prefetched one "
         "layer ahead, reduce-scatters issued as each layer's backward ends); hsdp SxR shards over S ranks and "
         "replicates over R; -noreshard keeps the gathered layers from forward to backward"
@@ -469,3 +474,120 @@ def _dp_style_decision(
             "keeps its gradients whole)"
         )
     return Decision("data-parallel", config.dp_label(), options, reason, peaks)
+
+
+CP_VARIANT_TEXT = {
+    "ring": "K/V blocks passed round the ring under each block's attention",
+    "allgather": "K/V all-gathered once per layer (Llama 3's choice)",
+    "alltoall": "all-to-all from tokens to heads around attention (Ulysses)",
+}
+
+
+def cp_decisions(
+    priced: PricedAssignment,
+    cap_bytes: float,
+    price_config: Callable[[MeshConfig], CostTables],
+    candidates: list[MeshCandidate],
+    variants: list[tuple[str, bool]],
+    refusals: dict[str, str],
+    constraints: Constraints | None = None,
+) -> list[Decision]:
+    """Context parallelism: the degree (the fastest solved candidate at each cp the search priced, from
+    `candidates`) and, when the plan uses it, the attention variant: the step with each of ring,
+    allgather and alltoall, load-balanced and contiguous, the rest of the plan unchanged (inf: refused,
+    with why: `refusals` by variant, a sequence that does not cut into the chunks, a pin, or memory),
+    and in the reason each one's exposed and hidden K/V traffic per layer and micro-batch. `variants`:
+    the (comm type, load balance) pairs the search allowed on the plan's mesh. Nothing for decode."""
+    ctx = priced.tables.ctx
+    if ctx.workload.kind is Workload.DECODE:
+        return []
+    c = constraints or Constraints()
+    cps = sorted({cand.mesh.cp for cand in candidates})
+    out = []
+    if len(cps) > 1 or ctx.mesh.cp > 1:
+        options: dict[str, float] = {}
+        pruned: list[str] = []
+        for cp in cps:
+            at = [cand for cand in candidates if cand.mesh.cp == cp]
+            solved = [cand.latency_s for cand in at if cand.latency_s is not None]
+            options[f"cp={cp}"] = min(solved) if solved else math.inf
+            if any(cand.note.startswith(NOT_SOLVED_NOTES) for cand in at):
+                pruned.append(f"cp={cp}")
+        unsolved = [name for name, t in options.items() if t == math.inf]
+        reason = (
+            f"each sequence's {ctx.workload.seq_len} tokens split over the cp ranks for every layer (activations "
+            "and token-wise work / cp, the CP ranks reduce gradients with the DP ranks); times: the fastest "
+            "solved mesh at each degree"
+        )
+        if unsolved:
+            reason += (
+                f"; {', '.join(unsolved)}: no mesh solved (does not fit memory, or pruned by its lower bound)"
+            )
+        if pruned:
+            reason += (
+                f"; {', '.join(pruned)}: some meshes not solved, their lower bound no faster than the chosen plan "
+                "(the time shown is the fastest of those solved; pin --cp to solve them all)"
+            )
+        if c.cp is not None:
+            reason += f"; pinned by --cp {c.cp}"
+        out.append(Decision("context-parallel", f"cp={ctx.mesh.cp}", options, reason))
+    if ctx.mesh.cp == 1:
+        return out
+    config, assignment = ctx.config, priced.assignment
+    seq, cp = ctx.workload.seq_len, ctx.mesh.cp
+    options, notes = {}, []
+    for kind in ("allgather", "ring", "alltoall"):
+        for balance in (True, False):
+            name = kind + ("" if balance else " unbalanced")
+            if kind in refusals:
+                options[name] = math.inf
+                continue
+            if (kind, balance) not in variants:
+                options[name] = math.inf
+                chunks = 2 * cp if balance else cp
+                notes.append(
+                    f"{name}: {seq} tokens do not cut into {chunks} chunks"
+                    if seq % chunks
+                    else f"{name}: not allowed by --cp-comm-type / --cp-load-balance"
+                )
+                continue
+            alt_config = dataclasses.replace(config, cp_comm_type=kind, cp_load_balance=balance)
+            alt = priced.tables if alt_config == config else price_config(alt_config)
+            p = predict(alt, assignment)
+            fits = p.prediction.peak_memory_bytes <= cap_bytes
+            options[name] = p.prediction.latency_s if fits else math.inf
+            exposed, hidden = _cp_traffic_s(alt, assignment)
+            notes.append(
+                f"{name}: K/V traffic exposed {exposed * 1e3:.3g} ms, hidden {hidden * 1e3:.3g} ms per layer and "
+                f"micro-batch, peak {p.prediction.peak_memory_bytes / _GIB:.1f} GiB"
+                + ("" if fits else f" (over the {cap_bytes / _GIB:.1f} GiB usable)")
+            )
+    chosen = config.cp_comm_type + ("" if config.cp_load_balance else " unbalanced")
+    reason = (
+        f"attention over cp={cp} ranks: {'; '.join(f'{k} = {v}' for k, v in CP_VARIANT_TEXT.items())}; load "
+        "balancing gives each rank one early and one late chunk of the causal sequence (unbalanced: the last "
+        "rank does (2cp-1)/cp of the average work); " + "; ".join(notes)
+    )
+    for kind, why in refusals.items():
+        reason += f"; {kind} not allowed: {why}"
+    pins = [
+        flag
+        for flag, v in (("--cp-comm-type", c.cp_comm_type), ("--cp-load-balance", c.cp_load_balance))
+        if v is not None
+    ]
+    if pins:
+        reason += f"; pinned by {' '.join(pins)}"
+    out.append(Decision("context-parallel attention", chosen, options, reason))
+    return out
+
+
+def _cp_traffic_s(tables: CostTables, assignment: Assignment) -> tuple[float, float]:
+    """(exposed, hidden) context-parallel traffic of the plan's attention cores, per layer and
+    micro-batch (the largest over the layer classes): the chosen options' `comm_s` and `hidden_comm_s`."""
+    exposed = hidden = 0.0
+    for key, graph in tables.graphs.items():
+        for op in graph.ops:
+            if op.name.endswith("core"):
+                o = op.option(assignment.option(key, op.name))
+                exposed, hidden = max(exposed, o.comm_s), max(hidden, o.hidden_comm_s)
+    return exposed, hidden

@@ -122,6 +122,7 @@ def layer_breakdown(
     elif recompute is Recompute.SELECTIVE:  # the attention core again; its scores are not kept
         compute_s += sum(o.selective_s for o in opt.values())
         act -= sum(o.selective_bytes for o in opt.values())
+    overlapped += sum(o.hidden_comm_s for o in opt.values())  # context-parallel ring transfers
     return LayerBreakdown(compute_s, internal + exposed, overlapped, static, act, grad)
 
 
@@ -183,13 +184,13 @@ def predict(tables: CostTables, assignment: Assignment) -> PricedAssignment:
     stages_bd[0].grad_bytes += ends.fixed_grad_bytes
     for s in range(mesh.pp):
         stages_bd[s].exposed_comm_s += stage_p2p_time_s(ctx, s)
+    transient = transient_bytes(ctx)
     for bd in stages_bd:
-        bd.memory_bytes += transient_bytes(ctx)
+        bd.memory_bytes += transient
     times = [bd.time_s for bd in stages_bd]
     slowest = max(range(mesh.pp), key=lambda s: times[s])
-    tail_comm, tail_compute = max(
-        (_tail_s(ctx, bd.grad_bytes, m * bd.time_s) for bd in stages_bd), key=lambda t: t[0] + t[1]
-    )
+    tails = dict.fromkeys((bd.grad_bytes, m * bd.time_s) for bd in stages_bd)  # interior stages alike
+    tail_comm, tail_compute = max((_tail_s(ctx, *tail) for tail in tails), key=lambda t: t[0] + t[1])
     latency = step_time_s(sum(times), times[slowest], m, ctx.virtual_stages) + tail_comm + tail_compute
     bottleneck = stages_bd[slowest]
     compute_s = m * bottleneck.compute_s + tail_compute

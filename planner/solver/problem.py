@@ -22,7 +22,16 @@ from dataclasses import dataclass, field
 
 from costmodels.dtypes import DTYPE_BYTES
 from planner.errors import InputError
-from planner.plan import WORKLOADS, DataParallel, MeshShape, Recompute, Schedule, Workload, dp_label
+from planner.plan import (
+    CP_COMM_TYPES,
+    WORKLOADS,
+    DataParallel,
+    MeshShape,
+    Recompute,
+    Schedule,
+    Workload,
+    dp_label,
+)
 
 LADDER_MIN_SAVING_FRACTION = 0.05  # a laddered layer must save >= 5% of its time (it changes the model)
 FEATURE_MIN_SAVING = 0.005  # relative saving each of SP / interleaving / ZeRO-1 must buy to be chosen
@@ -89,6 +98,11 @@ class MeshConfig:
     tp_comm_overlap: bool = False
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
+    # context parallelism (mesh.cp > 1; `planner.plan.Plan`'s fields of the same names): how attention
+    # reaches the other CP ranks' keys and values (`CP_COMM_TYPES`) and whether a causal sequence is cut
+    # into 2 x cp chunks, rank r holding chunks r and 2cp-1-r (`passes.context_parallel`); unused at cp 1
+    cp_comm_type: str = "allgather"
+    cp_load_balance: bool = True
 
     @property
     def num_devices(self) -> int:
@@ -101,7 +115,8 @@ class MeshConfig:
 
     @property
     def shard_degree(self) -> int:
-        """Ranks each sharded state is split over: 1 for ddp, `dp_shard` (default every DP rank)."""
+        """DP ranks each sharded state is split over: 1 for ddp, `dp_shard` (default every DP rank); with
+        context parallelism each shard group also holds the cp ranks of its DP ranks (`CostContext.state_shards`)."""
         if self.dp_style is DataParallel.DDP:
             return 1
         return self.mesh.dp if self.dp_shard is None else self.dp_shard
@@ -116,10 +131,18 @@ class MeshConfig:
     def layout_label(self) -> str:
         """What runs beside the mesh: "interleaved_1f1b v=2, sp, zero1" ("" for none of them)."""
         parts = [f"{self.schedule} v={self.virtual_stages}"] if self.virtual_stages > 1 else []
+        parts += [self.cp_label()] if self.mesh.cp > 1 else []
         parts += ["sp"] if self.sequence_parallel else []
         parts += [self.dp_label()] if self.dp_style is not DataParallel.DDP else []
         parts += [name for name, on in self.overlap_flags().items() if on]
         return ", ".join(parts)
+
+    def cp_label(self) -> str:
+        """The context-parallel attention as the layout label writes it: "cp allgather", "cp ring
+        unbalanced" ("" at cp 1)."""
+        if self.mesh.cp == 1:
+            return ""
+        return f"cp {self.cp_comm_type}" + ("" if self.cp_load_balance else " unbalanced")
 
     def overlap_flags(self) -> dict[str, bool]:
         """The communication-overlap choices by their Megatron-LM flag names (without dashes)."""
@@ -275,6 +298,10 @@ class Constraints:
     tp: int | None = None  # pinned tensor-parallel degree
     pp: int | None = None  # pinned pipeline-parallel degree
     dp: int | None = None  # pinned data-parallel degree
+    cp: int | None = None  # pinned context-parallel degree (--cp); None: the search chooses
+    # --cp-comm-type (`CP_COMM_TYPES`) and --cp-load-balance on|off; None: the search prices each
+    cp_comm_type: str | None = None
+    cp_load_balance: bool | None = None
     max_devices: int | None = None  # use at most this many devices (default: the whole cluster)
     ladder: LadderPolicy = LadderPolicy()  # `LadderPolicy.parse` reads the --ladder option
     schedule: Schedule | None = (
@@ -310,10 +337,24 @@ class Constraints:
     layout: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "max_devices"):
+        for name in ("tp", "pp", "dp", "cp", "max_devices"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise InputError(f"constraint {name} must be >= 1, got {value}")
+        if self.cp_comm_type is not None and self.cp_comm_type not in CP_COMM_TYPES:
+            raise InputError(
+                f"--cp-comm-type must be one of {', '.join(CP_COMM_TYPES)} or auto, got {self.cp_comm_type!r}"
+            )
+        if self.cp == 1 and (self.cp_comm_type is not None or self.cp_load_balance is not None):
+            flag = (
+                f"--cp-comm-type {self.cp_comm_type}"
+                if self.cp_comm_type is not None
+                else f"--cp-load-balance {'on' if self.cp_load_balance else 'off'}"
+            )
+            raise InputError(
+                f"{flag} sets how context parallelism runs, but --cp 1 turns it off: use --cp 2 or more, or leave "
+                f"{flag.split()[0]} out"
+            )
         if not 0 < self.memory_fraction <= 1:
             raise InputError(f"constraint memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.time_limit_s <= 0:
@@ -426,8 +467,8 @@ class Constraints:
 
     @property
     def pinned(self) -> dict[str, int]:
-        """The pinned degrees by axis name ("tp", "pp", "dp"), in mesh order."""
-        return {k: getattr(self, k) for k in ("tp", "pp", "dp") if getattr(self, k) is not None}
+        """The pinned degrees by axis name ("tp", "cp", "pp", "dp"), in mesh order (innermost first)."""
+        return {k: getattr(self, k) for k in ("tp", "cp", "pp", "dp") if getattr(self, k) is not None}
 
 
 @dataclass
@@ -452,9 +493,11 @@ class Assignment:
 def dp_style_variants(config: MeshConfig, constraints: Constraints) -> list[MeshConfig]:
     """`config` with every data-parallel style the constraints allow on its mesh: ddp, zero1, zero2,
     fsdp over every power-of-two shard degree dividing dp (below dp: HSDP), with and without reshard
-    after forward (each as pinned); `config` itself when dp == 1."""
-    dp = config.mesh.dp
-    if dp == 1:
+    after forward (each as pinned); `config` itself when dp x cp == 1. With context parallelism every
+    style spans the dp x cp ranks that hold the same weights (`MeshShape.dp_cp`): a shard degree is in
+    DP ranks, each shard group holding its cp ranks too (so fsdp at dp 1 shards over the cp ranks)."""
+    dp, cp = config.mesh.dp, config.mesh.cp
+    if dp * cp == 1:
         return [config]
     out = []
     for style in constraints.dp_styles():
@@ -465,7 +508,7 @@ def dp_style_variants(config: MeshConfig, constraints: Constraints) -> list[Mesh
         pinned = constraints.reshard_after_forward
         reshards = [pinned] if pinned is not None else [True, False]
         for shard in shards:
-            if shard < 2 or dp % shard:
+            if shard * cp < 2 or dp % shard:
                 continue
             for reshard in reshards:
                 out.append(
@@ -483,14 +526,15 @@ def overlap_variants(config: MeshConfig, constraints: Constraints, train: bool) 
     """`config` with every combination of the communication-overlap choices that means something on
     its mesh and the constraints allow: TP overlap with tp > 1; gradient reduction overlap when
     training with dp > 1 and ddp, zero1 or zero2 (fsdp's reduce-scatters always run from the backward,
-    unit by unit); parameter-gather overlap with zero1 / zero2. Pinned ones as pinned."""
+    unit by unit); parameter-gather overlap with zero1 / zero2 (dp counts the cp ranks: dp x cp > 1).
+    Pinned ones as pinned."""
 
     def choices(pinned: bool | None, meaningful: bool) -> list[bool]:
         if not meaningful:
             return [False]
         return [pinned] if pinned is not None else [False, True]
 
-    dp_train = train and config.mesh.dp > 1
+    dp_train = train and config.mesh.dp_cp > 1  # the CP ranks reduce their gradients as DP ranks do
     tp = choices(constraints.tp_comm_overlap, config.mesh.tp > 1)
     grad = choices(
         constraints.overlap_grad_reduce,

@@ -17,6 +17,12 @@ activation recomputation per layer class; the distributed optimizer (dp > 1) is 
 plan both ways (`_price_optimizer`). A plan uses one of these only if it is predicted faster by more
 than `FEATURE_MIN_SAVING` per feature than without (or needs it to fit): each changes what the runtime
 must do.
+
+Context parallelism: the context-parallel degree is a mesh axis of its own (`_cp_options`: pinned by
+--cp, else powers of two for sequences of `MIN_CP_SEQ_LEN` tokens or more); each candidate is solved
+with the attention variant whose cores cost least (`_cp_variant`) and priced with every other variant
+and load balancing the constraints allow on its solution (`_price_cp_variants`); cp > 1 counts as a
+feature.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from dataclasses import dataclass, field
 
 from costmodels import memory
 from costmodels.cluster import ClusterSpec, cluster_for_ranks
+from costmodels.context_parallel import ulysses_refusal
 from planner.errors import InfeasibleError, InputError
 from planner.frontend.analysis import Layer, ModelStructure, Role
 from planner.plan import (
@@ -43,15 +50,20 @@ from planner.plan import (
     SplitStyle,
     WeightSplit,
     Workload,
+    check_cp_sequence,
+    cp_text,
     dp_style_text,
     overlap_text,
 )
 from planner.progress import Progress, silent
 from planner.solver.baseline import (
+    MEGATRON_CP_DEGREES,
     baseline_plan,
     megatron_assignment,
     megatron_choices,
     megatron_configs,
+    megatron_cp_configs,
+    megatron_cp_degree,
     megatron_micro_batch_variants,
     torchtitan_configs,
 )
@@ -61,6 +73,10 @@ from planner.solver.costing import (
     LayerGraph,
     OpOption,
     build_cost_tables,
+    cp_attentions,
+    cp_core_cost,
+    cp_core_shard,
+    cp_kv_heads,
     fsdp_transient_bytes,
     gqa_kv_replicated,
     interleaved_chunks,
@@ -73,6 +89,7 @@ from planner.solver.costing import (
 )
 from planner.solver.explain import (
     block_table,
+    cp_decisions,
     ladder_decision,
     memory_fit_text,
     mesh_decision,
@@ -100,6 +117,16 @@ __all__ = ["Constraints", "WorkloadSpec", "plan_model"]
 _GIB = 2.0**30
 TIE_TOLERANCE = 1e-6  # relative: plans this close in latency are ties, broken by fewer devices
 MAX_VIRTUAL_STAGES = 8  # interleaved 1F1B: model chunks per pipeline rank considered
+# context parallelism the search considers (a pinned --cp is taken as it is): for sequences of at least
+# MIN_CP_SEQ_LEN tokens (longer than the pre-training contexts of today's models: Llama 3 pre-trained at
+# 8k tokens with CP 1 and used CP 16 for its 131k-token stage, Dubey et al. 2024 Table 4; below it every
+# CP degree multiplies the mesh candidates, and the plan time, for sequences data parallelism splits as
+# well), powers of two up to MAX_CP, each rank keeping at least MIN_CP_TOKENS_PER_RANK tokens of a
+# sequence (below that the GEMMs of the rank's rows lose efficiency and the K/V traffic grows against
+# the attention it overlaps)
+MIN_CP_SEQ_LEN = 16384
+MAX_CP = 32
+MIN_CP_TOKENS_PER_RANK = 2048
 
 
 @dataclass
@@ -284,6 +311,7 @@ def _enumerate(search: _Search, progress: Progress = silent) -> None:
         )
     num_layers = len(search.structure.layers) or 1
     tps = _tp_options(search, num_devices)
+    cps = _cp_options(search, num_devices)
     pps = [c.pp] if c.pp is not None else [p for p in _divisors(num_devices) if p <= num_layers]
     if c.pp is not None and c.pp > num_layers:
         raise InputError(f"pp={c.pp} exceeds the model's {num_layers} layers")
@@ -345,21 +373,24 @@ def _enumerate(search: _Search, progress: Progress = silent) -> None:
             f"dp={dp}: --dp-shard {c.dp_shard} does not divide it" for dp in dps if dp not in fits
         ]
         dps = fits
-    for tp in tps:
+    for tp, cp in ((tp, cp) for tp in tps for cp in cps):
         for pp in pps:
             for dp in dps:
-                if tp * pp * dp > num_devices:
+                if tp * cp * pp * dp > num_devices:
                     continue
-                mesh = MeshShape(tp, pp, dp)
+                mesh = MeshShape(tp, pp, dp, cp)
                 for m in [1] if whole_batch else _micro_batch_options(search, pp, dp):
+                    variant = _cp_variant(search, mesh, m)
+                    if variant is None:
+                        continue
                     for schedule, v in _schedules_for(search, pp, m):
-                        for sp in _sequence_parallel_options(search, tp):
+                        for sp in _sequence_parallel_options(search, tp, cp):
                             for style in _solved_styles(search, mesh):
                                 config = MeshConfig(
                                     mesh, m, schedule, v, sp, style, c.dp_shard,
                                     c.reshard_after_forward is not False,
                                     c.tp_comm_overlap is True, c.overlap_grad_reduce is True,
-                                    c.overlap_param_gather is True,
+                                    c.overlap_param_gather is True, *variant,
                                 )  # fmt: skip
                                 progress(
                                     f"pricing mesh candidate {len(search.candidates) + 1}: {config.label()}",
@@ -416,13 +447,14 @@ def _schedules_for(search: _Search, pp: int, micro_batches: int) -> list[tuple[S
     return out
 
 
-def _sequence_parallel_options(search: _Search, tp: int) -> list[bool]:
+def _sequence_parallel_options(search: _Search, tp: int, cp: int = 1) -> list[bool]:
     """Sequence parallelism off and on (training with tp > 1), or as pinned. Ladder residual and
     sequence parallelism exclude each other (`passes.lower.check_runnable`): with exactly the upper N
     layers laddered (`--ladder upper:N`) only off; with `auto` both, the on candidate solved without
     ladder (`_ladder_of`). Never on where a layer's sequence does not divide by tp
     (`ModelStructure.stream_tokens`: a ViT's 17 patches and class token at tp=2): each rank would hold
-    an unequal part, and the passes refuse the plan; pinned on, that tp is excluded and says why.
+    an unequal part, and the passes refuse the plan; pinned on, that tp is excluded and says why. With
+    context parallelism over `cp` ranks the sequence tp splits is the rank's cp-th of it.
 
     Raises:
         InputError: sequence parallelism pinned on together with `--ladder upper:N`.
@@ -430,7 +462,7 @@ def _sequence_parallel_options(search: _Search, tp: int) -> list[bool]:
     pinned = search.constraints.sequence_parallel
     if tp == 1 or not search.workload.train or pinned is False:
         return [False]
-    uneven = [t for t in search.structure.stream_tokens(search.workload.seq_len) if t % tp]
+    uneven = [t // cp for t in search.structure.stream_tokens(search.workload.seq_len) if (t // cp) % tp]
     if uneven:
         if pinned:
             reason = (
@@ -452,6 +484,177 @@ def _sequence_parallel_options(search: _Search, tp: int) -> list[bool]:
     return [pinned] if pinned is not None else [False, True]
 
 
+def _cp_options(search: _Search, num_devices: int) -> list[int]:
+    """Context-parallel degrees of the search: the pinned --cp (checked: `_check_pinned_cp`), else 1
+    and, for training and prefill of sequences of `MIN_CP_SEQ_LEN` tokens or more by a token model with
+    attention whose layers all see the whole sequence, every power of two up to `MAX_CP` dividing the
+    devices whose ranks keep at least `MIN_CP_TOKENS_PER_RANK` tokens and that cuts the sequence into
+    equal chunks (2 x cp with load balancing, cp without: `check_cp_sequence`); the others are listed
+    in `_Search.excluded`."""
+    c, w = search.constraints, search.workload
+    if c.cp is not None:
+        _check_pinned_cp(search)
+        return [c.cp]
+    if w.kind is Workload.DECODE or _cp_unsupported(search):
+        return [1]
+    if w.seq_len < MIN_CP_SEQ_LEN:  # not listed as excluded: every short-sequence plan would say it
+        return [1]
+    out, lbs = [1], [c.cp_load_balance] if c.cp_load_balance is not None else [True, False]
+    for cp in (2**k for k in range(1, MAX_CP.bit_length())):
+        if cp > num_devices or num_devices % cp:
+            break
+        if w.seq_len // cp < MIN_CP_TOKENS_PER_RANK:
+            search.excluded.append(
+                f"cp>={cp}: under {MIN_CP_TOKENS_PER_RANK} tokens of each {w.seq_len}-token sequence per rank "
+                "(pin --cp to price it)"
+            )
+            break
+        if all(w.seq_len % (2 * cp if lb else cp) for lb in lbs):
+            search.excluded.append(f"cp={cp}: {w.seq_len} tokens do not cut into {2 * cp} equal chunks")
+            continue
+        out.append(cp)
+    return out
+
+
+def _cp_unsupported(search: _Search) -> str:
+    """Why context parallelism does not apply to the model ("" when it does): it needs attention layers
+    of a token model that all see the whole sequence, and no KV cache of the model's own."""
+    s, w = search.structure, search.workload
+    attentions = [layer.attention for layer in s.layers if layer.attention is not None]
+    if not attentions or not s.token_model:
+        return "the model has no attention layers over token sequences to split"
+    if any(a.cache_bytes for a in attentions):
+        return "the model writes its own KV cache, which context parallelism does not split"
+    if any(t != w.seq_len for t in s.stream_tokens(w.seq_len)):
+        return "its layers see another sequence than the input's tokens"
+    return ""
+
+
+def _check_pinned_cp(search: _Search) -> None:
+    """A pinned --cp (with --cp-comm-type / --cp-load-balance) that cannot run is refused in one line
+    naming the numbers and what would work: decode, a model without attention over tokens, a sequence
+    that does not cut into equal chunks (`check_cp_sequence`), Ulysses with heads that do not divide
+    by cp (at the pinned --tp, else with the attention replicated). Raises InputError."""
+    c, w = search.constraints, search.workload
+    cp = c.cp
+    if cp == 1:
+        return
+    if w.kind is Workload.DECODE:
+        raise InputError(
+            f"--cp {cp}: a decode step has one new token per sequence to split; context parallelism is for "
+            "--workload train and forward (prefill): use --cp 1 or leave it out"
+        )
+    why = _cp_unsupported(search)
+    if why:
+        raise InputError(f"--cp {cp}: {why}; use --cp 1 or leave it out")
+    kind = c.cp_comm_type or "any variant"
+    # load balancing auto: off where only contiguous chunks cut the sequence (`_cp_variants` keeps those)
+    balance = c.cp_load_balance is not False and not (
+        c.cp_load_balance is None and w.seq_len % (2 * cp) == cp
+    )
+    check_cp_sequence(w.seq_len, cp, balance, kind, "--cp")
+    if c.cp_comm_type == "alltoall":
+        refusal = _ulysses_refusal(search, c.tp or 1, cp)
+        if refusal:
+            raise InputError(f"--cp {cp} --cp-comm-type alltoall: {refusal}")
+
+
+def _ulysses_refusal(search: _Search, tp: int, cp: int) -> str:
+    """Why all-to-all (Ulysses) cannot run on (tp, cp) for some attention layer of the model (its heads
+    per TP rank, query and KV, must divide by cp: `costmodels.context_parallel.ulysses_refusal`), with
+    the variants that work and, when the heads divide a smaller cp, that one; "" when it can."""
+    for layer in search.structure.layers:
+        attn = layer.attention
+        if attn is None:
+            continue
+        shard = tp if tp > 1 and attn.num_heads % tp == 0 else 1
+        heads, kv = attn.num_heads / shard, cp_kv_heads(attn, shard)
+        refusal = ulysses_refusal(heads, kv, cp)
+        if refusal:
+            fits = [d for d in (2, 4, 8, 16, 32) if d < cp and heads % d == 0 and kv % d == 0]
+            return refusal + (f", or cp={fits[-1]} with alltoall" if fits else "")
+    return ""
+
+
+def _cp_variants(search: _Search, mesh: MeshShape) -> list[tuple[str, bool]]:
+    """The (cp_comm_type, cp_load_balance) pairs the constraints allow on `mesh` and the sequence and
+    heads take (`_cp_refusals` says why the others not): allgather, ring, alltoall, each balanced then
+    contiguous; [("allgather", True)] at cp 1 (unused there)."""
+    if mesh.cp == 1:
+        return [("allgather", True)]
+    c, seq = search.constraints, search.workload.seq_len
+    types = [c.cp_comm_type] if c.cp_comm_type is not None else ["allgather", "ring", "alltoall"]
+    balances = [c.cp_load_balance] if c.cp_load_balance is not None else [True, False]
+    refused = _cp_refusals(search, mesh)
+    return [
+        (kind, lb)
+        for kind in types
+        if kind not in refused
+        for lb in balances
+        if seq % (2 * mesh.cp if lb else mesh.cp) == 0
+    ]
+
+
+def _cp_refusals(search: _Search, mesh: MeshShape) -> dict[str, str]:
+    """Context-parallel variants `mesh` cannot run, with why (Ulysses' heads: `_ulysses_refusal`)."""
+    if mesh.cp == 1:
+        return {}
+    refusal = _ulysses_refusal(search, mesh.tp, mesh.cp)
+    return {"alltoall": refusal} if refusal else {}
+
+
+def _cp_variant(search: _Search, mesh: MeshShape, micro_batches: int) -> tuple[str, bool] | None:
+    """The context-parallel variant a candidate is solved with: of `_cp_variants`, the one whose
+    attention cores cost least (kernels + exposed traffic, `costing.cp_core_cost`, head-parallel where
+    the heads divide by tp); the others are priced on the solution (`_price_cp_variants`). Cached by
+    what it depends on; None when no variant runs on `mesh` (listed in `_Search.excluded`)."""
+    variants = _cp_variants(search, mesh)
+    if mesh.cp == 1 or len(variants) <= 1:
+        if not variants:
+            search.excluded.append(f"{mesh.label()}: no context-parallel variant runs here")
+            return None
+        return variants[0]
+    key = ("cp", mesh.tp, mesh.cp, mesh.dp, micro_batches)
+    if key not in search.priced:
+        cluster = cluster_for_ranks(search.cluster, mesh.num_devices)
+        costs = []
+        for kind, lb in variants:
+            config = MeshConfig(mesh, micro_batches, cp_comm_type=kind, cp_load_balance=lb)
+            ctx = CostContext(search.structure, cluster, search.workload, config, search.dtype)
+            costs.append((_cp_attention_s(ctx), (kind, lb)))
+        search.priced[key] = min(costs, key=lambda cost: cost[0])[1]  # first of equals: the simpler
+    return search.priced[key]
+
+
+def _cp_attention_s(ctx: CostContext) -> float:
+    """The attention cores of every layer under `ctx`'s context parallelism, kernels plus exposed
+    traffic per micro-batch, heads split as `costing.cp_core_shard` (`costing.cp_core_cost`)."""
+    total = 0.0
+    for attn, cross, count in cp_attentions(ctx.structure):
+        cost = cp_core_cost(attn, ctx, cp_core_shard(attn, ctx), cross)
+        total += count * (cost.compute_s + cost.exposed_s)
+    return total
+
+
+def _price_cp_variants(search: _Search, cand: _Candidate) -> None:
+    """A solved candidate with context parallelism priced with every other variant `_cp_variants`
+    allows on the same strategies, stages and recomputation: keep the fastest that fits memory (a
+    variant changes the attention cores' kernels, their traffic and the K/V buffers in flight, not the
+    per-layer trade-offs the ILP makes)."""
+    config = cand.config
+    if config.mesh.cp == 1:
+        return
+    assert cand.solution is not None and cand.solution.assignment is not None and cand.latency_s is not None
+    for kind, lb in _cp_variants(search, config.mesh):
+        variant = dataclasses.replace(config, cp_comm_type=kind, cp_load_balance=lb)
+        if variant == config:
+            continue
+        tables = _price(search, variant).tables
+        p = predict(tables, cand.solution.assignment).prediction
+        if p.peak_memory_bytes <= search.cap_bytes and p.latency_s < cand.latency_s * (1 - TIE_TOLERANCE):
+            cand.tables, cand.latency_s = tables, p.latency_s
+
+
 def _ladder_of(search: _Search, config: MeshConfig) -> LadderPolicy:
     """The ladder policy a candidate is solved with: none under sequence parallelism (they exclude
     each other), else the search's."""
@@ -459,12 +662,14 @@ def _ladder_of(search: _Search, config: MeshConfig) -> LadderPolicy:
 
 
 def _tables_key(ctx: CostContext) -> tuple:
-    """What the op times of a candidate depend on: TP degree, micro-batch size, sequence parallelism
-    and, without training, the sequences per DP replica (KV caches). Not pp, the schedule or v (they
-    enter at the stage level), nor the training state per parameter (ZeRO-1 divides it by dp), which
-    scales every static byte of a training candidate (`_with_state_factor`)."""
+    """What the op times of a candidate depend on: TP degree, micro-batch size, sequence parallelism,
+    the context parallelism (degree, variant, load balancing) and, without training, the sequences per
+    DP replica (KV caches). Not pp, the schedule or v (they enter at the stage level), nor the training
+    state per parameter (ZeRO-1 divides it by dp), which scales every static byte of a training
+    candidate (`_with_state_factor`)."""
     replica = None if ctx.train else ctx.workload.batch_size / ctx.mesh.dp
-    return (ctx.mesh.tp, ctx.sequences_per_micro_batch, ctx.sequence_parallel, replica)
+    cp = (ctx.cp, ctx.config.cp_comm_type, ctx.config.cp_load_balance) if ctx.cp > 1 else (1,)
+    return (ctx.mesh.tp, ctx.sequences_per_micro_batch, ctx.sequence_parallel, replica, *cp)
 
 
 def _price(search: _Search, config: MeshConfig, lazy: bool = False) -> _Candidate:
@@ -651,6 +856,7 @@ def _solve_candidates(search: _Search, progress: Progress = silent) -> _Candidat
         cand.latency_s = predict(cand.tables, sol.assignment).prediction.latency_s
         _prefer_megatron_pairing(cand, prob, search.constraints.pairing_min_saving_fraction)
         _price_virtual_stages(search, cand)
+        _price_cp_variants(search, cand)
         _price_dp_styles(search, cand)
         if best is None or _better(cand, best):
             best = cand
@@ -739,7 +945,7 @@ def _solved_styles(search: _Search, mesh: MeshShape) -> list[DataParallel]:
     constraints allow and the runtime runs them (`_style_runs`). The styles differ in memory (which
     recomputation and splits fit) and in how much traffic hides; the others are priced on each
     solution (`_price_dp_styles`)."""
-    if not search.workload.train or mesh.dp == 1:
+    if not search.workload.train or mesh.dp_cp == 1:
         return [DataParallel.DDP]
     allowed = [s for s in search.constraints.dp_styles() if _style_runs(search, mesh, s)]
     whole = [s for s in (DataParallel.ZERO1, DataParallel.ZERO2, DataParallel.DDP) if s in allowed]
@@ -751,7 +957,7 @@ def _style_runs(search: _Search, mesh: MeshShape, style: DataParallel) -> bool:
     across pipeline stages (an embedding shared with the LM head) cannot be summed between the stages,
     so those are left out of the plan space (the runtime refuses them)."""
     tied = search.structure.tied_lm_head and mesh.pp > 1
-    return not (tied and style.shards_gradients and search.workload.train and mesh.dp > 1)
+    return not (tied and style.shards_gradients and search.workload.train and mesh.dp_cp > 1)
 
 
 # how much a data-parallel style asks of the runtime, for ties: ddp < zero1 < zero2 < fsdp < hsdp
@@ -760,7 +966,7 @@ _DP_LEVEL = {DataParallel.DDP: 0, DataParallel.ZERO1: 1, DataParallel.ZERO2: 2, 
 
 def _dp_level(config: MeshConfig) -> int:
     """`_DP_LEVEL`, one more for HSDP (a shard degree below dp)."""
-    level = _DP_LEVEL[config.dp_style] if config.mesh.dp > 1 else 0
+    level = _DP_LEVEL[config.dp_style] if config.mesh.dp_cp > 1 else 0
     return level + int(config.dp_style is DataParallel.FSDP and config.shard_degree < config.mesh.dp)
 
 
@@ -776,7 +982,7 @@ def _price_dp_styles(search: _Search, cand: _Candidate) -> None:
     def score(latency_s: float, c: MeshConfig) -> float:
         return latency_s * (1 + FEATURE_MIN_SAVING * (_dp_level(c) + _overlap_level(c)))
 
-    styles = dp_style_variants(config, search.constraints) if train and config.mesh.dp > 1 else [config]
+    styles = dp_style_variants(config, search.constraints) if train and config.mesh.dp_cp > 1 else [config]
     variants = [v for style in styles for v in overlap_variants(style, search.constraints, train)]
     if cand.solution.assignment.ladder_layers:  # ladder residual overlaps those blocks' all-reduces itself
         variants = [v for v in variants if not v.tp_comm_overlap]
@@ -799,8 +1005,14 @@ def _overlap_level(config: MeshConfig) -> int:
 
 
 def _features(config: MeshConfig) -> int:
-    """How many of sequence parallelism, interleaving and a sharded data-parallel style a candidate uses."""
-    return int(config.sequence_parallel) + int(config.virtual_stages > 1) + int(config.distributed_optimizer)
+    """How many of sequence parallelism, interleaving, a sharded data-parallel style and context
+    parallelism a candidate uses."""
+    return (
+        int(config.sequence_parallel)
+        + int(config.virtual_stages > 1)
+        + int(config.distributed_optimizer)
+        + int(config.mesh.cp > 1)
+    )
 
 
 def _better(cand: _Candidate, best: _Candidate) -> bool:
@@ -820,21 +1032,31 @@ def _better(cand: _Candidate, best: _Candidate) -> bool:
 
 
 def _infeasible(search: _Search) -> InfeasibleError:
-    """Name the binding constraint for the candidate closest to fitting, and what would fit."""
-    closest = min(search.candidates, key=lambda c: (c.memory_lower_bound_bytes, -c.mesh.tp))
-    mesh = closest.mesh
-    _materialize(search, closest)
+    """Name the binding constraint for the candidate closest to fitting, and what would fit: the
+    candidate with the least memory lower bound, or with context parallelism priced, of the least per
+    CP degree the one whose predicted need is least (the bounds leave out the LM head's logits, which a
+    long sequence's make large)."""
+    ordered = sorted(search.candidates, key=lambda c: (c.memory_lower_bound_bytes, -c.mesh.tp))
+    per_cp: dict[int, _Candidate] = {}
+    for cand in ordered:
+        per_cp.setdefault(cand.mesh.cp, cand)
     unit = _unit_does_not_fit(search)
     if unit is not None:
         return unit
     # the least memory the user's pins allow: full recomputation unless --recompute is pinned
     pinned = search.constraints.recompute
-    breakdown = predict(
-        closest.tables, megatron_assignment(closest.tables, recompute=pinned if pinned is not None else True)
-    ).stages
+
+    def stages_of(cand: _Candidate) -> list:
+        _materialize(search, cand)
+        recompute = pinned if pinned is not None else True
+        return predict(cand.tables, megatron_assignment(cand.tables, recompute=recompute)).stages
+
+    priced = [(cand, stages_of(cand)) for cand in per_cp.values()]
+    closest, breakdown = min(priced, key=lambda pair: max(bd.memory_bytes for bd in pair[1]))
+    mesh = closest.mesh
     worst = max(range(mesh.pp), key=lambda s: breakdown[s].memory_bytes)
     need = breakdown[worst].memory_bytes
-    total = sum(bd.memory_bytes for bd in breakdown) * mesh.tp * mesh.dp  # all ranks' bytes
+    total = sum(bd.memory_bytes for bd in breakdown) * mesh.tp * mesh.cp * mesh.dp  # all ranks' bytes
     devices_needed = math.ceil(total / search.cap_bytes)
     cap_gib = search.cluster.device.memory_bytes / _GIB
     per_node = search.cluster.devices_per_node
@@ -842,9 +1064,10 @@ def _infeasible(search: _Search) -> InfeasibleError:
     if search.workload.train and pinned is not None and pinned is not Recompute.FULL:
         hints.append(f"activation recomputation (--recompute full, or leave --recompute {pinned} out)")
     if devices_needed > search.cluster.num_devices:  # else the bytes fit the cluster: not the binding limit
+        across = "pp or context parallelism (--cp)" if search.workload.seq_len >= MIN_CP_SEQ_LEN else "pp"
         hints.append(
-            f"about {devices_needed} devices ({math.ceil(devices_needed / per_node)} nodes of {per_node}, e.g. pp "
-            "across them)"
+            f"about {devices_needed} devices ({math.ceil(devices_needed / per_node)} nodes of {per_node}, e.g. "
+            f"{across} across them)"
         )
     if search.workload.kind is Workload.TRAIN:
         # weights, gradients and Adam state (mixed precision) of one rank, before any activation
@@ -949,6 +1172,10 @@ def _make_plan(search: _Search, best: _Candidate | None, model_name: str) -> Pla
         runs=lambda config: _style_runs(search, config.mesh, config.dp_style),
     )
     decisions += overlap_decisions(chosen, search.cap_bytes, _alternative_tables(search), search.constraints)
+    decisions += cp_decisions(
+        chosen, search.cap_bytes, _alternative_tables(search), candidates,
+        _cp_variants(search, config.mesh), _cp_refusals(search, config.mesh), search.constraints,
+    )  # fmt: skip
     decisions += strategy_decisions(chosen)
     decisions += ladder_decision(chosen, search.ladder, search.constraints.ladder_min_saving_fraction)
     plan = _plan_of(search, chosen, model_name, SolverInfo(sol.status, sol.objective, sol.gap, search.solver_time_s, sol.num_variables))  # fmt: skip
@@ -993,6 +1220,8 @@ def _plan_of(search: _Search, priced: PricedAssignment, model_name: str, solver:
         tp_comm_overlap=tables.ctx.tp_comm_overlap,
         overlap_grad_reduce=tables.ctx.overlap_grad_reduce,
         overlap_param_gather=tables.ctx.overlap_param_gather,
+        cp_comm_type=config.cp_comm_type if config.mesh.cp > 1 else "allgather",
+        cp_load_balance=config.cp_load_balance if config.mesh.cp > 1 else True,
         token_model=s.token_model,
         unpriced_ops=s.unknown_ops,
         model_params=int(s.num_params),
@@ -1051,7 +1280,7 @@ def _allowed(search: _Search, mesh: MeshShape, config: MeshConfig | None = None)
     devices_ok = mesh.num_devices <= (c.max_devices or search.cluster.num_devices)
     if config is not None:
         pinned_ok = pinned_ok and c.sequence_parallel in (None, config.sequence_parallel)
-        pinned_ok = pinned_ok and (not search.workload.train or mesh.dp == 1 or _dp_pins_hold(c, config))
+        pinned_ok = pinned_ok and (not search.workload.train or mesh.dp_cp == 1 or _dp_pins_hold(c, config))
         pinned_ok = pinned_ok and _style_runs(search, mesh, config.dp_style)
         pinned_ok = pinned_ok and c.virtual_stages in (None, config.virtual_stages)
         pinned_ok = pinned_ok and all(
@@ -1063,6 +1292,11 @@ def _allowed(search: _Search, mesh: MeshShape, config: MeshConfig | None = None)
             )
         )
         pinned_ok = pinned_ok and c.recompute is None
+        pinned_ok = pinned_ok and (
+            mesh.cp == 1
+            or c.cp_comm_type in (None, config.cp_comm_type)
+            and c.cp_load_balance in (None, config.cp_load_balance)
+        )
         # a pinned --micro-batches (the baseline picks its own: `megatron_micro_batches`)
         pinned_ok = pinned_ok and search.workload.micro_batches in (None, config.micro_batches)
     return pinned_ok and devices_ok and search.ladder.mode is not LadderMode.UPPER
@@ -1095,7 +1329,9 @@ def _alternative_tables(search: _Search):
 def _baseline(search: _Search) -> PricedAssignment | None:
     """The plan a Megatron-LM user writes by hand (`megatron_configs`), priced: the first of its meshes
     that fits memory (at micro-batch size 1, then with full activation recomputation, if needed:
-    `megatron_micro_batch_variants`), else the last one tried. It is the
+    `megatron_micro_batch_variants`); for a sequence longer than `MEGATRON_CP_TOKENS_PER_RANK` its
+    meshes with context parallelism at the expert's degree first (`megatron_cp_degree`), and any other
+    degree where no mesh fits (`megatron_cp_configs`); else the last cp = 1 one tried. It is the
     expert's layout whatever the user pinned (schedule, sequence parallelism, recompute): a pin that
     costs time shows as a plan slower than it. Only the device cap is shared with the search."""
     configs = megatron_configs(
@@ -1103,14 +1339,23 @@ def _baseline(search: _Search) -> PricedAssignment | None:
     )
     chosen = None
     train, num_layers = search.workload.train, len(search.structure.layers)
-    for config in configs:
+    # context parallelism (ring, Megatron-LM's default) at the expert's degree for a long sequence first
+    # (`megatron_cp_degree`), then cp = 1, then any other degree if nothing fits
+    expert_cp = megatron_cp_degree(search.workload.seq_len)
+    others = tuple(cp for cp in MEGATRON_CP_DEGREES if cp != expert_cp)
+    order = megatron_cp_configs(configs, num_layers, search.workload, (expert_cp,)) + configs
+    order += megatron_cp_configs(configs, num_layers, search.workload, others)
+    last_plain = None
+    for config in order:
         variants = megatron_micro_batch_variants(config, num_layers, search.workload)
         for recompute in (Recompute.SELECTIVE, Recompute.FULL) if train else (Recompute.NONE,):
             for variant in variants:  # smaller micro-batches before full recomputation
                 chosen = baseline_plan(_price(search, variant).tables, recompute=recompute)
                 if chosen.prediction.peak_memory_bytes <= search.cap_bytes:
                     return chosen
-    return chosen
+                if config.mesh.cp == 1:
+                    last_plain = chosen
+    return last_plain or chosen
 
 
 def _torchtitan_baseline(search: _Search) -> PricedAssignment | None:
@@ -1136,7 +1381,7 @@ def _layout_text(priced: PricedAssignment, w: WorkloadSpec) -> dict[str, str]:
     mesh = config.mesh
     recompute = {key: str(r) for key, r in priced.assignment.recompute.items()} if w.train else {}
     return {
-        "tp": str(mesh.tp), "pp": str(mesh.pp), "dp": str(mesh.dp),
+        "tp": str(mesh.tp), "cp": str(mesh.cp), "pp": str(mesh.pp), "dp": str(mesh.dp),
         "micro_batches": str(config.micro_batches),
         "micro_batch_size": f"{w.batch_size / (mesh.dp * config.micro_batches):g}",
         "schedule": str(config.schedule), "virtual_stages": str(config.virtual_stages),
@@ -1145,6 +1390,7 @@ def _layout_text(priced: PricedAssignment, w: WorkloadSpec) -> dict[str, str]:
         "distributed_optimizer": str(ctx.distributed_optimizer).lower(),
         "dp_style": dp_style_text(ctx.dp_style, mesh.dp, ctx.shard_degree, ctx.reshard_after_forward),
         "overlap": overlap_text(ctx.tp_comm_overlap, ctx.overlap_grad_reduce, ctx.overlap_param_gather),
+        "context_parallel": cp_text(mesh.cp, config.cp_comm_type, config.cp_load_balance),
     }  # fmt: skip
 
 
@@ -1175,6 +1421,7 @@ def _baseline_decision(search: _Search, baseline: PricedAssignment | None) -> li
             + (f" v={config.virtual_stages}" if config.virtual_stages > 1 else "")
             + f", sequence parallel {'on' if config.sequence_parallel else 'off'}, recompute {'/'.join(recompute)}"
             + f", data parallel {baseline.tables.ctx.config.dp_label() if config.mesh.dp > 1 else 'none'}"
+            + (f", context parallel {config.cp_label().removeprefix('cp ')}" if config.mesh.cp > 1 else "")
         )
     mbs = f"{config.micro_batches} micro-batch" + ("es" if config.micro_batches > 1 else "")
     device = search.cluster.device.memory_bytes

@@ -153,8 +153,9 @@ def predict_with_plan(
     plan: Plan, structure: ModelStructure, cluster: ClusterSpec, workload: WorkloadSpec, ladder: list[int]
 ) -> float:
     """Predicted step latency (seconds) of `structure` (a phase's graph) under `workload` with the plan's
-    mesh, schedule, layout (virtual stages, sequence parallelism, distributed optimizer, recompute) and
-    op choices, and `ladder` as the laddered layers: the plan re-priced, e.g. on another `cluster`."""
+    mesh, schedule, layout (virtual stages, sequence parallelism, distributed optimizer, recompute,
+    context-parallel variant) and op choices, and `ladder` as the laddered layers: the plan re-priced,
+    e.g. on another `cluster`."""
     return plan_prediction(plan, structure, cluster, workload, ladder).latency_s
 
 
@@ -174,6 +175,8 @@ def plan_prediction(
         plan.tp_comm_overlap,
         plan.overlap_grad_reduce,
         plan.overlap_param_gather,
+        plan.cp_comm_type,
+        plan.cp_load_balance,
     )
     cluster = cluster_for_ranks(cluster, plan.mesh.num_devices)  # time-shared only by ranks that run
     tables = build_cost_tables(CostContext(structure, cluster, workload, config, plan.dtype))

@@ -1,0 +1,227 @@
+"""Context parallelism in the cost model, the search and the CLI: each attention variant priced as
+`costmodels.context_parallel` says (ring overlap per block, all-gather and all-to-all exposed, load
+balancing), activations and token-wise work per rank / cp, the gradient reduction over dp x cp, the
+search's choice at long and short sequences, `--why`, and bad pins refused in one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from costmodels import memory
+from costmodels.cluster import load_cluster
+from costmodels.comm import Group, p2p_time_s
+from costmodels.context_parallel import (
+    CpAttentionShape,
+    cp_attention_cost,
+    load_balanced_work_fraction,
+    ulysses_refusal,
+)
+from planner.cli.main import main
+from planner.cli.render import training_rows
+from planner.errors import InputError
+from planner.plan import DataParallel, MeshShape, Plan
+from planner.solver import search as search_module
+from planner.solver.costing import (
+    CostContext,
+    build_layer_graph,
+    cp_buffer_bytes,
+    p2p_stage_time_s,
+    transient_bytes,
+)
+from planner.solver.problem import Constraints, MeshConfig, WorkloadSpec, dp_style_variants
+from planner.solver.search import plan_model
+from tests.planner_fixtures import EXAMPLES, analysed_llama
+
+# Llama-3-8B's attention on one rank of TP 8: 4 query heads, 1 KV head, head dim 128
+ONE_TP_RANK = dict(heads=4, kv_heads=1, head_dim=128)
+
+
+def _cost(seq_len: int, cp: int, kind: str, cluster="dgx-h100", balance=True, backward=0.0, nodes=1):
+    shape = CpAttentionShape(1, **ONE_TP_RANK, seq_len=seq_len, causal=True)
+    spec = load_cluster(cluster)
+    return cp_attention_cost(shape, cp, kind, balance, spec, Group(cp, cp // nodes), "bf16", backward)
+
+
+def test_ring_hides_a_block_whose_attention_outlasts_its_transfer_and_shows_the_rest() -> None:
+    """Forward ring attention: each of the cp-1 K/V transfers runs under its step's block attention;
+    exposed = sum of max(0, transfer - eta x block), and exposed + hidden = every transfer."""
+    long = _cost(131072, 8, "ring")  # 16k tokens per rank: a block's attention takes far longer
+    assert long.exposed_s == 0.0 and long.hidden_s > 0
+    spec = load_cluster("h100-ib-2node")
+    short = _cost(4096, 16, "ring", cluster="h100-ib-2node", nodes=2)  # 256 tokens, across nodes
+    assert short.exposed_s > 0
+    transfer = p2p_time_s(short.kv_block_bytes, spec, inter_node=True)
+    assert short.exposed_s + short.hidden_s == pytest.approx(15 * transfer)
+    # the same bytes as an all-gather of K/V, which hides nothing
+    gather = _cost(4096, 16, "allgather", cluster="h100-ib-2node", nodes=2)
+    assert gather.hidden_s == 0.0 and gather.exposed_s > 0
+
+
+def test_training_ring_waits_for_the_last_gradient_accumulator() -> None:
+    """Backward: K/V again and the fp32 dK/dV accumulator one step behind; the last accumulator's
+    transfer after the last block is exposed however long the blocks are."""
+    cost = _cost(131072, 8, "ring", backward=2.5)
+    spec = load_cluster("dgx-h100")
+    last = p2p_time_s(cost.kv_block_bytes * 4 / 2, spec, inter_node=False)  # fp32 of bf16 K/V
+    assert cost.exposed_s == pytest.approx(last)
+    assert cost.compute_s == pytest.approx(3.5 * cost.forward_s)
+
+
+def test_load_balancing_gives_every_rank_the_same_causal_work() -> None:
+    """Contiguous shards: rank cp-1 does (2cp-1)/cp of the average; balanced, every rank 1/cp."""
+    assert load_balanced_work_fraction(8, True, True) == pytest.approx(1 / 8)
+    assert load_balanced_work_fraction(8, True, False) == pytest.approx(15 / 64)
+    assert load_balanced_work_fraction(8, False, False) == pytest.approx(1 / 8)
+    balanced, contiguous = _cost(131072, 8, "allgather"), _cost(131072, 8, "allgather", balance=False)
+    assert contiguous.forward_s / balanced.forward_s == pytest.approx(15 / 8, rel=1e-3)
+    ring, ring_contiguous = _cost(131072, 8, "ring"), _cost(131072, 8, "ring", balance=False)
+    assert 1.7 < ring_contiguous.forward_s / ring.forward_s < 15 / 8 + 1e-9  # the own block is causal
+    # Ulysses attends over the whole sequence after its all-to-all: the layout does not matter
+    shape, spec = CpAttentionShape(1, 32, 8, 128, 131072, True), load_cluster("dgx-h100")
+    a2a = [
+        cp_attention_cost(shape, 4, "alltoall", lb, spec, Group(4, 4), "bf16", 0.0) for lb in (True, False)
+    ]
+    assert a2a[0].forward_s == a2a[1].forward_s
+
+
+def test_ulysses_needs_heads_that_divide_by_cp_and_says_which() -> None:
+    """Llama-3-8B's 32 query / 8 KV heads at cp 16: the KV heads do not divide; named with both numbers."""
+    why = ulysses_refusal(32, 8, 16)
+    assert why is not None and "8 KV heads" in why and "cp=16" in why and "ring or allgather" in why
+    assert ulysses_refusal(32, 8, 8) is None
+    with pytest.raises(ValueError, match="cp=2"):
+        _cost(131072, 2, "alltoall")  # one KV head per TP rank
+    # bytes per rank fall as 1 / cp for a fixed sequence (ring and all-gather stay at one sequence's K/V)
+    shape = CpAttentionShape(1, 32, 8, 128, 131072, True)
+    spec = load_cluster("dgx-h100")
+
+    def exposed(cp: int, kind: str) -> float:
+        return cp_attention_cost(shape, cp, kind, True, spec, Group(cp, cp), "bf16", 0.0).exposed_s
+
+    assert exposed(8, "alltoall") < 0.7 * exposed(4, "alltoall")
+    assert exposed(8, "allgather") > 0.9 * exposed(4, "allgather")
+
+
+def _ctx(
+    cp: int, dp: int = 1, tp: int = 1, seq: int = 65536, kind: str = "allgather", style=DataParallel.DDP
+):
+    config = MeshConfig(MeshShape(tp, 1, dp, cp), 1, dp_style=style, cp_comm_type=kind)
+    work = WorkloadSpec("train", dp, seq, dtype="bf16")
+    return CostContext(analysed_llama("8b"), load_cluster("dgx-h100"), work, config, "bf16")
+
+
+def test_activations_and_token_wise_work_per_rank_fall_as_one_over_cp() -> None:
+    layer = analysed_llama("8b").layers[0]
+    whole, split = build_layer_graph(layer, _ctx(1)), build_layer_graph(layer, _ctx(4))
+    assert split.fixed_activation_bytes == pytest.approx(whole.fixed_activation_bytes / 4)
+    assert split.least_activation_bytes() == pytest.approx(whole.least_activation_bytes() / 4, rel=1e-6)
+    up = [op.option("replicate").compute_s for g in (whole, split) for op in g.ops if op.name == "up"]
+    assert up[1] < 0.3 * up[0]  # a quarter of the rows (GEMM efficiency changes a little)
+    assert _ctx(4, tp=2).tokens == 65536 / 4
+    two_stages = [_ctx(cp) for cp in (1, 4)]
+    for ctx in two_stages:  # each CP rank sends its own tokens to the next stage
+        ctx.config = dataclasses.replace(ctx.config, mesh=dataclasses.replace(ctx.mesh, pp=2))
+    assert p2p_stage_time_s(two_stages[1]) < 0.3 * p2p_stage_time_s(two_stages[0])
+
+
+def test_kv_buffers_in_flight_ring_two_blocks_allgather_the_whole_sequence() -> None:
+    ring, gather = _ctx(8, kind="ring"), _ctx(8, kind="allgather")
+    kv = 2 * 1 * 8 * (65536 / 8) * 128 * 2  # one rank's K and V, bf16, 8 KV heads
+    assert cp_buffer_bytes(ring) == pytest.approx(2 * kv * 3)  # + fp32 dK/dV accumulators
+    assert cp_buffer_bytes(gather) == pytest.approx(8 * kv * 3)
+    assert transient_bytes(gather) - transient_bytes(ring) == pytest.approx(6 * kv * 3)
+    assert cp_buffer_bytes(_ctx(1)) == 0.0
+
+
+def test_gradients_and_sharded_state_span_dp_times_cp() -> None:
+    """The CP ranks hold the same weights: zero1 at dp 1 x cp 4 shards Adam's state over 4 ranks as
+    zero1 at dp 4 does, and reduces over a group of 4."""
+    ctx = _ctx(4, style=DataParallel.ZERO1)
+    plain = _ctx(1, dp=4, style=DataParallel.ZERO1)
+    assert ctx.dp_group().size == 4 and ctx.state_shards == 4 and ctx.shard_degree == 1
+    assert ctx.state_factor() == pytest.approx(plain.state_factor())
+    expected = memory.dp_state_bytes(1, "bf16", DataParallel.ZERO1, 4) / memory.param_bytes(1, "bf16")
+    assert ctx.state_factor() == pytest.approx(expected)
+    styles = {v.dp_label() for v in dp_style_variants(ctx.config, Constraints())}
+    assert {"ddp", "zero1", "zero2", "fsdp"} <= styles  # fsdp over the 4 cp ranks at dp 1
+
+
+def test_llama3_8b_at_131k_tokens_on_8_h100s_splits_the_sequence_and_at_8k_does_not(monkeypatch) -> None:
+    """At 131k tokens the fastest plan that fits uses context parallelism; at 8k tokens (CP priced there
+    too) data parallelism over the batch is faster; --why lists the degrees and the variants."""
+    cluster, structure = load_cluster("dgx-h100"), analysed_llama("8b")
+    long = plan_model(structure, cluster, WorkloadSpec("train", 2, 131072, dtype="bf16"), Constraints())
+    assert long.cp > 1 and long.cp_comm_type in ("ring", "allgather", "alltoall")
+    whys = {d.subject: d for d in long.decisions}
+    degrees = whys["context-parallel"].options
+    assert degrees[f"cp={long.cp}"] == min(degrees.values()) and "cp=1" in degrees
+    variants = whys["context-parallel attention"]
+    assert variants.options[variants.chosen] == pytest.approx(long.predicted.latency_s)
+    assert variants.options["allgather unbalanced"] > variants.options["allgather"]
+    assert long.predicted.overlapped_comm_s > 0 or long.cp_comm_type != "ring"
+    rows = dict((r[0], r[1]) for r in training_rows(long))
+    assert rows["context parallelism"] == long.cp_text() and f"CP={long.cp}" in rows["mesh"]
+    again = Plan.from_dict(long.to_dict())
+    assert (again.cp, again.cp_comm_type, again.cp_load_balance) == (
+        long.cp,
+        long.cp_comm_type,
+        long.cp_load_balance,
+    )
+    monkeypatch.setattr(search_module, "MIN_CP_SEQ_LEN", 0)
+    short = plan_model(structure, cluster, WorkloadSpec("train", 8, 8192, dtype="bf16"), Constraints())
+    assert short.cp == 1 and "cp=2" in {d.subject: d for d in short.decisions}["context-parallel"].options
+
+
+def test_alltoall_refused_in_why_with_the_head_counts() -> None:
+    plan = plan_model(
+        analysed_llama("8b"), load_cluster("h100-ib-2node"), WorkloadSpec("train", 1, 131072, dtype="bf16"),
+        Constraints(tp=8, cp=2),  # one KV head per TP rank
+    )  # fmt: skip
+    variants = {d.subject: d for d in plan.decisions}["context-parallel attention"]
+    assert variants.options["alltoall"] == math.inf
+    assert (
+        "alltoall not allowed" in variants.reason
+        and "1 KV heads" in variants.reason
+        and "cp=2" in variants.reason
+    )
+
+
+def test_bad_cp_pins_are_refused_in_one_line_naming_both_numbers() -> None:
+    structure, cluster = analysed_llama("8b"), load_cluster("h100-ib-2node")
+
+    def refused(seq: int, **pins) -> str:
+        with pytest.raises(InputError) as e:
+            plan_model(structure, cluster, WorkloadSpec("train", 1, seq, dtype="bf16"), Constraints(**pins))
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    why = refused(131076, cp=8)  # 2 x 8 = 16 chunks
+    assert "131076" in why and "16 chunks" in why and "use cp 2" in why
+    why = refused(131076, cp=4, cp_load_balance=True)
+    assert "8 chunks" in why and "turn load balancing off" in why
+    why = refused(131072, cp=16, cp_comm_type="alltoall")
+    assert (
+        "8 KV heads" in why and "cp=16" in why and "ring or allgather" in why and "cp=8 with alltoall" in why
+    )
+    with pytest.raises(InputError, match="--cp 1 turns it off"):
+        Constraints(cp=1, cp_comm_type="ring")
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--workload", "decode", "--cp", "8"], ["--cp 8", "decode"]),
+        (["--workload", "train", "--cp", "1", "--cp-load-balance", "on"], ["--cp-load-balance on", "--cp 1"]),
+        (
+            ["--workload", "train", "--seq-len", "131076", "--cp", "8", "--batch-size", "1"],
+            ["131076", "16 chunks"],
+        ),
+    ],
+)
+def test_cli_refuses_bad_cp_options_with_exit_code_2(args, words, capsys) -> None:
+    rc = main(["optimize", str(EXAMPLES / "llama3_8b.py"), "--cluster", "dgx-h100", *args])
+    err = " ".join(capsys.readouterr().err.split())
+    assert rc == 2 and all(w in err for w in words), err
