@@ -57,6 +57,21 @@ def local_experts(num_experts: int, size: int, rank: int) -> range:
     return range(rank * per, (rank + 1) * per)
 
 
+def _local(axis: str, num_experts: int, w_gate: torch.Tensor) -> tuple[dist.ProcessGroup | None, int, range]:
+    """The EP group of `axis`, its size and this rank's experts; ValueError when the local weights are
+    not E / ep experts."""
+    group = _group(axis)
+    size = 1 if group is None else dist.get_world_size(group)
+    rank = 0 if group is None else dist.get_rank(group)
+    experts = local_experts(num_experts, size, rank)
+    if w_gate.shape[0] != len(experts):
+        raise ValueError(
+            f"rank {rank} of {size} EP ranks holds {len(experts)} of {num_experts} experts but got weights "
+            f"for {w_gate.shape[0]}"
+        )
+    return group, size, experts
+
+
 def _swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
 
@@ -99,15 +114,7 @@ def ep_moe(
     expert computed; also kept under `label` for `last_loads`). Differentiable in x, topk_weights and the
     weights. ValueError when the EP size
     does not divide num_experts or the local weights are not E / ep experts."""
-    group = _group(axis)
-    size = 1 if group is None else dist.get_world_size(group)
-    rank = 0 if group is None else dist.get_rank(group)
-    experts = local_experts(num_experts, size, rank)
-    if w_gate.shape[0] != len(experts):
-        raise ValueError(
-            f"rank {rank} of {size} EP ranks holds {len(experts)} of {num_experts} experts but got weights "
-            f"for {w_gate.shape[0]}"
-        )
+    group, size, experts = _local(axis, num_experts, w_gate)
     n, k = topk_ids.shape
     ids = topk_ids.reshape(-1)
     order = torch.argsort(ids, stable=True)  # assignments sorted by expert: contiguous per rank
@@ -157,15 +164,7 @@ def ep_moe_replicated(
     (Megatron's f and g, `passes.collectives`)."""
     from passes.collectives import tp_all_reduce, tp_copy  # noqa: PLC0415 - same package, no cycle
 
-    group = _group(axis)
-    size = 1 if group is None else dist.get_world_size(group)
-    rank = 0 if group is None else dist.get_rank(group)
-    experts = local_experts(num_experts, size, rank)
-    if w_gate.shape[0] != len(experts):
-        raise ValueError(
-            f"rank {rank} of {size} EP ranks holds {len(experts)} of {num_experts} experts but got weights "
-            f"for {w_gate.shape[0]}"
-        )
+    group, size, experts = _local(axis, num_experts, w_gate)
     x, topk_weights = tp_copy(x, axis), tp_copy(topk_weights, axis)
     n, k = topk_ids.shape
     ids = topk_ids.reshape(-1)

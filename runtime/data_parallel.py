@@ -108,20 +108,8 @@ def average_gradients(module: torch.nn.Module, group: dist.ProcessGroup, dp: int
 
 def average_parameter_gradients(params: Sequence[torch.Tensor], group: dist.ProcessGroup, dp: int) -> None:
     """`average_gradients` over a list of parameters (of several modules: a rank's pipeline chunks)."""
-    if dp == 1:
-        return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in _unique(params):
-        if p.grad is not None:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    for grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        flat /= dp
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+    if dp > 1:
+        _sum_and_divide(params, group, dp)
 
 
 def reduce_expert_gradients(
@@ -131,6 +119,12 @@ def reduce_expert_gradients(
     contributions of every EP rank's tokens, so it is summed over the expert data-parallel group (the
     ranks holding the same experts; None: none) and divided by all dp x cp ranks (`divisor`), the mean
     the dense parameters get (Megatron-Core scales its expert gradients the same way)."""
+    _sum_and_divide(params, group, divisor)
+
+
+def _sum_and_divide(params: Sequence[torch.Tensor], group: dist.ProcessGroup | None, divisor: int) -> None:
+    """Every gradient of `params` summed over `group` (None: not reduced) and divided by `divisor`: one
+    all-reduce of a flat buffer per dtype."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in _unique(params):
         if p.grad is not None:

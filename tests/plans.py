@@ -51,3 +51,20 @@ def fixed_plan(
         ladder_layers=list(ladder_layers or []), predicted=zero, solver=SolverInfo("fixed", 0.0, 0.0, 0.0, 0),
         roles=projection_roles(structure),
     )  # fmt: skip
+
+
+def assert_run_matches(label: str, plan: Plan, summary: dict) -> None:
+    """A checked run's summary (`runtime.job.summarise`) matches the unsharded model: no check beyond
+    tolerance, every output compared (a training pipeline compares its loss instead), and for training
+    the loss, every rank's gradients and the first optimizer step."""
+    from runtime.numerics import check_failures  # noqa: PLC0415
+
+    n = summary["numerics"]
+    assert not check_failures(n), (label, check_failures(n))
+    if plan.pp == 1 or str(plan.workload) != "train":
+        assert n["outputs"] and all(o["max_abs_diff"] is not None for o in n["outputs"]), (label, n)
+    if str(plan.workload) == "train":
+        assert n["loss_diff"] <= n["tolerance_rel"] * n["loss_scale"], (label, n)
+        assert all(r["grads_compared"] > 0 for r in summary["ranks"]), label
+        update, tol = n["update_max_abs_diff"], n["update_tolerance"]
+        assert update is not None and update <= tol, (label, update, tol)

@@ -28,7 +28,7 @@ from runtime.execute import run_rank
 from runtime.job import RunJob, summarise
 from runtime.launch import RankContext, launch
 from runtime.numerics import check_failures
-from tests.plans import fixed_plan
+from tests.plans import assert_run_matches, fixed_plan
 
 MODELS = Path(__file__).resolve().parent / "models"
 TOKENS = "tiny_lm_tokens.py"
@@ -117,29 +117,16 @@ def four_rank() -> dict:
     return _launch(FOUR_RANK, {}, 4)
 
 
-def _assert_matches(label: str, plan, summary: dict) -> None:
-    n = summary["numerics"]
-    assert not check_failures(n), (label, check_failures(n))
-    if plan.pp == 1 or str(plan.workload) != "train":  # a training pipeline compares its loss instead
-        assert n["outputs"] and all(o["max_abs_diff"] is not None for o in n["outputs"]), (label, n)
-    if str(plan.workload) == "train":
-        assert n["loss_diff"] <= n["tolerance_rel"] * n["loss_scale"], (label, n)
-        assert all(r["grads_compared"] > 0 for r in summary["ranks"]), label
-        assert n["update_max_abs_diff"] is not None and n["update_max_abs_diff"] <= n["update_tolerance"], (
-            label
-        )
-
-
 @pytest.mark.slow
 def test_cp2_matches_the_unsharded_model_for_every_variant(two_rank: dict) -> None:
     for label in TWO_RANK:
-        _assert_matches(label, *two_rank[label])
+        assert_run_matches(label, *two_rank[label])
 
 
 @pytest.mark.slow
 def test_tp2_cp2_on_four_ranks_matches_the_unsharded_model(four_rank: dict) -> None:
     for label in FOUR_RANK:
-        _assert_matches(label, *four_rank[label])
+        assert_run_matches(label, *four_rank[label])
 
 
 @pytest.mark.slow
