@@ -52,7 +52,7 @@ def _mesh_layout(ctx: RankContext, payload: tuple[int, int, int]) -> dict:
     value = torch.tensor([float(ctx.rank)])
     dist.all_reduce(value, group=groups.group("tp"))  # the TP group really connects its ranks
     try:
-        groups.group("ep")
+        groups.group("xp")
         bad_axis = "no error"
     except InputError as exc:
         bad_axis = str(exc)
@@ -180,7 +180,7 @@ def test_mesh_groups_tp2_pp2_on_four_ranks() -> None:
         assert result["groups"] == {"dp": [rank], "pp": pp_groups[rank], "tp": tp_groups[rank]}
         assert result["tp_sum"] == float(sum(tp_groups[rank]))
     assert [r["coords"] for r in results] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
-    assert all("unknown mesh axis 'ep'" in r["bad_axis"] for r in results)
+    assert all("unknown mesh axis 'xp'" in r["bad_axis"] for r in results)
 
 
 def test_mesh_arithmetic_without_processes() -> None:
