@@ -32,7 +32,7 @@ from tests.plans import assert_run_matches, fixed_plan
 
 MODELS = Path(__file__).resolve().parent / "models"
 TOKENS = "tiny_lm_tokens.py"
-SEQ = 16
+SEQ = 64
 
 
 def _plan(
@@ -90,7 +90,7 @@ TWO_RANK = {  # label: plan kwargs (model: another model file than tiny_lm_token
 }
 FOUR_RANK = {
     "tp2_cp2": dict(tp=2, cp=2),
-    "tp2_cp2_sp_ring": dict(tp=2, cp=2, cp_comm_type="ring", sequence_parallel=True, seq=32),
+    "tp2_cp2_sp_ring": dict(tp=2, cp=2, cp_comm_type="ring", sequence_parallel=True),
     "tp2_cp2_prefill": dict(tp=2, cp=2, workload="forward"),
     "cp2_dp2_zero1": dict(tp=1, cp=2, dp=2, batch=4, dp_style="zero1", dp_shard=2),
     "pp2_cp2": dict(tp=1, cp=2, pp=2, m=2),
