@@ -57,7 +57,7 @@ from passes.general_rules import _local_shapes_agree, propagate_placements
 from passes.placement import Placement, local_shape
 from passes.tp_rules_context import Fallback, op_label
 from planner.errors import InputError
-from planner.frontend.capture import user_line
+from planner.frontend.capture import retarget_device, user_line
 
 __all__ = ["AXIS", "CpLowering", "apply_context_parallel"]
 
@@ -214,6 +214,7 @@ def apply_context_parallel(
             f"context parallelism needs the model's token input: no input has {seq_len} entries in dim 1 "
             "(batch, sequence, ...); pass the tokens batch-first, or plan with --cp 1"
         )
+    graph.eliminate_dead_code()  # a causal mask the kernels now compute themselves
     graph.lint()
     gm.recompile()
     return result
@@ -316,12 +317,19 @@ def _attention(node: fx.Node, ctx: _Ctx, result: CpLowering, training: bool) -> 
                 f"{ctx.place.get(t, _R)}; attention must take q, k, v in (batch, heads, tokens, head_dim); "
                 "plan with --cp 1"
             )
-    if bound.get("attn_mask") is not None:
-        raise InputError(
-            f"context parallelism: {where} takes an explicit attention mask; the context-parallel kernels "
-            "compute the causal mask from token positions: call scaled_dot_product_attention(..., "
-            "is_causal=True) without attn_mask, or plan with --cp 1"
+    causal = bool(bound.get("is_causal"))
+    mask = bound.get("attn_mask")
+    if mask is not None:
+        why = _not_causal(
+            node.graph.owning_module, mask, ctx.global_val[q].shape[2], ctx.global_val[k].shape[2]
         )
+        if why:
+            raise InputError(
+                f"context parallelism: {where} takes an explicit attention mask that {why}; the "
+                "context-parallel kernels compute the causal mask from token positions: call "
+                "scaled_dot_product_attention(..., is_causal=True) without attn_mask, or plan with --cp 1"
+            )
+        causal = True  # the mask is the causal one (Hugging Face builds it explicitly when traced)
     if training and bound.get("dropout_p"):
         raise InputError(
             f"context parallelism: {where} uses attention dropout ({bound['dropout_p']}), which the "
@@ -335,19 +343,60 @@ def _attention(node: fx.Node, ctx: _Ctx, result: CpLowering, training: bool) -> 
             f"{ctx.tp}; use cp_comm_type ring or allgather"
         )
     node.target = cp_sdpa
-    node.args = (
-        q,
-        k,
-        v,
-        AXIS,
-        result.variant,
-        bool(bound.get("is_causal")),
-        result.load_balance,
-        bound.get("scale"),
-    )
+    node.args = (q, k, v, AXIS, result.variant, causal, result.load_balance, bound.get("scale"))
     node.kwargs = {}
     result.attention.append(node.name)
     _set(node, ctx, want)
+
+
+MAX_MASK_ELEMENTS = 1 << 26  # largest (queries x keys) mask evaluated to check it is causal (64 Mi elements)
+
+
+def _not_causal(gm: fx.GraphModule, mask: fx.Node, q_len: int, k_len: int) -> str:
+    """Why an explicit attention mask cannot run as `is_causal` ("" when it can): the mask must be
+    computed from constants alone (positions, `arange`, comparisons: no model input or parameter) and,
+    evaluated, allow exactly the causal pattern (key j for query i when j <= i + k_len - q_len) for
+    every batch and head. Hugging Face models build this mask explicitly when traced."""
+    if q_len * k_len > MAX_MASK_ELEMENTS:
+        return f"is {q_len} x {k_len} elements, too large to check here"
+    params = dict(gm.named_parameters())
+    ancestors: list[fx.Node] = []
+    seen: set[fx.Node] = set()
+    stack = [mask]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            return f"depends on the model input {n.name!r} (a padding mask)"
+        if n.op == "get_attr" and str(n.target) in params:
+            return f"depends on the parameter {n.target!r}"
+        ancestors.append(n)
+        stack.extend(n.all_input_nodes)
+    order = {n: i for i, n in enumerate(mask.graph.nodes)}
+    sub = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in sorted(ancestors, key=order.__getitem__):
+        env[n] = sub.node_copy(n, lambda a: env[a])
+    sub.output(env[mask])
+    try:
+        value = retarget_device(fx.GraphModule(gm, sub), "cpu")()
+    except Exception as e:  # any failure means it cannot be checked: refused with the reason
+        return f"could not be evaluated ({type(e).__name__})"
+    if not isinstance(value, torch.Tensor) or value.dim() < 2 or tuple(value.shape[-2:]) != (q_len, k_len):
+        return "is not a (queries, keys) mask"
+    if value.dtype == torch.bool:
+        allowed = value
+    else:
+        blocked = value <= torch.finfo(value.dtype).min / 2
+        if not bool(((value == 0) | blocked).all()):
+            return "adds values other than 0 and -inf (a bias, not a mask)"
+        allowed = value == 0
+    causal = torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
+    if not bool((allowed == causal).all()):
+        return "is not the causal mask"
+    return ""
 
 
 def _gather_outputs(node: fx.Node, ctx: _Ctx, load_balance: bool, training: bool, insert_after: Any) -> int:

@@ -87,6 +87,7 @@ TWO_RANK = {  # label: plan kwargs (model: another model file than tiny_lm_token
     "cp2_contiguous": dict(tp=1, cp=2, cp_comm_type="ring", cp_load_balance=False),
     "cp2_prefill": dict(tp=1, cp=2, workload="forward"),
     "cp2_pooled_fallback": dict(tp=1, cp=2, model="cp_pooled.py"),
+    "cp2_hf_llama": dict(tp=1, cp=2, model="../../examples/hf_llama.py", seq=32),
 }
 FOUR_RANK = {
     "tp2_cp2": dict(tp=2, cp=2),
@@ -235,3 +236,48 @@ def test_emitted_cp_modules_compute_the_unsharded_output(tmp_path) -> None:
         want = model(*model_file.inputs(2, SEQ)[0])
     for out in outs:
         assert torch.allclose(out["output"], want, atol=1e-5), float((out["output"] - want).abs().max())
+
+
+MASKED = """
+import torch
+import torch.nn.functional as F
+
+
+class Masked(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 32)
+        self.qkv = torch.nn.Linear(32, 96)
+
+    def forward(self, tokens):
+        b, t = tokens.shape
+        q, k, v = self.qkv(self.emb(tokens)).view(b, t, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        i = torch.arange(t, device=tokens.device)
+        mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - WINDOW)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, t, 32)
+
+
+def build_model():
+    return Masked()
+
+
+def example_inputs(batch_size=2, seq_len=16):
+    return (torch.randint(0, 64, (batch_size, seq_len), generator=torch.Generator().manual_seed(0)),)
+"""
+
+
+@pytest.mark.parametrize(("window", "refused"), [(10**6, False), (4, True)])
+def test_an_explicit_mask_runs_as_causal_only_when_it_is_the_causal_one(tmp_path, window, refused) -> None:
+    """Hugging Face builds the causal mask explicitly when traced: a constant mask equal to the causal
+    one runs as is_causal; a sliding window (another constant mask) is refused by name."""
+    path = tmp_path / "masked.py"
+    path.write_text(MASKED.replace("WINDOW", str(window)))
+    model_file = load_model_file(path)
+    gm = capture(model_file.build("meta"), *model_file.inputs(2, 16))
+    if refused:
+        with pytest.raises(InputError, match="explicit attention mask that is not the causal mask"):
+            apply_context_parallel(gm, 2, 16, "allgather", True)
+    else:
+        done = apply_context_parallel(gm, 2, 16, "allgather", True)
+        (sdpa,) = [n for n in gm.graph.nodes if n.target is context_parallel.cp_sdpa]
+        assert sdpa.args[5] is True and len(done.attention) == 1
