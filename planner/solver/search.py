@@ -77,6 +77,7 @@ from planner.solver.costing import (
     cp_core_cost,
     cp_core_shard,
     cp_kv_heads,
+    expert_counts,
     fsdp_transient_bytes,
     gqa_kv_replicated,
     interleaved_chunks,
@@ -90,6 +91,7 @@ from planner.solver.costing import (
 from planner.solver.explain import (
     block_table,
     cp_decisions,
+    ep_decisions,
     ladder_decision,
     memory_fit_text,
     mesh_decision,
@@ -109,6 +111,7 @@ from planner.solver.problem import (
     MeshConfig,
     WorkloadSpec,
     dp_style_variants,
+    ep_refusal,
     overlap_variants,
 )
 
@@ -312,6 +315,7 @@ def _enumerate(search: _Search, progress: Progress = silent) -> None:
     num_layers = len(search.structure.layers) or 1
     tps = _tp_options(search, num_devices)
     cps = _cp_options(search, num_devices)
+    _check_pinned_ep(search, num_devices)
     pps = [c.pp] if c.pp is not None else [p for p in _divisors(num_devices) if p <= num_layers]
     if c.pp is not None and c.pp > num_layers:
         raise InputError(f"pp={c.pp} exceeds the model's {num_layers} layers")
@@ -385,18 +389,21 @@ def _enumerate(search: _Search, progress: Progress = silent) -> None:
                         continue
                     for schedule, v in _schedules_for(search, pp, m):
                         for sp in _sequence_parallel_options(search, tp, cp):
-                            for style in _solved_styles(search, mesh):
-                                config = MeshConfig(
-                                    mesh, m, schedule, v, sp, style, c.dp_shard,
-                                    c.reshard_after_forward is not False,
-                                    c.tp_comm_overlap is True, c.overlap_grad_reduce is True,
-                                    c.overlap_param_gather is True, *variant,
-                                )  # fmt: skip
-                                progress(
-                                    f"pricing mesh candidate {len(search.candidates) + 1}: {config.label()}",
-                                    None,
-                                )
-                                search.candidates.append(_price(search, config, lazy=True))
+                            for ep, fold in _ep_options(search, mesh, sp):
+                                for style in _solved_styles(search, mesh, ep):
+                                    config = MeshConfig(
+                                        mesh, m, schedule, v, sp, style, c.dp_shard,
+                                        c.reshard_after_forward is not False,
+                                        c.tp_comm_overlap is True, c.overlap_grad_reduce is True,
+                                        c.overlap_param_gather is True, *variant, ep, fold,
+                                    )  # fmt: skip
+                                    progress(
+                                        f"pricing mesh candidate {len(search.candidates) + 1}: {config.label()}",
+                                        None,
+                                    )
+                                    search.candidates.append(_price(search, config, lazy=True))
+    if not search.candidates and (c.ep or 1) > 1:
+        raise InputError(_ep_unplaceable(search, num_devices))
     if not search.candidates:
         raise InfeasibleError(
             f"no mesh shape fits {num_devices} devices with "
@@ -514,6 +521,76 @@ def _cp_options(search: _Search, num_devices: int) -> list[int]:
             continue
         out.append(cp)
     return out
+
+
+def _ep_options(search: _Search, mesh: MeshShape, sequence_parallel: bool) -> list[tuple[int, str]]:
+    """The (ep, fold) pairs a mesh candidate is priced with: (1, "dp") for a dense model or --ep 1; the
+    pinned --ep (--ep-fold) where it runs (`ep_refusal`); else off, every divisor of dp x cp above 1 that
+    divides the experts (fold dp) and ep = tp (fold tp) where they divide, as --ep-fold allows."""
+    c = search.constraints
+    experts = expert_counts(search.structure)
+    if not experts or c.ep == 1:
+        return [(1, "dp")]
+    folds = [c.ep_fold] if c.ep_fold is not None else ["dp", "tp"]
+    if c.ep is not None:
+        pairs = [(c.ep, fold) for fold in folds]
+    else:
+        pairs = [(1, "dp")] + [(d, "dp") for d in _divisors(mesh.dp_cp) if d > 1 and "dp" in folds]
+        pairs += [(mesh.tp, "tp")] if mesh.tp > 1 and "tp" in folds else []
+    return [
+        (ep, fold)
+        for ep, fold in pairs
+        if ep == 1 or not ep_refusal(experts, ep, fold, mesh, sequence_parallel)
+    ]
+
+
+def _check_pinned_ep(search: _Search, num_devices: int) -> None:
+    """A pinned --ep (--ep-fold) that cannot run is refused in one line naming both numbers: a dense
+    model, an ep that does not divide the experts, fold tp at another pinned --tp, fold dp over pinned
+    --dp / --cp ranks it does not divide. Raises InputError."""
+    c = search.constraints
+    if c.ep is None or c.ep == 1:
+        return
+    experts = expert_counts(search.structure)
+    if not experts:
+        raise InputError(f"--ep {c.ep}: the model has no mixture-of-experts layer to split; leave --ep out")
+    bad = [e for e in experts if e % c.ep]
+    if bad:
+        fits = ", ".join(str(d) for d in _divisors(bad[0]) if d > 1 and all(e % d == 0 for e in experts))
+        raise InputError(
+            f"--ep {c.ep} does not divide the model's {bad[0]} experts (each EP rank holds E / ep of them); use "
+            f"one of {fits or 'none'}, or --ep 1"
+        )
+    if c.ep_fold == "tp" and c.tp is not None and c.tp != c.ep:
+        raise InputError(
+            f"--ep {c.ep} --ep-fold tp needs --tp {c.ep} (the EP group is the TP group), got --tp {c.tp}; pin "
+            f"--tp {c.ep}, or --ep-fold dp"
+        )
+    if c.ep_fold == "tp" and c.sequence_parallel:
+        raise InputError(
+            f"--ep {c.ep} --ep-fold tp needs the same tokens on every TP rank, which --sequence-parallel on "
+            "splits; use --sequence-parallel off, or --ep-fold dp"
+        )
+    tp_fold_possible = c.ep_fold != "dp" and c.tp in (None, c.ep)
+    cp_fixed = c.cp is not None or search.workload.seq_len < MIN_CP_SEQ_LEN  # else the search may add cp
+    if c.dp is not None and cp_fixed and not tp_fold_possible and (c.dp * (c.cp or 1)) % c.ep:
+        ranks = c.dp * (c.cp or 1)
+        pins = f"--dp {c.dp}" + (f" --cp {c.cp}" if c.cp else "")
+        raise InputError(
+            f"--ep {c.ep} does not divide the {ranks} dp x cp ranks it folds over ({pins}); use an --ep that "
+            f"divides both {ranks} and the {experts[0]} experts, or more data-parallel ranks"
+        )
+
+
+def _ep_unplaceable(search: _Search, num_devices: int) -> str:
+    """The one-line refusal when no mesh candidate holds the pinned --ep: the ranks it would fold over."""
+    c = search.constraints
+    experts = expert_counts(search.structure)
+    over = "the TP ranks (--ep-fold tp: ep = tp)" if c.ep_fold == "tp" else "dp x cp ranks (or the TP ranks)"
+    return (
+        f"--ep {c.ep}: no mesh of at most {num_devices} devices has {over} divisible by {c.ep} with the other "
+        f"pins; the model has {experts[0]} experts; use a smaller --ep or more devices"
+    )
 
 
 def _cp_unsupported(search: _Search) -> str:
@@ -669,7 +746,14 @@ def _tables_key(ctx: CostContext) -> tuple:
     candidate (`_with_state_factor`)."""
     replica = None if ctx.train else ctx.workload.batch_size / ctx.mesh.dp
     cp = (ctx.cp, ctx.config.cp_comm_type, ctx.config.cp_load_balance) if ctx.cp > 1 else (1,)
-    return (ctx.mesh.tp, ctx.sequences_per_micro_batch, ctx.sequence_parallel, replica, *cp)
+    # expert parallelism: the degree, the fold, the mesh (where the EP and edp groups sit) and both
+    # training-state factors (the experts' states shard over their own group: no common ratio)
+    ep = (
+        (ctx.ep, ctx.ep_fold, ctx.mesh.dp, ctx.state_factor(), ctx.experts_context().state_factor())
+        if ctx.ep > 1
+        else ()
+    )
+    return (ctx.mesh.tp, ctx.sequences_per_micro_batch, ctx.sequence_parallel, replica, *cp, *ep)
 
 
 def _price(search: _Search, config: MeshConfig, lazy: bool = False) -> _Candidate:
@@ -755,7 +839,7 @@ def _least_layer_time_s(graph: LayerGraph, key: str, ctx: CostContext, with_comm
     """A lower bound of one layer's time per micro-batch: per block, the best combination of options
     with its conversions and output communication (`block_table`; without the communication when
     `with_comm` is False, or when a block has too many combinations to enumerate)."""
-    total = graph.fixed_compute_s
+    total = graph.fixed_compute_s + graph.fixed_comm_s
     for block in ("attention", "cross", "mlp"):
         ops = graph.ops_of(block)
         table = block_table(graph, key, block, ctx) if with_comm else None
@@ -939,7 +1023,7 @@ def _price_virtual_stages(search: _Search, cand: _Candidate) -> None:
             )
 
 
-def _solved_styles(search: _Search, mesh: MeshShape) -> list[DataParallel]:
+def _solved_styles(search: _Search, mesh: MeshShape, ep: int = 1) -> list[DataParallel]:
     """The data-parallel styles a mesh's ILP is solved with: DDP without training or dp > 1; else one
     that keeps the parameters whole (ZeRO-1, else ZeRO-2, else DDP: those allowed) and FSDP, as the
     constraints allow and the runtime runs them (`_style_runs`). The styles differ in memory (which
@@ -947,17 +1031,22 @@ def _solved_styles(search: _Search, mesh: MeshShape) -> list[DataParallel]:
     solution (`_price_dp_styles`)."""
     if not search.workload.train or mesh.dp_cp == 1:
         return [DataParallel.DDP]
-    allowed = [s for s in search.constraints.dp_styles() if _style_runs(search, mesh, s)]
+    allowed = [s for s in search.constraints.dp_styles() if _style_runs(search, mesh, s, ep)]
     whole = [s for s in (DataParallel.ZERO1, DataParallel.ZERO2, DataParallel.DDP) if s in allowed]
     return whole[:1] + ([DataParallel.FSDP] if DataParallel.FSDP in allowed else [])
 
 
-def _style_runs(search: _Search, mesh: MeshShape, style: DataParallel) -> bool:
+def _style_runs(search: _Search, mesh: MeshShape, style: DataParallel, ep: int = 1) -> bool:
     """Whether the runtime runs `style` on `mesh`: sharded gradients (zero2, fsdp) of a parameter tied
     across pipeline stages (an embedding shared with the LM head) cannot be summed between the stages,
-    so those are left out of the plan space (the runtime refuses them)."""
+    so those are left out of the plan space (the runtime refuses them). With expert parallelism
+    (`ep` > 1) and a plan to run here (`Constraints.ep_ddp_only`, --run): ddp only, the one style the
+    runtime runs EP with."""
     tied = search.structure.tied_lm_head and mesh.pp > 1
-    return not (tied and style.shards_gradients and search.workload.train and mesh.dp_cp > 1)
+    train_dp = search.workload.train and mesh.dp_cp > 1
+    if ep > 1 and search.constraints.ep_ddp_only and train_dp and style is not DataParallel.DDP:
+        return False
+    return not (tied and style.shards_gradients and train_dp)
 
 
 # how much a data-parallel style asks of the runtime, for ties: ddp < zero1 < zero2 < fsdp < hsdp
@@ -990,7 +1079,7 @@ def _price_dp_styles(search: _Search, cand: _Candidate) -> None:
     if config not in variants:  # the solved config is not allowed as it stands (a pinned overlap)
         best = (math.inf, cand.tables, cand.latency_s)
     for variant in variants:
-        if variant == config or not _style_runs(search, variant.mesh, variant.dp_style):
+        if variant == config or not _style_runs(search, variant.mesh, variant.dp_style, variant.ep):
             continue
         tables = _price(search, variant).tables
         p = predict(tables, cand.solution.assignment).prediction
@@ -1005,13 +1094,14 @@ def _overlap_level(config: MeshConfig) -> int:
 
 
 def _features(config: MeshConfig) -> int:
-    """How many of sequence parallelism, interleaving, a sharded data-parallel style and context
-    parallelism a candidate uses."""
+    """How many of sequence parallelism, interleaving, a sharded data-parallel style, context
+    parallelism and expert parallelism a candidate uses."""
     return (
         int(config.sequence_parallel)
         + int(config.virtual_stages > 1)
         + int(config.distributed_optimizer)
         + int(config.mesh.cp > 1)
+        + int(config.ep > 1)
     )
 
 
@@ -1169,13 +1259,21 @@ def _make_plan(search: _Search, best: _Candidate | None, model_name: str) -> Pla
         search.cap_bytes,
         _alternative_tables(search),
         search.constraints,
-        runs=lambda config: _style_runs(search, config.mesh, config.dp_style),
+        runs=lambda config: _style_runs(search, config.mesh, config.dp_style, config.ep),
     )
     decisions += overlap_decisions(chosen, search.cap_bytes, _alternative_tables(search), search.constraints)
     decisions += cp_decisions(
         chosen, search.cap_bytes, _alternative_tables(search), candidates,
         _cp_variants(search, config.mesh), _cp_refusals(search, config.mesh), search.constraints,
     )  # fmt: skip
+    solved_ep: dict[str, float] = {}
+    for cand in search.candidates:
+        if cand.latency_s is not None:
+            label = cand.config.ep_label()
+            solved_ep[label] = min(solved_ep.get(label, math.inf), cand.latency_s)
+    decisions += ep_decisions(
+        chosen, search.cap_bytes, _alternative_tables(search), search.constraints, solved_ep
+    )
     decisions += strategy_decisions(chosen)
     decisions += ladder_decision(chosen, search.ladder, search.constraints.ladder_min_saving_fraction)
     plan = _plan_of(search, chosen, model_name, SolverInfo(sol.status, sol.objective, sol.gap, search.solver_time_s, sol.num_variables))  # fmt: skip
@@ -1222,6 +1320,10 @@ def _plan_of(search: _Search, priced: PricedAssignment, model_name: str, solver:
         overlap_param_gather=tables.ctx.overlap_param_gather,
         cp_comm_type=config.cp_comm_type if config.mesh.cp > 1 else "allgather",
         cp_load_balance=config.cp_load_balance if config.mesh.cp > 1 else True,
+        ep=config.ep,
+        ep_fold=config.ep_fold if config.ep > 1 else "dp",
+        moe_imbalance=w.moe_imbalance,
+        moe_capacity_factor=w.moe_capacity_factor,
         token_model=s.token_model,
         unpriced_ops=s.unknown_ops,
         model_params=int(s.num_params),
@@ -1281,7 +1383,8 @@ def _allowed(search: _Search, mesh: MeshShape, config: MeshConfig | None = None)
     if config is not None:
         pinned_ok = pinned_ok and c.sequence_parallel in (None, config.sequence_parallel)
         pinned_ok = pinned_ok and (not search.workload.train or mesh.dp_cp == 1 or _dp_pins_hold(c, config))
-        pinned_ok = pinned_ok and _style_runs(search, mesh, config.dp_style)
+        pinned_ok = pinned_ok and _style_runs(search, mesh, config.dp_style, config.ep)
+        pinned_ok = pinned_ok and c.ep in (None, config.ep) and c.ep_fold in (None, config.ep_fold)
         pinned_ok = pinned_ok and c.virtual_stages in (None, config.virtual_stages)
         pinned_ok = pinned_ok and all(
             pin is None or pin == on
@@ -1391,6 +1494,7 @@ def _layout_text(priced: PricedAssignment, w: WorkloadSpec) -> dict[str, str]:
         "dp_style": dp_style_text(ctx.dp_style, mesh.dp, ctx.shard_degree, ctx.reshard_after_forward),
         "overlap": overlap_text(ctx.tp_comm_overlap, ctx.overlap_grad_reduce, ctx.overlap_param_gather),
         "context_parallel": cp_text(mesh.cp, config.cp_comm_type, config.cp_load_balance),
+        **({"expert_parallel": config.ep_label()} if expert_counts(ctx.structure) else {}),
     }  # fmt: skip
 
 
