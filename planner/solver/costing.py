@@ -175,6 +175,10 @@ class LayerGraph:
     # from `fixed_grad_bytes` (`dp_sync_phases` of `CostContext.experts_context`)
     fixed_comm_s: float = 0.0
     expert_grad_bytes: float = 0.0
+    # of fixed_static_bytes, the routed experts' weights and training state when EP over dp x cp shards
+    # their state over the edp group (`CostContext.experts_context`): rescaled apart from the rest when
+    # a search candidate differs only in its data-parallel style (`search._with_state_factor`)
+    expert_static_bytes: float = 0.0
 
     @property
     def last_stage_compute_s(self) -> float:
@@ -1119,12 +1123,13 @@ def build_layer_graph(layer: Layer, ctx: CostContext) -> LayerGraph:
     other_params = max(0.0, as_planned - proj_bytes)
     fixed_act = 2.0 * num_norms * tokens * hidden * b / split if ctx.train else 0.0
     fixed_act += expert_activation_bytes(layer, ctx)
-    static, grads, expert_grads = other_params * ctx.state_factor(), other_params, 0.0
+    static, grads, expert_grads, expert_static = other_params * ctx.state_factor(), other_params, 0.0, 0.0
     if ctx.ep > 1 and layer.moe is not None:  # the rank holds E / ep experts (`expert_param_bytes`)
         local = expert_param_bytes(layer, ctx)
         dense = max(0.0, other_params - layer.moe.expert_params * b)
         if ctx.ep_fold == "dp":  # reduced and sharded over the edp group (`CostContext.experts_context`)
-            static = dense * ctx.state_factor() + local * ctx.experts_context().state_factor()
+            expert_static = local * ctx.experts_context().state_factor()
+            static = dense * ctx.state_factor() + expert_static
             grads, expert_grads = dense, local
         else:  # replicated over dp x cp as the dense weights are
             static, grads = (dense + local) * ctx.state_factor(), dense + local
@@ -1138,6 +1143,7 @@ def build_layer_graph(layer: Layer, ctx: CostContext) -> LayerGraph:
         fixed_grad_bytes=grads if ctx.train else 0.0,
         fixed_comm_s=expert_comm_time_s(layer, ctx),
         expert_grad_bytes=expert_grads if ctx.train else 0.0,
+        expert_static_bytes=expert_static,
     )
 
 

@@ -142,7 +142,8 @@ class _Candidate:
     solution: IlpSolution | None = None
     note: str = ""
     latency_s: float | None = None
-    static_ratio: float = 1.0  # the tables' static bytes still to be multiplied by this (`_materialize`)
+    # the tables' static bytes still to be multiplied by these, dense and routed experts' (`_materialize`)
+    static_ratio: tuple[float, float] = (1.0, 1.0)
 
     @property
     def config(self) -> MeshConfig:
@@ -738,22 +739,26 @@ def _ladder_of(search: _Search, config: MeshConfig) -> LadderPolicy:
     return LadderPolicy() if config.sequence_parallel else search.ladder
 
 
-def _tables_key(ctx: CostContext) -> tuple:
+def _tables_key(ctx: CostContext, with_ep: bool = True) -> tuple:
     """What the op times of a candidate depend on: TP degree, micro-batch size, sequence parallelism,
-    the context parallelism (degree, variant, load balancing) and, without training, the sequences per
+    the context parallelism (degree, variant, load balancing), expert parallelism (degree, fold and
+    where its group sits: the MoE layers' fixed times; `with_ep` False leaves it out, for what it does
+    not change: the blocks' option tables, `_block_bounds_s`) and, without training, the sequences per
     DP replica (KV caches). Not pp, the schedule or v (they enter at the stage level), nor the training
     state per parameter (ZeRO-1 divides it by dp), which scales every static byte of a training
     candidate (`_with_state_factor`)."""
     replica = None if ctx.train else ctx.workload.batch_size / ctx.mesh.dp
     cp = (ctx.cp, ctx.config.cp_comm_type, ctx.config.cp_load_balance) if ctx.cp > 1 else (1,)
-    # expert parallelism: the degree, the fold, the mesh (where the EP and edp groups sit) and both
-    # training-state factors (the experts' states shard over their own group: no common ratio)
-    ep = (
-        (ctx.ep, ctx.ep_fold, ctx.mesh.dp, ctx.state_factor(), ctx.experts_context().state_factor())
-        if ctx.ep > 1
-        else ()
-    )
+    ep = (ctx.ep, ctx.ep_fold, ctx.ep_group()) if ctx.ep > 1 and with_ep else ()
     return (ctx.mesh.tp, ctx.sequences_per_micro_batch, ctx.sequence_parallel, replica, *cp, *ep)
+
+
+def _state_factors(ctx: CostContext) -> tuple[float, float]:
+    """(dense, routed experts') training state per parameter byte of `ctx` (`CostContext.state_factor`;
+    the experts' under EP over dp x cp shard over their own edp group: `experts_context`)."""
+    experts = ctx.experts_context().state_factor() if ctx.ep > 1 and ctx.ep_fold == "dp" else None
+    dense = ctx.state_factor()
+    return dense, dense if experts is None else experts
 
 
 def _price(search: _Search, config: MeshConfig, lazy: bool = False) -> _Candidate:
@@ -770,14 +775,19 @@ def _price(search: _Search, config: MeshConfig, lazy: bool = False) -> _Candidat
         for k in tables.layer_keys:
             counts[k] = counts.get(k, 0) + 1
         with_comm = search.ladder.mode is LadderMode.NONE  # ladder hides block-output communication
-        work = sum(n * _least_layer_time_s(tables.graphs[k], k, ctx, with_comm) for k, n in counts.items())
+        base = _tables_key(ctx, with_ep=False)
+        work = sum(
+            n * _least_layer_time_s(tables.graphs[k], k, ctx, with_comm, search, base)
+            for k, n in counts.items()
+        )
         ends = sum(min(o.compute_s + o.comm_s for o in op.options) for op in tables.ends.ops)
         work += ends + tables.ends.fixed_compute_s
-        search.priced[key] = (tables.graphs, tables.ends, work, ctx.state_factor(), _least_memory(tables))
+        search.priced[key] = (tables.graphs, tables.ends, work, _state_factors(ctx), _least_memory(tables))
     graphs, ends, work, state, (static, act, ends_static) = search.priced[key]
-    ratio = ctx.state_factor() / state
+    factors = _state_factors(ctx)
+    ratio = (factors[0] / state[0], factors[1] / state[1])
     tables = CostTables(ctx, graphs, search.layer_keys, ends)
-    least = (static * ratio, act, ends_static * ratio)
+    least = (static * min(ratio), act, ends_static * ratio[0])  # a lower bound whichever part dominates
     pp, v = config.mesh.pp, config.virtual_stages
     total = work + (pp * v - 1) * p2p_stage_time_s(ctx) if pp > 1 else work  # `stage_p2p_time_s`, summed
     bound = step_time_s(total, total / config.mesh.pp, config.micro_batches, config.virtual_stages)
@@ -797,25 +807,25 @@ def _megatron_layout_only(tables: CostTables) -> None:
 
 
 def _materialize(search: _Search, cand: _Candidate) -> None:
-    """Apply the candidate's pending training-state factor to its tables' static bytes (cached)."""
-    if cand.static_ratio == 1.0:
+    """Apply the candidate's pending training-state factors to its tables' static bytes (cached)."""
+    if cand.static_ratio == (1.0, 1.0):
         return
     ctx = cand.tables.ctx
-    full_key = (*_tables_key(ctx), ctx.state_factor())
+    full_key = (*_tables_key(ctx), _state_factors(ctx))
     if full_key not in search.rescaled:
         search.rescaled[full_key] = _with_state_factor(
-            cand.tables.graphs, cand.tables.ends, cand.static_ratio
+            cand.tables.graphs, cand.tables.ends, *cand.static_ratio
         )
     graphs, ends = search.rescaled[full_key]
     cand.tables = CostTables(ctx, graphs, search.layer_keys, ends)
-    cand.static_ratio = 1.0
+    cand.static_ratio = (1.0, 1.0)
 
 
 def _with_state_factor(
-    graphs: dict[str, LayerGraph], ends: LayerGraph, ratio: float
+    graphs: dict[str, LayerGraph], ends: LayerGraph, ratio: float, expert_ratio: float
 ) -> tuple[dict[str, LayerGraph], LayerGraph]:
     """Copies of training graphs with every static byte (parameters, gradients, optimizer state)
-    multiplied by `ratio`."""
+    multiplied by `ratio`, the routed experts' own (`LayerGraph.expert_static_bytes`) by `expert_ratio`."""
 
     def option(o: OpOption) -> OpOption:
         o = copy.copy(o)
@@ -829,25 +839,34 @@ def _with_state_factor(
             op = copy.copy(op)
             op.options = [option(o) for o in op.options]
             out.ops.append(op)
-        out.fixed_static_bytes = graph.fixed_static_bytes * ratio
+        experts = graph.expert_static_bytes
+        out.fixed_static_bytes = (graph.fixed_static_bytes - experts) * ratio + experts * expert_ratio
+        out.expert_static_bytes = experts * expert_ratio
         return out
 
     return {k: scaled(g) for k, g in graphs.items()}, scaled(ends)
 
 
-def _least_layer_time_s(graph: LayerGraph, key: str, ctx: CostContext, with_comm: bool) -> float:
-    """A lower bound of one layer's time per micro-batch: per block, the best combination of options
-    with its conversions and output communication (`block_table`; without the communication when
-    `with_comm` is False, or when a block has too many combinations to enumerate)."""
-    total = graph.fixed_compute_s + graph.fixed_comm_s
-    for block in ("attention", "cross", "mlp"):
-        ops = graph.ops_of(block)
-        table = block_table(graph, key, block, ctx) if with_comm else None
-        if table:
-            total += min(table.values())
-        else:
-            total += sum(min(o.compute_s for o in op.options) for op in ops)
-    return total
+def _least_layer_time_s(
+    graph: LayerGraph, key: str, ctx: CostContext, with_comm: bool, search: _Search, base: tuple
+) -> float:
+    """A lower bound of one layer's time per micro-batch: its fixed compute and communication, and per
+    block the best combination of options with its conversions and output communication
+    (`block_table`; without the communication when `with_comm` is False, or when a block has too many
+    combinations to enumerate). The blocks' part does not depend on expert parallelism: cached by the
+    tables' key without it (`base`)."""
+    cache_key = ("blocks", base, key, with_comm)
+    if cache_key not in search.priced:
+        blocks = 0.0
+        for block in ("attention", "cross", "mlp"):
+            ops = graph.ops_of(block)
+            table = block_table(graph, key, block, ctx) if with_comm else None
+            if table:
+                blocks += min(table.values())
+            else:
+                blocks += sum(min(o.compute_s for o in op.options) for op in ops)
+        search.priced[cache_key] = blocks
+    return graph.fixed_compute_s + graph.fixed_comm_s + search.priced[cache_key]
 
 
 def _least_memory(tables: CostTables) -> tuple[float, float, float]:
