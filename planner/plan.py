@@ -432,6 +432,11 @@ class Plan:
     # model that drops the tokens beyond it (None: dropless); re-pricing the plan uses them again
     moe_imbalance: float = DEFAULT_MOE_IMBALANCE
     moe_capacity_factor: float | None = None
+    # routed experts per mixture-of-experts layer of the model the plan was made for (0: a dense model,
+    # or layers with different counts): a fact of the model, not a decision, read by exports
+    # (Megatron-LM's --num-experts, vLLM's and torchtitan's expert parallelism)
+    num_experts: int = 0
+    expert_params: int = 0  # of `model_params`, the routed experts' (each rank holds 1/ep of them, whole)
     # parameters of the model the plan was made for (0: a plan written before this field): `planner run`
     # refuses a model file whose parameter count differs (it changed since planning)
     model_params: int = 0

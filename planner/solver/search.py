@@ -1343,6 +1343,8 @@ def _plan_of(search: _Search, priced: PricedAssignment, model_name: str, solver:
         ep_fold=config.ep_fold if config.ep > 1 else "dp",
         moe_imbalance=w.moe_imbalance,
         moe_capacity_factor=w.moe_capacity_factor,
+        num_experts=experts[0] if len(experts := expert_counts(s)) == 1 else 0,
+        expert_params=sum(layer.moe.expert_params for layer in s.layers if layer.moe is not None),
         token_model=s.token_model,
         unpriced_ops=s.unknown_ops,
         model_params=int(s.num_params),
