@@ -630,9 +630,11 @@ def ep_decisions(
     notes, refused = [], []
     solved = solved or {}
     here = {MeshConfig(mesh, 1, ep=ep, ep_fold=fold).ep_label() for ep, fold in pairs}
-    for name, latency in solved.items():  # degrees solved on other meshes only (not this dp x cp)
+    unsolved = []
+    for name, latency in solved.items():  # degrees of other meshes only (not this one's dp x cp or tp)
         if name not in here:
             options[name] = latency
+            unsolved += [name] if math.isinf(latency) else []
     for ep, fold in pairs:
         name = MeshConfig(mesh, 1, ep=ep, ep_fold=fold).ep_label()
         why = ep_refusal(experts, ep, fold, mesh, ctx.sequence_parallel) if ep > 1 else ""
@@ -668,7 +670,12 @@ def ep_decisions(
         "plan with only expert parallelism changed where faster; " + "; ".join(notes)
     )
     if refused:
-        reason += "; not possible: " + "; ".join(refused)
+        reason += "; not possible here: " + "; ".join(refused)
+    if unsolved:
+        reason += (
+            f"; {', '.join(unsolved)}: meshes with it priced but none solved (over memory, or their lower bound no "
+            "faster than the chosen plan: pin --ep / --ep-fold to solve them)"
+        )
     if w.kind is Workload.DECODE:
         moe = layer.moe
         reach = touched_experts(

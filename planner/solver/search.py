@@ -1286,10 +1286,10 @@ def _make_plan(search: _Search, best: _Candidate | None, model_name: str) -> Pla
         _cp_variants(search, config.mesh), _cp_refusals(search, config.mesh), search.constraints,
     )  # fmt: skip
     solved_ep: dict[str, float] = {}
-    for cand in search.candidates:
-        if cand.latency_s is not None:
-            label = cand.config.ep_label()
-            solved_ep[label] = min(solved_ep.get(label, math.inf), cand.latency_s)
+    for cand in search.candidates:  # inf: candidates with it, none solved (pruned, or too big)
+        label = cand.config.ep_label()
+        latency = cand.latency_s if cand.latency_s is not None else math.inf
+        solved_ep[label] = min(solved_ep.get(label, math.inf), latency)
     decisions += ep_decisions(
         chosen, search.cap_bytes, _alternative_tables(search), search.constraints, solved_ep
     )
