@@ -316,7 +316,7 @@ def _enumerate(search: _Search, progress: Progress = silent) -> None:
     num_layers = len(search.structure.layers) or 1
     tps = _tp_options(search, num_devices)
     cps = _cp_options(search, num_devices)
-    _check_pinned_ep(search, num_devices)
+    _check_pinned_ep(search)
     pps = [c.pp] if c.pp is not None else [p for p in _divisors(num_devices) if p <= num_layers]
     if c.pp is not None and c.pp > num_layers:
         raise InputError(f"pp={c.pp} exceeds the model's {num_layers} layers")
@@ -545,7 +545,7 @@ def _ep_options(search: _Search, mesh: MeshShape, sequence_parallel: bool) -> li
     ]
 
 
-def _check_pinned_ep(search: _Search, num_devices: int) -> None:
+def _check_pinned_ep(search: _Search) -> None:
     """A pinned --ep (--ep-fold) that cannot run is refused in one line naming both numbers: a dense
     model, an ep that does not divide the experts, fold tp at another pinned --tp, fold dp over pinned
     --dp / --cp ranks it does not divide. Raises InputError."""
