@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from models import LlamaAttention, RMSNorm, _init_weights, apply_rope, token_ids
+from models import LlamaAttention, RMSNorm, _init_weights, token_ids
 from models_kv import KVCache
 from torch import nn
 
