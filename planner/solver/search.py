@@ -167,12 +167,15 @@ class _Search:
     excluded: list[str] = field(default_factory=list)
     candidates: list[_Candidate] = field(default_factory=list)
     solver_time_s: float = 0.0
-    # priced graphs (and their summed cheapest compute) by what they depend on (`_tables_key`): the
-    # candidates that differ only in pp, schedule or v share them
-    priced: dict[tuple, tuple[dict, LayerGraph, float, float, tuple[float, float, float]]] = field(
-        default_factory=dict
+    # priced graphs (their summed cheapest compute, the (dense, experts') state factors they were
+    # priced at, their least memory) by what they depend on (`_tables_key`): the candidates that
+    # differ only in pp, schedule or v share them
+    priced: dict[tuple, tuple[dict, LayerGraph, float, tuple[float, float], tuple[float, float, float]]] = (
+        field(default_factory=dict)
     )
     rescaled: dict[tuple, tuple[dict, LayerGraph]] = field(default_factory=dict)
+    # a layer class's least block time (`_least_layer_time_s`) by the tables' key without EP and the class
+    block_bounds: dict[tuple, float] = field(default_factory=dict)
 
 
 def plan_model(
@@ -855,8 +858,8 @@ def _least_layer_time_s(
     (`block_table`; without the communication when `with_comm` is False, or when a block has too many
     combinations to enumerate). The blocks' part does not depend on expert parallelism: cached by the
     tables' key without it (`base`)."""
-    cache_key = ("blocks", base, key, with_comm)
-    if cache_key not in search.priced:
+    cache_key = (base, key, with_comm)
+    if cache_key not in search.block_bounds:
         blocks = 0.0
         for block in ("attention", "cross", "mlp"):
             ops = graph.ops_of(block)
@@ -865,8 +868,8 @@ def _least_layer_time_s(
                 blocks += min(table.values())
             else:
                 blocks += sum(min(o.compute_s for o in op.options) for op in ops)
-        search.priced[cache_key] = blocks
-    return graph.fixed_compute_s + graph.fixed_comm_s + search.priced[cache_key]
+        search.block_bounds[cache_key] = blocks
+    return graph.fixed_compute_s + graph.fixed_comm_s + search.block_bounds[cache_key]
 
 
 def _least_memory(tables: CostTables) -> tuple[float, float, float]:
