@@ -47,6 +47,14 @@ activation is priced on it; the attention core is priced per variant by `cp_core
 the same weights, so the gradient reduction and sharded states span dp x cp ranks (`dp_group`,
 `state_shards`).
 
+Expert parallelism (`MeshConfig.ep`, `ep_fold`; `costmodels.expert_parallel`): a mixture-of-experts
+layer's routed experts are priced on the busiest rank of its EP group (`expert_share`: its rows,
+the experts it holds that they reach), their GEMMs in `fixed_compute_s` (`expert_gemm_time_s`), the
+token exchange in `LayerGraph.fixed_comm_s` (`expert_comm_time_s`), E / ep experts' weights in the
+static bytes (`expert_param_bytes`); over dp x cp their gradients are reduced, and their states
+sharded, over the dp x cp / ep ranks holding the same experts (`CostContext.experts_context`,
+`LayerGraph.expert_grad_bytes`, `expert_static_bytes`). A dense model prices as before.
+
 Times are per micro-batch on one rank; a pipelined step of them takes `step_time_s`. Training
 multiplies compute by `TRAIN_COMPUTE_FACTOR` (backward = 2x forward FLOPs) and communication by
 `TRAIN_COMM_FACTOR` (each forward collective has a conjugate backward one of the same size:

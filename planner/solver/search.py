@@ -23,6 +23,13 @@ Context parallelism: the context-parallel degree is a mesh axis of its own (`_cp
 with the attention variant whose cores cost least (`_cp_variant`) and priced with every other variant
 and load balancing the constraints allow on its solution (`_price_cp_variants`); cp > 1 counts as a
 feature.
+
+Expert parallelism (mixture-of-experts models): every mesh is priced with the experts off, with each
+EP degree dividing dp x cp and the experts folded over those ranks, and with EP over its TP ranks
+(`_ep_options`; pinned by --ep / --ep-fold, refused in one line where it cannot run:
+`_check_pinned_ep`); each is a candidate of its own, ep > 1 a feature. The MoE layers' fixed times
+and the experts' memory are what change (`costing`); the blocks' option tables do not, so their
+bounds are shared (`_least_layer_time_s`).
 """
 
 from __future__ import annotations
