@@ -106,7 +106,25 @@ PLANS: list[tuple[str, str, str, list[str]]] = [
     ("llama3_70b_serve_tp2pp3", "examples/llama3_70b_kv.py", "70b",
      ["--cluster", "dgx-h100", "--workload", "decode", "--context", "4096", "--batch-size", "8", "--dtype", "bf16",
       "--tp", "2", "--pp", "3", "--devices", "6"]),
+    # mixtures of experts (MOE_MODELS: the size key names the example's CONFIG): EP over the data-parallel
+    # ranks at TP 1 and at TP 2 (no exact Megatron-Core form: a warning), served with EP over DP and over TP
+    ("mixtral_8x7b_ep8_zero1", "examples/mixtral_8x7b.py", "mixtral_8x7b",
+     ["--cluster", "h100-ib-128node", "--devices", "64", "--workload", "train", "--batch-size", "256", "--seq-len",
+      "4096", "--tp", "1", "--ep", "8", "--dp-style", "zero1"]),
+    ("mixtral_8x7b_tp2_ep4", "examples/mixtral_8x7b.py", "mixtral_8x7b",
+     ["--cluster", "h100-ib-128node", "--devices", "64", "--workload", "train", "--batch-size", "256", "--seq-len",
+      "4096", "--tp", "2", "--ep", "4", "--ep-fold", "dp", "--sequence-parallel", "on", "--dp-style", "zero1"]),
+    ("qwen3_30b_a3b_serve_dp8_ep8", "examples/qwen3_30b_a3b.py", "qwen3_30b_a3b",
+     ["--cluster", "dgx-h100", "--workload", "generate", "--batch-size", "32", "--seq-len", "2048", "--new-tokens",
+      "512", "--ep", "8", "--ep-fold", "dp"]),
+    ("qwen3_30b_a3b_serve_tp8_ep8", "examples/qwen3_30b_a3b.py", "qwen3_30b_a3b",
+     ["--cluster", "dgx-h100", "--workload", "generate", "--batch-size", "32", "--seq-len", "2048", "--new-tokens",
+      "512", "--tp", "8", "--ep", "8", "--ep-fold", "tp"]),
 ]  # fmt: skip
+# the mixture-of-experts examples of PLANS (size key -> examples/<key>.py, its `CONFIG`: models_moe.MoEConfig),
+# with the Hugging Face id vLLM would serve; torchtitan's checks build its Llama, so these go to Megatron-Core
+# and vLLM only
+MOE_MODELS = {"mixtral_8x7b": "mistralai/Mixtral-8x7B-v0.1", "qwen3_30b_a3b": "Qwen/Qwen3-30B-A3B"}
 
 # vLLM 0.33.0 is installed without its dependencies (it pins torch 2.14.0 and CUDA packages); these
 # are what its `vllm serve` parser, EngineArgs and ParallelConfig import, within its own pins
@@ -309,7 +327,17 @@ def plan_facts(plan, size: str) -> dict:
 
     from planner.export.common import dp_label, micro_batch_size, num_layers, virtual_stage_layers  # noqa: PLC0415
 
-    config = LLAMA_CONFIGS[size]
+    if size in MOE_MODELS:
+        import importlib  # noqa: PLC0415
+
+        moe = importlib.import_module(size).CONFIG
+        model = {"size": size, "hidden": moe.dim, "heads": moe.n_heads, "kv_heads": moe.n_kv_heads,
+                 "head_dim": moe.head_dim, "ffn": moe.expert_dim, "vocab": moe.vocab_size, "layers": moe.n_layers,
+                 "num_experts": moe.num_experts, "top_k": moe.top_k}  # fmt: skip
+    else:
+        config = LLAMA_CONFIGS[size]
+        model = {"size": size, "hidden": config.dim, "heads": config.n_heads, "kv_heads": config.n_kv_heads,
+                 "ffn": config.ffn_dim, "vocab": config.vocab_size, "layers": config.n_layers}  # fmt: skip
     facts = {
         "tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "devices": plan.num_devices, "workload": str(plan.workload),
         "cp": plan.cp, "cp_comm_type": plan.cp_comm_type, "cp_load_balance": plan.cp_load_balance,
@@ -321,8 +349,7 @@ def plan_facts(plan, size: str) -> dict:
         "recompute": sorted({str(v) for v in plan.recompute.values()}) if plan.recompute else [],
         "schedule": str(plan.schedule), "stages": [len(s) for s in plan.stages],
         "chunk_layers": [len(c) for c in virtual_stage_layers(plan)],
-        "model": {"size": size, "hidden": config.dim, "heads": config.n_heads, "kv_heads": config.n_kv_heads,
-                  "ffn": config.ffn_dim, "vocab": config.vocab_size, "layers": config.n_layers},
+        "model": model, "ep": plan.ep, "ep_fold": plan.ep_fold, "num_experts": plan.num_experts,
     }  # fmt: skip
     if plan.workload.value == "train":
         facts["micro_batch_size"] = micro_batch_size(plan)
@@ -345,8 +372,12 @@ def make_exports(cache: Path, plans: dict[str, Path]) -> dict[str, list[dict]]:
         for tool in TOOLS:
             if facts["workload"] not in tool.workloads:
                 continue
+            if sizes[name] in MOE_MODELS and tool.kind.startswith("torchtitan"):
+                continue  # its checks build torchtitan's Llama (MOE_MODELS)
             fmt, version = tool.export
-            model = "meta-llama/Llama-3.1-70B-Instruct" if fmt == "vllm" else None
+            model = (
+                MOE_MODELS.get(sizes[name], "meta-llama/Llama-3.1-70B-Instruct") if fmt == "vllm" else None
+            )
             result = export_plan(plan, fmt, model=model, torchtitan_version=version or "0.3")
             suffix = {"megatron": ".sh", "vllm": ".py"}.get(fmt) or (".toml" if version == "0.2" else ".sh")
             file = folder / f"{tool.venv}{suffix}"
@@ -509,6 +540,9 @@ def check_megatron(items: list[dict]) -> list[dict]:
                 "--untie-embeddings-and-output-weights", "--disable-bias-linear",
                 "--tokenizer-type", "NullTokenizer", "--vocab-size", str(m["vocab"]), "--mock-data",
                 "--lr", "1e-4", "--train-iters", "10"]  # fmt: skip
+        if "num_experts" in m:  # a mixture of experts: its router's top-k, expert width and head dim
+            user += ["--moe-router-topk", str(m["top_k"]), "--moe-ffn-hidden-size", str(m["ffn"]),
+                     "--kv-channels", str(m["head_dim"])]  # fmt: skip
         parser = argparse.ArgumentParser(allow_abbrev=False)
         margs.add_megatron_arguments(parser)
         known, unknown = parser.parse_known_args(user + argv)
@@ -561,6 +595,25 @@ def check_megatron(items: list[dict]) -> list[dict]:
             _check("data-parallel style", facts["dp_label"], _megatron_dp_label(args), DP_HINT),
             _check("bf16", facts["dtype"] == "bf16", bool(args.bf16)),
         ]
+        if facts["num_experts"]:  # the expert mesh: EP, expert TP 1, the all-to-all dispatcher
+            res["checks"] += [
+                _check("num experts", facts["num_experts"], args.num_experts),
+                _check("expert parallel size", facts["ep"], args.expert_model_parallel_size),
+                _check("expert tensor parallel size", 1, args.expert_tensor_parallel_size),
+                _check(
+                    "expert data-parallel size (folding)",
+                    facts["devices"] // (facts["pp"] * facts["ep"] * facts["tp"]),
+                    facts["devices"]
+                    // (
+                        args.pipeline_model_parallel_size
+                        * args.expert_model_parallel_size
+                        * args.expert_tensor_parallel_size
+                    ),
+                    "experts replicated over the tp",
+                ),  # fmt: skip
+            ]
+            if facts["ep"] > 1:
+                res["checks"].append(_check("token dispatcher", "alltoall", args.moe_token_dispatcher_type))
         layout = args.pipeline_model_parallel_layout
         if layout is not None:
             from megatron.core.transformer.enums import LayerType  # noqa: PLC0415
@@ -904,6 +957,9 @@ def check_vllm(items: list[dict]) -> list[dict]:
                 parallel.world_size * parallel.data_parallel_size,
             ),
             _check("layers per pipeline rank (get_pp_indices)", facts["stages"], per_rank),
+            _check(
+                "expert parallel", facts["ep"] > 1, bool(getattr(engine, "enable_expert_parallel", False))
+            ),
         ]
         results.append(res)
     return results

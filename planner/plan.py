@@ -55,6 +55,7 @@ import yaml
 
 from costmodels.cluster import safe_load_unique
 from costmodels.dtypes import DTYPE_BYTES
+from costmodels.expert_parallel import DEFAULT_MOE_IMBALANCE
 from costmodels.memory import DataParallel, Recompute, Schedule
 from planner.errors import InputError
 from planner.files import PLAN_HEADER, write_text_atomic
@@ -426,6 +427,16 @@ class Plan:
     # token moves (vLLM's --enable-expert-parallel at data-parallel size 1; serving).
     ep: int = 1
     ep_fold: str = "dp"
+    # the routing a MoE plan was priced with (`planner.solver.problem.WorkloadSpec`, --moe-imbalance,
+    # --moe-capacity-factor): the busiest EP rank's rows over the mean, and the capacity factor of a
+    # model that drops the tokens beyond it (None: dropless); re-pricing the plan uses them again
+    moe_imbalance: float = DEFAULT_MOE_IMBALANCE
+    moe_capacity_factor: float | None = None
+    # routed experts per mixture-of-experts layer of the model the plan was made for (0: a dense model,
+    # or layers with different counts): a fact of the model, not a decision, read by exports
+    # (Megatron-LM's --num-experts, vLLM's and torchtitan's expert parallelism)
+    num_experts: int = 0
+    expert_params: int = 0  # of `model_params`, the routed experts' (each rank holds 1/ep of them, whole)
     # parameters of the model the plan was made for (0: a plan written before this field): `planner run`
     # refuses a model file whose parameter count differs (it changed since planning)
     model_params: int = 0
@@ -504,6 +515,10 @@ class Plan:
     def cp_text(self) -> str:
         """Context parallelism as a user reads it: "off", "4 (allgather, load-balanced)"."""
         return cp_text(self.mesh.cp, self.cp_comm_type, self.cp_load_balance)
+
+    def ep_text(self) -> str:
+        """Expert parallelism as a user reads it: "off", "8 over dp", "8 over tp"."""
+        return f"{self.ep} over {self.ep_fold}" if self.ep > 1 else "off"
 
     @property
     def micro_batch_size(self) -> float:
@@ -704,6 +719,15 @@ class Plan:
                 "ep",
                 f"is {self.ep}, which does not divide the dp x cp = {self.mesh.dp_cp} ranks the experts are split "
                 f"over (mesh.dp={self.mesh.dp}, mesh.cp={self.mesh.cp}); use a divisor of {self.mesh.dp_cp}",
+            )
+        if not self.moe_imbalance >= 1.0:
+            raise bad(
+                "moe_imbalance",
+                f"must be >= 1 (the busiest EP rank's rows over the mean), got {self.moe_imbalance}",
+            )
+        if self.moe_capacity_factor is not None and not self.moe_capacity_factor >= 1.0:
+            raise bad(
+                "moe_capacity_factor", f"must be >= 1 or null (dropless), got {self.moe_capacity_factor}"
             )
         if self.cp_comm_type not in CP_COMM_TYPES:
             raise bad("cp_comm_type", f"{self.cp_comm_type!r} is not one of {list(CP_COMM_TYPES)}")

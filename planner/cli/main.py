@@ -16,6 +16,7 @@ Exit codes: 0 success; 2 bad input (file, YAML, options); 3 no feasible plan; 4 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -27,10 +28,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.text import Text
 
+from costmodels.expert_parallel import DEFAULT_MOE_IMBALANCE
 from planner.cli.progress import Bars
 from planner.errors import InputError, PlannerError
 from planner.files import check_output_path, write_text_atomic
-from planner.plan import CP_COMM_TYPES, DP_STYLES
+from planner.plan import CP_COMM_TYPES, DP_STYLES, EP_FOLDS
 
 _WIDTH = None if sys.stdout.isatty() else 150  # rich assumes 80 columns when piped; tables need more
 console = Console(width=_WIDTH)
@@ -199,6 +201,32 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "on", "off"],
         help="context parallelism: each rank holds one early and one late chunk of a causal sequence, so "
         "ranks do equal attention work (the sequence must divide into 2 x cp chunks); auto: priced both ways",
+    )
+    opt.add_argument(
+        "--ep",
+        type=_positive,
+        help="mixture-of-experts models: pin the expert-parallel degree (each layer's experts split over this "
+        "many ranks, tokens sent to them and back by all-to-all; 1: off)",
+    )
+    opt.add_argument(
+        "--ep-fold",
+        default="auto",
+        choices=["auto", *EP_FOLDS],
+        help="the ranks expert parallelism folds over: dp (the dp x cp ranks, as Megatron-Core and torchtitan), "
+        "tp (the TP ranks, ep = tp, as vLLM's --enable-expert-parallel); auto: each priced",
+    )
+    opt.add_argument(
+        "--moe-imbalance",
+        type=float,
+        default=DEFAULT_MOE_IMBALANCE,
+        help="mixture-of-experts models: the busiest expert-parallel rank's routed rows over the mean "
+        f"(default {DEFAULT_MOE_IMBALANCE}: balanced routing; a run reports the measured loads)",
+    )
+    opt.add_argument(
+        "--moe-capacity-factor",
+        type=float,
+        help="mixture-of-experts models that drop tokens: an expert's capacity over the mean rows per expert "
+        "(GShard / Switch); caps the busiest rank's load (default: dropless)",
     )
     opt.add_argument("--pp", type=_positive, help="pin the pipeline-parallel degree")
     opt.add_argument("--dp", type=_positive, help="pin the data-parallel degree")
@@ -405,10 +433,11 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             args.overlap_grad_reduce = args.overlap_param_gather = "auto"
 
     _check_cp_options(args)
+    _check_ep_options(args)
     if args.workload == "train":  # contradicting pins fail before any tracing or calibration
         workflow.constraints_from(
             args.tp, args.pp, args.dp, args.ladder, max_devices=args.devices, layout=args.layout,
-            **_training_options(args), **_cp_options(args),
+            **_training_options(args), **_cp_options(args), **_ep_options(args),
         )  # fmt: skip
     with _bars(args) as bars:
         nproc = args.nproc
@@ -460,7 +489,9 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             layout=args.layout,
             **_training_options(args),
             **_cp_options(args),
+            **_ep_options(args),
         )
+        prepared.workload = dataclasses.replace(prepared.workload, **_routing_options(args))
         workflow.check_constraints_fit(
             cluster,
             constraints,
@@ -721,6 +752,7 @@ def _run(args, plan, prepared, cluster):
             max_devices=nproc,
             layout=args.layout,
             **_training_options(args),
+            **_ep_options(args),
         )
         source = workflow.cluster_source(None, nproc)
         plan = workflow.make_plan(prepared, cluster, constraints, args.model, source)
@@ -1075,6 +1107,34 @@ def _check_cp_options(args: argparse.Namespace) -> None:
             f"--cp {cp} with --workload {args.workload}: a decode step has one new token per sequence to split; "
             "context parallelism is for --workload train and forward (prefill): use --cp 1 or leave it out"
         )
+
+
+def _ep_options(args: argparse.Namespace) -> dict:
+    """--ep, --ep-fold as `workflow.constraints_from` keywords ("auto": None); with --run, EP plans keep
+    dp_style ddp (`Constraints.ep_ddp_only`: the one style the runtime runs expert parallelism with)."""
+    fold = getattr(args, "ep_fold", "auto")
+    return {
+        "ep": getattr(args, "ep", None),
+        "ep_fold": None if fold == "auto" else fold,
+        "ep_ddp_only": bool(getattr(args, "run", False)),
+    }
+
+
+def _routing_options(args: argparse.Namespace) -> dict:
+    """--moe-imbalance, --moe-capacity-factor as `WorkloadSpec` keywords."""
+    return {
+        "moe_imbalance": getattr(args, "moe_imbalance", DEFAULT_MOE_IMBALANCE),
+        "moe_capacity_factor": getattr(args, "moe_capacity_factor", None),
+    }
+
+
+def _check_ep_options(args: argparse.Namespace) -> None:
+    """--ep-fold with --ep 1, and an --moe-imbalance or --moe-capacity-factor below 1, are refused in
+    one line (exit 2), before any tracing (the model-dependent checks: `search._check_pinned_ep`)."""
+    from planner.solver.problem import Constraints, WorkloadSpec  # noqa: PLC0415 - keeps `planner --help` fast
+
+    Constraints(**_ep_options(args))
+    WorkloadSpec("forward", 1, 1, **_routing_options(args))
 
 
 def _training_options(args: argparse.Namespace) -> dict:

@@ -129,6 +129,7 @@ def render_plan(console: Console, plan: Plan) -> None:
         f"{plan.micro_batches} micro-batch(es)"
         + (f" ({plan.schedule} schedule)" if plan.pp > 1 else "")
         + (f"; context parallelism {plan.cp_text()}" if plan.cp > 1 else "")
+        + (f"; expert parallelism {plan.ep_text()}" if plan.ep > 1 else "")
         + f"; ladder residual on layers {layer_ranges(plan.ladder_layers) or 'none'}"
     )
     m = plan.micro_batches
@@ -684,10 +685,17 @@ def _training_rows(plan: Plan) -> list[tuple[str, str, str]]:
         return f"{sched} v={v}" if str(v) != "1" else str(sched)
 
     on = {"true": "on", "false": "off", True: "on", False: "off"}
+    # a mixture-of-experts model's plans say where its experts live (a dense model's table is unchanged)
+    experts = (
+        [("expert parallelism", plan.ep_text(), bl.get("expert_parallel", "off") if bl else "-")]
+        if plan.ep > 1 or "router" in plan.roles.values()
+        else []
+    )
     return [
         ("mesh", mesh_text(plan.tp, plan.cp, plan.pp, plan.dp),
          mesh_text(bl["tp"], bl.get("cp", 1), bl["pp"], bl["dp"]) if bl else "-"),
         ("context parallelism", plan.cp_text(), bl.get("context_parallel", "off") if bl else "-"),
+        *experts,
         ("schedule", schedule(plan.schedule, plan.virtual_stages, plan.pp),
          schedule(bl["schedule"], bl["virtual_stages"], bl["pp"]) if bl else "-"),
         ("micro-batches × size", f"{plan.micro_batches} × {plan.micro_batch_size:g}",

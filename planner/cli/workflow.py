@@ -48,7 +48,7 @@ from planner.solver.explain import memory_fit_text, with_memory_fit
 from planner.solver.machine import at_run_speed, priced_machine, priced_workload
 from planner.solver.machine import probe_roofline as probe_roofline  # re-exported for planner calibrate
 from planner.solver.machine import probes_speed as probes_speed  # re-exported for planner run
-from planner.solver.problem import Constraints, LadderPolicy, WorkloadSpec
+from planner.solver.problem import Constraints, LadderPolicy, WorkloadSpec, plan_routing
 from planner.solver.search import megatron_plan, plan_model
 from planner.solver.serving import kv_fallbacks, plan_prediction, price_request
 
@@ -343,9 +343,13 @@ def constraints_from(
     cp: int | None = None,
     cp_comm_type: str | None = None,
     cp_load_balance: bool | None = None,
+    ep: int | None = None,
+    ep_fold: str | None = None,
+    ep_ddp_only: bool = False,
 ) -> Constraints:
     """Constraints from CLI options (`--ladder` read by `LadderPolicy.parse`; None: the search chooses;
-    `cp`, `cp_comm_type`, `cp_load_balance`: --cp, --cp-comm-type, --cp-load-balance;
+    `cp`, `cp_comm_type`, `cp_load_balance`: --cp, --cp-comm-type, --cp-load-balance; `ep`, `ep_fold`:
+    --ep, --ep-fold, `ep_ddp_only` (--run: `Constraints.ep_ddp_only`);
     with `dp_shard` (--dp-shard) a given `dp` is the replicate degree: the mesh has dp x dp_shard DP ranks;
     `layout`: --layout, "auto" or "megatron", `Constraints.layout`). Raises InputError for a malformed
     --ladder, an unknown --schedule, --recompute or --layout, or a --virtual-stages without the
@@ -359,7 +363,8 @@ def constraints_from(
         distributed_optimizer=distributed_optimizer, layout=layout, dp_style=dp_style, dp_shard=dp_shard,
         reshard_after_forward=reshard_after_forward, tp_comm_overlap=tp_comm_overlap,
         overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather, cp=cp,
-        cp_comm_type=cp_comm_type, cp_load_balance=cp_load_balance,
+        cp_comm_type=cp_comm_type, cp_load_balance=cp_load_balance, ep=ep, ep_fold=ep_fold,
+        ep_ddp_only=ep_ddp_only,
     )  # fmt: skip
 
 
@@ -803,7 +808,9 @@ def _with_prefill_memory(
     for the plan itself, so the two are compared alike."""
     if expert is None or prefill is None or request is None:
         return baseline
-    prefill_wl = WorkloadSpec(Workload.FORWARD, expert.batch_size, request.prompt_len, dtype=expert.dtype)
+    prefill_wl = WorkloadSpec(
+        Workload.FORWARD, expert.batch_size, request.prompt_len, dtype=expert.dtype, **plan_routing(expert)
+    )
     peak = plan_prediction(expert, prefill, cluster, prefill_wl, []).peak_memory_bytes
     return replace(baseline, peak_memory_bytes=max(baseline.peak_memory_bytes, peak))
 

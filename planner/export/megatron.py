@@ -34,6 +34,10 @@ the dataclass fields it turns into options: `ModelParallelConfig`, `TransformerC
 | overlap_param_gather; fsdp / hsdp      | --overlap-param-gather                                             |
 | batch / dp / micro_batches, batch      | --micro-batch-size, --global-batch-size                            |
 | dtype bf16 / fp16                      | --bf16 / --fp16 (fp32: none)                                       |
+| num_experts (a MoE model)              | --num-experts, --expert-model-parallel-size ep,                    |
+|                                        | --expert-tensor-parallel-size 1                                    |
+| ep > 1                                 | --moe-token-dispatcher-type alltoall (dropless, as the runtime's)  |
+| moe_capacity_factor                    | --moe-expert-capacity-factor                                       |
 | seq_len, layers                        | --seq-length, --num-layers                                         |
 | mesh.tp or mesh.cp > 1, no             | export CUDA_DEVICE_MAX_CONNECTIONS=1 (environment)                 |
 |   Megatron-FSDP                        |                                                                    |
@@ -57,6 +61,20 @@ are always cut for causal load balancing (`megatron/core/utils.py` `get_batch_on
 chunks, rank r holding r and 2cp-1-r, as the plan's `cp_load_balance`), with no option to cut them
 contiguously, and `validate_args` asserts the sequence length a multiple of 2 x cp: a plan without
 load balancing is exported with a warning.
+
+Expert parallelism (`Plan.ep`, a mixture-of-experts model): Megatron-Core builds a second mesh for
+the experts over the same tp x cp x dp ranks ("parallel folding": `megatron/core/parallel_state.py`,
+the expert rank generator's tp-ep-dp-pp order, expert tensor parallelism innermost), of expert-TP x
+EP x expert-DP. The plan's experts are never split tensor-parallel: expert TP 1. Over dp (`ep_fold`
+"dp") at tp 1 that is the plan's layout (EP groups of ep consecutive data-parallel ranks, the tokens
+exchanged by the all-to-all dispatcher); at tp > 1 the plan's EP groups take one rank of each TP group
+and every TP rank runs the same experts on the same rows, where Megatron's (expert TP 1, its EP groups
+of consecutive ranks, across the TP ranks) hold different experts on each TP rank: no exact
+equivalent, exported as that with a warning. Over tp (`ep_fold` "tp", ep = tp) Megatron's EP groups
+are the TP groups, as the plan's, but it dispatches the tokens by all-to-all where the plan's TP ranks
+hold the same tokens and all-reduce the experts' outputs; in training its MoE layer wants sequence
+parallelism with TP (`megatron/core/transformer/moe/moe_layer.py` raises without it). `validate_args`
+asserts --num-experts divisible by --expert-model-parallel-size.
 
 Data parallelism (`Plan.dp_style`, the ZeRO stages as Megatron-Core's
 `--data-parallel-sharding-strategy` names them): ZeRO-1 is Megatron's distributed optimizer; ZeRO-2
@@ -125,6 +143,7 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
         "--global-batch-size", str(plan.batch_size),
     ]  # fmt: skip
     args += _pipeline_args(plan, warnings)
+    args += _expert_args(plan, warnings)
     if plan.sequence_parallel and plan.tp > 1:
         args.append("--sequence-parallel")
     args += _tp_overlap_args(plan, warnings)
@@ -171,6 +190,47 @@ def _context_parallel_args(plan: Plan, warnings: list[str]) -> list[str]:
         plan, TOOL, 2 * plan.cp, "validate_args: seq-length a multiple of 2 * context-parallel-size"
     )
     return ["--context-parallel-size", str(plan.cp), "--cp-comm-type", CP_COMM_TYPES[plan.cp_comm_type]]
+
+
+def _expert_args(plan: Plan, warnings: list[str]) -> list[str]:
+    """--num-experts and the expert mesh of a mixture-of-experts plan (module docstring), with the
+    warnings for what Megatron-Core runs otherwise; [] for a dense model's plan."""
+    if plan.num_experts == 0 and plan.ep == 1:
+        return []
+    args = ["--num-experts", str(plan.num_experts)] if plan.num_experts else []
+    if not plan.num_experts:
+        warnings.append(
+            "the plan does not record one expert count for the model (planned before it did, or layers with different "
+            "counts): add --num-experts yourself"
+        )
+    args += ["--expert-model-parallel-size", str(plan.ep), "--expert-tensor-parallel-size", "1"]
+    if plan.ep > 1:
+        args += ["--moe-token-dispatcher-type", "alltoall"]
+    if plan.moe_capacity_factor is not None:
+        args += ["--moe-expert-capacity-factor", f"{plan.moe_capacity_factor:g}"]
+    if plan.ep > 1 and plan.ep_fold == "dp" and plan.tp > 1:
+        warnings.append(
+            f"the plan's EP groups are {plan.ep} data-parallel ranks of one TP rank, its experts replicated over the "
+            f"tp={plan.tp} TP ranks (each runs the same experts on the same rows); Megatron-Core has no such layout: "
+            f"exported as its parallel folding with --expert-tensor-parallel-size 1, whose EP groups are {plan.ep} "
+            f"consecutive ranks across the TP ranks and whose expert data-parallel size is "
+            f"{plan.tp * plan.cp * plan.dp // plan.ep} (the plan's: {plan.cp * plan.dp // plan.ep}): each rank holds "
+            "other experts and computes fewer rows than the plan priced, and its all-to-all spans the TP ranks"
+        )
+    if plan.ep > 1 and plan.ep_fold == "tp":
+        warnings.append(
+            f"the plan splits the experts over the tp={plan.tp} TP ranks, which hold the same tokens, and all-reduces "
+            "the experts' outputs; Megatron-Core's EP groups are the same ranks (--expert-tensor-parallel-size 1, "
+            "--expert-model-parallel-size = tp) but its dispatcher sends the tokens by all-to-all: its "
+            "communication differs from the plan's"
+        )
+    if plan.tp > 1 and not plan.sequence_parallel and plan.workload is Workload.TRAIN:
+        warnings.append(
+            "Megatron-Core's MoE layer refuses training with tensor parallelism and no sequence parallelism "
+            "(moe_layer.py: 'performance may degrade if MoE and tensor parallelism are enabled without also "
+            "enabling sequence parallelism'): add --sequence-parallel, which the plan did not price"
+        )
+    return args
 
 
 def _tp_overlap_args(plan: Plan, warnings: list[str]) -> list[str]:
@@ -243,7 +303,10 @@ def _main_grads_warning(plan: Plan) -> str:
     """Megatron-LM's --bf16 keeps fp32 main gradients (its --accumulate-allreduce-grads-in-fp32 is on
     for bf16), 2 bytes per parameter more than the plan's 16-bit gradients (the planner's runtime
     keeps them in the parameters' dtype, as ZeRO's 16-byte mixed-precision count does)."""
-    extra = 2.0 * plan.model_params / (plan.tp * plan.pp)  # a rank's share of the parameters, bytes
+    # a rank's share of the parameters, bytes: the dense ones split over tp x pp, the routed experts whole
+    # (expert TP 1) over ep x pp
+    dense = plan.model_params - plan.expert_params
+    extra = 2.0 * (dense / (plan.tp * plan.pp) + plan.expert_params / (plan.ep * plan.pp))
     peak = plan.predicted.peak_memory_bytes + extra
     cluster = plan.saved_cluster()
     fits = ""

@@ -49,6 +49,8 @@ sections of a job TOML (`--job.config_file`, torchtitan 0.2.x; names of 0.2.2's
 |                                        | training.dtype = "bfloat16" (see below)                             |
 | micro_batches without pipeline stages  | local_batch_size = the micro-batch (torchtitan accumulates          |
 |                                        | gradients over global / (local x dp) steps)                         |
+| ep (a MoE model)                       | expert_parallel_degree; 0.2 also expert_tensor_parallel_degree: 1,  |
+|                                        | or tp for EP over dp at tp > 1 (its EP groups are then the plan's)  |
 
 Data parallelism: torchtitan runs DDP, FSDP and HSDP through `fully_shard` on its
 `["dp_replicate", "fsdp"]` mesh (0.3 always, shard degree 1 included; 0.2 FSDP / HSDP, and
@@ -80,6 +82,18 @@ in its validation loop (`torchtitan/components/validate.py`; its training steps 
 default, all-gather): a ring plan is exported with "alltoall" and a warning. Neither has all-to-all
 (Ulysses) context parallelism. Both assert the sequence length a multiple of 2 x cp (times tp: 0.2
 always, 0.3 with sequence parallel).
+
+Expert parallelism (`Plan.ep`): torchtitan lays its experts on a "sparse" mesh over the same ranks as
+the dense one, (pp, dp_replicate, efsdp, ep) in 0.3 and (pp, dp_replicate, efsdp, ep, etp) in 0.2,
+efsdp = dp_shard x cp x tp / (ep x etp) (`torchtitan/distributed/parallel_dims.py` of both releases):
+EP takes the innermost ranks of dp_shard x cp x tp, after the expert-TP ones, and never the replicate
+ones. So ep must divide dp_shard x cp x tp / etp: a plan whose exported data-parallel style keeps too
+few shard ranks (ddp: shard degree 1) is exported as HSDP with the least shard degree that holds EP,
+and a warning. 0.3 has no expert TP (its EP borrows the TP ranks: EP over tp is exact, EP over dp at tp
+> 1 takes TP ranks into the EP groups, a warning); 0.2's `expert_tensor_parallel_degree` is 1 or tp
+("etp = tp: partial dp -> ep; etp = 1: partial dp + all tp -> ep", its job_config.py): tp for EP over
+dp (the EP groups the plan's, the experts split over TP where the plan replicates them: a warning), 1
+for EP over tp. torchtitan dispatches tokens by all-to-all in both folds.
 
 Module names of the pipeline parts: torchtitan's Llama names its modules `tok_embeddings`,
 `layers.N`, `norm` and, in 0.3, `lm_head` (0.3.0 `torchtitan/models/common/decoder.py`; its
@@ -182,6 +196,53 @@ def _data_parallel(plan: Plan, version: str, warnings: list[str]) -> tuple[int, 
     return 1, plan.dp, policy
 
 
+def _expert_parallel(
+    plan: Plan, version: str, replicate: int, shard: int, reshard: str | None, warnings: list[str]
+) -> tuple[dict[str, object], int, int, str | None]:
+    """(the expert-parallel fields, and the data-parallel replicate and shard degrees and reshard policy
+    to write) of a plan with ep > 1 (module docstring): the shard degree raised to the least divisor of
+    dp holding EP where the exported one does not, with warnings. No fields for ep 1."""
+    if plan.ep == 1:
+        return {}, replicate, shard, reshard
+    etp = plan.tp if version == "0.2" and plan.ep_fold == "dp" else 1
+    fields: dict[str, object] = {"expert_parallel_degree": plan.ep}
+    if version == "0.2":
+        fields["expert_tensor_parallel_degree"] = etp
+    dense = shard * plan.cp * plan.tp // etp
+    if dense % plan.ep:
+        dp = replicate * shard
+        fits = next(
+            d
+            for d in range(shard, dp + 1)
+            if dp % d == 0 and d % shard == 0 and (d * plan.cp * plan.tp // etp) % plan.ep == 0
+        )
+        warnings.append(
+            f"torchtitan takes its EP ranks from the FSDP shard ranks (and the CP and TP ones): "
+            f"data_parallel_shard_degree {shard} x cp {plan.cp} x tp {plan.tp}"
+            + (f" / etp {etp}" if etp > 1 else "")
+            + f" does not hold ep={plan.ep}; exported as HSDP sharded over {fits} and replicated over {dp // fits} "
+            '(fsdp_reshard_after_forward "never": the parameters whole from forward to backward), where the plan '
+            f"keeps them as {dp_label(plan)}: its memory and traffic differ from the plan's"
+        )
+        replicate, shard, reshard = dp // fits, fits, reshard or RESHARD_POLICY[False]
+    if plan.ep_fold == "dp" and plan.tp > 1:
+        how = (
+            f"expert_tensor_parallel_degree {plan.tp}: the same EP groups, each expert split over the TP ranks"
+            if version == "0.2"
+            else "torchtitan 0.3 borrows the TP ranks into the EP groups (no expert TP setting)"
+        )
+        warnings.append(
+            f"the plan replicates the experts over the tp={plan.tp} TP ranks (each runs the same experts on the same "
+            f"rows) with EP over the data-parallel ranks; {how}: each rank computes fewer expert rows than the plan priced"
+        )
+    if plan.ep_fold == "tp":
+        warnings.append(
+            f"the plan's TP ranks hold the same tokens and all-reduce the experts' outputs; torchtitan's EP over the "
+            f"tp={plan.tp} TP ranks dispatches the tokens by all-to-all: its communication differs from the plan's"
+        )
+    return fields, replicate, shard, reshard
+
+
 def _as_fsdp(plan: Plan, tool: str, missing: str, extra: str, warnings: list[str]) -> str:
     """The plan's style exported as FSDP over every data-parallel rank, resharded after forward or not,
     whichever the plan priced nearer its own (`nearest_dp_form`): the policy, with its warning appended
@@ -280,6 +341,7 @@ def _common(plan: Plan, version: str) -> tuple[dict[str, object], str, dict[str,
             "and schedule)"
         )
     replicate, shard, reshard = _data_parallel(plan, version, warnings)
+    experts, replicate, shard, reshard = _expert_parallel(plan, version, replicate, shard, reshard, warnings)
     par: dict[str, object] = {
         "tensor_parallel_degree": plan.tp,
         "pipeline_parallel_degree": plan.pp,
@@ -290,6 +352,7 @@ def _common(plan: Plan, version: str) -> tuple[dict[str, object], str, dict[str,
         par["fsdp_reshard_after_forward"] = reshard
     par["context_parallel_degree"] = plan.cp
     par.update(_context_parallel(plan, version, warnings))
+    par.update(experts)
     if plan.pp > 1:
         par["pipeline_parallel_schedule"] = SCHEDULE_NAMES[plan.schedule]
         par["pipeline_parallel_microbatch_size"] = micro_batch_size(plan)

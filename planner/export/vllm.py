@@ -11,6 +11,15 @@ The output is a Python file holding `ENGINE_ARGS`, a dict of `vllm.EngineArgs` f
 | serving.cache_len (else context+seq)  | max_model_len                                                      |
 | batch / dp                            | max_num_seqs                                                       |
 | uneven stages                         | environment VLLM_PP_LAYER_PARTITION="17,15"                        |
+| ep > 1 (a MoE model)                  | enable_expert_parallel (serve: --enable-expert-parallel)           |
+
+Expert parallelism: with `enable_expert_parallel` vLLM splits every MoE layer's experts over all
+tensor_parallel_size x data_parallel_size ranks of the model, expert TP 1 (vLLM's
+`FusedMoEParallelConfig.make`, `vllm/model_executor/layers/fused_moe/config.py`: "ep_size = dp_size *
+tp_size"). A plan with EP over tp at dp 1, or over dp at tp 1 with ep = dp, is that layout; another ep
+(a part of the ranks, or over dp with the experts replicated over TP) has no vLLM form: exported as
+EP over all of them, with a warning. A plan without EP (the experts whole on every rank) exports no
+flag: vLLM then splits each expert tensor-parallel over the TP ranks instead, also with a warning.
 
 vLLM loads a Hugging Face checkpoint, not a model file: `model` is the `--model` given to the export,
 else a placeholder to replace. A training plan is refused (vLLM serves), and so is a plan with
@@ -90,6 +99,15 @@ def vllm_engine_args(
     }
     if plan.dp > 1:
         args["data_parallel_size"] = plan.dp
+    if plan.ep > 1:
+        args["enable_expert_parallel"] = True
+        warnings += _expert_warnings(plan)
+    elif plan.num_experts and plan.tp > 1:
+        warnings.append(
+            f"the plan keeps the experts whole on every rank (no expert parallelism); vLLM splits each expert over "
+            f"the tp={plan.tp} TP ranks instead (its fused MoE's tensor parallelism): its expert time and memory "
+            "differ from the plan's"
+        )
     args["dtype"] = DTYPE_NAMES[plan.dtype]
     args["max_model_len"] = max_model_len(plan)
     args["max_num_seqs"] = max(1, plan.batch_size // plan.dp)
@@ -107,12 +125,34 @@ def vllm_engine_args(
     return args, env, warnings
 
 
+def _expert_warnings(plan: Plan) -> list[str]:
+    """What vLLM's expert parallelism (over all tp x dp ranks, expert TP 1) runs otherwise than the plan."""
+    ranks = plan.tp * plan.dp
+    exact = (plan.ep_fold == "tp" and plan.dp == 1) or (
+        plan.ep_fold == "dp" and plan.tp == 1 and plan.ep == plan.dp
+    )
+    if exact:
+        return []
+    how = (
+        f"over the tp={plan.tp} TP ranks of each of dp={plan.dp} replicas"
+        if plan.ep_fold == "tp"
+        else f"over {plan.ep} data-parallel ranks, replicated over the tp={plan.tp} TP ranks"
+    )
+    return [
+        f"the plan splits the experts {how}; vLLM's --enable-expert-parallel splits them over all {ranks} tensor x "
+        f"data-parallel ranks (EP {ranks}): each rank holds and computes other experts than the plan priced"
+    ]
+
+
 def serve_argv(args: dict[str, object]) -> list[str]:
-    """`vllm serve MODEL --tensor-parallel-size N ...` as argv items."""
+    """`vllm serve MODEL --tensor-parallel-size N ...` as argv items (a boolean field True as its bare flag,
+    `--enable-expert-parallel`: vLLM's boolean options take no value)."""
     argv = ["vllm", "serve", str(args["model"])]
     for key, value in args.items():
-        if key != "model":
-            argv += ["--" + key.replace("_", "-"), str(value)]
+        if key == "model":
+            continue
+        flag = "--" + key.replace("_", "-")
+        argv += [flag] if value is True else [flag, str(value)]
     return argv
 
 

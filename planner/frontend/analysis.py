@@ -470,7 +470,10 @@ def _batch_mixing(nodes: list[fx.Node], batch_size: int) -> list[str]:
             continue
         if source.shape[0] != batch_size:
             continue
-        dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        if name == "aten.topk":  # topk(input, k, dim=-1): its second argument is k, not a dim
+            dims = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
+        else:
+            dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
         if isinstance(dims, int):
             dims = [dims]
         if dims is None or (isinstance(dims, (list, tuple)) and not dims):  # a reduction over everything

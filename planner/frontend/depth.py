@@ -7,6 +7,9 @@ parameter names and shapes) is temporarily cut to its first `KEEP_LAYERS` blocks
 captured and analysed, the list is restored, and the structure is extended to the full depth by
 copying the last traced layer with its parameter names renumbered (`layers.1.` -> `layers.37.`).
 
+A list whose first few blocks differ and the rest are identical (DeepSeek-V3's dense first layers) is
+cut after those few and `KEEP_LAYERS` of the rest (`_repeated_suffix`).
+
 Anything unexpected falls back to capturing the whole model: a model whose forward fails with the
 shorter list, an analysis that does not find exactly the kept layers under that list, or a list
 shorter than `MIN_LAYERS_TO_TRUNCATE`. The rewrite passes and the runtime always capture the full
@@ -44,6 +47,29 @@ def repeated_blocks(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
     return max(outer, key=lambda item: len(item[1]), default=None)
 
 
+def _repeated_suffix(model: nn.Module) -> tuple[tuple[str, nn.ModuleList], int] | None:
+    """A ModuleList whose blocks are identical from some index p > 0 on, at least
+    `MIN_LAYERS_TO_TRUNCATE` of them, ((its FQN, the list), p), or None: DeepSeek-V3's first 3 dense
+    layers before 58 mixture-of-experts ones (`first_k_dense_replace`). The first p + `KEEP_LAYERS`
+    blocks are traced, the rest copied from the last (`capture_for_planning`)."""
+    best: tuple[tuple[str, nn.ModuleList], int] | None = None
+    for name, module in model.named_modules():
+        if not name or not isinstance(module, nn.ModuleList) or len(module) < MIN_LAYERS_TO_TRUNCATE:
+            continue
+        last = module[-1]
+        start = len(module) - 1
+        while (
+            start > 0
+            and type(module[start - 1]) is type(last)
+            and _signature(module[start - 1]) == _signature(last)
+        ):
+            start -= 1
+        if 0 < start and len(module) - start >= MIN_LAYERS_TO_TRUNCATE:
+            if best is None or len(module) - start > len(best[0][1]) - best[1]:
+                best = ((name, module), start)
+    return best
+
+
 def _signature(block: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
     return [(n, tuple(p.shape), str(p.dtype)) for n, p in block.named_parameters()]
 
@@ -57,21 +83,25 @@ def capture_for_planning(
     Raises InputError when the model cannot be captured at all.
     """
     found = repeated_blocks(model)
+    start = 0
     if found is None or len(found[1]) < MIN_LAYERS_TO_TRUNCATE or not found[0]:
+        found, start = _repeated_suffix(model) or (None, 0)
+    if found is None:
         gm = capture(model, args, kwargs)
         return gm, analyse(gm)
     path, blocks = found
     parent_path, _, attr = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
+    kept = start + KEEP_LAYERS
     try:
-        setattr(parent, attr, nn.ModuleList(list(blocks)[:KEEP_LAYERS]))
+        setattr(parent, attr, nn.ModuleList(list(blocks)[:kept]))
         gm = capture(model, args, kwargs)
         structure = analyse(gm)
     except InputError:
         structure = None
     finally:
         setattr(parent, attr, blocks)
-    expected = [f"{path}.{i}" for i in range(KEEP_LAYERS)]
+    expected = [f"{path}.{i}" for i in range(kept)]
     if structure is None or [layer.module_path for layer in structure.layers] != expected:
         gm = capture(model, args, kwargs)
         return gm, analyse(gm)

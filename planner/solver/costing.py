@@ -47,6 +47,14 @@ activation is priced on it; the attention core is priced per variant by `cp_core
 the same weights, so the gradient reduction and sharded states span dp x cp ranks (`dp_group`,
 `state_shards`).
 
+Expert parallelism (`MeshConfig.ep`, `ep_fold`; `costmodels.expert_parallel`): a mixture-of-experts
+layer's routed experts are priced on the busiest rank of its EP group (`expert_share`: its rows,
+the experts it holds that they reach), their GEMMs in `fixed_compute_s` (`expert_gemm_time_s`), the
+token exchange in `LayerGraph.fixed_comm_s` (`expert_comm_time_s`), E / ep experts' weights in the
+static bytes (`expert_param_bytes`); over dp x cp their gradients are reduced, and their states
+sharded, over the dp x cp / ep ranks holding the same experts (`CostContext.experts_context`,
+`LayerGraph.expert_grad_bytes`, `expert_static_bytes`). A dense model prices as before.
+
 Times are per micro-batch on one rank; a pipelined step of them takes `step_time_s`. Training
 multiplies compute by `TRAIN_COMPUTE_FACTOR` (backward = 2x forward FLOPs) and communication by
 `TRAIN_COMM_FACTOR` (each forward collective has a conjugate backward one of the same size:
@@ -72,11 +80,18 @@ from costmodels.comm import (
 )
 from costmodels.context_parallel import CpAttentionCost, CpAttentionShape, cp_attention_cost, ulysses_refusal
 from costmodels.dtypes import DTYPE_BYTES
+from costmodels.expert_parallel import (
+    all_to_all_exchange_s,
+    busiest_load_factor,
+    dispatch_bytes,
+    local_touched_experts,
+)
 from planner.errors import InputError
 from planner.frontend.analysis import (
     Attention,
     Layer,
     ModelStructure,
+    MoE,
     NodeCost,
     Projection,
     Role,
@@ -163,6 +178,15 @@ class LayerGraph:
     # the ends only: the part of fixed_compute_s computed before the first layer (RoPE tables, masks,
     # position ids), which runs on the first pipeline stage; the rest (final norm, ...) on the last
     first_stage_compute_s: float = 0.0
+    # expert parallelism: the exposed token exchange of a MoE layer (`expert_comm_time_s`), and the
+    # routed experts' gradient bytes per rank when they are reduced over their own (edp) group, apart
+    # from `fixed_grad_bytes` (`dp_sync_phases` of `CostContext.experts_context`)
+    fixed_comm_s: float = 0.0
+    expert_grad_bytes: float = 0.0
+    # of fixed_static_bytes, the routed experts' weights and training state when EP over dp x cp shards
+    # their state over the edp group (`CostContext.experts_context`): rescaled apart from the rest when
+    # a search candidate differs only in its data-parallel style (`search._with_state_factor`)
+    expert_static_bytes: float = 0.0
 
     @property
     def last_stage_compute_s(self) -> float:
@@ -213,6 +237,10 @@ class CostContext:
     workload: WorkloadSpec
     config: MeshConfig  # mesh, micro-batches, pipeline schedule
     dtype: str  # planned dtype: "bf16" | "fp16" | "fp32"
+    # prices the routed experts' data parallelism (`experts_context`): with expert parallelism folded
+    # over dp x cp their gradients are reduced, and their sharded states split, over the dp x cp / ep
+    # ranks holding the same experts (the "edp" group, `runtime.mesh.ep_ranks`) instead of dp x cp
+    expert_data_parallel: bool = False
 
     @property
     def mesh(self) -> MeshShape:
@@ -239,8 +267,37 @@ class CostContext:
     @property
     def dp_cp(self) -> int:
         """Ranks holding the same weights, whose gradients are reduced together: dp x cp (the CP ranks
-        of a replica hold the same weights: Megatron-Core's dp-cp group, `MeshShape.dp_cp`)."""
-        return self.mesh.dp * self.mesh.cp
+        of a replica hold the same weights: Megatron-Core's dp-cp group, `MeshShape.dp_cp`); in an
+        `experts_context` with EP over dp x cp, the dp x cp / ep ranks holding the same experts."""
+        return self.mesh.dp * self.mesh.cp // (self.ep if self._expert_group else 1)
+
+    @property
+    def ep(self) -> int:
+        """Expert-parallel degree (`MeshConfig.ep`; 1 without expert parallelism)."""
+        return self.config.ep
+
+    @property
+    def ep_fold(self) -> str:
+        """The ranks expert parallelism folds over, "dp" (dp x cp) or "tp" (`MeshConfig.ep_fold`)."""
+        return self.config.ep_fold
+
+    @property
+    def _expert_group(self) -> bool:
+        """This context prices the experts' own data parallelism over the edp group (EP over dp x cp)."""
+        return self.expert_data_parallel and self.ep > 1 and self.ep_fold == "dp"
+
+    def experts_context(self) -> CostContext:
+        """This context for the routed experts' parameters (`expert_data_parallel`)."""
+        return dataclasses.replace(self, expert_data_parallel=True)
+
+    def ep_group(self) -> Group:
+        """The EP group (fold dp): ep consecutive ranks of the dp x cp ranks of one (pp, tp) coordinate,
+        tp apart in rank order (`runtime.mesh.ep_ranks`), as many on a node as the dp x cp group has
+        there (up to ep); fold tp: the TP group."""
+        if self.ep_fold == "tp":
+            return self.tp_group()
+        per_node = dataclasses.replace(self, expert_data_parallel=False).dp_group().ranks_per_node
+        return Group(self.ep, math.gcd(self.ep, per_node))
 
     @property
     def dp_style(self) -> DataParallel:
@@ -263,8 +320,14 @@ class CostContext:
     @property
     def state_shards(self) -> int:
         """Ranks each sharded state is split over: `shard_degree` DP ranks x the cp ranks of each (as the
-        runtime shards: `runtime.mesh`, torchtitan's FSDP over dp_shard x cp); 1 without sharding."""
-        return self.shard_degree * self.mesh.cp if self.dp_style is not DataParallel.DDP else 1
+        runtime shards: `runtime.mesh`, torchtitan's FSDP over dp_shard x cp); 1 without sharding. The
+        routed experts' under EP over dp x cp (`experts_context`): as many of those as the edp group
+        holds (Megatron-Core's distributed optimizer shards expert state over the expert-data-parallel
+        group; the runtime runs EP with ddp)."""
+        if self.dp_style is DataParallel.DDP:
+            return 1
+        shards = self.shard_degree * self.mesh.cp
+        return math.gcd(shards, self.dp_cp) if self._expert_group else shards
 
     @property
     def reshard_after_forward(self) -> bool:
@@ -336,7 +399,9 @@ class CostContext:
         """HSDP: the ranks holding the same shard, one per shard group (across nodes unless the shard
         groups are smaller than a node)."""
         per_node = self.dp_group().ranks_per_node
-        replicate = self.mesh.dp // self.shard_degree
+        replicate = (
+            self.dp_cp // self.state_shards if self._expert_group else self.mesh.dp // self.shard_degree
+        )
         return Group(replicate, math.gcd(max(1, per_node // self.state_shards), replicate))
 
     def tp_group(self) -> Group:
@@ -352,7 +417,10 @@ class CostContext:
         inner = max(1, per_node // tp) if tp < per_node else 1  # (cp, dp) coordinates on a node
         cp_on_node = self._cp_on_node(cp)
         dp_on_node = math.gcd(inner // cp, self.mesh.dp) if cp_on_node == cp else 1
-        return Group(self.dp_cp, cp_on_node * dp_on_node)
+        on_node = cp_on_node * dp_on_node
+        if self._expert_group:  # every ep-th of the dp x cp ranks: those of one node, ep apart
+            return Group(self.dp_cp, math.gcd(max(1, on_node // self.ep), self.dp_cp))
+        return Group(self.dp_cp, on_node)
 
     def cp_group(self) -> Group:
         """The cp ranks that split a sequence: tp apart (`MeshShape`), on one node while tp x cp fits it."""
@@ -903,38 +971,106 @@ def layer_node_times_s(layer: Layer, ctx: CostContext) -> dict[str, float] | Non
     return {block: t + (launch if block in priced else 0.0) for block, t in out.items()}
 
 
+@dataclass(frozen=True)
+class ExpertShare:
+    """What the busiest rank of a mixture-of-experts layer's EP group holds and computes per micro-batch
+    (`expert_share`; `costmodels.expert_parallel` has the formulas)."""
+
+    local_experts: float  # experts the rank holds: E / ep
+    rows: float  # (token, choice) rows its experts compute: the busiest rank's
+    touched: float  # experts it holds that some row reaches (their weights are read)
+    load: float  # the busiest rank's rows over the mean (`busiest_load_factor`)
+
+
+def expert_share(moe: MoE, ctx: CostContext) -> ExpertShare:
+    """The busiest EP rank's share of a MoE layer (module `costmodels.expert_parallel`'s table): fold
+    dp, f k N rows of the group's (each rank routes its own N = `CostContext.tokens` tokens and the
+    ranks exchange them); fold tp, f k N / ep (the TP ranks hold the same tokens); ep 1, every row. The
+    experts reached: of the group's tokens (ep N over dp, N over tp), `local_touched_experts`."""
+    ep, w = ctx.ep, ctx.workload
+    load = busiest_load_factor(w.moe_imbalance, w.moe_capacity_factor, ep)
+    tokens = ctx.tokens
+    if ctx.ep_fold == "tp":
+        rows, group_tokens = load * moe.top_k * tokens / ep, tokens
+    else:
+        rows, group_tokens = load * moe.top_k * tokens, ep * tokens
+    touched = local_touched_experts(moe.num_experts, moe.top_k, group_tokens, ep)
+    return ExpertShare(moe.num_experts / ep, rows, touched, load)
+
+
 def expert_gemm_time_s(layer: Layer, ctx: CostContext) -> float:
     """Time of a mixture-of-experts layer's routed expert GEMMs (`Layer.moe`; 0 for a dense layer) on
-    one rank, which runs them all (the experts stay replicated under tensor parallelism).
+    the busiest rank of its EP group (every rank without expert parallelism; the experts stay whole
+    under tensor parallelism, replicated over the TP ranks with EP folded over dp x cp).
 
-    A stop-gap until expert parallelism is priced: each token runs top_k experts, so every expert
-    projection is a matmul of tokens x top_k rows in all (top_k / E of the tokens per expert, the
-    rows its GEMM efficiency is taken at) and 2 x tokens x top_k x in x out FLOP, reading all E
-    experts' weights once (a grouped GEMM's traffic) and its rows in and out. The graph's own way
-    (HF batched_mm gathers a weight copy per token, a ModuleList runs a loop) is not what is priced.
-    """
+    Each expert projection is a matmul of the rank's rows (`expert_share`: f k N, or f k N / ep over
+    TP) and 2 x rows x in x out FLOP, at the GEMM efficiency of the rows per expert reached (small
+    GEMMs run slow), reading the weights of the experts it holds that some row reached (all of them at
+    large N; a few at decode, when the step is bound by memory bandwidth) and its rows in and out. The
+    graph's own way (HF batched_mm gathers a weight copy per token, a ModuleList runs a loop) is not
+    what is priced: what runs is one grouped GEMM per projection (`passes.expert_parallel`)."""
     moe = layer.moe
     if moe is None:
         return 0.0
-    rows = ctx.tokens * moe.top_k
+    share = expert_share(moe, ctx)
     b = ctx.bytes_per_element
+    per_expert = share.rows / max(1.0, share.touched)
     total = 0.0
     for w in moe.experts:
-        flops = 2.0 * rows * w.in_features * w.out_features
-        moved = (moe.num_experts * w.params_per_expert + rows * (w.in_features + w.out_features)) * b
-        per_expert = rows / moe.num_experts
+        flops = 2.0 * share.rows * w.in_features * w.out_features
+        moved = (share.touched * w.params_per_expert + share.rows * (w.in_features + w.out_features)) * b
         total += ctx.op_time(flops, moved, "matmul", rows=per_expert, shape=(w.in_features, w.out_features))
     return total
 
 
+def expert_comm_time_s(layer: Layer, ctx: CostContext) -> float:
+    """Exposed communication of a MoE layer's expert parallelism per micro-batch on one rank (0 for a
+    dense layer or ep 1): fold dp, the counts, dispatch and combine all-to-alls over the EP group
+    (`costmodels.expert_parallel.all_to_all_exchange_s`, the busiest rank's load of bytes); fold tp,
+    one all-reduce of the layer's N x H output over the TP ranks (and one of the input gradient in
+    training). Each collective is one more graph node."""
+    moe = layer.moe
+    if moe is None or ctx.ep == 1:
+        return 0.0
+    if ctx.ep_fold == "tp":
+        nbytes = ctx.tokens * moe.hidden_size * ctx.bytes_per_element
+        return ctx.comm_factor * all_reduce_time_s(
+            nbytes, ctx.tp_group(), ctx.cluster
+        ) + ctx.node_overhead_time(1)
+    share = expert_share(moe, ctx)
+    data = dispatch_bytes(moe.top_k, ctx.tokens, moe.hidden_size, ctx.bytes_per_element, share.load)
+    exchange = all_to_all_exchange_s(data, moe.num_experts, ctx.ep_group(), ctx.cluster, ctx.train)
+    return exchange + ctx.node_overhead_time(3)
+
+
+def expert_param_bytes(layer: Layer, ctx: CostContext) -> float:
+    """Bytes of the routed experts' weights one rank holds, in the planned dtype: E / ep experts' (the
+    whole of each: not split over TP)."""
+    moe = layer.moe
+    if moe is None:
+        return 0.0
+    return moe.expert_params / ctx.ep * ctx.bytes_per_element
+
+
 def expert_activation_bytes(layer: Layer, ctx: CostContext) -> float:
-    """Training: bytes a mixture-of-experts layer's routed experts keep for backward on one rank (each
-    expert projection's input and output rows, tokens x top_k of them; 0 for a dense layer)."""
+    """Training: bytes a mixture-of-experts layer's routed experts keep for backward on the busiest
+    rank (each expert projection's input and output rows, `expert_share`'s rows of them; 0 for a dense
+    layer)."""
     moe = layer.moe
     if moe is None or not ctx.train:
         return 0.0
-    rows = ctx.tokens * moe.top_k
+    rows = expert_share(moe, ctx).rows
     return sum(rows * (w.in_features + w.out_features) for w in moe.experts) * ctx.bytes_per_element
+
+
+def expert_grad_weight(ctx: CostContext) -> float:
+    """The ILP's weight of a byte of expert gradients against a dense one (`LayerGraph.expert_grad_bytes`):
+    the slope of the experts' gradient sync and optimizer step over the edp group
+    (`gradient_sync_cost` of `experts_context`) over the dense one's; 1 when they are not separate."""
+    if not ctx.train or ctx.ep == 1 or ctx.ep_fold != "dp":
+        return 1.0
+    dense = gradient_sync_cost(ctx).beta_s_per_byte
+    return gradient_sync_cost(ctx.experts_context()).beta_s_per_byte / dense if dense > 0 else 1.0
 
 
 def build_layer_graph(layer: Layer, ctx: CostContext) -> LayerGraph:
@@ -987,21 +1123,35 @@ def build_layer_graph(layer: Layer, ctx: CostContext) -> LayerGraph:
             "memory",
         )
     split = ctx.mesh.tp if ctx.sequence_parallel else 1  # norms and residual adds on a sequence shard
-    # a mixture of experts' routed part runs whole on every rank, on every token (`expert_gemm_time_s`)
+    # a mixture of experts' routed part runs whole on every TP rank, on the rows of its EP share
+    # (`expert_gemm_time_s`), its token exchange exposed (`expert_comm_time_s`)
     fixed = fixed / split + experts_s + ctx.node_overhead_time(graph_node_count(layer.nodes, s))
     # param_bytes is in the captured model's dtype; re-express it in the planned dtype.
     as_planned = layer.param_bytes / DTYPE_BYTES[s.dtype] * b
     other_params = max(0.0, as_planned - proj_bytes)
     fixed_act = 2.0 * num_norms * tokens * hidden * b / split if ctx.train else 0.0
     fixed_act += expert_activation_bytes(layer, ctx)
+    static, grads, expert_grads, expert_static = other_params * ctx.state_factor(), other_params, 0.0, 0.0
+    if ctx.ep > 1 and layer.moe is not None:  # the rank holds E / ep experts (`expert_param_bytes`)
+        local = expert_param_bytes(layer, ctx)
+        dense = max(0.0, other_params - layer.moe.expert_params * b)
+        if ctx.ep_fold == "dp":  # reduced and sharded over the edp group (`CostContext.experts_context`)
+            expert_static = local * ctx.experts_context().state_factor()
+            static = dense * ctx.state_factor() + expert_static
+            grads, expert_grads = dense, local
+        else:  # replicated over dp x cp as the dense weights are
+            static, grads = (dense + local) * ctx.state_factor(), dense + local
     return LayerGraph(
         key=layer_key(layer),
         ops=ops,
         block_outputs=outputs,
         fixed_compute_s=fixed,
-        fixed_static_bytes=other_params * ctx.state_factor(),
+        fixed_static_bytes=static,
         fixed_activation_bytes=fixed_act,
-        fixed_grad_bytes=other_params if ctx.train else 0.0,
+        fixed_grad_bytes=grads if ctx.train else 0.0,
+        fixed_comm_s=expert_comm_time_s(layer, ctx),
+        expert_grad_bytes=expert_grads if ctx.train else 0.0,
+        expert_static_bytes=expert_static,
     )
 
 
@@ -1437,6 +1587,12 @@ def step_time_s(
     (Narayanan et al. 2021, section 2.2.2: bubble fraction (p - 1) / (v m) of the ideal step)."""
     v = virtual_stages
     return total_s * (1.0 / v) + (micro_batches - 1.0 / v) * slowest_stage_s
+
+
+def expert_counts(structure: ModelStructure) -> list[int]:
+    """The distinct expert counts E of the model's mixture-of-experts layers, ascending ([] for a dense
+    model): an EP degree must divide each."""
+    return sorted({layer.moe.num_experts for layer in structure.layers if layer.moe is not None})
 
 
 def layer_keys(structure: ModelStructure) -> list[str]:

@@ -9,7 +9,8 @@ with each alternative of sequence parallelism, activation recomputation (per lay
 schedule and v, and the distributed optimizer, the rest of the plan unchanged (`training_decisions`);
 for each communication-overlap choice, the plan with it on and off and the exposed share of the
 traffic it concerns (`overlap_decisions`); for context parallelism, the fastest plan at each degree
-and the plan with each attention variant, or why it is refused (`cp_decisions`).
+and the plan with each attention variant, or why it is refused (`cp_decisions`); for expert
+parallelism, the plan with each EP degree and fold, or why it cannot run (`ep_decisions`).
 """
 
 from __future__ import annotations
@@ -19,13 +20,17 @@ import itertools
 import math
 from collections.abc import Callable
 
-from planner.plan import Decision, MeshCandidate, Recompute, Schedule, Workload
+from costmodels.expert_parallel import DEFAULT_MOE_IMBALANCE, touched_experts
+from planner.plan import DataParallel, Decision, MeshCandidate, Recompute, Schedule, Workload
 from planner.solver.baseline import even_stages
 from planner.solver.costing import (
     CostContext,
     CostTables,
     LayerGraph,
     conversion_time_s,
+    expert_comm_time_s,
+    expert_counts,
+    expert_gemm_time_s,
     gradient_sync_time_s,
     interleaved_chunks,
     stream_conversion_time_s,
@@ -39,6 +44,7 @@ from planner.solver.problem import (
     LadderPolicy,
     MeshConfig,
     dp_style_variants,
+    ep_refusal,
     overlap_variants,
 )
 
@@ -591,3 +597,103 @@ def _cp_traffic_s(tables: CostTables, assignment: Assignment) -> tuple[float, fl
                 o = op.option(assignment.option(key, op.name))
                 exposed, hidden = max(exposed, o.comm_s), max(hidden, o.hidden_comm_s)
     return exposed, hidden
+
+
+def ep_decisions(
+    priced: PricedAssignment,
+    cap_bytes: float,
+    price_config: Callable[[MeshConfig], CostTables],
+    constraints: Constraints | None = None,
+    solved: dict[str, float] | None = None,
+) -> list[Decision]:
+    """Expert parallelism (mixture-of-experts models only): for experts off, every EP degree folded
+    over the dp x cp ranks and EP over the TP ranks, the faster of the fastest solved mesh candidate
+    with it (`solved`, by `MeshConfig.ep_label`) and this plan with only EP changed (mesh, splits,
+    stages, recomputation and data-parallel style kept) where that fits memory; inf with why where a
+    degree cannot run on the plan's mesh (`problem.ep_refusal`: it does not divide the experts or the
+    ranks, or exceeds them) and no candidate solved it. The reason gives each one's token exchange and
+    expert GEMMs per MoE layer and micro-batch and its peak memory on this plan, the routing priced,
+    and what a run needs."""
+    ctx, assignment = priced.tables.ctx, priced.assignment
+    experts = expert_counts(ctx.structure)
+    if not experts:
+        return []
+    c = constraints or Constraints()
+    config, mesh = ctx.config, ctx.mesh
+    layer = next(layer for layer in ctx.structure.layers if layer.moe is not None)
+    degrees = sorted({d for e in experts for d in range(2, e + 1) if e % d == 0} | {
+        d for d in range(2, mesh.dp_cp + 1) if mesh.dp_cp % d == 0
+    })  # fmt: skip
+    pairs = [(1, "dp")] + [(d, "dp") for d in degrees] + ([(mesh.tp, "tp")] if mesh.tp > 1 else [])
+    options: dict[str, float] = {}
+    memory: dict[str, float] = {}
+    notes, refused = [], []
+    solved = solved or {}
+    here = {MeshConfig(mesh, 1, ep=ep, ep_fold=fold).ep_label() for ep, fold in pairs}
+    unsolved = []
+    for name, latency in solved.items():  # degrees of other meshes only (not this one's dp x cp or tp)
+        if name not in here:
+            options[name] = latency
+            unsolved += [name] if math.isinf(latency) else []
+    for ep, fold in pairs:
+        name = MeshConfig(mesh, 1, ep=ep, ep_fold=fold).ep_label()
+        why = ep_refusal(experts, ep, fold, mesh, ctx.sequence_parallel) if ep > 1 else ""
+        pinned = (c.ep is not None and c.ep != ep) or (ep > 1 and c.ep_fold not in (None, fold))
+        if why or pinned:
+            options[name] = solved.get(name, math.inf)
+            refused.append(why or f"{name}: not allowed by --ep / --ep-fold")
+            continue
+        alt_config = dataclasses.replace(config, ep=ep, ep_fold=fold)
+        alt = priced.tables if alt_config == config else price_config(alt_config)
+        p = predict(alt, assignment).prediction
+        fits = p.peak_memory_bytes <= cap_bytes
+        options[name] = min(p.latency_s if fits else math.inf, solved.get(name, math.inf))
+        memory[name] = p.peak_memory_bytes
+        alt_ctx = alt.ctx
+        notes.append(
+            f"{name}: token exchange {expert_comm_time_s(layer, alt_ctx) * 1e3:.3g} ms, expert GEMMs "
+            f"{expert_gemm_time_s(layer, alt_ctx) * 1e3:.3g} ms per MoE layer and micro-batch, peak "
+            f"{p.peak_memory_bytes / _GIB:.1f} GiB on this plan"
+            + ("" if fits else f" (over the {cap_bytes / _GIB:.1f} GiB usable)")
+        )
+    w = ctx.workload
+    load = (
+        f"the busiest EP rank computes {w.moe_imbalance:g}x the mean rows (--moe-imbalance; default "
+        f"{DEFAULT_MOE_IMBALANCE:g}: balanced routing, no published per-rank measurement adopted)"
+    )
+    if w.moe_capacity_factor is not None:
+        load += f", capped at the capacity factor {w.moe_capacity_factor:g} (--moe-capacity-factor)"
+    reason = (
+        f"{experts[-1]} experts per MoE layer, top-{layer.moe.top_k}: over dp the experts split over ep of the dp x cp "
+        "ranks and tokens go to them and back by all-to-all (replicated over the TP ranks); over tp the TP "
+        f"ranks split them and all-reduce the parts; {load}; times: the fastest solved mesh with each, or this "
+        "plan with only expert parallelism changed where faster; " + "; ".join(notes)
+    )
+    if refused:
+        reason += "; not possible here: " + "; ".join(refused)
+    if unsolved:
+        reason += (
+            f"; {', '.join(unsolved)}: meshes with it priced but none solved (over memory, or their lower bound no "
+            "faster than the chosen plan: pin --ep / --ep-fold to solve them)"
+        )
+    if w.kind is Workload.DECODE:
+        moe = layer.moe
+        reach = touched_experts(
+            moe.num_experts, moe.top_k, ctx.tokens * max(1, ctx.ep if ctx.ep_fold == "dp" else 1)
+        )
+        reason += (
+            f"; a decode step's {ctx.tokens:g} tokens per rank reach about {reach:.1f} of the {moe.num_experts} experts "
+            "(their weights are what the step reads)"
+        )
+    if config.ep > 1 and ctx.train and mesh.dp_cp > 1 and ctx.dp_style is not DataParallel.DDP:
+        reason += (
+            f"; --run runs expert parallelism with dp_style ddp only, not {ctx.dp_style}: pin --dp-style ddp (or "
+            "plan with --run) to run this plan"
+        )
+    if config.ep > 1 and config.ep_fold == "dp" and w.kind is Workload.DECODE:
+        reason += "; --run decodes with expert parallelism over the TP ranks only (--ep-fold tp)"
+    if c.ep is not None or c.ep_fold is not None:
+        reason += "; pinned by " + " ".join(
+            f for f in (f"--ep {c.ep}" if c.ep else "", f"--ep-fold {c.ep_fold}" if c.ep_fold else "") if f
+        )
+    return [Decision("expert parallelism", config.ep_label(), options, reason, memory)]

@@ -87,6 +87,7 @@ from planner.solver.costing import (
     LayerGraph,
     conversion_time_s,
     dp_phase_costs,
+    expert_grad_weight,
     gradient_sync_cost,
     in_flight_micro_batches,
     interleaved_chunks,
@@ -208,6 +209,8 @@ class _Builder:
         self.num_layers = len(prob.layer_keys)
         self.recompute: dict[str, tuple[pulp.LpVariable, pulp.LpVariable]] = {}  # key -> (rf, rs)
         self.lad: dict[int, pulp.LpVariable] = {}
+        # a byte of expert gradients (reduced over the edp group) against a dense one in the tail's fit
+        self._expert_grad_weight = expert_grad_weight(self.ctx)
 
     # -- strategies ------------------------------------------------------------------------
     def _strategy_variables(self) -> None:
@@ -299,14 +302,21 @@ class _Builder:
             compute_mlp=compute["mlp"],
             comm_attention=comm["attention"],
             comm_mlp=comm["mlp"],
-            base=compute["attention"] + compute["mlp"] + internal + op_comm + graph.fixed_compute_s,
+            base=compute["attention"]
+            + compute["mlp"]
+            + internal
+            + op_comm
+            + graph.fixed_compute_s
+            + graph.fixed_comm_s,
             static=per_rank_gib(graph.fixed_static_bytes, "static_bytes"),
             act=per_rank_gib(graph.fixed_activation_bytes, "activation_bytes"),
             grad=pulp.LpAffineExpression(),
         )
         if self.ctx.train:
-            self._recompute(key, graph, terms, internal + op_comm)
-        terms.grad = per_rank_gib(graph.fixed_grad_bytes, "grad_bytes")
+            self._recompute(key, graph, terms, internal + op_comm + graph.fixed_comm_s)
+        terms.grad = per_rank_gib(
+            graph.fixed_grad_bytes + self._expert_grad_weight * graph.expert_grad_bytes, "grad_bytes"
+        )
         return terms
 
     def _recompute(
@@ -463,7 +473,8 @@ class _Builder:
     def _time_bound(self, key: str) -> float:
         """Upper bound of one layer's time (big-M of the stage linearisation)."""
         graph = self.p.graphs[key]
-        t = graph.fixed_compute_s + sum(max(o.compute_s + o.comm_s for o in op.options) for op in graph.ops)
+        t = graph.fixed_compute_s + graph.fixed_comm_s
+        t += sum(max(o.compute_s + o.comm_s for o in op.options) for op in graph.ops)
         for u, _v in graph.edges():
             src = graph.op(u)
             t += max(
@@ -628,7 +639,8 @@ class _Builder:
 
     def _grad_bound(self, key: str) -> float:
         graph = self.p.graphs[key]
-        return (graph.fixed_grad_bytes + sum(max(o.grad_bytes for o in op.options) for op in graph.ops)) / GIB
+        fixed = graph.fixed_grad_bytes + self._expert_grad_weight * graph.expert_grad_bytes
+        return (fixed + sum(max(o.grad_bytes for o in op.options) for op in graph.ops)) / GIB
 
     def _memory_constraints(self, static, act, grad, ends: tuple[_EndTerms, _EndTerms]) -> None:
         """memory_*: per stage, params (+ grads + Adam) + in-flight activations + ends <= cap."""

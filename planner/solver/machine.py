@@ -31,7 +31,7 @@ from planner.frontend.phases import build_for, decode_phase, phase_inputs
 from planner.plan import Plan, Workload
 from planner.progress import Progress, silent
 from planner.solver.costing import graph_node_count, graph_roofline_s, model_matmul_shapes
-from planner.solver.problem import WorkloadSpec
+from planner.solver.problem import WorkloadSpec, plan_routing
 from planner.solver.serving import predict_with_plan
 
 # (model file, batch, prompt tokens, new tokens, vocabulary) -> seconds of host work per decode step
@@ -77,10 +77,20 @@ def priced_workload(plan: Plan) -> WorkloadSpec:
     its prompt, as `price_request`), else the plan's workload, batch, sequence and micro-batches."""
     if plan.serving is not None:
         return WorkloadSpec(
-            Workload.DECODE, plan.batch_size, 1, context=plan.serving.prompt_len, dtype=plan.dtype
+            Workload.DECODE,
+            plan.batch_size,
+            1,
+            context=plan.serving.prompt_len,
+            dtype=plan.dtype,
+            **plan_routing(plan),
         )
     return WorkloadSpec(
-        plan.workload, plan.batch_size, plan.seq_len, micro_batches=plan.micro_batches, dtype=plan.dtype
+        plan.workload,
+        plan.batch_size,
+        plan.seq_len,
+        micro_batches=plan.micro_batches,
+        dtype=plan.dtype,
+        **plan_routing(plan),
     )
 
 

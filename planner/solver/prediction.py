@@ -48,6 +48,7 @@ class LayerBreakdown:
     static_bytes: float  # parameters (+ gradients and optimizer state when training)
     activation_bytes: float  # per in-flight micro-batch
     grad_bytes: float
+    expert_grad_bytes: float = 0.0  # the routed experts', reduced over their edp group (`LayerGraph`)
 
 
 @dataclass
@@ -59,6 +60,7 @@ class StageBreakdown:
     overlapped_comm_s: float = 0.0
     memory_bytes: float = 0.0
     grad_bytes: float = 0.0
+    expert_grad_bytes: float = 0.0  # the routed experts', reduced over their edp group
 
     @property
     def time_s(self) -> float:
@@ -87,6 +89,7 @@ def layer_breakdown(
         conversion_time_s(opt[u].out_layout, opt[v].in_layout, graph.op(u).out_bytes, ctx)
         for u, v in graph.edges()
     ) + sum(o.comm_s for o in opt.values())
+    internal += graph.fixed_comm_s  # a MoE layer's token exchange (expert parallelism)
     exposed = overlapped = 0.0
     eta = ctx.cluster.overlap_efficiency
     for block, other in (("attention", "mlp"), ("mlp", "attention")):
@@ -123,7 +126,9 @@ def layer_breakdown(
         compute_s += sum(o.selective_s for o in opt.values())
         act -= sum(o.selective_bytes for o in opt.values())
     overlapped += sum(o.hidden_comm_s for o in opt.values())  # context-parallel ring transfers
-    return LayerBreakdown(compute_s, internal + exposed, overlapped, static, act, grad)
+    return LayerBreakdown(
+        compute_s, internal + exposed, overlapped, static, act, grad, graph.expert_grad_bytes
+    )
 
 
 def predict(tables: CostTables, assignment: Assignment) -> PricedAssignment:
@@ -149,6 +154,7 @@ def predict(tables: CostTables, assignment: Assignment) -> PricedAssignment:
         bd.overlapped_comm_s += layer.overlapped_comm_s
         bd.memory_bytes += mem
         bd.grad_bytes += layer.grad_bytes
+        bd.expert_grad_bytes += layer.expert_grad_bytes
         strategy = {op.name: choices[(key, op.name)] for op in graph.ops}
         if ctx.train:
             strategy["recompute"] = str(assignment.recompute_of(key))
@@ -189,7 +195,9 @@ def predict(tables: CostTables, assignment: Assignment) -> PricedAssignment:
         bd.memory_bytes += transient
     times = [bd.time_s for bd in stages_bd]
     slowest = max(range(mesh.pp), key=lambda s: times[s])
-    tails = dict.fromkeys((bd.grad_bytes, m * bd.time_s) for bd in stages_bd)  # interior stages alike
+    tails = dict.fromkeys(
+        (bd.grad_bytes, m * bd.time_s, bd.expert_grad_bytes) for bd in stages_bd
+    )  # interior stages alike
     tail_comm, tail_compute = max((_tail_s(ctx, *tail) for tail in tails), key=lambda t: t[0] + t[1])
     latency = step_time_s(sum(times), times[slowest], m, ctx.virtual_stages) + tail_comm + tail_compute
     bottleneck = stages_bd[slowest]
@@ -260,8 +268,17 @@ def model_flops(tables: CostTables) -> float:
     return flops * (TRAIN_COMPUTE_FACTOR if ctx.train else 1.0)
 
 
-def _tail_s(ctx: CostContext, grad_bytes: float, stage_step_s: float) -> tuple[float, float]:
+def _tail_s(
+    ctx: CostContext, grad_bytes: float, stage_step_s: float, expert_grad_bytes: float = 0.0
+) -> tuple[float, float]:
     """(exposed DP traffic, optimizer step) of a stage with `grad_bytes` of gradients whose micro-batches
     take `stage_step_s` (`costing.dp_sync_exposed_s`: FSDP's gathers and reduce-scatters partly hide
-    behind them); the step waits for the slowest stage's."""
-    return dp_sync_exposed_s(grad_bytes, stage_step_s, ctx), optimizer_step_time_s(grad_bytes, ctx)
+    behind them); the step waits for the slowest stage's. With expert parallelism over dp x cp, the
+    routed experts' `expert_grad_bytes` are reduced over their own edp group after the dense ones
+    (`CostContext.experts_context`) and stepped with them."""
+    comm, step = dp_sync_exposed_s(grad_bytes, stage_step_s, ctx), optimizer_step_time_s(grad_bytes, ctx)
+    if expert_grad_bytes > 0:
+        experts = ctx.experts_context()
+        comm += dp_sync_exposed_s(expert_grad_bytes, stage_step_s, experts)
+        step += optimizer_step_time_s(expert_grad_bytes, experts)
+    return comm, step

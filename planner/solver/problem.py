@@ -21,12 +21,15 @@ import re
 from dataclasses import dataclass, field
 
 from costmodels.dtypes import DTYPE_BYTES
+from costmodels.expert_parallel import DEFAULT_MOE_IMBALANCE
 from planner.errors import InputError
 from planner.plan import (
     CP_COMM_TYPES,
+    EP_FOLDS,
     WORKLOADS,
     DataParallel,
     MeshShape,
+    Plan,
     Recompute,
     Schedule,
     Workload,
@@ -47,6 +50,11 @@ class WorkloadSpec:
     context: int = 0  # decode: tokens already in the KV cache
     micro_batches: int | None = None  # None: the search chooses
     dtype: str | None = None  # None: the model's dtype
+    # mixture-of-experts routing (--moe-imbalance, --moe-capacity-factor): the busiest expert-parallel
+    # rank's rows over the mean (`costmodels.expert_parallel.DEFAULT_MOE_IMBALANCE`), and the capacity
+    # factor of a model that drops the tokens beyond it (None: dropless); unused by dense models
+    moe_imbalance: float = DEFAULT_MOE_IMBALANCE
+    moe_capacity_factor: float | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in WORKLOADS:
@@ -63,6 +71,16 @@ class WorkloadSpec:
             raise InputError(f"workload micro_batches must be >= 1, got {self.micro_batches}")
         if self.dtype is not None and self.dtype not in DTYPE_BYTES:
             raise InputError(f"workload dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+        if not self.moe_imbalance >= 1.0:
+            raise InputError(
+                f"--moe-imbalance must be >= 1 (the busiest expert-parallel rank's rows over the mean), got "
+                f"{self.moe_imbalance}"
+            )
+        if self.moe_capacity_factor is not None and not self.moe_capacity_factor >= 1.0:
+            raise InputError(
+                f"--moe-capacity-factor must be >= 1 (an expert's capacity over the mean rows per expert), got "
+                f"{self.moe_capacity_factor}"
+            )
 
     @property
     def train(self) -> bool:
@@ -77,6 +95,11 @@ class WorkloadSpec:
     def kv_len(self) -> int:
         """Keys/values each query attends to."""
         return self.context + 1 if self.kind is Workload.DECODE else self.seq_len
+
+
+def plan_routing(plan: Plan) -> dict[str, float | None]:
+    """The routing a plan was priced with, as `WorkloadSpec` keywords (re-pricing it uses them again)."""
+    return {"moe_imbalance": plan.moe_imbalance, "moe_capacity_factor": plan.moe_capacity_factor}
 
 
 @dataclass(frozen=True)
@@ -103,6 +126,10 @@ class MeshConfig:
     # into 2 x cp chunks, rank r holding chunks r and 2cp-1-r (`passes.context_parallel`); unused at cp 1
     cp_comm_type: str = "allgather"
     cp_load_balance: bool = True
+    # expert parallelism (`planner.plan.Plan`'s fields of the same names): the ranks each MoE layer's
+    # experts are split over, folded over the dp x cp ranks ("dp") or the TP ranks ("tp"); 1: off
+    ep: int = 1
+    ep_fold: str = "dp"
 
     @property
     def num_devices(self) -> int:
@@ -132,6 +159,7 @@ class MeshConfig:
         """What runs beside the mesh: "interleaved_1f1b v=2, sp, zero1" ("" for none of them)."""
         parts = [f"{self.schedule} v={self.virtual_stages}"] if self.virtual_stages > 1 else []
         parts += [self.cp_label()] if self.mesh.cp > 1 else []
+        parts += [f"ep {self.ep_label()}"] if self.ep > 1 else []
         parts += ["sp"] if self.sequence_parallel else []
         parts += [self.dp_label()] if self.dp_style is not DataParallel.DDP else []
         parts += [name for name, on in self.overlap_flags().items() if on]
@@ -143,6 +171,10 @@ class MeshConfig:
         if self.mesh.cp == 1:
             return ""
         return f"cp {self.cp_comm_type}" + ("" if self.cp_load_balance else " unbalanced")
+
+    def ep_label(self) -> str:
+        """Expert parallelism as the layout table writes it: "off", "8 over dp", "2 over tp"."""
+        return f"{self.ep} over {self.ep_fold}" if self.ep > 1 else "off"
 
     def overlap_flags(self) -> dict[str, bool]:
         """The communication-overlap choices by their Megatron-LM flag names (without dashes)."""
@@ -302,6 +334,12 @@ class Constraints:
     # --cp-comm-type (`CP_COMM_TYPES`) and --cp-load-balance on|off; None: the search prices each
     cp_comm_type: str | None = None
     cp_load_balance: bool | None = None
+    # expert parallelism (--ep, --ep-fold dp|tp; None: the search chooses, 1 turns it off); ep_ddp_only:
+    # the plan is to run here (--run), whose runtime runs EP with dp_style ddp only, so EP candidates
+    # keep ddp (the search otherwise prices the sharded styles with EP too, as Megatron-Core runs them)
+    ep: int | None = None
+    ep_fold: str | None = None
+    ep_ddp_only: bool = False
     max_devices: int | None = None  # use at most this many devices (default: the whole cluster)
     ladder: LadderPolicy = LadderPolicy()  # `LadderPolicy.parse` reads the --ladder option
     schedule: Schedule | None = (
@@ -337,7 +375,7 @@ class Constraints:
     layout: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "cp", "max_devices"):
+        for name in ("tp", "pp", "dp", "cp", "ep", "max_devices"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise InputError(f"constraint {name} must be >= 1, got {value}")
@@ -354,6 +392,13 @@ class Constraints:
             raise InputError(
                 f"{flag} sets how context parallelism runs, but --cp 1 turns it off: use --cp 2 or more, or leave "
                 f"{flag.split()[0]} out"
+            )
+        if self.ep_fold is not None and self.ep_fold not in EP_FOLDS:
+            raise InputError(f"--ep-fold must be one of {', '.join(EP_FOLDS)} or auto, got {self.ep_fold!r}")
+        if self.ep == 1 and self.ep_fold is not None:
+            raise InputError(
+                f"--ep-fold {self.ep_fold} sets which ranks expert parallelism folds over, but --ep 1 turns it off: "
+                "use --ep 2 or more, or leave --ep-fold out"
             )
         if not 0 < self.memory_fraction <= 1:
             raise InputError(f"constraint memory_fraction must be in (0, 1], got {self.memory_fraction}")
@@ -520,6 +565,27 @@ def dp_style_variants(config: MeshConfig, constraints: Constraints) -> list[Mesh
                     )  # fmt: skip
                 )
     return out or [config]
+
+
+def ep_refusal(experts: list[int], ep: int, fold: str, mesh: MeshShape, sequence_parallel: bool) -> str:
+    """Why expert parallelism of degree `ep` folded over `fold` cannot run on `mesh` ("" when it can):
+    ep must divide every layer's experts, and the dp x cp ranks it folds over (fold dp) or equal the
+    TP degree, whose ranks then need the same tokens (fold tp: no sequence parallelism). One line
+    naming both numbers, as `--why` and the pinned --ep's refusal say it."""
+    bad = [e for e in experts if e % ep]
+    if bad:
+        return f"ep={ep} does not divide {bad[0]} experts"
+    if fold == "tp":
+        if mesh.tp != ep:
+            return f"ep={ep} over tp needs tp={ep} (the EP group is the TP group), the mesh has tp={mesh.tp}"
+        if sequence_parallel:
+            return f"ep={ep} over tp: sequence parallelism splits the tokens the TP ranks must share"
+        return ""
+    if ep > mesh.dp_cp:
+        return f"ep={ep} exceeds dp x cp = {mesh.dp_cp}"
+    if mesh.dp_cp % ep:
+        return f"ep={ep} does not divide dp x cp = {mesh.dp_cp}"
+    return ""
 
 
 def overlap_variants(config: MeshConfig, constraints: Constraints, train: bool) -> list[MeshConfig]:

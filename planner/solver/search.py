@@ -23,6 +23,13 @@ Context parallelism: the context-parallel degree is a mesh axis of its own (`_cp
 with the attention variant whose cores cost least (`_cp_variant`) and priced with every other variant
 and load balancing the constraints allow on its solution (`_price_cp_variants`); cp > 1 counts as a
 feature.
+
+Expert parallelism (mixture-of-experts models): every mesh is priced with the experts off, with each
+EP degree dividing dp x cp and the experts folded over those ranks, and with EP over its TP ranks
+(`_ep_options`; pinned by --ep / --ep-fold, refused in one line where it cannot run:
+`_check_pinned_ep`); each is a candidate of its own, ep > 1 a feature. The MoE layers' fixed times
+and the experts' memory are what change (`costing`); the blocks' option tables do not, so their
+bounds are shared (`_least_layer_time_s`).
 """
 
 from __future__ import annotations
@@ -77,6 +84,7 @@ from planner.solver.costing import (
     cp_core_cost,
     cp_core_shard,
     cp_kv_heads,
+    expert_counts,
     fsdp_transient_bytes,
     gqa_kv_replicated,
     interleaved_chunks,
@@ -90,6 +98,7 @@ from planner.solver.costing import (
 from planner.solver.explain import (
     block_table,
     cp_decisions,
+    ep_decisions,
     ladder_decision,
     memory_fit_text,
     mesh_decision,
@@ -109,6 +118,7 @@ from planner.solver.problem import (
     MeshConfig,
     WorkloadSpec,
     dp_style_variants,
+    ep_refusal,
     overlap_variants,
 )
 
@@ -139,7 +149,8 @@ class _Candidate:
     solution: IlpSolution | None = None
     note: str = ""
     latency_s: float | None = None
-    static_ratio: float = 1.0  # the tables' static bytes still to be multiplied by this (`_materialize`)
+    # the tables' static bytes still to be multiplied by these, dense and routed experts' (`_materialize`)
+    static_ratio: tuple[float, float] = (1.0, 1.0)
 
     @property
     def config(self) -> MeshConfig:
@@ -163,12 +174,15 @@ class _Search:
     excluded: list[str] = field(default_factory=list)
     candidates: list[_Candidate] = field(default_factory=list)
     solver_time_s: float = 0.0
-    # priced graphs (and their summed cheapest compute) by what they depend on (`_tables_key`): the
-    # candidates that differ only in pp, schedule or v share them
-    priced: dict[tuple, tuple[dict, LayerGraph, float, float, tuple[float, float, float]]] = field(
-        default_factory=dict
+    # priced graphs (their summed cheapest compute, the (dense, experts') state factors they were
+    # priced at, their least memory) by what they depend on (`_tables_key`): the candidates that
+    # differ only in pp, schedule or v share them
+    priced: dict[tuple, tuple[dict, LayerGraph, float, tuple[float, float], tuple[float, float, float]]] = (
+        field(default_factory=dict)
     )
     rescaled: dict[tuple, tuple[dict, LayerGraph]] = field(default_factory=dict)
+    # a layer class's least block time (`_least_layer_time_s`) by the tables' key without EP and the class
+    block_bounds: dict[tuple, float] = field(default_factory=dict)
 
 
 def plan_model(
@@ -312,6 +326,7 @@ def _enumerate(search: _Search, progress: Progress = silent) -> None:
     num_layers = len(search.structure.layers) or 1
     tps = _tp_options(search, num_devices)
     cps = _cp_options(search, num_devices)
+    _check_pinned_ep(search)
     pps = [c.pp] if c.pp is not None else [p for p in _divisors(num_devices) if p <= num_layers]
     if c.pp is not None and c.pp > num_layers:
         raise InputError(f"pp={c.pp} exceeds the model's {num_layers} layers")
@@ -385,18 +400,21 @@ def _enumerate(search: _Search, progress: Progress = silent) -> None:
                         continue
                     for schedule, v in _schedules_for(search, pp, m):
                         for sp in _sequence_parallel_options(search, tp, cp):
-                            for style in _solved_styles(search, mesh):
-                                config = MeshConfig(
-                                    mesh, m, schedule, v, sp, style, c.dp_shard,
-                                    c.reshard_after_forward is not False,
-                                    c.tp_comm_overlap is True, c.overlap_grad_reduce is True,
-                                    c.overlap_param_gather is True, *variant,
-                                )  # fmt: skip
-                                progress(
-                                    f"pricing mesh candidate {len(search.candidates) + 1}: {config.label()}",
-                                    None,
-                                )
-                                search.candidates.append(_price(search, config, lazy=True))
+                            for ep, fold in _ep_options(search, mesh, sp):
+                                for style in _solved_styles(search, mesh, ep):
+                                    config = MeshConfig(
+                                        mesh, m, schedule, v, sp, style, c.dp_shard,
+                                        c.reshard_after_forward is not False,
+                                        c.tp_comm_overlap is True, c.overlap_grad_reduce is True,
+                                        c.overlap_param_gather is True, *variant, ep, fold,
+                                    )  # fmt: skip
+                                    progress(
+                                        f"pricing mesh candidate {len(search.candidates) + 1}: {config.label()}",
+                                        None,
+                                    )
+                                    search.candidates.append(_price(search, config, lazy=True))
+    if not search.candidates and (c.ep or 1) > 1:
+        raise InputError(_ep_unplaceable(search, num_devices))
     if not search.candidates:
         raise InfeasibleError(
             f"no mesh shape fits {num_devices} devices with "
@@ -514,6 +532,76 @@ def _cp_options(search: _Search, num_devices: int) -> list[int]:
             continue
         out.append(cp)
     return out
+
+
+def _ep_options(search: _Search, mesh: MeshShape, sequence_parallel: bool) -> list[tuple[int, str]]:
+    """The (ep, fold) pairs a mesh candidate is priced with: (1, "dp") for a dense model or --ep 1; the
+    pinned --ep (--ep-fold) where it runs (`ep_refusal`); else off, every divisor of dp x cp above 1 that
+    divides the experts (fold dp) and ep = tp (fold tp) where they divide, as --ep-fold allows."""
+    c = search.constraints
+    experts = expert_counts(search.structure)
+    if not experts or c.ep == 1:
+        return [(1, "dp")]
+    folds = [c.ep_fold] if c.ep_fold is not None else ["dp", "tp"]
+    if c.ep is not None:
+        pairs = [(c.ep, fold) for fold in folds]
+    else:
+        pairs = [(1, "dp")] + [(d, "dp") for d in _divisors(mesh.dp_cp) if d > 1 and "dp" in folds]
+        pairs += [(mesh.tp, "tp")] if mesh.tp > 1 and "tp" in folds else []
+    return [
+        (ep, fold)
+        for ep, fold in pairs
+        if ep == 1 or not ep_refusal(experts, ep, fold, mesh, sequence_parallel)
+    ]
+
+
+def _check_pinned_ep(search: _Search) -> None:
+    """A pinned --ep (--ep-fold) that cannot run is refused in one line naming both numbers: a dense
+    model, an ep that does not divide the experts, fold tp at another pinned --tp, fold dp over pinned
+    --dp / --cp ranks it does not divide. Raises InputError."""
+    c = search.constraints
+    if c.ep is None or c.ep == 1:
+        return
+    experts = expert_counts(search.structure)
+    if not experts:
+        raise InputError(f"--ep {c.ep}: the model has no mixture-of-experts layer to split; leave --ep out")
+    bad = [e for e in experts if e % c.ep]
+    if bad:
+        fits = ", ".join(str(d) for d in _divisors(bad[0]) if d > 1 and all(e % d == 0 for e in experts))
+        raise InputError(
+            f"--ep {c.ep} does not divide the model's {bad[0]} experts (each EP rank holds E / ep of them); use "
+            f"one of {fits or 'none'}, or --ep 1"
+        )
+    if c.ep_fold == "tp" and c.tp is not None and c.tp != c.ep:
+        raise InputError(
+            f"--ep {c.ep} --ep-fold tp needs --tp {c.ep} (the EP group is the TP group), got --tp {c.tp}; pin "
+            f"--tp {c.ep}, or --ep-fold dp"
+        )
+    if c.ep_fold == "tp" and c.sequence_parallel:
+        raise InputError(
+            f"--ep {c.ep} --ep-fold tp needs the same tokens on every TP rank, which --sequence-parallel on "
+            "splits; use --sequence-parallel off, or --ep-fold dp"
+        )
+    tp_fold_possible = c.ep_fold != "dp" and c.tp in (None, c.ep)
+    cp_fixed = c.cp is not None or search.workload.seq_len < MIN_CP_SEQ_LEN  # else the search may add cp
+    if c.dp is not None and cp_fixed and not tp_fold_possible and (c.dp * (c.cp or 1)) % c.ep:
+        ranks = c.dp * (c.cp or 1)
+        pins = f"--dp {c.dp}" + (f" --cp {c.cp}" if c.cp else "")
+        raise InputError(
+            f"--ep {c.ep} does not divide the {ranks} dp x cp ranks it folds over ({pins}); use an --ep that "
+            f"divides both {ranks} and the {experts[0]} experts, or more data-parallel ranks"
+        )
+
+
+def _ep_unplaceable(search: _Search, num_devices: int) -> str:
+    """The one-line refusal when no mesh candidate holds the pinned --ep: the ranks it would fold over."""
+    c = search.constraints
+    experts = expert_counts(search.structure)
+    over = "the TP ranks (--ep-fold tp: ep = tp)" if c.ep_fold == "tp" else "dp x cp ranks (or the TP ranks)"
+    return (
+        f"--ep {c.ep}: no mesh of at most {num_devices} devices has {over} divisible by {c.ep} with the other "
+        f"pins; the model has {experts[0]} experts; use a smaller --ep or more devices"
+    )
 
 
 def _cp_unsupported(search: _Search) -> str:
@@ -661,15 +749,26 @@ def _ladder_of(search: _Search, config: MeshConfig) -> LadderPolicy:
     return LadderPolicy() if config.sequence_parallel else search.ladder
 
 
-def _tables_key(ctx: CostContext) -> tuple:
+def _tables_key(ctx: CostContext, with_ep: bool = True) -> tuple:
     """What the op times of a candidate depend on: TP degree, micro-batch size, sequence parallelism,
-    the context parallelism (degree, variant, load balancing) and, without training, the sequences per
+    the context parallelism (degree, variant, load balancing), expert parallelism (degree, fold and
+    where its group sits: the MoE layers' fixed times; `with_ep` False leaves it out, for what it does
+    not change: the blocks' option tables, `_block_bounds_s`) and, without training, the sequences per
     DP replica (KV caches). Not pp, the schedule or v (they enter at the stage level), nor the training
     state per parameter (ZeRO-1 divides it by dp), which scales every static byte of a training
     candidate (`_with_state_factor`)."""
     replica = None if ctx.train else ctx.workload.batch_size / ctx.mesh.dp
     cp = (ctx.cp, ctx.config.cp_comm_type, ctx.config.cp_load_balance) if ctx.cp > 1 else (1,)
-    return (ctx.mesh.tp, ctx.sequences_per_micro_batch, ctx.sequence_parallel, replica, *cp)
+    ep = (ctx.ep, ctx.ep_fold, ctx.ep_group()) if ctx.ep > 1 and with_ep else ()
+    return (ctx.mesh.tp, ctx.sequences_per_micro_batch, ctx.sequence_parallel, replica, *cp, *ep)
+
+
+def _state_factors(ctx: CostContext) -> tuple[float, float]:
+    """(dense, routed experts') training state per parameter byte of `ctx` (`CostContext.state_factor`;
+    the experts' under EP over dp x cp shard over their own edp group: `experts_context`)."""
+    experts = ctx.experts_context().state_factor() if ctx.ep > 1 and ctx.ep_fold == "dp" else None
+    dense = ctx.state_factor()
+    return dense, dense if experts is None else experts
 
 
 def _price(search: _Search, config: MeshConfig, lazy: bool = False) -> _Candidate:
@@ -686,14 +785,19 @@ def _price(search: _Search, config: MeshConfig, lazy: bool = False) -> _Candidat
         for k in tables.layer_keys:
             counts[k] = counts.get(k, 0) + 1
         with_comm = search.ladder.mode is LadderMode.NONE  # ladder hides block-output communication
-        work = sum(n * _least_layer_time_s(tables.graphs[k], k, ctx, with_comm) for k, n in counts.items())
+        base = _tables_key(ctx, with_ep=False)
+        work = sum(
+            n * _least_layer_time_s(tables.graphs[k], k, ctx, with_comm, search, base)
+            for k, n in counts.items()
+        )
         ends = sum(min(o.compute_s + o.comm_s for o in op.options) for op in tables.ends.ops)
         work += ends + tables.ends.fixed_compute_s
-        search.priced[key] = (tables.graphs, tables.ends, work, ctx.state_factor(), _least_memory(tables))
+        search.priced[key] = (tables.graphs, tables.ends, work, _state_factors(ctx), _least_memory(tables))
     graphs, ends, work, state, (static, act, ends_static) = search.priced[key]
-    ratio = ctx.state_factor() / state
+    factors = _state_factors(ctx)
+    ratio = (factors[0] / state[0], factors[1] / state[1])
     tables = CostTables(ctx, graphs, search.layer_keys, ends)
-    least = (static * ratio, act, ends_static * ratio)
+    least = (static * min(ratio), act, ends_static * ratio[0])  # a lower bound whichever part dominates
     pp, v = config.mesh.pp, config.virtual_stages
     total = work + (pp * v - 1) * p2p_stage_time_s(ctx) if pp > 1 else work  # `stage_p2p_time_s`, summed
     bound = step_time_s(total, total / config.mesh.pp, config.micro_batches, config.virtual_stages)
@@ -713,25 +817,25 @@ def _megatron_layout_only(tables: CostTables) -> None:
 
 
 def _materialize(search: _Search, cand: _Candidate) -> None:
-    """Apply the candidate's pending training-state factor to its tables' static bytes (cached)."""
-    if cand.static_ratio == 1.0:
+    """Apply the candidate's pending training-state factors to its tables' static bytes (cached)."""
+    if cand.static_ratio == (1.0, 1.0):
         return
     ctx = cand.tables.ctx
-    full_key = (*_tables_key(ctx), ctx.state_factor())
+    full_key = (*_tables_key(ctx), _state_factors(ctx))
     if full_key not in search.rescaled:
         search.rescaled[full_key] = _with_state_factor(
-            cand.tables.graphs, cand.tables.ends, cand.static_ratio
+            cand.tables.graphs, cand.tables.ends, *cand.static_ratio
         )
     graphs, ends = search.rescaled[full_key]
     cand.tables = CostTables(ctx, graphs, search.layer_keys, ends)
-    cand.static_ratio = 1.0
+    cand.static_ratio = (1.0, 1.0)
 
 
 def _with_state_factor(
-    graphs: dict[str, LayerGraph], ends: LayerGraph, ratio: float
+    graphs: dict[str, LayerGraph], ends: LayerGraph, ratio: float, expert_ratio: float
 ) -> tuple[dict[str, LayerGraph], LayerGraph]:
     """Copies of training graphs with every static byte (parameters, gradients, optimizer state)
-    multiplied by `ratio`."""
+    multiplied by `ratio`, the routed experts' own (`LayerGraph.expert_static_bytes`) by `expert_ratio`."""
 
     def option(o: OpOption) -> OpOption:
         o = copy.copy(o)
@@ -745,25 +849,34 @@ def _with_state_factor(
             op = copy.copy(op)
             op.options = [option(o) for o in op.options]
             out.ops.append(op)
-        out.fixed_static_bytes = graph.fixed_static_bytes * ratio
+        experts = graph.expert_static_bytes
+        out.fixed_static_bytes = (graph.fixed_static_bytes - experts) * ratio + experts * expert_ratio
+        out.expert_static_bytes = experts * expert_ratio
         return out
 
     return {k: scaled(g) for k, g in graphs.items()}, scaled(ends)
 
 
-def _least_layer_time_s(graph: LayerGraph, key: str, ctx: CostContext, with_comm: bool) -> float:
-    """A lower bound of one layer's time per micro-batch: per block, the best combination of options
-    with its conversions and output communication (`block_table`; without the communication when
-    `with_comm` is False, or when a block has too many combinations to enumerate)."""
-    total = graph.fixed_compute_s
-    for block in ("attention", "cross", "mlp"):
-        ops = graph.ops_of(block)
-        table = block_table(graph, key, block, ctx) if with_comm else None
-        if table:
-            total += min(table.values())
-        else:
-            total += sum(min(o.compute_s for o in op.options) for op in ops)
-    return total
+def _least_layer_time_s(
+    graph: LayerGraph, key: str, ctx: CostContext, with_comm: bool, search: _Search, base: tuple
+) -> float:
+    """A lower bound of one layer's time per micro-batch: its fixed compute and communication, and per
+    block the best combination of options with its conversions and output communication
+    (`block_table`; without the communication when `with_comm` is False, or when a block has too many
+    combinations to enumerate). The blocks' part does not depend on expert parallelism: cached by the
+    tables' key without it (`base`)."""
+    cache_key = (base, key, with_comm)
+    if cache_key not in search.block_bounds:
+        blocks = 0.0
+        for block in ("attention", "cross", "mlp"):
+            ops = graph.ops_of(block)
+            table = block_table(graph, key, block, ctx) if with_comm else None
+            if table:
+                blocks += min(table.values())
+            else:
+                blocks += sum(min(o.compute_s for o in op.options) for op in ops)
+        search.block_bounds[cache_key] = blocks
+    return graph.fixed_compute_s + graph.fixed_comm_s + search.block_bounds[cache_key]
 
 
 def _least_memory(tables: CostTables) -> tuple[float, float, float]:
@@ -939,7 +1052,7 @@ def _price_virtual_stages(search: _Search, cand: _Candidate) -> None:
             )
 
 
-def _solved_styles(search: _Search, mesh: MeshShape) -> list[DataParallel]:
+def _solved_styles(search: _Search, mesh: MeshShape, ep: int = 1) -> list[DataParallel]:
     """The data-parallel styles a mesh's ILP is solved with: DDP without training or dp > 1; else one
     that keeps the parameters whole (ZeRO-1, else ZeRO-2, else DDP: those allowed) and FSDP, as the
     constraints allow and the runtime runs them (`_style_runs`). The styles differ in memory (which
@@ -947,17 +1060,22 @@ def _solved_styles(search: _Search, mesh: MeshShape) -> list[DataParallel]:
     solution (`_price_dp_styles`)."""
     if not search.workload.train or mesh.dp_cp == 1:
         return [DataParallel.DDP]
-    allowed = [s for s in search.constraints.dp_styles() if _style_runs(search, mesh, s)]
+    allowed = [s for s in search.constraints.dp_styles() if _style_runs(search, mesh, s, ep)]
     whole = [s for s in (DataParallel.ZERO1, DataParallel.ZERO2, DataParallel.DDP) if s in allowed]
     return whole[:1] + ([DataParallel.FSDP] if DataParallel.FSDP in allowed else [])
 
 
-def _style_runs(search: _Search, mesh: MeshShape, style: DataParallel) -> bool:
+def _style_runs(search: _Search, mesh: MeshShape, style: DataParallel, ep: int = 1) -> bool:
     """Whether the runtime runs `style` on `mesh`: sharded gradients (zero2, fsdp) of a parameter tied
     across pipeline stages (an embedding shared with the LM head) cannot be summed between the stages,
-    so those are left out of the plan space (the runtime refuses them)."""
+    so those are left out of the plan space (the runtime refuses them). With expert parallelism
+    (`ep` > 1) and a plan to run here (`Constraints.ep_ddp_only`, --run): ddp only, the one style the
+    runtime runs EP with."""
     tied = search.structure.tied_lm_head and mesh.pp > 1
-    return not (tied and style.shards_gradients and search.workload.train and mesh.dp_cp > 1)
+    train_dp = search.workload.train and mesh.dp_cp > 1
+    if ep > 1 and search.constraints.ep_ddp_only and train_dp and style is not DataParallel.DDP:
+        return False
+    return not (tied and style.shards_gradients and train_dp)
 
 
 # how much a data-parallel style asks of the runtime, for ties: ddp < zero1 < zero2 < fsdp < hsdp
@@ -990,7 +1108,7 @@ def _price_dp_styles(search: _Search, cand: _Candidate) -> None:
     if config not in variants:  # the solved config is not allowed as it stands (a pinned overlap)
         best = (math.inf, cand.tables, cand.latency_s)
     for variant in variants:
-        if variant == config or not _style_runs(search, variant.mesh, variant.dp_style):
+        if variant == config or not _style_runs(search, variant.mesh, variant.dp_style, variant.ep):
             continue
         tables = _price(search, variant).tables
         p = predict(tables, cand.solution.assignment).prediction
@@ -1005,13 +1123,14 @@ def _overlap_level(config: MeshConfig) -> int:
 
 
 def _features(config: MeshConfig) -> int:
-    """How many of sequence parallelism, interleaving, a sharded data-parallel style and context
-    parallelism a candidate uses."""
+    """How many of sequence parallelism, interleaving, a sharded data-parallel style, context
+    parallelism and expert parallelism a candidate uses."""
     return (
         int(config.sequence_parallel)
         + int(config.virtual_stages > 1)
         + int(config.distributed_optimizer)
         + int(config.mesh.cp > 1)
+        + int(config.ep > 1)
     )
 
 
@@ -1169,13 +1288,21 @@ def _make_plan(search: _Search, best: _Candidate | None, model_name: str) -> Pla
         search.cap_bytes,
         _alternative_tables(search),
         search.constraints,
-        runs=lambda config: _style_runs(search, config.mesh, config.dp_style),
+        runs=lambda config: _style_runs(search, config.mesh, config.dp_style, config.ep),
     )
     decisions += overlap_decisions(chosen, search.cap_bytes, _alternative_tables(search), search.constraints)
     decisions += cp_decisions(
         chosen, search.cap_bytes, _alternative_tables(search), candidates,
         _cp_variants(search, config.mesh), _cp_refusals(search, config.mesh), search.constraints,
     )  # fmt: skip
+    solved_ep: dict[str, float] = {}
+    for cand in search.candidates:  # inf: candidates with it, none solved (pruned, or too big)
+        label = cand.config.ep_label()
+        latency = cand.latency_s if cand.latency_s is not None else math.inf
+        solved_ep[label] = min(solved_ep.get(label, math.inf), latency)
+    decisions += ep_decisions(
+        chosen, search.cap_bytes, _alternative_tables(search), search.constraints, solved_ep
+    )
     decisions += strategy_decisions(chosen)
     decisions += ladder_decision(chosen, search.ladder, search.constraints.ladder_min_saving_fraction)
     plan = _plan_of(search, chosen, model_name, SolverInfo(sol.status, sol.objective, sol.gap, search.solver_time_s, sol.num_variables))  # fmt: skip
@@ -1222,6 +1349,12 @@ def _plan_of(search: _Search, priced: PricedAssignment, model_name: str, solver:
         overlap_param_gather=tables.ctx.overlap_param_gather,
         cp_comm_type=config.cp_comm_type if config.mesh.cp > 1 else "allgather",
         cp_load_balance=config.cp_load_balance if config.mesh.cp > 1 else True,
+        ep=config.ep,
+        ep_fold=config.ep_fold if config.ep > 1 else "dp",
+        moe_imbalance=w.moe_imbalance,
+        moe_capacity_factor=w.moe_capacity_factor,
+        num_experts=experts[0] if len(experts := expert_counts(s)) == 1 else 0,
+        expert_params=sum(layer.moe.expert_params for layer in s.layers if layer.moe is not None),
         token_model=s.token_model,
         unpriced_ops=s.unknown_ops,
         model_params=int(s.num_params),
@@ -1281,7 +1414,8 @@ def _allowed(search: _Search, mesh: MeshShape, config: MeshConfig | None = None)
     if config is not None:
         pinned_ok = pinned_ok and c.sequence_parallel in (None, config.sequence_parallel)
         pinned_ok = pinned_ok and (not search.workload.train or mesh.dp_cp == 1 or _dp_pins_hold(c, config))
-        pinned_ok = pinned_ok and _style_runs(search, mesh, config.dp_style)
+        pinned_ok = pinned_ok and _style_runs(search, mesh, config.dp_style, config.ep)
+        pinned_ok = pinned_ok and c.ep in (None, config.ep) and c.ep_fold in (None, config.ep_fold)
         pinned_ok = pinned_ok and c.virtual_stages in (None, config.virtual_stages)
         pinned_ok = pinned_ok and all(
             pin is None or pin == on
@@ -1391,6 +1525,7 @@ def _layout_text(priced: PricedAssignment, w: WorkloadSpec) -> dict[str, str]:
         "dp_style": dp_style_text(ctx.dp_style, mesh.dp, ctx.shard_degree, ctx.reshard_after_forward),
         "overlap": overlap_text(ctx.tp_comm_overlap, ctx.overlap_grad_reduce, ctx.overlap_param_gather),
         "context_parallel": cp_text(mesh.cp, config.cp_comm_type, config.cp_load_balance),
+        **({"expert_parallel": config.ep_label()} if expert_counts(ctx.structure) else {}),
     }  # fmt: skip
 
 

@@ -24,7 +24,7 @@ from planner.solver.costing import (
     gqa_kv_replicated,
 )
 from planner.solver.prediction import predict
-from planner.solver.problem import Assignment, MeshConfig, WorkloadSpec
+from planner.solver.problem import Assignment, MeshConfig, WorkloadSpec, plan_routing
 
 
 def plan_assignment(plan: Plan, tables: CostTables) -> Assignment:
@@ -177,6 +177,8 @@ def plan_prediction(
         plan.overlap_param_gather,
         plan.cp_comm_type,
         plan.cp_load_balance,
+        plan.ep,
+        plan.ep_fold,
     )
     cluster = cluster_for_ranks(cluster, plan.mesh.num_devices)  # time-shared only by ranks that run
     tables = build_cost_tables(CostContext(structure, cluster, workload, config, plan.dtype))
@@ -205,13 +207,17 @@ def price_request(
     tokens/s = batch x new_tokens / (TTFT + (new_tokens - 1) x TPOT): the prefill yields the first
     token, each decode step one more. Raises InputError when a graph does not match the plan."""
     check_new_tokens(new_tokens)
-    prefill_wl = WorkloadSpec(Workload.FORWARD, plan.batch_size, prompt_len, dtype=plan.dtype)
+    prefill_wl = WorkloadSpec(
+        Workload.FORWARD, plan.batch_size, prompt_len, dtype=plan.dtype, **plan_routing(plan)
+    )
     prefill_prediction = plan_prediction(plan, prefill, cluster, prefill_wl, plan.ladder_layers)
     ttft_s = prefill_prediction.latency_s
     tpot_s = plan.predicted.latency_s
     standard_s = None
     if plan.ladder_layers:
-        decode_wl = WorkloadSpec(Workload.DECODE, plan.batch_size, 1, context=prompt_len, dtype=plan.dtype)
+        decode_wl = WorkloadSpec(
+            Workload.DECODE, plan.batch_size, 1, context=prompt_len, dtype=plan.dtype, **plan_routing(plan)
+        )
         standard_s = predict_with_plan(plan, decode, cluster, decode_wl, [])
     request_s = ttft_s + (new_tokens - 1) * tpot_s
     return Serving(

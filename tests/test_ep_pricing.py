@@ -1,0 +1,264 @@
+"""Expert parallelism in the cost model, the search, the CLI and the exports: the token exchange's bytes
+and collectives (`costmodels.expert_parallel`), the busiest rank's expert GEMMs under an imbalance or
+capacity factor, memory per rank over ep, the experts a decode step reaches, pinned --ep refused in
+one line, dense models untouched, Mixtral-8x7B on 64 H100s choosing EP, and the export flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from pathlib import Path
+
+import pytest
+
+from costmodels.cluster import cluster_for_ranks, load_cluster
+from costmodels.comm import Group, all_reduce_time_s, all_to_all_time_s
+from costmodels.expert_parallel import (
+    COUNT_BYTES,
+    DEFAULT_MOE_IMBALANCE,
+    all_to_all_exchange_s,
+    busiest_load_factor,
+    dispatch_bytes,
+    local_touched_experts,
+    touched_experts,
+)
+from planner.cli.main import main
+from planner.cli.workflow import prepare
+from planner.errors import InputError
+from planner.export import export_plan
+from planner.plan import DataParallel, MeshShape, Plan
+from planner.solver.costing import (
+    CostContext,
+    build_layer_graph,
+    expert_comm_time_s,
+    expert_gemm_time_s,
+    expert_share,
+)
+from planner.solver.problem import Constraints, MeshConfig, WorkloadSpec
+from planner.solver.search import _ep_options, plan_model
+from tests.planner_fixtures import EXAMPLES, analysed_llama
+
+MODELS = Path(__file__).parent / "models"
+
+
+@functools.cache
+def _structure(path: str, workload: str, batch: int, seq: int):
+    return prepare(path, workload, batch, seq).structure
+
+
+def _tiny():
+    """tests/models/tiny_moe_gptfast.py: 4 stacked experts, top-2, hidden 32, expert width 48."""
+    return _structure(str(MODELS / "tiny_moe_gptfast.py"), "train", 8, 16)
+
+
+def _mixtral():
+    """examples/mixtral_8x7b.py at 256 x 4096 tokens (the layers traced on meta, two of them)."""
+    return _structure(str(EXAMPLES / "mixtral_8x7b.py"), "train", 256, 4096)
+
+
+def _ctx(structure, mesh: MeshShape, ep: int = 1, fold: str = "dp", cluster: str = "dgx-h100", **workload):
+    spec = cluster_for_ranks(load_cluster(cluster), mesh.num_devices)
+    work = WorkloadSpec(workload.pop("kind", "train"), workload.pop("batch", 256), workload.pop("seq", 4096),
+                        dtype="bf16", **workload)  # fmt: skip
+    config = MeshConfig(mesh, 1, ep=ep, ep_fold=fold)
+    return CostContext(structure, spec, work, config, "bf16")
+
+
+def _moe_layer(structure):
+    return next(layer for layer in structure.layers if layer.moe is not None)
+
+
+def test_dispatch_bytes_and_the_exchange_are_top_k_tokens_hidden_each_way() -> None:
+    """Per rank: top_k x tokens x H x b bytes dispatched and combined; forward the E counts and the two,
+    training two more; over tp one all-reduce of tokens x H each way instead."""
+    assert dispatch_bytes(2, 4096, 4096, 2) == 2 * 4096 * 4096 * 2
+    assert dispatch_bytes(2, 4096, 4096, 2, load=1.5) == pytest.approx(1.5 * 2 * 4096 * 4096 * 2)
+    spec, group = load_cluster("dgx-h100"), Group(8, 8)
+    data = all_to_all_time_s(64e6, group, spec)
+    counts = all_to_all_time_s(8 * COUNT_BYTES, group, spec)
+    assert all_to_all_exchange_s(64e6, 8, group, spec, train=False) == pytest.approx(counts + 2 * data)
+    assert all_to_all_exchange_s(64e6, 8, group, spec, train=True) == pytest.approx(counts + 4 * data)
+    assert all_to_all_exchange_s(64e6, 8, Group(1, 1), spec, train=True) == 0.0
+    s = _mixtral()
+    layer = _moe_layer(s)
+    ctx = _ctx(s, MeshShape(1, 1, 64), ep=8, cluster="h100-ib-128node", batch=64, seq=4096)
+    assert ctx.ep_group() == Group(8, 8)  # eight consecutive data-parallel ranks: one node
+    expected = all_to_all_exchange_s(dispatch_bytes(2, 4096, 4096, 2), 8, Group(8, 8), ctx.cluster, True)
+    assert expert_comm_time_s(layer, ctx) == pytest.approx(expected)
+    tp = _ctx(s, MeshShape(8, 1, 1), ep=8, fold="tp", batch=1, seq=4096)
+    reduce = all_reduce_time_s(4096 * 4096 * 2, tp.tp_group(), tp.cluster)
+    assert expert_comm_time_s(layer, tp) == pytest.approx(2 * reduce)
+    assert expert_comm_time_s(layer, _ctx(s, MeshShape(1, 1, 8), ep=1, batch=8)) == 0.0
+
+
+def test_imbalance_moves_the_busiest_ranks_expert_gemms_and_capacity_caps_it() -> None:
+    s = _mixtral()
+    layer = _moe_layer(s)
+    mesh = MeshShape(1, 1, 8)
+    balanced = expert_gemm_time_s(layer, _ctx(s, mesh, ep=8, batch=8))
+    skewed = expert_gemm_time_s(layer, _ctx(s, mesh, ep=8, batch=8, moe_imbalance=1.5))
+    assert DEFAULT_MOE_IMBALANCE == 1.0
+    assert 1.3 < skewed / balanced <= 1.5 + 1e-9  # compute-bound GEMMs: ~1.5x the rows
+    capped = expert_gemm_time_s(
+        layer, _ctx(s, mesh, ep=8, batch=8, moe_imbalance=1.5, moe_capacity_factor=1.25)
+    )
+    assert balanced < capped < skewed
+    assert busiest_load_factor(1.5, 1.25, 8) == 1.25 and busiest_load_factor(1.5, None, 1) == 1.0
+    # one EP rank computes every row whatever the routing: the factor means nothing there
+    whole = _ctx(s, mesh, ep=1, batch=8)
+    assert expert_gemm_time_s(layer, whole) == expert_gemm_time_s(
+        layer, _ctx(s, mesh, ep=1, batch=8, moe_imbalance=2)
+    )
+    # over tp, each rank computes its E / ep experts' share of the rows
+    tp = _ctx(s, MeshShape(8, 1, 1), ep=8, fold="tp", batch=1)
+    assert expert_share(layer.moe, tp).rows == pytest.approx(2 * 4096 / 8)
+
+
+def test_memory_per_rank_falls_with_ep_and_the_experts_state_shards_over_edp() -> None:
+    s = _mixtral()
+    layer = _moe_layer(s)
+    mesh = MeshShape(1, 1, 64)
+    static = {
+        ep: build_layer_graph(layer, _ctx(s, mesh, ep=ep, batch=64)).fixed_static_bytes for ep in (1, 2, 4, 8)
+    }
+    assert static[1] > static[2] > static[4] > static[8]
+    expert_state = layer.moe.expert_params * 16  # bf16 weights and grads, fp32 Adam and master: 16 B
+    assert static[1] - static[8] == pytest.approx(expert_state * (1 - 1 / 8), rel=1e-3)
+    # zero1 shards the experts' Adam state over the 64 / 8 ranks holding the same experts, not 64
+    ctx = _ctx(s, mesh, ep=8, batch=64)
+    zero1 = dataclasses.replace(ctx, config=dataclasses.replace(ctx.config, dp_style=DataParallel.ZERO1))
+    experts = zero1.experts_context()
+    assert experts.dp_cp == 8 and experts.state_shards == 8 and zero1.state_shards == 64
+    assert experts.dp_group().size == 8
+    graph = build_layer_graph(layer, zero1)
+    assert graph.expert_grad_bytes == pytest.approx(layer.moe.expert_params / 8 * 2)
+    assert graph.expert_static_bytes == pytest.approx(layer.moe.expert_params / 8 * (4 + 12 / 8))
+
+
+def test_a_decode_step_reads_the_experts_its_tokens_reach() -> None:
+    """E (1 - (1 - k/E)^n) experts reached by n tokens; the busiest rank reads its share, rounded up."""
+    assert touched_experts(128, 8, 1) == pytest.approx(8)
+    assert touched_experts(128, 8, 32) == pytest.approx(128 * (1 - (120 / 128) ** 32))
+    assert touched_experts(8, 2, 100000) == pytest.approx(8)
+    assert local_touched_experts(128, 8, 1, 8) == 1.0  # 8 experts over 8 ranks
+    assert local_touched_experts(128, 8, 1000, 8) == 16.0  # all of its 16
+    s = _mixtral()
+    layer = _moe_layer(s)
+    one = _ctx(s, MeshShape(1, 1, 1), kind="decode", batch=1, seq=1, context=1024)
+    many = _ctx(s, MeshShape(1, 1, 1), kind="decode", batch=64, seq=1, context=1024)
+    assert expert_share(layer.moe, one).touched == 2.0 and expert_share(layer.moe, many).touched == 8.0
+    # memory-bound: one token reads 2 of the 8 experts' weights, 64 tokens all 8 (not 32x the time)
+    ratio = expert_gemm_time_s(layer, many) / expert_gemm_time_s(layer, one)
+    assert 3.0 < ratio < 4.5
+
+
+def test_a_pinned_ep_that_cannot_run_is_refused_in_one_line_naming_both_numbers() -> None:
+    s, cluster = _tiny(), load_cluster("dgx-h100")
+    work = WorkloadSpec("train", 8, 16, dtype="bf16")
+
+    def refused(**pins) -> str:
+        with pytest.raises(InputError) as e:
+            plan_model(s, cluster, work, Constraints(**pins))
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    why = refused(ep=3)
+    assert "--ep 3" in why and "4 experts" in why and "2, 4" in why
+    why = refused(ep=4, dp=2, ep_fold="dp")
+    assert "--ep 4" in why and "2 dp x cp ranks" in why
+    why = refused(ep=2, ep_fold="tp", tp=4)
+    assert "--tp 2" in why and "--tp 4" in why
+    with pytest.raises(InputError) as e:
+        plan_model(
+            analysed_llama("8b"), cluster, WorkloadSpec("train", 8, 4096, dtype="bf16"), Constraints(ep=2)
+        )
+    assert "no mixture-of-experts layer" in str(e.value)
+    with pytest.raises(InputError, match="--ep 1 turns it off"):
+        Constraints(ep=1, ep_fold="tp")
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--ep", "3"], ["--ep 3", "4 experts"]),
+        (["--ep", "1", "--ep-fold", "tp"], ["--ep-fold tp", "--ep 1"]),
+        (["--moe-imbalance", "0.5"], ["--moe-imbalance", "0.5"]),
+    ],
+)
+def test_cli_refuses_bad_ep_options_with_exit_code_2(args, words, capsys) -> None:
+    rc = main(
+        [
+            "optimize",
+            str(MODELS / "tiny_moe_gptfast.py"),
+            "--cluster",
+            "dgx-h100",
+            "--workload",
+            "train",
+            *args,
+        ]
+    )
+    err = " ".join(capsys.readouterr().err.split())
+    assert rc == 2 and all(w in err for w in words), err
+
+
+def test_dense_models_have_no_ep_candidates_and_the_same_layer_prices() -> None:
+    s = analysed_llama("8b")
+    cluster = load_cluster("dgx-h100")
+    search_stub = type("S", (), {"constraints": Constraints(), "structure": s})()
+    assert _ep_options(search_stub, MeshShape(1, 1, 8), False) == [(1, "dp")]
+    plain = build_layer_graph(s.layers[0], _ctx(s, MeshShape(1, 1, 8), batch=8))
+    with_ep = build_layer_graph(s.layers[0], _ctx(s, MeshShape(1, 1, 8), ep=8, batch=8))
+    assert (plain.fixed_compute_s, plain.fixed_static_bytes, plain.fixed_comm_s) == (
+        with_ep.fixed_compute_s,
+        with_ep.fixed_static_bytes,
+        with_ep.fixed_comm_s,
+    )
+    plan = plan_model(s, cluster, WorkloadSpec("train", 8, 4096, dtype="bf16"), Constraints(tp=8, pp=1))
+    assert plan.ep == 1 and plan.num_experts == 0
+    assert "expert parallelism" not in {d.subject for d in plan.decisions}
+
+
+@functools.cache
+def _mixtral_plan() -> Plan:
+    return plan_model(
+        _mixtral(), load_cluster("h100-ib-128node"), WorkloadSpec("train", 256, 4096, dtype="bf16"),
+        Constraints(max_devices=64),
+    )  # fmt: skip
+
+
+def test_mixtral_8x7b_on_64_h100s_splits_its_experts_and_why_lists_the_degrees() -> None:
+    plan = _mixtral_plan()
+    assert plan.ep > 1 and plan.ep_fold == "dp" and plan.num_experts == 8
+    assert plan.num_devices == 64 and plan.predicted.peak_memory_bytes < 0.9 * 79.6 * 2**30
+    why = {d.subject: d for d in plan.decisions}["expert parallelism"]
+    assert why.chosen == f"{plan.ep} over dp"
+    assert why.options[why.chosen] == pytest.approx(plan.predicted.latency_s)
+    assert why.options["off"] > plan.predicted.latency_s
+    assert math.isinf(why.options["16 over dp"]) and "ep=16 does not divide 8 experts" in why.reason
+    assert "token exchange" in why.reason and "--moe-imbalance" in why.reason
+    again = Plan.from_dict(plan.to_dict())
+    assert (again.ep, again.ep_fold, again.num_experts) == (plan.ep, plan.ep_fold, 8)
+
+
+def test_the_exports_of_an_ep_plan_name_the_experts_mesh() -> None:
+    plan = dataclasses.replace(_mixtral_plan(), dp_style=DataParallel.DDP, dp_shard=1)
+    megatron = export_plan(plan, "megatron").text
+    for flag in (
+        "--num-experts 8",
+        f"--expert-model-parallel-size {plan.ep}",
+        "--expert-tensor-parallel-size 1",
+        "--moe-token-dispatcher-type alltoall",
+    ):
+        assert flag in megatron
+    titan = export_plan(plan, "torchtitan", torchtitan_version="0.3")
+    assert f"--parallelism.expert_parallel_degree {plan.ep}" in titan.text
+    assert any("EP ranks from the FSDP shard ranks" in w for w in titan.warnings)  # ddp: no shard ranks
+    old = export_plan(plan, "torchtitan", torchtitan_version="0.2").text
+    assert f"expert_parallel_degree = {plan.ep}" in old and "expert_tensor_parallel_degree = 1" in old
+    serving = dataclasses.replace(
+        plan, workload="decode", mesh=MeshShape(8, 1, 1), ep=8, ep_fold="tp", splits={}
+    )
+    vllm = export_plan(serving, "vllm", model="mistralai/Mixtral-8x7B-v0.1")
+    assert "'enable_expert_parallel': True" in vllm.text and "--enable-expert-parallel --dtype" in vllm.text
+    assert not any("expert" in w for w in vllm.warnings)  # EP over the TP ranks at dp 1: vLLM's own layout
