@@ -180,9 +180,19 @@ class RuleContext:
             )
 
     def set_tuple(self, node: fx.Node, placements: list[Placement], label: str) -> None:
-        """Record one placement per output of a tuple-producing node; `label` goes to meta."""
+        """Record one placement per output of a tuple-producing node; `label` goes to meta, and its
+        `meta["val"]` becomes the outputs at their local shapes (later passes read them: context
+        parallelism places the node again on these shapes)."""
         self.place[node] = placements
         node.meta["tp_placement"] = label
+        val = self.global_val.get(node)
+        if isinstance(val, (list, tuple)) and len(val) == len(placements):
+            node.meta["val"] = type(val)(
+                torch.empty(local_shape(tuple(v.shape), p, self.tp), dtype=v.dtype, device="meta")
+                if isinstance(v, torch.Tensor) and isinstance(p, Placement)
+                else v
+                for v, p in zip(val, placements)
+            )
 
     def replicated(self, node: fx.Node) -> fx.Node:
         """`node` as a replicated value: all-gather a shard; partial sums never leave a matmul rule."""

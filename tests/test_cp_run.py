@@ -281,3 +281,16 @@ def test_an_explicit_mask_runs_as_causal_only_when_it_is_the_causal_one(tmp_path
         done = apply_context_parallel(gm, 2, 16, "allgather", True)
         (sdpa,) = [n for n in gm.graph.nodes if n.target is context_parallel.cp_sdpa]
         assert sdpa.args[5] is True and len(done.attention) == 1
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tp_and_cp_together_gather_nothing(sp: bool) -> None:
+    """After the TP pass, RoPE's chunk over the head dim (a tuple-valued op) keeps the sequence shard:
+    no CP fallback at TP2 x CP2, with or without sequence parallelism."""
+    from passes.lower import lower_for_rank  # noqa: PLC0415
+
+    plan = _plan(tp=2, cp=2, sequence_parallel=sp)
+    model_file = load_model_file(MODELS / TOKENS)
+    gm = capture(model_file.build("meta"), *model_file.inputs(2, SEQ))
+    lowered = lower_for_rank(gm, analyse(gm), plan, 0, training=True)
+    assert lowered.context_parallel.fallbacks == [] and len(lowered.context_parallel.attention) == 4
