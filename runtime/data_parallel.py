@@ -351,13 +351,13 @@ class ReplicatedAdam(_OverlappedReduce, _AdamOnRanks):
             sync = "dp=1"
         elif self.overlap_grad_reduce:
             sync = (
-                f"gradients all-reduced over the {self.dp} data-parallel ranks with overlap-grad-reduce: one "
+                f"gradients all-reduced over the {self.dp} data-parallel ranks (dp x cp) with overlap-grad-reduce: one "
                 f"all-reduce per bucket ({len(self.buckets)} buckets: a layer each, one for the parameters "
                 "outside the layers) issued from the backward as the bucket's gradients are ready (async, "
                 "last micro-batch only), waited for after the backward"
             )
         else:
-            sync = f"gradients all-reduced over the {self.dp} data-parallel ranks after the backward (no overlap)"
+            sync = f"gradients all-reduced over the {self.dp} data-parallel ranks (dp x cp) after the backward (no overlap)"
         return (
             f"optimizer: Adam, state replicated on every data-parallel rank{_mixed_note(self.params)}; {sync}; "
             f"collectives in the checked step: {_counts_text(self.counts)}"

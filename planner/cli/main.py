@@ -767,7 +767,7 @@ def _run(args, plan, prepared, cluster):
 def _on_its_own_ranks(plan, nproc: int) -> int:
     """Say that a plan using fewer local gloo ranks than ``nproc`` runs on its own; return its count."""
     console.print(
-        f"[yellow]the plan uses {plan.num_devices} of the {nproc} ranks (tp={plan.tp} x pp={plan.pp} x dp={plan.dp}): "
+        f"[yellow]the plan uses {plan.num_devices} of the {nproc} ranks ({plan.mesh.label().replace(' ', ' x ')}): "
         f"running it on {plan.num_devices}[/yellow]"
     )
     return plan.num_devices

@@ -42,6 +42,7 @@ from planner.plan import (
     SplitStyle,
     Workload,
     check_new_tokens,
+    fallback_memory_bytes,
 )
 from planner.progress import Progress, silent
 from planner.solver.explain import memory_fit_text, with_memory_fit
@@ -588,6 +589,7 @@ def make_plan(
         prepared, plan, cluster, constraints, model_path, progress
     )
     plan = _lower_baseline(prepared, replicated, plan, cluster, constraints, model_path)
+    _check_fallbacks_fit(plan, cluster, constraints)
     plan.cluster_source = cluster_source
     if request is not None and prepared.prefill is not None:
         plan.serving = price_request(
@@ -607,6 +609,24 @@ def make_plan(
             plan.seq_len = request.prompt_len
     plan.priced_digest = plan.decisions_digest()
     return plan
+
+
+def _check_fallbacks_fit(plan: Plan, cluster: ClusterSpec, constraints: Constraints) -> None:
+    """Raise InfeasibleError when the unplanned all-gathers the passes add (`Plan.fallbacks`, priced by
+    `passes.verify`) push the plan's peak memory per rank over what the search allowed: the plan was
+    chosen as fitting and no longer does. The message names the gathers and both sizes."""
+    cap = cluster.device.memory_bytes * constraints.memory_fraction
+    added = fallback_memory_bytes(plan.fallbacks, plan.workload)
+    peak = plan.predicted.peak_memory_bytes
+    if not plan.fallbacks or peak <= cap or peak - added > cap:
+        return
+    ops = ", ".join(dict.fromkeys(f"{f.op} at {f.line}" for f in plan.fallbacks))
+    raise InfeasibleError(
+        f"the plan ({plan.mesh.label()}) fits memory as priced, but the all-gathers the passes must add to run it "
+        f"({ops}) keep {added / 2**30:.1f} GiB more per rank: {peak / 2**30:.1f} GiB, over the "
+        f"{cap / 2**30:.1f} GiB usable; pin another layout (--tp / --cp / --pp), or write the op so that its "
+        "sharded dim is not cut"
+    )
 
 
 ATTENTION_BLOCKS = frozenset({"core", "attention", "cross_core", "cross"})  # `Layer.node_blocks` of attention

@@ -1469,6 +1469,9 @@ def build_ends_graph(ctx: CostContext) -> LayerGraph:
         ops.append(Op("lm_head", "head", options, [], logits_bytes, head.weight, head, excluded))
     if ctx.workload.kind is Workload.DECODE and ctx.cluster.device.decode_host_s:
         fixed += ctx.cluster.device.decode_host_s  # the serving loop's host work around the graph
+    if ctx.cp > 1:  # the outputs gathered whole for the loss (`passes.cp_lower`; its backward is local)
+        width = head.out_features if head is not None else s.hidden_size
+        fixed += all_gather_time_s(ctx.cp * tokens * width * b, ctx.cp_group(), ctx.cluster)
     # parameters no op above holds (convolutions, norms and biases outside the layers, ...): replicated;
     # and the buffers the graph reads (masks, RoPE tables), whole on every rank
     other = outside_params(s) * b
