@@ -427,6 +427,12 @@ class Plan:
     # token moves (vLLM's --enable-expert-parallel at data-parallel size 1; serving).
     ep: int = 1
     ep_fold: str = "dp"
+    # expert tensor parallelism (ep_fold dp only): 1 keeps each expert whole on every TP rank (the same
+    # tokens, the same experts: replicated work); tp splits every routed expert over the TP ranks as a
+    # Megatron MLP (gate / up column-parallel, down row-parallel along the expert width), the experts'
+    # partial outputs all-reduced over TP after the combine (Megatron-Core's
+    # --expert-tensor-parallel-size, torchtitan's expert_tensor_parallel_degree)
+    expert_tp: int = 1
     # the routing a MoE plan was priced with (`planner.solver.problem.WorkloadSpec`, --moe-imbalance,
     # --moe-capacity-factor): the busiest EP rank's rows over the mean, and the capacity factor of a
     # model that drops the tokens beyond it (None: dropless); re-pricing the plan uses them again
@@ -552,6 +558,7 @@ class Plan:
             "cp_load_balance": self.cp_load_balance if self.cp > 1 else False,
             "ep": self.ep,
             "ep_fold": self.ep_fold if self.ep > 1 else "",
+            "expert_tp": self.expert_tp,
         }
 
     def recompute_by_layer(self) -> dict[int, str] | None:
@@ -649,6 +656,8 @@ class Plan:
             chosen["cp"] = {k: data[k] for k in ("cp_comm_type", "cp_load_balance")}
         if self.ep > 1:
             chosen["ep"] = [self.ep, self.ep_fold]
+        if self.expert_tp > 1:
+            chosen["expert_tp"] = self.expert_tp
         if data.get("serving"):  # the request served: its prompt, new tokens and caches
             chosen["request"] = {k: data["serving"][k] for k in ("prompt_len", "new_tokens", "cache_len")}
         return hashlib.sha256(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -708,6 +717,13 @@ class Plan:
             raise bad("context", f"must be >= 0, got {self.context}")
         if self.ep_fold not in EP_FOLDS:
             raise bad("ep_fold", f"{self.ep_fold!r} is not one of {list(EP_FOLDS)}")
+        if self.expert_tp not in (1, self.mesh.tp) or (self.expert_tp > 1 and self.ep_fold == "tp"):
+            raise bad(
+                "expert_tp",
+                f"is {self.expert_tp}: the routed experts are either whole on every TP rank (1) or split over "
+                f"all mesh.tp={self.mesh.tp} ranks, and only when EP folds over dp (ep_fold {self.ep_fold}); "
+                "set expert_tp: 1",
+            )
         if self.ep_fold == "tp" and self.ep not in (1, self.mesh.tp):
             raise bad(
                 "ep",
