@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from passes.expert_parallel import ep_moe, ep_moe_replicated, local_experts, reset_loads
+from passes.expert_parallel import ep_moe, ep_moe_replicated, expert_shard, local_experts, reset_loads
 from planner.errors import InputError
 from planner.frontend.analysis import ModelStructure
 from planner.frontend.moe import ExpertWeight, MoE
@@ -42,7 +42,7 @@ from planner.frontend.roles import Role
 __all__ = ["AXIS", "EP_PARAMS_META", "EP_SHARDS_META", "EpLowering", "apply_expert_parallel"]
 
 AXIS = "ep"  # the mesh axis the runtime registers (`passes.collectives.register_group`)
-EP_SHARDS_META = "ep_shards"  # gm.meta key: {parameter FQN: (ep_rank, ep)}: its dim-0 slice is loaded
+EP_SHARDS_META = "ep_shards"  # gm.meta key: {parameter FQN: `expert_shard` spec}: the slice loaded
 EP_PARAMS_META = (
     "ep_params"  # gm.meta key: FQNs of the expert parameters this rank holds (reduced over "edp")
 )
@@ -60,17 +60,26 @@ class EpLowering:
 
 
 def apply_expert_parallel(
-    gm: fx.GraphModule, structure: ModelStructure, ep: int, ep_rank: int, fold: str = "dp"
+    gm: fx.GraphModule,
+    structure: ModelStructure,
+    ep: int,
+    ep_rank: int,
+    fold: str = "dp",
+    expert_tp: int = 1,
+    tp_rank: int = 0,
 ) -> EpLowering:
     """Rewrite every MoE block of `gm` in place for EP rank `ep_rank` of `ep` (module docstring).
     fold: "dp" (the EP ranks hold different tokens: `ep_moe`, all-to-all on the "ep" axis) or "tp" (the
     TP ranks, holding the same tokens: `ep_moe_replicated`, an all-reduce on the "tp" axis).
+    expert_tp > 1 (fold dp): every expert's width is also split over the TP ranks (this is TP rank
+    `tp_rank`), the outputs all-reduced over "tp" (`ep_moe`'s tp_axis).
 
     Raises InputError when ep does not divide a block's experts or a block's experts are not SwiGLU
     MLPs, naming the block and what would work."""
     result = EpLowering(ep, ep_rank, fold=fold)
-    if ep == 1:
+    if ep == 1 and expert_tp == 1:
         return result
+    tp_spec = (expert_tp, tp_rank)
     shards: dict[str, tuple[int, int]] = gm.meta.setdefault(EP_SHARDS_META, {})
     reset_loads()
     for layer in structure.layers:
@@ -84,7 +93,7 @@ def apply_expert_parallel(
             )
         mine = local_experts(moe.num_experts, ep, ep_rank)
         result.experts = list(mine)
-        _rewrite_block(gm, moe, mine, ep, ep_rank, shards, fold)
+        _rewrite_block(gm, moe, mine, ep, ep_rank, shards, fold, tp_spec)
         result.blocks.append(moe.module_path)
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
@@ -108,8 +117,9 @@ def _rewrite_block(
     mine: range,
     ep: int,
     ep_rank: int,
-    shards: dict[str, tuple[int, int]],
+    shards: dict[str, tuple],
     fold: str,
+    tp_spec: tuple[int, int] = (1, 0),
 ) -> None:
     graph = gm.graph
     nodes = {n.name: n for n in graph.nodes}
@@ -134,21 +144,23 @@ def _rewrite_block(
     by_role = {w.role: w for w in moe.experts}
     with graph.inserting_before(combine):
         if Role.EXPERT_GATE_UP in by_role:
-            fused = _local_weight(gm, by_role[Role.EXPERT_GATE_UP], mine, ep, ep_rank, shards)
+            fused = _local_weight(gm, by_role[Role.EXPERT_GATE_UP], mine, ep, ep_rank, shards, tp_spec)
             size = by_role[Role.EXPERT_GATE_UP].parts[0] if by_role[Role.EXPERT_GATE_UP].parts else None
             if size is None:
                 raise InputError(f"expert parallelism: {where}'s fused gate-and-up weight has no parts")
+            size //= tp_spec[0]  # each part cut over the TP ranks
             gate = graph.call_function(torch.ops.aten.slice.Tensor, (fused, 1, 0, size))
             up = graph.call_function(torch.ops.aten.slice.Tensor, (fused, 1, size, 2 * size))
         else:
-            gate = _local_weight(gm, by_role[Role.EXPERT_GATE], mine, ep, ep_rank, shards)
-            up = _local_weight(gm, by_role[Role.EXPERT_UP], mine, ep, ep_rank, shards)
-        down = _local_weight(gm, by_role[Role.EXPERT_DOWN], mine, ep, ep_rank, shards)
+            gate = _local_weight(gm, by_role[Role.EXPERT_GATE], mine, ep, ep_rank, shards, tp_spec)
+            up = _local_weight(gm, by_role[Role.EXPERT_UP], mine, ep, ep_rank, shards, tp_spec)
+        down = _local_weight(gm, by_role[Role.EXPERT_DOWN], mine, ep, ep_rank, shards, tp_spec)
         if fold == "tp":
             args = (x, ids, weights, gate, up, down, moe.num_experts, "tp", moe.module_path)
             out = graph.call_function(ep_moe_replicated, args)
         else:
-            args = (x, ids, weights, gate, up, down, moe.num_experts, AXIS, moe.module_path)
+            tp_axis = "tp" if tp_spec[0] > 1 else None
+            args = (x, ids, weights, gate, up, down, moe.num_experts, AXIS, moe.module_path, tp_axis)
             out = graph.call_function(operator.getitem, (graph.call_function(ep_moe, args), 0))
     out.meta["val"] = combine.meta["val"]
     combine.replace_all_uses_with(out)
@@ -182,22 +194,42 @@ def _local_weight(
     mine: range,
     ep: int,
     ep_rank: int,
-    shards: dict[str, tuple[int, int]],
+    shards: dict[str, tuple],
+    tp_spec: tuple[int, int] = (1, 0),
 ) -> fx.Node:
     """A node holding this rank's experts of `w` as (E/ep, out, in): a stacked weight's slice (the
-    parameter replaced by it), or a ModuleList's local experts stacked."""
+    parameter replaced by it), or a ModuleList's local experts stacked; with expert tensor parallelism
+    (tp_spec = (tp, tp_rank), tp > 1) each expert's width cut to this TP rank's 1/tp (gate / up's rows,
+    down's columns; a fused gate-and-up weight part by part). Each replaced parameter's slice spec
+    goes to `shards` (`passes.expert_parallel.expert_shard` reads it to load the slice)."""
     graph = gm.graph
-    if w.stacked:
-        (fqn,) = w.weights
+    tp, tp_rank = tp_spec
+    width_dim = w.weight_out_dim if w.role is not Role.EXPERT_DOWN else 1 - w.weight_out_dim
+    parts = tuple(w.parts) if w.parts else None
+    fqns = w.weights if not w.stacked else w.weights[:1]
+    for fqn in fqns if w.stacked else [w.weights[e] for e in mine]:
         owner_path, _, leaf = fqn.rpartition(".")
         owner = gm.get_submodule(owner_path) if owner_path else gm
         full = owner._parameters[leaf]
-        local = (
-            full.detach()[mine.start : mine.stop].clone() if full.device.type != "meta" else full[: len(mine)]
+        spec = (
+            ep_rank if w.stacked else 0,
+            ep if w.stacked else 1,
+            width_dim + (1 if w.stacked else 0) if tp > 1 else -1,
+            tp_rank,
+            tp,
+            parts,
         )
+        if spec[1] == 1 and spec[4] == 1:
+            continue
+        if full.device.type == "meta":
+            local = expert_shard(torch.empty(full.shape, device="meta"), spec)
+            local = torch.empty(local.shape, dtype=full.dtype, device="meta")
+        else:
+            local = expert_shard(full.detach(), spec).clone()
         owner._parameters[leaf] = torch.nn.Parameter(local, requires_grad=full.requires_grad)
-        shards[fqn] = (ep_rank, ep)
-        node = graph.get_attr(fqn)
+        shards[fqn] = spec
+    if w.stacked:
+        node = graph.get_attr(w.weights[0])
     else:
         node = graph.call_function(
             torch.ops.aten.stack.default, ([graph.get_attr(w.weights[e]) for e in mine],)

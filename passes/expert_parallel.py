@@ -32,7 +32,7 @@ from torch.distributed.nn.functional import all_to_all_single
 
 from passes.collectives import _group
 
-__all__ = ["ep_moe", "ep_moe_replicated", "last_loads", "local_experts", "reset_loads"]
+__all__ = ["ep_moe", "ep_moe_replicated", "expert_shard", "last_loads", "local_experts", "reset_loads"]
 
 _LOADS: dict[str, list[int]] = {}  # block label -> rows each local expert computed in its last call
 
@@ -55,6 +55,20 @@ def local_experts(num_experts: int, size: int, rank: int) -> range:
         raise ValueError(f"expert parallelism over {size} ranks cannot split {num_experts} experts evenly")
     per = num_experts // size
     return range(rank * per, (rank + 1) * per)
+
+
+def expert_shard(value: torch.Tensor, spec: tuple) -> torch.Tensor:
+    """This rank's slice of an expert weight from the unsharded one (`passes.ep_lower` records `spec`
+    per parameter FQN): spec = (ep_rank, ep, tp_dim, tp_rank, tp, parts): dim 0 cut into ep pieces
+    (stacked experts; ep 1: not cut), then `tp_dim` (the expert width; -1: not cut) into tp pieces, a
+    fused gate-and-up weight's `parts` each cut and joined. Returns `value` when nothing is cut."""
+    ep_rank, ep, tp_dim, tp_rank, tp, parts = spec
+    if ep > 1:
+        value = value.chunk(ep, dim=0)[ep_rank]
+    if tp > 1 and tp_dim >= 0:
+        pieces = value.split(list(parts), dim=tp_dim) if parts else [value]
+        value = torch.cat([p.chunk(tp, dim=tp_dim)[tp_rank] for p in pieces], dim=tp_dim)
+    return value
 
 
 def _local(axis: str, num_experts: int, w_gate: torch.Tensor) -> tuple[dist.ProcessGroup | None, int, range]:
@@ -105,8 +119,13 @@ def ep_moe(
     num_experts: int,
     axis: str,
     label: str = "",
+    tp_axis: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A dropless MoE layer with the experts split over the EP ranks of `axis` (module docstring).
+    tp_axis: expert tensor parallelism: the weights are this TP rank's 1/tp of every expert's width
+    (gate / up column-parallel, down row-parallel), the TP ranks holding the same tokens; x and the
+    router's weights enter through `tp_copy` and the output is all-reduced over `tp_axis` (Megatron's
+    f and g around an MLP).
 
     x: (N, C) this rank's tokens; topk_ids: (N, k) int64 expert ids in 0 .. num_experts - 1;
     topk_weights: (N, k) the router's weights; w_gate, w_up: (E_l, I, C), w_down: (E_l, C, I) this
@@ -115,6 +134,10 @@ def ep_moe(
     weights. ValueError when the EP size
     does not divide num_experts or the local weights are not E / ep experts."""
     group, size, experts = _local(axis, num_experts, w_gate)
+    if tp_axis is not None:
+        from passes.collectives import tp_copy  # noqa: PLC0415 - same package, no cycle
+
+        x, topk_weights = tp_copy(x, tp_axis), tp_copy(topk_weights, tp_axis)
     n, k = topk_ids.shape
     ids = topk_ids.reshape(-1)
     order = torch.argsort(ids, stable=True)  # assignments sorted by expert: contiguous per rank
@@ -141,6 +164,10 @@ def ep_moe(
         _LOADS[label] = counts.tolist()
     weighted = out_rows * topk_weights.reshape(-1)[order].unsqueeze(-1).to(out_rows.dtype)
     out = x.new_zeros((n, w_down.shape[1])).index_add(0, token, weighted)
+    if tp_axis is not None:
+        from passes.collectives import tp_all_reduce  # noqa: PLC0415
+
+        out = tp_all_reduce(out, tp_axis)
     return out, counts
 
 

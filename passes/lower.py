@@ -128,9 +128,11 @@ def lower_for_rank(
     ep_lowering = None
     if plan.ep > 1 and plan.ep_fold == "tp":
         ep_lowering = apply_expert_parallel(gm, structure, plan.ep, tp_rank, fold="tp")
-    elif plan.ep > 1:
+    elif plan.ep > 1 or plan.expert_tp > 1:
         ep_rank = (dp_rank * plan.cp + plan.mesh.cp_rank(rank)) % plan.ep
-        ep_lowering = apply_expert_parallel(gm, structure, plan.ep, ep_rank)
+        ep_lowering = apply_expert_parallel(
+            gm, structure, plan.ep, ep_rank, expert_tp=plan.expert_tp, tp_rank=tp_rank
+        )
     apply_ladder(gm, ladder_residual_adds(structure, plan.ladder_layers))
     if plan.tp_comm_overlap and plan.tp > 1:
         apply_tp_overlap(gm, plan.tp, {name for layer in structure.layers for name in layer.nodes})
@@ -181,7 +183,11 @@ def check_runnable(plan: Plan, structure: ModelStructure, training: bool) -> Non
             "the plan's fields 'tp_comm_overlap' and 'ladder_layers' cannot both be set: ladder residual "
             "already overlaps its blocks' all-reduces; set tp_comm_overlap: false or ladder_layers: []"
         )
-    if plan.ep > 1 and plan.ep_fold == "tp" and plan.sequence_parallel and plan.tp > 1:
+    if (
+        (plan.ep > 1 and plan.ep_fold == "tp" or plan.expert_tp > 1)
+        and plan.sequence_parallel
+        and plan.tp > 1
+    ):
         raise InputError(
             "the plan's fields 'ep_fold' (tp) and 'sequence_parallel' cannot both be set: experts split over "
             "the TP ranks need the same tokens on every TP rank, which sequence parallelism cuts; set "

@@ -53,6 +53,7 @@ import torch
 import torch.fx as fx
 
 from passes.checkpoint import SUFFIX, SafetensorsCheckpoint, checkpoint_files
+from passes.expert_parallel import expert_shard
 from passes.general_rules import general_rule
 from passes.placement import Placement, padded_size, shard_weight
 from passes.tp_rules import RuleEntry, rule_for
@@ -246,9 +247,9 @@ def read_local_shards(
                         value, split_dim, split.parts, tp_rank, tp_size, pad=pad, pieces=pieces
                     )
                 value = value.detach().clone()
-            ep_shard = gm.meta.get("ep_shards", {}).get(name)  # experts on this EP rank (`passes.ep_lower`)
+            ep_shard = gm.meta.get("ep_shards", {}).get(name)  # this rank's experts (`passes.ep_lower`)
             if ep_shard is not None and tuple(value.shape) != tuple(tensor.shape):
-                value = value.chunk(ep_shard[1], dim=0)[ep_shard[0]]
+                value = expert_shard(value, ep_shard)
             if split is None and tuple(value.shape) != tuple(tensor.shape):
                 value = self_sharded_piece(value, tuple(tensor.shape), tp_rank, tp_size, name)
             if tuple(value.shape) != tuple(tensor.shape):

@@ -45,6 +45,7 @@ from torch import fx, nn
 from costmodels.calibrate import SpeedProbe
 from passes import collectives
 from passes.checkpoint import SafetensorsCheckpoint, load_whole, save_checkpoint
+from passes.expert_parallel import expert_shard
 from passes.ladder import apply_ladder, ladder_deviation, ladder_residual_adds
 from passes.lower import lower_for_rank
 from passes.tensor_parallel import read_local_shards, self_sharded_piece
@@ -367,7 +368,7 @@ def load_rank_state(gm: fx.GraphModule, weights: str, plan: Plan, tp_rank: int, 
             whole = source.read(name)
             ep_shard = gm.meta.get("ep_shards", {}).get(name)  # this rank's experts (`passes.ep_lower`)
             if ep_shard is not None and tuple(whole.shape) != tuple(tensor.shape):
-                whole = whole.chunk(ep_shard[1], dim=0)[ep_shard[0]]
+                whole = expert_shard(whole, ep_shard)
             if tuple(whole.shape) != tuple(tensor.shape):
                 whole = self_sharded_piece(whole, tuple(tensor.shape), tp_rank, plan.tp, name)
             values[name] = whole.to(dtype=tensor.dtype).contiguous()

@@ -172,11 +172,16 @@ def lowering_notes(plan: Plan, lowered: RankLowering, training: bool) -> list[st
             + (f"; gathered for ops without a rule: {', '.join(cp.fallbacks)}" if cp.fallbacks else "")
         )
     ep = lowered.expert_parallel
-    if ep is not None and ep.ep > 1:
+    if ep is not None and (ep.ep > 1 or plan.expert_tp > 1):
         notes.append(
             f"expert parallelism applied: {len(ep.blocks)} MoE block(s) with their experts split over {ep.ep} "
             f"ranks (this rank holds experts {ep.experts[0]}-{ep.experts[-1]}); tokens dispatched to their "
             "experts and combined back by all-to-all, dropless"
+            + (
+                f"; every expert's width split over the {plan.expert_tp} TP ranks, its outputs all-reduced"
+                if plan.expert_tp > 1
+                else ""
+            )
         )
     asked = any(Recompute(v) is not Recompute.NONE for v in plan.recompute.values())
     if lowered.recomputed:

@@ -77,11 +77,14 @@ TWO_RANK = {  # label: (model, plan kwargs)
     "ep2_modulelist_forward": (MODULELIST, dict(tp=1, dp=2, ep=2, workload="forward")),
     "ep2_over_tp2_mixtral": (MIXTRAL, dict(tp=2, dp=1, ep=2, ep_fold="tp")),
     "ep2_over_tp2_gptfast_forward": (GPTFAST, dict(tp=2, dp=1, ep=2, ep_fold="tp", workload="forward")),
+    "expert_tp2_gptfast": (GPTFAST, dict(tp=2, dp=1, ep=1, expert_tp=2)),
 }
 FOUR_RANK = {
     "tp2_ep2_modulelist": (MODULELIST, dict(tp=2, dp=2, ep=2)),
     "ep4_modulelist": (MODULELIST, dict(tp=1, dp=4, ep=4, batch=8)),
     "ep2_dp4_mixtral": (MIXTRAL, dict(tp=1, dp=4, ep=2, batch=8)),
+    "tp2_ep2_expert_tp2_mixtral": (MIXTRAL, dict(tp=2, dp=2, ep=2, expert_tp=2)),
+    "tp2_ep2_expert_tp2_modulelist": (MODULELIST, dict(tp=2, dp=2, ep=2, expert_tp=2)),
 }
 WRONG = {"ep2_averaged": (MODULELIST, dict(tp=1, dp=2, ep=2))}
 
