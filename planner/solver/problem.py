@@ -151,9 +151,10 @@ class MeshConfig:
     def dp_label(self) -> str:
         """The DP style as the layout label writes it: "zero1", "fsdp", "fsdp-noreshard", "hsdp 4x2"
         (`planner.plan.dp_label`; a sharded style keeps its name at dp=1)."""
-        if self.dp_style is not DataParallel.FSDP or self.mesh.dp == 1:
+        if self.dp_style is not DataParallel.FSDP or self.mesh.dp * self.mesh.cp == 1:
             return str(self.dp_style)
-        return dp_label(self.dp_style, self.mesh.dp, self.shard_degree, self.reshard_after_forward)
+        cp = self.mesh.cp  # sharded states span the CP ranks too (`planner.plan.MeshShape`)
+        return dp_label(self.dp_style, self.mesh.dp * cp, self.shard_degree * cp, self.reshard_after_forward)
 
     def layout_label(self) -> str:
         """What runs beside the mesh: "interleaved_1f1b v=2, sp, zero1" ("" for none of them)."""
