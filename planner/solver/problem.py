@@ -130,6 +130,9 @@ class MeshConfig:
     # experts are split over, folded over the dp x cp ranks ("dp") or the TP ranks ("tp"); 1: off
     ep: int = 1
     ep_fold: str = "dp"
+    # expert tensor parallelism (`planner.plan.Plan.expert_tp`; ep_fold "dp" only): 1 keeps every routed
+    # expert whole on each TP rank (replicated work), mesh.tp splits each over the TP ranks as a Megatron MLP
+    expert_tp: int = 1
 
     @property
     def num_devices(self) -> int:
@@ -173,8 +176,12 @@ class MeshConfig:
         return f"cp {self.cp_comm_type}" + ("" if self.cp_load_balance else " unbalanced")
 
     def ep_label(self) -> str:
-        """Expert parallelism as the layout table writes it: "off", "8 over dp", "2 over tp"."""
-        return f"{self.ep} over {self.ep_fold}" if self.ep > 1 else "off"
+        """Expert parallelism as the layout table writes it: "off", "8 over dp", "2 over tp", "8 over dp,
+        experts split over tp 4" (`expert_tp` > 1)."""
+        if self.ep == 1:
+            return "off"
+        split = f", experts split over tp {self.expert_tp}" if self.expert_tp > 1 else ""
+        return f"{self.ep} over {self.ep_fold}{split}"
 
     def overlap_flags(self) -> dict[str, bool]:
         """The communication-overlap choices by their Megatron-LM flag names (without dashes)."""

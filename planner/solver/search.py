@@ -1351,6 +1351,7 @@ def _plan_of(search: _Search, priced: PricedAssignment, model_name: str, solver:
         cp_load_balance=config.cp_load_balance if config.mesh.cp > 1 else True,
         ep=config.ep,
         ep_fold=config.ep_fold if config.ep > 1 else "dp",
+        expert_tp=config.expert_tp,
         moe_imbalance=w.moe_imbalance,
         moe_capacity_factor=w.moe_capacity_factor,
         num_experts=experts[0] if len(experts := expert_counts(s)) == 1 else 0,
