@@ -28,9 +28,9 @@ Expert parallelism (mixture-of-experts models): every mesh is priced with the ex
 EP degree dividing dp x cp and the experts folded over those ranks, and with EP over its TP ranks
 (`_ep_options`; pinned by --ep / --ep-fold, refused in one line where it cannot run:
 `_check_pinned_ep`); each is a candidate of its own, ep > 1 a feature. EP over dp x cp at tp > 1 is
-also a candidate with every routed expert split over the TP ranks (`MeshConfig.expert_tp` = tp,
-`_ep_options_with_expert_tp`; a feature of its own; --expert-tp pins it, N > 1 keeping only EP-over-dp
-candidates at tp = N). The MoE layers' fixed times
+solved with every routed expert split over the TP ranks (`MeshConfig.expert_tp` = tp,
+`_ep_options_with_expert_tp`) and priced with them whole on that solution (`_price_expert_tp`); the
+split is a feature of its own. --expert-tp pins it (N > 1 keeps only EP-over-dp candidates at tp = N). The MoE layers' fixed times
 and the experts' memory are what change (`costing`); the blocks' option tables do not, so their
 bounds are shared (`_least_layer_time_s`).
 """
@@ -567,15 +567,14 @@ def _ep_options(search: _Search, mesh: MeshShape, sequence_parallel: bool) -> li
 def _ep_options_with_expert_tp(
     search: _Search, mesh: MeshShape, sequence_parallel: bool
 ) -> list[tuple[int, str, int]]:
-    """`_ep_options` with the expert TP each is solved with: 1, and for EP over dp x cp at tp > 1 also tp
-    (a candidate of its own: splitting the experts halves their GEMMs at tp 2, which moves the lower
-    bounds the search prunes by, so it is solved, not only priced on another solution); a pinned
-    --expert-tp 1 keeps 1, N > 1 only EP over dp on meshes of tp = N."""
+    """`_ep_options` with the expert TP each is solved with: tp for EP over dp x cp (1 at tp 1; the
+    experts whole, expert_tp 1, are priced on its solution, `_price_expert_tp`: splitting the experts
+    halves their GEMMs at tp 2, which lowers the bounds the search prunes by, so the split is what is
+    solved), else 1; a pinned --expert-tp 1 keeps 1, N > 1 only EP over dp on meshes of tp = N."""
     pinned = search.constraints.expert_tp
     pairs = _ep_options(search, mesh, sequence_parallel)
     if pinned is None:
-        split = [(ep, fold, mesh.tp) for ep, fold in pairs if ep > 1 and fold == "dp" and mesh.tp > 1]
-        return [(ep, fold, 1) for ep, fold in pairs] + split
+        return [(ep, fold, mesh.tp if ep > 1 and fold == "dp" else 1) for ep, fold in pairs]
     if pinned == 1:
         return [(ep, fold, 1) for ep, fold in pairs]
     if mesh.tp != pinned:
@@ -750,6 +749,22 @@ def _cp_attention_s(ctx: CostContext) -> float:
         cost = cp_core_cost(attn, ctx, cp_core_shard(attn, ctx), cross)
         total += count * (cost.compute_s + cost.exposed_s)
     return total
+
+
+def _price_expert_tp(search: _Search, cand: _Candidate) -> None:
+    """A solved candidate whose experts are split over its TP ranks (expert_tp = tp, not pinned) priced
+    with them whole on every TP rank (expert_tp 1) on the same strategies, stages and recomputation:
+    the split is kept only when it saves `FEATURE_MIN_SAVING` of the step (a feature the runtime must
+    run) or the whole experts do not fit memory. The expert GEMMs, their memory and the TP all-reduce
+    change, not the per-layer trade-offs the ILP makes."""
+    config = cand.config
+    if search.constraints.expert_tp is not None or config.expert_tp == 1:
+        return
+    assert cand.solution is not None and cand.solution.assignment is not None and cand.latency_s is not None
+    tables = _price(search, dataclasses.replace(config, expert_tp=1)).tables
+    p = predict(tables, cand.solution.assignment).prediction
+    if p.peak_memory_bytes <= search.cap_bytes and p.latency_s <= cand.latency_s * (1 + FEATURE_MIN_SAVING):
+        cand.tables, cand.latency_s = tables, p.latency_s
 
 
 def _price_cp_variants(search: _Search, cand: _Candidate) -> None:
@@ -998,6 +1013,7 @@ def _solve_candidates(search: _Search, progress: Progress = silent) -> _Candidat
         _prefer_megatron_pairing(cand, prob, search.constraints.pairing_min_saving_fraction)
         _price_virtual_stages(search, cand)
         _price_cp_variants(search, cand)
+        _price_expert_tp(search, cand)
         _price_dp_styles(search, cand)
         if best is None or _better(cand, best):
             best = cand
