@@ -9,8 +9,9 @@ each example's docstring: the layout (mesh, expert parallelism, data-parallel st
 recomputation), the step time (training) or time per output token and to the first one (serving),
 model TFLOP/s per GPU counting the active parameters (each token's top-k experts, not all E:
 `Prediction.model_flops`), peak memory per rank, and the `--why` decision's alternatives for expert
-parallelism (off, each degree over the data-parallel ranks, over the TP ranks: the fastest solved mesh
-with each, or this plan with only EP changed). Planning only: prices are the cost model's
+parallelism (off, each degree over the data-parallel ranks, at tp > 1 also with every expert split over
+the TP ranks, "experts split over tp", over the TP ranks: the fastest solved mesh with each, or this
+plan with only EP changed). Planning only: prices are the cost model's
 (`costmodels/clusters/*.yaml`, `costmodels/expert_parallel.py`, routing balanced: --moe-imbalance 1),
 no GPU is run. What the DeepSeek-V3-sized model approximates: examples/deepseek_v3.py.
 """
@@ -96,7 +97,9 @@ def alternatives(plan: Plan) -> str:
     decision = next(d for d in plan.decisions if d.subject == "expert parallelism")
     ranked = sorted(decision.options.items(), key=lambda item: item[1])
     shown = [f"{name}: {_seconds(t)}" for name, t in ranked if math.isfinite(t)]
-    refused = [name for name, t in ranked if not math.isfinite(t)]
+    refused = [name for name, t in ranked if not math.isfinite(t) and "split" not in name]
+    split = sum(1 for name, t in ranked if not math.isfinite(t) and "split" in name)
+    refused += [f"{split} with the experts split over tp"] if split else []
     return "; ".join(shown) + (
         f"; not solved (pruned by its bound, over memory, or cannot run): {', '.join(refused)}"
         if refused

@@ -26,7 +26,9 @@ Memory per rank: the E / ep local experts' weights, and in training their gradie
 the data-parallel style shards; the runtime runs EP with ddp), and the rows kept for the backward.
 
 Fold "dp" replicates the experts over the TP ranks (each TP rank runs the same experts on the same
-tokens: expert TP 1 with replicated compute, as the runtime runs it). The sources: GShard (Lepikhin et
+tokens: expert TP 1 with replicated compute), or with expert TP = tp splits each over them as a
+Megatron MLP (`planner.solver.costing.expert_split`: 1/tp of every GEMM and of the experts' memory,
+one all-reduce of N H b over TP each way: `expert_tp_reduce_s`). The sources: GShard (Lepikhin et
 al. 2020, section 2.2: dispatch and combine by all-to-all), Megatron-Core's `alltoall` token dispatcher
 (NVIDIA/Megatron-LM `megatron/core/transformer/moe/token_dispatcher.py`: the counts exchange, then the
 tokens), vLLM's expert parallelism at data-parallel size 1 (`vllm/model_executor/layers/fused_moe/

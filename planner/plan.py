@@ -523,8 +523,12 @@ class Plan:
         return cp_text(self.mesh.cp, self.cp_comm_type, self.cp_load_balance)
 
     def ep_text(self) -> str:
-        """Expert parallelism as a user reads it: "off", "8 over dp", "8 over tp"."""
-        return f"{self.ep} over {self.ep_fold}" if self.ep > 1 else "off"
+        """Expert parallelism as a user reads it: "off", "8 over dp", "8 over tp", "8 over dp, experts split
+        over tp 4" (`expert_tp` > 1)."""
+        if self.ep == 1:
+            return "off"
+        split = f", experts split over tp {self.expert_tp}" if self.expert_tp > 1 else ""
+        return f"{self.ep} over {self.ep_fold}{split}"
 
     @property
     def micro_batch_size(self) -> float:

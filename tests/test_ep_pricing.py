@@ -34,6 +34,8 @@ from planner.solver.costing import (
     expert_comm_time_s,
     expert_gemm_time_s,
     expert_share,
+    expert_split,
+    expert_tp_reduce_s,
 )
 from planner.solver.problem import Constraints, MeshConfig, WorkloadSpec
 from planner.solver.search import _ep_options, plan_model
@@ -262,3 +264,105 @@ def test_the_exports_of_an_ep_plan_name_the_experts_mesh() -> None:
     vllm = export_plan(serving, "vllm", model="mistralai/Mixtral-8x7B-v0.1")
     assert "'enable_expert_parallel': True" in vllm.text and "--enable-expert-parallel --dtype" in vllm.text
     assert not any("expert" in w for w in vllm.warnings)  # EP over the TP ranks at dp 1: vLLM's own layout
+
+
+def _split(ctx: CostContext, expert_tp: int) -> CostContext:
+    return dataclasses.replace(ctx, config=dataclasses.replace(ctx.config, expert_tp=expert_tp))
+
+
+def test_expert_tp_divides_the_expert_gemms_and_memory_by_tp_and_adds_the_tp_all_reduce() -> None:
+    """expert_tp = tp: each TP rank computes 1/tp of every expert GEMM (at the narrower width: a little
+    less than tp x faster), holds 1/tp of the experts' weights and state, and all-reduces the tokens x H
+    output over TP once each way; expert_tp 1 is today's price (whole experts, replicated over TP)."""
+    s = _mixtral()
+    layer = _moe_layer(s)
+    whole = _ctx(s, MeshShape(4, 1, 16), ep=8, cluster="h100-ib-128node", batch=16)
+    split = _split(whole, 4)
+    assert (whole.expert_tp, split.expert_tp) == (1, 4)
+    ratio = expert_gemm_time_s(layer, whole) / expert_gemm_time_s(layer, split)
+    assert 3.0 < ratio <= 4.0 + 1e-9
+    assert expert_split(layer.moe.experts[-1], 4) == (14336 / 4, 4096)  # down: row-parallel along I
+    reduce = 2 * all_reduce_time_s(4096 * 4096 * 2, whole.tp_group(), whole.cluster)  # forward + backward
+    added = expert_comm_time_s(layer, split) - expert_comm_time_s(layer, whole)
+    assert added == pytest.approx(reduce + split.node_overhead_time(1))
+    assert expert_tp_reduce_s(layer, whole) == 0.0
+    g_whole, g_split = build_layer_graph(layer, whole), build_layer_graph(layer, split)
+    expert_state = (
+        layer.moe.expert_params / 8 * 16
+    )  # E / ep experts: bf16 weights and grads, fp32 Adam and master
+    assert g_whole.fixed_static_bytes - g_split.fixed_static_bytes == pytest.approx(
+        expert_state * 3 / 4, rel=1e-3
+    )
+    assert g_split.expert_grad_bytes == pytest.approx(g_whole.expert_grad_bytes / 4)
+    rows = expert_share(layer.moe, whole).rows  # the I-wide side of each projection's rows kept / 4
+    i_wide = rows * sum(max(w.in_features, w.out_features) for w in layer.moe.experts) * 2
+    assert g_whole.fixed_activation_bytes - g_split.fixed_activation_bytes == pytest.approx(i_wide * 3 / 4)
+    # EP over the TP ranks: expert_tp means nothing there (the plan refuses it); priced as 1
+    assert _split(_ctx(s, MeshShape(8, 1, 1), ep=8, fold="tp", batch=1), 8).expert_tp == 1
+
+
+def _mixtral_tp2(**pins) -> Plan:
+    return plan_model(
+        _mixtral(), load_cluster("h100-ib-128node"), WorkloadSpec("train", 256, 4096, dtype="bf16"),
+        Constraints(max_devices=64, tp=2, ep_fold="dp", **pins),
+    )  # fmt: skip
+
+
+def test_mixtral_at_tp_2_prices_the_experts_split_and_whole_and_picks_the_faster() -> None:
+    plan, whole = _mixtral_tp2(), _mixtral_tp2(expert_tp=1)
+    assert plan.expert_tp == 2 and whole.expert_tp == 1 and whole.ep > 1
+    assert plan.predicted.latency_s < whole.predicted.latency_s * (1 - 0.005)
+    why = {d.subject: d for d in plan.decisions}["expert parallelism"]
+    assert why.chosen == f"{plan.ep} over dp, experts split over tp 2" == plan.ep_text()
+    assert why.options[why.chosen] == pytest.approx(plan.predicted.latency_s)
+    assert f"{plan.ep} over dp" in why.options and "experts split over tp" in why.reason
+    assert _mixtral_tp2(expert_tp=2).predicted.latency_s == pytest.approx(plan.predicted.latency_s)
+    again = Plan.from_dict(plan.to_dict())
+    assert again.expert_tp == 2
+    megatron = export_plan(plan, "megatron")
+    assert "--expert-tensor-parallel-size 2" in megatron.text
+    assert not any("replicated over the" in w for w in megatron.warnings)
+    old = export_plan(plan, "torchtitan", torchtitan_version="0.2")
+    assert "expert_tensor_parallel_degree = 2" in old.text
+    assert not any("replicates the experts" in w for w in old.warnings)
+    assert any(
+        "no expert TP" in w for w in export_plan(plan, "torchtitan", torchtitan_version="0.3").warnings
+    )
+    assert any("replicated over the" in w for w in export_plan(whole, "megatron").warnings)
+
+
+def test_a_pinned_expert_tp_other_than_1_or_tp_is_refused_in_one_line() -> None:
+    for pins, words in (
+        (dict(tp=4, expert_tp=2), ["--expert-tp 2", "--tp 4"]),
+        (dict(expert_tp=2, ep_fold="tp"), ["--expert-tp 2", "--ep-fold tp"]),
+        (dict(expert_tp=2, ep=1), ["--expert-tp 2", "--ep 1"]),
+    ):
+        with pytest.raises(InputError) as e:
+            Constraints(**pins)
+        assert "\n" not in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
+    with pytest.raises(InputError, match="--expert-tp 2: no mesh"):
+        plan_model(_tiny(), load_cluster("dgx-h100"), WorkloadSpec("train", 8, 16, dtype="bf16"),
+                   Constraints(expert_tp=2, dp=1))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--tp", "2", "--expert-tp", "4"], ["--expert-tp 4", "--tp 2"]),
+        (["--expert-tp", "2", "--ep-fold", "tp"], ["--expert-tp 2", "--ep-fold tp"]),
+    ],
+)
+def test_cli_refuses_a_bad_expert_tp_with_exit_code_2(args, words, capsys) -> None:
+    rc = main(
+        [
+            "optimize",
+            str(MODELS / "tiny_moe_gptfast.py"),
+            "--cluster",
+            "dgx-h100",
+            "--workload",
+            "train",
+            *args,
+        ]
+    )
+    err = " ".join(capsys.readouterr().err.split())
+    assert rc == 2 and all(w in err for w in words), err

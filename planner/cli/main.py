@@ -216,6 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
         "tp (the TP ranks, ep = tp, as vLLM's --enable-expert-parallel); auto: each priced",
     )
     opt.add_argument(
+        "--expert-tp",
+        type=_positive,
+        help="mixture-of-experts models with expert parallelism over dp: 1 keeps each routed expert whole on "
+        "every TP rank (replicated work), the TP degree splits every expert over the TP ranks as a Megatron MLP "
+        "(Megatron-Core's --expert-tensor-parallel-size); default: each priced",
+    )
+    opt.add_argument(
         "--moe-imbalance",
         type=float,
         default=DEFAULT_MOE_IMBALANCE,
@@ -1110,13 +1117,15 @@ def _check_cp_options(args: argparse.Namespace) -> None:
 
 
 def _ep_options(args: argparse.Namespace) -> dict:
-    """--ep, --ep-fold as `workflow.constraints_from` keywords ("auto": None); with --run, EP plans keep
-    dp_style ddp (`Constraints.ep_ddp_only`: the one style the runtime runs expert parallelism with)."""
+    """--ep, --ep-fold, --expert-tp as `workflow.constraints_from` keywords ("auto": None); with --run, EP
+    plans keep dp_style ddp (`Constraints.ep_ddp_only`: the one style the runtime runs expert parallelism
+    with)."""
     fold = getattr(args, "ep_fold", "auto")
     return {
         "ep": getattr(args, "ep", None),
         "ep_fold": None if fold == "auto" else fold,
         "ep_ddp_only": bool(getattr(args, "run", False)),
+        "expert_tp": getattr(args, "expert_tp", None),
     }
 
 
@@ -1129,11 +1138,12 @@ def _routing_options(args: argparse.Namespace) -> dict:
 
 
 def _check_ep_options(args: argparse.Namespace) -> None:
-    """--ep-fold with --ep 1, and an --moe-imbalance or --moe-capacity-factor below 1, are refused in
-    one line (exit 2), before any tracing (the model-dependent checks: `search._check_pinned_ep`)."""
+    """--ep-fold with --ep 1, an --expert-tp other than 1 or --tp (or with --ep-fold tp, or --ep 1), and an
+    --moe-imbalance or --moe-capacity-factor below 1, are refused in one line (exit 2), before any
+    tracing (the model-dependent checks: `search._check_pinned_ep`)."""
     from planner.solver.problem import Constraints, WorkloadSpec  # noqa: PLC0415 - keeps `planner --help` fast
 
-    Constraints(**_ep_options(args))
+    Constraints(tp=getattr(args, "tp", None), **_ep_options(args))
     WorkloadSpec("forward", 1, 1, **_routing_options(args))
 
 

@@ -35,7 +35,7 @@ the dataclass fields it turns into options: `ModelParallelConfig`, `TransformerC
 | batch / dp / micro_batches, batch      | --micro-batch-size, --global-batch-size                            |
 | dtype bf16 / fp16                      | --bf16 / --fp16 (fp32: none)                                       |
 | num_experts (a MoE model)              | --num-experts, --expert-model-parallel-size ep,                    |
-|                                        | --expert-tensor-parallel-size 1                                    |
+|                                        | --expert-tensor-parallel-size expert_tp (1, or tp: split experts)  |
 | ep > 1                                 | --moe-token-dispatcher-type alltoall (dropless, as the runtime's)  |
 | moe_capacity_factor                    | --moe-expert-capacity-factor                                       |
 | seq_len, layers                        | --seq-length, --num-layers                                         |
@@ -65,11 +65,13 @@ load balancing is exported with a warning.
 Expert parallelism (`Plan.ep`, a mixture-of-experts model): Megatron-Core builds a second mesh for
 the experts over the same tp x cp x dp ranks ("parallel folding": `megatron/core/parallel_state.py`,
 the expert rank generator's tp-ep-dp-pp order, expert tensor parallelism innermost), of expert-TP x
-EP x expert-DP. The plan's experts are never split tensor-parallel: expert TP 1. Over dp (`ep_fold`
-"dp") at tp 1 that is the plan's layout (EP groups of ep consecutive data-parallel ranks, the tokens
-exchanged by the all-to-all dispatcher); at tp > 1 the plan's EP groups take one rank of each TP group
-and every TP rank runs the same experts on the same rows, where Megatron's (expert TP 1, its EP groups
-of consecutive ranks, across the TP ranks) hold different experts on each TP rank: no exact
+EP x expert-DP, its expert TP `Plan.expert_tp`. Over dp (`ep_fold` "dp") at tp 1 that is the plan's
+layout (EP groups of ep consecutive data-parallel ranks, the tokens exchanged by the all-to-all
+dispatcher); at tp > 1 with the experts split over the TP ranks (expert_tp = tp) it is too (Megatron's
+expert TP groups are the TP groups, innermost, and its EP groups ep data-parallel ranks of one TP rank,
+tp apart, as the plan's); at tp > 1 with expert_tp 1 the plan's EP groups take one rank of each TP
+group and every TP rank runs the same experts on the same rows, where Megatron's (expert TP 1, its EP
+groups of consecutive ranks, across the TP ranks) hold different experts on each TP rank: no exact
 equivalent, exported as that with a warning. Over tp (`ep_fold` "tp", ep = tp) Megatron's EP groups
 are the TP groups, as the plan's, but it dispatches the tokens by all-to-all where the plan's TP ranks
 hold the same tokens and all-reduce the experts' outputs; in training its MoE layer wants sequence
@@ -203,19 +205,25 @@ def _expert_args(plan: Plan, warnings: list[str]) -> list[str]:
             "the plan does not record one expert count for the model (planned before it did, or layers with different "
             "counts): add --num-experts yourself"
         )
-    args += ["--expert-model-parallel-size", str(plan.ep), "--expert-tensor-parallel-size", "1"]
+    args += [
+        "--expert-model-parallel-size",
+        str(plan.ep),
+        "--expert-tensor-parallel-size",
+        str(plan.expert_tp),
+    ]
     if plan.ep > 1:
         args += ["--moe-token-dispatcher-type", "alltoall"]
     if plan.moe_capacity_factor is not None:
         args += ["--moe-expert-capacity-factor", f"{plan.moe_capacity_factor:g}"]
-    if plan.ep > 1 and plan.ep_fold == "dp" and plan.tp > 1:
+    if plan.ep > 1 and plan.ep_fold == "dp" and plan.tp > 1 and plan.expert_tp == 1:
         warnings.append(
             f"the plan's EP groups are {plan.ep} data-parallel ranks of one TP rank, its experts replicated over the "
             f"tp={plan.tp} TP ranks (each runs the same experts on the same rows); Megatron-Core has no such layout: "
             f"exported as its parallel folding with --expert-tensor-parallel-size 1, whose EP groups are {plan.ep} "
             f"consecutive ranks across the TP ranks and whose expert data-parallel size is "
             f"{plan.tp * plan.cp * plan.dp // plan.ep} (the plan's: {plan.cp * plan.dp // plan.ep}): each rank holds "
-            "other experts and computes fewer rows than the plan priced, and its all-to-all spans the TP ranks"
+            "other experts and computes fewer rows than the plan priced, and its all-to-all spans the TP ranks; "
+            f"a plan with --expert-tp {plan.tp} (each expert split over the TP ranks) exports exactly"
         )
     if plan.ep > 1 and plan.ep_fold == "tp":
         warnings.append(
@@ -303,10 +311,10 @@ def _main_grads_warning(plan: Plan) -> str:
     """Megatron-LM's --bf16 keeps fp32 main gradients (its --accumulate-allreduce-grads-in-fp32 is on
     for bf16), 2 bytes per parameter more than the plan's 16-bit gradients (the planner's runtime
     keeps them in the parameters' dtype, as ZeRO's 16-byte mixed-precision count does)."""
-    # a rank's share of the parameters, bytes: the dense ones split over tp x pp, the routed experts whole
-    # (expert TP 1) over ep x pp
+    # a rank's share of the parameters, bytes: the dense ones split over tp x pp, the routed experts over
+    # ep x expert_tp x pp (whole at expert TP 1)
     dense = plan.model_params - plan.expert_params
-    extra = 2.0 * (dense / (plan.tp * plan.pp) + plan.expert_params / (plan.ep * plan.pp))
+    extra = 2.0 * (dense / (plan.tp * plan.pp) + plan.expert_params / (plan.ep * plan.expert_tp * plan.pp))
     peak = plan.predicted.peak_memory_bytes + extra
     cluster = plan.saved_cluster()
     fits = ""

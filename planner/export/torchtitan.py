@@ -49,8 +49,8 @@ sections of a job TOML (`--job.config_file`, torchtitan 0.2.x; names of 0.2.2's
 |                                        | training.dtype = "bfloat16" (see below)                             |
 | micro_batches without pipeline stages  | local_batch_size = the micro-batch (torchtitan accumulates          |
 |                                        | gradients over global / (local x dp) steps)                         |
-| ep (a MoE model)                       | expert_parallel_degree; 0.2 also expert_tensor_parallel_degree: 1,  |
-|                                        | or tp for EP over dp at tp > 1 (its EP groups are then the plan's)  |
+| ep (a MoE model)                       | expert_parallel_degree; 0.2 also expert_tensor_parallel_degree:     |
+|                                        | expert_tp; tp for EP over dp at tp > 1 (its EP groups the plan's)   |
 
 Data parallelism: torchtitan runs DDP, FSDP and HSDP through `fully_shard` on its
 `["dp_replicate", "fsdp"]` mesh (0.3 always, shard degree 1 included; 0.2 FSDP / HSDP, and
@@ -92,8 +92,9 @@ few shard ranks (ddp: shard degree 1) is exported as HSDP with the least shard d
 and a warning. 0.3 has no expert TP (its EP borrows the TP ranks: EP over tp is exact, EP over dp at tp
 > 1 takes TP ranks into the EP groups, a warning); 0.2's `expert_tensor_parallel_degree` is 1 or tp
 ("etp = tp: partial dp -> ep; etp = 1: partial dp + all tp -> ep", its job_config.py): tp for EP over
-dp (the EP groups the plan's, the experts split over TP where the plan replicates them: a warning), 1
-for EP over tp. torchtitan dispatches tokens by all-to-all in both folds.
+dp (the EP groups the plan's; exact for a plan with `Plan.expert_tp` = tp, the experts split over TP
+as there; a plan with expert_tp 1 replicates them: a warning, as its etp 1 would put TP ranks in the
+EP groups), 1 for EP over tp. torchtitan dispatches tokens by all-to-all in both folds.
 
 Module names of the pipeline parts: torchtitan's Llama names its modules `tok_embeddings`,
 `layers.N`, `norm` and, in 0.3, `lm_head` (0.3.0 `torchtitan/models/common/decoder.py`; its
@@ -225,7 +226,14 @@ def _expert_parallel(
             f"keeps them as {dp_label(plan)}: its memory and traffic differ from the plan's"
         )
         replicate, shard, reshard = dp // fits, fits, reshard or RESHARD_POLICY[False]
-    if plan.ep_fold == "dp" and plan.tp > 1:
+    if plan.ep_fold == "dp" and plan.tp > 1 and plan.expert_tp > 1 and version != "0.2":
+        warnings.append(
+            f"the plan splits every expert over the tp={plan.tp} TP ranks (expert TP {plan.expert_tp}) with EP over the "
+            "data-parallel ranks; torchtitan 0.3 has no expert TP setting and borrows the TP ranks into the EP groups: "
+            "each rank holds other experts whole and its all-to-all spans the TP ranks (torchtitan 0.2's "
+            f"expert_tensor_parallel_degree {plan.tp} is the plan's layout)"
+        )
+    if plan.ep_fold == "dp" and plan.tp > 1 and plan.expert_tp == 1:
         how = (
             f"expert_tensor_parallel_degree {plan.tp}: the same EP groups, each expert split over the TP ranks"
             if version == "0.2"

@@ -136,6 +136,8 @@ def _expert_warnings(plan: Plan) -> list[str]:
     how = (
         f"over the tp={plan.tp} TP ranks of each of dp={plan.dp} replicas"
         if plan.ep_fold == "tp"
+        else f"over {plan.ep} data-parallel ranks, each expert split over the tp={plan.tp} TP ranks"
+        if plan.expert_tp > 1
         else f"over {plan.ep} data-parallel ranks, replicated over the tp={plan.tp} TP ranks"
     )
     return [

@@ -53,7 +53,12 @@ the experts it holds that they reach), their GEMMs in `fixed_compute_s` (`expert
 token exchange in `LayerGraph.fixed_comm_s` (`expert_comm_time_s`), E / ep experts' weights in the
 static bytes (`expert_param_bytes`); over dp x cp their gradients are reduced, and their states
 sharded, over the dp x cp / ep ranks holding the same experts (`CostContext.experts_context`,
-`LayerGraph.expert_grad_bytes`, `expert_static_bytes`). A dense model prices as before.
+`LayerGraph.expert_grad_bytes`, `expert_static_bytes`). A dense model prices as before. Expert tensor
+parallelism (`MeshConfig.expert_tp` = tp, EP over dp x cp only; `CostContext.expert_tp`): each expert
+is a Megatron MLP split over the TP ranks along its width I (`expert_split`), so its GEMMs run 1/tp of
+the FLOP at the narrower width, its weights, gradients, optimizer state and I-wide activations are
+divided by tp, and one all-reduce of the tokens x H output over TP per layer (and one of the input
+gradient in training) joins the exchange; expert_tp 1 prices the experts whole on every TP rank.
 
 Times are per micro-batch on one rank; a pipelined step of them takes `step_time_s`. Training
 multiplies compute by `TRAIN_COMPUTE_FACTOR` (backward = 2x forward FLOPs) and communication by
@@ -97,6 +102,7 @@ from planner.frontend.analysis import (
     Role,
     conv_call_at_batch,
 )
+from planner.frontend.moe import ExpertWeight
 from planner.plan import DataParallel, Layout, MeshShape, Workload, tp_overlap_chunk_count
 from planner.solver.problem import MeshConfig, WorkloadSpec
 
@@ -289,6 +295,13 @@ class CostContext:
     def experts_context(self) -> CostContext:
         """This context for the routed experts' parameters (`expert_data_parallel`)."""
         return dataclasses.replace(self, expert_data_parallel=True)
+
+    @property
+    def expert_tp(self) -> int:
+        """TP ranks each routed expert is split over (`MeshConfig.expert_tp`): tp when the config splits
+        them and EP folds over dp x cp, else 1 (every TP rank holds each of its experts whole)."""
+        config = self.config
+        return config.expert_tp if config.expert_tp > 1 and config.ep_fold == "dp" and self.mesh.tp > 1 else 1
 
     def ep_group(self) -> Group:
         """The EP group (fold dp): ep consecutive ranks of the dp x cp ranks of one (pp, tp) coordinate,
@@ -998,10 +1011,21 @@ def expert_share(moe: MoE, ctx: CostContext) -> ExpertShare:
     return ExpertShare(moe.num_experts / ep, rows, touched, load)
 
 
+def expert_split(weight: ExpertWeight, expert_tp: int) -> tuple[float, float]:
+    """(in, out) features of one expert projection on one rank when each expert is split over
+    `expert_tp` TP ranks as a Megatron MLP along its width I: the down projection row-parallel (its
+    input I / expert_tp), gate / up / fused gate_up column-parallel (their output / expert_tp)."""
+    if weight.role is Role.EXPERT_DOWN:
+        return weight.in_features / expert_tp, float(weight.out_features)
+    return float(weight.in_features), weight.out_features / expert_tp
+
+
 def expert_gemm_time_s(layer: Layer, ctx: CostContext) -> float:
     """Time of a mixture-of-experts layer's routed expert GEMMs (`Layer.moe`; 0 for a dense layer) on
-    the busiest rank of its EP group (every rank without expert parallelism; the experts stay whole
-    under tensor parallelism, replicated over the TP ranks with EP folded over dp x cp).
+    the busiest rank of its EP group (every rank without expert parallelism). With `expert_tp` 1 the
+    experts stay whole under tensor parallelism, replicated over the TP ranks with EP folded over dp x
+    cp; with expert_tp = tp each rank computes every expert GEMM on its rows at the split width
+    (`expert_split`: 1/tp of the FLOP and of the weights read, at that shape's GEMM efficiency).
 
     Each expert projection is a matmul of the rank's rows (`expert_share`: f k N, or f k N / ep over
     TP) and 2 x rows x in x out FLOP, at the GEMM efficiency of the rows per expert reached (small
@@ -1013,14 +1037,29 @@ def expert_gemm_time_s(layer: Layer, ctx: CostContext) -> float:
     if moe is None:
         return 0.0
     share = expert_share(moe, ctx)
-    b = ctx.bytes_per_element
+    b, etp = ctx.bytes_per_element, ctx.expert_tp
     per_expert = share.rows / max(1.0, share.touched)
     total = 0.0
     for w in moe.experts:
-        flops = 2.0 * share.rows * w.in_features * w.out_features
-        moved = (share.touched * w.params_per_expert + share.rows * (w.in_features + w.out_features)) * b
-        total += ctx.op_time(flops, moved, "matmul", rows=per_expert, shape=(w.in_features, w.out_features))
+        k, n = expert_split(w, etp)
+        flops = 2.0 * share.rows * k * n
+        moved = (share.touched * w.params_per_expert / etp + share.rows * (k + n)) * b
+        total += ctx.op_time(flops, moved, "matmul", rows=per_expert, shape=(k, n))
     return total
+
+
+def expert_tp_reduce_s(layer: Layer, ctx: CostContext) -> float:
+    """Seconds of the all-reduce over the TP ranks that expert tensor parallelism adds to a MoE layer
+    per micro-batch (`CostContext.expert_tp` > 1; else 0): the experts' partial outputs, tokens x H x
+    bytes, summed once after the combine, and in training once more for the input gradient; one more
+    graph node."""
+    moe = layer.moe
+    if moe is None or ctx.expert_tp == 1:
+        return 0.0
+    nbytes = ctx.tokens * moe.hidden_size * ctx.bytes_per_element
+    return ctx.comm_factor * all_reduce_time_s(nbytes, ctx.tp_group(), ctx.cluster) + ctx.node_overhead_time(
+        1
+    )
 
 
 def expert_comm_time_s(layer: Layer, ctx: CostContext) -> float:
@@ -1028,10 +1067,13 @@ def expert_comm_time_s(layer: Layer, ctx: CostContext) -> float:
     dense layer or ep 1): fold dp, the counts, dispatch and combine all-to-alls over the EP group
     (`costmodels.expert_parallel.all_to_all_exchange_s`, the busiest rank's load of bytes); fold tp,
     one all-reduce of the layer's N x H output over the TP ranks (and one of the input gradient in
-    training). Each collective is one more graph node."""
+    training). Each collective is one more graph node. With expert tensor parallelism the TP
+    all-reduce of the experts' partial outputs is added (`expert_tp_reduce_s`)."""
     moe = layer.moe
-    if moe is None or ctx.ep == 1:
+    if moe is None:
         return 0.0
+    if ctx.ep == 1:
+        return expert_tp_reduce_s(layer, ctx)
     if ctx.ep_fold == "tp":
         nbytes = ctx.tokens * moe.hidden_size * ctx.bytes_per_element
         return ctx.comm_factor * all_reduce_time_s(
@@ -1040,27 +1082,28 @@ def expert_comm_time_s(layer: Layer, ctx: CostContext) -> float:
     share = expert_share(moe, ctx)
     data = dispatch_bytes(moe.top_k, ctx.tokens, moe.hidden_size, ctx.bytes_per_element, share.load)
     exchange = all_to_all_exchange_s(data, moe.num_experts, ctx.ep_group(), ctx.cluster, ctx.train)
-    return exchange + ctx.node_overhead_time(3)
+    return exchange + ctx.node_overhead_time(3) + expert_tp_reduce_s(layer, ctx)
 
 
 def expert_param_bytes(layer: Layer, ctx: CostContext) -> float:
     """Bytes of the routed experts' weights one rank holds, in the planned dtype: E / ep experts' (the
-    whole of each: not split over TP)."""
+    whole of each with `CostContext.expert_tp` 1; 1 / expert_tp of each when split over TP)."""
     moe = layer.moe
     if moe is None:
         return 0.0
-    return moe.expert_params / ctx.ep * ctx.bytes_per_element
+    return moe.expert_params / (ctx.ep * ctx.expert_tp) * ctx.bytes_per_element
 
 
 def expert_activation_bytes(layer: Layer, ctx: CostContext) -> float:
     """Training: bytes a mixture-of-experts layer's routed experts keep for backward on the busiest
-    rank (each expert projection's input and output rows, `expert_share`'s rows of them; 0 for a dense
+    rank (each expert projection's input and output rows, `expert_share`'s rows of them, their I-wide
+    side / `CostContext.expert_tp` when the experts are split over TP: `expert_split`; 0 for a dense
     layer)."""
     moe = layer.moe
     if moe is None or not ctx.train:
         return 0.0
     rows = expert_share(moe, ctx).rows
-    return sum(rows * (w.in_features + w.out_features) for w in moe.experts) * ctx.bytes_per_element
+    return sum(rows * sum(expert_split(w, ctx.expert_tp)) for w in moe.experts) * ctx.bytes_per_element
 
 
 def expert_grad_weight(ctx: CostContext) -> float:
@@ -1123,8 +1166,8 @@ def build_layer_graph(layer: Layer, ctx: CostContext) -> LayerGraph:
             "memory",
         )
     split = ctx.mesh.tp if ctx.sequence_parallel else 1  # norms and residual adds on a sequence shard
-    # a mixture of experts' routed part runs whole on every TP rank, on the rows of its EP share
-    # (`expert_gemm_time_s`), its token exchange exposed (`expert_comm_time_s`)
+    # a mixture of experts' routed part runs whole on every TP rank (split over them with expert_tp),
+    # on the rows of its EP share (`expert_gemm_time_s`), its token exchange exposed (`expert_comm_time_s`)
     fixed = fixed / split + experts_s + ctx.node_overhead_time(graph_node_count(layer.nodes, s))
     # param_bytes is in the captured model's dtype; re-express it in the planned dtype.
     as_planned = layer.param_bytes / DTYPE_BYTES[s.dtype] * b
@@ -1132,7 +1175,8 @@ def build_layer_graph(layer: Layer, ctx: CostContext) -> LayerGraph:
     fixed_act = 2.0 * num_norms * tokens * hidden * b / split if ctx.train else 0.0
     fixed_act += expert_activation_bytes(layer, ctx)
     static, grads, expert_grads, expert_static = other_params * ctx.state_factor(), other_params, 0.0, 0.0
-    if ctx.ep > 1 and layer.moe is not None:  # the rank holds E / ep experts (`expert_param_bytes`)
+    # the rank holds E / ep experts, each 1 / expert_tp of one (`expert_param_bytes`)
+    if (ctx.ep > 1 or ctx.expert_tp > 1) and layer.moe is not None:
         local = expert_param_bytes(layer, ctx)
         dense = max(0.0, other_params - layer.moe.expert_params * b)
         if ctx.ep_fold == "dp":  # reduced and sharded over the edp group (`CostContext.experts_context`)

@@ -607,7 +607,8 @@ def ep_decisions(
     solved: dict[str, float] | None = None,
 ) -> list[Decision]:
     """Expert parallelism (mixture-of-experts models only): for experts off, every EP degree folded
-    over the dp x cp ranks and EP over the TP ranks, the faster of the fastest solved mesh candidate
+    over the dp x cp ranks (at tp > 1 each with the experts whole on every TP rank and split over them,
+    `MeshConfig.expert_tp`) and EP over the TP ranks, the faster of the fastest solved mesh candidate
     with it (`solved`, by `MeshConfig.ep_label`) and this plan with only EP changed (mesh, splits,
     stages, recomputation and data-parallel style kept) where that fits memory; inf with why where a
     degree cannot run on the plan's mesh (`problem.ep_refusal`: it does not divide the experts or the
@@ -624,26 +625,31 @@ def ep_decisions(
     degrees = sorted({d for e in experts for d in range(2, e + 1) if e % d == 0} | {
         d for d in range(2, mesh.dp_cp + 1) if mesh.dp_cp % d == 0
     })  # fmt: skip
-    pairs = [(1, "dp")] + [(d, "dp") for d in degrees] + ([(mesh.tp, "tp")] if mesh.tp > 1 else [])
+    pairs = [(1, "dp", 1)] + [(d, "dp", 1) for d in degrees]
+    if mesh.tp > 1:  # expert TP: each EP-over-dp degree with its experts split over the TP ranks too
+        pairs += [(d, "dp", mesh.tp) for d in degrees] + [(mesh.tp, "tp", 1)]
     options: dict[str, float] = {}
     memory: dict[str, float] = {}
     notes, refused = [], []
     solved = solved or {}
-    here = {MeshConfig(mesh, 1, ep=ep, ep_fold=fold).ep_label() for ep, fold in pairs}
+    here = {MeshConfig(mesh, 1, ep=ep, ep_fold=fold, expert_tp=etp).ep_label() for ep, fold, etp in pairs}
     unsolved = []
     for name, latency in solved.items():  # degrees of other meshes only (not this one's dp x cp or tp)
         if name not in here:
             options[name] = latency
             unsolved += [name] if math.isinf(latency) else []
-    for ep, fold in pairs:
-        name = MeshConfig(mesh, 1, ep=ep, ep_fold=fold).ep_label()
+    for ep, fold, etp in pairs:
+        name = MeshConfig(mesh, 1, ep=ep, ep_fold=fold, expert_tp=etp).ep_label()
         why = ep_refusal(experts, ep, fold, mesh, ctx.sequence_parallel) if ep > 1 else ""
         pinned = (c.ep is not None and c.ep != ep) or (ep > 1 and c.ep_fold not in (None, fold))
-        if why or pinned:
+        if why or pinned or c.expert_tp not in (None, etp):
             options[name] = solved.get(name, math.inf)
-            refused.append(why or f"{name}: not allowed by --ep / --ep-fold")
+            if why or pinned:  # a degree that cannot run is named once, without its expert TP
+                refused += [why or f"{name}: not allowed by --ep / --ep-fold"] if etp == 1 else []
+            else:
+                refused.append(f"{name}: not allowed by --expert-tp {c.expert_tp}")
             continue
-        alt_config = dataclasses.replace(config, ep=ep, ep_fold=fold)
+        alt_config = dataclasses.replace(config, ep=ep, ep_fold=fold, expert_tp=etp)
         alt = priced.tables if alt_config == config else price_config(alt_config)
         p = predict(alt, assignment).prediction
         fits = p.peak_memory_bytes <= cap_bytes
@@ -665,7 +671,9 @@ def ep_decisions(
         load += f", capped at the capacity factor {w.moe_capacity_factor:g} (--moe-capacity-factor)"
     reason = (
         f"{experts[-1]} experts per MoE layer, top-{layer.moe.top_k}: over dp the experts split over ep of the dp x cp "
-        "ranks and tokens go to them and back by all-to-all (replicated over the TP ranks); over tp the TP "
+        'ranks and tokens go to them and back by all-to-all (replicated over the TP ranks, or with "experts split '
+        'over tp" each expert a Megatron MLP over the TP ranks: 1/tp of its GEMMs and memory, an all-reduce of the '
+        "outputs over TP); over tp the TP "
         f"ranks split them and all-reduce the parts; {load}; times: the fastest solved mesh with each, or this "
         "plan with only expert parallelism changed where faster; " + "; ".join(notes)
     )
@@ -692,8 +700,14 @@ def ep_decisions(
         )
     if config.ep > 1 and config.ep_fold == "dp" and w.kind is Workload.DECODE:
         reason += "; --run decodes with expert parallelism over the TP ranks only (--ep-fold tp)"
-    if c.ep is not None or c.ep_fold is not None:
+    if c.ep is not None or c.ep_fold is not None or c.expert_tp is not None:
         reason += "; pinned by " + " ".join(
-            f for f in (f"--ep {c.ep}" if c.ep else "", f"--ep-fold {c.ep_fold}" if c.ep_fold else "") if f
+            f
+            for f in (
+                f"--ep {c.ep}" if c.ep else "",
+                f"--ep-fold {c.ep_fold}" if c.ep_fold else "",
+                f"--expert-tp {c.expert_tp}" if c.expert_tp else "",
+            )
+            if f
         )
     return [Decision("expert parallelism", config.ep_label(), options, reason, memory)]

@@ -130,6 +130,9 @@ class MeshConfig:
     # experts are split over, folded over the dp x cp ranks ("dp") or the TP ranks ("tp"); 1: off
     ep: int = 1
     ep_fold: str = "dp"
+    # expert tensor parallelism (`planner.plan.Plan.expert_tp`; ep_fold "dp" only): 1 keeps every routed
+    # expert whole on each TP rank (replicated work), mesh.tp splits each over the TP ranks as a Megatron MLP
+    expert_tp: int = 1
 
     @property
     def num_devices(self) -> int:
@@ -174,8 +177,12 @@ class MeshConfig:
         return f"cp {self.cp_comm_type}" + ("" if self.cp_load_balance else " unbalanced")
 
     def ep_label(self) -> str:
-        """Expert parallelism as the layout table writes it: "off", "8 over dp", "2 over tp"."""
-        return f"{self.ep} over {self.ep_fold}" if self.ep > 1 else "off"
+        """Expert parallelism as the layout table writes it: "off", "8 over dp", "2 over tp", "8 over dp,
+        experts split over tp 4" (`expert_tp` > 1)."""
+        if self.ep == 1:
+            return "off"
+        split = f", experts split over tp {self.expert_tp}" if self.expert_tp > 1 else ""
+        return f"{self.ep} over {self.ep_fold}{split}"
 
     def overlap_flags(self) -> dict[str, bool]:
         """The communication-overlap choices by their Megatron-LM flag names (without dashes)."""
@@ -341,6 +348,9 @@ class Constraints:
     ep: int | None = None
     ep_fold: str | None = None
     ep_ddp_only: bool = False
+    # expert tensor parallelism (--expert-tp): 1 keeps the routed experts whole on every TP rank, the TP
+    # degree splits them over the TP ranks (EP over dp only); None: the search prices both
+    expert_tp: int | None = None
     max_devices: int | None = None  # use at most this many devices (default: the whole cluster)
     ladder: LadderPolicy = LadderPolicy()  # `LadderPolicy.parse` reads the --ladder option
     schedule: Schedule | None = (
@@ -375,8 +385,30 @@ class Constraints:
     # vocab-parallel embedding and LM head), the rest (mesh, stages, recompute, ...) searched as usual
     layout: str = "auto"
 
+    def _check_expert_tp(self) -> None:
+        """--expert-tp N > 1 splits the experts over all N TP ranks with EP over dp: refused in one line
+        naming the numbers with --tp other than N, --ep-fold tp or --ep 1."""
+        n = self.expert_tp
+        if n is None or n == 1:
+            return
+        if self.tp is not None and n != self.tp:
+            raise InputError(
+                f"--expert-tp {n} must be 1 (experts whole on every TP rank) or the TP degree --tp {self.tp} "
+                f"(each expert split over all TP ranks); use --expert-tp {self.tp} or 1"
+            )
+        if self.ep_fold == "tp":
+            raise InputError(
+                f"--expert-tp {n} with --ep-fold tp: EP over the TP ranks already splits the experts between "
+                "them (each TP rank holds E / tp whole experts); use --ep-fold dp, or --expert-tp 1"
+            )
+        if self.ep == 1:
+            raise InputError(
+                f"--expert-tp {n} splits the experts of expert parallelism over the TP ranks, but --ep 1 turns it "
+                "off: use --ep 2 or more, or leave --expert-tp out"
+            )
+
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "cp", "ep", "max_devices"):
+        for name in ("tp", "pp", "dp", "cp", "ep", "expert_tp", "max_devices"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise InputError(f"constraint {name} must be >= 1, got {value}")
@@ -401,6 +433,7 @@ class Constraints:
                 f"--ep-fold {self.ep_fold} sets which ranks expert parallelism folds over, but --ep 1 turns it off: "
                 "use --ep 2 or more, or leave --ep-fold out"
             )
+        self._check_expert_tp()
         if not 0 < self.memory_fraction <= 1:
             raise InputError(f"constraint memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.time_limit_s <= 0:

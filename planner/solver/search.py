@@ -27,7 +27,10 @@ feature.
 Expert parallelism (mixture-of-experts models): every mesh is priced with the experts off, with each
 EP degree dividing dp x cp and the experts folded over those ranks, and with EP over its TP ranks
 (`_ep_options`; pinned by --ep / --ep-fold, refused in one line where it cannot run:
-`_check_pinned_ep`); each is a candidate of its own, ep > 1 a feature. The MoE layers' fixed times
+`_check_pinned_ep`); each is a candidate of its own, ep > 1 a feature. EP over dp x cp at tp > 1 is
+solved with every routed expert split over the TP ranks (`MeshConfig.expert_tp` = tp,
+`_ep_options_with_expert_tp`) and priced with them whole on that solution (`_price_expert_tp`); the
+split is a feature of its own. --expert-tp pins it (N > 1 keeps only EP-over-dp candidates at tp = N). The MoE layers' fixed times
 and the experts' memory are what change (`costing`); the blocks' option tables do not, so their
 bounds are shared (`_least_layer_time_s`).
 """
@@ -400,13 +403,13 @@ def _enumerate(search: _Search, progress: Progress = silent) -> None:
                         continue
                     for schedule, v in _schedules_for(search, pp, m):
                         for sp in _sequence_parallel_options(search, tp, cp):
-                            for ep, fold in _ep_options(search, mesh, sp):
+                            for ep, fold, etp in _ep_options_with_expert_tp(search, mesh, sp):
                                 for style in _solved_styles(search, mesh, ep):
                                     config = MeshConfig(
                                         mesh, m, schedule, v, sp, style, c.dp_shard,
                                         c.reshard_after_forward is not False,
                                         c.tp_comm_overlap is True, c.overlap_grad_reduce is True,
-                                        c.overlap_param_gather is True, *variant, ep, fold,
+                                        c.overlap_param_gather is True, *variant, ep, fold, etp,
                                     )  # fmt: skip
                                     progress(
                                         f"pricing mesh candidate {len(search.candidates) + 1}: {config.label()}",
@@ -415,6 +418,12 @@ def _enumerate(search: _Search, progress: Progress = silent) -> None:
                                     search.candidates.append(_price(search, config, lazy=True))
     if not search.candidates and (c.ep or 1) > 1:
         raise InputError(_ep_unplaceable(search, num_devices))
+    if not search.candidates and (c.expert_tp or 1) > 1:
+        raise InputError(
+            f"--expert-tp {c.expert_tp}: no mesh of at most {num_devices} devices has tp={c.expert_tp} with expert "
+            f"parallelism over dp x cp and the other pins; use --expert-tp 1, or pin --tp {c.expert_tp} with an "
+            "--ep dividing the data-parallel ranks"
+        )
     if not search.candidates:
         raise InfeasibleError(
             f"no mesh shape fits {num_devices} devices with "
@@ -553,6 +562,24 @@ def _ep_options(search: _Search, mesh: MeshShape, sequence_parallel: bool) -> li
         for ep, fold in pairs
         if ep == 1 or not ep_refusal(experts, ep, fold, mesh, sequence_parallel)
     ]
+
+
+def _ep_options_with_expert_tp(
+    search: _Search, mesh: MeshShape, sequence_parallel: bool
+) -> list[tuple[int, str, int]]:
+    """`_ep_options` with the expert TP each is solved with: tp for EP over dp x cp (1 at tp 1; the
+    experts whole, expert_tp 1, are priced on its solution, `_price_expert_tp`: splitting the experts
+    halves their GEMMs at tp 2, which lowers the bounds the search prunes by, so the split is what is
+    solved), else 1; a pinned --expert-tp 1 keeps 1, N > 1 only EP over dp on meshes of tp = N."""
+    pinned = search.constraints.expert_tp
+    pairs = _ep_options(search, mesh, sequence_parallel)
+    if pinned is None:
+        return [(ep, fold, mesh.tp if ep > 1 and fold == "dp" else 1) for ep, fold in pairs]
+    if pinned == 1:
+        return [(ep, fold, 1) for ep, fold in pairs]
+    if mesh.tp != pinned:
+        return []
+    return [(ep, fold, pinned) for ep, fold in pairs if ep > 1 and fold == "dp"]
 
 
 def _check_pinned_ep(search: _Search) -> None:
@@ -724,6 +751,22 @@ def _cp_attention_s(ctx: CostContext) -> float:
     return total
 
 
+def _price_expert_tp(search: _Search, cand: _Candidate) -> None:
+    """A solved candidate whose experts are split over its TP ranks (expert_tp = tp, not pinned) priced
+    with them whole on every TP rank (expert_tp 1) on the same strategies, stages and recomputation:
+    the split is kept only when it saves `FEATURE_MIN_SAVING` of the step (a feature the runtime must
+    run) or the whole experts do not fit memory. The expert GEMMs, their memory and the TP all-reduce
+    change, not the per-layer trade-offs the ILP makes."""
+    config = cand.config
+    if search.constraints.expert_tp is not None or config.expert_tp == 1:
+        return
+    assert cand.solution is not None and cand.solution.assignment is not None and cand.latency_s is not None
+    tables = _price(search, dataclasses.replace(config, expert_tp=1)).tables
+    p = predict(tables, cand.solution.assignment).prediction
+    if p.peak_memory_bytes <= search.cap_bytes and p.latency_s <= cand.latency_s * (1 + FEATURE_MIN_SAVING):
+        cand.tables, cand.latency_s = tables, p.latency_s
+
+
 def _price_cp_variants(search: _Search, cand: _Candidate) -> None:
     """A solved candidate with context parallelism priced with every other variant `_cp_variants`
     allows on the same strategies, stages and recomputation: keep the fastest that fits memory (a
@@ -759,7 +802,7 @@ def _tables_key(ctx: CostContext, with_ep: bool = True) -> tuple:
     candidate (`_with_state_factor`)."""
     replica = None if ctx.train else ctx.workload.batch_size / ctx.mesh.dp
     cp = (ctx.cp, ctx.config.cp_comm_type, ctx.config.cp_load_balance) if ctx.cp > 1 else (1,)
-    ep = (ctx.ep, ctx.ep_fold, ctx.ep_group()) if ctx.ep > 1 and with_ep else ()
+    ep = (ctx.ep, ctx.ep_fold, ctx.ep_group(), ctx.expert_tp) if ctx.ep > 1 and with_ep else ()
     return (ctx.mesh.tp, ctx.sequences_per_micro_batch, ctx.sequence_parallel, replica, *cp, *ep)
 
 
@@ -970,6 +1013,7 @@ def _solve_candidates(search: _Search, progress: Progress = silent) -> _Candidat
         _prefer_megatron_pairing(cand, prob, search.constraints.pairing_min_saving_fraction)
         _price_virtual_stages(search, cand)
         _price_cp_variants(search, cand)
+        _price_expert_tp(search, cand)
         _price_dp_styles(search, cand)
         if best is None or _better(cand, best):
             best = cand
@@ -1124,13 +1168,14 @@ def _overlap_level(config: MeshConfig) -> int:
 
 def _features(config: MeshConfig) -> int:
     """How many of sequence parallelism, interleaving, a sharded data-parallel style, context
-    parallelism and expert parallelism a candidate uses."""
+    parallelism, expert parallelism and expert tensor parallelism a candidate uses."""
     return (
         int(config.sequence_parallel)
         + int(config.virtual_stages > 1)
         + int(config.distributed_optimizer)
         + int(config.mesh.cp > 1)
         + int(config.ep > 1)
+        + int(config.expert_tp > 1)
     )
 
 
@@ -1351,6 +1396,7 @@ def _plan_of(search: _Search, priced: PricedAssignment, model_name: str, solver:
         cp_load_balance=config.cp_load_balance if config.mesh.cp > 1 else True,
         ep=config.ep,
         ep_fold=config.ep_fold if config.ep > 1 else "dp",
+        expert_tp=config.expert_tp,
         moe_imbalance=w.moe_imbalance,
         moe_capacity_factor=w.moe_capacity_factor,
         num_experts=experts[0] if len(experts := expert_counts(s)) == 1 else 0,
@@ -1416,6 +1462,7 @@ def _allowed(search: _Search, mesh: MeshShape, config: MeshConfig | None = None)
         pinned_ok = pinned_ok and (not search.workload.train or mesh.dp_cp == 1 or _dp_pins_hold(c, config))
         pinned_ok = pinned_ok and _style_runs(search, mesh, config.dp_style, config.ep)
         pinned_ok = pinned_ok and c.ep in (None, config.ep) and c.ep_fold in (None, config.ep_fold)
+        pinned_ok = pinned_ok and c.expert_tp in (None, config.expert_tp)
         pinned_ok = pinned_ok and c.virtual_stages in (None, config.virtual_stages)
         pinned_ok = pinned_ok and all(
             pin is None or pin == on

@@ -179,6 +179,7 @@ def plan_prediction(
         plan.cp_load_balance,
         plan.ep,
         plan.ep_fold,
+        plan.expert_tp,
     )
     cluster = cluster_for_ranks(cluster, plan.mesh.num_devices)  # time-shared only by ranks that run
     tables = build_cost_tables(CostContext(structure, cluster, workload, config, plan.dtype))
