@@ -175,8 +175,13 @@ def lowering_notes(plan: Plan, lowered: RankLowering, training: bool) -> list[st
     if ep is not None and (ep.ep > 1 or plan.expert_tp > 1):
         notes.append(
             f"expert parallelism applied: {len(ep.blocks)} MoE block(s) with their experts split over {ep.ep} "
-            f"ranks (this rank holds experts {ep.experts[0]}-{ep.experts[-1]}); tokens dispatched to their "
-            "experts and combined back by all-to-all, dropless"
+            f"ranks (this rank holds experts {ep.experts[0]}-{ep.experts[-1]}); "
+            + (
+                "each TP rank ran its experts on every token routed to them (the TP ranks hold the same "
+                "tokens), the partial outputs all-reduced over TP"
+                if ep.fold == "tp"
+                else "tokens dispatched to their experts and combined back by all-to-all, dropless"
+            )
             + (
                 f"; every expert's width split over the {plan.expert_tp} TP ranks, its outputs all-reduced"
                 if plan.expert_tp > 1
