@@ -41,7 +41,14 @@ from dataclasses import dataclass
 
 from costmodels import compute
 from costmodels.cluster import ClusterSpec
-from costmodels.comm import Group, all_gather_time_s, all_to_all_time_s, p2p_time_s, reduce_scatter_time_s
+from costmodels.comm import (
+    Group,
+    all_gather_time_s,
+    all_to_all_time_s,
+    burst_cluster,
+    p2p_time_s,
+    reduce_scatter_time_s,
+)
 from costmodels.dtypes import DTYPE_BYTES
 
 CP_GRAD_BYTES = (
@@ -151,8 +158,11 @@ def cp_attention_cost(
         raise ValueError(refusal)
     flops = compute.attention_flops(seqs, h / cp, t, t, d, shape.causal)
     fwd, bwd = kernel_s(flops, t, t, shape.causal, split=cp)
+    # q, k, v (backward: dq, dk, dv) go back to back: the first at the link's latency, the other two at
+    # its burst latency (`comm.burst_cluster`); the output's (backward: dout's) all-to-all comes alone
+    burst = burst_cluster(cluster)
     one_pass = 2 * all_to_all_time_s(q_bytes, group, cluster) + 2 * all_to_all_time_s(
-        kv_bytes / 2, group, cluster
+        kv_bytes / 2, group, burst
     )
     comm = one_pass * (2 if train else 1)
     buffers = (2 * q_bytes + kv_bytes) * (2 if train else 1)

@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 
 from costmodels.cluster import ClusterSpec
-from costmodels.comm import Group, all_to_all_time_s
+from costmodels.comm import Group, all_to_all_time_s, burst_cluster
 
 # The busiest EP rank's rows over the mean (1.0 = balanced). Dropless routing trained to balance
 # (Switch's auxiliary loss, Fedus et al. 2021 section 2.2; DeepSeek-V3's per-expert bias, Liu et al.
@@ -95,5 +95,9 @@ def all_to_all_exchange_s(
     if group.size == 1:
         return 0.0
     data = all_to_all_time_s(data_bytes, group, cluster)
-    forward = all_to_all_time_s(num_experts * COUNT_BYTES, group, cluster) + 2 * data
+    # the dispatch follows the counts' all-to-all at once: priced at the link's burst latency
+    # (`comm.burst_cluster`, measured where calibrated); the combine and the backward's two come after
+    # compute, each at the link's latency
+    dispatch = all_to_all_time_s(data_bytes, group, burst_cluster(cluster))
+    forward = all_to_all_time_s(num_experts * COUNT_BYTES, group, cluster) + dispatch + data
     return forward + (2 * data if train else 0.0)

@@ -9,8 +9,8 @@ dispatcher):
 1. route: the router's top-k gives every token k (expert, weight) pairs; the N x k assignments are
    sorted by expert, so the rows bound for one rank are contiguous, and for one expert inside them;
 2. dispatch: the rows' counts per expert are exchanged (an all-to-all of E integers), then the rows
-   themselves (an all-to-all of N k C elements in all, `torch.distributed.nn.functional.
-   all_to_all_single`, differentiable: its backward is the reverse all-to-all);
+   themselves (an all-to-all of N k C elements in all, `torch.distributed._functional_collectives.
+   all_to_all_single_autograd`, differentiable: its backward is the reverse all-to-all);
 3. the rank's experts run on the rows they received (each expert on its own rows, grouped);
 4. combine: the outputs go back to the ranks their tokens came from (the reverse all-to-all);
 5. each token's k outputs are weighted by the router's weights and summed (`index_add`).
@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.nn.functional import all_to_all_single
+from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
 from passes.collectives import _group
 
@@ -84,6 +84,14 @@ def _local(axis: str, num_experts: int, w_gate: torch.Tensor) -> tuple[dist.Proc
             f"for {w_gate.shape[0]}"
         )
     return group, size, experts
+
+
+def _exchange(
+    rows: torch.Tensor, recv_splits: list[int], send_splits: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
+    """An all-to-all of `rows` (send_splits[r] rows to rank r, recv_splits[r] rows from it), waited for;
+    differentiable (its backward is the reverse all-to-all): PyTorch's functional collective."""
+    return wait_tensor(all_to_all_single_autograd(rows.contiguous(), recv_splits, send_splits, group))
 
 
 def _swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
@@ -153,13 +161,11 @@ def ep_moe(
         recv_per_expert = recv_per_expert.view(size, len(experts))
         send_splits = per_expert.view(size, len(experts)).sum(1).tolist()
         recv_splits = recv_per_expert.sum(1).tolist()
-        received = rows.new_empty((sum(recv_splits), x.shape[1]))
-        received = all_to_all_single(received, rows.contiguous(), recv_splits, send_splits, group=group)
+        received = _exchange(rows, recv_splits, send_splits, group)
         local_ids = torch.arange(len(experts), device=x.device).repeat(size)
         expert_of_row = local_ids.repeat_interleave(recv_per_expert.reshape(-1))
         computed, counts = _experts(received, expert_of_row, w_gate, w_up, w_down)
-        out_rows = rows.new_empty((rows.shape[0], w_down.shape[1]))
-        out_rows = all_to_all_single(out_rows, computed.contiguous(), send_splits, recv_splits, group=group)
+        out_rows = _exchange(computed, send_splits, recv_splits, group)
     if label:
         _LOADS[label] = counts.tolist()
     weighted = out_rows * topk_weights.reshape(-1)[order].unsqueeze(-1).to(out_rows.dtype)
