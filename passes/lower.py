@@ -143,6 +143,12 @@ def lower_for_rank(
         stages = split_stages(gm, stage_of_layers(len(structure.layers), layers, outputs))
         chunks = stages[pp_rank :: plan.pp]  # virtual stages pp_rank, pp_rank + pp, ...
         tied = tied_parameters(stages)
+        for chunk in chunks:  # expert parallelism's records, for the parameters each chunk holds
+            names = {n for n, _ in chunk.named_parameters()}
+            for key in ("ep_shards", "ep_params"):
+                if key in gm.meta:
+                    kept = [n for n in gm.meta[key] if n in names]
+                    chunk.meta[key] = {n: gm.meta[key][n] for n in kept} if key == "ep_shards" else kept
     recomputed = (
         [r for chunk in chunks for r in apply_recompute(chunk, structure, plan.recompute)] if training else []
     )

@@ -647,11 +647,20 @@ def build_optimizer(
     units: Sequence[str] = (),
     hook_divisor: int | None = None,
     deferred: set[int] = frozenset(),
+    expert: Sequence[torch.Tensor] = (),
+    expert_group: dist.ProcessGroup | None = None,
 ) -> ReplicatedAdam | DistributedAdam:
     """The optimizer a plan runs: `DistributedAdam` when `Plan.distributed_optimizer`, else
     `ReplicatedAdam`; lr 1e-3. plan (optional): its overlap_grad_reduce / overlap_param_gather and
     micro-batches, with `named` (the (fqn, parameter) pairs) and `units` (the layers' module paths) to
-    make the buckets; hook_divisor / deferred as `_OverlappedReduce` says."""
+    make the buckets; hook_divisor / deferred as `_OverlappedReduce` says. expert / expert_group:
+    expert parallelism's parameters and their reduction group (`ReplicatedAdam`; InputError with the
+    distributed optimizer, which shards every parameter over the dp x cp ranks)."""
+    if expert and distributed:
+        raise InputError(
+            "expert parallelism runs with dp_style ddp; zero1 shards each parameter over the dp x cp ranks, "
+            "which the experts' own groups do not; set dp_style: ddp"
+        )
     overlap = {}
     if plan is not None and (plan.overlap_grad_reduce or plan.overlap_param_gather):
         overlap = dict(
@@ -662,6 +671,8 @@ def build_optimizer(
         if overlap:
             overlap["overlap_param_gather"] = plan.overlap_param_gather
         return DistributedAdam(params, group, dp, dp_rank, **overlap)
+    if expert:
+        overlap = {**overlap, "expert": expert, "expert_group": expert_group}
     return ReplicatedAdam(params, group, dp, **overlap)
 
 

@@ -143,9 +143,14 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
                 if (chunk := virtual.get(index)) is not None
             }
             named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
+            # expert parallelism (`passes.ep_lower`): each chunk's expert parameters, reduced over their group
+            expert_names = {n for chunk in chunks for n in getattr(chunk, "meta", {}).get("ep_params", ())}
+            expert = [p for n, p in named if n in expert_names] if plan.ep > 1 else []
+            expert_group = groups.group("edp") if plan.ep_fold == "dp" else groups.group("dp_cp")
             optimizer = build_optimizer(
                 plan.distributed_optimizer, params, groups.group("dp_cp"), plan.mesh.dp_cp, groups.dp_cp_rank,
-                plan, named, units, hook_divisor=plan.mesh.dp_cp * m, deferred=tied,
+                plan, named, units, hook_divisor=plan.mesh.dp_cp * m, deferred=tied, expert=expert,
+                expert_group=expert_group,
             )  # fmt: skip
         prepare_param_waits(plan, chunks, units, optimizer)
 

@@ -36,12 +36,22 @@ MODULELIST, GPTFAST, MIXTRAL = "tiny_moe_modulelist.py", "tiny_moe_gptfast.py", 
 SEQ = 8
 
 
-def _plan(model: str, tp: int, dp: int, ep: int, workload: str = "train", batch: int = 4, **kw):
+def _plan(
+    model: str,
+    tp: int,
+    dp: int,
+    ep: int,
+    workload: str = "train",
+    batch: int = 4,
+    pp: int = 1,
+    m: int = 1,
+    **kw,
+):
     model_file = load_model_file(MODELS / model)
     args, kwargs = model_file.inputs(batch, SEQ)
     structure = analyse(capture(model_file.build("meta"), args, kwargs))
-    plan = fixed_plan(structure, str(MODELS / model), tp, workload=workload)
-    return dataclasses.replace(plan, mesh=MeshShape(tp, 1, dp), ep=ep, **kw)
+    plan = fixed_plan(structure, str(MODELS / model), tp, pp=pp, workload=workload, micro_batches=m)
+    return dataclasses.replace(plan, mesh=MeshShape(tp, pp, dp), ep=ep, **kw)
 
 
 def _job(plan, model: str) -> RunJob:
@@ -85,6 +95,8 @@ FOUR_RANK = {
     "ep2_dp4_mixtral": (MIXTRAL, dict(tp=1, dp=4, ep=2, batch=8)),
     "tp2_ep2_expert_tp2_mixtral": (MIXTRAL, dict(tp=2, dp=2, ep=2, expert_tp=2)),
     "tp2_ep2_expert_tp2_modulelist": (MODULELIST, dict(tp=2, dp=2, ep=2, expert_tp=2)),
+    "pp2_ep2_modulelist": (MODULELIST, dict(tp=1, dp=2, ep=2, pp=2, m=2)),
+    "pp2_ep2_mixtral": (MIXTRAL, dict(tp=1, dp=2, ep=2, pp=2, m=2)),
 }
 WRONG = {"ep2_averaged": (MODULELIST, dict(tp=1, dp=2, ep=2))}
 
