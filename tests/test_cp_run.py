@@ -294,3 +294,19 @@ def test_tp_and_cp_together_gather_nothing(sp: bool) -> None:
     gm = capture(model_file.build("meta"), *model_file.inputs(2, SEQ))
     lowered = lower_for_rank(gm, analyse(gm), plan, 0, training=True)
     assert lowered.context_parallel.fallbacks == [] and len(lowered.context_parallel.attention) == 4
+
+
+@pytest.mark.slow
+def test_planner_run_reads_the_model_path_from_the_plan(tmp_path) -> None:
+    """`planner run PLAN.yaml` without --model runs the plan's own model file (a CP plan here)."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    plan = _plan(tp=1, cp=2, workload="forward", seq=16)
+    plan.to_yaml(tmp_path / "p.yaml")
+    done = subprocess.run(
+        [sys.executable, "-m", "planner.cli", "run", str(tmp_path / "p.yaml"), "--nproc", "2", "--iters", "1"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "context parallelism applied" in done.stdout

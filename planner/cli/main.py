@@ -273,7 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="execute a saved plan on local ranks and measure it")
     run.add_argument("plan")
-    run.add_argument("--model", required=True, help="the model file the plan was made for")
+    run.add_argument(
+        "--model",
+        help="the model file the plan was made for (default: the plan's field 'model', where it exists)",
+    )
     run.add_argument("--json", help="write the JSON report to this file (-: to stdout, the text to stderr)")
     _run_options(run)
 
@@ -885,6 +888,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     _check_outputs(args)
     plan = Plan.from_yaml(args.plan)
+    if args.model is None:
+        if not Path(plan.model).is_file():
+            raise InputError(
+                f"the plan {args.plan} was made for {plan.model} (its field 'model'), which is not a file here: "
+                "name the model file with --model"
+            )
+        args.model = plan.model
     if not Path(args.model).exists():
         raise InputError(f"model file {args.model} does not exist")
     if Path(plan.model).name != Path(args.model).name:
