@@ -1307,10 +1307,15 @@ def _make_plan(search: _Search, best: _Candidate | None, model_name: str) -> Pla
             chosen = expert
             decisions.append(Decision("fallback", name, options, why))
     config, tables = chosen.tables.ctx.config, chosen.tables
-    candidates = [
-        MeshCandidate(c.config.mesh, c.config.micro_batches, c.latency_s, c.note, c.config.layout_label())
-        for c in sorted(search.candidates, key=lambda c: (c.latency_s is None, c.latency_s or 0.0))
-    ]
+    candidates = []
+    listed: set[tuple] = set()  # one line per (mesh, micro-batches, layout): the fastest (sorted first)
+    for c in sorted(search.candidates, key=lambda c: (c.latency_s is None, c.latency_s or 0.0)):
+        key = (c.config.mesh, c.config.micro_batches, c.config.layout_label())
+        if key not in listed:
+            listed.add(key)
+            candidates.append(
+                MeshCandidate(c.config.mesh, c.config.micro_batches, c.latency_s, c.note, key[2])
+            )
     decisions = (
         mesh_decision(candidates, config)
         + _baseline_decision(search, baseline)
