@@ -141,7 +141,7 @@ def apply_context_parallel(
             result.sliced.append(node.name)
         return slices[key]
 
-    def gathered(node: fx.Node, user: fx.Node) -> fx.Node:
+    def gathered(node: fx.Node) -> fx.Node:
         p = ctx.place.get(node, _R)
         if not isinstance(p, Placement) or not p.is_shard:
             return node
@@ -169,7 +169,7 @@ def apply_context_parallel(
             ctx.place[node] = _R
             continue
         if node.op == "output":
-            result.gathered_outputs = _gather_outputs(node, ctx, load_balance, training, insert_after)
+            result.gathered_outputs = _gather_outputs(node, ctx, load_balance, training)
             continue
         if node.op != "call_function":
             ctx.place[node] = _R
@@ -201,7 +201,7 @@ def apply_context_parallel(
         # no rule: the whole sequence of every sharded input, the op run as it was (a recorded fallback)
         sharded_inputs = [a for a in inputs if ctx.place.get(a, _R).is_shard]
         for a in sharded_inputs:
-            node.replace_input_with(a, gathered(a, node))
+            node.replace_input_with(a, gathered(a))
         elements = sum(ctx.global_val[a].numel() for a in sharded_inputs)
         node.meta[FALLBACK_META] = Fallback(
             node.name, op_label(node), user_line(node) or "", tuple(a.name for a in sharded_inputs), elements,
@@ -399,7 +399,7 @@ def _not_causal(gm: fx.GraphModule, mask: fx.Node, q_len: int, k_len: int) -> st
     return ""
 
 
-def _gather_outputs(node: fx.Node, ctx: _Ctx, load_balance: bool, training: bool, insert_after: Any) -> int:
+def _gather_outputs(node: fx.Node, ctx: _Ctx, load_balance: bool, training: bool) -> int:
     """Gather every sharded graph output whole (`cp_gather_output`); how many were."""
     count = 0
     scale = float(ctx.tp) if training else 1.0

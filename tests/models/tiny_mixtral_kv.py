@@ -2,22 +2,16 @@
 transformers' static-cache export wrapper (`TorchExportableModuleWithStaticCache`), as
 examples/hf_llama_kv.py serves a Llama: a served mixture-of-experts model with a KV cache."""
 
+import sys
+from pathlib import Path
+
 import torch
 from transformers import MixtralConfig, MixtralForCausalLM
 from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
 
-CONFIG = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    num_local_experts=4,
-    num_experts_per_tok=2,
-    max_position_embeddings=256,
-    tie_word_embeddings=False,
-)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tiny_mixtral import CONFIG  # noqa: E402  (the same tiny Mixtral)
 
 
 class StaticCacheLM(TorchExportableModuleWithStaticCache):
