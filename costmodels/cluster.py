@@ -7,6 +7,8 @@ YAML layout (units in the field names; see the presets in ``costmodels/clusters/
     devices_per_node: 8            # or "auto": os.cpu_count(), for CPU-process clusters
     backend: nccl                  # nccl | gloo
     overlap_efficiency: 0.8        # [0, 1]: share of async communication hidden behind compute
+    overlap_slowdown: 0.19         # optional, [0, 1] (default 0): compute seconds lost per second of
+                                   # communication hidden behind it (SM and memory contention)
     attention_kernel: fused        # optional: fused (flash-style, default) | materialized | per_query_head
                                    # (see ClusterSpec)
     sources: ["...", "..."]        # optional: where each number came from
@@ -245,6 +247,11 @@ class ClusterSpec:
     backend: str  # "nccl" | "gloo"
     overlap_efficiency: float  # fraction of async comm that really hides behind compute [0, 1]
     sources: tuple[str, ...]
+    # Compute time lost per second of communication hidden behind it [0, 1]: a collective running
+    # beside a kernel takes SMs (NCCL's channels are thread blocks) and memory bandwidth from it, so
+    # hiding c seconds of traffic costs overlap_slowdown x c seconds of the compute it hides under
+    # (`planner.solver.costing.contention_s`). 0: overlap is free (the CPU presets: not measured).
+    overlap_slowdown: float = 0.0
     # The software stack's attention kernel: "fused" (flash-style: the (s, s) scores stay on chip) or
     # "materialized" (scores written to memory, softmax and dropout over them, kept for backward unless
     # selectively recomputed: Megatron-LM before FlashAttention, Dao et al. 2022), or "per_query_head"
@@ -391,6 +398,7 @@ _EXPECT = {
     "devices_per_node": "an integer >= 1 (devices per node), or auto",
     "backend": f"one of {', '.join(BACKENDS)}",
     "overlap_efficiency": "a fraction in [0, 1] of async communication hidden behind compute",
+    "overlap_slowdown": "a fraction in [0, 1]: compute seconds lost per second of communication hidden behind it",
     "device": "a mapping describing one device",
     "links": "a mapping with intra_node (and inter_node when nodes > 1)",
     "intra_node": "a mapping with kind, bandwidth_GBps, latency_us",
@@ -722,7 +730,7 @@ def parse_cluster(data: object, origin: str) -> ClusterSpec:
             f"is {what}, not a cluster spec: give --cluster a preset name or a cluster YAML (docs/cluster-yaml.md)",
         )
     top_required = ("name", "nodes", "devices_per_node", "backend", "overlap_efficiency", "device", "links")
-    d = r.mapping(data, "", top_required, ("sources", "attention_kernel"))
+    d = r.mapping(data, "", top_required, ("sources", "attention_kernel", "overlap_slowdown"))
     nodes = r.integer(d["nodes"], "nodes", "number of nodes", "1")
     if d["devices_per_node"] == "auto":
         devices_per_node = os.cpu_count() or 1
@@ -750,6 +758,7 @@ def parse_cluster(data: object, origin: str) -> ClusterSpec:
         inter_node=inter if nodes > 1 else None,
         backend=r.string(d["backend"], "backend", BACKENDS),
         overlap_efficiency=r.fraction(d["overlap_efficiency"], "overlap_efficiency", allow_zero=True),
+        overlap_slowdown=r.fraction(d.get("overlap_slowdown", 0.0), "overlap_slowdown", allow_zero=True),
         sources=_parse_sources(r, d.get("sources")),
         attention_kernel=r.string(d.get("attention_kernel", "fused"), "attention_kernel", ATTENTION_KERNELS),
     )
@@ -977,6 +986,7 @@ def cluster_to_dict(spec: ClusterSpec) -> dict:
         "devices_per_node": spec.devices_per_node,
         "backend": spec.backend,
         "overlap_efficiency": _human(spec.overlap_efficiency),
+        **({} if not spec.overlap_slowdown else {"overlap_slowdown": _human(spec.overlap_slowdown)}),
         "sources": list(spec.sources),
         **({} if spec.attention_kernel == "fused" else {"attention_kernel": spec.attention_kernel}),
         "device": {

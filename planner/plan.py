@@ -185,7 +185,9 @@ class LayerCost:
     stage: int  # pipeline stage holding the layer
     compute_s: float  # compute time per step (all micro-batches, forward [+ backward])
     exposed_comm_s: float  # communication time not hidden behind compute
-    overlapped_comm_s: float  # communication time hidden behind compute (ladder residual)
+    # communication time hidden behind compute (ladder residual, TP overlap, CP rings), net of the
+    # compute it slows (`ClusterSpec.overlap_slowdown`, counted in exposed_comm_s): the time overlap saves
+    overlapped_comm_s: float
     memory_bytes: float  # memory per rank attributable to this layer
     strategy: dict[str, str] = field(default_factory=dict)  # op group -> chosen strategy
 
@@ -198,7 +200,7 @@ class StageCost:
     stage: int
     compute_s: float  # per micro-batch
     exposed_comm_s: float  # per micro-batch: TP collectives not hidden, the send to the next stage
-    overlapped_comm_s: float  # per micro-batch: hidden behind compute (ladder residual)
+    overlapped_comm_s: float  # per micro-batch: hidden behind compute, net of the compute it slows
     memory_bytes: float  # per rank of the stage: weights, training state, in-flight activations, buffers
 
 
@@ -211,7 +213,7 @@ class Prediction:
     peak_memory_bytes: float  # largest memory of any rank
     compute_s: float  # compute time on the critical path
     exposed_comm_s: float  # communication time on the critical path
-    overlapped_comm_s: float  # communication hidden behind compute
+    overlapped_comm_s: float  # communication hidden behind compute, net of the compute it slows (`LayerCost`)
     bubble_s: float  # pipeline bubble time
     per_layer: list[LayerCost] = field(default_factory=list)
     # per stage, per micro-batch (empty in plans written before they were recorded), and the work

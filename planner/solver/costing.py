@@ -549,6 +549,14 @@ def stream_conversion_time_s(src: Layout, nbytes: float, ctx: CostContext) -> fl
     return gather
 
 
+def contention_s(hidden_s: float, cluster: ClusterSpec) -> float:
+    """Compute time lost to `hidden_s` seconds of communication hidden behind it:
+    ``cluster.overlap_slowdown`` x hidden_s (`ClusterSpec.overlap_slowdown`; the collective's thread
+    blocks and memory traffic slow the kernels it runs beside). Added to every hidden collective's
+    exposed time (TP overlap, ladder residual, the overlapped DP phases, context-parallel rings)."""
+    return cluster.overlap_slowdown * hidden_s
+
+
 def tp_overlap_chunks(ctx: CostContext) -> int:
     """Chunks each TP block's collectives are cut into under `CostContext.tp_comm_overlap`
     (`planner.plan.tp_overlap_chunk_count`) for the rows the pass cuts: a micro-batch's tokens on a
@@ -601,7 +609,7 @@ def tp_block_comm_s(
     out_layout: Layout, out_bytes: float, column_s: float, row_s: float, ctx: CostContext
 ) -> tuple[float, float]:
     """(exposed, hidden) seconds of one block's TP communication per micro-batch, its output (`out_bytes`
-    full size) leaving in `out_layout`; `column_s` / `row_s` the compute of the block's column- and
+    full size) leaving in `out_layout` (exposed includes the `contention_s` of the hidden part); `column_s` / `row_s` the compute of the block's column- and
     row-parallel projections (training: forward + both gradient GEMMs, each about a forward).
 
     Without `CostContext.tp_comm_overlap`, or an output not in P: `stream_conversion_time_s`, all
@@ -628,9 +636,9 @@ def tp_block_comm_s(
         if ctx.train:
             t = all_reduce_time_s(out_bytes, ctx.tp_group(), ctx.cluster)
             pieces.append((max(0.0, t - ctx.cluster.overlap_efficiency * col), t))
-    exposed = sum(e for e, _ in pieces) + ctx.node_overhead_time(len(pieces) * chunks)
     hidden = sum(t - e for e, t in pieces)
-    return exposed, hidden
+    exposed = sum(e for e, _ in pieces) + ctx.node_overhead_time(len(pieces) * chunks)
+    return exposed + contention_s(hidden, ctx.cluster), hidden
 
 
 # ---------------------------------------------------------------------------------------------
@@ -747,7 +755,7 @@ def attention_core_options(
         cost = cp_core_cost(attn, ctx, shard, cross)
         extra = max(0.0, cost.forward_s - cost.compute_s / ctx.compute_factor) if ctx.train else 0.0
         return OpOption(name, layout, layout, cost.compute_s + inner_s / kv_shard, 0.0, stored / shard,
-                        comm_s=cost.exposed_s, selective_s=0.0 if cross else cost.forward_s,
+                        comm_s=cost.exposed_s + contention_s(cost.hidden_s, ctx.cluster), selective_s=0.0 if cross else cost.forward_s,
                         full_extra_s=extra, hidden_comm_s=cost.hidden_s)  # fmt: skip
 
     def option(name: str, layout: Layout, shard: int, kv_shard: int | None = None) -> OpOption:
@@ -1803,11 +1811,16 @@ class SyncPhase:
     unhidden_s: float
     window: float
 
-    def exposed_s(self, stage_compute_s: float, overlap_efficiency: float) -> float:
-        """max(unhidden_s, total_s - overlap_efficiency x window x stage_compute_s); total_s without a window."""
+    def exposed_s(
+        self, stage_compute_s: float, overlap_efficiency: float, overlap_slowdown: float = 0.0
+    ) -> float:
+        """e = max(unhidden_s, total_s - overlap_efficiency x window x stage_compute_s), plus
+        overlap_slowdown x (total_s - e), the compute the hidden part slows (`contention_s`);
+        total_s without a window."""
         if self.window <= 0:
             return self.total_s
-        return max(self.unhidden_s, self.total_s - overlap_efficiency * self.window * stage_compute_s)
+        exposed = max(self.unhidden_s, self.total_s - overlap_efficiency * self.window * stage_compute_s)
+        return exposed + overlap_slowdown * (self.total_s - exposed)
 
 
 def dp_sync_parts(grad_bytes: float, ctx: CostContext) -> tuple[float, float]:
@@ -1902,11 +1915,12 @@ def dp_sync_phases(grad_bytes: float, ctx: CostContext) -> list[SyncPhase]:
 def dp_sync_exposed_s(grad_bytes: float, stage_compute_s: float, ctx: CostContext) -> float:
     """The data-parallel traffic of `dp_sync_phases` that the step waits for: the sum over its phases
     of max(unhidden_s, total_s - eta x window x `stage_compute_s`) (the stage's compute of the step,
-    all micro-batches; eta = `ClusterSpec.overlap_efficiency`), a phase without a window (nothing
+    all micro-batches; eta = `ClusterSpec.overlap_efficiency`) plus the `contention_s` of the rest,
+    a phase without a window (nothing
     overlaps it) whole. Without overlap that is all of it but FSDP's, whose traffic hides behind the
     whole step down to the one unit's share per micro-batch."""
-    eta = ctx.cluster.overlap_efficiency
-    return sum(p.exposed_s(stage_compute_s, eta) for p in dp_sync_phases(grad_bytes, ctx))
+    eta, slowdown = ctx.cluster.overlap_efficiency, ctx.cluster.overlap_slowdown
+    return sum(p.exposed_s(stage_compute_s, eta, slowdown) for p in dp_sync_phases(grad_bytes, ctx))
 
 
 def optimizer_step_time_s(grad_bytes: float, ctx: CostContext) -> float:

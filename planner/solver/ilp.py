@@ -408,6 +408,9 @@ class _Builder:
         expose comm_attention + comm_mlp of their class.
         """
         policy, eta = self.p.ladder, self.ctx.cluster.overlap_efficiency
+        # hidden comm h costs sigma h of the compute it hides under (`costing.contention_s`): exposed
+        # comm - (1 - sigma) min(comm, eta compute) = max(sigma comm, comm - (1 - sigma) eta compute)
+        sigma = self.ctx.cluster.overlap_slowdown
         eligible = policy.eligible(self.num_layers)
         exposed: dict[int, pulp.LpAffineExpression] = {}
         if not eligible:
@@ -417,8 +420,12 @@ class _Builder:
             t = terms[key]
             qa = self.m.add_variable(_name("qa", self.gid[key]), 0)
             qm = self.m.add_variable(_name("qm", self.gid[key]), 0)
-            self.m += qa >= t.comm_attention - eta * t.compute_mlp, _name("ladder_att", self.gid[key])
-            self.m += qm >= t.comm_mlp - eta * t.compute_attention, _name("ladder_mlp", self.gid[key])
+            hide = (1.0 - sigma) * eta
+            self.m += qa >= t.comm_attention - hide * t.compute_mlp, _name("ladder_att", self.gid[key])
+            self.m += qm >= t.comm_mlp - hide * t.compute_attention, _name("ladder_mlp", self.gid[key])
+            if sigma:
+                self.m += qa >= sigma * t.comm_attention, _name("ladder_att_contention", self.gid[key])
+                self.m += qm >= sigma * t.comm_mlp, _name("ladder_mlp_contention", self.gid[key])
             q[key] = (qa, qm)
         for i in eligible:
             key = self.p.layer_keys[i]
@@ -690,21 +697,28 @@ class _Builder:
             for end, here in zip(ends, (s == 0, s == pp - 1)):
                 if here:
                     g += end.grad
-            hidden = hide * self.stage_time[s] if fsdp else 0.0
-            self.m += tail >= fit.alpha_s + fit.beta_s_per_byte * GIB * g - hidden, _name("tail", s)
+            # the hidden part slows the compute beside it (`costing.contention_s`): exposed traffic
+            # max(floor, fit - eta m T) + sigma x the rest = max((1 - sigma) floor + sigma fit, fit - (1 - sigma) eta m T)
+            sigma = self.ctx.cluster.overlap_slowdown if fsdp else 0.0
+            hidden = (1.0 - sigma) * hide * self.stage_time[s] if fsdp else 0.0
+            whole = fit.alpha_s + fit.beta_s_per_byte * GIB * g
+            self.m += tail >= whole - hidden, _name("tail", s)
             if floor is not None:
-                self.m += tail >= floor.alpha_s + floor.beta_s_per_byte * GIB * g, _name("tail_floor", s)
+                least = floor.alpha_s + floor.beta_s_per_byte * GIB * g
+                self.m += tail >= (1.0 - sigma) * least + sigma * whole, _name("tail_floor", s)
         return tail
 
     def _overlapped_tail(self, stage_grad, ends: tuple[_EndTerms, _EndTerms]):
         """tail_*: with overlap_grad_reduce / overlap_param_gather, Tail >= the optimizer step + each
         phase of the DP traffic (`costing.dp_sync_phases`) as exposed: a phase with a window w hides
         behind eta x w x the stage's step (m x its time per micro-batch) down to its unhidden share
-        (phase_*: E >= total - eta w m T_s, E >= unhidden; `SyncPhase.exposed_s`), one without it whole."""
+        (phase_*: E >= total - eta w m T_s, E >= unhidden; `SyncPhase.exposed_s`), costing
+        (1 - sigma) E + sigma total (the hidden part's `costing.contention_s`), one without it whole."""
         ctx = self.ctx
         tail = self.m.add_variable("Tail", 0)
         opt, phases = optimizer_step_cost(ctx), dp_phase_costs(ctx)
         eta, m, pp = ctx.cluster.overlap_efficiency, ctx.micro_batches, ctx.mesh.pp
+        sigma = ctx.cluster.overlap_slowdown  # the hidden part's `costing.contention_s`
         for s in range(pp):
             g = stage_grad[s]
             for end, here in zip(ends, (s == 0, s == pp - 1)):
@@ -723,7 +737,7 @@ class _Builder:
                     exposed >= unhidden.alpha_s + unhidden.beta_s_per_byte * g,
                     _name("phase_floor", s, i),
                 )
-                terms += exposed
+                terms += (1.0 - sigma) * exposed + sigma * whole
             self.m += tail >= terms, _name("tail", s)
         return tail
 

@@ -23,6 +23,7 @@ from planner.solver.costing import (
     CostContext,
     CostTables,
     LayerGraph,
+    contention_s,
     conversion_time_s,
     dp_sync_exposed_s,
     in_flight_micro_batches,
@@ -44,7 +45,9 @@ class LayerBreakdown:
 
     compute_s: float
     comm_s: float  # exposed: conversions inside the layer, op collectives, un-hidden block outputs
-    overlapped_comm_s: float  # block-output communication hidden behind compute (ladder residual)
+    # communication hidden behind compute (ladder, TP overlap, CP rings) net of its `contention_s`,
+    # which comm_s counts
+    overlapped_comm_s: float
     static_bytes: float  # parameters (+ gradients and optimizer state when training)
     activation_bytes: float  # per in-flight micro-batch
     grad_bytes: float
@@ -105,12 +108,12 @@ def layer_breakdown(
                 opt[out].out_layout, graph.op(out).out_bytes, split["colwise"], split["rowwise"], ctx
             )
             exposed += comm
-            overlapped += hidden
+            overlapped += hidden - contention_s(hidden, ctx.cluster)
             continue
         comm = stream_conversion_time_s(opt[out].out_layout, graph.op(out).out_bytes, ctx)
         hidden = min(comm, eta * compute_block[other])
-        exposed += comm - hidden
-        overlapped += hidden
+        exposed += comm - hidden + contention_s(hidden, ctx.cluster)
+        overlapped += hidden - contention_s(hidden, ctx.cluster)
     compute_s = graph.fixed_compute_s + compute_block["attention"] + compute_block["mlp"]
     if not laddered:  # TP overlap runs each split projection as C GEMMs of 1/C of the rows
         compute_s += sum(tp_overlap_chunk_compute_s(op, opt[op.name], ctx) for op in graph.ops)
@@ -125,7 +128,8 @@ def layer_breakdown(
     elif recompute is Recompute.SELECTIVE:  # the attention core again; its scores are not kept
         compute_s += sum(o.selective_s for o in opt.values())
         act -= sum(o.selective_bytes for o in opt.values())
-    overlapped += sum(o.hidden_comm_s for o in opt.values())  # context-parallel ring transfers
+    hidden = sum(o.hidden_comm_s for o in opt.values())  # context-parallel ring transfers
+    overlapped += hidden - contention_s(hidden, ctx.cluster)
     return LayerBreakdown(
         compute_s, internal + exposed, overlapped, static, act, grad, graph.expert_grad_bytes
     )
