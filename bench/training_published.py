@@ -24,6 +24,15 @@ The published Megatron-Core runs overlap TP communication with GEMMs (--tp-comm-
 gradient reduce-scatter / parameter all-gather with compute: the rows pin the same overlap (the
 plan's `tp_comm_overlap`, `overlap_grad_reduce`, `overlap_param_gather`), and the table also prints
 the communication still exposed and the step with every overlap pinned off.
+
+The free plan (issue: "the plan's predicted step is never slower than the published layout's own
+predicted step on the same cluster"): each Megatron-Core row and the Llama-3-405B run is also planned
+with only the cluster, the workload and the number of GPUs given (`Constraints(max_devices=gpus)`):
+TP, PP, DP, data-parallel style, sequence parallelism, recomputation, schedule and the three overlap
+options (None: the search prices each on and off) are the search's. The tables print the free plan,
+its step and free / pinned (the ratio of the predicted steps), then whether every row's free plan is
+at most the pinned layout's step, naming each row where it is not with both steps, and how long the
+free searches took (each a few seconds here).
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,7 +60,9 @@ from training_at_scale import (  # noqa: E402
     narayanan_pinned,
 )
 
-from costmodels.cluster import load_cluster  # noqa: E402
+from costmodels.cluster import ClusterSpec, load_cluster  # noqa: E402
+from planner.frontend.analysis import ModelStructure  # noqa: E402
+from planner.plan import DataParallel, Plan  # noqa: E402
 from planner.solver.problem import Constraints, WorkloadSpec  # noqa: E402
 from planner.solver.search import plan_model  # noqa: E402
 
@@ -84,15 +96,58 @@ def summary(console: Console, name: str, errors: list[tuple[str, float]], goal: 
     console.print(f"{name}: median |error| {median:.1%}, worst {worst[0]} {worst[1]:+.1%} ({goal})\n")
 
 
+def plan_text(plan: Plan) -> str:
+    """A plan's schedule as the tables print it: micro-batches, schedule, chunks per rank and the
+    recomputation of its layer classes, e.g. "m=16 interleaved_1f1b v=8 rc=none"."""
+    recompute = "/".join(sorted({str(r) for r in plan.recompute.values()}))
+    return f"m={plan.micro_batches} {plan.schedule} v={plan.virtual_stages} rc={recompute}"
+
+
+def free_plan(
+    structure: ModelStructure, cluster: ClusterSpec, work: WorkloadSpec, gpus: int
+) -> tuple[Plan, float]:
+    """The free plan of `structure` on at most `gpus` GPUs of `cluster` (every degree, style, schedule,
+    recomputation and overlap option searched): (Plan, seconds the search took)."""
+    start = time.perf_counter()
+    plan = plan_model(structure, cluster, work, Constraints(max_devices=gpus))
+    return plan, time.perf_counter() - start
+
+
+def free_text(plan: Plan) -> str:
+    """The free plan's cell: mesh, schedule (`plan_text`), sequence parallelism and the data-parallel
+    style in short ("zero1", "fsdp", "hsdp 32x6": FSDP over 32 ranks, replicated 6 times)."""
+    style, shard, dp = plan.dp_style, plan.dp_shard, plan.mesh.dp
+    short = f"hsdp {shard}x{dp // shard}" if style is DataParallel.FSDP and 1 < shard < dp else str(style)
+    return f"{plan.mesh.label()} {plan_text(plan)} sp={'on' if plan.sequence_parallel else 'off'} {short}"
+
+
+def free_verdict(console: Console, name: str, steps: list[tuple[str, float, float, float]]) -> None:
+    """Print whether every row's free plan is at most its pinned layout's predicted step (`steps`:
+    (row, pinned step, free step, seconds the free search took)), naming each row where it is not,
+    then the free searches' slowest and total time."""
+    slower = [(row, pinned, free) for row, pinned, free, _ in steps if free > pinned]
+    if slower:
+        rows = "; ".join(f"{row}: free {free:.3f} s > pinned {pinned:.3f} s" for row, pinned, free in slower)
+        verdict = f"NO, the free plan is slower in {len(slower)} of {len(steps)} rows ({rows})"
+    else:
+        verdict = f"yes, in all {len(steps)} rows" if len(steps) > 1 else "yes"
+    slowest = max(steps, key=lambda r: r[3])
+    console.print(
+        f"{name}: free plan's predicted step <= the pinned layout's: {verdict}. Free searches: slowest "
+        f"{slowest[3]:.1f} s ({slowest[0]}), {sum(r[3] for r in steps):.1f} s in all\n"
+    )
+
+
 def megatron(console: Console) -> list[tuple[str, float]]:
     cluster = load_cluster("h100-ib-2048node")
     table = Table(
         title="Megatron-Core r0.8 weak scaling (H100, bf16, seq 4096, vocab 131072): predicted vs published step"
     )
     for col in ("size", "layout", "plan", "published TFLOP/s", "predicted TFLOP/s", "published step",
-                "predicted step", "error", "exposed comm", "overlap off: step", "error"):  # fmt: skip
+                "predicted step", "error", "exposed comm", "overlap off: step", "error", "free plan", "free step",
+                "free / pinned"):  # fmt: skip
         table.add_column(col, justify="right")
-    errors = []
+    errors, steps = [], []
     for size, heads, hidden, layers, tp, pp, gpus, batch, published in MEGATRON_ROWS:
         config = GPTConfig(vocab_size=VOCAB, n_positions=SEQ, n_layer=layers, n_head=heads, n_embd=hidden)
         structure = gpt_structure(config)
@@ -105,6 +160,7 @@ def megatron(console: Console) -> list[tuple[str, float]]:
                 overlap_param_gather=overlap,
             )  # fmt: skip
             plans[overlap] = plan_model(structure, cluster, work, pin)
+        free, free_s = free_plan(structure, cluster, work, gpus)
         plan = plans[True]
         p = plan.predicted
         flops = megatron_flops(batch, SEQ, layers, hidden, VOCAB)
@@ -113,16 +169,19 @@ def megatron(console: Console) -> list[tuple[str, float]]:
         comm = p.exposed_comm_s  # TP collectives, stage sends and the DP gradient sync
         off_s = plans[False].predicted.latency_s
         errors.append((size, error))
-        recompute = "/".join(sorted({str(r) for r in plan.recompute.values()}))
+        free_step = free.predicted.latency_s
+        steps.append((size, p.latency_s, free_step, free_s))
         table.add_row(
-            size, plan.mesh.label(), f"m={plan.micro_batches} {plan.schedule} v={plan.virtual_stages} rc={recompute}",
+            size, plan.mesh.label(), plan_text(plan),
             f"{published:.1f}", f"{flops / p.latency_s / gpus / 1e12:.1f}", f"{published_s:.3f} s",
             f"{p.latency_s:.3f} s", f"{error:+.1%}", f"{comm:.3f} s", f"{off_s:.3f} s", f"{off_s / published_s - 1:+.1%}",
+            free_text(free), f"{free_step:.3f} s", f"{free_step / p.latency_s:.3f}",
         )  # fmt: skip
     console.print(table)
     summary(
         console, "Megatron-Core", errors, f"goal: median <= {MEDIAN_GOAL:.0%}, every row <= {ROW_GOAL:.0%}"
     )
+    free_verdict(console, "Megatron-Core", steps)
     return errors
 
 
@@ -161,20 +220,28 @@ def narayanan(console: Console) -> list[tuple[str, float]]:
 
 
 def llama_405b(console: Console) -> list[tuple[str, float]]:
-    plan = llama_405b_pinned(llama_405b_structure())
+    structure = llama_405b_structure()
+    plan = llama_405b_pinned(structure)
     p = plan.predicted
     gpus = LLAMA_405B["tp"] * LLAMA_405B["pp"] * LLAMA_405B["dp"]
     published_s = p.model_flops / (LLAMA_405B["published_tflops"] * 1e12 * gpus)
     error = p.latency_s / published_s - 1
+    # the free plan on the same 16,384 GPUs and workload as `llama_405b_pinned` (a few seconds here)
+    work = WorkloadSpec("train", LLAMA_405B["batch"], LLAMA_405B["seq"], dtype="bf16")
+    free, free_s = free_plan(structure, load_cluster(LLAMA_405B["cluster"]), work, gpus)
+    free_step = free.predicted.latency_s
     table = _table("Llama-3-405B (Dubey et al. 2024, Table 4): predicted vs published step", "layout", "plan")
-    recompute = "/".join(sorted({str(r) for r in plan.recompute.values()}))
+    for col in ("free plan", "free step", "free / pinned"):
+        table.add_column(col, justify="right")
     table.add_row(
-        plan.mesh.label(), f"m={plan.micro_batches} {plan.schedule} v={plan.virtual_stages} rc={recompute} dp={plan.dp_style_text()}",
+        plan.mesh.label(), f"{plan_text(plan)} dp={plan.dp_style_text()}",
         f"{LLAMA_405B['published_tflops']:.0f}", f"{p.model_flops_per_s_per_device / 1e12:.1f}",
         f"{published_s:.2f} s", f"{p.latency_s:.2f} s", f"{error:+.1%}",
+        free_text(free), f"{free_step:.2f} s", f"{free_step / p.latency_s:.3f}",
     )  # fmt: skip
     console.print(table)
     summary(console, "Llama-3-405B", [("405B", error)], f"goal: within {ROW_GOAL:.0%}")
+    free_verdict(console, "Llama-3-405B", [("405B", p.latency_s, free_step, free_s)])
     return [("405B", error)]
 
 
@@ -184,7 +251,7 @@ def main() -> None:
     )
     parser.add_argument("--only", choices=["megatron", "narayanan", "405b"])
     args = parser.parse_args()
-    console = Console(width=200)
+    console = Console(width=290)
     if args.only in (None, "megatron"):
         megatron(console)
     if args.only in (None, "narayanan"):
