@@ -331,6 +331,26 @@ def norm_bytes(tokens: float, hidden: float, dtype: str, kind: str = "layernorm"
     return (2.0 * tokens * hidden + params * hidden) * dtype_bytes(dtype)
 
 
+# Bytes per logit of a training step's cross-entropy loss beyond twice the logits' own dtype (read once,
+# its gradient written once), as PyTorch's F.cross_entropy(logits.float()) and Megatron-LM's
+# vocab-parallel cross-entropy compute it in fp32: the upcast copy written (4), log-softmax forward
+# reading it for the max and the sum (8) and writing its output (4), the loss gradient written dense
+# (4), log-softmax backward reading that and the output (8) and writing (4), and the cast back reading
+# the fp32 gradient (4): 36, plus a reduction's second pass over the row in each direction (4 + 4).
+# Counted from the kernels each step launches, not measured.
+CROSS_ENTROPY_FP32_BYTES = 44
+CROSS_ENTROPY_FLOPS = (
+    10  # per logit, forward + backward: max, subtract, exp, sum, log, scale (counting convention)
+)
+
+
+def cross_entropy_bytes(logits: float, dtype: str) -> float:
+    """Bytes a training step's cross-entropy moves over ``logits`` elements of ``dtype`` (forward and
+    backward, computed in fp32: `CROSS_ENTROPY_FP32_BYTES` per logit plus the logit read and its
+    gradient written in ``dtype``)."""
+    return logits * (2 * dtype_bytes(dtype) + CROSS_ENTROPY_FP32_BYTES)
+
+
 def embedding_bytes(tokens: float, dim: float, dtype: str) -> float:
     """Bytes of an embedding lookup: read int64 ids, read ``tokens`` rows of ``dim``, write them out."""
     return tokens * _INDEX_BYTES + 2.0 * tokens * dim * dtype_bytes(dtype)

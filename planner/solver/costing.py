@@ -1510,8 +1510,10 @@ def build_ends_graph(ctx: CostContext) -> LayerGraph:
                 else:
                     opt.comm_s = conversion_time_s(S, R, logits_bytes, ctx)
             opt.out_layout = R
-            if ctx.train:  # fp32 logits kept for the loss
-                opt.activation_bytes += tokens * head.out_features * 4.0 / (tp if opt.name == "vocab" else 1)
+            if ctx.train:  # fp32 logits kept for the loss, and the loss itself (vocab-parallel: 1/tp each)
+                logits = tokens * head.out_features / (tp if opt.name == "vocab" else 1)
+                opt.activation_bytes += logits * 4.0
+                opt.compute_s += loss_time_s(logits, ctx)
         if "colwise" in excluded:
             excluded["vocab"] = excluded.pop("colwise")
         if s.tied_lm_head:
@@ -1537,6 +1539,20 @@ def build_ends_graph(ctx: CostContext) -> LayerGraph:
         other if ctx.train else 0.0,
         first_stage_compute_s=first_stage,
     )
+
+
+def loss_time_s(logits: float, ctx: CostContext) -> float:
+    """Forward + backward of a training step's loss over ``logits`` elements on one rank: the
+    cross-entropy in fp32 that Megatron-LM and torchtitan train with (`compute.cross_entropy_bytes`,
+    memory-bound; one more node on a device priced per node). The runtime's numerics check computes
+    an MSE over the same logits instead, which moves about as many bytes (fp32: ~40 per logit)."""
+    flops = compute.CROSS_ENTROPY_FLOPS * logits
+    bytes_moved = compute.cross_entropy_bytes(logits, ctx.dtype)
+    dev = ctx.cluster.device
+    launch = dev.node_overhead_s is None
+    return compute.op_time_s(
+        flops, bytes_moved, dev, ctx.dtype, "memory", launch=launch
+    ) + ctx.node_overhead_time(1)
 
 
 def embedding_gradient_time_s(weight_bytes: float, out_bytes: float, tied: bool, ctx: CostContext) -> float:
