@@ -40,7 +40,7 @@ from passes.ep_lower import EpLowering, apply_expert_parallel
 from passes.ladder import apply_ladder, ladder_residual_adds
 from passes.pipeline import split_stages, stage_of_layers, tied_parameters
 from passes.recompute import RecomputedRegion, apply_recompute, mark_attention_cores, recompute_of_layers
-from passes.tensor_parallel import apply_tensor_parallel
+from passes.tensor_parallel import OUTPUT_SHARD, apply_tensor_parallel
 from passes.tp_overlap import apply_tp_overlap
 from planner.errors import InputError
 from planner.frontend.analysis import ModelStructure, Role
@@ -119,6 +119,9 @@ def lower_for_rank(
         training=training,
         sequence_parallel=sequence_parallel,
         stream_outputs=stream_output_weights(structure),
+        # training without CP: the loss runs on the LM head's vocabulary shards (`runtime.loss`); CP
+        # gathers the outputs along the sequence for the loss, so they are gathered whole
+        shard_output=training and plan.cp == 1,
     )
     cp_lowering = None
     if plan.cp > 1:
@@ -149,6 +152,8 @@ def lower_for_rank(
                 if key in gm.meta:
                     kept = [n for n in gm.meta[key] if n in names]
                     chunk.meta[key] = {n: gm.meta[key][n] for n in kept} if key == "ep_shards" else kept
+        if OUTPUT_SHARD in gm.meta and stages[-1] in chunks:  # the stage computing the model's outputs
+            stages[-1].meta[OUTPUT_SHARD] = gm.meta[OUTPUT_SHARD]
     recomputed = (
         [r for chunk in chunks for r in apply_recompute(chunk, structure, plan.recompute)] if training else []
     )

@@ -48,6 +48,7 @@ from __future__ import annotations
 import operator
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -74,9 +75,40 @@ aten = torch.ops.aten
 RULE_META = "tp_rule"  # node.meta key: "general" | "own" | "replicated" (`rule_coverage`)
 
 
-def _propagate(ctx: RuleContext) -> None:
+@dataclass(frozen=True)
+class OutputShard:
+    """The graph's first output left sharded for a loss computed on the shards (`shard_output`):
+    along `dim`, `length` elements whole (a padded vocabulary: without its padding), `local` per rank;
+    rank r holds [r * local, (r + 1) * local), of which the part before `length` is real
+    (`runtime.loss.output_loss`). Recorded as ``gm.meta[OUTPUT_SHARD]``."""
+
+    dim: int
+    length: int
+    local: int
+
+
+OUTPUT_SHARD = "tp_output_shard"
+
+
+def _outputs(ctx: RuleContext, out, shard_output: bool):
+    """The output node's argument: every output replicated (gathered), but with `shard_output` the
+    first left as it is when it is a plain shard (an LM head's vocabulary split: the loss runs
+    vocab-parallel, as Megatron-LM's and torchtitan's loss_parallel do), recorded as an `OutputShard`."""
+    first = out[0] if isinstance(out, (tuple, list)) and out else out
+    keep = None
+    if shard_output and isinstance(first, fx.Node):
+        p = ctx.shard_of(first)
+        if p is not None and not p.parts and not p.pieces and not p.inner:
+            length = ctx.gshape(first)[p.dim]
+            keep = first
+            ctx.gm.meta[OUTPUT_SHARD] = OutputShard(p.dim, length, (p.size or length) // ctx.tp)
+    return fx.node.map_arg(out, lambda n: n if n is keep else ctx.replicated(n))
+
+
+def _propagate(ctx: RuleContext, shard_output: bool = False) -> None:
     """Give every node of the graph, in order, a placement: parameters and inputs directly, calls by
-    their op's rule; the graph's outputs are replicated."""
+    their op's rule; the graph's outputs are replicated (`_outputs`: with `shard_output` the first may
+    stay a shard)."""
     for node in list(ctx.graph.nodes):
         if node in ctx.place:
             continue  # inserted by a rule
@@ -89,7 +121,7 @@ def _propagate(ctx: RuleContext) -> None:
         elif node.op == "placeholder":
             ctx.place[node] = R
         elif node.op == "output":
-            node.args = (fx.node.map_arg(node.args[0], ctx.replicated),)
+            node.args = (_outputs(ctx, node.args[0], shard_output),)
         elif node.op == "call_function":
             entry = rule_for(node.target)
             padded = any(
@@ -140,6 +172,7 @@ def apply_tensor_parallel(
     training: bool = False,
     sequence_parallel: bool = False,
     stream_outputs: frozenset[str] = frozenset(),
+    shard_output: bool = False,
 ) -> fx.GraphModule:
     """Rewrite `gm` in place into rank `tp_rank`'s shard of a `tp_size`-way tensor-parallel model.
 
@@ -149,6 +182,8 @@ def apply_tensor_parallel(
     sequence_parallel: keep the stream between TP blocks sharded along the sequence (module docstring).
     stream_outputs: weight FQNs of the projections whose output joins the residual stream
     (`passes.lower.stream_output_weights`): a column-parallel one is all-gathered right after it.
+    shard_output: training with the loss on the shards: the first output stays sharded when it is
+    (the LM head's logits on the vocabulary), ``gm.meta[OUTPUT_SHARD]`` saying how (`OutputShard`).
     Raises TensorParallelError naming the node whose local shape cannot be made right.
     """
     if tp_size == 1:
@@ -156,7 +191,7 @@ def apply_tensor_parallel(
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
     ctx = RuleContext(gm, splits, tp_rank, tp_size, axis, training, sequence_parallel, stream_outputs)
-    _propagate(ctx)
+    _propagate(ctx, shard_output)
     # tied weights (GPT-2 wte / lm_head) reach the graph under one FQN; only those present are checked
     unsharded = [f for f in ctx.param_split if id(operator.attrgetter(f)(gm)) not in ctx.sharded_ids]
     if unsharded:

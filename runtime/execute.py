@@ -32,7 +32,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from costmodels.memory import DataParallel, dp_state_bytes
 from passes.checkpoint import SafetensorsCheckpoint
@@ -46,6 +45,7 @@ from planner.plan import Plan
 from runtime.data_parallel import args_share, build_plan_optimizer, state_bytes, unbatched_note
 from runtime.job import RankReport, RankSetup, ReferenceFiles, RunJob, set_up_rank, time_steps
 from runtime.launch import RankContext, report_progress
+from runtime.loss import full_shape, gathered_output, output_loss, output_shard
 from runtime.measure import current_memory_bytes, process_peak_memory_bytes
 from runtime.numerics import all_outputs, replica_share
 from runtime.pipeline_run import run_pipeline_rank
@@ -201,20 +201,25 @@ def _training_step(
     dp_group = groups.group("dp")
     optimizer = build_plan_optimizer(plan, gm, groups, units)
     m = len(parts)
+    # the LM head's logits left on their vocabulary shards: the loss runs vocab-parallel (`runtime.loss`)
+    shard, tp_rank = output_shard(gm), groups.tp_rank
     with dropout_disabled(gm):  # like with like: the reference ran with dropout off too
         outs = [all_outputs(gm(*part)) for part in parts]
-        replica_outs = _joined(outs, want, plan.dp * m)
+        whole = [(gathered_output(out[0], shard), *out[1:]) for out in outs] if shard is not None else outs
+        replica_outs = _joined(whole, want, plan.dp * m)
         if replica_outs is not None:
             compare_outputs(replica_outs, want, reference, setup, report)
+        del whole
         report.notes += expert_load_notes_of(gm, report.rank)
         # its own memory: a view of the mapped outputs file would keep it mapped through the timed steps
         target_full = want.read("target").to(outs[0][0].device, copy=True)
         targets = []
         for i, out in enumerate(outs):  # micro-batch i of replica r is share r * m + i of the batch
-            part_target = replica_share(target_full, tuple(out[0].shape), plan.dp * m, groups.dp_rank * m + i)
+            shape = full_shape(tuple(out[0].shape), shard)
+            part_target = replica_share(target_full, shape, plan.dp * m, groups.dp_rank * m + i)
             assert part_target is not None, "output 0 is a share of the unsharded output (checked above)"
             targets.append(part_target)
-        losses = [F.mse_loss(out[0], t) / m for out, t in zip(outs, targets)]
+        losses = [output_loss(out[0], t, shard, tp_rank) / m for out, t in zip(outs, targets)]
         for part_loss in losses:
             part_loss.backward()
         loss = sum(part_loss.detach() for part_loss in losses)
@@ -249,7 +254,7 @@ def _training_step(
     def step() -> None:
         optimizer.zero_grad()
         for part, part_target in zip(parts, targets):
-            (F.mse_loss(all_outputs(gm(*part))[0], part_target) / m).backward()
+            (output_loss(all_outputs(gm(*part))[0], part_target, shard, tp_rank) / m).backward()
         optimizer.step()  # reduces the gradients over the DP group first
 
     return step

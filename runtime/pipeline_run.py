@@ -51,6 +51,7 @@ from runtime.data_parallel import (
 )
 from runtime.job import RankReport, RankSetup, RunJob, time_steps
 from runtime.launch import RankContext
+from runtime.loss import output_loss, output_shard
 from runtime.numerics import all_outputs
 from runtime.pipeline import PipelineRunner, sum_tied_gradients
 from runtime.reference import (
@@ -62,6 +63,19 @@ from runtime.reference import (
     update_snapshot,
 )
 from runtime.run_mode import dropout_note, lowering_notes, seed_dropout_rng, set_run_mode
+
+
+def _loss_fn(chunks: list[torch.nn.Module], tp_rank: int):
+    """The last stage's loss per micro-batch: MSE against its target, vocab-parallel when the model's
+    outputs stay on their TP shards (`runtime.loss.output_loss`; the stage holding them says so)."""
+    shard = next((s for s in map(output_shard, chunks) if s is not None), None)
+    if shard is None:
+        return F.mse_loss
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return output_loss(out, target, shard, tp_rank)
+
+    return loss_fn
 
 
 def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankReport:
@@ -113,7 +127,7 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
         pp_group,
         ctx.device,
         plan.schedule,
-        loss_fn=F.mse_loss if training else None,
+        loss_fn=_loss_fn(chunks, lowered.tp_rank) if training else None,
         input_batch_dims=setup.batch_dims,
     )  # the schedule is built once, on the first step
     report = RankReport(

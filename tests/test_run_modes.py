@@ -26,6 +26,7 @@ from planner.plan import DataParallel, MeshShape, Plan, Prediction, Schedule, So
 from runtime.data_parallel import DistributedAdam, ReplicatedAdam, args_share, batch_share
 from runtime.job import RunJob, set_up_rank, summarise
 from runtime.launch import RankContext, launch
+from runtime.loss import gathered_output, output_shard
 from runtime.numerics import tolerance_for
 from runtime.run_mode import cast_inputs, check_plan_runs, seed_dropout_rng, set_run_mode
 from tests.parity_entry import run_jobs
@@ -168,13 +169,15 @@ def _dropout_rng_checks(ctx: RankContext, path: str) -> dict:
     ones = torch.ones(4096)
     sharded = gathered(rng.tp_dropout(ones, 0.5, True, "tp"))
     replicated = gathered(aten.dropout(ones, 0.5, True))
+    shard = output_shard(lowered)  # training: the LM head's logits stay on their vocabulary shards
     with torch.no_grad():
-        first, second = lowered(*inputs), lowered(*inputs)
+        first, second = (gathered_output(lowered(*inputs), shard) for _ in range(2))
         with rng.dropout_disabled(lowered):
-            off = lowered(*inputs)
+            off = gathered_output(lowered(*inputs), shard)
     return {
         "sharded_masks_equal": torch.equal(*sharded),
         "replicated_masks_equal": torch.equal(*replicated),
+        "output_sharded": shard is not None,
         "outputs_equal_over_tp": torch.equal(*gathered(first)),
         "dropout_changes_output": not torch.equal(first, second),
         "off_diff": float((off - eval_out).abs().max()),
@@ -187,7 +190,8 @@ def test_training_runs_in_train_mode_with_tensor_parallel_dropout_rng() -> None:
     for r in results:
         assert not r["sharded_masks_equal"], r  # a shard's mask is its own (per-rank stream)
         assert r["replicated_masks_equal"], r  # a replicated value's mask is the same on every rank
-        assert r["outputs_equal_over_tp"], r  # so the replicated outputs stay identical over TP ranks
+        assert r["output_sharded"], r  # the loss runs on the logits' vocabulary shards (runtime.loss)
+        assert r["outputs_equal_over_tp"], r  # the whole output the shards make is the same on every rank
         assert r["dropout_changes_output"], r  # the train-mode graph does drop
         assert r["off_diff"] < 1e-5, r  # with dropout off it is the unsharded eval-mode model
     # the run itself: train mode, its numerics checked with dropout off (like with like), and it says so

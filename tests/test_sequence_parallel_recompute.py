@@ -21,6 +21,7 @@ from passes import collectives, rng
 from passes.layers import layer_of_nodes
 from passes.lower import lower_for_rank
 from passes.recompute import recompute_of_layers
+from passes.tensor_parallel import OUTPUT_SHARD, OutputShard
 from planner.cli.workflow import constraints_from, make_plan, prepare
 from planner.errors import InfeasibleError, InputError
 from planner.frontend.analysis import analyse
@@ -85,9 +86,12 @@ def test_sequence_parallel_layers_reduce_scatter_and_gather_twice_and_never_all_
     (embedding,) = [n for n in gm.graph.nodes if n.target is collectives.vocab_parallel_embedding]
     assert embedding.args[3:] == (1,)  # the lookup's sum is reduce-scattered along the tokens
     assert tuple(embedding.meta["val"].shape) == (2, 16, 128)  # (B, T / tp, C)
-    # the LM head gathers the sequence once; its vocab-sharded logits are gathered for the output
+    # the LM head gathers the sequence once; its vocab-sharded logits stay sharded for the loss
     assert calls.count(collectives.tp_sequence_gather) == 2 * len(structure.layers) + 1
-    assert calls.count(collectives.tp_all_gather) == 1
+    assert calls.count(collectives.tp_all_gather) == 0
+    assert gm.meta[OUTPUT_SHARD] == OutputShard(
+        2, structure.lm_head.out_features, structure.lm_head.out_features // 2
+    )
     # plain TP of the same plan: two all-reduces per layer, no sequence collectives
     gm, structure, _, _ = _captured(LLAMA)
     lower_for_rank(gm, structure, _plan(LLAMA, structure, 2), 1, training=True)

@@ -1501,17 +1501,26 @@ def build_ends_graph(ctx: CostContext) -> LayerGraph:
         excluded.pop("rowwise", None)
         logits_bytes = tokens * head.out_features * b
         for opt in options:
+            shards = 1
             if opt.name == "colwise":
                 opt.name = "vocab"
-                # Logits leave sharded on the vocab: inference gathers them; training computes the
-                # loss vocab-parallel (two all-reduces of one fp32 per token: max and sum).
-                if ctx.train:
-                    opt.comm_s = 2 * conversion_time_s(P, R, tokens * 4.0, ctx)
-                else:
+                # Logits leave sharded on the vocab. Inference gathers them (the graph's outputs are
+                # replicated). Training without CP computes the loss on the shards (`runtime.loss`: one
+                # all-reduce of a scalar); with CP the outputs are gathered whole for the loss
+                # (`passes.cp_lower`), so over the TP ranks first: an all-gather, whose backward keeps
+                # this rank's chunk (`passes.collectives.tp_all_gather`), and the loss on every rank
+                if not ctx.train:
                     opt.comm_s = conversion_time_s(S, R, logits_bytes, ctx)
+                elif ctx.cp == 1:
+                    shards = tp
+                    scalar = all_reduce_time_s(4.0, ctx.tp_group(), ctx.cluster)
+                    opt.comm_s = scalar + ctx.node_overhead_time(1)
+                else:
+                    gather = all_gather_time_s(logits_bytes, ctx.tp_group(), ctx.cluster)
+                    opt.comm_s = gather + ctx.node_overhead_time(1)
             opt.out_layout = R
-            if ctx.train:  # fp32 logits kept for the loss, and the loss itself (vocab-parallel: 1/tp each)
-                logits = tokens * head.out_features / (tp if opt.name == "vocab" else 1)
+            if ctx.train:  # the loss over this rank's logits, and its fp32 logits kept for the backward
+                logits = tokens * head.out_features / shards
                 opt.activation_bytes += logits * 4.0
                 opt.compute_s += loss_time_s(logits, ctx)
         if "colwise" in excluded:
@@ -1544,8 +1553,8 @@ def build_ends_graph(ctx: CostContext) -> LayerGraph:
 def loss_time_s(logits: float, ctx: CostContext) -> float:
     """Forward + backward of a training step's loss over ``logits`` elements on one rank: the
     cross-entropy in fp32 that Megatron-LM and torchtitan train with (`compute.cross_entropy_bytes`,
-    memory-bound; one more node on a device priced per node). The runtime's numerics check computes
-    an MSE over the same logits instead, which moves about as many bytes (fp32: ~40 per logit)."""
+    memory-bound; one more node on a device priced per node). The runtime's loss (an MSE, about as many
+    bytes: fp32 ~40 per logit) runs as those do, on each rank's vocabulary shard (`runtime.loss`)."""
     flops = compute.CROSS_ENTROPY_FLOPS * logits
     bytes_moved = compute.cross_entropy_bytes(logits, ctx.dtype)
     dev = ctx.cluster.device
