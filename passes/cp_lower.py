@@ -28,12 +28,15 @@ otherwise (`passes.context_parallel.cp_positions`). Output: the same graph rewri
    and their elements, before the cut) and listed in `CpLowering.fallbacks`; `passes.verify` prices it
    (an all-gather over the CP ranks, a reduce-scatter in backward) and `planner run` names it;
 5. every graph output still sharded is gathered whole (`cp_gather_output`), so that the loss sees
-   whole sequences.
+   whole sequences; with `shard_output` (training) the first stays on this rank's tokens
+   (`CpOutputShard` in ``gm.meta[CP_OUTPUT_SHARD]``) and the runtime's loss runs on them
+   (`runtime.loss`), as Megatron-LM's does.
 
 Gradients (training): a lowered graph's parameters are the same on the cp ranks and each rank's
 weight gradients sum over its own tokens only: partial sums, which the data-parallel reduction over
 dp x cp ranks averages (`runtime.mesh`'s "dp_cp" group). The output gather's backward keeps this
-rank's tokens of the (identical) loss gradient times cp, so that the average is the whole-batch sum;
+rank's tokens of the (identical) loss gradient times cp (a loss on the rank's tokens scales its
+gradient by cp the same way: `runtime.loss`), so that the average is the whole-batch sum;
 `cp_slice`'s backward puts a gradient at this rank's positions and zeros elsewhere, `cp_gather`'s
 reduce-scatters (both partial sums too). Megatron-LM multiplies its loss by the CP size for the
 same reason.
@@ -81,6 +84,18 @@ class CpLowering:
     gathered_outputs: int = 0
 
 
+@dataclass(frozen=True)
+class CpOutputShard:
+    """The graph's first output left on this rank's tokens for a loss on them (`apply_context_parallel`'s
+    `shard_output`): along `dim`, in the lowering's order (`load_balance`: head-tail chunks)."""
+
+    dim: int
+    load_balance: bool
+
+
+CP_OUTPUT_SHARD = "cp_output_shard"
+
+
 @dataclass
 class _Ctx:
     """The state `passes.general_rules.propagate_placements` reads (a `RuleContext`'s fields): the
@@ -99,11 +114,13 @@ def apply_context_parallel(
     load_balance: bool,
     *,
     training: bool = False,
+    shard_output: bool = False,
 ) -> CpLowering:
     """Rewrite `gm` in place for one rank of `cp` context-parallel ranks (module docstring).
 
     seq_len: tokens per sequence in the captured graph (the plan's `seq_len`); variant: one of
-    `passes.context_parallel.CP_VARIANTS`; training: the output gather scales its gradient by cp.
+    `passes.context_parallel.CP_VARIANTS`; training: the output gather scales its gradient by cp;
+    shard_output: the first output stays on this rank's tokens (`CpOutputShard`, module docstring).
     Raises InputError for a sequence that does not divide into the chunks (naming both numbers), an
     unknown variant, a model without a token input of `seq_len` entries, or attention the variants
     cannot run (explicit mask, attention dropout under training, Ulysses heads); ValueError when a
@@ -169,7 +186,7 @@ def apply_context_parallel(
             ctx.place[node] = _R
             continue
         if node.op == "output":
-            result.gathered_outputs = _gather_outputs(node, ctx, load_balance, training)
+            result.gathered_outputs = _gather_outputs(node, ctx, load_balance, training, shard_output)
             continue
         if node.op != "call_function":
             ctx.place[node] = _R
@@ -399,14 +416,23 @@ def _not_causal(gm: fx.GraphModule, mask: fx.Node, q_len: int, k_len: int) -> st
     return ""
 
 
-def _gather_outputs(node: fx.Node, ctx: _Ctx, load_balance: bool, training: bool) -> int:
-    """Gather every sharded graph output whole (`cp_gather_output`); how many were."""
+def _gather_outputs(node: fx.Node, ctx: _Ctx, load_balance: bool, training: bool, shard_output: bool) -> int:
+    """Gather every sharded graph output whole (`cp_gather_output`), but with `shard_output` the first
+    (recorded as a `CpOutputShard`); how many were gathered."""
     count = 0
     scale = float(ctx.tp) if training else 1.0
+    out = node.args[0]
+    first = out[0] if isinstance(out, (tuple, list)) and out else out
+    keep = None
+    if shard_output and isinstance(first, fx.Node):
+        p = ctx.place.get(first, _R)
+        if isinstance(p, Placement) and p.is_shard:
+            keep = first
+            node.graph.owning_module.meta[CP_OUTPUT_SHARD] = CpOutputShard(p.dim, load_balance)
 
     def whole(a: Any) -> Any:
         nonlocal count
-        if not isinstance(a, fx.Node):
+        if not isinstance(a, fx.Node) or a is keep:
             return a
         p = ctx.place.get(a, _R)
         if not isinstance(p, Placement) or not p.is_shard:

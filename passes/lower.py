@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from passes.cp_lower import CpLowering, apply_context_parallel
+from passes.cp_lower import CP_OUTPUT_SHARD, CpLowering, apply_context_parallel
 from passes.ep_lower import EpLowering, apply_expert_parallel
 from passes.ladder import apply_ladder, ladder_residual_adds
 from passes.pipeline import split_stages, stage_of_layers, tied_parameters
@@ -119,15 +119,14 @@ def lower_for_rank(
         training=training,
         sequence_parallel=sequence_parallel,
         stream_outputs=stream_output_weights(structure),
-        # training without CP: the loss runs on the LM head's vocabulary shards (`runtime.loss`); CP
-        # gathers the outputs along the sequence for the loss, so they are gathered whole
-        shard_output=training and plan.cp == 1,
+        shard_output=training,  # the loss runs on the LM head's vocabulary shards (`runtime.loss`)
     )
     cp_lowering = None
     if plan.cp > 1:
         cp_lowering = apply_context_parallel(
-            gm, plan.cp, plan.seq_len, plan.cp_comm_type, plan.cp_load_balance, training=training
-        )
+            gm, plan.cp, plan.seq_len, plan.cp_comm_type, plan.cp_load_balance, training=training,
+            shard_output=training,
+        )  # fmt: skip
     ep_lowering = None
     if plan.ep > 1 and plan.ep_fold == "tp":
         ep_lowering = apply_expert_parallel(gm, structure, plan.ep, tp_rank, fold="tp")
@@ -152,8 +151,9 @@ def lower_for_rank(
                 if key in gm.meta:
                     kept = [n for n in gm.meta[key] if n in names]
                     chunk.meta[key] = {n: gm.meta[key][n] for n in kept} if key == "ep_shards" else kept
-        if OUTPUT_SHARD in gm.meta and stages[-1] in chunks:  # the stage computing the model's outputs
-            stages[-1].meta[OUTPUT_SHARD] = gm.meta[OUTPUT_SHARD]
+        for key in (OUTPUT_SHARD, CP_OUTPUT_SHARD):  # to the stage computing the model's outputs
+            if key in gm.meta and stages[-1] in chunks:
+                stages[-1].meta[key] = gm.meta[key]
     recomputed = (
         [r for chunk in chunks for r in apply_recompute(chunk, structure, plan.recompute)] if training else []
     )

@@ -45,7 +45,7 @@ from planner.plan import Plan
 from runtime.data_parallel import args_share, build_plan_optimizer, state_bytes, unbatched_note
 from runtime.job import RankReport, RankSetup, ReferenceFiles, RunJob, set_up_rank, time_steps
 from runtime.launch import RankContext, report_progress
-from runtime.loss import full_shape, gathered_output, output_loss, output_shard
+from runtime.loss import full_shape, gathered_output, loss_layout, output_loss
 from runtime.measure import current_memory_bytes, process_peak_memory_bytes
 from runtime.numerics import all_outputs, replica_share
 from runtime.pipeline_run import run_pipeline_rank
@@ -202,10 +202,10 @@ def _training_step(
     optimizer = build_plan_optimizer(plan, gm, groups, units)
     m = len(parts)
     # the LM head's logits left on their vocabulary shards: the loss runs vocab-parallel (`runtime.loss`)
-    shard, tp_rank = output_shard(gm), groups.tp_rank
+    layout = loss_layout([gm], groups.tp_rank, plan.cp)
     with dropout_disabled(gm):  # like with like: the reference ran with dropout off too
         outs = [all_outputs(gm(*part)) for part in parts]
-        whole = [(gathered_output(out[0], shard), *out[1:]) for out in outs] if shard is not None else outs
+        whole = [(gathered_output(out[0], layout), *out[1:]) for out in outs] if layout.sharded else outs
         replica_outs = _joined(whole, want, plan.dp * m)
         if replica_outs is not None:
             compare_outputs(replica_outs, want, reference, setup, report)
@@ -215,11 +215,11 @@ def _training_step(
         target_full = want.read("target").to(outs[0][0].device, copy=True)
         targets = []
         for i, out in enumerate(outs):  # micro-batch i of replica r is share r * m + i of the batch
-            shape = full_shape(tuple(out[0].shape), shard)
+            shape = full_shape(tuple(out[0].shape), layout)
             part_target = replica_share(target_full, shape, plan.dp * m, groups.dp_rank * m + i)
             assert part_target is not None, "output 0 is a share of the unsharded output (checked above)"
             targets.append(part_target)
-        losses = [output_loss(out[0], t, shard, tp_rank) / m for out, t in zip(outs, targets)]
+        losses = [output_loss(out[0], t, layout) / m for out, t in zip(outs, targets)]
         for part_loss in losses:
             part_loss.backward()
         loss = sum(part_loss.detach() for part_loss in losses)
@@ -254,7 +254,7 @@ def _training_step(
     def step() -> None:
         optimizer.zero_grad()
         for part, part_target in zip(parts, targets):
-            (output_loss(all_outputs(gm(*part))[0], part_target, shard, tp_rank) / m).backward()
+            (output_loss(all_outputs(gm(*part))[0], part_target, layout) / m).backward()
         optimizer.step()  # reduces the gradients over the DP group first
 
     return step

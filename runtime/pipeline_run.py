@@ -51,7 +51,7 @@ from runtime.data_parallel import (
 )
 from runtime.job import RankReport, RankSetup, RunJob, time_steps
 from runtime.launch import RankContext
-from runtime.loss import output_loss, output_shard
+from runtime.loss import loss_layout, output_loss
 from runtime.numerics import all_outputs
 from runtime.pipeline import PipelineRunner, sum_tied_gradients
 from runtime.reference import (
@@ -65,15 +65,15 @@ from runtime.reference import (
 from runtime.run_mode import dropout_note, lowering_notes, seed_dropout_rng, set_run_mode
 
 
-def _loss_fn(chunks: list[torch.nn.Module], tp_rank: int):
-    """The last stage's loss per micro-batch: MSE against its target, vocab-parallel when the model's
-    outputs stay on their TP shards (`runtime.loss.output_loss`; the stage holding them says so)."""
-    shard = next((s for s in map(output_shard, chunks) if s is not None), None)
-    if shard is None:
+def _loss_fn(chunks: list[torch.nn.Module], tp_rank: int, cp: int):
+    """The last stage's loss per micro-batch: MSE against its target, on the output's TP and CP shards
+    where the passes leave it sharded (`runtime.loss.output_loss`; the stage holding it says so)."""
+    layout = loss_layout(chunks, tp_rank, cp)
+    if not layout.sharded:
         return F.mse_loss
 
     def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return output_loss(out, target, shard, tp_rank)
+        return output_loss(out, target, layout)
 
     return loss_fn
 
@@ -127,7 +127,7 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
         pp_group,
         ctx.device,
         plan.schedule,
-        loss_fn=_loss_fn(chunks, lowered.tp_rank) if training else None,
+        loss_fn=_loss_fn(chunks, lowered.tp_rank, plan.cp) if training else None,
         input_batch_dims=setup.batch_dims,
     )  # the schedule is built once, on the first step
     report = RankReport(

@@ -5,8 +5,8 @@ Two launches (2 gloo ranks, 4 gloo ranks) run the plan's own checked run (`runti
 outputs, MSE loss, every gradient after the dp x cp reduction, the first Adam step) for each layout in
 turn. The model is tests/models/tiny_lm_tokens.py, the tiny Llama (4 layers, GQA, RoPE) fed random
 tokens, so a rank that computed its tokens at the wrong positions would give other outputs. One job of
-the 2-rank launch runs with the output gather's gradient left unscaled (the CP ranks' partial gradients
-averaged, not summed): its check must fail.
+the 2-rank launch runs with the loss's gradient on the rank's tokens left unscaled (the CP ranks'
+partial gradients averaged, not summed: `runtime.loss.cp_grad_scaled`): its check must fail.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from unittest import mock
 import pytest
 
 from passes import context_parallel
-from passes.cp_lower import apply_context_parallel
+from passes.cp_lower import CP_OUTPUT_SHARD, CpOutputShard, apply_context_parallel
 from planner.errors import InputError
 from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture
@@ -60,20 +60,17 @@ def _job(plan, model: str = TOKENS) -> RunJob:
     )  # fmt: skip
 
 
-def _unscaled(x, dim, axis, load_balance, grad_scale):
-    return _ORIGINAL(x, dim, axis, load_balance, 1.0)  # wrong: the CP ranks' gradients averaged
-
-
-_ORIGINAL = context_parallel.cp_gather_output
+def _unscaled(x, cp):
+    return x  # wrong: the CP ranks' gradients averaged, not summed
 
 
 def run_labelled(ctx: RankContext, jobs: list[tuple[str, RunJob, bool]]) -> dict:
-    """Rank entry: run_rank for each (label, job, wrong) in turn; wrong runs the job with the output
-    gather's gradient unscaled."""
+    """Rank entry: run_rank for each (label, job, wrong) in turn; wrong runs the job with the loss's
+    gradient on the rank's tokens unscaled."""
     out = {}
     for label, job, wrong in jobs:
         if wrong:
-            with mock.patch("passes.cp_lower.cp_gather_output", _unscaled):
+            with mock.patch("runtime.loss.cp_grad_scaled", _unscaled):
                 out[label] = run_rank(ctx, job)
         else:
             out[label] = run_rank(ctx, job)
@@ -153,6 +150,10 @@ def test_the_pass_cuts_tokens_and_rope_and_replaces_attention() -> None:
     done = apply_context_parallel(gm, 2, SEQ, "ring", True, training=True)
     assert done.inputs == ["tokens"] and len(done.attention) == 4 and not done.fallbacks
     assert done.gathered_outputs == 1 and len(done.sliced) == 3  # tokens, RoPE cos, RoPE sin
+    # training's loss runs on the rank's tokens (`runtime.loss`): the logits stay cut, nothing gathered
+    gm = capture(model_file.build("meta"), args, kwargs)
+    kept = apply_context_parallel(gm, 2, SEQ, "ring", True, training=True, shard_output=True)
+    assert kept.gathered_outputs == 0 and gm.meta[CP_OUTPUT_SHARD] == CpOutputShard(1, True)
     sdpa = [n for n in gm.graph.nodes if n.target is context_parallel.cp_sdpa]
     assert [tuple(n.meta["val"].shape) for n in sdpa] == [(2, 4, SEQ // 2, 8)] * 4
     assert sdpa[0].args[3:7] == ("cp", "ring", True, True)

@@ -26,7 +26,7 @@ from planner.plan import DataParallel, MeshShape, Plan, Prediction, Schedule, So
 from runtime.data_parallel import DistributedAdam, ReplicatedAdam, args_share, batch_share
 from runtime.job import RunJob, set_up_rank, summarise
 from runtime.launch import RankContext, launch
-from runtime.loss import gathered_output, output_shard
+from runtime.loss import gathered_output, loss_layout
 from runtime.numerics import tolerance_for
 from runtime.run_mode import cast_inputs, check_plan_runs, seed_dropout_rng, set_run_mode
 from tests.parity_entry import run_jobs
@@ -169,15 +169,15 @@ def _dropout_rng_checks(ctx: RankContext, path: str) -> dict:
     ones = torch.ones(4096)
     sharded = gathered(rng.tp_dropout(ones, 0.5, True, "tp"))
     replicated = gathered(aten.dropout(ones, 0.5, True))
-    shard = output_shard(lowered)  # training: the LM head's logits stay on their vocabulary shards
+    layout = loss_layout([lowered], setup.groups.tp_rank, plan.cp)  # training: logits on vocabulary shards
     with torch.no_grad():
-        first, second = (gathered_output(lowered(*inputs), shard) for _ in range(2))
+        first, second = (gathered_output(lowered(*inputs), layout) for _ in range(2))
         with rng.dropout_disabled(lowered):
-            off = gathered_output(lowered(*inputs), shard)
+            off = gathered_output(lowered(*inputs), layout)
     return {
         "sharded_masks_equal": torch.equal(*sharded),
         "replicated_masks_equal": torch.equal(*replicated),
-        "output_sharded": shard is not None,
+        "output_sharded": layout.tp is not None,
         "outputs_equal_over_tp": torch.equal(*gathered(first)),
         "dropout_changes_output": not torch.equal(first, second),
         "off_diff": float((off - eval_out).abs().max()),

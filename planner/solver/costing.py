@@ -1504,20 +1504,15 @@ def build_ends_graph(ctx: CostContext) -> LayerGraph:
             shards = 1
             if opt.name == "colwise":
                 opt.name = "vocab"
-                # Logits leave sharded on the vocab. Inference gathers them (the graph's outputs are
-                # replicated). Training without CP computes the loss on the shards (`runtime.loss`: one
-                # all-reduce of a scalar); with CP the outputs are gathered whole for the loss
-                # (`passes.cp_lower`), so over the TP ranks first: an all-gather, whose backward keeps
-                # this rank's chunk (`passes.collectives.tp_all_gather`), and the loss on every rank
-                if not ctx.train:
-                    opt.comm_s = conversion_time_s(S, R, logits_bytes, ctx)
-                elif ctx.cp == 1:
+                # Logits leave sharded on the vocab: inference gathers them (the graph's outputs are
+                # replicated); training computes the loss on the shards (`runtime.loss`: one all-reduce
+                # of a scalar)
+                if ctx.train:
                     shards = tp
                     scalar = all_reduce_time_s(4.0, ctx.tp_group(), ctx.cluster)
                     opt.comm_s = scalar + ctx.node_overhead_time(1)
                 else:
-                    gather = all_gather_time_s(logits_bytes, ctx.tp_group(), ctx.cluster)
-                    opt.comm_s = gather + ctx.node_overhead_time(1)
+                    opt.comm_s = conversion_time_s(S, R, logits_bytes, ctx)
             opt.out_layout = R
             if ctx.train:  # the loss over this rank's logits, and its fp32 logits kept for the backward
                 logits = tokens * head.out_features / shards
@@ -1532,7 +1527,9 @@ def build_ends_graph(ctx: CostContext) -> LayerGraph:
         ops.append(Op("lm_head", "head", options, [], logits_bytes, head.weight, head, excluded))
     if ctx.workload.kind is Workload.DECODE and ctx.cluster.device.decode_host_s:
         fixed += ctx.cluster.device.decode_host_s  # the serving loop's host work around the graph
-    if ctx.cp > 1:  # the outputs gathered whole for the loss (`passes.cp_lower`; its backward is local)
+    if ctx.cp > 1 and ctx.train:  # the loss on the rank's tokens: one all-reduce of a scalar (`runtime.loss`)
+        fixed += all_reduce_time_s(4.0, ctx.cp_group(), ctx.cluster) + ctx.node_overhead_time(1)
+    elif ctx.cp > 1:  # the outputs gathered whole (`passes.cp_lower`)
         width = head.out_features if head is not None else s.hidden_size
         fixed += all_gather_time_s(ctx.cp * tokens * width * b, ctx.cp_group(), ctx.cluster)
     # parameters no op above holds (convolutions, norms and biases outside the layers, ...): replicated;
