@@ -1,6 +1,7 @@
 """Serving benchmarks: decode with a real KV cache, predicted beside measured.
 
-    python bench/serving.py                 # (c) only: predictions vs published serving measurements
+    python bench/serving.py                 # (c) and (d): predictions vs published serving measurements
+    python bench/serving.py --only llm-inference-bench   # (d) only (--only published: (c) only)
     python bench/serving.py --run           # also (a) ladder vs standard at TP=2 and (b) predicted vs
                                             # measured ms/token, on local gloo ranks
 
@@ -43,7 +44,9 @@
     engine rows of (c): a cache of L + L/2 tokens, request time TTFT + (L-1) x TPOT. A row whose whole
     request (cache 2L) does not fit the planner's memory is shown refused with the planner's reason.
     The Llama-3-8B rows are priced a second time with fused GQA (bench/llama3_8b_kv_fused.py), as the
-    engines attend; examples/llama3_8b_kv.py repeats the KV heads as gpt-fast does.
+    engines attend; examples/llama3_8b_kv.py repeats the KV heads as gpt-fast does. As in (c), a last
+    set of medians adds each configuration's batch-1 residual (the engine's own cost per request) to
+    its batch 16 / 32 / 64 predictions (`engine_step_cost`).
 """
 
 from __future__ import annotations
@@ -556,6 +559,7 @@ def llm_inference_bench(console: Console) -> None:
         + "; ".join(f"batch {b} {statistics.median(v):.0%}" for b, v in sorted(fused_by_batch.items()) if v)
         + f"; all {statistics.median([x for v in fused_by_batch.values() for x in v]):.0%}"
     )
+    engine_step_cost(console, errors)
     worst_err, worst = max(errors, key=lambda e: abs(e[0]))
     console.print(f"worst row: {worst.label} {worst.framework} {worst.gpu} TP{worst.tp} batch {worst.batch} "
                   f"{worst.length}/{worst.length}: published {worst.throughput:.0f} tok/s, predicted "
@@ -570,6 +574,37 @@ def llm_inference_bench(console: Console) -> None:
             f"\n  {r.label} {r.framework} TP{r.tp} batch {r.batch} {r.length}/{r.length}" for r in below
         )
     )
+
+
+def engine_step_cost(console: Console, errors: list[tuple[float, EngineRow]]) -> None:
+    """The batch-1 residual as an engine's cost per request (as part (c)'s second column): where the
+    same engine, model, TP and length are published at batch 1, published minus predicted request time
+    there (host and framework work per step, which the device model does not see; the same number of
+    steps at every batch) is added to the prediction at batch 16 / 32 / 64. The medians over those
+    rows test how the cost model scales with the batch once the engine's fixed cost is known."""
+    predicted = {(r.framework, r.model, r.tp, r.length, r.batch): r.latency_s / (1 + e) for e, r in errors}
+    residual = {
+        (r.framework, r.model, r.tp, r.length): r.latency_s
+        - predicted[(r.framework, r.model, r.tp, r.length, 1)]
+        for e, r in errors
+        if r.batch == 1
+    }
+    calibrated: dict[tuple[int, str], list[float]] = {}
+    for _, r in errors:
+        key = (r.framework, r.model, r.tp, r.length)
+        if r.batch == 1 or key not in residual:
+            continue
+        seconds = predicted[(*key, r.batch)] + residual[key]
+        calibrated.setdefault((r.batch, r.framework), []).append(abs(r.latency_s / seconds - 1))
+    for batch in sorted({b for b, _ in calibrated}):
+        parts = [
+            f"{fw} {statistics.median(v):.0%} ({len(v)})"
+            for (b, fw), v in sorted(calibrated.items())
+            if b == batch
+        ]
+        console.print(
+            f"with the batch-1 engine cost per request, batch {batch:>2}: median |error| " + ", ".join(parts)
+        )
 
 
 def measured(console: Console, iters: int) -> None:
@@ -635,10 +670,15 @@ def main() -> None:
     )
     parser.add_argument("--run", action="store_true", help="also run (a) and (b) on local gloo ranks")
     parser.add_argument("--iters", type=int, default=3, help="timed requests per configuration")
+    parser.add_argument(
+        "--only", choices=["published", "llm-inference-bench"], help="one of parts (c) and (d)"
+    )
     args = parser.parse_args()
     console = Console(width=200)
-    published(console)
-    llm_inference_bench(console)
+    if args.only in (None, "published"):
+        published(console)
+    if args.only in (None, "llm-inference-bench"):
+        llm_inference_bench(console)
     if args.run:
         measured(console, args.iters)
 
