@@ -339,9 +339,8 @@ def norm_bytes(tokens: float, hidden: float, dtype: str, kind: str = "layernorm"
 # the fp32 gradient (4): 36, plus a reduction's second pass over the row in each direction (4 + 4).
 # Counted from the kernels each step launches, not measured.
 CROSS_ENTROPY_FP32_BYTES = 44
-CROSS_ENTROPY_FLOPS = (
-    10  # per logit, forward + backward: max, subtract, exp, sum, log, scale (counting convention)
-)
+# FLOP per logit, forward + backward: max, subtract, exp, sum, log, scale (counting convention)
+CROSS_ENTROPY_FLOPS = 10
 
 
 def cross_entropy_bytes(logits: float, dtype: str) -> float:

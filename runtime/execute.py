@@ -201,7 +201,7 @@ def _training_step(
     dp_group = groups.group("dp")
     optimizer = build_plan_optimizer(plan, gm, groups, units)
     m = len(parts)
-    # the LM head's logits left on their vocabulary shards: the loss runs vocab-parallel (`runtime.loss`)
+    # the first output as the passes leave it (TP vocabulary shards, CP tokens): the loss runs on it (`runtime.loss`)
     layout = loss_layout([gm], groups.tp_rank, plan.cp)
     with dropout_disabled(gm):  # like with like: the reference ran with dropout off too
         outs = [all_outputs(gm(*part)) for part in parts]

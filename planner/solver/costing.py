@@ -609,8 +609,9 @@ def tp_block_comm_s(
     out_layout: Layout, out_bytes: float, column_s: float, row_s: float, ctx: CostContext
 ) -> tuple[float, float]:
     """(exposed, hidden) seconds of one block's TP communication per micro-batch, its output (`out_bytes`
-    full size) leaving in `out_layout` (exposed includes the `contention_s` of the hidden part); `column_s` / `row_s` the compute of the block's column- and
-    row-parallel projections (training: forward + both gradient GEMMs, each about a forward).
+    full size) leaving in `out_layout`, exposed including the `contention_s` of the hidden part;
+    `column_s` / `row_s` the compute of the block's column- and row-parallel projections (training:
+    forward + both gradient GEMMs, each about a forward).
 
     Without `CostContext.tp_comm_overlap`, or an output not in P: `stream_conversion_time_s`, all
     exposed. With it, as `passes.tp_overlap` runs it (each collective `_chunked_exposed_s` with
@@ -755,7 +756,8 @@ def attention_core_options(
         cost = cp_core_cost(attn, ctx, shard, cross)
         extra = max(0.0, cost.forward_s - cost.compute_s / ctx.compute_factor) if ctx.train else 0.0
         return OpOption(name, layout, layout, cost.compute_s + inner_s / kv_shard, 0.0, stored / shard,
-                        comm_s=cost.exposed_s + contention_s(cost.hidden_s, ctx.cluster), selective_s=0.0 if cross else cost.forward_s,
+                        comm_s=cost.exposed_s + contention_s(cost.hidden_s, ctx.cluster),
+                        selective_s=0.0 if cross else cost.forward_s,
                         full_extra_s=extra, hidden_comm_s=cost.hidden_s)  # fmt: skip
 
     def option(name: str, layout: Layout, shard: int, kv_shard: int | None = None) -> OpOption:
