@@ -47,6 +47,7 @@ import platform
 import re
 import socket
 import statistics
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -1006,8 +1007,19 @@ def _worker(
     )
     try:
         _measure_rank(rank, nproc, use_cuda, device, queue, gemm_shapes)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise  # mp.spawn reports it to the parent
+    # Every rank is past `_measure_rank`'s final barrier and rank 0's result is on the queue: flush the
+    # queue's feeder thread, then leave without interpreter shutdown. Tearing gloo down through its
+    # destructors aborted a rank after the measurement was complete, twice in CI (SIGABRT, "terminate
+    # called without an active exception", 2026-11-30 and 2026-12-02); pytorch/pytorch#179291
+    # describes gloo's worker threads crashing at interpreter finalization.
+    queue.close()
+    queue.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _measure_rank(
