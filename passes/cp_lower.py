@@ -57,7 +57,7 @@ from torch.utils import _pytree as pytree
 
 from passes.context_parallel import CP_VARIANTS, cp_gather, cp_gather_output, cp_sdpa, cp_slice
 from passes.general_rules import _local_shapes_agree, propagate_placements
-from passes.placement import Placement, local_shape
+from passes.placement import Placement, loss_output, local_shape
 from passes.tp_rules_context import Fallback, op_label
 from planner.errors import InputError
 from planner.frontend.capture import retarget_device, user_line
@@ -422,7 +422,7 @@ def _gather_outputs(node: fx.Node, ctx: _Ctx, load_balance: bool, training: bool
     count = 0
     scale = float(ctx.tp) if training else 1.0
     out = node.args[0]
-    first = out[0] if isinstance(out, (tuple, list)) and out else out
+    first = loss_output(out)
     keep = None
     if shard_output and isinstance(first, fx.Node):
         p = ctx.place.get(first, _R)

@@ -86,6 +86,12 @@ class Placement:
         return "Partial()" if self.is_partial else "Replicate()"
 
 
+def loss_output(out: object) -> object:
+    """The graph output a training run's loss reads (`runtime.loss`): the first of a tuple or list of
+    outputs, else the single output ``out`` itself (an output node's argument)."""
+    return out[0] if isinstance(out, (tuple, list)) and out else out
+
+
 def local_shape(global_shape: tuple[int, ...], placement: Placement, tp: int) -> tuple[int, ...]:
     """The per-rank shape of a value of `global_shape` with `placement` over `tp` ranks."""
     if not placement.is_shard:

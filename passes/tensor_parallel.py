@@ -56,7 +56,7 @@ import torch.fx as fx
 from passes.checkpoint import SUFFIX, SafetensorsCheckpoint, checkpoint_files
 from passes.expert_parallel import expert_shard
 from passes.general_rules import general_rule
-from passes.placement import Placement, padded_size, shard_weight
+from passes.placement import Placement, loss_output, padded_size, shard_weight
 from passes.tp_rules import RuleEntry, rule_for
 from passes.tp_rules_context import FALLBACK_META, R, RuleContext, SplitLike, TensorParallelError
 
@@ -94,7 +94,7 @@ def _outputs(ctx: RuleContext, out, shard_output: bool):
     """The output node's argument: every output replicated (gathered), but with `shard_output` the
     first left as it is when it is a plain shard (an LM head's vocabulary split: the loss runs
     vocab-parallel, as Megatron-LM's and torchtitan's loss_parallel do), recorded as an `OutputShard`."""
-    first = out[0] if isinstance(out, (tuple, list)) and out else out
+    first = loss_output(out)
     keep = None
     if shard_output and isinstance(first, fx.Node):
         p = ctx.shard_of(first)

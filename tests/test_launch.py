@@ -73,7 +73,11 @@ def _wrong_mesh(ctx: RankContext, payload: None) -> str:
 
 
 def _write_pid(directory: str, rank: int) -> None:
-    Path(directory, f"rank{rank}.pid").write_text(str(os.getpid()))
+    """Write this rank's pid to rank<r>.pid whole: written aside and renamed, so a reader polling the
+    folder never sees an empty file (it did once, CI 2026-12-02)."""
+    tmp = Path(directory, f".rank{rank}.pid.tmp")
+    tmp.write_text(str(os.getpid()))
+    os.replace(tmp, Path(directory, f"rank{rank}.pid"))
 
 
 def _raise_on_rank1(ctx: RankContext, pid_dir: str) -> int:
