@@ -57,7 +57,7 @@ from torch.utils import _pytree as pytree
 
 from passes.context_parallel import CP_VARIANTS, cp_gather, cp_gather_output, cp_sdpa, cp_slice
 from passes.general_rules import _local_shapes_agree, propagate_placements
-from passes.placement import Placement, loss_output, local_shape
+from passes.placement import Placement, local_shape, loss_output
 from passes.tp_rules_context import Fallback, op_label
 from planner.errors import InputError
 from planner.frontend.capture import retarget_device, user_line
