@@ -332,9 +332,7 @@ class _Reader:
         expected = f"a number in {unit} {bound}, e.g. {example}"
         if isinstance(value, bool):
             raise self.fail(path, f"got a boolean ({str(value).lower()}); expected {expected}")
-        if isinstance(value, str) and _SCIENTIFIC.fullmatch(value.strip()):
-            # YAML 1.1 (PyYAML) reads 1e9 and 1.2e1 as strings: only 1.0e+9 is a float there
-            value = float(value)
+        value = _scientific(value)
         if isinstance(value, str):
             raise self.fail(path, f"got the string {value!r}; give a number in {unit}, e.g. {example}")
         if not isinstance(value, (int, float)):
@@ -357,6 +355,7 @@ class _Reader:
         expected = f"an integer >= 1 ({what}), e.g. {example}"
         if isinstance(value, bool):
             raise self.fail(path, f"got a boolean ({str(value).lower()}); expected {expected}")
+        value = _scientific(value)
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         if not isinstance(value, int):
@@ -370,6 +369,7 @@ class _Reader:
         expected = f"a fraction in {interval}, e.g. 0.8"
         if isinstance(value, bool):
             raise self.fail(path, f"got a boolean ({str(value).lower()}); expected {expected}")
+        value = _scientific(value)
         if isinstance(value, str):
             raise self.fail(
                 path, f"got the string {value!r}; expected {expected} (a plain number, not a percentage)"
@@ -450,6 +450,14 @@ _PLAUSIBLE_DISPATCH_US = (0.1, 1e4)
 # Adam's step per parameter: ~0.01 ns on a GPU (fused, 28 B at 3 TB/s) to ~10 ns on a slow CPU core
 _PLAUSIBLE_ADAM_NS = (1e-3, 1e3)
 _SCIENTIFIC = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")  # 1e9, 1.2e1, 1e+9, .5e-3
+
+
+def _scientific(value: Any) -> Any:
+    """`value` as a float when it is a string in scientific notation (YAML 1.1, which PyYAML reads,
+    makes 1e9 and 1.2e1 strings: only 1.0e+9 is a float there), else unchanged."""
+    if isinstance(value, str) and _SCIENTIFIC.fullmatch(value.strip()):
+        return float(value)
+    return value
 
 
 def _describe(value: Any) -> str:

@@ -431,8 +431,11 @@ def _gather_outputs(node: fx.Node, ctx: _Ctx, load_balance: bool, training: bool
             node.graph.owning_module.meta[CP_OUTPUT_SHARD] = CpOutputShard(p.dim, load_balance)
 
     def whole(a: Any) -> Any:
-        nonlocal count
-        if not isinstance(a, fx.Node) or a is keep:
+        nonlocal count, keep
+        if a is keep:  # the first output only (visited first): the same node returned again is gathered
+            keep = None
+            return a
+        if not isinstance(a, fx.Node):
             return a
         p = ctx.place.get(a, _R)
         if not isinstance(p, Placement) or not p.is_shard:

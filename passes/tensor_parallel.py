@@ -102,7 +102,13 @@ def _outputs(ctx: RuleContext, out, shard_output: bool):
             length = ctx.gshape(first)[p.dim]
             keep = first
             ctx.gm.meta[OUTPUT_SHARD] = OutputShard(p.dim, length, (p.size or length) // ctx.tp)
-    return fx.node.map_arg(out, lambda n: n if n is keep else ctx.replicated(n))
+    if keep is None:
+        return fx.node.map_arg(out, ctx.replicated)
+    if not isinstance(out, (tuple, list)):
+        return keep
+    # only the first output stays a shard: the same node returned again later is gathered there
+    rest = fx.node.map_arg(tuple(out[1:]), ctx.replicated)
+    return type(out)((keep, *rest)) if isinstance(out, tuple) else [keep, *rest]
 
 
 def _propagate(ctx: RuleContext, shard_output: bool = False) -> None:

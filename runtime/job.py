@@ -82,7 +82,8 @@ class RankReport:
     grad_max_abs_diff: float | None = None  # training: worst gradient difference over this rank's parameters
     output_diffs: list[float] = field(default_factory=list)  # max |diff| of every output, in output order
     output_scales: list[float] = field(default_factory=list)  # max |reference| of every output
-    output_dtype: str | None = None  # dtype of the outputs compared, e.g. "float32"
+    output_dtype: str | None = None  # dtype of the first output compared, e.g. "float32"
+    output_dtypes: list[str] = field(default_factory=list)  # dtype of every output, in output order
     loss_diff: float | None = None  # training: |loss (DP-averaged) - unsharded loss on the whole batch|
     loss_scale: float | None = None  # training: |unsharded loss|
     grad_scale: float | None = None  # training: max |unsharded gradient| over this rank's parameters
@@ -206,12 +207,17 @@ def summarise(reports: list[RankReport]) -> dict[str, Any]:
     for i in range(max((len(r.output_diffs) for r in reports), default=0)):
         got = [r.output_diffs[i] for r in reports if i < len(r.output_diffs)]
         out_scale = max(r.output_scales[i] for r in reports if i < len(r.output_scales))
+        # each output by its own dtype (an integer output exactly, a float one beside it relatively)
+        out_dtype = next((r.output_dtypes[i] for r in reports if i < len(r.output_dtypes)), dtype)
+        out_rel = tolerance_for(out_dtype) if out_dtype else rel
         outputs.append(
             {
                 "index": i,
                 "max_abs_diff": max(got),
                 "scale": out_scale,
-                "tolerance": (rel or 0.0) * out_scale,
+                "dtype": out_dtype,
+                "tolerance_rel": out_rel,
+                "tolerance": (out_rel or 0.0) * out_scale,
             }
         )
     loss_diffs = [r.loss_diff for r in reports if r.loss_diff is not None]

@@ -94,7 +94,7 @@ def output_loss(out: torch.Tensor, target: torch.Tensor, layout: LossLayout) -> 
         target = cp_slice(target, layout.cp.dim, CP_AXIS, layout.cp.load_balance)
     if layout.tp is not None:  # this rank's real vocabulary columns
         shard = layout.tp
-        start = layout.tp_rank * shard.local
+        start = min(layout.tp_rank * shard.local, shard.length)  # a rank holding padding only: 0 columns
         length = max(0, min(shard.length - start, shard.local))
         out = out.narrow(shard.dim, 0, length)
         target = target.narrow(shard.dim, start, length)

@@ -109,9 +109,10 @@ def check_failures(numerics: dict[str, Any]) -> list[str]:
     lines = []
     for out in numerics.get("outputs", []):
         if out["max_abs_diff"] is not None and out["max_abs_diff"] > out["tolerance"]:
+            out_rel, out_dtype = out.get("tolerance_rel", rel), out.get("dtype") or numerics["dtype"]
             lines.append(
                 f"output {out['index']}: max |sharded - unsharded| = {out['max_abs_diff']:.3g}, "
-                f"tolerance {out['tolerance']:.3g} ({rel:g} x output scale {out['scale']:.3g}, {numerics['dtype']})"
+                f"tolerance {out['tolerance']:.3g} ({out_rel or 0.0:g} x output scale {out['scale']:.3g}, {out_dtype})"
             )
     for what, diff, scale in (
         ("training loss", numerics.get("loss_diff"), numerics.get("loss_scale")),

@@ -268,7 +268,10 @@ class PipelineRunner:
         return out if self.is_last else None
 
     def train_step(
-        self, inputs_or_none: Sequence[torch.Tensor] | None, target: torch.Tensor | None = None
+        self,
+        inputs_or_none: Sequence[torch.Tensor] | None,
+        target: torch.Tensor | None = None,
+        outputs: list[Any] | None = None,
     ) -> torch.Tensor | None:
         """Forward and backward of one training step; accumulates into the stage parameters' `.grad`.
 
@@ -276,7 +279,9 @@ class PipelineRunner:
         elsewhere. Gradients are scaled by 1 / micro_batches, so with a mean loss_fn they equal the
         gradients of the mean loss over the whole batch (zero them before the step). Tied parameters
         (`passes.pipeline.tied_parameters`) still need `all_reduce_tied_gradients` afterwards. Returns the mean of the
-        micro-batch losses (detached) on the last stage, None elsewhere.
+        micro-batch losses (detached) on the last stage, None elsewhere. outputs: a list to which the last
+        stage appends the graph's output for the whole batch (detached; as `forward` returns it), for a
+        numerics check; None: the schedule keeps no outputs.
         """
         if self.loss_fn is None:
             raise ValueError("train_step needs a runner built with loss_fn")
@@ -285,11 +290,14 @@ class PipelineRunner:
             raise ValueError("the last stage needs `target` for the loss")
         losses: list[torch.Tensor] = []
         with torch.enable_grad():
-            self._schedule(True).step(
+            out = self._schedule(True).step(
                 *args,
                 target=target.to(self.device) if self.is_last else None,
                 losses=losses if self.is_last else None,
+                return_outputs=outputs is not None,
             )
+        if outputs is not None and self.is_last:
+            outputs.append(out)
         return torch.stack([loss.detach() for loss in losses]).mean() if self.is_last else None
 
 

@@ -28,12 +28,12 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 
 from costmodels.memory import DataParallel, dp_state_bytes
 from passes.checkpoint import SafetensorsCheckpoint
 from passes.fsdp import apply_fsdp, load_fsdp_weights
 from passes.lower import lower_for_rank
+from passes.placement import loss_output
 from passes.rng import dropout_disabled
 from passes.tensor_parallel import load_sharded_weights
 from planner.errors import InputError
@@ -51,7 +51,7 @@ from runtime.data_parallel import (
 )
 from runtime.job import RankReport, RankSetup, RunJob, time_steps
 from runtime.launch import RankContext
-from runtime.loss import loss_layout, output_loss
+from runtime.loss import LossLayout, gathered_output, loss_layout, output_loss
 from runtime.numerics import all_outputs
 from runtime.pipeline import PipelineRunner, sum_tied_gradients
 from runtime.reference import (
@@ -65,15 +65,13 @@ from runtime.reference import (
 from runtime.run_mode import dropout_note, lowering_notes, seed_dropout_rng, set_run_mode
 
 
-def _loss_fn(chunks: list[torch.nn.Module], tp_rank: int, cp: int):
-    """The last stage's loss per micro-batch: MSE against its target, on the output's TP and CP shards
-    where the passes leave it sharded (`runtime.loss.output_loss`; the stage holding it says so)."""
-    layout = loss_layout(chunks, tp_rank, cp)
-    if not layout.sharded:
-        return F.mse_loss
+def _loss_fn(layout: LossLayout):
+    """The last stage's loss per micro-batch: MSE of the model's first output (of a tuple of outputs)
+    against its target, on the output's TP and CP shards where the passes leave it sharded
+    (`runtime.loss.output_loss`; `layout`: what the stage holding it records)."""
 
-    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return output_loss(out, target, layout)
+    def loss_fn(out: torch.Tensor | tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
+        return output_loss(loss_output(out), target, layout)
 
     return loss_fn
 
@@ -119,6 +117,8 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
     first, last = lowered.pp_rank == 0, lowered.pp_rank == plan.pp - 1
     want = SafetensorsCheckpoint([reference.outputs])  # the unsharded model on the whole batch
     ref_full = want.read("output.0")
+    # the first output as the stage computing it holds it (TP vocabulary shards, CP tokens): `runtime.loss`
+    out_layout = loss_layout(chunks, lowered.tp_rank, plan.cp)
     runner = PipelineRunner(
         chunks,
         lowered.pp_rank,
@@ -127,7 +127,7 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
         pp_group,
         ctx.device,
         plan.schedule,
-        loss_fn=_loss_fn(chunks, lowered.tp_rank, plan.cp) if training else None,
+        loss_fn=_loss_fn(out_layout) if training else None,
         input_batch_dims=setup.batch_dims,
     )  # the schedule is built once, on the first step
     report = RankReport(
@@ -168,9 +168,9 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
             )  # fmt: skip
         prepare_param_waits(plan, chunks, units, optimizer)
 
-        def step() -> torch.Tensor | None:
+        def step(outputs: list | None = None) -> torch.Tensor | None:
             optimizer.zero_grad()
-            loss = runner.train_step(stage_inputs, target=target if last else None)
+            loss = runner.train_step(stage_inputs, target=target if last else None, outputs=outputs)
             if not sharded:  # (refused above for sharded gradients)
                 sum_tied_gradients(virtual, lowered.tied, pp_group, plan.pp)
             optimizer.reduce_gradients()
@@ -179,10 +179,17 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
         with contextlib.ExitStack() as off:  # like with like: the reference ran without dropout too
             for chunk in chunks:
                 off.enter_context(dropout_disabled(chunk))
-            loss = step()
-        if last:  # the pipeline's loss (mean over the DP replicas) against the unsharded model's
+            outputs: list = []
+            loss = step(outputs)
+        if last:  # every output of the checked step, then the loss (mean over the DP replicas), against the
+            # unsharded model's; the loss's output gathered from its shards (a collective over this stage's ranks)
+            outs = all_outputs(outputs[0])
+            if out_layout.sharded:
+                outs = (gathered_output(outs[0], out_layout), *outs[1:])
+            compare_outputs(outs, want, reference, setup, report)
             compare_loss(dp_mean(loss, plan.dp, dp_group), want, report)
-            report.max_abs_diff = report.loss_diff
+            del outs
+        del outputs
         if sharded:  # each element's mean gradient on the rank that holds it
             compare_gradients(
                 chunks, reference, setup, report, owned={}, segments=optimizer.gradient_segments(),

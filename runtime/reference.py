@@ -106,6 +106,20 @@ def write_reference(job: RunJob, directory: str, made_on: str = "launching proce
         deviation = ladder_deviation(original, results["output.0"])
     grads_path = None
     if training:
+        first = outs[0] if outs else None
+        if first is None or not first.is_floating_point() or first.grad_fn is None:
+            what = (
+                "no tensor"
+                if first is None
+                else f"a tensor of {str(first.dtype).removeprefix('torch.')}"
+                + ("" if not first.is_floating_point() else " that does not depend on the weights")
+            )
+            raise InputError(
+                f"--workload train trains the model on the mean squared error of its first output, and "
+                f"{model_file.path} returns {what} first: "
+                "return a floating-point output computed from the weights first (e.g. the logits, before any "
+                "argmax), or run the plan with --workload forward"
+            )
         target = training_target(outs[0].detach())
         loss = F.mse_loss(outs[0], target)
         loss.backward()
@@ -186,7 +200,8 @@ def compare_outputs(
         raise ValueError(
             f"the rank module returns {len(outs)} outputs, the unsharded model {reference.num_outputs}"
         )
-    report.output_dtype = str(outs[0].dtype).removeprefix("torch.")
+    report.output_dtypes = [str(out.dtype).removeprefix("torch.") for out in outs]
+    report.output_dtype = report.output_dtypes[0] if outs else None
     for i, out in enumerate(outs):
         full = want.read(f"output.{i}").to(out.device)
         got = out.detach()

@@ -349,3 +349,19 @@ def test_a_kv_cache_the_tp_pass_shards_by_heads_runs_its_rank_shard(tmp_path):
     n = data["numerics"]
     assert n["max_abs_diff"] <= n["outputs"][0]["tolerance"]  # the run fails (exit 4) beyond it, too
     assert data["plan"]["splits"]["blocks.0.attn.k.weight"] == "colwise"  # the cache's heads split with k
+
+
+@pytest.mark.slow
+def test_a_closed_stdout_stops_quietly_with_exit_141(example_path) -> None:
+    """`planner optimize ... | head -1`: the reader leaves after the first line (printed before the
+    plan is searched); the command stops without a traceback or message, exit 128 + SIGPIPE (rich's
+    own handler exited 1, a code the docs do not list)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "planner.cli", "optimize", str(example_path("llama3")), "--cluster", "local-cpu"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stdout.readline().startswith("Traced")
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141, err
+    assert "Traceback" not in err and "error" not in err

@@ -110,6 +110,14 @@ def test_scientific_notation_reads_as_a_number_though_yaml_1_1_reads_it_as_a_str
     raw["device"]["adam_ns_per_param"] = "4 ns"
     with pytest.raises(SpecError, match="adam_ns_per_param: got the string '4 ns'"):
         parse_cluster(raw, "t")
+    # fractions and integers read it too (they refused '1e-1' while bandwidths took '3.35e3')
+    raw["device"]["adam_ns_per_param"] = "4e0"
+    raw.update(overlap_slowdown="19e-2", overlap_efficiency="8e-1", nodes="2e0")
+    spec = parse_cluster(raw, "t")
+    assert (spec.overlap_slowdown, spec.overlap_efficiency, spec.num_nodes) == (pytest.approx(0.19), 0.8, 2)
+    raw["overlap_slowdown"] = "19%"
+    with pytest.raises(SpecError, match="overlap_slowdown: got the string '19%'"):
+        parse_cluster(raw, "t")
 
 
 def test_preset_shapes() -> None:

@@ -3,11 +3,17 @@ the first output is split (TP vocabulary shards, on the pipeline stage that comp
 loss on a rank's shard, with its scalar all-reduce, equals its part of the whole MSE: value and
 gradient, a padded vocabulary's padding left out. The runs on gloo ranks (TP, TP x PP, TP x CP) are
 checked against the unsharded model by tests/test_run_modes.py, tests/test_cp_run.py and the CLI's
---run; these checks need no process group."""
+--run; these checks need no process group, except the last ones, which run models returning several
+outputs (tests/models/lm_outputs.py) on gloo ranks: each output checked by its own dtype, a
+pipeline's outputs as well as its loss, an integer first output refused for training."""
 
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -85,3 +91,93 @@ def test_a_whole_output_keeps_the_plain_mse(one_rank_tp) -> None:
     out, target = torch.randn(3, 4), torch.randn(3, 4)
     assert torch.equal(output_loss(out, target, LossLayout()), F.mse_loss(out, target))
     assert torch.equal(gathered_output(out, LossLayout()), out)
+
+
+def test_a_rank_holding_only_padding_adds_nothing(one_rank_tp) -> None:
+    """Vocabulary 5 over 4 ranks, padded to 8 (2 columns each): rank 3 holds two padding columns and
+    starts past the vocabulary; its part of the loss is 0 and its shard gets no gradient."""
+    shard = OutputShard(dim=1, length=5, local=2)
+    out = torch.randn(3, 2, requires_grad=True)
+    loss = output_loss(out, torch.randn(3, 5), LossLayout(tp=shard, tp_rank=3))
+    loss.backward()
+    assert float(loss.detach()) == 0.0
+    assert torch.count_nonzero(out.grad) == 0
+
+
+LM_OUTPUTS = Path(__file__).resolve().parent / "models" / "lm_outputs.py"
+
+
+def _lowered_outputs(monkeypatch, outputs: str, tp: int = 2):
+    monkeypatch.setenv("LM_OUTPUTS", outputs)
+    model_file = load_model_file(LM_OUTPUTS)
+    gm = capture(model_file.build("meta"), *model_file.inputs())
+    structure = analyse(gm)
+    plan = fixed_plan(structure, str(LM_OUTPUTS), tp, workload="train")
+    lowered = lower_for_rank(gm, structure, plan, 0, training=True)
+    return lowered.module, structure.lm_head.out_features
+
+
+def test_the_same_logits_returned_twice_stay_a_shard_only_first(monkeypatch) -> None:
+    """(logits, logits): the loss reads the first as the vocabulary shard; the second is the
+    whole output, gathered (it was left a shard too, and the run's check of it failed)."""
+    gm, vocab = _lowered_outputs(monkeypatch, "dup")
+    (out,) = [n for n in gm.graph.nodes if n.op == "output"]
+    first, second = out.args[0]
+    assert gm.meta[OUTPUT_SHARD].length == vocab
+    assert first is not second  # the second occurrence goes through a gather
+    assert first.meta["val"].shape[-1] == -(-vocab // 2) and second.meta["val"].shape[-1] == vocab
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "outputs, mesh",
+    [
+        ("tuple", ["--nproc", "2", "--pp", "2", "--tp", "1"]),  # the pipeline's loss reads output 0
+        ("dup", ["--nproc", "2", "--tp", "2", "--layout", "megatron"]),
+    ],
+)
+def test_training_runs_with_several_outputs_check_each(tmp_path, outputs: str, mesh: list[str]) -> None:
+    """Training runs of models returning several outputs, on gloo ranks: every output is compared with
+    the unsharded model's (a pipeline's too, not only its loss), each within its dtype's tolerance."""
+    report = _run(tmp_path, outputs, [*mesh, "--workload", "train"])
+    n = report["numerics"]
+    assert len(n["outputs"]) == 2 and all(o["max_abs_diff"] <= o["tolerance"] for o in n["outputs"]), n
+    assert n["loss_diff"] <= n["tolerance_rel"] * n["loss_scale"] and n["grads_compared"] > 0, n
+
+
+@pytest.mark.slow
+def test_an_integer_output_is_compared_exactly_and_a_float_one_within_tolerance(tmp_path) -> None:
+    """(argmax, logits) forward at TP 2: output 0 (int64) exactly, output 1 (float32) at float32's
+    relative tolerance (output 0's dtype was applied to every output: 0 for the logits)."""
+    report = _run(tmp_path, "argmax_first", ["--nproc", "2", "--tp", "2", "--layout", "megatron"])
+    first, second = report["numerics"]["outputs"]
+    assert first["dtype"] == "int64" and first["tolerance"] == 0.0 and first["max_abs_diff"] == 0.0
+    assert (
+        second["dtype"] == "float32"
+        and 0 < second["tolerance"]
+        and second["max_abs_diff"] <= second["tolerance"]
+    )
+
+
+@pytest.mark.slow
+def test_training_on_an_integer_first_output_is_refused_with_what_to_return(tmp_path) -> None:
+    r = _planner(tmp_path, "argmax_first", ["--nproc", "2", "--tp", "2", "--workload", "train"])
+    assert r.returncode == 2, r.stderr
+    assert "first output" in r.stderr and "int64" in r.stderr and "--workload forward" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def _planner(tmp_path, outputs: str, args: list[str]):
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "LM_OUTPUTS": outputs}
+    return subprocess.run(
+        [sys.executable, "-m", "planner.cli", "optimize", str(LM_OUTPUTS), "--cluster", "local-cpu", *args,
+         "--run", "--iters", "2", "--min-time", "0", "--warmup", "1", "--json", str(tmp_path / "report.json")],
+        capture_output=True, text=True, timeout=300, cwd=root, env=env,
+    )  # fmt: skip
+
+
+def _run(tmp_path, outputs: str, args: list[str]) -> dict:
+    r = _planner(tmp_path, outputs, args)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return json.loads((tmp_path / "report.json").read_text())

@@ -35,7 +35,17 @@ from planner.files import check_output_path, write_text_atomic
 from planner.plan import CP_COMM_TYPES, DP_STYLES, EP_FOLDS
 
 _WIDTH = None if sys.stdout.isatty() else 150  # rich assumes 80 columns when piped; tables need more
-console = Console(width=_WIDTH)
+
+
+class _PipeConsole(Console):
+    """rich's Console, but a closed stdout raises BrokenPipeError to `main` (rich exits with 1 itself)."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError("stdout closed by its reader")
+
+
+console = _PipeConsole(width=_WIDTH)
 err_console = Console(stderr=True, width=_WIDTH)
 
 
@@ -1074,6 +1084,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE (13): stdout closed by its reader
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `planner` console script; returns the process exit code."""
     warnings.showwarning = _show_warning  # spec and calibration warnings as one line each
@@ -1098,6 +1111,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         err_console.print("interrupted")
         return 130
+    except BrokenPipeError:
+        # stdout's reader left (`planner ... | head`): stop quietly, as a pipe's writer does, exit
+        # 128 + SIGPIPE as a shell reports it; stdout to /dev/null so the exit's flush does not fail again
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return EXIT_BROKEN_PIPE
 
 
 def _cp_options(args: argparse.Namespace) -> dict:

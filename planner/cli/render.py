@@ -519,7 +519,11 @@ def render_run(console: Console, report: dict[str, Any]) -> None:
     diff = n["max_abs_diff"]
     console.print(
         f"numerics: max |sharded - unsharded| = {diff:.3g} (output scale {n['output_scale']:.3g}"
-        + (f", {len(n['outputs'])} outputs compared" if n.get("outputs") else "")
+        + (
+            f", {len(n['outputs'])} output{'s' if len(n['outputs']) > 1 else ''} compared"
+            if n.get("outputs")
+            else ""
+        )
         + (f", tolerance {n['tolerance_rel']:g} x scale for {n['dtype']}" if n.get("tolerance_rel") else "")
         + ")"
         + (
