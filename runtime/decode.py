@@ -60,7 +60,7 @@ from runtime.measure import PROBE_SHARE, Timing, current_memory_bytes, process_p
 from runtime.mesh import build_rank_groups
 from runtime.numerics import all_outputs
 from runtime.reference import WEIGHTS_HELP, shared_reference
-from runtime.run_mode import expert_load_notes_of
+from runtime.run_mode import cast_inputs, check_dtype_runs, expert_load_notes_of, set_run_mode
 
 # max |sharded - unsharded| logits, relative to the logits' scale, that still counts as equal: a few
 # ulps of the dtype accumulated over the layers (summation order differs under TP)
@@ -123,6 +123,8 @@ class DecodeRankReport:
     probe_backward_node_overhead_s: float | None = None
     probe_matmul_flops_per_s: float | None = None
     probe_samples: int = 0
+    # torch dtypes of the floating tensors the rank's decode graph read (weights, caches): what ran
+    graph_dtypes: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -136,16 +138,32 @@ class Generation:
 class Request:
     """A request's two phases and how to call a (prefill, decode) pair of graphs for them."""
 
-    def __init__(self, model_file: ModelFile, batch: int, prompt_len: int, new_tokens: int, cache_len: int):
+    def __init__(
+        self,
+        model_file: ModelFile,
+        batch: int,
+        prompt_len: int,
+        new_tokens: int,
+        cache_len: int,
+        dtype: str | None = None,
+    ):
         self.model_file = model_file
         self.prefill = prefill_phase(batch, prompt_len, cache_len)
         self.decode = decode_phase(batch, prompt_len, cache_len)
         self.new_tokens = new_tokens
+        self.dtype = dtype  # the plan's: floating inputs cast to it (token ids stay integers); None: as made
+
+    def inputs(
+        self, phase: Phase, tokens: torch.Tensor | None = None, device: str = "cpu"
+    ) -> tuple[tuple, dict]:
+        """`phase`'s (args, kwargs) from the model file, floating ones in the request's dtype."""
+        args, kwargs = phase_inputs(self.model_file, phase, tokens, device=device)
+        return cast_inputs(args, kwargs, self.dtype) if self.dtype else (args, kwargs)
 
     def step(self, gm: nn.Module, tokens: torch.Tensor, pos: int, device: str) -> torch.Tensor:
         """Logits (batch, vocab) of the last of `tokens` (batch, T) placed at positions pos.. ."""
         phase = Phase("step", tokens.shape[0], pos, tokens.shape[1], self.prefill.cache_len)
-        args, kwargs = phase_inputs(self.model_file, phase, tokens, device=device)
+        args, kwargs = self.inputs(phase, tokens, device)
         return all_outputs(gm(*flat_inputs(args, kwargs)))[0][:, -1]
 
     def generate(
@@ -285,8 +303,8 @@ def cache_bytes(gm: fx.GraphModule) -> int:
 
 
 def _captured(model: nn.Module, request: Request, device: str) -> tuple[fx.GraphModule, fx.GraphModule]:
-    prefill = capture(model, *phase_inputs(request.model_file, request.prefill, device=device))
-    decode = capture(model, *phase_inputs(request.model_file, request.decode, device=device))
+    prefill = capture(model, *request.inputs(request.prefill, device=device))
+    decode = capture(model, *request.inputs(request.decode, device=device))
     return prefill, decode
 
 
@@ -316,11 +334,14 @@ def write_decode_reference(
     into `directory` (module docstring)."""
     plan = Plan.from_dict(job.plan)
     model_file = load_model_file(job.model_path)
-    request = Request(model_file, job.batch_size, job.prompt_len, job.new_tokens, job.cache_len)
+    request = Request(model_file, job.batch_size, job.prompt_len, job.new_tokens, job.cache_len, plan.dtype)
     torch.manual_seed(job.seed)
     model = build_for(model_file, request.prefill, "cpu")
     if job.weights:  # the parameters only: the caches are sized for this request, not the checkpoint
         load_whole(model, job.weights, WEIGHTS_HELP, parameters_only=True)
+    set_run_mode(
+        model, plan.dtype, training=False
+    )  # the plan's dtype (weights and caches), as the ranks run it
     prefill, decode = _captured(model, request, "cpu")
     tensors = {**_graph_tensors(decode), **_graph_tensors(prefill)}
     weights = os.path.join(directory, "weights.safetensors")
@@ -444,9 +465,10 @@ def _serve_rank(
     ctx: RankContext, job: DecodeJob, plan: Plan, groups, ref: DecodeReference
 ) -> DecodeRankReport:
     device = str(ctx.device)
+    check_dtype_runs(plan.dtype, ctx.device)
     model_file = load_model_file(job.model_path)
-    request = Request(model_file, job.batch_size, job.prompt_len, job.new_tokens, job.cache_len)
-    model = build_for(model_file, request.prefill, "meta")
+    request = Request(model_file, job.batch_size, job.prompt_len, job.new_tokens, job.cache_len, plan.dtype)
+    model = set_run_mode(build_for(model_file, request.prefill, "meta"), plan.dtype, training=False)
     prefill_meta, decode_meta = _captured(model, request, "meta")
     structures = (analyse(prefill_meta), analyse(decode_meta))
     with SafetensorsCheckpoint([ref.results]) as results:
@@ -502,6 +524,7 @@ def _serve_rank(
         ladder_logit_deviation=ref.ladder_logit_deviation,
         ladder_tokens_differ=ref.ladder_tokens_differ,
         standard_tpot_samples_s=standard_timer.samples["tpot"] if standard_timer else [],
+        graph_dtypes=sorted({str(t.dtype) for t in _graph_tensors(gd).values() if t.is_floating_point()}),
         notes=[
             f"the unsharded reference was built and run once, in the {ref.made_on}"
             if ref.made_on.startswith("launching")
@@ -584,6 +607,15 @@ def summarise_decode(reports: list[DecodeRankReport], dtype: str, batch_size: in
             "ladder_tokens_differ": first.ladder_tokens_differ,
             "ok": same and agree and diff <= tolerance,
         },
+        # every rank's own report, its samples and tokens left out (in `measured` and `numerics` above)
+        "ranks": [
+            {
+                k: v
+                for k, v in dataclasses.asdict(r).items()
+                if not k.endswith("samples_s") and "tokens" not in k
+            }
+            for r in reports
+        ],
     }
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -690,3 +693,23 @@ def test_the_emitted_readme_of_a_served_plan_says_how_its_caches_are_filled(tmp_
     readme = " ".join((tmp_path / "out" / "README.md").read_text().split())
     assert "A served request: the decode step" in readme and "The prefill is not emitted" in readme
     assert "prompt of 8 tokens and 4 new ones" in readme
+
+
+@pytest.mark.slow
+def test_a_bf16_request_runs_its_graphs_in_bf16(tmp_path) -> None:
+    """--dtype bf16 serving: the ranks' graphs hold bf16 weights and caches and the reference ran in
+    bf16 too (the logits then differ by bf16's rounding, not fp32's), where the ranks used to run fp32
+    under a plan priced and reported in bf16."""
+    report_path = tmp_path / "r.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "planner.cli", "optimize", str(ROOT / "examples" / "llama3_kv.py"),
+         "--workload", "generate", "--seq-len", "16", "--new-tokens", "3", "--batch-size", "2", "--dtype", "bf16",
+         "--cluster", "local-cpu", "--nproc", "2", "--tp", "2", "--layout", "megatron", "--run", "--iters", "1",
+         "--warmup", "0", "--min-time", "0", "--json", str(report_path)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    ranks = report["ranks"]
+    assert all(rank["graph_dtypes"] == ["torch.bfloat16"] for rank in ranks), ranks
+    assert report["numerics"]["ok"] and report["numerics"]["dtype"] == "bf16"

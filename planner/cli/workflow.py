@@ -1168,6 +1168,8 @@ def report_dict(
     if run is not None:
         report["measured"] = run["measured"]
         report["numerics"] = run["numerics"]
+        if "ranks" in run:  # every rank's own report (docs/report.md)
+            report["ranks"] = run["ranks"]
         measured = run["measured"]["latency_s"]
         report["measured"]["predicted_over_measured"] = p.latency_s / measured if measured else None
         report["measured"]["measured_over_predicted"] = measured / p.latency_s if p.latency_s else None
