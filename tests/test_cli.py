@@ -365,3 +365,24 @@ def test_a_closed_stdout_stops_quietly_with_exit_141(example_path) -> None:
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 141, err
     assert "Traceback" not in err and "error" not in err
+
+
+@pytest.mark.slow
+def test_pins_that_cannot_apply_say_so(example_path) -> None:
+    """A pinned --dp-style on a plan with one data-parallel replica warns it had no effect (it was
+    dropped silently); --ep with --run and a style other than ddp names the style rule (it blamed the
+    mesh); --dp with --dp-shard counts replicas and the refusal says so (it read dp(16))."""
+    llama = str(example_path("llama3"))
+    common = ["--cluster", "local-cpu", "--workload", "train", "--batch-size", "2", "--seq-len", "16"]
+    r = planner("optimize", llama, *common, "--nproc", "2", "--dp", "1", "--dp-style", "zero2")
+    assert r.returncode == 0 and "--dp-style zero2 had no effect" in _said(r), _said(r)
+    moe = str(ROOT / "tests" / "models" / "tiny_moe_modulelist.py")
+    r = planner(
+        "optimize", moe, *common, "--nproc", "2", "--dp", "2", "--ep", "2", "--dp-style", "zero2", "--run"
+    )
+    assert r.returncode == 2 and "--dp-style ddp only" in _said(r), _said(r)
+    r = planner(
+        "optimize", llama, *common[:4], "--batch-size", "4", "--seq-len", "16", "--nproc", "4",
+        "--dp", "4", "--dp-shard", "4", "--dp-style", "fsdp",
+    )  # fmt: skip
+    assert r.returncode == 2 and "dp(4 replicas x 4 shards) = 16 devices" in _said(r), _said(r)

@@ -246,7 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(GShard / Switch); caps the busiest rank's load (default: dropless)",
     )
     opt.add_argument("--pp", type=_positive, help="pin the pipeline-parallel degree")
-    opt.add_argument("--dp", type=_positive, help="pin the data-parallel degree")
+    opt.add_argument(
+        "--dp",
+        type=_positive,
+        help="pin the data-parallel degree (with --dp-shard S: the replicas of each group of S shards, dp x S ranks)",
+    )
     opt.add_argument("--devices", type=_positive, help="use at most this many of the cluster's devices")
     opt.add_argument(
         "--recalibrate",
@@ -546,6 +550,14 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             [
                 "--distributed-optimizer on had no effect: the plan has one data-parallel replica (dp=1), so there "
                 "is nothing to shard Adam's state over; pin --dp 2 or more"
+            ]
+        )
+    style = getattr(args, "dp_style", "auto")
+    if style not in ("auto", "ddp") and plan.workload == "train" and plan.dp * plan.cp == 1:
+        _warn(
+            [
+                f"--dp-style {style} had no effect: the plan has one data-parallel replica (dp=1), so there is "
+                "nothing to shard over and it runs as ddp; pin --dp 2 or more"
             ]
         )
     n, chain = len(prepared.structure.layers), len(prepared.structure.mlp_chain)

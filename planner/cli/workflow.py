@@ -408,7 +408,12 @@ def check_constraints_fit(
         product *= value
     devices = constraints.max_devices or cluster.num_devices
     if product > devices:
-        shown = " x ".join(f"{k}({v})" for k, v in pinned.items())
+        shard = constraints.dp_shard
+
+        def pin(k: str, v: int) -> str:  # with --dp-shard, --dp counts the replicas of each shard group
+            return f"dp({v // shard} replicas x {shard} shards)" if k == "dp" and shard else f"{k}({v})"
+
+        shown = " x ".join(pin(k, v) for k, v in pinned.items())
         raise InputError(
             f"{shown} = {product} devices, but {cluster.name} has {devices}"
             + (" (--nproc / --devices)" if cluster.backend == "gloo" or constraints.max_devices else "")

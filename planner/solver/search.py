@@ -609,6 +609,14 @@ def _check_pinned_ep(search: _Search) -> None:
             f"--ep {c.ep} --ep-fold tp needs the same tokens on every TP rank, which --sequence-parallel on "
             "splits; use --sequence-parallel off, or --ep-fold dp"
         )
+    styles = c.dp_styles()
+    one_replica = c.dp is not None and c.dp * (c.cp or 1) == 1  # every style is ddp there
+    if c.ep_ddp_only and search.workload.train and DataParallel.DDP not in styles and not one_replica:
+        raise InputError(
+            f"--ep {c.ep} with --run: the runtime runs expert parallelism with --dp-style ddp only, and the "
+            f"options allow {', '.join(str(s) for s in styles)}; pin --dp-style ddp (or leave it out), or plan "
+            "without --run (the plan, its price and its exports are not limited)"
+        )
     tp_fold_possible = c.ep_fold != "dp" and c.tp in (None, c.ep)
     cp_fixed = c.cp is not None or search.workload.seq_len < MIN_CP_SEQ_LEN  # else the search may add cp
     if c.dp is not None and cp_fixed and not tp_fold_possible and (c.dp * (c.cp or 1)) % c.ep:
