@@ -339,9 +339,8 @@ def write_decode_reference(
     model = build_for(model_file, request.prefill, "cpu")
     if job.weights:  # the parameters only: the caches are sized for this request, not the checkpoint
         load_whole(model, job.weights, WEIGHTS_HELP, parameters_only=True)
-    set_run_mode(
-        model, plan.dtype, training=False
-    )  # the plan's dtype (weights and caches), as the ranks run it
+    # the plan's dtype (weights and caches), as the ranks run it
+    set_run_mode(model, plan.dtype, training=False)
     prefill, decode = _captured(model, request, "cpu")
     tensors = {**_graph_tensors(decode), **_graph_tensors(prefill)}
     weights = os.path.join(directory, "weights.safetensors")
