@@ -102,13 +102,15 @@ def _outputs(ctx: RuleContext, out, shard_output: bool):
             length = ctx.gshape(first)[p.dim]
             keep = first
             ctx.gm.meta[OUTPUT_SHARD] = OutputShard(p.dim, length, (p.size or length) // ctx.tp)
-    if keep is None:
-        return fx.node.map_arg(out, ctx.replicated)
-    if not isinstance(out, (tuple, list)):
-        return keep
-    # only the first output stays a shard: the same node returned again later is gathered there
-    rest = fx.node.map_arg(tuple(out[1:]), ctx.replicated)
-    return type(out)((keep, *rest)) if isinstance(out, tuple) else [keep, *rest]
+
+    def place(n: fx.Node) -> fx.Node:
+        nonlocal keep
+        if n is keep:  # the first output only (visited first): the same node returned again is gathered
+            keep = None
+            return n
+        return ctx.replicated(n)
+
+    return fx.node.map_arg(out, place)
 
 
 def _propagate(ctx: RuleContext, shard_output: bool = False) -> None:

@@ -120,8 +120,8 @@ def write_reference(job: RunJob, directory: str, made_on: str = "launching proce
                 "return a floating-point output computed from the weights first (e.g. the logits, before any "
                 "argmax), or run the plan with --workload forward"
             )
-        target = training_target(outs[0].detach())
-        loss = F.mse_loss(outs[0], target)
+        target = training_target(first.detach())
+        loss = F.mse_loss(first, target)
         loss.backward()
         results.update(target=target, loss=loss.detach())
         grads = {n: p.grad for n, p in gm.named_parameters(remove_duplicate=False) if p.grad is not None}
