@@ -8,6 +8,7 @@ and a model the planner cannot capture or run is refused in one line."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -25,6 +26,8 @@ from planner.frontend.analysis import ModelStructure, Role, analyse
 from planner.frontend.capture import capture
 from planner.frontend.depth import capture_for_planning
 from planner.frontend.moe import ScoreFunction
+from planner.solver.problem import Constraints, Workload, WorkloadSpec
+from planner.solver.search import plan_model
 from tests.models import tiny_mixtral, tiny_moe_gptfast, tiny_moe_modulelist
 
 MODELS = Path(__file__).parent / "models"
@@ -294,3 +297,68 @@ def test_moe_models_run_at_tp2_and_match(tmp_path, name):
     data = json.loads(report.read_text())
     assert data["plan"]["tp"] == 2
     assert data["numerics"]["max_abs_diff"] <= data["numerics"]["outputs"][0]["tolerance"]
+
+
+def test_a_capacity_counted_over_the_batch_keeps_the_tokens_whole(monkeypatch) -> None:
+    """GShard-style capacity (TINY_MOE_CAPACITY_FACTOR=2: 16 slots per expert for the batch's 32 tokens):
+    which tokens are dropped depends on every token counted, so the halves of the batch compute other
+    outputs than the whole (the fault is real). The analysis finds the running count and its cap,
+    naming the model line; the search then keeps one replica and one micro-batch and no expert or
+    context parallelism (the EP dispatch is dropless), and refuses --dp 2, --ep 2 and --cp 2 in one
+    line each. With one sample the count runs along the sequence: the batch is not mixed, CP still
+    refused. At the dropless default (C = N) the same cumsum is not a capacity and nothing is kept whole."""
+    monkeypatch.setenv("TINY_MOE_CAPACITY_FACTOR", "2")
+    model = tiny_moe_modulelist.build_model()
+    (tokens,) = tiny_moe_modulelist.example_inputs()
+    with torch.no_grad():
+        halves = torch.cat([model(tokens[:1]), model(tokens[1:])])
+        assert (model(tokens) - halves).abs().max() > 1e-3
+    with torch.device("meta"):
+        meta = tiny_moe_modulelist.build_model()
+    _, s = capture_for_planning(meta, tiny_moe_modulelist.example_inputs(), {})
+    assert len(s.token_capacity) == 1 and s.batch_mixing == s.token_capacity
+    why = s.token_capacity[0]
+    assert "aten.cumsum" in why and "tiny_moe_modulelist.py:" in why and "the batch's 32 tokens" in why
+    assert "capacity of 16" in why
+    cluster = load_cluster(FASTLINK, nproc=4)
+    work = WorkloadSpec(Workload.FORWARD, 2, 16)
+    plan = plan_model(s, cluster, work, Constraints(max_devices=4))
+    assert plan.mesh.dp == 1 and plan.micro_batches == 1 and plan.ep == 1
+    assert any(e.startswith("ep>1: aten.cumsum") for e in plan.excluded), plan.excluded
+    for pin in (dict(dp=2), dict(ep=2, tp=2)):
+        with pytest.raises(InputError, match="capacity of 16"):
+            plan_model(s, cluster, work, Constraints(max_devices=4, **pin))
+    _, one = capture_for_planning(meta, tiny_moe_modulelist.example_inputs(1, 16), {})
+    assert (
+        one.token_capacity and not one.batch_mixing and "each sequence's 16 tokens" in one.token_capacity[0]
+    )
+    with pytest.raises(InputError, match="--cp 2: .*capacity of 8.*context-parallel rank"):
+        plan_model(one, cluster, WorkloadSpec(Workload.TRAIN, 1, 16), Constraints(max_devices=4, cp=2))
+    monkeypatch.delenv("TINY_MOE_CAPACITY_FACTOR")
+    with torch.device("meta"):
+        dropless = tiny_moe_modulelist.build_model()
+    _, s = capture_for_planning(dropless, tiny_moe_modulelist.example_inputs(), {})
+    assert not s.token_capacity and not s.batch_mixing
+
+
+@pytest.mark.slow
+def test_a_capacity_model_runs_the_plan_it_gets(tmp_path) -> None:
+    """The capped model (TINY_MOE_CAPACITY_FACTOR=2) planned and run on 2 gloo ranks from the command
+    line: the plan keeps the batch whole and its run matches the unsharded model (it was planned DP 2
+    and failed its own numerics check, 0.0047 over a tolerance of 3.9e-5); --dp 2 is refused with exit 2
+    naming the capacity."""
+    env = {**os.environ, "TINY_MOE_CAPACITY_FACTOR": "2"}
+    model = str(MODELS / "tiny_moe_modulelist.py")
+    report = tmp_path / "report.json"
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "planner.cli", "optimize", model, "--cluster", "local-cpu", *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+
+    r = run("--devices", "2", "--run", "--iters", "1", "--min-time", "0", "--json", str(report))
+    assert r.returncode == 0, r.stderr
+    data = json.loads(report.read_text())
+    assert data["plan"]["dp"] == 1 and data["plan"]["ep"] == 1
+    assert all(o["max_abs_diff"] <= o["tolerance"] for o in data["numerics"]["outputs"])
+    r = run("--devices", "2", "--dp", "2")
+    assert r.returncode == 2 and "capacity of 16" in r.stderr and "use --dp 1" in r.stderr, r.stderr

@@ -263,6 +263,10 @@ class ModelStructure:
     # why the batch may not be split (data parallelism, micro-batches): reductions over the batch
     # dimension ("op (model line) reduces over ...", `_batch_mixing`), a sequence-first input, ...
     batch_mixing: list[str] = field(default_factory=list)
+    # tokens kept under a capacity counted over the batch or along the sequence (`_token_capacity`):
+    # splitting the tokens (dp, micro-batches, cp) or dispatching them dropless (ep) changes which are
+    # dropped; "op (model line) numbers ... keeps those under a capacity of C ..." each
+    token_capacity: list[str] = field(default_factory=list)
     # a chain's gaps: gap i (1 <= i < len(mlp_chain)) is the fx nodes between chain projections i - 1
     # and i (its activation, and whatever else the model computes there: `chain_gap_nodes`)
     chain_gaps: dict[int, frozenset[str]] = field(default_factory=dict)
@@ -368,6 +372,7 @@ def analyse(gm: fx.GraphModule) -> ModelStructure:
         n.meta["val"] for n in nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
     ]
     batch_size, seq_len = _batch_and_seq(placeholders)
+    capacities = _token_capacity(nodes, batch_size, seq_len)
     float_params = [p.dtype for p in unique.values() if p.is_floating_point()]
     dtype = dtype_name(Counter(float_params).most_common(1)[0][0]) if float_params else "fp32"
     return ModelStructure(
@@ -386,7 +391,8 @@ def analyse(gm: fx.GraphModule) -> ModelStructure:
         mlp_chain=mlp_chain,
         num_param_tensors=sum(1 for p in unique.values() if p.requires_grad),
         param_tensor_sizes=param_tensors(unique.values()),
-        batch_mixing=_batch_mixing(nodes, batch_size),
+        batch_mixing=_batch_mixing(nodes, batch_size) + [c.reason for c in capacities if c.across_samples],
+        token_capacity=[c.reason for c in capacities],
         chain_gaps=chain_gap_nodes(gm.graph, [p.node for p in mlp_chain]),
         buffer_bytes=_buffer_bytes(gm, nodes, unique.values()),
     )
@@ -483,6 +489,92 @@ def _batch_mixing(nodes: list[fx.Node], batch_size: int) -> list[str]:
         if mixing:
             found[f"{name} ({user_line(node) or node.name}) reduces over the batch dimension"] = None
     return list(found)
+
+
+_SCANS = frozenset({"aten.cumsum", "aten.cumprod"})
+_THRESHOLDS = frozenset({"aten.lt", "aten.le", "aten.gt", "aten.ge"})
+_CAPACITY_DEPTH = 3  # ops between a running count and its comparison (`slot = cumsum(...) - 1`)
+
+
+@dataclass
+class TokenCapacity:
+    """A running count over tokens compared with a fixed capacity (GShard-style expert capacity,
+    Lepikhin et al. 2020 section 2.2): which tokens are kept depends on the tokens counted before them.
+    `across_samples`: the count runs over the batch (dim 0 of a batch or a flattened batch x sequence
+    axis), so splitting the batch changes it; otherwise it runs along each sample's sequence (dim 1),
+    so only splitting the sequence does. `reason`: the ops and model lines, for refusals."""
+
+    reason: str
+    across_samples: bool
+
+
+def _token_capacity(nodes: list[fx.Node], batch_size: int, seq_len: int) -> list[TokenCapacity]:
+    """Every scan (`_SCANS`, any dtype) over a token axis whose result reaches, within
+    `_CAPACITY_DEPTH` ops, a comparison (`_THRESHOLDS`) with a number smaller than the tokens scanned:
+    a capacity that can drop tokens. A token axis: dim 0 of a tensor whose leading size is the batch or
+    batch x seq_len (tokens flattened), or dim 1 of a (batch, seq_len, ...) tensor. A dropless
+    dispatch (positions counted but never capped, or a capacity of at least the tokens) is not one."""
+    found: dict[str, TokenCapacity] = {}
+    for node in nodes:
+        name = op_name(node.target)
+        if node.op != "call_function" or name not in _SCANS or not node.args:
+            continue
+        source = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        if not isinstance(source, torch.Tensor) or source.dim() < 1 or not isinstance(dim, int):
+            continue
+        dim %= source.dim()
+        size = source.shape[dim]
+        if dim == 0 and batch_size > 1 and size in (batch_size, batch_size * seq_len):
+            across = True
+        elif seq_len > 1 and (
+            (dim == 1 and source.dim() >= 2 and source.shape[0] == batch_size and size == seq_len)
+            or (dim == 0 and batch_size == 1 and size == seq_len)
+        ):
+            across = False
+        else:
+            continue
+        cap = _capped(node, size)
+        if cap is None:
+            continue
+        compare, capacity = cap
+        tokens = "the batch's" if across else "each sequence's"
+        where, compare_where = user_line(node) or node.name, user_line(compare) or compare.name
+        if where == compare_where:  # export records the frames of forward methods only
+            ops = f"{name} and {op_name(compare.target)} ({where}) number {tokens} {size} tokens in turn and keep"
+        else:
+            ops = (
+                f"{name} ({where}) numbers {tokens} {size} tokens in turn and {op_name(compare.target)} "
+                f"({compare_where}) keeps"
+            )
+        reason = (
+            f"{ops} those under a capacity of {capacity:g}, so which tokens are dropped depends on the others"
+        )
+        found.setdefault(reason, TokenCapacity(reason, across))
+    return list(found.values())
+
+
+def _capped(scan: fx.Node, size: int) -> tuple[fx.Node, float] | None:
+    """(the comparison, its bound) of the first `_THRESHOLDS` node within `_CAPACITY_DEPTH` ops after
+    `scan` that compares a value derived from it with a number below `size`, else None."""
+    frontier, seen = [scan], {scan}
+    for _ in range(_CAPACITY_DEPTH):
+        following = []
+        for node in frontier:
+            for user in node.users:
+                if user in seen:
+                    continue
+                seen.add(user)
+                following.append(user)
+                if user.op != "call_function" or op_name(user.target) not in _THRESHOLDS:
+                    continue
+                bound = next(
+                    (a for a in user.args if isinstance(a, (int, float)) and not isinstance(a, bool)), None
+                )
+                if bound is not None and bound < size:
+                    return user, float(bound)
+        frontier = following
+    return None
 
 
 # ------------------------------------------------------------------------------------------- costs

@@ -549,7 +549,7 @@ def _ep_options(search: _Search, mesh: MeshShape, sequence_parallel: bool) -> li
     divides the experts (fold dp) and ep = tp (fold tp) where they divide, as --ep-fold allows."""
     c = search.constraints
     experts = expert_counts(search.structure)
-    if not experts or c.ep == 1:
+    if not experts or c.ep == 1 or search.structure.token_capacity:  # capped: see `_check_pinned_ep`
         return [(1, "dp")]
     folds = [c.ep_fold] if c.ep_fold is not None else ["dp", "tp"]
     if c.ep is not None:
@@ -585,11 +585,25 @@ def _ep_options_with_expert_tp(
 def _check_pinned_ep(search: _Search) -> None:
     """A pinned --ep (--ep-fold) that cannot run is refused in one line naming both numbers: a dense
     model, an ep that does not divide the experts, fold tp at another pinned --tp, fold dp over pinned
-    --dp / --cp ranks it does not divide. Raises InputError."""
+    --dp / --cp ranks it does not divide, a model that keeps tokens under a capacity
+    (`ModelStructure.token_capacity`: the EP pass's dispatch is dropless, so it would keep the tokens the
+    model drops; unpinned, the search lists that as excluded). Raises InputError."""
     c = search.constraints
+    experts = expert_counts(search.structure)
+    capped = search.structure.token_capacity
+    if experts and capped and c.ep != 1:
+        why = (
+            f"{capped[0]}; expert parallelism's dispatch keeps every token (dropless) and would compute other "
+            "outputs than the model"
+        )
+        if c.ep is not None:
+            raise InputError(
+                f"--ep {c.ep}: {why}; use --ep 1, or give the model a dropless dispatch (a capacity of at least "
+                "the tokens it counts)"
+            )
+        search.excluded.append(f"ep>1: {why}")
     if c.ep is None or c.ep == 1:
         return
-    experts = expert_counts(search.structure)
     if not experts:
         raise InputError(f"--ep {c.ep}: the model has no mixture-of-experts layer to split; leave --ep out")
     bad = [e for e in experts if e % c.ep]
@@ -650,6 +664,8 @@ def _cp_unsupported(search: _Search) -> str:
         return "the model writes its own KV cache, which context parallelism does not split"
     if any(t != w.seq_len for t in s.stream_tokens(w.seq_len)):
         return "its layers see another sequence than the input's tokens"
+    if s.token_capacity:
+        return f"{s.token_capacity[0]}, and a context-parallel rank would count only its part of the sequence"
     return ""
 
 

@@ -13,6 +13,12 @@ the tokens that chose it (a cumsum of the one-hot choices); tokens past the capa
 that expert. Each expert gathers its slots' rows (an empty slot reads a zero row), runs, and its
 outputs, times their routing weights, are added back at their tokens with `index_add`.
 
+The capacity factor is E / k by default (C = N: no token is ever dropped, so the model is dropless
+and its batch can be split); the environment variable TINY_MOE_CAPACITY_FACTOR, read when the model
+is built, sets another. Below E / k tokens can be dropped, and which ones depends on the N tokens
+counted: splitting the batch changes them, and the planner keeps it whole
+(`planner.frontend.analysis._token_capacity`).
+
 `dispatch="nonzero"` writes the same dispatch the way that cannot be captured: each expert's tokens
 found with `torch.nonzero` (a number known only at run time), as Hugging Face's eager expert loop
 does; the planner refuses it with one line naming the construct.
@@ -21,6 +27,7 @@ does; the planner refuses it with one line naming the construct.
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -38,7 +45,12 @@ CONFIG = LlamaConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2
 NUM_EXPERTS = 8
 TOP_K = 2
 EXPERT_DIM = 24  # each routed expert's SwiGLU width (the shared expert has CONFIG.ffn_dim)
-CAPACITY_FACTOR = 2.0  # slots per expert over an even share of the N * k choices
+DROPLESS_CAPACITY_FACTOR = NUM_EXPERTS / TOP_K  # C = N slots per expert: nothing dropped
+
+
+def capacity_factor() -> float:
+    """Slots per expert over an even share of the N * k choices: TINY_MOE_CAPACITY_FACTOR, else E / k."""
+    return float(os.environ.get("TINY_MOE_CAPACITY_FACTOR", DROPLESS_CAPACITY_FACTOR))
 
 
 class SwiGLU(nn.Module):
@@ -60,6 +72,7 @@ class SparseMoE(nn.Module):
     def __init__(self, config: LlamaConfig, dispatch: str = "capacity") -> None:
         super().__init__()
         self.dispatch = dispatch
+        self.capacity_factor = capacity_factor()
         self.gate = nn.Linear(config.dim, NUM_EXPERTS, bias=False)
         self.experts = nn.ModuleList([SwiGLU(config.dim, EXPERT_DIM) for _ in range(NUM_EXPERTS)])
         self.shared_expert = SwiGLU(config.dim, config.ffn_dim)
@@ -79,7 +92,7 @@ class SparseMoE(nn.Module):
     def _capacity(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """x (N, C), weights and chosen (N, k) -> the routed output (N, C), static shapes throughout."""
         n = x.shape[0]
-        capacity = math.ceil(CAPACITY_FACTOR * n * TOP_K / NUM_EXPERTS)
+        capacity = math.ceil(self.capacity_factor * n * TOP_K / NUM_EXPERTS)
         picks = F.one_hot(chosen, NUM_EXPERTS).sum(1)  # (N, E): 1 where the token chose the expert
         slot = torch.cumsum(picks, dim=0) - 1  # (N, E): the token's place in each expert's queue
         kept = (picks > 0) & (slot < capacity)  # (N, E)
