@@ -467,12 +467,8 @@ def _batch_mixing(nodes: list[fx.Node], batch_size: int) -> list[str]:
     if batch_size <= 1:
         return []
     found: dict[str, None] = {}
-    for node in nodes:
-        name = op_name(node.target)
-        if node.op != "call_function" or name not in _BATCH_REDUCTIONS or not node.args:
-            continue
-        source = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
-        if not isinstance(source, torch.Tensor) or not source.is_floating_point() or source.dim() < 2:
+    for node, name, source in _calls_on_tensors(nodes, _BATCH_REDUCTIONS):
+        if not source.is_floating_point() or source.dim() < 2:
             continue
         if source.shape[0] != batch_size:
             continue
@@ -489,6 +485,20 @@ def _batch_mixing(nodes: list[fx.Node], batch_size: int) -> list[str]:
         if mixing:
             found[f"{name} ({user_line(node) or node.name}) reduces over the batch dimension"] = None
     return list(found)
+
+
+def _calls_on_tensors(
+    nodes: list[fx.Node], names: frozenset[str]
+) -> Iterable[tuple[fx.Node, str, torch.Tensor]]:
+    """(node, op name, its first argument's value) of each call of an op in `names` whose first
+    argument is a tensor."""
+    for node in nodes:
+        name = op_name(node.target)
+        if node.op != "call_function" or name not in names or not node.args:
+            continue
+        source = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        if isinstance(source, torch.Tensor):
+            yield node, name, source
 
 
 _SCANS = frozenset({"aten.cumsum", "aten.cumprod"})
@@ -515,13 +525,9 @@ def _token_capacity(nodes: list[fx.Node], batch_size: int, seq_len: int) -> list
     batch x seq_len (tokens flattened), or dim 1 of a (batch, seq_len, ...) tensor. A dropless
     dispatch (positions counted but never capped, or a capacity of at least the tokens) is not one."""
     found: dict[str, TokenCapacity] = {}
-    for node in nodes:
-        name = op_name(node.target)
-        if node.op != "call_function" or name not in _SCANS or not node.args:
-            continue
-        source = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+    for node, name, source in _calls_on_tensors(nodes, _SCANS):
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-        if not isinstance(source, torch.Tensor) or source.dim() < 1 or not isinstance(dim, int):
+        if source.dim() < 1 or not isinstance(dim, int):
             continue
         dim %= source.dim()
         size = source.shape[dim]
