@@ -60,7 +60,7 @@ from passes.general_rules import _local_shapes_agree, propagate_placements
 from passes.placement import Placement, local_shape, loss_output
 from passes.tp_rules_context import Fallback, op_label
 from planner.errors import InputError
-from planner.frontend.capture import retarget_device, user_line
+from planner.frontend.capture import bound_arguments, retarget_device, user_line
 
 __all__ = ["AXIS", "CpLowering", "apply_context_parallel"]
 
@@ -319,11 +319,7 @@ def _general(node: fx.Node, ctx: _Ctx, sliced: Any) -> bool:
 
 def _attention(node: fx.Node, ctx: _Ctx, result: CpLowering, training: bool) -> None:
     """SDPA on sequence shards -> `cp_sdpa` (module docstring, step 3)."""
-    schema = node.target._schema
-    bound = {a.name: a.default_value if a.has_default_value() else None for a in schema.arguments}
-    for arg, value in zip(schema.arguments, node.args):
-        bound[arg.name] = value
-    bound.update(node.kwargs)
+    bound = bound_arguments(node)
     q, k, v = bound["query"], bound["key"], bound["value"]
     where = f"attention {node.name!r} ({user_line(node) or 'no source line'})"
     want = Placement.shard(2)

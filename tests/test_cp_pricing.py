@@ -35,6 +35,8 @@ from planner.solver.problem import Constraints, MeshConfig, WorkloadSpec, dp_sty
 from planner.solver.search import plan_model
 from tests.planner_fixtures import EXAMPLES, analysed_llama
 
+MODELS = EXAMPLES.parent / "tests" / "models"
+
 # Llama-3-8B's attention on one rank of TP 8: 4 query heads, 1 KV head, head dim 128
 ONE_TP_RANK = dict(heads=4, kv_heads=1, head_dim=128)
 
@@ -225,3 +227,28 @@ def test_cli_refuses_bad_cp_options_with_exit_code_2(args, words, capsys) -> Non
     rc = main(["optimize", str(EXAMPLES / "llama3_8b.py"), "--cluster", "dgx-h100", *args])
     err = " ".join(capsys.readouterr().err.split())
     assert rc == 2 and all(w in err for w in words), err
+
+
+def test_attention_dropout_in_training_keeps_context_parallelism_off_and_says_where(capsys) -> None:
+    """The context-parallel kernels run no attention dropout (`passes.cp_lower` refuses it on the
+    ranks): a training plan of a model whose SDPA drops out in train mode (`dropout_p=P if
+    self.training else 0.0`, read from a train-mode capture, the mode planning's eval capture hides) is
+    refused at --cp 2 with the model line, and the search lists cp as excluded instead of choosing it;
+    the forward pass (eval mode, no dropout) still plans --cp 2."""
+    model = str(MODELS / "dropout_tp.py")
+    rc = main(
+        ["optimize", model, "--cluster", "dgx-h100", "--workload", "train", "--cp", "2", "--seq-len", "64"]
+    )
+    err = " ".join(capsys.readouterr().err.split())
+    assert rc == 2, err
+    assert "dropout_p 0.3" in err and "dropout_tp.py:" in err and "--cp 1" in err, err
+    rc = main(
+        ["optimize", model, "--cluster", "dgx-h100", "--workload", "forward", "--cp", "2", "--seq-len", "64"]
+    )
+    assert rc == 0, capsys.readouterr().err
+    capsys.readouterr()
+    rc = main(
+        ["optimize", model, "--cluster", "dgx-h100", "--workload", "train", "--seq-len", "32768", "--why"]
+    )
+    out = " ".join(capsys.readouterr().out.split())
+    assert rc == 0 and "excluded: cp>1: its attention applies dropout in training" in out, out

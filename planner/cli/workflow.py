@@ -27,7 +27,7 @@ from costmodels.dtypes import dtype_bytes
 from passes.verify import verify_plan
 from planner.errors import InfeasibleError, InputError, RunError
 from planner.frontend.analysis import ModelStructure
-from planner.frontend.capture import input_batch_dims
+from planner.frontend.capture import input_batch_dims, op_name
 from planner.frontend.depth import capture_for_planning
 from planner.frontend.modelfile import ModelFile, load_model_file
 from planner.frontend.phases import build_for, decode_phase, plan_structure, prefill_phase
@@ -139,6 +139,8 @@ def prepare(
         structure.batch_mixing.append(
             f"its input is sequence-first ({seq_len}, {batch_size}, ...) and the runtime splits the batch along dim 0"
         )
+    if workload == Workload.TRAIN:
+        _record_attention_dropout(model, args, kwargs, graph, structure)
     unsplit = _unsplittable_batch(model_file, structure.batch_size, seq_len)
     if unsplit:  # the search keeps one replica and one micro-batch (as for a batch that mixes samples)
         structure.batch_mixing.append(unsplit)
@@ -167,6 +169,32 @@ def prepare(
     )
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
     return Prepared(model_file, structure, wl, shapes, graph)
+
+
+def _record_attention_dropout(
+    model: torch.nn.Module, args: tuple, kwargs: dict, graph: fx.GraphModule, structure: ModelStructure
+) -> None:
+    """Set each layer's `Attention.dropout_p` to the SDPA dropout its training run applies.
+
+    Planning captures the model in eval mode (`ModelFile.build`), where attention written as
+    `dropout_p=p if self.training else 0.0` (Hugging Face's, nanoGPT's) reads 0; a training run
+    captures it in train mode (`runtime.run_mode`). The model is captured once more in train mode
+    (a slice of a deep one, `capture_for_planning`) when the planning graph calls SDPA; a capture that
+    fails there is left to the run to report."""
+    sdpa = "aten.scaled_dot_product_attention"
+    if not any(op_name(n.target) == sdpa for n in graph.graph.nodes if n.op == "call_function"):
+        return
+    model.train()
+    try:
+        _, trained = capture_for_planning(model, args, kwargs)
+    except InputError:
+        return
+    finally:
+        model.eval()
+    applied = {layer.index: layer.attention for layer in trained.layers if layer.attention is not None}
+    for layer in structure.layers:
+        if layer.attention is not None and layer.index in applied:
+            layer.attention.dropout_p = applied[layer.index].dropout_p
 
 
 def _unsplittable_batch(model_file: ModelFile, batch_size: int, seq_len: int | None) -> str | None:

@@ -58,7 +58,7 @@ from torch import fx
 
 from costmodels.compute import conv_flops
 from costmodels.dtypes import dtype_name
-from planner.frontend.capture import op_name, user_line
+from planner.frontend.capture import bound_arguments, op_name, user_line
 from planner.frontend.moe import MoE, find_moe
 from planner.frontend.roles import ACTIVATION_OPS as _ACTIVATIONS
 from planner.frontend.roles import Projection, Role
@@ -133,6 +133,10 @@ class Attention:
     # heads of the keys the core reads: num_kv_heads when it attends grouped K/V as they are (SDPA
     # enable_gqa), num_heads when the model repeats them to the query heads first (None: not recorded)
     core_kv_heads: int | None = None
+    # attention dropout of an SDPA core in the captured mode (0.0: none, or a manual core, whose
+    # dropout is an op of its own): the context-parallel kernels do not run it (`passes.cp_lower`)
+    dropout_p: float = 0.0
+    core_line: str = ""  # where the core is in the model file (`planner.frontend.capture.user_line`)
 
 
 CACHE_UPDATE_OPS = ("aten.index_put_", "aten.index_put", "aten.index_copy_", "aten.index_copy", "aten.copy_")
@@ -1158,6 +1162,9 @@ def _attention_block(
     flops = _sdpa_flops(q.meta["val"], k.meta["val"], v.meta["val"])
     attention = Attention(projs, num_heads, num_kv_heads, head_dim, core.name, residual, flops)
     attention.core_kv_heads = int(k.meta["val"].shape[-3]) if k.meta["val"].dim() >= 3 else None
+    attention.core_line = user_line(core)
+    if op_name(core.target) == "aten.scaled_dot_product_attention":
+        attention.dropout_p = float(bound_arguments(core).get("dropout_p") or 0.0)
     buffers = cache_buffers(members)
     if buffers:
         attention.kv_len = int(k.meta["val"].shape[-2])

@@ -304,6 +304,20 @@ def op_name(target: Any) -> str:
     return ""
 
 
+def bound_arguments(node: fx.Node) -> dict[str, Any]:
+    """The arguments of an aten op node by schema name, defaults filled in (an argument without a
+    default and not given is None): {"query": q, "key": k, ..., "dropout_p": 0.0, "is_causal": False}
+    for aten.scaled_dot_product_attention. Raises TypeError for a node whose target is no OpOverload."""
+    if not isinstance(node.target, torch._ops.OpOverload):
+        raise TypeError(f"bound_arguments: {node.name!r} does not call an aten op")
+    schema = node.target._schema
+    bound = {a.name: a.default_value if a.has_default_value() else None for a in schema.arguments}
+    for arg, value in zip(schema.arguments, node.args):
+        bound[arg.name] = value
+    bound.update(node.kwargs)
+    return bound
+
+
 def _is_noop(node: fx.Node) -> bool:
     """aten.to / aten.type_as that change nothing, or dropout that is the identity."""
     if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):

@@ -522,9 +522,12 @@ def _cp_options(search: _Search, num_devices: int) -> list[int]:
     if c.cp is not None:
         _check_pinned_cp(search)
         return [c.cp]
-    if w.kind is Workload.DECODE or _cp_unsupported(search):
-        return [1]
-    if w.seq_len < MIN_CP_SEQ_LEN:  # not listed as excluded: every short-sequence plan would say it
+    if w.kind is Workload.DECODE or w.seq_len < MIN_CP_SEQ_LEN:
+        return [1]  # not listed as excluded: every short-sequence plan would say it
+    why = _cp_unsupported(search)
+    if why:
+        if search.structure.layers and any(layer.attention for layer in search.structure.layers):
+            search.excluded.append(f"cp>1: {why}")
         return [1]
     out, lbs = [1], [c.cp_load_balance] if c.cp_load_balance is not None else [True, False]
     for cp in (2**k for k in range(1, MAX_CP.bit_length())):
@@ -655,7 +658,8 @@ def _ep_unplaceable(search: _Search, num_devices: int) -> str:
 
 def _cp_unsupported(search: _Search) -> str:
     """Why context parallelism does not apply to the model ("" when it does): it needs attention layers
-    of a token model that all see the whole sequence, and no KV cache of the model's own."""
+    of a token model that all see the whole sequence, no KV cache of the model's own, no token capacity
+    and, training, no attention dropout (`passes.cp_lower` refuses it on the ranks)."""
     s, w = search.structure, search.workload
     attentions = [layer.attention for layer in s.layers if layer.attention is not None]
     if not attentions or not s.token_model:
@@ -666,6 +670,13 @@ def _cp_unsupported(search: _Search) -> str:
         return "its layers see another sequence than the input's tokens"
     if s.token_capacity:
         return f"{s.token_capacity[0]}, and a context-parallel rank would count only its part of the sequence"
+    dropping = [a for a in attentions if a.dropout_p] if w.kind is Workload.TRAIN else []
+    if dropping:
+        return (
+            f"its attention applies dropout in training (dropout_p {dropping[0].dropout_p:g} at "
+            f"{dropping[0].core_line or dropping[0].sdpa_node}), which the context-parallel attention kernels do not "
+            "run; set the attention dropout to 0 to plan context parallelism"
+        )
     return ""
 
 
