@@ -58,7 +58,8 @@ from passes.expert_parallel import expert_shard
 from passes.general_rules import general_rule
 from passes.placement import Placement, loss_output, padded_size, shard_weight
 from passes.tp_rules import RuleEntry, rule_for
-from passes.tp_rules_context import FALLBACK_META, R, RuleContext, SplitLike, TensorParallelError
+from passes.tp_rules_context import FALLBACK_META, R, RuleContext, SplitLike, TensorParallelError, op_label
+from planner.frontend.capture import user_line
 
 __all__ = [
     "SplitLike",
@@ -203,12 +204,30 @@ def apply_tensor_parallel(
     # tied weights (GPT-2 wte / lm_head) reach the graph under one FQN; only those present are checked
     unsharded = [f for f in ctx.param_split if id(operator.attrgetter(f)(gm)) not in ctx.sharded_ids]
     if unsharded:
-        raise TensorParallelError(
-            f"split weights not used by a matmul or embedding the pass understands: {unsharded}"
-        )
+        raise _unsharded_weights_error(gm, unsharded)
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _unsharded_weights_error(gm: fx.GraphModule, unsharded: list[str]) -> TensorParallelError:
+    """The error for weights the plan splits that no rule consumed: it names the first one's first
+    user (the op that reads it, and its model line) so that the user sees which code the pass does not
+    understand."""
+    reader = next(
+        (u for n in gm.graph.nodes if n.op == "get_attr" and n.target == unsharded[0] for u in n.users), None
+    )
+    names = ", ".join(unsharded[:3]) + (f" and {len(unsharded) - 3} more" if len(unsharded) > 3 else "")
+    why = f"the split weights {names} are not read by a matmul or embedding the tensor-parallel pass understands"
+    if reader is None:
+        return TensorParallelError(why, why=why)
+    return TensorParallelError(
+        f"{why} ({op_label(reader)} at {reader.name})",
+        node=reader.name,
+        op=op_label(reader),
+        line=user_line(reader),
+        why=why,
+    )
 
 
 def load_sharded_weights(

@@ -147,3 +147,21 @@ def test_gpt2_124m_runs_on_cpu(example_path):
     gm = capture(model, args, kwargs)
     with torch.no_grad():
         torch.testing.assert_close(gm(*flat_inputs(args, kwargs)), model(*args), rtol=1e-4, atol=1e-4)
+
+
+def test_products_with_a_transposed_weight_are_captured_as_linear() -> None:
+    """`x @ W.T` (Falcon's FalconLinear), `matmul(x, W.t())` and `addmm(b, x, W.t())` are what
+    nn.Linear computes: the capture writes them as aten.linear (so the tensor-parallel pass splits
+    them; tests/test_tp_parity.py runs the model at tp 2) and the graph still computes the model."""
+    from pathlib import Path
+
+    from planner.frontend.capture import op_name
+
+    model_file = load_model_file(Path(__file__).parent / "models" / "transposed_weights.py")
+    args, kwargs = model_file.inputs()
+    model = model_file.build("cpu")
+    gm = capture(model, args, kwargs)
+    names = [op_name(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert names.count("aten.linear") == 9  # qkv, o, up, down per layer, and the head
+    assert not {"aten.matmul", "aten.mm", "aten.addmm", "aten.numpy_T", "aten.t"} & set(names)
+    torch.testing.assert_close(gm(*flat_inputs(args, kwargs)), flatten_output(model(*args, **kwargs)))

@@ -168,6 +168,7 @@ def test_tp2_forward_and_training_parity():
         _job(
             "gpt2_odd_vocab.py", 2, "train"
         ),  # vocab 257: padded to 258 and split, logits gathered and unpadded
+        _job("transposed_weights.py", 2, "train"),  # x @ W.T, matmul(x, W.t()), addmm(b, x, W.t())
         _job("llama3.py", 2, ladder=[2, 3], return_output=True),
     ]
     results = launch(run_jobs, jobs, nproc=2, timeout_s=120)

@@ -58,7 +58,7 @@ from torch import fx
 
 from costmodels.compute import conv_flops
 from costmodels.dtypes import dtype_name
-from planner.frontend.capture import bound_arguments, op_name, user_line
+from planner.frontend.capture import bound_arguments, is_transpose_2d, op_name, user_line
 from planner.frontend.moe import MoE, find_moe
 from planner.frontend.roles import ACTIVATION_OPS as _ACTIVATIONS
 from planner.frontend.roles import Projection, Role
@@ -754,7 +754,7 @@ def _projection(node: fx.Node, params: dict[str, torch.nn.Parameter]) -> Project
         b = node.args[0] if name == "aten.addmm" else None
         x, w = node.args[-2], node.args[-1]
         out_dim = 1
-        if isinstance(w, fx.Node) and _is_transpose_2d(w):  # x @ W.T with W (out, in): nn.Linear layout
+        if isinstance(w, fx.Node) and is_transpose_2d(w):  # x @ W.T with W (out, in): nn.Linear layout
             w, out_dim = w.args[0], 0
     if not (
         isinstance(w, fx.Node) and w.op == "get_attr" and w.target in params and w.meta["val"].dim() == 2
@@ -768,16 +768,6 @@ def _projection(node: fx.Node, params: dict[str, torch.nn.Parameter]) -> Project
     return Projection(
         node.name, w.target, bias, None, in_features, out_features, out_dim, _parts(node), flops
     )
-
-
-def _is_transpose_2d(node: fx.Node) -> bool:
-    """aten.t / numpy_T / transpose(0, 1) / permute([1, 0]) of a 2-D tensor."""
-    name = op_name(node.target)
-    if name in ("aten.t", "aten.numpy_T"):
-        return True
-    if name == "aten.transpose":
-        return sorted(d % 2 for d in node.args[1:3]) == [0, 1]
-    return name == "aten.permute" and [d % 2 for d in node.args[1]] == [1, 0]
 
 
 def _parts(node: fx.Node) -> tuple[int, ...] | None:

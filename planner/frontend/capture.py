@@ -18,7 +18,9 @@ Guarantees of the returned graph (docs/ARCHITECTURE.md):
   "" for the top level (for `get_attr`: the module owning the tensor); every tensor node has
   `node.meta["val"]` (a FakeTensor with the global shape and dtype);
 - removed: the input guard module, `aten._assert_*` nodes, no-op `aten.to` (same dtype and device)
-  and `aten.dropout` in eval mode / with p = 0;
+  and `aten.dropout` in eval mode / with p = 0; rewritten: `x @ W.T` of a 2-D parameter (matmul,
+  mm or addmm of its transpose) as `aten.linear(x, W)` (the same product) and any other
+  `aten.numpy_T` as the `aten.permute` reversing the dims, which the passes have rules for;
 - inputs: one placeholder per tensor leaf of `(args, kwargs)` in pytree order (non-tensor inputs such
   as `use_cache=False` are baked in); call it as `gm(*flat_inputs(args, kwargs))`;
 - output form: the tensor leaves of the model's output, with a `logits` field first when the output
@@ -261,6 +263,12 @@ def _normalise(gm: fx.GraphModule, out_spec: pytree.TreeSpec, module_names: set[
         if _is_noop(node):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
+    for node in graph.nodes:
+        _as_linear(node)
+        if node.op == "call_function" and node.target is torch.ops.aten.numpy_T.default:
+            node.target = torch.ops.aten.permute.default  # `W.T`: the permute reversing the dims
+            node.args = (node.args[0], list(range(node.args[0].meta["val"].dim() - 1, -1, -1)))
+    graph.eliminate_dead_code()
     _flatten_output_node(graph, out_spec)
     for node in list(graph.nodes):
         if node.op == "placeholder" and not node.users and not isinstance(node.meta.get("val"), torch.Tensor):
@@ -276,6 +284,39 @@ def _normalise(gm: fx.GraphModule, out_spec: pytree.TreeSpec, module_names: set[
     graph._codegen = fx.graph.CodeGen()  # plain positional inputs, no pytree (un)flattening
     graph.lint()
     return fx.GraphModule(gm, graph, class_name="CapturedModel")  # compiles forward from the graph
+
+
+def is_transpose_2d(node: fx.Node) -> bool:
+    """aten.t / numpy_T / transpose(0, 1) / permute([1, 0]) of a 2-D tensor."""
+    name = op_name(node.target)
+    if name in ("aten.t", "aten.numpy_T"):
+        return True
+    if name == "aten.transpose":
+        return sorted(d % 2 for d in node.args[1:3]) == [0, 1]
+    return name == "aten.permute" and [d % 2 for d in node.args[1]] == [1, 0]
+
+
+def _as_linear(node: fx.Node) -> None:
+    """Write `x @ W.T` with W a 2-D parameter or buffer (`aten.matmul` / `aten.mm` of a transposed
+    `get_attr`; `aten.addmm(b, x, W.T)` at beta = alpha = 1) as `aten.linear(x, W[, b])`, the same
+    product: Falcon's `FalconLinear` (`input @ self.weight.T`) and code like it then meet the
+    tensor-parallel pass's column- and row-parallel rules as an nn.Linear does."""
+    if node.op != "call_function" or node.kwargs:
+        return
+    name = op_name(node.target)
+    if name not in ("aten.matmul", "aten.mm", "aten.addmm") or len(node.args) != (
+        3 if name == "aten.addmm" else 2
+    ):
+        return
+    wt = node.args[-1]
+    if not (isinstance(wt, fx.Node) and wt.op == "call_function" and is_transpose_2d(wt)):
+        return
+    w = wt.args[0]
+    if not (isinstance(w, fx.Node) and w.op == "get_attr" and w.meta["val"].dim() == 2):
+        return
+    x = node.args[-2]
+    node.target = torch.ops.aten.linear.default
+    node.args = (x, w, node.args[0]) if name == "aten.addmm" else (x, w)
 
 
 def user_line(node: fx.Node) -> str:
