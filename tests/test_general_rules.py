@@ -175,3 +175,30 @@ def test_an_overload_taking_a_scalar_is_placed_as_its_tensor_overload() -> None:
     assert str(where.target) == "aten.where.ScalarOther" and where.args[2] == -1e4
     assert where.meta["tp_placement"] == "Shard(2)" and where.meta["tp_rule"] == "general"
     assert not [n.name for n in _calls(gm) if FALLBACK_META in n.meta]
+
+
+class BatchHeadsMerged(nn.Module):
+    """Hugging Face Bloom's attention core: (B, H, T, hd) reshaped to (B*H, T, hd) for bmm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(C, H * D, bias=False) for _ in range(3))
+        self.o = nn.Linear(H * D, C, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        heads = [p(x).view(B, T, H, D).transpose(1, 2) for p in (self.q, self.k, self.v)]
+        q, k, v = (t.reshape(B * H, T, D) for t in heads)  # batch and heads merged
+        y = torch.bmm(torch.softmax(torch.bmm(q, k.transpose(1, 2)), dim=-1), v)
+        return self.o(y.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D))
+
+
+def test_a_reshape_that_interleaves_the_head_shard_with_the_batch_gathers_and_is_recorded() -> None:
+    """Merging (B, H/tp) into one dim leaves each rank's heads strided through it, which no contiguous
+    shard expresses: the reshape runs on the gathered heads (a fallback naming its line, priced by
+    `passes.verify`) instead of refusing the plan."""
+    splits = {n: WeightSplit(n, "colwise", 0) for n in ("q.weight", "k.weight", "v.weight")}
+    splits["o.weight"] = WeightSplit("o.weight", "rowwise", 1)
+    gm = _lower(BatchHeadsMerged(), splits, torch.randn(B, T, C))
+    fallbacks = [n.meta[FALLBACK_META] for n in _calls(gm) if FALLBACK_META in n.meta]
+    assert [f.op for f in fallbacks[:3]] == ["aten.reshape"] * 3, fallbacks
+    assert all("batch and heads merged" in f.line for f in fallbacks[:3])
