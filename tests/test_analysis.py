@@ -177,9 +177,14 @@ HF_SMALL = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attenti
          and s.layers[0].input_node == "embedding"),
         # learned position embedding with more rows than the vocabulary: vocab from the token embedding
         ("opt", lambda s: s.vocab_size == 256 and s.lm_head is not None and s.tied_lm_head),
-        # FalconLinear: x @ W.T (aten.numpy_T) is a projection in nn.Linear layout
+        # FalconLinear: x @ W.T is captured as aten.linear, a projection in nn.Linear layout
         ("falcon", lambda s: [p.role for p in s.layers[0].attention.projections] == ["qkv", "o"]
          and s.layers[0].attention.projections[0].weight_out_dim == 0),
+        # ALiBi scores by baddbmm on batch and heads merged (B*H, T, hd): the heads before the merge
+        ("bloom", lambda s: [p.role for p in s.layers[0].attention.projections] == ["qkv", "o"]
+         and (s.layers[0].attention.num_heads, s.layers[0].attention.head_dim) == (4, 16)
+         and s.layers[0].attention.flops == 4 * 2 * 4 * 8 * 8 * 16
+         and [p.role for p in s.layers[0].mlp.projections] == ["up", "down"]),
     ],
 )  # fmt: skip
 def test_other_hf_architectures(arch, check):
@@ -192,6 +197,8 @@ def test_other_hf_architectures(arch, check):
                             rotary_dim=8),
         "opt": lambda: _hf(hf.OPTForCausalLM, hf.OPTConfig, **HF_SMALL, ffn_dim=128, word_embed_proj_dim=64),
         "falcon": lambda: _hf(hf.FalconForCausalLM, hf.FalconConfig, **HF_SMALL),
+        "bloom": lambda: hf.BloomForCausalLM(hf.BloomConfig(vocab_size=256, hidden_size=64, n_layer=2, n_head=4,
+                                                            attn_implementation="eager")).eval(),
     }[arch]  # fmt: skip
     model = build()
     args, kwargs = (torch.randint(0, 256, (2, 8)),), {"use_cache": False}

@@ -1061,10 +1061,11 @@ def _cores(members: list[fx.Node]) -> list[tuple[fx.Node, fx.Node, fx.Node, fx.N
         if name == "aten.scaled_dot_product_attention":
             cores.append((n, n.args[0], n.args[1], n.args[2]))
         elif name in ("aten.softmax", "aten._softmax"):
-            scores = _back_to(n.args[0], {"aten.matmul", "aten.bmm"})
+            scores = _back_to(n.args[0], {"aten.matmul", "aten.bmm", "aten.baddbmm"})
             pv = _forward_to(n, {"aten.matmul", "aten.bmm"})
-            if scores is not None and pv is not None:
-                cores.append((pv, scores.args[0], scores.args[1], pv.args[1]))
+            if scores is not None and pv is not None:  # baddbmm(bias, q, k^T): Bloom's ALiBi scores
+                q, k = scores.args[-2:] if op_name(scores.target) == "aten.baddbmm" else scores.args[:2]
+                cores.append((pv, q, k, pv.args[1]))
     return cores
 
 
@@ -1140,7 +1141,7 @@ def _attention_block(
         projs.append(o)
         found = _residual_add(o_nodes[0], member_names, projections)
         residual = found[0].name if found else None
-    q_shape = q.meta["val"].shape  # (B, H, T, hd)
+    q_shape = _head_shape(q)  # (B, H, T, hd)
     num_heads, head_dim = q_shape[-3], q_shape[-1]
     k_proj = next((p for p in projs if p.role is Role.K), None)
     if k_proj is not None:
@@ -1148,10 +1149,10 @@ def _attention_block(
     elif projs and projs[0].role is Role.QKV and projs[0].parts and len(projs[0].parts) == 3:
         num_kv_heads = projs[0].parts[1] // head_dim
     else:
-        num_kv_heads = k.meta["val"].shape[-3]
+        num_kv_heads = _head_shape(k)[-3]
     flops = _sdpa_flops(q.meta["val"], k.meta["val"], v.meta["val"])
     attention = Attention(projs, num_heads, num_kv_heads, head_dim, core.name, residual, flops)
-    attention.core_kv_heads = int(k.meta["val"].shape[-3]) if k.meta["val"].dim() >= 3 else None
+    attention.core_kv_heads = int(_head_shape(k)[-3]) if k.meta["val"].dim() >= 3 else None
     attention.core_line = user_line(core)
     if op_name(core.target) == "aten.scaled_dot_product_attention":
         attention.dropout_p = float(bound_arguments(core).get("dropout_p") or 0.0)
@@ -1162,6 +1163,21 @@ def _attention_block(
             sum(b.meta["val"].numel() * b.meta["val"].element_size() for b in buffers)
         )
     return attention
+
+
+def _head_shape(x: fx.Node) -> tuple[int, ...]:
+    """The (B, H, T, hd) shape of a core operand; one whose batch and heads are merged, (B*H, T, hd)
+    as Bloom's bmm / baddbmm take it (a reshape of (B, H, T, hd), perhaps then transposed), gives the
+    shape before the merge."""
+    shape = tuple(x.meta["val"].shape)
+    node = x
+    if op_name(node.target) == "aten.transpose" and len(shape) == 3:
+        node = node.args[0]
+    if len(shape) == 3 and op_name(node.target) in ("aten.view", "aten.reshape", "aten._unsafe_view"):
+        before = tuple(node.args[0].meta["val"].shape)
+        if len(before) == 4 and before[0] * before[1] == shape[0]:
+            return before[:2] + shape[1:] if node is x else before
+    return shape
 
 
 def _walk_inclusive(node: fx.Node, member_names: set[str], projections: dict) -> list[fx.Node]:
