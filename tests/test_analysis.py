@@ -317,3 +317,20 @@ def test_a_mixture_of_experts_router_is_a_router_and_stays_replicated():
     assert plan.roles["model.layers.0.mlp.gate.weight"] == "router"
     assert not [w for w in plan.splits if ".mlp.gate." in w]
     assert plan.predicted.per_layer[0].strategy["core"] == "head"
+
+
+def test_attention_whose_probabilities_are_also_returned_is_still_attention():
+    """HF eager attention with output_attentions=True returns its softmax as an output besides
+    multiplying it with V: the core is found through both users (it once fell to fc0, fc1, ...)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        **HF_SMALL, intermediate_size=128, num_key_value_heads=2, attn_implementation="eager"
+    )
+    model = LlamaForCausalLM(config).eval()
+    kwargs = {"use_cache": False, "output_attentions": True}
+    s = analyse(capture(model, (torch.randint(0, 256, (2, 8)),), kwargs))
+    a = s.layers[0].attention
+    assert [p.role for p in a.projections] == ["q", "k", "v", "o"]
+    assert (a.num_heads, a.num_kv_heads, a.head_dim) == (4, 2, 16)
+    assert [p.role for p in s.layers[0].mlp.projections] == ["gate", "up", "down"]

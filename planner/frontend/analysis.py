@@ -1080,13 +1080,15 @@ def _back_to(node: fx.Node, targets: set[str], limit: int = 6) -> fx.Node | None
 
 
 def _forward_to(node: fx.Node, targets: set[str], limit: int = 4) -> fx.Node | None:
+    """The one op of `targets` that `node` reaches within `limit` ops forward (through every user:
+    attention probabilities also returned as an output, HF's output_attentions=True, still reach PV),
+    None when none or several do."""
+    frontier, found = [node], []
     for _ in range(limit):
-        if len(node.users) != 1:
-            return None
-        (node,) = node.users
-        if op_name(node.target) in targets:
-            return node
-    return None
+        frontier = [u for n in frontier for u in n.users]
+        found += [u for u in frontier if op_name(u.target) in targets]
+        frontier = [u for u in frontier if op_name(u.target) not in targets]
+    return found[0] if len(set(found)) == 1 else None
 
 
 def _attention(
