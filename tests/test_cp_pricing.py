@@ -252,3 +252,9 @@ def test_attention_dropout_in_training_keeps_context_parallelism_off_and_says_wh
     )
     out = " ".join(capsys.readouterr().out.split())
     assert rc == 0 and "excluded: cp>1: its attention applies dropout in training" in out, out
+
+
+def test_cp_on_attention_outside_numbered_layers_names_the_blocks_and_the_fix(capsys) -> None:
+    rc = main(["optimize", str(MODELS / "named_blocks.py"), "--workload", "train", "--cp", "2"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert rc == 2 and "(b0, b1) is not in a stack of numbered layers" in err and "nn.ModuleList" in err, err

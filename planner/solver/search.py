@@ -662,6 +662,13 @@ def _cp_unsupported(search: _Search) -> str:
     and, training, no attention dropout (`passes.cp_lower` refuses it on the ranks)."""
     s, w = search.structure, search.workload
     attentions = [layer.attention for layer in s.layers if layer.attention is not None]
+    if not attentions and s.token_model and any(c.kind == "attention" for c in s.node_costs.values()):
+        where = sorted({c.module_path for c in s.node_costs.values() if c.kind == "attention"})
+        return (
+            f"its attention ({', '.join(where[:3])}) is not in a stack of numbered layers, which the planner "
+            "prices context parallelism per layer of; hold the blocks in an nn.ModuleList (model.layers.0, "
+            "model.layers.1, ...)"
+        )
     if not attentions or not s.token_model:
         return "the model has no attention layers over token sequences to split"
     if any(a.cache_bytes for a in attentions):
