@@ -57,7 +57,7 @@ import math
 import os
 import re
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -261,6 +261,9 @@ class ClusterSpec:
     # for grouped-query decode in 0.7, NVIDIA TensorRT-LLM docs "XQA kernel"). Same as "fused" for
     # models without grouped-query attention.
     attention_kernel: str = "fused"
+    # the spec said devices_per_node: auto (os.cpu_count() when loaded): --nproc sets it freely; not
+    # part of what the cluster is (a spec written back, `cluster_to_dict`, gives the count)
+    devices_auto: bool = field(default=False, compare=False)
 
     @property
     def num_devices(self) -> int:
@@ -761,6 +764,7 @@ def parse_cluster(data: object, origin: str) -> ClusterSpec:
         name=r.string(d["name"], "name"),
         num_nodes=nodes,
         devices_per_node=devices_per_node,
+        devices_auto=d["devices_per_node"] == "auto",
         device=_parse_device(r, d["device"]),
         intra_node=intra,
         inter_node=inter if nodes > 1 else None,
@@ -862,8 +866,7 @@ def load_cluster(name_or_path: str, nproc: int | None = None) -> ClusterSpec:
     spec = parse_cluster(data, origin)
     if nproc is None:
         return spec
-    auto = isinstance(data, dict) and data.get("devices_per_node") == "auto"
-    return _with_nproc(spec, nproc, origin, flexible=auto or spec.backend == "gloo")
+    return _with_nproc(spec, nproc, origin, flexible=spec.devices_auto or spec.backend == "gloo")
 
 
 def resize_cluster(spec: ClusterSpec, nproc: int) -> ClusterSpec:

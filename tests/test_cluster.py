@@ -134,6 +134,21 @@ def test_local_cpu_follows_cpu_count_and_nproc() -> None:
     assert (spec.num_nodes, spec.devices_per_node, spec.backend) == (1, 4, "gloo")
 
 
+def test_nproc_that_overrides_a_spec_s_device_count_is_said(tmp_path: Path) -> None:
+    """A spec that writes devices_per_node: 1 and a --nproc 2 plan for 2 ranks, and the user is told
+    (a spec saying auto follows --nproc silently: that is what auto means)."""
+    from planner.cli import workflow  # noqa: PLC0415
+
+    path = tmp_path / "one.yaml"
+    path.write_text(yaml.safe_dump({**_valid(), "nodes": 1, "backend": "gloo", "devices_per_node": 1}))
+    notes: list[str] = []
+    spec = workflow.resolve_cluster(str(path), 2, notify=notes.append)
+    assert spec.num_devices == 2 and len(notes) == 1, notes
+    assert "--nproc 2: planning for 2 ranks, not the 1 device(s)" in notes[0] and "share" in notes[0]
+    notes.clear()
+    assert workflow.resolve_cluster("local-cpu", 3, notify=notes.append).num_devices == 3 and not notes
+
+
 def test_nproc_shrinks_gpu_clusters_and_rejects_what_does_not_fit() -> None:
     assert load_cluster("dgx-h100", nproc=4).devices_per_node == 4
     two = load_cluster("h100-ib-128node", nproc=16)

@@ -323,7 +323,19 @@ def resolve_cluster(
     from costmodels.calibrate import cache_status, calibrate, write_cache_metadata, write_cluster_yaml  # noqa: PLC0415
 
     if name_or_path:
-        return load_cluster(name_or_path, nproc=nproc)
+        spec = load_cluster(name_or_path, nproc=nproc)
+        written = load_cluster(name_or_path) if nproc else spec
+        if notify is not None and written.num_devices != spec.num_devices and not written.devices_auto:
+            notify(
+                f"--nproc {nproc}: planning for {spec.num_devices} ranks, not the {written.num_devices} device(s) "
+                f"{name_or_path} gives"
+                + (
+                    " (CPU processes: each rank's compute and memory rescaled to its share of the node)"
+                    if spec.backend == "gloo" and spec.num_nodes == 1
+                    else ""
+                )
+            )
+        return spec
     nproc = nproc or os.cpu_count() or 1
     measured = calibration_nproc(nproc)
     cached = CACHE_DIR / f"local-nproc{measured}.yaml"
