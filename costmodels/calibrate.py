@@ -64,6 +64,7 @@ from costmodels.cluster import (
     CALIBRATED_SPEC_NAME,
     ClusterSpec,
     DeviceSpec,
+    SpecError,
     cluster_to_dict,
     load_cluster,
     parse_cluster,
@@ -1579,15 +1580,18 @@ def cache_status(
     now: float | None = None,
 ) -> str | None:
     """Why the cached spec at ``spec_path`` must be measured again (missing, no metadata, older than
-    ``max_age_days``, measured on another CPU, torch version or process count), or None if it is valid."""
+    ``max_age_days``, measured on another CPU, torch version or process count, or a spec that no longer
+    loads), or None if it is valid."""
     path = Path(spec_path)
     if not path.exists():
         return "no cached measurement"
     meta = Path(f"{spec_path}.meta.json")
     try:
         data = json.loads(meta.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except OSError:
         return "the cached measurement has no metadata (written by an older version)"
+    except ValueError:
+        return "the cached measurement's metadata cannot be read (not JSON)"
     if data.get("format", 1) != CALIBRATION_FORMAT:
         return "the cached measurement was made by an older version, which measured less"
     age_days = ((time.time() if now is None else now) - float(data.get("measured_at", 0))) / 86400
@@ -1596,6 +1600,10 @@ def cache_status(
     for key, value in _machine_identity(nproc).items():
         if data.get(key) != value:
             return f"the cached measurement was made with {key} = {data.get(key)!r}, now {value!r}"
+    try:
+        load_cluster(str(path))
+    except SpecError as e:  # edited or truncated since it was written
+        return f"the cached measurement cannot be read ({e})"
     return None
 
 

@@ -174,6 +174,12 @@ def test_cache_status_remeasures_when_stale_or_on_another_machine(tmp_path: Path
     data = json.loads(meta.read_text())
     meta.write_text(json.dumps({k: v for k, v in data.items() if k != "format"}))
     assert "older version" in cache_status(spec, 2, now=now)
+    meta.write_text(json.dumps(data))  # a spec edited or cut short since: measured again, not refused
+    assert cache_status(spec, 2, now=now) is None
+    spec.write_text(spec.read_text()[:200])
+    assert "cannot be read" in cache_status(spec, 2, now=now)
+    meta.write_text("{not json")
+    assert "metadata cannot be read" in cache_status(spec, 2, now=now)
 
 
 def test_all_reduce_times_are_trimmed_means() -> None:
