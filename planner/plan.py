@@ -884,10 +884,22 @@ def cp_text(cp: int, comm_type: str, load_balance: bool) -> str:
     return f"{cp} ({comm_type}{', load-balanced' if load_balance else ''})"
 
 
-def check_cp_sequence(seq_len: int, cp: int, load_balance: bool, comm_type: str, where: str = "--cp") -> None:
+def check_cp_sequence(
+    seq_len: int, cp: int, load_balance: bool | None, comm_type: str, where: str = "--cp"
+) -> None:
     """Raise InputError when context parallelism over `cp` ranks cannot cut a sequence of `seq_len`
-    tokens into equal chunks (2 x cp with `load_balance`, cp without), naming both numbers and what
-    would work."""
+    tokens into equal chunks (2 x cp with `load_balance`, cp without; None: either, balanced where it
+    can), naming both numbers and what would work."""
+    if load_balance is None:  # balanced where 2 x cp chunks cut it, else contiguous: cp must
+        if seq_len % cp == 0:
+            return
+        fits = [c for c in (2, 4, 8, 16, 32) if c < cp and seq_len % c == 0]
+        raise InputError(
+            f"{where}: context parallelism cp={cp} ({comm_type}) cannot cut a sequence of {seq_len} tokens "
+            f"into cp = {cp} chunks, nor 2 x cp = {2 * cp} for causal load balancing: {seq_len} is not a "
+            f"multiple of {cp}; use cp {fits[-1] if fits else 1}, or a sequence length that is a multiple "
+            f"of {2 * cp} ({cp} without load balancing)"
+        )
     chunks = 2 * cp if load_balance else cp
     if seq_len % chunks == 0:
         return

@@ -200,8 +200,8 @@ def test_bad_cp_pins_are_refused_in_one_line_naming_both_numbers() -> None:
         assert "\n" not in str(e.value)
         return str(e.value)
 
-    why = refused(131076, cp=8)  # 2 x 8 = 16 chunks
-    assert "131076" in why and "16 chunks" in why and "use cp 2" in why
+    why = refused(131076, cp=8)  # neither 8 contiguous chunks nor 2 x 8 = 16 balanced ones; 4 divides it
+    assert "131076" in why and "8 chunks, nor 2 x cp = 16" in why and "use cp 4" in why
     why = refused(131076, cp=4, cp_load_balance=True)
     assert "8 chunks" in why and "turn load balancing off" in why
     why = refused(131072, cp=16, cp_comm_type="alltoall")
@@ -219,7 +219,7 @@ def test_bad_cp_pins_are_refused_in_one_line_naming_both_numbers() -> None:
         (["--workload", "train", "--cp", "1", "--cp-load-balance", "on"], ["--cp-load-balance on", "--cp 1"]),
         (
             ["--workload", "train", "--seq-len", "131076", "--cp", "8", "--batch-size", "1"],
-            ["131076", "16 chunks"],
+            ["131076", "nor 2 x cp = 16"],
         ),
     ],
 )

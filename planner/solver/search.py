@@ -705,11 +705,8 @@ def _check_pinned_cp(search: _Search) -> None:
     if why:
         raise InputError(f"--cp {cp}: {why}; use --cp 1 or leave it out")
     kind = c.cp_comm_type or "any variant"
-    # load balancing auto: off where only contiguous chunks cut the sequence (`_cp_variants` keeps those)
-    balance = c.cp_load_balance is not False and not (
-        c.cp_load_balance is None and w.seq_len % (2 * cp) == cp
-    )
-    check_cp_sequence(w.seq_len, cp, balance, kind, "--cp")
+    # load balancing auto (None): off where only contiguous chunks cut the sequence (`_cp_variants`)
+    check_cp_sequence(w.seq_len, cp, c.cp_load_balance, kind, "--cp")
     if c.cp_comm_type == "alltoall":
         refusal = _ulysses_refusal(search, c.tp or 1, cp)
         if refusal:
