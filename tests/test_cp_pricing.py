@@ -258,3 +258,16 @@ def test_cp_on_attention_outside_numbered_layers_names_the_blocks_and_the_fix(ca
     rc = main(["optimize", str(MODELS / "named_blocks.py"), "--workload", "train", "--cp", "2"])
     err = " ".join(capsys.readouterr().err.split())
     assert rc == 2 and "(b0, b1) is not in a stack of numbered layers" in err and "nn.ModuleList" in err, err
+
+
+def test_a_hand_written_attention_core_keeps_the_search_off_cp_and_a_pin_still_plans(capsys) -> None:
+    """The CP pass runs SDPA as context-parallel attention; a hand-written softmax(q k^T) v is gathered
+    whole on every rank (a priced fallback). The search does not choose CP for it and says why in
+    --why; a pinned --cp plans (and runs, gathered)."""
+    model = str(MODELS / "manual_attention.py")
+    common = ["optimize", model, "--cluster", "dgx-h100", "--workload", "train"]
+    rc = main([*common, "--seq-len", "32768", "--why"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert rc == 0 and "excluded: cp>1: the attention at manual_attention.py:" in out, out
+    assert "written by hand" in out
+    assert main([*common, "--seq-len", "64", "--cp", "2"]) == 0, capsys.readouterr().err

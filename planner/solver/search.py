@@ -524,7 +524,7 @@ def _cp_options(search: _Search, num_devices: int) -> list[int]:
         return [c.cp]
     if w.kind is Workload.DECODE or w.seq_len < MIN_CP_SEQ_LEN:
         return [1]  # not listed as excluded: every short-sequence plan would say it
-    why = _cp_unsupported(search)
+    why = _cp_unsupported(search) or _cp_gathers_attention(search)
     if why:
         if search.structure.layers and any(layer.attention for layer in search.structure.layers):
             search.excluded.append(f"cp>1: {why}")
@@ -684,6 +684,25 @@ def _cp_unsupported(search: _Search) -> str:
             f"{dropping[0].core_line or dropping[0].sdpa_node}), which the context-parallel attention kernels do not "
             "run; set the attention dropout to 0 to plan context parallelism"
         )
+    return ""
+
+
+def _cp_gathers_attention(search: _Search) -> str:
+    """Why the search does not choose context parallelism for a model whose attention core is written
+    by hand (softmax(q k^T) v, not scaled_dot_product_attention): the CP pass runs only SDPA as
+    context-parallel attention and gathers the whole sequence for a hand-written core (`passes.
+    cp_lower`, a priced fallback), so every rank would compute all of attention; a pinned --cp still
+    runs so. "" when every core is SDPA."""
+    s = search.structure
+    for layer in s.layers:
+        a = layer.attention
+        cost = s.node_costs.get(a.sdpa_node) if a is not None else None
+        if cost is not None and cost.op != "aten.scaled_dot_product_attention":
+            return (
+                f"the attention at {a.core_line or a.sdpa_node} is written by hand (softmax(q k^T) v), which "
+                "context parallelism runs on the whole sequence gathered on every rank (pin --cp to price "
+                "that; scaled_dot_product_attention is split)"
+            )
     return ""
 
 
