@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -188,6 +189,14 @@ def job_batch_dims(job: RunJob, model_file: ModelFile, num_inputs: int) -> tuple
     return dims
 
 
+def _margin(out: dict) -> tuple[float, bool]:
+    """How near an output's check is to failing: its difference over its tolerance (inf for an exact
+    output that differs), float outputs first among equals."""
+    diff, tolerance = out["max_abs_diff"] or 0.0, out["tolerance"]
+    ratio = diff / tolerance if tolerance else (math.inf if diff else 0.0)
+    return ratio, bool(out["tolerance_rel"])
+
+
 def summarise(reports: list[RankReport]) -> dict[str, Any]:
     """The report's `measured` and `numerics` sections from all ranks' reports.
 
@@ -201,7 +210,10 @@ def summarise(reports: list[RankReport]) -> dict[str, Any]:
     grads = [r.grad_max_abs_diff for r in reports if r.grad_max_abs_diff is not None]
     scale = max((r.output_scale or 0.0) for r in reports)
     samples = sorted(slowest.latency_samples_s)
-    dtype = next((r.output_dtype for r in reports if r.output_dtype), None)
+    # the float outputs' dtype sets the tolerance of the loss and gradients (an int first output, an
+    # argmax, would have made them exact)
+    dtypes = [d for r in reports for d in (r.output_dtypes or [r.output_dtype]) if d]
+    dtype = next((d for d in dtypes if tolerance_for(d)), dtypes[0] if dtypes else None)
     rel = tolerance_for(dtype) if dtype else None
     outputs = []
     for i in range(max((len(r.output_diffs) for r in reports), default=0)):
@@ -220,6 +232,10 @@ def summarise(reports: list[RankReport]) -> dict[str, Any]:
                 "tolerance": (out_rel or 0.0) * out_scale,
             }
         )
+    if len(outputs) > 1:  # the headline is the output nearest its tolerance, with its own scale
+        worst = max(outputs, key=_margin)
+        diffs, scale = [worst["max_abs_diff"]], worst["scale"]
+        dtype, rel = worst["dtype"] or dtype, worst["tolerance_rel"] or rel
     loss_diffs = [r.loss_diff for r in reports if r.loss_diff is not None]
     grad_scales = [r.grad_scale for r in reports if r.grad_scale is not None]
     per_layer: dict[str, float] = {}

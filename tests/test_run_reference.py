@@ -81,6 +81,24 @@ def test_tolerance_follows_the_dtype_and_failures_say_by_how_much() -> None:
     assert failures[1].startswith("gradients: max |sharded - unsharded| = 1")
 
 
+def test_the_headline_numerics_are_one_output_s_and_an_integer_output_sets_no_tolerance() -> None:
+    """A model returning (argmax, logits): the summary's difference, scale and dtype are those of the
+    output nearest its tolerance (the logits), not the integer output's scale beside the logits'
+    difference; the gradients' tolerance follows the float output, not an exact int64 one."""
+    from runtime.job import RankReport, summarise  # noqa: PLC0415
+
+    report = RankReport(
+        rank=0, tp_rank=0, pp_rank=0, latency_samples_s=[1.0], median_s=1.0, peak_memory_bytes=0,
+        max_abs_diff=2e-7, output_scale=228.0, grad_max_abs_diff=1e-7, grad_scale=1.0,
+        output_diffs=[0.0, 2e-7], output_scales=[228.0, 0.65], output_dtype="int64",
+        output_dtypes=["int64", "float32"], grads_compared=3,
+    )  # fmt: skip
+    n = summarise([report])["numerics"]
+    assert (n["max_abs_diff"], n["output_scale"], n["dtype"]) == (2e-7, 0.65, "float32")
+    assert n["tolerance_rel"] == tolerance_for("float32") and not check_failures(n)
+    assert [o["tolerance"] for o in n["outputs"]][0] == 0.0  # the argmax is compared exactly
+
+
 @pytest.mark.slow
 def test_dp_run_compares_every_output_with_the_whole_batch_and_fails_beyond_tolerance(tmp_path) -> None:
     """dp_batch_stat.py at DP=2: output 0 is per sequence (matches), output 1 is relative to the
