@@ -165,3 +165,45 @@ def test_products_with_a_transposed_weight_are_captured_as_linear() -> None:
     assert names.count("aten.linear") == 9  # qkv, o, up, down per layer, and the head
     assert not {"aten.matmul", "aten.mm", "aten.addmm", "aten.numpy_T", "aten.t"} & set(names)
     torch.testing.assert_close(gm(*flat_inputs(args, kwargs)), flatten_output(model(*args, **kwargs)))
+
+
+def test_a_failure_inside_a_library_the_model_calls_names_its_line_too(tmp_path):
+    """The model's own line is the call into a library (a Hugging Face modeling file); the message
+    names the library's line as well ("within:"), and the op the error names (aten.item), not the
+    op captured before it."""
+    (tmp_path / "helper_lib.py").write_text(
+        textwrap.dedent(
+            """\
+            import torch
+
+            def positions(x):
+                start = int(x[0, 0].long())
+                return torch.arange(start, start + x.shape[1])
+            """
+        )
+    )
+    path = tmp_path / "calls_lib.py"
+    path.write_text(
+        textwrap.dedent(
+            """\
+            import torch
+            from helper_lib import positions
+
+            class Net(torch.nn.Module):
+                def forward(self, x):
+                    return x.float().cumsum(-1) + positions(x)
+
+            def build_model():
+                return Net()
+
+            def example_inputs():
+                return (torch.ones(2, 4, dtype=torch.long),)
+            """
+        )
+    )
+    mf = load_model_file(path)
+    with pytest.raises(InputError) as info:
+        capture(mf.build(), *mf.inputs())
+    message = str(info.value)
+    assert f"{path}:6" in message and "within: helper_lib.py:4: start = int(x[0, 0].long())" in message
+    assert "aten.item: data-dependent" in message, message

@@ -474,11 +474,27 @@ def _user_frame(model: nn.Module, exc: BaseException) -> traceback.FrameSummary 
     return outside[-1] if outside else None
 
 
+def _library_frame(exc: BaseException) -> traceback.FrameSummary | None:
+    """The innermost traceback frame outside torch and the standard library (a Hugging Face modeling
+    file's line, where the model's own frame is only the call into it), or None."""
+    own = (os.path.realpath(sysconfig.get_paths()["stdlib"]) + os.sep, os.path.realpath(_TORCH_DIR) + os.sep)
+    frames = [
+        f
+        for f in traceback.extract_tb(exc.__traceback__)
+        if not f.filename.startswith("<")
+        and not os.path.realpath(f.filename).startswith(own)
+        and not os.path.realpath(f.filename).startswith(os.path.dirname(os.path.realpath(__file__)))
+    ]
+    return frames[-1] if frames else None
+
+
 def _failing_op(exc: BaseException, partial_graph: str) -> str:
     """What failed: the op (from the message, or the last op of the partial graph) and why."""
     text = str(exc)
     if "data-dependent" in text or type(exc).__name__ == "GuardOnDataDependentSymNode":
-        ops = re.findall(r"torch\.ops\.aten\.(\w+)\.", text + "\n" + partial_graph)
+        # the op the message names ("... a tracing tensor with aten.item.default"), else the partial
+        # graph's last (the op before the failing one, when the message names none)
+        ops = re.findall(r"\baten\.(\w+)\.", text) or re.findall(r"torch\.ops\.aten\.(\w+)\.", partial_graph)
         op = f"aten.{ops[-1]}: " if ops else ""
         return f"{op}data-dependent control flow (a Python bool / int of a tensor value: `if x.sum() > 0:`, .item())"
     match = re.search(r"Found (<class '[\w.]+'>) in output, which is not a known type", text)
@@ -568,6 +584,13 @@ def _capture_error_message(model: nn.Module, exc: BaseException, partial_graph: 
         where = f"{frame.filename}:{frame.lineno}"
         if frame.line:
             where += f": {frame.line.strip()}"
+    inner = _library_frame(exc)
+    if inner is not None and (
+        frame is None or (inner.filename, inner.lineno) != (frame.filename, frame.lineno)
+    ):
+        where += (
+            f"\n  within: {os.path.basename(inner.filename)}:{inner.lineno}: {(inner.line or '').strip()}"
+        )
     first_line = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
     fixes = _SHAPE_FIXES if _SHAPE_ERROR.search(first_line) else _FIXES
     return (
