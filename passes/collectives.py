@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -72,6 +73,21 @@ def _all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
     return out
 
 
+def all_gather_single(out: torch.Tensor, x: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+    """All-gather `x` from every rank of `group` into `out` (rank order along dim 0): torch >= 2.13's
+    `all_gather_single`, else `all_gather_into_tensor` (deprecated there, with a warning per call
+    site). Returns the work handle with `async_op`, else None."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(out, x, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+    """Sum `x` over the ranks of `group`, keeping this rank's chunk along dim 0 in `out`: torch >=
+    2.13's `reduce_scatter_single`, else `reduce_scatter_tensor`. Returns the work with `async_op`."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(out, x, group=group, async_op=async_op)
+
+
 def _all_gather(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
     group = _group(axis)
     if group is None or dist.get_world_size(group) == 1:
@@ -80,8 +96,7 @@ def _all_gather(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
     x = x.contiguous()
     flat = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     # one contiguous buffer: gloo's list all_gather is 2.3x slower for 12.9 MB (measured: 27 vs 12 ms)
-    gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather_single(flat, x, group=group)
+    all_gather_single(flat, x, group=group)
     if dim % x.dim() == 0:
         return flat
     return torch.cat(flat.view(size, *x.shape).unbind(0), dim=dim)
@@ -109,8 +124,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
     size = dist.get_world_size(group)
     front = x.movedim(dim, 0).contiguous()  # the scattered dim first: each rank's chunk is contiguous
     out = torch.empty((front.shape[0] // size, *front.shape[1:]), dtype=x.dtype, device=x.device)
-    scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    scatter_single(out, front, group=group)
+    reduce_scatter_single(out, front, group=group)
     return out.movedim(0, dim).contiguous()
 
 

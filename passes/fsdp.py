@@ -56,6 +56,8 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
+from passes import collectives
+
 SHARD_AXIS = "dp_shard"  # the mesh axis a shard is split over (passes.collectives.register_group)
 REPLICATE_AXIS = "dp_replicate"  # HSDP: the ranks holding the same shard
 SHARD_ATTR = "fsdp_shard_"  # the flat shard parameters: fsdp_shard_0, fsdp_shard_1, ... (forward order)
@@ -356,22 +358,10 @@ def fsdp_gather(
 
 
 def _axis_group(axis: str) -> dist.ProcessGroup | None:
-    from passes import collectives  # noqa: PLC0415
-
     if axis not in collectives._GROUPS:
         return None
     group = collectives._GROUPS[axis]
     return None if group is None or dist.get_world_size(group) == 1 else group
-
-
-def _all_gather_single(out: torch.Tensor, x: torch.Tensor, group: Any, async_op: bool = False) -> Any:
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return gather(out, x, group=group, async_op=async_op)
-
-
-def _reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group: Any, async_op: bool = False) -> Any:
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return scatter(out, x, group=group, async_op=async_op)
 
 
 class _SyncGather(torch.autograd.Function):
@@ -385,7 +375,7 @@ class _SyncGather(torch.autograd.Function):
         if group is None:
             return shard.detach().clone()
         full = torch.empty(shard.numel() * dist.get_world_size(group), dtype=shard.dtype, device=shard.device)
-        _all_gather_single(full, shard.detach().contiguous(), group)
+        collectives.all_gather_single(full, shard.detach().contiguous(), group)
         return full
 
     @staticmethod
@@ -395,7 +385,7 @@ class _SyncGather(torch.autograd.Function):
         if group is not None:
             size = dist.get_world_size(group)
             out = torch.empty(grad.numel() // size, dtype=grad.dtype, device=grad.device)
-            _reduce_scatter_single(out, grad, group)
+            collectives.reduce_scatter_single(out, grad, group)
             grad = out / size
         if replicate is not None:
             grad = grad.clone()
@@ -519,7 +509,7 @@ class FsdpRuntime:
             buf, work = shard.clone(), None
         else:
             buf = torch.empty(b.padded_numel, dtype=shard.dtype, device=shard.device)
-            work = _all_gather_single(buf, shard, self.shard_group, async_op=True)
+            work = collectives.all_gather_single(buf, shard, self.shard_group, async_op=True)
         nbytes = buf.numel() * buf.element_size()
         self.alive_bytes += nbytes
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.alive_bytes)
@@ -584,7 +574,9 @@ class FsdpRuntime:
             pending = _Pending(None, grad.clone())
         else:
             out = torch.empty(b.shard_numel, dtype=grad.dtype, device=grad.device)
-            pending = _Pending(_reduce_scatter_single(out, grad, self.shard_group, async_op=True), out, grad)
+            pending = _Pending(
+                collectives.reduce_scatter_single(out, grad, self.shard_group, async_op=True), out, grad
+            )
         self._scatters.append((k, pending))
         self._drain(keep=1)
 

@@ -47,7 +47,7 @@ from torch import fx
 from torch.profiler import record_function
 
 from passes import collectives
-from passes.collectives import _group
+from passes.collectives import _group, all_gather_single, reduce_scatter_single
 from planner.plan import tp_overlap_chunk_count
 
 aten = torch.ops.aten
@@ -89,14 +89,14 @@ def _gather_rows(x: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tenso
     """Async all-gather of `x` along dim 0 (rank order): (output buffer, work)."""
     x = x.contiguous()
     out = torch.empty((_size(group) * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    return out, dist.all_gather_into_tensor(out, x, group=group, async_op=True)
+    return out, all_gather_single(out, x, group=group, async_op=True)
 
 
 def _scatter_rows(x: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, object]:
     """Async sum reduce-scatter of `x` along dim 0: (this rank's rows, work)."""
     x = x.contiguous()
     out = torch.empty((x.shape[0] // _size(group), *x.shape[1:]), dtype=x.dtype, device=x.device)
-    return out, dist.reduce_scatter_tensor(out, x, group=group, async_op=True)
+    return out, reduce_scatter_single(out, x, group=group, async_op=True)
 
 
 def _ranks_rows(t: torch.Tensor, size: int, start: int, stop: int) -> torch.Tensor:
