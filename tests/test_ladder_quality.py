@@ -72,6 +72,23 @@ def test_bad_data_is_a_clear_input_error(tmp_path, capsys) -> None:
     assert code == 2 and "no such file" in capsys.readouterr().err
 
 
+def test_a_vocabulary_smaller_than_the_byte_tokenizer_says_both_fixes(corpus, tmp_path, capsys) -> None:
+    """A model of 128 token ids cannot read a byte-level tokenizer's 257: the refusal says which
+    tokenizer, both numbers and the two ways out."""
+    model = tmp_path / "lm128.py"
+    source = (
+        Path(TINY_LM)
+        .read_text()
+        .replace("parents[2]", "parents[0]")
+        .replace("vocab_size=320", "vocab_size=128")
+    )
+    model.write_text(source.replace('/ "examples")', f"/ {str(ROOT / 'examples')!r})"))
+    code = main(["ladder-eval", str(model), "--data", corpus])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2 and "byte-level" in err and "vocabulary of 128" in err and "at least 257" in err, err
+    assert "--tokenizer with one of at most 128 tokens" in err
+
+
 def test_lr_schedule_warms_up_then_decays() -> None:
     config = TrainConfig(steps=100, warmup_steps=10, min_lr_fraction=0.1)
     factors = [config.lr_factor(s) for s in range(100)]

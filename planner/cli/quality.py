@@ -184,9 +184,17 @@ def load_setup(args: argparse.Namespace, batch_size: int | None = None) -> LmSet
             raise InputError(f"--tokenizer {tokenizer}: no such file")
         tokenizer = None  # the model file names one that was not made yet: train one
     corpus = load_corpus(args.data, seq_len, tokenizer, vocab_size=vocab, min_blocks=batch)
-    if corpus.tokenizer.get_vocab_size() > vocab:
+    tokens = corpus.tokenizer.get_vocab_size()
+    if tokens > vocab:
+        which = (
+            f"the tokenizer {tokenizer}"
+            if tokenizer
+            else "the tokenizer trained on --data (byte-level: 256 bytes and an end-of-text token at least)"
+        )
         raise InputError(
-            f"the tokenizer has {corpus.tokenizer.get_vocab_size()} tokens, the model's vocabulary {vocab}"
+            f"{which} has {tokens} tokens, more than the model's vocabulary of {vocab}: ids from {vocab} on "
+            f"would index past its embedding; give the model a vocabulary of at least {tokens}, or pass "
+            f"--tokenizer with one of at most {vocab} tokens"
         )
     return LmSetup(model_file, model, weights, corpus, batch, seq_len, standard, structure, args.eval_batches)
 
