@@ -76,13 +76,10 @@ def test_a_vocabulary_smaller_than_the_byte_tokenizer_says_both_fixes(corpus, tm
     """A model of 128 token ids cannot read a byte-level tokenizer's 257: the refusal says which
     tokenizer, both numbers and the two ways out."""
     model = tmp_path / "lm128.py"
-    source = (
-        Path(TINY_LM)
-        .read_text()
-        .replace("parents[2]", "parents[0]")
-        .replace("vocab_size=320", "vocab_size=128")
-    )
-    model.write_text(source.replace('/ "examples")', f"/ {str(ROOT / 'examples')!r})"))
+    source = Path(TINY_LM).read_text().replace("vocab_size=320", "vocab_size=128")
+    here = 'str(Path(__file__).resolve().parents[2] / "examples")'
+    assert here in source and "vocab_size=128" in source
+    model.write_text(source.replace(here, repr(str(ROOT / "examples"))))
     code = main(["ladder-eval", str(model), "--data", corpus])
     err = " ".join(capsys.readouterr().err.split())
     assert code == 2 and "byte-level" in err and "vocabulary of 128" in err and "at least 257" in err, err
