@@ -6,9 +6,9 @@ with normal permissions, and never at the cost of anything the product did not w
     new_output_folder(path, option)           a temp sibling folder to fill, then
     publish_folder(tmp, path, option)         rename it into place (an earlier emit of ours is replaced)
 
-A folder the product writes carries a marker file (`FOLDER_MARKER`, a JSON list of what it wrote).
-An existing non-empty folder is replaced only when it carries the marker and holds nothing the
-marker does not list; anything else is refused (InputError naming it), so `--emit .` in a folder of
+A folder the product writes carries a marker file (`FOLDER_MARKER`, a JSON list of what it wrote,
+every file at any depth). An existing non-empty folder is replaced only when it carries the marker
+and holds nothing, in it or in its subfolders, that the marker does not list; anything else is refused (InputError naming it), so `--emit .` in a folder of
 the user's files leaves them alone.
 
 A file the product writes says so near its start (`SIGNATURES`: a plan's header comment, a report's
@@ -165,6 +165,7 @@ def _check_replaceable(folder: Path, option: str) -> None:
     try:
         record = json.loads(marker.read_text())
         written = set(record["written"]) | {FOLDER_MARKER}
+        files = set(record["files"]) | {FOLDER_MARKER} if "files" in record else None
         kind = record.get("kind")
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise InputError(f"{option} {folder}: its {FOLDER_MARKER} is unreadable; give a new folder") from None
@@ -173,12 +174,28 @@ def _check_replaceable(folder: Path, option: str) -> None:
             f"{option} {folder}: the folder holds the planner's {kind} output, which {option} would replace; "
             "nothing was changed. Give another folder"
         )
-    foreign = [e for e in entries if e not in written]
+    if files is not None:  # every file at any depth must be one we wrote (rank0/notes.py is not)
+        foreign = sorted(rel for rel in _files_under(folder) if rel not in files)
+    elif any((folder / e).is_dir() for e in entries if e in written):
+        raise InputError(
+            f"{option} {folder}: an earlier planner output whose record does not list the files in its "
+            "subfolders (written by an older version), so the planner cannot tell them from yours; nothing "
+            "was changed. Give a new folder, or empty this one"
+        )
+    else:
+        foreign = [e for e in entries if e not in written]
     if foreign:
         raise InputError(
             f"{option} {folder}: an earlier planner output, but it now also holds files the planner did not "
             f"write ({', '.join(foreign[:3])}); nothing was changed. Move them out or give a new folder"
         )
+
+
+def _files_under(folder: Path) -> list[str]:
+    """Every file (and link) under `folder`, as sorted POSIX paths relative to it ("rank0/model.py")."""
+    return sorted(
+        p.relative_to(folder).as_posix() for p in folder.rglob("*") if not p.is_dir() or p.is_symlink()
+    )
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str, option: str = "", fsync: bool = False) -> None:
@@ -229,7 +246,8 @@ def publish_folder(tmp: str | os.PathLike[str], path: str | os.PathLike[str], op
     tmp, final = Path(tmp), Path(path).resolve()
     try:
         written = sorted(p.name for p in tmp.iterdir())
-        record = {"written": written, "kind": option or "output folder"}  # the option that wrote it
+        # the option that wrote it, and every file at any depth (what a later run may replace)
+        record = {"written": written, "files": _files_under(tmp), "kind": option or "output folder"}
         (tmp / FOLDER_MARKER).write_text(json.dumps(record, indent=1) + "\n")
         fix_tree_permissions(tmp)
         old = None

@@ -77,6 +77,32 @@ def test_output_folder_replaces_only_our_own(tmp_path: Path) -> None:
     assert (empty / FOLDER_MARKER).is_file()
 
 
+def test_a_user_file_in_a_subfolder_of_our_output_is_never_replaced(tmp_path: Path) -> None:
+    """An --emit folder has rank0/ and rank1/ subfolders: a file the user puts in one of them makes
+    the folder no longer ours alone (it was deleted with the folder), and a marker of an older version
+    that listed only the top level cannot vouch for its subfolders."""
+    import json  # noqa: PLC0415
+
+    out = tmp_path / "emit"
+    tmp = new_output_folder(out, "--emit")
+    (tmp / "rank0").mkdir()
+    (tmp / "rank0" / "model.py").write_text("ours")
+    publish_folder(tmp, out, "--emit")
+    (out / "rank0" / "mine.py").write_text("user code")
+    with pytest.raises(InputError, match="rank0/mine.py"):
+        publish_folder(new_output_folder(out, "--emit"), out, "--emit")
+    assert (out / "rank0" / "mine.py").read_text() == "user code"
+    (out / "rank0" / "mine.py").unlink()
+    marker = out / FOLDER_MARKER
+    record = json.loads(marker.read_text())
+    del record["files"]  # as an older version wrote it
+    marker.write_text(json.dumps(record))
+    with pytest.raises(InputError, match="older version"):
+        publish_folder(new_output_folder(out, "--emit"), out, "--emit")
+    assert (out / "rank0" / "model.py").read_text() == "ours"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["emit"]  # no temp folder left
+
+
 @pytest.mark.parametrize("option", ["--out", "--json"])
 def test_unwritable_output_is_one_line(tmp_path: Path, option: str) -> None:
     r = run_planner("optimize", SWIGLU, "--cluster", "local-cpu", option, "/proc/plan.yaml", cwd=tmp_path)
