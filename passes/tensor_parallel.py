@@ -351,10 +351,17 @@ def _open_checkpoint(
 
 
 def _bias_owners(gm: fx.GraphModule) -> dict[str, str]:
-    """Bias FQN -> weight FQN of the graph's linear/addmm nodes: a colwise weight's bias is sliced
-    the same way."""
+    """Bias FQN -> weight FQN of the graph's linear/addmm nodes (and of the column-parallel matmuls the
+    TP-overlap pass fused them into): a colwise weight's bias is sliced the same way."""
+    from passes.tp_overlap import tp_column_matmuls  # noqa: PLC0415 (it imports this module's users)
+
     owners: dict[str, str] = {}
     for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is tp_column_matmuls:  # (x, weights, biases, ...)
+            for w, b in zip(node.args[1], node.args[2]):
+                if isinstance(w, fx.Node) and isinstance(b, fx.Node):
+                    owners[str(b.target)] = str(w.target)
+            continue
         op = getattr(node.target, "overloadpacket", node.target)
         if node.op == "call_function" and op in (aten.linear, aten.addmm):
             w, b = (node.args[1], node.args[2] if len(node.args) > 2 else None)
