@@ -154,6 +154,12 @@ def apply_ladder(gm: fx.GraphModule, residual_adds: Sequence[str]) -> fx.GraphMo
                     stream = graph.call_function(aten.add.Tensor, (stream, out_j))
         for user in tail_users:
             user.replace_input_with(m.radd, stream)
+    for m in modules:  # the chains replayed after each wait: the originals read the pending handle
+        if m.all_reduce is None:
+            continue
+        for node in [m.radd, *reversed(m.chain)]:  # a dropout is impure: dead-code elimination keeps it
+            if not node.users:
+                graph.erase_node(node)
     graph.eliminate_dead_code()
     graph.lint()
     gm.recompile()

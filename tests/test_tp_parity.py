@@ -169,6 +169,9 @@ def test_tp2_forward_and_training_parity():
             "gpt2_odd_vocab.py", 2, "train"
         ),  # vocab 257: padded to 258 and split, logits gathered and unpadded
         _job("transposed_weights.py", 2, "train"),  # x @ W.T, matmul(x, W.t()), addmm(b, x, W.t())
+        # ladder in training with dropout after the row-parallel o and down projections: the chain
+        # after each all-reduce is replayed after its wait (the original, impure, once read the handle)
+        _job("dropout_tp.py", 2, "train", ladder=[0, 1]),
         _job("llama3.py", 2, ladder=[2, 3], return_output=True),
     ]
     results = launch(run_jobs, jobs, nproc=2, timeout_s=120)
