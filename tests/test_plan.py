@@ -193,6 +193,29 @@ def test_a_model_that_changed_since_planning_is_refused() -> None:
         workflow.validate_plan_for_model(plan, prepared.structure, "llama3.py", prepared.param_shapes)
 
 
+def test_a_hand_edited_sharded_dp_style_across_tied_stages_is_refused_before_the_ranks() -> None:
+    """GPT-2's LM head is tied to its embedding: at pp 2 they sit on different stages, whose sharded
+    gradients (zero2, fsdp) cannot be summed; `optimize` never plans it, and a plan edited to it is
+    refused naming the field before any rank starts (it was refused on the ranks, exit 4)."""
+    import dataclasses  # noqa: PLC0415
+
+    from planner.cli import workflow  # noqa: PLC0415
+    from planner.plan import DataParallel  # noqa: PLC0415
+
+    prepared = workflow.prepare(str(Path(__file__).parents[1] / "examples" / "gpt2_tiny.py"), "train", 4)
+    cluster = workflow.resolve_cluster("local-cpu", 4)
+    constraints = workflow.constraints_from(1, 2, 2, "none", dp_style="zero1")
+    plan = workflow.make_plan(prepared, cluster, constraints, "gpt2_tiny.py")
+    assert prepared.structure.tied_lm_head and (plan.pp, plan.dp) == (2, 2)
+    workflow.validate_plan_for_model(plan, prepared.structure, "gpt2_tiny.py", prepared.param_shapes)
+    for style in (DataParallel.ZERO2, DataParallel.FSDP):
+        edited = dataclasses.replace(plan, dp_style=style)
+        with pytest.raises(InputError, match=f"plan field dp_style: {style} with pp=2 and the LM head tied"):
+            workflow.validate_plan_for_model(
+                edited, prepared.structure, "gpt2_tiny.py", prepared.param_shapes
+            )
+
+
 def test_plan_table_groups_a_stages_identical_layers_and_places_the_ends() -> None:
     """An interleaved stage's model chunks (layers 0, 4 and 1, 5 on two ranks) are one row per stage;
     layers with another strategy start their own row; the non-layer ops come last."""
