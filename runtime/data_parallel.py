@@ -591,9 +591,17 @@ class DistributedAdam(_OverlappedReduce, _AdamOnRanks):
             )
         else:
             gather = "parameters all-gathered after the step (no overlap-param-gather)"
+        copies = (
+            f"; besides the parameters and their gradients this rank holds its slices as a store of their own "
+            f"and their mean gradient (2 x 1/{self.dp} of the parameters' elements, fp32), which Megatron-LM's "
+            "distributed optimizer, as the cost model prices it, keeps as views into its buffers: the measured "
+            "training state exceeds the predicted by that"
+            if self.dp > 1
+            else ""
+        )
         return (
             f"optimizer: distributed optimizer (ZeRO-1), Adam state sharded over the {self.dp} data-parallel "
-            f"ranks (each updates 1/{self.dp} of the parameters){_mixed_note(self.params)}; {grads}; {gather}; "
+            f"ranks (each updates 1/{self.dp} of the parameters){_mixed_note(self.params)}; {grads}; {gather}{copies}; "
             f"collectives in the checked step: {_counts_text(self.counts)}"
         )
 
