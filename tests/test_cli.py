@@ -386,3 +386,15 @@ def test_pins_that_cannot_apply_say_so(example_path) -> None:
         "--dp", "4", "--dp-shard", "4", "--dp-style", "fsdp",
     )  # fmt: skip
     assert r.returncode == 2 and "dp(4 replicas x 4 shards) = 16 devices" in _said(r), _said(r)
+
+
+def test_interleaving_pinned_for_a_forward_pipeline_is_refused(example_path, capsys) -> None:
+    """The interleaved schedule orders training's passes: a forward plan pinned to it was planned with
+    v=1 and labelled interleaved_1f1b, the pin silently dropped."""
+    from planner.cli.main import main  # noqa: PLC0415
+
+    llama = str(example_path("llama3"))
+    for pins in (["--schedule", "interleaved_1f1b"], ["--virtual-stages", "2"]):
+        rc = main(["optimize", llama, "--cluster", "local-cpu", "--pp", "2", *pins])
+        err = " ".join(capsys.readouterr().err.split())
+        assert rc == 2 and "a --workload forward pipeline runs each micro-batch" in err and pins[0] in err, err

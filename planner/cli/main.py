@@ -458,6 +458,17 @@ def cmd_optimize(args: argparse.Namespace) -> int:
 
     _check_cp_options(args)
     _check_ep_options(args)
+    interleaved = args.schedule == "interleaved_1f1b" or (args.virtual_stages or 1) > 1
+    if args.workload != "train" and interleaved:
+        pins = " ".join(
+            f for f in ("--schedule interleaved_1f1b" if args.schedule == "interleaved_1f1b" else "",
+                        f"--virtual-stages {args.virtual_stages}" if (args.virtual_stages or 1) > 1 else "") if f
+        )  # fmt: skip
+        raise InputError(
+            f"{pins}: the interleaved schedule orders training's forward and backward passes of model "
+            f"chunks; a --workload {args.workload} pipeline runs each micro-batch through its stages once "
+            "(nothing to interleave): leave it out, or use --workload train"
+        )
     if args.workload == "train":  # contradicting pins fail before any tracing or calibration
         workflow.constraints_from(
             args.tp, args.pp, args.dp, args.ladder, max_devices=args.devices, layout=args.layout,
