@@ -397,4 +397,6 @@ def test_interleaving_pinned_for_a_forward_pipeline_is_refused(example_path, cap
     for pins in (["--schedule", "interleaved_1f1b"], ["--virtual-stages", "2"]):
         rc = main(["optimize", llama, "--cluster", "local-cpu", "--pp", "2", *pins])
         err = " ".join(capsys.readouterr().err.split())
-        assert rc == 2 and "a --workload forward pipeline runs each micro-batch" in err and pins[0] in err, err
+        assert rc == 2 and "a --workload forward pipeline runs each micro-batch" in err and pins[0] in err, (
+            err
+        )

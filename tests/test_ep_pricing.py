@@ -366,3 +366,22 @@ def test_cli_refuses_a_bad_expert_tp_with_exit_code_2(args, words, capsys) -> No
     )
     err = " ".join(capsys.readouterr().err.split())
     assert rc == 2 and all(w in err for w in words), err
+
+
+def test_experts_that_are_not_swiglu_keep_ep_off_and_a_pin_is_refused(monkeypatch, capsys) -> None:
+    """The expert-parallel rewrite runs SwiGLU experts: GeGLU ones (TINY_MOE_EXPERT_ACT=gelu) are not
+    split by the search (--why lists why; it priced EP as an option, which would then not lower) and a
+    pinned --ep is refused naming the block; the SwiGLU model still plans EP."""
+    model = str(MODELS / "tiny_moe_modulelist.py")
+    monkeypatch.setenv("TINY_MOE_EXPERT_ACT", "gelu")
+    assert main(["optimize", model, "--cluster", "local-cpu", "--nproc", "2", "--ep", "2"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--ep 2: the experts of layers.0.mlp are not SwiGLU MLPs" in err, err
+    assert (
+        main(["optimize", model, "--cluster", "local-cpu", "--nproc", "2", "--workload", "train", "--why"])
+        == 0
+    )
+    out = " ".join(capsys.readouterr().out.split())
+    assert "excluded: ep>1: the experts of layers.0.mlp are not SwiGLU MLPs" in out, out
+    monkeypatch.delenv("TINY_MOE_EXPERT_ACT")
+    assert main(["optimize", model, "--cluster", "local-cpu", "--nproc", "2", "--ep", "2"]) == 0

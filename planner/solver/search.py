@@ -554,6 +554,8 @@ def _ep_options(search: _Search, mesh: MeshShape, sequence_parallel: bool) -> li
     experts = expert_counts(search.structure)
     if not experts or c.ep == 1 or search.structure.token_capacity:  # capped: see `_check_pinned_ep`
         return [(1, "dp")]
+    if _experts_not_swiglu(search.structure):  # the EP pass could not lower it: see `_check_pinned_ep`
+        return [(1, "dp")]
     folds = [c.ep_fold] if c.ep_fold is not None else ["dp", "tp"]
     if c.ep is not None:
         pairs = [(c.ep, fold) for fold in folds]
@@ -605,6 +607,15 @@ def _check_pinned_ep(search: _Search) -> None:
                 "the tokens it counts)"
             )
         search.excluded.append(f"ep>1: {why}")
+    ungated = _experts_not_swiglu(search.structure) if experts and c.ep != 1 else ""
+    if ungated:
+        why = (
+            f"the experts of {ungated} are not SwiGLU MLPs (no SiLU between their gate and down projections), and "
+            "the expert-parallel rewrite (`passes.ep_lower`) runs SwiGLU experts only"
+        )
+        if c.ep is not None:
+            raise InputError(f"--ep {c.ep}: {why}; use --ep 1")
+        search.excluded.append(f"ep>1: {why}")
     if c.ep is None or c.ep == 1:
         return
     if not experts:
@@ -643,6 +654,19 @@ def _check_pinned_ep(search: _Search) -> None:
             f"--ep {c.ep} does not divide the {ranks} dp x cp ranks it folds over ({pins}); use an --ep that "
             f"divides both {ranks} and the {experts[0]} experts, or more data-parallel ranks"
         )
+
+
+def _experts_not_swiglu(structure: ModelStructure) -> str:
+    """The module path of the first MoE block whose experts have no SiLU (`passes.ep_lower` runs
+    SwiGLU experts only), "" when every block's analysed experts have one."""
+    for layer in structure.layers:
+        moe = layer.moe
+        ops = [
+            structure.node_costs[n].op for n in (moe.expert_nodes if moe else []) if n in structure.node_costs
+        ]
+        if ops and "aten.silu" not in ops:
+            return moe.module_path
+    return ""
 
 
 def _ep_unplaceable(search: _Search, num_devices: int) -> str:

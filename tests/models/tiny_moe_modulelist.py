@@ -54,16 +54,22 @@ def capacity_factor() -> float:
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)), Hugging Face's names."""
+    """down(silu(gate(x)) * up(x)), Hugging Face's names; `act` another gate activation (GeGLU: gelu)."""
 
-    def __init__(self, dim: int, hidden: int) -> None:
+    def __init__(self, dim: int, hidden: int, act=F.silu) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(dim, hidden, bias=False)
         self.up_proj = nn.Linear(dim, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def expert_activation():
+    """The routed experts' gate activation: TINY_MOE_EXPERT_ACT=gelu (GeGLU experts), else SiLU."""
+    return F.gelu if os.environ.get("TINY_MOE_EXPERT_ACT") == "gelu" else F.silu
 
 
 class SparseMoE(nn.Module):
@@ -74,7 +80,8 @@ class SparseMoE(nn.Module):
         self.dispatch = dispatch
         self.capacity_factor = capacity_factor()
         self.gate = nn.Linear(config.dim, NUM_EXPERTS, bias=False)
-        self.experts = nn.ModuleList([SwiGLU(config.dim, EXPERT_DIM) for _ in range(NUM_EXPERTS)])
+        act = expert_activation()
+        self.experts = nn.ModuleList([SwiGLU(config.dim, EXPERT_DIM, act) for _ in range(NUM_EXPERTS)])
         self.shared_expert = SwiGLU(config.dim, config.ffn_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
