@@ -264,6 +264,8 @@ def test_the_exports_of_an_ep_plan_name_the_experts_mesh() -> None:
     vllm = export_plan(serving, "vllm", model="mistralai/Mixtral-8x7B-v0.1")
     assert "'enable_expert_parallel': True" in vllm.text and "--enable-expert-parallel --dtype" in vllm.text
     assert not any("expert" in w for w in vllm.warnings)  # EP over the TP ranks at dp 1: vLLM's own layout
+    dtensor = export_plan(plan, "dtensor")  # parallelize_module has no EP style: said, not dropped silently
+    assert any(f"expert parallelism (ep={plan.ep} over dp) is not part" in w for w in dtensor.warnings)
 
 
 def _split(ctx: CostContext, expert_tp: int) -> CostContext:

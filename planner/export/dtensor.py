@@ -455,6 +455,13 @@ def dtensor_plan(plan: Plan) -> DTensorPlan:
                 else ""
             )
         )
+    if plan.ep > 1:
+        warnings.append(
+            f"expert parallelism (ep={plan.ep} over {plan.ep_fold}) is not part of the plan's DTensor file: "
+            "parallelize_module has no style for token dispatch to experts on other ranks, so every rank holds "
+            "all the routed experts (torchtitan's expert-parallel styles, --to torchtitan, or --to megatron "
+            "carry it)"
+        )
     if any(v != "none" for v in plan.recompute.values()):
         warnings.append(
             "activation recomputation is not part of the plan's DTensor file: wrap the layers listed in RECOMPUTE "
