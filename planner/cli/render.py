@@ -603,10 +603,11 @@ def render_serving_run(console: Console, report: dict[str, Any]) -> None:
         )
     if got.get("standard_tpot_s") and p.get("ladder_speedup") and abs(p["ladder_speedup"] - 1.0) < 1e-3:
         console.print(
-            f"ladder speed-up: the plan prices no communication for the laddered layers to hide (their weights "
-            f"stay replicated, or the spec's links cost next to nothing), so it predicts the laddered and the "
-            f"standard rewrite alike: the measured {got['ladder_speedup']:.3f}x is this run's noise, not a "
-            "gain it priced",
+            f"ladder speed-up: the plan hides next to none of the laddered layers' communication, so it predicts "
+            f"the laddered and the standard rewrite alike: it prices no communication there (weights replicated, "
+            f"or links that cost next to nothing), or the spec lets little of it run behind compute (its "
+            f"overlap_efficiency: on gloo the all-reduce's threads share the cores with the matmuls); the "
+            f"measured {got['ladder_speedup']:.3f}x is this run's, not a gain it priced",
             highlight=False,
         )
     for note in m.get("notes") or []:  # where the unsharded reference was built
