@@ -55,10 +55,12 @@ COUNT_BYTES = 8  # one int64 per expert in the counts all-to-all before the disp
 def busiest_load_factor(imbalance: float, capacity_factor: float | None, ep: int) -> float:
     """The busiest rank's rows over the mean: `imbalance`, capped at `capacity_factor` where the model
     drops the tokens beyond an expert's capacity (GShard / Switch: capacity = factor x the mean rows
-    per expert); 1 with one EP rank (it computes every row whatever the routing)."""
+    per expert), and at `ep` (every row on one rank: no routing makes a rank busier); 1 with one EP
+    rank (it computes every row whatever the routing)."""
     if ep == 1:
         return 1.0
-    return min(imbalance, capacity_factor) if capacity_factor is not None else imbalance
+    load = min(imbalance, float(ep))
+    return min(load, capacity_factor) if capacity_factor is not None else load
 
 
 def touched_experts(num_experts: int, top_k: int, tokens: float) -> float:

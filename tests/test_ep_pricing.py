@@ -107,6 +107,7 @@ def test_imbalance_moves_the_busiest_ranks_expert_gemms_and_capacity_caps_it() -
     )
     assert balanced < capped < skewed
     assert busiest_load_factor(1.5, 1.25, 8) == 1.25 and busiest_load_factor(1.5, None, 1) == 1.0
+    assert busiest_load_factor(50.0, None, 2) == 2.0  # no routing puts more than every row on one rank
     # one EP rank computes every row whatever the routing: the factor means nothing there
     whole = _ctx(s, mesh, ep=1, batch=8)
     assert expert_gemm_time_s(layer, whole) == expert_gemm_time_s(

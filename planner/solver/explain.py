@@ -669,6 +669,7 @@ def ep_decisions(
     )
     if w.moe_capacity_factor is not None:
         load += f", capped at the capacity factor {w.moe_capacity_factor:g} (--moe-capacity-factor)"
+    load += " and at ep (every row on one rank)" if w.moe_imbalance > 2 else ""
     reason = (
         f"{experts[-1]} experts per MoE layer, top-{layer.moe.top_k}: over dp the experts split over ep of the dp x cp "
         'ranks and tokens go to them and back by all-to-all (replicated over the TP ranks, or with "experts split '
