@@ -216,3 +216,22 @@ def test_written_kind_reads_each_output_signature(tmp_path: Path) -> None:
     empty = tmp_path / "empty.yaml"
     empty.write_text("")
     check_output_path("--out", str(empty), kind="plan")  # nothing to lose
+
+
+def test_a_run_that_fails_its_check_leaves_no_plan_or_modules(tmp_path: Path, monkeypatch, capsys) -> None:
+    """--run comes before --out and --emit are written: a run that fails (its numerics check, here a
+    stand-in) leaves neither a plan nor rank modules that compute something else than the model."""
+    from planner.errors import RunError  # noqa: PLC0415
+
+    cli = importlib.import_module("planner.cli.main")  # the module (the package exports its main())
+
+    def failing_run(*_args, **_kw):
+        raise RunError("the sharded run does not compute what the unsharded model computes")
+
+    monkeypatch.setattr(cli, "_run", failing_run)
+    model = str(Path(__file__).resolve().parents[1] / "examples" / "llama3.py")
+    out, emit = tmp_path / "plan.yaml", tmp_path / "emitted"
+    rc = cli.main(["optimize", model, "--cluster", "local-cpu", "--nproc", "2", "--tp", "2", "--run",
+                   "--out", str(out), "--emit", str(emit)])  # fmt: skip
+    assert rc == 4 and "does not compute" in capsys.readouterr().err
+    assert not out.exists() and not emit.exists() and sorted(tmp_path.iterdir()) == []

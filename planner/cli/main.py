@@ -609,19 +609,20 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         )
     if args.why:
         render_decisions(console, plan)
+    run, run_cluster = None, cluster
+    if args.run:  # before anything is written: a run that fails its check leaves no plan or modules
+        plan, run, run_cluster = _run(args, plan, prepared, cluster)
+    if args.run and run is None:  # a rank other than 0 under torchrun: rank 0 reports
+        return 0
     if args.out:
         plan.to_yaml(args.out)
         console.print(f"plan written to {args.out}")
     if args.emit:
         from planner.cli.emitting import emit_plan  # noqa: PLC0415
 
-        emit_plan(plan, args.model, args.emit, backend=cluster.backend, weights=args.weights)
+        backend = run_cluster.backend if run is not None else cluster.backend
+        emit_plan(plan, args.model, args.emit, backend=backend, weights=args.weights)
         console.print(f"generated sharded modules written to {args.emit}/ (see its README.md)")
-    run, run_cluster = None, cluster
-    if args.run:
-        plan, run, run_cluster = _run(args, plan, prepared, cluster)
-    if args.run and run is None:  # a rank other than 0 under torchrun: rank 0 reports
-        return 0
     report = workflow.report_dict(plan, run, args.model, run_cluster, prepared.structure)
     if budget is not None:
         from planner.cli.quality import budget_dict  # noqa: PLC0415
