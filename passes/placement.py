@@ -176,6 +176,11 @@ def view_groups(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> list[t
     return groups
 
 
+class ShardInterleavedError(ValueError):
+    """A reshape merges the shard's dim into an outer one ((B, H/tp) -> B*H): each rank's part is
+    strided through the merged dim, which no contiguous shard expresses."""
+
+
 def view_shard_dim(in_shape: tuple[int, ...], out_shape: tuple[int, ...], dim: int, tp: int) -> int:
     """Output dim that carries the shard of input dim `dim` through a reshape, or raise ValueError.
 
@@ -188,7 +193,7 @@ def view_shard_dim(in_shape: tuple[int, ...], out_shape: tuple[int, ...], dim: i
             continue
         leading = [d for d in in_dims if in_shape[d] != 1]
         if not leading or leading[0] != dim:
-            raise ValueError(
+            raise ShardInterleavedError(
                 f"input dim {dim} is not the outermost dim of the reshaped group {list(in_dims)} of {tuple(in_shape)}"
             )
         outs = [d for d in out_dims if out_shape[d] != 1]

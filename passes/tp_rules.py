@@ -25,7 +25,7 @@ import torch.fx as fx
 from torch._ops import OpOverload, OpOverloadPacket
 
 from passes import collectives, rng
-from passes.placement import Placement, local_shape, view_groups, view_shard_dim
+from passes.placement import Placement, ShardInterleavedError, local_shape, view_groups, view_shard_dim
 from passes.tp_rules_context import R, RuleContext
 
 aten = torch.ops.aten
@@ -387,10 +387,13 @@ def rule_view(ctx: RuleContext, node: fx.Node) -> None:
     else:
         try:
             out_dim = view_shard_dim(ctx.gshape(x), ctx.gshape(node), p.dim, p.divisor(ctx.tp))
-        except ValueError:
+        except ValueError as e:
             # the shard does not survive the reshape as one contiguous chunk ((B, T, C) -> (B*T, C) of a
             # sequence shard; Bloom's (B, H, T, hd) -> (B*H, T, hd) of a head shard): the input is
-            # gathered and the reshape runs whole, a fallback `passes.verify` prices and names
+            # gathered and the reshape runs whole, a fallback `passes.verify` prices and names. A reshape
+            # that would cut inside a head (no output dim divides by tp) is the plan's error: refused
+            if ctx.sequence_shard_dim(x) is None and not isinstance(e, ShardInterleavedError):
+                raise ctx.fail(node, str(e)) from e
             ctx.run_replicated(node)
             return
         if p.parts and ctx.gshape(x)[p.dim] != ctx.gshape(node)[out_dim]:

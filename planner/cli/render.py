@@ -607,7 +607,7 @@ def render_serving_run(console: Console, report: dict[str, Any]) -> None:
             f"the laddered and the standard rewrite alike: it prices no communication there (weights replicated, "
             f"or links that cost next to nothing), or the spec lets little of it run behind compute (its "
             f"overlap_efficiency: on gloo the all-reduce's threads share the cores with the matmuls); the "
-            f"measured {got['ladder_speedup']:.3f}x is this run's, not a gain it priced",
+            f"measured {got['ladder_speedup']:.3f}x is this run's noise, not a gain it priced",
             highlight=False,
         )
     for note in m.get("notes") or []:  # where the unsharded reference was built
