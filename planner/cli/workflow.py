@@ -553,14 +553,14 @@ def validate_plan_for_model(
             raise InputError(
                 f"plan field splits.{name}: style {split.style} splits dim {want} of this weight, not dim {split.dim}"
             )
-    sharded_grads = plan.dp_style in (DataParallel.ZERO2, DataParallel.FSDP)
-    if plan.workload is Workload.TRAIN and plan.pp > 1 and plan.dp * plan.cp > 1 and sharded_grads:
-        if structure.tied_lm_head:  # the runtime refuses it too (`runtime.pipeline_run`), on the ranks
-            raise InputError(
-                f"plan field dp_style: {plan.dp_style} with pp={plan.pp} and the LM head tied to the embedding "
-                "on another stage: their sharded gradients cannot be summed between the stages; set dp_style "
-                "to zero1 or ddp, or re-plan with --pp 1"
-            )
+    train_dp = plan.workload is Workload.TRAIN and plan.dp * plan.cp > 1
+    if train_dp and plan.pp > 1 and structure.tied_lm_head and DataParallel(plan.dp_style).shards_gradients:
+        # the runtime refuses it too (`runtime.pipeline_run`), on the ranks; the search never plans it
+        raise InputError(
+            f"plan field dp_style: {plan.dp_style} with pp={plan.pp} and the LM head tied to the embedding "
+            "on another stage: their sharded gradients cannot be summed between the stages; set dp_style "
+            "to zero1 or ddp, or re-plan with --pp 1"
+        )
     check_plan_fields(plan, len(structure.layers))
 
 
