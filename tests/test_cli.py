@@ -400,3 +400,24 @@ def test_interleaving_pinned_for_a_forward_pipeline_is_refused(example_path, cap
         assert rc == 2 and "a --workload forward pipeline runs each micro-batch" in err and pins[0] in err, (
             err
         )
+
+
+def test_options_the_plan_gives_nothing_to_act_on_say_so(example_path, capsys) -> None:
+    """Run options without --run, expert options on a dense model and CP options on a plan without CP
+    were accepted in silence; a --timeout too short for the ranks to start is refused (exit 2)."""
+    from planner.cli.main import main  # noqa: PLC0415
+
+    llama = str(example_path("llama3"))
+    common = ["optimize", llama, "--cluster", "local-cpu", "--nproc", "2"]
+    assert (
+        main([*common, "--iters", "3", "--ep-fold", "dp", "--moe-imbalance", "2", "--cp-comm-type", "ring"])
+        == 0
+    )
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--iters 3 had no effect: run options apply to --run" in err, err
+    assert (
+        "--ep-fold dp, --moe-imbalance 2.0 had no effect: the model has no mixture-of-experts layer" in err
+    ), err
+    assert "--cp-comm-type ring had no effect: the plan has no context parallelism" in err, err
+    assert main([*common, "--run", "--timeout", "0.01"]) == 2
+    assert "expected at least 10 seconds" in capsys.readouterr().err

@@ -81,6 +81,20 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+MIN_TIMEOUT_S = 10.0  # starting the ranks and their process group alone takes seconds (gloo, this VM: 2-6 s)
+
+
+def _timeout_seconds(text: str) -> float:
+    """--timeout (argparse type): seconds, at least MIN_TIMEOUT_S."""
+    value = _positive_seconds(text)
+    if value < MIN_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(
+            f"expected at least {MIN_TIMEOUT_S:g} seconds (the ranks and their process group take seconds to "
+            f"start), got {text!r}"
+        )
+    return value
+
+
 def _seconds(text: str) -> float:
     """A number of seconds >= 0 (argparse type)."""
     try:
@@ -356,7 +370,7 @@ def _run_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--warmup", type=_non_negative, default=3, help="warm-up iterations (default 3)")
     p.add_argument(
-        "--timeout", type=_positive_seconds, default=120.0, help="process-group timeout per rank, seconds"
+        "--timeout", type=_timeout_seconds, default=120.0, help="process-group timeout per rank, seconds"
     )
     p.add_argument(
         "--weights",
@@ -385,6 +399,49 @@ def _report_on_stdout(args: argparse.Namespace):
         yield
     finally:
         console.file = None  # rich's default again: sys.stdout at the time of each print
+
+
+def _unused_options(args: argparse.Namespace, plan) -> list[str]:
+    """ "had no effect" lines for options the plan gave nothing to act on: run options without --run,
+    expert-parallel ones on a model without experts, context-parallel ones on a plan without CP."""
+    out = []
+    run_only = [
+        f"{flag} {value}"
+        for flag, value, default in (
+            ("--iters", args.iters, 10),
+            ("--min-time", args.min_time, 2.0),
+            ("--warmup", args.warmup, 3),
+            ("--timeout", args.timeout, 120.0),
+        )
+        if value != default
+    ] + (["--scale-to-local"] if args.scale_to_local else [])
+    if run_only and not args.run:
+        out.append(f"{', '.join(run_only)} had no effect: run options apply to --run; add --run")
+    moe = [
+        f"{flag} {value}"
+        for flag, value, default in (
+            ("--ep-fold", args.ep_fold, "auto"),
+            ("--moe-imbalance", args.moe_imbalance, DEFAULT_MOE_IMBALANCE),
+            ("--moe-capacity-factor", args.moe_capacity_factor, None),
+            ("--expert-tp", args.expert_tp, None),
+        )
+        if value != default
+    ]
+    if moe and not plan.num_experts:
+        out.append(f"{', '.join(moe)} had no effect: the model has no mixture-of-experts layer")
+    cp_opts = [
+        f"{flag} {value}"
+        for flag, value in (
+            ("--cp-comm-type", args.cp_comm_type),
+            ("--cp-load-balance", args.cp_load_balance),
+        )
+        if value != "auto"
+    ]
+    if cp_opts and plan.cp == 1:
+        out.append(
+            f"{', '.join(cp_opts)} had no effect: the plan has no context parallelism (cp=1); pin --cp to use it"
+        )
+    return out
 
 
 def _write_report(args: argparse.Namespace, report: dict) -> None:
@@ -607,6 +664,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
                 f"--virtual-stages {args.virtual_stages} had no effect: the search chose no pipeline (pp=1); pin --pp to use it"
             ]
         )
+    _warn(_unused_options(args, plan))
     if args.why:
         render_decisions(console, plan)
     run, run_cluster = None, cluster

@@ -254,7 +254,12 @@ def render_plan(console: Console, plan: Plan) -> None:
                 else ""
             )
         )
-    if plan.tp > 1 and all(split.style is SplitStyle.REPLICATE for split in plan.splits.values()):
+    experts_over_tp = plan.ep > 1 and plan.ep_fold == "tp"  # the TP ranks split the experts
+    if (
+        plan.tp > 1
+        and not experts_over_tp
+        and all(s.style is SplitStyle.REPLICATE for s in plan.splits.values())
+    ):
         # a decision between replicating and splitting, with a split that was possible (finite)
         splittable = any(
             "replicate" in d.options
