@@ -81,6 +81,8 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+# run options' defaults (`_run_options`; `_unused_options` names those changed without --run)
+DEFAULT_ITERS, DEFAULT_MIN_TIME_S, DEFAULT_WARMUP, DEFAULT_TIMEOUT_S = 10, 2.0, 3, 120.0
 MIN_TIMEOUT_S = 10.0  # starting the ranks and their process group alone takes seconds (gloo, this VM: 2-6 s)
 
 
@@ -359,18 +361,31 @@ def _run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--nproc", type=_positive, help="local ranks (default: the plan's device count / core count)"
     )
-    p.add_argument("--iters", type=_positive, default=10, help="timed iterations, at least (default 10)")
+    p.add_argument(
+        "--iters",
+        type=_positive,
+        default=DEFAULT_ITERS,
+        help=f"timed iterations, at least (default {DEFAULT_ITERS})",
+    )
     p.add_argument(
         "--min-time",
         type=_seconds,
-        default=2.0,
+        default=DEFAULT_MIN_TIME_S,
         metavar="SECONDS",
         help="time at least this many seconds of iterations, more than --iters when a step is short, so that "
         "the median spans a shared machine's slow spells (default 2; 0: exactly --iters)",
     )
-    p.add_argument("--warmup", type=_non_negative, default=3, help="warm-up iterations (default 3)")
     p.add_argument(
-        "--timeout", type=_timeout_seconds, default=120.0, help="process-group timeout per rank, seconds"
+        "--warmup",
+        type=_non_negative,
+        default=DEFAULT_WARMUP,
+        help=f"warm-up iterations (default {DEFAULT_WARMUP})",
+    )
+    p.add_argument(
+        "--timeout",
+        type=_timeout_seconds,
+        default=DEFAULT_TIMEOUT_S,
+        help="process-group timeout per rank, seconds",
     )
     p.add_argument(
         "--weights",
@@ -408,10 +423,10 @@ def _unused_options(args: argparse.Namespace, plan) -> list[str]:
     run_only = [
         f"{flag} {value}"
         for flag, value, default in (
-            ("--iters", args.iters, 10),
-            ("--min-time", args.min_time, 2.0),
-            ("--warmup", args.warmup, 3),
-            ("--timeout", args.timeout, 120.0),
+            ("--iters", args.iters, DEFAULT_ITERS),
+            ("--min-time", args.min_time, DEFAULT_MIN_TIME_S),
+            ("--warmup", args.warmup, DEFAULT_WARMUP),
+            ("--timeout", args.timeout, DEFAULT_TIMEOUT_S),
         )
         if value != default
     ] + (["--scale-to-local"] if args.scale_to_local else [])
@@ -515,14 +530,17 @@ def cmd_optimize(args: argparse.Namespace) -> int:
 
     _check_cp_options(args)
     _check_ep_options(args)
-    interleaved = args.schedule == "interleaved_1f1b" or (args.virtual_stages or 1) > 1
-    if args.workload != "train" and interleaved:
-        pins = " ".join(
-            f for f in ("--schedule interleaved_1f1b" if args.schedule == "interleaved_1f1b" else "",
-                        f"--virtual-stages {args.virtual_stages}" if (args.virtual_stages or 1) > 1 else "") if f
-        )  # fmt: skip
+    interleaving = [
+        pin
+        for pin, given in (
+            ("--schedule interleaved_1f1b", args.schedule == "interleaved_1f1b"),
+            (f"--virtual-stages {args.virtual_stages}", (args.virtual_stages or 1) > 1),
+        )
+        if given
+    ]
+    if args.workload != "train" and interleaving:
         raise InputError(
-            f"{pins}: the interleaved schedule orders training's forward and backward passes of model "
+            f"{' '.join(interleaving)}: the interleaved schedule orders training's forward and backward passes of model "
             f"chunks; a --workload {args.workload} pipeline runs each micro-batch through its stages once "
             "(nothing to interleave): leave it out, or use --workload train"
         )
