@@ -489,6 +489,7 @@ def test_hf_static_cache_generate_plan_saved_then_served_by_planner_run(tmp_path
     assert ran.returncode == 0, ran.stderr
     assert "time to first token" in ran.stdout and "greedy tokens identical" in ran.stdout
     report = json.loads(report_path.read_text())
+    assert report["written_by"] == "planner run --json"
     assert report["numerics"]["tokens_identical"] and report["serving"]["measured"]["ttft_s"] > 0
     # 2 layers x K, V x (1, 2 of 4 KV heads, 12, 16) fp32, plus the StaticCache's two int64 position counters
     assert report["measured"]["cache_bytes_per_rank"] == 2 * 2 * (1 * 2 * 12 * 16 * 4) + 2 * 8

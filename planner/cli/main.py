@@ -1070,7 +1070,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     run = _run_plan(args, plan, nproc, speed_probe=workflow.probes_speed(cluster))
     if run is None:  # a rank other than 0 under torchrun: rank 0 reports
         return 0
-    report = workflow.report_dict(plan, run, args.model, cluster, prepared.structure)
+    report = workflow.report_dict(
+        plan, run, args.model, cluster, prepared.structure, written_by="planner run --json"
+    )
     layer_table = _render_measured(plan, run, report)
     if _other_hardware(cluster):
         console.print(

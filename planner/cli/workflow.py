@@ -1145,13 +1145,15 @@ def report_dict(
     model_path: str,
     cluster: ClusterSpec,
     structure: ModelStructure | None = None,
+    written_by: str = "planner optimize --json",
 ) -> dict[str, Any]:
     """The JSON report: plan, predicted, baseline, solver, and with a run measured and numerics (and,
     given the model's `structure` and a speed-probed run, the prediction at the run's speed:
-    `at_run_speed`)."""
+    `at_run_speed`). ``written_by``: the command that writes it ("planner run --json" for a saved
+    plan's run), the report's first key."""
     p = plan.predicted
     report: dict[str, Any] = {
-        "written_by": "planner optimize --json",  # first: `planner.files.written_kind` reads it
+        "written_by": written_by,  # first: `planner.files.written_kind` reads it
         "model": str(model_path),
         "cluster": plan.cluster or cluster.name,
         "cluster_source": plan.cluster_source,
