@@ -11,12 +11,13 @@ The optimizer is Adam (what the memory model assumes), in the form `Plan.dp_styl
 
 - `ReplicatedAdam`: every replica all-reduces the gradients (`average_gradients`) and keeps Adam's
   whole state for every parameter;
-- `DistributedAdam` (ZeRO-1, Megatron-LM's distributed optimizer): the gradients of one dtype are
-  one flat buffer, padded to a multiple of dp, reduce-scattered over the dp group so replica i holds
-  the mean gradient of slice i; Adam updates only that slice (its state is 1 / dp of the whole), and
-  the updated slices are all-gathered back into every replica's parameters. Per step and dtype: one
-  reduce-scatter of the gradient bytes and one all-gather of the parameter bytes, together the
-  volume of the all-reduce they replace. (torch's `ZeroRedundancyOptimizer` would all-reduce the
+- `DistributedAdam` (ZeRO-1, Megatron-LM's distributed optimizer): the parameters of one dtype are
+  views of one flat buffer, padded to a multiple of dp, and their gradients views of another; the
+  gradient buffer is reduce-scattered over the dp group so replica i holds the mean gradient of slice
+  i; Adam updates only that slice of the parameter buffer, in place (its state is 1 / dp of the
+  whole), and the updated slices are all-gathered back into every replica's buffer. Per step and
+  dtype: one reduce-scatter of the gradient bytes and one all-gather of the parameter bytes, together
+  the volume of the all-reduce they replace. (torch's `ZeroRedundancyOptimizer` would all-reduce the
   whole gradient and broadcast each parameter from its owner, more traffic than what is priced.)
   Like `ReplicatedAdam`, 16-bit parameters are stepped through fp32 master copies (of the slice).
 - `Zero2Adam` (ZeRO-2): gradients sharded too, reduce-scattered unit by unit as the backward
@@ -365,25 +366,34 @@ class ReplicatedAdam(_OverlappedReduce, _AdamOnRanks):
 
 
 class DistributedAdam(_OverlappedReduce, _AdamOnRanks):
-    """ZeRO-1: Adam with its state sharded over the data-parallel ranks (module docstring).
+    """ZeRO-1: Adam with its state sharded over the data-parallel ranks (module docstring), laid out as
+    Megatron-LM's distributed optimizer keeps it.
 
     params: the trainable parameters this rank holds, the same list in the same order on every replica
     (duplicates are dropped). group / dp / dp_rank: the data-parallel group, its size and this rank's
     rank in it. Parameters are grouped into buckets (`passes.fsdp.Bucket`): one per dtype, or with
     either overlap one per wrapping unit and dtype (`named` / `units`: a layer's parameters, one more
-    for the parameters outside the layers); each bucket's flat buffer of N elements is cut into dp
-    slices of ceil(N / dp) (zero padding at the end), slice dp_rank being this rank's. This rank's
-    slices of one dtype are one flat store Adam steps (an fp32 master for 16-bit parameters), as the
-    cost model prices the distributed optimizer's step. Collective over `group`: every replica calls
-    `reduce_gradients` and `step` together. A parameter without a gradient counts as a zero gradient
-    (its Adam moments still move it, as in Megatron-LM's zero-filled gradient buffer, where torch's
-    Adam would skip the parameter). The slices are copied from the parameters when it is built: build
-    it after the weights are loaded.
+    for the parameters outside the layers); each bucket of N elements is cut into dp slices of
+    ceil(N / dp) (zero padding at the end), slice dp_rank being this rank's.
+
+    Buffers: per dtype one flat parameter buffer and one flat gradient buffer of the same layout (the
+    dtype's buckets in order, each `padded_numel` elements); every parameter's storage is re-pointed
+    into the parameter buffer and its `.grad` is a view of the gradient buffer (autograd accumulates
+    into it in place; `zero_grad` zeroes it), so a bucket's gradient and this rank's slice of it are
+    views, and so is the slice of its parameters. Adam steps those parameter slices in place (their
+    gradient: the gradient buffer's slice, which holds the replicas' mean after the reduce-scatter);
+    16-bit slices through one fp32 master copy per dtype of this rank's slices (mixed precision, as
+    the cost model prices it: parameters, gradients and 1 / dp of Adam's state and masters, beside
+    transients). A parameter without a gradient counts as a zero gradient (its Adam moments still
+    move it, as in Megatron-LM's zero-filled gradient buffer, where torch's Adam would skip the
+    parameter). The parameters' values are copied into the buffer when it is built: build it after
+    the weights are loaded. Collective over `group`: every replica calls `reduce_gradients` and `step`
+    together.
 
     Without overlap: one reduce-scatter per dtype after the backward and one all-gather per dtype
     after the step. overlap_grad_reduce: one asynchronous reduce-scatter per bucket from the last
     micro-batch's backward (`_OverlappedReduce`). overlap_param_gather: one asynchronous all-gather
-    per bucket after the step, each waited for (and copied into the parameters) by
+    per bucket after the step, straight into the parameter buffer, each waited for by
     `passes.dp_overlap.dp_param_wait` before the bucket's first use in the next forward, or before
     anything reads the parameters (`wait_gathers`).
     """
@@ -407,52 +417,122 @@ class DistributedAdam(_OverlappedReduce, _AdamOnRanks):
         self.buckets = make_buckets(pairs, units if per_unit else (), dp)
         by_fqn = dict(pairs)
         self._members = [[by_fqn[p.fqn] for p in b.params] for b in self.buckets]
-        self._where: dict[int, int] = {}  # bucket -> offset of its slice in its dtype's store
-        self._stores: dict[torch.dtype, torch.Tensor] = {}  # dtype -> this rank's slices (fp32 for 16-bit)
-        self._grads: dict[torch.dtype, torch.Tensor] = {}  # dtype -> the mean gradient of the slices
-        for dtype in dict.fromkeys(b.dtype for b in self.buckets):
-            slices = []
-            for b in self.buckets:
-                if b.dtype == dtype:
-                    self._where[b.index] = sum(s.numel() for s in slices)
-                    flat = self._flat([p.detach() for p in self._members[b.index]], b.padded_numel)
-                    slices.append(flat[dp_rank * b.shard_numel : (dp_rank + 1) * b.shard_numel])
-            store = torch.cat(slices)
-            # mixed precision: a 16-bit slice is stepped as an fp32 master copy (as priced)
-            self._stores[dtype] = store.float() if dtype in HALF_DTYPES else store
-            self._grads[dtype] = torch.zeros_like(store)
+        # bucket -> offset of its padded elements in its dtype's buffers, and of its slice among this
+        # rank's slices of its dtype (the masters', the reduce-scatter's output)
+        self._bucket_at: dict[int, int] = {}
+        self._where: dict[int, int] = {}
+        self._param_buffers: dict[torch.dtype, torch.Tensor] = {}  # dtype -> the parameters, flat (padded)
+        self._grad_buffers: dict[torch.dtype, torch.Tensor] = {}  # dtype -> their gradients, same layout
+        self._masters: dict[torch.dtype, torch.Tensor] = {}  # 16-bit dtype -> fp32 copy of this rank's slices
+        self._grad_views: list[list[torch.Tensor]] = []  # bucket -> each member's `.grad` (a buffer view)
+        stepped: list[torch.Tensor] = []  # what Adam steps: fp32 (any non-16-bit) slices, 16-bit masters
+        # (fp32 slice of the parameter buffer, the gradient buffer's slice: its gradient), stepped in place
+        self._slices: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for dtype in self._dtypes():
+            members = [b for b in self.buckets if b.dtype == dtype]
+            start = where = 0
+            for b in members:
+                self._bucket_at[b.index], self._where[b.index] = start, where
+                start, where = start + b.padded_numel, where + b.shard_numel
+            device = self._members[members[0].index][0].device
+            values = self._param_buffers[dtype] = torch.zeros(start, dtype=dtype, device=device)
+            grads = self._grad_buffers[dtype] = torch.zeros(start, dtype=dtype, device=device)
+            with torch.no_grad():
+                for b in members:
+                    for p, fp in zip(self._members[b.index], b.params):
+                        at = self._bucket_at[b.index] + fp.offset
+                        values[at : at + fp.numel].copy_(p.detach().reshape(-1))
+                        if p.grad is not None:
+                            grads[at : at + fp.numel].copy_(p.grad.detach().reshape(-1))
+                        p.data = values[at : at + fp.numel].view_as(p)
+            if dtype in HALF_DTYPES:  # mixed precision: the 16-bit slices stepped as an fp32 master copy
+                master = torch.cat([self._param_slice(b.index) for b in members]).float()
+                self._masters[dtype] = master
+                stepped.append(master)
+            else:  # the slices themselves (views of the parameter buffer), stepped in place
+                self._slices += [(self._param_slice(b.index), self._grad_slice(b.index)) for b in members]
+                stepped += [view for view, _ in self._slices[-len(members) :]]
+        for b, members in zip(self.buckets, self._members):
+            buffer, start = self._grad_buffers[b.dtype], self._bucket_at[b.index]
+            views = [
+                buffer[start + fp.offset : start + fp.offset + fp.numel].view_as(p)
+                for p, fp in zip(members, b.params)
+            ]
+            self._grad_views.append(views)
+            for p, view in zip(members, views):
+                p.grad = view
         self.lr = lr
-        self.adam = torch.optim.Adam(list(self._stores.values()), lr=lr)
+        self.adam = torch.optim.Adam(stepped, lr=lr)
         self._reduced = False
         self.counts: Counter[str] = Counter()
         self.events: list[tuple[str, str]] = []
         self._init_hooks(overlap_grad_reduce, micro_batches, hook_divisor or dp, deferred)
 
+    def _dtypes(self) -> list[torch.dtype]:
+        """The buckets' dtypes, in the order their first bucket comes."""
+        return list(dict.fromkeys(b.dtype for b in self.buckets))
+
     @staticmethod
     def _flat(tensors: Sequence[torch.Tensor], padded: int) -> torch.Tensor:
+        """`tensors` flattened into one new tensor, zero-padded to `padded` elements."""
         flat = torch.cat([t.reshape(-1) for t in tensors])
         return torch.nn.functional.pad(flat, (0, padded - flat.numel()))
 
-    def _slice(self, table: dict[torch.dtype, torch.Tensor], k: int) -> torch.Tensor:
+    def _bucket(self, table: dict[torch.dtype, torch.Tensor], k: int) -> torch.Tensor:
+        """Bucket k's `padded_numel` elements of a buffer of `table` (a view)."""
         b = self.buckets[k]
-        return table[b.dtype][self._where[k] : self._where[k] + b.shard_numel]
+        return table[b.dtype][self._bucket_at[k] : self._bucket_at[k] + b.padded_numel]
+
+    def _param_slice(self, k: int) -> torch.Tensor:
+        """This rank's slice of bucket k's parameters: `shard_numel` elements, a view of the buffer."""
+        size = self.buckets[k].shard_numel
+        return self._bucket(self._param_buffers, k)[self.dp_rank * size : (self.dp_rank + 1) * size]
+
+    def _grad_slice(self, k: int) -> torch.Tensor:
+        """This rank's slice of bucket k's gradients (the replicas' mean after the reduce-scatter), a view."""
+        size = self.buckets[k].shard_numel
+        return self._bucket(self._grad_buffers, k)[self.dp_rank * size : (self.dp_rank + 1) * size]
+
+    def _master_slice(self, k: int) -> torch.Tensor:
+        """Bucket k's part of its 16-bit dtype's fp32 master (`shard_numel` elements, a view)."""
+        b = self.buckets[k]
+        return self._masters[b.dtype][self._where[k] : self._where[k] + b.shard_numel]
 
     def _bucket_grad(self, k: int) -> torch.Tensor:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._members[k]]
-        return self._flat(grads, self.buckets[k].padded_numel)
+        """Bucket k's gradients, flat and padded: a view of the gradient buffer, which every member's
+        `.grad` views (`_adopt_grads` first where one may have been replaced or dropped)."""
+        return self._bucket(self._grad_buffers, k)
+
+    def _adopt_grads(self, k: int) -> None:
+        """Make every member of bucket k hold its `.grad` in the gradient buffer again: a gradient set
+        to None counts as zeros, one replaced by another tensor (the pipeline's sum of tied copies) is
+        copied in."""
+        with torch.no_grad():
+            for p, view in zip(self._members[k], self._grad_views[k]):
+                grad = p.grad
+                if grad is None:
+                    view.zero_()
+                elif grad.data_ptr() != view.data_ptr():
+                    view.copy_(grad)
+                else:
+                    continue
+                p.grad = view
 
     def _keep_mean(self, k: int, mine: torch.Tensor) -> None:
-        """This rank's mean gradient slice of bucket k, for Adam and written back into the owned
-        elements of the parameters' `.grad` (the other elements keep this replica's own gradient, as in
-        Megatron-LM's buffer)."""
-        self._slice(self._grads, k).copy_(mine)
-        for p, lo, hi, offset in self._owned(k):
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            p.grad.view(-1)[lo:hi] = mine[offset : offset + hi - lo]
+        """This rank's mean gradient slice of bucket k, written into the gradient buffer's slice: the
+        owned elements of the parameters' `.grad` (views of the buffer) hold the replicas' mean, the
+        other elements keep this replica's own gradient, as in Megatron-LM's buffer; Adam reads the
+        slice as its gradient."""
+        with torch.no_grad():
+            self._grad_slice(k).copy_(mine)
 
     def _issue(self, k: int, divisor: int) -> Callable[[], None]:
+        self._adopt_grads(k)
         flat = self._bucket_grad(k)
+        if divisor != self.dp:
+            # a pipeline's hook (divided by dp x micro-batches): the schedule scales `.grad` in place
+            # after the backward, maybe while this reads it (a transient copy, as NCCL reads later)
+            flat = flat.clone()
         mine = torch.empty(self.buckets[k].shard_numel, dtype=flat.dtype, device=flat.device)
         self.counts["reduce_scatter"] += 1
         work = dist.reduce_scatter_single(mine, flat, group=self.group, async_op=True)
@@ -470,11 +550,14 @@ class DistributedAdam(_OverlappedReduce, _AdamOnRanks):
         if self.overlap_grad_reduce:
             self._finish_overlapped()
         else:
-            for dtype in dict.fromkeys(b.dtype for b in self.buckets):
+            for dtype in self._dtypes():
                 members = [b for b in self.buckets if b.dtype == dtype]
-                # rank r's part of the input: every bucket's slice r, in bucket order (as its store)
+                for b in members:
+                    self._adopt_grads(b.index)
+                # rank r's part of the input: every bucket's slice r, in bucket order (one bucket: the
+                # buffer as it is; several: a transient copy in that order)
                 parts = [self._bucket_grad(b.index).view(self.dp, b.shard_numel) for b in members]
-                flat = torch.cat(parts, dim=1).reshape(-1)
+                flat = parts[0].reshape(-1) if len(parts) == 1 else torch.cat(parts, dim=1).reshape(-1)
                 mine = torch.empty(flat.numel() // self.dp, dtype=flat.dtype, device=flat.device)
                 self.counts["reduce_scatter"] += 1
                 dist.reduce_scatter_single(mine, flat, group=self.group)
@@ -482,59 +565,76 @@ class DistributedAdam(_OverlappedReduce, _AdamOnRanks):
                 for b in members:
                     offset = self._where[b.index]
                     self._keep_mean(b.index, mine[offset : offset + b.shard_numel])
-        for dtype, store in self._stores.items():
-            store.grad = self._grads[dtype].to(store.dtype)
         self._reduced = True
 
     def zero_grad(self) -> None:
-        super().zero_grad()
-        for grads in self._grads.values():
+        """Zero the gradient buffers (every parameter's `.grad` stays their view: the next backward
+        accumulates into it)."""
+        for grads in self._grad_buffers.values():
             grads.zero_()
+        for k in range(len(self.buckets)):
+            for p, view in zip(self._members[k], self._grad_views[k]):
+                if p.grad is not view:
+                    p.grad = view
+        for master in self._masters.values():
+            master.grad = None
+        self._reduced = False
         self._reset_hooks()
 
     def step(self) -> None:
         """Reduce the gradients (unless done since the last step), Adam on this rank's slices, then
-        all-gather the slices into every replica's parameters: one collective per dtype, or with
+        all-gather the slices into every replica's parameter buffer: one collective per dtype, or with
         overlap_param_gather one per bucket, asynchronous, waited for at the bucket's first use."""
         if not self._reduced:
             self.reduce_gradients()
+        for dtype, master in self._masters.items():  # the gradient of a master: an fp32 copy, for the step
+            master.grad = torch.cat(
+                [self._grad_slice(b.index) for b in self.buckets if b.dtype == dtype]
+            ).float()
+        for view, grad in self._slices:  # the fp32 slices' gradients: views of the gradient buffer
+            view.grad = grad
         self.adam.step()
-        for dtype in dict.fromkeys(b.dtype for b in self.buckets):
+        with torch.no_grad():
+            for dtype, master in self._masters.items():
+                master.grad = None
+                for b in self.buckets:
+                    if b.dtype == dtype:
+                        self._param_slice(b.index).copy_(self._master_slice(b.index))
+        for dtype in self._dtypes():
             members = [b for b in self.buckets if b.dtype == dtype]
             if self.overlap_param_gather:
                 for b in members:
                     self._gather_async(b.index)
                 continue
-            mine = self._stores[dtype].detach().to(dtype)
-            gathered = torch.empty(mine.numel() * self.dp, dtype=dtype, device=mine.device)
+            mine = torch.cat([self._param_slice(b.index) for b in members])  # a copy: never the output
             self.counts["all_gather"] += 1
+            if len(members) == 1:  # the gathered slices are the bucket's buffer
+                dist.all_gather_single(
+                    self._bucket(self._param_buffers, members[0].index), mine, group=self.group
+                )
+                continue
+            gathered = torch.empty(mine.numel() * self.dp, dtype=dtype, device=mine.device)
             dist.all_gather_single(gathered, mine, group=self.group)
             per_rank = gathered.view(self.dp, mine.numel())
-            for b in members:
-                offset = self._where[b.index]
-                self._copy_in(b.index, per_rank[:, offset : offset + b.shard_numel].reshape(-1))
+            with torch.no_grad():
+                for b in members:
+                    offset = self._where[b.index]
+                    into = self._bucket(self._param_buffers, b.index).view(self.dp, b.shard_numel)
+                    into.copy_(per_rank[:, offset : offset + b.shard_numel])
         self._reduced = False
 
-    def _copy_in(self, k: int, flat: torch.Tensor) -> None:
-        offset = 0
-        with torch.no_grad():
-            for p in self._members[k]:
-                p.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
-
     def _gather_async(self, k: int) -> None:
+        """All-gather bucket k's updated slices straight into its part of the parameter buffer (the
+        parameters' storage), asynchronously; `passes.dp_overlap.dp_param_wait` waits for it at the
+        bucket's first use."""
         b = self.buckets[k]
-        mine = self._slice(self._stores, k).detach().to(b.dtype, copy=True)
-        gathered = torch.empty(b.padded_numel, dtype=b.dtype, device=mine.device)
+        mine = self._param_slice(k).clone()  # the input may not alias the output
         self.counts["all_gather"] += 1
         self.events.append(("gather_issued", b.unit))
-        work = dist.all_gather_single(gathered, mine, group=self.group, async_op=True)
-
-        def finish() -> None:
-            work.wait()
-            self._copy_in(k, gathered)
-
-        dp_overlap.gather_pending(b.unit, finish)
+        work = dist.all_gather_single(
+            self._bucket(self._param_buffers, k), mine, group=self.group, async_op=True
+        )
+        dp_overlap.gather_pending(b.unit, lambda: (work.wait(), mine))
 
     def wait_gathers(self) -> None:
         """Wait for the parameters' gathers still in flight (overlap_param_gather)."""
@@ -559,7 +659,7 @@ class DistributedAdam(_OverlappedReduce, _AdamOnRanks):
         out = {id(p): (0, p.numel(), p.detach().view(-1)) for p in self.params if p.dtype == torch.float32}
         for b in self.buckets:
             if b.dtype in HALF_DTYPES:
-                master = self._slice(self._stores, b.index)
+                master = self._master_slice(b.index)
                 for p, lo, hi, offset in self._owned(b.index):
                     out[id(p)] = (lo, hi, master.detach()[offset : offset + hi - lo])
         return out
@@ -570,8 +670,11 @@ class DistributedAdam(_OverlappedReduce, _AdamOnRanks):
         return {id(p): (lo, hi) for b in self.buckets for p, lo, hi, _ in self._owned(b.index)}
 
     def held_tensors(self) -> list[torch.Tensor]:
-        """The training state this rank holds (parameters, gradients, Adam state and slices)."""
-        return _held(self.params, self.adam, [*self._stores.values(), *self._grads.values()])
+        """The training state this rank holds: the parameter and gradient buffers (every parameter
+        and `.grad` a view of them), Adam's state of this rank's slices, the 16-bit slices' fp32
+        masters."""
+        buffers = [*self._param_buffers.values(), *self._grad_buffers.values(), *self._masters.values()]
+        return _held(self.params, self.adam, buffers)
 
     def note(self) -> str:
         """What the run report says about the optimizer that ran."""
@@ -591,18 +694,11 @@ class DistributedAdam(_OverlappedReduce, _AdamOnRanks):
             )
         else:
             gather = "parameters all-gathered after the step (no overlap-param-gather)"
-        copies = (
-            f"; besides the parameters and their gradients this rank holds its slices as a store of their own "
-            f"and their mean gradient (2 x 1/{self.dp} of the parameters' elements, fp32), which Megatron-LM's "
-            "distributed optimizer, as the cost model prices it, keeps as views into its buffers: the measured "
-            "training state exceeds the predicted by that"
-            if self.dp > 1
-            else ""
-        )
         return (
             f"optimizer: distributed optimizer (ZeRO-1), Adam state sharded over the {self.dp} data-parallel "
-            f"ranks (each updates 1/{self.dp} of the parameters){_mixed_note(self.params)}; {grads}; {gather}{copies}; "
-            f"collectives in the checked step: {_counts_text(self.counts)}"
+            f"ranks (each updates 1/{self.dp} of the parameters){_mixed_note(self.params)}; parameters "
+            "and gradients views of one flat buffer each per dtype, this rank's slice of the parameters "
+            f"updated in place; {grads}; {gather}; collectives in the checked step: {_counts_text(self.counts)}"
         )
 
 
