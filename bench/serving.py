@@ -67,6 +67,7 @@ sys.path.insert(0, str(ROOT))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from costmodels.cluster import DecodeAttentionSpec  # noqa: E402
 from planner.cli import workflow  # noqa: E402
 from planner.errors import InfeasibleError  # noqa: E402
 from planner.solver.problem import Constraints  # noqa: E402
@@ -251,18 +252,24 @@ def floor_s(row: Published) -> float:
 
 
 def plan(model: str, cluster: str | None, tp: int, ladder: str = "none", workload: str = "decode",
-         attention_kernel: str = "fused", **kw):  # fmt: skip
+         attention_kernel: str = "fused", decode_kernel: DecodeAttentionSpec | None = None, **kw):  # fmt: skip
     """The plan of `model` on `cluster` (None: this machine's calibrated spec) at TP=`tp`."""
-    return planned(model, cluster, tp, ladder, workload, attention_kernel, **kw)[0]
+    return planned(model, cluster, tp, ladder, workload, attention_kernel, decode_kernel, **kw)[0]
 
 
 def planned(model: str, cluster: str | None, tp: int, ladder: str = "none", workload: str = "decode",
-            attention_kernel: str = "fused", **kw):  # fmt: skip
-    """(plan, the prepared model, the spec it was priced with)."""
+            attention_kernel: str = "fused", decode_kernel: DecodeAttentionSpec | None = None, **kw):  # fmt: skip
+    """(plan, the prepared model, the spec it was priced with). `decode_kernel`: the engine's decode
+    attention kernel of one block per (sequence, query head) in place of the preset's
+    (`DeviceSpec.decode_attention`; None: the preset's)."""
     prepared = workflow.prepare(str(ROOT / model), workload, **kw)
     spec = workflow.resolve_cluster(cluster, tp)
     if attention_kernel != spec.attention_kernel:
         spec = dataclasses.replace(spec, attention_kernel=attention_kernel)
+    if decode_kernel is not None:
+        spec = dataclasses.replace(
+            spec, device=dataclasses.replace(spec.device, decode_attention=decode_kernel)
+        )
     constraints = workflow.constraints_from(tp, 1, 1, ladder, max_devices=tp)
     return workflow.make_plan(prepared, spec, constraints, model), prepared, spec
 
@@ -447,14 +454,20 @@ def _kv_cache_bytes_per_device(config_name: str, tp: int, batch: int, positions:
 
 
 @functools.cache
-def engine_request(model: str, config: str, cluster: str, tp: int, batch: int, length: int) -> float | str:
+def engine_request(
+    model: str, config: str, cluster: str, tp: int, batch: int, length: int,
+    decode_kernel: DecodeAttentionSpec | None = None,
+) -> float | str:  # fmt: skip
     """The planner's time for one batch of an engine row, in seconds, or why it refuses the request.
 
     Priced as the engine rows of (c) are (`request_s`, paged): planned with `length` / 2 new tokens (a
     cache of the mean filled length), TTFT + (length - 1) x TPOT. The memory of the whole request is
     that plan's peak plus the cache of the other length / 2 positions; when it is over the usable
-    memory, the request itself is planned (generate, `length` new tokens) for the planner's own reason."""
-    kw = dict(workload="generate", seq_len=length, batch_size=batch, dtype="fp16")
+    memory, the request itself is planned (generate, `length` new tokens) for the planner's own reason.
+    `decode_kernel`: the engine's decode attention kernel (`planned`; None: the preset's)."""
+    kw = dict(
+        workload="generate", seq_len=length, batch_size=batch, dtype="fp16", decode_kernel=decode_kernel
+    )
     try:
         p = plan(model if model.startswith("bench/") else f"examples/{model}.py", cluster, tp,
                  new_tokens=max(1, length // 2), **kw)  # fmt: skip
@@ -470,6 +483,46 @@ def engine_request(model: str, config: str, cluster: str, tp: int, batch: int, l
         except InfeasibleError as e:
             return str(e)
     return p.serving.ttft_s + (length - 1) * p.serving.tpot_s
+
+
+# TensorRT-LLM 0.11 (LLM-Inference-Bench's TensorRT-LLM/H100/requirements.txt) as its scripts run it:
+# trtllm-build without --multi_block_mode and a runner without multi_block_mode, so the decode step's
+# masked multi-head attention runs one thread block per (sequence, query head) and never splits the
+# cache; at batch 1 a TP rank's 32 / TP blocks use a few of the H100's 132 SMs (NVIDIA H100 datasheet)
+TRT_LLM_SMS = 132
+# the rows its one free number, the block's share of the per-SM bandwidth, is fitted to: Llama-2-7B at
+# TP1 and batch 1, the shortest and longest requests (the other rows are held out)
+TRT_LLM_FIT_LENGTHS = (128, 2048)
+
+
+@functools.cache
+def trt_llm_decode_kernel() -> DecodeAttentionSpec:
+    """TensorRT-LLM 0.11's decode attention (`DeviceSpec.decode_attention`, 132 SMs) with the
+    block_share at which the predicted request time grows from 128/128 to 2048/2048 as the published
+    one does (Llama-2-7B, TP1, batch 1: what a longer cache adds per step, whatever the engine's fixed
+    cost per step), by bisection on a log scale."""
+    rows = {r.length: r for r in engine_rows() if r.framework == "TensorRT-LLM" and r.model == "llama2_7b_kv"
+            and r.tp == 1 and r.batch == 1 and r.length in TRT_LLM_FIT_LENGTHS}  # fmt: skip
+    short, long_ = (rows[n] for n in TRT_LLM_FIT_LENGTHS)
+
+    def growth_gap(share: float) -> float:  # predicted growth / published growth - 1
+        kernel = DecodeAttentionSpec(TRT_LLM_SMS, share)
+        t = {r.length: engine_request(r.model, r.config, r.cluster, r.tp, r.batch, r.length, kernel)
+             for r in (short, long_)}  # fmt: skip
+        return (t[long_.length] / t[short.length]) / (long_.latency_s / short.latency_s) - 1
+
+    lo, hi = 0.25, 16.0  # a smaller share: slower blocks, more growth
+    for _ in range(16):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if growth_gap(mid) > 0 else (lo, mid)
+    return DecodeAttentionSpec(TRT_LLM_SMS, round((lo * hi) ** 0.5, 3))
+
+
+def _engine_kernel(row: EngineRow) -> DecodeAttentionSpec | None:
+    """The decode attention kernel a row's engine ran: TensorRT-LLM's (`trt_llm_decode_kernel`); None
+    (the preset's: dgx-h100 has none, a cache-splitting kernel) for vLLM, whose PagedAttention V2 splits
+    the cache into 512-token partitions for the contexts where it matters."""
+    return trt_llm_decode_kernel() if row.framework == "TensorRT-LLM" else None
 
 
 def _refusal(reason: str) -> str:
@@ -502,12 +555,13 @@ def llm_inference_bench(console: Console) -> None:
     fused_errors: dict[int, list[float]] = {}
     refused = []
     for row in rows:
-        seconds = engine_request(row.model, row.config, row.cluster, row.tp, row.batch, row.length)
+        kernel = _engine_kernel(row)
+        seconds = engine_request(row.model, row.config, row.cluster, row.tp, row.batch, row.length, kernel)
         tokens = row.batch * 2 * row.length
         fused_text = "-"
         if row.model in _FUSED_VARIANT:
             fused = engine_request(_FUSED_VARIANT[row.model], row.config, row.cluster, row.tp, row.batch,
-                                   row.length)  # fmt: skip
+                                   row.length, kernel)  # fmt: skip
             if isinstance(fused, str):
                 fused_text = "refused"
             else:
@@ -526,6 +580,13 @@ def llm_inference_bench(console: Console) -> None:
     console.print(table)
     console.print(
         f"Source: {LLM_INFERENCE_BENCH_URL}; error = predicted / published throughput - 1 (+: faster)"
+    )
+    trt = trt_llm_decode_kernel()
+    console.print(
+        f"TensorRT-LLM 0.11 rows: decode attention of one block per (sequence, query head), {trt.sms} SMs, "
+        f"block_share {trt.block_share:g} (a block streams {trt.block_share:g}x the per-SM share of the "
+        f"bandwidth), fitted to Llama-2-7B TP1 batch 1 {TRT_LLM_FIT_LENGTHS[0]}/{TRT_LLM_FIT_LENGTHS[0]} and "
+        f"{TRT_LLM_FIT_LENGTHS[1]}/{TRT_LLM_FIT_LENGTHS[1]}; vLLM rows: a cache-splitting kernel (the preset's)"
     )
     by_batch: dict[int, list[float]] = {}
     by_batch_kind: dict[tuple[int, str], list[float]] = {}

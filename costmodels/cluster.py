@@ -122,6 +122,21 @@ class AttentionSpec:
 
 
 @dataclass(frozen=True)
+class DecodeAttentionSpec:
+    """A decode step's attention kernel that runs one thread block per (sequence, query head) pair,
+    each reading that head's whole K and V cache, without splitting the cache over more blocks
+    (FlashAttention v2.0, TensorRT-LLM's masked MHA without multi-block mode, vLLM's PagedAttention
+    v1): with fewer pairs than SMs most of the GPU idles (Dao, Haziza, Massa, Sizov 2023,
+    "Flash-Decoding for long-context inference"). `costmodels.compute.decode_attention_time_s`: the
+    blocks run in waves of ``sms``, each block streaming at ``block_share`` x (memory bandwidth x
+    memory efficiency) / ``sms``. Absent from a spec: the kernel splits the cache (Flash-Decoding),
+    priced by bandwidth alone."""
+
+    sms: int  # thread blocks running at once (one per SM)
+    block_share: float  # one block's streaming rate / the per-SM share of the achieved bandwidth
+
+
+@dataclass(frozen=True)
 class DeviceSpec:
     """One accelerator (or one CPU process). All values SI."""
 
@@ -211,6 +226,9 @@ class DeviceSpec:
     # ``attention_efficiency``; None: those fixed efficiencies (CPU specs are priced as before).
     gemm: GemmSpec | None = None
     attention: AttentionSpec | None = None
+    # Optional (None: a split-cache decode kernel, priced by bandwidth alone): the decode step's
+    # attention kernel runs one block per (sequence, query head) (`DecodeAttentionSpec`)
+    decode_attention: DecodeAttentionSpec | None = None
 
 
 CALIBRATED_SPEC_NAME = "local-calibrated"  # the name of a spec written by `planner calibrate`
@@ -441,6 +459,8 @@ _EXPECT = {
     "half_seq": "a number of tokens >= 0 (key length at half the attention kernel's rate), e.g. 220",
     "causal_half_seq": "a number of tokens >= 0 (the same under a causal mask), e.g. 1100",
     "backward_time_factor": "a number > 0 (attention backward time / forward time), e.g. 3.2",
+    "decode_attention": "a mapping {sms: ..., block_share: ...} (a decode attention kernel of one block per sequence and head)",
+    "block_share": "a number > 0 (one decode attention block's rate / the per-SM share of the memory bandwidth), e.g. 1",
     "bf16": "a number in TFLOP/s > 0",
     "fp16": "a number in TFLOP/s > 0",
     "fp32": "a number in TFLOP/s > 0",
@@ -512,6 +532,7 @@ def _parse_device(r: _Reader, raw: Any) -> DeviceSpec:
             "adam_cached_ns_per_param",
             "gemm",
             "attention",
+            "decode_attention",
         ),
     )
     for rate in ("adam_large_tensor_ns_per_param", "adam_cached_ns_per_param"):
@@ -616,6 +637,9 @@ def _parse_device(r: _Reader, raw: Any) -> DeviceSpec:
         * 1e-9,
         gemm=None if (gemm := d.get("gemm")) is None else _parse_gemm(r, gemm),
         attention=None if (attn := d.get("attention")) is None else _parse_attention(r, attn),
+        decode_attention=None
+        if (decode := d.get("decode_attention")) is None
+        else _parse_decode_attention(r, decode),
     )
 
 
@@ -650,6 +674,19 @@ def _parse_gemm(r: _Reader, raw: Any) -> GemmSpec:
         sms=sms,
         tiles=tuple(parsed),
         min_split_k=r.number(d["min_split_k"], f"{path}.min_split_k", "elements", "256"),
+    )
+
+
+def _parse_decode_attention(r: _Reader, raw: Any) -> DecodeAttentionSpec:
+    path = "device.decode_attention"
+    d = r.mapping(raw, path, ("sms", "block_share"))
+    sms = d["sms"]
+    if not isinstance(sms, int) or isinstance(sms, bool) or sms < 1:
+        raise r.fail(
+            f"{path}.sms", f"expected an integer >= 1 (SMs: thread blocks in one wave), got {_describe(sms)}"
+        )
+    return DecodeAttentionSpec(
+        sms=sms, block_share=r.number(d["block_share"], f"{path}.block_share", "x", "1")
     )
 
 
@@ -1076,6 +1113,16 @@ def cluster_to_dict(spec: ClusterSpec) -> dict:
             ),
             **({} if dev.gemm is None else {"gemm": _gemm_to_dict(dev.gemm)}),
             **({} if dev.attention is None else {"attention": _attention_to_dict(dev.attention)}),
+            **(
+                {}
+                if dev.decode_attention is None
+                else {
+                    "decode_attention": {
+                        "sms": dev.decode_attention.sms,
+                        "block_share": _human(dev.decode_attention.block_share),
+                    }
+                }
+            ),
         },
         "links": links,
     }

@@ -141,6 +141,30 @@ def attention_kernel_efficiency(kv_len: float, causal: bool, attention: Attentio
     return attention.efficiency * length / (length + half)
 
 
+def decode_attention_time_s(sequences: float, heads: float, kv_len: float, head_dim: float, dtype: str,
+                            device: DeviceSpec) -> float | None:  # fmt: skip
+    """Seconds of a decode step's attention kernel on ``device`` when it runs one thread block per
+    (sequence, query head) pair (``device.decode_attention``, `costmodels.cluster.DecodeAttentionSpec`),
+    each block reading its head's K and V cache of ``kv_len`` tokens x ``head_dim`` elements of
+    ``dtype`` (2 x kv_len x head_dim x bytes): ceil(blocks / sms) waves, each as long as one block's
+    bytes at its streaming rate, ``block_share`` x memory bandwidth x memory efficiency / sms. The
+    launch is not included; None when the device has no such kernel (it splits the cache: priced by
+    bandwidth alone).
+
+    With few pairs (batch 1, a few heads per TP rank) this is far above the bandwidth roofline: one
+    block cannot stream the whole GPU's bandwidth. Fitted to Flash-Decoding's table (FlashAttention
+    v2.0.9, A100, 16 query heads, seqlen x batch = 65,536: 2,300.6 us at batch 1, 529.2 us at batch 8;
+    `costmodels/clusters/dgx-a100.yaml`)."""
+    spec = device.decode_attention
+    if spec is None or sequences <= 0 or heads <= 0 or kv_len <= 0:
+        return None
+    blocks = sequences * heads
+    waves = math.ceil(blocks / spec.sms)
+    block_bytes = 2.0 * kv_len * head_dim * dtype_bytes(dtype)
+    rate = spec.block_share * device.memory_bandwidth_bytes_per_s * device.memory_efficiency / spec.sms
+    return waves * block_bytes / rate
+
+
 def training_gemm_shapes(m: float, k: float, n: float) -> tuple[tuple[float, float, float], ...]:
     """The (rows, K, N) of a linear layer's three training GEMMs for an (m, k) @ (k, n) forward:
     the forward, the input gradient (m, n) @ (n, k) and the weight gradient (k, m) @ (m, n)

@@ -15,7 +15,12 @@ warm-up, the median of several repetitions (`event_median_s`), all ranks at once
 2. Fused attention, ``scaled_dot_product_attention`` in bf16 at key lengths `ATTENTION_LENGTHS`,
    causal and unmasked forwards and the causal backward; fitted by `fit_attention` to
    ``device.attention`` (``efficiency``, ``half_seq``, ``causal_half_seq``, ``backward_time_factor``).
-3. NCCL all-reduce, all-gather and reduce-scatter from 8 B to 1 GiB (`COLLECTIVE_SIZES_BYTES`: 8 B x
+3. Decode attention, as a static-cache model calls it (`time_decode_attention`: one query token, a
+   boolean mask over the cache, grouped K / V) at batch 1 with `DECODE_HEADS` query heads over
+   `DECODE_KV_LEN` tokens: fitted by `fit_decode_attention` to ``device.decode_attention`` when the
+   kernel runs far slower than reading the cache (one block per sequence and query head, the cache
+   not split), and left out when it runs near the bandwidth (a kernel that splits the cache).
+4. NCCL all-reduce, all-gather and reduce-scatter from 8 B to 1 GiB (`COLLECTIVE_SIZES_BYTES`: 8 B x
    4^k and 1 GiB) per group: the ranks of one node (``links.intra_node``) and, under torchrun across
    nodes, the whole world (``links.inter_node``). Each point is a loop of back-to-back collectives
    between two events (nccl-tests' convention: time per operation in steady state), reported as
@@ -45,7 +50,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from costmodels.cluster import AttentionSpec, ClusterSpec, GemmSpec
+from costmodels.cluster import AttentionSpec, ClusterSpec, DecodeAttentionSpec, GemmSpec
 from costmodels.comm import Group, all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s
 from costmodels.compute import attention_flops, gemm_efficiency
 from costmodels.dtypes import torch_dtype
@@ -73,6 +78,11 @@ ATTENTION_TOKENS = 32768  # batch x length at each length (batch = tokens // len
 # the presets' ratio of the causal and unmasked half lengths (dgx-h100.yaml, FlashAttention-4's
 # table): used for half_seq when only causal points were measured
 CAUSAL_HALF_RATIO = 5.6
+# decode attention timed at batch 1: a TP rank's share of an 8B-class model's heads (32 query / 8 KV
+# heads at TP4) over a long cache, so that one block per (sequence, query head) leaves most SMs idle
+DECODE_HEADS, DECODE_KV_HEADS, DECODE_KV_LEN = 8, 2, 16384
+# a decode kernel within this factor of the bandwidth's time splits the cache: no decode_attention
+SPLIT_KERNEL_FACTOR = 2.0
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 COLLECTIVE_SIZES_BYTES: tuple[int, ...] = (*(8 * 4**i for i in range(14)), 2**30)  # 8 B ... 512 MiB, 1 GiB
 LARGE_BYTES = 64 * 2**20  # the busbw is held at sizes from here up
@@ -270,6 +280,63 @@ def _attention_times_s(
 
     both = event_median_s(forward_backward, timer, warmup, reps)
     return causal_s, unmasked_s, max(both - causal_s, 0.0)
+
+
+@dataclass(frozen=True)
+class DecodePoint:
+    """One decode step's attention: ``sequences`` x ``heads`` query heads of one token over a cache of
+    ``kv_len`` tokens x ``kv_heads`` K / V heads of ``head_dim`` elements of ``element_bytes``."""
+
+    sequences: int
+    heads: int
+    kv_heads: int
+    kv_len: int
+    head_dim: int
+    element_bytes: int
+    time_s: float
+
+
+def time_decode_attention(
+    device: torch.device,
+    timer: EventTimer,
+    dtype: torch.dtype = torch.bfloat16,
+    heads: int = DECODE_HEADS,
+    kv_heads: int = DECODE_KV_HEADS,
+    kv_len: int = DECODE_KV_LEN,
+    head_dim: int = ATTENTION_HEAD_DIM,
+    warmup: int = WARMUP,
+    reps: int = REPS,
+) -> DecodePoint:
+    """Time ``scaled_dot_product_attention`` of one query token per head over a cache of ``kv_len``
+    tokens at batch 1, with a boolean mask over the cache and grouped K / V (``enable_gqa``), as the
+    static-cache example models call it (examples/models_kv.py): whichever kernel torch picks for it."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    q = torch.randn(1, heads, 1, head_dim, device=device, dtype=dtype)
+    k, v = (torch.randn(1, kv_heads, kv_len, head_dim, device=device, dtype=dtype) for _ in range(2))
+    mask = torch.ones(1, 1, 1, kv_len, device=device, dtype=torch.bool)
+    gqa = {"enable_gqa": True} if kv_heads < heads else {}
+    with torch.no_grad():
+        seconds = event_median_s(lambda: sdpa(q, k, v, attn_mask=mask, **gqa), timer, warmup, reps)
+    return DecodePoint(1, heads, kv_heads, kv_len, head_dim, q.element_size(), seconds)
+
+
+def fit_decode_attention(
+    point: DecodePoint, sms: int, memory_bytes_per_s: float
+) -> tuple[DecodeAttentionSpec | None, float]:
+    """(``device.decode_attention`` for `point`, its time over the bandwidth's): the block_share at
+    which `costmodels.compute.decode_attention_time_s` reproduces the point (its sequences x heads
+    blocks in ceil(blocks / sms) waves, each reading one head's K and V), or None when the point ran
+    within `SPLIT_KERNEL_FACTOR` of reading its cache once at ``memory_bytes_per_s`` (the achieved
+    bandwidth): a kernel that splits the cache, priced by bandwidth."""
+    cache = 2.0 * point.sequences * point.kv_heads * point.kv_len * point.head_dim * point.element_bytes
+    over_bandwidth = point.time_s * memory_bytes_per_s / cache
+    if over_bandwidth <= SPLIT_KERNEL_FACTOR:
+        return None, over_bandwidth
+    blocks = point.sequences * point.heads
+    block_bytes = 2.0 * point.kv_len * point.head_dim * point.element_bytes
+    waves = math.ceil(blocks / sms)
+    share = waves * block_bytes * sms / (point.time_s * memory_bytes_per_s)
+    return DecodeAttentionSpec(sms, share), over_bandwidth
 
 
 @dataclass(frozen=True)
@@ -656,6 +723,7 @@ def cuda_measurements(
     sizes: Sequence[int] = COLLECTIVE_SIZES_BYTES,
     dtype: torch.dtype = torch.bfloat16,
     attention_kwargs: dict | None = None,
+    decode_kwargs: dict | None = None,
 ) -> dict:
     """What `calibrate` measures on CUDA beside its CPU-style figures, on every rank of the initialised
     world at once: ``gemm_sweep`` and the model's ``gemm_shapes`` (M, N, K), fused attention at
@@ -663,16 +731,21 @@ def cuda_measurements(
     None: the world, one node) and, with ``nodes`` > 1, over the world (spanning the nodes). With one
     rank, only an 8 B all-reduce (NCCL's per-call floor). Times are the slowest rank's. Returns plain
     data (picklable): {"gemm": [(m, n, k, s)], "attention": [(L, causal, backward, FLOP, s)],
+    "decode_attention": `DecodePoint` as a tuple,
     "collectives": {"intra_node": [(kind, bytes, ranks, s)], "inter_node": [...]}, "sms", "cc"}."""
     shapes = list(dict.fromkeys([*map(tuple, gemm_sweep), *map(tuple, gemm_shapes)]))
     gemm = time_gemms(shapes, device, timer, dtype)
     square = (max(s[0] for s in shapes),) * 3 if device.type != "cuda" else SQUARE_SHAPE
     squares = [time_gemms([square], device, timer, torch_dtype(dt))[0].time_s for dt in SQUARE_DTYPES]
     attention = time_attention(attention_lengths, device, timer, dtype, **(attention_kwargs or {}))
-    slowest = _max_over_ranks([p.time_s for p in gemm] + [p.time_s for p in attention] + squares)
+    decode = time_decode_attention(device, timer, dtype, **(decode_kwargs or {}))
+    slowest = _max_over_ranks(
+        [p.time_s for p in gemm] + [p.time_s for p in attention] + squares + [decode.time_s]
+    )
     gemm = [dataclasses.replace(p, time_s=t) for p, t in zip(gemm, slowest)]
     attention = [dataclasses.replace(p, time_s=t) for p, t in zip(attention, slowest[len(gemm) :])]
-    squares = slowest[len(gemm) + len(attention) :]
+    squares = slowest[len(gemm) + len(attention) : -1]
+    decode = dataclasses.replace(decode, time_s=slowest[-1])
     world = dist.get_world_size()
     collectives: dict[str, list[CollectivePoint]] = {}
     if world == 1:
@@ -685,6 +758,7 @@ def cuda_measurements(
     return {
         "gemm": [dataclasses.astuple(p) for p in gemm],
         "attention": [dataclasses.astuple(p) for p in attention],
+        "decode_attention": dataclasses.astuple(decode),
         "collectives": {k: [dataclasses.astuple(p) for p in v] for k, v in collectives.items()},
         "squares": {dt: 2.0 * math.prod(square) / t for dt, t in zip(SQUARE_DTYPES, squares)},
         "sms": props.multi_processor_count if props is not None else 132,
@@ -711,7 +785,8 @@ def apply_cuda_measurements(data: dict, cuda: dict, nodes: int = 1, nics_per_nod
     written in: ``device.gemm`` (`fit_gemm` over the fastest GEMM measured as the bf16 peak; fp16 and
     fp32 peaks that times their `SQUARE_SHAPE` rate over bf16's;
     ``matmul_half_rows`` dropped: the GEMM model carries the row count), ``device.attention``
-    (`fit_attention`), ``links.intra_node`` and with ``nodes`` > 1 ``links.inter_node`` (`fit_link`
+    (`fit_attention`), ``device.decode_attention`` (`fit_decode_attention`, left out for a kernel that
+    splits the cache), ``links.intra_node`` and with ``nodes`` > 1 ``links.inter_node`` (`fit_link`
     through `costmodels.comm`; ``nics_per_node`` default: /sys/class/infiniband's entries), each
     with its ``sources`` line saying what was measured, how, and how well the fit holds. Pure but for
     the NIC count's default. Returns a new mapping."""
@@ -766,6 +841,24 @@ def apply_cuda_measurements(data: dict, cuda: dict, nodes: int = 1, nics_per_nod
             f"CUDA events): causal forward TFLOP/s by key length {forwards}; unmasked and causal backward "
             f"timed too; device.attention fitted (fit_attention), worst forward {afit.max_error:.1%}"
         )
+    if cuda.get("decode_attention") is not None:
+        point = DecodePoint(*cuda["decode_attention"])
+        achieved = dev["memory_bandwidth_GBps"] * 1e9 * dev["memory_efficiency"]
+        spec, over = fit_decode_attention(point, int(cuda["sms"]), achieved)
+        dev.pop("decode_attention", None)
+        what = (
+            f"decode attention (scaled_dot_product_attention, batch 1, {point.heads} query / {point.kv_heads} "
+            f"KV heads of {point.head_dim}, a {point.kv_len}-token cache under a boolean mask, CUDA events): "
+            f"{point.time_s * 1e6:.1f} us, {over:.1f}x reading the cache once at the achieved bandwidth"
+        )
+        if spec is None:
+            sources.append(f"{what}: a kernel that splits the cache (no device.decode_attention)")
+        else:
+            dev["decode_attention"] = {"sms": spec.sms, "block_share": _sig(spec.block_share)}
+            sources.append(
+                f"{what}: one block per sequence and query head; device.decode_attention fitted "
+                f"(fit_decode_attention): block_share {spec.block_share:.3g}"
+            )
     intra_points = [CollectivePoint(*p) for p in cuda["collectives"].get("intra_node", [])]
     ranks_per_node = int(data["devices_per_node"])
     if len({p.nbytes for p in intra_points}) < 2:

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from costmodels.cluster import GemmSpec, LinkSpec, load_cluster, parse_cluster
+from costmodels.cluster import DecodeAttentionSpec, GemmSpec, LinkSpec, load_cluster, parse_cluster
 from costmodels.comm import Group
-from costmodels.compute import attention_flops, gemm_efficiency
+from costmodels.compute import attention_flops, decode_attention_time_s, gemm_efficiency
 from costmodels.gpu_calibrate import (
     COLLECTIVE_SIZES_BYTES,
     GEMM_SWEEP_SHAPES,
@@ -21,6 +21,7 @@ from costmodels.gpu_calibrate import (
     AttentionPoint,
     CollectivePoint,
     CudaEventTimer,
+    DecodePoint,
     GemmPoint,
     WallTimer,
     apply_cuda_measurements,
@@ -28,12 +29,14 @@ from costmodels.gpu_calibrate import (
     cuda_measurements,
     event_median_s,
     fit_attention,
+    fit_decode_attention,
     fit_gemm,
     fit_link,
     nccl_tests_bandwidths,
     priced_collective_s,
     time_attention,
     time_collectives,
+    time_decode_attention,
     time_gemms,
 )
 
@@ -373,6 +376,7 @@ def test_cuda_measurements_run_on_cpu_on_one_rank_and_write_a_spec() -> None:
             attention_lengths=(16, 32),
             dtype=torch.float32,
             attention_kwargs={"heads": 2, "head_dim": 8, "tokens": 64, "warmup": 1, "reps": 2},
+            decode_kwargs={"heads": 4, "kv_heads": 2, "kv_len": 64, "head_dim": 8, "warmup": 1, "reps": 2},
         )
     finally:
         dist.destroy_process_group()
@@ -383,6 +387,8 @@ def test_cuda_measurements_run_on_cpu_on_one_rank_and_write_a_spec() -> None:
     spec = parse_cluster(apply_cuda_measurements(mapping, cuda), "test")
     assert spec.device.gemm is not None and spec.device.attention is not None
     assert any("world size 1" in s and "no link measured" in s for s in spec.sources)
+    assert cuda["decode_attention"][:6] == (1, 4, 2, 64, 8, 4) and cuda["decode_attention"][6] > 0
+    assert any(s.startswith("decode attention (scaled_dot_product_attention, batch 1") for s in spec.sources)
 
 
 def test_calibrate_model_option_times_the_models_own_gemm_shapes() -> None:
@@ -397,3 +403,67 @@ def test_calibrate_model_option_times_the_models_own_gemm_shapes() -> None:
     )
     train = calibration_gemm_shapes(workflow.prepare("examples/llama3.py", workload="train"), 1)
     assert (tokens, 128, 128) in train and (128, 128, tokens) in train  # forward and weight gradient
+
+
+def _decode_point(share: float, sms: int = 132, bandwidth: float = 3000e9) -> DecodePoint:
+    """A batch-1 decode point timed as a kernel of one block per query head at `share` would run."""
+    spec = dataclasses.replace(
+        load_cluster("dgx-h100").device,
+        memory_bandwidth_bytes_per_s=bandwidth,
+        memory_efficiency=1.0,
+        decode_attention=DecodeAttentionSpec(sms, share),
+    )
+    seconds = decode_attention_time_s(1, 8, 16384, 128, "bf16", spec)
+    return DecodePoint(1, 8, 2, 16384, 128, 2, seconds)
+
+
+def test_fit_decode_attention_recovers_the_block_share() -> None:
+    """A per-head kernel's point gives back its share; a kernel near the bandwidth (one that splits the
+    cache) gives no decode_attention."""
+    spec, over = fit_decode_attention(_decode_point(1.3), 132, 3000e9)
+    assert spec == DecodeAttentionSpec(132, pytest.approx(1.3))
+    assert over > 10  # 8 blocks of 132 SMs, each reading a whole head: far from the bandwidth
+    cache = 2 * 2 * 16384 * 128 * 2
+    split = DecodePoint(1, 8, 2, 16384, 128, 2, 1.2 * cache / 3000e9)
+    assert fit_decode_attention(split, 132, 3000e9) == (None, pytest.approx(1.2))
+
+
+def test_apply_cuda_measurements_writes_decode_attention_only_for_a_per_head_kernel() -> None:
+    base = dataclasses.replace(load_cluster("dgx-h100"), devices_per_node=8)
+    cuda = _synthetic_cuda(base, Group(8, 8))
+    cuda["collectives"] = {"intra_node": [dataclasses.astuple(p) for p in cuda["collectives"]]}
+    cuda["decode_attention"] = dataclasses.astuple(_decode_point(0.9))
+    spec = parse_cluster(apply_cuda_measurements(_calibrated_mapping(8), cuda), "test")
+    assert spec.device.decode_attention == DecodeAttentionSpec(132, pytest.approx(0.9, rel=1e-3))
+    cache = 2 * 2 * 16384 * 128 * 2
+    cuda["decode_attention"] = dataclasses.astuple(DecodePoint(1, 8, 2, 16384, 128, 2, cache / 3000e9))
+    spec = parse_cluster(apply_cuda_measurements(_calibrated_mapping(8), cuda), "test")
+    assert spec.device.decode_attention is None
+    assert any("a kernel that splits the cache" in s for s in spec.sources)
+    del cuda["decode_attention"]  # measurements of an earlier version: nothing written
+    assert (
+        parse_cluster(apply_cuda_measurements(_calibrated_mapping(8), cuda), "test").device.decode_attention
+        is None
+    )
+
+
+def test_time_decode_attention_on_cpu() -> None:
+    point = time_decode_attention(
+        torch.device("cpu"),
+        WallTimer(),
+        torch.float32,
+        heads=4,
+        kv_heads=2,
+        kv_len=32,
+        head_dim=8,
+        warmup=1,
+        reps=2,
+    )
+    assert (point.sequences, point.heads, point.kv_heads, point.kv_len, point.element_bytes) == (
+        1,
+        4,
+        2,
+        32,
+        4,
+    )
+    assert point.time_s > 0

@@ -771,6 +771,14 @@ def attention_core_options(
         # a fused kernel's rate by sequence length (`DeviceSpec.attention`); not the materialized kind's GEMMs
         seq = None if materialized else (q_len, kv_len, skips_masked)
         core_s = ctx.op_time(flops, moved, "attention", seq=seq)
+        if w.kind is Workload.DECODE and not materialized:
+            # a kernel of one block per (sequence, query head) idles most SMs at a few pairs
+            # (`DeviceSpec.decode_attention`): a wave's blocks stream at a per-SM rate
+            occupancy_s = compute.decode_attention_time_s(seqs, heads / shard, kv_len, hd, ctx.dtype, dev)
+            if occupancy_s is not None:
+                core_s = max(
+                    core_s, occupancy_s + (dev.launch_overhead_s if dev.node_overhead_s is None else 0.0)
+                )
         fit = ctx.cluster.device.attention
         fitted = ctx.train and fit is not None and seq is not None
         forward_s = core_s / (1.0 + fit.backward_time_factor) if fitted else core_s / ctx.compute_factor
