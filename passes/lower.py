@@ -195,13 +195,18 @@ def check_runnable(plan: Plan, structure: ModelStructure, training: bool) -> Non
             "already overlaps its blocks' all-reduces; set tp_comm_overlap: false or ladder_layers: []"
         )
     if (
-        (plan.ep > 1 and plan.ep_fold == "tp" or plan.expert_tp > 1)
-        and plan.sequence_parallel
+        plan.sequence_parallel
         and plan.tp > 1
+        and (plan.ep > 1 and plan.ep_fold == "tp" or plan.expert_tp > 1)
     ):
+        field, fix = (
+            ("'ep_fold' (tp)", "ep_fold: dp")
+            if plan.ep > 1 and plan.ep_fold == "tp"
+            else (f"'expert_tp' ({plan.expert_tp})", "expert_tp: 1")
+        )
         raise InputError(
-            "the plan's fields 'ep_fold' (tp) and 'sequence_parallel' cannot both be set: experts split over "
-            "the TP ranks need the same tokens on every TP rank, which sequence parallelism cuts; set "
-            "sequence_parallel: false or ep_fold: dp"
+            f"the plan's fields {field} and 'sequence_parallel' cannot both be set: experts split over the TP "
+            f"ranks need the same tokens on every TP rank, which sequence parallelism cuts; set "
+            f"sequence_parallel: false or {fix}"
         )
     recompute_of_layers(structure, plan.recompute)  # raises for keys that name no layer class

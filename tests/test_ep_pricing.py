@@ -353,6 +353,7 @@ def test_a_pinned_expert_tp_other_than_1_or_tp_is_refused_in_one_line() -> None:
     [
         (["--tp", "2", "--expert-tp", "4"], ["--expert-tp 4", "--tp 2"]),
         (["--expert-tp", "2", "--ep-fold", "tp"], ["--expert-tp 2", "--ep-fold tp"]),
+        (["--expert-tp", "2", "--sequence-parallel", "on"], ["--expert-tp 2", "--sequence-parallel on"]),
     ],
 )
 def test_cli_refuses_a_bad_expert_tp_with_exit_code_2(args, words, capsys) -> None:
@@ -388,3 +389,22 @@ def test_experts_that_are_not_swiglu_keep_ep_off_and_a_pin_is_refused(monkeypatc
     assert "excluded: ep>1: the experts of layers.0.mlp are not SwiGLU MLPs" in out, out
     monkeypatch.delenv("TINY_MOE_EXPERT_ACT")
     assert main(["optimize", model, "--cluster", "local-cpu", "--nproc", "2", "--ep", "2"]) == 0
+
+
+def test_the_search_never_splits_experts_over_tp_under_sequence_parallelism(capsys) -> None:
+    """Experts split over the TP ranks need every TP rank's tokens, which sequence parallelism cuts, and
+    the lowering refuses the pair: the search offers split experts only with sequence parallelism off
+    (Mixtral on two nodes chose both and was refused by its own check, exit 2). A plan edited to both
+    is refused naming expert_tp."""
+    rc = main(["optimize", str(EXAMPLES / "mixtral_8x7b.py"), "--cluster", "h100-ib-2node", "--workload", "train",
+               "--dtype", "bf16", "--batch-size", "16", "--seq-len", "4096"])  # fmt: skip
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    prepared = prepare(str(EXAMPLES / "mixtral_8x7b.py"), "train", batch_size=16, seq_len=4096, dtype="bf16")
+    plan = plan_model(prepared.structure, load_cluster("h100-ib-2node"), prepared.workload, Constraints())
+    assert plan.expert_tp > 1 and not plan.sequence_parallel  # split experts, so sequence parallelism off
+    from passes.lower import check_runnable  # noqa: PLC0415
+
+    edited = dataclasses.replace(plan, sequence_parallel=True)
+    with pytest.raises(InputError, match=r"'expert_tp' \(2\) and 'sequence_parallel'.*expert_tp: 1"):
+        check_runnable(edited, prepared.structure, True)

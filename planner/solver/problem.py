@@ -387,7 +387,7 @@ class Constraints:
 
     def _check_expert_tp(self) -> None:
         """--expert-tp N > 1 splits the experts over all N TP ranks with EP over dp: refused in one line
-        naming the numbers with --tp other than N, --ep-fold tp or --ep 1."""
+        naming the numbers with --tp other than N, --ep-fold tp, --ep 1 or --sequence-parallel on."""
         n = self.expert_tp
         if n is None or n == 1:
             return
@@ -405,6 +405,11 @@ class Constraints:
             raise InputError(
                 f"--expert-tp {n} splits the experts of expert parallelism over the TP ranks, but --ep 1 turns it "
                 "off: use --ep 2 or more, or leave --expert-tp out"
+            )
+        if self.sequence_parallel:
+            raise InputError(
+                f"--expert-tp {n} splits the experts over the TP ranks, which then need the same tokens on every "
+                "TP rank, and --sequence-parallel on splits them; use --sequence-parallel off, or --expert-tp 1"
             )
 
     def __post_init__(self) -> None:

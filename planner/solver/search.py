@@ -575,14 +575,17 @@ def _ep_options_with_expert_tp(
     """`_ep_options` with the expert TP each is solved with: tp for EP over dp x cp (1 at tp 1; the
     experts whole, expert_tp 1, are priced on its solution, `_price_expert_tp`: splitting the experts
     halves their GEMMs at tp 2, which lowers the bounds the search prunes by, so the split is what is
-    solved), else 1; a pinned --expert-tp 1 keeps 1, N > 1 only EP over dp on meshes of tp = N."""
+    solved), else 1; a pinned --expert-tp 1 keeps 1, N > 1 only EP over dp on meshes of tp = N. Under
+    sequence parallelism the experts stay whole (expert_tp 1): experts split over the TP ranks need the
+    same tokens on every TP rank, which sequence parallelism cuts (`passes.lower.check_runnable`)."""
     pinned = search.constraints.expert_tp
     pairs = _ep_options(search, mesh, sequence_parallel)
     if pinned is None:
-        return [(ep, fold, mesh.tp if ep > 1 and fold == "dp" else 1) for ep, fold in pairs]
+        split = mesh.tp if mesh.tp > 1 and not sequence_parallel else 1
+        return [(ep, fold, split if ep > 1 and fold == "dp" else 1) for ep, fold in pairs]
     if pinned == 1:
         return [(ep, fold, 1) for ep, fold in pairs]
-    if mesh.tp != pinned:
+    if mesh.tp != pinned or sequence_parallel:
         return []
     return [(ep, fold, pinned) for ep, fold in pairs if ep > 1 and fold == "dp"]
 
