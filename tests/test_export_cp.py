@@ -355,3 +355,23 @@ def test_cp1_exports_carry_no_context_parallelism(llama_plan):
     assert "cp" not in module.MESH_DIMS and "cp" not in module.MESH
     assert "context_parallel" not in text and "CP_" not in text and "data_parallel_mesh" not in text
     assert text.startswith('"""Tensor- and data-parallel plan for')
+
+
+@pytest.mark.parametrize("style", [DataParallel.ZERO1, DataParallel.FSDP])
+def test_sharded_dp_at_dp1_with_cp_is_exported_sharded(llama_plan, style):
+    """ZeRO-1 / FSDP at dp=1 with cp=2 shards the training state over the 2 CP ranks, which hold the same
+    weights (`planner show`: "over dp x cp = 2"): no tool's export may fall back to DDP. Megatron-LM gets
+    its distributed optimizer (Megatron-FSDP for fsdp), torchtitan FSDP over shard 1 x cp 2, the DTensor
+    file fully_shard; before, every export read dp=1 as "nothing to shard"."""
+    plan = _cp(llama_plan, 2, dp=1, dp_style=style, dp_shard=1)
+    argv, _ = _megatron_argv(plan)
+    assert "--use-distributed-optimizer" in argv
+    assert ("--use-megatron-fsdp" in argv) == (style is DataParallel.FSDP)
+    options = _titan03_options(_titan03(plan)[0])
+    assert options["--parallelism.data_parallel_shard_degree"] == ["1"]
+    assert options["--parallelism.context_parallel_degree"] == ["2"]
+    _, warnings = _titan03(plan)
+    assert not any("the plan's ddp" in w for w in warnings), warnings
+    assert _dtensor_module(plan).DP_STYLE.startswith("fsdp")
+    if style is DataParallel.ZERO1:
+        assert any("the plan's zero1 over dp x cp = 2" in w for w in warnings), warnings

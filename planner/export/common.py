@@ -230,8 +230,12 @@ ZERO_NAMES = {
 
 
 def dp_label(plan: Plan) -> str:
-    """The plan's data-parallel style as the search labels it (`planner.plan.dp_label`)."""
-    return plan_dp_label(plan.dp_style, plan.dp, plan.dp_shard, plan.reshard_after_forward)
+    """The plan's data-parallel style as the search labels it (`planner.plan.dp_label`): over the dp x cp
+    ranks that hold the same weights (the CP ranks of a replica share them and its sharded state, as
+    `planner.solver.problem.MeshConfig.dp_label` counts them), so a zero1 / fsdp plan at dp=1 with cp > 1
+    is sharded, not "ddp"."""
+    cp = plan.cp
+    return plan_dp_label(plan.dp_style, plan.dp * cp, plan.dp_shard * cp, plan.reshard_after_forward)
 
 
 def dp_prices(plan: Plan) -> dict[str, tuple[float, float | None]]:
@@ -291,12 +295,17 @@ def dp_price_text(plan: Plan, exported: str) -> str:
     return text
 
 
+def _dp_ranks(plan: Plan) -> str:
+    """The ranks a plan's data-parallel state spans: "dp=4", or "dp x cp = 2" with context parallelism."""
+    return f"dp={plan.dp}" if plan.cp == 1 else f"dp x cp = {plan.dp * plan.cp}"
+
+
 def dp_substitute_warning(plan: Plan, tool: str, missing: str, exported: str, form: str) -> str:
     """The warning for a data-parallel style `tool` cannot run: it has no `missing` (what the plan's
     style is), so it gets `form` (the tool's settings), the planner's `exported` style, which is
     `NOT_PRICED`, with both prices (`dp_price_text`)."""
     return (
-        f"{tool} has no {missing}, the plan's {dp_label(plan)} over dp={plan.dp}: exported as {form}; that is "
+        f"{tool} has no {missing}, the plan's {dp_label(plan)} over {_dp_ranks(plan)}: exported as {form}; that is "
         f"{exported}, the nearest form {tool} has, and {NOT_PRICED}: {dp_price_text(plan, exported)}"
     )
 

@@ -152,7 +152,7 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
     args += _recompute_args(plan, warnings)
     form = megatron_dp_form(plan, warnings)
     args += _dp_args(plan, form)
-    if plan.workload is Workload.TRAIN and plan.dp > 1:
+    if plan.workload is Workload.TRAIN and plan.dp * plan.cp > 1:
         # Megatron-FSDP prefetches and reduces unit by unit as the plan prices FSDP; the rest as planned
         fsdp = form.startswith(("fsdp", "hsdp"))
         if plan.overlap_grad_reduce or fsdp:
