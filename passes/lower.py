@@ -194,6 +194,12 @@ def check_runnable(plan: Plan, structure: ModelStructure, training: bool) -> Non
             "the plan's fields 'tp_comm_overlap' and 'ladder_layers' cannot both be set: ladder residual "
             "already overlaps its blocks' all-reduces; set tp_comm_overlap: false or ladder_layers: []"
         )
+    if (plan.ep > 1 or plan.expert_tp > 1) and not any(layer.moe is not None for layer in structure.layers):
+        field, value = ("ep", plan.ep) if plan.ep > 1 else ("expert_tp", plan.expert_tp)
+        raise InputError(
+            f"the plan's field '{field}' is {value}, but the model has no mixture-of-experts layer: there are no "
+            f"experts to split; set {field}: 1"
+        )
     if (
         plan.sequence_parallel
         and plan.tp > 1

@@ -730,6 +730,14 @@ class Plan:
                 f"all mesh.tp={self.mesh.tp} ranks, and only when EP folds over dp (ep_fold {self.ep_fold}); "
                 "set expert_tp: 1",
             )
+        dense = self.model_params > 0 and self.num_experts == 0 and self.expert_params == 0
+        if dense and (self.ep > 1 or self.expert_tp > 1):
+            field, value = ("ep", self.ep) if self.ep > 1 else ("expert_tp", self.expert_tp)
+            raise bad(
+                field,
+                f"is {value}, but the model has no mixture-of-experts layer (num_experts 0, expert_params 0): "
+                f"there are no experts to split; set {field}: 1",
+            )
         if self.ep_fold == "tp" and self.ep not in (1, self.mesh.tp):
             raise bad(
                 "ep",

@@ -510,3 +510,27 @@ def test_layout_megatron_runs_the_split_layout_where_auto_keeps_every_weight_rep
     assert any(d.subject == "layout" and d.chosen == "megatron" for d in plan.decisions)
     with pytest.raises(InputError, match="layout must be one of auto, megatron"):
         workflow.constraints_from(2, None, None, "none", layout="sideways")
+
+
+def test_expert_parallelism_on_a_dense_model_is_refused_naming_the_field(captured) -> None:
+    """A dense model's plan edited to ep 2 (or expert_tp 2) is refused by the plan's own check (every
+    export and run reads it) and, for a plan that does not record the model's experts, by the lowering
+    against the model itself; `planner run` had crashed in the runtime (IndexError) and the exports
+    had written expert-parallel flags for a dense Llama."""
+    from passes.lower import check_runnable  # noqa: PLC0415
+    from planner.frontend.analysis import analyse  # noqa: PLC0415
+    from tests.plans import fixed_plan  # noqa: PLC0415
+
+    structure = analyse(captured("llama3").gm)
+    plan = fixed_plan(structure, "llama3.py", 1, workload="train")
+    plan.mesh, plan.batch_size = MeshShape(1, 1, 2), 2
+    plan.model_params = structure.num_params
+    plan.validate()
+    plan.ep = 2
+    with pytest.raises(
+        InputError, match=r"'ep': is 2, but the model has no mixture-of-experts layer.*set ep: 1"
+    ):
+        plan.validate()
+    plan.model_params = 0  # a plan that does not record the model: the lowering checks the model
+    with pytest.raises(InputError, match=r"'ep' is 2, but the model has no mixture-of-experts layer"):
+        check_runnable(plan, structure, True)
