@@ -721,6 +721,15 @@ class Plan:
                 raise bad(name, f"must be >= 1, got {getattr(self, name)}")
         if self.context < 0:
             raise bad("context", f"must be >= 0, got {self.context}")
+        ranges = [str(k) for k in self.recompute if parse_layer_run(str(k).replace(" ", "")) is not None]
+        if ranges:
+            raise bad(
+                "recompute",
+                f"names layer ranges {ranges}: a plan keys its recomputation by layer class "
+                f"(planner.solver.costing.layer_key, as written) or {' / '.join(map(repr, RECOMPUTE_PLAN_WIDE_KEYS))} "
+                "for every layer; layer ranges are the JSON report's form of it (plan.recompute there), which a "
+                "plan does not read. Set '*': full (or selective, none) for every layer",
+            )
         if self.ep_fold not in EP_FOLDS:
             raise bad("ep_fold", f"{self.ep_fold!r} is not one of {list(EP_FOLDS)}")
         if self.expert_tp not in (1, self.mesh.tp) or (self.expert_tp > 1 and self.ep_fold == "tp"):

@@ -16,6 +16,7 @@ from planner.plan import (
     MeshShape,
     Plan,
     Prediction,
+    Recompute,
     Schedule,
     SolverInfo,
     WeightSplit,
@@ -534,3 +535,17 @@ def test_expert_parallelism_on_a_dense_model_is_refused_naming_the_field(capture
     plan.model_params = 0  # a plan that does not record the model: the lowering checks the model
     with pytest.raises(InputError, match=r"'ep' is 2, but the model has no mixture-of-experts layer"):
         check_runnable(plan, structure, True)
+
+
+def test_recompute_keyed_by_layer_ranges_is_refused_by_every_reader() -> None:
+    """The JSON report writes plan.recompute as layer ranges ("0-1": full); a plan keys it by layer class
+    or '*'. A plan edited with ranges is refused by the plan's own check, so `planner export` (which
+    wrote Megatron-LM flags for it) and `planner run` (which refused it) agree."""
+    plan = make_plan()
+    plan.recompute = {"0-1": Recompute.FULL, "2 - 3": Recompute.NONE}
+    with pytest.raises(
+        InputError, match=r"'recompute': names layer ranges \['0-1', '2 - 3'\].*Set '\*': full"
+    ):
+        plan.validate()
+    plan.recompute = {"*": Recompute.FULL}
+    plan.validate()
