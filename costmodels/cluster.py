@@ -781,6 +781,12 @@ def parse_cluster(data: object, origin: str) -> ClusterSpec:
     d = r.mapping(data, "", top_required, ("sources", "attention_kernel", "overlap_slowdown"))
     nodes = r.integer(d["nodes"], "nodes", "number of nodes", "1")
     if d["devices_per_node"] == "auto":
+        if d["backend"] == "nccl":
+            raise r.fail(
+                "devices_per_node",
+                "is auto, which counts this machine's CPU cores (for clusters of CPU processes, backend gloo); "
+                "a nccl cluster gives its GPUs per node, e.g. 8",
+            )
         devices_per_node = os.cpu_count() or 1
     else:
         devices_per_node = r.integer(

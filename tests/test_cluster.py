@@ -134,6 +134,15 @@ def test_local_cpu_follows_cpu_count_and_nproc() -> None:
     assert (spec.num_nodes, spec.devices_per_node, spec.backend) == (1, 4, "gloo")
 
 
+def test_auto_device_count_is_for_cpu_clusters_only() -> None:
+    """devices_per_node: auto counts this machine's cores: a gloo cluster's; a nccl spec saying it is
+    refused naming the field (it had planned an "H100" cluster of this VM's core count)."""
+    data = {**_valid(), "nodes": 1, "backend": "nccl", "devices_per_node": "auto"}
+    with pytest.raises(SpecError, match=r"devices_per_node: is auto, which counts this machine's CPU cores"):
+        parse_cluster(data, "spec.yaml")
+    assert parse_cluster({**data, "backend": "gloo"}, "spec.yaml").devices_auto
+
+
 def test_nproc_that_overrides_a_spec_s_device_count_is_said(tmp_path: Path) -> None:
     """A spec that writes devices_per_node: 1 and a --nproc 2 plan for 2 ranks, and the user is told
     (a spec saying auto follows --nproc silently: that is what auto means)."""
