@@ -191,3 +191,23 @@ def test_all_reduce_times_are_trimmed_means() -> None:
     assert trimmed_mean([3.0]) == 3.0 and trimmed_mean([1.0, 5.0]) == 3.0
     with pytest.raises(ValueError):
         trimmed_mean([])
+
+
+def test_calibrate_model_on_cpu_says_it_is_not_used(tmp_path: Path, capsys, monkeypatch) -> None:
+    """`planner calibrate --model` times the model's GEMM shapes on CUDA only: on a CPU machine it says
+    so instead of tracing the model for nothing (it was silent)."""
+    import importlib  # noqa: PLC0415
+
+    import costmodels.calibrate as calibrate_module  # noqa: PLC0415
+    from planner.cli import workflow  # noqa: PLC0415
+
+    cli = importlib.import_module("planner.cli.main")
+
+    monkeypatch.setattr(cli, "_cuda_available", lambda: False)
+    monkeypatch.setattr(calibrate_module, "calibrate", lambda *a, **k: load_cluster("local-cpu", nproc=1))
+    monkeypatch.setattr(workflow, "prepare", lambda *a, **k: pytest.fail("the model was traced on CPU"))
+    out = tmp_path / "spec.yaml"
+    assert cli.main(["calibrate", "--nproc", "1", "--model", "examples/llama3.py", "--out", str(out)]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "--model: a model's own GEMM shapes are timed on CUDA only" in printed
+    assert load_cluster(str(out)).num_devices == 1

@@ -1087,6 +1087,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cuda_available() -> bool:
+    """Whether torch sees a CUDA device (`planner calibrate` times the GPU measurements there)."""
+    import torch  # noqa: PLC0415
+
+    return torch.cuda.is_available()
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from costmodels.calibrate import calibrate, write_cluster_yaml  # noqa: PLC0415
     from costmodels.cluster import load_cluster  # noqa: PLC0415
@@ -1102,7 +1109,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             f"{args.nproc} processes timed at once would measure the scheduler[/yellow]"
         )
     gemm_shapes: tuple[tuple[int, int, int], ...] = ()
-    if args.model:
+    if args.model and not _cuda_available():
+        console.print(
+            "[yellow]--model: a model's own GEMM shapes are timed on CUDA only; on this CPU machine the "
+            "calibration times its standard probes (planning on it times the model's own matmul shapes when "
+            "the plan is made)[/yellow]"
+        )
+    elif args.model:
         from planner.solver.machine import calibration_gemm_shapes  # noqa: PLC0415
 
         gemm_shapes = calibration_gemm_shapes(workflow.prepare(args.model), args.nproc)
