@@ -549,3 +549,32 @@ def test_recompute_keyed_by_layer_ranges_is_refused_by_every_reader() -> None:
         plan.validate()
     plan.recompute = {"*": Recompute.FULL}
     plan.validate()
+
+
+def test_an_edited_training_plan_prices_both_baselines_again_in_the_search_s_words() -> None:
+    """A training plan edited to another batch is priced again with both hand-written layouts for the
+    new job: Megatron's layout in the words the search writes (recompute "selective", not a dict of
+    layer ranges; sequence parallelism and overlap filled in) and torchtitan's recipe priced again
+    (it had kept the old batch's layout and step)."""
+    from planner.cli import workflow  # noqa: PLC0415
+    from planner.cli.render import training_rows  # noqa: PLC0415
+
+    path = "examples/llama3.py"
+    prepared = workflow.prepare(path, "train", batch_size=2, seq_len=16)
+    cluster = workflow.resolve_cluster("local-cpu", 2)
+    plan = workflow.make_plan(prepared, cluster, workflow.constraints_from(2, 1, 1, "none"), path)
+    data = plan.to_dict()
+    data["batch_size"] = 4
+    edited = Plan.from_dict(data)
+    again = workflow.reprice_if_edited(edited, workflow.prepare_for_plan(edited, path), cluster)
+    assert again is not None
+    fresh = workflow.make_plan(
+        workflow.prepare(path, "train", batch_size=4, seq_len=16), cluster,
+        workflow.constraints_from(2, 1, 1, "none"), path,
+    )  # fmt: skip
+    assert again.baseline_layout == fresh.baseline_layout
+    assert again.torchtitan_layout == fresh.torchtitan_layout
+    assert again.torchtitan_baseline.latency_s == pytest.approx(fresh.torchtitan_baseline.latency_s)
+    rows = {row[0]: row for row in training_rows(again)}
+    assert "{" not in rows["recompute"][2] and rows["sequence parallel"][2] in ("on", "off")
+    assert [d.subject for d in again.decisions].count("torchtitan-baseline") == 1

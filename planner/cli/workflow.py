@@ -35,6 +35,7 @@ from planner.plan import (
     WORKLOADS,
     DataParallel,
     Decision,
+    MeshShape,
     Plan,
     Prediction,
     Recompute,
@@ -51,7 +52,7 @@ from planner.solver.machine import at_run_speed, priced_machine, priced_workload
 from planner.solver.machine import probe_roofline as probe_roofline  # re-exported for planner calibrate
 from planner.solver.machine import probes_speed as probes_speed  # re-exported for planner run
 from planner.solver.problem import Constraints, LadderPolicy, WorkloadSpec, plan_routing
-from planner.solver.search import megatron_plan, plan_model
+from planner.solver.search import baseline_layouts, megatron_plan, plan_model
 from planner.solver.serving import kv_fallbacks, plan_prediction, price_request
 
 DEFAULT_CONTEXT = 2048  # decode: KV-cache tokens when --context is not given
@@ -893,20 +894,34 @@ def _with_prefill_memory(
 def _rebaselined(
     plan: Plan, structure: ModelStructure, cluster: ClusterSpec, workload: WorkloadSpec, prepared: Prepared
 ) -> Plan:
-    """`plan` with its Megatron baseline priced again for the (edited) job it now describes: the
-    hand-written layout on the plan's devices (`megatron_plan`); none where no Megatron layout applies.
-    An edit of the batch, dtype or request changes the expert's step too."""
+    """`plan` with its Megatron baseline and torchtitan recipe priced again for the (edited) job it now
+    describes: the hand-written layouts on the plan's devices (`megatron_plan`,
+    `planner.solver.search.baseline_layouts`, their layouts in the search's own words); none where no
+    such layout applies. An edit of the batch, dtype or request changes the experts' steps too."""
+    constraints = Constraints(max_devices=plan.num_devices)
     try:
-        expert = megatron_plan(structure, cluster, workload, Constraints(max_devices=plan.num_devices))
+        expert = megatron_plan(structure, cluster, workload, constraints)
+        megatron, titan = baseline_layouts(structure, cluster, workload, constraints)
     except (InputError, InfeasibleError):
-        expert = None
-    kept = [d for d in plan.decisions if d.subject != "megatron-baseline"]
-    if expert is None:
+        expert, megatron, titan = None, None, None
+    kept = [d for d in plan.decisions if d.subject not in ("megatron-baseline", "torchtitan-baseline")]
+    cap = cluster.device.memory_bytes * Constraints.memory_fraction
+    if titan is not None:
+        t, layout = titan
+        mesh = MeshShape(*(int(layout[k]) for k in ("tp", "pp", "dp", "cp")))
+        fits = memory_fit_text(t.peak_memory_bytes, cap, cluster.device.memory_bytes)
+        reason = f"torchtitan's recipe, priced again for the edited plan; {fits}"
+        kept = [Decision("torchtitan-baseline", mesh.label(), {"latency": t.latency_s}, reason), *kept]
+    plan = replace(
+        plan,
+        torchtitan_baseline=titan[0] if titan is not None else None,
+        torchtitan_layout=titan[1] if titan is not None else {},
+    )
+    if expert is None or megatron is None:
         return replace(plan, baseline=None, baseline_layout={}, decisions=kept)
     b = expert.predicted
     if plan.serving is not None:
         b = _with_prefill_memory(b, expert, prepared.prefill, cluster, prepared.request)
-    cap = cluster.device.memory_bytes * Constraints.memory_fraction
     fits = memory_fit_text(b.peak_memory_bytes, cap, cluster.device.memory_bytes)
     decision = Decision(
         "megatron-baseline",
@@ -917,7 +932,7 @@ def _rebaselined(
     return replace(
         plan,
         baseline=b,
-        baseline_layout={k: str(v) for k, v in expert.layout_summary().items()},
+        baseline_layout=megatron[1],
         decisions=[decision, *kept],
     )
 

@@ -54,6 +54,7 @@ from planner.plan import (
     MeshCandidate,
     MeshShape,
     Plan,
+    Prediction,
     Recompute,
     Schedule,
     SolverInfo,
@@ -1531,6 +1532,24 @@ def megatron_plan(
         return None
     return _plan_of(
         search, baseline, model_name, SolverInfo("megatron", baseline.prediction.latency_s, 0.0, 0.0, 0)
+    )
+
+
+def baseline_layouts(
+    structure: ModelStructure, cluster: ClusterSpec, workload: WorkloadSpec, constraints: Constraints
+) -> tuple[tuple[Prediction, dict[str, str]] | None, tuple[Prediction, dict[str, str]] | None]:
+    """The hand-written layouts `plan_model` sets beside its plan, priced for this job: (Megatron-LM's
+    plan, torchtitan's recipe), each (its prediction, its layout as the plan records it:
+    `Plan.baseline_layout` / `Plan.torchtitan_layout`), None where it does not apply (torchtitan:
+    training only). What `planner run` prices again for a plan edited after planning. Raises InputError
+    as `plan_model`."""
+    search = _setup(structure, cluster, workload, constraints)
+    w = search.workload
+    megatron = _baseline(search)
+    titan = _torchtitan_baseline(search) if w.train else None
+    return (
+        (megatron.prediction, _layout_text(megatron, w)) if megatron is not None else None,
+        (titan.prediction, _layout_text(titan, w)) if titan is not None else None,
     )
 
 
