@@ -1222,3 +1222,15 @@ def test_compare_sets_step_tokens_per_s_beside_step_tokens_per_s_and_a_requests_
     assert rows["predicted tokens/s"] == ["671", "671"]
     assert rows["measured tokens/s"] == ["537", "-"]  # 671 x 4 ms / 5 ms
     assert rows["request tokens/s, predicted / measured"] == ["638 / 564", "-"]
+
+
+def test_compare_shows_each_reports_dtype_and_says_when_they_differ(tmp_path, llama_plan, capsys):
+    """Two reports of the same model and batch in fp32 and bf16: a dtype row, and a note that the
+    faster step is not the same computation (they had compared as identical but for the step time)."""
+    a, b = tmp_path / "fp32.json", tmp_path / "bf16.json"
+    a.write_text(json.dumps(_report(_with(llama_plan, dtype="fp32"), 0.004)))
+    b.write_text(json.dumps(_report(_with(llama_plan, dtype="bf16"), 0.003)))
+    assert main(["compare", str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert _compare_rows(out)["dtype"] == ["fp32", "bf16"]
+    assert "the reports' dtypes differ (fp32, bf16)" in " ".join(out.split())

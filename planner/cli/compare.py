@@ -1,7 +1,7 @@
 """`planner compare REPORT.json [REPORT.json ...]`: plans side by side, to choose between them.
 
 Reads the JSON reports of `planner optimize ... --json` / `planner run ... --json` (`workflow.report_dict`)
-and prints one column per report: model, cluster, workload, mesh, schedule, ladder, predicted and
+and prints one column per report: model, cluster, workload, batch, dtype, mesh, schedule, ladder, predicted and
 measured step time, peak memory per rank and tokens/s; then which report is fastest.
 """
 
@@ -123,6 +123,7 @@ def comparison_rows(report: dict[str, Any]) -> dict[str, str]:
         "cluster": str(report.get("cluster", "-")),
         "workload": str(report.get("workload", "-")),
         "batch": _batch_text(plan),
+        "dtype": str(plan.get("dtype", "-")),
         "mesh": mesh,
         "schedule": schedule,
         "training layout": "; ".join(e for e in extras if e) or "-",
@@ -170,6 +171,13 @@ def render_comparison(console: Console, paths: list[str]) -> None:
             "[yellow]note: the reports plan different models or workloads; their steps are not the same work[/yellow]"
         )
         return
+    dtypes = [str(r["plan"].get("dtype", "-")) for r in reports]
+    if len(set(dtypes)) > 1:
+        console.print(
+            f"[yellow]note: the reports' dtypes differ ({', '.join(dict.fromkeys(dtypes))}): the same model in "
+            "another precision computes other numbers and holds other memory; the fastest below is the faster "
+            "step, not the same computation[/yellow]"
+        )
     if len({_batch_text(r["plan"]) for r in reports}) > 1:  # the same model, other work per step: by rate
         console.print("note: the reports' batches differ: the fastest is the one with the most tokens/s")
         rates = {

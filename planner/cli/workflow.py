@@ -1177,6 +1177,7 @@ def report_dict(
             **plan.layout_summary(),
             "batch_size": plan.batch_size,
             "seq_len": plan.seq_len,
+            "dtype": plan.dtype,
             "ladder_layers": list(plan.ladder_layers),
             "stages": [list(s) for s in plan.stages],
             "splits": {k: str(v.style) for k, v in plan.splits.items()},
