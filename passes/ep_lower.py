@@ -135,7 +135,12 @@ def _rewrite_block(
             f"expert parallelism: {where}'s experts are not SwiGLU MLPs (no SiLU between their gate and "
             "down projections); expert parallelism runs SwiGLU experts; plan it with --ep 1"
         )
-    ids, weights = _routing(combine, tokens, moe.top_k)
+    if moe.not_lowerable:
+        raise InputError(
+            f"expert parallelism: {moe.not_lowerable} in {where}; expert parallelism runs bias-free SwiGLU experts "
+            "weighed by the routing weights and would compute other outputs; plan it with --ep 1"
+        )
+    ids, weights = _routing(combine, tokens, moe.top_k, moe)
     if ids is None or weights is None:
         raise InputError(
             f"expert parallelism: the expert ids and combine weights ({tokens}, {moe.top_k}) of {where} were "
@@ -166,9 +171,10 @@ def _rewrite_block(
     combine.replace_all_uses_with(out)
 
 
-def _routing(combine: fx.Node, tokens: int, top_k: int) -> tuple[fx.Node | None, fx.Node | None]:
-    """The last integer and the last floating (tokens, top_k) values the combine depends on: the
-    chosen expert ids and the weights the model combines with."""
+def _routing(combine: fx.Node, tokens: int, top_k: int, moe: MoE) -> tuple[fx.Node | None, fx.Node | None]:
+    """The last integer and the last floating (tokens, top_k) values the combine depends on computed
+    before the first expert GEMM: the chosen expert ids and the weights the model combines with. (A
+    per-expert slice of the weights taken while the experts run, (tokens, 1) at top-1, is not them.)"""
     seen: set[fx.Node] = set()
     stack = [combine]
     found: list[fx.Node] = []
@@ -182,7 +188,9 @@ def _routing(combine: fx.Node, tokens: int, top_k: int) -> tuple[fx.Node | None,
             found.append(node)
         stack.extend(node.all_input_nodes)
     order = {n: i for i, n in enumerate(combine.graph.nodes)}
-    found.sort(key=order.__getitem__)
+    gemms = {n for w in moe.experts for n in w.nodes}
+    first_gemm = min((i for n, i in order.items() if n.name in gemms), default=len(order))
+    found = sorted((n for n in found if order[n] < first_gemm), key=order.__getitem__)
     ints = [n for n in found if not n.meta["val"].is_floating_point()]
     floats = [n for n in found if n.meta["val"].is_floating_point()]
     return (ints[-1] if ints else None), (floats[-1] if floats else None)

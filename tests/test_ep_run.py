@@ -33,6 +33,7 @@ from tests.plans import assert_run_matches, fixed_plan
 
 MODELS = Path(__file__).resolve().parent / "models"
 MODULELIST, GPTFAST, MIXTRAL = "tiny_moe_modulelist.py", "tiny_moe_gptfast.py", "tiny_mixtral.py"
+TOP1 = "tiny_moe_top1.py"  # top-1: the routing weights and a per-expert slice of them are both (N, 1)
 SEQ = 8
 
 
@@ -85,6 +86,7 @@ TWO_RANK = {  # label: (model, plan kwargs)
     "ep2_gptfast": (GPTFAST, dict(tp=1, dp=2, ep=2)),
     "ep2_mixtral": (MIXTRAL, dict(tp=1, dp=2, ep=2)),
     "ep2_modulelist_forward": (MODULELIST, dict(tp=1, dp=2, ep=2, workload="forward")),
+    "ep2_top1_modulelist": (TOP1, dict(tp=1, dp=2, ep=2)),
     "ep2_over_tp2_mixtral": (MIXTRAL, dict(tp=2, dp=1, ep=2, ep_fold="tp")),
     "ep2_over_tp2_gptfast_forward": (GPTFAST, dict(tp=2, dp=1, ep=2, ep_fold="tp", workload="forward")),
     "expert_tp2_gptfast": (GPTFAST, dict(tp=2, dp=1, ep=1, expert_tp=2)),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -362,3 +363,34 @@ def test_a_capacity_model_runs_the_plan_it_gets(tmp_path) -> None:
     assert all(o["max_abs_diff"] <= o["tolerance"] for o in data["numerics"]["outputs"])
     r = run("--devices", "2", "--dp", "2")
     assert r.returncode == 2 and "capacity of 16" in r.stderr and "use --dp 1" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(
+    ("variant", "reason"),
+    [
+        (dict(bias=True), r"the experts' projections have biases"),
+        (dict(scale=0.5), r"the experts' outputs go through aten.mul \(tiny_moe_modulelist.py:\d+"),
+    ],
+)
+def test_experts_ep_would_not_compute_are_kept_whole(variant, reason) -> None:
+    """Expert parallelism lowers each block to bias-free SwiGLU experts weighed by the routing weights;
+    experts with biases or an extra op (here a constant scale) would lose them (the run's numerics
+    failed, the search chose EP on its own and the exports wrote it). The analysis says why
+    (`MoE.not_lowerable`), the search keeps EP off and says so, a pinned --ep is refused, and the pass
+    itself refuses. Plain SwiGLU experts (top-1 or top-2) stay lowerable."""
+    from passes.ep_lower import apply_expert_parallel  # noqa: PLC0415
+
+    inputs = tiny_moe_modulelist.example_inputs()
+    with torch.device("meta"):
+        plain, odd = tiny_moe_modulelist.build_model(top_k=1), tiny_moe_modulelist.build_model(**variant)
+    assert all(layer.moe.not_lowerable == "" for layer in capture_for_planning(plain, inputs, {})[1].layers)
+    _, s = capture_for_planning(odd, inputs, {})
+    assert all(re.match(reason, layer.moe.not_lowerable) for layer in s.layers), s.layers[0].moe.not_lowerable
+    work = WorkloadSpec("train", 64, 16, dtype="bf16")
+    plan = plan_model(s, load_cluster("dgx-h100"), work, Constraints())
+    assert plan.ep == 1 and any(e.startswith("ep>1: the experts") for e in plan.excluded), plan.excluded
+    with pytest.raises(InputError, match=rf"--ep 2: {reason}.*use --ep 1"):
+        plan_model(s, load_cluster("dgx-h100"), work, Constraints(ep=2))
+    gm = capture(odd, inputs, {})
+    with pytest.raises(InputError, match=rf"expert parallelism: {reason}.*plan it with --ep 1"):
+        apply_expert_parallel(gm, analyse(gm), 2, 0)

@@ -47,7 +47,7 @@ from math import prod
 import torch
 from torch import fx
 
-from planner.frontend.capture import op_name
+from planner.frontend.capture import op_name, user_line
 from planner.frontend.roles import ACTIVATION_OPS, Projection, Role
 
 # matmuls an expert's weight may go through (the grouped ones: torch._grouped_mm, and the custom op
@@ -133,6 +133,10 @@ class MoE:
     # GEMMs and activations, the weighing and the combine, in graph order (`Layer.node_blocks` "experts")
     expert_nodes: list[str]
     selection_bias: str | None = None  # FQN of a bias of E elements added to the scores for the choice only
+    # why the expert-parallel rewrite (`passes.ep_lower`), which runs bias-free SwiGLU experts
+    # down(silu(gate x) * up x) weighed by the routing weights, would compute something else for this
+    # block ("": it computes the same; `not_lowerable`)
+    not_lowerable: str = ""
     num_groups: int = 1  # group-limited routing: expert groups (1: none)
     topk_groups: int = 1  # ... and the groups each token may choose from
 
@@ -264,6 +268,7 @@ def find_moe(
     after_gemms = set().union(*(_reach(node_of[g], names, lambda n: n.users) for g in gemm_names))
     dispatch = [n for n in region if n in before_firsts and n not in after_gemms | set(gathers) | gemm_names]
     score, bias, groups = _routing(router_node, topk, node_of, names, num_experts, router.bias)
+    unlowerable = not_lowerable(experts, node_of, names, topk, combine)
     moe = MoE(
         module_path=_common_module([block, *(w for e in experts for w in e.weights)]),
         router=router,
@@ -280,8 +285,79 @@ def find_moe(
         selection_bias=bias,
         num_groups=groups[0],
         topk_groups=groups[1],
+        not_lowerable=unlowerable,
     )
     return MoEFinding(moe, [p for group in listed for p in group], None)
+
+
+# ops the experts' values pass through unchanged (views, copies, slices, splits, concatenation, the
+# accumulation of the experts' rows back to one per token)
+_PASS_THROUGH = frozenset({
+    "aten.view", "aten.reshape", "aten._unsafe_view", "aten.squeeze", "aten.unsqueeze", "aten.transpose",
+    "aten.permute", "aten.t", "aten.expand", "aten.clone", "aten.contiguous", "aten._to_copy", "aten.to",
+    "aten.alias", "aten.slice", "aten.select", "aten.flatten", "aten.unflatten", "aten.chunk", "aten.split",
+    "aten.split_with_sizes", "operator.getitem", "getitem", "aten.cat", "aten.stack", "aten.index", "aten.index_select",
+    "aten.index_add", "aten.index_put", "aten.index_copy", "aten.scatter", "aten.scatter_add",
+    "aten.scatter_reduce", "aten.slice_scatter", "aten.select_scatter", "aten.copy", "aten.sum", "aten.add",
+    "aten.new_zeros", "aten.zeros_like", "aten.zeros", "aten.full", "aten.empty", "aten.sort", "aten.argsort",
+    "aten.gather", "aten.masked_fill", "aten.where",
+})  # fmt: skip
+_PRODUCTS = frozenset({"aten.mul", "aten.einsum", "aten.bmm", "aten.matmul", "aten.mm"})
+_ZEROS = frozenset({"aten.zeros", "aten.new_zeros", "aten.zeros_like", "aten.empty", "aten.new_empty"})
+
+
+def not_lowerable(
+    experts: list[ExpertWeight], node_of: dict[str, fx.Node], names: set[str], topk: fx.Node, combine: fx.Node
+) -> str:
+    """`MoE.not_lowerable`: why the experts are not plain SwiGLU MLPs weighed by the routing weights
+    ("" when they are), what the expert-parallel rewrite replaces them with: projections with biases,
+    anything between the gate / up projections and the down projection but SiLU, the gate-times-up
+    product and views (GPT-OSS's clamps, a scaled activation), and anything between the down projection
+    and the combine but the routing weights' product and the accumulation of rows (a constant scale, a
+    learned per-expert scale, another activation)."""
+    if any(w.biases for w in experts):
+        return "the experts' projections have biases"
+    downs = {n for w in experts if w.role is Role.EXPERT_DOWN for n in w.nodes}
+    firsts = {n for w in experts if w.role is not Role.EXPERT_DOWN for n in w.nodes}
+    gemms = downs | firsts
+    after_firsts = set().union(*(_reach(node_of[g], names, lambda n: n.users) for g in firsts))
+    before_downs = set().union(*(_reach(node_of[g], names, lambda n: n.all_input_nodes) for g in downs))
+    after_downs = set().union(*(_reach(node_of[g], names, lambda n: n.users) for g in downs))
+    before_combine = _reach(combine, names, lambda n: n.all_input_nodes) | {combine.name}
+    after_gemms = after_firsts | after_downs | gemms
+    routed = _reach(topk, names, lambda n: n.users) - after_gemms  # routing weights, ids, dispatch
+
+    def scalar_product(node: fx.Node, neutral: float = 1) -> bool:
+        """A product, quotient or sum with a number other than `neutral` (1; 0 for a sum) or with a
+        tensor the routing did not make (a sum: any tensor but the experts' own rows)."""
+        operands = node.args[1] if op_name(node.target) == "aten.einsum" else node.args[:2]
+        others = [a for a in operands if not (isinstance(a, fx.Node) and a.name in after_gemms)]
+        return any(
+            (not isinstance(a, fx.Node) and a != neutral)
+            or (
+                isinstance(a, fx.Node)
+                and (a.name not in routed if neutral else op_name(a.target) not in _ZEROS)
+            )
+            for a in others
+        )
+
+    for name in sorted((after_firsts & before_downs) - gemms, key=list(node_of).index):
+        node = node_of[name]
+        op = op_name(node.target)
+        if op == "aten.silu" or op in _PASS_THROUGH - {"aten.add", "aten.sum"}:
+            continue
+        if op == "aten.mul" and all(isinstance(a, fx.Node) for a in node.args[:2]):
+            continue
+        return f"the experts compute {op} ({user_line(node) or name}) between their gate / up and down projections"
+    for name in sorted((after_downs & before_combine) - gemms, key=list(node_of).index):
+        node = node_of[name]
+        op = op_name(node.target)
+        if op in _PASS_THROUGH and not (op == "aten.add" and scalar_product(node, 0)):
+            continue
+        if op in _PRODUCTS | {"aten.div"} and not scalar_product(node):
+            continue
+        return f"the experts' outputs go through {op} ({user_line(node) or name}) on their way to the combine"
+    return ""
 
 
 def _unrecognised(block: str, router: Projection, top_k: int, why: str) -> str:

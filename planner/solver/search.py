@@ -611,12 +611,9 @@ def _check_pinned_ep(search: _Search) -> None:
                 "the tokens it counts)"
             )
         search.excluded.append(f"ep>1: {why}")
-    ungated = _experts_not_swiglu(search.structure) if experts and c.ep != 1 else ""
-    if ungated:
-        why = (
-            f"the experts of {ungated} are not SwiGLU MLPs (no SiLU between their gate and down projections), and "
-            "the expert-parallel rewrite (`passes.ep_lower`) runs SwiGLU experts only"
-        )
+    unlowerable = _experts_not_swiglu(search.structure) if experts and c.ep != 1 else ""
+    if unlowerable:
+        why = unlowerable
         if c.ep is not None:
             raise InputError(f"--ep {c.ep}: {why}; use --ep 1")
         search.excluded.append(f"ep>1: {why}")
@@ -661,15 +658,25 @@ def _check_pinned_ep(search: _Search) -> None:
 
 
 def _experts_not_swiglu(structure: ModelStructure) -> str:
-    """The module path of the first MoE block whose experts have no SiLU (`passes.ep_lower` runs
-    SwiGLU experts only), "" when every block's analysed experts have one."""
+    """Why the expert-parallel rewrite (`passes.ep_lower`), which runs bias-free SwiGLU experts weighed by
+    the routing weights, would compute something else for the first MoE block where it would: experts
+    with no SiLU, or `MoE.not_lowerable` (biases, other ops); "" when every block's experts are plain
+    SwiGLU MLPs."""
     for layer in structure.layers:
         moe = layer.moe
-        ops = [
-            structure.node_costs[n].op for n in (moe.expert_nodes if moe else []) if n in structure.node_costs
-        ]
+        if moe is None:
+            continue
+        ops = [structure.node_costs[n].op for n in moe.expert_nodes if n in structure.node_costs]
         if ops and "aten.silu" not in ops:
-            return moe.module_path
+            return (
+                f"the experts of {moe.module_path} are not SwiGLU MLPs (no SiLU between their gate and down "
+                "projections), and the expert-parallel rewrite (`passes.ep_lower`) runs SwiGLU experts only"
+            )
+        if moe.not_lowerable:
+            return (
+                f"{moe.not_lowerable} in {moe.module_path}, which the expert-parallel rewrite (`passes.ep_lower`: "
+                "bias-free SwiGLU experts weighed by the routing weights) would not compute"
+            )
     return ""
 
 

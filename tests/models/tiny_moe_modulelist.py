@@ -45,26 +45,28 @@ CONFIG = LlamaConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2
 NUM_EXPERTS = 8
 TOP_K = 2
 EXPERT_DIM = 24  # each routed expert's SwiGLU width (the shared expert has CONFIG.ffn_dim)
-DROPLESS_CAPACITY_FACTOR = NUM_EXPERTS / TOP_K  # C = N slots per expert: nothing dropped
+DROPLESS_CAPACITY_FACTOR = NUM_EXPERTS / TOP_K  # C = N slots per expert at top-k 2: nothing dropped
 
 
-def capacity_factor() -> float:
+def capacity_factor(top_k: int = TOP_K) -> float:
     """Slots per expert over an even share of the N * k choices: TINY_MOE_CAPACITY_FACTOR, else E / k."""
-    return float(os.environ.get("TINY_MOE_CAPACITY_FACTOR", DROPLESS_CAPACITY_FACTOR))
+    return float(os.environ.get("TINY_MOE_CAPACITY_FACTOR", NUM_EXPERTS / top_k))
 
 
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)), Hugging Face's names; `act` another gate activation (GeGLU: gelu)."""
 
-    def __init__(self, dim: int, hidden: int, act=F.silu) -> None:
+    def __init__(self, dim: int, hidden: int, act=F.silu, bias: bool = False, scale: float = 1.0) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=bias)
         self.act = act
+        self.scale = scale  # 1.0: no op; another number scales the output (a model-specific expert)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        out = self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return out if self.scale == 1.0 else out * self.scale
 
 
 def expert_activation():
@@ -75,20 +77,24 @@ def expert_activation():
 class SparseMoE(nn.Module):
     """Router `gate`, routed `experts` (a ModuleList), `shared_expert`."""
 
-    def __init__(self, config: LlamaConfig, dispatch: str = "capacity") -> None:
+    def __init__(
+        self, config: LlamaConfig, dispatch: str = "capacity", top_k: int = TOP_K, **expert: object
+    ) -> None:
         super().__init__()
-        self.dispatch = dispatch
-        self.capacity_factor = capacity_factor()
+        self.dispatch, self.top_k = dispatch, top_k
+        self.capacity_factor = capacity_factor(top_k)
         self.gate = nn.Linear(config.dim, NUM_EXPERTS, bias=False)
         act = expert_activation()
-        self.experts = nn.ModuleList([SwiGLU(config.dim, EXPERT_DIM, act) for _ in range(NUM_EXPERTS)])
+        self.experts = nn.ModuleList(
+            [SwiGLU(config.dim, EXPERT_DIM, act, **expert) for _ in range(NUM_EXPERTS)]
+        )
         self.shared_expert = SwiGLU(config.dim, config.ffn_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         x = x.view(-1, C)  # (N, C), N = B * T tokens
         probs = F.softmax(self.gate(x), dim=-1)  # (N, E)
-        weights, chosen = torch.topk(probs, TOP_K, dim=-1)  # (N, k) each
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # (N, k) each
         weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.dispatch == "capacity":
             routed = self._capacity(x, weights, chosen)
@@ -99,7 +105,7 @@ class SparseMoE(nn.Module):
     def _capacity(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """x (N, C), weights and chosen (N, k) -> the routed output (N, C), static shapes throughout."""
         n = x.shape[0]
-        capacity = math.ceil(self.capacity_factor * n * TOP_K / NUM_EXPERTS)
+        capacity = math.ceil(self.capacity_factor * n * self.top_k / NUM_EXPERTS)
         picks = F.one_hot(chosen, NUM_EXPERTS).sum(1)  # (N, E): 1 where the token chose the expert
         slot = torch.cumsum(picks, dim=0) - 1  # (N, E): the token's place in each expert's queue
         kept = (picks > 0) & (slot < capacity)  # (N, E)
@@ -128,12 +134,12 @@ class SparseMoE(nn.Module):
 
 
 class MoEBlock(nn.Module):
-    def __init__(self, config: LlamaConfig, dispatch: str) -> None:
+    def __init__(self, config: LlamaConfig, dispatch: str, **moe: object) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
         self.self_attn = LlamaAttention(config)
         self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
-        self.mlp = SparseMoE(config, dispatch)
+        self.mlp = SparseMoE(config, dispatch, **moe)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -141,10 +147,10 @@ class MoEBlock(nn.Module):
 
 
 class MoETransformer(nn.Module):
-    def __init__(self, config: LlamaConfig, dispatch: str) -> None:
+    def __init__(self, config: LlamaConfig, dispatch: str, **moe: object) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList([MoEBlock(config, dispatch) for _ in range(config.n_layers)])
+        self.layers = nn.ModuleList([MoEBlock(config, dispatch, **moe) for _ in range(config.n_layers)])
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
         cos, sin = _rope_tables(config)
@@ -163,9 +169,10 @@ class MoETransformer(nn.Module):
         return self.lm_head(self.norm(h))
 
 
-def build_model(dispatch: str = "capacity") -> torch.nn.Module:
+def build_model(dispatch: str = "capacity", **moe: object) -> torch.nn.Module:
+    """The model; `moe`: SparseMoE's top_k (default TOP_K) and its experts' bias and scale."""
     torch.manual_seed(0)
-    return MoETransformer(CONFIG, dispatch)
+    return MoETransformer(CONFIG, dispatch, **moe)
 
 
 def example_inputs(batch_size: int = 2, seq_len: int = 16) -> tuple:
