@@ -1234,3 +1234,15 @@ def test_compare_shows_each_reports_dtype_and_says_when_they_differ(tmp_path, ll
     out = capsys.readouterr().out
     assert _compare_rows(out)["dtype"] == ["fp32", "bf16"]
     assert "the reports' dtypes differ (fp32, bf16)" in " ".join(out.split())
+
+
+def test_vllm_export_of_a_plan_priced_with_a_per_head_decode_kernel_says_vllm_splits_the_cache(llama_plan):
+    """A serving plan made on dgx-a100 (decode attention of one block per sequence and head) exported to
+    vLLM says vLLM's backends split the cache, so its steps are shorter than priced; a dgx-h100 plan
+    (bandwidth-priced decode attention) does not."""
+    served = dict(workload=Workload.DECODE, context=64, seq_len=1, ladder_layers=[],
+                  serving=Serving(64, 16, 80, 0.01, 0.001, 100.0))  # fmt: skip
+    a100 = export_plan(_with(llama_plan, cluster="dgx-a100", cluster_source="dgx-a100", **served), "vllm")
+    assert any("vLLM's attention backends split the cache" in w for w in a100.warnings), a100.warnings
+    h100 = export_plan(_with(llama_plan, cluster="dgx-h100", cluster_source="dgx-h100", **served), "vllm")
+    assert not any("split the cache" in w for w in h100.warnings)

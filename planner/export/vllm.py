@@ -87,6 +87,15 @@ def vllm_engine_args(
             "gives: if the checkpoint you serve has no more (its max_position_embeddings), vLLM refuses it unless "
             "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 is set, and the positions beyond were never trained"
         )
+    cluster = plan.saved_cluster()
+    if cluster is not None and cluster.device.decode_attention is not None:
+        warnings.append(
+            f"the plan's decode steps were priced with {cluster.name}'s decode attention of one thread block per "
+            "(sequence, query head) over the whole cache (device.decode_attention); vLLM's attention backends "
+            "split the cache (PagedAttention V2, FlashAttention's split-KV), so at a few sequences x heads per rank "
+            "and a long cache vLLM's steps are shorter than the plan's time per output token (a spec without "
+            "decode_attention prices that kernel)"
+        )
     if model is None:
         warnings.append(
             f"vLLM loads a Hugging Face checkpoint, not {plan.model}: replace {MODEL_PLACEHOLDER} "
