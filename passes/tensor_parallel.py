@@ -311,7 +311,8 @@ def read_local_shards(
                 value = value.detach().clone()
             ep_shard = gm.meta.get("ep_shards", {}).get(name)  # this rank's experts (`passes.ep_lower`)
             if ep_shard is not None and tuple(value.shape) != tuple(tensor.shape):
-                value = expert_shard(value, ep_shard)
+                # a copy: the slice would keep every expert's storage alive (and counted) on this rank
+                value = expert_shard(value, ep_shard).clone()
             if split is None and tuple(value.shape) != tuple(tensor.shape):
                 value = self_sharded_piece(value, tuple(tensor.shape), tp_rank, tp_size, name)
             if tuple(value.shape) != tuple(tensor.shape):

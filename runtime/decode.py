@@ -388,7 +388,7 @@ def load_rank_state(gm: fx.GraphModule, weights: str, plan: Plan, tp_rank: int, 
             whole = source.read(name)
             ep_shard = gm.meta.get("ep_shards", {}).get(name)  # this rank's experts (`passes.ep_lower`)
             if ep_shard is not None and tuple(whole.shape) != tuple(tensor.shape):
-                whole = expert_shard(whole, ep_shard)
+                whole = expert_shard(whole, ep_shard).clone()  # not a view keeping every expert
             if tuple(whole.shape) != tuple(tensor.shape):
                 whole = self_sharded_piece(whole, tuple(tensor.shape), tp_rank, plan.tp, name)
             values[name] = whole.to(dtype=tensor.dtype).contiguous()

@@ -185,3 +185,13 @@ def test_a_served_moe_decodes_the_same_tokens_with_experts_split_over_tp() -> No
     run = workflow.run_serving(plan, model, 2, iters=1, warmup=0, timeout_s=240)
     assert run["numerics"]["tokens_identical"] and run["numerics"]["ok"], run["numerics"]
     assert any("expert parallelism applied" in n for n in run["measured"]["notes"]), run["measured"]["notes"]
+
+
+@pytest.mark.slow
+def test_an_ep_rank_holds_only_its_experts(two_rank: dict) -> None:
+    """The training state an EP rank holds is what the cost model predicts for its E / ep experts: the
+    stacked experts' slice is a copy, not a view keeping every expert's storage alive (it read 1.13 at
+    ep 2, (ep - 1) x 4 bytes per local expert parameter over)."""
+    for label in ("ep2_gptfast", "ep2_modulelist"):
+        measured = two_rank[label][1]["measured"]
+        assert measured["state_bytes"] == pytest.approx(measured["predicted_state_bytes"], rel=0.02), label
