@@ -209,6 +209,12 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
             )
             report.dp_collectives = dict(optimizer.counts)
             report.gathered_peak_bytes = optimizer.peak_gathered_bytes
+        else:  # ddp / zero1: the same record (the trainable parameters of this rank's chunks)
+            report.state_bytes = state_bytes(optimizer.held_tensors())
+            trainable = {id(p): p.numel() for chunk in chunks for p in chunk.parameters() if p.requires_grad}
+            report.predicted_state_bytes = dp_state_bytes(
+                sum(trainable.values()), plan.dtype, plan.dp_style, plan.dp_shard * plan.cp
+            )
         for index, chunk in virtual.items():
             label = (
                 f"stage {index}" if len(chunks) == 1 else f"virtual stage {index} (pp rank {lowered.pp_rank})"

@@ -215,6 +215,10 @@ def test_overlap_with_pipeline_stages_matches_the_unsharded_model(pipelined: dic
             _assert_loose(label, summary)
         note = _optimizer_note(summary)
         assert "overlap-grad-reduce" in note and "no overlap-grad-reduce" not in note, (label, note)
+        # every style records the training state its stages hold beside the prediction (ddp and zero1
+        # with pipeline stages reported none)
+        measured = summary["measured"]
+        assert measured["state_bytes"] == pytest.approx(measured["predicted_state_bytes"], rel=0.02), label
 
 
 # ------------------------------------------------------------------ ordering (recorded, never timed)
