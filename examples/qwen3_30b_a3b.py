@@ -37,7 +37,7 @@ CONFIG = MoEConfig(
     expert_dim=768,
     norm_eps=1e-6,
     rope_theta=1e6,
-    max_seq_len=4096,
+    max_seq_len=40960,  # config.json's max_position_embeddings
 )
 # no weights allocated (meta), bf16; caches for 4096 tokens, a 2048-token prompt by default
 build_model, example_inputs = serving_model_file(CONFIG, max_seq_len=4096, prompt_len=2048)
