@@ -101,7 +101,8 @@ def _stage_totals_caption(plan: Plan) -> str | None:
     if plan.pp == 1 or len(stages) != plan.pp:
         return None
     slowest = max(stages, key=lambda s: s.compute_s + s.exposed_comm_s).stage
-    tail = " plus the optimizer step and DP gradient all-reduce" if plan.workload is Workload.TRAIN else ""
+    sync = "all-reduce" if plan.dp_style_text() == "ddp" else "reduce-scatter / all-gather"
+    tail = f" plus the optimizer step and the DP gradient {sync}" if plan.workload is Workload.TRAIN else ""
     return (
         f"Stages run in parallel: the step's compute and exposed comm below are the slowest stage's "
         f"total (stage {slowest}){tail}, not the sum of the rows (that is work over all stages)"
