@@ -421,3 +421,12 @@ def test_options_the_plan_gives_nothing_to_act_on_say_so(example_path, capsys) -
     assert "--cp-comm-type ring had no effect: the plan has no context parallelism" in err, err
     assert main([*common, "--run", "--timeout", "0.01"]) == 2
     assert "expected at least 10 seconds" in capsys.readouterr().err
+    moe = str(ROOT / "tests" / "models" / "tiny_moe_gptfast.py")
+    assert (
+        main(
+            ["optimize", moe, "--cluster", "dgx-h100", "--workload", "train", "--ep-fold", "tp", "--tp", "1"]
+        )
+        == 0
+    )
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--ep-fold tp had no effect: the plan has one TP rank (tp=1)" in err, err

@@ -444,6 +444,13 @@ def _unused_options(args: argparse.Namespace, plan) -> list[str]:
     ]
     if moe and not plan.num_experts:
         out.append(f"{', '.join(moe)} had no effect: the model has no mixture-of-experts layer")
+    elif args.ep_fold != "auto" and plan.ep == 1:
+        why = (
+            "the plan has one TP rank (tp=1) to split the experts over"
+            if args.ep_fold == "tp" and plan.tp == 1
+            else "the plan has no expert parallelism (ep=1; --why says why)"
+        )
+        out.append(f"--ep-fold {args.ep_fold} had no effect: {why}")
     cp_opts = [
         f"{flag} {value}"
         for flag, value in (
