@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 import uuid
@@ -174,9 +175,15 @@ def _check_replaceable(folder: Path, option: str) -> None:
             f"{option} {folder}: the folder holds the planner's {kind} output, which {option} would replace; "
             "nothing was changed. Give another folder"
         )
+    subfolders = [e for e in entries if e in written and (folder / e).is_dir()]
+    inside = [rel for rel in _files_under(folder) if rel.split("/")[0] in subfolders]
+    if files is None and kind == "--emit" and subfolders and all(_OLD_EMIT_FILE.fullmatch(r) for r in inside):
+        # an --emit folder of a version that listed its top level only, whose rank folders hold the
+        # emitter's own files and nothing else (`passes.emit`): ours, replaceable
+        files = (set(entries) & written) | set(inside)
     if files is not None:  # every file at any depth must be one we wrote (rank0/notes.py is not)
         foreign = sorted(rel for rel in _files_under(folder) if rel not in files)
-    elif any((folder / e).is_dir() for e in entries if e in written):
+    elif subfolders:
         raise InputError(
             f"{option} {folder}: an earlier planner output whose record does not list the files in its "
             "subfolders (written by an older version), so the planner cannot tell them from yours; nothing "
@@ -189,6 +196,10 @@ def _check_replaceable(folder: Path, option: str) -> None:
             f"{option} {folder}: an earlier planner output, but it now also holds files the planner did not "
             f"write ({', '.join(foreign[:3])}); nothing was changed. Move them out or give a new folder"
         )
+
+
+# the files `passes.emit` writes in each rank folder (MODULE_FILE, WEIGHTS_FILE, META_FILE there)
+_OLD_EMIT_FILE = re.compile(r"rank\d+/(module\.py|weights\.pt|meta\.json)")
 
 
 def _files_under(folder: Path) -> list[str]:

@@ -101,6 +101,15 @@ def test_a_user_file_in_a_subfolder_of_our_output_is_never_replaced(tmp_path: Pa
         publish_folder(new_output_folder(out, "--emit"), out, "--emit")
     assert (out / "rank0" / "model.py").read_text() == "ours"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["emit"]  # no temp folder left
+    # an older version's --emit folder holding the emitter's own rank files only (module.py, meta.json,
+    # weights.pt) is ours: replaced (scripts/demo.sh had failed after an upgrade)
+    (out / "rank0" / "model.py").rename(out / "rank0" / "module.py")
+    for name in ("meta.json", "weights.pt"):
+        (out / "rank0" / name).write_text("ours")
+    tmp = new_output_folder(out, "--emit")
+    (tmp / "README.md").write_text("new")
+    publish_folder(tmp, out, "--emit")
+    assert (out / "README.md").read_text() == "new" and not (out / "rank0").exists()
 
 
 @pytest.mark.parametrize("option", ["--out", "--json"])
