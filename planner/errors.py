@@ -26,6 +26,12 @@ class InfeasibleError(PlannerError):
 
 
 class RunError(PlannerError):
-    """Executing a plan on real process groups failed (a rank raised, timed out or was killed). Exit code 4."""
+    """Executing a plan on real process groups failed (a rank raised, timed out or was killed, or the
+    numerics check failed). Exit code 4. ``run``: the run's summary when the ranks finished and only
+    the check failed (its `measured` and `numerics`, what a --json report carries), else None."""
 
     exit_code = 4
+
+    def __init__(self, message: str, run: dict | None = None) -> None:
+        super().__init__(message)
+        self.run = run

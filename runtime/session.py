@@ -66,6 +66,7 @@ def run_job(job: RunJob, nproc: int, timeout_s: float, progress: Progress = sile
         raise RunError(
             "the sharded run does not compute what the unsharded model computes on the same batch "
             "(reference: the unsharded model on the whole batch, tolerances by dtype in runtime.numerics):\n  "
-            + "\n  ".join(failures)
+            + "\n  ".join(failures),
+            run=summary,
         )
     return summary

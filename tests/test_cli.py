@@ -430,3 +430,29 @@ def test_options_the_plan_gives_nothing_to_act_on_say_so(example_path, capsys) -
     )
     err = " ".join(capsys.readouterr().err.split())
     assert "--ep-fold tp had no effect: the plan has one TP rank (tp=1)" in err, err
+
+
+def test_a_failed_numerics_check_still_writes_the_json_report(
+    example_path, tmp_path, monkeypatch, capsys
+) -> None:
+    """When the ranks finish but the sharded model does not match the unsharded one (exit 4), --json
+    still gets the run's report with the failure, what CI reads to triage it (no report was written)."""
+    import json  # noqa: PLC0415
+
+    from planner.cli import workflow  # noqa: PLC0415
+    from planner.cli.main import main  # noqa: PLC0415
+    from planner.errors import RunError  # noqa: PLC0415
+
+    run = {"measured": {"latency_s": 0.01, "notes": []}, "numerics": {"ok": False, "max_abs_diff": 3.85}}
+
+    def failing(*args, **kwargs):
+        raise RunError("the sharded run does not compute what the unsharded model computes", run=run)
+
+    monkeypatch.setattr(workflow, "run_plan", failing)
+    report = tmp_path / "r.json"
+    args = ["optimize", str(example_path("llama3")), "--cluster", "local-cpu", "--nproc", "2", "--run"]
+    assert main([*args, "--json", str(report), "--out", str(tmp_path / "p.yaml")]) == 4
+    written = json.loads(report.read_text())
+    assert written["failed"].startswith("the sharded run does not compute") and not written["numerics"]["ok"]
+    assert written["written_by"] == "planner optimize --json"
+    assert not (tmp_path / "p.yaml").exists()  # the plan of a failed run is not written

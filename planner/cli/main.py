@@ -30,7 +30,7 @@ from rich.text import Text
 
 from costmodels.expert_parallel import DEFAULT_MOE_IMBALANCE
 from planner.cli.progress import Bars
-from planner.errors import InputError, PlannerError
+from planner.errors import InputError, PlannerError, RunError
 from planner.files import check_output_path, write_text_atomic
 from planner.plan import CP_COMM_TYPES, DP_STYLES, EP_FOLDS
 
@@ -906,19 +906,30 @@ def _run_plan(args: argparse.Namespace, plan, nproc: int, speed_probe: bool = Fa
     probe beside the steps (`workflow.probes_speed`)."""
     from planner.cli import workflow  # noqa: PLC0415 - keeps `planner --help` fast
 
-    with _bars(args) as bars:
-        return workflow.run_plan(
-            plan,
-            args.model,
-            nproc,
-            args.iters,
-            args.warmup,
-            args.timeout,
-            weights=args.weights,
-            progress=bars,
-            min_time_s=args.min_time,
-            speed_probe=speed_probe,
-        )
+    try:
+        with _bars(args) as bars:
+            return workflow.run_plan(
+                plan,
+                args.model,
+                nproc,
+                args.iters,
+                args.warmup,
+                args.timeout,
+                weights=args.weights,
+                progress=bars,
+                min_time_s=args.min_time,
+                speed_probe=speed_probe,
+            )
+    except RunError as e:
+        # the ranks finished but the numerics check failed: --json still gets the run's report, with
+        # the failure (what CI reads to triage it), before the error exits 4
+        if e.run is not None and getattr(args, "json", None):
+            written_by = "planner run --json" if args.command == "run" else "planner optimize --json"
+            report = workflow.report_dict(
+                plan, e.run, args.model, plan.saved_cluster(), written_by=written_by
+            )
+            _write_report(args, {**report, "failed": str(e)})
+        raise
 
 
 def torch_devices() -> int:

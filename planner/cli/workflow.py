@@ -1149,7 +1149,8 @@ def run_serving(
         raise RunError(
             f"the sharded model does not match the unsharded one: {n['tokens_differ']} greedy tokens differ, "
             f"max |logit diff| {n['max_abs_diff']:.3g} (tolerance {n['logit_tolerance']:.3g}); "
-            f"tokens {n['tokens']} vs reference {n['reference_tokens']}"
+            f"tokens {n['tokens']} vs reference {n['reference_tokens']}",
+            run=run,
         )
     return run
 
@@ -1158,7 +1159,7 @@ def report_dict(
     plan: Plan,
     run: dict[str, Any] | None,
     model_path: str,
-    cluster: ClusterSpec,
+    cluster: ClusterSpec | None,
     structure: ModelStructure | None = None,
     written_by: str = "planner optimize --json",
 ) -> dict[str, Any]:
@@ -1170,7 +1171,7 @@ def report_dict(
     report: dict[str, Any] = {
         "written_by": written_by,  # first: `planner.files.written_kind` reads it
         "model": str(model_path),
-        "cluster": plan.cluster or cluster.name,
+        "cluster": plan.cluster or (cluster.name if cluster is not None else ""),
         "cluster_source": plan.cluster_source,
         "workload": str(plan.workload),
         "plan": {
@@ -1245,7 +1246,9 @@ def report_dict(
         measured = run["measured"]["latency_s"]
         report["measured"]["predicted_over_measured"] = p.latency_s / measured if measured else None
         report["measured"]["measured_over_predicted"] = measured / p.latency_s if p.latency_s else None
-        report["measured"]["at_run_speed"] = at_run_speed(plan, structure, cluster, run)
+        report["measured"]["at_run_speed"] = (
+            at_run_speed(plan, structure, cluster, run) if cluster is not None else None
+        )
     return report
 
 
