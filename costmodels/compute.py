@@ -158,11 +158,19 @@ def decode_attention_time_s(sequences: float, heads: float, kv_len: float, head_
     spec = device.decode_attention
     if spec is None or sequences <= 0 or heads <= 0 or kv_len <= 0:
         return None
-    blocks = sequences * heads
-    waves = math.ceil(blocks / spec.sms)
-    block_bytes = 2.0 * kv_len * head_dim * dtype_bytes(dtype)
+    streamed = decode_attention_sm_bytes(sequences, heads, kv_len, head_dim, dtype_bytes(dtype), spec.sms)
     rate = spec.block_share * device.memory_bandwidth_bytes_per_s * device.memory_efficiency / spec.sms
-    return waves * block_bytes / rate
+    return streamed / rate
+
+
+def decode_attention_sm_bytes(
+    sequences: float, heads: float, kv_len: float, head_dim: float, element_bytes: float, sms: int
+) -> float:
+    """Bytes one SM streams, one after another, when a decode step's attention runs one thread block
+    per (sequence, query head), each reading that head's K and V cache: ceil(blocks / sms) waves of
+    2 x kv_len x head_dim x element_bytes (`decode_attention_time_s`; `planner calibrate` fits the
+    block rate from it, `costmodels.gpu_calibrate.fit_decode_attention`)."""
+    return math.ceil(sequences * heads / sms) * 2.0 * kv_len * head_dim * element_bytes
 
 
 def training_gemm_shapes(m: float, k: float, n: float) -> tuple[tuple[float, float, float], ...]:

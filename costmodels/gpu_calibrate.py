@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from costmodels.cluster import AttentionSpec, ClusterSpec, DecodeAttentionSpec, GemmSpec
 from costmodels.comm import Group, all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s
-from costmodels.compute import attention_flops, gemm_efficiency
+from costmodels.compute import attention_flops, decode_attention_sm_bytes, gemm_efficiency
 from costmodels.dtypes import torch_dtype
 
 # (M, N, K) of the standard sweep, bf16: K at M = N = 8192 (the tile loop's fill), squares (waves),
@@ -332,10 +332,10 @@ def fit_decode_attention(
     over_bandwidth = point.time_s * memory_bytes_per_s / cache
     if over_bandwidth <= SPLIT_KERNEL_FACTOR:
         return None, over_bandwidth
-    blocks = point.sequences * point.heads
-    block_bytes = 2.0 * point.kv_len * point.head_dim * point.element_bytes
-    waves = math.ceil(blocks / sms)
-    share = waves * block_bytes * sms / (point.time_s * memory_bytes_per_s)
+    streamed = decode_attention_sm_bytes(
+        point.sequences, point.heads, point.kv_len, point.head_dim, point.element_bytes, sms
+    )
+    share = streamed * sms / (point.time_s * memory_bytes_per_s)
     return DecodeAttentionSpec(sms, share), over_bandwidth
 
 
