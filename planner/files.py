@@ -176,13 +176,14 @@ def _check_replaceable(folder: Path, option: str) -> None:
             "nothing was changed. Give another folder"
         )
     subfolders = [e for e in entries if e in written and (folder / e).is_dir()]
-    inside = [rel for rel in _files_under(folder) if rel.split("/")[0] in subfolders]
+    under = _files_under(folder)
+    inside = [rel for rel in under if rel.split("/")[0] in subfolders]
     if files is None and kind == "--emit" and subfolders and all(_OLD_EMIT_FILE.fullmatch(r) for r in inside):
         # an --emit folder of a version that listed its top level only, whose rank folders hold the
         # emitter's own files and nothing else (`passes.emit`): ours, replaceable
         files = (set(entries) & written) | set(inside)
     if files is not None:  # every file at any depth must be one we wrote (rank0/notes.py is not)
-        foreign = sorted(rel for rel in _files_under(folder) if rel not in files)
+        foreign = sorted(rel for rel in under if rel not in files)
     elif subfolders:
         raise InputError(
             f"{option} {folder}: an earlier planner output whose record does not list the files in its "
