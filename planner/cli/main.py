@@ -923,7 +923,7 @@ def _run_plan(args: argparse.Namespace, plan, nproc: int, speed_probe: bool = Fa
     except RunError as e:
         # the ranks finished but the numerics check failed: --json still gets the run's report, with
         # the failure (what CI reads to triage it), before the error exits 4
-        if e.run is not None and getattr(args, "json", None):
+        if e.run is not None and args.json:
             written_by = "planner run --json" if args.command == "run" else "planner optimize --json"
             report = workflow.report_dict(
                 plan, e.run, args.model, plan.saved_cluster(), written_by=written_by

@@ -895,20 +895,20 @@ def _rebaselined(
     plan: Plan, structure: ModelStructure, cluster: ClusterSpec, workload: WorkloadSpec, prepared: Prepared
 ) -> Plan:
     """`plan` with its Megatron baseline and torchtitan recipe priced again for the (edited) job it now
-    describes: the hand-written layouts on the plan's devices (`megatron_plan`,
-    `planner.solver.search.baseline_layouts`, their layouts in the search's own words); none where no
-    such layout applies. An edit of the batch, dtype or request changes the experts' steps too."""
-    constraints = Constraints(max_devices=plan.num_devices)
+    describes: the hand-written layouts on the plan's devices (`planner.solver.search.baseline_layouts`,
+    their layouts in the search's own words); none where no such layout applies. An edit of the
+    batch, dtype or request changes the experts' steps too."""
     try:
-        expert = megatron_plan(structure, cluster, workload, constraints)
-        megatron, titan = baseline_layouts(structure, cluster, workload, constraints)
+        megatron, titan = baseline_layouts(
+            structure, cluster, workload, Constraints(max_devices=plan.num_devices)
+        )
     except (InputError, InfeasibleError):
-        expert, megatron, titan = None, None, None
+        megatron, titan = None, None
     kept = [d for d in plan.decisions if d.subject not in ("megatron-baseline", "torchtitan-baseline")]
     cap = cluster.device.memory_bytes * Constraints.memory_fraction
     if titan is not None:
-        t, layout = titan
-        mesh = MeshShape(*(int(layout[k]) for k in ("tp", "pp", "dp", "cp")))
+        t, titan_layout = titan
+        mesh = MeshShape(*(int(titan_layout[k]) for k in ("tp", "pp", "dp", "cp")))
         fits = memory_fit_text(t.peak_memory_bytes, cap, cluster.device.memory_bytes)
         reason = f"torchtitan's recipe, priced again for the edited plan; {fits}"
         kept = [Decision("torchtitan-baseline", mesh.label(), {"latency": t.latency_s}, reason), *kept]
@@ -917,8 +917,9 @@ def _rebaselined(
         torchtitan_baseline=titan[0] if titan is not None else None,
         torchtitan_layout=titan[1] if titan is not None else {},
     )
-    if expert is None or megatron is None:
+    if megatron is None:
         return replace(plan, baseline=None, baseline_layout={}, decisions=kept)
+    expert, layout = megatron
     b = expert.predicted
     if plan.serving is not None:
         b = _with_prefill_memory(b, expert, prepared.prefill, cluster, prepared.request)
@@ -932,7 +933,7 @@ def _rebaselined(
     return replace(
         plan,
         baseline=b,
-        baseline_layout=megatron[1],
+        baseline_layout=layout,
         decisions=[decision, *kept],
     )
 

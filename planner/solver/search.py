@@ -1544,20 +1544,21 @@ def megatron_plan(
 
 def baseline_layouts(
     structure: ModelStructure, cluster: ClusterSpec, workload: WorkloadSpec, constraints: Constraints
-) -> tuple[tuple[Prediction, dict[str, str]] | None, tuple[Prediction, dict[str, str]] | None]:
-    """The hand-written layouts `plan_model` sets beside its plan, priced for this job: (Megatron-LM's
-    plan, torchtitan's recipe), each (its prediction, its layout as the plan records it:
-    `Plan.baseline_layout` / `Plan.torchtitan_layout`), None where it does not apply (torchtitan:
-    training only). What `planner run` prices again for a plan edited after planning. Raises InputError
-    as `plan_model`."""
+) -> tuple[tuple[Plan, dict[str, str]] | None, tuple[Prediction, dict[str, str]] | None]:
+    """The hand-written layouts `plan_model` sets beside its plan, priced for this job, from one search
+    set-up: (Megatron-LM's plan as `megatron_plan` makes it, torchtitan's recipe's prediction), each
+    with its layout as the plan records it (`Plan.baseline_layout` / `Plan.torchtitan_layout`), None
+    where it does not apply (torchtitan: training only). What `planner run` prices again for a plan
+    edited after planning. Raises InputError as `plan_model`."""
     search = _setup(structure, cluster, workload, constraints)
     w = search.workload
     megatron = _baseline(search)
     titan = _torchtitan_baseline(search) if w.train else None
-    return (
-        (megatron.prediction, _layout_text(megatron, w)) if megatron is not None else None,
-        (titan.prediction, _layout_text(titan, w)) if titan is not None else None,
-    )
+    expert = None
+    if megatron is not None:
+        info = SolverInfo("megatron", megatron.prediction.latency_s, 0.0, 0.0, 0)
+        expert = (_plan_of(search, megatron, "model", info), _layout_text(megatron, w))
+    return expert, ((titan.prediction, _layout_text(titan, w)) if titan is not None else None)
 
 
 def _rank_stages(chunks: list[list[int]], pp: int) -> list[list[int]]:
