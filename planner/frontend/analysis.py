@@ -203,6 +203,18 @@ class Layer:
     # the layer's mixture-of-experts block (`planner.frontend.moe`): router, routed experts (not in
     # `mlp`; their nodes "experts" in `node_blocks`, replicated under TP), shared experts (`mlp`)
     moe: MoE | None = None
+    # frozen parameters (requires_grad=False: a fine-tune's base weights): elements of the layer's
+    # that are frozen (held as weights only: no gradient, no optimizer state), and whether a gradient
+    # reaches the layer's inputs (a trainable parameter upstream); a layer with neither runs no
+    # backward at all (autograd records nothing there)
+    frozen_params: int = 0
+    input_requires_grad: bool = True
+
+    @property
+    def trainable(self) -> bool:
+        """Whether training runs a backward through this layer: a gradient reaches its inputs or it
+        has a trainable parameter."""
+        return self.input_requires_grad or self.frozen_params < self.num_params or not self.num_params
 
     @property
     def active_params(self) -> int:
@@ -288,6 +300,11 @@ class ModelStructure:
     # why, per class of `replicated_attention_classes`: the ops the pass gathered at and the model's
     # lines, e.g. "aten.matmul at model.py:26 `s = q @ k.transpose(-1, -2)`" (the exclusion names them)
     replicated_attention_reasons: dict[str, str] = field(default_factory=dict)
+    # FQNs (every alias of a tied tensor) of the parameters with requires_grad=False: training holds
+    # them as weights only (no gradient, no Adam state, no data-parallel reduction) and runs no
+    # weight-gradient GEMM for them (`planner.solver.costing.CostContext.frozen`)
+    frozen_params: frozenset[str] = frozenset()
+    num_frozen_params: int = 0  # their unique elements (a tied weight counts once)
 
     @property
     def active_params(self) -> int:
@@ -351,6 +368,7 @@ def analyse(gm: fx.GraphModule) -> ModelStructure:
         _layer(i, path, members, by_node, costs, params) for i, (path, members) in enumerate(layer_groups)
     ]
     _mark_cross_inputs(layers, graph)
+    _mark_input_grads(layers, nodes, params)
     in_layers = {name for layer in layers for name in layer.nodes}
 
     embeddings = [
@@ -399,6 +417,8 @@ def analyse(gm: fx.GraphModule) -> ModelStructure:
         token_capacity=[c.reason for c in capacities],
         chain_gaps=chain_gap_nodes(gm.graph, [p.node for p in mlp_chain]),
         buffer_bytes=_buffer_bytes(gm, nodes, unique.values()),
+        frozen_params=frozenset(name for name, p in params.items() if not p.requires_grad),
+        num_frozen_params=sum(p.numel() for p in unique.values() if not p.requires_grad),
     )
 
 
@@ -938,6 +958,7 @@ def _layer(
         output_node=output.name,
         param_bytes=sum(params[w].numel() * params[w].element_size() for w in weights),
         num_params=sum(params[w].numel() for w in weights),
+        frozen_params=sum(params[w].numel() for w in weights if not params[w].requires_grad),
         flops=sum(costs[n.name].flops for n in members),
         bytes_moved=sum(costs[n.name].bytes_read + costs[n.name].bytes_written for n in members),
         side_inputs=[a.name for a in external if a is not stream],
@@ -1031,6 +1052,25 @@ def _mark_cross_inputs(layers: list[Layer], graph: nx.DiGraph) -> None:
     downstream = nx.descendants(graph, layers[0].input_node) | {layers[0].input_node}
     for layer in layers:
         layer.cross_inputs = [s for s in layer.side_inputs if s in downstream]
+
+
+def _mark_input_grads(
+    layers: list[Layer], nodes: list[fx.Node], params: dict[str, torch.nn.Parameter]
+) -> None:
+    """`Layer.input_requires_grad`: whether any value entering the layer (stream or side input) depends
+    on a trainable parameter, following requires_grad forward through the graph as autograd does (a
+    model's inputs do not require a gradient). Non-differentiable ops (comparisons, argmax) are not
+    told apart: a gradient counted where none flows only over-prices the backward."""
+    grads: set[str] = set()
+    for n in nodes:
+        if n.op == "get_attr":
+            p = params.get(str(n.target))
+            if p is not None and p.requires_grad:
+                grads.add(n.name)
+        elif n.op != "placeholder" and any(a.name in grads for a in n.all_input_nodes):
+            grads.add(n.name)
+    for layer in layers:
+        layer.input_requires_grad = any(name in grads for name in (layer.input_node, *layer.side_inputs))
 
 
 # --------------------------------------------------------------------------------------- attention

@@ -120,6 +120,7 @@ def _extend(structure: ModelStructure, model: nn.Module, path: str, depth: int) 
         layer.module_path = f"{path}.{i}"
         _renumber(layer, old, new)
         layers.append(layer)
+    _mark_frozen(layers, model, len(structure.layers))
     unique = {id(p): p for p in model.parameters()}.values()
     num_params = sum(p.numel() for p in unique)
     param_bytes = sum(p.numel() * p.element_size() for p in unique)
@@ -131,7 +132,27 @@ def _extend(structure: ModelStructure, model: nn.Module, path: str, depth: int) 
         param_bytes=param_bytes,
         num_param_tensors=tensors,
         param_tensor_sizes=param_tensors(unique),
+        frozen_params=frozenset(
+            n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad
+        ),
+        num_frozen_params=sum(p.numel() for p in unique if not p.requires_grad),
     )
+
+
+def _mark_frozen(layers: list[Layer], model: nn.Module, captured: int) -> None:
+    """The copied layers' (`layers[captured:]`) frozen parameters, read from the model's own
+    (`Layer.frozen_params`: elements under the layer's module path with requires_grad=False), and
+    whether a gradient reaches each (`Layer.input_requires_grad`): one reaches layer i when it reached
+    layer i - 1 or that layer has a trainable parameter. A fine-tune that freezes some layers of a
+    repeated stack is priced layer by layer, though only a slice of it was captured."""
+    params = dict(model.named_parameters())
+    for i in range(captured, len(layers)):
+        layer, before = layers[i], layers[i - 1]
+        prefix = f"{layer.module_path}."
+        layer.frozen_params = sum(
+            p.numel() for n, p in params.items() if n.startswith(prefix) and not p.requires_grad
+        )
+        layer.input_requires_grad = before.input_requires_grad or before.frozen_params < before.num_params
 
 
 def _renumber(layer: Layer, old: str, new: str) -> None:

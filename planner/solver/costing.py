@@ -148,6 +148,9 @@ class OpOption:
     # communication inside the op hidden behind its own compute (context-parallel ring attention's K/V
     # blocks under the blocks' attention); not in comm_s, which is what the rank waits for
     hidden_comm_s: float = 0.0
+    # of static_bytes, those of frozen parameters (`CostContext.frozen`): weights only whatever the
+    # data-parallel style, so not scaled by its training-state factor (`search._with_state_factor`)
+    frozen_bytes: float = 0.0
 
 
 @dataclass
@@ -193,6 +196,9 @@ class LayerGraph:
     # their state over the edp group (`CostContext.experts_context`): rescaled apart from the rest when
     # a search candidate differs only in its data-parallel style (`search._with_state_factor`)
     expert_static_bytes: float = 0.0
+    # of fixed_static_bytes, what training does not scale by its state factor: frozen parameters'
+    # weights (`OpOption.frozen_bytes`) and, in the ends, the buffers (masks, RoPE tables)
+    frozen_static_bytes: float = 0.0
 
     @property
     def last_stage_compute_s(self) -> float:
@@ -456,6 +462,7 @@ class CostContext:
         shape: tuple[float, float] | None = None,
         call: tuple | None = None,
         seq: tuple[float, float, bool] | None = None,
+        weight_grad: bool = True,
     ) -> float:
         """Roofline time of one op (training: forward + backward, `compute_factor` times the forward;
         a pooling op's backward is instead a memory-bound scatter, `POOL_BACKWARD_BYTES_FACTOR` times
@@ -467,15 +474,19 @@ class CostContext:
         On a device priced by GEMM shape (``DeviceSpec.gemm``), a training matmul is its three GEMMs
         (`costmodels.compute.training_gemm_shapes`: forward, input and weight gradients) each at its
         own shape's efficiency; on one with a fused attention fit (``DeviceSpec.attention``), a
-        training attention core is its forward plus ``backward_time_factor`` forwards."""
+        training attention core is its forward plus ``backward_time_factor`` forwards.
+
+        ``weight_grad`` False: a matmul whose weight is frozen (`frozen`): its backward computes the
+        input gradient only, one GEMM of the forward's size fewer."""
         dev = self.cluster.device
         launch = dev.node_overhead_s is None
         if self.train and kind == "matmul" and dev.gemm is not None and rows and shape is not None:
+            gemms = compute.training_gemm_shapes(rows, shape[0], shape[1])
             return sum(
                 compute.op_time_s(
                     flops, bytes_moved, dev, self.dtype, kind, rows=m, launch=launch, shape=(k, n)
                 )
-                for m, k, n in compute.training_gemm_shapes(rows, shape[0], shape[1])
+                for m, k, n in (gemms if weight_grad else gemms[:2])
             )
         if self.train and kind == "attention" and dev.attention is not None and seq is not None:
             forward = compute.op_time_s(flops, bytes_moved, dev, self.dtype, kind, launch=launch, seq=seq)
@@ -495,7 +506,20 @@ class CostContext:
             launch = dev.node_overhead_s is None
             scatter = POOL_BACKWARD_BYTES_FACTOR * bytes_moved
             return one + compute.op_time_s(0.0, scatter, dev, self.dtype, "memory", launch=launch)
+        if self.train and kind == "matmul" and not weight_grad:
+            return (self.compute_factor - 1.0) * one
         return self.compute_factor * one
+
+    def forward_only(self) -> CostContext:
+        """This context for a forward pass of the same tokens (no backward, no training state): how a
+        training step runs a layer that no gradient reaches (`Layer.trainable`)."""
+        return dataclasses.replace(self, workload=dataclasses.replace(self.workload, kind=Workload.FORWARD))
+
+    def frozen(self, fqn: str | None) -> bool:
+        """Whether parameter ``fqn`` is frozen in a training step (requires_grad=False,
+        `ModelStructure.frozen_params`): held as a weight only, with no gradient, optimizer state or
+        weight-gradient GEMM. False for inference (nothing is trained) and for None."""
+        return self.train and fqn is not None and fqn in self.structure.frozen_params
 
     def node_overhead_time(self, nodes: float) -> float:
         """Per-node overhead of ``nodes`` fx nodes of the rewritten graph on one rank (training: with
@@ -658,7 +682,8 @@ def projection_options(
     n_in, n_out = proj.in_features, proj.out_features
     has_bias = proj.bias is not None
     weight_bytes = (n_in * n_out + (n_out if has_bias else 0)) * b
-    state = ctx.state_factor()
+    frozen = ctx.frozen(proj.weight)  # a frozen bias with it is counted frozen too (LoRA freezes both)
+    state = 1.0 if frozen else ctx.state_factor()
     act_in = tokens * n_in * b if ctx.train else 0.0
 
     def option(name: str, in_layout: Layout, out_layout: Layout, k: float, m: float, shard: int) -> OpOption:
@@ -668,9 +693,10 @@ def projection_options(
         # split projection (its sequence shard, all-gathered again in backward: Korthikanti section 4.2.2)
         split_stream = ctx.sequence_parallel and in_layout == R and shard > 1
         stored = act_in / (shard if in_layout == S or split_stream else 1)
-        grads = weight_bytes / shard if ctx.train else 0.0
-        return OpOption(name, in_layout, out_layout, ctx.op_time(flops, moved, "matmul", rows=tokens, shape=(k, m)),
-                        weight_bytes * state / shard, stored, grad_bytes=grads)  # fmt: skip
+        grads = weight_bytes / shard if ctx.train and not frozen else 0.0
+        time_s = ctx.op_time(flops, moved, "matmul", rows=tokens, shape=(k, m), weight_grad=not frozen)
+        return OpOption(name, in_layout, out_layout, time_s, weight_bytes * state / shard, stored,
+                        grad_bytes=grads, frozen_bytes=weight_bytes / shard if frozen else 0.0)  # fmt: skip
 
     options = [option("replicate", R, R, n_in, n_out, 1)]
     excluded: dict[str, str] = {}
@@ -956,6 +982,8 @@ def layer_key(layer: Layer) -> str:
         parts += [f"{w.role}:{w.in_features}x{w.out_features}" for w in m.experts]
     # parameter elements, not bytes: a plan made in one dtype names the same classes as ranks built in another
     parts.append(f"n{layer.num_params}" if layer.num_params else f"p{layer.param_bytes}")
+    if layer.frozen_params:  # a fine-tune's frozen weights (`Layer.frozen_params`): trained otherwise
+        parts.append(f"frozen{layer.frozen_params}" + ("" if layer.trainable else ",no-backward"))
     return ";".join(parts)
 
 
@@ -1144,11 +1172,13 @@ def build_layer_graph(layer: Layer, ctx: CostContext) -> LayerGraph:
     residual adds) in ``fixed_compute_s``. Otherwise by formula: one norm and one residual add per
     block, one elementwise op per activation.
     """
+    if ctx.train and not layer.trainable:  # no gradient reaches it and none is taken: forward only
+        return _frozen_graph(build_layer_graph(layer, ctx.forward_only()))
     s = ctx.structure
     tokens, b = ctx.tokens, ctx.bytes_per_element
     ops: list[Op] = []
     outputs: dict[str, str] = {}
-    proj_bytes = 0.0
+    proj_bytes = frozen_proj_bytes = 0.0
     times = layer_node_times_s(layer, ctx)
     if layer.attention is not None:
         inner = times["attention"] if times else 0.0
@@ -1158,6 +1188,9 @@ def build_layer_graph(layer: Layer, ctx: CostContext) -> LayerGraph:
             layer.attention, tokens, ctx, ops, inner, head_ok=head_ok, gathers=gathers
         )
         proj_bytes += sum(_param_bytes(p, b) for p in layer.attention.projections)
+        frozen_proj_bytes += sum(
+            _param_bytes(p, b) for p in layer.attention.projections if ctx.frozen(p.weight)
+        )
     if layer.cross_attention is not None:
         inner = times["cross"] if times else 0.0
         head_ok = layer_key(layer) not in s.replicated_attention_classes
@@ -1166,11 +1199,15 @@ def build_layer_graph(layer: Layer, ctx: CostContext) -> LayerGraph:
             layer.cross_attention, tokens, ctx, ops, inner, head_ok=head_ok, block="cross", gathers=gathers
         )
         proj_bytes += sum(_param_bytes(p, b) for p in layer.cross_attention.projections)
+        frozen_proj_bytes += sum(
+            _param_bytes(p, b) for p in layer.cross_attention.projections if ctx.frozen(p.weight)
+        )
     if layer.mlp is not None:
         inner = times["mlp"] if times else None
         shardable = layer_key(layer) not in s.replicated_mlp_classes
         outputs["mlp"] = _mlp_ops(layer.mlp.projections, tokens, ctx, ops, "mlp", inner, shardable=shardable)
         proj_bytes += sum(_param_bytes(p, b) for p in layer.mlp.projections)
+        frozen_proj_bytes += sum(_param_bytes(p, b) for p in layer.mlp.projections if ctx.frozen(p.weight))
     hidden = s.hidden_size
     num_norms = len(outputs) + (layer.cross_attention is not None)
     experts_s = (times["experts"] if times is not None else 0.0) + expert_gemm_time_s(layer, ctx)
@@ -1190,6 +1227,9 @@ def build_layer_graph(layer: Layer, ctx: CostContext) -> LayerGraph:
     # param_bytes is in the captured model's dtype; re-express it in the planned dtype.
     as_planned = layer.param_bytes / DTYPE_BYTES[s.dtype] * b
     other_params = max(0.0, as_planned - proj_bytes)
+    # the frozen ones among them (norms, a router, experts of a frozen layer): weights only
+    frozen = min(other_params, max(0.0, layer.frozen_params * b - frozen_proj_bytes)) if ctx.train else 0.0
+    other_params -= frozen
     fixed_act = 2.0 * num_norms * tokens * hidden * b / split if ctx.train else 0.0
     fixed_act += expert_activation_bytes(layer, ctx)
     static, grads, expert_grads, expert_static = other_params * ctx.state_factor(), other_params, 0.0, 0.0
@@ -1208,13 +1248,24 @@ def build_layer_graph(layer: Layer, ctx: CostContext) -> LayerGraph:
         ops=ops,
         block_outputs=outputs,
         fixed_compute_s=fixed,
-        fixed_static_bytes=static,
+        fixed_static_bytes=static + frozen,
+        frozen_static_bytes=frozen,
         fixed_activation_bytes=fixed_act,
         fixed_grad_bytes=grads if ctx.train else 0.0,
         fixed_comm_s=expert_comm_time_s(layer, ctx),
         expert_grad_bytes=expert_grads if ctx.train else 0.0,
         expert_static_bytes=expert_static,
     )
+
+
+def _frozen_graph(graph: LayerGraph) -> LayerGraph:
+    """``graph``, built for a forward pass, as a training step holds it when no gradient reaches its
+    layer and it has no trainable parameter: every static byte is a frozen weight's."""
+    for op in graph.ops:
+        for option in op.options:
+            option.frozen_bytes = option.static_bytes
+    graph.frozen_static_bytes = graph.fixed_static_bytes
+    return graph
 
 
 def build_chain_graph(projections: list[Projection], ctx: CostContext) -> LayerGraph:
@@ -1464,30 +1515,34 @@ def build_ends_graph(ctx: CostContext) -> LayerGraph:
     held: set[str] = set()  # weights an earlier embedding op holds (T5's encoder and decoder lookups)
     for i, emb in enumerate(s.embeddings):
         weight_bytes = emb.vocab_size * emb.dim * b
+        frozen = ctx.frozen(emb.weight)  # weights only, and no gradient to scatter
         t = ctx.op_time(0.0, compute.embedding_bytes(tokens, emb.dim, ctx.dtype), "memory")
-        grads = weight_bytes if ctx.train else 0.0
+        grads = weight_bytes if ctx.train and not frozen else 0.0
+        emb_state = 1.0 if frozen else state
         out_bytes = tokens * emb.dim * b
         into_stream = stream_conversion_time_s(R, out_bytes, ctx)  # sequence parallel: the first gather
         head = s.lm_head  # its weight's gradient is summed with this one's on a one-stage tied model
         tied = (
             s.tied_lm_head and ctx.mesh.pp == 1 and head is not None and emb.vocab_size == head.out_features
         )
-        dense = embedding_gradient_time_s(weight_bytes, out_bytes, tied, ctx)
+        dense = 0.0 if frozen else embedding_gradient_time_s(weight_bytes, out_bytes, tied, ctx)
         options = [
-            OpOption("replicate", R, R, t + dense, weight_bytes * state, 0.0, into_stream, grad_bytes=grads)
-        ]
+            OpOption("replicate", R, R, t + dense, weight_bytes * emb_state, 0.0, into_stream, grad_bytes=grads,
+                     frozen_bytes=weight_bytes if frozen else 0.0)
+        ]  # fmt: skip
         excluded = {}
         if tp > 1:  # a vocabulary that does not divide by tp is padded (passes.tensor_parallel.padded_size)
             rows = -(-emb.vocab_size // tp)
             shard_bytes = rows * emb.dim * b
             comm = stream_conversion_time_s(P, out_bytes, ctx)
-            dense = embedding_gradient_time_s(shard_bytes, out_bytes, tied, ctx)
+            dense = 0.0 if frozen else embedding_gradient_time_s(shard_bytes, out_bytes, tied, ctx)
             options.append(
-                OpOption("vocab", R, R, t + dense, shard_bytes * state, 0.0, comm, grads and shard_bytes)
-            )
+                OpOption("vocab", R, R, t + dense, shard_bytes * emb_state, 0.0, comm, grads and shard_bytes,
+                         frozen_bytes=shard_bytes if frozen else 0.0)
+            )  # fmt: skip
         if emb.weight in held:  # one weight, looked up twice: counted (and its gradient) once
             for opt in options:
-                opt.static_bytes = opt.grad_bytes = 0.0
+                opt.static_bytes = opt.grad_bytes = opt.frozen_bytes = 0.0
         held.add(emb.weight)
         ops.append(Op(f"embedding{i}", "embedding", options, [], out_bytes, emb.weight, None, excluded))
     head = s.lm_head
@@ -1532,8 +1587,7 @@ def build_ends_graph(ctx: CostContext) -> LayerGraph:
             excluded["vocab"] = excluded.pop("colwise")
         if s.tied_lm_head:
             for opt in options:  # the weight is counted once, with the embedding
-                opt.static_bytes = 0.0
-                opt.grad_bytes = 0.0
+                opt.static_bytes = opt.grad_bytes = opt.frozen_bytes = 0.0
         ops.append(Op("lm_head", "head", options, [], logits_bytes, head.weight, head, excluded))
     if ctx.workload.kind is Workload.DECODE and ctx.cluster.device.decode_host_s:
         fixed += ctx.cluster.device.decode_host_s  # the serving loop's host work around the graph
@@ -1545,15 +1599,17 @@ def build_ends_graph(ctx: CostContext) -> LayerGraph:
     # parameters no op above holds (convolutions, norms and biases outside the layers, ...): replicated;
     # and the buffers the graph reads (masks, RoPE tables), whole on every rank
     other = outside_params(s) * b
+    frozen = min(other, outside_frozen_params(s) * b) if ctx.train else 0.0  # weights only
     return LayerGraph(
         "ends",
         ops,
         {},
         fixed,
-        other * state + s.buffer_bytes,
+        (other - frozen) * state + frozen + s.buffer_bytes,
         0.0,
-        other if ctx.train else 0.0,
+        other - frozen if ctx.train else 0.0,
         first_stage_compute_s=first_stage,
+        frozen_static_bytes=frozen + s.buffer_bytes,
     )
 
 
@@ -1598,6 +1654,20 @@ def outside_params(s: ModelStructure) -> int:
         held += s.lm_head.in_features * s.lm_head.out_features
     held += sum(p.in_features * p.out_features for p in s.mlp_chain)
     return max(0, int(s.num_params) - held)
+
+
+def outside_frozen_params(s: ModelStructure) -> int:
+    """Of `outside_params`, the frozen elements (`ModelStructure.num_frozen_params` less those the
+    layers, embeddings, LM head and chain hold)."""
+    if not s.num_frozen_params:
+        return 0
+    held = sum(layer.frozen_params for layer in s.layers)
+    held += sum(e.vocab_size * e.dim for e in s.embeddings if e.weight in s.frozen_params)
+    weights = [s.lm_head] if s.lm_head is not None and not s.tied_lm_head else []
+    held += sum(
+        p.in_features * p.out_features for p in [*weights, *s.mlp_chain] if p.weight in s.frozen_params
+    )
+    return max(0, int(s.num_frozen_params) - held)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1760,17 +1830,18 @@ def training_transient_bytes(ctx: CostContext) -> float:
 
 
 def fsdp_transient_bytes(ctx: CostContext) -> float:
-    """FSDP: the unsharded units in flight (`memory.fsdp_unit_bytes`): the largest layer's parameters
-    and those outside the layers (embedding, LM head, the chain), split over the TP ranks; 0 for the
-    other styles."""
+    """FSDP: the unsharded units in flight (`memory.fsdp_unit_bytes`): the largest layer's trainable
+    parameters and those outside the layers (embedding, LM head, the chain), split over the TP ranks
+    (frozen parameters are not sharded, so not gathered: `passes.fsdp`); 0 for the other styles."""
     if ctx.dp_style is not DataParallel.FSDP:
         return 0.0
     s, tp = ctx.structure, ctx.mesh.tp
-    layer_params = max((layer.num_params for layer in s.layers), default=0)
+    layer_params = max((layer.num_params - layer.frozen_params for layer in s.layers), default=0)
     outside = outside_params(s) + sum(e.vocab_size * e.dim for e in s.embeddings)
     if s.lm_head is not None and not s.tied_lm_head:
         outside += s.lm_head.in_features * s.lm_head.out_features
     outside += sum(p.in_features * p.out_features for p in s.mlp_chain)
+    outside = max(0, outside - (s.num_frozen_params - sum(layer.frozen_params for layer in s.layers)))
     return memory.fsdp_unit_bytes(layer_params / tp, outside / tp, ctx.dtype, ctx.reshard_after_forward)
 
 

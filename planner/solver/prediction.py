@@ -246,30 +246,46 @@ def model_flops(tables: CostTables) -> float:
     """FLOP of one step's math on the whole model (all replicas): every projection (2 tokens in out;
     a mixture of experts' router, and its routed experts as each token runs top_k of them: the active
     parameters), attention core (`compute.attention_flops`, causal for causal workloads) and
-    convolution over the global batch, times 3 for training (forward and backward: the input and weight gradients); recomputation is not
-    counted. 0 for models without layers or a chain to price."""
+    convolution over the global batch. Training adds the backward: the input gradients (a forward's
+    FLOP again) where a gradient flows (`Layer.trainable`) and the weight gradients (the same) of the
+    weights that are not frozen (`CostContext.frozen`), so 3x the forward when everything trains;
+    recomputation is not counted. 0 for models without layers or a chain to price."""
     ctx = tables.ctx
     s, w = ctx.structure, ctx.workload
     tokens = w.batch_size * w.tokens_per_sequence
-    projections = list(s.mlp_chain) + ([s.lm_head] if s.lm_head is not None else [])
-    flops = 0.0
+    train = ctx.train
+
+    def factor(backward: bool, weight: str | None = None) -> float:
+        """Forward + backward multiple of one op's forward FLOP: input gradient, weight gradient."""
+        if not train or not backward:
+            return 1.0
+        return TRAIN_COMPUTE_FACTOR - (1.0 if weight is not None and ctx.frozen(weight) else 0.0)
+
+    head = list(s.mlp_chain) + ([s.lm_head] if s.lm_head is not None else [])
+    flops = sum(
+        compute.linear_flops(tokens, p.in_features, p.out_features) * factor(True, p.weight) for p in head
+    )
     for layer in s.layers:
-        for block in (layer.attention, layer.mlp):
-            projections += block.projections if block is not None else []
+        backward = layer.trainable
+        projections = [
+            p for block in (layer.attention, layer.mlp) if block is not None for p in block.projections
+        ]
         projections += layer.routers
+        flops += sum(
+            compute.linear_flops(tokens, p.in_features, p.out_features) * factor(backward, p.weight)
+            for p in projections
+        )
         if layer.moe is not None:  # the routed experts' active compute: top_k experts per token
-            flops += layer.moe.expert_flops(tokens)
+            flops += layer.moe.expert_flops(tokens) * factor(backward)
         a = layer.attention
         if a is not None:
             causal = w.kind is not Workload.DECODE
-            flops += compute.attention_flops(
+            flops += factor(backward) * compute.attention_flops(
                 w.batch_size, a.num_heads, w.tokens_per_sequence, w.kv_len, a.head_dim, causal
             )
-    flops += sum(compute.linear_flops(tokens, p.in_features, p.out_features) for p in projections)
     # convolutions, from the captured graph's shapes, over the global batch
     conv = sum(c.flops for c in s.node_costs.values() if c.kind == "conv")
-    flops += conv * w.batch_size / max(1, s.batch_size)
-    return flops * (TRAIN_COMPUTE_FACTOR if ctx.train else 1.0)
+    return flops + conv * w.batch_size / max(1, s.batch_size) * factor(True)
 
 
 def _tail_s(

@@ -233,6 +233,12 @@ def _setup(
     structure: ModelStructure, cluster: ClusterSpec, workload: WorkloadSpec, constraints: Constraints
 ) -> _Search:
     dtype = workload.dtype or structure.dtype
+    if workload.train and structure.num_params and structure.num_frozen_params >= structure.num_params:
+        raise InputError(
+            "workload train: every parameter of the model has requires_grad=False, so a training step "
+            "has nothing to update; make the weights to train require gradients (p.requires_grad_(True) "
+            "in build_model), or plan --workload forward"
+        )
     keys = layer_keys(structure)
     num_layers = len(structure.layers)
     ladder = constraints.ladder.for_layers(num_layers)
@@ -933,7 +939,9 @@ def _price(search: _Search, config: MeshConfig, lazy: bool = False) -> _Candidat
     factors = _state_factors(ctx)
     ratio = (factors[0] / state[0], factors[1] / state[1])
     tables = CostTables(ctx, graphs, search.layer_keys, ends)
-    least = (static * min(ratio), act, ends_static * ratio[0])  # a lower bound whichever part dominates
+    # a lower bound whichever part dominates (frozen weights do not scale: no factor above 1 then)
+    low = min(ratio) if not search.structure.frozen_params else min(1.0, *ratio)
+    least = (static * low, act, ends_static * min(ratio[0], low))
     pp, v = config.mesh.pp, config.virtual_stages
     total = work + (pp * v - 1) * p2p_stage_time_s(ctx) if pp > 1 else work  # `stage_p2p_time_s`, summed
     bound = step_time_s(total, total / config.mesh.pp, config.micro_batches, config.virtual_stages)
@@ -971,11 +979,12 @@ def _with_state_factor(
     graphs: dict[str, LayerGraph], ends: LayerGraph, ratio: float, expert_ratio: float
 ) -> tuple[dict[str, LayerGraph], LayerGraph]:
     """Copies of training graphs with every static byte (parameters, gradients, optimizer state)
-    multiplied by `ratio`, the routed experts' own (`LayerGraph.expert_static_bytes`) by `expert_ratio`."""
+    multiplied by `ratio`, the routed experts' own (`LayerGraph.expert_static_bytes`) by `expert_ratio`;
+    frozen weights' (`OpOption.frozen_bytes`, `LayerGraph.frozen_static_bytes`) stay as they are."""
 
     def option(o: OpOption) -> OpOption:
         o = copy.copy(o)
-        o.static_bytes *= ratio
+        o.static_bytes = (o.static_bytes - o.frozen_bytes) * ratio + o.frozen_bytes
         return o
 
     def scaled(graph: LayerGraph) -> LayerGraph:
@@ -985,8 +994,9 @@ def _with_state_factor(
             op = copy.copy(op)
             op.options = [option(o) for o in op.options]
             out.ops.append(op)
-        experts = graph.expert_static_bytes
-        out.fixed_static_bytes = (graph.fixed_static_bytes - experts) * ratio + experts * expert_ratio
+        experts, frozen = graph.expert_static_bytes, graph.frozen_static_bytes
+        trained = graph.fixed_static_bytes - experts - frozen
+        out.fixed_static_bytes = trained * ratio + experts * expert_ratio + frozen
         out.expert_static_bytes = experts * expert_ratio
         return out
 
