@@ -812,6 +812,8 @@ def rule_pointwise(ctx: RuleContext, node: fx.Node) -> None:
         and not ctx.place[a].parts
         and not ctx.place[a].inner
     } if out_shape is not None else set()  # fmt: skip
+    if out_shape is not None and _keeps_parts(ctx, node, inputs, out_shape):
+        return
     if out_shape is None or len(shards) != 1 or any(ctx.place.get(a, R).is_partial for a in inputs):
         ctx.run_replicated(node)
         return
@@ -827,6 +829,33 @@ def rule_pointwise(ctx: RuleContext, node: fx.Node) -> None:
             node.replace_input_with(a, ctx.copy_in(a))
     ctx.set_meta(node, Placement.shard(od, pieces=pieces))
     ctx.check(node)
+
+
+def _keeps_parts(ctx: RuleContext, node: fx.Node, inputs: list[fx.Node], out_shape: tuple[int, ...]) -> bool:
+    """A fused projection's sharded parts (`Placement.parts`) through an elementwise op whose sharded
+    inputs all hold the same parts of an output-sized tensor, the others broadcast along that dim (a
+    scalar, a size-1 dim): a LoRA adapter's update (scaled) added to its fused QKV projection's output,
+    each rank's parts beside its parts. Sets the placement and returns True; False when not so."""
+    placed = [ctx.place.get(a, R) for a in inputs]
+    with_parts = {p for p in placed if isinstance(p, Placement) and p.is_shard and p.parts}
+    if len(with_parts) != 1:
+        return False
+    (want,) = with_parts
+    for a, p in zip(inputs, placed):
+        shape = ctx.gshape(a)
+        if p == want:
+            if len(shape) != len(out_shape):
+                return False
+            continue
+        if not isinstance(p, Placement) or not p.is_replicate:
+            return False
+        ad = want.dim - (len(out_shape) - len(shape))
+        if ad >= 0 and shape[ad] != 1:
+            return False
+        node.replace_input_with(a, ctx.copy_in(a))
+    ctx.set_meta(node, want)
+    ctx.check(node)
+    return True
 
 
 _POINTWISE = RuleEntry(rule_pointwise, general=True)

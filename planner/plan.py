@@ -456,6 +456,11 @@ class Plan:
     # not a decision (not in the digest), read by exports to tell a stream-input projection from a
     # block-output one; empty in plans written before this field
     roles: dict[str, str] = field(default_factory=dict)
+    # LoRA adapters of the model (`planner.frontend.roles.Adapter`): each adapter weight's FQN -> the
+    # weight of the projection it adapts (split with it), and the model's frozen parameter elements
+    # (requires_grad=False); facts of the model, read by exports; empty / 0 in plans written before them
+    adapters: dict[str, str] = field(default_factory=dict)
+    frozen_params: int = 0
     # how the TP pass placed the captured graph's ops on one rank (`passes.tensor_parallel.rule_coverage`):
     # "general" (DTensor's sharding semantics), "own" (a rule of this project's), "replicated" (run
     # whole; the gathered ones are `fallbacks`); empty for TP=1 plans and plans written before this field

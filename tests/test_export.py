@@ -15,6 +15,7 @@ options (`ModelParallelConfig`, `TransformerConfig`, `TrainingConfig`), vLLM 0.3
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import re
@@ -47,6 +48,8 @@ from planner.plan import (
     WeightSplit,
     Workload,
 )
+from planner.solver.problem import Constraints, WorkloadSpec
+from planner.solver.search import plan_model
 from runtime.launch import launch
 from tests.dtensor_entry import apply_exported
 from tests.planner_fixtures import EXAMPLES
@@ -169,6 +172,14 @@ def _dtensor_jobs(captured, tp: int) -> dict[str, tuple]:
         "llama3_kv_decode": job("llama3_kv", _served(plan("llama3_kv")), "decode"),
         "hf_llama_kv_decode": job("hf_llama_kv", _served(plan("hf_llama_kv")), "decode"),
     }
+    if tp == 2 and importlib.util.find_spec("peft") is not None:
+        # PEFT's LoRA adapters split with their projections (down whole and up column-parallel beside a
+        # column-parallel one; down row-parallel, up whole beside a row-parallel one), base weights frozen
+        lora = plan_model(
+            analyse(captured("hf_llama_lora").gm), load_cluster("local-cpu", nproc=2), WorkloadSpec("train", 2, 16),
+            Constraints(tp=2, layout="megatron"),
+        )  # fmt: skip
+        jobs["hf_llama_lora"] = job("hf_llama_lora", lora)
     if tp == 2:
         gpt = plan("gpt2_tiny", workload=Workload.TRAIN)
         jobs["gpt2_tiny"] = job("gpt2_tiny", gpt)

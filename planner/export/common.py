@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 
 from planner.errors import InputError
-from planner.plan import DataParallel, Plan, Recompute, SplitStyle
+from planner.plan import DataParallel, Plan, Recompute, SplitStyle, Workload
 from planner.plan import dp_label as plan_dp_label
 
 # what the plan's cp_comm_type "alltoall" is, for the warnings of tools without it
@@ -170,9 +170,24 @@ def layout_warnings(plan: Plan, tool: str, replicates_kv_heads: bool = False) ->
             f"{tool} runs the standard residual (outputs as the original model, every TP all-reduce exposed), "
             f"slower than predicted"
         )
-    # learned position embeddings stay replicated in these tools too (Megatron-LM's LanguageModelEmbedding
+    # (learned position embeddings stay replicated in these tools too: Megatron-LM's LanguageModelEmbedding
     # shards only the word embedding over the vocabulary)
-    kept = [w for w in replicated_weights(plan) if not _position_embedding(w)]
+    if plan.adapters:
+        bases = len(set(plan.adapters.values()))
+        warnings.append(
+            f"the model has LoRA adapters beside {bases} projection(s) ({_short_list(sorted(plan.adapters))}): {tool}'s "
+            "arguments describe the base model, without them; add them with its own LoRA / PEFT support (the plan "
+            "splits each with its projection: down whole and up column-parallel beside a column-parallel one, down "
+            "row-parallel and up whole beside a row-parallel one), else it runs the base model only"
+        )
+    if plan.frozen_params and plan.workload is Workload.TRAIN:
+        warnings.append(
+            f"the model freezes {plan.frozen_params:,} of its {plan.model_params:,} parameters (requires_grad=False), "
+            f"which the plan holds as weights only; {tool} trains every weight it is given unless told to freeze "
+            "them: with gradients and Adam state for them its memory and time exceed the prediction"
+        )
+    # learned position embeddings stay replicated in these tools too; LoRA adapters follow their projection
+    kept = [w for w in replicated_weights(plan) if not _position_embedding(w) and w not in plan.adapters]
     if kept:
         warnings.append(
             f"{tool} shards every layer's projections at TP={plan.tp}; the plan keeps {len(kept)} weight(s) "

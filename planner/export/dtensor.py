@@ -345,6 +345,24 @@ def _parent(fqn: str) -> str:
     return fqn.rpartition(".")[0]
 
 
+def _adapter_owners(plan: Plan) -> dict[str, str]:
+    """Module FQN -> the module that holds it with its LoRA partners (`Plan.adapters`): the longest
+    common prefix of a projection's and its adapters' modules ("h.0.qkv" for "h.0.qkv.base" and
+    "h.0.qkv.down"; PEFT's "...q_proj" for "...q_proj.base_layer" and "...q_proj.lora_A.default").
+    A LoRA'd projection pairs with its block's others as that module."""
+    owners: dict[str, str] = {}
+    for adapter, base in plan.adapters.items():
+        a, b = adapter.removesuffix(".weight").split("."), base.removesuffix(".weight").split(".")
+        common = []
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            common.append(x)
+        owner = ".".join(common)
+        owners[".".join(a)] = owners[".".join(b)] = owner
+    return owners
+
+
 def _natural(fqn: str) -> list[object]:
     """Sort key: "layers.2" before "layers.10"."""
     return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in fqn.split(".")]
@@ -384,8 +402,9 @@ def dtensor_plan(plan: Plan) -> DTensorPlan:
     warnings: list[str] = []
     sp = plan.sequence_parallel and plan.tp > 1
     splits = {w.removesuffix(".weight"): s for w, s in plan.splits.items() if plan.tp > 1}
-    col = {m for m, s in splits.items() if s.style is SplitStyle.COLWISE}
-    row = {m for m, s in splits.items() if s.style is SplitStyle.ROWWISE}
+    owners = _adapter_owners(plan)
+    col = {owners.get(m, m) for m, s in splits.items() if s.style is SplitStyle.COLWISE}
+    row = {owners.get(m, m) for m, s in splits.items() if s.style is SplitStyle.ROWWISE}
     col_parents, row_parents = {_parent(m) for m in col}, {_parent(m) for m in row}
     blocks = sorted(col_parents & row_parents, key=_natural)
     if sp and not blocks:
@@ -406,6 +425,15 @@ def dtensor_plan(plan: Plan) -> DTensorPlan:
             f"the plan cuts this K/V projection into {plan.splits[weight].pieces} KV heads over tp={plan.tp} ranks "
             "(each head replicated, as vLLM does); a parallelize_module plan shards whole heads only"
         )
+    if sp:  # a block's gathered input is a DTensor, which a plain (replicated) nn.Linear cannot take
+        for weight in sorted(plan.adapters):
+            module = weight.removesuffix(".weight")
+            if module not in splits or splits[module].style is SplitStyle.REPLICATE:
+                unsupported[module] = (
+                    "a LoRA adapter's projection kept whole beside its split projection under sequence parallelism "
+                    "reads the block's gathered input, a DTensor, as a plain nn.Linear, which DTensor refuses; "
+                    "export the plan without sequence parallelism, or run it with planner run"
+                )
     for module, why in unsupported.items():
         warnings.append(
             f"{module}: {why}; apply() refuses the plan (edit that split, or run it with planner run)"
@@ -417,17 +445,18 @@ def dtensor_plan(plan: Plan) -> DTensorPlan:
                 f"{module} stores its weight (in, out) (a Hugging Face Conv1D?): DTensor's styles split nn.Linear "
                 "only; apply() refuses it"
             )
+        owner = owners.get(module, module)  # a LoRA'd projection's parts sit under the module that adds them
         if split.style is SplitStyle.COLWISE:
             # under sequence parallel a block gathers its input itself (apply()'s hook); a projection
             # outside the blocks (an LM head kept apart) gathers its own
-            kwargs = ["input_layouts=Shard(1)"] if sp and _parent(module) not in blocks else []
-            if _parent(module) not in row_parents:
+            kwargs = ["input_layouts=Shard(1)"] if sp and _parent(owner) not in blocks else []
+            if _parent(owner) not in row_parents:
                 kwargs.append("output_layouts=Replicate()")
             styles[module] = f"ColwiseParallel({', '.join(kwargs)})"
             if split.parts:
                 fused[module] = list(split.parts)
         elif split.style is SplitStyle.ROWWISE:
-            kwargs = [] if _parent(module) in col_parents else ["input_layouts=Replicate()"]
+            kwargs = [] if _parent(owner) in col_parents else ["input_layouts=Replicate()"]
             if sp:
                 kwargs.append("output_layouts=Shard(1)")
             styles[module] = f"RowwiseParallel({', '.join(kwargs)})"

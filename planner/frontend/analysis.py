@@ -61,7 +61,7 @@ from costmodels.dtypes import dtype_name
 from planner.frontend.capture import bound_arguments, is_transpose_2d, op_name, user_line
 from planner.frontend.moe import MoE, find_moe
 from planner.frontend.roles import ACTIVATION_OPS as _ACTIVATIONS
-from planner.frontend.roles import Projection, Role
+from planner.frontend.roles import Adapter, Projection, Role
 
 aten = torch.ops.aten
 
@@ -360,7 +360,7 @@ def analyse(gm: fx.GraphModule) -> ModelStructure:
     nodes = list(gm.graph.nodes)
     params = dict(gm.named_parameters(remove_duplicate=False))
     costs = {n.name: _node_cost(n) for n in nodes if n.op != "output"}
-    projections = [p for n in nodes if (p := _projection(n, params)) is not None]
+    projections = _attach_adapters([p for n in nodes if (p := _projection(n, params)) is not None], nodes)
     by_node = {p.node: p for p in projections}
     graph = _dataflow(gm.graph)
     layer_groups = _find_layers(nodes, by_node)
@@ -790,6 +790,75 @@ def _projection(node: fx.Node, params: dict[str, torch.nn.Parameter]) -> Project
     )
 
 
+# Ops a LoRA adapter's path may pass through without changing what it computes beyond a scale: its
+# input dropout, its scaling, dtype casts (PEFT's LoraLayer: result + lora_B(lora_A(dropout(x))) * scaling)
+_ADAPTER_PASS = {"aten.dropout", "aten.clone", "aten._to_copy", "aten.to", "aten.type_as", "aten.alias",
+                 "aten.mul", "aten.div"}  # fmt: skip
+
+
+def _through(node: fx.Node) -> fx.Node:
+    """``node`` followed back through `_ADAPTER_PASS` ops to the value they pass on (their first
+    argument)."""
+    while (
+        node.op == "call_function"
+        and op_name(node.target) in _ADAPTER_PASS
+        and isinstance(node.args[0], fx.Node)
+    ):
+        node = node.args[0]
+    return node
+
+
+def _matmul_input(node: fx.Node) -> fx.Node:
+    """The activation operand of a projection's matmul node (`_projection`'s x)."""
+    x = node.args[0] if op_name(node.target) == "aten.linear" else node.args[-2]
+    return x if isinstance(x, fx.Node) else node
+
+
+def _attach_adapters(projections: list[Projection], nodes: list[fx.Node]) -> list[Projection]:
+    """Find LoRA adapters (`planner.frontend.roles.Adapter`) and attach each to its projection:
+    bias-free down (in -> r) and up (r -> out) projections, r at most half of in and out, down reading
+    the projection's input and up reading down's output (through dropout, scaling and casts), and up's
+    output added to the projection's output. Returns the projections less the adapters' own, so that
+    the layers are analysed as the model without them."""
+    by_node = {p.node: p for p in projections}
+    node_of = {n.name: n for n in nodes}
+    base_of_input: dict[str, list[Projection]] = {}
+    for p in projections:
+        base_of_input.setdefault(_through(_matmul_input(node_of[p.node])).name, []).append(p)
+    adapters: set[str] = set()
+    for up in projections:
+        up_node = node_of[up.node]
+        down = by_node.get(_through(_matmul_input(up_node)).name)
+        if (
+            down is None
+            or up.bias is not None
+            or down.bias is not None
+            or down.out_features != up.in_features
+        ):
+            continue
+        rank = down.out_features
+        if 2 * rank > min(down.in_features, up.out_features) or down.node in adapters or up.node in adapters:
+            continue
+        add = up_node  # up's output through its scaling to the add that joins it to the projection's
+        while len(add.users) == 1 and op_name(next(iter(add.users)).target) in _ADAPTER_PASS:
+            add = next(iter(add.users))
+        if len(add.users) != 1 or op_name(next(iter(add.users)).target) not in ("aten.add", "aten.add_"):
+            continue
+        joined = next(iter(add.users))
+        others = [a for a in joined.args[:2] if isinstance(a, fx.Node) and a is not add]
+        bases = [by_node.get(_through(o).name) for o in others]
+        base = bases[0] if len(bases) == 1 else None
+        siblings = base_of_input.get(_through(_matmul_input(node_of[down.node])).name, [])
+        if base is None or base not in siblings or base.adapter is not None or base in (down, up):
+            continue
+        if base.in_features != down.in_features or base.out_features != up.out_features:
+            continue
+        base.adapter = Adapter(down, up)
+        base.parts = base.parts or _parts(joined)  # a fused projection's split, after the adapter joins
+        adapters.update((down.node, up.node))
+    return [p for p in projections if p.node not in adapters]
+
+
 def _parts(node: fx.Node) -> tuple[int, ...] | None:
     """Sizes of the parts of a fused projection's output, None when it is not split into parts.
 
@@ -944,6 +1013,8 @@ def _layer(
     weights = {n.target for n in members if n.op == "get_attr" and n.target in params}
     blocks = _node_blocks(members, member_names, projections, attention, mlp, cross)
     blocks.update({p.node: "stream" for p in routers})  # replicated, priced with the stream's ops
+    # LoRA adapters' GEMMs: priced with their projection's options (`Projection.adapter`)
+    blocks.update({n: "adapter" for p in projs if p.adapter is not None for n in p.adapter.nodes})
     if moe is not None:  # replicated under TP; priced apart (`planner.solver.costing.expert_gemm_time_s`)
         blocks.update({n: "experts" for n in moe.expert_nodes})
     return Layer(

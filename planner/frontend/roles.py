@@ -59,7 +59,45 @@ class Projection:
     weight_out_dim: int  # 0 for nn.Linear (out, in), 1 for HF Conv1D (in, out)
     parts: tuple[int, ...] | None  # fused projection: out sizes of its parts, e.g. (768, 768, 768)
     flops: float  # per forward pass, global
+    # a LoRA adapter beside this projection (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large
+    # Language Models"; PEFT's LoraLayer): `Adapter.down` (in -> r) and `Adapter.up` (r -> out) on the
+    # same input, their product added to this projection's output. Planned with it: split as its
+    # shard needs (`Adapter.splits`), priced in its options (`planner.solver.costing`).
+    adapter: Adapter | None = None
 
     def __post_init__(self) -> None:
         if self.role is not None:
             self.role = Role(self.role)  # ValueError for a string that names no role
+
+
+@dataclass
+class Adapter:
+    """A low-rank adapter of a projection (`Projection.adapter`): ``down`` (in_features -> rank, no
+    bias) on the projection's input, then ``up`` (rank -> out_features, no bias), added (scaled) to the
+    projection's output. Under tensor parallelism it follows its projection's split: beside a
+    column-parallel projection ``down`` is replicated and ``up`` column-parallel (its output sharded as
+    the projection's); beside a row-parallel one ``down`` is row-parallel (its (tokens, rank) partial
+    sums all-reduced) and ``up`` replicated (NeMo's LoRA adapters on Megatron's parallel linears)."""
+
+    down: Projection
+    up: Projection
+
+    @property
+    def rank(self) -> int:
+        return self.down.out_features
+
+    @property
+    def nodes(self) -> tuple[str, str]:
+        return self.down.node, self.up.node
+
+    def param_elements(self) -> int:
+        return self.down.in_features * self.rank + self.rank * self.up.out_features
+
+    def splits(self, style: str) -> tuple[str, str]:
+        """(down's, up's) split style beside a projection split ``style`` ("replicate", "colwise",
+        "rowwise", "vocab")."""
+        if style in ("colwise", "vocab"):
+            return "replicate", "colwise"
+        if style == "rowwise":
+            return "rowwise", "replicate"
+        return "replicate", "replicate"

@@ -103,6 +103,7 @@ from planner.frontend.analysis import (
     conv_call_at_batch,
 )
 from planner.frontend.moe import ExpertWeight
+from planner.frontend.roles import Adapter
 from planner.plan import DataParallel, Layout, MeshShape, Workload, tp_overlap_chunk_count
 from planner.solver.problem import MeshConfig, WorkloadSpec
 
@@ -684,7 +685,11 @@ def projection_options(
     weight_bytes = (n_in * n_out + (n_out if has_bias else 0)) * b
     frozen = ctx.frozen(proj.weight)  # a frozen bias with it is counted frozen too (LoRA freezes both)
     state = 1.0 if frozen else ctx.state_factor()
-    act_in = tokens * n_in * b if ctx.train else 0.0
+    adapter = proj.adapter
+    # the input is kept for the weight gradient (autograd keeps none for a frozen weight), or for a
+    # trainable adapter's down projection, which reads the same input
+    keeps_input = not frozen or (adapter is not None and not ctx.frozen(adapter.down.weight))
+    act_in = tokens * n_in * b if ctx.train and keeps_input else 0.0
 
     def option(name: str, in_layout: Layout, out_layout: Layout, k: float, m: float, shard: int) -> OpOption:
         flops = compute.linear_flops(tokens, k, m, has_bias)
@@ -695,8 +700,11 @@ def projection_options(
         stored = act_in / (shard if in_layout == S or split_stream else 1)
         grads = weight_bytes / shard if ctx.train and not frozen else 0.0
         time_s = ctx.op_time(flops, moved, "matmul", rows=tokens, shape=(k, m), weight_grad=not frozen)
-        return OpOption(name, in_layout, out_layout, time_s, weight_bytes * state / shard, stored,
-                        grad_bytes=grads, frozen_bytes=weight_bytes / shard if frozen else 0.0)  # fmt: skip
+        opt = OpOption(name, in_layout, out_layout, time_s, weight_bytes * state / shard, stored,
+                       grad_bytes=grads, frozen_bytes=weight_bytes / shard if frozen else 0.0)  # fmt: skip
+        if adapter is not None:
+            _add_adapter(opt, adapter, tokens, ctx, shard)
+        return opt
 
     options = [option("replicate", R, R, n_in, n_out, 1)]
     excluded: dict[str, str] = {}
@@ -716,6 +724,34 @@ def projection_options(
     else:
         excluded["rowwise"] = f"in features {n_in} not divisible by tp={tp}"
     return options, excluded
+
+
+def _add_adapter(option: OpOption, adapter: Adapter, tokens: float, ctx: CostContext, shard: int) -> None:
+    """Add, in place, a LoRA adapter's cost (`planner.frontend.roles.Adapter`) to its projection's
+    ``option`` (split ``shard`` ways): its two GEMMs at their shapes (`Adapter.splits`: beside a
+    column-parallel projection down whole and up split, beside a row-parallel one down split and its
+    (tokens, rank) partial sums all-reduced, up whole), their weights with their training state, the
+    (tokens, rank) input that up keeps for its weight gradient, and the add that joins its output."""
+    b, r = ctx.bytes_per_element, adapter.rank
+    down_split, up_split = adapter.splits(option.name)
+    d = adapter.down.in_features / (shard if down_split == "rowwise" else 1)
+    n = adapter.up.out_features / (shard if up_split == "colwise" else 1)
+    for weight, k, m in ((adapter.down.weight, d, r), (adapter.up.weight, r, n)):
+        frozen = ctx.frozen(weight)
+        flops, moved = compute.linear_flops(tokens, k, m), compute.linear_bytes(tokens, k, m, ctx.dtype)
+        option.compute_s += ctx.op_time(
+            flops, moved, "matmul", rows=tokens, shape=(k, m), weight_grad=not frozen
+        )
+        option.static_bytes += k * m * b * (1.0 if frozen else ctx.state_factor())
+        option.frozen_bytes += k * m * b if frozen else 0.0
+        option.grad_bytes += k * m * b if ctx.train and not frozen else 0.0
+    if ctx.train and not ctx.frozen(adapter.up.weight):
+        option.activation_bytes += tokens * r * b
+    option.compute_s += ctx.op_time(tokens * n, 3.0 * tokens * n * b, "memory")  # output + scaled update
+    if down_split == "rowwise":
+        option.comm_s += all_reduce_time_s(
+            tokens * r * b, ctx.tp_group(), ctx.cluster
+        ) + ctx.node_overhead_time(1)
 
 
 def attention_core_options(
@@ -988,7 +1024,8 @@ def layer_key(layer: Layer) -> str:
 
 
 def _proj_key(p: Projection) -> str:
-    return f"{p.role}:{p.in_features}x{p.out_features}:{p.bias is not None}:{p.parts}"
+    lora = f"+lora{p.adapter.rank}" if p.adapter is not None else ""
+    return f"{p.role}:{p.in_features}x{p.out_features}:{p.bias is not None}:{p.parts}{lora}"
 
 
 def layer_node_times_s(layer: Layer, ctx: CostContext) -> dict[str, float] | None:
@@ -1188,9 +1225,7 @@ def build_layer_graph(layer: Layer, ctx: CostContext) -> LayerGraph:
             layer.attention, tokens, ctx, ops, inner, head_ok=head_ok, gathers=gathers
         )
         proj_bytes += sum(_param_bytes(p, b) for p in layer.attention.projections)
-        frozen_proj_bytes += sum(
-            _param_bytes(p, b) for p in layer.attention.projections if ctx.frozen(p.weight)
-        )
+        frozen_proj_bytes += sum(_frozen_param_bytes(p, ctx) for p in layer.attention.projections)
     if layer.cross_attention is not None:
         inner = times["cross"] if times else 0.0
         head_ok = layer_key(layer) not in s.replicated_attention_classes
@@ -1199,15 +1234,13 @@ def build_layer_graph(layer: Layer, ctx: CostContext) -> LayerGraph:
             layer.cross_attention, tokens, ctx, ops, inner, head_ok=head_ok, block="cross", gathers=gathers
         )
         proj_bytes += sum(_param_bytes(p, b) for p in layer.cross_attention.projections)
-        frozen_proj_bytes += sum(
-            _param_bytes(p, b) for p in layer.cross_attention.projections if ctx.frozen(p.weight)
-        )
+        frozen_proj_bytes += sum(_frozen_param_bytes(p, ctx) for p in layer.cross_attention.projections)
     if layer.mlp is not None:
         inner = times["mlp"] if times else None
         shardable = layer_key(layer) not in s.replicated_mlp_classes
         outputs["mlp"] = _mlp_ops(layer.mlp.projections, tokens, ctx, ops, "mlp", inner, shardable=shardable)
         proj_bytes += sum(_param_bytes(p, b) for p in layer.mlp.projections)
-        frozen_proj_bytes += sum(_param_bytes(p, b) for p in layer.mlp.projections if ctx.frozen(p.weight))
+        frozen_proj_bytes += sum(_frozen_param_bytes(p, ctx) for p in layer.mlp.projections)
     hidden = s.hidden_size
     num_norms = len(outputs) + (layer.cross_attention is not None)
     experts_s = (times["experts"] if times is not None else 0.0) + expert_gemm_time_s(layer, ctx)
@@ -1328,9 +1361,9 @@ def outside_nodes_time_s(ctx: CostContext, before_layers: bool | None = None) ->
     s = ctx.structure
     inside = {name for layer in s.layers for name in layer.nodes}
     paths = {layer.module_path for layer in s.layers}
-    as_ops = {e.node for e in s.embeddings} | {p.node for p in s.mlp_chain}
-    if s.lm_head is not None:
-        as_ops.add(s.lm_head.node)
+    outside = [*s.mlp_chain, *([s.lm_head] if s.lm_head is not None else [])]
+    as_ops = {e.node for e in s.embeddings} | {p.node for p in outside}
+    as_ops |= {n for p in outside if p.adapter is not None for n in p.adapter.nodes}  # priced in its options
     scale = ctx.tokens / max(1, s.batch_size * s.seq_len)
     byte_scale = ctx.bytes_per_element / DTYPE_BYTES[s.dtype]
     first_layer = set(s.layers[0].nodes) if s.layers else set()
@@ -1363,7 +1396,21 @@ def rank_call(cost: NodeCost, batch: float) -> tuple | None:
 
 
 def _param_bytes(p: Projection, b: int) -> float:
-    return (p.in_features * p.out_features + (p.out_features if p.bias is not None else 0)) * b
+    """Bytes of a projection's weight and bias, and its LoRA adapter's weights (`Projection.adapter`)."""
+    adapter = p.adapter.param_elements() if p.adapter is not None else 0
+    return (p.in_features * p.out_features + (p.out_features if p.bias is not None else 0) + adapter) * b
+
+
+def _frozen_param_bytes(p: Projection, ctx: CostContext) -> float:
+    """Of `_param_bytes`, the frozen weights' (`CostContext.frozen`): the projection's with its bias,
+    its adapter's each on its own."""
+    b = ctx.bytes_per_element
+    frozen = _param_bytes(dataclasses.replace(p, adapter=None), b) if ctx.frozen(p.weight) else 0.0
+    if p.adapter is not None:
+        frozen += sum(
+            q.in_features * q.out_features * b for q in (p.adapter.down, p.adapter.up) if ctx.frozen(q.weight)
+        )
+    return frozen
 
 
 def _proj_op(

@@ -1513,7 +1513,21 @@ def _plan_of(search: _Search, priced: PricedAssignment, model_name: str, solver:
         unpriced_ops=s.unknown_ops,
         model_params=int(s.num_params),
         roles=projection_roles(s),
+        adapters=adapter_weights(s),
+        frozen_params=int(s.num_frozen_params),
     )
+
+
+def adapter_weights(structure: ModelStructure) -> dict[str, str]:
+    """Each LoRA adapter weight's FQN -> the weight of the projection it adapts (`Plan.adapters`)."""
+    projections = [p for layer in structure.layers for p in layer_projection_ops(layer).values()]
+    projections += [*structure.mlp_chain, *([structure.lm_head] if structure.lm_head is not None else [])]
+    return {
+        q.weight: p.weight
+        for p in projections
+        if p.adapter is not None
+        for q in (p.adapter.down, p.adapter.up)
+    }
 
 
 def projection_roles(structure: ModelStructure) -> dict[str, str]:
@@ -1757,6 +1771,10 @@ def _splits(tables: CostTables, assignment: Assignment) -> dict[str, WeightSplit
         parts = list(proj.parts) if proj.parts and style is SplitStyle.COLWISE else None
         pieces = pieces if style is SplitStyle.COLWISE else None
         splits[proj.weight] = WeightSplit(proj.weight, style, dim, parts, pieces)
+        if proj.adapter is not None:  # a LoRA adapter follows its projection (`Adapter.splits`)
+            down, up = proj.adapter.splits(option)
+            add(proj.adapter.down, down)
+            add(dataclasses.replace(proj.adapter.up, parts=proj.parts), up, pieces)
 
     if structure.layers:
         for layer, key in zip(structure.layers, tables.layer_keys):

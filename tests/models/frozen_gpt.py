@@ -7,7 +7,8 @@ freezes (requires_grad=False) in one of several ways, `build_model(freeze=...)`:
 - "probe": everything but the LM head frozen (a linear probe: no gradient reaches any block);
 - "bottom": the embeddings and the first two blocks frozen (no backward through them);
 - "lora": every base weight frozen, with trainable rank-4 LoRA adapters (Hu et al. 2021, "LoRA:
-  Low-Rank Adaptation of Large Language Models") beside each block's qkv and fc projections;
+  Low-Rank Adaptation of Large Language Models") beside each block's four projections (qkv and fc
+  column-parallel under Megatron's layout, proj and out row-parallel);
 - "all": nothing trainable.
 """
 
@@ -42,10 +43,10 @@ class Block(nn.Module):
         linear = LoRALinear if lora else nn.Linear
         self.ln1 = nn.LayerNorm(D)
         self.qkv = linear(D, 3 * D)
-        self.proj = nn.Linear(D, D)
+        self.proj = linear(D, D)
         self.ln2 = nn.LayerNorm(D)
         self.fc = linear(D, 4 * D)
-        self.out = nn.Linear(4 * D, D)
+        self.out = linear(4 * D, D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, L, C = x.shape

@@ -1,0 +1,190 @@
+"""LoRA adapters (Hu et al. 2021; PEFT's LoraLayer: base(x) + up(down(dropout(x))) * scaling) are
+planned with the projection they adapt (`planner.frontend.roles.Adapter`): the layers analyse as the
+model without them, each adapter follows its projection's split (beside a column-parallel one down
+whole and up split with the projection's parts; beside a row-parallel one down split, its (tokens,
+rank) partial sums all-reduced, up whole), and its GEMMs, weights and all-reduce are priced in the
+projection's options. Models: tests/models/frozen_gpt.py ("lora": rank-4 adapters on all four
+projections, fused QKV included) and a Hugging Face Llama with PEFT's adapters.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from costmodels import compute
+from costmodels.cluster import load_cluster
+from costmodels.comm import all_reduce_time_s
+from planner.frontend.analysis import analyse
+from planner.frontend.capture import capture
+from planner.plan import MeshShape, SplitStyle
+from planner.solver.costing import CostContext, build_cost_tables, layer_key
+from planner.solver.problem import Constraints, MeshConfig, WorkloadSpec
+from planner.solver.search import plan_model
+from tests.models import frozen_gpt
+
+ROOT = Path(__file__).resolve().parent.parent
+WORK = WorkloadSpec("train", 8, 16)
+
+
+def structure(freeze: str):
+    return analyse(capture(frozen_gpt.build_model(freeze), frozen_gpt.example_inputs(), {}))
+
+
+def test_adapters_attach_to_their_projections():
+    lora, plain = structure("lora"), structure("none")
+    for layer, base in zip(lora.layers, plain.layers):
+        projections = [*layer.attention.projections, *layer.mlp.projections]
+        assert [p.role for p in projections] == [
+            p.role for p in [*base.attention.projections, *base.mlp.projections]
+        ]
+        assert all(p.adapter is not None and p.adapter.rank == frozen_gpt.RANK for p in projections)
+        assert all(p.weight.endswith(".base.weight") for p in projections)
+        assert {p.adapter.down.weight.rsplit(".", 2)[-2] for p in projections} == {"down"}
+        qkv = layer.attention.projections[0]
+        assert qkv.parts == (frozen_gpt.D,) * 3  # found after the adapter's add
+        key = layer_key(layer)
+        assert key.count("+lora4") == 4
+        plain_key = key.replace("+lora4", "").replace(f";frozen{layer.frozen_params}", "")
+        assert plain_key.replace(f"n{layer.num_params}", f"n{base.num_params}") == layer_key(base)
+
+
+def test_adapter_follows_its_projection_in_the_price():
+    """Per option: the base weight frozen (no state, no gradient), the adapter's weights as split
+    beside it with Adam state, and a row-parallel adapter's all-reduce of (tokens, rank)."""
+    s = structure("lora")
+    cluster = load_cluster("local-cpu", nproc=2)
+    ctx = CostContext(s, cluster, WORK, MeshConfig(MeshShape(tp=2, pp=1, dp=1), 1), "fp32")
+    graph = build_cost_tables(ctx).graphs[layer_key(s.layers[0])]
+    state, r, tokens, b = ctx.state_factor(), frozen_gpt.RANK, ctx.tokens, 4
+    for op in graph.ops:
+        p = op.projection
+        if p is None:
+            continue
+        d, n = p.in_features, p.out_features
+        base = (d * n + n) * b
+        for option, shard_down, shard_up in (("replicate", 1, 1), ("colwise", 1, 2), ("rowwise", 2, 1)):
+            o = op.option(option)
+            shard = 1 if option == "replicate" else 2
+            adapter = d * r / shard_down + r * n / shard_up
+            assert o.frozen_bytes == pytest.approx(base / shard)
+            assert o.static_bytes == pytest.approx(base / shard + adapter * b * state)
+            assert o.grad_bytes == pytest.approx(adapter * b)
+            reduce = all_reduce_time_s(tokens * r * b, ctx.tp_group(), cluster) + ctx.node_overhead_time(1)
+            assert o.comm_s == pytest.approx(reduce if option == "rowwise" else 0.0)
+
+
+def test_adapter_gemms_are_priced_beside_a_frozen_projection():
+    """A LoRA'd frozen projection costs its forward and input gradient, plus the adapter's two small
+    GEMMs with their weight gradients and the add: more than the frozen projection alone."""
+    lora = structure("lora")
+    cluster = load_cluster("dgx-h100")
+    config = MeshConfig(MeshShape(tp=1, pp=1, dp=1), 1)
+    work = WorkloadSpec("train", 8, 4096, dtype="bf16")
+    with_adapter = build_cost_tables(CostContext(lora, cluster, work, config, "bf16")).graphs[
+        layer_key(lora.layers[1])
+    ]
+    ctx = CostContext(lora, cluster, work, config, "bf16")
+    for op in with_adapter.ops:
+        p = op.projection
+        if p is None:
+            continue
+        alone = ctx.op_time(
+            compute.linear_flops(ctx.tokens, p.in_features, p.out_features, True),
+            compute.linear_bytes(ctx.tokens, p.in_features, p.out_features, "bf16", True),
+            "matmul", rows=ctx.tokens, shape=(p.in_features, p.out_features), weight_grad=False,
+        )  # fmt: skip
+        assert op.options[0].compute_s > alone
+
+
+def test_plan_splits_adapters_with_their_projection():
+    s = structure("lora")
+    plan = plan_model(s, load_cluster("local-cpu", nproc=2), WORK, Constraints(tp=2, layout="megatron"))
+    layer = s.layers[0]
+    for p in [*layer.attention.projections, *layer.mlp.projections]:
+        split = plan.splits[p.weight]
+        down, up = plan.splits[p.adapter.down.weight], plan.splits[p.adapter.up.weight]
+        if split.style is SplitStyle.COLWISE:
+            assert (down.style, up.style) == (SplitStyle.REPLICATE, SplitStyle.COLWISE)
+            assert up.parts == split.parts and up.dim == 0
+        else:
+            assert split.style is SplitStyle.ROWWISE
+            assert (down.style, up.style) == (SplitStyle.ROWWISE, SplitStyle.REPLICATE)
+            assert down.dim == 1
+
+
+def test_peft_lora_adapters_are_found():
+    """PEFT's own LoraLayer on a Hugging Face Llama (q, k, v, o, gate, up, down; rank 8): every
+    projection carries its adapter, the base weights are frozen, and the layer plans as Llama does."""
+    pytest.importorskip("peft")
+    sys.path.insert(0, str(ROOT / "examples"))
+    import hf_llama_lora
+
+    model = hf_llama_lora.build_model()
+    s = analyse(capture(model, hf_llama_lora.example_inputs(), hf_llama_lora.example_kwargs()))
+    for layer in s.layers:
+        projections = [*layer.attention.projections, *layer.mlp.projections]
+        assert len(projections) == 7
+        assert all(p.adapter is not None and p.adapter.rank == hf_llama_lora.RANK for p in projections)
+        assert all(p.weight in s.frozen_params for p in projections)
+        assert not any(p.adapter.down.weight in s.frozen_params for p in projections)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert s.num_params - s.num_frozen_params == trainable
+
+
+@pytest.mark.slow
+def test_run_of_lora_under_tensor_and_sequence_parallelism(tmp_path):
+    """2 gloo ranks, TP 2 with sequence parallelism, Megatron's layout: the adapters beside the
+    column- and row-parallel projections (fused QKV included) compute what the unsharded model does,
+    outputs, the adapters' gradients and the first update (exit 0)."""
+    model = tmp_path / "lora.py"
+    model.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(frozen_gpt.__file__).parent)!r})\n"
+        "import frozen_gpt\n\n\n"
+        "def build_model():\n    return frozen_gpt.build_model('lora')\n\n\n"
+        "example_inputs = frozen_gpt.example_inputs\n"
+    )
+    report = tmp_path / "report.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "planner.cli", "optimize", str(model), "--cluster", "local-cpu", "--nproc", "2",
+         "--workload", "train", "--batch-size", "8", "--seq-len", "16", "--tp", "2", "--layout", "megatron",
+         "--sequence-parallel", "on", "--run", "--iters", "2", "--min-time", "0", "--warmup", "1",
+         "--json", str(report)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    measured = json.loads(report.read_text())["measured"]
+    assert measured["state_bytes"] == pytest.approx(measured["predicted_state_bytes"], rel=0.01)
+
+
+def test_exports_say_what_they_leave_out():
+    """Megatron-LM's and torchtitan's arguments describe the base model: the exports say that the
+    adapters and the frozen weights are not in them (and do not list the adapters as weights the plan
+    keeps replicated); the DTensor file styles each adapter as its projection needs and refuses,
+    under sequence parallelism, the adapters it would run as plain linears on a DTensor."""
+    from planner.export import export_plan
+
+    s = structure("lora")
+    plan = plan_model(s, load_cluster("local-cpu", nproc=2), WORK, Constraints(tp=2, layout="megatron"))
+    assert plan.frozen_params == s.num_frozen_params and len(plan.adapters) == 2 * 4 * len(s.layers)
+    for tool in ("megatron", "torchtitan"):
+        warnings = " ".join(export_plan(plan, tool).warnings)
+        assert "LoRA adapters beside 16 projection(s)" in warnings, tool
+        assert f"freezes {s.num_frozen_params:,} of its {s.num_params:,} parameters" in warnings, tool
+        assert "keeps" not in warnings or ".down.weight" not in warnings.split("keeps")[1], tool
+    dtensor = export_plan(plan, "dtensor").text
+    assert "'h.0.qkv.up': ColwiseParallel()" in dtensor and "'h.0.proj.down': RowwiseParallel()" in dtensor
+    assert "UNSUPPORTED = {}" in dtensor
+    sp = plan_model(
+        s,
+        load_cluster("local-cpu", nproc=2),
+        WORK,
+        Constraints(tp=2, layout="megatron", sequence_parallel=True),
+    )
+    text = export_plan(sp, "dtensor").text
+    assert "'h.0.qkv.down': 'a LoRA adapter" in text.replace('"', "'")
