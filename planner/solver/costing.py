@@ -464,6 +464,7 @@ class CostContext:
         call: tuple | None = None,
         seq: tuple[float, float, bool] | None = None,
         weight_grad: bool = True,
+        input_grad: bool = True,
     ) -> float:
         """Roofline time of one op (training: forward + backward, `compute_factor` times the forward;
         a pooling op's backward is instead a memory-bound scatter, `POOL_BACKWARD_BYTES_FACTOR` times
@@ -478,7 +479,8 @@ class CostContext:
         training attention core is its forward plus ``backward_time_factor`` forwards.
 
         ``weight_grad`` False: a matmul whose weight is frozen (`frozen`): its backward computes the
-        input gradient only, one GEMM of the forward's size fewer."""
+        input gradient only, one GEMM of the forward's size fewer; ``input_grad`` False: one whose input
+        needs no gradient (nothing upstream trains: a linear probe's head), the weight gradient only."""
         dev = self.cluster.device
         launch = dev.node_overhead_s is None
         if self.train and kind == "matmul" and dev.gemm is not None and rows and shape is not None:
@@ -487,7 +489,8 @@ class CostContext:
                 compute.op_time_s(
                     flops, bytes_moved, dev, self.dtype, kind, rows=m, launch=launch, shape=(k, n)
                 )
-                for m, k, n in (gemms if weight_grad else gemms[:2])
+                for i, (m, k, n) in enumerate(gemms)
+                if (i != 2 or weight_grad) and (i != 1 or input_grad)
             )
         if self.train and kind == "attention" and dev.attention is not None and seq is not None:
             forward = compute.op_time_s(flops, bytes_moved, dev, self.dtype, kind, launch=launch, seq=seq)
@@ -507,8 +510,8 @@ class CostContext:
             launch = dev.node_overhead_s is None
             scatter = POOL_BACKWARD_BYTES_FACTOR * bytes_moved
             return one + compute.op_time_s(0.0, scatter, dev, self.dtype, "memory", launch=launch)
-        if self.train and kind == "matmul" and not weight_grad:
-            return (self.compute_factor - 1.0) * one
+        if self.train and kind == "matmul":
+            return (self.compute_factor - (not weight_grad) - (not input_grad)) * one
         return self.compute_factor * one
 
     def forward_only(self) -> CostContext:
@@ -672,13 +675,14 @@ def tp_block_comm_s(
 
 
 def projection_options(
-    proj: Projection, tokens: float, ctx: CostContext, pieces: int | None = None
+    proj: Projection, tokens: float, ctx: CostContext, pieces: int | None = None, input_grad: bool = True
 ) -> tuple[list[OpOption], dict[str, str]]:
     """replicate / colwise / rowwise for one projection; divisibility decides which are offered.
 
     pieces: K/V projection of a GQA model with fewer KV heads than tp (`gqa_kv_replicated`): colwise
     cuts it into `pieces` KV heads, each replicated on tp / pieces ranks (vLLM), so a rank computes
-    1/pieces of it; rowwise is not offered."""
+    1/pieces of it; rowwise is not offered. input_grad False: nothing upstream of its input trains (the
+    LM head of a linear probe), so its backward is the weight gradient only."""
     b, tp = ctx.bytes_per_element, ctx.mesh.tp
     n_in, n_out = proj.in_features, proj.out_features
     has_bias = proj.bias is not None
@@ -699,7 +703,9 @@ def projection_options(
         split_stream = ctx.sequence_parallel and in_layout == R and shard > 1
         stored = act_in / (shard if in_layout == S or split_stream else 1)
         grads = weight_bytes / shard if ctx.train and not frozen else 0.0
-        time_s = ctx.op_time(flops, moved, "matmul", rows=tokens, shape=(k, m), weight_grad=not frozen)
+        time_s = ctx.op_time(
+            flops, moved, "matmul", rows=tokens, shape=(k, m), weight_grad=not frozen, input_grad=input_grad
+        )
         opt = OpOption(name, in_layout, out_layout, time_s, weight_bytes * state / shard, stored,
                        grad_bytes=grads, frozen_bytes=weight_bytes / shard if frozen else 0.0)  # fmt: skip
         if adapter is not None:
@@ -1608,7 +1614,8 @@ def build_ends_graph(ctx: CostContext) -> LayerGraph:
                 "memory",
             )
         padded = dataclasses.replace(head, out_features=-(-head.out_features // tp) * tp, parts=None)
-        options, excluded = projection_options(padded, tokens, ctx)  # vocab padded to a multiple of tp
+        # vocab padded to a multiple of tp; no input gradient when nothing before the head trains
+        options, excluded = projection_options(padded, tokens, ctx, input_grad=grad_reaches_head(ctx))
         options = [o for o in options if o.name != "rowwise"]
         excluded.pop("rowwise", None)
         logits_bytes = tokens * head.out_features * b
@@ -1658,6 +1665,18 @@ def build_ends_graph(ctx: CostContext) -> LayerGraph:
         first_stage_compute_s=first_stage,
         frozen_static_bytes=frozen + s.buffer_bytes,
     )
+
+
+def grad_reaches_head(ctx: CostContext) -> bool:
+    """Whether training takes a gradient through the LM head's input: some layer runs a backward
+    (`Layer.trainable`), an embedding trains, or a parameter outside them does (a model without
+    layers: always)."""
+    s = ctx.structure
+    if not ctx.train or not s.layers or not s.num_frozen_params:
+        return True
+    if any(layer.trainable for layer in s.layers) or outside_frozen_params(s) < outside_params(s):
+        return True
+    return any(not ctx.frozen(e.weight) for e in s.embeddings)
 
 
 def loss_time_s(logits: float, ctx: CostContext) -> float:

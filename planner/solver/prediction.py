@@ -26,6 +26,7 @@ from planner.solver.costing import (
     contention_s,
     conversion_time_s,
     dp_sync_exposed_s,
+    grad_reaches_head,
     in_flight_micro_batches,
     optimizer_step_time_s,
     recompute_input_bytes,
@@ -255,16 +256,21 @@ def model_flops(tables: CostTables) -> float:
     tokens = w.batch_size * w.tokens_per_sequence
     train = ctx.train
 
-    def factor(backward: bool, weight: str | None = None) -> float:
+    def factor(backward: bool, weight: str | None = None, input_grad: bool = True) -> float:
         """Forward + backward multiple of one op's forward FLOP: input gradient, weight gradient."""
         if not train or not backward:
             return 1.0
-        return TRAIN_COMPUTE_FACTOR - (1.0 if weight is not None and ctx.frozen(weight) else 0.0)
+        frozen = weight is not None and ctx.frozen(weight)
+        return TRAIN_COMPUTE_FACTOR - float(frozen) - float(not input_grad)
 
-    head = list(s.mlp_chain) + ([s.lm_head] if s.lm_head is not None else [])
     flops = sum(
-        compute.linear_flops(tokens, p.in_features, p.out_features) * factor(True, p.weight) for p in head
+        compute.linear_flops(tokens, p.in_features, p.out_features) * factor(True, p.weight)
+        for p in s.mlp_chain
     )
+    if s.lm_head is not None:  # no input gradient when nothing before it trains (a linear probe)
+        p = s.lm_head
+        head_factor = factor(True, p.weight, grad_reaches_head(ctx))
+        flops += compute.linear_flops(tokens, p.in_features, p.out_features) * head_factor
     for layer in s.layers:
         backward = layer.trainable
         projections = [
