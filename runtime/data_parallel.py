@@ -236,6 +236,13 @@ class _OverlappedReduce:
         self.events.clear()
 
 
+def _adam(params: list[torch.Tensor], lr: float) -> torch.optim.Adam:
+    """torch.optim.Adam over `params`, also when there are none: a pipeline stage or a rank whose
+    weights are all frozen (requires_grad=False) steps nothing (torch refuses an empty list, not an
+    empty group)."""
+    return torch.optim.Adam([{"params": params}], lr=lr)
+
+
 class ReplicatedAdam(_OverlappedReduce, _AdamOnRanks):
     """Adam on every parameter, after an all-reduce of the gradients over the dp group (plain DP).
     16-bit parameters are stepped through fp32 master copies with fp32 moments (mixed precision: the
@@ -266,7 +273,7 @@ class ReplicatedAdam(_OverlappedReduce, _AdamOnRanks):
         # master copies (Adam's moments follow their dtype), then copied back
         self._masters = {id(p): p.detach().float().clone() for p in self.params if p.dtype in HALF_DTYPES}
         self.lr = lr
-        self.adam = torch.optim.Adam([self._masters.get(id(p), p) for p in self.params], lr=lr)
+        self.adam = _adam([self._masters.get(id(p), p) for p in self.params], lr)
         self._reduced = False
         self.counts: Counter[str] = Counter()
         self.events: list[tuple[str, str]] = []
@@ -462,7 +469,7 @@ class DistributedAdam(_OverlappedReduce, _AdamOnRanks):
             for p, view in zip(members, views):
                 p.grad = view
         self.lr = lr
-        self.adam = torch.optim.Adam(stepped, lr=lr)
+        self.adam = _adam(stepped, lr)
         self._reduced = False
         self.counts: Counter[str] = Counter()
         self.events: list[tuple[str, str]] = []
@@ -850,7 +857,7 @@ class _BucketAdam(_AdamOnRanks):
                 stepped += [(self._values[b.index], self.slice_grad(b.index)) for b, _ in members]
         self._stepped = stepped
         self.lr = lr
-        self.adam = torch.optim.Adam([t for t, _ in stepped], lr=lr)
+        self.adam = _adam([t for t, _ in stepped], lr)
         self._reduced = False
 
     def slice_values(self, k: int) -> torch.Tensor:
