@@ -130,6 +130,8 @@ def rule_matmul(ctx: RuleContext, node: fx.Node) -> None:
     """Split weight: Megatron column-parallel (R in, S(-1) out) or row-parallel (S in, P all-reduced to R)."""
     x, w, b, out_dim_of_w = _matmul_operands(node)
     sp = ctx.split_param(w)
+    if sp is None and _token_wise(ctx, node, x, w, b):
+        return
     if sp is None:
         ctx.run_replicated(node)
         return
@@ -144,6 +146,25 @@ def rule_matmul(ctx: RuleContext, node: fx.Node) -> None:
             node.replace_all_uses_with(gathered, delete_user_cb=lambda user: user is not gathered)
     else:
         _row_parallel(ctx, node, x, w, b)
+
+
+def _token_wise(ctx: RuleContext, node: fx.Node, x: fx.Node, w: fx.Node, b: fx.Node | None) -> bool:
+    """A replicated weight applied to a sequence shard (sequence parallelism: a LoRA adapter's down
+    projection beside a column-parallel one reads the block's input shard, its up projection beside a
+    row-parallel one the reduce-scattered shard): a linear acts on each token alone, so it runs on this
+    rank's tokens and its output stays a sequence shard, no gather. Under training the weight (and
+    bias) get `tp_copy`: their gradients, summed over this rank's tokens, are summed over the ranks.
+    Sets the placement and returns True; False when `x` is not a sequence shard of an nn.Linear call."""
+    dim = ctx.sequence_shard_dim(x)
+    op = getattr(node.target, "overloadpacket", node.target)
+    if dim is None or op is not aten.linear or ctx.split_param(b) is not None:
+        return False
+    node.replace_input_with(w, ctx.copy_in(w))
+    if isinstance(b, fx.Node):
+        node.replace_input_with(b, ctx.copy_in(b))
+    ctx.set_meta(node, Placement.shard(dim))
+    ctx.check(node)
+    return True
 
 
 def _column_parallel(ctx: RuleContext, node: fx.Node, x: fx.Node, b: fx.Node | None, sp: Placement) -> None:

@@ -21,6 +21,7 @@ from costmodels.cluster import load_cluster
 from costmodels.comm import all_reduce_time_s
 from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture
+from planner.frontend.depth import capture_for_planning
 from planner.plan import MeshShape, SplitStyle
 from planner.solver.costing import CostContext, build_cost_tables, layer_key
 from planner.solver.problem import Constraints, MeshConfig, WorkloadSpec
@@ -53,9 +54,28 @@ def test_adapters_attach_to_their_projections():
         assert plain_key.replace(f"n{layer.num_params}", f"n{base.num_params}") == layer_key(base)
 
 
+def test_deep_model_keeps_each_layers_adapters():
+    """A deep model is captured as a few layers and extended (`depth.capture_for_planning`): each
+    copied layer's adapters are renamed with it, so the plan splits every layer's adapters (they had
+    all named the last captured layer's: the others ran replicated behind all-gathers)."""
+    model = frozen_gpt.build_model("lora", layers=12)
+    s = capture_for_planning(model, frozen_gpt.example_inputs(), {})[1]
+    assert len(s.layers) == 12
+    for i, layer in enumerate(s.layers):
+        for p in [*layer.attention.projections, *layer.mlp.projections]:
+            assert p.weight.startswith(f"h.{i}.") and p.adapter.down.weight.startswith(f"h.{i}.")
+            assert p.adapter.up.weight.startswith(f"h.{i}.")
+    plan = plan_model(s, load_cluster("local-cpu", nproc=2), WORK, Constraints(tp=2, layout="megatron"))
+    names = {n for n, _ in model.named_parameters()}
+    assert len(plan.adapters) == 2 * 4 * 12 and set(plan.adapters) <= names
+    assert all(a.split(".")[1] == base.split(".")[1] for a, base in plan.adapters.items())
+    assert set(plan.adapters) <= set(plan.splits)
+
+
 def test_adapter_follows_its_projection_in_the_price():
     """Per option: the base weight frozen (no state, no gradient), the adapter's weights as split
-    beside it with Adam state, and a row-parallel adapter's all-reduce of (tokens, rank)."""
+    beside it with Adam state, and the all-reduce of the adapter's (tokens, rank) middle: forward
+    beside a row-parallel projection, backward beside a column-parallel one."""
     s = structure("lora")
     cluster = load_cluster("local-cpu", nproc=2)
     ctx = CostContext(s, cluster, WORK, MeshConfig(MeshShape(tp=2, pp=1, dp=1), 1), "fp32")
@@ -75,7 +95,8 @@ def test_adapter_follows_its_projection_in_the_price():
             assert o.static_bytes == pytest.approx(base / shard + adapter * b * state)
             assert o.grad_bytes == pytest.approx(adapter * b)
             reduce = all_reduce_time_s(tokens * r * b, ctx.tp_group(), cluster) + ctx.node_overhead_time(1)
-            assert o.comm_s == pytest.approx(reduce if option == "rowwise" else 0.0)
+            # row-parallel: the partial sums' all-reduce; column-parallel (training): up's input gradient's
+            assert o.comm_s == pytest.approx(0.0 if option == "replicate" else reduce)
 
 
 def test_adapter_gemms_are_priced_beside_a_frozen_projection():
@@ -136,11 +157,8 @@ def test_peft_lora_adapters_are_found():
     assert s.num_params - s.num_frozen_params == trainable
 
 
-@pytest.mark.slow
-def test_run_of_lora_under_tensor_and_sequence_parallelism(tmp_path):
-    """2 gloo ranks, TP 2 with sequence parallelism, Megatron's layout: the adapters beside the
-    column- and row-parallel projections (fused QKV included) compute what the unsharded model does,
-    outputs, the adapters' gradients and the first update (exit 0)."""
+def lora_model_file(tmp_path: Path) -> Path:
+    """A model file of frozen_gpt's "lora" model (its build_model takes no argument)."""
     model = tmp_path / "lora.py"
     model.write_text(
         "import sys\n"
@@ -149,6 +167,30 @@ def test_run_of_lora_under_tensor_and_sequence_parallelism(tmp_path):
         "def build_model():\n    return frozen_gpt.build_model('lora')\n\n\n"
         "example_inputs = frozen_gpt.example_inputs\n"
     )
+    return model
+
+
+def test_sequence_parallel_adapters_run_on_the_token_shard_without_gathers(tmp_path):
+    """Under sequence parallelism the adapters' whole projections run on the rank's tokens (down beside
+    a column-parallel projection reads the block's input shard, up beside a row-parallel one the
+    reduce-scattered shard): lowering the plan leaves no replicated fallback (16 all-gathers before)."""
+    from planner.cli.main import main
+
+    report = tmp_path / "plan.json"
+    args = ["optimize", str(lora_model_file(tmp_path)), "--cluster", "local-cpu", "--nproc", "2", "--workload",
+            "train", "--batch-size", "8", "--seq-len", "16", "--tp", "2", "--layout", "megatron",
+            "--sequence-parallel", "on", "--json", str(report)]  # fmt: skip
+    assert main(args) == 0
+    got = json.loads(report.read_text())
+    assert got["fallbacks"] == [] and got["op_placement"]["replicated"] <= 2  # position ids: nothing gathered
+
+
+@pytest.mark.slow
+def test_run_of_lora_under_tensor_and_sequence_parallelism(tmp_path):
+    """2 gloo ranks, TP 2 with sequence parallelism, Megatron's layout: the adapters beside the
+    column- and row-parallel projections (fused QKV included) compute what the unsharded model does,
+    outputs, the adapters' gradients and the first update (exit 0)."""
+    model = lora_model_file(tmp_path)
     report = tmp_path / "report.json"
     r = subprocess.run(
         [sys.executable, "-m", "planner.cli", "optimize", str(model), "--cluster", "local-cpu", "--nproc", "2",

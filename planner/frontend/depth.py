@@ -27,6 +27,7 @@ from torch import fx, nn
 from planner.errors import InputError
 from planner.frontend.analysis import Layer, ModelStructure, Projection, analyse, param_tensors
 from planner.frontend.capture import capture
+from planner.frontend.roles import Adapter
 
 KEEP_LAYERS = 2  # blocks traced: two, so the analysis sees a layer-to-layer boundary
 MIN_LAYERS_TO_TRUNCATE = 8  # shallower models are traced whole (it is fast and exact)
@@ -189,5 +190,9 @@ def _renamed_fqn(fqn: str, old: str, new: str) -> str:
 
 
 def _renamed(p: Projection, old: str, new: str) -> Projection:
+    """A copy of `p` with its weight, bias and LoRA adapter's weights (`Projection.adapter`) renamed."""
     bias = _renamed_fqn(p.bias, old, new) if p.bias else p.bias
-    return dataclasses.replace(p, weight=_renamed_fqn(p.weight, old, new), bias=bias)
+    adapter = p.adapter
+    if adapter is not None:
+        adapter = Adapter(_renamed(adapter.down, old, new), _renamed(adapter.up, old, new))
+    return dataclasses.replace(p, weight=_renamed_fqn(p.weight, old, new), bias=bias, adapter=adapter)

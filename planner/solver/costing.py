@@ -734,30 +734,46 @@ def projection_options(
 
 def _add_adapter(option: OpOption, adapter: Adapter, tokens: float, ctx: CostContext, shard: int) -> None:
     """Add, in place, a LoRA adapter's cost (`planner.frontend.roles.Adapter`) to its projection's
-    ``option`` (split ``shard`` ways): its two GEMMs at their shapes (`Adapter.splits`: beside a
-    column-parallel projection down whole and up split, beside a row-parallel one down split and its
-    (tokens, rank) partial sums all-reduced, up whole), their weights with their training state, the
-    (tokens, rank) input that up keeps for its weight gradient, and the add that joins its output."""
-    b, r = ctx.bytes_per_element, adapter.rank
+    ``option`` (split ``shard`` ways), as the tensor-parallel pass runs it: its two GEMMs at their
+    shapes (`Adapter.splits`: beside a column-parallel projection down whole and up split, beside a
+    row-parallel one down split and up whole), their weights with their training state, the (tokens,
+    rank) input up keeps for its weight gradient, the add that joins its output, and the collectives of
+    its (tokens, rank) middle: beside a row-parallel projection the partial sums' all-reduce; beside a
+    column-parallel one, training, the all-reduce of up's partial input gradient. Under sequence
+    parallelism the whole projection runs on this rank's tokens (`passes.tp_rules._token_wise`), the
+    all-reduces become a reduce-scatter and an all-gather, and a replicated weight's gradient, summed
+    over this rank's tokens, is all-reduced."""
+    b, r, tp = ctx.bytes_per_element, adapter.rank, ctx.mesh.tp
     down_split, up_split = adapter.splits(option.name)
+    seq = ctx.sequence_parallel and shard > 1
     d = adapter.down.in_features / (shard if down_split == "rowwise" else 1)
     n = adapter.up.out_features / (shard if up_split == "colwise" else 1)
-    for weight, k, m in ((adapter.down.weight, d, r), (adapter.up.weight, r, n)):
+    for weight, k, m, split in ((adapter.down.weight, d, r, down_split), (adapter.up.weight, r, n, up_split)):
         frozen = ctx.frozen(weight)
-        flops, moved = compute.linear_flops(tokens, k, m), compute.linear_bytes(tokens, k, m, ctx.dtype)
+        rows = tokens / tp if seq and split == "replicate" else tokens  # a whole weight on the token shard
+        flops, moved = compute.linear_flops(rows, k, m), compute.linear_bytes(rows, k, m, ctx.dtype)
         option.compute_s += ctx.op_time(
-            flops, moved, "matmul", rows=tokens, shape=(k, m), weight_grad=not frozen
+            flops, moved, "matmul", rows=rows, shape=(k, m), weight_grad=not frozen
         )
         option.static_bytes += k * m * b * (1.0 if frozen else ctx.state_factor())
         option.frozen_bytes += k * m * b if frozen else 0.0
         option.grad_bytes += k * m * b if ctx.train and not frozen else 0.0
+        if seq and split == "replicate" and ctx.train and not frozen:
+            option.comm_s += all_reduce_time_s(k * m * b, ctx.tp_group(), ctx.cluster)
     if ctx.train and not ctx.frozen(adapter.up.weight):
-        option.activation_bytes += tokens * r * b
+        option.activation_bytes += tokens * r * b / (tp if seq and up_split == "replicate" else 1)
     option.compute_s += ctx.op_time(tokens * n, 3.0 * tokens * n * b, "memory")  # output + scaled update
-    if down_split == "rowwise":
-        option.comm_s += all_reduce_time_s(
-            tokens * r * b, ctx.tp_group(), ctx.cluster
-        ) + ctx.node_overhead_time(1)
+    if shard == 1:
+        return
+    middle, group = tokens * r * b, ctx.tp_group()
+    if seq:  # forward gather / reduce-scatter, backward the other
+        comm = all_gather_time_s(middle, group, ctx.cluster) if down_split == "replicate" else 0.0
+        comm += reduce_scatter_time_s(middle, group, ctx.cluster) if down_split == "rowwise" else 0.0
+        option.comm_s += comm * (2.0 if ctx.train else 1.0) + ctx.node_overhead_time(1)
+    elif down_split == "rowwise":  # the partial sums, forward (identity backward)
+        option.comm_s += all_reduce_time_s(middle, group, ctx.cluster) + ctx.node_overhead_time(1)
+    elif ctx.train:  # up's replicated input: its partial gradient all-reduced in backward (tp_copy)
+        option.comm_s += all_reduce_time_s(middle, group, ctx.cluster) + ctx.node_overhead_time(1)
 
 
 def attention_core_options(

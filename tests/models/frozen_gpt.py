@@ -58,13 +58,13 @@ class Block(nn.Module):
 
 
 class FrozenGPT(nn.Module):
-    def __init__(self, freeze: str) -> None:
+    def __init__(self, freeze: str, layers: int = LAYERS) -> None:
         super().__init__()
         if freeze not in FREEZES:
             raise ValueError(f"freeze {freeze!r} is not one of {FREEZES}")
         self.wte = nn.Embedding(V, D)
         self.wpe = nn.Embedding(T, D)
-        self.h = nn.ModuleList([Block(lora=freeze == "lora") for _ in range(LAYERS)])
+        self.h = nn.ModuleList([Block(lora=freeze == "lora") for _ in range(layers)])
         self.ln_f = nn.LayerNorm(D)
         self.lm_head = nn.Linear(D, V, bias=False)
         if freeze == "layer0":
@@ -89,9 +89,9 @@ class FrozenGPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-def build_model(freeze: str = "layer0") -> nn.Module:
+def build_model(freeze: str = "layer0", layers: int = LAYERS) -> nn.Module:
     torch.manual_seed(0)
-    return FrozenGPT(freeze)
+    return FrozenGPT(freeze, layers)
 
 
 def example_inputs(batch_size: int = 4, seq_len: int = 16) -> tuple:
