@@ -32,8 +32,12 @@ ROOT = Path(__file__).resolve().parent.parent
 WORK = WorkloadSpec("train", 8, 16)
 
 
+def structure_of(model):
+    return analyse(capture(model, frozen_gpt.example_inputs(), {}))
+
+
 def structure(freeze: str):
-    return analyse(capture(frozen_gpt.build_model(freeze), frozen_gpt.example_inputs(), {}))
+    return structure_of(frozen_gpt.build_model(freeze))
 
 
 def test_adapters_attach_to_their_projections():
@@ -230,3 +234,32 @@ def test_exports_say_what_they_leave_out():
     )
     text = export_plan(sp, "dtensor").text
     assert "'h.0.qkv.down': 'a LoRA adapter" in text.replace('"', "'")
+
+
+def test_full_rank_pair_is_not_an_adapter_and_still_plans():
+    """A down / up pair of full rank (r = the width) is not taken for LoRA: the layer's extra
+    projections are priced as a chain of MLP projections, each op named by role and position, and the
+    search plans it (a gated-looking MLP with duplicate roles had crashed it with a KeyError)."""
+    s = structure_of(frozen_gpt.build_model("lora", rank=frozen_gpt.D))
+    assert all(p.adapter is None for layer in s.layers for p in layer.mlp.projections)
+    plan = plan_model(s, load_cluster("local-cpu", nproc=2), WORK, Constraints(tp=2))
+    assert plan.mesh.tp == 2
+
+
+def test_peft_lora_on_gpt2_conv1d():
+    """PEFT's adapters on Hugging Face GPT-2's Conv1D projections (fused c_attn, c_proj, c_fc, c_proj:
+    addmm on the input viewed as (B*T, in)) are found beside them, the fused QKV's parts included."""
+    peft = pytest.importorskip("peft")
+    sys.path.insert(0, str(ROOT / "examples"))
+    import hf_gpt2
+
+    config = peft.LoraConfig(r=4, target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True,
+                             init_lora_weights=False)  # fmt: skip
+    model = peft.get_peft_model(hf_gpt2.build_model(), config)
+    s = analyse(capture(model, hf_gpt2.example_inputs(), getattr(hf_gpt2, "example_kwargs", dict)()))
+    for layer in s.layers:
+        projections = [*layer.attention.projections, *layer.mlp.projections]
+        assert len(projections) == 4 and all(p.adapter is not None for p in projections)
+        assert layer.attention.projections[0].parts == (s.hidden_size,) * 3
+    plan = plan_model(s, load_cluster("local-cpu", nproc=2), WORK, Constraints(tp=2, layout="megatron"))
+    assert len(plan.adapters) == 2 * 4 * len(s.layers)

@@ -792,8 +792,9 @@ def _projection(node: fx.Node, params: dict[str, torch.nn.Parameter]) -> Project
 
 # Ops a LoRA adapter's path may pass through without changing what it computes beyond a scale: its
 # input dropout, its scaling, dtype casts (PEFT's LoraLayer: result + lora_B(lora_A(dropout(x))) * scaling)
+# and reshapes (Hugging Face's Conv1D runs addmm on the input viewed as (B*T, in), then views it back)
 _ADAPTER_PASS = {"aten.dropout", "aten.clone", "aten._to_copy", "aten.to", "aten.type_as", "aten.alias",
-                 "aten.mul", "aten.div"}  # fmt: skip
+                 "aten.mul", "aten.div", "aten.view", "aten.reshape", "aten._unsafe_view"}  # fmt: skip
 
 
 def _through(node: fx.Node) -> fx.Node:

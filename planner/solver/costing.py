@@ -1551,8 +1551,9 @@ def _mlp_ops(
 
 
 def _gated(projections: list[Projection]) -> bool:
-    """A SwiGLU MLP: gate and up into an elementwise product, then down."""
-    return {Role.GATE, Role.UP, Role.DOWN} <= {p.role for p in projections}
+    """A SwiGLU MLP: gate and up into an elementwise product, then down (one of each: more projections
+    are priced as a chain, each op named by its role and position, `mlp_op_names`)."""
+    return sorted(str(p.role) for p in projections) == sorted(str(r) for r in (Role.GATE, Role.UP, Role.DOWN))
 
 
 def mlp_op_names(projections: list[Projection]) -> dict[str, Projection]:

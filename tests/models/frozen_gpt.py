@@ -25,11 +25,11 @@ FREEZES = ("none", "layer0", "emb", "probe", "bottom", "lora", "all")
 class LoRALinear(nn.Module):
     """A frozen linear plus a trainable low-rank update: base(x) + up(down(x)) * scale."""
 
-    def __init__(self, d_in: int, d_out: int) -> None:
+    def __init__(self, d_in: int, d_out: int, rank: int = RANK) -> None:
         super().__init__()
         self.base = nn.Linear(d_in, d_out)
-        self.down = nn.Linear(d_in, RANK, bias=False)
-        self.up = nn.Linear(RANK, d_out, bias=False)
+        self.down = nn.Linear(d_in, rank, bias=False)
+        self.up = nn.Linear(rank, d_out, bias=False)
         nn.init.normal_(self.up.weight, std=0.02)  # not zero: the adapters' gradients are checked
         self.base.requires_grad_(False)
 
@@ -38,9 +38,9 @@ class LoRALinear(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, lora: bool) -> None:
+    def __init__(self, lora: bool, rank: int = RANK) -> None:
         super().__init__()
-        linear = LoRALinear if lora else nn.Linear
+        linear = (lambda d_in, d_out: LoRALinear(d_in, d_out, rank)) if lora else nn.Linear
         self.ln1 = nn.LayerNorm(D)
         self.qkv = linear(D, 3 * D)
         self.proj = linear(D, D)
@@ -58,13 +58,13 @@ class Block(nn.Module):
 
 
 class FrozenGPT(nn.Module):
-    def __init__(self, freeze: str, layers: int = LAYERS) -> None:
+    def __init__(self, freeze: str, layers: int = LAYERS, rank: int = RANK) -> None:
         super().__init__()
         if freeze not in FREEZES:
             raise ValueError(f"freeze {freeze!r} is not one of {FREEZES}")
         self.wte = nn.Embedding(V, D)
         self.wpe = nn.Embedding(T, D)
-        self.h = nn.ModuleList([Block(lora=freeze == "lora") for _ in range(layers)])
+        self.h = nn.ModuleList([Block(lora=freeze == "lora", rank=rank) for _ in range(layers)])
         self.ln_f = nn.LayerNorm(D)
         self.lm_head = nn.Linear(D, V, bias=False)
         if freeze == "layer0":
@@ -89,9 +89,9 @@ class FrozenGPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-def build_model(freeze: str = "layer0", layers: int = LAYERS) -> nn.Module:
+def build_model(freeze: str = "layer0", layers: int = LAYERS, rank: int = RANK) -> nn.Module:
     torch.manual_seed(0)
-    return FrozenGPT(freeze, layers)
+    return FrozenGPT(freeze, layers, rank)
 
 
 def example_inputs(batch_size: int = 4, seq_len: int = 16) -> tuple:
