@@ -263,3 +263,22 @@ def test_peft_lora_on_gpt2_conv1d():
         assert layer.attention.projections[0].parts == (s.hidden_size,) * 3
     plan = plan_model(s, load_cluster("local-cpu", nproc=2), WORK, Constraints(tp=2, layout="megatron"))
     assert len(plan.adapters) == 2 * 4 * len(s.layers)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_adapter_path_is_priced_once(sequence_parallel):
+    """The adapter's scaling and the add that joins it are priced with the adapter (in its projection's
+    options, split as its output is), not again as the layer's unsplit stream ops: the layer's other
+    ops cost what the model without adapters costs (an 8B's gate / up adapters had added ~6 ms a layer
+    at TP 8 without sequence parallelism)."""
+    config = MeshConfig(MeshShape(tp=2, pp=1, dp=1), 1, sequence_parallel=sequence_parallel)
+    work = WorkloadSpec("train", 8, 16, dtype="bf16")
+    fixed = {}
+    for freeze in ("lora", "none"):
+        s = structure(freeze)
+        graph = build_cost_tables(CostContext(s, load_cluster("dgx-h100"), work, config, "bf16")).graphs
+        fixed[freeze] = graph[layer_key(s.layers[1])]
+    assert fixed["lora"].fixed_compute_s == pytest.approx(fixed["none"].fixed_compute_s)
+    for op in fixed["lora"].ops:
+        if op.name in ("core", "act"):
+            assert op.options[-1].compute_s == pytest.approx(fixed["none"].op(op.name).options[-1].compute_s)

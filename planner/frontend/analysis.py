@@ -840,9 +840,10 @@ def _attach_adapters(projections: list[Projection], nodes: list[fx.Node]) -> lis
         rank = down.out_features
         if 2 * rank > min(down.in_features, up.out_features) or down.node in adapters or up.node in adapters:
             continue
-        add = up_node  # up's output through its scaling to the add that joins it to the projection's
+        add, path = up_node, []  # up's output through its scaling to the add that joins it to the projection's
         while len(add.users) == 1 and op_name(next(iter(add.users)).target) in _ADAPTER_PASS:
             add = next(iter(add.users))
+            path.append(add.name)
         if len(add.users) != 1 or op_name(next(iter(add.users)).target) not in ("aten.add", "aten.add_"):
             continue
         joined = next(iter(add.users))
@@ -854,7 +855,15 @@ def _attach_adapters(projections: list[Projection], nodes: list[fx.Node]) -> lis
             continue
         if base.in_features != down.in_features or base.out_features != up.out_features:
             continue
-        base.adapter = Adapter(down, up)
+        before = node_of[down.node].args[0]  # the input's dropout, when only the adapter reads it
+        while isinstance(before, fx.Node) and before is not _through(before) and len(before.users) == 1:
+            path.append(before.name)
+            before = before.args[0]
+        mid = _matmul_input(up_node)  # down's output to up's input (a scaling, a cast)
+        while isinstance(mid, fx.Node) and mid.name != down.node and mid.op == "call_function":
+            path.append(mid.name)
+            mid = mid.args[0]
+        base.adapter = Adapter(down, up, (*path, joined.name))
         base.parts = base.parts or _parts(joined)  # a fused projection's split, after the adapter joins
         adapters.update((down.node, up.node))
     return [p for p in projections if p.node not in adapters]

@@ -81,14 +81,18 @@ class Adapter:
 
     down: Projection
     up: Projection
+    # the fx nodes between them and the projection's output: the input's dropout, the update's
+    # scaling and casts, and the add that joins it (priced with the adapter, not as the layer's ops)
+    path: tuple[str, ...] = ()
 
     @property
     def rank(self) -> int:
         return self.down.out_features
 
     @property
-    def nodes(self) -> tuple[str, str]:
-        return self.down.node, self.up.node
+    def nodes(self) -> tuple[str, ...]:
+        """The adapter's fx nodes: its two GEMMs and `path`."""
+        return (self.down.node, self.up.node, *self.path)
 
     def param_elements(self) -> int:
         return self.down.in_features * self.rank + self.rank * self.up.out_features
