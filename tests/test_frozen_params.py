@@ -244,3 +244,19 @@ def test_run_of_frozen_bottom_layers_matches_the_plan(tmp_path, layout):
         want = dp_state_bytes(trainable, "fp32", DataParallel.ZERO1, 2)
         assert measured["predicted_state_bytes"] == pytest.approx(want)
     assert measured["state_bytes"] == pytest.approx(measured["predicted_state_bytes"], rel=0.01)
+
+
+def test_run_refuses_a_model_whose_frozen_parameters_changed():
+    """A training plan made for a linear probe, run with the model unfrozen: the plan names what changed
+    (it had blamed the plan's recompute keys, or run the stale plan silently when they matched)."""
+    from planner.cli.workflow import validate_plan_for_model
+
+    plan = plan_model(
+        structure("probe"), load_cluster("local-cpu", nproc=1), WORK, Constraints(tp=1, pp=1, dp=1)
+    )
+    model = frozen_gpt.build_model("none")
+    params = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    validate_plan_for_model(plan, structure("probe"), "m.py", params)  # the model it was made for
+    for changed in ("none", "emb"):
+        with pytest.raises(InputError, match="frozen_params: .* 57,024 frozen .* freezes"):
+            validate_plan_for_model(plan, structure(changed), "m.py", params)

@@ -530,6 +530,14 @@ def validate_plan_for_model(
             f"{model_path} has {int(structure.num_params):,}: the model changed since planning; re-plan with "
             f"planner optimize {model_path} ..."
         )
+    frozen = int(structure.num_frozen_params)
+    if plan.workload is Workload.TRAIN and plan.model_params and frozen != plan.frozen_params:
+        raise InputError(
+            f"plan field frozen_params: the plan was made for a model with {plan.frozen_params:,} frozen parameters "
+            f"(requires_grad=False) and {model_path} freezes {frozen:,}: what it trains changed since planning, "
+            "and with it the plan's memory, time and layer classes; re-plan with "
+            f"planner optimize {model_path} ..."
+        )
     unknown = [w for w in plan.splits if w not in params]
     if unknown:
         raise InputError(
