@@ -840,7 +840,8 @@ def _attach_adapters(projections: list[Projection], nodes: list[fx.Node]) -> lis
         rank = down.out_features
         if 2 * rank > min(down.in_features, up.out_features) or down.node in adapters or up.node in adapters:
             continue
-        add, path = up_node, []  # up's output through its scaling to the add that joins it to the projection's
+        # up's output through its scaling to the add that joins it to the projection's
+        add, path = up_node, []
         while len(add.users) == 1 and op_name(next(iter(add.users)).target) in _ADAPTER_PASS:
             add = next(iter(add.users))
             path.append(add.name)
