@@ -220,14 +220,7 @@ def test_run_of_frozen_bottom_layers_matches_the_plan(tmp_path, layout):
     (the first with nothing to train: its optimizer steps nothing): the rewritten model's outputs, the
     trainable gradients and the first update match the unsharded model's (exit 0), and the training
     state the ranks hold is what the plan priced for the trainable parameters."""
-    model = tmp_path / "bottom.py"
-    model.write_text(
-        "import sys\n"
-        f"sys.path.insert(0, {str(Path(frozen_gpt.__file__).parent)!r})\n"
-        "import frozen_gpt\n\n\n"
-        "def build_model():\n    return frozen_gpt.build_model('bottom')\n\n\n"
-        "example_inputs = frozen_gpt.example_inputs\n"
-    )
+    model = frozen_gpt.write_model_file(tmp_path / "bottom.py", "bottom")
     report = tmp_path / "report.json"
     root = Path(__file__).resolve().parent.parent
     r = subprocess.run(

@@ -161,19 +161,6 @@ def test_peft_lora_adapters_are_found():
     assert s.num_params - s.num_frozen_params == trainable
 
 
-def lora_model_file(tmp_path: Path) -> Path:
-    """A model file of frozen_gpt's "lora" model (its build_model takes no argument)."""
-    model = tmp_path / "lora.py"
-    model.write_text(
-        "import sys\n"
-        f"sys.path.insert(0, {str(Path(frozen_gpt.__file__).parent)!r})\n"
-        "import frozen_gpt\n\n\n"
-        "def build_model():\n    return frozen_gpt.build_model('lora')\n\n\n"
-        "example_inputs = frozen_gpt.example_inputs\n"
-    )
-    return model
-
-
 def test_sequence_parallel_adapters_run_on_the_token_shard_without_gathers(tmp_path):
     """Under sequence parallelism the adapters' whole projections run on the rank's tokens (down beside
     a column-parallel projection reads the block's input shard, up beside a row-parallel one the
@@ -181,7 +168,7 @@ def test_sequence_parallel_adapters_run_on_the_token_shard_without_gathers(tmp_p
     from planner.cli.main import main
 
     report = tmp_path / "plan.json"
-    args = ["optimize", str(lora_model_file(tmp_path)), "--cluster", "local-cpu", "--nproc", "2", "--workload",
+    args = ["optimize", str(frozen_gpt.write_model_file(tmp_path / "lora.py", "lora")), "--cluster", "local-cpu", "--nproc", "2", "--workload",
             "train", "--batch-size", "8", "--seq-len", "16", "--tp", "2", "--layout", "megatron",
             "--sequence-parallel", "on", "--json", str(report)]  # fmt: skip
     assert main(args) == 0
@@ -194,7 +181,7 @@ def test_run_of_lora_under_tensor_and_sequence_parallelism(tmp_path):
     """2 gloo ranks, TP 2 with sequence parallelism, Megatron's layout: the adapters beside the
     column- and row-parallel projections (fused QKV included) compute what the unsharded model does,
     outputs, the adapters' gradients and the first update (exit 0)."""
-    model = lora_model_file(tmp_path)
+    model = frozen_gpt.write_model_file(tmp_path / "lora.py", "lora")
     report = tmp_path / "report.json"
     r = subprocess.run(
         [sys.executable, "-m", "planner.cli", "optimize", str(model), "--cluster", "local-cpu", "--nproc", "2",

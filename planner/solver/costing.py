@@ -762,7 +762,8 @@ def _add_adapter(option: OpOption, adapter: Adapter, tokens: float, ctx: CostCon
             option.comm_s += all_reduce_time_s(k * m * b, ctx.tp_group(), ctx.cluster)
     if ctx.train and not ctx.frozen(adapter.up.weight):
         option.activation_bytes += tokens * r * b / (tp if seq and up_split == "replicate" else 1)
-    option.compute_s += ctx.op_time(tokens * n, 3.0 * tokens * n * b, "memory")  # output + scaled update
+    added = tokens / tp if seq and up_split == "replicate" else tokens  # the add runs where up's output is
+    option.compute_s += ctx.op_time(added * n, 3.0 * added * n * b, "memory")  # output + scaled update
     if shard == 1:
         return
     middle, group = tokens * r * b, ctx.tp_group()

@@ -14,6 +14,8 @@ freezes (requires_grad=False) in one of several ways, `build_model(freeze=...)`:
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -97,3 +99,16 @@ def build_model(freeze: str = "layer0", layers: int = LAYERS, rank: int = RANK) 
 def example_inputs(batch_size: int = 4, seq_len: int = 16) -> tuple:
     g = torch.Generator().manual_seed(0)
     return (torch.randint(0, V, (batch_size, seq_len), generator=g),)
+
+
+def write_model_file(path: Path, freeze: str) -> Path:
+    """A model file at ``path`` whose build_model() (no argument, as the CLI calls it) builds this model
+    frozen as ``freeze``; returns ``path``."""
+    path.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\n"
+        "import frozen_gpt\n\n\n"
+        f"def build_model():\n    return frozen_gpt.build_model({freeze!r})\n\n\n"
+        "example_inputs = frozen_gpt.example_inputs\n"
+    )
+    return path
