@@ -20,9 +20,10 @@ from planner.errors import InputError
 from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture
 from planner.frontend.depth import capture_for_planning
-from planner.plan import DataParallel, MeshShape
+from planner.plan import DataParallel, MeshShape, Recompute
 from planner.solver.costing import CostContext, build_cost_tables
-from planner.solver.problem import Constraints, MeshConfig, WorkloadSpec
+from planner.solver.prediction import layer_breakdown
+from planner.solver.problem import Assignment, Constraints, MeshConfig, WorkloadSpec
 from planner.solver.search import _with_state_factor, plan_model
 from tests.models import frozen_gpt
 
@@ -167,6 +168,30 @@ def test_layers_no_gradient_reaches_run_forward_only():
     head = {name: t.ends.op("lm_head").options[0].compute_s for name, t in (("none", trained), ("probe", probe),
                                                                            ("bottom", bottom))}  # fmt: skip
     assert head["probe"] < head["none"] == head["bottom"]
+
+
+@pytest.mark.parametrize("pinned", [Recompute.FULL, Recompute.SELECTIVE])
+def test_pinned_recompute_leaves_forward_only_layers_alone(pinned):
+    """--recompute pinned for every layer class: the layers no gradient reaches have no backward to
+    recompute in, so the plan records none for them and prices none there (it priced a third of
+    their forward again and their layer inputs kept); the trained layers take the pin."""
+    cluster = load_cluster("dgx-h100")
+    work = WorkloadSpec("train", 8, 16, dtype="bf16")
+    s = structure("bottom")
+    plan = plan_model(s, cluster, work, Constraints(tp=1, pp=1, dp=1, recompute=pinned))
+    recompute = {key: str(r) for key, r in plan.recompute.items()}
+    assert {r for k, r in recompute.items() if "no-backward" in k} == {"none"}
+    assert {r for k, r in recompute.items() if "no-backward" not in k} == {str(pinned)}
+    t = build_cost_tables(CostContext(s, cluster, work, MeshConfig(MeshShape(1, 1, 1), 1), "bf16"))
+    frozen = next(k for k in t.layer_keys if "no-backward" in k)
+    graph = t.graphs[frozen]
+    assert not graph.backward
+    choices = {(frozen, op.name): op.options[0].name for op in graph.ops}
+    times = [
+        layer_breakdown(graph, frozen, Assignment(choices, [[0]], recompute={frozen: r}), False, t.ctx)
+        for r in Recompute
+    ]
+    assert len({(b.compute_s, b.activation_bytes) for b in times}) == 1
 
 
 def test_plan_of_a_probe_counts_the_flops_it_runs():

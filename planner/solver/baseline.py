@@ -134,7 +134,11 @@ def megatron_assignment(tables: CostTables, recompute: Recompute | bool = Recomp
     return Assignment(
         choices=megatron_choices(tables.graphs, tables.ends),
         stages=megatron_stages(tables),
-        recompute={key: recompute for key in tables.graphs} if tables.ctx.train else {},
+        recompute={
+            key: recompute if graph.backward else Recompute.NONE for key, graph in tables.graphs.items()
+        }
+        if tables.ctx.train
+        else {},
     )
 
 

@@ -200,6 +200,9 @@ class LayerGraph:
     # of fixed_static_bytes, what training does not scale by its state factor: frozen parameters'
     # weights (`OpOption.frozen_bytes`) and, in the ends, the buffers (masks, RoPE tables)
     frozen_static_bytes: float = 0.0
+    # False for a layer class a training step runs forward only (`Layer.trainable` false: no gradient
+    # reaches it, none is taken): no backward, so no activation recomputation can run there
+    backward: bool = True
 
     @property
     def last_stage_compute_s(self) -> float:
@@ -1321,6 +1324,7 @@ def _frozen_graph(graph: LayerGraph) -> LayerGraph:
         for option in op.options:
             option.frozen_bytes = option.static_bytes
     graph.frozen_static_bytes = graph.fixed_static_bytes
+    graph.backward = False
     return graph
 
 

@@ -325,11 +325,16 @@ def training_decisions(
     for i, key in enumerate(tables.layer_keys):
         spans.setdefault(key, []).append(i)
     for key, layers in spans.items():
+        label = f"layers[{layers[0]}..{layers[-1]}]" if ctx.structure.layers else "mlp"
+        if not tables.graphs[key].backward:  # forward only: the recompute options all price the same
+            reason = "no gradient reaches these layers (frozen): they run forward only, nothing to recompute"
+            options = {str(Recompute.NONE): cost(config, assignment, str(Recompute.NONE))}
+            out.append(Decision(f"{label}.recompute", str(Recompute.NONE), options, reason))
+            continue
         options = {}
         for r in Recompute:
             alt = dataclasses.replace(assignment, recompute={**assignment.recompute, key: r})
             options[str(r)] = cost(config, alt, str(r))
-        label = f"layers[{layers[0]}..{layers[-1]}]" if ctx.structure.layers else "mlp"
         reason = "selective: attention core only (scores not kept); full: keep only the layer input"
         if c.recompute is not None:
             reason += f"; pinned by --recompute {c.recompute}"

@@ -345,7 +345,12 @@ class _Builder:
         has_core = any(nbytes > 0 for nbytes, _, _ in scores)  # stores scores selective would drop
         core_op = any(seconds > 0 for _, seconds, _ in scores)  # an attention core to recompute at all
         pinned = self.p.recompute
-        if pinned is not None:  # the user's choice, even where it saves no memory (a fused kernel)
+        if (
+            not graph.backward
+        ):  # run forward only (no gradient reaches it): nothing to recompute, pinned or not
+            self.m += rf == 0, _name("recompute_no_backward", gid)
+            self.m += rs == 0, _name("recompute_no_backward_sel", gid)
+        elif pinned is not None:  # the user's choice, even where it saves no memory (a fused kernel)
             self.m += rf == int(pinned is Recompute.FULL), _name("recompute_pin_full", gid)
             self.m += rs == int(pinned is Recompute.SELECTIVE and core_op), _name("recompute_pin_sel", gid)
         elif not has_core:

@@ -121,7 +121,8 @@ def layer_breakdown(
     static = graph.fixed_static_bytes + sum(o.static_bytes for o in opt.values())
     act = graph.fixed_activation_bytes + sum(o.activation_bytes for o in opt.values())
     grad = graph.fixed_grad_bytes + sum(o.grad_bytes for o in opt.values())
-    recompute = assignment.recompute_of(key) if ctx.train else Recompute.NONE
+    # a forward-only layer (no gradient reaches it) has no backward to recompute in
+    recompute = assignment.recompute_of(key) if ctx.train and graph.backward else Recompute.NONE
     if recompute is Recompute.FULL:  # forward again in backward; keep only the input
         internal += (internal + exposed + overlapped) / TRAIN_COMM_FACTOR
         compute_s += compute_s / TRAIN_COMPUTE_FACTOR + sum(o.full_extra_s for o in opt.values())
