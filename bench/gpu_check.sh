@@ -61,6 +61,9 @@ step "tiny Llama decode (context 64), world size 1, NCCL" 150 \
   planner optimize examples/llama3_kv.py --workload decode --context 64 --nproc 1 --run \
   --cluster "$SPEC" --json "$OUT/decode.json"
 
+step "Megatron rows' layers, op by op (issue 32's small-model gap)" 180 \
+  python bench/layer_check.py --cluster dgx-h200 --json "$OUT/layer_check.json"
+
 python - "$OUT" "$SPEC" <<'EOF' | tee "$OUT/summary.txt"
 """The summary: GEMM efficiency measured now vs the calibrated fit and the dgx-h200 preset, the NCCL
 per-call time, and the two runs' measured / predicted."""
@@ -108,4 +111,5 @@ for name in ("forward", "decode"):
             print(f"  decode ms/token: measured {sm['tpot_s'] * 1e3:.3f}, predicted {sp['tpot_s'] * 1e3:.3f}, "
                   f"ratio {sm['tpot_s'] / sp['tpot_s']:.2f}")
 EOF
-echo "wrote $OUT (summary.txt, h200-calibrated.yaml, forward.json, decode.json, gpu_check.log)"
+sed -n '/One layer per TP rank/,/^rest = /p' "$LOG" | tee -a "$OUT/summary.txt"
+echo "wrote $OUT (summary.txt, h200-calibrated.yaml, forward.json, decode.json, layer_check.json, gpu_check.log)"

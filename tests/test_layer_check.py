@@ -1,0 +1,64 @@
+"""bench/layer_check.py (issue 32's layer-by-layer GPU check, run by bench/gpu_check.sh) on a CPU:
+its rank layer computes what examples/models.py's GPTBlock computes, and its tiny run writes measured
+and predicted times for the same ops."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "examples"))
+
+import layer_check  # noqa: E402
+from models import GPTBlock, GPTConfig  # noqa: E402
+
+
+def test_rank_block_at_tp1_is_the_gpt_block():
+    """At TP 1 the timed layer is the planned model's layer: the same output on the same weights."""
+    torch.manual_seed(0)
+    block = GPTBlock(GPTConfig(n_head=4, n_embd=64))
+    rank = layer_check.RankBlock(64, 4, 1)
+    with torch.no_grad():
+        for ours, theirs in (
+            (rank.ln_1, block.ln_1),
+            (rank.ln_2, block.ln_2),
+            (rank.qkv, block.attn.c_attn),
+            (rank.o, block.attn.c_proj),
+            (rank.up, block.mlp.c_fc),
+            (rank.down, block.mlp.c_proj),
+        ):
+            ours.load_state_dict(theirs.state_dict())  # fmt: skip
+    x = torch.randn(2, 16, 64)
+    torch.testing.assert_close(rank(x), block(x))
+
+
+def test_rank_widths_split_as_megatron():
+    assert layer_check.rank_widths(2048, 2) == {
+        "qkv": (2048, 3072), "o": (1024, 2048), "up": (2048, 4096), "down": (4096, 2048),
+    }  # fmt: skip
+
+
+def test_tiny_run_on_cpu_writes_both_sides(tmp_path):
+    out = tmp_path / "layer_check.json"
+    r = subprocess.run([sys.executable, "bench/layer_check.py", "--device", "cpu", "--tiny", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    for side in ("predicted_s", "measured_s"):
+        assert set(row[side]) >= {"qkv", "o", "up", "down", "core", "layer", "rest"}
+        assert all(row[side][op] > 0 for op in ("qkv", "o", "up", "down", "core", "layer"))
+    assert "measured / predicted" in r.stdout
+
+
+def test_no_gpu_is_a_clear_error():
+    if torch.cuda.is_available():
+        return
+    r = subprocess.run([sys.executable, "bench/layer_check.py"], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT)  # fmt: skip
+    assert r.returncode != 0 and "sees no CUDA GPU" in r.stderr and "Traceback" not in r.stderr
