@@ -60,7 +60,9 @@ from costmodels.cluster import ClusterSpec, LinkSpec
 
 @dataclass(frozen=True)
 class Group:
-    """A process group: ``size`` ranks, ``ranks_per_node`` of them on each node it spans."""
+    """A process group: ``size`` ranks, ``ranks_per_node`` of them on each node it spans (on the last
+    node fewer when ``size`` is not a multiple: 12 ranks filling nodes of 8 are Group(12, 8), on 8 + 4;
+    the prices treat every node as holding ``ranks_per_node``)."""
 
     size: int
     ranks_per_node: int
@@ -70,15 +72,15 @@ class Group:
             raise ValueError(
                 f"Group(size={self.size}, ranks_per_node={self.ranks_per_node}): both must be >= 1"
             )
-        if self.size % self.ranks_per_node:
+        if self.ranks_per_node > self.size:
             raise ValueError(
-                f"Group(size={self.size}, ranks_per_node={self.ranks_per_node}): size must be a multiple of ranks_per_node"
+                f"Group(size={self.size}, ranks_per_node={self.ranks_per_node}): more ranks per node than in the group"
             )
 
     @property
     def num_nodes(self) -> int:
-        """Number of nodes the group spans."""
-        return self.size // self.ranks_per_node
+        """Number of nodes the group spans (the last one partly filled when uneven)."""
+        return -(-self.size // self.ranks_per_node)
 
     @classmethod
     def packed(cls, size: int, cluster: ClusterSpec) -> Group:

@@ -244,6 +244,14 @@ class LayerGraph:
         )
 
 
+def ranks_per_node(size: int, capacity: int) -> int:
+    """Ranks per node of a group of `size` ranks that fill nodes in order, at most `capacity` of them on
+    a node: min(size, capacity), so the group spans as few nodes as placement fills (6 of a node's 8 hold
+    a group of 6 on one node; 12 span two, 8 + 4: `comm.Group` prices uneven nodes as full ones). Not
+    the gcd, which read 6 on nodes of 8 as 3 nodes of 2 and failed a 2-node cluster."""
+    return max(1, min(size, capacity))
+
+
 @dataclass
 class CostContext:
     """Everything the per-op costs depend on, fixed for one mesh candidate."""
@@ -320,7 +328,7 @@ class CostContext:
         if self.ep_fold == "tp":
             return self.tp_group()
         per_node = dataclasses.replace(self, expert_data_parallel=False).dp_group().ranks_per_node
-        return Group(self.ep, math.gcd(self.ep, per_node))
+        return self._placed(self.ep, ranks_per_node(self.ep, per_node))
 
     @property
     def dp_style(self) -> DataParallel:
@@ -416,7 +424,7 @@ class CostContext:
         ("dp_replicate", "dp_shard") mesh)."""
         per_node = self.dp_group().ranks_per_node
         shard = self.state_shards
-        return Group(shard, math.gcd(per_node, shard))
+        return self._placed(shard, ranks_per_node(shard, per_node))
 
     def dp_replicate_group(self) -> Group:
         """HSDP: the ranks holding the same shard, one per shard group (across nodes unless the shard
@@ -425,11 +433,19 @@ class CostContext:
         replicate = (
             self.dp_cp // self.state_shards if self._expert_group else self.mesh.dp // self.shard_degree
         )
-        return Group(replicate, math.gcd(max(1, per_node // self.state_shards), replicate))
+        # one rank per shard group that starts on a node (a node of 3 holds parts of 2 groups of 2)
+        return self._placed(replicate, ranks_per_node(replicate, max(1, -(-per_node // self.state_shards))))
+
+    def _placed(self, size: int, per_node: int) -> Group:
+        """Group(size, per_node), with at least size / nodes ranks on a node: a group of the mesh spans
+        no more nodes than the cluster has (a TP degree that does not divide a node leaves a dimension's
+        groups straddling nodes; the even count read more nodes than exist)."""
+        least = -(-size // self.cluster.num_nodes)
+        return Group(size, min(size, max(per_node, least), self.cluster.devices_per_node))
 
     def tp_group(self) -> Group:
         tp, per_node = self.mesh.tp, self.cluster.devices_per_node
-        return Group(tp, tp if tp <= per_node else math.gcd(tp, per_node))
+        return self._placed(tp, ranks_per_node(tp, per_node))
 
     def dp_group(self) -> Group:
         """The dp x cp ranks that reduce gradients together (`dp_cp`). They sit after the TP ranks: the
@@ -439,15 +455,15 @@ class CostContext:
         tp, cp = self.mesh.tp, self.mesh.cp
         inner = max(1, per_node // tp) if tp < per_node else 1  # (cp, dp) coordinates on a node
         cp_on_node = self._cp_on_node(cp)
-        dp_on_node = math.gcd(inner // cp, self.mesh.dp) if cp_on_node == cp else 1
+        dp_on_node = ranks_per_node(self.mesh.dp, inner // cp) if cp_on_node == cp else 1
         on_node = cp_on_node * dp_on_node
         if self._expert_group:  # every ep-th of the dp x cp ranks: those of one node, ep apart
-            return Group(self.dp_cp, math.gcd(max(1, on_node // self.ep), self.dp_cp))
-        return Group(self.dp_cp, on_node)
+            return self._placed(self.dp_cp, ranks_per_node(self.dp_cp, max(1, on_node // self.ep)))
+        return self._placed(self.dp_cp, on_node)
 
     def cp_group(self) -> Group:
         """The cp ranks that split a sequence: tp apart (`MeshShape`), on one node while tp x cp fits it."""
-        return Group(self.cp, self._cp_on_node(self.cp))
+        return self._placed(self.cp, self._cp_on_node(self.cp))
 
     def _cp_on_node(self, cp: int) -> int:
         """Ranks of a CP group of `cp` on each node it spans: all while tp x cp fits a node, else the
@@ -455,7 +471,7 @@ class CostContext:
         tp, per_node = self.mesh.tp, self.cluster.devices_per_node
         if tp * cp <= per_node:
             return cp
-        return math.gcd(max(1, per_node // tp) if tp < per_node else 1, cp)
+        return ranks_per_node(cp, max(1, per_node // tp) if tp < per_node else 1)
 
     def op_time(
         self,

@@ -1,0 +1,58 @@
+"""Process groups as the mesh places them on nodes: a group spans as few nodes as filling them in order
+takes, and never more than the cluster has (a dp of 6 on nodes of 8 is on one node; its gcd, 2 per
+node, read 3 nodes and crashed planning on a 2-node cluster)."""
+
+from __future__ import annotations
+
+import pytest
+
+from costmodels.cluster import load_cluster, parse_cluster
+from costmodels.comm import Group
+from planner.frontend.depth import capture_for_planning
+from planner.frontend.modelfile import load_model_file
+from planner.plan import DataParallel, MeshShape
+from planner.solver.costing import CostContext, ranks_per_node
+from planner.solver.problem import Constraints, MeshConfig, WorkloadSpec
+from planner.solver.search import plan_model
+
+THREE_PER_NODE = {
+    "name": "two-nodes-of-3", "nodes": 2, "devices_per_node": 3, "backend": "nccl", "overlap_efficiency": 0.8,
+    "device": {"name": "H100", "memory_GiB": 79.6, "peak_TFLOPS": {"bf16": 989, "fp16": 989, "fp32": 67},
+               "memory_bandwidth_GBps": 3350, "matmul_efficiency": 0.8, "memory_efficiency": 0.85,
+               "launch_overhead_us": 4},
+    "links": {"intra_node": {"kind": "nvlink", "bandwidth_GBps": 370, "latency_us": 5.1},
+              "inter_node": {"kind": "infiniband", "bandwidth_GBps": 45, "latency_us": 6, "nics_per_node": 3}},
+}  # fmt: skip
+
+
+def test_uneven_group_spans_the_nodes_it_fills():
+    assert Group(12, 8).num_nodes == 2 and Group(6, 6).num_nodes == 1 and Group(3, 2).num_nodes == 2
+    assert [ranks_per_node(n, 8) for n in (1, 6, 8, 12, 48)] == [1, 6, 8, 8, 8]
+    with pytest.raises(ValueError, match="more ranks per node"):
+        Group(2, 4)
+
+
+def _structure():
+    model_file = load_model_file("examples/llama3.py")
+    args, kwargs = model_file.inputs(batch_size=1, seq_len=64)
+    return capture_for_planning(model_file.build("meta"), args, kwargs)[1]
+
+
+@pytest.mark.parametrize("cluster, batch", [("h100-ib-2node", 6), ("h100-ib-2node", 12), ("three", 6),
+                                            ("three", 12)])  # fmt: skip
+def test_training_plans_at_data_parallel_degrees_that_do_not_divide_a_node(cluster, batch):
+    spec = parse_cluster(THREE_PER_NODE, "test") if cluster == "three" else load_cluster(cluster)
+    plan = plan_model(_structure(), spec, WorkloadSpec("train", batch, 64), Constraints())
+    assert plan.mesh.num_devices <= spec.num_devices
+
+
+def test_groups_of_a_straddling_mesh_fit_the_cluster():
+    """tp 2 on nodes of 3 (pinned): the dp groups of 3 reach both nodes, not 3 nodes of 1; HSDP's
+    replicate group too."""
+    spec = parse_cluster(THREE_PER_NODE, "test")
+    for mesh, style, shard in ((MeshShape(tp=2, pp=1, dp=3), DataParallel.ZERO1, None),
+                               (MeshShape(tp=1, pp=1, dp=6), DataParallel.FSDP, 2)):  # fmt: skip
+        config = MeshConfig(mesh, 1, dp_style=style, dp_shard=shard)
+        ctx = CostContext(_structure(), spec, WorkloadSpec("train", 6, 64), config, "fp32")
+        for group in (ctx.dp_group(), ctx.tp_group(), ctx.dp_shard_group(), ctx.dp_replicate_group()):
+            assert group.num_nodes <= spec.num_nodes and group.ranks_per_node <= spec.devices_per_node
