@@ -172,6 +172,11 @@ class WeightSplit:
     # into `pieces` KV heads, rank r holds piece r * pieces // tp, each head replicated on tp / pieces
     # ranks, as vLLM does); None: tp pieces
     pieces: int | None = None
+    # the op beside it in the layer runs replicated (`planner.solver.search._splits`): colwise, its
+    # output is all-gathered for the op that reads it (a norm or index over the full width); rowwise,
+    # its input is a replicated tensor each rank slices. False: Megatron's pairing (shard to shard)
+    gather_output: bool = False
+    replicated_input: bool = False
 
     def __post_init__(self) -> None:
         self.style = _coerce(SplitStyle, self.style, f"splits.{self.weight}.style")

@@ -20,6 +20,7 @@ import json
 import math
 import re
 import shlex
+import tempfile
 import types
 
 import pytest
@@ -54,6 +55,8 @@ from runtime.launch import launch
 from tests.dtensor_entry import apply_exported
 from tests.planner_fixtures import EXAMPLES
 from tests.plans import fixed_plan
+
+MODELS = EXAMPLES.parent / "tests" / "models"
 
 # torchtitan v0.2.2 job_config.py: the fields of the sections the export writes
 TORCHTITAN_FIELDS = {
@@ -191,6 +194,17 @@ def _dtensor_jobs(captured, tp: int) -> dict[str, tuple]:
             "tok_embeddings.weight": WeightSplit("tok_embeddings.weight", SplitStyle.REPLICATE, 0),
         }
         jobs["llama3_sp_whole_embedding"] = job("llama3", _with(llama, sequence_parallel=True, splits=whole))
+        # ops over the full width between an MLP's linears: run replicated in the plan, so the column-parallel
+        # output is gathered and the row-parallel input replicated (a plain pair normalised each shard alone)
+        # (planned as `planner optimize` plans: lowering finds the gathers and plans those ops replicated)
+        width = str(MODELS / "width_ops_mlp.py")
+        with tempfile.TemporaryDirectory() as tmp:
+            out = f"{tmp}/plan.yaml"
+            assert main(["optimize", width, "--cluster", "local-cpu", "--nproc", "2", "--tp", "2", "--layout",
+                         "megatron", "--workload", "train", "--batch-size", "2", "--seq-len", "8", "--out", out]) == 0  # fmt: skip
+            wide = Plan.from_yaml(out)
+        assert all(s.gather_output for w, s in wide.splits.items() if w.endswith("up1.weight"))
+        jobs["width_ops_mlp"] = (width, export_plan(wide, "dtensor").text)
     return jobs
 
 
@@ -223,6 +237,7 @@ def _check_dtensor_ranks(ranks: list[dict], tp: int) -> None:
             gpt_shapes = rank["gpt2_tiny"]["local_shapes"]
             assert gpt_shapes["transformer.h.0.attn.c_attn.weight"] == (96, 64)  # fused q, k, v: half of each
             assert rank["gpt2_tiny"]["tied"]  # token embedding split with the tied LM head, tied again
+            assert rank["width_ops_mlp"]["local_shapes"]["blocks.0.up1.weight"] == (32, 32)  # really split
 
 
 @pytest.mark.slow

@@ -13,8 +13,10 @@ without `.weight`.
 
 | plan split                              | style                                                          |
 |-----------------------------------------|----------------------------------------------------------------|
-| colwise (nn.Linear dim 0)               | ColwiseParallel() (Replicate() output if no rowwise sibling)    |
-| rowwise (nn.Linear dim 1)               | RowwiseParallel() (Replicate() input if no colwise sibling)     |
+| colwise (nn.Linear dim 0)               | ColwiseParallel() (Replicate() output if no rowwise sibling,    |
+|                                         | or `gather_output`: an op over the full width reads it)         |
+| rowwise (nn.Linear dim 1)               | RowwiseParallel() (Replicate() input if no colwise sibling,     |
+|                                         | or `replicated_input`: fed by an op run replicated)             |
 | vocab, nn.Embedding                     | RowwiseParallel(input_layouts=Replicate())                      |
 | vocab, nn.Linear (LM head)              | ColwiseParallel(output_layouts=Replicate())                     |
 | replicate / not listed                  | not in PLAN: the module stays whole on every rank               |
@@ -450,13 +452,17 @@ def dtensor_plan(plan: Plan) -> DTensorPlan:
             # under sequence parallel a block gathers its input itself (apply()'s hook); a projection
             # outside the blocks (an LM head kept apart) gathers its own
             kwargs = ["input_layouts=Shard(1)"] if sp and _parent(owner) not in blocks else []
-            if _parent(owner) not in row_parents:
+            if _parent(owner) not in row_parents or split.gather_output:  # read whole (a norm over the width)
                 kwargs.append("output_layouts=Replicate()")
             styles[module] = f"ColwiseParallel({', '.join(kwargs)})"
             if split.parts:
                 fused[module] = list(split.parts)
         elif split.style is SplitStyle.ROWWISE:
-            kwargs = [] if _parent(owner) in col_parents else ["input_layouts=Replicate()"]
+            kwargs = (
+                []
+                if _parent(owner) in col_parents and not split.replicated_input
+                else ["input_layouts=Replicate()"]
+            )
             if sp:
                 kwargs.append("output_layouts=Shard(1)")
             styles[module] = f"RowwiseParallel({', '.join(kwargs)})"

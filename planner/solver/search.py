@@ -48,6 +48,7 @@ from costmodels.cluster import ClusterSpec, cluster_for_ranks
 from costmodels.context_parallel import ulysses_refusal
 from planner.errors import InfeasibleError, InputError
 from planner.frontend.analysis import Layer, ModelStructure, Role
+from planner.frontend.roles import Projection
 from planner.plan import (
     DataParallel,
     Decision,
@@ -1754,6 +1755,35 @@ def _baseline_decision(search: _Search, baseline: PricedAssignment | None) -> li
     return [Decision("megatron-baseline", config.mesh.label(), {"latency": b.latency_s}, reason)]
 
 
+def _mark_replicated_neighbours(
+    splits: dict[str, WeightSplit],
+    graph: LayerGraph,
+    key: str,
+    projections: dict[str, Projection],
+    assignment: Assignment,
+) -> None:
+    """Mark the splits of `graph`'s projections whose neighbour op (not a projection) runs replicated
+    under `assignment`: a column-parallel projection read by one (`WeightSplit.gather_output`: the
+    rewrite all-gathers its output, as the plan prices) and a row-parallel one fed by one
+    (`WeightSplit.replicated_input`: each rank slices it), e.g. a norm or an index over the full width
+    between an MLP's two linears. Exports that pair Colwise / RowwiseParallel read them."""
+    for op in graph.ops:
+        if op.name in projections or assignment.option(key, op.name) != "replicate":
+            continue
+        for name in op.inputs:
+            proj = projections.get(name)
+            if proj is not None and splits[proj.weight].style is SplitStyle.COLWISE:
+                splits[proj.weight].gather_output = True
+        for consumer in graph.ops:
+            proj = projections.get(consumer.name)
+            if (
+                proj is not None
+                and op.name in consumer.inputs
+                and splits[proj.weight].style is SplitStyle.ROWWISE
+            ):
+                splits[proj.weight].replicated_input = True
+
+
 def _splits(tables: CostTables, assignment: Assignment) -> dict[str, WeightSplit]:
     """WeightSplit per weight FQN: colwise splits the output dim, rowwise the input dim."""
     structure = tables.ctx.structure
@@ -1778,16 +1808,20 @@ def _splits(tables: CostTables, assignment: Assignment) -> dict[str, WeightSplit
 
     if structure.layers:
         for layer, key in zip(structure.layers, tables.layer_keys):
-            for name, proj in layer_projection_ops(layer).items():
+            projections = layer_projection_ops(layer)
+            for name, proj in projections.items():
                 attn = layer.cross_attention if name.startswith("cross.") else layer.attention
                 grouped = (
                     attn is not None and not tables.ctx.train and gqa_kv_replicated(attn, tables.ctx.mesh.tp)
                 )
                 kv = grouped and proj.role in (Role.K, Role.V)
                 add(proj, assignment.option(key, name), attn.num_kv_heads if kv else None)
+            _mark_replicated_neighbours(splits, tables.graphs[key], key, projections, assignment)
     else:
-        for name, proj in mlp_op_names(structure.mlp_chain).items():
+        projections = mlp_op_names(structure.mlp_chain)
+        for name, proj in projections.items():
             add(proj, assignment.option("chain", name))
+        _mark_replicated_neighbours(splits, tables.graphs["chain"], "chain", projections, assignment)
     for i, emb in enumerate(structure.embeddings):
         vocab = assignment.option("ends", f"embedding{i}") == SplitStyle.VOCAB
         splits[emb.weight] = WeightSplit(
