@@ -41,6 +41,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from passes.pipeline import PipelineSplitError, requires_grad_nodes
 from planner.plan import Schedule
@@ -84,6 +85,21 @@ def _stage_io_examples(
     inputs = tuple(_example(n.meta["val"], stage_index > 0 and n in trainable, device) for n in placeholders)
     outputs = tuple(_example(n.meta["val"], n in trainable, device) for n in out_nodes)
     return inputs, outputs
+
+
+def _merge_spec(outputs: Any) -> Any:
+    """`output_merge_spec` for the last stage's outputs (their example values, any pytree): None
+    (torch's default: every output concatenated along dim 0) unless one is a 0-dim tensor (a loss or
+    statistic over the whole batch, which `torch.cat` cannot join: "zero-dimensional tensor cannot be
+    concatenated"); that one is taken from the first micro-batch, which is exact because the planner
+    runs such a model as one micro-batch (its output reduces over the batch:
+    `ModelStructure.batch_mixing`)."""
+    leaves, spec = tree_flatten(outputs)
+    if all(not isinstance(t, torch.Tensor) or t.dim() > 0 for t in leaves):
+        return None
+    return tree_unflatten(
+        [TensorChunkSpec(0) if isinstance(t, torch.Tensor) and t.dim() > 0 else None for t in leaves], spec
+    )
 
 
 def _chunk_specs(batch_dims: Sequence[int | None]) -> tuple[Any, ...]:
@@ -230,6 +246,7 @@ class PipelineRunner:
                 n_microbatches=self.micro_batches,
                 loss_fn=loss_fn,
                 args_chunk_spec=specs,
+                output_merge_spec=_merge_spec(self._io[-1][1]) if self.is_last else None,
             )
         return self._schedules[training]
 

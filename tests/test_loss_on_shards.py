@@ -134,6 +134,9 @@ def test_the_same_logits_returned_twice_stay_a_shard_only_first(monkeypatch) -> 
     [
         ("tuple", ["--nproc", "2", "--pp", "2", "--tp", "1"]),  # the pipeline's loss reads output 0
         ("dup", ["--nproc", "2", "--tp", "2", "--layout", "megatron"]),
+        # a 0-dim output (over the whole batch: one micro-batch) crashed the pipeline's merge of the
+        # micro-batches' outputs (torch.cat of 0-dim tensors)
+        ("scalar", ["--nproc", "2", "--pp", "2", "--tp", "1"]),
     ],
 )
 def test_training_runs_with_several_outputs_check_each(tmp_path, outputs: str, mesh: list[str]) -> None:

@@ -3,7 +3,8 @@
 
 - "tuple": (logits, last hidden state); "second": (hidden, logits);
 - "dup": (logits, logits), the same tensor twice;
-- "argmax_first": (logits.argmax(-1), logits), an integer first output.
+- "argmax_first": (logits.argmax(-1), logits), an integer first output;
+- "scalar": (logits, h.pow(2).mean()), a 0-dim statistic over the whole batch (an auxiliary loss).
 
 LM_VOCAB (default 1001) sets the vocabulary; the default does not divide by 2 or 4."""
 
@@ -54,6 +55,8 @@ class LM(nn.Module):
             return logits, logits
         if self.outputs == "argmax_first":
             return logits.argmax(-1), logits
+        if self.outputs == "scalar":
+            return logits, h.pow(2).mean()
         return logits, h
 
 
