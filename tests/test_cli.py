@@ -456,3 +456,18 @@ def test_a_failed_numerics_check_still_writes_the_json_report(
     assert written["failed"].startswith("the sharded run does not compute") and not written["numerics"]["ok"]
     assert written["written_by"] == "planner optimize --json"
     assert not (tmp_path / "p.yaml").exists()  # the plan of a failed run is not written
+
+
+def test_a_batched_keyword_tensor_keeps_the_batch_whole(capsys) -> None:
+    """example_kwargs() with a (batch, seq) mask: keyword tensors reach every replica and micro-batch
+    whole, so --dp 2 is refused naming the keyword (the ranks crashed in their capture after planning
+    DP 2), and the free plan keeps one replica."""
+    from planner.cli.main import main  # noqa: PLC0415
+
+    model = str(Path(__file__).resolve().parent / "models" / "batched_kwarg_mask.py")
+    rc = main(["optimize", model, "--cluster", "local-cpu", "--nproc", "2", "--dp", "2"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert rc == 2 and "keyword input 'keep' (4, 8)" in err and "example_inputs()" in err, err
+    rc = main(["optimize", model, "--cluster", "local-cpu", "--nproc", "2", "--workload", "train"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert rc == 0 and "DP=1" in out, out[-2000:]

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_flatten
 
 from costmodels.cluster import (
     ClusterSpec,
@@ -212,6 +213,32 @@ def _unsplittable_batch(model_file: ModelFile, batch_size: int, seq_len: int | N
         return f"its inputs' batch dim cannot be found ({e})"
     if dims and all(d is None for d in dims):
         return "example_inputs(batch_size) changes no input's shape, so no input has a batch dim to split"
+    return _batched_keyword(model_file, batch_size, seq_len)
+
+
+def _batched_keyword(model_file: ModelFile, batch_size: int, seq_len: int | None) -> str | None:
+    """Why a keyword tensor (`example_kwargs`) stops the batch from being split, or None: one whose dim 0
+    is the batch (its size, or it grows with `batch_size`). The runtime splits the positional inputs
+    along their batch dims and gives keyword tensors whole to every data-parallel replica and
+    micro-batch, where a (batch, seq) padding mask then met half the batch (a broadcast error inside
+    the rank's capture, after planning DP 2)."""
+    _, kwargs = model_file.inputs(batch_size, seq_len, device="meta")
+    try:
+        _, doubled = model_file.inputs(2 * batch_size, seq_len, device="meta")
+    except InputError:
+        doubled = kwargs
+    for name, value in kwargs.items():
+        leaves, other = tree_flatten(value)[0], tree_flatten(doubled.get(name))[0]
+        for i, t in enumerate(leaves):
+            if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                continue
+            grows = i < len(other) and isinstance(other[i], torch.Tensor) and other[i].shape != t.shape
+            if t.shape[0] == batch_size or grows:
+                return (
+                    f"keyword input {name!r} {tuple(t.shape)} of example_kwargs() has the batch as dim 0, and keyword "
+                    "tensors reach every data-parallel replica and micro-batch whole; return it from "
+                    "example_inputs() instead, which the runtime splits along the batch"
+                )
     return None
 
 
