@@ -752,6 +752,12 @@ def _parse_sources(r: _Reader, raw: Any) -> tuple[str, ...]:
     return tuple(raw)
 
 
+# Most devices a cluster spec may describe: 2^20, ten times the largest GPU clusters built (about 10^5
+# GPUs in 2025). The mesh search enumerates degrees over the devices; a typo of many more (10^11 nodes)
+# kept it searching with no end in sight.
+MAX_DEVICES = 2**20
+
+
 def parse_cluster(data: object, origin: str) -> ClusterSpec:
     """Validate a ``yaml.safe_load`` result and convert it to a :class:`ClusterSpec` (SI units).
 
@@ -791,6 +797,13 @@ def parse_cluster(data: object, origin: str) -> ClusterSpec:
     else:
         devices_per_node = r.integer(
             d["devices_per_node"], "devices_per_node", "devices per node, or auto", "8"
+        )
+    if nodes * devices_per_node > MAX_DEVICES:
+        raise r.fail(
+            "nodes",
+            f"{nodes} nodes x {devices_per_node} devices = {nodes * devices_per_node:,} devices is beyond any cluster "
+            f"the planner searches (at most {MAX_DEVICES:,}; the largest training clusters hold about 10^5 GPUs): "
+            "is the number right?",
         )
     links = r.mapping(d["links"], "links", ("intra_node",), ("inter_node",))
     intra = _parse_link(r, links["intra_node"], "links.intra_node", inter=False)

@@ -120,6 +120,16 @@ def test_scientific_notation_reads_as_a_number_though_yaml_1_1_reads_it_as_a_str
         parse_cluster(raw, "t")
 
 
+def test_a_node_count_beyond_any_cluster_is_refused() -> None:
+    """nodes: 1e11 (a typo) kept the mesh search running with no end; it is refused naming the field."""
+    raw = _valid()
+    raw["nodes"] = 100_000_000_000
+    with pytest.raises(SpecError, match=r"nodes: .* devices is beyond any cluster"):
+        parse_cluster(raw, "t")
+    raw["nodes"] = 1024  # a large real cluster still parses
+    assert parse_cluster(raw, "t").num_nodes == 1024
+
+
 def test_preset_shapes() -> None:
     assert load_cluster("dgx-h100").num_devices == 8
     assert load_cluster("h100-pcie").intra_node.kind == "pcie"
