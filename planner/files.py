@@ -132,6 +132,9 @@ def check_output_path(option: str, path: str, folder: bool = False, kind: str | 
     target = Path(path)
     parent = _parent(target)
     if not parent.is_dir():
+        blocker = next((p for p in (parent, *parent.parents) if p.exists()), None)
+        if blocker is not None and not blocker.is_dir():
+            raise InputError(f"{option} {path}: {blocker} is a file, not a folder; choose a path in a folder")
         raise InputError(f"{option} {path}: folder {parent} does not exist; create it first")
     if not os.access(parent, os.W_OK):
         raise InputError(f"{option} {path}: folder {parent} is not writable")

@@ -139,6 +139,11 @@ def test_check_output_path_probes_the_folder(tmp_path: Path) -> None:
         check_output_path("--out", "/proc/plan.yaml")
     check_output_path("--out", str(tmp_path / "plan.yaml"))
     assert list(tmp_path.iterdir()) == []  # the probe is removed
+    (tmp_path / "u.txt").write_text("mine")  # a file where a folder of the path goes: named as a file
+    with pytest.raises(InputError, match=r"u.txt is a file, not a folder"):
+        check_output_path("--out", str(tmp_path / "u.txt" / "x" / "plan.yaml"))
+    with pytest.raises(InputError, match=r"folder .*missing does not exist"):
+        check_output_path("--out", str(tmp_path / "missing" / "plan.yaml"))
 
 
 def test_a_folder_of_one_option_is_not_replaced_by_another(tmp_path: Path) -> None:
