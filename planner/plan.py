@@ -1163,6 +1163,8 @@ def _from_builtin(tp: Any, data: object, where: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if not isinstance(data, dict):
             raise InputError(f"field {where or 'plan'!r}: expected a mapping, got {type(data).__name__}")
+        if tp is WeightSplit and data.get("style") == "replicate" and "dim" in data and data["dim"] is None:
+            data = {**data, "dim": 0}  # a replicated weight's dim is unused (a hand edit may null it)
         hints = _hints(tp)
         known = {f.name for f in dataclasses.fields(tp)}
         extra = sorted(set(data) - known)

@@ -174,6 +174,18 @@ def test_interleaved_chunks_are_runs_of_each_ranks_layers() -> None:
         plan.validate()
 
 
+def test_a_replicated_split_edited_to_a_null_dim_loads() -> None:
+    """A hand edit writing `style: replicate, dim: null` (the dim is unused there) loads; another style
+    still needs its dim."""
+    data = make_plan().to_dict()
+    weight, split = next(iter(data["splits"].items()))
+    data["splits"][weight] = {**split, "style": "replicate", "dim": None}
+    assert Plan.from_dict(data).splits[weight].dim == 0
+    data["splits"][weight] = {**split, "style": "colwise", "dim": None}
+    with pytest.raises(InputError, match="dim': expected an integer, got None"):
+        Plan.from_dict(data)
+
+
 def test_a_json_report_given_as_a_plan_says_it_is_a_report() -> None:
     report = {"plan": make_plan().to_dict(), "predicted": {}, "measured": {}, "cluster": "local-cpu"}
     with pytest.raises(InputError, match=r"r\.json is a report \(what --json writes\), not a plan"):
