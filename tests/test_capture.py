@@ -112,6 +112,25 @@ def test_inputs_that_do_not_fit_name_the_op_without_torch_logs(capfd):
     assert "Traceback" not in capfd.readouterr().err
 
 
+class _OnDefaultDevice(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x + torch.ones(x.shape[1], 8))  # made on the default device, not x's
+
+
+def test_a_tensor_made_on_another_device_in_forward_names_the_fix():
+    """A tensor made in forward on the default device meets the meta model: the message says to make it
+    on the inputs' device (it listed the control-flow fixes, which do not apply)."""
+    with torch.device("meta"):
+        model = _OnDefaultDevice()
+    with pytest.raises(InputError, match=r"device=x.device") as err:
+        capture(model, (torch.randn(2, 4, 8),), {})
+    assert "control flow" not in str(err.value)
+
+
 def test_model_output_flattened_logits_first(captured):
     c = captured("hf_llama")
     kwargs = dict(c.kwargs, labels=c.args[0])  # CausalLMOutputWithPast(loss, logits)

@@ -86,6 +86,16 @@ _SHAPE_FIXES = (
     "The example inputs do not fit the model: check the shapes example_inputs() returns against the "
     "model's first layers (and, with `planner run`, that the plan was made for this model file)."
 )
+# a tensor made in forward on the default device (torch.arange(T)) met the model's: the planner builds
+# the model on the meta device, so it must be made where its inputs are
+_DEVICE_ERROR = re.compile(
+    r"DeviceMismatch|devices?, but found|on different devices|Unhandled FakeTensor Device", re.I
+)
+_DEVICE_FIXES = (
+    "A tensor created in forward is on another device than the model: the planner builds the model on "
+    "the meta device (and a run on its rank's device), so make it where the inputs are, e.g. "
+    "torch.arange(T, device=x.device) or torch.zeros(..., device=x.device), or register it as a buffer."
+)
 
 
 def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> fx.GraphModule:
@@ -593,6 +603,8 @@ def _capture_error_message(model: nn.Module, exc: BaseException, partial_graph: 
         )
     first_line = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
     fixes = _SHAPE_FIXES if _SHAPE_ERROR.search(first_line) else _FIXES
+    if _DEVICE_ERROR.search(f"{type(exc).__name__}: {first_line}"):
+        fixes = _DEVICE_FIXES
     return (
         f"cannot capture {type(model).__name__} with torch.export (non-strict)\n"
         f"  op:    {_failing_op(exc, partial_graph)}\n"
