@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import networkx as nx
 import pytest
 import torch
@@ -334,3 +336,33 @@ def test_attention_whose_probabilities_are_also_returned_is_still_attention():
     assert [p.role for p in a.projections] == ["q", "k", "v", "o"]
     assert (a.num_heads, a.num_kv_heads, a.head_dim) == (4, 2, 16)
     assert [p.role for p in s.layers[0].mlp.projections] == ["gate", "up", "down"]
+
+
+@pytest.mark.parametrize("name", ["fused_kv_gqa", "fused_kv_cache_gqa"])
+def test_a_fused_key_value_projection_is_one_projection_of_the_kv_heads(name):
+    """K and V from one projection (chunked in two, or viewed as (..., 2, KVH, hd)) with grouped-query
+    heads repeated before the core: the projection is listed once (it was twice, its GEMM priced twice)
+    and the KV heads are its own 2, not the 4 the core sees (a served cache then read as 2x too short:
+    "allocated ... for 8 positions" for 16)."""
+    model_file = load_model_file(Path(__file__).resolve().parent / "models" / f"{name}.py")
+    if model_file.has_cache:
+        model = model_file.module.build_model(1, 16).to("meta")
+        args = (torch.randint(0, 80, (1, 1)), torch.tensor([12]))
+    else:
+        model, args = model_file.build("meta"), model_file.inputs()[0]
+    a = capture_for_planning(model, args, {})[1].layers[0].attention
+    assert (a.num_heads, a.num_kv_heads, a.head_dim) == (4, 2, 8)
+    nodes = [p.node for p in a.projections]
+    assert len(nodes) == len(set(nodes)) and [str(p.role) for p in a.projections][-1] == "o"
+
+
+def test_a_served_fused_kv_gqa_cache_is_long_enough(capsys):
+    """`planner optimize --workload decode` of a cache of max_seq_len positions: planned, no false
+    "allocated ... for 8 positions" refusal."""
+    from planner.cli.main import main  # noqa: PLC0415
+
+    model = str(Path(__file__).resolve().parent / "models" / "fused_kv_cache_gqa.py")
+    rc = main(["optimize", model, "--workload", "decode", "--context", "12", "--new-tokens", "4", "--cluster",
+               "local-cpu", "--nproc", "2", "--tp", "2"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 0 and "allocated" not in err, err

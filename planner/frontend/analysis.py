@@ -1254,9 +1254,13 @@ def _attention_block(
         projs.append(fused)
     else:
         for node, role in zip(first, (Role.Q, Role.K, Role.V)):
-            if node is not None:
+            if node is not None and projections[node.name] not in projs:
                 projections[node.name].role = role
                 projs.append(projections[node.name])
+        # a fused K / V projection (`to_kv` chunked in two, or viewed as (..., 2, KVH, hd)): one projection,
+        # listed once (it was twice: its GEMM priced twice), taking the value role
+        if first[1] is not None and first[1] is first[2]:
+            projections[first[1].name].role = Role.V
     o_nodes = [n for n in _walk(core, member_names, projections, forward=True) if n.name not in taken]
     residual = None
     if o_nodes:
@@ -1268,12 +1272,16 @@ def _attention_block(
     q_shape = _head_shape(q)  # (B, H, T, hd)
     num_heads, head_dim = q_shape[-3], q_shape[-1]
     k_proj = next((p for p in projs if p.role is Role.K), None)
+    fused_kv = projections[first[1].name] if first[1] is not None and first[1] is first[2] else None
     if k_proj is not None:
         num_kv_heads = k_proj.out_features // head_dim
+    elif fused_kv is not None and fused_kv.role is Role.V:
+        # K and V halves (the core's k may be repeated to the query heads: GQA written out)
+        num_kv_heads = (fused_kv.parts[0] if fused_kv.parts else fused_kv.out_features // 2) // head_dim
     elif projs and projs[0].role is Role.QKV and projs[0].parts and len(projs[0].parts) == 3:
         num_kv_heads = projs[0].parts[1] // head_dim
     else:
-        num_kv_heads = _head_shape(k)[-3]
+        num_kv_heads = _kv_heads_before_repeat(k, num_heads, head_dim)
     flops = _sdpa_flops(q.meta["val"], k.meta["val"], v.meta["val"])
     attention = Attention(projs, num_heads, num_kv_heads, head_dim, core.name, residual, flops)
     attention.core_kv_heads = int(_head_shape(k)[-3]) if k.meta["val"].dim() >= 3 else None
@@ -1287,6 +1295,37 @@ def _attention_block(
             sum(b.meta["val"].numel() * b.meta["val"].element_size() for b in buffers)
         )
     return attention
+
+
+# ops through which a core's k / v keep their (B, heads, T, hd) meaning while their head count may
+# grow to the query heads (GQA written out: expand, repeat_interleave, gpt-fast's unsqueeze-expand-reshape)
+_HEAD_REPEATS = frozenset({
+    "aten.expand", "aten.repeat_interleave", "aten.repeat", "aten.clone", "aten.contiguous", "aten.view",
+    "aten.reshape", "aten._unsafe_view", "aten.unsqueeze", "aten.select", "aten.slice",
+})  # fmt: skip
+
+
+def _kv_heads_before_repeat(k: fx.Node, num_heads: int, head_dim: int, limit: int = 6) -> int:
+    """The KV heads of a core's key `k` whose projection was not found (it comes from a KV cache):
+    the head count before it was repeated to the query heads (a (B, KVH, S, hd) cache expanded to
+    (B, H, S, hd)), else `k`'s own. Reading `k`'s own gave H for a GQA cache of KVH heads, and the
+    cache-length check then read the cache as H / KVH times too short."""
+    own = int(_head_shape(k)[-3])
+    node = k
+    for _ in range(limit):
+        if (
+            op_name(node.target) not in _HEAD_REPEATS
+            or not node.args
+            or not isinstance(node.args[0], fx.Node)
+        ):
+            break
+        node = node.args[0]
+        shape = tuple(node.meta["val"].shape) if isinstance(node.meta.get("val"), torch.Tensor) else ()
+        if len(shape) == 4 and shape[-1] == head_dim and 0 < shape[-3] < own and num_heads % shape[-3] == 0:
+            return int(shape[-3])
+        if len(shape) == 5 and shape[-1] == head_dim and 0 < shape[1] < own and num_heads % shape[1] == 0:
+            return int(shape[1])  # (B, KVH, rep, T, hd) before the reshape to (B, H, T, hd)
+    return own
 
 
 def _head_shape(x: fx.Node) -> tuple[int, ...]:
