@@ -471,3 +471,27 @@ def test_a_batched_keyword_tensor_keeps_the_batch_whole(capsys) -> None:
     rc = main(["optimize", model, "--cluster", "local-cpu", "--nproc", "2", "--workload", "train"])
     out = " ".join(capsys.readouterr().out.split())
     assert rc == 0 and "DP=1" in out, out[-2000:]
+
+
+def test_a_run_whose_rank_raises_still_writes_the_json_report(tmp_path, capsys) -> None:
+    """--json gets the report with `failed` when a rank raises (it was written only for a failed
+    numerics check, so CI had nothing to read for a crash)."""
+    from planner.cli.main import main  # noqa: PLC0415
+
+    model = tmp_path / "crash.py"
+    model.write_text(
+        "import torch\nfrom torch import nn\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.lin = nn.Linear(8, 8)\n"
+        "    def forward(self, x):\n"
+        "        if torch.distributed.is_initialized():\n            raise RuntimeError('only on a rank')\n"
+        "        return self.lin(x)\n"
+        "def build_model():\n    return M()\n"
+        "def example_inputs(batch_size=2, seq_len=4):\n    return (torch.randn(batch_size, seq_len, 8),)\n"
+    )
+    report = tmp_path / "report.json"
+    rc = main(["optimize", str(model), "--cluster", "local-cpu", "--nproc", "1", "--run", "--iters", "1",
+               "--warmup", "0", "--min-time", "0", "--json", str(report)])  # fmt: skip
+    capsys.readouterr()
+    data = json.loads(report.read_text())
+    assert rc == 4 and "only on a rank" in data["failed"] and data["predicted"]["latency_s"] > 0

@@ -921,9 +921,10 @@ def _run_plan(args: argparse.Namespace, plan, nproc: int, speed_probe: bool = Fa
                 speed_probe=speed_probe,
             )
     except RunError as e:
-        # the ranks finished but the numerics check failed: --json still gets the run's report, with
-        # the failure (what CI reads to triage it), before the error exits 4
-        if e.run is not None and args.json:
+        # the numerics check failed (`e.run`: the run's summary) or a rank raised, timed out or was
+        # killed (none): --json still gets the report, the plan and prediction with the failure (what CI
+        # reads to triage it), before the error exits 4
+        if args.json:
             written_by = "planner run --json" if args.command == "run" else "planner optimize --json"
             report = workflow.report_dict(
                 plan, e.run, args.model, plan.saved_cluster(), written_by=written_by
