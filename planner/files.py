@@ -215,13 +215,17 @@ def _files_under(folder: Path) -> list[str]:
 
 def write_text_atomic(path: str | os.PathLike[str], text: str, option: str = "", fsync: bool = False) -> None:
     """Write `text` to `path` via a temporary file in the same folder and a rename: readers never see
-    a partial file, and an error leaves none behind. The file gets the usual 0666 & ~umask mode.
+    a partial file, and an error leaves none behind. The file gets the usual 0666 & ~umask mode. A
+    `path` that is a symbolic link stays one: the file it points to is written (the link itself was
+    replaced by a plain file).
 
     option: the command-line option that named `path` ("--out"), for the message. fsync: flush to
     disk before the rename. Raises InputError (exit 2) with one line when `path` cannot be written.
     """
     target = Path(path)
     label = f"{option} {path}" if option else str(path)
+    if target.is_symlink():  # the user's link stays a link: write the file it points to
+        target = Path(os.path.realpath(target))
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=_parent(target))
     except OSError as e:

@@ -249,3 +249,16 @@ def test_a_run_that_fails_its_check_leaves_no_plan_or_modules(tmp_path: Path, mo
                    "--out", str(out), "--emit", str(emit)])  # fmt: skip
     assert rc == 4 and "does not compute" in capsys.readouterr().err
     assert not out.exists() and not emit.exists() and sorted(tmp_path.iterdir()) == []
+
+
+def test_an_output_path_that_is_a_link_stays_a_link(tmp_path: Path) -> None:
+    """--out through the user's symbolic link writes the file it points to; the link stays (it was
+    replaced by a plain file)."""
+    target = tmp_path / "plans" / "p.yaml"
+    target.parent.mkdir()
+    target.write_text("old")
+    link = tmp_path / "latest.yaml"
+    link.symlink_to(target)
+    write_text_atomic(link, "new", option="--out")
+    assert link.is_symlink() and target.read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.yaml", "plans"]
