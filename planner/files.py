@@ -7,9 +7,11 @@ with normal permissions, and never at the cost of anything the product did not w
     publish_folder(tmp, path, option)         rename it into place (an earlier emit of ours is replaced)
 
 A folder the product writes carries a marker file (`FOLDER_MARKER`, a JSON list of what it wrote,
-every file at any depth). An existing non-empty folder is replaced only when it carries the marker
-and holds nothing, in it or in its subfolders, that the marker does not list; anything else is refused (InputError naming it), so `--emit .` in a folder of
-the user's files leaves them alone.
+every file at any depth, with each file's size and modification time). An existing non-empty folder
+is replaced only when it carries the marker and holds nothing, in it or in its subfolders, that the
+marker does not list, and no listed file changed since; anything else is refused (InputError naming
+it), so `--emit .` in a folder of the user's files, or over a rank's module.py the user edited, leaves
+them alone.
 
 A file the product writes says so near its start (`SIGNATURES`: a plan's header comment, a report's
 first key, an export's or a calibrated spec's header, the adapted weights' safetensors metadata); plans
@@ -200,6 +202,20 @@ def _check_replaceable(folder: Path, option: str) -> None:
             f"{option} {folder}: an earlier planner output, but it now also holds files the planner did not "
             f"write ({', '.join(foreign[:3])}); nothing was changed. Move them out or give a new folder"
         )
+    stamps = record.get("stamps") if isinstance(record.get("stamps"), dict) else {}
+    edited = sorted(rel for rel in under if rel in stamps and _stamp(folder / rel) != stamps[rel])
+    if edited:
+        raise InputError(
+            f"{option} {folder}: an earlier planner output, but {', '.join(edited[:3])} changed since the planner "
+            "wrote it (your edits?); nothing was changed. Move the edited files out or give a new folder"
+        )
+
+
+def _stamp(path: Path) -> list[int]:
+    """[size in bytes, modification time in ns] of a file the product wrote, kept in the folder's
+    marker: a file whose stamp differs later was edited (the user's now, not replaced silently)."""
+    st = path.lstat()
+    return [st.st_size, st.st_mtime_ns]
 
 
 # the files `passes.emit` writes in each rank folder (MODULE_FILE, WEIGHTS_FILE, META_FILE there)
@@ -266,7 +282,9 @@ def publish_folder(tmp: str | os.PathLike[str], path: str | os.PathLike[str], op
     try:
         written = sorted(p.name for p in tmp.iterdir())
         # the option that wrote it, and every file at any depth (what a later run may replace)
-        record = {"written": written, "files": _files_under(tmp), "kind": option or "output folder"}
+        files = _files_under(tmp)
+        record = {"written": written, "files": files, "kind": option or "output folder",
+                  "stamps": {rel: _stamp(tmp / rel) for rel in files}}  # fmt: skip
         (tmp / FOLDER_MARKER).write_text(json.dumps(record, indent=1) + "\n")
         fix_tree_permissions(tmp)
         old = None

@@ -262,3 +262,21 @@ def test_an_output_path_that_is_a_link_stays_a_link(tmp_path: Path) -> None:
     write_text_atomic(link, "new", option="--out")
     assert link.is_symlink() and target.read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.yaml", "plans"]
+
+
+def test_a_file_of_our_output_the_user_edited_is_not_replaced(tmp_path: Path) -> None:
+    """An --emit folder's rank0/module.py with the user's lines appended: emitting again into the folder
+    is refused naming the file (it was overwritten silently); untouched, the folder is replaced."""
+    out = tmp_path / "emit"
+    tmp = new_output_folder(out, "--emit")
+    (tmp / "rank0").mkdir()
+    (tmp / "rank0" / "module.py").write_text("ours\n")
+    publish_folder(tmp, out, "--emit")
+    with (out / "rank0" / "module.py").open("a") as handle:
+        handle.write("# my notes\n")
+    with pytest.raises(InputError, match=r"rank0/module.py changed since the planner wrote it"):
+        publish_folder(new_output_folder(out, "--emit"), out, "--emit")
+    assert (out / "rank0" / "module.py").read_text() == "ours\n# my notes\n"
+    (out / "rank0" / "module.py").unlink()  # the user moves the edits out: ours again
+    publish_folder(new_output_folder(out, "--emit"), out, "--emit")
+    assert not (out / "rank0").exists()
