@@ -23,6 +23,9 @@ from runtime.mesh import DP_AXES, RankGroups, build_rank_groups
 from runtime.numerics import tolerance_for
 from runtime.run_mode import cast_inputs, check_dtype_runs, check_plan_runs
 
+# a plan's dtype names (`planner.plan.Plan.dtype`) as torch names them
+PLAN_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
+
 
 @dataclass
 class ReferenceFiles:
@@ -215,6 +218,9 @@ def summarise(reports: list[RankReport]) -> dict[str, Any]:
     dtypes = [d for r in reports for d in (r.output_dtypes or [r.output_dtype]) if d]
     dtype = next((d for d in dtypes if tolerance_for(d)), dtypes[0] if dtypes else None)
     rel = tolerance_for(dtype) if dtype else None
+    # a float output is computed in the run's dtype whatever it is cast to (an fp32 statistic of bf16
+    # activations carries bf16's error): held to the looser of the two; an integer one stays exact
+    run_dtype = PLAN_DTYPE_NAMES.get(reports[0].dtype or "", reports[0].dtype or "")
     outputs = []
     for i in range(max((len(r.output_diffs) for r in reports), default=0)):
         got = [r.output_diffs[i] for r in reports if i < len(r.output_diffs)]
@@ -222,6 +228,8 @@ def summarise(reports: list[RankReport]) -> dict[str, Any]:
         # each output by its own dtype (an integer output exactly, a float one beside it relatively)
         out_dtype = next((r.output_dtypes[i] for r in reports if i < len(r.output_dtypes)), dtype)
         out_rel = tolerance_for(out_dtype) if out_dtype else rel
+        if out_rel:
+            out_rel = max(out_rel, tolerance_for(run_dtype))
         outputs.append(
             {
                 "index": i,
@@ -232,6 +240,10 @@ def summarise(reports: list[RankReport]) -> dict[str, Any]:
                 "tolerance": (out_rel or 0.0) * out_scale,
             }
         )
+    # the loss (of the first float output) and the gradients keep their own tolerance: the looser of that
+    # output's dtype and the dtype the run computes in (a bf16 run's gradients were held to fp32's 1e-4
+    # when a side output in fp32 was the headline)
+    train_rel = max(rel or 0.0, tolerance_for(run_dtype)) if rel is not None else None
     if len(outputs) > 1:  # the headline is the output nearest its tolerance, with its own scale
         worst = max(outputs, key=_margin)
         diffs, scale = [worst["max_abs_diff"]], worst["scale"]
@@ -283,6 +295,7 @@ def summarise(reports: list[RankReport]) -> dict[str, Any]:
             "outputs": outputs,  # every output: worst diff over ranks, scale, tolerance
             "dtype": dtype,
             "tolerance_rel": rel,  # runtime.numerics.REL_TOLERANCE of the dtype
+            "train_tolerance_rel": train_rel,  # of the training loss and the gradients
             "ladder_deviation": next(
                 (r.ladder_deviation for r in reports if r.ladder_deviation is not None), None
             ),

@@ -114,14 +114,15 @@ def check_failures(numerics: dict[str, Any]) -> list[str]:
                 f"output {out['index']}: max |sharded - unsharded| = {out['max_abs_diff']:.3g}, "
                 f"tolerance {out['tolerance']:.3g} ({out_rel or 0.0:g} x output scale {out['scale']:.3g}, {out_dtype})"
             )
+    train_rel = numerics.get("train_tolerance_rel") or rel  # the loss's output and the run's dtype
     for what, diff, scale in (
         ("training loss", numerics.get("loss_diff"), numerics.get("loss_scale")),
         ("gradients", numerics.get("grad_max_abs_diff"), numerics.get("grad_scale")),
     ):
-        if diff is not None and scale is not None and diff > rel * scale:
+        if diff is not None and scale is not None and diff > train_rel * scale:
             lines.append(
-                f"{what}: max |sharded - unsharded| = {diff:.3g}, tolerance {rel * scale:.3g} "
-                f"({rel:g} x scale {scale:.3g})"
+                f"{what}: max |sharded - unsharded| = {diff:.3g}, tolerance {train_rel * scale:.3g} "
+                f"({train_rel:g} x scale {scale:.3g})"
             )
     if numerics.get("grads_compared") == 0:
         lines.append("gradients: none compared (no rank's gradients matched a reference gradient by name)")

@@ -184,3 +184,33 @@ def _run(tmp_path, outputs: str, args: list[str]) -> dict:
     r = _planner(tmp_path, outputs, args)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return json.loads((tmp_path / "report.json").read_text())
+
+
+def _report(dtype: str, out_dtypes: list[str], diffs: list[float], scales: list[float], **training):
+    from runtime.job import RankReport  # noqa: PLC0415
+
+    return RankReport(
+        rank=0, tp_rank=0, pp_rank=0, latency_samples_s=[1.0], median_s=1.0, peak_memory_bytes=0,
+        max_abs_diff=diffs[0], output_scale=scales[0], output_diffs=diffs, output_scales=scales,
+        output_dtype=out_dtypes[0], output_dtypes=out_dtypes, dtype=dtype, **training,
+    )  # fmt: skip
+
+
+def test_a_bf16_run_with_an_fp32_side_output_is_held_to_bf16_tolerances() -> None:
+    """A bf16 training run returning (bf16 logits, an fp32 statistic of bf16 activations): the statistic,
+    the loss and the gradients carry bf16's error (the fp32 side output's 1e-4 was applied to all
+    three, failing a correct run); an fp32 run keeps 1e-4 and an integer output stays exact."""
+    from runtime.job import summarise  # noqa: PLC0415
+    from runtime.numerics import check_failures  # noqa: PLC0415
+
+    training = dict(
+        grad_max_abs_diff=2.4e-4, grad_scale=0.03, loss_diff=1e-3, loss_scale=0.67, grads_compared=4
+    )
+    bf16 = summarise([_report("bf16", ["bfloat16", "float32"], [0.01, 3.8e-6], [2.0, 0.018], **training)])
+    n = bf16["numerics"]
+    assert check_failures(n) == [] and n["train_tolerance_rel"] == 5e-2
+    assert [o["tolerance_rel"] for o in n["outputs"]] == [5e-2, 5e-2]
+    fp32 = summarise([_report("fp32", ["float32", "int64"], [1e-3, 0.0], [2.0, 5.0], **training)])
+    failed = check_failures(fp32["numerics"])
+    assert [o["tolerance_rel"] for o in fp32["numerics"]["outputs"]] == [1e-4, 0.0]
+    assert any(line.startswith("output 0") for line in failed) and any("gradients" in line for line in failed)
