@@ -1272,3 +1272,25 @@ def test_vllm_export_of_a_plan_priced_with_a_per_head_decode_kernel_says_vllm_sp
     assert any("vLLM's attention backends split the cache" in w for w in a100.warnings), a100.warnings
     h100 = export_plan(_with(llama_plan, cluster="dgx-h100", cluster_source="dgx-h100", **served), "vllm")
     assert not any("split the cache" in w for w in h100.warnings)
+
+
+def test_an_mlp_op_the_pass_gathers_marks_its_projections_for_dtensor(captured):
+    """A plan whose MLP keeps column- then row-parallel while the TP pass gathers an op between them (a
+    priced fallback: a softmax over the width): the splits say so and the DTensor file gathers the
+    first projection's output and takes the second's input whole, as the run does (it paired them
+    plainly, so each rank computed the softmax on its shard)."""
+    from planner.cli.workflow import _mark_fallback_gathers  # noqa: PLC0415
+    from planner.plan import Fallback  # noqa: PLC0415
+
+    structure = analyse(captured("gpt2_tiny").gm)
+    plan = fixed_plan(structure, str(EXAMPLES / "gpt2_tiny.py"), 2)
+    layer = structure.layers[0]
+    act = next(n for n, block in layer.node_blocks.items() if block == "mlp")
+    plan.fallbacks = [Fallback("aten.softmax", "model.py:1", act, 1024.0, 1e-5, len(structure.layers))]
+    _mark_fallback_gathers(plan, structure)
+    up, down = (f"transformer.h.{i}.mlp.{name}.weight" for i in (0,) for name in ("c_fc", "c_proj"))
+    assert plan.splits[up].gather_output and plan.splits[down].replicated_input
+    assert not plan.splits["transformer.h.0.attn.c_attn.weight"].gather_output
+    text = export_plan(plan, "dtensor").text
+    assert "'transformer.h.1.mlp.c_fc': ColwiseParallel(output_layouts=Replicate())," in text
+    assert "'transformer.h.1.mlp.c_proj': RowwiseParallel(input_layouts=Replicate())," in text

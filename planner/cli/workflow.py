@@ -680,6 +680,7 @@ def make_plan(
         prepared, plan, cluster, constraints, model_path, progress
     )
     plan = _lower_baseline(prepared, replicated, plan, cluster, constraints, model_path)
+    _mark_fallback_gathers(plan, prepared.structure)
     _check_fallbacks_fit(plan, cluster, constraints)
     plan.cluster_source = cluster_source
     if request is not None and prepared.prefill is not None:
@@ -700,6 +701,34 @@ def make_plan(
             plan.seq_len = request.prompt_len
     plan.priced_digest = plan.decisions_digest()
     return plan
+
+
+def _mark_fallback_gathers(plan: Plan, structure: ModelStructure) -> None:
+    """Mark, in `plan.splits`, the MLP projections around an op the TP pass runs replicated
+    (`Plan.fallbacks` in a layer's MLP, its class's every layer; or in a projection chain's gap): the
+    column-parallel ones `gather_output`, the row-parallel ones `replicated_input`, as the run gathers
+    and slices there. The exports that pair Colwise / RowwiseParallel read them (a DTensor file ran a
+    softmax over the width on each rank's shard)."""
+    from planner.solver.costing import layer_key  # noqa: PLC0415
+
+    if plan.tp == 1 or not plan.fallbacks:
+        return
+    nodes = {f.node for f in plan.fallbacks}
+    classes = {
+        layer_key(layer) for layer in structure.layers if "mlp" in {layer.node_blocks.get(n) for n in nodes}
+    }
+    projections = [p for layer in structure.layers if layer.mlp is not None and layer_key(layer) in classes
+                   for p in layer.mlp.projections]  # fmt: skip
+    chain = structure.mlp_chain or []
+    for i, gap in structure.chain_gaps.items():  # gap i: between chain[i - 1] and chain[i]
+        if nodes & gap and 0 < i < len(chain):
+            projections += [chain[i - 1], chain[i]]
+    for proj in projections:
+        split = plan.splits.get(proj.weight)
+        if split is not None and split.style is SplitStyle.COLWISE:
+            split.gather_output = True
+        elif split is not None and split.style is SplitStyle.ROWWISE:
+            split.replicated_input = True
 
 
 def _check_fallbacks_fit(plan: Plan, cluster: ClusterSpec, constraints: Constraints) -> None:

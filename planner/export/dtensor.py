@@ -503,7 +503,11 @@ def dtensor_plan(plan: Plan) -> DTensorPlan:
             f"({plan.recompute_text()}) with torch.utils.checkpoint yourself"
         )
     for f in plan.fallbacks:
-        warnings.append(f"the plan runs {f.op} replicated at {f.line} (priced all-gather); DTensor may not")
+        warnings.append(
+            f"the plan runs {f.op} replicated at {f.line} (its input all-gathered, priced); the exported styles "
+            "gather there only where the op sits between an MLP's projections: check the model's outputs "
+            "against the unsharded one's if it is elsewhere"
+        )
     # an attention split over its heads (plans without roles: any column-parallel split)
     heads_split = any(s.style is SplitStyle.COLWISE and plan.roles.get(f"{m}.weight", "k") in ("q", "k", "v", "qkv")
                       for m, s in splits.items())  # fmt: skip
