@@ -56,3 +56,19 @@ def test_groups_of_a_straddling_mesh_fit_the_cluster():
         ctx = CostContext(_structure(), spec, WorkloadSpec("train", 6, 64), config, "fp32")
         for group in (ctx.dp_group(), ctx.tp_group(), ctx.dp_shard_group(), ctx.dp_replicate_group()):
             assert group.num_nodes <= spec.num_nodes and group.ranks_per_node <= spec.devices_per_node
+
+
+def test_a_tp_degree_that_does_not_divide_a_node_is_priced_across_nodes():
+    """tp 2 on nodes of 3 over both nodes: a TP group straddles them, so its collectives cross the
+    inter-node link (priced inside a node before: the same exposed time as on nodes of 6); unpinned,
+    the search leaves such a degree out and says why."""
+    spec = parse_cluster(THREE_PER_NODE, "test")
+    config = MeshConfig(MeshShape(tp=2, pp=1, dp=3), 1)
+    ctx = CostContext(_structure(), spec, WorkloadSpec("train", 6, 64), config, "fp32")
+    assert ctx.tp_group().num_nodes == 2
+    one_node = CostContext(
+        _structure(), spec, WorkloadSpec("train", 2, 64), MeshConfig(MeshShape(2, 1, 1), 1), "fp32"
+    )
+    assert one_node.tp_group().num_nodes == 1  # a mesh inside one node does not straddle
+    plan = plan_model(_structure(), spec, WorkloadSpec("train", 6, 64), Constraints())
+    assert plan.tp != 2 and any(e.startswith("tp=2: does not divide a node of 3") for e in plan.excluded)

@@ -444,7 +444,13 @@ class CostContext:
         return Group(size, min(size, max(per_node, least), self.cluster.devices_per_node))
 
     def tp_group(self) -> Group:
+        """The TP ranks: consecutive, on one node while tp divides a node's devices. A tp that does not
+        (2 on nodes of 3) leaves a group straddling two nodes once the mesh spans several: priced with
+        per_node % tp ranks on one side and the rest on the other, over the inter-node link (it was
+        priced as inside a node)."""
         tp, per_node = self.mesh.tp, self.cluster.devices_per_node
+        if 1 < tp < per_node and per_node % tp and self.mesh.num_devices > per_node:
+            return self._placed(tp, max(per_node % tp, tp - per_node % tp))  # two nodes: the larger side
         return self._placed(tp, ranks_per_node(tp, per_node))
 
     def dp_group(self) -> Group:

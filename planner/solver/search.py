@@ -275,6 +275,17 @@ def _tp_options(search: _Search, num_devices: int) -> list[int]:
                 f"(TP stays inside a node of {cluster.devices_per_node} unless tp_across_nodes)"
             )
             continue
+        if (
+            c.tp is None
+            and 1 < tp < cluster.devices_per_node
+            and cluster.devices_per_node % tp
+            and num_devices > (cluster.devices_per_node)
+        ):
+            search.excluded.append(
+                f"tp={tp}: does not divide a node of {cluster.devices_per_node}, so TP groups would straddle two "
+                "nodes (pin --tp to price it so)"
+            )
+            continue
         bad = [h for h in heads if h % tp]
         if bad and c.tp is None:
             search.excluded.append(f"tp={tp}: {bad[0]} heads not divisible by {tp}")
