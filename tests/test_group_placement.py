@@ -72,3 +72,14 @@ def test_a_tp_degree_that_does_not_divide_a_node_is_priced_across_nodes():
     assert one_node.tp_group().num_nodes == 1  # a mesh inside one node does not straddle
     plan = plan_model(_structure(), spec, WorkloadSpec("train", 6, 64), Constraints())
     assert plan.tp != 2 and any(e.startswith("tp=2: does not divide a node of 3") for e in plan.excluded)
+
+
+def test_the_megatron_baseline_trains_on_every_device_of_an_odd_node():
+    """Nodes of 3 devices, 2 nodes, heads that keep TP at 1: the hand-written layout puts the node's
+    other devices in DP (it was one replica per node, 2 of 6 devices, and the plan read 3.9x its speed)."""
+    from planner.solver.baseline import megatron_configs  # noqa: PLC0415
+
+    spec = parse_cluster(THREE_PER_NODE, "test")
+    configs = megatron_configs(spec, WorkloadSpec("train", 6, 64), _structure())
+    assert configs and all(c.mesh.num_devices == 6 for c in configs)
+    assert configs[0].mesh.pp == 1 and configs[0].mesh.dp == 6 // configs[0].mesh.tp

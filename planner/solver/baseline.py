@@ -193,8 +193,9 @@ def megatron_configs(
     max_devices: int | None = None,
 ) -> list[MeshConfig]:
     """The meshes a Megatron-LM user would try, in order: TP = devices per node (dividing the heads),
-    PP = nodes (at most the layers), DP = 1; for training on several nodes, every divisor of the nodes
-    as PP with DP over the rest, fewest stages first (the caller keeps the first that fits memory).
+    PP = nodes (at most the layers), DP = 1; for training, every divisor of the nodes as PP with DP
+    over the rest of the TP groups (a node's devices beyond TP too), fewest stages first (the caller
+    keeps the first that fits memory).
     Training: sequence parallel (TP > 1, where every layer's sequence divides by TP, as Megatron-LM
     requires: not a ViT's 17 patch and class tokens at TP 2), interleaved 1F1B (`megatron_virtual_stages`), distributed
     optimizer (DP > 1), and the communication overlap Megatron-LM's published runs use (TP overlap
@@ -210,15 +211,19 @@ def megatron_configs(
     num_layers = len(structure.layers)
     if not num_layers:  # a plain MLP: TP only
         return [MeshConfig(MeshShape(tp, 1, 1), 1)]
-    if not (workload.train and cluster.num_nodes > 1):
+    if not workload.train:
         pp = max(1, min(cluster.num_nodes, num_layers))
         configs = [
             MeshConfig(MeshShape(tp, pp, 1), megatron_micro_batches(workload.batch_size, pp, workload))
         ]
     else:
+        # every TP group of the cluster trains: the devices a node holds beyond TP (heads that leave TP
+        # below a node's devices) go to DP, as Megatron-LM's --data-parallel-size is what is left (it
+        # was one replica per node, leaving the rest idle)
         nodes, configs = cluster.num_nodes, []
+        replicas = cluster.num_devices // tp
         for pp in (d for d in range(1, nodes + 1) if nodes % d == 0 and d <= num_layers):
-            dp = nodes // pp
+            dp = replicas // pp
             if workload.batch_size % dp:
                 continue
             m = megatron_micro_batches(workload.batch_size // dp, pp, workload)
