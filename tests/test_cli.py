@@ -458,19 +458,25 @@ def test_a_failed_numerics_check_still_writes_the_json_report(
     assert not (tmp_path / "p.yaml").exists()  # the plan of a failed run is not written
 
 
-def test_a_batched_keyword_tensor_keeps_the_batch_whole(capsys) -> None:
+def test_a_batched_keyword_tensor_keeps_the_batch_whole(tmp_path, capsys) -> None:
     """example_kwargs() with a (batch, seq) mask: keyword tensors reach every replica and micro-batch
     whole, so --dp 2 is refused naming the keyword (the ranks crashed in their capture after planning
-    DP 2), and the free plan keeps one replica."""
+    DP 2), and the free plan keeps one replica, as do the hand-written layouts it is compared with
+    (the torchtitan recipe was priced at DP 2)."""
     from planner.cli.main import main  # noqa: PLC0415
 
     model = str(Path(__file__).resolve().parent / "models" / "batched_kwarg_mask.py")
     rc = main(["optimize", model, "--cluster", "local-cpu", "--nproc", "2", "--dp", "2"])
     err = " ".join(capsys.readouterr().err.split())
     assert rc == 2 and "keyword input 'keep' (4, 8)" in err and "example_inputs()" in err, err
-    rc = main(["optimize", model, "--cluster", "local-cpu", "--nproc", "2", "--workload", "train"])
+    out_plan = tmp_path / "plan.yaml"
+    rc = main(["optimize", model, "--cluster", "local-cpu", "--nproc", "2", "--workload", "train", "--out",
+               str(out_plan)])  # fmt: skip
     out = " ".join(capsys.readouterr().out.split())
     assert rc == 0 and "DP=1" in out, out[-2000:]
+    plan = yaml.safe_load(out_plan.read_text())
+    assert plan["mesh"]["dp"] == 1 and plan["baseline_layout"]["dp"] == "1", plan["baseline_layout"]
+    assert plan["torchtitan_layout"].get("dp", "1") == "1", plan["torchtitan_layout"]
 
 
 def test_a_run_whose_rank_raises_still_writes_the_json_report(tmp_path, capsys) -> None:

@@ -1680,8 +1680,10 @@ def _baseline(search: _Search) -> PricedAssignment | None:
     order = megatron_cp_configs(configs, num_layers, search.workload, (expert_cp,)) + configs
     order += megatron_cp_configs(configs, num_layers, search.workload, others)
     last_plain = None
-    for config in order:
-        variants = megatron_micro_batch_variants(config, num_layers, search.workload)
+    for config in _whole_batch_configs(search, order):
+        variants = _whole_batch_configs(
+            search, megatron_micro_batch_variants(config, num_layers, search.workload)
+        )
         for recompute in (Recompute.SELECTIVE, Recompute.FULL) if train else (Recompute.NONE,):
             for variant in variants:  # smaller micro-batches before full recomputation
                 chosen = baseline_plan(_price(search, variant).tables, recompute=recompute)
@@ -1692,6 +1694,25 @@ def _baseline(search: _Search) -> PricedAssignment | None:
     return last_plain or chosen
 
 
+def _whole_batch_configs(search: _Search, configs: list[MeshConfig]) -> list[MeshConfig]:
+    """`configs` as a hand-written layout can run a model whose batch cannot be split (its outputs mix
+    the samples, BatchNorm in training, a batched keyword tensor: `ModelStructure.batch_mixing`): one
+    replica and one micro-batch (the search keeps the same; a baseline at DP 2 was priced for a model
+    that cannot use it, "this plan is 0.28x its speed"); unchanged otherwise."""
+    if not (search.structure.batch_mixing or _batch_statistics(search)):
+        return configs
+    out: list[MeshConfig] = []
+    for c in configs:
+        whole = dataclasses.replace(c, mesh=dataclasses.replace(c.mesh, dp=1), micro_batches=1)
+        if whole.mesh.dp == c.mesh.dp and c.micro_batches == 1:
+            whole = c
+        elif whole.mesh.pp > 1:  # one micro-batch through the stages: GPipe's order (1F1B needs m >= pp)
+            whole = dataclasses.replace(whole, schedule=Schedule.GPIPE, virtual_stages=1)
+        if whole not in out:
+            out.append(whole)
+    return out
+
+
 def _torchtitan_baseline(search: _Search) -> PricedAssignment | None:
     """The training plan a torchtitan user writes by hand (`torchtitan_configs`: FSDP, TP 8 for large
     models, PP when needed), priced with Megatron's splits (torchtitan's TP plan is the same
@@ -1699,9 +1720,8 @@ def _torchtitan_baseline(search: _Search) -> PricedAssignment | None:
     training."""
     chosen = None
     c = search.constraints
-    for config, recompute in torchtitan_configs(
-        search.cluster, search.workload, search.structure, c.max_devices
-    ):
+    recipes = torchtitan_configs(search.cluster, search.workload, search.structure, c.max_devices)
+    for config, recompute in ((_whole_batch_configs(search, [cfg])[0], r) for cfg, r in recipes):
         chosen = baseline_plan(_price(search, config).tables, recompute=recompute)
         if chosen.prediction.peak_memory_bytes <= search.cap_bytes:
             return chosen
