@@ -214,3 +214,18 @@ def test_a_bf16_run_with_an_fp32_side_output_is_held_to_bf16_tolerances() -> Non
     failed = check_failures(fp32["numerics"])
     assert [o["tolerance_rel"] for o in fp32["numerics"]["outputs"]] == [1e-4, 0.0]
     assert any(line.startswith("output 0") for line in failed) and any("gradients" in line for line in failed)
+
+
+def test_hand_written_layouts_keep_the_batch_of_a_model_whose_outputs_mix_it(monkeypatch) -> None:
+    """A scalar statistic over the whole batch keeps the plan at one replica; the torchtitan recipe it
+    is compared with was priced at DP 2, which the model cannot run ("this plan is 1.42x its speed")."""
+    from planner.cli import workflow  # noqa: PLC0415
+
+    monkeypatch.setenv("LM_OUTPUTS", "scalar")
+    prepared = workflow.prepare(str(LM_OUTPUTS), "train", batch_size=4, seq_len=16)
+    cluster = workflow.resolve_cluster("local-cpu", 2)
+    plan = workflow.make_plan(
+        prepared, cluster, workflow.constraints_from(None, None, None, None), str(LM_OUTPUTS)
+    )
+    assert plan.mesh.dp == 1 and plan.baseline_layout["dp"] == "1"
+    assert plan.torchtitan_layout["dp"] == "1", plan.torchtitan_layout
