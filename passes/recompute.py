@@ -100,8 +100,10 @@ def recompute_of_layers(structure: ModelStructure, recompute: Mapping[str, Recom
     unknown = sorted(set(recompute) - set(keys) - set(PLAN_WIDE_KEYS))
     if unknown:
         raise InputError(
-            f"the plan's field 'recompute' names layer classes {unknown} that are not in this model; its "
-            f"classes are {sorted(set(keys))} (planner.solver.costing.layer_key), or use "
+            f"the plan's field 'recompute' names layer classes {unknown} that are not in this model: most "
+            "likely the model's layers changed since planning (heads, KV heads or widths; a layer class "
+            "names them), so plan it again with planner optimize. If you edited the field instead: the "
+            f"model's classes are {sorted(set(keys))} (planner.solver.costing.layer_key), or use "
             f"{' / '.join(repr(k) for k in PLAN_WIDE_KEYS)} for every layer"
         )
     default = next((recompute[k] for k in PLAN_WIDE_KEYS if k in recompute), Recompute.NONE)
