@@ -501,3 +501,19 @@ def test_a_run_whose_rank_raises_still_writes_the_json_report(tmp_path, capsys) 
     capsys.readouterr()
     data = json.loads(report.read_text())
     assert rc == 4 and "only on a rank" in data["failed"] and data["predicted"]["latency_s"] > 0
+
+
+def test_example_kwargs_takes_the_batch_and_sequence_it_asks_for(tmp_path) -> None:
+    """example_kwargs(batch_size, seq_len) is given the sizes example_inputs gets (a padding mask of the
+    asked length; it was called with none, so --seq-len 32 met a mask of the default 8)."""
+    from planner.frontend.modelfile import load_model_file  # noqa: PLC0415
+
+    path = tmp_path / "masked.py"
+    path.write_text(
+        "import torch\nfrom torch import nn\n"
+        "def build_model():\n    return nn.Linear(4, 4)\n"
+        "def example_inputs(batch_size=2, seq_len=8):\n    return (torch.randn(batch_size, seq_len, 4),)\n"
+        "def example_kwargs(batch_size=2, seq_len=8):\n    return {'mask': torch.ones(batch_size, seq_len)}\n"
+    )
+    _, kwargs = load_model_file(path).inputs(batch_size=3, seq_len=32)
+    assert tuple(kwargs["mask"].shape) == (3, 32)

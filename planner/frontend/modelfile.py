@@ -127,7 +127,12 @@ class ModelFile:
             )
         kwargs: dict[str, Any] = {}
         if hasattr(self.module, "example_kwargs"):
-            kwargs = self._call("example_kwargs")
+            # given the same batch_size / seq_len as example_inputs when it takes them (a padding mask)
+            kw_params = inspect.signature(self.module.example_kwargs).parameters
+            kw_var = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in kw_params.values())
+            kwargs = self._call(
+                "example_kwargs", **{k: v for k, v in overrides.items() if kw_var or k in kw_params}
+            )
             if not isinstance(kwargs, dict):
                 raise InputError(
                     f"{self.path}: example_kwargs() returned {type(kwargs).__name__}, expected a dict"
