@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from costmodels.calibrate import PROBE_MATMUL_SHAPE, SpeedProbe
+from costmodels.dtypes import DTYPE_BYTES, torch_dtype
 from passes import collectives
 from planner.frontend.capture import flat_inputs, input_batch_dims
 from planner.frontend.modelfile import ModelFile, load_model_file
@@ -22,9 +23,6 @@ from runtime.measure import time_iterations
 from runtime.mesh import DP_AXES, RankGroups, build_rank_groups
 from runtime.numerics import tolerance_for
 from runtime.run_mode import cast_inputs, check_dtype_runs, check_plan_runs
-
-# a plan's dtype names (`planner.plan.Plan.dtype`) as torch names them
-PLAN_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
 
 
 @dataclass
@@ -220,7 +218,7 @@ def summarise(reports: list[RankReport]) -> dict[str, Any]:
     rel = tolerance_for(dtype) if dtype else None
     # a float output is computed in the run's dtype whatever it is cast to (an fp32 statistic of bf16
     # activations carries bf16's error): held to the looser of the two; an integer one stays exact
-    run_dtype = PLAN_DTYPE_NAMES.get(reports[0].dtype or "", reports[0].dtype or "")
+    run_rel = tolerance_for(torch_dtype(reports[0].dtype)) if reports[0].dtype in DTYPE_BYTES else 0.0
     outputs = []
     for i in range(max((len(r.output_diffs) for r in reports), default=0)):
         got = [r.output_diffs[i] for r in reports if i < len(r.output_diffs)]
@@ -229,7 +227,7 @@ def summarise(reports: list[RankReport]) -> dict[str, Any]:
         out_dtype = next((r.output_dtypes[i] for r in reports if i < len(r.output_dtypes)), dtype)
         out_rel = tolerance_for(out_dtype) if out_dtype else rel
         if out_rel:
-            out_rel = max(out_rel, tolerance_for(run_dtype))
+            out_rel = max(out_rel, run_rel)
         outputs.append(
             {
                 "index": i,
@@ -243,7 +241,7 @@ def summarise(reports: list[RankReport]) -> dict[str, Any]:
     # the loss (of the first float output) and the gradients keep their own tolerance: the looser of that
     # output's dtype and the dtype the run computes in (a bf16 run's gradients were held to fp32's 1e-4
     # when a side output in fp32 was the headline)
-    train_rel = max(rel or 0.0, tolerance_for(run_dtype)) if rel is not None else None
+    train_rel = max(rel or 0.0, run_rel) if rel is not None else None
     if len(outputs) > 1:  # the headline is the output nearest its tolerance, with its own scale
         worst = max(outputs, key=_margin)
         diffs, scale = [worst["max_abs_diff"]], worst["scale"]

@@ -328,7 +328,7 @@ class CostContext:
         if self.ep_fold == "tp":
             return self.tp_group()
         per_node = dataclasses.replace(self, expert_data_parallel=False).dp_group().ranks_per_node
-        return self._placed(self.ep, ranks_per_node(self.ep, per_node))
+        return self._placed(self.ep, per_node)
 
     @property
     def dp_style(self) -> DataParallel:
@@ -424,7 +424,7 @@ class CostContext:
         ("dp_replicate", "dp_shard") mesh)."""
         per_node = self.dp_group().ranks_per_node
         shard = self.state_shards
-        return self._placed(shard, ranks_per_node(shard, per_node))
+        return self._placed(shard, per_node)
 
     def dp_replicate_group(self) -> Group:
         """HSDP: the ranks holding the same shard, one per shard group (across nodes unless the shard
@@ -434,11 +434,11 @@ class CostContext:
             self.dp_cp // self.state_shards if self._expert_group else self.mesh.dp // self.shard_degree
         )
         # one rank per shard group that starts on a node (a node of 3 holds parts of 2 groups of 2)
-        return self._placed(replicate, ranks_per_node(replicate, max(1, -(-per_node // self.state_shards))))
+        return self._placed(replicate, max(1, -(-per_node // self.state_shards)))
 
     def _placed(self, size: int, per_node: int) -> Group:
-        """Group(size, per_node), with at least size / nodes ranks on a node: a group of the mesh spans
-        no more nodes than the cluster has (a TP degree that does not divide a node leaves a dimension's
+        """Group(size, per_node) (`per_node` >= 1 the most a node holds of it; at most size), with at
+        least size / nodes ranks on a node: a group of the mesh spans no more nodes than the cluster has (a TP degree that does not divide a node leaves a dimension's
         groups straddling nodes; the even count read more nodes than exist)."""
         least = -(-size // self.cluster.num_nodes)
         return Group(size, min(size, max(per_node, least), self.cluster.devices_per_node))
@@ -451,7 +451,7 @@ class CostContext:
         tp, per_node = self.mesh.tp, self.cluster.devices_per_node
         if 1 < tp < per_node and per_node % tp and self.mesh.num_devices > per_node:
             return self._placed(tp, max(per_node % tp, tp - per_node % tp))  # two nodes: the larger side
-        return self._placed(tp, ranks_per_node(tp, per_node))
+        return self._placed(tp, per_node)
 
     def dp_group(self) -> Group:
         """The dp x cp ranks that reduce gradients together (`dp_cp`). They sit after the TP ranks: the
@@ -464,7 +464,7 @@ class CostContext:
         dp_on_node = ranks_per_node(self.mesh.dp, inner // cp) if cp_on_node == cp else 1
         on_node = cp_on_node * dp_on_node
         if self._expert_group:  # every ep-th of the dp x cp ranks: those of one node, ep apart
-            return self._placed(self.dp_cp, ranks_per_node(self.dp_cp, max(1, on_node // self.ep)))
+            return self._placed(self.dp_cp, max(1, on_node // self.ep))
         return self._placed(self.dp_cp, on_node)
 
     def cp_group(self) -> Group:
