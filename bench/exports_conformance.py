@@ -18,7 +18,7 @@ torchtitan (0.2.2 and 0.3.0) and vLLM's argument parsing and validation.
    None). Megatron-Core 0.19.2 (Python >= 3.12 by its metadata; its pure-Python files are unpacked
    into a Python 3.11 environment with `typing.override` supplied, the one 3.12 name it imports;
    its compiled dataset helper is left out), torchtitan 0.2.2 and 0.3.0 (each with its own
-   dependencies; 0.3.0 with torchao, which its llama3_405b config's float8 LM head imports), vLLM 0.33.0 without its dependencies plus the packages its argument parser
+   dependencies; 0.3.0 with torchao, which its llama3_405b config's float8 LM head imports), vLLM 0.34.0 without its dependencies plus the packages its argument parser
    imports. triton is installed without dependencies where the tool imports it at module load (it
    is a compiler, not a CUDA runtime). The first run downloads about 1 GB, takes about 20 minutes and
    leaves about 10 GB of environments; later runs reuse them (2 minutes).
@@ -43,7 +43,7 @@ torchtitan (0.2.2 and 0.3.0) and vLLM's argument parsing and validation.
      sections plus a `[model]` section, `ParallelDims`, its DDP-with-TP/PP refusal, the stage list
      against the 0.2.2 model's module names, the same arithmetic and data-parallel style, and its
      `maybe_enable_amp`: the precision a step would run in.
-   - vLLM 0.33.0: the `vllm serve` parser (`make_arg_parser`), `validate_parsed_serve_args`,
+   - vLLM 0.34.0: the `vllm serve` parser (`make_arg_parser`), `validate_parsed_serve_args`,
      `EngineArgs.from_cli_args` and `EngineArgs(**ENGINE_ARGS)`, `ParallelConfig`, and the layers
      per pipeline rank from vLLM's `get_pp_indices` under the file's VLLM_PP_LAYER_PARTITION.
 5. A table per tool: the fields accepted and rejected, validation, what differs from the plan, and
@@ -126,7 +126,7 @@ PLANS: list[tuple[str, str, str, list[str]]] = [
 # and vLLM only
 MOE_MODELS = {"mixtral_8x7b": "mistralai/Mixtral-8x7B-v0.1", "qwen3_30b_a3b": "Qwen/Qwen3-30B-A3B"}
 
-# vLLM 0.33.0 is installed without its dependencies (it pins torch 2.14.0 and CUDA packages); these
+# vLLM 0.34.0 is installed without its dependencies (it pins torch 2.14.0 and CUDA packages); these
 # are what its `vllm serve` parser, EngineArgs and ParallelConfig import, within its own pins
 # Context-parallel plans derived from planned ones: (name, the PLANS entry it starts from, the fields
 # replaced). "mesh" is (tp, cp, pp, dp), the tp of the base plan (its splits); a pp other than the
@@ -145,11 +145,12 @@ CP_PLANS: list[tuple[str, str, dict]] = [
 # Plan.cp_comm_type as Megatron-LM's --cp-comm-type (planner.export.megatron.CP_COMM_TYPES)
 MEGATRON_CP = {"ring": "p2p", "allgather": "all_gather", "alltoall": "a2a"}
 
+VLLM_VERSION = "0.34.0"
 VLLM_PARSER_DEPS = [
-    "transformers>=5.16.1,<5.21.0", "huggingface_hub>=1.31.0", "tokenizers>=0.23.2", "safetensors", "pydantic>=2.12",
+    "transformers>=5.16.1,<5.23.0", "huggingface_hub>=2.0.0", "tokenizers>=0.23.3", "safetensors", "pydantic>=2.12",
     "msgspec", "cloudpickle", "psutil", "regex", "cachetools", "pyyaml", "numpy", "requests", "tqdm", "pyzmq",
     "blake3", "py-cpuinfo", "sentencepiece", "protobuf>=5.29.6", "cbor2", "aiohttp>=3.14.4", "openai>=2.25.0",
-    "openai-harmony", "pillow", "pybase64", "uvloop", "fastapi<0.137.0,>=0.133.0", "prometheus_client",
+    "oss-harmony>=0.0.11", "pillow", "pybase64", "uvloop", "fastapi<0.137.0,>=0.133.0", "prometheus_client",
     "partial-json-parser", "xgrammar==0.2.8", "llguidance<1.8.0,>=1.7.0",
 ]  # fmt: skip
 
@@ -167,7 +168,13 @@ TOOLS = [
     Tool("Megatron-Core 0.19.2", "megatron", "megatron-core-0.19.2", ("megatron", ""), ("train",)),
     Tool("torchtitan 0.3.0", "torchtitan-0.3", "torchtitan-0.3.0", ("torchtitan", "0.3"), ("train",)),
     Tool("torchtitan 0.2.2", "torchtitan-0.2", "torchtitan-0.2.2", ("torchtitan", "0.2"), ("train",)),
-    Tool("vLLM 0.33.0", "vllm", "vllm-0.33.0", ("vllm", ""), ("decode", "generate", "forward")),
+    Tool(
+        f"vLLM {VLLM_VERSION}",
+        "vllm",
+        f"vllm-{VLLM_VERSION}",
+        ("vllm", ""),
+        ("decode", "generate", "forward"),
+    ),
 ]
 
 
@@ -253,7 +260,7 @@ def ensure_venv(tool: Tool, cache: Path, torch_spec: str) -> Path:
         _pip(venv, *c, f"torchtitan=={version}", *(["torchao"] if version == "0.3.0" else []))  # 405B: float8
         _pip(venv, "--no-deps", "triton")
     elif tool.kind == "vllm":
-        _pip(venv, "--no-deps", "vllm==0.33.0")
+        _pip(venv, "--no-deps", f"vllm=={VLLM_VERSION}")
         _pip(venv, *c, *VLLM_PARSER_DEPS)
     _check_cpu_only(venv)
     marker.write_text(tool.name + "\n")

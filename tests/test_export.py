@@ -8,7 +8,7 @@ dependency; bench/exports_conformance.py feeds the exports to the real parsers):
 `torchtitan/config/configs.py` and `torchtitan/distributed/activation_checkpoint.py` (command-line
 overrides), torchtitan 0.2.2 `torchtitan/config/job_config.py` (the last release with TOML job
 files), Megatron-Core 0.19.2 `megatron/training/arguments.py` with the dataclass fields it turns into
-options (`ModelParallelConfig`, `TransformerConfig`, `TrainingConfig`), vLLM 0.33.0
+options (`ModelParallelConfig`, `TransformerConfig`, `TrainingConfig`), vLLM 0.34.0
 `vllm/engine/arg_utils.py`.
 """
 

@@ -10,7 +10,7 @@ torchtitan 0.3.0 `torchtitan/config/configs.py` and 0.2.2 `torchtitan/config/job
 (`context_parallel_degree`, `context_parallel_load_balancer`, 0.2.2's
 `context_parallel_rotate_method`) and `torchtitan/distributed/parallel_dims.py` (world size =
 dp_replicate * dp_shard * cp * tp * pp); PyTorch `torch/distributed/tensor/experimental/_attention.py`
-(`context_parallel`, `set_rotate_method`); vLLM 0.33.0 `vllm/config/parallel.py`.
+(`context_parallel`, `set_rotate_method`); vLLM 0.34.0 `vllm/config/parallel.py`.
 """
 
 from __future__ import annotations

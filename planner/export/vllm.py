@@ -23,7 +23,7 @@ flag: vLLM then splits each expert tensor-parallel over the TP ranks instead, al
 
 vLLM loads a Hugging Face checkpoint, not a model file: `model` is the `--model` given to the export,
 else a placeholder to replace. A training plan is refused (vLLM serves), and so is a plan with
-context parallelism (`mesh.cp` > 1: a prefill plan; decode plans never have it). vLLM 0.33.0's
+context parallelism (`mesh.cp` > 1: a prefill plan; decode plans never have it). vLLM 0.34.0's
 prefill context parallelism (`--prefill-context-parallel-size`, `ParallelConfig` in
 `vllm/config/parallel.py`) runs only where the attention implementation supports it, which among
 its attention classes only MLA's does (`vllm/v1/attention/backend.py`: `AttentionImpl.supports_pcp`
