@@ -332,7 +332,7 @@ def _split(flat: torch.Tensor, shapes: Sequence[Sequence[int]]) -> tuple[torch.T
     out, offset = [], 0
     for shape in shapes:
         n = math.prod(shape)
-        out.append(flat[offset : offset + n].view(*shape))
+        out.append(flat[offset : offset + n].view(tuple(shape)))
         offset += n
     return tuple(out)
 

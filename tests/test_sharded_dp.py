@@ -39,6 +39,7 @@ from tests.test_run_modes import _plan
 
 MODELS = Path(__file__).resolve().parent / "models"
 LLAMA4, LLAMA2 = "tiny_lm.py", "bf16_llama.py"  # tiny Llamas with 4 and 2 layers
+SCALAR = "scalar_param_lm.py"  # 0-dim layer scales, odd widths, tied embedding
 
 
 def _sharded(
@@ -102,6 +103,7 @@ TWO_RANK = {  # label: (model, plan kwargs)
     "fsdp_bf16": (LLAMA2, dict(style="fsdp", dp=2, shard=2, dtype="bf16")),
     "zero2": (LLAMA2, dict(style="zero2", dp=2, shard=2)),
     "zero2_m2": (LLAMA2, dict(style="zero2", dp=2, shard=2, m=2)),
+    "fsdp_scalar_param": (SCALAR, dict(style="fsdp", dp=2, shard=2)),  # a 0-dim parameter in each unit
 }
 FOUR_RANK = {
     "hsdp": (LLAMA4, dict(style="fsdp", dp=4, shard=2)),
@@ -262,7 +264,13 @@ def test_collectives_are_issued_where_priced(two_rank: dict, four_rank: dict) ->
         if label in WRONG or label == "emitted":
             continue
         units, m = (
-            _units(LLAMA4 if label in ("fsdp", "fsdp_no_reshard", "hsdp") else LLAMA2),
+            _units(
+                SCALAR
+                if label == "fsdp_scalar_param"
+                else LLAMA4
+                if label in ("fsdp", "fsdp_no_reshard", "hsdp")
+                else LLAMA2
+            ),
             plan.micro_batches,
         )
         for r in summary["ranks"]:
