@@ -14,7 +14,11 @@ A `Plan` says how one model runs on one cluster for one workload:
   `baseline`: the prediction of the hand-written Megatron plan under the same cost model;
 - `solver`, `decisions`, `excluded`, `mesh_candidates`: why the plan is what it is;
 - `fallbacks`: ops the TP pass runs replicated that the ILP did not price (found by lowering the plan,
-  priced into `predicted`), and `cluster_source`: the preset or YAML file the cluster came from.
+  priced into `predicted`), and `cluster_source`: the preset or YAML file the cluster came from;
+- facts of the model, not decisions, read by exports: `num_experts` and the routing of its
+  mixture-of-experts layers (`moe_top_k`, `moe_score_function`, `moe_expert_intermediate_size`,
+  `moe_shared_intermediate_size`: unknown, 0 / "" / None, in plans written before them), `roles`,
+  `adapters`.
 
 Split conventions (`WeightSplit`):
 
@@ -109,6 +113,9 @@ CP_COMM_TYPES: tuple[str, ...] = ("ring", "allgather", "alltoall")
 # where expert parallelism's ranks come from (`Plan.ep_fold`): the dp x cp ranks (tokens move by
 # all-to-all) or the TP ranks (tokens replicated: partial outputs all-reduced)
 EP_FOLDS: tuple[str, ...] = ("dp", "tp")
+# the function a mixture-of-experts router's logits go through (`Plan.moe_score_function`), by
+# Megatron-Core's --moe-router-score-function names
+MOE_SCORE_FUNCTIONS: tuple[str, ...] = ("softmax", "sigmoid")
 
 
 @dataclass(frozen=True)
@@ -450,6 +457,17 @@ class Plan:
     # (Megatron-LM's --num-experts, vLLM's and torchtitan's expert parallelism)
     num_experts: int = 0
     expert_params: int = 0  # of `model_params`, the routed experts' (each rank holds 1/ep of them, whole)
+    # how those layers route, each one value when every MoE layer agrees (facts of the model, read by
+    # exports: Megatron-LM's --moe-router-topk, --moe-router-score-function, --moe-ffn-hidden-size,
+    # --moe-shared-expert-intermediate-size): the experts each token runs (0: unknown), the function the
+    # router's logits go through (`MOE_SCORE_FUNCTIONS`, before or after its top-k; "": unknown), one
+    # routed expert's MLP width (0: unknown) and the shared experts' MLP width every token runs (0: no
+    # shared expert; None: unknown). Unknown also for a dense model, layers that differ, and plans
+    # written before these fields
+    moe_top_k: int = 0
+    moe_score_function: str = ""
+    moe_expert_intermediate_size: int = 0
+    moe_shared_intermediate_size: int | None = None
     # parameters of the model the plan was made for (0: a plan written before this field): `planner run`
     # refuses a model file whose parameter count differs (it changed since planning)
     model_params: int = 0
@@ -774,6 +792,19 @@ class Plan:
                 "moe_imbalance",
                 f"must be >= 1 (the busiest EP rank's rows over the mean), got {self.moe_imbalance}",
             )
+        if self.moe_score_function not in ("", *MOE_SCORE_FUNCTIONS):
+            raise bad(
+                "moe_score_function",
+                f"{self.moe_score_function!r} is not one of {list(MOE_SCORE_FUNCTIONS)} (or '' when unknown)",
+            )
+        if self.moe_top_k < 0 or (self.num_experts and self.moe_top_k > self.num_experts):
+            raise bad(
+                "moe_top_k",
+                f"is {self.moe_top_k}: a router picks 1 to num_experts={self.num_experts} experts (0 when unknown)",
+            )
+        for name in ("moe_expert_intermediate_size", "moe_shared_intermediate_size"):
+            if (getattr(self, name) or 0) < 0:
+                raise bad(name, f"must be >= 0, got {getattr(self, name)}")
         if self.moe_capacity_factor is not None and not self.moe_capacity_factor >= 1.0:
             raise bad(
                 "moe_capacity_factor", f"must be >= 1 or null (dropless), got {self.moe_capacity_factor}"

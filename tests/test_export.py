@@ -36,6 +36,7 @@ from planner.export.common import NOT_PRICED, dp_label, dp_price_text, nearest_d
 from planner.export.megatron import megatron_args
 from planner.export.vllm import vllm_engine_args
 from planner.frontend.analysis import analyse
+from planner.frontend.depth import capture_for_planning
 from planner.plan import (
     DataParallel,
     Decision,
@@ -53,6 +54,7 @@ from planner.solver.problem import Constraints, WorkloadSpec
 from planner.solver.search import plan_model
 from runtime.launch import launch
 from tests.dtensor_entry import apply_exported
+from tests.models import tiny_moe_gptfast, tiny_moe_modulelist
 from tests.planner_fixtures import EXAMPLES
 from tests.plans import fixed_plan
 
@@ -114,6 +116,15 @@ MEGATRON_FLAGS = {
     "--overlap-grad-reduce", "--overlap-param-gather", "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
     "--ckpt-format", "--num-distributed-optimizer-instances", "--tp-comm-overlap", "--context-parallel-size",
     "--cp-comm-type",
+}  # fmt: skip
+# Megatron-Core 0.19.2 `_add_moe_args`: the expert mesh, and the router options the routing is written with
+MEGATRON_ROUTER_FLAGS = (
+    "--moe-router-topk", "--moe-router-score-function", "--moe-ffn-hidden-size",
+    "--moe-shared-expert-intermediate-size",
+)  # fmt: skip
+MEGATRON_MOE_FLAGS = {
+    "--num-experts", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
+    "--moe-token-dispatcher-type", "--moe-expert-capacity-factor", *MEGATRON_ROUTER_FLAGS,
 }  # fmt: skip
 # Megatron-Core 0.19.2 --data-parallel-sharding-strategy choices and --ckpt-format choices
 MEGATRON_SHARDING = {"no_shard", "optim", "optim_grads", "optim_grads_params"}
@@ -729,6 +740,85 @@ def test_megatron_interleaved_even_stages_and_warnings(llama_plan):
     assert "--sequence-parallel" not in argv and "--fp16" not in argv
     text = "\n".join(warnings)
     assert "Megatron-LM has no ladder residual" in text and "recomputes layers differently" in text
+
+
+def _moe_plan(model: torch.nn.Module, inputs: tuple, **pins) -> Plan:
+    """A training plan of a tiny MoE model (built on meta) on 2 ranks of tests/models/fastlink.yaml."""
+    _, structure = capture_for_planning(model, inputs, {})
+    cluster = load_cluster(str(MODELS / "fastlink.yaml"), nproc=2)
+    return plan_model(structure, cluster, WorkloadSpec("train", 4, 16), Constraints(tp=1, pp=1, **pins))
+
+
+@pytest.fixture(scope="module")
+def top1_sigmoid_plan() -> Plan:
+    """tests/models/tiny_moe_gptfast.py routed top-1 by sigmoid scores (no shared expert), EP over 2."""
+    options = tiny_moe_gptfast.MoEOptions(top_k=1, score_func="sigmoid")
+    with torch.device("meta"):
+        model = tiny_moe_gptfast.build_model(options)
+    return _moe_plan(model, tiny_moe_gptfast.example_inputs(4, 16), ep=2, ep_fold="dp")
+
+
+def test_megatron_routes_a_top1_sigmoid_moe_as_planned(top1_sigmoid_plan):
+    """Megatron-Core's router defaults (top-2, softmax) would run other experts than the plan priced:
+    the export sets --moe-router-topk 1 and --moe-router-score-function sigmoid, the experts' width, and
+    no shared expert (the model has none)."""
+    plan = top1_sigmoid_plan
+    assert (plan.num_experts, plan.moe_top_k, plan.moe_score_function) == (4, 1, "sigmoid")
+    assert (plan.moe_expert_intermediate_size, plan.moe_shared_intermediate_size) == (48, 0)
+    argv, warnings = _megatron_argv(plan)
+    assert {a for a in argv if a.startswith("--")} <= MEGATRON_FLAGS | MEGATRON_MOE_FLAGS
+    args = dict(zip(argv, [*argv[1:], ""]))
+    assert args["--num-experts"] == "4" and args["--expert-model-parallel-size"] == "2"
+    assert args["--moe-router-topk"] == "1" and args["--moe-router-score-function"] == "sigmoid"
+    assert args["--moe-ffn-hidden-size"] == "48"
+    assert "--moe-shared-expert-intermediate-size" not in args
+    assert not any("route" in w for w in warnings)
+    again = Plan.from_dict(plan.to_dict())  # the routing round-trips through the plan file's data
+    assert (again.moe_top_k, again.moe_score_function, again.moe_shared_intermediate_size) == (
+        1,
+        "sigmoid",
+        0,
+    )
+    assert _megatron_argv(again)[0] == argv
+
+
+def test_megatron_routes_a_top2_softmax_moe_with_its_shared_expert():
+    """tests/models/tiny_moe_modulelist.py: top-2 softmax over 8 ModuleList experts 24 wide, and a
+    shared expert 48 wide every token runs: --moe-shared-expert-intermediate-size 48."""
+    with torch.device("meta"):
+        model = tiny_moe_modulelist.build_model()
+    plan = _moe_plan(model, tiny_moe_modulelist.example_inputs(4, 16))
+    assert (plan.moe_top_k, plan.moe_score_function, plan.moe_shared_intermediate_size) == (2, "softmax", 48)
+    argv, warnings = _megatron_argv(plan)
+    args = dict(zip(argv, [*argv[1:], ""]))
+    assert args["--num-experts"] == "8" and args["--moe-router-topk"] == "2"
+    assert args["--moe-router-score-function"] == "softmax" and args["--moe-ffn-hidden-size"] == "24"
+    assert args["--moe-shared-expert-intermediate-size"] == "48"
+    assert not any("route" in w for w in warnings)
+
+
+def test_an_old_moe_plan_without_its_routing_loads_and_warns_for_each_router_option(top1_sigmoid_plan):
+    """A plan written before the routing fields loads (unknown routing), and the export leaves the
+    router options out with one warning naming each to set, rather than writing a guess."""
+    data = top1_sigmoid_plan.to_dict()
+    fields = (
+        "moe_top_k",
+        "moe_score_function",
+        "moe_expert_intermediate_size",
+        "moe_shared_intermediate_size",
+    )
+    for name in fields:
+        del data[name]
+    old = Plan.from_dict(data)
+    assert [getattr(old, name) for name in fields] == [0, "", 0, None]
+    argv, warnings = _megatron_argv(old)
+    assert "--num-experts" in argv and "--expert-model-parallel-size" in argv
+    assert not [a for a in argv if a.startswith(("--moe-router-", "--moe-ffn-", "--moe-shared-"))]
+    (warning,) = [w for w in warnings if "how the model's experts route" in w]
+    for option in MEGATRON_ROUTER_FLAGS:
+        assert option in warning
+    with pytest.raises(InputError, match="moe_score_function"):
+        Plan.from_dict({**data, "moe_score_function": "sparsemax"})
 
 
 # ---------------------------------------------------------------------------------------------

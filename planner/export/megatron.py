@@ -36,6 +36,11 @@ the dataclass fields it turns into options: `ModelParallelConfig`, `TransformerC
 | dtype bf16 / fp16                      | --bf16 / --fp16 (fp32: none)                                       |
 | num_experts (a MoE model)              | --num-experts, --expert-model-parallel-size ep,                    |
 |                                        | --expert-tensor-parallel-size expert_tp (1, or tp: split experts)  |
+| moe_top_k                              | --moe-router-topk                                                  |
+| moe_score_function softmax / sigmoid   | --moe-router-score-function softmax / sigmoid                      |
+| moe_expert_intermediate_size           | --moe-ffn-hidden-size                                              |
+| moe_shared_intermediate_size (> 0)     | --moe-shared-expert-intermediate-size (0, no shared expert: none)  |
+|   each unknown (0, "", None)           | none, a warning naming the option to set                           |
 | ep > 1                                 | --moe-token-dispatcher-type alltoall (dropless, as the runtime's)  |
 | moe_capacity_factor                    | --moe-expert-capacity-factor                                       |
 | seq_len, layers                        | --seq-length, --num-layers                                         |
@@ -77,6 +82,16 @@ are the TP groups, as the plan's, but it dispatches the tokens by all-to-all whe
 hold the same tokens and all-reduce the experts' outputs; in training its MoE layer wants sequence
 parallelism with TP (`megatron/core/transformer/moe/moe_layer.py` raises without it). `validate_args`
 asserts --num-experts divisible by --expert-model-parallel-size.
+
+Routing (`Plan.moe_top_k`, `moe_score_function`, `moe_expert_intermediate_size`,
+`moe_shared_intermediate_size`; `megatron/training/arguments.py` `_add_moe_args`): Megatron-Core
+routes each token to --moe-router-topk experts (default 2) by --moe-router-score-function scores
+(default softmax), its experts --moe-ffn-hidden-size wide (default --ffn-hidden-size), with a shared
+expert only when --moe-shared-expert-intermediate-size is set: the file sets each as the model has it,
+so that Megatron runs the experts and exchanges the top_k x tokens rows the plan priced. Its softmax
+router takes the top-k of the logits and the softmax over the k chosen ones (--moe-router-pre-softmax
+puts the softmax before): both choose the experts a softmax-then-top-k router chooses, and weigh them
+as one that renormalises the k weights does; the file does not write --moe-router-pre-softmax.
 
 Data parallelism (`Plan.dp_style`, the ZeRO stages as Megatron-Core's
 `--data-parallel-sharding-strategy` names them): ZeRO-1 is Megatron's distributed optimizer; ZeRO-2
@@ -205,6 +220,7 @@ def _expert_args(plan: Plan, warnings: list[str]) -> list[str]:
             "the plan does not record one expert count for the model (planned before it did, or layers with different "
             "counts): add --num-experts yourself"
         )
+    args += _routing_args(plan, warnings)
     args += [
         "--expert-model-parallel-size",
         str(plan.ep),
@@ -237,6 +253,41 @@ def _expert_args(plan: Plan, warnings: list[str]) -> list[str]:
             "Megatron-Core's MoE layer refuses training with tensor parallelism and no sequence parallelism "
             "(moe_layer.py: 'performance may degrade if MoE and tensor parallelism are enabled without also "
             "enabling sequence parallelism'): add --sequence-parallel, which the plan did not price"
+        )
+    return args
+
+
+def _routing_args(plan: Plan, warnings: list[str]) -> list[str]:
+    """The routing the plan was priced with, as Megatron-Core's router options (module docstring):
+    --moe-router-topk, --moe-router-score-function, --moe-ffn-hidden-size and, with shared experts,
+    --moe-shared-expert-intermediate-size. A value the plan does not record (planned before it did, MoE
+    layers that differ, a router whose scores the analysis could not read) is left out, with one warning
+    naming each option to set, since Megatron's default would route otherwise."""
+    args: list[str] = []
+    missing: list[str] = []
+    if plan.moe_top_k:
+        args += ["--moe-router-topk", str(plan.moe_top_k)]
+    else:
+        missing.append("--moe-router-topk (Megatron's default: 2)")
+    if plan.moe_score_function:
+        args += ["--moe-router-score-function", plan.moe_score_function]
+    else:
+        missing.append("--moe-router-score-function (softmax, Megatron's default, or sigmoid)")
+    if plan.moe_expert_intermediate_size:
+        args += ["--moe-ffn-hidden-size", str(plan.moe_expert_intermediate_size)]
+    else:
+        missing.append("--moe-ffn-hidden-size (Megatron's default: --ffn-hidden-size)")
+    if plan.moe_shared_intermediate_size is None:
+        missing.append(
+            "--moe-shared-expert-intermediate-size if the model has shared experts (default: none)"
+        )
+    elif plan.moe_shared_intermediate_size:
+        args += ["--moe-shared-expert-intermediate-size", str(plan.moe_shared_intermediate_size)]
+    if missing:
+        warnings.append(
+            "the plan does not record how the model's experts route (planned before it did, MoE layers that "
+            "differ, or a router the analysis could not read): Megatron-LM routes with its defaults unless you add "
+            + "; ".join(missing)
         )
     return args
 

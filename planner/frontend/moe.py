@@ -43,12 +43,15 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from math import prod
+from typing import TypeVar
 
 import torch
 from torch import fx
 
 from planner.frontend.capture import op_name, user_line
 from planner.frontend.roles import ACTIVATION_OPS, Projection, Role
+
+_V = TypeVar("_V")
 
 # matmuls an expert's weight may go through (the grouped ones: torch._grouped_mm, and the custom op
 # transformers registers for its fallback, `transformers.grouped_mm_fallback`)
@@ -81,6 +84,14 @@ class ScoreFunction(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+    @property
+    def function(self) -> str:
+        """The function the router's logits go through, before or after the top-k: "softmax" or
+        "sigmoid" (Megatron-Core's --moe-router-score-function), "" when none was found."""
+        if self is ScoreFunction.NONE:
+            return ""
+        return "sigmoid" if self is ScoreFunction.SIGMOID else "softmax"
 
 
 @dataclass
@@ -188,6 +199,13 @@ class MoE:
     def dispatch_elements(self, tokens: float) -> float:
         """Elements sent each way (dispatch, and again combine) by an all-to-all: top_k x tokens x H."""
         return self.top_k * tokens * self.hidden_size
+
+
+def agreed(values: Iterable[_V], unknown: _V) -> _V:
+    """The one value of `values` when there are some and all are equal (a fact every MoE layer of a
+    model shares: `Plan.moe_top_k` ...), else `unknown`."""
+    distinct = set(values)
+    return distinct.pop() if len(distinct) == 1 else unknown
 
 
 @dataclass

@@ -48,6 +48,7 @@ from costmodels.cluster import ClusterSpec, cluster_for_ranks
 from costmodels.context_parallel import ulysses_refusal
 from planner.errors import InfeasibleError, InputError
 from planner.frontend.analysis import Layer, ModelStructure, Role
+from planner.frontend.moe import agreed
 from planner.frontend.roles import Projection
 from planner.plan import (
     DataParallel,
@@ -1521,6 +1522,14 @@ def _plan_of(search: _Search, priced: PricedAssignment, model_name: str, solver:
         moe_capacity_factor=w.moe_capacity_factor,
         num_experts=experts[0] if len(experts := expert_counts(s)) == 1 else 0,
         expert_params=sum(layer.moe.expert_params for layer in s.layers if layer.moe is not None),
+        moe_top_k=agreed((layer.moe.top_k for layer in s.layers if layer.moe), 0),
+        moe_score_function=agreed((layer.moe.score_function.function for layer in s.layers if layer.moe), ""),
+        moe_expert_intermediate_size=agreed(
+            (layer.moe.expert_intermediate_size for layer in s.layers if layer.moe), 0
+        ),
+        moe_shared_intermediate_size=agreed(
+            (layer.moe.shared_intermediate_size for layer in s.layers if layer.moe), None
+        ),
         token_model=s.token_model,
         unpriced_ops=s.unknown_ops,
         model_params=int(s.num_params),
