@@ -252,11 +252,33 @@ def rule_sdpa(ctx: RuleContext, node: fx.Node) -> None:
     places = [ctx.place.get(t, R) for t in (q, k, v)]
     pq = places[0]
     if pq.is_shard and pq.dim == 1 and not pq.parts:
+        heads = ctx.gshape(q)[1]
         for t, p in zip((k, v), places[1:]):
-            if p.is_replicate and ctx.gshape(t)[1] == ctx.gshape(q)[1]:
+            if not p.is_replicate:
+                continue
+            kv = ctx.gshape(t)[1]
+            if kv == heads:
                 # replicated K/V (GQA with fewer KV heads than ranks, repeated to the query heads): each
                 # rank takes the heads its query heads use, a local slice
                 node.replace_input_with(t, ctx.sharded(t, 1))
+            elif node.kwargs.get("enable_gqa") and heads % kv == 0 and (kv % ctx.tp == 0 or ctx.tp % kv == 0):
+                # replicated K/V with fewer heads, grouped by SDPA itself (enable_gqa; MQA's one KV head
+                # held whole by every rank): the KV heads this rank's query heads use, an even shard
+                # (backward: all-gathered) or, fewer KV heads than ranks, the one head of its group,
+                # whose gradient the ranks sharing it sum (tp_copy's all-reduce of the zero-padded
+                # slices' gradients under training)
+                if kv % ctx.tp == 0:
+                    node.replace_input_with(t, ctx.sharded(t, 1))
+                else:
+                    src = ctx.copy_in(t)
+                    piece = ctx.insert(
+                        src,
+                        collectives.tp_shard_pieces,
+                        (src, 1, kv, ctx.axis),
+                        Placement.shard(1, pieces=kv),
+                        t,
+                    )
+                    node.replace_input_with(t, piece)
         places = [ctx.place.get(t, R) for t in node.args[:3]]
     if not all(p.is_shard and p.dim == 1 and not p.parts for p in places):
         # replicated, or not head-parallel (column-parallel Q with a replicated attention core):

@@ -121,7 +121,12 @@ class RuleContext:
             if node.op != "get_attr" or node.target not in self.splits or not node.users:
                 continue
             split = self.splits[node.target]
-            if split.style == "replicate":
+            if split.style == "replicate" or getattr(split, "pieces", None) == 1:
+                # one piece (a single KV head, MQA, "each rank holds one KV head"): the whole weight on
+                # every rank, so its output is replicated; the attention core takes the heads its query
+                # heads use from it (`tp_rules.rule_sdpa`), as it does for replicated K/V in training.
+                # (Held as a one-piece shard, the unit heads dim of (B, T, 1, hd) could not be told from
+                # the others through reshapes.)
                 continue
             length = tuple(self.global_val[node].shape)[split.dim]
             size = padded_size(length, self.tp) if split.style == "vocab" and length % self.tp else None

@@ -379,6 +379,50 @@ def test_gqa_fewer_kv_heads_than_tp_holds_one_kv_head_per_rank_as_vllm():
         assert not [n for n in gathers if _feeds_sdpa(n)], "k/v gathered before attention"
 
 
+@pytest.mark.parametrize("name", ["llama_mqa.py", "llama_mqa_fused.py"])
+def test_one_kv_head_at_tp2_is_held_whole_by_every_rank_with_its_query_heads_split(name):
+    """Multi-query attention (one KV head) at tp=2, the K/V repeated to the query heads or grouped by
+    SDPA (enable_gqa): the plan splits the query heads and keeps the KV head whole on each rank
+    (K/V colwise in one piece), and each rank's graph holds the whole K/V projection and cache and
+    attends its 4 query heads with no gather before attention. Before, a one-piece shard lost its heads
+    dim through (B, T, hd) -> (B, T, 1, hd) and the pass gathered q at the attention: the whole
+    attention block ran replicated."""
+    path = MODELS / name
+    prepared, plan = _plan(path, tp=2, context=8, new_tokens=4)
+    layer = next(c for c in plan.predicted.per_layer if c.layer == 0)
+    assert layer.strategy["core"] == "head" and layer.strategy["q"] == "colwise", layer.strategy
+    k_split = plan.splits.get(
+        "layers.0.attention.wk.weight"
+    )  # whole: replicated, or one piece (priced alike)
+    assert k_split is None or (k_split.style, k_split.pieces) in (("replicate", None), ("colwise", 1)), (
+        k_split
+    )
+    assert not plan.fallbacks, plan.fallbacks
+    mf = load_model_file(path)
+    phase = decode_phase(1, 8, 12)
+    model = build_for(mf, phase)
+    gm = capture(model, *phase_inputs(mf, phase))
+    hd = 16  # tiny Llama: dim 128 / 8 heads
+    for rank in range(2):
+        lowered = lower_for_rank(copy.deepcopy(gm), analyse(gm), plan, rank).module
+        torch.testing.assert_close(
+            lowered.get_parameter("layers.0.attention.wk.weight"),
+            model.layers[0].attention.wk.weight.detach(),
+        )
+        assert tuple(lowered.get_buffer("layers.0.attention.kv_cache.k_cache").shape) == (1, 1, 12, hd)
+        assert lowered.get_parameter("layers.0.attention.wq.weight").shape[0] == 4 * hd
+        gathers = [n for n in lowered.graph.nodes if n.target is collectives.tp_all_gather]
+        assert not [n for n in gathers if _feeds_sdpa(n)], "q/k/v gathered before attention"
+
+
+@pytest.mark.slow
+def test_one_kv_head_at_tp2_tokens_identical():
+    plan, run, _ = _serve(MODELS / "llama_mqa_fused.py", 2, context=8, new_tokens=4)
+    assert run["numerics"]["tokens_identical"] and run["numerics"]["ok"]
+    # the one KV head on each rank: 2 layers x K, V x (1, 1, 12, 16) fp32
+    assert run["measured"]["cache_bytes_per_rank"] == 2 * 2 * (1 * 1 * 12 * 16 * 4)
+
+
 def test_fused_gqa_attention_reads_the_cache_once_and_shards_with_its_heads():
     """fused_gqa (SDPA enable_gqa, as serving engines attend): no repeat of the cache to the query heads
     in the decode graph, SDPA priced on the 4 KV heads it reads, and each rank's graph holding its 2 KV

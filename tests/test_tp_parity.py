@@ -6,6 +6,7 @@ costs seconds on this 2-core machine). Tolerance: max |sharded - unsharded| <= 1
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from pathlib import Path
 
@@ -14,9 +15,10 @@ import torch
 
 from passes import collectives
 from passes.ladder import apply_ladder, ladder_residual_adds
+from passes.lower import lower_for_rank
 from passes.tensor_parallel import TensorParallelError, apply_tensor_parallel
 from planner.frontend.analysis import analyse
-from planner.frontend.capture import capture
+from planner.frontend.capture import capture, op_name
 from planner.frontend.modelfile import load_model_file
 from planner.plan import Schedule
 from runtime.job import RunJob, summarise
@@ -42,12 +44,23 @@ def _structure(name: str):
 
 
 def _job(
-    name: str, tp: int, workload: str = "forward", ladder: list[int] | None = None, pp: int = 1, **kw
+    name: str,
+    tp: int,
+    workload: str = "forward",
+    ladder: list[int] | None = None,
+    pp: int = 1,
+    replicated: tuple[str, ...] = (),
+    **kw,
 ) -> RunJob:
+    """`fixed_plan`'s Megatron layout of `name`, the weights whose names end with one of `replicated`
+    kept whole."""
     _, structure = _structure(name)
     plan = fixed_plan(
         structure, str(_path(name)), tp, pp=pp, ladder_layers=ladder, workload=workload, micro_batches=pp
     )
+    if replicated:
+        kept = {k: s for k, s in plan.splits.items() if not k.endswith(replicated)}
+        plan = dataclasses.replace(plan, splits=kept)
     return RunJob(str(_path(name)), plan.to_dict(), workload=workload, warmup=0, iters=1, **kw)
 
 
@@ -155,6 +168,30 @@ def test_ladder_pass_equals_reference_unsharded():
         assert (got - standard).abs().max() > 1e-3  # ladder changes the function
 
 
+def test_one_kv_head_grouped_by_sdpa_trains_head_parallel():
+    """MQA with SDPA's own grouping (enable_gqa) in training at tp=2: the query heads split, the K/V
+    projections whole on each rank (fewer KV heads than ranks in training) and the core head-parallel,
+    the KV head reaching attention through `tp_copy` (its gradient summed over the ranks) with no
+    gather of q before attention. Before, the pass gathered q there and ran attention replicated."""
+    gm, structure = _structure("mqa_train.py")
+    plan = fixed_plan(structure, str(_path("mqa_train.py")), 2, workload="train")
+    # K/V replicated, as the planner plans one KV head at tp=2 in training (`costing._attention_ops`)
+    kept = {k: s for k, s in plan.splits.items() if not k.endswith(("wk.weight", "wv.weight"))}
+    plan = dataclasses.replace(plan, splits=kept)
+    lowered = lower_for_rank(copy.deepcopy(gm), structure, plan, 0, training=True).module
+    sdpa = [n for n in lowered.graph.nodes if op_name(n.target) == "aten.scaled_dot_product_attention"]
+    assert len(sdpa) == 2
+    for node in sdpa:
+        q, k, v = node.args[:3]
+        assert k.target is collectives.tp_shard_pieces and v.target is collectives.tp_shard_pieces
+        assert k.args[0].target is collectives.tp_copy
+    gathers = [n for n in lowered.graph.nodes if n.target is collectives.tp_all_gather]
+    assert not gathers, gathers
+    # this rank's 4 of the 8 query heads (head dim 8); the one KV head whole
+    assert lowered.get_parameter("layers.0.attention.wq.weight").shape == (32, 64)
+    assert lowered.get_parameter("layers.0.attention.wk.weight").shape == (8, 64)
+
+
 @pytest.mark.slow
 def test_tp2_forward_and_training_parity():
     jobs = [
@@ -169,6 +206,9 @@ def test_tp2_forward_and_training_parity():
             "gpt2_odd_vocab.py", 2, "train"
         ),  # vocab 257: padded to 258 and split, logits gathered and unpadded
         _job("transposed_weights.py", 2, "train"),  # x @ W.T, matmul(x, W.t()), addmm(b, x, W.t())
+        # one KV head grouped by SDPA (enable_gqa): the K/V projections whole on each rank, the KV
+        # head's gradient summed over the ranks' query heads
+        _job("mqa_train.py", 2, "train", replicated=("wk.weight", "wv.weight")),
         # ladder in training with dropout after the row-parallel o and down projections: the chain
         # after each all-reduce is replayed after its wait (the original, impure, once read the handle)
         _job("dropout_tp.py", 2, "train", ladder=[0, 1]),
@@ -178,7 +218,7 @@ def test_tp2_forward_and_training_parity():
     per_job = list(zip(*results))
     for job, reports in zip(jobs, per_job):
         _assert_parity(reports, f"{Path(job.model_path).name} {job.workload}")
-    assert per_job[2][0].grad_max_abs_diff is not None and per_job[5][0].grad_max_abs_diff is not None
+    assert all(per_job[i][0].grad_max_abs_diff is not None for i in (2, 5, 7))
     _check_ladder_against_reference(per_job[-1], first_laddered=2)
 
 
