@@ -25,8 +25,11 @@ otherwise (`passes.context_parallel.cp_positions`). Output: the same graph rewri
 4. an op that needs every token of a shard (a reduction over the sequence, a reshape merging batch
    and sequence, a DTensor answer we cannot take) gets the whole sequence (`cp_gather`): a fallback,
    recorded in `node.meta["cp_fallback"]` (a `passes.tp_rules_context.Fallback`: the gathered inputs
-   and their elements, before the cut) and listed in `CpLowering.fallbacks`; `passes.verify` prices it
-   (an all-gather over the CP ranks, a reduce-scatter in backward) and `planner run` names it;
+   and their elements, before the cut, and the nodes after it that read its whole-sequence result and
+   so run on every token on every CP rank: `Fallback.region`, until a shard meets them, e.g. a MoE
+   block behind `x.view(-1, C)`) and listed in `CpLowering.fallbacks`; `passes.verify` prices it (an
+   all-gather over the CP ranks, a reduce-scatter in backward, the region's compute and a MoE's token
+   exchange on cp times the tokens) and `planner run` names it;
 5. every graph output still sharded is gathered whole (`cp_gather_output`), so that the loss sees
    whole sequences; with `shard_output` (training) the first stays on this rank's tokens
    (`CpOutputShard` in ``gm.meta[CP_OUTPUT_SHARD]``) and the runtime's loss runs on them
@@ -46,6 +49,8 @@ Node metadata written: `node.meta["cp_placement"]` (str), `node.meta["val"]` (lo
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,7 +62,7 @@ from torch.utils import _pytree as pytree
 
 from passes.context_parallel import CP_VARIANTS, cp_gather, cp_gather_output, cp_sdpa, cp_slice
 from passes.general_rules import _local_shapes_agree, propagate_placements
-from passes.placement import Placement, local_shape, loss_output
+from passes.placement import Placement, local_shape, loss_output, view_groups
 from passes.tp_rules_context import Fallback, op_label
 from planner.errors import InputError
 from planner.frontend.capture import bound_arguments, retarget_device, user_line
@@ -168,8 +173,17 @@ def apply_context_parallel(
         return new
 
     found_input = False
+    # node -> the fallback whose whole-sequence result it reads and carries (it runs replicated on every
+    # CP rank over every token), with the size of the root's dim that holds the sequence
+    whole: dict[fx.Node, fx.Node] = {}
+    carried: dict[fx.Node, int] = {}
     for node in list(graph.nodes):
         val = ctx.global_val.get(node)
+        roots = [
+            whole[a]
+            for a in node.all_input_nodes
+            if a in whole and _carries(ctx.global_val.get(node), carried[whole[a]])
+        ]
         if node.op == "placeholder":
             if isinstance(val, torch.Tensor) and val.dim() >= 2 and val.shape[1] == seq_len:
                 if seq_len % (2 * cp if load_balance else cp):
@@ -197,11 +211,15 @@ def apply_context_parallel(
             isinstance(p, list) for p in placements
         ):
             ctx.place[node] = _R
+            if roots:
+                whole[node] = roots[0]
             continue
         if node.target is operator.getitem:
             source, index = node.args[0], node.args[1]
             p = ctx.place.get(source, _R)
             _set(node, ctx, p[index] if isinstance(p, list) else p)
+            if roots and not ctx.place[node].is_shard:
+                whole[node] = roots[0]
             continue
         if node.target is _SDPA:
             _attention(node, ctx, result, training)
@@ -226,6 +244,16 @@ def apply_context_parallel(
         )  # fmt: skip
         result.fallbacks.append(f"{op_label(node)} ({user_line(node) or node.name})")
         _set(node, ctx, _R)
+        if roots:
+            whole[node] = roots[0]
+        elif (size := _sequence_size(node, ctx, sharded_inputs)) is not None:
+            whole[node], carried[node] = node, size
+    regions: dict[fx.Node, list[str]] = {}
+    for node, root in whole.items():
+        if node is not root:
+            regions.setdefault(root, []).append(node.name)
+    for root, names in regions.items():
+        root.meta[FALLBACK_META] = dataclasses.replace(root.meta[FALLBACK_META], region=tuple(names))
     if not found_input:
         raise InputError(
             f"context parallelism needs the model's token input: no input has {seq_len} entries in dim 1 "
@@ -235,6 +263,32 @@ def apply_context_parallel(
     graph.lint()
     gm.recompile()
     return result
+
+
+def _sequence_size(node: fx.Node, ctx: _Ctx, sharded: list[fx.Node]) -> int | None:
+    """The size of the dim of a fallback's output that still holds the gathered sequence: the sharded
+    dim itself where the output keeps it (a cumsum), or the merged dim a reshape folds it into
+    ((B, T, C) -> (B * T, C): B * T); None when the op reduced it away (a mean over the tokens)."""
+    out = ctx.global_val.get(node)
+    if not isinstance(out, torch.Tensor):
+        return None
+    for a in sharded:
+        src, p = ctx.global_val[a], ctx.place[a]
+        if out.dim() == src.dim() and out.shape[p.dim] == src.shape[p.dim]:
+            return int(src.shape[p.dim])
+        if out.numel() == src.numel():
+            for in_dims, out_dims in view_groups(tuple(src.shape), tuple(out.shape)):
+                if p.dim in in_dims:
+                    return math.prod(out.shape[d] for d in out_dims)
+    return None
+
+
+def _carries(val: Any, size: int) -> bool:
+    """Whether a value has a dim of a whole multiple of `size` entries (the sequence a fallback
+    gathered, `_sequence_size`: a MoE's rows, or their top_k copies)."""
+    if isinstance(val, (list, tuple)):  # a multi-output op (topk's values and indices)
+        return any(_carries(v, size) for v in val)
+    return isinstance(val, torch.Tensor) and any(d >= size and d % size == 0 for d in val.shape)
 
 
 # ops whose output is the index input's shape plus trailing dims: a shard of the indices is a shard of the

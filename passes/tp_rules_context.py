@@ -64,6 +64,9 @@ class Fallback:
     gathered: tuple[str, ...]
     elements: int
     bytes: int
+    # context parallelism (`passes.cp_lower`): the nodes after the op that run on the whole sequence on
+    # every CP rank (they read the gathered result and stay replicated until a shard meets them)
+    region: tuple[str, ...] = ()
 
 
 class TensorParallelError(ValueError):

@@ -37,6 +37,7 @@ from costmodels.cluster import ClusterSpec
 from costmodels.comm import Group, all_gather_time_s
 from costmodels.compute import OP_KINDS, op_time_s
 from costmodels.dtypes import DTYPE_BYTES
+from costmodels.expert_parallel import all_to_all_exchange_s, dispatch_bytes
 from passes.cp_lower import FALLBACK_META as CP_FALLBACK_META
 from passes.ladder import LadderError
 from passes.lower import lower_for_rank
@@ -75,7 +76,7 @@ def verify_plan(gm: fx.GraphModule, structure: ModelStructure, plan: Plan, clust
     # recompute moves a layer's nodes into checkpointed submodules and adds no fallback: the TP
     # fallbacks are looked for in the graph lowered without it
     found: dict[str, tuple[PassFallback, int, NodeCost | None]] = {}
-    cp_found: dict[str, tuple[PassFallback, int]] = {}
+    cp_found: dict[str, tuple[PassFallback, int, ModelStructure]] = {}
     coverage: dict[str, int] = {}
     for job in _lowerings(gm, structure, dataclasses.replace(plan, recompute={})):
         for rank in job.ranks:
@@ -87,7 +88,7 @@ def verify_plan(gm: fx.GraphModule, structure: ModelStructure, plan: Plan, clust
                 cp_fb = node.meta.get(CP_FALLBACK_META)
                 if cp_fb is not None and (job.index == 0 or node.name in job.template_nodes):
                     count = job.template_count if node.name in job.template_nodes else 1
-                    cp_found.setdefault(f"{cp_fb.node}@{job.index}", (cp_fb, count))
+                    cp_found.setdefault(f"{cp_fb.node}@{job.index}", (cp_fb, count, job.structure))
                 fb = node.meta.get(FALLBACK_META)
                 if fb is None or _planned(fb, node, structure, plan):
                     continue
@@ -99,7 +100,10 @@ def verify_plan(gm: fx.GraphModule, structure: ModelStructure, plan: Plan, clust
                 found.setdefault(key, (fb, job.template_count if in_template else 1, cost))
     dtype = structure.dtype
     fallbacks = [_price(fb, count, plan, cluster, cost, dtype) for fb, count, cost in found.values()]
-    fallbacks += [_price_cp(fb, count, plan, cluster) for fb, count in cp_found.values()]
+    fallbacks += [
+        _price_cp(fb, count, plan, cluster, (job_structure, structure), dtype)
+        for fb, count, job_structure in cp_found.values()
+    ]
     out = _with_fallbacks(plan, fallbacks)
     return out if out.op_placement == coverage else dataclasses.replace(out, op_placement=coverage)
 
@@ -262,28 +266,90 @@ def _price(
     )
 
 
-def _price_cp(fb: PassFallback, count: int, plan: Plan, cluster: ClusterSpec) -> Fallback:
+def _price_cp(
+    fb: PassFallback,
+    count: int,
+    plan: Plan,
+    cluster: ClusterSpec,
+    structures: tuple[ModelStructure, ...] = (),
+    captured_dtype: str | None = None,
+) -> Fallback:
     """The plan's line for a context-parallel fallback (`passes.cp_lower`: an op given the whole
     sequence of its sharded inputs): the all-gather over the CP ranks (the cp ranks of a TP rank, tp
     apart: on one node while tp x cp fits it), a reduce-scatter as large in backward, and the
     gathered tensor whole where the plan priced 1/cp of it. fb.elements: the inputs' elements on one
-    TP rank at the captured global batch."""
+    TP rank at the captured global batch.
+
+    The ops after it that read the whole sequence (`Fallback.region`: a MoE block behind a flatten of
+    batch and sequence, say) run on every token on every CP rank where the plan priced 1/cp of them:
+    (cp - 1) / cp of each one's time on the whole sequence more (its `NodeCost` in `structures`, the
+    slice's and the model's; a MoE's routed experts as the plan prices them, `MoE.expert_flops` at the
+    matmul rate over ep ranks, in place of its expert nodes), and a MoE's dispatch and combine all-to-alls over the EP ranks carry cp times the tokens
+    (`costmodels.expert_parallel`, the EP group packed on nodes, an even load)."""
     per_step = plan.micro_batches if plan.pp > 1 else 1
     nbytes = fb.elements * DTYPE_BYTES[plan.dtype] / plan.dp / per_step
     per_node = max(1, min(plan.cp, cluster.devices_per_node // max(1, plan.tp)))
     one = all_gather_time_s(nbytes, Group(plan.cp, per_node), cluster)
-    train = 2.0 if plan.workload is Workload.TRAIN else 1.0
+    train = plan.workload is Workload.TRAIN
     extra = nbytes * (plan.cp - 1) / plan.cp
     in_flight = min(plan.pp, per_step) if plan.pp > 1 else 1
-    memory = extra * count * in_flight if plan.workload is Workload.TRAIN else extra
+    memory = extra * count * in_flight if train else extra
+    region = set(fb.region)
+    compute_s, exchange_s = 0.0, 0.0
+    if region and plan.cp > 1:
+        share = 1.0 / (plan.dp * per_step)  # one rank's micro-batch of the captured batch
+        byte_scale = DTYPE_BYTES[plan.dtype] / DTYPE_BYTES[captured_dtype or plan.dtype]
+        moes = {
+            id(layer.moe): layer.moe
+            for s in structures
+            for layer in s.layers
+            if layer.moe is not None and region & set(layer.moe.expert_nodes)
+        }
+        experts = {n for moe in moes.values() for n in moe.expert_nodes}
+        tokens = plan.batch_size * plan.seq_len * share  # one rank's micro-batch, the whole sequence
+        for moe in moes.values():
+            # the routed experts as the plan prices them (their GEMMs at the matmul rate, each EP rank
+            # its 1/ep of the rows), not the graph's gathers of expert weights per token
+            flops = moe.expert_flops(tokens) / plan.ep
+            expert_s = op_time_s(flops, 0.0, cluster.device, plan.dtype, "matmul", launch=False)
+            compute_s += expert_s * (1 - 1 / plan.cp) * (3.0 if train else 1.0)
+        for name in region - experts:
+            cost = next((s.node_costs[name] for s in structures if name in s.node_costs), None)
+            if cost is None or cost.kind in ("none", "view"):
+                continue
+            kind = cost.kind if cost.kind in OP_KINDS else "memory"
+            whole = op_time_s(
+                cost.flops * share,
+                (cost.bytes_read + cost.bytes_written) * share * byte_scale,
+                cluster.device,
+                plan.dtype,
+                kind,
+                launch=False,
+            )
+            passes = (3.0 if kind in ("matmul", "conv") else 2.0) if train else 1.0
+            compute_s += whole * (1 - 1 / plan.cp) * passes
+        if plan.ep > 1:
+            group = Group.packed(plan.ep, cluster)
+            for moe in moes.values():
+                data = dispatch_bytes(moe.top_k, tokens, moe.hidden_size, DTYPE_BYTES[plan.dtype])
+                exchange_s += all_to_all_exchange_s(data, moe.num_experts, group, cluster, train) - (
+                    all_to_all_exchange_s(data / plan.cp, moe.num_experts, group, cluster, train)
+                )
+    runs = (
+        f"; {len(region)} op(s) after it run on the whole sequence on every CP rank"
+        + (" (a mixture of experts: its token exchange carries cp x the tokens)" if exchange_s else "")
+        if region
+        else ""
+    )
     return Fallback(
-        op=f"{fb.op} (context parallelism: whole sequence gathered)",
+        op=f"{fb.op} (context parallelism: whole sequence gathered{runs})",
         line=fb.line or f"graph node {fb.node}",
         node=fb.node,
         bytes_gathered=nbytes * count,
-        comm_s=one * per_step * train * count,
+        comm_s=(one * (2.0 if train else 1.0) + exchange_s) * per_step * count,
         places=count,
         memory_bytes=memory,
+        compute_s=compute_s * per_step * count,
     )
 
 

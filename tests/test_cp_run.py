@@ -11,6 +11,7 @@ partial gradients averaged, not summed: `runtime.loss.cp_grad_scaled`): its chec
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from pathlib import Path
 from unittest import mock
@@ -201,6 +202,46 @@ def test_verify_prices_a_cp_fallback_and_lowers_every_stage() -> None:
         )
         == 1
     )
+
+
+def test_a_moe_behind_a_token_flatten_is_priced_as_run_on_the_whole_sequence() -> None:
+    """`x.view(-1, C)` before a mixture of experts (Mixtral, gpt-fast, HF) merges batch and sequence,
+    which no CP rule keeps sharded: the pass gathers the sequence there and the whole MoE block (router,
+    top-k, experts, shared expert, the view back) runs on every token on every CP rank until the
+    residual add meets the stream's shard. The fallback names those ops (`Fallback.region`) and verify
+    prices them: cp times the experts' work and, with EP, cp times the tokens exchanged. Before, it
+    was priced as the gather alone, so CP looked cheaper than DP for such a model. A reduction over the
+    tokens (the pooled model's mean) carries no sequence on: nothing more priced."""
+    from costmodels.cluster import load_cluster  # noqa: PLC0415
+    from passes.cp_lower import FALLBACK_META  # noqa: PLC0415
+    from passes.verify import verify_plan  # noqa: PLC0415
+
+    path = MODELS / "tiny_moe_gptfast.py"
+    model_file = load_model_file(path)
+    gm = capture(model_file.build("meta"), *model_file.inputs(2, 32))
+    structure = analyse(gm)
+    lowered = copy.deepcopy(gm)
+    apply_context_parallel(lowered, 2, 32, "allgather", True)
+    fallbacks = [n.meta[FALLBACK_META] for n in lowered.graph.nodes if FALLBACK_META in n.meta]
+    assert fallbacks and all(f.op in ("aten.view", "aten.reshape") for f in fallbacks), fallbacks
+    layer = structure.layers[0]
+    first = next(f for f in fallbacks if f.node in layer.nodes)
+    assert set(layer.moe.expert_nodes) <= set(first.region), set(layer.moe.expert_nodes) - set(first.region)
+    assert any("topk" in name for name in first.region), first.region
+    cluster = load_cluster(str(MODELS / "fastlink.yaml"), nproc=2)
+    plan = fixed_plan(structure, str(path), 1, workload="train")
+    for ep in (1, 2):
+        cp_plan = dataclasses.replace(plan, mesh=MeshShape(1, 1, 1, 2), ep=ep, ep_fold="dp")
+        checked = verify_plan(gm, structure, cp_plan, cluster)
+        priced = [f for f in checked.fallbacks if "whole sequence on every CP rank" in f.op]
+        assert priced, checked.fallbacks
+        assert all(f.compute_s > 0 for f in priced), priced
+        if ep == 2:
+            assert all("token exchange carries cp x the tokens" in f.op for f in priced), priced
+    pooled_file = load_model_file(MODELS / "cp_pooled.py")
+    pooled = capture(pooled_file.build("meta"), *pooled_file.inputs(2, SEQ))
+    (mean,) = verify_plan(pooled, analyse(pooled), _plan(tp=1, cp=2, model="cp_pooled.py"), cluster).fallbacks
+    assert mean.compute_s == 0 and "whole sequence on every CP rank" not in mean.op, mean
 
 
 def _run_emitted_cp(ctx: RankContext, folder: str) -> dict:

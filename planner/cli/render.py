@@ -215,10 +215,11 @@ def render_plan(console: Console, plan: Plan) -> None:
         held = ""
         if memory:
             held = f", +{_kib(memory)}/rank of memory" + ("" if train else " while it runs")
+        cp = "(context parallelism" in op
         console.print(
-            f"[yellow]unplanned all-gather: the TP pass runs {op} replicated at {line}{times}; "
-            f"{_kib(nbytes)} gathered; in the prediction above: +{fmt_s(comm)} (the gather, and the op on the whole "
-            f"tensor){held}[/yellow]",
+            f"[yellow]unplanned all-gather: the {'CP' if cp else 'TP'} pass runs {op} replicated at {line}{times}; "
+            f"{_kib(nbytes)} gathered; in the prediction above: +{fmt_s(comm)} (the gather, and "
+            f"{'what runs on the whole sequence' if cp else 'the op on the whole tensor'}){held}[/yellow]",
             highlight=False,
         )
     if plan.unpriced_ops:
