@@ -233,20 +233,7 @@ def _price(
     train = 2.0 if plan.workload is Workload.TRAIN else 1.0  # the backward reduce-scatters as much
     compute_s = 0.0
     if cost is not None and cost.kind != "none" and plan.tp > 1:
-        kind = cost.kind if cost.kind in OP_KINDS else "memory"
-        share = 1.0 / (plan.dp * per_step)  # one rank's micro-batch of the captured batch
-        byte_scale = DTYPE_BYTES[plan.dtype] / DTYPE_BYTES[captured_dtype or plan.dtype]
-        whole = op_time_s(
-            cost.flops * share,
-            (cost.bytes_read + cost.bytes_written) * share * byte_scale,
-            cluster.device,
-            plan.dtype,
-            kind,
-            launch=False,
-        )
-        # a matmul's backward is two matmuls of its size, a memory-bound op's about one pass more
-        passes = (3.0 if kind in ("matmul", "conv") else 2.0) if plan.workload is Workload.TRAIN else 1.0
-        compute_s = whole * (1 - 1 / plan.tp) * passes * per_step * count
+        compute_s = _whole_op_s(cost, plan, cluster, captured_dtype) * (1 - 1 / plan.tp) * per_step * count
     # memory: the gathered tensor is whole on every rank where the plan priced a 1/tp shard. Training
     # keeps it for the backward of the op that reads it, per layer and per micro-batch in flight (1F1B:
     # up to pp on the first stage): at most (tp - 1) / tp of it more per place; without autograd it
@@ -264,6 +251,26 @@ def _price(
         memory_bytes=memory,
         compute_s=compute_s,
     )
+
+
+def _whole_op_s(cost: NodeCost, plan: Plan, cluster: ClusterSpec, captured_dtype: str | None) -> float:
+    """Seconds one rank takes for the op of `cost` (its `NodeCost` at the captured global batch and
+    dtype) on its micro-batch with nothing sharded, forward and, training, backward (a matmul's
+    backward is two matmuls of its size, a memory-bound op's about one pass more)."""
+    per_step = plan.micro_batches if plan.pp > 1 else 1
+    kind = cost.kind if cost.kind in OP_KINDS else "memory"
+    share = 1.0 / (plan.dp * per_step)  # one rank's micro-batch of the captured batch
+    byte_scale = DTYPE_BYTES[plan.dtype] / DTYPE_BYTES[captured_dtype or plan.dtype]
+    whole = op_time_s(
+        cost.flops * share,
+        (cost.bytes_read + cost.bytes_written) * share * byte_scale,
+        cluster.device,
+        plan.dtype,
+        kind,
+        launch=False,
+    )
+    passes = (3.0 if kind in ("matmul", "conv") else 2.0) if plan.workload is Workload.TRAIN else 1.0
+    return whole * passes
 
 
 def _price_cp(
@@ -298,7 +305,6 @@ def _price_cp(
     compute_s, exchange_s = 0.0, 0.0
     if region and plan.cp > 1:
         share = 1.0 / (plan.dp * per_step)  # one rank's micro-batch of the captured batch
-        byte_scale = DTYPE_BYTES[plan.dtype] / DTYPE_BYTES[captured_dtype or plan.dtype]
         moes = {
             id(layer.moe): layer.moe
             for s in structures
@@ -315,19 +321,8 @@ def _price_cp(
             compute_s += expert_s * (1 - 1 / plan.cp) * (3.0 if train else 1.0)
         for name in region - experts:
             cost = next((s.node_costs[name] for s in structures if name in s.node_costs), None)
-            if cost is None or cost.kind in ("none", "view"):
-                continue
-            kind = cost.kind if cost.kind in OP_KINDS else "memory"
-            whole = op_time_s(
-                cost.flops * share,
-                (cost.bytes_read + cost.bytes_written) * share * byte_scale,
-                cluster.device,
-                plan.dtype,
-                kind,
-                launch=False,
-            )
-            passes = (3.0 if kind in ("matmul", "conv") else 2.0) if train else 1.0
-            compute_s += whole * (1 - 1 / plan.cp) * passes
+            if cost is not None and cost.kind not in ("none", "view"):
+                compute_s += _whole_op_s(cost, plan, cluster, captured_dtype) * (1 - 1 / plan.cp)
         if plan.ep > 1:
             group = Group.packed(plan.ep, cluster)
             for moe in moes.values():
