@@ -380,9 +380,14 @@ def _attention(node: fx.Node, ctx: _Ctx, result: CpLowering, training: bool) -> 
     for name, t in (("q", q), ("k", k), ("v", v)):
         if ctx.place.get(t, _R) != want:
             raise InputError(
-                f"context parallelism: {where}: {name} is not split along its sequence dim (B, H, T, D) but "
-                f"{ctx.place.get(t, _R)}; attention must take q, k, v in (batch, heads, tokens, head_dim); "
-                "plan with --cp 1"
+                f"context parallelism: {where} is cross-attention: its queries are split along the sequence "
+                f"but its keys / values ({name}: {ctx.place.get(t, _R)}) are computed from another input than "
+                "the sharded sequence (an encoder output or a memory), which context parallelism does not "
+                "split; plan with --cp 1"
+                if name != "q" and ctx.place.get(q, _R) == want and ctx.place.get(t, _R) == _R
+                else f"context parallelism: {where}: {name} is not split along its sequence dim (B, H, T, D) "
+                f"but {ctx.place.get(t, _R)}; attention must take q, k, v in (batch, heads, tokens, "
+                "head_dim); plan with --cp 1"
             )
     causal = bool(bound.get("is_causal"))
     mask = bound.get("attn_mask")

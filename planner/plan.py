@@ -44,6 +44,7 @@ mesh candidates with the micro-batches in their note) are still read.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import hashlib
 import json
@@ -942,6 +943,21 @@ def cp_text(cp: int, comm_type: str, load_balance: bool) -> str:
     return f"{cp} ({comm_type}{', load-balanced' if load_balance else ''})"
 
 
+def cp_unbalanced_note(seq_len: int, cp: int) -> str:
+    """Why context parallelism over `cp` ranks with load balancing on auto runs contiguous chunks on a
+    sequence of `seq_len` tokens that is not a multiple of 2 x cp, and what that costs (the last rank's
+    chunk sees every earlier token: about 2cp-1 times rank 0's causal work) and what would balance it."""
+    lower, upper = seq_len // (2 * cp) * 2 * cp, (seq_len // (2 * cp) + 1) * 2 * cp
+    near = f"{lower} or {upper}" if lower else str(upper)
+    return (
+        f"context parallelism runs without load balancing: a sequence of {seq_len} tokens does not cut into "
+        f"2 x cp = {2 * cp} equal chunks ({seq_len} is not a multiple of {2 * cp}), so each of the {cp} ranks "
+        f"keeps one contiguous chunk and the causal attention's work is unbalanced (rank {cp - 1}, the last, "
+        f"does about 2cp-1 = {2 * cp - 1} times rank 0's work); a sequence length that is a multiple of "
+        f"{2 * cp} (e.g. {near}) would balance it"
+    )
+
+
 def check_cp_sequence(
     seq_len: int, cp: int, load_balance: bool | None, comm_type: str, where: str = "--cp"
 ) -> None:
@@ -1182,6 +1198,30 @@ def _hints(cls: type) -> dict[str, Any]:
     return _HINTS[cls]
 
 
+def _unknown_keys(tp: Any, data: dict, extra: list, where: str) -> str:
+    """The message for keys of `data` that dataclass `tp` has no field for: where ("plan file top level"
+    or the field), each key with a did-you-mean among the fields, and the required fields then missing."""
+    fields = [f.name for f in dataclasses.fields(tp)]
+    named = []
+    for key in extra:
+        close = difflib.get_close_matches(str(key), [f for f in fields if f not in data], n=1)
+        named.append(f"{str(key)!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    missing = [
+        f.name
+        for f in dataclasses.fields(tp)
+        if f.name not in data
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    place = f"field {where!r}" if where else "plan file top level"
+    message = f"{place}: unknown key{'s' if len(extra) > 1 else ''} {', '.join(named)}"
+    if missing:
+        fields_said = ", ".join(repr(m) for m in missing)
+        are = "s" if len(missing) > 1 else "", "are" if len(missing) > 1 else "is"
+        message += f", and the required field{are[0]} {fields_said} {are[1]} missing"
+    return message + "; rename or remove the unknown key" + ("s" if len(extra) > 1 else "")
+
+
 def _from_builtin(tp: Any, data: object, where: str) -> Any:
     """Convert `data` to type `tp`, raising InputError naming `where` on a mismatch."""
     origin = typing.get_origin(tp)
@@ -1198,9 +1238,9 @@ def _from_builtin(tp: Any, data: object, where: str) -> Any:
             data = {**data, "dim": 0}  # a replicated weight's dim is unused (a hand edit may null it)
         hints = _hints(tp)
         known = {f.name for f in dataclasses.fields(tp)}
-        extra = sorted(set(data) - known)
+        extra = sorted(set(data) - known, key=str)
         if extra:
-            raise InputError(f"field {where!r}: unknown keys {extra}")
+            raise InputError(_unknown_keys(tp, data, extra, where))
         kwargs = {}
         for f in dataclasses.fields(tp):
             sub = f"{where}.{f.name}" if where else f.name

@@ -209,7 +209,7 @@ def test_show_on_a_cluster_spec_says_not_a_plan_file() -> None:
     r = planner("show", str(spec))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     said = _said(r)
-    assert f"{spec} is not a plan file" in said and "unknown keys" not in said
+    assert f"{spec} is not a plan file" in said and "unknown key" not in said
     assert f"--cluster {spec}" in said and "--out PLAN.yaml" in said
 
 
@@ -386,6 +386,23 @@ def test_pins_that_cannot_apply_say_so(example_path) -> None:
         "--dp", "4", "--dp-shard", "4", "--dp-style", "fsdp",
     )  # fmt: skip
     assert r.returncode == 2 and "dp(4 replicas x 4 shards) = 16 devices" in _said(r), _said(r)
+
+
+def test_decode_run_with_expert_parallelism_over_dp_says_run_serves_tp_only(tmp_path, capsys) -> None:
+    """--ep 2 --ep-fold dp with --run on a decode plan used to say --ep "does not divide the 1 dp x cp ranks
+    (--dp 1)", a --dp the user never pinned (--run implies it): the message now says --run serves decode
+    with tensor parallelism only and names the fix (--ep-fold tp --tp 2), before any tracing."""
+    from planner.cli.main import main  # noqa: PLC0415
+
+    moe = str(ROOT / "tests" / "models" / "tiny_mixtral_kv.py")
+    common = ["optimize", moe, "--workload", "decode", "--context", "32", "--nproc", "2", "--ep", "2",
+              "--run"]  # fmt: skip
+    for pins, asked in ((["--ep-fold", "dp"], "--ep 2 --ep-fold dp"), (["--tp", "1"], "--ep 2 --tp 1")):
+        assert main([*common, *pins, "--out", str(tmp_path / "p.yaml")]) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert f"{asked} with --run: --run serves decode plans with tensor parallelism only" in err, err
+        assert "use --ep-fold tp --tp 2 to run it, or leave out --run" in err and "--dp 1" not in err, err
+        assert not (tmp_path / "p.yaml").exists()
 
 
 def test_interleaving_pinned_for_a_forward_pipeline_is_refused(example_path, capsys) -> None:

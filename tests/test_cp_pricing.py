@@ -254,6 +254,55 @@ def test_attention_dropout_in_training_keeps_context_parallelism_off_and_says_wh
     assert rc == 0 and "excluded: cp>1: its attention applies dropout in training" in out, out
 
 
+def test_cp_on_cross_attention_says_it_is_cross_attention_and_the_fix(capsys) -> None:
+    """Cross-attention's keys / values come from another input than the sharded sequence (a memory), so
+    they are not split over the cp ranks: a pinned --cp is refused naming it cross-attention, the model
+    line and --cp 1 (it said only "k is not split along its sequence dim ... but Replicate()")."""
+    model = str(MODELS / "cross_attention_memory.py")
+    rc = main(
+        ["optimize", model, "--cluster", "dgx-h100", "--workload", "train", "--seq-len", "32", "--cp", "2"]
+    )
+    err = " ".join(capsys.readouterr().err.split())
+    assert rc == 2 and "cross_attention_memory.py:" in err and "Traceback" not in err, err
+    assert "is cross-attention: its queries are split along the sequence but its keys / values (k: " in err, (
+        err
+    )
+    assert (
+        "(an encoder output or a memory), which context parallelism does not split; plan with --cp 1" in err
+    )
+
+
+def test_load_balancing_left_off_by_the_sequence_length_is_said_with_its_cost(tmp_path, capsys) -> None:
+    """--cp 2 with load balancing on auto at --seq-len 30 (not a multiple of 2 x cp = 4) ran contiguous
+    chunks in silence; a note line and the decision's reason say why and what it costs. A sequence that
+    cuts into 4 chunks is balanced and says nothing."""
+    common = [
+        "optimize",
+        str(EXAMPLES / "llama3.py"),
+        "--cluster",
+        "dgx-h100",
+        "--workload",
+        "train",
+        "--cp",
+        "2",
+    ]
+    out_path = tmp_path / "plan.yaml"
+    assert main([*common, "--batch-size", "2", "--seq-len", "30", "--out", str(out_path)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    note = (
+        "context parallelism runs without load balancing: a sequence of 30 tokens does not cut into 2 x cp = 4 "
+        "equal chunks (30 is not a multiple of 4), so each of the 2 ranks keeps one contiguous chunk and the "
+        "causal attention's work is unbalanced (rank 1, the last, does about 2cp-1 = 3 times rank 0's work); a "
+        "sequence length that is a multiple of 4 (e.g. 28 or 32) would balance it"
+    )
+    assert f"note: {note}" in out, out
+    plan = Plan.from_yaml(out_path)  # the decision's reason, as --why and the plan file give it
+    (decision,) = [d for d in plan.decisions if d.subject == "context-parallel attention"]
+    assert decision.chosen == "allgather unbalanced" and decision.reason.startswith(f"{note}; "), decision
+    assert main([*common, "--batch-size", "2", "--seq-len", "32"]) == 0
+    assert "without load balancing" not in capsys.readouterr().out
+
+
 def test_cp_on_attention_outside_numbered_layers_names_the_blocks_and_the_fix(capsys) -> None:
     rc = main(["optimize", str(MODELS / "named_blocks.py"), "--workload", "train", "--cp", "2"])
     err = " ".join(capsys.readouterr().err.split())

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -389,6 +390,18 @@ def test_experts_that_are_not_swiglu_keep_ep_off_and_a_pin_is_refused(monkeypatc
     assert "excluded: ep>1: the experts of layers.0.mlp are not SwiGLU MLPs" in out, out
     monkeypatch.delenv("TINY_MOE_EXPERT_ACT")
     assert main(["optimize", model, "--cluster", "local-cpu", "--nproc", "2", "--ep", "2"]) == 0
+
+
+def test_the_refusal_of_non_swiglu_experts_names_the_op_and_the_model_line(monkeypatch, capsys) -> None:
+    """A pinned --ep on GeGLU experts was refused naming only the block ("no SiLU between ..."); the
+    message names the op that stands where SiLU would and its model line (file.py:LINE `code`)."""
+    monkeypatch.setenv("TINY_MOE_EXPERT_ACT", "gelu")
+    model = str(MODELS / "tiny_moe_modulelist.py")
+    assert main(["optimize", model, "--cluster", "local-cpu", "--nproc", "2", "--ep", "2"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--ep 2: the experts of layers.0.mlp are not SwiGLU MLPs (they compute aten.gelu (" in err, err
+    assert re.search(r"\(tiny_moe_modulelist\.py:\d+ `out = self\.down_proj\(self\.act\(", err), err
+    assert "runs SwiGLU experts only; use --ep 1" in err and "Traceback" not in err, err
 
 
 def test_the_search_never_splits_experts_over_tp_under_sequence_parallelism(capsys) -> None:

@@ -142,6 +142,26 @@ def test_malformed_plan_names_field(tmp_path: Path, edit, field_name: str) -> No
     assert field_name in str(info.value)
 
 
+def test_a_renamed_key_names_the_level_the_close_field_and_the_missing_one(tmp_path: Path) -> None:
+    """A top-level `stages:` renamed `stages_x:` said "field '': unknown keys ['stages_x']": the message
+    names the plan file's top level, suggests the field meant and says the required one is now missing;
+    a nested typo names its field."""
+    data = make_plan().to_dict()
+    data["stages_x"] = data.pop("stages")
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(InputError) as info:
+        Plan.from_yaml(path)
+    assert str(info.value) == (
+        f"{path}: plan file top level: unknown key 'stages_x' (did you mean 'stages'?), and the required "
+        "field 'stages' is missing; rename or remove the unknown key"
+    )
+    data = make_plan().to_dict()
+    data["mesh"]["tpx"] = data["mesh"].pop("tp")
+    with pytest.raises(InputError, match=r"field 'mesh': unknown key 'tpx' \(did you mean 'tp'\?\)"):
+        Plan.from_dict(data)
+
+
 def test_not_a_mapping(tmp_path: Path) -> None:
     path = tmp_path / "list.yaml"
     path.write_text("- 1\n- 2\n")

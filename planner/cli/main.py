@@ -32,7 +32,7 @@ from costmodels.expert_parallel import DEFAULT_MOE_IMBALANCE
 from planner.cli.progress import Bars
 from planner.errors import InputError, PlannerError, RunError
 from planner.files import check_output_path, write_text_atomic
-from planner.plan import CP_COMM_TYPES, DP_STYLES, EP_FOLDS
+from planner.plan import CP_COMM_TYPES, DP_STYLES, EP_FOLDS, cp_unbalanced_note
 
 _WIDTH = None if sys.stdout.isatty() else 150  # rich assumes 80 columns when piped; tables need more
 
@@ -508,6 +508,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             f"--run serves decode plans with tensor parallelism only, and {degrees} was asked: plan with "
             "--pp 1 --dp 1 to run it, or leave out --run to plan and price it"
         )
+    _check_run_decode_ep(args)
     if args.weights and not (args.run or args.data or args.emit):  # read by a run, --emit, a loss budget
         _warn(
             [
@@ -690,6 +691,9 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             ]
         )
     _warn(_unused_options(args, plan))
+    # an auto choice the mesh line shows only by leaving out "load-balanced": say why and what it costs
+    if _cp_balance_dropped(args, plan):
+        console.print(f"note: {cp_unbalanced_note(plan.seq_len, plan.cp)}", highlight=False)
     if args.why:
         render_decisions(console, plan)
     run, run_cluster = None, cluster
@@ -1292,6 +1296,38 @@ def _ep_options(args: argparse.Namespace) -> dict:
         "ep_ddp_only": bool(getattr(args, "run", False)),
         "expert_tp": getattr(args, "expert_tp", None),
     }
+
+
+def _cp_balance_dropped(args: argparse.Namespace, plan) -> bool:  # noqa: ANN001 - a Plan
+    """--cp-load-balance auto left off because the sequence does not cut into 2 x cp chunks (the search
+    then runs contiguous chunks, `search._cp_variants`), which the user should be told."""
+    return (
+        plan.cp > 1
+        and not plan.cp_load_balance
+        and getattr(args, "cp_load_balance", "auto") == "auto"
+        and plan.seq_len % (2 * plan.cp) != 0
+    )
+
+
+def _check_run_decode_ep(args: argparse.Namespace) -> None:
+    """--run serves a decode / generate plan with tensor parallelism only (one replica: --dp 1 is implied,
+    not asked), so expert parallelism there must fold over the TP ranks (--ep-fold tp, --tp equal to --ep);
+    --ep-fold dp, or a pinned --tp other than --ep, is refused in one line (exit 2) before any tracing."""
+    ep = getattr(args, "ep", None) or 1
+    if not (args.run and args.workload in ("decode", "generate") and ep > 1):
+        return
+    fold, tp = getattr(args, "ep_fold", "auto"), getattr(args, "tp", None)
+    if fold == "dp":
+        asked = f"--ep {ep} --ep-fold dp"
+    elif fold == "auto" and tp is not None and tp != ep:
+        asked = f"--ep {ep} --tp {tp}"
+    else:
+        return
+    raise InputError(
+        f"{asked} with --run: --run serves decode plans with tensor parallelism only (one data-parallel "
+        "replica), so expert parallelism can only split the experts over the TP ranks; use --ep-fold tp "
+        f"--tp {ep} to run it, or leave out --run to plan and price {asked}"
+    )
 
 
 def _routing_options(args: argparse.Namespace) -> dict:

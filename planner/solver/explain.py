@@ -21,7 +21,15 @@ import math
 from collections.abc import Callable
 
 from costmodels.expert_parallel import DEFAULT_MOE_IMBALANCE, touched_experts
-from planner.plan import DataParallel, Decision, MeshCandidate, Recompute, Schedule, Workload
+from planner.plan import (
+    DataParallel,
+    Decision,
+    MeshCandidate,
+    Recompute,
+    Schedule,
+    Workload,
+    cp_unbalanced_note,
+)
 from planner.solver.baseline import even_stages
 from planner.solver.costing import (
     CostContext,
@@ -574,7 +582,8 @@ def cp_decisions(
                 + ("" if fits else f" (over the {cap_bytes / _GIB:.1f} GiB usable)")
             )
     chosen = config.cp_comm_type + ("" if config.cp_load_balance else " unbalanced")
-    reason = (
+    unbalanced = not config.cp_load_balance and c.cp_load_balance is None and seq % (2 * cp) != 0
+    reason = (f"{cp_unbalanced_note(seq, cp)}; " if unbalanced else "") + (
         f"attention over cp={cp} ranks: {'; '.join(f'{k} = {v}' for k, v in CP_VARIANT_TEXT.items())}; load "
         "balancing gives each rank one early and one late chunk of the causal sequence (unbalanced: the last "
         "rank does (2cp-1)/cp of the average work); " + "; ".join(notes)

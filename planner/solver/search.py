@@ -687,9 +687,16 @@ def _experts_not_swiglu(structure: ModelStructure) -> str:
             continue
         ops = [structure.node_costs[n].op for n in moe.expert_nodes if n in structure.node_costs]
         if ops and "aten.silu" not in ops:
+            # the op and model line that stands where SiLU would (`MoE.not_lowerable` names them), if any
+            found = moe.not_lowerable.removeprefix("the experts compute ")
+            what = (
+                f"they compute {found}"
+                if found != moe.not_lowerable
+                else "no SiLU between their gate and down projections"
+            )
             return (
-                f"the experts of {moe.module_path} are not SwiGLU MLPs (no SiLU between their gate and down "
-                "projections), and the expert-parallel rewrite (`passes.ep_lower`) runs SwiGLU experts only"
+                f"the experts of {moe.module_path} are not SwiGLU MLPs ({what}), and the expert-parallel "
+                "rewrite (`passes.ep_lower`) runs SwiGLU experts only"
             )
         if moe.not_lowerable:
             return (
