@@ -9,8 +9,8 @@ models a planner is tried on first, one command, under 10 minutes on 2 cores.
    `--recalibrate`), unless `--cluster` names a preset or a spec YAML; for the one-rank configurations
    a spec measured by one process alone (`_single_rank_cluster`).
 2. For each configuration of `CONFIGS` (the README's local examples, then tiny and mid Llama-3,
-   GPT-2 124M, HF Llama and GPT-2, an MLP stack, a conv net; TP=1, TP=2, PP=2, DP=2; forward and
-   train) `planner.cli.workflow.make_plan` plans it with the mesh pinned, and the plan runs on as many
+   GPT-2 124M, HF Llama and GPT-2, an MLP stack, a conv net; TP=1, TP=2, PP=2, DP=2 (DDP, and ZeRO-1
+   and FSDP pinned); forward and train) `planner.cli.workflow.make_plan` plans it with the mesh pinned, and the plan runs on as many
    gloo ranks as it uses, one compute thread each (`runtime.execute.run_rank`: numerics checked
    against the unsharded model, warm-up + `iters` timed steps, median of the slowest rank).
 3. The table: predicted, measured, measured / predicted (1.00 = exact); then the median and the worst
@@ -56,6 +56,7 @@ class Config:
     dp: int = 1
     workload: str = "forward"
     readme: bool = False  # one of the README's local examples
+    dp_style: str | None = None  # pinned data-parallel style (ddp, zero1, zero2, fsdp); None: the search's
 
     @property
     def ranks(self) -> int:
@@ -64,7 +65,8 @@ class Config:
     @property
     def label(self) -> str:
         shape = f"{self.batch_size or 'default'}" + (f" x {self.seq_len}" if self.seq_len else "")
-        return f"{self.name} ({shape}) {self.workload}" + (" [README]" if self.readme else "")
+        style = f" {self.dp_style}" if self.dp_style else ""
+        return f"{self.name} ({shape}) {self.workload}{style}" + (" [README]" if self.readme else "")
 
 
 def _example(name: str) -> str:
@@ -96,6 +98,8 @@ CONFIGS = (
     Config("llama3 tiny", LLAMA, None, None, 2, workload="train"),
     Config("llama3 mid", LLAMA_MID, 1, 128, 1),
     Config("llama3 mid", LLAMA_MID, 1, 128, 2),
+    Config("llama3 mid", LLAMA_MID, 2, 64, 1, dp=2, workload="train", dp_style="fsdp"),
+    Config("llama3 mid", LLAMA_MID, 2, 64, 1, dp=2, workload="train", dp_style="zero1"),
     Config("gpt2 124M", GPT2, 1, 64, 1),
     Config("gpt2 124M", GPT2, 2, 64, 1, dp=2),
     Config("hf gpt2", HF_GPT2, None, None, 1),
@@ -176,7 +180,9 @@ def _plans(cluster, configs, prepared: dict | None = None, single=None):
         # more ranks than the spec was measured with: resized as `planner optimize --nproc` resizes it
         # (beyond one rank per core, time-shared: `costmodels.cluster.resize_cluster`)
         sized = resize_cluster(spec, cfg.ranks) if cfg.ranks > spec.devices_per_node else spec
-        constraints = constraints_from(cfg.tp, cfg.pp, cfg.dp, "none", max_devices=cfg.ranks)
+        constraints = constraints_from(
+            cfg.tp, cfg.pp, cfg.dp, "none", max_devices=cfg.ranks, dp_style=cfg.dp_style
+        )
         plans.append(make_plan(prepared[key], sized, constraints, cfg.model_path))
         specs.append(sized)
     return plans, prepared, specs

@@ -328,13 +328,47 @@ def load_fsdp_weights(
 # the graph's gather and its runtime
 
 
-def _split(flat: torch.Tensor, shapes: Sequence[Sequence[int]]) -> tuple[torch.Tensor, ...]:
+def _views(flat: torch.Tensor, shapes: Sequence[Sequence[int]]) -> tuple[torch.Tensor, ...]:
     out, offset = [], 0
     for shape in shapes:
         n = math.prod(shape)
-        out.append(flat[offset : offset + n].view(tuple(shape)))
+        out.append(flat[offset : offset + n].view(tuple(shape)))  # view(()) for a 0-dim parameter
         offset += n
     return tuple(out)
+
+
+class _Split(torch.autograd.Function):
+    """A gathered flat buffer as its parameters' views; backward: their gradients concatenated into
+    one flat gradient (zeros for the padding and for a parameter no gradient reached), one pass over
+    the buffer. Autograd's own backward of P slice-views allocates a zero-filled buffer-sized gradient
+    per view and sums them: P passes over the buffer, measured 461 ms against 76 ms for a 47 MB layer
+    of 9 parameters on the 2-core dev VM, which made an FSDP training step ~3x slower than priced."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, flat: torch.Tensor, shapes: tuple[tuple[int, ...], ...]
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.shapes, ctx.numel = shapes, flat.numel()
+        return _views(flat, shapes)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor, None]:
+        like = next(g for g in grads if g is not None)
+        parts = [
+            g.reshape(-1) if g is not None else like.new_zeros(math.prod(shape))
+            for g, shape in zip(grads, ctx.shapes)
+        ]
+        pad = ctx.numel - sum(p.numel() for p in parts)
+        if pad:
+            parts.append(like.new_zeros(pad))
+        return torch.cat(parts), None
+
+
+def _split(flat: torch.Tensor, shapes: Sequence[Sequence[int]]) -> tuple[torch.Tensor, ...]:
+    """`flat`'s parameter views of `shapes` (in order), with `_Split`'s one-pass backward."""
+    if not flat.requires_grad:
+        return _views(flat, shapes)
+    return _Split.apply(flat, tuple(tuple(s) for s in shapes))
 
 
 # id(shard parameter) -> (the shard, its runtime, its bucket), weakly: a finished run's module and

@@ -433,3 +433,29 @@ def test_sharded_gradients_with_pipeline_stages_pass_the_run_check() -> None:
         with pytest.raises(InputError, match=rf"plan field 'dp_style' is {style} but the run's workload"):
             check_plan_runs(plan, "forward")
     check_plan_runs(_sharded(LLAMA2, "fsdp", dp=2, shard=2), "train")  # pp == 1 runs
+
+
+def test_a_gathered_unit_splits_into_its_parameters_with_a_one_pass_backward() -> None:
+    """`passes.fsdp._split` hands the gathered flat buffer out as its parameters' views; their
+    gradients come back as one flat gradient (the padding and a parameter no gradient reached as
+    zeros), made by `_Split` in one pass. Autograd's own backward of the slice views made a zero-filled
+    buffer-sized gradient per parameter and summed them: one pass per parameter, which made FSDP
+    training steps ~3x slower than priced on CPU (bench/README.md, predict_vs_measure.py)."""
+    from passes.fsdp import _split  # noqa: PLC0415
+
+    shapes = [(3, 4), (), (5,), (2, 2)]
+    flat = torch.randn(12 + 1 + 5 + 4 + 2, requires_grad=True)  # 2 elements of padding
+    views = _split(flat, shapes)
+    assert [tuple(v.shape) for v in views] == [tuple(s) for s in shapes]
+    assert {type(v.grad_fn).__name__ for v in views} == {"_SplitBackward"}, [v.grad_fn for v in views]
+    (views[0] * 2).sum().backward(retain_graph=True)
+    expected = torch.zeros_like(flat)
+    expected[:12] = 2
+    torch.testing.assert_close(flat.grad, expected)
+    flat.grad = None
+    (views[1] * 3 + views[3].sum()).backward()
+    expected = torch.zeros_like(flat)
+    expected[12] = 3
+    expected[18:22] = 1
+    torch.testing.assert_close(flat.grad, expected)
+    assert not _split(flat.detach(), shapes)[0].requires_grad  # no autograd without a gradient
