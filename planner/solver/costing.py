@@ -2072,7 +2072,11 @@ def dp_sync_phases(grad_bytes: float, ctx: CostContext) -> list[SyncPhase]:
       over the replicate group. The runtime prefetches the next unit's gather while the current unit
       computes and issues the reduce-scatters asynchronously (FSDP2's default, one unit ahead), so all
       but one unit's share per micro-batch (the first gather, the last reduce) can hide: window 1 (the
-      whole step's compute).
+      whole step's compute). On a device that measured its writes into fresh memory
+      (`DeviceSpec.fresh_write_bandwidth_bytes_per_s`, a CPU's page faults: `planner calibrate`), the
+      gathered buffers, the flat gradient and the gradient shard each unit allocates per micro-batch
+      are written at that rate, exposed (a second phase; measured on the 2-vCPU dev VM: the mid
+      Llama's FSDP step 3.87 s against 2.36 s priced without it, bench/README.md).
     """
     if not ctx.train or ctx.dp_cp == 1 or grad_bytes <= 0:
         return []
@@ -2104,7 +2108,17 @@ def dp_sync_phases(grad_bytes: float, ctx: CostContext) -> list[SyncPhase]:
             return t
 
         total = m * units * per_unit(burst) + per_unit(cluster) - per_unit(burst)
-        return [SyncPhase(total, m * per_unit(cluster), 1.0)]
+        phases = [SyncPhase(total, m * per_unit(cluster), 1.0)]
+        if cluster.device.fresh_write_bandwidth_bytes_per_s is not None:
+            # a device that measured writes into fresh memory (a CPU: the allocator returns large
+            # buffers to the OS, so each new one page-faults): every unit's gathered parameters, its
+            # flat gradient (`passes.fsdp._Split`) and its reduce-scattered shard are new buffers
+            # each micro-batch, written on the rank's own thread (exposed)
+            fresh = gathers * compute.fresh_write_time_s(unit_bytes, cluster.device)
+            fresh += compute.fresh_write_time_s(unit_bytes, cluster.device)
+            fresh += compute.fresh_write_time_s(unit_bytes / shard.size, cluster.device)
+            phases.append(SyncPhase(m * units * fresh, m * units * fresh, 0.0))
+        return phases
     overlap_grad = ctx.overlap_grad_reduce
     if style is DataParallel.DDP:
         if overlap_grad:
