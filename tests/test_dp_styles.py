@@ -265,3 +265,30 @@ def test_an_embedding_tied_across_stages_keeps_its_gradients_whole() -> None:
         plan_model(structure, load_cluster("dgx-h100"), work, Constraints(pp=2, dp=4, dp_style="fsdp"))
     alone = plan_model(structure, load_cluster("dgx-h100"), work, Constraints(pp=1, dp=8, dp_style="fsdp"))
     assert alone.dp_style is DataParallel.FSDP
+
+
+def test_fsdp_on_a_device_with_measured_fresh_writes_prices_each_units_new_buffers() -> None:
+    """A device that measured its writes into fresh memory (a CPU spec: `fresh_write_bandwidth_GBps`)
+    pays for the buffers FSDP allocates per unit and micro-batch (the gathered parameters, the flat
+    gradient and the gradient shard: `passes.fsdp`), exposed; GPU presets (no such figure: the caching
+    allocator reuses memory) and the other styles (persistent buffers) price none."""
+    import dataclasses  # noqa: PLC0415
+
+    from costmodels.compute import fresh_write_time_s  # noqa: PLC0415
+    from planner.solver.costing import dp_sync_phases  # noqa: PLC0415
+
+    nbytes = 16e9  # 8B in bf16: units of ~480 MB, over the large-tensor threshold
+    gpu = _ctx(8, DataParallel.FSDP, reshard=False)
+    assert len(dp_sync_phases(nbytes, gpu)) == 1
+    fresh_device = dataclasses.replace(gpu.cluster.device, fresh_write_bandwidth_bytes_per_s=1.3e9)
+    cpu = dataclasses.replace(gpu, cluster=dataclasses.replace(gpu.cluster, device=fresh_device))
+    gather, fresh = dp_sync_phases(nbytes, cpu)
+    assert gather == dp_sync_phases(nbytes, gpu)[0]
+    units = len(cpu.structure.layers) + 1
+    unit = nbytes / units
+    one = 2 * fresh_write_time_s(unit, fresh_device) + fresh_write_time_s(unit / 8, fresh_device)
+    assert fresh.total_s == fresh.unhidden_s == pytest.approx(units * one) and fresh.window == 0
+    zero1 = dataclasses.replace(cpu, config=dataclasses.replace(cpu.config, dp_style=DataParallel.ZERO1))
+    assert len(dp_sync_phases(nbytes, zero1)) == len(
+        dp_sync_phases(nbytes, dataclasses.replace(zero1, cluster=gpu.cluster))
+    )
