@@ -291,8 +291,9 @@ def _price_cp(
     batch and sequence, say) run on every token on every CP rank where the plan priced 1/cp of them:
     (cp - 1) / cp of each one's time on the whole sequence more (its `NodeCost` in `structures`, the
     slice's and the model's; a MoE's routed experts as the plan prices them, `MoE.expert_flops` at the
-    matmul rate over ep ranks, in place of its expert nodes), and a MoE's dispatch and combine all-to-alls over the EP ranks carry cp times the tokens
-    (`costmodels.expert_parallel`, the EP group packed on nodes, an even load)."""
+    matmul rate over ep ranks, in place of its expert nodes), and a MoE's dispatch and combine
+    all-to-alls over the EP ranks carry cp times the tokens (`costmodels.expert_parallel`, the EP
+    group packed on nodes, an even load)."""
     per_step = plan.micro_batches if plan.pp > 1 else 1
     nbytes = fb.elements * DTYPE_BYTES[plan.dtype] / plan.dp / per_step
     per_node = max(1, min(plan.cp, cluster.devices_per_node // max(1, plan.tp)))

@@ -2114,8 +2114,7 @@ def dp_sync_phases(grad_bytes: float, ctx: CostContext) -> list[SyncPhase]:
             # buffers to the OS, so each new one page-faults): every unit's gathered parameters, its
             # flat gradient (`passes.fsdp._Split`) and its reduce-scattered shard are new buffers
             # each micro-batch, written on the rank's own thread (exposed)
-            fresh = gathers * compute.fresh_write_time_s(unit_bytes, cluster.device)
-            fresh += compute.fresh_write_time_s(unit_bytes, cluster.device)
+            fresh = (gathers + 1) * compute.fresh_write_time_s(unit_bytes, cluster.device)
             fresh += compute.fresh_write_time_s(unit_bytes / shard.size, cluster.device)
             phases.append(SyncPhase(m * units * fresh, m * units * fresh, 0.0))
         return phases
