@@ -16,11 +16,13 @@ from planner.cli.workflow import constraints_from
 from planner.errors import InputError
 from planner.plan import Schedule
 from planner.solver.problem import LadderMode, LadderPolicy
+from tests.cli_in_process import planner_in_process
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def planner(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def planner_subprocess(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m planner.cli ARGS` in a fresh process (the other tests run it in this one)."""
     return subprocess.run(
         [sys.executable, "-m", "planner.cli", *args],
         capture_output=True,
@@ -30,6 +32,9 @@ def planner(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     )
 
 
+planner = planner_in_process
+
+
 @pytest.mark.slow
 def test_optimize_run_tiny_llama_on_two_gloo_ranks(tmp_path, example_path):
     """The whole path on a spec named as `planner calibrate` names its own (local-cpu's figures), so
@@ -37,7 +42,7 @@ def test_optimize_run_tiny_llama_on_two_gloo_ranks(tmp_path, example_path):
     report_path, plan_path = tmp_path / "report.json", tmp_path / "plan.yaml"
     preset = (ROOT / "costmodels" / "clusters" / "local-cpu.yaml").read_text()
     spec = _write(tmp_path, "calibrated.yaml", preset.replace("name: local-cpu", "name: local-calibrated"))
-    r = planner(
+    r = planner_subprocess(  # the whole path through a fresh process, as a user runs it
         "optimize", str(example_path("llama3")), "--cluster", spec, "--nproc", "2", "--tp", "2",
         "--ladder", "upper:2", "--run", "--min-time", "0", "--iters", "3", "--warmup", "1",
         "--json", str(report_path), "--out", str(plan_path), "--emit", str(tmp_path / "emit"),

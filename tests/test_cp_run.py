@@ -29,6 +29,7 @@ from runtime.execute import run_rank
 from runtime.job import RunJob, summarise
 from runtime.launch import RankContext, launch
 from runtime.numerics import check_failures
+from tests.cli_in_process import planner_in_process
 from tests.plans import assert_run_matches, fixed_plan
 
 MODELS = Path(__file__).resolve().parent / "models"
@@ -341,14 +342,9 @@ def test_tp_and_cp_together_gather_nothing(sp: bool) -> None:
 @pytest.mark.slow
 def test_planner_run_reads_the_model_path_from_the_plan(tmp_path) -> None:
     """`planner run PLAN.yaml` without --model runs the plan's own model file (a CP plan here)."""
-    import subprocess  # noqa: PLC0415
-    import sys  # noqa: PLC0415
 
     plan = _plan(tp=1, cp=2, workload="forward", seq=16)
     plan.to_yaml(tmp_path / "p.yaml")
-    done = subprocess.run(
-        [sys.executable, "-m", "planner.cli", "run", str(tmp_path / "p.yaml"), "--nproc", "2", "--iters", "1"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    done = planner_in_process("run", str(tmp_path / "p.yaml"), "--nproc", "2", "--iters", "1")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "context parallelism applied" in done.stdout

@@ -25,6 +25,7 @@ from planner.frontend.capture import capture
 from planner.frontend.modelfile import load_model_file
 from planner.plan import MeshShape, Plan, Prediction, Schedule, SolverInfo, WeightSplit
 from runtime.launch import RankContext, launch
+from tests.cli_in_process import planner_in_process
 from tests.conftest import EXAMPLES, run_in_sequence
 
 REPO = Path(__file__).resolve().parent.parent
@@ -279,10 +280,9 @@ def test_emitted_readme_is_followed_in_fresh_processes(tmp_path: Path, mesh: lis
     the unsharded model's output on its inputs."""
     model, batch, seq = str(EXAMPLES / "llama3.py"), 4, 16
     folder = tmp_path / "sharded"
-    made = subprocess.run(
-        [sys.executable, "-m", "planner.cli", "optimize", model, "--cluster", "local-cpu", "--nproc", "2", *mesh,
-         "--batch-size", str(batch), "--seq-len", str(seq), "--emit", str(folder)],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
+    made = planner_in_process(
+        "optimize", model, "--cluster", "local-cpu", "--nproc", "2", *mesh, "--batch-size", str(batch),
+        "--seq-len", str(seq), "--emit", str(folder), cwd=REPO,
     )  # fmt: skip
     assert made.returncode == 0, made.stderr
     readme = (folder / "README.md").read_text()

@@ -7,7 +7,6 @@ at all through the layers no gradient reaches. Model: tests/models/frozen_gpt.py
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from planner.solver.costing import CostContext, build_cost_tables
 from planner.solver.prediction import layer_breakdown
 from planner.solver.problem import Assignment, Constraints, MeshConfig, WorkloadSpec
 from planner.solver.search import _with_state_factor, plan_model
+from tests.cli_in_process import planner_in_process
 from tests.models import frozen_gpt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
@@ -248,11 +248,10 @@ def test_run_of_frozen_bottom_layers_matches_the_plan(tmp_path, layout):
     model = frozen_gpt.write_model_file(tmp_path / "bottom.py", "bottom")
     report = tmp_path / "report.json"
     root = Path(__file__).resolve().parent.parent
-    r = subprocess.run(
-        [sys.executable, "-m", "planner.cli", "optimize", str(model), "--cluster", "local-cpu", "--nproc", "2",
-         "--workload", "train", "--batch-size", "8", "--seq-len", "16", *layout,
-         "--run", "--iters", "2", "--min-time", "0", "--warmup", "1", "--json", str(report)],
-        capture_output=True, text=True, timeout=300, cwd=root,
+    r = planner_in_process(
+        "optimize", str(model), "--cluster", "local-cpu", "--nproc", "2", "--workload", "train", "--batch-size",
+        "8", "--seq-len", "16", *layout, "--run", "--iters", "2", "--min-time", "0", "--warmup", "1",
+        "--json", str(report), cwd=root,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     measured = json.loads(report.read_text())["measured"]

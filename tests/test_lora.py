@@ -10,7 +10,6 @@ projections, fused QKV included) and a Hugging Face Llama with PEFT's adapters.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from planner.plan import MeshShape, SplitStyle
 from planner.solver.costing import CostContext, build_cost_tables, layer_key
 from planner.solver.problem import Constraints, MeshConfig, WorkloadSpec
 from planner.solver.search import plan_model
+from tests.cli_in_process import planner_in_process
 from tests.models import frozen_gpt
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -183,12 +183,10 @@ def test_run_of_lora_under_tensor_and_sequence_parallelism(tmp_path):
     outputs, the adapters' gradients and the first update (exit 0)."""
     model = frozen_gpt.write_model_file(tmp_path / "lora.py", "lora")
     report = tmp_path / "report.json"
-    r = subprocess.run(
-        [sys.executable, "-m", "planner.cli", "optimize", str(model), "--cluster", "local-cpu", "--nproc", "2",
-         "--workload", "train", "--batch-size", "8", "--seq-len", "16", "--tp", "2", "--layout", "megatron",
-         "--sequence-parallel", "on", "--run", "--iters", "2", "--min-time", "0", "--warmup", "1",
-         "--json", str(report)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    r = planner_in_process(
+        "optimize", str(model), "--cluster", "local-cpu", "--nproc", "2", "--workload", "train", "--batch-size",
+        "8", "--seq-len", "16", "--tp", "2", "--layout", "megatron", "--sequence-parallel", "on", "--run",
+        "--iters", "2", "--min-time", "0", "--warmup", "1", "--json", str(report), cwd=ROOT,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     measured = json.loads(report.read_text())["measured"]

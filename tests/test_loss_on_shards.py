@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +25,7 @@ from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture
 from planner.frontend.modelfile import load_model_file
 from runtime.loss import LossLayout, full_shape, gathered_output, output_loss
+from tests.cli_in_process import planner_in_process
 from tests.plans import fixed_plan
 
 LLAMA = Path(__file__).resolve().parent.parent / "examples" / "llama3.py"
@@ -171,12 +169,17 @@ def test_training_on_an_integer_first_output_is_refused_with_what_to_return(tmp_
 
 
 def _planner(tmp_path, outputs: str, args: list[str]):
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "LM_OUTPUTS": outputs}
-    return subprocess.run(
-        [sys.executable, "-m", "planner.cli", "optimize", str(LM_OUTPUTS), "--cluster", "local-cpu", *args,
-         "--run", "--iters", "2", "--min-time", "0", "--warmup", "1", "--json", str(tmp_path / "report.json")],
-        capture_output=True, text=True, timeout=300, cwd=root, env=env,
+    """`planner optimize ... --run` of lm_outputs.py returning `outputs`, in this process: the ranks are
+    forked from a fork server started once, whose environment a later LM_OUTPUTS would not reach, so
+    the model file is copied with its outputs written in."""
+    source = LM_OUTPUTS.read_text()
+    read = 'os.environ.get("LM_OUTPUTS", "tuple")'
+    assert read in source
+    model = tmp_path / f"lm_outputs_{outputs}.py"
+    model.write_text(source.replace(read, repr(outputs)))
+    return planner_in_process(
+        "optimize", str(model), "--cluster", "local-cpu", *args, "--run", "--iters", "2", "--min-time", "0",
+        "--warmup", "1", "--json", str(tmp_path / "report.json"),
     )  # fmt: skip
 
 

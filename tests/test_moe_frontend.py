@@ -29,6 +29,7 @@ from planner.frontend.depth import capture_for_planning
 from planner.frontend.moe import ScoreFunction
 from planner.solver.problem import Constraints, Workload, WorkloadSpec
 from planner.solver.search import plan_model
+from tests.cli_in_process import planner_in_process
 from tests.models import tiny_mixtral, tiny_moe_gptfast, tiny_moe_modulelist
 
 MODELS = Path(__file__).parent / "models"
@@ -288,11 +289,9 @@ def test_moe_models_run_at_tp2_and_match(tmp_path, name):
     """`planner optimize --tp 2 --run` on 2 gloo ranks: attention (and a shared expert) split, router
     and routed experts replicated; the outputs match the unsharded model's."""
     report = tmp_path / "report.json"
-    r = subprocess.run(
-        [sys.executable, "-m", "planner.cli", "optimize", str(MODELS / f"{name}.py"), "--cluster",
-         str(MODELS / "midlink-cpu.yaml"), "--tp", "2", "--nproc", "2", "--run", "--iters", "1",
-         "--min-time", "0", "--json", str(report)],
-        capture_output=True, text=True, timeout=600, cwd=MODELS.parent.parent,
+    r = planner_in_process(
+        "optimize", str(MODELS / f"{name}.py"), "--cluster", str(MODELS / "midlink-cpu.yaml"), "--tp", "2",
+        "--nproc", "2", "--run", "--iters", "1", "--min-time", "0", "--json", str(report), cwd=MODELS.parent.parent,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     data = json.loads(report.read_text())

@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,21 +18,14 @@ from planner.files import (
     publish_folder,
     write_text_atomic,
 )
+from tests.cli_in_process import planner_in_process
 
 ROOT = Path(__file__).resolve().parent.parent
 SWIGLU = str(ROOT / "tests" / "models" / "swiglu_fused_w13.py")
 
 
 def run_planner(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [sys.executable, "-m", "planner.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=cwd,
-        env=env,
-    )
+    return planner_in_process(*args, cwd=cwd)
 
 
 def test_one_atomic_writer() -> None:

@@ -349,15 +349,13 @@ def test_a_plan_edited_after_planning_is_priced_again_as_its_splits_say() -> Non
 def test_show_and_export_read_a_chain_models_plan(tmp_path) -> None:
     """A plan the planner wrote for a model without transformer layers (stages [[]]) is shown and
     exported like any other (was: 'stages must list the layers 0..0')."""
-    import subprocess
-    import sys
+    from tests.cli_in_process import planner_in_process  # noqa: PLC0415
 
     plan = tmp_path / "mlp.yaml"
-    cmd = [sys.executable, "-m", "planner.cli"]
-    made = subprocess.run([*cmd, "optimize", "examples/mlp.py", "--cluster", "dgx-h100", "--out", str(plan)], capture_output=True, text=True, timeout=300)  # fmt: skip
+    made = planner_in_process("optimize", "examples/mlp.py", "--cluster", "dgx-h100", "--out", str(plan))
     assert made.returncode == 0, made.stderr
     for args in (["show", str(plan)], ["export", str(plan), "--to", "dtensor"]):
-        done = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300)
+        done = planner_in_process(*args)
         assert done.returncode == 0, done.stderr
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from runtime.launch import launch
 from runtime.numerics import all_outputs, check_failures, tolerance_for
 from runtime.reference import write_reference
 from runtime.session import run_job
+from tests.cli_in_process import planner_in_process
 from tests.plans import fixed_plan
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,14 +39,7 @@ MODELS = Path(__file__).resolve().parent / "models"
 _MiB = 2**20
 
 
-def planner(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "planner.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
+planner = planner_in_process
 
 
 def _plan(name: str, tp: int = 1, dp: int = 1, batch_size: int | None = None, seq_len: int | None = None):

@@ -6,8 +6,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +24,7 @@ from planner.frontend.modelfile import load_model_file
 from planner.frontend.phases import build_for, decode_phase, phase_inputs, plan_structure
 from planner.plan import Plan, SplitStyle, WeightSplit, Workload
 from planner.solver import machine
+from tests.cli_in_process import planner_in_process
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "tests" / "models"
@@ -513,8 +512,6 @@ def test_hf_static_cache_generate_plan_saved_then_served_by_planner_run(tmp_path
     batch and prompt, not the model file's example batch), served by `planner run`: the request's
     figures and tokens identical to the unsharded model's."""
     import json  # noqa: PLC0415
-    import subprocess  # noqa: PLC0415
-    import sys  # noqa: PLC0415
 
     model, plan_path, report_path = (
         str(ROOT / "examples" / "hf_llama_kv.py"),
@@ -522,9 +519,7 @@ def test_hf_static_cache_generate_plan_saved_then_served_by_planner_run(tmp_path
         tmp_path / "r.json",
     )
 
-    def planner(*argv: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "planner.cli", *argv], capture_output=True, text=True,
-                              timeout=300, cwd=ROOT)  # fmt: skip
+    planner = planner_in_process
 
     made = planner("optimize", model, "--cluster", MIDLINK, "--workload", "generate", "--seq-len", "8",
                    "--new-tokens", "4", "--tp", "2", "--nproc", "2", "--out", str(plan_path))  # fmt: skip
@@ -748,12 +743,11 @@ def test_a_bf16_request_runs_its_graphs_in_bf16(tmp_path) -> None:
     bf16 too (the logits then differ by bf16's rounding, not fp32's), where the ranks used to run fp32
     under a plan priced and reported in bf16."""
     report_path = tmp_path / "r.json"
-    r = subprocess.run(
-        [sys.executable, "-m", "planner.cli", "optimize", str(ROOT / "examples" / "llama3_kv.py"),
-         "--workload", "generate", "--seq-len", "16", "--new-tokens", "3", "--batch-size", "2", "--dtype", "bf16",
-         "--cluster", "local-cpu", "--nproc", "2", "--tp", "2", "--layout", "megatron", "--run", "--iters", "1",
-         "--warmup", "0", "--min-time", "0", "--json", str(report_path)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    r = planner_in_process(
+        "optimize", str(ROOT / "examples" / "llama3_kv.py"), "--workload", "generate", "--seq-len", "16",
+        "--new-tokens", "3", "--batch-size", "2", "--dtype", "bf16", "--cluster", "local-cpu", "--nproc", "2",
+        "--tp", "2", "--layout", "megatron", "--run", "--iters", "1", "--warmup", "0", "--min-time", "0",
+        "--json", str(report_path),
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(report_path.read_text())

@@ -10,8 +10,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +20,7 @@ from passes.tp_rules_context import FALLBACK_META
 from planner.cli import workflow
 from planner.errors import InfeasibleError
 from planner.plan import Plan
+from tests.cli_in_process import planner_in_process
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "tests" / "models"
@@ -37,14 +36,7 @@ def _plan(model: str, tp: int = 2, cluster: str = FASTLINK, **options) -> tuple[
     return prepared, workflow.make_plan(prepared, spec, constraints, model, cluster)
 
 
-def planner(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "planner.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
+planner = planner_in_process
 
 
 def test_fused_gate_up_chunk_lowers_per_part() -> None:
