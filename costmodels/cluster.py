@@ -137,6 +137,21 @@ class DecodeAttentionSpec:
 
 
 @dataclass(frozen=True)
+class ServingHostSpec:
+    """A serving engine's host work in each step (prefill or decode), on the CPU while the GPU waits:
+    scheduling the batch, building its block tables and inputs, sampling and detokenising, handing the
+    step to its tensor-parallel workers. It belongs to the engine and its version, not to the device:
+    vLLM's v0.6.0 performance post (blog.vllm.ai, 2024-09-05) profiled vLLM 0.5.3 serving Llama-3-8B
+    on one H100 and found scheduling and input preparation 29% of the time. A step costs
+    ``step_s`` + ``per_sequence_s`` x the sequences it runs (per data-parallel replica) +
+    ``per_worker_s`` x (TP x PP ranks of the replica - 1)."""
+
+    step_s: float  # seconds per step, whatever its batch
+    per_sequence_s: float = 0.0  # seconds per sequence in the step
+    per_worker_s: float = 0.0  # seconds per further rank (worker process) of the model replica
+
+
+@dataclass(frozen=True)
 class DeviceSpec:
     """One accelerator (or one CPU process). All values SI."""
 
@@ -229,6 +244,9 @@ class DeviceSpec:
     # Optional (None: a split-cache decode kernel, priced by bandwidth alone): the decode step's
     # attention kernel runs one block per (sequence, query head) (`DecodeAttentionSpec`)
     decode_attention: DecodeAttentionSpec | None = None
+    # Optional (None: no host work between steps is priced): the serving engine's host work per
+    # prefill or decode step (`ServingHostSpec`)
+    serving_host: ServingHostSpec | None = None
 
 
 CALIBRATED_SPEC_NAME = "local-calibrated"  # the name of a spec written by `planner calibrate`
@@ -460,6 +478,10 @@ _EXPECT = {
     "causal_half_seq": "a number of tokens >= 0 (the same under a causal mask), e.g. 1100",
     "backward_time_factor": "a number > 0 (attention backward time / forward time), e.g. 3.2",
     "decode_attention": "a mapping {sms: ..., block_share: ...} (a decode attention kernel of one block per sequence and head)",
+    "serving_host": "a mapping {step_us: ..., per_sequence_us: ..., per_worker_us: ...} (a serving engine's host work per step)",
+    "step_us": "a number in µs >= 0 (the serving engine's host work per step), e.g. 1000",
+    "per_sequence_us": "a number in µs >= 0 (the same, per sequence in the step), e.g. 40",
+    "per_worker_us": "a number in µs >= 0 (the same, per further rank of a model replica), e.g. 300",
     "block_share": "a number > 0 (one decode attention block's rate / the per-SM share of the memory bandwidth), e.g. 1",
     "bf16": "a number in TFLOP/s > 0",
     "fp16": "a number in TFLOP/s > 0",
@@ -470,6 +492,9 @@ _EXPECT = {
 # Python's fixed cost of one op or one optimizer tensor: ~1 us (a fast core, one op) to ~1 ms (a
 # slow core's whole per-tensor Adam loop); a figure outside is most likely a unit slip (ms or s for us)
 _PLAUSIBLE_DISPATCH_US = (0.1, 1e4)
+# a serving engine's host work per step: ~10 us (a C++ runtime's loop) to ~100 ms (a Python engine on a
+# slow host at a large batch); seconds typed as us are far above it
+_PLAUSIBLE_HOST_US = (1.0, 1e5)
 # Adam's step per parameter: ~0.01 ns on a GPU (fused, 28 B at 3 TB/s) to ~10 ns on a slow CPU core
 _PLAUSIBLE_ADAM_NS = (1e-3, 1e3)
 _SCIENTIFIC = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")  # 1e9, 1.2e1, 1e+9, .5e-3
@@ -533,6 +558,7 @@ def _parse_device(r: _Reader, raw: Any) -> DeviceSpec:
             "gemm",
             "attention",
             "decode_attention",
+            "serving_host",
         ),
     )
     for rate in ("adam_large_tensor_ns_per_param", "adam_cached_ns_per_param"):
@@ -640,6 +666,7 @@ def _parse_device(r: _Reader, raw: Any) -> DeviceSpec:
         decode_attention=None
         if (decode := d.get("decode_attention")) is None
         else _parse_decode_attention(r, decode),
+        serving_host=None if (host := d.get("serving_host")) is None else _parse_serving_host(r, host),
     )
 
 
@@ -687,6 +714,25 @@ def _parse_decode_attention(r: _Reader, raw: Any) -> DecodeAttentionSpec:
         )
     return DecodeAttentionSpec(
         sms=sms, block_share=r.number(d["block_share"], f"{path}.block_share", "x", "1")
+    )
+
+
+def _parse_serving_host(r: _Reader, raw: Any) -> ServingHostSpec:
+    path = "device.serving_host"
+    d = r.mapping(raw, path, ("step_us",), ("per_sequence_us", "per_worker_us"))
+
+    def us(key: str, example: str) -> float:
+        if key not in d:
+            return 0.0
+        return (
+            r.number(d[key], f"{path}.{key}", "µs", example, allow_zero=True, plausible=_PLAUSIBLE_HOST_US)
+            * _US
+        )
+
+    return ServingHostSpec(
+        step_s=us("step_us", "1000"),
+        per_sequence_s=us("per_sequence_us", "40"),
+        per_worker_s=us("per_worker_us", "300"),
     )
 
 
@@ -1142,8 +1188,17 @@ def cluster_to_dict(spec: ClusterSpec) -> dict:
                     }
                 }
             ),
+            **({} if dev.serving_host is None else {"serving_host": _serving_host_to_dict(dev.serving_host)}),
         },
         "links": links,
+    }
+
+
+def _serving_host_to_dict(h: ServingHostSpec) -> dict:
+    return {
+        "step_us": _human(h.step_s / _US),
+        "per_sequence_us": _human(h.per_sequence_s / _US),
+        "per_worker_us": _human(h.per_worker_s / _US),
     }
 
 

@@ -145,3 +145,20 @@ def test_llm_inference_bench_rows_read_as_published() -> None:
     for r in rows:
         assert r.throughput == pytest.approx(r.batch * 2 * r.length / r.latency_s, rel=1e-6), r
         assert r.latency_s > bench.engine_floor_s(r), r
+
+
+@pytest.mark.slow
+def test_vllm_host_work_closes_the_rows_it_was_fitted_to() -> None:
+    """bench/serving.py's vLLM 0.5 host work per step (`vllm_serving_host`) is solved from three rows in
+    closed form; priced through the cluster spec (`device.serving_host`) each of those rows then
+    matches its published time, and `host_s` is what the spec adds to a request: the bench's algebra
+    and the planner's costing agree."""
+    bench = _serving_bench()
+    host = bench.vllm_serving_host()
+    assert host.step_s > 0 and host.per_sequence_s > 0 and host.per_worker_s > 0
+    for model, tp, batch, length in bench.VLLM_FIT:
+        row = bench._fit_rows("vLLM", model, tp, batch, length)
+        args = (row.model, row.config, row.cluster, row.tp, row.batch, row.length)
+        without, with_host = bench.engine_request(*args, None), bench.engine_request(*args, None, host)
+        assert with_host - without == pytest.approx(bench.host_s(row, host), rel=1e-6)
+        assert with_host == pytest.approx(row.latency_s, rel=1e-3)

@@ -1603,6 +1603,18 @@ def layer_projection_ops(layer: Layer) -> dict[str, Projection]:
     return out
 
 
+def serving_host_time_s(ctx: CostContext) -> float:
+    """The serving engine's host work in one step (micro-batch) of an inference plan, in seconds
+    (`costmodels.cluster.ServingHostSpec`, the cluster YAML's ``device.serving_host``): its fixed part,
+    its part per sequence of the micro-batch (per data-parallel replica) and its part per further rank
+    (worker) of the model replica (TP x PP). 0 for training and without the field."""
+    host = ctx.cluster.device.serving_host
+    if host is None or ctx.train or ctx.workload.kind not in (Workload.DECODE, Workload.FORWARD):
+        return 0.0
+    workers = ctx.mesh.tp * ctx.mesh.pp - 1
+    return host.step_s + host.per_sequence_s * ctx.sequences_per_micro_batch + host.per_worker_s * workers
+
+
 def build_ends_graph(ctx: CostContext) -> LayerGraph:
     """Embedding (first stage) and final norm + LM head (last stage); tied weights share a choice."""
     s = ctx.structure
@@ -1689,6 +1701,7 @@ def build_ends_graph(ctx: CostContext) -> LayerGraph:
         ops.append(Op("lm_head", "head", options, [], logits_bytes, head.weight, head, excluded))
     if ctx.workload.kind is Workload.DECODE and ctx.cluster.device.decode_host_s:
         fixed += ctx.cluster.device.decode_host_s  # the serving loop's host work around the graph
+    fixed += serving_host_time_s(ctx)
     if ctx.cp > 1 and ctx.train:  # the loss on the rank's tokens: one all-reduce of a scalar (`runtime.loss`)
         fixed += all_reduce_time_s(4.0, ctx.cp_group(), ctx.cluster) + ctx.node_overhead_time(1)
     elif ctx.cp > 1:  # the outputs gathered whole (`passes.cp_lower`)
