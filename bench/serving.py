@@ -44,9 +44,13 @@
     engine rows of (c): a cache of L + L/2 tokens, request time TTFT + (L-1) x TPOT. A row whose whole
     request (cache 2L) does not fit the planner's memory is shown refused with the planner's reason.
     The Llama-3-8B rows are priced a second time with fused GQA (bench/llama3_8b_kv_fused.py), as the
-    engines attend; examples/llama3_8b_kv.py repeats the KV heads as gpt-fast does. As in (c), a last
-    set of medians adds each configuration's batch-1 residual (the engine's own cost per request) to
-    its batch 16 / 32 / 64 predictions (`engine_step_cost`).
+    engines attend; examples/llama3_8b_kv.py repeats the KV heads as gpt-fast does. Each engine is
+    priced with what its version runs, given as a user gives it in the cluster YAML: TensorRT-LLM 0.11's
+    decode attention kernel and host work per step (`trt_llm_profile`, two rows), vLLM 0.5's host work
+    per step, per sequence and per TP worker (`vllm_serving_host`, three rows); every other row is held
+    out, and each row's error is printed a second time without the host work. As in (c), a last set of
+    medians adds each configuration's batch-1 residual (the engine's own cost per request) to its
+    batch 16 / 32 / 64 predictions (`engine_step_cost`).
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ sys.path.insert(0, str(ROOT))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from costmodels.cluster import DecodeAttentionSpec  # noqa: E402
+from costmodels.cluster import DecodeAttentionSpec, ServingHostSpec  # noqa: E402
 from planner.cli import workflow  # noqa: E402
 from planner.errors import InfeasibleError  # noqa: E402
 from planner.solver.problem import Constraints  # noqa: E402
@@ -252,16 +256,21 @@ def floor_s(row: Published) -> float:
 
 
 def plan(model: str, cluster: str | None, tp: int, ladder: str = "none", workload: str = "decode",
-         attention_kernel: str = "fused", decode_kernel: DecodeAttentionSpec | None = None, **kw):  # fmt: skip
+         attention_kernel: str = "fused", decode_kernel: DecodeAttentionSpec | None = None,
+         serving_host: ServingHostSpec | None = None, **kw):  # fmt: skip
     """The plan of `model` on `cluster` (None: this machine's calibrated spec) at TP=`tp`."""
-    return planned(model, cluster, tp, ladder, workload, attention_kernel, decode_kernel, **kw)[0]
+    return planned(model, cluster, tp, ladder, workload, attention_kernel, decode_kernel, serving_host, **kw)[
+        0
+    ]
 
 
 def planned(model: str, cluster: str | None, tp: int, ladder: str = "none", workload: str = "decode",
-            attention_kernel: str = "fused", decode_kernel: DecodeAttentionSpec | None = None, **kw):  # fmt: skip
+            attention_kernel: str = "fused", decode_kernel: DecodeAttentionSpec | None = None,
+            serving_host: ServingHostSpec | None = None, **kw):  # fmt: skip
     """(plan, the prepared model, the spec it was priced with). `decode_kernel`: the engine's decode
     attention kernel of one block per (sequence, query head) in place of the preset's
-    (`DeviceSpec.decode_attention`; None: the preset's)."""
+    (`DeviceSpec.decode_attention`; None: the preset's); `serving_host`: the engine's host work per
+    step (`DeviceSpec.serving_host`; None: the preset's, none)."""
     prepared = workflow.prepare(str(ROOT / model), workload, **kw)
     spec = workflow.resolve_cluster(cluster, tp)
     if attention_kernel != spec.attention_kernel:
@@ -270,6 +279,8 @@ def planned(model: str, cluster: str | None, tp: int, ladder: str = "none", work
         spec = dataclasses.replace(
             spec, device=dataclasses.replace(spec.device, decode_attention=decode_kernel)
         )
+    if serving_host is not None:
+        spec = dataclasses.replace(spec, device=dataclasses.replace(spec.device, serving_host=serving_host))
     constraints = workflow.constraints_from(tp, 1, 1, ladder, max_devices=tp)
     return workflow.make_plan(prepared, spec, constraints, model), prepared, spec
 
@@ -456,7 +467,7 @@ def _kv_cache_bytes_per_device(config_name: str, tp: int, batch: int, positions:
 @functools.cache
 def engine_request(
     model: str, config: str, cluster: str, tp: int, batch: int, length: int,
-    decode_kernel: DecodeAttentionSpec | None = None,
+    decode_kernel: DecodeAttentionSpec | None = None, serving_host: ServingHostSpec | None = None,
 ) -> float | str:  # fmt: skip
     """The planner's time for one batch of an engine row, in seconds, or why it refuses the request.
 
@@ -464,10 +475,10 @@ def engine_request(
     cache of the mean filled length), TTFT + (length - 1) x TPOT. The memory of the whole request is
     that plan's peak plus the cache of the other length / 2 positions; when it is over the usable
     memory, the request itself is planned (generate, `length` new tokens) for the planner's own reason.
-    `decode_kernel`: the engine's decode attention kernel (`planned`; None: the preset's)."""
-    kw = dict(
-        workload="generate", seq_len=length, batch_size=batch, dtype="fp16", decode_kernel=decode_kernel
-    )
+    `decode_kernel`, `serving_host`: the engine's decode attention kernel and host work per step
+    (`planned`; None: the preset's)."""
+    kw = dict(workload="generate", seq_len=length, batch_size=batch, dtype="fp16", decode_kernel=decode_kernel,
+              serving_host=serving_host)  # fmt: skip
     try:
         p = plan(model if model.startswith("bench/") else f"examples/{model}.py", cluster, tp,
                  new_tokens=max(1, length // 2), **kw)  # fmt: skip
@@ -490,39 +501,82 @@ def engine_request(
 # masked multi-head attention runs one thread block per (sequence, query head) and never splits the
 # cache; at batch 1 a TP rank's 32 / TP blocks use a few of the H100's 132 SMs (NVIDIA H100 datasheet)
 TRT_LLM_SMS = 132
-# the rows its one free number, the block's share of the per-SM bandwidth, is fitted to: Llama-2-7B at
-# TP1 and batch 1, the shortest and longest requests (the other rows are held out)
+# the rows its two free numbers, the block's share of the per-SM bandwidth and the engine's host work
+# per step, are fitted to: Llama-2-7B at TP1 and batch 1, the shortest and longest requests (every other
+# row is held out)
 TRT_LLM_FIT_LENGTHS = (128, 2048)
 
 
+def _fit_rows(framework: str, model: str, tp: int, batch: int, length: int) -> EngineRow:
+    (row,) = [r for r in engine_rows() if (r.framework, r.model, r.tp, r.batch, r.length)
+              == (framework, model, tp, batch, length)]  # fmt: skip
+    return row
+
+
+def _host_per_step_s(row: EngineRow, kernel: DecodeAttentionSpec | None) -> float:
+    """(published - predicted request time without host work) / the request's steps (its prefill and
+    L - 1 decode steps), in seconds: the host work per step that would close the row."""
+    predicted = engine_request(row.model, row.config, row.cluster, row.tp, row.batch, row.length, kernel)
+    assert not isinstance(predicted, str), predicted
+    return (row.latency_s - predicted) / row.length
+
+
 @functools.cache
-def trt_llm_decode_kernel() -> DecodeAttentionSpec:
-    """TensorRT-LLM 0.11's decode attention (`DeviceSpec.decode_attention`, 132 SMs) with the
-    block_share at which the predicted request time grows from 128/128 to 2048/2048 as the published
-    one does (Llama-2-7B, TP1, batch 1: what a longer cache adds per step, whatever the engine's fixed
-    cost per step), by bisection on a log scale."""
-    rows = {r.length: r for r in engine_rows() if r.framework == "TensorRT-LLM" and r.model == "llama2_7b_kv"
-            and r.tp == 1 and r.batch == 1 and r.length in TRT_LLM_FIT_LENGTHS}  # fmt: skip
-    short, long_ = (rows[n] for n in TRT_LLM_FIT_LENGTHS)
+def trt_llm_profile() -> tuple[DecodeAttentionSpec, ServingHostSpec]:
+    """TensorRT-LLM 0.11's decode attention (`DeviceSpec.decode_attention`, 132 SMs) and its host work
+    per step (`DeviceSpec.serving_host`, a fixed part only), fitted together to Llama-2-7B, TP1, batch 1,
+    128/128 and 2048/2048: for a block_share, the step cost that closes the short row; the share at
+    which that step cost also closes the long row (a slower block lengthens the long request more), by
+    bisection on a log scale."""
+    short, long_ = (_fit_rows("TensorRT-LLM", "llama2_7b_kv", 1, 1, n) for n in TRT_LLM_FIT_LENGTHS)
 
-    def growth_gap(share: float) -> float:  # predicted growth / published growth - 1
+    def long_gap(share: float) -> float:  # predicted / published long request - 1, at the short row's step
         kernel = DecodeAttentionSpec(TRT_LLM_SMS, share)
-        t = {r.length: engine_request(r.model, r.config, r.cluster, r.tp, r.batch, r.length, kernel)
-             for r in (short, long_)}  # fmt: skip
-        return (t[long_.length] / t[short.length]) / (long_.latency_s / short.latency_s) - 1
+        step_s = _host_per_step_s(short, kernel)
+        return (long_.latency_s - _host_per_step_s(long_, kernel) * long_.length + step_s * long_.length) / (
+            long_.latency_s
+        ) - 1
 
-    lo, hi = 0.25, 16.0  # a smaller share: slower blocks, more growth
+    lo, hi = 0.25, 16.0  # a smaller share: slower blocks, a slower long request
     for _ in range(16):
         mid = (lo * hi) ** 0.5
-        lo, hi = (mid, hi) if growth_gap(mid) > 0 else (lo, mid)
-    return DecodeAttentionSpec(TRT_LLM_SMS, round((lo * hi) ** 0.5, 3))
+        lo, hi = (mid, hi) if long_gap(mid) > 0 else (lo, mid)
+    kernel = DecodeAttentionSpec(TRT_LLM_SMS, round((lo * hi) ** 0.5, 3))
+    return kernel, ServingHostSpec(round(_host_per_step_s(short, kernel), 6))
 
 
-def _engine_kernel(row: EngineRow) -> DecodeAttentionSpec | None:
-    """The decode attention kernel a row's engine ran: TensorRT-LLM's (`trt_llm_decode_kernel`); None
-    (the preset's: dgx-h100 has none, a cache-splitting kernel) for vLLM, whose PagedAttention V2 splits
-    the cache into 512-token partitions for the contexts where it matters."""
-    return trt_llm_decode_kernel() if row.framework == "TensorRT-LLM" else None
+# vLLM 0.5 (LLM-Inference-Bench's vLLM/H100 scripts import vllm.inputs.PromptInputs and
+# FlexibleArgumentParser, both of the 0.5 line): its host work per step, fitted to three Llama-2-7B
+# 128/128 rows (TP1 batch 1, TP1 batch 64: the fixed and per-sequence parts; TP2 batch 1: the part per
+# further worker); every other row is held out. vLLM's v0.6.0 performance post (blog.vllm.ai,
+# 2024-09-05) measured 0.5.3's scheduling and input preparation at 29% of its time on Llama-3-8B / H100.
+VLLM_FIT = (("llama2_7b_kv", 1, 1, 128), ("llama2_7b_kv", 1, 64, 128), ("llama2_7b_kv", 2, 1, 128))
+
+
+@functools.cache
+def vllm_serving_host() -> ServingHostSpec:
+    """vLLM 0.5's host work per step (`DeviceSpec.serving_host`) from `VLLM_FIT`, solved exactly: the
+    request time is linear in the three numbers (each of a request's L steps pays them)."""
+    one, wide, tp2 = (_host_per_step_s(_fit_rows("vLLM", *key), None) for key in VLLM_FIT)
+    batch = VLLM_FIT[1][2]
+    per_sequence_s = (wide - one) / (batch - 1)
+    step_s = one - per_sequence_s
+    return ServingHostSpec(round(step_s, 6), round(per_sequence_s, 7), round(tp2 - one, 6))
+
+
+def _engine_profile(row: EngineRow) -> tuple[DecodeAttentionSpec | None, ServingHostSpec]:
+    """The decode attention kernel and host work per step of a row's engine: TensorRT-LLM's
+    (`trt_llm_profile`); for vLLM, the preset's kernel (dgx-h100 has none: a cache-splitting kernel, as
+    PagedAttention V2 splits the cache into 512-token partitions for the contexts where it matters) and
+    `vllm_serving_host`."""
+    if row.framework == "TensorRT-LLM":
+        return trt_llm_profile()
+    return None, vllm_serving_host()
+
+
+def host_s(row: EngineRow, host: ServingHostSpec) -> float:
+    """What `host` adds to a row's request, in seconds: L steps (the prefill and L - 1 decode steps)."""
+    return row.length * (host.step_s + host.per_sequence_s * row.batch + host.per_worker_s * (row.tp - 1))
 
 
 def _refusal(reason: str) -> str:
@@ -549,19 +603,22 @@ def llm_inference_bench(console: Console) -> None:
         "throughput = batch x (in + out) / latency"
     )
     for col in ("model", "framework", "GPU", "TP", "batch", "in/out", "published tok/s", "predicted tok/s",
-                "error", "8B fused GQA: tok/s (error)"):  # fmt: skip
+                "error", "without host work", "8B fused GQA: tok/s (error)"):  # fmt: skip
         table.add_column(col, justify="right")
     errors: list[tuple[float, EngineRow]] = []
+    hostless: list[tuple[float, EngineRow]] = []  # the same rows without the engine's host work
     fused_errors: dict[int, list[float]] = {}
     refused = []
     for row in rows:
-        kernel = _engine_kernel(row)
-        seconds = engine_request(row.model, row.config, row.cluster, row.tp, row.batch, row.length, kernel)
+        kernel, host = _engine_profile(row)
+        seconds = engine_request(
+            row.model, row.config, row.cluster, row.tp, row.batch, row.length, kernel, host
+        )
         tokens = row.batch * 2 * row.length
-        fused_text = "-"
+        fused_text, hostless_text = "-", "-"
         if row.model in _FUSED_VARIANT:
             fused = engine_request(_FUSED_VARIANT[row.model], row.config, row.cluster, row.tp, row.batch,
-                                   row.length, kernel)  # fmt: skip
+                                   row.length, kernel, host)  # fmt: skip
             if isinstance(fused, str):
                 fused_text = "refused"
             else:
@@ -575,45 +632,33 @@ def llm_inference_bench(console: Console) -> None:
             err = row.latency_s / seconds - 1  # predicted throughput / published - 1
             errors.append((err, row))
             pred_text, err_text = f"{tokens / seconds:.0f}", f"{err:+.0%}"
+            hostless.append((row.latency_s / (seconds - host_s(row, host)) - 1, row))
+            hostless_text = f"{hostless[-1][0]:+.0%}"
         table.add_row(row.label, row.framework, row.gpu, str(row.tp), str(row.batch), f"{row.length}/{row.length}",
-                      f"{row.throughput:.0f}", pred_text, err_text, fused_text)  # fmt: skip
+                      f"{row.throughput:.0f}", pred_text, err_text, hostless_text, fused_text)  # fmt: skip
     console.print(table)
     console.print(
         f"Source: {LLM_INFERENCE_BENCH_URL}; error = predicted / published throughput - 1 (+: faster)"
     )
-    trt = trt_llm_decode_kernel()
+    trt, trt_host = trt_llm_profile()
+    vllm_host = vllm_serving_host()
     console.print(
         f"TensorRT-LLM 0.11 rows: decode attention of one block per (sequence, query head), {trt.sms} SMs, "
         f"block_share {trt.block_share:g} (a block streams {trt.block_share:g}x the per-SM share of the "
-        f"bandwidth), fitted to Llama-2-7B TP1 batch 1 {TRT_LLM_FIT_LENGTHS[0]}/{TRT_LLM_FIT_LENGTHS[0]} and "
-        f"{TRT_LLM_FIT_LENGTHS[1]}/{TRT_LLM_FIT_LENGTHS[1]}; vLLM rows: a cache-splitting kernel (the preset's)"
+        f"bandwidth), and host work of {trt_host.step_s * 1e6:.0f} us per step, both fitted to Llama-2-7B TP1 "
+        f"batch 1 {TRT_LLM_FIT_LENGTHS[0]}/{TRT_LLM_FIT_LENGTHS[0]} and {TRT_LLM_FIT_LENGTHS[1]}/"
+        f"{TRT_LLM_FIT_LENGTHS[1]}. vLLM 0.5 rows: a cache-splitting kernel (the preset's) and host work per "
+        f"step of {vllm_host.step_s * 1e6:.0f} us + {vllm_host.per_sequence_s * 1e6:.1f} us per sequence + "
+        f"{vllm_host.per_worker_s * 1e6:.0f} us per further TP worker, fitted to Llama-2-7B 128/128 at TP1 "
+        "batch 1, TP1 batch 64 and TP2 batch 1. Every other row is held out."
     )
-    by_batch: dict[int, list[float]] = {}
-    by_batch_kind: dict[tuple[int, str], list[float]] = {}
-    for err, row in errors:
-        by_batch.setdefault(row.batch, []).append(abs(err))
-        by_batch_kind.setdefault((row.batch, row.framework), []).append(abs(err))
-    frameworks = sorted({row.framework for row in rows})
-    for batch in sorted(by_batch):
-        parts = [f"batch {batch:>2}: median |error| {statistics.median(by_batch[batch]):.0%} over "
-                 f"{len(by_batch[batch])} rows"]  # fmt: skip
-        parts += [
-            f"{fw} {statistics.median(by_batch_kind[batch, fw]):.0%}"
-            for fw in frameworks
-            if (batch, fw) in by_batch_kind
-        ]
-        n_refused = sum(1 for row, _ in refused if row.batch == batch)
-        if n_refused:
-            parts.append(f"{n_refused} refused")
-        console.print("; ".join(parts))
-    all_errors = [abs(err) for err, _ in errors]
-    console.print(f"all batches: median |error| {statistics.median(all_errors):.0%} over {len(all_errors)} rows "
-                  f"({len(refused)} refused)")  # fmt: skip
+    _medians(console, errors, refused, "")
+    _medians(console, hostless, [], "without the engines' host work: ")
     # the same medians with the Llama-3-8B rows priced with fused GQA, as the engines attend
     fused_by_batch = {
         batch: [abs(e) for e, row in errors if row.batch == batch and row.model not in _FUSED_VARIANT]
         + [abs(e) for e in fused_errors.get(batch, [])]
-        for batch in by_batch
+        for batch in sorted({row.batch for _, row in errors})
     }
     console.print(
         "with the Llama-3-8B rows priced with fused GQA: "
@@ -635,6 +680,31 @@ def llm_inference_bench(console: Console) -> None:
             f"\n  {r.label} {r.framework} TP{r.tp} batch {r.batch} {r.length}/{r.length}" for r in below
         )
     )
+
+
+def _medians(console: Console, errors: list[tuple[float, EngineRow]], refused: list, lead: str) -> None:
+    """Median |error| per batch size, over all rows and per engine."""
+    by_batch: dict[int, list[float]] = {}
+    by_batch_kind: dict[tuple[int, str], list[float]] = {}
+    for err, row in errors:
+        by_batch.setdefault(row.batch, []).append(abs(err))
+        by_batch_kind.setdefault((row.batch, row.framework), []).append(abs(err))
+    frameworks = sorted({row.framework for _, row in errors})
+    for batch in sorted(by_batch):
+        parts = [f"{lead}batch {batch:>2}: median |error| {statistics.median(by_batch[batch]):.0%} over "
+                 f"{len(by_batch[batch])} rows"]  # fmt: skip
+        parts += [
+            f"{fw} {statistics.median(by_batch_kind[batch, fw]):.0%}"
+            for fw in frameworks
+            if (batch, fw) in by_batch_kind
+        ]
+        n_refused = sum(1 for row, _ in refused if row.batch == batch)
+        if n_refused:
+            parts.append(f"{n_refused} refused")
+        console.print("; ".join(parts))
+    all_errors = [abs(err) for err, _ in errors]
+    console.print(f"{lead}all batches: median |error| {statistics.median(all_errors):.0%} over {len(all_errors)} "
+                  f"rows ({len(refused)} refused)")  # fmt: skip
 
 
 def engine_step_cost(console: Console, errors: list[tuple[float, EngineRow]]) -> None:
