@@ -385,7 +385,8 @@ def free_port() -> int:
 
 # imported once by the fork server, so each rank starts without importing torch again (a spawned
 # rank imported it for ~2 s; on a 2-core machine the ranks of a launch did so side by side)
-_PRELOAD = ("torch", "torch.distributed", "runtime.execute")
+# and then warms torch.export once (`runtime.warm`: ~1.5 s of each rank's first capture)
+_PRELOAD = ("torch", "torch.distributed", "runtime.execute", "runtime.warm")
 
 
 def _context() -> Any:
