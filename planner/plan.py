@@ -234,6 +234,8 @@ class Prediction:
     per_stage: list[StageCost] = field(default_factory=list)
     grad_sync_s: float = 0.0
     optimizer_s: float = 0.0
+    # of compute_s: the serving engine's host work in the step (the cluster's `device.serving_host`)
+    serving_host_s: float = 0.0
     # FLOP of one step's math on the whole model (training: forward + backward; recomputation not
     # counted; attention causal), and the devices it runs on: model FLOP/s per device =
     # model_flops / latency_s / num_devices (0: not priced)

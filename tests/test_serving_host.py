@@ -73,3 +73,41 @@ def test_yaml_round_trip_and_errors_name_the_field() -> None:
         bad = {**data, "device": {**data["device"], "serving_host": raw}}
         with pytest.raises(SpecError, match=message):
             parse_cluster(bad, "spec.yaml")
+
+
+def test_the_plan_names_the_host_work_it_priced(tmp_path) -> None:
+    """The prediction records the host work it holds (`Prediction.serving_host_s`, in compute), a saved
+    plan keeps it, and `planner optimize` says it beside the compute it is part of."""
+    import json  # noqa: PLC0415
+
+    import yaml  # noqa: PLC0415
+
+    from planner.cli.render import fmt_s  # noqa: PLC0415
+    from planner.plan import Plan  # noqa: PLC0415
+    from tests.cli_in_process import planner_in_process  # noqa: PLC0415
+
+    structure = analysed_llama("8b")
+    work = WorkloadSpec("decode", 16, 1, context=1024, dtype="bf16")
+    plan = plan_model(structure, _with_host(HOST), work, Constraints(tp=2, pp=1, dp=1, max_devices=2))
+    expected = HOST.step_s + 16 * HOST.per_sequence_s + HOST.per_worker_s
+    assert plan.predicted.serving_host_s == pytest.approx(expected)
+    assert plan.predicted.compute_s > plan.predicted.serving_host_s
+    assert Plan.from_dict(plan.to_dict()).predicted.serving_host_s == pytest.approx(expected)
+    assert (
+        plan_model(
+            structure, _with_host(None), work, Constraints(tp=2, pp=1, dp=1, max_devices=2)
+        ).predicted.serving_host_s
+        == 0
+    )
+    spec = tmp_path / "h100-engine.yaml"
+    spec.write_text(yaml.safe_dump(cluster_to_dict(_with_host(HOST))))
+    r = planner_in_process(
+        "optimize", "examples/llama3_kv.py", "--cluster", str(spec), "--workload", "decode", "--context", "64",
+        "--batch-size", "4", "--tp", "2", "--devices", "2", "--json", str(tmp_path / "r.json"),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    said = " ".join(r.stdout.split())
+    host_s = HOST.step_s + 4 * HOST.per_sequence_s + HOST.per_worker_s
+    assert f"incl. the serving engine's host work {fmt_s(host_s)}" in said, said
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["predicted"]["serving_host_s"] == pytest.approx(host_s)

@@ -193,6 +193,8 @@ def render_plan(console: Console, plan: Plan) -> None:
         else ""
     )
     sync = f" incl. DP gradient sync {fmt_s(p.grad_sync_s)}" if p.grad_sync_s else ""
+    if p.serving_host_s:  # device.serving_host
+        opt += f" incl. the serving engine's host work {fmt_s(p.serving_host_s)}"
     console.print(
         f"Predicted {what} latency: [bold]{fmt_s(p.latency_s)}[/bold] "
         f"(compute {fmt_s(p.compute_s)}{opt}, exposed comm {fmt_s(p.exposed_comm_s)}{sync}, overlapped {fmt_s(p.overlapped_comm_s)}, "

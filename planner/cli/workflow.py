@@ -1256,6 +1256,7 @@ def report_dict(
             "exposed_comm_s": p.exposed_comm_s,
             "overlapped_comm_s": p.overlapped_comm_s,
             "bubble_s": p.bubble_s,
+            "serving_host_s": p.serving_host_s,
         },
         "baseline": {
             "latency_s": plan.baseline.latency_s if plan.baseline else None,

@@ -30,6 +30,7 @@ from planner.solver.costing import (
     in_flight_micro_batches,
     optimizer_step_time_s,
     recompute_input_bytes,
+    serving_host_time_s,
     stage_p2p_time_s,
     step_time_s,
     stream_conversion_time_s,
@@ -238,6 +239,7 @@ def predict(tables: CostTables, assignment: Assignment) -> PricedAssignment:
         ],
         grad_sync_s=tail_comm,
         optimizer_s=tail_compute,
+        serving_host_s=m * serving_host_time_s(ctx),
     )
     prediction.model_flops = model_flops(tables)
     prediction.num_devices = mesh.num_devices
