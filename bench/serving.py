@@ -513,12 +513,17 @@ def _fit_rows(framework: str, model: str, tp: int, batch: int, length: int) -> E
     return row
 
 
+def _predicted_s(row: EngineRow, kernel: DecodeAttentionSpec | None) -> float:
+    """A fit row's predicted request time without host work, in seconds (every fit row fits memory)."""
+    predicted = engine_request(row.model, row.config, row.cluster, row.tp, row.batch, row.length, kernel)
+    assert not isinstance(predicted, str), predicted
+    return predicted
+
+
 def _host_per_step_s(row: EngineRow, kernel: DecodeAttentionSpec | None) -> float:
     """(published - predicted request time without host work) / the request's steps (its prefill and
     L - 1 decode steps), in seconds: the host work per step that would close the row."""
-    predicted = engine_request(row.model, row.config, row.cluster, row.tp, row.batch, row.length, kernel)
-    assert not isinstance(predicted, str), predicted
-    return (row.latency_s - predicted) / row.length
+    return (row.latency_s - _predicted_s(row, kernel)) / row.length
 
 
 @functools.cache
@@ -533,9 +538,7 @@ def trt_llm_profile() -> tuple[DecodeAttentionSpec, ServingHostSpec]:
     def long_gap(share: float) -> float:  # predicted / published long request - 1, at the short row's step
         kernel = DecodeAttentionSpec(TRT_LLM_SMS, share)
         step_s = _host_per_step_s(short, kernel)
-        return (long_.latency_s - _host_per_step_s(long_, kernel) * long_.length + step_s * long_.length) / (
-            long_.latency_s
-        ) - 1
+        return (_predicted_s(long_, kernel) + step_s * long_.length) / long_.latency_s - 1
 
     lo, hi = 0.25, 16.0  # a smaller share: slower blocks, a slower long request
     for _ in range(16):
@@ -576,7 +579,7 @@ def _engine_profile(row: EngineRow) -> tuple[DecodeAttentionSpec | None, Serving
 
 def host_s(row: EngineRow, host: ServingHostSpec) -> float:
     """What `host` adds to a row's request, in seconds: L steps (the prefill and L - 1 decode steps)."""
-    return row.length * (host.step_s + host.per_sequence_s * row.batch + host.per_worker_s * (row.tp - 1))
+    return row.length * host.time_s(row.batch, row.tp)
 
 
 def _refusal(reason: str) -> str:

@@ -150,6 +150,10 @@ class ServingHostSpec:
     per_sequence_s: float = 0.0  # seconds per sequence in the step
     per_worker_s: float = 0.0  # seconds per further rank (worker process) of the model replica
 
+    def time_s(self, sequences: float, ranks: int) -> float:
+        """Seconds of host work in a step of `sequences` sequences on a replica of `ranks` ranks."""
+        return self.step_s + self.per_sequence_s * sequences + self.per_worker_s * (ranks - 1)
+
 
 @dataclass(frozen=True)
 class DeviceSpec:

@@ -1611,8 +1611,7 @@ def serving_host_time_s(ctx: CostContext) -> float:
     host = ctx.cluster.device.serving_host
     if host is None or ctx.train or ctx.workload.kind not in (Workload.DECODE, Workload.FORWARD):
         return 0.0
-    workers = ctx.mesh.tp * ctx.mesh.pp - 1
-    return host.step_s + host.per_sequence_s * ctx.sequences_per_micro_batch + host.per_worker_s * workers
+    return host.time_s(ctx.sequences_per_micro_batch, ctx.mesh.tp * ctx.mesh.pp)
 
 
 def build_ends_graph(ctx: CostContext) -> LayerGraph:
