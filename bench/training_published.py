@@ -1,7 +1,7 @@
 """Predicted vs published training steps, side by side: Megatron-Core's weak-scaling table, the
 Narayanan et al. 2021 rows and the Llama-3-405B run.
 
-    python bench/training_published.py [--only megatron|narayanan|405b]
+    python bench/training_published.py [--only megatron|narayanan|405b|te-layer]
 
 (a) Megatron-Core r0.8 README, weak-scaling table (`images/model_table.png`; NVIDIA/Megatron-LM at
     core_r0.8.0): GPT models on H100 SXM (h100-ib-2048node), bf16, sequence 4,096, vocabulary 131,072,
@@ -16,6 +16,19 @@ Narayanan et al. 2021 rows and the Llama-3-405B run.
 (c) Llama-3-405B (Dubey et al. 2024, Table 4): 16,384 H100s, TP8 PP16 DP128, 16M tokens per step,
     400 TFLOP/s per GPU; the published step is the plan's own model FLOP count (`Prediction.model_flops`,
     6 N T plus causal attention) over 400 TFLOP/s x 16,384.
+(d) One GPT-3 175B layer (hidden 12,288, 96 heads, 4h MLP) as Transformer Engine's
+    `te.TransformerLayer` runs it on 8 H100 SXM 80GB (dgx-h100), TP 8, batch 1 x 2,048 tokens, bf16,
+    collectives not overlapped, timed by NVIDIA/Fuser's `tests/python/test_transformer_engine.py` and
+    published in its pull requests: forward with TP 2.4966 ms (median of 5, NVIDIA/Fuser#3591), forward
+    with sequence parallelism 2.5 ms (NVIDIA/Fuser#5560) and backward with it 4.58 ms
+    (NVIDIA/Fuser#5667), and the forward's kernels under nsys (NVIDIA/Fuser#4844): the four GEMMs
+    109.7 + 384.7 + 401.2 + 288.4 us (the 109.7 us one is the output projection, a quarter of the
+    others' FLOPs). Priced: the layer of a GPT of that shape pinned to the same layout (per layer:
+    `Prediction.per_layer`, compute and exposed communication) and each forward GEMM at its shape
+    (`costmodels.compute.op_time_s`, without the launch, as nsys times kernels). It tells apart the
+    GEMM prices (which the kernel times check) from the rest of a layer (collectives, norms,
+    elementwise ops and TE's defaults the priced GPT lacks: dropout 0.1 after attention and MLP and on
+    the attention probabilities) without a GPU here.
 
 Each table gives per row predicted and published step and the error (predicted / published - 1:
 negative = predicted too fast), then its median |error| and worst row. The goal (issue 32) is a
@@ -61,6 +74,7 @@ from training_at_scale import (  # noqa: E402
 )
 
 from costmodels.cluster import ClusterSpec, load_cluster  # noqa: E402
+from costmodels.compute import matmul_bytes, matmul_flops, op_time_s  # noqa: E402
 from planner.frontend.analysis import ModelStructure  # noqa: E402
 from planner.plan import DataParallel, Plan  # noqa: E402
 from planner.solver.problem import Constraints, WorkloadSpec  # noqa: E402
@@ -245,11 +259,87 @@ def llama_405b(console: Console) -> list[tuple[str, float]]:
     return [("405B", error)]
 
 
+# (d): NVIDIA/Fuser's TE layer benchmark (GPT-3 175B layer, 8 x H100, TP 8, 1 x 2,048 tokens, bf16)
+TE_LAYER = {"hidden": 12288, "heads": 96, "seq": 2048, "tp": 8, "cluster": "dgx-h100"}
+# published seconds: forward (TP), forward + backward (SP; 2.5 ms + 4.58 ms), the forward GEMM kernels
+TE_FORWARD_TP_S = 2.4966e-3  # NVIDIA/Fuser#3591, nonoverlap-tp-forward median
+TE_TRAIN_SP_S = 2.5e-3 + 4.58e-3  # NVIDIA/Fuser#5560 (forward), NVIDIA/Fuser#5667 (backward)
+TE_GEMM_KERNELS_S = {"o": 109.663e-6, "other three": (384.733 + 401.214 + 288.415) * 1e-6}  # Fuser#4844
+
+
+def te_layer_gemm_s(hidden: int, tp: int, tokens: int, cluster: ClusterSpec) -> dict[str, float]:
+    """Priced seconds of the forward GEMM kernels of one TP rank's GPT layer (Megatron's split: QKV and
+    MLP up column-parallel, output projections row-parallel), ``tokens`` rows, bf16, without the launch
+    overhead (nsys times the kernel alone): {"o": the attention output projection, "other three": QKV,
+    MLP up and MLP down together}."""
+    shapes = {"qkv": (hidden, 3 * hidden // tp), "o": (hidden // tp, hidden),
+              "up": (hidden, 4 * hidden // tp), "down": (4 * hidden // tp, hidden)}  # fmt: skip
+    out = {}
+    for name, (k, n) in shapes.items():
+        flops, nbytes = matmul_flops(tokens, k, n), matmul_bytes(tokens, k, n, "bf16")
+        out[name] = op_time_s(flops, nbytes, cluster.device, "bf16", "matmul", rows=tokens, launch=False,
+                              shape=(k, n))  # fmt: skip
+    return {"o": out["o"], "other three": out["qkv"] + out["up"] + out["down"]}
+
+
+def te_layer(console: Console) -> list[tuple[str, float]]:
+    """Print part (d): the GPT-3 layer of NVIDIA/Fuser's Transformer Engine benchmark priced beside its
+    published times (`TE_FORWARD_TP_S`, `TE_TRAIN_SP_S`) and forward GEMM kernel times
+    (`TE_GEMM_KERNELS_S`), then how much of the forward outside the GEMMs is priced. Returns
+    (row, priced / published - 1) per row."""
+    cfg = TE_LAYER
+    cluster = load_cluster(cfg["cluster"])
+    config = GPTConfig(
+        vocab_size=51200, n_positions=cfg["seq"], n_layer=2, n_head=cfg["heads"], n_embd=cfg["hidden"]
+    )
+    structure = gpt_structure(config)
+
+    def layer_s(kind: str, sp: bool) -> tuple[float, float]:
+        """(compute, exposed communication) seconds of one layer, the layout pinned as published."""
+        extra = {"recompute": "none"} if kind == "train" else {}
+        pin = Constraints(tp=cfg["tp"], pp=1, dp=1, max_devices=cfg["tp"], sequence_parallel=sp,
+                          tp_comm_overlap=False, **extra)  # fmt: skip
+        plan = plan_model(structure, cluster, WorkloadSpec(kind, 1, cfg["seq"], dtype="bf16"), pin)
+        layer = plan.predicted.per_layer[0]
+        return layer.compute_s, layer.exposed_comm_s
+
+    table = Table(title="GPT-3 175B layer, Transformer Engine on 8 x H100 (TP 8, 1 x 2048 tokens, bf16, no "
+                  "overlap; NVIDIA/Fuser benchmarks): priced vs published")  # fmt: skip
+    for col in ("what", "published", "priced", "of which compute", "of which collectives", "error"):
+        table.add_column(col, justify="right")
+    errors = []
+    rows = [("forward, TP (Fuser#3591)", TE_FORWARD_TP_S, layer_s("forward", False)),
+            ("forward + backward, SP (Fuser#5560, #5667)", TE_TRAIN_SP_S, layer_s("train", True))]  # fmt: skip
+    for name, published_s, (compute_s, comm_s) in rows:
+        priced_s = compute_s + comm_s
+        errors.append((name, priced_s / published_s - 1))
+        table.add_row(name, f"{published_s * 1e3:.3f} ms", f"{priced_s * 1e3:.3f} ms", f"{compute_s * 1e3:.3f} ms",
+                      f"{comm_s * 1e3:.3f} ms", f"{errors[-1][1]:+.1%}")  # fmt: skip
+    gemms = te_layer_gemm_s(cfg["hidden"], cfg["tp"], cfg["seq"], cluster)
+    for name, published_s in TE_GEMM_KERNELS_S.items():
+        error = gemms[name] / published_s - 1
+        errors.append((f"GEMM {name}", error))
+        table.add_row(f"forward GEMM kernel: {name} (Fuser#4844, nsys)", f"{published_s * 1e6:.1f} us",
+                      f"{gemms[name] * 1e6:.1f} us", "", "", f"{error:+.1%}")  # fmt: skip
+    console.print(table)
+    gemm_published = sum(TE_GEMM_KERNELS_S.values())
+    gemm_priced = sum(gemms.values())
+    rest_published = TE_FORWARD_TP_S - gemm_published
+    rest_priced = sum(rows[0][2]) - (gemm_priced + 4 * cluster.device.launch_overhead_s)
+    console.print(
+        f"TE layer: the forward's GEMMs are priced {gemm_priced / gemm_published - 1:+.1%} against their kernel "
+        f"times; the rest of the forward (collectives, norms, elementwise ops, attention, launches) "
+        f"{rest_priced * 1e3:.3f} ms priced against {rest_published * 1e3:.3f} ms published "
+        f"({rest_priced / rest_published - 1:+.1%}).\n"
+    )
+    return errors
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--only", choices=["megatron", "narayanan", "405b"])
+    parser.add_argument("--only", choices=["megatron", "narayanan", "405b", "te-layer"])
     args = parser.parse_args()
     console = Console(width=290)
     if args.only in (None, "megatron"):
@@ -258,6 +348,8 @@ def main() -> None:
         narayanan(console)
     if args.only in (None, "405b"):
         llama_405b(console)
+    if args.only in (None, "te-layer"):
+        te_layer(console)
 
 
 if __name__ == "__main__":
