@@ -4,6 +4,8 @@ sequence length, each fit against the published figures its preset cites (costmo
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+from pathlib import Path
 
 import pytest
 
@@ -46,17 +48,18 @@ def test_gemm_fit_reproduces_published_rates(h100, m, n, k, published) -> None:
 
 
 # Held out of the fit: the forward GEMM kernels of one GPT-3 175B layer under Transformer Engine on 8
-# H100 SXM, TP 8, 2,048 tokens, bf16, timed by nsys (NVIDIA/Fuser#4844): the row-parallel output
-# projection (K = 12288 / 8) 109.7 us; QKV, MLP up and MLP down 384.7 + 401.2 + 288.4 us together.
-def test_gemm_prices_hold_against_a_published_layers_kernel_times(h100) -> None:
-    def kernel_s(m: int, k: int, n: int) -> float:
-        flops, nbytes = matmul_flops(m, k, n), matmul_bytes(m, k, n, "bf16")
-        return op_time_s(flops, nbytes, h100, "bf16", "matmul", rows=m, launch=False, shape=(k, n))
-
-    m, h, tp = 2048, 12288, 8
-    assert kernel_s(m, h // tp, h) == pytest.approx(109.7e-6, rel=0.05)
-    others = kernel_s(m, h, 3 * h // tp) + kernel_s(m, h, 4 * h // tp) + kernel_s(m, 4 * h // tp, h)
-    assert others == pytest.approx((384.7 + 401.2 + 288.4) * 1e-6, rel=0.05)
+# H100 SXM, TP 8, 2,048 tokens, bf16, timed by nsys (NVIDIA/Fuser#4844; bench/training_published.py
+# part (d) holds the figures and prices them with `te_layer_gemm_s`)
+def test_gemm_prices_hold_against_a_published_layers_kernel_times() -> None:
+    path = Path(__file__).resolve().parents[1] / "bench" / "training_published.py"
+    spec = importlib.util.spec_from_file_location("training_published_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    layer = bench.TE_LAYER
+    priced = bench.te_layer_gemm_s(layer["hidden"], layer["tp"], layer["seq"], load_cluster(layer["cluster"]))
+    assert set(priced) == set(bench.TE_GEMM_KERNELS_S)
+    for name, published_s in bench.TE_GEMM_KERNELS_S.items():
+        assert priced[name] == pytest.approx(published_s, rel=0.05), name
 
 
 # vllm-project/vllm#49363 (H100, torch bf16, N = 12288, K = 5376): weight-streaming shapes, where the
