@@ -15,7 +15,9 @@ The one sequence every caller uses (`planner optimize --emit`, `--run`, the pipe
    dispatched and combined by all-to-all;
 3. ladder residual on the plan's `ladder_layers` (`passes.ladder.apply_ladder`), then, with
    `plan.tp_comm_overlap`, each TP block's collectives cut into chunks that overlap its GEMMs
-   (`passes.tp_overlap.apply_tp_overlap`);
+   (`passes.tp_overlap.apply_tp_overlap`); training under sequence parallelism without it, each
+   column-parallel entry made one function that keeps the sequence shard for backward and gathers it
+   again there (`passes.tp_overlap.apply_sequence_regather`);
 4. pipeline split at the last layer of each stage (`passes.pipeline.split_stages`), keeping the
    rank's stage (pp > 1 only). With the interleaved schedule (`plan.virtual_stages` = v > 1) the graph
    is split into pp * v virtual stages (`Plan.virtual_stage_layers`) and the rank keeps its v chunks,
@@ -41,7 +43,7 @@ from passes.ladder import apply_ladder, ladder_residual_adds
 from passes.pipeline import split_stages, stage_of_layers, tied_parameters
 from passes.recompute import RecomputedRegion, apply_recompute, mark_attention_cores, recompute_of_layers
 from passes.tensor_parallel import OUTPUT_SHARD, apply_tensor_parallel
-from passes.tp_overlap import apply_tp_overlap
+from passes.tp_overlap import apply_sequence_regather, apply_tp_overlap
 from planner.errors import InputError
 from planner.frontend.analysis import ModelStructure, Role
 from planner.plan import Plan, check_cp_sequence
@@ -136,8 +138,11 @@ def lower_for_rank(
             gm, structure, plan.ep, ep_rank, expert_tp=plan.expert_tp, tp_rank=tp_rank
         )
     apply_ladder(gm, ladder_residual_adds(structure, plan.ladder_layers))
+    layer_nodes = {name for layer in structure.layers for name in layer.nodes}
     if plan.tp_comm_overlap and plan.tp > 1:
-        apply_tp_overlap(gm, plan.tp, {name for layer in structure.layers for name in layer.nodes})
+        apply_tp_overlap(gm, plan.tp, layer_nodes)
+    elif training and plan.sequence_parallel and plan.tp > 1:
+        apply_sequence_regather(gm, layer_nodes)
     chunks, tied = [gm], []
     if plan.pp > 1:
         outputs = [layer.output_node for layer in structure.layers]

@@ -19,7 +19,9 @@ Megatron-LM's `--tp-comm-overlap` (Transformer Engine's userbuffers) and PyTorch
 |                         |                                                    | weight-gradient GEMMs run (Megatron-LM's async   |
 |                         |                                                    | grad all-reduce)                                 |
 |                         | SP: each chunk of the sequence shard all-gathered  | each chunk's dx reduce-scattered async while the |
-|                         | async, chunk k's GEMMs while chunk k+1 arrives     | next chunk's GEMMs run                           |
+|                         | async, chunk k's GEMMs while chunk k+1 arrives;    | next chunk's GEMMs run; each chunk of the shard  |
+|                         | only the shard is kept for backward                | all-gathered again under the input-gradient GEMM |
+|                         |                                                    | for its weight gradients (Megatron-LM's SP)      |
 | `tp_row_matmul`         | no SP: each chunk's partial product all-reduced    | dx = g w, dw = g^T x (the all-reduce's conjugate |
 |                         | async while the next chunk's GEMM runs             | is the identity: nothing to overlap)             |
 |                         | SP: each chunk reduce-scattered async while the    | each chunk of the output gradient all-gathered   |
@@ -52,7 +54,7 @@ from planner.plan import tp_overlap_chunk_count
 
 aten = torch.ops.aten
 
-__all__ = ["apply_tp_overlap", "tp_column_matmuls", "tp_row_matmul"]
+__all__ = ["apply_sequence_regather", "apply_tp_overlap", "tp_column_matmuls", "tp_row_matmul"]
 
 
 def _mm(x: torch.Tensor, w: torch.Tensor, linear: bool) -> torch.Tensor:
@@ -186,11 +188,14 @@ class _ColumnMatmuls(torch.autograd.Function):
     `seq`, all-gathered in chunks, its gradient reduce-scattered."""
 
     @staticmethod
-    def forward(ctx, x, linear: bool, axis: str, seq: int | None, chunks: int, num: int, *params):
+    def forward(
+        ctx, x, linear: bool, axis: str, seq: int | None, chunks: int, overlap: bool, num: int, *params
+    ):
         weights, biases = params[:num], params[num:]
         group = _group(axis)
         size = _size(group)
         ctx.linear, ctx.axis, ctx.seq, ctx.chunks, ctx.num = linear, axis, seq, chunks, num
+        ctx.overlap = overlap
         ctx.has_bias = [b is not None for b in biases]
         if seq is None:
             ctx.save_for_backward(x, *weights)
@@ -217,7 +222,9 @@ class _ColumnMatmuls(torch.autograd.Function):
                 _place_rows(gathered, rows, size, a, b)
                 for out, w in zip(outs, weights):
                     _place_rows(out, _mm(rows, w, linear), size, a, b)
-        ctx.save_for_backward(gathered, *weights)
+        # the sequence shard, not the gathered input, is kept for the weight gradients: backward
+        # all-gathers it again (Korthikanti et al. 2022, section 4.2.2; Megatron-LM's sequence parallelism)
+        ctx.save_for_backward(front, *weights)
         return tuple(
             (y if bias is None else y + bias).movedim(0, seq).contiguous() for y, bias in zip(outs, biases)
         )  # fmt: skip
@@ -240,21 +247,41 @@ class _ColumnMatmuls(torch.autograd.Function):
             with record_function("tp_overlap.column.wait.0"):
                 if work is not None:
                     work.wait()
-            return dx, None, None, None, None, None, *dws, *dbias
+            return dx, None, None, None, None, None, None, *dws, *dbias
         fronts = [g.movedim(seq, 0) for g in grads]  # (T, ..., N_i): every rank's rows
-        local = x.shape[0] // size
+        needs_dw = any(ctx.needs_input_grad[7 : 7 + ctx.num])
         dws = [torch.zeros_like(w) for w in weights]
+        bounds = _bounds(x.shape[0], ctx.chunks)  # x: this rank's sequence shard (L, ..., K)
+
+        def gather(c: int) -> tuple[torch.Tensor, object]:
+            """Issue the all-gather of chunk c of the shard again, waited for before its weight-gradient
+            GEMMs: it runs under the input-gradient GEMMs, with or without overlap (Megatron-LM's
+            sequence-parallel backward does the same)."""
+            a, b = bounds[c]
+            with record_function(f"tp_overlap.column.regather.issue.{c}"):
+                return _gather_rows(x[a:b], group) if size > 1 else (x[a:b], None)
+
         pieces, works = [], []
-        for c, (a, b) in enumerate(_bounds(local, ctx.chunks)):
+        regather = gather(0) if needs_dw else None
+        for c, (a, b) in enumerate(bounds):
             with record_function(f"tp_overlap.column.gemm.{c}"):
                 rows = [_ranks_rows(f, size, a, b) for f in fronts]
                 dx = sum(_input_grad(r, w, linear) for r, w in zip(rows, weights))
             with record_function(f"tp_overlap.column.issue.{c}"):
                 piece, work = _scatter_rows(dx, group) if size > 1 else (dx, None)
+            if work is not None and not ctx.overlap:
+                work.wait()
+                work = None
             pieces.append(piece)
             works.append(work)
+            if regather is None:
+                continue
+            xr, pending = regather
+            with record_function(f"tp_overlap.column.regather.wait.{c}"):
+                if pending is not None:
+                    pending.wait()
+            regather = gather(c + 1) if c + 1 < len(bounds) else None
             with record_function(f"tp_overlap.column.gemm.{c}.weights"):
-                xr = _ranks_rows(x, size, a, b)
                 for dw, r in zip(dws, rows):
                     dw += _weight_grad(r, xr, linear)
         for c, work in enumerate(works):
@@ -262,7 +289,7 @@ class _ColumnMatmuls(torch.autograd.Function):
                 if work is not None:
                     work.wait()
         dx = torch.cat(pieces).movedim(0, seq)
-        return dx, None, None, None, None, None, *dws, *dbias
+        return dx, None, None, None, None, None, None, *dws, *dbias
 
 
 def _out_features(w: torch.Tensor, linear: bool) -> int:
@@ -286,11 +313,15 @@ def tp_column_matmuls(
     axis: str,
     seq: int | None,
     chunks: int,
+    overlap: bool = True,
 ) -> tuple[torch.Tensor, ...]:
     """Column-parallel matmuls sharing the input x, chunked: one output (..., N_i / tp) per weight
     (each the rank's columns), bias added where given. seq None: x replicated (..., K); else x is the
-    rank's sequence shard along dim `seq`, all-gathered (the outputs have the whole sequence)."""
-    return _ColumnMatmuls.apply(x, linear, axis, seq, chunks, len(weights), *weights, *biases)
+    rank's sequence shard along dim `seq`, all-gathered (the outputs have the whole sequence), and only
+    the shard is kept for backward, which all-gathers it again for the weight gradients. overlap
+    False (sequence parallelism without `Plan.tp_comm_overlap`, one chunk): every collective but the
+    backward's gather of the shard is waited for as soon as it is issued."""
+    return _ColumnMatmuls.apply(x, linear, axis, seq, chunks, overlap, len(weights), *weights, *biases)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,7 +365,9 @@ def _fuse_row(gm: fx.GraphModule, red: fx.Node, chunks: int, inside: Collection[
     return True
 
 
-def _fuse_column(gm: fx.GraphModule, entry: fx.Node, chunks: int, inside: Collection[str]) -> bool:
+def _fuse_column(
+    gm: fx.GraphModule, entry: fx.Node, chunks: int, inside: Collection[str], overlap: bool = True
+) -> bool:
     """Replace `tp_copy | tp_sequence_gather -> linear/mm (each user)` by one `tp_column_matmuls`."""
     users = list(entry.users)
     parts = [_matmul_input_weight(u) for u in users]
@@ -357,7 +390,7 @@ def _fuse_column(gm: fx.GraphModule, entry: fx.Node, chunks: int, inside: Collec
         return False
     with gm.graph.inserting_before(first):
         fused = gm.graph.call_function(
-            tp_column_matmuls, (x, weights, biases, layouts.pop(), axis, seq, chunks)
+            tp_column_matmuls, (x, weights, biases, layouts.pop(), axis, seq, chunks, overlap)
         )
         fused.meta["val"] = tuple(u.meta.get("val") for u in users)
         for i, user in enumerate(users):
@@ -390,4 +423,24 @@ def apply_tp_overlap(gm: fx.GraphModule, tp: int, layer_nodes: Collection[str]) 
     gm.graph.lint()
     gm.recompile()
     gm.meta["tp_overlap"] = counts
+    return gm
+
+
+def apply_sequence_regather(gm: fx.GraphModule, layer_nodes: Collection[str]) -> fx.GraphModule:
+    """Training under sequence parallelism without `Plan.tp_comm_overlap`: replace each
+    `tp_sequence_gather -> linear/mm (each user)` of the transformer layers (`layer_nodes`) by one
+    `tp_column_matmuls` of one chunk whose collectives are waited for at once (in place; returns
+    `gm`). The result is the same computation with the same collectives in forward; what changes is
+    what autograd keeps: the rank's sequence shard instead of the gathered input, all-gathered again
+    in backward for the weight gradients, as Megatron-LM does and as the planner prices it
+    (`planner.solver.costing.projection_options`, `stream_conversion_time_s`). A gather with a user
+    that is not a matmul is left as it is (its gathered input is kept whole). Records
+    ``gm.meta["sp_regather"]`` = the number of entries replaced."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is collectives.tp_sequence_gather:
+            count += _fuse_column(gm, node, 1, layer_nodes, overlap=False)
+    gm.graph.lint()
+    gm.recompile()
+    gm.meta["sp_regather"] = count
     return gm

@@ -28,6 +28,7 @@ from planner.solver.costing import (
     layer_node_times_s,
     optimizer_step_time_s,
     p2p_stage_time_s,
+    sequence_regather_s,
     stage_p2p_time_s,
     step_time_s,
     stream_conversion_time_s,
@@ -346,6 +347,10 @@ def test_training_at_scale_terms(h100) -> None:
     group = sp_tables.ctx.tp_group()
     rs_ag = reduce_scatter_time_s(n, group, h100) + all_gather_time_s(n, group, h100)
     assert stream_conversion_time_s(Layout.PARTIAL, n, sp_tables.ctx) == pytest.approx(2 * rs_ag)
+    # and the next block's input gathered again in backward for its weight gradients (the
+    # column-parallel projections keep the sequence shard), under their input-gradient GEMMs
+    assert sequence_regather_s(n, sp_tables.ctx) == pytest.approx(all_gather_time_s(n, group, h100))
+    assert sequence_regather_s(n, ctx) == 0.0
     assert stream_conversion_time_s(Layout.PARTIAL, n, ctx) == conversion_time_s(
         Layout.PARTIAL, Layout.REPLICATE, n, ctx
     )

@@ -24,7 +24,14 @@ from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture
 from planner.frontend.modelfile import load_model_file
 from planner.plan import MeshShape
-from planner.solver.costing import CostContext, stream_conversion_time_s, tp_block_comm_s, tp_overlap_chunks
+from planner.solver.costing import (
+    CostContext,
+    contention_s,
+    sequence_regather_s,
+    stream_conversion_time_s,
+    tp_block_comm_s,
+    tp_overlap_chunks,
+)
 from planner.solver.problem import Constraints, LadderPolicy, MeshConfig, WorkloadSpec
 from planner.solver.search import plan_model
 from runtime.execute import run_rank
@@ -204,7 +211,14 @@ def test_overlap_hides_what_the_next_chunks_gemm_covers_and_never_the_last_chunk
     on, off = _ctx("dgx-h100", True, sp), _ctx("dgx-h100", False, sp)
     nbytes, gemm_s = 8 * 4096 * 4096 * 2, 3e-3
     whole = stream_conversion_time_s(Layout.PARTIAL, nbytes, off)
-    assert tp_block_comm_s(Layout.PARTIAL, nbytes, gemm_s, gemm_s, off) == (whole, 0.0)
+    # without overlap all exposed but, under sequence parallelism, the backward's gather of the
+    # entry's input again, under the column-parallel input-gradient GEMM (one of its three)
+    regather = sequence_regather_s(nbytes, off)
+    assert (regather > 0) == sp
+    hid = min(regather, off.cluster.overlap_efficiency * gemm_s / off.compute_factor)
+    off_exposed, off_hidden = tp_block_comm_s(Layout.PARTIAL, nbytes, gemm_s, gemm_s, off)
+    assert off_hidden == pytest.approx(hid)
+    assert off_exposed == pytest.approx(whole + regather - hid + contention_s(hid, off.cluster))
     exposed, hidden = tp_block_comm_s(Layout.PARTIAL, nbytes, gemm_s, gemm_s, on)
     assert exposed < whole and hidden > 0
     chunks = tp_overlap_chunks(on)
@@ -245,7 +259,8 @@ def test_the_search_chooses_overlap_where_it_pays_and_honours_pins() -> None:
     plans = {pin: plan("h100-pcie", 2, pin) for pin in (None, False, True)}
     assert plans[None].tp_comm_overlap and plans[True].tp_comm_overlap and not plans[False].tp_comm_overlap
     assert plans[None].predicted.latency_s < plans[False].predicted.latency_s
-    assert plans[True].predicted.overlapped_comm_s > 0 == plans[False].predicted.overlapped_comm_s
+    # off, only the backward's gathers of the sequence shards again run under GEMMs
+    assert plans[True].predicted.overlapped_comm_s > plans[False].predicted.overlapped_comm_s > 0
     nvlink = {pin: plan("dgx-h100", 8, pin) for pin in (None, True)}
     assert not nvlink[None].tp_comm_overlap
     assert nvlink[None].predicted.latency_s < nvlink[True].predicted.latency_s

@@ -142,6 +142,9 @@ class OpOption:
     # activation_bytes), and the forward time that recomputing them costs
     selective_bytes: float = 0.0
     selective_s: float = 0.0
+    # of activation_bytes, a projection's stored input (`projection_options`): projections that read one
+    # tensor (q / k / v, gate / up) store it once (`_shared_inputs_once`)
+    input_bytes: float = 0.0
     # full recomputation reruns the forward, priced as compute_s / TRAIN_COMPUTE_FACTOR; this is the
     # op's forward beyond that (a materialized attention core's forward moves 13 of the 32 bytes per
     # score element of forward + backward, not a third: `compute.materialized_scores_bytes`)
@@ -590,7 +593,9 @@ def stream_conversion_time_s(src: Layout, nbytes: float, ctx: CostContext) -> fl
     split along the sequence and the next block all-gathers its input: P is reduce-scattered then
     all-gathered (Korthikanti et al. 2022, section 4.2.2: g = reduce-scatter, g-bar = all-gather, the
     same bytes on the ring as the all-reduce they replace), S is all-gathered to R, sliced (free) and
-    all-gathered again, R is sliced and all-gathered. Training doubles each (backward conjugates).
+    all-gathered again, R is sliced and all-gathered. Training doubles each (backward conjugates);
+    the backward's gather of the next block's input again for its weight gradients is
+    `sequence_regather_s`, priced with the block (`tp_block_comm_s`).
     """
     if not ctx.sequence_parallel:
         return conversion_time_s(src, R, nbytes, ctx)
@@ -600,6 +605,16 @@ def stream_conversion_time_s(src: Layout, nbytes: float, ctx: CostContext) -> fl
     if src == S:
         return 2 * gather
     return gather
+
+
+def sequence_regather_s(nbytes: float, ctx: CostContext) -> float:
+    """Training under sequence parallelism: the backward all-gather of a column-parallel block's input
+    (`nbytes` full size) from the sequence shard its projections kept for their weight gradients
+    (Korthikanti et al. 2022, section 4.2.2; `passes.tp_overlap.apply_sequence_regather`;
+    `projection_options` stores the shard); 0 otherwise."""
+    if not (ctx.train and ctx.sequence_parallel) or ctx.mesh.tp == 1:
+        return 0.0
+    return all_gather_time_s(nbytes, ctx.tp_group(), ctx.cluster) + ctx.node_overhead_time(1)
 
 
 def contention_s(hidden_s: float, cluster: ClusterSpec) -> float:
@@ -667,23 +682,33 @@ def tp_block_comm_s(
     forward + both gradient GEMMs, each about a forward).
 
     Without `CostContext.tp_comm_overlap`, or an output not in P: `stream_conversion_time_s`, all
-    exposed. With it, as `passes.tp_overlap` runs it (each collective `_chunked_exposed_s` with
+    exposed, and under sequence parallelism in training `sequence_regather_s` under the
+    column-parallel input-gradient GEMMs. With it, as `passes.tp_overlap` runs it (each collective `_chunked_exposed_s` with
     `tp_overlap_chunks` pieces):
     - no sequence parallelism: the exit all-reduce in chunks under the row-parallel GEMM; training
       adds the entry's input-gradient all-reduce, whole, under the column-parallel weight-gradient GEMMs;
     - sequence parallelism: the exit reduce-scatter under the row-parallel GEMM, the next entry's
       all-gather under the column-parallel GEMMs (identical layers: this block's); training adds their
       conjugates, the output-gradient all-gather under the row-parallel input-gradient GEMM and the
-      input-gradient reduce-scatter under the column-parallel ones.
+      input-gradient reduce-scatter under the column-parallel ones, and the entry's input gathered
+      again for the weight gradients under the column-parallel input-gradient GEMMs.
     Each collective is one graph node per chunk (`CostContext.node_overhead_time`)."""
     whole = stream_conversion_time_s(out_layout, out_bytes, ctx)
-    if not ctx.tp_comm_overlap or out_layout != P:
-        return whole, 0.0
-    chunks = tp_overlap_chunks(ctx)
     col, row = column_s / ctx.compute_factor, row_s / ctx.compute_factor  # one GEMM each
+    if not ctx.tp_comm_overlap or out_layout != P:
+        # under sequence parallelism (training) the entry's input gathered again, under its
+        # column-parallel input-gradient GEMMs (`passes.tp_overlap.apply_sequence_regather`)
+        regather = sequence_regather_s(out_bytes, ctx)
+        hidden = min(regather, ctx.cluster.overlap_efficiency * col)
+        return whole + regather - hidden + contention_s(hidden, ctx.cluster), hidden
+    chunks = tp_overlap_chunks(ctx)
     if ctx.sequence_parallel:
         parts = [(reduce_scatter_time_s, row), (all_gather_time_s, col)]
-        parts += [(all_gather_time_s, row), (reduce_scatter_time_s, col)] if ctx.train else []
+        parts += (
+            [(all_gather_time_s, row), (reduce_scatter_time_s, col), (all_gather_time_s, col)]
+            if ctx.train
+            else []
+        )
         pieces = [_chunked_exposed_s(fn, out_bytes, chunks, gemm, ctx) for fn, gemm in parts]
     else:
         pieces = [_chunked_exposed_s(all_reduce_time_s, out_bytes, chunks, row, ctx)]
@@ -732,7 +757,8 @@ def projection_options(
             flops, moved, "matmul", rows=tokens, shape=(k, m), weight_grad=not frozen, input_grad=input_grad
         )
         opt = OpOption(name, in_layout, out_layout, time_s, weight_bytes * state / shard, stored,
-                       grad_bytes=grads, frozen_bytes=weight_bytes / shard if frozen else 0.0)  # fmt: skip
+                       grad_bytes=grads, frozen_bytes=weight_bytes / shard if frozen else 0.0,
+                       input_bytes=stored)  # fmt: skip
         if adapter is not None:
             _add_adapter(opt, adapter, tokens, ctx, shard)
         return opt
@@ -1324,6 +1350,7 @@ def build_layer_graph(layer: Layer, ctx: CostContext) -> LayerGraph:
             grads, expert_grads = dense, local
         else:  # replicated over dp x cp as the dense weights are
             static, grads = (dense + local) * ctx.state_factor(), dense + local
+    _shared_inputs_once(ops)
     return LayerGraph(
         key=layer_key(layer),
         ops=ops,
@@ -1337,6 +1364,32 @@ def build_layer_graph(layer: Layer, ctx: CostContext) -> LayerGraph:
         expert_grad_bytes=expert_grads if ctx.train else 0.0,
         expert_static_bytes=expert_static,
     )
+
+
+# projections of one block that read the same tensor, by role: a self-attention's q / k / v read the
+# normed stream, a cross-attention's k / v the encoder's output, a gated MLP's gate / up its input
+_SHARED_INPUT_ROLES = {
+    "attention": (Role.Q, Role.K, Role.V),
+    "cross": (Role.K, Role.V),
+    "mlp": (Role.GATE, Role.UP),
+}
+
+
+def _shared_inputs_once(ops: list[Op]) -> None:
+    """Count once, in place, the input that projections of one block share (`_SHARED_INPUT_ROLES`):
+    autograd keeps one tensor for all their weight gradients (under sequence parallelism one sequence
+    shard: `passes.tp_overlap.apply_sequence_regather` fuses the block's column-parallel entry), so the
+    first of them carries it and the others' options drop their `OpOption.input_bytes`. Exact when the
+    siblings take options of one kind (all column-parallel, all replicated: every plan the ILP has
+    chosen here); a mix would store a sibling's view of the same tensor, also once."""
+    for block, roles in _SHARED_INPUT_ROLES.items():
+        siblings = [
+            op for op in ops if op.block == block and op.projection is not None and op.projection.role in roles
+        ]  # fmt: skip
+        for op in siblings[1:]:
+            for option in op.options:
+                option.activation_bytes -= option.input_bytes
+                option.input_bytes = 0.0
 
 
 def _frozen_graph(graph: LayerGraph) -> LayerGraph:
