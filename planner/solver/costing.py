@@ -673,6 +673,20 @@ def _chunked_exposed_s(
     return exposed, first + (chunks - 1) * rest
 
 
+def _regather_chunks_s(nbytes: float, chunks: int, gemm_s: float, ctx: CostContext) -> tuple[float, float]:
+    """(exposed, whole) seconds of the backward's all-gather of a block input's sequence shard again
+    in `chunks` pieces (`passes.tp_overlap._ColumnMatmuls`): piece i is issued before the
+    input-gradient GEMM of chunk i (`gemm_s`: all chunks') and waited for after it, so each piece hides
+    under its own chunk's GEMM: sum_i max(0, t_i - eta * gemm_s / C) (the first at the link's latency,
+    the rest at its burst latency)."""
+    group, cluster = ctx.tp_group(), ctx.cluster
+    first = all_gather_time_s(nbytes / chunks, group, cluster)
+    rest = all_gather_time_s(nbytes / chunks, group, burst_cluster(cluster)) if chunks > 1 else first
+    hide = cluster.overlap_efficiency * gemm_s / chunks
+    exposed = max(0.0, first - hide) + (chunks - 1) * max(0.0, rest - hide)
+    return exposed, first + (chunks - 1) * rest
+
+
 def tp_block_comm_s(
     out_layout: Layout, out_bytes: float, column_s: float, row_s: float, ctx: CostContext
 ) -> tuple[float, float]:
@@ -691,7 +705,8 @@ def tp_block_comm_s(
       all-gather under the column-parallel GEMMs (identical layers: this block's); training adds their
       conjugates, the output-gradient all-gather under the row-parallel input-gradient GEMM and the
       input-gradient reduce-scatter under the column-parallel ones, and the entry's input gathered
-      again for the weight gradients under the column-parallel input-gradient GEMMs.
+      again for the weight gradients, each chunk under its own column-parallel input-gradient GEMM
+      (`_regather_chunks_s`).
     Each collective is one graph node per chunk (`CostContext.node_overhead_time`)."""
     whole = stream_conversion_time_s(out_layout, out_bytes, ctx)
     col, row = column_s / ctx.compute_factor, row_s / ctx.compute_factor  # one GEMM each
@@ -704,12 +719,10 @@ def tp_block_comm_s(
     chunks = tp_overlap_chunks(ctx)
     if ctx.sequence_parallel:
         parts = [(reduce_scatter_time_s, row), (all_gather_time_s, col)]
-        parts += (
-            [(all_gather_time_s, row), (reduce_scatter_time_s, col), (all_gather_time_s, col)]
-            if ctx.train
-            else []
-        )
+        parts += [(all_gather_time_s, row), (reduce_scatter_time_s, col)] if ctx.train else []
         pieces = [_chunked_exposed_s(fn, out_bytes, chunks, gemm, ctx) for fn, gemm in parts]
+        if ctx.train:  # the shard gathered again, each chunk under its own input-gradient GEMM
+            pieces.append(_regather_chunks_s(out_bytes, chunks, col, ctx))
     else:
         pieces = [_chunked_exposed_s(all_reduce_time_s, out_bytes, chunks, row, ctx)]
         if ctx.train:
