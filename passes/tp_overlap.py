@@ -159,14 +159,16 @@ class _RowMatmul(torch.autograd.Function):
     def backward(ctx, g):
         x, w = ctx.saved_tensors
         linear, seq = ctx.linear, ctx.seq
+        need_dw = ctx.needs_input_grad[1]  # a frozen weight (LoRA's base) takes no gradient
         if seq is None:  # the all-reduce's conjugate is the identity
-            return _input_grad(g, w, linear), _weight_grad(g, x, linear), None, None, None, None
+            dw = _weight_grad(g, x, linear) if need_dw else None
+            return _input_grad(g, w, linear), dw, None, None, None, None
         group = _group(ctx.axis)
         size = _size(group)
         front_g = g.movedim(seq, 0).contiguous()  # (L, ..., N): this rank's rows of the output gradient
         front_x = x.movedim(seq, 0)
         dx = torch.empty_like(front_x)
-        dw = torch.zeros_like(w)
+        dw = torch.zeros_like(w) if need_dw else None
         bounds = _bounds(front_g.shape[0], ctx.chunks)
         issued = []
         for c, (a, b) in enumerate(bounds):
@@ -178,7 +180,8 @@ class _RowMatmul(torch.autograd.Function):
                     work.wait()
             with record_function(f"tp_overlap.row.gemm.{c}"):
                 _place_rows(dx, _input_grad(gathered, w, linear), size, a, b)
-                dw += _weight_grad(gathered, _ranks_rows(front_x, size, a, b), linear)
+                if dw is not None:
+                    dw += _weight_grad(gathered, _ranks_rows(front_x, size, a, b), linear)
         return dx.movedim(0, seq), dw, None, None, None, None
 
 
@@ -234,6 +237,8 @@ class _ColumnMatmuls(torch.autograd.Function):
         x, *weights = ctx.saved_tensors
         linear, seq, group = ctx.linear, ctx.seq, _group(ctx.axis)
         size = _size(group)
+        # weight gradients only for the weights that train (a LoRA base weight is frozen)
+        needs = ctx.needs_input_grad[7 : 7 + ctx.num]
         dbias = [
             g.reshape(-1, g.shape[-1]).sum(0) if has else None for g, has in zip(grads, ctx.has_bias)
         ]  # fmt: skip
@@ -243,14 +248,13 @@ class _ColumnMatmuls(torch.autograd.Function):
             with record_function("tp_overlap.column.issue.0"):
                 work = dist.all_reduce(dx, group=group, async_op=True) if size > 1 else None
             with record_function("tp_overlap.column.gemm.1"):
-                dws = [_weight_grad(g, x, linear) for g in grads]
+                dws = [_weight_grad(g, x, linear) if need else None for g, need in zip(grads, needs)]
             with record_function("tp_overlap.column.wait.0"):
                 if work is not None:
                     work.wait()
             return dx, None, None, None, None, None, None, *dws, *dbias
         fronts = [g.movedim(seq, 0) for g in grads]  # (T, ..., N_i): every rank's rows
-        needs_dw = any(ctx.needs_input_grad[7 : 7 + ctx.num])
-        dws = [torch.zeros_like(w) for w in weights]
+        dws = [torch.zeros_like(w) if need else None for w, need in zip(weights, needs)]
         bounds = _bounds(x.shape[0], ctx.chunks)  # x: this rank's sequence shard (L, ..., K)
 
         def gather(c: int) -> tuple[torch.Tensor, object]:
@@ -262,7 +266,7 @@ class _ColumnMatmuls(torch.autograd.Function):
                 return _gather_rows(x[a:b], group) if size > 1 else (x[a:b], None)
 
         pieces, works = [], []
-        regather = gather(0) if needs_dw else None
+        regather = gather(0) if any(needs) else None
         for c, (a, b) in enumerate(bounds):
             with record_function(f"tp_overlap.column.gemm.{c}"):
                 rows = [_ranks_rows(f, size, a, b) for f in fronts]
@@ -283,7 +287,8 @@ class _ColumnMatmuls(torch.autograd.Function):
             regather = gather(c + 1) if c + 1 < len(bounds) else None
             with record_function(f"tp_overlap.column.gemm.{c}.weights"):
                 for dw, r in zip(dws, rows):
-                    dw += _weight_grad(r, xr, linear)
+                    if dw is not None:
+                        dw += _weight_grad(r, xr, linear)
         for c, work in enumerate(works):
             with record_function(f"tp_overlap.column.wait.{c}"):
                 if work is not None:

@@ -264,3 +264,29 @@ def test_the_search_chooses_overlap_where_it_pays_and_honours_pins() -> None:
     nvlink = {pin: plan("dgx-h100", 8, pin) for pin in (None, True)}
     assert not nvlink[None].tp_comm_overlap
     assert nvlink[None].predicted.latency_s < nvlink[True].predicted.latency_s
+
+
+@pytest.mark.parametrize("seq", [None, 0])
+def test_a_frozen_weight_takes_no_weight_gradient_gemm(seq: int | None) -> None:
+    """LoRA freezes the base weights: the fused column- and row-parallel functions compute no weight
+    gradient for a weight that does not require one (one rank; sequence parallel or not), and the
+    trained weight's gradient is the plain matmul's."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 2, 6, requires_grad=True)
+    frozen, trained, row = torch.randn(4, 6), torch.randn(5, 6, requires_grad=True), torch.randn(3, 5)
+    plain = tp_overlap._weight_grad
+    calls = []
+
+    def counted(g: torch.Tensor, inp: torch.Tensor, linear: bool) -> torch.Tensor:
+        calls.append(tuple(g.shape))
+        return plain(g, inp, linear)
+
+    with mock.patch.object(tp_overlap, "_weight_grad", counted):
+        ya, yb = tp_overlap.tp_column_matmuls(x, [frozen, trained], [None, None], True, "tp-test", seq, 2)
+        out = tp_overlap.tp_row_matmul(yb, row, True, "tp-test", seq, 2)
+        (ya.sum() + out.square().sum()).backward()
+    # the trained column weight's, once per chunk of the sequence (one call without SP); none for
+    # the frozen column weight or the frozen row weight
+    assert len(calls) == (1 if seq is None else 2), calls
+    reference = torch.autograd.grad(((x @ trained.t()) @ row.t()).square().sum(), trained)[0]
+    torch.testing.assert_close(trained.grad, reference)
