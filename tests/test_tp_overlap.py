@@ -168,6 +168,29 @@ def test_each_chunk_is_issued_before_the_next_chunks_gemm_and_waited_after_it(tw
         assert checked >= 32, checked  # 8 blocks x (entry, exit) x (forward, backward)
 
 
+@pytest.mark.slow
+def test_the_backward_gathers_each_shard_chunk_again_under_its_input_gradient_gemm(two_rank: dict) -> None:
+    """Sequence parallel training keeps each column-parallel block's sequence shard, not its gathered
+    input: in backward every fused column call gathers chunk 0 of the shard again before its
+    input-gradient GEMM of chunk 0 and waits for it after that GEMM (hidden under it), then issues
+    chunk 1's before chunk 0's weight-gradient GEMMs."""
+    for events in two_rank["profile"]:
+        names = [name for name, *_ in events]
+        assert names.count("tp_overlap.column.regather.issue.0") == 8, names.count(
+            "tp_overlap.column.regather.issue.0"
+        )  # 4 layers x 2 blocks
+        for i, (name, _start, end) in enumerate(events):
+            if name != "tp_overlap.column.regather.issue.0":
+                continue
+            rest = events[i + 1 :]
+            gemm = next(e for e in rest if e[0] == "tp_overlap.column.gemm.0")
+            wait = next(e for e in rest if e[0] == "tp_overlap.column.regather.wait.0")
+            issue_1 = next(e for e in rest if e[0] == "tp_overlap.column.regather.issue.1")
+            weights = next(e for e in rest if e[0] == "tp_overlap.column.gemm.0.weights")
+            assert end <= gemm[1] and gemm[2] <= wait[1], names[i : i + 8]
+            assert wait[2] <= issue_1[1] and issue_1[2] <= weights[1], names[i : i + 8]
+
+
 def _lowered(plan):
     model_file = load_model_file(MODELS / LLAMA4)
     args, kwargs = model_file.inputs(4, 8)
