@@ -29,7 +29,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from costmodels.dtypes import torch_dtype
-from passes import collectives, expert_parallel
+from passes import collectives, expert_parallel, tp_overlap
 from passes.lower import RankLowering
 from passes.recompute import recompute_note
 from passes.rng import SHARDED_SEED_OFFSET, dropout_nodes, seed_sharded_rng
@@ -136,6 +136,18 @@ def expert_load_notes_of(gm: nn.Module, rank: int) -> list[str]:
     return [f"tokens per expert on rank {rank} (token x choice rows its experts computed): {per_block}"]
 
 
+def _sequence_gathering_column_calls(module: torch.nn.Module) -> int:
+    """Calls of `passes.tp_overlap.tp_column_matmuls` that all-gather a sequence shard (their `seq`
+    argument set) in the fx graphs of `module`."""
+    return sum(
+        1
+        for g in module.modules()
+        if isinstance(g, fx.GraphModule)
+        for n in g.graph.nodes
+        if n.op == "call_function" and n.target is tp_overlap.tp_column_matmuls and n.args[5] is not None
+    )
+
+
 def lowering_notes(plan: Plan, lowered: RankLowering, training: bool) -> list[str]:
     """The run report's notes on the plan's training-at-scale settings as this rank ran them: sequence
     parallelism (with the collectives the rewritten forward calls) and activation recomputation (which
@@ -150,11 +162,18 @@ def lowering_notes(plan: Plan, lowered: RankLowering, training: bool) -> list[st
                 "features) tensor (flattened tokens, e.g. Conv1D / addmm), so its all-reduces stayed"
             )
         elif lowered.sequence_parallel:
+            fused = _sequence_gathering_column_calls(lowered.module)
+            kept = (
+                f", {fused} of them fused with the block's column-parallel matmuls, which keep the sequence "
+                "shard for backward and gather it again there"
+                if fused and training
+                else ""
+            )
             notes.append(
                 f"sequence parallelism applied: norms, dropouts and residual adds between the tensor-parallel "
                 f"blocks ran on 1/{plan.tp} of the sequence per rank; this rank's forward calls "
                 f"{calls.count(collectives.tp_reduce_scatter)} reduce-scatter(s), "
-                f"{calls.count(collectives.tp_sequence_gather)} sequence all-gather(s) and "
+                f"{calls.count(collectives.tp_sequence_gather) + fused} sequence all-gather(s){kept} and "
                 f"{calls.count(collectives.tp_all_reduce)} all-reduce(s) (backward: the conjugates)"
             )
         else:

@@ -296,6 +296,8 @@ def test_sequence_parallel_matches_unsharded_and_recompute_replays_dropout_on_tw
     assert n["grad_max_abs_diff"] is not None and n["grad_max_abs_diff"] <= 1e-6, n
     notes = summary["measured"]["notes"]
     assert any("sequence parallelism applied" in t and "8 reduce-scatter(s)" in t for t in notes), notes
+    # the layers' 8 entries fused with their matmuls (shard kept, gathered again), the LM head's plain
+    assert any("9 sequence all-gather(s), 8 of them fused" in t for t in notes), notes
     assert any(t.startswith("activation recompute: selective (attention core) on layers 0-3") for t in notes)
     for r in results:
         got = r["recompute"]
