@@ -225,10 +225,12 @@ def _megatron_sp_plan(batch_size: int, seq_len: int):
     return dataclasses.replace(plan, **fields), structure
 
 
-def _saved_activation_bytes(ctx: RankContext) -> int:
+def _saved_activation_bytes(ctx: RankContext, tp_comm_overlap: bool = False) -> int:
     """Bytes of the distinct storages autograd keeps (parameters aside) through one forward of this
-    rank's module of `_megatron_sp_plan(4, 64)`: what the planner's activation bytes price."""
+    rank's module of `_megatron_sp_plan(4, 64)` (with TP overlap if asked): what the planner's
+    activation bytes price."""
     plan, _ = _megatron_sp_plan(4, 64)
+    plan = dataclasses.replace(plan, tp_comm_overlap=tp_comm_overlap)
     model_file = load_model_file(TOKENS_LM)
     args, kwargs = model_file.inputs(4, 64)
     torch.manual_seed(0)
@@ -253,6 +255,7 @@ def _sequence_parallel_runs(ctx: RankContext, jobs: list[RunJob]) -> dict:
         "reports": [run_rank(ctx, job) for job in jobs],
         "recompute": _recompute_with_dropout(ctx, None),
         "saved_bytes": _saved_activation_bytes(ctx),
+        "saved_bytes_overlap": _saved_activation_bytes(ctx, tp_comm_overlap=True),
     }
 
 
@@ -319,6 +322,7 @@ def test_sequence_parallel_matches_unsharded_and_recompute_replays_dropout_on_tw
             r["saved_bytes"],
             priced,
         )
+        assert r["saved_bytes_overlap"] == r["saved_bytes"], r  # TP overlap keeps the same tensors
 
 
 def test_sequence_parallelism_is_not_chosen_without_a_row_parallel_block() -> None:
