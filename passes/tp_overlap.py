@@ -254,7 +254,7 @@ class _ColumnMatmuls(torch.autograd.Function):
                     work.wait()
             return dx, None, None, None, None, None, None, *dws, *dbias
         fronts = [g.movedim(seq, 0) for g in grads]  # (T, ..., N_i): every rank's rows
-        dws = [torch.zeros_like(w) if need else None for w, need in zip(weights, needs)]
+        dws: list[torch.Tensor | None] = [None] * len(weights)  # summed over the chunks
         bounds = _bounds(x.shape[0], ctx.chunks)  # x: this rank's sequence shard (L, ..., K)
 
         def gather(c: int) -> tuple[torch.Tensor, object]:
@@ -286,9 +286,10 @@ class _ColumnMatmuls(torch.autograd.Function):
                     pending.wait()
             regather = gather(c + 1) if c + 1 < len(bounds) else None
             with record_function(f"tp_overlap.column.gemm.{c}.weights"):
-                for dw, r in zip(dws, rows):
-                    if dw is not None:
-                        dw += _weight_grad(r, xr, linear)
+                for i, r in enumerate(rows):
+                    if needs[i]:
+                        part = _weight_grad(r, xr, linear)
+                        dws[i] = part if dws[i] is None else dws[i] + part
         for c, work in enumerate(works):
             with record_function(f"tp_overlap.column.wait.{c}"):
                 if work is not None:
