@@ -206,13 +206,12 @@ class _ColumnMatmuls(torch.autograd.Function):
                 outs = [_mm(x, w, linear) for w in weights]
             return tuple(y if b is None else y + b for y, b in zip(outs, biases))
         front = x.movedim(seq, 0).contiguous()  # (L, ..., K): this rank's sequence shard
-        local = front.shape[0]
+        local = ctx.local = front.shape[0]
         bounds = _bounds(local, chunks)
         issued = []
         for c, (a, b) in enumerate(bounds):
             with record_function(f"tp_overlap.column.issue.{c}"):
                 issued.append(_gather_rows(front[a:b], group) if size > 1 else (front[a:b], None))
-        gathered = torch.empty((size * local, *front.shape[1:]), dtype=x.dtype, device=x.device)
         outs = [
             torch.empty((size * local, *front.shape[1:-1], _out_features(w, linear)), dtype=x.dtype, device=x.device)
             for w in weights
@@ -222,12 +221,12 @@ class _ColumnMatmuls(torch.autograd.Function):
                 if work is not None:
                     work.wait()
             with record_function(f"tp_overlap.column.gemm.{c}"):
-                _place_rows(gathered, rows, size, a, b)
                 for out, w in zip(outs, weights):
                     _place_rows(out, _mm(rows, w, linear), size, a, b)
         # the sequence shard, not the gathered input, is kept for the weight gradients: backward
         # all-gathers it again (Korthikanti et al. 2022, section 4.2.2; Megatron-LM's sequence parallelism)
-        ctx.save_for_backward(front, *weights)
+        trains = any(w.requires_grad for w in weights)  # else no weight gradient needs the input
+        ctx.save_for_backward(front if trains else None, *weights)
         return tuple(
             (y if bias is None else y + bias).movedim(0, seq).contiguous() for y, bias in zip(outs, biases)
         )  # fmt: skip
@@ -255,7 +254,7 @@ class _ColumnMatmuls(torch.autograd.Function):
             return dx, None, None, None, None, None, None, *dws, *dbias
         fronts = [g.movedim(seq, 0) for g in grads]  # (T, ..., N_i): every rank's rows
         dws: list[torch.Tensor | None] = [None] * len(weights)  # summed over the chunks
-        bounds = _bounds(x.shape[0], ctx.chunks)  # x: this rank's sequence shard (L, ..., K)
+        bounds = _bounds(ctx.local, ctx.chunks)  # x: this rank's sequence shard (L, ..., K), if kept
 
         def gather(c: int) -> tuple[torch.Tensor, object]:
             """Issue the all-gather of chunk c of the shard again, waited for before its weight-gradient
@@ -349,6 +348,10 @@ def _matmul_input_weight(node: fx.Node) -> tuple[fx.Node, fx.Node, object, bool]
     return None
 
 
+# node meta that says which module (so which layer) a node belongs to
+_OWNER_KEYS = ("module_path", "nn_module_stack")
+
+
 def _is_call(node: object, fn: object) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target is fn
 
@@ -364,7 +367,7 @@ def _fuse_row(gm: fx.GraphModule, red: fx.Node, chunks: int, inside: Collection[
     axis = red.args[1] if seq is None else red.args[2]
     with gm.graph.inserting_before(red):
         fused = gm.graph.call_function(tp_row_matmul, (x, w, linear, axis, seq, chunks))
-    fused.meta = dict(red.meta)
+    fused.meta = {**{k: v for k, v in mm.meta.items() if k in _OWNER_KEYS}, **red.meta}
     red.replace_all_uses_with(fused)
     gm.graph.erase_node(red)
     gm.graph.erase_node(mm)
@@ -398,6 +401,8 @@ def _fuse_column(
         fused = gm.graph.call_function(
             tp_column_matmuls, (x, weights, biases, layouts.pop(), axis, seq, chunks, overlap)
         )
+        # the layer that owns it (`passes.layers.layer_of_nodes`: recompute regions, pipeline stages)
+        fused.meta.update({k: v for k, v in first.meta.items() if k in _OWNER_KEYS})
         fused.meta["val"] = tuple(u.meta.get("val") for u in users)
         for i, user in enumerate(users):
             item = gm.graph.call_function(operator.getitem, (fused, i))
@@ -439,7 +444,8 @@ def apply_sequence_regather(gm: fx.GraphModule, layer_nodes: Collection[str]) ->
     `gm`). The result is the same computation with the same collectives in forward; what changes is
     what autograd keeps: the rank's sequence shard instead of the gathered input, all-gathered again
     in backward for the weight gradients, as Megatron-LM does and as the planner prices it
-    (`planner.solver.costing.projection_options`, `stream_conversion_time_s`). A gather with a user
+    (`planner.solver.costing.projection_options`, `sequence_regather_s` in `tp_block_comm_s`). A
+    gather with a user
     that is not a matmul is left as it is (its gathered input is kept whole). Records
     ``gm.meta["sp_regather"]`` = the number of entries replaced."""
     count = 0

@@ -98,3 +98,55 @@ def test_attention_scores_and_sharded_optimizer_state() -> None:
 def test_unknown_dtype_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="unknown dtype 'int4'"):
         memory.kv_cache_bytes(1, 1, 1, 1, 1, "int4")
+
+
+def test_projections_that_read_one_tensor_store_it_once() -> None:
+    """A layer's stored activations count the input that projections read once per tensor read (the
+    fx node, `Projection.input`): a self-attention's q / k / v one normed stream, a cross-attention's
+    k / v the encoder's output while its q reads the decoder stream (tests/models/tiny_t5.py)."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from costmodels.cluster import load_cluster  # noqa: PLC0415
+    from planner.frontend.analysis import analyse  # noqa: PLC0415
+    from planner.frontend.capture import capture  # noqa: PLC0415
+    from planner.frontend.modelfile import load_model_file  # noqa: PLC0415
+    from planner.plan import MeshShape  # noqa: PLC0415
+    from planner.solver.costing import CostContext, build_layer_graph  # noqa: PLC0415
+    from planner.solver.problem import MeshConfig, WorkloadSpec  # noqa: PLC0415
+
+    model_file = load_model_file(Path(__file__).resolve().parent / "models" / "tiny_t5.py")
+    args, kwargs = model_file.inputs(2, 16)
+    structure = analyse(capture(model_file.build("meta"), args, kwargs))
+    work = WorkloadSpec("train", 2, 16)
+    ctx = CostContext(structure, load_cluster("local-cpu"), work, MeshConfig(MeshShape(1, 1, 1), 1), "fp32")
+    decoder = next(layer for layer in structure.layers if layer.cross_attention is not None)
+    graph = build_layer_graph(decoder, ctx)
+    stored = {op.name: op.option("replicate").input_bytes for op in graph.ops if op.projection is not None}
+    stream = 2 * 16 * structure.hidden_size * 4  # one (tokens, hidden) fp32 tensor
+    assert stored["q"] == stream and stored["k"] == stored["v"] == 0.0
+    assert stored["cross.q"] == stream  # the decoder stream, not the encoder output
+    assert {stored["cross.k"], stored["cross.v"]} == {stream, 0.0}
+    assert stored["o"] > 0 and stored["up"] > 0 and stored["down"] > 0  # each reads its own
+
+
+def test_keys_and_values_from_a_latent_store_the_latent_once() -> None:
+    """tests/models/latent_kv.py: q reads the normed stream, k and v one compressed latent (16 wide):
+    k carries the latent, v nothing, q the stream (a count by role would drop the latent)."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from costmodels.cluster import load_cluster  # noqa: PLC0415
+    from planner.frontend.analysis import analyse  # noqa: PLC0415
+    from planner.frontend.capture import capture  # noqa: PLC0415
+    from planner.frontend.modelfile import load_model_file  # noqa: PLC0415
+    from planner.plan import MeshShape  # noqa: PLC0415
+    from planner.solver.costing import CostContext, build_layer_graph  # noqa: PLC0415
+    from planner.solver.problem import MeshConfig, WorkloadSpec  # noqa: PLC0415
+
+    model_file = load_model_file(Path(__file__).resolve().parent / "models" / "latent_kv.py")
+    args, kwargs = model_file.inputs(2, 16)
+    structure = analyse(capture(model_file.build("meta"), args, kwargs))
+    work = WorkloadSpec("train", 2, 16)
+    ctx = CostContext(structure, load_cluster("local-cpu"), work, MeshConfig(MeshShape(1, 1, 1), 1), "fp32")
+    graph = build_layer_graph(structure.layers[0], ctx)
+    stored = {op.name: op.option("replicate").input_bytes for op in graph.ops if op.projection is not None}
+    assert stored["q"] == 2 * 16 * 32 * 4 and stored["k"] == 2 * 16 * 16 * 4 and stored["v"] == 0.0

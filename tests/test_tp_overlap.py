@@ -207,6 +207,35 @@ def test_the_pass_fuses_every_layer_block_and_leaves_the_ends() -> None:
         targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
         assert targets.count(tp_overlap.tp_row_matmul) == 8
         assert targets.count(tp_overlap.tp_column_matmuls) == 8
+        # each fused call belongs to the layer of the matmuls it replaced (`layer_of_nodes` reads the
+        # module path: recompute regions and pipeline stages follow it), not to the node before it
+        for node in gm.graph.nodes:
+            if node.target in (tp_overlap.tp_row_matmul, tp_overlap.tp_column_matmuls):
+                users = (
+                    {u.meta.get("module_path") for u in node.users}
+                    if node.target is not tp_overlap.tp_row_matmul
+                    else set()
+                )
+                assert node.meta.get("module_path", "").startswith("layers."), (node.name, node.meta.keys())
+                assert not users or node.meta["module_path"] in users, (node.name, users)
+
+
+def test_a_block_without_a_column_parallel_entry_gathers_nothing_again() -> None:
+    """The backward's gather of the sequence shard is priced only for a block with column-parallel
+    projections (a replicated block runs on the rank's tokens and gathers nothing), with and without
+    TP overlap."""
+    from planner.plan import Layout  # noqa: PLC0415
+
+    for overlap in (False, True):
+        ctx = _ctx("dgx-h100", overlap, True)
+        nbytes, gemm_s = 8 * 4096 * 4096 * 2, 3e-3
+        with_entry = tp_block_comm_s(Layout.PARTIAL, nbytes, gemm_s, gemm_s, ctx)
+        without = tp_block_comm_s(Layout.PARTIAL, nbytes, 0.0, gemm_s, ctx)
+        regather = sequence_regather_s(nbytes, ctx)
+        assert regather > 0
+        assert sum(with_entry) > sum(without)  # exposed + hidden: the entry's gather again counted
+        if not overlap:
+            assert without == (stream_conversion_time_s(Layout.PARTIAL, nbytes, ctx), 0.0)
 
 
 def test_tp_overlap_with_ladder_residual_is_refused() -> None:

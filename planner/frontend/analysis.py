@@ -785,9 +785,17 @@ def _projection(node: fx.Node, params: dict[str, torch.nn.Parameter]) -> Project
     bias = b.target if isinstance(b, fx.Node) and b.op == "get_attr" else None
     tokens = x.meta["val"].numel() // in_features
     flops = 2.0 * tokens * in_features * out_features + (tokens * out_features if bias else 0)
+    source = x
+    while isinstance(source, fx.Node) and source.op == "call_function" and op_name(source.target) in _VIEWS:
+        source = source.args[0]
     return Projection(
-        node.name, w.target, bias, None, in_features, out_features, out_dim, _parts(node), flops
-    )
+        node.name, w.target, bias, None, in_features, out_features, out_dim, _parts(node), flops,
+        input=source.name if isinstance(source, fx.Node) else None,
+    )  # fmt: skip
+
+
+# ops whose output is a view of their first argument's storage (a projection reading one reads it)
+_VIEWS = {"aten.view", "aten.reshape", "aten._unsafe_view", "aten.alias", "aten.expand", "aten.unsqueeze"}
 
 
 # Ops a LoRA adapter's path may pass through without changing what it computes beyond a scale: its

@@ -64,6 +64,9 @@ class Projection:
     # same input, their product added to this projection's output. Planned with it: split as its
     # shard needs (`Adapter.splits`), priced in its options (`planner.solver.costing`).
     adapter: Adapter | None = None
+    # fx node name of the tensor the matmul reads, followed back through views (`analysis._projection`):
+    # projections that read one tensor store it once for backward; None when not analysed from a graph
+    input: str | None = None
 
     def __post_init__(self) -> None:
         if self.role is not None:

@@ -713,7 +713,7 @@ def tp_block_comm_s(
     if not ctx.tp_comm_overlap or out_layout != P:
         # under sequence parallelism (training) the entry's input gathered again, under its
         # column-parallel input-gradient GEMMs (`passes.tp_overlap.apply_sequence_regather`)
-        regather = sequence_regather_s(out_bytes, ctx)
+        regather = sequence_regather_s(out_bytes, ctx) if column_s > 0 else 0.0  # no column entry: none
         hidden = min(regather, ctx.cluster.overlap_efficiency * col)
         return whole + regather - hidden + contention_s(hidden, ctx.cluster), hidden
     chunks = tp_overlap_chunks(ctx)
@@ -721,7 +721,7 @@ def tp_block_comm_s(
         parts = [(reduce_scatter_time_s, row), (all_gather_time_s, col)]
         parts += [(all_gather_time_s, row), (reduce_scatter_time_s, col)] if ctx.train else []
         pieces = [_chunked_exposed_s(fn, out_bytes, chunks, gemm, ctx) for fn, gemm in parts]
-        if ctx.train:  # the shard gathered again, each chunk under its own input-gradient GEMM
+        if ctx.train and column_s > 0:  # the shard gathered again, each chunk under its own dgrad GEMM
             pieces.append(_regather_chunks_s(out_bytes, chunks, col, ctx))
     else:
         pieces = [_chunked_exposed_s(all_reduce_time_s, out_bytes, chunks, row, ctx)]
@@ -1379,30 +1379,25 @@ def build_layer_graph(layer: Layer, ctx: CostContext) -> LayerGraph:
     )
 
 
-# projections of one block that read the same tensor, by role: a self-attention's q / k / v read the
-# normed stream, a cross-attention's k / v the encoder's output, a gated MLP's gate / up its input
-_SHARED_INPUT_ROLES = {
-    "attention": (Role.Q, Role.K, Role.V),
-    "cross": (Role.K, Role.V),
-    "mlp": (Role.GATE, Role.UP),
-}
-
-
 def _shared_inputs_once(ops: list[Op]) -> None:
-    """Count once, in place, the input that projections of one block share (`_SHARED_INPUT_ROLES`):
-    autograd keeps one tensor for all their weight gradients (under sequence parallelism one sequence
-    shard: `passes.tp_overlap.apply_sequence_regather` fuses the block's column-parallel entry), so the
+    """Count once, in place, the input that projections of one block read (the same fx node,
+    `Projection.input`: a self-attention's q / k / v, a gated MLP's gate / up): autograd keeps one
+    tensor for all their weight gradients (under sequence parallelism one sequence shard:
+    `passes.tp_overlap.apply_sequence_regather` fuses the block's column-parallel entry), so the
     first of them carries it and the others' options drop their `OpOption.input_bytes`. Exact when the
-    siblings take options of one kind (all column-parallel, all replicated: every plan the ILP has
-    chosen here); a mix would store a sibling's view of the same tensor, also once."""
-    for block, roles in _SHARED_INPUT_ROLES.items():
-        siblings = [
-            op for op in ops if op.block == block and op.projection is not None and op.projection.role in roles
-        ]  # fmt: skip
-        for op in siblings[1:]:
-            for option in op.options:
-                option.activation_bytes -= option.input_bytes
-                option.input_bytes = 0.0
+    siblings take options of one kind (all column-parallel, all replicated: the plans the ILP chooses
+    here). Projections without a known input (not analysed from a graph) each keep theirs."""
+    seen: set[tuple[str, str]] = set()
+    for op in ops:
+        source = op.projection.input if op.projection is not None else None
+        if source is None:
+            continue
+        if (op.block, source) not in seen:
+            seen.add((op.block, source))
+            continue
+        for option in op.options:
+            option.activation_bytes -= option.input_bytes
+            option.input_bytes = 0.0
 
 
 def _frozen_graph(graph: LayerGraph) -> LayerGraph:
