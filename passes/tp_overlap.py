@@ -445,9 +445,8 @@ def apply_sequence_regather(gm: fx.GraphModule, layer_nodes: Collection[str]) ->
     what autograd keeps: the rank's sequence shard instead of the gathered input, all-gathered again
     in backward for the weight gradients, as Megatron-LM does and as the planner prices it
     (`planner.solver.costing.projection_options`, `sequence_regather_s` in `tp_block_comm_s`). A
-    gather with a user
-    that is not a matmul is left as it is (its gathered input is kept whole). Records
-    ``gm.meta["sp_regather"]`` = the number of entries replaced."""
+    gather with a user that is not a matmul is left as it is (its gathered input is kept whole).
+    Records ``gm.meta["sp_regather"]`` = the number of entries replaced."""
     count = 0
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is collectives.tp_sequence_gather:

@@ -100,10 +100,10 @@ def test_unknown_dtype_is_a_value_error() -> None:
         memory.kv_cache_bytes(1, 1, 1, 1, 1, "int4")
 
 
-def test_projections_that_read_one_tensor_store_it_once() -> None:
-    """A layer's stored activations count the input that projections read once per tensor read (the
-    fx node, `Projection.input`): a self-attention's q / k / v one normed stream, a cross-attention's
-    k / v the encoder's output while its q reads the decoder stream (tests/models/tiny_t5.py)."""
+def _stored_inputs(model: str, decoder: bool = False) -> tuple[dict[str, float], int]:
+    """tests/models/`model` (2 x 16 tokens, fp32 training, one rank): each projection's stored input
+    bytes (`OpOption.input_bytes`, replicated) in its first layer (with `decoder`, its first layer with
+    a cross-attention), and the model's hidden size."""
     from pathlib import Path  # noqa: PLC0415
 
     from costmodels.cluster import load_cluster  # noqa: PLC0415
@@ -114,15 +114,23 @@ def test_projections_that_read_one_tensor_store_it_once() -> None:
     from planner.solver.costing import CostContext, build_layer_graph  # noqa: PLC0415
     from planner.solver.problem import MeshConfig, WorkloadSpec  # noqa: PLC0415
 
-    model_file = load_model_file(Path(__file__).resolve().parent / "models" / "tiny_t5.py")
+    model_file = load_model_file(Path(__file__).resolve().parent / "models" / model)
     args, kwargs = model_file.inputs(2, 16)
     structure = analyse(capture(model_file.build("meta"), args, kwargs))
     work = WorkloadSpec("train", 2, 16)
     ctx = CostContext(structure, load_cluster("local-cpu"), work, MeshConfig(MeshShape(1, 1, 1), 1), "fp32")
-    decoder = next(layer for layer in structure.layers if layer.cross_attention is not None)
-    graph = build_layer_graph(decoder, ctx)
+    layer = next(layer for layer in structure.layers if layer.cross_attention is not None or not decoder)
+    graph = build_layer_graph(layer, ctx)
     stored = {op.name: op.option("replicate").input_bytes for op in graph.ops if op.projection is not None}
-    stream = 2 * 16 * structure.hidden_size * 4  # one (tokens, hidden) fp32 tensor
+    return stored, structure.hidden_size
+
+
+def test_projections_that_read_one_tensor_store_it_once() -> None:
+    """A layer's stored activations count the input that projections read once per tensor read (the
+    fx node, `Projection.input`): a self-attention's q / k / v one normed stream, a cross-attention's
+    k / v the encoder's output while its q reads the decoder stream (tests/models/tiny_t5.py)."""
+    stored, hidden = _stored_inputs("tiny_t5.py", decoder=True)
+    stream = 2 * 16 * hidden * 4  # one (tokens, hidden) fp32 tensor
     assert stored["q"] == stream and stored["k"] == stored["v"] == 0.0
     assert stored["cross.q"] == stream  # the decoder stream, not the encoder output
     assert {stored["cross.k"], stored["cross.v"]} == {stream, 0.0}
@@ -132,21 +140,5 @@ def test_projections_that_read_one_tensor_store_it_once() -> None:
 def test_keys_and_values_from_a_latent_store_the_latent_once() -> None:
     """tests/models/latent_kv.py: q reads the normed stream, k and v one compressed latent (16 wide):
     k carries the latent, v nothing, q the stream (a count by role would drop the latent)."""
-    from pathlib import Path  # noqa: PLC0415
-
-    from costmodels.cluster import load_cluster  # noqa: PLC0415
-    from planner.frontend.analysis import analyse  # noqa: PLC0415
-    from planner.frontend.capture import capture  # noqa: PLC0415
-    from planner.frontend.modelfile import load_model_file  # noqa: PLC0415
-    from planner.plan import MeshShape  # noqa: PLC0415
-    from planner.solver.costing import CostContext, build_layer_graph  # noqa: PLC0415
-    from planner.solver.problem import MeshConfig, WorkloadSpec  # noqa: PLC0415
-
-    model_file = load_model_file(Path(__file__).resolve().parent / "models" / "latent_kv.py")
-    args, kwargs = model_file.inputs(2, 16)
-    structure = analyse(capture(model_file.build("meta"), args, kwargs))
-    work = WorkloadSpec("train", 2, 16)
-    ctx = CostContext(structure, load_cluster("local-cpu"), work, MeshConfig(MeshShape(1, 1, 1), 1), "fp32")
-    graph = build_layer_graph(structure.layers[0], ctx)
-    stored = {op.name: op.option("replicate").input_bytes for op in graph.ops if op.projection is not None}
+    stored, _ = _stored_inputs("latent_kv.py")
     assert stored["q"] == 2 * 16 * 32 * 4 and stored["k"] == 2 * 16 * 16 * 4 and stored["v"] == 0.0
