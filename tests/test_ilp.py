@@ -34,7 +34,7 @@ from planner.solver.costing import (
     stream_conversion_time_s,
 )
 from planner.solver.ilp import IlpProblem
-from planner.solver.prediction import predict
+from planner.solver.prediction import layer_breakdown, predict
 from planner.solver.problem import Assignment, Constraints, LadderMode, LadderPolicy, MeshConfig, WorkloadSpec
 from planner.solver.search import plan_model, price
 from planner.solver.stages import SplitCosts, balanced_split
@@ -374,6 +374,34 @@ def test_training_at_scale_terms(h100) -> None:
     assert stage_p2p_time_s(inter.ctx, 0) == 2 * stage_p2p_time_s(ctx, 0)
     assert step_time_s(4.0, 1.0, 8, 2) == pytest.approx(8 + 3 / 2)  # m T + (p - 1) T / v
     assert interleaved_chunks(126, 16, 4)[0] == [0] and len(interleaved_chunks(126, 16, 4)) == 64
+
+
+def test_full_recompute_reruns_the_forward_collectives_not_the_backward_gather(h100) -> None:
+    """Full recomputation runs each layer's forward again in backward, its collectives with it (half
+    of the forward + backward traffic); the backward's gather of a sequence-parallel block's input
+    again is backward only and is not counted twice."""
+    structure = handmade_llama(num_layers=4)
+    work = WorkloadSpec("train", 8, 2048, micro_batches=1)
+    mesh = dataclasses.replace(config(8, 1, 1, 1), sequence_parallel=True)
+    prob = problem(structure, h100, work, mesh)
+    free = ilp.solve(prob).assignment
+    key = prob.tables.layer_keys[0]
+    graph = prob.tables.graphs[key]
+    chosen = {op.name: graph.op(op.name).option(free.option(key, op.name)).name for op in graph.ops}
+    assert chosen["q"] == "colwise" and chosen["down"] == "rowwise", chosen  # Megatron's pairing
+
+    def breakdown(kind: Recompute):
+        return layer_breakdown(
+            graph, key, dataclasses.replace(free, recompute={key: kind}), False, prob.tables.ctx
+        )
+
+    none, full = breakdown(Recompute.NONE), breakdown(Recompute.FULL)
+    regather = sum(
+        sequence_regather_s(graph.op(out).out_bytes, prob.tables.ctx) for out in graph.block_outputs.values()
+    )
+    assert regather > 0
+    rerun = (none.comm_s + none.overlapped_comm_s - regather) / 2  # TRAIN_COMM_FACTOR
+    assert full.comm_s - none.comm_s == pytest.approx(rerun)
 
 
 def test_selective_recompute_frees_the_scores_of_a_materialized_kernel(h100) -> None:

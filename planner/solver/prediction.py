@@ -30,6 +30,7 @@ from planner.solver.costing import (
     in_flight_micro_batches,
     optimizer_step_time_s,
     recompute_input_bytes,
+    sequence_regather_s,
     serving_host_time_s,
     stage_p2p_time_s,
     step_time_s,
@@ -95,7 +96,7 @@ def layer_breakdown(
         for u, v in graph.edges()
     ) + sum(o.comm_s for o in opt.values())
     internal += graph.fixed_comm_s  # a MoE layer's token exchange (expert parallelism)
-    exposed = overlapped = 0.0
+    exposed = overlapped = regather = 0.0
     eta = ctx.cluster.overlap_efficiency
     for block, other in (("attention", "mlp"), ("mlp", "attention")):
         out = graph.block_outputs.get(block)
@@ -109,6 +110,8 @@ def layer_breakdown(
             comm, hidden = tp_block_comm_s(
                 opt[out].out_layout, graph.op(out).out_bytes, split["colwise"], split["rowwise"], ctx
             )
+            if split["colwise"] > 0:  # the backward's gather of the shard (in comm + hidden), not forward
+                regather += sequence_regather_s(graph.op(out).out_bytes, ctx)
             exposed += comm
             overlapped += hidden - contention_s(hidden, ctx.cluster)
             continue
@@ -124,8 +127,8 @@ def layer_breakdown(
     grad = graph.fixed_grad_bytes + sum(o.grad_bytes for o in opt.values())
     # a forward-only layer (no gradient reaches it) has no backward to recompute in
     recompute = assignment.recompute_of(key) if ctx.train and graph.backward else Recompute.NONE
-    if recompute is Recompute.FULL:  # forward again in backward; keep only the input
-        internal += (internal + exposed + overlapped) / TRAIN_COMM_FACTOR
+    if recompute is Recompute.FULL:  # forward again in backward (its collectives); keep only the input
+        internal += max(0.0, internal + exposed + overlapped - regather) / TRAIN_COMM_FACTOR
         compute_s += compute_s / TRAIN_COMPUTE_FACTOR + sum(o.full_extra_s for o in opt.values())
         act = recompute_input_bytes(ctx)
     elif recompute is Recompute.SELECTIVE:  # the attention core again; its scores are not kept
