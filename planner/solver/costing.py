@@ -654,7 +654,7 @@ def tp_overlap_chunk_compute_s(op: Op, option: OpOption, ctx: CostContext) -> fl
 
 
 def _chunked_exposed_s(
-    collective, nbytes: float, chunks: int, gemm_s: float, ctx: CostContext
+    collective, nbytes: float, chunks: int, gemm_s: float, ctx: CostContext, hide_last: bool = False
 ) -> tuple[float, float]:
     """(exposed, whole) seconds of one TP collective of `nbytes` cut into `chunks` pieces issued back to
     back (the first at the link's latency, the rest at its burst latency: `comm.burst_cluster`), piece
@@ -662,28 +662,18 @@ def _chunked_exposed_s(
 
         exposed = sum_{i < C-1} max(0, t_i - eta * gemm_s / C) + t_{C-1}
 
-    (eta = `ClusterSpec.overlap_efficiency`); the last piece has nothing after it to hide behind."""
+    (eta = `ClusterSpec.overlap_efficiency`); the last piece has nothing after it to hide behind.
+    hide_last: each piece is issued before its own chunk's GEMM and waited for after it (the
+    backward's gather of the sequence shard again, `passes.tp_overlap._ColumnMatmuls`), so the last
+    piece hides too: its term is max(0, t_{C-1} - eta * gemm_s / C)."""
     group, cluster = ctx.tp_group(), ctx.cluster
     first = collective(nbytes / chunks, group, cluster)
+    hide = cluster.overlap_efficiency * gemm_s / chunks
     if chunks == 1:
-        return first, first
+        return (max(0.0, first - hide) if hide_last else first), first
     rest = collective(nbytes / chunks, group, burst_cluster(cluster))
-    hide = cluster.overlap_efficiency * gemm_s / chunks
-    exposed = max(0.0, first - hide) + (chunks - 2) * max(0.0, rest - hide) + rest
-    return exposed, first + (chunks - 1) * rest
-
-
-def _regather_chunks_s(nbytes: float, chunks: int, gemm_s: float, ctx: CostContext) -> tuple[float, float]:
-    """(exposed, whole) seconds of the backward's all-gather of a block input's sequence shard again
-    in `chunks` pieces (`passes.tp_overlap._ColumnMatmuls`): piece i is issued before the
-    input-gradient GEMM of chunk i (`gemm_s`: all chunks') and waited for after it, so each piece hides
-    under its own chunk's GEMM: sum_i max(0, t_i - eta * gemm_s / C) (the first at the link's latency,
-    the rest at its burst latency)."""
-    group, cluster = ctx.tp_group(), ctx.cluster
-    first = all_gather_time_s(nbytes / chunks, group, cluster)
-    rest = all_gather_time_s(nbytes / chunks, group, burst_cluster(cluster)) if chunks > 1 else first
-    hide = cluster.overlap_efficiency * gemm_s / chunks
-    exposed = max(0.0, first - hide) + (chunks - 1) * max(0.0, rest - hide)
+    last = max(0.0, rest - hide) if hide_last else rest
+    exposed = max(0.0, first - hide) + (chunks - 2) * max(0.0, rest - hide) + last
     return exposed, first + (chunks - 1) * rest
 
 
@@ -706,7 +696,7 @@ def tp_block_comm_s(
       conjugates, the output-gradient all-gather under the row-parallel input-gradient GEMM and the
       input-gradient reduce-scatter under the column-parallel ones, and the entry's input gathered
       again for the weight gradients, each chunk under its own column-parallel input-gradient GEMM
-      (`_regather_chunks_s`).
+      (`_chunked_exposed_s` with hide_last).
     Each collective is one graph node per chunk (`CostContext.node_overhead_time`)."""
     whole = stream_conversion_time_s(out_layout, out_bytes, ctx)
     col, row = column_s / ctx.compute_factor, row_s / ctx.compute_factor  # one GEMM each
@@ -722,7 +712,7 @@ def tp_block_comm_s(
         parts += [(all_gather_time_s, row), (reduce_scatter_time_s, col)] if ctx.train else []
         pieces = [_chunked_exposed_s(fn, out_bytes, chunks, gemm, ctx) for fn, gemm in parts]
         if ctx.train and column_s > 0:  # the shard gathered again, each chunk under its own dgrad GEMM
-            pieces.append(_regather_chunks_s(out_bytes, chunks, col, ctx))
+            pieces.append(_chunked_exposed_s(all_gather_time_s, out_bytes, chunks, col, ctx, hide_last=True))
     else:
         pieces = [_chunked_exposed_s(all_reduce_time_s, out_bytes, chunks, row, ctx)]
         if ctx.train:
