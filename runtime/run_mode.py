@@ -136,33 +136,25 @@ def expert_load_notes_of(gm: nn.Module, rank: int) -> list[str]:
     return [f"tokens per expert on rank {rank} (token x choice rows its experts computed): {per_block}"]
 
 
-def _sequence_gathering_column_calls(module: torch.nn.Module) -> int:
-    """Calls of `passes.tp_overlap.tp_column_matmuls` that all-gather a sequence shard (their `seq`
-    argument set) in the fx graphs of `module`."""
-    return sum(
-        1
-        for g in module.modules()
-        if isinstance(g, fx.GraphModule)
-        for n in g.graph.nodes
-        if n.op == "call_function" and n.target is tp_overlap.tp_column_matmuls and n.args[5] is not None
-    )
-
-
 def lowering_notes(plan: Plan, lowered: RankLowering, training: bool) -> list[str]:
     """The run report's notes on the plan's training-at-scale settings as this rank ran them: sequence
     parallelism (with the collectives the rewritten forward calls) and activation recomputation (which
     layers, how), or why a setting had nothing to do."""
     notes: list[str] = []
     if plan.sequence_parallel:
-        calls = [n.target for g in lowered.module.modules() if isinstance(g, fx.GraphModule)
+        nodes = [n for g in lowered.module.modules() if isinstance(g, fx.GraphModule)
                  for n in g.graph.nodes if n.op == "call_function"]  # fmt: skip
+        calls = [n.target for n in nodes]
         if lowered.sequence_parallel and collectives.tp_reduce_scatter not in calls:
             notes.append(
                 "sequence_parallel is set but no row-parallel output on this rank is a (batch, sequence, "
                 "features) tensor (flattened tokens, e.g. Conv1D / addmm), so its all-reduces stayed"
             )
         elif lowered.sequence_parallel:
-            fused = _sequence_gathering_column_calls(lowered.module)
+            # fused column-parallel entries that all-gather a sequence shard (their `seq` argument set)
+            fused = sum(
+                1 for n in nodes if n.target is tp_overlap.tp_column_matmuls and n.args[5] is not None
+            )
             kept = (
                 f", {fused} of them fused with the block's column-parallel matmuls, which keep the sequence "
                 "shard for backward and gather it again there"
