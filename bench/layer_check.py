@@ -17,7 +17,9 @@ split; no sequence parallelism, no collectives: compute only), one micro-batch o
 
 - each projection: its forward GEMM and the two backward GEMMs (input and weight gradient);
 - the attention core (`F.scaled_dot_product_attention`, causal) forward and backward;
-- the whole layer forward and backward; "rest" is the whole minus the projections and the core.
+- the whole layer forward and backward; "rest" is the whole minus the projections and the core;
+- the last stage's head, apart from the layer: final norm, the LM head's vocabulary shard (V / tp
+  columns, Megatron's vocab-parallel head) and the fp32 cross-entropy over those logits ("head").
 
 Beside each, the planner's price of the same op (`planner.solver.costing.build_cost_tables` of the
 row's GPT on a tp-rank mesh, Megatron's choices, `OpOption.compute_s`: forward + backward) and the
@@ -94,6 +96,23 @@ class RankBlock(nn.Module):
         return x + self.down(F.gelu(self.up(self.ln_2(x)), approximate="tanh"))
 
 
+class RankHead(nn.Module):
+    """The last stage's tail as one of `tp` ranks computes it: final LayerNorm, the LM head's shard of
+    `vocab` / tp output columns, and the cross-entropy over those logits in fp32 (Megatron-LM's and
+    torchtitan's loss; the vocab-parallel form reduces a max and a sum across ranks, not timed here).
+    Input (B, T, hidden) -> a scalar loss."""
+
+    def __init__(self, hidden: int, vocab: int, tp: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, -(-vocab // tp), bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.norm(x)).float()
+        target = torch.zeros(logits.shape[:-1], dtype=torch.long, device=x.device)
+        return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
 def _train_step_s(fn, inputs: list[torch.Tensor], timer) -> float:
     """Seconds of forward + backward of `fn(*inputs)` (a gradient of ones-like shape flows back)."""
     out = fn(*inputs)
@@ -106,9 +125,10 @@ def _train_step_s(fn, inputs: list[torch.Tensor], timer) -> float:
 
 
 def measure_layer(hidden: int, heads: int, tp: int, seq: int, device: torch.device, dtype: torch.dtype,
-                  timer) -> dict[str, float]:  # fmt: skip
+                  timer, vocab: int = 0) -> dict[str, float]:  # fmt: skip
     """Measured seconds of forward + backward, one sequence of `seq` tokens: each projection ("qkv",
-    "o", "up", "down"), the attention core ("core") and the whole rank layer ("layer")."""
+    "o", "up", "down"), the attention core ("core"), the whole rank layer ("layer") and, when `vocab`
+    is given, the last stage's head on its vocabulary shard with the fp32 loss ("head", `RankHead`)."""
     out: dict[str, float] = {}
     for name, (k, n) in rank_widths(hidden, tp).items():
         linear = nn.Linear(k, n, device=device, dtype=dtype)
@@ -123,6 +143,11 @@ def measure_layer(hidden: int, heads: int, tp: int, seq: int, device: torch.devi
     block = RankBlock(hidden, heads, tp).to(device=device, dtype=dtype)
     x = torch.randn(1, seq, hidden, device=device, dtype=dtype, requires_grad=True)
     out["layer"] = _train_step_s(block, [x], timer)
+    del block, x
+    if vocab:
+        out["head"] = _train_step_s(RankHead(hidden, vocab, tp).to(device=device, dtype=dtype),
+                                    [torch.randn(1, seq, hidden, device=device, dtype=dtype, requires_grad=True)],
+                                    timer)  # fmt: skip
     return out
 
 
@@ -130,7 +155,8 @@ def predict_layer(heads: int, hidden: int, layers: int, tp: int, seq: int, vocab
                   dtype: str) -> dict[str, float]:  # fmt: skip
     """The planner's seconds of the same ops, forward + backward, one sequence of `seq` tokens on one of
     `tp` ranks with Megatron's choices (`OpOption.compute_s`), "layer" the layer's compute (the ops
-    plus its norms and residual adds, `LayerGraph.fixed_compute_s`)."""
+    plus its norms and residual adds, `LayerGraph.fixed_compute_s`), "head" the LM head's option with
+    its loss plus the last stage's fixed compute (final norm)."""
     config = GPTConfig(vocab_size=vocab, n_positions=seq, n_layer=layers, n_head=heads, n_embd=hidden)
     structure = gpt_structure(config)
     spec = load_cluster(cluster, nproc=tp) if cluster == "local-cpu" else load_cluster(cluster)
@@ -142,6 +168,9 @@ def predict_layer(heads: int, hidden: int, layers: int, tp: int, seq: int, vocab
     choices = megatron_choices(tables.graphs, tables.ends)
     out = {op.name: op.option(choices[(key, op.name)]).compute_s for op in graph.ops}
     out["layer"] = graph.fixed_compute_s + sum(out.values())
+    head = next((op for op in tables.ends.ops if op.name == "lm_head"), None)
+    if head is not None:  # the LM head with its loss (`costing.loss_time_s`) and the final norm
+        out["head"] = head.option(choices[("ends", "lm_head")]).compute_s + tables.ends.last_stage_compute_s
     return out
 
 
@@ -181,10 +210,10 @@ def main() -> None:
     results = []
     for name, heads, hidden, layers, tp in rows:
         predicted = predict_layer(heads, hidden, layers, tp, seq, vocab, cluster, dtype_name)
-        measured = measure_layer(hidden, heads, tp, seq, device, dtype, timer)
+        measured = measure_layer(hidden, heads, tp, seq, device, dtype, timer, vocab)
         for side in (predicted, measured):
             side["rest"] = side["layer"] - sum(side.get(op, 0.0) for op in ("qkv", "o", "up", "down", "core"))
-        for op in ("qkv", "core", "o", "up", "down", "rest", "layer"):
+        for op in ("qkv", "core", "o", "up", "down", "rest", "layer", "head"):
             p, m = predicted.get(op), measured.get(op)
             ratio = f"{m / p:.2f}" if p and m is not None and p > 0 else "-"
             table.add_row(name, f"{hidden} / {tp}", op, "-" if p is None else f"{p * 1e3:.3f}",
@@ -194,7 +223,8 @@ def main() -> None:
                         "predicted_s": predicted, "measured_s": measured})  # fmt: skip
     console.print(table)
     console.print(
-        "rest = the layer minus its projections and attention core: norms, GELU, residual adds, copies"
+        "rest = the layer minus its projections and attention core: norms, GELU, residual adds, copies; "
+        "head = final norm, LM head shard and fp32 loss (not in the layer)"
     )
     if args.json is not None:
         args.json.write_text(json.dumps({"cluster": cluster, "dtype": dtype_name, "rows": results}, indent=1))

@@ -4,10 +4,10 @@
 
 Local mode (the default): the parent starts `nproc` fresh Python processes, forked by a
 multiprocessing fork server that has imported torch and the runtime once (`_context`; "spawn" where
-there is no fork server), so no CUDA or thread state of the parent is inherited and a launch does not
-pay torch's import per rank (5.4 s to start 2 ranks spawned, 2.5 s for the first launch forked, 0.1 s
-for each later one, on the 2-vCPU dev VM). Each child sets MASTER_ADDR=127.0.0.1, a free
-MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE, calls
+there is no fork server, and always for CUDA ranks), so no CUDA or thread state of the parent is
+inherited and a gloo launch does not pay torch's import per rank (5.4 s to start 2 ranks spawned,
+2.5 s for the first launch forked, 0.1 s for each later one, on the 2-vCPU dev VM). Each child sets
+MASTER_ADDR=127.0.0.1, a free MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE, calls
 `torch.distributed.init_process_group(backend, timeout=timedelta(seconds=timeout_s))` ("nccl" on
 `cuda:LOCAL_RANK` when CUDA is available, else "gloo" with `torch.set_num_threads(cpu_count // nproc)`),
 runs `entry(RankContext, payload)`, sends the pickled result to the parent over its own pipe, waits in a
@@ -389,11 +389,14 @@ def free_port() -> int:
 _PRELOAD = ("torch", "torch.distributed", "runtime.execute", "runtime.warm")
 
 
-def _context() -> Any:
-    """The multiprocessing context ranks start in: a fork server (Linux, macOS) that has imported
-    `_PRELOAD` and nothing else - no CUDA context, no threads of the launching process, as with
-    "spawn" - started once per launching process and reused by every launch; "spawn" elsewhere."""
-    if "forkserver" not in mp.get_all_start_methods():
+def _context(backend: str) -> Any:
+    """The multiprocessing context ranks start in. Under "gloo": a fork server (Linux, macOS) that has
+    imported `_PRELOAD` and nothing else - no threads of the launching process, as with "spawn" -
+    started once per launching process and reused by every launch; "spawn" elsewhere. Under "nccl":
+    "spawn" always, since a process forked after CUDA was initialised cannot use CUDA, and importing
+    `_PRELOAD` may initialise it in the server (seen with torch 2.11+cu130 on an H200, 2026-12-04:
+    every NCCL rank failed with "Cannot re-initialize CUDA in forked subprocess")."""
+    if backend == "nccl" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(list(_PRELOAD))
@@ -403,7 +406,7 @@ def _context() -> Any:
 def _run_local(
     job: bytes, nproc: int, port: int, timeout_s: float, backend: str, progress: Progress = silent
 ) -> list[Any]:
-    context = _context()
+    context = _context(backend)
     procs: list[Any] = []
     conns: list[Any] = []
     progress(f"starting {nproc} rank(s)", 0.0)

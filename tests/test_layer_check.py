@@ -38,6 +38,16 @@ def test_rank_block_at_tp1_is_the_gpt_block():
     torch.testing.assert_close(rank(x), block(x))
 
 
+def test_rank_head_is_the_vocab_shard_with_an_fp32_loss():
+    head = layer_check.RankHead(64, 250, 4)  # vocabulary padded to a multiple of the TP degree
+    assert head.head.out_features == 63
+    x = torch.randn(1, 8, 64, dtype=torch.bfloat16, requires_grad=True)
+    loss = head.to(torch.bfloat16)(x)
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    loss.backward()
+    assert x.grad is not None and head.head.weight.grad is not None
+
+
 def test_rank_widths_split_as_megatron():
     assert layer_check.rank_widths(2048, 2) == {
         "qkv": (2048, 3072), "o": (1024, 2048), "up": (2048, 4096), "down": (4096, 2048),
@@ -51,8 +61,8 @@ def test_tiny_run_on_cpu_writes_both_sides(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     (row,) = json.loads(out.read_text())["rows"]
     for side in ("predicted_s", "measured_s"):
-        assert set(row[side]) >= {"qkv", "o", "up", "down", "core", "layer", "rest"}
-        assert all(row[side][op] > 0 for op in ("qkv", "o", "up", "down", "core", "layer"))
+        assert set(row[side]) >= {"qkv", "o", "up", "down", "core", "layer", "rest", "head"}
+        assert all(row[side][op] > 0 for op in ("qkv", "o", "up", "down", "core", "layer", "head"))
     assert "measured / predicted" in r.stdout
 
 

@@ -4,4 +4,5 @@ import sys
 
 from planner.cli.main import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when a spawned rank process imports the main module
+    sys.exit(main())
