@@ -89,8 +89,8 @@ LARGE_BYTES = 64 * 2**20  # the busbw is held at sizes from here up
 SMALL_BYTES = 64 * 2**10  # the time is held at sizes up to here
 BUSBW_TOLERANCE = 0.10  # |fitted busbw / measured - 1| at large sizes
 SMALL_TIME_TOLERANCE = 0.25  # |fitted time / measured - 1| at small sizes
-# a square GEMM timed in each dtype: the fp16 and fp32 peaks are the bf16 peak (the sweep's fastest)
-# times their square rate over bf16's (fp32 runs on other units: its own rate, as torch runs it)
+# a square GEMM timed in each dtype: the fp16 and fp32 peaks are the bf16 peak (from the sweep's
+# fastest, `apply_cuda_measurements`) times their square rate over bf16's (fp32 runs on other units: its own rate, as torch runs it)
 SQUARE_SHAPE = (4096, 4096, 4096)
 SQUARE_DTYPES = ("bf16", "fp16", "fp32")
 WARMUP, REPS = 3, 7  # warm-up calls, then timed repetitions (median taken)
@@ -447,7 +447,7 @@ class GemmFit:
     max_error: float  # largest |priced time / measured - 1| over the points fitted
     rms_error: float
     used: int  # points fitted (compute-bound)
-    excluded: int  # points left out as memory-bound
+    excluded: int  # points left out: memory-bound, or launch-bound (within 10% of ``launch_s``)
 
 
 def fit_gemm(
@@ -458,6 +458,8 @@ def fit_gemm(
     min_split_k: float = MIN_SPLIT_K,
     memory_bytes_per_s: float | None = None,
     element_bytes: int = 2,
+    launch_s: float = 0.0,
+    max_efficiency: float | None = 1.0,
 ) -> GemmFit:
     """Fit ``efficiency`` and ``half_k`` of `costmodels.compute.gemm_efficiency` (``sms``, ``tiles``,
     ``min_split_k`` fixed) to measured GEMM times against ``peak_flops_per_s``, minimising the squared
@@ -466,6 +468,14 @@ def fit_gemm(
     time at E = 1 over its measured time); the best pair is kept, the efficiency at most 1 (then
     ``half_k`` refitted). Points whose operands and result at ``memory_bytes_per_s`` take more than
     half their measured time are memory-bound (the roofline prices them) and left out.
+
+    ``launch_s``: the fixed time `costmodels.compute.op_time_s` adds to each GEMM on a GPU (the
+    device's ``launch_overhead_s``): the priced time is the compute time plus it, so small GEMMs whose
+    measured time is mostly the launch (back-to-back calls issue no faster than the host dispatches
+    them: 512^3 bf16 took 19 us on an H200 whose one-element add took 10.7 us, 2026-12-04) do not pull
+    the efficiency down; points within 10% of it are left out (they say nothing of the kernel).
+    ``max_efficiency``: the cap on ``efficiency`` (None: none; the caller then raises the peak when
+    the fit exceeds 1 - a GEMM with full tiles and waves runs faster than the fastest one measured).
 
     Raises:
         ValueError: no compute-bound point, or a non-positive peak / time.
@@ -479,25 +489,34 @@ def fit_gemm(
         nbytes = (p.m * p.k + p.k * p.n + p.m * p.n) * element_bytes
         if memory_bytes_per_s is not None and nbytes / memory_bytes_per_s > 0.5 * p.time_s:
             continue
+        if p.time_s <= 1.1 * launch_s:
+            continue
         used.append(p)
     if not used:
         raise ValueError("no compute-bound GEMM point to fit")
     tiles = tuple((int(a), int(b)) for a, b in tiles)
     grid = [0.0] + [0.5 * 2 ** (i / 16) for i in range(16 * 14 + 1)]  # 0.5 ... 8192
+    cap = math.inf if max_efficiency is None else max_efficiency
 
     def fills(half_k: float) -> list[float]:
         unit = GemmSpec(1.0, half_k, sms, tiles, min_split_k)
         return [gemm_efficiency(p.m, p.n, p.k, unit) for p in used]
 
     def error(efficiency: float, f: list[float]) -> tuple[float, float]:
-        rel = [p.flops / (peak_flops_per_s * efficiency * fi) / p.time_s - 1.0 for p, fi in zip(used, f)]
+        rel = [
+            (p.flops / (peak_flops_per_s * efficiency * fi) + launch_s) / p.time_s - 1.0
+            for p, fi in zip(used, f)
+        ]
         return math.sqrt(sum(r * r for r in rel) / len(rel)), max(abs(r) for r in rel)
 
     best: tuple[float, float, float] | None = None  # (rms, efficiency, half_k)
     for half_k in grid:
         f = fills(half_k)
+        # relative error c_i / E - d_i: c_i the compute time at E = 1, d_i the share of the measured
+        # time that is not the launch; least squares in 1 / E
         c = [p.flops / (peak_flops_per_s * fi) / p.time_s for p, fi in zip(used, f)]
-        efficiency = min(1.0, sum(ci * ci for ci in c) / sum(c))
+        d = [1.0 - launch_s / p.time_s for p in used]
+        efficiency = min(cap, sum(ci * ci for ci in c) / sum(ci * di for ci, di in zip(c, d)))
         rms, _ = error(efficiency, f)
         if best is None or rms < best[0]:
             best = (rms, efficiency, half_k)
@@ -782,8 +801,9 @@ def _sig(value: float, digits: int = 4) -> float:
 
 def apply_cuda_measurements(data: dict, cuda: dict, nodes: int = 1, nics_per_node: int | None = None) -> dict:
     """``data`` (the cluster YAML mapping `calibrate` builds, backend nccl) with the CUDA measurements
-    written in: ``device.gemm`` (`fit_gemm` over the fastest GEMM measured as the bf16 peak; fp16 and
-    fp32 peaks that times their `SQUARE_SHAPE` rate over bf16's;
+    written in: ``device.gemm`` (`fit_gemm` with the device's launch overhead, against the fastest
+    GEMM measured; the bf16 peak is that rate, raised by the fitted efficiency where it exceeds 1 (the
+    gemm efficiency is then 1); fp16 and fp32 peaks that times their `SQUARE_SHAPE` rate over bf16's;
     ``matmul_half_rows`` dropped: the GEMM model carries the row count), ``device.attention``
     (`fit_attention`), ``device.decode_attention`` (`fit_decode_attention`, left out for a kernel that
     splits the cache), ``links.intra_node`` and with ``nodes`` > 1 ``links.inter_node`` (`fit_link`
@@ -802,10 +822,22 @@ def apply_cuda_measurements(data: dict, cuda: dict, nodes: int = 1, nics_per_nod
     gemm = [GemmPoint(*p) for p in cuda["gemm"]]
     fastest = max(p.flops / p.time_s for p in gemm)
     squares = cuda["squares"]
-    dev["peak_TFLOPS"] = {dt: _sig(fastest * squares[dt] / squares["bf16"] / 1e12) for dt in SQUARE_DTYPES}
     dev.pop("matmul_half_rows", None)
-    fit = fit_gemm(gemm, fastest, int(cuda["sms"]), memory_bytes_per_s=dev["memory_bandwidth_GBps"] * 1e9)
-    g = fit.spec
+    launch_s = float(dev.get("launch_overhead_us") or 0.0) * 1e-6
+    fit = fit_gemm(
+        gemm,
+        fastest,
+        int(cuda["sms"]),
+        memory_bytes_per_s=dev["memory_bandwidth_GBps"] * 1e9,
+        launch_s=launch_s,
+        max_efficiency=None,
+    )
+    # the fastest GEMM measured still has part-filled waves and a finite K: where the fit's efficiency
+    # exceeds 1, the peak is the rate of full tiles and waves at unbounded K (fastest x efficiency)
+    scale = max(1.0, fit.spec.efficiency)
+    peak = fastest * scale
+    g = dataclasses.replace(fit.spec, efficiency=fit.spec.efficiency / scale)
+    dev["peak_TFLOPS"] = {dt: _sig(peak * squares[dt] / squares["bf16"] / 1e12) for dt in SQUARE_DTYPES}
     dev["gemm"] = {
         "efficiency": _sig(g.efficiency),
         "half_k": _sig(g.half_k),
@@ -816,16 +848,18 @@ def apply_cuda_measurements(data: dict, cuda: dict, nodes: int = 1, nics_per_nod
     shown = ", ".join(f"{p.m}x{p.n}x{p.k} {p.flops / p.time_s / 1e12:.0f}" for p in gemm)
     sources.append(
         f"GEMM (bf16 torch.mm, CUDA events, {WARMUP} warm-up calls, median of {REPS} windows, slowest rank), "
-        f"TFLOP/s by MxNxK: {shown}; peak_TFLOPS = the fastest ({fastest / 1e12:.0f} bf16; fp16, fp32 "
-        f"by their {'x'.join(map(str, SQUARE_SHAPE))} square's rate over bf16's: "
-        f"{', '.join(f'{dt} {r / 1e12:.1f}' for dt, r in squares.items())} TFLOP/s); device.gemm fitted (costmodels.gpu_calibrate.fit_gemm: "
-        f"efficiency and half_k of gemm_efficiency, {g.sms} SMs from the device, the Hopper presets' tiles) "
-        f"over {fit.used} compute-bound points ({fit.excluded} memory-bound left out): rms {fit.rms_error:.1%}, "
-        f"worst {fit.max_error:.1%}"
+        f"TFLOP/s by MxNxK: {shown}; device.gemm fitted (costmodels.gpu_calibrate.fit_gemm: "
+        f"efficiency and half_k of gemm_efficiency, {g.sms} SMs from the device, the Hopper presets' tiles, "
+        f"each GEMM priced with the {launch_s * 1e6:.1f} us launch overhead) over {fit.used} points "
+        f"({fit.excluded} memory- or launch-bound left out): rms {fit.rms_error:.1%}, worst {fit.max_error:.1%}; "
+        f"peak_TFLOPS bf16 = the fastest measured ({fastest / 1e12:.0f}) x {scale:.3f} (the fit's rate of full "
+        f"tiles and waves at unbounded K over it), fp16 and fp32 that times their "
+        f"{'x'.join(map(str, SQUARE_SHAPE))} square's rate over bf16's: "
+        f"{', '.join(f'{dt} {r / 1e12:.1f}' for dt, r in squares.items())} TFLOP/s"
     )
     attention = [AttentionPoint(*p) for p in cuda["attention"]]
     if attention:
-        afit = fit_attention(attention, fastest)
+        afit = fit_attention(attention, peak)
         a = afit.spec
         dev["attention"] = {
             "efficiency": _sig(a.efficiency),
