@@ -1346,6 +1346,12 @@ def calibrate(
             if m.get("node_overhead_windows_s")
             else ""
         )
+        + (
+            "; on CUDA written as device.host_dispatch_us (the host's issue time per node: a floor under each "
+            "layer's time, the kernels running meanwhile)"
+            if use_cuda
+            else ""
+        )
     )
     memory = m.get("memory_bytes", _host_memory_bytes() / nproc)
     name = m.get("device_name", f"{_cpu_name()}, {m['threads_per_process']} thread(s) per process")
@@ -1369,7 +1375,11 @@ def calibrate(
         },
         "links": {"intra_node": intra},
     }
-    if not use_cuda:  # GPU kernels are asynchronous: their launch term stays the per-op cost there
+    if use_cuda:  # GPU kernels are asynchronous: the launch term stays the per-op cost, and the host's
+        # issue time per node is a floor under each layer's time (`DeviceSpec.host_dispatch_s`)
+        data["device"]["host_dispatch_us"] = _sig(node_f * 1e6)
+        data["device"]["host_dispatch_backward_us"] = _sig(node_b * 1e6)
+    else:
         data["device"]["node_overhead_us"] = _sig(node_f * 1e6)
         data["device"]["backward_node_overhead_us"] = _sig(node_b * 1e6)
         if math.isfinite(probe_mm := m["probe_matmul_flops_per_s"]) and probe_mm > 0:

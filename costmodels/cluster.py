@@ -33,6 +33,11 @@ YAML layout (units in the field names; see the presets in ``costmodels/clusters/
       node_overhead_us: 12
       backward_node_overhead_us: 10
       probe_node_overhead_us: 7    # optional, written by `planner calibrate`: the speed probe's references
+      # optional (eager GPU runs, written by `planner calibrate` on CUDA): host time to issue one fx node
+      # (Python, ATen dispatch, the kernel launch) while the GPU runs the queued kernels; a layer takes
+      # at least its nodes times this (forward; + host_dispatch_backward_us per forward node in training)
+      host_dispatch_us: 18
+      host_dispatch_backward_us: 49
       conv_efficiency: 0.3         # optional, (0, 1]: convolutions' fraction of peak (default: matmul_efficiency)
       pooling_bandwidth_GBps: 1    # optional: bytes / s of pooling ops (default: memory bandwidth)
       # optional (eager CPU; absent = Adam priced by bytes moved): torch.optim.Adam's step per fp32
@@ -183,6 +188,14 @@ class DeviceSpec:
     # per forward node in the backward pass (None: ``node_overhead_s``).
     node_overhead_s: float | None = None
     backward_node_overhead_s: float | None = None
+    # Optional (an asynchronous device, eager GPU runs; None: not priced): host seconds to issue one fx
+    # node of a GraphModule (Python and ATen dispatch, the kernel launch) while the device runs what is
+    # queued, and the same per forward node of a backward pass. The device cannot finish a layer before
+    # the host has issued it, so a layer costs at least its nodes times these (`LayerGraph.dispatch_s`):
+    # small models and small decode batches run at the host's pace. `planner calibrate` measures both
+    # on CUDA (its probe graph's per-node slope).
+    host_dispatch_s: float | None = None
+    host_dispatch_backward_s: float | None = None
     # Optional: achieved fraction of peak of convolutions (None: matmul_efficiency), and bytes / s of
     # pooling ops (None: memory bandwidth x efficiency): CPU kernels of both are far below the roofs.
     conv_efficiency: float | None = None
@@ -458,6 +471,8 @@ _EXPECT = {
     "conv_efficiency": "a fraction in (0, 1] of peak reached by convolutions",
     "pooling_bandwidth_GBps": "a number in GB/s > 0 (bytes read + written by pooling ops), e.g. 1",
     "probe_node_overhead_us": "a number in µs > 0 (the speed probe's per-node slope at calibration), e.g. 7",
+    "host_dispatch_us": "a number in µs >= 0 (host time to issue one fx node on a GPU), e.g. 18",
+    "host_dispatch_backward_us": "a number in µs >= 0 (the same per forward node, in backward), e.g. 49",
     "probe_matmul_GFLOPS": "a number in GFLOP/s > 0 (the speed probe's matmul at calibration), e.g. 60",
     "probe_backward_node_overhead_us": "a number in µs > 0 (the same, backward), e.g. 18",
     "adam_ns_per_param": "a number in ns > 0 (Adam's step per fp32 parameter, tensors <= 32 MiB), e.g. 4",
@@ -553,6 +568,8 @@ def _parse_device(r: _Reader, raw: Any) -> DeviceSpec:
             "pooling_bandwidth_GBps",
             "probe_node_overhead_us",
             "probe_backward_node_overhead_us",
+            "host_dispatch_us",
+            "host_dispatch_backward_us",
             "probe_matmul_GFLOPS",
             "adam_ns_per_param",
             "adam_large_tensor_ns_per_param",
@@ -629,6 +646,12 @@ def _parse_device(r: _Reader, raw: Any) -> DeviceSpec:
         probe_matmul_flops_per_s=None
         if (probe_mm := d.get("probe_matmul_GFLOPS")) is None
         else r.number(probe_mm, "device.probe_matmul_GFLOPS", "GFLOP/s", "60") * 1e9,
+        host_dispatch_s=None
+        if (host_f := d.get("host_dispatch_us")) is None
+        else r.number(host_f, "device.host_dispatch_us", "µs", "18", allow_zero=True) * _US,
+        host_dispatch_backward_s=None
+        if (host_b := d.get("host_dispatch_backward_us")) is None
+        else r.number(host_b, "device.host_dispatch_backward_us", "µs", "49", allow_zero=True) * _US,
         probe_node_overhead_s=None
         if (probe_f := d.get("probe_node_overhead_us")) is None
         else r.number(probe_f, "device.probe_node_overhead_us", "µs", "7") * _US,
@@ -1051,6 +1074,7 @@ def _cpu_processes(spec: ClusterSpec, nproc: int) -> ClusterSpec:
     slowdown = min(1.0, share(nproc)) / min(1.0, share(spec.devices_per_node))
     if slowdown != 1.0:  # every per-op and per-node time (those the spec has) stretches alike
         stretched = ("launch_overhead_s", "node_overhead_s", "backward_node_overhead_s")
+        stretched += ("host_dispatch_s", "host_dispatch_backward_s")
         stretched += ("adam_s_per_param", "adam_large_tensor_s_per_param", "adam_tensor_overhead_s")
         stretched += ("adam_cached_s_per_param",)
         device = replace(
@@ -1149,6 +1173,14 @@ def cluster_to_dict(spec: ClusterSpec) -> dict:
                 {}
                 if dev.probe_node_overhead_s is None
                 else {"probe_node_overhead_us": _human(dev.probe_node_overhead_s / _US)}
+            ),
+            **(
+                {} if dev.host_dispatch_s is None else {"host_dispatch_us": _human(dev.host_dispatch_s / _US)}
+            ),
+            **(
+                {}
+                if dev.host_dispatch_backward_s is None
+                else {"host_dispatch_backward_us": _human(dev.host_dispatch_backward_s / _US)}
             ),
             **(
                 {}

@@ -206,11 +206,22 @@ class LayerGraph:
     # False for a layer class a training step runs forward only (`Layer.trainable` false: no gradient
     # reaches it, none is taken): no backward, so no activation recomputation can run there
     backward: bool = True
+    # an asynchronous device (`DeviceSpec.host_dispatch_s`): the host's time to issue the layer's nodes
+    # (`CostContext.host_dispatch_time`); its compute is max(kernels, this), a floor the ILP and the
+    # prediction apply (`layer_compute_s`). The ends: all their nodes, of which `first_stage_dispatch_s`
+    # on the first pipeline stage (before the first layer)
+    dispatch_s: float = 0.0
+    first_stage_dispatch_s: float = 0.0
 
     @property
     def last_stage_compute_s(self) -> float:
         """The ends only: the part of fixed_compute_s the last pipeline stage runs (after the last layer)."""
         return self.fixed_compute_s - self.first_stage_compute_s
+
+    @property
+    def last_stage_dispatch_s(self) -> float:
+        """The ends only: the host's issue time of the nodes after the last layer (last stage)."""
+        return self.dispatch_s - self.first_stage_dispatch_s
 
     def op(self, name: str) -> Op:
         for op in self.ops:
@@ -562,6 +573,20 @@ class CostContext:
         dev = self.cluster.device
         ratio = (dev.decode_node_time_ratio or 1.0) if self.workload.kind is Workload.DECODE else 1.0
         return ratio * compute.node_overhead_s(dev, nodes, backward=self.train, elements=elements)
+
+    def host_dispatch_time(self, nodes: float) -> float:
+        """Host seconds to issue ``nodes`` fx nodes (training: and their backward) on an asynchronous
+        device (`DeviceSpec.host_dispatch_s`); 0 where the device has no such figure. What a layer
+        costs at least however fast its kernels run (`LayerGraph.dispatch_s`)."""
+        dev = self.cluster.device
+        if dev.host_dispatch_s is None:
+            return 0.0
+        per_node = dev.host_dispatch_s
+        if self.train:
+            per_node += (
+                dev.host_dispatch_s if dev.host_dispatch_backward_s is None else dev.host_dispatch_backward_s
+            )
+        return nodes * per_node
 
 
 def conversion_time_s(src: Layout, dst: Layout, nbytes: float, ctx: CostContext) -> float:
@@ -1366,6 +1391,7 @@ def build_layer_graph(layer: Layer, ctx: CostContext) -> LayerGraph:
         fixed_comm_s=expert_comm_time_s(layer, ctx),
         expert_grad_bytes=expert_grads if ctx.train else 0.0,
         expert_static_bytes=expert_static,
+        dispatch_s=ctx.host_dispatch_time(graph_node_count(layer.nodes, s)),
     )
 
 
@@ -1413,7 +1439,9 @@ def build_chain_graph(projections: list[Projection], ctx: CostContext) -> LayerG
             if op.projection is None:
                 for option in op.options:
                     option.compute_s = 0.0
-    return LayerGraph("chain", ops, {"mlp": last}, 0.0, 0.0, 0.0)
+    # the chain's nodes lie outside any layer: the host's issue time of all of them is the chain's floor
+    dispatch = ctx.host_dispatch_time(len(_outside_nodes(ctx))) if ctx.structure.node_costs else 0.0
+    return LayerGraph("chain", ops, {"mlp": last}, 0.0, 0.0, 0.0, dispatch_s=dispatch)
 
 
 def graph_node_count(names: list[str], structure: ModelStructure) -> int:
@@ -1459,23 +1487,14 @@ def outside_nodes_time_s(ctx: CostContext, before_layers: bool | None = None) ->
     first stage computes: an HF Llama's position ids, causal mask and RoPE tables, 43 nodes); False,
     only the others (after it: the final norm, ..., on the last stage); None, all of them."""
     s = ctx.structure
-    inside = {name for layer in s.layers for name in layer.nodes}
-    paths = {layer.module_path for layer in s.layers}
     outside = [*s.mlp_chain, *([s.lm_head] if s.lm_head is not None else [])]
     as_ops = {e.node for e in s.embeddings} | {p.node for p in outside}
     as_ops |= {n for p in outside if p.adapter is not None for n in p.adapter.nodes}  # priced in its options
     scale = ctx.tokens / max(1, s.batch_size * s.seq_len)
     byte_scale = ctx.bytes_per_element / DTYPE_BYTES[s.dtype]
-    first_layer = set(s.layers[0].nodes) if s.layers else set()
-    total, nodes, before = 0.0, 0, True
-    for name, cost in s.node_costs.items():  # in graph order
-        if name in first_layer and cost.kind != "none":
-            before = False
-        if name in inside or cost.kind == "none" or _in_layer_module(cost.module_path, paths):
-            continue
-        if before_layers is not None and before != before_layers:
-            continue
-        nodes += 1
+    total = 0.0
+    nodes = _outside_nodes(ctx, before_layers)
+    for name, cost in nodes:
         if name in as_ops or cost.kind not in compute.OP_KINDS:
             continue
         moved = (cost.bytes_read + cost.bytes_written) * scale * byte_scale
@@ -1483,7 +1502,27 @@ def outside_nodes_time_s(ctx: CostContext, before_layers: bool | None = None) ->
             total += ctx.op_time(
                 cost.flops * scale, moved, cost.kind, call=rank_call(cost, s.batch_size * scale)
             )
-    return total + ctx.node_overhead_time(nodes)
+    return total + ctx.node_overhead_time(len(nodes))
+
+
+def _outside_nodes(ctx: CostContext, before_layers: bool | None = None) -> list[tuple[str, NodeCost]]:
+    """The executed graph nodes outside the transformer layers, in graph order (`outside_nodes_time_s`
+    says which: ``before_layers`` True, those before the first layer's first op; False, the others;
+    None, all)."""
+    s = ctx.structure
+    inside = {name for layer in s.layers for name in layer.nodes}
+    paths = {layer.module_path for layer in s.layers}
+    first_layer = set(s.layers[0].nodes) if s.layers else set()
+    out, before = [], True
+    for name, cost in s.node_costs.items():  # in graph order
+        if name in first_layer and cost.kind != "none":
+            before = False
+        if name in inside or cost.kind == "none" or _in_layer_module(cost.module_path, paths):
+            continue
+        if before_layers is not None and before != before_layers:
+            continue
+        out.append((name, cost))
+    return out
 
 
 def rank_call(cost: NodeCost, batch: float) -> tuple | None:
@@ -1757,6 +1796,12 @@ def build_ends_graph(ctx: CostContext) -> LayerGraph:
     elif ctx.cp > 1:  # the outputs gathered whole (`passes.cp_lower`)
         width = head.out_features if head is not None else s.hidden_size
         fixed += all_gather_time_s(ctx.cp * tokens * width * b, ctx.cp_group(), ctx.cluster)
+    # the host's issue time of the nodes outside the layers, on an asynchronous device (a model without
+    # layers: its chain graph carries all of it); training's loss is one more node on the last stage
+    first_dispatch = last_dispatch = 0.0
+    if s.node_costs and s.layers:
+        first_dispatch = ctx.host_dispatch_time(len(_outside_nodes(ctx, before_layers=True)))
+        last_dispatch = ctx.host_dispatch_time(len(_outside_nodes(ctx, before_layers=False)) + int(ctx.train))
     # parameters no op above holds (convolutions, norms and biases outside the layers, ...): replicated;
     # and the buffers the graph reads (masks, RoPE tables), whole on every rank
     other = outside_params(s) * b
@@ -1771,6 +1816,8 @@ def build_ends_graph(ctx: CostContext) -> LayerGraph:
         other - frozen if ctx.train else 0.0,
         first_stage_compute_s=first_stage,
         frozen_static_bytes=frozen + s.buffer_bytes,
+        dispatch_s=first_dispatch + last_dispatch,
+        first_stage_dispatch_s=first_dispatch,
     )
 
 

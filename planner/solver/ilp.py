@@ -312,6 +312,11 @@ class _Builder:
             act=per_rank_gib(graph.fixed_activation_bytes, "activation_bytes"),
             grad=pulp.LpAffineExpression(),
         )
+        if graph.dispatch_s > 0:  # the host issues the layer's nodes no faster than this: max(kernels, it)
+            floor = self.m.add_variable(_name("dispatch", self.gid[key]), 0)
+            kernels = compute["attention"] + compute["mlp"] + graph.fixed_compute_s
+            self.m += floor >= graph.dispatch_s - kernels, _name("dispatch_floor", self.gid[key])
+            terms.base = terms.base + floor
         if self.ctx.train:
             self._recompute(key, graph, terms, internal + op_comm + graph.fixed_comm_s)
         terms.grad = per_rank_gib(
@@ -397,6 +402,14 @@ class _Builder:
         first, last = end("embedding"), end("head")
         last.time += ends.last_stage_compute_s
         first.time += ends.first_stage_compute_s  # nodes before the first layer (RoPE tables, masks)
+        for name, part, dispatch_s in (
+            ("first", first, ends.first_stage_dispatch_s),
+            ("last", last, ends.last_stage_dispatch_s),
+        ):  # the host's issue time of the nodes (`LayerGraph.dispatch_s`): max(their time, it)
+            if dispatch_s > 0:
+                floor = self.m.add_variable(_name("dispatch_ends", name), 0)
+                self.m += floor >= dispatch_s - part.time, _name("dispatch_ends_floor", name)
+                part.time += floor
         first.static += ends.fixed_static_bytes / GIB  # parameters outside the layers, on the first stage
         first.grad += ends.fixed_grad_bytes / GIB
         s = self.ctx.structure
@@ -485,7 +498,7 @@ class _Builder:
     def _time_bound(self, key: str) -> float:
         """Upper bound of one layer's time (big-M of the stage linearisation)."""
         graph = self.p.graphs[key]
-        t = graph.fixed_compute_s + graph.fixed_comm_s
+        t = graph.fixed_compute_s + graph.fixed_comm_s + graph.dispatch_s
         t += sum(max(o.compute_s + o.comm_s for o in op.options) for op in graph.ops)
         for u, _v in graph.edges():
             src = graph.op(u)

@@ -122,6 +122,8 @@ def layer_breakdown(
     compute_s = graph.fixed_compute_s + compute_block["attention"] + compute_block["mlp"]
     if not laddered:  # TP overlap runs each split projection as C GEMMs of 1/C of the rows
         compute_s += sum(tp_overlap_chunk_compute_s(op, opt[op.name], ctx) for op in graph.ops)
+    kernels_s = compute_s
+    compute_s = max(kernels_s, graph.dispatch_s)  # the host issues the nodes no faster (async device)
     static = graph.fixed_static_bytes + sum(o.static_bytes for o in opt.values())
     act = graph.fixed_activation_bytes + sum(o.activation_bytes for o in opt.values())
     grad = graph.fixed_grad_bytes + sum(o.grad_bytes for o in opt.values())
@@ -129,7 +131,7 @@ def layer_breakdown(
     recompute = assignment.recompute_of(key) if ctx.train and graph.backward else Recompute.NONE
     if recompute is Recompute.FULL:  # forward again in backward (its collectives); keep only the input
         internal += max(0.0, internal + exposed + overlapped - regather) / TRAIN_COMM_FACTOR
-        compute_s += compute_s / TRAIN_COMPUTE_FACTOR + sum(o.full_extra_s for o in opt.values())
+        compute_s += kernels_s / TRAIN_COMPUTE_FACTOR + sum(o.full_extra_s for o in opt.values())
         act = recompute_input_bytes(ctx)
     elif recompute is Recompute.SELECTIVE:  # the attention core again; its scores are not kept
         compute_s += sum(o.selective_s for o in opt.values())
@@ -196,6 +198,16 @@ def predict(tables: CostTables, assignment: Assignment) -> PricedAssignment:
             bd.grad_bytes += emb.grad_bytes
     stages_bd[-1].compute_s += ends.last_stage_compute_s
     stages_bd[0].compute_s += ends.first_stage_compute_s  # nodes before the first layer
+    ends_floor_s = 0.0  # the host's issue time of the ends' nodes where it exceeds their time (`ilp`)
+    for s, block, fixed_s, dispatch_s in (
+        (0, "embedding", ends.first_stage_compute_s, ends.first_stage_dispatch_s),
+        (mesh.pp - 1, "head", ends.last_stage_compute_s, ends.last_stage_dispatch_s),
+    ):
+        timed = fixed_s + sum(
+            (o := op.option(choices[("ends", op.name)])).compute_s + o.comm_s for op in ends.ops_of(block)
+        )
+        stages_bd[s].compute_s += max(0.0, dispatch_s - timed)
+        ends_floor_s += max(0.0, dispatch_s - timed)
     stages_bd[0].memory_bytes += ends.fixed_static_bytes  # parameters outside the layers (`outside_params`)
     stages_bd[0].grad_bytes += ends.fixed_grad_bytes
     for s in range(mesh.pp):
@@ -218,7 +230,7 @@ def predict(tables: CostTables, assignment: Assignment) -> PricedAssignment:
         LayerCost(
             -1,
             0,
-            m * (ends.fixed_compute_s + sum(o.compute_s for o in ends_opts)),
+            m * (ends.fixed_compute_s + sum(o.compute_s for o in ends_opts) + ends_floor_s),
             m * sum(o.comm_s for o in ends_opts),
             0.0,
             sum(o.static_bytes for o in ends_opts) + ends.fixed_static_bytes,
