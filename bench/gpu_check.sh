@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-GPU check of the prices that hold (bench/README.md, "gpu_check"): calibrate this GPU with CUDA
-# events and NCCL, run the tiny Llama forward and decode at world size 1 on it, time one layer of each
-# Megatron-Core row op by op, and print measured beside predicted. Under 10 minutes on one NVIDIA GPU.
+# events and NCCL, run the tiny Llama forward, decode and training step at world size 1 on it, time
+# one layer of each Megatron-Core row op by op, and print measured beside predicted. Under 10 minutes on one NVIDIA GPU.
 # Everything goes under ${OUT:-out/gpu_check}.
 #
 #   bash bench/gpu_check.sh            # OUT=out/gpu_check
@@ -82,12 +82,16 @@ step "tiny Llama decode (context 64), world size 1, NCCL" 150 \
   "${PLANNER[@]}" optimize examples/llama3_kv.py --workload decode --context 64 --nproc 1 --run \
   --cluster "$SPEC" --json "$OUT/decode.json"
 
+step "tiny Llama training step, world size 1, NCCL" 150 \
+  "${PLANNER[@]}" optimize examples/llama3.py --workload train --cluster "$SPEC" --nproc 1 --run \
+  --json "$OUT/train.json"
+
 step "Megatron rows' layers, op by op (issue 32's small-model gap)" 180 \
   "$PY" bench/layer_check.py --cluster dgx-h200 --json "$OUT/layer_check.json"
 
 "$PY" - "$OUT" "$SPEC" <<'EOF' | tee "$OUT/summary.txt" || [ "$FAILED" -ne 0 ] || FAILED=1
 """The summary: GEMM efficiency measured now vs the calibrated fit and the dgx-h200 preset, the NCCL
-per-call time, and the two runs' measured / predicted. A part whose step failed says so."""
+per-call time, and the three runs' measured / predicted. A part whose step failed says so."""
 import json
 import sys
 from pathlib import Path
@@ -124,9 +128,13 @@ if spec is not None:
     for line in spec.sources:
         if "world size 1" in line or "latency_us" in line:
             print("all-reduce:", line)
+    d = spec.device
+    if d.host_dispatch_s is not None:
+        print(f"host dispatch per fx node (calibrated): forward {d.host_dispatch_s * 1e6:.1f} us, backward "
+              f"{(d.host_dispatch_backward_s or d.host_dispatch_s) * 1e6:.1f} us; launch {d.launch_overhead_s * 1e6:.1f} us")
     print(f"links.intra_node.latency_us in the spec: {spec.intra_node.latency_s * 1e6:.2f} "
           f"(one GPU: a placeholder, not measured; the preset's is {preset.intra_node.latency_s * 1e6:.1f})")
-for name in ("forward", "decode"):
+for name in ("forward", "decode", "train"):
     path = out / f"{name}.json"
     if not path.exists():
         print(f"{name}: no report ({path.name} missing: its step failed)")
@@ -144,5 +152,5 @@ for name in ("forward", "decode"):
                   f"ratio {sm['tpot_s'] / sp['tpot_s']:.2f}")
 EOF
 sed -n '/One layer per TP rank/,/^rest = /p' "$LOG" | tee -a "$OUT/summary.txt"
-echo "wrote $OUT (summary.txt, h200-calibrated.yaml, forward.json, decode.json, layer_check.json, gpu_check.log)"
+echo "wrote $OUT (summary.txt, h200-calibrated.yaml, forward.json, decode.json, train.json, layer_check.json, gpu_check.log)"
 exit "$FAILED"
