@@ -131,7 +131,7 @@ if spec is not None:
     d = spec.device
     if d.host_dispatch_s is not None:
         print(f"host dispatch per fx node (calibrated): forward {d.host_dispatch_s * 1e6:.1f} us, backward "
-              f"{(d.host_dispatch_backward_s or d.host_dispatch_s) * 1e6:.1f} us; launch {d.launch_overhead_s * 1e6:.1f} us")
+              f"{(d.host_dispatch_s if d.host_dispatch_backward_s is None else d.host_dispatch_backward_s) * 1e6:.1f} us; launch {d.launch_overhead_s * 1e6:.1f} us")
     print(f"links.intra_node.latency_us in the spec: {spec.intra_node.latency_s * 1e6:.2f} "
           f"(one GPU: a placeholder, not measured; the preset's is {preset.intra_node.latency_s * 1e6:.1f})")
 for name in ("forward", "decode", "train"):

@@ -589,6 +589,12 @@ def _parse_device(r: _Reader, raw: Any) -> DeviceSpec:
                 "is read only with device.adam_ns_per_param (Adam's rate in tensors up to 32 MiB); give that "
                 "too, as `planner calibrate` writes them together",
             )
+    if "host_dispatch_backward_us" in d and "host_dispatch_us" not in d:  # read beside it only
+        raise r.fail(
+            "device.host_dispatch_backward_us",
+            "is read only with device.host_dispatch_us (the host's issue time per forward node); give that "
+            "too, as `planner calibrate` writes them together",
+        )
     conv = d.get("conv_efficiency")
     pooling = d.get("pooling_bandwidth_GBps")
     node_us = d.get("node_overhead_us")
@@ -648,10 +654,21 @@ def _parse_device(r: _Reader, raw: Any) -> DeviceSpec:
         else r.number(probe_mm, "device.probe_matmul_GFLOPS", "GFLOP/s", "60") * 1e9,
         host_dispatch_s=None
         if (host_f := d.get("host_dispatch_us")) is None
-        else r.number(host_f, "device.host_dispatch_us", "µs", "18", allow_zero=True) * _US,
+        else r.number(
+            host_f, "device.host_dispatch_us", "µs", "18", allow_zero=True, plausible=_PLAUSIBLE_DISPATCH_US
+        )
+        * _US,
         host_dispatch_backward_s=None
         if (host_b := d.get("host_dispatch_backward_us")) is None
-        else r.number(host_b, "device.host_dispatch_backward_us", "µs", "49", allow_zero=True) * _US,
+        else r.number(
+            host_b,
+            "device.host_dispatch_backward_us",
+            "µs",
+            "49",
+            allow_zero=True,
+            plausible=_PLAUSIBLE_DISPATCH_US,
+        )
+        * _US,
         probe_node_overhead_s=None
         if (probe_f := d.get("probe_node_overhead_us")) is None
         else r.number(probe_f, "device.probe_node_overhead_us", "µs", "7") * _US,

@@ -6,6 +6,7 @@ kernel launch: the GPU waited for the host, whose probe graph issued a node per 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +14,7 @@ from costmodels.cluster import cluster_to_dict, load_cluster, parse_cluster
 from planner.errors import InputError
 from planner.frontend.depth import capture_for_planning
 from planner.frontend.modelfile import load_model_file
-from planner.plan import MeshShape
+from planner.plan import MeshShape, Recompute
 from planner.solver import ilp
 from planner.solver.costing import graph_node_count
 from planner.solver.ilp import IlpProblem
@@ -102,3 +103,56 @@ def test_the_spec_reads_and_writes_host_dispatch() -> None:
     data["device"]["host_dispatch_us"] = -1
     with pytest.raises(InputError, match="host_dispatch_us"):
         parse_cluster(data, "test")
+    del data["device"]["host_dispatch_us"]  # the backward figure alone would be ignored: refused
+    with pytest.raises(InputError, match="host_dispatch_backward_us.*host_dispatch_us"):
+        parse_cluster(data, "test")
+
+
+def test_full_recompute_issues_the_forward_again(tiny_llama) -> None:
+    work = WorkloadSpec("train", 2, 32, dtype="bf16")
+    cluster = _cluster(18e-6, 49e-6)
+    tables = price(tiny_llama, cluster, work, MESH)
+    policy = LadderPolicy.parse("none").for_layers(len(tiny_llama.layers))
+    latency = {}
+    for recompute in (Recompute.NONE, Recompute.FULL):
+        prob = IlpProblem(tables, policy, 0.9 * cluster.device.memory_bytes, recompute=recompute)
+        sol = ilp.solve(prob)
+        latency[recompute] = predict(tables, sol.assignment).prediction.latency_s
+        assert sol.objective == pytest.approx(latency[recompute], rel=1e-6)
+    graph = tables.graphs[tables.layer_keys[0]]
+    nodes = graph_node_count(tiny_llama.layers[0].nodes, tiny_llama)
+    assert graph.forward_dispatch_s == pytest.approx(nodes * 18e-6)
+    rerun = latency[Recompute.FULL] - latency[Recompute.NONE]  # host-bound: the forward's nodes again
+    assert rerun == pytest.approx(len(tiny_llama.layers) * graph.forward_dispatch_s, rel=1e-6)
+
+
+def test_pipeline_stages_keep_the_ilp_split_with_host_bound_ends(tmp_path) -> None:
+    # an HF Llama's first stage holds 43 nodes before the first layer (position ids, mask, RoPE tables):
+    # host-bound, they weigh more than a layer's kernels; the re-balancing after the ILP must see that
+    source = Path("examples/hf_llama.py").read_text()
+    for old, new in (("num_hidden_layers=2", "num_hidden_layers=3"), ("vocab_size=256", "vocab_size=262144"),
+                     ("max_position_embeddings=256", "max_position_embeddings=4096")):  # fmt: skip
+        assert old in source
+        source = source.replace(old, new)
+    path = tmp_path / "hf_llama3.py"
+    path.write_text(source)
+    model_file = load_model_file(path)
+    args, kwargs = model_file.inputs(batch_size=2, seq_len=512)
+    structure = capture_for_planning(model_file.build("cpu"), args, kwargs)[1]
+    cluster = _cluster(18e-6, 49e-6)
+    tables = price(
+        structure, cluster, WorkloadSpec("forward", 8, 512, dtype="bf16"), MeshConfig(MeshShape(1, 2, 1), 4)
+    )
+    assert tables.ends.first_stage_dispatch_s > tables.graphs[tables.layer_keys[0]].cheapest_compute_s()
+    prob = IlpProblem(tables, LadderPolicy.parse("none").for_layers(3), 0.9 * cluster.device.memory_bytes)
+    sol = ilp.solve(prob)
+    priced = predict(tables, sol.assignment)
+    slowest = max(stage.time_s for stage in priced.stages)
+    # the objective carries a tie-break on the slowest stage besides the latency
+    assert sol.objective - ilp.BALANCE_TIE_BREAK * slowest == pytest.approx(
+        priced.prediction.latency_s, rel=1e-6
+    )
+    assert [len(stage) for stage in sol.assignment.stages] == [
+        1,
+        2,
+    ]  # the host-bound first stage takes one layer

@@ -174,7 +174,6 @@ def test_launch_returns_results_in_rank_order() -> None:
     assert multiprocessing.active_children() == []
 
 
-@pytest.mark.slow
 def test_cuda_ranks_are_spawned_and_gloo_ranks_forked_from_the_server() -> None:
     # a process forked after CUDA was initialised cannot use CUDA: NCCL ranks must not come from the
     # fork server, whose preload may initialise it (seen on an H200 with torch 2.11+cu130)
@@ -192,6 +191,7 @@ def test_spawned_ranks_run_the_same_entry(monkeypatch: pytest.MonkeyPatch) -> No
     assert all(r["sum"] == 1.0 and r["payload"] == 7 for r in results)
 
 
+@pytest.mark.slow
 def test_mesh_groups_tp2_pp2_on_four_ranks() -> None:
     results = launch(_mesh_layout, (2, 2, 1), 4, timeout_s=60)
     tp_groups = {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}

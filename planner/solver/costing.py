@@ -212,6 +212,8 @@ class LayerGraph:
     # on the first pipeline stage (before the first layer)
     dispatch_s: float = 0.0
     first_stage_dispatch_s: float = 0.0
+    # of dispatch_s, the forward pass's nodes: what a full recomputation issues again
+    forward_dispatch_s: float = 0.0
 
     @property
     def last_stage_compute_s(self) -> float:
@@ -574,15 +576,15 @@ class CostContext:
         ratio = (dev.decode_node_time_ratio or 1.0) if self.workload.kind is Workload.DECODE else 1.0
         return ratio * compute.node_overhead_s(dev, nodes, backward=self.train, elements=elements)
 
-    def host_dispatch_time(self, nodes: float) -> float:
-        """Host seconds to issue ``nodes`` fx nodes (training: and their backward) on an asynchronous
-        device (`DeviceSpec.host_dispatch_s`); 0 where the device has no such figure. What a layer
-        costs at least however fast its kernels run (`LayerGraph.dispatch_s`)."""
+    def host_dispatch_time(self, nodes: float, backward: bool | None = None) -> float:
+        """Host seconds to issue ``nodes`` fx nodes (with ``backward``, default: training, and their
+        backward) on an asynchronous device (`DeviceSpec.host_dispatch_s`); 0 where the device has no
+        such figure. What a layer costs at least however fast its kernels run (`LayerGraph.dispatch_s`)."""
         dev = self.cluster.device
         if dev.host_dispatch_s is None:
             return 0.0
         per_node = dev.host_dispatch_s
-        if self.train:
+        if self.train if backward is None else backward:
             per_node += (
                 dev.host_dispatch_s if dev.host_dispatch_backward_s is None else dev.host_dispatch_backward_s
             )
@@ -1392,6 +1394,7 @@ def build_layer_graph(layer: Layer, ctx: CostContext) -> LayerGraph:
         expert_grad_bytes=expert_grads if ctx.train else 0.0,
         expert_static_bytes=expert_static,
         dispatch_s=ctx.host_dispatch_time(graph_node_count(layer.nodes, s)),
+        forward_dispatch_s=ctx.host_dispatch_time(graph_node_count(layer.nodes, s), backward=False),
     )
 
 
@@ -1788,20 +1791,25 @@ def build_ends_graph(ctx: CostContext) -> LayerGraph:
             for opt in options:  # the weight is counted once, with the embedding
                 opt.static_bytes = opt.grad_bytes = opt.frozen_bytes = 0.0
         ops.append(Op("lm_head", "head", options, [], logits_bytes, head.weight, head, excluded))
+    host_work = 0.0
     if ctx.workload.kind is Workload.DECODE and ctx.cluster.device.decode_host_s:
-        fixed += ctx.cluster.device.decode_host_s  # the serving loop's host work around the graph
-    fixed += serving_host_time_s(ctx)
+        host_work += ctx.cluster.device.decode_host_s  # the serving loop's host work around the graph
+    host_work += serving_host_time_s(ctx)
+    fixed += host_work
     if ctx.cp > 1 and ctx.train:  # the loss on the rank's tokens: one all-reduce of a scalar (`runtime.loss`)
         fixed += all_reduce_time_s(4.0, ctx.cp_group(), ctx.cluster) + ctx.node_overhead_time(1)
     elif ctx.cp > 1:  # the outputs gathered whole (`passes.cp_lower`)
         width = head.out_features if head is not None else s.hidden_size
         fixed += all_gather_time_s(ctx.cp * tokens * width * b, ctx.cp_group(), ctx.cluster)
     # the host's issue time of the nodes outside the layers, on an asynchronous device (a model without
-    # layers: its chain graph carries all of it); training's loss is one more node on the last stage
+    # layers: its chain graph carries all of it): before the first layer forward only (position ids,
+    # masks, RoPE tables take no gradient; the embedding's backward aside), after it with the backward
+    # and training's loss as one more node; the host's own work of a serving step adds to the latter
     first_dispatch = last_dispatch = 0.0
-    if s.node_costs and s.layers:
-        first_dispatch = ctx.host_dispatch_time(len(_outside_nodes(ctx, before_layers=True)))
+    if s.node_costs and s.layers and ctx.cluster.device.host_dispatch_s is not None:
+        first_dispatch = ctx.host_dispatch_time(len(_outside_nodes(ctx, before_layers=True)), backward=False)
         last_dispatch = ctx.host_dispatch_time(len(_outside_nodes(ctx, before_layers=False)) + int(ctx.train))
+        last_dispatch += host_work
     # parameters no op above holds (convolutions, norms and biases outside the layers, ...): replicated;
     # and the buffers the graph reads (masks, RoPE tables), whole on every rank
     other = outside_params(s) * b

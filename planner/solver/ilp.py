@@ -377,6 +377,11 @@ class _Builder:
             rt >= forward + forward_comm - self._time_bound(key) * (1 - rf),
             _name("recompute_time", gid),
         )
+        if graph.forward_dispatch_s > 0:  # the host issues the forward's nodes again: max(kernels, it)
+            self.m += (
+                rt >= graph.forward_dispatch_s + forward_comm - self._time_bound(key) * (1 - rf),
+                _name("recompute_dispatch", gid),
+            )
         st = self.m.add_variable(_name("st", gid), 0)
         core_forward = pulp.lpSum(t * var for _, t, var in scores)
         self.m += st >= core_forward - self._time_bound(key) * (1 - rs), _name("recompute_sel_time", gid)
@@ -511,7 +516,9 @@ class _Builder:
                 ),
                 default=0.0,
             )
-        return t + self._comm_bound(key, "attention") + self._comm_bound(key, "mlp")
+        t += self._comm_bound(key, "attention") + self._comm_bound(key, "mlp")
+        # training: a recomputation (full or selective, one at most) runs at most the layer once more
+        return 2.0 * t if self.ctx.train else t
 
     # -- stages ----------------------------------------------------------------------------
     def _stage_variables(

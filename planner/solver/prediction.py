@@ -131,7 +131,8 @@ def layer_breakdown(
     recompute = assignment.recompute_of(key) if ctx.train and graph.backward else Recompute.NONE
     if recompute is Recompute.FULL:  # forward again in backward (its collectives); keep only the input
         internal += max(0.0, internal + exposed + overlapped - regather) / TRAIN_COMM_FACTOR
-        compute_s += kernels_s / TRAIN_COMPUTE_FACTOR + sum(o.full_extra_s for o in opt.values())
+        forward_s = kernels_s / TRAIN_COMPUTE_FACTOR + sum(o.full_extra_s for o in opt.values())
+        compute_s += max(forward_s, graph.forward_dispatch_s)  # the host issues the forward again
         act = recompute_input_bytes(ctx)
     elif recompute is Recompute.SELECTIVE:  # the attention core again; its scores are not kept
         compute_s += sum(o.selective_s for o in opt.values())

@@ -44,7 +44,7 @@ def reference_costs(tables: CostTables) -> SplitCosts:
         act = g.least_activation_bytes()
         if ctx.train:
             act = min(act, recompute_input_bytes(ctx))
-        per_class[key] = (g.cheapest_compute_s(), g.least_static_bytes(), act)
+        per_class[key] = (max(g.cheapest_compute_s(), g.dispatch_s), g.least_static_bytes(), act)
     ends = tables.ends
 
     def least(block: str, cost) -> float:
@@ -54,8 +54,10 @@ def reference_costs(tables: CostTables) -> SplitCosts:
         time_s=[per_class[k][0] for k in tables.layer_keys],
         static_bytes=[per_class[k][1] for k in tables.layer_keys],
         activation_bytes=[per_class[k][2] for k in tables.layer_keys],
-        first_time_s=ends.first_stage_compute_s + least("embedding", _op_time_s),
-        last_time_s=ends.last_stage_compute_s + least("head", _op_time_s),
+        first_time_s=max(
+            ends.first_stage_compute_s + least("embedding", _op_time_s), ends.first_stage_dispatch_s
+        ),
+        last_time_s=max(ends.last_stage_compute_s + least("head", _op_time_s), ends.last_stage_dispatch_s),
         first_static_bytes=least("embedding", _static_bytes),
         last_static_bytes=least("head", _static_bytes),
     )
@@ -77,8 +79,11 @@ def solution_costs(tables: CostTables, solution: Assignment) -> SplitCosts:
         time_s=[b.compute_s + b.comm_s for b in layers],
         static_bytes=[b.static_bytes for b in layers],
         activation_bytes=[b.activation_bytes for b in layers],
-        first_time_s=ends.first_stage_compute_s + chosen("embedding", _op_time_s),
-        last_time_s=ends.last_stage_compute_s + chosen("head", _op_time_s),
+        # the ends at least the host's issue time of their nodes, as `prediction.predict` prices them
+        first_time_s=max(
+            ends.first_stage_compute_s + chosen("embedding", _op_time_s), ends.first_stage_dispatch_s
+        ),
+        last_time_s=max(ends.last_stage_compute_s + chosen("head", _op_time_s), ends.last_stage_dispatch_s),
         first_static_bytes=chosen("embedding", _static_bytes),
         last_static_bytes=chosen("head", _static_bytes),
     )
