@@ -439,6 +439,9 @@ def nccl_tests_bandwidths(kind: str, nbytes: float, time_s: float, ranks: int) -
     return algbw, algbw * factors[kind]
 
 
+HOST_BOUND_LAUNCHES = 3.0  # a GEMM measured under this many launch overheads is the host's time (`fit_gemm`)
+
+
 @dataclass(frozen=True)
 class GemmFit:
     """`fit_gemm`'s result: the spec's ``device.gemm``, and how well it reproduces the points."""
@@ -447,7 +450,7 @@ class GemmFit:
     max_error: float  # largest |priced time / measured - 1| over the points fitted
     rms_error: float
     used: int  # points fitted (compute-bound)
-    excluded: int  # points left out: memory-bound, or launch-bound (within 10% of ``launch_s``)
+    excluded: int  # points left out: memory-bound, or host-bound (under `HOST_BOUND_LAUNCHES` launches)
 
 
 def fit_gemm(
@@ -470,10 +473,13 @@ def fit_gemm(
     half their measured time are memory-bound (the roofline prices them) and left out.
 
     ``launch_s``: the fixed time `costmodels.compute.op_time_s` adds to each GEMM on a GPU (the
-    device's ``launch_overhead_s``): the priced time is the compute time plus it, so small GEMMs whose
-    measured time is mostly the launch (back-to-back calls issue no faster than the host dispatches
-    them: 512^3 bf16 took 19 us on an H200 whose one-element add took 10.7 us, 2026-12-04) do not pull
-    the efficiency down; points within 10% of it are left out (they say nothing of the kernel).
+    device's ``launch_overhead_s``): the priced time is the compute time plus it. Points faster than
+    `HOST_BOUND_LAUNCHES` launches are left out: back-to-back calls issue no faster than the host
+    dispatches them, so their time is the host's, not the kernel's (512^3 and 1024^3 bf16 took 15-19 us
+    on an H200 whose one-element add took 7-11 us, 2026-12-04), and fitting them bent ``half_k`` to
+    slow every small-K GEMM down (8192 x 8192 x 256 priced 9-16% slow; left out: 4-6% fast, rms over
+    the rest 4-5% instead of 13-14%, on the two runs' points). In a plan such ops sit under the host's
+    issue time per node (`DeviceSpec.host_dispatch_s`).
     ``max_efficiency``: the cap on ``efficiency`` (None: none; the caller then raises the peak when
     the fit exceeds 1 - a GEMM with full tiles and waves runs faster than the fastest one measured).
 
@@ -482,16 +488,17 @@ def fit_gemm(
     """
     if peak_flops_per_s <= 0:
         raise ValueError(f"peak_flops_per_s must be > 0, got {peak_flops_per_s}")
-    used = []
+    compute_bound = []
     for p in points:
         if p.time_s <= 0:
             raise ValueError(f"GEMM {p.m} x {p.n} x {p.k}: time must be > 0, got {p.time_s}")
         nbytes = (p.m * p.k + p.k * p.n + p.m * p.n) * element_bytes
-        if memory_bytes_per_s is not None and nbytes / memory_bytes_per_s > 0.5 * p.time_s:
-            continue
-        if p.time_s <= 1.1 * launch_s:
-            continue
-        used.append(p)
+        if memory_bytes_per_s is None or nbytes / memory_bytes_per_s <= 0.5 * p.time_s:
+            compute_bound.append(p)
+    # where every point is host-bound (a sweep of tiny shapes), those slower than one launch are fitted
+    used = [p for p in compute_bound if p.time_s > HOST_BOUND_LAUNCHES * launch_s] or [
+        p for p in compute_bound if p.time_s > launch_s
+    ]
     if not used:
         raise ValueError("no compute-bound GEMM point to fit")
     tiles = tuple((int(a), int(b)) for a, b in tiles)
