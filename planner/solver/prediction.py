@@ -13,6 +13,7 @@ all-reduce) and the bubble is the rest (the other stages' share of the pipeline 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from costmodels import compute
@@ -23,6 +24,8 @@ from planner.solver.costing import (
     CostContext,
     CostTables,
     LayerGraph,
+    Op,
+    OpOption,
     contention_s,
     conversion_time_s,
     dp_sync_exposed_s,
@@ -144,6 +147,22 @@ def layer_breakdown(
     )
 
 
+def ends_dispatch_excess_s(ends: LayerGraph, option: Callable[[Op], OpOption]) -> tuple[float, float]:
+    """(first stage, last stage): by how much the host's issue time of the ends' nodes
+    (`LayerGraph.first_stage_dispatch_s`, `last_stage_dispatch_s`) exceeds their time per micro-batch,
+    the fixed compute there plus each op's chosen option (``option``), compute and communication; 0
+    where it does not. The ILP's floor on the ends (`ilp._Builder._ends_terms`) is the same."""
+
+    def excess(block: str, fixed_s: float, dispatch_s: float) -> float:
+        timed = fixed_s + sum((o := option(op)).compute_s + o.comm_s for op in ends.ops_of(block))
+        return max(0.0, dispatch_s - timed)
+
+    return (
+        excess("embedding", ends.first_stage_compute_s, ends.first_stage_dispatch_s),
+        excess("head", ends.last_stage_compute_s, ends.last_stage_dispatch_s),
+    )
+
+
 def predict(tables: CostTables, assignment: Assignment) -> PricedAssignment:
     """Predicted step time, memory and per-layer / per-stage breakdown of `assignment` on `tables`' mesh."""
     ctx, graphs, ends = tables.ctx, tables.graphs, tables.ends
@@ -199,16 +218,12 @@ def predict(tables: CostTables, assignment: Assignment) -> PricedAssignment:
             bd.grad_bytes += emb.grad_bytes
     stages_bd[-1].compute_s += ends.last_stage_compute_s
     stages_bd[0].compute_s += ends.first_stage_compute_s  # nodes before the first layer
-    ends_floor_s = 0.0  # the host's issue time of the ends' nodes where it exceeds their time (`ilp`)
-    for s, block, fixed_s, dispatch_s in (
-        (0, "embedding", ends.first_stage_compute_s, ends.first_stage_dispatch_s),
-        (mesh.pp - 1, "head", ends.last_stage_compute_s, ends.last_stage_dispatch_s),
-    ):
-        timed = fixed_s + sum(
-            (o := op.option(choices[("ends", op.name)])).compute_s + o.comm_s for op in ends.ops_of(block)
-        )
-        stages_bd[s].compute_s += max(0.0, dispatch_s - timed)
-        ends_floor_s += max(0.0, dispatch_s - timed)
+    first_floor_s, last_floor_s = ends_dispatch_excess_s(
+        ends, lambda op: op.option(choices[("ends", op.name)])
+    )
+    stages_bd[0].compute_s += first_floor_s
+    stages_bd[-1].compute_s += last_floor_s
+    ends_floor_s = first_floor_s + last_floor_s
     stages_bd[0].memory_bytes += ends.fixed_static_bytes  # parameters outside the layers (`outside_params`)
     stages_bd[0].grad_bytes += ends.fixed_grad_bytes
     for s in range(mesh.pp):

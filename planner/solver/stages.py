@@ -19,7 +19,7 @@ from planner.solver.costing import (
     stage_p2p_time_s,
     transient_bytes,
 )
-from planner.solver.prediction import layer_breakdown
+from planner.solver.prediction import ends_dispatch_excess_s, layer_breakdown
 from planner.solver.problem import Assignment
 
 
@@ -50,14 +50,14 @@ def reference_costs(tables: CostTables) -> SplitCosts:
     def least(block: str, cost) -> float:
         return sum(min(cost(o) for o in op.options) for op in ends.ops_of(block))
 
+    floors = ends_dispatch_excess_s(ends, lambda op: min(op.options, key=_op_time_s))
+
     return SplitCosts(
         time_s=[per_class[k][0] for k in tables.layer_keys],
         static_bytes=[per_class[k][1] for k in tables.layer_keys],
         activation_bytes=[per_class[k][2] for k in tables.layer_keys],
-        first_time_s=max(
-            ends.first_stage_compute_s + least("embedding", _op_time_s), ends.first_stage_dispatch_s
-        ),
-        last_time_s=max(ends.last_stage_compute_s + least("head", _op_time_s), ends.last_stage_dispatch_s),
+        first_time_s=ends.first_stage_compute_s + least("embedding", _op_time_s) + floors[0],
+        last_time_s=ends.last_stage_compute_s + least("head", _op_time_s) + floors[1],
         first_static_bytes=least("embedding", _static_bytes),
         last_static_bytes=least("head", _static_bytes),
     )
@@ -75,15 +75,15 @@ def solution_costs(tables: CostTables, solution: Assignment) -> SplitCosts:
     def chosen(block: str, cost) -> float:
         return sum(cost(op.option(solution.option("ends", op.name))) for op in ends.ops_of(block))
 
+    floors = ends_dispatch_excess_s(ends, lambda op: op.option(solution.option("ends", op.name)))
+
     return SplitCosts(
         time_s=[b.compute_s + b.comm_s for b in layers],
         static_bytes=[b.static_bytes for b in layers],
         activation_bytes=[b.activation_bytes for b in layers],
         # the ends at least the host's issue time of their nodes, as `prediction.predict` prices them
-        first_time_s=max(
-            ends.first_stage_compute_s + chosen("embedding", _op_time_s), ends.first_stage_dispatch_s
-        ),
-        last_time_s=max(ends.last_stage_compute_s + chosen("head", _op_time_s), ends.last_stage_dispatch_s),
+        first_time_s=ends.first_stage_compute_s + chosen("embedding", _op_time_s) + floors[0],
+        last_time_s=ends.last_stage_compute_s + chosen("head", _op_time_s) + floors[1],
         first_static_bytes=chosen("embedding", _static_bytes),
         last_static_bytes=chosen("head", _static_bytes),
     )
