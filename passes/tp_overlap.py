@@ -19,14 +19,18 @@ Megatron-LM's `--tp-comm-overlap` (Transformer Engine's userbuffers) and PyTorch
 |                         |                                                    | weight-gradient GEMMs run (Megatron-LM's async   |
 |                         |                                                    | grad all-reduce)                                 |
 |                         | SP: each chunk of the sequence shard all-gathered  | each chunk's dx reduce-scattered async while the |
-|                         | async, chunk k's GEMMs while chunk k+1 arrives;    | next chunk's GEMMs run; each chunk of the shard  |
-|                         | only the shard is kept for backward                | all-gathered again under the input-gradient GEMM |
-|                         |                                                    | for its weight gradients (Megatron-LM's SP)      |
+|                         | async, chunk k's GEMMs while chunk k+1 arrives;    | next chunk's GEMMs run; the shard all-gathered   |
+|                         | only the shard is kept for backward                | again, whole, under those input-gradient GEMMs,  |
+|                         |                                                    | then one weight-gradient GEMM per weight         |
 | `tp_row_matmul`         | no SP: each chunk's partial product all-reduced    | dx = g w, dw = g^T x (the all-reduce's conjugate |
 |                         | async while the next chunk's GEMM runs             | is the identity: nothing to overlap)             |
 |                         | SP: each chunk reduce-scattered async while the    | each chunk of the output gradient all-gathered   |
-|                         | next chunk's GEMM runs                             | async, chunk k's GEMMs while chunk k+1 arrives   |
+|                         | next chunk's GEMM runs                             | async, chunk k's dx GEMM while chunk k+1 arrives;|
+|                         |                                                    | then one weight-gradient GEMM over all chunks    |
 
+Only the GEMMs whose transfers they hide are cut into chunks: each weight gradient is one GEMM that
+reduces over the whole sequence, as Megatron-LM / Transformer Engine run it (cut into C GEMMs it would
+reduce over 1/C of the rows each, a short K loop: `planner.solver.costing.tp_overlap_chunk_compute_s`).
 The last chunk's transfer has nothing after it to hide behind: what the planner prices as exposed
 (`planner.solver.costing.tp_block_comm_s`). The same bytes cross the links as without overlap.
 Each chunk's GEMM, issue and wait is a `torch.profiler.record_function` range
@@ -168,7 +172,8 @@ class _RowMatmul(torch.autograd.Function):
         front_g = g.movedim(seq, 0).contiguous()  # (L, ..., N): this rank's rows of the output gradient
         front_x = x.movedim(seq, 0)
         dx = torch.empty_like(front_x)
-        dw = torch.zeros_like(w) if need_dw else None
+        # every rank's output gradient in sequence order, for one weight-gradient GEMM over all of it
+        whole_g = torch.empty((size * front_g.shape[0], *front_g.shape[1:]), dtype=g.dtype, device=g.device)
         bounds = _bounds(front_g.shape[0], ctx.chunks)
         issued = []
         for c, (a, b) in enumerate(bounds):
@@ -180,8 +185,12 @@ class _RowMatmul(torch.autograd.Function):
                     work.wait()
             with record_function(f"tp_overlap.row.gemm.{c}"):
                 _place_rows(dx, _input_grad(gathered, w, linear), size, a, b)
-                if dw is not None:
-                    dw += _weight_grad(gathered, _ranks_rows(front_x, size, a, b), linear)
+                if need_dw:
+                    _place_rows(whole_g, gathered, size, a, b)
+        dw = None
+        if need_dw:  # once, reducing over the whole sequence: a GEMM per chunk would reduce over 1/C of it
+            with record_function("tp_overlap.row.gemm.weights"):
+                dw = _weight_grad(whole_g, front_x, linear)
         return dx.movedim(0, seq), dw, None, None, None, None
 
 
@@ -253,19 +262,14 @@ class _ColumnMatmuls(torch.autograd.Function):
                     work.wait()
             return dx, None, None, None, None, None, None, *dws, *dbias
         fronts = [g.movedim(seq, 0) for g in grads]  # (T, ..., N_i): every rank's rows
-        dws: list[torch.Tensor | None] = [None] * len(weights)  # summed over the chunks
         bounds = _bounds(ctx.local, ctx.chunks)  # x: this rank's sequence shard (L, ..., K), if kept
-
-        def gather(c: int) -> tuple[torch.Tensor, object]:
-            """Issue the all-gather of chunk c of the shard again, waited for before its weight-gradient
-            GEMMs: it runs under the input-gradient GEMMs, with or without overlap (Megatron-LM's
-            sequence-parallel backward does the same)."""
-            a, b = bounds[c]
-            with record_function(f"tp_overlap.column.regather.issue.{c}"):
-                return _gather_rows(x[a:b], group) if size > 1 else (x[a:b], None)
-
+        # the shard gathered again, whole, for the weight gradients: issued first, it transfers while
+        # the chunks' input-gradient GEMMs run (Megatron-LM's sequence-parallel backward does the same)
+        regather = None
+        if any(needs):
+            with record_function("tp_overlap.column.regather.issue"):
+                regather = _gather_rows(x, group) if size > 1 else (x, None)
         pieces, works = [], []
-        regather = gather(0) if any(needs) else None
         for c, (a, b) in enumerate(bounds):
             with record_function(f"tp_overlap.column.gemm.{c}"):
                 rows = [_ranks_rows(f, size, a, b) for f in fronts]
@@ -277,18 +281,16 @@ class _ColumnMatmuls(torch.autograd.Function):
                 work = None
             pieces.append(piece)
             works.append(work)
-            if regather is None:
-                continue
-            xr, pending = regather
-            with record_function(f"tp_overlap.column.regather.wait.{c}"):
+        dws: list[torch.Tensor | None] = [None] * len(weights)
+        if regather is not None:
+            whole_x, pending = regather
+            with record_function("tp_overlap.column.regather.wait"):
                 if pending is not None:
                     pending.wait()
-            regather = gather(c + 1) if c + 1 < len(bounds) else None
-            with record_function(f"tp_overlap.column.gemm.{c}.weights"):
-                for i, r in enumerate(rows):
-                    if needs[i]:
-                        part = _weight_grad(r, xr, linear)
-                        dws[i] = part if dws[i] is None else dws[i] + part
+            # once per weight, reducing over the whole sequence (the last chunks' reduce-scatters
+            # transfer meanwhile); a GEMM per chunk would reduce over 1/C of it
+            with record_function("tp_overlap.column.gemm.weights"):
+                dws = [_weight_grad(f, whole_x, linear) if need else None for f, need in zip(fronts, needs)]
         for c, work in enumerate(works):
             with record_function(f"tp_overlap.column.wait.{c}"):
                 if work is not None:

@@ -663,21 +663,36 @@ def tp_overlap_chunks(ctx: CostContext) -> int:
 
 
 def tp_overlap_chunk_compute_s(op: Op, option: OpOption, ctx: CostContext) -> float:
-    """Extra compute of a split projection run as `tp_overlap_chunks` GEMMs of 1/C of the rows each
-    under `CostContext.tp_comm_overlap` (`passes.tp_overlap` cuts the GEMM with its collective): its
-    option's time x (C x t(rows / C) / t(rows) - 1), t the same option priced at both row counts
-    (`projection_options`: GEMM efficiency by shape on the GPU presets, the small-row penalty and one
-    more node per GEMM on eager CPUs). 0 without overlap, for one chunk, or for an unsplit op."""
+    """Extra compute of a split projection under `CostContext.tp_comm_overlap` (`passes.tp_overlap`
+    cuts its GEMMs with their collectives into `tp_overlap_chunks` C of 1/C of the rows each): its
+    forward and input-gradient GEMMs at 1/C of the rows, C times, less them whole, t the same option
+    priced at both row counts (`projection_options`: GEMM efficiency by shape on the GPU presets, the
+    small-row penalty on eager CPUs), and one more node per chunk. The weight gradient stays one GEMM
+    over every row; for it the row-parallel backward under sequence parallelism copies each gathered
+    chunk of the output gradient into place (tokens x N elements, read and written). 0 without
+    overlap, for one chunk, or for an unsplit op."""
     chunks = tp_overlap_chunks(ctx) if ctx.tp_comm_overlap else 1
     if chunks == 1 or op.projection is None or option.name not in ("colwise", "rowwise"):
         return 0.0
-    full = {o.name: o for o in projection_options(op.projection, ctx.tokens, ctx)[0]}
-    small = {o.name: o for o in projection_options(op.projection, ctx.tokens / chunks, ctx)[0]}
-    if option.name not in full or option.name not in small or full[option.name].compute_s <= 0:
+
+    def gemms_s(tokens: float) -> float | None:
+        options = projection_options(op.projection, tokens, ctx, weight_grad=False)[0]
+        return next((o.compute_s for o in options if o.name == option.name), None)
+
+    full, small = gemms_s(ctx.tokens), gemms_s(ctx.tokens / chunks)
+    if full is None or small is None or full <= 0:
         return 0.0
-    ratio = chunks * small[option.name].compute_s / full[option.name].compute_s
-    extra = option.compute_s * max(0.0, ratio - 1.0)
-    return extra + ctx.node_overhead_time(chunks - 1)  # each chunk's GEMM is one more kernel
+    extra = max(0.0, chunks * small - full) + ctx.node_overhead_time(chunks - 1)  # a kernel per chunk
+    if (
+        option.name == "rowwise"
+        and ctx.train
+        and ctx.sequence_parallel
+        and not ctx.frozen(op.projection.weight)
+    ):
+        moved = 2.0 * ctx.tokens * op.projection.out_features * ctx.bytes_per_element
+        dev = ctx.cluster.device
+        extra += compute.op_time_s(0.0, moved, dev, ctx.dtype, "memory", launch=dev.node_overhead_s is None)
+    return extra
 
 
 def _chunked_exposed_s(
@@ -690,9 +705,9 @@ def _chunked_exposed_s(
         exposed = sum_{i < C-1} max(0, t_i - eta * gemm_s / C) + t_{C-1}
 
     (eta = `ClusterSpec.overlap_efficiency`); the last piece has nothing after it to hide behind.
-    hide_last: each piece is issued before its own chunk's GEMM and waited for after it (the
-    backward's gather of the sequence shard again, `passes.tp_overlap._ColumnMatmuls`), so the last
-    piece hides too: its term is max(0, t_{C-1} - eta * gemm_s / C)."""
+    hide_last: each piece is issued before its GEMMs and waited for after them (the backward's gather
+    of the sequence shard again, one piece under every chunk's input-gradient GEMM:
+    `passes.tp_overlap._ColumnMatmuls`), so the last piece hides too: max(0, t_{C-1} - eta * gemm_s / C)."""
     group, cluster = ctx.tp_group(), ctx.cluster
     first = collective(nbytes / chunks, group, cluster)
     hide = cluster.overlap_efficiency * gemm_s / chunks
@@ -722,8 +737,8 @@ def tp_block_comm_s(
       all-gather under the column-parallel GEMMs (identical layers: this block's); training adds their
       conjugates, the output-gradient all-gather under the row-parallel input-gradient GEMM and the
       input-gradient reduce-scatter under the column-parallel ones, and the entry's input gathered
-      again for the weight gradients, each chunk under its own column-parallel input-gradient GEMM
-      (`_chunked_exposed_s` with hide_last).
+      again, whole, for the weight gradients, under the column-parallel input-gradient GEMMs
+      (`_chunked_exposed_s` of one piece with hide_last).
     Each collective is one graph node per chunk (`CostContext.node_overhead_time`)."""
     whole = stream_conversion_time_s(out_layout, out_bytes, ctx)
     col, row = column_s / ctx.compute_factor, row_s / ctx.compute_factor  # one GEMM each
@@ -738,15 +753,18 @@ def tp_block_comm_s(
         parts = [(reduce_scatter_time_s, row), (all_gather_time_s, col)]
         parts += [(all_gather_time_s, row), (reduce_scatter_time_s, col)] if ctx.train else []
         pieces = [_chunked_exposed_s(fn, out_bytes, chunks, gemm, ctx) for fn, gemm in parts]
-        if ctx.train and column_s > 0:  # the shard gathered again, each chunk under its own dgrad GEMM
-            pieces.append(_chunked_exposed_s(all_gather_time_s, out_bytes, chunks, col, ctx, hide_last=True))
+        nodes = len(pieces) * chunks
+        if ctx.train and column_s > 0:  # the shard gathered again, whole, under the chunks' dgrad GEMMs
+            pieces.append(_chunked_exposed_s(all_gather_time_s, out_bytes, 1, col, ctx, hide_last=True))
+            nodes += 1
     else:
         pieces = [_chunked_exposed_s(all_reduce_time_s, out_bytes, chunks, row, ctx)]
         if ctx.train:
             t = all_reduce_time_s(out_bytes, ctx.tp_group(), ctx.cluster)
             pieces.append((max(0.0, t - ctx.cluster.overlap_efficiency * col), t))
+        nodes = len(pieces) * chunks
     hidden = sum(t - e for e, t in pieces)
-    exposed = sum(e for e, _ in pieces) + ctx.node_overhead_time(len(pieces) * chunks)
+    exposed = sum(e for e, _ in pieces) + ctx.node_overhead_time(nodes)
     return exposed + contention_s(hidden, ctx.cluster), hidden
 
 
@@ -755,14 +773,20 @@ def tp_block_comm_s(
 
 
 def projection_options(
-    proj: Projection, tokens: float, ctx: CostContext, pieces: int | None = None, input_grad: bool = True
+    proj: Projection,
+    tokens: float,
+    ctx: CostContext,
+    pieces: int | None = None,
+    input_grad: bool = True,
+    weight_grad: bool = True,
 ) -> tuple[list[OpOption], dict[str, str]]:
     """replicate / colwise / rowwise for one projection; divisibility decides which are offered.
 
     pieces: K/V projection of a GQA model with fewer KV heads than tp (`gqa_kv_replicated`): colwise
     cuts it into `pieces` KV heads, each replicated on tp / pieces ranks (vLLM), so a rank computes
     1/pieces of it; rowwise is not offered. input_grad False: nothing upstream of its input trains (the
-    LM head of a linear probe), so its backward is the weight gradient only."""
+    LM head of a linear probe), so its backward is the weight gradient only. weight_grad False: times
+    without the weight-gradient GEMM (`tp_overlap_chunk_compute_s` prices the GEMMs it cuts apart)."""
     b, tp = ctx.bytes_per_element, ctx.mesh.tp
     n_in, n_out = proj.in_features, proj.out_features
     has_bias = proj.bias is not None
@@ -784,7 +808,13 @@ def projection_options(
         stored = act_in / (shard if in_layout == S or split_stream else 1)
         grads = weight_bytes / shard if ctx.train and not frozen else 0.0
         time_s = ctx.op_time(
-            flops, moved, "matmul", rows=tokens, shape=(k, m), weight_grad=not frozen, input_grad=input_grad
+            flops,
+            moved,
+            "matmul",
+            rows=tokens,
+            shape=(k, m),
+            weight_grad=weight_grad and not frozen,
+            input_grad=input_grad,
         )
         opt = OpOption(name, in_layout, out_layout, time_s, weight_bytes * state / shard, stored,
                        grad_bytes=grads, frozen_bytes=weight_bytes / shard if frozen else 0.0,
