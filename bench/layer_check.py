@@ -15,7 +15,9 @@ TP degree: QKV and the first MLP linear column-parallel, the output projections 
 split; no sequence parallelism, no collectives: compute only), one micro-batch of one sequence of
 4,096 tokens in bf16, and times with CUDA events (`costmodels.gpu_calibrate.event_median_s`):
 
-- each projection: its forward GEMM and the two backward GEMMs (input and weight gradient);
+- each projection: its forward GEMM and the two backward GEMMs (input and weight gradient), and its
+  forward alone ("<op>.fwd"; "<op>.bwd" is the difference: how the backward GEMMs compare with their
+  price apart from the forward's, a median of each over the rows at the end);
 - the attention core (`F.scaled_dot_product_attention`, causal) forward and backward;
 - the whole layer forward and backward; "rest" is the whole minus the projections and the core;
 - the last stage's head, apart from the layer: final norm, the LM head's vocabulary shard (V / tp
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -114,12 +117,26 @@ class RankHead(nn.Module):
 
 
 def _train_step_s(fn, inputs: list[torch.Tensor], timer) -> float:
-    """Seconds of forward + backward of `fn(*inputs)` (a gradient of ones-like shape flows back)."""
+    """Seconds of forward + backward of `fn(*inputs)` (a random output gradient flows back). Every
+    gradient is dropped before each backward, so it writes fresh ones: no accumulation adds timed."""
     out = fn(*inputs)
     grad = torch.randn_like(out)
+    params = [*inputs, *(fn.parameters() if isinstance(fn, nn.Module) else ())]
 
     def step() -> None:
+        for t in params:
+            t.grad = None
         fn(*inputs).backward(grad)
+
+    return event_median_s(step, timer, warmup=3, reps=5)
+
+
+def _forward_s(fn, inputs: list[torch.Tensor], timer) -> float:
+    """Seconds of the forward of `fn(*inputs)` alone (no graph kept for a backward)."""
+
+    def step() -> None:
+        with torch.no_grad():
+            fn(*inputs)
 
     return event_median_s(step, timer, warmup=3, reps=5)
 
@@ -134,6 +151,7 @@ def measure_layer(hidden: int, heads: int, tp: int, seq: int, device: torch.devi
         linear = nn.Linear(k, n, device=device, dtype=dtype)
         x = torch.randn(1, seq, k, device=device, dtype=dtype, requires_grad=True)
         out[name] = _train_step_s(linear, [x], timer)
+        out[f"{name}.fwd"] = _forward_s(linear, [x], timer)
         del linear, x
     shape = (1, heads // tp, seq, hidden // heads)
     q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
@@ -168,6 +186,9 @@ def predict_layer(heads: int, hidden: int, layers: int, tp: int, seq: int, vocab
     choices = megatron_choices(tables.graphs, tables.ends)
     out = {op.name: op.option(choices[(key, op.name)]).compute_s for op in graph.ops}
     out["layer"] = graph.fixed_compute_s + sum(out.values())
+    forward = build_cost_tables(ctx.forward_only()).graphs[key]  # each projection's forward GEMM alone
+    for name in rank_widths(hidden, tp):
+        out[f"{name}.fwd"] = forward.op(name).option(choices[(key, name)]).compute_s
     head = next((op for op in tables.ends.ops if op.name == "lm_head"), None)
     if head is not None:  # the LM head with its loss (`costing.loss_time_s`) and the final norm
         out["head"] = head.option(choices[("ends", "lm_head")]).compute_s + tables.ends.last_stage_compute_s
@@ -213,7 +234,10 @@ def main() -> None:
         measured = measure_layer(hidden, heads, tp, seq, device, dtype, timer, vocab)
         for side in (predicted, measured):
             side["rest"] = side["layer"] - sum(side.get(op, 0.0) for op in ("qkv", "o", "up", "down", "core"))
-        for op in ("qkv", "core", "o", "up", "down", "rest", "layer", "head"):
+            for op in rank_widths(hidden, tp):  # the input- and weight-gradient GEMMs together
+                side[f"{op}.bwd"] = side[op] - side[f"{op}.fwd"]
+        ops = [f"{op}{part}" for op in ("qkv", "o", "up", "down") for part in ("", ".fwd", ".bwd")]
+        for op in ops[:3] + ["core"] + ops[3:] + ["rest", "layer", "head"]:
             p, m = predicted.get(op), measured.get(op)
             ratio = f"{m / p:.2f}" if p and m is not None and p > 0 else "-"
             table.add_row(name, f"{hidden} / {tp}", op, "-" if p is None else f"{p * 1e3:.3f}",
@@ -224,8 +248,18 @@ def main() -> None:
     console.print(table)
     console.print(
         "rest = the layer minus its projections and attention core: norms, GELU, residual adds, copies; "
-        "head = final norm, LM head shard and fp32 loss (not in the layer)"
+        "head = final norm, LM head shard and fp32 loss (not in the layer); <op>.fwd = its forward GEMM "
+        "alone, <op>.bwd = forward + backward less it (the input- and weight-gradient GEMMs)"
     )
+    bwd = [r["measured_s"][f"{op}.bwd"] / r["predicted_s"][f"{op}.bwd"] for r in results
+           for op in ("qkv", "up", "down") if r["predicted_s"][f"{op}.bwd"] > 0]  # fmt: skip
+    fwd = [r["measured_s"][f"{op}.fwd"] / r["predicted_s"][f"{op}.fwd"] for r in results
+           for op in ("qkv", "up", "down") if r["predicted_s"][f"{op}.fwd"] > 0]  # fmt: skip
+    if bwd and fwd:
+        console.print(
+            f"qkv, up, down GEMMs, measured / predicted: forward median {statistics.median(fwd):.2f}, "
+            f"backward median {statistics.median(bwd):.2f}"
+        )
     if args.json is not None:
         args.json.write_text(json.dumps({"cluster": cluster, "dtype": dtype_name, "rows": results}, indent=1))
         console.print(f"wrote {args.json}")

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,7 +64,10 @@ def test_tiny_run_on_cpu_writes_both_sides(tmp_path):
     for side in ("predicted_s", "measured_s"):
         assert set(row[side]) >= {"qkv", "o", "up", "down", "core", "layer", "rest", "head"}
         assert all(row[side][op] > 0 for op in ("qkv", "o", "up", "down", "core", "layer", "head"))
-    assert "measured / predicted" in r.stdout
+        for op in ("qkv", "o", "up", "down"):  # the forward GEMM alone, and the backward's two as the rest
+            assert 0 < row[side][f"{op}.fwd"] < row[side][op]
+            assert row[side][f"{op}.bwd"] == pytest.approx(row[side][op] - row[side][f"{op}.fwd"])
+    assert "measured / predicted" in r.stdout and "backward median" in r.stdout
 
 
 def test_no_gpu_is_a_clear_error():
