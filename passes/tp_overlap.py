@@ -173,7 +173,11 @@ class _RowMatmul(torch.autograd.Function):
         front_x = x.movedim(seq, 0)
         dx = torch.empty_like(front_x)
         # every rank's output gradient in sequence order, for one weight-gradient GEMM over all of it
-        whole_g = torch.empty((size * front_g.shape[0], *front_g.shape[1:]), dtype=g.dtype, device=g.device)
+        whole_g = (
+            torch.empty((size * front_g.shape[0], *front_g.shape[1:]), dtype=g.dtype, device=g.device)
+            if need_dw
+            else None
+        )
         bounds = _bounds(front_g.shape[0], ctx.chunks)
         issued = []
         for c, (a, b) in enumerate(bounds):
