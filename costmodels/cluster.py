@@ -932,14 +932,19 @@ def preset_names() -> list[str]:
     return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
 
 
-class UniqueKeyLoader(yaml.SafeLoader):
-    """`yaml.SafeLoader` that refuses a mapping with the same key twice (plain YAML keeps the last one
-    silently: a spec with ``launch_overhead_us`` given twice planned with the second)."""
+# libyaml's C parser and emitter when PyYAML was built with it (the wheels are): a plan of an 8B model
+# (130 kB of YAML) loads in 0.06 s instead of 0.43 s and dumps in 0.06 s instead of 0.23 s on this VM.
+_SafeLoaderBase = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+SafeDumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+
+
+class _UniqueKeys:
+    """Mixin of a PyYAML loader that refuses a mapping with the same key twice."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict[object, int] = {}
         for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[attr-defined]
             line = key_node.start_mark.line + 1
             if key in seen:
                 raise yaml.constructor.ConstructorError(
@@ -949,12 +954,24 @@ class UniqueKeyLoader(yaml.SafeLoader):
                     key_node.start_mark,
                 )
             seen[key] = line
-        return super().construct_mapping(node, deep=deep)
+        return super().construct_mapping(node, deep=deep)  # type: ignore[misc]
+
+
+class UniqueKeyLoader(_UniqueKeys, _SafeLoaderBase):  # type: ignore[misc,valid-type]
+    """`yaml.SafeLoader` (libyaml's `yaml.CSafeLoader` where PyYAML has it: the same documents, parsed
+    in C) that refuses a mapping with the same key twice (plain YAML keeps the last one silently: a
+    spec with ``launch_overhead_us`` given twice planned with the second)."""
 
 
 def safe_load_unique(text: str) -> object:
     """``yaml.load`` with `UniqueKeyLoader` (safe: no Python objects). Raises yaml.YAMLError."""
     return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+def safe_dump(data: object, **options: object) -> str:
+    """``yaml.safe_dump(data, **options)`` through libyaml's emitter where PyYAML has it (`SafeDumper`):
+    plain data only, the same document."""
+    return yaml.dump(data, Dumper=SafeDumper, **options)  # type: ignore[call-overload]
 
 
 def _read_yaml(text: str, origin: str) -> object:

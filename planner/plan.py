@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from costmodels.cluster import safe_load_unique
+from costmodels.cluster import safe_dump, safe_load_unique
 from costmodels.dtypes import DTYPE_BYTES
 from costmodels.expert_parallel import DEFAULT_MOE_IMBALANCE
 from costmodels.memory import DataParallel, Recompute, Schedule
@@ -714,7 +714,7 @@ class Plan:
     def to_yaml(self, path: str | os.PathLike[str]) -> None:
         """Write the plan as YAML, atomically (temp file in the same folder, then rename)."""
         header = f"{PLAN_HEADER} for {self.model} on {self.cluster}; read by planner show / run / export.\n"
-        body = yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=110)
+        body = safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=110)
         write_text_atomic(path, header + body)
 
     @classmethod

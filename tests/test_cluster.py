@@ -518,6 +518,25 @@ def test_a_key_given_twice_is_refused_and_memory_typed_in_mib_warns(tmp_path: Pa
         Plan.from_yaml(plan)
 
 
+@pytest.mark.parametrize("base", ["SafeLoader", "CSafeLoader"])
+def test_repeated_keys_are_refused_by_the_python_and_the_libyaml_parser(base: str) -> None:
+    """`UniqueKeyLoader` parses with libyaml where PyYAML has it and with PyYAML's own parser
+    otherwise: the same documents, the same refusal of a repeated key with both lines."""
+    import yaml
+
+    from costmodels import cluster as cluster_module
+
+    if not hasattr(yaml, base):
+        pytest.skip(f"PyYAML without {base}")
+    loader = type("Loader", (cluster_module._UniqueKeys, getattr(yaml, base)), {})
+    text = "a: 1\nb: {c: [1, 2.5, x]}\n"
+    assert yaml.load(text, Loader=loader) == {"a": 1, "b": {"c": [1, 2.5, "x"]}}  # noqa: S506
+    with pytest.raises(yaml.YAMLError, match=r"'a' appears twice \(lines 1 and 3\)"):
+        yaml.load("a: 1\nb: 2\na: 3\n", Loader=loader)  # noqa: S506
+    data = {"reason": "a long line " * 20, "n": [1, 2], "x": 0.5}
+    assert yaml.load(cluster_module.safe_dump(data, width=110), Loader=loader) == data  # noqa: S506
+
+
 def test_nvls_is_a_validated_intra_node_flag_that_round_trips() -> None:
     """`links.intra_node.nvls`: NVLink SHARP in the node's NVSwitches (H100 / H200 presets), a boolean,
     NVLink only, absent = false; not allowed on the inter-node link."""
