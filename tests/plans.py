@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
-from planner.frontend.analysis import ModelStructure, Role
+import functools
+
+from planner.frontend.analysis import ModelStructure, Role, analyse
+from planner.frontend.capture import capture
+from planner.frontend.modelfile import load_model_file
 from planner.plan import MeshShape, Plan, Prediction, SolverInfo, WeightSplit
 from planner.solver.search import projection_roles
+
+
+@functools.cache
+def meta_structure(path: str, batch: int, seq: int) -> ModelStructure:
+    """The structure of the model file at `path` built on the meta device and captured at its example
+    inputs of (`batch`, `seq`), once per test process (a capture costs about a second here; the
+    fixtures plan the same model at the same shapes for several layouts). Read it, do not change it."""
+    model_file = load_model_file(path)
+    args, kwargs = model_file.inputs(batch, seq)
+    return analyse(capture(model_file.build("meta"), args, kwargs))
 
 
 def megatron_splits(structure: ModelStructure, vocab: bool = True) -> dict[str, WeightSplit]:

@@ -30,7 +30,7 @@ from runtime.job import RunJob, summarise
 from runtime.launch import RankContext, launch
 from runtime.numerics import check_failures
 from tests.cli_in_process import planner_in_process
-from tests.plans import assert_run_matches, fixed_plan
+from tests.plans import assert_run_matches, fixed_plan, meta_structure
 
 MODELS = Path(__file__).resolve().parent / "models"
 TOKENS = "tiny_lm_tokens.py"
@@ -48,9 +48,7 @@ def _plan(
     batch: int = 2,
     **kw,
 ):
-    model_file = load_model_file(MODELS / TOKENS)
-    args, kwargs = model_file.inputs(batch, seq)
-    structure = analyse(capture(model_file.build("meta"), args, kwargs))
+    structure = meta_structure(str(MODELS / TOKENS), batch, seq)
     plan = fixed_plan(structure, str(MODELS / TOKENS), tp, pp=pp, workload=workload, micro_batches=m)
     return dataclasses.replace(plan, mesh=MeshShape(tp, pp, dp, cp), **kw)
 

@@ -29,7 +29,7 @@ from runtime.execute import run_rank
 from runtime.job import RunJob, summarise
 from runtime.launch import RankContext, launch
 from runtime.numerics import check_failures
-from tests.plans import assert_run_matches, fixed_plan
+from tests.plans import assert_run_matches, fixed_plan, meta_structure
 
 MODELS = Path(__file__).resolve().parent / "models"
 MODULELIST, GPTFAST, MIXTRAL = "tiny_moe_modulelist.py", "tiny_moe_gptfast.py", "tiny_mixtral.py"
@@ -48,9 +48,7 @@ def _plan(
     m: int = 1,
     **kw,
 ):
-    model_file = load_model_file(MODELS / model)
-    args, kwargs = model_file.inputs(batch, SEQ)
-    structure = analyse(capture(model_file.build("meta"), args, kwargs))
+    structure = meta_structure(str(MODELS / model), batch, SEQ)
     plan = fixed_plan(structure, str(MODELS / model), tp, pp=pp, workload=workload, micro_batches=m)
     return dataclasses.replace(plan, mesh=MeshShape(tp, pp, dp), ep=ep, **kw)
 
