@@ -98,10 +98,13 @@ def llama_405b_structure():
     return capture_for_planning(model, args, kwargs)[1]
 
 
-def llama_405b_pinned(structure, before: bool = False):
-    """The published layout of `LLAMA_405B` pinned (the rest searched): the planned Plan."""
+def llama_405b_pinned(structure, before: bool = False, grad_reduce_dtype: str = "param"):
+    """The published layout of `LLAMA_405B` pinned (the rest searched): the planned Plan, its gradients
+    reduced in `grad_reduce_dtype` (`planner.plan.Plan.grad_reduce_dtype`)."""
     cluster = load_cluster(LLAMA_405B["cluster"])
-    work = WorkloadSpec("train", LLAMA_405B["batch"], LLAMA_405B["seq"], dtype="bf16")
+    work = WorkloadSpec(
+        "train", LLAMA_405B["batch"], LLAMA_405B["seq"], dtype="bf16", grad_reduce_dtype=grad_reduce_dtype
+    )
     extra = BEFORE if before else {}
     pin = Constraints(tp=LLAMA_405B["tp"], pp=LLAMA_405B["pp"], dp=LLAMA_405B["dp"], **extra)
     return plan_model(structure, cluster, work, pin)

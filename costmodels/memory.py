@@ -109,18 +109,24 @@ class DataParallel(str, enum.Enum):
 
 
 def dp_state_bytes(
-    num_params: float, dtype: str, style: DataParallel, shard: int, reshard_after_forward: bool = True
+    num_params: float,
+    dtype: str,
+    style: DataParallel,
+    shard: int,
+    reshard_after_forward: bool = True,
+    grad_dtype: str | None = None,
 ) -> float:
     """Parameters + gradients + Adam state per rank of ``num_params`` parameters (per TP / pipeline
     rank) under data-parallel ``style`` over ``shard`` ranks (ZeRO section 5.1: P_os, P_os+g,
     P_os+g+p): each sharded state divided by ``shard``. FSDP without reshard after forward keeps every
     unit's gathered parameters from its forward to its backward, so the parameters count whole (the
-    peak of the step). The units in flight of FSDP are working memory (`fsdp_unit_bytes`). Raises
-    ValueError for shard < 1."""
+    peak of the step). The units in flight of FSDP are working memory (`fsdp_unit_bytes`). Gradients
+    are kept in ``grad_dtype`` (default ``dtype``; "fp32" with 16-bit parameters: Megatron-LM's fp32
+    main_grad buffer, 18 bytes per parameter unsharded). Raises ValueError for shard < 1."""
     if shard < 1:
         raise ValueError(f"shard must be >= 1, got {shard}")
     params = param_bytes(num_params, dtype)
-    grads = grad_bytes(num_params, dtype)
+    grads = grad_bytes(num_params, grad_dtype or dtype)
     adam = adam_state_bytes(num_params, dtype)
     if style.shards_optimizer:
         adam /= shard
@@ -155,7 +161,8 @@ def param_bytes(num_params: float, dtype: str) -> float:
 
 
 def grad_bytes(num_params: float, dtype: str) -> float:
-    """Bytes of the gradients of ``num_params`` parameters (kept in the parameter dtype)."""
+    """Bytes of the gradients of ``num_params`` parameters kept in ``dtype`` (the parameters' dtype,
+    or the one gradients are accumulated in)."""
     return num_params * dtype_bytes(dtype)
 
 

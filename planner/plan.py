@@ -109,6 +109,9 @@ SPLIT_STYLES: tuple[str, ...] = tuple(s.value for s in SplitStyle)
 WORKLOADS: tuple[str, ...] = tuple(w.value for w in Workload)
 SCHEDULES: tuple[str, ...] = tuple(s.value for s in Schedule)
 DP_STYLES: tuple[str, ...] = tuple(s.value for s in DataParallel)
+# the dtype training gradients are accumulated and reduced in (`Plan.grad_reduce_dtype`): the
+# parameters' own, or fp32 (Megatron-LM's fp32 main gradients with --bf16)
+GRAD_REDUCE_DTYPES: tuple[str, ...] = ("param", "fp32")
 # context-parallel attention variants (`Plan.cp_comm_type`; run by `passes.context_parallel`)
 CP_COMM_TYPES: tuple[str, ...] = ("ring", "allgather", "alltoall")
 # where expert parallelism's ranks come from (`Plan.ep_fold`): the dp x cp ranks (tokens move by
@@ -424,6 +427,13 @@ class Plan:
     tp_comm_overlap: bool = False
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
+    # grad_reduce_dtype (training): the dtype the data-parallel gradients are accumulated over the
+    # micro-batches and reduced in: "param" (the parameters' dtype, the 16-byte mixed-precision count
+    # of ZeRO section 3.1, what the planner's runtime runs) or "fp32" (4-byte gradients of 16-bit
+    # parameters: Megatron-LM's default with --bf16, its fp32 main_grad; torchtitan's
+    # mixed_precision_reduce "float32"), priced for exports: the reduction moves twice the bytes of a
+    # 16-bit gradient and the gradient buffer is twice as large; `planner run` refuses it
+    grad_reduce_dtype: str = "param"
     # Context parallelism (mesh.cp > 1): every sequence's tokens split over the CP ranks for every layer;
     # cp_comm_type: how attention reaches the other ranks' keys and values (`CP_COMM_TYPES`: "ring" passes
     # K/V blocks peer to peer under the blocks' attention, Megatron-Core's p2p; "allgather" gathers K/V
@@ -591,6 +601,7 @@ class Plan:
             "tp_comm_overlap": self.tp_comm_overlap,
             "overlap_grad_reduce": self.overlap_grad_reduce,
             "overlap_param_gather": self.overlap_param_gather,
+            "grad_reduce_dtype": self.grad_reduce_dtype,
             "cp_comm_type": self.cp_comm_type if self.cp > 1 else "",
             "cp_load_balance": self.cp_load_balance if self.cp > 1 else False,
             "ep": self.ep,
@@ -695,6 +706,8 @@ class Plan:
             chosen["ep"] = [self.ep, self.ep_fold]
         if self.expert_tp > 1:
             chosen["expert_tp"] = self.expert_tp
+        if self.grad_reduce_dtype != "param":  # the digest of a plan as before the field existed
+            chosen["grad_reduce_dtype"] = self.grad_reduce_dtype
         if data.get("serving"):  # the request served: its prompt, new tokens and caches
             chosen["request"] = {k: data["serving"][k] for k in ("prompt_len", "new_tokens", "cache_len")}
         return hashlib.sha256(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -855,6 +868,16 @@ class Plan:
                 f"is true, but only zero1 / zero2 training with dp x cp > 1 all-gathers the parameters after the "
                 f"step (dp_style {self.dp_style}, mesh.dp={dp}, mesh.cp={self.mesh.cp}; fsdp prefetches its "
                 "gathers anyway): set it to false",
+            )
+        if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+            raise bad(
+                "grad_reduce_dtype",
+                f"{self.grad_reduce_dtype!r} is not one of {list(GRAD_REDUCE_DTYPES)} (param: the parameters' dtype)",
+            )
+        if self.grad_reduce_dtype != "param" and self.workload != "train":
+            raise bad(
+                "grad_reduce_dtype",
+                f"is {self.grad_reduce_dtype}, but a {self.workload} plan has no gradients: set it to param",
             )
         if self.overlap_param_gather and not self.overlap_grad_reduce:
             raise bad(

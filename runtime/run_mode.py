@@ -97,12 +97,26 @@ def dropout_note(gm: fx.GraphModule) -> str:
     )
 
 
+def check_grad_reduce_runs(grad_reduce_dtype: str, dtype: str, field: str) -> None:
+    """Raise InputError naming `field` when training gradients of `dtype` parameters are to be
+    accumulated and reduced in fp32 (`Plan.grad_reduce_dtype`): this runtime keeps them in the
+    parameters' dtype (ZeRO's 16-byte mixed-precision state), so such a plan is priced for an export."""
+    if grad_reduce_dtype == "fp32" and dtype in ("bf16", "fp16"):
+        raise InputError(
+            f"{field} is fp32, but this runtime accumulates and reduces the gradients of {dtype} parameters in "
+            f"{dtype} (the 16-byte mixed-precision state): fp32 gradient reduction (Megatron-LM's default with "
+            "--bf16) is priced for an export (planner export); to run the plan here, plan it without "
+            "--grad-reduce-dtype fp32 (a saved plan: grad_reduce_dtype: param)"
+        )
+
+
 def check_plan_runs(plan: Plan, workload: str) -> None:
     """Raise InputError naming the plan field when the runtime cannot run `plan` as planned for
     `workload` ("forward" | "train"): 1F1B with fewer micro-batches than pipeline stages, interleaved
     1F1B with micro-batches that do not divide into its rounds (torch's `ScheduleInterleaved1F1B`
-    needs micro_batches % max(1, micro_batches // pp) == 0), or a sharded `dp_style` on a workload
-    without an optimizer step. zero2 / fsdp with pipeline stages run (`runtime.pipeline_run`: each
+    needs micro_batches % max(1, micro_batches // pp) == 0), a sharded `dp_style` on a workload
+    without an optimizer step, or fp32 gradient reduction of 16-bit parameters (`Plan.grad_reduce_dtype`:
+    priced for exports, not run here). zero2 / fsdp with pipeline stages run (`runtime.pipeline_run`: each
     model chunk's units its own); only tied parameters across stages are refused there, on the ranks
     (`RankLowering.tied` is known once the graph is split). Called before the ranks start and on
     every rank."""
@@ -119,6 +133,8 @@ def check_plan_runs(plan: Plan, workload: str) -> None:
             f"ScheduleInterleaved1F1B) runs micro-batches in rounds of max(1, m // pp) = {rounds}, which must "
             f"divide m = {m}; re-plan with micro_batches a multiple of pp={pp}"
         )
+    if workload == "train":
+        check_grad_reduce_runs(plan.grad_reduce_dtype, plan.dtype, "plan field 'grad_reduce_dtype'")
     if plan.distributed_optimizer and workload != "train":
         raise InputError(
             f"plan field 'dp_style' is {plan.dp_style} but the run's workload is {workload}: there is no "

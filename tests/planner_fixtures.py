@@ -56,9 +56,10 @@ def analysed_llama(size: str, **overrides: int) -> ModelStructure:
 
 
 @functools.cache
-def analysed_gpt(size: str) -> ModelStructure:
-    """GPT-2 / GPT-3 of a published size (fused c_attn with parts), traced with 2 layers, repeated."""
-    config = GPT_CONFIGS[size]
+def analysed_gpt(size: str, **overrides: int) -> ModelStructure:
+    """GPT-2 / GPT-3 of a published size (fused c_attn with parts), traced with 2 layers, repeated;
+    `overrides` replace fields of its `GPTConfig` (another shape of the same kind)."""
+    config = dataclasses.replace(GPT_CONFIGS[size], **overrides)
     traced = dataclasses.replace(config, n_layer=2)
     with torch.device("meta"):
         model = GPT(traced)

@@ -393,6 +393,24 @@ def test_pins_that_cannot_apply_say_so(example_path) -> None:
     assert r.returncode == 2 and "dp(4 replicas x 4 shards) = 16 devices" in _said(r), _said(r)
 
 
+def test_fp32_gradients_are_priced_said_and_not_run_here(example_path, tmp_path) -> None:
+    """--grad-reduce-dtype fp32 (Megatron-LM's bf16 default) plans a bf16 training step whose gradients
+    are reduced in fp32 and shows it; with --run it is refused before any planning (this runtime keeps
+    16-bit gradients), and on a forward workload it is said to have no effect."""
+    llama = str(example_path("llama3"))
+    common = ["--cluster", "local-cpu", "--nproc", "2", "--dp", "2", "--batch-size", "2", "--seq-len", "16"]
+    out = tmp_path / "p.yaml"
+    r = planner("optimize", llama, *common, "--workload", "train", "--dtype", "bf16", "--grad-reduce-dtype",
+                "fp32", "--out", str(out))  # fmt: skip
+    assert r.returncode == 0 and "fp32 gradients" in r.stdout, _said(r)
+    assert "grad_reduce_dtype: fp32" in out.read_text()
+    r = planner("optimize", llama, *common, "--workload", "train", "--dtype", "bf16", "--grad-reduce-dtype",
+                "fp32", "--run")  # fmt: skip
+    assert r.returncode == 2 and "priced for an export" in _said(r) and "solver" not in r.stdout, _said(r)
+    r = planner("optimize", llama, *common, "--grad-reduce-dtype", "fp32")
+    assert r.returncode == 0 and "--grad-reduce-dtype fp32 had no effect" in _said(r), _said(r)
+
+
 def test_decode_run_with_expert_parallelism_over_dp_says_run_serves_tp_only(tmp_path, capsys) -> None:
     """--ep 2 --ep-fold dp with --run on a decode plan used to say --ep "does not divide the 1 dp x cp ranks
     (--dp 1)", a --dp the user never pinned (--run implies it): the message now says --run serves decode

@@ -292,3 +292,90 @@ def test_fsdp_on_a_device_with_measured_fresh_writes_prices_each_units_new_buffe
     assert len(dp_sync_phases(nbytes, zero1)) == len(
         dp_sync_phases(nbytes, dataclasses.replace(zero1, cluster=gpu.cluster))
     )
+
+
+def _grads_in(ctx: CostContext, grad_reduce_dtype: str) -> CostContext:
+    """`ctx` with its workload's gradients accumulated and reduced in `grad_reduce_dtype`."""
+    return dataclasses.replace(
+        ctx, workload=dataclasses.replace(ctx.workload, grad_reduce_dtype=grad_reduce_dtype)
+    )
+
+
+@pytest.mark.parametrize(
+    "style", [DataParallel.DDP, DataParallel.ZERO1, DataParallel.ZERO2, DataParallel.FSDP]
+)
+def test_fp32_gradients_of_bf16_parameters_reduce_twice_the_bytes_and_hold_two_more_per_parameter(
+    style: DataParallel,
+) -> None:
+    """`grad_reduce_dtype` fp32 (Megatron-LM's fp32 main_grad with --bf16): every gradient collective
+    (DDP's all-reduce, ZeRO's and FSDP's reduce-scatters) moves the fp32 bytes, each priced as the
+    same collective of twice the bf16 gradient bytes; the parameters' gathers stay bf16; the gradient
+    buffer holds 4 bytes per parameter (sharded where the style shards gradients)."""
+    from planner.solver.costing import dp_sync_phases  # noqa: PLC0415
+
+    nbytes = 16e9
+    param = _ctx(8, style)
+    fp32 = _grads_in(param, "fp32")
+    assert (param.grad_dtype, fp32.grad_dtype, fp32.grad_reduce_scale) == ("bf16", "fp32", 2.0)
+    grads, gathers = dp_sync_phases(nbytes, fp32), dp_sync_phases(nbytes, param)
+    doubled = dp_sync_phases(2 * nbytes, param)  # every collective at twice the bytes
+    if style is DataParallel.DDP:
+        assert grads == doubled  # the all-reduce is all of it
+    elif style is DataParallel.FSDP:  # gathers of bf16 parameters and the fp32 reduce-scatter, per unit
+        assert gathers[0].total_s < grads[0].total_s < doubled[0].total_s
+    else:  # the reduce-scatter doubles, the parameters' all-gather after the step does not
+        assert (grads[0], grads[1]) == (doubled[0], gathers[1])
+    shard = 1 if style is DataParallel.DDP else 8
+    extra = 2.0 / shard if style.shards_gradients else 2.0  # bytes per parameter
+    bf16_bytes = memory.param_bytes(1, "bf16")
+    assert (fp32.state_factor() - param.state_factor()) * bf16_bytes == pytest.approx(extra)
+    # fp32 parameters' gradients are fp32 already: nothing changes
+    fp32_params = dataclasses.replace(param, dtype="fp32")
+    assert _grads_in(fp32_params, "fp32").grad_reduce_scale == 1.0
+
+
+def test_fp32_gradients_are_a_plan_field_that_round_trips_prices_and_is_refused_by_the_runtime(
+    tmp_path,
+) -> None:
+    """A train plan priced with fp32 gradients says so (`Plan.grad_reduce_dtype`), round-trips through
+    YAML, changes its digest (a param plan's digest is as before the field), is refused on a forward
+    plan and with an unknown dtype, and `planner run`'s check refuses to run it (this runtime keeps
+    16-bit gradients)."""
+    from runtime.run_mode import check_plan_runs  # noqa: PLC0415
+
+    structure = analysed_llama("8b")
+    cluster = load_cluster("dgx-h100")
+    pin = Constraints(tp=1, pp=1, dp=8, dp_style="zero1", recompute="full")
+    plans = {
+        g: plan_model(
+            structure,
+            cluster,
+            WorkloadSpec("train", 8, 4096, micro_batches=1, dtype="bf16", grad_reduce_dtype=g),
+            pin,
+        )
+        for g in ("param", "fp32")
+    }
+    param, fp32 = plans["param"], plans["fp32"]
+    assert (param.grad_reduce_dtype, fp32.grad_reduce_dtype) == ("param", "fp32")
+    assert fp32.predicted.grad_sync_s > param.predicted.grad_sync_s
+    # Llama-3-8B's 8.03B parameters' gradients: 2 more bytes each, unsharded under zero1
+    more = fp32.predicted.peak_memory_bytes - param.predicted.peak_memory_bytes
+    assert more == pytest.approx(2 * 8.03e9, rel=0.01)
+    path = tmp_path / "p.yaml"
+    fp32.to_yaml(path)
+    assert Plan.from_yaml(path).grad_reduce_dtype == "fp32"
+    assert fp32.decisions_digest() != param.decisions_digest()
+    assert (
+        param.decisions_digest() == dataclasses.replace(param, grad_reduce_dtype="param").decisions_digest()
+    )
+    with pytest.raises(InputError, match="grad_reduce_dtype.*not one of"):
+        Plan.from_dict({**param.to_dict(), "grad_reduce_dtype": "fp8"})
+    forward = {**param.to_dict(), "workload": "forward", "grad_reduce_dtype": "fp32"}
+    forward.update(dp_style="ddp", dp_shard=1, overlap_grad_reduce=False, overlap_param_gather=False)
+    with pytest.raises(InputError, match="grad_reduce_dtype.*has no gradients"):
+        Plan.from_dict(forward)
+    with pytest.raises(InputError, match="grad_reduce_dtype' is fp32.*planner export"):
+        check_plan_runs(fp32, "train")
+    check_plan_runs(param, "train")
+    with pytest.raises(InputError, match="grad-reduce-dtype"):
+        WorkloadSpec("train", 8, 4096, grad_reduce_dtype="bf16")

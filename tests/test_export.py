@@ -467,7 +467,10 @@ def test_torchtitan_toml_parses_with_torchtitans_field_names(llama_plan):
     assert toml["activation_checkpoint"] == {"mode": "full"}
     assert toml["training"] == {
         "global_batch_size": 8, "local_batch_size": 4, "seq_len": plan.seq_len, "mixed_precision_param": "bfloat16",
+        "mixed_precision_reduce": "bfloat16",  # the plan's 16-bit gradients (torchtitan's default: float32)
     }  # fmt: skip
+    fp32_grads, _ = _titan(_with(plan, grad_reduce_dtype="fp32"))
+    assert fp32_grads["training"]["mixed_precision_reduce"] == "float32"
     assert any("sequence parallel" in w for w in warnings)  # torchtitan's TP always is; the plan is not
 
 
@@ -705,7 +708,10 @@ def test_megatron_arguments_are_megatrons_names_and_values(llama_plan):
     assert any("needs --sequence-parallel" in w for w in no_sp_warnings)
     # Megatron's fp32 main gradients: 2 bytes per parameter the plan (16-bit gradients) does not hold
     main_grads = [w for w in warnings if "main_grad" in w]
-    assert main_grads and "GiB more per rank" in main_grads[0]
+    assert main_grads and "GiB more per rank" in main_grads[0] and "--grad-reduce-dtype fp32" in main_grads[0]
+    # a plan priced with fp32 gradients is what Megatron-LM runs by default: nothing to warn about
+    _, fp32_warnings = _megatron_argv(_with(plan, grad_reduce_dtype="fp32"))
+    assert not any("main_grad" in w for w in fp32_warnings)
     no_dp, _ = _megatron_argv(_with(plan, mesh=dataclasses.replace(plan.mesh, dp=1), batch_size=8))
     assert "--overlap-grad-reduce" not in no_dp
 

@@ -365,3 +365,26 @@ def test_trillion_free_plan_is_megatrons_kind_and_beats_the_expert(selene) -> No
     # NCCL's prices (tests/test_nccl_prices.py) interleaving with v=6 and v=7 tie within 0.005%.
     chosen = whys["schedule"]
     assert chosen.options[chosen.chosen] <= min(chosen.options.values()) * (1 + Constraints().mip_gap)
+
+
+def test_a_pipeline_that_fits_at_twice_its_stages_in_micro_batches_is_not_recomputed() -> None:
+    """Megatron-Core's weak-scaling 70B GPT (hidden 8192, 64 heads, 84 layers, vocabulary 131,072,
+    sequence 4,096) at its published TP 8 PP 2 DP 48 with fp32 gradients (Megatron-LM's bf16 default):
+    at 2 micro-batches per replica it needs full recomputation, at 8 it pays 8 smaller steps; the search
+    also prices 4 (twice the stages), which fits without recomputation and is the fastest of the three."""
+    structure = analysed_gpt(
+        "megatron-1.7b", vocab_size=131072, n_positions=4096, n_layer=84, n_head=64, n_embd=8192
+    )
+    pin = dict(
+        tp=8, pp=2, dp=48, max_devices=768, sequence_parallel=True, dp_style="zero1", tp_comm_overlap=True,
+        overlap_grad_reduce=True, overlap_param_gather=True,
+    )  # fmt: skip
+
+    def plan(m: int | None, **kw):
+        work = WorkloadSpec("train", 384, 4096, micro_batches=m, dtype="bf16", grad_reduce_dtype="fp32")
+        return plan_model(structure, load_cluster("h100-ib-2048node"), work, Constraints(**pin, **kw))
+
+    free = plan(None)
+    assert free.micro_batches == 4 and set(free.recompute.values()) == {"none"}
+    for m in (2, 8):
+        assert free.predicted.latency_s < plan(m).predicted.latency_s, m

@@ -32,7 +32,7 @@ from costmodels.expert_parallel import DEFAULT_MOE_IMBALANCE
 from planner.cli.progress import Bars
 from planner.errors import InputError, PlannerError, RunError
 from planner.files import check_output_path, write_text_atomic
-from planner.plan import CP_COMM_TYPES, DP_STYLES, EP_FOLDS, cp_unbalanced_note
+from planner.plan import CP_COMM_TYPES, DP_STYLES, EP_FOLDS, GRAD_REDUCE_DTYPES, cp_unbalanced_note
 
 _WIDTH = None if sys.stdout.isatty() else 150  # rich assumes 80 columns when piped; tables need more
 
@@ -185,6 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
         opt.add_argument(
             flag, default="auto", choices=["auto", "on", "off"], help=f"{what} (auto: priced both ways)"
         )
+    opt.add_argument(
+        "--grad-reduce-dtype",
+        default="param",
+        choices=list(GRAD_REDUCE_DTYPES),
+        help="training: the dtype gradients are accumulated and reduced in: param (the parameters' dtype, what "
+        "--run runs) or fp32 (Megatron-LM's default with --bf16, torchtitan's mixed_precision_reduce float32: "
+        "priced for an export; --run refuses it)",
+    )
     opt.add_argument(
         "--dp-style",
         default="auto",
@@ -527,6 +535,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
                 ("--reshard-after-forward", args.reshard_after_forward),
                 ("--overlap-grad-reduce", args.overlap_grad_reduce),
                 ("--overlap-param-gather", args.overlap_param_gather),
+                ("--grad-reduce-dtype", "fp32" if args.grad_reduce_dtype == "fp32" else "auto"),
             )
             if value != "auto"
         ]
@@ -535,6 +544,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             args.recompute = args.sequence_parallel = args.distributed_optimizer = "auto"  # as said: ignored
             args.dp_style = args.reshard_after_forward = "auto"
             args.overlap_grad_reduce = args.overlap_param_gather = "auto"
+            args.grad_reduce_dtype = "param"
 
     _check_cp_options(args)
     _check_ep_options(args)
@@ -619,6 +629,12 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         )
         if args.run:
             _check_runs_here(args, cluster)
+            if prepared.workload.train and prepared.workload.grad_reduce_dtype == "fp32":
+                from runtime.run_mode import check_grad_reduce_runs  # noqa: PLC0415
+
+                check_grad_reduce_runs(
+                    "fp32", prepared.workload.dtype or prepared.structure.dtype, "--grad-reduce-dtype"
+                )
         source = workflow.cluster_source(args.cluster, nproc)
         budget = None
         if constraints.ladder.max_loss_increase is not None:
@@ -1331,10 +1347,11 @@ def _check_run_decode_ep(args: argparse.Namespace) -> None:
 
 
 def _routing_options(args: argparse.Namespace) -> dict:
-    """--moe-imbalance, --moe-capacity-factor as `WorkloadSpec` keywords."""
+    """--moe-imbalance, --moe-capacity-factor, --grad-reduce-dtype as `WorkloadSpec` keywords."""
     return {
         "moe_imbalance": getattr(args, "moe_imbalance", DEFAULT_MOE_IMBALANCE),
         "moe_capacity_factor": getattr(args, "moe_capacity_factor", None),
+        "grad_reduce_dtype": getattr(args, "grad_reduce_dtype", "param"),
     }
 
 

@@ -31,6 +31,7 @@ the dataclass fields it turns into options: `ModelParallelConfig`, `TransformerC
 | reshard_after_forward off (fsdp)       | no Megatron-FSDP form (optim_grads_params always reshards): fsdp   |
 |                                        | resharded or zero2 (optim_grads), whichever the plan priced nearer |
 | overlap_grad_reduce; fsdp / hsdp       | --overlap-grad-reduce                                              |
+| grad_reduce_dtype fp32 (bf16 training) | Megatron-LM's default (fp32 main_grad); param: a warning (below)   |
 | overlap_param_gather; fsdp / hsdp      | --overlap-param-gather                                             |
 | batch / dp / micro_batches, batch      | --micro-batch-size, --global-batch-size                            |
 | dtype bf16 / fp16                      | --bf16 / --fp16 (fp32: none)                                       |
@@ -178,7 +179,12 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
         args.append("--bf16")
     elif plan.dtype == "fp16":
         args.append("--fp16")
-    if plan.workload is Workload.TRAIN and plan.dtype == "bf16" and not uses_megatron_fsdp(form):
+    if (
+        plan.workload is Workload.TRAIN
+        and plan.dtype == "bf16"
+        and plan.grad_reduce_dtype != "fp32"
+        and not uses_megatron_fsdp(form)
+    ):
         warnings.append(_main_grads_warning(plan))
     if uses_megatron_fsdp(form) and (plan.tp > 1 or plan.cp > 1):
         comm, axes = ("TP", "TP > 1") if plan.cp == 1 else ("TP and CP", "TP or CP > 1")
@@ -380,7 +386,8 @@ def _main_grads_warning(plan: Plan) -> str:
         )
     return (
         f"Megatron-LM with --bf16 accumulates and reduces gradients in fp32 (main_grad): about "
-        f"{extra / 2**30:.1f} GiB more per rank than the plan's 16-bit gradients, a peak near {peak / 2**30:.1f} GiB{fits}"
+        f"{extra / 2**30:.1f} GiB more per rank than the plan's 16-bit gradients, a peak near {peak / 2**30:.1f} GiB{fits}, "
+        "and twice the gradient bytes to reduce; plan with --grad-reduce-dtype fp32 to price that"
     )
 
 

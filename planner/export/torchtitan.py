@@ -47,6 +47,7 @@ sections of a job TOML (`--job.config_file`, torchtitan 0.2.x; names of 0.2.2's
 | batch, seq_len                         | training.global_batch_size, local_batch_size, seq_len               |
 | dtype                                  | training.mixed_precision_param; 0.2 with TP or PP and no FSDP:      |
 |                                        | training.dtype = "bfloat16" (see below)                             |
+| grad_reduce_dtype (bf16 training)      | training.mixed_precision_reduce "float32" (fp32) / "bfloat16"       |
 | micro_batches without pipeline stages  | local_batch_size = the micro-batch (torchtitan accumulates          |
 |                                        | gradients over global / (local x dp) steps)                         |
 | ep (a MoE model)                       | expert_parallel_degree; 0.2 also expert_tensor_parallel_degree:     |
@@ -385,6 +386,9 @@ def _common(plan: Plan, version: str) -> tuple[dict[str, object], str, dict[str,
     }
     if plan.dtype in _PRECISION:
         training["mixed_precision_param"] = _PRECISION[plan.dtype]
+        if plan.workload is Workload.TRAIN and plan.dtype == "bf16":
+            # FSDP's reduce-scatter dtype (torchtitan's default float32): the one the plan priced
+            training["mixed_precision_reduce"] = "float32" if plan.grad_reduce_dtype == "fp32" else "bfloat16"
     else:
         warnings.append(
             f"torchtitan trains in bfloat16 or float32, not {plan.dtype}: choose training.mixed_precision_param"

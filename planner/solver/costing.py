@@ -402,6 +402,18 @@ class CostContext:
         return DTYPE_BYTES[self.dtype]
 
     @property
+    def grad_dtype(self) -> str:
+        """The dtype training gradients are accumulated and reduced in (`WorkloadSpec.grad_reduce_dtype`):
+        the parameters' (`dtype`), or fp32."""
+        return "fp32" if self.train and self.workload.grad_reduce_dtype == "fp32" else self.dtype
+
+    @property
+    def grad_reduce_scale(self) -> float:
+        """Bytes the data-parallel gradient reduction moves per gradient byte in the parameters' dtype
+        (`grad_bytes` counts those): 2 for fp32 gradients of 16-bit parameters, else 1."""
+        return DTYPE_BYTES[self.grad_dtype] / self.bytes_per_element
+
+    @property
     def train(self) -> bool:
         return self.workload.train
 
@@ -430,7 +442,7 @@ class CostContext:
             return 1.0
         # ZeRO-1/2 and FSDP divide the sharded states over the shard degree (`memory.dp_state_bytes`)
         state = memory.dp_state_bytes(
-            1, self.dtype, self.dp_style, self.state_shards, self.reshard_after_forward
+            1, self.dtype, self.dp_style, self.state_shards, self.reshard_after_forward, self.grad_dtype
         )
         return state / memory.param_bytes(1, self.dtype)
 
@@ -2200,7 +2212,9 @@ def dp_sync_phases(grad_bytes: float, ctx: CostContext) -> list[SyncPhase]:
     compute of the step and c(x) a collective of x bytes: collectives issued one per unit back to back
     cost U x c_burst(b) + c(b) - c_burst(b) (the first pays the link's latency, the others its burst
     latency where measured: `comm.burst_cluster`); a phase that overlaps compute is exposed for
-    max(one unit's share c(b), total - eta x window x C) (`SyncPhase.exposed_s`):
+    max(one unit's share c(b), total - eta x window x C) (`SyncPhase.exposed_s`). The gradients'
+    collectives move them in `CostContext.grad_dtype` (fp32 gradients of 16-bit parameters: twice
+    `grad_bytes`, Megatron-LM's fp32 main_grad); the parameters' gathers move the parameters' dtype:
 
     - ddp: the gradients' all-reduce. Off: one after the backward (exposed). overlap_grad_reduce: one
       per unit, issued from the last micro-batch's backward as the unit's gradients are ready (DDP's
@@ -2232,15 +2246,17 @@ def dp_sync_phases(grad_bytes: float, ctx: CostContext) -> list[SyncPhase]:
     group = ctx.dp_group()
     units = max(1, round(len(ctx.structure.layers) / ctx.mesh.pp)) + 1
     unit_bytes = grad_bytes / units
+    reduced = ctx.grad_reduce_scale  # the gradients' collectives move them in `CostContext.grad_dtype`
     burst = burst_cluster(cluster)
 
-    def per_unit_phase(collective, count: int, window: float, unhidden_units: int = 1) -> SyncPhase:
-        """count back-to-back collectives of a unit's bytes, `unhidden_units` of them exposed."""
-        one, rest = collective(unit_bytes, group, cluster), collective(unit_bytes, group, burst)
-        return SyncPhase(count * rest + one - rest, unhidden_units * one, window)
+    def per_unit_phase(collective, count: int, window: float, scale: float = 1.0) -> SyncPhase:
+        """count back-to-back collectives of a unit's bytes (x scale), the last one exposed."""
+        nbytes = unit_bytes * scale
+        one, rest = collective(nbytes, group, cluster), collective(nbytes, group, burst)
+        return SyncPhase(count * rest + one - rest, one, window)
 
-    def whole(collective) -> SyncPhase:
-        t = collective(grad_bytes, group, cluster)
+    def whole(collective, scale: float = 1.0) -> SyncPhase:
+        t = collective(grad_bytes * scale, group, cluster)
         return SyncPhase(t, t, 0.0)
 
     if style is DataParallel.FSDP:
@@ -2249,10 +2265,10 @@ def dp_sync_phases(grad_bytes: float, ctx: CostContext) -> list[SyncPhase]:
 
         def per_unit(c: ClusterSpec) -> float:
             t = gathers * all_gather_time_s(unit_bytes, shard, c) + reduce_scatter_time_s(
-                unit_bytes, shard, c
+                unit_bytes * reduced, shard, c
             )
             if shard.size < ctx.dp_cp:
-                t += all_reduce_time_s(unit_bytes / shard.size, ctx.dp_replicate_group(), c)
+                t += all_reduce_time_s(unit_bytes * reduced / shard.size, ctx.dp_replicate_group(), c)
             return t
 
         total = m * units * per_unit(burst) + per_unit(cluster) - per_unit(burst)
@@ -2262,23 +2278,25 @@ def dp_sync_phases(grad_bytes: float, ctx: CostContext) -> list[SyncPhase]:
             # buffers to the OS, so each new one page-faults): every unit's gathered parameters, its
             # flat gradient (`passes.fsdp._Split`) and its reduce-scattered shard are new buffers
             # each micro-batch, written on the rank's own thread (exposed)
-            fresh = (gathers + 1) * compute.fresh_write_time_s(unit_bytes, cluster.device)
-            fresh += compute.fresh_write_time_s(unit_bytes / shard.size, cluster.device)
+            fresh = gathers * compute.fresh_write_time_s(unit_bytes, cluster.device)
+            fresh += compute.fresh_write_time_s(unit_bytes * reduced, cluster.device)
+            fresh += compute.fresh_write_time_s(unit_bytes * reduced / shard.size, cluster.device)
             phases.append(SyncPhase(m * units * fresh, m * units * fresh, 0.0))
         return phases
     overlap_grad = ctx.overlap_grad_reduce
     if style is DataParallel.DDP:
         if overlap_grad:
-            return [per_unit_phase(all_reduce_time_s, units, BACKWARD_SHARE / m)]
-        return [whole(all_reduce_time_s)]
+            return [per_unit_phase(all_reduce_time_s, units, BACKWARD_SHARE / m, reduced)]
+        return [whole(all_reduce_time_s, reduced)]
     if style is DataParallel.ZERO2:
-        grad = per_unit_phase(reduce_scatter_time_s, m * units, BACKWARD_SHARE if overlap_grad else 0.0)
+        window = BACKWARD_SHARE if overlap_grad else 0.0
+        grad = per_unit_phase(reduce_scatter_time_s, m * units, window, reduced)
         if not overlap_grad:  # each reduce-scatter waited for at once: all of it exposed
             grad = SyncPhase(grad.total_s, grad.total_s, 0.0)
     elif overlap_grad:
-        grad = per_unit_phase(reduce_scatter_time_s, units, BACKWARD_SHARE / m)
+        grad = per_unit_phase(reduce_scatter_time_s, units, BACKWARD_SHARE / m, reduced)
     else:
-        grad = whole(reduce_scatter_time_s)
+        grad = whole(reduce_scatter_time_s, reduced)
     if ctx.overlap_param_gather:
         gather = per_unit_phase(all_gather_time_s, units, FORWARD_SHARE / m)
     else:

@@ -26,6 +26,7 @@ from planner.errors import InputError
 from planner.plan import (
     CP_COMM_TYPES,
     EP_FOLDS,
+    GRAD_REDUCE_DTYPES,
     WORKLOADS,
     DataParallel,
     MeshShape,
@@ -55,6 +56,9 @@ class WorkloadSpec:
     # factor of a model that drops the tokens beyond it (None: dropless); unused by dense models
     moe_imbalance: float = DEFAULT_MOE_IMBALANCE
     moe_capacity_factor: float | None = None
+    # training: the dtype gradients are accumulated and reduced in (`planner.plan.Plan.grad_reduce_dtype`,
+    # --grad-reduce-dtype): "param" (the parameters' dtype) or "fp32" (Megatron-LM's bf16 default)
+    grad_reduce_dtype: str = "param"
 
     def __post_init__(self) -> None:
         if self.kind not in WORKLOADS:
@@ -71,6 +75,10 @@ class WorkloadSpec:
             raise InputError(f"workload micro_batches must be >= 1, got {self.micro_batches}")
         if self.dtype is not None and self.dtype not in DTYPE_BYTES:
             raise InputError(f"workload dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+        if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+            raise InputError(
+                f"--grad-reduce-dtype {self.grad_reduce_dtype!r} is not one of {list(GRAD_REDUCE_DTYPES)}"
+            )
         if not self.moe_imbalance >= 1.0:
             raise InputError(
                 f"--moe-imbalance must be >= 1 (the busiest expert-parallel rank's rows over the mean), got "
@@ -97,9 +105,14 @@ class WorkloadSpec:
         return self.context + 1 if self.kind is Workload.DECODE else self.seq_len
 
 
-def plan_routing(plan: Plan) -> dict[str, float | None]:
-    """The routing a plan was priced with, as `WorkloadSpec` keywords (re-pricing it uses them again)."""
-    return {"moe_imbalance": plan.moe_imbalance, "moe_capacity_factor": plan.moe_capacity_factor}
+def plan_routing(plan: Plan) -> dict[str, float | str | None]:
+    """The routing and the gradient reduction's dtype a plan was priced with, as `WorkloadSpec` keywords
+    (re-pricing it uses them again)."""
+    return {
+        "moe_imbalance": plan.moe_imbalance,
+        "moe_capacity_factor": plan.moe_capacity_factor,
+        "grad_reduce_dtype": plan.grad_reduce_dtype if plan.workload == "train" else "param",
+    }
 
 
 @dataclass(frozen=True)

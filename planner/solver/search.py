@@ -326,6 +326,13 @@ def _batch_statistics(search: _Search) -> bool:
 
 
 def _micro_batch_options(search: _Search, pp: int, dp: int) -> list[int]:
+    """Micro-batch counts of a (pp, dp) candidate: the pinned one, else for each of pp, 2 pp, 4 pp and
+    the replica's whole batch (without a pipeline, training: 1, 2, 4 and the whole batch) the largest
+    divisor of the replica's batch not above it. Fewer micro-batches per stage mean a larger bubble
+    and more activations in flight; more, smaller GEMMs and less of the gradient reduction hidden (it
+    overlaps the last micro-batch's backward): the middle counts are where a plan that does not fit at
+    pp micro-batches without recomputation fits without it (a 70B GPT at TP 8 PP 2 with fp32
+    gradients: 4 micro-batches, not 2 with full recomputation or 8)."""
     w = search.workload
     per_replica = w.batch_size // dp
     if w.micro_batches is not None:
@@ -333,7 +340,7 @@ def _micro_batch_options(search: _Search, pp: int, dp: int) -> list[int]:
     divisors = _divisors(per_replica)
     if pp == 1 and not w.train:
         return [1]
-    limits = (pp, 4 * pp, per_replica) if pp > 1 else (1, per_replica)
+    limits = (pp, 2 * pp, 4 * pp, per_replica) if pp > 1 else (1, 2, 4, per_replica)
     return sorted({max(d for d in divisors if d <= lim) for lim in limits})
 
 
@@ -1527,6 +1534,7 @@ def _plan_of(search: _Search, priced: PricedAssignment, model_name: str, solver:
         expert_tp=config.expert_tp,
         moe_imbalance=w.moe_imbalance,
         moe_capacity_factor=w.moe_capacity_factor,
+        grad_reduce_dtype=w.grad_reduce_dtype if w.train else "param",
         num_experts=experts[0] if len(experts := expert_counts(s)) == 1 else 0,
         expert_params=sum(layer.moe.expert_params for layer in s.layers if layer.moe is not None),
         moe_top_k=agreed((layer.moe.top_k for layer in s.layers if layer.moe), 0),
