@@ -73,7 +73,7 @@ from costmodels.compute import SIZED_PROBE, TOY_PROBE, linear_bytes, linear_flop
 from costmodels.dtypes import DTYPE_BYTES, torch_dtype
 from costmodels.gpu_calibrate import CudaEventTimer, apply_cuda_measurements, cuda_measurements
 from planner.errors import InputError, RunError
-from planner.files import write_text_atomic
+from planner.files import with_digest, write_text_atomic
 from planner.progress import Progress
 
 ALL_REDUCE_SIZES_BYTES = tuple(4096 * 4**i for i in range(7))  # 4 KiB, 16 KiB, ..., 16 MiB
@@ -1641,4 +1641,4 @@ def write_cluster_yaml(spec: ClusterSpec, path: str | os.PathLike) -> None:
     text = _HEADER.format(path=target) + yaml.safe_dump(
         cluster_to_dict(spec), sort_keys=False, allow_unicode=True
     )
-    write_text_atomic(target, text, fsync=True)
+    write_text_atomic(target, with_digest(text), fsync=True)

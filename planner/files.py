@@ -17,11 +17,15 @@ A file the product writes says so near its start (`SIGNATURES`: a plan's header 
 first key, an export's or a calibrated spec's header, the adapted weights' safetensors metadata); plans
 and reports written before that are recognised by their content. An existing non-empty file is
 replaced only when it is the product's output of the same kind:
-`--out README.md`, `--json model.py` or `optimize --out` onto a calibrated spec are refused.
+`--out README.md`, `--json model.py` or `optimize --out` onto a calibrated spec are refused. The
+files users edit by hand (plans, exports, calibrated specs) end in a comment line holding the SHA-256
+of the rest (`with_digest`): one whose text no longer matches it is the user's now, and is refused
+too (`edited_since_written`), as is an emitted folder's file whose content changed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -43,6 +47,44 @@ SIGNATURES = {
     "export": "written by planner export --to",
 }
 SIGNATURE_BYTES = 1024
+# the last line of a plan, an export or a calibrated spec: the SHA-256 (16 hex digits) of the rest
+DIGEST_PREFIX = "# planner-digest: "
+DIGEST_MAX_BYTES = 1 << 26  # larger files are not read back to check the digest (none is this large)
+STAMP_HASH_MAX_BYTES = 1 << 24  # emitted files up to this size are stamped by content, larger by mtime
+
+
+def _sha256_16(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def with_digest(text: str) -> str:
+    """`text` (ending in a newline) with a last comment line `DIGEST_PREFIX` + the SHA-256 of `text`:
+    `edited_since_written` tells later whether someone changed the file. For formats with `#` comments
+    (YAML, shell, TOML, Python)."""
+    if not text.endswith("\n"):
+        text += "\n"
+    return f"{text}{DIGEST_PREFIX}{_sha256_16(text.encode('utf-8'))}\n"
+
+
+def edited_since_written(path: str | os.PathLike[str]) -> bool:
+    """Whether the file at `path`, which ends in a `with_digest` line, no longer matches it (the user
+    edited it: added, removed or changed a line). False for a file without the line (written before
+    files carried it, or unreadable: nothing to tell)."""
+    try:
+        if os.path.getsize(path) > DIGEST_MAX_BYTES:
+            return False
+        data = Path(path).read_bytes()
+    except OSError:
+        return False
+    at = data.rfind(DIGEST_PREFIX.encode())
+    if at < 0 or (at > 0 and data[at - 1 : at] != b"\n"):
+        return False
+    end = data.find(b"\n", at)
+    line_end = len(data) if end < 0 else end + 1
+    stored = data[at + len(DIGEST_PREFIX) : line_end].strip().decode("ascii", errors="replace")
+    return _sha256_16(data[:at] + data[line_end:]) != stored
+
+
 WEIGHTS_KIND = "adapted weights"  # safetensors: {"written_by": ...} in the header's __metadata__
 
 
@@ -107,6 +149,11 @@ def _check_replaceable_file(target: Path, option: str, kind: str | None) -> None
         raise InputError(
             f"{option} {target}: the file holds the planner's {found}, which {option} would replace with {_article(kind)} {kind}; "
             "nothing was changed. Give another file name"
+        )
+    if edited_since_written(target):
+        raise InputError(
+            f"{option} {target}: the planner wrote this {found}, but it changed since (your edits?); nothing was "
+            "changed. Give another file name, or move the edited file away yourself"
         )
 
 
@@ -203,19 +250,29 @@ def _check_replaceable(folder: Path, option: str) -> None:
             f"write ({', '.join(foreign[:3])}); nothing was changed. Move them out or give a new folder"
         )
     stamps = record.get("stamps") if isinstance(record.get("stamps"), dict) else {}
-    edited = sorted(rel for rel in under if rel in stamps and _stamp(folder / rel) != stamps[rel])
+    edited = sorted(
+        rel for rel in under if rel in stamps and _stamp(folder / rel, stamps[rel]) != stamps[rel]
+    )
     if edited:
+        more = f" and {len(edited) - 3} more" if len(edited) > 3 else ""
         raise InputError(
-            f"{option} {folder}: an earlier planner output, but {', '.join(edited[:3])} changed since the planner "
-            "wrote it (your edits?); nothing was changed. Move the edited files out or give a new folder"
+            f"{option} {folder}: an earlier planner output, but {', '.join(edited[:3])}{more} changed since the "
+            "planner wrote it (your edits?); nothing was changed. Move the edited files out or give a new folder"
         )
 
 
-def _stamp(path: Path) -> list[int]:
-    """[size in bytes, modification time in ns] of a file the product wrote, kept in the folder's
-    marker: a file whose stamp differs later was edited (the user's now, not replaced silently)."""
+def _stamp(path: Path, old: object = None) -> list[int] | list[int | str]:
+    """What the folder's marker keeps of a file the product wrote, so that a file whose stamp differs
+    later counts as edited (the user's now, not replaced silently): [size, "sha256:" + 16 hex digits
+    of its content] for a file up to `STAMP_HASH_MAX_BYTES` (a copy of the folder, with new
+    modification times, is still ours), [size, modification time in ns] for a larger one. `old`: the
+    stamp recorded, compared in its own form (markers written before content stamps hold the time)."""
     st = path.lstat()
-    return [st.st_size, st.st_mtime_ns]
+    by_time = [st.st_size, st.st_mtime_ns]
+    old_by_time = isinstance(old, list) and len(old) == 2 and isinstance(old[1], int)
+    if old_by_time or path.is_symlink() or st.st_size > STAMP_HASH_MAX_BYTES:
+        return by_time
+    return [st.st_size, "sha256:" + _sha256_16(path.read_bytes())]
 
 
 # the files `passes.emit` writes in each rank folder (MODULE_FILE, WEIGHTS_FILE, META_FILE there)

@@ -63,7 +63,7 @@ from costmodels.dtypes import DTYPE_BYTES
 from costmodels.expert_parallel import DEFAULT_MOE_IMBALANCE
 from costmodels.memory import DataParallel, Recompute, Schedule
 from planner.errors import InputError
-from planner.files import PLAN_HEADER, write_text_atomic
+from planner.files import PLAN_HEADER, with_digest, write_text_atomic
 
 if TYPE_CHECKING:
     from costmodels.cluster import ClusterSpec
@@ -728,7 +728,7 @@ class Plan:
         """Write the plan as YAML, atomically (temp file in the same folder, then rename)."""
         header = f"{PLAN_HEADER} for {self.model} on {self.cluster}; read by planner show / run / export.\n"
         body = safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=110)
-        write_text_atomic(path, header + body)
+        write_text_atomic(path, with_digest(header + body))
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> Plan:

@@ -1126,8 +1126,19 @@ def test_export_command_writes_atomically_prints_without_out_and_warns_on_stderr
     )
     out = tmp_path / "args.sh"
     assert main(["export", str(path), "--to", "megatron", "--out", str(out)]) == 0
-    assert out.read_text() == printed.out
+    # the file is what was printed, with the digest line that tells a later --out about edits
+    text, digest = out.read_text().rsplit("# planner-digest: ", 1)
+    assert text == printed.out and len(digest.strip()) == 16
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary file left
+    assert main(["export", str(path), "--to", "megatron", "--out", str(out)]) == 0  # ours, unedited: replaced
+    capsys.readouterr()
+    out.write_text(out.read_text() + "export NCCL_DEBUG=INFO\n")  # the user's line
+    edited = out.read_text()
+    assert main(["export", str(path), "--to", "megatron", "--out", str(out)]) == 2
+    assert (
+        "changed since (your edits?)" in " ".join(capsys.readouterr().err.split())
+        and out.read_text() == edited
+    )
 
 
 def test_export_command_bad_input_exits_2(tmp_path, llama_plan, capsys):

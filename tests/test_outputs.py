@@ -272,3 +272,58 @@ def test_a_file_of_our_output_the_user_edited_is_not_replaced(tmp_path: Path) ->
     (out / "rank0" / "module.py").unlink()  # the user moves the edits out: ours again
     publish_folder(new_output_folder(out, "--emit"), out, "--emit")
     assert not (out / "rank0").exists()
+
+
+def test_an_unedited_copy_of_our_folder_is_ours_and_old_time_stamps_still_tell_edits(tmp_path: Path) -> None:
+    """Emitted files are stamped by content: `cp -r` of an --emit folder (new modification times, the
+    same bytes) is still the planner's and is replaced; a file whose bytes changed is refused, naming
+    how many more changed beyond the first three. A marker written with [size, mtime] stamps (before
+    content stamps) is still read as such."""
+    import json  # noqa: PLC0415
+    import shutil  # noqa: PLC0415
+
+    from planner.files import FOLDER_MARKER  # noqa: PLC0415
+
+    out = tmp_path / "emit"
+    tmp = new_output_folder(out, "--emit")
+    for i in range(5):
+        (tmp / f"f{i}.py").write_text(f"ours {i}\n")
+    publish_folder(tmp, out, "--emit")
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy, copy_function=shutil.copy)  # new times, as `cp -r`
+    publish_folder(new_output_folder(copy, "--emit"), copy, "--emit")  # replaced: it was ours
+    assert not (copy / "f0.py").exists()
+    for i in range(5):
+        (out / f"f{i}.py").write_text(f"mine {i}\n")
+    with pytest.raises(
+        InputError, match=r"f0.py, f1.py, f2.py and 2 more changed since the planner wrote it"
+    ):
+        publish_folder(new_output_folder(out, "--emit"), out, "--emit")
+    record = json.loads((out / FOLDER_MARKER).read_text())  # an older marker: [size, mtime_ns] stamps
+    record["stamps"] = {
+        rel: [(out / rel).stat().st_size, (out / rel).stat().st_mtime_ns] for rel in record["files"]
+    }
+    (out / FOLDER_MARKER).write_text(json.dumps(record))
+    publish_folder(new_output_folder(out, "--emit"), out, "--emit")  # unchanged since those stamps: ours
+
+
+def test_a_plan_or_spec_the_user_edited_is_not_replaced(tmp_path: Path) -> None:
+    """A saved plan ends in a digest of its text: `optimize --out` onto it replaces it while unedited
+    and refuses once the user changed a line (a plan is meant to be edited by hand), leaving it as the
+    user left it; a plan written before the digest existed is replaced as before."""
+    from planner.files import check_output_path, edited_since_written, with_digest  # noqa: PLC0415
+
+    path = tmp_path / "plan.yaml"
+    text = "# Plan written by planner optimize --out for m on c; read by planner show / run / export.\nmesh: {}\n"
+    path.write_text(with_digest(text))
+    assert not edited_since_written(path)
+    check_output_path("--out", str(path), kind="plan")
+    path.write_text(with_digest(text).replace("mesh: {}", "mesh: {tp: 2}"))
+    assert edited_since_written(path)
+    with pytest.raises(InputError, match="the planner wrote this plan, but it changed since"):
+        check_output_path("--out", str(path), kind="plan")
+    path.write_text(with_digest(text) + "# a line of mine after the digest\n")
+    with pytest.raises(InputError, match="changed since"):
+        check_output_path("--out", str(path), kind="plan")
+    path.write_text(text)  # no digest line: written before digests, replaceable
+    check_output_path("--out", str(path), kind="plan")

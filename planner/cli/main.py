@@ -31,7 +31,7 @@ from rich.text import Text
 from costmodels.expert_parallel import DEFAULT_MOE_IMBALANCE
 from planner.cli.progress import Bars
 from planner.errors import InputError, PlannerError, RunError
-from planner.files import check_output_path, write_text_atomic
+from planner.files import check_output_path, with_digest, write_text_atomic
 from planner.plan import CP_COMM_TYPES, DP_STYLES, EP_FOLDS, GRAD_REDUCE_DTYPES, cp_unbalanced_note
 
 _WIDTH = None if sys.stdout.isatty() else 150  # rich assumes 80 columns when piped; tables need more
@@ -1224,7 +1224,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         + result.warnings
     )
     if args.out:
-        write_text_atomic(args.out, result.text, option="--out")
+        write_text_atomic(args.out, with_digest(result.text), option="--out")
         err_console.print(f"{args.to} export written to {args.out}")
     else:
         sys.stdout.write(result.text)
