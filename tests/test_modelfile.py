@@ -255,3 +255,46 @@ def test_a_batch_the_runtime_cannot_split_keeps_one_replica(tmp_path):
     with pytest.raises(InputError, match="no input has a batch dim"):
         spec = workflow.resolve_cluster("local-cpu", 2)
         workflow.make_plan(prepared, spec, workflow.constraints_from(None, None, 2, "none"), str(path))
+
+
+def test_functions_the_planner_cannot_call_name_their_own_line_and_the_signature_to_give(tmp_path):
+    """build_model(width) / example_inputs(n) failed with a TypeError located in the planner's own
+    modelfile.py; the message now names the user's definition (file:line) and how the planner calls
+    it. An example_kwargs() key forward does not take names forward (file:line) and its parameters."""
+    from planner.frontend.capture import capture  # noqa: PLC0415
+
+    body = """\
+        import torch
+        from torch import nn
+
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.l = nn.Linear(8, 8)
+
+            def forward(self, x, mask=None):
+                return self.l(x)
+
+        def build_model({build}):
+            return M()
+
+        def example_inputs({inputs}):
+            return (torch.zeros(2, 8),)
+
+        def example_kwargs():
+            return {kwargs}
+        """
+    bad_build = load_model_file(write(tmp_path, body.format(build="width", inputs="", kwargs="{}")))
+    with pytest.raises(
+        InputError, match=r"model.py:12: build_model\(\) cannot be called .*'width'.*no required"
+    ):
+        bad_build.build()
+    bad_inputs = load_model_file(write(tmp_path, body.format(build="", inputs="n", kwargs="{}")))
+    with pytest.raises(InputError, match=r"model.py:15: example_inputs\(\) cannot be called .*batch_size="):
+        bad_inputs.inputs()
+    bogus = load_model_file(write(tmp_path, body.format(build="", inputs="", kwargs="{'bogus': 1}")))
+    args, kwargs = bogus.inputs()
+    with pytest.raises(
+        InputError, match=r"M.forward \(.*model.py:9\).*example_kwargs\(\) gives 'bogus'.*x, mask"
+    ):
+        capture(bogus.build("meta"), args, kwargs)

@@ -327,3 +327,16 @@ def test_a_plan_or_spec_the_user_edited_is_not_replaced(tmp_path: Path) -> None:
         check_output_path("--out", str(path), kind="plan")
     path.write_text(text)  # no digest line: written before digests, replaceable
     check_output_path("--out", str(path), kind="plan")
+
+
+def test_a_dash_is_stdout_for_json_only_and_refused_as_a_file_name(tmp_path: Path) -> None:
+    """`--out -` wrote a file literally named "-" (and `--json -` is stdout): it is refused in one line
+    that says where stdout is, before any work, and no file named "-" appears."""
+    base = ["optimize", SWIGLU, "--cluster", "dgx-h100"]
+    for args, says in (
+        (["--out", "-"], "--out takes a file name; --json - prints the report on stdout"),
+        (["--emit", "-"], "--emit takes a folder name"),
+    ):
+        result = run_planner(*base, *args, cwd=tmp_path)
+        assert result.returncode == 2 and says in " ".join(result.stderr.split()), result.stderr
+    assert not (tmp_path / "-").exists()

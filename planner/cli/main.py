@@ -493,6 +493,15 @@ def _check_outputs(args: argparse.Namespace, out_kind: str | None = None) -> Non
     kinds = {"out": out_kind, "json": "report"}
     for option, folder in (("out", False), ("json", False), ("emit", True), ("plot", True)):
         value = getattr(args, option, None)
+        if value == "-" and option != "json":  # "-" is stdout for --json only; not a file to create
+            stdout = (
+                "; without --out the export is printed on stdout"
+                if out_kind == "export"
+                else "; --json - prints the report on stdout"
+            )
+            raise InputError(
+                f"--{option} -: --{option} takes a {'folder' if folder else 'file'} name{stdout}"
+            )
         if value and not (option == "json" and value == "-"):
             check_output_path(f"--{option}", value, folder=folder, kind=kinds.get(option))
             where = Path(value).resolve()

@@ -105,6 +105,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> fx.Gra
     take CPU example inputs). Raises InputError when the model cannot be captured.
     """
     kwargs = dict(kwargs or {})
+    _check_forward_accepts(model, tuple(args), kwargs)
     args, kwargs = _inputs_on_model_device(model, tuple(args), kwargs)
     # On failure export logs a warning and prints the partial graph to stderr; we report one message
     # instead (the partial graph still names the failing op in it). On success stderr is replayed.
@@ -143,6 +144,34 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> fx.Gra
     gm = _normalise(gm, out_spec, module_names)
     _refuse_unplannable(gm, model)
     return gm
+
+
+def _check_forward_accepts(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """InputError naming the model's forward (file:line) when it cannot take `args` / `kwargs` (the
+    model file's example_inputs() / example_kwargs()): torch.export would fail deep inside with no
+    line of the user's."""
+    forward = getattr(model, "forward", None)
+    try:
+        signature = inspect.signature(forward)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as e:
+        code = getattr(forward, "__code__", None)
+        where = f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+        names = ", ".join(signature.parameters) or "none"
+        unknown = [k for k in kwargs if k not in signature.parameters]
+        source = (
+            f"example_kwargs() gives {', '.join(map(repr, unknown))}, "
+            if unknown and not any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
+            else ""
+        )
+        raise InputError(
+            f"{type(model).__name__}.forward{where} cannot take the model file's example inputs ({e}): "
+            f"{source}forward's parameters are {names}; make example_inputs() return its positional "
+            "arguments and example_kwargs() only keywords forward takes"
+        ) from None
 
 
 # torch.export's unlifting warns once per tensor attribute that requires grad but is not a parameter

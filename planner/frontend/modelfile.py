@@ -181,8 +181,18 @@ class ModelFile:
         return pytree.tree_map(move, (args, dict(kwargs)))
 
     def _call(self, name: str, **kwargs: Any) -> Any:
+        fn = getattr(self.module, name)
         try:
-            return getattr(self.module, name)(**kwargs)
+            inspect.signature(fn).bind(**kwargs)
+        except TypeError as e:  # the call itself would fail in the planner's frame: name the definition
+            raise InputError(
+                f"{_defined_at(fn, self.path)}: {name}() cannot be called as the planner calls it ({e}); "
+                f"{_SIGNATURES.get(name, 'give its parameters default values')}"
+            ) from None
+        except ValueError:  # no signature to read (a builtin): call it and report what it raises
+            pass
+        try:
+            return fn(**kwargs)
         except PlannerError:
             raise
         except (Exception, SystemExit) as e:  # any error in user code -> one message naming the line
@@ -227,6 +237,26 @@ def load_model_file(path: str | os.PathLike[str]) -> ModelFile:
             f"build_model() -> nn.Module and example_inputs() -> tuple, e.g.\n{_EXAMPLE}"
         )
     return ModelFile(path=path, module=module)
+
+
+# how the planner calls each function of a model file (docs/model-files.md)
+_SIGNATURES = {
+    "build_model": "define it as build_model() with no required parameters (a model with a KV cache: "
+    "build_model(max_batch_size=..., max_seq_len=...))",
+    "example_inputs": "define it as example_inputs() with no required parameters, optionally taking "
+    "batch_size=... and seq_len=... (e.g. def example_inputs(batch_size=2, seq_len=16))",
+    "example_kwargs": "define it as example_kwargs() with no required parameters, optionally taking "
+    "batch_size=... and seq_len=...",
+    "step_inputs": "define it as step_inputs(tokens, input_pos)",
+}
+
+
+def _defined_at(fn: Any, path: str) -> str:
+    """ "path:line" of the definition of the model file's function `fn` (its file when another)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return path
+    return f"{os.path.abspath(code.co_filename)}:{code.co_firstlineno}"
 
 
 def _describe(exc: BaseException, path: str) -> str:
