@@ -120,7 +120,8 @@ def example_inputs():
         ("malformed_yaml", 2, "links.intra_node.bandwidth_GBps"),
         ("unknown_preset", 2, "unknown cluster preset"),
         ("infeasible_memory", 3, "GiB"),
-        ("tp_not_dividing_heads", 2, "does not divide the attention heads"),
+        # 8 query heads, 4 KV heads: 8 splits the queries and replicates the KV heads evenly (it was left out)
+        ("tp_not_dividing_heads", 2, r"does not divide the attention heads.*use\s+--tp in \[1, 2, 4, 8\]"),
         ("bad_ladder", 2, "--ladder"),
     ],
 )
@@ -148,7 +149,7 @@ def test_bad_inputs_exit_with_documented_code(tmp_path, example_path, case, expe
     assert r.returncode == expected_code, (r.stdout, r.stderr)
     assert "Traceback" not in r.stderr
 
-    assert re.search(pattern, r.stderr), r.stderr
+    assert re.search(pattern, r.stderr, re.S), r.stderr
 
 
 def _bad_spec() -> str:

@@ -450,8 +450,13 @@ def check_pinned_tp(structure: ModelStructure, tp: int | None) -> None:
     heads = sorted(set(structure.query_head_counts()))
     counts = sorted(set(heads) | set(kv))
     if counts and any(c % tp for c in counts):
-        limit = min(counts)
-        ok = [d for d in range(1, limit + 1) if all(c % d == 0 for c in counts)]
+        # degrees that split every count of query heads into whole heads and the KV heads too, or
+        # replicate the KV heads evenly (fewer KV heads than ranks, dividing them: vLLM's rule)
+        ok = [
+            d
+            for d in range(1, min(heads or counts) + 1)
+            if all(h % d == 0 for h in heads) and not structure.kv_heads_unsplit_by(d)
+        ]
         said = f"{'/'.join(map(str, heads))} query heads" + (
             f", {'/'.join(map(str, sorted(set(kv))))} KV heads" if kv else ""
         )
