@@ -394,7 +394,9 @@ class _Reader:
         if not isinstance(value, (int, float)):
             raise self.fail(path, f"expected {expected}, got {_describe(value)}")
         number = float(value)
-        if not math.isfinite(number) or number < 0 or (number == 0 and not allow_zero):
+        if not math.isfinite(number):  # YAML's .inf / .nan
+            raise self.fail(path, f"must be a finite number in {unit} {bound}, got {value}; e.g. {example}")
+        if number < 0 or (number == 0 and not allow_zero):
             raise self.fail(path, f"must be {bound} {unit}, got {value}")
         if plausible is not None and number > 0 and not plausible[0] <= number <= plausible[1]:
             warnings.warn(

@@ -1091,8 +1091,14 @@ def _check_is_plan(data: object, origin: str) -> None:
             "measured figures. Give the plan YAML that planner optimize MODEL.py --out PLAN.yaml writes "
             "(planner compare reads reports)"
         )
-    if not isinstance(data, dict) or _PLAN_KEYS & set(data):
-        return  # not a mapping: the schema check says so; a plan with errors: it names the field
+    if not isinstance(data, dict):
+        what = "is empty" if data is None else f"holds {_kind_of(data)}, not a mapping"
+        raise InputError(
+            f"{origin} is not a plan file: its YAML {what}. A plan is the YAML that planner optimize MODEL.py "
+            "--out PLAN.yaml writes (keys model, cluster, workload, mesh, splits, stages, predicted, ...)"
+        )
+    if _PLAN_KEYS & set(data):
+        return  # a plan with errors: the schema check names the field
     looks = ""
     if {"device", "links"} & set(data):
         looks = f"; it looks like a cluster spec: use it as planner optimize MODEL.py --cluster {origin}"
@@ -1100,6 +1106,12 @@ def _check_is_plan(data: object, origin: str) -> None:
         f"{origin} is not a plan file{looks}. A plan is the YAML that planner optimize MODEL.py --out PLAN.yaml "
         "writes (keys model, cluster, workload, mesh, splits, stages, predicted, ...)"
     )
+
+
+def _kind_of(value: object) -> str:
+    """ "a string", "a list", "a number" ... for a message about YAML that is not a mapping."""
+    names = {str: "a string", list: "a list", bool: "a boolean", int: "a number", float: "a number"}
+    return names.get(type(value), f"a {type(value).__name__}")
 
 
 def dp_label(style: DataParallel, dp: int, shard: int, reshard_after_forward: bool) -> str:

@@ -255,6 +255,14 @@ MALFORMED = [
         ["GB/s"],
     ),
     ("section not a mapping", "device", "H100", "device", ["mapping", "memory_GiB"]),
+    (
+        "infinite (YAML .inf)",
+        "device.memory_GiB",
+        float("inf"),
+        "device.memory_GiB",
+        ["finite number", "GiB"],
+    ),
+    ("not a number (YAML .nan)", "device.memory_GiB", float("nan"), "device.memory_GiB", ["finite number"]),
 ]
 
 

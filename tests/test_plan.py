@@ -162,13 +162,6 @@ def test_a_renamed_key_names_the_level_the_close_field_and_the_missing_one(tmp_p
         Plan.from_dict(data)
 
 
-def test_not_a_mapping(tmp_path: Path) -> None:
-    path = tmp_path / "list.yaml"
-    path.write_text("- 1\n- 2\n")
-    with pytest.raises(InputError, match="expected a mapping"):
-        Plan.from_yaml(path)
-
-
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="cannot read"):
         Plan.from_yaml(tmp_path / "nope.yaml")
@@ -608,3 +601,16 @@ def test_an_edited_training_plan_prices_both_baselines_again_in_the_search_s_wor
     rows = {row[0]: row for row in training_rows(again)}
     assert "{" not in rows["recompute"][2] and rows["sequence parallel"][2] in ("on", "off")
     assert [d.subject for d in again.decisions].count("torchtitan-baseline") == 1
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [('"just a string"\n', "holds a string"), ("- 1\n- 2\n", "holds a list"), ("", "is empty")],
+)
+def test_yaml_that_is_not_a_mapping_is_not_a_plan_file(tmp_path, text: str, says: str) -> None:
+    """A file whose YAML is a string, a list or nothing said "field 'plan': expected a mapping": it is
+    named as not a plan file, with what its YAML holds and what a plan is."""
+    path = tmp_path / "mine.yaml"
+    path.write_text(text)
+    with pytest.raises(InputError, match=rf"mine.yaml is not a plan file: its YAML {says}.*planner optimize"):
+        Plan.from_yaml(path)
