@@ -123,6 +123,7 @@ def example_inputs():
         # 8 query heads, 4 KV heads: 8 splits the queries and replicates the KV heads evenly (it was left out)
         ("tp_not_dividing_heads", 2, r"does not divide the attention heads.*use\s+--tp in \[1, 2, 4, 8\]"),
         ("bad_ladder", 2, "--ladder"),
+        ("empty_cluster", 2, r"--cluster: empty; give a preset name \(a100"),  # it calibrated, silently
     ],
 )
 @pytest.mark.slow
@@ -144,6 +145,7 @@ def test_bad_inputs_exit_with_documented_code(tmp_path, example_path, case, expe
         ],
         "tp_not_dividing_heads": ["optimize", llama, "--cluster", "local-cpu", "--nproc", "8", "--tp", "3"],
         "bad_ladder": ["optimize", llama, "--cluster", "local-cpu", "--ladder", "sideways"],
+        "empty_cluster": ["optimize", llama, "--cluster", ""],
     }[case]
     r = planner(*args)
     assert r.returncode == expected_code, (r.stdout, r.stderr)

@@ -73,6 +73,19 @@ _positive = _at_least(1, "a positive integer")
 _non_negative = _at_least(0, "an integer >= 0")
 
 
+def _cluster_name(text: str) -> str:
+    """A --cluster value: a preset name or a YAML path, not empty (an empty one fell back to
+    calibrating this machine, silently) (argparse type)."""
+    if not text.strip():
+        from costmodels.cluster import preset_names  # noqa: PLC0415
+
+        raise argparse.ArgumentTypeError(
+            f"empty; give a preset name ({', '.join(preset_names())}) or a cluster YAML path, or leave "
+            "--cluster out to plan for this machine"
+        )
+    return text
+
+
 def _positive_seconds(text: str) -> float:
     """A number of seconds > 0 (argparse type)."""
     value = _seconds(text)
@@ -121,7 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     opt = sub.add_parser("optimize", help="plan a model for a cluster (and optionally run it)")
     opt.add_argument("model", help="model file defining build_model() and example_inputs()")
     opt.add_argument(
-        "--cluster", help="preset name (dgx-h100, local-cpu, ...) or YAML file; default: this machine"
+        "--cluster",
+        type=_cluster_name,
+        help="preset name (dgx-h100, local-cpu, ...) or YAML file; default: this machine",
     )
     opt.add_argument("--workload", default="forward", choices=["forward", "decode", "train", "generate"])
     opt.add_argument("--batch-size", type=_positive)
