@@ -885,7 +885,7 @@ def _check_runs_here(args: argparse.Namespace, cluster) -> None:
     here = f"{have} CUDA device(s)" if have else "no CUDA device"
     raise InputError(
         f"--run executes the plan on this machine, but --cluster {args.cluster} describes another one "
-        f"({cluster.name}: {cluster.num_devices} × {cluster.device.name}, nccl) and this machine has {here}. "
+        f"({cluster.name}: {cluster.device.name} GPUs over nccl; the run asks for {want}) and this machine has {here}. "
         f"To plan for this machine and run: --cluster local-cpu --nproc N; to re-plan for local-cpu "
         f"automatically: add --scale-to-local; to run this plan on {cluster.name}: save it with --out and "
         "start planner run there under torchrun (docs/real-cluster.md)"
