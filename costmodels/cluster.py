@@ -342,6 +342,9 @@ _PLAUSIBLE_LINK_GBPS = (1e-2, 1e4)
 # the largest device memory of any accelerator (288 GB HBM3e) and the host memory of a large CPU server
 # (a few TiB) stay inside; a MiB figure typed as GiB does not
 _PLAUSIBLE_MEMORY_GIB = (0.25, 8192.0)
+# writes into freshly allocated memory page-fault per 4 KiB page: ~1 GB/s on a loaded 2-vCPU VM (what
+# `planner calibrate` measured there: 0.99 GB/s) down to a tenth of that on a slow host
+_PLAUSIBLE_FRESH_WRITE_GBPS = (0.1, 1e5)
 _PLAUSIBLE_LATENCY_US = (0.0, 1e5)
 
 
@@ -689,7 +692,7 @@ def _parse_device(r: _Reader, raw: Any) -> DeviceSpec:
         fresh_write_bandwidth_bytes_per_s=None
         if (fresh := d.get("fresh_write_bandwidth_GBps")) is None
         else r.number(
-            fresh, "device.fresh_write_bandwidth_GBps", "GB/s", "3", plausible=_PLAUSIBLE_MEMORY_GBPS
+            fresh, "device.fresh_write_bandwidth_GBps", "GB/s", "3", plausible=_PLAUSIBLE_FRESH_WRITE_GBPS
         )
         * _GB,
         adam_tensor_overhead_s=None

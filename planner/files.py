@@ -19,7 +19,8 @@ and reports written before that are recognised by their content. An existing non
 replaced only when it is the product's output of the same kind:
 `--out README.md`, `--json model.py` or `optimize --out` onto a calibrated spec are refused. The
 files users edit by hand (plans, exports, calibrated specs) end in a comment line holding the SHA-256
-of the rest (`with_digest`): one whose text no longer matches it is the user's now, and is refused
+of the rest (`with_digest`): one whose text no longer matches it, or that lacks the line (deleted,
+or written by an older planner: nothing tells it from the user's), is the user's now and is refused
 too (`edited_since_written`), as is an emitted folder's file whose content changed.
 """
 
@@ -49,6 +50,7 @@ SIGNATURES = {
 SIGNATURE_BYTES = 1024
 # the last line of a plan, an export or a calibrated spec: the SHA-256 (16 hex digits) of the rest
 DIGEST_PREFIX = "# planner-digest: "
+DIGEST_KINDS = ("plan", "export", "cluster spec")  # the outputs `with_digest` signs (users edit them)
 DIGEST_MAX_BYTES = 1 << 26  # larger files are not read back to check the digest (none is this large)
 STAMP_HASH_MAX_BYTES = 1 << 24  # emitted files up to this size are stamped by content, larger by mtime
 
@@ -67,9 +69,10 @@ def with_digest(text: str) -> str:
 
 
 def edited_since_written(path: str | os.PathLike[str]) -> bool:
-    """Whether the file at `path`, which ends in a `with_digest` line, no longer matches it (the user
-    edited it: added, removed or changed a line). False for a file without the line (written before
-    files carried it, or unreadable: nothing to tell)."""
+    """Whether the file at `path` no longer matches the `with_digest` line it ends in (the user edited
+    it: added, removed or changed a line), or has no such line (the user deleted it, or an older
+    planner wrote the file: either way nothing tells it from the user's own). False for a file too
+    large or unreadable to check."""
     try:
         if os.path.getsize(path) > DIGEST_MAX_BYTES:
             return False
@@ -78,7 +81,7 @@ def edited_since_written(path: str | os.PathLike[str]) -> bool:
         return False
     at = data.rfind(DIGEST_PREFIX.encode())
     if at < 0 or (at > 0 and data[at - 1 : at] != b"\n"):
-        return False
+        return True
     end = data.find(b"\n", at)
     line_end = len(data) if end < 0 else end + 1
     stored = data[at + len(DIGEST_PREFIX) : line_end].strip().decode("ascii", errors="replace")
@@ -150,10 +153,11 @@ def _check_replaceable_file(target: Path, option: str, kind: str | None) -> None
             f"{option} {target}: the file holds the planner's {found}, which {option} would replace with {_article(kind)} {kind}; "
             "nothing was changed. Give another file name"
         )
-    if edited_since_written(target):
+    if found in DIGEST_KINDS and edited_since_written(target):
         raise InputError(
-            f"{option} {target}: the planner wrote this {found}, but it changed since (your edits?); nothing was "
-            "changed. Give another file name, or move the edited file away yourself"
+            f"{option} {target}: the planner wrote this {found}, but it changed since (your edits?; or an older "
+            "planner wrote it without the digest line that tells); nothing was changed. Give another file "
+            "name, or move the file away yourself"
         )
 
 

@@ -412,6 +412,10 @@ def test_fp32_gradients_are_priced_said_and_not_run_here(example_path, tmp_path)
     assert r.returncode == 2 and "priced for an export" in _said(r) and "solver" not in r.stdout, _said(r)
     r = planner("optimize", llama, *common, "--grad-reduce-dtype", "fp32")
     assert r.returncode == 0 and "--grad-reduce-dtype fp32 had no effect" in _said(r), _said(r)
+    r = planner(
+        "optimize", llama, *common, "--workload", "train", "--dtype", "fp32", "--grad-reduce-dtype", "fp32"
+    )
+    assert r.returncode == 0 and "fp32 had no effect: the plan trains in fp32" in _said(r), _said(r)
 
 
 def test_decode_run_with_expert_parallelism_over_dp_says_run_serves_tp_only(tmp_path, capsys) -> None:

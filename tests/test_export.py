@@ -1030,6 +1030,10 @@ def test_megatron_data_parallel_styles(llama_plan):
         "\nunset CUDA_DEVICE_MAX_CONNECTIONS\nPLANNER_MEGATRON_ARGS=(" in text and "export CUDA" not in text
     )
     assert not any("main_grad" in w for w in warnings)  # Megatron-FSDP keeps gradients in bf16, as planned
+    _, _, fp32_warnings = _megatron_dp(
+        dataclasses.replace(_dp(llama_plan, DataParallel.ZERO2, 4), grad_reduce_dtype="fp32")
+    )
+    assert any("Megatron-FSDP keeps the gradients in the parameters' dtype" in w for w in fp32_warnings)
     assert any("CUDA_DEVICE_MAX_CONNECTIONS unset" in w for w in warnings)  # with TP > 1: said
     args, text, warnings = _megatron_dp(_dp(llama_plan, DataParallel.FSDP, 4))
     assert args == fsdp_args and not any(NOT_PRICED in w or "prices as exposed" in w for w in warnings)

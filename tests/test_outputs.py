@@ -216,7 +216,8 @@ def test_written_kind_reads_each_output_signature(tmp_path: Path) -> None:
     old_report = tmp_path / "old_report.json"
     old_report.write_text('{"model": "m.py", "plan": {}, "predicted": {}}')
     assert (written_kind(old_plan), written_kind(old_report)) == ("plan", "report")
-    check_output_path("--out", str(old_plan), kind="plan")
+    with pytest.raises(InputError, match="an older planner wrote it without the digest line"):
+        check_output_path("--out", str(old_plan), kind="plan")  # nothing tells it from the user's edits
     with pytest.raises(InputError, match="holds the planner's report"):
         check_output_path("--out", str(old_report), kind="plan")
     empty = tmp_path / "empty.yaml"
@@ -309,8 +310,9 @@ def test_an_unedited_copy_of_our_folder_is_ours_and_old_time_stamps_still_tell_e
 
 def test_a_plan_or_spec_the_user_edited_is_not_replaced(tmp_path: Path) -> None:
     """A saved plan ends in a digest of its text: `optimize --out` onto it replaces it while unedited
-    and refuses once the user changed a line (a plan is meant to be edited by hand), leaving it as the
-    user left it; a plan written before the digest existed is replaced as before."""
+    and refuses once the user changed a line (a plan is meant to be edited by hand) or deleted the
+    digest line, leaving it as the user left it (a plan written before digests is refused alike:
+    nothing tells it from an edited one)."""
     from planner.files import check_output_path, edited_since_written, with_digest  # noqa: PLC0415
 
     path = tmp_path / "plan.yaml"
@@ -325,18 +327,26 @@ def test_a_plan_or_spec_the_user_edited_is_not_replaced(tmp_path: Path) -> None:
     path.write_text(with_digest(text) + "# a line of mine after the digest\n")
     with pytest.raises(InputError, match="changed since"):
         check_output_path("--out", str(path), kind="plan")
-    path.write_text(text)  # no digest line: written before digests, replaceable
-    check_output_path("--out", str(path), kind="plan")
+    path.write_text(text.replace("mesh: {}", "mesh: {tp: 2}"))  # the digest line deleted with an edit
+    with pytest.raises(InputError, match="changed since"):
+        check_output_path("--out", str(path), kind="plan")
+    assert path.read_text() == text.replace("mesh: {}", "mesh: {tp: 2}")
 
 
 def test_a_dash_is_stdout_for_json_only_and_refused_as_a_file_name(tmp_path: Path) -> None:
     """`--out -` wrote a file literally named "-" (and `--json -` is stdout): it is refused in one line
-    that says where stdout is, before any work, and no file named "-" appears."""
+    that says where stdout is, before any work, and no file named "-" appears; an empty path, taken
+    as not given, is refused too."""
     base = ["optimize", SWIGLU, "--cluster", "dgx-h100"]
     for args, says in (
         (["--out", "-"], "--out takes a file name; --json - prints the report on stdout"),
         (["--emit", "-"], "--emit takes a folder name"),
+        (["--out", ""], "--out: empty; give a file name"),  # taken as not given: nothing written or said
+        (["--plot", " "], "--plot: empty; give a folder name"),
     ):
         result = run_planner(*base, *args, cwd=tmp_path)
         assert result.returncode == 2 and says in " ".join(result.stderr.split()), result.stderr
+    calibrate = run_planner("calibrate", "--out", "-", cwd=tmp_path)  # calibrate has no --json to point at
+    said = " ".join(calibrate.stderr.split())
+    assert calibrate.returncode == 2 and "--out takes a file name" in said and "--json" not in said, said
     assert not (tmp_path / "-").exists()

@@ -508,11 +508,17 @@ def _check_outputs(args: argparse.Namespace, out_kind: str | None = None) -> Non
     kinds = {"out": out_kind, "json": "report"}
     for option, folder in (("out", False), ("json", False), ("emit", True), ("plot", True)):
         value = getattr(args, option, None)
+        if (
+            value is not None and not value.strip()
+        ):  # "" was taken as not given: nothing written, nothing said
+            raise InputError(f"--{option}: empty; give a {'folder' if folder else 'file'} name")
         if value == "-" and option != "json":  # "-" is stdout for --json only; not a file to create
             stdout = (
                 "; without --out the export is printed on stdout"
                 if out_kind == "export"
                 else "; --json - prints the report on stdout"
+                if hasattr(args, "json")
+                else ""
             )
             raise InputError(
                 f"--{option} -: --{option} takes a {'folder' if folder else 'file'} name{stdout}"
@@ -677,6 +683,12 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         _warn(
             [
                 f"--schedule {args.schedule} had no effect: the plan has one pipeline stage (pp=1); pin --pp 2 or more"
+            ]
+        )
+    if plan.grad_reduce_dtype == "fp32" and plan.dtype == "fp32":
+        _warn(
+            [
+                "--grad-reduce-dtype fp32 had no effect: the plan trains in fp32, whose gradients are fp32 already"
             ]
         )
     if getattr(args, "distributed_optimizer", "auto") == "on" and plan.dp == 1:

@@ -186,6 +186,12 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
         and not uses_megatron_fsdp(form)
     ):
         warnings.append(_main_grads_warning(plan))
+    if plan.workload is Workload.TRAIN and plan.grad_reduce_dtype == "fp32" and uses_megatron_fsdp(form):
+        warnings.append(
+            "Megatron-FSDP keeps the gradients in the parameters' dtype, and the plan priced fp32 gradients "
+            "(--grad-reduce-dtype fp32): this run reduces half the gradient bytes and holds 2 bytes less per "
+            "parameter than predicted; plan without --grad-reduce-dtype fp32 to price it"
+        )
     if uses_megatron_fsdp(form) and (plan.tp > 1 or plan.cp > 1):
         comm, axes = ("TP", "TP > 1") if plan.cp == 1 else ("TP and CP", "TP or CP > 1")
         warnings.append(
