@@ -19,9 +19,9 @@ and reports written before that are recognised by their content. An existing non
 replaced only when it is the product's output of the same kind:
 `--out README.md`, `--json model.py` or `optimize --out` onto a calibrated spec are refused. The
 files users edit by hand (plans, exports, calibrated specs) end in a comment line holding the SHA-256
-of the rest (`with_digest`): one whose text no longer matches it, or that lacks the line (deleted,
-or written by an older planner: nothing tells it from the user's), is the user's now and is refused
-too (`edited_since_written`), as is an emitted folder's file whose content changed.
+of the rest, and their first line says so (`with_digest`): one whose text no longer matches it, or
+that lost the line, is the user's now and is refused too (`edited_since_written`), as is an emitted
+folder's file whose content changed; one written before digests is replaced as before.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ SIGNATURES = {
 SIGNATURE_BYTES = 1024
 # the last line of a plan, an export or a calibrated spec: the SHA-256 (16 hex digits) of the rest
 DIGEST_PREFIX = "# planner-digest: "
+DIGEST_NOTE = " [last line: the planner's digest of this file]"  # on the first line of a file that has one
 DIGEST_KINDS = ("plan", "export", "cluster spec")  # the outputs `with_digest` signs (users edit them)
 DIGEST_MAX_BYTES = 1 << 26  # larger files are not read back to check the digest (none is this large)
 STAMP_HASH_MAX_BYTES = 1 << 24  # emitted files up to this size are stamped by content, larger by mtime
@@ -60,19 +61,23 @@ def _sha256_16(data: bytes) -> str:
 
 
 def with_digest(text: str) -> str:
-    """`text` (ending in a newline) with a last comment line `DIGEST_PREFIX` + the SHA-256 of `text`:
-    `edited_since_written` tells later whether someone changed the file. For formats with `#` comments
-    (YAML, shell, TOML, Python)."""
+    """`text` (ending in a newline) with `DIGEST_NOTE` at the end of its first line and a last comment
+    line `DIGEST_PREFIX` + the SHA-256 of the rest: `edited_since_written` tells later whether someone
+    changed the file (the note says a digest was written, so a deleted digest line counts as an edit).
+    For formats with `#` comments (YAML, shell, TOML, Python; a first line that opens a docstring
+    takes the note inside it)."""
     if not text.endswith("\n"):
         text += "\n"
+    first, rest = text.split("\n", 1)
+    text = f"{first}{DIGEST_NOTE}\n{rest}"
     return f"{text}{DIGEST_PREFIX}{_sha256_16(text.encode('utf-8'))}\n"
 
 
 def edited_since_written(path: str | os.PathLike[str]) -> bool:
     """Whether the file at `path` no longer matches the `with_digest` line it ends in (the user edited
-    it: added, removed or changed a line), or has no such line (the user deleted it, or an older
-    planner wrote the file: either way nothing tells it from the user's own). False for a file too
-    large or unreadable to check."""
+    it: added, removed or changed a line), or lost that line while its first line still says it was
+    written with one (`DIGEST_NOTE`). False for a file without either (an older planner's: replaced as
+    before), or too large or unreadable to check."""
     try:
         if os.path.getsize(path) > DIGEST_MAX_BYTES:
             return False
@@ -81,7 +86,8 @@ def edited_since_written(path: str | os.PathLike[str]) -> bool:
         return False
     at = data.rfind(DIGEST_PREFIX.encode())
     if at < 0 or (at > 0 and data[at - 1 : at] != b"\n"):
-        return True
+        # no digest line: deleted (the first line still says one was written), or an older planner's file
+        return DIGEST_NOTE.encode() in data.split(b"\n", 1)[0]
     end = data.find(b"\n", at)
     line_end = len(data) if end < 0 else end + 1
     stored = data[at + len(DIGEST_PREFIX) : line_end].strip().decode("ascii", errors="replace")
@@ -155,9 +161,8 @@ def _check_replaceable_file(target: Path, option: str, kind: str | None) -> None
         )
     if found in DIGEST_KINDS and edited_since_written(target):
         raise InputError(
-            f"{option} {target}: the planner wrote this {found}, but it changed since (your edits?; or an older "
-            "planner wrote it without the digest line that tells); nothing was changed. Give another file "
-            "name, or move the file away yourself"
+            f"{option} {target}: the planner wrote this {found}, but it changed since (your edits?); nothing was "
+            "changed. Give another file name, or move the edited file away yourself"
         )
 
 

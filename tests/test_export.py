@@ -1130,9 +1130,13 @@ def test_export_command_writes_atomically_prints_without_out_and_warns_on_stderr
     )
     out = tmp_path / "args.sh"
     assert main(["export", str(path), "--to", "megatron", "--out", str(out)]) == 0
-    # the file is what was printed, with the digest line that tells a later --out about edits
+    # the file is what was printed, with the digest line that tells a later --out about edits (and a
+    # note on its first line that says it has one)
+    from planner.files import DIGEST_NOTE  # noqa: PLC0415
+
     text, digest = out.read_text().rsplit("# planner-digest: ", 1)
-    assert text == printed.out and len(digest.strip()) == 16
+    first, rest = printed.out.split("\n", 1)
+    assert text == f"{first}{DIGEST_NOTE}\n{rest}" and len(digest.strip()) == 16
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary file left
     assert main(["export", str(path), "--to", "megatron", "--out", str(out)]) == 0  # ours, unedited: replaced
     capsys.readouterr()

@@ -216,8 +216,7 @@ def test_written_kind_reads_each_output_signature(tmp_path: Path) -> None:
     old_report = tmp_path / "old_report.json"
     old_report.write_text('{"model": "m.py", "plan": {}, "predicted": {}}')
     assert (written_kind(old_plan), written_kind(old_report)) == ("plan", "report")
-    with pytest.raises(InputError, match="an older planner wrote it without the digest line"):
-        check_output_path("--out", str(old_plan), kind="plan")  # nothing tells it from the user's edits
+    check_output_path("--out", str(old_plan), kind="plan")  # an older planner's: replaced as before
     with pytest.raises(InputError, match="holds the planner's report"):
         check_output_path("--out", str(old_report), kind="plan")
     empty = tmp_path / "empty.yaml"
@@ -311,8 +310,8 @@ def test_an_unedited_copy_of_our_folder_is_ours_and_old_time_stamps_still_tell_e
 def test_a_plan_or_spec_the_user_edited_is_not_replaced(tmp_path: Path) -> None:
     """A saved plan ends in a digest of its text: `optimize --out` onto it replaces it while unedited
     and refuses once the user changed a line (a plan is meant to be edited by hand) or deleted the
-    digest line, leaving it as the user left it (a plan written before digests is refused alike:
-    nothing tells it from an edited one)."""
+    digest line (the first line says there was one), leaving it as the user left it; a plan written
+    before digests (no note on its first line) is replaced as before."""
     from planner.files import check_output_path, edited_since_written, with_digest  # noqa: PLC0415
 
     path = tmp_path / "plan.yaml"
@@ -327,10 +326,13 @@ def test_a_plan_or_spec_the_user_edited_is_not_replaced(tmp_path: Path) -> None:
     path.write_text(with_digest(text) + "# a line of mine after the digest\n")
     with pytest.raises(InputError, match="changed since"):
         check_output_path("--out", str(path), kind="plan")
-    path.write_text(text.replace("mesh: {}", "mesh: {tp: 2}"))  # the digest line deleted with an edit
+    edited = with_digest(text).rsplit("# planner-digest:", 1)[0].replace("mesh: {}", "mesh: {tp: 2}")
+    path.write_text(edited)  # the digest line deleted with an edit
     with pytest.raises(InputError, match="changed since"):
         check_output_path("--out", str(path), kind="plan")
-    assert path.read_text() == text.replace("mesh: {}", "mesh: {tp: 2}")
+    assert path.read_text() == edited
+    path.write_text(text)  # an older planner's plan: no digest, no note on its first line
+    check_output_path("--out", str(path), kind="plan")
 
 
 def test_a_dash_is_stdout_for_json_only_and_refused_as_a_file_name(tmp_path: Path) -> None:
