@@ -300,8 +300,8 @@ def dp_price_text(plan: Plan, exported: str) -> str:
     mine = prices.get(own, (plan.predicted.latency_s, None))
     if exported not in prices:
         return (
-            f"the plan priced {_priced(own, mine)} and did not price {exported} (planned with --dp-style auto, "
-            "a plan prices every style)"
+            f"the plan priced {_priced(own, mine)} and did not price {exported} (its data-parallel style "
+            "was pinned: plan again with --dp-style auto to price every style)"
         )
     theirs = prices[exported]
     text = f"the plan priced {_priced(own, mine)}, {_priced(exported, theirs)}"
