@@ -547,6 +547,12 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             "--pp 1 --dp 1 to run it, or leave out --run to plan and price it"
         )
     _check_run_decode_ep(args)
+    if args.run and args.workload == "train" and args.grad_reduce_dtype == "fp32" and args.dtype:
+        from runtime.run_mode import check_grad_reduce_runs  # noqa: PLC0415
+
+        check_grad_reduce_runs(
+            "fp32", args.dtype, "--grad-reduce-dtype"
+        )  # before tracing, when the dtype is given
     if args.weights and not (args.run or args.data or args.emit):  # read by a run, --emit, a loss budget
         _warn(
             [
