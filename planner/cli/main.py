@@ -655,7 +655,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             **_cp_options(args),
             **_ep_options(args),
         )
-        prepared.workload = dataclasses.replace(prepared.workload, **_routing_options(args))
+        prepared.workload = dataclasses.replace(prepared.workload, **_workload_options(args))
         workflow.check_constraints_fit(
             cluster,
             constraints,
@@ -1388,7 +1388,7 @@ def _check_run_decode_ep(args: argparse.Namespace) -> None:
     )
 
 
-def _routing_options(args: argparse.Namespace) -> dict:
+def _workload_options(args: argparse.Namespace) -> dict:
     """--moe-imbalance, --moe-capacity-factor, --grad-reduce-dtype as `WorkloadSpec` keywords."""
     return {
         "moe_imbalance": getattr(args, "moe_imbalance", DEFAULT_MOE_IMBALANCE),
@@ -1404,7 +1404,7 @@ def _check_ep_options(args: argparse.Namespace) -> None:
     from planner.solver.problem import Constraints, WorkloadSpec  # noqa: PLC0415 - keeps `planner --help` fast
 
     Constraints(tp=getattr(args, "tp", None), **_ep_options(args))
-    WorkloadSpec("forward", 1, 1, **_routing_options(args))
+    WorkloadSpec("forward", 1, 1, **_workload_options(args))
 
 
 def _training_options(args: argparse.Namespace) -> dict:

@@ -52,7 +52,7 @@ from planner.solver.explain import memory_fit_text, with_memory_fit
 from planner.solver.machine import at_run_speed, priced_machine, priced_workload
 from planner.solver.machine import probe_roofline as probe_roofline  # re-exported for planner calibrate
 from planner.solver.machine import probes_speed as probes_speed  # re-exported for planner run
-from planner.solver.problem import Constraints, LadderPolicy, WorkloadSpec, plan_routing
+from planner.solver.problem import Constraints, LadderPolicy, WorkloadSpec, plan_workload_options
 from planner.solver.search import baseline_layouts, megatron_plan, plan_model
 from planner.solver.serving import kv_fallbacks, plan_prediction, price_request
 
@@ -954,7 +954,11 @@ def _with_prefill_memory(
     if expert is None or prefill is None or request is None:
         return baseline
     prefill_wl = WorkloadSpec(
-        Workload.FORWARD, expert.batch_size, request.prompt_len, dtype=expert.dtype, **plan_routing(expert)
+        Workload.FORWARD,
+        expert.batch_size,
+        request.prompt_len,
+        dtype=expert.dtype,
+        **plan_workload_options(expert),
     )
     peak = plan_prediction(expert, prefill, cluster, prefill_wl, []).peak_memory_bytes
     return replace(baseline, peak_memory_bytes=max(baseline.peak_memory_bytes, peak))

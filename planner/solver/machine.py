@@ -31,7 +31,7 @@ from planner.frontend.phases import build_for, decode_phase, phase_inputs
 from planner.plan import Plan, Workload
 from planner.progress import Progress, silent
 from planner.solver.costing import graph_node_count, graph_roofline_s, model_matmul_shapes
-from planner.solver.problem import WorkloadSpec, plan_routing
+from planner.solver.problem import WorkloadSpec, plan_workload_options
 from planner.solver.serving import predict_with_plan
 
 # (model file, batch, prompt tokens, new tokens, vocabulary) -> seconds of host work per decode step
@@ -82,7 +82,7 @@ def priced_workload(plan: Plan) -> WorkloadSpec:
             1,
             context=plan.serving.prompt_len,
             dtype=plan.dtype,
-            **plan_routing(plan),
+            **plan_workload_options(plan),
         )
     return WorkloadSpec(
         plan.workload,
@@ -90,7 +90,7 @@ def priced_workload(plan: Plan) -> WorkloadSpec:
         plan.seq_len,
         micro_batches=plan.micro_batches,
         dtype=plan.dtype,
-        **plan_routing(plan),
+        **plan_workload_options(plan),
     )
 
 

@@ -105,7 +105,7 @@ class WorkloadSpec:
         return self.context + 1 if self.kind is Workload.DECODE else self.seq_len
 
 
-def plan_routing(plan: Plan) -> dict[str, float | str | None]:
+def plan_workload_options(plan: Plan) -> dict[str, float | str | None]:
     """The routing and the gradient reduction's dtype a plan was priced with, as `WorkloadSpec` keywords
     (re-pricing it uses them again)."""
     return {

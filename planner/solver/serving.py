@@ -24,7 +24,7 @@ from planner.solver.costing import (
     gqa_kv_replicated,
 )
 from planner.solver.prediction import predict
-from planner.solver.problem import Assignment, MeshConfig, WorkloadSpec, plan_routing
+from planner.solver.problem import Assignment, MeshConfig, WorkloadSpec, plan_workload_options
 
 
 def plan_assignment(plan: Plan, tables: CostTables) -> Assignment:
@@ -209,7 +209,7 @@ def price_request(
     token, each decode step one more. Raises InputError when a graph does not match the plan."""
     check_new_tokens(new_tokens)
     prefill_wl = WorkloadSpec(
-        Workload.FORWARD, plan.batch_size, prompt_len, dtype=plan.dtype, **plan_routing(plan)
+        Workload.FORWARD, plan.batch_size, prompt_len, dtype=plan.dtype, **plan_workload_options(plan)
     )
     prefill_prediction = plan_prediction(plan, prefill, cluster, prefill_wl, plan.ladder_layers)
     ttft_s = prefill_prediction.latency_s
@@ -217,7 +217,12 @@ def price_request(
     standard_s = None
     if plan.ladder_layers:
         decode_wl = WorkloadSpec(
-            Workload.DECODE, plan.batch_size, 1, context=prompt_len, dtype=plan.dtype, **plan_routing(plan)
+            Workload.DECODE,
+            plan.batch_size,
+            1,
+            context=prompt_len,
+            dtype=plan.dtype,
+            **plan_workload_options(plan),
         )
         standard_s = predict_with_plan(plan, decode, cluster, decode_wl, [])
     request_s = ttft_s + (new_tokens - 1) * tpot_s
