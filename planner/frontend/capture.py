@@ -58,6 +58,7 @@ from torch import fx, nn
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from planner.errors import InputError
+from planner.frontend.modelfile import defined_at
 
 _ASSERT_TARGETS = {
     "aten._assert_tensor_metadata",
@@ -158,8 +159,7 @@ def _check_forward_accepts(model: nn.Module, args: tuple, kwargs: dict) -> None:
     try:
         signature.bind(*args, **kwargs)
     except TypeError as e:
-        code = getattr(forward, "__code__", None)
-        where = f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+        where = f" ({line})" if (line := defined_at(forward)) is not None else ""
         names = ", ".join(signature.parameters) or "none"
         unknown = [k for k in kwargs if k not in signature.parameters]
         source = (

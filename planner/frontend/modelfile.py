@@ -186,7 +186,7 @@ class ModelFile:
             inspect.signature(fn).bind(**kwargs)
         except TypeError as e:  # the call itself would fail in the planner's frame: name the definition
             raise InputError(
-                f"{_defined_at(fn, self.path)}: {name}() cannot be called as the planner calls it ({e}); "
+                f"{defined_at(fn) or self.path}: {name}() cannot be called as the planner calls it ({e}); "
                 f"{_SIGNATURES.get(name, 'give its parameters default values')}"
             ) from None
         except ValueError:  # no signature to read (a builtin): call it and report what it raises
@@ -251,11 +251,12 @@ _SIGNATURES = {
 }
 
 
-def _defined_at(fn: Any, path: str) -> str:
-    """ "path:line" of the definition of the model file's function `fn` (its file when another)."""
+def defined_at(fn: Any) -> str | None:
+    """ "path:line" where the Python function (or bound method) `fn` is defined; None for one without
+    Python code (a builtin). Error messages point the user at their own definition with it."""
     code = getattr(fn, "__code__", None)
     if code is None:
-        return path
+        return None
     return f"{os.path.abspath(code.co_filename)}:{code.co_firstlineno}"
 
 
