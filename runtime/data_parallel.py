@@ -24,6 +24,12 @@ The optimizer is Adam (what the memory model assumes), in the form `Plan.dp_styl
   finishes them, only the rank's slice kept;
 - `FsdpAdam` (ZeRO-3 / HSDP): the parameters sharded too, on a module rewritten by
   `passes.fsdp.apply_fsdp`, gathered and reduced by its `passes.fsdp.FsdpRuntime`.
+
+fp32 main gradients (`Plan.grad_reduce_dtype` fp32, Megatron-LM's default under --bf16): with
+`ReplicatedAdam` and `DistributedAdam`, `main_grads=True` accumulates each 16-bit parameter's
+gradient into an fp32 main gradient as the backward produces it (a post-accumulate hook adds `.grad`
+in and drops it: Megatron-LM's `main_grad`), so the accumulation over micro-batches, the all-reduce
+or reduce-scatter and Adam's gradient are fp32; `grad_of` gives the main gradient for the checks.
 """
 
 from __future__ import annotations
@@ -123,13 +129,20 @@ def reduce_expert_gradients(
     _sum_and_divide(params, group, divisor)
 
 
-def _sum_and_divide(params: Sequence[torch.Tensor], group: dist.ProcessGroup | None, divisor: int) -> None:
-    """Every gradient of `params` summed over `group` (None: not reduced) and divided by `divisor`: one
-    all-reduce of a flat buffer per dtype."""
+def _sum_and_divide(
+    params: Sequence[torch.Tensor],
+    group: dist.ProcessGroup | None,
+    divisor: int,
+    grad_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+) -> None:
+    """Every gradient of `params` (`grad_of(p)`, default `.grad`: an fp32 main gradient, updated in
+    place) summed over `group` (None: not reduced) and divided by `divisor`: one all-reduce of a flat
+    buffer per dtype."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in _unique(params):
-        if p.grad is not None:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        g = p.grad if grad_of is None else grad_of(p)
+        if g is not None:
+            by_dtype.setdefault(g.dtype, []).append(g)
     for grads in by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in grads])
         if group is not None:
@@ -236,6 +249,66 @@ class _OverlappedReduce:
         self.events.clear()
 
 
+class _MainGrads:
+    """fp32 main gradients (`Plan.grad_reduce_dtype` fp32) for `ReplicatedAdam` and `DistributedAdam`:
+    a post-accumulate hook on each 16-bit parameter adds its `.grad` into an fp32 main gradient as the
+    backward produces it and drops `.grad` (Megatron-LM's `main_grad` under
+    --accumulate-allreduce-grads-in-fp32, its default with --bf16), so the accumulation over
+    micro-batches and the reduction are fp32. The hooks are registered before the overlap's, which then
+    find the main gradient. A pipeline's schedule scales only `.grad` by 1 / micro-batches, so main
+    gradients are divided by `_main_divisor` (dp, or dp x micro-batches in a pipeline: the
+    `hook_divisor`); a parameter tied across pipeline stages (`deferred`: its `.grad` is summed between
+    the stages after the schedule) keeps its `.grad` until the reduction, which adds it in (times
+    `_main_divisor` / dp, undoing the schedule's scaling). Storage: `_add_main` / `grad_of` (a dict of
+    tensors here; `DistributedAdam`: views of its fp32 gradient buffer)."""
+
+    params: list[torch.Tensor]
+    dp: int
+
+    def _init_main_grads(self, enabled: bool, divisor: int, deferred: set[int]) -> None:
+        self._main: dict[int, torch.Tensor] = {}
+        self._main_ids = {id(p) for p in self.params if p.dtype in HALF_DTYPES} if enabled else set()
+        self._main_divisor = divisor
+        for p in self.params:
+            if id(p) in self._main_ids and id(p) not in deferred:
+                p.register_post_accumulate_grad_hook(self._accumulate_main)
+
+    def _accumulate_main(self, p: torch.Tensor) -> None:
+        self._add_main(p, p.grad)
+        p.grad = None
+
+    def _add_main(self, p: torch.Tensor, grad: torch.Tensor, scale: float = 1.0) -> None:
+        """Add `grad` x `scale` into p's main gradient (made on the first add)."""
+        main = self._main.get(id(p))
+        if main is None:
+            self._main[id(p)] = grad.float() * scale if scale != 1.0 else grad.float()
+        else:
+            main.add_(grad, alpha=scale)
+
+    def _adopt_main(self, params: Sequence[torch.Tensor]) -> None:
+        """A main-gradient parameter still holding a `.grad` (tied across pipeline stages: summed
+        between them after the schedule scaled it by dp / `_main_divisor`) adds it to its main
+        gradient, unscaled, and drops it."""
+        with torch.no_grad():
+            for p in params:
+                if id(p) in self._main_ids and p.grad is not None:
+                    self._add_main(p, p.grad, scale=self._main_divisor / self.dp)
+                    p.grad = None
+
+    def grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
+        """p's gradient as the optimizer reduces and steps it: its fp32 main gradient, or `.grad`."""
+        return self._main.get(id(p)) if id(p) in self._main_ids else p.grad
+
+    def _main_note(self) -> str:
+        """What the run report adds about main gradients ('' without them)."""
+        if not self._main_ids:
+            return ""
+        return (
+            "; the 16-bit parameters' gradients accumulated and reduced in fp32 (main gradients, as "
+            "Megatron-LM's --accumulate-allreduce-grads-in-fp32)"
+        )
+
+
 def _adam(params: list[torch.Tensor], lr: float) -> torch.optim.Adam:
     """torch.optim.Adam over `params`, also when there are none: a pipeline stage or a rank whose
     weights are all frozen (requires_grad=False) steps nothing (torch refuses an empty list, not an
@@ -243,7 +316,7 @@ def _adam(params: list[torch.Tensor], lr: float) -> torch.optim.Adam:
     return torch.optim.Adam([{"params": params}], lr=lr)
 
 
-class ReplicatedAdam(_OverlappedReduce, _AdamOnRanks):
+class ReplicatedAdam(_MainGrads, _OverlappedReduce, _AdamOnRanks):
     """Adam on every parameter, after an all-reduce of the gradients over the dp group (plain DP).
     16-bit parameters are stepped through fp32 master copies with fp32 moments (mixed precision: the
     16 bytes per parameter the memory model prices), then copied back.
@@ -255,6 +328,8 @@ class ReplicatedAdam(_OverlappedReduce, _AdamOnRanks):
     paths): one asynchronous all-reduce per bucket (a layer's parameters of one dtype, one more for the
     parameters outside the layers) issued from the last micro-batch's backward (`_OverlappedReduce`);
     otherwise one all-reduce per dtype after the backward.
+    main_grads: each 16-bit parameter's gradient is accumulated into an fp32 main gradient as the
+    backward produces it (`_MainGrads`), which is all-reduced in fp32 and is Adam's gradient.
     """
 
     def __init__(
@@ -262,10 +337,12 @@ class ReplicatedAdam(_OverlappedReduce, _AdamOnRanks):
         named: Sequence[tuple[str, torch.Tensor]] | None = None, units: Sequence[str] = (),
         overlap_grad_reduce: bool = False, micro_batches: int = 1, hook_divisor: int | None = None,
         deferred: set[int] = frozenset(), expert: Sequence[torch.Tensor] = (),
-        expert_group: dist.ProcessGroup | None = None,
+        expert_group: dist.ProcessGroup | None = None, main_grads: bool = False,
     ):  # fmt: skip
         self.params = [p for p in _unique(params) if p.requires_grad]
         self.group, self.dp = group, dp
+        # fp32 main gradients of the 16-bit parameters (hooks first: the overlap's hooks read them)
+        self._init_main_grads(main_grads, hook_divisor or dp, deferred)
         # expert parallelism: the experts' gradients are reduced over the expert data-parallel group
         self.expert, self.expert_group = [p for p in _unique(expert) if p.requires_grad], expert_group
         expert_ids = {id(p) for p in self.expert}
@@ -287,8 +364,13 @@ class ReplicatedAdam(_OverlappedReduce, _AdamOnRanks):
 
     def _issue(self, k: int, divisor: int) -> Callable[[], None]:
         members = self._members[k]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in members]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        self._adopt_main(members)
+        grads = [self.grad_of(p) for p in members]
+        flat = torch.cat(
+            [(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, members)]
+        )
+        if any(id(p) in self._main_ids for p in members):
+            divisor = self._main_divisor  # main gradients are not scaled by a pipeline's schedule
         self.counts["all_reduce"] += 1
         work = dist.all_reduce(flat, group=self.group, async_op=True)
 
@@ -297,7 +379,11 @@ class ReplicatedAdam(_OverlappedReduce, _AdamOnRanks):
             flat.div_(divisor)
             offset = 0
             for p in members:
-                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+                mean = flat[offset : offset + p.numel()].view_as(p).clone()
+                if id(p) in self._main_ids:
+                    self._main[id(p)] = mean
+                else:
+                    p.grad = mean
                 offset += p.numel()
 
         return finish
@@ -306,20 +392,34 @@ class ReplicatedAdam(_OverlappedReduce, _AdamOnRanks):
         """Every parameter's gradient becomes the mean over the replicas: one all-reduce per dtype, or
         with overlap_grad_reduce wait for the buckets' (issuing any the backward did not)."""
         expert_ids = {id(p) for p in self.expert}
+        self._adopt_main(self.params)
         dense = [p for p in self.params if id(p) not in expert_ids]
+        main = [p for p in dense if id(p) in self._main_ids]
+        dense = [p for p in dense if id(p) not in self._main_ids]
         if self.overlap_grad_reduce:
             self._finish_overlapped()
-        elif self.dp > 1:
-            self.counts["all_reduce"] += len({p.grad.dtype for p in dense if p.grad is not None})
-            average_parameter_gradients(dense, self.group, self.dp)
+        else:
+            if self.dp > 1:
+                self.counts["all_reduce"] += len({p.grad.dtype for p in dense if p.grad is not None})
+                average_parameter_gradients(dense, self.group, self.dp)
+            if main and (self.dp > 1 or self._main_divisor > 1):  # fp32, one all-reduce
+                self.counts["all_reduce"] += int(self.dp > 1)
+                _sum_and_divide(main, self.group if self.dp > 1 else None, self._main_divisor, self.grad_of)
         if self.expert:
             if self.expert_group is not None:
-                self.counts["all_reduce"] += len({p.grad.dtype for p in self.expert if p.grad is not None})
-            reduce_expert_gradients(self.expert, self.expert_group, self.dp)
+                self.counts["all_reduce"] += len(
+                    {g.dtype for p in self.expert if (g := self.grad_of(p)) is not None}
+                )
+            main = [p for p in self.expert if id(p) in self._main_ids]
+            rest = [p for p in self.expert if id(p) not in self._main_ids]
+            reduce_expert_gradients(rest, self.expert_group, self.dp)
+            if main:
+                _sum_and_divide(main, self.expert_group, self._main_divisor, self.grad_of)
         self._reduced = True
 
     def zero_grad(self) -> None:
         super().zero_grad()
+        self._main.clear()
         self._reset_hooks()
 
     def step(self) -> None:
@@ -327,7 +427,8 @@ class ReplicatedAdam(_OverlappedReduce, _AdamOnRanks):
             self.reduce_gradients()
         for p in self.params:
             if (master := self._masters.get(id(p))) is not None:
-                master.grad = None if p.grad is None else p.grad.float()
+                grad = self.grad_of(p)
+                master.grad = None if grad is None else grad if grad.dtype == torch.float32 else grad.float()
         self.adam.step()
         with torch.no_grad():
             for p in self.params:
@@ -351,7 +452,7 @@ class ReplicatedAdam(_OverlappedReduce, _AdamOnRanks):
 
     def held_tensors(self) -> list[torch.Tensor]:
         """The training state this rank holds (parameters, gradients, Adam state and masters)."""
-        return _held(self.params, self.adam, list(self._masters.values()))
+        return _held(self.params, self.adam, [*self._masters.values(), *self._main.values()])
 
     def note(self) -> str:
         """What the run report says about the optimizer that ran."""
@@ -367,12 +468,13 @@ class ReplicatedAdam(_OverlappedReduce, _AdamOnRanks):
         else:
             sync = f"gradients all-reduced over the {self.dp} data-parallel ranks (dp x cp) after the backward (no overlap)"
         return (
-            f"optimizer: Adam, state replicated on every data-parallel rank{_mixed_note(self.params)}; {sync}; "
+            f"optimizer: Adam, state replicated on every data-parallel rank{_mixed_note(self.params)}; {sync}"
+            f"{self._main_note()}; "
             f"collectives in the checked step: {_counts_text(self.counts)}"
         )
 
 
-class DistributedAdam(_OverlappedReduce, _AdamOnRanks):
+class DistributedAdam(_MainGrads, _OverlappedReduce, _AdamOnRanks):
     """ZeRO-1: Adam with its state sharded over the data-parallel ranks (module docstring), laid out as
     Megatron-LM's distributed optimizer keeps it.
 
@@ -409,10 +511,13 @@ class DistributedAdam(_OverlappedReduce, _AdamOnRanks):
         self, params: Sequence[torch.Tensor], group: dist.ProcessGroup, dp: int, dp_rank: int,
         lr: float = 1e-3, *, named: Sequence[tuple[str, torch.Tensor]] | None = None, units: Sequence[str] = (),
         overlap_grad_reduce: bool = False, overlap_param_gather: bool = False, micro_batches: int = 1,
-        hook_divisor: int | None = None, deferred: set[int] = frozenset(),
+        hook_divisor: int | None = None, deferred: set[int] = frozenset(), main_grads: bool = False,
     ):  # fmt: skip
         self.params = [p for p in _unique(params) if p.requires_grad]
         self.group, self.dp, self.dp_rank = group, dp, dp_rank
+        # main_grads: the 16-bit dtypes' gradient buffers are fp32 (`_MainGrads`)
+        self._main_dtypes = set(HALF_DTYPES) if main_grads else set()
+        self._main_views: dict[int, torch.Tensor] = {}  # id(param) -> its fp32 main gradient (a buffer view)
         overlap_grad_reduce = overlap_grad_reduce and dp > 1
         self.overlap_param_gather = overlap_param_gather and dp > 1
         per_unit = overlap_grad_reduce or self.overlap_param_gather
@@ -443,7 +548,8 @@ class DistributedAdam(_OverlappedReduce, _AdamOnRanks):
                 start, where = start + b.padded_numel, where + b.shard_numel
             device = self._members[members[0].index][0].device
             values = self._param_buffers[dtype] = torch.zeros(start, dtype=dtype, device=device)
-            grads = self._grad_buffers[dtype] = torch.zeros(start, dtype=dtype, device=device)
+            grad_dtype = torch.float32 if dtype in self._main_dtypes else dtype
+            grads = self._grad_buffers[dtype] = torch.zeros(start, dtype=grad_dtype, device=device)
             with torch.no_grad():
                 for b in members:
                     for p, fp in zip(self._members[b.index], b.params):
@@ -467,12 +573,17 @@ class DistributedAdam(_OverlappedReduce, _AdamOnRanks):
             ]
             self._grad_views.append(views)
             for p, view in zip(members, views):
-                p.grad = view
+                if b.dtype in self._main_dtypes:  # the backward adds into it (`_MainGrads` hooks)
+                    self._main_views[id(p)] = view
+                    p.grad = None
+                else:
+                    p.grad = view
         self.lr = lr
         self.adam = _adam(stepped, lr)
         self._reduced = False
         self.counts: Counter[str] = Counter()
         self.events: list[tuple[str, str]] = []
+        self._init_main_grads(main_grads, hook_divisor or dp, deferred)  # before the overlap's hooks
         self._init_hooks(overlap_grad_reduce, micro_batches, hook_divisor or dp, deferred)
 
     def _dtypes(self) -> list[torch.dtype]:
@@ -514,6 +625,9 @@ class DistributedAdam(_OverlappedReduce, _AdamOnRanks):
         """Make every member of bucket k hold its `.grad` in the gradient buffer again: a gradient set
         to None counts as zeros, one replaced by another tensor (the pipeline's sum of tied copies) is
         copied in."""
+        if self.buckets[k].dtype in self._main_dtypes:  # main gradients: the buffer is theirs
+            self._adopt_main(self._members[k])
+            return
         with torch.no_grad():
             for p, view in zip(self._members[k], self._grad_views[k]):
                 grad = p.grad
@@ -533,10 +647,19 @@ class DistributedAdam(_OverlappedReduce, _AdamOnRanks):
         with torch.no_grad():
             self._grad_slice(k).copy_(mine)
 
+    def _add_main(self, p: torch.Tensor, grad: torch.Tensor, scale: float = 1.0) -> None:
+        self._main_views[id(p)].add_(grad, alpha=scale)
+
+    def grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
+        view = self._main_views.get(id(p))
+        return view if view is not None else p.grad
+
     def _issue(self, k: int, divisor: int) -> Callable[[], None]:
         self._adopt_grads(k)
         flat = self._bucket_grad(k)
-        if divisor != self.dp:
+        if self.buckets[k].dtype in self._main_dtypes:
+            divisor = self._main_divisor  # main gradients are not scaled by a pipeline's schedule
+        elif divisor != self.dp:
             # a pipeline's hook (divided by dp x micro-batches): the schedule scales `.grad` in place
             # after the backward, maybe while this reads it (a transient copy, as NCCL reads later)
             flat = flat.clone()
@@ -568,7 +691,7 @@ class DistributedAdam(_OverlappedReduce, _AdamOnRanks):
                 mine = torch.empty(flat.numel() // self.dp, dtype=flat.dtype, device=flat.device)
                 self.counts["reduce_scatter"] += 1
                 dist.reduce_scatter_single(mine, flat, group=self.group)
-                mine /= self.dp
+                mine /= self._main_divisor if dtype in self._main_dtypes else self.dp
                 for b in members:
                     offset = self._where[b.index]
                     self._keep_mean(b.index, mine[offset : offset + b.shard_numel])
@@ -580,8 +703,11 @@ class DistributedAdam(_OverlappedReduce, _AdamOnRanks):
         for grads in self._grad_buffers.values():
             grads.zero_()
         for k in range(len(self.buckets)):
+            main = self.buckets[k].dtype in self._main_dtypes
             for p, view in zip(self._members[k], self._grad_views[k]):
-                if p.grad is not view:
+                if main:
+                    p.grad = None
+                elif p.grad is not view:
                     p.grad = view
         for master in self._masters.values():
             master.grad = None
@@ -705,7 +831,8 @@ class DistributedAdam(_OverlappedReduce, _AdamOnRanks):
             f"optimizer: distributed optimizer (ZeRO-1), Adam state sharded over the {self.dp} data-parallel "
             f"ranks (each updates 1/{self.dp} of the parameters){_mixed_note(self.params)}; parameters "
             "and gradients views of one flat buffer each per dtype, this rank's slice of the parameters "
-            f"updated in place; {grads}; {gather}; collectives in the checked step: {_counts_text(self.counts)}"
+            f"updated in place; {grads}; {gather}{self._main_note()}; collectives in the checked step: "
+            f"{_counts_text(self.counts)}"
         )
 
 
@@ -764,7 +891,8 @@ def build_optimizer(
     """The optimizer a plan runs: `DistributedAdam` when `Plan.distributed_optimizer`, else
     `ReplicatedAdam`; lr 1e-3. plan (optional): its overlap_grad_reduce / overlap_param_gather and
     micro-batches, with `named` (the (fqn, parameter) pairs) and `units` (the layers' module paths) to
-    make the buckets; hook_divisor / deferred as `_OverlappedReduce` says. expert / expert_group:
+    make the buckets; hook_divisor / deferred as `_OverlappedReduce` says (and `_MainGrads`, with
+    the plan's fp32 main gradients: `main_grads`). expert / expert_group:
     expert parallelism's parameters and their reduction group (`ReplicatedAdam`; InputError with the
     distributed optimizer, which shards every parameter over the dp x cp ranks)."""
     if expert and distributed:
@@ -778,13 +906,29 @@ def build_optimizer(
             named=named, units=units, overlap_grad_reduce=plan.overlap_grad_reduce,
             micro_batches=plan.micro_batches, hook_divisor=hook_divisor, deferred=deferred,
         )  # fmt: skip
+    main = main_grads(plan)
+    if main and hook_divisor is not None:
+        overlap.setdefault("hook_divisor", hook_divisor)
+        overlap.setdefault("deferred", deferred)
     if distributed:
-        if overlap:
+        if overlap and "named" in overlap:
             overlap["overlap_param_gather"] = plan.overlap_param_gather
-        return DistributedAdam(params, group, dp, dp_rank, **overlap)
+        return DistributedAdam(params, group, dp, dp_rank, main_grads=main, **overlap)
     if expert:
         overlap = {**overlap, "expert": expert, "expert_group": expert_group}
-    return ReplicatedAdam(params, group, dp, **overlap)
+    return ReplicatedAdam(params, group, dp, main_grads=main, **overlap)
+
+
+def state_grad_dtype(plan: Any) -> str | None:
+    """The gradients' dtype `costmodels.memory.dp_state_bytes` counts for `plan`'s run: "fp32" with
+    fp32 main gradients (`main_grads`), else None (the parameters')."""
+    return "fp32" if main_grads(plan) and plan.dtype in ("bf16", "fp16") else None
+
+
+def main_grads(plan: Any) -> bool:
+    """Whether `plan` accumulates and reduces its 16-bit parameters' gradients in fp32
+    (`Plan.grad_reduce_dtype` fp32: `_MainGrads`)."""
+    return plan is not None and getattr(plan, "grad_reduce_dtype", "param") == "fp32"
 
 
 def prepare_param_waits(
@@ -1297,6 +1441,11 @@ def build_plan_optimizer(
     `runtime.mesh`): the CP ranks' gradients are partial sums over their tokens, scaled by cp in the
     graph (`passes.cp_lower`), so the mean over dp x cp is the whole batch's gradient."""
     style = DataParallel(plan.dp_style)
+    if main_grads(plan) and style.shards_gradients:
+        raise InputError(
+            f"plan field 'grad_reduce_dtype' is fp32 with dp_style {style}: this runtime keeps fp32 main gradients "
+            "with dp_style ddp or zero1; plan with one of those, or without --grad-reduce-dtype fp32"
+        )
     if style is DataParallel.FSDP:
         return FsdpAdam(
             module,
@@ -1322,6 +1471,7 @@ def build_plan_optimizer(
             [p for _, p in named], groups.group("dp_cp"), plan.mesh.dp_cp, named=named, units=units,
             overlap_grad_reduce=plan.overlap_grad_reduce, expert=[p for n, p in named if n in names],
             expert_group=groups.group("edp") if plan.ep_fold == "dp" else groups.group("dp_cp"),
+            main_grads=main_grads(plan),
         )  # fmt: skip
     else:
         optimizer = build_optimizer(

@@ -42,7 +42,13 @@ from passes.tensor_parallel import load_sharded_weights
 from planner.frontend.analysis import ModelStructure, analyse
 from planner.frontend.capture import capture, flat_inputs, retarget_device
 from planner.plan import Plan
-from runtime.data_parallel import args_share, build_plan_optimizer, state_bytes, unbatched_note
+from runtime.data_parallel import (
+    args_share,
+    build_plan_optimizer,
+    state_bytes,
+    state_grad_dtype,
+    unbatched_note,
+)
 from runtime.job import RankReport, RankSetup, ReferenceFiles, RunJob, set_up_rank, time_steps
 from runtime.launch import RankContext, report_progress
 from runtime.loss import full_shape, gathered_output, loss_layout, output_loss
@@ -234,8 +240,9 @@ def _training_step(
     segments = optimizer.gradient_segments() if hasattr(optimizer, "gradient_segments") else None
     local = getattr(optimizer, "local_module", None)
     compare_gradients(
-        gm, reference, setup, report, owned=optimizer.owned_ranges(), segments=segments, local=local
-    )
+        gm, reference, setup, report, owned=optimizer.owned_ranges(), segments=segments, local=local,
+        grad_of=getattr(optimizer, "grad_of", None),
+    )  # fmt: skip
     del segments
     # the first optimizer step (the gradients are reduced already) against Adam's from the reference's
     before = update_snapshot(gm, optimizer)
@@ -271,7 +278,9 @@ def _record_state(report: RankReport, optimizer: object, gm: torch.nn.Module, pl
         params = sum(b.numel for b in layout.buckets)
     else:
         params = sum(p.numel() for p in gm.parameters() if p.requires_grad)
-    report.predicted_state_bytes = dp_state_bytes(params, plan.dtype, plan.dp_style, plan.dp_shard * plan.cp)
+    report.predicted_state_bytes = dp_state_bytes(
+        params, plan.dtype, plan.dp_style, plan.dp_shard * plan.cp, grad_dtype=state_grad_dtype(plan)
+    )
     counts = getattr(optimizer, "counts", None)
     if counts is not None:
         report.dp_collectives = dict(counts)

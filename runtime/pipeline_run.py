@@ -47,6 +47,7 @@ from runtime.data_parallel import (
     build_plan_optimizer,
     prepare_param_waits,
     state_bytes,
+    state_grad_dtype,
     unbatched_note,
 )
 from runtime.job import RankReport, RankSetup, RunJob, time_steps
@@ -196,7 +197,9 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
                 local=optimizer.local_module,
             )  # fmt: skip
         else:
-            compare_gradients(chunks, reference, setup, report, owned=optimizer.owned_ranges())
+            compare_gradients(
+                chunks, reference, setup, report, owned=optimizer.owned_ranges(), grad_of=optimizer.grad_of
+            )
         # the first optimizer step, against Adam's from the reference's gradients
         before = update_snapshot(chunks, optimizer)
         optimizer.step()
@@ -213,8 +216,9 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
             report.state_bytes = state_bytes(optimizer.held_tensors())
             trainable = {id(p): p.numel() for chunk in chunks for p in chunk.parameters() if p.requires_grad}
             report.predicted_state_bytes = dp_state_bytes(
-                sum(trainable.values()), plan.dtype, plan.dp_style, plan.dp_shard * plan.cp
-            )
+                sum(trainable.values()), plan.dtype, plan.dp_style, plan.dp_shard * plan.cp,
+                grad_dtype=state_grad_dtype(plan),
+            )  # fmt: skip
         for index, chunk in virtual.items():
             label = (
                 f"stage {index}" if len(chunks) == 1 else f"virtual stage {index} (pp rank {lowered.pp_rank})"

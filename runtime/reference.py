@@ -246,6 +246,7 @@ def compare_gradients(
     owned: Mapping[int, tuple[int, int]] | None = None,
     segments: Mapping[str, Sequence[tuple[int, int, torch.Tensor]]] | None = None,
     local: torch.nn.Module | None = None,
+    grad_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
 ) -> None:
     """Training, after the backward and the DP gradient reduction: every gradient of this rank's
     parameters (of `module`, or of each module of a sequence: a rank's pipeline chunks) against its
@@ -255,7 +256,9 @@ def compare_gradients(
     listed: none). None compares every element. segments: with sharded gradients (ZeRO-2, FSDP:
     `gradient_segments`, the full `.grad` is not kept), FQN -> [(lo, hi, mean gradient of the local
     parameter's flat elements lo:hi)], compared instead of `.grad`; `local` (FSDP, whose module
-    holds flat shards) is the module holding the local parameters at their FQNs (shapes and dtypes)."""
+    holds flat shards) is the module holding the local parameters at their FQNs (shapes and dtypes).
+    grad_of: a parameter's gradient as the optimizer holds it (its fp32 main gradient:
+    `runtime.data_parallel._MainGrads.grad_of`); default `.grad`."""
     plan, groups = setup.plan, setup.groups
     diffs, scales = [], []
     modules = [module] if isinstance(module, torch.nn.Module) else list(module)
@@ -272,10 +275,11 @@ def compare_gradients(
             modules = []
         for mod in modules:
             params = dict(mod.named_parameters())
-            names = [n for n, p in params.items() if p.grad is not None and n in grads_file]
+            get = grad_of or (lambda p: p.grad)
+            names = [n for n, p in params.items() if get(p) is not None and n in grads_file]
             for n in names:  # one shard in memory at a time: the check adds little to the rank's peak
                 want = read_local_shards(mod, grads_file, plan.splits, groups.tp_rank, plan.tp, [n])[n]
-                got = params[n].grad
+                got = get(params[n])
                 if owned is not None:
                     if id(params[n]) not in owned:
                         continue

@@ -550,9 +550,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     if args.run and args.workload == "train" and args.grad_reduce_dtype == "fp32" and args.dtype:
         from runtime.run_mode import check_grad_reduce_runs  # noqa: PLC0415
 
-        check_grad_reduce_runs(
-            "fp32", args.dtype, "--grad-reduce-dtype"
-        )  # before tracing, when the dtype is given
+        pinned_style = None if args.dp_style == "auto" else args.dp_style
+        check_grad_reduce_runs("fp32", args.dtype, "--grad-reduce-dtype", pinned_style)  # before tracing
     if args.weights and not (args.run or args.data or args.emit):  # read by a run, --emit, a loss budget
         _warn(
             [
@@ -668,9 +667,12 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             if prepared.workload.train and prepared.workload.grad_reduce_dtype == "fp32":
                 from runtime.run_mode import check_grad_reduce_runs  # noqa: PLC0415
 
+                styles = constraints.dp_styles()  # the search leaves out the others (`Constraints.runs_here`)
+                sharded = all(s.shards_gradients for s in styles) and constraints.dp != 1
                 check_grad_reduce_runs(
-                    "fp32", prepared.workload.dtype or prepared.structure.dtype, "--grad-reduce-dtype"
-                )
+                    "fp32", prepared.workload.dtype or prepared.structure.dtype, "--grad-reduce-dtype",
+                    str(styles[0]) if sharded else None,
+                )  # fmt: skip
         source = workflow.cluster_source(args.cluster, nproc)
         budget = None
         if constraints.ladder.max_loss_increase is not None:
@@ -1345,13 +1347,13 @@ def _check_cp_options(args: argparse.Namespace) -> None:
 
 def _ep_options(args: argparse.Namespace) -> dict:
     """--ep, --ep-fold, --expert-tp as `workflow.constraints_from` keywords ("auto": None); with --run, EP
-    plans keep dp_style ddp (`Constraints.ep_ddp_only`: the one style the runtime runs expert parallelism
+    plans keep dp_style ddp (`Constraints.runs_here`: the one style the runtime runs expert parallelism
     with)."""
     fold = getattr(args, "ep_fold", "auto")
     return {
         "ep": getattr(args, "ep", None),
         "ep_fold": None if fold == "auto" else fold,
-        "ep_ddp_only": bool(getattr(args, "run", False)),
+        "runs_here": bool(getattr(args, "run", False)),
         "expert_tp": getattr(args, "expert_tp", None),
     }
 

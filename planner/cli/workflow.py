@@ -415,12 +415,12 @@ def constraints_from(
     cp_load_balance: bool | None = None,
     ep: int | None = None,
     ep_fold: str | None = None,
-    ep_ddp_only: bool = False,
+    runs_here: bool = False,
     expert_tp: int | None = None,
 ) -> Constraints:
     """Constraints from CLI options (`--ladder` read by `LadderPolicy.parse`; None: the search chooses;
     `cp`, `cp_comm_type`, `cp_load_balance`: --cp, --cp-comm-type, --cp-load-balance; `ep`, `ep_fold`:
-    --ep, --ep-fold, `ep_ddp_only` (--run: `Constraints.ep_ddp_only`); `expert_tp`: --expert-tp;
+    --ep, --ep-fold, `runs_here` (--run: `Constraints.runs_here`); `expert_tp`: --expert-tp;
     with `dp_shard` (--dp-shard) a given `dp` is the replicate degree: the mesh has dp x dp_shard DP ranks;
     `layout`: --layout, "auto" or "megatron", `Constraints.layout`). Raises InputError for a malformed
     --ladder, an unknown --schedule, --recompute or --layout, or a --virtual-stages without the
@@ -435,7 +435,7 @@ def constraints_from(
         reshard_after_forward=reshard_after_forward, tp_comm_overlap=tp_comm_overlap,
         overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather, cp=cp,
         cp_comm_type=cp_comm_type, cp_load_balance=cp_load_balance, ep=ep, ep_fold=ep_fold,
-        ep_ddp_only=ep_ddp_only, expert_tp=expert_tp,
+        runs_here=runs_here, expert_tp=expert_tp,
     )  # fmt: skip
 
 

@@ -355,12 +355,13 @@ class Constraints:
     # --cp-comm-type (`CP_COMM_TYPES`) and --cp-load-balance on|off; None: the search prices each
     cp_comm_type: str | None = None
     cp_load_balance: bool | None = None
-    # expert parallelism (--ep, --ep-fold dp|tp; None: the search chooses, 1 turns it off); ep_ddp_only:
-    # the plan is to run here (--run), whose runtime runs EP with dp_style ddp only, so EP candidates
-    # keep ddp (the search otherwise prices the sharded styles with EP too, as Megatron-Core runs them)
+    # expert parallelism (--ep, --ep-fold dp|tp; None: the search chooses, 1 turns it off)
     ep: int | None = None
     ep_fold: str | None = None
-    ep_ddp_only: bool = False
+    # the plan is to run here (--run): the search leaves out what this runtime does not run and Megatron-Core
+    # or torchtitan would (EP candidates keep dp_style ddp, the one style it runs EP with; fp32 main
+    # gradients keep ddp or zero1); otherwise it prices those too, as an export runs them
+    runs_here: bool = False
     # expert tensor parallelism (--expert-tp): 1 keeps the routed experts whole on every TP rank, the TP
     # degree splits them over the TP ranks (EP over dp only); None: the search prices both
     expert_tp: int | None = None

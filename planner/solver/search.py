@@ -666,7 +666,7 @@ def _check_pinned_ep(search: _Search) -> None:
         )
     styles = c.dp_styles()
     one_replica = c.dp is not None and c.dp * (c.cp or 1) == 1  # every style is ddp there
-    if c.ep_ddp_only and search.workload.train and DataParallel.DDP not in styles and not one_replica:
+    if c.runs_here and search.workload.train and DataParallel.DDP not in styles and not one_replica:
         raise InputError(
             f"--ep {c.ep} with --run: the runtime runs expert parallelism with --dp-style ddp only, and the "
             f"options allow {', '.join(str(s) for s in styles)}; pin --dp-style ddp (or leave it out), or plan "
@@ -1243,13 +1243,24 @@ def _style_runs(search: _Search, mesh: MeshShape, style: DataParallel, ep: int =
     """Whether the runtime runs `style` on `mesh`: sharded gradients (zero2, fsdp) of a parameter tied
     across pipeline stages (an embedding shared with the LM head) cannot be summed between the stages,
     so those are left out of the plan space (the runtime refuses them). With expert parallelism
-    (`ep` > 1) and a plan to run here (`Constraints.ep_ddp_only`, --run): ddp only, the one style the
-    runtime runs EP with."""
+    (`ep` > 1) and a plan to run here (`Constraints.runs_here`, --run): ddp only, the one style the
+    runtime runs EP with; fp32 main gradients of 16-bit parameters to run here: ddp or zero1."""
     tied = search.structure.tied_lm_head and mesh.pp > 1
     train_dp = search.workload.train and mesh.dp_cp > 1
-    if ep > 1 and search.constraints.ep_ddp_only and train_dp and style is not DataParallel.DDP:
+    if ep > 1 and search.constraints.runs_here and train_dp and style is not DataParallel.DDP:
         return False
+    if search.constraints.runs_here and train_dp and style.shards_gradients and _main_grads(search):
+        return False  # fp32 main gradients run with ddp and zero1 (`runtime.data_parallel._MainGrads`)
     return not (tied and style.shards_gradients and train_dp)
+
+
+def _main_grads(search: _Search) -> bool:
+    """Whether the search's workload trains 16-bit parameters with fp32 main gradients
+    (`WorkloadSpec.grad_reduce_dtype`; the dtype: the workload's, else the model's)."""
+    w = search.workload
+    return (
+        w.train and w.grad_reduce_dtype == "fp32" and (w.dtype or search.structure.dtype) in ("bf16", "fp16")
+    )
 
 
 # how much a data-parallel style asks of the runtime, for ties: ddp < zero1 < zero2 < fsdp < hsdp
