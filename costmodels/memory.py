@@ -138,7 +138,11 @@ def dp_state_bytes(
 
 
 def fsdp_unit_bytes(
-    layer_params: float, outside_params: float, dtype: str, reshard_after_forward: bool = True
+    layer_params: float,
+    outside_params: float,
+    dtype: str,
+    reshard_after_forward: bool = True,
+    grad_dtype: str | None = None,
 ) -> float:
     """FSDP working memory per rank beyond `dp_state_bytes`: the wrapping units gathered at once, for
     layers of ``layer_params`` parameters and the unit outside the layers (embedding, final norm, LM
@@ -148,8 +152,12 @@ def fsdp_unit_bytes(
     computing and the one prefetched, FSDP2's default of one unit ahead), and one layer's unsharded
     gradients before their reduce-scatter. Without reshard every gathered parameter is already
     counted whole by `dp_state_bytes`, so only the gradients. Measured on gloo ranks
-    (tests/test_sharded_dp.py): the outside unit and two layers gathered at the peak."""
+    (tests/test_sharded_dp.py): the outside unit and two layers gathered at the peak. ``grad_dtype``
+    "fp32" with 16-bit parameters: those gradients are also cast to fp32 for their reduce-scatter
+    (torchtitan's FSDP reduce_dtype float32; `passes.fsdp.FsdpRuntime.reduce`), both held at once."""
     grads = grad_bytes(layer_params + outside_params, dtype)
+    if grad_dtype is not None and grad_dtype != dtype:
+        grads += grad_bytes(layer_params + outside_params, grad_dtype)
     if not reshard_after_forward:
         return grads
     return param_bytes(2 * layer_params + outside_params, dtype) + grads

@@ -465,8 +465,9 @@ class FsdpRuntime:
     """The FSDP2-style runtime of an `apply_fsdp`-rewritten module (module docstring).
 
     layout: its `FsdpLayout`. shards: the module's shard parameters, by bucket index. grads: this
-    rank's gradient shard of each bucket (same size and dtype as its shard), into which the mean
-    over all `dp` ranks is accumulated. shard_group / replicate_group: the process groups (None: a
+    rank's gradient shard of each bucket (its shard's size; its dtype, or fp32 for a 16-bit shard with
+    the plan's fp32 gradients: the reduce-scatter and the HSDP all-reduce then run in that dtype),
+    into which the mean over all `dp` ranks is accumulated. shard_group / replicate_group: the process groups (None: a
     single rank). Call `attach(gm)` once, `finish()` after the backward(s) and before reading the
     gradients or stepping (collective: every rank calls it). `counts`: the collectives issued
     ("all_gather", "reduce_scatter", "all_reduce"), and of the gathers those issued ahead of their
@@ -601,7 +602,8 @@ class FsdpRuntime:
         stale = self._pending.pop(k, None)  # prefetched but not used in this backward
         if stale is not None and stale.work is not None:
             stale.work.wait()
-        grad = grad.detach().contiguous()
+        # in the gradient shard's dtype: fp32 with the plan's fp32 gradients (torchtitan's reduce_dtype)
+        grad = grad.detach().contiguous().to(self.grads[k].dtype)
         b = self.layout.buckets[k]
         self.counts["reduce_scatter"] += 1
         if self.shard_group is None:

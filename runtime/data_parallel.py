@@ -966,11 +966,15 @@ class _BucketAdam(_AdamOnRanks):
     shard_rank: int
     lr: float
 
-    def _build_stores(self, slices: Sequence[torch.Tensor], lr: float, shared_values: bool) -> None:
+    def _build_stores(
+        self, slices: Sequence[torch.Tensor], lr: float, shared_values: bool, reduce_fp32: bool = False
+    ) -> None:
         """slices[k]: this rank's slice of bucket k (its dtype, `shard_numel` elements). shared_values
         (FSDP): the slices of one dtype are copied into one flat store, which `_values` views (the
         caller re-points its shard parameters there) and Adam steps as one tensor; otherwise (ZeRO-2:
-        views of the parameters' flat buckets) they are stepped as they are."""
+        views of the parameters' flat buckets) they are stepped as they are. reduce_fp32 (the plan's
+        fp32 gradients): the 16-bit dtypes' gradient slices are fp32, and the reduce-scatters that fill
+        them run in fp32 (`grad_dtype`; torchtitan's FSDP `mixed_precision_reduce` float32)."""
         self._where: dict[int, int] = {}  # bucket -> its offset in its dtype's flat buffers
         self._grads: dict[torch.dtype, torch.Tensor] = {}
         self._masters: dict[torch.dtype, torch.Tensor] = {}
@@ -983,7 +987,8 @@ class _BucketAdam(_AdamOnRanks):
             for b, _ in members:
                 self._where[b.index] = offset
                 offset += b.shard_numel
-            grads = self._grads[dtype] = torch.zeros(offset, dtype=dtype, device=members[0][1].device)
+            grad_dtype = torch.float32 if reduce_fp32 and dtype in HALF_DTYPES else dtype
+            grads = self._grads[dtype] = torch.zeros(offset, dtype=grad_dtype, device=members[0][1].device)
             if shared_values:
                 store = torch.cat([v for _, v in members])
                 self._store.append(store)
@@ -1003,6 +1008,15 @@ class _BucketAdam(_AdamOnRanks):
         self.lr = lr
         self.adam = _adam([t for t, _ in stepped], lr)
         self._reduced = False
+
+    def grad_dtype(self, k: int) -> torch.dtype:
+        """The dtype bucket k's gradients are reduced and accumulated in: its gradient slice's."""
+        return self._grads[self.buckets[k].dtype].dtype
+
+    def _fp32_note(self) -> str:
+        """', gradients reduce-scattered and accumulated in fp32' when the 16-bit ones are ('' else)."""
+        fp32 = any(b.dtype in HALF_DTYPES and self.grad_dtype(b.index) == torch.float32 for b in self.buckets)
+        return "; the 16-bit parameters' gradients reduce-scattered and accumulated in fp32" if fp32 else ""
 
     def slice_values(self, k: int) -> torch.Tensor:
         return self._values[k]
@@ -1083,6 +1097,7 @@ class Zero2Adam(_BucketAdam):
     def __init__(
         self, module: nn.Module, units: Sequence[str], group: dist.ProcessGroup, dp: int, dp_rank: int,
         lr: float = 1e-3, *, overlap_grad_reduce: bool = True, overlap_param_gather: bool = False,
+        main_grads: bool = False,
     ):  # fmt: skip
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
@@ -1102,7 +1117,7 @@ class Zero2Adam(_BucketAdam):
             flat[dp_rank * b.shard_numel : (dp_rank + 1) * b.shard_numel]
             for b, flat in zip(self.buckets, self._flats)
         ]
-        self._build_stores(slices, lr, shared_values=False)
+        self._build_stores(slices, lr, shared_values=False, reduce_fp32=main_grads)
         self._ready: list[set[int]] = [set() for _ in self.buckets]
         self._scatters: deque[tuple[int, torch.Tensor, torch.Tensor, Any]] = deque()
         self._end_queued = False
@@ -1137,7 +1152,7 @@ class Zero2Adam(_BucketAdam):
         b, members = self.buckets[k], self._members[k]
         flat = DistributedAdam._flat(
             [p.grad if p.grad is not None else torch.zeros_like(p) for p in members], b.padded_numel
-        )
+        ).to(self.grad_dtype(k))  # fp32 gradients: the unit's reduce-scatter in fp32
         for p in members:
             p.grad = None  # only this rank's slice is kept
         self._ready[k].clear()
@@ -1244,7 +1259,8 @@ class Zero2Adam(_BucketAdam):
             f"optimizer: ZeRO-2, gradients and Adam state sharded over the {self.dp} data-parallel ranks"
             f"{_mixed_note(self.params)}; each unit's gradients ({len(self.buckets)} units: a layer each, one "
             f"for the parameters outside the layers) reduce-scattered as the backward finishes them {scatter}, "
-            f"the full gradients freed; {gather}; collectives in the checked step: {_counts_text(self.counts)}"
+            f"the full gradients freed; {gather}{self._fp32_note()}; collectives in the checked step: "
+            f"{_counts_text(self.counts)}"
         )
 
 
@@ -1267,6 +1283,7 @@ class FsdpAdam(_BucketAdam):
         dp: int,
         reshard_after_forward: bool = True,
         lr: float = 1e-3,
+        main_grads: bool = False,
     ):
         layout = fsdp_layout(module)
         assert layout is not None, "FsdpAdam needs a module rewritten by passes.fsdp.apply_fsdp"
@@ -1274,7 +1291,7 @@ class FsdpAdam(_BucketAdam):
         self.buckets = layout.buckets
         shards = [module.get_parameter(layout.shard_name(b.index)) for b in self.buckets]
         self.params = shards
-        self._build_stores(shards, lr, shared_values=True)
+        self._build_stores(shards, lr, shared_values=True, reduce_fp32=main_grads)
         for b, shard in zip(self.buckets, shards):  # the shards live in the flat stores from now on
             shard.data = self.slice_values(b.index)
         self.runtime = FsdpRuntime(
@@ -1325,7 +1342,7 @@ class FsdpAdam(_BucketAdam):
             f"optimizer: fsdp, parameters, gradients and Adam state sharded over {shard} ranks{hsdp}"
             f"{_mixed_note(self.params)}; {len(self.buckets)} units (a layer each, one for the parameters "
             f"outside the layers), {gathered}, the next unit's gather prefetched (async), gradients "
-            "reduce-scattered as each unit's backward ends (async, waited before the step); collectives "
+            f"reduce-scattered as each unit's backward ends (async, waited before the step){self._fp32_note()}; collectives "
             f"in the checked step: {_counts_text(self.counts)}; at most "
             f"{self.runtime.peak_gathered_bytes / 2**10:.1f} KiB of gathered parameters alive at once "
             f"(largest unit {largest / 2**10:.1f} KiB)"
@@ -1441,11 +1458,6 @@ def build_plan_optimizer(
     `runtime.mesh`): the CP ranks' gradients are partial sums over their tokens, scaled by cp in the
     graph (`passes.cp_lower`), so the mean over dp x cp is the whole batch's gradient."""
     style = DataParallel(plan.dp_style)
-    if main_grads(plan) and style.shards_gradients:
-        raise InputError(
-            f"plan field 'grad_reduce_dtype' is fp32 with dp_style {style}: this runtime keeps fp32 main gradients "
-            "with dp_style ddp or zero1; plan with one of those, or without --grad-reduce-dtype fp32"
-        )
     if style is DataParallel.FSDP:
         return FsdpAdam(
             module,
@@ -1453,11 +1465,13 @@ def build_plan_optimizer(
             groups.group("dp_replicate"),
             plan.mesh.dp_cp,
             plan.reshard_after_forward,
+            main_grads=main_grads(plan),
         )
     if style is DataParallel.ZERO2:
         optimizer = Zero2Adam(
             module, units, groups.group("dp_cp"), plan.mesh.dp_cp, groups.dp_cp_rank,
             overlap_grad_reduce=plan.overlap_grad_reduce, overlap_param_gather=plan.overlap_param_gather,
+            main_grads=main_grads(plan),
         )  # fmt: skip
     elif getattr(plan, "ep", 1) > 1:
         if style is not DataParallel.DDP:

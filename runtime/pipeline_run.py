@@ -208,8 +208,9 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
         if sharded:  # the held state beside the memory model's, and the checked step's collectives
             report.state_bytes = state_bytes(optimizer.held_tensors())
             report.predicted_state_bytes = dp_state_bytes(
-                optimizer.state_params(), plan.dtype, plan.dp_style, plan.dp_shard * plan.cp
-            )
+                optimizer.state_params(), plan.dtype, plan.dp_style, plan.dp_shard * plan.cp,
+                grad_dtype=state_grad_dtype(plan),
+            )  # fmt: skip
             report.dp_collectives = dict(optimizer.counts)
             report.gathered_peak_bytes = optimizer.peak_gathered_bytes
         else:  # ddp / zero1: the same record (the trainable parameters of this rank's chunks)

@@ -29,7 +29,6 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from costmodels.dtypes import torch_dtype
-from costmodels.memory import DataParallel
 from passes import collectives, expert_parallel, tp_overlap
 from passes.lower import RankLowering
 from passes.recompute import recompute_note
@@ -98,31 +97,12 @@ def dropout_note(gm: fx.GraphModule) -> str:
     )
 
 
-def check_grad_reduce_runs(grad_reduce_dtype: str, dtype: str, field: str, dp_style: str | None) -> None:
-    """Raise InputError naming `field` when training gradients of `dtype` parameters are to be
-    accumulated and reduced in fp32 (`Plan.grad_reduce_dtype`) with a data-parallel style that shards
-    the gradients (`dp_style` zero2 or fsdp; None: not known yet, nothing to check): this runtime keeps
-    fp32 main gradients with ddp and zero1 (`runtime.data_parallel._MainGrads`); ZeRO-2's and FSDP's
-    reduce-scatter their 16-bit gradients unit by unit."""
-    if grad_reduce_dtype != "fp32" or dtype not in ("bf16", "fp16") or dp_style is None:
-        return
-    style = DataParallel(dp_style)
-    if style.shards_gradients:
-        raise InputError(
-            f"{field} is fp32 with dp_style {style}: this runtime accumulates and reduces fp32 main gradients "
-            f"with dp_style ddp or zero1, and {style} reduce-scatters the {dtype} gradients as the backward makes "
-            "them; to run it here, plan with --dp-style ddp or zero1 (or leave --dp-style out with --run), or "
-            "without --grad-reduce-dtype fp32; the plan as it is prices what an export runs (planner export)"
-        )
-
-
 def check_plan_runs(plan: Plan, workload: str) -> None:
     """Raise InputError naming the plan field when the runtime cannot run `plan` as planned for
     `workload` ("forward" | "train"): 1F1B with fewer micro-batches than pipeline stages, interleaved
     1F1B with micro-batches that do not divide into its rounds (torch's `ScheduleInterleaved1F1B`
     needs micro_batches % max(1, micro_batches // pp) == 0), a sharded `dp_style` on a workload
-    without an optimizer step, or fp32 gradient reduction of 16-bit parameters (`Plan.grad_reduce_dtype`)
-    with zero2 or fsdp (`check_grad_reduce_runs`). zero2 / fsdp with pipeline stages run (`runtime.pipeline_run`: each
+    without an optimizer step. zero2 / fsdp with pipeline stages run (`runtime.pipeline_run`: each
     model chunk's units its own); only tied parameters across stages are refused there, on the ranks
     (`RankLowering.tied` is known once the graph is split). Called before the ranks start and on
     every rank."""
@@ -139,9 +119,6 @@ def check_plan_runs(plan: Plan, workload: str) -> None:
             f"ScheduleInterleaved1F1B) runs micro-batches in rounds of max(1, m // pp) = {rounds}, which must "
             f"divide m = {m}; re-plan with micro_batches a multiple of pp={pp}"
         )
-    if workload == "train":
-        style = plan.dp_style if plan.mesh.dp_cp > 1 else None  # one replica: no gradient to reduce
-        check_grad_reduce_runs(plan.grad_reduce_dtype, plan.dtype, "plan field 'grad_reduce_dtype'", style)
     if plan.distributed_optimizer and workload != "train":
         raise InputError(
             f"plan field 'dp_style' is {plan.dp_style} but the run's workload is {workload}: there is no "

@@ -396,11 +396,10 @@ def test_pins_that_cannot_apply_say_so(example_path) -> None:
     assert r.returncode == 2 and "dp(4 replicas x 4 shards) = 16 devices" in _said(r), _said(r)
 
 
-def test_fp32_gradients_are_priced_said_and_run_with_ddp_or_zero1(example_path, tmp_path) -> None:
+def test_fp32_gradients_are_priced_said_and_no_effect_without_16_bit_training(example_path, tmp_path) -> None:
     """--grad-reduce-dtype fp32 (Megatron-LM's bf16 default) plans a bf16 training step whose gradients
-    are reduced in fp32 and shows it; with --run and a style that shards the gradients (fsdp) it is
-    refused before any planning (this runtime keeps fp32 main gradients with ddp and zero1), and on a
-    forward workload it is said to have no effect."""
+    are reduced in fp32 and shows it; on a forward workload, or with fp32 training, it is said to have
+    no effect."""
     llama = str(example_path("llama3"))
     common = ["--cluster", "local-cpu", "--nproc", "2", "--dp", "2", "--batch-size", "2", "--seq-len", "16"]
     out = tmp_path / "p.yaml"
@@ -408,10 +407,6 @@ def test_fp32_gradients_are_priced_said_and_run_with_ddp_or_zero1(example_path, 
                 "fp32", "--out", str(out))  # fmt: skip
     assert r.returncode == 0 and "fp32 gradients" in r.stdout, _said(r)
     assert "grad_reduce_dtype: fp32" in out.read_text()
-    r = planner("optimize", llama, *common, "--workload", "train", "--dtype", "bf16", "--grad-reduce-dtype",
-                "fp32", "--dp-style", "fsdp", "--run")  # fmt: skip
-    said = _said(r)
-    assert r.returncode == 2 and "with dp_style ddp or zero1" in said and "solver" not in r.stdout, said
     r = planner("optimize", llama, *common, "--grad-reduce-dtype", "fp32")
     assert r.returncode == 0 and "--grad-reduce-dtype fp32 had no effect" in _said(r), _said(r)
     r = planner(
@@ -421,17 +416,33 @@ def test_fp32_gradients_are_priced_said_and_run_with_ddp_or_zero1(example_path, 
 
 
 @pytest.mark.slow
+def test_fp32_gradients_run_with_fsdp(example_path) -> None:
+    """A bf16 training plan with fp32 gradients and FSDP runs: each unit's gradient is reduce-scattered
+    in fp32 into fp32 gradient shards (torchtitan's mixed_precision_reduce float32), and the run passes
+    the numerics check with the fp32 gradient state the memory model prices."""
+    llama = str(example_path("llama3"))
+    r = planner("optimize", llama, "--cluster", "local-cpu", "--nproc", "2", "--dp", "2", "--batch-size", "2",
+                "--seq-len", "16", "--workload", "train", "--dtype", "bf16", "--grad-reduce-dtype", "fp32",
+                "--dp-style", "fsdp", "--run")  # fmt: skip
+    said = _said(r)
+    assert r.returncode == 0, said
+    assert "reduce-scattered and accumulated in fp32" in said, said
+    assert re.search(r"training state / rank \(parameters, gradients, Adam\) │ ([0-9.]+ \w+) │ \1 │", said), (
+        said
+    )
+
+
+@pytest.mark.slow
 def test_fp32_main_gradients_run_through_a_pipeline_with_tied_weights(example_path) -> None:
     """A bf16 GPT-2 (LM head tied to the embedding, a copy on each of 2 stages) with fp32 main
     gradients, ZeRO-1 over dp 2 and 2 micro-batches runs and passes the numerics check: the tied copies'
     gradients, summed between the stages after the schedule scaled them by 1 / micro-batches, join the
     unscaled main gradients at the reduction (`runtime.data_parallel._MainGrads._adopt_main`; without
-    that rescaling this run fails the check). With --run and no --dp-style the search keeps to ddp and
-    zero1 (`Constraints.runs_here`)."""
+    that rescaling this run fails the check)."""
     gpt2 = str(example_path("gpt2_tiny"))
     r = planner("optimize", gpt2, "--cluster", "local-cpu", "--nproc", "4", "--pp", "2", "--dp", "2",
                 "--batch-size", "8", "--seq-len", "16", "--micro-batches", "2", "--workload", "train", "--dtype",
-                "bf16", "--grad-reduce-dtype", "fp32", "--run")  # fmt: skip
+                "bf16", "--grad-reduce-dtype", "fp32", "--dp-style", "zero1", "--run")  # fmt: skip
     said = _said(r)
     assert r.returncode == 0, said
     assert "accumulated and reduced in fp32 (main gradients" in said, said

@@ -339,8 +339,7 @@ def test_fp32_gradients_are_a_plan_field_that_round_trips_prices_and_is_refused_
 ) -> None:
     """A train plan priced with fp32 gradients says so (`Plan.grad_reduce_dtype`), round-trips through
     YAML, changes its digest (a param plan's digest is as before the field), is refused on a forward
-    plan and with an unknown dtype, and `planner run`'s check runs it with zero1 and refuses it with fsdp
-    (this runtime keeps fp32 main gradients with ddp and zero1)."""
+    plan and with an unknown dtype, and `planner run`'s check lets it run."""
     from runtime.run_mode import check_plan_runs  # noqa: PLC0415
 
     structure = analysed_llama("8b")
@@ -374,10 +373,7 @@ def test_fp32_gradients_are_a_plan_field_that_round_trips_prices_and_is_refused_
     forward.update(dp_style="ddp", dp_shard=1, overlap_grad_reduce=False, overlap_param_gather=False)
     with pytest.raises(InputError, match="grad_reduce_dtype.*has no gradients"):
         Plan.from_dict(forward)
-    check_plan_runs(fp32, "train")  # zero1 runs fp32 main gradients here (`runtime.data_parallel._MainGrads`)
+    check_plan_runs(fp32, "train")  # runs here (`runtime.data_parallel._MainGrads`, fp32 reduce-scatters)
     check_plan_runs(param, "train")
-    sharded = dataclasses.replace(fp32, dp_style=DataParallel.FSDP)
-    with pytest.raises(InputError, match="grad_reduce_dtype' is fp32 with dp_style fsdp.*ddp or zero1"):
-        check_plan_runs(sharded, "train")
     with pytest.raises(InputError, match="grad-reduce-dtype"):
         WorkloadSpec("train", 8, 4096, grad_reduce_dtype="bf16")

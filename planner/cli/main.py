@@ -547,11 +547,6 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             "--pp 1 --dp 1 to run it, or leave out --run to plan and price it"
         )
     _check_run_decode_ep(args)
-    if args.run and args.workload == "train" and args.grad_reduce_dtype == "fp32" and args.dtype:
-        from runtime.run_mode import check_grad_reduce_runs  # noqa: PLC0415
-
-        pinned_style = None if args.dp_style == "auto" else args.dp_style
-        check_grad_reduce_runs("fp32", args.dtype, "--grad-reduce-dtype", pinned_style)  # before tracing
     if args.weights and not (args.run or args.data or args.emit):  # read by a run, --emit, a loss budget
         _warn(
             [
@@ -664,15 +659,6 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         )
         if args.run:
             _check_runs_here(args, cluster)
-            if prepared.workload.train and prepared.workload.grad_reduce_dtype == "fp32":
-                from runtime.run_mode import check_grad_reduce_runs  # noqa: PLC0415
-
-                styles = constraints.dp_styles()  # the search leaves out the others (`Constraints.runs_here`)
-                sharded = all(s.shards_gradients for s in styles) and constraints.dp != 1
-                check_grad_reduce_runs(
-                    "fp32", prepared.workload.dtype or prepared.structure.dtype, "--grad-reduce-dtype",
-                    str(styles[0]) if sharded else None,
-                )  # fmt: skip
         source = workflow.cluster_source(args.cluster, nproc)
         budget = None
         if constraints.ladder.max_loss_increase is not None:

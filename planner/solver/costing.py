@@ -2112,7 +2112,9 @@ def fsdp_transient_bytes(ctx: CostContext) -> float:
         outside += s.lm_head.in_features * s.lm_head.out_features
     outside += sum(p.in_features * p.out_features for p in s.mlp_chain)
     outside = max(0, outside - (s.num_frozen_params - sum(layer.frozen_params for layer in s.layers)))
-    return memory.fsdp_unit_bytes(layer_params / tp, outside / tp, ctx.dtype, ctx.reshard_after_forward)
+    return memory.fsdp_unit_bytes(
+        layer_params / tp, outside / tp, ctx.dtype, ctx.reshard_after_forward, grad_dtype=ctx.grad_dtype
+    )
 
 
 def _all_projections(s: ModelStructure) -> list[Projection]:

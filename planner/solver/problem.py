@@ -359,8 +359,8 @@ class Constraints:
     ep: int | None = None
     ep_fold: str | None = None
     # the plan is to run here (--run): the search leaves out what this runtime does not run and Megatron-Core
-    # or torchtitan would (EP candidates keep dp_style ddp, the one style it runs EP with; fp32 main
-    # gradients keep ddp or zero1); otherwise it prices those too, as an export runs them
+    # would (EP candidates keep dp_style ddp, the one style it runs EP with); otherwise it prices those
+    # too, as an export runs them
     runs_here: bool = False
     # expert tensor parallelism (--expert-tp): 1 keeps the routed experts whole on every TP rank, the TP
     # degree splits them over the TP ranks (EP over dp only); None: the search prices both

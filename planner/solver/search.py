@@ -1244,23 +1244,12 @@ def _style_runs(search: _Search, mesh: MeshShape, style: DataParallel, ep: int =
     across pipeline stages (an embedding shared with the LM head) cannot be summed between the stages,
     so those are left out of the plan space (the runtime refuses them). With expert parallelism
     (`ep` > 1) and a plan to run here (`Constraints.runs_here`, --run): ddp only, the one style the
-    runtime runs EP with; fp32 main gradients of 16-bit parameters to run here: ddp or zero1."""
+    runtime runs EP with."""
     tied = search.structure.tied_lm_head and mesh.pp > 1
     train_dp = search.workload.train and mesh.dp_cp > 1
     if ep > 1 and search.constraints.runs_here and train_dp and style is not DataParallel.DDP:
         return False
-    if search.constraints.runs_here and train_dp and style.shards_gradients and _main_grads(search):
-        return False  # fp32 main gradients run with ddp and zero1 (`runtime.data_parallel._MainGrads`)
     return not (tied and style.shards_gradients and train_dp)
-
-
-def _main_grads(search: _Search) -> bool:
-    """Whether the search's workload trains 16-bit parameters with fp32 main gradients
-    (`WorkloadSpec.grad_reduce_dtype`; the dtype: the workload's, else the model's)."""
-    w = search.workload
-    return (
-        w.train and w.grad_reduce_dtype == "fp32" and (w.dtype or search.structure.dtype) in ("bf16", "fp16")
-    )
 
 
 # how much a data-parallel style asks of the runtime, for ties: ddp < zero1 < zero2 < fsdp < hsdp
