@@ -204,9 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--grad-reduce-dtype",
         default="param",
         choices=list(GRAD_REDUCE_DTYPES),
-        help="training: the dtype gradients are accumulated and reduced in: param (the parameters' dtype, what "
-        "--run runs) or fp32 (Megatron-LM's default with --bf16, torchtitan's mixed_precision_reduce float32: "
-        "priced for an export; --run refuses it)",
+        help="training: the dtype gradients are accumulated and reduced in: param (the parameters' dtype) or "
+        "fp32 (Megatron-LM's default with --bf16, torchtitan's mixed_precision_reduce float32; --run runs it "
+        "so: fp32 main gradients with ddp / zero1, fp32 reduce-scatters with zero2 / fsdp)",
     )
     opt.add_argument(
         "--dp-style",

@@ -372,8 +372,9 @@ def _dp_args(plan: Plan, form: str) -> list[str]:
 
 def _main_grads_warning(plan: Plan) -> str:
     """Megatron-LM's --bf16 keeps fp32 main gradients (its --accumulate-allreduce-grads-in-fp32 is on
-    for bf16), 2 bytes per parameter more than the plan's 16-bit gradients (the planner's runtime
-    keeps them in the parameters' dtype, as ZeRO's 16-byte mixed-precision count does)."""
+    for bf16), 2 bytes per parameter more than the plan's 16-bit gradients (a plan made with
+    --grad-reduce-dtype param: priced, and run here, in the parameters' dtype, as ZeRO's 16-byte
+    mixed-precision count does)."""
     # a rank's share of the parameters, bytes: the dense ones split over tp x pp, the routed experts over
     # ep x expert_tp x pp (whole at expert TP 1)
     dense = plan.model_params - plan.expert_params
