@@ -1483,7 +1483,8 @@ def build_plan_optimizer(
         named = list(module.named_parameters())
         optimizer = ReplicatedAdam(
             [p for _, p in named], groups.group("dp_cp"), plan.mesh.dp_cp, named=named, units=units,
-            overlap_grad_reduce=plan.overlap_grad_reduce, expert=[p for n, p in named if n in names],
+            overlap_grad_reduce=plan.overlap_grad_reduce, micro_batches=plan.micro_batches,
+            expert=[p for n, p in named if n in names],
             expert_group=groups.group("edp") if plan.ep_fold == "dp" else groups.group("dp_cp"),
             main_grads=main_grads(plan),
         )  # fmt: skip

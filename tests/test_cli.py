@@ -409,10 +409,30 @@ def test_fp32_gradients_are_priced_said_and_no_effect_without_16_bit_training(ex
     assert "grad_reduce_dtype: fp32" in out.read_text()
     r = planner("optimize", llama, *common, "--grad-reduce-dtype", "fp32")
     assert r.returncode == 0 and "--grad-reduce-dtype fp32 had no effect" in _said(r), _said(r)
-    r = planner(
-        "optimize", llama, *common, "--workload", "train", "--dtype", "fp32", "--grad-reduce-dtype", "fp32"
-    )
+    fp32 = tmp_path / "fp32.yaml"
+    r = planner("optimize", llama, *common, "--workload", "train", "--dtype", "fp32", "--grad-reduce-dtype", "fp32",
+                "--out", str(fp32))  # fmt: skip
     assert r.returncode == 0 and "fp32 had no effect: the plan trains in fp32" in _said(r), _said(r)
+    assert "fp32 gradients" not in r.stdout and "grad_reduce_dtype: fp32" not in fp32.read_text(), _said(r)
+    # one replica: the micro-batches' gradients still accumulate in fp32, and the table says so
+    one = [
+        "--cluster",
+        "local-cpu",
+        "--nproc",
+        "2",
+        "--pp",
+        "2",
+        "--dp",
+        "1",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+    ]
+    r = planner(
+        "optimize", llama, *one, "--workload", "train", "--dtype", "bf16", "--grad-reduce-dtype", "fp32"
+    )
+    assert r.returncode == 0 and "one replica; fp32 gradients" in _said(r), _said(r)
 
 
 @pytest.mark.slow

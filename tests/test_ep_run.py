@@ -82,7 +82,8 @@ def run_labelled(ctx: RankContext, jobs: list[tuple[str, RunJob, bool]]) -> dict
 TWO_RANK = {  # label: (model, plan kwargs)
     "ep2_modulelist": (MODULELIST, dict(tp=1, dp=2, ep=2)),
     "ep2_gptfast": (GPTFAST, dict(tp=1, dp=2, ep=2)),
-    "ep2_mixtral": (MIXTRAL, dict(tp=1, dp=2, ep=2)),
+    # overlap_grad_reduce over 2 micro-batches: the buckets wait for the last micro-batch's gradients
+    "ep2_mixtral_overlap_m2": (MIXTRAL, dict(tp=1, dp=2, ep=2, m=2, overlap_grad_reduce=True)),
     "ep2_modulelist_forward": (MODULELIST, dict(tp=1, dp=2, ep=2, workload="forward")),
     "ep2_top1_modulelist": (TOP1, dict(tp=1, dp=2, ep=2)),
     "ep2_over_tp2_mixtral": (MIXTRAL, dict(tp=2, dp=1, ep=2, ep_fold="tp")),

@@ -679,7 +679,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
                 f"--schedule {args.schedule} had no effect: the plan has one pipeline stage (pp=1); pin --pp 2 or more"
             ]
         )
-    if plan.grad_reduce_dtype == "fp32" and plan.dtype == "fp32":
+    if args.grad_reduce_dtype == "fp32" and plan.dtype == "fp32" and plan.workload == "train":
         _warn(
             [
                 "--grad-reduce-dtype fp32 had no effect: the plan trains in fp32, whose gradients are fp32 already"

@@ -716,9 +716,9 @@ def _training_rows(plan: Plan) -> list[tuple[str, str, str]]:
          f"{bl['micro_batches']} × {bl['micro_batch_size']}" if bl else "-"),
         ("recompute", plan.recompute_text(), bl.get("recompute", "-") if bl else "-"),
         ("sequence parallel", on[plan.sequence_parallel], on.get(bl.get("sequence_parallel"), "-") if bl else "-"),
-        ("data parallel", plan.dp_style_text() + (f" over dp × cp = {plan.mesh.dp_cp}" if plan.cp > 1 else "")
-         + ("; fp32 gradients" if plan.grad_reduce_dtype == "fp32" else "")
-         if plan.mesh.dp_cp > 1 else "-",
+        ("data parallel", (plan.dp_style_text() + (f" over dp × cp = {plan.mesh.dp_cp}" if plan.cp > 1 else "")
+         if plan.mesh.dp_cp > 1 else "one replica" if plan.grad_reduce_dtype == "fp32" else "-")
+         + ("; fp32 gradients" if plan.grad_reduce_dtype == "fp32" else ""),
          (bl.get("dp_style") or on.get(bl.get("distributed_optimizer"), "-")) if bl and bl.get("dp") != "1" else "-"),
         ("communication overlap", overlap_text(plan.tp_comm_overlap, plan.overlap_grad_reduce, plan.overlap_param_gather),
          bl.get("overlap", "-") if bl else "-"),

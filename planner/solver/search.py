@@ -668,9 +668,14 @@ def _check_pinned_ep(search: _Search) -> None:
     one_replica = c.dp is not None and c.dp * (c.cp or 1) == 1  # every style is ddp there
     if c.runs_here and search.workload.train and DataParallel.DDP not in styles and not one_replica:
         raise InputError(
-            f"--ep {c.ep} with --run: the runtime runs expert parallelism with --dp-style ddp only, and the "
-            f"options allow {', '.join(str(s) for s in styles)}; pin --dp-style ddp (or leave it out), or plan "
-            "without --run (the plan, its price and its exports are not limited)"
+            f"--ep {c.ep} with --run: the runtime runs expert parallelism with --dp-style ddp only, and "
+            + (
+                f"--dp-style {c.dp_style} is pinned"
+                if c.dp_style is not None
+                else f"the options allow {', '.join(str(s) for s in styles)}"
+            )
+            + "; pin --dp-style ddp (or leave it out), or plan without --run (the plan, its price and its "
+            "exports are not limited)"
         )
     tp_fold_possible = c.ep_fold != "dp" and c.tp in (None, c.ep)
     cp_fixed = c.cp is not None or search.workload.seq_len < MIN_CP_SEQ_LEN  # else the search may add cp
@@ -1534,7 +1539,10 @@ def _plan_of(search: _Search, priced: PricedAssignment, model_name: str, solver:
         expert_tp=config.expert_tp,
         moe_imbalance=w.moe_imbalance,
         moe_capacity_factor=w.moe_capacity_factor,
-        grad_reduce_dtype=w.grad_reduce_dtype if w.train else "param",
+        # fp32 gradients of fp32 parameters are the parameters' own: recorded as "param"
+        grad_reduce_dtype=w.grad_reduce_dtype
+        if w.train and tables.ctx.dtype in ("bf16", "fp16")
+        else "param",
         num_experts=experts[0] if len(experts := expert_counts(s)) == 1 else 0,
         expert_params=sum(layer.moe.expert_params for layer in s.layers if layer.moe is not None),
         moe_top_k=agreed((layer.moe.top_k for layer in s.layers if layer.moe), 0),
