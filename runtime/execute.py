@@ -210,26 +210,30 @@ def _training_step(
     # the first output as the passes leave it (TP vocabulary shards, CP tokens): the loss runs on it (`runtime.loss`)
     layout = loss_layout([gm], groups.tp_rank, plan.cp)
     with dropout_disabled(gm):  # like with like: the reference ran with dropout off too
-        outs = [all_outputs(gm(*part)) for part in parts]
-        whole = [(gathered_output(out[0], layout), *out[1:]) for out in outs] if layout.sharded else outs
-        replica_outs = _joined(whole, want, plan.dp * m)
-        if replica_outs is not None:
-            compare_outputs(replica_outs, want, reference, setup, report)
-        del whole
-        report.notes += expert_load_notes_of(gm, report.rank)
-        # its own memory: a view of the mapped outputs file would keep it mapped through the timed steps
-        target_full = want.read("target").to(outs[0][0].device, copy=True)
-        targets = []
-        for i, out in enumerate(outs):  # micro-batch i of replica r is share r * m + i of the batch
+        # each micro-batch's forward, then its backward, as the timed steps run them (so the checked
+        # step holds one micro-batch's activations and, FSDP without reshard, its gathered units)
+        kept, targets, loss = [], [], None
+        target_full = None
+        for i, part in enumerate(parts):
+            out = all_outputs(gm(*part))
+            first = gathered_output(out[0], layout) if layout.sharded else out[0]
+            kept.append(tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in (first, *out[1:])))
+            if target_full is None:  # its own memory: a view of the mapped file would keep it mapped
+                target_full = want.read("target").to(out[0].device, copy=True)
+            # micro-batch i of replica r is share r * m + i of the batch
             shape = full_shape(tuple(out[0].shape), layout)
             part_target = replica_share(target_full, shape, plan.dp * m, groups.dp_rank * m + i)
-            assert part_target is not None, "output 0 is a share of the unsharded output (checked above)"
+            assert part_target is not None, "output 0 is a share of the unsharded output (checked below)"
             targets.append(part_target)
-        losses = [output_loss(out[0], t, layout) / m for out, t in zip(outs, targets)]
-        for part_loss in losses:
+            part_loss = output_loss(out[0], part_target, layout) / m
             part_loss.backward()
-        loss = sum(part_loss.detach() for part_loss in losses)
-        del outs, losses
+            loss = part_loss.detach() if loss is None else loss + part_loss.detach()
+            del out, first, part_loss
+        replica_outs = _joined(kept, want, plan.dp * m)
+        if replica_outs is not None:
+            compare_outputs(replica_outs, want, reference, setup, report)
+        del kept
+        report.notes += expert_load_notes_of(gm, report.rank)
         optimizer.reduce_gradients()
     mean_loss = dp_mean(loss, plan.dp, dp_group)
     compare_loss(mean_loss, want, report)

@@ -98,7 +98,9 @@ def run_labelled(ctx: RankContext, payload: tuple[list[tuple[str, RunJob, bool]]
 
 TWO_RANK = {  # label: (model, plan kwargs)
     "fsdp": (LLAMA4, dict(style="fsdp", dp=2, shard=2)),
-    "fsdp_no_reshard": (LLAMA4, dict(style="fsdp", dp=2, shard=2, reshard_after_forward=False)),
+    # 2 micro-batches: each runs its forward and backward before the next (the checked step too), so one
+    # micro-batch's gathered units are alive at a time
+    "fsdp_no_reshard": (LLAMA4, dict(style="fsdp", dp=2, shard=2, reshard_after_forward=False, m=2, batch=4)),
     "fsdp_m2": (LLAMA2, dict(style="fsdp", dp=2, shard=2, m=2)),
     "fsdp_bf16": (LLAMA2, dict(style="fsdp", dp=2, shard=2, dtype="bf16")),
     "zero2": (LLAMA2, dict(style="zero2", dp=2, shard=2)),
