@@ -427,8 +427,8 @@ class ReplicatedAdam(_MainGrads, _OverlappedReduce, _AdamOnRanks):
             self.reduce_gradients()
         for p in self.params:
             if (master := self._masters.get(id(p))) is not None:
-                grad = self.grad_of(p)
-                master.grad = None if grad is None else grad if grad.dtype == torch.float32 else grad.float()
+                grad = self.grad_of(p)  # an fp32 main gradient as it is (float() copies only 16-bit ones)
+                master.grad = None if grad is None else grad.float()
         self.adam.step()
         with torch.no_grad():
             for p in self.params:
@@ -900,23 +900,19 @@ def build_optimizer(
             "expert parallelism runs with dp_style ddp; zero1 shards each parameter over the dp x cp ranks, "
             "which the experts' own groups do not; set dp_style: ddp"
         )
-    overlap = {}
+    kwargs: dict[str, Any] = dict(hook_divisor=hook_divisor, deferred=deferred, main_grads=main_grads(plan))
     if plan is not None and (plan.overlap_grad_reduce or plan.overlap_param_gather):
-        overlap = dict(
-            named=named, units=units, overlap_grad_reduce=plan.overlap_grad_reduce,
-            micro_batches=plan.micro_batches, hook_divisor=hook_divisor, deferred=deferred,
-        )  # fmt: skip
-    main = main_grads(plan)
-    if main and hook_divisor is not None:
-        overlap.setdefault("hook_divisor", hook_divisor)
-        overlap.setdefault("deferred", deferred)
+        kwargs.update(
+            named=named,
+            units=units,
+            overlap_grad_reduce=plan.overlap_grad_reduce,
+            micro_batches=plan.micro_batches,
+        )
+        if distributed:
+            kwargs["overlap_param_gather"] = plan.overlap_param_gather
     if distributed:
-        if overlap and "named" in overlap:
-            overlap["overlap_param_gather"] = plan.overlap_param_gather
-        return DistributedAdam(params, group, dp, dp_rank, main_grads=main, **overlap)
-    if expert:
-        overlap = {**overlap, "expert": expert, "expert_group": expert_group}
-    return ReplicatedAdam(params, group, dp, main_grads=main, **overlap)
+        return DistributedAdam(params, group, dp, dp_rank, **kwargs)
+    return ReplicatedAdam(params, group, dp, expert=expert, expert_group=expert_group, **kwargs)
 
 
 def state_grad_dtype(plan: Any) -> str | None:
