@@ -259,14 +259,18 @@ class _MainGrads:
     gradients are divided by `_main_divisor` (dp, or dp x micro-batches in a pipeline: the
     `hook_divisor`); a parameter tied across pipeline stages (`deferred`: its `.grad` is summed between
     the stages after the schedule) keeps its `.grad` until the reduction, which adds it in (times
-    `_main_divisor` / dp, undoing the schedule's scaling). Storage: `_add_main` / `grad_of` (a dict of
-    tensors here; `DistributedAdam`: views of its fp32 gradient buffer)."""
+    `_main_divisor` / dp, undoing the schedule's scaling). Storage: `_main`, id(param) -> main
+    gradient (`DistributedAdam`: views of its fp32 gradient buffer)."""
 
     params: list[torch.Tensor]
     dp: int
 
-    def _init_main_grads(self, enabled: bool, divisor: int, deferred: set[int]) -> None:
-        self._main: dict[int, torch.Tensor] = {}
+    def _init_main_grads(
+        self, enabled: bool, divisor: int, deferred: set[int], storage: dict[int, torch.Tensor] | None = None
+    ) -> None:
+        """storage: id(param) -> its main gradient, made beforehand (`DistributedAdam`: views of its
+        fp32 gradient buffer); else made on the first add and dropped by `zero_grad`."""
+        self._main: dict[int, torch.Tensor] = {} if storage is None else storage
         self._main_ids = {id(p) for p in self.params if p.dtype in HALF_DTYPES} if enabled else set()
         self._main_divisor = divisor
         for p in self.params:
@@ -517,7 +521,7 @@ class DistributedAdam(_MainGrads, _OverlappedReduce, _AdamOnRanks):
         self.group, self.dp, self.dp_rank = group, dp, dp_rank
         # main_grads: the 16-bit dtypes' gradient buffers are fp32 (`_MainGrads`)
         self._main_dtypes = set(HALF_DTYPES) if main_grads else set()
-        self._main_views: dict[int, torch.Tensor] = {}  # id(param) -> its fp32 main gradient (a buffer view)
+        main_views: dict[int, torch.Tensor] = {}  # id(param) -> its fp32 main gradient (a buffer view)
         overlap_grad_reduce = overlap_grad_reduce and dp > 1
         self.overlap_param_gather = overlap_param_gather and dp > 1
         per_unit = overlap_grad_reduce or self.overlap_param_gather
@@ -574,7 +578,7 @@ class DistributedAdam(_MainGrads, _OverlappedReduce, _AdamOnRanks):
             self._grad_views.append(views)
             for p, view in zip(members, views):
                 if b.dtype in self._main_dtypes:  # the backward adds into it (`_MainGrads` hooks)
-                    self._main_views[id(p)] = view
+                    main_views[id(p)] = view
                     p.grad = None
                 else:
                     p.grad = view
@@ -583,7 +587,9 @@ class DistributedAdam(_MainGrads, _OverlappedReduce, _AdamOnRanks):
         self._reduced = False
         self.counts: Counter[str] = Counter()
         self.events: list[tuple[str, str]] = []
-        self._init_main_grads(main_grads, hook_divisor or dp, deferred)  # before the overlap's hooks
+        self._init_main_grads(
+            main_grads, hook_divisor or dp, deferred, main_views
+        )  # before the overlap's hooks
         self._init_hooks(overlap_grad_reduce, micro_batches, hook_divisor or dp, deferred)
 
     def _dtypes(self) -> list[torch.dtype]:
@@ -646,13 +652,6 @@ class DistributedAdam(_MainGrads, _OverlappedReduce, _AdamOnRanks):
         slice as its gradient."""
         with torch.no_grad():
             self._grad_slice(k).copy_(mine)
-
-    def _add_main(self, p: torch.Tensor, grad: torch.Tensor, scale: float = 1.0) -> None:
-        self._main_views[id(p)].add_(grad, alpha=scale)
-
-    def grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
-        view = self._main_views.get(id(p))
-        return view if view is not None else p.grad
 
     def _issue(self, k: int, divisor: int) -> Callable[[], None]:
         self._adopt_grads(k)

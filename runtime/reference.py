@@ -273,9 +273,9 @@ def compare_gradients(
                     diffs.append(max_abs_diff(got.cpu(), want.reshape(-1)[lo:hi]))
                     scales.append(max_abs(want))
             modules = []
+        get = grad_of or (lambda p: p.grad)
         for mod in modules:
             params = dict(mod.named_parameters())
-            get = grad_of or (lambda p: p.grad)
             names = [n for n, p in params.items() if get(p) is not None and n in grads_file]
             for n in names:  # one shard in memory at a time: the check adds little to the rank's peak
                 want = read_local_shards(mod, grads_file, plan.splits, groups.tp_rank, plan.tp, [n])[n]
