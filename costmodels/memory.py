@@ -163,6 +163,34 @@ def fsdp_unit_bytes(
     return param_bytes(2 * layer_params + outside_params, dtype) + grads
 
 
+def zero2_unit_bytes(
+    layer_params: float,
+    outside_params: float,
+    held_params: float,
+    dtype: str,
+    grad_dtype: str | None = None,
+    overlap_grad_reduce: bool = False,
+    shard: int = 1,
+) -> float:
+    """ZeRO-2 working memory per rank beyond `dp_state_bytes` (which holds only the gradient slices):
+    the unsharded gradients autograd makes (``dtype``) before each wrapping unit's reduce-scatter, for
+    layers of ``layer_params`` parameters and the unit outside the layers of ``outside_params`` (both
+    per TP rank). When a unit's last gradient is ready, its gradients are flattened into one buffer in
+    the reduce dtype (``grad_dtype``, default ``dtype``) and reduce-scattered; with
+    ``overlap_grad_reduce`` the previous unit's buffer and its result shard (1/``shard`` of it) are
+    still in flight (`runtime.data_parallel.Zero2Adam`). The outside unit's gradients that come before
+    the layers' (the LM head, the final norm: ``held_params``; a tied embedding is the LM head) are held
+    through the whole backward, the rest of it (the embedding) arrives at its end. The peak is the
+    larger of a layer's reduce-scatter beside the held ones and the outside unit's at the end.
+    Measured on gloo ranks (tests/test_sharded_dp.py): equal to the gradients and buffers alive at the
+    peak, to the shards' padding."""
+    b, r = dtype_bytes(dtype), dtype_bytes(grad_dtype or dtype)
+    in_flight = layer_params * r * (1 + 1 / max(shard, 1)) if overlap_grad_reduce else 0.0
+    layer_moment = held_params * b + layer_params * (b + r)
+    outside_moment = outside_params * (b + r)
+    return max(layer_moment, outside_moment) + in_flight
+
+
 def param_bytes(num_params: float, dtype: str) -> float:
     """Bytes of ``num_params`` parameters stored in ``dtype``."""
     return num_params * dtype_bytes(dtype)

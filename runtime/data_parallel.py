@@ -597,10 +597,14 @@ class DistributedAdam(_MainGrads, _OverlappedReduce, _AdamOnRanks):
         return list(dict.fromkeys(b.dtype for b in self.buckets))
 
     @staticmethod
-    def _flat(tensors: Sequence[torch.Tensor], padded: int) -> torch.Tensor:
-        """`tensors` flattened into one new tensor, zero-padded to `padded` elements."""
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        return torch.nn.functional.pad(flat, (0, padded - flat.numel()))
+    def _flat(tensors: Sequence[torch.Tensor], padded: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`tensors` flattened into one new tensor of `dtype` (default theirs), zero-padded to `padded`
+        elements: one buffer, written once (a 16-bit gradient cast to fp32 on the way, no 16-bit copy)."""
+        numel = sum(t.numel() for t in tensors)
+        out = tensors[0].new_empty(padded, dtype=dtype or tensors[0].dtype)
+        torch.cat([t.reshape(-1) for t in tensors], out=out[:numel])
+        out[numel:].zero_()
+        return out
 
     def _bucket(self, table: dict[torch.dtype, torch.Tensor], k: int) -> torch.Tensor:
         """Bucket k's `padded_numel` elements of a buffer of `table` (a view)."""
@@ -1117,6 +1121,7 @@ class Zero2Adam(_BucketAdam):
         self._scatters: deque[tuple[int, torch.Tensor, torch.Tensor, Any]] = deque()
         self._end_queued = False
         self.counts: Counter[str] = Counter()
+        self.peak_grad_bytes = 0  # most bytes of unsharded gradients and reduce buffers alive at once
         self.events: list[tuple[str, str]] = []  # (event, unit) in order, as `_OverlappedReduce.events`
         self.overlap_grad_reduce = overlap_grad_reduce
         self.overlap_param_gather = overlap_param_gather and dp > 1
@@ -1145,9 +1150,16 @@ class Zero2Adam(_BucketAdam):
 
     def _reduce(self, k: int) -> None:
         b, members = self.buckets[k], self._members[k]
-        flat = DistributedAdam._flat(
-            [p.grad if p.grad is not None else torch.zeros_like(p) for p in members], b.padded_numel
-        ).to(self.grad_dtype(k))  # fp32 gradients: the unit's reduce-scatter in fp32
+        flat = DistributedAdam._flat(  # fp32 gradients: the unit's reduce-scatter in fp32
+            [p.grad if p.grad is not None else torch.zeros_like(p) for p in members],
+            b.padded_numel,
+            self.grad_dtype(k),
+        )
+        # the unsharded gradients held now (every parameter's `.grad` not yet reduced), this unit's
+        # flat buffer and those still in flight: `costmodels.memory.zero2_unit_bytes` prices the peak
+        in_flight = [t for _, out, buf, _ in self._scatters for t in (out, buf)]
+        held = state_bytes([p.grad for p in self.params if p.grad is not None] + [flat] + in_flight)
+        self.peak_grad_bytes = max(self.peak_grad_bytes, held)
         for p in members:
             p.grad = None  # only this rank's slice is kept
         self._ready[k].clear()

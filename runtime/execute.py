@@ -291,6 +291,7 @@ def _record_state(report: RankReport, optimizer: object, gm: torch.nn.Module, pl
     runtime = getattr(optimizer, "runtime", None)
     if runtime is not None:
         report.gathered_peak_bytes = runtime.peak_gathered_bytes
+    report.grad_peak_bytes = getattr(optimizer, "peak_grad_bytes", None)
 
 
 def _joined(

@@ -82,6 +82,7 @@ class RankReport:
     max_abs_diff: float | None  # vs the unsharded reference (ladder applied to both); None off the last stage
     output_scale: float | None  # max |reference output|
     grad_max_abs_diff: float | None = None  # training: worst gradient difference over this rank's parameters
+    grad_worst: str | None = None  # training: the parameter (FQN on this rank) of that worst difference
     output_diffs: list[float] = field(default_factory=list)  # max |diff| of every output, in output order
     output_scales: list[float] = field(default_factory=list)  # max |reference| of every output
     output_dtype: str | None = None  # dtype of the first output compared, e.g. "float32"
@@ -114,6 +115,8 @@ class RankReport:
     # ("all_gather", "reduce_scatter", "all_reduce"); zero2 and fsdp only
     dp_collectives: dict[str, int] = field(default_factory=dict)
     gathered_peak_bytes: int | None = None  # fsdp: most bytes of gathered parameters alive at once
+    # zero2: most bytes of unsharded gradients and reduce-scatter buffers alive at once
+    grad_peak_bytes: int | None = None
     output: torch.Tensor | None = None  # only with RunJob.return_output
     per_layer_s: dict[str, float] = field(
         default_factory=dict
@@ -196,6 +199,16 @@ def _margin(out: dict) -> tuple[float, bool]:
     diff, tolerance = out["max_abs_diff"] or 0.0, out["tolerance"]
     ratio = diff / tolerance if tolerance else (math.inf if diff else 0.0)
     return ratio, bool(out["tolerance_rel"])
+
+
+def _worst_grad(reports: list[RankReport]) -> str | None:
+    """Where the largest gradient difference over the ranks is: "'<parameter FQN>' on rank N" (the
+    rank's own name for it: its pipeline chunk's or FSDP unit's FQN), None when no rank compared one."""
+    ranked = [r for r in reports if r.grad_max_abs_diff is not None and r.grad_worst]
+    if not ranked:
+        return None
+    worst = max(ranked, key=lambda r: r.grad_max_abs_diff or 0.0)
+    return f"'{worst.grad_worst}' on rank {worst.rank}"
 
 
 def summarise(reports: list[RankReport]) -> dict[str, Any]:
@@ -281,6 +294,7 @@ def summarise(reports: list[RankReport]) -> dict[str, Any]:
             "relative_max_abs_diff": (max(diffs) / scale) if diffs and scale else None,
             "output_scale": scale,
             "grad_max_abs_diff": max(grads) if grads else None,
+            "grad_worst": _worst_grad(reports),
             "grad_scale": max(grad_scales) if grad_scales else None,
             # training: gradients (or sharded pieces of them) compared over all ranks; 0 fails the check
             "grads_compared": sum(r.grads_compared for r in reports) if grads else None,

@@ -120,9 +120,11 @@ def check_failures(numerics: dict[str, Any]) -> list[str]:
         ("gradients", numerics.get("grad_max_abs_diff"), numerics.get("grad_scale")),
     ):
         if diff is not None and scale is not None and diff > train_rel * scale:
+            where = numerics.get("grad_worst") if what == "gradients" else None
             lines.append(
-                f"{what}: max |sharded - unsharded| = {diff:.3g}, tolerance {train_rel * scale:.3g} "
-                f"({train_rel:g} x scale {scale:.3g})"
+                f"{what}: max |sharded - unsharded| = {diff:.3g}"
+                + (f" (worst: {where})" if where else "")
+                + f", tolerance {train_rel * scale:.3g} ({train_rel:g} x scale {scale:.3g})"
             )
     if numerics.get("grads_compared") == 0:
         lines.append("gradients: none compared (no rank's gradients matched a reference gradient by name)")

@@ -260,7 +260,7 @@ def compare_gradients(
     grad_of: a parameter's gradient as the optimizer holds it (its fp32 main gradient:
     `runtime.data_parallel._MainGrads.grad_of`); default `.grad`."""
     plan, groups = setup.plan, setup.groups
-    diffs, scales = [], []
+    diffs, scales, compared = [], [], []
     modules = [module] if isinstance(module, torch.nn.Module) else list(module)
     with SafetensorsCheckpoint([reference.grads]) as grads_file:
         if segments is not None:
@@ -272,6 +272,7 @@ def compare_gradients(
                 for lo, hi, got in pieces:
                     diffs.append(max_abs_diff(got.cpu(), want.reshape(-1)[lo:hi]))
                     scales.append(max_abs(want))
+                    compared.append(n)
             modules = []
         get = grad_of or (lambda p: p.grad)
         for mod in modules:
@@ -287,7 +288,9 @@ def compare_gradients(
                     got, want = got.reshape(-1)[lo:hi], want.reshape(-1)[lo:hi]
                 diffs.append(max_abs_diff(got.cpu(), want))
                 scales.append(max_abs(want))
+                compared.append(n)
     report.grad_max_abs_diff = max(diffs, default=0.0)
+    report.grad_worst = compared[diffs.index(report.grad_max_abs_diff)] if diffs else None
     report.grad_scale = max(scales, default=0.0)
     report.grads_compared = len(diffs)
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from costmodels.memory import dp_state_bytes
+from costmodels.memory import dp_state_bytes, zero2_unit_bytes
 from passes.checkpoint import save_checkpoint
 from passes.fsdp import FsdpRuntime, apply_fsdp, load_fsdp_weights
 from planner.errors import InputError
@@ -105,6 +105,11 @@ TWO_RANK = {  # label: (model, plan kwargs)
     "fsdp_bf16": (LLAMA2, dict(style="fsdp", dp=2, shard=2, dtype="bf16")),
     "zero2": (LLAMA2, dict(style="zero2", dp=2, shard=2)),
     "zero2_m2": (LLAMA2, dict(style="zero2", dp=2, shard=2, m=2)),
+    # bf16 parameters, fp32 gradients reduce-scattered one unit in flight: the working memory's other end
+    "zero2_bf16_fp32_overlap": (
+        LLAMA2,
+        dict(style="zero2", dp=2, shard=2, dtype="bf16", grad_reduce_dtype="fp32", overlap_grad_reduce=True),
+    ),
     "fsdp_scalar_param": (SCALAR, dict(style="fsdp", dp=2, shard=2)),  # a 0-dim parameter in each unit
 }
 FOUR_RANK = {
@@ -302,6 +307,33 @@ def test_collectives_are_issued_where_priced(two_rank: dict, four_rank: dict) ->
 
 
 @pytest.mark.slow
+def test_zero2_holds_the_unsharded_gradients_the_memory_model_prices(two_rank: dict) -> None:
+    """ZeRO-2's working memory (`costmodels.memory.zero2_unit_bytes`, in the plan's transient memory):
+    the unsharded gradients autograd makes and the flat reduce-scatter buffers, measured on each rank
+    as the most bytes of them alive at once (`Zero2Adam.peak_grad_bytes`), equal the price to the
+    shards' padding: fp32 without overlap, and bf16 parameters with fp32 gradients and one
+    reduce-scatter in flight (twice the bytes of the layer's bf16 gradients more)."""
+    from planner.solver.costing import unit_params  # noqa: PLC0415
+
+    mf = load_model_file(MODELS / LLAMA2)
+    layer, outside, held = unit_params(analyse(capture(mf.build("meta"), *mf.inputs(2, 8))))
+    for label in ("zero2", "zero2_m2", "zero2_bf16_fp32_overlap"):
+        plan, summary = two_rank[label]
+        priced = zero2_unit_bytes(
+            layer, outside, held, plan.dtype, "fp32" if plan.grad_reduce_dtype == "fp32" else None,
+            plan.overlap_grad_reduce, 2,
+        )  # fmt: skip
+        for r in summary["ranks"]:
+            assert r["grad_peak_bytes"] == pytest.approx(priced, rel=0.02), (
+                label,
+                r["grad_peak_bytes"],
+                priced,
+            )
+    fp32, bf16 = (two_rank[k][1]["ranks"][0]["grad_peak_bytes"] for k in ("zero2", "zero2_bf16_fp32_overlap"))
+    assert bf16 > 0.75 * fp32  # the fp32 buffers and the one in flight: not half of the fp32 run's
+
+
+@pytest.mark.slow
 def test_each_rank_holds_the_state_the_memory_model_prices(two_rank: dict, four_rank: dict) -> None:
     """The state each rank holds after its first step (parameters, gradients, Adam moments, masters;
     counted tensor by tensor) is `costmodels.memory.dp_state_bytes` of its parameters, to the shards'
@@ -409,8 +441,20 @@ def test_the_gradient_check_fails_a_sharded_gradient_missing_its_division_by_dp(
     reference = SimpleNamespace(grads=str(tmp_path / "grads.safetensors"))
     setup = SimpleNamespace(plan=SimpleNamespace(splits={}, tp=1), groups=SimpleNamespace(tp_rank=0))
 
-    def checked(scale: float, names: tuple[str, ...] = ("weight", "bias")) -> list[str]:
-        segments = {n: [(4, 20, model.get_parameter(n).grad.reshape(-1)[4:20] * scale)] for n in names}
+    def checked(
+        scale: float, names: tuple[str, ...] = ("weight", "bias"), wrong: str | None = None
+    ) -> list[str]:
+        pieces = {"weight": (4, 20), "bias": (0, 4)}  # a piece of each flat gradient, as a rank holds it
+        segments = {
+            n: [
+                (
+                    *pieces[n],
+                    model.get_parameter(n).grad.reshape(-1)[slice(*pieces[n])]
+                    * (scale if wrong in (None, n) else 1.0),
+                )
+            ]
+            for n in names
+        }
         report = SimpleNamespace()
         compare_gradients(model, reference, setup, report, segments=segments)
         summary = summarise([_rank_report(report)])
@@ -419,6 +463,10 @@ def test_the_gradient_check_fails_a_sharded_gradient_missing_its_division_by_dp(
     assert checked(1.0) == []
     assert any(line.startswith("gradients: max") for line in checked(2.0))  # the dp ranks' sum
     assert any("none compared" in line for line in checked(1.0, names=()))
+    # the failure names the parameter whose gradient is furthest off, and the rank holding it
+    for wrong in ("weight", "bias"):
+        (line,) = [x for x in checked(3.0, wrong=wrong) if x.startswith("gradients")]
+        assert f"(worst: '{wrong}' on rank 0)" in line, line
 
 
 def _rank_report(checked: SimpleNamespace):
@@ -428,7 +476,7 @@ def _rank_report(checked: SimpleNamespace):
         rank=0, tp_rank=0, pp_rank=0, latency_samples_s=[1.0], median_s=1.0, peak_memory_bytes=0,
         max_abs_diff=0.0, output_scale=1.0, output_diffs=[0.0], output_scales=[1.0], output_dtype="float32",
         grad_max_abs_diff=checked.grad_max_abs_diff, grad_scale=checked.grad_scale,
-        grads_compared=checked.grads_compared,
+        grads_compared=checked.grads_compared, grad_worst=checked.grad_worst,
     )  # fmt: skip
 
 

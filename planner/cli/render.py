@@ -537,6 +537,7 @@ def render_run(console: Console, report: dict[str, Any]) -> None:
         + ")"
         + (
             f"; gradients max diff {n['grad_max_abs_diff']:.3g}"
+            + (f" ({n['grad_worst']})" if n.get("grad_worst") else "")
             if n.get("grad_max_abs_diff") is not None
             else ""
         )

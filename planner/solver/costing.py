@@ -2096,24 +2096,49 @@ def training_transient_bytes(ctx: CostContext) -> float:
     if ctx.cluster.device.node_overhead_s is not None and not ctx.distributed_optimizer:
         largest = max((n / tp if matrix else n for n, matrix in s.param_tensor_sizes), default=0.0)
         adam = 2.0 * largest * 4.0  # fp32 moments (and fp32 master weights of 16-bit parameters)
-    return max(tied, adam) + fsdp_transient_bytes(ctx)
+    return max(tied, adam) + fsdp_transient_bytes(ctx) + zero2_transient_bytes(ctx)
 
 
-def fsdp_transient_bytes(ctx: CostContext) -> float:
-    """FSDP: the unsharded units in flight (`memory.fsdp_unit_bytes`): the largest layer's trainable
-    parameters and those outside the layers (embedding, LM head, the chain), split over the TP ranks
-    (frozen parameters are not sharded, so not gathered: `passes.fsdp`); 0 for the other styles."""
-    if ctx.dp_style is not DataParallel.FSDP:
-        return 0.0
-    s, tp = ctx.structure, ctx.mesh.tp
-    layer_params = max((layer.num_params - layer.frozen_params for layer in s.layers), default=0)
-    outside = outside_params(s) + sum(e.vocab_size * e.dim for e in s.embeddings)
+def unit_params(s: ModelStructure) -> tuple[float, float, float]:
+    """The trainable parameters of the wrapping units that sharded data parallelism reduces (and FSDP
+    gathers) one at a time (`passes.fsdp.make_buckets`), before the TP split: (the largest layer's,
+    the unit outside the layers': embedding, LM head, the chain, norms, and of that outside unit those
+    whose gradients the backward makes before the layers': all but an untied embedding). Frozen
+    parameters are not sharded, so not in any unit."""
+    layer = max((layer.num_params - layer.frozen_params for layer in s.layers), default=0)
+    embeddings = sum(e.vocab_size * e.dim for e in s.embeddings)
+    outside = outside_params(s) + embeddings
     if s.lm_head is not None and not s.tied_lm_head:
         outside += s.lm_head.in_features * s.lm_head.out_features
     outside += sum(p.in_features * p.out_features for p in s.mlp_chain)
     outside = max(0, outside - (s.num_frozen_params - sum(layer.frozen_params for layer in s.layers)))
+    held = outside if s.tied_lm_head else max(0, outside - embeddings)
+    return layer, outside, held
+
+
+def fsdp_transient_bytes(ctx: CostContext) -> float:
+    """FSDP: the unsharded units in flight (`memory.fsdp_unit_bytes`): the largest layer's trainable
+    parameters and those outside the layers (`unit_params`), split over the TP ranks; 0 for the other
+    styles."""
+    if ctx.dp_style is not DataParallel.FSDP:
+        return 0.0
+    layer, outside, _ = unit_params(ctx.structure)
+    tp = ctx.mesh.tp
     return memory.fsdp_unit_bytes(
-        layer_params / tp, outside / tp, ctx.dtype, ctx.reshard_after_forward, grad_dtype=ctx.grad_dtype
+        layer / tp, outside / tp, ctx.dtype, ctx.reshard_after_forward, grad_dtype=ctx.grad_dtype
+    )
+
+
+def zero2_transient_bytes(ctx: CostContext) -> float:
+    """ZeRO-2: the unsharded gradients and reduce-scatter buffers of the units (`memory.zero2_unit_bytes`
+    of `unit_params`, split over the TP ranks; the runtime keeps one reduce-scatter in flight under the
+    plan's overlap_grad_reduce, at dp 1 too); 0 for the other styles."""
+    if ctx.dp_style is not DataParallel.ZERO2 or not ctx.train:
+        return 0.0
+    layer, outside, held = unit_params(ctx.structure)
+    tp, overlap = ctx.mesh.tp, ctx.config.overlap_grad_reduce
+    return memory.zero2_unit_bytes(
+        layer / tp, outside / tp, held / tp, ctx.dtype, ctx.grad_dtype, overlap, ctx.dp_cp
     )
 
 
