@@ -88,6 +88,24 @@ def test_layout_megatron_plans_and_runs_the_split_layout(tmp_path, example_path)
     assert report["numerics"]["max_abs_diff"] <= 1e-4 * report["numerics"]["output_scale"]
 
 
+def test_layout_megatron_plans_an_encoder_decoder_with_a_shared_embedding(tmp_path):
+    """T5 looks its shared embedding up twice (encoder, decoder) beside relative-position tables: the
+    Megatron layout splits the shared table (and the LM head tied to it) by vocabulary in both lookups
+    and keeps the small bias tables whole, as Megatron-LM does, forward and training alike (it raised
+    StopIteration once: the decoder's lookup had no preference for the split it is pinned to)."""
+    for workload in ("forward", "train"):
+        plan_path = tmp_path / f"t5_{workload}.yaml"
+        r = planner(
+            "optimize", str(ROOT / "tests" / "models" / "tiny_t5.py"), "--cluster", "local-cpu", "--nproc", "2", "--tp", "2",
+            "--layout", "megatron", "--workload", workload, "--out", str(plan_path),
+        )  # fmt: skip
+        assert r.returncode == 0, (workload, r.stderr)
+        splits = yaml.safe_load(plan_path.read_text())["splits"]
+        assert splits["lm_head.weight"]["style"] == "vocab", splits
+        bias = {s["style"] for w, s in splits.items() if "relative_attention_bias" in w}
+        assert bias == {"replicate"}, splits
+
+
 def _write(tmp_path: Path, name: str, text: str) -> str:
     path = tmp_path / name
     path.write_text(text)

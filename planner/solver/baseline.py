@@ -75,12 +75,15 @@ def megatron_choices(graphs: dict[str, LayerGraph], ends: LayerGraph) -> dict[tu
                 prefs: tuple[str, ...] = ("replicate",)
             elif base in _PREFERENCE:
                 prefs = _PREFERENCE[base]
+            elif op.block == "embedding":  # a later lookup (positions, T5's relative bias) stays whole,
+                prefs = ("replicate", "vocab")  # as Megatron-LM's; a table looked up before splits as there
             elif op.name.startswith("act"):
                 prefs = ("shard", "replicate")
             else:  # a chain of linears: column, row, column, row, ...
                 prefs = ("colwise", "replicate") if linear_index % 2 == 0 else ("rowwise", "replicate")
                 linear_index += 1
-            choices[(key, op.name)] = next(p for p in prefs if p in names)
+            # the preferred strategy the op offers, else its first (an op pinned to one strategy)
+            choices[(key, op.name)] = next((p for p in prefs if p in names), op.options[0].name)
         _fix_layouts(key, graph, choices)
     first_of: dict[str, str] = {}  # an embedding of the weight an earlier one looks up splits as that one
     for op in ends.ops:
