@@ -614,3 +614,38 @@ def test_yaml_that_is_not_a_mapping_is_not_a_plan_file(tmp_path, text: str, says
     path.write_text(text)
     with pytest.raises(InputError, match=rf"mine.yaml is not a plan file: its YAML {says}.*planner optimize"):
         Plan.from_yaml(path)
+
+
+def test_hand_edited_split_sizes_are_refused_naming_the_field() -> None:
+    """A split's `parts` must sum to the weight's size along its dim and each divide by tp, and a split
+    without parts must divide by tp: a plan edited otherwise is refused before any rank starts (it was a
+    torch traceback from the tensor-parallel pass: split_with_sizes)."""
+    import dataclasses  # noqa: PLC0415
+
+    from planner.cli import workflow  # noqa: PLC0415
+
+    prepared = workflow.prepare(str(Path(__file__).parents[1] / "examples" / "llama3.py"))
+    cluster = workflow.resolve_cluster("local-cpu", 2)
+    plan = workflow.make_plan(
+        prepared, cluster, workflow.constraints_from(2, 1, 1, "none", layout="megatron"), "llama3.py"
+    )
+    name = "layers.0.attention.wq.weight"
+    split = plan.splits[name]
+    rows = prepared.param_shapes[name][split.dim]
+    workflow.validate_plan_for_model(plan, prepared.structure, "llama3.py", prepared.param_shapes)
+    for edit, match in (
+        (dict(parts=[3, 5]), rf"splits\.{name}\.parts: \[3, 5\] sum to 8, but dim 0 .* has {rows}"),
+        (
+            dict(parts=[rows - 1, 1]),
+            rf"splits\.{name}\.parts: each part is split over tp=2, and \[{rows - 1}, 1\]",
+        ),
+        (dict(pieces=3), rf"splits\.{name}\.pieces"),
+    ):
+        edited = dataclasses.replace(plan, splits={**plan.splits, name: dataclasses.replace(split, **edit)})
+        with pytest.raises(InputError, match=match):
+            workflow.validate_plan_for_model(edited, prepared.structure, "llama3.py", prepared.param_shapes)
+    odd = dataclasses.replace(plan, mesh=dataclasses.replace(plan.mesh, tp=3))
+    with pytest.raises(
+        InputError, match=rf"splits\.{name}: style colwise splits dim 0 .* does not divide by tp=3"
+    ):
+        workflow.check_split_sizes(name, split, prepared.param_shapes[name], odd.tp)

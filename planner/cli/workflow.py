@@ -43,6 +43,7 @@ from planner.plan import (
     Schedule,
     Serving,
     SplitStyle,
+    WeightSplit,
     Workload,
     check_new_tokens,
     fallback_memory_bytes,
@@ -594,6 +595,8 @@ def validate_plan_for_model(
             raise InputError(
                 f"plan field splits.{name}: style {split.style} splits dim {want} of this weight, not dim {split.dim}"
             )
+    for name, split in plan.splits.items():
+        check_split_sizes(name, split, params[name], plan.tp)
     train_dp = plan.workload is Workload.TRAIN and plan.dp * plan.cp > 1
     if train_dp and plan.pp > 1 and structure.tied_lm_head and DataParallel(plan.dp_style).shards_gradients:
         # the runtime refuses it too (`runtime.pipeline_run`), on the ranks; the search never plans it
@@ -603,6 +606,36 @@ def validate_plan_for_model(
             "to zero1 or ddp, or re-plan with --pp 1"
         )
     check_plan_fields(plan, len(structure.layers))
+
+
+def check_split_sizes(name: str, split: WeightSplit, shape: tuple, tp: int) -> None:
+    """A split's sizes must cut weight `name` of `shape` as the pass cuts it (`passes.placement.
+    shard_weight`): `parts` (a fused projection's parts) sum to the size of dim `dim` and each divides
+    by tp; without parts that size divides by tp (a vocabulary split pads it instead), or by `pieces`.
+    Raises InputError naming the plan field and the sizes."""
+    if split.style is SplitStyle.REPLICATE or not shape or split.dim >= len(shape):
+        return
+    size, where = int(shape[split.dim]), f"plan field splits.{name}"
+    if split.parts:
+        if sum(split.parts) != size:
+            raise InputError(
+                f"{where}.parts: {split.parts} sum to {sum(split.parts)}, but dim {split.dim} of this weight "
+                f"{tuple(shape)} has {size} (the fused projection's parts, e.g. its q, k and v rows, in order)"
+            )
+        odd = [p for p in split.parts if p % tp]
+        if odd:
+            raise InputError(f"{where}.parts: each part is split over tp={tp}, and {odd} do not divide by it")
+    elif split.pieces is not None:
+        if size % split.pieces:
+            raise InputError(
+                f"{where}.pieces: dim {split.dim} of this weight {tuple(shape)} has {size}, which does not cut "
+                f"into {split.pieces} pieces"
+            )
+    elif split.style is not SplitStyle.VOCAB and size % tp:
+        raise InputError(
+            f"{where}: style {split.style} splits dim {split.dim} of this weight {tuple(shape)}, whose {size} "
+            f"does not divide by tp={tp}; set style replicate, or re-plan"
+        )
 
 
 def check_plan_fields(plan: Plan, num_layers: int | None = None, cluster: ClusterSpec | None = None) -> None:
