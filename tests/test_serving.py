@@ -708,6 +708,11 @@ def test_a_request_past_the_models_trained_context_is_said_in_the_plan_and_the_v
     assert any("VLLM_ALLOW_LONG_MAX_MODEL_LEN" in w for w in export_plan(plan, "vllm", model="m").warnings)
     _, short = _plan(ROOT / "examples" / "llama3_kv.py", tp=2, context=64, new_tokens=16)
     assert not any("reaches position" in w for w in workflow.plan_warnings(short))
+    # --run serves within the context, as vLLM's --max-model-len: refused before any rank starts (GPT-2's
+    # learned position table has no row past it: an IndexError traceback from the reference)
+    path = str(ROOT / "examples" / "llama3_kv.py")
+    with pytest.raises(InputError, match=r"within the 2048 positions .* reach 2056: lower --context"):
+        workflow.run_serving(plan, path, 2, iters=1, warmup=0, timeout_s=60)
 
 
 @pytest.mark.slow

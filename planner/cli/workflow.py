@@ -1225,6 +1225,15 @@ def run_serving(
         )
     if nproc != plan.num_devices:
         raise InputError(f"the plan uses {plan.num_devices} devices (tp={plan.tp}) but --nproc is {nproc}")
+    if sv.trained_positions and sv.prompt_len + sv.new_tokens > sv.trained_positions:
+        # a learned position table has no row past it (GPT-2's wpe: an IndexError in the reference);
+        # served as vLLM serves, within --max-model-len = the config's context
+        raise InputError(
+            f"--run serves the request within the {sv.trained_positions} positions the model's config gives "
+            f"its context (as vLLM's --max-model-len), and prompt {sv.prompt_len} + {sv.new_tokens} new tokens "
+            f"reach {sv.prompt_len + sv.new_tokens}: lower --context / --seq-len or --new-tokens (planning "
+            "alone prices it, with a warning)"
+        )
     job = DecodeJob(
         model_path=str(model_path),
         plan=plan.to_dict(),
