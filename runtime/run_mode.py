@@ -58,8 +58,19 @@ def check_dtype_runs(dtype: str, device: torch.device) -> None:
 
 
 def set_run_mode(model: nn.Module, dtype: str, training: bool) -> nn.Module:
-    """`model` with its floating parameters and buffers in `dtype`, in train or eval mode (in place)."""
-    model.to(_torch_dtype(dtype))
+    """`model` with its floating parameters and buffers in `dtype`, in train or eval mode (in place).
+
+    Each tensor is converted in place (its `.data`), not replaced as `nn.Module.to` replaces buffers, so
+    whatever else holds it sees the dtype too: transformers' `StaticCache` keeps its own references to
+    the K/V buffers its export wrapper registers (replaced, they stayed fp32 beside bf16 queries).
+    Complex buffers (torchtitan's and Meta's RoPE `freqs_cis`) keep their dtype: `nn.Module.to` with
+    a real dtype casts them too and drops their imaginary part, changing what the model computes."""
+    want = _torch_dtype(dtype)
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    with torch.no_grad():
+        for t in tensors.values():
+            if t.is_floating_point() and t.dtype != want:
+                t.data = t.data.to(want)
     return model.train(training)
 
 

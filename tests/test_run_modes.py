@@ -216,6 +216,30 @@ def test_model_and_floating_inputs_take_the_plan_dtype() -> None:
     assert tolerance_for("torch.bfloat16") > tolerance_for("float32") > 0
 
 
+def test_the_plan_dtype_reaches_every_holder_of_a_buffer_and_leaves_complex_ones_alone() -> None:
+    """The cast is in place: what else holds a buffer (transformers' StaticCache holds the K/V buffers
+    its export wrapper registers) sees the plan's dtype too; `nn.Module.to` replaced them, and a bf16
+    run of examples/hf_llama_kv.py failed capture with fp32 keys beside bf16 queries. A complex buffer
+    (torchtitan's RoPE freqs_cis) keeps its dtype: `nn.Module.to(float32)` dropped its imaginary part,
+    so the fp32 run computed another function than the user's model (checked here on the corpus file)."""
+    module = torch.nn.Module()
+    module.register_buffer("cache", torch.zeros(2, 3))
+    module.register_buffer("freqs", torch.polar(torch.ones(3), torch.arange(3.0)))
+    holder = {"keys": module.cache}  # another owner of the same tensor, as a cache object is
+    set_run_mode(module, "bf16", training=False)
+    assert holder["keys"] is module.cache and holder["keys"].dtype is torch.bfloat16
+    assert module.freqs.dtype is torch.complex64 and module.freqs.imag.abs().max() > 0
+
+    model_file = load_model_file(Path(__file__).parent / "corpus" / "torchtitan_llama.py")
+    args, kwargs = model_file.inputs()
+    torch.manual_seed(0)
+    original = model_file.build("cpu").eval()
+    with torch.no_grad():
+        want = original(*args, **kwargs)
+        got = set_run_mode(original, "fp32", training=False)(*args, **kwargs)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.slow
 def test_bf16_plan_runs_in_bf16() -> None:
     plan = dataclasses.replace(_plan("bf16_llama.py", tp=2, batch_size=2), dtype="bf16")
