@@ -21,7 +21,7 @@ from runtime.data_parallel import args_share
 from runtime.launch import RankContext, report_progress
 from runtime.measure import time_iterations
 from runtime.mesh import DP_AXES, RankGroups, build_rank_groups
-from runtime.numerics import tolerance_for
+from runtime.numerics import output_tolerance_scale, tolerance_for
 from runtime.run_mode import cast_inputs, check_dtype_runs, check_plan_runs
 
 
@@ -85,6 +85,8 @@ class RankReport:
     grad_worst: str | None = None  # training: the parameter (FQN on this rank) of that worst difference
     output_diffs: list[float] = field(default_factory=list)  # max |diff| of every output, in output order
     output_scales: list[float] = field(default_factory=list)  # max |reference| of every output
+    # of every output: the largest |value| its last op read in the reference (`numerics.operand_scales`)
+    operand_scales: list[float] = field(default_factory=list)
     output_dtype: str | None = None  # dtype of the first output compared, e.g. "float32"
     output_dtypes: list[str] = field(default_factory=list)  # dtype of every output, in output order
     loss_diff: float | None = None  # training: |loss (DP-averaged) - unsharded loss on the whole batch|
@@ -236,19 +238,24 @@ def summarise(reports: list[RankReport]) -> dict[str, Any]:
     for i in range(max((len(r.output_diffs) for r in reports), default=0)):
         got = [r.output_diffs[i] for r in reports if i < len(r.output_diffs)]
         out_scale = max(r.output_scales[i] for r in reports if i < len(r.output_scales))
+        operand = max((r.operand_scales[i] for r in reports if i < len(r.operand_scales)), default=None)
         # each output by its own dtype (an integer output exactly, a float one beside it relatively)
         out_dtype = next((r.output_dtypes[i] for r in reports if i < len(r.output_dtypes)), dtype)
         out_rel = tolerance_for(out_dtype) if out_dtype else rel
         if out_rel:
             out_rel = max(out_rel, run_rel)
+        # an output below its operands' rounding is held to that rounding (`numerics.output_tolerance_scale`)
+        held_scale = output_tolerance_scale(out_scale, operand, out_rel)
         outputs.append(
             {
                 "index": i,
                 "max_abs_diff": max(got),
-                "scale": out_scale,
+                "scale": held_scale,
+                "output_scale": out_scale,
+                "operand_scale": operand,
                 "dtype": out_dtype,
                 "tolerance_rel": out_rel,
-                "tolerance": (out_rel or 0.0) * out_scale,
+                "tolerance": (out_rel or 0.0) * held_scale,
             }
         )
     # the loss (of the first float output) and the gradients keep their own tolerance: the looser of that

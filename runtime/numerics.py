@@ -7,6 +7,10 @@ run's step and every gradient. A run passes when each worst difference over the 
     tolerance = REL_TOLERANCE[dtype] x scale
 
 where scale is max |reference| of that output (of the loss; of the gradients, over all parameters).
+An output below the rounding error of the values it was computed from (max |reference| under
+REL_TOLERANCE x the largest |value| its last op read: the mean of normalised activations, a centred
+statistic, an auxiliary term near 0) has no digits to compare relatively: its scale is that of those
+operands (`operand_scales`), so it is held to their rounding error.
 Why relative to the output's scale: a sharded run computes the same sums in another order (partial
 matmuls all-reduced, vocabulary shards gathered), so its error is rounding error, which grows with
 the magnitude of the values, not a fixed absolute amount. Why these factors: the unit roundoff
@@ -34,6 +38,56 @@ def tolerance_for(dtype: str) -> float:
     """The relative tolerance of outputs in `dtype` ("float32", "torch.bfloat16", ...); an unknown
     (e.g. integer) dtype is compared exactly (0.0)."""
     return REL_TOLERANCE.get(str(dtype).removeprefix("torch."), 0.0)
+
+
+def operand_scales(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> list[float]:
+    """Per tensor output of `gm` (`all_outputs` order): the largest |value| among the tensors the op
+    that computes it reads (0.0 for an output that is a graph input or a constant). Runs `gm` once
+    more on `inputs` without autograd, keeping only those maxima, and restores the buffers and the RNG
+    it would change (the module docstring: the scale of an output that cancels below its operands'
+    rounding)."""
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    leaves = [x for x in pytree.tree_leaves(out_node.args[0]) if isinstance(x, torch.fx.Node)]
+    operands = {m for n in leaves for m in n.all_input_nodes}
+    seen: dict[torch.fx.Node, float] = {}
+    tensor_leaf: dict[torch.fx.Node, bool] = {}
+
+    class _Recorder(torch.fx.Interpreter):
+        def run_node(self, n: torch.fx.Node) -> Any:
+            value = super().run_node(n)
+            if n in operands:
+                seen[n] = max((max_abs(t) for t in pytree.tree_leaves(value) if _floating(t)), default=0.0)
+            if n in leaves:
+                tensor_leaf[n] = isinstance(value, torch.Tensor)
+            return value
+
+    # the extra run leaves no trace: buffers the graph updates in place (BatchNorm's running
+    # statistics in train mode, a KV cache) and the RNG are restored
+    buffers = {name: b.detach().clone() for name, b in gm.named_buffers()}
+    rng = torch.get_rng_state()
+    with torch.no_grad():
+        _Recorder(gm).run(*inputs)
+        for name, b in gm.named_buffers():
+            if not torch.equal(b, buffers[name]):
+                b.copy_(buffers[name])
+    torch.set_rng_state(rng)
+    return [
+        max((seen.get(m, 0.0) for m in n.all_input_nodes), default=0.0)
+        for n in leaves
+        if tensor_leaf.get(n, False)
+    ]
+
+
+def _floating(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0
+
+
+def output_tolerance_scale(scale: float, operand_scale: float | None, rel: float | None) -> float:
+    """The scale an output's tolerance is relative to: max |reference output| (`scale`), or, when that
+    is below `rel` x the largest |value| its last op read (`operand_scale`), that operand scale."""
+    if rel and operand_scale and scale < rel * operand_scale:
+        return operand_scale
+    return scale
 
 
 def all_outputs(out: Any) -> tuple[torch.Tensor, ...]:
@@ -110,9 +164,15 @@ def check_failures(numerics: dict[str, Any]) -> list[str]:
     for out in numerics.get("outputs", []):
         if out["max_abs_diff"] is not None and out["max_abs_diff"] > out["tolerance"]:
             out_rel, out_dtype = out.get("tolerance_rel", rel), out.get("dtype") or numerics["dtype"]
+            held = (
+                f"output scale {out['scale']:.3g}"
+                if out.get("output_scale") in (None, out["scale"])
+                else f"the scale of its last op's operands, {out['scale']:.3g}: the output itself, at most "
+                f"{out['output_scale']:.3g}, is below their rounding"
+            )
             lines.append(
                 f"output {out['index']}: max |sharded - unsharded| = {out['max_abs_diff']:.3g}, "
-                f"tolerance {out['tolerance']:.3g} ({out_rel or 0.0:g} x output scale {out['scale']:.3g}, {out_dtype})"
+                f"tolerance {out['tolerance']:.3g} ({out_rel or 0.0:g} x {held}, {out_dtype})"
             )
     train_rel = numerics.get("train_tolerance_rel") or rel  # the loss's output and the run's dtype
     for what, diff, scale in (

@@ -44,7 +44,15 @@ from planner.frontend.modelfile import ModelFile, load_model_file
 from planner.plan import Plan
 from runtime.job import RankReport, RankSetup, ReferenceFiles, RunJob, job_inputs
 from runtime.launch import RankContext
-from runtime.numerics import all_outputs, max_abs, max_abs_diff, replica_share, tolerance_for, training_target
+from runtime.numerics import (
+    all_outputs,
+    max_abs,
+    max_abs_diff,
+    operand_scales,
+    replica_share,
+    tolerance_for,
+    training_target,
+)
 from runtime.run_mode import cast_inputs, set_run_mode
 
 WEIGHTS_HELP = (
@@ -127,6 +135,14 @@ def write_reference(job: RunJob, directory: str, made_on: str = "launching proce
         grads = {n: p.grad for n, p in gm.named_parameters(remove_duplicate=False) if p.grad is not None}
         grads_path = os.path.join(directory, "grads.safetensors")
         save_checkpoint(grads, grads_path)
+    # the largest operand of each output's last op (`numerics.operand_scales`), after the backward: its
+    # run restores the buffers it changes, which the backward may have saved
+    with dropout_disabled(gm):
+        scales = operand_scales(gm, inputs)
+    if len(scales) == len(outs):
+        results.update(
+            {f"operand_scale.{i}": torch.tensor(x, dtype=torch.float64) for i, x in enumerate(scales)}
+        )
     outputs_path = os.path.join(directory, "outputs.safetensors")
     save_checkpoint(results, outputs_path)
     tensors = dict(_named_tensors(model))
@@ -217,6 +233,8 @@ def compare_outputs(
             )
         report.output_diffs.append(max_abs_diff(got, share))
         report.output_scales.append(max_abs(full))
+        if f"operand_scale.{i}" in want:
+            report.operand_scales.append(float(want.read(f"operand_scale.{i}")))
     report.max_abs_diff = max(report.output_diffs)
     report.output_scale = max(report.output_scales)
 

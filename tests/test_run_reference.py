@@ -74,6 +74,60 @@ def test_tolerance_follows_the_dtype_and_failures_say_by_how_much() -> None:
     assert failures[1].startswith("gradients: max |sharded - unsharded| = 1")
 
 
+class _TwoOutputs(torch.nn.Module):
+    """Logits and the mean of the normalised activations (about 0: a cancellation), beside BatchNorm
+    statistics that a train-mode forward updates in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.bn = torch.nn.LayerNorm(8), torch.nn.BatchNorm1d(8)
+        self.head = torch.nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.norm(self.bn(x))
+        return self.head(h) * 30, h.mean()
+
+
+def test_an_output_below_its_operands_rounding_is_held_to_that_rounding() -> None:
+    """A model returning (logits, h.mean()) of a LayerNorm's h: the mean is rounding noise (~1e-9) and
+    a correct sharded run's 1.5e-9 against it failed the check (tolerance 1e-4 x 1.5e-9). The reference
+    records the largest value each output's last op read (`operand_scales`: max |h| for the mean), and
+    an output below REL x that is held to it; a real error in it still fails. The extra run leaves the
+    BatchNorm statistics and the RNG as they were."""
+    from runtime.numerics import operand_scales, output_tolerance_scale  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = _TwoOutputs().train()
+    x = torch.randn(4, 8) * 5 + 2
+    gm = capture(model, (x,), {})
+    logits, mean = gm(x)
+    stats, rng = {n: b.clone() for n, b in gm.named_buffers()}, torch.get_rng_state()
+    scales = operand_scales(gm, [x])
+    assert all(torch.equal(b, stats[n]) for n, b in gm.named_buffers()) and torch.equal(
+        torch.get_rng_state(), rng
+    )
+    h = _TwoOutputs().train()
+    h.load_state_dict(model.state_dict())
+    h = h.norm(h.bn(x)).detach()  # what the mean read
+    assert scales[1] == pytest.approx(float(h.abs().max()), rel=1e-3)
+    assert abs(float(mean)) < 1e-4 * scales[1] < float(logits.abs().max())
+    rel = tolerance_for("float32")
+    assert output_tolerance_scale(float(abs(mean)), scales[1], rel) == scales[1]  # below: the operands'
+    assert output_tolerance_scale(float(logits.abs().max()), scales[0], rel) == float(logits.abs().max())
+
+    def failures(mean_diff: float) -> list[str]:
+        n = {"dtype": "float32", "tolerance_rel": rel, "outputs": []}
+        for i, (diff, scale) in enumerate([(1e-5, float(logits.abs().max())), (mean_diff, float(abs(mean)))]):
+            held = output_tolerance_scale(scale, scales[i], rel)
+            n["outputs"].append({"index": i, "max_abs_diff": diff, "scale": held, "output_scale": scale,
+                                 "operand_scale": scales[i], "tolerance": rel * held})  # fmt: skip
+        return check_failures(n)
+
+    assert failures(2e-9) == []  # a correct run's rounding
+    (line,) = failures(0.05)  # a wrong mean
+    assert line.startswith("output 1: max |sharded - unsharded| = 0.05") and "below their rounding" in line
+
+
 def test_the_headline_numerics_are_one_output_s_and_an_integer_output_sets_no_tolerance() -> None:
     """A model returning (argmax, logits): the summary's difference, scale and dtype are those of the
     output nearest its tolerance (the logits), not the integer output's scale beside the logits'
