@@ -412,6 +412,11 @@ def test_pins_that_cannot_apply_say_so(example_path) -> None:
         "--dp", "4", "--dp-shard", "4", "--dp-style", "fsdp",
     )  # fmt: skip
     assert r.returncode == 2 and "dp(4 replicas x 4 shards) = 16 devices" in _said(r), _said(r)
+    # FSDP overlaps its collectives whatever the three overlap options say: the plan table says so (the
+    # Megatron-FSDP export carries --overlap-grad-reduce --overlap-param-gather for the same reason)
+    r = planner("optimize", llama, *common, "--nproc", "2", "--dp", "2", "--dp-style", "fsdp")
+    said = " ".join(r.stdout.split())
+    assert r.returncode == 0 and "none; fsdp prefetches and reduces one unit ahead" in said, said
 
 
 def test_fp32_gradients_are_priced_said_and_no_effect_without_16_bit_training(example_path, tmp_path) -> None:

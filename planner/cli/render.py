@@ -721,7 +721,9 @@ def _training_rows(plan: Plan) -> list[tuple[str, str, str]]:
          if plan.mesh.dp_cp > 1 else "one replica" if plan.grad_reduce_dtype == "fp32" else "-")
          + ("; fp32 gradients" if plan.grad_reduce_dtype == "fp32" else ""),
          (bl.get("dp_style") or on.get(bl.get("distributed_optimizer"), "-")) if bl and bl.get("dp") != "1" else "-"),
-        ("communication overlap", overlap_text(plan.tp_comm_overlap, plan.overlap_grad_reduce, plan.overlap_param_gather),
+        ("communication overlap", overlap_text(plan.tp_comm_overlap, plan.overlap_grad_reduce, plan.overlap_param_gather)
+         # FSDP's gathers and reduce-scatters overlap compute whatever the three options say (one unit ahead)
+         + ("; fsdp prefetches and reduces one unit ahead" if plan.dp_style == "fsdp" and plan.mesh.dp_cp > 1 else ""),
          bl.get("overlap", "-") if bl else "-"),
         ("step time", fmt_s(p.latency_s), fmt_s(b.latency_s) if b is not None else "-"),
         ("model TFLOP/s per device", tflops(p), tflops(b)),
