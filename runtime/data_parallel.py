@@ -1121,7 +1121,10 @@ class Zero2Adam(_BucketAdam):
         self._scatters: deque[tuple[int, torch.Tensor, torch.Tensor, Any]] = deque()
         self._end_queued = False
         self.counts: Counter[str] = Counter()
-        self.peak_grad_bytes = 0  # most bytes of unsharded gradients and reduce buffers alive at once
+        # most bytes of unsharded gradients and reduce buffers alive at once, measured in the first
+        # (checked) step only: the count walks every parameter, which the timed steps need not pay
+        self.peak_grad_bytes = 0
+        self._measure_peak = True
         self.events: list[tuple[str, str]] = []  # (event, unit) in order, as `_OverlappedReduce.events`
         self.overlap_grad_reduce = overlap_grad_reduce
         self.overlap_param_gather = overlap_param_gather and dp > 1
@@ -1155,11 +1158,12 @@ class Zero2Adam(_BucketAdam):
             b.padded_numel,
             self.grad_dtype(k),
         )
-        # the unsharded gradients held now (every parameter's `.grad` not yet reduced), this unit's
-        # flat buffer and those still in flight: `costmodels.memory.zero2_unit_bytes` prices the peak
-        in_flight = [t for _, out, buf, _ in self._scatters for t in (out, buf)]
-        held = state_bytes([p.grad for p in self.params if p.grad is not None] + [flat] + in_flight)
-        self.peak_grad_bytes = max(self.peak_grad_bytes, held)
+        if self._measure_peak:
+            # the unsharded gradients held now (every parameter's `.grad` not yet reduced), this unit's
+            # flat buffer and those still in flight: `costmodels.memory.zero2_unit_bytes` prices the peak
+            in_flight = [t for _, out, buf, _ in self._scatters for t in (out, buf)]
+            held = state_bytes([p.grad for p in self.params if p.grad is not None] + [flat] + in_flight)
+            self.peak_grad_bytes = max(self.peak_grad_bytes, held)
         for p in members:
             p.grad = None  # only this rank's slice is kept
         self._ready[k].clear()
@@ -1194,6 +1198,7 @@ class Zero2Adam(_BucketAdam):
         """Adam on the slices, then one all-gather per dtype of the updated slices into the parameters."""
         if not self._reduced:
             self.reduce_gradients()
+        self._measure_peak = False  # `peak_grad_bytes` is the first step's
         self._step_slices()
         for dtype in dict.fromkeys(b.dtype for b in self.buckets):
             members = [b for b in self.buckets if b.dtype == dtype]

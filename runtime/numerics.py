@@ -48,7 +48,7 @@ def operand_scales(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> list[floa
     rounding)."""
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     leaves = [x for x in pytree.tree_leaves(out_node.args[0]) if isinstance(x, torch.fx.Node)]
-    operands = {m for n in leaves for m in n.all_input_nodes}
+    outputs, operands = set(leaves), {m for n in leaves for m in n.all_input_nodes}
     seen: dict[torch.fx.Node, float] = {}
     tensor_leaf: dict[torch.fx.Node, bool] = {}
 
@@ -57,7 +57,7 @@ def operand_scales(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> list[floa
             value = super().run_node(n)
             if n in operands:
                 seen[n] = max((max_abs(t) for t in pytree.tree_leaves(value) if _floating(t)), default=0.0)
-            if n in leaves:
+            if n in outputs:
                 tensor_leaf[n] = isinstance(value, torch.Tensor)
             return value
 

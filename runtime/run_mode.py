@@ -66,9 +66,8 @@ def set_run_mode(model: nn.Module, dtype: str, training: bool) -> nn.Module:
     Complex buffers (torchtitan's and Meta's RoPE `freqs_cis`) keep their dtype: `nn.Module.to` with
     a real dtype casts them too and drops their imaginary part, changing what the model computes."""
     want = _torch_dtype(dtype)
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
     with torch.no_grad():
-        for t in tensors.values():
+        for t in [*model.parameters(), *model.buffers()]:  # each once (shared ones too)
             if t.is_floating_point() and t.dtype != want:
                 t.data = t.data.to(want)
     return model.train(training)
