@@ -427,6 +427,8 @@ def rule_view(ctx: RuleContext, node: fx.Node) -> None:
         return
     if p.inner:  # a GQA-repeated K/V piece (B, kv, n_rep, ...) merged into the query heads
         placement = _merge_repeated_heads(ctx, node, p)
+    elif (unfused := _parts_as_dim(ctx, node, p)) is not None:
+        placement = unfused
     else:
         try:
             out_dim = view_shard_dim(ctx.gshape(x), ctx.gshape(node), p.dim, p.divisor(ctx.tp))
@@ -447,6 +449,29 @@ def rule_view(ctx: RuleContext, node: fx.Node) -> None:
     node.args = (x, list(local_shape(ctx.gshape(node), placement, ctx.tp)), *node.args[2:])
     ctx.set_meta(node, placement)
     ctx.check(node)
+
+
+def _parts_as_dim(ctx: RuleContext, node: fx.Node, p: Placement) -> Placement | None:
+    """The placement of a reshape that unfolds a fused projection's sharded output of equal parts into
+    (..., parts, H, hd) (timm's ViT and many encoders: qkv(x).reshape(B, T, 3, H, hd)), or None for any
+    other reshape. Each rank holds [part_0 / tp | part_1 / tp | ...], so its local (..., parts, H / tp,
+    hd) is exactly a shard of the head dim: S(the dim after the parts' dim), no parts any more."""
+    if not p.parts or p.size or p.pieces or len(set(p.parts)) != 1:
+        return None
+    x = node.args[0]
+    for in_dims, out_dims in view_groups(ctx.gshape(x), ctx.gshape(node)):
+        if p.dim not in in_dims:
+            continue
+        outs = [d for d in out_dims if ctx.gshape(node)[d] != 1]
+        if (
+            [d for d in in_dims if ctx.gshape(x)[d] != 1] == [p.dim]
+            and len(outs) >= 2
+            and ctx.gshape(node)[outs[0]] == len(p.parts)
+            and ctx.gshape(node)[outs[1]] % ctx.tp == 0
+        ):
+            return Placement.shard(outs[1])
+        return None
+    return None
 
 
 def _merge_repeated_heads(ctx: RuleContext, node: fx.Node, p: Placement) -> Placement:
