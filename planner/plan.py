@@ -361,6 +361,16 @@ def fallback_memory_bytes(fallbacks: list[Fallback], workload: Workload) -> floa
     return sum(sizes) if workload is Workload.TRAIN else max(sizes)
 
 
+def model_path_beside(model: str, plan_path: str | os.PathLike[str]) -> str:
+    """The ``model`` path (as given to planner optimize: relative to the working directory) written
+    relative to the folder of the plan file at ``plan_path``, which `Plan.model_file` resolves it
+    against; unchanged when absolute or not a file here."""
+    given = Path(model)
+    if given.is_absolute() or not given.is_file():
+        return model
+    return os.path.relpath(os.path.abspath(given), os.path.dirname(os.path.abspath(plan_path)))
+
+
 @dataclass
 class Plan:
     """A parallelisation plan for one model, cluster and workload. See the module docstring."""
@@ -479,6 +489,9 @@ class Plan:
     # written before these fields
     moe_top_k: int = 0
     moe_score_function: str = ""
+    # whether each token's k routing weights are renormalised to sum to 1 (`planner.frontend.moe.MoE.renormalised`;
+    # Megatron's --moe-router-pre-softmax when not, under softmax); None: unknown, as above
+    moe_topk_renormalised: bool | None = None
     moe_expert_intermediate_size: int = 0
     moe_shared_intermediate_size: int | None = None
     # parameters of the model the plan was made for (0: a plan written before this field): `planner run`
@@ -727,8 +740,39 @@ class Plan:
     def to_yaml(self, path: str | os.PathLike[str]) -> None:
         """Write the plan as YAML, atomically (temp file in the same folder, then rename)."""
         header = f"{PLAN_HEADER} for {self.model} on {self.cluster}; read by planner show / run / export.\n"
-        body = safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=110)
+        data = self.to_dict()
+        data["model"] = model_path_beside(self.model, path)
+        body = safe_dump(data, sort_keys=False, default_flow_style=None, width=110)
         write_text_atomic(path, with_digest(header + body))
+
+    def model_file(self, plan_path: str | os.PathLike[str]) -> Path:
+        """The model file of a plan read from ``plan_path``: `model` as `to_yaml` writes it, relative to the
+        plan file's folder (so the plan runs from any working directory), or, for a plan written
+        before that (relative to the working directory it was made in), relative to this one.
+
+        Raises InputError when it is in neither place, or when both hold a file and they differ (two
+        models of the same name: running the wrong one must not be a guess)."""
+        given = Path(self.model)
+        if given.is_absolute():
+            if not given.is_file():
+                raise InputError(
+                    f"the plan {plan_path} was made for {self.model} (its field 'model'), which is not a file here: "
+                    "name the model file with --model"
+                )
+            return given
+        beside, here = Path(plan_path).parent / given, given
+        found = [p for p in (beside, here) if p.is_file()]
+        if not found:
+            raise InputError(
+                f"the plan {plan_path} was made for {self.model} (its field 'model', relative to the plan's folder), "
+                f"which is not a file there ({beside}) nor here: name the model file with --model"
+            )
+        if len(found) == 2 and not os.path.samefile(beside, here):
+            raise InputError(
+                f"the plan {plan_path} was made for {self.model} (its field 'model'): both {beside} (beside the plan) "
+                f"and {here} (in this folder) exist and differ; name the one to run with --model"
+            )
+        return found[0]
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> Plan:

@@ -284,9 +284,20 @@ def test_run_with_more_ranks_than_the_plan_uses_runs_it_on_its_own(tmp_path, exa
     mlp = str(ROOT / "examples" / "mlp.py")
     made = planner("optimize", mlp, "--cluster", "local-cpu", "--nproc", "2", "--tp", "1", "--dp", "1", "--out", str(plan_path))  # fmt: skip
     assert made.returncode == 0, made.stderr
+    # its prediction and cluster name edited by hand (not decisions): the file's digest says so, and the
+    # run prices it again and names the spec it runs with, instead of reporting the edit as predicted
+    text = plan_path.read_text()
+    predicted = text.index("\npredicted:\n")
+    latency = text.index("  latency_s: ", predicted)
+    end = text.index("\n", latency)
+    text = text[:latency] + "  latency_s: 1.0e-09" + text[end:]
+    plan_path.write_text(text.replace("\ncluster: local-cpu\n", "\ncluster: dgx-h100\n", 1))
     r = planner("run", str(plan_path), "--model", mlp, "--nproc", "2", "--iters", "2", "--min-time", "0")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "running it on 1" in r.stdout and "measured / predicted" in r.stdout
+    said = _said(r)
+    assert "the plan file was edited after planning" in said and "priced again on local-cpu" in said, said
+    assert "the field 'cluster' says dgx-h100, but the spec the plan was priced with" in said, said
 
 
 @pytest.mark.slow

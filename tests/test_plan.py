@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -83,6 +84,35 @@ def test_yaml_round_trip(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["plan.yaml"]  # no temp file left behind
     assert loaded.workload is Workload.FORWARD and loaded.schedule is Schedule.ONE_F_ONE_B
     assert (loaded.tp, loaded.pp, loaded.dp, loaded.num_devices) == (2, 1, 1, 2)
+
+
+def test_the_model_path_is_saved_beside_the_plan_and_found_from_any_folder(tmp_path, monkeypatch) -> None:
+    """A plan saved in another folder than the working directory records its model relative to the
+    plan file, so `planner run` finds it from anywhere; a plan written before (relative to the folder
+    it was made in) still runs, but a same-named file in both places is refused, not guessed (a
+    different mylm.py in the working directory was loaded and stopped only by its parameter count)."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "plans").mkdir()
+    (tmp_path / "models" / "m.py").write_text("# the model\n")
+    monkeypatch.chdir(tmp_path)
+    plan = dataclasses.replace(make_plan(), model="models/m.py")
+    plan.to_yaml("plans/p.yaml")
+    loaded = Plan.from_yaml("plans/p.yaml")
+    assert loaded.model == "../models/m.py"
+    for folder in (tmp_path, tmp_path / "plans", tmp_path / "models"):
+        monkeypatch.chdir(folder)
+        assert loaded.model_file(tmp_path / "plans" / "p.yaml").resolve() == tmp_path / "models" / "m.py"
+    monkeypatch.chdir(tmp_path)
+    old = dataclasses.replace(make_plan(), model="models/m.py")  # as an older planner wrote it
+    assert old.model_file("plans/p.yaml") == Path("models/m.py")
+    (tmp_path / "plans" / "models").mkdir()
+    (tmp_path / "plans" / "models" / "m.py").write_text("# another model of the same name\n")
+    with pytest.raises(
+        InputError, match=r"both plans/models/m.py \(beside the plan\) and models/m.py .* differ"
+    ):
+        old.model_file("plans/p.yaml")
+    with pytest.raises(InputError, match=r"made for gone.py .* not a file there"):
+        dataclasses.replace(old, model="gone.py").model_file("plans/p.yaml")
 
 
 def test_reads_plans_with_a_flat_mesh(tmp_path: Path) -> None:

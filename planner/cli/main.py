@@ -31,7 +31,7 @@ from rich.text import Text
 from costmodels.expert_parallel import DEFAULT_MOE_IMBALANCE
 from planner.cli.progress import Bars
 from planner.errors import InputError, PlannerError, RunError
-from planner.files import check_output_path, with_digest, write_text_atomic
+from planner.files import check_output_path, edited_since_written, with_digest, write_text_atomic
 from planner.plan import CP_COMM_TYPES, DP_STYLES, EP_FOLDS, GRAD_REDUCE_DTYPES, cp_unbalanced_note
 
 _WIDTH = None if sys.stdout.isatty() else 150  # rich assumes 80 columns when piped; tables need more
@@ -1068,12 +1068,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     _check_outputs(args)
     plan = Plan.from_yaml(args.plan)
     if args.model is None:
-        if not Path(plan.model).is_file():
-            raise InputError(
-                f"the plan {args.plan} was made for {plan.model} (its field 'model'), which is not a file here: "
-                "name the model file with --model"
-            )
-        args.model = plan.model
+        args.model = str(plan.model_file(args.plan))
     if not Path(args.model).exists():
         raise InputError(f"model file {args.model} does not exist")
     if Path(plan.model).name != Path(args.model).name:
@@ -1108,17 +1103,35 @@ def cmd_run(args: argparse.Namespace) -> int:
                 f"{args.plan}: field 'mesh' asks for {plan.num_devices} devices ({plan.mesh.label()}), but "
                 f"{cluster.name} has {cluster.num_devices}: set mesh.tp / mesh.pp / mesh.dp to fit"
             )
-        repriced = workflow.reprice_if_edited(plan, prepared, cluster)
+        # a file edited anywhere (its digest line no longer matches) is priced again too: a prediction or
+        # a cluster name edited by hand would otherwise be reported as what the planner predicted
+        file_edited = edited_since_written(args.plan)
+        decisions_edited = bool(plan.priced_digest) and plan.priced_digest != plan.decisions_digest()
+        repriced = workflow.reprice_if_edited(plan, prepared, cluster, force=file_edited)
         bars("lowering the plan on meta tensors for every rank", None)
         # a hand-edited plan is checked whole, and priced again when its decisions changed
         checked = workflow.check_lowering(prepared, repriced or plan, cluster)
     if note:
         _warn([note])
-    if repriced is not None:
+    if file_edited and not note and plan.cluster != cluster.name:
         _warn(
             [
-                f"the plan's decisions differ from those it was priced with (edited after planning): priced again on "
-                f"{cluster.name}: {fmt_s(plan.predicted.latency_s)} -> {fmt_s(checked.predicted.latency_s)}"
+                f"{args.plan}: the field 'cluster' says {plan.cluster}, but the spec the plan was priced with (its field "
+                f"'cluster_source', {plan.cluster_source}) is {cluster.name}: it is priced and run with that spec. To plan "
+                f"for {plan.cluster}, re-plan (planner optimize {args.model} --cluster {plan.cluster})"
+            ]
+        )
+        checked = dataclasses.replace(checked, cluster=cluster.name)
+    if repriced is not None:
+        what = (
+            "the plan's decisions differ from those it was priced with (edited after planning)"
+            if decisions_edited
+            else "the plan file was edited after planning (its last line's digest no longer matches)"
+        )
+        _warn(
+            [
+                f"{what}: priced again on {cluster.name}: {fmt_s(plan.predicted.latency_s)} -> "
+                f"{fmt_s(checked.predicted.latency_s)}"
             ]
         )
         render_plan(console, checked)

@@ -944,12 +944,15 @@ def _baseline_note(decisions: list[Decision], latency_s: float | None, note: str
     return out
 
 
-def reprice_if_edited(plan: Plan, prepared: Prepared, cluster: ClusterSpec) -> Plan | None:
+def reprice_if_edited(
+    plan: Plan, prepared: Prepared, cluster: ClusterSpec, force: bool = False
+) -> Plan | None:
     """`plan` priced again on `cluster` when its decisions (splits, mesh, stages, ladder, schedule,
     recompute, ...: `Plan.decisions_digest`) no longer match those it was priced with (`Plan.priced_digest`:
-    edited by hand after planning), else None. The new plan's fallbacks are cleared for `check_lowering`
+    edited by hand after planning), or when ``force`` (the plan file was edited elsewhere: its
+    prediction may have been), else None. The new plan's fallbacks are cleared for `check_lowering`
     to price again; a serving plan's request is priced again too."""
-    if not plan.priced_digest or plan.priced_digest == plan.decisions_digest():
+    if not force and (not plan.priced_digest or plan.priced_digest == plan.decisions_digest()):
         return None
     cluster = priced_cluster(prepared, cluster)
     structure = prepared.structure
