@@ -122,9 +122,12 @@ MEGATRON_ROUTER_FLAGS = (
     "--moe-router-topk", "--moe-router-score-function", "--moe-ffn-hidden-size",
     "--moe-shared-expert-intermediate-size",
 )  # fmt: skip
+MEGATRON_PRE_SOFTMAX = (
+    "--moe-router-pre-softmax"  # the top-k of the softmax over all experts, not renormalised
+)
 MEGATRON_MOE_FLAGS = {
     "--num-experts", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
-    "--moe-token-dispatcher-type", "--moe-expert-capacity-factor", *MEGATRON_ROUTER_FLAGS,
+    "--moe-token-dispatcher-type", "--moe-expert-capacity-factor", *MEGATRON_ROUTER_FLAGS, MEGATRON_PRE_SOFTMAX,
 }  # fmt: skip
 # Megatron-Core 0.19.2 --data-parallel-sharding-strategy choices and --ckpt-format choices
 MEGATRON_SHARDING = {"no_shard", "optim", "optim_grads", "optim_grads_params"}
@@ -801,6 +804,37 @@ def test_megatron_routes_a_top2_softmax_moe_with_its_shared_expert():
     assert args["--moe-router-score-function"] == "softmax" and args["--moe-ffn-hidden-size"] == "24"
     assert args["--moe-shared-expert-intermediate-size"] == "48"
     assert not any("route" in w for w in warnings)
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_megatron_weighs_the_chosen_experts_as_the_model_does(score):
+    """A router that weighs each of its k chosen experts by its score over all experts as it is (not
+    renormalised to sum to 1: Qwen-MoE's norm_topk_prob=False) gets --moe-router-pre-softmax under
+    softmax (Megatron-Core's default renormalises: it was exported the same as a renormalising model);
+    under sigmoid, which Megatron always renormalises, a warning says the weights differ. The
+    renormalising model gets neither."""
+    plans = {}
+    for renormalise in (True, False):
+        options = tiny_moe_gptfast.MoEOptions(score_func=score, renormalise=renormalise)
+        with torch.device("meta"):
+            model = tiny_moe_gptfast.build_model(options)
+        plans[renormalise] = _moe_plan(model, tiny_moe_gptfast.example_inputs(4, 16))
+    assert (plans[True].moe_topk_renormalised, plans[False].moe_topk_renormalised) == (True, False)
+    (argv, warnings), (plain_argv, plain_warnings) = _megatron_argv(plans[False]), _megatron_argv(plans[True])
+    assert MEGATRON_PRE_SOFTMAX not in plain_argv and not any("renormalises" in w for w in plain_warnings)
+    assert {a for a in argv if a.startswith("--")} <= MEGATRON_FLAGS | MEGATRON_MOE_FLAGS
+    if score == "softmax":
+        assert MEGATRON_PRE_SOFTMAX in argv and not any("renormalises" in w for w in warnings)
+    else:
+        assert MEGATRON_PRE_SOFTMAX not in argv
+        assert any("sigmoid router renormalises the chosen scores" in w for w in warnings), warnings
+    assert Plan.from_dict(plans[False].to_dict()).moe_topk_renormalised is False
+    if score == "softmax":  # top-1: Megatron refuses softmax routing without the flag, and weighs by the prob
+        with torch.device("meta"):
+            model = tiny_moe_gptfast.build_model(tiny_moe_gptfast.MoEOptions(top_k=1))
+        argv, warnings = _megatron_argv(_moe_plan(model, tiny_moe_gptfast.example_inputs(4, 16)))
+        assert MEGATRON_PRE_SOFTMAX in argv
+        assert any("requires --moe-router-pre-softmax at top-1" in w for w in warnings), warnings
 
 
 def test_an_old_moe_plan_without_its_routing_loads_and_warns_for_each_router_option(top1_sigmoid_plan):

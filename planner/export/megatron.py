@@ -39,6 +39,7 @@ the dataclass fields it turns into options: `ModelParallelConfig`, `TransformerC
 |                                        | --expert-tensor-parallel-size expert_tp (1, or tp: split experts)  |
 | moe_top_k                              | --moe-router-topk                                                  |
 | moe_score_function softmax / sigmoid   | --moe-router-score-function softmax / sigmoid                      |
+| moe_topk_renormalised false (softmax)  | --moe-router-pre-softmax (always at top-1: Megatron requires it)   |
 | moe_expert_intermediate_size           | --moe-ffn-hidden-size                                              |
 | moe_shared_intermediate_size (> 0)     | --moe-shared-expert-intermediate-size (0, no shared expert: none)  |
 |   each unknown (0, "", None)           | none, a warning naming the option to set                           |
@@ -90,9 +91,13 @@ routes each token to --moe-router-topk experts (default 2) by --moe-router-score
 (default softmax), its experts --moe-ffn-hidden-size wide (default --ffn-hidden-size), with a shared
 expert only when --moe-shared-expert-intermediate-size is set: the file sets each as the model has it,
 so that Megatron runs the experts and exchanges the top_k x tokens rows the plan priced. Its softmax
-router takes the top-k of the logits and the softmax over the k chosen ones (--moe-router-pre-softmax
-puts the softmax before): both choose the experts a softmax-then-top-k router chooses, and weigh them
-as one that renormalises the k weights does; the file does not write --moe-router-pre-softmax.
+router takes the top-k of the logits and the softmax over the k chosen ones: it chooses the experts a
+softmax-then-top-k router chooses and weighs them as one that renormalises the k weights does
+(Mixtral's, `Plan.moe_topk_renormalised`). A model that weighs each chosen expert by its softmax over
+all experts as it is (Switch's top-1, Qwen-MoE with norm_topk_prob false) gets --moe-router-pre-softmax
+(`megatron/core/transformer/moe/moe_utils.py`, `topk_routing_with_score_function`: the top-k of the
+softmax, not renormalised). Megatron's sigmoid router always renormalises k > 1 chosen scores: a
+sigmoid model that does not is exported with a warning.
 
 Data parallelism (`Plan.dp_style`, the ZeRO stages as Megatron-Core's
 `--data-parallel-sharding-strategy` names them): ZeRO-1 is Megatron's distributed optimizer; ZeRO-2
@@ -285,6 +290,29 @@ def _routing_args(plan: Plan, warnings: list[str]) -> list[str]:
         args += ["--moe-router-score-function", plan.moe_score_function]
     else:
         missing.append("--moe-router-score-function (softmax, Megatron's default, or sigmoid)")
+    if plan.moe_score_function == "softmax" and plan.moe_top_k == 1:
+        # Megatron-Core refuses top-1 softmax routing without it (TransformerConfig.__post_init__: a softmax
+        # over one chosen logit would give the router no gradient)
+        args.append("--moe-router-pre-softmax")
+        if plan.moe_topk_renormalised:
+            warnings.append(
+                "the model weighs its one chosen expert by 1 (its top-1 weight renormalised), while Megatron-Core "
+                "requires --moe-router-pre-softmax at top-1 and weighs it by its softmax probability over all the "
+                "experts: Megatron's expert outputs are scaled otherwise than the model's"
+            )
+    elif plan.moe_topk_renormalised is False and plan.moe_score_function == "softmax" and plan.moe_top_k:
+        args.append("--moe-router-pre-softmax")  # each expert weighed by its softmax over all E, as the model
+    elif plan.moe_topk_renormalised is False and plan.moe_score_function == "sigmoid" and plan.moe_top_k > 1:
+        warnings.append(
+            f"the model weighs each of its {plan.moe_top_k} chosen experts by its sigmoid score as it is, while "
+            "Megatron-Core's sigmoid router renormalises the chosen scores to sum to 1 (no option turns that "
+            "off): Megatron's experts are weighed otherwise than the model's"
+        )
+    elif plan.moe_topk_renormalised is None and plan.moe_score_function == "softmax":
+        missing.append(
+            "--moe-router-pre-softmax if the model weighs each chosen expert by its softmax over all the experts "
+            "without renormalising the chosen weights (Megatron's default renormalises them)"
+        )
     if plan.moe_expert_intermediate_size:
         args += ["--moe-ffn-hidden-size", str(plan.moe_expert_intermediate_size)]
     else:

@@ -150,6 +150,11 @@ class MoE:
     not_lowerable: str = ""
     num_groups: int = 1  # group-limited routing: expert groups (1: none)
     topk_groups: int = 1  # ... and the groups each token may choose from
+    # whether each token's k routing weights are renormalised to sum to 1 before they weigh the experts
+    # (w / w.sum(-1), or a softmax over the k chosen logits: Mixtral, gpt-fast, DeepSeek-V3) or left
+    # as the scores over all E experts (Switch's top-1, Qwen-MoE's norm_topk_prob=False): Megatron-Core's
+    # softmax router renormalises unless --moe-router-pre-softmax, its sigmoid router always (`_renormalised`)
+    renormalised: bool = True
 
     @property
     def hidden_size(self) -> int:
@@ -303,6 +308,7 @@ def find_moe(
         selection_bias=bias,
         num_groups=groups[0],
         topk_groups=groups[1],
+        renormalised=score is ScoreFunction.SOFTMAX_AFTER_TOPK or _renormalised(topk, node_of, names),
         not_lowerable=unlowerable,
     )
     return MoEFinding(moe, [p for group in listed for p in group], None)
@@ -683,6 +689,48 @@ def _routing(
         if width and 1 < width < num_experts and num_experts % width == 0:
             groups = (width, int(n.args[1]))
     return score, bias, groups
+
+
+# ops through which the chosen scores stay the routing weights (casts, reshapes, a scale, the sum and
+# division of a renormalisation): `_renormalised` follows them from the top-k
+_WEIGHT_OPS = frozenset({
+    "aten.div", "aten.div_", "aten.sum", "aten.add", "aten.add_", "aten.mul", "aten.mul_", "aten._to_copy",
+    "aten.to", "aten.type_as", "aten.view", "aten.reshape", "aten.unsqueeze", "aten.clone", "aten.gather",
+    "aten.clamp", "aten.clamp_min",
+})  # fmt: skip
+
+
+def _renormalised(topk: fx.Node, node_of: dict[str, fx.Node], names: set[str]) -> bool:
+    """Whether the weights a router's top-k chose are divided by their own sum before they weigh the
+    experts (`MoE.renormalised`): from the top-k's values, or the scores gathered at its ids (DeepSeek-V3
+    picks with a selection bias, then gathers the unbiased scores), through `_WEIGHT_OPS`, a division
+    whose divisor is (an epsilon added to) the sum of such a weight."""
+    ids = {u.name for u in topk.users if u.args[1] == 1}
+    start = [u for u in topk.users if u.args[1] == 0]
+    start += [n for n in node_of.values() if op_name(n.target) == "aten.gather" and n.name in names
+              and any(a.name in ids for a in n.all_input_nodes)]  # fmt: skip
+    chain: set[str] = set()
+    while start:
+        node = start.pop()
+        if node.name in chain:
+            continue
+        chain.add(node.name)
+        start += [u for u in node.users if u.name in names and op_name(u.target) in _WEIGHT_OPS]
+    for name in chain:
+        node = node_of[name]
+        if op_name(node.target) not in ("aten.div", "aten.div_") or not isinstance(node.args[1], fx.Node):
+            continue
+        divisor = node.args[1]
+        if op_name(divisor.target) in (
+            "aten.add",
+            "aten.add_",
+            "aten.clamp",
+            "aten.clamp_min",
+        ):  # w.sum() + eps
+            divisor = next((a for a in divisor.all_input_nodes if op_name(a.target) == "aten.sum"), divisor)
+        if op_name(divisor.target) == "aten.sum" and divisor.args[0].name in chain:
+            return True
+    return False
 
 
 def _numel(node: fx.Node) -> int:

@@ -1547,6 +1547,7 @@ def _plan_of(search: _Search, priced: PricedAssignment, model_name: str, solver:
         expert_params=sum(layer.moe.expert_params for layer in s.layers if layer.moe is not None),
         moe_top_k=agreed((layer.moe.top_k for layer in s.layers if layer.moe), 0),
         moe_score_function=agreed((layer.moe.score_function.function for layer in s.layers if layer.moe), ""),
+        moe_topk_renormalised=agreed((layer.moe.renormalised for layer in s.layers if layer.moe), None),
         moe_expert_intermediate_size=agreed(
             (layer.moe.expert_intermediate_size for layer in s.layers if layer.moe), 0
         ),

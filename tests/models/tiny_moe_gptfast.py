@@ -38,6 +38,9 @@ class MoEOptions:
     expert_bias: bool = False  # DeepSeek-V3's balancing bias, added to the scores for the choice only
     groups: int = 1  # group-limited routing: expert groups (1: none)
     topk_groups: int = 1  # groups each token may choose its experts from
+    renormalise: bool = (
+        True  # the k chosen weights divided by their sum (False: Qwen-MoE's norm_topk_prob=False)
+    )
 
 
 class ConditionalFeedForward(nn.Module):
@@ -91,7 +94,8 @@ class MOEFeedForward(nn.Module):
         scores = logits.softmax(-1) if self.options.score_func == "softmax" else logits.sigmoid()
         expert_indices = self.route(scores)  # (N, k)
         expert_weights = scores.gather(1, expert_indices)  # (N, k)
-        expert_weights = expert_weights / expert_weights.sum(dim=-1, keepdim=True)  # (N, k)
+        if self.options.renormalise:
+            expert_weights = expert_weights / expert_weights.sum(dim=-1, keepdim=True)  # (N, k)
         expert_outs = self.cond_ffn(x, expert_indices)  # (N, k, C)
         return torch.einsum("tai,ta->ti", expert_outs, expert_weights).view(B, T, C)
 
