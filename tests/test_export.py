@@ -388,6 +388,37 @@ def test_dtensor_refuses_a_row_parallel_projection_of_the_block_input(llama_plan
     assert plain.UNSUPPORTED == {}
 
 
+def test_dtensor_refuses_sequence_parallel_blocks_that_hold_attention_and_mlp(llama_plan):
+    """A layer whose q/k/v/o and gate/up/down (and norms) are modules of the layer itself, with no
+    attention or MLP submodule: under sequence parallelism apply() gathered the layer's input once and
+    its norm met a DTensor ("aten.mul.Tensor got mixed torch.Tensor and DTensor", from inside torch).
+    The export names the block and apply() refuses it; without sequence parallelism it exports as before."""
+    flat = {
+        w.replace(".attention.", ".")
+        .replace(".feed_forward.", ".")
+        .replace(".mlp.", "."): dataclasses.replace(
+            s, weight=w.replace(".attention.", ".").replace(".feed_forward.", ".").replace(".mlp.", ".")
+        )
+        for w, s in llama_plan.splits.items()
+    }
+    exported = export_plan(_with(llama_plan, splits=flat, sequence_parallel=True), "dtensor")
+    module = types.ModuleType("flat")
+    exec(compile(exported.text, "<export>", "exec"), module.__dict__)
+    assert (
+        "layers.0" in module.TP_BLOCKS
+        and "holds 2 row-parallel projections" in module.UNSUPPORTED["layers.0"]
+    )
+    assert any(w.startswith("layers.0: under sequence parallelism") for w in exported.warnings)
+    with pytest.raises(ValueError, match="layers.0: under sequence parallelism"):
+        module.apply(torch.nn.Linear(2, 2), None)
+    plain = types.ModuleType("flat_no_sp")
+    exec(
+        compile(export_plan(_with(llama_plan, splits=flat), "dtensor").text, "<export>", "exec"),
+        plain.__dict__,
+    )
+    assert plain.UNSUPPORTED == {}
+
+
 def test_dtensor_cuts_the_kv_caches_only_when_attention_heads_are_split(llama_plan):
     """A served plan with attention split by heads: apply() cuts the KV caches to the rank's heads
     itself (once only a warning told the user to). One whose weights all stay replicated exports an

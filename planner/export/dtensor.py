@@ -25,7 +25,8 @@ without `.weight`.
 |                                         | layer's input, norms from there on SequenceParallel(), each     |
 |                                         | block's input gathered once at the block (a DTensor, so the     |
 |                                         | gradient is reduce-scattered), rowwise outputs Shard(1), the LM |
-|                                         | head's input Shard(1)                                           |
+|                                         | head's input Shard(1); a block holding two rowwise projections  |
+|                                         | (attention and MLP in one module): UNSUPPORTED, apply() raises  |
 
 What `apply` does besides `parallelize_module` (the generated file's docstring says it to the user):
 a fused projection (`parts`, GPT-2's `c_attn`) has its rows reordered so that the contiguous shard of
@@ -427,6 +428,18 @@ def dtensor_plan(plan: Plan) -> DTensorPlan:
             f"the plan cuts this K/V projection into {plan.splits[weight].pieces} KV heads over tp={plan.tp} ranks "
             "(each head replicated, as vLLM does); a parallelize_module plan shards whole heads only"
         )
+    if sp:  # one module holding the attention's and the MLP's pairs (its norms and residual adds too)
+        for block in blocks:
+            rows = sorted((m for m in row if _parent(m) == block), key=_natural)
+            if len(rows) > 1:
+                unsupported[block] = (
+                    f"under sequence parallelism each block of TP_BLOCKS gathers its input once and its row-parallel "
+                    f"projection reduce-scatters back to the sequence shard, but {block} holds {len(rows)} row-parallel "
+                    f"projections ({', '.join(r.rsplit('.', 1)[-1] for r in rows)}): its norms read the gathered input and "
+                    "its residual adds meet a reduce-scattered output inside one forward, which no parallelize_module "
+                    "plan of whole modules expresses; export the plan without sequence parallelism, or run it with "
+                    "planner run"
+                )
     if sp:  # a block's gathered input is a DTensor, which a plain (replicated) nn.Linear cannot take
         for weight in sorted(plan.adapters):
             module = weight.removesuffix(".weight")
