@@ -438,6 +438,13 @@ def rule_view(ctx: RuleContext, node: fx.Node) -> None:
             # gathered and the reshape runs whole, a fallback `passes.verify` prices and names. A reshape
             # that would cut inside a head (no output dim divides by tp) is the plan's error: refused
             if ctx.sequence_shard_dim(x) is None and not isinstance(e, ShardInterleavedError):
+                if p.parts:  # the shard is a fused projection's parts, not one contiguous chunk
+                    raise ctx.fail(
+                        node,
+                        f"reshape {tuple(ctx.gshape(x))} -> {tuple(ctx.gshape(node))} of a fused projection's output "
+                        f"split by its parts {list(p.parts)}: no rule keeps each rank's piece of every part "
+                        "contiguous through it; keep that projection whole (its split: replicate)",
+                    ) from e
                 raise ctx.fail(node, str(e)) from e
             ctx.run_replicated(node)
             return
