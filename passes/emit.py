@@ -53,6 +53,7 @@ import torch.fx as fx
 from torch import nn
 
 from planner.files import write_text_atomic
+from planner.frontend.capture import OUTPUT_PATHS_META
 
 MODULE_FILE = "module.py"
 WEIGHTS_FILE = "weights.pt"
@@ -96,7 +97,7 @@ def emit_rank_module(gm: fx.GraphModule, out_dir: str | os.PathLike[str], rank: 
         weights_included=weights_included,
         class_name=CLASS_NAME,
         inputs=[_describe(n) for n in gm.graph.nodes if n.op == "placeholder"],
-        outputs=[_describe(n) for n in _output_nodes(gm)],
+        outputs=_describe_outputs(gm),
         tensors=len(tensors),
         tensor_bytes=sum(t.numel() * t.element_size() for _, t, _ in tensors),
         aliases=aliases,
@@ -179,6 +180,18 @@ def _collect_tensors(gm: fx.GraphModule) -> tuple[list[tuple[str, torch.Tensor, 
 def _output_nodes(gm: fx.GraphModule) -> list[Any]:
     out = gm.graph.output_node().args[0]
     return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def _describe_outputs(gm: fx.GraphModule) -> list[dict]:
+    """meta.json "outputs": each output's name, local shape and dtype, and for the last stage (the
+    model's own outputs) `model_path`, where the model's forward returns it ("['logits']" of a dict,
+    "[1]" of a tuple, "" for a bare tensor)."""
+    described = [_describe(n) for n in _output_nodes(gm)]
+    paths = gm.graph.output_node().meta.get(OUTPUT_PATHS_META)
+    if paths is not None and len(paths) == len(described):
+        for entry, path in zip(described, paths):
+            entry["model_path"] = path
+    return described
 
 
 def _describe(node: Any) -> dict:
@@ -431,7 +444,10 @@ with torch.no_grad():
     out = module(*inputs)                         # inputs: {info.get("inputs", "as in meta.json")}
 ```
 
-Every rank of a TP group passes the same inputs and gets the same (replicated) output. {dp_text}With pp > 1,
+Every rank of a TP group passes the same inputs and gets the same (replicated) output: the model's
+output tensors as one flat tuple (one tensor bare), whatever structure the model's forward returns;
+`meta.json` "outputs" gives each one's `model_path`, where the model returns it (`['logits']` of a
+dict, `[1]` of a tuple). {dp_text}With pp > 1,
 rank modules are pipeline stages: stage 0 takes the model inputs, each stage returns the tuple the
 next one takes (`meta.json` lists them); run them with `torch.distributed.pipelining` over the
 pp group, with the plan's schedule and micro-batches (`meta.json` "plan"; `runtime.pipeline.PipelineRunner`

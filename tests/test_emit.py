@@ -64,7 +64,7 @@ def test_emit_and_load_unsharded_llama(tmp_path: Path) -> None:
     meta = json.loads((folder / "meta.json").read_text())
     assert meta["model"] == "llama3" and meta["rank"] == 0
     assert meta["inputs"] == [{"name": "tokens", "shape": [2, 16], "dtype": "int64"}]
-    assert meta["outputs"][0]["shape"] == [2, 16, 256]
+    assert meta["outputs"][0]["shape"] == [2, 16, 256] and meta["outputs"][0]["model_path"] == ""
     module = load_rank_module(tmp_path, 0)
     assert torch.equal(module(*args), gm(*args))
     assert {n for n, _ in module.named_parameters()} == {n for n, _ in gm.named_parameters()}
@@ -103,6 +103,48 @@ print("ok")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "ok"
+
+
+DICT_MODEL = """
+import torch
+from torch import nn
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.up = nn.Linear(32, 128)
+        self.down = nn.Linear(128, 32)
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        h = h + self.down(torch.relu(self.up(h)))
+        return {"hidden": h, "logits": self.head(h)}
+
+def build_model():
+    torch.manual_seed(0)
+    return M()
+
+def example_inputs(batch_size: int = 2, seq_len: int = 8):
+    return (torch.randint(0, 64, (batch_size, seq_len)),)
+"""
+
+
+def test_emitted_outputs_say_where_the_model_returns_each(tmp_path: Path) -> None:
+    """A model returning a dict: each rank's module returns the flat tuple (logits first), and
+    meta.json names each output's place in the model's own return (it gave generated node names
+    only, e.g. "tp_all_gather", which a user could not map to out["logits"])."""
+    model = tmp_path / "dict_model.py"
+    model.write_text(DICT_MODEL)
+    emitted = tmp_path / "emitted"
+    r = planner_in_process("optimize", str(model), "--cluster", "local-cpu", "--nproc", "2", "--tp", "2",
+                           "--layout", "megatron", "--emit", str(emitted))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    for rank in (0, 1):
+        meta = json.loads((emitted / f"rank{rank}" / "meta.json").read_text())
+        assert [o["model_path"] for o in meta["outputs"]] == ["['logits']", "['hidden']"], meta["outputs"]
+    assert "model_path" in (emitted / "README.md").read_text()
 
 
 def test_failed_emit_leaves_no_folder_and_replaces_an_old_one(tmp_path: Path) -> None:

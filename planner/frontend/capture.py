@@ -458,6 +458,28 @@ def _flatten_output_node(graph: fx.Graph, out_spec: pytree.TreeSpec) -> None:
             "the model returns no tensor; forward must return the logits (or a tuple / dict of tensors)"
         )
     output.args = (tensors[0] if len(tensors) == 1 else tuple(tensors),)
+    paths = _leaf_paths(out_spec)
+    if paths is not None:  # where each flat output sits in what the model's forward returns
+        output.meta[OUTPUT_PATHS_META] = [
+            paths[i]
+            for i in order
+            if isinstance(leaves[i], fx.Node) and isinstance(leaves[i].meta.get("val"), torch.Tensor)
+        ]
+
+
+# graph.output_node().meta key: for each output of a captured graph, in order, where the model's own
+# forward returns it, as pytree writes a key path ("['logits']", "[1]", "" for a bare tensor)
+OUTPUT_PATHS_META = "model_output_paths"
+
+
+def _leaf_paths(spec: pytree.TreeSpec) -> list[str] | None:
+    """The key path of each leaf of an output spec (pytree.keystr), None for a container pytree
+    cannot rebuild."""
+    try:
+        structure = pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
+        return [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(structure)[0]]
+    except Exception:  # noqa: BLE001 - an exotic container: no paths
+        return None
 
 
 def _module_path(node: fx.Node, module_names: set[str]) -> str:
