@@ -24,7 +24,7 @@ from planner.plan import Schedule
 from runtime.job import RunJob, summarise
 from runtime.launch import launch
 from tests.parity_entry import run_jobs
-from tests.plans import fixed_plan
+from tests.plans import fixed_plan, meta_structure
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 REL_TOL = 1e-5
@@ -54,7 +54,7 @@ def _job(
 ) -> RunJob:
     """`fixed_plan`'s Megatron layout of `name`, the weights whose names end with one of `replicated`
     kept whole."""
-    _, structure = _structure(name)
+    structure = meta_structure(str(_path(name)), None, None)
     plan = fixed_plan(
         structure, str(_path(name)), tp, pp=pp, ladder_layers=ladder, workload=workload, micro_batches=pp
     )
@@ -67,7 +67,7 @@ def _job(
 def _interleaved_job(name: str, tp: int, workload: str) -> RunJob:
     """TP=`tp` x PP=2 with the interleaved 1F1B schedule, v=2 one-layer chunks per rank (layers 0 and 2 on
     pipeline rank 0, 1 and 3 on rank 1), 2 micro-batches."""
-    _, structure = _structure(name)
+    structure = meta_structure(str(_path(name)), None, None)
     plan = fixed_plan(structure, str(_path(name)), tp, pp=2, workload=workload, micro_batches=2)
     plan = dataclasses.replace(
         plan, schedule=Schedule.INTERLEAVED_1F1B, virtual_stages=2, stages=[[0, 2], [1, 3]]
