@@ -725,6 +725,11 @@ class Plan:
             chosen["request"] = {k: data["serving"][k] for k in ("prompt_len", "new_tokens", "cache_len")}
         return hashlib.sha256(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
+    def decisions_edited(self) -> bool:
+        """Whether the plan's decisions differ from those it was priced with (`priced_digest`): edited
+        by hand after planning. False for a plan written before the digest existed."""
+        return bool(self.priced_digest) and self.priced_digest != self.decisions_digest()
+
     @classmethod
     def from_dict(cls, data: object, origin: str = "plan") -> Plan:
         """Build and validate a plan from plain data; `InputError` names the offending field, or says

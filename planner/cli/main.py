@@ -1106,7 +1106,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         # a file edited anywhere (its digest line no longer matches) is priced again too: a prediction or
         # a cluster name edited by hand would otherwise be reported as what the planner predicted
         file_edited = edited_since_written(args.plan)
-        decisions_edited = bool(plan.priced_digest) and plan.priced_digest != plan.decisions_digest()
+        decisions_edited = plan.decisions_edited()
         repriced = workflow.reprice_if_edited(plan, prepared, cluster, force=file_edited)
         bars("lowering the plan on meta tensors for every rank", None)
         # a hand-edited plan is checked whole, and priced again when its decisions changed
@@ -1238,7 +1238,7 @@ def cmd_adapt(args: argparse.Namespace) -> int:
 def _edited_warning(plan, consequence: str) -> list[str]:
     """A warning when a saved plan's decisions were edited after it was priced (`Plan.priced_digest`),
     which `planner run` prices again (and checks against the model); none otherwise."""
-    if not plan.priced_digest or plan.priced_digest == plan.decisions_digest():
+    if not plan.decisions_edited():
         return []
     return [
         f"the plan's decisions differ from those it was priced with (edited after planning): {consequence}; "

@@ -952,7 +952,7 @@ def reprice_if_edited(
     edited by hand after planning), or when ``force`` (the plan file was edited elsewhere: its
     prediction may have been), else None. The new plan's fallbacks are cleared for `check_lowering`
     to price again; a serving plan's request is priced again too."""
-    if not force and (not plan.priced_digest or plan.priced_digest == plan.decisions_digest()):
+    if not force and not plan.decisions_edited():
         return None
     cluster = priced_cluster(prepared, cluster)
     structure = prepared.structure

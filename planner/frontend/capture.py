@@ -447,12 +447,12 @@ def _flatten_output_node(graph: fx.Graph, out_spec: pytree.TreeSpec) -> None:
     output = graph.output_node()
     leaves = list(pytree.tree_leaves(output.args[0]))
     assert len(leaves) == out_spec.num_leaves, (len(leaves), out_spec)
-    order = _output_order(out_spec)
-    tensors = [
-        leaves[i]
-        for i in order
+    kept = [
+        i
+        for i in _output_order(out_spec)
         if isinstance(leaves[i], fx.Node) and isinstance(leaves[i].meta.get("val"), torch.Tensor)
     ]
+    tensors = [leaves[i] for i in kept]
     if not tensors:
         raise InputError(
             "the model returns no tensor; forward must return the logits (or a tuple / dict of tensors)"
@@ -460,11 +460,7 @@ def _flatten_output_node(graph: fx.Graph, out_spec: pytree.TreeSpec) -> None:
     output.args = (tensors[0] if len(tensors) == 1 else tuple(tensors),)
     paths = _leaf_paths(out_spec)
     if paths is not None:  # where each flat output sits in what the model's forward returns
-        output.meta[OUTPUT_PATHS_META] = [
-            paths[i]
-            for i in order
-            if isinstance(leaves[i], fx.Node) and isinstance(leaves[i].meta.get("val"), torch.Tensor)
-        ]
+        output.meta[OUTPUT_PATHS_META] = [paths[i] for i in kept]
 
 
 # graph.output_node().meta key: for each output of a captured graph, in order, where the model's own

@@ -698,6 +698,7 @@ _WEIGHT_OPS = frozenset({
     "aten.to", "aten.type_as", "aten.view", "aten.reshape", "aten.unsqueeze", "aten.clone", "aten.gather",
     "aten.clamp", "aten.clamp_min",
 })  # fmt: skip
+_EPSILON_OPS = ("aten.add", "aten.add_", "aten.clamp", "aten.clamp_min")  # around a renormalisation's sum
 
 
 def _renormalised(topk: fx.Node, node_of: dict[str, fx.Node], names: set[str]) -> bool:
@@ -721,12 +722,7 @@ def _renormalised(topk: fx.Node, node_of: dict[str, fx.Node], names: set[str]) -
         if op_name(node.target) not in ("aten.div", "aten.div_") or not isinstance(node.args[1], fx.Node):
             continue
         divisor = node.args[1]
-        if op_name(divisor.target) in (
-            "aten.add",
-            "aten.add_",
-            "aten.clamp",
-            "aten.clamp_min",
-        ):  # w.sum() + eps
+        if op_name(divisor.target) in _EPSILON_OPS:  # w.sum() + eps, or clamped away from 0
             divisor = next((a for a in divisor.all_input_nodes if op_name(a.target) == "aten.sum"), divisor)
         if op_name(divisor.target) == "aten.sum" and divisor.args[0].name in chain:
             return True
