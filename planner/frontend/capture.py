@@ -58,6 +58,7 @@ from torch import fx, nn
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from planner.errors import InputError
+from planner.frontend import capture_cache
 from planner.frontend.modelfile import defined_at
 
 _ASSERT_TARGETS = {
@@ -103,10 +104,17 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> fx.Gra
     """Export `model(*args, **kwargs)` and normalise the graph (see the module docstring).
 
     Tensor inputs are moved to the device of the model's parameters first (so meta-device models
-    take CPU example inputs). Raises InputError when the model cannot be captured.
+    take CPU example inputs). A model on the meta device captured before in this process at the same
+    shapes is not exported again: the graph is a copy of that capture (`capture_cache`). Raises
+    InputError when the model cannot be captured.
     """
     kwargs = dict(kwargs or {})
     _check_forward_accepts(model, tuple(args), kwargs)
+    key = capture_cache.cache_key(model, tuple(args), kwargs)
+    if (hit := capture_cache.lookup(key)) is not None:  # this model at these shapes, captured before
+        sys.stderr.write(hit.stderr)
+        _replay_unlift_warnings(hit.warned)
+        return hit.gm
     args, kwargs = _inputs_on_model_device(model, tuple(args), kwargs)
     # On failure export logs a warning and prints the partial graph to stderr; we report one message
     # instead (the partial graph still names the failing op in it). On success stderr is replayed.
@@ -144,6 +152,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> fx.Gra
     module_names = {name for name, _ in model.named_modules()}
     gm = _normalise(gm, out_spec, module_names)
     _refuse_unplannable(gm, model)
+    capture_cache.store(key, gm, stderr.getvalue(), caught)
     return gm
 
 
