@@ -317,11 +317,19 @@ class ClusterSpec:
     # the spec said devices_per_node: auto (os.cpu_count() when loaded): --nproc sets it freely; not
     # part of what the cluster is (a spec written back, `cluster_to_dict`, gives the count)
     devices_auto: bool = field(default=False, compare=False)
+    # the device count the spec gave before `load_cluster(..., nproc=)` (--nproc) re-sized it; None: as
+    # written. For messages only ("dgx-h100 has 2 (--nproc 2 of its 8)"), not part of what the cluster is
+    resized_from: int | None = field(default=None, compare=False)
 
     @property
     def num_devices(self) -> int:
         """Total number of devices (ranks) in the cluster."""
         return self.num_nodes * self.devices_per_node
+
+    def devices_text(self) -> str:
+        """ "NAME has N", and where --nproc re-sized the spec, from how many (a message's end)."""
+        resized = f" (--nproc {self.num_devices} of its {self.resized_from})" if self.resized_from else ""
+        return f"{self.name} has {self.num_devices}{resized}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -1034,7 +1042,10 @@ def load_cluster(name_or_path: str, nproc: int | None = None) -> ClusterSpec:
     spec = parse_cluster(data, origin)
     if nproc is None:
         return spec
-    return _with_nproc(spec, nproc, origin, flexible=spec.devices_auto or spec.backend == "gloo")
+    resized = _with_nproc(spec, nproc, origin, flexible=spec.devices_auto or spec.backend == "gloo")
+    if resized.num_devices != spec.num_devices and not spec.devices_auto:
+        resized = replace(resized, resized_from=spec.num_devices)
+    return resized
 
 
 def resize_cluster(spec: ClusterSpec, nproc: int) -> ClusterSpec:

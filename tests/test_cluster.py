@@ -577,3 +577,17 @@ def test_nvls_is_a_validated_intra_node_flag_that_round_trips() -> None:
     two["links"]["inter_node"]["nvls"] = True
     with pytest.raises(SpecError, match="unknown key 'nvls'"):
         parse_cluster(two, "x")
+
+
+def test_pins_beyond_a_preset_resized_by_nproc_name_the_resize() -> None:
+    """`--cluster dgx-h100 --nproc 2 --tp 4` said "dgx-h100 has 2", which reads as a wrong preset."""
+    from planner.cli.workflow import check_constraints_fit  # noqa: PLC0415
+    from planner.solver.problem import Constraints  # noqa: PLC0415
+
+    resized = load_cluster("dgx-h100", nproc=2)
+    assert resized.resized_from == 8 and load_cluster("dgx-h100").resized_from is None
+    assert resized == load_cluster("dgx-h100", nproc=2)  # not part of what the cluster is
+    with pytest.raises(InputError, match=r"tp\(4\) = 4 devices, but dgx-h100 has 2 \(--nproc 2 of its 8\)"):
+        check_constraints_fit(resized, Constraints(tp=4), 8, None)
+    with pytest.raises(InputError, match=r"dgx-h100 has 8$"):
+        check_constraints_fit(load_cluster("dgx-h100"), Constraints(tp=16), 16, None)

@@ -1396,6 +1396,13 @@ def test_recompute_text_uniform_unrecorded_and_old_reports(llama_plan, capsys):
     old = _report(llama_plan, 0.004)
     old["plan"]["recompute"] = {CLASS_A: "full", CLASS_B: "none"}
     assert comparison_rows(old)["training layout"] == "recompute full (per layer class)"
+    # a training step with nothing sharded or recomputed says so ("-" is for reports that do not train)
+    plain = _report(_with(llama_plan, recompute={"*": Recompute.NONE}), 0.004)
+    assert comparison_rows(plain)["training layout"] == "no recompute"
+    plain["plan"]["dp"] = 2
+    assert comparison_rows(plain)["training layout"] == "ddp; no recompute"
+    plain["workload"] = "forward"
+    assert comparison_rows(plain)["training layout"] == "-"
 
 
 def test_position_embeddings_kept_replicated_raise_no_layout_warning() -> None:

@@ -108,10 +108,15 @@ def comparison_rows(report: dict[str, Any]) -> dict[str, str]:
     schedule = f"{pipeline}, {plan.get('micro_batches', '?')} micro-batch(es)"
     if (plan.get("virtual_stages") or 1) > 1:
         schedule += f", {plan['virtual_stages']} virtual stages"
+    training = str(report.get("workload", "")) == "train"
+    sharded = plan.get("distributed_optimizer")
     extras = [
         "sequence parallel" if plan.get("sequence_parallel") else "",
-        (plan.get("dp_style") or "zero1") if plan.get("distributed_optimizer") else "",
-        _recompute_cell(plan.get("recompute") or {}),
+        # a training step's data parallelism is always named (ddp too), so that "-" means not training
+        (plan.get("dp_style") or ("zero1" if sharded else "ddp"))
+        if sharded or training and (plan.get("dp") or 1) > 1
+        else "",
+        _recompute_cell(plan.get("recompute") or {}) or ("no recompute" if training else ""),
     ]
     above = (m.get("peak_memory_bytes") or 0) - (m.get("startup_memory_bytes") or 0)
     measured_tps = _measured_tokens_per_s(report)

@@ -1101,7 +1101,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if plan.num_devices > cluster.num_devices:
             raise InputError(
                 f"{args.plan}: field 'mesh' asks for {plan.num_devices} devices ({plan.mesh.label()}), but "
-                f"{cluster.name} has {cluster.num_devices}: set mesh.tp / mesh.pp / mesh.dp to fit"
+                f"{cluster.devices_text()}: set mesh.tp / mesh.pp / mesh.dp to fit"
             )
         # a file edited anywhere (its digest line no longer matches) is priced again too: a prediction or
         # a cluster name edited by hand would otherwise be reported as what the planner predicted

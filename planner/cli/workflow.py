@@ -490,8 +490,12 @@ def check_constraints_fit(
 
         shown = " x ".join(pin(k, v) for k, v in pinned.items())
         raise InputError(
-            f"{shown} = {product} devices, but {cluster.name} has {devices}"
-            + (" (--nproc / --devices)" if cluster.backend == "gloo" or constraints.max_devices else "")
+            f"{shown} = {product} devices, but "
+            + (
+                f"{cluster.name} has {devices} (--nproc / --devices)"
+                if constraints.max_devices or cluster.backend == "gloo" and not cluster.resized_from
+                else cluster.devices_text()
+            )
         )
     dp = constraints.dp or 1
     if batch_size % dp:
@@ -663,7 +667,7 @@ def check_plan_fields(plan: Plan, num_layers: int | None = None, cluster: Cluste
     if cluster is not None and plan.num_devices > cluster.num_devices:
         raise InputError(
             f"plan field mesh: tp={plan.tp} x pp={plan.pp} x dp={plan.dp} = {plan.num_devices} devices, but "
-            f"{cluster.name} has {cluster.num_devices}; re-plan, or pin degrees whose product fits"
+            f"{cluster.devices_text()}; re-plan, or pin degrees whose product fits"
         )
 
 
