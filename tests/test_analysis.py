@@ -366,3 +366,33 @@ def test_a_served_fused_kv_gqa_cache_is_long_enough(capsys):
                "local-cpu", "--nproc", "2", "--tp", "2"])  # fmt: skip
     err = capsys.readouterr().err
     assert rc == 0 and "allocated" not in err, err
+
+
+def _parts_of_qkv(heads: int, take_apart: bool) -> tuple[int, ...] | None:
+    """Parts read from a fused (B, T, 3C) projection viewed as (B, T, 3, C), taken apart along the 3
+    (q, k, v) or, with 3 heads of C / 3, not: the view is (B, T, H, hd) going to attention whole."""
+
+    class Attn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(48, 144 if take_apart else 48)
+
+        def forward(self, x):
+            B, T, C = x.shape
+            if take_apart:
+                q, k, v = self.qkv(x).reshape(B, T, 3, C).unbind(2)
+            else:
+                q = k = v = self.qkv(x).view(B, T, heads, C // heads)
+            q, k, v = (t.reshape(B, T, heads, -1).transpose(1, 2) for t in (q, k, v))
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, C)
+
+    gm = capture(Attn(), (torch.randn(2, 5, 48),))
+    linear = next(n for n in gm.graph.nodes if n.op == "call_function" and "linear" in str(n.target))
+    from planner.frontend.analysis import _parts  # noqa: PLC0415
+
+    return _parts(linear)
+
+
+def test_a_qkv_taken_apart_from_a_view_of_3_parts_and_not_3_heads():
+    assert _parts_of_qkv(4, take_apart=True) == (48, 48, 48)
+    assert _parts_of_qkv(3, take_apart=False) is None

@@ -882,7 +882,8 @@ def _parts(node: fx.Node) -> tuple[int, ...] | None:
     """Sizes of the parts of a fused projection's output, None when it is not split into parts.
 
     Found through views that keep the last dim: a split / chunk on the last dim (GPT-2 `c_attn`),
-    slices that tile the last dim (Phi-3 `qkv_proj`), or a view to (..., 3, H, hd) (q, k, v blocks).
+    slices that tile the last dim (Phi-3 `qkv_proj`), a view to (..., 3, H, hd) (q, k, v blocks), or a
+    view to (..., 3, C) then taken apart along the 3.
     A per-head interleaved (..., H, 3 * hd) layout (GPT-NeoX) is not a part split: a contiguous
     split keeps whole heads, so it gives None.
     """
@@ -910,9 +911,26 @@ def _parts(node: fx.Node) -> tuple[int, ...] | None:
             and val.shape[-3] * val.shape[-2] * val.shape[-1] == out_features
         ):
             return (out_features // 3,) * 3
+        if val.dim() >= 2 and val.shape[-2] == 3 and 3 * val.shape[-1] == out_features and _picks_parts(user):
+            return (out_features // 3,) * 3  # (..., 3, C) taken apart into q, k, v
         if val.shape[-1] != out_features:
             return None
         node = user
+
+
+def _picks_parts(view: fx.Node) -> bool:
+    """The (..., 3, C) `view` is taken apart along that dim of 3: an unbind, or a select of each index
+    (and not, say, a model of 3 heads whose (B, T, H, hd) goes to attention whole)."""
+    dim = view.meta["val"].dim() - 2
+    users = list(view.users)
+
+    def on_dim(u: fx.Node) -> bool:
+        return len(u.args) > 1 and u.args[1] % view.meta["val"].dim() == dim
+
+    if len(users) == 1 and op_name(users[0].target) == "aten.unbind":
+        return on_dim(users[0])
+    selects = [u for u in users if op_name(u.target) == "aten.select" and on_dim(u)]
+    return len(selects) == len(users) == 3 and sorted(u.args[2] % 3 for u in selects) == [0, 1, 2]
 
 
 def _tiling_slices(users: list[fx.Node], size: int) -> tuple[int, ...] | None:
