@@ -236,6 +236,20 @@ def tp_gather_pieces(x: torch.Tensor, dim: int, pieces: int, axis: str) -> torch
     return torch.cat(every[:: dist.get_world_size(group) // pieces], dim=dim)
 
 
+def tp_gather_parts(x: torch.Tensor, dim: int, parts: list[int], axis: str) -> torch.Tensor:
+    """The whole output of a fused projection split by its parts: each rank holds [part_0 / tp |
+    part_1 / tp | ...] along `dim` (a column-parallel fused q/k/v); all-gather along `dim`, then put
+    each part's pieces back together in rank order. `parts`: the parts' global sizes. Backward keeps
+    this rank's piece of each part (through the gather's backward)."""
+    group = _group(axis)
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    tp = dist.get_world_size(group)
+    local = [size // tp for size in parts]
+    ranks = [chunk.split(local, dim=dim) for chunk in tp_all_gather(x, dim, axis).chunk(tp, dim=dim)]
+    return torch.cat([ranks[r][i] for i in range(len(parts)) for r in range(tp)], dim=dim)
+
+
 @dataclass
 class PendingAllReduce:
     """An all-reduce issued by `tp_all_reduce_start` and not yet waited for."""

@@ -25,7 +25,7 @@ import torch.fx as fx
 from torch._ops import OpOverload, OpOverloadPacket
 
 from passes import collectives, rng
-from passes.placement import Placement, ShardInterleavedError, local_shape, view_groups, view_shard_dim
+from passes.placement import Placement, local_shape, view_groups, view_shard_dim
 from passes.tp_rules_context import R, RuleContext
 
 aten = torch.ops.aten
@@ -432,26 +432,18 @@ def rule_view(ctx: RuleContext, node: fx.Node) -> None:
     else:
         try:
             out_dim = view_shard_dim(ctx.gshape(x), ctx.gshape(node), p.dim, p.divisor(ctx.tp))
-        except ValueError as e:
-            # the shard does not survive the reshape as one contiguous chunk ((B, T, C) -> (B*T, C) of a
-            # sequence shard; Bloom's (B, H, T, hd) -> (B*H, T, hd) of a head shard): the input is
-            # gathered and the reshape runs whole, a fallback `passes.verify` prices and names. A reshape
-            # that would cut inside a head (no output dim divides by tp) is the plan's error: refused
-            if ctx.sequence_shard_dim(x) is None and not isinstance(e, ShardInterleavedError):
-                if p.parts:  # the shard is a fused projection's parts, not one contiguous chunk
-                    raise ctx.fail(
-                        node,
-                        f"reshape {tuple(ctx.gshape(x))} -> {tuple(ctx.gshape(node))} of a fused projection's output "
-                        f"split by its parts {list(p.parts)}: no rule keeps each rank's piece of every part "
-                        "contiguous through it; keep that projection whole (its split: replicate)",
-                    ) from e
-                raise ctx.fail(node, str(e)) from e
+        except ValueError:
+            # the shard does not survive the reshape as one contiguous chunk: (B, T, C) -> (B*T, C) of a
+            # sequence shard; Bloom's (B, H, T, hd) -> (B*H, T, hd) of a head shard; a cut inside a head
+            # (no output dim divides by tp); a fused projection's parts unfolded otherwise than
+            # `_parts_as_dim` reads. The input is gathered and the reshape runs whole: a fallback
+            # `passes.verify` prices and names, and the planner plans again with that block's core or
+            # activation replicated (`planner.cli.workflow._replan_around_unshardable_gaps`)
             ctx.run_replicated(node)
             return
         if p.parts and ctx.gshape(x)[p.dim] != ctx.gshape(node)[out_dim]:
-            raise ctx.fail(
-                node, "reshape merges a fused projection's output with other dims before its parts are split"
-            )
+            ctx.run_replicated(node)  # the parts merged with other dims before they are taken apart
+            return
         placement = dataclasses.replace(p, dim=out_dim)
     node.args = (x, list(local_shape(ctx.gshape(node), placement, ctx.tp)), *node.args[2:])
     ctx.set_meta(node, placement)

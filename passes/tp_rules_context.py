@@ -203,14 +203,17 @@ class RuleContext:
             )
 
     def replicated(self, node: fx.Node) -> fx.Node:
-        """`node` as a replicated value: all-gather a shard; partial sums never leave a matmul rule."""
+        """`node` as a replicated value: all-gather a shard (a fused projection's parts each put back
+        together); partial sums never leave a matmul rule."""
         p = self.place.get(node, R)
         if not isinstance(p, Placement) or p.is_replicate:
             return node
         if p.is_partial:
             raise self.fail(node, "a partial sum reached an op that needs the full value")
-        if p.parts:
-            raise self.fail(node, "a fused projection's output must be split into its parts before other ops")
+        if p.parts and node not in self._replicated:  # a fused projection's output, gathered part by part
+            self._replicated[node] = self.insert(
+                node, collectives.tp_gather_parts, (node, p.dim, list(p.parts), self.axis), R, node
+            )
         if p.inner:
             raise self.fail(
                 node, "a GQA-repeated K/V piece must be reshaped to the query heads before other ops"

@@ -16,7 +16,8 @@ import torch
 from passes import collectives
 from passes.ladder import apply_ladder, ladder_residual_adds
 from passes.lower import lower_for_rank
-from passes.tensor_parallel import TensorParallelError, apply_tensor_parallel
+from passes.tensor_parallel import apply_tensor_parallel
+from passes.tp_rules_context import FALLBACK_META
 from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture, op_name
 from planner.frontend.modelfile import load_model_file
@@ -145,11 +146,16 @@ def test_fused_qkv_view_literals_are_rewritten():
     assert qkv.role == "qkv" and qkv.parts == (128, 128, 128)
 
 
-def test_kv_heads_not_divisible_is_an_error_naming_the_node():
-    gm, structure = _structure("hf_llama.py")  # 8 heads, 4 KV heads: tp=8 would split a KV head
+def test_kv_heads_not_divisible_are_gathered_at_their_view_as_a_named_fallback():
+    """8 heads, 4 KV heads at tp=8: each rank's k / v piece is half a head, so the head view cannot
+    carry it; the pass gathers k and v there and runs the view whole (a fallback `passes.verify`
+    prices; a pinned --tp 8 is refused before, `check_pinned_tp`)."""
+    gm, structure = _structure("hf_llama.py")
     plan = fixed_plan(structure, "hf_llama.py", 8)
-    with pytest.raises(TensorParallelError, match=r"view.*tp=8"):
-        apply_tensor_parallel(gm, plan.splits, 0, 8)
+    apply_tensor_parallel(gm, plan.splits, 0, 8)
+    gathered = [n.meta[FALLBACK_META] for n in gm.graph.nodes if FALLBACK_META in n.meta]
+    assert gathered and {f.op for f in gathered} == {"aten.view"}, gathered
+    assert all("k_proj" in f.line or "v_proj" in f.line or "view" in f.line for f in gathered), gathered
 
 
 def test_ladder_pass_equals_reference_unsharded():
