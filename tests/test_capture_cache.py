@@ -143,3 +143,58 @@ def test_the_cache_can_be_switched_off(tmp_path, exports, monkeypatch):
     _capture(path)
     _capture(path)
     assert len(exports) == 2
+
+
+def _key(model: nn.Module, *inputs) -> str | None:
+    return capture_cache.cache_key(model, tuple(inputs), {})
+
+
+def test_the_key_reads_classes_by_their_code_and_values_by_their_contents(monkeypatch):
+    """Found by review: a class made in a factory (class attribute or base from the factory), a class
+    redefined under the same name (a notebook cell run again), a patched method, a numpy constant,
+    a bound method, the input's strides and torch's default device each changed the graph under one key."""
+    monkeypatch.delenv("PLANNER_CAPTURE_CACHE", raising=False)
+    x = torch.randn(2, 4)
+
+    def factory(scale: float, act) -> nn.Module:
+        class Base(nn.Module):
+            def act(self, y):
+                return act(y)
+
+        class Scaled(Base):
+            SCALE = scale
+
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(4, 4, device="meta")
+
+            def forward(self, y):
+                return self.act(self.lin(y)) * self.SCALE
+
+        return Scaled()
+
+    assert _key(factory(2.0, torch.relu), x) == _key(factory(2.0, torch.relu), x) is not None
+    assert _key(factory(2.0, torch.relu), x) != _key(factory(3.0, torch.relu), x)
+    assert _key(factory(2.0, torch.relu), x) != _key(factory(2.0, torch.tanh), x)
+    model = factory(2.0, torch.relu)
+    before = _key(model, x)
+    monkeypatch.setattr(type(model), "forward", lambda self, y: self.lin(y))
+    assert _key(model, x) != before  # patched at run time
+    first = _key(model, x)
+    monkeypatch.setattr(type(model), "SCALE", 2.5)
+    assert _key(model, x) != first
+
+    import numpy as np  # noqa: PLC0415
+
+    constant = factory(2.0, torch.relu)
+    constant.table = np.full(2000, 1.0)
+    other = factory(2.0, torch.relu)
+    other.table = np.full(2000, 1.0)
+    other.table[1234] = 1.0000001  # equal in a truncated repr
+    assert _key(constant, x) != _key(other, x)
+    constant.method = other.forward
+    assert _key(constant, x) is None  # a bound method: its object's state is not read
+    assert _key(other, x) != _key(other, x.t().contiguous().t())  # same shape, other strides
+    outside = _key(other, x)
+    with torch.device("meta"):  # a tensor made in forward without a device lands elsewhere
+        assert _key(other, x) != outside
