@@ -91,3 +91,13 @@ def test_a_served_requests_table_keeps_each_quantity_on_one_line(width: int) -> 
     assert "at the run's machine speed" in first_cells, text
     assert all(cell for cell in first_cells), f"a label broken across lines at {width} columns:\n{text}"
     assert "the probe between the timed steps read" in " ".join(text.split())
+
+
+def test_a_plan_a_little_slower_than_a_baseline_does_not_read_as_fast_as_it():
+    """A free plan within the solver's gap of the torchtitan recipe printed "1.00× its speed" while its
+    step was 0.4% slower (162.801 ms against 162.143 ms)."""
+    from planner.cli.render import speed_ratio_text  # noqa: PLC0415
+
+    assert speed_ratio_text(162.143 / 162.801) == "0.996"
+    assert speed_ratio_text(1.0) == "1.00" and speed_ratio_text(1.0002) == "1.00"
+    assert speed_ratio_text(1.16) == "1.16" and speed_ratio_text(0.5) == "0.50"
