@@ -828,6 +828,44 @@ def _reduce(ctx: RuleContext, node: fx.Node, dims_keep: Callable[[int], tuple[li
     ctx.check(node)
 
 
+@register_rule(aten.einsum)
+def rule_einsum(ctx: RuleContext, node: fx.Node) -> None:
+    """An einsum whose sharded operands are all sharded on one letter that the output keeps (the heads
+    of attention written `torch.einsum("bhqd,bhkd->bhqk", q, k)` and `"bhqk,bhkd->bhqd"`): each rank
+    computes its slice, the output sharded on that letter's dim; an operand holding the letter
+    replicated is sliced locally. Any other einsum (a contracted or a repeated letter, two sharded
+    letters, an ellipsis, a shard of another kind) runs replicated: a fallback `passes.verify` prices."""
+    equation, operands = str(node.args[0]).replace(" ", ""), list(node.args[1])
+    if "->" not in equation or "..." in equation:
+        ctx.run_replicated(node)
+        return
+    inputs, out = equation.split("->")
+    letters_of = inputs.split(",")
+    sharded: set[str] = set()
+    for letters, operand in zip(letters_of, operands):
+        p = ctx.place.get(operand, R) if isinstance(operand, fx.Node) else R
+        if not isinstance(p, Placement) or p.is_partial or p.parts or p.pieces or p.inner or p.size:
+            ctx.run_replicated(node)
+            return
+        if p.is_shard:
+            sharded.add(letters[p.dim])
+    if len(sharded) != 1 or (letter := next(iter(sharded))) not in out or out.count(letter) != 1:
+        ctx.run_replicated(node)
+        return
+    if any(letters.count(letter) > 1 for letters in letters_of):
+        ctx.run_replicated(node)
+        return
+    node.args = (
+        node.args[0],
+        [
+            ctx.sharded(o, letters.index(letter)) if letter in letters else o
+            for letters, o in zip(letters_of, operands)
+        ],
+    )
+    ctx.set_meta(node, Placement.shard(out.index(letter)))
+    ctx.check(node)
+
+
 @register_rule(aten.mean, aten.sum, aten.amax, aten.amin, aten.var, aten.std, general=True)
 def rule_reduce_dims(ctx: RuleContext, node: fx.Node) -> None:
     """Reduction over non-sharded dims keeps the shard (dim renumbered without keepdim); else replicated."""

@@ -396,3 +396,24 @@ def _parts_of_qkv(heads: int, take_apart: bool) -> tuple[int, ...] | None:
 def test_a_qkv_taken_apart_from_a_view_of_3_parts_and_not_3_heads():
     assert _parts_of_qkv(4, take_apart=True) == (48, 48, 48)
     assert _parts_of_qkv(3, take_apart=False) is None
+
+
+def test_attention_written_with_einsum_is_a_core_priced_by_its_flops():
+    """`torch.einsum("bhqd,bhkd->bhqk", q, k)` ... `einsum("bhqk,bhkd->bhqd", p, v)`: the layer has an
+    attention block (q/k/v/o, 4 heads) and each einsum is priced as a product (it was a memory op of no
+    FLOPs, and its projections were read as an MLP chain)."""
+    from tests.plans import meta_structure  # noqa: PLC0415
+
+    s = meta_structure(str(Path(__file__).parent / "corpus" / "einsum_attention.py"), 2, 16)
+    attention = s.layers[0].attention
+    assert attention is not None and [p.role for p in attention.projections] == [
+        Role.Q,
+        Role.K,
+        Role.V,
+        Role.O,
+    ]
+    assert (attention.num_heads, attention.head_dim) == (4, 16)
+    einsums = [c for name, c in s.node_costs.items() if c.op == "aten.einsum"]
+    assert einsums and all(c.kind == "matmul" and c.flops == 2 * 2 * 4 * 16 * 16 * 16 for c in einsums), (
+        einsums
+    )

@@ -15,8 +15,8 @@ How the structure is found (by dataflow; module names are used only to group nod
    encoder-decoder has two such stacks (T5's `encoder.block.i` and `decoder.block.i`): every stack
    neither inside another nor interleaved with it in graph order is taken, in graph order, and the
    layers are numbered through them (the encoder's 0..n-1, the decoder's n..).
-3. Attention core: `aten.scaled_dot_product_attention`, or a manual softmax(Q K^T) V (matmul ->
-   softmax -> matmul). q / k / v: the projections reached walking back from the core's q / k / v
+3. Attention core: `aten.scaled_dot_product_attention`, or a manual softmax(Q K^T) V (matmul, bmm or
+   einsum -> softmax -> matmul, bmm or einsum). q / k / v: the projections reached walking back from the core's q / k / v
    inputs (through RoPE, reshapes, GQA repeats); one fused projection reaching all three is "qkv" with
    `parts` from the split of its output. "o": the projection reached walking forward from the core.
    A second core in the layer is its cross-attention (`Layer.cross_attention`: a decoder's, whose q
@@ -646,6 +646,8 @@ def _node_cost(node: fx.Node) -> NodeCost:
         flops, kind = 2.0 * out_numel * k + (out_numel if has_bias else 0), "matmul"
     elif name == "aten.bmm":
         flops, kind = 2.0 * out_numel * node.args[0].meta["val"].shape[-1], "matmul"
+    elif name == "aten.einsum" and len(node.args[1]) == 2:  # a product of two: 2 x every letter's size
+        flops, kind = 2.0 * prod(_einsum_sizes(node).values()), "matmul"
     elif name in _CONVS:
         flops, kind = _conv_flops(node, out_numel), "conv"
         return NodeCost(flops, read, written, shape, dtype, path, kind=kind, op=name, call=conv_call(node))
@@ -1209,12 +1211,38 @@ def _cores(members: list[fx.Node]) -> list[tuple[fx.Node, fx.Node, fx.Node, fx.N
         if name == "aten.scaled_dot_product_attention":
             cores.append((n, n.args[0], n.args[1], n.args[2]))
         elif name in ("aten.softmax", "aten._softmax"):
-            scores = _back_to(n.args[0], {"aten.matmul", "aten.bmm", "aten.baddbmm"})
-            pv = _forward_to(n, {"aten.matmul", "aten.bmm"})
-            if scores is not None and pv is not None:  # baddbmm(bias, q, k^T): Bloom's ALiBi scores
-                q, k = scores.args[-2:] if op_name(scores.target) == "aten.baddbmm" else scores.args[:2]
-                cores.append((pv, q, k, pv.args[1]))
+            scores = _back_to(n.args[0], {"aten.matmul", "aten.bmm", "aten.baddbmm", "aten.einsum"})
+            pv = _forward_to(n, {"aten.matmul", "aten.bmm", "aten.einsum"})
+            if scores is not None and pv is not None:
+                q, k = _operands(scores)
+                cores.append((pv, q, k, _operands(pv)[1]))
     return cores
+
+
+def _einsum_sizes(node: fx.Node) -> dict[str, int]:
+    """Each letter of an einsum's equation and its size, read from the operands' shapes."""
+    equation = str(node.args[0]).replace(" ", "").split("->")[0]
+    sizes: dict[str, int] = {}
+    for letters, operand in zip(equation.split(","), node.args[1]):
+        shape = operand.meta["val"].shape
+        if "..." in letters:  # leading dims under an ellipsis: one letter per dim
+            head, tail = letters.split("...")
+            letters = (
+                head + "".join(chr(0x2460 + i) for i in range(len(shape) - len(head) - len(tail))) + tail
+            )
+        sizes.update(zip(letters, shape))
+    return sizes
+
+
+def _operands(product: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """The two tensor operands of a product node: matmul / bmm (a, b), baddbmm(bias, a, b) (Bloom's
+    ALiBi scores), einsum(equation, [a, b]) (`torch.einsum("bhqd,bhkd->bhqk", q, k)`)."""
+    name = op_name(product.target)
+    if name == "aten.einsum":
+        a, b = product.args[1]
+        return a, b
+    a, b = product.args[-2:] if name == "aten.baddbmm" else product.args[:2]
+    return a, b
 
 
 def _back_to(node: fx.Node, targets: set[str], limit: int = 6) -> fx.Node | None:
