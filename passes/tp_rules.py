@@ -830,11 +830,11 @@ def _reduce(ctx: RuleContext, node: fx.Node, dims_keep: Callable[[int], tuple[li
 
 @register_rule(aten.einsum)
 def rule_einsum(ctx: RuleContext, node: fx.Node) -> None:
-    """An einsum whose sharded operands are all sharded on one letter that the output keeps (the heads
-    of attention written `torch.einsum("bhqd,bhkd->bhqk", q, k)` and `"bhqk,bhkd->bhqd"`): each rank
-    computes its slice, the output sharded on that letter's dim; an operand holding the letter
-    replicated is sliced locally. Any other einsum (a contracted or a repeated letter, two sharded
-    letters, an ellipsis, a shard of another kind) runs replicated: a fallback `passes.verify` prices."""
+    """Einsum sharded on one letter every operand holding it carries and the output keeps (heads)."""
+    # attention written `torch.einsum("bhqd,bhkd->bhqk", q, k)` / `"bhqk,bhkd->bhqd"`: each rank computes
+    # its heads' slice; an operand holding the letter replicated is sliced locally. Any other einsum (a
+    # contracted or repeated letter, two sharded letters, an ellipsis, a shard of another kind) runs
+    # replicated: a fallback `passes.verify` prices
     equation, operands = str(node.args[0]).replace(" ", ""), list(node.args[1])
     if "->" not in equation or "..." in equation:
         ctx.run_replicated(node)
@@ -849,10 +849,8 @@ def rule_einsum(ctx: RuleContext, node: fx.Node) -> None:
             return
         if p.is_shard:
             sharded.add(letters[p.dim])
-    if len(sharded) != 1 or (letter := next(iter(sharded))) not in out or out.count(letter) != 1:
-        ctx.run_replicated(node)
-        return
-    if any(letters.count(letter) > 1 for letters in letters_of):
+    letter = next(iter(sharded)) if len(sharded) == 1 else ""
+    if not letter or out.count(letter) != 1 or any(letters.count(letter) > 1 for letters in letters_of):
         ctx.run_replicated(node)
         return
     node.args = (

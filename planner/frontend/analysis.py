@@ -1211,8 +1211,8 @@ def _cores(members: list[fx.Node]) -> list[tuple[fx.Node, fx.Node, fx.Node, fx.N
         if name == "aten.scaled_dot_product_attention":
             cores.append((n, n.args[0], n.args[1], n.args[2]))
         elif name in ("aten.softmax", "aten._softmax"):
-            scores = _back_to(n.args[0], {"aten.matmul", "aten.bmm", "aten.baddbmm", "aten.einsum"})
-            pv = _forward_to(n, {"aten.matmul", "aten.bmm", "aten.einsum"})
+            scores = _back_to(n.args[0], _PRODUCTS | {"aten.baddbmm"})
+            pv = _forward_to(n, _PRODUCTS)
             if scores is not None and pv is not None:
                 q, k = _operands(scores)
                 cores.append((pv, q, k, _operands(pv)[1]))
@@ -1245,9 +1245,27 @@ def _operands(product: fx.Node) -> tuple[fx.Node, fx.Node]:
     return a, b
 
 
-def _back_to(node: fx.Node, targets: set[str], limit: int = 6) -> fx.Node | None:
+# the products an attention core's scores (Q K^T) and output (P V) are written with
+_PRODUCTS = frozenset({"aten.matmul", "aten.bmm", "aten.einsum"})
+
+
+def _is_product(node: fx.Node, targets: set[str] | frozenset[str]) -> bool:
+    """`node` is one of `targets`; an einsum only as a product of two tensors of 3 dims or more (not
+    talking heads' mix of the logits by an (H, H) matrix, `einsum("bhts,hg->bgts", s, mix)`)."""
+    name = op_name(node.target)
+    if name != "aten.einsum":
+        return name in targets
+    operands = node.args[1] if len(node.args) > 1 else ()
+    return (
+        name in targets
+        and len(operands) == 2
+        and all(isinstance(o, fx.Node) and getattr(o.meta.get("val"), "ndim", 0) >= 3 for o in operands)
+    )
+
+
+def _back_to(node: fx.Node, targets: set[str] | frozenset[str], limit: int = 6) -> fx.Node | None:
     for _ in range(limit):
-        if op_name(node.target) in targets:
+        if _is_product(node, targets):
             return node
         if not node.all_input_nodes:
             return None
@@ -1255,15 +1273,15 @@ def _back_to(node: fx.Node, targets: set[str], limit: int = 6) -> fx.Node | None
     return None
 
 
-def _forward_to(node: fx.Node, targets: set[str], limit: int = 4) -> fx.Node | None:
+def _forward_to(node: fx.Node, targets: set[str] | frozenset[str], limit: int = 4) -> fx.Node | None:
     """The one op of `targets` that `node` reaches within `limit` ops forward (through every user:
     attention probabilities also returned as an output, HF's output_attentions=True, still reach PV),
     None when none or several do."""
     frontier, found = [node], []
     for _ in range(limit):
         frontier = [u for n in frontier for u in n.users]
-        found += [u for u in frontier if op_name(u.target) in targets]
-        frontier = [u for u in frontier if op_name(u.target) not in targets]
+        found += [u for u in frontier if _is_product(u, targets)]
+        frontier = [u for u in frontier if not _is_product(u, targets)]
     return found[0] if len(set(found)) == 1 else None
 
 

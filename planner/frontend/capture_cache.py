@@ -135,7 +135,7 @@ def cache_key(model: nn.Module, args: tuple, kwargs: dict) -> str | None:
         return None
     try:
         return _Key().model(model).inputs(args, kwargs).digest()
-    except (_Uncacheable, Exception):  # noqa: BLE001 - whatever the key cannot read: captured, not cached
+    except Exception:  # noqa: BLE001 - whatever the key cannot read (`_Uncacheable` and the rest): not cached
         return None
 
 
