@@ -20,7 +20,9 @@ Guarantees of the returned graph (docs/ARCHITECTURE.md):
 - removed: the input guard module, `aten._assert_*` nodes, no-op `aten.to` (same dtype and device)
   and `aten.dropout` in eval mode / with p = 0; rewritten: `x @ W.T` of a 2-D parameter (matmul,
   mm or addmm of its transpose) as `aten.linear(x, W)` (the same product) and any other
-  `aten.numpy_T` as the `aten.permute` reversing the dims, which the passes have rules for;
+  `aten.numpy_T` as the `aten.permute` reversing the dims, which the passes have rules for; an einsum
+  of an activation and a 2-D (out x in) parameter that is a plain projection (`"bsd,fd->bsf"`) as
+  `aten.linear(x, W)`;
 - inputs: one placeholder per tensor leaf of `(args, kwargs)` in pytree order (non-tensor inputs such
   as `use_cache=False` are baked in); call it as `gm(*flat_inputs(args, kwargs))`;
 - output form: the tensor leaves of the model's output, with a `logits` field first when the output
@@ -352,6 +354,9 @@ def _as_linear(node: fx.Node) -> None:
     if node.op != "call_function" or node.kwargs:
         return
     name = op_name(node.target)
+    if name == "aten.einsum":
+        _einsum_as_product(node)
+        return
     if name not in ("aten.matmul", "aten.mm", "aten.addmm") or len(node.args) != (
         3 if name == "aten.addmm" else 2
     ):
@@ -365,6 +370,30 @@ def _as_linear(node: fx.Node) -> None:
     x = node.args[-2]
     node.target = torch.ops.aten.linear.default
     node.args = (x, w, node.args[0]) if name == "aten.addmm" else (x, w)
+
+
+def _einsum_as_product(node: fx.Node) -> None:
+    """Write an einsum of an activation and a 2-D (out x in) parameter that is a plain projection,
+    `einsum("bsd,fd->bsf", x, W)`, as the product an nn.Linear makes, `aten.linear(x, W)`, so that the
+    analysis reads a projection and the tensor-parallel pass splits it. Other einsums stay (an (in x
+    out) weight, `"bsd,df->bsf"`, too: the pass splits no `x @ W` of 3-D activations)."""
+    if len(node.args) != 2 or len(node.args[1]) != 2:
+        return
+    x, w = node.args[1]
+    if not (isinstance(w, fx.Node) and w.op == "get_attr" and w.meta["val"].dim() == 2):
+        return
+    equation = str(node.args[0]).replace(" ", "")
+    if "->" not in equation or "..." in equation:
+        return
+    inputs, out = equation.split("->")
+    xs, ws = inputs.split(",")
+    if len(ws) != 2 or len(set(xs)) != len(xs) or ws[0] == ws[1] or not xs:
+        return
+    batch, k = xs[:-1], xs[-1]
+    n = ws[0]
+    if ws[1] != k or n in xs or out != batch + n:
+        return
+    node.target, node.args = torch.ops.aten.linear.default, (x, w)
 
 
 def user_line(node: fx.Node) -> str:

@@ -4,8 +4,8 @@ Imitates: research code that writes attention as einsums rather than `@` or SDPA
 x-transformers and many papers' reference code): q / k / v projections made into heads with
 `.view(B, T, H, hd).transpose(1, 2)`, scores `torch.einsum("bhqd,bhkd->bhqk", q, k)` scaled, a causal
 mask from a registered `tril` buffer with `masked_fill`, softmax, `torch.einsum("bhqk,bhkd->bhqd",
-p, v)`, the output projection; RMSNorm written by hand; a SwiGLU MLP with separate gate and up
-projections; an untied LM head. 2 layers, hidden 64, 4 heads, MLP 128, vocab 128, up to 32 tokens.
+p, v)`, the output projection; RMSNorm written by hand; a SwiGLU MLP whose weights are raw parameters
+multiplied by einsum (`"btd,fd->btf"` gate and up, `"btf,df->btd"` down); an untied LM head. 2 layers, hidden 64, 4 heads, MLP 128, vocab 128, up to 32 tokens.
 """
 
 import torch
@@ -52,14 +52,17 @@ class Block(nn.Module):
         super().__init__()
         self.attn_norm, self.attn = RMSNorm(DIM), Attention()
         self.ff_norm = RMSNorm(DIM)
-        self.w_gate = nn.Linear(DIM, FFN, bias=False)
-        self.w_up = nn.Linear(DIM, FFN, bias=False)
-        self.w_down = nn.Linear(FFN, DIM, bias=False)
+        # the MLP's weights as raw (out, in) parameters multiplied by einsum
+        self.w_gate = nn.Parameter(torch.randn(FFN, DIM) * DIM**-0.5)
+        self.w_up = nn.Parameter(torch.randn(FFN, DIM) * DIM**-0.5)
+        self.w_down = nn.Parameter(torch.randn(DIM, FFN) * FFN**-0.5)
 
     def forward(self, x):
         x = x + self.attn(self.attn_norm(x))
         h = self.ff_norm(x)
-        return x + self.w_down(F.silu(self.w_gate(h)) * self.w_up(h))
+        gate = torch.einsum("btd,fd->btf", h, self.w_gate)
+        up = torch.einsum("btd,fd->btf", h, self.w_up)
+        return x + torch.einsum("btf,df->btd", F.silu(gate) * up, self.w_down)
 
 
 class Decoder(nn.Module):
