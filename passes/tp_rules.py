@@ -27,6 +27,7 @@ from torch._ops import OpOverload, OpOverloadPacket
 from passes import collectives, rng
 from passes.placement import Placement, local_shape, view_groups, view_shard_dim
 from passes.tp_rules_context import R, RuleContext
+from planner.frontend.capture import einsum_terms
 
 aten = torch.ops.aten
 Rule = Callable[[RuleContext, fx.Node], None]
@@ -835,12 +836,11 @@ def rule_einsum(ctx: RuleContext, node: fx.Node) -> None:
     # its heads' slice; an operand holding the letter replicated is sliced locally. Any other einsum (a
     # contracted or repeated letter, two sharded letters, an ellipsis, a shard of another kind) runs
     # replicated: a fallback `passes.verify` prices
-    equation, operands = str(node.args[0]).replace(" ", ""), list(node.args[1])
-    if "->" not in equation or "..." in equation:
+    operands, terms = list(node.args[1]), einsum_terms(node)
+    if terms is None:
         ctx.run_replicated(node)
         return
-    inputs, out = equation.split("->")
-    letters_of = inputs.split(",")
+    letters_of, out = terms
     sharded: set[str] = set()
     for letters, operand in zip(letters_of, operands):
         p = ctx.place.get(operand, R) if isinstance(operand, fx.Node) else R

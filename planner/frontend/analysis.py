@@ -1221,9 +1221,9 @@ def _cores(members: list[fx.Node]) -> list[tuple[fx.Node, fx.Node, fx.Node, fx.N
 
 def _einsum_sizes(node: fx.Node) -> dict[str, int]:
     """Each letter of an einsum's equation and its size, read from the operands' shapes."""
-    equation = str(node.args[0]).replace(" ", "").split("->")[0]
+    inputs = str(node.args[0]).replace(" ", "").split("->")[0].split(",")  # (an ellipsis: expanded below)
     sizes: dict[str, int] = {}
-    for letters, operand in zip(equation.split(","), node.args[1]):
+    for letters, operand in zip(inputs, node.args[1]):
         shape = operand.meta["val"].shape
         if "..." in letters:  # leading dims under an ellipsis: one letter per dim
             head, tail = letters.split("...")

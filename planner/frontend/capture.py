@@ -372,6 +372,16 @@ def _as_linear(node: fx.Node) -> None:
     node.args = (x, w, node.args[0]) if name == "aten.addmm" else (x, w)
 
 
+def einsum_terms(node: fx.Node) -> tuple[list[str], str] | None:
+    """An `aten.einsum` node's equation as (each operand's letters, the output's letters), spaces
+    dropped; None for an equation with an ellipsis or without an explicit output (`"ij,jk"`)."""
+    equation = str(node.args[0]).replace(" ", "")
+    if "->" not in equation or "..." in equation:
+        return None
+    inputs, out = equation.split("->")
+    return inputs.split(","), out
+
+
 def _einsum_as_product(node: fx.Node) -> None:
     """Write an einsum of an activation and a 2-D (out x in) parameter that is a plain projection,
     `einsum("bsd,fd->bsf", x, W)`, as the product an nn.Linear makes, `aten.linear(x, W)`, so that the
@@ -382,11 +392,10 @@ def _einsum_as_product(node: fx.Node) -> None:
     x, w = node.args[1]
     if not (isinstance(w, fx.Node) and w.op == "get_attr" and w.meta["val"].dim() == 2):
         return
-    equation = str(node.args[0]).replace(" ", "")
-    if "->" not in equation or "..." in equation:
+    terms = einsum_terms(node)
+    if terms is None:
         return
-    inputs, out = equation.split("->")
-    xs, ws = inputs.split(",")
+    (xs, ws), out = terms
     if len(ws) != 2 or len(set(xs)) != len(xs) or ws[0] == ws[1] or not xs:
         return
     batch, k = xs[:-1], xs[-1]

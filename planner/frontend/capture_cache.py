@@ -162,17 +162,18 @@ class _Key:
     def model(self, model: nn.Module) -> _Key:
         if any(getattr(module_globals, name, None) for name in _GLOBAL_HOOKS):
             raise _Uncacheable("a global module hook")
-        for name, module in model.named_modules(remove_duplicate=False):
-            self._write(f"module {name} {self._class(type(module))} training={module.training}")
-            self._module_state(module, 0)
-        tensors: dict[int, str] = {}
         named = [
             *model.named_parameters(remove_duplicate=False),
             *model.named_buffers(remove_duplicate=False),
         ]
+        # first, before any attribute is read or hashed: a model with real weights (the reference) is never kept
+        if any(t.device.type != "meta" for _, t in named):
+            raise _Uncacheable("the model holds data")
+        for name, module in model.named_modules(remove_duplicate=False):
+            self._write(f"module {name} {self._class(type(module))} training={module.training}")
+            self._module_state(module, 0)
+        tensors: dict[int, str] = {}
         for name, t in named:
-            if t.device.type != "meta":
-                raise _Uncacheable(f"{name} holds data")
             tied = tensors.setdefault(id(t), name)
             self._write(f"tensor {name} {type(t).__name__} as={tied}")
             self._tensor(t)
