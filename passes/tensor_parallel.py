@@ -139,7 +139,7 @@ def _propagate(ctx: RuleContext, shard_output: bool = False) -> None:
             if padded and not entry.padded_inputs:
                 ctx.run_replicated(node)  # a padded vocabulary shard is gathered (and unpadded) first
                 node.meta[RULE_META] = "replicated"
-            elif entry.general and general_rule(ctx, node):
+            elif entry.general and not (entry.claims and entry.claims(node)) and general_rule(ctx, node):
                 node.meta[RULE_META] = "general"
             else:
                 entry.rule(ctx, node)

@@ -54,6 +54,7 @@ from torch.profiler import record_function
 
 from passes import collectives
 from passes.collectives import _group, all_gather_single, reduce_scatter_single
+from passes.tp_rules import is_weight_product
 from planner.plan import tp_overlap_chunk_count
 
 aten = torch.ops.aten
@@ -343,13 +344,14 @@ _MM = (aten.mm.default,)
 
 
 def _matmul_input_weight(node: fx.Node) -> tuple[fx.Node, fx.Node, object, bool] | None:
-    """(input, weight, bias, linear layout) of an aten.linear / aten.mm node, else None."""
+    """(input, weight, bias, linear layout) of an aten.linear / aten.mm node or a projection
+    `aten.matmul(x, W)` (`passes.tp_rules.is_weight_product`), else None."""
     if node.op != "call_function":
         return None
     if node.target in _LINEAR:
         bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
         return node.args[0], node.args[1], bias, True
-    if node.target in _MM:
+    if node.target in _MM or (node.target is aten.matmul.default and is_weight_product(node)):
         return node.args[0], node.args[1], None, False
     return None
 

@@ -38,11 +38,13 @@ class RuleEntry:
     """A registered rule; `padded_inputs`: it takes a padded vocabulary shard as it is. `general`: on
     plain placements (`passes.general_rules.is_plain`) DTensor's sharding semantics decide first
     (`passes.general_rules.general_rule`) and this rule is only for the layouts they have no word
-    for (a fused projection's parts, K/V pieces) or what they leave replicated."""
+    for (a fused projection's parts, K/V pieces) or what they leave replicated. `claims`: the nodes
+    of the op this rule takes before DTensor's semantics are asked (None: none)."""
 
     rule: Rule
     padded_inputs: bool = False
     general: bool = False
+    claims: Callable[[fx.Node], bool] | None = None
 
 
 class RuleTable:
@@ -52,7 +54,11 @@ class RuleTable:
         self._entries: dict[object, RuleEntry] = {}
 
     def register(
-        self, *ops: object, padded_inputs: bool = False, general: bool = False
+        self,
+        *ops: object,
+        padded_inputs: bool = False,
+        general: bool = False,
+        claims: Callable[[fx.Node], bool] | None = None,
     ) -> Callable[[Rule], Rule]:
         """Decorator: `rule` handles every op in `ops`. Raises ValueError when an op already has a rule
         (also an overload whose packet has one, or a packet one of whose overloads has one)."""
@@ -68,7 +74,7 @@ class RuleTable:
                         f"{self._entries[clash].rule.__name__}); not registering {rule.__name__}"
                     )
             for op in ops:
-                self._entries[op] = RuleEntry(rule, padded_inputs, general)
+                self._entries[op] = RuleEntry(rule, padded_inputs, general, claims)
             return rule
 
         return add
@@ -117,7 +123,8 @@ def pointwise_overloads(*packets: OpOverloadPacket) -> list[OpOverload]:
 
 # ---------------------------------------------------------------- matmul and embedding
 def _matmul_operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None, int]:
-    """(x, weight, bias, weight's output dim) of linear(x, w, b), addmm(b, x, w) or mm(x, w)."""
+    """(x, weight, bias, weight's output dim) of linear(x, w, b), addmm(b, x, w), mm(x, w) or
+    matmul(x, w)."""
     op = getattr(node.target, "overloadpacket", node.target)
     if op is aten.linear:
         return node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else None, 0
@@ -147,6 +154,31 @@ def rule_matmul(ctx: RuleContext, node: fx.Node) -> None:
             node.replace_all_uses_with(gathered, delete_user_cb=lambda user: user is not gathered)
     else:
         _row_parallel(ctx, node, x, w, b)
+
+
+def is_weight_product(node: fx.Node) -> bool:
+    """`aten.matmul(x, W)` of an activation of 2 dims or more and a 2-D parameter W in (in, out)
+    layout: the projection `x @ W` makes (a JAX port's, or an einsum `"btd,df->btf"` that capture
+    writes so), split as `aten.mm(x, W)` is."""
+    if len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args):
+        return False
+    x, w = node.args
+    xv, wv = x.meta.get("val"), w.meta.get("val")
+    return (
+        w.op == "get_attr"
+        and isinstance(wv, torch.Tensor)
+        and wv.dim() == 2
+        and (isinstance(xv, torch.Tensor) and xv.dim() >= 2)
+    )
+
+
+@register_rule(aten.matmul, padded_inputs=True, general=True, claims=is_weight_product)
+def rule_matmul_call(ctx: RuleContext, node: fx.Node) -> None:
+    """Projection `x @ W` (`is_weight_product`): `rule_matmul`; other products DTensor left: replicated."""
+    if is_weight_product(node):
+        rule_matmul(ctx, node)
+    else:
+        ctx.run_replicated(node)
 
 
 def _token_wise(ctx: RuleContext, node: fx.Node, x: fx.Node, w: fx.Node, b: fx.Node | None) -> bool:

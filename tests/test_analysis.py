@@ -417,3 +417,19 @@ def test_attention_written_with_einsum_is_a_core_priced_by_its_flops():
     assert einsums and all(c.kind == "matmul" and c.flops == 2 * 2 * 4 * 16 * 16 * 16 for c in einsums), (
         einsums
     )
+
+
+def test_projections_with_in_by_out_weights_are_read_as_projections():
+    """`x @ W`, `torch.matmul(x, W)` and `einsum("btd,df->btf", x, W)` with W (in, out) on 3-D
+    activations (tests/models/inout_weights.py): capture writes the einsum as `aten.matmul(x, W)`, and
+    each layer has an attention block (qkv / o) and an MLP (up / down) whose weights split on dim 1
+    (the einsum stayed an einsum, run replicated without a word)."""
+    from tests.plans import meta_structure  # noqa: PLC0415
+
+    s = meta_structure(str(Path(__file__).parent / "models" / "inout_weights.py"), 2, 8)
+    assert not [c for c in s.node_costs.values() if c.op == "aten.einsum"]
+    for layer in s.layers:
+        assert layer.attention is not None and layer.mlp is not None, layer
+        projections = [*layer.attention.projections, *layer.mlp.projections]
+        assert [p.weight_out_dim for p in projections] == [1, 1, 1, 1], projections
+        assert (layer.attention.num_heads, layer.attention.head_dim) == (4, 8)

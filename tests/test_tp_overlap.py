@@ -55,6 +55,10 @@ WRONG = {"train_sp_wrong": dict(workload="train", sequence_parallel=True)}
 # reference gradient as one contiguous chunk once the pass had fused the linear away (a false failure)
 GPT2 = "gpt2_odd_vocab.py"
 BIASED = {"train_gpt2_qkv_bias": dict(workload="train", model=GPT2)}
+# projections written `x @ W` / `einsum("btd,df->btf", x, W)` with W (in, out): `aten.matmul` nodes the
+# TP pass once left unsharded ("not read by a matmul ... the pass understands") and the fusion skipped
+INOUT_MODEL = "inout_weights.py"
+INOUT = {"train_sp_inout": dict(workload="train", sequence_parallel=True, model=INOUT_MODEL)}
 
 
 def _overlap_plan(**kw):
@@ -112,7 +116,7 @@ def two_rank(tmp_path_factory) -> dict:
 
     folder = tmp_path_factory.mktemp("tp_overlap_emit") / "emitted"
     emit_plan(_overlap_plan(workload="train", sequence_parallel=True), str(MODELS / LLAMA4), str(folder))
-    kinds = {**LAYOUTS, **WRONG, **BIASED}
+    kinds = {**LAYOUTS, **WRONG, **BIASED, **INOUT}
     plans = {label: _overlap_plan(**dict(kw)) for label, kw in kinds.items()}
     jobs = [
         (label, _job(kinds[label].get("model", LLAMA4), plan), label in WRONG)
@@ -128,7 +132,7 @@ def two_rank(tmp_path_factory) -> dict:
 def test_overlapped_tp_matches_the_unsharded_model(two_rank: dict) -> None:
     """Outputs, loss, gradients and the first optimizer step as the unsharded model's with TP overlap
     on, with and without sequence parallelism; chunks put back in the wrong order fail the check."""
-    for label in [*LAYOUTS, *BIASED]:
+    for label in [*LAYOUTS, *BIASED, *INOUT]:
         plan, summary = two_rank[label]
         n = summary["numerics"]
         assert not check_failures(n), (label, check_failures(n))
@@ -206,8 +210,8 @@ def test_the_row_backward_takes_its_weight_gradient_once_after_every_chunk(two_r
             assert before and before[-1][0] == "tp_overlap.row.gemm.1" and before[-1][2] <= start
 
 
-def _lowered(plan):
-    model_file = load_model_file(MODELS / LLAMA4)
+def _lowered(plan, model: str = LLAMA4):
+    model_file = load_model_file(MODELS / model)
     args, kwargs = model_file.inputs(4, 8)
     gm = capture(model_file.build("meta"), args, kwargs)
     return lower_for_rank(gm, analyse(gm), plan, 0, training=plan.workload == "train").module
@@ -233,6 +237,17 @@ def test_the_pass_fuses_every_layer_block_and_leaves_the_ends() -> None:
                 )
                 assert node.meta.get("module_path", "").startswith("layers."), (node.name, node.meta.keys())
                 assert not users or node.meta["module_path"] in users, (node.name, users)
+
+
+def test_projections_with_in_by_out_weights_are_split_and_fused() -> None:
+    """`x @ W` / `torch.matmul(x, W)` / `einsum("btd,df->btf", x, W)` with W (in, out): each of the 2
+    layers' 2 blocks gets one fused entry and one fused exit, its weights cut on the planned dims."""
+    for sp in (False, True):
+        gm = _lowered(_overlap_plan(workload="train", sequence_parallel=sp, model=INOUT_MODEL), INOUT_MODEL)
+        assert gm.meta["tp_overlap"] == {"row": 4, "column": 4}, (sp, gm.meta["tp_overlap"])
+        for layer in (0, 1):
+            assert gm.get_parameter(f"blocks.{layer}.wqkv").shape == (32, 48)
+            assert gm.get_parameter(f"blocks.{layer}.w_down").shape == (32, 32)
 
 
 def test_a_block_without_a_column_parallel_entry_gathers_nothing_again() -> None:

@@ -212,6 +212,7 @@ def test_tp2_forward_and_training_parity():
             "gpt2_odd_vocab.py", 2, "train"
         ),  # vocab 257: padded to 258 and split, logits gathered and unpadded
         _job("transposed_weights.py", 2, "train"),  # x @ W.T, matmul(x, W.t()), addmm(b, x, W.t())
+        _job("inout_weights.py", 2, "train"),  # x @ W, einsum("btd,df->btf", x, W): W (in, out)
         # one KV head grouped by SDPA (enable_gqa): the K/V projections whole on each rank, the KV
         # head's gradient summed over the ranks' query heads
         _job("mqa_train.py", 2, "train", replicated=("wk.weight", "wv.weight")),
@@ -224,7 +225,7 @@ def test_tp2_forward_and_training_parity():
     per_job = list(zip(*results))
     for job, reports in zip(jobs, per_job):
         _assert_parity(reports, f"{Path(job.model_path).name} {job.workload}")
-    assert all(per_job[i][0].grad_max_abs_diff is not None for i in (2, 5, 7))
+    assert all(per_job[i][0].grad_max_abs_diff is not None for i in (2, 5, 6, 7, 8))
     _check_ladder_against_reference(per_job[-1], first_laddered=2)
 
 

@@ -21,8 +21,8 @@ Guarantees of the returned graph (docs/ARCHITECTURE.md):
   and `aten.dropout` in eval mode / with p = 0; rewritten: `x @ W.T` of a 2-D parameter (matmul,
   mm or addmm of its transpose) as `aten.linear(x, W)` (the same product) and any other
   `aten.numpy_T` as the `aten.permute` reversing the dims, which the passes have rules for; an einsum
-  of an activation and a 2-D (out x in) parameter that is a plain projection (`"bsd,fd->bsf"`) as
-  `aten.linear(x, W)`;
+  of an activation and a 2-D parameter that is a plain projection as `aten.linear(x, W)` (an (out x
+  in) W, `"bsd,fd->bsf"`) or `aten.matmul(x, W)` (an (in x out) W, `"bsd,df->bsf"`);
 - inputs: one placeholder per tensor leaf of `(args, kwargs)` in pytree order (non-tensor inputs such
   as `use_cache=False` are baked in); call it as `gm(*flat_inputs(args, kwargs))`;
 - output form: the tensor leaves of the model's output, with a `logits` field first when the output
@@ -383,10 +383,10 @@ def einsum_terms(node: fx.Node) -> tuple[list[str], str] | None:
 
 
 def _einsum_as_product(node: fx.Node) -> None:
-    """Write an einsum of an activation and a 2-D (out x in) parameter that is a plain projection,
-    `einsum("bsd,fd->bsf", x, W)`, as the product an nn.Linear makes, `aten.linear(x, W)`, so that the
-    analysis reads a projection and the tensor-parallel pass splits it. Other einsums stay (an (in x
-    out) weight, `"bsd,df->bsf"`, too: the pass splits no `x @ W` of 3-D activations)."""
+    """Write an einsum of an activation and a 2-D parameter that is a plain projection as the product
+    it is, so that the analysis reads a projection and the tensor-parallel pass splits it: an (out x
+    in) weight, `einsum("bsd,fd->bsf", x, W)`, as an nn.Linear's `aten.linear(x, W)`; an (in x out)
+    one, `einsum("bsd,df->bsf", x, W)`, as `aten.matmul(x, W)` (`x @ W`). Other einsums stay."""
     if len(node.args) != 2 or len(node.args[1]) != 2:
         return
     x, w = node.args[1]
@@ -399,10 +399,15 @@ def _einsum_as_product(node: fx.Node) -> None:
     if len(ws) != 2 or len(set(xs)) != len(xs) or ws[0] == ws[1] or not xs:
         return
     batch, k = xs[:-1], xs[-1]
-    n = ws[0]
-    if ws[1] != k or n in xs or out != batch + n:
+    if k not in ws:
         return
-    node.target, node.args = torch.ops.aten.linear.default, (x, w)
+    n = ws[1 - ws.index(k)]
+    if n in xs or out != batch + n:
+        return
+    if ws[1] == k:
+        node.target, node.args = torch.ops.aten.linear.default, (x, w)
+    elif batch:
+        node.target, node.args = torch.ops.aten.matmul.default, (x, w)
 
 
 def user_line(node: fx.Node) -> str:
