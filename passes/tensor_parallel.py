@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from passes import collectives
 from passes.checkpoint import SUFFIX, SafetensorsCheckpoint, checkpoint_files
 from passes.expert_parallel import expert_shard
 from passes.general_rules import general_rule
@@ -217,17 +218,25 @@ def _unsharded_weights_error(gm: fx.GraphModule, unsharded: list[str]) -> Tensor
     reader = next(
         (u for n in gm.graph.nodes if n.op == "get_attr" and n.target == unsharded[0] for u in n.users), None
     )
+    while reader is not None and _inserted(reader) and reader.users:  # a gather the pass put before the op
+        reader = next(iter(reader.users))
     names = ", ".join(unsharded[:3]) + (f" and {len(unsharded) - 3} more" if len(unsharded) > 3 else "")
     why = f"the split weights {names} are not read by a matmul or embedding the tensor-parallel pass understands"
     if reader is None:
-        return TensorParallelError(why, why=why)
+        return TensorParallelError(why, why=why, weights=tuple(unsharded))
     return TensorParallelError(
         f"{why} ({op_label(reader)} at {reader.name})",
         node=reader.name,
         op=op_label(reader),
         line=user_line(reader),
         why=why,
+        weights=tuple(unsharded),
     )
+
+
+def _inserted(node: fx.Node) -> bool:
+    """A node of this project's collectives (`passes.collectives`), which the TP pass inserts."""
+    return getattr(node.target, "__module__", "") == collectives.__name__
 
 
 def load_sharded_weights(

@@ -74,11 +74,21 @@ class TensorParallelError(ValueError):
 
     node / op / line / why: the fx node name, its op (`op_label`), the user's source line
     (`user_line`) and the reason alone, for messages that name the model's code rather than the graph.
+    weights: the FQNs of split weights no rule read (`passes.tensor_parallel`), when that is the fault.
     """
 
-    def __init__(self, message: str, node: str = "", op: str = "", line: str = "", why: str = ""):
+    def __init__(
+        self,
+        message: str,
+        node: str = "",
+        op: str = "",
+        line: str = "",
+        why: str = "",
+        weights: tuple[str, ...] = (),
+    ):
         super().__init__(message)
         self.node, self.op, self.line, self.why = node, op, line, why or message
+        self.weights = weights
 
 
 class RuleContext:

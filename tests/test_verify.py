@@ -296,3 +296,78 @@ def test_the_replicated_core_exclusion_names_the_ops_and_lines_that_gathered(tmp
         "(q @ k.transpose(-1, -2)) / math.sqrt(HD), self.mix)` has no head-parallel rule: the TP pass gathers there"
     ) in said
     assert "an op inside this attention" not in said
+
+
+INOUT = str(MODELS / "inout_weights.py")
+
+
+def _without_matmul_rule():
+    """The TP pass as it was before it had a rule for `x @ W` of an (in, out) weight: the analysis
+    reads those projections and the plan splits them, and the pass leaves the weights unread."""
+    from unittest import mock  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    from passes.tp_rules import RULES, RuleEntry  # noqa: PLC0415
+    from passes.tp_rules_context import RuleContext  # noqa: PLC0415
+
+    replicated = RuleEntry(RuleContext.run_replicated, general=True)
+    return mock.patch.dict(RULES._entries, {torch.ops.aten.matmul: replicated})
+
+
+def test_weights_no_rule_splits_are_kept_whole_and_the_model_planned_again() -> None:
+    """A plan the TP pass refuses (split weights no rule reads) is made again with those weights kept
+    whole in every layer of their class, and says which and where, instead of exit 3; the weights the
+    pass can split stay split. A layout given by hand (--layout megatron) is still refused."""
+    with _without_matmul_rule():
+        prepared, plan = _plan(INOUT)
+        styles = {w: str(s.style) for w, s in plan.splits.items()}
+        block = [w for w in styles if w.startswith("blocks.")]
+        assert len(block) == 8 and all(styles[w] == "replicate" for w in block), styles
+        assert styles["emb.weight"] == styles["head.weight"] == "vocab", styles
+        first = plan.excluded[0]
+        assert first.startswith("tp>1: blocks.0.w_down, blocks.0.w_up, blocks.0.wo and 5 more: kept whole"), (
+            first
+        )
+        assert "aten.matmul at inout_weights.py:34 `q, k, v = self.proj(self.n1(x), self.wqkv)" in first, (
+            first
+        )
+        assert any(e.startswith("core head: its projections are kept whole") for e in plan.excluded), (
+            plan.excluded
+        )
+        assert plan.fallbacks == []
+        workflow.check_lowering(prepared, plan, load_cluster(FASTLINK, nproc=2))  # it lowers as priced
+        megatron = workflow.constraints_from(2, None, None, "none", layout="megatron")
+        with pytest.raises(InfeasibleError, match="not read by a matmul or embedding"):
+            workflow.make_plan(
+                workflow.prepare(INOUT), workflow.resolve_cluster(FASTLINK, 2), megatron, INOUT, FASTLINK
+            )
+
+
+def test_a_block_the_pass_refuses_is_kept_whole_and_the_rest_stays_split(monkeypatch) -> None:
+    """A plan whose MLP split the pass cannot carry through an op (here: the search's plan with the
+    fused gate/up's parts dropped, so `chunk` would cut across the ranks' shards) is made again with
+    that block's projections whole in every layer of the class, naming the op and line; the attention
+    block, which lowers, stays split."""
+    planned = workflow.plan_model
+    calls = []
+
+    def parts_dropped_once(*args, **kwargs):
+        plan = planned(*args, **kwargs)
+        calls.append(plan)
+        if len(calls) == 1:
+            splits = {k: dataclasses.replace(v, parts=None) if v.parts else v for k, v in plan.splits.items()}
+            plan = dataclasses.replace(plan, splits=splits)
+        return plan
+
+    monkeypatch.setattr(workflow, "plan_model", parts_dropped_once)
+    prepared, plan = _plan(SWIGLU)
+    assert len(calls) == 2
+    styles = {w: str(s.style) for w, s in plan.splits.items()}
+    mlp = [w for w in styles if ".mlp." in w]
+    assert mlp and all(styles[w] == "replicate" for w in mlp), styles
+    split = [w for w in styles if ".attn." in w and styles[w] != "replicate"]
+    assert split, styles
+    why = "kept whole: the tensor-parallel pass cannot carry the split through aten.chunk at swiglu_fused_w13.py:41"
+    assert any(why in e for e in plan.excluded), plan.excluded
+    workflow.check_lowering(prepared, plan, load_cluster(FASTLINK, nproc=2))

@@ -25,13 +25,15 @@ from costmodels.cluster import (
     preset_names,
 )
 from costmodels.dtypes import dtype_bytes
+from passes.tp_rules_context import TensorParallelError
 from passes.verify import verify_plan
 from planner.errors import InfeasibleError, InputError, RunError
-from planner.frontend.analysis import ModelStructure
+from planner.frontend.analysis import Layer, ModelStructure
 from planner.frontend.capture import input_batch_dims, op_name
 from planner.frontend.depth import capture_for_planning
 from planner.frontend.modelfile import ModelFile, load_model_file
 from planner.frontend.phases import build_for, decode_phase, plan_structure, prefill_phase
+from planner.frontend.roles import Projection
 from planner.plan import (
     WORKLOADS,
     DataParallel,
@@ -717,7 +719,7 @@ def make_plan(
         )
     request = prepared.request
     progress("lowering the plan on meta tensors for every rank", None)
-    plan = check_lowering(prepared, plan, cluster)
+    plan, prepared = _lower_keeping_whole(prepared, plan, cluster, constraints, model_path, progress)
     plan, replicated = _replan_around_unshardable_gaps(
         prepared, plan, cluster, constraints, model_path, progress
     )
@@ -743,6 +745,96 @@ def make_plan(
             plan.seq_len = request.prompt_len
     plan.priced_digest = plan.decisions_digest()
     return plan
+
+
+def _lower_keeping_whole(
+    prepared: Prepared,
+    plan: Plan,
+    cluster: ClusterSpec,
+    constraints: Constraints,
+    model_path: str,
+    progress: Progress = silent,
+) -> tuple[Plan, Prepared]:
+    """(`plan` lowered for every rank by `check_lowering`, `prepared`), or, where the tensor-parallel
+    pass refuses the plan (an op of a layer's block it cannot carry the planned split through, or a
+    split weight read by an op it has no rule for), a plan made again with the weights at fault kept
+    whole (`ModelStructure.whole_weights`, for every layer of the class; `_whole_weights`), until one
+    lowers: the search then prices what can run instead of the user getting exit 3, and its
+    exclusions name the op and the model line. `prepared` comes back with that structure. A layout
+    given by hand (--layout megatron) is refused as before, and so is a refusal outside the layers'
+    blocks or one that keeping weights whole does not change. Raises InfeasibleError (exit 3)."""
+    for _ in range(2 * len(prepared.structure.layers) + 2):
+        try:
+            return check_lowering(prepared, plan, cluster), prepared
+        except InfeasibleError as e:
+            refused = e.__cause__
+            if constraints.layout == "megatron" or not isinstance(refused, TensorParallelError):
+                raise
+            structure = _whole_weights(prepared.structure, refused, plan)
+            if structure is None:
+                raise
+        prepared = replace(prepared, structure=structure)
+        progress("planning again with the weights the tensor-parallel pass cannot split kept whole", None)
+        plan = plan_model(
+            structure, cluster, prepared.workload, constraints, model_name=str(model_path), progress=progress
+        )
+    return check_lowering(prepared, plan, cluster), prepared
+
+
+def _layer_projections(layer: Layer) -> list[Projection]:
+    """A layer's projections in a fixed order (attention, cross-attention, MLP): the same position in
+    two layers of one class (`costing.layer_key`) is the same projection."""
+    blocks = (layer.attention, layer.cross_attention, layer.mlp)
+    return [p for block in blocks if block is not None for p in block.projections]
+
+
+def _whole_weights(
+    structure: ModelStructure, refused: TensorParallelError, plan: Plan
+) -> ModelStructure | None:
+    """`structure` with the weights a TP refusal (`refused`) is about kept whole, or None when there is
+    nothing new to keep whole. The weights: those no rule read (`TensorParallelError.weights`), else the
+    planned-split projections of the block of the layer holding the refused node (its attention, its
+    cross-attention or its MLP; the whole layer's for a node of neither). Each is kept whole in every
+    layer of its class (`costing.layer_key`: the layers of a class share one split)."""
+    from planner.solver.costing import layer_key  # noqa: PLC0415
+
+    op = f"{refused.op or 'an op'} at {refused.line or refused.node}"
+    why = (
+        f"kept whole: no tensor-parallel rule splits the weight {op} reads"
+        if refused.weights
+        else f"kept whole: the tensor-parallel pass cannot carry the split through {op} ({refused.why})"
+    )
+    split = {w for w, s in plan.splits.items() if s.style is not SplitStyle.REPLICATE}
+    weights = set(refused.weights) & split
+    if not refused.weights:
+        for layer in structure.layers:
+            if refused.node not in layer.nodes:
+                continue
+            block = layer.node_blocks.get(refused.node)
+            if block in ("cross", "cross_core") and layer.cross_attention is not None:
+                projections = layer.cross_attention.projections
+            elif block in ATTENTION_BLOCKS and layer.attention is not None:
+                projections = layer.attention.projections
+            elif block == "mlp" and layer.mlp is not None:
+                projections = layer.mlp.projections
+            else:
+                projections = _layer_projections(layer)
+            weights = {p.weight for p in projections} & split
+            break
+    positions = {
+        (layer_key(layer), i)
+        for layer in structure.layers
+        for i, p in enumerate(_layer_projections(layer))
+        if p.weight in weights
+    }
+    weights |= {
+        p.weight
+        for layer in structure.layers
+        for i, p in enumerate(_layer_projections(layer))
+        if (layer_key(layer), i) in positions
+    }
+    new = {w: why for w in sorted(weights) if w not in structure.whole_weights}
+    return replace(structure, whole_weights={**structure.whole_weights, **new}) if new else None
 
 
 def _mark_fallback_gathers(plan: Plan, structure: ModelStructure) -> None:

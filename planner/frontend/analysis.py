@@ -300,6 +300,10 @@ class ModelStructure:
     # why, per class of `replicated_attention_classes`: the ops the pass gathered at and the model's
     # lines, e.g. "aten.matmul at model.py:26 `s = q @ k.transpose(-1, -2)`" (the exclusion names them)
     replicated_attention_reasons: dict[str, str] = field(default_factory=dict)
+    # weight FQN -> why the tensor-parallel pass cannot split it (the op and model line it refused, found
+    # by lowering a plan: `planner.cli.workflow.make_plan`): its projection or embedding is priced
+    # replicated only
+    whole_weights: dict[str, str] = field(default_factory=dict)
     # FQNs (every alias of a tied tensor) of the parameters with requires_grad=False: training holds
     # them as weights only (no gradient, no Adam state, no data-parallel reduction) and runs no
     # weight-gradient GEMM for them (`planner.solver.costing.CostContext.frozen`)

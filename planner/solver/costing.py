@@ -839,6 +839,9 @@ def projection_options(
     excluded: dict[str, str] = {}
     if tp == 1:
         return options, excluded
+    whole = ctx.structure.whole_weights.get(proj.weight)
+    if whole is not None:  # the TP pass refused a plan that split it
+        return options, {"colwise": whole, "rowwise": whole}
     parts = tuple(proj.parts) if proj.parts else (n_out,)
     if pieces is not None:
         options.append(option("colwise", R, S, n_in, n_out / pieces, pieces))
@@ -1383,7 +1386,10 @@ def build_layer_graph(layer: Layer, ctx: CostContext) -> LayerGraph:
         frozen_proj_bytes += sum(_frozen_param_bytes(p, ctx) for p in layer.cross_attention.projections)
     if layer.mlp is not None:
         inner = times["mlp"] if times else None
-        shardable = layer_key(layer) not in s.replicated_mlp_classes
+        # no MLP width shard where the pass gathers inside, or where its projections are kept whole
+        shardable = layer_key(layer) not in s.replicated_mlp_classes and not any(
+            p.weight in s.whole_weights for p in layer.mlp.projections
+        )
         outputs["mlp"] = _mlp_ops(layer.mlp.projections, tokens, ctx, ops, "mlp", inner, shardable=shardable)
         proj_bytes += sum(_param_bytes(p, b) for p in layer.mlp.projections)
         frozen_proj_bytes += sum(_frozen_param_bytes(p, ctx) for p in layer.mlp.projections)
@@ -1646,7 +1652,15 @@ def _attention_ops(
             ops.append(op)
             core_inputs.append(prefix + role.value)
     core_options, core_excluded = attention_core_options(attn, ctx, inner_s, cross=block == "cross")
-    if not head_ok and any(o.name == "head" for o in core_options):
+    whole = [
+        ctx.structure.whole_weights[p.weight]
+        for p in attn.projections
+        if p.weight in ctx.structure.whole_weights
+    ]
+    if whole and any(o.name == "head" for o in core_options):  # no head shard reaches the core
+        core_options = [o for o in core_options if o.name != "head"]
+        core_excluded["head"] = f"its projections are {whole[0]}"
+    elif not head_ok and any(o.name == "head" for o in core_options):
         core_options = [o for o in core_options if o.name != "head"]
         what = (
             f"{gathers} {'have' if '; ' in gathers else 'has'}"
@@ -1774,7 +1788,10 @@ def build_ends_graph(ctx: CostContext) -> LayerGraph:
                      frozen_bytes=weight_bytes if frozen else 0.0)
         ]  # fmt: skip
         excluded = {}
-        if tp > 1:  # a vocabulary that does not divide by tp is padded (passes.tensor_parallel.padded_size)
+        whole = s.whole_weights.get(emb.weight)
+        if tp > 1 and whole is not None:  # the TP pass refused a plan that split it
+            excluded["vocab"] = whole
+        elif tp > 1:  # a vocabulary that does not divide by tp is padded (passes.tensor_parallel.padded_size)
             rows = -(-emb.vocab_size // tp)
             shard_bytes = rows * emb.dim * b
             comm = stream_conversion_time_s(P, out_bytes, ctx)

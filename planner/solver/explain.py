@@ -228,13 +228,15 @@ def with_memory_fit(reason: str, fit: str) -> str:
 
 
 def op_exclusions(graphs: dict[str, LayerGraph], ends: LayerGraph) -> list[str]:
-    """ "op option: why" for every option an op does not offer (divisibility), graph by graph."""
-    out = []
+    """ "op option: why" for every option an op does not offer (divisibility), graph by graph; one
+    reason given to several ops or options is said once ("qkv, o colwise/rowwise: why")."""
+    by_why: dict[str, tuple[dict[str, None], dict[str, None]]] = {}
     for graph in [*graphs.values(), ends]:
         for op in graph.ops:
             for name, why in op.excluded.items():
-                out.append(f"{op.name} {name}: {why}")
-    return out
+                ops, options = by_why.setdefault(why, ({}, {}))
+                ops[op.name] = options[name] = None
+    return [f"{', '.join(ops)} {'/'.join(options)}: {why}" for why, (ops, options) in by_why.items()]
 
 
 MAX_SCHEDULE_ALTERNATIVES = 8  # interleaved alternatives shown: v = 2 .. this

@@ -390,6 +390,11 @@ def _enumerate(search: _Search, progress: Progress = silent) -> None:
         search.excluded += [exclusion for _, exclusion in whole_batch]
     if c.dp is not None and w.batch_size % c.dp:
         raise InputError(f"dp={c.dp} does not divide the batch size {w.batch_size}")
+    whole = search.structure.whole_weights
+    if whole and any(t > 1 for t in tps):
+        names = sorted(whole)
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        search.excluded.append(f"tp>1: {shown}: {next(iter(whole.values()))}")
     styles = c.dp_styles()
     if (
         w.train
