@@ -950,7 +950,8 @@ def _replan_around_unshardable_gaps(
         plan = plan_model(
             structure, cluster, prepared.workload, constraints, model_name=str(model_path), progress=progress
         )
-        plan = check_lowering(again, plan, cluster)
+        plan, again = _lower_keeping_whole(again, plan, cluster, constraints, model_path, progress)
+        structure = again.structure  # with the weights the pass refused kept whole, if any
         if plan.predicted.latency_s < best.predicted.latency_s:
             best = plan
     return best, replace(
