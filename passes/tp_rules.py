@@ -865,9 +865,10 @@ def _reduce(ctx: RuleContext, node: fx.Node, dims_keep: Callable[[int], tuple[li
 def rule_einsum(ctx: RuleContext, node: fx.Node) -> None:
     """Einsum sharded on one letter every operand holding it carries and the output keeps (heads)."""
     # attention written `torch.einsum("bhqd,bhkd->bhqk", q, k)` / `"bhqk,bhkd->bhqd"`: each rank computes
-    # its heads' slice; an operand holding the letter replicated is sliced locally. Any other einsum (a
-    # contracted or repeated letter, two sharded letters, an ellipsis, a shard of another kind) runs
-    # replicated: a fallback `passes.verify` prices
+    # its heads' slice; an operand holding the letter replicated is sliced locally; one without it (a
+    # weight applied to a sequence shard) is read whole by every rank, so under training its gradient is
+    # summed over the ranks (`copy_in`). Any other einsum (a contracted or repeated letter, two sharded
+    # letters, an ellipsis, a shard of another kind) runs replicated: a fallback `passes.verify` prices
     operands, terms = list(node.args[1]), einsum_terms(node)
     if terms is None:
         ctx.run_replicated(node)
@@ -888,7 +889,7 @@ def rule_einsum(ctx: RuleContext, node: fx.Node) -> None:
     node.args = (
         node.args[0],
         [
-            ctx.sharded(o, letters.index(letter)) if letter in letters else o
+            ctx.sharded(o, letters.index(letter)) if letter in letters else ctx.copy_in(o)
             for letters, o in zip(letters_of, operands)
         ],
     )

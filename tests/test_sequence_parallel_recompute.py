@@ -34,11 +34,13 @@ from planner.solver.search import price
 from runtime.execute import run_rank
 from runtime.job import RunJob, set_up_rank, summarise
 from runtime.launch import RankContext, launch
+from runtime.numerics import check_failures
 from runtime.run_mode import seed_dropout_rng, set_run_mode
 from tests.plans import fixed_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA = ROOT / "examples" / "llama3.py"
+FLAX = ROOT / "tests" / "models" / "flax_heads.py"  # per-head 3-D einsum weights (a JAX port)
 DROPOUT = ROOT / "tests" / "models" / "dropout_tp.py"
 VIT = ROOT / "tests" / "models" / "tiny_vit.py"
 FASTLINK = ROOT / "tests" / "models" / "fastlink.yaml"
@@ -104,6 +106,22 @@ def test_sequence_parallel_layers_reduce_scatter_and_gather_twice_and_never_all_
     calls = _calls(gm)
     assert calls.count(collectives.tp_all_reduce) == 2 * len(structure.layers)
     assert collectives.tp_reduce_scatter not in calls and collectives.tp_sequence_gather not in calls
+
+
+def test_a_whole_weight_read_by_a_sequence_shard_sums_its_gradient_over_the_ranks():
+    """A JAX port's per-head q / k / v einsums (`"btd,dhk->bthk"`, 3-D weights kept whole) read the
+    rank's sequence shard under sequence parallelism: each weight reaches its einsum through `tp_copy`,
+    whose backward sums the ranks' gradients (each covers only its tokens; without it the weights'
+    gradients were wrong by half, caught by the run's check)."""
+    gm, structure, _, _ = _captured(FLAX)
+    plan = _plan(FLAX, structure, 2, sequence_parallel=True)
+    lowered = lower_for_rank(gm, structure, plan, 0, training=True).module
+    einsums = [n for n in lowered.graph.nodes if n.target is torch.ops.aten.einsum.default]
+    per_head = [n for n in einsums if str(n.args[0]).startswith("btd,dhk")]
+    assert len(per_head) == 6, [str(n.args[0]) for n in einsums]
+    for node in per_head:
+        x, w = node.args[1]
+        assert w.target is collectives.tp_copy and w.args[0].op == "get_attr", (node.name, w)
 
 
 def test_sequence_parallel_refuses_what_it_cannot_run_naming_the_field():
@@ -289,8 +307,17 @@ def _priced_activation_bytes(plan, structure) -> float:
 def test_sequence_parallel_matches_unsharded_and_recompute_replays_dropout_on_two_ranks():
     _, structure, _, _ = _captured(LLAMA)
     plan = _plan(LLAMA, structure, 2, sequence_parallel=True, recompute={"*": Recompute.SELECTIVE})
-    jobs = [RunJob(str(LLAMA), plan.to_dict(), workload="train", warmup=0, iters=1)]
+    _, flax_structure, _, _ = _captured(FLAX)
+    flax = _plan(FLAX, flax_structure, 2, sequence_parallel=True)
+    jobs = [
+        RunJob(str(LLAMA), plan.to_dict(), workload="train", warmup=0, iters=1),
+        RunJob(str(FLAX), flax.to_dict(), workload="train", warmup=0, iters=1),
+    ]
     results = launch(_sequence_parallel_runs, jobs, nproc=2, timeout_s=180)
+    # whole per-head weights read by the sequence shard: their gradients summed over the ranks
+    flax_numerics = summarise([r["reports"][1] for r in results])["numerics"]
+    assert not check_failures(flax_numerics), flax_numerics
+    assert flax_numerics["grad_max_abs_diff"] is not None, flax_numerics
     # sequence parallelism (with selective recompute) through the runtime: outputs, loss and every
     # gradient against the unsharded model on the whole batch
     summary = summarise([r["reports"][0] for r in results])
