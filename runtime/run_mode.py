@@ -155,7 +155,10 @@ def lowering_notes(plan: Plan, lowered: RankLowering, training: bool) -> list[st
         nodes = [n for g in lowered.module.modules() if isinstance(g, fx.GraphModule)
                  for n in g.graph.nodes if n.op == "call_function"]  # fmt: skip
         calls = [n.target for n in nodes]
-        if lowered.sequence_parallel and collectives.tp_reduce_scatter not in calls:
+        # row-parallel exits fused with their matmuls (TP overlap): reduce-scattered when their `seq` is set
+        rows = [n.args[4] is not None for n in nodes if n.target is tp_overlap.tp_row_matmul]
+        scatters = calls.count(collectives.tp_reduce_scatter) + sum(rows)
+        if lowered.sequence_parallel and not scatters:
             notes.append(
                 "sequence_parallel is set but no row-parallel output on this rank is a (batch, sequence, "
                 "features) tensor (flattened tokens, e.g. Conv1D / addmm), so its all-reduces stayed"
@@ -171,12 +174,14 @@ def lowering_notes(plan: Plan, lowered: RankLowering, training: bool) -> list[st
                 if fused and training
                 else ""
             )
+            fused_rows = f", {sum(rows)} of them fused with the row-parallel matmuls" if any(rows) else ""
             notes.append(
                 f"sequence parallelism applied: norms, dropouts and residual adds between the tensor-parallel "
                 f"blocks ran on 1/{plan.tp} of the sequence per rank; this rank's forward calls "
-                f"{calls.count(collectives.tp_reduce_scatter)} reduce-scatter(s), "
+                f"{scatters} reduce-scatter(s){fused_rows}, "
                 f"{calls.count(collectives.tp_sequence_gather) + fused} sequence all-gather(s){kept} and "
-                f"{calls.count(collectives.tp_all_reduce)} all-reduce(s) (backward: the conjugates)"
+                f"{calls.count(collectives.tp_all_reduce) + rows.count(False)} all-reduce(s) (backward: the "
+                "conjugates)"
             )
         else:
             notes.append("sequence_parallel is set but tp=1: there is no tensor-parallel group to split over")

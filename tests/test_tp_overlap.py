@@ -145,6 +145,22 @@ def test_overlapped_tp_matches_the_unsharded_model(two_rank: dict) -> None:
 
 
 @pytest.mark.slow
+def test_the_run_report_counts_the_fused_reduce_scatters(two_rank: dict) -> None:
+    """With sequence parallelism and TP overlap the row-parallel exits are reduce-scatters fused with
+    their matmuls (`tp_row_matmul`): the report says sequence parallelism applied and counts them, not
+    that "no row-parallel output ... so its all-reduces stayed" (it looked for plain reduce-scatters)."""
+    for label in ("train_sp", "train_sp_inout"):
+        notes = two_rank[label][1]["measured"]["notes"]
+        assert not any("sequence_parallel is set but" in t for t in notes), (label, notes)
+        applied = [t for t in notes if t.startswith("sequence parallelism applied")]
+        assert applied, (label, notes)
+        fused = 8 if label == "train_sp" else 4  # two blocks per layer, each layer's exits fused
+        assert (
+            f"{fused} reduce-scatter(s), {fused} of them fused with the row-parallel matmuls" in applied[0]
+        ), applied
+
+
+@pytest.mark.slow
 def test_each_chunk_is_issued_before_the_next_chunks_gemm_and_waited_after_it(two_rank: dict) -> None:
     """In a profiled training step of the emitted module (sequence parallel, 2 chunks): in every fused
     call, chunk 0's collective is issued before chunk 1's GEMM starts and waited for after it ends
