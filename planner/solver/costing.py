@@ -1646,8 +1646,9 @@ def _attention_ops(
             if grouped and ctx.train:
                 op.options = [o for o in op.options if o.name != "colwise"]
                 op.excluded["colwise"] = (
-                    f"{attn.num_kv_heads} KV heads < tp={ctx.mesh.tp} in training: K/V projections replicated on "
-                    "every rank, each rank slicing the KV heads of its query heads"
+                    f"{attn.num_kv_heads} KV heads < tp={ctx.mesh.tp} in training: a KV head is not cut, so K/V "
+                    "are whole on every rank (replicated, or row-parallel and all-reduced), each rank slicing "
+                    "the KV heads of its query heads"
                 )
             ops.append(op)
             core_inputs.append(prefix + role.value)
