@@ -433,3 +433,22 @@ def test_projections_with_in_by_out_weights_are_read_as_projections():
         projections = [*layer.attention.projections, *layer.mlp.projections]
         assert [p.weight_out_dim for p in projections] == [1, 1, 1, 1], projections
         assert (layer.attention.num_heads, layer.attention.head_dim) == (4, 8)
+
+
+def test_a_jax_ports_per_head_einsums_leave_the_mlp_its_own_projections():
+    """tests/models/flax_heads.py: q / k / v / o are einsums of 3-D per-head weights (no projection
+    the planner splits), the MLP two (in, out) matmuls. The MLP's first projection, after the residual
+    add, was taken for the attention's output projection (and the second for an MLP up), so plans
+    split the MLP row- then column-wise; heads and FLOPs were read from (B, T, H, hd) as if (B, H, T,
+    hd) (8 "heads" of the 8 tokens)."""
+    from tests.plans import meta_structure  # noqa: PLC0415
+
+    s = meta_structure(str(Path(__file__).parent / "models" / "flax_heads.py"), 2, 8)
+    for i, layer in enumerate(s.layers):
+        assert layer.attention is not None and layer.attention.projections == [], layer.attention
+        assert (layer.attention.num_heads, layer.attention.head_dim) == (4, 8)
+        assert layer.attention.flops == 4 * 2 * 4 * 8 * 8 * 8  # 4 B H T S hd
+        assert [(p.role, p.weight) for p in layer.mlp.projections] == [
+            (Role.UP, f"blocks.{i}.w_in"),
+            (Role.DOWN, f"blocks.{i}.w_out"),
+        ]

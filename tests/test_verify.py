@@ -371,3 +371,15 @@ def test_a_block_the_pass_refuses_is_kept_whole_and_the_rest_stays_split(monkeyp
     why = "kept whole: the tensor-parallel pass cannot carry the split through aten.chunk at swiglu_fused_w13.py:41"
     assert any(why in e for e in plan.excluded), plan.excluded
     workflow.check_lowering(prepared, plan, load_cluster(FASTLINK, nproc=2))
+
+
+def test_an_attention_core_no_split_query_projection_feeds_is_not_split_by_heads() -> None:
+    """tests/models/flax_heads.py has no q projection the pass can split (3-D per-head einsum weights):
+    the core is not offered head-parallel (the ILP once chose "head: core" behind replicated q / k / v,
+    priced at 1/tp of the core while the pass ran it whole), and the MLP splits column- then row-wise."""
+    _, plan = _plan(str(MODELS / "flax_heads.py"))
+    assert any(
+        e.startswith("core head: no query projection split column-wise feeds it") for e in plan.excluded
+    ), plan.excluded
+    styles = {w: str(s.style) for w, s in plan.splits.items()}
+    assert styles["blocks.0.w_in"] == "colwise" and styles["blocks.0.w_out"] == "rowwise", styles

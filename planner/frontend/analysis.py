@@ -58,7 +58,7 @@ from torch import fx
 
 from costmodels.compute import conv_flops
 from costmodels.dtypes import dtype_name
-from planner.frontend.capture import bound_arguments, is_transpose_2d, op_name, user_line
+from planner.frontend.capture import bound_arguments, einsum_terms, is_transpose_2d, op_name, user_line
 from planner.frontend.moe import MoE, find_moe
 from planner.frontend.roles import ACTIVATION_OPS as _ACTIVATIONS
 from planner.frontend.roles import Adapter, Projection, Role
@@ -1207,6 +1207,45 @@ def _walk(start: fx.Node, member_names: set[str], projections: dict, forward: bo
     return found
 
 
+def _walk_to_output(core: fx.Node, member_names: set[str], projections: dict) -> list[fx.Node]:
+    """Projections reached forward from an attention core (its output projection first) without
+    crossing a projection, leaving the layer or passing the residual add: an add whose other operand
+    has the add's own shape and does not derive from the core (the stream). A core whose output
+    projection is not a matmul of a 2-D weight (a JAX port's `einsum("bthk,hkd->btd", o, W)`) has none,
+    and the MLP's first projection after the residual add is not taken for it."""
+    after, queue = {core.name}, deque([core])
+    while queue:  # everything the core's output reaches in the layer
+        for user in queue.popleft().users:
+            if user.name in member_names and user.name not in after:
+                after.add(user.name)
+                queue.append(user)
+
+    def joins_stream(node: fx.Node) -> bool:
+        if node.target not in (aten.add.Tensor, aten.add_.Tensor) or len(node.all_input_nodes) != 2:
+            return False
+        val = node.meta.get("val")
+        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
+        return any(
+            a.name not in after
+            and a.op != "get_attr"
+            and isinstance(a.meta.get("val"), torch.Tensor)
+            and tuple(a.meta["val"].shape) == shape
+            for a in node.all_input_nodes
+        )
+
+    found, seen, queue = [], {core.name}, deque([core])
+    while queue:
+        for n in queue.popleft().users:
+            if n.name in seen or n.name not in member_names:
+                continue
+            seen.add(n.name)
+            if n.name in projections:
+                found.append(n)
+            elif not joins_stream(n):
+                queue.append(n)
+    return found
+
+
 def _cores(members: list[fx.Node]) -> list[tuple[fx.Node, fx.Node, fx.Node, fx.Node]]:
     """(core output, q, k, v) for SDPA nodes and manual softmax(Q K^T) V patterns."""
     cores = []
@@ -1337,7 +1376,7 @@ def _attention_block(
         # listed once (it was twice: its GEMM priced twice), taking the value role
         if first[1] is not None and first[1] is first[2]:
             projections[first[1].name].role = Role.V
-    o_nodes = [n for n in _walk(core, member_names, projections, forward=True) if n.name not in taken]
+    o_nodes = [n for n in _walk_to_output(core, member_names, projections) if n.name not in taken]
     residual = None
     if o_nodes:
         o = projections[o_nodes[0].name]
@@ -1359,6 +1398,9 @@ def _attention_block(
     else:
         num_kv_heads = _kv_heads_before_repeat(k, num_heads, head_dim)
     flops = _sdpa_flops(q.meta["val"], k.meta["val"], v.meta["val"])
+    if _einsum_head_shape(q) is not None and _einsum_head_shape(k) is not None:  # letters in any order
+        batch, heads, t, hd = _einsum_head_shape(q)
+        flops = 4.0 * batch * heads * t * _einsum_head_shape(k)[2] * hd
     attention = Attention(projs, num_heads, num_kv_heads, head_dim, core.name, residual, flops)
     attention.core_kv_heads = int(_head_shape(k)[-3]) if k.meta["val"].dim() >= 3 else None
     attention.core_line = user_line(core)
@@ -1409,6 +1451,9 @@ def _head_shape(x: fx.Node) -> tuple[int, ...]:
     as Bloom's bmm / baddbmm take it (a reshape of (B, H, T, hd), perhaps then transposed), gives the
     shape before the merge."""
     shape = tuple(x.meta["val"].shape)
+    by_letters = _einsum_head_shape(x)
+    if by_letters is not None:
+        return by_letters
     node = x
     if op_name(node.target) == "aten.transpose" and len(shape) == 3:
         node = node.args[0]
@@ -1417,6 +1462,30 @@ def _head_shape(x: fx.Node) -> tuple[int, ...]:
         if len(before) == 4 and before[0] * before[1] == shape[0]:
             return before[:2] + shape[1:] if node is x else before
     return shape
+
+
+def _einsum_head_shape(x: fx.Node) -> tuple[int, ...] | None:
+    """(B, H, T, hd) of `x` when it is q or k of an einsum scores product, read from the equation's
+    letters whatever their order (`"bqhk,bshk->bhqs"`: a JAX port's (B, T, H, hd) layout): the one
+    letter both operands contract is hd, the one only `x` has is its length, the kept shared ones are
+    (batch,) heads; None for any other operand."""
+    for user in x.users:
+        if op_name(user.target) != "aten.einsum" or len(user.args) < 2 or len(user.args[1]) != 2:
+            continue
+        terms = einsum_terms(user)
+        if terms is None or x not in user.args[1]:
+            continue
+        (a, b), out = terms
+        mine, other = (a, b) if user.args[1][0] is x else (b, a)
+        contracted = [c for c in mine if c in other and c not in out]
+        kept = [c for c in mine if c in other and c in out]
+        own = [c for c in mine if c not in other]
+        if len(contracted) != 1 or len(own) != 1 or not 1 <= len(kept) <= 2 or len(mine) != len(kept) + 2:
+            continue
+        size = dict(zip(mine, x.meta["val"].shape))
+        batch = size[kept[0]] if len(kept) == 2 else 1
+        return (int(batch), int(size[kept[-1]]), int(size[own[0]]), int(size[contracted[0]]))
+    return None
 
 
 def _walk_inclusive(node: fx.Node, member_names: set[str], projections: dict) -> list[fx.Node]:

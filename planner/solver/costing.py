@@ -1638,6 +1638,7 @@ def _attention_ops(
     prefix = "cross." if block == "cross" else ""
     by_role = {p.role: p for p in attn.projections}
     core_inputs = []
+    query_splits = False  # a query projection split column-wise: the one way a head shard reaches the core
     for role in (Role.QKV, Role.Q, Role.K, Role.V):
         if role in by_role:
             grouped = role in (Role.K, Role.V) and gqa_kv_replicated(attn, ctx.mesh.tp)
@@ -1652,6 +1653,8 @@ def _attention_ops(
                 )
             ops.append(op)
             core_inputs.append(prefix + role.value)
+            if role in (Role.QKV, Role.Q):
+                query_splits = any(o.name == "colwise" for o in op.options)
     core_options, core_excluded = attention_core_options(attn, ctx, inner_s, cross=block == "cross")
     whole = [
         ctx.structure.whole_weights[p.weight]
@@ -1661,6 +1664,12 @@ def _attention_ops(
     if whole and any(o.name == "head" for o in core_options):  # no head shard reaches the core
         core_options = [o for o in core_options if o.name != "head"]
         core_excluded["head"] = f"its projections are {whole[0]}"
+    elif not query_splits and any(o.name == "head" for o in core_options):
+        core_options = [o for o in core_options if o.name != "head"]
+        core_excluded["head"] = (
+            "no query projection split column-wise feeds it (none found, or none divides): the tensor-parallel "
+            "pass shards an attention core only by the heads its query projection's split carries"
+        )
     elif not head_ok and any(o.name == "head" for o in core_options):
         core_options = [o for o in core_options if o.name != "head"]
         what = (
