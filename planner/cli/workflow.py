@@ -747,6 +747,9 @@ def make_plan(
     return plan
 
 
+MAX_WHOLE_REPLANS = 6  # plans made again around refused weights before the last refusal is the answer
+
+
 def _lower_keeping_whole(
     prepared: Prepared,
     plan: Plan,
@@ -762,8 +765,9 @@ def _lower_keeping_whole(
     lowers: the search then prices what can run instead of the user getting exit 3, and its
     exclusions name the op and the model line. `prepared` comes back with that structure. A layout
     given by hand (--layout megatron) is refused as before, and so is a refusal outside the layers'
-    blocks or one that keeping weights whole does not change. Raises InfeasibleError (exit 3)."""
-    for _ in range(2 * len(prepared.structure.layers) + 2):
+    blocks, one that keeping weights whole does not change, or the one left after `MAX_WHOLE_REPLANS`
+    plans. Raises InfeasibleError (exit 3)."""
+    for _ in range(MAX_WHOLE_REPLANS):
         try:
             return check_lowering(prepared, plan, cluster), prepared
         except InfeasibleError as e:
