@@ -1190,8 +1190,15 @@ def _mark_input_grads(
 # --------------------------------------------------------------------------------------- attention
 
 
-def _walk(start: fx.Node, member_names: set[str], projections: dict, forward: bool) -> list[fx.Node]:
-    """Projections reached from `start` (exclusive) without crossing a projection or leaving the layer."""
+def _walk(
+    start: fx.Node,
+    member_names: set[str],
+    projections: dict,
+    forward: bool,
+    stop: Callable[[fx.Node], bool] | None = None,
+) -> list[fx.Node]:
+    """Projections reached from `start` (exclusive) without crossing a projection, leaving the layer
+    or passing a node `stop` is true of."""
     found, seen, queue = [], {start.name}, deque([start])
     while queue:
         node = queue.popleft()
@@ -1202,7 +1209,7 @@ def _walk(start: fx.Node, member_names: set[str], projections: dict, forward: bo
             seen.add(n.name)
             if n.name in projections:
                 found.append(n)
-            else:
+            elif stop is None or not stop(n):
                 queue.append(n)
     return found
 
@@ -1233,17 +1240,7 @@ def _walk_to_output(core: fx.Node, member_names: set[str], projections: dict) ->
             for a in node.all_input_nodes
         )
 
-    found, seen, queue = [], {core.name}, deque([core])
-    while queue:
-        for n in queue.popleft().users:
-            if n.name in seen or n.name not in member_names:
-                continue
-            seen.add(n.name)
-            if n.name in projections:
-                found.append(n)
-            elif not joins_stream(n):
-                queue.append(n)
-    return found
+    return _walk(core, member_names, projections, forward=True, stop=joins_stream)
 
 
 def _cores(members: list[fx.Node]) -> list[tuple[fx.Node, fx.Node, fx.Node, fx.Node]]:
