@@ -306,6 +306,11 @@ class SolverInfo:
     num_variables: int  # variables of the chosen mesh's ILP
 
 
+# the "megatron-baseline" decision's note when the hand-written layout splits other weights than the
+# plan, or splits them otherwise (`planner.cli.workflow._lower_baseline`; the report names it)
+BASELINE_OTHER_SPLITS = "its weight splits differ from this plan's"
+
+
 @dataclass
 class Decision:
     """One choice the planner made, with the predicted cost of each alternative (in seconds)."""

@@ -101,3 +101,30 @@ def test_a_plan_a_little_slower_than_a_baseline_does_not_read_as_fast_as_it():
     assert speed_ratio_text(162.143 / 162.801) == "0.996"
     assert speed_ratio_text(1.0) == "1.00" and speed_ratio_text(1.0002) == "1.00"
     assert speed_ratio_text(1.16) == "1.16" and speed_ratio_text(0.5) == "0.50"
+
+
+def test_the_megatron_line_says_which_choices_differ_on_the_same_mesh() -> None:
+    """A plan on the mesh of the hand-written Megatron plan says what makes its speed ratio: the
+    weight splits when they differ, and, training, the layout rows that differ (`--layout megatron`
+    once printed "1.02x its speed" with the same splits and no word of where the difference was)."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from planner.cli import workflow  # noqa: PLC0415
+    from planner.cli.render import render_plan  # noqa: PLC0415
+    from planner.plan import Recompute  # noqa: PLC0415
+
+    model = str(Path(__file__).parent / "models" / "inout_weights.py")
+
+    def line(**options) -> str:
+        constraints = workflow.constraints_from(2, None, None, "none", **options)
+        prepared = workflow.prepare(model, workload="train")
+        plan = workflow.make_plan(prepared, workflow.resolve_cluster(None, 2), constraints, model)
+        out = io.StringIO()
+        render_plan(Console(file=out, width=400), plan)
+        return next(t for t in out.getvalue().splitlines() if t.startswith("Hand-written Megatron plan"))
+
+    megatron = line(layout="megatron", recompute=Recompute.FULL)
+    assert "(same mesh; it differs in recompute" in megatron and "weight splits" not in megatron, megatron
+    assert "see the training layout table" in megatron, megatron
+    free = line()  # the free plan keeps these tiny weights whole: other splits than Megatron's
+    assert "(same mesh; it differs in weight splits" in free, free

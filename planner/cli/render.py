@@ -10,9 +10,12 @@ from rich.markup import escape
 from rich.table import Table
 
 from planner.plan import (
+    BASELINE_OTHER_SPLITS,
+    Decision,
     Fallback,
     LayerCost,
     Plan,
+    Prediction,
     SplitStyle,
     Workload,
     fallback_memory_bytes,
@@ -255,7 +258,7 @@ def render_plan(console: Console, plan: Plan) -> None:
             + (
                 " (the expert's own layout for this cluster and batch, not the mesh of this plan)"
                 if d and f"tp={plan.tp} pp={plan.pp} dp={plan.dp}" not in d.chosen
-                else ""
+                else _choices_differ_text(plan, b, d)
             )
         )
     experts_over_tp = plan.ep > 1 and plan.ep_fold == "tp"  # the TP ranks split the experts
@@ -730,6 +733,28 @@ def _training_rows(plan: Plan) -> list[tuple[str, str, str]]:
         ("pipeline bubble", bubble(p), bubble(b)),
         ("memory per rank (peak)", fmt_bytes(p.peak_memory_bytes), fmt_bytes(b.peak_memory_bytes) if b is not None else "-"),
     ]  # fmt: skip
+
+
+_METRIC_ROWS = frozenset(
+    {"mesh", "step time", "model TFLOP/s per device", "pipeline bubble", "memory per rank (peak)"}
+)
+
+
+def _choices_differ_text(plan: Plan, baseline: Prediction, d: Decision | None) -> str:
+    """For a plan on the mesh of its hand-written Megatron baseline (`d`, its decision): " (same mesh;
+    it differs in weight splits, recompute: see the training layout table)", the weight splits when
+    the decision says they differ (`BASELINE_OTHER_SPLITS`) and, training, the rows of `training_rows`
+    whose choices differ, so that a ratio other than 1.00 says where it comes from; "" otherwise."""
+    if d is None or d.subject != "megatron-baseline":
+        return ""
+    differ = ["weight splits"] if BASELINE_OTHER_SPLITS in d.reason else []
+    table = ""
+    if plan.workload is Workload.TRAIN and plan.baseline_layout:
+        rows = _training_rows(dataclasses.replace(plan, baseline=baseline))
+        choices = [what for what, mine, theirs in rows if what not in _METRIC_ROWS and "-" != theirs != mine]
+        differ += choices
+        table = ": see the training layout table" if choices else ""
+    return f" (same mesh; it differs in {', '.join(differ)}{table})" if differ else ""
 
 
 def render_training(console: Console, plan: Plan) -> None:

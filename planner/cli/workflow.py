@@ -35,6 +35,7 @@ from planner.frontend.modelfile import ModelFile, load_model_file
 from planner.frontend.phases import build_for, decode_phase, plan_structure, prefill_phase
 from planner.frontend.roles import Projection
 from planner.plan import (
+    BASELINE_OTHER_SPLITS,
     WORKLOADS,
     DataParallel,
     Decision,
@@ -982,6 +983,8 @@ def _lower_baseline(
     if plan.baseline is None or prepared.graph is None:
         return plan
     expert = megatron_plan(structure, cluster, prepared.workload, constraints, model_name=str(model_path))
+    if expert is not None and _split_styles(expert) != _split_styles(plan):
+        plan = replace(plan, decisions=_baseline_note(plan.decisions, None, BASELINE_OTHER_SPLITS))
     plan = _baseline_fit(
         replace(
             plan,
@@ -1016,6 +1019,11 @@ def _lower_baseline(
         decisions=_baseline_note(plan.decisions, expert.predicted.latency_s, note),
     )
     return _baseline_fit(plan, cluster, constraints)  # its gathers' memory counted
+
+
+def _split_styles(plan: Plan) -> dict[str, SplitStyle]:
+    """The weights `plan` splits, with how (replicated ones left out)."""
+    return {w: s.style for w, s in plan.splits.items() if s.style is not SplitStyle.REPLICATE}
 
 
 def _baseline_fit(plan: Plan, cluster: ClusterSpec, constraints: Constraints) -> Plan:
