@@ -187,6 +187,20 @@ def tp_all_gather(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
     return _GatherFromParallel.apply(x, dim, axis)
 
 
+def tp_gather_strided(x: torch.Tensor, dim: int, outer: int, axis: str) -> torch.Tensor:
+    """The whole tensor from a shard strided through a merged `dim` (`Placement.outer`): each rank's
+    (outer * inner / size) rows hold, for every outer index, its chunk of the inner dim. All-gather
+    along `dim`, then put each outer index's chunks together in rank order. Backward keeps the local
+    part (the all-gather's, through the reorder)."""
+    whole = tp_all_gather(x, dim, axis)
+    size = whole.shape[dim] // x.shape[dim]
+    if size == 1:
+        return whole
+    shape = list(whole.shape)
+    blocks = whole.reshape(*shape[:dim], size, outer, x.shape[dim] // outer, *shape[dim + 1 :])
+    return blocks.transpose(dim, dim + 1).reshape(shape)
+
+
 def tp_shard(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
     """This rank's contiguous chunk of a replicated `x` along `dim` (shape[dim] / axis size).
 

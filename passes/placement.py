@@ -42,6 +42,11 @@ class Placement:
     # repeat) and that dim carries the rest of the split: it is cut into tp / pieces parts.
     pieces: int | None = None
     inner: bool = False
+    # outer: `dim` merges an outer dim of this size in front of the sharded one ((B, H / tp) -> B * H:
+    # nn.MultiheadAttention's and Bloom's (B * H, T, hd)); each rank holds, for every outer index, its
+    # contiguous 1/tp chunk of the inner dim, so its part is strided through `dim` (DTensor's
+    # _StridedShard). Only reshapes, transposes and copies carry it (`passes.tensor_parallel`)
+    outer: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", Layout(self.kind))  # "R" -> Layout.REPLICATE
@@ -80,8 +85,13 @@ class Placement:
         if self.is_shard:
             padded = f"[padded to {self.size}]" if self.size else ""
             pieces = f"[{self.pieces} pieces{', inner' if self.inner else ''}]" if self.pieces else ""
+            outer = f"[strided, outer {self.outer}]" if self.outer else ""
             return (
-                f"Shard({self.dim})" + (f"[parts={list(self.parts)}]" if self.parts else "") + padded + pieces
+                f"Shard({self.dim})"
+                + (f"[parts={list(self.parts)}]" if self.parts else "")
+                + padded
+                + pieces
+                + outer
             )
         return "Partial()" if self.is_partial else "Replicate()"
 

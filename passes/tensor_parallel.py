@@ -58,7 +58,7 @@ from passes.checkpoint import SUFFIX, SafetensorsCheckpoint, checkpoint_files
 from passes.expert_parallel import expert_shard
 from passes.general_rules import general_rule
 from passes.placement import Placement, loss_output, padded_size, shard_weight
-from passes.tp_rules import RuleEntry, rule_for
+from passes.tp_rules import CARRY_STRIDED, RuleEntry, rule_for
 from passes.tp_rules_context import FALLBACK_META, R, RuleContext, SplitLike, TensorParallelError, op_label
 from planner.frontend.capture import user_line
 
@@ -137,8 +137,14 @@ def _propagate(ctx: RuleContext, shard_output: bool = False) -> None:
             padded = any(
                 isinstance(ctx.place.get(a), Placement) and ctx.place[a].size for a in node.all_input_nodes
             )
-            if padded and not entry.padded_inputs:
-                ctx.run_replicated(node)  # a padded vocabulary shard is gathered (and unpadded) first
+            strided = any(
+                isinstance(ctx.place.get(a), Placement) and ctx.place[a].outer for a in node.all_input_nodes
+            )
+            if (padded and not entry.padded_inputs) or (strided and entry.rule not in CARRY_STRIDED):
+                # a padded vocabulary shard is gathered (and unpadded) first; a shard strided through a
+                # merged dim (`Placement.outer`) is gathered (and reordered) for any op but a reshape,
+                # transpose or copy: the other rules read a plain, contiguous shard
+                ctx.run_replicated(node)
                 node.meta[RULE_META] = "replicated"
             elif entry.general and not (entry.claims and entry.claims(node)) and general_rule(ctx, node):
                 node.meta[RULE_META] = "general"

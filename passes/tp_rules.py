@@ -462,6 +462,11 @@ def rule_view(ctx: RuleContext, node: fx.Node) -> None:
         placement = _merge_repeated_heads(ctx, node, p)
     elif (unfused := _parts_as_dim(ctx, node, p)) is not None:
         placement = unfused
+    elif p.outer or (strided := _merged_into_outer(ctx, node, p)) is not None:
+        placement = _strided_view(ctx, node, p) if p.outer else strided
+        if placement is None:
+            ctx.run_replicated(node)  # a strided shard reshaped otherwise: gathered and reordered
+            return
     else:
         try:
             out_dim = view_shard_dim(ctx.gshape(x), ctx.gshape(node), p.dim, p.divisor(ctx.tp))
@@ -481,6 +486,60 @@ def rule_view(ctx: RuleContext, node: fx.Node) -> None:
     node.args = (x, list(local_shape(ctx.gshape(node), placement, ctx.tp)), *node.args[2:])
     ctx.set_meta(node, placement)
     ctx.check(node)
+
+
+@register_rule(aten.unflatten, general=True)
+def rule_unflatten(ctx: RuleContext, node: fx.Node) -> None:
+    """Unflatten of a shard: the reshape to its output shape (`rule_view`: a fused projection's parts
+    unfolded, nn.MultiheadAttention's `unflatten(-1, (3, E))`)."""
+    node.target, node.args = aten.reshape.default, (node.args[0], list(ctx.gshape(node)))
+    node.kwargs = {}
+    rule_view(ctx, node)
+
+
+def _merged_into_outer(ctx: RuleContext, node: fx.Node, p: Placement) -> Placement | None:
+    """The placement of a reshape that splits a head shard's dim and merges its heads into the dim
+    before it, (T, B, H * hd) -> (T, B * H, hd) (nn.MultiheadAttention; Bloom's and xformers'
+    (B, H, T, hd) -> (B * H, T, hd) likewise): S(the merged dim) strided with `outer` = the outer
+    dim's size (`Placement.outer`), each rank's H / tp heads beside each outer index. None for any
+    other reshape."""
+    x = node.args[0]
+    if p.parts or p.size or p.pieces or p.inner or p.outer or ctx.sequence_shard_dim(x) is not None:
+        return None  # a sequence shard flattened with the batch stays a gather (its consumers read tokens)
+    shape_in, shape_out = ctx.gshape(x), ctx.gshape(node)
+    for in_dims, out_dims in view_groups(shape_in, shape_out):
+        if p.dim not in in_dims:
+            continue
+        leading = [d for d in in_dims if shape_in[d] != 1]
+        outs = [d for d in out_dims if shape_out[d] != 1]
+        if len(leading) != 2 or leading[1] != p.dim or not outs:
+            return None
+        outer, merged = shape_in[leading[0]], shape_out[outs[0]]
+        heads = merged // outer
+        if merged % outer or heads % ctx.tp or shape_in[p.dim] % heads:
+            return None
+        return dataclasses.replace(p, dim=outs[0], outer=outer)
+    return None
+
+
+def _strided_view(ctx: RuleContext, node: fx.Node, p: Placement) -> Placement | None:
+    """The placement of a reshape of a strided shard (`Placement.outer`): the merged dim split back
+    into (outer, heads, ...) is a plain shard of the heads; the merged dim kept whole (its size
+    unchanged) stays strided. None for any other reshape."""
+    x = node.args[0]
+    shape_in, shape_out = ctx.gshape(x), ctx.gshape(node)
+    for in_dims, out_dims in view_groups(shape_in, shape_out):
+        if p.dim not in in_dims:
+            continue
+        if [d for d in in_dims if shape_in[d] != 1] != [p.dim]:
+            return None
+        outs = [d for d in out_dims if shape_out[d] != 1]
+        if len(outs) == 1 and shape_out[outs[0]] == shape_in[p.dim]:
+            return dataclasses.replace(p, dim=outs[0])
+        if len(outs) >= 2 and shape_out[outs[0]] == p.outer and shape_out[outs[1]] % ctx.tp == 0:
+            return dataclasses.replace(p, dim=outs[1], outer=None)
+        return None
+    return None
 
 
 def _parts_as_dim(ctx: RuleContext, node: fx.Node, p: Placement) -> Placement | None:
@@ -806,6 +865,11 @@ def rule_same(ctx: RuleContext, node: fx.Node) -> None:
         return
     ctx.set_meta(node, p)
     ctx.check(node)
+
+
+# the rules that carry a shard strided through a merged dim (`Placement.outer`); any other op reading
+# one runs replicated on its gathered, reordered input (`passes.tensor_parallel`)
+CARRY_STRIDED = frozenset({rule_view, rule_unflatten, rule_transpose, rule_permute, rule_same})
 
 
 @register_rule(aten.dropout, aten.native_dropout, aten.bernoulli)

@@ -228,6 +228,10 @@ class RuleContext:
             raise self.fail(
                 node, "a GQA-repeated K/V piece must be reshaped to the query heads before other ops"
             )
+        if node not in self._replicated and p.outer:  # strided through a merged dim: reordered after
+            self._replicated[node] = self.insert(
+                node, collectives.tp_gather_strided, (node, p.dim, p.outer, self.axis), R, node
+            )
         if node not in self._replicated and p.pieces:
             self._replicated[node] = self.insert(
                 node, collectives.tp_gather_pieces, (node, p.dim, p.pieces, self.axis), R, node
@@ -283,7 +287,7 @@ class RuleContext:
         """The dim of `node`'s plain shard when it is not the last (features) dim - a sequence shard
         under sequence parallelism - else None."""
         p = self.shard_of(node)
-        if not self.sequence_parallel or p is None or p.parts or p.size or p.pieces or p.inner:
+        if not self.sequence_parallel or p is None or p.parts or p.size or p.pieces or p.inner or p.outer:
             return None
         return p.dim if p.dim != len(self.gshape(node)) - 1 else None
 

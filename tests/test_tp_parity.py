@@ -198,6 +198,36 @@ def test_one_kv_head_grouped_by_sdpa_trains_head_parallel():
     assert lowered.get_parameter("layers.0.attention.wk.weight").shape == (8, 64)
 
 
+def test_multihead_attention_splits_by_heads_without_a_gather():
+    """nn.MultiheadAttention at TP 2 in training: its fused in_proj is read as q / k / v parts (through
+    unflatten(-1, (3, E)), the 3 moved to the front and selected), and the heads stay split through
+    the (T, B * H, hd) view that merges them with the batch (a strided shard, `Placement.outer`) back
+    to (B, H / tp, T, hd) for SDPA: no collective gathers anything. Before, the pass gathered at the
+    unflatten and ran attention whole."""
+    gm, structure = _structure("mha_blocks.py")
+    attention = structure.layers[0].attention
+    assert [(p.role.value, p.parts) for p in attention.projections] == [("qkv", (32, 32, 32)), ("o", None)]
+    plan = fixed_plan(structure, str(_path("mha_blocks.py")), 2, workload="train")
+    lowered = lower_for_rank(copy.deepcopy(gm), structure, plan, 0, training=True).module
+    gathers = {collectives.tp_all_gather, collectives.tp_gather_strided, collectives.tp_gather_parts}
+    assert not [n.name for n in lowered.graph.nodes if n.target in gathers]
+    sdpa = [n for n in lowered.graph.nodes if op_name(n.target) == "aten.scaled_dot_product_attention"]
+    assert len(sdpa) == 2 and all(
+        tuple(a.meta["val"].shape) == (2, 2, 8, 8) for n in sdpa for a in n.args[:3]
+    )
+
+
+def test_bmm_over_merged_heads_gathers_them_in_order():
+    """bmm over (B * H, T, hd) has no rule for heads strided through the merged dim: the pass gathers
+    q / k / v there with `tp_gather_strided` (each batch's heads put back in rank order), a fallback
+    priced and named; the parity launch checks it computes what the unsharded model computes."""
+    gm, structure = _structure("packed_bmm.py")
+    plan = fixed_plan(structure, str(_path("packed_bmm.py")), 2)
+    lowered = lower_for_rank(copy.deepcopy(gm), structure, plan, 0).module
+    strided = [n for n in lowered.graph.nodes if n.target is collectives.tp_gather_strided]
+    assert strided and all(n.args[2] == 2 for n in strided), strided  # outer: the batch of 2
+
+
 @pytest.mark.slow
 def test_tp2_forward_and_training_parity():
     jobs = [
@@ -213,6 +243,10 @@ def test_tp2_forward_and_training_parity():
         ),  # vocab 257: padded to 258 and split, logits gathered and unpadded
         _job("transposed_weights.py", 2, "train"),  # x @ W.T, matmul(x, W.t()), addmm(b, x, W.t())
         _job("inout_weights.py", 2, "train"),  # x @ W, einsum("btd,df->btf", x, W): W (in, out)
+        # nn.MultiheadAttention split by heads: (T, B * H, hd) strided shards, no gather
+        _job("mha_blocks.py", 2, "train"),
+        # bmm over (B * H, T, hd): the strided shards gathered and put back in order before it
+        _job("packed_bmm.py", 2),
         # one KV head grouped by SDPA (enable_gqa): the K/V projections whole on each rank, the KV
         # head's gradient summed over the ranks' query heads
         _job("mqa_train.py", 2, "train", replicated=("wk.weight", "wv.weight")),
@@ -225,7 +259,7 @@ def test_tp2_forward_and_training_parity():
     per_job = list(zip(*results))
     for job, reports in zip(jobs, per_job):
         _assert_parity(reports, f"{Path(job.model_path).name} {job.workload}")
-    assert all(per_job[i][0].grad_max_abs_diff is not None for i in (2, 5, 6, 7, 8))
+    assert all(per_job[i][0].grad_max_abs_diff is not None for i in (2, 5, 6, 7, 8, 10))
     _check_ladder_against_reference(per_job[-1], first_laddered=2)
 
 

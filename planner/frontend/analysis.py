@@ -909,7 +909,7 @@ def _parts(node: fx.Node) -> tuple[int, ...] | None:
             if dim % val[0].dim() != val[0].dim() - 1:
                 return None
             return tuple(v.shape[-1] for v in val)
-        if name not in ("aten.view", "aten.reshape", "aten._unsafe_view"):
+        if name not in ("aten.view", "aten.reshape", "aten._unsafe_view", "aten.unflatten"):
             return None
         if (
             val.dim() >= 3
@@ -926,8 +926,30 @@ def _parts(node: fx.Node) -> tuple[int, ...] | None:
 
 def _picks_parts(view: fx.Node) -> bool:
     """The (..., 3, C) `view` is taken apart along that dim of 3: an unbind, or a select of each index
-    (and not, say, a model of 3 heads whose (B, T, H, hd) goes to attention whole)."""
+    (and not, say, a model of 3 heads whose (B, T, H, hd) goes to attention whole), perhaps after
+    layout ops that move that dim (nn.MultiheadAttention: unsqueeze(0), transpose(0, -2), squeeze(-2),
+    contiguous, then select(0, i))."""
     dim = view.meta["val"].dim() - 2
+    while len(view.users) == 1:  # follow the dim of 3 through single-user layout ops
+        (user,) = view.users
+        name, ndim = op_name(user.target), user.meta["val"].dim()
+        if name in ("aten.contiguous", "aten.clone"):
+            pass
+        elif name == "aten.unsqueeze":
+            dim += user.args[1] % ndim <= dim
+        elif name == "aten.squeeze" and len(user.args) > 1 and isinstance(user.args[1], int):
+            gone = user.args[1] % view.meta["val"].dim()
+            if gone == dim:
+                return False
+            dim -= gone < dim
+        elif name == "aten.transpose":
+            a, b = (d % ndim for d in user.args[1:3])
+            dim = b if dim == a else a if dim == b else dim
+        elif name == "aten.permute":
+            dim = [d % ndim for d in user.args[1]].index(dim)
+        else:
+            break
+        view = user
     users = list(view.users)
 
     def on_dim(u: fx.Node) -> bool:
