@@ -490,8 +490,7 @@ def rule_view(ctx: RuleContext, node: fx.Node) -> None:
 
 @register_rule(aten.unflatten, general=True)
 def rule_unflatten(ctx: RuleContext, node: fx.Node) -> None:
-    """Unflatten of a shard: the reshape to its output shape (`rule_view`: a fused projection's parts
-    unfolded, nn.MultiheadAttention's `unflatten(-1, (3, E))`)."""
+    """Unflatten of a shard: `rule_view` of the reshape to its shape (MHA's `unflatten(-1, (3, E))`)."""
     node.target, node.args = aten.reshape.default, (node.args[0], list(ctx.gshape(node)))
     node.kwargs = {}
     rule_view(ctx, node)

@@ -11,11 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from passes import collectives
 from passes.general_rules import general_rule, is_plain
 from passes.placement import Placement
 from passes.tensor_parallel import apply_tensor_parallel, rule_coverage
 from passes.tp_rules_context import FALLBACK_META
-from planner.frontend.capture import capture
+from planner.frontend.capture import capture, user_line
 from planner.plan import WeightSplit
 
 H, KV, D, C, T, B = 4, 2, 8, 32, 6, 2
@@ -192,13 +193,20 @@ class BatchHeadsMerged(nn.Module):
         return self.o(y.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D))
 
 
-def test_a_reshape_that_interleaves_the_head_shard_with_the_batch_gathers_and_is_recorded() -> None:
-    """Merging (B, H/tp) into one dim leaves each rank's heads strided through it, which no contiguous
-    shard expresses: the reshape runs on the gathered heads (a fallback naming its line, priced by
+def test_a_reshape_that_interleaves_the_head_shard_with_the_batch_is_a_strided_shard_bmm_gathers() -> None:
+    """Merging (B, H/tp) into one dim leaves each rank's heads strided through it: the reshape carries
+    that as a strided shard (`Placement.outer`), and bmm, which has no rule for one, runs on the
+    gathered heads, put back in order by `tp_gather_strided` (a fallback naming its line, priced by
     `passes.verify`) instead of refusing the plan."""
     splits = {n: WeightSplit(n, "colwise", 0) for n in ("q.weight", "k.weight", "v.weight")}
     splits["o.weight"] = WeightSplit("o.weight", "rowwise", 1)
     gm = _lower(BatchHeadsMerged(), splits, torch.randn(B, T, C))
+    strided = {
+        n.name: n for n in _calls(gm) if n.meta.get("tp_placement", "").endswith(f"[strided, outer {B}]")
+    }
+    merged = [n for n in strided.values() if "reshape" in str(n.target)]
+    assert len(merged) == 3 and all("batch and heads merged" in user_line(n) for n in merged), strided
     fallbacks = [n.meta[FALLBACK_META] for n in _calls(gm) if FALLBACK_META in n.meta]
-    assert [f.op for f in fallbacks[:3]] == ["aten.reshape"] * 3, fallbacks
-    assert all("batch and heads merged" in f.line for f in fallbacks[:3])
+    assert [f.op for f in fallbacks] == ["aten.bmm"] * 2, fallbacks
+    gathers = [n for n in _calls(gm) if n.target is collectives.tp_gather_strided]
+    assert len(gathers) == 3 and all(n.args[0].name in strided for n in gathers), gathers  # q, k^T, v

@@ -924,6 +924,12 @@ def _parts(node: fx.Node) -> tuple[int, ...] | None:
         node = user
 
 
+# layout ops `_picks_parts` follows a dim through
+_MOVES_DIMS = frozenset(
+    {"aten.contiguous", "aten.clone", "aten.unsqueeze", "aten.squeeze", "aten.transpose", "aten.permute"}
+)
+
+
 def _picks_parts(view: fx.Node) -> bool:
     """The (..., 3, C) `view` is taken apart along that dim of 3: an unbind, or a select of each index
     (and not, say, a model of 3 heads whose (B, T, H, hd) goes to attention whole), perhaps after
@@ -932,7 +938,10 @@ def _picks_parts(view: fx.Node) -> bool:
     dim = view.meta["val"].dim() - 2
     while len(view.users) == 1:  # follow the dim of 3 through single-user layout ops
         (user,) = view.users
-        name, ndim = op_name(user.target), user.meta["val"].dim()
+        name = op_name(user.target)
+        if name not in _MOVES_DIMS:
+            break
+        ndim = user.meta["val"].dim()
         if name in ("aten.contiguous", "aten.clone"):
             pass
         elif name == "aten.unsqueeze":
@@ -947,7 +956,7 @@ def _picks_parts(view: fx.Node) -> bool:
             dim = b if dim == a else a if dim == b else dim
         elif name == "aten.permute":
             dim = [d % ndim for d in user.args[1]].index(dim)
-        else:
+        else:  # a squeeze of all its size-1 dims
             break
         view = user
     users = list(view.users)

@@ -1,8 +1,7 @@
 """A GPT block whose fused q/k/v is taken apart as `qkv.reshape(B, T, 3, C).permute(2, 0, 1, 3)` and
-`qkv[0], qkv[1], qkv[2]`: the analysis does not read that as 3 parts, so a column-parallel qkv is one
-contiguous shard (rank 0: q and half of k) that the reshape cannot carry. The TP pass gathers it there
-and runs the attention whole: a fallback the planner prices and names (tests/test_corpus.py). Hidden
-64, 4 heads, 2 layers, vocab 128."""
+`qkv[0], qkv[1], qkv[2]`: the analysis follows the dim of 3 through the permute to the selects and
+reads 3 parts, so a column-parallel qkv is split part by part and the attention by heads, with no
+gather (tests/test_corpus.py). Hidden 64, 4 heads, 2 layers, vocab 128."""
 
 import torch
 import torch.nn.functional as F
