@@ -53,12 +53,7 @@ def _mesh(tp: int) -> DeviceMesh:
 
 def is_plain(p: Any) -> bool:
     """Whether a placement is one DTensor can express: replicated or an even shard on one dim."""
-    return isinstance(p, Placement) and (
-        p.is_replicate
-        or (
-            p.is_shard and not p.parts and p.size is None and p.pieces is None and not p.inner and not p.outer
-        )
-    )
+    return isinstance(p, Placement) and (p.is_replicate or p.is_plain_shard)
 
 
 def _spec(mesh: DeviceMesh, p: Placement, val: torch.Tensor) -> DTensorSpec:

@@ -81,6 +81,19 @@ class Placement:
     def is_replicate(self) -> bool:
         return self.kind is Layout.REPLICATE
 
+    @property
+    def is_plain_shard(self) -> bool:
+        """An even, contiguous shard of one dim, as DTensor's `Shard(dim)` is: no fused parts, padding,
+        pieces, GQA repeat or stride through a merged dim."""
+        return (
+            self.is_shard
+            and not self.parts
+            and self.size is None
+            and self.pieces is None
+            and not self.inner
+            and not self.outer
+        )
+
     def __str__(self) -> str:
         if self.is_shard:
             padded = f"[padded to {self.size}]" if self.size else ""

@@ -503,7 +503,7 @@ def _merged_into_outer(ctx: RuleContext, node: fx.Node, p: Placement) -> Placeme
     dim's size (`Placement.outer`), each rank's H / tp heads beside each outer index. None for any
     other reshape."""
     x = node.args[0]
-    if p.parts or p.size or p.pieces or p.inner or p.outer or ctx.sequence_shard_dim(x) is not None:
+    if not p.is_plain_shard or ctx.sequence_shard_dim(x) is not None:
         return None  # a sequence shard flattened with the batch stays a gather (its consumers read tokens)
     shape_in, shape_out = ctx.gshape(x), ctx.gshape(node)
     for in_dims, out_dims in view_groups(shape_in, shape_out):
@@ -940,7 +940,7 @@ def rule_einsum(ctx: RuleContext, node: fx.Node) -> None:
     sharded: set[str] = set()
     for letters, operand in zip(letters_of, operands):
         p = ctx.place.get(operand, R) if isinstance(operand, fx.Node) else R
-        if not isinstance(p, Placement) or p.is_partial or p.parts or p.pieces or p.inner or p.size:
+        if not isinstance(p, Placement) or p.is_partial or (p.is_shard and not p.is_plain_shard):
             ctx.run_replicated(node)
             return
         if p.is_shard:

@@ -287,7 +287,7 @@ class RuleContext:
         """The dim of `node`'s plain shard when it is not the last (features) dim - a sequence shard
         under sequence parallelism - else None."""
         p = self.shard_of(node)
-        if not self.sequence_parallel or p is None or p.parts or p.size or p.pieces or p.inner or p.outer:
+        if not self.sequence_parallel or p is None or not p.is_plain_shard:
             return None
         return p.dim if p.dim != len(self.gshape(node)) - 1 else None
 

@@ -1426,9 +1426,10 @@ def _attention_block(
     else:
         num_kv_heads = _kv_heads_before_repeat(k, num_heads, head_dim)
     flops = _sdpa_flops(q.meta["val"], k.meta["val"], v.meta["val"])
-    if _einsum_head_shape(q) is not None and _einsum_head_shape(k) is not None:  # letters in any order
-        batch, heads, t, hd = _einsum_head_shape(q)
-        flops = 4.0 * batch * heads * t * _einsum_head_shape(k)[2] * hd
+    k_letters = _einsum_head_shape(k)
+    if k_letters is not None and _einsum_head_shape(q) is not None:  # letters in any order: q_shape's
+        batch, heads, t, hd = q_shape
+        flops = 4.0 * batch * heads * t * k_letters[2] * hd
     attention = Attention(projs, num_heads, num_kv_heads, head_dim, core.name, residual, flops)
     attention.core_kv_heads = int(_head_shape(k)[-3]) if k.meta["val"].dim() >= 3 else None
     attention.core_line = user_line(core)
