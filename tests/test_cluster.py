@@ -491,6 +491,38 @@ def test_more_ranks_than_cores_plan_on_the_one_process_per_core_calibration(
     assert workflow.cluster_source(None, 4) == str(cached)
 
 
+def test_planners_started_together_measure_the_machine_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Two plans for this machine resolved at once with no cached calibration (two `planner optimize`
+    runs, or two test workers): one measures, the other waits for its spec and loads it, instead of
+    both measuring on the same cores (each would see half the machine)."""
+    import threading
+    import time
+
+    from planner.cli import workflow
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(workflow, "CACHE_DIR", tmp_path)
+    calls = []
+
+    def slow_calibration(nproc, **kwargs):
+        calls.append(nproc)
+        time.sleep(0.5)  # long enough for the other thread to look at the cache meanwhile
+        return load_cluster("local-cpu", nproc=nproc)
+
+    monkeypatch.setattr("costmodels.calibrate.calibrate", slow_calibration)
+    specs = []
+    threads = [
+        threading.Thread(target=lambda: specs.append(workflow.resolve_cluster(None, 2))) for _ in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert calls == [2] and len(specs) == 2 and specs[0] == specs[1], calls
+
+
 def test_a_plan_on_fewer_ranks_than_a_time_shared_spec_is_priced_unshared(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -8,9 +8,11 @@ shows progress and renders. Errors are `planner.errors` exceptions with the exit
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -345,6 +347,24 @@ def _check_cache_length(
             )
 
 
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """Hold an exclusive advisory lock (`fcntl.flock`) on ``lock_path`` for the block: processes that
+    enter it with the same path run it one at a time. Where `fcntl` is missing (Windows) it does not
+    lock."""
+    try:
+        import fcntl  # noqa: PLC0415
+    except ImportError:  # not POSIX
+        yield
+        return
+    with open(lock_path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def resolve_cluster(
     name_or_path: str | None, nproc: int | None, progress=None, recalibrate: bool = False, notify=None
 ) -> ClusterSpec:
@@ -372,16 +392,20 @@ def resolve_cluster(
     nproc = nproc or os.cpu_count() or 1
     measured = calibration_nproc(nproc)
     cached = CACHE_DIR / f"local-nproc{measured}.yaml"
-    why = "--recalibrate" if recalibrate else cache_status(cached, measured)
-    if why is not None:
-        if notify is not None:
-            notify(
-                f"measuring this machine with {measured} processes (planner calibrate, 30-40 s; {why}); cached in {cached}"
-            )
-        spec = calibrate(measured, progress=progress, probe_roofline=probe_roofline)
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        write_cluster_yaml(spec, cached)
-        write_cache_metadata(cached, measured)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    # one measurement at a time: a second planner started meanwhile waits for the first one's spec
+    # instead of measuring beside it (two calibrations on the same cores would each measure a machine
+    # half as fast, and write those figures)
+    with _exclusive(cached.parent / f"{cached.name}.lock"):
+        why = "--recalibrate" if recalibrate else cache_status(cached, measured)
+        if why is not None:
+            if notify is not None:
+                notify(
+                    f"measuring this machine with {measured} processes (planner calibrate, 30-40 s; {why}); cached in {cached}"
+                )
+            spec = calibrate(measured, progress=progress, probe_roofline=probe_roofline)
+            write_cluster_yaml(spec, cached)
+            write_cache_metadata(cached, measured)
     # more ranks than cores: the one-process-per-core spec, time-shared (`costmodels.cluster.load_cluster`)
     return load_cluster(str(cached), nproc=nproc if nproc != measured else None)
 
