@@ -394,3 +394,28 @@ def test_training_step_temporaries_are_priced_in_memory(cpu) -> None:
     assert training_transient_bytes(_ctx(untied, cpu, tp=2)) == pytest.approx(2 * largest * 4)
     assert training_transient_bytes(_ctx(untied, gpu, tp=2)) == 0.0
     assert transient_bytes(_ctx(gpt2, cpu, tp=2, train=False)) > 0  # inference keeps its working set
+
+
+def test_an_embedding_tied_across_pipeline_stages_prices_its_gradient_exchange() -> None:
+    """GPT-2's embedding is its LM head: at pp=2 the first and the last stage each hold a copy and
+    swap their gradients after the backward (`runtime.pipeline.sum_tied_gradients`). With dp=1 there
+    is no other gradient traffic, so the step's gradient sync is that exchange: one message of the
+    whole embedding gradient (in the gradients' dtype) and the add; a model without tied weights (the
+    Llama) has none."""
+    from costmodels.comm import p2p_time_s
+    from planner.solver.problem import Constraints
+    from planner.solver.search import plan_model
+    from tests.planner_fixtures import analysed_llama
+
+    cluster = load_cluster("dgx-h100")
+    pin = Constraints(tp=1, pp=2, dp=1, max_devices=2)
+    gpt2 = analysed_gpt("124m")
+    syncs = {}
+    for grads in ("param", "fp32"):
+        work = WorkloadSpec("train", 4, 256, dtype="bf16", grad_reduce_dtype=grads)
+        syncs[grads] = plan_model(gpt2, cluster, work, pin).predicted.grad_sync_s
+    message = 50257 * 768 * 2.0  # bf16 gradients of the tied (vocab x hidden) weight
+    assert p2p_time_s(message, cluster, False) < syncs["param"] < 1.5 * p2p_time_s(message, cluster, False)
+    assert syncs["fp32"] == pytest.approx(2 * syncs["param"], rel=0.2)  # twice the bytes
+    untied = plan_model(analysed_llama("tiny"), cluster, WorkloadSpec("train", 4, 64), pin)
+    assert untied.predicted.grad_sync_s == 0.0

@@ -1983,6 +1983,23 @@ def p2p_stage_time_s(ctx: CostContext) -> float:
     return ctx.comm_factor * p2p_time_s(nbytes, ctx.cluster, inter)
 
 
+def tied_gradient_exchange_s(grad_bytes: float, ctx: CostContext) -> float:
+    """Seconds per training step to sum the gradients of a weight held on two pipeline stages (an
+    embedding tied to the LM head, GPT-2's): after the backward the first and the last stage swap their
+    copies' gradients, a send and a receive at once, and each adds the two
+    (`runtime.pipeline.sum_tied_gradients`), before the data-parallel reduction and the optimizer step;
+    Megatron-LM all-reduces the word-embedding gradients between those stages at the same point
+    (`finalize_model_grads`). ``grad_bytes``: one rank's share of the tied weight in the parameters'
+    dtype (`OpOption.grad_bytes`); the gradients move in `CostContext.grad_dtype`. 0 without training or
+    pipeline stages."""
+    if not ctx.train or ctx.mesh.pp == 1 or grad_bytes <= 0:
+        return 0.0
+    nbytes = grad_bytes * ctx.grad_reduce_scale
+    inter = ctx.cluster.num_nodes > 1 and ctx.mesh.num_devices > ctx.cluster.devices_per_node
+    add_s = compute.op_time_s(0.0, 3.0 * nbytes, ctx.cluster.device, ctx.grad_dtype, "memory")
+    return p2p_time_s(nbytes, ctx.cluster, inter) + add_s
+
+
 def stage_p2p_time_s(ctx: CostContext, stage: int) -> float:
     """Point-to-point time per micro-batch of pipeline rank `stage`: one send (and its gradient back)
     per model chunk boundary it owns: 1 for every rank but the last with one chunk; v for every rank

@@ -38,6 +38,7 @@ from planner.solver.costing import (
     stage_p2p_time_s,
     step_time_s,
     stream_conversion_time_s,
+    tied_gradient_exchange_s,
     tp_block_comm_s,
     tp_overlap_chunk_compute_s,
     transient_bytes,
@@ -203,6 +204,7 @@ def predict(tables: CostTables, assignment: Assignment) -> PricedAssignment:
         )
     # Embedding on the first stage, final norm + LM head on the last.
     ends_strategy = {}
+    tied_s = 0.0  # the tied embedding's gradient summed between the first and the last stage
     for op in ends.ops:
         o = op.option(choices[("ends", op.name)])
         ends_strategy[op.name] = o.name
@@ -216,6 +218,7 @@ def predict(tables: CostTables, assignment: Assignment) -> PricedAssignment:
             emb = ends.ops[0].option(choices[("ends", ends.ops[0].name)])
             bd.memory_bytes += emb.static_bytes
             bd.grad_bytes += emb.grad_bytes
+            tied_s = tied_gradient_exchange_s(emb.grad_bytes, ctx)
     stages_bd[-1].compute_s += ends.last_stage_compute_s
     stages_bd[0].compute_s += ends.first_stage_compute_s  # nodes before the first layer
     first_floor_s, last_floor_s = ends_dispatch_excess_s(
@@ -237,6 +240,7 @@ def predict(tables: CostTables, assignment: Assignment) -> PricedAssignment:
         (bd.grad_bytes, m * bd.time_s, bd.expert_grad_bytes) for bd in stages_bd
     )  # interior stages alike
     tail_comm, tail_compute = max((_tail_s(ctx, *tail) for tail in tails), key=lambda t: t[0] + t[1])
+    tail_comm += tied_s  # after the backward, before the DP reduction and the optimizer step
     latency = step_time_s(sum(times), times[slowest], m, ctx.virtual_stages) + tail_comm + tail_compute
     bottleneck = stages_bd[slowest]
     compute_s = m * bottleneck.compute_s + tail_compute
