@@ -32,6 +32,10 @@ class GPTConfig:
     n_head: int = 12
     n_embd: int = 768  # hidden size C; head dim = n_embd / n_head
     layer_norm_eps: float = 1e-5
+    # training only: dropout after the embeddings, on the attention probabilities and on each residual
+    # branch (GPT-2 used 0.1 for all three; Megatron-LM's --hidden-dropout and --attention-dropout
+    # default to 0.1). In eval mode, and at 0, it is the identity and leaves no op in the graph.
+    dropout: float = 0.0
 
 
 GPT_CONFIGS: dict[str, GPTConfig] = {
@@ -63,6 +67,8 @@ class CausalSelfAttention(nn.Module):
         self.n_embd = config.n_embd
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape  # (B, T, C)
@@ -71,9 +77,10 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, hd).transpose(1, 2)  # (B, nh, T, hd)
         k = k.view(B, T, self.n_head, hd).transpose(1, 2)  # (B, nh, T, hd)
         v = v.view(B, T, self.n_head, hd).transpose(1, 2)  # (B, nh, T, hd)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hd)
+        p = self.dropout if self.training else 0.0  # on the attention probabilities
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, nh, T, hd)
         y = y.transpose(1, 2).contiguous().view(B, T, self.n_embd)  # (B, T, C)
-        return self.c_proj(y)
+        return self.resid_dropout(self.c_proj(y))
 
 
 class GPTMlp(nn.Module):
@@ -83,9 +90,10 @@ class GPTMlp(nn.Module):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # (B, T, C)
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))  # (B, T, C)
 
 
 class GPTBlock(nn.Module):
@@ -118,6 +126,7 @@ class GPT(nn.Module):
                 ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps),
             )
         )
+        self.drop = nn.Dropout(config.dropout)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
         self.apply(_init_weights)
@@ -130,7 +139,7 @@ class GPT(nn.Module):
         """idx: (B, T) int64 token ids -> logits (B, T, vocab_size)."""
         B, T = idx.shape
         pos = torch.arange(0, T, dtype=torch.long, device=idx.device)  # (T,)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
+        x = self.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         for block in self.transformer.h:
             x = block(x)
         x = self.transformer.ln_f(x)
