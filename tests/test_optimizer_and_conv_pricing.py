@@ -419,3 +419,33 @@ def test_an_embedding_tied_across_pipeline_stages_prices_its_gradient_exchange()
     assert syncs["fp32"] == pytest.approx(2 * syncs["param"], rel=0.2)  # twice the bytes
     untied = plan_model(analysed_llama("tiny"), cluster, WorkloadSpec("train", 4, 64), pin)
     assert untied.predicted.grad_sync_s == 0.0
+
+
+def test_fp32_main_gradients_price_the_add_of_every_micro_batch() -> None:
+    """With fp32 main gradients of bf16 parameters the run adds each micro-batch's gradients into them
+    in the backward (`runtime.data_parallel._MainGrads`: read 4 + 2 bytes, write 4, per parameter): the
+    step's compute grows by m such passes over the rank's parameters, here 4 micro-batches of the tiny
+    Llama on one H100; fp32 parameters keep no main gradients and pay nothing."""
+    from planner.solver.costing import MAIN_GRAD_ADD_BYTES_PER_PARAM
+    from planner.solver.problem import Constraints
+    from planner.solver.search import plan_model
+    from tests.planner_fixtures import LLAMA_CONFIGS, Llama, analysed_llama
+
+    cluster = load_cluster("dgx-h100")
+    llama = analysed_llama("tiny")
+    with torch.device("meta"):  # the whole model's parameters (the fixture captured 2 of its layers)
+        params = sum(p.numel() for p in Llama(LLAMA_CONFIGS["tiny"]).parameters())
+    pin = Constraints(tp=1, pp=1, dp=1, max_devices=1)
+
+    def compute_s(dtype: str, grads: str) -> float:
+        work = WorkloadSpec("train", 8, 64, dtype=dtype, grad_reduce_dtype=grads, micro_batches=4)
+        return plan_model(llama, cluster, work, pin).predicted.compute_s
+
+    dev = cluster.device
+    one_pass = (
+        params * MAIN_GRAD_ADD_BYTES_PER_PARAM / (dev.memory_bandwidth_bytes_per_s * dev.memory_efficiency)
+    )
+    added = compute_s("bf16", "fp32") - compute_s("bf16", "param")
+    launches = llama.num_param_tensors * dev.launch_overhead_s
+    assert added == pytest.approx(4 * (one_pass + launches), rel=0.01)
+    assert compute_s("fp32", "fp32") == pytest.approx(compute_s("fp32", "param"))

@@ -2386,6 +2386,35 @@ def dp_sync_exposed_s(grad_bytes: float, stage_compute_s: float, ctx: CostContex
     return sum(p.exposed_s(stage_compute_s, eta, slowdown) for p in dp_sync_phases(grad_bytes, ctx))
 
 
+# Bytes per parameter of adding a 16-bit gradient into its fp32 main gradient: read the fp32 main
+# gradient (4) and the 16-bit gradient (2), write the sum (4) (`runtime.data_parallel._MainGrads`)
+MAIN_GRAD_ADD_BYTES_PER_PARAM = 10.0
+
+
+def main_grad_accumulation_s(grad_bytes: float, ctx: CostContext) -> float:
+    """Seconds per micro-batch to add a rank's 16-bit gradients into their fp32 main gradients
+    (`WorkloadSpec.grad_reduce_dtype` fp32 on 16-bit parameters): the run's post-accumulate hook adds
+    each parameter's `.grad` in as the backward makes it (`runtime.data_parallel._MainGrads`), one
+    memory-bound add per parameter tensor and micro-batch on the compute stream
+    (`MAIN_GRAD_ADD_BYTES_PER_PARAM`). Megatron-LM fuses this add into the weight-gradient GEMM
+    (--gradient-accumulation-fusion); the runtime does not. ``grad_bytes``: the rank's gradients in the
+    parameters' dtype (`OpOption.grad_bytes`). 0 without training or main gradients, and for ZeRO-2 and
+    FSDP, whose main gradients are their shards'."""
+    if not ctx.train or grad_bytes <= 0 or ctx.grad_reduce_scale <= 1.0:
+        return 0.0
+    if ctx.dp_style in (DataParallel.ZERO2, DataParallel.FSDP):
+        return 0.0
+    params = grad_bytes / ctx.bytes_per_element
+    tensors = ctx.structure.num_param_tensors / ctx.mesh.pp
+    dev = ctx.cluster.device
+    add_s = compute.op_time_s(
+        0.0, params * MAIN_GRAD_ADD_BYTES_PER_PARAM, dev, "fp32", "memory", launch=False
+    )
+    if dev.node_overhead_s is not None:
+        return add_s + compute.node_overhead_s(dev, tensors)
+    return add_s + tensors * dev.launch_overhead_s
+
+
 def optimizer_step_time_s(grad_bytes: float, ctx: CostContext) -> float:
     """Adam step over the parameters whose gradients are `grad_bytes` per rank, over 1/dp of them with
     the distributed optimizer (`costmodels.compute.adam_step_time_s`: the device's measured per-parameter
@@ -2441,7 +2470,8 @@ def gradient_sync_cost(ctx: CostContext) -> LinearCost:
     small, big = 1e6, 1e9
 
     def t(nbytes: float) -> float:
-        return gradient_sync_time_s(nbytes, ctx) + optimizer_step_time_s(nbytes, ctx)
+        accumulate = ctx.micro_batches * main_grad_accumulation_s(nbytes, ctx)
+        return gradient_sync_time_s(nbytes, ctx) + optimizer_step_time_s(nbytes, ctx) + accumulate
 
     beta = (t(big) - t(small)) / (big - small)
     return LinearCost(t(small) - beta * small, beta)
