@@ -86,6 +86,9 @@ step "tiny Llama training step, world size 1, NCCL" 150 \
   "${PLANNER[@]}" optimize examples/llama3.py --workload train --cluster "$SPEC" --nproc 1 --run \
   --json "$OUT/train.json"
 
+step "the 1.7B row's whole training step, sustained (mbs 1 and 4, 40 s each)" 240 \
+  "$PY" bench/step_check.py --seconds 40 --json "$OUT/step_check.json"
+
 step "Megatron rows' layers, op by op (issue 32's small-model gap)" 180 \
   "$PY" bench/layer_check.py --cluster dgx-h200 --json "$OUT/layer_check.json"
 
@@ -134,6 +137,17 @@ if spec is not None:
               f"{(d.host_dispatch_s if d.host_dispatch_backward_s is None else d.host_dispatch_backward_s) * 1e6:.1f} us; launch {d.launch_overhead_s * 1e6:.1f} us")
     print(f"links.intra_node.latency_us in the spec: {spec.intra_node.latency_s * 1e6:.2f} "
           f"(one GPU: a placeholder, not measured; the preset's is {preset.intra_node.latency_s * 1e6:.1f})")
+steps = out / "step_check.json"
+if steps.exists():
+    report = json.loads(steps.read_text())
+    for r in report["runs"]:
+        clocks = r["clocks_mhz"]
+        print(f"1.7B step, mbs {r['micro_batch_size']}: median {r['median_s']:.3f} s (first 10 {r['first_s']:.3f}, "
+              f"last 10 {r['last_s']:.3f}), predicted {r['predicted_s']:.3f} s on {report['cluster']}, measured / "
+              f"predicted {r['median_s'] / r['predicted_s']:.2f}; SM clock "
+              f"{f'{min(clocks):.0f}-{max(clocks):.0f} MHz' if clocks else '-'}; published (H100) {report['published_s']:.3f} s")
+else:
+    print("1.7B step: no report (step_check.json missing: its step failed)")
 for name in ("forward", "decode", "train"):
     path = out / f"{name}.json"
     if not path.exists():
@@ -152,5 +166,5 @@ for name in ("forward", "decode", "train"):
                   f"ratio {sm['tpot_s'] / sp['tpot_s']:.2f}")
 EOF
 sed -n '/One layer per TP rank/,/^rest = /p' "$LOG" | tee -a "$OUT/summary.txt"
-echo "wrote $OUT (summary.txt, h200-calibrated.yaml, forward.json, decode.json, train.json, layer_check.json, gpu_check.log)"
+echo "wrote $OUT (summary.txt, h200-calibrated.yaml, forward.json, decode.json, train.json, step_check.json, layer_check.json, gpu_check.log)"
 exit "$FAILED"

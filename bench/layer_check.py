@@ -6,8 +6,8 @@ the same layer, op by op: which part of the small models' gap is it?
     python bench/layer_check.py --rows 1.7B,7.1B --cluster dgx-h100
     python bench/layer_check.py --device cpu --tiny      # the logic on a CPU: a tiny layer, local-cpu
 
-The planner prices the 1.7B and 7.1B rows 30% and 25% faster than published while the large rows are
-within 10-17%, and the per-layer gap does not grow as h^2 (`bench/README.md`). Its candidates are the
+The planner prices the 1.7B and 7.1B rows 26% and 21% faster than published while the large rows are
+within 11%, and the per-layer gap does not grow as h^2 (`bench/README.md`). Its candidates are the
 GEMM efficiency at a 2,048-wide model's shapes, the attention kernel, and the ops between the GEMMs
 (norms, GELU, residual adds, copies: few bytes each, so their fixed cost counts). This script tells them
 apart on a GPU: for each row it builds one layer as one TP rank holds it (Megatron's split at the row's
