@@ -2399,7 +2399,9 @@ def main_grad_accumulation_s(grad_bytes: float, ctx: CostContext) -> float:
     (`MAIN_GRAD_ADD_BYTES_PER_PARAM`). Megatron-LM fuses this add into the weight-gradient GEMM
     (--gradient-accumulation-fusion); the runtime does not. ``grad_bytes``: the rank's gradients in the
     parameters' dtype (`OpOption.grad_bytes`). 0 without training or main gradients, and for ZeRO-2 and
-    FSDP, whose main gradients are their shards'."""
+    FSDP, which reduce-scatter each unit's gradients into fp32 shards instead (their per-micro-batch
+    copy of the gradients into the flat reduce-scatter input is not priced on a GPU; on a CPU the
+    fresh-memory phase of `dp_sync_phases` prices its writes)."""
     if not ctx.train or grad_bytes <= 0 or ctx.grad_reduce_scale <= 1.0:
         return 0.0
     if ctx.dp_style in (DataParallel.ZERO2, DataParallel.FSDP):
