@@ -65,7 +65,12 @@ from planner.solver.serving import kv_fallbacks, plan_prediction, price_request
 DEFAULT_CONTEXT = 2048  # decode: KV-cache tokens when --context is not given
 DEFAULT_NEW_TOKENS = 16  # decode / generate of a model with a KV cache: tokens generated per sequence
 DEFAULT_PROMPT = 128  # generate: prompt tokens when --seq-len is not given
-CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "parallel-planner"
+# where this machine's calibration is cached: $PARALLEL_PLANNER_CACHE when set (the test suite keeps
+# its own there), else parallel-planner under $XDG_CACHE_HOME or ~/.cache
+CACHE_DIR = Path(
+    os.environ.get("PARALLEL_PLANNER_CACHE")
+    or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "parallel-planner"
+)
 
 
 @dataclass
