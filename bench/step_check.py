@@ -153,7 +153,9 @@ def predict_step_s(config: GPTConfig, seq: int, micro_batch_size: int, cluster: 
     return plan_model(gpt_structure(config), spec, work, pin).predicted.latency_s
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """The command line above; ``argv`` (default: sys.argv's) its arguments. Exits 2 without a CUDA
+    device (unless --device cpu) or with a micro-batch size that does not divide 4."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -164,7 +166,7 @@ def main() -> None:
     parser.add_argument("--micro-batch-sizes", default="1,4", help="comma-separated divisors of 4")
     parser.add_argument("--tiny", action="store_true", help="a tiny GPT (checks the script on a CPU)")
     parser.add_argument("--json", type=Path, default=None, help="write the runs here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     console = Console()
     if args.device == "cuda" and not torch.cuda.is_available():
         console.print("no CUDA device: run with --device cpu --tiny to check the script")

@@ -78,7 +78,7 @@ def test_no_gpu_is_a_clear_error():
     assert r.returncode != 0 and "sees no CUDA GPU" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_step_check_runs_the_row_step_on_cpu_and_prices_the_same_plan(tmp_path):
+def test_step_check_runs_the_row_step_on_cpu_and_prices_the_same_plan(tmp_path, capsys):
     """bench/step_check.py (the 1.7B row's whole step on one GPU, sustained): its tiny CPU run times
     steps at each micro-batch size and prices the same plan; its model is the row's GPT with the
     published dropout."""
@@ -88,14 +88,14 @@ def test_step_check_runs_the_row_step_on_cpu_and_prices_the_same_plan(tmp_path):
     assert (config.n_embd, config.n_layer, config.n_head, config.vocab_size) == (2048, 24, 16, 131072)
     assert config.dropout == 0.1
     out = tmp_path / "step_check.json"
-    r = subprocess.run([sys.executable, "bench/step_check.py", "--device", "cpu", "--tiny", "--seconds", "0.2",
-                        "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    step_check.main(
+        ["--device", "cpu", "--tiny", "--seconds", "0.2", "--json", str(out)]
+    )  # in-process: no start-up
     runs = json.loads(out.read_text())["runs"]
     assert [run["micro_batch_size"] for run in runs] == [1, 4]
     for run in runs:
         assert len(run["steps_s"]) >= 2 * step_check.EDGE_STEPS and all(t > 0 for t in run["steps_s"])
         assert run["predicted_s"] > 0 and run["first_s"] > 0 and run["last_s"] > 0
-    bad = subprocess.run([sys.executable, "bench/step_check.py", "--device", "cpu", "--tiny",
-                          "--micro-batch-sizes", "3"], capture_output=True, text=True, timeout=120, cwd=ROOT)  # fmt: skip
-    assert bad.returncode == 2 and "must divide 4" in bad.stdout and "Traceback" not in bad.stderr
+    with pytest.raises(SystemExit) as bad:
+        step_check.main(["--device", "cpu", "--tiny", "--micro-batch-sizes", "3"])
+    assert bad.value.code == 2 and "must divide 4" in capsys.readouterr().out
