@@ -2,24 +2,31 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where a torch dtype is asked for: `planner show` and `planner
+    import torch  # export` read plans without it (two seconds of start-up)
 
 DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
-_TORCH: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_TORCH_NAMES: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a dtype name. Raises ValueError naming the accepted names."""
+    import torch  # noqa: PLC0415
+
     try:
-        return _TORCH[name]
+        return getattr(torch, _TORCH_NAMES[name])
     except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_TORCH)}") from None
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_TORCH_NAMES)}") from None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The dtype name of a torch floating dtype ("fp32" for anything not bf16/fp16)."""
-    for name, value in _TORCH.items():
-        if value == dtype:
+    import torch  # noqa: PLC0415
+
+    for name, attr in _TORCH_NAMES.items():
+        if getattr(torch, attr) == dtype:
             return name
     return "fp32"
 

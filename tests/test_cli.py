@@ -371,6 +371,25 @@ def test_show_and_export_of_an_edited_plan_say_it_was_edited_after_pricing(tmp_p
         assert "edited after planning" in _said(r) and "planner run" in _said(r)
 
 
+def test_show_and_export_read_a_plan_without_importing_torch(tmp_path):
+    """`planner show` and `planner export` need the saved plan alone: they start without torch (two
+    seconds of a three-second start-up before), with every export's text unchanged."""
+    out = tmp_path / "plan.yaml"
+    r = planner("optimize", "examples/llama3.py", "--cluster", "dgx-h100", "--tp", "2", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    code = (
+        "import contextlib, io, sys\n"
+        "from planner.cli.main import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+        f"    codes = [main(['show', {str(out)!r}, '--why']), main(['export', {str(out)!r}, '--to', 'megatron'])]\n"
+        "print(codes, 'torch' in sys.modules)\n"
+    )
+    checked = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert checked.stdout.strip() == "[0, 0] False", checked.stdout + checked.stderr
+
+
 @pytest.mark.slow
 def test_a_kv_cache_the_tp_pass_shards_by_heads_runs_its_rank_shard(tmp_path):
     """../shared/cases/kv_cache_index_put.py run at TP=2 (forward, not served): the TP pass shards the

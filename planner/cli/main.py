@@ -1017,27 +1017,27 @@ def _advice(cluster_option: str | None, planned_for: str, cluster) -> str:
 
 
 def _saved_plan(path: str):
-    """A saved plan, checked as far as it can be without its model (`workflow.check_plan_fields`: its
+    """A saved plan, checked as far as it can be without its model (`plan_checks.check_plan_fields`: its
     stages, batch split, and its mesh against its cluster when that loads here). Raises InputError."""
-    from planner.cli import workflow  # noqa: PLC0415
+    from planner.cli.plan_checks import check_plan_fields  # noqa: PLC0415 - no torch: show / export start fast
     from planner.plan import Plan  # noqa: PLC0415
 
     plan = Plan.from_yaml(path)
     cluster = plan.saved_cluster()
     local = cluster is None or cluster.backend == "gloo"  # local CPU ranks: any count
-    workflow.check_plan_fields(plan, cluster=None if local else cluster)
+    check_plan_fields(plan, cluster=None if local else cluster)
     return plan
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from planner.cli import workflow  # noqa: PLC0415
+    from planner.cli.plan_checks import plan_warnings  # noqa: PLC0415
     from planner.cli.render import render_decisions, render_plan  # noqa: PLC0415
 
     _check_outputs(args)
     plan = _saved_plan(args.plan)
     _warn(_edited_warning(plan, "the times and memory below are those it was priced with"))
     render_plan(console, plan)
-    _warn(workflow.plan_warnings(plan, quality_measured=True))  # show: the replicated / TP=1 ladder only
+    _warn(plan_warnings(plan, quality_measured=True))  # show: the replicated / TP=1 ladder only
     if args.why:
         render_decisions(console, plan)
     if args.plot:
