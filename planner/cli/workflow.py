@@ -357,14 +357,16 @@ def _check_cache_length(
 @contextlib.contextmanager
 def _exclusive(lock_path: Path) -> Iterator[None]:
     """Hold an exclusive advisory lock (`fcntl.flock`) on ``lock_path`` for the block: processes that
-    enter it with the same path run it one at a time. Where `fcntl` is missing (Windows) it does not
-    lock."""
+    enter it with the same path run it one at a time. Where `fcntl` is missing (Windows) or the lock
+    file cannot be written (a read-only cache of a valid spec) it does not lock."""
     try:
         import fcntl  # noqa: PLC0415
-    except ImportError:  # not POSIX
+
+        handle = open(lock_path, "a")  # noqa: SIM115 - closed below, after the block
+    except (ImportError, OSError):
         yield
         return
-    with open(lock_path, "a") as handle:
+    with handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
@@ -399,7 +401,10 @@ def resolve_cluster(
     nproc = nproc or os.cpu_count() or 1
     measured = calibration_nproc(nproc)
     cached = CACHE_DIR / f"local-nproc{measured}.yaml"
-    cached.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(
+        OSError
+    ):  # a read-only cache still serves a valid spec; a measurement says why not
+        cached.parent.mkdir(parents=True, exist_ok=True)
     # one measurement at a time: a second planner started meanwhile waits for the first one's spec
     # instead of measuring beside it (two calibrations on the same cores would each measure a machine
     # half as fast, and write those figures)
