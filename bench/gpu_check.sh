@@ -141,6 +141,9 @@ steps = out / "step_check.json"
 if steps.exists():
     report = json.loads(steps.read_text())
     for r in report["runs"]:
+        if "error" in r:
+            print(f"1.7B step, mbs {r['micro_batch_size']}: {r['error']} (predicted {r['predicted_s']:.3f} s)")
+            continue
         clocks = r["clocks_mhz"]
         print(f"1.7B step, mbs {r['micro_batch_size']}: median {r['median_s']:.3f} s (first 10 {r['first_s']:.3f}, "
               f"last 10 {r['last_s']:.3f}), predicted {r['predicted_s']:.3f} s on {report['cluster']}, measured / "

@@ -192,8 +192,20 @@ def main(argv: list[str] | None = None) -> None:
         table.add_column(col, justify="right")
     report = {"device": name, "cluster": cluster, "tiny": args.tiny, "published_s": published_s, "runs": []}
     for mbs in sizes:
-        run = run_steps(model, seq, mbs, args.seconds, device)
         predicted = predict_step_s(config, seq, mbs, cluster)
+        try:
+            run = run_steps(model, seq, mbs, args.seconds, device)
+        except torch.OutOfMemoryError:  # 4 sequences at once need about 70 GB: an 80 GB GPU may not hold them
+            model.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            table.add_row(
+                f"{mbs} x {SEQUENCES // mbs}", "out of memory", *["-"] * 5, f"{predicted:.3f} s", "-", "-"
+            )
+            report["runs"].append(
+                {"micro_batch_size": mbs, "error": "out of memory", "predicted_s": predicted}
+            )
+            continue
         first, last = run.median(slice(0, EDGE_STEPS)), run.median(slice(-EDGE_STEPS, None))
         clocks = (
             f"{min(run.clocks_mhz):.0f} / {statistics.median(run.clocks_mhz):.0f}" if run.clocks_mhz else "-"

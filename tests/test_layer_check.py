@@ -99,3 +99,23 @@ def test_step_check_runs_the_row_step_on_cpu_and_prices_the_same_plan(tmp_path, 
     with pytest.raises(SystemExit) as bad:
         step_check.main(["--device", "cpu", "--tiny", "--micro-batch-sizes", "3"])
     assert bad.value.code == 2 and "must divide 4" in capsys.readouterr().out
+
+
+def test_step_check_reports_a_micro_batch_size_that_does_not_fit_and_goes_on(tmp_path, monkeypatch):
+    """4 sequences of 4,096 tokens at once need about 70 GB: on an 80 GB GPU the mbs-4 run may not fit.
+    Its row says so and the other sizes' rows are still reported (`gpu_check.sh` reads them)."""
+    import step_check
+
+    real = step_check.run_steps
+
+    def run_steps(model, seq, mbs, seconds, device, warmup=3):
+        if mbs == 4:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return real(model, seq, mbs, seconds, device, warmup)
+
+    monkeypatch.setattr(step_check, "run_steps", run_steps)
+    out = tmp_path / "step_check.json"
+    step_check.main(["--device", "cpu", "--tiny", "--seconds", "0.1", "--json", str(out)])
+    runs = json.loads(out.read_text())["runs"]
+    assert runs[0]["micro_batch_size"] == 1 and runs[0]["median_s"] > 0
+    assert runs[1] == {"micro_batch_size": 4, "error": "out of memory", "predicted_s": runs[1]["predicted_s"]}
