@@ -68,11 +68,16 @@ def gpt_structure(config):
     return capture_for_planning(model, token_ids(config.vocab_size, 1, 128), {})[1]
 
 
+def narayanan_config(name: str):
+    """`GPT_CONFIGS[name]` with the published runs' dropout (`MEGATRON_DROPOUT`)."""
+    return replace(GPT_CONFIGS[name], dropout=MEGATRON_DROPOUT)
+
+
 def narayanan_pinned(row: tuple, structure=None) -> tuple:
     """One `ROWS` row's published layout pinned with the software of 2021 on a100-ib-384node:
     (Plan, predicted TFLOP/s per GPU counted as section 5.1 counts it)."""
     name, tp, pp, gpus, batch, _ = row
-    config = replace(GPT_CONFIGS[name], dropout=MEGATRON_DROPOUT)
+    config = narayanan_config(name)
     structure = gpt_structure(config) if structure is None else structure
     work = WorkloadSpec("train", batch, 2048, dtype="bf16")
     pin = Constraints(tp=tp, pp=pp, dp=gpus // (tp * pp), max_devices=gpus, recompute="full", **BEFORE)
@@ -152,7 +157,7 @@ def rows(console: Console, before: bool) -> None:
         table.add_column(col, justify="right")
     for row in ROWS:
         name, tp, pp, gpus, batch, published = row
-        structure = gpt_structure(replace(GPT_CONFIGS[name], dropout=MEGATRON_DROPOUT))
+        structure = gpt_structure(narayanan_config(name))
         plan, tflops = narayanan_pinned(row, structure)
         p = plan.predicted
         work = WorkloadSpec("train", batch, 2048, dtype="bf16")
