@@ -34,7 +34,8 @@ The GPTs of (a), (b) and (d) apply dropout 0.1 after the embeddings, on the atte
 and on each residual branch, as the published runs did by default (`training_at_scale.MEGATRON_DROPOUT`:
 Megatron-LM's --hidden-dropout and --attention-dropout, Transformer Engine's TransformerLayer); the
 dropout ops are priced as the model's own memory-bound ops, the attention probabilities' dropout inside
-the fused kernel at no extra cost.
+the fused kernel at the preset's `dropout_time_factor` (1.03 on Hopper: cuDNN's fused attention, which
+Transformer Engine runs there, NVIDIA/TransformerEngine#3312).
 
 Each table gives per row predicted and published step and the error (predicted / published - 1:
 negative = predicted too fast), then its median |error| and worst row. The goal (issue 32) is a

@@ -118,12 +118,16 @@ class AttentionSpec:
     (`costmodels.compute.attention_kernel_efficiency`): ``efficiency`` x L / (L + half), with ``half``
     = ``half_seq`` without a causal mask and ``causal_half_seq`` with one (L the key length); its
     backward takes ``backward_time_factor`` times the forward's time (FlashAttention's backward runs
-    2.5x the forward's FLOPs at a lower rate)."""
+    2.5x the forward's FLOPs at a lower rate). A training core with dropout on its probabilities
+    (SDPA's ``dropout_p``, drawn inside the kernel) takes ``dropout_time_factor`` times the forward +
+    backward time of the same core without it."""
 
     efficiency: float  # fraction of peak as the sequence grows without bound
     half_seq: float  # key length (tokens) at half that rate, no mask
     causal_half_seq: float  # the same under a causal mask
     backward_time_factor: float  # backward time / forward time
+    # (forward + backward with attention dropout) / (the same without); 1.0: not priced
+    dropout_time_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -509,6 +513,7 @@ _EXPECT = {
     "half_seq": "a number of tokens >= 0 (key length at half the attention kernel's rate), e.g. 220",
     "causal_half_seq": "a number of tokens >= 0 (the same under a causal mask), e.g. 1100",
     "backward_time_factor": "a number > 0 (attention backward time / forward time), e.g. 3.2",
+    "dropout_time_factor": "a number > 0 (attention forward + backward time with dropout / without), e.g. 1.03",
     "decode_attention": "a mapping {sms: ..., block_share: ...} (a decode attention kernel of one block per sequence and head)",
     "serving_host": "a mapping {step_us: ..., per_sequence_us: ..., per_worker_us: ...} (a serving engine's host work per step)",
     "step_us": "a number in µs >= 0 (the serving engine's host work per step), e.g. 1000",
@@ -796,7 +801,7 @@ def _parse_serving_host(r: _Reader, raw: Any) -> ServingHostSpec:
 def _parse_attention(r: _Reader, raw: Any) -> AttentionSpec:
     path = "device.attention"
     keys = ("efficiency", "half_seq", "causal_half_seq", "backward_time_factor")
-    d = r.mapping(raw, path, keys)
+    d = r.mapping(raw, path, keys, ("dropout_time_factor",))
     return AttentionSpec(
         efficiency=r.fraction(d["efficiency"], f"{path}.efficiency"),
         half_seq=r.number(d["half_seq"], f"{path}.half_seq", "tokens", "220", allow_zero=True),
@@ -804,6 +809,9 @@ def _parse_attention(r: _Reader, raw: Any) -> AttentionSpec:
             d["causal_half_seq"], f"{path}.causal_half_seq", "tokens", "1100", allow_zero=True
         ),
         backward_time_factor=r.number(d["backward_time_factor"], f"{path}.backward_time_factor", "x", "3.2"),
+        dropout_time_factor=r.number(
+            d.get("dropout_time_factor", 1.0), f"{path}.dropout_time_factor", "x", "1.03"
+        ),
     )
 
 
@@ -1304,4 +1312,5 @@ def _attention_to_dict(a: AttentionSpec) -> dict:
         "half_seq": _human(a.half_seq),
         "causal_half_seq": _human(a.causal_half_seq),
         "backward_time_factor": _human(a.backward_time_factor),
+        **({"dropout_time_factor": _human(a.dropout_time_factor)} if a.dropout_time_factor != 1.0 else {}),
     }

@@ -13,8 +13,9 @@ warm-up, the median of several repetitions (`event_median_s`), all ranks at once
    quantization model fitted to ~20 points carries over to them, a table would not (the measured
    points and the fit's largest error are written into ``sources``).
 2. Fused attention, ``scaled_dot_product_attention`` in bf16 at key lengths `ATTENTION_LENGTHS`,
-   causal and unmasked forwards and the causal backward; fitted by `fit_attention` to
-   ``device.attention`` (``efficiency``, ``half_seq``, ``causal_half_seq``, ``backward_time_factor``).
+   causal and unmasked forwards and the causal backward, without and with dropout on the
+   probabilities; fitted by `fit_attention` to ``device.attention`` (``efficiency``, ``half_seq``,
+   ``causal_half_seq``, ``backward_time_factor``, ``dropout_time_factor``).
 3. Decode attention, as a static-cache model calls it (`time_decode_attention`: one query token, a
    boolean mask over the cache, grouped K / V) at batch 1 with `DECODE_HEADS` query heads over
    `DECODE_KV_LEN` tokens: fitted by `fit_decode_attention` to ``device.decode_attention`` when the
@@ -75,6 +76,8 @@ MIN_SPLIT_K = 256.0
 ATTENTION_LENGTHS = (512, 1024, 2048, 4096, 8192)  # key lengths (= query lengths) timed
 ATTENTION_HEADS, ATTENTION_HEAD_DIM = 32, 128  # as the presets' published tables (head dim 128)
 ATTENTION_TOKENS = 32768  # batch x length at each length (batch = tokens // length, at least 1)
+# attention dropout timed for `AttentionSpec.dropout_time_factor`: Megatron-LM's --attention-dropout default
+ATTENTION_DROPOUT_P = 0.1
 # the presets' ratio of the causal and unmasked half lengths (dgx-h100.yaml, FlashAttention-4's
 # table): used for half_seq when only causal points were measured
 CAUSAL_HALF_RATIO = 5.6
@@ -222,13 +225,16 @@ def time_gemms(
 
 @dataclass(frozen=True)
 class AttentionPoint:
-    """A fused attention forward (or, ``backward``, its backward alone) over keys of ``kv_len``."""
+    """A fused attention forward (or, ``backward``, its backward alone) over keys of ``kv_len``;
+    ``dropout``: a causal backward timed with `ATTENTION_DROPOUT_P` on the probabilities (its forward
+    + backward less the forward without)."""
 
     kv_len: int
     causal: bool
     backward: bool
     flops: float  # forward FLOP as `costmodels.compute.attention_flops` counts them
     time_s: float
+    dropout: bool = False
 
 
 def time_attention(
@@ -243,11 +249,12 @@ def time_attention(
     reps: int = REPS,
 ) -> list[AttentionPoint]:
     """Time ``scaled_dot_product_attention`` forwards (causal and unmasked) and the causal backward
-    (forward + backward less the forward) at each key length, batch ``tokens // length``."""
+    (forward + backward less the forward) at each key length, batch ``tokens // length``, and the
+    causal backward again with dropout on the probabilities (`AttentionPoint.dropout`)."""
     points = []
     for length in lengths:
         batch = max(1, tokens // length)
-        causal_s, unmasked_s, backward_s = _attention_times_s(
+        causal_s, unmasked_s, backward_s, dropout_s = _attention_times_s(
             (batch, heads, length, head_dim), device, timer, dtype, warmup, reps
         )
         for causal, seconds in ((True, causal_s), (False, unmasked_s)):
@@ -255,6 +262,7 @@ def time_attention(
             points.append(AttentionPoint(length, causal, False, flops, seconds))
         flops = attention_flops(batch, heads, length, length, head_dim, causal=True)
         points.append(AttentionPoint(length, True, True, flops, backward_s))
+        points.append(AttentionPoint(length, True, True, flops, dropout_s, dropout=True))
     return points
 
 
@@ -265,8 +273,9 @@ def _attention_times_s(
     dtype: torch.dtype,
     warmup: int,
     reps: int,
-) -> tuple[float, float, float]:
-    """(causal forward, unmasked forward, causal backward) seconds of SDPA over (B, H, L, D) ``shape``."""
+) -> tuple[float, float, float, float]:
+    """(causal forward, unmasked forward, causal backward, causal backward with dropout) seconds of SDPA
+    over (B, H, L, D) ``shape``; each backward is its forward + backward less the causal forward."""
     sdpa = torch.nn.functional.scaled_dot_product_attention
     q, k, v = (torch.randn(*shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     grad = torch.randn(*shape, device=device, dtype=dtype)
@@ -274,12 +283,13 @@ def _attention_times_s(
         causal_s = event_median_s(lambda: sdpa(q, k, v, is_causal=True), timer, warmup, reps)
         unmasked_s = event_median_s(lambda: sdpa(q, k, v, is_causal=False), timer, warmup, reps)
 
-    def forward_backward() -> None:
-        sdpa(q, k, v, is_causal=True).backward(grad)
+    def forward_backward(dropout_p: float = 0.0) -> None:
+        sdpa(q, k, v, is_causal=True, dropout_p=dropout_p).backward(grad)
         q.grad = k.grad = v.grad = None
 
     both = event_median_s(forward_backward, timer, warmup, reps)
-    return causal_s, unmasked_s, max(both - causal_s, 0.0)
+    dropped = event_median_s(lambda: forward_backward(ATTENTION_DROPOUT_P), timer, warmup, reps)
+    return causal_s, unmasked_s, max(both - causal_s, 0.0), max(dropped - causal_s, 0.0)
 
 
 @dataclass(frozen=True)
@@ -549,7 +559,8 @@ def fit_attention(points: Sequence[AttentionPoint], peak_flops_per_s: float) -> 
     a slope per mask (half = slope x efficiency); efficiency at most 1, halves at least 0. Without
     unmasked points, ``half_seq`` is ``causal_half_seq`` / `CAUSAL_HALF_RATIO` (the presets' ratio).
     ``backward_time_factor``: the median backward / forward time over the lengths timed both ways
-    (absent: 2.5, FlashAttention's backward FLOP ratio).
+    (absent: 2.5, FlashAttention's backward FLOP ratio). ``dropout_time_factor``: the median causal
+    forward + backward time with dropout over without (`AttentionPoint.dropout`), at least 1 (absent: 1).
 
     Raises:
         ValueError: no causal forward point, or a non-positive peak / time / FLOP count."""
@@ -577,14 +588,20 @@ def fit_attention(points: Sequence[AttentionPoint], peak_flops_per_s: float) -> 
     efficiency = 1.0 / inv_eff
     causal_half = max(0.0, float(coef[1]) * efficiency)
     half = max(0.0, float(coef[2]) * efficiency) if unmasked else causal_half / CAUSAL_HALF_RATIO
-    by_len = {(p.kv_len, p.backward): p.time_s for p in points if p.causal}
+    by_len = {(p.kv_len, p.backward): p.time_s for p in points if p.causal and not p.dropout}
     ratios = [
         by_len[(length, True)] / t
         for (length, bwd), t in by_len.items()
         if not bwd and (length, True) in by_len
     ]
     factor = statistics.median(ratios) if ratios and statistics.median(ratios) > 0 else 2.5
-    spec = AttentionSpec(efficiency, half, causal_half, factor)
+    dropout = []
+    for p in points:
+        forward, backward = by_len.get((p.kv_len, False)), by_len.get((p.kv_len, True))
+        if p.dropout and forward and backward is not None and forward + backward > 0:
+            dropout.append((forward + p.time_s) / (forward + backward))
+    dropout_factor = max(1.0, statistics.median(dropout)) if dropout else 1.0
+    spec = AttentionSpec(efficiency, half, causal_half, factor, dropout_factor)
     errors = []
     for p in forwards:
         h = causal_half if p.causal else half
@@ -873,6 +890,7 @@ def apply_cuda_measurements(data: dict, cuda: dict, nodes: int = 1, nics_per_nod
             "half_seq": _sig(a.half_seq),
             "causal_half_seq": _sig(a.causal_half_seq),
             "backward_time_factor": _sig(a.backward_time_factor),
+            "dropout_time_factor": _sig(a.dropout_time_factor),
         }
         forwards = ", ".join(
             f"{p.kv_len} {p.flops / p.time_s / 1e12:.0f}" for p in attention if p.causal and not p.backward
@@ -880,7 +898,9 @@ def apply_cuda_measurements(data: dict, cuda: dict, nodes: int = 1, nics_per_nod
         sources.append(
             f"attention (scaled_dot_product_attention bf16, {ATTENTION_HEADS} heads of {ATTENTION_HEAD_DIM}, "
             f"CUDA events): causal forward TFLOP/s by key length {forwards}; unmasked and causal backward "
-            f"timed too; device.attention fitted (fit_attention), worst forward {afit.max_error:.1%}"
+            f"timed too, and the causal forward + backward with dropout {ATTENTION_DROPOUT_P} "
+            f"(x{a.dropout_time_factor:.3f}); device.attention fitted (fit_attention), worst forward "
+            f"{afit.max_error:.1%}"
         )
     if cuda.get("decode_attention") is not None:
         point = DecodePoint(*cuda["decode_attention"])

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from costmodels.cluster import AttentionSpec, GemmSpec, cluster_to_dict, load_cluster, parse_cluster
+from costmodels.cluster import GemmSpec, cluster_to_dict, load_cluster, parse_cluster
 from costmodels.compute import (
     attention_kernel_efficiency,
     gemm_efficiency,
@@ -111,21 +111,27 @@ def test_attention_fit_reproduces_published_rates(h100, seq, published) -> None:
     assert predicted == pytest.approx(published, rel=0.03)
 
 
-def test_causal_attention_half_length_ratio_from_flash_attention_4() -> None:
-    # Dao-AILab/flash-attention#2605 (B200, head dim 128): causal 829, 1172, 1431 TFLOP/s at 1k, 2k, 4k,
-    # unmasked 1540, 1706, 1796, 1837, 1882 at 1k ... 16k (2,250 dense); the preset's causal_half_seq
-    # carries the ratio of the two fitted half lengths over to Hopper
-    b200 = AttentionSpec(efficiency=0.845, half_seq=235, causal_half_seq=235 * 5.6, backward_time_factor=3.1)
-    for seq, published in ((1024, 829), (2048, 1172), (4096, 1431)):
-        assert attention_kernel_efficiency(seq, True, b200) * 2250 == pytest.approx(published, rel=0.04)
-    for seq, published in ((1024, 1540), (2048, 1706), (4096, 1796), (8192, 1837), (16384, 1882)):
-        assert attention_kernel_efficiency(seq, False, b200) * 2250 == pytest.approx(published, rel=0.04)
+# Dao-AILab/flash-attention#1791 (Hopper, FlashAttention-3, head dim 128, seq 8192): forward 630.0 TFLOP/s
+# causal, 659.1 unmasked; backward 531.6 and 553.9 (2.5x the forward's FLOPs)
+FA3_8K = {"causal": (630.0, 531.6), "unmasked": (659.1, 553.9)}
+
+
+def test_causal_attention_rate_as_published_on_hopper(h100) -> None:
+    causal = attention_kernel_efficiency(8192, True, h100.attention) * H100_PEAK_TFLOPS
+    unmasked = attention_kernel_efficiency(8192, False, h100.attention) * H100_PEAK_TFLOPS
+    assert causal == pytest.approx(FA3_8K["causal"][0], rel=0.02)
+    assert unmasked == pytest.approx(FA3_8K["unmasked"][0], rel=0.02)
+    assert causal / unmasked == pytest.approx(FA3_8K["causal"][0] / FA3_8K["unmasked"][0], rel=0.005)
 
 
 def test_attention_backward_factor_as_published(h100) -> None:
-    # Dao-AILab/flash-attention#2280 (head dim 128, seq 8192): backward / forward 2.459 / 0.775 ms causal,
-    # 4.407 / 1.433 ms unmasked
-    assert h100.attention.backward_time_factor == pytest.approx((2.459 / 0.775 + 4.407 / 1.433) / 2, rel=0.02)
+    for forward, backward in FA3_8K.values():
+        assert h100.attention.backward_time_factor == pytest.approx(2.5 * forward / backward, rel=0.01)
+
+
+def test_attention_dropout_factor_as_published(h100) -> None:
+    # NVIDIA/TransformerEngine#3312: cuDNN fused attention, fwd + bwd on an H200, dropout 0.1 / none
+    assert h100.attention.dropout_time_factor == pytest.approx(0.614 / 0.594, rel=0.005)
 
 
 def test_cpu_specs_are_not_priced_by_gemm_shape() -> None:

@@ -114,7 +114,12 @@ def test_fit_gemm_caps_efficiency_at_one_and_leaves_memory_bound_points_out() ->
         fit_gemm([gemv], PEAK, sms=132, memory_bytes_per_s=4.8e12)
 
 
-def _attention_points(eff: float, half: float, causal_half: float, factor: float, noise: float) -> list:
+def _attention_points(
+    eff: float, half: float, causal_half: float, factor: float, noise: float, dropout: float | None = None
+) -> list:
+    """Measured points of a kernel with these `AttentionSpec` parameters, each time x a random factor
+    within ``noise``; ``dropout``: also the causal backward with dropout (forward + backward that many
+    times the same without)."""
     rng = random.Random(1)
     points = []
     for length in (512, 1024, 2048, 4096, 8192):
@@ -125,17 +130,28 @@ def _attention_points(eff: float, half: float, causal_half: float, factor: float
             t = flops / (PEAK * eff * length / (length + h)) * _noise(rng, noise)
             points.append(AttentionPoint(length, causal, False, flops, t))
             if causal:
-                points.append(AttentionPoint(length, True, True, flops, t * factor * _noise(rng, noise)))
+                backward = t * factor * _noise(rng, noise)
+                points.append(AttentionPoint(length, True, True, flops, backward))
+                if dropout is not None:
+                    dropped = (t + backward) * dropout * _noise(rng, noise) - t
+                    points.append(AttentionPoint(length, True, True, flops, dropped, dropout=True))
     return points
 
 
 def test_fit_attention_recovers_the_preset_parameters() -> None:
-    fit = fit_attention(_attention_points(0.676, 215.0, 1200.0, 3.1, 0.02), PEAK)
+    fit = fit_attention(_attention_points(0.676, 215.0, 600.0, 2.97, 0.02, dropout=1.03), PEAK)
     assert fit.spec.efficiency == pytest.approx(0.676, rel=0.04)
     assert fit.spec.half_seq == pytest.approx(215.0, rel=0.25, abs=20)
-    assert fit.spec.causal_half_seq == pytest.approx(1200.0, rel=0.1)
-    assert fit.spec.backward_time_factor == pytest.approx(3.1, rel=0.03)
+    assert fit.spec.causal_half_seq == pytest.approx(600.0, rel=0.1)
+    assert fit.spec.backward_time_factor == pytest.approx(2.97, rel=0.03)
+    assert fit.spec.dropout_time_factor == pytest.approx(1.03, rel=0.02)
     assert fit.measured_unmasked and fit.max_error < 0.05
+    # no dropout timed: not priced; dropout measured faster than without (noise): no discount either
+    assert (
+        fit_attention(_attention_points(0.6, 300.0, 1500.0, 2.8, 0.0), PEAK).spec.dropout_time_factor == 1.0
+    )
+    faster = fit_attention(_attention_points(0.6, 300.0, 1500.0, 2.8, 0.0, dropout=0.97), PEAK)
+    assert faster.spec.dropout_time_factor == 1.0
     exact = fit_attention(_attention_points(0.6, 300.0, 1500.0, 2.8, 0.0), PEAK)
     assert (exact.spec.efficiency, exact.spec.half_seq, exact.spec.causal_half_seq) == pytest.approx(
         (0.6, 300.0, 1500.0), rel=1e-6
@@ -271,10 +287,11 @@ def test_the_cuda_measurements_run_on_cpu_tensors_with_a_wall_timer() -> None:
     attention = time_attention(
         [16, 32], cpu, WallTimer(), torch.float32, heads=2, head_dim=8, tokens=64, warmup=1, reps=2
     )
-    assert len(attention) == 6 and {(p.causal, p.backward) for p in attention} == {
-        (True, False),
-        (False, False),
-        (True, True),
+    assert len(attention) == 8 and {(p.causal, p.backward, p.dropout) for p in attention} == {
+        (True, False, False),
+        (False, False, False),
+        (True, True, False),
+        (True, True, True),
     }
     assert attention[0].flops == attention_flops(4, 2, 16, 16, 8, causal=True)
     fit = fit_attention(attention, peak_flops_per_s=1e12)
@@ -337,7 +354,7 @@ def _synthetic_cuda(truth, group: Group) -> dict:
         (m, n, k, 2.0 * m * n * k / (PEAK * gemm_efficiency(m, n, k, gemm_truth)) + LAUNCH_S)
         for m, n, k in GEMM_SWEEP_SHAPES
     ]
-    attention = [dataclasses.astuple(p) for p in _attention_points(0.676, 215.0, 1200.0, 3.1, 0.0)]
+    attention = [dataclasses.astuple(p) for p in _attention_points(0.676, 215.0, 1200.0, 3.1, 0.0, 1.05)]
     curve = _curve(truth, group, 0.02)
     squares = {"bf16": 700e12, "fp16": 700e12, "fp32": 50e12}
     return {
@@ -371,6 +388,7 @@ def test_apply_cuda_measurements_writes_gemm_attention_and_the_nccl_link() -> No
     assert dev.gemm.efficiency * dev.peak_flops_per_s["bf16"] == pytest.approx(0.84 * PEAK, rel=0.02)
     assert dev.peak_flops_per_s["fp32"] == pytest.approx(dev.peak_flops_per_s["bf16"] / 14, rel=1e-3)
     assert dev.attention.causal_half_seq == pytest.approx(1200.0, rel=0.1)
+    assert dev.attention.dropout_time_factor == pytest.approx(1.05, rel=1e-3)
     assert spec.intra_node.kind == "nvlink" and spec.intra_node.nvls
     assert spec.intra_node.bandwidth_bytes_per_s == pytest.approx(360e9, rel=0.05)
     assert spec.intra_node.latency_s == pytest.approx(5e-6, rel=0.2)

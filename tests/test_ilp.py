@@ -261,6 +261,27 @@ def test_time_limit_reports_status_and_gap(h100) -> None:
     assert sol.gap == 0.0 if sol.status == "Optimal Solution Found" else sol.gap >= 0.0
 
 
+def test_attention_dropout_prices_the_fused_kernel_slower_in_training_only(h100) -> None:
+    """An SDPA core with dropout on its probabilities (drawn inside the fused kernel) costs the device's
+    dropout_time_factor (NVIDIA/TransformerEngine#3312 on Hopper: 1.03) times the same core without it,
+    forward + backward and the forward that selective recomputation reruns; eval runs no dropout."""
+    attn = handmade_llama(num_layers=1).layers[0].attention
+    dropped = dataclasses.replace(attn, dropout_p=0.1)
+    assert h100.device.attention.dropout_time_factor == pytest.approx(1.03)
+
+    def priced(core, kind: str) -> dict[str, tuple[float, float]]:
+        ctx = CostContext(
+            handmade_llama(num_layers=1), h100, WorkloadSpec(kind, 2, 4096), config(2, 1, 1, 1), "bf16"
+        )
+        return {o.name: (o.compute_s, o.selective_s) for o in attention_core_options(core, ctx)[0]}
+
+    plain, with_dropout = priced(attn, "train"), priced(dropped, "train")
+    assert set(plain) == {"replicate", "head"}
+    for name, (compute_s, forward_s) in plain.items():
+        assert with_dropout[name] == pytest.approx((1.03 * compute_s, 1.03 * forward_s))
+    assert priced(dropped, "forward") == priced(attn, "forward")
+
+
 def test_layer_ops_priced_node_by_node() -> None:
     """Non-projection ops: bytes / bandwidth per node (scaled from the captured 16 tokens to 32), one
     launch per block; attention ops join the core (/tp with heads), MLP ops the activation (/tp)."""

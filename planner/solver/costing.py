@@ -909,7 +909,9 @@ def attention_core_options(
     """SDPA: replicate, or head-parallel when query and KV heads both divide by tp. A materialized
     attention kernel (`ClusterSpec.attention_kernel`) adds the scores' memory traffic
     (`compute.materialized_scores_bytes`) and, training, keeps them for backward (`OpOption.selective_bytes`,
-    what selective recomputation frees for `OpOption.selective_s`, the core's forward).
+    what selective recomputation frees for `OpOption.selective_s`, the core's forward). A fused core
+    that trains with dropout on its probabilities (`Attention.dropout_p`) is priced at the device's
+    `AttentionSpec.dropout_time_factor` times the same core without.
 
     ``inner_s``: time of the attention block's other ops (RoPE, GQA repeats, copies between q/k/v and
     o; see ``layer_node_times_s``), added to each option, divided by tp in the head-parallel one.
@@ -993,6 +995,9 @@ def attention_core_options(
         fit = ctx.cluster.device.attention
         fitted = ctx.train and fit is not None and seq is not None
         forward_s = core_s / (1.0 + fit.backward_time_factor) if fitted else core_s / ctx.compute_factor
+        if fitted and attn.dropout_p > 0:  # the probabilities' dropout, drawn inside the fused kernel
+            core_s *= fit.dropout_time_factor
+            forward_s *= fit.dropout_time_factor
         scores = 0.0
         if materialized:  # the (s, s) scores go through memory (`ClusterSpec.attention_kernel`)
             elements = seqs * heads / shard * q_len * kv_len
