@@ -124,9 +124,12 @@ def test_causal_attention_rate_as_published_on_hopper(h100) -> None:
     assert causal / unmasked == pytest.approx(FA3_8K["causal"][0] / FA3_8K["unmasked"][0], rel=0.005)
 
 
-def test_attention_backward_factor_as_published(h100) -> None:
-    for forward, backward in FA3_8K.values():
-        assert h100.attention.backward_time_factor == pytest.approx(2.5 * forward / backward, rel=0.01)
+def test_attention_backward_factor_between_the_hopper_kernels(h100) -> None:
+    # FlashAttention-3 at seq 8192 (2.96-2.97) and torch's SDPA on an H200 as calibrated (3.24, median
+    # over 512-8192 tokens; bench/README.md, gpu_check.sh)
+    fa3 = [2.5 * forward / backward for forward, backward in FA3_8K.values()]
+    assert min(fa3) == pytest.approx(2.96, abs=0.01) and max(fa3) == pytest.approx(2.97, abs=0.01)
+    assert max(fa3) <= h100.attention.backward_time_factor <= 3.24
 
 
 def test_attention_dropout_factor_as_published(h100) -> None:
