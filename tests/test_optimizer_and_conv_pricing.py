@@ -449,3 +449,54 @@ def test_fp32_main_gradients_price_the_add_of_every_micro_batch() -> None:
     launches = llama.num_param_tensors * dev.launch_overhead_s
     assert added == pytest.approx(4 * (one_pass + launches), rel=0.01)
     assert compute_s("fp32", "fp32") == pytest.approx(compute_s("fp32", "param"))
+
+
+def test_zero2_and_fsdp_price_their_gradient_copies_of_every_micro_batch_on_a_gpu() -> None:
+    """ZeRO-2 and FSDP gather each unit's gradients into one flat reduce-scatter input every micro-batch
+    and add the reduced mean into the rank's shard (`runtime.data_parallel.Zero2Adam._reduce`,
+    `passes.fsdp.FsdpRuntime.reduce`): on a GPU, memory-bound passes on the compute stream beside the
+    layers. Here the tiny Llama on 2 H100s, 4 micro-batches: ZeRO-2 with bf16 gradients moves (1 + 1) U
+    + 5 U / 2 per micro-batch beyond ZeRO-1 (U: the rank's gradient bytes), FSDP with fp32 gradients
+    2 U + 3 U + 5 x 2 U / 2, each with four kernels per wrapping unit."""
+    from planner.solver.costing import sharded_grad_copy_s
+    from planner.solver.problem import Constraints
+    from planner.solver.search import plan_model
+    from tests.planner_fixtures import LLAMA_CONFIGS, Llama, analysed_llama
+
+    cluster = load_cluster("dgx-h100")
+    llama = analysed_llama("tiny")
+    with torch.device("meta"):
+        params = sum(p.numel() for p in Llama(LLAMA_CONFIGS["tiny"]).parameters())
+    dev = cluster.device
+    bandwidth = dev.memory_bandwidth_bytes_per_s * dev.memory_efficiency
+    launches = 4 * (len(llama.layers) + 1) * dev.launch_overhead_s
+
+    def compute_s(style: str, grads: str) -> float:
+        work = WorkloadSpec("train", 8, 64, dtype="bf16", grad_reduce_dtype=grads, micro_batches=4)
+        pin = Constraints(tp=1, pp=1, dp=2, max_devices=2, dp_style=style)
+        return plan_model(llama, cluster, work, pin).predicted.compute_s
+
+    grad_bytes = 2.0 * params  # bf16
+    zero2 = compute_s("zero2", "param") - compute_s("zero1", "param")
+    assert zero2 == pytest.approx(4 * (grad_bytes * (2 + 2.5) / bandwidth + launches), rel=0.01)
+    # fp32 gradients: ZeRO-1 pays the main-gradient adds instead (its own test), FSDP the cast
+    fsdp = compute_s("fsdp", "fp32") - compute_s("zero1", "param")
+    assert fsdp == pytest.approx(4 * (grad_bytes * (2 + 3 + 5) / bandwidth + launches), rel=0.01)
+    # a device that measured its writes into fresh memory (a calibrated CPU) prices FSDP's buffers in
+    # the fresh-memory phase of `dp_sync_phases` instead
+    measured = dataclasses.replace(
+        cluster, device=dataclasses.replace(dev, fresh_write_bandwidth_bytes_per_s=3e9)
+    )
+    assert sharded_grad_copy_s(grad_bytes, price_context(llama, cluster, "fsdp")) > 0.0
+    assert sharded_grad_copy_s(grad_bytes, price_context(llama, measured, "fsdp")) == 0.0
+
+
+def price_context(structure, cluster, style: str):
+    """A training CostContext of `structure` at dp 2 with `style` (fp32 gradients)."""
+    from planner.plan import DataParallel, MeshShape
+    from planner.solver.costing import CostContext
+    from planner.solver.problem import MeshConfig
+
+    config = MeshConfig(MeshShape(1, 1, 2), 4, dp_style=DataParallel(style))
+    work = WorkloadSpec("train", 8, 64, dtype="bf16", grad_reduce_dtype="fp32", micro_batches=4)
+    return CostContext(structure, cluster, work, config, "bf16")

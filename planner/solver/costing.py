@@ -2404,9 +2404,7 @@ def main_grad_accumulation_s(grad_bytes: float, ctx: CostContext) -> float:
     (`MAIN_GRAD_ADD_BYTES_PER_PARAM`). Megatron-LM fuses this add into the weight-gradient GEMM
     (--gradient-accumulation-fusion); the runtime does not. ``grad_bytes``: the rank's gradients in the
     parameters' dtype (`OpOption.grad_bytes`). 0 without training or main gradients, and for ZeRO-2 and
-    FSDP, which reduce-scatter each unit's gradients into fp32 shards instead (their per-micro-batch
-    copy of the gradients into the flat reduce-scatter input is not priced on a GPU; on a CPU the
-    fresh-memory phase of `dp_sync_phases` prices its writes)."""
+    FSDP, which reduce-scatter each unit's gradients into fp32 shards instead (`sharded_grad_copy_s`)."""
     if not ctx.train or grad_bytes <= 0 or ctx.grad_reduce_scale <= 1.0:
         return 0.0
     if ctx.dp_style in (DataParallel.ZERO2, DataParallel.FSDP):
@@ -2420,6 +2418,50 @@ def main_grad_accumulation_s(grad_bytes: float, ctx: CostContext) -> float:
     if dev.node_overhead_s is not None:
         return add_s + compute.node_overhead_s(dev, tensors)
     return add_s + tensors * dev.launch_overhead_s
+
+
+# Bytes per gradient byte (in the parameters' dtype) that ZeRO-2's and FSDP's runtimes move on the
+# compute stream per micro-batch, beyond the collectives: gathering a unit's gradients into one flat
+# reduce-scatter input (`runtime.data_parallel.Zero2Adam._reduce`: read them, write the flat buffer in
+# the reduction dtype; `passes.fsdp._Split.backward` then `FsdpRuntime.reduce`: a concatenation in
+# the parameters' dtype, then a cast when the reduction dtype differs), and on the reduced shard the
+# mean (read + write) and its add into the rank's gradient shard (read both, write): 5 per shard byte
+SHARD_MEAN_ADD_BYTES = 5.0
+
+
+def sharded_grad_copy_s(grad_bytes: float, ctx: CostContext) -> float:
+    """Seconds per micro-batch of ZeRO-2's and FSDP's gradient handling around each unit's
+    reduce-scatter on the compute stream (`SHARD_MEAN_ADD_BYTES`): for ``grad_bytes`` U of gradients
+    in the parameters' dtype, r = the reduction dtype's bytes over the parameters' (`CostContext.
+    grad_reduce_scale`, 2 for fp32 gradients of 16-bit parameters) and S ranks per shard, ZeRO-2 moves
+    (1 + r) U + 5 r U / S, FSDP 2 U + (1 + r) U (the cast, when r != 1) + 5 r U / S, memory-bound, with
+    four kernels per wrapping unit. 0 for other styles and without training; for FSDP on a device that
+    measured its writes into fresh memory (a CPU) the fresh-memory phase of `dp_sync_phases` prices
+    these buffers instead."""
+    style = ctx.dp_style
+    if not ctx.train or grad_bytes <= 0 or style not in (DataParallel.ZERO2, DataParallel.FSDP):
+        return 0.0
+    dev = ctx.cluster.device
+    if style is DataParallel.FSDP and dev.fresh_write_bandwidth_bytes_per_s is not None:
+        return 0.0
+    r = ctx.grad_reduce_scale
+    per_byte = SHARD_MEAN_ADD_BYTES * r / max(1, ctx.state_shards)
+    if style is DataParallel.ZERO2:
+        per_byte += 1.0 + r
+    else:
+        per_byte += 2.0 + (1.0 + r if r != 1.0 else 0.0)
+    copy_s = compute.op_time_s(0.0, grad_bytes * per_byte, dev, "fp32", "memory", launch=False)
+    kernels = 4 * (max(1, round(len(ctx.structure.layers) / ctx.mesh.pp)) + 1)
+    if dev.node_overhead_s is not None:
+        return copy_s + compute.node_overhead_s(dev, kernels)
+    return copy_s + kernels * dev.launch_overhead_s
+
+
+def grad_accumulation_s(grad_bytes: float, ctx: CostContext) -> float:
+    """Seconds per micro-batch of a training rank's gradient work on the compute stream beside its
+    layers' kernels: fp32 main gradients (`main_grad_accumulation_s`) or ZeRO-2's / FSDP's flat copies
+    and shard updates (`sharded_grad_copy_s`)."""
+    return main_grad_accumulation_s(grad_bytes, ctx) + sharded_grad_copy_s(grad_bytes, ctx)
 
 
 def optimizer_step_time_s(grad_bytes: float, ctx: CostContext) -> float:
@@ -2477,7 +2519,7 @@ def gradient_sync_cost(ctx: CostContext) -> LinearCost:
     small, big = 1e6, 1e9
 
     def t(nbytes: float) -> float:
-        accumulate = ctx.micro_batches * main_grad_accumulation_s(nbytes, ctx)
+        accumulate = ctx.micro_batches * grad_accumulation_s(nbytes, ctx)
         return gradient_sync_time_s(nbytes, ctx) + optimizer_step_time_s(nbytes, ctx) + accumulate
 
     beta = (t(big) - t(small)) / (big - small)

@@ -29,9 +29,9 @@ from planner.solver.costing import (
     contention_s,
     conversion_time_s,
     dp_sync_exposed_s,
+    grad_accumulation_s,
     grad_reaches_head,
     in_flight_micro_batches,
-    main_grad_accumulation_s,
     optimizer_step_time_s,
     recompute_input_bytes,
     sequence_regather_s,
@@ -232,8 +232,8 @@ def predict(tables: CostTables, assignment: Assignment) -> PricedAssignment:
     stages_bd[0].grad_bytes += ends.fixed_grad_bytes
     for s in range(mesh.pp):
         stages_bd[s].exposed_comm_s += stage_p2p_time_s(ctx, s)
-        # fp32 main gradients: each micro-batch's 16-bit gradients added into them in its backward
-        stages_bd[s].compute_s += main_grad_accumulation_s(
+        # fp32 main gradients, or ZeRO-2's / FSDP's gradient copies: per micro-batch in its backward
+        stages_bd[s].compute_s += grad_accumulation_s(
             stages_bd[s].grad_bytes + stages_bd[s].expert_grad_bytes, ctx
         )
     transient = transient_bytes(ctx)
