@@ -38,7 +38,7 @@ def op_time_s(
     launch: bool = True,
     shape: tuple[float, float] | None = None,
     call: tuple | None = None,
-    seq: tuple[float, float, bool] | None = None,
+    seq: tuple | None = None,
 ) -> float:
     """Time in seconds of one op on one device, by roofline plus a fixed launch overhead.
 
@@ -62,8 +62,9 @@ def op_time_s(
         call: a convolution's call (`planner.frontend.analysis.conv_call`): the same with
             ``device.conv_time_ratios``; a "memory" op's, an activation's
             (`planner.frontend.analysis.activation_call`), with ``device.activation_time_ratios``.
-        seq: an attention core's (query length, key length, causal mask) in tokens: with
-            ``device.attention`` set, its efficiency is `attention_kernel_efficiency` of them.
+        seq: an attention core's (query length, key length, causal mask) in tokens, and optionally its
+            thread blocks (`attention_blocks`): with ``device.attention`` set, its efficiency is
+            `attention_kernel_efficiency` of them (the blocks' waves over ``device.gemm.sms``).
 
     Raises:
         ValueError: unknown ``dtype`` or ``kind``, or negative counts.
@@ -81,7 +82,9 @@ def op_time_s(
     if kind == "conv" and device.conv_efficiency is not None:
         efficiency = device.conv_efficiency
     if kind == "attention" and device.attention is not None and seq is not None:
-        efficiency = attention_kernel_efficiency(seq[1], seq[2], device.attention)
+        blocks = seq[3] if len(seq) > 3 else None
+        sms = device.gemm.sms if device.gemm is not None else None
+        efficiency = attention_kernel_efficiency(seq[1], seq[2], device.attention, blocks, sms)
     if kind == "matmul" and rows and device.gemm is not None and shape is not None:
         efficiency = gemm_efficiency(rows, shape[1], shape[0], device.gemm)
     if kind == "matmul" and rows and device.matmul_half_rows:
@@ -130,15 +133,38 @@ def gemm_efficiency(m: float, n: float, k: float, gemm: GemmSpec) -> float:
     return gemm.efficiency * best
 
 
-def attention_kernel_efficiency(kv_len: float, causal: bool, attention: AttentionSpec) -> float:
+# Query rows per thread block of a fused attention kernel: FlashAttention-3's forward tile for head
+# dims up to 128 on Hopper (Dao-AILab/flash-attention hopper/tile_size.h, tile_size_fwd_sm90: kBlockM
+# 128) and FlashAttention-2's; its backward splits the keys into blocks of 128 (kBlockN), as many
+# blocks as the forward's for self-attention.
+ATTENTION_BLOCK_ROWS = 128
+
+
+def attention_blocks(sequences: float, heads: float, q_len: float) -> int:
+    """Thread blocks (output tiles) of a fused attention kernel over ``sequences`` x ``heads`` query
+    heads of ``q_len`` queries each: one per `ATTENTION_BLOCK_ROWS` queries of each head."""
+    rows = math.ceil(max(1.0, q_len) / ATTENTION_BLOCK_ROWS)
+    return max(1, math.ceil(max(1.0, sequences) * max(1.0, heads))) * rows
+
+
+def attention_kernel_efficiency(
+    kv_len: float, causal: bool, attention: AttentionSpec, blocks: int | None = None, sms: int | None = None
+) -> float:
     """Fraction of peak FLOP/s of a fused attention kernel's forward over keys of ``kv_len`` tokens
     (FLOPs counted as `attention_flops` counts them, the causal half only under a mask):
     ``attention.efficiency`` x L / (L + half), half = ``causal_half_seq`` under a causal mask, else
     ``half_seq`` (short sequences leave the kernel's per-block softmax and pipeline fill uncovered;
-    a causal mask's diagonal blocks run part-empty). Fitted in the preset to published kernel tables."""
+    a causal mask's diagonal blocks run part-empty). Fitted in the preset to published kernel tables
+    (whose launches fill every SM many times over). With ``blocks`` (`attention_blocks`) and the
+    device's ``sms`` given, times the wave quantization of those blocks, as `gemm_efficiency` prices a
+    GEMM's tiles: blocks / (ceil(blocks / sms) x sms), so few sequences x heads (a TP rank's heads of
+    one sequence, a short prompt) leave SMs idle."""
     half = attention.causal_half_seq if causal else attention.half_seq
     length = max(kv_len, 1.0)
-    return attention.efficiency * length / (length + half)
+    efficiency = attention.efficiency * length / (length + half)
+    if blocks and sms:
+        efficiency *= blocks / (math.ceil(blocks / sms) * sms)
+    return efficiency
 
 
 def decode_attention_time_s(sequences: float, heads: float, kv_len: float, head_dim: float, dtype: str,

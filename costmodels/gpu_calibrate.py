@@ -558,6 +558,8 @@ def fit_attention(points: Sequence[AttentionPoint], peak_flops_per_s: float) -> 
     efficiency, linear in 1 / L, one least-squares fit (relative errors) of a shared 1 / efficiency and
     a slope per mask (half = slope x efficiency); efficiency at most 1, halves at least 0. Without
     unmasked points, ``half_seq`` is ``causal_half_seq`` / `CAUSAL_HALF_RATIO` (the presets' ratio).
+    The points fill the SMs many times over (`ATTENTION_TOKENS` x `ATTENTION_HEADS`: 8,192 thread blocks),
+    so the blocks' waves (`costmodels.compute.attention_kernel_efficiency`) are left out of the fit.
     ``backward_time_factor``: the median backward / forward time over the lengths timed both ways
     (absent: 2.5, FlashAttention's backward FLOP ratio). ``dropout_time_factor``: the median causal
     forward + backward time with dropout over without (`AttentionPoint.dropout`), at least 1 (absent: 1).

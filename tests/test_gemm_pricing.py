@@ -11,6 +11,7 @@ import pytest
 
 from costmodels.cluster import GemmSpec, cluster_to_dict, load_cluster, parse_cluster
 from costmodels.compute import (
+    attention_blocks,
     attention_kernel_efficiency,
     gemm_efficiency,
     matmul_bytes,
@@ -135,6 +136,28 @@ def test_attention_backward_factor_between_the_hopper_kernels(h100) -> None:
 def test_attention_dropout_factor_as_published(h100) -> None:
     # NVIDIA/TransformerEngine#3312: cuDNN fused attention, fwd + bwd on an H200, dropout 0.1 / none
     assert h100.attention.dropout_time_factor == pytest.approx(0.614 / 0.594, rel=0.005)
+
+
+def test_attention_blocks_run_in_waves_over_the_sms(h100) -> None:
+    """One thread block per 128 queries of each head (FlashAttention-3's Hopper tile at head dim 128):
+    7 heads of one 4,096-token sequence (a TP-8 rank of a 56-head model) make 224 blocks, two waves
+    over 132 SMs of which the second is 70% full; four sequences make 896, seven waves nearly full.
+    The published tables the preset is fitted to fill the SMs many times over (no factor)."""
+    attention = h100.attention
+    assert attention_blocks(1, 7, 4096) == 224 and attention_blocks(4, 7, 4096) == 896
+    assert attention_blocks(1, 32, 100) == 32 and attention_blocks(0.5, 7, 1) == 7  # at least one row
+    plain = attention_kernel_efficiency(4096, True, attention)
+    assert attention_kernel_efficiency(4096, True, attention, 224, 132) == pytest.approx(plain * 224 / 264)
+    assert attention_kernel_efficiency(4096, True, attention, 896, 132) == pytest.approx(plain * 896 / 924)
+    assert attention_kernel_efficiency(4096, True, attention, 264, 132) == pytest.approx(plain)
+    assert attention_kernel_efficiency(4096, True, attention, 224, None) == plain
+    # op_time_s takes the blocks as the fourth element of `seq` and the SMs from the device's GEMM spec
+    flops = 4.0 * 4096 * 4096 * 128 * 7 / 2
+    one, four = (
+        op_time_s(n * flops, 0.0, h100, "bf16", "attention", launch=False, seq=(4096, 4096, True, 224 * n))
+        for n in (1, 4)
+    )
+    assert four / (4 * one) == pytest.approx((224 / 264) / (896 / 924))
 
 
 def test_cpu_specs_are_not_priced_by_gemm_shape() -> None:

@@ -282,6 +282,21 @@ def test_attention_dropout_prices_the_fused_kernel_slower_in_training_only(h100)
     assert priced(dropped, "forward") == priced(attn, "forward")
 
 
+def test_attention_core_of_few_heads_prices_its_blocks_waves(h100) -> None:
+    """A training core's thread blocks (`compute.attention_blocks`: 128 queries of a head each) run in
+    waves over the H100's 132 SMs: 14 heads of one 4,096-token sequence are 448 blocks, four waves of
+    which the last is 40% full (0.848 of the SMs' time busy), four sequences 1,792 blocks (0.970)."""
+    s = handmade_llama(num_layers=1, hidden=896, heads=14, kv_heads=14, ffn=2048)
+    launches = h100.device.launch_overhead_s * (1.0 + h100.device.attention.backward_time_factor)
+
+    def core_s(batch: int) -> float:
+        ctx = CostContext(s, h100, WorkloadSpec("train", batch, 4096), config(1, 1, 1, 1), "bf16")
+        options = attention_core_options(s.layers[0].attention, ctx)[0]
+        return next(o.compute_s for o in options if o.name == "replicate") - launches
+
+    assert core_s(4) / (4 * core_s(1)) == pytest.approx((448 / 528) / (1792 / 1848), rel=1e-3)
+
+
 def test_layer_ops_priced_node_by_node() -> None:
     """Non-projection ops: bytes / bandwidth per node (scaled from the captured 16 tokens to 32), one
     launch per block; attention ops join the core (/tp with heads), MLP ops the activation (/tp)."""

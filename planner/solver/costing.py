@@ -515,7 +515,7 @@ class CostContext:
         rows: float | None = None,
         shape: tuple[float, float] | None = None,
         call: tuple | None = None,
-        seq: tuple[float, float, bool] | None = None,
+        seq: tuple | None = None,
         weight_grad: bool = True,
         input_grad: bool = True,
     ) -> float:
@@ -981,8 +981,12 @@ def attention_core_options(
         # a per-query-head kernel reads each KV head once per query head (`ClusterSpec.attention_kernel`)
         kv_reads = heads / shard if per_query_head else kv_heads / kv_shard
         moved = compute.attention_bytes(seqs, heads / shard, kv_reads, q_len, kv_len, hd, ctx.dtype)
-        # a fused kernel's rate by sequence length (`DeviceSpec.attention`); not the materialized kind's GEMMs
-        seq = None if materialized else (q_len, kv_len, skips_masked)
+        # a fused kernel's rate by sequence length and its thread blocks' waves (`DeviceSpec.attention`);
+        # not the materialized kind's GEMMs; a decode step's blocks are `decode_attention_time_s`'s
+        blocks = (
+            compute.attention_blocks(seqs, heads / shard, q_len) if w.kind is not Workload.DECODE else None
+        )
+        seq = None if materialized else (q_len, kv_len, skips_masked, blocks)
         core_s = ctx.op_time(flops, moved, "attention", seq=seq)
         if w.kind is Workload.DECODE and not materialized:
             # a kernel of one block per (sequence, query head) idles most SMs at a few pairs
