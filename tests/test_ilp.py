@@ -297,6 +297,25 @@ def test_attention_core_of_few_heads_prices_its_blocks_waves(h100) -> None:
     assert core_s(4) / (4 * core_s(1)) == pytest.approx((448 / 528) / (1792 / 1848), rel=1e-3)
 
 
+def test_a_prefill_core_runs_at_the_fused_kernels_fitted_rate(h100) -> None:
+    """Forward passes (a prefill, a forward-only step) price the attention core as training does: at the
+    fused kernel's rate for its key length and mask and its blocks' waves (`DeviceSpec.attention`),
+    not at the GEMMs' flat efficiency (0.8 of peak, faster than any published Hopper attention)."""
+    s = handmade_llama(num_layers=1)  # 16 heads of 64
+    attn = s.layers[0].attention
+    ctx = CostContext(s, h100, WorkloadSpec("forward", 2, 4096), config(1, 1, 1, 1), "bf16")
+    core_s = next(o.compute_s for o in attention_core_options(attn, ctx)[0] if o.name == "replicate")
+    flops = compute.attention_flops(2, 16, 4096, 4096, 64, True)
+    moved = compute.attention_bytes(2, 16, 16 * attn.num_kv_heads / attn.num_heads, 4096, 4096, 64, "bf16")
+    blocks = compute.attention_blocks(2, 16, 4096)
+    fitted = compute.op_time_s(flops, moved, h100.device, "bf16", "attention", seq=(4096, 4096, True, blocks))
+    assert core_s == pytest.approx(fitted, rel=1e-9)
+    rate = compute.attention_kernel_efficiency(
+        4096, True, h100.device.attention, blocks, h100.device.gemm.sms
+    )
+    assert rate < 0.65 < h100.device.matmul_efficiency
+
+
 def test_layer_ops_priced_node_by_node() -> None:
     """Non-projection ops: bytes / bandwidth per node (scaled from the captured 16 tokens to 32), one
     launch per block; attention ops join the core (/tp with heads), MLP ops the activation (/tp)."""

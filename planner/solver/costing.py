@@ -528,8 +528,9 @@ class CostContext:
 
         On a device priced by GEMM shape (``DeviceSpec.gemm``), a training matmul is its three GEMMs
         (`costmodels.compute.training_gemm_shapes`: forward, input and weight gradients) each at its
-        own shape's efficiency; on one with a fused attention fit (``DeviceSpec.attention``), a
-        training attention core is its forward plus ``backward_time_factor`` forwards.
+        own shape's efficiency; on one with a fused attention fit (``DeviceSpec.attention``), an
+        attention core runs at the fit's rate for its lengths and blocks, and a training one is its
+        forward plus ``backward_time_factor`` forwards.
 
         ``weight_grad`` False: a matmul whose weight is frozen (`frozen`): its backward computes the
         input gradient only, one GEMM of the forward's size fewer; ``input_grad`` False: one whose input
@@ -558,6 +559,7 @@ class CostContext:
             launch=dev.node_overhead_s is None,
             shape=shape,
             call=call,
+            seq=seq,
         )
         if kind == "pool" and self.train:
             launch = dev.node_overhead_s is None
