@@ -133,17 +133,19 @@ def gemm_efficiency(m: float, n: float, k: float, gemm: GemmSpec) -> float:
     return gemm.efficiency * best
 
 
-# Query rows per thread block of a fused attention kernel: FlashAttention-3's forward tile for head
-# dims up to 128 on Hopper (Dao-AILab/flash-attention hopper/tile_size.h, tile_size_fwd_sm90: kBlockM
-# 128) and FlashAttention-2's; its backward splits the keys into blocks of 128 (kBlockN), as many
-# blocks as the forward's for self-attention.
+# Query rows per thread block of a fused attention kernel: FlashAttention-3's forward tiles on Hopper
+# (Dao-AILab/flash-attention hopper/tile_size.h, tile_size_fwd_sm90: kBlockM 192 for head dims up to
+# 64, 128 above), FlashAttention-2's 128; the backward splits the keys into blocks of about as many.
 ATTENTION_BLOCK_ROWS = 128
+ATTENTION_BLOCK_ROWS_SMALL_HEAD = 192  # head dims up to 64
 
 
-def attention_blocks(sequences: float, heads: float, q_len: float) -> int:
+def attention_blocks(sequences: float, heads: float, q_len: float, head_dim: float = 128) -> int:
     """Thread blocks (output tiles) of a fused attention kernel over ``sequences`` x ``heads`` query
-    heads of ``q_len`` queries each: one per `ATTENTION_BLOCK_ROWS` queries of each head."""
-    rows = math.ceil(max(1.0, q_len) / ATTENTION_BLOCK_ROWS)
+    heads of ``q_len`` queries each: one per `ATTENTION_BLOCK_ROWS` queries of each head
+    (`ATTENTION_BLOCK_ROWS_SMALL_HEAD` at head dims up to 64)."""
+    tile = ATTENTION_BLOCK_ROWS_SMALL_HEAD if head_dim <= 64 else ATTENTION_BLOCK_ROWS
+    rows = math.ceil(max(1.0, q_len) / tile)
     return max(1, math.ceil(max(1.0, sequences) * max(1.0, heads))) * rows
 
 

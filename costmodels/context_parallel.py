@@ -134,8 +134,15 @@ def cp_attention_cost(
         1 / `split` of the rank's heads."""
         moved = compute.attention_bytes(seqs, h / split, kv / split, q_len, k_len, d, dtype)
         launch = cluster.device.node_overhead_s is None
+        blocks = compute.attention_blocks(seqs, h / split, q_len, d)  # the rank's query blocks' waves
         fwd = compute.op_time_s(
-            flops, moved, cluster.device, dtype, "attention", launch=launch, seq=(q_len, k_len, masked)
+            flops,
+            moved,
+            cluster.device,
+            dtype,
+            "attention",
+            launch=launch,
+            seq=(q_len, k_len, masked, blocks),
         )
         return fwd, fwd * backward_factor
 

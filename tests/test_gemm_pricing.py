@@ -146,6 +146,7 @@ def test_attention_blocks_run_in_waves_over_the_sms(h100) -> None:
     attention = h100.attention
     assert attention_blocks(1, 7, 4096) == 224 and attention_blocks(4, 7, 4096) == 896
     assert attention_blocks(1, 32, 100) == 32 and attention_blocks(0.5, 7, 1) == 7  # at least one row
+    assert attention_blocks(1, 7, 4096, head_dim=64) == 7 * 22  # 192-row tiles at head dim 64
     plain = attention_kernel_efficiency(4096, True, attention)
     assert attention_kernel_efficiency(4096, True, attention, 224, 132) == pytest.approx(plain * 224 / 264)
     assert attention_kernel_efficiency(4096, True, attention, 896, 132) == pytest.approx(plain * 896 / 924)

@@ -286,7 +286,7 @@ def test_attention_core_of_few_heads_prices_its_blocks_waves(h100) -> None:
     """A training core's thread blocks (`compute.attention_blocks`: 128 queries of a head each) run in
     waves over the H100's 132 SMs: 14 heads of one 4,096-token sequence are 448 blocks, four waves of
     which the last is 40% full (0.848 of the SMs' time busy), four sequences 1,792 blocks (0.970)."""
-    s = handmade_llama(num_layers=1, hidden=896, heads=14, kv_heads=14, ffn=2048)
+    s = handmade_llama(num_layers=1, hidden=1792, heads=14, kv_heads=14, ffn=2048)  # head dim 128
     launches = h100.device.launch_overhead_s * (1.0 + h100.device.attention.backward_time_factor)
 
     def core_s(batch: int) -> float:
@@ -307,7 +307,7 @@ def test_a_prefill_core_runs_at_the_fused_kernels_fitted_rate(h100) -> None:
     core_s = next(o.compute_s for o in attention_core_options(attn, ctx)[0] if o.name == "replicate")
     flops = compute.attention_flops(2, 16, 4096, 4096, 64, True)
     moved = compute.attention_bytes(2, 16, 16 * attn.num_kv_heads / attn.num_heads, 4096, 4096, 64, "bf16")
-    blocks = compute.attention_blocks(2, 16, 4096)
+    blocks = compute.attention_blocks(2, 16, 4096, 64)
     fitted = compute.op_time_s(flops, moved, h100.device, "bf16", "attention", seq=(4096, 4096, True, blocks))
     assert core_s == pytest.approx(fitted, rel=1e-9)
     rate = compute.attention_kernel_efficiency(

@@ -523,8 +523,8 @@ class CostContext:
         a pooling op's backward is instead a memory-bound scatter, `POOL_BACKWARD_BYTES_FACTOR` times
         its forward bytes). With a per-node overhead on the device (`node_overhead_time`), the op's
         launch term is left out: its node pays that instead. ``shape``: a matmul's (K, N) on one rank,
-        ``call`` a convolution's, ``seq`` an attention core's (query length, key length, causal)
-        (`costmodels.compute.op_time_s`).
+        ``call`` a convolution's, ``seq`` an attention core's (query length, key length, causal and,
+        optionally, its thread blocks) (`costmodels.compute.op_time_s`).
 
         On a device priced by GEMM shape (``DeviceSpec.gemm``), a training matmul is its three GEMMs
         (`costmodels.compute.training_gemm_shapes`: forward, input and weight gradients) each at its
@@ -986,7 +986,9 @@ def attention_core_options(
         # a fused kernel's rate by sequence length and its thread blocks' waves (`DeviceSpec.attention`);
         # not the materialized kind's GEMMs; a decode step's blocks are `decode_attention_time_s`'s
         blocks = (
-            compute.attention_blocks(seqs, heads / shard, q_len) if w.kind is not Workload.DECODE else None
+            compute.attention_blocks(seqs, heads / shard, q_len, hd)
+            if w.kind is not Workload.DECODE
+            else None
         )
         seq = None if materialized else (q_len, kv_len, skips_masked, blocks)
         core_s = ctx.op_time(flops, moved, "attention", seq=seq)
@@ -2441,9 +2443,11 @@ def sharded_grad_copy_s(grad_bytes: float, ctx: CostContext) -> float:
     in the parameters' dtype, r = the reduction dtype's bytes over the parameters' (`CostContext.
     grad_reduce_scale`, 2 for fp32 gradients of 16-bit parameters) and S ranks per shard, ZeRO-2 moves
     (1 + r) U + 5 r U / S, FSDP 2 U + (1 + r) U (the cast, when r != 1) + 5 r U / S, memory-bound, with
-    four kernels per wrapping unit. 0 for other styles and without training; for FSDP on a device that
-    measured its writes into fresh memory (a CPU) the fresh-memory phase of `dp_sync_phases` prices
-    these buffers instead."""
+    three kernels per wrapping unit (ZeRO-2: the flat copy, the mean, the add; FSDP: the concatenation
+    for the first, one more for the cast). 0 for other styles and without training; for FSDP on a
+    device that measured its writes into fresh memory (a CPU), whose page faults dominate there, the
+    fresh-memory phase of `dp_sync_phases` prices the flat gradient and the shard instead (not these
+    passes)."""
     style = ctx.dp_style
     if not ctx.train or grad_bytes <= 0 or style not in (DataParallel.ZERO2, DataParallel.FSDP):
         return 0.0
@@ -2457,7 +2461,8 @@ def sharded_grad_copy_s(grad_bytes: float, ctx: CostContext) -> float:
     else:
         per_byte += 2.0 + (1.0 + r if r != 1.0 else 0.0)
     copy_s = compute.op_time_s(0.0, grad_bytes * per_byte, dev, "fp32", "memory", launch=False)
-    kernels = 4 * (max(1, round(len(ctx.structure.layers) / ctx.mesh.pp)) + 1)
+    per_unit = 3 + (1 if style is DataParallel.FSDP and r != 1.0 else 0)
+    kernels = per_unit * (max(1, round(len(ctx.structure.layers) / ctx.mesh.pp)) + 1)
     if dev.node_overhead_s is not None:
         return copy_s + compute.node_overhead_s(dev, kernels)
     return copy_s + kernels * dev.launch_overhead_s
@@ -2525,11 +2530,21 @@ def gradient_sync_cost(ctx: CostContext) -> LinearCost:
     small, big = 1e6, 1e9
 
     def t(nbytes: float) -> float:
-        accumulate = ctx.micro_batches * grad_accumulation_s(nbytes, ctx)
-        return gradient_sync_time_s(nbytes, ctx) + optimizer_step_time_s(nbytes, ctx) + accumulate
+        return gradient_sync_time_s(nbytes, ctx) + optimizer_step_time_s(nbytes, ctx)
 
     beta = (t(big) - t(small)) / (big - small)
     return LinearCost(t(small) - beta * small, beta)
+
+
+def grad_accumulation_cost(ctx: CostContext) -> LinearCost:
+    """Affine fit of `grad_accumulation_s` (per micro-batch, on the compute stream) per gradient byte on
+    a rank: the ILP adds it to each stage's time per micro-batch, as the prediction does."""
+    if not ctx.train:
+        return LinearCost(0.0, 0.0)
+    small, big = 1e6, 1e9
+    a, b = grad_accumulation_s(small, ctx), grad_accumulation_s(big, ctx)
+    beta = (b - a) / (big - small)
+    return LinearCost(a - beta * small, beta)
 
 
 def unhidden_sync_cost(ctx: CostContext) -> LinearCost:

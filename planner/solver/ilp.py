@@ -88,6 +88,7 @@ from planner.solver.costing import (
     conversion_time_s,
     dp_phase_costs,
     expert_grad_weight,
+    grad_accumulation_cost,
     gradient_sync_cost,
     in_flight_micro_batches,
     interleaved_chunks,
@@ -648,6 +649,22 @@ class _Builder:
                 stage_grad.append(pulp.lpSum(sg))
         stage_time[0] += first.time if mesh.pp > 1 else 0.0
         stage_time[-1] += last.time if mesh.pp > 1 else 0.0
+        if ctx.train:  # each micro-batch's gradient work on the compute stream, in its stage's time as
+            # the prediction has it (`costing.grad_accumulation_s`: fp32 main-gradient adds, ZeRO-2's
+            # and FSDP's copies): nothing hides it
+            acc = grad_accumulation_cost(ctx)
+            if acc.alpha_s or acc.beta_s_per_byte:
+                extra = []
+                for s in range(mesh.pp):
+                    g = (
+                        stage_grad[s]
+                        + (first.grad if s == 0 else 0.0)
+                        + (last.grad if s == mesh.pp - 1 else 0.0)
+                    )
+                    extra.append(acc.alpha_s + acc.beta_s_per_byte * GIB * g)
+                stage_time = [t + e for t, e in zip(stage_time, extra)]
+                total = total + pulp.lpSum(extra)
+                self.total = total
         self.stage_time = stage_time
         self._memory_constraints(stage_static, stage_act, stage_grad, ends)
         slowest = self._stage_time(stage_time, total)
