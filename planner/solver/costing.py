@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -2522,43 +2523,33 @@ def param_size_shares(ctx: CostContext, params: float) -> tuple[float, float]:
     return large, cached
 
 
-def gradient_sync_cost(ctx: CostContext) -> LinearCost:
-    """Affine fit of the DP gradient sync (`gradient_sync_time_s`) plus the optimizer step, per gradient
-    byte on a rank."""
+def _per_byte_fit(ctx: CostContext, seconds: Callable[[float], float]) -> LinearCost:
+    """Affine fit of ``seconds(gradient bytes on a rank)`` through 1 MB and 1 GB (0 without training):
+    the ILP's linear terms in a stage's gradient bytes."""
     if not ctx.train:
         return LinearCost(0.0, 0.0)
     small, big = 1e6, 1e9
+    a, b = seconds(small), seconds(big)
+    beta = (b - a) / (big - small)
+    return LinearCost(a - beta * small, beta)
 
-    def t(nbytes: float) -> float:
-        return gradient_sync_time_s(nbytes, ctx) + optimizer_step_time_s(nbytes, ctx)
 
-    beta = (t(big) - t(small)) / (big - small)
-    return LinearCost(t(small) - beta * small, beta)
+def gradient_sync_cost(ctx: CostContext) -> LinearCost:
+    """Affine fit of the DP gradient sync (`gradient_sync_time_s`) plus the optimizer step, per gradient
+    byte on a rank."""
+    return _per_byte_fit(ctx, lambda n: gradient_sync_time_s(n, ctx) + optimizer_step_time_s(n, ctx))
 
 
 def grad_accumulation_cost(ctx: CostContext) -> LinearCost:
     """Affine fit of `grad_accumulation_s` (per micro-batch, on the compute stream) per gradient byte on
     a rank: the ILP adds it to each stage's time per micro-batch, as the prediction does."""
-    if not ctx.train:
-        return LinearCost(0.0, 0.0)
-    small, big = 1e6, 1e9
-    a, b = grad_accumulation_s(small, ctx), grad_accumulation_s(big, ctx)
-    beta = (b - a) / (big - small)
-    return LinearCost(a - beta * small, beta)
+    return _per_byte_fit(ctx, lambda n: grad_accumulation_s(n, ctx))
 
 
 def unhidden_sync_cost(ctx: CostContext) -> LinearCost:
     """Affine fit of the optimizer step plus the part of the DP traffic nothing hides
     (`dp_sync_parts`' second term), per gradient byte on a rank: the ILP's floor under FSDP's tail."""
-    if not ctx.train:
-        return LinearCost(0.0, 0.0)
-    small, big = 1e6, 1e9
-
-    def t(nbytes: float) -> float:
-        return dp_sync_parts(nbytes, ctx)[1] + optimizer_step_time_s(nbytes, ctx)
-
-    beta = (t(big) - t(small)) / (big - small)
-    return LinearCost(t(small) - beta * small, beta)
+    return _per_byte_fit(ctx, lambda n: dp_sync_parts(n, ctx)[1] + optimizer_step_time_s(n, ctx))
 
 
 def dp_phase_costs(ctx: CostContext) -> list[tuple[LinearCost, LinearCost, float]]:
@@ -2579,12 +2570,7 @@ def dp_phase_costs(ctx: CostContext) -> list[tuple[LinearCost, LinearCost, float
 
 def optimizer_step_cost(ctx: CostContext) -> LinearCost:
     """Affine fit of the optimizer step (`optimizer_step_time_s`) per gradient byte on a rank."""
-    if not ctx.train:
-        return LinearCost(0.0, 0.0)
-    small, big = 1e6, 1e9
-    a, b = optimizer_step_time_s(small, ctx), optimizer_step_time_s(big, ctx)
-    beta = (b - a) / (big - small)
-    return LinearCost(a - beta * small, beta)
+    return _per_byte_fit(ctx, lambda n: optimizer_step_time_s(n, ctx))
 
 
 def recompute_input_bytes(ctx: CostContext) -> float:
