@@ -126,7 +126,8 @@ a = None if spec is None else spec.device.attention
 if a is not None:
     print(f"attention fit: efficiency {a.efficiency:.3f} (preset {preset.device.attention.efficiency}), causal half "
           f"{a.causal_half_seq:.0f} tokens (preset {preset.device.attention.causal_half_seq:.0f}), backward x"
-          f"{a.backward_time_factor:.2f} (preset {preset.device.attention.backward_time_factor})")
+          f"{a.backward_time_factor:.2f} (preset {preset.device.attention.backward_time_factor}), dropout 0.1 x"
+          f"{a.dropout_time_factor:.3f} (preset {preset.device.attention.dropout_time_factor})")
 if spec is not None:
     for line in spec.sources:
         if "world size 1" in line or "latency_us" in line:
