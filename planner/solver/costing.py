@@ -75,7 +75,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from costmodels import compute, memory
-from costmodels.cluster import ClusterSpec
+from costmodels.cluster import ClusterSpec, DeviceSpec
 from costmodels.comm import (
     Group,
     all_gather_time_s,
@@ -2424,9 +2424,15 @@ def main_grad_accumulation_s(grad_bytes: float, ctx: CostContext) -> float:
     add_s = compute.op_time_s(
         0.0, params * MAIN_GRAD_ADD_BYTES_PER_PARAM, dev, "fp32", "memory", launch=False
     )
+    return add_s + _kernel_calls_s(dev, tensors)
+
+
+def _kernel_calls_s(dev: DeviceSpec, kernels: float) -> float:
+    """Fixed seconds of ``kernels`` calls the runtime makes outside the graph: the per-node overhead
+    on a device priced per node (eager CPU, `costmodels.compute.node_overhead_s`), else a launch each."""
     if dev.node_overhead_s is not None:
-        return add_s + compute.node_overhead_s(dev, tensors)
-    return add_s + tensors * dev.launch_overhead_s
+        return compute.node_overhead_s(dev, kernels)
+    return kernels * dev.launch_overhead_s
 
 
 # Bytes per gradient byte (in the parameters' dtype) that ZeRO-2's and FSDP's runtimes move on the
@@ -2464,9 +2470,7 @@ def sharded_grad_copy_s(grad_bytes: float, ctx: CostContext) -> float:
     copy_s = compute.op_time_s(0.0, grad_bytes * per_byte, dev, "fp32", "memory", launch=False)
     per_unit = 3 + (1 if style is DataParallel.FSDP and r != 1.0 else 0)
     kernels = per_unit * (max(1, round(len(ctx.structure.layers) / ctx.mesh.pp)) + 1)
-    if dev.node_overhead_s is not None:
-        return copy_s + compute.node_overhead_s(dev, kernels)
-    return copy_s + kernels * dev.launch_overhead_s
+    return copy_s + _kernel_calls_s(dev, kernels)
 
 
 def grad_accumulation_s(grad_bytes: float, ctx: CostContext) -> float:
@@ -2528,10 +2532,16 @@ def _per_byte_fit(ctx: CostContext, seconds: Callable[[float], float]) -> Linear
     the ILP's linear terms in a stage's gradient bytes."""
     if not ctx.train:
         return LinearCost(0.0, 0.0)
-    small, big = 1e6, 1e9
-    a, b = seconds(small), seconds(big)
-    beta = (b - a) / (big - small)
-    return LinearCost(a - beta * small, beta)
+    return _line(seconds(FIT_SMALL_BYTES), seconds(FIT_BIG_BYTES))
+
+
+FIT_SMALL_BYTES, FIT_BIG_BYTES = 1e6, 1e9  # the two gradient sizes the ILP's linear DP terms go through
+
+
+def _line(small_s: float, big_s: float) -> LinearCost:
+    """The affine cost through (`FIT_SMALL_BYTES`, ``small_s``) and (`FIT_BIG_BYTES`, ``big_s``)."""
+    beta = (big_s - small_s) / (FIT_BIG_BYTES - FIT_SMALL_BYTES)
+    return LinearCost(small_s - beta * FIT_SMALL_BYTES, beta)
 
 
 def gradient_sync_cost(ctx: CostContext) -> LinearCost:
@@ -2558,14 +2568,10 @@ def dp_phase_costs(ctx: CostContext) -> list[tuple[LinearCost, LinearCost, float
     `SyncPhase.exposed_s` does). Empty without training or DP."""
     if not ctx.train:
         return []
-    small, big = 1e6, 1e9
-    lo, hi = dp_sync_phases(small, ctx), dp_sync_phases(big, ctx)
-
-    def fit(a: float, b: float) -> LinearCost:
-        beta = (b - a) / (big - small)
-        return LinearCost(a - beta * small, beta)
-
-    return [(fit(p.total_s, q.total_s), fit(p.unhidden_s, q.unhidden_s), p.window) for p, q in zip(lo, hi)]
+    lo, hi = dp_sync_phases(FIT_SMALL_BYTES, ctx), dp_sync_phases(FIT_BIG_BYTES, ctx)
+    return [
+        (_line(p.total_s, q.total_s), _line(p.unhidden_s, q.unhidden_s), p.window) for p, q in zip(lo, hi)
+    ]
 
 
 def optimizer_step_cost(ctx: CostContext) -> LinearCost:

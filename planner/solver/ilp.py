@@ -579,7 +579,7 @@ class _Builder:
         mesh = ctx.mesh
         self._strategy_variables()
         terms = {key: self._graph_terms(key, g) for key, g in p.graphs.items()}
-        ends = self._ends_terms()
+        ends = self.ends = self._ends_terms()
         exposed = self._ladder_variables(terms)
         keys = p.layer_keys
 
@@ -654,21 +654,14 @@ class _Builder:
             # and FSDP's copies): nothing hides it
             acc = grad_accumulation_cost(ctx)
             if acc.alpha_s or acc.beta_s_per_byte:
-                extra = []
-                for s in range(mesh.pp):
-                    g = (
-                        stage_grad[s]
-                        + (first.grad if s == 0 else 0.0)
-                        + (last.grad if s == mesh.pp - 1 else 0.0)
-                    )
-                    extra.append(acc.alpha_s + acc.beta_s_per_byte * GIB * g)
+                extra = [acc.alpha_s + acc.beta_s_per_byte * GIB * g for g in self._rank_grads(stage_grad)]
                 stage_time = [t + e for t, e in zip(stage_time, extra)]
                 total = total + pulp.lpSum(extra)
                 self.total = total
         self.stage_time = stage_time
         self._memory_constraints(stage_static, stage_act, stage_grad, ends)
         slowest = self._stage_time(stage_time, total)
-        tail = self._tail(stage_grad, ends)
+        tail = self._tail(self._rank_grads(stage_grad))
         self._objective(total, slowest, tail)
 
     def _class_counts(self) -> dict[str, int]:
@@ -720,25 +713,30 @@ class _Builder:
         self.m += slowest >= total * (1.0 / self.ctx.mesh.pp), "slowest_average"
         return slowest
 
-    def _tail(self, stage_grad, ends: tuple[_EndTerms, _EndTerms]):
-        """tail_*: training: Tail >= DP gradient all-reduce + optimizer step of every stage."""
+    def _rank_grads(self, stage_grad: list) -> list:
+        """Gradient GiB on a rank of each stage: its layers' (`stage_grad`) and the ends' it holds (the
+        embedding on the first stage, the final norm and LM head on the last)."""
+        first, last, pp = self.ends[0], self.ends[1], self.ctx.mesh.pp
+        return [
+            g + (first.grad if s == 0 else 0.0) + (last.grad if s == pp - 1 else 0.0)
+            for s, g in enumerate(stage_grad)
+        ]
+
+    def _tail(self, rank_grads: list):
+        """tail_*: training: Tail >= DP gradient all-reduce + optimizer step of every stage
+        (`rank_grads`: `_rank_grads`)."""
         if not self.ctx.train:
             return 0.0
         if self.ctx.overlap_grad_reduce or self.ctx.overlap_param_gather:
-            return self._overlapped_tail(stage_grad, ends)
+            return self._overlapped_tail(rank_grads)
         fit = gradient_sync_cost(self.ctx)
         tail = self.m.add_variable("Tail", 0)
-        pp = self.ctx.mesh.pp
         # FSDP: the traffic hides behind eta x the stage's step (`costing.dp_sync_exposed_s`), down to
         # the part nothing hides
         fsdp = self.ctx.dp_style is DataParallel.FSDP
         hide = self.ctx.cluster.overlap_efficiency * self.ctx.micro_batches if fsdp else 0.0
         floor = unhidden_sync_cost(self.ctx) if fsdp else None
-        for s in range(pp):
-            g = stage_grad[s]
-            for end, here in zip(ends, (s == 0, s == pp - 1)):
-                if here:
-                    g += end.grad
+        for s, g in enumerate(rank_grads):
             # the hidden part slows the compute beside it (`costing.contention_s`): exposed traffic
             # max(floor, fit - eta m T) + sigma x the rest = max((1 - sigma) floor + sigma fit, fit - (1 - sigma) eta m T)
             sigma = self.ctx.cluster.overlap_slowdown if fsdp else 0.0
@@ -750,7 +748,7 @@ class _Builder:
                 self.m += tail >= (1.0 - sigma) * least + sigma * whole, _name("tail_floor", s)
         return tail
 
-    def _overlapped_tail(self, stage_grad, ends: tuple[_EndTerms, _EndTerms]):
+    def _overlapped_tail(self, rank_grads: list):
         """tail_*: with overlap_grad_reduce / overlap_param_gather, Tail >= the optimizer step + each
         phase of the DP traffic (`costing.dp_sync_phases`) as exposed: a phase with a window w hides
         behind eta x w x the stage's step (m x its time per micro-batch) down to its unhidden share
@@ -759,13 +757,9 @@ class _Builder:
         ctx = self.ctx
         tail = self.m.add_variable("Tail", 0)
         opt, phases = optimizer_step_cost(ctx), dp_phase_costs(ctx)
-        eta, m, pp = ctx.cluster.overlap_efficiency, ctx.micro_batches, ctx.mesh.pp
+        eta, m = ctx.cluster.overlap_efficiency, ctx.micro_batches
         sigma = ctx.cluster.overlap_slowdown  # the hidden part's `costing.contention_s`
-        for s in range(pp):
-            g = stage_grad[s]
-            for end, here in zip(ends, (s == 0, s == pp - 1)):
-                if here:
-                    g += end.grad
+        for s, g in enumerate(rank_grads):
             g = GIB * g
             terms = opt.alpha_s + opt.beta_s_per_byte * g
             for i, (total, unhidden, window) in enumerate(phases):
