@@ -45,7 +45,7 @@ from models import GPT, GPTConfig  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 from training_at_scale import MEGATRON_DROPOUT, gpt_structure  # noqa: E402
-from training_published import MEGATRON_ROWS, SEQ, VOCAB, megatron_flops  # noqa: E402
+from training_published import MEGATRON_ROWS, MEGATRON_TIED, SEQ, VOCAB, megatron_flops  # noqa: E402
 
 from costmodels.cluster import load_cluster  # noqa: E402
 from planner.solver.problem import Constraints, WorkloadSpec  # noqa: E402
@@ -77,7 +77,7 @@ def row_config() -> GPTConfig:
     size, heads, hidden, layers, *_ = MEGATRON_ROWS[0]
     assert size == "1.7B"
     return GPTConfig(vocab_size=VOCAB, n_positions=SEQ, n_layer=layers, n_head=heads, n_embd=hidden,
-                     dropout=MEGATRON_DROPOUT)  # fmt: skip
+                     dropout=MEGATRON_DROPOUT, tie_embeddings=MEGATRON_TIED)  # fmt: skip
 
 
 def sample_device() -> tuple[float, float, float] | None:

@@ -104,6 +104,10 @@ MEGATRON_ROWS = [
     ("314B", 128, 16384, 96, 8, 8, 3072, 1536, 474.4),
     ("462B", 144, 18432, 112, 8, 16, 6144, 3072, 459.9),
 ]
+# The rows' GPTs give the LM head its own weight (Megatron-LM's --untie-embeddings-and-output-weights):
+# the published sizes count it. 1.7B = 24 layers x 12 h^2 (1.21B) + 2 x V h (0.54B); tied they would
+# be 1.47B; 7.1B = 6.04B + 1.07B, 16B = 14.50B + 1.61B, 70B = 67.65B + 2.15B alike.
+MEGATRON_TIED = False
 MEDIAN_GOAL, ROW_GOAL, NARAYANAN_GOAL = 0.10, 0.20, 0.10
 # the dtype the published runs accumulated and reduced their gradients in (`Plan.grad_reduce_dtype`):
 # Megatron-LM with --bf16 keeps fp32 main gradients (megatron/training/arguments.py validate_args turns
@@ -180,7 +184,7 @@ def megatron(console: Console) -> list[tuple[str, float]]:
     errors, steps, ratios = [], [], []
     for size, heads, hidden, layers, tp, pp, gpus, batch, published in MEGATRON_ROWS:
         config = GPTConfig(vocab_size=VOCAB, n_positions=SEQ, n_layer=layers, n_head=heads, n_embd=hidden,
-                           dropout=MEGATRON_DROPOUT)  # fmt: skip
+                           dropout=MEGATRON_DROPOUT, tie_embeddings=MEGATRON_TIED)  # fmt: skip
         structure = gpt_structure(config)
         work = WorkloadSpec("train", batch, SEQ, dtype="bf16", grad_reduce_dtype=MEGATRON_GRADS)
         plans = {}

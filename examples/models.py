@@ -36,6 +36,9 @@ class GPTConfig:
     # branch (GPT-2 used 0.1 for all three; Megatron-LM's --hidden-dropout and --attention-dropout
     # default to 0.1). In eval mode, and at 0, it is the identity and leaves no op in the graph.
     dropout: float = 0.0
+    # the LM head shares the token embedding's weight (GPT-2, and Megatron-LM's default); False gives the
+    # head its own (Megatron-LM's --untie-embeddings-and-output-weights)
+    tie_embeddings: bool = True
 
 
 GPT_CONFIGS: dict[str, GPTConfig] = {
@@ -113,7 +116,8 @@ class GPTBlock(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-2 / GPT-3 language model; the LM head is tied to the token embedding (as in GPT-2)."""
+    """GPT-2 / GPT-3 language model; the LM head is tied to the token embedding (as in GPT-2) unless
+    ``config.tie_embeddings`` is False."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -128,7 +132,8 @@ class GPT(nn.Module):
         )
         self.drop = nn.Dropout(config.dropout)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # weight tying
+        if config.tie_embeddings:
+            self.transformer.wte.weight = self.lm_head.weight  # weight tying
         self.apply(_init_weights)
         # GPT-2 paper: scale the residual projections by 1/sqrt(2 * n_layer).
         for name, p in self.named_parameters():
