@@ -286,7 +286,27 @@ def predict(tables: CostTables, assignment: Assignment) -> PricedAssignment:
     return PricedAssignment(tables, assignment, prediction, stages_bd)
 
 
+# `model_flops` depends on the model and the workload only, not on the mesh or the styles: a search
+# predicts one structure under thousands of configurations, so the last few structures' counts are kept
+# (by identity: id -> (the structure, {workload: FLOP}); an id reused by a new object misses)
+_FLOPS_CACHE: dict[int, tuple[object, dict[object, float]]] = {}
+_FLOPS_CACHE_STRUCTURES = 4
+
+
 def model_flops(tables: CostTables) -> float:
+    """`_model_flops` of ``tables``' structure and workload, kept per structure (`_FLOPS_CACHE`)."""
+    s, w = tables.ctx.structure, tables.ctx.workload
+    entry = _FLOPS_CACHE.get(id(s))
+    if entry is None or entry[0] is not s:
+        if len(_FLOPS_CACHE) >= _FLOPS_CACHE_STRUCTURES:
+            _FLOPS_CACHE.clear()
+        entry = _FLOPS_CACHE[id(s)] = (s, {})
+    if w not in entry[1]:
+        entry[1][w] = _model_flops(tables)
+    return entry[1][w]
+
+
+def _model_flops(tables: CostTables) -> float:
     """FLOP of one step's math on the whole model (all replicas): every projection (2 tokens in out;
     a mixture of experts' router, and its routed experts as each token runs top_k of them: the active
     parameters), attention core (`compute.attention_flops`, causal for causal workloads) and
