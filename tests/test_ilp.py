@@ -24,6 +24,7 @@ from planner.solver.costing import (
     build_layer_graph,
     conversion_time_s,
     gradient_sync_time_s,
+    head_split_queries,
     interleaved_chunks,
     layer_node_times_s,
     optimizer_step_time_s,
@@ -113,6 +114,42 @@ def test_ilp_matches_brute_force(h100) -> None:
     chosen = evaluate(prob, sol.assignment.choices, sol.assignment.stages)
     assert chosen == pytest.approx(best, rel=1e-9)
     assert sol.objective == pytest.approx(best, rel=1e-6)
+
+
+def test_a_head_parallel_core_takes_a_column_parallel_query(h100) -> None:
+    """The TP pass splits an attention core by the heads its query projection's column split carries (a
+    replicated query runs the core replicated: `passes.tp_rules.rule_sdpa`), so the ILP never pairs a
+    head-parallel core with a query that is not column-parallel, though the conversion R -> S into the
+    core is a free slice. Here the query's column split is priced above its replicated option (as a CPU's
+    shape timings did for Llama-3-8B: 0.40 s against 0.30 s), which makes that pairing the cheapest of
+    all; the ILP takes the cheapest pairing the pass runs, and `--why`'s block table prices a replicated
+    query with a replicated core."""
+    from planner.solver import explain  # noqa: PLC0415
+
+    structure = handmade_llama(num_layers=2, hidden=2048, heads=16, kv_heads=8, ffn=8192)
+    prob = problem(structure, h100, WorkloadSpec("forward", 1, 8192), config(2, 1, 1, 1))
+    (key,) = prob.graphs
+    graph = prob.graphs[key]
+    assert head_split_queries(graph) == [("core", "q")]
+    q = graph.op("q")
+    q.option("colwise").compute_s = 10 * q.option("replicate").compute_s
+    ends = {
+        ("ends", op.name): min(op.options, key=lambda o: o.compute_s + o.comm_s).name for op in prob.ends.ops
+    }
+    priced = []
+    for combo in itertools.product(*[op.options for op in graph.ops]):
+        choices = {(key, op.name): o.name for op, o in zip(graph.ops, combo)} | ends
+        runs = not (choices[(key, "core")] == "head" and choices[(key, "q")] != "colwise")
+        priced.append((evaluate(prob, choices, [[0, 1]]), runs))
+    assert not min(priced)[1]  # the cheapest pairing is one the pass would not run
+    sol = ilp.solve(prob)
+    chosen = sol.assignment.choices
+    assert chosen[(key, "core")] != "head" or chosen[(key, "q")] == "colwise"
+    assert evaluate(prob, chosen, sol.assignment.stages) == pytest.approx(
+        min(t for t, runs in priced if runs)
+    )
+    table = explain.block_table(graph, key, "attention", prob.tables.ctx)
+    assert table[("q", "replicate")] == table[("core", "replicate")]
 
 
 def test_identical_layers_share_variables(h100) -> None:

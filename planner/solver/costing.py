@@ -906,6 +906,26 @@ def _add_adapter(option: OpOption, adapter: Adapter, tokens: float, ctx: CostCon
         option.comm_s += all_reduce_time_s(middle, group, ctx.cluster) + ctx.node_overhead_time(1)
 
 
+def head_split_queries(graph: LayerGraph) -> list[tuple[str, str]]:
+    """(core, query projection) for each attention core of ``graph`` that offers "head" and each query
+    projection (q, or a fused qkv) feeding it: the core is head-parallel only when that projection is
+    column-parallel. The tensor-parallel pass shards an attention core by the heads its query's split
+    carries (`passes.tp_rules.rule_sdpa`: replicated K / V are sliced to the query's heads, a
+    replicated query runs the core replicated), while the ILP's conversion R -> S into the core is a
+    free slice: without this rule it could choose a replicated query (cheaper on some CPU shapes)
+    with a head-parallel core, which the pass lowers by gathering K and V at the core. The ILP adds
+    x[core, head] <= x[query, colwise]; `planner.solver.explain.block_table` skips such combinations."""
+    pairs = []
+    for op in graph.ops:
+        if not any(o.name == "head" for o in op.options):
+            continue
+        for name in op.inputs:
+            src = graph.op(name) if name else None
+            if src is not None and src.projection is not None and src.projection.role in (Role.Q, Role.QKV):
+                pairs.append((op.name, name))
+    return pairs
+
+
 def attention_core_options(
     attn: Attention, ctx: CostContext, inner_s: float = 0.0, cross: bool = False
 ) -> tuple[list[OpOption], dict[str, str]]:

@@ -40,6 +40,7 @@ from planner.solver.costing import (
     expert_counts,
     expert_gemm_time_s,
     gradient_sync_time_s,
+    head_split_queries,
     interleaved_chunks,
     stream_conversion_time_s,
 )
@@ -97,9 +98,12 @@ def block_table(
         return None
     names = {op.name for op in ops}
     out = graph.block_outputs.get(block)
+    pairs = [(core, query) for core, query in head_split_queries(graph) if {core, query} <= names]
     best: dict[tuple[str, str], float] = {}
     for combo in itertools.product(*[op.options for op in ops]):
         chosen = {op.name: o for op, o in zip(ops, combo)}
+        if any(chosen[core].name == "head" and chosen[query].name != "colwise" for core, query in pairs):
+            continue  # the pass would not run this core head-parallel
         t = sum(o.compute_s + o.comm_s for o in combo)
         for op in ops:
             for src in op.inputs:

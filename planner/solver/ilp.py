@@ -90,6 +90,7 @@ from planner.solver.costing import (
     expert_grad_weight,
     grad_accumulation_cost,
     gradient_sync_cost,
+    head_split_queries,
     in_flight_micro_batches,
     interleaved_chunks,
     optimizer_step_cost,
@@ -215,7 +216,8 @@ class _Builder:
 
     # -- strategies ------------------------------------------------------------------------
     def _strategy_variables(self) -> None:
-        """x[g,o,k] one-hot per op (onehot_*); tied embedding / LM head (tied_*)."""
+        """x[g,o,k] one-hot per op (onehot_*); a head-parallel attention core only under a column-parallel
+        query projection (headq_*: `costing.head_split_queries`); tied embedding / LM head (tied_*)."""
         for key, graph in [*self.p.graphs.items(), ("ends", self.p.ends)]:
             for op in graph.ops:
                 xs = {
@@ -224,6 +226,9 @@ class _Builder:
                 }
                 self.x[(key, op.name)] = xs
                 self.m += pulp.lpSum(xs.values()) == 1, _name("onehot", self.gid[key], op.name)
+            for core, query in head_split_queries(graph):  # head-parallel core: its query column-parallel
+                colwise = self.x[(key, query)].get("colwise", 0)
+                self.m += self.x[(key, core)]["head"] <= colwise, _name("headq", self.gid[key], core, query)
         s = self.ctx.structure
         if s.tied_lm_head and s.embeddings and s.lm_head is not None:
             emb, head = self.x[("ends", "embedding0")], self.x[("ends", "lm_head")]
