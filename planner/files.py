@@ -31,6 +31,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 import uuid
 from pathlib import Path
@@ -200,6 +201,8 @@ def check_output_path(option: str, path: str, folder: bool = False, kind: str | 
         raise InputError(f"{option} {path}: exists and is not a folder")
     if target.exists() and not folder and target.is_dir():
         raise InputError(f"{option} {path}: is a folder; give a file name")
+    if not folder:
+        _refuse_special_file(target, f"{option} {path}")
     if folder and target.is_dir():
         _check_replaceable(target, option)
     if not folder and target.is_file():
@@ -210,6 +213,23 @@ def check_output_path(option: str, path: str, folder: bool = False, kind: str | 
         raise InputError(f"{option} {path}: cannot write into {parent}: {e.strerror}") from None
     os.close(fd)
     os.unlink(probe)
+
+
+def _refuse_special_file(target: Path, label: str) -> None:
+    """InputError when `target` (or what its link points to) exists and is neither a regular file nor a
+    folder: a device (/dev/null), a named pipe or a socket. Outputs are written as a temporary sibling
+    renamed into place, which would replace such a file with a regular one (as root, /dev/null for the
+    whole machine); `--json -` is the way to stdout."""
+    try:
+        mode = target.stat().st_mode
+    except OSError:  # missing, or a dangling link: a regular file will be written there
+        return
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        what = "a named pipe" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+        raise InputError(
+            f"{label}: is {what}, not a regular file; the planner writes its outputs as regular files (replacing "
+            "it would destroy it), so nothing was written. Give a file name (--json - prints the report on stdout)"
+        )
 
 
 def _check_replaceable(folder: Path, option: str) -> None:
@@ -308,6 +328,7 @@ def write_text_atomic(path: str | os.PathLike[str], text: str, option: str = "",
     label = f"{option} {path}" if option else str(path)
     if target.is_symlink():  # the user's link stays a link: write the file it points to
         target = Path(os.path.realpath(target))
+    _refuse_special_file(target, label)
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=_parent(target))
     except OSError as e:

@@ -352,3 +352,49 @@ def test_a_dash_is_stdout_for_json_only_and_refused_as_a_file_name(tmp_path: Pat
     said = " ".join(calibrate.stderr.split())
     assert calibrate.returncode == 2 and "--out takes a file name" in said and "--json" not in said, said
     assert not (tmp_path / "-").exists()
+
+
+def test_a_device_or_a_named_pipe_is_never_replaced_by_an_output(tmp_path: Path) -> None:
+    """--out / --json naming a named pipe (or /dev/null) are refused before any work, exit 2, and the pipe
+    stays a pipe: the atomic rename would have put a regular file in its place (as root, /dev/null for
+    the whole machine). A link to the pipe is refused as well, and so is the writer called directly."""
+    fifo = tmp_path / "report.pipe"
+    os.mkfifo(fifo)
+    link = tmp_path / "link.json"
+    link.symlink_to(fifo)
+    base = ["optimize", SWIGLU, "--cluster", "dgx-h100"]
+    for option, target in (("--json", fifo), ("--out", fifo), ("--json", link)):
+        result = run_planner(*base, option, str(target), cwd=tmp_path)
+        assert result.returncode == 2, result.stderr
+        assert "is a named pipe, not a regular file" in " ".join(result.stderr.split())
+        assert fifo.is_fifo()
+    with pytest.raises(InputError, match="is a named pipe"):
+        write_text_atomic(fifo, "{}", "--json")
+    assert fifo.is_fifo() and link.is_symlink()
+    if Path("/dev/null").is_char_device():
+        with pytest.raises(InputError, match="is a device, not a regular file"):
+            check_output_path("--out", "/dev/null")
+        assert Path("/dev/null").is_char_device()
+
+
+def test_an_output_inside_another_outputs_folder_is_refused_before_any_work(tmp_path: Path) -> None:
+    """--out / --json / --plot inside the --emit folder (or inside --plot's) are refused up front, exit 2,
+    nothing written: the plan written into an earlier --emit folder made that folder hold a file its
+    record does not list, so every later --emit there was refused, and the report was never written."""
+    base = ["optimize", SWIGLU, "--cluster", "dgx-h100"]
+    assert run_planner(*base, "--emit", "em", cwd=tmp_path).returncode == 0
+    before = sorted(p.name for p in (tmp_path / "em").iterdir())
+    for args, says in (
+        (
+            ["--emit", "em", "--out", "em/plan.yaml", "--json", "em/r.json"],
+            "--out em/plan.yaml is inside --emit em",
+        ),
+        (["--emit", "em", "--plot", "em/figs"], "--plot em/figs is inside --emit em"),
+        (["--plot", "figs", "--json", "figs/r.json"], "--json figs/r.json is inside --plot figs"),
+        (["--emit", "new", "--out", "new/plan.yaml"], "--out new/plan.yaml is inside --emit new"),
+    ):
+        result = run_planner(*base, *args, cwd=tmp_path)
+        assert result.returncode == 2 and says in " ".join(result.stderr.split()), result.stderr
+    assert sorted(p.name for p in (tmp_path / "em").iterdir()) == before
+    assert not (tmp_path / "figs").exists() and not (tmp_path / "new").exists()
+    assert run_planner(*base, "--emit", "em", cwd=tmp_path).returncode == 0  # still ours
