@@ -4,6 +4,7 @@ is one clear line with exit 2 and nothing left behind (planner/files.py)."""
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -398,3 +399,14 @@ def test_an_output_inside_another_outputs_folder_is_refused_before_any_work(tmp_
     assert sorted(p.name for p in (tmp_path / "em").iterdir()) == before
     assert not (tmp_path / "figs").exists() and not (tmp_path / "new").exists()
     assert run_planner(*base, "--emit", "em", cwd=tmp_path).returncode == 0  # still ours
+
+
+def test_json_dash_keeps_stdout_for_the_report_when_the_model_file_prints(tmp_path: Path) -> None:
+    """--json - promises the report alone on stdout, for `jq`: a model file that prints at import (or
+    while it builds) goes to stderr, and stdout parses as JSON."""
+    model = tmp_path / "printy.py"
+    model.write_text('print("loading my model")\n' + Path(SWIGLU).read_text())
+    result = run_planner("optimize", str(model), "--cluster", "dgx-h100", "--json", "-", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["written_by"].startswith("planner")
+    assert "loading my model" in result.stderr

@@ -24,6 +24,7 @@ import sys
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TextIO
 
 from rich.console import Console
 from rich.text import Text
@@ -426,17 +427,47 @@ def _json_to_stdout(args: argparse.Namespace) -> bool:
     return getattr(args, "json", None) == "-"
 
 
+_report_stream: TextIO | None = None  # with --json -: where the report goes (stdout as it was)
+
+
 @contextmanager
 def _report_on_stdout(args: argparse.Namespace):
-    """With --json -, stdout carries the JSON report alone: the console's text goes to stderr."""
+    """With --json -, stdout carries the JSON report alone: the console's text goes to stderr, and so
+    does whatever else writes to stdout meanwhile (a model file's print at import, the ranks a run
+    starts): Python's sys.stdout points at stderr, and where stdout is file descriptor 1, so does that
+    descriptor (children inherit it); the report is written to the stdout that was (`_write_report`)."""
+    global _report_stream
     if not _json_to_stdout(args):
         yield
         return
+    stdout = sys.stdout
+    try:
+        fd = stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # a StringIO (tests), a closed stream
+        fd = None
+    saved = None
+    if fd == 1:
+        stdout.flush()
+        saved = os.dup(1)
+        os.dup2(2, 1)
+        _report_stream = open(saved, "w", encoding="utf-8", closefd=False)  # noqa: SIM115 - closed below
+    else:
+        _report_stream = stdout
     console.file = sys.stderr
+    sys.stdout = sys.stderr
     try:
         yield
     finally:
+        sys.stdout = stdout
         console.file = None  # rich's default again: sys.stdout at the time of each print
+        if saved is not None:
+            try:
+                _report_stream.close()
+            except OSError:  # its reader left; `main` has said so
+                pass
+            os.dup2(saved, 1)
+            os.close(saved)
+        _report_stream = None
 
 
 def _unused_options(args: argparse.Namespace, plan) -> list[str]:
@@ -493,8 +524,9 @@ def _write_report(args: argparse.Namespace, report: dict) -> None:
     """--json FILE (atomically), or --json - (stdout)."""
     text = json.dumps(report, indent=2, default=float)
     if _json_to_stdout(args):
-        sys.stdout.write(text + "\n")
-        sys.stdout.flush()
+        stream = _report_stream or sys.stdout
+        stream.write(text + "\n")
+        stream.flush()
         return
     write_text_atomic(args.json, text, option="--json")
     console.print(f"report written to {args.json}")
