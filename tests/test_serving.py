@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -759,3 +760,22 @@ def test_a_bf16_request_runs_its_graphs_in_bf16(tmp_path) -> None:
     ranks = report["ranks"]
     assert all(rank["graph_dtypes"] == ["torch.bfloat16"] for rank in ranks), ranks
     assert report["numerics"]["ok"] and report["numerics"]["dtype"] == "bf16"
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_training_a_model_with_a_static_kv_cache_is_refused_before_planning(tmp_path, declared) -> None:
+    """--workload train of a model that writes a static KV cache in its forward (one that declares it with
+    step_inputs, or one whose captured attention reads the cache buffer it updates): refused at exit 2
+    naming why, before any plan; it used to plan, then fail in the run with autograd's "backward through
+    the graph a second time" and a traceback."""
+    text = (ROOT / "tests" / "models" / "kv_cache_index_put.py").read_text()
+    if not declared:  # the same model without step_inputs: only its captured graph says it has a cache
+        text = text.replace("step_inputs(", "_step_inputs(")
+    model = tmp_path / "cached.py"
+    model.write_text(text)
+    where = "it defines step_inputs" if declared else "its attention at cached.py:"
+    with pytest.raises(
+        InputError, match="--workload train: .* static KV cache " + re.escape(f"({where}")
+    ) as caught:
+        workflow.prepare(str(model), "train", batch_size=2, seq_len=8, context=None)
+    assert "Train a version of the model without the cache" in str(caught.value)

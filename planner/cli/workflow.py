@@ -103,6 +103,17 @@ class ServingRequest:
         return self.prompt_len + self.new_tokens
 
 
+# a training step through a static KV cache: the forward writes the cache buffers in place, which keeps
+# each step's autograd graph alive into the next one (the run failed in autograd, "backward through the
+# graph a second time")
+_TRAIN_WITH_CACHE = (
+    "--workload train: {model} is a model with a static KV cache ({where}), which a training step cannot "
+    "run: the forward writes the cache in place, and the next step's backward would reach the previous "
+    "step's graph through it. Train a version of the model without the cache (as examples/llama3.py is of "
+    "examples/llama3_kv.py), or plan this one for --workload forward, decode or generate"
+)
+
+
 def prepare(
     model_path: str,
     workload: str = "forward",
@@ -137,6 +148,8 @@ def prepare(
         )
     if new_tokens is not None:
         raise InputError("--new-tokens applies to --workload decode / generate of a model with a KV cache")
+    if workload == Workload.TRAIN and model_file.has_cache:
+        raise InputError(_TRAIN_WITH_CACHE.format(model=model_path, where="it defines step_inputs"))
     if workload == Workload.DECODE:
         if seq_len not in (None, 1):
             raise InputError(
@@ -156,6 +169,10 @@ def prepare(
             f"its input is sequence-first ({seq_len}, {batch_size}, ...) and the runtime splits the batch along dim 0"
         )
     if workload == Workload.TRAIN:
+        cached = next((a for layer in structure.layers if (a := layer.attention) and a.cache_bytes), None)
+        if cached is not None:
+            where = f"its attention at {cached.core_line} reads a cache buffer it writes in forward"
+            raise InputError(_TRAIN_WITH_CACHE.format(model=model_path, where=where))
         _record_attention_dropout(model, args, kwargs, graph, structure)
     unsplit = _unsplittable_batch(model_file, structure.batch_size, seq_len)
     if unsplit:  # the search keeps one replica and one micro-batch (as for a batch that mixes samples)
