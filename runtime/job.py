@@ -14,6 +14,7 @@ import torch
 from costmodels.calibrate import PROBE_MATMUL_SHAPE, SpeedProbe
 from costmodels.dtypes import DTYPE_BYTES, torch_dtype
 from passes import collectives
+from planner.errors import InputError
 from planner.frontend.capture import flat_inputs, input_batch_dims
 from planner.frontend.modelfile import ModelFile, load_model_file
 from planner.plan import DataParallel, Plan
@@ -172,7 +173,9 @@ def set_up_rank(ctx: RankContext, job: RunJob) -> RankSetup:
     check_dtype_runs(plan.dtype, ctx.device)
     full_args, full_kwargs = job_inputs(model_file, job, str(ctx.device))
     full_args, full_kwargs = cast_inputs(full_args, full_kwargs, plan.dtype)
-    batch_dims = job_batch_dims(job, model_file, len(flat_inputs(full_args, full_kwargs)))
+    batch_dims = job_batch_dims(
+        job, model_file, len(flat_inputs(full_args, full_kwargs)), splits=plan.dp * plan.micro_batches > 1
+    )
     args, kwargs = args_share(full_args, full_kwargs, plan.dp, groups.dp_rank, batch_dims)
     training = job.workload == "train"
     return RankSetup(
@@ -181,15 +184,25 @@ def set_up_rank(ctx: RankContext, job: RunJob) -> RankSetup:
     )  # fmt: skip
 
 
-def job_batch_dims(job: RunJob, model_file: ModelFile, num_inputs: int) -> tuple[int | None, ...]:
+def job_batch_dims(
+    job: RunJob, model_file: ModelFile, num_inputs: int, splits: bool = True
+) -> tuple[int | None, ...]:
     """Every graph input's batch dim: the job's, else found from the model file's example inputs at
-    the job's batch size and twice it (`input_batch_dims`). Raises InputError for inputs whose batch
-    dim cannot be found, ValueError when the job's list does not match the inputs."""
+    the job's batch size and twice it (`input_batch_dims`). `splits` False (one replica, one
+    micro-batch: nothing splits the batch): inputs whose batch dim cannot be found are given whole (a
+    file whose `example_inputs` takes no batch size; the planner kept such a batch whole). Raises
+    InputError for inputs whose batch dim cannot be found when the batch is split, ValueError when the
+    job's list does not match the inputs."""
     if job.input_batch_dims is not None:
         dims = tuple(job.input_batch_dims)
     else:
         batch = job.batch_size or 1  # any size shows which dim grows with the batch
-        dims = input_batch_dims(lambda b: model_file.inputs(b, job.seq_len, device="meta"), batch)
+        try:
+            dims = input_batch_dims(lambda b: model_file.inputs(b, job.seq_len, device="meta"), batch)
+        except InputError:
+            if splits:
+                raise
+            dims = (None,) * num_inputs
     if len(dims) != num_inputs:
         raise ValueError(f"the job gives {len(dims)} input batch dims for {num_inputs} inputs: {list(dims)}")
     return dims

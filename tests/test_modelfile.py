@@ -298,3 +298,33 @@ def test_functions_the_planner_cannot_call_name_their_own_line_and_the_signature
         InputError, match=r"M.forward \(.*model.py:9\).*example_kwargs\(\) gives 'bogus'.*x, mask"
     ):
         capture(bogus.build("meta"), args, kwargs)
+
+
+@pytest.mark.slow
+def test_example_inputs_without_size_arguments_plan_and_run_at_their_own_batch(tmp_path):
+    """`example_inputs()` taking no arguments ("may take", docs/model-files.md): planning uses its inputs,
+    and `--run` runs them (it asked for batch_size and seq_len, the plan's own, and failed after
+    planning); a size that differs from its inputs' is still refused, naming it."""
+    from tests.cli_in_process import planner_in_process  # noqa: PLC0415
+
+    path = write(
+        tmp_path,
+        """\
+        import torch
+
+        def build_model():
+            return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+
+        def example_inputs():
+            return (torch.randn(4, 16, 64),)
+        """,
+    )
+    mf = load_model_file(path)
+    assert mf.inputs(4, 16)[0][0].shape == (4, 16, 64)  # what the inputs already are: fine
+    with pytest.raises(InputError, match=r"does not accept batch_size, which was asked for \(batch_size=8\)"):
+        mf.inputs(8, 16)
+    run = ("optimize", str(path), "--cluster", "local-cpu", "--nproc", "2", "--run", "--iters", "1",
+           "--warmup", "0", "--min-time", "0")  # fmt: skip
+    result = planner_in_process(*run, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "max |sharded - unsharded| = 0" in result.stdout

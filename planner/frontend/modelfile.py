@@ -111,12 +111,7 @@ class ModelFile:
         params = inspect.signature(fn).parameters
         takes_var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
         missing = [k for k in overrides if k not in params and not takes_var_kw]
-        if missing:
-            raise InputError(
-                f"{self.path}: example_inputs() does not accept {', '.join(missing)}, which was asked for; "
-                f"give it keyword arguments, e.g.\n    def example_inputs(batch_size=2, seq_len=16): ..."
-            )
-        args = self._call("example_inputs", **overrides)
+        args = self._call("example_inputs", **{k: v for k, v in overrides.items() if k not in missing})
         if isinstance(args, torch.Tensor):
             args = (args,)
         if isinstance(args, list):
@@ -124,6 +119,18 @@ class ModelFile:
         if not isinstance(args, tuple):
             raise InputError(
                 f"{self.path}: example_inputs() returned {type(args).__name__}, expected a tuple of forward args"
+            )
+        # a size it does not take is fine when its inputs already have it (a run asks for the plan's
+        # batch and sequence, which came from these very inputs when no --batch-size / --seq-len was given)
+        first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
+        have = {"batch_size": first.shape[0] if first is not None else None,
+                "seq_len": first.shape[1] if first is not None and first.dim() > 1 else None}  # fmt: skip
+        differ = [k for k in missing if have[k] != overrides[k]]
+        if differ:
+            raise InputError(
+                f"{self.path}: example_inputs() does not accept {', '.join(differ)}, which was asked for "
+                f"({', '.join(f'{k}={overrides[k]}' for k in differ)}); give it keyword arguments, e.g.\n"
+                "    def example_inputs(batch_size=2, seq_len=16): ..."
             )
         kwargs: dict[str, Any] = {}
         if hasattr(self.module, "example_kwargs"):
