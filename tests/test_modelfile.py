@@ -328,3 +328,30 @@ def test_example_inputs_without_size_arguments_plan_and_run_at_their_own_batch(t
     result = planner_in_process(*run, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "max |sharded - unsharded| = 0" in result.stdout
+
+
+def test_inputs_too_large_for_memory_say_so_with_the_size_asked(tmp_path):
+    """A --batch-size whose example inputs cannot be allocated: one line naming the call, the bytes and what
+    to change, not the allocator's enforce-fail text."""
+    path = write(
+        tmp_path,
+        """\
+        import torch
+
+        def build_model():
+            return torch.nn.Linear(8, 8)
+
+        def example_inputs(batch_size=2, seq_len=16):
+            raise RuntimeError(
+                "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you "
+                "tried to allocate 25600000000 bytes. Error code 12 (Cannot allocate memory)"
+            )
+        """,
+    )
+    with pytest.raises(InputError) as caught:
+        load_model_file(path).inputs(100_000_000, 32)
+    said = str(caught.value)
+    assert (
+        "example_inputs(batch_size=100000000, seq_len=32) ran out of memory" in said and "(25.6 GB)" in said
+    )
+    assert "smaller --batch-size / --seq-len" in said and "enforce fail" not in said

@@ -25,6 +25,7 @@ import hashlib
 import importlib.util
 import inspect
 import os
+import re
 import sys
 import traceback
 from dataclasses import dataclass
@@ -203,6 +204,20 @@ class ModelFile:
         except PlannerError:
             raise
         except (Exception, SystemExit) as e:  # any error in user code -> one message naming the line
+            text = str(e)
+            if (
+                isinstance(e, MemoryError)
+                or "can't allocate memory" in text
+                or "out of memory" in text.lower()
+            ):
+                asked = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+                need = re.search(r"allocate (\d+) bytes", text)
+                size = f" ({int(need.group(1)) / 1e9:.1f} GB)" if need else ""
+                raise InputError(
+                    f"{self.path}: {name}({asked}) ran out of memory allocating what it returns{size}: the planner "
+                    "builds the model on the meta device, but this function's tensors as the file makes them; "
+                    "give a smaller --batch-size / --seq-len"
+                ) from None
             raise InputError(f"{self.path}: {name}() raised {_describe(e, self.path)}") from e
 
 
