@@ -267,3 +267,17 @@ def test_the_verdict_band_is_the_printed_ratios() -> None:
     assert agreement_line(1.0, 1.1033).endswith("= 1.10 (within 10%)")
     assert agreement_line(1.0, 1.106).endswith("= 1.11 (within 25%)")
     assert agreement_line(1.0, 0.905).endswith("= 0.91 (within 10%)")
+
+
+def test_advice_after_planner_run_does_not_name_an_option_run_lacks() -> None:
+    """`planner run` has no --cluster: a plan priced with a preset is advised to be re-planned with
+    `planner optimize` (without --cluster), while `planner optimize --run` is told to omit --cluster."""
+    import importlib
+
+    from costmodels.cluster import load_cluster
+
+    main = importlib.import_module("planner.cli.main")
+    local = load_cluster("local-cpu", nproc=2)
+    assert "omit --cluster" in main._advice("local-cpu", "local-cpu", local)
+    saved = main._advice("local-cpu", "local-cpu", local, saved=True)
+    assert "re-plan it with planner optimize without --cluster" in saved and "omit --cluster" not in saved

@@ -1048,9 +1048,10 @@ def _other_hardware(cluster) -> bool:
     return cluster.backend != ("nccl" if torch_devices() else "gloo")
 
 
-def _advice(cluster_option: str | None, planned_for: str, cluster) -> str:
+def _advice(cluster_option: str | None, planned_for: str, cluster, saved: bool = False) -> str:
     """What would make a far-off measured / predicted fair: recalibrating this machine's own spec, or
-    pricing the plan for this machine when it was priced for another cluster."""
+    pricing the plan for this machine when it was priced for another cluster. `saved`: the plan was
+    loaded by `planner run` (which has no --cluster: the advice is to re-plan)."""
     from costmodels.cluster import CALIBRATED_SPEC_NAME  # noqa: PLC0415
     from planner.cli import workflow  # noqa: PLC0415
     from planner.cli.render import RECALIBRATE  # noqa: PLC0415
@@ -1060,9 +1061,8 @@ def _advice(cluster_option: str | None, planned_for: str, cluster) -> str:
             f"the plan was priced for {planned_for}, not this machine: re-plan without --cluster to compare"
         )
     if cluster_option and planned_for != CALIBRATED_SPEC_NAME:
-        return (
-            f"the plan was priced with {cluster_option}; omit --cluster to use this machine's measured spec"
-        )
+        how = "re-plan it with planner optimize without --cluster" if saved else "omit --cluster"
+        return f"the plan was priced with {cluster_option}; {how} to use this machine's measured spec"
     if cluster_option and Path(cluster_option).parent != workflow.CACHE_DIR:
         # a spec file of the user's, written by `planner calibrate`: --recalibrate re-measures the cache only
         return f"re-measure {cluster_option} on a quiet machine (planner calibrate --out {cluster_option})"
@@ -1217,7 +1217,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.json:
         _write_report(args, report)
     _print_verdict(
-        plan, report, layer_table, _advice(plan.cluster_source or plan.cluster, plan.cluster, cluster)
+        plan,
+        report,
+        layer_table,
+        _advice(plan.cluster_source or plan.cluster, plan.cluster, cluster, saved=True),
     )
     return 0
 
