@@ -83,3 +83,18 @@ def test_the_megatron_baseline_trains_on_every_device_of_an_odd_node():
     configs = megatron_configs(spec, WorkloadSpec("train", 6, 64), _structure())
     assert configs and all(c.mesh.num_devices == 6 for c in configs)
     assert configs[0].mesh.pp == 1 and configs[0].mesh.dp == 6 // configs[0].mesh.tp
+
+
+def test_the_megatron_baseline_keeps_the_replicas_a_batch_divides():
+    """A training batch that the replicas the TP groups leave do not divide (batch 1, 5 or 4 over 6): the
+    hand-written layout keeps as many replicas as divide it, the other devices idle, as Megatron-LM's
+    --data-parallel-size must divide the global batch (the baseline was dropped without a word)."""
+    from planner.solver.baseline import megatron_configs  # noqa: PLC0415
+
+    spec = parse_cluster(THREE_PER_NODE, "test")
+    for batch in (1, 5, 4):
+        configs = megatron_configs(spec, WorkloadSpec("train", batch, 64), _structure())
+        assert configs, batch
+        first = configs[0].mesh
+        replicas = 6 // first.tp
+        assert first.pp == 1 and first.dp == max(d for d in range(1, replicas + 1) if batch % d == 0), first

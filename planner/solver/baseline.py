@@ -227,8 +227,8 @@ def megatron_configs(
         replicas = cluster.num_devices // tp
         for pp in (d for d in range(1, nodes + 1) if nodes % d == 0 and d <= num_layers):
             dp = replicas // pp
-            if workload.batch_size % dp:
-                continue
+            while dp > 1 and workload.batch_size % dp:  # a batch the replicas do not divide: fewer of
+                dp -= 1  # them (the rest idle), as --data-parallel-size must divide the global batch
             m = megatron_micro_batches(workload.batch_size // dp, pp, workload)
             configs.append(MeshConfig(MeshShape(tp, pp, dp), m))
     configs = [c for c in configs if workload.batch_size % (c.mesh.dp * c.micro_batches) == 0]
