@@ -159,7 +159,8 @@ def strategy_decisions(priced: PricedAssignment) -> list[Decision]:
                 if cheapest != chosen and options[cheapest] < options[chosen] * (1 - 1e-9):
                     reason = (
                         f"{cheapest} is {_percent(options[chosen] / options[cheapest] - 1)} faster in this table, which "
-                        "prices the block alone (not recomputation, memory, stages or ladder); the whole plan's "
+                        "prices the block alone (not the weights' gradient sync or optimizer step, recomputation, memory, "
+                        "stages or ladder); the whole plan's "
                         f"solve chose {chosen}"
                     )
                 reason += f"; {times}"
@@ -173,7 +174,10 @@ def strategy_decisions(priced: PricedAssignment) -> list[Decision]:
         options = {o.name: (o.compute_s + o.comm_s) * m for o in op.options}
         for name in op.excluded:
             options[name] = math.inf
-        reason = f"times: this op over the step's {m} micro-batch(es), on its stage; memory may favour the sharded option"
+        favour = "memory, the weights' gradient sync and optimizer step" if ctx.train else "memory"
+        reason = f"times: this op over the step's {m} micro-batch(es), on its stage; {favour} may favour the sharded option"
+        if op.block == "embedding" and ctx.structure.tied_lm_head and op.weight is not None:
+            reason += "; its weight is the LM head's (tied): one split for both"
         if op.excluded:
             reason += "; not offered: " + "; ".join(f"{n}: {why}" for n, why in op.excluded.items())
         decisions.append(Decision(op.name, choices[("ends", op.name)], options, reason))
@@ -498,7 +502,15 @@ def _dp_style_decision(
             f"; not allowed: {', '.join(refused)} (the embedding tied to the LM head across pipeline stages "
             "keeps its gradients whole)"
         )
-    return Decision("data-parallel", config.dp_label(), options, reason, peaks)
+    chosen = config.dp_label()
+    faster = [n for n, t in options.items() if t < options.get(chosen, math.inf)]
+    if faster and not pinned:
+        best = min(faster, key=options.get)
+        reason += (
+            f"; {best} saves {_percent(options[chosen] / options[best] - 1)} (< {FEATURE_MIN_SAVING:.1%} per level "
+            f"the runtime is asked more of: kept {chosen}, the simpler style)"
+        )
+    return Decision("data-parallel", chosen, options, reason, peaks)
 
 
 CP_VARIANT_TEXT = {
