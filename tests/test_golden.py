@@ -170,6 +170,10 @@ def test_infeasible_names_binding_constraint(h100) -> None:
         )
     message = str(info.value)
     assert "needs" in message and "devices have 79.6 GiB" in message and "would fit" in message
+    # the devices it would take are whole nodes, one count: "about 16 devices (2 nodes of 8"
+    devices = int(message.split("about ")[1].split(" devices")[0])
+    nodes = int(message.split(" devices (")[1].split(" nodes of 8")[0])
+    assert devices == 8 * nodes and devices > h100.num_devices
 
 
 def test_infeasible_with_recompute_pinned_off_prices_the_need_without_it(h100) -> None:

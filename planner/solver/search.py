@@ -1369,9 +1369,11 @@ def _infeasible(search: _Search) -> InfeasibleError:
         hints.append(f"activation recomputation (--recompute full, or leave --recompute {pinned} out)")
     if devices_needed > search.cluster.num_devices:  # else the bytes fit the cluster: not the binding limit
         across = "pp or context parallelism (--cp)" if search.workload.seq_len >= MIN_CP_SEQ_LEN else "pp"
+        nodes = math.ceil(
+            devices_needed / per_node
+        )  # whole nodes: "3 devices (2 nodes of 2)" read as two counts
         hints.append(
-            f"about {devices_needed} devices ({math.ceil(devices_needed / per_node)} nodes of {per_node}, e.g. "
-            f"{across} across them)"
+            f"about {nodes * per_node} devices ({nodes} nodes of {per_node}, e.g. {across} across them)"
         )
     if search.workload.kind is Workload.TRAIN:
         # weights, gradients and Adam state (mixed precision) of one rank, before any activation
