@@ -408,3 +408,5 @@ def test_why_says_an_embedding_tied_to_the_lm_head_takes_its_split() -> None:
     why = next(d for d in plan.decisions if d.subject == "embedding0")
     assert "its weight is the LM head's (tied): one split for both" in why.reason
     assert "gradient sync" not in why.reason  # a forward plan has none
+    position = next(d for d in plan.decisions if d.subject == "embedding1")  # its own weight
+    assert "tied" not in position.reason

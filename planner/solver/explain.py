@@ -176,7 +176,13 @@ def strategy_decisions(priced: PricedAssignment) -> list[Decision]:
             options[name] = math.inf
         favour = "memory, the weights' gradient sync and optimizer step" if ctx.train else "memory"
         reason = f"times: this op over the step's {m} micro-batch(es), on its stage; {favour} may favour the sharded option"
-        if op.block == "embedding" and ctx.structure.tied_lm_head and op.weight is not None:
+        head = ctx.structure.lm_head
+        if (
+            op.block == "embedding"
+            and ctx.structure.tied_lm_head
+            and head is not None
+            and op.weight == head.weight
+        ):
             reason += "; its weight is the LM head's (tied): one split for both"
         if op.excluded:
             reason += "; not offered: " + "; ".join(f"{n}: {why}" for n, why in op.excluded.items())

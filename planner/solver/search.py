@@ -1369,9 +1369,8 @@ def _infeasible(search: _Search) -> InfeasibleError:
         hints.append(f"activation recomputation (--recompute full, or leave --recompute {pinned} out)")
     if devices_needed > search.cluster.num_devices:  # else the bytes fit the cluster: not the binding limit
         across = "pp or context parallelism (--cp)" if search.workload.seq_len >= MIN_CP_SEQ_LEN else "pp"
-        nodes = math.ceil(
-            devices_needed / per_node
-        )  # whole nodes: "3 devices (2 nodes of 2)" read as two counts
+        # whole nodes, one count ("about 3 devices (2 nodes of 2" read as two)
+        nodes = math.ceil(devices_needed / per_node)
         hints.append(
             f"about {nodes * per_node} devices ({nodes} nodes of {per_node}, e.g. {across} across them)"
         )
