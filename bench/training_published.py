@@ -199,7 +199,10 @@ def megatron(console: Console) -> list[tuple[str, float]]:
             )  # fmt: skip
             plans[overlap] = plan_model(structure, cluster, work, pins[overlap])
         # the same pins with micro-batches of one sequence (the table does not give the micro-batch size)
-        one = plan_model(structure, cluster, replace(work, micro_batches=batch * tp * pp // gpus), pins[True])
+        per_replica = batch * tp * pp // gpus
+        one = plans[True]  # already one sequence per micro-batch (314B, 462B): the same plan
+        if one.micro_batches != per_replica:
+            one = plan_model(structure, cluster, replace(work, micro_batches=per_replica), pins[True])
         free, free_s = free_plan(structure, cluster, work, gpus)
         plan = plans[True]
         p = plan.predicted
