@@ -4,7 +4,9 @@
 
 Input: a captured graph and its analysis (`planner.frontend.analysis.analyse`: `Layer.moe`, found by
 `planner.frontend.moe`), after the tensor-parallel pass (which keeps the router and the experts
-replicated). For every MoE block the model's own routing is kept (router, score function, bias,
+replicated; under sequence parallelism it gathers the block's tokens where the block merges batch and
+sequence, before its router, so the TP ranks route the same tokens: a router reading the sequence shard
+is refused with experts split over TP). For every MoE block the model's own routing is kept (router, score function, bias,
 group limit, top-k, the weights' normalisation: whatever the model computes) and what follows it is
 replaced: the routed experts' computation from the top-k to the combine (`MoE.combine_node`, where
 the routed outputs are one (N, H) row per token again) becomes one call of
@@ -130,6 +132,16 @@ def _rewrite_block(
     router = nodes[moe.router.node]
     x = router.args[0]
     tokens, hidden = tuple(x.meta["val"].shape)
+    placement = x.meta.get("tp_placement", "Replicate()")
+    if (fold == "tp" or tp_spec[0] > 1) and placement != "Replicate()":
+        # sequence parallelism gathers a block's tokens where it merges batch and sequence before its
+        # router (every MoE form this pass knows); a router reading the sequence shard would give each
+        # TP rank other tokens, which split experts cannot combine
+        raise InputError(
+            f"expert parallelism: {where}'s router reads {x.name} as {placement} over the TP ranks, but experts "
+            "split over the TP ranks need the same tokens on every one of them; plan it with --expert-tp 1 "
+            "(or --sequence-parallel off)"
+        )
     if not any(nodes[n].target is torch.ops.aten.silu.default for n in moe.expert_nodes if n in nodes):
         raise InputError(
             f"expert parallelism: {where}'s experts are not SwiGLU MLPs (no SiLU between their gate and "

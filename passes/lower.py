@@ -205,19 +205,10 @@ def check_runnable(plan: Plan, structure: ModelStructure, training: bool) -> Non
             f"the plan's field '{field}' is {value}, but the model has no mixture-of-experts layer: there are no "
             f"experts to split; set {field}: 1"
         )
-    if (
-        plan.sequence_parallel
-        and plan.tp > 1
-        and (plan.ep > 1 and plan.ep_fold == "tp" or plan.expert_tp > 1)
-    ):
-        field, fix = (
-            ("'ep_fold' (tp)", "ep_fold: dp")
-            if plan.ep > 1 and plan.ep_fold == "tp"
-            else (f"'expert_tp' ({plan.expert_tp})", "expert_tp: 1")
-        )
+    if plan.sequence_parallel and plan.tp > 1 and plan.ep > 1 and plan.ep_fold == "tp":
         raise InputError(
-            f"the plan's fields {field} and 'sequence_parallel' cannot both be set: experts split over the TP "
-            f"ranks need the same tokens on every TP rank, which sequence parallelism cuts; set "
-            f"sequence_parallel: false or {fix}"
+            "the plan's fields 'ep_fold' (tp) and 'sequence_parallel' cannot both be set: EP over the TP ranks "
+            "splits the experts between ranks that must route the same tokens, which sequence parallelism cuts; "
+            "set sequence_parallel: false or ep_fold: dp"
         )
     recompute_of_layers(structure, plan.recompute)  # raises for keys that name no layer class

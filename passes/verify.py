@@ -16,8 +16,9 @@ replica 0:
 
 A gather is *planned* (already priced by the ILP as an S->R conversion) when it feeds a projection,
 when it gathers a projection's output (the LM head's logits, a colwise output into a replicated
-consumer), or when it happens inside an attention core or MLP activation the plan keeps replicated
-(a layer's, or a projection chain's gap: `ModelStructure.chain_gaps`).
+consumer), when it happens inside an attention core or MLP activation the plan keeps replicated
+(a layer's, or a projection chain's gap: `ModelStructure.chain_gaps`), or, under sequence parallelism,
+when it gathers a mixture-of-experts block's input for its router (`costing.moe_sequence_gather_s`).
 
 Deep models are captured for planning through a representative slice of their repeated layers
 (`planner.frontend.depth`): the slice is lowered once per distinct per-layer configuration (split
@@ -188,6 +189,9 @@ def _planned(fb: PassFallback, node: fx.Node, structure: ModelStructure, plan: P
         projections.add(structure.lm_head.node)
     if node.name in projections:  # a projection's replicated input: the ILP priced the S->R
         return True
+    routers = {layer.moe.router.node for layer in structure.layers if layer.moe is not None}
+    if plan.sequence_parallel and routers and _feeds(node, routers):
+        return True  # a MoE block's input gathered for its router (`costing.moe_sequence_gather_s`)
     # inside a block the plan carries sharded (an activation or an attention core), a gather is
     # planned only where the plan keeps that block replicated, whatever it gathers: a projection's
     # output gathered for a softmax or a norm that reads it directly is no less a fallback
@@ -214,6 +218,20 @@ def _planned(fb: PassFallback, node: fx.Node, structure: ModelStructure, plan: P
         break
     # elsewhere, a projection's output gathered into a replicated consumer (the LM head's logits)
     return all(g in projections for g in fb.gathered)
+
+
+_SHAPE_OPS = frozenset({"aten.view", "aten.reshape", "aten._unsafe_view", "aten.flatten", "aten.contiguous"})
+
+
+def _feeds(node: fx.Node, targets: set[str], depth: int = 4) -> bool:
+    """Whether `node`'s output reaches a node named in `targets` through at most `depth` reshapes."""
+    frontier = [node]
+    for _ in range(depth):
+        users = [u for n in frontier for u in n.users]
+        if any(u.name in targets for u in users):
+            return True
+        frontier = [u for u in users if str(getattr(u.target, "overloadpacket", u.target)) in _SHAPE_OPS]
+    return False
 
 
 def _price(

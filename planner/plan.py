@@ -469,11 +469,13 @@ class Plan:
     # token moves (vLLM's --enable-expert-parallel at data-parallel size 1; serving).
     ep: int = 1
     ep_fold: str = "dp"
-    # expert tensor parallelism (ep_fold dp only): 1 keeps each expert whole on every TP rank (the same
+    # expert tensor parallelism (ep_fold dp, or ep 1): 1 keeps each expert whole on every TP rank (the same
     # tokens, the same experts: replicated work); tp splits every routed expert over the TP ranks as a
     # Megatron MLP (gate / up column-parallel, down row-parallel along the expert width), the experts'
     # partial outputs all-reduced over TP after the combine (Megatron-Core's
-    # --expert-tensor-parallel-size, torchtitan's expert_tensor_parallel_degree)
+    # --expert-tensor-parallel-size, its default at EP 1; torchtitan's expert_tensor_parallel_degree; vLLM's
+    # fused MoE without --enable-expert-parallel). Under sequence parallelism the block's tokens are
+    # gathered before its router, so every TP rank routes all of them (`passes.ep_lower`)
     expert_tp: int = 1
     # the routing a MoE plan was priced with (`planner.solver.problem.WorkloadSpec`, --moe-imbalance,
     # --moe-capacity-factor): the busiest EP rank's rows over the mean, and the capacity factor of a
@@ -585,11 +587,8 @@ class Plan:
 
     def ep_text(self) -> str:
         """Expert parallelism as a user reads it: "off", "8 over dp", "8 over tp", "8 over dp, experts split
-        over tp 4" (`expert_tp` > 1)."""
-        if self.ep == 1:
-            return "off"
-        split = f", experts split over tp {self.expert_tp}" if self.expert_tp > 1 else ""
-        return f"{self.ep} over {self.ep_fold}{split}"
+        over tp 4", "off, experts split over tp 4" (`ep_text`)."""
+        return ep_text(self.ep, self.ep_fold, self.expert_tp)
 
     @property
     def micro_batch_size(self) -> float:
@@ -834,7 +833,7 @@ class Plan:
             raise bad(
                 "expert_tp",
                 f"is {self.expert_tp}: the routed experts are either whole on every TP rank (1) or split over "
-                f"all mesh.tp={self.mesh.tp} ranks, and only when EP folds over dp (ep_fold {self.ep_fold}); "
+                f"all mesh.tp={self.mesh.tp} ranks, without EP or with EP over dp (ep_fold {self.ep_fold}); "
                 "set expert_tp: 1",
             )
         dense = self.model_params > 0 and self.num_experts == 0 and self.expert_params == 0
@@ -1013,6 +1012,13 @@ class Plan:
         unknown = sorted(set(self.ladder_layers) - set(flat))
         if unknown:
             raise bad("ladder_layers", f"layers {unknown} are in no stage")
+
+
+def ep_text(ep: int, fold: str, expert_tp: int) -> str:
+    """Expert parallelism as a user reads it: "off", "8 over dp", "8 over tp", "8 over dp, experts split
+    over tp 4", and without EP "off, experts split over tp 4" (each expert split over the TP ranks)."""
+    split = f", experts split over tp {expert_tp}" if expert_tp > 1 else ""
+    return f"off{split}" if ep == 1 else f"{ep} over {fold}{split}"
 
 
 def cp_text(cp: int, comm_type: str, load_balance: bool) -> str:

@@ -453,6 +453,8 @@ def run_decode_rank(ctx: RankContext, job: DecodeJob) -> DecodeRankReport:
         )
     groups = build_rank_groups(plan.mesh, ctx.device.type)
     collectives.register_group("tp", groups.group("tp"))
+    # experts split over the TP ranks without EP (`Plan.expert_tp`) dispatch over a one-rank "ep" axis
+    collectives.register_group("ep", groups.group("ep"))
     startup = current_memory_bytes(ctx.device)
     with shared_reference(ctx, job, make=write_decode_reference) as ref:
         report = _serve_rank(ctx, job, plan, groups, ref)
@@ -530,10 +532,15 @@ def _serve_rank(
             else f"the unsharded reference was built on {ref.made_on}: its peak memory includes the whole model"
         ],
     )
-    if plan.ep > 1:
+    if plan.ep > 1 or plan.expert_tp > 1:
+        held = (
+            f"1/{plan.ep} of its experts (split over the {plan.ep_fold} ranks)"
+            if plan.ep > 1
+            else f"1/{plan.expert_tp} of every expert (each split over the TP ranks, its outputs all-reduced)"
+        )
         report.notes.append(
             f"expert parallelism applied: each MoE block's {len(gp.meta.get('ep_params', []))} expert weight(s) on "
-            f"this rank hold 1/{plan.ep} of its experts (split over the {plan.ep_fold} ranks); "
+            f"this rank hold {held}; "
             + (expert_load_notes_of(gd, ctx.rank) or ["no routed tokens recorded"])[0]
         )
     if job.weights:

@@ -28,7 +28,7 @@ from planner.cli.main import main
 from planner.cli.workflow import prepare
 from planner.errors import InputError
 from planner.export import export_plan
-from planner.plan import DataParallel, MeshShape, Plan
+from planner.plan import DataParallel, MeshShape, Plan, Workload
 from planner.solver.costing import (
     CostContext,
     build_layer_graph,
@@ -339,14 +339,13 @@ def test_a_pinned_expert_tp_other_than_1_or_tp_is_refused_in_one_line() -> None:
     for pins, words in (
         (dict(tp=4, expert_tp=2), ["--expert-tp 2", "--tp 4"]),
         (dict(expert_tp=2, ep_fold="tp"), ["--expert-tp 2", "--ep-fold tp"]),
-        (dict(expert_tp=2, ep=1), ["--expert-tp 2", "--ep 1"]),
     ):
         with pytest.raises(InputError) as e:
             Constraints(**pins)
         assert "\n" not in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
-    with pytest.raises(InputError, match="--expert-tp 2: no mesh"):
+    with pytest.raises(InputError, match="--expert-tp 2: no mesh of at most 1 devices has tp=2"):
         plan_model(_tiny(), load_cluster("dgx-h100"), WorkloadSpec("train", 8, 16, dtype="bf16"),
-                   Constraints(expert_tp=2, dp=1))  # fmt: skip
+                   Constraints(expert_tp=2, max_devices=1))  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -354,7 +353,6 @@ def test_a_pinned_expert_tp_other_than_1_or_tp_is_refused_in_one_line() -> None:
     [
         (["--tp", "2", "--expert-tp", "4"], ["--expert-tp 4", "--tp 2"]),
         (["--expert-tp", "2", "--ep-fold", "tp"], ["--expert-tp 2", "--ep-fold tp"]),
-        (["--expert-tp", "2", "--sequence-parallel", "on"], ["--expert-tp 2", "--sequence-parallel on"]),
     ],
 )
 def test_cli_refuses_a_bad_expert_tp_with_exit_code_2(args, words, capsys) -> None:
@@ -404,20 +402,69 @@ def test_the_refusal_of_non_swiglu_experts_names_the_op_and_the_model_line(monke
     assert "runs SwiGLU experts only; use --ep 1" in err and "Traceback" not in err, err
 
 
-def test_the_search_never_splits_experts_over_tp_under_sequence_parallelism(capsys) -> None:
-    """Experts split over the TP ranks need every TP rank's tokens, which sequence parallelism cuts, and
-    the lowering refuses the pair: the search offers split experts only with sequence parallelism off
-    (Mixtral on two nodes chose both and was refused by its own check, exit 2). A plan edited to both
-    is refused naming expert_tp."""
-    rc = main(["optimize", str(EXAMPLES / "mixtral_8x7b.py"), "--cluster", "h100-ib-2node", "--workload", "train",
-               "--dtype", "bf16", "--batch-size", "16", "--seq-len", "4096"])  # fmt: skip
-    out = capsys.readouterr()
-    assert rc == 0, out.err
-    prepared = prepare(str(EXAMPLES / "mixtral_8x7b.py"), "train", batch_size=16, seq_len=4096, dtype="bf16")
-    plan = plan_model(prepared.structure, load_cluster("h100-ib-2node"), prepared.workload, Constraints())
-    assert plan.expert_tp > 1 and not plan.sequence_parallel  # split experts, so sequence parallelism off
+def test_experts_split_over_tp_run_under_sequence_parallelism_and_fold_tp_does_not() -> None:
+    """Sequence parallelism gathers a MoE block's tokens before its router (`passes.ep_lower`), so experts
+    split over the TP ranks (Megatron-Core's default, --expert-tensor-parallel-size = TP) run with it: a
+    plan with both passes the lowering's check (it was refused, and the search never offered the pair).
+    EP over the TP ranks under sequence parallelism is still refused, naming ep_fold."""
     from passes.lower import check_runnable  # noqa: PLC0415
 
-    edited = dataclasses.replace(plan, sequence_parallel=True)
-    with pytest.raises(InputError, match=r"'expert_tp' \(2\) and 'sequence_parallel'.*expert_tp: 1"):
+    prepared = prepare(str(EXAMPLES / "mixtral_8x7b.py"), "train", batch_size=16, seq_len=4096, dtype="bf16")
+    cluster = load_cluster("h100-ib-2node")
+    plan = plan_model(
+        prepared.structure, cluster, prepared.workload, Constraints(tp=2, ep=1, sequence_parallel=True)
+    )
+    assert plan.expert_tp == 2 and plan.sequence_parallel and plan.ep == 1, plan.layout_summary()
+    check_runnable(plan, prepared.structure, True)
+    edited = dataclasses.replace(plan, ep=2, ep_fold="tp", expert_tp=1)
+    with pytest.raises(InputError, match=r"'ep_fold' \(tp\) and 'sequence_parallel'.*ep_fold: dp"):
         check_runnable(edited, prepared.structure, True)
+
+
+def test_the_hand_written_baselines_split_the_experts_over_tp() -> None:
+    """The Megatron and torchtitan baselines of a MoE model run its experts split over their TP ranks
+    (Megatron-Core's --expert-tensor-parallel-size defaults to TP; torchtitan and vLLM shard experts over
+    TP where EP is 1). They kept every expert whole on each TP rank: Mixtral training on two nodes priced
+    339 GiB per rank (does not fit), and decoding at TP 8 each rank held every expert's weights."""
+    cluster = load_cluster("h100-ib-2node")
+    prepared = prepare(str(EXAMPLES / "mixtral_8x7b.py"), "train", batch_size=16, seq_len=4096, dtype="bf16")
+    plan = plan_model(prepared.structure, cluster, prepared.workload, Constraints())
+    for name, layout, priced in (
+        ("megatron", plan.baseline_layout, plan.baseline),
+        ("torchtitan", plan.torchtitan_layout, plan.torchtitan_baseline),
+    ):
+        assert priced is not None and layout["tp"] == "8", (name, layout)
+        assert layout["expert_parallel"] == "off, experts split over tp 8", (name, layout)
+        assert priced.peak_memory_bytes <= 71.6 * 2**30, (name, priced.peak_memory_bytes / 2**30)
+    serving = prepare(str(EXAMPLES / "mixtral_8x7b.py"), "decode", batch_size=8, context=512, dtype="bf16")
+    plan = plan_model(serving.structure, load_cluster("dgx-h100"), serving.workload, Constraints())
+    weights = serving.structure.num_params * 2
+    assert plan.baseline_layout["expert_parallel"] == "off, experts split over tp 8"
+    assert plan.baseline.peak_memory_bytes < 1.5 * weights / 8, plan.baseline.peak_memory_bytes / 2**30
+
+
+def test_exports_of_experts_split_over_tp_without_ep() -> None:
+    """Experts split over TP without EP is each tool's default MoE layout: Megatron-Core exports it as
+    --expert-tensor-parallel-size tp, vLLM without --enable-expert-parallel and without the warning that the
+    plan keeps the experts whole (which it gave for every MoE plan without EP); the same plan with the
+    experts whole warns for vLLM and torchtitan, whose layouts split them."""
+
+    def tp2(**pins) -> Plan:
+        return plan_model(
+            _mixtral(), load_cluster("h100-ib-128node"), WorkloadSpec("train", 256, 4096, dtype="bf16"),
+            Constraints(max_devices=64, tp=2, ep=1, **pins),
+        )  # fmt: skip
+
+    split, whole = tp2(), tp2(expert_tp=1)
+    assert split.ep == 1 and split.expert_tp == 2, split.layout_summary()
+    megatron = export_plan(split, "megatron")
+    assert (
+        "--expert-tensor-parallel-size 2" in megatron.text
+        and "--expert-model-parallel-size 1" in megatron.text
+    )
+    served = dataclasses.replace(split, workload=Workload.DECODE)
+    assert not any("experts whole" in w for w in export_plan(served, "vllm").warnings)
+    served_whole = dataclasses.replace(whole, workload=Workload.DECODE)
+    assert any("experts whole" in w for w in export_plan(served_whole, "vllm").warnings)
+    assert any("experts whole" in w for w in export_plan(whole, "torchtitan").warnings)
+    assert not any("experts whole" in w for w in export_plan(split, "torchtitan").warnings)

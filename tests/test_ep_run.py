@@ -89,6 +89,8 @@ TWO_RANK = {  # label: (model, plan kwargs)
     "ep2_over_tp2_mixtral": (MIXTRAL, dict(tp=2, dp=1, ep=2, ep_fold="tp")),
     "ep2_over_tp2_gptfast_forward": (GPTFAST, dict(tp=2, dp=1, ep=2, ep_fold="tp", workload="forward")),
     "expert_tp2_gptfast": (GPTFAST, dict(tp=2, dp=1, ep=1, expert_tp=2)),
+    # Megatron-Core's default MoE layout at TP 2: sequence parallelism, experts split over TP, no EP
+    "sp_expert_tp2_mixtral": (MIXTRAL, dict(tp=2, dp=1, ep=1, expert_tp=2, sequence_parallel=True)),
 }
 FOUR_RANK = {
     "tp2_ep2_modulelist": (MODULELIST, dict(tp=2, dp=2, ep=2)),
@@ -155,6 +157,20 @@ def test_the_pass_keeps_this_ranks_experts_and_the_models_routing() -> None:
     )
 
 
+def test_experts_split_over_tp_are_refused_where_the_router_reads_a_sequence_shard() -> None:
+    """Split experts need every TP rank to route the same tokens: sequence parallelism gathers them before
+    the router in every MoE form the pass knows, and a router left on a sequence shard is refused naming the
+    block and --expert-tp 1 (rather than combining other ranks' tokens)."""
+    model_file = load_model_file(MODELS / MIXTRAL)
+    gm = capture(model_file.build("meta"), *model_file.inputs(2, SEQ))
+    structure = analyse(gm)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    moe = next(layer.moe for layer in structure.layers if layer.moe is not None)
+    nodes[moe.router.node].args[0].meta["tp_placement"] = "Shard(0)"
+    with pytest.raises(InputError, match=rf"{moe.module_path}'s router reads .* Shard\(0\).*--expert-tp 1"):
+        apply_expert_parallel(gm, structure, 1, 0, expert_tp=2, tp_rank=0)
+
+
 def test_an_ep_that_does_not_divide_the_experts_is_refused() -> None:
     model_file = load_model_file(MODELS / GPTFAST)
     gm = capture(model_file.build("meta"), *model_file.inputs(2, SEQ))
@@ -172,18 +188,23 @@ def test_tokens_per_expert_are_reported_per_rank(two_rank: dict) -> None:
 
 @pytest.mark.slow
 def test_a_served_moe_decodes_the_same_tokens_with_experts_split_over_tp() -> None:
-    """tests/models/tiny_mixtral_kv.py served at TP2 with its 4 experts split over the 2 TP ranks (ep 2,
-    ep_fold tp: vLLM's --enable-expert-parallel): the greedy tokens are the unsharded model's."""
+    """tests/models/tiny_mixtral_kv.py served at TP2 with each of its 4 experts split over the 2 TP ranks
+    (expert_tp 2, as planned: vLLM's default) and with the experts split between them (ep 2, ep_fold tp:
+    vLLM's --enable-expert-parallel): the greedy tokens are the unsharded model's."""
     from planner.cli import workflow  # noqa: PLC0415
 
     model = str(MODELS / "tiny_mixtral_kv.py")
     prepared = workflow.prepare(model, "decode", context=8, new_tokens=4)
     cluster = workflow.resolve_cluster(str(MODELS / "midlink-cpu.yaml"), 2)
     plan = workflow.make_plan(prepared, cluster, workflow.constraints_from(2, 1, 1, "none"), model)
-    plan = dataclasses.replace(plan, ep=2, ep_fold="tp")
-    run = workflow.run_serving(plan, model, 2, iters=1, warmup=0, timeout_s=240)
-    assert run["numerics"]["tokens_identical"] and run["numerics"]["ok"], run["numerics"]
-    assert any("expert parallelism applied" in n for n in run["measured"]["notes"]), run["measured"]["notes"]
+    # as planned: each expert split over the TP ranks, no EP (vLLM's fused MoE without EP); then EP over TP
+    assert plan.ep == 1 and plan.expert_tp == 2, plan.layout_summary()
+    for layout in (plan, dataclasses.replace(plan, ep=2, ep_fold="tp", expert_tp=1)):
+        run = workflow.run_serving(layout, model, 2, iters=1, warmup=0, timeout_s=240)
+        assert run["numerics"]["tokens_identical"] and run["numerics"]["ok"], run["numerics"]
+        assert any("expert parallelism applied" in n for n in run["measured"]["notes"]), run["measured"][
+            "notes"
+        ]
 
 
 @pytest.mark.slow

@@ -133,7 +133,7 @@ def render_plan(console: Console, plan: Plan) -> None:
         f"{plan.micro_batches} micro-batch(es)"
         + (f" ({plan.schedule} schedule)" if plan.pp > 1 else "")
         + (f"; context parallelism {plan.cp_text()}" if plan.cp > 1 else "")
-        + (f"; expert parallelism {plan.ep_text()}" if plan.ep > 1 else "")
+        + (f"; expert parallelism {plan.ep_text()}" if plan.ep > 1 or plan.expert_tp > 1 else "")
         + f"; ladder residual on layers {layer_ranges(plan.ladder_layers) or 'none'}"
     )
     m = plan.micro_batches

@@ -205,6 +205,12 @@ def _expert_parallel(
     to write) of a plan with ep > 1 (module docstring): the shard degree raised to the least divisor of
     dp holding EP where the exported one does not, with warnings. No fields for ep 1."""
     if plan.ep == 1:
+        if plan.num_experts and plan.tp > 1 and plan.expert_tp == 1:
+            warnings.append(
+                f"the plan keeps the experts whole on every rank (no expert parallelism); torchtitan shards each "
+                f"expert over the tp={plan.tp} TP ranks where EP is 1: its expert time and memory differ from the "
+                f"plan's (a plan with --expert-tp {plan.tp} is torchtitan's layout)"
+            )
         return {}, replicate, shard, reshard
     etp = plan.tp if version == "0.2" and plan.ep_fold == "dp" else 1
     fields: dict[str, object] = {"expert_parallel_degree": plan.ep}

@@ -111,7 +111,7 @@ def vllm_engine_args(
     if plan.ep > 1:
         args["enable_expert_parallel"] = True
         warnings += _expert_warnings(plan)
-    elif plan.num_experts and plan.tp > 1:
+    elif plan.num_experts and plan.tp > 1 and plan.expert_tp == 1:
         warnings.append(
             f"the plan keeps the experts whole on every rank (no expert parallelism); vLLM splits each expert over "
             f"the tp={plan.tp} TP ranks instead (its fused MoE's tensor parallelism): its expert time and memory "

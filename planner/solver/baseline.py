@@ -4,7 +4,8 @@ Megatron's recipe (Shoeybi et al. 2019; Narayanan et al. 2021): TP = the devices
 largest degree that divides the heads and the node), PP = the number of nodes, DP = 1 (training on
 several nodes: the fewest stages that fit memory, DP over the other nodes, `megatron_configs`); attention
 head-parallel (Q/K/V column-wise, output row-wise), MLP column-then-row, embedding and LM head
-vocab-parallel, layers split evenly over stages, no ladder residual. Where a split is not
+vocab-parallel, layers split evenly over stages, no ladder residual; a mixture of experts' routed
+experts split over the TP ranks without expert parallelism (`split_experts`: each tool's default). Where a split is not
 possible (e.g. KV heads not divisible), that op stays replicated, as a careful hand-written plan would.
 
 Training, as an expert writes it today (Korthikanti et al. 2022; Megatron-LM's recommended flags
@@ -22,7 +23,7 @@ import math
 from costmodels.cluster import ClusterSpec
 from planner.frontend.analysis import ModelStructure
 from planner.plan import DataParallel, Layout, MeshShape, Recompute, Schedule, Workload
-from planner.solver.costing import CostTables, LayerGraph, interleaved_chunks
+from planner.solver.costing import CostTables, LayerGraph, experts_lowerable, interleaved_chunks
 from planner.solver.prediction import PricedAssignment, predict
 from planner.solver.problem import Assignment, MeshConfig, WorkloadSpec
 
@@ -234,8 +235,25 @@ def megatron_configs(
     configs = [c for c in configs if workload.batch_size % (c.mesh.dp * c.micro_batches) == 0]
     tokens = structure.stream_tokens(workload.seq_len)
     return [
-        _expert_training(c, num_layers, workload, all(t % c.mesh.tp == 0 for t in tokens)) for c in configs
+        _expert_training(
+            split_experts(c, structure), num_layers, workload, all(t % c.mesh.tp == 0 for t in tokens)
+        )
+        for c in configs
     ]
+
+
+def split_experts(config: MeshConfig, structure: ModelStructure) -> MeshConfig:
+    """`config` with a mixture-of-experts model's routed experts split over its TP ranks (`MeshConfig.expert_tp`
+    = tp), as the hand-written layouts run them without expert parallelism: Megatron-LM's
+    --expert-tensor-parallel-size defaults to --tensor-model-parallel-size (megatron/training/arguments.py
+    validate_args; megatron/core/parallel_state.py builds the expert groups so), torchtitan puts the experts
+    on its TP mesh with its `TensorParallel` style where there is no EP mesh (torchtitan's MoE
+    `apply_moe_ep_tp`), and vLLM's fused MoE splits each expert over the TP ranks unless
+    --enable-expert-parallel. Unchanged at tp 1, for a dense model, and where the expert pass cannot split
+    the experts (`experts_lowerable`: then they stay whole on every TP rank, as the search keeps them)."""
+    if config.mesh.tp > 1 and config.ep == 1 and experts_lowerable(structure):
+        return dataclasses.replace(config, expert_tp=config.mesh.tp)
+    return config
 
 
 # Megatron-LM's context parallelism as its users turn it on for long sequences: `--context-parallel-size`
@@ -307,7 +325,7 @@ def _expert_training(
     return MeshConfig(
         mesh, m, chosen, v, sequence_parallel=sp, dp_style=style, tp_comm_overlap=sp,
         overlap_grad_reduce=mesh.dp_cp > 1, overlap_param_gather=mesh.dp_cp > 1,
-        cp_comm_type=config.cp_comm_type, cp_load_balance=config.cp_load_balance,
+        cp_comm_type=config.cp_comm_type, cp_load_balance=config.cp_load_balance, expert_tp=config.expert_tp,
     )  # fmt: skip
 
 
@@ -362,6 +380,6 @@ def torchtitan_configs(
             # torchtitan's "default" reshard policy: reshard after forward unless pipelined (one gather
             # per micro-batch would be too many)
             config = MeshConfig(MeshShape(tp, pp, dp), m, schedule, 1, sp, style, None, pp == 1, async_tp)
-            out.append((config, r))
+            out.append((split_experts(config, structure), r))
         pp *= 2
     return out

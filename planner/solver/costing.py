@@ -54,8 +54,8 @@ token exchange in `LayerGraph.fixed_comm_s` (`expert_comm_time_s`), E / ep exper
 static bytes (`expert_param_bytes`); over dp x cp their gradients are reduced, and their states
 sharded, over the dp x cp / ep ranks holding the same experts (`CostContext.experts_context`,
 `LayerGraph.expert_grad_bytes`, `expert_static_bytes`). A dense model prices as before. Expert tensor
-parallelism (`MeshConfig.expert_tp` = tp, EP over dp x cp only; `CostContext.expert_tp`): each expert
-is a Megatron MLP split over the TP ranks along its width I (`expert_split`), so its GEMMs run 1/tp of
+parallelism (`MeshConfig.expert_tp` = tp, without EP or with EP over dp x cp; `CostContext.expert_tp`;
+Megatron-Core's default at TP > 1): each expert is a Megatron MLP split over the TP ranks along its width I (`expert_split`), so its GEMMs run 1/tp of
 the FLOP at the narrower width, its weights, gradients, optimizer state and I-wide activations are
 divided by tp, and one all-reduce of the tokens x H output over TP per layer (and one of the input
 gradient in training) joins the exchange; expert_tp 1 prices the experts whole on every TP rank.
@@ -334,7 +334,7 @@ class CostContext:
     @property
     def expert_tp(self) -> int:
         """TP ranks each routed expert is split over (`MeshConfig.expert_tp`): tp when the config splits
-        them and EP folds over dp x cp, else 1 (every TP rank holds each of its experts whole)."""
+        them without EP or with EP over dp x cp, else 1 (every TP rank holds each of its experts whole)."""
         config = self.config
         return config.expert_tp if config.expert_tp > 1 and config.ep_fold == "dp" and self.mesh.tp > 1 else 1
 
@@ -1351,6 +1351,29 @@ def expert_comm_time_s(layer: Layer, ctx: CostContext) -> float:
     return exchange + ctx.node_overhead_time(3) + expert_tp_reduce_s(layer, ctx)
 
 
+def moe_sequence_gather_bytes(layer: Layer, ctx: CostContext) -> float:
+    """Under sequence parallelism, the full size in bytes of a mixture-of-experts block's input per
+    micro-batch, tokens x H, which the TP pass all-gathers from the sequence shards where the block merges
+    batch and sequence before its router (`passes.tensor_parallel`: a reshape merging B and T needs the
+    whole sequence), so every TP rank routes all the tokens (`passes.ep_lower`); 0 for a dense layer or
+    without sequence parallelism. The router, the routed experts and the combine then run on all of
+    them; the output goes back to this rank's sequence shard by a slice."""
+    if layer.moe is None or not ctx.sequence_parallel:
+        return 0.0
+    return ctx.tokens * layer.moe.hidden_size * ctx.bytes_per_element
+
+
+def moe_sequence_gather_s(layer: Layer, ctx: CostContext) -> float:
+    """Seconds per micro-batch of the all-gather of `moe_sequence_gather_bytes` over the TP ranks, and in
+    training of its backward reduce-scatter (one more graph node each way); 0 where there is none."""
+    nbytes = moe_sequence_gather_bytes(layer, ctx)
+    if not nbytes:
+        return 0.0
+    return ctx.comm_factor * all_gather_time_s(nbytes, ctx.tp_group(), ctx.cluster) + ctx.node_overhead_time(
+        1
+    )
+
+
 def expert_param_bytes(layer: Layer, ctx: CostContext) -> float:
     """Bytes of the routed experts' weights one rank holds, in the planned dtype: E / ep experts' (the
     whole of each with `CostContext.expert_tp` 1; 1 / expert_tp of each when split over TP)."""
@@ -1380,6 +1403,42 @@ def expert_grad_weight(ctx: CostContext) -> float:
         return 1.0
     dense = gradient_sync_cost(ctx).beta_s_per_byte
     return gradient_sync_cost(ctx.experts_context()).beta_s_per_byte / dense if dense > 0 else 1.0
+
+
+def experts_not_swiglu(structure: ModelStructure) -> str:
+    """Why the expert-parallel rewrite (`passes.ep_lower`), which runs bias-free SwiGLU experts weighed by
+    the routing weights, would compute something else for the first MoE block where it would: experts
+    with no SiLU, or `MoE.not_lowerable` (biases, other ops); "" when every block's experts are plain
+    SwiGLU MLPs."""
+    for layer in structure.layers:
+        moe = layer.moe
+        if moe is None:
+            continue
+        ops = [structure.node_costs[n].op for n in moe.expert_nodes if n in structure.node_costs]
+        if ops and "aten.silu" not in ops:
+            # the op and model line that stands where SiLU would (`MoE.not_lowerable` names them), if any
+            found = moe.not_lowerable.removeprefix("the experts compute ")
+            what = (
+                f"they compute {found}"
+                if found != moe.not_lowerable
+                else "no SiLU between their gate and down projections"
+            )
+            return (
+                f"the experts of {moe.module_path} are not SwiGLU MLPs ({what}), and the expert-parallel "
+                "rewrite (`passes.ep_lower`) runs SwiGLU experts only"
+            )
+        if moe.not_lowerable:
+            return (
+                f"{moe.not_lowerable} in {moe.module_path}, which the expert-parallel rewrite (`passes.ep_lower`: "
+                "bias-free SwiGLU experts weighed by the routing weights) would not compute"
+            )
+    return ""
+
+
+def experts_lowerable(s: ModelStructure) -> bool:
+    """The model has routed experts the expert pass can split (`passes.ep_lower`): SwiGLU experts
+    without a token capacity (its dispatch is dropless; `_check_pinned_ep` says why otherwise)."""
+    return bool(expert_counts(s)) and not s.token_capacity and not experts_not_swiglu(s)
 
 
 def build_layer_graph(layer: Layer, ctx: CostContext) -> LayerGraph:
@@ -1451,6 +1510,8 @@ def build_layer_graph(layer: Layer, ctx: CostContext) -> LayerGraph:
     other_params -= frozen
     fixed_act = 2.0 * num_norms * tokens * hidden * b / split if ctx.train else 0.0
     fixed_act += expert_activation_bytes(layer, ctx)
+    # the MoE block's gathered input, kept whole for the router's backward where the stream keeps 1/tp
+    fixed_act += moe_sequence_gather_bytes(layer, ctx) * (1 - 1 / split) if ctx.train else 0.0
     static, grads, expert_grads, expert_static = other_params * ctx.state_factor(), other_params, 0.0, 0.0
     # the rank holds E / ep experts, each 1 / expert_tp of one (`expert_param_bytes`)
     if (ctx.ep > 1 or ctx.expert_tp > 1) and layer.moe is not None:
@@ -1472,7 +1533,7 @@ def build_layer_graph(layer: Layer, ctx: CostContext) -> LayerGraph:
         frozen_static_bytes=frozen,
         fixed_activation_bytes=fixed_act,
         fixed_grad_bytes=grads if ctx.train else 0.0,
-        fixed_comm_s=expert_comm_time_s(layer, ctx),
+        fixed_comm_s=expert_comm_time_s(layer, ctx) + moe_sequence_gather_s(layer, ctx),
         expert_grad_bytes=expert_grads if ctx.train else 0.0,
         expert_static_bytes=expert_static,
         dispatch_s=ctx.host_dispatch_time(graph_node_count(layer.nodes, s)),

@@ -644,8 +644,8 @@ def ep_decisions(
     constraints: Constraints | None = None,
     solved: dict[str, float] | None = None,
 ) -> list[Decision]:
-    """Expert parallelism (mixture-of-experts models only): for experts off, every EP degree folded
-    over the dp x cp ranks (at tp > 1 each with the experts whole on every TP rank and split over them,
+    """Expert parallelism (mixture-of-experts models only): for EP off and every EP degree folded over
+    the dp x cp ranks (at tp > 1 each with the experts whole on every TP rank and split over them,
     `MeshConfig.expert_tp`) and EP over the TP ranks, the faster of the fastest solved mesh candidate
     with it (`solved`, by `MeshConfig.ep_label`) and this plan with only EP changed (mesh, splits,
     stages, recomputation and data-parallel style kept) where that fits memory; inf with why where a
@@ -664,8 +664,10 @@ def ep_decisions(
         d for d in range(2, mesh.dp_cp + 1) if mesh.dp_cp % d == 0
     })  # fmt: skip
     pairs = [(1, "dp", 1)] + [(d, "dp", 1) for d in degrees]
-    if mesh.tp > 1:  # expert TP: each EP-over-dp degree with its experts split over the TP ranks too
-        pairs += [(d, "dp", mesh.tp) for d in degrees] + [(mesh.tp, "tp", 1)]
+    if (
+        mesh.tp > 1
+    ):  # expert TP: no EP and each EP-over-dp degree with the experts split over the TP ranks too
+        pairs += [(1, "dp", mesh.tp)] + [(d, "dp", mesh.tp) for d in degrees] + [(mesh.tp, "tp", 1)]
     options: dict[str, float] = {}
     memory: dict[str, float] = {}
     notes, refused = [], []
@@ -710,9 +712,9 @@ def ep_decisions(
     load += " and at ep (every row on one rank)" if w.moe_imbalance > 2 else ""
     reason = (
         f"{experts[-1]} experts per MoE layer, top-{layer.moe.top_k}: over dp the experts split over ep of the dp x cp "
-        'ranks and tokens go to them and back by all-to-all (replicated over the TP ranks, or with "experts split '
-        'over tp" each expert a Megatron MLP over the TP ranks: 1/tp of its GEMMs and memory, an all-reduce of the '
-        "outputs over TP); over tp the TP "
+        "ranks and tokens go to them and back by all-to-all; off or over dp, each TP rank runs its experts whole, or "
+        'with "experts split over tp" each expert is a Megatron MLP over the TP ranks (1/tp of its GEMMs and memory, '
+        "an all-reduce of the outputs over TP: Megatron-Core's, torchtitan's and vLLM's default); over tp the TP "
         f"ranks split them and all-reduce the parts; {load}; times: the fastest solved mesh with each, or this "
         "plan with only expert parallelism changed where faster; " + "; ".join(notes)
     )

@@ -35,6 +35,7 @@ from planner.plan import (
     Schedule,
     Workload,
     dp_label,
+    ep_text,
 )
 
 LADDER_MIN_SAVING_FRACTION = 0.05  # a laddered layer must save >= 5% of its time (it changes the model)
@@ -143,7 +144,7 @@ class MeshConfig:
     # experts are split over, folded over the dp x cp ranks ("dp") or the TP ranks ("tp"); 1: off
     ep: int = 1
     ep_fold: str = "dp"
-    # expert tensor parallelism (`planner.plan.Plan.expert_tp`; ep_fold "dp" only): 1 keeps every routed
+    # expert tensor parallelism (`planner.plan.Plan.expert_tp`; ep_fold "dp" or ep 1): 1 keeps every routed
     # expert whole on each TP rank (replicated work), mesh.tp splits each over the TP ranks as a Megatron MLP
     expert_tp: int = 1
 
@@ -177,6 +178,7 @@ class MeshConfig:
         parts = [f"{self.schedule} v={self.virtual_stages}"] if self.virtual_stages > 1 else []
         parts += [self.cp_label()] if self.mesh.cp > 1 else []
         parts += [f"ep {self.ep_label()}"] if self.ep > 1 else []
+        parts += [f"experts split over tp {self.expert_tp}"] if self.ep == 1 and self.expert_tp > 1 else []
         parts += ["sp"] if self.sequence_parallel else []
         parts += [self.dp_label()] if self.dp_style is not DataParallel.DDP else []
         parts += [name for name, on in self.overlap_flags().items() if on]
@@ -191,11 +193,8 @@ class MeshConfig:
 
     def ep_label(self) -> str:
         """Expert parallelism as the layout table writes it: "off", "8 over dp", "2 over tp", "8 over dp,
-        experts split over tp 4" (`expert_tp` > 1)."""
-        if self.ep == 1:
-            return "off"
-        split = f", experts split over tp {self.expert_tp}" if self.expert_tp > 1 else ""
-        return f"{self.ep} over {self.ep_fold}{split}"
+        experts split over tp 4", "off, experts split over tp 4" (`planner.plan.ep_text`)."""
+        return ep_text(self.ep, self.ep_fold, self.expert_tp)
 
     def overlap_flags(self) -> dict[str, bool]:
         """The communication-overlap choices by their Megatron-LM flag names (without dashes)."""
@@ -363,7 +362,7 @@ class Constraints:
     # too, as an export runs them
     runs_here: bool = False
     # expert tensor parallelism (--expert-tp): 1 keeps the routed experts whole on every TP rank, the TP
-    # degree splits them over the TP ranks (EP over dp only); None: the search prices both
+    # degree splits them over the TP ranks (without EP, or with EP over dp); None: the search prices both
     expert_tp: int | None = None
     max_devices: int | None = None  # use at most this many devices (default: the whole cluster)
     ladder: LadderPolicy = LadderPolicy()  # `LadderPolicy.parse` reads the --ladder option
@@ -400,8 +399,8 @@ class Constraints:
     layout: str = "auto"
 
     def _check_expert_tp(self) -> None:
-        """--expert-tp N > 1 splits the experts over all N TP ranks with EP over dp: refused in one line
-        naming the numbers with --tp other than N, --ep-fold tp, --ep 1 or --sequence-parallel on."""
+        """--expert-tp N > 1 splits every routed expert over all N TP ranks (with or without EP over dp):
+        refused in one line naming the numbers with --tp other than N or --ep-fold tp."""
         n = self.expert_tp
         if n is None or n == 1:
             return
@@ -414,16 +413,6 @@ class Constraints:
             raise InputError(
                 f"--expert-tp {n} with --ep-fold tp: EP over the TP ranks already splits the experts between "
                 "them (each TP rank holds E / tp whole experts); use --ep-fold dp, or --expert-tp 1"
-            )
-        if self.ep == 1:
-            raise InputError(
-                f"--expert-tp {n} splits the experts of expert parallelism over the TP ranks, but --ep 1 turns it "
-                "off: use --ep 2 or more, or leave --expert-tp out"
-            )
-        if self.sequence_parallel:
-            raise InputError(
-                f"--expert-tp {n} splits the experts over the TP ranks, which then need the same tokens on every "
-                "TP rank, and --sequence-parallel on splits them; use --sequence-parallel off, or --expert-tp 1"
             )
 
     def __post_init__(self) -> None:

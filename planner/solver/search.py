@@ -27,10 +27,11 @@ feature.
 Expert parallelism (mixture-of-experts models): every mesh is priced with the experts off, with each
 EP degree dividing dp x cp and the experts folded over those ranks, and with EP over its TP ranks
 (`_ep_options`; pinned by --ep / --ep-fold, refused in one line where it cannot run:
-`_check_pinned_ep`); each is a candidate of its own, ep > 1 a feature. EP over dp x cp at tp > 1 is
-solved with every routed expert split over the TP ranks (`MeshConfig.expert_tp` = tp,
-`_ep_options_with_expert_tp`) and priced with them whole on that solution (`_price_expert_tp`); the
-split is a feature of its own. --expert-tp pins it (N > 1 keeps only EP-over-dp candidates at tp = N). The MoE layers' fixed times
+`_check_pinned_ep`); each is a candidate of its own, ep > 1 a feature. At tp > 1, without EP and with
+EP over dp x cp, a candidate is solved with every routed expert split over the TP ranks
+(`MeshConfig.expert_tp` = tp, Megatron-Core's default; `_ep_options_with_expert_tp`) and priced with
+them whole on that solution (`_price_expert_tp`); the split is a feature of its own. --expert-tp pins
+it (N > 1 keeps only candidates at tp = N without EP or with EP over dp). The MoE layers' fixed times
 and the experts' memory are what change (`costing`); the blocks' option tables do not, so their
 bounds are shared (`_least_layer_time_s`).
 """
@@ -91,6 +92,8 @@ from planner.solver.costing import (
     cp_core_shard,
     cp_kv_heads,
     expert_counts,
+    experts_lowerable,
+    experts_not_swiglu,
     fsdp_transient_bytes,
     gqa_kv_replicated,
     interleaved_chunks,
@@ -451,10 +454,18 @@ def _enumerate(search: _Search, progress: Progress = silent) -> None:
     if not search.candidates and (c.ep or 1) > 1:
         raise InputError(_ep_unplaceable(search, num_devices))
     if not search.candidates and (c.expert_tp or 1) > 1:
+        if not experts_lowerable(search.structure):
+            why = experts_not_swiglu(search.structure) or (
+                search.structure.token_capacity[0]
+                if search.structure.token_capacity
+                else "the model has no routed experts"
+            )
+            raise InputError(
+                f"--expert-tp {c.expert_tp}: the expert pass cannot split this model's experts ({why}); use --expert-tp 1"
+            )
         raise InputError(
-            f"--expert-tp {c.expert_tp}: no mesh of at most {num_devices} devices has tp={c.expert_tp} with expert "
-            f"parallelism over dp x cp and the other pins; use --expert-tp 1, or pin --tp {c.expert_tp} with an "
-            "--ep dividing the data-parallel ranks"
+            f"--expert-tp {c.expert_tp}: no mesh of at most {num_devices} devices has tp={c.expert_tp} with the "
+            f"other pins; use --expert-tp 1, or pin --tp {c.expert_tp}"
         )
     if not search.candidates:
         raise InfeasibleError(
@@ -586,7 +597,7 @@ def _ep_options(search: _Search, mesh: MeshShape, sequence_parallel: bool) -> li
     experts = expert_counts(search.structure)
     if not experts or c.ep == 1 or search.structure.token_capacity:  # capped: see `_check_pinned_ep`
         return [(1, "dp")]
-    if _experts_not_swiglu(search.structure):  # the EP pass could not lower it: see `_check_pinned_ep`
+    if experts_not_swiglu(search.structure):  # the EP pass could not lower it: see `_check_pinned_ep`
         return [(1, "dp")]
     folds = [c.ep_fold] if c.ep_fold is not None else ["dp", "tp"]
     if c.ep is not None:
@@ -604,22 +615,25 @@ def _ep_options(search: _Search, mesh: MeshShape, sequence_parallel: bool) -> li
 def _ep_options_with_expert_tp(
     search: _Search, mesh: MeshShape, sequence_parallel: bool
 ) -> list[tuple[int, str, int]]:
-    """`_ep_options` with the expert TP each is solved with: tp for EP over dp x cp (1 at tp 1; the
-    experts whole, expert_tp 1, are priced on its solution, `_price_expert_tp`: splitting the experts
-    halves their GEMMs at tp 2, which lowers the bounds the search prunes by, so the split is what is
-    solved), else 1; a pinned --expert-tp 1 keeps 1, N > 1 only EP over dp on meshes of tp = N. Under
-    sequence parallelism the experts stay whole (expert_tp 1): experts split over the TP ranks need the
-    same tokens on every TP rank, which sequence parallelism cuts (`passes.lower.check_runnable`)."""
+    """`_ep_options` with the expert TP each is solved with: tp at tp > 1 without EP and for EP over dp x
+    cp (Megatron-Core's default, --expert-tensor-parallel-size = TP; the experts whole, expert_tp 1, are
+    priced on its solution, `_price_expert_tp`: splitting the experts halves their GEMMs at tp 2, which
+    lowers the bounds the search prunes by, so the split is what is solved), else 1; a pinned
+    --expert-tp 1 keeps 1, N > 1 only meshes of tp = N without EP or with EP over dp. A model whose
+    experts the expert pass cannot lower (`experts_lowerable`) keeps them whole. Sequence parallelism
+    gathers a MoE block's tokens before its router (`passes.ep_lower`), so it does not rule the split out."""
     pinned = search.constraints.expert_tp
     pairs = _ep_options(search, mesh, sequence_parallel)
+    if not experts_lowerable(search.structure):
+        return [(ep, fold, 1) for ep, fold in pairs] if pinned in (None, 1) else []
     if pinned is None:
-        split = mesh.tp if mesh.tp > 1 and not sequence_parallel else 1
-        return [(ep, fold, split if ep > 1 and fold == "dp" else 1) for ep, fold in pairs]
+        split = mesh.tp if mesh.tp > 1 else 1
+        return [(ep, fold, split if fold == "dp" else 1) for ep, fold in pairs]
     if pinned == 1:
         return [(ep, fold, 1) for ep, fold in pairs]
-    if mesh.tp != pinned or sequence_parallel:
+    if mesh.tp != pinned:
         return []
-    return [(ep, fold, pinned) for ep, fold in pairs if ep > 1 and fold == "dp"]
+    return [(ep, fold, pinned) for ep, fold in pairs if fold == "dp"]
 
 
 def _check_pinned_ep(search: _Search) -> None:
@@ -642,7 +656,7 @@ def _check_pinned_ep(search: _Search) -> None:
                 "the tokens it counts)"
             )
         search.excluded.append(f"ep>1: {why}")
-    unlowerable = _experts_not_swiglu(search.structure) if experts and c.ep != 1 else ""
+    unlowerable = experts_not_swiglu(search.structure) if experts and c.ep != 1 else ""
     if unlowerable:
         why = unlowerable
         if c.ep is not None:
@@ -691,36 +705,6 @@ def _check_pinned_ep(search: _Search) -> None:
             f"--ep {c.ep} does not divide the {ranks} dp x cp ranks it folds over ({pins}); use an --ep that "
             f"divides both {ranks} and the {experts[0]} experts, or more data-parallel ranks"
         )
-
-
-def _experts_not_swiglu(structure: ModelStructure) -> str:
-    """Why the expert-parallel rewrite (`passes.ep_lower`), which runs bias-free SwiGLU experts weighed by
-    the routing weights, would compute something else for the first MoE block where it would: experts
-    with no SiLU, or `MoE.not_lowerable` (biases, other ops); "" when every block's experts are plain
-    SwiGLU MLPs."""
-    for layer in structure.layers:
-        moe = layer.moe
-        if moe is None:
-            continue
-        ops = [structure.node_costs[n].op for n in moe.expert_nodes if n in structure.node_costs]
-        if ops and "aten.silu" not in ops:
-            # the op and model line that stands where SiLU would (`MoE.not_lowerable` names them), if any
-            found = moe.not_lowerable.removeprefix("the experts compute ")
-            what = (
-                f"they compute {found}"
-                if found != moe.not_lowerable
-                else "no SiLU between their gate and down projections"
-            )
-            return (
-                f"the experts of {moe.module_path} are not SwiGLU MLPs ({what}), and the expert-parallel "
-                "rewrite (`passes.ep_lower`) runs SwiGLU experts only"
-            )
-        if moe.not_lowerable:
-            return (
-                f"{moe.not_lowerable} in {moe.module_path}, which the expert-parallel rewrite (`passes.ep_lower`: "
-                "bias-free SwiGLU experts weighed by the routing weights) would not compute"
-            )
-    return ""
 
 
 def _ep_unplaceable(search: _Search, num_devices: int) -> str:
@@ -939,6 +923,7 @@ def _tables_key(ctx: CostContext, with_ep: bool = True) -> tuple:
     replica = None if ctx.train else ctx.workload.batch_size / ctx.mesh.dp
     cp = (ctx.cp, ctx.config.cp_comm_type, ctx.config.cp_load_balance) if ctx.cp > 1 else (1,)
     ep = (ctx.ep, ctx.ep_fold, ctx.ep_group(), ctx.expert_tp) if ctx.ep > 1 and with_ep else ()
+    ep = ep or (("expert_tp", ctx.expert_tp) if ctx.expert_tp > 1 and with_ep else ())
     return (ctx.mesh.tp, ctx.sequences_per_micro_batch, ctx.sequence_parallel, replica, *cp, *ep)
 
 
