@@ -23,7 +23,7 @@ from planner.errors import InputError
 from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture
 from planner.frontend.modelfile import load_model_file
-from planner.plan import MeshShape
+from planner.plan import DataParallel, MeshShape
 from runtime import data_parallel
 from runtime.execute import run_rank
 from runtime.job import RunJob, summarise
@@ -98,6 +98,20 @@ FOUR_RANK = {
     "ep2_dp4_mixtral": (MIXTRAL, dict(tp=1, dp=4, ep=2, batch=8)),
     "tp2_ep2_expert_tp2_mixtral": (MIXTRAL, dict(tp=2, dp=2, ep=2, expert_tp=2)),
     "tp2_ep2_expert_tp2_modulelist": (MODULELIST, dict(tp=2, dp=2, ep=2, expert_tp=2)),
+    # Megatron-Core's MoE layout without EP: sequence parallelism, experts split over TP, distributed optimizer
+    "sp_expert_tp2_dp2_zero1_mixtral": (
+        MIXTRAL,
+        dict(
+            tp=2,
+            dp=2,
+            ep=1,
+            expert_tp=2,
+            sequence_parallel=True,
+            batch=8,
+            dp_style=DataParallel.ZERO1,
+            dp_shard=2,
+        ),
+    ),
     "pp2_ep2_modulelist": (MODULELIST, dict(tp=1, dp=2, ep=2, pp=2, m=2)),
     "pp2_ep2_mixtral": (MIXTRAL, dict(tp=1, dp=2, ep=2, pp=2, m=2)),
 }
@@ -209,9 +223,10 @@ def test_a_served_moe_decodes_the_same_tokens_with_experts_split_over_tp() -> No
 
 @pytest.mark.slow
 def test_an_ep_rank_holds_only_its_experts(two_rank: dict) -> None:
-    """The training state an EP rank holds is what the cost model predicts for its E / ep experts: the
+    """The training state an EP rank holds is what the cost model predicts for its E / ep experts (and a
+    rank with every expert split over TP, without EP or under sequence parallelism, for its 1/tp): the
     stacked experts' slice is a copy, not a view keeping every expert's storage alive (it read 1.13 at
     ep 2, (ep - 1) x 4 bytes per local expert parameter over)."""
-    for label in ("ep2_gptfast", "ep2_modulelist"):
+    for label in ("ep2_gptfast", "ep2_modulelist", "expert_tp2_gptfast", "sp_expert_tp2_mixtral"):
         measured = two_rank[label][1]["measured"]
         assert measured["state_bytes"] == pytest.approx(measured["predicted_state_bytes"], rel=0.02), label
