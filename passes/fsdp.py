@@ -152,6 +152,9 @@ class FsdpLayout:
     backward_order: list[int]
     # linear(weight, bias) pairs of the graph before the rewrite: a colwise weight's bias is sliced like it
     bias_owners: dict[str, str] = field(default_factory=dict)
+    # the expert weights' slices (`passes.ep_lower`'s gm.meta["ep_shards"]: this rank's experts, each
+    # split over TP as its fused gate-and-up parts say), which reading a replaced parameter needs
+    ep_shards: dict[str, tuple] = field(default_factory=dict)
 
     def shard_name(self, index: int) -> str:
         return f"{SHARD_ATTR}{index}"
@@ -172,7 +175,9 @@ class FsdpLayout:
             if bias in nodes and weight in nodes:
                 graph.call_function(torch.ops.aten.linear.default, (x, nodes[weight], nodes[bias]))
         graph.output(None)
-        return fx.GraphModule(root, graph)
+        local = fx.GraphModule(root, graph)
+        local.meta["ep_shards"] = dict(self.ep_shards)
+        return local
 
     def summary(self) -> dict[str, Any]:
         """Plain data for an emitted module's meta.json."""
@@ -234,7 +239,9 @@ def apply_fsdp(gm: fx.GraphModule, units: Sequence[str], shard_size: int, shard_
     order = sorted(raw, key=lambda b: min(first[p.fqn] for p in b.params))
     buckets = [Bucket(i, b.unit, b.dtype, b.params, shard_size) for i, b in enumerate(order)]
     backward = sorted(buckets, key=lambda b: -max(last[p.fqn] for p in b.params))
-    layout = FsdpLayout(buckets, shard_size, shard_rank, [b.index for b in backward], owners)
+    layout = FsdpLayout(
+        buckets, shard_size, shard_rank, [b.index for b in backward], owners, dict(gm.meta.get("ep_shards", {}))
+    )
     for b in buckets:
         tensors = [params[p.fqn] for p in b.params]
         device = tensors[0].device

@@ -34,7 +34,7 @@ from passes.lower import RankLowering
 from passes.recompute import recompute_note
 from passes.rng import SHARDED_SEED_OFFSET, dropout_nodes, seed_sharded_rng
 from planner.errors import InputError
-from planner.plan import Plan, Recompute, Schedule
+from planner.plan import DataParallel, Plan, Recompute, Schedule
 
 STAGE_SEED_STRIDE = 100  # Megatron-LM: seed + 100 * pipeline rank
 
@@ -112,7 +112,7 @@ def check_plan_runs(plan: Plan, workload: str) -> None:
     `workload` ("forward" | "train"): 1F1B with fewer micro-batches than pipeline stages, interleaved
     1F1B with micro-batches that do not divide into its rounds (torch's `ScheduleInterleaved1F1B`
     needs micro_batches % max(1, micro_batches // pp) == 0), a sharded `dp_style` on a workload
-    without an optimizer step. zero2 / fsdp with pipeline stages run (`runtime.pipeline_run`: each
+    without an optimizer step or with expert parallelism over several data-parallel ranks. zero2 / fsdp with pipeline stages run (`runtime.pipeline_run`: each
     model chunk's units its own); only tied parameters across stages are refused there, on the ranks
     (`RankLowering.tied` is known once the graph is split). Called before the ranks start and on
     every rank."""
@@ -128,6 +128,13 @@ def check_plan_runs(plan: Plan, workload: str) -> None:
             f"plan field 'micro_batches': the interleaved_1f1b schedule (torch.distributed.pipelining "
             f"ScheduleInterleaved1F1B) runs micro-batches in rounds of max(1, m // pp) = {rounds}, which must "
             f"divide m = {m}; re-plan with micro_batches a multiple of pp={pp}"
+        )
+    if workload == "train" and plan.ep > 1 and plan.mesh.dp_cp > 1 and plan.dp_style is not DataParallel.DDP:
+        # each rank's experts are reduced over their own (edp) group, which a sharded state's groups are not
+        raise InputError(
+            f"plan field 'dp_style' is {plan.dp_style}, but the runtime runs expert parallelism (ep={plan.ep}) with "
+            "dp_style ddp only: a sharded state keeps one shard of each parameter per data-parallel rank, which the "
+            "experts' own groups do not; set dp_style: ddp (and dp_shard: 1), or re-plan with --run"
         )
     if plan.distributed_optimizer and workload != "train":
         raise InputError(

@@ -112,6 +112,11 @@ FOUR_RANK = {
             dp_shard=2,
         ),
     ),
+    # FSDP reads each rank's slice of the fused gate-and-up experts (it took a plain half: wrong numerics)
+    "expert_tp2_dp2_fsdp_mixtral": (
+        MIXTRAL,
+        dict(tp=2, dp=2, ep=1, expert_tp=2, batch=8, dp_style=DataParallel.FSDP, dp_shard=2),
+    ),
     "pp2_ep2_modulelist": (MODULELIST, dict(tp=1, dp=2, ep=2, pp=2, m=2)),
     "pp2_ep2_mixtral": (MIXTRAL, dict(tp=1, dp=2, ep=2, pp=2, m=2)),
 }
@@ -183,6 +188,19 @@ def test_experts_split_over_tp_are_refused_where_the_router_reads_a_sequence_sha
     nodes[moe.router.node].args[0].meta["tp_placement"] = "Shard(0)"
     with pytest.raises(InputError, match=rf"{moe.module_path}'s router reads .* Shard\(0\).*--expert-tp 1"):
         apply_expert_parallel(gm, structure, 1, 0, expert_tp=2, tp_rank=0)
+
+
+def test_expert_parallelism_with_a_sharded_data_parallel_state_is_refused_before_the_ranks_start() -> None:
+    """EP over several data-parallel ranks runs with ddp only: fsdp and zero2 were let through to the
+    ranks (only zero1 was refused there), and fsdp computed other outputs than the model."""
+    from runtime.run_mode import check_plan_runs  # noqa: PLC0415
+
+    for style in (DataParallel.FSDP, DataParallel.ZERO2, DataParallel.ZERO1):
+        plan = _plan(MIXTRAL, tp=1, dp=2, ep=2, batch=8, dp_style=style, dp_shard=2)
+        with pytest.raises(InputError, match=rf"'dp_style' is {style}.*ep=2.*ddp only"):
+            check_plan_runs(plan, "train")
+    split = _plan(MIXTRAL, tp=2, dp=2, ep=1, expert_tp=2, batch=8, dp_style=DataParallel.FSDP, dp_shard=2)
+    check_plan_runs(split, "train")  # experts split over TP without EP: any style
 
 
 def test_an_ep_that_does_not_divide_the_experts_is_refused() -> None:
