@@ -5,8 +5,9 @@
 Input: a captured graph and its analysis (`planner.frontend.analysis.analyse`: `Layer.moe`, found by
 `planner.frontend.moe`), after the tensor-parallel pass (which keeps the router and the experts
 replicated; under sequence parallelism it gathers the block's tokens where the block merges batch and
-sequence, before its router, so the TP ranks route the same tokens: a router reading the sequence shard
-is refused with experts split over TP). For every MoE block the model's own routing is kept (router, score function, bias,
+sequence, before its router, so the TP ranks route the same tokens; with one sequence per micro-batch
+the reshape keeps each rank's rows, and experts split over TP gather those rows, their ids and weights
+and reduce-scatter the output back, Megatron-Core's order; any other shard is refused). For every MoE block the model's own routing is kept (router, score function, bias,
 group limit, top-k, the weights' normalisation: whatever the model computes) and what follows it is
 replaced: the routed experts' computation from the top-k to the combine (`MoE.combine_node`, where
 the routed outputs are one (N, H) row per token again) becomes one call of
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from passes.collectives import tp_all_gather, tp_all_reduce, tp_reduce_scatter, tp_sequence_gather
 from passes.expert_parallel import ep_moe, ep_moe_replicated, expert_shard, local_experts, reset_loads
 from planner.errors import InputError
 from planner.frontend.analysis import ModelStructure
@@ -133,10 +135,11 @@ def _rewrite_block(
     x = router.args[0]
     tokens, hidden = tuple(x.meta["val"].shape)
     placement = x.meta.get("tp_placement", "Replicate()")
-    if (fold == "tp" or tp_spec[0] > 1) and placement != "Replicate()":
-        # sequence parallelism gathers a block's tokens where it merges batch and sequence before its
-        # router (every MoE form this pass knows); a router reading the sequence shard would give each
-        # TP rank other tokens, which split experts cannot combine
+    # sequence parallelism gathers a block's tokens where it merges batch and sequence before its router;
+    # with one sequence the reshape keeps this rank's rows (Shard(0)): split experts gather them, their
+    # expert ids and weights around the experts and reduce-scatter the output back to the shard
+    rows_sharded = tp_spec[0] > 1 and fold == "dp" and placement == "Shard(0)"
+    if (fold == "tp" or tp_spec[0] > 1) and placement != "Replicate()" and not rows_sharded:
         raise InputError(
             f"expert parallelism: {where}'s router reads {x.name} as {placement} over the TP ranks, but experts "
             "split over the TP ranks need the same tokens on every one of them; plan it with --expert-tp 1 "
@@ -158,6 +161,15 @@ def _rewrite_block(
             f"expert parallelism: the expert ids and combine weights ({tokens}, {moe.top_k}) of {where} were "
             "not found before its combine; plan it with --ep 1"
         )
+    combined = combine.meta.get("tp_placement", "Replicate()")
+    if rows_sharded and (
+        any(n.meta.get("tp_placement") != "Shard(0)" for n in (ids, weights))
+        or combined not in ("Shard(0)", "Replicate()")
+    ):
+        raise InputError(
+            f"expert parallelism: {where}'s tokens are this TP rank's sequence shard but its expert ids, weights or "
+            "combined output are not; plan it with --expert-tp 1 (or --sequence-parallel off)"
+        )
     by_role = {w.role: w for w in moe.experts}
     with graph.inserting_before(combine):
         if Role.EXPERT_GATE_UP in by_role:
@@ -175,6 +187,18 @@ def _rewrite_block(
         if fold == "tp":
             args = (x, ids, weights, gate, up, down, moe.num_experts, "tp", moe.module_path)
             out = graph.call_function(ep_moe_replicated, args)
+        elif rows_sharded:  # the experts' f and g are the gathers and the reduce-scatter
+            rows = graph.call_function(tp_sequence_gather, (x, 0, "tp"))
+            all_ids = graph.call_function(tp_all_gather, (ids, 0, "tp"))
+            all_weights = graph.call_function(tp_sequence_gather, (weights, 0, "tp"))
+            args = (rows, all_ids, all_weights, gate, up, down, moe.num_experts, AXIS, moe.module_path, None)
+            partial = graph.call_function(operator.getitem, (graph.call_function(ep_moe, args), 0))
+            # back to the rows of this rank where the model's combine kept them (the TP pass may have
+            # gathered them, as for an `index_add` into zeros of the whole batch's literal shape)
+            if combine.meta.get("tp_placement") == "Shard(0)":
+                out = graph.call_function(tp_reduce_scatter, (partial, 0, "tp"))
+            else:
+                out = graph.call_function(tp_all_reduce, (partial, "tp"))
         else:
             tp_axis = "tp" if tp_spec[0] > 1 else None
             args = (x, ids, weights, gate, up, down, moe.num_experts, AXIS, moe.module_path, tp_axis)

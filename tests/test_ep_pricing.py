@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from costmodels.cluster import cluster_for_ranks, load_cluster
-from costmodels.comm import Group, all_reduce_time_s, all_to_all_time_s
+from costmodels.comm import Group, all_reduce_time_s, all_to_all_time_s, reduce_scatter_time_s
 from costmodels.expert_parallel import (
     COUNT_BYTES,
     DEFAULT_MOE_IMBALANCE,
@@ -37,6 +37,8 @@ from planner.solver.costing import (
     expert_share,
     expert_split,
     expert_tp_reduce_s,
+    moe_rows_sharded,
+    moe_sequence_gather_bytes,
 )
 from planner.solver.problem import Constraints, MeshConfig, WorkloadSpec
 from planner.solver.search import _ep_options, plan_model
@@ -468,3 +470,35 @@ def test_exports_of_experts_split_over_tp_without_ep() -> None:
     assert any("experts whole" in w for w in export_plan(served_whole, "vllm").warnings)
     assert any("experts whole" in w for w in export_plan(whole, "torchtitan").warnings)
     assert not any("experts whole" in w for w in export_plan(split, "torchtitan").warnings)
+
+
+def test_sequence_parallel_moe_prices_what_the_passes_run_by_sequences_per_micro_batch() -> None:
+    """Under sequence parallelism a MoE block's tokens are gathered over TP before its router where the
+    micro-batch holds several sequences (the TP pass: a reshape merging batch and sequence), and stay
+    each rank's shard with one sequence (`passes.ep_lower` gathers them around split experts and
+    reduce-scatters the output): whole experts there route 1/tp of the rows with no gather; split
+    experts reduce-scatter where they all-reduce with several sequences."""
+    s = _mixtral()
+    layer = _moe_layer(s)
+
+    def ctx(batch: int, expert_tp: int) -> CostContext:
+        c = _ctx(s, MeshShape(2, 1, 1), batch=batch)
+        config = dataclasses.replace(c.config, sequence_parallel=True, expert_tp=expert_tp)
+        return dataclasses.replace(c, config=config)
+
+    many, one = ctx(4, 1), ctx(1, 1)
+    assert not moe_rows_sharded(many) and moe_rows_sharded(one)
+    assert moe_sequence_gather_bytes(layer, many) == many.tokens * layer.moe.hidden_size * 2
+    assert moe_sequence_gather_bytes(layer, one) == 0.0
+    assert expert_share(layer.moe, one).rows == pytest.approx(expert_share(layer.moe, ctx(1, 2)).rows / 2)
+    split_many, split_one = ctx(4, 2), ctx(1, 2)
+    group = split_one.tp_group()
+    nbytes = split_one.tokens * layer.moe.hidden_size * 2
+    assert expert_tp_reduce_s(layer, split_one) == pytest.approx(
+        2 * reduce_scatter_time_s(nbytes, group, split_one.cluster) + split_one.node_overhead_time(1)
+    )
+    nbytes_many = split_many.tokens * layer.moe.hidden_size * 2
+    assert expert_tp_reduce_s(layer, split_many) == pytest.approx(
+        2 * all_reduce_time_s(nbytes_many, group, split_many.cluster) + split_many.node_overhead_time(1)
+    )
+    assert moe_sequence_gather_bytes(layer, split_one) > nbytes  # the rows, their ids and weights

@@ -91,6 +91,16 @@ TWO_RANK = {  # label: (model, plan kwargs)
     "expert_tp2_gptfast": (GPTFAST, dict(tp=2, dp=1, ep=1, expert_tp=2)),
     # Megatron-Core's default MoE layout at TP 2: sequence parallelism, experts split over TP, no EP
     "sp_expert_tp2_mixtral": (MIXTRAL, dict(tp=2, dp=1, ep=1, expert_tp=2, sequence_parallel=True)),
+    # one sequence per micro-batch: the reshape keeps each rank's rows, the pass gathers them around the
+    # experts, then reduce-scatters (gpt-fast) or all-reduces (top-1: its combine was gathered) the output
+    "sp_expert_tp2_one_sequence_gptfast": (
+        GPTFAST,
+        dict(tp=2, dp=1, ep=1, expert_tp=2, sequence_parallel=True, batch=1),
+    ),
+    "sp_expert_tp2_one_sequence_top1": (
+        TOP1,
+        dict(tp=2, dp=1, ep=1, expert_tp=2, sequence_parallel=True, batch=2, m=2),
+    ),
 }
 FOUR_RANK = {
     "tp2_ep2_modulelist": (MODULELIST, dict(tp=2, dp=2, ep=2)),
@@ -111,6 +121,10 @@ FOUR_RANK = {
             dp_style=DataParallel.ZERO1,
             dp_shard=2,
         ),
+    ),
+    "sp_ep2_expert_tp2_one_sequence_mixtral": (
+        MIXTRAL,
+        dict(tp=2, dp=2, ep=2, expert_tp=2, sequence_parallel=True, batch=2),
     ),
     # FSDP reads each rank's slice of the fused gate-and-up experts (it took a plain half: wrong numerics)
     "expert_tp2_dp2_fsdp_mixtral": (
@@ -176,17 +190,18 @@ def test_the_pass_keeps_this_ranks_experts_and_the_models_routing() -> None:
     )
 
 
-def test_experts_split_over_tp_are_refused_where_the_router_reads_a_sequence_shard() -> None:
-    """Split experts need every TP rank to route the same tokens: sequence parallelism gathers them before
-    the router in every MoE form the pass knows, and a router left on a sequence shard is refused naming the
-    block and --expert-tp 1 (rather than combining other ranks' tokens)."""
+def test_experts_split_over_tp_are_refused_where_the_router_reads_another_shard() -> None:
+    """Split experts need every TP rank's tokens: sequence parallelism gathers them before the router, or
+    with one sequence keeps each rank's rows, which the pass gathers around the experts; a router reading
+    another shard (its hidden dim) is refused naming the block and --expert-tp 1 (rather than combining
+    other ranks' tokens)."""
     model_file = load_model_file(MODELS / MIXTRAL)
     gm = capture(model_file.build("meta"), *model_file.inputs(2, SEQ))
     structure = analyse(gm)
     nodes = {n.name: n for n in gm.graph.nodes}
     moe = next(layer.moe for layer in structure.layers if layer.moe is not None)
-    nodes[moe.router.node].args[0].meta["tp_placement"] = "Shard(0)"
-    with pytest.raises(InputError, match=rf"{moe.module_path}'s router reads .* Shard\(0\).*--expert-tp 1"):
+    nodes[moe.router.node].args[0].meta["tp_placement"] = "Shard(1)"
+    with pytest.raises(InputError, match=rf"{moe.module_path}'s router reads .* Shard\(1\).*--expert-tp 1"):
         apply_expert_parallel(gm, structure, 1, 0, expert_tp=2, tp_rank=0)
 
 

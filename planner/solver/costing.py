@@ -1261,6 +1261,25 @@ class ExpertShare:
     load: float  # the busiest rank's rows over the mean (`busiest_load_factor`)
 
 
+def moe_rows_sharded(ctx: CostContext) -> bool:
+    """Under sequence parallelism with one sequence per micro-batch, a MoE block's reshape of its (1, T /
+    tp, H) input to (T / tp, H) rows keeps each TP rank's sequence shard (no batch to merge, so the TP
+    pass gathers nothing): whole experts route only this rank's tokens; split experts (`expert_tp` > 1)
+    gather the tokens, their expert ids and weights over TP around the experts and reduce-scatter the
+    output back to the shard (`passes.ep_lower`: Megatron-Core's all-gather and reduce-scatter). With
+    more sequences the reshape merges batch and sequence and the TP pass gathers the tokens first
+    (`moe_sequence_gather_bytes`)."""
+    return ctx.sequence_parallel and ctx.sequences_per_micro_batch == 1
+
+
+def moe_tokens(ctx: CostContext) -> float:
+    """Tokens a MoE block routes on one rank per micro-batch: `CostContext.tokens`, or its 1/tp sequence
+    shard where whole experts run on it (`moe_rows_sharded`)."""
+    if moe_rows_sharded(ctx) and ctx.expert_tp == 1:
+        return ctx.tokens / ctx.mesh.tp
+    return ctx.tokens
+
+
 def expert_share(moe: MoE, ctx: CostContext) -> ExpertShare:
     """The busiest EP rank's share of a MoE layer (module `costmodels.expert_parallel`'s table): fold
     dp, f k N rows of the group's (each rank routes its own N = `CostContext.tokens` tokens and the
@@ -1268,7 +1287,7 @@ def expert_share(moe: MoE, ctx: CostContext) -> ExpertShare:
     experts reached: of the group's tokens (ep N over dp, N over tp), `local_touched_experts`."""
     ep, w = ctx.ep, ctx.workload
     load = busiest_load_factor(w.moe_imbalance, w.moe_capacity_factor, ep)
-    tokens = ctx.tokens
+    tokens = moe_tokens(ctx)
     if ctx.ep_fold == "tp":
         rows, group_tokens = load * moe.top_k * tokens / ep, tokens
     else:
@@ -1318,14 +1337,15 @@ def expert_tp_reduce_s(layer: Layer, ctx: CostContext) -> float:
     """Seconds of the all-reduce over the TP ranks that expert tensor parallelism adds to a MoE layer
     per micro-batch (`CostContext.expert_tp` > 1; else 0): the experts' partial outputs, tokens x H x
     bytes, summed once after the combine, and in training once more for the input gradient; one more
-    graph node."""
+    graph node. Where the block's rows are a sequence shard (`moe_rows_sharded`) the outputs are
+    reduce-scattered back to it instead (the backward all-gathers)."""
     moe = layer.moe
     if moe is None or ctx.expert_tp == 1:
         return 0.0
     nbytes = ctx.tokens * moe.hidden_size * ctx.bytes_per_element
-    return ctx.comm_factor * all_reduce_time_s(nbytes, ctx.tp_group(), ctx.cluster) + ctx.node_overhead_time(
-        1
-    )
+    if moe_rows_sharded(ctx):  # reduce-scattered back to the sequence shard (backward: all-gathered)
+        return ctx.comm_factor * reduce_scatter_time_s(nbytes, ctx.tp_group(), ctx.cluster) + ctx.node_overhead_time(1)
+    return ctx.comm_factor * all_reduce_time_s(nbytes, ctx.tp_group(), ctx.cluster) + ctx.node_overhead_time(1)
 
 
 def expert_comm_time_s(layer: Layer, ctx: CostContext) -> float:
@@ -1346,7 +1366,7 @@ def expert_comm_time_s(layer: Layer, ctx: CostContext) -> float:
             nbytes, ctx.tp_group(), ctx.cluster
         ) + ctx.node_overhead_time(1)
     share = expert_share(moe, ctx)
-    data = dispatch_bytes(moe.top_k, ctx.tokens, moe.hidden_size, ctx.bytes_per_element, share.load)
+    data = dispatch_bytes(moe.top_k, moe_tokens(ctx), moe.hidden_size, ctx.bytes_per_element, share.load)
     exchange = all_to_all_exchange_s(data, moe.num_experts, ctx.ep_group(), ctx.cluster, ctx.train)
     return exchange + ctx.node_overhead_time(3) + expert_tp_reduce_s(layer, ctx)
 
@@ -1355,12 +1375,19 @@ def moe_sequence_gather_bytes(layer: Layer, ctx: CostContext) -> float:
     """Under sequence parallelism, the full size in bytes of a mixture-of-experts block's input per
     micro-batch, tokens x H, which the TP pass all-gathers from the sequence shards where the block merges
     batch and sequence before its router (`passes.tensor_parallel`: a reshape merging B and T needs the
-    whole sequence), so every TP rank routes all the tokens (`passes.ep_lower`); 0 for a dense layer or
-    without sequence parallelism. The router, the routed experts and the combine then run on all of
-    them; the output goes back to this rank's sequence shard by a slice."""
-    if layer.moe is None or not ctx.sequence_parallel:
+    whole sequence), so every TP rank routes all the tokens (`passes.ep_lower`); the router, the routed
+    experts and the combine then run on all of them, and the output goes back to this rank's sequence
+    shard by a slice. With one sequence per micro-batch (`moe_rows_sharded`): 0 for whole experts, which
+    route the shard's tokens; for split experts the tokens with their top-k expert ids (int64) and
+    weights, which `passes.ep_lower` gathers. 0 for a dense layer or without sequence parallelism."""
+    moe = layer.moe
+    if moe is None or not ctx.sequence_parallel:
         return 0.0
-    return ctx.tokens * layer.moe.hidden_size * ctx.bytes_per_element
+    if moe_rows_sharded(ctx):  # whole experts: nothing gathered; split: the rows, their ids and weights
+        if ctx.expert_tp == 1:
+            return 0.0
+        return ctx.tokens * (moe.hidden_size * ctx.bytes_per_element + moe.top_k * (8 + ctx.bytes_per_element))
+    return ctx.tokens * moe.hidden_size * ctx.bytes_per_element
 
 
 def moe_sequence_gather_s(layer: Layer, ctx: CostContext) -> float:
