@@ -372,7 +372,9 @@ def write_readme(out_dir: str | os.PathLike[str], info: dict) -> Path:
     default "gloo": CPU processes), "inputs" (str: what one rank passes, e.g. "idx (2, 16) int64"),
     "world_size" (int), "folder" (str: the folder's final path, when it is written under a temporary
     one; default `out_dir`), "batch_size" (int: the plan's global batch), "fsdp" (str: a fully sharded
-    plan's shard layout: adds how the shard groups are bound), "serving" (str: the served
+    plan's shard layout: adds how the shard groups are bound), "experts" (str: how a mixture of experts'
+    routed experts are split and which "ep" group to bind, `planner.cli.emitting`; "experts_one_rank_ep": a
+    true value adds the one-rank "ep" binding to the code), "serving" (str: the served
     request, for a decode plan of a model with a KV cache: adds how the caches are filled). Written atomically
     (`planner.files.write_text_atomic`); raises InputError when it cannot be written.
     """
@@ -391,6 +393,12 @@ def write_readme(out_dir: str | os.PathLike[str], info: dict) -> Path:
     launch = f"torchrun --nproc-per-node {world} your_script.py"
     ranks = (
         ", ".join(f"`rank{r}/`" for r in range(world)) if world <= 8 else f"`rank0/` ... `rank{world - 1}/`"
+    )
+    # experts split over TP without EP dispatch over a one-rank "ep" axis (`passes.ep_lower`)
+    ep_line = (
+        '\nregister_group("ep", None)                        # the experts: see "Mixture of experts"'
+        if info.get("experts_one_rank_ep")
+        else ""
     )
     batch = info.get("batch_size")
     dp_text = (
@@ -432,7 +440,7 @@ dist.init_process_group("{backend}")
 rank = dist.get_rank()
 tp = {tp}
 groups = [dist.new_group(list(range(s, s + tp))) for s in range(0, dist.get_world_size(), tp)]  # all ranks make all
-register_group("tp", groups[rank // tp])          # before the first call
+register_group("tp", groups[rank // tp])          # before the first call{ep_line}
 device = {device}
 
 folder = {folder!r}
@@ -484,6 +492,12 @@ cp_rank) * tp + tp_rank): every rank makes every such group with `dist.new_group
 with `register_group("cp", group)` before the first call. Training: each rank's parameter gradients
 are partial sums over its tokens (scaled by {cp} at the output gather), so average them over the
 dp x cp ranks that hold the same weights, as `planner run` does.
+"""
+    if info.get("experts"):
+        text += f"""
+## Mixture of experts
+
+{info["experts"]}
 """
     if info.get("serving"):
         text += f"""

@@ -240,7 +240,12 @@ def apply_fsdp(gm: fx.GraphModule, units: Sequence[str], shard_size: int, shard_
     buckets = [Bucket(i, b.unit, b.dtype, b.params, shard_size) for i, b in enumerate(order)]
     backward = sorted(buckets, key=lambda b: -max(last[p.fqn] for p in b.params))
     layout = FsdpLayout(
-        buckets, shard_size, shard_rank, [b.index for b in backward], owners, dict(gm.meta.get("ep_shards", {}))
+        buckets,
+        shard_size,
+        shard_rank,
+        [b.index for b in backward],
+        owners,
+        dict(gm.meta.get("ep_shards", {})),
     )
     for b in buckets:
         tensors = [params[p.fqn] for p in b.params]

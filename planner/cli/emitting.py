@@ -41,6 +41,36 @@ MAX_MATERIALISED_BYTES = 4 * 2**30  # above this, emit from meta (no weights): a
 SEED = 0  # the seed `planner run` builds models with, so emitted weights match a run
 
 
+def experts_text(plan: Plan) -> str:
+    """The emitted README's mixture-of-experts section for `plan` ("" without a split of its experts):
+    how the routed experts are split and which "ep" process group each rank binds before the first
+    call (`passes.ep_lower` dispatches over the "ep" axis, whatever the degree)."""
+    if plan.ep == 1 and plan.expert_tp == 1:
+        return ""
+    if plan.ep == 1:
+        return (
+            f"Each routed expert is split over the {plan.tp} TP ranks as a Megatron MLP "
+            '(`passes.expert_parallel.ep_moe`, its outputs summed over the "tp" group), with no expert '
+            'parallelism: its dispatch runs over a one-rank "ep" axis, bound by `register_group("ep", None)` '
+            "in the code above."
+        )
+    if plan.ep_fold == "tp":
+        return (
+            f"Expert parallelism over the {plan.tp} TP ranks: each holds 1/{plan.ep} of the experts and the "
+            'outputs are summed over the "tp" group (`passes.expert_parallel.ep_moe_replicated`); nothing more '
+            "to bind."
+        )
+    split = f", each expert split over the {plan.tp} TP ranks" if plan.expert_tp > 1 else ""
+    return (
+        f"Expert parallelism over {plan.ep} data-parallel ranks{split}: a rank's EP group is the {plan.ep} "
+        "consecutive ranks of its dp x cp ranks at the same (pp, tp) coordinate (`runtime.mesh.ep_ranks`); every "
+        'rank makes every EP group with `dist.new_group` and binds its own with `register_group("ep", group)` '
+        "before the first call. Training: an expert's gradient already sums every EP rank's tokens; sum it over "
+        "the ranks holding the same experts (the other members of its dp x cp ranks at the same place in their "
+        "EP groups) and divide by dp x cp, as `planner run` does (`runtime.data_parallel.reduce_expert_gradients`)."
+    )
+
+
 def emit_plan(
     plan: Plan, model_path: str, out_dir: str, backend: str = "gloo", weights: str | None = None
 ) -> Path:
@@ -148,6 +178,8 @@ def emit_plan(
                     if fsdp
                     else ""
                 ),
+                "experts": experts_text(plan),
+                "experts_one_rank_ep": plan.ep == 1 and plan.expert_tp > 1,
                 "serving": (
                     f"The plan serves a prompt of {sv.prompt_len} tokens and {sv.new_tokens} new ones per "
                     f"sequence, with caches of {sv.cache_len} tokens."

@@ -1343,9 +1343,9 @@ def expert_tp_reduce_s(layer: Layer, ctx: CostContext) -> float:
     if moe is None or ctx.expert_tp == 1:
         return 0.0
     nbytes = ctx.tokens * moe.hidden_size * ctx.bytes_per_element
-    if moe_rows_sharded(ctx):  # reduce-scattered back to the sequence shard (backward: all-gathered)
-        return ctx.comm_factor * reduce_scatter_time_s(nbytes, ctx.tp_group(), ctx.cluster) + ctx.node_overhead_time(1)
-    return ctx.comm_factor * all_reduce_time_s(nbytes, ctx.tp_group(), ctx.cluster) + ctx.node_overhead_time(1)
+    # reduce-scattered back to a sequence shard (backward: all-gathered), else all-reduced
+    reduce = reduce_scatter_time_s if moe_rows_sharded(ctx) else all_reduce_time_s
+    return ctx.comm_factor * reduce(nbytes, ctx.tp_group(), ctx.cluster) + ctx.node_overhead_time(1)
 
 
 def expert_comm_time_s(layer: Layer, ctx: CostContext) -> float:
@@ -1386,7 +1386,9 @@ def moe_sequence_gather_bytes(layer: Layer, ctx: CostContext) -> float:
     if moe_rows_sharded(ctx):  # whole experts: nothing gathered; split: the rows, their ids and weights
         if ctx.expert_tp == 1:
             return 0.0
-        return ctx.tokens * (moe.hidden_size * ctx.bytes_per_element + moe.top_k * (8 + ctx.bytes_per_element))
+        return ctx.tokens * (
+            moe.hidden_size * ctx.bytes_per_element + moe.top_k * (8 + ctx.bytes_per_element)
+        )
     return ctx.tokens * moe.hidden_size * ctx.bytes_per_element
 
 
