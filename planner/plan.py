@@ -829,12 +829,18 @@ class Plan:
             )
         if self.ep_fold not in EP_FOLDS:
             raise bad("ep_fold", f"{self.ep_fold!r} is not one of {list(EP_FOLDS)}")
-        if self.expert_tp not in (1, self.mesh.tp) or (self.expert_tp > 1 and self.ep_fold == "tp"):
+        if self.expert_tp > 1 and self.ep_fold == "tp":
+            raise bad(
+                "ep_fold",
+                f"is tp with expert_tp {self.expert_tp}: EP over the TP ranks already splits the experts between "
+                "them (each holds E / tp whole experts); set ep_fold: dp, or expert_tp: 1",
+            )
+        if self.expert_tp not in (1, self.mesh.tp):
+            also = f" or {self.mesh.tp}" if self.mesh.tp > 1 else ""
             raise bad(
                 "expert_tp",
                 f"is {self.expert_tp}: the routed experts are either whole on every TP rank (1) or split over "
-                f"all mesh.tp={self.mesh.tp} ranks, without EP or with EP over dp (ep_fold {self.ep_fold}); "
-                "set expert_tp: 1",
+                f"all mesh.tp={self.mesh.tp} ranks; set expert_tp: 1{also}",
             )
         dense = self.model_params > 0 and self.num_experts == 0 and self.expert_params == 0
         if dense and (self.ep > 1 or self.expert_tp > 1):

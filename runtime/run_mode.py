@@ -205,7 +205,12 @@ def lowering_notes(plan: Plan, lowered: RankLowering, training: bool) -> list[st
             + (f"; gathered for ops without a rule: {', '.join(cp.fallbacks)}" if cp.fallbacks else "")
         )
     ep = lowered.expert_parallel
-    if ep is not None and (ep.ep > 1 or plan.expert_tp > 1):
+    if ep is not None and ep.ep == 1 and plan.expert_tp > 1:
+        notes.append(
+            f"experts split over TP: {len(ep.blocks)} MoE block(s) with every routed expert's width split over the "
+            f"{plan.expert_tp} TP ranks, its outputs summed over TP (no expert parallelism: no token exchange)"
+        )
+    elif ep is not None and ep.ep > 1:
         notes.append(
             f"expert parallelism applied: {len(ep.blocks)} MoE block(s) with their experts split over {ep.ep} "
             f"ranks (this rank holds experts {ep.experts[0]}-{ep.experts[-1]}); "

@@ -341,6 +341,7 @@ def test_a_pinned_expert_tp_other_than_1_or_tp_is_refused_in_one_line() -> None:
     for pins, words in (
         (dict(tp=4, expert_tp=2), ["--expert-tp 2", "--tp 4"]),
         (dict(expert_tp=2, ep_fold="tp"), ["--expert-tp 2", "--ep-fold tp"]),
+        (dict(tp=1, expert_tp=2), ["--expert-tp 2", "--tp 1", "use --expert-tp 1, or --tp 2"]),
     ):
         with pytest.raises(InputError) as e:
             Constraints(**pins)
@@ -502,3 +503,13 @@ def test_sequence_parallel_moe_prices_what_the_passes_run_by_sequences_per_micro
         2 * all_reduce_time_s(nbytes_many, group, split_many.cluster) + split_many.node_overhead_time(1)
     )
     assert moe_sequence_gather_bytes(layer, split_one) > nbytes  # the rows, their ids and weights
+
+
+def test_a_plan_file_with_split_experts_and_ep_over_tp_names_ep_fold() -> None:
+    """A plan edited to ep_fold tp with experts split over TP is refused naming ep_fold (the field that
+    contradicts); an expert_tp other than 1 or tp names both values that would do."""
+    plan = _mixtral_tp2()
+    with pytest.raises(InputError, match=r"field 'ep_fold': is tp with expert_tp 2.*ep_fold: dp"):
+        Plan.from_dict({**plan.to_dict(), "ep": 1, "ep_fold": "tp", "expert_tp": 2})
+    with pytest.raises(InputError, match=r"field 'expert_tp': is 3.*set expert_tp: 1 or 2"):
+        Plan.from_dict({**plan.to_dict(), "expert_tp": 3})

@@ -255,6 +255,14 @@ def test_a_served_moe_decodes_the_same_tokens_with_experts_split_over_tp() -> No
 
 
 @pytest.mark.slow
+def test_a_run_with_experts_split_over_tp_and_no_ep_says_so(two_rank: dict) -> None:
+    """It said "expert parallelism applied ... split over 1 ranks ... dispatched by all-to-all"."""
+    notes = two_rank["expert_tp2_gptfast"][1]["measured"]["notes"]
+    assert any(n.startswith("experts split over TP: ") and "no token exchange" in n for n in notes), notes
+    assert not any("expert parallelism applied" in n for n in notes), notes
+
+
+@pytest.mark.slow
 def test_an_ep_rank_holds_only_its_experts(two_rank: dict) -> None:
     """The training state an EP rank holds is what the cost model predicts for its E / ep experts (and a
     rank with every expert split over TP, without EP or under sequence parallelism, for its 1/tp): the

@@ -261,7 +261,8 @@ def render_plan(console: Console, plan: Plan) -> None:
                 else _choices_differ_text(plan, b, d)
             )
         )
-    experts_over_tp = plan.ep > 1 and plan.ep_fold == "tp"  # the TP ranks split the experts
+    # the TP ranks split the experts (between them, or each expert's width)
+    experts_over_tp = plan.ep > 1 and plan.ep_fold == "tp" or plan.expert_tp > 1
     if (
         plan.tp > 1
         and not experts_over_tp

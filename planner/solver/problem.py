@@ -405,9 +405,10 @@ class Constraints:
         if n is None or n == 1:
             return
         if self.tp is not None and n != self.tp:
+            use = f"--expert-tp {self.tp} or 1" if self.tp > 1 else f"--expert-tp 1, or --tp {n}"
             raise InputError(
                 f"--expert-tp {n} must be 1 (experts whole on every TP rank) or the TP degree --tp {self.tp} "
-                f"(each expert split over all TP ranks); use --expert-tp {self.tp} or 1"
+                f"(each expert split over all TP ranks); use {use}"
             )
         if self.ep_fold == "tp":
             raise InputError(

@@ -463,9 +463,14 @@ def _enumerate(search: _Search, progress: Progress = silent) -> None:
             raise InputError(
                 f"--expert-tp {c.expert_tp}: the expert pass cannot split this model's experts ({why}); use --expert-tp 1"
             )
+        fix = (
+            f"it needs at least {c.expert_tp} devices; use --expert-tp 1"
+            if num_devices < c.expert_tp
+            else f"use --expert-tp 1, or pin --tp {c.expert_tp} with pins that leave room for it"
+        )
         raise InputError(
             f"--expert-tp {c.expert_tp}: no mesh of at most {num_devices} devices has tp={c.expert_tp} with the "
-            f"other pins; use --expert-tp 1, or pin --tp {c.expert_tp}"
+            f"other pins; {fix}"
         )
     if not search.candidates:
         raise InfeasibleError(
