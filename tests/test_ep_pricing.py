@@ -508,7 +508,8 @@ def test_sequence_parallel_moe_prices_what_the_passes_run_by_sequences_per_micro
 def test_a_plan_file_with_split_experts_and_ep_over_tp_names_ep_fold() -> None:
     """A plan edited to ep_fold tp with experts split over TP is refused naming ep_fold (the field that
     contradicts); an expert_tp other than 1 or tp names both values that would do."""
-    plan = _mixtral_tp2()
+    plan = plan_model(_tiny(), load_cluster("dgx-h100"), WorkloadSpec("train", 8, 16, dtype="bf16"),
+                      Constraints(tp=2, dp=1, expert_tp=2))  # fmt: skip
     with pytest.raises(InputError, match=r"field 'ep_fold': is tp with expert_tp 2.*ep_fold: dp"):
         Plan.from_dict({**plan.to_dict(), "ep": 1, "ep_fold": "tp", "expert_tp": 2})
     with pytest.raises(InputError, match=r"field 'expert_tp': is 3.*set expert_tp: 1 or 2"):
