@@ -321,7 +321,10 @@ dist.destroy_process_group()
         (str(EXAMPLES / "llama3.py"), ["--tp", "2"]),
         (str(EXAMPLES / "llama3.py"), ["--dp", "2"]),
         # each expert split over TP without EP: the code binds the one-rank "ep" axis its dispatch runs on
-        (str(REPO / "tests" / "models" / "tiny_moe_gptfast.py"), ["--tp", "2", "--expert-tp", "2", "--ep", "1"]),
+        (
+            str(REPO / "tests" / "models" / "tiny_moe_gptfast.py"),
+            ["--tp", "2", "--expert-tp", "2", "--ep", "1"],
+        ),
     ],
 )
 def test_emitted_readme_is_followed_in_fresh_processes(tmp_path: Path, model: str, mesh: list[str]) -> None:

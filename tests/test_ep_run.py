@@ -108,20 +108,6 @@ FOUR_RANK = {
     "ep2_dp4_mixtral": (MIXTRAL, dict(tp=1, dp=4, ep=2, batch=8)),
     "tp2_ep2_expert_tp2_mixtral": (MIXTRAL, dict(tp=2, dp=2, ep=2, expert_tp=2)),
     "tp2_ep2_expert_tp2_modulelist": (MODULELIST, dict(tp=2, dp=2, ep=2, expert_tp=2)),
-    # Megatron-Core's MoE layout without EP: sequence parallelism, experts split over TP, distributed optimizer
-    "sp_expert_tp2_dp2_zero1_mixtral": (
-        MIXTRAL,
-        dict(
-            tp=2,
-            dp=2,
-            ep=1,
-            expert_tp=2,
-            sequence_parallel=True,
-            batch=8,
-            dp_style=DataParallel.ZERO1,
-            dp_shard=2,
-        ),
-    ),
     "sp_ep2_expert_tp2_one_sequence_mixtral": (
         MIXTRAL,
         dict(tp=2, dp=2, ep=2, expert_tp=2, sequence_parallel=True, batch=2),
