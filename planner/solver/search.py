@@ -600,9 +600,7 @@ def _ep_options(search: _Search, mesh: MeshShape, sequence_parallel: bool) -> li
     divides the experts (fold dp) and ep = tp (fold tp) where they divide, as --ep-fold allows."""
     c = search.constraints
     experts = expert_counts(search.structure)
-    if not experts or c.ep == 1 or search.structure.token_capacity:  # capped: see `_check_pinned_ep`
-        return [(1, "dp")]
-    if experts_not_swiglu(search.structure):  # the EP pass could not lower it: see `_check_pinned_ep`
+    if c.ep == 1 or not experts_lowerable(search.structure):  # capped or not SwiGLU: `_check_pinned_ep`
         return [(1, "dp")]
     folds = [c.ep_fold] if c.ep_fold is not None else ["dp", "tp"]
     if c.ep is not None:
@@ -632,8 +630,7 @@ def _ep_options_with_expert_tp(
     if not experts_lowerable(search.structure):
         return [(ep, fold, 1) for ep, fold in pairs] if pinned in (None, 1) else []
     if pinned is None:
-        split = mesh.tp if mesh.tp > 1 else 1
-        return [(ep, fold, split if fold == "dp" else 1) for ep, fold in pairs]
+        return [(ep, fold, mesh.tp if fold == "dp" else 1) for ep, fold in pairs]
     if pinned == 1:
         return [(ep, fold, 1) for ep, fold in pairs]
     if mesh.tp != pinned:
