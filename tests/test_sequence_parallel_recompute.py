@@ -157,6 +157,24 @@ def test_a_vit_gets_sequence_parallelism_only_where_its_patch_tokens_divide_by_t
         )
 
 
+def test_a_pinned_sequence_parallel_on_leaves_tp1_out_of_the_search():
+    """`--sequence-parallel on` with the TP degree left to the search on 2 devices chose TP=1 (DP=2),
+    where there is no sequence to split, then refused its own plan ("splits no projection
+    row-wise ... use --sequence-parallel auto or off"). TP=1 is no candidate when it is pinned on:
+    the plan is TP=2 with sequence parallelism, and one device is refused naming the pin."""
+    model = str(ROOT / "tests" / "models" / "tiny_mixtral.py")
+    prepared = prepare(model, "train")
+    cluster = load_cluster(str(FASTLINK))
+    for devices in (2, 1):
+        on = constraints_from(None, None, None, "none", max_devices=devices, sequence_parallel=True)
+        if devices == 1:
+            with pytest.raises(InfeasibleError, match=r"tp=1: --sequence-parallel on needs tp > 1"):
+                make_plan(prepared, cluster, on, model)
+            continue
+        plan = make_plan(prepared, cluster, on, model)
+        assert plan.tp == 2 and plan.sequence_parallel
+
+
 def test_recompute_keys_are_the_cost_model_layer_classes_or_plan_wide():
     _, structure, _, _ = _captured(LLAMA)
     key = layer_key(structure.layers[0])

@@ -523,7 +523,8 @@ def _schedules_for(search: _Search, pp: int, micro_batches: int) -> list[tuple[S
 
 
 def _sequence_parallel_options(search: _Search, tp: int, cp: int = 1) -> list[bool]:
-    """Sequence parallelism off and on (training with tp > 1), or as pinned. Ladder residual and
+    """Sequence parallelism off and on (training with tp > 1), or as pinned; pinned on, a tp=1
+    mesh is no candidate (nothing to split the sequence over; listed as excluded). Ladder residual and
     sequence parallelism exclude each other (`passes.lower.check_runnable`): with exactly the upper N
     layers laddered (`--ladder upper:N`) only off; with `auto` both, the on candidate solved without
     ladder (`_ladder_of`). Never on where a layer's sequence does not divide by tp
@@ -535,6 +536,13 @@ def _sequence_parallel_options(search: _Search, tp: int, cp: int = 1) -> list[bo
         InputError: sequence parallelism pinned on together with `--ladder upper:N`.
     """
     pinned = search.constraints.sequence_parallel
+    if tp == 1 and pinned and search.workload.train:  # nothing to split the sequence over: not a candidate
+        reason = (
+            "tp=1: --sequence-parallel on needs tp > 1 (it splits each layer's sequence over the TP ranks)"
+        )
+        if reason not in search.excluded:
+            search.excluded.append(reason)
+        return []
     if tp == 1 or not search.workload.train or pinned is False:
         return [False]
     uneven = [t // cp for t in search.structure.stream_tokens(search.workload.seq_len) if (t // cp) % tp]
