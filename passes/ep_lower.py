@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from passes.collectives import tp_all_gather, tp_all_reduce, tp_reduce_scatter, tp_sequence_gather
+from passes.collectives import tp_all_gather, tp_all_reduce, tp_copy, tp_reduce_scatter, tp_sequence_gather
 from passes.expert_parallel import ep_moe, ep_moe_replicated, expert_shard, local_experts, reset_loads
 from planner.errors import InputError
 from planner.frontend.analysis import ModelStructure
@@ -201,8 +201,17 @@ def _rewrite_block(
                 out = graph.call_function(tp_all_reduce, (partial, "tp"))
         else:
             tp_axis = "tp" if tp_spec[0] > 1 else None
+            shard_rows = (
+                fold == "dp" and placement == "Shard(0)"
+            )  # whole experts on this rank's sequence shard
+            if shard_rows:  # the TP ranks hold the same experts for other tokens: gradients summed over them
+                gate, up, down = (graph.call_function(tp_copy, (w, "tp")) for w in (gate, up, down))
             args = (x, ids, weights, gate, up, down, moe.num_experts, AXIS, moe.module_path, tp_axis)
             out = graph.call_function(operator.getitem, (graph.call_function(ep_moe, args), 0))
+            if shard_rows and combined == "Replicate()":
+                # the model's combine was whole (the TP pass gathered into it, `MoE.combine_into_new`):
+                # every rank's rows, in rank order
+                out = graph.call_function(tp_all_gather, (out, 0, "tp"))
     out.meta["val"] = combine.meta["val"]
     combine.replace_all_uses_with(out)
 

@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 
 from costmodels.cluster import cluster_for_ranks, load_cluster
-from costmodels.comm import Group, all_reduce_time_s, all_to_all_time_s, reduce_scatter_time_s
+from costmodels.comm import (
+    Group,
+    all_gather_time_s,
+    all_reduce_time_s,
+    all_to_all_time_s,
+    reduce_scatter_time_s,
+)
 from costmodels.expert_parallel import (
     COUNT_BYTES,
     DEFAULT_MOE_IMBALANCE,
@@ -34,11 +40,13 @@ from planner.solver.costing import (
     build_layer_graph,
     expert_comm_time_s,
     expert_gemm_time_s,
+    expert_shard_comm_s,
     expert_share,
     expert_split,
     expert_tp_reduce_s,
     moe_rows_sharded,
     moe_sequence_gather_bytes,
+    moe_tokens,
 )
 from planner.solver.problem import Constraints, MeshConfig, WorkloadSpec
 from planner.solver.search import _ep_options, plan_model
@@ -514,3 +522,84 @@ def test_a_plan_file_with_split_experts_and_ep_over_tp_names_ep_fold() -> None:
         Plan.from_dict({**plan.to_dict(), "ep": 1, "ep_fold": "tp", "expert_tp": 2})
     with pytest.raises(InputError, match=r"field 'expert_tp': is 3.*set expert_tp: 1 or 2"):
         Plan.from_dict({**plan.to_dict(), "expert_tp": 3})
+
+
+@pytest.mark.parametrize(
+    "model", ["tiny_moe_modulelist.py", "tiny_moe_top1.py", "tiny_moe_gptfast.py", "tiny_mixtral.py"]
+)
+def test_split_experts_at_one_sequence_price_the_reduction_the_pass_inserts(model: str) -> None:
+    """Under sequence parallelism with one sequence per micro-batch, split experts' partial outputs go back
+    to the rank's rows by a reduce-scatter, or by an all-reduce where the model's combine adds them into
+    a tensor created at its own size (`x.new_zeros(N + 1, H)`: the ModuleList forms), which the TP pass
+    keeps whole. Every such plan was priced with the reduce-scatter. `MoE.combine_into_new` must say what
+    the lowered graph does, and the price follow it."""
+    from passes.collectives import tp_all_reduce, tp_reduce_scatter  # noqa: PLC0415
+    from passes.lower import lower_for_rank  # noqa: PLC0415
+    from planner.frontend.analysis import analyse  # noqa: PLC0415
+    from planner.frontend.capture import capture  # noqa: PLC0415
+    from planner.frontend.modelfile import load_model_file  # noqa: PLC0415
+    from tests.plans import fixed_plan  # noqa: PLC0415
+
+    path = str(MODELS / model)
+    model_file = load_model_file(path)
+    gm = capture(model_file.build("meta"), *model_file.inputs(1, 8))
+    structure = analyse(gm)
+    moe = _moe_layer(structure).moe
+    plan = dataclasses.replace(
+        fixed_plan(structure, path, 2, workload="train"),
+        mesh=MeshShape(2, 1, 1), ep=1, expert_tp=2, sequence_parallel=True,
+    )  # fmt: skip
+    lower_for_rank(gm, structure, plan, 0, training=True)
+    moe_layers = sum(layer.moe is not None for layer in structure.layers)
+    targets = [n.target for n in gm.graph.nodes]
+    # the attention's row-parallel output reduce-scatters in every layer; the experts' reduction is one more
+    # reduce-scatter per MoE layer, or an all-reduce
+    reduce_scatters = sum(t is tp_reduce_scatter for t in targets) - len(structure.layers)
+    assert reduce_scatters == (0 if moe.combine_into_new else moe_layers), (model, targets)
+    assert (sum(t is tp_all_reduce for t in targets) >= moe_layers) == moe.combine_into_new
+    c = _ctx(structure, MeshShape(2, 1, 1), batch=1, seq=8)
+    ctx = dataclasses.replace(c, config=dataclasses.replace(c.config, sequence_parallel=True, expert_tp=2))
+    layer = _moe_layer(structure)
+    reduce = all_reduce_time_s if moe.combine_into_new else reduce_scatter_time_s
+    nbytes = ctx.tokens * moe.hidden_size * 2
+    assert expert_tp_reduce_s(layer, ctx) == pytest.approx(
+        2 * reduce(nbytes, ctx.tp_group(), ctx.cluster) + ctx.node_overhead_time(1)
+    )
+
+
+@pytest.mark.parametrize("model", ["tiny_moe_modulelist.py", "tiny_moe_gptfast.py"])
+def test_whole_experts_on_a_sequence_shard_price_their_gradients_all_reduce_over_tp(model: str) -> None:
+    """Whole experts under sequence parallelism at one sequence per micro-batch run this TP rank's tokens,
+    so each expert weight's gradient sums only them and is all-reduced over the TP ranks (`tp_copy`),
+    which was not priced; with EP the pass does so for every form, gathering the output where the
+    model's combine was whole. Without EP a combine into a tensor of its own size makes the TP pass
+    gather the routing's rows: the experts then run every token and need no reduction."""
+    from planner.frontend.analysis import analyse  # noqa: PLC0415
+    from planner.frontend.capture import capture  # noqa: PLC0415
+    from planner.frontend.modelfile import load_model_file  # noqa: PLC0415
+
+    model_file = load_model_file(str(MODELS / model))
+    structure = analyse(capture(model_file.build("meta"), *model_file.inputs(1, 8)))
+    layer = _moe_layer(structure)
+    moe = layer.moe
+
+    def ctx(ep: int, dp: int) -> CostContext:
+        c = _ctx(structure, MeshShape(2, 1, dp), ep=ep, batch=dp, seq=8)
+        return dataclasses.replace(c, config=dataclasses.replace(c.config, sequence_parallel=True))
+
+    with_ep, without = ctx(2, 2), ctx(1, 1)
+    group, b = with_ep.tp_group(), 2
+    grads = all_reduce_time_s(moe.expert_params / 2 * b, group, with_ep.cluster)
+    gather = 0.0
+    if moe.combine_into_new:
+        gather = all_gather_time_s(
+            8 * moe.hidden_size * b, group, with_ep.cluster
+        ) + with_ep.node_overhead_time(1)
+    assert expert_shard_comm_s(layer, with_ep) == pytest.approx(
+        grads + with_ep.node_overhead_time(len(moe.experts)) + gather
+    )
+    assert moe_tokens(moe, with_ep) == with_ep.tokens / 2
+    if moe.combine_into_new:
+        assert moe_tokens(moe, without) == without.tokens and expert_shard_comm_s(layer, without) == 0.0
+    else:
+        assert moe_tokens(moe, without) == without.tokens / 2 and expert_shard_comm_s(layer, without) > 0.0

@@ -112,6 +112,13 @@ FOUR_RANK = {
         MIXTRAL,
         dict(tp=2, dp=2, ep=2, expert_tp=2, sequence_parallel=True, batch=2),
     ),
+    # whole experts on each TP rank's sequence shard (one sequence per micro-batch): their gradients are
+    # summed over the TP ranks, and this model's combine (into `x.new_zeros(N + 1, C)`) gathered (the run
+    # failed on a (4, C) + (8, C) add, and the gpt-fast form's expert gradients were one TP rank's)
+    "sp_ep2_whole_one_sequence_modulelist": (
+        MODULELIST,
+        dict(tp=2, dp=2, ep=2, expert_tp=1, sequence_parallel=True, batch=2),
+    ),
     # FSDP reads each rank's slice of the fused gate-and-up experts (it took a plain half: wrong numerics)
     "expert_tp2_dp2_fsdp_mixtral": (
         MIXTRAL,

@@ -43,7 +43,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from math import prod
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import fx
@@ -155,6 +155,13 @@ class MoE:
     # as the scores over all E experts (Switch's top-1, Qwen-MoE's norm_topk_prob=False): Megatron-Core's
     # softmax router renormalises unless --moe-router-pre-softmax, its sigmoid router always (`_renormalised`)
     renormalised: bool = True
+    # whether the combine adds the experts' rows into a tensor created at a size of its own (`x.new_zeros(N
+    # + 1, H)`, `torch.zeros(N, H)`) rather than like the tokens (`zeros_like(x)`, an einsum, a sum):
+    # sharding propagation (DTensor's) makes such a tensor replicated, so where the block's rows are a
+    # sequence shard the TP pass gathers what is added into it, and the combined output is whole on every
+    # TP rank (`combine_into_new`; `passes.ep_lower` all-reduces split experts' outputs there, not
+    # reduce-scatters)
+    combine_into_new: bool = False
 
     @property
     def hidden_size(self) -> int:
@@ -310,8 +317,39 @@ def find_moe(
         topk_groups=groups[1],
         renormalised=score is ScoreFunction.SOFTMAX_AFTER_TOPK or _renormalised(topk, node_of, names),
         not_lowerable=unlowerable,
+        combine_into_new=combine_into_new(combine),
     )
     return MoEFinding(moe, [p for group in listed for p in group], None)
+
+
+# ops that create a tensor of the size given in their arguments (the `*_like` ops take another tensor's)
+_NEW_TENSOR = frozenset({
+    "aten.new_zeros", "aten.new_empty", "aten.new_full", "aten.new_ones", "aten.zeros", "aten.empty",
+    "aten.full", "aten.ones",
+})  # fmt: skip
+# ops that accumulate rows into their first argument, or view it, on the way to a combine
+_INTO_FIRST = frozenset({
+    "aten.index_add", "aten.index_put", "aten.index_copy", "aten.scatter_add", "aten.scatter",
+    "aten.scatter_reduce", "aten.slice", "aten.narrow", "aten.view", "aten.reshape", "aten._unsafe_view",
+    "aten.copy",
+})  # fmt: skip
+
+
+def combine_into_new(combine: fx.Node) -> bool:
+    """Whether `combine` (`MoE.combine_node`) is rows accumulated into a tensor created at a size of its own:
+    from the combine back along the first argument of accumulations and views (`index_add`, `index_put`,
+    `scatter_add`, `slice`, `view`, ...) to a `new_zeros` / `zeros` / `full` / `empty` (`MoE.combine_into_new`)."""
+    node: Any = combine
+    for _ in range(4096):  # a loop over the experts adds into the same tensor once per expert
+        if not isinstance(node, fx.Node) or node.op != "call_function":
+            return False
+        op = op_name(node.target)
+        if op in _NEW_TENSOR:
+            return True
+        if op not in _INTO_FIRST or not node.args:
+            return False
+        node = node.args[0]
+    return False
 
 
 # ops the experts' values pass through unchanged (views, copies, slices, splits, concatenation, the

@@ -1272,10 +1272,20 @@ def moe_rows_sharded(ctx: CostContext) -> bool:
     return ctx.sequence_parallel and ctx.sequences_per_micro_batch == 1
 
 
-def moe_tokens(ctx: CostContext) -> float:
+def whole_experts_on_shard(moe: MoE, ctx: CostContext) -> bool:
+    """Whether whole experts (`CostContext.expert_tp` 1) compute only this TP rank's sequence shard of the
+    tokens (`moe_rows_sharded`): with expert parallelism always (`passes.ep_lower` routes the shard);
+    without it unless the block's combine adds into a tensor of its own size (`MoE.combine_into_new`:
+    the TP pass then gathers the routing's rows, a fallback `passes.verify` prices, and the experts run
+    every token). The TP ranks then hold the same experts for other tokens, and each expert weight's
+    gradient is all-reduced over them (`expert_shard_comm_s`)."""
+    return moe_rows_sharded(ctx) and ctx.expert_tp == 1 and (ctx.ep > 1 or not moe.combine_into_new)
+
+
+def moe_tokens(moe: MoE, ctx: CostContext) -> float:
     """Tokens a MoE block routes on one rank per micro-batch: `CostContext.tokens`, or its 1/tp sequence
-    shard where whole experts run on it (`moe_rows_sharded`)."""
-    if moe_rows_sharded(ctx) and ctx.expert_tp == 1:
+    shard where whole experts run on it (`whole_experts_on_shard`)."""
+    if whole_experts_on_shard(moe, ctx):
         return ctx.tokens / ctx.mesh.tp
     return ctx.tokens
 
@@ -1287,7 +1297,7 @@ def expert_share(moe: MoE, ctx: CostContext) -> ExpertShare:
     experts reached: of the group's tokens (ep N over dp, N over tp), `local_touched_experts`."""
     ep, w = ctx.ep, ctx.workload
     load = busiest_load_factor(w.moe_imbalance, w.moe_capacity_factor, ep)
-    tokens = moe_tokens(ctx)
+    tokens = moe_tokens(moe, ctx)
     if ctx.ep_fold == "tp":
         rows, group_tokens = load * moe.top_k * tokens / ep, tokens
     else:
@@ -1338,14 +1348,37 @@ def expert_tp_reduce_s(layer: Layer, ctx: CostContext) -> float:
     per micro-batch (`CostContext.expert_tp` > 1; else 0): the experts' partial outputs, tokens x H x
     bytes, summed once after the combine, and in training once more for the input gradient; one more
     graph node. Where the block's rows are a sequence shard (`moe_rows_sharded`) the outputs are
-    reduce-scattered back to it instead (the backward all-gathers)."""
+    reduce-scattered back to it instead (the backward all-gathers), unless the model's combine adds them
+    into a tensor created at its own size (`MoE.combine_into_new`), whose sum `passes.ep_lower` all-reduces."""
     moe = layer.moe
     if moe is None or ctx.expert_tp == 1:
         return 0.0
     nbytes = ctx.tokens * moe.hidden_size * ctx.bytes_per_element
-    # reduce-scattered back to a sequence shard (backward: all-gathered), else all-reduced
-    reduce = reduce_scatter_time_s if moe_rows_sharded(ctx) else all_reduce_time_s
+    # reduce-scattered back to a sequence shard (backward: all-gathered), else all-reduced: also where
+    # the model's combine adds into a tensor of its own size, which the TP pass keeps whole
+    shard = moe_rows_sharded(ctx) and not moe.combine_into_new
+    reduce = reduce_scatter_time_s if shard else all_reduce_time_s
     return ctx.comm_factor * reduce(nbytes, ctx.tp_group(), ctx.cluster) + ctx.node_overhead_time(1)
+
+
+def expert_shard_comm_s(layer: Layer, ctx: CostContext) -> float:
+    """Seconds per micro-batch of what whole experts on a sequence shard add (`whole_experts_on_shard`;
+    else 0): in training the all-reduce over the TP ranks of the rank's expert weights' gradients
+    (`passes.ep_lower` and the TP pass enter them through `tp_copy`: each TP rank's gradient sums only
+    its own tokens), one node per expert weight; and under expert parallelism, where the model's
+    combine was whole (`MoE.combine_into_new`), the forward all-gather of the experts' (tokens, H)
+    output over the TP ranks (its backward keeps the local rows)."""
+    moe = layer.moe
+    if moe is None or not whole_experts_on_shard(moe, ctx):
+        return 0.0
+    total = 0.0
+    if ctx.train:
+        total += all_reduce_time_s(expert_param_bytes(layer, ctx), ctx.tp_group(), ctx.cluster)
+        total += ctx.node_overhead_time(len(moe.experts))
+    if ctx.ep > 1 and moe.combine_into_new:
+        nbytes = ctx.tokens * moe.hidden_size * ctx.bytes_per_element
+        total += all_gather_time_s(nbytes, ctx.tp_group(), ctx.cluster) + ctx.node_overhead_time(1)
+    return total
 
 
 def expert_comm_time_s(layer: Layer, ctx: CostContext) -> float:
@@ -1354,21 +1387,27 @@ def expert_comm_time_s(layer: Layer, ctx: CostContext) -> float:
     (`costmodels.expert_parallel.all_to_all_exchange_s`, the busiest rank's load of bytes); fold tp,
     one all-reduce of the layer's N x H output over the TP ranks (and one of the input gradient in
     training). Each collective is one more graph node. With expert tensor parallelism the TP
-    all-reduce of the experts' partial outputs is added (`expert_tp_reduce_s`)."""
+    all-reduce of the experts' partial outputs is added (`expert_tp_reduce_s`); with whole experts on a
+    sequence shard, their gradients' all-reduce over TP (`expert_shard_comm_s`)."""
     moe = layer.moe
     if moe is None:
         return 0.0
     if ctx.ep == 1:
-        return expert_tp_reduce_s(layer, ctx)
+        return expert_tp_reduce_s(layer, ctx) + expert_shard_comm_s(layer, ctx)
     if ctx.ep_fold == "tp":
         nbytes = ctx.tokens * moe.hidden_size * ctx.bytes_per_element
         return ctx.comm_factor * all_reduce_time_s(
             nbytes, ctx.tp_group(), ctx.cluster
         ) + ctx.node_overhead_time(1)
     share = expert_share(moe, ctx)
-    data = dispatch_bytes(moe.top_k, moe_tokens(ctx), moe.hidden_size, ctx.bytes_per_element, share.load)
+    data = dispatch_bytes(moe.top_k, moe_tokens(moe, ctx), moe.hidden_size, ctx.bytes_per_element, share.load)
     exchange = all_to_all_exchange_s(data, moe.num_experts, ctx.ep_group(), ctx.cluster, ctx.train)
-    return exchange + ctx.node_overhead_time(3) + expert_tp_reduce_s(layer, ctx)
+    return (
+        exchange
+        + ctx.node_overhead_time(3)
+        + expert_tp_reduce_s(layer, ctx)
+        + expert_shard_comm_s(layer, ctx)
+    )
 
 
 def moe_sequence_gather_bytes(layer: Layer, ctx: CostContext) -> float:
