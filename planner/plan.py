@@ -317,11 +317,14 @@ class Decision:
 
     subject: str  # e.g. "layers.mlp", "mesh", "ladder"
     chosen: str
-    options: dict[str, float]  # alternative -> cost in seconds (inf = not allowed)
+    options: dict[str, float]  # alternative -> cost in seconds (inf = not allowed, or `unsolved`)
     reason: str
     # alternative -> its predicted peak memory per rank, bytes, where the decision prices it (the
     # data-parallel styles); empty otherwise
     memory_bytes: dict[str, float] = field(default_factory=dict)
+    # alternatives of `options` at inf because no mesh with them was solved (over memory, or pruned by their
+    # lower bound), not because a pin or the model rules them out: shown as "not solved"
+    unsolved: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -31,6 +31,7 @@ from costmodels.expert_parallel import (
     touched_experts,
 )
 from planner.cli.main import main
+from planner.cli.render import options_text
 from planner.cli.workflow import prepare
 from planner.errors import InputError
 from planner.export import export_plan
@@ -251,6 +252,11 @@ def test_mixtral_8x7b_on_64_h100s_splits_its_experts_and_why_lists_the_degrees()
     assert why.options["off"] > plan.predicted.latency_s
     assert math.isinf(why.options["16 over dp"]) and "ep=16 does not divide 8 experts" in why.reason
     assert "token exchange" in why.reason and "--moe-imbalance" in why.reason
+    # the TP meshes' options were priced and not solved (pruned), which `--why` says; "16 over dp" is not
+    # possible with 8 experts ("not allowed")
+    assert "8 over dp, experts split over tp 2" in why.unsolved and "16 over dp" not in why.unsolved
+    text = options_text(why)
+    assert "8 over dp, experts split over tp 2: not solved" in text and "16 over dp: not allowed" in text
     again = Plan.from_dict(plan.to_dict())
     assert (again.ep, again.ep_fold, again.num_experts) == (plan.ep, plan.ep_fold, 8)
 

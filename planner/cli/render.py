@@ -394,6 +394,15 @@ def speed_line(at_run: dict[str, Any] | None, measured_s: float, busy: str | Non
     )
 
 
+def options_text(d: Decision) -> str:
+    """A decision's alternatives with their predicted seconds, "not solved" for those no mesh solved
+    (`Decision.unsolved`), "not allowed" for the rest at inf (a pin, the model or memory rules them out)."""
+    return ", ".join(
+        f"{k}: {fmt_s(v) if v != float('inf') else 'not solved' if k in d.unsolved else 'not allowed'}"
+        for k, v in d.options.items()
+    )
+
+
 def render_decisions(console: Console, plan: Plan) -> None:
     """The "why" table: each decision with the predicted cost of every alternative."""
     table = Table(
@@ -402,9 +411,7 @@ def render_decisions(console: Console, plan: Plan) -> None:
     for col in ("decision", "chosen", "alternatives", "reason"):
         table.add_column(col)
     for d in plan.decisions:
-        options = ", ".join(
-            f"{k}: {fmt_s(v) if v != float('inf') else 'not allowed'}" for k, v in d.options.items()
-        )
+        options = options_text(d)
         # plain text: labels such as "m=2 [interleaved_1f1b v=2]" are not rich markup
         table.add_row(*(escape(str(cell)) for cell in (d.subject, d.chosen, options, d.reason)))
     console.print(table)

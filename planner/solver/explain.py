@@ -573,7 +573,7 @@ def cp_decisions(
             )
         if c.cp is not None:
             reason += f"; pinned by --cp {c.cp}"
-        out.append(Decision("context-parallel", f"cp={ctx.mesh.cp}", options, reason))
+        out.append(Decision("context-parallel", f"cp={ctx.mesh.cp}", options, reason, unsolved=unsolved))
     if ctx.mesh.cp == 1:
         return out
     config, assignment = ctx.config, priced.assignment
@@ -751,4 +751,5 @@ def ep_decisions(
             )
             if f
         )
-    return [Decision("expert parallelism", config.ep_label(), options, reason, memory)]
+    unsolved = [name for name in unsolved if math.isinf(options[name])]
+    return [Decision("expert parallelism", config.ep_label(), options, reason, memory, unsolved)]
