@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from passes.collectives import tp_all_gather, tp_all_reduce, tp_copy, tp_reduce_scatter, tp_sequence_gather
+from passes.collectives import tp_all_gather, tp_all_reduce, tp_reduce_scatter, tp_sequence_gather
 from passes.expert_parallel import ep_moe, ep_moe_replicated, expert_shard, local_experts, reset_loads
 from planner.errors import InputError
 from planner.frontend.analysis import ModelStructure
@@ -201,11 +201,10 @@ def _rewrite_block(
                 out = graph.call_function(tp_all_reduce, (partial, "tp"))
         else:
             tp_axis = "tp" if tp_spec[0] > 1 else None
-            shard_rows = (
-                fold == "dp" and placement == "Shard(0)"
-            )  # whole experts on this rank's sequence shard
-            if shard_rows:  # the TP ranks hold the same experts for other tokens: gradients summed over them
-                gate, up, down = (graph.call_function(tp_copy, (w, "tp")) for w in (gate, up, down))
+            # whole experts on this rank's sequence shard: the TP ranks hold the same experts for other
+            # tokens, and the runtime sums their gradients over them with the expert data-parallel ones,
+            # once a step (`Plan.experts_on_sequence_shard`, `runtime.mesh.ep_ranks`)
+            shard_rows = fold == "dp" and placement == "Shard(0)"
             args = (x, ids, weights, gate, up, down, moe.num_experts, AXIS, moe.module_path, tp_axis)
             out = graph.call_function(operator.getitem, (graph.call_function(ep_moe, args), 0))
             if shard_rows and combined == "Replicate()":

@@ -598,6 +598,18 @@ class Plan:
         """Sequences per micro-batch on one data-parallel replica."""
         return self.batch_size / (self.dp * self.micro_batches)
 
+    @property
+    def experts_on_sequence_shard(self) -> bool:
+        """Whether whole routed experts under expert parallelism over dp x cp run each TP rank's sequence
+        shard of the tokens (sequence parallelism at one sequence per micro-batch: `passes.ep_lower`), so
+        each TP rank's expert gradients sum only its own tokens: they are reduced over the TP ranks as well
+        as the expert data-parallel ones, once a step (`runtime.mesh.ep_ranks`; Megatron-Core's
+        expert-data-parallel group spans the TP ranks when the experts are not split over them)."""
+        return (
+            self.ep > 1 and self.ep_fold == "dp" and self.expert_tp == 1 and self.tp > 1
+            and self.sequence_parallel and self.micro_batch_size == 1
+        )  # fmt: skip
+
     def layout_summary(self) -> dict[str, Any]:
         """The mesh and schedule as plain data (reports, emitted modules' meta.json)."""
         return {

@@ -161,7 +161,13 @@ def set_up_rank(ctx: RankContext, job: RunJob) -> RankSetup:
     plan = Plan.from_dict(job.plan)
     check_plan_runs(plan, job.workload)
     dp_shard = plan.dp_shard if plan.dp_style is DataParallel.FSDP else 1
-    groups = build_rank_groups(plan.mesh, ctx.device.type, dp_shard, plan.ep if plan.ep_fold == "dp" else 1)
+    groups = build_rank_groups(
+        plan.mesh,
+        ctx.device.type,
+        dp_shard,
+        plan.ep if plan.ep_fold == "dp" else 1,
+        plan.experts_on_sequence_shard,
+    )
     collectives.register_group("tp", groups.group("tp"))
     collectives.register_group("cp", groups.group("cp"))  # context-parallel attention (passes.cp_lower)
     collectives.register_group(

@@ -123,25 +123,30 @@ def _axis_ranks(shape: MeshShape, rank: int, axis: str) -> list[int]:
     return [shape.rank_of(d, pp_rank, tp_rank, cp_rank) for d in range(shape.dp)]
 
 
-def ep_ranks(shape: MeshShape, ep: int, rank: int) -> tuple[list[int], list[int]]:
+def ep_ranks(shape: MeshShape, ep: int, rank: int, over_tp: bool = False) -> tuple[list[int], list[int]]:
     """Global ranks of `rank`'s EP group (ep consecutive ranks of its "dp_cp" group) and of its expert
-    data-parallel group (the ranks of "dp_cp" with the same place in their EP groups)."""
+    data-parallel group (the ranks of "dp_cp" with the same place in their EP groups; `over_tp`: with
+    each one's TP ranks too, in rank order, where whole experts run each TP rank's sequence shard:
+    `Plan.experts_on_sequence_shard`)."""
     dp_cp = _axis_ranks(shape, rank, "dp_cp")
     i = dp_cp.index(rank)
     block, inner = divmod(i, ep)
-    return dp_cp[block * ep : (block + 1) * ep], dp_cp[inner::ep]
+    edp = dp_cp[inner::ep]
+    if over_tp:
+        edp = sorted(r for e in edp for r in _axis_ranks(shape, e, "tp"))
+    return dp_cp[block * ep : (block + 1) * ep], edp
 
 
 def _ep_groups(
-    shape: MeshShape, ep: int, rank: int
+    shape: MeshShape, ep: int, rank: int, over_tp: bool = False
 ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
-    """Every EP group, then every expert data-parallel group, made on every rank in the same order; this
-    rank's (None for a single rank)."""
+    """Every EP group, then every expert data-parallel group (`ep_ranks`), made on every rank in the same
+    order; this rank's (None for a single rank)."""
     mine: list[dist.ProcessGroup | None] = [None, None]
     for kind in (0, 1):
         seen: set[tuple[int, ...]] = set()
         for other in range(shape.num_devices):
-            ranks = tuple(ep_ranks(shape, ep, other)[kind])
+            ranks = tuple(ep_ranks(shape, ep, other, over_tp)[kind])
             if ranks in seen:
                 continue
             seen.add(ranks)
@@ -151,14 +156,17 @@ def _ep_groups(
     return mine[0], mine[1]
 
 
-def build_rank_groups(shape: MeshShape, device_type: str, dp_shard: int = 1, ep: int = 1) -> RankGroups:
+def build_rank_groups(
+    shape: MeshShape, device_type: str, dp_shard: int = 1, ep: int = 1, experts_over_tp: bool = False
+) -> RankGroups:
     """Create the (dp, pp, tp) device mesh and its process groups; collective, every rank must call it.
 
     `device_type` is "cpu" (gloo) or "cuda" (nccl). dp_shard: the ranks a sharded data-parallel state
     is split over (fsdp's `Plan.dp_shard`; 1 for the other styles): the shard and replicate groups
     (module docstring). Raises InputError when the degrees are not positive integers, `dp * pp * tp`
     differs from the world size or dp_shard does not divide dp, RunError when no default process
-    group is initialised.
+    group is initialised. ep: the expert-parallel degree over dp x cp ("ep" and "edp" groups);
+    experts_over_tp: "edp" spans the TP ranks too (`ep_ranks`).
     """
     for name in AXES:
         value = getattr(shape, name)
@@ -197,7 +205,7 @@ def build_rank_groups(shape: MeshShape, device_type: str, dp_shard: int = 1, ep:
         raise InputError(f"ep={ep} does not divide dp x cp = {shape.dp_cp}")
     ep_group = edp_group = None
     if ep > 1:
-        ep_group, edp_group = _ep_groups(shape, ep, rank)
+        ep_group, edp_group = _ep_groups(shape, ep, rank, experts_over_tp)
     elif shape.dp_cp > 1:
         edp_group = dp_cp_group
     return RankGroups(

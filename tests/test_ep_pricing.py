@@ -329,14 +329,18 @@ def _mixtral_tp2(**pins) -> Plan:
 
 
 def test_mixtral_at_tp_2_prices_the_experts_split_and_whole_and_picks_the_faster() -> None:
-    plan, whole = _mixtral_tp2(), _mixtral_tp2(expert_tp=1)
+    """At TP 2 the search prices each expert split over the TP ranks and whole on each, and picks the faster:
+    whole experts at one sequence per micro-batch under sequence parallelism (Megatron-Core's layout with
+    --expert-tensor-parallel-size 1: each TP rank routes its own shard, the experts' gradients reduced over
+    the TP ranks too)."""
+    free, plan, whole = _mixtral_tp2(), _mixtral_tp2(expert_tp=2), _mixtral_tp2(expert_tp=1)
     assert plan.expert_tp == 2 and whole.expert_tp == 1 and whole.ep > 1
-    assert plan.predicted.latency_s < whole.predicted.latency_s * (1 - 0.005)
+    assert free.predicted.latency_s == pytest.approx(min(plan.predicted.latency_s, whole.predicted.latency_s))
+    assert free.expert_tp == 1 and whole.experts_on_sequence_shard and not plan.experts_on_sequence_shard
     why = {d.subject: d for d in plan.decisions}["expert parallelism"]
     assert why.chosen == f"{plan.ep} over dp, experts split over tp 2" == plan.ep_text()
     assert why.options[why.chosen] == pytest.approx(plan.predicted.latency_s)
     assert f"{plan.ep} over dp" in why.options and "experts split over tp" in why.reason
-    assert _mixtral_tp2(expert_tp=2).predicted.latency_s == pytest.approx(plan.predicted.latency_s)
     again = Plan.from_dict(plan.to_dict())
     assert again.expert_tp == 2
     megatron = export_plan(plan, "megatron")
@@ -348,7 +352,12 @@ def test_mixtral_at_tp_2_prices_the_experts_split_and_whole_and_picks_the_faster
     assert any(
         "no expert TP" in w for w in export_plan(plan, "torchtitan", torchtitan_version="0.3").warnings
     )
-    assert any("replicated over the" in w for w in export_plan(whole, "megatron").warnings)
+    # whole experts on each TP rank's sequence shard: Megatron-Core's folding holds the same experts and rows
+    warnings = export_plan(whole, "megatron").warnings
+    assert any("the same experts per rank, rows" in w for w in warnings), warnings
+    assert not any("replicated over the" in w for w in warnings)
+    several = dataclasses.replace(whole, micro_batches=whole.micro_batches // 2)  # two sequences each
+    assert any("replicated over the" in w for w in export_plan(several, "megatron").warnings)
 
 
 def test_a_pinned_expert_tp_other_than_1_or_tp_is_refused_in_one_line() -> None:
@@ -574,12 +583,14 @@ def test_split_experts_at_one_sequence_price_the_reduction_the_pass_inserts(mode
 
 
 @pytest.mark.parametrize("model", ["tiny_moe_modulelist.py", "tiny_moe_gptfast.py"])
-def test_whole_experts_on_a_sequence_shard_price_their_gradients_all_reduce_over_tp(model: str) -> None:
+def test_whole_experts_on_a_sequence_shard_price_their_gradients_reduction_over_tp(model: str) -> None:
     """Whole experts under sequence parallelism at one sequence per micro-batch run this TP rank's tokens,
-    so each expert weight's gradient sums only them and is all-reduced over the TP ranks (`tp_copy`),
-    which was not priced; with EP the pass does so for every form, gathering the output where the
-    model's combine was whole. Without EP a combine into a tensor of its own size makes the TP pass
-    gather the routing's rows: the experts then run every token and need no reduction."""
+    so each expert weight's gradient sums only them and is reduced over the TP ranks too, which was not
+    priced (and under EP not run: the gradients were one TP rank's). With EP the runtime reduces them
+    once a step over the expert data-parallel ranks and their TP ranks (Megatron-Core's expert data
+    parallelism), and the pass gathers the output where the model's combine was whole; without EP the
+    TP pass all-reduces them at every micro-batch (`tp_copy`), unless the combine adds into a tensor of
+    its own size: the TP pass then gathers the routing's rows and the experts run every token."""
     from planner.frontend.analysis import analyse  # noqa: PLC0415
     from planner.frontend.capture import capture  # noqa: PLC0415
     from planner.frontend.modelfile import load_model_file  # noqa: PLC0415
@@ -589,23 +600,29 @@ def test_whole_experts_on_a_sequence_shard_price_their_gradients_all_reduce_over
     layer = _moe_layer(structure)
     moe = layer.moe
 
-    def ctx(ep: int, dp: int) -> CostContext:
-        c = _ctx(structure, MeshShape(2, 1, dp), ep=ep, batch=dp, seq=8)
+    def ctx(ep: int, dp: int, batch: int) -> CostContext:
+        c = _ctx(structure, MeshShape(2, 1, dp), ep=ep, batch=batch, seq=8)
         return dataclasses.replace(c, config=dataclasses.replace(c.config, sequence_parallel=True))
 
-    with_ep, without = ctx(2, 2), ctx(1, 1)
+    with_ep, without = ctx(2, 4, 4), ctx(1, 1, 1)
     group, b = with_ep.tp_group(), 2
-    grads = all_reduce_time_s(moe.expert_params / 2 * b, group, with_ep.cluster)
+    assert with_ep.experts_on_sequence_shard and not ctx(2, 4, 8).experts_on_sequence_shard
     gather = 0.0
     if moe.combine_into_new:
         gather = all_gather_time_s(
             8 * moe.hidden_size * b, group, with_ep.cluster
         ) + with_ep.node_overhead_time(1)
-    assert expert_shard_comm_s(layer, with_ep) == pytest.approx(
-        grads + with_ep.node_overhead_time(len(moe.experts)) + gather
-    )
+    assert expert_shard_comm_s(layer, with_ep) == pytest.approx(gather)
     assert moe_tokens(moe, with_ep) == with_ep.tokens / 2
+    # the experts' gradients: over the 4 / 2 ranks holding the same experts and the 2 TP ranks of each
+    experts = with_ep.experts_context()
+    assert experts.dp_cp == 2 and experts.dp_group().size == 4
+    assert ctx(2, 4, 8).experts_context().dp_group().size == 2
+    grads = all_reduce_time_s(moe.expert_params * b, group, without.cluster)  # every expert, whole
     if moe.combine_into_new:
         assert moe_tokens(moe, without) == without.tokens and expert_shard_comm_s(layer, without) == 0.0
     else:
-        assert moe_tokens(moe, without) == without.tokens / 2 and expert_shard_comm_s(layer, without) > 0.0
+        assert moe_tokens(moe, without) == without.tokens / 2
+        assert expert_shard_comm_s(layer, without) == pytest.approx(
+            grads + without.node_overhead_time(len(moe.experts))
+        )

@@ -61,13 +61,19 @@ def experts_text(plan: Plan) -> str:
             "to bind."
         )
     split = f", each expert split over the {plan.tp} TP ranks" if plan.expert_tp > 1 else ""
+    over_tp = (
+        ", and the TP ranks of each: whole experts run each TP rank's sequence shard of the tokens"
+        if plan.experts_on_sequence_shard
+        else ""
+    )
     return (
         f"Expert parallelism over {plan.ep} data-parallel ranks{split}: a rank's EP group is the {plan.ep} "
         "consecutive ranks of its dp x cp ranks at the same (pp, tp) coordinate (`runtime.mesh.ep_ranks`); every "
         'rank makes every EP group with `dist.new_group` and binds its own with `register_group("ep", group)` '
         "before the first call. Training: an expert's gradient already sums every EP rank's tokens; sum it over "
         "the ranks holding the same experts (the other members of its dp x cp ranks at the same place in their "
-        "EP groups) and divide by dp x cp, as `planner run` does (`runtime.data_parallel.reduce_expert_gradients`)."
+        f"EP groups{over_tp}) and divide by dp x cp, as `planner run` does "
+        "(`runtime.data_parallel.reduce_expert_gradients`, `runtime.mesh.ep_ranks`)."
     )
 
 

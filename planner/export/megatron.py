@@ -248,7 +248,16 @@ def _expert_args(plan: Plan, warnings: list[str]) -> list[str]:
         args += ["--moe-token-dispatcher-type", "alltoall"]
     if plan.moe_capacity_factor is not None:
         args += ["--moe-expert-capacity-factor", f"{plan.moe_capacity_factor:g}"]
-    if plan.ep > 1 and plan.ep_fold == "dp" and plan.tp > 1 and plan.expert_tp == 1:
+    if plan.experts_on_sequence_shard:  # each TP rank's sequence shard through whole experts: Megatron's too
+        warnings.append(
+            f"the plan's EP groups are {plan.ep} data-parallel ranks of one TP rank, and its expert gradients are "
+            f"reduced over the other {plan.cp * plan.dp // plan.ep} ranks holding the same experts and their "
+            f"tp={plan.tp} TP ranks; Megatron-Core's parallel folding with --expert-tensor-parallel-size 1 makes its "
+            f"EP groups of {plan.ep} consecutive ranks across the TP ranks instead: the same experts per rank, rows "
+            f"(each TP rank's sequence shard) and expert data-parallel size ({plan.tp * plan.cp * plan.dp // plan.ep}), "
+            "its all-to-all over other ranks than the plan priced"
+        )
+    elif plan.ep > 1 and plan.ep_fold == "dp" and plan.tp > 1 and plan.expert_tp == 1:
         warnings.append(
             f"the plan's EP groups are {plan.ep} data-parallel ranks of one TP rank, its experts replicated over the "
             f"tp={plan.tp} TP ranks (each runs the same experts on the same rows); Megatron-Core has no such layout: "

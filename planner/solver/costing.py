@@ -327,6 +327,16 @@ class CostContext:
         """This context prices the experts' own data parallelism over the edp group (EP over dp x cp)."""
         return self.expert_data_parallel and self.ep > 1 and self.ep_fold == "dp"
 
+    @property
+    def experts_on_sequence_shard(self) -> bool:
+        """Whole experts under EP over dp x cp run each TP rank's sequence shard (`moe_rows_sharded`,
+        `Plan.experts_on_sequence_shard`): their gradients are reduced over the edp group's ranks and
+        their TP ranks, once a step (`dp_group` in an `experts_context`)."""
+        return (
+            self.ep > 1 and self.ep_fold == "dp" and self.expert_tp == 1 and self.mesh.tp > 1
+            and moe_rows_sharded(self)
+        )  # fmt: skip
+
     def experts_context(self) -> CostContext:
         """This context for the routed experts' parameters (`expert_data_parallel`)."""
         return dataclasses.replace(self, expert_data_parallel=True)
@@ -493,6 +503,8 @@ class CostContext:
         dp_on_node = ranks_per_node(self.mesh.dp, inner // cp) if cp_on_node == cp else 1
         on_node = cp_on_node * dp_on_node
         if self._expert_group:  # every ep-th of the dp x cp ranks: those of one node, ep apart
+            if self.experts_on_sequence_shard:  # and the TP ranks of each (`experts_on_sequence_shard`)
+                return self._placed(self.dp_cp * tp, max(1, on_node // self.ep) * min(tp, per_node))
             return self._placed(self.dp_cp, max(1, on_node // self.ep))
         return self._placed(self.dp_cp, on_node)
 
@@ -1278,7 +1290,7 @@ def whole_experts_on_shard(moe: MoE, ctx: CostContext) -> bool:
     without it unless the block's combine adds into a tensor of its own size (`MoE.combine_into_new`:
     the TP pass then gathers the routing's rows, a fallback `passes.verify` prices, and the experts run
     every token). The TP ranks then hold the same experts for other tokens, and each expert weight's
-    gradient is all-reduced over them (`expert_shard_comm_s`)."""
+    gradient is reduced over them (`expert_shard_comm_s`)."""
     return moe_rows_sharded(ctx) and ctx.expert_tp == 1 and (ctx.ep > 1 or not moe.combine_into_new)
 
 
@@ -1363,16 +1375,18 @@ def expert_tp_reduce_s(layer: Layer, ctx: CostContext) -> float:
 
 def expert_shard_comm_s(layer: Layer, ctx: CostContext) -> float:
     """Seconds per micro-batch of what whole experts on a sequence shard add (`whole_experts_on_shard`;
-    else 0): in training the all-reduce over the TP ranks of the rank's expert weights' gradients
-    (`passes.ep_lower` and the TP pass enter them through `tp_copy`: each TP rank's gradient sums only
-    its own tokens), one node per expert weight; and under expert parallelism, where the model's
-    combine was whole (`MoE.combine_into_new`), the forward all-gather of the experts' (tokens, H)
-    output over the TP ranks (its backward keeps the local rows)."""
+    else 0). Each TP rank's expert gradients sum only its own tokens: without expert parallelism the
+    TP pass enters the expert weights through `tp_copy`, so in training they are all-reduced over the
+    TP ranks at every micro-batch (one node per expert weight); with it they are reduced once a step
+    with the data-parallel gradients, over the TP ranks too (`CostContext.experts_on_sequence_shard`,
+    priced there). Under expert parallelism, where the model's combine was whole
+    (`MoE.combine_into_new`), the forward all-gather of the experts' (tokens, H) output over the TP
+    ranks (its backward keeps the local rows)."""
     moe = layer.moe
     if moe is None or not whole_experts_on_shard(moe, ctx):
         return 0.0
     total = 0.0
-    if ctx.train:
+    if ctx.train and ctx.ep == 1:
         total += all_reduce_time_s(expert_param_bytes(layer, ctx), ctx.tp_group(), ctx.cluster)
         total += ctx.node_overhead_time(len(moe.experts))
     if ctx.ep > 1 and moe.combine_into_new:
@@ -2474,10 +2488,10 @@ def dp_sync_phases(grad_bytes: float, ctx: CostContext) -> list[SyncPhase]:
       are written at that rate, exposed (a second phase; measured on the 2-vCPU dev VM: the mid
       Llama's FSDP step 3.87 s against 2.36 s priced without it, bench/README.md).
     """
-    if not ctx.train or ctx.dp_cp == 1 or grad_bytes <= 0:
+    group = ctx.dp_group()  # dp x cp ranks; the experts' own (`experts_context`) may span the TP ranks too
+    if not ctx.train or group.size == 1 or grad_bytes <= 0:
         return []
     style, cluster, m = ctx.dp_style, ctx.cluster, ctx.micro_batches
-    group = ctx.dp_group()
     units = max(1, round(len(ctx.structure.layers) / ctx.mesh.pp)) + 1
     unit_bytes = grad_bytes / units
     reduced = ctx.grad_reduce_scale  # the gradients' collectives move them in `CostContext.grad_dtype`
