@@ -264,3 +264,19 @@ def test_an_ep_rank_holds_only_its_experts(two_rank: dict) -> None:
     for label in ("ep2_gptfast", "ep2_modulelist", "expert_tp2_gptfast", "sp_expert_tp2_mixtral"):
         measured = two_rank[label][1]["measured"]
         assert measured["state_bytes"] == pytest.approx(measured["predicted_state_bytes"], rel=0.02), label
+
+
+def test_the_expert_data_parallel_ranks_span_the_tp_ranks_where_whole_experts_run_a_sequence_shard() -> None:
+    """EP 2 over dp 4 at tp 2 (ranks tp-fastest): rank 0's EP group is the DP ranks 0 and 2 of TP rank 0,
+    its expert data-parallel ranks 0 and 4, and with whole experts on each TP rank's sequence shard
+    (`Plan.experts_on_sequence_shard`) those ranks' TP ranks too: their gradients sum other tokens."""
+    from runtime.mesh import ep_ranks  # noqa: PLC0415
+
+    shape = MeshShape(2, 1, 4)
+    assert ep_ranks(shape, 2, 0) == ([0, 2], [0, 4])
+    assert ep_ranks(shape, 2, 0, over_tp=True) == ([0, 2], [0, 1, 4, 5])
+    assert ep_ranks(shape, 2, 3, over_tp=True) == ([1, 3], [2, 3, 6, 7])
+    plan = _plan(MIXTRAL, tp=2, dp=4, ep=2, batch=4, sequence_parallel=True)
+    assert plan.experts_on_sequence_shard
+    assert not dataclasses.replace(plan, batch_size=8).experts_on_sequence_shard  # two sequences each
+    assert not dataclasses.replace(plan, expert_tp=2).experts_on_sequence_shard
