@@ -56,9 +56,10 @@ from runtime.launch import launch
 from tests.dtensor_entry import apply_exported
 from tests.models import tiny_moe_gptfast, tiny_moe_modulelist
 from tests.planner_fixtures import EXAMPLES
-from tests.plans import fixed_plan
+from tests.plans import fixed_plan, meta_structure
 
 MODELS = EXAMPLES.parent / "tests" / "models"
+CORPUS = EXAMPLES.parent / "tests" / "corpus"
 
 # torchtitan v0.2.2 job_config.py: the fields of the sections the export writes
 TORCHTITAN_FIELDS = {
@@ -198,6 +199,14 @@ def _dtensor_jobs(captured, tp: int) -> dict[str, tuple]:
         )  # fmt: skip
         jobs["hf_llama_lora"] = job("hf_llama_lora", lora)
     if tp == 2:
+        # Qwen3's per-head q_norm / k_norm run on the rank's heads: their gradients summed over the ranks
+        # (each rank's were its own heads' part, 0.46-0.88 off, before they took SequenceParallel)
+        qwen3 = str(CORPUS / "hf_qwen3.py")
+        jobs["hf_qwen3"] = (
+            qwen3,
+            export_plan(_with(fixed_plan(meta_structure(qwen3, 2, 16), qwen3, tp, workload="train"),
+                              dtype="bf16"), "dtensor").text,
+        )  # fmt: skip
         gpt = plan("gpt2_tiny", workload=Workload.TRAIN)
         jobs["gpt2_tiny"] = job("gpt2_tiny", gpt)
         jobs["gpt2_tiny_sp"] = job("gpt2_tiny", _with(gpt, sequence_parallel=True))

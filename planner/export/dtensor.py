@@ -32,7 +32,9 @@ What `apply` does besides `parallelize_module` (the generated file's docstring s
 a fused projection (`parts`, GPT-2's `c_attn`) has its rows reordered so that the contiguous shard of
 each rank holds its piece of every part; each attention module (the parent of colwise and rowwise
 projections that has a head-count attribute) gets its head counts and widths divided by tp, so that
-a forward sizing its views from them runs on the rank's heads; a weight tied to a vocabulary-split
+a forward sizing its views from them runs on the rank's heads, and its per-head norms (Qwen3's q_norm
+and k_norm: a weight of head_dim elements) take SequenceParallel, so that their weights' gradients are
+summed over the TP ranks; a weight tied to a vocabulary-split
 LM head (GPT-2's token embedding) is split with it and tied again. A served plan's KV caches (4-D
 buffers with a dim of the attention's KV-head count, and the objects holding the same tensors, as
 transformers' StaticCache layers) are cut to the rank's heads.
@@ -241,6 +243,25 @@ def _reorder_fused(model: nn.Module, tp: int) -> None:
                 tensor.copy_(torch.cat([pieces[p][r] for r in range(tp) for p in range(len(parts))], dim=0))
 
 
+def _head_norms(model: nn.Module) -> list[str]:
+    """The norms of each attention module of TP_BLOCKS that normalise one head's vector (a weight of the
+    module's head_dim elements: Qwen3's q_norm and k_norm). They run on the rank's heads, so each takes
+    SequenceParallel: its weight a replicated DTensor whose gradient is summed over the TP ranks (a plain
+    weight would keep only its own heads' part), its input taken as this rank's shard, its output local."""
+    found = []
+    for name in TP_BLOCKS:
+        module = model.get_submodule(name)
+        head_dim = getattr(module, "head_dim", None) or getattr(getattr(module, "config", None), "head_dim", None)
+        if not isinstance(head_dim, int) or isinstance(head_dim, bool):
+            continue
+        for child, sub in module.named_children():
+            weight = getattr(sub, "weight", None)
+            norm = isinstance(sub, (nn.LayerNorm, nn.RMSNorm)) or type(sub).__name__.endswith("Norm")
+            if norm and isinstance(weight, torch.Tensor) and weight.numel() == head_dim:
+                found.append(f"{name}.{child}")
+    return [name for name in found if name not in PLAN]
+
+
 def _local_heads(model: nn.Module, tp: int) -> list[str]:
     """Divide the head counts and widths of each attention module by tp; return what changed."""
     changed = []
@@ -333,8 +354,11 @@ def _tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
     ]
     _reorder_fused(model, tp)
     kv_heads = _kv_heads(model)
+    head_norms = _head_norms(model)
     _local_heads(model, tp)
     parallelize_module(model, mesh, plan)
+    for name in head_norms:
+        parallelize_module(model.get_submodule(name), mesh, SequenceParallel(use_local_output=True))
     for _, module, other in tied:
         module.weight = model.get_submodule(other).weight  # tie again: both are the same Shard(0) DTensor
     if SEQUENCE_PARALLEL:
@@ -699,7 +723,8 @@ of each fused projection in FUSED_PARTS so that each rank's shard holds its piec
 full_tensor() of such a weight is in that order), and divides the head counts and widths
 (HEAD_ATTRS, WIDTH_ATTRS) of each module in TP_BLOCKS that has a head count (the attention modules) by
 tp: the attention's forward must size its views from those attributes (or with -1), as the rank now
-computes only its own heads. A token embedding tied to a vocabulary-split LM head is split with it
+computes only its own heads; its norms of one head's vector (a weight of head_dim elements, Qwen3's
+q_norm and k_norm) are replicated DTensors (SequenceParallel), their gradients summed over the ranks. A token embedding tied to a vocabulary-split LM head is split with it
 and tied again.{_SP_NOTE if sp else ""}{_CACHE_NOTE if exported.kv_caches else ""}{dtensor_cp.NOTE if cp else ""}\
 {_dp_note(plan, exported)}
 """
