@@ -356,7 +356,8 @@ def test_run_of_a_plan_edited_to_more_devices_than_the_cluster_names_the_mesh(tm
 def test_show_and_export_of_an_edited_plan_say_it_was_edited_after_pricing(tmp_path):
     """`planner show` and `planner export` read a saved plan without the model: when its decisions
     were edited after it was priced they say so (the prices shown are from before the edit) and point
-    to `planner run`, which checks and prices it again; an unedited plan gets no such warning."""
+    to `planner run`, which checks and prices it again; an unedited plan gets no such warning. An
+    edited plan's export is checked against its model file (here) and refused where it cannot run."""
     out = tmp_path / "plan.yaml"
     r = planner("optimize", "examples/llama3.py", "--cluster", "local-cpu", "--nproc", "2", "--out", str(out))
     assert r.returncode == 0, r.stderr
@@ -369,6 +370,19 @@ def test_show_and_export_of_an_edited_plan_say_it_was_edited_after_pricing(tmp_p
         r = planner(*cmd)
         assert r.returncode == 0, r.stderr
         assert "edited after planning" in _said(r) and "planner run" in _said(r)
+    # an edit the model cannot take: export checks the plan against its model file as run does (it wrote
+    # --tensor-model-parallel-size 3 for a model of 128-wide projections, exit 0)
+    split = tmp_path / "split.yaml"
+    r = planner("optimize", "examples/llama3.py", "--cluster", "local-cpu", "--nproc", "2", "--tp", "2",
+                "--layout", "megatron", "--out", str(split))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    data = yaml.safe_load(split.read_text())
+    data["mesh"]["tp"] = 3
+    split.write_text(yaml.safe_dump(data))
+    r = planner("export", str(split), "--to", "megatron")
+    assert r.returncode == 2 and "does not divide by tp=3" in _said(r) and "Traceback" not in r.stderr, _said(
+        r
+    )
 
 
 def test_show_and_export_read_a_plan_without_importing_torch(tmp_path):

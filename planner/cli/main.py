@@ -1302,11 +1302,35 @@ def _edited_warning(plan, consequence: str) -> list[str]:
     ]
 
 
+def _check_edited_against_model(plan, plan_path: str) -> None:
+    """A plan edited after planning (its decisions or its file) is checked against its model file, where
+    that file is here, as `planner run` checks it (`workflow.validate_plan_for_model`: weights, split
+    dims and degrees that divide them, stages, batch): an export must not write a layout the model
+    cannot take. InputError (exit 2) names the plan field."""
+    from planner.files import edited_since_written  # noqa: PLC0415
+
+    if not (plan.decisions_edited() or edited_since_written(plan_path)):
+        return  # (without importing torch: show and export of a saved plan start fast)
+    from planner.cli import workflow  # noqa: PLC0415
+
+    model = plan.model_file(plan_path)
+    if not model.exists():
+        _warn(
+            [
+                f"{plan_path} was edited after planning and its model file {model} is not here: not checked against it"
+            ]
+        )
+        return
+    prepared = workflow.prepare_for_plan(plan, str(model))
+    workflow.validate_plan_for_model(plan, prepared.structure, str(model), prepared.param_shapes)
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from planner.export import export_plan  # noqa: PLC0415
 
     _check_outputs(args, out_kind="export")
     plan = _saved_plan(args.plan)
+    _check_edited_against_model(plan, args.plan)
     result = export_plan(plan, args.to, model=args.model, torchtitan_version=args.torchtitan_version)
     ignored = (
         [f"--model {args.model} had no effect: it names the Hugging Face model of --to vllm only"]
