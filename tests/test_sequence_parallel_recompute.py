@@ -161,18 +161,23 @@ def test_a_pinned_sequence_parallel_on_leaves_tp1_out_of_the_search():
     """`--sequence-parallel on` with the TP degree left to the search on 2 devices chose TP=1 (DP=2),
     where there is no sequence to split, then refused its own plan ("splits no projection
     row-wise ... use --sequence-parallel auto or off"). TP=1 is no candidate when it is pinned on:
-    the plan is TP=2 with sequence parallelism, and one device is refused naming the pin."""
+    the plan is TP=2 with sequence parallelism; one device or --tp 1 is refused naming the pin."""
     model = str(ROOT / "tests" / "models" / "tiny_mixtral.py")
     prepared = prepare(model, "train")
     cluster = load_cluster(str(FASTLINK))
-    for devices in (2, 1):
-        on = constraints_from(None, None, None, "none", max_devices=devices, sequence_parallel=True)
-        if devices == 1:
-            with pytest.raises(InfeasibleError, match=r"tp=1: --sequence-parallel on needs tp > 1"):
-                make_plan(prepared, cluster, on, model)
-            continue
-        plan = make_plan(prepared, cluster, on, model)
-        assert plan.tp == 2 and plan.sequence_parallel
+    on = constraints_from(None, None, None, "none", max_devices=2, sequence_parallel=True)
+    plan = make_plan(prepared, cluster, on, model)
+    assert plan.tp == 2 and plan.sequence_parallel
+    # a pin that leaves TP=1 only is a contradiction of flags (exit 2), not an infeasible plan
+    for pins, why in ((dict(max_devices=1), "one device"), (dict(tp=1), "--tp 1")):
+        tp = pins.pop("tp", None)
+        with pytest.raises(InputError, match=rf"--sequence-parallel on .*{why} leaves one"):
+            make_plan(
+                prepared,
+                cluster,
+                constraints_from(tp, None, None, "none", sequence_parallel=True, **pins),
+                model,
+            )
 
 
 def test_recompute_keys_are_the_cost_model_layer_classes_or_plan_wide():

@@ -254,6 +254,12 @@ def _setup(
                 f"ladder {str(constraints.ladder)!r}: layers {missing} lack an attention or MLP block, or "
                 "have a cross-attention, which ladder residual does not rewrite"
             )
+    if constraints.sequence_parallel and workload.train and 1 in (constraints.tp, constraints.max_devices):
+        why = "--tp 1" if constraints.tp == 1 else "one device"
+        raise InputError(
+            f"--sequence-parallel on splits each layer's sequence over the TP ranks, and {why} leaves one: "
+            "give --tp 2 or more (and the devices for it), or --sequence-parallel auto / off"
+        )
     cap = cluster.device.memory_bytes * constraints.memory_fraction
     return _Search(structure, cluster, workload, constraints, dtype, keys, ladder, cap)
 
