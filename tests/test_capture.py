@@ -226,3 +226,36 @@ def test_a_failure_inside_a_library_the_model_calls_names_its_line_too(tmp_path)
     message = str(info.value)
     assert f"{path}:6" in message and "within: helper_lib.py:4: start = int(x[0, 0].long())" in message
     assert "aten.item: data-dependent" in message, message
+
+
+def test_attributes_kept_without_gradient_are_said_for_training_only(tmp_path, monkeypatch):
+    """torch.export keeps a tensor attribute that requires grad (not a parameter) as a constant: said when
+    planning a training step (it will not train), not for a workload that trains nothing (every static-cache
+    model of transformers has such attributes in its export wrapper: the advice did not apply)."""
+    import warnings  # noqa: PLC0415
+
+    from planner.cli import workflow  # noqa: PLC0415
+    from planner.frontend import capture as capture_module  # noqa: PLC0415
+
+    path = tmp_path / "lifted.py"
+    path.write_text(
+        "import torch\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.lin = torch.nn.Linear(8, 8)\n"
+        "        self.scale = torch.ones(8, requires_grad=True)\n"
+        "    def forward(self, x):\n"
+        "        return self.lin(x) * self.scale\n"
+        "def build_model():\n"
+        "    return M()\n"
+        "def example_inputs(batch_size=2, seq_len=4):\n"
+        "    return (torch.randn(batch_size, seq_len, 8),)\n"
+    )
+    monkeypatch.delenv("RANK", raising=False)
+    for workload, said in (("forward", False), ("train", True)):
+        monkeypatch.setattr(capture_module, "_lifted_said", False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            workflow.prepare(str(path), workload)
+        assert any("torch.export keeps" in str(w.message) for w in caught) == said, workload

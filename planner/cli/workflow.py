@@ -33,7 +33,7 @@ from planner.cli.plan_checks import check_plan_fields as check_plan_fields  # re
 from planner.cli.plan_checks import plan_warnings as plan_warnings  # re-exported
 from planner.errors import InfeasibleError, InputError, RunError
 from planner.frontend.analysis import Layer, ModelStructure
-from planner.frontend.capture import input_batch_dims, op_name
+from planner.frontend.capture import input_batch_dims, lifted_constants_quiet, op_name
 from planner.frontend.depth import capture_for_planning
 from planner.frontend.modelfile import ModelFile, load_model_file
 from planner.frontend.phases import build_for, decode_phase, plan_structure, prefill_phase
@@ -133,6 +133,22 @@ def prepare(
     """
     if workload not in WORKLOADS:
         raise InputError(f"--workload must be one of {', '.join(WORKLOADS)}, got {workload!r}")
+    # a workload that trains nothing has no use for torch.export's note on attributes kept without gradient
+    with lifted_constants_quiet(workload != Workload.TRAIN):
+        return _prepare(model_path, workload, batch_size, seq_len, context, micro_batches, dtype, new_tokens)
+
+
+def _prepare(
+    model_path: str,
+    workload: str,
+    batch_size: int | None,
+    seq_len: int | None,
+    context: int | None,
+    micro_batches: int | None,
+    dtype: str | None,
+    new_tokens: int | None,
+) -> Prepared:
+    """`prepare` once its workload is known to be one of WORKLOADS."""
     for name, value in (("--batch-size", batch_size), ("--seq-len", seq_len), ("--context", context)):
         if value is not None and value < 1:
             raise InputError(f"{name} must be a positive integer, got {value}")

@@ -41,6 +41,7 @@ and the usual fixes.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
 import io
 import logging
@@ -51,7 +52,7 @@ import sys
 import sysconfig
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -189,6 +190,19 @@ def _check_forward_accepts(model: nn.Module, args: tuple, kwargs: dict) -> None:
 # (Hugging Face's static-cache export wrapper has one per attention layer): said once per process, as one line
 _LIFTED_CONSTANT = re.compile(r"A model attribute `(.+?)` requires gradient")
 _lifted_said = False
+_lifted_quiet: contextvars.ContextVar[bool] = contextvars.ContextVar("lifted_quiet", default=False)
+
+
+@contextlib.contextmanager
+def lifted_constants_quiet(quiet: bool = True) -> Iterator[None]:
+    """Within (when `quiet`), captures do not say that torch.export kept tensor attributes that require
+    grad as constants: for a workload that trains nothing (forward, decode, generate) it does not matter,
+    and the attributes are often a wrapper's (transformers' static-cache export wrapper), not the user's."""
+    token = _lifted_quiet.set(quiet)
+    try:
+        yield
+    finally:
+        _lifted_quiet.reset(token)
 
 
 def _replay_unlift_warnings(caught: list[warnings.WarningMessage]) -> None:
@@ -202,7 +216,7 @@ def _replay_unlift_warnings(caught: list[warnings.WarningMessage]) -> None:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     # a rank process (RANK set by the launcher or torchrun) stays quiet: the process that planned or
     # launched the run captured the same model and said it
-    if lifted and not _lifted_said and "RANK" not in os.environ:
+    if lifted and not _lifted_said and not _lifted_quiet.get() and "RANK" not in os.environ:
         _lifted_said = True
         warnings.warn(
             f"torch.export keeps {len(set(lifted))} tensor attribute(s) that require grad but are not parameters as "
