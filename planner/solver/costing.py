@@ -860,7 +860,11 @@ def projection_options(
     parts = tuple(proj.parts) if proj.parts else (n_out,)
     if pieces is not None:
         options.append(option("colwise", R, S, n_in, n_out / pieces, pieces))
-        excluded["rowwise"] = f"K/V heads ({pieces}) fewer than tp={tp}: column-parallel over KV heads only"
+        where = "every rank" if pieces == 1 else f"{tp // pieces} ranks each"
+        excluded["rowwise"] = (
+            f"K/V heads ({pieces}) fewer than tp={tp}: a KV head is not cut, so each is computed whole on {where} "
+            "(no row-parallel split)"
+        )
         return options, excluded
     if all(p % tp == 0 for p in parts):
         options.append(option("colwise", R, S, n_in, n_out / tp, tp))
