@@ -566,6 +566,26 @@ def test_layout_megatron_runs_the_split_layout_where_auto_keeps_every_weight_rep
         workflow.constraints_from(2, None, None, "none", layout="sideways")
 
 
+def test_layout_megatron_refuses_an_attention_it_cannot_split_by_heads() -> None:
+    """OLMo-2 normalises q and k over all heads at once: `--layout megatron` planned its attention
+    replicated without a word (and its report set that beside the hand-written Megatron plan as 4x
+    faster); it is refused (exit 3) naming the op and line, while the search keeps the attention whole."""
+    from costmodels.cluster import load_cluster  # noqa: PLC0415
+    from planner.cli import workflow  # noqa: PLC0415
+    from planner.errors import InfeasibleError  # noqa: PLC0415
+
+    model = str(Path(__file__).parent / "models" / "hf_olmo2.py")
+    prepared = workflow.prepare(model, "train")
+    spec = load_cluster("local-cpu", 2)
+    megatron = workflow.constraints_from(2, None, None, "none", layout="megatron")
+    with pytest.raises(
+        InfeasibleError, match=r"--layout megatron .* layers 0-1 .*aten\.mean at modeling_olmo2\.py"
+    ):
+        workflow.make_plan(prepared, spec, megatron, model)
+    auto = workflow.make_plan(prepared, spec, workflow.constraints_from(2, None, None, "none"), model)
+    assert auto.tp == 2
+
+
 def test_expert_parallelism_on_a_dense_model_is_refused_naming_the_field(captured) -> None:
     """A dense model's plan edited to ep 2 (or expert_tp 2) is refused by the plan's own check (every
     export and run reads it) and, for a plan that does not record the model's experts, by the lowering

@@ -67,6 +67,7 @@ from planner.plan import (
     check_cp_sequence,
     cp_text,
     dp_style_text,
+    layer_ranges,
     overlap_text,
 )
 from planner.progress import Progress, silent
@@ -991,7 +992,21 @@ def _price(search: _Search, config: MeshConfig, lazy: bool = False) -> _Candidat
 
 def _megatron_layout_only(tables: CostTables) -> None:
     """`--layout megatron`: every op of `tables` keeps only the option of the hand-written Megatron-LM
-    layout (`megatron_choices`, as the baseline splits), in place; the ILP then chooses the rest."""
+    layout (`megatron_choices`, as the baseline splits), in place; the ILP then chooses the rest.
+    Raises InfeasibleError where an attention core cannot be split by heads (its exclusion says why)."""
+    for (
+        key,
+        graph,
+    ) in tables.graphs.items():  # Megatron splits every attention by heads: refuse what cannot be
+        for op in graph.ops:
+            why = op.excluded.get("head") if op.name in ("core", "cross.core") else None
+            if why:
+                layers = [i for i, k in enumerate(layer_keys(tables.ctx.structure)) if k == key]
+                raise InfeasibleError(
+                    f"--layout megatron splits each attention by heads as Megatron-LM does, but the attention of "
+                    f"layers {layer_ranges(layers)} cannot be split so: {why}; plan it with --layout auto (which "
+                    "keeps such an attention whole and prices it)"
+                )
     choices = megatron_choices(tables.graphs, tables.ends)
     for key, graph in [*tables.graphs.items(), ("ends", tables.ends)]:
         for op in graph.ops:
