@@ -50,7 +50,7 @@ from passes.ladder import apply_ladder, ladder_deviation, ladder_residual_adds
 from passes.lower import lower_for_rank
 from passes.tensor_parallel import read_local_shards, self_sharded_piece
 from planner.frontend.analysis import CACHE_UPDATE_OPS, ModelStructure, analyse, cache_buffers
-from planner.frontend.capture import capture, flat_inputs, retarget_device
+from planner.frontend.capture import capture, flat_inputs, lifted_constants_quiet, retarget_device
 from planner.frontend.modelfile import ModelFile, load_model_file
 from planner.frontend.phases import Phase, build_for, decode_phase, phase_inputs, prefill_phase
 from planner.plan import Plan
@@ -303,8 +303,9 @@ def cache_bytes(gm: fx.GraphModule) -> int:
 
 
 def _captured(model: nn.Module, request: Request, device: str) -> tuple[fx.GraphModule, fx.GraphModule]:
-    prefill = capture(model, *request.inputs(request.prefill, device=device))
-    decode = capture(model, *request.inputs(request.decode, device=device))
+    with lifted_constants_quiet():  # serving trains nothing: attributes kept without gradient do not matter
+        prefill = capture(model, *request.inputs(request.prefill, device=device))
+        decode = capture(model, *request.inputs(request.decode, device=device))
     return prefill, decode
 
 
