@@ -37,6 +37,7 @@ import torch
 import torch.fx as fx
 
 from passes.collectives import tp_all_gather, tp_all_reduce, tp_reduce_scatter, tp_sequence_gather
+from passes.context_parallel import cp_gather
 from passes.expert_parallel import ep_moe, ep_moe_replicated, expert_shard, local_experts, reset_loads
 from planner.errors import InputError
 from planner.frontend.analysis import ModelStructure
@@ -71,12 +72,15 @@ def apply_expert_parallel(
     fold: str = "dp",
     expert_tp: int = 1,
     tp_rank: int = 0,
+    cp_load_balance: bool = False,
 ) -> EpLowering:
     """Rewrite every MoE block of `gm` in place for EP rank `ep_rank` of `ep` (module docstring).
     fold: "dp" (the EP ranks hold different tokens: `ep_moe`, all-to-all on the "ep" axis) or "tp" (the
     TP ranks, holding the same tokens: `ep_moe_replicated`, an all-reduce on the "tp" axis).
     expert_tp > 1 (fold dp): every expert's width is also split over the TP ranks (this is TP rank
-    `tp_rank`), the outputs all-reduced over "tp" (`ep_moe`'s tp_axis).
+    `tp_rank`), the outputs all-reduced over "tp" (`ep_moe`'s tp_axis). cp_load_balance: the context-
+    parallel pass's token order (`Plan.cp_load_balance`), for a block whose router reads this CP rank's
+    tokens while its combine was gathered whole (`_rewrite_block`).
 
     Raises InputError when ep does not divide a block's experts or a block's experts are not SwiGLU
     MLPs, naming the block and what would work."""
@@ -97,7 +101,7 @@ def apply_expert_parallel(
             )
         mine = local_experts(moe.num_experts, ep, ep_rank)
         result.experts = list(mine)
-        _rewrite_block(gm, moe, mine, ep, ep_rank, shards, fold, tp_spec)
+        _rewrite_block(gm, moe, mine, ep, ep_rank, shards, fold, tp_spec, cp_load_balance)
         result.blocks.append(moe.module_path)
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
@@ -124,6 +128,7 @@ def _rewrite_block(
     shards: dict[str, tuple],
     fold: str,
     tp_spec: tuple[int, int] = (1, 0),
+    cp_load_balance: bool = False,
 ) -> None:
     graph = gm.graph
     nodes = {n.name: n for n in graph.nodes}
@@ -171,6 +176,14 @@ def _rewrite_block(
             "combined output are not; plan it with --expert-tp 1 (or --sequence-parallel off)"
         )
     by_role = {w.role: w for w in moe.experts}
+    if x.meta.get("cp_placement") == "Shard(0)" and combine.meta.get("cp_placement") != "Shard(0)":
+        # context parallelism kept the router's rows this CP rank's tokens, but gathered the model's combine
+        # whole (a fallback of `passes.cp_lower`, priced by `passes.verify`: the block runs every token on
+        # every CP rank): the experts take every CP rank's rows, ids and weights, in sequence order
+        with graph.inserting_before(combine):
+            x, ids, weights = (
+                graph.call_function(cp_gather, (n, 0, "cp", cp_load_balance)) for n in (x, ids, weights)
+            )
     with graph.inserting_before(combine):
         if Role.EXPERT_GATE_UP in by_role:
             fused = _local_weight(gm, by_role[Role.EXPERT_GATE_UP], mine, ep, ep_rank, shards, tp_spec)

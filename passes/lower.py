@@ -135,8 +135,9 @@ def lower_for_rank(
     elif plan.ep > 1 or plan.expert_tp > 1:
         ep_rank = (dp_rank * plan.cp + plan.mesh.cp_rank(rank)) % plan.ep
         ep_lowering = apply_expert_parallel(
-            gm, structure, plan.ep, ep_rank, expert_tp=plan.expert_tp, tp_rank=tp_rank
-        )
+            gm, structure, plan.ep, ep_rank, expert_tp=plan.expert_tp, tp_rank=tp_rank,
+            cp_load_balance=plan.cp_load_balance,
+        )  # fmt: skip
     apply_ladder(gm, ladder_residual_adds(structure, plan.ladder_layers))
     layer_nodes = {name for layer in structure.layers for name in layer.nodes}
     if plan.tp_comm_overlap and plan.tp > 1:

@@ -46,11 +46,12 @@ def _plan(
     batch: int = 4,
     pp: int = 1,
     m: int = 1,
+    cp: int = 1,
     **kw,
 ):
     structure = meta_structure(str(MODELS / model), batch, SEQ)
     plan = fixed_plan(structure, str(MODELS / model), tp, pp=pp, workload=workload, micro_batches=m)
-    return dataclasses.replace(plan, mesh=MeshShape(tp, pp, dp), ep=ep, **kw)
+    return dataclasses.replace(plan, mesh=MeshShape(tp, pp, dp, cp=cp), ep=ep, **kw)
 
 
 def _job(plan, model: str) -> RunJob:
@@ -97,6 +98,11 @@ TWO_RANK = {  # label: (model, plan kwargs)
         GPTFAST,
         dict(tp=2, dp=1, ep=1, expert_tp=2, sequence_parallel=True, batch=1),
     ),
+    # EP over the CP ranks: the router reads this rank's tokens, the model's combine was gathered whole by
+    # the CP pass (gpt-fast's `.view(B, T, C)`, the ModuleList's index_add into zeros): the experts take
+    # every CP rank's rows (the run failed on a (8, C) output where (16, C) was expected)
+    "cp2_ep2_gptfast": (GPTFAST, dict(tp=1, dp=1, cp=2, ep=2, batch=1)),
+    "cp2_ep2_modulelist": (MODULELIST, dict(tp=1, dp=1, cp=2, ep=2, batch=1)),
     "sp_expert_tp2_one_sequence_top1": (
         TOP1,
         dict(tp=2, dp=1, ep=1, expert_tp=2, sequence_parallel=True, batch=2, m=2),
