@@ -539,8 +539,11 @@ def _serve_rank(
             if plan.ep > 1
             else f"1/{plan.expert_tp} of every expert (each split over the TP ranks, its outputs all-reduced)"
         )
+        what = (
+            "expert parallelism applied" if plan.ep > 1 else "experts split over TP (no expert parallelism)"
+        )
         report.notes.append(
-            f"expert parallelism applied: each MoE block's {len(gp.meta.get('ep_params', []))} expert weight(s) on "
+            f"{what}: each MoE block's {len(gp.meta.get('ep_params', []))} expert weight(s) on "
             f"this rank hold {held}; "
             + (expert_load_notes_of(gd, ctx.rank) or ["no routed tokens recorded"])[0]
         )

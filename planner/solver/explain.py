@@ -569,7 +569,12 @@ def cp_decisions(
         if pruned:
             reason += (
                 f"; {', '.join(pruned)}: some meshes not solved, their lower bound no faster than the chosen plan "
-                "(the time shown is the fastest of those solved; pin --cp to solve them all)"
+                "(the time shown is the fastest of those solved"
+                + (
+                    "; pin the other degrees too (--tp, --pp, --dp) to solve them)"
+                    if c.cp is not None
+                    else "; pin --cp to solve them all)"
+                )
             )
         if c.cp is not None:
             reason += f"; pinned by --cp {c.cp}"
@@ -741,6 +746,14 @@ def ep_decisions(
         )
     if config.ep > 1 and config.ep_fold == "dp" and w.kind is Workload.DECODE:
         reason += "; --run decodes with expert parallelism over the TP ranks only (--ep-fold tp)"
+    chosen = config.ep_label()
+    faster = [n for n, t in options.items() if t < options.get(chosen, math.inf)]
+    if faster and c.ep is None and c.ep_fold is None and c.expert_tp is None:
+        best = min(faster, key=options.get)
+        reason += (
+            f"; {best} saves {_percent(options[chosen] / options[best] - 1)} (< {FEATURE_MIN_SAVING:.1%} per level "
+            f"the runtime is asked more of: kept {chosen}, the simpler layout)"
+        )
     if c.ep is not None or c.ep_fold is not None or c.expert_tp is not None:
         reason += "; pinned by " + " ".join(
             f
