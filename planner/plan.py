@@ -504,6 +504,9 @@ class Plan:
     moe_topk_renormalised: bool | None = None
     moe_expert_intermediate_size: int = 0
     moe_shared_intermediate_size: int | None = None
+    # the shared experts' output scaled by a sigmoid gate of one output per token (`MoE.shared_expert_gate`;
+    # None: unknown, a plan written before this field)
+    moe_shared_expert_gate: bool | None = None
     # parameters of the model the plan was made for (0: a plan written before this field): `planner run`
     # refuses a model file whose parameter count differs (it changed since planning)
     model_params: int = 0

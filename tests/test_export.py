@@ -844,6 +844,14 @@ def test_megatron_routes_a_top2_softmax_moe_with_its_shared_expert():
     assert args["--moe-router-score-function"] == "softmax" and args["--moe-ffn-hidden-size"] == "24"
     assert args["--moe-shared-expert-intermediate-size"] == "48"
     assert not any("route" in w for w in warnings)
+    assert plan.moe_shared_expert_gate is False and not any("shared_expert_gate" in w for w in warnings)
+    # Qwen2-MoE's sigmoid gate on the shared expert: the export said nothing, and Megatron-LM would train it
+    # ungated
+    with torch.device("meta"):
+        gated = tiny_moe_modulelist.build_model(shared_gate=True)
+    plan = _moe_plan(gated, tiny_moe_modulelist.example_inputs(4, 16))
+    assert plan.moe_shared_expert_gate and plan.moe_shared_intermediate_size == 48
+    assert any("moe_shared_expert_gate" in w for w in _megatron_argv(plan)[1])
 
 
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])

@@ -42,6 +42,7 @@ the dataclass fields it turns into options: `ModelParallelConfig`, `TransformerC
 | moe_topk_renormalised false (softmax)  | --moe-router-pre-softmax (always at top-1: Megatron requires it)   |
 | moe_expert_intermediate_size           | --moe-ffn-hidden-size                                              |
 | moe_shared_intermediate_size (> 0)     | --moe-shared-expert-intermediate-size (0, no shared expert: none)  |
+| moe_shared_expert_gate                 | a warning: set Megatron-Core's moe_shared_expert_gate              |
 |   each unknown (0, "", None)           | none, a warning naming the option to set                           |
 | ep > 1                                 | --moe-token-dispatcher-type alltoall (dropless, as the runtime's)  |
 | moe_capacity_factor                    | --moe-expert-capacity-factor                                       |
@@ -332,6 +333,13 @@ def _routing_args(plan: Plan, warnings: list[str]) -> list[str]:
         )
     elif plan.moe_shared_intermediate_size:
         args += ["--moe-shared-expert-intermediate-size", str(plan.moe_shared_intermediate_size)]
+    if plan.moe_shared_intermediate_size and plan.moe_shared_expert_gate:
+        warnings.append(
+            "the model scales its shared expert's output by a sigmoid gate of one output per token (Qwen2-MoE's "
+            "shared_expert_gate); Megatron-Core builds that gate only with its TransformerConfig field "
+            "moe_shared_expert_gate set (--moe-shared-expert-gate where your release's parser has it): without it "
+            "Megatron-LM trains an ungated shared expert, another model"
+        )
     if missing:
         warnings.append(
             "the plan does not record how the model's experts route (planned before it did, MoE layers that "

@@ -184,6 +184,13 @@ class MoE:
         return sum(p.in_features for p in down)
 
     @property
+    def shared_expert_gate(self) -> bool:
+        """Whether a projection of the shared experts' MLP is a gate of one output per token (Qwen2-MoE's
+        `shared_expert_gate`, a sigmoid of it scaling the shared expert's output: Megatron-Core's
+        `moe_shared_expert_gate`)."""
+        return any(p.out_features == 1 for p in self.shared)
+
+    @property
     def gemm_nodes(self) -> list[str]:
         """Every expert GEMM node."""
         return [n for w in self.experts for n in w.nodes]

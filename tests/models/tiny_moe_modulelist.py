@@ -78,7 +78,12 @@ class SparseMoE(nn.Module):
     """Router `gate`, routed `experts` (a ModuleList), `shared_expert`."""
 
     def __init__(
-        self, config: LlamaConfig, dispatch: str = "capacity", top_k: int = TOP_K, **expert: object
+        self,
+        config: LlamaConfig,
+        dispatch: str = "capacity",
+        top_k: int = TOP_K,
+        shared_gate: bool = False,
+        **expert: object,
     ) -> None:
         super().__init__()
         self.dispatch, self.top_k = dispatch, top_k
@@ -89,6 +94,12 @@ class SparseMoE(nn.Module):
             [SwiGLU(config.dim, EXPERT_DIM, act, **expert) for _ in range(NUM_EXPERTS)]
         )
         self.shared_expert = SwiGLU(config.dim, config.ffn_dim)
+        # Qwen2-MoE's shared_expert_gate: the shared expert's output scaled by a sigmoid of one logit per token
+        self.shared_expert_gate = nn.Linear(config.dim, 1, bias=False) if shared_gate else None
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.shared_expert(x)
+        return out if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -100,7 +111,7 @@ class SparseMoE(nn.Module):
             routed = self._capacity(x, weights, chosen)
         else:
             routed = self._nonzero(x, weights, chosen)
-        return (routed + self.shared_expert(x)).view(B, T, C)
+        return (routed + self.shared(x)).view(B, T, C)
 
     def _capacity(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """x (N, C), weights and chosen (N, k) -> the routed output (N, C), static shapes throughout."""
