@@ -128,3 +128,22 @@ def test_the_megatron_line_says_which_choices_differ_on_the_same_mesh() -> None:
     assert "see the training layout table" in megatron, megatron
     free = line()  # the free plan keeps these tiny weights whole: other splits than Megatron's
     assert "(same mesh; it differs in weight splits" in free, free
+
+
+def test_a_models_source_line_is_printed_as_written_with_its_brackets() -> None:
+    """Excluded options, fallbacks and notes quote the model's source lines; rich read `x_pad[idx]` as
+    markup and printed `x_pad` (the error line, printed as plain text, had it right)."""
+    import dataclasses  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from planner.cli import workflow  # noqa: PLC0415
+    from planner.cli.render import render_plan  # noqa: PLC0415
+
+    model = str(Path(__file__).parent / "models" / "inout_weights.py")
+    prepared = workflow.prepare(model, workload="forward")
+    constraints = workflow.constraints_from(2, None, None, "none")
+    plan = workflow.make_plan(prepared, workflow.resolve_cluster(None, 2), constraints, model)
+    quoted = "ep>1: at m.py:51 `out.index_add_(0, idx, ex(x_pad[idx]) * comb_pad[idx, e].unsqueeze(-1))`"
+    out = io.StringIO()
+    render_plan(Console(file=out, width=400), dataclasses.replace(plan, excluded=[quoted]))
+    assert f"excluded: {quoted}" in out.getvalue()

@@ -222,7 +222,8 @@ def render_plan(console: Console, plan: Plan) -> None:
             held = f", +{_kib(memory)}/rank of memory" + ("" if train else " while it runs")
         cp = "(context parallelism" in op
         console.print(
-            f"[yellow]unplanned all-gather: the {'CP' if cp else 'TP'} pass runs {op} replicated at {line}{times}; "
+            f"[yellow]unplanned all-gather: the {'CP' if cp else 'TP'} pass runs {escape(op)} replicated at "
+            f"{escape(line)}{times}; "
             f"{_kib(nbytes)} gathered; in the prediction above: +{fmt_s(comm)} (the gather, and "
             f"{'what runs on the whole sequence' if cp else 'the op on the whole tensor'}){held}[/yellow]",
             highlight=False,
@@ -297,7 +298,7 @@ def render_plan(console: Console, plan: Plan) -> None:
             "(docs/model-files.md: models with a KV cache)[/yellow]"
         )
     for note in plan.excluded[:8]:
-        console.print(f"[dim]excluded: {note}[/dim]")
+        console.print(f"[dim]excluded: {escape(note)}[/dim]")  # a model's source line may hold [...]
     s = plan.solver
     console.print(
         f"[dim]solver: {s.status}, gap {s.gap:.3g}, {s.time_s:.2f} s, {s.num_variables} variables[/dim]"
@@ -417,7 +418,7 @@ def render_decisions(console: Console, plan: Plan) -> None:
     console.print(table)
     c = plan.op_placement
     if c:
-        gathered = dict.fromkeys(f"{f.op} at {f.line or f.node}" for f in plan.fallbacks)
+        gathered = dict.fromkeys(escape(f"{f.op} at {f.line or f.node}") for f in plan.fallbacks)
         console.print(
             f"Op placement on one rank at TP={plan.tp}: {c.get('general', 0)} op(s) by general sharding rules "
             f"(PyTorch DTensor's), {c.get('own', 0)} by the planner's own (matmuls, attention, caches, fused parts, "
@@ -443,7 +444,7 @@ def render_serving(console: Console, plan: Plan) -> None:
         f"{fmt_rate(sv.tokens_per_s)} tokens/s over the request; decode graph and prefill graph priced node by node"
     )
     for note in sv.fallbacks:
-        console.print(f"[yellow]fallback: {note}[/yellow]")
+        console.print(f"[yellow]fallback: {escape(note)}[/yellow]")
 
 
 def _samples_text(measured: dict) -> str:
@@ -566,7 +567,7 @@ def render_run(console: Console, report: dict[str, Any]) -> None:
     if m.get("dtype"):
         console.print(f"ran in {m['dtype']} (the plan's dtype)")
     for note in m.get("notes") or []:  # train mode and dropout, inputs given whole, where the reference ran
-        console.print(f"note: {note}", highlight=False)
+        console.print(f"note: {escape(note)}", highlight=False)
 
 
 def render_serving_run(console: Console, report: dict[str, Any]) -> None:
@@ -632,7 +633,7 @@ def render_serving_run(console: Console, report: dict[str, Any]) -> None:
             highlight=False,
         )
     for note in m.get("notes") or []:  # where the unsharded reference was built
-        console.print(f"note: {note}", highlight=False)
+        console.print(f"note: {escape(note)}", highlight=False)
 
 
 def render_layer_comparison(console: Console, plan: Plan, measured_per_layer_s: dict[str, float]) -> bool:
