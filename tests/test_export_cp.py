@@ -232,6 +232,10 @@ def test_dtensor_cp_rotate_methods_warnings_and_dp1(llama_plan):
     assert any("raises NotImplementedError" in w for w in ulysses.warnings)  # llama_plan: local-cpu (gloo)
     cuda = export_plan(_with(_cp(llama_plan, 2), cluster="dgx-h100"), "dtensor")
     assert not any("NotImplementedError" in w for w in cuda.warnings)
+    assert not any("plan: call the model inside" in w for w in cuda.warnings)
+    # a forward plan: the file's steps are a training step's; the warning says what to leave out
+    forward = export_plan(_with(_cp(llama_plan, 2), cluster="dgx-h100", workload=Workload.FORWARD), "dtensor")
+    assert any(w.startswith("this is a forward plan: call the model inside") for w in forward.warnings)
     module = _dtensor_module(_cp(llama_plan, 2, balance=False))
     assert module.CP_LOAD_BALANCE is False
     assert (module.DP_STYLE, module.MESH_DIMS["dp_replicate"], module.RESHARD_AFTER_FORWARD) == (

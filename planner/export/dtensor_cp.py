@@ -39,7 +39,7 @@ sharded over dp_shard x cp.
 from __future__ import annotations
 
 from planner.export.common import ULYSSES
-from planner.plan import Plan
+from planner.plan import Plan, Workload
 
 # Plan.cp_comm_type -> set_rotate_method's name ("alltoall": the ring rotation; no Ulysses in PyTorch)
 ROTATE_METHODS = {"ring": "alltoall", "allgather": "allgather", "alltoall": "allgather"}
@@ -152,6 +152,11 @@ def warnings(plan: Plan, device: str) -> list[str]:
     if plan.cp == 1:
         return []
     out = []
+    if plan.workload is not Workload.TRAIN:
+        out.append(
+            f"this is a {plan.workload} plan: call the model inside context_parallel_step() without the backward, "
+            "and leave out apply_data_parallel's fully_shard (it prepares a training step's gradient reduction)"
+        )
     if plan.cp_comm_type == "alltoall":
         out.append(
             f"PyTorch's context_parallel has no {ULYSSES}, the plan's cp_comm_type alltoall: exported with "
