@@ -639,3 +639,28 @@ def test_why_says_when_a_faster_ep_option_saved_too_little_to_be_chosen() -> Non
     faster = [n for n, t in why.options.items() if t < why.options[why.chosen]]
     assert faster, why.options
     assert f"kept {why.chosen}, the simpler layout" in why.reason and "saves" in why.reason
+
+
+def test_candidates_on_time_shared_cpu_ranks_are_priced_with_their_own_rank_count() -> None:
+    """4 gloo ranks on this machine's 2 cores time-share them (`cluster_for_ranks`): a DP4 candidate could
+    take the op times the search cached for a 2-rank candidate of the same micro-batch shape (DP2 at two
+    micro-batches), priced 2x fast (or the other way round, by the order they were priced): tiny MoE at
+    --nproc 4 read 35.8 ms at EP 1 and 2 and 71.5 ms at EP 4, on the same mesh."""
+    import os  # noqa: PLC0415
+
+    from costmodels.cluster import cluster_for_ranks  # noqa: PLC0415
+    from planner.solver.search import _tables_key  # noqa: PLC0415
+
+    if (os.cpu_count() or 1) >= 4:
+        pytest.skip("needs fewer cores than 4 ranks (time-shared CPU processes)")
+    structure = _structure(str(MODELS / "tiny_moe_gptfast.py"), "train", 4, 16)
+    cluster = load_cluster(str(MODELS / "fastlink.yaml"), nproc=4)
+    work = WorkloadSpec("train", 4, 16)
+
+    def key(mesh: MeshShape, micro_batches: int) -> tuple:
+        spec = cluster_for_ranks(cluster, mesh.num_devices)
+        return _tables_key(CostContext(structure, spec, work, MeshConfig(mesh, micro_batches), "fp32"))
+
+    four, two = key(MeshShape(1, 1, 4), 1), key(MeshShape(1, 1, 2), 2)  # one sequence per micro-batch each
+    assert four != two
+    assert key(MeshShape(1, 1, 4), 1) == four

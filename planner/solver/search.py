@@ -936,12 +936,15 @@ def _tables_key(ctx: CostContext, with_ep: bool = True) -> tuple:
     not change: the blocks' option tables, `_block_bounds_s`) and, without training, the sequences per
     DP replica (KV caches). Not pp, the schedule or v (they enter at the stage level), nor the training
     state per parameter (ZeRO-1 divides it by dp), which scales every static byte of a training
-    candidate (`_with_state_factor`)."""
+    candidate (`_with_state_factor`). And the processes of the priced cluster's node (`cluster_for_ranks`:
+    one gloo node's CPU processes time-share its cores, so a 4-rank candidate runs each op slower than a
+    2-rank one of the same shapes: it took the 2-rank times, priced 2x fast)."""
     replica = None if ctx.train else ctx.workload.batch_size / ctx.mesh.dp
     cp = (ctx.cp, ctx.config.cp_comm_type, ctx.config.cp_load_balance) if ctx.cp > 1 else (1,)
     ep = (ctx.ep, ctx.ep_fold, ctx.ep_group(), ctx.expert_tp) if ctx.ep > 1 and with_ep else ()
     ep = ep or (("expert_tp", ctx.expert_tp) if ctx.expert_tp > 1 and with_ep else ())
-    return (ctx.mesh.tp, ctx.sequences_per_micro_batch, ctx.sequence_parallel, replica, *cp, *ep)
+    shared = ctx.cluster.devices_per_node
+    return (ctx.mesh.tp, ctx.sequences_per_micro_batch, ctx.sequence_parallel, replica, shared, *cp, *ep)
 
 
 def _state_factors(ctx: CostContext) -> tuple[float, float]:
