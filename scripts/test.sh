@@ -18,10 +18,12 @@ fi
 ruff check ${untracked[@]+"${untracked[@]}"} .
 ruff format --check ${untracked[@]+"${untracked[@]}"} .
 # two workers: on 2 cores the suite runs in about 3/4 of the time of one (the multi-rank tests wait on their
-# ranks and subprocesses); PYTEST_WORKERS=0 runs it in this process (e.g. for pdb)
+# ranks and subprocesses); work stealing hands a worker that runs dry the other's queued tests, so the
+# long multi-rank fixtures do not leave one worker idle at the end; PYTEST_WORKERS=0 runs it in this
+# process (e.g. for pdb)
 workers=${PYTEST_WORKERS:-2}
 if [ "$workers" = 0 ]; then
   pytest -q "$@"
 else
-  pytest -q -n "$workers" "$@"
+  pytest -q -n "$workers" --dist worksteal "$@"
 fi
