@@ -113,7 +113,6 @@ FOUR_RANK = {
     "ep4_modulelist": (MODULELIST, dict(tp=1, dp=4, ep=4, batch=8)),
     "ep2_dp4_mixtral": (MIXTRAL, dict(tp=1, dp=4, ep=2, batch=8)),
     "tp2_ep2_expert_tp2_mixtral": (MIXTRAL, dict(tp=2, dp=2, ep=2, expert_tp=2)),
-    "tp2_ep2_expert_tp2_modulelist": (MODULELIST, dict(tp=2, dp=2, ep=2, expert_tp=2)),
     "sp_ep2_expert_tp2_one_sequence_mixtral": (
         MIXTRAL,
         dict(tp=2, dp=2, ep=2, expert_tp=2, sequence_parallel=True, batch=2),
