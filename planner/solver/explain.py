@@ -66,6 +66,20 @@ def _percent(fraction: float) -> str:
     return f"{fraction:.2%}" if fraction >= 1e-4 else "under 0.01%"
 
 
+def _kept_simpler(options: dict[str, float], chosen: str, what: str) -> str:
+    """ "; X saves p% (< threshold ...: kept `chosen`, the simpler `what`)" where an option of `options`
+    is faster than the `chosen` one (the search keeps the simpler layout unless a level saves
+    `FEATURE_MIN_SAVING`); "" where none is."""
+    faster = [n for n, t in options.items() if t < options.get(chosen, math.inf)]
+    if not faster:
+        return ""
+    best = min(faster, key=options.get)
+    return (
+        f"; {best} saves {_percent(options[chosen] / options[best] - 1)} (< {FEATURE_MIN_SAVING:.1%} per level "
+        f"the runtime is asked more of: kept {chosen}, the simpler {what})"
+    )
+
+
 MAX_MESH_OPTIONS = 30  # the mesh decision lists at most this many solved candidates, fastest first
 
 
@@ -509,13 +523,8 @@ def _dp_style_decision(
             "keeps its gradients whole)"
         )
     chosen = config.dp_label()
-    faster = [n for n, t in options.items() if t < options.get(chosen, math.inf)]
-    if faster and not pinned:
-        best = min(faster, key=options.get)
-        reason += (
-            f"; {best} saves {_percent(options[chosen] / options[best] - 1)} (< {FEATURE_MIN_SAVING:.1%} per level "
-            f"the runtime is asked more of: kept {chosen}, the simpler style)"
-        )
+    if not pinned:
+        reason += _kept_simpler(options, chosen, "style")
     return Decision("data-parallel", chosen, options, reason, peaks)
 
 
@@ -747,14 +756,10 @@ def ep_decisions(
     if config.ep > 1 and config.ep_fold == "dp" and w.kind is Workload.DECODE:
         reason += "; --run decodes with expert parallelism over the TP ranks only (--ep-fold tp)"
     chosen = config.ep_label()
-    faster = [n for n, t in options.items() if t < options.get(chosen, math.inf)]
-    if faster and c.ep is None and c.ep_fold is None and c.expert_tp is None:
-        best = min(faster, key=options.get)
-        reason += (
-            f"; {best} saves {_percent(options[chosen] / options[best] - 1)} (< {FEATURE_MIN_SAVING:.1%} per level "
-            f"the runtime is asked more of: kept {chosen}, the simpler layout)"
-        )
-    if c.ep is not None or c.ep_fold is not None or c.expert_tp is not None:
+    pinned = c.ep is not None or c.ep_fold is not None or c.expert_tp is not None
+    if not pinned:
+        reason += _kept_simpler(options, chosen, "layout")
+    else:
         reason += "; pinned by " + " ".join(
             f
             for f in (
@@ -765,4 +770,4 @@ def ep_decisions(
             if f
         )
     unsolved = [name for name in unsolved if math.isinf(options[name])]
-    return [Decision("expert parallelism", config.ep_label(), options, reason, memory, unsolved)]
+    return [Decision("expert parallelism", chosen, options, reason, memory, unsolved)]

@@ -997,10 +997,8 @@ def _megatron_layout_only(tables: CostTables) -> None:
     """`--layout megatron`: every op of `tables` keeps only the option of the hand-written Megatron-LM
     layout (`megatron_choices`, as the baseline splits), in place; the ILP then chooses the rest.
     Raises InfeasibleError where an attention core cannot be split by heads (its exclusion says why)."""
-    for (
-        key,
-        graph,
-    ) in tables.graphs.items():  # Megatron splits every attention by heads: refuse what cannot be
+    # Megatron splits every attention by heads: refuse what cannot be
+    for key, graph in tables.graphs.items():
         for op in graph.ops:
             why = op.excluded.get("head") if op.name in ("core", "cross.core") else None
             if why:
