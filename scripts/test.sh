@@ -21,6 +21,11 @@ ruff format --check ${untracked[@]+"${untracked[@]}"} .
 # ranks and subprocesses); work stealing hands a worker that runs dry the other's queued tests, so the
 # long multi-rank fixtures do not leave one worker idle at the end; PYTEST_WORKERS=0 runs it in this
 # process (e.g. for pdb)
+# the suite's processes (workers, ranks, CLI subprocesses) share their captures through one folder of this
+# run (planner.frontend.capture_cache): a model exported by one is not exported again by the next
+captures=$(mktemp -d)
+trap 'rm -rf "$captures"' EXIT
+export PLANNER_CAPTURE_CACHE_DIR="$captures"
 workers=${PYTEST_WORKERS:-2}
 if [ "$workers" = 0 ]; then
   pytest -q "$@"

@@ -1,9 +1,14 @@
-"""The process-wide cache of meta-device captures (planner/frontend/capture_cache.py): a model captured
-again at the same shapes is not exported again, and anything that can change the graph misses."""
+"""The cache of captures (planner/frontend/capture_cache.py): a model captured again at the same shapes
+is not exported again (in one process, or in another through PLANNER_CAPTURE_CACHE_DIR), the graph
+it gets is bound to its own weights, and anything that can change the graph misses."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,9 +45,10 @@ MODEL = textwrap.dedent(
 
 @pytest.fixture
 def exports(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts torch.export.export calls; the cache starts empty and is on."""
+    """Counts torch.export.export calls; the cache starts empty and is on, in this process only."""
     capture_cache.clear()
     monkeypatch.delenv("PLANNER_CAPTURE_CACHE", raising=False)
+    monkeypatch.delenv("PLANNER_CAPTURE_CACHE_DIR", raising=False)
     calls: list[int] = []
     real = torch.export.export
 
@@ -103,10 +109,11 @@ def test_what_changes_the_graph_captures_again(tmp_path, exports, change):
         path.write_text(MODEL.replace("torch.relu", "torch.nn.functional.gelu"))
         again = _capture(path)
         assert "gelu" in again.code
-    else:  # real weights: the graph holds them, so it is never kept
+    else:  # real weights: another graph (the devices in it); kept too, bound to each model's own weights
+        again = _capture(path, device="cpu")
+        assert len(exports) == 2
         _capture(path, device="cpu")
-        _capture(path, device="cpu")
-        assert len(exports) == 3
+        assert len(exports) == 2
         return
     assert len(exports) == 2, change
     assert change in ("training", "batch", "dtype") or again.code != first.code
@@ -198,3 +205,90 @@ def test_the_key_reads_classes_by_their_code_and_values_by_their_contents(monkey
     outside = _key(other, x)
     with torch.device("meta"):  # a tensor made in forward without a device lands elsewhere
         assert _key(other, x) != outside
+
+
+def test_a_graph_from_the_cache_is_bound_to_its_own_models_weights(tmp_path, exports):
+    """A model with real weights at the same shapes gets the stored graph with ITS parameters and
+    buffers (the same objects, so training updates them) and computes what it computes; a tensor of
+    the model that export keeps as a constant (a plain attribute) makes it capture again."""
+    path = tmp_path / "block.py"
+    path.write_text(MODEL)
+    model_file = load_model_file(path)
+    (x,), _ = model_file.inputs(2, 4)
+    torch.manual_seed(0)
+    capture(model_file.build("cpu"), (x,))
+    torch.manual_seed(1)
+    other = model_file.build("cpu")
+    gm = capture(other, (x,))
+    assert len(exports) == 1
+    params = dict(other.named_parameters())
+    assert {n: p for n, p in gm.named_parameters()}.keys() == params.keys()
+    assert all(p is params[n] for n, p in gm.named_parameters())
+    with torch.no_grad():
+        assert torch.equal(gm(x), other(x))
+    assert all(n.meta["val"].device.type == "cpu" for n in gm.graph.nodes if n.op == "get_attr")
+
+
+class _Shifted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.shift = torch.ones(4)  # a plain tensor attribute: export keeps it in the graph as a constant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.shift
+
+
+def test_a_model_whose_graph_holds_its_data_as_a_constant_is_not_kept(exports):
+    x = torch.randn(2, 4)
+    capture(_Shifted(), (x,))
+    capture(_Shifted(), (x,))
+    assert len(exports) == 2
+
+
+_SUBPROCESS = """
+import sys, torch
+from planner.frontend.capture import capture
+from planner.frontend.modelfile import load_model_file
+calls = []
+real = torch.export.export
+torch.export.export = lambda *a, **k: calls.append(1) or real(*a, **k)
+model_file = load_model_file(sys.argv[1])
+torch.manual_seed(int(sys.argv[2]))
+model = model_file.build("cpu")
+(x,), _ = model_file.inputs(2, 4)
+gm = capture(model, (x,))
+with torch.no_grad():
+    same = torch.equal(gm(x), model(x))
+print(len(calls), same)
+"""
+
+
+def test_processes_share_captures_through_a_folder(tmp_path):
+    """PLANNER_CAPTURE_CACHE_DIR: a second process captures nothing the first captured; an entry that
+    cannot be read (cut short) is captured again, not an error."""
+    path = tmp_path / "block.py"
+    path.write_text(MODEL)
+    folder = tmp_path / "captures"
+    env = {
+        **os.environ,
+        "PLANNER_CAPTURE_CACHE_DIR": str(folder),
+        "PYTHONPATH": str(Path(__file__).parents[1]),
+    }
+    env.pop("PLANNER_CAPTURE_CACHE", None)
+
+    def run(seed: int) -> str:
+        done = subprocess.run(
+            [sys.executable, "-c", _SUBPROCESS, str(path), str(seed)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return done.stdout.strip()
+
+    assert run(0) == "1 True"
+    (entry,) = folder.iterdir()
+    assert run(1) == "0 True"  # other weights, no export
+    entry.write_bytes(entry.read_bytes()[:100])
+    assert run(2) == "1 True"

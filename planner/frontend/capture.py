@@ -107,14 +107,15 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> fx.Gra
     """Export `model(*args, **kwargs)` and normalise the graph (see the module docstring).
 
     Tensor inputs are moved to the device of the model's parameters first (so meta-device models
-    take CPU example inputs). A model on the meta device captured before in this process at the same
-    shapes is not exported again: the graph is a copy of that capture (`capture_cache`). Raises
-    InputError when the model cannot be captured.
+    take CPU example inputs). A model captured before at the same shapes (in this process, or in one
+    sharing PLANNER_CAPTURE_CACHE_DIR) is not exported again: the graph is that capture's, rebuilt and
+    bound to `model`'s own parameters and buffers (`capture_cache`). Raises InputError when the model
+    cannot be captured.
     """
     kwargs = dict(kwargs or {})
     _check_forward_accepts(model, tuple(args), kwargs)
     key = capture_cache.cache_key(model, tuple(args), kwargs)
-    if (hit := capture_cache.lookup(key)) is not None:  # this model at these shapes, captured before
+    if (hit := capture_cache.lookup(key, model)) is not None:  # this model at these shapes, captured before
         sys.stderr.write(hit.stderr)
         _replay_unlift_warnings(hit.warned)
         return hit.gm
@@ -155,7 +156,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> fx.Gra
     module_names = {name for name, _ in model.named_modules()}
     gm = _normalise(gm, out_spec, module_names)
     _refuse_unplannable(gm, model)
-    capture_cache.store(key, gm, stderr.getvalue(), caught)
+    capture_cache.store(key, gm, model, stderr.getvalue(), caught)
     return gm
 
 

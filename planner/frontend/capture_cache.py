@@ -1,38 +1,53 @@
-"""A process-wide cache of captures of meta-device models (`planner.frontend.capture.capture`).
+"""A cache of captures (`planner.frontend.capture.capture`), in this process and, through a folder,
+across processes.
 
 Why: torch.export costs about 3 ms per ATen op on this project's CPUs (fake-tensor dispatch and
-tracing), about a second for a small model, and one process often captures the same model at the
-same shapes several times: `planner optimize` captures it to plan and again to check the lowering
-and price the baseline; a rank that runs several jobs of one model builds each job's module afresh.
-Measured over the test suite (2026-12-05): 1,304 captures, 460 of them of a meta model that process
-had already captured at the same input shapes.
+tracing), about a second for a small model, and the same model is captured at the same shapes again
+and again: `planner optimize` captures it to plan and again to check the lowering and price the
+baseline; a rank that runs several jobs of one model builds each job's module afresh; the reference
+run and every rank of `planner run` capture it once more. Measured over the test suite (2026-12-06,
+2 cores): 1,102 exports took 1,138 s of its 1,614 s; 439 of them repeated a capture another process
+had made, 173 one the same process had made (models with real weights counted).
 
-What makes two captures the same (`cache_key`): every parameter and buffer on the meta device (a
-model holding real tensors is never cached: its graph carries them); the module tree (names, each
-module's training flag, every plain attribute by value, config objects included; parameter and
-buffer names, shapes, dtypes, requires_grad, and which are tied); each module's class by what its
-class dicts hold along the MRO (method code, closures, defaults, properties, class attributes: a
-class redefined, made in a factory or patched at run time keys otherwise) and, for a class outside
-an installed package, the digest of its source file (the module-level helpers it calls); the inputs
+What makes two captures the same (`cache_key`): the module tree (names, each module's training flag,
+every plain attribute by value, config objects and real tensors held as plain attributes included;
+parameter and buffer names, shapes, strides, dtypes, devices, requires_grad, and which are tied, but
+not their values: export traces them as fake tensors); each module's class by what its class dicts
+hold along the MRO (method code, closures, defaults, properties, class attributes: a class
+redefined, made in a factory or patched at run time keys otherwise) and, for a class outside an
+installed package, the digest of its source file (the module-level helpers it calls); the inputs
 (tensor shapes, strides, dtypes and devices; other leaves by value); torch's default dtype and
 device and grad mode. Anything the key cannot read for certain makes the capture uncached: a forward
-hook, a compiled module, a bound method or an object of unknown kind as an attribute, a real tensor
-attribute over `MAX_HASHED_BYTES`, a container over `MAX_ITEMS` items, any error while reading. What
-it does not see: a module-level global of the model's file changed after the file was loaded, or a
-library function the model calls patched at run time (the planner does neither; set
-``PLANNER_CAPTURE_CACHE=off`` to capture every time).
+hook, a compiled module, a bound method or an object of unknown kind as an attribute, a tensor
+subclass as a parameter, a real tensor attribute over `MAX_HASHED_BYTES`, a container over
+`MAX_ITEMS` items, any error while reading. What it does not see: a module-level global of the
+model's file changed after the file was loaded, or a library function the model calls patched at run
+time (the planner does neither; set ``PLANNER_CAPTURE_CACHE=off`` to capture every time).
 
-A hit returns a deep copy of the stored graph (the passes rewrite the graph they get) and replays what
-the capture printed and warned.
+What is stored (`_Frozen`) holds no data of the model: the nodes (ATen operators by name, fake
+values by shape, stride, dtype and device, the rest of the node metadata but torch's provenance),
+the names of the parameters and buffers the graph reads, and, for a meta-device model only, the
+other tensors of the graph (constants). A model with real weights whose graph holds any other tensor
+(a plain tensor attribute export lifted as a constant, a static KV cache held outside the module
+tree) is not stored. A hit rebuilds a new graph module (the passes rewrite the graph they get) whose
+parameters and buffers are the capturing model's own objects, and replays what the capture printed
+and warned.
+
+Across processes: with ``PLANNER_CAPTURE_CACHE_DIR`` set, each stored capture is also written there
+(whole or not at all: a temporary file renamed), named by the key and a digest of the Python and
+torch versions and of this package's source; a process reads an entry it does not hold. An entry
+that cannot be read is captured again. The test command sets one folder per run.
 """
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import enum
 import functools
 import hashlib
+import io
 import os
+import pickle
 import sys
 import sysconfig
 import types
@@ -43,8 +58,8 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.utils._pytree as pytree
 from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.nn.modules import module as module_globals
 
 MAX_ENTRIES = 16  # graphs kept (least recently used dropped); a meta graph holds no tensor data
@@ -75,7 +90,24 @@ class CachedCapture:
     warned: list[warnings.WarningMessage]
 
 
-_entries: OrderedDict[str, CachedCapture] = OrderedDict()
+@dataclass
+class _Frozen:
+    """A capture as stored (picklable, no tensor of the model): the graph's nodes pickled with node
+    references and fake values as persistent ids (`_GraphPickler`); the `get_attr` targets bound to
+    the capturing model's own parameter or buffer of that name, and the other tensors (constants,
+    a meta model's only) with their values; what the capture printed and warned."""
+
+    nodes: bytes
+    params: list[str]
+    buffers: list[str]
+    constants: dict[str, torch.Tensor]
+    training: bool
+    stderr: str
+    warned: list[tuple[type[Warning], str, str, int]]
+
+
+_entries: OrderedDict[str, _Frozen] = OrderedDict()
+_DIR_VARIABLE = "PLANNER_CAPTURE_CACHE_DIR"
 
 
 def enabled() -> bool:
@@ -83,45 +115,249 @@ def enabled() -> bool:
     return os.environ.get("PLANNER_CAPTURE_CACHE", "on").strip().lower() not in ("off", "0", "false", "no")
 
 
-def lookup(key: str | None) -> CachedCapture | None:
-    """The entry stored under `key` with its graph deep-copied (the caller may rewrite it), or None."""
+def lookup(key: str | None, model: nn.Module) -> CachedCapture | None:
+    """The capture stored under `key` (in this process, or in the folder PLANNER_CAPTURE_CACHE_DIR
+    names), rebuilt as a new graph whose parameters and buffers are `model`'s own; None when there is
+    none or it cannot be read."""
     if key is None or not enabled():
         return None
-    entry = _entries.get(key)
-    if entry is None:
+    frozen = _entries.get(key)
+    if frozen is None:
+        frozen = _read(key)
+        if frozen is None:
+            return None
+        _keep(key, frozen)
+    else:
+        _entries.move_to_end(key)
+    try:
+        gm = _thaw(frozen, model)
+    except Exception:  # noqa: BLE001 - an entry this model cannot take (it should not happen): captured again
         return None
-    _entries.move_to_end(key)
-    return CachedCapture(_copy(entry.gm), entry.stderr, list(entry.warned))
+    warned = [
+        warnings.WarningMessage(message, category, filename, lineno)
+        for category, message, filename, lineno in frozen.warned
+    ]
+    return CachedCapture(gm, frozen.stderr, warned)
 
 
-def store(key: str | None, gm: fx.GraphModule, stderr: str, warned: list[warnings.WarningMessage]) -> None:
-    """Keep a deep copy of `gm` under `key` (None: nothing kept), dropping the least recently used entry
-    past `MAX_ENTRIES`."""
+def store(
+    key: str | None, gm: fx.GraphModule, model: nn.Module, stderr: str, warned: list[warnings.WarningMessage]
+) -> None:
+    """Keep `gm`, the capture of `model`, under `key` (None: nothing kept): in this process (the least
+    recently used entry dropped past `MAX_ENTRIES`) and, when PLANNER_CAPTURE_CACHE_DIR names a folder,
+    there for other processes. A graph that cannot be stored without the model's data is not kept."""
     if key is None or not enabled():
         return
-    _entries[key] = CachedCapture(_copy(gm), stderr, list(warned))
+    try:
+        frozen = _freeze(gm, model, stderr, warned)
+    except Exception:  # noqa: BLE001 - something the store cannot write for certain: not kept
+        return
+    _keep(key, frozen)
+    _write(key, frozen)
+
+
+def _keep(key: str, frozen: _Frozen) -> None:
+    _entries[key] = frozen
     _entries.move_to_end(key)
     while len(_entries) > MAX_ENTRIES:
         _entries.popitem(last=False)
 
 
-def _copy(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of `gm` sharing nothing mutable with it: GraphModule's deepcopy copies each node's meta
-    dict shallowly (its fake tensors, module stacks and lists stay shared)."""
-    out = copy.deepcopy(gm)
-    for node in out.graph.nodes:
-        # fake tensors cannot be deep-copied (no data pointer) and are not changed in place: shared
-        memo = {id(leaf): leaf for leaf in pytree.tree_leaves(node.meta) if isinstance(leaf, torch.Tensor)}
-        try:
-            node.meta = copy.deepcopy(node.meta, memo)
-        except Exception:  # noqa: BLE001 - something in the meta that does not copy: its top level only
-            node.meta = dict(node.meta)
-    return out
-
-
 def clear() -> None:
-    """Forget every stored capture."""
+    """Forget every capture stored in this process (the folder of PLANNER_CAPTURE_CACHE_DIR is left)."""
     _entries.clear()
+
+
+def _folder() -> str | None:
+    folder = os.environ.get(_DIR_VARIABLE, "").strip()
+    return folder or None
+
+
+def _path(folder: str, key: str) -> str:
+    return os.path.join(folder, f"{_source_digest()}-{key}.capture")
+
+
+def _read(key: str) -> _Frozen | None:
+    folder = _folder()
+    if folder is None:
+        return None
+    try:
+        with open(_path(folder, key), "rb") as f:
+            frozen = pickle.load(f)  # noqa: S301 - a folder of this planner's own captures (docs/model-files.md)
+    except Exception:  # noqa: BLE001 - absent, being written, or from another version: captured again
+        return None
+    return frozen if isinstance(frozen, _Frozen) else None
+
+
+def _write(key: str, frozen: _Frozen) -> None:
+    """Write the entry whole or not at all (a temporary file renamed): processes sharing the folder
+    read a complete entry or none."""
+    folder = _folder()
+    if folder is None:
+        return
+    path = _path(folder, key)
+    temporary = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(temporary, "wb") as f:
+            pickle.dump(frozen, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(temporary, path)
+    except Exception:  # noqa: BLE001 - a folder that cannot be written: this process keeps its own copy
+        with contextlib.suppress(OSError):
+            os.remove(temporary)
+
+
+@functools.cache
+def _source_digest() -> str:
+    """The Python and torch versions and the planner's capture code (this package's files): an entry
+    written by another version is not read."""
+    h = hashlib.blake2b(f"{sys.version} {torch.__version__}".encode(), digest_size=8)
+    here = os.path.dirname(os.path.abspath(__file__))
+    for name in sorted(os.listdir(here)):
+        if name.endswith(".py"):
+            with open(os.path.join(here, name), "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()
+
+
+class _NodeRef:
+    """A node named in a pickled argument, resolved when the graph is rebuilt."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class _GraphPickler(pickle.Pickler):
+    """Pickles node records: nodes by name, fake tensors by their metadata, ATen operators by name."""
+
+    def persistent_id(self, obj: Any) -> Any:  # noqa: PLR0911 - one return per kind of object
+        if isinstance(obj, fx.Node):
+            return ("node", obj.name)
+        if isinstance(obj, FakeTensor):
+            sizes = (*obj.shape, *obj.stride(), obj.storage_offset())
+            if not all(type(d) is int for d in sizes):
+                raise _Uncacheable("a symbolic shape")
+            return ("fake", tuple(obj.shape), obj.stride(), obj.dtype, obj.device, obj.requires_grad)
+        if isinstance(obj, torch._ops.OpOverload):
+            return ("op", obj.namespace, obj._opname, obj._overloadname)
+        if isinstance(obj, (torch.SymInt, torch.SymFloat, torch.SymBool, torch._ops.HigherOrderOperator)):
+            raise _Uncacheable(f"a {type(obj).__name__}")
+        if isinstance(obj, (fx.GraphModule, torch.Tensor)):
+            raise _Uncacheable(f"a {type(obj).__name__} in the graph")
+        return None
+
+
+class _GraphUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes) -> None:
+        super().__init__(io.BytesIO(data))
+        self._fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def persistent_load(self, pid: Any) -> Any:
+        kind, *rest = pid
+        if kind == "node":
+            return _NodeRef(rest[0])
+        if kind == "fake":
+            shape, stride, dtype, device, requires_grad = rest
+            with self._fake_mode:
+                fake = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+            return fake.requires_grad_(requires_grad) if requires_grad else fake
+        if kind == "op":
+            namespace, name, overload = rest
+            return getattr(getattr(getattr(torch.ops, namespace), name), overload)
+        raise pickle.UnpicklingError(f"unknown persistent id {kind!r}")
+
+
+def _freeze(
+    gm: fx.GraphModule, model: nn.Module, stderr: str, warned: list[warnings.WarningMessage]
+) -> _Frozen:
+    """`gm` as stored (`_Frozen`); raises `_Uncacheable` for what cannot be stored without the model's
+    data (a real model's tensor that is not one of its parameters or buffers) or rebuilt for certain."""
+    params = {id(t): name for name, t in model.named_parameters(remove_duplicate=False)}
+    buffers = {id(t): name for name, t in model.named_buffers(remove_duplicate=False)}
+    meta_model = all(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()])
+    bound_params, bound_buffers, constants = [], [], {}
+    records = []
+    for node in gm.graph.nodes:
+        if node.op in ("call_module", "call_method"):
+            raise _Uncacheable(f"a {node.op} node")
+        if node.op == "get_attr":
+            value = _attr(gm, node.target)
+            if not isinstance(value, torch.Tensor):
+                raise _Uncacheable("a get_attr of something other than a tensor")
+            if params.get(id(value)) == node.target and isinstance(value, nn.Parameter):
+                bound_params.append(node.target)
+            elif buffers.get(id(value)) == node.target and node.target in dict(gm.named_buffers()):
+                bound_buffers.append(node.target)
+            elif meta_model and type(value) is torch.Tensor and node.target in dict(gm.named_buffers()):
+                constants[node.target] = value.detach().clone()
+            else:
+                raise _Uncacheable(f"{node.target}: a tensor of the capture that is not the model's")
+        meta = {k: v for k, v in node.meta.items() if k != "from_node"}
+        records.append((node.name, node.op, node.target, node.args, node.kwargs, meta))
+    data = io.BytesIO()
+    _GraphPickler(data, protocol=pickle.HIGHEST_PROTOCOL).dump(records)
+    kept = [(w.category, str(w.message), w.filename, w.lineno) for w in warned]
+    frozen = _Frozen(data.getvalue(), bound_params, bound_buffers, constants, gm.training, stderr, kept)
+    pickle.dumps(frozen.warned)  # what it warned must pickle too (for the folder)
+    return frozen
+
+
+def _thaw(frozen: _Frozen, model: nn.Module) -> fx.GraphModule:
+    """A new graph module from `frozen`, its parameters and buffers `model`'s own by name."""
+    records = _GraphUnpickler(frozen.nodes).load()
+    graph = fx.Graph()
+    env: dict[str, fx.Node] = {}
+
+    def resolve(x: Any) -> Any:
+        return env[x.name] if isinstance(x, _NodeRef) else x
+
+    for name, op, target, args, kwargs, meta in records:
+        node = graph.create_node(
+            op,
+            target,
+            fx.node.map_aggregate(args, resolve),
+            fx.node.map_aggregate(kwargs, resolve),
+            name=name,
+        )
+        if node.name != name:
+            raise _Uncacheable(f"node {name} renamed {node.name}")
+        node.meta = meta
+        env[name] = node
+    graph._codegen = fx.graph.CodeGen()  # as `capture._normalise`: plain positional inputs
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    model_buffers = dict(model.named_buffers(remove_duplicate=False))
+    root = nn.Module()
+    for target in frozen.params:
+        _set(root, target, tensors[target], parameter=True)
+    for target in frozen.buffers:
+        _set(root, target, model_buffers[target], parameter=False)
+    for target, value in frozen.constants.items():
+        _set(root, target, value.clone(), parameter=False)
+    gm = fx.GraphModule(root, graph, class_name="CapturedModel")
+    gm.train(frozen.training)
+    return gm
+
+
+def _attr(module: nn.Module, target: str) -> Any:
+    *path, name = target.split(".")
+    for part in path:
+        module = getattr(module, part)
+    return getattr(module, name)
+
+
+def _set(root: nn.Module, target: str, value: torch.Tensor, parameter: bool) -> None:
+    *path, name = target.split(".")
+    module = root
+    for part in path:
+        if part not in module._modules:
+            module.add_module(part, nn.Module())
+        module = module._modules[part]
+    if parameter:
+        module.register_parameter(name, value)
+    else:
+        module.register_buffer(name, value)
 
 
 class _Uncacheable(Exception):
@@ -166,17 +402,20 @@ class _Key:
             *model.named_parameters(remove_duplicate=False),
             *model.named_buffers(remove_duplicate=False),
         ]
-        # first, before any attribute is read or hashed: a model with real weights (the reference) is never kept
-        if any(t.device.type != "meta" for _, t in named):
-            raise _Uncacheable("the model holds data")
         for name, module in model.named_modules(remove_duplicate=False):
             self._write(f"module {name} {self._class(type(module))} training={module.training}")
             self._module_state(module, 0)
+        # parameters and buffers by shape, dtype and device, not by value: export traces them as fake
+        # tensors, and a graph taken from the cache is bound to the capturing model's own
+        self._data = False
         tensors: dict[int, str] = {}
         for name, t in named:
             tied = tensors.setdefault(id(t), name)
             self._write(f"tensor {name} {type(t).__name__} as={tied}")
+            if type(t) not in (torch.Tensor, nn.Parameter):
+                raise _Uncacheable("a tensor subclass as a parameter or buffer")
             self._tensor(t)
+        self._data = True
         return self
 
     def inputs(self, args: tuple, kwargs: dict) -> _Key:
