@@ -292,3 +292,33 @@ def test_processes_share_captures_through_a_folder(tmp_path):
     assert run(1) == "0 True"  # other weights, no export
     entry.write_bytes(entry.read_bytes()[:100])
     assert run(2) == "1 True"
+
+
+_KEY_SUBPROCESS = """
+import sys
+from planner.frontend import capture_cache
+from planner.frontend.modelfile import load_model_file
+model_file = load_model_file(sys.argv[1])
+args, kwargs = model_file.inputs()
+print(capture_cache.cache_key(model_file.build("meta"), tuple(args), kwargs))
+"""
+
+
+def test_the_key_of_a_hugging_face_model_is_the_same_in_every_process():
+    """Found by the cross-process cache: string hashing is seeded per process, and transformers' code
+    holds frozenset constants (`x in {"a", "b"}`, iterated in hash order) and its GenerationConfig
+    keeps hash() of its fields; each made the key of every Hugging Face model differ per process."""
+    path = Path(__file__).parent / "corpus" / "hf_llama.py"
+    keys = set()
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(Path(__file__).parents[1])}
+        env.pop("PLANNER_CAPTURE_CACHE", None)
+        done = subprocess.run(
+            [sys.executable, "-W", "ignore", "-c", _KEY_SUBPROCESS, str(path)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        keys.add(done.stdout.strip())
+    assert len(keys) == 1 and "None" not in keys, keys

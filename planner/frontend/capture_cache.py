@@ -505,6 +505,8 @@ class _Key:
                 return
             self._write(f"object {self._class(type(x))}")
             for attr, value in _sorted_items(vars(x)):
+                if attr in _PER_PROCESS_ATTRS:
+                    continue
                 self._write(f"attr {attr}")
                 self._value(value, depth + 1)
         elif type(x).__module__.startswith("torch") and " at 0x" not in (text := repr(x)):
@@ -602,6 +604,10 @@ class _Key:
             self._value(value, 0)
 
 
+# attributes of plain objects whose value differs per process and says nothing about the graph:
+# transformers' GenerationConfig keeps hash() of its fields (string hashing is seeded per process) to
+# tell whether it was edited
+_PER_PROCESS_ATTRS = frozenset({"_original_object_hash"})
 # class-dict entries that say nothing about what a model computes
 _CLASS_NOISE = frozenset(
     {"__dict__", "__weakref__", "__doc__", "__module__", "__qualname__", "_abc_impl", "__abstractmethods__",
@@ -624,9 +630,21 @@ def _sorted_items(d: dict) -> list[tuple[Any, Any]]:
 def _code_digest(code: types.CodeType) -> str:
     h = hashlib.blake2b(code.co_code, digest_size=12)
     for const in code.co_consts:
-        h.update(_code_digest(const).encode() if isinstance(const, types.CodeType) else repr(const).encode())
+        h.update(_const_text(const).encode())
     h.update(repr(code.co_names).encode())
     return h.hexdigest()
+
+
+def _const_text(const: Any) -> str:
+    """A code constant as text that is the same in every process: nested code by digest, a frozenset
+    (`x in {"a", "b"}`) sorted, since its order follows string hashing, which differs per process."""
+    if isinstance(const, types.CodeType):
+        return _code_digest(const)
+    if isinstance(const, frozenset):
+        return "frozenset(" + ", ".join(sorted(_const_text(item) for item in const)) + ")"
+    if isinstance(const, tuple):
+        return "(" + ", ".join(_const_text(item) for item in const) + ")"
+    return repr(const)
 
 
 def _installed(cls: type) -> bool:
