@@ -46,6 +46,7 @@ import enum
 import functools
 import hashlib
 import io
+import operator
 import os
 import pickle
 import sys
@@ -277,20 +278,21 @@ def _freeze(
     params = {id(t): name for name, t in model.named_parameters(remove_duplicate=False)}
     buffers = {id(t): name for name, t in model.named_buffers(remove_duplicate=False)}
     meta_model = all(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()])
+    graph_buffers = {name for name, _ in gm.named_buffers()}
     bound_params, bound_buffers, constants = [], [], {}
     records = []
     for node in gm.graph.nodes:
         if node.op in ("call_module", "call_method"):
             raise _Uncacheable(f"a {node.op} node")
         if node.op == "get_attr":
-            value = _attr(gm, node.target)
+            value = operator.attrgetter(node.target)(gm)
             if not isinstance(value, torch.Tensor):
                 raise _Uncacheable("a get_attr of something other than a tensor")
             if params.get(id(value)) == node.target and isinstance(value, nn.Parameter):
                 bound_params.append(node.target)
-            elif buffers.get(id(value)) == node.target and node.target in dict(gm.named_buffers()):
+            elif buffers.get(id(value)) == node.target and node.target in graph_buffers:
                 bound_buffers.append(node.target)
-            elif meta_model and type(value) is torch.Tensor and node.target in dict(gm.named_buffers()):
+            elif meta_model and type(value) is torch.Tensor and node.target in graph_buffers:
                 constants[node.target] = value.detach().clone()
             else:
                 raise _Uncacheable(f"{node.target}: a tensor of the capture that is not the model's")
@@ -338,13 +340,6 @@ def _thaw(frozen: _Frozen, model: nn.Module) -> fx.GraphModule:
     gm = fx.GraphModule(root, graph, class_name="CapturedModel")
     gm.train(frozen.training)
     return gm
-
-
-def _attr(module: nn.Module, target: str) -> Any:
-    *path, name = target.split(".")
-    for part in path:
-        module = getattr(module, part)
-    return getattr(module, name)
 
 
 def _set(root: nn.Module, target: str, value: torch.Tensor, parameter: bool) -> None:
