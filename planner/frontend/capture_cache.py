@@ -99,8 +99,7 @@ class _Frozen:
     a meta model's only) with their values; what the capture printed and warned."""
 
     nodes: bytes
-    params: list[str]
-    buffers: list[str]
+    bound: list[str]
     constants: dict[str, torch.Tensor]
     training: bool
     stderr: str
@@ -279,7 +278,7 @@ def _freeze(
     buffers = {id(t): name for name, t in model.named_buffers(remove_duplicate=False)}
     meta_model = all(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()])
     graph_buffers = {name for name, _ in gm.named_buffers()}
-    bound_params, bound_buffers, constants = [], [], {}
+    bound, constants = [], {}
     records = []
     for node in gm.graph.nodes:
         if node.op in ("call_module", "call_method"):
@@ -289,9 +288,9 @@ def _freeze(
             if not isinstance(value, torch.Tensor):
                 raise _Uncacheable("a get_attr of something other than a tensor")
             if params.get(id(value)) == node.target and isinstance(value, nn.Parameter):
-                bound_params.append(node.target)
+                bound.append(node.target)
             elif buffers.get(id(value)) == node.target and node.target in graph_buffers:
-                bound_buffers.append(node.target)
+                bound.append(node.target)
             elif meta_model and type(value) is torch.Tensor and node.target in graph_buffers:
                 constants[node.target] = value.detach().clone()
             else:
@@ -301,7 +300,7 @@ def _freeze(
     data = io.BytesIO()
     _GraphPickler(data, protocol=pickle.HIGHEST_PROTOCOL).dump(records)
     kept = [(w.category, str(w.message), w.filename, w.lineno) for w in warned]
-    frozen = _Frozen(data.getvalue(), bound_params, bound_buffers, constants, gm.training, stderr, kept)
+    frozen = _Frozen(data.getvalue(), bound, constants, gm.training, stderr, kept)
     pickle.dumps(frozen.warned)  # what it warned must pickle too (for the folder)
     return frozen
 
@@ -328,31 +327,16 @@ def _thaw(frozen: _Frozen, model: nn.Module) -> fx.GraphModule:
         node.meta = meta
         env[name] = node
     graph._codegen = fx.graph.CodeGen()  # as `capture._normalise`: plain positional inputs
-    tensors = dict(model.named_parameters(remove_duplicate=False))
-    model_buffers = dict(model.named_buffers(remove_duplicate=False))
-    root = nn.Module()
-    for target in frozen.params:
-        _set(root, target, tensors[target], parameter=True)
-    for target in frozen.buffers:
-        _set(root, target, model_buffers[target], parameter=False)
-    for target, value in frozen.constants.items():
-        _set(root, target, value.clone(), parameter=False)
+    tensors = {
+        **dict(model.named_buffers(remove_duplicate=False)),
+        **dict(model.named_parameters(remove_duplicate=False)),
+    }
+    # GraphModule registers a Parameter of the dict as a parameter and any other tensor as a buffer
+    root = {target: tensors[target] for target in frozen.bound}
+    root.update({target: value.clone() for target, value in frozen.constants.items()})
     gm = fx.GraphModule(root, graph, class_name="CapturedModel")
     gm.train(frozen.training)
     return gm
-
-
-def _set(root: nn.Module, target: str, value: torch.Tensor, parameter: bool) -> None:
-    *path, name = target.split(".")
-    module = root
-    for part in path:
-        if part not in module._modules:
-            module.add_module(part, nn.Module())
-        module = module._modules[part]
-    if parameter:
-        module.register_parameter(name, value)
-    else:
-        module.register_buffer(name, value)
 
 
 class _Uncacheable(Exception):
