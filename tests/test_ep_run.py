@@ -7,18 +7,23 @@ summed over their expert data-parallel ranks and divided by dp - and the first A
 layout in turn. Models: tests/models/tiny_moe_modulelist.py (8 SwiGLU experts in a ModuleList, top-2,
 a shared expert), tiny_moe_gptfast.py (4 stacked experts, gpt-fast's form) and tiny_mixtral.py (Hugging
 Face Mixtral, 4 stacked experts with a fused gate-and-up weight). One job runs with the experts'
-gradients averaged over the EP ranks like the dense ones (wrong): its check must fail.
+gradients averaged over the EP ranks like the dense ones (wrong): its check must fail. The two-rank
+launch also trains the planner's own tp=2 plan of tests/models/hf_deepseek_v3.py (Hugging Face
+DeepSeek-V3: latent attention split by heads, experts split over TP, the vocabulary split with a pad
+token in the second rank's half).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from unittest import mock
 
 import pytest
 
 from passes.ep_lower import apply_expert_parallel
+from planner.cli import workflow
 from planner.errors import InputError
 from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture
@@ -133,10 +138,23 @@ FOUR_RANK = {
     "pp2_ep2_mixtral": (MIXTRAL, dict(tp=1, dp=2, ep=2, pp=2, m=2)),
 }
 WRONG = {"ep2_averaged": (MODULELIST, dict(tp=1, dp=2, ep=2))}
+DEEPSEEK = "hf_deepseek_v3.py"
+PLANNED = {"deepseek_v3_planned_tp2": DEEPSEEK}  # label: model, planned by the planner (`_planned`)
 
 
-def _launch(layouts: dict, wrong: dict, nproc: int) -> dict:
+@functools.cache
+def _planned(model: str):
+    """The planner's training plan of `model` at tp=2 on tests/models/fastlink.yaml (links so fast that
+    it splits every block it can), batch 2 x SEQ."""
+    path = str(MODELS / model)
+    prepared = workflow.prepare(path, "train", batch_size=2, seq_len=SEQ)
+    cluster = workflow.resolve_cluster(str(MODELS / "fastlink.yaml"), 2)
+    return workflow.make_plan(prepared, cluster, workflow.constraints_from(2, 1, 1, "none"), path)
+
+
+def _launch(layouts: dict, wrong: dict, nproc: int, planned: dict | None = None) -> dict:
     plans = {label: (model, _plan(model, **kw)) for label, (model, kw) in {**layouts, **wrong}.items()}
+    plans |= {label: (model, _planned(model)) for label, model in (planned or {}).items()}
     jobs = [(label, _job(plan, model), label in wrong) for label, (model, plan) in plans.items()]
     reports = launch(run_labelled, jobs, nproc=nproc, timeout_s=600)
     return {label: (plans[label][1], summarise([r[label] for r in reports])) for label, *_ in jobs}
@@ -144,7 +162,7 @@ def _launch(layouts: dict, wrong: dict, nproc: int) -> dict:
 
 @pytest.fixture(scope="module")
 def two_rank() -> dict:
-    return _launch(TWO_RANK, WRONG, 2)
+    return _launch(TWO_RANK, WRONG, 2, PLANNED)
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +180,32 @@ def test_ep2_matches_the_unsharded_model(two_rank: dict) -> None:
 def test_ep_with_tp_and_over_more_ranks_matches_the_unsharded_model(four_rank: dict) -> None:
     for label in FOUR_RANK:
         assert_run_matches(label, *four_rank[label])
+
+
+def test_deepseek_v3_latent_attention_is_planned_head_parallel() -> None:
+    """Hugging Face DeepSeek-V3 (multi-head latent attention): its per-head projections split by heads
+    (q_b_proj and kv_b_proj column-parallel, o_proj row-parallel, the core by heads); the key's copies into a new tensor (`expand_kv`) had kept the whole attention replicated."""
+    plan = _planned(DEEPSEEK)
+    styles = {name.split(".")[-2]: str(s.style) for name, s in plan.splits.items() if ".self_attn." in name}
+    assert {k: styles.get(k) for k in ("q_b_proj", "kv_b_proj", "o_proj")} == {
+        "q_b_proj": "colwise", "kv_b_proj": "colwise", "o_proj": "rowwise"
+    }, styles  # fmt: skip
+    assert {c.strategy.get("core") for c in plan.predicted.per_layer if c.layer >= 0} == {"head"}
+    # on these links the ILP also splits the low-rank q_a_proj / kv_a_proj_with_mqa and gathers at their
+    # RMSNorm and the RoPE part's slice (priced fallbacks); the key's assembly and the core gather nothing
+    heads_path = {
+        "aten.copy_",
+        "aten.cat",
+        "aten.new_empty",
+        "aten.expand",
+        "aten.scaled_dot_product_attention",
+    }
+    assert not [f"{f.op} at {f.line}" for f in plan.fallbacks if f.op in heads_path]
+
+
+@pytest.mark.slow
+def test_deepseek_v3_planned_tp2_trains_as_the_unsharded_model(two_rank: dict) -> None:
+    assert_run_matches("deepseek_v3_planned_tp2", *two_rank["deepseek_v3_planned_tp2"])
 
 
 @pytest.mark.slow

@@ -1418,7 +1418,7 @@ def _attention_block(
     fused_kv = projections[first[1].name] if first[1] is not None and first[1] is first[2] else None
     if k_proj is not None:
         num_kv_heads = k_proj.out_features // head_dim
-    elif fused_kv is not None and fused_kv.role is Role.V:
+    elif fused_kv is not None and fused_kv.role is Role.V and _halves_of_heads(fused_kv, head_dim):
         # K and V halves (the core's k may be repeated to the query heads: GQA written out)
         num_kv_heads = (fused_kv.parts[0] if fused_kv.parts else fused_kv.out_features // 2) // head_dim
     elif projs and projs[0].role is Role.QKV and projs[0].parts and len(projs[0].parts) == 3:
@@ -1450,6 +1450,15 @@ _HEAD_REPEATS = frozenset({
     "aten.expand", "aten.repeat_interleave", "aten.repeat", "aten.clone", "aten.contiguous", "aten.view",
     "aten.reshape", "aten._unsafe_view", "aten.unsqueeze", "aten.select", "aten.slice",
 })  # fmt: skip
+
+
+def _halves_of_heads(fused_kv: Projection, head_dim: int) -> bool:
+    """Whether a fused K / V projection's width is two halves of whole heads of the queries' head dim
+    (`to_kv` chunked in two). DeepSeek's `kv_b_proj` is not: each head's no-RoPE key and value side by
+    side, widths of their own (d_nope + d_v per head, the queries' d_nope + d_rope): its KV heads are the
+    core's K heads."""
+    half = fused_kv.parts[0] if fused_kv.parts else fused_kv.out_features / 2
+    return half % head_dim == 0
 
 
 def _kv_heads_before_repeat(k: fx.Node, num_heads: int, head_dim: int, limit: int = 6) -> int:

@@ -62,6 +62,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from planner.errors import InputError
 from planner.frontend import capture_cache
+from planner.frontend.fresh_writes import functionalize_fresh_writes
 from planner.frontend.modelfile import defined_at
 
 _ASSERT_TARGETS = {
@@ -328,6 +329,7 @@ def _normalise(gm: fx.GraphModule, out_spec: pytree.TreeSpec, module_names: set[
         if _is_noop(node):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
+    functionalize_fresh_writes(graph)
     for node in graph.nodes:
         _as_linear(node)
         if node.op == "call_function" and node.target is torch.ops.aten.numpy_T.default:
