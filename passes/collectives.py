@@ -297,7 +297,11 @@ def tp_wait(pending: PendingAllReduce) -> torch.Tensor:
 
 
 def vocab_parallel_embedding(
-    weight_shard: torch.Tensor, ids: torch.Tensor, axis: str, sequence_dim: int | None = None
+    weight_shard: torch.Tensor,
+    ids: torch.Tensor,
+    axis: str,
+    sequence_dim: int | None = None,
+    padding_idx: int | None = None,
 ) -> torch.Tensor:
     """Embedding lookup with the vocabulary split over `axis` (Megatron VocabParallelEmbedding).
 
@@ -305,14 +309,17 @@ def vocab_parallel_embedding(
     ids: integer tensor of any shape (global token ids). Returns (*ids.shape, dim), summed over ranks:
     each rank looks up the ids it owns, zeros the rest, and an all-reduce combines them. With
     `sequence_dim` (sequence parallelism) the sum is reduce-scattered along that output dim instead:
-    this rank's chunk of the sequence, shape[sequence_dim] / axis size.
+    this rank's chunk of the sequence, shape[sequence_dim] / axis size. `padding_idx`: the global
+    row whose gradient stays zero (`nn.Embedding(padding_idx=...)`: Hugging Face models take it from
+    the config's pad_token_id), on the rank that holds it.
     """
     rows = weight_shard.shape[0]
     start = axis_rank(axis) * rows
     local = ids - start
     outside = (local < 0) | (local >= rows)
     local = local.masked_fill(outside, 0)
-    out = torch.nn.functional.embedding(local, weight_shard)
+    pad = padding_idx - start if padding_idx is not None and start <= padding_idx < start + rows else None
+    out = torch.nn.functional.embedding(local, weight_shard, padding_idx=pad)
     out = out.masked_fill(outside.unsqueeze(-1), 0.0)
     if sequence_dim is not None:
         return tp_reduce_scatter(out, sequence_dim, axis)

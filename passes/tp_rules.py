@@ -266,10 +266,16 @@ def rule_embedding(ctx: RuleContext, node: fx.Node) -> None:
         return
     ctx.replace_param(w.target, sp.dim, sp.parts, pad=sp.size is not None)
     if sp.dim == 0:
+        # aten.embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False)
+        given = dict(zip(("padding_idx", "scale_grad_by_freq"), node.args[2:4])) | dict(node.kwargs)
+        padding_idx = given.get("padding_idx", -1)
+        padding_idx = padding_idx if isinstance(padding_idx, int) and padding_idx >= 0 else None
+        if given.get("scale_grad_by_freq"):
+            raise ctx.fail(node, "scale_grad_by_freq counts token frequencies over the whole vocabulary")
         node.target, node.args, node.kwargs = (
             collectives.vocab_parallel_embedding,
             (w, ctx.replicated(ids), ctx.axis, *(() if seq is None else (seq,))),
-            {},
+            {} if padding_idx is None else {"padding_idx": padding_idx},
         )
         ctx.set_meta(node, R if seq is None else Placement.shard(seq))
     else:
