@@ -322,3 +322,116 @@ def test_the_key_of_a_hugging_face_model_is_the_same_in_every_process():
         )
         keys.add(done.stdout.strip())
     assert len(keys) == 1 and "None" not in keys, keys
+
+
+class _Up(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.up(x))
+
+
+class _Stack(nn.Module):
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.layers:
+            x = block(x)
+        return x
+
+
+def test_one_block_reused_and_blocks_with_tied_weights_key_apart():
+    """Three layers holding one block object, and three blocks whose weights are tied to the first's:
+    the same parameters, but the capture names the modules otherwise (module_path: one `layers` block
+    against three), so they are two captures."""
+    shared = _Up()
+    reused = _Stack([shared, shared, shared])
+    tied = _Stack([_Up(), _Up(), _Up()])
+    for block in tied.layers[1:]:
+        block.up.weight, block.up.bias = tied.layers[0].up.weight, tied.layers[0].up.bias
+    x = (torch.randn(2, 4),)
+    assert capture_cache.cache_key(reused, x, {}) != capture_cache.cache_key(tied, x, {})
+
+
+class _Aliasing(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        a.mul_(2)
+        return self.fc(b)
+
+
+def test_inputs_that_are_one_tensor_key_apart_from_two(exports):
+    """Export traces inputs that share memory as one (a write through one is read through the other)."""
+    model = _Aliasing()
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    assert capture_cache.cache_key(model, (x, x), {}) != capture_cache.cache_key(model, (x, y), {})
+    capture(model, (x, x))
+    gm = capture(model, (x.clone(), y))
+    with torch.no_grad():
+        assert torch.equal(gm(x.clone(), y), model.fc(y))
+
+
+_PROJECTION = torch.randn(4, 4)
+
+
+class _Projected(nn.Module):
+    """No parameter or buffer: the graph's only tensor is a module global, lifted as a constant."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ _PROJECTION
+
+
+def test_a_model_without_parameters_keeps_its_constants_out_of_the_cache(exports):
+    """Its constants are real data (not a meta model's): another process may hold other values."""
+    capture(_Projected(), (torch.randn(2, 4),))
+    capture(_Projected(), (torch.randn(2, 4),))
+    assert len(exports) == 2
+
+
+class _Chatty(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        print(f"forward of {tuple(x.shape)}")
+        return self.fc(x)
+
+
+def test_what_the_forward_prints_is_printed_on_a_hit_too(exports, capsys):
+    for _ in range(2):
+        capture(_Chatty(), (torch.randn(2, 4),))
+    assert len(exports) == 1
+    assert capsys.readouterr().out.count("forward of (2, 4)") == 2
+
+
+def test_the_folder_entry_follows_the_user_files_the_model_reaches(tmp_path, monkeypatch):
+    """The folder's entries are named by the content of every user file the model's code reaches
+    (a helper in a sibling file the class imports), and not used at all once a file changed after the
+    process started (the code it runs is not the file's any more)."""
+    (tmp_path / "helpers_cc.py").write_text("import torch\n\ndef act(x):\n    return torch.relu(x)\n")
+    (tmp_path / "net_cc.py").write_text(
+        "from torch import nn\nfrom helpers_cc import act\n\n"
+        "class Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.fc = nn.Linear(4, 4)\n\n    def forward(self, x):\n        return act(self.fc(x))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import net_cc  # noqa: PLC0415
+
+    model = net_cc.Net()
+    assert capture_cache._model_code_digest(model) is None  # written after this process started
+    past = capture_cache._STARTED_NS - 10**9
+    for name in ("helpers_cc.py", "net_cc.py"):
+        os.utime(tmp_path / name, ns=(past, past))
+    first = capture_cache._model_code_digest(model)
+    assert first is not None
+    (tmp_path / "helpers_cc.py").write_text("import torch\n\ndef act(x):\n    return torch.tanh(x)  # v2\n")
+    os.utime(tmp_path / "helpers_cc.py", ns=(past, past))
+    assert capture_cache._model_code_digest(model) not in (None, first)

@@ -117,6 +117,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> fx.Gra
     _check_forward_accepts(model, tuple(args), kwargs)
     key = capture_cache.cache_key(model, tuple(args), kwargs)
     if (hit := capture_cache.lookup(key, model)) is not None:  # this model at these shapes, captured before
+        sys.stdout.write(hit.stdout)
         sys.stderr.write(hit.stderr)
         _replay_unlift_warnings(hit.warned)
         return hit.gm
@@ -129,13 +130,13 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> fx.Gra
     fake_logger = logging.getLogger("torch._subclasses.fake_tensor")
     levels = shapes_logger.level, fake_logger.handlers, fake_logger.propagate
     shapes_logger.setLevel(logging.ERROR)
-    stderr = io.StringIO()
+    stderr, stdout = io.StringIO(), io.StringIO()  # stdout: the model's own prints, replayed on a hit
     fake_logger.handlers = [logging.StreamHandler(stderr)]
     fake_logger.propagate = False
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            with contextlib.redirect_stderr(stderr):
+            with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(stdout):
                 exported = torch.export.export(model, args, kwargs, strict=False)
         except Exception as e:  # export raises many types; all mean "this model does not trace"
             raise InputError(_capture_error_message(model, e, stderr.getvalue())) from e
@@ -147,6 +148,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> fx.Gra
                 "a model's forward must return its outputs (raise an exception to refuse an input)"
             ) from e
         finally:
+            sys.stdout.write(stdout.getvalue())
             shapes_logger.setLevel(levels[0])
             fake_logger.handlers = levels[1]
             fake_logger.propagate = levels[2]
@@ -157,7 +159,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> fx.Gra
     module_names = {name for name, _ in model.named_modules()}
     gm = _normalise(gm, out_spec, module_names)
     _refuse_unplannable(gm, model)
-    capture_cache.store(key, gm, model, stderr.getvalue(), caught)
+    capture_cache.store(key, gm, model, stdout.getvalue(), stderr.getvalue(), caught)
     return gm
 
 

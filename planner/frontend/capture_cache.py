@@ -9,14 +9,14 @@ run and every rank of `planner run` capture it once more. Measured over the test
 2 cores): 1,102 exports took 1,138 s of its 1,614 s; 439 of them repeated a capture another process
 had made, 173 one the same process had made (models with real weights counted).
 
-What makes two captures the same (`cache_key`): the module tree (names, each module's training flag,
-every plain attribute by value, config objects and real tensors held as plain attributes included;
+What makes two captures the same (`cache_key`): the module tree (names, which names hold one module
+object, each module's training flag, every plain attribute by value, config objects and real tensors held as plain attributes included;
 parameter and buffer names, shapes, strides, dtypes, devices, requires_grad, and which are tied, but
 not their values: export traces them as fake tensors); each module's class by what its class dicts
 hold along the MRO (method code, closures, defaults, properties, class attributes: a class
 redefined, made in a factory or patched at run time keys otherwise) and, for a class outside an
 installed package, the digest of its source file (the module-level helpers it calls); the inputs
-(tensor shapes, strides, dtypes and devices; other leaves by value); torch's default dtype and
+(tensor shapes, strides, dtypes and devices, which share memory; other leaves by value); torch's default dtype and
 device and grad mode. Anything the key cannot read for certain makes the capture uncached: a forward
 hook, a compiled module, a bound method or an object of unknown kind as an attribute, a tensor
 subclass as a parameter, a real tensor attribute over `MAX_HASHED_BYTES`, a container over
@@ -27,16 +27,20 @@ time (the planner does neither; set ``PLANNER_CAPTURE_CACHE=off`` to capture eve
 What is stored (`_Frozen`) holds no data of the model: the nodes (ATen operators by name, fake
 values by shape, stride, dtype and device, the rest of the node metadata but torch's provenance),
 the names of the parameters and buffers the graph reads, and, for a meta-device model only, the
-other tensors of the graph (constants). A model with real weights whose graph holds any other tensor
+other tensors of the graph (constants). A model with real weights (or none at all) whose graph holds any other tensor
 (a plain tensor attribute export lifted as a constant, a static KV cache held outside the module
 tree) is not stored. A hit rebuilds a new graph module (the passes rewrite the graph they get) whose
 parameters and buffers are the capturing model's own objects, and replays what the capture printed
-and warned.
+(the model's prints and torch.export's) and warned.
 
 Across processes: with ``PLANNER_CAPTURE_CACHE_DIR`` set, each stored capture is also written there
-(whole or not at all: a temporary file renamed), named by the key and a digest of the Python and
-torch versions and of this package's source; a process reads an entry it does not hold. An entry
-that cannot be read is captured again. The test command sets one folder per run.
+(whole or not at all: a temporary file renamed), named by the key, a digest of the Python and torch
+versions and of this package's source, and a digest of the code the model reaches
+(`_model_code_digest`: every user file reached from its classes' and functions' modules through
+module globals, by content; each installed package reached, by its distribution's version); a
+process reads an entry it does not hold. A process in which a reached user file changed after it
+started does not use the folder. An entry that cannot be read is captured again. The test command
+sets one folder per run.
 """
 
 from __future__ import annotations
@@ -45,12 +49,14 @@ import contextlib
 import enum
 import functools
 import hashlib
+import importlib.metadata
 import io
 import operator
 import os
 import pickle
 import sys
 import sysconfig
+import time
 import types
 import warnings
 from collections import OrderedDict
@@ -59,6 +65,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.nn.modules import module as module_globals
@@ -84,9 +91,11 @@ _INSTALLED = tuple(
 
 @dataclass
 class CachedCapture:
-    """A stored capture: the normalised graph, and what torch.export printed (``stderr``) and warned."""
+    """A stored capture: the normalised graph, and what the capture printed (``stdout``: the model's own
+    prints; ``stderr``: torch.export's) and warned."""
 
     gm: fx.GraphModule
+    stdout: str
     stderr: str
     warned: list[warnings.WarningMessage]
 
@@ -102,6 +111,7 @@ class _Frozen:
     bound: list[str]
     constants: dict[str, torch.Tensor]
     training: bool
+    stdout: str
     stderr: str
     warned: list[tuple[type[Warning], str, str, int]]
 
@@ -123,7 +133,7 @@ def lookup(key: str | None, model: nn.Module) -> CachedCapture | None:
         return None
     frozen = _entries.get(key)
     if frozen is None:
-        frozen = _read(key)
+        frozen = _read(key, model)
         if frozen is None:
             return None
         _keep(key, frozen)
@@ -137,11 +147,16 @@ def lookup(key: str | None, model: nn.Module) -> CachedCapture | None:
         warnings.WarningMessage(message, category, filename, lineno)
         for category, message, filename, lineno in frozen.warned
     ]
-    return CachedCapture(gm, frozen.stderr, warned)
+    return CachedCapture(gm, frozen.stdout, frozen.stderr, warned)
 
 
 def store(
-    key: str | None, gm: fx.GraphModule, model: nn.Module, stderr: str, warned: list[warnings.WarningMessage]
+    key: str | None,
+    gm: fx.GraphModule,
+    model: nn.Module,
+    stdout: str,
+    stderr: str,
+    warned: list[warnings.WarningMessage],
 ) -> None:
     """Keep `gm`, the capture of `model`, under `key` (None: nothing kept): in this process (the least
     recently used entry dropped past `MAX_ENTRIES`) and, when PLANNER_CAPTURE_CACHE_DIR names a folder,
@@ -149,11 +164,11 @@ def store(
     if key is None or not enabled():
         return
     try:
-        frozen = _freeze(gm, model, stderr, warned)
+        frozen = _freeze(gm, model, stdout, stderr, warned)
     except Exception:  # noqa: BLE001 - something the store cannot write for certain: not kept
         return
     _keep(key, frozen)
-    _write(key, frozen)
+    _write(key, frozen, model)
 
 
 def _keep(key: str, frozen: _Frozen) -> None:
@@ -173,29 +188,31 @@ def _folder() -> str | None:
     return folder or None
 
 
-def _path(folder: str, key: str) -> str:
-    return os.path.join(folder, f"{_source_digest()}-{key}.capture")
+def _path(folder: str, key: str, code: str) -> str:
+    return os.path.join(folder, f"{_source_digest()}-{code}-{key}.capture")
 
 
-def _read(key: str) -> _Frozen | None:
+def _read(key: str, model: nn.Module) -> _Frozen | None:
     folder = _folder()
-    if folder is None:
+    code = _model_code_digest(model) if folder is not None else None
+    if folder is None or code is None:
         return None
     try:
-        with open(_path(folder, key), "rb") as f:
+        with open(_path(folder, key, code), "rb") as f:
             frozen = pickle.load(f)  # noqa: S301 - a folder of this planner's own captures (docs/model-files.md)
     except Exception:  # noqa: BLE001 - absent, being written, or from another version: captured again
         return None
     return frozen if isinstance(frozen, _Frozen) else None
 
 
-def _write(key: str, frozen: _Frozen) -> None:
+def _write(key: str, frozen: _Frozen, model: nn.Module) -> None:
     """Write the entry whole or not at all (a temporary file renamed): processes sharing the folder
     read a complete entry or none."""
     folder = _folder()
-    if folder is None:
+    code = _model_code_digest(model) if folder is not None else None
+    if folder is None or code is None:
         return
-    path = _path(folder, key)
+    path = _path(folder, key, code)
     temporary = f"{path}.{os.getpid()}.tmp"
     try:
         os.makedirs(folder, exist_ok=True)
@@ -218,6 +235,64 @@ def _source_digest() -> str:
             with open(os.path.join(here, name), "rb") as f:
                 h.update(f.read())
     return h.hexdigest()
+
+
+_STARTED_NS = time.time_ns()  # about when this process imported the planner
+
+
+def _model_code_digest(model: nn.Module) -> str | None:
+    """For the folder: a digest of the code `model` runs that another process may hold otherwise. From
+    the modules of the model's classes (their MROs) and of the functions it holds as attributes, every
+    user module (a file outside the installed packages) reached through module globals (imported
+    modules, functions and classes), by file content, and each installed package reached, by its
+    distribution's version. None (the folder not used) when a user file changed after this process
+    started: the code it imported is not the file's any more."""
+    seeds: set[str] = set()
+    for module in model.modules():
+        seeds.update(c.__module__ for c in type(module).__mro__)
+        for value in vars(module).values():
+            fn = value.func if isinstance(value, functools.partial) else value
+            if isinstance(fn, (types.FunctionType, type)):
+                seeds.add(fn.__module__)
+    h = hashlib.blake2b(digest_size=10)
+    seen, queue, packages = set(seeds), sorted(seeds), set()
+    while queue:
+        name = queue.pop()
+        module = sys.modules.get(name)
+        path = getattr(module, "__file__", None)
+        if module is None or name in sys.builtin_module_names or not path:
+            continue
+        if os.path.realpath(path).startswith(_INSTALLED):
+            packages.add(name.partition(".")[0])
+            continue
+        stat = os.stat(path)
+        if stat.st_mtime_ns > _STARTED_NS:
+            return None
+        h.update(f"{name} {_file_digest(path, stat.st_mtime_ns, stat.st_size)}".encode())
+        for value in list(vars(module).values()):
+            used = (
+                value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
+            )
+            if isinstance(used, str) and used not in seen:
+                seen.add(used)
+                queue.append(used)
+    for package in sorted(packages - {"torch", "builtins"}):
+        h.update(f"{package} {_package_version(package)}".encode())
+    return h.hexdigest()
+
+
+_distributions = functools.cache(importlib.metadata.packages_distributions)  # top-level package -> names
+
+
+@functools.cache
+def _package_version(package: str) -> str:
+    """The versions of the distributions that provide an installed top-level package ("" if none)."""
+    names = _distributions().get(package, [])
+    versions = []
+    for name in sorted(set(names)):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions.append(f"{name}=={importlib.metadata.version(name)}")
+    return ",".join(versions)
 
 
 class _NodeRef:
@@ -270,13 +345,16 @@ class _GraphUnpickler(pickle.Unpickler):
 
 
 def _freeze(
-    gm: fx.GraphModule, model: nn.Module, stderr: str, warned: list[warnings.WarningMessage]
+    gm: fx.GraphModule, model: nn.Module, stdout: str, stderr: str, warned: list[warnings.WarningMessage]
 ) -> _Frozen:
     """`gm` as stored (`_Frozen`); raises `_Uncacheable` for what cannot be stored without the model's
     data (a real model's tensor that is not one of its parameters or buffers) or rebuilt for certain."""
     params = {id(t): name for name, t in model.named_parameters(remove_duplicate=False)}
     buffers = {id(t): name for name, t in model.named_buffers(remove_duplicate=False)}
-    meta_model = all(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()])
+    tensors = [*model.parameters(), *model.buffers()]
+    meta_model = bool(tensors) and all(
+        t.device.type == "meta" for t in tensors
+    )  # none: its constants are real
     graph_buffers = {name for name, _ in gm.named_buffers()}
     bound, constants = [], {}
     records = []
@@ -300,7 +378,7 @@ def _freeze(
     data = io.BytesIO()
     _GraphPickler(data, protocol=pickle.HIGHEST_PROTOCOL).dump(records)
     kept = [(w.category, str(w.message), w.filename, w.lineno) for w in warned]
-    frozen = _Frozen(data.getvalue(), bound, constants, gm.training, stderr, kept)
+    frozen = _Frozen(data.getvalue(), bound, constants, gm.training, stdout, stderr, kept)
     pickle.dumps(frozen.warned)  # what it warned must pickle too (for the folder)
     return frozen
 
@@ -381,9 +459,12 @@ class _Key:
             *model.named_parameters(remove_duplicate=False),
             *model.named_buffers(remove_duplicate=False),
         ]
+        modules: dict[int, str] = {}
         for name, module in model.named_modules(remove_duplicate=False):
-            self._write(f"module {name} {self._class(type(module))} training={module.training}")
-            self._module_state(module, 0)
+            first = modules.setdefault(id(module), name)  # one block object reused in every layer
+            self._write(f"module {name} {self._class(type(module))} training={module.training} as={first}")
+            if first == name:
+                self._module_state(module, 0)
         # parameters and buffers by shape, dtype and device, not by value: export traces them as fake
         # tensors, and a graph taken from the cache is bound to the capturing model's own
         self._data = False
@@ -401,6 +482,12 @@ class _Key:
         self._write("inputs")
         self._data = False  # an input's values do not shape the graph (export traces fake tensors)
         self._value((tuple(args), dict(kwargs)), 0)
+        # inputs that are one tensor, or views of one memory: export traces the aliasing into the graph
+        memories: dict[Any, int] = {}
+        leaves = [x for x in pytree.tree_leaves((tuple(args), dict(kwargs))) if isinstance(x, torch.Tensor)]
+        for i, t in enumerate(leaves):
+            memory = ("meta", id(t)) if t.is_meta else (t.device, t.untyped_storage().data_ptr())
+            self._write(f"input {i} memory of {memories.setdefault(memory, i)}")
         return self
 
     def _module_state(self, module: nn.Module, depth: int) -> None:
