@@ -232,6 +232,18 @@ def test_the_pass_keeps_this_ranks_experts_and_the_models_routing() -> None:
     )
 
 
+def test_an_in_place_combine_is_lowered_like_the_out_of_place_one() -> None:
+    """`out.index_add_(0, idx, y)` per expert into `x.new_zeros(N + 1, C)`: the capture makes it the value
+    it is (`planner.frontend.fresh_writes`), so EP lowers it (it was refused naming aten.index_add_)."""
+    model_file = load_model_file(MODELS / MODULELIST)
+    model = model_file.module.build_model(dispatch="capacity_inplace")
+    gm = capture(model.to("meta"), *model_file.inputs(2, SEQ))
+    structure = analyse(gm)
+    assert all(layer.moe is not None and not layer.moe.not_lowerable for layer in structure.layers)
+    done = apply_expert_parallel(gm, structure, 2, 0)
+    assert done.experts == [0, 1, 2, 3] and len(done.blocks) == len(structure.layers)
+
+
 def test_experts_split_over_tp_are_refused_where_the_router_reads_another_shard() -> None:
     """Split experts need every TP rank's tokens: sequence parallelism gathers them before the router, or
     with one sequence keeps each rank's rows, which the pass gathers around the experts; a router reading

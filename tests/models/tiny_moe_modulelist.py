@@ -107,14 +107,17 @@ class SparseMoE(nn.Module):
         probs = F.softmax(self.gate(x), dim=-1)  # (N, E)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # (N, k) each
         weights = weights / weights.sum(dim=-1, keepdim=True)
-        if self.dispatch == "capacity":
-            routed = self._capacity(x, weights, chosen)
+        if self.dispatch in ("capacity", "capacity_inplace"):
+            routed = self._capacity(x, weights, chosen, inplace=self.dispatch == "capacity_inplace")
         else:
             routed = self._nonzero(x, weights, chosen)
         return (routed + self.shared(x)).view(B, T, C)
 
-    def _capacity(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-        """x (N, C), weights and chosen (N, k) -> the routed output (N, C), static shapes throughout."""
+    def _capacity(
+        self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, inplace: bool = False
+    ) -> torch.Tensor:
+        """x (N, C), weights and chosen (N, k) -> the routed output (N, C), static shapes throughout;
+        `inplace`: accumulated with `out.index_add_` (Hugging Face's MoE blocks before transformers 5)."""
         n = x.shape[0]
         capacity = math.ceil(self.capacity_factor * n * self.top_k / NUM_EXPERTS)
         picks = F.one_hot(chosen, NUM_EXPERTS).sum(1)  # (N, E): 1 where the token chose the expert
@@ -131,7 +134,10 @@ class SparseMoE(nn.Module):
         for e, expert in enumerate(self.experts):
             idx = slots[e]  # (C,)
             y = expert(x_pad[idx]) * combine_pad[idx, e].unsqueeze(-1)  # (C, C_model)
-            out = out.index_add(0, idx, y)
+            if inplace:
+                out.index_add_(0, idx, y)
+            else:
+                out = out.index_add(0, idx, y)
         return out[:n]
 
     def _nonzero(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
