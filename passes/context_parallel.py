@@ -318,9 +318,20 @@ def cp_sdpa(
 ) -> torch.Tensor:
     """`scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)` of a lowered graph on this
     rank's tokens: `cp_attention` with positional arguments (fx nodes); q (B, H, T_l, D), k, v
-    (B, H_kv, T_l, D) -> (B, H, T_l, D), strided as SDPA's output (its transpose(1, 2) contiguous). `enable_gqa` is implied by the head counts (the kernels group heads)."""
+    (B, H_kv, T_l, D) -> (B, H, T_l, D), strided as SDPA's output (its transpose(1, 2) contiguous). `enable_gqa` is implied by the head counts (the kernels group heads).
+    Values of another head dim than the keys' (DeepSeek's latent attention: q, k 192, v 128) are
+    padded with zeros to it and the output cut back (zero columns of v add zero columns to the output;
+    q and k padded the other way add nothing to the scores, the scale kept at the keys' own)."""
     del enable_gqa
+    d_k, d_v = k.shape[-1], v.shape[-1]
+    if d_k != d_v:
+        scale = 1.0 / math.sqrt(d_k) if scale is None else scale
+        if d_v < d_k:
+            v = F.pad(v, (0, d_k - d_v))
+        else:
+            q, k = F.pad(q, (0, d_v - d_k)), F.pad(k, (0, d_v - d_k))
     out = cp_attention(q, k, v, axis, variant=variant, causal=causal, load_balance=load_balance, scale=scale)
+    out = out[..., :d_v]
     # SDPA's own output is laid out (B, T, H, D) in memory, so a captured graph may `view` its
     # transpose(1, 2) without a copy; give that layout back
     return out.transpose(1, 2).contiguous().transpose(1, 2)

@@ -229,7 +229,7 @@ def apply_context_parallel(
             shards = [p for p in placements if isinstance(p, Placement) and p.is_shard]
             _set(node, ctx, shards[0])
             continue
-        if node.target in _TOKENWISE_FIRST and _tokenwise(node, ctx):
+        if node.target in _TOKENWISE and _tokenwise(node, ctx):
             continue
         if _general(node, ctx, sliced):
             continue
@@ -291,17 +291,25 @@ def _carries(val: Any, size: int) -> bool:
     return isinstance(val, torch.Tensor) and any(d >= size and d % size == 0 for d in val.shape)
 
 
-# ops whose output is the index input's shape plus trailing dims: a shard of the indices is a shard of the
-# output on the same dim (DTensor's embedding strategy answers only for a sharded weight)
-_TOKENWISE_FIRST = {torch.ops.aten.embedding.default: 1}
+# ops whose output keeps their token input's leading dims (the index of that input): a shard of it on
+# any of those dims is a shard of the output on the same dim. An embedding's output is its indices' shape
+# plus the features (DTensor's embedding strategy answers only for a sharded weight); a linear maps the
+# last dim only (DTensor's, through matmul's folding of the leading dims, gives up where a unit dim
+# precedes the shard: DeepSeek's latent (B, 1, T, r) into kv_b_proj)
+_TOKENWISE = {torch.ops.aten.embedding.default: 1, torch.ops.aten.linear.default: 0}
 
 
 def _tokenwise(node: fx.Node, ctx: _Ctx) -> bool:
-    """`aten.embedding(weight, indices)` with replicated weight and indices sharded on dim d: the output
-    is sharded on dim d (a lookup per token). False when the inputs are placed otherwise."""
-    weight, indices = node.args[0], node.args[_TOKENWISE_FIRST[node.target]]
-    p = ctx.place.get(indices, _R)
-    if not ctx.place.get(weight, _R).is_replicate or not p.is_shard:
+    """`aten.embedding(weight, indices)` or `aten.linear(x, weight[, bias])` with the weights replicated
+    and the token input sharded on dim d (for a linear, not its last): the output is sharded on dim d.
+    False when the inputs are placed otherwise."""
+    index = _TOKENWISE[node.target]
+    tokens = node.args[index]
+    p = ctx.place.get(tokens, _R)
+    others = [a for i, a in enumerate(node.args) if i != index and isinstance(a, fx.Node)]
+    if not p.is_shard or any(not ctx.place.get(a, _R).is_replicate for a in others):
+        return False
+    if node.target is torch.ops.aten.linear.default and p.dim == ctx.global_val[tokens].dim() - 1:
         return False
     _set(node, ctx, p)
     return True

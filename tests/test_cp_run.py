@@ -4,7 +4,8 @@ the unsharded model.
 Two launches (2 gloo ranks, 4 gloo ranks) run the plan's own checked run (`runtime.execute.run_rank`:
 outputs, MSE loss, every gradient after the dp x cp reduction, the first Adam step) for each layout in
 turn. The model is tests/models/tiny_lm_tokens.py, the tiny Llama (4 layers, GQA, RoPE) fed random
-tokens, so a rank that computed its tokens at the wrong positions would give other outputs. One job of
+tokens, so a rank that computed its tokens at the wrong positions would give other outputs (a few
+jobs run other model files: Hugging Face Llama, DeepSeek-V3). One job of
 the 2-rank launch runs with the loss's gradient on the rank's tokens left unscaled (the CP ranks'
 partial gradients averaged, not summed: `runtime.loss.cp_grad_scaled`): its check must fail.
 """
@@ -85,6 +86,9 @@ TWO_RANK = {  # label: plan kwargs (model: another model file than tiny_lm_token
     "cp2_prefill": dict(tp=1, cp=2, workload="forward"),
     "cp2_pooled_fallback": dict(tp=1, cp=2, model="cp_pooled.py"),
     "cp2_hf_llama": dict(tp=1, cp=2, model="../../examples/hf_llama.py", seq=32),
+    # DeepSeek-V3's latent attention: the latent (B, 1, T, r) into kv_b_proj keeps its token shard, and
+    # values of another head dim than the keys' (16 against 24) go through the ring padded
+    "cp2_ring_hf_deepseek_v3": dict(tp=1, cp=2, cp_comm_type="ring", model="hf_deepseek_v3.py", seq=16),
 }
 FOUR_RANK = {
     "tp2_cp2": dict(tp=2, cp=2),
