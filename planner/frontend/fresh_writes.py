@@ -13,7 +13,7 @@ the sharding rules, the analysis and the cost model do not follow (they read dat
   expert (Hugging Face's Mixtral before transformers 5 and many MoE layers like it).
 
 For a tensor made in the graph (`_FRESH`: ``new_empty``, ``zeros``, ``full``, ...) whose every write is
-an in-place op (`_OUT_OF_PLACE`, or ``copy_``) on the whole tensor or on a chain of ``slice`` /
+an in-place op (`_IN_PLACE`, or ``copy_``) on the whole tensor or on a chain of ``slice`` /
 ``select`` views of it, the writes become values: copies that tile one dim of the tensor exactly become
 one ``aten.cat`` of the sources (each broadcast to its slice and cast to the tensor's dtype, as
 ``copy_`` does); other copies become ``slice_scatter`` / ``select_scatter`` of the tensor's current
@@ -46,23 +46,13 @@ _FRESH = frozenset({
     "aten.ones", "aten.full", "aten.empty_like", "aten.zeros_like", "aten.ones_like", "aten.full_like",
 })  # fmt: skip
 
-# in-place ops on the whole tensor and the out-of-place op each stands for (same arguments)
-_OUT_OF_PLACE: dict[str, Callable] = {
-    "aten.index_add_": aten.index_add.default,
-    "aten.index_put_": aten.index_put.default,
-    "aten.index_copy_": aten.index_copy.default,
-    "aten.scatter_add_": aten.scatter_add.default,
-    "aten.masked_fill_": None,  # overload-dependent: resolved from the node (`_functional_target`)
-    "aten.scatter_": None,
-    "aten.scatter_reduce_": None,
-    "aten.index_fill_": None,
-    "aten.fill_": None,
-    "aten.add_": None,
-    "aten.sub_": None,
-    "aten.mul_": None,
-    "aten.div_": None,
-    "aten.zero_": aten.zeros_like.default,
-}
+# in-place ops whose out-of-place twin (the name without its "_", the same overload) takes the same
+# arguments; `zero_` is `zeros_like`
+_IN_PLACE = frozenset({
+    "aten.index_add_", "aten.index_put_", "aten.index_copy_", "aten.index_fill_", "aten.scatter_add_",
+    "aten.scatter_", "aten.scatter_reduce_", "aten.masked_fill_", "aten.fill_", "aten.add_", "aten.sub_",
+    "aten.mul_", "aten.div_", "aten.zero_",
+})  # fmt: skip
 
 # views a write may go through (copy_ into t[a:b] or t[i]) and the scatter op that writes back through each
 _SCATTER = {"aten.slice": aten.slice_scatter.default, "aten.select": aten.select_scatter.default}
@@ -86,13 +76,12 @@ def op_name(target: object) -> str:
 def _functional_target(node: fx.Node) -> Callable | None:
     """The out-of-place overload of an in-place node's op (``add_.Tensor`` -> ``add.Tensor``), or None."""
     name = op_name(node.target)
-    if name not in _OUT_OF_PLACE:
+    if name not in _IN_PLACE:
         return None
-    if _OUT_OF_PLACE[name] is not None:
-        return _OUT_OF_PLACE[name]
+    if name == "aten.zero_":
+        return aten.zeros_like.default
     packet = getattr(aten, name.removeprefix("aten.").removesuffix("_"), None)
-    overload = getattr(node.target, "_overloadname", "default")
-    return getattr(packet, overload, None) if packet is not None else None
+    return getattr(packet, node.target._overloadname, None) if packet is not None else None
 
 
 class _Write:
