@@ -41,6 +41,7 @@ from passes.context_parallel import cp_gather
 from passes.expert_parallel import ep_moe, ep_moe_replicated, expert_shard, local_experts, reset_loads
 from planner.errors import InputError
 from planner.frontend.analysis import ModelStructure
+from planner.frontend.capture import uncast
 from planner.frontend.moe import ExpertWeight, MoE
 from planner.frontend.roles import Role
 
@@ -137,7 +138,7 @@ def _rewrite_block(
         raise InputError(f"expert parallelism: {where} has no combine the planner found; plan it with --ep 1")
     combine = nodes[moe.combine_node]
     router = nodes[moe.router.node]
-    x = router.args[0]
+    x = uncast(router.args[0])  # the tokens the experts read, not a router's fp32 copy of them
     tokens, hidden = tuple(x.meta["val"].shape)
     placement = x.meta.get("tp_placement", "Replicate()")
     # sequence parallelism gathers a block's tokens where it merges batch and sequence before its router;

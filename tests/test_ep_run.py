@@ -21,7 +21,9 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
+import torch
 
+from passes import expert_parallel
 from passes.ep_lower import apply_expert_parallel
 from planner.cli import workflow
 from planner.errors import InputError
@@ -342,3 +344,15 @@ def test_the_expert_data_parallel_ranks_span_the_tp_ranks_where_whole_experts_ru
     assert plan.experts_on_sequence_shard
     assert not dataclasses.replace(plan, batch_size=8).experts_on_sequence_shard  # two sequences each
     assert not dataclasses.replace(plan, expert_tp=2).experts_on_sequence_shard
+
+
+def test_the_experts_read_the_tokens_not_a_routers_fp32_copy() -> None:
+    """DeepSeek-V3's router casts its input to fp32 (`x.type(torch.float32)`): in a bf16 model the
+    experts read the bf16 tokens (the EP run had multiplied fp32 rows by bf16 weights: a dtype error)."""
+    from tests.models import hf_deepseek_v3  # noqa: PLC0415
+
+    model = hf_deepseek_v3.build_model().to("meta").to(torch.bfloat16)
+    gm = capture(model, hf_deepseek_v3.example_inputs(), hf_deepseek_v3.example_kwargs())
+    apply_expert_parallel(gm, analyse(gm), 2, 0)
+    calls = [n for n in gm.graph.nodes if n.target is expert_parallel.ep_moe]
+    assert len(calls) == 2 and all(n.args[0].meta["val"].dtype == torch.bfloat16 for n in calls)

@@ -393,3 +393,17 @@ def test_experts_ep_would_not_compute_are_kept_whole(variant, reason) -> None:
     gm = capture(odd, inputs, {})
     with pytest.raises(InputError, match=rf"expert parallelism: {reason}.*plan it with --ep 1"):
         apply_expert_parallel(gm, analyse(gm), 2, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_router_computed_in_fp32_is_found_in_bf16(dtype):
+    """DeepSeek-V3's router reads `F.linear(x.type(torch.float32), self.weight.type(torch.float32))`: an
+    fp32 capture drops the casts as no-ops, a bf16 one keeps `_to_copy` on the weight, and the router was
+    not a projection there: every MoE layer of the model planned in bf16 (as it trains) was dense."""
+    from tests.models import hf_deepseek_v3  # noqa: PLC0415
+
+    model = hf_deepseek_v3.build_model().to("meta").to(dtype)
+    structure = analyse(capture(model, hf_deepseek_v3.example_inputs(), hf_deepseek_v3.example_kwargs()))
+    routers = [layer.moe.router.weight if layer.moe else None for layer in structure.layers]
+    assert routers == [f"model.layers.{i}.mlp.gate.weight" for i in range(2)], routers
+    assert all(layer.moe.not_lowerable == "" and layer.moe.top_k == 2 for layer in structure.layers)

@@ -58,7 +58,14 @@ from torch import fx
 
 from costmodels.compute import conv_flops
 from costmodels.dtypes import dtype_name
-from planner.frontend.capture import bound_arguments, einsum_terms, is_transpose_2d, op_name, user_line
+from planner.frontend.capture import (
+    bound_arguments,
+    einsum_terms,
+    is_transpose_2d,
+    op_name,
+    uncast,
+    user_line,
+)
 from planner.frontend.moe import MoE, find_moe
 from planner.frontend.roles import ACTIVATION_OPS as _ACTIVATIONS
 from planner.frontend.roles import Adapter, Projection, Role
@@ -782,6 +789,7 @@ def _projection(node: fx.Node, params: dict[str, torch.nn.Parameter]) -> Project
         out_dim = 1
         if isinstance(w, fx.Node) and is_transpose_2d(w):  # x @ W.T with W (out, in): nn.Linear layout
             w, out_dim = w.args[0], 0
+    w = uncast(w)  # `F.linear(x.float(), self.weight.float())`: DeepSeek-V3's router in bf16
     if not (
         isinstance(w, fx.Node) and w.op == "get_attr" and w.target in params and w.meta["val"].dim() == 2
     ):

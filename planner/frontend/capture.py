@@ -365,6 +365,22 @@ def is_transpose_2d(node: fx.Node) -> bool:
     return name == "aten.permute" and [d % 2 for d in node.args[1]] == [1, 0]
 
 
+def uncast(x: Any) -> Any:
+    """The value behind dtype casts of it (`_to_copy` with only a dtype, `Tensor.to(dtype)`), else `x`:
+    DeepSeek-V3's router computes its logits in fp32, `F.linear(x.type(torch.float32),
+    self.weight.type(torch.float32))`, casts an fp32 capture drops as no-ops and a bf16 one keeps."""
+    while (
+        isinstance(x, fx.Node)
+        and x.op == "call_function"
+        and (
+            (x.target is torch.ops.aten._to_copy.default and len(x.args) == 1 and set(x.kwargs) <= {"dtype"})
+            or (x.target is torch.ops.aten.to.dtype and len(x.args) == 2 and not x.kwargs)
+        )
+    ):
+        x = x.args[0]
+    return x
+
+
 def _as_linear(node: fx.Node) -> None:
     """Write `x @ W.T` with W a 2-D parameter or buffer (`aten.matmul` / `aten.mm` of a transposed
     `get_attr`; `aten.addmm(b, x, W.T)` at beta = alpha = 1) as `aten.linear(x, W[, b])`, the same
