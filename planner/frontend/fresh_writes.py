@@ -30,6 +30,7 @@ in place is the cache rules' business: `passes.tp_rules.rule_cache_update`).
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Callable
 
 import torch
@@ -57,14 +58,32 @@ _IN_PLACE = frozenset({
 # views a write may go through (copy_ into t[a:b] or t[i]) and the scatter op that writes back through each
 _SCATTER = {"aten.slice": aten.slice_scatter.default, "aten.select": aten.select_scatter.default}
 
-# ops whose result shares the storage of their first argument
-_VIEWS = frozenset({
-    "aten.view", "aten._unsafe_view", "aten.reshape", "aten.slice", "aten.select", "aten.narrow",
-    "aten.transpose", "aten.permute", "aten.t", "aten.expand", "aten.unsqueeze", "aten.squeeze",
-    "aten.alias", "aten.as_strided", "aten.unflatten", "aten.flatten", "aten.split", "aten.split_with_sizes",
-    "aten.chunk", "aten.unbind", "aten.diagonal", "aten.unfold", "aten.view_as", "aten.expand_as",
-    "aten.detach", "aten.contiguous", "aten.movedim", "aten.swapaxes", "aten.real", "aten.imag",
+
+# ops that return a view of their input whose schemas do not say so
+_UNANNOTATED_VIEWS = frozenset({
+    "aten.atleast_1d", "aten.atleast_2d", "aten.atleast_3d", "aten.unsafe_split", "aten.unsafe_chunk",
+    "aten.unsafe_split_with_sizes",
 })  # fmt: skip
+
+
+def _operands(node: fx.Node) -> list[fx.Node]:
+    """The nodes among `node`'s arguments after the first and its keyword arguments, with repeats
+    (`add_(v, v)` reads v as well as writing it)."""
+    found: list[fx.Node] = []
+    fx.node.map_arg((node.args[1:], node.kwargs), lambda n: found.append(n) or n)
+    return found
+
+
+def _may_alias(node: fx.Node) -> bool:
+    """Whether `node`'s result may share storage with an input: an ATen op whose schema gives a return
+    an alias of an argument (`Tensor(a) self -> Tensor(a)`: every view, `reshape`, `contiguous`, `to`,
+    the splits), or a call of anything but an ATen op or `getitem` (a higher-order op's subgraph)."""
+    if node.op != "call_function" or node.target is operator.getitem:
+        return False
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return True
+    schema = node.target._schema
+    return op_name(node.target) in _UNANNOTATED_VIEWS or any(r.alias_info is not None for r in schema.returns)
 
 
 def op_name(target: object) -> str:
@@ -103,7 +122,7 @@ def _writes(fresh: fx.Node, order: dict[fx.Node, int]) -> tuple[list[_Write], li
         for user in alias.users:
             name = op_name(user.target) if user.op == "call_function" else ""
             into = bool(user.args) and user.args[0] is alias
-            if into and any(a is alias for a in user.args[1:]):  # t.add_(t): reads what it writes
+            if into and alias in _operands(user):  # t.add_(t): reads what it writes
                 return None
             whole_copy = name == "aten.copy_" and len(user.args) == 2 and not user.kwargs
             if into and (_functional_target(user) is not None or whole_copy):
@@ -124,21 +143,21 @@ def _writes(fresh: fx.Node, order: dict[fx.Node, int]) -> tuple[list[_Write], li
                 if last is not None and last.args[0] is chain[-1] and (copies or _functional_target(last)):
                     if last.users or (copies and (len(last.args) > 2 or last.kwargs)):  # used, non_blocking
                         return None
+                    if any(v in _operands(last) for v in (*chain, alias)):
+                        return None  # `v += v`: reads what it writes
                     writes.append(_Write(last, chain))
                     continue
-            elsewhere = any(a is alias for a in user.args[1:]) or any(
-                v is alias for v in user.kwargs.values()
-            )
+            elsewhere = alias in _operands(user)
             if (into or elsewhere) and name.endswith("_"):  # an in-place op we do not map
                 return None
-            if elsewhere and name in _VIEWS:
+            if elsewhere and _may_alias(user):
                 return None
             reads.append(user)
     if not writes:
         return None
     last_write = max(order[w.node] for w in writes)
     # a view read before the last write sees the later writes too
-    if any(op_name(r.target) in _VIEWS and order[r] < last_write for r in reads if r.op == "call_function"):
+    if any(_may_alias(r) and order[r] < last_write for r in reads):
         return None
     return sorted(writes, key=lambda w: order[w.node]), reads
 
@@ -204,14 +223,35 @@ def _source_as(
     return src
 
 
+def _writes_in_place(node: fx.Node) -> bool:
+    """An ATen op whose schema says it writes an argument (`add_`, `copy_`, `index_put_`, `out=`)."""
+    return isinstance(node.target, torch._ops.OpOverload) and any(
+        a.alias_info is not None and a.alias_info.is_write for a in node.target._schema.arguments
+    )
+
+
+def _out_of_place(graph: fx.Graph, write: fx.Node, current: fx.Node) -> fx.Node:
+    """`write`'s out-of-place twin on `current` with all its arguments (keywords too: `alpha=`,
+    `rounding_mode=`), cast back to `current`'s dtype as the in-place op keeps its destination's (an
+    fp32 operand added into a bf16 tensor, an int64 into an int8 counter)."""
+    dtype = current.meta["val"].dtype
+    out = _add(graph, _functional_target(write), (current, *write.args[1:]), write, dict(write.kwargs))
+    if out.meta["val"].dtype != dtype:
+        out = _add(graph, aten._to_copy.default, (out,), write, {"dtype": dtype})
+    return out
+
+
 def _rewrite(
     graph: fx.Graph, fresh: fx.Node, writes: list[_Write], reads: list[fx.Node], order: dict[fx.Node, int]
 ) -> None:
     """Replace the writes into `fresh` by values and every read by the value current at its place."""
+    written = {w.node for w in writes} | {v for w in writes for v in w.chain}
     val = fresh.meta["val"]
     last = writes[-1].node
-    cat = _as_cat(fresh, writes) if all(order[r] > order[last] for r in reads) else None
-    if cat is not None:
+    between = list(graph.nodes)[order[writes[0].node] : order[last]]
+    quiet = not any(n.op == "call_function" and _writes_in_place(n) for n in between if n not in written)
+    cat = _as_cat(fresh, writes) if quiet and all(order[r] > order[last] for r in reads) else None
+    if cat is not None:  # the sources are read at the last write: nothing between writes in place
         dim, ordered = cat
         with graph.inserting_before(last.next):
             parts = [
@@ -224,10 +264,15 @@ def _rewrite(
         current = fresh
         for w in writes:  # nodes made before the next node keep the order they are made in
             with graph.inserting_before(w.node.next):
-                if not w.chain and op_name(w.node.target) == "aten.copy_":  # t.copy_(src): src, as t holds it
-                    current = _source_as(graph, w.node.args[1], val.shape, val.dtype, w.node)
+                if not w.chain and op_name(w.node.target) == "aten.copy_":
+                    # t.copy_(src): a new contiguous tensor holding src as t holds it (not src itself,
+                    # which may be written later or be a transposed or broadcast view)
+                    held = _source_as(graph, w.node.args[1], val.shape, val.dtype, w.node)
+                    current = _add(
+                        graph, aten.clone.default, (held,), w.node, {"memory_format": torch.contiguous_format}
+                    )
                 elif not w.chain:
-                    current = _add(graph, _functional_target(w.node), (current, *w.node.args[1:]), w.node)
+                    current = _out_of_place(graph, w.node, current)
                 else:  # a write into current[view_1][view_2]...: scattered back out, innermost first
                     bases = [current]
                     for view in w.chain:
@@ -237,7 +282,7 @@ def _rewrite(
                             graph, w.node.args[1], bases[-1].meta["val"].shape, val.dtype, w.node
                         )
                     else:  # fill_, add_, ... of the view: the out-of-place op on its current value
-                        inner = _add(graph, _functional_target(w.node), (bases[-1], *w.node.args[1:]), w.node)
+                        inner = _out_of_place(graph, w.node, bases[-1])
                     for view, base in zip(reversed(w.chain), reversed(bases[:-1]), strict=True):
                         inner = _add(
                             graph, _SCATTER[op_name(view.target)], (base, inner, *view.args[1:]), w.node
