@@ -35,11 +35,11 @@ import torch.nn.functional as F
 
 from passes.checkpoint import SafetensorsCheckpoint, checkpoint_files, load_whole, save_checkpoint
 from passes.ladder import apply_ladder, ladder_deviation, ladder_residual_adds
-from passes.rng import dropout_disabled
+from passes.rng import dropout_disabled, dropout_nodes
 from passes.tensor_parallel import read_local_shards
-from planner.errors import InputError
+from planner.errors import InputError, RunError
 from planner.frontend.analysis import analyse
-from planner.frontend.capture import capture, flat_inputs
+from planner.frontend.capture import capture, flat_inputs, flatten_output
 from planner.frontend.modelfile import ModelFile, load_model_file
 from planner.plan import Plan
 from runtime.job import RankReport, RankSetup, ReferenceFiles, RunJob, job_inputs
@@ -82,6 +82,44 @@ def build_unsharded(model_file: ModelFile, seed: int, weights: list[str] | None)
     return model.eval()
 
 
+def check_capture(
+    model: torch.nn.Module, gm: torch.fx.GraphModule, args: tuple, kwargs: dict, dtype: str
+) -> None:
+    """The captured graph computes what the model computes: its outputs beside the eager model's on the
+    same inputs, weights and random state, without autograd, within the dtype's tolerance of each
+    output's scale (`tolerance_for`). The sharded run is checked against the captured graph, so a defect
+    of the capture's rewrites (`planner.frontend.capture`: in-place writes made values, `x @ W.T` made a
+    linear) would pass that check; this one catches it. Skipped for a graph with dropout (the reference
+    runs it with dropout off, which the eager model cannot be told). The buffers and the random state
+    are restored. Raises RunError naming the output and the difference."""
+    if dropout_nodes(gm):
+        return
+    state = torch.get_rng_state()
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        with torch.no_grad():
+            eager = all_outputs(flatten_output(model(*args, **kwargs)))
+        torch.set_rng_state(state)
+        with torch.no_grad():
+            captured = all_outputs(gm(*flat_inputs(args, kwargs)))
+    finally:
+        torch.set_rng_state(state)
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+    for i, (got, want) in enumerate(zip(captured, eager, strict=False)):
+        if not want.is_floating_point() or got.shape != want.shape:
+            continue
+        diff, scale = max_abs_diff(got, want), max_abs(want)
+        if diff > tolerance_for(dtype) * scale:
+            raise RunError(
+                f"the planner's capture of {type(model).__name__} computes other values than the model: output "
+                f"{i} differs by {diff:.3g} (scale {scale:.3g}, {dtype}) on the same inputs and weights. This is "
+                "a defect of the planner's graph capture, not of the model or the plan: please report it with the "
+                "model file; PLANNER_CAPTURE_CACHE=off rules out the capture cache"
+            )
+
+
 def write_reference(job: RunJob, directory: str, made_on: str = "launching process") -> ReferenceFiles:
     """Run the unsharded model once on the whole batch and write its results and weights into
     `directory` (module docstring). Raises InputError for a model without weights or bad weights."""
@@ -93,6 +131,7 @@ def write_reference(job: RunJob, directory: str, made_on: str = "launching proce
     args, kwargs = cast_inputs(*job_inputs(model_file, job, "cpu"), plan.dtype)
     inputs = flat_inputs(args, kwargs)
     gm = capture(model, args, kwargs)
+    check_capture(model, gm, args, kwargs, plan.dtype)
     adds = ladder_residual_adds(analyse(gm), plan.ladder_layers)
     deviation = None
     if adds:

@@ -307,3 +307,21 @@ def test_meta_built_model_runs_from_safetensors_weights(tmp_path) -> None:
     (weights / "part1.safetensors").unlink()
     r = planner("run", str(plan_path), "--model", str(MODELS / "meta_built.py"), "--weights", str(weights))
     assert r.returncode == 2 and "lack" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_capture_that_computes_otherwise_than_the_model_is_caught() -> None:
+    """The sharded run is checked against the captured graph; the captured graph is checked against the
+    eager model (`runtime.reference.check_capture`), so a defect of the capture's own rewrites cannot
+    pass as matching numerics. Here the graph's relu is made a tanh after capture."""
+    from planner.errors import RunError  # noqa: PLC0415
+    from runtime.reference import check_capture  # noqa: PLC0415
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+    x = torch.randn(2, 4)
+    gm = capture(model, (x,))
+    check_capture(model, gm, (x,), {}, "float32")  # as captured: the same values
+    (relu,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.relu.default]
+    relu.target = torch.ops.aten.tanh.default
+    gm.recompile()
+    with pytest.raises(RunError, match="output 0 differs by .* defect of the planner's graph capture"):
+        check_capture(model, gm, (x,), {}, "float32")
