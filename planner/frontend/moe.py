@@ -410,6 +410,17 @@ def not_lowerable(
             for a in others
         )
 
+    # the tokens the experts read, scaled by the routing weights before the first projection (Llama 4's
+    # `hidden_states.repeat(E, 1) * router_scores`): the experts' SwiGLU is not linear in that weight, so
+    # it is not the weights' product with their outputs that the rewrite computes
+    before_firsts = set().union(*(_reach(node_of[g], names, lambda n: n.all_input_nodes) for g in firsts))
+    for name in sorted(before_firsts - gemms, key=list(node_of).index):
+        node = node_of[name]
+        if op_name(node.target) in _PRODUCTS | {"aten.div"} and any(
+            isinstance(a, fx.Node) and a.name in routed and a.meta["val"].is_floating_point()
+            for a in node.args[:2]
+        ):
+            return f"the experts read their tokens scaled by the routing weights ({user_line(node) or name})"
     for name in sorted((after_firsts & before_downs) - gemms, key=list(node_of).index):
         node = node_of[name]
         op = op_name(node.target)
