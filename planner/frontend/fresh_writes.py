@@ -148,7 +148,7 @@ def _writes(fresh: fx.Node, order: dict[fx.Node, int]) -> tuple[list[_Write], li
                     writes.append(_Write(last, chain))
                     continue
             elsewhere = alias in _operands(user)
-            if (into or elsewhere) and name.endswith("_"):  # an in-place op we do not map
+            if (into or elsewhere) and _writes_in_place(user):  # an in-place op we do not map
                 return None
             if elsewhere and _may_alias(user):
                 return None
