@@ -39,12 +39,14 @@ from planner.plan import DataParallel, MeshShape, Plan, Workload
 from planner.solver.costing import (
     CostContext,
     build_layer_graph,
+    expert_activation_bytes,
     expert_comm_time_s,
     expert_gemm_time_s,
     expert_shard_comm_s,
     expert_share,
     expert_split,
     expert_tp_reduce_s,
+    layer_node_times_s,
     moe_rows_sharded,
     moe_sequence_gather_bytes,
     moe_tokens,
@@ -160,12 +162,34 @@ def test_a_decode_step_reads_the_experts_its_tokens_reach() -> None:
     assert local_touched_experts(128, 8, 1000, 8) == 16.0  # all of its 16
     s = _mixtral()
     layer = _moe_layer(s)
+    # EP 2 over 2 ranks (the expert pass runs grouped GEMMs): a token per rank reaches 2 of the rank's 4
+    # experts, 64 per rank all 4; memory-bound, so twice the time, not 64x
+    one = _ctx(s, MeshShape(1, 1, 2), ep=2, kind="decode", batch=2, seq=1, context=1024)
+    many = _ctx(s, MeshShape(1, 1, 2), ep=2, kind="decode", batch=128, seq=1, context=1024)
+    assert expert_share(layer.moe, one).touched == 2.0 and expert_share(layer.moe, many).touched == 4.0
+    ratio = expert_gemm_time_s(layer, many) / expert_gemm_time_s(layer, one)
+    assert 1.8 < ratio < 2.2
+
+
+def test_experts_no_pass_rewrites_are_priced_as_the_model_computes_them() -> None:
+    """EP 1, experts whole: the model's own expert code runs, and is priced node by node. gpt-fast's
+    `w1[expert_indices]` gathers a copy of an expert's weights per token and choice, so a decode step of
+    64 sequences reads 64x the weights one reads (the grouped GEMMs of the expert pass would read each
+    expert once), and a training step keeps those copies for backward."""
+    s = _mixtral()
+    layer = _moe_layer(s)
     one = _ctx(s, MeshShape(1, 1, 1), kind="decode", batch=1, seq=1, context=1024)
     many = _ctx(s, MeshShape(1, 1, 1), kind="decode", batch=64, seq=1, context=1024)
-    assert expert_share(layer.moe, one).touched == 2.0 and expert_share(layer.moe, many).touched == 8.0
-    # memory-bound: one token reads 2 of the 8 experts' weights, 64 tokens all 8 (not 32x the time)
-    ratio = expert_gemm_time_s(layer, many) / expert_gemm_time_s(layer, one)
-    assert 3.0 < ratio < 4.5
+    assert not one.experts_rewritten and expert_gemm_time_s(layer, one) == 0.0
+    experts_one, experts_many = (layer_node_times_s(layer, c)["experts"] for c in (one, many))
+    assert 55 < experts_many / experts_one < 66
+    # training: each token's 2 gathered copies of w1, w3 (I x H) and w2 (H x I) are kept for backward
+    train = _ctx(s, MeshShape(1, 1, 1), batch=1, seq=64)
+    gathered = 64 * 2 * 3 * 14336 * 4096 * 2
+    assert gathered < expert_activation_bytes(layer, train) < 1.05 * gathered
+    # the expert pass's grouped GEMMs keep their rows only
+    split = _ctx(s, MeshShape(1, 1, 2), ep=2, batch=2, seq=64)
+    assert split.experts_rewritten and expert_activation_bytes(layer, split) < gathered / 1000
 
 
 def test_a_pinned_ep_that_cannot_run_is_refused_in_one_line_naming_both_numbers() -> None:

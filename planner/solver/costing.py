@@ -59,6 +59,8 @@ Megatron-Core's default at TP > 1): each expert is a Megatron MLP split over the
 the FLOP at the narrower width, its weights, gradients, optimizer state and I-wide activations are
 divided by tp, and one all-reduce of the tokens x H output over TP per layer (and one of the input
 gradient in training) joins the exchange; expert_tp 1 prices the experts whole on every TP rank.
+Without EP and with the experts whole no pass rewrites them (`CostContext.experts_rewritten`): the
+model's own expert code runs, and its nodes are priced as they are, time and kept activations.
 
 Times are per micro-batch on one rank; a pipelined step of them takes `step_time_s`. Training
 multiplies compute by `TRAIN_COMPUTE_FACTOR` (backward = 2x forward FLOPs) and communication by
@@ -340,6 +342,14 @@ class CostContext:
     def experts_context(self) -> CostContext:
         """This context for the routed experts' parameters (`expert_data_parallel`)."""
         return dataclasses.replace(self, expert_data_parallel=True)
+
+    @property
+    def experts_rewritten(self) -> bool:
+        """The expert-parallel pass rewrites the MoE blocks (`passes.lower`: ep > 1 or experts split over
+        TP), so their experts run as one grouped GEMM per projection on the rows of their share
+        (`expert_gemm_time_s`); otherwise they run as the model's graph computes them and are priced
+        node by node (`layer_node_times_s`, `graph_expert_activation_bytes`)."""
+        return self.ep > 1 or self.expert_tp > 1
 
     @property
     def expert_tp(self) -> int:
@@ -1248,9 +1258,15 @@ def layer_node_times_s(layer: Layer, ctx: CostContext) -> dict[str, float] | Non
     launch = ctx.op_time(0.0, 0.0, "memory")
     out = {"attention": 0.0, "cross": 0.0, "mlp": 0.0, "stream": 0.0, "experts": 0.0}
     priced: set[str] = set()
-    # a mixture of experts' GEMMs, and the gathers of stacked expert weights they read, are priced
-    # by `expert_gemm_time_s` instead: the active compute, whatever the graph's implementation
-    by_formula = set(layer.moe.gemm_nodes + layer.moe.weight_gather_nodes) if layer.moe is not None else set()
+    moe = layer.moe
+    by_formula: set[str] = set()
+    experts_scale = scale
+    if moe is not None and ctx.experts_rewritten:
+        # the expert pass runs the GEMMs grouped on the rows of the rank's share, priced by
+        # `expert_gemm_time_s`; the graph's own GEMMs and weight gathers do not run
+        by_formula = set(moe.gemm_nodes + moe.weight_gather_nodes)
+    elif moe is not None and whole_experts_on_shard(moe, ctx):
+        experts_scale = scale / ctx.mesh.tp  # the graph's experts route this rank's sequence shard
     for name in layer.nodes:
         block, cost = layer.node_blocks.get(name), s.node_costs.get(name)
         if block not in out or cost is None or name in by_formula:
@@ -1258,10 +1274,9 @@ def layer_node_times_s(layer: Layer, ctx: CostContext) -> dict[str, float] | Non
         moved = cost.bytes_read + cost.bytes_written
         if moved > 0:
             kind = cost.kind if cost.kind in compute.OP_KINDS else "memory"
-            call = rank_call(cost, s.batch_size * scale)
-            out[block] += (
-                ctx.op_time(cost.flops * scale, moved * scale * byte_scale, kind, call=call) - launch
-            )
+            k = experts_scale if block == "experts" else scale
+            call = rank_call(cost, s.batch_size * k)
+            out[block] += ctx.op_time(cost.flops * k, moved * k * byte_scale, kind, call=call) - launch
             priced.add(block)
     return {block: t + (launch if block in priced else 0.0) for block, t in out.items()}
 
@@ -1341,11 +1356,13 @@ def expert_gemm_time_s(layer: Layer, ctx: CostContext) -> float:
     Each expert projection is a matmul of the rank's rows (`expert_share`: f k N, or f k N / ep over
     TP) and 2 x rows x in x out FLOP, at the GEMM efficiency of the rows per expert reached (small
     GEMMs run slow), reading the weights of the experts it holds that some row reached (all of them at
-    large N; a few at decode, when the step is bound by memory bandwidth) and its rows in and out. The
-    graph's own way (HF batched_mm gathers a weight copy per token, a ModuleList runs a loop) is not
-    what is priced: what runs is one grouped GEMM per projection (`passes.expert_parallel`)."""
+    large N; a few at decode, when the step is bound by memory bandwidth) and its rows in and out: what
+    the expert pass runs, one grouped GEMM per projection (`passes.expert_parallel`). 0 where the pass
+    leaves the experts as the model wrote them (`CostContext.experts_rewritten` false: ep 1, experts
+    whole): the graph's own GEMMs then run (HF batched_mm's weight copy per token, Llama 4's every
+    expert on every token, a ModuleList's capacity slots) and `layer_node_times_s` prices them."""
     moe = layer.moe
-    if moe is None:
+    if moe is None or not ctx.experts_rewritten:  # the graph's own experts: `layer_node_times_s`
         return 0.0
     share = expert_share(moe, ctx)
     b, etp = ctx.bytes_per_element, ctx.expert_tp
@@ -1477,8 +1494,40 @@ def expert_activation_bytes(layer: Layer, ctx: CostContext) -> float:
     moe = layer.moe
     if moe is None or not ctx.train:
         return 0.0
+    if not ctx.experts_rewritten:
+        return graph_expert_activation_bytes(layer, ctx)
     rows = expert_share(moe, ctx).rows
     return sum(rows * sum(expert_split(w, ctx.expert_tp)) for w in moe.experts) * ctx.bytes_per_element
+
+
+def graph_expert_activation_bytes(layer: Layer, ctx: CostContext) -> float:
+    """Training: bytes the routed experts of a MoE layer keep for backward where they run as the
+    model's graph computes them (`CostContext.experts_rewritten` false): each expert GEMM node's
+    operands and output (`NodeCost` bytes read and written), less the expert parameters it reads
+    directly, which are weights, not activations. A gathered weight copy (HF batched_mm's
+    `gate_up_proj[expert_ids]`, gpt-fast's `w1[expert_indices]`: one expert matrix per token and
+    choice) is an operand autograd keeps, and is counted. Scaled from the captured tokens and dtype to
+    the rank's, as `layer_node_times_s` scales the nodes' times."""
+    moe, s = layer.moe, ctx.structure
+    if moe is None or not s.node_costs:
+        return 0.0
+    scale = ctx.tokens / max(1, s.batch_size * s.seq_len)
+    if whole_experts_on_shard(moe, ctx):
+        scale /= ctx.mesh.tp
+    captured = DTYPE_BYTES[s.dtype]
+    total = 0.0
+    for w in moe.experts:
+        # a stacked weight read by its GEMM itself (no gather by expert ids: Llama 4's bmm over all
+        # experts) is read whole; a ModuleList's linear reads its own expert's matrix
+        direct = (
+            0.0 if moe.weight_gather_nodes else w.params_per_expert * (moe.num_experts if w.stacked else 1)
+        )
+        for name in w.nodes:
+            cost = s.node_costs.get(name)
+            if cost is not None:
+                moved = cost.bytes_read + cost.bytes_written - direct * captured
+                total += max(0.0, moved) * scale
+    return total / captured * ctx.bytes_per_element
 
 
 def expert_grad_weight(ctx: CostContext) -> float:

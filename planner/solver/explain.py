@@ -42,6 +42,7 @@ from planner.solver.costing import (
     gradient_sync_time_s,
     head_split_queries,
     interleaved_chunks,
+    layer_node_times_s,
     stream_conversion_time_s,
 )
 from planner.solver.prediction import PricedAssignment, predict
@@ -710,9 +711,18 @@ def ep_decisions(
         options[name] = min(p.latency_s if fits else math.inf, solved.get(name, math.inf))
         memory[name] = p.peak_memory_bytes
         alt_ctx = alt.ctx
+        if alt_ctx.experts_rewritten:
+            gemms = f"expert GEMMs {expert_gemm_time_s(layer, alt_ctx) * 1e3:.3g} ms"
+        else:  # nothing rewrites them: the model's own expert computation, priced node by node
+            times = layer_node_times_s(layer, alt_ctx)
+            gemms = (
+                f"the experts as the model computes them {times['experts'] * 1e3:.3g} ms"
+                if times is not None
+                else "the experts as the model computes them"
+            )
         notes.append(
-            f"{name}: token exchange {expert_comm_time_s(layer, alt_ctx) * 1e3:.3g} ms, expert GEMMs "
-            f"{expert_gemm_time_s(layer, alt_ctx) * 1e3:.3g} ms per MoE layer and micro-batch, peak "
+            f"{name}: token exchange {expert_comm_time_s(layer, alt_ctx) * 1e3:.3g} ms, {gemms} "
+            f"per MoE layer and micro-batch, peak "
             f"{p.peak_memory_bytes / _GIB:.1f} GiB on this plan"
             + ("" if fits else f" (over the {cap_bytes / _GIB:.1f} GiB usable)")
         )
