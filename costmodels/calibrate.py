@@ -609,6 +609,34 @@ def _copy_bytes_per_s(device: torch.device, nbytes: int) -> float:
     return 2.0 * nbytes / _median_time_s(lambda: dst.copy_(src), device, budget_s=1.0)
 
 
+# an fp32 product of about 0.27 GFLOP (a few ms on one core): long enough that thread start-up does not
+# decide the ratio, short enough for rounds of both thread counts in a fraction of a second
+_SPEEDUP_MATMUL_SIZE = 512
+# intra-op threads that compute a product slower than one thread: the cores they were given are
+# taken (OpenMP threads wait at each barrier for a descheduled peer: 4x slower on the dev VM with
+# another process computing, 2 threads on 2 cores); above 1 on a quiet machine (1.6-1.9x at 2 threads)
+OVERSUBSCRIBED_SPEEDUP = 0.9
+
+
+def _thread_speedup(rounds: int = 9) -> float:
+    """Wall time of an fp32 (512 x 512) @ (512 x 512) product on one intra-op thread over its time on
+    this process's threads (`torch.get_num_threads`), alternated in ``rounds`` rounds, medians. Below
+    `OVERSUBSCRIBED_SPEEDUP` the threads did not get their cores: every threaded figure measured then
+    is too slow, by more than the load average shows (`busy_message`)."""
+    n = _SPEEDUP_MATMUL_SIZE
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    threads = torch.get_num_threads()
+    times: dict[int, list[float]] = {1: [], threads: []}
+    for r in range(rounds + 1):
+        for k in (1, threads) if r % 2 else (threads, 1):
+            with intra_op_threads(k):
+                start = time.perf_counter()
+                torch.mm(a, b)
+                if r:  # the first round warms both up
+                    times[k].append(time.perf_counter() - start)
+    return statistics.median(times[1]) / max(statistics.median(times[threads]), 1e-12)
+
+
 def _launch_overhead_s(device: torch.device, ops: int = 200) -> float:
     x = torch.zeros(1, device=device)
 
@@ -1046,6 +1074,9 @@ def _measure_rank(
         "clock": "thread CPU time" if clock(device) is time.thread_time else "wall time",
         "load_before": os.getloadavg()[0] if hasattr(os, "getloadavg") else -1.0,
     }
+    if device.type == "cpu" and torch.get_num_threads() > 1:
+        dist.barrier()
+        (result["thread_speedup"],) = _reduce([_thread_speedup()], dist.ReduceOp.MIN, device)
     peaks, wall_ratios, half_rows = [], [], {}
     for i, dtype in enumerate(DTYPE_BYTES):
         progress(f"matmul {dtype}", 0.05 + 0.1 * i)
@@ -1297,7 +1328,13 @@ def calibrate(
         f"compute timed in {m['clock']}: matmul median over square and transformer (T x C) @ (C x 4C), "
         f"(C x C), (4C x C) shapes; "
         f"wall / clock while measuring {m['matmul_wall_ratio']:.2f} (slowest rank); "
-        f"1-min load average {m['load_before']:.2f} before, {m['load_after']:.2f} after",
+        f"1-min load average {m['load_before']:.2f} before, {m['load_after']:.2f} after"
+        + (
+            f"; {m['threads_per_process']} threads computed a product {m['thread_speedup']:.2f}x as fast "
+            "as one"
+            if "thread_speedup" in m
+            else ""
+        ),
     ]
     intra = cluster_to_dict(fallback)["links"]["intra_node"]
     overlap = fallback.overlap_efficiency
@@ -1440,7 +1477,10 @@ def calibrate(
     spec = parse_cluster(data, "planner calibrate")
     if probe_roofline is not None and not use_cuda:
         spec = _net_of_roofline(spec, data, m["sized_probe_s"], probe_roofline)
-    busy = busy_message(m["load_before"], m["load_after"], own_processes=nproc)
+    busy = busy_message(
+        m["load_before"], m["load_after"], own_processes=nproc, thread_speedup=m.get("thread_speedup"),
+        threads=m["threads_per_process"],
+    )  # fmt: skip
     if busy:
         warnings.warn(CalibrationWarning(busy), stacklevel=2)
     if progress is not None:
@@ -1544,18 +1584,35 @@ class CalibrationWarning(UserWarning):
 
 
 def busy_message(
-    load_before: float, load_after: float, own_processes: int = 0, cores: int | None = None
+    load_before: float,
+    load_after: float,
+    own_processes: int = 0,
+    cores: int | None = None,
+    thread_speedup: float | None = None,
+    threads: int = 1,
 ) -> str | None:
-    """A warning text when the 1-minute load average exceeded the number of cores before measuring, or
-    after it less the ``own_processes`` calibration processes (they count in it), else None: the
-    calibration processes did not get their cores. Negative loads (unknown) pass."""
+    """A warning text when the calibration processes did not get their cores, else None: the 1-minute
+    load average exceeded the number of cores before measuring, or after it less the ``own_processes``
+    calibration processes (they count in it); or a process's ``threads`` intra-op threads computed a
+    product slower than one thread (``thread_speedup`` below `OVERSUBSCRIBED_SPEEDUP`, `_thread_speedup`),
+    which a load average over a minute can miss. Negative loads (unknown) pass."""
     cores = cores or os.cpu_count() or 1
+    again = (
+        "the measured speeds are likely too low; run `planner calibrate` (or optimize with "
+        "--recalibrate) again on a quieter machine"
+    )
+    if thread_speedup is not None and thread_speedup < OVERSUBSCRIBED_SPEEDUP:
+        return (
+            f"the machine was busy while calibrating: {threads} intra-op threads per process computed a "
+            f"matmul {1 / max(thread_speedup, 1e-9):.1f}x slower than one thread (other processes hold "
+            f"the cores; 1-minute load average {load_before:.1f} before, {load_after:.1f} after, "
+            f"{cores} cores): {again}"
+        )
     if max(load_before, load_after - own_processes) <= cores:
         return None
     return (
         f"the machine was busy while calibrating (1-minute load average {load_before:.1f} before, "
-        f"{load_after:.1f} after, {cores} cores): the measured speeds are likely too low; run "
-        "`planner calibrate` (or optimize with --recalibrate) again on a quieter machine"
+        f"{load_after:.1f} after, {cores} cores): {again}"
     )
 
 
@@ -1569,15 +1626,19 @@ def _machine_identity(nproc: int) -> dict:
     return {"cpu": _cpu_name(), "torch": torch.__version__, "nproc": nproc, "cores": os.cpu_count() or 1}
 
 
-def write_cache_metadata(spec_path: str | os.PathLike, nproc: int, now: float | None = None) -> Path:
+def write_cache_metadata(
+    spec_path: str | os.PathLike, nproc: int, now: float | None = None, busy: bool = False
+) -> Path:
     """Store beside a cached spec when and on what it was measured (``SPEC.meta.json``: UNIX time,
-    CPU model, torch version, process count, cores, load average now); returns its path."""
+    CPU model, torch version, process count, cores, load average now, and whether `calibrate` found
+    the machine busy: `busy_message`); returns its path."""
     meta = Path(f"{spec_path}.meta.json")
     data = {
         "measured_at": time.time() if now is None else now,
         "format": CALIBRATION_FORMAT,
         **_machine_identity(nproc),
         "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "busy": busy,
     }
     write_text_atomic(meta, json.dumps(data, indent=2))
     return meta
@@ -1610,11 +1671,34 @@ def cache_status(
     for key, value in _machine_identity(nproc).items():
         if data.get(key) != value:
             return f"the cached measurement was made with {key} = {data.get(key)!r}, now {value!r}"
+    if data.get("busy") and age_days * 86400 > BUSY_REMEASURE_AFTER_S and quiet_now(nproc):
+        return "the cached measurement was made on a busy machine, and it is quieter now"
     try:
         load_cluster(str(path))
     except SpecError as e:  # edited or truncated since it was written
         return f"the cached measurement cannot be read ({e})"
     return None
+
+
+# a spec measured on a busy machine is measured again by a run this long after it that finds the machine
+# quiet (`quiet_now`): not at once, so that a machine busy on and off (a test suite's workers) is not
+# measured over and over
+BUSY_REMEASURE_AFTER_S = 15 * 60
+
+
+def quiet_now(nproc: int) -> bool:
+    """Whether this machine could be calibrated now without `busy_message`'s warning, as far as a glance
+    tells: the 1-minute load average at most the cores, and (with several cores per process) the
+    threads a calibration process computes with (cores // nproc) faster together than one
+    (`_thread_speedup`, about 0.1 s)."""
+    cores = os.cpu_count() or 1
+    if hasattr(os, "getloadavg") and os.getloadavg()[0] > cores:
+        return False
+    threads = max(1, cores // max(1, nproc))
+    if threads == 1:
+        return True
+    with intra_op_threads(threads):
+        return _thread_speedup() >= OVERSUBSCRIBED_SPEEDUP
 
 
 def _sig(value: float, digits: int = 4) -> float:

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from costmodels.calibrate import ALL_REDUCE_SIZES_BYTES, calibrate, fit_all_reduce, write_cluster_yaml
 from costmodels.cluster import LinkSpec, load_cluster
@@ -165,6 +166,56 @@ def test_busy_message_counts_the_calibration_processes_out() -> None:
     assert busy_message(0.5, 4.5, own_processes=2, cores=2) is not None
     text = busy_message(3.0, 1.0, own_processes=2, cores=2)
     assert text is not None and "3.0 before" in text and "2 cores" in text
+
+
+def test_threads_slower_than_one_mean_a_busy_machine(monkeypatch) -> None:
+    """Two intra-op threads on cores other processes hold wait for each other at every barrier: a
+    product 4x slower than on one thread (the dev VM with another process computing). The load average
+    (1.6 before, 1.7 after less our own process, 2 cores) missed it."""
+    import costmodels.calibrate as cal
+
+    def mm(a, b):  # 1 ms on one thread, 4 ms on two: as measured on the dev VM while busy
+        time.sleep(0.001 if torch.get_num_threads() == 1 else 0.004)
+
+    monkeypatch.setattr(cal.torch, "mm", mm)
+    with cal.intra_op_threads(2):
+        speedup = cal._thread_speedup(rounds=3)
+    assert 0.15 < speedup < 0.5
+    assert cal.busy_message(1.6, 2.7, own_processes=1, cores=2) is None
+    text = cal.busy_message(1.6, 2.7, own_processes=1, cores=2, thread_speedup=speedup, threads=2)
+    assert text is not None and "2 intra-op threads" in text and "slower than one thread" in text
+    assert cal.busy_message(1.6, 2.7, own_processes=1, cores=2, thread_speedup=1.7, threads=2) is None
+
+
+def test_a_calibration_measured_busy_is_measured_again_once_the_machine_is_quiet(
+    tmp_path, monkeypatch
+) -> None:
+    """`resolve_cluster` marks a spec whose calibration warned busy; `cache_status` keeps it while the
+    machine stays busy and for 15 minutes, then asks for a new measurement once it is quiet."""
+    import warnings
+
+    import costmodels.calibrate as cal
+    from planner.cli import workflow
+
+    def busy_calibration(nproc, **kwargs):
+        warnings.warn(cal.CalibrationWarning("the machine was busy while calibrating"), stacklevel=2)
+        return load_cluster("local-cpu", nproc=nproc)
+
+    monkeypatch.setattr(workflow, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(cal, "calibrate", busy_calibration)
+    with pytest.warns(cal.CalibrationWarning, match="busy"):
+        workflow.resolve_cluster(None, 2)
+    spec = tmp_path / "local-nproc2.yaml"
+    assert json.loads(Path(f"{spec}.meta.json").read_text())["busy"] is True
+    now = time.time()
+    monkeypatch.setattr(cal, "quiet_now", lambda nproc: True)
+    assert cal.cache_status(spec, 2, now=now + 60) is None  # within 15 minutes: kept
+    assert "busy machine" in cal.cache_status(spec, 2, now=now + 16 * 60)
+    monkeypatch.setattr(cal, "quiet_now", lambda nproc: False)  # still busy: kept
+    assert cal.cache_status(spec, 2, now=now + 16 * 60) is None
+    cal.write_cache_metadata(spec, 2, now=now)  # a quiet measurement is kept for its week
+    monkeypatch.setattr(cal, "quiet_now", lambda nproc: True)
+    assert cal.cache_status(spec, 2, now=now + 16 * 60) is None
 
 
 def test_cache_status_remeasures_when_stale_or_on_another_machine(tmp_path: Path) -> None:

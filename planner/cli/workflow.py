@@ -12,6 +12,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -415,7 +416,13 @@ def resolve_cluster(
     stale (`costmodels.calibrate.cache_status`: older than a week, another CPU, torch version or
     process count). ``notify(text)`` is told why it measures. Raises InputError (SpecError) for a
     bad name or file."""
-    from costmodels.calibrate import cache_status, calibrate, write_cache_metadata, write_cluster_yaml  # noqa: PLC0415
+    from costmodels.calibrate import (  # noqa: PLC0415
+        CalibrationWarning,
+        cache_status,
+        calibrate,
+        write_cache_metadata,
+        write_cluster_yaml,
+    )
 
     if name_or_path:
         spec = load_cluster(name_or_path, nproc=nproc)
@@ -448,9 +455,15 @@ def resolve_cluster(
                 notify(
                     f"measuring this machine with {measured} processes (planner calibrate, 30-40 s; {why}); cached in {cached}"
                 )
-            spec = calibrate(measured, progress=progress, probe_roofline=probe_roofline)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                spec = calibrate(measured, progress=progress, probe_roofline=probe_roofline)
+            for w in caught:  # shown as they would have been
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            # measured on a busy machine: used now, and measured again once the machine is quieter
+            busy = any(issubclass(w.category, CalibrationWarning) for w in caught)
             write_cluster_yaml(spec, cached)
-            write_cache_metadata(cached, measured)
+            write_cache_metadata(cached, measured, busy=busy)
     # more ranks than cores: the one-process-per-core spec, time-shared (`costmodels.cluster.load_cluster`)
     return load_cluster(str(cached), nproc=nproc if nproc != measured else None)
 
