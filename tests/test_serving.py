@@ -779,3 +779,67 @@ def test_training_a_model_with_a_static_kv_cache_is_refused_before_planning(tmp_
     ) as caught:
         workflow.prepare(str(model), "train", batch_size=2, seq_len=8, context=None)
     assert "Train a version of the model without the cache" in str(caught.value)
+
+
+def _rank_report(tokens, reference, diff=0.0, gap=0.0, rank=0):
+    from runtime.decode import DecodeRankReport  # noqa: PLC0415
+
+    return DecodeRankReport(
+        rank=rank, tp_rank=rank, tokens=tokens, reference_tokens=reference, max_abs_logit_diff=diff,
+        logit_scale=10.0, ttft_samples_s=[1e-3], tpot_samples_s=[1e-3], peak_memory_bytes=1, cache_bytes=1,
+        max_choice_gap=gap,
+    )  # fmt: skip
+
+
+def test_a_greedy_choice_flipped_at_a_near_tie_is_not_a_numerics_failure():
+    """The check runs every step on the reference's tokens: a sharded bf16 run that picks the other of two
+    tokens whose reference logits are one bf16 step apart (0.0039: Gemma 3 and Granite at TP 2, found by
+    a helper) computes what the unsharded model computes; a choice the reference's logits rule out (a gap
+    beyond the tolerance), logits beyond it, or ranks that disagree, do not."""
+    import torch  # noqa: PLC0415
+
+    from runtime.decode import choice_gap, summarise_decode  # noqa: PLC0415
+
+    want = torch.tensor([[5, 7, 2]])
+    logits = [torch.zeros(1, 8) for _ in range(3)]
+    logits[1][0, 7], logits[1][0, 3] = 4.0, 3.9961  # a near-tie at step 1
+    logits[2][0, 2], logits[2][0, 3] = 4.0, 3.0  # a clear choice at step 2
+    assert choice_gap(want, want, logits) == 0.0
+    assert choice_gap(torch.tensor([[5, 3, 2]]), want, logits) == pytest.approx(0.0039, abs=1e-4)
+    assert choice_gap(torch.tensor([[5, 3, 3]]), want, logits) == pytest.approx(1.0)
+
+    def numerics(*reports):
+        return summarise_decode(list(reports), "bf16", 1, 3)["numerics"]
+
+    tie = numerics(*(_rank_report([[5, 3, 2]], [[5, 7, 2]], diff=0.01, gap=0.0039, rank=r) for r in (0, 1)))
+    assert tie["ok"] and tie["tokens_differ"] == 1 and not tie["tokens_identical"]
+    assert not numerics(_rank_report([[5, 3, 3]], [[5, 7, 2]], diff=0.01, gap=1.0))["ok"]  # tolerance 0.3
+    assert not numerics(_rank_report([[5, 7, 2]], [[5, 7, 2]], diff=0.5))["ok"]  # logits beyond it
+    assert not numerics(
+        _rank_report([[5, 3, 2]], [[5, 7, 2]], diff=0.01, gap=0.0039),
+        _rank_report([[5, 7, 2]], [[5, 7, 2]], diff=0.01, rank=1),
+    )["ok"]  # the ranks chose differently
+
+
+def test_generate_can_read_the_reference_tokens_instead_of_its_own():
+    """Teacher forcing: each decode step reads the given token, and returns its own argmax."""
+    import torch  # noqa: PLC0415
+
+    from planner.frontend.modelfile import load_model_file  # noqa: PLC0415
+    from runtime.decode import Request  # noqa: PLC0415
+
+    request = Request(load_model_file(ROOT / "examples" / "llama3_kv.py"), 1, 2, 3, 5)
+    seen = []
+
+    def graph(tokens, pos):  # logits that pick token 1 after 0 and 0 after anything else
+        seen.append(int(tokens.reshape(-1)[-1]))
+        out = torch.zeros(1, tokens.shape[1], 4)
+        out[..., 0 if seen[-1] else 1] = 1.0
+        return (out,)
+
+    prompt = torch.tensor([[3, 0]])
+    free = request.generate(graph, graph, prompt, "cpu")
+    assert free.tokens.tolist() == [[1, 0, 1]] and seen == [0, 1, 0]
+    seen.clear()
+    forced = request.generate(graph, graph, prompt, "cpu", forced=torch.tensor([[2, 2, 2]]))
+    assert seen == [0, 2, 2] and forced.tokens.tolist() == [[1, 0, 0]]

@@ -613,10 +613,18 @@ def render_serving_run(console: Console, report: dict[str, Any]) -> None:
         f"to back as a serving loop runs them, warm-up excluded), p10 {fmt_s(m['latency_p10_s'])}, p90 {fmt_s(m['latency_p90_s'])}; KV cache "
         f"{fmt_bytes(m['cache_bytes_per_rank'])}/rank"
     )
-    same = "identical to" if n["tokens_identical"] else f"[red]{n['tokens_differ']} differ from[/red]"
+    if n["tokens_identical"]:
+        same = "identical to the unsharded model's"
+    elif n["ok"]:  # choices flipped at near-ties, within the tolerance in the reference's own logits
+        same = (
+            f"{n['tokens_differ']} differ from the unsharded model's, each at a near-tie (its two tokens' "
+            f"logits {n['max_choice_gap']:.3g} apart at most in the reference)"
+        )
+    else:
+        same = f"[red]{n['tokens_differ']} differ from[/red] the unsharded model's"
     console.print(
-        f"numerics: greedy tokens {same} the unsharded model's; max |logit diff| {n['max_abs_diff']:.3g} "
-        f"(tolerance {n['logit_tolerance']:.3g}, logit scale {n['output_scale']:.3g})"
+        f"numerics (every step on the unsharded model's tokens): greedy tokens {same}; max |logit diff| "
+        f"{n['max_abs_diff']:.3g} (tolerance {n['logit_tolerance']:.3g}, logit scale {n['output_scale']:.3g})"
     )
     if n.get("ladder_deviation") is not None:
         console.print(

@@ -1388,9 +1388,15 @@ def run_serving(
     n = run["numerics"]
     if not n["ok"]:
         raise RunError(
-            f"the sharded model does not match the unsharded one: {n['tokens_differ']} greedy tokens differ, "
-            f"max |logit diff| {n['max_abs_diff']:.3g} (tolerance {n['logit_tolerance']:.3g}); "
-            f"tokens {n['tokens']} vs reference {n['reference_tokens']}",
+            f"the sharded model does not match the unsharded one (every step on the unsharded model's "
+            f"tokens): max |logit diff| {n['max_abs_diff']:.3g} (tolerance {n['logit_tolerance']:.3g}); "
+            f"{n['tokens_differ']} greedy tokens differ"
+            + (
+                f", the largest {n['max_choice_gap']:.3g} apart in the reference's logits"
+                if n["tokens_differ"]
+                else ""
+            )
+            + f"; tokens {n['tokens']} vs reference {n['reference_tokens']}",
             run=run,
         )
     return run
