@@ -60,6 +60,7 @@ from runtime.measure import PROBE_SHARE, Timing, current_memory_bytes, process_p
 from runtime.mesh import build_rank_groups
 from runtime.numerics import all_outputs
 from runtime.reference import WEIGHTS_HELP, shared_reference
+from runtime.routing import RoutingTape, routing_tape, topk_nodes
 from runtime.run_mode import cast_inputs, check_dtype_runs, expert_load_notes_of, set_run_mode
 
 # max |sharded - unsharded| logits, relative to the logits' scale, that still counts as equal: a few
@@ -116,6 +117,12 @@ class DecodeRankReport:
     # where this rank chose another token than the reference: the largest gap, in the reference's
     # logits, between the two (`choice_gap`; 0 when every choice agreed)
     max_choice_gap: float = 0.0
+    # expert routing replayed from the reference (`runtime.routing.RoutingTape`): the (token) rows whose
+    # own top-k differed, the largest score gap between the two choices, the scores' largest magnitude
+    routing_calls: int = 0  # top-k calls replayed (every MoE layer's, prefill and each decode step)
+    routing_flipped: int = 0
+    routing_max_gap: float = 0.0
+    routing_scale: float = 0.0
     ladder_logit_deviation: float | None = None  # relative L2, prefill logits, laddered vs original
     ladder_tokens_differ: int | None = None  # greedy tokens that ladder residual changed
     standard_tpot_samples_s: list[float] = field(default_factory=list)  # ladder plans: without ladder
@@ -360,18 +367,25 @@ def write_decode_reference(
     share_state(prefill, decode)
     ladder = list(plan.ladder_layers)
     deviation = differ = None
+    # the experts each router chose, in call order, for the ranks to replay (`runtime.routing`)
+    tape = RoutingTape()
+    routers = [(prefill, topk_nodes(structure_p)), (decode, topk_nodes(structure_d))]
     if ladder:
         lad_p, lad_d = _laddered(prefill, structure_p, ladder), _laddered(decode, structure_d, ladder)
         share_state(lad_p, lad_d)
         original = request.generate(prefill, decode, prompt, "cpu")
-        reference = request.generate(lad_p, lad_d, prompt, "cpu")
+        with routing_tape([(lad_p, routers[0][1]), (lad_d, routers[1][1])], tape):
+            reference = request.generate(lad_p, lad_d, prompt, "cpu")
         deviation = ladder_deviation(original.logits[0], reference.logits[0])
         differ = int((original.tokens != reference.tokens).sum())
     else:
-        reference = request.generate(prefill, decode, prompt, "cpu")
+        with routing_tape(routers, tape):
+            reference = request.generate(prefill, decode, prompt, "cpu")
     results = os.path.join(directory, "results.safetensors")
+    routing = {f"routing.{i}": ids for i, ids in enumerate(tape.choices)}
     save_checkpoint(
-        {"prompt": prompt, "tokens": reference.tokens, "logits": torch.stack(reference.logits)}, results
+        {"prompt": prompt, "tokens": reference.tokens, "logits": torch.stack(reference.logits), **routing},
+        results,
     )
     return DecodeReference(directory, weights, results, deviation, differ, made_on)
 
@@ -481,16 +495,22 @@ def _serve_rank(
     model = set_run_mode(build_for(model_file, request.prefill, "meta"), plan.dtype, training=False)
     prefill_meta, decode_meta = _captured(model, request, "meta")
     structures = (analyse(prefill_meta), analyse(decode_meta))
+    tape = RoutingTape(replay=True)
     with SafetensorsCheckpoint([ref.results]) as results:
         prompt = results.read("prompt").to(device)
         want_tokens = results.read("tokens")
         want_logits = list(results.read("logits").unbind(0))
+        while f"routing.{len(tape.choices)}" in results:
+            tape.choices.append(results.read(f"routing.{len(tape.choices)}"))
 
     # this rank's graphs: the one lowering, weights and caches shared between the two phases
     gp, gd = _rank_graphs(prefill_meta, decode_meta, structures, plan, ctx, groups.tp_rank, ref.weights)
     # every step on the reference's tokens: a greedy choice flipped at a near-tie (bf16 rounding of
     # another summation order) would otherwise make the sequences, and every later logit, differ
-    got = request.generate(gp, gd, prompt, device, forced=want_tokens)
+    # and every router choosing the experts the reference chose (`runtime.routing`): a bf16 top-k
+    # flipped at a near-tie would otherwise route a token to other experts
+    with routing_tape([(gp, topk_nodes(structures[0])), (gd, topk_nodes(structures[1]))], tape):
+        got = request.generate(gp, gd, prompt, device, forced=want_tokens)
     # the process's real peak: this rank's shards, its caches, activations (the whole model is never built here
     # unless this rank made the reference itself: `ref.made_on`)
     peak = process_peak_memory_bytes(ctx.device)
@@ -531,6 +551,10 @@ def _serve_rank(
         max_abs_logit_diff=diff,
         logit_scale=scale,
         max_choice_gap=gap,
+        routing_calls=tape.position,
+        routing_flipped=tape.flipped,
+        routing_max_gap=tape.max_gap,
+        routing_scale=tape.scale,
         ttft_samples_s=timers["plan"].samples["ttft"],
         tpot_samples_s=timers["plan"].samples["tpot"],
         peak_memory_bytes=peak,
@@ -588,7 +612,9 @@ def summarise_decode(reports: list[DecodeRankReport], dtype: str, batch_size: in
     (new_tokens - 1) x TPOT). Numerics, every step run on the reference's tokens (teacher forcing): the
     logits agree with the unsharded model's within LOGIT_TOLERANCE[dtype] x scale, every rank chose the
     same tokens, and a choice other than the reference's is a near-tie: the reference's own logits of
-    the two within that tolerance (`ok`; bf16 rounding of another summation order flips such ties)."""
+    the two within that tolerance (`ok`; bf16 rounding of another summation order flips such ties).
+    Routers replay the reference's expert choices (`runtime.routing`); one this run would have made
+    otherwise must be a near-tie of its own scores (within the same relative tolerance of their scale)."""
 
     def median(xs: list[float]) -> float:
         return statistics.median(xs) if xs else 0.0
@@ -606,6 +632,9 @@ def summarise_decode(reports: list[DecodeRankReport], dtype: str, batch_size: in
     tolerance = LOGIT_TOLERANCE.get(dtype, 1e-4) * max(scale, 1.0)
     gap = max(r.max_choice_gap for r in reports)
     first = reports[0]
+    # replayed expert choices this run would have made otherwise: near-ties of its own scores only
+    routing_gap = max(r.routing_max_gap for r in reports)
+    routing_tolerance = LOGIT_TOLERANCE.get(dtype, 1e-4) * max(max(r.routing_scale for r in reports), 1.0)
     return {
         "measured": {
             "latency_s": tpot_s,
@@ -643,7 +672,14 @@ def summarise_decode(reports: list[DecodeRankReport], dtype: str, batch_size: in
             "ladder_deviation": first.ladder_logit_deviation,
             "ladder_tokens_differ": first.ladder_tokens_differ,
             "max_choice_gap": gap,
-            "ok": agree and diff <= tolerance and (same or gap <= tolerance),
+            "routing_calls": max(r.routing_calls for r in reports),
+            "routing_flipped": max(r.routing_flipped for r in reports),
+            "routing_max_gap": routing_gap,
+            "routing_tolerance": routing_tolerance,
+            "ok": agree
+            and diff <= tolerance
+            and (same or gap <= tolerance)
+            and routing_gap <= routing_tolerance,
         },
         # every rank's own report, its samples and tokens left out (in `measured` and `numerics` above)
         "ranks": [

@@ -626,6 +626,12 @@ def render_serving_run(console: Console, report: dict[str, Any]) -> None:
         f"numerics (every step on the unsharded model's tokens): greedy tokens {same}; max |logit diff| "
         f"{n['max_abs_diff']:.3g} (tolerance {n['logit_tolerance']:.3g}, logit scale {n['output_scale']:.3g})"
     )
+    if n.get("routing_flipped"):
+        console.print(
+            f"expert routing: every router took the unsharded model's choices; {n['routing_flipped']} token(s) "
+            f"would have chosen other experts here, at scores {n['routing_max_gap']:.3g} apart at most "
+            f"(tolerance {n['routing_tolerance']:.3g}: near-ties that rounding in another summation order flips)"
+        )
     if n.get("ladder_deviation") is not None:
         console.print(
             f"ladder residual vs the original model: prefill logits moved {n['ladder_deviation']:.3g} (relative L2), "

@@ -1,0 +1,119 @@
+"""Expert routing recorded in the unsharded reference and replayed in a sharded run's numerics check.
+
+A mixture-of-experts router picks each token's experts by a top-k over its scores. Two runs that
+compute those scores in another summation order (a row-parallel all-reduce, the expert pass's grouped
+GEMMs) round them differently, and in bf16 a token whose k-th and (k+1)-th scores are within a rounding
+step of each other may pick another expert: its output, and through attention every later token's,
+then differs by far more than rounding, although both runs computed the model correctly. A serving
+check compares logits, so it would fail correct rewrites (OLMoE at TP 2 in bf16: 0.056 against a
+tolerance of 0.03).
+
+So the check replays the reference's choices: every router's top-k node (`MoE.topk_node`) is swapped,
+for the check only, for `taped_topk`, which records each call's expert ids in the reference and, in the
+sharded run, returns the recorded ids with this run's own scores at them (the routing weights stay this
+run's computation, so a router the rewrite got wrong still shows in the logits). Each replayed choice
+this run would have made otherwise is counted, with the score gap between its own choice and the
+replayed one (`RoutingTape.flipped`, `max_gap`): a near-tie is a legitimate flip, a wide gap is not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+__all__ = ["RoutingTape", "routing_tape", "taped_topk", "topk_nodes"]
+
+
+@dataclass
+class RoutingTape:
+    """The expert ids of every top-k call of a request, in call order (`choices`: (tokens, k) int64 each).
+
+    replay False: calls append their ids; True: calls read them back in order, and count the rows whose
+    own top-k (as a set) differed (`flipped`) and the largest score gap between the own choice's lowest
+    score and the replayed one's (`max_gap`, in the scores' units), next to the scores' scale (`scale`,
+    their largest magnitude)."""
+
+    choices: list[torch.Tensor] = field(default_factory=list)
+    replay: bool = False
+    position: int = 0
+    flipped: int = 0
+    max_gap: float = 0.0
+    scale: float = 0.0
+
+
+_ACTIVE: RoutingTape | None = None
+
+
+def taped_topk(
+    scores: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`aten.topk` with the active `RoutingTape` (`routing_tape`): recorded, or replayed as (this run's
+    scores at the recorded ids, the recorded ids); plain top-k with none. Raises RuntimeError when a
+    replayed call finds no recorded choice or one of another shape (the two runs called other routers)."""
+    values, indices = torch.ops.aten.topk.default(scores, k, dim, largest, sorted)
+    tape = _ACTIVE
+    if tape is None:
+        return values, indices
+    if not tape.replay:
+        tape.choices.append(indices.detach().cpu().clone())
+        return values, indices
+    if tape.position >= len(tape.choices):
+        raise RuntimeError(
+            f"expert routing replay: top-k call {tape.position + 1} of this run has no recorded choice "
+            f"(the reference made {len(tape.choices)})"
+        )
+    want = tape.choices[tape.position].to(indices.device)
+    tape.position += 1
+    if want.shape != indices.shape:
+        raise RuntimeError(
+            f"expert routing replay: top-k call {tape.position} chose {tuple(indices.shape)} ids, the "
+            f"reference {tuple(want.shape)}"
+        )
+    chosen = scores.gather(dim, want)
+    own, ref = indices.sort(dim).values, want.sort(dim).values
+    rows = (own != ref).any(dim)
+    if bool(rows.any()):
+        sign = 1.0 if largest else -1.0
+        # how much better this run scored its own worst choice than the replayed choice it dropped
+        gap = sign * (values.amin(dim) if largest else values.amax(dim))
+        gap = gap - sign * (chosen.amin(dim) if largest else chosen.amax(dim))
+        tape.flipped += int(rows.sum())
+        tape.max_gap = max(tape.max_gap, float(gap[rows].float().max()))
+    tape.scale = max(tape.scale, float(scores.detach().abs().max()))
+    return chosen, want
+
+
+def topk_nodes(structure: object) -> list[str]:
+    """The names of the top-k nodes that choose experts in a graph's analysis (`MoE.topk_node` of each
+    MoE layer of a `ModelStructure`)."""
+    return [layer.moe.topk_node for layer in structure.layers if layer.moe is not None]
+
+
+@contextlib.contextmanager
+def routing_tape(
+    graphs: Sequence[tuple[fx.GraphModule, list[str]]], tape: RoutingTape
+) -> Iterator[RoutingTape]:
+    """Inside the block, the top-k nodes named for each graph call `taped_topk` with ``tape`` active;
+    restored after. Names no node of a graph holds (a lowering that removed the router) are skipped."""
+    global _ACTIVE
+    swapped: list[tuple[fx.GraphModule, fx.Node, object]] = []
+    try:
+        for gm, names in graphs:
+            wanted = set(names)
+            for node in gm.graph.nodes:
+                if node.op == "call_function" and node.name in wanted:
+                    swapped.append((gm, node, node.target))
+                    node.target = taped_topk
+            gm.recompile()
+        _ACTIVE = tape
+        yield tape
+    finally:
+        _ACTIVE = None
+        for _gm, node, target in swapped:
+            node.target = target
+        for gm in {id(g): g for g, _ in graphs}.values():
+            gm.recompile()
