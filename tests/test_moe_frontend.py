@@ -419,3 +419,24 @@ def test_experts_reading_tokens_scaled_by_the_routing_weights_are_not_lowered():
     structure = analyse(capture(model, hf_llama4.example_inputs(), hf_llama4.example_kwargs()))
     reasons = [layer.moe.not_lowerable for layer in structure.layers if layer.moe is not None]
     assert len(reasons) == 2 and all("scaled by the routing weights" in r for r in reasons), reasons
+
+
+def test_a_router_that_picks_experts_without_a_top_k_is_named_and_kept_a_router():
+    """PhiMoE's sparsemixer chooses two experts by max and masking: the block is not recognised as a
+    mixture of experts. The planner said nothing, split the router column-wise as an MLP's `up`, and
+    refused `--ep 2` with "the model has no mixture-of-experts layer". Now a warning names the block,
+    the router stays a replicated router, and the refusal gives the reason."""
+    from tests.models import hf_phimoe  # noqa: PLC0415
+
+    model = hf_phimoe.build_model().to("meta")
+    with pytest.warns(UserWarning, match="without a top-k") as caught:
+        structure = analyse(capture(model, hf_phimoe.example_inputs(), hf_phimoe.example_kwargs()))
+    assert any("mlp.experts.gate_up_proj" in str(w.message) for w in caught)
+    for layer in structure.layers:
+        assert layer.moe is None and layer.mlp is None and "without a top-k" in layer.experts_unrecognised
+        assert [(p.weight.rsplit(".", 2)[-2], p.role) for p in layer.routers] == [("router", Role.ROUTER)]
+    path = str(Path(hf_phimoe.__file__))
+    out = planner_in_process("optimize", path, "--cluster", "dgx-h100", "--tp", "2", "--ep", "2")
+    assert (
+        out.returncode == 2 and "without a top-k" in out.stderr and "no mixture-of-experts" not in out.stderr
+    )

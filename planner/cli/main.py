@@ -927,9 +927,16 @@ def _warn(lines: list[str]) -> None:
         err_console.print(Text.assemble(("warning: ", "bold yellow"), line), highlight=False)
 
 
+_SHOWN_WARNINGS: set[str] = set()
+
+
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
-    """`warnings.showwarning` for the command line: one "warning: ..." line, no source location."""
-    _warn([str(message)])
+    """`warnings.showwarning` for the command line: one "warning: ..." line, no source location, each
+    text once per process (a serving plan analyses its prefill and decode graphs alike: one warning)."""
+    text = str(message)
+    if text not in _SHOWN_WARNINGS:
+        _SHOWN_WARNINGS.add(text)
+        _warn([text])
 
 
 def _check_runs_here(args: argparse.Namespace, cluster) -> None:
@@ -1367,6 +1374,7 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE (13): stdout closed by its reader
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `planner` console script; returns the process exit code."""
     warnings.showwarning = _show_warning  # spec and calibration warnings as one line each
+    _SHOWN_WARNINGS.clear()  # once per command (tests call main several times in one process)
     try:
         args = build_parser().parse_args(argv)
         handler = {

@@ -66,7 +66,7 @@ from planner.frontend.capture import (
     uncast,
     user_line,
 )
-from planner.frontend.moe import MoE, find_moe
+from planner.frontend.moe import MoE, find_moe, unrecognised_router
 from planner.frontend.roles import ACTIVATION_OPS as _ACTIVATIONS
 from planner.frontend.roles import Adapter, Projection, Role
 
@@ -210,6 +210,8 @@ class Layer:
     # the layer's mixture-of-experts block (`planner.frontend.moe`): router, routed experts (not in
     # `mlp`; their nodes "experts" in `node_blocks`, replicated under TP), shared experts (`mlp`)
     moe: MoE | None = None
+    # why a router's experts were not recognised, the layer then planned dense ("": none such)
+    experts_unrecognised: str = ""
     # frozen parameters (requires_grad=False: a fine-tune's base weights): elements of the layer's
     # that are frozen (held as weights only: no gradient, no optimizer state), and whether a gradient
     # reaches the layer's inputs (a trainable parameter upstream); a layer with neither runs no
@@ -1069,11 +1071,20 @@ def _layer(
     routers = [
         p for p in projs if p not in attention_projs and _routes(node_of[p.node], member_names, projections)
     ]
+    unrecognised = ""
+    if not routers:  # a router that picks experts without a top-k (PhiMoE's sparsemixer)
+        hidden = unrecognised_router(
+            path, members, projections, [p for p in projs if p not in attention_projs], params
+        )
+        if hidden is not None:
+            routers, unrecognised = [hidden[0]], hidden[1]
+            warnings.warn(unrecognised, stacklevel=2)
     for p in routers:
         p.role = Role.ROUTER
     found = find_moe(path, members, projections, routers, params)
     if found.warning:
         warnings.warn(found.warning, stacklevel=2)
+        unrecognised = found.warning
     experts = {p.node for p in found.expert_projections}
     mlp_projs = [p for p in projs if p not in attention_projs and p not in routers and p.node not in experts]
     mlp = _mlp(mlp_projs, members, member_names, projections) if mlp_projs else None
@@ -1105,6 +1116,7 @@ def _layer(
         attention=attention,
         mlp=mlp,
         routers=routers,
+        experts_unrecognised=unrecognised,
         moe=moe,
         nodes=[n.name for n in members],
         input_node=stream.name,

@@ -440,6 +440,50 @@ def not_lowerable(
     return ""
 
 
+def unrecognised_router(
+    layer_path: str,
+    members: list[fx.Node],
+    projections: dict[str, Projection],
+    candidates: list[Projection],
+    params: dict[str, torch.nn.Parameter],
+) -> tuple[Projection, str] | None:
+    """A router the top-k search (`find_moe`'s) cannot see, with the warning that says so: one of
+    ``candidates`` (the layer's projections outside attention) whose E logits reach, through no other
+    projection, the index of a stacked expert parameter (E, a, b) read by ids (HF batched_mm's
+    `gate_up_proj[expert_ids]`, gpt-fast's `w1[expert_indices]`) with no `aten.topk` on the way (PhiMoE's
+    sparsemixer picks its two experts by max and masking). None when no candidate does. The caller keeps
+    it replicated as a router and plans the block dense: expert parallelism and expert TP need the
+    top-k's ids and weights, which the expert pass finds through the top-k."""
+    node_of = {n.name: n for n in members}
+    names = set(node_of)
+    for router in candidates:
+        start = node_of.get(router.node)
+        if start is None:
+            continue
+        reached = _reach(start, names, lambda n: n.users, stop=lambda n: n.name in projections)
+        if any(op_name(node_of[n].target) == "aten.topk" for n in reached):
+            continue
+        for name in sorted(reached, key=list(node_of).index):
+            node = node_of[name]
+            if op_name(node.target) not in ("aten.index", "aten.index_select") or not node.args:
+                continue
+            weight = node.args[0]
+            source = (
+                _stacked_source(weight, params, router.out_features) if isinstance(weight, fx.Node) else None
+            )
+            if source is None:
+                continue
+            block = start.meta.get("module_path", layer_path).rpartition(".")[0] or layer_path
+            return router, (
+                f"{block}: the {router.out_features} experts stacked in {source[0]} are chosen by ids computed "
+                f"from {router.weight}'s logits without a top-k ({user_line(node)} indexes them); the planner "
+                "finds a router by its aten.topk, so the block is planned as a dense model: its router "
+                "replicated, its expert compute priced as the graph has it, no expert parallelism or expert "
+                "TP (write the choice with torch.topk to plan them)"
+            )
+    return None
+
+
 def _unrecognised(block: str, router: Projection, top_k: int, why: str) -> str:
     return (
         f"{block}: a top-{top_k} router ({router.weight}) picks among {router.out_features} experts, but "

@@ -275,6 +275,13 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _no_experts(structure: ModelStructure) -> str:
+    """Why a model has no experts to split: a layer whose router the planner saw but whose experts it
+    did not recognise (`Layer.experts_unrecognised`, its warning's text), or none at all."""
+    why = next((layer.experts_unrecognised for layer in structure.layers if layer.experts_unrecognised), "")
+    return why or "the model has no mixture-of-experts layer to split"
+
+
 def _tp_options(search: _Search, num_devices: int) -> list[int]:
     c, cluster = search.constraints, search.cluster
     heads = search.structure.query_head_counts()
@@ -465,7 +472,7 @@ def _enumerate(search: _Search, progress: Progress = silent) -> None:
             why = experts_not_swiglu(search.structure) or (
                 search.structure.token_capacity[0]
                 if search.structure.token_capacity
-                else "the model has no routed experts"
+                else _no_experts(search.structure)
             )
             raise InputError(
                 f"--expert-tp {c.expert_tp}: the expert pass cannot split this model's experts ({why}); use --expert-tp 1"
@@ -682,7 +689,7 @@ def _check_pinned_ep(search: _Search) -> None:
     if c.ep is None or c.ep == 1:
         return
     if not experts:
-        raise InputError(f"--ep {c.ep}: the model has no mixture-of-experts layer to split; leave --ep out")
+        raise InputError(f"--ep {c.ep}: {_no_experts(search.structure)}; leave --ep out")
     bad = [e for e in experts if e % c.ep]
     if bad:
         fits = ", ".join(str(d) for d in _divisors(bad[0]) if d > 1 and all(e % d == 0 for e in experts))
