@@ -62,9 +62,12 @@ from runtime.reference import (
     compare_outputs,
     compare_update,
     dp_mean,
+    record_routing,
+    routing_replay,
     shared_reference,
     update_snapshot,
 )
+from runtime.routing import TokenRoutingTape, routers_of, routing_by_token
 from runtime.run_mode import (
     dropout_note,
     expert_load_notes_of,
@@ -156,13 +159,17 @@ def _run_sharded_rank(
         + lowering_notes(setup.plan, lowered, setup.training),
     )
     with SafetensorsCheckpoint([reference.outputs]) as want:
+        # the checked step's routers take the reference's expert choices by token (`runtime.routing`)
+        replay = routing_replay(want)
+        routers = routers_of(structure)
         if setup.training:
             parts = [flat_inputs(*call) for call in micro] if micro else [inputs]
             units = [layer.module_path for layer in structure.layers]
-            step = _training_step(gm, parts, setup, reference, want, report, units)
+            step = _training_step(gm, parts, setup, reference, want, report, units, (routers, replay))
         else:
-            with torch.no_grad():
+            with torch.no_grad(), routing_by_token([gm], routers, replay):
                 outs = all_outputs(gm(*inputs))
+            record_routing(report, replay)
             compare_outputs(outs, want, reference, setup, report)
             report.notes += expert_load_notes_of(gm, ctx.rank)
             if job.return_output:
@@ -187,6 +194,7 @@ def _training_step(
     want: SafetensorsCheckpoint,
     report: RankReport,
     units: Sequence[str] = (),
+    routing: tuple[dict[str, str], TokenRoutingTape] | None = None,
 ) -> Callable[[], None]:
     """Check one forward+backward against the unsharded model on the whole batch: every output, the
     MSE loss (averaged over the DP replicas: equal shares, so the whole batch's mean) and every
@@ -202,14 +210,17 @@ def _training_step(
     mean) before one reduction and optimizer step, as the plan priced it; the checked step does the
     same, and the replica's outputs are the micro-batches' joined along their batch dim. The check
     runs with dropout off (as the reference did); the timed steps with dropout on, its RNG seeded
-    per TP rank for shards (`runtime.run_mode`, `passes.rng`)."""
+    per TP rank for shards (`runtime.run_mode`, `passes.rng`). ``routing``: the routers (`routers_of`)
+    and the reference's expert choices, replayed by token in the checked step (`runtime.routing`)."""
     plan, groups = setup.plan, setup.groups
     dp_group = groups.group("dp")
     optimizer = build_plan_optimizer(plan, gm, groups, units)
     m = len(parts)
     # the first output as the passes leave it (TP vocabulary shards, CP tokens): the loss runs on it (`runtime.loss`)
     layout = loss_layout([gm], groups.tp_rank, plan.cp)
-    with dropout_disabled(gm):  # like with like: the reference ran with dropout off too
+    routers, replay = routing if routing is not None else ({}, TokenRoutingTape())
+    # like with like: the reference ran with dropout off too, and its routers chose these experts
+    with dropout_disabled(gm), routing_by_token([gm], routers, replay):
         # each micro-batch's forward, then its backward, as the timed steps run them (so the checked
         # step holds one micro-batch's activations and, FSDP without reshard, its gathered units)
         kept, targets, loss = [], [], None
@@ -235,6 +246,7 @@ def _training_step(
         del kept
         report.notes += expert_load_notes_of(gm, report.rank)
         optimizer.reduce_gradients()
+    record_routing(report, replay)
     mean_loss = dp_mean(loss, plan.dp, dp_group)
     compare_loss(mean_loss, want, report)
     # no output joins into the replica's: the loss stands for them (as in a pipeline)

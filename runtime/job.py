@@ -124,6 +124,14 @@ class RankReport:
     per_layer_s: dict[str, float] = field(
         default_factory=dict
     )  # forward: measured seconds per layer / "ends"
+    # the checked step's routers replayed the reference's expert choices by token (`runtime.routing`):
+    # calls, rows whose own choice differed, the largest score gap of those, the scores' largest
+    # magnitude, rows with no reference token within rounding (kept their own choice)
+    routing_calls: int = 0
+    routing_flipped: int = 0
+    routing_max_gap: float = 0.0
+    routing_scale: float = 0.0
+    routing_unmatched: int = 0
 
 
 @dataclass
@@ -338,6 +346,13 @@ def summarise(reports: list[RankReport]) -> dict[str, Any]:
                 (r.ladder_deviation for r in reports if r.ladder_deviation is not None), None
             ),
             "median_rank_latency_s": statistics.median(r.median_s for r in reports),
+            # expert routing replayed from the reference by token (`runtime.routing`)
+            "routing_calls": sum(r.routing_calls for r in reports),
+            "routing_flipped": sum(r.routing_flipped for r in reports),
+            "routing_unmatched": sum(r.routing_unmatched for r in reports),
+            "routing_max_gap": max((r.routing_max_gap for r in reports), default=0.0),
+            "routing_tolerance": (rel or 0.0)
+            * max(max((r.routing_scale for r in reports), default=0.0), 1.0),
         },
         "ranks": [{k: v for k, v in asdict(r).items() if k != "output"} for r in reports],
     }

@@ -186,6 +186,12 @@ def check_failures(numerics: dict[str, Any]) -> list[str]:
                 + (f" (worst: {where})" if where else "")
                 + f", tolerance {train_rel * scale:.3g} ({train_rel:g} x scale {scale:.3g})"
             )
+    gap, gap_tol = numerics.get("routing_max_gap"), numerics.get("routing_tolerance")
+    if gap and gap_tol is not None and gap > gap_tol:
+        lines.append(
+            f"expert routing: {numerics.get('routing_flipped')} token(s) chose other experts than the unsharded "
+            f"model by router scores up to {gap:.3g} apart, more than a near-tie (tolerance {gap_tol:.3g})"
+        )
     if numerics.get("grads_compared") == 0:
         lines.append("gradients: none compared (no rank's gradients matched a reference gradient by name)")
     update, tol = numerics.get("update_max_abs_diff"), numerics.get("update_tolerance")

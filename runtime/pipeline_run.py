@@ -61,8 +61,11 @@ from runtime.reference import (
     compare_outputs,
     compare_update,
     dp_mean,
+    record_routing,
+    routing_replay,
     update_snapshot,
 )
+from runtime.routing import routers_of, routing_by_token
 from runtime.run_mode import dropout_note, lowering_notes, seed_dropout_rng, set_run_mode
 
 
@@ -117,6 +120,7 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
     params = [p for chunk in chunks for p in chunk.parameters()]
     first, last = lowered.pp_rank == 0, lowered.pp_rank == plan.pp - 1
     want = SafetensorsCheckpoint([reference.outputs])  # the unsharded model on the whole batch
+    replay = routing_replay(want)  # its routers' expert choices by token
     ref_full = want.read("output.0")
     # the first output as the stage computing it holds it (TP vocabulary shards, CP tokens): `runtime.loss`
     out_layout = loss_layout(chunks, lowered.tp_rank, plan.cp)
@@ -180,8 +184,11 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
         with contextlib.ExitStack() as off:  # like with like: the reference ran without dropout too
             for chunk in chunks:
                 off.enter_context(dropout_disabled(chunk))
+            # and its routers chose these experts (`runtime.routing`: replayed by token)
+            off.enter_context(routing_by_token(chunks, routers_of(structure), replay))
             outputs: list = []
             loss = step(outputs)
+        record_routing(report, replay)
         if last:  # every output of the checked step, then the loss (mean over the DP replicas), against the
             # unsharded model's; the loss's output gathered from its shards (a collective over this stage's ranks)
             outs = all_outputs(outputs[0])
@@ -233,7 +240,9 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
             optimizer.step()
 
     else:
-        out = runner.forward(stage_inputs)
+        with routing_by_token(chunks, routers_of(structure), replay):
+            out = runner.forward(stage_inputs)
+        record_routing(report, replay)
         if last:  # every output against this replica's part of the whole-batch reference
             compare_outputs(all_outputs(out), want, reference, setup, report)
             if job.return_output:

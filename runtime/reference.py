@@ -53,6 +53,7 @@ from runtime.numerics import (
     tolerance_for,
     training_target,
 )
+from runtime.routing import TokenRoutingTape, routers_of, routing_by_token
 from runtime.run_mode import cast_inputs, set_run_mode
 
 WEIGHTS_HELP = (
@@ -132,15 +133,24 @@ def write_reference(job: RunJob, directory: str, made_on: str = "launching proce
     inputs = flat_inputs(args, kwargs)
     gm = capture(model, args, kwargs)
     check_capture(model, gm, args, kwargs, plan.dtype)
-    adds = ladder_residual_adds(analyse(gm), plan.ladder_layers)
+    structure = analyse(gm)
+    adds = ladder_residual_adds(structure, plan.ladder_layers)
     deviation = None
     if adds:
         with torch.no_grad(), dropout_disabled(gm):
             original = all_outputs(gm(*inputs))[0]
         apply_ladder(gm, adds)
-    with torch.set_grad_enabled(training), dropout_disabled(gm):
+    # each router's choice of experts by token, for the ranks to replay (`runtime.routing`)
+    tape = TokenRoutingTape()
+    with (
+        routing_by_token([gm], routers_of(structure), tape),
+        torch.set_grad_enabled(training),
+        dropout_disabled(gm),
+    ):
         outs = all_outputs(gm(*inputs))
     results = {f"output.{i}": out.detach() for i, out in enumerate(outs)}
+    for name, (keys, ids) in tape.choices.items():
+        results.update({f"routing.{name}.key": keys, f"routing.{name}.ids": ids})
     for name, out in results.items():
         if out.is_floating_point() and not bool(torch.isfinite(out).all()):
             where = f"the weights in {', '.join(job.weights)}" if job.weights else "its seeded random weights"
@@ -434,3 +444,23 @@ def _named_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return list(module.named_parameters(remove_duplicate=False)) + list(
         module.named_buffers(remove_duplicate=False)
     )
+
+
+def routing_replay(want: SafetensorsCheckpoint) -> TokenRoutingTape:
+    """The reference's expert choices by token (`write_reference`'s "routing.<top-k node>.key / .ids"),
+    as a tape to replay in a rank's checked step (`runtime.routing.routing_by_token`)."""
+    tape = TokenRoutingTape(replay=True)
+    for name in want.keys():
+        if name.startswith("routing.") and name.endswith(".key"):
+            node = name[len("routing.") : -len(".key")]
+            tape.choices[node] = (want.read(name), want.read(f"routing.{node}.ids"))
+    return tape
+
+
+def record_routing(report: RankReport, tape: TokenRoutingTape) -> None:
+    """The replayed routing's counts into a rank's report (`RankReport.routing_*`)."""
+    report.routing_calls += tape.calls
+    report.routing_flipped += tape.flipped
+    report.routing_unmatched += tape.unmatched
+    report.routing_max_gap = max(report.routing_max_gap, tape.max_gap)
+    report.routing_scale = max(report.routing_scale, tape.scale)

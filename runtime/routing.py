@@ -25,7 +25,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-__all__ = ["RoutingTape", "routing_tape", "taped_topk", "topk_nodes"]
+__all__ = [
+    "RoutingTape",
+    "TokenRoutingTape",
+    "keyed_topk",
+    "routers_of",
+    "routing_by_token",
+    "routing_tape",
+    "taped_topk",
+    "topk_nodes",
+]
 
 
 @dataclass
@@ -116,4 +125,131 @@ def routing_tape(
         for _gm, node, target in swapped:
             node.target = target
         for gm in {id(g): g for g, _ in graphs}.values():
+            gm.recompile()
+
+
+# --------------------------------------------------------------------------- by token (training runs)
+#
+# A training run's ranks route other rows than the reference (a data-parallel share of the batch, a
+# micro-batch, a sequence or context shard, recomputation calling a router twice), so the choices are
+# not replayed in call order but by token: the reference records, per router, each row's input to the
+# router (the token's hidden state, distinct per token) with its expert ids, and a rank gives each of
+# its rows the ids of the reference row whose router input is nearest, where that one is within
+# rounding (`MATCH_RELATIVE` of its norm); a row with no such match keeps its own choice.
+
+MATCH_RELATIVE = 0.05  # bf16 rounding of another summation order moves a hidden state ~1e-2 of its norm
+
+
+@dataclass
+class TokenRoutingTape:
+    """Per router top-k node name: the reference's router inputs (N, H) and expert ids (N, k)
+    (`choices`), recorded (replay False) or replayed by token; with the counts of `RoutingTape`, and
+    the rows that found no reference token within `MATCH_RELATIVE` (`unmatched`)."""
+
+    choices: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    replay: bool = False
+    calls: int = 0
+    flipped: int = 0
+    max_gap: float = 0.0
+    scale: float = 0.0
+    unmatched: int = 0
+
+
+_TOKEN_TAPE: TokenRoutingTape | None = None
+
+
+def _nearest(
+    keys: torch.Tensor, reference: torch.Tensor, chunk: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index of the nearest reference row, its distance) for each row of ``keys``, L2, in chunks."""
+    index, dist = [], []
+    for start in range(0, keys.shape[0], chunk):
+        d = torch.cdist(keys[start : start + chunk], reference)
+        best = d.min(dim=1)
+        index.append(best.indices)
+        dist.append(best.values)
+    return torch.cat(index), torch.cat(dist)
+
+
+def keyed_topk(
+    scores: torch.Tensor,
+    k: int,
+    dim: int = -1,
+    largest: bool = True,
+    sorted: bool = True,
+    *,
+    key: torch.Tensor,
+    name: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`aten.topk` of a router named ``name`` whose rows' router inputs are ``key`` (rows, H), with the
+    active `TokenRoutingTape` (`routing_by_token`): recorded, or replayed by token; plain with none."""
+    values, indices = torch.ops.aten.topk.default(scores, k, dim, largest, sorted)
+    tape = _TOKEN_TAPE
+    if tape is None or scores.dim() != 2 or key.dim() != 2 or key.shape[0] != scores.shape[0]:
+        return values, indices
+    rows = key.detach().float().cpu()
+    if not tape.replay:
+        tape.choices[name] = (rows.clone(), indices.detach().cpu().clone())
+        return values, indices
+    if name not in tape.choices:
+        return values, indices
+    ref_rows, ref_ids = tape.choices[name]
+    tape.calls += 1
+    nearest, distance = _nearest(rows, ref_rows)
+    matched = distance <= MATCH_RELATIVE * ref_rows[nearest].norm(dim=1).clamp_min(1e-12)
+    tape.unmatched += int((~matched).sum())
+    want = torch.where(matched[:, None], ref_ids[nearest], indices.cpu()).to(indices.device)
+    chosen = scores.gather(dim, want)
+    own, ref = indices.sort(dim).values, want.sort(dim).values
+    differ = (own != ref).any(dim)
+    if bool(differ.any()):
+        gap = values.amin(dim) - chosen.amin(dim) if largest else chosen.amax(dim) - values.amax(dim)
+        tape.flipped += int(differ.sum())
+        tape.max_gap = max(tape.max_gap, float(gap[differ].detach().float().max()))
+    tape.scale = max(tape.scale, float(scores.detach().abs().max()))
+    return chosen, want
+
+
+def routers_of(structure: object) -> dict[str, str]:
+    """{top-k node: router node} of each MoE layer of a `ModelStructure` (`MoE.topk_node`,
+    `MoE.router`)."""
+    return {layer.moe.topk_node: layer.moe.router.node for layer in structure.layers if layer.moe is not None}
+
+
+@contextlib.contextmanager
+def routing_by_token(
+    modules: Sequence[torch.nn.Module], routers: dict[str, str], tape: TokenRoutingTape
+) -> Iterator[TokenRoutingTape]:
+    """Inside the block, every top-k node named in ``routers`` of every GraphModule in ``modules`` (and
+    their submodules: pipeline stages) calls `keyed_topk` with its router's input as the key and
+    ``tape`` active; restored after. A graph without a named node's router is left as it is."""
+    global _TOKEN_TAPE
+    swapped: list[tuple[fx.GraphModule, fx.Node, object, tuple, dict]] = []
+    graphs = {id(g): g for m in modules for g in m.modules() if isinstance(g, fx.GraphModule)}
+    try:
+        for gm in graphs.values():
+            by_name = {n.name: n for n in gm.graph.nodes}
+            changed = False
+            for topk_name, router_name in routers.items():
+                node, router = by_name.get(topk_name), by_name.get(router_name)
+                if node is None or router is None or node.op != "call_function" or not router.args:
+                    continue
+                swapped.append((gm, node, node.target, node.args, dict(node.kwargs)))
+                scores, k, *rest = node.args
+                dim = rest[0] if rest else node.kwargs.get("dim", -1)
+                largest = rest[1] if len(rest) > 1 else node.kwargs.get("largest", True)
+                ordered = rest[2] if len(rest) > 2 else node.kwargs.get("sorted", True)
+                node.target = keyed_topk
+                node.args = (scores, k, dim, largest, ordered)
+                node.kwargs = {"key": router.args[0], "name": topk_name}
+                changed = True
+            if changed:
+                gm.recompile()
+        _TOKEN_TAPE = tape
+        yield tape
+    finally:
+        _TOKEN_TAPE = None
+        for _gm, node, target, args, kwargs in swapped:
+            node.target, node.args, node.kwargs = target, args, kwargs
+        for gm in {id(g): g for g, *_ in swapped}.values():
             gm.recompile()

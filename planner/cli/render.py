@@ -564,6 +564,22 @@ def render_run(console: Console, report: dict[str, Any]) -> None:
             else ""
         )
     )
+    if n.get("routing_calls"):
+        console.print(
+            "expert routing: the checked step's routers took the unsharded model's choices, token by token"
+            + (
+                f"; {n['routing_flipped']} token choice(s) would have gone to other experts here, at router "
+                f"scores {n['routing_max_gap']:.3g} apart at most (tolerance {n['routing_tolerance']:.3g}: "
+                "near-ties that rounding in another summation order flips)"
+                if n.get("routing_flipped")
+                else ""
+            )
+            + (
+                f"; {n['routing_unmatched']} token(s) matched none of the unsharded model's and kept their own"
+                if n.get("routing_unmatched")
+                else ""
+            )
+        )
     if m.get("dtype"):
         console.print(f"ran in {m['dtype']} (the plan's dtype)")
     for note in m.get("notes") or []:  # train mode and dropout, inputs given whole, where the reference ran
