@@ -82,18 +82,30 @@ def taped_topk(
             f"expert routing replay: top-k call {tape.position} chose {tuple(indices.shape)} ids, the "
             f"reference {tuple(want.shape)}"
         )
+    return _replayed(tape, scores, values, indices, want, dim, largest), want
+
+
+def _replayed(
+    tape: RoutingTape | TokenRoutingTape,
+    scores: torch.Tensor,
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    want: torch.Tensor,
+    dim: int,
+    largest: bool,
+) -> torch.Tensor:
+    """This run's scores at the replayed ids ``want``; the rows whose own choice ``indices`` (as a set)
+    differed counted into ``tape``, with how much better this run scored its own worst choice than the
+    replayed one it dropped, and the scores' largest magnitude."""
     chosen = scores.gather(dim, want)
     own, ref = indices.sort(dim).values, want.sort(dim).values
     rows = (own != ref).any(dim)
     if bool(rows.any()):
-        sign = 1.0 if largest else -1.0
-        # how much better this run scored its own worst choice than the replayed choice it dropped
-        gap = sign * (values.amin(dim) if largest else values.amax(dim))
-        gap = gap - sign * (chosen.amin(dim) if largest else chosen.amax(dim))
+        gap = values.amin(dim) - chosen.amin(dim) if largest else chosen.amax(dim) - values.amax(dim)
         tape.flipped += int(rows.sum())
-        tape.max_gap = max(tape.max_gap, float(gap[rows].float().max()))
+        tape.max_gap = max(tape.max_gap, float(gap[rows].detach().float().max()))
     tape.scale = max(tape.scale, float(scores.detach().abs().max()))
-    return chosen, want
+    return chosen
 
 
 def topk_nodes(structure: object) -> list[str]:
@@ -199,15 +211,7 @@ def keyed_topk(
     matched = distance <= MATCH_RELATIVE * ref_rows[nearest].norm(dim=1).clamp_min(1e-12)
     tape.unmatched += int((~matched).sum())
     want = torch.where(matched[:, None], ref_ids[nearest], indices.cpu()).to(indices.device)
-    chosen = scores.gather(dim, want)
-    own, ref = indices.sort(dim).values, want.sort(dim).values
-    differ = (own != ref).any(dim)
-    if bool(differ.any()):
-        gap = values.amin(dim) - chosen.amin(dim) if largest else chosen.amax(dim) - values.amax(dim)
-        tape.flipped += int(differ.sum())
-        tape.max_gap = max(tape.max_gap, float(gap[differ].detach().float().max()))
-    tape.scale = max(tape.scale, float(scores.detach().abs().max()))
-    return chosen, want
+    return _replayed(tape, scores, values, indices, want, dim, largest), want
 
 
 def routers_of(structure: object) -> dict[str, str]:
