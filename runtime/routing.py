@@ -193,25 +193,33 @@ def keyed_topk(
     key: torch.Tensor,
     name: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`aten.topk` of a router named ``name`` whose rows' router inputs are ``key`` (rows, H), with the
-    active `TokenRoutingTape` (`routing_by_token`): recorded, or replayed by token; plain with none."""
+    """`aten.topk` over the last dim of a router named ``name``'s scores (..., E) whose tokens' router
+    inputs are ``key`` (..., H), the same leading dims (a (tokens, E) router, or a (B, T, E) one), with
+    the active `TokenRoutingTape` (`routing_by_token`): recorded, or replayed by token; plain with none
+    or with other shapes (a top-k over another dim is not a router's choice per token)."""
     values, indices = torch.ops.aten.topk.default(scores, k, dim, largest, sorted)
     tape = _TOKEN_TAPE
-    if tape is None or scores.dim() != 2 or key.dim() != 2 or key.shape[0] != scores.shape[0]:
+    lead = tuple(scores.shape[:-1])
+    if tape is None or dim % scores.dim() != scores.dim() - 1 or tuple(key.shape[:-1]) != lead:
         return values, indices
-    rows = key.detach().float().cpu()
+    rows = key.detach().float().cpu().reshape(-1, key.shape[-1])
+    own = indices.reshape(-1, k)
     if not tape.replay:
-        tape.choices[name] = (rows.clone(), indices.detach().cpu().clone())
+        tape.choices[name] = (rows.clone(), own.detach().cpu().clone())
         return values, indices
     if name not in tape.choices:
         return values, indices
     ref_rows, ref_ids = tape.choices[name]
+    if ref_rows.shape[-1] != rows.shape[-1] or ref_ids.shape[-1] != k:
+        return values, indices
     tape.calls += 1
     nearest, distance = _nearest(rows, ref_rows)
     matched = distance <= MATCH_RELATIVE * ref_rows[nearest].norm(dim=1).clamp_min(1e-12)
     tape.unmatched += int((~matched).sum())
-    want = torch.where(matched[:, None], ref_ids[nearest], indices.cpu()).to(indices.device)
-    return _replayed(tape, scores, values, indices, want, dim, largest), want
+    want = (
+        torch.where(matched[:, None], ref_ids[nearest], own.cpu()).to(indices.device).reshape(indices.shape)
+    )
+    return _replayed(tape, scores, values, indices, want, -1, largest), want
 
 
 def routers_of(structure: object) -> dict[str, str]:

@@ -56,3 +56,20 @@ def test_a_rank_takes_the_expert_choices_of_its_own_tokens_from_the_reference() 
     assert (replay.calls, replay.flipped, replay.unmatched) == (1, 1, 1)
     assert replay.max_gap == pytest.approx(0.0002, abs=1e-6) and replay.scale == pytest.approx(5.0)
     assert gm(rank)[1].tolist() == own.tolist()
+
+
+def test_a_router_over_batch_and_sequence_dims_is_replayed_by_token_too() -> None:
+    """Scores (B, T, E) from router inputs (B, T, H): the tokens are the leading dims."""
+    gm, routers = _graph()
+    tokens = torch.tensor([[[0.9, 0.5, 0.4999], [0.1, 0.2, 0.8]], [[0.7, 0.1, 0.3], [0.2, 0.9, 0.1]]])
+    tape = TokenRoutingTape()
+    with routing_by_token([gm], routers, tape):
+        gm(tokens)
+    (name,) = routers
+    assert tape.choices[name][0].shape == (4, 3) and tape.choices[name][1].shape == (4, 2)
+    rank = tokens[1:].clone()  # the second sequence, a data-parallel share
+    rank[0, 0] = torch.tensor([0.7, 0.1001, 0.3])
+    replay = TokenRoutingTape(choices=tape.choices, replay=True)
+    with routing_by_token([gm], routers, replay):
+        _, ids = gm(rank)
+    assert ids.tolist() == [[[0, 2], [1, 0]]] and (replay.calls, replay.unmatched) == (1, 0)
