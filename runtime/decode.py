@@ -60,7 +60,7 @@ from runtime.measure import PROBE_SHARE, Timing, current_memory_bytes, process_p
 from runtime.mesh import build_rank_groups
 from runtime.numerics import all_outputs
 from runtime.reference import WEIGHTS_HELP, shared_reference
-from runtime.routing import RoutingTape, routing_tape, topk_nodes
+from runtime.routing import RoutingTape, routers_of, routing_tape
 from runtime.run_mode import cast_inputs, check_dtype_runs, expert_load_notes_of, set_run_mode
 
 # max |sharded - unsharded| logits, relative to the logits' scale, that still counts as equal: a few
@@ -117,12 +117,14 @@ class DecodeRankReport:
     # where this rank chose another token than the reference: the largest gap, in the reference's
     # logits, between the two (`choice_gap`; 0 when every choice agreed)
     max_choice_gap: float = 0.0
-    # expert routing replayed from the reference (`runtime.routing.RoutingTape`): the (token) rows whose
-    # own top-k differed, the largest score gap between the two choices, the scores' largest magnitude
+    # expert routing replayed from the reference (`runtime.routing.RoutingTape`): calls, the (token) rows
+    # whose own top-k differed and the largest finite score gap of those, the routers' logits against
+    # the reference's and the reference logits' largest magnitude
     routing_calls: int = 0  # top-k calls replayed (every MoE layer's, prefill and each decode step)
     routing_flipped: int = 0
     routing_max_gap: float = 0.0
-    routing_scale: float = 0.0
+    routing_logit_diff: float = 0.0  # the routers' logits against the reference's
+    routing_logit_scale: float = 0.0
     ladder_logit_deviation: float | None = None  # relative L2, prefill logits, laddered vs original
     ladder_tokens_differ: int | None = None  # greedy tokens that ladder residual changed
     standard_tpot_samples_s: list[float] = field(default_factory=list)  # ladder plans: without ladder
@@ -369,7 +371,7 @@ def write_decode_reference(
     deviation = differ = None
     # the experts each router chose, in call order, for the ranks to replay (`runtime.routing`)
     tape = RoutingTape()
-    routers = [(prefill, topk_nodes(structure_p)), (decode, topk_nodes(structure_d))]
+    routers = [(prefill, routers_of(structure_p)), (decode, routers_of(structure_d))]
     if ladder:
         lad_p, lad_d = _laddered(prefill, structure_p, ladder), _laddered(decode, structure_d, ladder)
         share_state(lad_p, lad_d)
@@ -382,7 +384,8 @@ def write_decode_reference(
         with routing_tape(routers, tape):
             reference = request.generate(prefill, decode, prompt, "cpu")
     results = os.path.join(directory, "results.safetensors")
-    routing = {f"routing.{i}": ids for i, ids in enumerate(tape.choices)}
+    routing = {f"routing.{i}.ids": ids for i, (ids, _) in enumerate(tape.choices)}
+    routing |= {f"routing.{i}.logits": lg for i, (_, lg) in enumerate(tape.choices) if lg is not None}
     save_checkpoint(
         {"prompt": prompt, "tokens": reference.tokens, "logits": torch.stack(reference.logits), **routing},
         results,
@@ -500,8 +503,9 @@ def _serve_rank(
         prompt = results.read("prompt").to(device)
         want_tokens = results.read("tokens")
         want_logits = list(results.read("logits").unbind(0))
-        while f"routing.{len(tape.choices)}" in results:
-            tape.choices.append(results.read(f"routing.{len(tape.choices)}"))
+        while f"routing.{(i := len(tape.choices))}.ids" in results:
+            logits = results.read(f"routing.{i}.logits") if f"routing.{i}.logits" in results else None
+            tape.choices.append((results.read(f"routing.{i}.ids"), logits))
 
     # this rank's graphs: the one lowering, weights and caches shared between the two phases
     gp, gd = _rank_graphs(prefill_meta, decode_meta, structures, plan, ctx, groups.tp_rank, ref.weights)
@@ -509,7 +513,7 @@ def _serve_rank(
     # another summation order) would otherwise make the sequences, and every later logit, differ
     # and every router choosing the experts the reference chose (`runtime.routing`): a bf16 top-k
     # flipped at a near-tie would otherwise route a token to other experts
-    with routing_tape([(gp, topk_nodes(structures[0])), (gd, topk_nodes(structures[1]))], tape):
+    with routing_tape([(gp, routers_of(structures[0])), (gd, routers_of(structures[1]))], tape):
         got = request.generate(gp, gd, prompt, device, forced=want_tokens)
     # the process's real peak: this rank's shards, its caches, activations (the whole model is never built here
     # unless this rank made the reference itself: `ref.made_on`)
@@ -551,10 +555,11 @@ def _serve_rank(
         max_abs_logit_diff=diff,
         logit_scale=scale,
         max_choice_gap=gap,
-        routing_calls=tape.position,
+        routing_calls=tape.calls,
         routing_flipped=tape.flipped,
         routing_max_gap=tape.max_gap,
-        routing_scale=tape.scale,
+        routing_logit_diff=tape.logit_diff,
+        routing_logit_scale=tape.logit_scale,
         ttft_samples_s=timers["plan"].samples["ttft"],
         tpot_samples_s=timers["plan"].samples["tpot"],
         peak_memory_bytes=peak,
@@ -613,8 +618,9 @@ def summarise_decode(reports: list[DecodeRankReport], dtype: str, batch_size: in
     logits agree with the unsharded model's within LOGIT_TOLERANCE[dtype] x scale, every rank chose the
     same tokens, and a choice other than the reference's is a near-tie: the reference's own logits of
     the two within that tolerance (`ok`; bf16 rounding of another summation order flips such ties).
-    Routers replay the reference's expert choices (`runtime.routing`); one this run would have made
-    otherwise must be a near-tie of its own scores (within the same relative tolerance of their scale)."""
+    Routers replay the reference's expert choices (`runtime.routing`), and their logits must agree with
+    the reference's within the same relative tolerance of their scale (a router the rewrite got wrong
+    would otherwise hide behind the replayed choices)."""
 
     def median(xs: list[float]) -> float:
         return statistics.median(xs) if xs else 0.0
@@ -633,8 +639,8 @@ def summarise_decode(reports: list[DecodeRankReport], dtype: str, batch_size: in
     gap = max(r.max_choice_gap for r in reports)
     first = reports[0]
     # replayed expert choices this run would have made otherwise: near-ties of its own scores only
-    routing_gap = max(r.routing_max_gap for r in reports)
-    routing_tolerance = LOGIT_TOLERANCE.get(dtype, 1e-4) * max(max(r.routing_scale for r in reports), 1.0)
+    routing_diff = max(r.routing_logit_diff for r in reports)
+    routing_tolerance = LOGIT_TOLERANCE.get(dtype, 1e-4) * max(r.routing_logit_scale for r in reports)
     return {
         "measured": {
             "latency_s": tpot_s,
@@ -664,6 +670,7 @@ def summarise_decode(reports: list[DecodeRankReport], dtype: str, batch_size: in
             "tolerance_rel": LOGIT_TOLERANCE.get(dtype, 1e-4),  # of the logit scale (at least 1)
             "dtype": dtype,
             "tokens_identical": same and agree,
+            "ranks_agree": agree,  # every rank chose the same tokens
             "tokens_differ": sum(
                 sum(a != b for a, b in zip(x, y)) for x, y in zip(first.tokens, first.reference_tokens)
             ),
@@ -674,12 +681,13 @@ def summarise_decode(reports: list[DecodeRankReport], dtype: str, batch_size: in
             "max_choice_gap": gap,
             "routing_calls": max(r.routing_calls for r in reports),
             "routing_flipped": max(r.routing_flipped for r in reports),
-            "routing_max_gap": routing_gap,
+            "routing_max_gap": max(r.routing_max_gap for r in reports),
+            "routing_logit_diff": routing_diff,
             "routing_tolerance": routing_tolerance,
             "ok": agree
             and diff <= tolerance
             and (same or gap <= tolerance)
-            and routing_gap <= routing_tolerance,
+            and routing_diff <= routing_tolerance,
         },
         # every rank's own report, its samples and tokens left out (in `measured` and `numerics` above)
         "ranks": [

@@ -125,12 +125,14 @@ class RankReport:
         default_factory=dict
     )  # forward: measured seconds per layer / "ends"
     # the checked step's routers replayed the reference's expert choices by token (`runtime.routing`):
-    # calls, rows whose own choice differed, the largest score gap of those, the scores' largest
-    # magnitude, rows with no reference token within rounding (kept their own choice)
+    # calls, rows whose own choice differed and the largest finite score gap of those, the routers'
+    # logits against the reference's and the reference logits' largest magnitude, rows with no
+    # reference token within rounding (kept their own choice)
     routing_calls: int = 0
     routing_flipped: int = 0
     routing_max_gap: float = 0.0
-    routing_scale: float = 0.0
+    routing_logit_diff: float = 0.0
+    routing_logit_scale: float = 0.0
     routing_unmatched: int = 0
 
 
@@ -351,8 +353,8 @@ def summarise(reports: list[RankReport]) -> dict[str, Any]:
             "routing_flipped": sum(r.routing_flipped for r in reports),
             "routing_unmatched": sum(r.routing_unmatched for r in reports),
             "routing_max_gap": max((r.routing_max_gap for r in reports), default=0.0),
-            "routing_tolerance": (rel or 0.0)
-            * max(max((r.routing_scale for r in reports), default=0.0), 1.0),
+            "routing_logit_diff": max((r.routing_logit_diff for r in reports), default=0.0),
+            "routing_tolerance": (rel or 0.0) * max((r.routing_logit_scale for r in reports), default=0.0),
         },
         "ranks": [{k: v for k, v in asdict(r).items() if k != "output"} for r in reports],
     }

@@ -186,11 +186,13 @@ def check_failures(numerics: dict[str, Any]) -> list[str]:
                 + (f" (worst: {where})" if where else "")
                 + f", tolerance {train_rel * scale:.3g} ({train_rel:g} x scale {scale:.3g})"
             )
-    gap, gap_tol = numerics.get("routing_max_gap"), numerics.get("routing_tolerance")
-    if gap and gap_tol is not None and gap > gap_tol:
+    diff, diff_tol = numerics.get("routing_logit_diff"), numerics.get("routing_tolerance")
+    if numerics.get("routing_calls") and diff is not None and diff_tol is not None and diff > diff_tol:
         lines.append(
-            f"expert routing: {numerics.get('routing_flipped')} token(s) chose other experts than the unsharded "
-            f"model by router scores up to {gap:.3g} apart, more than a near-tie (tolerance {gap_tol:.3g})"
+            f"expert routing: the routers' logits differ from the unsharded model's by {diff:.3g}, tolerance "
+            f"{diff_tol:.3g} ({rel:g} x their scale); the check replays the unsharded model's expert choices, "
+            f"which would otherwise hide a wrong router ({numerics.get('routing_flipped')} token choice(s) went "
+            "elsewhere here)"
         )
     if numerics.get("grads_compared") == 0:
         lines.append("gradients: none compared (no rank's gradients matched a reference gradient by name)")

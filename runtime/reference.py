@@ -149,8 +149,10 @@ def write_reference(job: RunJob, directory: str, made_on: str = "launching proce
     ):
         outs = all_outputs(gm(*inputs))
     results = {f"output.{i}": out.detach() for i, out in enumerate(outs)}
-    for name, (keys, ids) in tape.choices.items():
+    for name, (keys, ids, logits) in tape.choices.items():
         results.update({f"routing.{name}.key": keys, f"routing.{name}.ids": ids})
+        if logits is not None:
+            results[f"routing.{name}.logits"] = logits
     for name, out in results.items():
         if out.is_floating_point() and not bool(torch.isfinite(out).all()):
             where = f"the weights in {', '.join(job.weights)}" if job.weights else "its seeded random weights"
@@ -453,7 +455,8 @@ def routing_replay(want: SafetensorsCheckpoint) -> TokenRoutingTape:
     for name in want.keys():
         if name.startswith("routing.") and name.endswith(".key"):
             node = name[len("routing.") : -len(".key")]
-            tape.choices[node] = (want.read(name), want.read(f"routing.{node}.ids"))
+            logits = want.read(f"routing.{node}.logits") if f"routing.{node}.logits" in want else None
+            tape.choices[node] = (want.read(name), want.read(f"routing.{node}.ids"), logits)
     return tape
 
 
@@ -463,4 +466,5 @@ def record_routing(report: RankReport, tape: TokenRoutingTape) -> None:
     report.routing_flipped += tape.flipped
     report.routing_unmatched += tape.unmatched
     report.routing_max_gap = max(report.routing_max_gap, tape.max_gap)
-    report.routing_scale = max(report.routing_scale, tape.scale)
+    report.routing_logit_diff = max(report.routing_logit_diff, tape.logit_diff)
+    report.routing_logit_scale = max(report.routing_logit_scale, tape.logit_scale)

@@ -845,41 +845,6 @@ def test_generate_can_read_the_reference_tokens_instead_of_its_own():
     assert seen == [0, 2, 2] and forced.tokens.tolist() == [[1, 0, 0]]
 
 
-def test_routing_is_recorded_in_the_reference_and_replayed_in_the_sharded_run():
-    """`runtime.routing`: a top-k node records its expert ids; replayed, it returns those ids with this
-    run's own scores at them, counts a row whose own choice differed and the score gap (a near-tie here,
-    as bf16 rounding in another summation order makes one), and the graph is restored after."""
-    import torch  # noqa: PLC0415
-    from torch import fx  # noqa: PLC0415
-
-    from runtime.routing import RoutingTape, routing_tape  # noqa: PLC0415
-
-    class Router(torch.nn.Module):
-        def forward(self, scores):
-            values, ids = torch.ops.aten.topk.default(scores, 2)
-            return values * 2, ids
-
-    gm = fx.symbolic_trace(Router())
-    (name,) = [n.name for n in gm.graph.nodes if n.target is torch.ops.aten.topk.default]
-    reference = torch.tensor([[0.30, 0.29, 0.28, 0.13], [0.5, 0.1, 0.3, 0.1]])
-    tape = RoutingTape()
-    with routing_tape([(gm, [name])], tape):
-        gm(reference)
-    assert [c.tolist() for c in tape.choices] == [[[0, 1], [0, 2]]]
-    rounded = reference.clone()
-    rounded[0, 1], rounded[0, 2] = 0.2849, 0.2851  # the tie of experts 1 and 2 goes the other way
-    assert gm(rounded)[1].tolist() == [[0, 2], [0, 2]]  # restored: a plain top-k again
-    replay = RoutingTape(choices=tape.choices, replay=True)
-    with routing_tape([(gm, [name])], replay):
-        values, ids = gm(rounded)
-    assert ids.tolist() == [[0, 1], [0, 2]]
-    assert values.flatten().tolist() == pytest.approx([0.6, 0.5698, 1.0, 0.6])
-    assert replay.flipped == 1 and replay.max_gap == pytest.approx(0.0002, abs=1e-6)
-    assert replay.scale == pytest.approx(0.5)
-    with pytest.raises(RuntimeError, match="no recorded choice"), routing_tape([(gm, [name])], replay):
-        gm(rounded)
-
-
 @pytest.mark.slow
 def test_a_bf16_moe_served_at_tp2_replays_the_references_expert_choices():
     """OLMoE in bf16 at TP 2 (tests/models/hf_olmoe_kv.py): every router's top-k of the prefill and the
@@ -890,4 +855,4 @@ def test_a_bf16_moe_served_at_tp2_replays_the_references_expert_choices():
     n = run["numerics"]
     assert n["dtype"] == "bf16" and n["ok"], n
     assert n["routing_calls"] == 2 * 16  # 2 MoE layers x (the prefill and 15 decode steps)
-    assert n["routing_max_gap"] <= n["routing_tolerance"]
+    assert 0 < n["routing_logit_diff"] <= n["routing_tolerance"]  # bf16 rounding, within tolerance

@@ -566,14 +566,8 @@ def render_run(console: Console, report: dict[str, Any]) -> None:
     )
     if n.get("routing_calls"):
         console.print(
-            "expert routing: the checked step's routers took the unsharded model's choices, token by token"
-            + (
-                f"; {n['routing_flipped']} token choice(s) would have gone to other experts here, at router "
-                f"scores {n['routing_max_gap']:.3g} apart at most (tolerance {n['routing_tolerance']:.3g}: "
-                "near-ties that rounding in another summation order flips)"
-                if n.get("routing_flipped")
-                else ""
-            )
+            "expert routing: the checked step's routers took the unsharded model's choices, token by token; "
+            + routing_text(n)
             + (
                 f"; {n['routing_unmatched']} token(s) matched none of the unsharded model's and kept their own"
                 if n.get("routing_unmatched")
@@ -584,6 +578,19 @@ def render_run(console: Console, report: dict[str, Any]) -> None:
         console.print(f"ran in {m['dtype']} (the plan's dtype)")
     for note in m.get("notes") or []:  # train mode and dropout, inputs given whole, where the reference ran
         console.print(f"note: {escape(note)}", highlight=False)
+
+
+def routing_text(n: dict[str, Any]) -> str:
+    """The replayed routing of a run's numerics (`runtime.routing`): the routers' logits against the
+    unsharded model's, and the choices this run would have made otherwise."""
+    text = f"router logits max |diff| {n['routing_logit_diff']:.3g} (tolerance {n['routing_tolerance']:.3g})"
+    if n.get("routing_flipped"):
+        text += (
+            f", {n['routing_flipped']} token choice(s) would have gone to other experts here (near-ties that "
+            "rounding in another summation order flips"
+            + (f"; scores {n['routing_max_gap']:.3g} apart at most)" if n.get("routing_max_gap") else ")")
+        )
+    return text
 
 
 def render_serving_run(console: Console, report: dict[str, Any]) -> None:
@@ -642,12 +649,8 @@ def render_serving_run(console: Console, report: dict[str, Any]) -> None:
         f"numerics (every step on the unsharded model's tokens): greedy tokens {same}; max |logit diff| "
         f"{n['max_abs_diff']:.3g} (tolerance {n['logit_tolerance']:.3g}, logit scale {n['output_scale']:.3g})"
     )
-    if n.get("routing_flipped"):
-        console.print(
-            f"expert routing: every router took the unsharded model's choices; {n['routing_flipped']} token(s) "
-            f"would have chosen other experts here, at scores {n['routing_max_gap']:.3g} apart at most "
-            f"(tolerance {n['routing_tolerance']:.3g}: near-ties that rounding in another summation order flips)"
-        )
+    if n.get("routing_calls"):
+        console.print("expert routing: every router took the unsharded model's choices; " + routing_text(n))
     if n.get("ladder_deviation") is not None:
         console.print(
             f"ladder residual vs the original model: prefill logits moved {n['ladder_deviation']:.3g} (relative L2), "

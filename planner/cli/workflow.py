@@ -1396,6 +1396,13 @@ def run_serving(
                 if n["tokens_differ"]
                 else ""
             )
+            + (
+                f"; the routers' logits differ by {n['routing_logit_diff']:.3g} (tolerance "
+                f"{n['routing_tolerance']:.3g}): the replayed expert choices would hide a wrong router"
+                if n.get("routing_calls") and n["routing_logit_diff"] > n["routing_tolerance"]
+                else ""
+            )
+            + ("; the ranks chose different tokens" if not n.get("ranks_agree", True) else "")
             + f"; tokens {n['tokens']} vs reference {n['reference_tokens']}",
             run=run,
         )

@@ -48,7 +48,7 @@ from typing import Any, TypeVar
 import torch
 from torch import fx
 
-from planner.frontend.capture import op_name, user_line
+from planner.frontend.capture import op_name, uncast, user_line
 from planner.frontend.roles import ACTIVATION_OPS, Projection, Role
 
 _V = TypeVar("_V")
@@ -306,6 +306,13 @@ def find_moe(
     dispatch = [n for n in region if n in before_firsts and n not in after_gemms | set(gathers) | gemm_names]
     score, bias, groups = _routing(router_node, topk, node_of, names, num_experts, router.bias)
     unlowerable = not_lowerable(experts, node_of, names, topk, combine)
+    rows = uncast(router_node.args[0]).meta.get("val") if isinstance(router_node.args[0], fx.Node) else None
+    if not unlowerable and isinstance(rows, torch.Tensor) and rows.dim() != 2:
+        # the expert pass exchanges (tokens, H) rows and their (tokens, k) choices
+        unlowerable = (
+            f"the router reads its tokens as {tuple(rows.shape)} ({user_line(router_node)}), not as (tokens, "
+            "hidden) rows"
+        )
     moe = MoE(
         module_path=_common_module([block, *(w for e in experts for w in e.weights)]),
         router=router,
