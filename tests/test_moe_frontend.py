@@ -440,3 +440,33 @@ def test_a_router_that_picks_experts_without_a_top_k_is_named_and_kept_a_router(
     assert (
         out.returncode == 2 and "without a top-k" in out.stderr and "no mixture-of-experts" not in out.stderr
     )
+
+
+def test_a_router_reading_batch_and_sequence_dims_is_not_lowered_by_the_expert_pass() -> None:
+    """A router over (B, T, H) picks top-k on (B, T, E) scores; the expert pass exchanges (tokens, H) rows
+    with their (tokens, k) choices, and crashed on the shape with a traceback (`too many values to
+    unpack`). The block is found and named not lowerable, so EP and expert TP are refused in one line."""
+    from tests.models import tiny_moe_modulelist as base  # noqa: PLC0415
+
+    class Router3d(base.SparseMoE):
+        def forward(self, x):
+            b, t, c = x.shape
+            probs = torch.softmax(self.gate(x), dim=-1)  # (B, T, E)
+            weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+            x = x.view(-1, c)
+            routed = self._capacity(x, weights.view(-1, self.top_k), chosen.view(-1, self.top_k))
+            return (routed + self.shared(x)).view(b, t, c)
+
+    original = base.SparseMoE
+    base.SparseMoE = Router3d
+    try:
+        model = base.build_model()
+    finally:
+        base.SparseMoE = original
+    structure = analyse(capture(model, base.example_inputs(2, 16), {}))
+    reasons = [layer.moe.not_lowerable for layer in structure.layers if layer.moe is not None]
+    assert reasons and all("not as (tokens, hidden) rows" in r for r in reasons), reasons
+    spec = load_cluster("dgx-h100")
+    with pytest.raises(InputError, match="not as \\(tokens, hidden\\) rows"):
+        plan_model(structure, spec, WorkloadSpec("train", 2, 16), Constraints(ep=2, max_devices=2))
