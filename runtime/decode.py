@@ -509,10 +509,9 @@ def _serve_rank(
 
     # this rank's graphs: the one lowering, weights and caches shared between the two phases
     gp, gd = _rank_graphs(prefill_meta, decode_meta, structures, plan, ctx, groups.tp_rank, ref.weights)
-    # every step on the reference's tokens: a greedy choice flipped at a near-tie (bf16 rounding of
-    # another summation order) would otherwise make the sequences, and every later logit, differ
-    # and every router choosing the experts the reference chose (`runtime.routing`): a bf16 top-k
-    # flipped at a near-tie would otherwise route a token to other experts
+    # every step on the reference's tokens, every router choosing the experts the reference chose
+    # (`runtime.routing`): a greedy token or a top-k flipped at a near-tie (bf16 rounding of another
+    # summation order) would otherwise make the sequences, and every later logit, differ
     with routing_tape([(gp, routers_of(structures[0])), (gd, routers_of(structures[1]))], tape):
         got = request.generate(gp, gd, prompt, device, forced=want_tokens)
     # the process's real peak: this rank's shards, its caches, activations (the whole model is never built here
@@ -638,7 +637,7 @@ def summarise_decode(reports: list[DecodeRankReport], dtype: str, batch_size: in
     tolerance = LOGIT_TOLERANCE.get(dtype, 1e-4) * max(scale, 1.0)
     gap = max(r.max_choice_gap for r in reports)
     first = reports[0]
-    # replayed expert choices this run would have made otherwise: near-ties of its own scores only
+    # the routers' own logits: the replayed expert choices would otherwise hide a wrong router
     routing_diff = max(r.routing_logit_diff for r in reports)
     routing_tolerance = LOGIT_TOLERANCE.get(dtype, 1e-4) * max(r.routing_logit_scale for r in reports)
     return {

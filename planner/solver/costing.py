@@ -1253,7 +1253,7 @@ def layer_node_times_s(layer: Layer, ctx: CostContext) -> dict[str, float] | Non
     s = ctx.structure
     if not layer.node_blocks or not s.node_costs:
         return None
-    scale = ctx.tokens / max(1, s.batch_size * s.seq_len)
+    scale = graph_token_scale(ctx)
     byte_scale = ctx.bytes_per_element / DTYPE_BYTES[s.dtype]
     launch = ctx.op_time(0.0, 0.0, "memory")
     out = {"attention": 0.0, "cross": 0.0, "mlp": 0.0, "stream": 0.0, "experts": 0.0}
@@ -1265,8 +1265,8 @@ def layer_node_times_s(layer: Layer, ctx: CostContext) -> dict[str, float] | Non
         # the expert pass runs the GEMMs grouped on the rows of the rank's share, priced by
         # `expert_gemm_time_s`; the graph's own GEMMs and weight gathers do not run
         by_formula = set(moe.gemm_nodes + moe.weight_gather_nodes)
-    elif moe is not None and whole_experts_on_shard(moe, ctx):
-        experts_scale = scale / ctx.mesh.tp  # the graph's experts route this rank's sequence shard
+    elif moe is not None:
+        experts_scale = graph_experts_scale(moe, ctx)
     for name in layer.nodes:
         block, cost = layer.node_blocks.get(name), s.node_costs.get(name)
         if block not in out or cost is None or name in by_formula:
@@ -1500,6 +1500,20 @@ def expert_activation_bytes(layer: Layer, ctx: CostContext) -> float:
     return sum(rows * sum(expert_split(w, ctx.expert_tp)) for w in moe.experts) * ctx.bytes_per_element
 
 
+def graph_token_scale(ctx: CostContext) -> float:
+    """A captured node's tokens to a rank's micro-batch (`CostContext.tokens` over the capture's batch x
+    sequence): what its node-by-node prices are scaled by."""
+    s = ctx.structure
+    return ctx.tokens / max(1, s.batch_size * s.seq_len)
+
+
+def graph_experts_scale(moe: MoE, ctx: CostContext) -> float:
+    """`graph_token_scale` for the nodes of experts that run as the model's graph computes them: over
+    tp more where they route only this TP rank's sequence shard (`whole_experts_on_shard`)."""
+    scale = graph_token_scale(ctx)
+    return scale / ctx.mesh.tp if whole_experts_on_shard(moe, ctx) else scale
+
+
 def graph_expert_activation_bytes(layer: Layer, ctx: CostContext) -> float:
     """Training: bytes the routed experts of a MoE layer keep for backward where they run as the
     model's graph computes them (`CostContext.experts_rewritten` false): each expert GEMM node's
@@ -1511,9 +1525,7 @@ def graph_expert_activation_bytes(layer: Layer, ctx: CostContext) -> float:
     moe, s = layer.moe, ctx.structure
     if moe is None or not s.node_costs:
         return 0.0
-    scale = ctx.tokens / max(1, s.batch_size * s.seq_len)
-    if whole_experts_on_shard(moe, ctx):
-        scale /= ctx.mesh.tp
+    scale = graph_experts_scale(moe, ctx)
     captured = DTYPE_BYTES[s.dtype]
     total = 0.0
     for w in moe.experts:
@@ -1771,7 +1783,7 @@ def outside_nodes_time_s(ctx: CostContext, before_layers: bool | None = None) ->
     outside = [*s.mlp_chain, *([s.lm_head] if s.lm_head is not None else [])]
     as_ops = {e.node for e in s.embeddings} | {p.node for p in outside}
     as_ops |= {n for p in outside if p.adapter is not None for n in p.adapter.nodes}  # priced in its options
-    scale = ctx.tokens / max(1, s.batch_size * s.seq_len)
+    scale = graph_token_scale(ctx)
     byte_scale = ctx.bytes_per_element / DTYPE_BYTES[s.dtype]
     total = 0.0
     nodes = _outside_nodes(ctx, before_layers)
