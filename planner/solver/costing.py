@@ -2812,3 +2812,13 @@ def recompute_input_bytes(ctx: CostContext) -> float:
     hidden), a sequence shard of it with sequence parallelism (Korthikanti et al. 2022, section 5)."""
     split = ctx.mesh.tp if ctx.sequence_parallel else 1
     return ctx.tokens * ctx.structure.hidden_size * ctx.bytes_per_element / split
+
+
+def recompute_working_bytes(activation_bytes: float, ctx: CostContext) -> float:
+    """Bytes a fully recomputed layer holds for a moment during its backward beyond the input it keeps:
+    its forward runs again there and stores what it stores without recomputation (``activation_bytes``,
+    one micro-batch's) until its backward has used them. One such layer at a time on a rank, so a stage's
+    peak adds the largest of its layers' (`prediction.predict`, the ILP's ``recompute_working``); HF
+    batched_mm experts' gathered weight copies (`graph_expert_activation_bytes`) are among them.
+    Korthikanti et al. 2022 (section 5) count the kept inputs only."""
+    return max(0.0, activation_bytes - recompute_input_bytes(ctx))

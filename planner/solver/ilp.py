@@ -210,6 +210,7 @@ class _Builder:
         self.x: dict[tuple[str, str], dict[str, pulp.LpVariable]] = {}
         self.num_layers = len(prob.layer_keys)
         self.recompute: dict[str, tuple[pulp.LpVariable, pulp.LpVariable]] = {}  # key -> (rf, rs)
+        self.working: pulp.LpVariable | None = None  # `_working`
         self.lad: dict[int, pulp.LpVariable] = {}
         # a byte of expert gradients (reduced over the edp group) against a dense one in the tail's fit
         self._expert_grad_weight = expert_grad_weight(self.ctx)
@@ -372,7 +373,14 @@ class _Builder:
         sa = self.m.add_variable(_name("sa", gid), 0)
         self.m += sa <= pulp.lpSum(b / GIB * var for b, _, var in scores), _name("recompute_sel_act", gid)
         self.m += sa <= max([b for b, _, _ in scores], default=0.0) / GIB * rs, _name("recompute_sel_on", gid)
-        terms.act = terms.act - ra - sa + recompute_input_bytes(self.ctx) / GIB * rf
+        # the layer's backward holds its forward's activations again for a moment: the largest such
+        # working set of any fully recomputed class is in every stage's peak (`recompute_working_bytes`)
+        kept = recompute_input_bytes(self.ctx) / GIB
+        self.m += (
+            self._working() >= terms.act - kept - self._memory_bound(key, 1) * (1 - rf),
+            _name("recompute_working", gid),
+        )
+        terms.act = terms.act - ra - sa + kept * rf
         forward = (terms.compute_attention + terms.compute_mlp + graph.fixed_compute_s) / TRAIN_COMPUTE_FACTOR
         forward += pulp.lpSum(
             o.full_extra_s * x[(key, op.name)][o.name] for op in graph.ops for o in op.options
@@ -392,6 +400,15 @@ class _Builder:
         core_forward = pulp.lpSum(t * var for _, t, var in scores)
         self.m += st >= core_forward - self._time_bound(key) * (1 - rs), _name("recompute_sel_time", gid)
         terms.base = terms.base + rt + st
+
+    def _working(self) -> pulp.LpVariable:
+        """recompute_working (GiB): at least the working set of every fully recomputed class (its
+        activations beyond the kept input, `costing.recompute_working_bytes`), added to each stage's
+        memory; for pipelines this counts it on stages that hold no layer of that class too (the
+        prediction, per stage, is exact)."""
+        if self.working is None:
+            self.working = self.m.add_variable("recompute_working", 0)
+        return self.working
 
     def _ends_terms(self) -> tuple[_EndTerms, _EndTerms]:
         """(first, last): the embedding (first stage) and the final norm + LM head (last stage)."""
@@ -697,6 +714,8 @@ class _Builder:
         for s in range(pp):
             f = in_flight_micro_batches(ctx, s)
             mem = static[s] + (f * act[s] if pp == 1 else 0) + transient_bytes(ctx) / GIB
+            if self.working is not None:
+                mem += self.working
             for end, here in zip(ends, (s == 0, s == pp - 1)):
                 if here:
                     mem += end.static + f * end.activation

@@ -34,6 +34,7 @@ from planner.solver.costing import (
     in_flight_micro_batches,
     optimizer_step_time_s,
     recompute_input_bytes,
+    recompute_working_bytes,
     sequence_regather_s,
     serving_host_time_s,
     stage_p2p_time_s,
@@ -60,6 +61,9 @@ class LayerBreakdown:
     activation_bytes: float  # per in-flight micro-batch
     grad_bytes: float
     expert_grad_bytes: float = 0.0  # the routed experts', reduced over their edp group (`LayerGraph`)
+    # under full recomputation, what the layer's backward holds for a moment beyond its kept input: the
+    # activations its forward, run again, stores (`recompute_working_bytes`); 0 otherwise
+    working_bytes: float = 0.0
 
 
 @dataclass
@@ -134,10 +138,12 @@ def layer_breakdown(
     grad = graph.fixed_grad_bytes + sum(o.grad_bytes for o in opt.values())
     # a forward-only layer (no gradient reaches it) has no backward to recompute in
     recompute = assignment.recompute_of(key) if ctx.train and graph.backward else Recompute.NONE
+    working = 0.0
     if recompute is Recompute.FULL:  # forward again in backward (its collectives); keep only the input
         internal += max(0.0, internal + exposed + overlapped - regather) / TRAIN_COMM_FACTOR
         forward_s = kernels_s / TRAIN_COMPUTE_FACTOR + sum(o.full_extra_s for o in opt.values())
         compute_s += max(forward_s, graph.forward_dispatch_s)  # the host issues the forward again
+        working = recompute_working_bytes(act, ctx)
         act = recompute_input_bytes(ctx)
     elif recompute is Recompute.SELECTIVE:  # the attention core again; its scores are not kept
         compute_s += sum(o.selective_s for o in opt.values())
@@ -145,7 +151,7 @@ def layer_breakdown(
     hidden = sum(o.hidden_comm_s for o in opt.values())  # context-parallel ring transfers
     overlapped += hidden - contention_s(hidden, ctx.cluster)
     return LayerBreakdown(
-        compute_s, internal + exposed, overlapped, static, act, grad, graph.expert_grad_bytes
+        compute_s, internal + exposed, overlapped, static, act, grad, graph.expert_grad_bytes, working
     )
 
 
@@ -175,6 +181,8 @@ def predict(tables: CostTables, assignment: Assignment) -> PricedAssignment:
     per_layer: list[LayerCost] = []
     stages_bd = [StageBreakdown() for _ in range(mesh.pp)]
     breakdowns: dict[tuple[str, bool], LayerBreakdown] = {}  # identical layers cost the same
+    # one fully recomputed layer's backward at a time holds its forward's activations again
+    stage_working = [0.0] * mesh.pp
     for i, key in enumerate(tables.layer_keys):
         graph = graphs[key]
         if (key, i in ladder) not in breakdowns:
@@ -187,6 +195,7 @@ def predict(tables: CostTables, assignment: Assignment) -> PricedAssignment:
         bd.exposed_comm_s += layer.comm_s
         bd.overlapped_comm_s += layer.overlapped_comm_s
         bd.memory_bytes += mem
+        stage_working[s] = max(stage_working[s], layer.working_bytes)
         bd.grad_bytes += layer.grad_bytes
         bd.expert_grad_bytes += layer.expert_grad_bytes
         strategy = {op.name: choices[(key, op.name)] for op in graph.ops}
@@ -237,8 +246,8 @@ def predict(tables: CostTables, assignment: Assignment) -> PricedAssignment:
             stages_bd[s].grad_bytes + stages_bd[s].expert_grad_bytes, ctx
         )
     transient = transient_bytes(ctx)
-    for bd in stages_bd:
-        bd.memory_bytes += transient
+    for bd, working in zip(stages_bd, stage_working):
+        bd.memory_bytes += transient + working
     times = [bd.time_s for bd in stages_bd]
     slowest = max(range(mesh.pp), key=lambda s: times[s])
     tails = dict.fromkeys(
