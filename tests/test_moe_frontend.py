@@ -156,6 +156,33 @@ def test_modulelist_tp2_plan_splits_the_shared_expert_not_the_routed_ones(prepar
     assert not [w for w in plan.splits if ".mlp.gate." in w or ".experts." in w]
 
 
+def test_a_shared_expert_gate_of_one_output_per_token_is_kept_whole(prepared):
+    """Qwen2-MoE's `shared_expert_gate` (H -> 1, a sigmoid of it scaling the shared expert's output) is a
+    per-token scalar gate (`Role.TOKEN_GATE`), not a second SwiGLU gate: the shared expert stays a
+    three-projection MLP, split as Megatron-Core splits it (gate and up column-wise, down row-wise),
+    and the scalar gate is kept whole and priced with the stream, as Megatron-Core keeps its
+    shared-expert gate weight. It was read as a second gate: the MLP a four-link chain, the scalar
+    gate split row-wise (an all-reduce of a (tokens, 1) partial per layer)."""
+    s = prepared("tiny_moe_shared_gate").structure
+    for layer in s.layers:
+        prefix = f"layers.{layer.index}.mlp"
+        assert [(p.weight, p.role) for p in layer.token_gates] == [
+            (f"{prefix}.shared_expert_gate.weight", Role.TOKEN_GATE)
+        ]
+        assert [p.role for p in layer.mlp.projections] == [Role.GATE, Role.UP, Role.DOWN]
+        assert layer.moe.shared_expert_gate and layer.moe.shared_intermediate_size == 48
+        assert layer.node_blocks[layer.token_gates[0].node] == "stream"
+    plan = _tp2_plan(prepared, "tiny_moe_shared_gate")
+    assert plan.roles["layers.1.mlp.shared_expert_gate.weight"] == "token_gate"
+    styles = {w: str(split.style) for w, split in plan.splits.items()}
+    assert "layers.1.mlp.shared_expert_gate.weight" not in styles
+    assert [styles[f"layers.1.mlp.shared_expert.{n}_proj.weight"] for n in ("gate", "up", "down")] == [
+        "colwise",
+        "colwise",
+        "rowwise",
+    ]
+
+
 def test_gptfast_stacked_einsum_experts(prepared):
     """gpt-fast's w1 / w3 / w2 (E, I, C), (E, I, C), (E, C, I), indexed by the top-k ids and applied by
     einsum: gate / up / down, (out, in) per expert; the einsums are priced as matmuls."""
@@ -284,7 +311,9 @@ def test_a_data_dependent_dispatch_is_refused_in_one_line_naming_the_construct()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["tiny_mixtral", "tiny_moe_modulelist", "tiny_moe_gptfast"])
+@pytest.mark.parametrize(
+    "name", ["tiny_mixtral", "tiny_moe_modulelist", "tiny_moe_gptfast", "tiny_moe_shared_gate"]
+)
 def test_moe_models_run_at_tp2_and_match(tmp_path, name):
     """`planner optimize --tp 2 --run` on 2 gloo ranks: attention (and a shared expert) split, router
     and routed experts replicated; the outputs match the unsharded model's."""

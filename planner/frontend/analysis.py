@@ -207,6 +207,10 @@ class Layer:
     # mixture-of-experts routers (`Role.ROUTER`): linears whose logits choose experts by top-k; not an
     # MLP projection, kept replicated (each rank routes its tokens); nodes "stream" in `node_blocks`
     routers: list[Projection] = field(default_factory=list)
+    # per-token scalar gates (`Role.TOKEN_GATE`, `_token_gates`): linears to one output per token that
+    # scale a branch (Qwen2-MoE's `shared_expert_gate`); not an MLP projection, kept replicated (Megatron-
+    # Core's shared-expert gate weight is), nodes "stream" in `node_blocks`
+    token_gates: list[Projection] = field(default_factory=list)
     # the layer's mixture-of-experts block (`planner.frontend.moe`): router, routed experts (not in
     # `mlp`; their nodes "experts" in `node_blocks`, replicated under TP), shared experts (`mlp`)
     moe: MoE | None = None
@@ -1087,10 +1091,12 @@ def _layer(
         unrecognised = found.warning
     experts = {p.node for p in found.expert_projections}
     mlp_projs = [p for p in projs if p not in attention_projs and p not in routers and p.node not in experts]
+    gates = _token_gates(mlp_projs, node_of, member_names, projections)
+    mlp_projs = [p for p in mlp_projs if p not in gates]
     mlp = _mlp(mlp_projs, members, member_names, projections) if mlp_projs else None
     moe = found.moe
     if moe is not None:
-        moe.shared = list(mlp.projections) if mlp is not None else []
+        moe.shared = (list(mlp.projections) if mlp is not None else []) + gates
         _price_expert_gemms(moe, costs)
     used_outside = [
         n for n in members if n.op != "get_attr" and any(u.name not in member_names for u in n.users)
@@ -1105,7 +1111,7 @@ def _layer(
     stream = _stream_input(attention, mlp, members, member_names, external, output, projections)
     weights = {n.target for n in members if n.op == "get_attr" and n.target in params}
     blocks = _node_blocks(members, member_names, projections, attention, mlp, cross)
-    blocks.update({p.node: "stream" for p in routers})  # replicated, priced with the stream's ops
+    blocks.update({p.node: "stream" for p in routers + gates})  # replicated, priced with the stream's ops
     # LoRA adapters' GEMMs: priced with their projection's options (`Projection.adapter`)
     blocks.update({n: "adapter" for p in projs if p.adapter is not None for n in p.adapter.nodes})
     if moe is not None:  # replicated under TP; priced apart (`planner.solver.costing.expert_gemm_time_s`)
@@ -1116,6 +1122,7 @@ def _layer(
         attention=attention,
         mlp=mlp,
         routers=routers,
+        token_gates=gates,
         experts_unrecognised=unrecognised,
         moe=moe,
         nodes=[n.name for n in members],
@@ -1617,6 +1624,43 @@ def _routes(node: fx.Node, member_names: set[str], projections: dict[str, Projec
             seen.add(user.name)
             queue.append(user)
     return False
+
+
+def _token_gates(
+    projs: list[Projection],
+    node_of: dict[str, fx.Node],
+    member_names: set[str],
+    projections: dict[str, Projection],
+) -> list[Projection]:
+    """Per-token scalar gates among a layer's MLP-side projections, their role set to `Role.TOKEN_GATE`:
+    a linear to one output per token whose output, through an activation or not, multiplies another
+    tensor of the layer (Qwen2-MoE's `shared_expert_gate`: sigmoid(gate(x)) * shared_expert(x)). One
+    output cannot be split column-wise, and split row-wise it would add an all-reduce of a (tokens, 1)
+    partial per layer: kept whole, as Megatron-Core keeps its shared-expert gate. None when they are
+    all such (a chain of scalars is nobody's gate)."""
+    gates = []
+    for p in projs:
+        if p.out_features != 1 or p.parts:
+            continue
+        queue, seen, scales = deque([node_of[p.node]]), {p.node}, False
+        while queue and not scales:
+            for user in queue.popleft().users:
+                if user.name in seen or user.name not in member_names or user.name in projections:
+                    continue
+                seen.add(user.name)
+                name = op_name(user.target)
+                if name == "aten.mul" and all(isinstance(a, fx.Node) for a in user.args[:2]):
+                    scales = True
+                    break
+                if name in _ACTIVATIONS or name in _VIEW_OPS:
+                    queue.append(user)
+        if scales:
+            gates.append(p)
+    if len(gates) == len(projs):
+        return []
+    for p in gates:
+        p.role = Role.TOKEN_GATE
+    return gates
 
 
 def _mlp(

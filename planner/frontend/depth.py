@@ -169,6 +169,7 @@ def _renumber(layer: Layer, old: str, new: str) -> None:
         if block is not None:
             block.projections = [rename(p) for p in block.projections]
     layer.routers = [rename(p) for p in layer.routers]
+    layer.token_gates = [rename(p) for p in layer.token_gates]
     moe = layer.moe
     if moe is None:
         return

@@ -32,6 +32,9 @@ class Role(str, enum.Enum):
     FC = "fc"  # a linear of a plain MLP chain, or an MLP projection that fits none of the above
     LM_HEAD = "lm_head"  # the output projection onto the vocabulary
     ROUTER = "router"  # a mixture-of-experts router: a linear to the expert logits, then top-k
+    # a linear to one output per token that scales a branch (Qwen2-MoE's `shared_expert_gate`, a sigmoid
+    # of it times the shared expert's output; Megatron-Core's `moe_shared_expert_gate`): kept whole
+    TOKEN_GATE = "token_gate"
     # the routed experts' weights (`planner.frontend.moe.ExpertWeight`), each expert a SwiGLU or
     # 2-matmul MLP: the same three roles as a dense MLP's, for every one of the E experts
     EXPERT_GATE = "expert_gate"
