@@ -50,6 +50,7 @@ from planner.solver.costing import (
     moe_rows_sharded,
     moe_sequence_gather_bytes,
     moe_tokens,
+    transient_bytes,
 )
 from planner.solver.problem import Constraints, MeshConfig, WorkloadSpec
 from planner.solver.search import _ep_options, plan_model
@@ -190,6 +191,21 @@ def test_experts_no_pass_rewrites_are_priced_as_the_model_computes_them() -> Non
     # the expert pass's grouped GEMMs keep their rows only
     split = _ctx(s, MeshShape(1, 1, 2), ep=2, batch=2, seq=64)
     assert split.experts_rewritten and expert_activation_bytes(layer, split) < gathered / 1000
+
+
+def test_a_forward_of_experts_the_model_runs_itself_holds_the_gathered_weights_of_one_gemm() -> None:
+    """Inference with EP 1 and whole experts: gpt-fast's `w1[expert_indices]` copies an expert matrix per
+    token and choice for one GEMM at a time, nothing kept after it: the working memory of a forward of
+    64 tokens is one GEMM's 128 copies (the largest, plus its operand and output), far above the stream's
+    live activations; with the expert pass (EP 2) none (it ran out of an H100's memory unpriced: HF
+    OLMoE's prefill of 2,048 tokens gathers 128 GiB)."""
+    s = _mixtral()
+    forward = _ctx(s, MeshShape(1, 1, 1), kind="forward", batch=1, seq=64)
+    copies = 64 * 2 * 14336 * 4096 * 2  # one of w1, w3, w2: 128 copies of 14,336 x 4,096 in bf16
+    assert not forward.experts_rewritten
+    assert copies < transient_bytes(forward) < 1.05 * copies
+    split = _ctx(s, MeshShape(1, 1, 2), ep=2, kind="forward", batch=2, seq=64)
+    assert split.experts_rewritten and transient_bytes(split) < copies / 1000
 
 
 def test_a_pinned_ep_that_cannot_run_is_refused_in_one_line_naming_both_numbers() -> None:

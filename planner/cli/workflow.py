@@ -352,13 +352,20 @@ def request_peak_memory(
     cap = cluster.device.memory_bytes * memory_fraction
     if sv.prefill_peak_memory_bytes > cap:
         gib = 2**30
+        experts = (
+            "; the model's own expert code runs in this plan (no expert parallelism, experts whole), and "
+            "its prefill may gather an expert matrix per token and choice (HF batched_mm, gpt-fast): "
+            "--ep or --expert-tp (with --tp) run the experts as grouped GEMMs on their weights instead"
+            if plan.num_experts and plan.ep == 1 and plan.expert_tp == 1
+            else ""
+        )
         raise InfeasibleError(
             f"the prefill of {sv.prompt_len} tokens x batch {plan.batch_size} needs "
             f"{sv.prefill_peak_memory_bytes / gib:.1f} GiB per device on {plan.mesh.label()}, over the "
             f"{cap / gib:.1f} GiB usable ({cluster.name}, memory_fraction {memory_fraction}); the decode step "
             f"alone needs {plan.predicted.peak_memory_bytes / gib:.1f} GiB. Would fit: a shorter --context / "
             "--seq-len, a smaller --batch-size, or more devices per request (tensor parallelism, or pipeline "
-            "stages: --pp, planned but not run here)"
+            f"stages: --pp, planned but not run here){experts}"
         )
     peak = max(plan.predicted.peak_memory_bytes, sv.prefill_peak_memory_bytes)
     return replace(plan.predicted, peak_memory_bytes=peak)

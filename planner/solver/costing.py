@@ -1514,20 +1514,19 @@ def graph_experts_scale(moe: MoE, ctx: CostContext) -> float:
     return scale / ctx.mesh.tp if whole_experts_on_shard(moe, ctx) else scale
 
 
-def graph_expert_activation_bytes(layer: Layer, ctx: CostContext) -> float:
-    """Training: bytes the routed experts of a MoE layer keep for backward where they run as the
-    model's graph computes them (`CostContext.experts_rewritten` false): each expert GEMM node's
-    operands and output (`NodeCost` bytes read and written), less the expert parameters it reads
-    directly, which are weights, not activations. A gathered weight copy (HF batched_mm's
-    `gate_up_proj[expert_ids]`, gpt-fast's `w1[expert_indices]`: one expert matrix per token and
-    choice) is an operand autograd keeps, and is counted. Scaled from the captured tokens and dtype to
-    the rank's, as `layer_node_times_s` scales the nodes' times."""
+def graph_expert_node_bytes(layer: Layer, ctx: CostContext) -> list[float]:
+    """Per expert GEMM node of a MoE layer whose experts run as the model's graph computes them
+    (`CostContext.experts_rewritten` false), the bytes of its operands and output (`NodeCost` bytes read
+    and written) less the expert parameters it reads directly, which are weights: a gathered weight
+    copy (HF batched_mm's `gate_up_proj[expert_ids]`, gpt-fast's `w1[expert_indices]`: one expert
+    matrix per token and choice) is counted. Scaled from the captured tokens and dtype to the rank's,
+    as `layer_node_times_s` scales the nodes' times; [] for a dense layer."""
     moe, s = layer.moe, ctx.structure
     if moe is None or not s.node_costs:
-        return 0.0
+        return []
     scale = graph_experts_scale(moe, ctx)
     captured = DTYPE_BYTES[s.dtype]
-    total = 0.0
+    found = []
     for w in moe.experts:
         # a stacked weight read by its GEMM itself (no gather by expert ids: Llama 4's bmm over all
         # experts) is read whole; a ModuleList's linear reads its own expert's matrix
@@ -1538,8 +1537,28 @@ def graph_expert_activation_bytes(layer: Layer, ctx: CostContext) -> float:
             cost = s.node_costs.get(name)
             if cost is not None:
                 moved = cost.bytes_read + cost.bytes_written - direct * captured
-                total += max(0.0, moved) * scale
-    return total / captured * ctx.bytes_per_element
+                found.append(max(0.0, moved) * scale / captured * ctx.bytes_per_element)
+    return found
+
+
+def graph_expert_activation_bytes(layer: Layer, ctx: CostContext) -> float:
+    """Training: bytes the routed experts of a MoE layer keep for backward where they run as the
+    model's graph computes them: every expert GEMM node's operands and output, gathered weight copies
+    included, which autograd keeps (`graph_expert_node_bytes`)."""
+    return sum(graph_expert_node_bytes(layer, ctx))
+
+
+def graph_expert_working_bytes(ctx: CostContext) -> float:
+    """Inference (a forward, a prefill, a decode step): the largest expert GEMM's operands and output
+    where the experts run as the model's graph computes them (`graph_expert_node_bytes`), alive for a
+    moment with nothing kept after it: HF batched_mm's prefill of 2,048 tokens at top-8 gathers 16,384
+    copies of an OLMoE expert's gate and up matrices (8 MiB each in bf16), 128 GiB at once. 0 where the
+    expert pass rewrites the experts (grouped GEMMs on the weights as they are) or the model has none."""
+    if ctx.experts_rewritten:
+        return 0.0
+    return max(
+        (b for layer in ctx.structure.layers for b in graph_expert_node_bytes(layer, ctx)), default=0.0
+    )
 
 
 def expert_grad_weight(ctx: CostContext) -> float:
@@ -2351,13 +2370,16 @@ def transient_bytes(ctx: CostContext) -> float:
     """Working memory per rank on top of what is stored. Inference: a few live activations of one
     micro-batch, the widest a rank computes: the residual stream, or a projection's output split over
     the TP ranks (a 70B MLP's 28672 columns are 7168 per rank at TP=4; priced whole, a 2048-token x 64
-    prefill that TensorRT-LLM 0.5 ran at TP4 on A100 80GB read as not fitting). Training:
+    prefill that TensorRT-LLM 0.5 ran at TP4 on A100 80GB read as not fitting), or the largest expert
+    GEMM of experts the model's own code runs, with its gathered weight copies, if larger
+    (`graph_expert_working_bytes`). Training:
     `training_transient_bytes`. Both: context parallelism's K/V buffers in flight (`cp_buffer_bytes`)."""
     if ctx.train:
         return training_transient_bytes(ctx) + cp_buffer_bytes(ctx)
     s = ctx.structure
     widest = max([s.hidden_size] + [p.out_features / ctx.mesh.tp for p in _all_projections(s)])
-    return 4.0 * ctx.tokens * widest * ctx.bytes_per_element + cp_buffer_bytes(ctx)
+    live = 4.0 * ctx.tokens * widest * ctx.bytes_per_element
+    return max(live, graph_expert_working_bytes(ctx)) + cp_buffer_bytes(ctx)
 
 
 def training_transient_bytes(ctx: CostContext) -> float:
