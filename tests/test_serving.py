@@ -225,6 +225,30 @@ def test_generate_workload_reports_the_request():
     )
 
 
+def test_a_prefill_the_models_own_experts_cannot_fit_is_planned_with_the_expert_pass(tmp_path):
+    """HF batched_mm OLMoE (tests/models/hf_olmoe_kv.py) on 2 ranks whose links are slow (the decode step is
+    fastest with the experts whole) and whose memory is small: a prefill of 256 tokens gathers an expert
+    matrix per token and choice (512 copies), which does not fit, so the request is planned again with
+    the expert pass (the experts split over TP here) and `excluded` says why; with --ep 1 --expert-tp 1
+    pinned nothing else may run and the refusal names the flags."""
+    spec = (MODELS / "midlink-cpu.yaml").read_text()
+    spec = spec.replace("memory_GiB: 8", "memory_GiB: 0.12").replace("latency_us: 2\n", "latency_us: 3000\n")
+    small = tmp_path / "smallmem.yaml"
+    small.write_text(spec.replace("name: midlink-cpu", "name: smallmem-cpu"))
+    model = MODELS / "hf_olmoe_kv.py"
+    prepared = workflow.prepare(str(model), "generate", batch_size=1, seq_len=256, new_tokens=4)
+    with pytest.warns(Warning, match="memory_GiB"):  # below any real device: a test spec
+        cluster = workflow.resolve_cluster(str(small), 2)
+    plan = workflow.make_plan(prepared, cluster, workflow.constraints_from(2, 1, 1, "none"), str(model))
+    assert plan.ep > 1 or plan.expert_tp > 1, plan.layout_summary()
+    assert any(
+        n.startswith("experts whole (the model's own expert code): the prefill") for n in plan.excluded
+    )
+    pinned = dataclasses.replace(workflow.constraints_from(2, 1, 1, "none"), ep=1, expert_tp=1)
+    with pytest.raises(InfeasibleError, match="--ep or --expert-tp"):
+        workflow.make_plan(prepared, cluster, pinned, str(model))
+
+
 def test_serving_contract_errors():
     with pytest.raises(InputError, match="static KV cache"):
         workflow.prepare(str(ROOT / "examples" / "llama3.py"), "generate")

@@ -760,8 +760,49 @@ def make_plan(
 ) -> Plan:
     """Solve for the best plan and check it by lowering it (`check_lowering`). cluster_source: where
     the cluster spec came from (`cluster_source`), recorded in the plan. `progress`: told of the mesh
-    search and the lowering. Raises InfeasibleError (exit 3: no plan, or one the passes cannot
-    lower) or InputError (exit 2)."""
+    search and the lowering. A served request whose prefill does not fit with the model's own expert
+    code (experts whole, no expert pass: `request_peak_memory`) is planned again with the expert pass
+    required (`Constraints.experts_rewritten`: EP, or the experts split over TP, as the pins allow); the
+    plan's `excluded` says why, and where nothing else fits the first refusal is the answer. Raises InfeasibleError (exit 3: no plan, or one the passes cannot lower) or
+    InputError (exit 2)."""
+    try:
+        return _make_plan(prepared, cluster, constraints, model_path, cluster_source, progress)
+    except _ExpertsPrefillTooLarge as whole:
+        progress(
+            "planning again with the expert pass: the prefill does not fit the model's own experts", None
+        )
+        try:
+            plan = _make_plan(
+                prepared,
+                cluster,
+                replace(constraints, experts_rewritten=True),
+                model_path,
+                cluster_source,
+                progress,
+            )
+        except (InfeasibleError, InputError):
+            raise whole.error from None
+        plan.excluded.append(f"experts whole (the model's own expert code): {whole.error}")
+        return plan
+
+
+class _ExpertsPrefillTooLarge(Exception):
+    """A served plan's prefill does not fit where the model's own experts run (`make_plan` plans again)."""
+
+    def __init__(self, error: InfeasibleError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _make_plan(
+    prepared: Prepared,
+    cluster: ClusterSpec,
+    constraints: Constraints,
+    model_path: str,
+    cluster_source: str,
+    progress: Progress,
+) -> Plan:
+    """`make_plan` once, for ``constraints``."""
     check_pinned_tp(prepared.structure, constraints.tp)
     cluster = priced_cluster(prepared, cluster, progress)
     plan = plan_model(
@@ -800,7 +841,14 @@ def make_plan(
             trained_positions=request.trained_positions,
             fallbacks=kv_fallbacks(plan, prepared.structure),
         )
-        plan.predicted = request_peak_memory(plan, cluster, constraints.memory_fraction)
+        try:
+            plan.predicted = request_peak_memory(plan, cluster, constraints.memory_fraction)
+        except InfeasibleError as e:
+            rewritable = not (constraints.ep == 1 and constraints.expert_tp == 1)  # as pinned
+            again = constraints.experts_rewritten  # already planned with the expert pass
+            if plan.num_experts and plan.ep == 1 and plan.expert_tp == 1 and rewritable and not again:
+                raise _ExpertsPrefillTooLarge(e) from None
+            raise
         plan.workload = request.workload
         if request.workload is Workload.GENERATE:
             plan.seq_len = request.prompt_len

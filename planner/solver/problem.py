@@ -364,6 +364,10 @@ class Constraints:
     # expert tensor parallelism (--expert-tp): 1 keeps the routed experts whole on every TP rank, the TP
     # degree splits them over the TP ranks (without EP, or with EP over dp); None: the search prices both
     expert_tp: int | None = None
+    # the routed experts run through the expert pass (ep > 1 or split over TP), never as the model's own
+    # expert code: set by `workflow.make_plan` where that code's working memory (an expert matrix gathered
+    # per token and choice) does not fit a served request's prefill
+    experts_rewritten: bool = False
     max_devices: int | None = None  # use at most this many devices (default: the whole cluster)
     ladder: LadderPolicy = LadderPolicy()  # `LadderPolicy.parse` reads the --ladder option
     schedule: Schedule | None = (

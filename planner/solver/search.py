@@ -640,6 +640,17 @@ def _ep_options(search: _Search, mesh: MeshShape, sequence_parallel: bool) -> li
 def _ep_options_with_expert_tp(
     search: _Search, mesh: MeshShape, sequence_parallel: bool
 ) -> list[tuple[int, str, int]]:
+    """`_pinned_ep_options_with_expert_tp`, without the experts whole and without EP (the model's own
+    expert code) where `Constraints.experts_rewritten` says that does not fit."""
+    triples = _pinned_ep_options_with_expert_tp(search, mesh, sequence_parallel)
+    if search.constraints.experts_rewritten:
+        return [(ep, fold, etp) for ep, fold, etp in triples if ep > 1 or etp > 1]
+    return triples
+
+
+def _pinned_ep_options_with_expert_tp(
+    search: _Search, mesh: MeshShape, sequence_parallel: bool
+) -> list[tuple[int, str, int]]:
     """`_ep_options` with the expert TP each is solved with: tp at tp > 1 without EP and for EP over dp x
     cp (Megatron-Core's default, --expert-tensor-parallel-size = TP; the experts whole, expert_tp 1, are
     priced on its solution, `_price_expert_tp`: splitting the experts halves their GEMMs at tp 2, which
@@ -899,10 +910,13 @@ def _price_expert_tp(search: _Search, cand: _Candidate) -> None:
     """A solved candidate whose experts are split over its TP ranks (expert_tp = tp, not pinned) priced
     with them whole on every TP rank (expert_tp 1) on the same strategies, stages and recomputation:
     the split is kept only when it saves `FEATURE_MIN_SAVING` of the step (a feature the runtime must
-    run) or the whole experts do not fit memory. The expert GEMMs, their memory and the TP all-reduce
-    change, not the per-layer trade-offs the ILP makes."""
+    run) or the whole experts do not fit memory; not without EP where `Constraints.experts_rewritten`
+    rules the model's own expert code out. The expert GEMMs, their memory and the TP all-reduce change,
+    not the per-layer trade-offs the ILP makes."""
     config = cand.config
     if search.constraints.expert_tp is not None or config.expert_tp == 1:
+        return
+    if search.constraints.experts_rewritten and config.ep == 1:  # whole without EP: the model's own code
         return
     assert cand.solution is not None and cand.solution.assignment is not None and cand.latency_s is not None
     tables = _price(search, dataclasses.replace(config, expert_tp=1)).tables
