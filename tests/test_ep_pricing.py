@@ -33,7 +33,7 @@ from costmodels.expert_parallel import (
 from planner.cli.main import main
 from planner.cli.render import options_text
 from planner.cli.workflow import prepare
-from planner.errors import InputError
+from planner.errors import InfeasibleError, InputError
 from planner.export import export_plan
 from planner.plan import DataParallel, MeshShape, Plan, Workload
 from planner.solver.costing import (
@@ -206,6 +206,19 @@ def test_a_forward_of_experts_the_model_runs_itself_holds_the_gathered_weights_o
     assert copies < transient_bytes(forward) < 1.05 * copies
     split = _ctx(s, MeshShape(1, 1, 2), ep=2, kind="forward", batch=2, seq=64)
     assert split.experts_rewritten and transient_bytes(split) < copies / 1000
+
+
+def test_whole_experts_that_do_not_fit_name_the_expert_pass_in_the_refusal() -> None:
+    """Training with --ep 1 --expert-tp 1: gpt-fast Mixtral's own experts gather an expert matrix per token
+    and choice, hundreds of GiB per MoE layer and micro-batch, which no mesh holds; the refusal names the
+    expert pass first, with that size (it suggested only more devices and micro-batches)."""
+    with pytest.raises(InfeasibleError) as e:
+        plan_model(
+            _mixtral(), load_cluster("h100-ib-128node"), WorkloadSpec("train", 256, 4096, dtype="bf16"),
+            Constraints(max_devices=64, ep=1, expert_tp=1),
+        )  # fmt: skip
+    assert "would fit: the expert pass (--ep, or --expert-tp with --tp)" in str(e.value)
+    assert re.search(r"hold \d+\.\d GiB per micro-batch \(an expert matrix gathered", str(e.value))
 
 
 def test_a_pinned_ep_that_cannot_run_is_refused_in_one_line_naming_both_numbers() -> None:

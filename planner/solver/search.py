@@ -97,6 +97,7 @@ from planner.solver.costing import (
     experts_not_swiglu,
     fsdp_transient_bytes,
     gqa_kv_replicated,
+    graph_expert_node_bytes,
     interleaved_chunks,
     layer_keys,
     layer_projection_ops,
@@ -1411,6 +1412,17 @@ def _infeasible(search: _Search) -> InfeasibleError:
         nodes = math.ceil(devices_needed / per_node)
         hints.append(
             f"about {nodes * per_node} devices ({nodes} nodes of {per_node}, e.g. {across} across them)"
+        )
+    ctx = closest.tables.ctx
+    experts = max(
+        (sum(graph_expert_node_bytes(layer, ctx)) for layer in search.structure.layers), default=0.0
+    )  # one MoE layer's expert GEMMs as the model's own code runs them (0 where the expert pass does)
+    if experts > 0.25 * search.cap_bytes:
+        hints.insert(
+            0,
+            f"the expert pass (--ep, or --expert-tp with --tp): on {mesh.label()} the model's own expert code "
+            f"runs (no expert parallelism, experts whole) and one MoE layer's expert GEMMs hold "
+            f"{experts / _GIB:.1f} GiB per micro-batch (an expert matrix gathered per token and choice)",
         )
     if search.workload.kind is Workload.TRAIN:
         # weights, gradients and Adam state (mixed precision) of one rank, before any activation
