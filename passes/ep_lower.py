@@ -38,7 +38,14 @@ import torch.fx as fx
 
 from passes.collectives import tp_all_gather, tp_all_reduce, tp_reduce_scatter, tp_sequence_gather
 from passes.context_parallel import cp_gather
-from passes.expert_parallel import ep_moe, ep_moe_replicated, expert_shard, local_experts, reset_loads
+from passes.expert_parallel import (
+    ep_moe,
+    ep_moe_replicated,
+    expert_shard,
+    input_scale_weights,
+    local_experts,
+    reset_loads,
+)
 from planner.errors import InputError
 from planner.frontend.analysis import ModelStructure
 from planner.frontend.capture import uncast
@@ -167,6 +174,20 @@ def _rewrite_block(
             f"expert parallelism: the expert ids and combine weights ({tokens}, {moe.top_k}) of {where} were "
             "not found before its combine; plan it with --ep 1"
         )
+    if moe.input_scale is not None:  # Llama 4: the routing weights scale the chosen experts' input rows
+        if moe.input_scale not in nodes:
+            raise InputError(
+                f"expert parallelism: {where}'s input scale {moe.input_scale} is not in the graph"
+            )
+        with graph.inserting_before(combine):
+            weights = graph.call_function(
+                input_scale_weights, (nodes[moe.input_scale], ids, moe.num_experts, where)
+            )
+        weights.meta["val"] = ids.meta["val"].to(nodes[moe.input_scale].meta["val"].dtype)
+        for key in ("tp_placement", "cp_placement"):
+            if key in ids.meta:
+                weights.meta[key] = ids.meta[key]
+    scaled = moe.input_scale is not None
     combined = combine.meta.get("tp_placement", "Replicate()")
     if rows_sharded and (
         any(n.meta.get("tp_placement") != "Shard(0)" for n in (ids, weights))
@@ -199,13 +220,25 @@ def _rewrite_block(
             up = _local_weight(gm, by_role[Role.EXPERT_UP], mine, ep, ep_rank, shards, tp_spec)
         down = _local_weight(gm, by_role[Role.EXPERT_DOWN], mine, ep, ep_rank, shards, tp_spec)
         if fold == "tp":
-            args = (x, ids, weights, gate, up, down, moe.num_experts, "tp", moe.module_path)
+            args = (x, ids, weights, gate, up, down, moe.num_experts, "tp", moe.module_path, scaled)
             out = graph.call_function(ep_moe_replicated, args)
         elif rows_sharded:  # the experts' f and g are the gathers and the reduce-scatter
             rows = graph.call_function(tp_sequence_gather, (x, 0, "tp"))
             all_ids = graph.call_function(tp_all_gather, (ids, 0, "tp"))
             all_weights = graph.call_function(tp_sequence_gather, (weights, 0, "tp"))
-            args = (rows, all_ids, all_weights, gate, up, down, moe.num_experts, AXIS, moe.module_path, None)
+            args = (
+                rows,
+                all_ids,
+                all_weights,
+                gate,
+                up,
+                down,
+                moe.num_experts,
+                AXIS,
+                moe.module_path,
+                None,
+                scaled,
+            )
             partial = graph.call_function(operator.getitem, (graph.call_function(ep_moe, args), 0))
             # back to the rows of this rank where the model's combine kept them (the TP pass may have
             # gathered them, as for an `index_add` into zeros of the whole batch's literal shape)
@@ -219,7 +252,7 @@ def _rewrite_block(
             # tokens, and the runtime sums their gradients over them with the expert data-parallel ones,
             # once a step (`Plan.experts_on_sequence_shard`, `runtime.mesh.ep_ranks`)
             shard_rows = fold == "dp" and placement == "Shard(0)"
-            args = (x, ids, weights, gate, up, down, moe.num_experts, AXIS, moe.module_path, tp_axis)
+            args = (x, ids, weights, gate, up, down, moe.num_experts, AXIS, moe.module_path, tp_axis, scaled)
             out = graph.call_function(operator.getitem, (graph.call_function(ep_moe, args), 0))
             if shard_rows and combined == "Replicate()":
                 # the model's combine was whole (the TP pass gathered into it, `MoE.combine_into_new`):

@@ -117,6 +117,27 @@ def _experts(
     return out[torch.argsort(order)], counts
 
 
+def input_scale_weights(
+    scale: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, where: str = ""
+) -> torch.Tensor:
+    """The (N, k) weights of each token's chosen experts read from a scale of the experts' input rows
+    (`MoE.input_scale`: E x N elements, expert-major, Llama 4's sigmoid of the scattered top-k logits),
+    scale[e, n] for the k experts e token n chose. The expert pass runs only those: RuntimeError when a
+    token's input to an expert it did not choose is scaled by anything but 0 (that expert's output would
+    then count in the model's sum). Differentiable in ``scale``."""
+    n, _ = topk_ids.shape
+    table = scale.reshape(num_experts, n).t()  # (N, E)
+    chosen = table.gather(1, topk_ids)  # (N, k)
+    rest = table.detach().scatter(1, topk_ids, 0.0)
+    if bool(rest.ne(0).any()):
+        raise RuntimeError(
+            f"expert parallelism: {where or 'a MoE block'} scales the tokens of experts they did not choose by "
+            "values other than 0, so every expert contributes and the expert pass, which runs the chosen ones "
+            "only, would compute other outputs; plan it with --ep 1 --expert-tp 1"
+        )
+    return chosen
+
+
 def ep_moe(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -128,6 +149,7 @@ def ep_moe(
     axis: str,
     label: str = "",
     tp_axis: str | None = None,
+    scale_input: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A dropless MoE layer with the experts split over the EP ranks of `axis` (module docstring).
     tp_axis: expert tensor parallelism: the weights are this TP rank's 1/tp of every expert's width
@@ -139,7 +161,8 @@ def ep_moe(
     topk_weights: (N, k) the router's weights; w_gate, w_up: (E_l, I, C), w_down: (E_l, C, I) this
     rank's E_l = num_experts / ep experts (SwiGLU). Returns ((N, C) output, (E_l,) rows each local
     expert computed; also kept under `label` for `last_loads`). Differentiable in x, topk_weights and the
-    weights. ValueError when the EP size
+    weights. scale_input: the weights scale each chosen expert's input rows and the outputs are summed
+    unweighted (`MoE.input_scale`, Llama 4), instead of weighing the outputs. ValueError when the EP size
     does not divide num_experts or the local weights are not E / ep experts."""
     group, size, experts = _local(axis, num_experts, w_gate)
     if tp_axis is not None:
@@ -151,6 +174,8 @@ def ep_moe(
     order = torch.argsort(ids, stable=True)  # assignments sorted by expert: contiguous per rank
     token = torch.arange(n, device=x.device).repeat_interleave(k)[order]
     rows = x[token]  # (N k, C)
+    if scale_input:
+        rows = rows * topk_weights.reshape(-1)[order].unsqueeze(-1).to(rows.dtype)
     per_expert = torch.bincount(ids, minlength=num_experts)  # rows this rank sends to each expert
     if size == 1:
         out_rows, counts = _experts(rows, ids[order], w_gate, w_up, w_down)
@@ -168,7 +193,11 @@ def ep_moe(
         out_rows = _exchange(computed, send_splits, recv_splits, group)
     if label:
         _LOADS[label] = counts.tolist()
-    weighted = out_rows * topk_weights.reshape(-1)[order].unsqueeze(-1).to(out_rows.dtype)
+    weighted = (
+        out_rows
+        if scale_input
+        else out_rows * topk_weights.reshape(-1)[order].unsqueeze(-1).to(out_rows.dtype)
+    )
     out = x.new_zeros((n, w_down.shape[1])).index_add(0, token, weighted)
     if tp_axis is not None:
         from passes.collectives import tp_all_reduce  # noqa: PLC0415
@@ -187,14 +216,15 @@ def ep_moe_replicated(
     num_experts: int,
     axis: str,
     label: str = "",
+    scale_input: bool = False,
 ) -> torch.Tensor:
     """A MoE layer with the experts split over ranks that hold the same tokens (the TP ranks, whose
     stream is replicated: vLLM's `--enable-expert-parallel` at data-parallel size 1): each rank runs its
     experts on every token routed to them, weighs and sums their outputs into an (N, C) partial result,
     and one all-reduce over `axis` adds the ranks' parts. No token moves. Shapes as `ep_moe`; returns
-    the (N, C) output. Under autograd x and topk_weights enter through `tp_copy` (their gradients are
-    partial on each rank and summed over the axis), and the all-reduce's backward is the identity
-    (Megatron's f and g, `passes.collectives`)."""
+    the (N, C) output (scale_input as `ep_moe`'s). Under autograd x and topk_weights enter through
+    `tp_copy` (their gradients are partial on each rank and summed over the axis), and the all-reduce's
+    backward is the identity (Megatron's f and g, `passes.collectives`)."""
     from passes.collectives import tp_all_reduce, tp_copy  # noqa: PLC0415 - same package, no cycle
 
     group, size, experts = _local(axis, num_experts, w_gate)
@@ -204,9 +234,15 @@ def ep_moe_replicated(
     mine = (ids >= experts.start) & (ids < experts.stop)
     picked = torch.arange(n * k, device=x.device)[mine]  # static-free indexing: runs eagerly only
     token = picked // k
-    out_rows, counts = _experts(x[token], ids[picked] - experts.start, w_gate, w_up, w_down)
+    rows = x[token]
+    if scale_input:
+        rows = rows * topk_weights.reshape(-1)[picked].unsqueeze(-1).to(rows.dtype)
+    out_rows, counts = _experts(rows, ids[picked] - experts.start, w_gate, w_up, w_down)
     if label:
         _LOADS[label] = counts.tolist()
-    weighted = out_rows * topk_weights.reshape(-1)[picked].unsqueeze(-1).to(out_rows.dtype)
+    if scale_input:
+        weighted = out_rows
+    else:
+        weighted = out_rows * topk_weights.reshape(-1)[picked].unsqueeze(-1).to(out_rows.dtype)
     partial = x.new_zeros((n, w_down.shape[1])).index_add(0, token, weighted)
     return tp_all_reduce(partial, axis)

@@ -507,6 +507,9 @@ class Plan:
     # the shared experts' output scaled by a sigmoid gate of one output per token (`MoE.shared_expert_gate`;
     # None: unknown, a plan written before this field)
     moe_shared_expert_gate: bool | None = None
+    # the routing weights scale the experts' inputs, not weigh their outputs (`MoE.input_scale`, Llama 4;
+    # Megatron-Core's --moe-apply-probs-on-input); None: unknown, a plan written before this field
+    moe_probs_on_input: bool | None = None
     # parameters of the model the plan was made for (0: a plan written before this field): `planner run`
     # refuses a model file whose parameter count differs (it changed since planning)
     model_params: int = 0

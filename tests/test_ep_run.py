@@ -10,7 +10,8 @@ Face Mixtral, 4 stacked experts with a fused gate-and-up weight). One job runs w
 gradients averaged over the EP ranks like the dense ones (wrong): its check must fail. The two-rank
 launch also trains the planner's own tp=2 plan of tests/models/hf_deepseek_v3.py (Hugging Face
 DeepSeek-V3: latent attention split by heads, experts split over TP, the vocabulary split with a pad
-token in the second rank's half).
+token in the second rank's half), and Hugging Face Llama 4 (tests/models/hf_llama4.py: the routing
+scores scale the experts' inputs) at EP 2 over dp, EP 2 over TP and experts split over TP.
 """
 
 from __future__ import annotations
@@ -139,6 +140,15 @@ FOUR_RANK = {
     ),
     "pp2_ep2_modulelist": (MODULELIST, dict(tp=1, dp=2, ep=2, pp=2, m=2)),
     "pp2_ep2_mixtral": (MIXTRAL, dict(tp=1, dp=2, ep=2, pp=2, m=2)),
+}
+# Llama 4 (Hugging Face): each token scaled by its routing score before the experts, which run on every
+# token; the pass scales the chosen experts' input rows instead of weighing their outputs
+# (`MoE.input_scale`): EP over dp, EP over the TP ranks, experts split over TP
+LLAMA4 = "hf_llama4.py"
+TWO_RANK |= {
+    "ep2_llama4": (LLAMA4, dict(tp=1, dp=2, ep=2, seq=16)),
+    "ep2_over_tp2_llama4": (LLAMA4, dict(tp=2, dp=1, ep=2, ep_fold="tp", seq=16)),
+    "expert_tp2_llama4": (LLAMA4, dict(tp=2, dp=1, ep=1, expert_tp=2, seq=16)),
 }
 WRONG = {"ep2_averaged": (MODULELIST, dict(tp=1, dp=2, ep=2))}
 DEEPSEEK = "hf_deepseek_v3.py"

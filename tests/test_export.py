@@ -854,6 +854,27 @@ def test_megatron_routes_a_top2_softmax_moe_with_its_shared_expert():
     assert any("moe_shared_expert_gate" in w for w in _megatron_argv(plan)[1])
 
 
+def test_megatron_applies_llama4s_routing_weights_to_the_experts_inputs():
+    """Llama 4 scales each token by its routing weight before the experts (`MoE.input_scale`):
+    --moe-apply-probs-on-input, which Megatron-Core runs at top-1 (Llama 4's); the plan records it."""
+    from tests.models import hf_llama4  # noqa: PLC0415
+
+    model = hf_llama4.build_model().to("meta")
+    _, structure = capture_for_planning(model, hf_llama4.example_inputs(4, 16), hf_llama4.example_kwargs())
+    cluster = load_cluster(str(MODELS / "fastlink.yaml"), nproc=2)
+    plan = plan_model(structure, cluster, WorkloadSpec("train", 4, 16), Constraints(tp=1, pp=1))
+    assert plan.moe_probs_on_input and plan.moe_top_k == 1
+    argv, warnings = _megatron_argv(plan)
+    assert "--moe-apply-probs-on-input" in argv and not any("probs-on-input" in w for w in warnings)
+    assert Plan.from_dict(plan.to_dict()).moe_probs_on_input
+    with torch.device("meta"):
+        plain = tiny_moe_modulelist.build_model()
+    assert (
+        "--moe-apply-probs-on-input"
+        not in _megatron_argv(_moe_plan(plain, tiny_moe_modulelist.example_inputs(4, 16)))[0]
+    )
+
+
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])
 def test_megatron_weighs_the_chosen_experts_as_the_model_does(score):
     """A router that weighs each of its k chosen experts by its score over all experts as it is (not

@@ -21,6 +21,7 @@ from torch import nn
 from transformers import MixtralConfig, MixtralForCausalLM
 
 from costmodels.cluster import load_cluster
+from passes import expert_parallel
 from planner.cli.workflow import constraints_from, make_plan, prepare
 from planner.errors import InputError
 from planner.frontend.analysis import ModelStructure, Role, analyse
@@ -438,16 +439,28 @@ def test_a_router_computed_in_fp32_is_found_in_bf16(dtype):
     assert all(layer.moe.not_lowerable == "" and layer.moe.top_k == 2 for layer in structure.layers)
 
 
-def test_experts_reading_tokens_scaled_by_the_routing_weights_are_not_lowered():
-    """Llama 4 scales each token by its routing score before the experts; the EP / expert-TP rewrite
-    weighs the experts' outputs, which differs (SwiGLU is not linear in that score): at TP 2 the split
-    experts and EP over TP computed other outputs (0.058 off). The block is found, not lowerable."""
+def test_experts_reading_tokens_scaled_by_the_routing_weights_are_lowered_with_the_scale_on_their_inputs():
+    """Llama 4 scales each token by its routing score before the experts (every expert on every token,
+    the score 0 for those it did not choose) and sums their outputs unweighted: the block is lowerable
+    with that scale (`MoE.input_scale`, E x N elements), which the expert pass applies to the chosen
+    experts' input rows (weighing their outputs instead computed other outputs: 0.058 off at TP 2; the
+    runs are in tests/test_ep_run.py). A scale that is not 0 for an expert a token did not choose is
+    refused when the pass reads it: every expert would count."""
     from tests.models import hf_llama4  # noqa: PLC0415
 
     model = hf_llama4.build_model().to("meta")
     structure = analyse(capture(model, hf_llama4.example_inputs(), hf_llama4.example_kwargs()))
-    reasons = [layer.moe.not_lowerable for layer in structure.layers if layer.moe is not None]
-    assert len(reasons) == 2 and all("scaled by the routing weights" in r for r in reasons), reasons
+    blocks = [layer.moe for layer in structure.layers if layer.moe is not None]
+    assert len(blocks) == 2 and all(m.not_lowerable == "" and m.input_scale for m in blocks)
+    tokens = 2 * 16
+    scale = torch.zeros(4, tokens)  # (E, N), expert-major as Llama 4 lays it out
+    ids = torch.tensor([[t % 4] for t in range(tokens)])
+    scale[ids[:, 0], torch.arange(tokens)] = torch.rand(tokens)
+    chosen = expert_parallel.input_scale_weights(scale.reshape(-1, 1), ids, 4)
+    assert torch.equal(chosen[:, 0], scale[ids[:, 0], torch.arange(tokens)])
+    scale[(ids[:, 0] + 1) % 4, torch.arange(tokens)] = 0.5  # a softmax over all experts, say
+    with pytest.raises(RuntimeError, match="did not choose"):
+        expert_parallel.input_scale_weights(scale.reshape(-1, 1), ids, 4, "layers.0")
 
 
 def test_a_router_that_picks_experts_without_a_top_k_is_named_and_kept_a_router():

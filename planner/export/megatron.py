@@ -43,6 +43,7 @@ the dataclass fields it turns into options: `ModelParallelConfig`, `TransformerC
 | moe_expert_intermediate_size           | --moe-ffn-hidden-size                                              |
 | moe_shared_intermediate_size (> 0)     | --moe-shared-expert-intermediate-size (0, no shared expert: none)  |
 | moe_shared_expert_gate                 | a warning: set Megatron-Core's moe_shared_expert_gate              |
+| moe_probs_on_input (Llama 4)           | --moe-apply-probs-on-input (top-1 only in Megatron: else a warning)|
 |   each unknown (0, "", None)           | none, a warning naming the option to set                           |
 | ep > 1                                 | --moe-token-dispatcher-type alltoall (dropless, as the runtime's)  |
 | moe_capacity_factor                    | --moe-expert-capacity-factor                                       |
@@ -333,6 +334,13 @@ def _routing_args(plan: Plan, warnings: list[str]) -> list[str]:
         )
     elif plan.moe_shared_intermediate_size:
         args += ["--moe-shared-expert-intermediate-size", str(plan.moe_shared_intermediate_size)]
+    if plan.moe_probs_on_input:
+        args.append("--moe-apply-probs-on-input")  # Llama 4: the routing weights scale the experts' inputs
+        if plan.moe_top_k != 1:
+            warnings.append(
+                f"the model scales the experts' inputs by its routing weights at top-{plan.moe_top_k}; "
+                "Megatron-Core's --moe-apply-probs-on-input requires --moe-router-topk 1 and refuses the run"
+            )
     if plan.moe_shared_intermediate_size and plan.moe_shared_expert_gate:
         warnings.append(
             "the model scales its shared expert's output by a sigmoid gate of one output per token (Qwen2-MoE's "

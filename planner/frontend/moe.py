@@ -148,6 +148,12 @@ class MoE:
     # down(silu(gate x) * up x) weighed by the routing weights, would compute something else for this
     # block ("": it computes the same; `not_lowerable`)
     not_lowerable: str = ""
+    # a routed tensor of E x N elements, expert-major, that scales the tokens every expert reads before its
+    # first projection, where the experts run on every token and their outputs are summed unweighted
+    # (Llama 4: `hidden.repeat(E, 1) * sigmoid(scores scattered at the top-k).T.reshape(-1, 1)`, zero for
+    # the experts a token does not choose): the expert pass scales each chosen expert's input rows by it
+    # instead of weighing its outputs (`input_scale`); None: the routing weights weigh the outputs
+    input_scale: str | None = None
     num_groups: int = 1  # group-limited routing: expert groups (1: none)
     topk_groups: int = 1  # ... and the groups each token may choose from
     # whether each token's k routing weights are renormalised to sum to 1 before they weigh the experts
@@ -305,7 +311,8 @@ def find_moe(
     after_gemms = set().union(*(_reach(node_of[g], names, lambda n: n.users) for g in gemm_names))
     dispatch = [n for n in region if n in before_firsts and n not in after_gemms | set(gathers) | gemm_names]
     score, bias, groups = _routing(router_node, topk, node_of, names, num_experts, router.bias)
-    unlowerable = not_lowerable(experts, node_of, names, topk, combine)
+    scale = input_scale(experts, node_of, names, topk, num_experts * tokens)
+    unlowerable = not_lowerable(experts, node_of, names, topk, combine, scale)
     rows = uncast(router_node.args[0]).meta.get("val") if isinstance(router_node.args[0], fx.Node) else None
     if not unlowerable and isinstance(rows, torch.Tensor) and rows.dim() != 2:
         # the expert pass exchanges (tokens, H) rows and their (tokens, k) choices
@@ -331,6 +338,7 @@ def find_moe(
         topk_groups=groups[1],
         renormalised=score is ScoreFunction.SOFTMAX_AFTER_TOPK or _renormalised(topk, node_of, names),
         not_lowerable=unlowerable,
+        input_scale=scale,
         combine_into_new=combine_into_new(combine),
     )
     return MoEFinding(moe, [p for group in listed for p in group], None)
@@ -382,15 +390,58 @@ _PRODUCTS = frozenset({"aten.mul", "aten.einsum", "aten.bmm", "aten.matmul", "at
 _ZEROS = frozenset({"aten.zeros", "aten.new_zeros", "aten.zeros_like", "aten.empty", "aten.new_empty"})
 
 
+def input_scale(
+    experts: list[ExpertWeight], node_of: dict[str, fx.Node], names: set[str], topk: fx.Node, numel: int
+) -> str | None:
+    """`MoE.input_scale`: the routed floating operand, of ``numel`` = E x N elements, of a product that
+    scales the tokens before the experts' first projections, where the tokens are every expert's (their
+    rows repeated E times, expert-major: `aten.repeat`) and the experts are stacked weights read whole
+    (Llama 4's bmm over all experts); None otherwise (a scale read per choice is not recognised)."""
+    if any(not w.stacked for w in experts):
+        return None
+    gemms = {n for w in experts for n in w.nodes}
+    firsts = [n for w in experts if w.role is not Role.EXPERT_DOWN for n in w.nodes]
+    after_gemms = set().union(*(_reach(node_of[g], names, lambda n: n.users) for g in gemms)) | gemms
+    routed = _reach(topk, names, lambda n: n.users) - after_gemms
+    before_firsts = set().union(*(_reach(node_of[g], names, lambda n: n.all_input_nodes) for g in firsts))
+    found = None
+    for name in sorted(before_firsts - gemms, key=list(node_of).index):
+        node = node_of[name]
+        if op_name(node.target) not in _PRODUCTS | {"aten.div"}:
+            continue
+        args = [a for a in node.args[:2] if isinstance(a, fx.Node)]
+        scales = [a for a in args if a.name in routed and a.meta["val"].is_floating_point()]
+        if not scales:
+            continue
+        tokens = [a for a in args if a not in scales]
+        if (
+            found is not None
+            or op_name(node.target) != "aten.mul"
+            or len(scales) != 1
+            or scales[0].meta["val"].numel() != numel
+            or len(tokens) != 1
+            or op_name(tokens[0].target) != "aten.repeat"
+        ):
+            return None
+        found = scales[0].name
+    return found
+
+
 def not_lowerable(
-    experts: list[ExpertWeight], node_of: dict[str, fx.Node], names: set[str], topk: fx.Node, combine: fx.Node
+    experts: list[ExpertWeight],
+    node_of: dict[str, fx.Node],
+    names: set[str],
+    topk: fx.Node,
+    combine: fx.Node,
+    scale: str | None = None,
 ) -> str:
     """`MoE.not_lowerable`: why the experts are not plain SwiGLU MLPs weighed by the routing weights
     ("" when they are), what the expert-parallel rewrite replaces them with: projections with biases,
     anything between the gate / up projections and the down projection but SiLU, the gate-times-up
     product and views (GPT-OSS's clamps, a scaled activation), and anything between the down projection
     and the combine but the routing weights' product and the accumulation of rows (a constant scale, a
-    learned per-expert scale, another activation)."""
+    learned per-expert scale, another activation). A scale of the tokens before the experts is one only
+    where it is `input_scale`'s (``scale``), which the rewrite applies to the chosen experts' rows."""
     if any(w.biases for w in experts):
         return "the experts' projections have biases"
     downs = {n for w in experts if w.role is Role.EXPERT_DOWN for n in w.nodes}
@@ -424,7 +475,10 @@ def not_lowerable(
     for name in sorted(before_firsts - gemms, key=list(node_of).index):
         node = node_of[name]
         if op_name(node.target) in _PRODUCTS | {"aten.div"} and any(
-            isinstance(a, fx.Node) and a.name in routed and a.meta["val"].is_floating_point()
+            isinstance(a, fx.Node)
+            and a.name in routed
+            and a.meta["val"].is_floating_point()
+            and a.name != scale
             for a in node.args[:2]
         ):
             return f"the experts read their tokens scaled by the routing weights ({user_line(node) or name})"

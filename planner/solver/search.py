@@ -1613,6 +1613,9 @@ def _plan_of(search: _Search, priced: PricedAssignment, model_name: str, solver:
         moe_shared_expert_gate=agreed(
             (layer.moe.shared_expert_gate for layer in s.layers if layer.moe), None
         ),
+        moe_probs_on_input=agreed(
+            (layer.moe.input_scale is not None for layer in s.layers if layer.moe), None
+        ),
         token_model=s.token_model,
         unpriced_ops=s.unknown_ops,
         model_params=int(s.num_params),
