@@ -117,6 +117,9 @@ def _experts(
     return out[torch.argsort(order)], counts
 
 
+_SCALES_CHECKED: set[str] = set()  # blocks whose unchosen experts' input scales were checked to be 0
+
+
 def input_scale_weights(
     scale: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, where: str = ""
 ) -> torch.Tensor:
@@ -124,10 +127,13 @@ def input_scale_weights(
     (`MoE.input_scale`: E x N elements, expert-major, Llama 4's sigmoid of the scattered top-k logits),
     scale[e, n] for the k experts e token n chose. The expert pass runs only those: RuntimeError when a
     token's input to an expert it did not choose is scaled by anything but 0 (that expert's output would
-    then count in the model's sum). Differentiable in ``scale``."""
+    then count in the model's sum), checked on the first call for each block (``where``). Differentiable in
+    ``scale``."""
     n, _ = topk_ids.shape
     table = scale.reshape(num_experts, n).t()  # (N, E)
     chosen = table.gather(1, topk_ids)  # (N, k)
+    if where in _SCALES_CHECKED:  # the zeros are the model's structure: checked on a block's first call
+        return chosen  # only, not synchronising a GPU's stream at every layer of every step
     rest = table.detach().scatter(1, topk_ids, 0.0)
     if bool(rest.ne(0).any()):
         raise RuntimeError(
@@ -135,6 +141,7 @@ def input_scale_weights(
             "values other than 0, so every expert contributes and the expert pass, which runs the chosen ones "
             "only, would compute other outputs; plan it with --ep 1 --expert-tp 1"
         )
+    _SCALES_CHECKED.add(where)
     return chosen
 
 
