@@ -52,7 +52,7 @@ from runtime.data_parallel import (
 from runtime.job import RankReport, RankSetup, ReferenceFiles, RunJob, set_up_rank, time_steps
 from runtime.launch import RankContext, report_progress
 from runtime.loss import full_shape, gathered_output, loss_layout, output_loss
-from runtime.measure import current_memory_bytes, process_peak_memory_bytes
+from runtime.measure import current_memory_bytes, heap_in_use_bytes, process_peak_memory_bytes
 from runtime.numerics import all_outputs, replica_share
 from runtime.pipeline_run import run_pipeline_rank
 from runtime.profile import profile_layers
@@ -81,6 +81,7 @@ def run_rank(ctx: RankContext, job: RunJob) -> RankReport:
     """Per-rank entry: lower, load shards, check, time. See the module docstring. Raises on any
     failure (the launcher turns it into a RunError naming this rank)."""
     startup_bytes = current_memory_bytes(ctx.device)
+    startup_heap = heap_in_use_bytes() if ctx.device.type == "cpu" else None
     report_progress("lowering the plan, loading this rank's shards, checking numerics", None)
     setup = set_up_rank(ctx, job)
     with shared_reference(ctx, job) as reference:
@@ -90,6 +91,7 @@ def run_rank(ctx: RankContext, job: RunJob) -> RankReport:
         else:
             report = _run_sharded_rank(ctx, job, setup, reference)
     report.startup_memory_bytes = startup_bytes
+    report.startup_heap_bytes = startup_heap
     report.peak_memory_bytes = process_peak_memory_bytes(ctx.device)
     if job.weights:
         report.notes.append(
@@ -235,11 +237,15 @@ def _training_step(
             shape = full_shape(tuple(out[0].shape), layout)
             part_target = replica_share(target_full, shape, plan.dp * m, groups.dp_rank * m + i)
             assert part_target is not None, "output 0 is a share of the unsharded output (checked below)"
+            # its own memory: a view would keep the whole batch's target (dp x m of this one) through the
+            # timed steps, which the plan does not price
+            part_target = part_target.clone() if part_target is not target_full else part_target
             targets.append(part_target)
             part_loss = output_loss(out[0], part_target, layout) / m
             part_loss.backward()
             loss = part_loss.detach() if loss is None else loss + part_loss.detach()
             del out, first, part_loss
+        del target_full
         replica_outs = _joined(kept, want, plan.dp * m)
         if replica_outs is not None:
             compare_outputs(replica_outs, want, reference, setup, report)

@@ -20,7 +20,7 @@ from planner.frontend.modelfile import ModelFile, load_model_file
 from planner.plan import DataParallel, Plan
 from runtime.data_parallel import args_share
 from runtime.launch import RankContext, report_progress
-from runtime.measure import time_iterations
+from runtime.measure import heap_peak_bytes, time_iterations
 from runtime.mesh import DP_AXES, RankGroups, build_rank_groups
 from runtime.numerics import output_tolerance_scale, tolerance_for
 from runtime.run_mode import cast_inputs, check_dtype_runs, check_plan_runs
@@ -99,6 +99,10 @@ class RankReport:
     startup_memory_bytes: int = (
         0  # memory held when the rank started, before any model tensor (runtime, libraries)
     )
+    # CPU with glibc: the heap in use at its highest over one untimed step after the timed ones, and at
+    # the rank's start (`runtime.measure.heap_peak_bytes`, `heap_in_use_bytes`); None elsewhere
+    heap_peak_bytes: int | None = None
+    startup_heap_bytes: int | None = None
     ladder_deviation: float | None = None  # relative L2 of laddered vs original outputs
     pipeline_schedule: str | None = None  # pp > 1: the torch.distributed.pipelining schedule class run
     steps_per_sample: int = 1  # > 1: each latency sample is the mean of that many back-to-back steps
@@ -311,6 +315,8 @@ def summarise(reports: list[RankReport]) -> dict[str, Any]:
             "startup_memory_bytes": max(r.startup_memory_bytes for r in reports),  # of it: before the model
             "per_rank_peak_memory_bytes": [r.peak_memory_bytes for r in reports],
             "per_rank_startup_memory_bytes": [r.startup_memory_bytes for r in reports],
+            # CPU: the heap in use at its highest in one step, above the rank's start (`RankReport`)
+            "heap_peak_bytes": _heap_above_startup(reports),
             # training: the state each rank holds (parameters, gradients, Adam) beside the cost model's
             "state_bytes": max((r.state_bytes for r in reports if r.state_bytes is not None), default=None),
             "predicted_state_bytes": max(
@@ -392,6 +398,17 @@ def record_probe(report: Any, probe: SpeedProbe) -> None:
     report.probe_samples = probe.samples
 
 
+def _heap_above_startup(reports: list[RankReport]) -> int | None:
+    """The largest heap in use over a step above the rank's start, over the ranks that measured it;
+    None when none did (CUDA, no glibc, a decode run)."""
+    above = [
+        r.heap_peak_bytes - r.startup_heap_bytes
+        for r in reports
+        if r.heap_peak_bytes is not None and r.startup_heap_bytes is not None
+    ]
+    return max(above) if above else None
+
+
 def time_steps(step: Callable[[], object], job: RunJob, device: torch.device, report: RankReport) -> None:
     """Time `step` as `job` asks (`runtime.measure.time_iterations`: warm-up, at least `job.iters`
     steps and `job.min_time_s` seconds) and record the samples, their median and the steps per sample
@@ -412,6 +429,9 @@ def time_steps(step: Callable[[], object], job: RunJob, device: torch.device, re
     )
     if probe is not None:
         record_probe(report, probe)
+    # one more step, untimed, whose heap in use is sampled after every op (CPU: the resident set keeps
+    # what the allocator freed, `runtime.measure`)
+    report.heap_peak_bytes = heap_peak_bytes(step, device)
     report.latency_samples_s = list(timing.samples_s)
     report.median_s = timing.median_s
     report.steps_per_sample = timing.steps_per_sample

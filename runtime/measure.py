@@ -11,6 +11,12 @@ weights and activations), on CPU the resident-set high-water mark (VmHWM in /pro
 `resource.getrusage(...).ru_maxrss`), which also holds torch's libraries and the process group
 (`current_memory_bytes` at the rank's start gives that part, reported beside it).
 
+On CPU the resident set also holds what glibc's allocator keeps after it was freed (its arenas: 100-180
+MiB above the live heap in 150-730 MiB training runs on this VM), so the run also measures the heap in
+use at its highest over one more step (`heap_peak_bytes`: glibc's `mallinfo2`, sampled after every
+aten op by a `TorchDispatchMode`), the tensors and whatever else is malloc'd, like CUDA's
+`max_memory_allocated`.
+
 A window: `reset_peak_memory` + `peak_memory_bytes` measure the peak of one section of code (on CUDA
 since the reset; on CPU the growth of VmHWM above its value at the reset, which resets VmHWM to the
 current RSS by writing "5" to /proc/self/clear_refs - after that the process's earlier peak is lost,
@@ -20,6 +26,9 @@ be reset, so only growth above the previous peak is seen.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import math
 import statistics
 import sys
@@ -30,6 +39,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from planner.errors import InputError
 from planner.progress import Progress, silent
@@ -282,3 +292,61 @@ def current_memory_bytes(device: torch.device) -> int:
     except OSError:
         pass
     return _cpu_high_water_bytes()
+
+
+class _MallInfo2(ctypes.Structure):
+    """glibc's `struct mallinfo2` (malloc.h, glibc >= 2.33): every field a size_t."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+                     "fordblks", "keepcost")
+    ]  # fmt: skip
+
+
+@functools.cache
+def _mallinfo2() -> Callable[[], _MallInfo2] | None:
+    """glibc's mallinfo2, or None where the C library has none (macOS, musl, glibc < 2.33)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        fn = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    return fn
+
+
+def heap_in_use_bytes() -> int | None:
+    """Bytes this process has malloc'd and not freed (glibc `mallinfo2`: uordblks, the arenas' chunks in
+    use, plus hblkhd, the mmap'd ones: large tensors), None where unavailable. Unlike the resident set it
+    drops when memory is freed."""
+    fn = _mallinfo2()
+    if fn is None:
+        return None
+    info = fn()
+    return int(info.uordblks + info.hblkhd)
+
+
+class _HeapPeak(TorchDispatchMode):
+    """Samples `heap_in_use_bytes` after every aten op run under it (forward, backward, optimizer and
+    collective ops alike); `peak` is the largest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.peak = heap_in_use_bytes() or 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's API
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, heap_in_use_bytes() or 0)
+        return out
+
+
+def heap_peak_bytes(fn: Callable[[], Any], device: torch.device) -> int | None:
+    """The most heap in use (`heap_in_use_bytes`) while ``fn()`` runs, sampled after every aten op: on a
+    CPU device with glibc; None otherwise (CUDA: `torch.cuda.max_memory_allocated` measures tensors
+    there). Every rank that shares collectives with this one must call it with the same ``fn``."""
+    if device.type != "cpu" or _mallinfo2() is None:
+        return None
+    with _HeapPeak() as mode:
+        fn()
+    return mode.peak

@@ -381,12 +381,12 @@ def test_fp32_gradients_are_a_plan_field_that_round_trips_prices_and_is_refused_
 
 
 def test_why_says_when_a_faster_style_was_kept_off_by_the_threshold() -> None:
-    """Llama-3-8B at 131k tokens on a node: a sharded style a little faster than the one chosen (under
+    """Llama-3-8B at 160k tokens on a node: a sharded style a little faster than the one chosen (under
     the 0.5% per level each asks more of the runtime) is named with its saving and the threshold, as
     the overlap rows say theirs (the table showed zero1 chosen beside a faster fsdp without a word)."""
     from planner.solver.problem import FEATURE_MIN_SAVING  # noqa: PLC0415
 
-    work = WorkloadSpec("train", 2, 131072, dtype="bf16")
+    work = WorkloadSpec("train", 1, 163840, dtype="bf16")
     plan = plan_model(analysed_llama("8b"), load_cluster("dgx-h100"), work, Constraints())
     why = next(d for d in plan.decisions if d.subject == "data-parallel")
     faster = [n for n, t in why.options.items() if t < why.options[why.chosen]]

@@ -13,6 +13,8 @@ from runtime.launch import RankContext, launch
 from runtime.measure import (
     Timing,
     current_memory_bytes,
+    heap_in_use_bytes,
+    heap_peak_bytes,
     peak_memory_bytes,
     process_peak_memory_bytes,
     reset_peak_memory,
@@ -102,6 +104,25 @@ def test_process_peak_memory_on_cpu_is_the_real_peak() -> None:
 
 
 @pytest.mark.slow
+def test_heap_peak_is_the_live_heap_at_its_highest_not_what_the_allocator_keeps() -> None:
+    """The heap in use (glibc mallinfo2) sampled after every op of a call: a 64 MiB temporary freed
+    inside it counts once at its peak, and is gone from the heap after, where the resident set's
+    high-water mark keeps it. None on a CUDA device (max_memory_allocated measures there)."""
+    if heap_in_use_bytes() is None:
+        pytest.skip("no glibc mallinfo2 here")
+    before = heap_in_use_bytes()
+
+    def step() -> None:
+        a = torch.ones(16 * _MiB // 4)  # 16 MiB, then 64 MiB beside it
+        b = torch.full((64 * _MiB // 4,), 2.0)
+        (a.sum() + b.sum()).item()
+
+    peak = heap_peak_bytes(step, _CPU)
+    assert peak is not None and 80 * _MiB <= peak - before < 120 * _MiB
+    assert heap_in_use_bytes() - before < 16 * _MiB  # freed: the heap drops, unlike the resident set
+    assert heap_peak_bytes(step, torch.device("cuda")) is None
+
+
 def test_measure_on_two_ranks() -> None:
     fast, slow = launch(_measure_all_reduce, None, 2, timeout_s=30)
     assert len(fast["timing"].samples_s) == len(slow["timing"].samples_s) == 5

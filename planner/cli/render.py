@@ -513,6 +513,13 @@ def render_run(console: Console, report: dict[str, Any]) -> None:
         f"{mem_ratio:.2f}" if mem_ratio else "-",
     )
     table.add_row("process peak memory / rank", "-", fmt_bytes(m["peak_memory_bytes"]), "-")
+    if heap := m.get("heap_peak_bytes"):  # CPU: the live heap, without what the allocator keeps freed
+        table.add_row(
+            "heap peak / rank, above start-up",
+            fmt_bytes(p["peak_memory_bytes"]),
+            fmt_bytes(heap),
+            f"{heap / p['peak_memory_bytes']:.2f}" if p["peak_memory_bytes"] else "-",
+        )
     if m.get("state_bytes") is not None and m.get("predicted_state_bytes"):
         # training: what the data-parallel style leaves on a rank, counted tensor by tensor
         table.add_row(
@@ -536,6 +543,12 @@ def render_run(console: Console, report: dict[str, Any]) -> None:
         console.print(
             f"measured peak memory is the rank process's real peak; {fmt_bytes(m['startup_memory_bytes'])} of it "
             "was held before the model (torch, the process group)"
+            + (
+                "; the heap row is glibc's heap in use (mallinfo2) at its highest over one more step, sampled "
+                "after every op: the resident set also keeps what the allocator freed"
+                if m.get("heap_peak_bytes")
+                else ""
+            )
         )
     diff = n["max_abs_diff"]
     console.print(

@@ -2114,6 +2114,11 @@ def build_ends_graph(ctx: CostContext) -> LayerGraph:
             if ctx.train:  # the loss over this rank's logits, and its fp32 logits kept for the backward
                 logits = tokens * head.out_features / shards
                 opt.activation_bytes += logits * 4.0
+                # the backward starts with the logits' gradient beside every stored activation, and the
+                # final norm keeps its input (a sequence shard under sequence parallelism)
+                opt.activation_bytes += logits * b + tokens * hidden * b / (
+                    tp if ctx.sequence_parallel else 1
+                )
                 opt.compute_s += loss_time_s(logits, ctx)
         if "colwise" in excluded:
             excluded["vocab"] = excluded.pop("colwise")
