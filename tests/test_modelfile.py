@@ -355,3 +355,21 @@ def test_inputs_too_large_for_memory_say_so_with_the_size_asked(tmp_path):
         "example_inputs(batch_size=100000000, seq_len=32) ran out of memory" in said and "(25.6 GB)" in said
     )
     assert "smaller --batch-size / --seq-len" in said and "enforce fail" not in said
+
+
+@pytest.mark.parametrize("model", ["gpt2_tiny.py", "hf_gpt2.py"])
+def test_a_sequence_longer_than_the_position_table_is_refused_at_planning(model):
+    """GPT-2's learned positions (`wpe`, 128 rows in both examples) looked up by `torch.arange(T)`: a
+    --seq-len past them planned without a word on meta tensors and the run stopped on an IndexError deep
+    in torch; it is refused naming the table's rows and the positions (HF counts from the cache's
+    length, 0 here: the offset is followed)."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from planner.cli import workflow  # noqa: PLC0415
+
+    path = str(Path(__file__).resolve().parent.parent / "examples" / model)
+    with pytest.raises(
+        InputError, match=r"has 128 rows \(positions 0-127\) but the model looks up positions up to 255"
+    ):
+        workflow.prepare(path, "forward", 1, 256)
+    assert workflow.prepare(path, "forward", 1, 128).structure.seq_len == 128

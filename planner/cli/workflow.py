@@ -34,7 +34,7 @@ from planner.cli.plan_checks import check_plan_fields as check_plan_fields  # re
 from planner.cli.plan_checks import plan_warnings as plan_warnings  # re-exported
 from planner.errors import InfeasibleError, InputError, RunError
 from planner.frontend.analysis import Layer, ModelStructure
-from planner.frontend.capture import input_batch_dims, lifted_constants_quiet, op_name
+from planner.frontend.capture import input_batch_dims, lifted_constants_quiet, op_name, user_line
 from planner.frontend.depth import capture_for_planning
 from planner.frontend.modelfile import ModelFile, load_model_file
 from planner.frontend.phases import build_for, decode_phase, plan_structure, prefill_phase
@@ -179,6 +179,7 @@ def _prepare(
     args, kwargs = model_file.inputs(batch_size, seq_len)
     model = model_file.build("meta")
     graph, structure = capture_for_planning(model, args, kwargs)
+    _check_position_tables(graph, model_path)
     if (batch_size, seq_len) == (structure.seq_len, structure.batch_size) and batch_size != seq_len:
         # the inputs are (seq, batch, ...) (nn.Transformer's default): the planner's batch is dim 0
         structure.batch_size, structure.seq_len = batch_size, seq_len
@@ -219,6 +220,58 @@ def _prepare(
     )
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
     return Prepared(model_file, structure, wl, shapes, graph)
+
+
+# ops between an `aten.arange` of positions and the embedding lookup it indexes that keep its values
+_POSITION_VIEWS = frozenset({
+    "aten.view", "aten.reshape", "aten._unsafe_view", "aten.unsqueeze", "aten.expand", "aten.slice",
+    "aten.clone", "aten.contiguous", "aten._to_copy", "aten.to", "aten.alias", "aten.squeeze",
+})  # fmt: skip
+
+
+def _check_position_tables(graph: torch.fx.GraphModule, model_path: str) -> None:
+    """A position-embedding table looked up by positions the graph counts with `aten.arange` (GPT-2's
+    `wpe(torch.arange(0, t))`) with fewer rows than those positions is refused at planning: on meta
+    tensors the lookup does not fail, and a run stopped on an IndexError deep in torch. Raises InputError
+    naming the table, its rows and the positions."""
+    params = dict(graph.named_parameters())
+    for node in graph.graph.nodes:
+        if node.op != "call_function" or op_name(node.target) != "aten.embedding":
+            continue
+        table, index, offset = node.args[0], node.args[1], 0
+        while isinstance(index, torch.fx.Node):  # through views and constant offsets (HF: past length 0)
+            name = op_name(index.target)
+            constants = [a for a in index.args[1:2] if isinstance(a, int) and not isinstance(a, bool)]
+            if name == "aten.add" and constants and isinstance(index.args[0], torch.fx.Node):
+                offset += constants[0]
+            elif name not in _POSITION_VIEWS:
+                break
+            index = index.args[0]
+        if not isinstance(index, torch.fx.Node) or op_name(index.target) != "aten.arange":
+            continue
+        numbers = [a for a in index.args if isinstance(a, int) and not isinstance(a, bool)]
+        if not numbers or len(numbers) > 2:  # positions counted otherwise, or with a step: leave them
+            continue
+        end = numbers[-1] + offset
+        rows = _table_rows(table, params)
+        if rows is not None and end > rows:
+            where = user_line(node) or node.name
+            raise InputError(
+                f"{model_path}: the position embedding at {where} has {rows} rows (positions 0-{rows - 1}) but "
+                f"the model looks up positions up to {end - 1} for these inputs: the sequence is longer than the "
+                f"model's positions; use --seq-len {rows} or less (or give the model a larger table)"
+            )
+
+
+def _table_rows(table: object, params: dict[str, torch.nn.Parameter]) -> int | None:
+    """Rows of an embedding's weight node (a lifted parameter or a get_attr), None if unknown."""
+    if not isinstance(table, torch.fx.Node):
+        return None
+    val = table.meta.get("val")
+    if isinstance(val, torch.Tensor) and val.dim() == 2:
+        return int(val.shape[0])
+    weight = params.get(str(table.target)) if table.op == "get_attr" else None
+    return int(weight.shape[0]) if weight is not None else None
 
 
 def _record_attention_dropout(
