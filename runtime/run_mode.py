@@ -197,6 +197,13 @@ def lowering_notes(plan: Plan, lowered: RankLowering, training: bool) -> list[st
         balance = (
             "two chunks per rank, one early and one late (load-balanced)" if cp.load_balance else "contiguous"
         )
+        if not cp.attention:  # every attention core was gathered whole: nothing ran context-parallel
+            notes.append(
+                f"context parallelism had no attention to split: the {plan.seq_len} tokens were cut over "
+                f"{cp.cp} ranks, but no attention op ran as context-parallel attention (each ran on the whole "
+                f"sequence on every rank after a gather: {', '.join(cp.fallbacks) or 'see the plan'}), so "
+                "--cp bought no memory or time here"
+            )
         notes.append(
             f"context parallelism applied: each sequence's {plan.seq_len} tokens split over {cp.cp} ranks "
             f"({plan.seq_len // cp.cp} per rank, {balance}); {len(cp.attention)} attention op(s) ran as "

@@ -320,3 +320,33 @@ def test_a_hand_written_attention_core_keeps_the_search_off_cp_and_a_pin_still_p
     assert rc == 0 and "excluded: cp>1: the attention at manual_attention.py:" in out, out
     assert "written by hand" in out
     assert main([*common, "--seq-len", "64", "--cp", "2"]) == 0, capsys.readouterr().err
+
+
+def test_a_sequence_first_model_is_told_why_context_parallelism_cannot_split_it(tmp_path) -> None:
+    """nn.TransformerEncoder with batch_first=False takes its tokens as (T, B): --cp said "its layers see
+    another sequence than the input's tokens", which they do not; the refusal names the layout and the fix
+    (a helper's context-parallel probe)."""
+    from planner.cli import workflow  # noqa: PLC0415
+
+    path = tmp_path / "seqfirst.py"
+    path.write_text(
+        "import torch\n"
+        "from torch import nn\n\n"
+        "class Encoder(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.emb = nn.Embedding(64, 32)\n"
+        "        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=False)\n"
+        "        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)\n"
+        "        self.head = nn.Linear(32, 64)\n\n"
+        "    def forward(self, tokens):\n"
+        "        return self.head(self.enc(self.emb(tokens)))\n\n"
+        "def build_model():\n"
+        "    return Encoder()\n\n"
+        "def example_inputs(batch_size=2, seq_len=64):\n"
+        "    return (torch.randint(0, 64, (seq_len, batch_size)),)\n"
+    )
+    prepared = workflow.prepare(str(path), "train", batch_size=2, seq_len=64)
+    with pytest.raises(InputError, match="sequence-first") as e:
+        plan_model(prepared.structure, load_cluster("dgx-h100"), prepared.workload, Constraints(cp=2))
+    assert "batch_first=True" in str(e.value) and "another sequence" not in str(e.value)

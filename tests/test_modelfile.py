@@ -200,6 +200,32 @@ def test_example_inputs_that_ignore_the_batch_asked_for_are_refused(tmp_path):
         InputError, match=r"example_inputs\(batch_size=32\) returned inputs with batch_size 4"
     ):
         workflow.prepare(str(path), "forward", batch_size=32)
+    with pytest.raises(InputError, match="the model file ignores batch_size"):
+        workflow.prepare(str(path), "forward", batch_size=32)
+    # nanoGPT's batches: seq_len + 1 tokens, shifted inside the model: it does not ignore seq_len
+    shifted = write(
+        tmp_path,
+        """\
+        import torch
+
+        class Shifted(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb, self.head = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64)
+
+            def forward(self, tokens):
+                return self.head(self.emb(tokens[:, :-1]))
+
+        def build_model():
+            return Shifted()
+
+        def example_inputs(batch_size=2, seq_len=16):
+            return (torch.randint(0, 64, (batch_size, seq_len + 1)),)
+        """,
+    )
+    with pytest.raises(InputError, match="makes inputs of seq_len 33 from it \\(not 32\\)") as e:
+        workflow.prepare(str(shifted), "train", batch_size=2, seq_len=32)
+    assert "ignores" not in str(e.value)
 
 
 def test_sys_exit_in_forward_is_an_error_naming_the_line(tmp_path):

@@ -421,3 +421,30 @@ def test_training_micro_batches_without_a_pipeline_accumulate_gradients_as_price
         assert any(
             "2 micro-batches per step: gradients accumulated" in note for note in run["measured"]["notes"]
         )
+
+
+def test_a_cp_run_whose_attention_all_ran_gathered_says_cp_split_no_attention() -> None:
+    """HF Llama with eager attention (a hand-written softmax(q k^T) v) under --cp 2: every attention op
+    ran on the whole sequence after a gather; the note said "context parallelism applied ... 0 attention
+    op(s)"; it says first that no attention ran context-parallel and --cp bought nothing."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from passes.cp_lower import CpLowering  # noqa: PLC0415
+    from runtime.run_mode import lowering_notes  # noqa: PLC0415
+
+    plan = SimpleNamespace(sequence_parallel=False, seq_len=256, recompute={}, expert_tp=1, pp=1)
+    gathered = CpLowering(
+        cp=2, variant="allgather", load_balance=True, fallbacks=["aten.matmul (model.py:12)"]
+    )
+    lowered = SimpleNamespace(context_parallel=gathered, expert_parallel=None, recomputed=[])
+    notes = lowering_notes(plan, lowered, training=True)
+    assert any(
+        n.startswith("context parallelism had no attention to split") and "aten.matmul" in n for n in notes
+    )
+    ran = dataclasses.replace(gathered, attention=["sdpa"], fallbacks=[])
+    assert not any(
+        "had no attention" in n
+        for n in lowering_notes(
+            plan, SimpleNamespace(context_parallel=ran, expert_parallel=None, recomputed=[]), training=True
+        )
+    )

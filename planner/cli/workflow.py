@@ -204,11 +204,17 @@ def _prepare(
     if structure.token_model:
         asked.append(("seq_len", seq_len, structure.seq_len, "--seq-len"))
     for name, want, got, flag in asked:
-        if want is not None and got != want:  # the file took the keyword and ignored it
+        if want is not None and got != want:  # the file took the keyword and made other sizes
+            how = (
+                f"ignores {name}, so the plan would be for {got}"
+                if got == structure_default(model_file, name)
+                else f"makes inputs of {name} {got} from it (not {want}), so the plan would be for {got}"
+            )
             raise InputError(
                 f"{model_path}: example_inputs({name}={want}) returned inputs with {name} {got}: the model file "
-                f"ignores {name}, so the plan would be for {got}, not the {flag} {want} asked for; make "
-                f"example_inputs build its tensors from {name}, or leave {flag} out"
+                f"{how}, not the {flag} {want} asked for; make example_inputs build tensors of exactly {name} "
+                f"{want} (a model that shifts its tokens, tokens[:, :-1] and tokens[:, 1:], then trains on "
+                f"{name} - 1), or leave {flag} out"
             )
     wl = WorkloadSpec(
         kind=Workload(workload),
@@ -272,6 +278,18 @@ def _table_rows(table: object, params: dict[str, torch.nn.Parameter]) -> int | N
         return int(val.shape[0])
     weight = params.get(str(table.target)) if table.op == "get_attr" else None
     return int(weight.shape[0]) if weight is not None else None
+
+
+def structure_default(model_file: ModelFile, name: str) -> int | None:
+    """The size ``name`` ("batch_size" / "seq_len") of the model file's example inputs called without
+    arguments (dim 0 / dim 1 of the first tensor), None when unknown."""
+    try:
+        args, _ = model_file.inputs(None, None)
+    except Exception:  # noqa: BLE001 - only a hint for a message
+        return None
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    dim = 0 if name == "batch_size" else 1
+    return int(first.shape[dim]) if first is not None and first.dim() > dim else None
 
 
 def _record_attention_dropout(

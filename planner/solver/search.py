@@ -772,6 +772,12 @@ def _cp_unsupported(search: _Search) -> str:
     if any(a.cache_bytes for a in attentions):
         return "the model writes its own KV cache, which context parallelism does not split"
     if any(t != w.seq_len for t in s.stream_tokens(w.seq_len)):
+        first = next((m for m in s.batch_mixing if "sequence-first" in m), "")
+        if first:  # the same tokens, laid out (T, B): the runtime splits dim 0, the sequence
+            return (
+                f"{first}, which context parallelism would cut as the batch; give the model its tokens "
+                "batch-first (B, T) (nn.TransformerEncoderLayer(..., batch_first=True))"
+            )
         return "its layers see another sequence than the input's tokens"
     if s.token_capacity:
         return f"{s.token_capacity[0]}, and a context-parallel rank would count only its part of the sequence"
