@@ -403,13 +403,16 @@ def _attention(node: fx.Node, ctx: _Ctx, result: CpLowering, training: bool) -> 
         why = _not_causal(
             node.graph.owning_module, mask, ctx.global_val[q].shape[2], ctx.global_val[k].shape[2]
         )
-        if why:
+        if why and why != ALLOWS_ALL:
             raise InputError(
                 f"context parallelism: {where} takes an explicit attention mask that {why}; the "
-                "context-parallel kernels compute the causal mask from token positions: call "
-                "scaled_dot_product_attention(..., is_causal=True) without attn_mask, or plan with --cp 1"
+                "context-parallel kernels compute the causal mask from token positions, or attend to every "
+                "token: call scaled_dot_product_attention(..., is_causal=True) without attn_mask (a decoder), "
+                "or without either (an encoder), or plan with --cp 1"
             )
-        causal = True  # the mask is the causal one (Hugging Face builds it explicitly when traced)
+        # the mask is the causal one (Hugging Face builds it explicitly when traced), or lets every query see
+        # every key (an encoder's, e.g. BERT's without padding): no mask
+        causal = why != ALLOWS_ALL
     if training and bound.get("dropout_p"):
         raise InputError(
             f"context parallelism: {where} uses attention dropout ({bound['dropout_p']}), which the "
@@ -430,13 +433,15 @@ def _attention(node: fx.Node, ctx: _Ctx, result: CpLowering, training: bool) -> 
 
 
 MAX_MASK_ELEMENTS = 1 << 26  # largest (queries x keys) mask evaluated to check it is causal (64 Mi elements)
+ALLOWS_ALL = "allows every key for every query"  # `_not_causal`: a mask that masks nothing
 
 
 def _not_causal(gm: fx.GraphModule, mask: fx.Node, q_len: int, k_len: int) -> str:
-    """Why an explicit attention mask cannot run as `is_causal` ("" when it can): the mask must be
-    computed from constants alone (positions, `arange`, comparisons: no model input or parameter) and,
-    evaluated, allow exactly the causal pattern (key j for query i when j <= i + k_len - q_len) for
-    every batch and head. Hugging Face models build this mask explicitly when traced."""
+    """Why an explicit attention mask cannot run as `is_causal` ("" when it can; `ALLOWS_ALL` when it
+    masks nothing, which runs as no mask): the mask must be computed from constants alone (positions,
+    `arange`, comparisons: no model input or parameter) and, evaluated, allow exactly the causal pattern
+    (key j for query i when j <= i + k_len - q_len) for every batch and head, or every key. Hugging Face
+    models build this mask explicitly when traced."""
     if q_len * k_len > MAX_MASK_ELEMENTS:
         return f"is {q_len} x {k_len} elements, too large to check here"
     params = dict(gm.named_parameters())
@@ -473,6 +478,8 @@ def _not_causal(gm: fx.GraphModule, mask: fx.Node, q_len: int, k_len: int) -> st
         if not bool(((value == 0) | blocked).all()):
             return "adds values other than 0 and -inf (a bias, not a mask)"
         allowed = value == 0
+    if bool(allowed.all()):
+        return ALLOWS_ALL
     causal = torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
     if not bool((allowed == causal).all()):
         return "is not the causal mask"

@@ -89,6 +89,9 @@ TWO_RANK = {  # label: plan kwargs (model: another model file than tiny_lm_token
     # DeepSeek-V3's latent attention: the latent (B, 1, T, r) into kv_b_proj keeps its token shard, and
     # values of another head dim than the keys' (16 against 24) go through the ring padded
     "cp2_ring_hf_deepseek_v3": dict(tp=1, cp=2, cp_comm_type="ring", model="hf_deepseek_v3.py", seq=16),
+    # BERT: bidirectional, its traced mask lets every query see every key: run as no mask (it was refused
+    # as "not the causal mask", with advice to make the encoder causal)
+    "cp2_ring_hf_bert": dict(tp=1, cp=2, cp_comm_type="ring", model="hf_bert.py", seq=32),
 }
 FOUR_RANK = {
     "tp2_cp2": dict(tp=2, cp=2),
