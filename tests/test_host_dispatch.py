@@ -127,11 +127,14 @@ def test_full_recompute_issues_the_forward_again(tiny_llama) -> None:
 
 
 def test_pipeline_stages_keep_the_ilp_split_with_host_bound_ends(tmp_path) -> None:
-    # an HF Llama's first stage holds 43 nodes before the first layer (position ids, mask, RoPE tables):
-    # host-bound, they weigh more than a layer's kernels; the re-balancing after the ILP must see that
+    # an HF Llama given a padding mask holds 43 nodes before the first layer on its first stage (position
+    # ids, the mask, RoPE tables): host-bound, they weigh more than a layer's kernels; the re-balancing
+    # after the ILP must see that
     source = Path("examples/hf_llama.py").read_text()
+    mask = '"attention_mask": torch.ones(2, 512, dtype=torch.long), "use_cache": False'
     for old, new in (("num_hidden_layers=2", "num_hidden_layers=3"), ("vocab_size=256", "vocab_size=262144"),
-                     ("max_position_embeddings=256", "max_position_embeddings=4096")):  # fmt: skip
+                     ("max_position_embeddings=256", "max_position_embeddings=4096"),
+                     ('"use_cache": False', mask)):  # fmt: skip
         assert old in source
         source = source.replace(old, new)
     path = tmp_path / "hf_llama3.py"

@@ -325,13 +325,22 @@ def _pp_int_crossing(rank: int) -> dict:
 
 
 def _pp_hf_llama(rank: int) -> dict:
-    """HF LlamaForCausalLM: a bool attention mask and RoPE cos/sin cross the boundary with the stream."""
-    model, reference, gm = build("hf_llama", 1)
+    """HF LlamaForCausalLM given a padding mask (all ones: transformers builds a bool attention mask from
+    it; without one SDPA runs is_causal): the bool mask and RoPE cos/sin cross the boundary with the
+    stream."""
+    torch.manual_seed(0)
+    mf = load_model_file(EXAMPLES / "hf_llama.py")
+    model = mf.build("cpu")
+    reference = copy.deepcopy(model)
+    args, kwargs = mf.inputs(batch_size=1, seq_len=SEQ_LEN)
+    mask = torch.ones(1, SEQ_LEN, dtype=torch.long)
+    gm = capture(model, (*args, mask), kwargs)
     stage = even_stages("hf_llama", gm, 2)[rank]
     crossing = [str(n.meta["val"].dtype) for n in stage.graph.nodes if n.op == "placeholder"]
     x = tokens(2)
-    out = PipelineRunner(stage, rank, 2, 2, None, "cpu", "gpipe").forward((x,) if rank == 0 else None)
-    want = reference(x, use_cache=False).logits
+    ones = torch.ones(2, SEQ_LEN, dtype=torch.long)
+    out = PipelineRunner(stage, rank, 2, 2, None, "cpu", "gpipe").forward((x, ones) if rank == 0 else None)
+    want = reference(x, attention_mask=ones, use_cache=False).logits
     return {"crossing": crossing, "diff": None if out is None else (out - want).abs().max().item()}
 
 

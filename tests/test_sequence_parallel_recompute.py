@@ -318,6 +318,10 @@ def _priced_activation_bytes(plan, structure) -> float:
     total = tables.ends.fixed_activation_bytes + sum(
         op.option(chosen(op)).activation_bytes for op in tables.ends.ops
     )
+    # the logits' gradient, priced with the LM head's activations, is alive when the backward starts but
+    # is not saved for it: this rank's vocabulary shard of fp32 logits
+    head = structure.lm_head
+    total -= plan.batch_size * plan.seq_len * head.out_features / plan.tp * 4
     for key in tables.layer_keys:
         graph = tables.graphs[key]
         total += graph.fixed_activation_bytes + sum(

@@ -104,6 +104,35 @@ _DEVICE_FIXES = (
 )
 
 
+@contextlib.contextmanager
+def _hf_mask_skip(positions_given: bool) -> Iterator[None]:
+    """While exporting, let Hugging Face models hand SDPA `is_causal` (or no mask, bidirectional) instead
+    of an explicit (T, T) mask where transformers does so in eager mode: no padding mask given and the
+    queries as long as the keys (`transformers.masking_utils._ignore_causal_mask_sdpa`, which refuses
+    under `torch.export` because an exported graph may later run at another query length, pytorch#108108;
+    the planner captures at the shapes it runs, and the decode graph on its own). The mask cost
+    O(T^2) memory and time in every run (16 GiB of bool at 128k tokens), kept SDPA off its flash
+    kernels, and kept context parallelism from models past 8k tokens (its causal check evaluates it).
+    Where the call gives no position ids (``positions_given`` false: transformers counts them with an
+    arange), their check for packed sequences, which a trace cannot read, is skipped too: nothing is
+    packed. The run checks the capture against the model (`runtime.reference.check_capture`)."""
+    masking = sys.modules.get("transformers.masking_utils")
+    exporting = getattr(masking, "is_torchdynamo_exporting", None)
+    packed = getattr(masking, "find_packed_sequence_indices", None)
+    if exporting is None:
+        yield
+        return
+    masking.is_torchdynamo_exporting = lambda: False
+    if packed is not None and not positions_given:
+        masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking.is_torchdynamo_exporting = exporting
+        if packed is not None:
+            masking.find_packed_sequence_indices = packed
+
+
 def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> fx.GraphModule:
     """Export `model(*args, **kwargs)` and normalise the graph (see the module docstring).
 
@@ -136,7 +165,11 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> fx.Gra
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(stdout):
+            with (
+                contextlib.redirect_stderr(stderr),
+                contextlib.redirect_stdout(stdout),
+                _hf_mask_skip(positions_given=len(args) > 1 or "position_ids" in kwargs),
+            ):
                 exported = torch.export.export(model, args, kwargs, strict=False)
         except Exception as e:  # export raises many types; all mean "this model does not trace"
             raise InputError(_capture_error_message(model, e, stderr.getvalue())) from e
