@@ -1,7 +1,9 @@
 """Mixtures of experts planned with expert parallelism: Mixtral-8x7B training on 64 H100s, a
-DeepSeek-V3-sized model training on 1,024 H100s, Qwen3-30B-A3B served on one 8-GPU H100 node.
+DeepSeek-V3-sized model training on 1,024 H100s, Qwen3-30B-A3B served on one 8-GPU H100 node,
+Llama-4-Scout (Hugging Face's Llama4ForCausalLM, the routing weights scaling the experts' inputs)
+training on 64 H100s.
 
-    python bench/moe.py [--only mixtral|deepseek|qwen3]
+    python bench/moe.py [--only mixtral|deepseek|qwen3|llama4]
 
 Each row is planned as `planner optimize` plans it (`workflow.prepare` + `make_plan`: the model file
 traced on meta through a slice of its layers, the plan lowered on meta tensors), with the command in
@@ -61,6 +63,7 @@ CASES = [
     Case("mixtral", "mixtral_8x7b", "h100-ib-128node", "train", 256, 4096, devices=64),
     Case("deepseek", "deepseek_v3", "h100-ib-128node", "train", 3840, 4096),
     Case("qwen3", "qwen3_30b_a3b", "dgx-h100", "generate", 32, 2048, new_tokens=512),
+    Case("llama4", "hf_llama4_scout", "h100-ib-128node", "train", 256, 4096, devices=64),
 ]
 
 

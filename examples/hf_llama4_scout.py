@@ -37,8 +37,8 @@ CONFIG = dict(
 
 
 def build_model() -> torch.nn.Module:
-    with torch.device("meta"):
-        return Llama4ForCausalLM(Llama4TextConfig(**CONFIG, attn_implementation="sdpa"))
+    with torch.device("meta"):  # in bf16, the model card's torch_dtype
+        return Llama4ForCausalLM(Llama4TextConfig(**CONFIG, attn_implementation="sdpa")).to(torch.bfloat16)
 
 
 def example_inputs(batch_size: int = 1, seq_len: int = 4096) -> tuple:
