@@ -51,7 +51,7 @@ from runtime.data_parallel import (
 )
 from runtime.job import RankReport, RankSetup, ReferenceFiles, RunJob, set_up_rank, time_steps
 from runtime.launch import RankContext, report_progress
-from runtime.loss import full_shape, gathered_output, loss_layout, output_loss
+from runtime.loss import full_shape, gathered_output, loss_layout, output_loss, unheld_like
 from runtime.measure import current_memory_bytes, heap_in_use_bytes, process_peak_memory_bytes
 from runtime.numerics import all_outputs, replica_share
 from runtime.pipeline_run import run_pipeline_rank
@@ -279,6 +279,9 @@ def _training_step(
             f"{m} micro-batches per step: gradients accumulated over them, then one optimizer step"
         )
     seed_dropout_rng(setup.seed, groups.pp_rank, groups.tp_rank, setup.device)  # timed steps: dropout on
+    # the timed steps' targets hold no memory (zeros expanded to the outputs' shape): the checked step's
+    # random ones were logits-sized floats for every micro-batch, which an LM's token labels are not
+    targets = [unheld_like(t) for t in targets]
 
     def step() -> None:
         optimizer.zero_grad()

@@ -116,3 +116,11 @@ def gathered_output(out: torch.Tensor, layout: LossLayout) -> torch.Tensor:
     if layout.cp is not None:
         whole = cp_gather(whole.contiguous(), layout.cp.dim, CP_AXIS, layout.cp.load_balance)
     return whole
+
+
+def unheld_like(target: torch.Tensor) -> torch.Tensor:
+    """Zeros of ``target``'s shape, dtype and device that hold no memory (one element, expanded): the
+    timed steps' MSE target. The checked step's target is random and as large as the outputs (logits
+    for every micro-batch), memory an LM's loss does not hold (its labels are one integer per token),
+    which the plan does not price; the kernels read the same shapes."""
+    return torch.zeros((), dtype=target.dtype, device=target.device).expand(target.shape)

@@ -52,7 +52,7 @@ from runtime.data_parallel import (
 )
 from runtime.job import RankReport, RankSetup, RunJob, time_steps
 from runtime.launch import RankContext
-from runtime.loss import LossLayout, gathered_output, loss_layout, output_loss
+from runtime.loss import LossLayout, gathered_output, loss_layout, output_loss, unheld_like
 from runtime.numerics import all_outputs
 from runtime.pipeline import PipelineRunner, sum_tied_gradients
 from runtime.reference import (
@@ -237,6 +237,10 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
             report.notes.append(f"{label}: {dropout_note(chunk)}")
         report.notes.append(optimizer.note())
         seed_dropout_rng(setup.seed, lowered.pp_rank, lowered.tp_rank, ctx.device)
+
+        # the timed steps' target holds no memory (zeros expanded to its shape): the checked step's random
+        # one was logits-sized floats for every micro-batch, which an LM's token labels are not
+        target = unheld_like(target) if target is not None else None
 
         def timed() -> None:
             step()

@@ -232,3 +232,18 @@ def test_hand_written_layouts_keep_the_batch_of_a_model_whose_outputs_mix_it(mon
     )
     assert plan.mesh.dp == 1 and plan.baseline_layout["dp"] == "1"
     assert plan.torchtitan_layout["dp"] == "1", plan.torchtitan_layout
+
+
+def test_the_timed_steps_target_holds_no_memory_and_reads_as_zeros() -> None:
+    """The checked step's MSE target is random and as large as the logits of every micro-batch (dp x m of
+    them while the whole batch's was kept), memory an LM's labels do not take and the plan does not
+    price; the timed steps read zeros of the same shape from one element."""
+    from runtime.loss import unheld_like  # noqa: PLC0415
+
+    target = torch.randn(4, 64, 320)
+    zeros = unheld_like(target)
+    assert zeros.shape == target.shape and zeros.dtype == target.dtype
+    assert zeros.untyped_storage().nbytes() == target.element_size()
+    out = torch.randn(4, 64, 320, requires_grad=True)
+    torch.nn.functional.mse_loss(out, zeros).backward()
+    assert torch.allclose(out.grad, 2 * out.detach() / out.numel())
