@@ -259,3 +259,31 @@ def test_attributes_kept_without_gradient_are_said_for_training_only(tmp_path, m
             warnings.simplefilter("always")
             workflow.prepare(str(path), workload)
         assert any("torch.export keeps" in str(w.message) for w in caught) == said, workload
+
+
+def test_hf_models_are_captured_with_sdpas_causal_flag_not_a_traced_mask(example_path):
+    """Under torch.export transformers builds an explicit (T, T) mask it skips in eager mode (O(T^2)
+    memory in every run, no flash kernel, and context parallelism checked the mask only up to 8k
+    tokens): the capture lets it take its eager path, SDPA with is_causal. A wrapper that may hand the
+    model position ids of its own (packed documents) keeps transformers' traced mask."""
+    from torch import nn  # noqa: PLC0415
+
+    mf = load_model_file(example_path("hf_llama"))
+    args, kwargs = mf.inputs(2, 32)
+
+    def sdpa_args(gm):
+        return [n.args[3:] for n in gm.graph.nodes if "scaled_dot_product" in str(n.target)]
+
+    direct = sdpa_args(capture(mf.build("meta"), args, kwargs))
+    assert direct and all(a[0] is None and a[2] is True for a in direct), direct
+
+    class Wrapper(nn.Module):
+        def __init__(self, model: nn.Module) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.model(ids, use_cache=False).logits
+
+    wrapped = sdpa_args(capture(Wrapper(mf.build("meta")), args, {}))
+    assert wrapped and all(isinstance(a[0], torch.fx.Node) for a in wrapped), wrapped

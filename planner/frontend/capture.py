@@ -104,6 +104,14 @@ _DEVICE_FIXES = (
 )
 
 
+def _positions_given(model: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether position ids may reach a Hugging Face model from outside it: anything but a transformers
+    model called with its input ids alone (a wrapper of the model file's own may compute and pass them,
+    e.g. packing documents)."""
+    own = type(model).__module__.startswith("transformers.")
+    return not own or len(args) > 1 or "position_ids" in kwargs
+
+
 @contextlib.contextmanager
 def _hf_mask_skip(positions_given: bool) -> Iterator[None]:
     """While exporting, let Hugging Face models hand SDPA `is_causal` (or no mask, bidirectional) instead
@@ -113,9 +121,9 @@ def _hf_mask_skip(positions_given: bool) -> Iterator[None]:
     the planner captures at the shapes it runs, and the decode graph on its own). The mask cost
     O(T^2) memory and time in every run (16 GiB of bool at 128k tokens), kept SDPA off its flash
     kernels, and kept context parallelism from models past 8k tokens (its causal check evaluates it).
-    Where the call gives no position ids (``positions_given`` false: transformers counts them with an
-    arange), their check for packed sequences, which a trace cannot read, is skipped too: nothing is
-    packed. The run checks the capture against the model (`runtime.reference.check_capture`)."""
+    Where no position ids reach the model (``positions_given`` false, `_positions_given`: transformers
+    counts them with an arange), their check for packed sequences, which a trace cannot read, is
+    skipped too: nothing is packed. The run checks the capture against the model (`runtime.reference.check_capture`)."""
     masking = sys.modules.get("transformers.masking_utils")
     exporting = getattr(masking, "is_torchdynamo_exporting", None)
     packed = getattr(masking, "find_packed_sequence_indices", None)
@@ -168,7 +176,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> fx.Gra
             with (
                 contextlib.redirect_stderr(stderr),
                 contextlib.redirect_stdout(stdout),
-                _hf_mask_skip(positions_given=len(args) > 1 or "position_ids" in kwargs),
+                _hf_mask_skip(positions_given=_positions_given(model, args, kwargs)),
             ):
                 exported = torch.export.export(model, args, kwargs, strict=False)
         except Exception as e:  # export raises many types; all mean "this model does not trace"
