@@ -181,8 +181,9 @@ def ep_moe(
     order = torch.argsort(ids, stable=True)  # assignments sorted by expert: contiguous per rank
     token = torch.arange(n, device=x.device).repeat_interleave(k)[order]
     rows = x[token]  # (N k, C)
+    row_weights = topk_weights.reshape(-1)[order].unsqueeze(-1)  # (N k, 1)
     if scale_input:
-        rows = rows * topk_weights.reshape(-1)[order].unsqueeze(-1).to(rows.dtype)
+        rows = rows * row_weights.to(rows.dtype)
     per_expert = torch.bincount(ids, minlength=num_experts)  # rows this rank sends to each expert
     if size == 1:
         out_rows, counts = _experts(rows, ids[order], w_gate, w_up, w_down)
@@ -200,11 +201,7 @@ def ep_moe(
         out_rows = _exchange(computed, send_splits, recv_splits, group)
     if label:
         _LOADS[label] = counts.tolist()
-    weighted = (
-        out_rows
-        if scale_input
-        else out_rows * topk_weights.reshape(-1)[order].unsqueeze(-1).to(out_rows.dtype)
-    )
+    weighted = out_rows if scale_input else out_rows * row_weights.to(out_rows.dtype)
     out = x.new_zeros((n, w_down.shape[1])).index_add(0, token, weighted)
     if tp_axis is not None:
         from passes.collectives import tp_all_reduce  # noqa: PLC0415
@@ -242,14 +239,12 @@ def ep_moe_replicated(
     picked = torch.arange(n * k, device=x.device)[mine]  # static-free indexing: runs eagerly only
     token = picked // k
     rows = x[token]
+    row_weights = topk_weights.reshape(-1)[picked].unsqueeze(-1)  # (rows, 1)
     if scale_input:
-        rows = rows * topk_weights.reshape(-1)[picked].unsqueeze(-1).to(rows.dtype)
+        rows = rows * row_weights.to(rows.dtype)
     out_rows, counts = _experts(rows, ids[picked] - experts.start, w_gate, w_up, w_down)
     if label:
         _LOADS[label] = counts.tolist()
-    if scale_input:
-        weighted = out_rows
-    else:
-        weighted = out_rows * topk_weights.reshape(-1)[picked].unsqueeze(-1).to(out_rows.dtype)
+    weighted = out_rows if scale_input else out_rows * row_weights.to(out_rows.dtype)
     partial = x.new_zeros((n, w_down.shape[1])).index_add(0, token, weighted)
     return tp_all_reduce(partial, axis)

@@ -237,15 +237,11 @@ def _training_step(
             shape = full_shape(tuple(out[0].shape), layout)
             part_target = replica_share(target_full, shape, plan.dp * m, groups.dp_rank * m + i)
             assert part_target is not None, "output 0 is a share of the unsharded output (checked below)"
-            # its own memory: a view would keep the whole batch's target (dp x m of this one) through the
-            # timed steps, which the plan does not price
-            part_target = part_target.clone() if part_target is not target_full else part_target
             targets.append(part_target)
             part_loss = output_loss(out[0], part_target, layout) / m
             part_loss.backward()
             loss = part_loss.detach() if loss is None else loss + part_loss.detach()
             del out, first, part_loss
-        del target_full
         replica_outs = _joined(kept, want, plan.dp * m)
         if replica_outs is not None:
             compare_outputs(replica_outs, want, reference, setup, report)
@@ -280,7 +276,8 @@ def _training_step(
         )
     seed_dropout_rng(setup.seed, groups.pp_rank, groups.tp_rank, setup.device)  # timed steps: dropout on
     # the timed steps' targets hold no memory (zeros expanded to the outputs' shape): the checked step's
-    # random ones were logits-sized floats for every micro-batch, which an LM's token labels are not
+    # random ones were logits-sized floats for every micro-batch (views of the whole batch's, freed
+    # here), which an LM's token labels are not
     targets = [unheld_like(t) for t in targets]
 
     def step() -> None:

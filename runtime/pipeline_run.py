@@ -147,10 +147,7 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
 
     if training:
         target_full = want.read("target").to(ctx.device)
-        # this replica's share in its own memory: a view would keep the whole batch's target (dp x this)
-        # through the timed steps, which the plan does not price
-        target = batch_share((target_full,), plan.dp, groups.dp_rank)[0].clone()
-        del target_full
+        target = batch_share((target_full,), plan.dp, groups.dp_rank)[0]
         dp_group = groups.group("dp")
         if sharded:  # one ZeRO-2 / FSDP optimizer per chunk, its gradient sums divided by dp x m
             parts = [build_plan_optimizer(plan, chunk, groups, units) for chunk in chunks]

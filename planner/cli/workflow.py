@@ -207,7 +207,7 @@ def _prepare(
         if want is not None and got != want:  # the file took the keyword and made other sizes
             how = (
                 f"ignores {name}, so the plan would be for {got}"
-                if got == structure_default(model_file, name)
+                if got == _default_size(model_file, name)
                 else f"makes inputs of {name} {got} from it (not {want}), so the plan would be for {got}"
             )
             raise InputError(
@@ -280,7 +280,7 @@ def _table_rows(table: object, params: dict[str, torch.nn.Parameter]) -> int | N
     return int(weight.shape[0]) if weight is not None else None
 
 
-def structure_default(model_file: ModelFile, name: str) -> int | None:
+def _default_size(model_file: ModelFile, name: str) -> int | None:
     """The size ``name`` ("batch_size" / "seq_len") of the model file's example inputs called without
     arguments (dim 0 / dim 1 of the first tensor), None when unknown."""
     try:
@@ -427,7 +427,7 @@ def request_peak_memory(
             "; the model's own expert code runs in this plan (no expert parallelism, experts whole), and "
             "its prefill may gather an expert matrix per token and choice (HF batched_mm, gpt-fast): "
             "--ep or --expert-tp (with --tp) run the experts as grouped GEMMs on their weights instead"
-            if plan.num_experts and plan.ep == 1 and plan.expert_tp == 1
+            if _own_experts(plan)
             else ""
         )
         raise InfeasibleError(
@@ -440,6 +440,12 @@ def request_peak_memory(
         )
     peak = max(plan.predicted.peak_memory_bytes, sv.prefill_peak_memory_bytes)
     return replace(plan.predicted, peak_memory_bytes=peak)
+
+
+def _own_experts(plan: Plan) -> bool:
+    """Whether `plan` runs a mixture of experts as the model's own code computes it: no expert
+    parallelism and the experts whole, so no pass rewrites them."""
+    return bool(plan.num_experts) and plan.ep == 1 and plan.expert_tp == 1
 
 
 def _check_cache_length(
@@ -917,7 +923,7 @@ def _make_plan(
         except InfeasibleError as e:
             rewritable = not (constraints.ep == 1 and constraints.expert_tp == 1)  # as pinned
             again = constraints.experts_rewritten  # already planned with the expert pass
-            if plan.num_experts and plan.ep == 1 and plan.expert_tp == 1 and rewritable and not again:
+            if _own_experts(plan) and rewritable and not again:
                 raise _ExpertsPrefillTooLarge(e) from None
             raise
         plan.workload = request.workload

@@ -97,7 +97,7 @@ from planner.solver.costing import (
     experts_not_swiglu,
     fsdp_transient_bytes,
     gqa_kv_replicated,
-    graph_expert_node_bytes,
+    graph_expert_activation_bytes,
     interleaved_chunks,
     layer_keys,
     layer_projection_ops,
@@ -1421,7 +1421,7 @@ def _infeasible(search: _Search) -> InfeasibleError:
         )
     ctx = closest.tables.ctx
     experts = max(
-        (sum(graph_expert_node_bytes(layer, ctx)) for layer in search.structure.layers), default=0.0
+        (graph_expert_activation_bytes(layer, ctx) for layer in search.structure.layers), default=0.0
     )  # one MoE layer's expert GEMMs as the model's own code runs them (0 where the expert pass does)
     if experts > 0.25 * search.cap_bytes:
         hints.insert(
