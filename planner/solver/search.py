@@ -1420,9 +1420,9 @@ def _infeasible(search: _Search) -> InfeasibleError:
             f"about {nodes * per_node} devices ({nodes} nodes of {per_node}, e.g. {across} across them)"
         )
     ctx = closest.tables.ctx
-    experts = max(
-        (graph_expert_activation_bytes(layer, ctx) for layer in search.structure.layers), default=0.0
-    )  # one MoE layer's expert GEMMs as the model's own code runs them (0 where the expert pass does)
+    # one MoE layer's expert GEMMs as the model's own code runs them (none where the expert pass runs them)
+    layers = [] if ctx.experts_rewritten else search.structure.layers
+    experts = max((graph_expert_activation_bytes(layer, ctx) for layer in layers), default=0.0)
     if experts > 0.25 * search.cap_bytes:
         hints.insert(
             0,
