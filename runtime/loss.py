@@ -88,7 +88,9 @@ def output_loss(out: torch.Tensor, target: torch.Tensor, layout: LossLayout) -> 
     count (0-dim, `out`'s dtype, equal on every rank). Backward reaches this rank's elements only
     (times cp under CP: module docstring)."""
     if not layout.sharded:
-        return F.mse_loss(out, target)
+        # its own 4 bytes: CPU mse_loss returns a 0-dim view of its elementwise buffer (output-sized),
+        # which a caller that keeps the loss (a pipeline schedule keeps every micro-batch's) would hold
+        return F.mse_loss(out, target).clone()
     count = target.numel()
     if layout.cp is not None:  # this rank's tokens, in the lowering's order (head-tail chunks)
         target = cp_slice(target, layout.cp.dim, CP_AXIS, layout.cp.load_balance)

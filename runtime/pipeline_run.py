@@ -121,7 +121,6 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
     first, last = lowered.pp_rank == 0, lowered.pp_rank == plan.pp - 1
     want = SafetensorsCheckpoint([reference.outputs])  # the unsharded model on the whole batch
     replay = routing_replay(want)  # its routers' expert choices by token
-    ref_full = want.read("output.0")
     # the first output as the stage computing it holds it (TP vocabulary shards, CP tokens): `runtime.loss`
     out_layout = loss_layout(chunks, lowered.tp_rank, plan.cp)
     runner = PipelineRunner(
@@ -137,7 +136,7 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
     )  # the schedule is built once, on the first step
     report = RankReport(
         rank=ctx.rank, tp_rank=lowered.tp_rank, pp_rank=lowered.pp_rank, latency_samples_s=[], median_s=0.0,
-        peak_memory_bytes=0, max_abs_diff=None, output_scale=float(ref_full.abs().max()),
+        peak_memory_bytes=0, max_abs_diff=None, output_scale=float(want.read("output.0").abs().max()),
         pipeline_schedule=runner.schedule_class.__name__, output_dtype=reference.dtype, dtype=plan.dtype,
         notes=unbatched_note(flat_inputs(setup.full_args, setup.full_kwargs), setup.batch_dims)
         + lowering_notes(plan, lowered, training),
@@ -146,8 +145,8 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
     stage_inputs = inputs if first else None
 
     if training:
-        target_full = want.read("target").to(ctx.device)
-        target = batch_share((target_full,), plan.dp, groups.dp_rank)[0]
+        # this replica's share of the whole batch's target (no name keeps the whole one past the check)
+        target = batch_share((want.read("target").to(ctx.device),), plan.dp, groups.dp_rank)[0]
         dp_group = groups.group("dp")
         if sharded:  # one ZeRO-2 / FSDP optimizer per chunk, its gradient sums divided by dp x m
             parts = [build_plan_optimizer(plan, chunk, groups, units) for chunk in chunks]

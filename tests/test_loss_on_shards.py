@@ -247,3 +247,16 @@ def test_the_timed_steps_target_holds_no_memory_and_reads_as_zeros() -> None:
     out = torch.randn(4, 64, 320, requires_grad=True)
     torch.nn.functional.mse_loss(out, zeros).backward()
     assert torch.allclose(out.grad, 2 * out.detach() / out.numel())
+
+
+def test_a_whole_outputs_loss_holds_no_memory_of_the_output_size() -> None:
+    """A pipeline schedule keeps every micro-batch's loss until the step ends; on CPU F.mse_loss returns
+    a 0-dim tensor on its output-sized elementwise buffer (8 x 1 MiB of logits found alive at a 2-stage
+    run's heap peak), so the loss the runtime hands back has storage of its own."""
+    out = torch.randn(2, 512, 256, requires_grad=True)
+    target = torch.zeros(()).expand(out.shape)
+    loss = output_loss(out, target, LossLayout())
+    assert loss.untyped_storage().nbytes() == loss.element_size()
+    assert torch.equal(loss, F.mse_loss(out, target))
+    loss.backward()
+    assert torch.allclose(out.grad, 2 * out.detach() / out.numel())
