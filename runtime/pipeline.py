@@ -41,6 +41,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
+from torch.distributed.pipelining.stage import _make_tensor_from_meta
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from passes.pipeline import PipelineSplitError, requires_grad_nodes
@@ -62,6 +63,94 @@ class _ContiguousOutputs(nn.Module):
 
     def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(t.contiguous() for t in self.stage(*args))
+
+
+class _JustInTimeStage(PipelineStage):
+    """`PipelineStage` whose receive buffers exist only while a micro-batch needs them.
+
+    torch 2.13's stage allocates, when the schedule starts, an activation receive buffer for every
+    micro-batch of the step and (training) an output-gradient receive buffer for every micro-batch,
+    and keeps them, with the gradient the backward leaves on each received input, until the stage is
+    dropped: m messages per direction per stage (pytorch/pytorch#136380; #193872 and #196463 move it
+    to allocation just in time, unreleased in 2.13). With many micro-batches that is more than the
+    activations the schedule holds (NVIDIA-NeMo/Automodel#3780 measured ~52 GiB on middle stages of a
+    64-micro-batch run, and pools them). Here each buffer is made when its receive is posted and
+    released when its micro-batch's backward has run (a forward-only schedule: its forward; the loss
+    the schedule keeps to the step's end is detached then, or its graph would hold them), so a
+    stage holds the received inputs of the micro-batches in flight (part of the activations the
+    planner prices) and one output gradient at a time (`planner.solver.costing.pipeline_buffer_bytes`).
+    A forward-only schedule also drops each micro-batch's cached output once it is sent, which torch
+    keeps for a backward that never comes. Private torch API (`_RecvInfo.buffer`,
+    `_make_tensor_from_meta`, `fwd_cache`), pinned with torch."""
+
+    def _fresh(self, infos: tuple) -> None:
+        for info in infos:
+            if not info.is_root_arg and info.tensor_meta is not None:
+                info.buffer = _make_tensor_from_meta(info.tensor_meta, self.device)
+
+    def _release(self, infos: tuple) -> None:
+        for info in infos:
+            if not info.is_root_arg and info.tensor_meta is not None:
+                info.buffer = self._released
+
+    @property
+    def _released(self) -> torch.Tensor:
+        """What a released receive slot holds (nothing is received into it before `_fresh`)."""
+        if not hasattr(self, "_empty"):
+            self._empty = torch.empty(0, device=self.device)
+        return self._empty
+
+    def _prepare_forward_infra(self, num_microbatches: int, *args: Any, **kwargs: Any) -> Any:
+        out = super()._prepare_forward_infra(num_microbatches, *args, **kwargs)
+        for infos in self.args_recv_info.values():
+            self._release(infos)
+        return out
+
+    def _prepare_backward_infra(self, num_microbatches: int, *args: Any, **kwargs: Any) -> Any:
+        out = super()._prepare_backward_infra(num_microbatches, *args, **kwargs)
+        for infos in self.grad_recv_info.values():
+            self._release(infos)
+        return out
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        self._fresh(self.args_recv_info[fwd_chunk_id])
+        return super().get_fwd_recv_ops(fwd_chunk_id)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        if self.has_backward and not self.is_last:
+            self._fresh(self.grad_recv_info[bwd_chunk_id])
+        return super().get_bwd_recv_ops(bwd_chunk_id)
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        if not self.has_backward:
+            self._release(self.args_recv_info[fwd_chunk_id])
+        return out
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        ops = super().get_fwd_send_ops(fwd_chunk_id)
+        if not self.has_backward:  # the ops hold the tensors they send (the last stage: its output
+            # chunks hold its outputs)
+            self.fwd_cache.pop(fwd_chunk_id, None)
+        return ops
+
+    def backward_one_chunk(
+        self,
+        bwd_chunk_id: int,
+        loss: torch.Tensor | None = None,
+        full_backward: bool = True,
+        last_backward: bool = False,
+    ) -> None:
+        super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        if not self.has_backward:  # (a forward-only schedule calls it too: nothing ran)
+            return
+        # the schedule keeps every micro-batch's loss to the step's end; its graph (no saved tensors
+        # left, but the nodes) would keep this micro-batch's received input and its gradient alive
+        if isinstance(loss, torch.Tensor) and loss.grad_fn is not None and not loss._is_view():
+            loss.detach_()
+        self._release(self.args_recv_info[bwd_chunk_id])
+        if not self.is_last:
+            self._release(self.grad_recv_info[bwd_chunk_id])
 
 
 def _example(val: torch.Tensor, requires_grad: bool, device: torch.device) -> torch.Tensor:
@@ -228,7 +317,7 @@ class PipelineRunner:
             for chunk, index, (inputs, outputs) in zip(self.chunks, self.virtual_indices, self._io):
                 last = index == self.num_virtual_stages - 1
                 stages.append(
-                    PipelineStage(
+                    _JustInTimeStage(
                         chunk if last else _ContiguousOutputs(chunk),
                         index,
                         self.num_virtual_stages,

@@ -545,6 +545,9 @@ def test_torchtitan_interleaved_zero1_and_selective(llama_plan):
     assert any("torchtitan has no ZeRO-1" in w and NOT_PRICED in w for w in warnings) and not any(
         "always runs sequence parallel" in w for w in warnings
     )
+    assert not any("pytorch/pytorch#136380" in w for w in warnings)  # one micro-batch: one buffer each
+    _, more = _titan(_with(plan, micro_batches=4, batch_size=16))
+    assert any("pytorch/pytorch#136380" in w and "4 micro-batches" in w for w in more)
 
 
 def _titan03(plan: Plan) -> tuple[list[str], list[str]]:

@@ -17,7 +17,7 @@ from costmodels.comm import all_gather_time_s, all_reduce_time_s, reduce_scatter
 from planner.errors import InputError
 from planner.frontend.analysis import NodeCost
 from planner.plan import DataParallel, Layout, MeshShape, Plan, Recompute, Schedule
-from planner.solver import ilp
+from planner.solver import ilp, prediction
 from planner.solver.costing import (
     CostContext,
     attention_core_options,
@@ -28,7 +28,9 @@ from planner.solver.costing import (
     interleaved_chunks,
     layer_node_times_s,
     optimizer_step_time_s,
+    p2p_message_bytes,
     p2p_stage_time_s,
+    pipeline_buffer_bytes,
     recompute_input_bytes,
     sequence_regather_s,
     stage_p2p_time_s,
@@ -603,3 +605,46 @@ def test_materialized_kernel_multiplies_the_masked_scores_too(h100) -> None:
     op_time = materialized.ctx.op_time  # forward and backward, one launch each
     masked_half_s = op_time(full, 0.0, "attention") - op_time(full / 2, 0.0, "attention")
     assert t_mat - t_fused == pytest.approx(masked_half_s, rel=0.01)
+
+
+def test_pipeline_stages_hold_the_boundary_gradients_in_flight(h100) -> None:
+    """A training stage holds, beyond its activations, the output gradient it receives for its next
+    backward and the input gradient it sends back: one message each (the runtime's receive buffers
+    live only while their micro-batch needs them, `runtime.pipeline._JustInTimeStage`), whatever the
+    number of micro-batches."""
+    structure = handmade_llama(num_layers=4)
+    mesh = MeshConfig(MeshShape(1, 2, 1), 8)
+    ctx = price(structure, h100, WorkloadSpec("train", 16, 512, micro_batches=8), mesh).ctx
+    msg = p2p_message_bytes(ctx)
+    assert msg == 2 * 512 * structure.hidden_size * ctx.bytes_per_element  # one micro-batch's residual stream
+    assert [pipeline_buffer_bytes(ctx, s) for s in (0, 1)] == [msg, msg]
+    more = price(
+        structure, h100, WorkloadSpec("train", 32, 512), dataclasses.replace(mesh, micro_batches=16)
+    ).ctx
+    assert [pipeline_buffer_bytes(more, s) for s in (0, 1)] == [msg, msg]
+    deep = price(structure, h100, WorkloadSpec("train", 16, 512, micro_batches=8), config(1, 4, 1, 8)).ctx
+    assert [pipeline_buffer_bytes(deep, s) for s in range(4)] == [msg, 2 * msg, 2 * msg, msg]
+    interleaved = dataclasses.replace(mesh, schedule=Schedule.INTERLEAVED_1F1B, virtual_stages=2)
+    ictx = price(structure, h100, WorkloadSpec("train", 16, 512, micro_batches=8), interleaved).ctx
+    assert [pipeline_buffer_bytes(ictx, s) for s in (0, 1)] == [2 * msg, 2 * msg]
+    forward = price(structure, h100, WorkloadSpec("forward", 16, 512, micro_batches=8), mesh).ctx
+    assert [pipeline_buffer_bytes(forward, s) for s in (0, 1)] == [0, 0]
+
+
+def test_the_ilp_memory_rows_count_the_pipeline_boundary_gradients(h100, monkeypatch) -> None:
+    """Each stage's memory row carries its `pipeline_buffer_bytes` (GiB), as each predicted stage does."""
+    structure = handmade_llama(num_layers=4)
+    work = WorkloadSpec("train", 16, 512, micro_batches=8)
+    prob = problem(structure, h100, work, MeshConfig(MeshShape(1, 2, 1), 8))
+    assignment = ilp.solve(prob).assignment
+    counted = {s: ilp.lp_model(prob).get_constraint_by_name(f"memory_{s}").constant for s in (0, 1)}
+    predicted = [bd.memory_bytes for bd in predict(prob.tables, assignment).stages]
+    monkeypatch.setattr(ilp, "pipeline_buffer_bytes", lambda ctx, stage: 0.0)
+    monkeypatch.setattr(prediction, "pipeline_buffer_bytes", lambda ctx, stage: 0.0)
+    uncounted = {s: ilp.lp_model(prob).get_constraint_by_name(f"memory_{s}").constant for s in (0, 1)}
+    without = [bd.memory_bytes for bd in predict(prob.tables, assignment).stages]
+    for s in (0, 1):
+        buffers = pipeline_buffer_bytes(prob.ctx, s)
+        assert buffers > 0
+        assert (counted[s] - uncounted[s]) * 2**30 == pytest.approx(buffers)
+        assert predicted[s] - without[s] == pytest.approx(buffers)

@@ -372,6 +372,13 @@ def _common(plan: Plan, version: str) -> tuple[dict[str, object], str, dict[str,
         par["pipeline_parallel_schedule"] = SCHEDULE_NAMES[plan.schedule]
         par["pipeline_parallel_microbatch_size"] = micro_batch_size(plan)
         par["module_fqns_per_model_part"] = _model_parts(plan, version)
+        if plan.workload is Workload.TRAIN and plan.micro_batches > 1:
+            warnings.append(
+                f"torchtitan's pipeline stages (torch.distributed.pipelining's PipelineStage) keep a receive "
+                f"buffer for each of the {plan.micro_batches} micro-batches' activations and output gradients "
+                "through the step (pytorch/pytorch#136380): up to 3 x micro-batches x (tokens x hidden) per "
+                "stage beyond the plan's memory, which the planner's runtime frees after each micro-batch"
+            )
     mode = _ac_mode(plan, warnings)
     if mode == "selective":
         policy = (

@@ -2237,16 +2237,38 @@ def outside_frozen_params(s: ModelStructure) -> int:
 # Mesh-level terms
 
 
+def p2p_message_bytes(ctx: CostContext) -> float:
+    """Bytes one rank sends to the next pipeline stage per micro-batch: the residual stream, tokens x
+    hidden in the activations' dtype; with sequence parallelism each TP rank's sequence shard (1/tp of
+    it). Its gradient coming back is the same size."""
+    nbytes = ctx.tokens * ctx.structure.hidden_size * ctx.bytes_per_element
+    return nbytes / ctx.mesh.tp if ctx.sequence_parallel else nbytes
+
+
 def p2p_stage_time_s(ctx: CostContext) -> float:
-    """Send one micro-batch's activations (tokens x hidden) to the next stage (and grads back). With
-    sequence parallelism each TP rank sends its sequence shard (1/tp of it)."""
+    """Send one micro-batch's activations (`p2p_message_bytes`) to the next stage (and grads back)."""
     if ctx.mesh.pp == 1:
         return 0.0
-    nbytes = ctx.tokens * ctx.structure.hidden_size * ctx.bytes_per_element
-    if ctx.sequence_parallel:
-        nbytes /= ctx.mesh.tp
     inter = ctx.cluster.num_nodes > 1 and ctx.mesh.num_devices > ctx.cluster.devices_per_node
-    return ctx.comm_factor * p2p_time_s(nbytes, ctx.cluster, inter)
+    return ctx.comm_factor * p2p_time_s(p2p_message_bytes(ctx), ctx.cluster, inter)
+
+
+def pipeline_buffer_bytes(ctx: CostContext, stage: int) -> float:
+    """Bytes pipeline rank `stage` holds for stage-boundary gradients beyond its activations, in
+    training: the output gradient received for the backward it runs next (a rank with a chunk that
+    sends activations) and the input gradient it sends back (a rank with a chunk that receives them),
+    one `p2p_message_bytes` each. The runtime receives into buffers made when each receive is posted
+    and released after that micro-batch's backward (`runtime.pipeline._JustInTimeStage`), so the
+    received inputs of the micro-batches in flight are their stages' inputs, which the activations
+    count. (torch 2.13's own `PipelineStage`, as torchtitan runs it, keeps a buffer per micro-batch and
+    direction for the whole step, m times these: pytorch/pytorch#136380.) Inference: 0 (the input
+    being computed on is working memory, `transient_bytes`)."""
+    pp, v = ctx.mesh.pp, ctx.virtual_stages
+    if pp == 1 or not ctx.train:
+        return 0.0
+    receives_grads = stage < pp - 1 or v > 1
+    sends_grads = stage > 0 or v > 1
+    return (int(receives_grads) + int(sends_grads)) * p2p_message_bytes(ctx)
 
 
 def tied_gradient_exchange_s(grad_bytes: float, ctx: CostContext) -> float:

@@ -94,6 +94,7 @@ from planner.solver.costing import (
     in_flight_micro_batches,
     interleaved_chunks,
     optimizer_step_cost,
+    pipeline_buffer_bytes,
     recompute_input_bytes,
     stage_p2p_time_s,
     step_time_s,
@@ -707,13 +708,15 @@ class _Builder:
         return (fixed + sum(max(o.grad_bytes for o in op.options) for op in graph.ops)) / GIB
 
     def _memory_constraints(self, static, act, grad, ends: tuple[_EndTerms, _EndTerms]) -> None:
-        """memory_*: per stage, params (+ grads + Adam) + in-flight activations + ends <= cap."""
+        """memory_*: per stage, params (+ grads + Adam) + in-flight activations + ends + the stage-boundary
+        gradients in flight (`pipeline_buffer_bytes`) <= cap."""
         ctx, cap = self.ctx, self.p.memory_cap_bytes
         pp = ctx.mesh.pp
         self.stage_memory = []
         for s in range(pp):
             f = in_flight_micro_batches(ctx, s)
             mem = static[s] + (f * act[s] if pp == 1 else 0) + transient_bytes(ctx) / GIB
+            mem += pipeline_buffer_bytes(ctx, s) / GIB  # stage-boundary gradients in flight
             if self.working is not None:
                 mem += self.working
             for end, here in zip(ends, (s == 0, s == pp - 1)):

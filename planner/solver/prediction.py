@@ -33,6 +33,7 @@ from planner.solver.costing import (
     grad_reaches_head,
     in_flight_micro_batches,
     optimizer_step_time_s,
+    pipeline_buffer_bytes,
     recompute_input_bytes,
     recompute_working_bytes,
     sequence_regather_s,
@@ -246,8 +247,8 @@ def predict(tables: CostTables, assignment: Assignment) -> PricedAssignment:
             stages_bd[s].grad_bytes + stages_bd[s].expert_grad_bytes, ctx
         )
     transient = transient_bytes(ctx)
-    for bd, working in zip(stages_bd, stage_working):
-        bd.memory_bytes += transient + working
+    for s, (bd, working) in enumerate(zip(stages_bd, stage_working)):
+        bd.memory_bytes += transient + working + pipeline_buffer_bytes(ctx, s)
     times = [bd.time_s for bd in stages_bd]
     slowest = max(range(mesh.pp), key=lambda s: times[s])
     tails = dict.fromkeys(
