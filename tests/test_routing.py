@@ -123,3 +123,20 @@ def test_a_served_request_replays_its_routing_in_call_order() -> None:
     assert replay.flipped == 1 and replay.logit_diff == pytest.approx(0.0002, abs=1e-6)
     with pytest.raises(RuntimeError, match="no recorded choice"), routing_tape([(gm, routers)], replay):
         gm(rounded)
+
+
+def test_recording_the_replay_lets_go_of_the_references_choices() -> None:
+    """Once the checked step's replayed routing is in the report, the tape holds nothing: its choices
+    are every router's inputs for the whole batch, which the timed steps (routing by themselves) must
+    not keep alive beside their activations."""
+    from runtime.job import RankReport  # noqa: PLC0415
+    from runtime.reference import record_routing  # noqa: PLC0415
+
+    gm, routers = _graph()
+    tape = _recorded(gm, routers)
+    replay = TokenRoutingTape(choices=dict(tape.choices), replay=True)
+    with routing_by_token([gm], routers, replay):
+        gm(TOKENS)
+    report = RankReport(0, 0, 0, [], 0.0, 0, None, None)
+    record_routing(report, replay)
+    assert report.routing_calls == 1 and replay.choices == {}
