@@ -13,7 +13,7 @@ dispatcher):
    all_to_all_single_autograd`, differentiable: its backward is the reverse all-to-all);
 3. the rank's experts run on the rows they received (each expert on its own rows, grouped);
 4. combine: the outputs go back to the ranks their tokens came from (the reverse all-to-all);
-5. each token's k outputs are weighted by the router's weights and summed (`index_add`).
+5. each token's k outputs are weighted by the router's weights and summed (a scatter-add by token, `_combine`).
 
 Nothing is dropped (dropless, as Megatron-Core's `--moe-token-dispatcher-type alltoall` without a
 capacity factor): the all-to-all split sizes follow the routing. With one rank (or no process group)
@@ -92,6 +92,15 @@ def _exchange(
     """An all-to-all of `rows` (send_splits[r] rows to rank r, recv_splits[r] rows from it), waited for;
     differentiable (its backward is the reverse all-to-all): PyTorch's functional collective."""
     return wait_tensor(all_to_all_single_autograd(rows.contiguous(), recv_splits, send_splits, group))
+
+
+def _combine(weighted: torch.Tensor, token: torch.Tensor, n: int) -> torch.Tensor:
+    """The (n, C) sum of the (rows, C) `weighted` expert rows into their tokens (`token`: (rows,) int64),
+    in the rows' order. A scatter-add, whose backward gathers the output's gradient by `token` and keeps
+    no rows (an index_add keeps its (rows, C) source for backward: k rows per token of the layer's width,
+    memory Megatron-LM's unpermute does not hold either)."""
+    index = token.unsqueeze(1).expand(-1, weighted.shape[1])
+    return weighted.new_zeros((n, weighted.shape[1])).scatter_add(0, index, weighted)
 
 
 def _swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
@@ -202,7 +211,7 @@ def ep_moe(
     if label:
         _LOADS[label] = counts.tolist()
     weighted = out_rows if scale_input else out_rows * row_weights.to(out_rows.dtype)
-    out = x.new_zeros((n, w_down.shape[1])).index_add(0, token, weighted)
+    out = _combine(weighted, token, n)
     if tp_axis is not None:
         from passes.collectives import tp_all_reduce  # noqa: PLC0415
 
@@ -246,5 +255,5 @@ def ep_moe_replicated(
     if label:
         _LOADS[label] = counts.tolist()
     weighted = out_rows if scale_input else out_rows * row_weights.to(out_rows.dtype)
-    partial = x.new_zeros((n, w_down.shape[1])).index_add(0, token, weighted)
+    partial = _combine(weighted, token, n)
     return tp_all_reduce(partial, axis)

@@ -35,6 +35,7 @@ from planner.cli.render import options_text
 from planner.cli.workflow import prepare
 from planner.errors import InfeasibleError, InputError
 from planner.export import export_plan
+from planner.frontend.analysis import Role
 from planner.plan import DataParallel, MeshShape, Plan, Workload
 from planner.solver.costing import (
     CostContext,
@@ -191,6 +192,10 @@ def test_experts_no_pass_rewrites_are_priced_as_the_model_computes_them() -> Non
     # the expert pass's grouped GEMMs keep their rows only
     split = _ctx(s, MeshShape(1, 1, 2), ep=2, batch=2, seq=64)
     assert split.experts_rewritten and expert_activation_bytes(layer, split) < gathered / 1000
+    # per row: its input and output (C), the gate and up outputs, the SiLU and the product (I) (SwiGLU)
+    per_row = 2 * 4096 + 4 * 14336
+    rows = expert_share(layer.moe, split).rows
+    assert expert_activation_bytes(layer, split) == pytest.approx(rows * per_row * split.bytes_per_element)
 
 
 def test_a_forward_of_experts_the_model_runs_itself_holds_the_gathered_weights_of_one_gemm() -> None:
@@ -367,8 +372,10 @@ def test_expert_tp_divides_the_expert_gemms_and_memory_by_tp_and_adds_the_tp_all
         expert_state * 3 / 4, rel=1e-3
     )
     assert g_split.expert_grad_bytes == pytest.approx(g_whole.expert_grad_bytes / 4)
-    rows = expert_share(layer.moe, whole).rows  # the I-wide side of each projection's rows kept / 4
-    i_wide = rows * sum(max(w.in_features, w.out_features) for w in layer.moe.experts) * 2
+    # the I-wide rows kept (gate and up outputs, the SiLU, the product) / 4; the C-wide ones whole
+    rows = expert_share(layer.moe, whole).rows
+    width = next(w.in_features for w in layer.moe.experts if w.role is Role.EXPERT_DOWN)
+    i_wide = rows * 4 * width * 2
     assert g_whole.fixed_activation_bytes - g_split.fixed_activation_bytes == pytest.approx(i_wide * 3 / 4)
     # EP over the TP ranks: expert_tp means nothing there (the plan refuses it); priced as 1
     assert _split(_ctx(s, MeshShape(8, 1, 1), ep=8, fold="tp", batch=1), 8).expert_tp == 1

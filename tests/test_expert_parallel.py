@@ -100,3 +100,25 @@ def test_experts_split_evenly_or_refused() -> None:
     assert ep.local_experts(8, 4, 3) == range(6, 8)
     with pytest.raises(ValueError, match="over 3 ranks cannot split 8 experts"):
         ep.local_experts(8, 3, 0)
+
+
+def test_the_combine_keeps_no_rows_for_backward() -> None:
+    """Each token's k weighted expert rows are summed by a scatter-add by token, whose backward gathers
+    the output's gradient by token: autograd keeps only the (int64) token index, not the (rows, C)
+    weighted rows an index_add would keep (k rows per token of the layer's width)."""
+    rows, width, n = 64, 32, 16
+    weighted = torch.randn(rows, width, requires_grad=True)
+    token = torch.arange(n).repeat_interleave(rows // n)
+    kept: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept.append(t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = ep._combine(weighted * 1, token, n)
+    assert sum(kept) <= token.numel() * token.element_size()
+    want = torch.zeros(n, width).index_add(0, token, weighted.detach())
+    assert torch.equal(out, want)
+    out.backward(torch.ones_like(out))
+    assert torch.equal(weighted.grad, torch.ones(rows, width))
