@@ -222,6 +222,10 @@ class Layer:
     # backward at all (autograd records nothing there)
     frozen_params: int = 0
     input_requires_grad: bool = True
+    # norms that compute in fp32 on a 16-bit stream (`_norm_upcasts`: HF's and Meta's RMSNorm,
+    # `x.float()` / `.to(torch.float32)` before the statistics): autograd keeps that fp32 copy of the
+    # stream, not the 16-bit input. Seen only in a graph captured in a 16-bit dtype.
+    norm_upcasts: int = 0
 
     @property
     def trainable(self) -> bool:
@@ -1136,6 +1140,7 @@ def _layer(
         side_inputs=[a.name for a in external if a is not stream],
         node_blocks=blocks,
         cross_attention=cross,
+        norm_upcasts=_norm_upcasts(members, stream),
     )
 
 
@@ -1186,6 +1191,33 @@ def _node_blocks(
         else:
             blocks[n.name] = "stream"
     return blocks
+
+
+_UPCASTS = frozenset({"aten.to", "aten._to_copy", "aten.type_as"})
+# (not a multiply: RoPE's fp32 rotation of q / k multiplies a copy as large as the stream)
+_NORM_STATISTICS = frozenset({"aten.pow", "aten.mean", "aten.var", "aten.var_mean", "aten.square"})
+
+
+def _norm_upcasts(members: list[fx.Node], stream: fx.Node) -> int:
+    """Nodes of a layer that copy a 16-bit floating value of the stream's size to fp32 for a norm's
+    statistics (a user squares it or takes its mean or variance): RMSNorm written as HF's Llama and
+    Meta's reference code write it. Autograd keeps that copy for the norm's backward (4 bytes an
+    element) where a norm on its input keeps the 16-bit input."""
+    size = stream.meta.get("val")
+    if not isinstance(size, torch.Tensor):
+        return 0
+    found = 0
+    for n in members:
+        if n.op != "call_function" or op_name(n.target) not in _UPCASTS or not n.args:
+            continue
+        out, src = n.meta.get("val"), getattr(n.args[0], "meta", {}).get("val")
+        if not isinstance(out, torch.Tensor) or not isinstance(src, torch.Tensor):
+            continue
+        if out.dtype != torch.float32 or not src.is_floating_point() or src.element_size() != 2:
+            continue
+        if out.numel() == size.numel() and any(op_name(u.target) in _NORM_STATISTICS for u in n.users):
+            found += 1
+    return found
 
 
 def _stream_input(

@@ -1684,7 +1684,10 @@ def build_layer_graph(layer: Layer, ctx: CostContext) -> LayerGraph:
     # the frozen ones among them (norms, a router, experts of a frozen layer): weights only
     frozen = min(other_params, max(0.0, layer.frozen_params * b - frozen_proj_bytes)) if ctx.train else 0.0
     other_params -= frozen
-    fixed_act = 2.0 * num_norms * tokens * hidden * b / split if ctx.train else 0.0
+    # each norm keeps its input and output; one computing in fp32 on a 16-bit stream keeps its fp32
+    # copy of the input instead (`Layer.norm_upcasts`)
+    upcast = min(layer.norm_upcasts, num_norms) * max(0.0, DTYPE_BYTES["fp32"] - b)
+    fixed_act = (2.0 * num_norms * b + upcast) * tokens * hidden / split if ctx.train else 0.0
     fixed_act += expert_activation_bytes(layer, ctx)
     # the MoE block's gathered input, kept whole for the router's backward where the stream keeps 1/tp
     fixed_act += moe_sequence_gather_bytes(layer, ctx) * (1 - 1 / split) if ctx.train else 0.0
