@@ -244,6 +244,9 @@ def test_a_prefill_the_models_own_experts_cannot_fit_is_planned_with_the_expert_
     assert any(
         n.startswith("experts whole (the model's own expert code): the prefill") for n in plan.excluded
     )
+    # --why does not offer the own experts at their decode step's time: the request's prefill cannot fit
+    (ep,) = [d for d in plan.decisions if d.subject == "expert parallelism"]
+    assert ep.options["off"] == float("inf") and "request's prefill of 256 tokens would need" in ep.reason
     pinned = dataclasses.replace(workflow.constraints_from(2, 1, 1, "none"), ep=1, expert_tp=1)
     with pytest.raises(InfeasibleError, match="--ep or --expert-tp"):
         workflow.make_plan(prepared, cluster, pinned, str(model))

@@ -9,6 +9,7 @@ shows progress and renders. Errors are `planner.errors` exceptions with the exit
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import tempfile
@@ -863,6 +864,48 @@ def make_plan(
         return plan
 
 
+def _mark_own_experts_prefill(
+    plan: Plan, prepared: Prepared, cluster: ClusterSpec, memory_fraction: float
+) -> None:
+    """A served plan's expert-parallelism decision prices each alternative's decode step; the one
+    that leaves the experts to the model's own code ("off": no EP, experts whole) is marked not fitting
+    where its request's prefill would not (`request_peak_memory`: HF batched_mm and gpt-fast gather an
+    expert matrix per token and choice, a prompt's worth of them), so `--why` does not offer it."""
+    request = prepared.request
+    decision = next((d for d in plan.decisions if d.subject == "expert parallelism"), None)
+    if (
+        decision is None
+        or request is None
+        or _own_experts(plan)
+        or not math.isfinite(decision.options.get("off", math.inf))
+    ):
+        return
+    alt = replace(plan, ep=1, ep_fold="dp", expert_tp=1)
+    alt.serving = price_request(
+        alt,
+        prepared.prefill,
+        prepared.structure,
+        cluster,
+        prompt_len=request.prompt_len,
+        new_tokens=request.new_tokens,
+        cache_len=request.cache_len,
+        trained_positions=request.trained_positions,
+        fallbacks=kv_fallbacks(alt, prepared.structure),
+    )
+    try:
+        request_peak_memory(alt, cluster, memory_fraction)
+    except InfeasibleError:
+        gib = 2**30
+        decode_s = decision.options["off"]
+        decision.options["off"] = math.inf
+        decision.reason += (
+            f"; off: a decode step of {decode_s * 1e3:.3g} ms, but the request's prefill of {request.prompt_len} "
+            f"tokens would need {alt.serving.prefill_peak_memory_bytes / gib:.1f} GiB per device on "
+            f"{plan.mesh.label()} with the model's own expert code (an expert matrix gathered per token and "
+            "choice): it does not fit"
+        )
+
+
 class _ExpertsPrefillTooLarge(Exception):
     """A served plan's prefill does not fit where the model's own experts run (`make_plan` plans again)."""
 
@@ -926,6 +969,7 @@ def _make_plan(
             if _own_experts(plan) and rewritable and not again:
                 raise _ExpertsPrefillTooLarge(e) from None
             raise
+        _mark_own_experts_prefill(plan, prepared, cluster, constraints.memory_fraction)
         plan.workload = request.workload
         if request.workload is Workload.GENERATE:
             plan.seq_len = request.prompt_len
