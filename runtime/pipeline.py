@@ -362,16 +362,18 @@ class PipelineRunner:
         _check_batch(args, self._examples, self.micro_batches, self.input_batch_dims)
         return args
 
-    def forward(self, inputs_or_none: Sequence[torch.Tensor] | None) -> Any:
+    def forward(self, inputs_or_none: Sequence[torch.Tensor] | None, keep_outputs: bool = True) -> Any:
         """One forward pass (under `torch.no_grad()`, no loss). inputs_or_none: on stage 0 the graph's
         inputs for the whole batch, each batched one micro_batches * b long on its batch dim (b the
         captured batch), the others as captured; None elsewhere. Returns on the last stage the graph's output for the whole batch (micro-batch
-        outputs concatenated along dim 0; a tuple for a multi-output graph), None elsewhere.
+        outputs concatenated along dim 0; a tuple for a multi-output graph), None elsewhere; with
+        `keep_outputs` False, None everywhere: each micro-batch's output is dropped once computed (a
+        consumer takes it), not kept for the whole batch's.
         Raises ValueError for a missing or mis-shaped input."""
         args = self._stage_args(inputs_or_none)
         with torch.no_grad():
-            out = self._schedule(False).step(*args)
-        return out if self.is_last else None
+            out = self._schedule(False).step(*args, return_outputs=keep_outputs)
+        return out if self.is_last and keep_outputs else None
 
     def train_step(
         self,

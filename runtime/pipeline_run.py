@@ -251,8 +251,10 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
             if job.return_output:
                 report.output = all_outputs(out)[0].cpu()
 
-        def timed() -> None:
-            runner.forward(stage_inputs)
+        del out  # the checked step's outputs: the timed steps hold none of them
+
+        def timed() -> None:  # each micro-batch's output dropped once computed, as a consumer takes it
+            runner.forward(stage_inputs, keep_outputs=False)
 
     want.close()
     time_steps(timed, job, ctx.device, report)
