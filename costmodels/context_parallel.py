@@ -25,7 +25,9 @@ needs the query and KV heads a rank holds to divide by C (`ulysses_refusal`).
 
 Memory in flight for the layer being computed (`CpAttentionCost.buffer_bytes`): ring two K/V blocks
 (the one computed, the one arriving), training also two fp32 dK/dV accumulators; all-gather the whole
-sequence's K/V, training also its fp32 dK/dV before the reduce-scatter; all-to-all q, k, v and out in
+sequence's K/V, training also its fp32 dK/dV before the reduce-scatter; both also the fp32 score blocks
+the runtime computes their attention in (`score_block_bytes`: it materializes each block's scores,
+(T / C) x (T / C), the all-gather's a rank's share of keys at a time); all-to-all q, k, v and out in
 the (whole sequence, H / C heads) layout, training also their gradients.
 
 The ring's overlap follows Liu, Zaharia, Abbeel 2023 ("Ring Attention with Blockwise Transformers",
@@ -159,6 +161,7 @@ def cp_attention_cost(
             comm += all_gather_time_s(cp * kv_bytes, group, cluster)
             comm += reduce_scatter_time_s(cp * kv_bytes * grad, group, cluster)
         buffers = cp * kv_bytes * (1.0 + (grad if train else 0.0))
+        buffers += score_block_bytes(seqs, h, t_l, t_l, train)  # one rank's share of keys at a time
         return CpAttentionCost(fwd + bwd, fwd, comm, 0.0, buffers, kv_bytes)
     refusal = ulysses_refusal(h, kv, cp)
     if refusal is not None:
@@ -209,5 +212,22 @@ def _ring(shape, cp, load_balance, cluster, group, kv_bytes, grad, train, kernel
         exposed += send_s(kv_bytes * grad)  # the last accumulator home, after the last block
     forward = diag_fwd + (cp - 1) * rest_fwd
     compute_s = forward + diag_bwd + (cp - 1) * rest_bwd
-    buffers = 2 * kv_bytes * (1.0 + (grad if train else 0.0))
+    buffers = 2 * kv_bytes * (1.0 + (grad if train else 0.0)) + score_block_bytes(seqs, h, t_l, t_l, train)
     return CpAttentionCost(compute_s, forward, exposed, hidden, buffers, kv_bytes)
+
+
+# queries and keys per fp32 score tile the runtime's ring and all-gather attention computes at once
+# (`passes.context_parallel._block_forward`)
+SCORE_TILE = 1024
+
+
+def score_block_bytes(sequences: float, heads: float, q_len: float, k_len: float, train: bool) -> float:
+    """Bytes of the fp32 (sequences, heads, q_len, k_len) score blocks the runtime's ring and all-gather
+    attention holds at once (the all-gather's over one rank's share of the keys at a time,
+    `passes.context_parallel._key_chunks`) (`passes.context_parallel._block_forward` / `_block_backward`: the scores
+    become the probabilities in place, and the backward also holds their gradient): one block in a
+    forward, two in a backward. Measured: a tiny Llama at CP 2, 8 x 1,024 tokens, 8 heads, held 4 such
+    64 MiB blocks at once before they were made in place (2026-12). A block longer than `SCORE_TILE`
+    queries or keys is computed a tile at a time: one tile's scores."""
+    tile = min(q_len, SCORE_TILE) * min(k_len, SCORE_TILE)
+    return 4.0 * sequences * heads * tile * (2 if train else 1)

@@ -101,6 +101,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.profiler import record_function
 
+from costmodels.context_parallel import SCORE_TILE
 from passes.collectives import _all_gather, _group, _reduce_scatter
 from planner.plan import CP_COMM_TYPES
 
@@ -391,18 +392,56 @@ def _reduce_heads(g: torch.Tensor, groups: int) -> torch.Tensor:
     return g.view(b, h // groups, groups, t, d).sum(2)
 
 
+def _tiles(n: int) -> list[tuple[int, int]]:
+    return [(start, min(n, start + SCORE_TILE)) for start in range(0, n, SCORE_TILE)]
+
+
 def _block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_tile_forward` over (`SCORE_TILE` x `SCORE_TILE`) tiles of the block, merged online (`_merge`),
+    so a block of any length holds one tile of scores at a time (a long block's (Tq, Tk) scores would
+    not fit: 4 heads x 64k x 64k in fp32 are 64 GiB). Tiles the mask hides whole are skipped. Shapes and
+    results as `_tile_forward`'s."""
+    tq, tk = q.shape[2], k.shape[2]
+    if tq <= SCORE_TILE and tk <= SCORE_TILE:
+        return _tile_forward(q, k, v, mask, scale)
+    outs, lses = [], []
+    for qs, qe in _tiles(tq):
+        out = lse = None
+        for ks, ke in _tiles(tk):
+            m = None if mask is None else mask[qs:qe, ks:ke]
+            if m is not None and not bool(m.any()):
+                continue
+            tile = _tile_forward(q[:, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke], m, scale)
+            out, lse = tile if out is None else _merge(out, lse, *tile)
+        if out is None:  # these queries see no key of the block
+            out = q.new_zeros((*q.shape[:2], qe - qs, v.shape[3]))
+            lse = q.new_full((*q.shape[:2], qe - qs), float("-inf"))
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, 2), torch.cat(lses, 2)
+
+
+def _tile_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of q (B, H, Tq, D) over k, v (B, H, Tk, D), all fp32, `mask` (Tq, Tk) True
     where visible: (out (B, H, Tq, D), log-sum-exp of the scaled scores (B, H, Tq); -inf for a row
     that sees no key, whose out is 0)."""
-    s = (q @ k.transpose(-1, -2)) * scale
+    # one (B, H, Tq, Tk) block alive at a time: the scores become the probabilities in place (this runs
+    # inside an autograd.Function, which records nothing)
+    s = q @ k.transpose(-1, -2)
+    s.mul_(scale)
     if mask is not None:
-        s = s.masked_fill(~mask.to(s.device), float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
-    return p @ v, lse
+        s.masked_fill_(~mask.to(s.device), float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isinf(m), 0.0, m)  # a row that sees no key: exp(-inf) = 0, lse -inf
+    s.sub_(m).exp_()
+    total = s.sum(dim=-1, keepdim=True)
+    lse = (m + torch.log(total)).squeeze(-1)
+    s.mul_(torch.where(total > 0, 1.0 / total, 0.0))
+    return s @ v, lse
 
 
 def _block_backward(
@@ -415,15 +454,50 @@ def _block_backward(
     mask: torch.Tensor | None,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_tile_backward` over the block's (`SCORE_TILE` x `SCORE_TILE`) tiles, the gradients summed (the
+    final log-sum-exp makes each tile's probabilities exact on their own). Shapes as `_tile_backward`'s."""
+    tq, tk = q.shape[2], k.shape[2]
+    if tq <= SCORE_TILE and tk <= SCORE_TILE:
+        return _tile_backward(q, k, v, dout, lse, delta, mask, scale)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for qs, qe in _tiles(tq):
+        for ks, ke in _tiles(tk):
+            m = None if mask is None else mask[qs:qe, ks:ke]
+            if m is not None and not bool(m.any()):
+                continue
+            dq_t, dk_t, dv_t = _tile_backward(
+                q[:, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke], dout[:, :, qs:qe], lse[:, :, qs:qe],
+                delta[:, :, qs:qe], m, scale,
+            )  # fmt: skip
+            dq[:, :, qs:qe] += dq_t
+            dk[:, :, ks:ke] += dk_t
+            dv[:, :, ks:ke] += dv_t
+    return dq, dk, dv
+
+
+def _tile_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of a block of attention whose merged output is known: the block's
     probabilities recomputed as exp(S - lse) with the *final* log-sum-exp (B, H, Tq), and
     delta = rowsum(dout * out) (B, H, Tq). All fp32; shapes as `_block_forward`."""
-    s = (q @ k.transpose(-1, -2)) * scale
+    # two (B, H, Tq, Tk) blocks alive at a time (the probabilities, then their gradient), in place
+    p = q @ k.transpose(-1, -2)
+    p.mul_(scale)
     if mask is not None:
-        s = s.masked_fill(~mask.to(s.device), float("-inf"))
-    p = torch.exp(s - lse.unsqueeze(-1))
+        p.masked_fill_(~mask.to(p.device), float("-inf"))
+    p.sub_(lse.unsqueeze(-1)).exp_()
     dv = p.transpose(-1, -2) @ dout
-    ds = p * (dout @ v.transpose(-1, -2) - delta.unsqueeze(-1))
+    ds = dout @ v.transpose(-1, -2)
+    ds.sub_(delta.unsqueeze(-1)).mul_(p)
+    del p
     return (ds @ k) * scale, (ds.transpose(-1, -2) @ q) * scale, dv
 
 
@@ -619,6 +693,13 @@ def _whole_kv(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return full[0], full[1]
 
 
+def _key_chunks(stop: int, chunk: int) -> list[tuple[int, int]]:
+    """[start, end) ranges of at most `chunk` keys covering 0 .. stop: the all-gather's attention runs
+    one rank's share of keys at a time (merged online, `_merge`), so its score blocks are (T_l, T_l) as
+    the ring's, not (T_l, T)."""
+    return [(start, min(stop, start + chunk)) for start in range(0, stop, chunk)]
+
+
 class _AllGatherAttention(torch.autograd.Function):
     """All-gather attention (module docstring): q (B, H, T_l, D), k, v (B, H_kv, T_l, D) -> (B, H, T_l, D)."""
 
@@ -633,10 +714,13 @@ class _AllGatherAttention(torch.autograd.Function):
         row, stop, mask = _block_plan(qpos, torch.arange(seq_len), causal)  # never None: a query sees itself
         assert row == 0
         with record_function("cp.allgather.forward.compute"):
-            out, lse = _block_forward(
-                q.float(), _expand(kf[:, :, :stop].float(), groups), _expand(vf[:, :, :stop].float(), groups),
-                mask, scale,
-            )  # fmt: skip
+            qf, out, lse = q.float(), None, None
+            for start, end in _key_chunks(stop, q.shape[2]):
+                block = _block_forward(
+                    qf, _expand(kf[:, :, start:end].float(), groups), _expand(vf[:, :, start:end].float(), groups),
+                    None if mask is None else mask[:, start:end], scale,
+                )  # fmt: skip
+                out, lse = block if out is None else _merge(out, lse, *block)
         result = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)
         ctx.axis, ctx.causal, ctx.load_balance, ctx.scale = axis, causal, load_balance, scale
@@ -653,14 +737,17 @@ class _AllGatherAttention(torch.autograd.Function):
         qpos = cp_positions(seq_len, rank, size, ctx.load_balance)
         _, stop, mask = _block_plan(qpos, torch.arange(seq_len), ctx.causal)
         doutf = dout.float()
-        with record_function("cp.allgather.backward.compute"):
-            dq, dk_r, dv_r = _block_backward(
-                q.float(), _expand(kf[:, :, :stop].float(), groups), _expand(vf[:, :, :stop].float(), groups),
-                doutf, lse, (doutf * out.float()).sum(-1), mask, ctx.scale,
-            )  # fmt: skip
         dkv = torch.zeros((seq_len, 2, *k.shape[:2], k.shape[3]), dtype=torch.float32, device=k.device)
-        dkv[:stop, 0] = _reduce_heads(dk_r, groups).permute(2, 0, 1, 3)
-        dkv[:stop, 1] = _reduce_heads(dv_r, groups).permute(2, 0, 1, 3)
+        with record_function("cp.allgather.backward.compute"):
+            qf, delta, dq = q.float(), (doutf * out.float()).sum(-1), None
+            for start, end in _key_chunks(stop, q.shape[2]):
+                dq_c, dk_c, dv_c = _block_backward(
+                    qf, _expand(kf[:, :, start:end].float(), groups), _expand(vf[:, :, start:end].float(), groups),
+                    doutf, lse, delta, None if mask is None else mask[:, start:end], ctx.scale,
+                )  # fmt: skip
+                dq = dq_c if dq is None else dq.add_(dq_c)
+                dkv[start:end, 0] = _reduce_heads(dk_c, groups).permute(2, 0, 1, 3)
+                dkv[start:end, 1] = _reduce_heads(dv_c, groups).permute(2, 0, 1, 3)
         with record_function("cp.allgather.backward.reduce_scatter"):
             local = _reduce_scatter(_to_rank_order(dkv, 0, size, ctx.load_balance), 0, ctx.axis)
         dk, dv = local.permute(1, 2, 3, 0, 4)  # (T_l, 2, B, H_kv, D) -> 2 x (B, H_kv, T_l, D)

@@ -311,3 +311,63 @@ def test_unknown_variant_is_named() -> None:
     q = torch.zeros(1, 2, 4, D)
     with pytest.raises(ValueError, match="'ulysses'.*ring, allgather, alltoall"):
         cp_attention(q, q, q, "cp_single", variant="ulysses", causal=True, load_balance=False)
+
+
+def test_a_blocks_attention_holds_one_score_block_forward_and_two_backward() -> None:
+    """`_block_forward` turns the scores into the probabilities in place and `_block_backward` holds
+    only the probabilities and their gradient: the heap grows by about one (B, H, Tq, Tk) fp32 block in a
+    forward and two in a backward (it held four: the scores, the masked scores, their difference from
+    the log-sum-exp and its exponential), and the results are softmax attention's."""
+    from runtime.measure import heap_in_use_bytes, heap_peak_bytes  # noqa: PLC0415
+
+    if heap_in_use_bytes() is None:
+        pytest.skip("needs glibc's mallinfo2")
+    torch.manual_seed(0)
+    b, h, t, d = 1, 8, 512, 16
+    q, k, v, dout = (torch.randn(b, h, t, d) for _ in range(4))
+    mask = torch.ones(t, t, dtype=torch.bool).tril()
+    block = b * h * t * t * 4
+    results = {}
+
+    def forward() -> None:
+        results["fwd"] = cp._block_forward(q, k, v, mask, 0.25)
+
+    heap_peak_bytes(forward, torch.device("cpu"))  # the dispatch mode's first use allocates its own
+    start = heap_in_use_bytes()
+    peak = heap_peak_bytes(forward, torch.device("cpu"))
+    assert peak - start < 1.5 * block
+    out, lse = results["fwd"]
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25)
+    assert torch.allclose(out, want, atol=1e-5)
+    delta = (dout * out).sum(-1)
+
+    def backward() -> None:
+        results["bwd"] = cp._block_backward(q, k, v, dout, lse, delta, mask, 0.25)
+
+    start = heap_in_use_bytes()
+    peak = heap_peak_bytes(backward, torch.device("cpu"))
+    assert peak - start < 2.5 * block
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=0.25).backward(dout)
+    for got, ref in zip(results["bwd"], (qg.grad, kg.grad, vg.grad)):
+        assert torch.allclose(got, ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_long_block_is_computed_tile_by_tile_with_the_same_results(monkeypatch, masked: bool) -> None:
+    """A block longer than `SCORE_TILE` queries or keys is computed tile by tile, merged online, the
+    tiles its mask hides whole skipped: the same output, log-sum-exp and gradients as one tile (a
+    (Tq, Tk) block of fp32 scores at 64k tokens would not fit), here with tiles of 64 over 200 x 300."""
+    torch.manual_seed(0)
+    q, dout = torch.randn(1, 2, 200, 8), torch.randn(1, 2, 200, 8)
+    k, v = torch.randn(1, 2, 300, 8), torch.randn(1, 2, 300, 8)
+    # queries at positions 100..299 over keys 0..299: causal, the first tiles' later keys hidden
+    mask = (torch.arange(300)[None, :] <= torch.arange(100, 300)[:, None]) if masked else None
+    whole_out, whole_lse = cp._block_forward(q, k, v, mask, 0.3)
+    delta = (dout * whole_out).sum(-1)
+    whole_grads = cp._block_backward(q, k, v, dout, whole_lse, delta, mask, 0.3)
+    monkeypatch.setattr(cp, "SCORE_TILE", 64)
+    out, lse = cp._block_forward(q, k, v, mask, 0.3)
+    assert torch.allclose(out, whole_out, atol=1e-5) and torch.allclose(lse, whole_lse, atol=1e-5)
+    for got, want in zip(cp._block_backward(q, k, v, dout, lse, delta, mask, 0.3), whole_grads):
+        assert torch.allclose(got, want, atol=1e-5)

@@ -14,6 +14,7 @@ from costmodels import memory
 from costmodels.cluster import load_cluster
 from costmodels.comm import Group, p2p_time_s
 from costmodels.context_parallel import (
+    SCORE_TILE,
     CpAttentionShape,
     cp_attention_cost,
     load_balanced_work_fraction,
@@ -132,8 +133,9 @@ def test_activations_and_token_wise_work_per_rank_fall_as_one_over_cp() -> None:
 def test_kv_buffers_in_flight_ring_two_blocks_allgather_the_whole_sequence() -> None:
     ring, gather = _ctx(8, kind="ring"), _ctx(8, kind="allgather")
     kv = 2 * 1 * 8 * (65536 / 8) * 128 * 2  # one rank's K and V, bf16, 8 KV heads
-    assert cp_buffer_bytes(ring) == pytest.approx(2 * kv * 3)  # + fp32 dK/dV accumulators
-    assert cp_buffer_bytes(gather) == pytest.approx(8 * kv * 3)
+    tiles = 2 * 4 * 32 * 1024 * 1024  # two fp32 score tiles of the 32 query heads (a backward)
+    assert cp_buffer_bytes(ring) == pytest.approx(2 * kv * 3 + tiles)  # + fp32 dK/dV accumulators
+    assert cp_buffer_bytes(gather) == pytest.approx(8 * kv * 3 + tiles)
     assert transient_bytes(gather) - transient_bytes(ring) == pytest.approx(6 * kv * 3)
     assert cp_buffer_bytes(_ctx(1)) == 0.0
 
@@ -350,3 +352,25 @@ def test_a_sequence_first_model_is_told_why_context_parallelism_cannot_split_it(
     with pytest.raises(InputError, match="sequence-first") as e:
         plan_model(prepared.structure, load_cluster("dgx-h100"), prepared.workload, Constraints(cp=2))
     assert "batch_first=True" in str(e.value) and "another sequence" not in str(e.value)
+
+
+def test_ring_and_allgather_hold_the_runtimes_fp32_score_tiles() -> None:
+    """The runtime's ring and all-gather attention materialize the scores in fp32 a tile of
+    `SCORE_TILE` x `SCORE_TILE` at a time (made the probabilities in place): one tile in a forward,
+    two in a backward (the probabilities and their gradient), whatever the sequence. Llama-3-8B's heads
+    on one TP-8 rank (4 query heads) at 32k tokens over CP 4: 4 x 1024 x 1024 x 4 bytes = 16 MiB a
+    tile; the all-to-all (Ulysses) runs the fused kernel on whole heads and holds no scores."""
+    tile = 4 * 4 * SCORE_TILE * SCORE_TILE
+    forward, train = _cost(32768, 4, "ring"), _cost(32768, 4, "ring", backward=2.0)
+    kv = forward.kv_block_bytes
+    assert forward.buffer_bytes == pytest.approx(2 * kv + tile)
+    assert train.buffer_bytes == pytest.approx(2 * kv * (1 + 4 / 2) + 2 * tile)  # fp32 dK/dV too
+    assert _cost(32768, 4, "allgather").buffer_bytes == pytest.approx(4 * kv + tile)
+    short = _cost(2048, 4, "ring")  # 512 tokens a rank: one (512, 512) block
+    assert short.buffer_bytes == pytest.approx(2 * short.kv_block_bytes + 4 * 4 * 512 * 512)
+    shape = CpAttentionShape(1, 32, 8, 128, seq_len=32768, causal=True)  # whole heads for Ulysses
+    ulysses = cp_attention_cost(
+        shape, 4, "alltoall", True, load_cluster("dgx-h100"), Group(4, 4), "bf16", 0.0
+    )
+    q = 32 * (32768 / 4) * 128 * 2  # a rank's queries, bf16: q, out and K/V in flight, no scores
+    assert ulysses.buffer_bytes == pytest.approx(2 * q + ulysses.kv_block_bytes)

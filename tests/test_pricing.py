@@ -242,3 +242,20 @@ def test_a_norm_computing_in_fp32_on_a_bf16_stream_keeps_its_fp32_copy() -> None
         for s in (bf16, without)
     )
     assert kept - plain == pytest.approx(2 * 2 * 8 * 512 * config.dim)
+
+
+def test_an_fp32_model_trained_in_bf16_is_priced_with_the_norms_fp32_copies() -> None:
+    """examples/llama3.py builds fp32 weights, where its norms' `x.float()` copies nothing; planned for
+    bf16 training, the planner captures it once more in bf16 to see the copies the run keeps (its two
+    norms in each layer), and leaves the model's weights in their dtype."""
+    from planner.cli import workflow  # noqa: PLC0415
+
+    path = str(Path(__file__).resolve().parents[1] / "examples" / "llama3.py")
+    bf16 = workflow.prepare(path, "train", batch_size=2, seq_len=32, dtype="bf16")
+    assert bf16.structure.dtype == "fp32"
+    assert {layer.norm_upcasts for layer in bf16.structure.layers} == {2}
+    for dtype in (None, "fp32"):
+        plain = workflow.prepare(path, "train", batch_size=2, seq_len=32, dtype=dtype)
+        assert {layer.norm_upcasts for layer in plain.structure.layers} == {0}
+    served = workflow.prepare(path, "forward", batch_size=2, seq_len=32, dtype="bf16")
+    assert {layer.norm_upcasts for layer in served.structure.layers} == {0}  # nothing kept for a backward

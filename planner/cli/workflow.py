@@ -28,7 +28,7 @@ from costmodels.cluster import (
     load_cluster,
     preset_names,
 )
-from costmodels.dtypes import dtype_bytes
+from costmodels.dtypes import dtype_bytes, torch_dtype
 from passes.tp_rules_context import TensorParallelError
 from passes.verify import verify_plan
 from planner.cli.plan_checks import check_plan_fields as check_plan_fields  # re-exported
@@ -193,6 +193,7 @@ def _prepare(
             where = f"its attention at {cached.core_line} reads a cache buffer it writes in forward"
             raise InputError(_TRAIN_WITH_CACHE.format(model=model_path, where=where))
         _record_attention_dropout(model, args, kwargs, graph, structure)
+        _record_norm_upcasts(model, args, kwargs, structure, dtype)
     unsplit = _unsplittable_batch(model_file, structure.batch_size, seq_len)
     if unsplit:  # the search keeps one replica and one micro-batch (as for a batch that mixes samples)
         structure.batch_mixing.append(unsplit)
@@ -317,6 +318,41 @@ def _record_attention_dropout(
     for layer in structure.layers:
         if layer.attention is not None and layer.index in applied:
             layer.attention.dropout_p = applied[layer.index].dropout_p
+
+
+def _record_norm_upcasts(
+    model: torch.nn.Module, args: tuple, kwargs: dict, structure: ModelStructure, dtype: str | None
+) -> None:
+    """Set each layer's `Layer.norm_upcasts` as a training run in a 16-bit `dtype` computes it, for a
+    model captured in fp32: a norm's `x.float()` is no copy in an fp32 graph, so the planning graph
+    cannot show what the run keeps (an fp32 copy of the stream per such norm). The model is captured
+    once more with its floating parameters and inputs in `dtype` (a slice of a deep one,
+    `capture_for_planning`), then put back; a capture that fails there is left to the run to report."""
+    if dtype not in ("bf16", "fp16") or structure.dtype != "fp32":
+        return
+    want = torch_dtype(dtype)
+    tensors = [t for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()]
+    before = [t.dtype for t in tensors]
+
+    def cast(x: object) -> object:
+        return x.to(want) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+    with torch.no_grad():
+        for t in tensors:
+            t.data = t.data.to(want)
+    try:
+        _, cast_structure = capture_for_planning(
+            model, tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+        )
+    except InputError:
+        return
+    finally:
+        with torch.no_grad():
+            for t, was in zip(tensors, before):
+                t.data = t.data.to(was)
+    found = {layer.index: layer.norm_upcasts for layer in cast_structure.layers}
+    for layer in structure.layers:
+        layer.norm_upcasts = found.get(layer.index, layer.norm_upcasts)
 
 
 def _unsplittable_batch(model_file: ModelFile, batch_size: int, seq_len: int | None) -> str | None:
