@@ -396,6 +396,19 @@ def _tiles(n: int) -> list[tuple[int, int]]:
     return [(start, min(n, start + SCORE_TILE)) for start in range(0, n, SCORE_TILE)]
 
 
+def _visible_tiles(
+    tq: int, tk: int, mask: torch.Tensor | None
+) -> list[tuple[slice, slice, torch.Tensor | None]]:
+    """The (query slice, key slice, mask tile) of a (tq, tk) block's tiles that some pair sees."""
+    found = []
+    for qs, qe in _tiles(tq):
+        for ks, ke in _tiles(tk):
+            m = None if mask is None else mask[qs:qe, ks:ke]
+            if m is None or bool(m.any()):
+                found.append((slice(qs, qe), slice(ks, ke), m))
+    return found
+
+
 def _block_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -406,21 +419,13 @@ def _block_forward(
     tq, tk = q.shape[2], k.shape[2]
     if tq <= SCORE_TILE and tk <= SCORE_TILE:
         return _tile_forward(q, k, v, mask, scale)
-    outs, lses = [], []
-    for qs, qe in _tiles(tq):
-        out = lse = None
-        for ks, ke in _tiles(tk):
-            m = None if mask is None else mask[qs:qe, ks:ke]
-            if m is not None and not bool(m.any()):
-                continue
-            tile = _tile_forward(q[:, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke], m, scale)
-            out, lse = tile if out is None else _merge(out, lse, *tile)
-        if out is None:  # these queries see no key of the block
-            out = q.new_zeros((*q.shape[:2], qe - qs, v.shape[3]))
-            lse = q.new_full((*q.shape[:2], qe - qs), float("-inf"))
-        outs.append(out)
-        lses.append(lse)
-    return torch.cat(outs, 2), torch.cat(lses, 2)
+    # rows no visible tile reaches see no key of the block: output 0, log-sum-exp -inf
+    out = q.new_zeros((*q.shape[:3], v.shape[3]))
+    lse = q.new_full(q.shape[:3], float("-inf"))
+    for rows, keys, m in _visible_tiles(tq, tk, mask):
+        tile = _tile_forward(q[:, :, rows], k[:, :, keys], v[:, :, keys], m, scale)
+        out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], *tile)
+    return out, lse
 
 
 def _tile_forward(
@@ -460,18 +465,14 @@ def _block_backward(
     if tq <= SCORE_TILE and tk <= SCORE_TILE:
         return _tile_backward(q, k, v, dout, lse, delta, mask, scale)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for qs, qe in _tiles(tq):
-        for ks, ke in _tiles(tk):
-            m = None if mask is None else mask[qs:qe, ks:ke]
-            if m is not None and not bool(m.any()):
-                continue
-            dq_t, dk_t, dv_t = _tile_backward(
-                q[:, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke], dout[:, :, qs:qe], lse[:, :, qs:qe],
-                delta[:, :, qs:qe], m, scale,
-            )  # fmt: skip
-            dq[:, :, qs:qe] += dq_t
-            dk[:, :, ks:ke] += dk_t
-            dv[:, :, ks:ke] += dv_t
+    for rows, keys, m in _visible_tiles(tq, tk, mask):
+        dq_t, dk_t, dv_t = _tile_backward(
+            q[:, :, rows], k[:, :, keys], v[:, :, keys], dout[:, :, rows], lse[:, :, rows], delta[:, :, rows],
+            m, scale,
+        )  # fmt: skip
+        dq[:, :, rows] += dq_t
+        dk[:, :, keys] += dk_t
+        dv[:, :, keys] += dv_t
     return dq, dk, dv
 
 

@@ -900,6 +900,23 @@ def make_plan(
         return plan
 
 
+def _priced_request(plan: Plan, prepared: Prepared, cluster: ClusterSpec) -> Serving:
+    """`price_request` of `prepared`'s served request (its prefill graph and sizes) on `plan`."""
+    request = prepared.request
+    assert request is not None and prepared.prefill is not None, "a served request's plan"
+    return price_request(
+        plan,
+        prepared.prefill,
+        prepared.structure,
+        cluster,
+        prompt_len=request.prompt_len,
+        new_tokens=request.new_tokens,
+        cache_len=request.cache_len,
+        trained_positions=request.trained_positions,
+        fallbacks=kv_fallbacks(plan, prepared.structure),
+    )
+
+
 def _mark_own_experts_prefill(
     plan: Plan, prepared: Prepared, cluster: ClusterSpec, memory_fraction: float
 ) -> None:
@@ -917,17 +934,7 @@ def _mark_own_experts_prefill(
     ):
         return
     alt = replace(plan, ep=1, ep_fold="dp", expert_tp=1)
-    alt.serving = price_request(
-        alt,
-        prepared.prefill,
-        prepared.structure,
-        cluster,
-        prompt_len=request.prompt_len,
-        new_tokens=request.new_tokens,
-        cache_len=request.cache_len,
-        trained_positions=request.trained_positions,
-        fallbacks=kv_fallbacks(alt, prepared.structure),
-    )
+    alt.serving = _priced_request(alt, prepared, cluster)
     try:
         request_peak_memory(alt, cluster, memory_fraction)
     except InfeasibleError:
@@ -986,17 +993,7 @@ def _make_plan(
     _check_fallbacks_fit(plan, cluster, constraints)
     plan.cluster_source = cluster_source
     if request is not None and prepared.prefill is not None:
-        plan.serving = price_request(
-            plan,
-            prepared.prefill,
-            prepared.structure,
-            cluster,
-            prompt_len=request.prompt_len,
-            new_tokens=request.new_tokens,
-            cache_len=request.cache_len,
-            trained_positions=request.trained_positions,
-            fallbacks=kv_fallbacks(plan, prepared.structure),
-        )
+        plan.serving = _priced_request(plan, prepared, cluster)
         try:
             plan.predicted = request_peak_memory(plan, cluster, constraints.memory_fraction)
         except InfeasibleError as e:
