@@ -392,8 +392,9 @@ def _reduce_heads(g: torch.Tensor, groups: int) -> torch.Tensor:
     return g.view(b, h // groups, groups, t, d).sum(2)
 
 
-def _tiles(n: int) -> list[tuple[int, int]]:
-    return [(start, min(n, start + SCORE_TILE)) for start in range(0, n, SCORE_TILE)]
+def _tiles(n: int, size: int = SCORE_TILE) -> list[tuple[int, int]]:
+    """[start, end) ranges of at most `size` covering 0 .. n."""
+    return [(start, min(n, start + size)) for start in range(0, n, size)]
 
 
 def _visible_tiles(
@@ -694,13 +695,6 @@ def _whole_kv(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return full[0], full[1]
 
 
-def _key_chunks(stop: int, chunk: int) -> list[tuple[int, int]]:
-    """[start, end) ranges of at most `chunk` keys covering 0 .. stop: the all-gather's attention runs
-    one rank's share of keys at a time (merged online, `_merge`), so its score blocks are (T_l, T_l) as
-    the ring's, not (T_l, T)."""
-    return [(start, min(stop, start + chunk)) for start in range(0, stop, chunk)]
-
-
 class _AllGatherAttention(torch.autograd.Function):
     """All-gather attention (module docstring): q (B, H, T_l, D), k, v (B, H_kv, T_l, D) -> (B, H, T_l, D)."""
 
@@ -715,8 +709,10 @@ class _AllGatherAttention(torch.autograd.Function):
         row, stop, mask = _block_plan(qpos, torch.arange(seq_len), causal)  # never None: a query sees itself
         assert row == 0
         with record_function("cp.allgather.forward.compute"):
+            # one rank's share of the keys at a time (merged online): their fp32 copy expanded to the
+            # query heads is a share's, not the whole sequence's
             qf, out, lse = q.float(), None, None
-            for start, end in _key_chunks(stop, q.shape[2]):
+            for start, end in _tiles(stop, q.shape[2]):
                 block = _block_forward(
                     qf, _expand(kf[:, :, start:end].float(), groups), _expand(vf[:, :, start:end].float(), groups),
                     None if mask is None else mask[:, start:end], scale,
@@ -741,7 +737,7 @@ class _AllGatherAttention(torch.autograd.Function):
         dkv = torch.zeros((seq_len, 2, *k.shape[:2], k.shape[3]), dtype=torch.float32, device=k.device)
         with record_function("cp.allgather.backward.compute"):
             qf, delta, dq = q.float(), (doutf * out.float()).sum(-1), None
-            for start, end in _key_chunks(stop, q.shape[2]):
+            for start, end in _tiles(stop, q.shape[2]):  # as in forward
                 dq_c, dk_c, dv_c = _block_backward(
                     qf, _expand(kf[:, :, start:end].float(), groups), _expand(vf[:, :, start:end].float(), groups),
                     doutf, lse, delta, None if mask is None else mask[:, start:end], ctx.scale,

@@ -330,20 +330,16 @@ def _record_norm_upcasts(
     `capture_for_planning`), then put back; a capture that fails there is left to the run to report."""
     if dtype not in ("bf16", "fp16") or structure.dtype != "fp32":
         return
+    from runtime.run_mode import cast_inputs  # noqa: PLC0415 - the runtime's cast, as a run casts them
+
     want = torch_dtype(dtype)
     tensors = [t for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()]
     before = [t.dtype for t in tensors]
-
-    def cast(x: object) -> object:
-        return x.to(want) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-
     with torch.no_grad():
         for t in tensors:
             t.data = t.data.to(want)
     try:
-        _, cast_structure = capture_for_planning(
-            model, tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
-        )
+        _, cast_structure = capture_for_planning(model, *cast_inputs(args, kwargs, dtype))
     except InputError:
         return
     finally:
