@@ -25,10 +25,10 @@ needs the query and KV heads a rank holds to divide by C (`ulysses_refusal`).
 
 Memory in flight for the layer being computed (`CpAttentionCost.buffer_bytes`): ring two K/V blocks
 (the one computed, the one arriving), training also two fp32 dK/dV accumulators; all-gather the whole
-sequence's K/V, training also its fp32 dK/dV before the reduce-scatter; both also the fp32 score blocks
-the runtime computes their attention in (`score_block_bytes`: it materializes each block's scores,
-(T / C) x (T / C), the all-gather's a rank's share of keys at a time); all-to-all q, k, v and out in
-the (whole sequence, H / C heads) layout, training also their gradients.
+sequence's K/V, training also its fp32 dK/dV before the reduce-scatter; on GPUs both also the fp32
+score tiles the runtime computes their attention in (`score_block_bytes`: on CPU ranks each block runs
+in torch's fused flash kernel for CPU, which holds none); all-to-all q, k, v and out in the (whole
+sequence, H / C heads) layout, training also their gradients.
 
 The ring's overlap follows Liu, Zaharia, Abbeel 2023 ("Ring Attention with Blockwise Transformers",
 section 3: a block's transfer is hidden when its attention takes at least as long) and Megatron-Core /
@@ -161,7 +161,7 @@ def cp_attention_cost(
             comm += all_gather_time_s(cp * kv_bytes, group, cluster)
             comm += reduce_scatter_time_s(cp * kv_bytes * grad, group, cluster)
         buffers = cp * kv_bytes * (1.0 + (grad if train else 0.0))
-        buffers += score_block_bytes(seqs, h, t_l, t_l, train)  # one rank's share of keys at a time
+        buffers += score_block_bytes(seqs, h, t_l, t_l, train, cluster)  # one rank's share of keys at a time
         return CpAttentionCost(fwd + bwd, fwd, comm, 0.0, buffers, kv_bytes)
     refusal = ulysses_refusal(h, kv, cp)
     if refusal is not None:
@@ -212,22 +212,33 @@ def _ring(shape, cp, load_balance, cluster, group, kv_bytes, grad, train, kernel
         exposed += send_s(kv_bytes * grad)  # the last accumulator home, after the last block
     forward = diag_fwd + (cp - 1) * rest_fwd
     compute_s = forward + diag_bwd + (cp - 1) * rest_bwd
-    buffers = 2 * kv_bytes * (1.0 + (grad if train else 0.0)) + score_block_bytes(seqs, h, t_l, t_l, train)
+    buffers = 2 * kv_bytes * (1.0 + (grad if train else 0.0)) + score_block_bytes(
+        seqs, h, t_l, t_l, train, cluster
+    )
     return CpAttentionCost(compute_s, forward, exposed, hidden, buffers, kv_bytes)
 
 
 # queries and keys per fp32 score tile the runtime's ring and all-gather attention computes at once
-# (`passes.context_parallel._block_forward`)
+# where no fused kernel runs (`passes.context_parallel._block_forward`)
 SCORE_TILE = 1024
 
 
-def score_block_bytes(sequences: float, heads: float, q_len: float, k_len: float, train: bool) -> float:
+def score_block_bytes(
+    sequences: float, heads: float, q_len: float, k_len: float, train: bool, cluster: ClusterSpec
+) -> float:
     """Bytes of the fp32 (sequences, heads, q_len, k_len) score blocks the runtime's ring and all-gather
-    attention holds at once (the all-gather's over one rank's share of the keys at a time,
-    `passes.context_parallel._key_chunks`) (`passes.context_parallel._block_forward` / `_block_backward`: the scores
-    become the probabilities in place, and the backward also holds their gradient): one block in a
-    forward, two in a backward. Measured: a tiny Llama at CP 2, 8 x 1,024 tokens, 8 heads, held 4 such
-    64 MiB blocks at once before they were made in place (2026-12). A block longer than `SCORE_TILE`
-    queries or keys is computed a tile at a time: one tile's scores."""
+    attention holds at once (the all-gather's over one rank's share of the keys at a time).
+
+    On CPU ranks (backend gloo) each block runs in torch's fused flash attention kernel for CPU
+    (`passes.context_parallel.FUSED_CPU_KERNEL`), which works on per-thread tiles of at most 256 x 512
+    scores: none priced (measured: 0.14 and 0.16 of a (1, 8, 512, 512) fp32 block forward and
+    backward, against 1.07 and 2.13 for the PyTorch-op tiles; tests/test_context_parallel.py). Elsewhere
+    the blocks run in PyTorch ops (`passes.context_parallel._block_forward` / `_block_backward`: the
+    scores become the probabilities in place, and the backward also holds their gradient): one block in
+    a forward, two in a backward, a block longer than `SCORE_TILE` queries or keys a tile at a time.
+    Measured: a tiny Llama at CP 2, 8 x 1,024 tokens, 8 heads, held 4 such 64 MiB blocks at once before
+    they were made in place (2026-12)."""
+    if cluster.backend == "gloo":
+        return 0.0
     tile = min(q_len, SCORE_TILE) * min(k_len, SCORE_TILE)
     return 4.0 * sequences * heads * tile * (2 if train else 1)

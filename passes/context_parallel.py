@@ -362,21 +362,38 @@ def cp_unshard(x: torch.Tensor, dim: int, axis: str, load_balance: bool) -> torc
 # Block attention in fp32 with its log-sum-exp, and the online-softmax merge
 
 
-def _block_plan(
-    qpos: torch.Tensor, kpos: torch.Tensor, causal: bool
-) -> tuple[int, int, torch.Tensor | None] | None:
-    """What of a (queries at `qpos`) x (keys at `kpos`) block to compute, both ascending 1-D:
-    None when every pair is masked (the block is wholly in the future), else (first query row,
-    key column stop, mask or None): rows [row:] of the queries over keys [:stop], with the boolean
-    mask (rows, stop) of visible pairs where some pair of that rectangle is in the future."""
+def _runs(pos: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive positions in ascending 1-D `pos`: (first index, end index, first
+    position) each (a rank's head-tail chunks are two runs; the all-gathered sequence one)."""
+    breaks = (torch.nonzero(pos[1:] - pos[:-1] != 1).flatten() + 1).tolist()
+    edges = [0, *breaks, pos.numel()]
+    return [(s, e, int(pos[s])) for s, e in zip(edges[:-1], edges[1:]) if e > s]
+
+
+def _rectangles(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool) -> list[tuple[slice, slice, bool]]:
+    """The visible (query, key) pairs of a block of queries at `qpos` over keys at `kpos` (both
+    ascending 1-D global positions) as rectangles of (query rows, key columns, diagonal): each either
+    wholly visible (False) or a square on the diagonal, queries and keys at the same positions, whose
+    visible pairs are its lower triangle (True: a causal kernel call). They cover each visible pair
+    once and no hidden one; a block wholly in the future has none. For a run of queries at positions
+    a..b and one of keys at c..d: the keys before a are seen by every row, the keys in [max(a, c),
+    min(b, d)] form the diagonal square, and the rows after it see all of its keys."""
     if not causal:
-        return 0, kpos.numel(), None
-    row = int(torch.searchsorted(qpos, kpos[0]))  # first query that sees the block's first key
-    if row == qpos.numel():
-        return None
-    stop = int(torch.searchsorted(kpos, qpos[-1], right=True))  # keys the last query sees
-    mask = kpos[:stop][None, :] <= qpos[row:][:, None]
-    return row, stop, None if bool(mask.all()) else mask
+        return [(slice(0, qpos.numel()), slice(0, kpos.numel()), False)]
+    found = []
+    for qs, qe, a in _runs(qpos):
+        b = a + (qe - qs) - 1
+        for ks, ke, c in _runs(kpos):
+            d = c + (ke - ks) - 1
+            if c < a:  # keys before the run's first query: every row sees them
+                found.append((slice(qs, qe), slice(ks, ks + min(d, a - 1) - c + 1), False))
+            lo, hi = max(a, c), min(b, d)
+            if lo <= hi:
+                keys = slice(ks + lo - c, ks + hi - c + 1)
+                found.append((slice(qs + lo - a, qs + hi - a + 1), keys, True))
+                if hi < b:  # rows past the square's last key see all of its keys
+                    found.append((slice(qs + hi - a + 1, qe), keys, False))
+    return found
 
 
 def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
@@ -392,38 +409,133 @@ def _reduce_heads(g: torch.Tensor, groups: int) -> torch.Tensor:
     return g.view(b, h // groups, groups, t, d).sum(2)
 
 
+# The fused kernel a rectangle runs in on a CPU: torch's flash attention for CPU, which returns the
+# log-sum-exp the merge needs and whose backward takes the merged output and log-sum-exp (as torch's
+# own ring attention calls the fused kernels, torch/distributed/tensor/experimental/_attention.py).
+# Elsewhere (no such kernel here), the PyTorch-op tiles of `_block_forward` / `_block_backward`.
+FUSED_CPU_KERNEL = True
+
+
+def _fused(q: torch.Tensor) -> bool:
+    """Whether a rectangle on `q`'s device runs in the fused CPU kernel (`FUSED_CPU_KERNEL`)."""
+    return FUSED_CPU_KERNEL and q.device.type == "cpu"
+
+
+def _rect_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, diagonal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of one `_rectangles` rectangle, q (B, H, Tq, D) over k, v (B, H, Tk, D), fp32
+    (a diagonal one causal, Tq = Tk): (out (B, H, Tq, D), log-sum-exp of the scaled scores (B, H, Tq))."""
+    if _fused(q):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, diagonal, scale=scale
+        )
+        return out, lse
+    return _block_forward(q, k, v, diagonal, scale)
+
+
+def _rect_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    diagonal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv) of one rectangle's attention given the rows' *merged* output and
+    log-sum-exp (B, H, Tq) over every key they see: the rectangle's probabilities are exp(S - lse) and
+    delta = rowsum(dout * out), so each rectangle's share is exact on its own. fp32; shapes as
+    `_rect_forward`'s."""
+    if _fused(q):
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, diagonal, scale=scale
+        )
+        return grads[0], grads[1], grads[2]
+    return _block_backward(q, k, v, dout, lse, (dout * out).sum(-1), diagonal, scale)
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qpos: torch.Tensor,
+    kpos: torch.Tensor,
+    causal: bool,
+    scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """Merge into the running (out (B, H, Tq, D), lse (B, H, Tq)), in place, the attention of the
+    queries q at `qpos` over the keys k, v at `kpos` (fp32, K/V expanded to the query heads), one
+    `_rectangles` rectangle at a time."""
+    for rows, keys, diagonal in _rectangles(qpos, kpos, causal):
+        block = _rect_forward(q[:, :, rows], k[:, :, keys], v[:, :, keys], diagonal, scale)
+        out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], *block)
+
+
+def _attend_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    qpos: torch.Tensor,
+    kpos: torch.Tensor,
+    causal: bool,
+    scale: float,
+    dq: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward of `_attend` given the merged (out, lse): adds the queries' gradient into `dq` in
+    place and returns (dk, dv) of these keys (fp32, at the query heads, shaped as k and v)."""
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for rows, keys, diagonal in _rectangles(qpos, kpos, causal):
+        dq_r, dk_r, dv_r = _rect_backward(
+            q[:, :, rows], k[:, :, keys], v[:, :, keys], dout[:, :, rows], out[:, :, rows], lse[:, :, rows],
+            diagonal, scale,
+        )  # fmt: skip
+        dq[:, :, rows] += dq_r
+        dk[:, :, keys] += dk_r
+        dv[:, :, keys] += dv_r
+    return dk, dv
+
+
 def _tiles(n: int, size: int = SCORE_TILE) -> list[tuple[int, int]]:
     """[start, end) ranges of at most `size` covering 0 .. n."""
     return [(start, min(n, start + size)) for start in range(0, n, size)]
 
 
-def _visible_tiles(
-    tq: int, tk: int, mask: torch.Tensor | None
-) -> list[tuple[slice, slice, torch.Tensor | None]]:
-    """The (query slice, key slice, mask tile) of a (tq, tk) block's tiles that some pair sees."""
+def _visible_tiles(tq: int, tk: int, diagonal: bool) -> list[tuple[slice, slice, torch.Tensor | None]]:
+    """The (query slice, key slice, mask tile: True where visible, None when all are) of a (tq, tk)
+    rectangle's tiles that some pair sees; `diagonal`: a causal square (row i sees keys 0 .. i)."""
     found = []
     for qs, qe in _tiles(tq):
         for ks, ke in _tiles(tk):
-            m = None if mask is None else mask[qs:qe, ks:ke]
-            if m is None or bool(m.any()):
-                found.append((slice(qs, qe), slice(ks, ke), m))
+            if diagonal and ks > qe - 1:
+                continue  # wholly in the future
+            mask = None
+            if diagonal and ke - 1 > qs:  # straddles the diagonal
+                mask = torch.arange(ks, ke)[None, :] <= torch.arange(qs, qe)[:, None]
+            found.append((slice(qs, qe), slice(ks, ke), mask))
     return found
 
 
 def _block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, diagonal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_tile_forward` over (`SCORE_TILE` x `SCORE_TILE`) tiles of the block, merged online (`_merge`),
-    so a block of any length holds one tile of scores at a time (a long block's (Tq, Tk) scores would
-    not fit: 4 heads x 64k x 64k in fp32 are 64 GiB). Tiles the mask hides whole are skipped. Shapes and
-    results as `_tile_forward`'s."""
-    tq, tk = q.shape[2], k.shape[2]
-    if tq <= SCORE_TILE and tk <= SCORE_TILE:
-        return _tile_forward(q, k, v, mask, scale)
+    """A rectangle's attention in PyTorch ops (`_rect_forward` where no fused kernel runs):
+    `_tile_forward` over its (`SCORE_TILE` x `SCORE_TILE`) tiles, merged online (`_merge`), so one tile of
+    scores is alive at a time (a long block's (Tq, Tk) scores would not fit: 4 heads x 64k x 64k in fp32
+    are 64 GiB); tiles in the future skipped. Shapes and results as `_rect_forward`'s."""
+    tiles = _visible_tiles(q.shape[2], k.shape[2], diagonal)
+    if len(tiles) == 1:
+        return _tile_forward(q, k, v, tiles[0][2], scale)
     # rows no visible tile reaches see no key of the block: output 0, log-sum-exp -inf
     out = q.new_zeros((*q.shape[:3], v.shape[3]))
     lse = q.new_full(q.shape[:3], float("-inf"))
-    for rows, keys, m in _visible_tiles(tq, tk, mask):
+    for rows, keys, m in tiles:
         tile = _tile_forward(q[:, :, rows], k[:, :, keys], v[:, :, keys], m, scale)
         out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], *tile)
     return out, lse
@@ -457,16 +569,17 @@ def _block_backward(
     dout: torch.Tensor,
     lse: torch.Tensor,
     delta: torch.Tensor,
-    mask: torch.Tensor | None,
+    diagonal: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`_tile_backward` over the block's (`SCORE_TILE` x `SCORE_TILE`) tiles, the gradients summed (the
-    final log-sum-exp makes each tile's probabilities exact on their own). Shapes as `_tile_backward`'s."""
-    tq, tk = q.shape[2], k.shape[2]
-    if tq <= SCORE_TILE and tk <= SCORE_TILE:
-        return _tile_backward(q, k, v, dout, lse, delta, mask, scale)
+    """`_tile_backward` over the rectangle's (`SCORE_TILE` x `SCORE_TILE`) tiles, the gradients summed
+    (the final log-sum-exp makes each tile's probabilities exact on their own); delta = rowsum(dout *
+    out) (B, H, Tq). Shapes as `_rect_backward`'s."""
+    tiles = _visible_tiles(q.shape[2], k.shape[2], diagonal)
+    if len(tiles) == 1:
+        return _tile_backward(q, k, v, dout, lse, delta, tiles[0][2], scale)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for rows, keys, m in _visible_tiles(tq, tk, mask):
+    for rows, keys, m in tiles:
         dq_t, dk_t, dv_t = _tile_backward(
             q[:, :, rows], k[:, :, keys], v[:, :, keys], dout[:, :, rows], lse[:, :, rows], delta[:, :, rows],
             m, scale,
@@ -489,7 +602,7 @@ def _tile_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of a block of attention whose merged output is known: the block's
     probabilities recomputed as exp(S - lse) with the *final* log-sum-exp (B, H, Tq), and
-    delta = rowsum(dout * out) (B, H, Tq). All fp32; shapes as `_block_forward`."""
+    delta = rowsum(dout * out) (B, H, Tq). All fp32; shapes as `_tile_forward`."""
     # two (B, H, Tq, Tk) blocks alive at a time (the probabilities, then their gradient), in place
     p = q @ k.transpose(-1, -2)
     p.mul_(scale)
@@ -577,6 +690,12 @@ def _ring_exchange(send: torch.Tensor, group: dist.ProcessGroup, tag: int) -> tu
     return recv, works
 
 
+def _keys_seen(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool) -> int:
+    """How many leading keys of a block at (ascending) `kpos` some query at `qpos` sees: under a causal
+    mask those up to the last query's position (0: the block is wholly in the future), else all."""
+    return int(torch.searchsorted(kpos, qpos[-1], right=True)) if causal else kpos.numel()
+
+
 def _block_kv(
     kv: torch.Tensor, shape: torch.Size, stop: int, groups: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -610,15 +729,12 @@ class _RingAttention(torch.autograd.Function):
             if i < size - 1:
                 with record_function(f"cp.ring.forward.issue.{i}"):
                     nxt, works = _ring_exchange(kv, group, _KV_TAG)
-            plan = _block_plan(qpos, cp_positions(seq_len, src, size, load_balance), causal)
-            if plan is not None:
-                row, stop, mask = plan
+            kpos = cp_positions(seq_len, src, size, load_balance)
+            stop = _keys_seen(qpos, kpos, causal)
+            if stop:
                 with record_function(f"cp.ring.forward.compute.{i}"):
                     kb, vb = _block_kv(kv, k.shape, stop, groups)
-                    block_out, block_lse = _block_forward(qf[:, :, row:], kb, vb, mask, scale)
-                    out[:, :, row:], lse[:, :, row:] = _merge(
-                        out[:, :, row:], lse[:, :, row:], block_out, block_lse
-                    )
+                    _attend(qf, kb, vb, qpos, kpos[:stop], causal, scale, out, lse)
             if i < size - 1:
                 with record_function(f"cp.ring.forward.wait.{i}"):
                     _wait(works)
@@ -636,8 +752,7 @@ class _RingAttention(torch.autograd.Function):
         groups = q.shape[1] // k.shape[1]
         seq_len = q.shape[2] * size
         qpos = cp_positions(seq_len, rank, size, ctx.load_balance)
-        qf, doutf = q.float(), dout.float()
-        delta = (doutf * out.float()).sum(-1)
+        qf, doutf, outf = q.float(), dout.float(), out.float()
         dq = torch.zeros_like(qf)
         kv = _pack(k, v)
         dkv_in, dkv_works, sent = None, [], []
@@ -648,16 +763,14 @@ class _RingAttention(torch.autograd.Function):
                     nxt, works = _ring_exchange(kv, group, _KV_TAG)
             dk_b = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
             dv_b = torch.zeros_like(dk_b)
-            plan = _block_plan(qpos, cp_positions(seq_len, src, size, ctx.load_balance), ctx.causal)
-            if plan is not None:
-                row, stop, mask = plan
+            kpos = cp_positions(seq_len, src, size, ctx.load_balance)
+            stop = _keys_seen(qpos, kpos, ctx.causal)
+            if stop:
                 with record_function(f"cp.ring.backward.compute.{i}"):
                     kb, vb = _block_kv(kv, k.shape, stop, groups)
-                    dq_r, dk_r, dv_r = _block_backward(
-                        qf[:, :, row:], kb, vb, doutf[:, :, row:], lse[:, :, row:], delta[:, :, row:],
-                        mask, ctx.scale,
-                    )  # fmt: skip
-                    dq[:, :, row:] += dq_r
+                    dk_r, dv_r = _attend_backward(
+                        qf, kb, vb, doutf, outf, lse, qpos, kpos[:stop], ctx.causal, ctx.scale, dq
+                    )
                     dk_b[:, :, :stop] = _reduce_heads(dk_r, groups)
                     dv_b[:, :, :stop] = _reduce_heads(dv_r, groups)
             with record_function(f"cp.ring.backward.wait_grad.{i}"):
@@ -706,18 +819,19 @@ class _AllGatherAttention(torch.autograd.Function):
         with record_function("cp.allgather.forward.gather"):
             kf, vf = _whole_kv(_gather_kv(k, v, axis, size, load_balance))
         qpos = cp_positions(seq_len, rank, size, load_balance)
-        row, stop, mask = _block_plan(qpos, torch.arange(seq_len), causal)  # never None: a query sees itself
-        assert row == 0
+        stop = _keys_seen(qpos, torch.arange(seq_len), causal)  # > 0: a query sees itself
         with record_function("cp.allgather.forward.compute"):
             # one rank's share of the keys at a time (merged online): their fp32 copy expanded to the
             # query heads is a share's, not the whole sequence's
-            qf, out, lse = q.float(), None, None
+            qf = q.float()
+            out = torch.zeros(qf.shape, dtype=torch.float32, device=q.device)
+            lse = torch.full(qf.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
             for start, end in _tiles(stop, q.shape[2]):
-                block = _block_forward(
-                    qf, _expand(kf[:, :, start:end].float(), groups), _expand(vf[:, :, start:end].float(), groups),
-                    None if mask is None else mask[:, start:end], scale,
-                )  # fmt: skip
-                out, lse = block if out is None else _merge(out, lse, *block)
+                kb, vb = (
+                    _expand(kf[:, :, start:end].float(), groups),
+                    _expand(vf[:, :, start:end].float(), groups),
+                )
+                _attend(qf, kb, vb, qpos, torch.arange(start, end), causal, scale, out, lse)
         result = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)
         ctx.axis, ctx.causal, ctx.load_balance, ctx.scale = axis, causal, load_balance, scale
@@ -732,17 +846,20 @@ class _AllGatherAttention(torch.autograd.Function):
         with record_function("cp.allgather.backward.gather"):
             kf, vf = _whole_kv(_gather_kv(k, v, ctx.axis, size, ctx.load_balance))
         qpos = cp_positions(seq_len, rank, size, ctx.load_balance)
-        _, stop, mask = _block_plan(qpos, torch.arange(seq_len), ctx.causal)
-        doutf = dout.float()
+        stop = _keys_seen(qpos, torch.arange(seq_len), ctx.causal)
+        doutf, outf = dout.float(), out.float()
         dkv = torch.zeros((seq_len, 2, *k.shape[:2], k.shape[3]), dtype=torch.float32, device=k.device)
         with record_function("cp.allgather.backward.compute"):
-            qf, delta, dq = q.float(), (doutf * out.float()).sum(-1), None
+            qf = q.float()
+            dq = torch.zeros_like(qf)
             for start, end in _tiles(stop, q.shape[2]):  # as in forward
-                dq_c, dk_c, dv_c = _block_backward(
-                    qf, _expand(kf[:, :, start:end].float(), groups), _expand(vf[:, :, start:end].float(), groups),
-                    doutf, lse, delta, None if mask is None else mask[:, start:end], ctx.scale,
-                )  # fmt: skip
-                dq = dq_c if dq is None else dq.add_(dq_c)
+                kb, vb = (
+                    _expand(kf[:, :, start:end].float(), groups),
+                    _expand(vf[:, :, start:end].float(), groups),
+                )
+                dk_c, dv_c = _attend_backward(
+                    qf, kb, vb, doutf, outf, lse, qpos, torch.arange(start, end), ctx.causal, ctx.scale, dq
+                )
                 dkv[start:end, 0] = _reduce_heads(dk_c, groups).permute(2, 0, 1, 3)
                 dkv[start:end, 1] = _reduce_heads(dv_c, groups).permute(2, 0, 1, 3)
         with record_function("cp.allgather.backward.reduce_scatter"):

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from passes import collectives
 from passes import context_parallel as cp
 from passes.context_parallel import (
-    _block_plan,
+    _rectangles,
     cp_attention,
     cp_attention_alltoall,
     cp_attention_ring,
@@ -65,6 +65,18 @@ def _cases(size: int) -> dict[str, dict]:
         variant="ring", causal=False, lb=False, h=4, hkv=4, t=seq, wrong_merge=True
     )
     out["ring-causal-lb-mha-scale"] = dict(variant="ring", causal=True, lb=True, h=4, hkv=4, t=seq, scale=0.5)
+    # the PyTorch-op tiles the blocks run in where no fused kernel does (`FUSED_CPU_KERNEL` off)
+    for variant in ("ring", "allgather"):
+        for lb in (True, False):
+            out[f"{variant}-causal-{'lb' if lb else 'contig'}-gqa-unfused"] = dict(
+                variant=variant,
+                causal=True,
+                lb=lb,
+                h=heads["gqa"][0],
+                hkv=heads["gqa"][1],
+                t=seq,
+                unfused=True,
+            )
     return out
 
 
@@ -157,6 +169,9 @@ def run_cases(ctx: RankContext, payload: dict[str, dict]) -> dict:
         if case.get("wrong_merge"):
             with mock.patch.object(cp, "_merge", _merge_unscaled):
                 results[label] = _run_case(case)
+        elif case.get("unfused"):
+            with mock.patch.object(cp, "FUSED_CPU_KERNEL", False):
+                results[label] = _run_case(case)
         else:
             results[label] = _run_case(case)
     results["layout"] = _layout_checks(ctx, ctx.world_size)
@@ -238,10 +253,22 @@ def test_cp_attention_matches_sdpa_on_four_ranks(four_rank) -> None:
 # Pure tests (no ranks)
 
 
+def _covered(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool) -> torch.Tensor:
+    """How many times `_rectangles` covers each (query, key) pair of a block (int (Tq, Tk))."""
+    count = torch.zeros(qpos.numel(), kpos.numel(), dtype=torch.int64)
+    for rows, keys, diagonal in _rectangles(qpos, kpos, causal):
+        n, m = rows.stop - rows.start, keys.stop - keys.start
+        if diagonal:
+            assert n == m and torch.equal(qpos[rows], kpos[keys]), (rows, keys)
+        count[rows, keys] += torch.ones(n, m, dtype=torch.int64).tril() if diagonal else 1
+    return count
+
+
 @pytest.mark.parametrize("size", [2, 4, 8])
 def test_load_balancing_equalises_causal_work(size: int) -> None:
     """With head-tail chunks every rank has the same number of visible (query, key) pairs, T(T+1)/2C,
-    and the ring computes equal rectangles; with contiguous chunks the last rank does far more."""
+    and the ring's rectangles compute exactly those, once each; with contiguous chunks the last rank
+    does far more."""
     seq = 2 * size * 3
 
     def work(lb: bool) -> tuple[list[int], list[int]]:
@@ -251,18 +278,18 @@ def test_load_balancing_equalises_causal_work(size: int) -> None:
             visible.append(int((torch.arange(seq)[None, :] <= qpos[:, None]).sum()))
             area = 0
             for src in range(size):
-                plan = _block_plan(qpos, cp_positions(seq, src, size, lb), causal=True)
-                if plan is not None:
-                    row, stop, _ = plan
-                    area += (qpos.numel() - row) * stop
+                kpos = cp_positions(seq, src, size, lb)
+                covered = _covered(qpos, kpos, causal=True)
+                assert torch.equal(covered, (kpos[None, :] <= qpos[:, None]).long()), (rank, src)
+                area += int(covered.sum())
             computed.append(area)
         return visible, computed
 
     visible, computed = work(True)
     assert visible == [seq * (seq + 1) // (2 * size)] * size
-    assert len(set(computed)) == 1, computed
+    assert computed == visible
     visible, computed = work(False)
-    assert visible[-1] > visible[0] and computed[-1] > computed[0]
+    assert visible[-1] > visible[0] and computed == visible
 
 
 @pytest.mark.parametrize("lb", [True, False])
@@ -285,15 +312,91 @@ def test_positions_refuse_an_indivisible_sequence() -> None:
         cp_positions(10, 0, 4, False)
 
 
-def test_block_plan_masks_only_the_diagonal() -> None:
+def test_rectangles_are_whole_or_the_diagonal() -> None:
+    """A block's visible pairs as rectangles a kernel call each: wholly visible ones and causal squares
+    on the diagonal, over any runs of positions (the all-gather's key shares cut a rank's chunks)."""
     q = torch.tensor([2, 3, 4, 5])
-    assert _block_plan(q, torch.tensor([6, 7]), causal=True) is None  # wholly in the future
-    row, stop, mask = _block_plan(q, torch.tensor([0, 1]), causal=True)
-    assert (row, stop, mask) == (0, 2, None)  # wholly in the past
-    row, stop, mask = _block_plan(torch.tensor([0, 1, 6, 7]), torch.tensor([2, 3, 4, 5]), causal=True)
-    assert (row, stop, mask) == (2, 4, None)  # only the late chunk sees it
-    row, stop, mask = _block_plan(q, q, causal=True)
-    assert (row, stop) == (0, 4) and torch.equal(mask, torch.ones(4, 4, dtype=torch.bool).tril())
+    assert _rectangles(q, torch.tensor([6, 7]), causal=True) == []  # wholly in the future
+    assert _rectangles(q, torch.tensor([0, 1]), causal=True) == [(slice(0, 4), slice(0, 2), False)]
+    # only the late chunk sees it
+    assert _rectangles(torch.tensor([0, 1, 6, 7]), torch.tensor([2, 3, 4, 5]), causal=True) == [
+        (slice(2, 4), slice(0, 4), False)
+    ]
+    assert _rectangles(q, q, causal=True) == [(slice(0, 4), slice(0, 4), True)]
+    assert _rectangles(q, q, causal=False) == [(slice(0, 4), slice(0, 4), False)]
+    # keys 3..6 for queries 2..5: the square 3..5, the rows after none, query 2 sees none of them
+    assert _rectangles(q, torch.arange(3, 7), causal=True) == [(slice(1, 4), slice(0, 3), True)]
+    # keys 1..3: key 1 seen by all, the square 2..3, then rows 4, 5 over keys 2..3
+    assert _rectangles(q, torch.arange(1, 4), causal=True) == [
+        (slice(0, 4), slice(0, 1), False), (slice(0, 2), slice(1, 3), True), (slice(2, 4), slice(1, 3), False)
+    ]  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):  # any ascending positions: every visible pair once, no hidden one
+        qpos = torch.randperm(24, generator=gen)[:9].sort().values
+        kpos = torch.randperm(24, generator=gen)[:11].sort().values
+        want = (kpos[None, :] <= qpos[:, None]).long()
+        assert torch.equal(_covered(qpos, kpos, causal=True), want), (qpos, kpos)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_attend_is_masked_attention_over_positions(monkeypatch, fused: bool) -> None:
+    """`_attend` and `_attend_backward` over queries and keys at any positions (here two key blocks
+    merged, GQA-expanded heads, a scale) give masked SDPA's output and gradients, in the fused CPU
+    kernel and in the PyTorch-op tiles (with tiles of 8, so blocks span several)."""
+    monkeypatch.setattr(cp, "FUSED_CPU_KERNEL", fused)
+    monkeypatch.setattr(cp, "SCORE_TILE", 8)
+    gen = torch.Generator().manual_seed(1)
+    qpos, kpos = torch.tensor([*range(4, 12), *range(28, 36)]), torch.arange(40)
+    q, dout = torch.randn(2, 4, 16, D, generator=gen), torch.randn(2, 4, 16, D, generator=gen)
+    k, v = torch.randn(2, 4, 40, D, generator=gen), torch.randn(2, 4, 40, D, generator=gen)
+    out, lse = torch.zeros(2, 4, 16, D), torch.full((2, 4, 16), float("-inf"))
+    blocks = [(0, 20), (20, 40)]
+    for s, e in blocks:
+        cp._attend(q, k[:, :, s:e], v[:, :, s:e], qpos, kpos[s:e], True, 0.3, out, lse)
+    mask = kpos[None, :] <= qpos[:, None]
+    ref = [x.clone().requires_grad_() for x in (q, k, v)]
+    want = F.scaled_dot_product_attention(*ref, attn_mask=mask, scale=0.3)
+    want.backward(dout)
+    assert torch.allclose(out, want.detach(), atol=1e-5)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for s, e in blocks:
+        dk[:, :, s:e], dv[:, :, s:e] = cp._attend_backward(
+            q, k[:, :, s:e], v[:, :, s:e], dout, out, lse, qpos, kpos[s:e], True, 0.3, dq
+        )
+    for got, ref_x in zip((dq, dk, dv), ref):
+        assert torch.allclose(got, ref_x.grad, atol=1e-4)
+
+
+def test_a_cpu_block_holds_no_score_block() -> None:
+    """On a CPU a block runs in torch's fused flash kernel for CPU (`FUSED_CPU_KERNEL`), which works on
+    small per-thread tiles: the heap grows by well under one (B, H, Tq, Tk) fp32 score block, forward
+    and backward, where the PyTorch-op tiles hold one and two (`score_block_bytes` prices it so)."""
+    from runtime.measure import heap_in_use_bytes, heap_peak_bytes  # noqa: PLC0415
+
+    if heap_in_use_bytes() is None:
+        pytest.skip("needs glibc's mallinfo2")
+    torch.manual_seed(0)
+    b, h, t, d = 1, 8, 512, 16
+    q, k, v, dout = (torch.randn(b, h, t, d) for _ in range(4))
+    pos = torch.arange(t)
+    block = b * h * t * t * 4
+    out, lse, dq = torch.zeros(b, h, t, d), torch.full((b, h, t), float("-inf")), torch.zeros_like(q)
+
+    def forward() -> None:
+        cp._attend(q, k, v, pos, pos, True, 0.25, out, lse)
+
+    def backward() -> None:
+        cp._attend_backward(q, k, v, dout, out, lse, pos, pos, True, 0.25, dq)
+
+    # the dispatch mode's and the kernel's first uses allocate their own (kept for the next calls)
+    heap_peak_bytes(forward, torch.device("cpu"))
+    heap_peak_bytes(backward, torch.device("cpu"))
+    out.zero_(), lse.fill_(float("-inf")), dq.zero_()
+    for step in (forward, backward):  # measured 0.14 and 0.16 blocks; the PyTorch-op tiles 1.07 and 2.13
+        start = heap_in_use_bytes()
+        assert heap_peak_bytes(step, torch.device("cpu")) - start < 0.5 * block, step.__name__
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25)
+    assert torch.allclose(out, want, atol=1e-5)
 
 
 @pytest.mark.parametrize("variant", cp.CP_VARIANTS)
@@ -330,7 +433,7 @@ def test_a_blocks_attention_holds_one_score_block_forward_and_two_backward() -> 
     results = {}
 
     def forward() -> None:
-        results["fwd"] = cp._block_forward(q, k, v, mask, 0.25)
+        results["fwd"] = cp._block_forward(q, k, v, True, 0.25)
 
     heap_peak_bytes(forward, torch.device("cpu"))  # the dispatch mode's first use allocates its own
     start = heap_in_use_bytes()
@@ -342,7 +445,7 @@ def test_a_blocks_attention_holds_one_score_block_forward_and_two_backward() -> 
     delta = (dout * out).sum(-1)
 
     def backward() -> None:
-        results["bwd"] = cp._block_backward(q, k, v, dout, lse, delta, mask, 0.25)
+        results["bwd"] = cp._block_backward(q, k, v, dout, lse, delta, True, 0.25)
 
     start = heap_in_use_bytes()
     peak = heap_peak_bytes(backward, torch.device("cpu"))
@@ -353,21 +456,21 @@ def test_a_blocks_attention_holds_one_score_block_forward_and_two_backward() -> 
         assert torch.allclose(got, ref, atol=1e-4)
 
 
-@pytest.mark.parametrize("masked", [False, True])
-def test_a_long_block_is_computed_tile_by_tile_with_the_same_results(monkeypatch, masked: bool) -> None:
-    """A block longer than `SCORE_TILE` queries or keys is computed tile by tile, merged online, the
-    tiles its mask hides whole skipped: the same output, log-sum-exp and gradients as one tile (a
-    (Tq, Tk) block of fp32 scores at 64k tokens would not fit), here with tiles of 64 over 200 x 300."""
+@pytest.mark.parametrize("diagonal", [False, True])
+def test_a_long_block_is_computed_tile_by_tile_with_the_same_results(monkeypatch, diagonal: bool) -> None:
+    """A rectangle longer than `SCORE_TILE` queries or keys is computed tile by tile in the PyTorch-op
+    path, merged online, the tiles wholly in the future skipped: the same output, log-sum-exp and
+    gradients as one tile (a (Tq, Tk) block of fp32 scores at 64k tokens would not fit), here with
+    tiles of 64 over 300 x 300 (200 x 300 whole)."""
     torch.manual_seed(0)
-    q, dout = torch.randn(1, 2, 200, 8), torch.randn(1, 2, 200, 8)
+    tq = 300 if diagonal else 200
+    q, dout = torch.randn(1, 2, tq, 8), torch.randn(1, 2, tq, 8)
     k, v = torch.randn(1, 2, 300, 8), torch.randn(1, 2, 300, 8)
-    # queries at positions 100..299 over keys 0..299: causal, the first tiles' later keys hidden
-    mask = (torch.arange(300)[None, :] <= torch.arange(100, 300)[:, None]) if masked else None
-    whole_out, whole_lse = cp._block_forward(q, k, v, mask, 0.3)
+    whole_out, whole_lse = cp._block_forward(q, k, v, diagonal, 0.3)
     delta = (dout * whole_out).sum(-1)
-    whole_grads = cp._block_backward(q, k, v, dout, whole_lse, delta, mask, 0.3)
+    whole_grads = cp._block_backward(q, k, v, dout, whole_lse, delta, diagonal, 0.3)
     monkeypatch.setattr(cp, "SCORE_TILE", 64)
-    out, lse = cp._block_forward(q, k, v, mask, 0.3)
+    out, lse = cp._block_forward(q, k, v, diagonal, 0.3)
     assert torch.allclose(out, whole_out, atol=1e-5) and torch.allclose(lse, whole_lse, atol=1e-5)
-    for got, want in zip(cp._block_backward(q, k, v, dout, lse, delta, mask, 0.3), whole_grads):
+    for got, want in zip(cp._block_backward(q, k, v, dout, lse, delta, diagonal, 0.3), whole_grads):
         assert torch.allclose(got, want, atol=1e-5)

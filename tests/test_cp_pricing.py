@@ -355,7 +355,7 @@ def test_a_sequence_first_model_is_told_why_context_parallelism_cannot_split_it(
 
 
 def test_ring_and_allgather_hold_the_runtimes_fp32_score_tiles() -> None:
-    """The runtime's ring and all-gather attention materialize the scores in fp32 a tile of
+    """On GPUs the runtime's ring and all-gather attention materialize the scores in fp32 a tile of
     `SCORE_TILE` x `SCORE_TILE` at a time (made the probabilities in place): one tile in a forward,
     two in a backward (the probabilities and their gradient), whatever the sequence. Llama-3-8B's heads
     on one TP-8 rank (4 query heads) at 32k tokens over CP 4: 4 x 1024 x 1024 x 4 bytes = 16 MiB a
@@ -368,6 +368,10 @@ def test_ring_and_allgather_hold_the_runtimes_fp32_score_tiles() -> None:
     assert _cost(32768, 4, "allgather").buffer_bytes == pytest.approx(4 * kv + tile)
     short = _cost(2048, 4, "ring")  # 512 tokens a rank: one (512, 512) block
     assert short.buffer_bytes == pytest.approx(2 * short.kv_block_bytes + 4 * 4 * 512 * 512)
+    # CPU ranks run each block in torch's fused flash kernel for CPU, which holds no score block
+    for kind, blocks in (("ring", 2), ("allgather", 2)):
+        cpu = _cost(32768, 2, kind, cluster="local-cpu")
+        assert cpu.buffer_bytes == pytest.approx(blocks * cpu.kv_block_bytes)
     shape = CpAttentionShape(1, 32, 8, 128, seq_len=32768, causal=True)  # whole heads for Ulysses
     ulysses = cp_attention_cost(
         shape, 4, "alltoall", True, load_cluster("dgx-h100"), Group(4, 4), "bf16", 0.0
