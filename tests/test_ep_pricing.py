@@ -723,3 +723,45 @@ def test_candidates_on_time_shared_cpu_ranks_are_priced_with_their_own_rank_coun
     four, two = key(MeshShape(1, 1, 4), 1), key(MeshShape(1, 1, 2), 2)  # one sequence per micro-batch each
     assert four != two
     assert key(MeshShape(1, 1, 4), 1) == four
+
+
+def test_the_expert_pass_is_priced_for_the_ops_it_runs_not_the_graphs_expert_code() -> None:
+    """Where the expert pass rewrites a MoE block, the graph's routed computation after the top-k
+    (`MoE.expert_nodes`: the model's gathers, batched GEMMs, activation, weighing and combine) does not
+    run; the block's memory-bound time is the pass's own (`expert_pass_bytes`: the token gather,
+    permutations, SiLU and product, weighing and scatter-add combine), and its GEMMs one per expert
+    projection, a fused gate-and-up weight as the gate and up GEMMs the pass slices it into."""
+    from planner.solver.costing import expert_gemm_shapes, expert_pass_bytes  # noqa: PLC0415
+
+    s = _structure(str(MODELS / "tiny_mixtral.py"), "train", 32, 256)
+    layer = _moe_layer(s)
+    whole = _ctx(s, MeshShape(1, 1, 2), cluster="local-cpu", batch=32, seq=256)
+    split = _ctx(s, MeshShape(1, 1, 2), ep=2, cluster="local-cpu", batch=32, seq=256)
+    assert not whole.experts_rewritten and split.experts_rewritten
+    # per layer: N = 4,096 tokens a rank, k = 2, C = 64, I = 128, the busiest rank's R rows, bf16
+    tokens, rows = 4096, expert_share(layer.moe, split).rows
+    elements = 5 * 2 * tokens * 64 + 6 * rows * 64 + 5 * rows * 128 + 3 * tokens * 64
+    assert expert_pass_bytes(layer, split) == pytest.approx(elements * 2 + 24 * (2 * tokens + rows))
+    graph_nodes = layer_node_times_s(layer, whole)["experts"]  # the model's own expert code, ep 1
+    pass_ops = split.op_time(0.0, expert_pass_bytes(layer, split), "memory")
+    assert layer_node_times_s(layer, split)["experts"] == pytest.approx(pass_ops)
+    assert pass_ops != pytest.approx(graph_nodes)
+    # HF's fused gate_up_proj (2 x 128 out): two 64 -> 128 GEMMs, as the pass runs them; at expert TP 2
+    fused = next(w for w in layer.moe.experts if w.role is Role.EXPERT_GATE_UP)
+    assert expert_gemm_shapes(fused, 1) == [(64.0, 128.0), (64.0, 128.0)]
+    assert expert_gemm_shapes(fused, 2) == [(64.0, 64.0), (64.0, 64.0)]
+    down = next(w for w in layer.moe.experts if w.role is Role.EXPERT_DOWN)
+    assert expert_gemm_shapes(down, 2) == [(64.0, 64.0)]
+
+
+def test_the_expert_gemm_shapes_are_timed_with_the_models_own_on_a_cpu() -> None:
+    """`planner calibrate`'s timing of a model's own matmul shapes on this machine includes the expert
+    pass's GEMMs (on a balanced expert's rows, at every expert TP degree), so their price carries the
+    measured rate of those thin products, not the large-square peak."""
+    from planner.solver.costing import model_matmul_shapes  # noqa: PLC0415
+
+    s = _structure(str(MODELS / "tiny_mixtral.py"), "train", 32, 256)
+    shapes = model_matmul_shapes(s, 8192, [1, 2])
+    rows = 8192 * 2 // 4  # top-2 of 4 experts
+    for k, n in ((64, 128), (128, 64), (64, 64)):  # gate / up, down, and each at expert TP 2
+        assert (rows, k, n) in shapes, shapes

@@ -1262,9 +1262,12 @@ def layer_node_times_s(layer: Layer, ctx: CostContext) -> dict[str, float] | Non
     by_formula: set[str] = set()
     experts_scale = scale
     if moe is not None and ctx.experts_rewritten:
-        # the expert pass runs the GEMMs grouped on the rows of the rank's share, priced by
-        # `expert_gemm_time_s`; the graph's own GEMMs and weight gathers do not run
-        by_formula = set(moe.gemm_nodes + moe.weight_gather_nodes)
+        # the expert pass replaces the routed computation after the top-k (`MoE.expert_nodes`) with its
+        # own: GEMMs grouped on the rows of the rank's share (`expert_gemm_time_s`) and the permutations,
+        # activation, weighing and combine of `expert_pass_memory_time_s`; the graph's do not run
+        by_formula = set(moe.expert_nodes)
+        out["experts"] += expert_pass_memory_time_s(layer, ctx) - launch
+        priced.add("experts")
     elif moe is not None:
         experts_scale = graph_experts_scale(moe, ctx)
     for name in layer.nodes:
@@ -1346,6 +1349,15 @@ def expert_split(weight: ExpertWeight, expert_tp: int) -> tuple[float, float]:
     return float(weight.in_features), weight.out_features / expert_tp
 
 
+def expert_gemm_shapes(weight: ExpertWeight, expert_tp: int) -> list[tuple[float, float]]:
+    """(in, out) features of each GEMM the expert pass runs for one expert projection on one rank: its
+    `expert_split`, a fused gate-and-up weight (`ExpertWeight.parts`) as its two parts, which the pass
+    slices and runs apart (`passes.ep_lower`: gate and up, each I / expert_tp wide)."""
+    if weight.parts and weight.role is not Role.EXPERT_DOWN:
+        return [(float(weight.in_features), part / expert_tp) for part in weight.parts]
+    return [expert_split(weight, expert_tp)]
+
+
 def expert_gemm_time_s(layer: Layer, ctx: CostContext) -> float:
     """Time of a mixture-of-experts layer's routed expert GEMMs (`Layer.moe`; 0 for a dense layer) on
     the busiest rank of its EP group (every rank without expert parallelism). With `expert_tp` 1 the
@@ -1369,11 +1381,52 @@ def expert_gemm_time_s(layer: Layer, ctx: CostContext) -> float:
     per_expert = share.rows / max(1.0, share.touched)
     total = 0.0
     for w in moe.experts:
-        k, n = expert_split(w, etp)
-        flops = 2.0 * share.rows * k * n
-        moved = (share.touched * w.params_per_expert / etp + share.rows * (k + n)) * b
-        total += ctx.op_time(flops, moved, "matmul", rows=per_expert, shape=(k, n))
+        gemms = expert_gemm_shapes(w, etp)
+        width = sum(n for _, n in gemms)
+        for k, n in gemms:  # a fused weight's part reads its share of the weight, and the rows again
+            flops = 2.0 * share.rows * k * n
+            moved = (share.touched * w.params_per_expert / etp * n / width + share.rows * (k + n)) * b
+            total += ctx.op_time(flops, moved, "matmul", rows=per_expert, shape=(k, n))
     return total
+
+
+def expert_pass_bytes(layer: Layer, ctx: CostContext) -> float:
+    """Bytes the expert pass's memory-bound ops move in one forward of a mixture-of-experts layer on the
+    busiest rank (`passes.expert_parallel.ep_moe`; 0 for a dense layer), b bytes an element, C the
+    hidden width, I the expert width on the rank, N the tokens routed (`moe_tokens`), S = k N the rows
+    it gathers and sends (with EP over the TP ranks, `ep_moe_replicated`, only its experts' rows: S = R)
+    and R the rows its experts compute (`expert_share`):
+
+    - S rows: the gather of each choice's token (read and write S C), the weighing of the returned
+      rows (read and write S C) and the scatter-add into the tokens (read S C): 5 S C;
+    - R rows: sorting the received rows by expert, their concatenation after the experts and the
+      return to the received order (read and write R C each): 6 R C; the SiLU of the gate (read and
+      write R I) and its product with up (two reads, one write): 5 R I;
+    - the combined (N, C) output: zeroed, then read and written by the scatter-add: 3 N C;
+
+    plus the int64 sorts and indices (8 bytes: the sort of the S choices and of the R rows, three
+    reads or writes each). Measured: tiny Mixtral (C 64, I 128, 4 experts, top 2) at EP 2 over dp, 4,096
+    tokens a rank, fp32: these ops took 4.9 ms of a 16.5 ms forward of one block on this project's
+    2-core VM (2026-12), the gathers by index at about half the streaming rate; the graph's own nodes
+    these replace priced 1.8 ms."""
+    moe = layer.moe
+    if moe is None:
+        return 0.0
+    share = expert_share(moe, ctx)
+    down = next((w for w in moe.experts if w.role is Role.EXPERT_DOWN), moe.experts[-1])
+    width, hidden = expert_split(down, ctx.expert_tp)  # I (/ expert_tp) in, C out
+    tokens = moe_tokens(moe, ctx)
+    rows = share.rows
+    # EP over the TP ranks (`ep_moe_replicated`): each rank gathers only its own experts' rows
+    sent = rows if ctx.ep > 1 and ctx.ep_fold == "tp" else moe.top_k * tokens
+    elements = 5 * sent * hidden + 6 * rows * hidden + 5 * rows * width + 3 * tokens * hidden
+    return elements * ctx.bytes_per_element + 3 * 8 * (sent + rows)
+
+
+def expert_pass_memory_time_s(layer: Layer, ctx: CostContext) -> float:
+    """Time of the expert pass's memory-bound ops in a mixture-of-experts layer (`expert_pass_bytes`, a
+    memory-bound op at the device's bandwidth; training with their backward)."""
+    return ctx.op_time(0.0, expert_pass_bytes(layer, ctx), "memory")
 
 
 def expert_tp_reduce_s(layer: Layer, ctx: CostContext) -> float:
@@ -2508,6 +2561,16 @@ def model_matmul_shapes(s: ModelStructure, tokens: int, tps: list[int]) -> list[
     where they divide, the LM head's vocabulary padded to a multiple of tp (as `build_ends_graph`
     prices it). What `costmodels.calibrate.matmul_shape_time_ratios` times on a CPU."""
     shapes: dict[tuple[int, int, int], None] = {}
+    for layer in s.layers:  # the expert pass's GEMMs (`expert_gemm_shapes`), on a balanced expert's rows
+        moe = layer.moe
+        if moe is None:
+            continue
+        rows = max(1, tokens * moe.top_k // moe.num_experts)
+        for w in moe.experts:
+            for tp in tps:
+                split = w.in_features if w.role is Role.EXPERT_DOWN else min(w.parts or (w.out_features,))
+                if split % tp == 0:
+                    shapes.update(((rows, round(k), round(n)), None) for k, n in expert_gemm_shapes(w, tp))
     head = [s.lm_head] if s.lm_head is not None else []
     for p in _all_projections(s) + head:
         k, n = p.in_features, p.out_features
