@@ -10,7 +10,8 @@ models a planner is tried on first, one command, under 10 minutes on 2 cores.
    a spec measured by one process alone (`_single_rank_cluster`).
 2. For each configuration of `CONFIGS` (the README's local examples, then tiny and mid Llama-3,
    GPT-2 124M, HF Llama and GPT-2, an MLP stack, a conv net; TP=1, TP=2, PP=2, DP=2 (DDP, and ZeRO-1
-   and FSDP pinned); forward and train) `planner.cli.workflow.make_plan` plans it with the mesh pinned, and the plan runs on as many
+   and FSDP pinned); forward and train; then a tiny Llama's training step at CP=2 (ring and all-gather)
+   and a tiny HF Mixtral at EP=2 over dp, forward and train) `planner.cli.workflow.make_plan` plans it with the mesh pinned, and the plan runs on as many
    gloo ranks as it uses, one compute thread each (`runtime.execute.run_rank`: numerics checked
    against the unsharded model, warm-up + `iters` timed steps, median of the slowest rank).
 3. The table: predicted, measured, measured / predicted (1.00 = exact); then the median and the worst
@@ -57,15 +58,20 @@ class Config:
     workload: str = "forward"
     readme: bool = False  # one of the README's local examples
     dp_style: str | None = None  # pinned data-parallel style (ddp, zero1, zero2, fsdp); None: the search's
+    cp: int = 1  # context-parallel degree
+    cp_comm_type: str | None = None  # ring | allgather | alltoall (cp > 1)
+    ep: int = 1  # expert-parallel degree (folded over dp)
 
     @property
     def ranks(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
     @property
     def label(self) -> str:
         shape = f"{self.batch_size or 'default'}" + (f" x {self.seq_len}" if self.seq_len else "")
         style = f" {self.dp_style}" if self.dp_style else ""
+        style += f" cp{self.cp} {self.cp_comm_type}" if self.cp > 1 else ""
+        style += f" ep{self.ep}" if self.ep > 1 else ""
         return f"{self.name} ({shape}) {self.workload}{style}" + (" [README]" if self.readme else "")
 
 
@@ -80,6 +86,8 @@ LLAMA, GPT2, HF_LLAMA, HF_GPT2 = (
     _example("hf_gpt2.py"),
 )
 MLP, CONVNET = _example("mlp.py"), _example("convnet.py")
+# a Hugging Face Mixtral of 4 experts, top-2, hidden 64 (transformers' MixtralForCausalLM from a config)
+HF_MIXTRAL = str(REPO_ROOT / "tests" / "models" / "tiny_mixtral.py")
 LLAMA_MID = str(REPO_ROOT / "bench" / "llama3_mid.py")
 CONFIGS = (
     # the README's local examples, as written there (planner optimize ... --run)
@@ -111,6 +119,11 @@ CONFIGS = (
     Config("convnet", CONVNET, 8, None, 1),
     Config("convnet", CONVNET, 8, None, 1, dp=2),
     Config("convnet", CONVNET, 8, None, 1, workload="train"),
+    # long context and mixtures of experts: ring and all-gather context parallelism, expert parallelism
+    Config("llama3 tiny", LLAMA, 8, 1024, 1, cp=2, cp_comm_type="ring", workload="train"),
+    Config("llama3 tiny", LLAMA, 8, 1024, 1, cp=2, cp_comm_type="allgather", workload="train"),
+    Config("hf mixtral", HF_MIXTRAL, 32, 256, 1, dp=2, ep=2),
+    Config("hf mixtral", HF_MIXTRAL, 32, 256, 1, dp=2, ep=2, workload="train"),
 )
 
 
@@ -181,8 +194,9 @@ def _plans(cluster, configs, prepared: dict | None = None, single=None):
         # (beyond one rank per core, time-shared: `costmodels.cluster.resize_cluster`)
         sized = resize_cluster(spec, cfg.ranks) if cfg.ranks > spec.devices_per_node else spec
         constraints = constraints_from(
-            cfg.tp, cfg.pp, cfg.dp, "none", max_devices=cfg.ranks, dp_style=cfg.dp_style
-        )
+            cfg.tp, cfg.pp, cfg.dp, "none", max_devices=cfg.ranks, dp_style=cfg.dp_style,
+            cp=cfg.cp, cp_comm_type=cfg.cp_comm_type, ep=cfg.ep,
+        )  # fmt: skip
         plans.append(make_plan(prepared[key], sized, constraints, cfg.model_path))
         specs.append(sized)
     return plans, prepared, specs
@@ -308,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
             at_speed.append(m["latency_s"] / at_run["latency_s"])
         table.add_row(
             cfg.label,
-            f"tp={plan.tp} pp={plan.pp} dp={plan.dp}"
+            plan.mesh.label()
+            + (f" ep={plan.ep}" if plan.ep > 1 else "")
             + ("" if cfg.ranks <= cores else f" ({cfg.ranks} ranks time-share {cores} cores)"),
             f"{plan.predicted.latency_s * 1e3:.2f} ms",
             f"{m['latency_s'] * 1e3:.2f} ms ({m['latency_p10_s'] * 1e3:.1f}-{m['latency_p90_s'] * 1e3:.1f})",
