@@ -33,11 +33,13 @@ Without load balancing rank r holds the r-th contiguous C-th of the sequence.
 **Ring.** Step i = 0 .. C-1: rank r holds the K/V block of rank s = (r - i) mod C; it posts the
 send of that block to rank r+1 and the receive of the next from r-1 (`dist.isend` / `irecv`), then
 computes its queries' attention over the block while the transfer is in flight, then waits. The
-causal mask of a block is taken from the global positions of the queries and keys: as both are sorted,
-the keys some query may see are a prefix of the block and the queries that see some key a suffix of
-the rank's rows, so each step computes only that rectangle (blocks wholly in the future are skipped;
-with head-tail chunks a step other than the first is one full chunk-by-block or block-by-chunk
-product, no mask) and masks it only when it straddles the diagonal. Partial results are merged by
+causal mask of a block is taken from the global positions of the queries and keys: its visible pairs
+are cut into rectangles each wholly visible or a causal square on the diagonal (`_rectangles`; blocks
+wholly in the future have none; with head-tail chunks a step other than the first is one full
+chunk-by-block or block-by-chunk product), and each rectangle is one call of a fused attention kernel
+that returns its log-sum-exp (on CPU ranks torch's flash attention for CPU, whose backward takes the
+merged output and log-sum-exp, as torch's own ring attention calls the fused kernels; elsewhere
+PyTorch ops over fp32 score tiles of `SCORE_TILE`, `FUSED_CPU_KERNEL`). Partial results are merged by
 the online-softmax rule (Milakov & Gimelshein 2018; FlashAttention): with a block's output o_b and
 log-sum-exp l_b = log sum_j exp(s_j) over its keys, and the running (o, l),
 
