@@ -493,15 +493,25 @@ def _attend_backward(
     """The backward of `_attend` given the merged (out, lse): adds the queries' gradient into `dq` in
     place and returns (dk, dv) of these keys (fp32, at the query heads, shaped as k and v)."""
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-    for rows, keys, diagonal in _rectangles(qpos, kpos, causal):
-        dq_r, dk_r, dv_r = _rect_backward(
+    _sum_grads(
+        _rectangles(qpos, kpos, causal),
+        lambda rows, keys, diagonal: _rect_backward(
             q[:, :, rows], k[:, :, keys], v[:, :, keys], dout[:, :, rows], out[:, :, rows], lse[:, :, rows],
             diagonal, scale,
-        )  # fmt: skip
-        dq[:, :, rows] += dq_r
-        dk[:, :, keys] += dk_r
-        dv[:, :, keys] += dv_r
+        ),
+        dq, dk, dv,
+    )  # fmt: skip
     return dk, dv
+
+
+def _sum_grads(pieces: list[tuple[slice, slice, object]], grads_of, dq, dk, dv) -> None:
+    """Add, in place, each (query rows, key columns, what else it needs) piece's gradients
+    `grads_of(rows, keys, extra)` -> (dq, dk, dv) into dq[:, :, rows], dk and dv[:, :, keys]."""
+    for rows, keys, extra in pieces:
+        dq_p, dk_p, dv_p = grads_of(rows, keys, extra)
+        dq[:, :, rows] += dq_p
+        dk[:, :, keys] += dk_p
+        dv[:, :, keys] += dv_p
 
 
 def _tiles(n: int, size: int = SCORE_TILE) -> list[tuple[int, int]]:
@@ -581,14 +591,14 @@ def _block_backward(
     if len(tiles) == 1:
         return _tile_backward(q, k, v, dout, lse, delta, tiles[0][2], scale)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for rows, keys, m in tiles:
-        dq_t, dk_t, dv_t = _tile_backward(
+    _sum_grads(
+        tiles,
+        lambda rows, keys, mask: _tile_backward(
             q[:, :, rows], k[:, :, keys], v[:, :, keys], dout[:, :, rows], lse[:, :, rows], delta[:, :, rows],
-            m, scale,
-        )  # fmt: skip
-        dq[:, :, rows] += dq_t
-        dk[:, :, keys] += dk_t
-        dv[:, :, keys] += dv_t
+            mask, scale,
+        ),
+        dq, dk, dv,
+    )  # fmt: skip
     return dq, dk, dv
 
 
