@@ -177,6 +177,36 @@ def tp_copy(x: torch.Tensor, axis: str) -> torch.Tensor:
     return _CopyToParallel.apply(x, None, axis)
 
 
+class _CopyPairToParallel(torch.autograd.Function):
+    """`tp_copy` of two tensors of the same leading dims whose gradients are summed in one all-reduce."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, axis: str):
+        ctx.axis, ctx.widths, ctx.b_dtype = axis, (a.shape[-1], b.shape[-1]), b.dtype
+        return a, b
+
+    @staticmethod
+    def backward(ctx, grad_a: torch.Tensor, grad_b: torch.Tensor):
+        need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not (need_a and need_b):  # one input takes a gradient: its own all-reduce
+            return (
+                _all_reduce(grad_a, ctx.axis) if need_a else None,
+                _all_reduce(grad_b, ctx.axis) if need_b else None,
+                None,
+            )
+        summed = _all_reduce(torch.cat([grad_a, grad_b.to(grad_a.dtype)], dim=-1), ctx.axis)
+        a, b = summed.split(ctx.widths, dim=-1)
+        return a, b.to(ctx.b_dtype), None
+
+
+def tp_copy_pair(a: torch.Tensor, b: torch.Tensor, axis: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`tp_copy` of `a` (..., A) and `b` (..., B) of the same leading dims (a MoE block's tokens and
+    their routing weights entering experts split over the TP ranks): identity forward; in backward
+    their gradients are summed over `axis` in one all-reduce of (..., A + B) in `a`'s dtype (one
+    collective's latency, not two), `b`'s cast back to its own."""
+    return _CopyPairToParallel.apply(a, b, axis)
+
+
 def tp_all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
     """Sum `x` over the ranks of `axis` (forward); identity backward. Same shape as `x`."""
     return _ReduceFromParallel.apply(x, None, axis)

@@ -182,9 +182,9 @@ def ep_moe(
     does not divide num_experts or the local weights are not E / ep experts."""
     group, size, experts = _local(axis, num_experts, w_gate)
     if tp_axis is not None:
-        from passes.collectives import tp_copy  # noqa: PLC0415 - same package, no cycle
+        from passes.collectives import tp_copy_pair  # noqa: PLC0415 - same package, no cycle
 
-        x, topk_weights = tp_copy(x, tp_axis), tp_copy(topk_weights, tp_axis)
+        x, topk_weights = tp_copy_pair(x, topk_weights, tp_axis)
     n, k = topk_ids.shape
     ids = topk_ids.reshape(-1)
     order = torch.argsort(ids, stable=True)  # assignments sorted by expert: contiguous per rank
@@ -236,12 +236,13 @@ def ep_moe_replicated(
     experts on every token routed to them, weighs and sums their outputs into an (N, C) partial result,
     and one all-reduce over `axis` adds the ranks' parts. No token moves. Shapes as `ep_moe`; returns
     the (N, C) output (scale_input as `ep_moe`'s). Under autograd x and topk_weights enter through
-    `tp_copy` (their gradients are partial on each rank and summed over the axis), and the all-reduce's
-    backward is the identity (Megatron's f and g, `passes.collectives`)."""
-    from passes.collectives import tp_all_reduce, tp_copy  # noqa: PLC0415 - same package, no cycle
+    `tp_copy_pair` (their gradients are partial on each rank and summed over the axis in one
+    all-reduce, as priced), and the all-reduce's backward is the identity (Megatron's f and g,
+    `passes.collectives`)."""
+    from passes.collectives import tp_all_reduce, tp_copy_pair  # noqa: PLC0415 - same package, no cycle
 
     group, size, experts = _local(axis, num_experts, w_gate)
-    x, topk_weights = tp_copy(x, axis), tp_copy(topk_weights, axis)
+    x, topk_weights = tp_copy_pair(x, topk_weights, axis)
     n, k = topk_ids.shape
     ids = topk_ids.reshape(-1)
     mine = (ids >= experts.start) & (ids < experts.stop)

@@ -122,3 +122,49 @@ def test_the_combine_keeps_no_rows_for_backward() -> None:
     assert torch.equal(out, want)
     out.backward(torch.ones_like(out))
     assert torch.equal(weighted.grad, torch.ones(rows, width))
+
+
+def _pair_rank(ctx: RankContext, _: None) -> dict:
+    """Gradients of `tp_copy_pair` on this rank and the all-reduces its backward ran."""
+    from unittest import mock  # noqa: PLC0415
+
+    import torch.distributed as dist  # noqa: PLC0415
+
+    collectives.register_group("tp", dist.group.WORLD)
+    gen = torch.Generator().manual_seed(3)
+    g_a = [torch.randn(5, 16, generator=gen) for _ in range(ctx.world_size)]
+    g_b = [torch.randn(5, 2, generator=gen, dtype=torch.float64) for _ in range(ctx.world_size)]
+    a = torch.randn(5, 16, generator=gen, requires_grad=True)
+    b = torch.randn(5, 2, generator=gen, dtype=torch.float64, requires_grad=True)
+    calls = []
+    real = collectives._all_reduce
+
+    def counted(x, axis):
+        calls.append(tuple(x.shape))
+        return real(x, axis)
+
+    with mock.patch.object(collectives, "_all_reduce", counted):
+        a2, b2 = collectives.tp_copy_pair(a, b, "tp")
+        ((a2 * g_a[ctx.rank]).sum() + (b2 * g_b[ctx.rank]).sum()).backward()
+        only = torch.randn(5, 16, generator=gen, requires_grad=True)
+        a3, _ = collectives.tp_copy_pair(only, b.detach(), "tp")  # no gradient reaches b
+        (a3 * g_a[ctx.rank]).sum().backward()
+    return {
+        "a": float((a.grad - sum(g_a)).abs().max()),
+        "b": float((b.grad - sum(g_b)).abs().max()),
+        "b_dtype": str(b.grad.dtype),
+        "only": float((only.grad - sum(g_a)).abs().max()),
+        "calls": calls,
+    }
+
+
+@pytest.mark.slow
+def test_tp_copy_pair_sums_both_gradients_in_one_all_reduce() -> None:
+    """The tokens and routing weights entering experts split over TP (`ep_moe` with tp_axis,
+    `ep_moe_replicated`) get their gradients summed over the ranks in one all-reduce of both (the
+    planner prices one), each gradient the sum of the ranks' and in its own dtype; with one gradient,
+    one all-reduce of it."""
+    for report in launch(_pair_rank, None, nproc=2, timeout_s=300):
+        assert report["a"] < 1e-5 and report["b"] < 1e-5 and report["only"] < 1e-5, report
+        assert report["b_dtype"] == "torch.float64"
+        assert report["calls"] == [(5, 18), (5, 16)], report["calls"]
