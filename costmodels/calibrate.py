@@ -69,7 +69,15 @@ from costmodels.cluster import (
     load_cluster,
     parse_cluster,
 )
-from costmodels.compute import SIZED_PROBE, TOY_PROBE, linear_bytes, linear_flops, op_time_s
+from costmodels.compute import (
+    SIZED_PROBE,
+    TOY_PROBE,
+    attention_bytes,
+    attention_flops,
+    linear_bytes,
+    linear_flops,
+    op_time_s,
+)
 from costmodels.dtypes import DTYPE_BYTES, torch_dtype
 from costmodels.gpu_calibrate import CudaEventTimer, apply_cuda_measurements, cuda_measurements
 from planner.errors import InputError, RunError
@@ -508,6 +516,75 @@ def graph_node_time_ratio(
     if slope_now <= 0 or net_s <= 0 or reference_node_s <= 0 or priced_node_s <= 0:
         return None
     return (net_s / nodes) / (priced_node_s * slope_now / reference_node_s)
+
+
+def attention_time_ratios(
+    calls: list[tuple[int, int, int, int, bool]],
+    sequences: int,
+    device_spec: DeviceSpec,
+    dtype: str,
+    threads: int = 1,
+    budget_s: float = MODEL_SHAPES_BUDGET_S / 2,
+    train: bool = False,
+) -> dict[tuple, float]:
+    """Measured / priced time of each attention core of ``calls`` on this CPU process, keyed by its
+    call (query heads on a rank, query length, key length, head dim, causal), for
+    `DeviceSpec.attention_time_ratios`: how much slower (> 1) or faster the model's own cores run than
+    the spec's one ``attention_efficiency`` prices them (measured on `SDPA_SHAPE`'s forward).
+
+    Each is ``scaled_dot_product_attention`` on ``sequences`` sequences (fewer where its price passes
+    ``_MODEL_SHAPE_MAX_S``; the ratio is taken as the same at any batch), K and V at the query heads, in
+    thread CPU time with ``threads`` intra-op threads, interleaved for about ``budget_s`` wall seconds
+    with the calibration's own core (`SDPA_SHAPE`, causal, forward), whose measured / priced time
+    divides every ratio (the machine's speed of the moment cancels). With ``train`` a core is timed
+    forward and backward against three forward prices (the training step's `compute_factor`). A causal
+    call whose query and key lengths differ is left out (its mask's alignment is the model's)."""
+    dt = torch_dtype(dtype)
+
+    def price(b: int, h: int, q: int, k: int, hd: int, causal: bool) -> float:
+        flops = attention_flops(b, h, q, k, hd, causal)
+        moved = attention_bytes(b, h, h, q, k, hd, dtype)
+        return op_time_s(flops, moved, device_spec, dtype, "attention", launch=False, seq=(q, k, causal))
+
+    reference = (*SDPA_SHAPE[:3], SDPA_SHAPE[2], SDPA_SHAPE[3], True)  # (b, h, q, k, hd, causal)
+    timed: dict[tuple, tuple] = {}
+    for h, q, k, hd, causal in dict.fromkeys(calls):
+        if causal and q != k:
+            continue
+        b = max(1, sequences)
+        while b > 1 and price(b, h, q, k, hd, causal) * (3 if train else 1) > _MODEL_SHAPE_MAX_S:
+            b //= 2
+        timed[(h, q, k, hd, causal)] = (b, h, q, k, hd, causal)
+    if not timed:
+        return {}
+    fns = [_attention_runner(*reference, dt, False)] + [
+        _attention_runner(*c, dt, train) for c in timed.values()
+    ]
+    with intra_op_threads(threads):
+        rates, _ = interleaved_rates(fns, [1.0] * len(fns), torch.device("cpu"), budget_s)
+    seconds = [1.0 / r for r in rates]
+    now = seconds[0] / price(*reference)  # > 1: the machine runs slower now than when calibrated
+    factor = 3.0 if train else 1.0
+    return {key: s / (factor * price(*c)) / now for (key, c), s in zip(timed.items(), seconds[1:])}
+
+
+def _attention_runner(
+    b: int, h: int, q: int, k: int, hd: int, causal: bool, dt: torch.dtype, train: bool
+) -> Callable[[], object]:
+    """One call of SDPA over (b, h, q, hd) queries and (b, h, k, hd) keys and values; with ``train``
+    also its backward (the three inputs' gradients)."""
+    gen = torch.Generator().manual_seed(0)
+    qt, kt, vt = (torch.randn(b, h, n, hd, generator=gen).to(dt).requires_grad_(train) for n in (q, k, k))
+    grad = torch.randn(b, h, q, hd, generator=gen).to(dt)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if not train:
+        return lambda: sdpa(qt, kt, vt, is_causal=causal)
+
+    def step() -> None:
+        qt.grad = kt.grad = vt.grad = None
+        sdpa(qt, kt, vt, is_causal=causal).backward(grad)
+
+    return step
 
 
 def _activation_runner(

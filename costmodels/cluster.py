@@ -247,6 +247,12 @@ class DeviceSpec:
     # (on the dev VM an exact GELU over 64 x 256 fp32 took ~14 us forward, priced 10 us; its backward
     # ~2x more than a plain op's).
     activation_time_ratios: dict[tuple, float] | None = None
+    # Optional, set at planning time, never read from YAML: the same for a model's own attention cores,
+    # keyed by (query heads on a rank, query length, key length, head dim, causal) (`costmodels.
+    # calibrate.attention_time_ratios`): the spec's one ``attention_efficiency`` is measured on one
+    # shape's forward, but on the dev VM a 16-wide head ran SDPA 1.5-1.7x slower per FLOP than a 64-wide
+    # one, and its backward took 2.6-2.8 forwards where a training step prices 2 (2026-12-07).
+    attention_time_ratios: dict[tuple, float] | None = None
     # Optional, set at planning time, never read from YAML: seconds of host work per decode step outside
     # the graph (building the model file's step inputs, taking the last logits), timed on this machine
     # for a decode plan of a model with a KV cache (`runtime.decode.host_step_time_s`); None: 0.

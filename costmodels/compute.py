@@ -61,7 +61,9 @@ def op_time_s(
             instead `gemm_efficiency` (M = rows, K, N) = ``shape``.
         call: a convolution's call (`planner.frontend.analysis.conv_call`): the same with
             ``device.conv_time_ratios``; a "memory" op's, an activation's
-            (`planner.frontend.analysis.activation_call`), with ``device.activation_time_ratios``.
+            (`planner.frontend.analysis.activation_call`), with ``device.activation_time_ratios``;
+            an attention core's (heads, query length, key length, head dim, causal) with
+            ``device.attention_time_ratios``.
         seq: an attention core's (query length, key length, causal mask) in tokens, and optionally its
             thread blocks (`attention_blocks`): with ``device.attention`` set, its efficiency is
             `attention_kernel_efficiency` of them (the blocks' waves over ``device.gemm.sms``).
@@ -213,12 +215,16 @@ def shape_time_ratio(
 ) -> float:
     """Measured / priced time of a matmul of (K, N) ``shape`` on ``device``
     (``DeviceSpec.matmul_shape_time_ratios``), of a convolution ``call``
-    (``DeviceSpec.conv_time_ratios``) or of an activation ``call`` of kind "memory"
-    (``DeviceSpec.activation_time_ratios``), 1.0 for other ops and for shapes not measured."""
+    (``DeviceSpec.conv_time_ratios``), of an activation ``call`` of kind "memory"
+    (``DeviceSpec.activation_time_ratios``) or of an attention core's ``call`` (heads, query length, key
+    length, head dim, causal: ``DeviceSpec.attention_time_ratios``), 1.0 for other ops and for shapes
+    not measured."""
     if kind == "conv":
         return _conv_ratio(device.conv_time_ratios or {}, call) if call is not None else 1.0
     if kind == "memory":
         return (device.activation_time_ratios or {}).get(call, 1.0) if call is not None else 1.0
+    if kind == "attention":
+        return (device.attention_time_ratios or {}).get(call, 1.0) if call is not None else 1.0
     ratios = device.matmul_shape_time_ratios
     if kind != "matmul" or not ratios or shape is None:
         return 1.0

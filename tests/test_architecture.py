@@ -113,6 +113,7 @@ def test_layer_check_catches_an_upward_import(tmp_path: Path) -> None:
 PRICING_MODULES = ("costmodels.compute", "costmodels.comm", "costmodels.memory")
 PRICING_NAMES = {
     "costmodels.calibrate": {"matmul_shape_time_ratios", "conv_time_ratios", "activation_time_ratios",
+                             "attention_time_ratios",
                              "graph_node_time_ratio", "probe_model", "spec_threads"},
     "planner.solver.costing": None,  # every name but the allowed ones
 }  # fmt: skip

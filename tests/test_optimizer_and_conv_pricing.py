@@ -530,3 +530,67 @@ def test_the_ilp_prices_the_gradient_work_of_every_micro_batch_as_the_prediction
     policy = LadderPolicy.parse("none").for_layers(len(llama.layers))
     sol = ilp.solve(IlpProblem(tables, policy, 0.9 * cluster.device.memory_bytes))
     assert sol.objective == pytest.approx(predict(tables, sol.assignment).prediction.latency_s, rel=0.005)
+
+
+def test_attention_cores_are_timed_against_the_calibrations_own(monkeypatch) -> None:
+    """`costmodels.calibrate.attention_time_ratios`: a core's measured / priced time over the same for
+    the calibration's own core (`SDPA_SHAPE`, forward) timed beside it, so the machine's speed of the
+    moment cancels; training against three forward prices (a backward of 2.6 forwards reads 1.2)."""
+    device = load_cluster("local-cpu", 2).device
+    call = (4, 512, 512, 16, True)
+
+    def price(b, h, q, k, hd, causal):
+        flops, moved = (
+            compute.attention_flops(b, h, q, k, hd, causal),
+            compute.attention_bytes(b, h, h, q, k, hd, "fp32"),
+        )
+        return compute.op_time_s(flops, moved, device, "fp32", "attention", launch=False)  # fmt: skip
+
+    reference = price(1, 16, 128, 128, 64, True)
+    factor = {False: 3.0, True: 3.0 * 1.2}  # measured / priced of the call, in each mode
+
+    def fake(train):
+        def rates(fns, amounts, dev, budget_s):
+            # the machine 2x slower than calibrated now: the reference and the call alike
+            return [1 / (2 * reference), 1 / (2 * factor[train] * price(2, *call))], 1.0
+
+        return rates
+
+    for train, want in ((False, 3.0), (True, 1.2 * 3.0 / 3.0)):
+        monkeypatch.setattr(cal, "interleaved_rates", fake(train))
+        assert cal.attention_time_ratios([call], 2, device, "fp32", train=train) == pytest.approx(
+            {call: want}
+        )
+    causal_cache = (4, 1, 512, 16, True)  # a causal core whose query and key lengths differ: left out
+    assert cal.attention_time_ratios([causal_cache], 2, device, "fp32") == {}
+    timed = dataclasses.replace(device, attention_time_ratios={call: 3.0})
+    plain = compute.op_time_s(1e9, 1e6, device, "fp32", "attention", launch=False)
+    assert compute.op_time_s(1e9, 1e6, timed, "fp32", "attention", launch=False, call=call) == pytest.approx(
+        3 * plain
+    )
+    assert compute.op_time_s(1e9, 1e6, timed, "fp32", "attention", launch=False, call=(8, *call[1:])) == plain
+
+
+def test_planning_on_a_calibrated_spec_times_the_models_attention_cores(monkeypatch) -> None:
+    """The tiny Llama's attention core is timed at each TP degree's heads per rank (8 heads, 4 KV heads
+    of 16: whole and split over 2), at the workload's lengths, on a rank's share of the batch; its ratio
+    reaches the plan's attention time."""
+    prepared = workflow.prepare("examples/llama3.py", "train", batch_size=8, seq_len=64)
+    calibrated = _as_calibrated(load_cluster("local-cpu", 2))
+    seen = []
+
+    def fake(calls, sequences, device, dtype, threads=1, budget_s=1.0, train=False):
+        seen.append((sorted(calls), sequences, train))
+        return dict.fromkeys(calls, 2.0)
+
+    for name in ("matmul_shape_time_ratios", "conv_time_ratios", "activation_time_ratios"):
+        monkeypatch.setattr(cal, name, lambda *a, **k: {})
+    monkeypatch.setattr(cal, "attention_time_ratios", fake)
+    monkeypatch.setattr(machine, "_SHAPE_RATIOS", {})
+    constraints = workflow.constraints_from(1, 1, 1, "none")
+    slower = workflow.make_plan(prepared, calibrated, constraints, "examples/llama3.py")
+    assert seen == [([(4, 64, 64, 16, True), (8, 64, 64, 16, True)], 4, True)], seen
+    monkeypatch.setattr(machine, "_SHAPE_RATIOS", {})
+    monkeypatch.setattr(cal, "attention_time_ratios", lambda calls, *a, **k: dict.fromkeys(calls, 1.0))
+    plain = workflow.make_plan(prepared, calibrated, constraints, "examples/llama3.py")
+    assert slower.predicted.latency_s > plain.predicted.latency_s

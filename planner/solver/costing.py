@@ -1038,7 +1038,8 @@ def attention_core_options(
             else None
         )
         seq = None if materialized else (q_len, kv_len, skips_masked, blocks)
-        core_s = ctx.op_time(flops, moved, "attention", seq=seq)
+        call = attention_call(heads / shard, q_len, kv_len, hd, skips_masked)
+        core_s = ctx.op_time(flops, moved, "attention", seq=seq, call=call)
         if w.kind is Workload.DECODE and not materialized:
             # a kernel of one block per (sequence, query head) idles most SMs at a few pairs
             # (`DeviceSpec.decode_attention`): a wave's blocks stream at a per-SM rate
@@ -2586,6 +2587,33 @@ def model_matmul_shapes(s: ModelStructure, tokens: int, tps: list[int]) -> list[
             if k % tp == 0:
                 shapes[(tokens, k // tp, n)] = None
     return list(shapes)
+
+
+def attention_call(heads: float, q_len: float, kv_len: float, head_dim: float, causal: bool) -> tuple:
+    """The key of an attention core one rank computes (query heads on the rank, query length, key
+    length, head dim, causal) in `DeviceSpec.attention_time_ratios`."""
+    return (round(heads), round(q_len), round(kv_len), round(head_dim), bool(causal))
+
+
+def model_attention_calls(s: ModelStructure, workload: WorkloadSpec, tps: list[int]) -> list[tuple]:
+    """The attention cores (`attention_call`) one rank computes for `s`'s self-attention layers at
+    each TP degree of ``tps`` (its query and KV heads split by heads where both divide, else whole),
+    at the workload's query and key lengths, causal but at a decode step: what
+    `costmodels.calibrate.attention_time_ratios` times on a CPU. None for a decode step (one query
+    a sequence: its time is the cache's bytes) or a model with its own cache."""
+    if workload.kind is Workload.DECODE:
+        return []
+    calls: dict[tuple, None] = {}
+    for layer in s.layers:
+        attn = layer.attention
+        if attn is None or attn.cache_bytes:
+            continue
+        for tp in tps:
+            split = attn.num_heads % tp == 0 and attn.num_kv_heads % tp == 0
+            heads = attn.num_heads // tp if split else attn.num_heads
+            key = attention_call(heads, workload.tokens_per_sequence, workload.kv_len, attn.head_dim, True)
+            calls[key] = None
+    return list(calls)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,12 @@ from planner.frontend.modelfile import ModelFile
 from planner.frontend.phases import build_for, decode_phase, phase_inputs
 from planner.plan import Plan, Workload
 from planner.progress import Progress, silent
-from planner.solver.costing import graph_node_count, graph_roofline_s, model_matmul_shapes
+from planner.solver.costing import (
+    graph_node_count,
+    graph_roofline_s,
+    model_attention_calls,
+    model_matmul_shapes,
+)
 from planner.solver.problem import WorkloadSpec, plan_workload_options
 from planner.solver.serving import predict_with_plan
 
@@ -236,9 +241,10 @@ def with_decode_graph_time(
 
 
 def with_model_rates(prepared: PricedModel, cluster: ClusterSpec, progress: Progress = silent) -> ClusterSpec:
-    """`cluster` with the model's own matmul shapes, convolutions and activations timed on this machine
-    (`DeviceSpec.matmul_shape_time_ratios`, `DeviceSpec.conv_time_ratios`,
-    `DeviceSpec.activation_time_ratios`), when `cluster` is this machine's calibrated spec (a
+    """`cluster` with the model's own matmul shapes, convolutions, activations and attention cores
+    timed on this machine (`DeviceSpec.matmul_shape_time_ratios`, `DeviceSpec.conv_time_ratios`,
+    `DeviceSpec.activation_time_ratios`, `DeviceSpec.attention_time_ratios`: the cores at a rank's
+    share of the batch, `costing.model_attention_calls`), when `cluster` is this machine's calibrated spec (a
     `probes_speed` spec, gloo); else `cluster` unchanged. Training times
     each linear's backward products too. Every TP degree
     that divides the spec's device count is timed (`costing.model_matmul_shapes`), at the workload's
@@ -249,7 +255,12 @@ def with_model_rates(prepared: PricedModel, cluster: ClusterSpec, progress: Prog
     dev = cluster.device
     if any(
         r is not None
-        for r in (dev.matmul_shape_time_ratios, dev.conv_time_ratios, dev.activation_time_ratios)
+        for r in (
+            dev.matmul_shape_time_ratios,
+            dev.conv_time_ratios,
+            dev.activation_time_ratios,
+            dev.attention_time_ratios,
+        )
     ):  # timed already
         return cluster
     if not times_here(cluster):
@@ -263,7 +274,8 @@ def with_model_rates(prepared: PricedModel, cluster: ClusterSpec, progress: Prog
         shapes += model_matmul_shapes(prefill, workload.batch_size * prepared.request.prompt_len, tps)
     convs = model_conv_calls(structure, cluster.num_devices)
     activations = model_activation_calls(structure, prefill)
-    if not shapes and not convs and not activations:
+    attentions = model_attention_calls(structure, workload, tps)
+    if not shapes and not convs and not activations and not attentions:
         return cluster
     dtype = workload.dtype or structure.dtype
     threads = calibrate.spec_threads(cluster)
@@ -277,11 +289,13 @@ def with_model_rates(prepared: PricedModel, cluster: ClusterSpec, progress: Prog
         tuple(shapes),
         tuple(c[0] for c in convs),
         tuple(activations),
+        tuple(attentions),
     )
+    sequences = max(1, workload.batch_size // cluster.num_devices)
     if key not in _SHAPE_RATIOS:
         progress(
-            f"timing the model's {len(shapes) + len(convs) + len(activations)} matmul, convolution and "
-            "activation shapes on this machine",
+            f"timing the model's {len(shapes) + len(convs) + len(activations) + len(attentions)} matmul, "
+            "convolution, activation and attention shapes on this machine",
             None,
         )
         _SHAPE_RATIOS[key] = (
@@ -292,8 +306,11 @@ def with_model_rates(prepared: PricedModel, cluster: ClusterSpec, progress: Prog
             calibrate.activation_time_ratios(activations, dev, dtype, threads=threads, train=train)
             if activations
             else {},
+            calibrate.attention_time_ratios(attentions, sequences, dev, dtype, threads=threads, train=train)
+            if attentions
+            else {},
         )
-    matmuls, conv_ratios, activation_ratios = _SHAPE_RATIOS[key]
+    matmuls, conv_ratios, activation_ratios, attention_ratios = _SHAPE_RATIOS[key]
     return replace(
         cluster,
         device=replace(
@@ -301,6 +318,7 @@ def with_model_rates(prepared: PricedModel, cluster: ClusterSpec, progress: Prog
             matmul_shape_time_ratios=matmuls,
             conv_time_ratios=conv_ratios,
             activation_time_ratios=activation_ratios,
+            attention_time_ratios=attention_ratios,
         ),
     )
 
