@@ -225,12 +225,14 @@ def test_generate_workload_reports_the_request():
     )
 
 
-def test_a_prefill_the_models_own_experts_cannot_fit_is_planned_with_the_expert_pass(tmp_path):
+def test_a_prefill_the_models_own_experts_cannot_fit_is_planned_with_the_expert_pass(tmp_path, monkeypatch):
     """HF batched_mm OLMoE (tests/models/hf_olmoe_kv.py) on 2 ranks whose links are slow (the decode step is
     fastest with the experts whole) and whose memory is small: a prefill of 256 tokens gathers an expert
-    matrix per token and choice (512 copies), which does not fit, so the request is planned again with
-    the expert pass (the experts split over TP here) and `excluded` says why; with --ep 1 --expert-tp 1
-    pinned nothing else may run and the refusal names the flags."""
+    matrix per token and choice (512 copies), which does not fit, so the request runs the expert pass
+    (here over the TP ranks). The search takes it first where the request is faster with it (its
+    prefill is priced for the pass's own ops); where it took the experts whole for their decode step it
+    plans again and `excluded` says why. `--why` marks "off" not fitting, naming the prefill; with --ep 1
+    --expert-tp 1 pinned nothing else may run and the refusal names the flags."""
     spec = (MODELS / "midlink-cpu.yaml").read_text()
     spec = spec.replace("memory_GiB: 8", "memory_GiB: 0.12").replace("latency_us: 2\n", "latency_us: 3000\n")
     small = tmp_path / "smallmem.yaml"
@@ -241,15 +243,25 @@ def test_a_prefill_the_models_own_experts_cannot_fit_is_planned_with_the_expert_
         cluster = workflow.resolve_cluster(str(small), 2)
     plan = workflow.make_plan(prepared, cluster, workflow.constraints_from(2, 1, 1, "none"), str(model))
     assert plan.ep > 1 or plan.expert_tp > 1, plan.layout_summary()
-    assert any(
-        n.startswith("experts whole (the model's own expert code): the prefill") for n in plan.excluded
-    )
+    replanned = [n for n in plan.excluded if n.startswith("experts whole (the model's own expert code)")]
+    assert all("the prefill of 256 tokens" in n for n in replanned), replanned
     # --why does not offer the own experts at their decode step's time: the request's prefill cannot fit
     (ep,) = [d for d in plan.decisions if d.subject == "expert parallelism"]
     assert ep.options["off"] == float("inf") and "request's prefill of 256 tokens would need" in ep.reason
     pinned = dataclasses.replace(workflow.constraints_from(2, 1, 1, "none"), ep=1, expert_tp=1)
     with pytest.raises(InfeasibleError, match="--ep or --expert-tp"):
         workflow.make_plan(prepared, cluster, pinned, str(model))
+    # the pass priced far slower: the search takes the experts whole for their decode step, whose
+    # prefill does not fit, and the request is planned again with the pass, `excluded` saying why
+    from planner.solver import costing  # noqa: PLC0415
+
+    monkeypatch.setattr(costing, "expert_pass_memory_time_s", lambda layer, ctx: 1.0)
+    again = workflow.make_plan(prepared, cluster, workflow.constraints_from(2, 1, 1, "none"), str(model))
+    assert again.ep > 1 or again.expert_tp > 1, again.layout_summary()
+    assert any(
+        n.startswith("experts whole (the model's own expert code): the prefill of 256 tokens")
+        for n in again.excluded
+    ), again.excluded
 
 
 def test_serving_contract_errors():
