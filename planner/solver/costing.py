@@ -2598,9 +2598,10 @@ def attention_call(heads: float, q_len: float, kv_len: float, head_dim: float, c
 def model_attention_calls(s: ModelStructure, workload: WorkloadSpec, tps: list[int]) -> list[tuple]:
     """The attention cores (`attention_call`) one rank computes for `s`'s self-attention layers at
     each TP degree of ``tps`` (its query and KV heads split by heads where both divide, else whole),
-    at the workload's query and key lengths, causal but at a decode step: what
-    `costmodels.calibrate.attention_time_ratios` times on a CPU. None for a decode step (one query
-    a sequence: its time is the cache's bytes) or a model with its own cache."""
+    at the workload's query and key lengths, causal (as `attention_core_options` prices a
+    self-attention core): what `costmodels.calibrate.attention_time_ratios` times on a CPU. None at a
+    decode step (one query a sequence: its time is the cache's bytes), nor for a layer attending over
+    the model's own cache."""
     if workload.kind is Workload.DECODE:
         return []
     calls: dict[tuple, None] = {}
