@@ -403,6 +403,13 @@ def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
     return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
 
 
+def _kv_groups(q: torch.Tensor, k: torch.Tensor) -> int:
+    """How many query heads each K/V head is expanded to before a block's kernel: 1 where the fused CPU
+    kernel runs (it takes grouped K/V as they are, forward and backward: no copy of K/V at the query
+    heads), H / H_kv for the PyTorch-op tiles."""
+    return 1 if _fused(q) else q.shape[1] // k.shape[1]
+
+
 def _reduce_heads(g: torch.Tensor, groups: int) -> torch.Tensor:
     """The gradient of `_expand`: (B, H, T, D) -> (B, H / groups, T, D), summed over each group."""
     if groups == 1:
@@ -470,8 +477,8 @@ def _attend(
     lse: torch.Tensor,
 ) -> None:
     """Merge into the running (out (B, H, Tq, D), lse (B, H, Tq)), in place, the attention of the
-    queries q at `qpos` over the keys k, v at `kpos` (fp32, K/V expanded to the query heads), one
-    `_rectangles` rectangle at a time."""
+    queries q at `qpos` over the keys k, v at `kpos` (fp32; K/V at the query heads, or grouped where
+    the fused CPU kernel runs: `_kv_groups`), one `_rectangles` rectangle at a time."""
     for rows, keys, diagonal in _rectangles(qpos, kpos, causal):
         block = _rect_forward(q[:, :, rows], k[:, :, keys], v[:, :, keys], diagonal, scale)
         out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], *block)
@@ -491,7 +498,7 @@ def _attend_backward(
     dq: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The backward of `_attend` given the merged (out, lse): adds the queries' gradient into `dq` in
-    place and returns (dk, dv) of these keys (fp32, at the query heads, shaped as k and v)."""
+    place and returns (dk, dv) of these keys (fp32, shaped as k and v)."""
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     _sum_grads(
         _rectangles(qpos, kpos, causal),
@@ -712,7 +719,7 @@ def _block_kv(
     kv: torch.Tensor, shape: torch.Size, stop: int, groups: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys [:stop] of a packed K/V block (`_pack(k, v)`, each of `shape` (B, H_kv, T_l, D)), fp32,
-    expanded to the query heads: 2 x (B, H, stop, D)."""
+    each head repeated `groups` times (`_kv_groups`): 2 x (B, H_kv * groups, stop, D)."""
     k, v = _unpack(kv, shape)
     return _expand(k[:, :, :stop].float(), groups), _expand(v[:, :, :stop].float(), groups)
 
@@ -729,7 +736,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, axis: str, causal: bool, load_balance: bool, scale: float):
         group = _group(axis)
         size, rank = _size_rank(group)
-        groups = q.shape[1] // k.shape[1]
+        groups = _kv_groups(q, k)
         seq_len = q.shape[2] * size
         qpos = cp_positions(seq_len, rank, size, load_balance)
         qf = q.float()
@@ -761,7 +768,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group = _group(ctx.axis)
         size, rank = _size_rank(group)
-        groups = q.shape[1] // k.shape[1]
+        groups = _kv_groups(q, k)
         seq_len = q.shape[2] * size
         qpos = cp_positions(seq_len, rank, size, ctx.load_balance)
         qf, doutf, outf = q.float(), dout.float(), out.float()
@@ -826,7 +833,7 @@ class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, axis: str, causal: bool, load_balance: bool, scale: float):
         size, rank = _size_rank(_group(axis))
-        groups = q.shape[1] // k.shape[1]
+        groups = _kv_groups(q, k)
         seq_len = q.shape[2] * size
         with record_function("cp.allgather.forward.gather"):
             kf, vf = _whole_kv(_gather_kv(k, v, axis, size, load_balance))
@@ -853,7 +860,7 @@ class _AllGatherAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         size, rank = _size_rank(_group(ctx.axis))
-        groups = q.shape[1] // k.shape[1]
+        groups = _kv_groups(q, k)
         seq_len = q.shape[2] * size
         with record_function("cp.allgather.backward.gather"):
             kf, vf = _whole_kv(_gather_kv(k, v, ctx.axis, size, ctx.load_balance))
