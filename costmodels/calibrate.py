@@ -518,6 +518,12 @@ def graph_node_time_ratio(
     return (net_s / nodes) / (priced_node_s * slope_now / reference_node_s)
 
 
+# the longest priced call an attention core is timed with (`attention_time_ratios`): at least 3 rounds
+# of it run in a planning step; one 128-wide head of 2,048 tokens, forward and backward, is ~0.16 s on
+# the 2-vCPU dev VM
+_ATTENTION_MAX_S = 0.2
+
+
 def attention_time_ratios(
     calls: list[tuple[int, int, int, int, bool]],
     sequences: int,
@@ -532,8 +538,10 @@ def attention_time_ratios(
     `DeviceSpec.attention_time_ratios`: how much slower (> 1) or faster the model's own cores run than
     the spec's one ``attention_efficiency`` prices them (measured on `SDPA_SHAPE`'s forward).
 
-    Each is ``scaled_dot_product_attention`` on ``sequences`` sequences (fewer where its price passes
-    ``_MODEL_SHAPE_MAX_S``; the ratio is taken as the same at any batch), K and V at the query heads, in
+    Each is ``scaled_dot_product_attention`` on ``sequences`` sequences, K and V at the query heads
+    (fewer sequences, then fewer heads, where its price passes ``_ATTENTION_MAX_S``: the ratio is taken
+    as the same at any batch and head count; a core too long even at one head of one sequence is left
+    out), in
     thread CPU time with ``threads`` intra-op threads, interleaved for about ``budget_s`` wall seconds
     with the calibration's own core (`SDPA_SHAPE`, causal, forward), whose measured / priced time
     divides every ratio (the machine's speed of the moment cancels). With ``train`` a core is timed
@@ -551,10 +559,14 @@ def attention_time_ratios(
     for h, q, k, hd, causal in dict.fromkeys(calls):
         if causal and q != k:
             continue
-        b = max(1, sequences)
-        while b > 1 and price(b, h, q, k, hd, causal) * (3 if train else 1) > _MODEL_SHAPE_MAX_S:
+        b, heads = max(1, sequences), h
+        while b > 1 and price(b, heads, q, k, hd, causal) * (3 if train else 1) > _ATTENTION_MAX_S:
             b //= 2
-        timed[(h, q, k, hd, causal)] = (b, h, q, k, hd, causal)
+        while heads > 1 and price(b, heads, q, k, hd, causal) * (3 if train else 1) > _ATTENTION_MAX_S:
+            heads //= 2
+        if price(b, heads, q, k, hd, causal) * (3 if train else 1) > _ATTENTION_MAX_S:
+            continue  # one head of one sequence too long to time in a planning step: priced as before
+        timed[(h, q, k, hd, causal)] = (b, heads, q, k, hd, causal)
     if not timed:
         return {}
     fns = [_attention_runner(*reference, dt, False)] + [

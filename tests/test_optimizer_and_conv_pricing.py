@@ -594,3 +594,22 @@ def test_planning_on_a_calibrated_spec_times_the_models_attention_cores(monkeypa
     monkeypatch.setattr(cal, "attention_time_ratios", lambda calls, *a, **k: dict.fromkeys(calls, 1.0))
     plain = workflow.make_plan(prepared, calibrated, constraints, "examples/llama3.py")
     assert slower.predicted.latency_s > plain.predicted.latency_s
+
+
+def test_a_long_attention_core_is_timed_on_fewer_heads_or_left_out(monkeypatch) -> None:
+    """A planning step times each attention core for a fraction of a second: a long one runs on fewer
+    sequences, then fewer heads, and one too long even at one head of one sequence keeps its price."""
+    device = load_cluster("local-cpu", 2).device
+    shapes = []
+
+    def runner(b, h, q, k, hd, causal, dt, train):
+        shapes.append((b, h, q, k, hd))
+        return lambda: None
+
+    monkeypatch.setattr(cal, "_attention_runner", runner)
+    monkeypatch.setattr(cal, "interleaved_rates", lambda fns, amounts, dev, budget_s: ([1e3] * len(fns), 1.0))
+    medium, huge = (32, 1024, 1024, 128, True), (32, 65536, 65536, 128, True)
+    ratios = cal.attention_time_ratios([medium, huge], 8, device, "fp32", train=True)
+    assert set(ratios) == {medium}  # the 64k-token core is left out
+    ((b, h, *_),) = [s for s in shapes if s[2] == 1024]
+    assert b == 1 and 1 < h < 32
