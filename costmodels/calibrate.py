@@ -554,17 +554,22 @@ def attention_time_ratios(
         moved = attention_bytes(b, h, h, q, k, hd, dtype)
         return op_time_s(flops, moved, device_spec, dtype, "attention", launch=False, seq=(q, k, causal))
 
+    factor = 3.0 if train else 1.0
     reference = (*SDPA_SHAPE[:3], SDPA_SHAPE[2], SDPA_SHAPE[3], True)  # (b, h, q, k, hd, causal)
     timed: dict[tuple, tuple] = {}
     for h, q, k, hd, causal in dict.fromkeys(calls):
         if causal and q != k:
             continue
+
+        def too_long(b: int, heads: int) -> bool:
+            return factor * price(b, heads, q, k, hd, causal) > _ATTENTION_MAX_S  # noqa: B023 - called in this iteration only
+
         b, heads = max(1, sequences), h
-        while b > 1 and price(b, heads, q, k, hd, causal) * (3 if train else 1) > _ATTENTION_MAX_S:
+        while b > 1 and too_long(b, heads):
             b //= 2
-        while heads > 1 and price(b, heads, q, k, hd, causal) * (3 if train else 1) > _ATTENTION_MAX_S:
+        while heads > 1 and too_long(b, heads):
             heads //= 2
-        if price(b, heads, q, k, hd, causal) * (3 if train else 1) > _ATTENTION_MAX_S:
+        if too_long(b, heads):
             continue  # one head of one sequence too long to time in a planning step: priced as before
         timed[(h, q, k, hd, causal)] = (b, heads, q, k, hd, causal)
     if not timed:
@@ -576,7 +581,6 @@ def attention_time_ratios(
         rates, _ = interleaved_rates(fns, [1.0] * len(fns), torch.device("cpu"), budget_s)
     seconds = [1.0 / r for r in rates]
     now = seconds[0] / price(*reference)  # > 1: the machine runs slower now than when calibrated
-    factor = 3.0 if train else 1.0
     return {key: s / (factor * price(*c)) / now for (key, c), s in zip(timed.items(), seconds[1:])}
 
 

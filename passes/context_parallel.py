@@ -436,10 +436,7 @@ def _rect_forward(
     """Softmax attention of one `_rectangles` rectangle, q (B, H, Tq, D) over k, v (B, H, Tk, D), fp32
     (a diagonal one causal, Tq = Tk): (out (B, H, Tq, D), log-sum-exp of the scaled scores (B, H, Tq))."""
     if _fused(q):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, diagonal, scale=scale
-        )
-        return out, lse
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, diagonal, scale=scale)
     return _block_forward(q, k, v, diagonal, scale)
 
 
@@ -715,13 +712,19 @@ def _keys_seen(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool) -> int:
     return int(torch.searchsorted(kpos, qpos[-1], right=True)) if causal else kpos.numel()
 
 
+def _kv_keys(
+    k: torch.Tensor, v: torch.Tensor, start: int, stop: int, groups: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys [start:stop] of k, v (B, H_kv, T, D) in fp32, each head repeated `groups` times
+    (`_kv_groups`): 2 x (B, H_kv * groups, stop - start, D)."""
+    return _expand(k[:, :, start:stop].float(), groups), _expand(v[:, :, start:stop].float(), groups)
+
+
 def _block_kv(
     kv: torch.Tensor, shape: torch.Size, stop: int, groups: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys [:stop] of a packed K/V block (`_pack(k, v)`, each of `shape` (B, H_kv, T_l, D)), fp32,
-    each head repeated `groups` times (`_kv_groups`): 2 x (B, H_kv * groups, stop, D)."""
-    k, v = _unpack(kv, shape)
-    return _expand(k[:, :, :stop].float(), groups), _expand(v[:, :, :stop].float(), groups)
+    """`_kv_keys` [:stop] of a packed K/V block (`_pack(k, v)`, each of `shape` (B, H_kv, T_l, D))."""
+    return _kv_keys(*_unpack(kv, shape), 0, stop, groups)
 
 
 def _wait(works: list) -> None:
@@ -840,16 +843,13 @@ class _AllGatherAttention(torch.autograd.Function):
         qpos = cp_positions(seq_len, rank, size, load_balance)
         stop = _keys_seen(qpos, torch.arange(seq_len), causal)  # > 0: a query sees itself
         with record_function("cp.allgather.forward.compute"):
-            # one rank's share of the keys at a time (merged online): their fp32 copy expanded to the
-            # query heads is a share's, not the whole sequence's
+            # one rank's share of the keys at a time (merged online): their fp32 copy (expanded to the
+            # query heads where the PyTorch-op tiles run) is a share's, not the whole sequence's
             qf = q.float()
             out = torch.zeros(qf.shape, dtype=torch.float32, device=q.device)
             lse = torch.full(qf.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
             for start, end in _tiles(stop, q.shape[2]):
-                kb, vb = (
-                    _expand(kf[:, :, start:end].float(), groups),
-                    _expand(vf[:, :, start:end].float(), groups),
-                )
+                kb, vb = _kv_keys(kf, vf, start, end, groups)
                 _attend(qf, kb, vb, qpos, torch.arange(start, end), causal, scale, out, lse)
         result = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)
@@ -872,10 +872,7 @@ class _AllGatherAttention(torch.autograd.Function):
             qf = q.float()
             dq = torch.zeros_like(qf)
             for start, end in _tiles(stop, q.shape[2]):  # as in forward
-                kb, vb = (
-                    _expand(kf[:, :, start:end].float(), groups),
-                    _expand(vf[:, :, start:end].float(), groups),
-                )
+                kb, vb = _kv_keys(kf, vf, start, end, groups)
                 dk_c, dv_c = _attend_backward(
                     qf, kb, vb, doutf, outf, lse, qpos, torch.arange(start, end), ctx.causal, ctx.scale, dq
                 )
