@@ -518,6 +518,92 @@ def graph_node_time_ratio(
     return (net_s / nodes) / (priced_node_s * slope_now / reference_node_s)
 
 
+# A model's memory-bound ops by their ATen name, each as `memory_dtype_time_ratio` runs it on a
+# (rows, width) activation x (and y of its shape): what a transformer's norms, rotary embeddings,
+# residuals and gates are made of. An op not named here is timed as an add (a binary elementwise op,
+# the commonest kind).
+_MEMORY_OPS: dict[str, Callable[[torch.Tensor, torch.Tensor], object]] = {
+    "aten.add": lambda x, y: x + y,
+    "aten.mul": lambda x, y: x * y,
+    "aten.sub": lambda x, y: x - y,
+    "aten.div": lambda x, y: x / y,
+    "aten.pow": lambda x, y: x.pow(2),
+    "aten.mean": lambda x, y: x.mean(-1, keepdim=True),
+    "aten.sum": lambda x, y: x.sum(-1, keepdim=True),
+    "aten.rsqrt": lambda x, y: torch.rsqrt(x),
+    "aten.neg": lambda x, y: -x,
+    "aten.cat": lambda x, y: torch.cat([x[:, : x.shape[1] // 2], y[:, x.shape[1] // 2 :]], -1),
+    "aten.repeat_interleave": lambda x, y: x.repeat_interleave(2, dim=0),
+    "aten.clone": lambda x, y: x.clone(),
+}
+_MEMORY_WIDTH = 128  # the activation's last dimension (a head's or a small model's width)
+_MEMORY_CALL_ELEMENTS = 1 << 18  # each timed call repeats its op over at least this many elements
+
+
+def memory_dtype_time_ratio(
+    ops: dict[str, float],
+    elements: int,
+    dtype: str,
+    threads: int = 1,
+    budget_s: float = MODEL_SHAPES_BUDGET_S / 2,
+) -> float | None:
+    """Measured / priced time of a model's plain memory-bound ops in ``dtype`` relative to the same
+    ops in fp32 on this CPU process, for `DeviceSpec.memory_dtype_time_ratios`: priced by bytes, a
+    16-bit op takes half an fp32 op's time; this is how much longer it takes than that (2.0: as long as
+    fp32's).
+
+    ``ops``: bytes read + written by the model's memory-bound nodes, by ATen op name ("aten.add"), its
+    activations left out (timed on their own, `activation_time_ratios`); each op of `_MEMORY_OPS` (an
+    unknown one as an add) is run over ``elements`` elements (a rank's activation: tokens x hidden,
+    at least ``_ACTIVATION_MIN_ELEMENTS``) in ``dtype`` and in fp32, and over one element, in thread CPU time with ``threads``
+    intra-op threads, interleaved for about ``budget_s`` wall seconds. Each op's ratio is its time in
+    ``dtype`` over fp32's, both net of the one-element call (the dispatch, priced per node already);
+    the ops' ratios are weighed by their bytes (an op whose fp32 time is mostly that call is left out),
+    and scaled by fp32's bytes over ``dtype``'s. At least 1: an op is priced no cheaper than its bytes.
+    None for fp32, a model without such ops, or none timed."""
+    size = DTYPE_BYTES[dtype]
+    total = sum(ops.values())
+    if size >= DTYPE_BYTES["fp32"] or total <= 0:
+        return None
+    weights: dict[str, float] = {}
+    for name, nbytes in ops.items():
+        key = name if name in _MEMORY_OPS else "aten.add"
+        weights[key] = weights.get(key, 0.0) + nbytes / total
+    rows = max(1, max(elements, _ACTIVATION_MIN_ELEMENTS) // _MEMORY_WIDTH)
+    reps = max(1, _MEMORY_CALL_ELEMENTS // (rows * _MEMORY_WIDTH))
+
+    def runner(op: Callable, dt: torch.dtype, r: int) -> Callable[[], object]:
+        gen = torch.Generator().manual_seed(0)
+        x, y = (torch.rand(r, _MEMORY_WIDTH, generator=gen).add_(0.5).to(dt) for _ in range(2))
+
+        def run() -> None:
+            for _ in range(reps):
+                op(x, y)
+
+        return run
+
+    names = list(weights)
+    fns = [
+        runner(_MEMORY_OPS[n], dt, r)
+        for n in names
+        for dt in (torch_dtype(dtype), torch.float32)
+        for r in (rows, 1)
+    ]
+    with intra_op_threads(threads):
+        rates, _ = interleaved_rates(fns, [1.0] * len(fns), torch.device("cpu"), budget_s)
+    seconds = [1.0 / r for r in rates]
+    ratio = weight = 0.0
+    for i, name in enumerate(names):
+        own, own_one, fp32, fp32_one = seconds[4 * i : 4 * i + 4]
+        if fp32 - fp32_one < 0.5 * fp32:  # the call's dispatch, not its elements, is what was timed
+            continue
+        ratio += weights[name] * max(own - own_one, 0.0) / (fp32 - fp32_one)
+        weight += weights[name]
+    if weight <= 0:
+        return None
+    return max(1.0, ratio / weight * DTYPE_BYTES["fp32"] / size)
+
+
 # the longest priced call an attention core is timed with (`attention_time_ratios`): at least 3 rounds
 # of it run in a planning step; one 128-wide head of 2,048 tokens, forward and backward, is ~0.16 s on
 # the 2-vCPU dev VM
@@ -543,16 +629,16 @@ def attention_time_ratios(
     as the same at any batch and head count; a core too long even at one head of one sequence is left
     out), in
     thread CPU time with ``threads`` intra-op threads, interleaved for about ``budget_s`` wall seconds
-    with the calibration's own core (`SDPA_SHAPE`, causal, forward), whose measured / priced time
+    with the calibration's own core (`SDPA_SHAPE`, causal, forward, fp32 as `calibrate` times it), whose measured / priced time
     divides every ratio (the machine's speed of the moment cancels). With ``train`` a core is timed
     forward and backward against three forward prices (the training step's `compute_factor`). A causal
     call whose query and key lengths differ is left out (its mask's alignment is the model's)."""
     dt = torch_dtype(dtype)
 
-    def price(b: int, h: int, q: int, k: int, hd: int, causal: bool) -> float:
+    def price(b: int, h: int, q: int, k: int, hd: int, causal: bool, in_dtype: str = dtype) -> float:
         flops = attention_flops(b, h, q, k, hd, causal)
-        moved = attention_bytes(b, h, h, q, k, hd, dtype)
-        return op_time_s(flops, moved, device_spec, dtype, "attention", launch=False, seq=(q, k, causal))
+        moved = attention_bytes(b, h, h, q, k, hd, in_dtype)
+        return op_time_s(flops, moved, device_spec, in_dtype, "attention", launch=False, seq=(q, k, causal))
 
     factor = 3.0 if train else 1.0
     reference = (*SDPA_SHAPE[:3], SDPA_SHAPE[2], SDPA_SHAPE[3], True)  # (b, h, q, k, hd, causal)
@@ -574,13 +660,16 @@ def attention_time_ratios(
         timed[(h, q, k, hd, causal)] = (b, heads, q, k, hd, causal)
     if not timed:
         return {}
-    fns = [_attention_runner(*reference, dt, False)] + [
+    # the reference in the dtype `calibrate` measured ``attention_efficiency`` in (fp32 on a CPU): timed
+    # in the plan's dtype its ratio would cancel what that dtype itself costs (bf16 attention on this
+    # CPU: forward 1.3x, backward 5.8x fp32's time at the tiny Llama's cores, where it is priced 2x faster)
+    fns = [_attention_runner(*reference, torch.float32, False)] + [
         _attention_runner(*c, dt, train) for c in timed.values()
     ]
     with intra_op_threads(threads):
         rates, _ = interleaved_rates(fns, [1.0] * len(fns), torch.device("cpu"), budget_s)
     seconds = [1.0 / r for r in rates]
-    now = seconds[0] / price(*reference)  # > 1: the machine runs slower now than when calibrated
+    now = seconds[0] / price(*reference, in_dtype="fp32")  # > 1: the machine runs slower now than calibrated
     return {key: s / (factor * price(*c)) / now for (key, c), s in zip(timed.items(), seconds[1:])}
 
 

@@ -253,6 +253,13 @@ class DeviceSpec:
     # shape's forward, but on the dev VM a 16-wide head ran SDPA 1.5-1.7x slower per FLOP than a 64-wide
     # one, and its backward took 2.6-2.8 forwards where a training step prices 2 (2026-12-07).
     attention_time_ratios: dict[tuple, float] | None = None
+    # Optional, set at planning time, never read from YAML: measured / priced time of a model's plain
+    # memory-bound ops (adds, products, norms' reductions, copies: not its timed activations) in a
+    # 16-bit dtype, keyed by the dtype, relative to the same ops in fp32 (`costmodels.calibrate.
+    # memory_dtype_time_ratio`). Priced by bytes, a bf16 op takes half fp32's time, but a CPU computes
+    # bf16 in fp32 lanes with conversions on the way: on the dev VM a bf16 add over 32K elements took
+    # 7.6 us against fp32's 4.8, faster only past the caches (4M elements: 0.9 against 1.7 ms).
+    memory_dtype_time_ratios: dict[str, float] | None = None
     # Optional, set at planning time, never read from YAML: seconds of host work per decode step outside
     # the graph (building the model file's step inputs, taking the last logits), timed on this machine
     # for a decode plan of a model with a KV cache (`runtime.decode.host_step_time_s`); None: 0.

@@ -52,7 +52,7 @@ from passes.tensor_parallel import read_local_shards, self_sharded_piece
 from planner.frontend.analysis import CACHE_UPDATE_OPS, ModelStructure, analyse, cache_buffers
 from planner.frontend.capture import capture, flat_inputs, lifted_constants_quiet, retarget_device
 from planner.frontend.modelfile import ModelFile, load_model_file
-from planner.frontend.phases import Phase, build_for, decode_phase, phase_inputs, prefill_phase
+from planner.frontend.phases import Phase, build_for, cast_inputs, decode_phase, phase_inputs, prefill_phase
 from planner.plan import Plan
 from runtime.job import record_probe, speed_probe_summary
 from runtime.launch import RankContext, report_progress
@@ -61,7 +61,7 @@ from runtime.mesh import build_rank_groups
 from runtime.numerics import all_outputs
 from runtime.reference import WEIGHTS_HELP, shared_reference
 from runtime.routing import RoutingTape, routers_of, routing_tape
-from runtime.run_mode import cast_inputs, check_dtype_runs, expert_load_notes_of, set_run_mode
+from runtime.run_mode import check_dtype_runs, expert_load_notes_of, set_run_mode
 
 # max |sharded - unsharded| logits, relative to the logits' scale, that still counts as equal: a few
 # ulps of the dtype accumulated over the layers (summation order differs under TP)

@@ -17,13 +17,14 @@ from passes import collectives
 from planner.errors import InputError
 from planner.frontend.capture import flat_inputs, input_batch_dims
 from planner.frontend.modelfile import ModelFile, load_model_file
+from planner.frontend.phases import cast_inputs
 from planner.plan import DataParallel, Plan
 from runtime.data_parallel import args_share
 from runtime.launch import RankContext, report_progress
 from runtime.measure import heap_peak_bytes, time_iterations
 from runtime.mesh import DP_AXES, RankGroups, build_rank_groups
 from runtime.numerics import output_tolerance_scale, tolerance_for
-from runtime.run_mode import cast_inputs, check_dtype_runs, check_plan_runs
+from runtime.run_mode import check_dtype_runs, check_plan_runs
 
 
 @dataclass

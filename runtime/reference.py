@@ -41,6 +41,7 @@ from planner.errors import InputError, RunError
 from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture, flat_inputs, flatten_output
 from planner.frontend.modelfile import ModelFile, load_model_file
+from planner.frontend.phases import cast_inputs
 from planner.plan import Plan
 from runtime.job import RankReport, RankSetup, ReferenceFiles, RunJob, job_inputs
 from runtime.launch import RankContext
@@ -54,7 +55,7 @@ from runtime.numerics import (
     training_target,
 )
 from runtime.routing import TokenRoutingTape, routers_of, routing_by_token
-from runtime.run_mode import cast_inputs, set_run_mode
+from runtime.run_mode import set_run_mode
 
 WEIGHTS_HELP = (
     "give the weights as safetensors: --weights FILE.safetensors or a directory of them, with the "

@@ -21,35 +21,25 @@ tensor-parallel-aware dropout RNG.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch import nn
 
-from costmodels.dtypes import torch_dtype
 from passes import collectives, expert_parallel, tp_overlap
 from passes.lower import RankLowering
 from passes.recompute import recompute_note
 from passes.rng import SHARDED_SEED_OFFSET, dropout_nodes, seed_sharded_rng
 from planner.errors import InputError
+from planner.frontend.phases import cast_module, run_torch_dtype
 from planner.plan import DataParallel, Plan, Recompute, Schedule
 
 STAGE_SEED_STRIDE = 100  # Megatron-LM: seed + 100 * pipeline rank
 
 
-def _torch_dtype(dtype: str) -> torch.dtype:
-    try:
-        return torch_dtype(dtype)
-    except ValueError as e:
-        raise InputError(f"the plan's dtype: {e}") from None
-
-
 def check_dtype_runs(dtype: str, device: torch.device) -> None:
     """Raise InputError when `device` cannot run the model in `dtype` (bf16 on a CUDA device without
     bf16 support); CPUs run fp32, bf16 and fp16."""
-    want = _torch_dtype(dtype)
+    want = run_torch_dtype(dtype)
     if device.type == "cuda" and want is torch.bfloat16 and not torch.cuda.is_bf16_supported():
         raise InputError(
             f"the plan's dtype is bf16 but {torch.cuda.get_device_name(device)} does not support bf16; "
@@ -58,31 +48,9 @@ def check_dtype_runs(dtype: str, device: torch.device) -> None:
 
 
 def set_run_mode(model: nn.Module, dtype: str, training: bool) -> nn.Module:
-    """`model` with its floating parameters and buffers in `dtype`, in train or eval mode (in place).
-
-    Each tensor is converted in place (its `.data`), not replaced as `nn.Module.to` replaces buffers, so
-    whatever else holds it sees the dtype too: transformers' `StaticCache` keeps its own references to
-    the K/V buffers its export wrapper registers (replaced, they stayed fp32 beside bf16 queries).
-    Complex buffers (torchtitan's and Meta's RoPE `freqs_cis`) keep their dtype: `nn.Module.to` with
-    a real dtype casts them too and drops their imaginary part, changing what the model computes."""
-    want = _torch_dtype(dtype)
-    with torch.no_grad():
-        for t in [*model.parameters(), *model.buffers()]:  # each once (shared ones too)
-            if t.is_floating_point() and t.dtype != want:
-                t.data = t.data.to(want)
-    return model.train(training)
-
-
-def cast_inputs(args: tuple, kwargs: dict, dtype: str) -> tuple[tuple, dict]:
-    """(args, kwargs) with every floating tensor in `dtype` (token ids and masks of other dtypes kept)."""
-    want = _torch_dtype(dtype)
-
-    def cast(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != want:
-            return x.to(want)
-        return x
-
-    return pytree.tree_map(cast, (tuple(args), dict(kwargs)))
+    """`model` with its floating parameters and buffers in `dtype` (`cast_module`), in train or eval
+    mode (in place)."""
+    return cast_module(model, dtype).train(training)
 
 
 def seed_dropout_rng(seed: int, pp_rank: int, tp_rank: int, device: torch.device) -> None:

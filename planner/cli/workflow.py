@@ -38,7 +38,7 @@ from planner.frontend.analysis import Layer, ModelStructure
 from planner.frontend.capture import input_batch_dims, lifted_constants_quiet, op_name, user_line
 from planner.frontend.depth import capture_for_planning
 from planner.frontend.modelfile import ModelFile, load_model_file
-from planner.frontend.phases import build_for, decode_phase, plan_structure, prefill_phase
+from planner.frontend.phases import build_for, cast_inputs, decode_phase, plan_structure, prefill_phase
 from planner.frontend.roles import Projection
 from planner.plan import (
     BASELINE_OTHER_SPLITS,
@@ -330,8 +330,6 @@ def _record_norm_upcasts(
     `capture_for_planning`), then put back; a capture that fails there is left to the run to report."""
     if dtype not in ("bf16", "fp16") or structure.dtype != "fp32":
         return
-    from runtime.run_mode import cast_inputs  # noqa: PLC0415 - the runtime's cast, as a run casts them
-
     want = torch_dtype(dtype)
     tensors = [t for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()]
     before = [t.dtype for t in tensors]

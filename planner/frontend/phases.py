@@ -12,10 +12,13 @@ weights and cache buffers between the two rewritten graphs (`runtime.decode`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import fx, nn
 
+from costmodels.dtypes import torch_dtype
 from planner.errors import InputError
 from planner.frontend.analysis import ModelStructure
 from planner.frontend.depth import capture_for_planning
@@ -67,9 +70,50 @@ def phase_inputs(
     return model_file.step_inputs(tokens, phase.input_pos, device=device)
 
 
-def build_for(model_file: ModelFile, phase: Phase, device: str = "cpu") -> nn.Module:
-    """The model with caches allocated for `phase` (its batch and cache length)."""
-    return model_file.build(device, max_batch_size=phase.batch_size, max_seq_len=phase.cache_len)
+def build_for(
+    model_file: ModelFile, phase: Phase, device: str = "cpu", dtype: str | None = None
+) -> nn.Module:
+    """The model with caches allocated for `phase` (its batch and cache length), its floating
+    parameters and buffers cast to ``dtype`` when given (`cast_module`)."""
+    model = model_file.build(device, max_batch_size=phase.batch_size, max_seq_len=phase.cache_len)
+    return cast_module(model, dtype) if dtype else model
+
+
+def run_torch_dtype(dtype: str) -> torch.dtype:
+    """The torch dtype of a plan's dtype name ("bf16"); InputError naming the plan's dtype otherwise."""
+    try:
+        return torch_dtype(dtype)
+    except ValueError as e:
+        raise InputError(f"the plan's dtype: {e}") from None
+
+
+def cast_module(model: nn.Module, dtype: str) -> nn.Module:
+    """`model` with its floating parameters and buffers in `dtype` (in place; InputError for an
+    unknown dtype).
+
+    Each tensor is converted in place (its `.data`), not replaced as `nn.Module.to` replaces buffers, so
+    whatever else holds it sees the dtype too: transformers' `StaticCache` keeps its own references to
+    the K/V buffers its export wrapper registers (replaced, they stayed fp32 beside bf16 queries).
+    Complex buffers (torchtitan's and Meta's RoPE `freqs_cis`) keep their dtype: `nn.Module.to` with
+    a real dtype casts them too and drops their imaginary part, changing what the model computes."""
+    want = run_torch_dtype(dtype)
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:  # each once (shared ones too)
+            if t.is_floating_point() and t.dtype != want:
+                t.data = t.data.to(want)
+    return model
+
+
+def cast_inputs(args: tuple, kwargs: dict, dtype: str) -> tuple[tuple, dict]:
+    """(args, kwargs) with every floating tensor in `dtype` (token ids and masks of other dtypes kept)."""
+    want = run_torch_dtype(dtype)
+
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != want:
+            return x.to(want)
+        return x
+
+    return pytree.tree_map(cast, (tuple(args), dict(kwargs)))
 
 
 def plan_structure(model_file: ModelFile, phase: Phase) -> tuple[fx.GraphModule, ModelStructure]:

@@ -27,7 +27,7 @@ from planner.errors import InputError
 from planner.frontend.analysis import ModelStructure, analyse, conv_call_at_batch
 from planner.frontend.capture import capture, flat_inputs
 from planner.frontend.modelfile import ModelFile
-from planner.frontend.phases import build_for, decode_phase, phase_inputs
+from planner.frontend.phases import build_for, cast_inputs, decode_phase, phase_inputs
 from planner.plan import Plan, Workload
 from planner.progress import Progress, silent
 from planner.solver.costing import (
@@ -171,7 +171,7 @@ def with_decode_host_time(
     return replace(cluster, device=replace(cluster.device, decode_host_s=_DECODE_HOST_S[key]))
 
 
-# (model path, batch, prompt, new tokens, threads, spec name, spec sources) -> ratio (None: not timed)
+# (model path, batch, prompt, new tokens, threads, spec name, spec sources, dtype) -> ratio (None: not timed)
 _DECODE_NODE_RATIOS: dict[tuple, float | None] = {}
 
 
@@ -185,7 +185,7 @@ def with_decode_graph_time(
     prepared: PricedModel, cluster: ClusterSpec, progress: Progress = silent
 ) -> ClusterSpec:
     """`cluster` with `DeviceSpec.decode_node_time_ratio`: the model's own decode graph built with real
-    weights, captured and timed on this machine against its price
+    weights in the plan's dtype, captured and timed on this machine against its price
     (`costmodels.calibrate.graph_node_time_ratio`: its time net of the priced roofline per node, over
     the per-node overhead priced for it), when `prepared` is a serving request, `cluster` this
     machine's calibrated gloo spec with the toy probe's reading, and the model's parameters and
@@ -203,10 +203,11 @@ def with_decode_graph_time(
     if held > DECODE_GRAPH_TIMING_MAX_BYTES:
         return cluster
     batch = prepared.workload.batch_size
+    dtype = prepared.workload.dtype or structure.dtype
     threads = calibrate.spec_threads(cluster)
     key = (
         str(prepared.model_file.path), batch, request.prompt_len, request.new_tokens, threads,
-        cluster.name, cluster.sources,
+        cluster.name, cluster.sources, dtype,
     )  # fmt: skip
     if key not in _DECODE_NODE_RATIOS:
         progress("timing the model's decode graph on this machine", None)
@@ -216,8 +217,10 @@ def with_decode_graph_time(
         alone = cluster_for_ranks(cluster, 1)
         phase = decode_phase(batch, request.prompt_len, request.cache_len)
         try:
-            model = build_for(prepared.model_file, phase, "cpu")
-            args, kwargs = phase_inputs(prepared.model_file, phase, device="cpu")
+            # in the plan's dtype, as the run computes it (a bf16 decode step ran 1.5x an fp32 one on
+            # the dev VM: its small-row matmuls and cache attention slower, where bytes price it 2x faster)
+            model = build_for(prepared.model_file, phase, "cpu", dtype)
+            args, kwargs = cast_inputs(*phase_inputs(prepared.model_file, phase, device="cpu"), dtype)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 gm = capture(model, args, kwargs)
@@ -244,7 +247,8 @@ def with_model_rates(prepared: PricedModel, cluster: ClusterSpec, progress: Prog
     """`cluster` with the model's own matmul shapes, convolutions, activations and attention cores
     timed on this machine (`DeviceSpec.matmul_shape_time_ratios`, `DeviceSpec.conv_time_ratios`,
     `DeviceSpec.activation_time_ratios`, `DeviceSpec.attention_time_ratios`: the cores at a rank's
-    share of the batch, `costing.model_attention_calls`), when `cluster` is this machine's calibrated spec (a
+    share of the batch, `costing.model_attention_calls`; in a 16-bit dtype, its plain memory-bound ops
+    against fp32's, `DeviceSpec.memory_dtype_time_ratios`), when `cluster` is this machine's calibrated spec (a
     `probes_speed` spec, gloo); else `cluster` unchanged. Training times
     each linear's backward products too. Every TP degree
     that divides the spec's device count is timed (`costing.model_matmul_shapes`), at the workload's
@@ -260,6 +264,7 @@ def with_model_rates(prepared: PricedModel, cluster: ClusterSpec, progress: Prog
             dev.conv_time_ratios,
             dev.activation_time_ratios,
             dev.attention_time_ratios,
+            dev.memory_dtype_time_ratios,
         )
     ):  # timed already
         return cluster
@@ -275,9 +280,10 @@ def with_model_rates(prepared: PricedModel, cluster: ClusterSpec, progress: Prog
     convs = model_conv_calls(structure, cluster.num_devices)
     activations = model_activation_calls(structure, prefill)
     attentions = model_attention_calls(structure, workload, tps)
-    if not shapes and not convs and not activations and not attentions:
-        return cluster
     dtype = workload.dtype or structure.dtype
+    memory_ops = model_memory_ops(structure) if dtype_bytes(dtype) < 4 else {}
+    if not shapes and not convs and not activations and not attentions and not memory_ops:
+        return cluster
     threads = calibrate.spec_threads(cluster)
     train = workload.kind is Workload.TRAIN
     key = (
@@ -290,12 +296,15 @@ def with_model_rates(prepared: PricedModel, cluster: ClusterSpec, progress: Prog
         tuple(c[0] for c in convs),
         tuple(activations),
         tuple(attentions),
+        tuple(memory_ops.items()),
     )
     sequences = max(1, workload.batch_size // cluster.num_devices)
+    rank_elements = sequences * workload.tokens_per_sequence * structure.hidden_size
     if key not in _SHAPE_RATIOS:
         progress(
             f"timing the model's {len(shapes) + len(convs) + len(activations) + len(attentions)} matmul, "
-            "convolution, activation and attention shapes on this machine",
+            "convolution, activation and attention shapes on this machine"
+            + (f" (and its memory-bound ops in {dtype})" if memory_ops else ""),
             None,
         )
         _SHAPE_RATIOS[key] = (
@@ -309,8 +318,11 @@ def with_model_rates(prepared: PricedModel, cluster: ClusterSpec, progress: Prog
             calibrate.attention_time_ratios(attentions, sequences, dev, dtype, threads=threads, train=train)
             if attentions
             else {},
+            calibrate.memory_dtype_time_ratio(memory_ops, rank_elements, dtype, threads=threads)
+            if memory_ops
+            else None,
         )
-    matmuls, conv_ratios, activation_ratios, attention_ratios = _SHAPE_RATIOS[key]
+    matmuls, conv_ratios, activation_ratios, attention_ratios, memory_ratio = _SHAPE_RATIOS[key]
     return replace(
         cluster,
         device=replace(
@@ -319,6 +331,7 @@ def with_model_rates(prepared: PricedModel, cluster: ClusterSpec, progress: Prog
             conv_time_ratios=conv_ratios,
             activation_time_ratios=activation_ratios,
             attention_time_ratios=attention_ratios,
+            memory_dtype_time_ratios={dtype: memory_ratio} if memory_ratio is not None else {},
         ),
     )
 
@@ -335,6 +348,18 @@ def model_activation_calls(
             if c.call is not None and c.kind == "memory":
                 largest[c.call] = max(largest.get(c.call, 0), math.prod(c.shape))
     return sorted(largest.items(), key=repr)
+
+
+def model_memory_ops(structure: ModelStructure) -> dict[str, float]:
+    """Bytes read + written per forward by ``structure``'s plain memory-bound nodes (not its
+    activations, timed on their own), by ATen op name: the mix `costmodels.calibrate.
+    memory_dtype_time_ratio` times in a 16-bit dtype."""
+    ops: dict[str, float] = {}
+    for c in structure.node_costs.values():
+        moved = c.bytes_read + c.bytes_written
+        if c.kind == "memory" and c.call is None and moved > 0 and c.op:
+            ops[c.op] = ops.get(c.op, 0.0) + moved
+    return dict(sorted(ops.items()))
 
 
 def model_conv_calls(structure: ModelStructure, devices: int) -> list[tuple[tuple, float, float]]:
