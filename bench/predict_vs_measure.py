@@ -61,6 +61,7 @@ class Config:
     cp: int = 1  # context-parallel degree
     cp_comm_type: str | None = None  # ring | allgather | alltoall (cp > 1)
     ep: int = 1  # expert-parallel degree (folded over dp)
+    dtype: str | None = None  # the planned dtype (--dtype); None: the model's own
 
     @property
     def ranks(self) -> int:
@@ -72,6 +73,7 @@ class Config:
         style = f" {self.dp_style}" if self.dp_style else ""
         style += f" cp{self.cp} {self.cp_comm_type}" if self.cp > 1 else ""
         style += f" ep{self.ep}" if self.ep > 1 else ""
+        style += f" {self.dtype}" if self.dtype else ""
         return f"{self.name} ({shape}) {self.workload}{style}" + (" [README]" if self.readme else "")
 
 
@@ -124,6 +126,9 @@ CONFIGS = (
     Config("llama3 tiny", LLAMA, 8, 1024, 1, cp=2, cp_comm_type="allgather", workload="train"),
     Config("hf mixtral", HF_MIXTRAL, 32, 256, 1, dp=2, ep=2),
     Config("hf mixtral", HF_MIXTRAL, 32, 256, 1, dp=2, ep=2, workload="train"),
+    # 16-bit on CPU ranks: bf16 elementwise ops and attention cost as much as fp32's or more here
+    Config("llama3 tiny", LLAMA, 4, 128, 1, dp=2, dtype="bf16"),
+    Config("llama3 tiny", LLAMA, 4, 128, 1, dp=2, workload="train", dtype="bf16"),
 )
 
 
@@ -177,17 +182,17 @@ def _single_rank_cluster(args, console: Console):
 def _plans(cluster, configs, prepared: dict | None = None, single=None):
     """A plan per configuration with its mesh pinned, priced on ``cluster`` resized to its ranks
     (on ``single`` for a one-rank configuration, when given). Returns (plans, prepared models by
-    (path, batch, seq, workload), the spec each plan was priced with)."""
+    (path, batch, seq, workload, dtype), the spec each plan was priced with)."""
     from costmodels.cluster import resize_cluster  # noqa: PLC0415
     from planner.cli.workflow import constraints_from, make_plan, prepare  # noqa: PLC0415
 
     prepared = {} if prepared is None else prepared
     plans, specs = [], []
     for cfg in configs:
-        key = (cfg.model_path, cfg.batch_size, cfg.seq_len, cfg.workload)
+        key = (cfg.model_path, cfg.batch_size, cfg.seq_len, cfg.workload, cfg.dtype)
         if key not in prepared:
             prepared[key] = prepare(
-                cfg.model_path, cfg.workload, batch_size=cfg.batch_size, seq_len=cfg.seq_len
+                cfg.model_path, cfg.workload, batch_size=cfg.batch_size, seq_len=cfg.seq_len, dtype=cfg.dtype
             )
         spec = single if single is not None and cfg.ranks == 1 else cluster
         # more ranks than the spec was measured with: resized as `planner optimize --nproc` resizes it
@@ -315,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     for cfg, plan, run, spec in zip(configs, plans, runs, specs):
         m = run["measured"]
         ratio = m["latency_s"] / plan.predicted.latency_s
-        structure = prepared[(cfg.model_path, cfg.batch_size, cfg.seq_len, cfg.workload)].structure
+        structure = prepared[(cfg.model_path, cfg.batch_size, cfg.seq_len, cfg.workload, cfg.dtype)].structure
         at_run = at_run_speed(plan, structure, spec, run)
         ratios.append(ratio)
         if at_run:
@@ -568,7 +573,7 @@ def _components(
         table.add_column(col, justify="left" if col in ("configuration", "term") else "right")
     errors = dict.fromkeys(TERMS, 0.0)
     for cfg, plan, (slowest, fastest, counts, _) in zip(CONFIGS, plans, profiles):
-        s = prepared[(cfg.model_path, cfg.batch_size, cfg.seq_len, cfg.workload)].structure
+        s = prepared[(cfg.model_path, cfg.batch_size, cfg.seq_len, cfg.workload, cfg.dtype)].structure
         terms = _model_terms(s, plan, cluster)
         label = f"{cfg.name} ({cfg.batch_size} x {cfg.seq_len}) tp={plan.tp} dp={plan.dp}"
         for k, term in enumerate(TERMS):
@@ -593,7 +598,7 @@ def _components(
                 str(rank), f"{wall * 1e3:.1f} ms", f"{cpu * 1e3:.1f} ms", f"{cpu / wall:.2f}",
             )  # fmt: skip
     console.print(share)
-    ar_sizes = sorted({plan.batch_size * plan.seq_len * prepared[(cfg.model_path, cfg.batch_size, cfg.seq_len, cfg.workload)].structure.hidden_size
+    ar_sizes = sorted({plan.batch_size * plan.seq_len * prepared[(cfg.model_path, cfg.batch_size, cfg.seq_len, cfg.workload, cfg.dtype)].structure.hidden_size
                        for cfg, plan in zip(CONFIGS, plans) if plan.tp > 1})  # fmt: skip
     if ar_sizes:
         tp = max(plan.tp for plan in plans)

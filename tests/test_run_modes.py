@@ -22,13 +22,14 @@ from planner.errors import InputError
 from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture, flat_inputs, input_batch_dims
 from planner.frontend.modelfile import load_model_file
+from planner.frontend.phases import cast_inputs
 from planner.plan import DataParallel, MeshShape, Plan, Prediction, Schedule, SolverInfo
 from runtime.data_parallel import DistributedAdam, ReplicatedAdam, args_share, batch_share
 from runtime.job import RunJob, set_up_rank, summarise
 from runtime.launch import RankContext, launch
 from runtime.loss import gathered_output, loss_layout
 from runtime.numerics import tolerance_for
-from runtime.run_mode import cast_inputs, check_plan_runs, seed_dropout_rng, set_run_mode
+from runtime.run_mode import check_plan_runs, seed_dropout_rng, set_run_mode
 from tests.parity_entry import run_jobs
 from tests.plans import fixed_plan
 
