@@ -285,7 +285,7 @@ def matmul_shape_time_ratios(
 
     Each product is timed in thread CPU time with ``threads`` intra-op threads (what a rank computes
     with), interleaved for about ``budget_s`` wall seconds with the fit's own shapes
-    (`TRANSFORMER_MATMUL_SHAPES`) and a (1 x 8) @ (8 x 8) product. The latter's time, the call's
+    (`TRANSFORMER_MATMUL_SHAPES`, in fp32 as the fit timed them) and a (1 x 8) @ (8 x 8) product. The latter's time, the call's
     dispatch, which the per-node overhead prices already, is taken off each. A shape's measured /
     priced time is divided by the median of the same over the fit's shapes timed beside it, so the
     machine's speed at the moment (this VM changes speed in spells) cancels and the ratio carries the
@@ -300,8 +300,8 @@ def matmul_shape_time_ratios(
     """
     dt, size = torch_dtype(dtype), DTYPE_BYTES[dtype]
 
-    def price(m: int, k: int, n: int) -> float:
-        return op_time_s(linear_flops(m, k, n), linear_bytes(m, k, n, dtype), device_spec, dtype, "matmul", rows=m, launch=False)  # fmt: skip
+    def price(m: int, k: int, n: int, in_dtype: str = dtype) -> float:
+        return op_time_s(linear_flops(m, k, n), linear_bytes(m, k, n, in_dtype), device_spec, in_dtype, "matmul", rows=m, launch=False)  # fmt: skip
 
     kept: dict[tuple[int, int, int], list[tuple[str, int, int, int]]] = {}  # shape timed -> its products
     products: dict[tuple[str, int, int, int], None] = {}
@@ -327,12 +327,18 @@ def matmul_shape_time_ratios(
         products.update(dict.fromkeys(own))
     if not kept:
         return {}
-    # the fit's shapes, timed as the fit timed them (a plain (T x C) @ (C x N))
-    references = [("mm", *s) for s in TRANSFORMER_MATMUL_SHAPES if price(*s) <= _MODEL_SHAPE_MAX_S]
+    # the fit's shapes, timed as the fit timed them (a plain (T x C) @ (C x N)) in fp32, the dtype a CPU
+    # spec's fit is made on: in the plan's dtype they would cancel what that dtype's own fit gets wrong
+    # (fp16 on the dev VM: its peak fitted on the few shapes fast enough to time, the tiny Llama's
+    # products ran 2x faster than their ratios said)
+    references = [("ref", *s) for s in TRANSFORMER_MATMUL_SHAPES if price(*s, "fp32") <= _MODEL_SHAPE_MAX_S]
     timed = [("mm", *_FLOOR_MATMUL_SHAPE), *references, *products]
     with intra_op_threads(threads):
         rates, _ = interleaved_rates(
-            [_product(form, m, k, n, dt) for form, m, k, n in timed],
+            [
+                _product("mm", m, k, n, torch.float32) if form == "ref" else _product(form, m, k, n, dt)
+                for form, m, k, n in timed
+            ],
             [2.0 * m * k * n for _, m, k, n in timed],
             torch.device("cpu"),
             budget_s,
@@ -340,7 +346,7 @@ def matmul_shape_time_ratios(
     floor_s = 2.0 * math.prod(_FLOOR_MATMUL_SHAPE) / rates[0]  # the call itself, which a node pays already
     seconds = {p: max(2.0 * math.prod(p[1:]) / rate - floor_s, 0.0) for p, rate in zip(timed[1:], rates[1:])}
     # > 1: the machine runs slower now than the fit says, on the fit's own shapes
-    now = statistics.median(seconds[r] / price(*r[1:]) for r in references) if references else 1.0
+    now = statistics.median(seconds[r] / price(*r[1:], "fp32") for r in references) if references else 1.0
     return {
         (k, n): sum(seconds[p] for p in own) / (len(own) * price(m, k, n)) / now
         for (m, k, n), own in kept.items()

@@ -166,3 +166,36 @@ def test_planning_times_shapes_on_a_calibrated_spec_only(calibrated, monkeypatch
         prepared, calibrated, workflow.constraints_from(1, 1, 1, "none"), "examples/mlp.py"
     )
     assert halved.predicted.latency_s < plain.predicted.latency_s
+
+
+def test_a_16_bit_plans_shapes_are_timed_against_the_fp32_fit(calibrated, monkeypatch) -> None:
+    """The fit's own shapes, whose time over their price is the machine's speed of the moment, run in
+    fp32 (the dtype a CPU spec's fit is made on) whatever the plan's dtype; the model's products run in
+    the plan's. fp16 on the dev VM: its peak fitted on the few shapes fast enough to time; timed in
+    fp16 the references cancelled that fit's error and the tiny Llama's products were priced 2x slow
+    (measured / predicted 0.54 for an fp16 forward, 1.07 after)."""
+    import torch  # noqa: PLC0415
+
+    shape = (64, 256, 1024)  # priced within the timed range in fp16 too
+    fp16_priced = op_time_s(linear_flops(*shape), linear_bytes(*shape, "fp16"), calibrated.device, "fp16", "matmul", rows=64, launch=False)  # fmt: skip
+    references = {2.0 * math.prod(s): _priced(s, calibrated.device) for s in cal.TRANSFORMER_MATMUL_SHAPES}
+    flops = 2.0 * math.prod(shape)
+    dtypes = []
+
+    def product(form, m, k, n, dt):
+        dtypes.append(((m, k, n), dt))
+        return lambda: None
+
+    def seconds_of(amount):  # the fp32 references at the fit's speed; the product at half its fp16 price
+        return 0.5 * fp16_priced if amount == flops else references[amount]
+
+    monkeypatch.setattr(cal, "_product", product)
+    monkeypatch.setattr(cal, "interleaved_rates", _fake_rates(seconds_of))
+    assert cal.matmul_shape_time_ratios([shape], calibrated.device, "fp16") == {
+        (256, 1024): pytest.approx(0.5)
+    }
+    kept = [
+        s for s in cal.TRANSFORMER_MATMUL_SHAPES if _priced(s, calibrated.device) <= cal._MODEL_SHAPE_MAX_S
+    ]
+    assert [dt for s, dt in dtypes if s in kept] == [torch.float32] * len(kept)
+    assert dict(dtypes)[shape] is torch.float16
