@@ -367,8 +367,9 @@ def conv_time_ratios(
 
     ``calls``: (call, FLOP, bytes moved) per convolution, the call as `planner.frontend.analysis.conv_call`
     writes it. Each is run on random tensors of its shapes, in thread CPU time with ``threads`` intra-op
-    threads, interleaved for about ``budget_s`` wall seconds with the spec's own `CONV_SHAPE` convolution,
-    whose measured / priced time divides every ratio (the machine's speed of the moment cancels). With
+    threads, interleaved for about ``budget_s`` wall seconds with the spec's own `CONV_SHAPE` convolution
+    (in fp32, as `calibrate` times it), whose measured / priced time divides every ratio (the
+    machine's speed of the moment cancels). With
     ``train`` a call is timed forward and backward (input and weight gradients) against three forward
     prices (the training step's `compute_factor`). The dispatch of a call (a one-element add timed
     beside them), which the per-node overhead prices already, is taken off once for a forward and
@@ -380,28 +381,30 @@ def conv_time_ratios(
     """
     dt = torch_dtype(dtype)
 
-    def price(flops: float, moved: float) -> float:
-        return op_time_s(flops, moved, device_spec, dtype, "conv", launch=False)
+    def price(flops: float, moved: float, in_dtype: str = dtype) -> float:
+        return op_time_s(flops, moved, device_spec, in_dtype, "conv", launch=False)
 
     kept = {c: (f, b) for c, f, b in calls if _CONV_MIN_S <= price(f, b) <= _MODEL_SHAPE_MAX_S}
     if not kept:
         return {}
     b_, c_, h_, w_ = CONV_SHAPE
+    # the spec's own convolution in fp32, as `calibrate` times ``conv_efficiency``: in the plan's dtype it
+    # would cancel what that dtype itself costs
     ref_call = (
         "aten.conv2d",
-        (("tensor", CONV_SHAPE, dtype), ("tensor", (c_, c_, 3, 3), dtype), None, (1, 1), (1, 1)),
+        (("tensor", CONV_SHAPE, "fp32"), ("tensor", (c_, c_, 3, 3), "fp32"), None, (1, 1), (1, 1)),
         True,
     )
     ref_bytes = 4.0 * (2 * b_ * c_ * h_ * w_ + c_ * c_ * 9)
     one = torch.zeros(1)
     with intra_op_threads(threads):
-        fns = [lambda: torch.add(one, one), _conv_runner(ref_call, dt, backward=False)]
+        fns = [lambda: torch.add(one, one), _conv_runner(ref_call, torch.float32, backward=False)]
         fns += [_conv_runner(c, dt, backward=train) for c in kept]
         seconds = [
             1.0 / r for r in interleaved_rates(fns, [1.0] * len(fns), torch.device("cpu"), budget_s)[0]
         ]
     floor_s, ref_s, *own_s = seconds
-    now = (ref_s - floor_s) / price(CONV_FLOPS, ref_bytes)
+    now = (ref_s - floor_s) / price(CONV_FLOPS, ref_bytes, "fp32")
     factor, dispatches = (3.0, 2) if train else (1.0, 1)
     return {
         c: max(t - dispatches * floor_s, 0.0) / (factor * price(*kept[c])) / now for c, t in zip(kept, own_s)

@@ -163,3 +163,29 @@ def test_the_decode_graph_is_timed_in_the_plans_dtype(monkeypatch) -> None:
         (out,) = outputs
         logits = out if isinstance(out, torch.Tensor) else out[0]
         assert logits.dtype == want
+
+
+def test_convolutions_of_a_16_bit_plan_are_timed_against_the_fp32_reference(monkeypatch) -> None:
+    """The spec's own convolution, whose measured / priced time divides every convolution's ratio, runs
+    in fp32 (as `calibrate` measured ``conv_efficiency``) whatever the plan's dtype; the model's run in
+    the plan's."""
+    device = load_cluster("local-cpu", 2).device
+    dtypes = []
+
+    def runner(call, dt, backward):
+        dtypes.append((call[1][0][1], dt))
+        return lambda: None
+
+    monkeypatch.setattr(cal, "_conv_runner", runner)
+    monkeypatch.setattr(
+        cal, "interleaved_rates", lambda fns, amounts, dev, budget_s: ([1e6] + [1e3] * (len(fns) - 1), 1.0)
+    )
+    shape = (4, 32, 16, 16)
+    call = (
+        "aten.conv2d",
+        (("tensor", shape, "bf16"), ("tensor", (32, 32, 3, 3), "bf16"), None, (1, 1), (1, 1)),
+        True,
+    )
+    flops = 2.0 * 4 * 32 * 16 * 16 * 32 * 9
+    assert set(cal.conv_time_ratios([(call, flops, 1e5)], device, "bf16")) == {call}
+    assert dtypes == [(cal.CONV_SHAPE, torch.float32), (shape, torch.bfloat16)]
