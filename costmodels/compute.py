@@ -63,8 +63,8 @@ def op_time_s(
             ``device.conv_time_ratios``; a "memory" op's, an activation's
             (`planner.frontend.analysis.activation_call`), with ``device.activation_time_ratios``;
             an attention core's (heads, query length, key length, head dim, causal) with
-            ``device.attention_time_ratios``. A "memory" op without a timed activation ratio is
-            scaled by ``device.memory_dtype_time_ratios[dtype]`` where the spec holds one.
+            ``device.attention_time_ratios``. A "memory" or "pool" op without a timed activation ratio
+            is scaled by ``device.memory_dtype_time_ratios[dtype]`` where the spec holds one.
         seq: an attention core's (query length, key length, causal mask) in tokens, and optionally its
             thread blocks (`attention_blocks`): with ``device.attention`` set, its efficiency is
             `attention_kernel_efficiency` of them (the blocks' waves over ``device.gemm.sms``).
@@ -104,7 +104,11 @@ def op_time_s(
     else:
         roofline_s = max(compute_s, memory_s)
     ratio = shape_time_ratio(device, kind, shape, call)
-    if kind == "memory" and not (call is not None and call in (device.activation_time_ratios or {})):
+    if kind in ("memory", "pool") and not (
+        call is not None and call in (device.activation_time_ratios or {})
+    ):
+        # a pool too: a CPU pools 16-bit elements at fp32's rate (a 2x2 max pool over a ConvNet's
+        # activations on the dev VM: 2.5 ms bf16, 2.2 ms fp32, priced by bytes at half)
         ratio *= (device.memory_dtype_time_ratios or {}).get(dtype, 1.0)
     return roofline_s * ratio + overhead
 
