@@ -70,6 +70,7 @@ from planner.progress import Progress, silent
 
 _WALL_MARGIN_S = 5.0  # added to timeout_s for the wall-clock limit: spawning, importing torch, tear-down
 _GRACE_S = 2.0  # how long a terminated (SIGTERM) child gets before SIGKILL
+_WAIT_SLICE_S = 0.5  # the longest the parent waits on its ranks before it looks at pending signals
 _DRAIN_S = 0.5  # after the first failure, how long to collect other ranks' reports to pick the root cause
 _PORT_ATTEMPTS = 3  # fresh MASTER_PORTs tried when the chosen one turns out to be taken
 _TRACEBACK_FRAMES = 8  # frames of a failed rank's traceback quoted in the RunError
@@ -455,7 +456,10 @@ def _collect(
         if now >= limit:
             break
         waitables = [conns[r] for r in pending] + [procs[r].sentinel for r in pending]
-        ready = set(mpc.wait(waitables, timeout=limit - now))
+        # in slices: a Ctrl-C the kernel hands to another thread of this process (torch starts some)
+        # does not interrupt this thread's wait, and Python raises KeyboardInterrupt only once the
+        # wait returns; waited whole, Ctrl-C then took until the launch's deadline
+        ready = set(mpc.wait(waitables, timeout=min(limit - now, _WAIT_SLICE_S)))
         for rank in sorted(pending):
             if conns[rank] not in ready and procs[rank].sentinel not in ready:
                 continue
