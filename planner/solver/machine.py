@@ -12,6 +12,7 @@ calibration's probe graph. Specs of other machines (presets, YAML files) are ret
 from __future__ import annotations
 
 import math
+import statistics
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -281,7 +282,7 @@ def with_model_rates(prepared: PricedModel, cluster: ClusterSpec, progress: Prog
     activations = model_activation_calls(structure, prefill)
     attentions = model_attention_calls(structure, workload, tps)
     dtype = workload.dtype or structure.dtype
-    memory_ops = model_memory_ops(structure) if dtype_bytes(dtype) < 4 else {}
+    memory_ops, memory_elements = model_memory_ops(structure) if dtype_bytes(dtype) < 4 else ({}, 0)
     if not shapes and not convs and not activations and not attentions and not memory_ops:
         return cluster
     threads = calibrate.spec_threads(cluster)
@@ -297,9 +298,12 @@ def with_model_rates(prepared: PricedModel, cluster: ClusterSpec, progress: Prog
         tuple(activations),
         tuple(attentions),
         tuple(memory_ops.items()),
+        memory_elements,
     )
     sequences = max(1, workload.batch_size // cluster.num_devices)
-    rank_elements = sequences * workload.tokens_per_sequence * structure.hidden_size
+    # a memory-bound op's elements on a rank holding its share of the batch (a DP rank's; TP ranks
+    # hold as many along the stream)
+    rank_elements = memory_elements * sequences // max(1, structure.batch_size)
     if key not in _SHAPE_RATIOS:
         progress(
             f"timing the model's {len(shapes) + len(convs) + len(activations) + len(attentions)} matmul, "
@@ -350,16 +354,19 @@ def model_activation_calls(
     return sorted(largest.items(), key=repr)
 
 
-def model_memory_ops(structure: ModelStructure) -> dict[str, float]:
+def model_memory_ops(structure: ModelStructure) -> tuple[dict[str, float], int]:
     """Bytes read + written per forward by ``structure``'s plain memory-bound nodes (not its
     activations, timed on their own), by ATen op name: the mix `costmodels.calibrate.
-    memory_dtype_time_ratio` times in a 16-bit dtype."""
+    memory_dtype_time_ratio` times in a 16-bit dtype; and the median output elements of those nodes
+    at the captured batch (0 without any)."""
     ops: dict[str, float] = {}
+    sizes: list[int] = []
     for c in structure.node_costs.values():
         moved = c.bytes_read + c.bytes_written
         if c.kind == "memory" and c.call is None and moved > 0 and c.op:
             ops[c.op] = ops.get(c.op, 0.0) + moved
-    return dict(sorted(ops.items()))
+            sizes.append(math.prod(c.shape))
+    return dict(sorted(ops.items())), int(statistics.median(sizes)) if sizes else 0
 
 
 def model_conv_calls(structure: ModelStructure, devices: int) -> list[tuple[tuple, float, float]]:
