@@ -114,11 +114,14 @@ def cp_attention_cost(
     group: Group,
     dtype: str,
     backward_factor: float,
+    call: tuple | None = None,
 ) -> CpAttentionCost:
     """Compute, communication and buffers of one attention core split over `cp` ranks (`group`: their
     place on the nodes) with variant `comm_type` ("ring" | "allgather" | "alltoall"), as the module
     docstring prices them. `backward_factor`: backward time / forward time of the kernel (0: inference,
-    no backward). Raises ValueError for another variant or an all-to-all the heads cannot take."""
+    no backward). `call`: the key of `DeviceSpec.attention_time_ratios` whose measured ratio scales
+    every kernel of the core (a CPU's timing of the rank's own block, `costmodels.compute.op_time_s`).
+    Raises ValueError for another variant or an all-to-all the heads cannot take."""
     if comm_type not in ("ring", "allgather", "alltoall"):
         raise ValueError(f"unknown context-parallel variant {comm_type!r}")
     b = DTYPE_BYTES[dtype]
@@ -145,6 +148,7 @@ def cp_attention_cost(
             "attention",
             launch=launch,
             seq=(q_len, k_len, masked, blocks),
+            call=call,
         )
         return fwd, fwd * backward_factor
 

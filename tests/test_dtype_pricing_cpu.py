@@ -191,3 +191,31 @@ def test_convolutions_of_a_16_bit_plan_are_timed_against_the_fp32_reference(monk
     flops = 2.0 * 4 * 32 * 16 * 16 * 32 * 9
     assert set(cal.conv_time_ratios([(call, flops, 1e5)], device, "bf16")) == {call}
     assert dtypes == [(cal.CONV_SHAPE, torch.float32), (shape, torch.bfloat16)]
+
+
+def test_context_parallel_kernels_take_the_ratio_timed_for_the_ranks_block(monkeypatch) -> None:
+    """Under CP each rank's kernels are priced with the attention ratio timed for its diagonal block
+    (T / cp queries over as many keys; the all-to-all: 1 / cp of the heads over the whole sequence),
+    and planning on this machine's spec times those calls. Before, no ratio reached a CP core: a bf16
+    CP 2 training step of the tiny Llama (4 x 512) read 1.97 at the run's speed, an fp16 one 0.25
+    (priced at fp16's matmul peak)."""
+    from costmodels.comm import Group  # noqa: PLC0415
+    from costmodels.context_parallel import CpAttentionShape, cp_attention_cost  # noqa: PLC0415
+    from planner.solver import costing  # noqa: PLC0415
+
+    spec = load_cluster("local-cpu", 2)
+    shape = CpAttentionShape(2, 8, 4, 16, 512, causal=True)
+    for variant in ("ring", "allgather", "alltoall"):
+        call = costing.cp_attention_call(8, 512, 16, 2, variant, True)
+        assert call == ((4, 512, 512, 16, True) if variant == "alltoall" else (8, 256, 256, 16, True))
+        timed = dataclasses.replace(
+            spec, device=dataclasses.replace(spec.device, attention_time_ratios={call: 3.0})
+        )
+        plain, scaled = (
+            cp_attention_cost(shape, 2, variant, True, c, Group(2, 2), "bf16", 2.0, call).compute_s
+            for c in (spec, timed)
+        )
+        assert scaled == pytest.approx(3.0 * plain)
+    prepared = workflow.prepare(str(ROOT / "examples" / "llama3.py"), "train", batch_size=4, seq_len=512)
+    calls = costing.model_attention_calls(prepared.structure, prepared.workload, [1, 2], [1, 2])
+    assert (8, 256, 256, 16, True) in calls and (4, 512, 512, 16, True) in calls

@@ -573,8 +573,8 @@ def test_attention_cores_are_timed_against_the_calibrations_own(monkeypatch) -> 
 
 def test_planning_on_a_calibrated_spec_times_the_models_attention_cores(monkeypatch) -> None:
     """The tiny Llama's attention core is timed at each TP degree's heads per rank (8 heads, 4 KV heads
-    of 16: whole and split over 2), at the workload's lengths, on a rank's share of the batch; its ratio
-    reaches the plan's attention time."""
+    of 16: whole and split over 2) and each CP degree's block, at the workload's lengths, on a rank's
+    share of the batch; its ratio reaches the plan's attention time."""
     prepared = workflow.prepare("examples/llama3.py", "train", batch_size=8, seq_len=64)
     calibrated = _as_calibrated(load_cluster("local-cpu", 2))
     seen = []
@@ -589,7 +589,8 @@ def test_planning_on_a_calibrated_spec_times_the_models_attention_cores(monkeypa
     monkeypatch.setattr(machine, "_SHAPE_RATIOS", {})
     constraints = workflow.constraints_from(1, 1, 1, "none")
     slower = workflow.make_plan(prepared, calibrated, constraints, "examples/llama3.py")
-    assert seen == [([(4, 64, 64, 16, True), (8, 64, 64, 16, True)], 4, True)], seen
+    # (8, 32, 32): a CP 2 rank's diagonal block (its all-to-all core is TP 2's, 4 heads over 64)
+    assert seen == [([(4, 64, 64, 16, True), (8, 32, 32, 16, True), (8, 64, 64, 16, True)], 4, True)], seen
     monkeypatch.setattr(machine, "_SHAPE_RATIOS", {})
     monkeypatch.setattr(cal, "attention_time_ratios", lambda calls, *a, **k: dict.fromkeys(calls, 1.0))
     plain = workflow.make_plan(prepared, calibrated, constraints, "examples/llama3.py")

@@ -1120,10 +1120,24 @@ def cp_core_cost(attn: Attention, ctx: CostContext, shard: int = 1, cross: bool 
         ctx.sequences_per_micro_batch, attn.num_heads / shard, cp_kv_heads(attn, shard), attn.head_dim,
         ctx.workload.tokens_per_sequence, causal=not cross,
     )  # fmt: skip
+    call = cp_attention_call(attn.num_heads / shard, ctx.workload.tokens_per_sequence, attn.head_dim, ctx.cp,
+                             ctx.config.cp_comm_type, not cross)  # fmt: skip
     return cp_attention_cost(
         shape, ctx.cp, ctx.config.cp_comm_type, ctx.config.cp_load_balance, ctx.cluster, ctx.cp_group(),
-        ctx.dtype, backward,
+        ctx.dtype, backward, call,
     )  # fmt: skip
+
+
+def cp_attention_call(
+    heads: float, seq_len: float, head_dim: float, cp: int, comm_type: str, causal: bool
+) -> tuple:
+    """The `attention_call` a CP rank's kernels are timed by on a CPU (`DeviceSpec.attention_time_ratios`):
+    the all-to-all's core on its 1 / cp of the ``heads`` over the whole sequence; the ring's and the
+    all-gather's diagonal block, ``seq_len`` / cp queries over as many keys (their other blocks are
+    taken to run at its rate)."""
+    if comm_type == "alltoall":
+        return attention_call(heads / cp, seq_len, seq_len, head_dim, causal)
+    return attention_call(heads, seq_len / cp, seq_len / cp, head_dim, causal)
 
 
 def cp_attentions(structure: ModelStructure) -> list[tuple[Attention, bool, int]]:
@@ -2595,16 +2609,20 @@ def attention_call(heads: float, q_len: float, kv_len: float, head_dim: float, c
     return (round(heads), round(q_len), round(kv_len), round(head_dim), bool(causal))
 
 
-def model_attention_calls(s: ModelStructure, workload: WorkloadSpec, tps: list[int]) -> list[tuple]:
+def model_attention_calls(
+    s: ModelStructure, workload: WorkloadSpec, tps: list[int], cps: list[int] = ()
+) -> list[tuple]:
     """The attention cores (`attention_call`) one rank computes for `s`'s self-attention layers at
     each TP degree of ``tps`` (its query and KV heads split by heads where both divide, else whole),
     at the workload's query and key lengths, causal (as `attention_core_options` prices a
-    self-attention core): what `costmodels.calibrate.attention_time_ratios` times on a CPU. None at a
-    decode step (one query a sequence: its time is the cache's bytes), nor for a layer attending over
-    the model's own cache."""
+    self-attention core): what `costmodels.calibrate.attention_time_ratios` times on a CPU; with each
+    context-parallel degree of ``cps`` (beside a TP degree, on no more ranks than the largest degree
+    of ``tps``), the rank's CP kernels too (`cp_attention_call`). None at a decode step (one query a
+    sequence: its time is the cache's bytes), nor for a layer attending over the model's own cache."""
     if workload.kind is Workload.DECODE:
         return []
     calls: dict[tuple, None] = {}
+    seq = workload.tokens_per_sequence
     for layer in s.layers:
         attn = layer.attention
         if attn is None or attn.cache_bytes:
@@ -2612,8 +2630,14 @@ def model_attention_calls(s: ModelStructure, workload: WorkloadSpec, tps: list[i
         for tp in tps:
             split = attn.num_heads % tp == 0 and attn.num_kv_heads % tp == 0
             heads = attn.num_heads // tp if split else attn.num_heads
-            key = attention_call(heads, workload.tokens_per_sequence, workload.kv_len, attn.head_dim, True)
+            key = attention_call(heads, seq, workload.kv_len, attn.head_dim, True)
             calls[key] = None
+            for cp in cps:
+                if cp > 1 and tp * cp <= max(tps) and seq % cp == 0:
+                    for variant in ("ring", "alltoall"):
+                        if variant == "alltoall" and heads % cp:
+                            continue
+                        calls[cp_attention_call(heads, seq, attn.head_dim, cp, variant, True)] = None
     return list(calls)
 
 

@@ -280,7 +280,7 @@ def with_model_rates(prepared: PricedModel, cluster: ClusterSpec, progress: Prog
         shapes += model_matmul_shapes(prefill, workload.batch_size * prepared.request.prompt_len, tps)
     convs = model_conv_calls(structure, cluster.num_devices)
     activations = model_activation_calls(structure, prefill)
-    attentions = model_attention_calls(structure, workload, tps)
+    attentions = model_attention_calls(structure, workload, tps, tps)
     dtype = workload.dtype or structure.dtype
     memory_ops, memory_elements = model_memory_ops(structure) if dtype_bytes(dtype) < 4 else ({}, 0)
     if not shapes and not convs and not activations and not attentions and not memory_ops:
