@@ -219,3 +219,35 @@ def test_context_parallel_kernels_take_the_ratio_timed_for_the_ranks_block(monke
     prepared = workflow.prepare(str(ROOT / "examples" / "llama3.py"), "train", batch_size=4, seq_len=512)
     calls = costing.model_attention_calls(prepared.structure, prepared.workload, [1, 2], [1, 2])
     assert (8, 256, 256, 16, True) in calls and (4, 512, 512, 16, True) in calls
+
+
+@pytest.mark.parametrize(
+    ("dtype", "workload", "hinted"),
+    [("fp16", "train", True), ("bf16", "train", False), ("fp16", "forward", False)],
+)
+def test_a_failed_fp16_training_check_names_loss_scaling(monkeypatch, dtype, workload, hinted) -> None:
+    """An fp16 training run whose numerics check fails says that it trains without loss scaling and
+    that gradients below fp16's smallest normal round differently when the batch is split (a tiny
+    Mixtral at DP 2 failed so every time, bf16 passed); other failures say only what differed."""
+    from planner.errors import RunError  # noqa: PLC0415
+    from runtime import session  # noqa: PLC0415
+
+    class _Plan:  # only the plan's dtype is read
+        @staticmethod
+        def from_dict(d):
+            return dataclasses.make_dataclass("P", ["dtype"])(d["dtype"])
+
+    job = session.RunJob(str(ROOT / "examples" / "llama3.py"), {"dtype": dtype}, 2, 16, workload=workload)
+    monkeypatch.setattr(session, "Plan", _Plan)
+    monkeypatch.setattr(session, "under_torchrun", lambda: False)
+    monkeypatch.setattr(session, "check_plan_runs", lambda plan, workload: None)
+    monkeypatch.setattr(session, "write_reference", lambda job, directory: None)
+    monkeypatch.setattr(session, "launch", lambda *a, **k: [{}])
+    monkeypatch.setattr(session, "summarise", lambda reports: {"numerics": {}})
+    monkeypatch.setattr(
+        session, "check_failures", lambda numerics: ["gradients: max |sharded - unsharded| = 8.3e-05"]
+    )
+    with pytest.raises(RunError) as raised:
+        session.run_job(job, 2, 60.0)
+    assert ("without loss scaling" in str(raised.value)) is hinted
+    assert "gradients: max" in str(raised.value)
