@@ -567,6 +567,26 @@ def test_interleaving_pinned_for_a_forward_pipeline_is_refused(example_path, cap
         )
 
 
+def test_a_plan_on_fewer_devices_than_offered_says_so(example_path, capsys) -> None:
+    """A free search that keeps fewer devices than --devices offers says so and how to pin a larger
+    mesh (a helper's sweep: HF Llama training on --devices 2 ran on one rank with no word why); a mesh
+    the user pinned, or one on every device, adds nothing."""
+    from planner.cli.main import main  # noqa: PLC0415
+
+    llama = str(example_path("llama3"))
+    common = ["optimize", llama, "--cluster", "local-cpu", "--devices", "2", "--seq-len", "8"]
+    note = "the plan uses 1 of the 2 devices offered"
+    assert main([*common, "--batch-size", "1"]) == 0  # one sequence: nothing for DP to split
+    captured = capsys.readouterr()
+    assert note in " ".join((captured.out + captured.err).split())
+    assert main([*common, "--batch-size", "1", "--tp", "1"]) == 0
+    captured = capsys.readouterr()
+    assert note not in " ".join((captured.out + captured.err).split())
+    assert main([*common, "--batch-size", "2", "--dp", "2"]) == 0
+    captured = capsys.readouterr()
+    assert "devices offered" not in " ".join((captured.out + captured.err).split())
+
+
 def test_options_the_plan_gives_nothing_to_act_on_say_so(example_path, capsys) -> None:
     """Run options without --run, expert options on a dense model and CP options on a plan without CP
     were accepted in silence; a --timeout too short for the ranks to start is refused (exit 2)."""

@@ -767,6 +767,14 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     from planner.cli.render import render_decisions, render_plan  # noqa: PLC0415
 
     render_plan(console, plan)
+    offered = min(cluster.num_devices, args.devices or cluster.num_devices)
+    pinned = any(getattr(args, a, None) for a in ("tp", "pp", "dp", "cp", "ep"))
+    if plan.num_devices < offered and not pinned:
+        console.print(
+            f"[yellow]note: the plan uses {plan.num_devices} of the {offered} devices offered: every mesh on "
+            "more of them was priced slower for this model and batch, or cannot split them; pin --tp / --pp / "
+            "--dp to plan one anyway[/yellow]"
+        )
     from costmodels.calibrate import unmeasured_links  # noqa: PLC0415
     from costmodels.cluster import time_shared  # noqa: PLC0415
 
