@@ -563,10 +563,11 @@ def memory_dtype_time_ratio(
 
     ``ops``: bytes read + written by the model's memory-bound nodes, by ATen op name ("aten.add"), its
     activations left out (timed on their own, `activation_time_ratios`); each op of `_MEMORY_OPS` (an
-    unknown one as an add) is run over ``elements`` elements (a rank's activation: tokens x hidden,
-    at least ``_ACTIVATION_MIN_ELEMENTS``) in ``dtype`` and in fp32, and over one element, in thread CPU time with ``threads``
-    intra-op threads, interleaved for about ``budget_s`` wall seconds. Each op's ratio is its time in
-    ``dtype`` over fp32's, both net of the one-element call (the dispatch, priced per node already);
+    unknown one as an add) is run over ``elements`` elements (the model's median memory node on a
+    rank, at least ``_ACTIVATION_MIN_ELEMENTS``) in ``dtype`` and in fp32, and over one row of
+    `_MEMORY_WIDTH`, in thread CPU time with ``threads`` intra-op threads, interleaved for about
+    ``budget_s`` wall seconds. Each op's ratio is its time in ``dtype`` over fp32's, both net of the
+    one-row call (about the dispatch, priced per node already);
     the ops' ratios are weighed by their bytes (an op whose fp32 time is mostly that call is left out),
     and scaled by fp32's bytes over ``dtype``'s. At least 1: an op is priced no cheaper than its bytes.
     None for fp32, a model without such ops, or none timed."""
