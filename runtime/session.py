@@ -22,6 +22,8 @@ import tempfile
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from planner.errors import RunError
 from planner.plan import Plan
 from planner.progress import Progress, silent
@@ -72,10 +74,6 @@ def run_job(job: RunJob, nproc: int, timeout_s: float, progress: Progress = sile
     return summary
 
 
-# fp16's smallest normal value, 2**-14: below it a value keeps fewer significant bits (IEEE 754 binary16)
-FP16_SMALLEST_NORMAL = 2.0**-14
-
-
 def numerics_hints(dtype: str, workload: str) -> list[str]:
     """Lines added to a failed numerics check that name a likely cause beyond the sharding itself:
     fp16 training, which runs here without loss scaling (torch.amp's `GradScaler`, Megatron-LM's
@@ -87,7 +85,7 @@ def numerics_hints(dtype: str, workload: str) -> list[str]:
     if dtype == "fp16" and workload == "train":
         return [
             f"note: fp16 training runs without loss scaling here: gradients under fp16's smallest normal value "
-            f"({FP16_SMALLEST_NORMAL:.1e}) keep few bits and round differently when the batch is split, in the "
+            f"({torch.finfo(torch.float16).tiny:.1e}) keep few bits and round differently when the batch is split, in the "
             "reference too; train in bf16 (--dtype bf16) or fp32"
         ]
     return []
