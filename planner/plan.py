@@ -48,6 +48,7 @@ import difflib
 import enum
 import hashlib
 import json
+import math
 import os
 import types
 import typing
@@ -112,6 +113,13 @@ DP_STYLES: tuple[str, ...] = tuple(s.value for s in DataParallel)
 # the dtype training gradients are accumulated and reduced in (`Plan.grad_reduce_dtype`): the
 # parameters' own, or fp32 (Megatron-LM's fp32 main gradients with --bf16)
 GRAD_REDUCE_DTYPES: tuple[str, ...] = ("param", "fp32")
+# fp16 training's loss scaling (`Plan.loss_scale`): "dynamic", or a static scale (a positive number)
+DYNAMIC_LOSS_SCALE = "dynamic"
+# dynamic loss scaling's policy: torch.amp.GradScaler's defaults (https://pytorch.org/docs/stable/amp.html):
+# start at 2**16, multiply by 0.5 at an overflow and by 2 after 2,000 steps in a row without one
+DYNAMIC_INIT_SCALE = 2.0**16
+GROWTH_INTERVAL = 2000
+GROWTH_FACTOR, BACKOFF_FACTOR = 2.0, 0.5
 # context-parallel attention variants (`Plan.cp_comm_type`; run by `passes.context_parallel`)
 CP_COMM_TYPES: tuple[str, ...] = ("ring", "allgather", "alltoall")
 # where expert parallelism's ranks come from (`Plan.ep_fold`): the dp x cp ranks (tokens move by
@@ -452,6 +460,13 @@ class Plan:
     # mixed_precision_reduce "float32"), priced for exports: the reduction moves twice the bytes of a
     # 16-bit gradient and the gradient buffer is twice as large; `planner run` refuses it
     grad_reduce_dtype: str = "param"
+    # loss_scale (fp16 training): the loss is multiplied by a scale before the backward and the gradients
+    # divided by it before the optimizer step, so that small gradients stay above fp16's smallest normal
+    # (6.1e-5); a step whose gradients overflow is skipped. "dynamic": torch.amp.GradScaler's policy,
+    # starting at 2**16, halved at each overflow and doubled after 2,000 steps without one (Megatron-LM's
+    # --fp16 default is dynamic too); a number: a static scale (Megatron-LM's --loss-scale); null: none
+    # (bf16 and fp32 share fp32's exponent range and need none). `runtime.loss_scaling`.
+    loss_scale: float | str | None = None
     # Context parallelism (mesh.cp > 1): every sequence's tokens split over the CP ranks for every layer;
     # cp_comm_type: how attention reaches the other ranks' keys and values (`CP_COMM_TYPES`: "ring" passes
     # K/V blocks peer to peer under the blocks' attention, Megatron-Core's p2p; "allgather" gathers K/V
@@ -640,6 +655,7 @@ class Plan:
             "overlap_grad_reduce": self.overlap_grad_reduce,
             "overlap_param_gather": self.overlap_param_gather,
             "grad_reduce_dtype": self.grad_reduce_dtype,
+            "loss_scale": self.loss_scale,
             "cp_comm_type": self.cp_comm_type if self.cp > 1 else "",
             "cp_load_balance": self.cp_load_balance if self.cp > 1 else False,
             "ep": self.ep,
@@ -746,6 +762,8 @@ class Plan:
             chosen["expert_tp"] = self.expert_tp
         if self.grad_reduce_dtype != "param":  # the digest of a plan as before the field existed
             chosen["grad_reduce_dtype"] = self.grad_reduce_dtype
+        if self.loss_scale is not None:
+            chosen["loss_scale"] = self.loss_scale
         if data.get("serving"):  # the request served: its prompt, new tokens and caches
             chosen["request"] = {k: data["serving"][k] for k in ("prompt_len", "new_tokens", "cache_len")}
         return hashlib.sha256(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -959,6 +977,22 @@ class Plan:
                 "grad_reduce_dtype",
                 f"is {self.grad_reduce_dtype}, but a {self.workload} plan has no gradients: set it to param",
             )
+        if self.loss_scale is not None:
+            if self.loss_scale != DYNAMIC_LOSS_SCALE and not (
+                isinstance(self.loss_scale, (int, float))
+                and not isinstance(self.loss_scale, bool)
+                and 0 < self.loss_scale < float("inf")
+            ):
+                raise bad(
+                    "loss_scale",
+                    f"{self.loss_scale!r} is not {DYNAMIC_LOSS_SCALE!r}, a positive number (a static scale) or null",
+                )
+            if self.workload != "train" or self.dtype != "fp16":
+                raise bad(
+                    "loss_scale",
+                    f"is {self.loss_scale}, but loss scaling is for fp16 training (this plan: {self.workload} in "
+                    f"{self.dtype}; bf16 and fp32 gradients have fp32's exponent range): set it to null",
+                )
         if self.overlap_param_gather and not self.overlap_grad_reduce:
             raise bad(
                 "overlap_param_gather",
@@ -1223,6 +1257,15 @@ def tp_overlap_chunk_count(tp: int, rows: float | None = None) -> int:
     return chunks if rows is None else max(1, min(chunks, int(rows)))
 
 
+def loss_scale_text(loss_scale: float | str | None) -> str:
+    """`Plan.loss_scale` in words: "dynamic (from 2^16)", "static 1024", or "none"."""
+    if loss_scale is None:
+        return "none"
+    if loss_scale == DYNAMIC_LOSS_SCALE:
+        return f"dynamic (from 2^{int(math.log2(DYNAMIC_INIT_SCALE))})"
+    return f"static {float(loss_scale):g}"
+
+
 def overlap_text(tp_comm: bool, grad_reduce: bool, param_gather: bool) -> str:
     """The communication overlap as a user reads it: "tp, grad-reduce, param-gather" (those on), or "none"."""
     names = [
@@ -1353,8 +1396,13 @@ def _from_builtin(tp: Any, data: object, where: str) -> Any:
         args = typing.get_args(tp)
         if data is None and type(None) in args:
             return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _from_builtin(inner, data, where)
+        inner = [a for a in args if a is not type(None)]
+        for kind in inner[:-1]:  # the first member the data converts to (float | str: a number, else a word)
+            try:
+                return _from_builtin(kind, data, where)
+            except InputError:
+                continue
+        return _from_builtin(inner[-1], data, where)
     if dataclasses.is_dataclass(tp):
         if not isinstance(data, dict):
             raise InputError(f"field {where or 'plan'!r}: expected a mapping, got {type(data).__name__}")

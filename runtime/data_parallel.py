@@ -167,6 +167,15 @@ class _AdamOnRanks:
     params: list[torch.Tensor]
     adam: torch.optim.Adam
     _reduced: bool
+    loss_scaler: Any = None  # fp16 loss scaling (`runtime.loss_scaling.attach`): Adam steps through it
+
+    def _adam_step(self) -> None:
+        """Adam's step; with loss scaling, its gradients (the fp32 ones it steps) divided by the scale
+        first, and the step skipped when a gradient overflowed on any rank (`runtime.loss_scaling`)."""
+        if self.loss_scaler is None:
+            self.adam.step()
+        else:
+            self.loss_scaler.step(self.adam)
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -433,7 +442,7 @@ class ReplicatedAdam(_MainGrads, _OverlappedReduce, _AdamOnRanks):
             if (master := self._masters.get(id(p))) is not None:
                 grad = self.grad_of(p)  # an fp32 main gradient as it is (float() copies only 16-bit ones)
                 master.grad = None if grad is None else grad.float()
-        self.adam.step()
+        self._adam_step()
         with torch.no_grad():
             for p in self.params:
                 if (master := self._masters.get(id(p))) is not None:
@@ -729,7 +738,7 @@ class DistributedAdam(_MainGrads, _OverlappedReduce, _AdamOnRanks):
             ).float()
         for view, grad in self._slices:  # the fp32 slices' gradients: views of the gradient buffer
             view.grad = grad
-        self.adam.step()
+        self._adam_step()
         with torch.no_grad():
             for dtype, master in self._masters.items():
                 master.grad = None
@@ -1033,7 +1042,7 @@ class _BucketAdam(_AdamOnRanks):
         """Adam on the slices (gradients: the accumulated mean slices), 16-bit values from their masters."""
         for tensor, grad in self._stepped:
             tensor.grad = grad.float() if grad.dtype != tensor.dtype else grad
-        self.adam.step()
+        self._adam_step()
         with torch.no_grad():
             for b in self.buckets:
                 if b.dtype in self._masters:

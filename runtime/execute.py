@@ -42,6 +42,7 @@ from passes.tensor_parallel import load_sharded_weights
 from planner.frontend.analysis import ModelStructure, analyse
 from planner.frontend.capture import capture, flat_inputs, retarget_device
 from planner.plan import Plan
+from runtime import loss_scaling
 from runtime.data_parallel import (
     args_share,
     build_plan_optimizer,
@@ -63,6 +64,7 @@ from runtime.reference import (
     compare_update,
     dp_mean,
     record_routing,
+    reference_loss_scale,
     routing_replay,
     shared_reference,
     update_snapshot,
@@ -218,6 +220,9 @@ def _training_step(
     plan, groups = setup.plan, setup.groups
     dp_group = groups.group("dp")
     optimizer = build_plan_optimizer(plan, gm, groups, units)
+    # fp16: the losses times the scale, Adam's gradients divided by it (`runtime.loss_scaling`)
+    scaler = loss_scaling.for_run(plan.loss_scale, reference_loss_scale(reference), setup.device)
+    loss_scaling.attach(optimizer, scaler)
     m = len(parts)
     # the first output as the passes leave it (TP vocabulary shards, CP tokens): the loss runs on it (`runtime.loss`)
     layout = loss_layout([gm], groups.tp_rank, plan.cp)
@@ -240,7 +245,7 @@ def _training_step(
             assert part_target is not None, "output 0 is a share of the unsharded output (checked below)"
             targets.append(part_target)
             part_loss = output_loss(out[0], part_target, layout) / m
-            part_loss.backward()
+            loss_scaling.backward(part_loss, scaler)
             loss = part_loss.detach() if loss is None else loss + part_loss.detach()
             del out, first, part_loss
         replica_outs = _joined(kept, want, plan.dp * m)
@@ -271,6 +276,9 @@ def _training_step(
     _record_state(report, optimizer, gm, plan)
     report.notes.append(dropout_note(gm))
     report.notes.append(optimizer.note())
+    if scaler is not None:
+        scaler.update()
+        report.notes.append(scaler.note())
     if m > 1:
         report.notes.append(
             f"{m} micro-batches per step: gradients accumulated over them, then one optimizer step"
@@ -284,8 +292,10 @@ def _training_step(
     def step() -> None:
         optimizer.zero_grad()
         for part, part_target in zip(parts, targets):
-            (output_loss(all_outputs(gm(*part))[0], part_target, layout) / m).backward()
+            loss_scaling.backward(output_loss(all_outputs(gm(*part))[0], part_target, layout) / m, scaler)
         optimizer.step()  # reduces the gradients over the DP group first
+        if scaler is not None:
+            scaler.update()
 
     return step
 

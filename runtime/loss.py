@@ -83,11 +83,12 @@ def cp_grad_scaled(x: torch.Tensor, cp: int) -> torch.Tensor:
 
 def output_loss(out: torch.Tensor, target: torch.Tensor, layout: LossLayout) -> torch.Tensor:
     """The mean squared error of the whole output against `target` (the whole output's shape, this DP
-    replica's share) from this rank's `out`: F.mse_loss when the output is whole; sharded, the rank's
-    squared errors summed in fp32, all-reduced over the TP and CP ranks and divided by the element
-    count (0-dim, `out`'s dtype, equal on every rank). Backward reaches this rank's elements only
-    (times cp under CP: module docstring)."""
-    if not layout.sharded:
+    replica's share) from this rank's `out`, 0-dim fp32 (as Megatron-LM computes its loss, and so that
+    fp16's loss scaling can multiply it by 2**16: `runtime.loss_scaling`): F.mse_loss when the output is
+    whole and not 16-bit; otherwise the rank's squared errors summed in fp32, all-reduced over the TP and CP ranks
+    when sharded, and divided by the element count (equal on every rank). Backward reaches this rank's
+    elements only (times cp under CP: module docstring)."""
+    if not layout.sharded and out.dtype not in (torch.float16, torch.bfloat16):
         # its own 4 bytes: CPU mse_loss returns a 0-dim view of its elementwise buffer (output-sized),
         # which a caller that keeps the loss (a pipeline schedule keeps every micro-batch's) would hold
         return F.mse_loss(out, target).clone()
@@ -105,7 +106,7 @@ def output_loss(out: torch.Tensor, target: torch.Tensor, layout: LossLayout) -> 
         total = collectives.tp_all_reduce(total, "tp")
     if layout.cp is not None:
         total = collectives.tp_all_reduce(cp_grad_scaled(total, layout.cp_size), CP_AXIS)
-    return (total / count).to(out.dtype)
+    return total / count
 
 
 @torch.no_grad()

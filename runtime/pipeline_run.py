@@ -39,6 +39,7 @@ from passes.tensor_parallel import load_sharded_weights
 from planner.errors import InputError
 from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture, flat_inputs, retarget_device
+from runtime import loss_scaling
 from runtime.data_parallel import (
     ChunkedShardedAdam,
     args_share,
@@ -62,6 +63,7 @@ from runtime.reference import (
     compare_update,
     dp_mean,
     record_routing,
+    reference_loss_scale,
     routing_replay,
     update_snapshot,
 )
@@ -69,13 +71,15 @@ from runtime.routing import routers_of, routing_by_token
 from runtime.run_mode import dropout_note, lowering_notes, seed_dropout_rng, set_run_mode
 
 
-def _loss_fn(layout: LossLayout):
+def _loss_fn(layout: LossLayout, scaler: loss_scaling.LossScaler | None = None):
     """The last stage's loss per micro-batch: MSE of the model's first output (of a tuple of outputs)
     against its target, on the output's TP and CP shards where the passes leave it sharded
-    (`runtime.loss.output_loss`; `layout`: what the stage holding it records)."""
+    (`runtime.loss.output_loss`; `layout`: what the stage holding it records); times the loss scale
+    under fp16 loss scaling (`scaler`: the schedule runs the backward of what this returns)."""
 
     def loss_fn(out: torch.Tensor | tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
-        return output_loss(loss_output(out), target, layout)
+        loss = output_loss(loss_output(out), target, layout)
+        return scaler.scale_loss(loss) if scaler is not None else loss
 
     return loss_fn
 
@@ -123,6 +127,12 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
     replay = routing_replay(want)  # its routers' expert choices by token
     # the first output as the stage computing it holds it (TP vocabulary shards, CP tokens): `runtime.loss`
     out_layout = loss_layout(chunks, lowered.tp_rank, plan.cp)
+    # fp16: the losses times the scale, Adam's gradients divided by it (`runtime.loss_scaling`)
+    scaler = (
+        loss_scaling.for_run(plan.loss_scale, reference_loss_scale(reference), ctx.device)
+        if training
+        else None
+    )
     runner = PipelineRunner(
         chunks,
         lowered.pp_rank,
@@ -131,7 +141,7 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
         pp_group,
         ctx.device,
         plan.schedule,
-        loss_fn=_loss_fn(out_layout) if training else None,
+        loss_fn=_loss_fn(out_layout, scaler) if training else None,
         input_batch_dims=setup.batch_dims,
     )  # the schedule is built once, on the first step
     report = RankReport(
@@ -171,6 +181,7 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
                 expert_group=expert_group,
             )  # fmt: skip
         prepare_param_waits(plan, chunks, units, optimizer)
+        loss_scaling.attach(optimizer, scaler)
 
         def step(outputs: list | None = None) -> torch.Tensor | None:
             optimizer.zero_grad()
@@ -187,6 +198,8 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
             off.enter_context(routing_by_token(chunks, routers_of(structure), replay))
             outputs: list = []
             loss = step(outputs)
+            if loss is not None and scaler is not None:  # the schedule's losses are the scaled ones
+                loss = loss / scaler.scale
         record_routing(report, replay)
         if last:  # every output of the checked step, then the loss (mean over the DP replicas), against the
             # unsharded model's; the loss's output gathered from its shards (a collective over this stage's ranks)
@@ -211,6 +224,8 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
         optimizer.step()
         compare_update(chunks, before, optimizer, reference, setup, report)
         del before
+        if scaler is not None:
+            scaler.update()
         if sharded:  # the held state beside the memory model's, and the checked step's collectives
             report.state_bytes = state_bytes(optimizer.held_tensors())
             report.predicted_state_bytes = dp_state_bytes(
@@ -232,6 +247,8 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
             )
             report.notes.append(f"{label}: {dropout_note(chunk)}")
         report.notes.append(optimizer.note())
+        if scaler is not None:
+            report.notes.append(scaler.note())
         seed_dropout_rng(setup.seed, lowered.pp_rank, lowered.tp_rank, ctx.device)
 
         # the timed steps' target holds no memory (zeros expanded to its shape): the checked step's random
@@ -241,6 +258,8 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
         def timed() -> None:
             step()
             optimizer.step()
+            if scaler is not None:
+                scaler.update()
 
     else:
         with routing_by_token(chunks, routers_of(structure), replay):

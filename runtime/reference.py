@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from passes.checkpoint import SafetensorsCheckpoint, checkpoint_files, load_whole, save_checkpoint
 from passes.ladder import apply_ladder, ladder_deviation, ladder_residual_adds
@@ -45,6 +44,8 @@ from planner.frontend.phases import cast_inputs
 from planner.plan import Plan
 from runtime.job import RankReport, RankSetup, ReferenceFiles, RunJob, job_inputs
 from runtime.launch import RankContext
+from runtime.loss import LossLayout, output_loss
+from runtime.loss_scaling import REFERENCE_SCALE_KEY, reference_scale
 from runtime.numerics import (
     all_outputs,
     max_abs,
@@ -181,9 +182,26 @@ def write_reference(job: RunJob, directory: str, made_on: str = "launching proce
                 "argmax), or run the plan with --workload forward"
             )
         target = training_target(first.detach())
-        loss = F.mse_loss(first, target)
-        loss.backward()
+        loss = output_loss(first, target, LossLayout())
+        params = [p for p in gm.parameters() if p.requires_grad]
+
+        def backward(scale: float) -> None:  # the gradients anew at each try of the loss scale
+            for p in params:
+                p.grad = None
+            (loss * scale if scale != 1.0 else loss).backward(retain_graph=True)
+
+        try:
+            scale = reference_scale(
+                plan.loss_scale, backward, lambda: [p.grad for p in params if p.grad is not None]
+            )
+        except ValueError as e:
+            raise InputError(f"the unsharded model's training step in {plan.dtype}: {e}") from None
         results.update(target=target, loss=loss.detach())
+        # the graph the tries kept: freed before the next forward (`operand_scales`)
+        outs = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outs)
+        del loss, first
+        if scale is not None:  # its gradients are the scaled ones, as the runs' are before their step
+            results[REFERENCE_SCALE_KEY] = torch.tensor(scale, dtype=torch.float64)
         grads = {n: p.grad for n, p in gm.named_parameters(remove_duplicate=False) if p.grad is not None}
         grads_path = os.path.join(directory, "grads.safetensors")
         save_checkpoint(grads, grads_path)
@@ -392,6 +410,13 @@ def update_snapshot(
     return snapshot
 
 
+def reference_loss_scale(reference: ReferenceFiles) -> float:
+    """The loss scale of the unsharded reference's step (`runtime.loss_scaling.reference_scale`), by
+    which its saved gradients are scaled; 1.0 without loss scaling."""
+    with SafetensorsCheckpoint([reference.outputs]) as outputs:
+        return float(outputs.read(REFERENCE_SCALE_KEY)) if REFERENCE_SCALE_KEY in outputs else 1.0
+
+
 def compare_update(
     module: torch.nn.Module | Sequence[torch.nn.Module],
     before: Sequence[Mapping[str, tuple[int, int, torch.Tensor]]],
@@ -417,11 +442,12 @@ def compare_update(
     if getattr(optimizer, "local_module", None) is not None:  # FSDP: the local parameters' stand-in
         modules = [optimizer.local_module]
     diffs = []
+    factor = reference_loss_scale(reference)  # the reference's gradients are the loss-scaled ones
     with SafetensorsCheckpoint([reference.grads]) as grads_file:
 
         def grad(mod: torch.nn.Module, name: str) -> torch.Tensor:
             shard = read_local_shards(mod, grads_file, plan.splits, groups.tp_rank, plan.tp, [name])[name]
-            return shard.float().reshape(-1)
+            return shard.float().reshape(-1) / factor
 
         stepped = [  # each gradient shard read once: the largest |g| scales the floor of every one
             (mod, n, grad(mod, n), lo, hi, was, now_m[n][2])

@@ -42,7 +42,8 @@ def run_job(job: RunJob, nproc: int, timeout_s: float, progress: Progress = sile
     (exit 2), RunError when a rank fails or the numerics are beyond tolerance (exit 4); InputError
     naming the plan field when the runtime cannot run the plan as planned
     (`runtime.run_mode.check_plan_runs`)."""
-    check_plan_runs(Plan.from_dict(job.plan), job.workload)
+    plan = Plan.from_dict(job.plan)
+    check_plan_runs(plan, job.workload)
     if under_torchrun():
         reports = launch(run_rank, job, nproc=nproc, timeout_s=timeout_s)
     else:
@@ -68,24 +69,24 @@ def run_job(job: RunJob, nproc: int, timeout_s: float, progress: Progress = sile
         raise RunError(
             "the sharded run does not compute what the unsharded model computes on the same batch "
             "(reference: the unsharded model on the whole batch, tolerances by dtype in runtime.numerics):\n  "
-            + "\n  ".join(failures + numerics_hints(Plan.from_dict(job.plan).dtype, job.workload)),
+            + "\n  ".join(failures + numerics_hints(plan.dtype, job.workload, plan.loss_scale)),
             run=summary,
         )
     return summary
 
 
-def numerics_hints(dtype: str, workload: str) -> list[str]:
+def numerics_hints(dtype: str, workload: str, loss_scale: float | str | None = None) -> list[str]:
     """Lines added to a failed numerics check that name a likely cause beyond the sharding itself:
-    fp16 training, which runs here without loss scaling (torch.amp's `GradScaler`, Megatron-LM's
-    `--loss-scale` / dynamic scaler scale the loss so gradients stay in fp16's normal range). A
-    loss averaged over many outputs has per-element gradients of 1e-6 and less, deep in fp16's
-    subnormals, which round differently when the batch is split over ranks, in the reference too
-    (a tiny Mixtral trained at DP 2: gradients 8.3e-5 apart at a scale of 2.3e-3, where bf16's agree
-    to 2.5e-5)."""
-    if dtype == "fp16" and workload == "train":
+    fp16 training without loss scaling (`Plan.loss_scale` null: --loss-scale off, or a plan written
+    before the field). A loss averaged over many outputs has per-element gradients of 1e-6 and less,
+    deep in fp16's subnormals, which round differently when the batch is split over ranks, in the
+    reference too (a tiny Mixtral trained at DP 2: gradients 8.3e-5 apart at a scale of 2.3e-3, where
+    bf16's agree to 2.5e-5); loss scaling (`runtime.loss_scaling`) lifts them into fp16's normal range."""
+    if dtype == "fp16" and workload == "train" and loss_scale is None:
         return [
-            f"note: fp16 training runs without loss scaling here: gradients under fp16's smallest normal value "
+            f"note: this fp16 training ran without loss scaling: gradients under fp16's smallest normal value "
             f"({torch.finfo(torch.float16).tiny:.1e}) keep few bits and round differently when the batch is split, in the "
-            "reference too; train in bf16 (--dtype bf16) or fp32"
+            "reference too; plan with --loss-scale dynamic (the default for fp16 training; in a plan file: "
+            "loss_scale: dynamic), or train in bf16"
         ]
     return []

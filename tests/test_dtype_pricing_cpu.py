@@ -222,22 +222,36 @@ def test_context_parallel_kernels_take_the_ratio_timed_for_the_ranks_block(monke
 
 
 @pytest.mark.parametrize(
-    ("dtype", "workload", "hinted"),
-    [("fp16", "train", True), ("bf16", "train", False), ("fp16", "forward", False)],
+    ("dtype", "workload", "loss_scale", "hinted"),
+    [
+        ("fp16", "train", None, True),
+        ("fp16", "train", "dynamic", False),
+        ("bf16", "train", None, False),
+        ("fp16", "forward", None, False),
+    ],
 )
-def test_a_failed_fp16_training_check_names_loss_scaling(monkeypatch, dtype, workload, hinted) -> None:
-    """An fp16 training run whose numerics check fails says that it trains without loss scaling and
-    that gradients below fp16's smallest normal round differently when the batch is split (a tiny
-    Mixtral at DP 2 failed so every time, bf16 passed); other failures say only what differed."""
+def test_a_failed_fp16_training_check_names_loss_scaling(
+    monkeypatch, dtype, workload, loss_scale, hinted
+) -> None:
+    """An fp16 training run without loss scaling whose numerics check fails says so and that gradients
+    below fp16's smallest normal round differently when the batch is split (a tiny Mixtral at DP 2
+    failed so every time, bf16 passed), and how to plan loss scaling; other failures say only what
+    differed."""
     from planner.errors import RunError  # noqa: PLC0415
     from runtime import session  # noqa: PLC0415
 
     class _Plan:  # only the plan's dtype is read
         @staticmethod
         def from_dict(d):
-            return dataclasses.make_dataclass("P", ["dtype"])(d["dtype"])
+            return dataclasses.make_dataclass("P", ["dtype", "loss_scale"])(d["dtype"], d["loss_scale"])
 
-    job = session.RunJob(str(ROOT / "examples" / "llama3.py"), {"dtype": dtype}, 2, 16, workload=workload)
+    job = session.RunJob(
+        str(ROOT / "examples" / "llama3.py"),
+        {"dtype": dtype, "loss_scale": loss_scale},
+        2,
+        16,
+        workload=workload,
+    )
     monkeypatch.setattr(session, "Plan", _Plan)
     monkeypatch.setattr(session, "under_torchrun", lambda: False)
     monkeypatch.setattr(session, "check_plan_runs", lambda plan, workload: None)
@@ -250,4 +264,5 @@ def test_a_failed_fp16_training_check_names_loss_scaling(monkeypatch, dtype, wor
     with pytest.raises(RunError) as raised:
         session.run_job(job, 2, 60.0)
     assert ("without loss scaling" in str(raised.value)) is hinted
+    assert ("--loss-scale dynamic" in str(raised.value)) is hinted
     assert "gradients: max" in str(raised.value)

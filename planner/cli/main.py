@@ -210,6 +210,16 @@ def build_parser() -> argparse.ArgumentParser:
         "so: fp32 main gradients with ddp / zero1, fp32 reduce-scatters with zero2 / fsdp)",
     )
     opt.add_argument(
+        "--loss-scale",
+        default="auto",
+        type=_loss_scale_arg,
+        metavar="{auto,dynamic,off,N}",
+        help="fp16 training: multiply the loss by a scale before the backward and divide the gradients by it "
+        "before the optimizer step, skipping a step whose gradients overflow: dynamic (torch.amp.GradScaler's "
+        "policy: from 2^16, halved at an overflow, doubled after 2000 steps without one), N (a static scale, "
+        "Megatron-LM's --loss-scale) or off; auto: dynamic for fp16 training, none otherwise",
+    )
+    opt.add_argument(
         "--dp-style",
         default="auto",
         choices=["auto", *DP_STYLES],
@@ -619,6 +629,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
                 ("--overlap-grad-reduce", args.overlap_grad_reduce),
                 ("--overlap-param-gather", args.overlap_param_gather),
                 ("--grad-reduce-dtype", "fp32" if args.grad_reduce_dtype == "fp32" else "auto"),
+                ("--loss-scale", _loss_scale_word(args.loss_scale)),
             )
             if value != "auto"
         ]
@@ -628,6 +639,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             args.dp_style = args.reshard_after_forward = "auto"
             args.overlap_grad_reduce = args.overlap_param_gather = "auto"
             args.grad_reduce_dtype = "param"
+            args.loss_scale = "auto"
 
     _check_cp_options(args)
     _check_ep_options(args)
@@ -736,6 +748,17 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         _warn(
             [
                 "--grad-reduce-dtype fp32 had no effect: the plan trains in fp32, whose gradients are fp32 already"
+            ]
+        )
+    if (
+        getattr(args, "loss_scale", "auto") not in ("auto", None)
+        and plan.workload == "train"
+        and plan.dtype != "fp16"
+    ):
+        _warn(
+            [
+                f"--loss-scale {_loss_scale_word(args.loss_scale)} had no effect: the plan trains in {plan.dtype}, whose gradients "
+                "have fp32's exponent range; loss scaling is for fp16 (--dtype fp16)"
             ]
         )
     if getattr(args, "distributed_optimizer", "auto") == "on" and plan.dp == 1:
@@ -1485,12 +1508,37 @@ def _check_run_decode_ep(args: argparse.Namespace) -> None:
     )
 
 
+def _loss_scale_arg(text: str) -> float | str | None:
+    """--loss-scale's value: "auto", "dynamic", None for "off", or a static scale (a positive number).
+    Raises argparse.ArgumentTypeError (exit 2, naming the flag) for anything else."""
+    word = text.strip().lower()
+    if word in ("auto", "dynamic"):
+        return word
+    if word == "off":
+        return None
+    try:
+        value = float(word)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not auto, dynamic, off or a positive number (a static scale such as 1024)"
+        )
+    return value
+
+
+def _loss_scale_word(value: float | str | None) -> str:
+    """--loss-scale's parsed value as the user would write it."""
+    return "off" if value is None else value if isinstance(value, str) else f"{value:g}"
+
+
 def _workload_options(args: argparse.Namespace) -> dict:
-    """--moe-imbalance, --moe-capacity-factor, --grad-reduce-dtype as `WorkloadSpec` keywords."""
+    """--moe-imbalance, --moe-capacity-factor, --grad-reduce-dtype, --loss-scale as `WorkloadSpec` keywords."""
     return {
         "moe_imbalance": getattr(args, "moe_imbalance", DEFAULT_MOE_IMBALANCE),
         "moe_capacity_factor": getattr(args, "moe_capacity_factor", None),
         "grad_reduce_dtype": getattr(args, "grad_reduce_dtype", "param"),
+        "loss_scale": getattr(args, "loss_scale", "auto"),
     }
 
 

@@ -20,6 +20,7 @@ from planner.plan import (
     Workload,
     fallback_memory_bytes,
     layer_ranges,
+    loss_scale_text,
     overlap_text,
 )
 
@@ -774,6 +775,8 @@ def _training_rows(plan: Plan) -> list[tuple[str, str, str]]:
         ("micro-batches × size", f"{plan.micro_batches} × {plan.micro_batch_size:g}",
          f"{bl['micro_batches']} × {bl['micro_batch_size']}" if bl else "-"),
         ("recompute", plan.recompute_text(), bl.get("recompute", "-") if bl else "-"),
+        *([("loss scaling", loss_scale_text(plan.loss_scale), "-")]
+          if plan.workload == "train" and plan.dtype == "fp16" else []),
         ("sequence parallel", on[plan.sequence_parallel], on.get(bl.get("sequence_parallel"), "-") if bl else "-"),
         ("data parallel", (plan.dp_style_text() + (f" over dp × cp = {plan.mesh.dp_cp}" if plan.cp > 1 else "")
          if plan.mesh.dp_cp > 1 else "one replica" if plan.grad_reduce_dtype == "fp32" else "-")

@@ -35,6 +35,9 @@ the dataclass fields it turns into options: `ModelParallelConfig`, `TransformerC
 | overlap_param_gather; fsdp / hsdp      | --overlap-param-gather                                             |
 | batch / dp / micro_batches, batch      | --micro-batch-size, --global-batch-size                            |
 | dtype bf16 / fp16                      | --bf16 / --fp16 (fp32: none)                                       |
+| loss_scale (fp16 training)             | dynamic: --initial-loss-scale 65536 --loss-scale-window 2000       |
+|                                        | --hysteresis 1 (torch.amp.GradScaler's policy, which the run       |
+|                                        | uses); N: --loss-scale N; null: --loss-scale 1 (none)              |
 | num_experts (a MoE model)              | --num-experts, --expert-model-parallel-size ep,                    |
 |                                        | --expert-tensor-parallel-size expert_tp (1, or tp: split experts)  |
 | moe_top_k                              | --moe-router-topk                                                  |
@@ -134,7 +137,15 @@ from planner.export.common import (
     uneven_stages,
     virtual_stage_layers,
 )
-from planner.plan import Plan, Recompute, Schedule, Workload
+from planner.plan import (
+    DYNAMIC_INIT_SCALE,
+    DYNAMIC_LOSS_SCALE,
+    GROWTH_INTERVAL,
+    Plan,
+    Recompute,
+    Schedule,
+    Workload,
+)
 
 TOOL = "Megatron-LM"
 # Plan.cp_comm_type -> --cp-comm-type (TransformerConfig.cp_comm_type: Transformer Engine's names)
@@ -186,6 +197,8 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
         args.append("--bf16")
     elif plan.dtype == "fp16":
         args.append("--fp16")
+        if plan.workload is Workload.TRAIN:
+            args += _loss_scale_args(plan.loss_scale)
     if (
         plan.workload is Workload.TRAIN
         and plan.dtype == "bf16"
@@ -421,6 +434,21 @@ def _dp_args(plan: Plan, form: str) -> list[str]:
         # ranks, replicated over the instances (--outer-dp-sharding-strategy no_shard, the default)
         args += ["--num-distributed-optimizer-instances", str(plan.dp_replicate)]
     return args
+
+
+def _loss_scale_args(loss_scale: float | str | None) -> list[str]:
+    """Megatron-LM's loss-scaling arguments for a plan's fp16 training (`Plan.loss_scale`). Megatron's
+    own dynamic defaults differ (--initial-loss-scale 2**32, --loss-scale-window 1000, --hysteresis 2):
+    the plan's policy, torch.amp.GradScaler's, is written out. Without loss scaling, a static scale of 1
+    (Megatron has no "off": no --loss-scale means dynamic)."""
+    if loss_scale is None:
+        return ["--loss-scale", "1"]
+    if loss_scale == DYNAMIC_LOSS_SCALE:
+        return [
+            "--initial-loss-scale", str(int(DYNAMIC_INIT_SCALE)), "--loss-scale-window", str(GROWTH_INTERVAL),
+            "--hysteresis", "1",
+        ]  # fmt: skip
+    return ["--loss-scale", f"{float(loss_scale):g}"]
 
 
 def _main_grads_warning(plan: Plan) -> str:

@@ -429,6 +429,16 @@ class CostContext:
         return "fp32" if self.train and self.workload.grad_reduce_dtype == "fp32" else self.dtype
 
     @property
+    def loss_scale(self) -> float | str | None:
+        """fp16 training's loss scaling (`WorkloadSpec.plan_loss_scale`: "dynamic", a static scale, or
+        None without it)."""
+        return self.workload.plan_loss_scale(self.dtype)
+
+    def world_group(self) -> Group:
+        """Every rank of the mesh, packed node by node (loss scaling's found-inf all-reduce)."""
+        return self._placed(self.mesh.num_devices, self.cluster.devices_per_node)
+
+    @property
     def grad_reduce_scale(self) -> float:
         """Bytes the data-parallel gradient reduction moves per gradient byte in the parameters' dtype
         (`grad_bytes` counts those): 2 for fp32 gradients of 16-bit parameters, else 1."""
@@ -2910,7 +2920,34 @@ def optimizer_step_time_s(grad_bytes: float, ctx: CostContext) -> float:
         else:
             dispatch = compute.node_overhead_s(dev, tensors * ADAM_OPS_PER_TENSOR)
     large, cached = param_size_shares(ctx, params)
-    return dispatch + compute.adam_step_time_s(params, params * large, dev, ctx.dtype, params * cached)
+    return (
+        dispatch
+        + compute.adam_step_time_s(params, params * large, dev, ctx.dtype, params * cached)
+        + loss_scaling_time_s(params, ctx)
+    )
+
+
+UNSCALE_BYTES_PER_ELEMENT = (
+    8  # fp32 gradient read and written once (torch._amp_foreach_non_finite_check_and_unscale_)
+)
+
+
+def loss_scaling_time_s(params: float, ctx: CostContext) -> float:
+    """Seconds per step of fp16 training's loss scaling (`ctx.loss_scale`; 0 without it) on a rank
+    stepping ``params`` elements: one pass over their fp32 gradients that divides them by the scale and
+    looks for inf / NaN (`UNSCALE_BYTES_PER_ELEMENT`, one foreach kernel per tensor list: torch.amp's
+    GradScaler.unscale_), then the found-inf flag (4 bytes) all-reduced over every rank, so that all of
+    them skip an overflowing step together (torch's ShardedGradScaler, Megatron-LM's found_inf
+    all-reduce over its model-parallel group). Multiplying the loss by the scale is one scalar op per
+    micro-batch, left out."""
+    if ctx.loss_scale is None or not ctx.train:
+        return 0.0
+    dev = ctx.cluster.device
+    unscale_s = compute.op_time_s(
+        0.0, params * UNSCALE_BYTES_PER_ELEMENT, dev, "fp32", "memory", launch=False
+    )
+    flag_s = all_reduce_time_s(4.0, ctx.world_group(), ctx.cluster)
+    return unscale_s + _kernel_calls_s(dev, 2) + flag_s
 
 
 def param_size_shares(ctx: CostContext, params: float) -> tuple[float, float]:

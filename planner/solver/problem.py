@@ -25,6 +25,7 @@ from costmodels.expert_parallel import DEFAULT_MOE_IMBALANCE
 from planner.errors import InputError
 from planner.plan import (
     CP_COMM_TYPES,
+    DYNAMIC_LOSS_SCALE,
     EP_FOLDS,
     GRAD_REDUCE_DTYPES,
     WORKLOADS,
@@ -60,6 +61,9 @@ class WorkloadSpec:
     # training: the dtype gradients are accumulated and reduced in (`planner.plan.Plan.grad_reduce_dtype`,
     # --grad-reduce-dtype): "param" (the parameters' dtype) or "fp32" (Megatron-LM's bf16 default)
     grad_reduce_dtype: str = "param"
+    # fp16 training's loss scaling (`planner.plan.Plan.loss_scale`, --loss-scale): "auto" (dynamic when the
+    # plan trains in fp16, else none), "dynamic", a static scale (a positive number), or None (none)
+    loss_scale: float | str | None = "auto"
 
     def __post_init__(self) -> None:
         if self.kind not in WORKLOADS:
@@ -80,6 +84,12 @@ class WorkloadSpec:
             raise InputError(
                 f"--grad-reduce-dtype {self.grad_reduce_dtype!r} is not one of {list(GRAD_REDUCE_DTYPES)}"
             )
+        if self.loss_scale not in (None, "auto", DYNAMIC_LOSS_SCALE) and not (
+            isinstance(self.loss_scale, (int, float)) and 0 < self.loss_scale < float("inf")
+        ):
+            raise InputError(
+                f"--loss-scale {self.loss_scale!r} is not auto, dynamic, off or a positive number (a static scale)"
+            )
         if not self.moe_imbalance >= 1.0:
             raise InputError(
                 f"--moe-imbalance must be >= 1 (the busiest expert-parallel rank's rows over the mean), got "
@@ -95,6 +105,12 @@ class WorkloadSpec:
     def train(self) -> bool:
         return self.kind is Workload.TRAIN
 
+    def plan_loss_scale(self, dtype: str) -> float | str | None:
+        """`Plan.loss_scale` for a plan in `dtype`: None unless it trains in fp16; there "auto" is dynamic."""
+        if not self.train or dtype != "fp16" or self.loss_scale is None:
+            return None
+        return DYNAMIC_LOSS_SCALE if self.loss_scale == "auto" else self.loss_scale
+
     @property
     def tokens_per_sequence(self) -> int:
         """New tokens processed per sequence in one step."""
@@ -107,12 +123,13 @@ class WorkloadSpec:
 
 
 def plan_workload_options(plan: Plan) -> dict[str, float | str | None]:
-    """The routing and the gradient reduction's dtype a plan was priced with, as `WorkloadSpec` keywords
+    """The routing, the loss scaling and the gradient reduction's dtype a plan was priced with, as `WorkloadSpec` keywords
     (re-pricing it uses them again)."""
     return {
         "moe_imbalance": plan.moe_imbalance,
         "moe_capacity_factor": plan.moe_capacity_factor,
         "grad_reduce_dtype": plan.grad_reduce_dtype if plan.workload == "train" else "param",
+        "loss_scale": plan.loss_scale,
     }
 
 

@@ -1605,6 +1605,7 @@ def _plan_of(search: _Search, priced: PricedAssignment, model_name: str, solver:
         grad_reduce_dtype=w.grad_reduce_dtype
         if w.train and tables.ctx.dtype in ("bf16", "fp16")
         else "param",
+        loss_scale=w.plan_loss_scale(tables.ctx.dtype),
         num_experts=experts[0] if len(experts := expert_counts(s)) == 1 else 0,
         expert_params=sum(layer.moe.expert_params for layer in s.layers if layer.moe is not None),
         moe_top_k=agreed((layer.moe.top_k for layer in s.layers if layer.moe), 0),
