@@ -374,7 +374,8 @@ def write_readme(out_dir: str | os.PathLike[str], info: dict) -> Path:
     one; default `out_dir`), "batch_size" (int: the plan's global batch), "fsdp" (str: a fully sharded
     plan's shard layout: adds how the shard groups are bound), "experts" (str: how a mixture of experts'
     routed experts are split and which "ep" group to bind, `planner.cli.emitting`; "experts_one_rank_ep": a
-    true value adds the one-rank "ep" binding to the code), "serving" (str: the served
+    true value adds the one-rank "ep" binding to the code), "loss_scale" (str: fp16 training's loss
+    scaling in words, `planner.plan.loss_scale_text`: adds how to scale), "serving" (str: the served
     request, for a decode plan of a model with a KV cache: adds how the caches are filled). Written atomically
     (`planner.files.write_text_atomic`); raises InputError when it cannot be written.
     """
@@ -498,6 +499,16 @@ dp x cp ranks that hold the same weights, as `planner run` does.
 ## Mixture of experts
 
 {info["experts"]}
+"""
+    if info.get("loss_scale"):
+        text += f"""
+## fp16 training: loss scaling
+
+The plan trains in fp16 with loss scaling {info["loss_scale"]}: multiply each loss by the scale before
+its backward, divide the gradients by it (in fp32) before the optimizer step, and skip a step whose
+gradients hold an inf or NaN on any rank, e.g. with
+`torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler` (torch.amp's GradScaler with the
+found-inf flag all-reduced over the ranks) as `planner run` does (`runtime.loss_scaling`).
 """
     if info.get("serving"):
         text += f"""

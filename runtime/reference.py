@@ -195,7 +195,10 @@ def write_reference(job: RunJob, directory: str, made_on: str = "launching proce
                 plan.loss_scale, backward, lambda: [p.grad for p in params if p.grad is not None]
             )
         except ValueError as e:
-            raise InputError(f"the unsharded model's training step in {plan.dtype}: {e}") from None
+            raise InputError(
+                f"plan field 'loss_scale' ({plan.loss_scale}, --loss-scale): the unsharded model's training step "
+                f"in {plan.dtype}: {e}"
+            ) from None
         results.update(target=target, loss=loss.detach())
         # the graph the tries kept: freed before the next forward (`operand_scales`)
         outs = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outs)

@@ -256,6 +256,11 @@ def test_write_readme(tmp_path: Path) -> None:
         'register_group("tp"' in text and "load_rank_module" in text and 'init_process_group("gloo")' in text
     )
     assert "tp=2, pp=1, dp=1 (2 ranks" in text
+    assert "loss scaling" not in text
+    fp16 = write_readme(
+        tmp_path, {"model": "llama3", "tp": 2, "loss_scale": "dynamic (from 2^16)"}
+    ).read_text()
+    assert "## fp16 training: loss scaling" in fp16 and "dynamic (from 2^16)" in fp16
 
 
 # ---------------------------------------------------------------------------------------------------

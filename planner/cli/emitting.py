@@ -34,7 +34,7 @@ from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture
 from planner.frontend.modelfile import load_model_file
 from planner.frontend.phases import build_for, decode_phase, phase_inputs
-from planner.plan import DataParallel, Plan, Workload
+from planner.plan import DataParallel, Plan, Workload, loss_scale_text
 from runtime.reference import WEIGHTS_HELP
 
 MAX_MATERIALISED_BYTES = 4 * 2**30  # above this, emit from meta (no weights): a laptop cannot hold 70B
@@ -186,6 +186,11 @@ def emit_plan(
                 ),
                 "experts": experts_text(plan),
                 "experts_one_rank_ep": plan.ep == 1 and plan.expert_tp > 1,
+                "loss_scale": (
+                    loss_scale_text(plan.loss_scale)
+                    if plan.workload == "train" and plan.dtype == "fp16"
+                    else ""
+                ),
                 "serving": (
                     f"The plan serves a prompt of {sv.prompt_len} tokens and {sv.new_tokens} new ones per "
                     f"sequence, with caches of {sv.cache_len} tokens."
