@@ -287,3 +287,53 @@ def test_hf_models_are_captured_with_sdpas_causal_flag_not_a_traced_mask(example
 
     wrapped = sdpa_args(capture(Wrapper(mf.build("meta")), args, {}))
     assert wrapped and all(isinstance(a[0], torch.fx.Node) for a in wrapped), wrapped
+
+
+class _CachesOnFirstCall(torch.nn.Module):
+    """A forward that caches a tensor as a plain attribute the first time it runs (as Hugging Face's
+    LongRoPE caches `long_inv_freq`) and uses the cache from then on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.kept = torch.ones(4)  # a plain tensor attribute the model had before
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cached = getattr(self, "cached", None)
+        if cached is None:
+            cached = torch.arange(4.0, device=x.device)
+            self.cached = cached
+        self.kept = self.kept * 1.0  # replaced in every forward
+        return self.proj(x) * cached + self.kept
+
+
+def test_capture_leaves_no_traced_tensor_on_the_model() -> None:
+    """torch.export traces the forward on fake tensors: an attribute the forward caches would stay on the
+    user's model as a FakeTensor (LongRoPE's `long_inv_freq`: the eager Phi-3 then computed other
+    values than its graph). After capture the model holds the attributes it held before, real ones."""
+    model = _CachesOnFirstCall()
+    kept = model.kept
+    x = torch.randn(2, 4)
+    gm = capture(model, (x,), {})
+    assert "cached" not in vars(model) and model.kept is kept
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), model(x))
+
+
+def test_a_longrope_phi3_captures_what_it_computes() -> None:
+    """Phi-3 with LongRoPE (the 128k models' `rope_scaling`), past its original context: the captured
+    graph and the eager model agree (`runtime.reference.check_capture`), before and after a capture."""
+    transformers = pytest.importorskip("transformers")
+    from runtime.reference import check_capture  # noqa: PLC0415
+
+    config = transformers.Phi3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, original_max_position_embeddings=16,
+        rope_scaling={"type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4},
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Phi3ForCausalLM(config).eval()
+    tokens = torch.randint(0, 64, (1, 32), generator=torch.Generator().manual_seed(0))
+    gm = capture(model, (tokens,), {"use_cache": False})
+    check_capture(model, gm, (tokens,), {"use_cache": False}, "fp32")

@@ -177,6 +177,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> fx.Gra
                 contextlib.redirect_stderr(stderr),
                 contextlib.redirect_stdout(stdout),
                 _hf_mask_skip(positions_given=_positions_given(model, args, kwargs)),
+                _tensor_attributes_kept(model),
             ):
                 exported = torch.export.export(model, args, kwargs, strict=False)
         except Exception as e:  # export raises many types; all mean "this model does not trace"
@@ -202,6 +203,28 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> fx.Gra
     _refuse_unplannable(gm, model)
     capture_cache.store(key, gm, model, stdout.getvalue(), stderr.getvalue(), caught)
     return gm
+
+
+@contextlib.contextmanager
+def _tensor_attributes_kept(model: nn.Module) -> Iterator[None]:
+    """Within, `model`'s modules keep their plain tensor attributes: one a forward sets while torch.export
+    traces it (non-strict export runs the forward on fake tensors) is set back, or deleted if new.
+    Hugging Face's LongRoPE (Phi-3 128k) caches `long_inv_freq` on its rotary module in the first forward:
+    traced, the cache was a FakeTensor, and every later eager forward picked its frequencies from it, so
+    the model computed other values than its graph (0.028 at a logit scale of 1.06)."""
+    before = {
+        mod: {k: v for k, v in vars(mod).items() if isinstance(v, torch.Tensor)} for mod in model.modules()
+    }
+    try:
+        yield
+    finally:
+        for mod, kept in before.items():
+            for k, v in list(vars(mod).items()):
+                if isinstance(v, torch.Tensor) and kept.get(k) is not v:
+                    if k in kept:
+                        mod.__dict__[k] = kept[k]
+                    else:
+                        del mod.__dict__[k]
 
 
 def _check_forward_accepts(model: nn.Module, args: tuple, kwargs: dict) -> None:
