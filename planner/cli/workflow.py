@@ -732,7 +732,8 @@ def check_constraints_fit(
 def prepare_for_plan(plan: Plan, model_path: str) -> Prepared:
     """`prepare` `model_path` as `plan` was made: a serving plan's request (decode: its context is the
     prompt; generate: its prompt is the sequence length), in the plan's dtype; any other plan's
-    forward graph at the plan's batch and sequence length. Raises InputError as `prepare`."""
+    graph (training's, or forward's) at the plan's batch, sequence length and dtype, as `planner
+    optimize` prepared it. Raises InputError as `prepare`."""
     sv = plan.serving
     if sv is None:
         if plan.workload in (Workload.DECODE, Workload.GENERATE) and load_model_file(model_path).has_cache:
@@ -741,7 +742,10 @@ def prepare_for_plan(plan: Plan, model_path: str) -> Prepared:
                 "its decode / generate plans serve a request; plan it again (planner optimize ... --workload "
                 f"{plan.workload})"
             )
-        return prepare(model_path, "forward", plan.batch_size, plan.seq_len)
+        # as `planner optimize` prepared it: a training plan's graph records its attention dropout and
+        # norm upcasts in the plan's dtype, and the model's rates are timed for its backward and dtype
+        workload = Workload.TRAIN if plan.workload is Workload.TRAIN else Workload.FORWARD
+        return prepare(model_path, str(workload), plan.batch_size, plan.seq_len, dtype=plan.dtype)
     decode = plan.workload is Workload.DECODE
     return prepare(
         model_path,
