@@ -508,7 +508,8 @@ The plan trains in fp16 with loss scaling {info["loss_scale"]}: multiply each lo
 its backward, divide the gradients by it (in fp32) before the optimizer step, and skip a step whose
 gradients hold an inf or NaN on any rank, e.g. with
 `torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler` (torch.amp's GradScaler with the
-found-inf flag all-reduced over the ranks) as `planner run` does (`runtime.loss_scaling`).
+found-inf flag all-reduced over the ranks) as `planner run` does (`runtime.loss_scaling`): its
+`update()` after every step for a dynamic scale, `update(new_scale=S)` for a static one.
 """
     if info.get("serving"):
         text += f"""

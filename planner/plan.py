@@ -120,6 +120,7 @@ DYNAMIC_LOSS_SCALE = "dynamic"
 DYNAMIC_INIT_SCALE = 2.0**16
 GROWTH_INTERVAL = 2000
 GROWTH_FACTOR, BACKOFF_FACTOR = 2.0, 0.5
+FP32_MAX = 3.4028234663852886e38  # the largest finite fp32 (torch.finfo(torch.float32).max): a scale's bound
 # context-parallel attention variants (`Plan.cp_comm_type`; run by `passes.context_parallel`)
 CP_COMM_TYPES: tuple[str, ...] = ("ring", "allgather", "alltoall")
 # where expert parallelism's ranks come from (`Plan.ep_fold`): the dp x cp ranks (tokens move by
@@ -779,7 +780,9 @@ class Plan:
         that `data` is not a plan at all (a cluster spec, some other YAML)."""
         _check_is_plan(data, origin)
         try:
-            plan = _from_builtin(cls, _upgrade_distributed_optimizer(_upgrade_flat_mesh(data)), "")
+            plan = _from_builtin(
+                cls, _normalise_loss_scale(_upgrade_distributed_optimizer(_upgrade_flat_mesh(data))), ""
+            )
         except InputError as e:
             raise InputError(f"{origin}: {e}") from None
         plan.validate(origin)
@@ -981,11 +984,12 @@ class Plan:
             if self.loss_scale != DYNAMIC_LOSS_SCALE and not (
                 isinstance(self.loss_scale, (int, float))
                 and not isinstance(self.loss_scale, bool)
-                and 0 < self.loss_scale < float("inf")
+                and 0 < self.loss_scale <= FP32_MAX
             ):
                 raise bad(
                     "loss_scale",
-                    f"{self.loss_scale!r} is not {DYNAMIC_LOSS_SCALE!r}, a positive number (a static scale) or null",
+                    f"{self.loss_scale!r} is not {DYNAMIC_LOSS_SCALE!r}, a positive number up to fp32's largest "
+                    f"({FP32_MAX:.3g}; a static scale) or null (none)",
                 )
             if self.workload != "train" or self.dtype != "fp16":
                 raise bad(
@@ -1282,6 +1286,31 @@ def dp_style_text(style: DataParallel, dp: int, shard: int, reshard_after_forwar
     if 1 < shard < dp:
         return f"hsdp: fsdp over {shard} x replicate {dp // shard} ({reshard})"
     return f"fsdp ({reshard})"
+
+
+def _normalise_loss_scale(data: object) -> object:
+    """A hand-written `loss_scale` in the spellings a user reaches for: YAML's ``off`` / ``false`` and
+    the words "off", "none", "null" are null (no scaling, as --loss-scale off); "Dynamic" in any case
+    is "dynamic"; a number written as a string ("1e4", which PyYAML reads as one) is that number.
+    Raises InputError for ``true`` (which scale?). Anything else is returned unchanged for `validate`."""
+    if not isinstance(data, dict) or "loss_scale" not in data:
+        return data
+    value = data["loss_scale"]
+    if value is True:
+        raise InputError(
+            "field 'loss_scale': true says no scale: write dynamic, a positive number (a static scale) or null (none)"
+        )
+    if value is False or (isinstance(value, str) and value.strip().lower() in ("off", "none", "null", "")):
+        return {**data, "loss_scale": None}
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word == DYNAMIC_LOSS_SCALE:
+            return {**data, "loss_scale": DYNAMIC_LOSS_SCALE}
+        try:
+            return {**data, "loss_scale": float(word)}
+        except ValueError:
+            return data
+    return data
 
 
 def _upgrade_distributed_optimizer(data: object) -> object:

@@ -94,6 +94,7 @@ class RankReport:
     loss_diff: float | None = None  # training: |loss (DP-averaged) - unsharded loss on the whole batch|
     loss_scale: float | None = None  # training: |unsharded loss|
     grad_scale: float | None = None  # training: max |unsharded gradient| over this rank's parameters
+    grad_loss_scale: float | None = None  # fp16 loss scaling: the gradients compared are the loss's times it
     grads_compared: int = 0  # training: gradients (or, sharded, pieces of them) compared on this rank
     update_max_abs_diff: float | None = None  # training: first optimizer step (`compare_update`)
     update_tolerance: float | None = None  # its tolerance (a share of the learning rate)
@@ -339,6 +340,7 @@ def summarise(reports: list[RankReport]) -> dict[str, Any]:
             "grad_max_abs_diff": max(grads) if grads else None,
             "grad_worst": _worst_grad(reports),
             "grad_scale": max(grad_scales) if grad_scales else None,
+            "grad_loss_scale": next((r.grad_loss_scale for r in reports if r.grad_loss_scale), None),
             # training: gradients (or sharded pieces of them) compared over all ranks; 0 fails the check
             "grads_compared": sum(r.grads_compared for r in reports) if grads else None,
             "update_max_abs_diff": max(

@@ -56,28 +56,38 @@ def reference_scale(
     loss_scale: float | str | None,
     backward: Callable[[float], None],
     grads: Callable[[], Sequence[torch.Tensor]],
+    headroom: float = 1.0,
 ) -> float | None:
     """The scale of the unsharded reference's one step: `backward(scale)` runs the backward of the
     loss times ``scale`` (the gradients set anew, not accumulated), `grads()` returns the gradients.
-    Dynamic: from `DYNAMIC_INIT_SCALE`, halved until every gradient is finite (what a dynamic scaler's
-    skipped steps reach). Static: the plan's scale. None: no scaling (`backward(1.0)` once).
+    Dynamic: from `DYNAMIC_INIT_SCALE`, halved until every gradient is finite at the scale times
+    ``headroom`` (what a dynamic scaler's skipped steps reach on the ranks: a data-parallel or
+    context-parallel rank's loss is a mean over its share of the elements, so the gradients the
+    backward carries are dp x cp times the whole batch's at the same scale). Static: the plan's scale,
+    checked so. The gradients left are the scale's. None: no scaling (`backward(1.0)` once).
     Raises ValueError when the gradients are not finite at the static scale, or at any dynamic one."""
     scale = initial_scale(loss_scale)
     if scale is None:
         backward(1.0)
         return None
     for _ in range(MAX_HALVINGS if loss_scale == DYNAMIC_LOSS_SCALE else 1):
-        backward(scale)
+        backward(scale * headroom)
         if all(bool(torch.isfinite(g).all()) for g in grads()):
+            if headroom != 1.0:
+                backward(scale)
             return scale
         scale *= BACKOFF_FACTOR
+    share = (
+        f" times {headroom:g} (a rank's share of the batch: its mean loss has dp x cp times the gradients)"
+    )
     if loss_scale == DYNAMIC_LOSS_SCALE:
         raise ValueError(
-            f"the fp16 gradients are not finite at any loss scale from 2^16 down to 2^{int(math.log2(scale)) + 1}: "
-            "the forward itself overflows fp16 (|x| > 65504); train in bf16"
+            f"the fp16 gradients are not finite at any loss scale from 2^16 down to 2^{int(math.log2(scale)) + 1}"
+            f"{share if headroom != 1.0 else ''}: the forward itself overflows fp16 (|x| > 65504); train in bf16"
         )
     raise ValueError(
-        f"the fp16 gradients overflow at the static loss scale {loss_scale:g}: use a smaller one, or dynamic"
+        f"the fp16 gradients overflow at the static loss scale {loss_scale:g}{share if headroom != 1.0 else ''}: "
+        "use a smaller one, or dynamic"
     )
 
 

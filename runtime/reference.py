@@ -192,7 +192,10 @@ def write_reference(job: RunJob, directory: str, made_on: str = "launching proce
 
         try:
             scale = reference_scale(
-                plan.loss_scale, backward, lambda: [p.grad for p in params if p.grad is not None]
+                plan.loss_scale,
+                backward,
+                lambda: [p.grad for p in params if p.grad is not None],
+                headroom=plan.dp * plan.cp,
             )
         except ValueError as e:
             raise InputError(
@@ -380,6 +383,8 @@ def compare_gradients(
                 diffs.append(max_abs_diff(got.cpu(), want))
                 scales.append(max_abs(want))
                 compared.append(n)
+    if (factor := reference_loss_scale(reference)) != 1.0:  # both sides' gradients are the scaled loss's
+        report.grad_loss_scale = factor
     report.grad_max_abs_diff = max(diffs, default=0.0)
     report.grad_worst = compared[diffs.index(report.grad_max_abs_diff)] if diffs else None
     report.grad_scale = max(scales, default=0.0)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import shutil
 import tempfile
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -69,19 +70,35 @@ def run_job(job: RunJob, nproc: int, timeout_s: float, progress: Progress = sile
         raise RunError(
             "the sharded run does not compute what the unsharded model computes on the same batch "
             "(reference: the unsharded model on the whole batch, tolerances by dtype in runtime.numerics):\n  "
-            + "\n  ".join(failures + numerics_hints(plan.dtype, job.workload, plan.loss_scale)),
+            + "\n  ".join(
+                failures + numerics_hints(plan.dtype, job.workload, plan.loss_scale, _rank_notes(summary))
+            ),
             run=summary,
         )
     return summary
 
 
-def numerics_hints(dtype: str, workload: str, loss_scale: float | str | None = None) -> list[str]:
+def _rank_notes(summary: dict[str, Any]) -> list[str]:
+    """Every rank's notes in a run's summary (`runtime.job.summarise`)."""
+    return [n for rank in summary.get("ranks", []) for n in rank.get("notes", [])]
+
+
+def numerics_hints(
+    dtype: str, workload: str, loss_scale: float | str | None = None, notes: Sequence[str] = ()
+) -> list[str]:
     """Lines added to a failed numerics check that name a likely cause beyond the sharding itself:
     fp16 training without loss scaling (`Plan.loss_scale` null: --loss-scale off, or a plan written
     before the field). A loss averaged over many outputs has per-element gradients of 1e-6 and less,
     deep in fp16's subnormals, which round differently when the batch is split over ranks, in the
     reference too (a tiny Mixtral trained at DP 2: gradients 8.3e-5 apart at a scale of 2.3e-3, where
-    bf16's agree to 2.5e-5); loss scaling (`runtime.loss_scaling`) lifts them into fp16's normal range."""
+    bf16's agree to 2.5e-5); loss scaling (`runtime.loss_scaling`) lifts them into fp16's normal range.
+    Or, with loss scaling, a checked step skipped for gradients that overflowed (the ranks' `notes`)."""
+    skipped = next((n for n in notes if n.startswith("loss scaling") and "skipped" in n), None)
+    if skipped is not None:  # `runtime.loss_scaling.LossScaler.note`
+        return [
+            f"note: the checked step's fp16 gradients overflowed on a rank and the step was skipped ({skipped}): "
+            "its update is none; plan a smaller static --loss-scale, or dynamic"
+        ]
     if dtype == "fp16" and workload == "train" and loss_scale is None:
         return [
             f"note: this fp16 training ran without loss scaling: gradients under fp16's smallest normal value "

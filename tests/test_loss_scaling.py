@@ -79,6 +79,13 @@ def test_reference_scale_halves_until_the_gradients_are_finite() -> None:
         loss_scaling.reference_scale(4096.0, backward, lambda: grad)
     tries.clear()
     assert loss_scaling.reference_scale(None, backward, lambda: grad) is None and tries == [1.0]
+    # a rank holding half the batch (dp 2): checked at twice the scale, the gradients left at the scale
+    tries.clear()
+    assert loss_scaling.reference_scale("dynamic", backward, lambda: grad, headroom=2) == 2.0**8
+    assert tries == [2.0 ** (k + 1) for k in range(16, 7, -1)] + [2.0**8]
+    assert float(grad[0][0]) == 2.0**8 * 64.0
+    with pytest.raises(ValueError, match="static loss scale 512 times 2"):
+        loss_scaling.reference_scale(512.0, backward, lambda: grad, headroom=2)
 
 
 # ------------------------------------------------------------------ the scaler on 2 gloo ranks
@@ -141,7 +148,12 @@ def test_the_plan_field_is_checked_and_old_plans_load_without_it(tmp_path) -> No
     train16 = {**data, "workload": "train", "dtype": "fp16"}
     assert Plan.from_dict({**train16, "loss_scale": "dynamic"}).loss_scale == "dynamic"
     assert Plan.from_dict({**train16, "loss_scale": 1024}).loss_scale == 1024.0
+    # the spellings a hand edit reaches for: YAML's off (false), "none", "Dynamic", a number as text
+    for written, read in ((False, None), ("none", None), ("Off", None), ("Dynamic", "dynamic"), ("1e4", 1e4)):
+        assert Plan.from_dict({**train16, "loss_scale": written}).loss_scale == read, written
     for bad, words in (
+        ({**train16, "loss_scale": True}, "true says no scale"),
+        ({**train16, "loss_scale": 1e39}, "up to fp32's largest"),
         ({**train16, "loss_scale": "sometimes"}, "is not 'dynamic', a positive number"),
         ({**train16, "loss_scale": 0}, "is not 'dynamic', a positive number"),
         ({**train16, "dtype": "bf16", "loss_scale": "dynamic"}, "loss scaling is for fp16 training"),
@@ -173,6 +185,15 @@ def test_fp16_training_plans_dynamic_loss_scaling_and_prices_it(tmp_path) -> Non
     bf16 plans none and says the flag had no effect."""
     plan, text = _planned(tmp_path, "--dtype", "fp16")
     assert plan.loss_scale == "dynamic" and "dynamic (from 2^16)" in text
+    # the exports: Megatron-LM's loss-scaling flags; torchtitan (no fp16, no loss scaling) says so
+    megatron = planner(
+        "export", str(tmp_path / "plan.yaml"), "--to", "megatron", "--out", str(tmp_path / "m.sh")
+    )
+    assert megatron.returncode == 0 and "--initial-loss-scale 65536" in (tmp_path / "m.sh").read_text()
+    titan = planner(
+        "export", str(tmp_path / "plan.yaml"), "--to", "torchtitan", "--out", str(tmp_path / "t.toml")
+    )
+    assert titan.returncode == 0 and "has no loss scaling" in titan.stderr and '"bfloat16"' in titan.stderr
     off, _ = _planned(tmp_path, "--dtype", "fp16", "--loss-scale", "off")
     assert off.loss_scale is None
     static, _ = _planned(tmp_path, "--dtype", "fp16", "--loss-scale", "1024")
@@ -231,6 +252,30 @@ def test_fp16_training_runs_with_loss_scaling_match_the_unsharded_model(layout, 
     assert numerics["update_max_abs_diff"] <= numerics["update_tolerance"]
     notes = [n for r in summary["ranks"] for n in r["notes"] if n.startswith("loss scaling")]
     assert len(notes) == 2 and all("checked step ran at scale 65536" in n for n in notes)
+
+
+@pytest.mark.slow
+def test_a_data_parallel_run_starts_at_a_scale_its_shares_do_not_overflow() -> None:
+    """tests/models/fp16_large_grads.py at DP 2: its whole batch's gradients are finite at 128, a
+    replica's (twice as large) only at 64; the reference's scale leaves the replicas that room, so the
+    checked step is taken on both and matches (it was skipped on both, and the check failed)."""
+    plan = _plan("fp16_large_grads.py", dp=2, batch_size=4, seq_len=64, workload="train")
+    plan = dataclasses.replace(plan, dtype="fp16", loss_scale="dynamic")
+    job = RunJob(str(MODELS / "fp16_large_grads.py"), plan.to_dict(), batch_size=4, seq_len=64,
+                 workload="train", warmup=0, iters=2)  # fmt: skip
+    summary = run_job(job, nproc=2, timeout_s=120)
+    assert summary["numerics"]["update_max_abs_diff"] <= summary["numerics"]["update_tolerance"]
+    notes = [n for r in summary["ranks"] for n in r["notes"] if n.startswith("loss scaling")]
+    assert notes and all("ran at scale 64" in n and "skipped" not in n for n in notes), notes
+
+
+def test_a_skipped_checked_step_is_named_when_the_check_fails() -> None:
+    from runtime.session import numerics_hints  # noqa: PLC0415
+
+    note = "loss scaling: static 128; the checked step ran at scale 128; 1 of 1 step(s) skipped for inf / NaN gradients"
+    (hint,) = numerics_hints("fp16", "train", 128.0, [note])
+    assert "overflowed on a rank and the step was skipped" in hint and "--loss-scale" in hint
+    assert numerics_hints("fp16", "train", "dynamic", []) == []
 
 
 def test_a_static_scale_that_overflows_is_refused_before_the_ranks_start() -> None:

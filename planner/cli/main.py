@@ -33,7 +33,7 @@ from costmodels.expert_parallel import DEFAULT_MOE_IMBALANCE
 from planner.cli.progress import Bars
 from planner.errors import InputError, PlannerError, RunError
 from planner.files import check_output_path, edited_since_written, with_digest, write_text_atomic
-from planner.plan import CP_COMM_TYPES, DP_STYLES, EP_FOLDS, GRAD_REDUCE_DTYPES, cp_unbalanced_note
+from planner.plan import CP_COMM_TYPES, DP_STYLES, EP_FOLDS, FP32_MAX, GRAD_REDUCE_DTYPES, cp_unbalanced_note
 
 _WIDTH = None if sys.stdout.isatty() else 150  # rich assumes 80 columns when piped; tables need more
 
@@ -1520,9 +1520,10 @@ def _loss_scale_arg(text: str) -> float | str | None:
         value = float(word)
     except ValueError:
         value = float("nan")
-    if not 0 < value < float("inf"):
+    if not 0 < value <= FP32_MAX:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not auto, dynamic, off or a positive number (a static scale such as 1024)"
+            f"{text!r} is not auto, dynamic, off or a positive number up to fp32's largest ({FP32_MAX:.3g}; a "
+            "static scale such as 1024)"
         )
     return value
 

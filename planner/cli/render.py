@@ -564,6 +564,12 @@ def render_run(console: Console, report: dict[str, Any]) -> None:
         + (
             f"; gradients max diff {n['grad_max_abs_diff']:.3g}"
             + (f" ({n['grad_worst']})" if n.get("grad_worst") else "")
+            + (f" of scale {n['grad_scale']:.3g}" if n.get("grad_scale") else "")
+            + (
+                f", the loss's gradients times the loss scale {n['grad_loss_scale']:g} on both sides"
+                if n.get("grad_loss_scale")
+                else ""
+            )
             if n.get("grad_max_abs_diff") is not None
             else ""
         )

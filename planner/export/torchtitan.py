@@ -128,7 +128,7 @@ from planner.export.common import (
     strongest_recompute,
     virtual_stage_layers,
 )
-from planner.plan import DataParallel, Plan, Schedule, SplitStyle, Workload
+from planner.plan import DataParallel, Plan, Schedule, SplitStyle, Workload, loss_scale_text
 
 TOOL = "torchtitan"
 VERSIONS: tuple[str, ...] = (
@@ -403,8 +403,14 @@ def _common(plan: Plan, version: str) -> tuple[dict[str, object], str, dict[str,
             # FSDP's reduce-scatter dtype (torchtitan's default float32): the one the plan priced
             training["mixed_precision_reduce"] = "float32" if plan.grad_reduce_dtype == "fp32" else "bfloat16"
     else:
+        scaled = (
+            f", and has no loss scaling (the plan's {loss_scale_text(plan.loss_scale)} is not exported)"
+            if plan.workload is Workload.TRAIN and plan.loss_scale is not None
+            else ""
+        )
         warnings.append(
-            f"torchtitan trains in bfloat16 or float32, not {plan.dtype}: choose training.mixed_precision_param"
+            f"torchtitan trains in bfloat16 or float32, not {plan.dtype}{scaled}: the file leaves "
+            'training.mixed_precision_param unset; set it to "bfloat16" (and plan with --dtype bf16 to price that)'
         )
     if plan.tp > 1 and not any(s.style is SplitStyle.VOCAB for s in plan.splits.values()):
         if version == "0.3":

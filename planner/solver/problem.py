@@ -27,6 +27,7 @@ from planner.plan import (
     CP_COMM_TYPES,
     DYNAMIC_LOSS_SCALE,
     EP_FOLDS,
+    FP32_MAX,
     GRAD_REDUCE_DTYPES,
     WORKLOADS,
     DataParallel,
@@ -85,10 +86,11 @@ class WorkloadSpec:
                 f"--grad-reduce-dtype {self.grad_reduce_dtype!r} is not one of {list(GRAD_REDUCE_DTYPES)}"
             )
         if self.loss_scale not in (None, "auto", DYNAMIC_LOSS_SCALE) and not (
-            isinstance(self.loss_scale, (int, float)) and 0 < self.loss_scale < float("inf")
+            isinstance(self.loss_scale, (int, float)) and 0 < self.loss_scale <= FP32_MAX
         ):
             raise InputError(
-                f"--loss-scale {self.loss_scale!r} is not auto, dynamic, off or a positive number (a static scale)"
+                f"--loss-scale {self.loss_scale!r} is not auto, dynamic, off or a positive number up to fp32's "
+                f"largest ({FP32_MAX:.3g}; a static scale)"
             )
         if not self.moe_imbalance >= 1.0:
             raise InputError(
