@@ -129,6 +129,8 @@ CONFIGS = (
     # 16-bit on CPU ranks: bf16 elementwise ops and attention cost as much as fp32's or more here
     Config("llama3 tiny", LLAMA, 4, 128, 1, dp=2, dtype="bf16"),
     Config("llama3 tiny", LLAMA, 4, 128, 1, dp=2, workload="train", dtype="bf16"),
+    # fp16 training with dynamic loss scaling (the unscale pass and the found-inf all-reduce priced)
+    Config("llama3 tiny", LLAMA, 4, 128, 1, dp=2, workload="train", dtype="fp16"),
 )
 
 

@@ -7,10 +7,11 @@
    meta device (when the file builds there) and filled from the user's safetensors files;
 2. captures it on the WHOLE batch, applies the plan's ladder layers (so a run's difference measures
    the rewrite alone; `ladder_deviation` says how far ladder residual moved the original outputs)
-   and runs it: every output, and for training the MSE loss against `training_target` and every
-   parameter's gradient;
-3. writes to `directory`: `outputs.safetensors` (output.{i}, target, loss), `grads.safetensors`
-   (training) and, unless the user gave weights, `weights.safetensors` (every parameter and
+   and runs it: every output, and for training the MSE loss (in fp32, `runtime.loss.output_loss`)
+   against `training_target` and every parameter's gradient;
+3. writes to `directory`: `outputs.safetensors` (output.{i}, target, loss; under fp16 loss scaling
+   loss_scale_factor, the scale its gradients carry: `runtime.loss_scaling.reference_scale`),
+   `grads.safetensors` (training) and, unless the user gave weights, `weights.safetensors` (every parameter and
    buffer, non-persistent ones included); with user weights, only the tensors their files lack
    (non-persistent buffers) go to `extra.safetensors`.
 
@@ -443,7 +444,8 @@ def compare_update(
     the gradients' allowed difference cannot flip a step's sign, so the updates match to a small share
     of lr, while a wrong slice updated, an update lost or a gather misplaced moves elements by about
     lr. `module`: the rank's graph, or its pipeline chunks; `before`: `update_snapshot` of them just
-    before the step."""
+    before the step. Under fp16 loss scaling the reference's gradients are divided by its scale first
+    (`reference_loss_scale`), as the run's optimizer divides its own."""
     plan, groups = setup.plan, setup.groups
     modules = [module] if isinstance(module, torch.nn.Module) else list(module)
     lr, now = optimizer.lr, update_snapshot(modules, optimizer)
