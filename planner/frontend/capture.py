@@ -257,6 +257,8 @@ def _check_forward_accepts(model: nn.Module, args: tuple, kwargs: dict) -> None:
 # torch.export's unlifting warns once per tensor attribute that requires grad but is not a parameter
 # (Hugging Face's static-cache export wrapper has one per attention layer): said once per process, as one line
 _LIFTED_CONSTANT = re.compile(r"A model attribute `(.+?)` requires gradient")
+# torch.export's note on a tensor attribute the forward set while traced (LongRoPE's cache)
+_ASSIGNED_IN_EXPORT = re.compile(r"tensor attributes? .+ (?:was|were) assigned during export")
 _lifted_said = False
 _lifted_quiet: contextvars.ContextVar[bool] = contextvars.ContextVar("lifted_quiet", default=False)
 
@@ -280,6 +282,8 @@ def _replay_unlift_warnings(caught: list[warnings.WarningMessage]) -> None:
         found = _LIFTED_CONSTANT.search(str(w.message))
         if found:
             lifted.append(found.group(1))
+        elif _ASSIGNED_IN_EXPORT.search(str(w.message)):
+            continue  # set back after the capture (`_tensor_attributes_kept`): nothing for the user to do
         else:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     # a rank process (RANK set by the launcher or torchrun) stays quiet: the process that planned or
