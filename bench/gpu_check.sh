@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-GPU check of the prices that hold (bench/README.md, "gpu_check"): calibrate this GPU with CUDA
-# events and NCCL, run the tiny Llama forward, decode and training step at world size 1 on it, time
+# events and NCCL, run the tiny Llama forward, decode and training step (bf16 / fp32 as planned, and
+# fp16 with loss scaling: ShardedGradScaler on CUDA) at world size 1 on it, time
 # one layer of each Megatron-Core row op by op, and print measured beside predicted. Under 10 minutes on one NVIDIA GPU.
 # Everything goes under ${OUT:-out/gpu_check}.
 #
@@ -86,6 +87,10 @@ step "tiny Llama training step, world size 1, NCCL" 150 \
   "${PLANNER[@]}" optimize examples/llama3.py --workload train --cluster "$SPEC" --nproc 1 --run \
   --json "$OUT/train.json"
 
+step "tiny Llama fp16 training step with dynamic loss scaling, world size 1, NCCL" 150 \
+  "${PLANNER[@]}" optimize examples/llama3.py --workload train --dtype fp16 --cluster "$SPEC" --nproc 1 --run \
+  --json "$OUT/train_fp16.json"
+
 step "the 1.7B row's whole training step, sustained (mbs 1 and 4, 40 s each)" 240 \
   "$PY" bench/step_check.py --seconds 40 --json "$OUT/step_check.json"
 
@@ -94,7 +99,7 @@ step "Megatron rows' layers, op by op (issue 32's small-model gap)" 180 \
 
 "$PY" - "$OUT" "$SPEC" <<'EOF' | tee "$OUT/summary.txt" || [ "$FAILED" -ne 0 ] || FAILED=1
 """The summary: GEMM efficiency measured now vs the calibrated fit and the dgx-h200 preset, the NCCL
-per-call time, and the three runs' measured / predicted. A part whose step failed says so."""
+per-call time, and the four runs' measured / predicted. A part whose step failed says so."""
 import json
 import sys
 from pathlib import Path
@@ -152,7 +157,7 @@ if steps.exists():
               f"{f'{min(clocks):.0f}-{max(clocks):.0f} MHz' if clocks else '-'}; published (H100) {report['published_s']:.3f} s")
 else:
     print("1.7B step: no report (step_check.json missing: its step failed)")
-for name in ("forward", "decode", "train"):
+for name in ("forward", "decode", "train", "train_fp16"):
     path = out / f"{name}.json"
     if not path.exists():
         print(f"{name}: no report ({path.name} missing: its step failed)")
@@ -170,5 +175,5 @@ for name in ("forward", "decode", "train"):
                   f"ratio {sm['tpot_s'] / sp['tpot_s']:.2f}")
 EOF
 sed -n '/One layer per TP rank/,/^rest = /p' "$LOG" | tee -a "$OUT/summary.txt"
-echo "wrote $OUT (summary.txt, h200-calibrated.yaml, forward.json, decode.json, train.json, step_check.json, layer_check.json, gpu_check.log)"
+echo "wrote $OUT (summary.txt, h200-calibrated.yaml, forward.json, decode.json, train.json, train_fp16.json, step_check.json, layer_check.json, gpu_check.log)"
 exit "$FAILED"
