@@ -79,6 +79,8 @@ TORCH = (
 PLANS: list[tuple[str, str, str, list[str]]] = [
     ("llama3_8b_train", "examples/llama3_8b.py", "8b",
      ["--cluster", "h100-ib-2node", "--workload", "train", "--dtype", "bf16", "--batch-size", "16", "--seq-len", "4096"]),
+    ("llama3_8b_fp16_train", "examples/llama3_8b.py", "8b",
+     ["--cluster", "h100-ib-2node", "--workload", "train", "--dtype", "fp16", "--batch-size", "16", "--seq-len", "4096"]),
     ("llama3_8b_zero1_tp2", "examples/llama3_8b.py", "8b",
      ["--cluster", "h100-ib-2node", "--workload", "train", "--dtype", "bf16", "--batch-size", "16", "--seq-len", "4096",
       "--tp", "2", "--dp-style", "zero1"]),
@@ -350,6 +352,7 @@ def plan_facts(plan, size: str) -> dict:
         "cp": plan.cp, "cp_comm_type": plan.cp_comm_type, "cp_load_balance": plan.cp_load_balance,
         "batch_size": plan.batch_size, "micro_batches": plan.micro_batches, "virtual_stages": plan.virtual_stages,
         "seq_len": plan.seq_len, "layers": num_layers(plan), "dtype": plan.dtype,
+        "loss_scale": plan.loss_scale, "experts_on_sequence_shard": plan.experts_on_sequence_shard,
         "sequence_parallel": bool(plan.sequence_parallel and plan.tp > 1),
         "dp_style": str(plan.dp_style), "dp_shard": plan.dp_shard, "dp_replicate": plan.dp_replicate,
         "reshard_after_forward": plan.reshard_after_forward, "dp_label": dp_label(plan),
@@ -474,7 +477,9 @@ def _dp_label(shard: int, replicate: int, reshard: bool) -> str:
 def _megatron_dp_label(args) -> str:
     """The data-parallel style Megatron-LM runs for parsed `args`, in the planner's labels: its DDP or
     distributed optimizer, or Megatron-FSDP's --data-parallel-sharding-strategy (which reshards after
-    forward) over dp / --num-distributed-optimizer-instances ranks."""
+    forward) over dp x cp / --num-distributed-optimizer-instances ranks (its FSDP groups are the
+    data-parallel ones with context parallelism: `mcore_fsdp_adapter`'s `get_data_parallel_group(
+    with_context_parallel=True)`, as the plan's shards span the CP ranks)."""
     dp = args.data_parallel_size
     if dp == 1:
         return "ddp"
@@ -484,7 +489,7 @@ def _megatron_dp_label(args) -> str:
     instances = args.num_distributed_optimizer_instances
     if strategy in ("no_shard", "optim", "optim_grads"):
         return {"no_shard": "ddp", "optim": "zero1", "optim_grads": "zero2"}[strategy]
-    return _dp_label(dp // instances, instances, True)
+    return _dp_label(dp * args.context_parallel_size // instances, instances, True)
 
 
 def _titan_mesh_checks(facts: dict, dims: object, par: object) -> list[dict]:
@@ -565,6 +570,11 @@ def check_megatron(items: list[dict]) -> list[dict]:
             got = parsed if isinstance(parsed, bool) or not values else str(parsed)
             if isinstance(parsed, list):  # nargs="+" (--cp-comm-type): every value written
                 want, got = values, [str(x) for x in parsed]
+            elif (
+                isinstance(parsed, float) and values
+            ):  # type=float (--initial-loss-scale): "65536" is 65536.0
+                with contextlib.suppress(ValueError):
+                    want, got = float(values[0]), parsed
             res["fields"].append(
                 {"name": option, "written": values, "parsed": str(parsed), "ok": want == got}
             )
@@ -601,7 +611,22 @@ def check_megatron(items: list[dict]) -> list[dict]:
             _check("sequence parallel", facts["sequence_parallel"], bool(args.sequence_parallel)),
             _check("data-parallel style", facts["dp_label"], _megatron_dp_label(args), DP_HINT),
             _check("bf16", facts["dtype"] == "bf16", bool(args.bf16)),
+            _check("fp16", facts["dtype"] == "fp16", bool(args.fp16)),
         ]
+        if facts["dtype"] == "fp16" and facts.get("loss_scale") is not None:  # the plan's loss scaling
+            dynamic = facts["loss_scale"] == "dynamic"
+            res["checks"] += [
+                _check("static loss scale", None if dynamic else float(facts["loss_scale"]), args.loss_scale),
+                *(
+                    [
+                        _check("initial loss scale", 65536.0, float(args.initial_loss_scale)),
+                        _check("loss-scale window", 2000.0, float(args.loss_scale_window)),
+                        _check("hysteresis", 1, args.hysteresis),
+                    ]
+                    if dynamic
+                    else []
+                ),
+            ]
         if facts["num_experts"]:  # the expert mesh: EP, expert TP 1, the all-to-all dispatcher
             res["checks"] += [
                 _check("num experts", facts["num_experts"], args.num_experts),
@@ -609,7 +634,11 @@ def check_megatron(items: list[dict]) -> list[dict]:
                 _check("expert tensor parallel size", 1, args.expert_tensor_parallel_size),
                 _check(
                     "expert data-parallel size (folding)",
-                    facts["devices"] // (facts["pp"] * facts["ep"] * facts["tp"]),
+                    # experts on each TP rank's sequence shard: their gradients reduced over the TP ranks too
+                    facts["devices"]
+                    // (
+                        facts["pp"] * facts["ep"] * (1 if facts["experts_on_sequence_shard"] else facts["tp"])
+                    ),
                     facts["devices"]
                     // (
                         args.pipeline_model_parallel_size
