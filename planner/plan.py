@@ -981,11 +981,7 @@ class Plan:
                 f"is {self.grad_reduce_dtype}, but a {self.workload} plan has no gradients: set it to param",
             )
         if self.loss_scale is not None:
-            if self.loss_scale != DYNAMIC_LOSS_SCALE and not (
-                isinstance(self.loss_scale, (int, float))
-                and not isinstance(self.loss_scale, bool)
-                and 0 < self.loss_scale <= FP32_MAX
-            ):
+            if self.loss_scale != DYNAMIC_LOSS_SCALE and not is_static_loss_scale(self.loss_scale):
                 raise bad(
                     "loss_scale",
                     f"{self.loss_scale!r} is not {DYNAMIC_LOSS_SCALE!r}, a positive number up to fp32's largest "
@@ -1259,6 +1255,11 @@ def tp_overlap_chunk_count(tp: int, rows: float | None = None) -> int:
     price (`planner.solver.costing.tp_overlap_chunks`)."""
     chunks = max(2, tp)
     return chunks if rows is None else max(1, min(chunks, int(rows)))
+
+
+def is_static_loss_scale(value: object) -> bool:
+    """Whether ``value`` is a static loss scale: a number (not a bool) above 0, up to `FP32_MAX`."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= FP32_MAX
 
 
 def loss_scale_text(loss_scale: float | str | None) -> str:

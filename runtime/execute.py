@@ -64,7 +64,6 @@ from runtime.reference import (
     compare_update,
     dp_mean,
     record_routing,
-    reference_loss_scale,
     routing_replay,
     shared_reference,
     update_snapshot,
@@ -221,7 +220,7 @@ def _training_step(
     dp_group = groups.group("dp")
     optimizer = build_plan_optimizer(plan, gm, groups, units)
     # fp16: the losses times the scale, Adam's gradients divided by it (`runtime.loss_scaling`)
-    scaler = loss_scaling.for_run(plan.loss_scale, reference_loss_scale(reference), setup.device)
+    scaler = loss_scaling.for_run(plan.loss_scale, reference.loss_scale_factor, setup.device)
     loss_scaling.attach(optimizer, scaler)
     m = len(parts)
     # the first output as the passes leave it (TP vocabulary shards, CP tokens): the loss runs on it (`runtime.loss`)

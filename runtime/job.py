@@ -40,6 +40,8 @@ class ReferenceFiles:
     dtype: str  # dtype of output 0, e.g. "float32": picks the numerics tolerance (runtime.numerics)
     ladder_deviation: float | None  # relative L2 of laddered vs original outputs; None without ladder
     made_on: str  # "launching process" | "rank N": where the unsharded model was built and run
+    # fp16 loss scaling: the scale the saved gradients carry (`runtime.loss_scaling.reference_scale`); 1 without
+    loss_scale_factor: float = 1.0
 
 
 @dataclass

@@ -42,7 +42,6 @@ from planner.plan import (
 # the most halvings `reference_scale` tries: 2**16 down to 2**-24, below which a scale shrinks the
 # gradients rather than saving them
 MAX_HALVINGS = 40
-REFERENCE_SCALE_KEY = "loss_scale_factor"  # the reference's scale, in its outputs file
 
 
 def initial_scale(loss_scale: float | str | None) -> float | None:
@@ -96,15 +95,14 @@ class LossScaler:
     `step` (unscale, check, step unless a gradient overflowed on any rank), `update` once per step.
 
     mode: "dynamic" or a static scale (a positive number); start: the scale of the first step (the
-    reference's, `reference_scale`); device: "cpu" or "cuda"; group: the ranks that skip together
-    (default: all)."""
+    reference's, `reference_scale`); device: "cpu" or "cuda". Every rank skips an overflowing step
+    together (the flag all-reduced over the default group)."""
 
     def __init__(
         self,
         mode: float | str,
         start: float,
         device: str,
-        group: dist.ProcessGroup | None = None,
     ):
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # noqa: PLC0415
 
@@ -116,7 +114,7 @@ class LossScaler:
             growth_factor=GROWTH_FACTOR,
             backoff_factor=BACKOFF_FACTOR,
             growth_interval=GROWTH_INTERVAL,
-            process_group=group if group is not None else dist.group.WORLD,
+            process_group=dist.group.WORLD,
         )
         # GradScaler makes its scale tensor at its first scale(): a pipeline rank without the loss never calls it
         self._scaler.scale(torch.zeros((), device=device))
@@ -177,12 +175,12 @@ def attach(optimizer: object, scaler: LossScaler | None) -> None:
         part.loss_scaler = scaler
 
 
-def for_run(loss_scale: float | str | None, start: float | None, device: str) -> LossScaler | None:
+def for_run(loss_scale: float | str | None, start: float, device: str) -> LossScaler | None:
     """A rank's `LossScaler` for a plan's ``loss_scale`` starting at the reference's scale ``start``
-    (`runtime.reference.reference_loss_scale`), or None without loss scaling."""
+    (`runtime.job.ReferenceFiles.loss_scale_factor`), or None without loss scaling."""
     if loss_scale is None:
         return None
-    return LossScaler(loss_scale, start if start is not None else initial_scale(loss_scale), device)
+    return LossScaler(loss_scale, start, device)
 
 
 def backward(loss: torch.Tensor, scaler: LossScaler | None) -> None:

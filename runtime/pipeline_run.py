@@ -63,7 +63,6 @@ from runtime.reference import (
     compare_update,
     dp_mean,
     record_routing,
-    reference_loss_scale,
     routing_replay,
     update_snapshot,
 )
@@ -129,9 +128,7 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
     out_layout = loss_layout(chunks, lowered.tp_rank, plan.cp)
     # fp16: the losses times the scale, Adam's gradients divided by it (`runtime.loss_scaling`)
     scaler = (
-        loss_scaling.for_run(plan.loss_scale, reference_loss_scale(reference), ctx.device)
-        if training
-        else None
+        loss_scaling.for_run(plan.loss_scale, reference.loss_scale_factor, ctx.device) if training else None
     )
     runner = PipelineRunner(
         chunks,

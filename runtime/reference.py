@@ -9,9 +9,9 @@
    the rewrite alone; `ladder_deviation` says how far ladder residual moved the original outputs)
    and runs it: every output, and for training the MSE loss (in fp32, `runtime.loss.output_loss`)
    against `training_target` and every parameter's gradient;
-3. writes to `directory`: `outputs.safetensors` (output.{i}, target, loss; under fp16 loss scaling
-   loss_scale_factor, the scale its gradients carry: `runtime.loss_scaling.reference_scale`),
-   `grads.safetensors` (training) and, unless the user gave weights, `weights.safetensors` (every parameter and
+3. writes to `directory`: `outputs.safetensors` (output.{i}, target, loss), `grads.safetensors`
+   (training; under fp16 loss scaling the loss's gradients times the scale `ReferenceFiles.
+   loss_scale_factor` says: `runtime.loss_scaling.reference_scale`) and, unless the user gave weights, `weights.safetensors` (every parameter and
    buffer, non-persistent ones included); with user weights, only the tensors their files lack
    (non-persistent buffers) go to `extra.safetensors`.
 
@@ -46,7 +46,7 @@ from planner.plan import Plan
 from runtime.job import RankReport, RankSetup, ReferenceFiles, RunJob, job_inputs
 from runtime.launch import RankContext
 from runtime.loss import LossLayout, output_loss
-from runtime.loss_scaling import REFERENCE_SCALE_KEY, reference_scale
+from runtime.loss_scaling import reference_scale
 from runtime.numerics import (
     all_outputs,
     max_abs,
@@ -166,7 +166,7 @@ def write_reference(job: RunJob, directory: str, made_on: str = "launching proce
             )
     if adds:
         deviation = ladder_deviation(original, results["output.0"])
-    grads_path = None
+    grads_path, loss_scale_factor = None, 1.0
     if training:
         first = outs[0] if outs else None
         if first is None or not first.is_floating_point() or first.grad_fn is None:
@@ -207,8 +207,7 @@ def write_reference(job: RunJob, directory: str, made_on: str = "launching proce
         # the graph the tries kept: freed before the next forward (`operand_scales`)
         outs = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outs)
         del loss, first
-        if scale is not None:  # its gradients are the scaled ones, as the runs' are before their step
-            results[REFERENCE_SCALE_KEY] = torch.tensor(scale, dtype=torch.float64)
+        loss_scale_factor = scale if scale is not None else 1.0  # the saved gradients are the scaled ones
         grads = {n: p.grad for n, p in gm.named_parameters(remove_duplicate=False) if p.grad is not None}
         grads_path = os.path.join(directory, "grads.safetensors")
         save_checkpoint(grads, grads_path)
@@ -243,6 +242,7 @@ def write_reference(job: RunJob, directory: str, made_on: str = "launching proce
         dtype=str(outs[0].dtype).removeprefix("torch."),
         ladder_deviation=deviation,
         made_on=made_on,
+        loss_scale_factor=loss_scale_factor,
     )
 
 
@@ -384,8 +384,8 @@ def compare_gradients(
                 diffs.append(max_abs_diff(got.cpu(), want))
                 scales.append(max_abs(want))
                 compared.append(n)
-    if (factor := reference_loss_scale(reference)) != 1.0:  # both sides' gradients are the scaled loss's
-        report.grad_loss_scale = factor
+    if reference.loss_scale_factor != 1.0:  # both sides' gradients are the scaled loss's
+        report.grad_loss_scale = reference.loss_scale_factor
     report.grad_max_abs_diff = max(diffs, default=0.0)
     report.grad_worst = compared[diffs.index(report.grad_max_abs_diff)] if diffs else None
     report.grad_scale = max(scales, default=0.0)
@@ -419,13 +419,6 @@ def update_snapshot(
     return snapshot
 
 
-def reference_loss_scale(reference: ReferenceFiles) -> float:
-    """The loss scale of the unsharded reference's step (`runtime.loss_scaling.reference_scale`), by
-    which its saved gradients are scaled; 1.0 without loss scaling."""
-    with SafetensorsCheckpoint([reference.outputs]) as outputs:
-        return float(outputs.read(REFERENCE_SCALE_KEY)) if REFERENCE_SCALE_KEY in outputs else 1.0
-
-
 def compare_update(
     module: torch.nn.Module | Sequence[torch.nn.Module],
     before: Sequence[Mapping[str, tuple[int, int, torch.Tensor]]],
@@ -445,19 +438,18 @@ def compare_update(
     of lr, while a wrong slice updated, an update lost or a gather misplaced moves elements by about
     lr. `module`: the rank's graph, or its pipeline chunks; `before`: `update_snapshot` of them just
     before the step. Under fp16 loss scaling the reference's gradients are divided by its scale first
-    (`reference_loss_scale`), as the run's optimizer divides its own."""
+    (`ReferenceFiles.loss_scale_factor`), as the run's optimizer divides its own."""
     plan, groups = setup.plan, setup.groups
     modules = [module] if isinstance(module, torch.nn.Module) else list(module)
     lr, now = optimizer.lr, update_snapshot(modules, optimizer)
     if getattr(optimizer, "local_module", None) is not None:  # FSDP: the local parameters' stand-in
         modules = [optimizer.local_module]
     diffs = []
-    factor = reference_loss_scale(reference)  # the reference's gradients are the loss-scaled ones
     with SafetensorsCheckpoint([reference.grads]) as grads_file:
 
         def grad(mod: torch.nn.Module, name: str) -> torch.Tensor:
             shard = read_local_shards(mod, grads_file, plan.splits, groups.tp_rank, plan.tp, [name])[name]
-            return shard.float().reshape(-1) / factor
+            return shard.float().reshape(-1) / reference.loss_scale_factor
 
         stepped = [  # each gradient shard read once: the largest |g| scales the floor of every one
             (mod, n, grad(mod, n), lo, hi, was, now_m[n][2])

@@ -336,10 +336,7 @@ def test_the_first_optimizer_step_is_checked_against_adam_on_the_reference_gradi
     model = torch.fx.symbolic_trace(torch.nn.Linear(8, 4))  # a rank's graph module
     model(torch.randn(3, 8)).square().mean().backward()
     save_checkpoint({n: p.grad for n, p in model.named_parameters()}, str(tmp_path / "grads.safetensors"))
-    save_checkpoint({"loss": torch.zeros(())}, str(tmp_path / "outputs.safetensors"))  # no loss scale in it
-    reference = SimpleNamespace(
-        grads=str(tmp_path / "grads.safetensors"), outputs=str(tmp_path / "outputs.safetensors")
-    )
+    reference = SimpleNamespace(grads=str(tmp_path / "grads.safetensors"), loss_scale_factor=1.0)
     setup = SimpleNamespace(plan=SimpleNamespace(splits={}, tp=1), groups=SimpleNamespace(tp_rank=0))
     optimizer = SimpleNamespace(  # the interface of runtime.data_parallel's optimizers
         lr=1e-3, fp32_values=lambda: {id(p): (0, p.numel(), p.detach().view(-1)) for p in model.parameters()}

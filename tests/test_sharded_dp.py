@@ -438,10 +438,7 @@ def test_the_gradient_check_fails_a_sharded_gradient_missing_its_division_by_dp(
     model = torch.fx.symbolic_trace(torch.nn.Linear(8, 4))
     model(torch.randn(3, 8)).square().mean().backward()
     save_checkpoint({n: p.grad for n, p in model.named_parameters()}, str(tmp_path / "grads.safetensors"))
-    save_checkpoint({"loss": torch.zeros(())}, str(tmp_path / "outputs.safetensors"))  # no loss scale in it
-    reference = SimpleNamespace(
-        grads=str(tmp_path / "grads.safetensors"), outputs=str(tmp_path / "outputs.safetensors")
-    )
+    reference = SimpleNamespace(grads=str(tmp_path / "grads.safetensors"), loss_scale_factor=1.0)
     setup = SimpleNamespace(plan=SimpleNamespace(splits={}, tp=1), groups=SimpleNamespace(tp_rank=0))
 
     def checked(

@@ -33,7 +33,15 @@ from costmodels.expert_parallel import DEFAULT_MOE_IMBALANCE
 from planner.cli.progress import Bars
 from planner.errors import InputError, PlannerError, RunError
 from planner.files import check_output_path, edited_since_written, with_digest, write_text_atomic
-from planner.plan import CP_COMM_TYPES, DP_STYLES, EP_FOLDS, FP32_MAX, GRAD_REDUCE_DTYPES, cp_unbalanced_note
+from planner.plan import (
+    CP_COMM_TYPES,
+    DP_STYLES,
+    EP_FOLDS,
+    FP32_MAX,
+    GRAD_REDUCE_DTYPES,
+    cp_unbalanced_note,
+    is_static_loss_scale,
+)
 
 _WIDTH = None if sys.stdout.isatty() else 150  # rich assumes 80 columns when piped; tables need more
 
@@ -1520,7 +1528,7 @@ def _loss_scale_arg(text: str) -> float | str | None:
         value = float(word)
     except ValueError:
         value = float("nan")
-    if not 0 < value <= FP32_MAX:
+    if not is_static_loss_scale(value):
         raise argparse.ArgumentTypeError(
             f"{text!r} is not auto, dynamic, off or a positive number up to fp32's largest ({FP32_MAX:.3g}; a "
             "static scale such as 1024)"

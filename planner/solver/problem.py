@@ -38,6 +38,7 @@ from planner.plan import (
     Workload,
     dp_label,
     ep_text,
+    is_static_loss_scale,
 )
 
 LADDER_MIN_SAVING_FRACTION = 0.05  # a laddered layer must save >= 5% of its time (it changes the model)
@@ -85,8 +86,8 @@ class WorkloadSpec:
             raise InputError(
                 f"--grad-reduce-dtype {self.grad_reduce_dtype!r} is not one of {list(GRAD_REDUCE_DTYPES)}"
             )
-        if self.loss_scale not in (None, "auto", DYNAMIC_LOSS_SCALE) and not (
-            isinstance(self.loss_scale, (int, float)) and 0 < self.loss_scale <= FP32_MAX
+        if self.loss_scale not in (None, "auto", DYNAMIC_LOSS_SCALE) and not is_static_loss_scale(
+            self.loss_scale
         ):
             raise InputError(
                 f"--loss-scale {self.loss_scale!r} is not auto, dynamic, off or a positive number up to fp32's "
