@@ -8,7 +8,8 @@ if TYPE_CHECKING:  # torch is imported where a torch dtype is asked for: `planne
     import torch  # export` read plans without it (two seconds of start-up)
 
 DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
-_TORCH_NAMES: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+# a plan's dtype name -> torch's
+TORCH_NAMES: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -16,16 +17,16 @@ def torch_dtype(name: str) -> torch.dtype:
     import torch  # noqa: PLC0415
 
     try:
-        return getattr(torch, _TORCH_NAMES[name])
+        return getattr(torch, TORCH_NAMES[name])
     except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_TORCH_NAMES)}") from None
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(TORCH_NAMES)}") from None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The dtype name of a torch floating dtype ("fp32" for anything not bf16/fp16)."""
     import torch  # noqa: PLC0415
 
-    for name, attr in _TORCH_NAMES.items():
+    for name, attr in TORCH_NAMES.items():
         if getattr(torch, attr) == dtype:
             return name
     return "fp32"

@@ -30,14 +30,17 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from costmodels.dtypes import TORCH_NAMES
+
 # max |sharded - unsharded| allowed, as a fraction of max |unsharded| (see the module docstring)
 REL_TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
 
 
 def tolerance_for(dtype: str) -> float:
-    """The relative tolerance of outputs in `dtype` ("float32", "torch.bfloat16", ...); an unknown
-    (e.g. integer) dtype is compared exactly (0.0)."""
-    return REL_TOLERANCE.get(str(dtype).removeprefix("torch."), 0.0)
+    """The relative tolerance of outputs in `dtype`: a torch name ("float32", "torch.bfloat16", ...) or
+    a plan's ("fp32", "bf16", "fp16"); an unknown (e.g. integer) dtype is compared exactly (0.0)."""
+    name = str(dtype).removeprefix("torch.")
+    return REL_TOLERANCE.get(TORCH_NAMES.get(name, name), 0.0)
 
 
 def operand_scales(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> list[float]:
