@@ -20,7 +20,7 @@ stage's embedding, are safe). Only floating-point values that depend on a traina
 parameter-free float values (RoPE tables, masks) cross stages in forward only, and no gradient is sent
 back for them.
 
-`all_reduce_tied_gradients` sums the gradients of a parameter that two stages hold a copy of
+`all_reduce_tied_gradients` sums the gradients of a parameter that two or more stages hold a copy of
 (`passes.pipeline.tied_parameters`: GPT-2's tied embedding / LM head) after each backward;
 `sum_tied_gradients` does it for ranks holding several chunks.
 """
@@ -426,6 +426,28 @@ def all_reduce_tied_gradients(
     sum_tied_gradients({stage_index: stage_module}, tied, pp_group, size)
 
 
+def tied_groups(tied: Sequence[tuple[int, str, int, str]]) -> list[list[tuple[int, str]]]:
+    """The copies of each tied tensor: the pairs of `passes.pipeline.tied_parameters` joined where they
+    share a copy ((stage, fqn)), each group sorted, the groups in order. A tensor held by three stages
+    (a T5's shared embedding: the encoder's input, the decoder's input, the LM head) is one group of
+    three, whose gradients are summed once, not pair by pair."""
+    parent: dict[tuple[int, str], tuple[int, str]] = {}
+
+    def root(x: tuple[int, str]) -> tuple[int, str]:
+        while parent.setdefault(x, x) != x:
+            x = parent[x]
+        return x
+
+    for a, fqn_a, b, fqn_b in tied:
+        ra, rb = root((a, fqn_a)), root((b, fqn_b))
+        if ra != rb:
+            parent[max(ra, rb)] = min(ra, rb)
+    groups: dict[tuple[int, str], list[tuple[int, str]]] = {}
+    for copy in list(parent):
+        groups.setdefault(root(copy), []).append(copy)
+    return sorted(sorted(group) for group in groups.values())
+
+
 def sum_tied_gradients(
     chunks: Mapping[int, nn.Module],
     tied: Sequence[tuple[int, str, int, str]],
@@ -434,34 +456,42 @@ def sum_tied_gradients(
 ) -> None:
     """`all_reduce_tied_gradients` for a rank holding several stages: chunks maps each virtual stage
     index this rank holds to its module (all of them; virtual stage s is held by pp rank s % num_ranks,
-    `runtime.pipeline.PipelineRunner`), tied lists pairs of virtual stage indices. A pair on two ranks
-    is exchanged over `pp_group`; a pair whose two stages are both here is summed locally. Both copies
-    end with grad_a + grad_b, added in that order on every rank (the copies stay bit-identical)."""
-    for a, fqn_a, b, fqn_b in tied:
-        if a == b or (a not in chunks and b not in chunks):
+    `runtime.pipeline.PipelineRunner`), tied lists pairs of virtual stage indices. Each tied tensor's
+    copies (`tied_groups`) end with the sum of all their gradients: each rank adds the copies it holds
+    (in stage order), sends that partial sum to every other rank holding a copy and receives theirs over
+    `pp_group`, and adds the partial sums in rank order, the same on every rank (the copies stay
+    bit-identical). A missing gradient counts as zero. Groups go in the same order on every rank, so
+    it cannot deadlock."""
+    for group in tied_groups(tied):
+        here = [(stage, fqn) for stage, fqn in group if stage in chunks]
+        if not here:
             continue
-        grads = {}
-        for index, fqn in ((a, fqn_a), (b, fqn_b)):
-            if index in chunks:
-                param = chunks[index].get_parameter(fqn)
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                grads[index] = param
-        if len(grads) == 2:  # both copies on this rank
-            total = grads[a].grad + grads[b].grad
-            grads[a].grad, grads[b].grad = total, total.clone()
-            continue
-        assert a % num_ranks != b % num_ranks, f"rank holds stage {a} or {b} of a pair but not both"
-        mine = a if a in grads else b
-        peer = b % num_ranks if mine == a else a % num_ranks
-        param = grads[mine]
-        peer_rank = dist.get_global_rank(pp_group, peer) if pp_group is not None else peer
-        received = torch.empty_like(param.grad)
-        ops = [
-            dist.P2POp(dist.isend, param.grad.contiguous(), peer_rank, pp_group),
-            dist.P2POp(dist.irecv, received, peer_rank, pp_group),
-        ]
-        for work in dist.batch_isend_irecv(ops):
+        params = []
+        for stage, fqn in here:
+            param = chunks[stage].get_parameter(fqn)
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            params.append(param)
+        partial = params[0].grad
+        for param in params[1:]:
+            partial = partial + param.grad
+        me = here[0][0] % num_ranks
+        partials = {me: partial.contiguous()}
+        ops = []
+        for peer in sorted({stage % num_ranks for stage, _ in group} - {me}):
+            peer_rank = dist.get_global_rank(pp_group, peer) if pp_group is not None else peer
+            partials[peer] = torch.empty_like(partials[me])
+            ops += [
+                dist.P2POp(dist.isend, partials[me], peer_rank, pp_group),
+                dist.P2POp(dist.irecv, partials[peer], peer_rank, pp_group),
+            ]
+        for work in dist.batch_isend_irecv(ops) if ops else []:
             work.wait()
-        # a + b in the same order on both ranks: the two copies stay bit-identical
-        param.grad = param.grad + received if mine == a else received + param.grad
+        ranks = sorted(partials)
+        total = partials[ranks[0]]
+        for rank in ranks[1:]:
+            total = total + partials[rank]
+        if len(params) == 1 and len(ranks) == 1:
+            continue  # a single copy: nothing to sum
+        for i, param in enumerate(params):
+            param.grad = total if i == 0 else total.clone()

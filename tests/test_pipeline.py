@@ -320,6 +320,21 @@ def _pp_interleaved(rank: int) -> dict:
     fqn = tied[0][1] if rank == 0 else tied[0][3]
     both = ref_params[tied[0][1]].grad + ref_params[tied[0][3]].grad
     result["tied_diff"] = (chunks[rank].get_parameter(fqn).grad - both).abs().max().item()
+    # one tensor held by three virtual stages, two on rank 0 and one on rank 1 (a T5's shared embedding:
+    # the encoder's input, the decoder's input, the LM head), listed pair by pair as tied_parameters
+    # lists it: every copy ends with the sum of the three gradients, not of pairs of partial sums
+    copies = [
+        (0, "layers.0.ffn_norm.weight"),
+        (2, "layers.2.ffn_norm.weight"),
+        (3, "layers.3.ffn_norm.weight"),
+    ]
+    triple = [(a, fa, b, fb) for i, (a, fa) in enumerate(copies) for b, fb in copies[i + 1 :]]
+    sum_tied_gradients({c * 2 + rank: chunk for c, chunk in enumerate(chunks)}, triple, None, 2)
+    all_three = sum(ref_params[fqn].grad for _, fqn in copies)
+    held = [(stage, fqn) for stage, fqn in copies if stage % 2 == rank]
+    result["three_copies_diff"] = max(
+        (chunks[stage // 2].get_parameter(fqn).grad - all_three).abs().max().item() for stage, fqn in held
+    )
     return result
 
 
@@ -495,6 +510,7 @@ def test_interleaved_pp2_v2_matches_the_model(pp2_results: list[dict]) -> None:
         assert r["class"] == "ScheduleInterleaved1F1B"
         assert len(r["grad_diffs"]) >= 9 and max(r["grad_diffs"].values()) <= 1e-6, r["grad_diffs"]
         assert r["tied_diff"] <= 1e-6  # a tied pair of virtual stages 0 and 3 is exchanged between ranks
+        assert r["three_copies_diff"] <= 1e-6  # three copies: all three gradients summed, once
         assert r["held_receive_elements"] == 0
 
 
