@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from planner.errors import InputError
-from planner.frontend.modelfile import load_model_file
+from planner.frontend.modelfile import batch_and_seq, load_model_file
 
 
 def write(tmp_path, text: str, name: str = "model.py"):
@@ -354,6 +354,30 @@ def test_example_inputs_without_size_arguments_plan_and_run_at_their_own_batch(t
     result = planner_in_process(*run, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "max |sharded - unsharded| = 0" in result.stdout
+
+
+def test_image_inputs_taking_only_the_batch_size_run_at_the_plans_sizes(tmp_path):
+    """`example_inputs(batch_size)` of an image model, (B, C, H, W): the plan reads no sequence there
+    (seq_len 1, `batch_and_seq`), and a run asks for the plan's sizes; the check of a size the function
+    does not take read the channels as the sequence (3 != 1) and refused the run after planning."""
+    path = write(
+        tmp_path,
+        """\
+        import torch
+
+        def build_model():
+            return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 4, stride=4), torch.nn.Flatten(), torch.nn.Linear(32, 4))
+
+        def example_inputs(batch_size=2):
+            return (torch.randn(batch_size, 3, 8, 8),)
+        """,
+    )
+    mf = load_model_file(path)
+    args, _ = mf.inputs(2, 1)  # what `planner run` asks for: the plan's batch_size 2, seq_len 1
+    assert args[0].shape == (2, 3, 8, 8) and batch_and_seq(list(args)) == (2, 1)
+    assert mf.inputs(6, 1)[0][0].shape == (6, 3, 8, 8)
+    with pytest.raises(InputError, match=r"does not accept seq_len, which was asked for \(seq_len=16\)"):
+        mf.inputs(2, 16)
 
 
 def test_inputs_too_large_for_memory_say_so_with_the_size_asked(tmp_path):

@@ -66,6 +66,7 @@ from planner.frontend.capture import (
     uncast,
     user_line,
 )
+from planner.frontend.modelfile import batch_and_seq
 from planner.frontend.moe import MoE, find_moe, unrecognised_router
 from planner.frontend.roles import ACTIVATION_OPS as _ACTIVATIONS
 from planner.frontend.roles import Adapter, Projection, Role
@@ -414,7 +415,7 @@ def analyse(gm: fx.GraphModule) -> ModelStructure:
     placeholders = [
         n.meta["val"] for n in nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
     ]
-    batch_size, seq_len = _batch_and_seq(placeholders)
+    batch_size, seq_len = batch_and_seq(placeholders)
     capacities = _token_capacity(nodes, batch_size, seq_len)
     float_params = [p.dtype for p in unique.values() if p.is_floating_point()]
     dtype = dtype_name(Counter(float_params).most_common(1)[0][0]) if float_params else "fp32"
@@ -1772,15 +1773,3 @@ def _hidden_size(
     if embeddings:
         return embeddings[0].dim
     return projections[0].in_features if projections else 0
-
-
-def _batch_and_seq(inputs: list[torch.Tensor]) -> tuple[int, int]:
-    """(B, T) of the token ids (first integer input), else of the first input ((B, ...) -> T = 1)."""
-    ints = [v for v in inputs if not v.is_floating_point() and v.dim() >= 1]
-    x = ints[0] if ints else (inputs[0] if inputs else None)
-    if x is None or x.dim() == 0:
-        return 1, 1
-    if ints:
-        return x.shape[0], (x.shape[1] if x.dim() > 1 else 1)
-    # float inputs: (B, T, features) has T rows per sample; (B, C, H, W) images have no sequence
-    return x.shape[0], (x.shape[1] if x.dim() == 3 else 1)

@@ -45,6 +45,20 @@ _EXAMPLE = """    import torch
 _REQUIRED = ("build_model", "example_inputs")
 
 
+def batch_and_seq(inputs: list[torch.Tensor]) -> tuple[int, int]:
+    """(B, T) of a model's input tensors as the planner reads them (`ModelStructure.batch_size` /
+    `seq_len`): of the token ids (the first integer input) if there are any, else of the first input,
+    whose (B, T, features) has T rows per sample and whose images (B, C, H, W) or vectors (B, F) have
+    no sequence (T = 1). (1, 1) without a tensor of at least one dimension."""
+    ints = [v for v in inputs if not v.is_floating_point() and v.dim() >= 1]
+    x = ints[0] if ints else (inputs[0] if inputs else None)
+    if x is None or x.dim() == 0:
+        return 1, 1
+    if ints:
+        return x.shape[0], (x.shape[1] if x.dim() > 1 else 1)
+    return x.shape[0], (x.shape[1] if x.dim() == 3 else 1)
+
+
 @dataclass
 class ModelFile:
     """A loaded model file. `path` is absolute; `module` is the imported Python module."""
@@ -121,18 +135,6 @@ class ModelFile:
             raise InputError(
                 f"{self.path}: example_inputs() returned {type(args).__name__}, expected a tuple of forward args"
             )
-        # a size it does not take is fine when its inputs already have it (a run asks for the plan's
-        # batch and sequence, which came from these very inputs when no --batch-size / --seq-len was given)
-        first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
-        have = {"batch_size": first.shape[0] if first is not None else None,
-                "seq_len": first.shape[1] if first is not None and first.dim() > 1 else None}  # fmt: skip
-        differ = [k for k in missing if have[k] != overrides[k]]
-        if differ:
-            raise InputError(
-                f"{self.path}: example_inputs() does not accept {', '.join(differ)}, which was asked for "
-                f"({', '.join(f'{k}={overrides[k]}' for k in differ)}); give it keyword arguments, e.g.\n"
-                "    def example_inputs(batch_size=2, seq_len=16): ..."
-            )
         kwargs: dict[str, Any] = {}
         if hasattr(self.module, "example_kwargs"):
             # given the same batch_size / seq_len as example_inputs when it takes them (a padding mask)
@@ -145,6 +147,19 @@ class ModelFile:
                 raise InputError(
                     f"{self.path}: example_kwargs() returned {type(kwargs).__name__}, expected a dict"
                 )
+
+        # a size it does not take is fine when its inputs already have it (a run asks for the plan's
+        # batch and sequence, which came from these very inputs when no --batch-size / --seq-len was
+        # given), read as the plan read them (`batch_and_seq`: an image batch has no sequence, T = 1)
+        tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        have = dict(zip(("batch_size", "seq_len"), batch_and_seq(tensors), strict=True))
+        differ = [k for k in missing if have[k] != overrides[k]]
+        if differ:
+            raise InputError(
+                f"{self.path}: example_inputs() does not accept {', '.join(differ)}, which was asked for "
+                f"({', '.join(f'{k}={overrides[k]}' for k in differ)}); give it keyword arguments, e.g.\n"
+                "    def example_inputs(batch_size=2, seq_len=16): ..."
+            )
 
         leaves = pytree.tree_leaves((args, kwargs))
         if device is not None and torch.device(device).type != "meta":
