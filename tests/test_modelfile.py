@@ -140,8 +140,9 @@ def test_unsupported_override_says_which_signature(tmp_path):
     mf = load_model_file(path)
     (x,), _ = mf.inputs()  # a bare tensor is wrapped in a tuple
     assert x.shape == (2, 4)
+    assert mf.inputs(seq_len=1)[0][0].shape == (2, 4)  # (B, features): no sequence, as the plan reads it
     with pytest.raises(InputError, match=r"def example_inputs\(batch_size=2, seq_len=16\)"):
-        mf.inputs(seq_len=1)
+        mf.inputs(seq_len=8)
 
 
 def test_sibling_imports_and_no_repeated_sys_path_entries(tmp_path):
