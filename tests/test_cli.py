@@ -383,6 +383,12 @@ def test_show_and_export_of_an_edited_plan_say_it_was_edited_after_pricing(tmp_p
     assert r.returncode == 2 and "does not divide by tp=3" in _said(r) and "Traceback" not in r.stderr, _said(
         r
     )
+    # tp 1 with the splits still colwise / rowwise: every degree divides, but no op runs colwise at tp 1
+    # (`planner run` refused it, export wrote tp=1 arguments with exit 0)
+    data["mesh"]["tp"] = 1
+    split.write_text(yaml.safe_dump(data))
+    r = planner("export", str(split), "--to", "megatron")
+    assert r.returncode == 2 and "field 'splits'" in _said(r) and "cannot run at tp=1" in _said(r), _said(r)
 
 
 def test_show_and_export_read_a_plan_without_importing_torch(tmp_path):

@@ -1351,8 +1351,9 @@ def _edited_warning(plan, consequence: str) -> list[str]:
 def _check_edited_against_model(plan, plan_path: str) -> None:
     """A plan edited after planning (its decisions or its file) is checked against its model file, where
     that file is here, as `planner run` checks it (`workflow.validate_plan_for_model`: weights, split
-    dims and degrees that divide them, stages, batch): an export must not write a layout the model
-    cannot take. InputError (exit 2) names the plan field."""
+    dims and degrees that divide them, stages, batch; then priced, which checks each split against the
+    options of its op at the plan's degrees): an export must not write a layout the model cannot take.
+    InputError (exit 2) names the plan field."""
     from planner.files import edited_since_written  # noqa: PLC0415
 
     if not (plan.decisions_edited() or edited_since_written(plan_path)):
@@ -1369,6 +1370,12 @@ def _check_edited_against_model(plan, plan_path: str) -> None:
         return
     prepared = workflow.prepare_for_plan(plan, str(model))
     workflow.validate_plan_for_model(plan, prepared.structure, str(model), prepared.param_shapes)
+    # each split against the options of the op it splits at the plan's degrees, as `planner run` prices
+    # an edited plan again (`serving.plan_assignment`: colwise kept at tp 1, say, is refused)
+    cluster, _ = workflow.plan_cluster(plan, None)
+    workflow.plan_prediction(
+        plan, prepared.structure, cluster, workflow.priced_workload(plan), plan.ladder_layers
+    )
 
 
 def cmd_export(args: argparse.Namespace) -> int:
