@@ -1522,3 +1522,21 @@ def test_an_mlp_op_the_pass_gathers_marks_its_projections_for_dtensor(captured):
     text = export_plan(plan, "dtensor").text
     assert "'transformer.h.1.mlp.c_fc': ColwiseParallel(output_layouts=Replicate())," in text
     assert "'transformer.h.1.mlp.c_proj': RowwiseParallel(input_layouts=Replicate())," in text
+
+
+def test_language_model_exports_say_when_the_model_is_no_decoder_only_language_model(llama_plan):
+    """Megatron-LM's pretrain_gpt.py and torchtitan's model modules build decoder-only language models:
+    the export of an encoder-decoder (layers with cross-attention, as planned) or of a model that
+    reads no token ids (images) says so in a warning; both were written without one. A decoder-only
+    language model gets neither."""
+    structure = meta_structure(str(MODELS / "cross_attention_memory.py"), 2, 16)
+    cluster = load_cluster(str(MODELS / "fastlink.yaml"), nproc=2)
+    decoder = plan_model(structure, cluster, WorkloadSpec("train", 2, 16), Constraints(tp=2, pp=1))
+    for warnings in (_megatron_argv(decoder)[1], _titan03(decoder)[1]):
+        said = [w for w in warnings if "has cross-attention: 2 of its 2 layers" in w]
+        assert len(said) == 1 and "decoder-only language models" in said[0], warnings
+    images = _with(llama_plan, token_model=False)
+    for warnings in (_megatron_argv(images)[1], _titan03(images)[1]):
+        assert any("reads no token ids" in w for w in warnings), warnings
+    for warnings in (_megatron_argv(llama_plan)[1], _titan03(llama_plan)[1]):
+        assert not any("cross-attention" in w or "reads no token ids" in w for w in warnings), warnings

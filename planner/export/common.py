@@ -210,6 +210,40 @@ def layout_warnings(plan: Plan, tool: str, replicates_kv_heads: bool = False) ->
     return warnings
 
 
+def cross_attention_layers(plan: Plan) -> list[int]:
+    """The layers whose attention reads another stream's keys and values (a decoder's cross-attention
+    over an encoder's output: the "cross" block of `planner.solver.costing`), from the plan's per-layer
+    choices."""
+    return sorted(
+        c.layer
+        for c in plan.predicted.per_layer
+        if c.layer >= 0 and any(k.startswith("cross.") for k in c.strategy)
+    )
+
+
+def language_model_warnings(plan: Plan, tool: str, trains_with: str) -> list[str]:
+    """Warnings for a tool whose arguments describe a decoder-only language model (`trains_with`: what
+    it runs, e.g. Megatron-LM's pretrain_gpt.py): a model with cross-attention (an encoder-decoder) or
+    one that reads no token ids (images, features) is not what those arguments build; the parallelism
+    degrees still apply."""
+    warnings = []
+    cross = cross_attention_layers(plan)
+    if cross:
+        warnings.append(
+            f"the model has cross-attention: {len(cross)} of its {num_layers(plan)} layers attend to another "
+            f"stream (layers {_short_list([str(i) for i in cross])}), as an encoder-decoder's decoder does; these "
+            f"arguments are for {trains_with} (decoder-only language models): the parallelism degrees apply, the "
+            "layer count and sequence length do not describe the model"
+        )
+    if not plan.token_model:
+        warnings.append(
+            f"the model reads no token ids (images or features: seq_len {plan.seq_len} is its rows per sample); "
+            f"these arguments are for {trains_with} (decoder-only language models): the parallelism degrees "
+            "apply, the sequence length and batch in tokens do not"
+        )
+    return warnings
+
+
 _STRENGTH = {Recompute.NONE: 0, Recompute.SELECTIVE: 1, Recompute.FULL: 2}
 
 

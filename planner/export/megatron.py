@@ -128,6 +128,7 @@ from planner.export.common import (
     device_factors,
     dp_label,
     dp_substitute_warning,
+    language_model_warnings,
     layout_warnings,
     micro_batch_size,
     nearest_dp_form,
@@ -163,7 +164,9 @@ def megatron_environment(plan: Plan) -> dict[str, str]:
 def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
     """(Megatron-LM arguments as argv items, warnings). Raises InputError when the batch does not
     split into whole micro-batches or the stages do not match `virtual_stages`."""
-    warnings = layout_warnings(plan, TOOL)
+    warnings = layout_warnings(plan, TOOL) + language_model_warnings(
+        plan, TOOL, "Megatron-LM's pretrain_gpt.py"
+    )
     if plan.workload is not Workload.TRAIN:
         warnings.append(
             f"this is a {plan.workload} plan; Megatron-LM's pretraining arguments describe a training step "

@@ -122,6 +122,7 @@ from planner.export.common import (
     cp_sequence_warning,
     dp_label,
     dp_substitute_warning,
+    language_model_warnings,
     layout_warnings,
     micro_batch_size,
     nearest_dp_form,
@@ -349,7 +350,9 @@ def _context_parallel(plan: Plan, version: str, warnings: list[str]) -> dict[str
 def _common(plan: Plan, version: str) -> tuple[dict[str, object], str, dict[str, object], list[str]]:
     """(parallelism fields, activation-checkpoint mode, training fields, warnings) shared by both
     versions' forms."""
-    warnings = layout_warnings(plan, TOOL)
+    warnings = layout_warnings(plan, TOOL) + language_model_warnings(
+        plan, TOOL, f"torchtitan {version}'s model modules (llama3, llama4, qwen3, deepseek_v3)"
+    )
     if plan.workload is not Workload.TRAIN:
         warnings.append(
             f"this is a {plan.workload} plan; torchtitan trains (plan with --workload train for its memory "
