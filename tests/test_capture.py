@@ -112,6 +112,32 @@ def test_inputs_that_do_not_fit_name_the_op_without_torch_logs(capfd):
     assert "Traceback" not in capfd.readouterr().err
 
 
+class _Float32Table(torch.nn.Module):
+    """Activations in bf16 times a float32 table the model's code does not cast (RoPE's cos / sin)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8, dtype=torch.bfloat16)
+        self.register_buffer("table", torch.randn(1, 8, 8))  # float32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, 8) bf16
+        return torch.bmm(self.table.expand(x.shape[0], 8, 8), self.proj(x).transpose(1, 2))
+
+
+def test_dtypes_the_models_code_mixes_are_named_as_the_models_not_the_captures():
+    """A model whose own code mixes bf16 activations with a float32 table fails so eagerly too: the
+    message says two dtypes meet at its line and how to cast, not the control-flow fixes of a capture
+    problem; a model that fails eagerly the same way is checked here."""
+    model, x = _Float32Table(), torch.randn(2, 4, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError):
+        model(x)  # the model itself fails in bf16
+    with pytest.raises(InputError) as err:
+        capture(model, (x,), {})
+    text = str(err.value)
+    assert "Tensors of two dtypes meet" in text and ".to(x.dtype)" in text and "Usual fixes" not in text, text
+    assert "test_capture.py" in text  # the model's line
+
+
 class _OnDefaultDevice(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -103,6 +103,19 @@ _DEVICE_FIXES = (
     "torch.arange(T, device=x.device) or torch.zeros(..., device=x.device), or register it as a buffer."
 )
 
+# tensors of two floating dtypes met in one op: the model's own code mixes them (a float32 RoPE table or
+# mask beside activations cast to bf16 / fp16), which fails the same way when it runs eagerly
+_DTYPE_ERROR = re.compile(
+    r"expected scalar type|same dtype|expected both .* same dtype|dtype mismatch|expected .* dtype .* but got",
+    re.IGNORECASE,
+)
+_DTYPE_FIXES = (
+    "Tensors of two dtypes meet at that line of the model's own code: the model fails so in this dtype "
+    "when it runs without the planner too (a float32 buffer or table, e.g. RoPE's cos / sin or a mask, "
+    "beside activations cast to bf16 / fp16). Cast it to the activations' dtype there (.to(x.dtype)), "
+    "or plan in the dtype the model runs in (--dtype fp32)."
+)
+
 
 def _positions_given(model: nn.Module, args: tuple, kwargs: dict) -> bool:
     """Whether position ids may reach a Hugging Face model from outside it: anything but a transformers
@@ -807,6 +820,8 @@ def _capture_error_message(model: nn.Module, exc: BaseException, partial_graph: 
     fixes = _SHAPE_FIXES if _SHAPE_ERROR.search(first_line) else _FIXES
     if _DEVICE_ERROR.search(f"{type(exc).__name__}: {first_line}"):
         fixes = _DEVICE_FIXES
+    elif _DTYPE_ERROR.search(first_line):  # before shapes: "mat1 and mat2 must have the same dtype"
+        fixes = _DTYPE_FIXES
     return (
         f"cannot capture {type(model).__name__} with torch.export (non-strict)\n"
         f"  op:    {_failing_op(exc, partial_graph)}\n"
