@@ -147,9 +147,19 @@ def build_parser() -> argparse.ArgumentParser:
         type=_cluster_name,
         help="preset name (dgx-h100, local-cpu, ...) or YAML file; default: this machine",
     )
-    opt.add_argument("--workload", default="forward", choices=["forward", "decode", "train", "generate"])
-    opt.add_argument("--batch-size", type=_positive)
-    opt.add_argument("--seq-len", type=_positive)
+    opt.add_argument(
+        "--workload",
+        default="forward",
+        choices=["forward", "decode", "train", "generate"],
+        help="what one step is: a forward pass, a decode step, a training step, or a served request "
+        "(default forward)",
+    )
+    opt.add_argument(
+        "--batch-size", type=_positive, help="sequences per step (default: the model file's example_inputs())"
+    )
+    opt.add_argument(
+        "--seq-len", type=_positive, help="tokens per sequence (default: the model file's example_inputs())"
+    )
     opt.add_argument(
         "--context",
         type=_positive,
@@ -161,8 +171,16 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive,
         help="decode / generate of a model with a KV cache: tokens generated per sequence, at least 2 (default 16)",
     )
-    opt.add_argument("--micro-batches", type=_positive)
-    opt.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
+    opt.add_argument(
+        "--micro-batches",
+        type=_positive,
+        help="micro-batches per step and data-parallel replica (default: searched)",
+    )
+    opt.add_argument(
+        "--dtype",
+        choices=["bf16", "fp16", "fp32"],
+        help="planned and run dtype (default: the model's parameters')",
+    )
     opt.add_argument(
         "--ladder",
         default="none",
@@ -427,7 +445,7 @@ def _run_options(p: argparse.ArgumentParser) -> None:
         "--timeout",
         type=_timeout_seconds,
         default=DEFAULT_TIMEOUT_S,
-        help="process-group timeout per rank, seconds",
+        help=f"process-group timeout per rank, seconds (default {DEFAULT_TIMEOUT_S:g})",
     )
     p.add_argument(
         "--weights",
@@ -821,6 +839,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         from planner.cli.quality import render_budget  # noqa: PLC0415
 
         render_budget(console, budget)
+        _warn(budget.warnings)
     _warn(workflow.plan_warnings(plan, quality_measured=budget is not None))
     if getattr(args, "virtual_stages", None) and args.virtual_stages > 1 and plan.pp == 1:
         _warn(

@@ -17,6 +17,7 @@ import argparse
 import copy
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -445,6 +446,29 @@ class BudgetReport:
     sensitivity: dict[int, float]
     rows: list[BudgetRow]
     rounds: int
+    warnings: list[str] = field(default_factory=list)  # what the user should know about the measurement
+
+
+# a held-out loss at or above this fraction of ln(vocabulary), what guessing every token uniformly scores,
+# is an untrained model's (seeded random weights score about ln V; any trained language model far less)
+UNTRAINED_LOSS_FRACTION = 0.9
+
+
+def untrained_warning(loss: float, vocab: int, args: argparse.Namespace) -> list[str]:
+    """A loss budget measured on an untrained model bounds nothing: every layer's increase is noise
+    around 0 and the budget admits any ladder. A warning when the standard model's held-out `loss` is
+    at least `UNTRAINED_LOSS_FRACTION` of ln(`vocab`) (what guessing uniformly scores), naming
+    --weights; none otherwise."""
+    uniform = math.log(vocab) if vocab > 1 else 0.0
+    if not uniform or loss < UNTRAINED_LOSS_FRACTION * uniform:
+        return []
+    given = f"--weights {args.weights}" if args.weights else "no --weights given: seeded random weights"
+    return [
+        f"--ladder {args.ladder}: the standard model's held-out loss is {loss:.3f}, near that of guessing "
+        f"uniformly over its {vocab:,}-token vocabulary (ln {vocab:,} = {uniform:.3f}): its weights are untrained "
+        f"({given}), so each layer's measured loss increase is noise and the budget may admit any ladder. Give "
+        "--weights CKPT with the model's trained weights"
+    ]
 
 
 def plan_with_loss_budget(
@@ -534,7 +558,8 @@ def plan_with_loss_budget(
             latency = None
         rows.append(BudgetRow(layers, latency, budget.predicted(layers), setup.increase(layers), "neighbour"))
     rows.sort(key=lambda r: len(r.layers))
-    return plan, BudgetReport(limit, standard, sens, rows, rounds)
+    warnings = untrained_warning(standard.loss, setup.structure.vocab_size, args)
+    return plan, BudgetReport(limit, standard, sens, rows, rounds, warnings)
 
 
 def budget_neighbours(
@@ -592,4 +617,5 @@ def budget_dict(report: BudgetReport) -> dict:
         "sensitivity": {str(i): v for i, v in report.sensitivity.items()},
         "sets": [dataclasses.asdict(r) for r in report.rows],
         "solves": report.rounds,
+        "warnings": list(report.warnings),
     }
