@@ -919,8 +919,9 @@ def _print_verdict(plan, report: dict, layer_table: bool, advice: str) -> None:
         advice = "off at the run's own speed too (next line)"
     elif at_run and advice == RECALIBRATE:  # the probe read the calibrated speed: recalibrating won't help
         advice = (
-            "the speed probe read this machine at its calibrated speed, so the cost model, not the "
-            "machine, is off for this plan"
+            "the speed probe read this machine at its calibrated speed between the steps, so the cost model "
+            "is off for this plan, unless other processes took the cores during the steps, which the probe "
+            "can miss (run again on a quiet machine to tell)"
         )
     verdict = agreement_line(plan.predicted.latency_s, measured_s, layer_table=layer_table, advice=advice)
     what = "time per output token: " if "serving" in report else ""
