@@ -368,21 +368,42 @@ def _open_checkpoint(
 
 def _bias_owners(gm: fx.GraphModule) -> dict[str, str]:
     """Bias FQN -> weight FQN of the graph's linear/addmm nodes (and of the column-parallel matmuls the
-    TP-overlap pass fused them into): a colwise weight's bias is sliced the same way."""
+    TP-overlap pass fused them into): a colwise weight's bias is sliced the same way. Looks into the
+    submodules fused from the graph's nodes (`passes.recompute`'s regions, whose parameters stay
+    get_attr nodes outside them and come in as their placeholders), following each placeholder to the
+    node the region is called with."""
     from passes.tp_overlap import tp_column_matmuls  # noqa: PLC0415 (it imports this module's users)
 
     owners: dict[str, str] = {}
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is tp_column_matmuls:  # (x, weights, biases, ...)
-            for w, b in zip(node.args[1], node.args[2]):
-                if isinstance(w, fx.Node) and isinstance(b, fx.Node):
-                    owners[str(b.target)] = str(w.target)
-            continue
-        op = getattr(node.target, "overloadpacket", node.target)
-        if node.op == "call_function" and op in (aten.linear, aten.addmm):
-            w, b = (node.args[1], node.args[2] if len(node.args) > 2 else None)
-            if op is aten.addmm:
-                b, w = node.args[0], node.args[2]
-            if isinstance(w, fx.Node) and isinstance(b, fx.Node):
-                owners[str(b.target)] = str(w.target)
+
+    def visit(graph: fx.Graph, module: torch.nn.Module, outer: dict[fx.Node, fx.Node]) -> None:
+        def attr(n: object) -> str | None:  # the parameter a value is, through region placeholders
+            n = outer.get(n, n) if isinstance(n, fx.Node) else n
+            return str(n.target) if isinstance(n, fx.Node) and n.op == "get_attr" else None
+
+        for node in graph.nodes:
+            if node.op == "call_module":
+                sub = module.get_submodule(str(node.target))
+                inner = getattr(sub, "inner", sub)  # `passes.recompute.Recomputed` wraps its region
+                if isinstance(inner, fx.GraphModule):
+                    params = [n for n in inner.graph.nodes if n.op == "placeholder"]
+                    mapping = {
+                        p: outer.get(a, a) for p, a in zip(params, node.args) if isinstance(a, fx.Node)
+                    }
+                    visit(inner.graph, inner, mapping)
+                continue
+            if node.op == "call_function" and node.target is tp_column_matmuls:  # (x, weights, biases, ...)
+                for w, b in zip(node.args[1], node.args[2]):
+                    if attr(w) and attr(b):
+                        owners[attr(b)] = attr(w)
+                continue
+            op = getattr(node.target, "overloadpacket", node.target)
+            if node.op == "call_function" and op in (aten.linear, aten.addmm):
+                w, b = (node.args[1], node.args[2] if len(node.args) > 2 else None)
+                if op is aten.addmm:
+                    b, w = node.args[0], node.args[2]
+                if attr(w) and attr(b):
+                    owners[attr(b)] = attr(w)
+
+    visit(gm.graph, gm, {})
     return owners

@@ -47,3 +47,36 @@ def test_meta_built_rank_loads_only_its_shards_from_a_checkpoint(tmp_path, fmt):
             got = dict(meta.named_parameters())
             for fqn, want in real.named_parameters():
                 assert torch.equal(got[fqn], want), (name, rank, fqn)
+
+
+def test_biases_of_fused_projections_inside_recomputed_regions_load_their_parts(tmp_path):
+    """Full recomputation fuses each layer's nodes into a region (`passes.recompute`); its linears then
+    read the weights and biases as placeholders, their get_attr nodes outside. GPT-2's fused c_attn
+    bias (parts q, k, v) must still be sliced part by part like its weight: found by the linear inside
+    the region, it had been sliced as one contiguous block (q whole and half of k on rank 0), and every
+    TP run with --recompute full computed other outputs and gradients."""
+    from passes.recompute import apply_recompute  # noqa: PLC0415
+    from planner.plan import Recompute  # noqa: PLC0415
+
+    model_file = load_model_file(EXAMPLES / "gpt2_tiny.py")
+    torch.manual_seed(0)
+    model = model_file.build("cpu")
+    with torch.no_grad():  # GPT-2 initialises its biases to zero: any slice of them would match
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_()
+    args, kwargs = model_file.inputs()
+    checkpoint = tmp_path / "gpt2_tiny.pt"
+    torch.save({**model.state_dict(), **dict(model.named_buffers())}, checkpoint)
+    for rank in (0, 1):
+        real = capture(model, args, kwargs)
+        structure = analyse(real)
+        plan = fixed_plan(structure, "gpt2_tiny.py", 2, workload="train")
+        apply_tensor_parallel(real, plan.splits, rank, 2, training=True)
+        meta = capture(model_file.build("meta"), args, kwargs)
+        apply_tensor_parallel(meta, plan.splits, rank, 2, training=True)
+        assert apply_recompute(meta, structure, {"*": Recompute.FULL})  # every layer in a region
+        load_sharded_weights(meta, str(checkpoint), plan.splits, rank, 2)
+        got = dict(meta.named_parameters())
+        for fqn, want in real.named_parameters():
+            assert torch.equal(got[fqn], want), (rank, fqn)
