@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -369,3 +370,30 @@ def test_a_longrope_phi3_captures_what_it_computes() -> None:
     tokens = torch.randint(0, 64, (1, 32), generator=torch.Generator().manual_seed(0))
     gm = capture(model, (tokens,), {"use_cache": False})
     check_capture(model, gm, (tokens,), {"use_cache": False}, "fp32")
+
+
+def test_retarget_device_reaches_the_recomputed_regions():
+    """Full recomputation fuses each layer's nodes into a region (`passes.recompute`), its mask's
+    factory ops among them (tests/models/manual_attention.py: torch.ones(..., device=x.device) in every
+    layer). A graph captured on the meta device and run on the CPU had those left on meta (a T5 with
+    --recompute full: "Tensor on device cpu is not on the expected device meta!")."""
+    from passes.recompute import apply_recompute  # noqa: PLC0415
+    from planner.frontend.analysis import analyse  # noqa: PLC0415
+    from planner.plan import Recompute  # noqa: PLC0415
+
+    mf = load_model_file(Path(__file__).parent / "models" / "manual_attention.py")
+    args, kwargs = mf.inputs()
+    gm = capture(mf.build("meta"), args, kwargs)
+    assert apply_recompute(gm, analyse(gm), {"*": Recompute.FULL})
+    retarget_device(gm, "cpu")
+    devices = [
+        value
+        for module in gm.modules()
+        if isinstance(module, torch.fx.GraphModule)
+        for node in module.graph.nodes
+        for value in (*node.args, *node.kwargs.values())
+        if isinstance(value, torch.device)
+    ]
+    assert devices and all(d == torch.device("cpu") for d in devices)
+    inner = [m for m in gm.modules() if isinstance(m, torch.fx.GraphModule) and m is not gm]
+    assert inner and "device(type='cpu')" in inner[0].code and "meta" not in inner[0].code

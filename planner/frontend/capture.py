@@ -328,16 +328,21 @@ def retarget_device(gm: fx.GraphModule, device: torch.device | str) -> fx.GraphM
     """Rewrite literal `device=` arguments (aten.arange, aten.to, ...) to `device`, in place.
 
     The captured graph records the capture device in factory ops; call this before running a graph
-    captured on the CPU or meta device somewhere else. Returns `gm` (recompiled).
+    captured on the CPU or meta device somewhere else. The graphs of its submodules are rewritten too
+    (`passes.recompute`'s regions hold a layer's nodes, its masks' and positions' factory ops among
+    them). Returns `gm` (recompiled).
     """
     device = torch.device(device)
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
+    for module in gm.modules():
+        if not isinstance(module, fx.GraphModule):
             continue
-        if isinstance(node.kwargs.get("device"), torch.device):
-            node.kwargs = {**node.kwargs, "device": device}
-        node.args = tuple(device if isinstance(a, torch.device) else a for a in node.args)
-    gm.recompile()
+        for node in module.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if isinstance(node.kwargs.get("device"), torch.device):
+                node.kwargs = {**node.kwargs, "device": device}
+            node.args = tuple(device if isinstance(a, torch.device) else a for a in node.args)
+        module.recompile()
     return gm
 
 
