@@ -268,6 +268,20 @@ def _untie(stages: list[fx.GraphModule]) -> None:
                 setattr(owner, name, copies[k])
 
 
+def sharded_tied_error(dp_style: str, pp: int, tied: Sequence[tuple[int, str, int, str]]) -> str | None:
+    """Why a plan cannot run when its data-parallel style shards gradients (zero2, fsdp) while
+    parameters are held by two or more pipeline stages (`tied_parameters`: an embedding tied to the
+    LM head, a block the model calls at two depths): the runtime sums the copies' whole gradients
+    between the stages, which the sharded styles no longer hold. None when it can run."""
+    if str(dp_style) not in ("zero2", "fsdp") or not tied:
+        return None
+    pairs = ", ".join(f"{a}:{fa} ~ {b}:{fb}" for a, fa, b, fb in tied[:4]) + (" ..." if len(tied) > 4 else "")
+    return (
+        f"plan field 'dp_style' is {dp_style} with pp={pp} and parameters tied across stages ({pairs}): their "
+        "sharded gradients cannot be summed between the stages; re-plan with --dp-style zero1 (or ddp), or --pp 1"
+    )
+
+
 def tied_parameters(stages: Sequence[fx.GraphModule]) -> list[tuple[int, str, int, str]]:
     """Parameters that are one tensor of the original graph held by two stages: (a, fqn_a, b, fqn_b), a < b.
 

@@ -41,13 +41,13 @@ from costmodels.dtypes import DTYPE_BYTES
 from costmodels.expert_parallel import all_to_all_exchange_s, dispatch_bytes
 from passes.cp_lower import FALLBACK_META as CP_FALLBACK_META
 from passes.ladder import LadderError
-from passes.lower import lower_for_rank
-from passes.pipeline import PipelineSplitError
+from passes.lower import RankLowering, lower_for_rank
+from passes.pipeline import PipelineSplitError, sharded_tied_error
 from passes.recompute import recompute_of_layers
 from passes.tensor_parallel import rule_coverage
 from passes.tp_rules_context import FALLBACK_META, TensorParallelError
 from passes.tp_rules_context import Fallback as PassFallback
-from planner.errors import InfeasibleError
+from planner.errors import InfeasibleError, InputError
 from planner.frontend.analysis import ModelStructure, NodeCost, analyse
 from planner.plan import Fallback, MeshShape, Plan, Prediction, Workload, fallback_memory_bytes
 
@@ -82,7 +82,11 @@ def verify_plan(gm: fx.GraphModule, structure: ModelStructure, plan: Plan, clust
     for job in _lowerings(gm, structure, dataclasses.replace(plan, recompute={})):
         for rank in job.ranks:
             lowered = copy.deepcopy(gm)
-            _lower(lowered, job.structure, job.plan, rank)
+            tied = _lower(lowered, job.structure, job.plan, rank).tied
+            if job.plan.workload is Workload.TRAIN and (
+                refusal := sharded_tied_error(str(plan.dp_style), plan.pp, tied)
+            ):
+                raise InputError(refusal)  # the runtime refuses it too, on every rank after start-up
             if rank == 0 and job.index == 0 and plan.tp > 1:
                 coverage = rule_coverage(lowered)
             for node in lowered.graph.nodes:
@@ -109,9 +113,9 @@ def verify_plan(gm: fx.GraphModule, structure: ModelStructure, plan: Plan, clust
     return out if out.op_placement == coverage else dataclasses.replace(out, op_placement=coverage)
 
 
-def _lower(gm: fx.GraphModule, structure: ModelStructure, plan: Plan, rank: int) -> None:
+def _lower(gm: fx.GraphModule, structure: ModelStructure, plan: Plan, rank: int) -> RankLowering:
     try:
-        lower_for_rank(gm, structure, plan, rank, training=plan.workload is Workload.TRAIN)
+        return lower_for_rank(gm, structure, plan, rank, training=plan.workload is Workload.TRAIN)
     except TensorParallelError as e:
         where = f" at {e.line}" if e.line else f" (graph node {e.node})"
         raise InfeasibleError(

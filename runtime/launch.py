@@ -484,6 +484,11 @@ def _collect(
         _terminate(procs)
         if any(f.phase == "init" and _is_port_in_use(f.message) for f in failures):
             raise _PortInUse()
+        first = _root_cause(failures)
+        if first.kind != "died" and first.phase == "entry" and first.type_name == InputError.__name__:
+            # a fault of the input (the plan, the model file, the weights) that only the ranks could see:
+            # exit 2 with its message, as when the launching process finds one
+            raise InputError(f"{first.message} (found by rank {first.rank} of {nproc} as it started)")
         raise RunError(_failure_message(failures, sorted(pending), nproc, port, backend))
     if pending:
         _terminate(procs)
@@ -521,11 +526,20 @@ def _is_port_in_use(message: str) -> bool:
     return "eaddrinuse" in lowered or "address already in use" in lowered
 
 
+def _cause_order(failure: _Failure) -> tuple[bool, float]:
+    return (failure.kind != "died", failure.time_s)
+
+
+def _root_cause(failures: list[_Failure]) -> _Failure:
+    """A rank that died without reporting, else the earliest exception."""
+    return min(failures, key=_cause_order)
+
+
 def _failure_message(
     failures: list[_Failure], still_running: list[int], nproc: int, port: int, backend: str
 ) -> str:
-    """Root cause first: a rank that died without reporting, else the earliest exception."""
-    ordered = sorted(failures, key=lambda f: (f.kind != "died", f.time_s))
+    """Root cause first (`_root_cause`), then the other ranks' failures."""
+    ordered = sorted(failures, key=_cause_order)
     first = ordered[0]
     where = {
         "init": f" while initialising the process group (backend {backend}, MASTER_ADDR={_MASTER_ADDR}, MASTER_PORT={port})",

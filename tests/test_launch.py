@@ -88,6 +88,11 @@ def _raise_on_rank1(ctx: RankContext, pid_dir: str) -> int:
     return ctx.rank
 
 
+def _input_error_on_every_rank(ctx: RankContext, pid_dir: str) -> int:
+    _write_pid(pid_dir, ctx.rank)
+    raise InputError("plan field 'dp_style' cannot run here")
+
+
 def _kill_rank1_mid_run(ctx: RankContext, pid_dir: str) -> int:
     _write_pid(pid_dir, ctx.rank)
     dist.barrier()  # both ranks are up and connected
@@ -231,6 +236,18 @@ def test_rank_that_raises_is_reported_and_others_terminated(tmp_path: Path) -> N
     assert message.startswith("rank 1 of 2 raised ValueError: boom")
     assert "_raise_on_rank1" in message and 'raise ValueError("boom")' in message  # last frames
     assert info.value.exit_code == 4
+    _assert_no_children(tmp_path)
+
+
+def test_a_fault_of_the_input_found_by_the_ranks_is_an_input_error(tmp_path: Path) -> None:
+    """An InputError the ranks raise as they start (a plan field only the lowered model shows to be
+    wrong: zero2 over parameters tied across pipeline stages) is the input's fault: exit 2 with its
+    message, not a failed run (exit 4) with the rank's traceback."""
+    with pytest.raises(InputError) as info:
+        launch(_input_error_on_every_rank, str(tmp_path), 2, timeout_s=30)
+    message = str(info.value)
+    assert message.startswith("plan field 'dp_style' cannot run here (found by rank")
+    assert info.value.exit_code == 2 and "Traceback" not in message
     _assert_no_children(tmp_path)
 
 
