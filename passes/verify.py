@@ -42,12 +42,12 @@ from costmodels.expert_parallel import all_to_all_exchange_s, dispatch_bytes
 from passes.cp_lower import FALLBACK_META as CP_FALLBACK_META
 from passes.ladder import LadderError
 from passes.lower import RankLowering, lower_for_rank
-from passes.pipeline import PipelineSplitError, sharded_tied_error
+from passes.pipeline import PipelineSplitError
 from passes.recompute import recompute_of_layers
 from passes.tensor_parallel import rule_coverage
 from passes.tp_rules_context import FALLBACK_META, TensorParallelError
 from passes.tp_rules_context import Fallback as PassFallback
-from planner.errors import InfeasibleError, InputError
+from planner.errors import InfeasibleError
 from planner.frontend.analysis import ModelStructure, NodeCost, analyse
 from planner.plan import Fallback, MeshShape, Plan, Prediction, Workload, fallback_memory_bytes
 
@@ -82,11 +82,7 @@ def verify_plan(gm: fx.GraphModule, structure: ModelStructure, plan: Plan, clust
     for job in _lowerings(gm, structure, dataclasses.replace(plan, recompute={})):
         for rank in job.ranks:
             lowered = copy.deepcopy(gm)
-            tied = _lower(lowered, job.structure, job.plan, rank).tied
-            if job.plan.workload is Workload.TRAIN and (
-                refusal := sharded_tied_error(str(plan.dp_style), plan.pp, tied)
-            ):
-                raise InputError(refusal)  # the runtime refuses it too, on every rank after start-up
+            _lower(lowered, job.structure, job.plan, rank)
             if rank == 0 and job.index == 0 and plan.tp > 1:
                 coverage = rule_coverage(lowered)
             for node in lowered.graph.nodes:

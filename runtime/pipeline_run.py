@@ -104,7 +104,7 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
     del gm
     sharded = training and plan.dp_style in (DataParallel.ZERO2, DataParallel.FSDP)
     refusal = sharded_tied_error(str(plan.dp_style), plan.pp, lowered.tied) if sharded else None
-    if refusal:  # `passes.verify.verify_plan` refuses it before the ranks start
+    if refusal:  # on every rank as it starts: `runtime.launch` makes it exit 2
         raise InputError(refusal)
     units = [layer.module_path for layer in structure.layers]  # ZeRO-2's and FSDP's wrapping units
     chunks = []  # this rank's stage, or its model chunks (virtual stages pp_rank, pp_rank + pp, ...)
