@@ -164,9 +164,20 @@ def requires_grad_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     tensors, or multi-output ops. The runtime sends gradients back only for these.
 
     A placeholder counts when its `node.meta["pp_requires_grad"]` is true (set by split_stages on the
-    inputs of later stages); the graph's own inputs are data and need no gradient.
+    inputs of later stages); the graph's own inputs are data and need no gradient. A submodule fused
+    from the graph's nodes (`passes.recompute`'s regions) is looked into, output by output: a value it
+    computes from no parameter (a mask made by a factory op inside a layer) needs no gradient, as
+    before the fusion, whatever else the region computes.
     """
+    return _requires_grad(gm, None)
+
+
+def _requires_grad(gm: fx.GraphModule, seeds: list[bool] | None) -> set[fx.Node]:
+    """`requires_grad_nodes` with the placeholders' flags given (`seeds`, in order: a fused region's
+    inputs as its caller computes them) or read from their meta (None)."""
     needs: set[fx.Node] = set()
+    regions: dict[fx.Node, list[bool]] = {}  # a fused region's call -> whether each of its outputs needs
+    placeholders = 0
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         differentiable = isinstance(val, (list, tuple)) or (
@@ -177,11 +188,33 @@ def requires_grad_nodes(gm: fx.GraphModule) -> set[fx.Node]:
             if isinstance(value, nn.Parameter) and value.requires_grad:
                 needs.add(node)
         elif node.op == "placeholder":
-            if node.meta.get("pp_requires_grad", False) and differentiable:
+            seeded = seeds[placeholders] if seeds is not None and placeholders < len(seeds) else None
+            placeholders += 1
+            wanted = node.meta.get("pp_requires_grad", False) if seeded is None else seeded
+            if wanted and (differentiable or seeds is not None):
+                needs.add(node)
+        elif node.op == "call_module" and isinstance(inner := _fused_graph(gm, node), fx.GraphModule):
+            inner_needs = _requires_grad(inner, [isinstance(a, fx.Node) and a in needs for a in node.args])
+            out = inner.graph.output_node().args[0]
+            outs = list(out) if isinstance(out, (tuple, list)) else [out]
+            regions[node] = [isinstance(o, fx.Node) and o in inner_needs for o in outs]
+            if any(regions[node]):
+                needs.add(node)
+        elif node.op == "call_function" and node.target is operator.getitem and node.args[0] in regions:
+            flags, index = regions[node.args[0]], node.args[1]
+            if differentiable and isinstance(index, int) and index < len(flags) and flags[index]:
                 needs.add(node)
         elif node.op != "output" and differentiable and any(a in needs for a in node.all_input_nodes):
             needs.add(node)
     return needs
+
+
+def _fused_graph(gm: fx.GraphModule, node: fx.Node) -> fx.GraphModule | None:
+    """The graph a call_module node runs, when it is one fused from `gm`'s own nodes
+    (`passes.recompute.Recomputed` wraps it as `inner`); None for other modules."""
+    module = gm.get_submodule(str(node.target))
+    inner = getattr(module, "inner", module)
+    return inner if isinstance(inner, fx.GraphModule) else None
 
 
 def _param_keys(gm: fx.GraphModule, nodes: list[fx.Node]) -> dict[str, str]:
