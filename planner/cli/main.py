@@ -1089,14 +1089,14 @@ def _run_plan(args: argparse.Namespace, plan, nproc: int, speed_probe: bool = Fa
                 min_time_s=args.min_time,
                 speed_probe=speed_probe,
             )
-    except RunError as e:
-        # the numerics check failed (`e.run`: the run's summary) or a rank raised, timed out or was
-        # killed (none): --json still gets the report, the plan and prediction with the failure (what CI
-        # reads to triage it), before the error exits 4
+    except (RunError, InputError) as e:
+        # the numerics check failed (`e.run`: the run's summary), a rank raised, timed out or was killed,
+        # or a rank found the input at fault (InputError): --json still gets the report, the plan and
+        # prediction with the failure (what CI reads to triage it), before the error exits 4 (2)
         if args.json:
             written_by = "planner run --json" if args.command == "run" else "planner optimize --json"
             report = workflow.report_dict(
-                plan, e.run, args.model, plan.saved_cluster(), written_by=written_by
+                plan, getattr(e, "run", None), args.model, plan.saved_cluster(), written_by=written_by
             )
             _write_report(args, {**report, "failed": str(e)})
         raise
