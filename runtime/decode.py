@@ -49,6 +49,7 @@ from passes.expert_parallel import expert_shard
 from passes.ladder import apply_ladder, ladder_deviation, ladder_residual_adds
 from passes.lower import lower_for_rank
 from passes.tensor_parallel import read_local_shards, self_sharded_piece
+from planner.errors import InputError
 from planner.frontend.analysis import CACHE_UPDATE_OPS, ModelStructure, analyse, cache_buffers
 from planner.frontend.capture import capture, flat_inputs, lifted_constants_quiet, retarget_device
 from planner.frontend.modelfile import ModelFile, load_model_file
@@ -173,10 +174,12 @@ class Request:
         return cast_inputs(args, kwargs, self.dtype) if self.dtype else (args, kwargs)
 
     def step(self, gm: nn.Module, tokens: torch.Tensor, pos: int, device: str) -> torch.Tensor:
-        """Logits (batch, vocab) of the last of `tokens` (batch, T) placed at positions pos.. ."""
+        """Logits (batch, vocab) of the last of `tokens` (batch, T) placed at positions pos.. : the model's
+        first output is (batch, T', vocab), of which the last position is taken, or already (batch,
+        vocab), the last position's alone. InputError for another shape."""
         phase = Phase("step", tokens.shape[0], pos, tokens.shape[1], self.prefill.cache_len)
         args, kwargs = self.inputs(phase, tokens, device)
-        return all_outputs(gm(*flat_inputs(args, kwargs)))[0][:, -1]
+        return last_position_logits(all_outputs(gm(*flat_inputs(args, kwargs)))[0], tokens.shape[0])
 
     def generate(
         self,
@@ -203,6 +206,21 @@ class Request:
                 out_logits.append(logits)
                 tokens.append(logits.argmax(-1))
         return Generation(torch.stack(tokens, dim=1), out_logits)
+
+
+def last_position_logits(logits: torch.Tensor, batch: int) -> torch.Tensor:
+    """(batch, vocab) logits of a step's last position from a cached model's first output: (batch, T,
+    vocab) (every position's, or the last one's as (batch, 1, vocab)) or (batch, vocab) (the last
+    position's). Raises InputError naming the shape for anything else."""
+    if logits.dim() == 3 and logits.shape[0] == batch:
+        return logits[:, -1]
+    if logits.dim() == 2 and logits.shape[0] == batch:
+        return logits
+    raise InputError(
+        f"the model's first output has shape {tuple(logits.shape)} at batch {batch}; serving reads the logits "
+        "as (batch, positions, vocab) or, for the last position only, (batch, vocab): return one of them "
+        "first from forward"
+    )
 
 
 def host_step_time_s(

@@ -575,6 +575,23 @@ def test_hf_static_cache_generate_plan_saved_then_served_by_planner_run(tmp_path
 
 
 @pytest.mark.slow
+def test_a_model_returning_the_last_positions_logits_alone_is_served():
+    """forward returning (B, V), the last position's logits alone (tests/models/kv_last_logits.py):
+    the serving loop took [:, -1] of them, a vocabulary entry per row, and crashed in the reference's
+    generation (IndexError, exit 1). Now served at TP 2, tokens identical; another shape is refused
+    naming it."""
+    from runtime.decode import last_position_logits  # noqa: PLC0415
+
+    plan, run, _ = _serve(MODELS / "kv_last_logits.py", 2, context=12, new_tokens=3, batch_size=2)
+    assert run["numerics"]["tokens_identical"] and run["numerics"]["ok"]
+    logits = torch.randn(2, 5, 7)
+    assert torch.equal(last_position_logits(logits, 2), logits[:, -1])
+    assert torch.equal(last_position_logits(logits[:, -1], 2), logits[:, -1])
+    with pytest.raises(InputError, match=r"first output has shape \(7,\) at batch 2"):
+        last_position_logits(torch.randn(7), 2)
+
+
+@pytest.mark.slow
 def test_two_kv_heads_at_tp4_tokens_identical():
     plan, run, _ = _serve(MODELS / "llama_2kv.py", 4, context=8, new_tokens=4)
     assert run["numerics"]["tokens_identical"] and run["numerics"]["ok"]
