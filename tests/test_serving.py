@@ -306,6 +306,10 @@ def test_a_request_needs_a_decode_step_and_a_cache_that_holds_it(tmp_path: Path)
     with pytest.raises(InputError, match=r"64 positions.*writes 116.*max_seq_len"):
         workflow.prepare(str(fixed), "decode", context=100, new_tokens=16)
     workflow.prepare(str(fixed), "decode", context=40, new_tokens=8)  # fits its 64 positions
+    # a latent cache (MLA-style: keys and values made from it every step) holds the positions its
+    # attention reads, whatever its bytes per position: its 24 per position read as a K / V cache's made
+    # "6 positions" of 32, and a cache that holds them was refused
+    workflow.prepare(str(MODELS / "latent_cache_kv.py"), "decode", context=16, new_tokens=16, batch_size=2)
 
 
 @pytest.mark.slow

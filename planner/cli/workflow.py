@@ -482,17 +482,22 @@ def _own_experts(plan: Plan) -> bool:
 def _check_cache_length(
     model_file: ModelFile, structure: ModelStructure, batch: int, request: ServingRequest
 ) -> None:
-    """Raise InputError when the model's KV caches hold fewer positions than the request writes: a
-    layer's cache bytes over 2 (K and V) x batch x KV heads x head dim x dtype bytes, when that divides
-    exactly (a layout this reads), is its positions. On the meta device an out-of-range cache write
-    goes unnoticed; on real tensors it fails deep inside torch."""
+    """Raise InputError when the model's KV caches hold fewer positions than the request writes. A
+    layer's positions are the keys its attention reads from the cache in the captured step
+    (`Attention.kv_len`: whatever the cache holds per position, K and V or a latent they are made
+    from); without that record, its cache bytes over 2 (K and V) x batch x KV heads x head dim x dtype
+    bytes, when that divides exactly. On the meta device an out-of-range cache write goes unnoticed;
+    on real tensors it fails deep inside torch."""
     size = dtype_bytes(structure.dtype)
     for i, layer in enumerate(structure.layers):
         attn = layer.attention
         if attn is None or not attn.cache_bytes:
             continue
-        per_position = 2 * batch * attn.num_kv_heads * attn.head_dim * size
-        positions, rest = divmod(int(attn.cache_bytes), per_position)
+        if attn.kv_len:
+            positions, rest = attn.kv_len, 0
+        else:
+            per_position = 2 * batch * attn.num_kv_heads * attn.head_dim * size
+            positions, rest = divmod(int(attn.cache_bytes), per_position)
         if rest == 0 and 0 < positions < request.cache_len:
             raise InputError(
                 f"{model_file.path}: build_model(max_batch_size={batch}, max_seq_len={request.cache_len}) "
