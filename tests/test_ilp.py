@@ -648,3 +648,23 @@ def test_the_ilp_memory_rows_count_the_pipeline_boundary_gradients(h100, monkeyp
         assert buffers > 0
         assert (counted[s] - uncounted[s]) * 2**30 == pytest.approx(buffers)
         assert predicted[s] - without[s] == pytest.approx(buffers)
+
+
+def test_ladder_auto_leaves_out_the_layers_it_cannot_rewrite_and_upper_names_them() -> None:
+    """A mixture of experts (tests/models/tiny_mixtral.py: every layer's MLP is routed experts): --ladder
+    auto, "the solver's choice among the layers", plans without ladder and says why (it refused the
+    model, exit 2, with a message about missing attention or MLP blocks); a pinned upper:N is refused
+    naming the experts."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from tests.plans import meta_structure  # noqa: PLC0415
+
+    models = Path(__file__).parent / "models"
+    structure = meta_structure(str(models / "tiny_mixtral.py"), 2, 16)
+    cluster = load_cluster(str(models / "fastlink.yaml"), nproc=2)
+    work = WorkloadSpec("forward", 2, 16)
+    plan = plan_model(structure, cluster, work, Constraints(tp=2, ladder=LadderPolicy.parse("auto")))
+    assert plan.ladder_layers == []
+    assert any("ladder residual: layers [0, 1] have a mixture-of-experts block" in e for e in plan.excluded)
+    with pytest.raises(InputError, match=r"upper:1'.*layers \[1\] have a mixture-of-experts block"):
+        plan_model(structure, cluster, work, Constraints(tp=2, ladder=LadderPolicy.parse("upper:1")))

@@ -249,13 +249,21 @@ def _setup(
     keys = layer_keys(structure)
     num_layers = len(structure.layers)
     ladder = constraints.ladder.for_layers(num_layers)
+    excluded: list[str] = []
     if ladder.mode is not LadderMode.NONE:
-        missing = [i for i in ladder.eligible(num_layers) if not _has_both_blocks(structure.layers[i])]
-        if missing:
-            raise InputError(
-                f"ladder {str(constraints.ladder)!r}: layers {missing} lack an attention or MLP block, or "
-                "have a cross-attention, which ladder residual does not rewrite"
+        eligible = ladder.eligible(num_layers)
+        missing = [i for i in eligible if not _has_both_blocks(structure.layers[i])]
+        why = _unladderable_text(structure, missing)
+        if missing and ladder.mode is LadderMode.AUTO:
+            # the solver's choice among the upper layers: only the run of them above the last it cannot
+            # rewrite (none in a model whose every layer has experts): planned with that, and said why
+            upper = num_layers - 1 - max(missing)
+            ladder = (
+                LadderPolicy(LadderMode.AUTO, upper, ladder.max_loss_increase) if upper else LadderPolicy()
             )
+            excluded.append(f"ladder residual: layers {why}")
+        elif missing:
+            raise InputError(f"ladder {str(constraints.ladder)!r}: layers {why}; use --ladder auto or none")
     if constraints.sequence_parallel and workload.train and 1 in (constraints.tp, constraints.max_devices):
         why = "--tp 1" if constraints.tp == 1 else "one device"
         raise InputError(
@@ -263,7 +271,23 @@ def _setup(
             "give --tp 2 or more (and the devices for it), or --sequence-parallel auto / off"
         )
     cap = cluster.device.memory_bytes * constraints.memory_fraction
-    return _Search(structure, cluster, workload, constraints, dtype, keys, ladder, cap)
+    search = _Search(structure, cluster, workload, constraints, dtype, keys, ladder, cap)
+    search.excluded += excluded
+    return search
+
+
+def _unladderable_text(structure: ModelStructure, layers: list[int]) -> str:
+    """Why ladder residual cannot rewrite `layers` (`_has_both_blocks`), by kind."""
+    moe = [i for i in layers if structure.layers[i].moe is not None]
+    other = [i for i in layers if i not in moe]
+    parts = [f"{moe} have a mixture-of-experts block"] if moe else []
+    if other:
+        parts.append(f"{other} lack an attention or dense MLP block, or have a cross-attention")
+    return (
+        "; ".join(parts)
+        + ", which the ladder pass does not rewrite (it moves a layer's attention and dense MLP "
+        "outputs one block later)"
+    )
 
 
 def _has_both_blocks(layer: Layer) -> bool:
