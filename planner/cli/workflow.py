@@ -504,7 +504,8 @@ def _check_cache_length(
                 f"allocated layer {i}'s KV cache for {positions} positions, but the request writes "
                 f"{request.cache_len} (prompt {request.prompt_len} + {request.new_tokens} new tokens): "
                 "allocate the caches for max_seq_len positions, or ask for a shorter --context / --seq-len "
-                "/ --new-tokens"
+                "/ --new-tokens (a sliding window kept as a ring buffer of fewer slots is not served here: "
+                "allocate every position and mask the window instead)"
             )
 
 
