@@ -17,18 +17,25 @@ from tests.plans import fixed_plan
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
+def _built_with_nonzero_biases(model_file) -> torch.nn.Module:
+    """The model file's model, seeded, with its biases drawn from N(0, 1): GPT-2 initialises them to
+    zero, and any slice of a zero bias matches the right one."""
+    torch.manual_seed(0)
+    model = model_file.build("cpu")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_()
+    return model
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["torch", "safetensors"])
 def test_meta_built_rank_loads_only_its_shards_from_a_checkpoint(tmp_path, fmt):
     for name in ("llama3.py", "gpt2_tiny.py", "gpt2_odd_vocab.py"):
         path = EXAMPLES / name if (EXAMPLES / name).exists() else Path(__file__).parent / "models" / name
         model_file = load_model_file(path)
-        torch.manual_seed(0)
-        model = model_file.build("cpu")
-        with torch.no_grad():  # GPT-2 initialises its biases to zero: any slice of them would match
-            for fqn, param in model.named_parameters():
-                if fqn.endswith("bias"):
-                    param.normal_()
+        model = _built_with_nonzero_biases(model_file)
         args, kwargs = model_file.inputs()
         tensors = {**model.state_dict(), **dict(model.named_buffers())}
         if fmt == "torch":
@@ -63,12 +70,7 @@ def test_biases_of_fused_projections_inside_recomputed_regions_load_their_parts(
     from planner.plan import Recompute  # noqa: PLC0415
 
     model_file = load_model_file(EXAMPLES / "gpt2_tiny.py")
-    torch.manual_seed(0)
-    model = model_file.build("cpu")
-    with torch.no_grad():  # GPT-2 initialises its biases to zero: any slice of them would match
-        for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                param.normal_()
+    model = _built_with_nonzero_biases(model_file)
     args, kwargs = model_file.inputs()
     checkpoint = tmp_path / "gpt2_tiny.pt"
     torch.save({**model.state_dict(), **dict(model.named_buffers())}, checkpoint)
