@@ -46,6 +46,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from passes.recompute import region_graph
+
 
 class PipelineSplitError(ValueError):
     """Cut nodes that do not define a valid split of the graph; the message names the node."""
@@ -193,7 +195,7 @@ def _requires_grad(gm: fx.GraphModule, seeds: list[bool] | None) -> set[fx.Node]
             wanted = node.meta.get("pp_requires_grad", False) if seeded is None else seeded
             if wanted and (differentiable or seeds is not None):
                 needs.add(node)
-        elif node.op == "call_module" and isinstance(inner := _fused_graph(gm, node), fx.GraphModule):
+        elif node.op == "call_module" and (inner := region_graph(gm, node)) is not None:
             inner_needs = _requires_grad(inner, [isinstance(a, fx.Node) and a in needs for a in node.args])
             out = inner.graph.output_node().args[0]
             outs = list(out) if isinstance(out, (tuple, list)) else [out]
@@ -207,14 +209,6 @@ def _requires_grad(gm: fx.GraphModule, seeds: list[bool] | None) -> set[fx.Node]
         elif node.op != "output" and differentiable and any(a in needs for a in node.all_input_nodes):
             needs.add(node)
     return needs
-
-
-def _fused_graph(gm: fx.GraphModule, node: fx.Node) -> fx.GraphModule | None:
-    """The graph a call_module node runs, when it is one fused from `gm`'s own nodes
-    (`passes.recompute.Recomputed` wraps it as `inner`); None for other modules."""
-    module = gm.get_submodule(str(node.target))
-    inner = getattr(module, "inner", module)
-    return inner if isinstance(inner, fx.GraphModule) else None
 
 
 def _param_keys(gm: fx.GraphModule, nodes: list[fx.Node]) -> dict[str, str]:
@@ -299,20 +293,6 @@ def _untie(stages: list[fx.GraphModule]) -> None:
                 owner._buffers[name] = copies[k]
             else:
                 setattr(owner, name, copies[k])
-
-
-def sharded_tied_error(dp_style: str, pp: int, tied: Sequence[tuple[int, str, int, str]]) -> str | None:
-    """Why a plan cannot run when its data-parallel style shards gradients (zero2, fsdp) while
-    parameters are held by two or more pipeline stages (`tied_parameters`: an embedding tied to the
-    LM head, a block the model calls at two depths): the runtime sums the copies' whole gradients
-    between the stages, which the sharded styles no longer hold. None when it can run."""
-    if str(dp_style) not in ("zero2", "fsdp") or not tied:
-        return None
-    pairs = ", ".join(f"{a}:{fa} ~ {b}:{fb}" for a, fa, b, fb in tied[:4]) + (" ..." if len(tied) > 4 else "")
-    return (
-        f"plan field 'dp_style' is {dp_style} with pp={pp} and parameters tied across stages ({pairs}): their "
-        "sharded gradients cannot be summed between the stages; re-plan with --dp-style zero1 (or ddp), or --pp 1"
-    )
 
 
 def tied_parameters(stages: Sequence[fx.GraphModule]) -> list[tuple[int, str, int, str]]:

@@ -72,6 +72,15 @@ class Recomputed(nn.Module):
         return checkpoint(self.inner, *args, use_reentrant=False, context_fn=recompute_rng_context)
 
 
+def region_graph(gm: fx.GraphModule, node: fx.Node) -> fx.GraphModule | None:
+    """The graph a call_module node of `gm` runs when it is a region fused from `gm`'s own nodes (a
+    `Recomputed` wraps it as `inner`); None for other modules. Its placeholders are the node's args,
+    in order."""
+    module = gm.get_submodule(str(node.target))
+    inner = getattr(module, "inner", module)
+    return inner if isinstance(inner, fx.GraphModule) else None
+
+
 @dataclass(frozen=True)
 class RecomputedRegion:
     """One region `apply_recompute` wrapped: its submodule's name, layer, kind and node count. A

@@ -58,6 +58,7 @@ from passes.checkpoint import SUFFIX, SafetensorsCheckpoint, checkpoint_files
 from passes.expert_parallel import expert_shard
 from passes.general_rules import general_rule
 from passes.placement import Placement, loss_output, padded_size, shard_weight
+from passes.recompute import region_graph
 from passes.tp_rules import CARRY_STRIDED, RuleEntry, rule_for
 from passes.tp_rules_context import FALLBACK_META, R, RuleContext, SplitLike, TensorParallelError, op_label
 from planner.frontend.capture import user_line
@@ -376,21 +377,20 @@ def _bias_owners(gm: fx.GraphModule) -> dict[str, str]:
 
     owners: dict[str, str] = {}
 
-    def visit(graph: fx.Graph, module: torch.nn.Module, outer: dict[fx.Node, fx.Node]) -> None:
+    def visit(module: fx.GraphModule, outer: dict[fx.Node, fx.Node]) -> None:
         def attr(n: object) -> str | None:  # the parameter a value is, through region placeholders
             n = outer.get(n, n) if isinstance(n, fx.Node) else n
             return str(n.target) if isinstance(n, fx.Node) and n.op == "get_attr" else None
 
-        for node in graph.nodes:
+        for node in module.graph.nodes:
             if node.op == "call_module":
-                sub = module.get_submodule(str(node.target))
-                inner = getattr(sub, "inner", sub)  # `passes.recompute.Recomputed` wraps its region
-                if isinstance(inner, fx.GraphModule):
+                inner = region_graph(module, node)
+                if inner is not None:
                     params = [n for n in inner.graph.nodes if n.op == "placeholder"]
                     mapping = {
                         p: outer.get(a, a) for p, a in zip(params, node.args) if isinstance(a, fx.Node)
                     }
-                    visit(inner.graph, inner, mapping)
+                    visit(inner, mapping)
                 continue
             if node.op == "call_function" and node.target is tp_column_matmuls:  # (x, weights, biases, ...)
                 for w, b in zip(node.args[1], node.args[2]):
@@ -405,5 +405,5 @@ def _bias_owners(gm: fx.GraphModule) -> dict[str, str]:
                 if attr(w) and attr(b):
                     owners[attr(b)] = attr(w)
 
-    visit(gm.graph, gm, {})
+    visit(gm, {})
     return owners

@@ -491,7 +491,5 @@ def sum_tied_gradients(
         total = partials[ranks[0]]
         for rank in ranks[1:]:
             total = total + partials[rank]
-        if len(params) == 1 and len(ranks) == 1:
-            continue  # a single copy: nothing to sum
         for i, param in enumerate(params):
             param.grad = total if i == 0 else total.clone()

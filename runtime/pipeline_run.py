@@ -33,7 +33,6 @@ from costmodels.memory import DataParallel, dp_state_bytes
 from passes.checkpoint import SafetensorsCheckpoint
 from passes.fsdp import apply_fsdp, load_fsdp_weights
 from passes.lower import lower_for_rank
-from passes.pipeline import sharded_tied_error
 from passes.placement import loss_output
 from passes.rng import dropout_disabled
 from passes.tensor_parallel import load_sharded_weights
@@ -103,9 +102,16 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
     pp_group = groups.group("pp")
     del gm
     sharded = training and plan.dp_style in (DataParallel.ZERO2, DataParallel.FSDP)
-    refusal = sharded_tied_error(str(plan.dp_style), plan.pp, lowered.tied) if sharded else None
-    if refusal:  # on every rank as it starts: `runtime.launch` makes it exit 2
-        raise InputError(refusal)
+    if sharded and lowered.tied:  # on every rank as it starts: `runtime.launch` makes it exit 2
+        tied = lowered.tied
+        pairs = ", ".join(f"{a}:{fa} ~ {b}:{fb}" for a, fa, b, fb in tied[:4]) + (
+            " ..." if len(tied) > 4 else ""
+        )
+        raise InputError(
+            f"plan field 'dp_style' is {plan.dp_style} with pp={plan.pp} and parameters tied across stages "
+            f"({pairs}): their sharded gradients cannot be summed between the stages; re-plan with --dp-style "
+            "zero1 (or ddp), or --pp 1"
+        )
     units = [layer.module_path for layer in structure.layers]  # ZeRO-2's and FSDP's wrapping units
     chunks = []  # this rank's stage, or its model chunks (virtual stages pp_rank, pp_rank + pp, ...)
     for chunk in lowered.chunks:

@@ -106,7 +106,7 @@ _DEVICE_FIXES = (
 # tensors of two floating dtypes met in one op: the model's own code mixes them (a float32 RoPE table or
 # mask beside activations cast to bf16 / fp16), which fails the same way when it runs eagerly
 _DTYPE_ERROR = re.compile(
-    r"expected scalar type|same dtype|expected both .* same dtype|dtype mismatch|expected .* dtype .* but got",
+    r"expected scalar type|same dtype|dtype mismatch|expected .* dtype .* but got",
     re.IGNORECASE,
 )
 _DTYPE_FIXES = (

@@ -251,9 +251,8 @@ def _setup(
     ladder = constraints.ladder.for_layers(num_layers)
     excluded: list[str] = []
     if ladder.mode is not LadderMode.NONE:
-        eligible = ladder.eligible(num_layers)
-        missing = [i for i in eligible if not _has_both_blocks(structure.layers[i])]
-        why = _unladderable_text(structure, missing)
+        missing = [i for i in ladder.eligible(num_layers) if not _has_both_blocks(structure.layers[i])]
+        why = _unladderable_text(structure, missing) if missing else ""
         if missing and ladder.mode is LadderMode.AUTO:
             # the solver's choice among the upper layers: only the run of them above the last it cannot
             # rewrite (none in a model whose every layer has experts): planned with that, and said why
