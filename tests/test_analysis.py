@@ -453,3 +453,23 @@ def test_a_jax_ports_per_head_einsums_leave_the_mlp_its_own_projections():
             (Role.UP, f"blocks.{i}.w_in"),
             (Role.DOWN, f"blocks.{i}.w_out"),
         ]
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["b0_b1_b2_b0", "one_block_x12"])
+def test_a_block_object_called_at_several_depths_is_a_layer_at_each(shared: bool) -> None:
+    """tests/models/reused_block.py holds one block object twice in its ModuleList (`[b0, b1, b2, b0]`),
+    or once at all 12 depths. `named_modules()` names a module once, so the last call's ops had no
+    known module path: they fell outside every layer, and the model was analysed as 3 layers (or 1)
+    while it runs 4 (or 12), so stages and their prices did not match the calls that run. Every call
+    is a layer now, each with its attention and MLP, and the layers together hold every call's ops."""
+    mf = load_model_file(Path(__file__).parent / "models" / "reused_block.py")
+    model = mf.module.build_model(shared=shared)
+    gm = capture(model, mf.module.example_inputs())
+    s = analyse(gm)
+    depth = 12 if shared else 4
+    assert [layer.module_path for layer in s.layers] == [f"layers.{i}" for i in range(depth)]
+    for layer in s.layers:
+        assert [p.role for p in layer.attention.projections] == [Role.QKV, Role.O]
+        assert [p.role for p in layer.mlp.projections] == [Role.UP, Role.DOWN]
+    sdpa = [n.name for n in gm.graph.nodes if "scaled_dot_product_attention" in str(n.target)]
+    assert [layer.attention.sdpa_node for layer in s.layers] == sdpa

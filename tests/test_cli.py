@@ -127,6 +127,38 @@ def test_t5_trains_with_full_recompute_over_interleaved_pipeline_stages(tmp_path
     ), n
 
 
+@pytest.mark.slow
+def test_a_block_called_at_two_depths_is_staged_and_priced_per_call(tmp_path):
+    """tests/models/reused_block.py calls one block object at depths 0 and 3 (`[b0, b1, b2, b0]`). It
+    was planned as 3 layers, so the stages and their prices did not match the 4 calls that run. Now
+    the plan stages 4 layers, the predicted training state per rank is what the ranks hold (each stage
+    holding the shared block keeps a copy, whose gradients are summed), and outputs and gradients
+    match the unsharded model."""
+    plan, report = tmp_path / "p.yaml", tmp_path / "r.json"
+    r = planner(
+        "optimize", str(ROOT / "tests" / "models" / "reused_block.py"), "--cluster", str(ROOT / "tests" / "models" / "fastlink.yaml"),
+        "--nproc", "2", "--pp", "2", "--workload", "train", "--out", str(plan), "--json", str(report),
+        "--run", "--iters", "1", "--warmup", "0", "--min-time", "0",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(layer for stage in yaml.safe_load(plan.read_text())["stages"] for layer in stage) == [
+        0,
+        1,
+        2,
+        3,
+    ]
+    data = json.loads(report.read_text())
+    n = data["numerics"]
+    assert (
+        n["max_abs_diff"] <= 1e-4 * n["output_scale"] and n["grad_max_abs_diff"] <= 1e-4 * n["grad_scale"]
+    ), n
+    assert "4 layers" in r.stdout
+    measured = data["measured"]
+    assert (
+        abs(measured["state_bytes"] - measured["predicted_state_bytes"]) <= 0.01 * measured["state_bytes"]
+    ), measured
+
+
 def _write(tmp_path: Path, name: str, text: str) -> str:
     path = tmp_path / name
     path.write_text(text)

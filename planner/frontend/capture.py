@@ -14,8 +14,9 @@ Guarantees of the returned graph (docs/ARCHITECTURE.md):
 - parameters and buffers are `get_attr` nodes whose `target` is the FQN in the original model
   (`model.layers.0.self_attn.q_proj.weight`); a tied weight appears once, under one of its names
   (GPT-2: `lm_head.weight` feeds both the token embedding and the LM head);
-- every node has `node.meta["module_path"]`: the innermost module FQN as in `model.named_modules()`,
-  "" for the top level (for `get_attr`: the module owning the tensor); every tensor node has
+- every node has `node.meta["module_path"]`: the innermost module FQN as in
+  `model.named_modules(remove_duplicate=False)` (a block object listed twice in a ModuleList,
+  `[b0, b1, b2, b0]`, has a path per call: `layers.0`, `layers.3`), "" for the top level (for `get_attr`: the module owning the tensor); every tensor node has
   `node.meta["val"]` (a FakeTensor with the global shape and dtype);
 - removed: the input guard module, `aten._assert_*` nodes, no-op `aten.to` (same dtype and device)
   and `aten.dropout` in eval mode / with p = 0; rewritten: `x @ W.T` of a 2-D parameter (matmul,
@@ -211,7 +212,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> fx.Gra
     sys.stderr.write(stderr.getvalue())
     _replay_unlift_warnings(caught)
     out_spec = gm._out_spec
-    module_names = {name for name, _ in model.named_modules()}
+    module_names = {name for name, _ in model.named_modules(remove_duplicate=False)}
     gm = _normalise(gm, out_spec, module_names)
     _refuse_unplannable(gm, model)
     capture_cache.store(key, gm, model, stdout.getvalue(), stderr.getvalue(), caught)
