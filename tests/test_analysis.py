@@ -461,7 +461,8 @@ def test_a_block_object_called_at_several_depths_is_a_layer_at_each(shared: bool
     or once at all 12 depths. `named_modules()` names a module once, so the last call's ops had no
     known module path: they fell outside every layer, and the model was analysed as 3 layers (or 1)
     while it runs 4 (or 12), so stages and their prices did not match the calls that run. Every call
-    is a layer now, each with its attention and MLP, and the layers together hold every call's ops."""
+    is a layer now, each with its attention and MLP, and the layers together hold every call's ops;
+    the layers sharing the block are named (`ModelStructure.shared_layers`)."""
     mf = load_model_file(Path(__file__).parent / "models" / "reused_block.py")
     model = mf.module.build_model(shared=shared)
     gm = capture(model, mf.module.example_inputs())
@@ -473,3 +474,8 @@ def test_a_block_object_called_at_several_depths_is_a_layer_at_each(shared: bool
         assert [p.role for p in layer.mlp.projections] == [Role.UP, Role.DOWN]
     sdpa = [n.name for n in gm.graph.nodes if "scaled_dot_product_attention" in str(n.target)]
     assert [layer.attention.sdpa_node for layer in s.layers] == sdpa
+    shared_layers = (tuple(range(12)),) if shared else ((0, 3),)
+    assert s.shared_layers == shared_layers
+    # planning traces a deep stack through two blocks and copies the rest, which would miss the sharing
+    planned = capture_for_planning(model, mf.module.example_inputs(), {})[1]
+    assert len(planned.layers) == depth and planned.shared_layers == shared_layers

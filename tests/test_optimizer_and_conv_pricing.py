@@ -7,6 +7,7 @@ convolutions and activations timed on this machine (`costmodels.calibrate.conv_t
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -419,6 +420,32 @@ def test_an_embedding_tied_across_pipeline_stages_prices_its_gradient_exchange()
     assert syncs["fp32"] == pytest.approx(2 * syncs["param"], rel=0.2)  # twice the bytes
     untied = plan_model(analysed_llama("tiny"), cluster, WorkloadSpec("train", 4, 64), pin)
     assert untied.predicted.grad_sync_s == 0.0
+
+
+def test_a_block_called_on_two_pipeline_ranks_prices_its_gradient_exchange() -> None:
+    """tests/models/reused_block.py calls block b0 at depths 0 and 3: at pp=2 the two ranks each hold a
+    copy and swap its gradients after the backward (`runtime.pipeline.sum_tied_gradients`), which the
+    prediction left out. With dp=1 and no tied embedding, the step's gradient sync is that exchange:
+    one message of the block's gradients and the add; at pp=1 there is none. A block called at every
+    depth (ALBERT-style) is traced whole so that the sharing is seen at every layer."""
+    from costmodels.comm import p2p_time_s
+    from planner.cli.workflow import prepare
+    from planner.solver.problem import Constraints
+    from planner.solver.search import plan_model
+
+    cluster = load_cluster("dgx-h100")
+    models = Path(__file__).parent / "models"
+    prepared = prepare(str(models / "reused_block.py"), "train")
+    assert prepared.structure.shared_layers == ((0, 3),)
+    block_bytes = 4.0 * sum(p.numel() for p in prepared.model_file.build().layers[0].parameters())
+    syncs = {}
+    for pp in (1, 2):
+        pin = Constraints(tp=1, pp=pp, dp=1, max_devices=pp)
+        syncs[pp] = plan_model(
+            prepared.structure, cluster, WorkloadSpec("train", 4, 16), pin
+        ).predicted.grad_sync_s
+    message_s = p2p_time_s(block_bytes, cluster, False)
+    assert syncs[1] == 0.0 and message_s < syncs[2] < 1.5 * message_s, (syncs, message_s)
 
 
 def test_fp32_main_gradients_price_the_add_of_every_micro_batch() -> None:

@@ -327,6 +327,11 @@ class ModelStructure:
     # weight-gradient GEMM for them (`planner.solver.costing.CostContext.frozen`)
     frozen_params: frozenset[str] = frozenset()
     num_frozen_params: int = 0  # their unique elements (a tied weight counts once)
+    # groups of layer indices whose projections read the same weight tensors: one block object the
+    # model calls at several depths (`[b0, b1, b2, b0]`: ((0, 3),); ALBERT's one block at every depth).
+    # Pipeline stages holding such layers keep a copy each and sum their gradients
+    # (`runtime.pipeline.sum_tied_gradients`, priced by `planner.solver.costing.tied_gradient_exchange_s`)
+    shared_layers: tuple[tuple[int, ...], ...] = ()
 
     @property
     def active_params(self) -> int:
@@ -441,7 +446,32 @@ def analyse(gm: fx.GraphModule) -> ModelStructure:
         buffer_bytes=_buffer_bytes(gm, nodes, unique.values()),
         frozen_params=frozenset(name for name, p in params.items() if not p.requires_grad),
         num_frozen_params=sum(p.numel() for p in unique.values() if not p.requires_grad),
+        shared_layers=_shared_layers(layers, params),
     )
+
+
+def _shared_layers(layers: list[Layer], params: dict[str, torch.nn.Parameter]) -> tuple[tuple[int, ...], ...]:
+    """`ModelStructure.shared_layers`: the layers joined where a projection of one reads a weight
+    tensor (by identity, whatever its name) a projection of another reads; groups of two or more,
+    each sorted, in order of their first layer."""
+    owner: dict[int, int] = {}  # id(weight tensor) -> the first layer reading it
+    group_of = list(range(len(layers)))
+
+    def root(i: int) -> int:
+        while group_of[i] != i:
+            i = group_of[i]
+        return i
+
+    for layer in layers:
+        blocks = [layer.attention, layer.mlp, layer.cross_attention]
+        for proj in (p for block in blocks if block is not None for p in block.projections):
+            first = owner.setdefault(id(params[proj.weight]), layer.index)
+            a, b = root(first), root(layer.index)
+            group_of[max(a, b)] = min(a, b)
+    groups: dict[int, list[int]] = {}
+    for layer in layers:
+        groups.setdefault(root(layer.index), []).append(layer.index)
+    return tuple(tuple(g) for g in groups.values() if len(g) > 1)
 
 
 def _buffer_bytes(gm: fx.GraphModule, nodes: list[fx.Node], params: Iterable[torch.Tensor]) -> int:

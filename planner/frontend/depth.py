@@ -87,7 +87,7 @@ def capture_for_planning(
     start = 0
     if found is None or len(found[1]) < MIN_LAYERS_TO_TRUNCATE or not found[0]:
         found, start = _repeated_suffix(model) or (None, 0)
-    if found is None:
+    if found is None or _shares_parameters(found[1]):
         gm = capture(model, args, kwargs)
         return gm, analyse(gm)
     path, blocks = found
@@ -107,6 +107,14 @@ def capture_for_planning(
         gm = capture(model, args, kwargs)
         return gm, analyse(gm)
     return gm, _extend(structure, model, path, len(blocks))
+
+
+def _shares_parameters(blocks: nn.ModuleList) -> bool:
+    """Whether two blocks of the list hold one parameter tensor (one block object at several depths,
+    ALBERT's cross-layer sharing): copying the last traced layer's analysis would miss which layers
+    share weights (`ModelStructure.shared_layers`), so such a model is traced whole."""
+    ids = [id(p) for block in blocks for p in block.parameters()]
+    return len(ids) != len(set(ids))
 
 
 def _extend(structure: ModelStructure, model: nn.Module, path: str, depth: int) -> ModelStructure:

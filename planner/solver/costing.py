@@ -2362,21 +2362,25 @@ def pipeline_buffer_bytes(ctx: CostContext, stage: int) -> float:
     return (int(receives_grads) + int(sends_grads)) * p2p_message_bytes(ctx)
 
 
-def tied_gradient_exchange_s(grad_bytes: float, ctx: CostContext) -> float:
-    """Seconds per training step to sum the gradients of a weight held on two pipeline stages (an
-    embedding tied to the LM head, GPT-2's): after the backward the first and the last stage swap their
-    copies' gradients, a send and a receive at once, and each adds the two
-    (`runtime.pipeline.sum_tied_gradients`), before the data-parallel reduction and the optimizer step;
-    Megatron-LM all-reduces the word-embedding gradients between those stages at the same point
-    (`finalize_model_grads`). ``grad_bytes``: one rank's share of the tied weight in the parameters'
-    dtype (`OpOption.grad_bytes`); the gradients move in `CostContext.grad_dtype`. 0 without training or
-    pipeline stages."""
-    if not ctx.train or ctx.mesh.pp == 1 or grad_bytes <= 0:
+def tied_gradient_exchange_s(grad_bytes: float, ctx: CostContext, ranks: int = 2, copies: int = 0) -> float:
+    """Seconds per training step to sum the gradients of a weight held on several pipeline stages (an
+    embedding tied to the LM head, GPT-2's; a block the model calls at two depths): after the backward
+    each of the ``ranks`` pipeline ranks holding a copy adds its own copies, sends that partial sum to
+    every other such rank while receiving theirs (all at once: (ranks - 1) messages through the
+    rank's link), and adds the partial sums (`runtime.pipeline.sum_tied_gradients`), before the
+    data-parallel reduction and the optimizer step; Megatron-LM all-reduces the word-embedding
+    gradients between the first and the last stage at the same point (`finalize_model_grads`).
+    ``grad_bytes``: one rank's share of the tied weight in the parameters' dtype
+    (`OpOption.grad_bytes`); the gradients move in `CostContext.grad_dtype`. ``copies``: the virtual
+    stages holding one (default ``ranks``): copies - 1 adds of the whole gradient in all. 0 without
+    training, pipeline stages or a second rank."""
+    if not ctx.train or ctx.mesh.pp == 1 or grad_bytes <= 0 or ranks < 2:
         return 0.0
     nbytes = grad_bytes * ctx.grad_reduce_scale
     inter = ctx.cluster.num_nodes > 1 and ctx.mesh.num_devices > ctx.cluster.devices_per_node
-    add_s = compute.op_time_s(0.0, 3.0 * nbytes, ctx.cluster.device, ctx.grad_dtype, "memory")
-    return p2p_time_s(nbytes, ctx.cluster, inter) + add_s
+    adds = max(copies, ranks) - 1
+    add_s = compute.op_time_s(0.0, 3.0 * nbytes * adds, ctx.cluster.device, ctx.grad_dtype, "memory")
+    return p2p_time_s((ranks - 1) * nbytes, ctx.cluster, inter) + add_s
 
 
 def stage_p2p_time_s(ctx: CostContext, stage: int) -> float:

@@ -255,6 +255,12 @@ def predict(tables: CostTables, assignment: Assignment) -> PricedAssignment:
         (bd.grad_bytes, m * bd.time_s, bd.expert_grad_bytes) for bd in stages_bd
     )  # interior stages alike
     tail_comm, tail_compute = max((_tail_s(ctx, *tail) for tail in tails), key=lambda t: t[0] + t[1])
+    # a block called at several depths: each pipeline rank holding one of its layers keeps a copy
+    for group in ctx.structure.shared_layers if ctx.train and mesh.pp > 1 else ():
+        ranks = {stage_of[i] for i in group}
+        copies = {s for s, layers in enumerate(assignment.stages) for i in layers if i in group}
+        layer = breakdowns[(tables.layer_keys[group[0]], group[0] in ladder)]
+        tied_s += tied_gradient_exchange_s(layer.grad_bytes, ctx, len(ranks), len(copies))
     tail_comm += tied_s  # after the backward, before the DP reduction and the optimizer step
     latency = step_time_s(sum(times), times[slowest], m, ctx.virtual_stages) + tail_comm + tail_compute
     bottleneck = stages_bd[slowest]
