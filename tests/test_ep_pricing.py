@@ -765,3 +765,24 @@ def test_the_expert_gemm_shapes_are_timed_with_the_models_own_on_a_cpu() -> None
     rows = 8192 * 2 // 4  # top-2 of 4 experts
     for k, n in ((64, 128), (128, 64), (64, 64)):  # gate / up, down, and each at expert TP 2
         assert (rows, k, n) in shapes, shapes
+
+
+@pytest.mark.parametrize(
+    "pins, words",
+    [
+        (["--ep", "2"], "experts ep 2 over dp (2 of 4 per rank)"),
+        (["--tp", "2", "--ep", "1", "--expert-tp", "2"], "experts ep 1 (4 per rank, split over tp 2)"),
+    ],
+)
+def test_the_per_layer_table_names_where_a_moe_layers_experts_are(pins, words, tmp_path) -> None:
+    """The per-layer table's split choices named a MoE layer's attention only ("replicate: q k v core
+    o"): where its routed experts went was on the Mesh line alone. Each MoE layer's row now says it."""
+    from planner.cli.render import _strategy_text
+
+    out = tmp_path / "plan.yaml"
+    model = str(MODELS / "tiny_mixtral.py")
+    rc = main(["optimize", model, "--cluster", str(MODELS / "fastlink.yaml"), "--workload", "train", *pins,
+               "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    rows = [_strategy_text(c) for c in Plan.from_yaml(out).predicted.per_layer if c.layer >= 0]
+    assert len(rows) == 2 and all(words in row for row in rows), rows

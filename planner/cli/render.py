@@ -51,17 +51,18 @@ def fmt_bytes(nbytes: float | None) -> str:
 
 
 def _strategy_text(cost: LayerCost) -> str:
-    """Ops grouped by chosen strategy: "colwise: q k v up gate; rowwise: o down", then the layer's
-    activation recomputation ("recompute full") when training."""
+    """Ops grouped by chosen strategy: "colwise: q k v up gate; rowwise: o down", then a MoE layer's
+    routed experts ("experts ep 2 over dp (2 of 4 per rank)") and the layer's activation
+    recomputation ("recompute full") when training."""
     by_style: dict[str, list[str]] = {}
-    recompute = None
     for op, style in cost.strategy.items():
-        if op == "recompute":
-            recompute = style
-            continue
-        by_style.setdefault(style, []).append(op)
+        if op not in ("recompute", "experts"):
+            by_style.setdefault(style, []).append(op)
     parts = [f"{style}: {' '.join(ops)}" for style, ops in sorted(by_style.items())]
-    parts += [f"recompute {recompute}"] if recompute is not None else []
+    if "experts" in cost.strategy:  # a MoE layer's routed experts (`prediction._experts_text`)
+        parts.append(f"experts {cost.strategy['experts']}")
+    if "recompute" in cost.strategy:
+        parts.append(f"recompute {cost.strategy['recompute']}")
     return "; ".join(parts) or "-"
 
 

@@ -172,6 +172,15 @@ def ends_dispatch_excess_s(ends: LayerGraph, option: Callable[[Op], OpOption]) -
     )
 
 
+def _experts_text(num_experts: int, ctx: CostContext) -> str:
+    """How a MoE layer's routed experts are placed, as the per-layer table names a choice: "ep 2 over dp
+    (2 of 4 per rank)", "ep 1 (4 per rank, split over tp 2)", "ep 1 (4 per rank)"."""
+    split = f", split over tp {ctx.expert_tp}" if ctx.expert_tp > 1 else ""
+    if ctx.ep == 1:
+        return f"ep 1 ({num_experts} per rank{split})"
+    return f"ep {ctx.ep} over {ctx.ep_fold} ({num_experts // ctx.ep} of {num_experts} per rank{split})"
+
+
 def predict(tables: CostTables, assignment: Assignment) -> PricedAssignment:
     """Predicted step time, memory and per-layer / per-stage breakdown of `assignment` on `tables`' mesh."""
     ctx, graphs, ends = tables.ctx, tables.graphs, tables.ends
@@ -200,6 +209,9 @@ def predict(tables: CostTables, assignment: Assignment) -> PricedAssignment:
         bd.grad_bytes += layer.grad_bytes
         bd.expert_grad_bytes += layer.expert_grad_bytes
         strategy = {op.name: choices[(key, op.name)] for op in graph.ops}
+        if ctx.structure.layers and ctx.structure.layers[i].moe is not None:  # not one of the graph's ops
+            moe = ctx.structure.layers[i].moe
+            strategy["experts"] = _experts_text(moe.num_experts, ctx)
         if ctx.train:
             strategy["recompute"] = str(assignment.recompute_of(key))
         per_layer.append(
