@@ -231,6 +231,17 @@ def tp_gather_strided(x: torch.Tensor, dim: int, outer: int, axis: str) -> torch
     return blocks.transpose(dim, dim + 1).reshape(shape)
 
 
+def tp_shard_strided(x: torch.Tensor, dim: int, outer: int, axis: str) -> torch.Tensor:
+    """This rank's part of a replicated `x` as a shard strided through a merged `dim`
+    (`Placement.outer`): `dim` of size outer * inner (Bloom's alibi bias, (B * H, 1, T), b-major) is
+    seen as (outer, inner), each outer index keeps this rank's contiguous 1/size chunk of the inner
+    dim, and the pieces stay merged: (outer * inner / size) rows. Backward all-gathers (`tp_shard`'s,
+    through the reshapes). Raises RuntimeError if inner does not divide by the axis size."""
+    shape = list(x.shape)
+    blocks = x.reshape(*shape[:dim], outer, shape[dim] // outer, *shape[dim + 1 :])
+    return tp_shard(blocks, dim + 1, axis).reshape(*shape[:dim], -1, *shape[dim + 1 :])
+
+
 def tp_shard(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
     """This rank's contiguous chunk of a replicated `x` along `dim` (shape[dim] / axis size).
 

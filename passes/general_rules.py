@@ -17,7 +17,10 @@ What it does not take from DTensor, and why:
   output (`Placement.parts`), K/V heads cut into fewer pieces than ranks (`pieces` / `inner`), a
   padded vocabulary shard (`size`), and partial sums (which leave a row-parallel matmul all-reduced);
 - a shard of uneven size (DTensor allows `torch.chunk`-style remainders, our shards divide evenly)
-  and `_StridedShard` layouts are refused: the op runs replicated (`RuleContext.run_replicated`);
+  is refused: the op runs replicated (`RuleContext.run_replicated`). A shard strided through a
+  merged dim (our `Placement.outer`, DTensor's `_StridedShard`) is asked as a plain shard of that dim
+  and kept only where the op computes each row from the same rows of its inputs
+  (`strided_general_rule`);
 - an answer with a partial output (a sum over the sharded dim) or one that gathers some inputs but
   keeps the output sharded also runs replicated: the gather is then the recorded, priced fallback
   (`tp_fallback`), and no partial sum or half-gathered gradient is left for the backward pass.
@@ -28,6 +31,7 @@ shapes and must give the local output shape its placement says; a disagreement r
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -42,7 +46,7 @@ from torch.utils import _pytree as pytree
 from passes.placement import Placement, local_shape
 from passes.tp_rules_context import R, RuleContext
 
-__all__ = ["general_rule", "is_plain", "propagate_placements"]
+__all__ = ["general_rule", "is_plain", "propagate_placements", "strided_general_rule"]
 
 
 @functools.cache
@@ -163,23 +167,24 @@ def _ask_tensor_overload(mesh: DeviceMesh, op: OpOverload, args_schema: tuple, k
 
 
 def propagate_placements(
-    ctx: RuleContext, node: fx.Node
+    ctx: RuleContext, node: fx.Node, place: dict[fx.Node, Any] | None = None
 ) -> tuple[list[Placement], list[Any], dict[str, Any], Any] | None:
     """DTensor's answer for `node` on its inputs' current placements, in our terms: (the placement each
     tensor input must have, in the order of the flattened (args, kwargs); the node's args and kwargs
     with local sizes where DTensor rewrote them; the output's Placement, or a list for a node that
     returns a tuple). None when DTensor has no strategy for the op or answers with a layout we do not
-    have (module docstring)."""
+    have (module docstring). `place`: the inputs' placements to ask with (default `ctx.place`)."""
     op = node.target
     if not isinstance(op, OpOverload):
         return None
     mesh = _mesh(ctx.tp)
+    place = ctx.place if place is None else place
 
     def to_schema(a: Any) -> Any:
         if isinstance(a, fx.Node):
             val = ctx.global_val.get(a)
             if isinstance(val, torch.Tensor):
-                return _spec(mesh, ctx.place.get(a, R), val)
+                return _spec(mesh, place.get(a, R), val)
             return val
         return a
 
@@ -222,7 +227,7 @@ def propagate_placements(
     for i, a in enumerate(leaves):
         if _is_tensor_node(ctx, a):
             spec = new_leaves[i] if new_leaves is not None else None
-            p = ctx.place.get(a, R) if spec is None else _ours(spec, ctx.global_val[a], ctx.tp)
+            p = place.get(a, R) if spec is None else _ours(spec, ctx.global_val[a], ctx.tp)
             if p is None:
                 return None
             wanted.append(p)
@@ -312,4 +317,83 @@ def _local_shapes_agree(
         if isinstance(v, torch.Tensor):
             if not isinstance(g, torch.Tensor) or tuple(g.shape) != local_shape(tuple(v.shape), p, ctx.tp):
                 return False
+    return True
+
+
+def strided_general_rule(ctx: RuleContext, node: fx.Node) -> bool:
+    """Place and rewrite `node` whose inputs include shards strided through a merged dim
+    (`Placement.outer`: Bloom's and nn.MultiheadAttention's (B * H, T, hd) heads, b-major) by
+    DTensor's semantics for a plain shard of that dim: an op that keeps such a shard computes each row
+    of the merged dim from the same row of its inputs (a batched matmul, a pointwise op, a softmax over
+    another dim), so it may run on any set of rows, the strided one included, as long as every input
+    holds the same rows. All strided inputs must have one (dim, outer), counted from the right (as
+    broadcasting aligns dims), and every other input be replicated: one DTensor wants sharded is cut
+    to the same rows (`RuleContext.sharded_strided`: Bloom's alibi bias, (B * H, 1, T)); one it keeps
+    replicated is broadcast along the dim. Each sharded output must be the merged dim at the same
+    place and size, and is strided alike. False (nothing changed) otherwise: the caller runs the op
+    replicated, which gathers and reorders the strided inputs (recorded and priced as a fallback)."""
+    tensors = [a for a in node.all_input_nodes if _is_tensor_node(ctx, a)]
+    placed = {a: ctx.place.get(a, R) for a in tensors}
+    if not all(isinstance(p, Placement) for p in placed.values()):
+        return False
+    strided = {
+        (ctx.global_val[a].dim() - p.dim, p.outer, ctx.global_val[a].shape[p.dim])
+        for a, p in placed.items()
+        if p.outer
+    }
+    if len(strided) != 1:
+        return False
+    (from_right, outer, merged) = strided.pop()
+    plain: dict[fx.Node, Any] = {}
+    for a, p in placed.items():
+        if p.outer and p == dataclasses.replace(Placement.shard(p.dim), outer=p.outer):
+            plain[a] = Placement.shard(p.dim)
+        elif p.is_replicate:
+            plain[a] = R
+        else:
+            return False  # parts, pieces, padding beside a strided shard: not one set of rows
+    found = propagate_placements(ctx, node, plain)
+    if found is None:
+        return False
+    wanted, new_args, new_kwargs, outputs = found
+    vals = ctx.global_val.get(node)
+    out_vals = list(vals) if isinstance(vals, (list, tuple)) else [vals]
+    out_list = outputs if isinstance(outputs, list) else [outputs]
+
+    def aligned(val: Any, p: Placement) -> bool:  # the merged dim, at the same place from the right
+        return (
+            isinstance(val, torch.Tensor) and val.dim() - p.dim == from_right and val.shape[p.dim] == merged
+        )
+
+    if not any(o.is_shard for o in out_list) or not all(
+        o.is_replicate or aligned(v, o) for o, v in zip(out_list, out_vals)
+    ):
+        return False
+    leaves, tree = pytree.tree_flatten((new_args, new_kwargs))
+    tensor_leaves = [a for a in leaves if _is_tensor_node(ctx, a)]
+    for a, w in zip(tensor_leaves, wanted):
+        if plain[a].is_shard and w != plain[a]:
+            return False  # a strided shard DTensor would move or gather
+        if plain[a].is_replicate and w.is_shard and not aligned(ctx.global_val[a], w):
+            return False
+    if any(o.is_replicate for o in out_list):
+        return False  # a replicated output beside a strided one: not a per-row op
+    local = [dataclasses.replace(w, outer=outer) if w.is_shard else w for w in wanted]
+    strided_out = [dataclasses.replace(o, outer=outer) for o in out_list]
+    if not _local_shapes_agree(
+        ctx, node, leaves, tree, tensor_leaves, local, strided_out,
+        strided_out if isinstance(outputs, list) else strided_out[0],
+    ):  # fmt: skip
+        return False
+    swap: dict[int, fx.Node] = {}
+    for a, w in zip(tensor_leaves, wanted):
+        if plain[a].is_replicate:
+            swap[id(a)] = ctx.sharded_strided(a, w.dim, outer) if w.is_shard else ctx.copy_in(a)
+    leaves = [swap.get(id(a), a) if isinstance(a, fx.Node) else a for a in leaves]
+    node.args, node.kwargs = pytree.tree_unflatten(leaves, tree)
+    node.args = tuple(node.args)
+    if isinstance(outputs, list):
+        ctx.set_tuple(node, strided_out, "[" + ", ".join(map(str, strided_out)) + "]")
+    else:
+        ctx.set_meta(node, strided_out[0])
     return True

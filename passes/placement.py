@@ -45,7 +45,9 @@ class Placement:
     # outer: `dim` merges an outer dim of this size in front of the sharded one ((B, H / tp) -> B * H:
     # nn.MultiheadAttention's and Bloom's (B * H, T, hd)); each rank holds, for every outer index, its
     # contiguous 1/tp chunk of the inner dim, so its part is strided through `dim` (DTensor's
-    # _StridedShard). Only reshapes, transposes and copies carry it (`passes.tensor_parallel`)
+    # _StridedShard). Reshapes, transposes and copies carry it, and ops that compute each row of the
+    # merged dim from the same rows of their inputs (bmm, baddbmm, pointwise, a softmax over another
+    # dim: `passes.general_rules.strided_general_rule`); others gather it (`passes.tensor_parallel`)
     outer: int | None = None
 
     def __post_init__(self) -> None:

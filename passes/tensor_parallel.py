@@ -56,7 +56,7 @@ import torch.fx as fx
 from passes import collectives
 from passes.checkpoint import SUFFIX, SafetensorsCheckpoint, checkpoint_files
 from passes.expert_parallel import expert_shard
-from passes.general_rules import general_rule
+from passes.general_rules import general_rule, strided_general_rule
 from passes.placement import Placement, loss_output, padded_size, shard_weight
 from passes.recompute import region_graph
 from passes.tp_rules import CARRY_STRIDED, RuleEntry, rule_for
@@ -141,10 +141,20 @@ def _propagate(ctx: RuleContext, shard_output: bool = False) -> None:
             strided = any(
                 isinstance(ctx.place.get(a), Placement) and ctx.place[a].outer for a in node.all_input_nodes
             )
-            if (padded and not entry.padded_inputs) or (strided and entry.rule not in CARRY_STRIDED):
+            if (
+                strided
+                and entry.rule not in CARRY_STRIDED
+                and entry.general
+                and not (entry.claims and entry.claims(node))
+                and not padded
+                and strided_general_rule(ctx, node)
+            ):  # a per-row op (batched matmul, pointwise) on a shard strided through a merged dim
+                node.meta[RULE_META] = "general"
+            elif (padded and not entry.padded_inputs) or (strided and entry.rule not in CARRY_STRIDED):
                 # a padded vocabulary shard is gathered (and unpadded) first; a shard strided through a
-                # merged dim (`Placement.outer`) is gathered (and reordered) for any op but a reshape,
-                # transpose or copy: the other rules read a plain, contiguous shard
+                # merged dim (`Placement.outer`) is gathered (and reordered) for any other op than a
+                # reshape, transpose, copy or one `strided_general_rule` places: the other rules read
+                # a plain, contiguous shard
                 ctx.run_replicated(node)
                 node.meta[RULE_META] = "replicated"
             elif entry.general and not (entry.claims and entry.claims(node)) and general_rule(ctx, node):

@@ -13,6 +13,7 @@ price or refuse it (`passes.verify`). `user_line(node)` is the model source line
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -270,6 +271,24 @@ class RuleContext:
                 else (collectives.tp_shard_pieces, (full, dim, pieces, self.axis))
             )
             self._sharded[key] = self.insert(full, fn, args, want, node)
+        return self._sharded[key]
+
+    def sharded_strided(self, node: fx.Node, dim: int, outer: int) -> fx.Node:
+        """`node` as a shard strided through its merged `dim` with `outer` outer indices
+        (`Placement.outer`), slicing a replicated value locally (`collectives.tp_shard_strided`)."""
+        want = dataclasses.replace(Placement.shard(dim), outer=outer)
+        if self.place.get(node, R) == want:
+            return node
+        full = self.replicated(node)
+        if self.gshape(node)[dim] % outer or (self.gshape(node)[dim] // outer) % self.tp:
+            raise self.fail(
+                node, f"dim {dim} of size {self.gshape(node)[dim]} is not {outer} x a multiple of {self.tp}"
+            )
+        key = (full, dim, ("outer", outer))
+        if key not in self._sharded:
+            self._sharded[key] = self.insert(
+                full, collectives.tp_shard_strided, (full, dim, outer, self.axis), want, node
+            )
         return self._sharded[key]
 
     def token_dim(self, node: fx.Node, min_ndim: int = 3) -> int | None:

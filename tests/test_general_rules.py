@@ -193,11 +193,12 @@ class BatchHeadsMerged(nn.Module):
         return self.o(y.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D))
 
 
-def test_a_reshape_that_interleaves_the_head_shard_with_the_batch_is_a_strided_shard_bmm_gathers() -> None:
+def test_a_reshape_that_interleaves_the_head_shard_with_the_batch_is_a_strided_shard_bmm_keeps() -> None:
     """Merging (B, H/tp) into one dim leaves each rank's heads strided through it: the reshape carries
-    that as a strided shard (`Placement.outer`), and bmm, which has no rule for one, runs on the
-    gathered heads, put back in order by `tp_gather_strided` (a fallback naming its line, priced by
-    `passes.verify`) instead of refusing the plan."""
+    that as a strided shard (`Placement.outer`). bmm and the softmax compute each row of the merged
+    dim from the same rows of their inputs, so they keep the strided shard
+    (`passes.general_rules.strided_general_rule`): nothing is gathered before the row-parallel o.
+    Before, bmm ran on the gathered heads, put back in order by `tp_gather_strided` (a fallback)."""
     splits = {n: WeightSplit(n, "colwise", 0) for n in ("q.weight", "k.weight", "v.weight")}
     splits["o.weight"] = WeightSplit("o.weight", "rowwise", 1)
     gm = _lower(BatchHeadsMerged(), splits, torch.randn(B, T, C))
@@ -206,7 +207,9 @@ def test_a_reshape_that_interleaves_the_head_shard_with_the_batch_is_a_strided_s
     }
     merged = [n for n in strided.values() if "reshape" in str(n.target)]
     assert len(merged) == 3 and all("batch and heads merged" in user_line(n) for n in merged), strided
-    fallbacks = [n.meta[FALLBACK_META] for n in _calls(gm) if FALLBACK_META in n.meta]
-    assert [f.op for f in fallbacks] == ["aten.bmm"] * 2, fallbacks
-    gathers = [n for n in _calls(gm) if n.target is collectives.tp_gather_strided]
-    assert len(gathers) == 3 and all(n.args[0].name in strided for n in gathers), gathers  # q, k^T, v
+    kept = [n for n in strided.values() if str(n.target).split(".")[1] in ("bmm", "_softmax", "softmax")]
+    assert len(kept) == 3 and all(n.meta["tp_rule"] == "general" for n in kept), strided
+    assert not [n.meta[FALLBACK_META] for n in _calls(gm) if FALLBACK_META in n.meta]
+    assert not [
+        n for n in _calls(gm) if n.target in (collectives.tp_gather_strided, collectives.tp_all_gather)
+    ]

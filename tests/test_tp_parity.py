@@ -217,15 +217,23 @@ def test_multihead_attention_splits_by_heads_without_a_gather():
     )
 
 
-def test_bmm_over_merged_heads_gathers_them_in_order():
-    """bmm over (B * H, T, hd) has no rule for heads strided through the merged dim: the pass gathers
-    q / k / v there with `tp_gather_strided` (each batch's heads put back in rank order), a fallback
-    priced and named; the parity launch checks it computes what the unsharded model computes."""
+def test_bmm_over_merged_heads_runs_on_each_ranks_strided_rows():
+    """baddbmm / bmm over (B * H, T, hd), the heads merged with the batch (xformers / fairseq style;
+    Bloom's alibi attention): each rank's heads are strided through the merged dim
+    (`Placement.outer`). The pass gathered q / k / v there (`tp_gather_strided`) and ran attention
+    whole; it now runs the batched matmuls, the softmax and the causal mask on this rank's rows
+    (`passes.general_rules.strided_general_rule`), the mask, built whole, cut to the same rows
+    (`tp_shard_strided`, outer: the batch of 2); no collective gathers anything before the output
+    projection. The parity launch checks it computes what the unsharded model computes."""
     gm, structure = _structure("packed_bmm.py")
-    plan = fixed_plan(structure, str(_path("packed_bmm.py")), 2)
-    lowered = lower_for_rank(copy.deepcopy(gm), structure, plan, 0).module
-    strided = [n for n in lowered.graph.nodes if n.target is collectives.tp_gather_strided]
-    assert strided and all(n.args[2] == 2 for n in strided), strided  # outer: the batch of 2
+    plan = fixed_plan(structure, str(_path("packed_bmm.py")), 2, workload="train")
+    lowered = lower_for_rank(copy.deepcopy(gm), structure, plan, 0, training=True).module
+    gathers = {collectives.tp_all_gather, collectives.tp_gather_strided, collectives.tp_gather_parts}
+    assert not [n.name for n in lowered.graph.nodes if n.target in gathers]
+    cut = [n for n in lowered.graph.nodes if n.target is collectives.tp_shard_strided]
+    assert cut and all(n.args[1:3] == (0, 2) for n in cut), cut
+    products = [n for n in lowered.graph.nodes if op_name(n.target) in ("aten.baddbmm", "aten.bmm")]
+    assert len(products) == 4 and all(tuple(n.meta["val"].shape)[0] == 2 * 4 // 2 for n in products)
 
 
 @pytest.mark.slow
@@ -245,8 +253,10 @@ def test_tp2_forward_and_training_parity():
         _job("inout_weights.py", 2, "train"),  # x @ W, einsum("btd,df->btf", x, W): W (in, out)
         # nn.MultiheadAttention split by heads: (T, B * H, hd) strided shards, no gather
         _job("mha_blocks.py", 2, "train"),
-        # bmm over (B * H, T, hd): the strided shards gathered and put back in order before it
+        # baddbmm / bmm over (B * H, T, hd): run on each rank's strided rows, the mask cut to them
         _job("packed_bmm.py", 2),
+        _job("packed_bmm.py", 2, "train"),
+        _job("hf_bloom.py", 2, "train"),  # Bloom's alibi bias (B * H, 1, T) cut to the rank's rows
         # one KV head grouped by SDPA (enable_gqa): the K/V projections whole on each rank, the KV
         # head's gradient summed over the ranks' query heads
         _job("mqa_train.py", 2, "train", replicated=("wk.weight", "wv.weight")),

@@ -1,10 +1,9 @@
 """Test model: xformers / fairseq-style attention, one fused qkv Linear viewed (B, T, 3, H, hd) and
 unbound, then `torch.baddbmm` / `torch.bmm` over (B * H, T, hd): the heads merged with the batch.
 
-Split by heads, each rank's heads are strided through the merged dim (`Placement.outer`); bmm has no
-rule for that, so the pass gathers there and puts each batch's heads back in order
-(`passes.collectives.tp_gather_strided`): a priced fallback that must still compute what the
-unsharded model computes."""
+Split by heads, each rank's heads are strided through the merged dim (`Placement.outer`); the
+batched matmuls and the softmax run on each rank's strided rows, and the causal mask, expanded to
+(B * H, T, T), is cut to the same rows (`passes.general_rules.strided_general_rule`)."""
 
 import torch
 import torch.nn.functional as F
