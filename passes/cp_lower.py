@@ -60,6 +60,7 @@ import torch.fx as fx
 from torch._ops import OpOverload
 from torch.utils import _pytree as pytree
 
+from passes import collectives
 from passes.context_parallel import CP_VARIANTS, cp_gather, cp_gather_output, cp_sdpa, cp_slice
 from passes.general_rules import _local_shapes_agree, propagate_placements
 from passes.placement import Placement, local_shape, loss_output, view_groups
@@ -207,6 +208,19 @@ def apply_context_parallel(
             continue
         inputs = [a for a in node.all_input_nodes if isinstance(ctx.global_val.get(a), torch.Tensor)]
         placements = [ctx.place.get(a, _R) for a in node.all_input_nodes]
+        if (
+            node.target in _SEQUENCE_SPLITS
+            and node.args[0] in whole
+            and isinstance(ctx.global_val.get(node.args[0]), torch.Tensor)
+            and ctx.global_val[node.args[0]].shape[node.args[1]] == seq_len
+        ):
+            # sequence parallelism entering from a whole-sequence region (the TP pass's tp_shard /
+            # tp_reduce_scatter of `x.view(B, T, C)` after `x.view(-1, C)`): its shards are pieces of
+            # this rank's tokens, so the whole sequence is cut to them first, then split
+            source = node.args[0]
+            node.replace_input_with(source, sliced(source, node.args[1]))
+            _set(node, ctx, Placement.shard(node.args[1]))
+            continue
         if not any(isinstance(p, Placement) and p.is_shard for p in placements) and not any(
             isinstance(p, list) for p in placements
         ):
@@ -263,6 +277,11 @@ def apply_context_parallel(
     graph.lint()
     gm.recompile()
     return result
+
+
+# the TP pass's collectives that split the tokens for sequence parallelism ((B, T, C) -> T / tp along
+# dim args[1]): under CP, each rank's sequence-parallel shard is a piece of its CP tokens
+_SEQUENCE_SPLITS = frozenset({collectives.tp_shard, collectives.tp_reduce_scatter})
 
 
 def _sequence_size(node: fx.Node, ctx: _Ctx, sharded: list[fx.Node]) -> int | None:

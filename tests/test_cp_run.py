@@ -49,8 +49,9 @@ def _plan(
     batch: int = 2,
     **kw,
 ):
-    structure = meta_structure(str(MODELS / TOKENS), batch, seq)
-    plan = fixed_plan(structure, str(MODELS / TOKENS), tp, pp=pp, workload=workload, micro_batches=m)
+    model = str(MODELS / kw.pop("model", TOKENS))
+    structure = meta_structure(model, batch, seq)
+    plan = fixed_plan(structure, model, tp, pp=pp, workload=workload, micro_batches=m)
     return dataclasses.replace(plan, mesh=MeshShape(tp, pp, dp, cp), **kw)
 
 
@@ -96,6 +97,9 @@ TWO_RANK = {  # label: plan kwargs (model: another model file than tiny_lm_token
 FOUR_RANK = {
     "tp2_cp2": dict(tp=2, cp=2),
     "tp2_cp2_sp_ring": dict(tp=2, cp=2, cp_comm_type="ring", sequence_parallel=True),
+    # the MLP behind `x.view(-1, C)` runs on the whole sequence; its output re-enters the sequence-
+    # parallel stream as a piece of the rank's CP tokens (it was split first, then cut: output off by 0.48)
+    "tp2_cp2_sp_flatten": dict(tp=2, cp=2, sequence_parallel=True, model="cp_flatten_mlp.py", seq=32),
     "tp2_cp2_prefill": dict(tp=2, cp=2, workload="forward"),
     "cp2_dp2_zero1": dict(tp=1, cp=2, dp=2, batch=4, dp_style="zero1", dp_shard=2),
     "pp2_cp2": dict(tp=1, cp=2, pp=2, m=2),
@@ -342,6 +346,30 @@ def test_tp_and_cp_together_gather_nothing(sp: bool) -> None:
     gm = capture(model_file.build("meta"), *model_file.inputs(2, SEQ))
     lowered = lower_for_rank(gm, analyse(gm), plan, 0, training=True)
     assert lowered.context_parallel.fallbacks == [] and len(lowered.context_parallel.attention) == 4
+
+
+def test_sequence_parallelism_after_a_whole_sequence_region_splits_the_ranks_cp_tokens() -> None:
+    """tests/models/cp_flatten_mlp.py's MLP flattens the tokens, so under CP it runs on the whole
+    sequence (a gathered fallback). Under sequence parallelism the TP pass then splits its output
+    along the tokens (`tp_shard`, or `tp_reduce_scatter`), and the CP pass cut that split to the rank's
+    positions: the tp-th of the whole sequence, then cut, is not a piece of the rank's tokens (the
+    output was off by 0.48, a plan the search picks itself). The whole sequence is cut to the rank's
+    tokens first now, then split."""
+    from passes import collectives  # noqa: PLC0415
+    from passes.lower import lower_for_rank  # noqa: PLC0415
+
+    plan = _plan(tp=2, cp=2, sequence_parallel=True, model="cp_flatten_mlp.py", seq=32)
+    model_file = load_model_file(MODELS / "cp_flatten_mlp.py")
+    gm = capture(model_file.build("meta"), *model_file.inputs(2, 32))
+    lowered = lower_for_rank(gm, analyse(gm), plan, 0, training=True).module
+    splits = [
+        n for n in lowered.graph.nodes if n.target in (collectives.tp_shard, collectives.tp_reduce_scatter)
+    ]
+    after_whole = [n for n in splits if n.args[0].target is context_parallel.cp_slice]
+    assert len(after_whole) == 2, [(n.name, n.args[0].name) for n in splits]  # one per layer's MLP
+    assert not [
+        n for n in lowered.graph.nodes if n.target is context_parallel.cp_slice and n.args[0] in splits
+    ]
 
 
 @pytest.mark.slow
