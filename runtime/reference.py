@@ -87,19 +87,35 @@ def build_unsharded(model_file: ModelFile, seed: int, weights: list[str] | None)
 
 
 def check_capture(
-    model: torch.nn.Module, gm: torch.fx.GraphModule, args: tuple, kwargs: dict, dtype: str
+    model: torch.nn.Module,
+    gm: torch.fx.GraphModule,
+    args: tuple,
+    kwargs: dict,
+    dtype: str,
+    training: bool = False,
 ) -> None:
     """The captured graph computes what the model computes: its outputs beside the eager model's on the
     same inputs, weights and random state, without autograd, within the dtype's tolerance of each
-    output's scale (`tolerance_for`). The sharded run is checked against the captured graph, so a defect
-    of the capture's rewrites (`planner.frontend.capture`: in-place writes made values, `x @ W.T` made a
-    linear) would pass that check; this one catches it. Skipped for a graph with dropout (the reference
-    runs it with dropout off, which the eager model cannot be told). The buffers and the random state
-    are restored. Raises RunError naming the output and the difference."""
+    output's scale (`tolerance_for`); with `training`, also every parameter's gradient of the run's loss
+    (`runtime.loss.output_loss` of the first output), within the tolerance of the largest gradient. The
+    sharded run is checked against the captured graph, so a defect of the capture's rewrites
+    (`planner.frontend.capture`: in-place writes made values, `x @ W.T` made a linear) would pass that
+    check; this one catches it, and a backward the capture cannot hold (a `torch.autograd.Function`'s
+    own: torch.export traces its forward and differentiates that). Skipped for a graph with dropout
+    (the reference runs it with dropout off, which the eager model cannot be told). The buffers and the
+    random state are restored. Raises RunError naming the output and the difference, InputError naming
+    the parameter whose gradient differs."""
     if dropout_nodes(gm):
         return
     state = torch.get_rng_state()
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
+
+    def restore() -> None:
+        torch.set_rng_state(state)
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+
     try:
         with torch.no_grad():
             eager = all_outputs(flatten_output(model(*args, **kwargs)))
@@ -107,10 +123,7 @@ def check_capture(
         with torch.no_grad():
             captured = all_outputs(gm(*flat_inputs(args, kwargs)))
     finally:
-        torch.set_rng_state(state)
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
+        restore()
     for i, (got, want) in enumerate(zip(captured, eager, strict=False)):
         if not want.is_floating_point() or got.shape != want.shape or not bool(torch.isfinite(want).all()):
             continue  # a NaN or inf of the model itself is refused below, naming the weights
@@ -122,6 +135,63 @@ def check_capture(
                 "a defect of the planner's graph capture, not of the model or the plan: please report it with the "
                 "model file; PLANNER_CAPTURE_CACHE=off rules out the capture cache"
             )
+    if training and eager and eager[0].is_floating_point():
+        try:
+            _check_capture_gradients(model, gm, args, kwargs, dtype, training_target(eager[0]))
+        finally:
+            restore()
+
+
+def _gradients(
+    module: torch.nn.Module, outputs: list[torch.Tensor], target: torch.Tensor
+) -> dict[int, torch.Tensor]:
+    """Each trainable parameter's gradient of `output_loss` of the first output against `target`, by
+    the parameter's id (the captured graph holds the model's own parameter objects, under one of a
+    tied tensor's names); a parameter the loss does not reach gets none."""
+    unique = list({id(p): p for p in module.parameters() if p.requires_grad}.values())
+    loss = output_loss(outputs[0], target, LossLayout())
+    if not loss.requires_grad or not unique:
+        return {}
+    grads = torch.autograd.grad(loss, unique, allow_unused=True)
+    return {id(p): g for p, g in zip(unique, grads) if g is not None}
+
+
+def _check_capture_gradients(
+    model: torch.nn.Module,
+    gm: torch.fx.GraphModule,
+    args: tuple,
+    kwargs: dict,
+    dtype: str,
+    target: torch.Tensor,
+) -> None:
+    """`check_capture`'s gradients: the eager model's and the captured graph's, parameter by parameter
+    (one the captured graph lost, or does not reach, has a zero gradient there)."""
+    state = torch.get_rng_state()
+    with torch.enable_grad():
+        eager = _gradients(model, all_outputs(flatten_output(model(*args, **kwargs))), target)
+        torch.set_rng_state(state)
+        captured = _gradients(gm, all_outputs(gm(*flat_inputs(args, kwargs))), target)
+    if not eager:
+        return
+    names = {id(p): name for name, p in reversed(list(model.named_parameters()))}
+    scale = max(max_abs(g) for g in eager.values())
+
+    def diff(key: int) -> float:
+        got = captured.get(key)
+        return max_abs(eager[key]) if got is None else max_abs_diff(got, eager[key])
+
+    worst = max(eager, key=diff)
+    if diff(worst) > tolerance_for(dtype) * scale:
+        raise InputError(
+            f"the captured graph of {type(model).__name__} gives other gradients than the model: the gradient of "
+            f"{names.get(worst, '?')!r} differs by {diff(worst):.3g} (the largest gradient {scale:.3g}, {dtype}) "
+            "on the same inputs and weights, though the outputs agree. A backward the model defines itself (a "
+            "torch.autograd.Function: an auxiliary loss added in backward, a straight-through estimator, a "
+            "gradient scale) is not captured: torch.export traces the Function's forward and differentiates "
+            "that, so a sharded run would train on other gradients. Write the trick with differentiable ops (an "
+            "auxiliary loss: `out + (aux - aux.detach())` passes out unchanged and gives aux a gradient of 1; a "
+            "straight-through estimator: `x + (f(x) - x).detach()`), or plan with --workload forward"
+        )
 
 
 def write_reference(job: RunJob, directory: str, made_on: str = "launching process") -> ReferenceFiles:
@@ -135,7 +205,7 @@ def write_reference(job: RunJob, directory: str, made_on: str = "launching proce
     args, kwargs = cast_inputs(*job_inputs(model_file, job, "cpu"), plan.dtype)
     inputs = flat_inputs(args, kwargs)
     gm = capture(model, args, kwargs)
-    check_capture(model, gm, args, kwargs, plan.dtype)
+    check_capture(model, gm, args, kwargs, plan.dtype, training)
     structure = analyse(gm)
     adds = ladder_residual_adds(structure, plan.ladder_layers)
     deviation = None

@@ -327,6 +327,30 @@ def test_a_capture_that_computes_otherwise_than_the_model_is_caught() -> None:
         check_capture(model, gm, (x,), {}, "fp32")
 
 
+@pytest.mark.parametrize("differentiable", [False, True], ids=["autograd_function", "detach_trick"])
+def test_a_backward_the_capture_cannot_hold_is_refused_for_training(differentiable: bool) -> None:
+    """tests/models/aux_loss_function.py adds an auxiliary loss in a torch.autograd.Function's backward
+    (DeepSeek-V2's AddAuxiliaryLoss). torch.export traces the Function's forward, so the captured graph
+    gives the router no gradient: a training run matched its sharded gradients against that graph and
+    passed (exit 0) with the router's gradient off by 0.13. The capture check now compares the
+    gradients too and refuses naming the parameter and the way to write it; the same trick written
+    with differentiable ops passes, and the forward check alone passes either way."""
+    from planner.errors import InputError  # noqa: PLC0415
+    from planner.frontend.modelfile import load_model_file  # noqa: PLC0415
+    from runtime.reference import check_capture  # noqa: PLC0415
+
+    module = load_model_file(MODELS / "aux_loss_function.py").module
+    model = module.build_model(differentiable)
+    (x,) = module.example_inputs()
+    gm = capture(model, (x,))
+    check_capture(model, gm, (x,), {}, "fp32")  # the outputs agree
+    if differentiable:
+        check_capture(model, gm, (x,), {}, "fp32", training=True)
+        return
+    with pytest.raises(InputError, match=r"gradient of 'gate.weight' differs .*aux - aux.detach\(\)"):
+        check_capture(model, gm, (x,), {}, "fp32", training=True)
+
+
 def test_the_capture_check_allows_rounding_in_the_plans_dtype() -> None:
     """A capture whose output differs from the eager model's by rounding (another kernel, another
     summation order: nn.TransformerEncoder's fused fast path against the captured ops) passes the check
