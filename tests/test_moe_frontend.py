@@ -512,3 +512,30 @@ def test_a_router_reading_batch_and_sequence_dims_is_not_lowered_by_the_expert_p
     spec = load_cluster("dgx-h100")
     with pytest.raises(InputError, match="not as \\(tokens, hidden\\) rows"):
         plan_model(structure, spec, WorkloadSpec("train", 2, 16), Constraints(ep=2, max_devices=2))
+
+
+@pytest.mark.parametrize(
+    "routing, line", [("aux", "probs.mean(0)"), ("expert_choice", "torch.topk(probs.t()")]
+)
+def test_a_reduction_over_the_batchs_flattened_tokens_keeps_the_batch_whole(
+    routing, line, monkeypatch
+) -> None:
+    """tests/models/moe_token_reductions.py reduces over the tokens of the whole batch flattened into
+    one dim: a load-balancing loss `probs.mean(0)` over (B * T, E) added to the output, or expert-choice
+    routing's top-k over each expert's (B * T) scores. Only a reduction over a dim of the batch's size
+    counted as mixing the samples, so the search split the batch (DP, micro-batches) and the run
+    failed its numerics (exit 4). The batch is kept whole now, naming the line; --dp 2 is refused."""
+    from planner.frontend.modelfile import load_model_file  # noqa: PLC0415
+
+    monkeypatch.setenv("ROUTING", routing)
+    module = load_model_file(Path(__file__).parent / "models" / "moe_token_reductions.py").module
+    model = module.build_model()
+    (tokens,) = module.example_inputs()
+    with torch.no_grad():
+        assert (model(tokens) - torch.cat([model(tokens[:1]), model(tokens[1:])])).abs().max() > 1e-4
+    s = analyse(capture(model, (tokens,)))
+    assert any(line in why and "reduces over the batch's tokens (B x T)" in why for why in s.batch_mixing), (
+        s.batch_mixing
+    )
+    with pytest.raises(InputError, match="cannot be split"):
+        plan_model(s, load_cluster(FASTLINK, nproc=2), WorkloadSpec(Workload.TRAIN, 2, 8), Constraints(dp=2))

@@ -440,7 +440,8 @@ def analyse(gm: fx.GraphModule) -> ModelStructure:
         mlp_chain=mlp_chain,
         num_param_tensors=sum(1 for p in unique.values() if p.requires_grad),
         param_tensor_sizes=param_tensors(unique.values()),
-        batch_mixing=_batch_mixing(nodes, batch_size) + [c.reason for c in capacities if c.across_samples],
+        batch_mixing=_batch_mixing(nodes, batch_size, seq_len)
+        + [c.reason for c in capacities if c.across_samples],
         token_capacity=[c.reason for c in capacities],
         chain_gaps=chain_gap_nodes(gm.graph, [p.node for p in mlp_chain]),
         buffer_bytes=_buffer_bytes(gm, nodes, unique.values()),
@@ -535,18 +536,23 @@ _BATCH_REDUCTIONS = frozenset({
 })  # fmt: skip
 
 
-def _batch_mixing(nodes: list[fx.Node], batch_size: int) -> list[str]:
+def _batch_mixing(nodes: list[fx.Node], batch_size: int, seq_len: int = 1) -> list[str]:
     """ "op (model line)" of every floating-point reduction over the batch dimension (dim 0 of a tensor
-    whose leading size is the batch, or over all dimensions): outputs then depend on the other samples
-    of the batch, so splitting the batch (data parallelism, micro-batches) changes them. Empty for a
-    batch of 1 (nothing to tell apart). BatchNorm is handled apart (`search.BATCH_STATISTICS_OPS`)."""
+    whose leading size is the batch, or over all dimensions), or over the tokens of the whole batch
+    flattened into one dim (`_flat_token_dims`: a MoE's load-balancing loss `probs.mean(0)` over
+    (B * T, E), expert-choice routing's top-k over each expert's (B * T) scores): outputs then depend on
+    the other samples of the batch, so splitting the batch (data parallelism, micro-batches) changes
+    them. Empty for a batch of 1 (nothing to tell apart). BatchNorm is handled apart
+    (`search.BATCH_STATISTICS_OPS`)."""
     if batch_size <= 1:
         return []
     found: dict[str, None] = {}
     for node, name, source in _calls_on_tensors(nodes, _BATCH_REDUCTIONS):
         if not source.is_floating_point() or source.dim() < 2:
             continue
-        if source.shape[0] != batch_size:
+        batch = {0} if source.shape[0] == batch_size else set()
+        flat = _flat_token_dims(node.args[0], batch_size * seq_len) if seq_len > 1 else set()
+        if not batch | flat:
             continue
         if name == "aten.topk":  # topk(input, k, dim=-1): its second argument is k, not a dim
             dims = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
@@ -555,12 +561,38 @@ def _batch_mixing(nodes: list[fx.Node], batch_size: int) -> list[str]:
         if isinstance(dims, int):
             dims = [dims]
         if dims is None or (isinstance(dims, (list, tuple)) and not dims):  # a reduction over everything
-            mixing = name not in ("aten.softmax", "aten._softmax", "aten.log_softmax", "aten._log_softmax")
-        else:
-            mixing = any(isinstance(d, int) and d % source.dim() == 0 for d in dims)
-        if mixing:
+            if name not in ("aten.softmax", "aten._softmax", "aten.log_softmax", "aten._log_softmax"):
+                found[f"{name} ({user_line(node) or node.name}) reduces over the batch dimension"] = None
+            continue
+        reduced = {d % source.dim() for d in dims if isinstance(d, int)}
+        if reduced & flat:
+            found[f"{name} ({user_line(node) or node.name}) reduces over the batch's tokens (B x T)"] = None
+        elif reduced & batch:
             found[f"{name} ({user_line(node) or node.name}) reduces over the batch dimension"] = None
     return list(found)
+
+
+def _flat_token_dims(node: fx.Node, tokens: int) -> set[int]:
+    """The dims of `node`'s value that hold every token of the batch flattened into one (`tokens` = B x
+    T entries): dim 0 of a 2-D or larger value with that many rows (`x.view(-1, C)` and what is computed
+    row by row from it), or that dim moved by a transpose of such a value (`probs.t()`: (E, B * T))."""
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or val.dim() < 2:
+        return set()
+    if val.shape[0] == tokens:
+        return {0}
+    if op_name(node.target) in ("aten.t", "aten.transpose", "aten.permute", "aten.numpy_T") and node.args:
+        source = node.args[0]
+        inner = _flat_token_dims(source, tokens) if isinstance(source, fx.Node) else set()
+        if 0 in inner:
+            if op_name(node.target) == "aten.permute":
+                order = list(node.args[1])
+                return {order.index(0)} if 0 in order else set()
+            if op_name(node.target) == "aten.transpose":
+                d0, d1 = (d % val.dim() for d in node.args[1:3])
+                return {d1 if d0 == 0 else d0 if d1 == 0 else 0}
+            return {val.dim() - 1}  # t / numpy_T of a 2-D value
+    return set()
 
 
 def _calls_on_tensors(
