@@ -201,17 +201,86 @@ def _set_arg(node: fx.Node, index: int, keyword: str, value: object) -> None:
         node.kwargs = {**node.kwargs, keyword: value}
 
 
+def _arg_or(args: tuple, kwargs: dict, index: int, names: tuple[str, ...], default: float) -> float:
+    if len(args) > index:
+        return args[index]
+    return next((kwargs[n] for n in names if n in kwargs), default)
+
+
+def _expectation(target: object, args: tuple, kwargs: dict) -> torch.Tensor:
+    name = getattr(getattr(target, "overloadpacket", None), "__name__", "")
+    x = args[0]
+    if name in ("uniform", "uniform_"):
+        value = (_arg_or(args, kwargs, 1, ("from",), 0.0) + _arg_or(args, kwargs, 2, ("to",), 1.0)) / 2
+    elif name in ("normal_functional", "normal_"):
+        value = _arg_or(args, kwargs, 1, ("mean",), 0.0)
+    elif name == "rand_like":
+        value = 0.5
+    elif name == "randn_like":
+        value = 0.0
+    elif name in ("bernoulli", "bernoulli_") and (len(args) > 1 or "p" in kwargs):
+        p = _arg_or(args, kwargs, 1, ("p",), 0.5)
+        return p.expand_as(x).to(x.dtype).clone() if isinstance(p, torch.Tensor) else torch.full_like(x, p)
+    elif name == "bernoulli":
+        return x.clone()
+    else:
+        raise ValueError(f"no expectation for {target}")
+    return torch.full_like(x, float(value))
+
+
+# random draws other than dropout masks (router jitter: `x * torch.empty_like(x).uniform_(1 - eps, 1 + eps)`,
+# Gaussian noise): `dropout_disabled` runs each at its expectation for the numerics check, as dropout
+# off is dropout's expectation, so the reference and the ranks, which draw from other streams, agree
+_RANDOM_EXPECTATION = frozenset({
+    aten.uniform.default, aten.uniform_.default, aten.normal_functional.default, aten.normal_.default,
+    aten.rand_like.default, aten.randn_like.default, aten.bernoulli.default, aten.bernoulli.p,
+    aten.bernoulli_.float, tp_bernoulli,
+})  # fmt: skip
+
+
+def random_nodes(gm: torch.nn.Module) -> list[fx.Node]:
+    """The nodes of `gm` (and of the graph modules inside it) that draw random numbers other than a
+    dropout mask (`_RANDOM_EXPECTATION`)."""
+    return [
+        n
+        for g in _graphs(gm)
+        for n in g.graph.nodes
+        if n.op == "call_function" and n.target in _RANDOM_EXPECTATION
+    ]
+
+
+def _tp_bernoulli_expectation(x: torch.Tensor, p: float | None, axis: str) -> torch.Tensor:
+    return x.clone() if p is None else torch.full_like(x, p)
+
+
+def _random_expectation(
+    x: torch.Tensor, *args: object, _target: object = None, **kwargs: object
+) -> torch.Tensor:
+    return _expectation(_target, (x, *args), kwargs)
+
+
 @contextlib.contextmanager
 def dropout_disabled(*modules: torch.nn.Module) -> Iterator[None]:
     """Run the body with every dropout of the graphs (and of graph modules inside them) off (train=False; attention dropout_p=0): the
-    modules compute their eval-mode function with their train-mode graphs. Restored afterwards."""
+    modules compute their eval-mode function with their train-mode graphs; every other random draw
+    (`random_nodes`: uniform, normal, bernoulli, rand_like, randn_like) gives its expectation. Restored
+    afterwards."""
     saved: list[tuple[fx.GraphModule, fx.Node, tuple, dict]] = []
     for gm in (g for module in modules for g in _graphs(module)):
         for node in _own_dropout_nodes(gm):
             saved.append((gm, node, node.args, dict(node.kwargs)))
             index, keyword, off = _DROPOUT_SWITCH[node.target]
             _set_arg(node, index, keyword, off)
-    changed = {id(gm): gm for gm, *_ in saved}
+    drawn: list[tuple[fx.GraphModule, fx.Node, object, dict]] = []  # other random draws: their expectation
+    for gm in (g for module in modules for g in _graphs(module)):
+        for node in random_nodes(gm):
+            drawn.append((gm, node, node.target, dict(node.kwargs)))
+            if node.target is tp_bernoulli:
+                node.target = _tp_bernoulli_expectation
+            else:
+                node.kwargs = {**node.kwargs, "_target": node.target}
+                node.target = _random_expectation
+    changed = {id(gm): gm for gm, *_ in saved + drawn}
     for gm in changed.values():
         gm.recompile()
     try:
@@ -219,5 +288,7 @@ def dropout_disabled(*modules: torch.nn.Module) -> Iterator[None]:
     finally:
         for _, node, args, kwargs in saved:
             node.args, node.kwargs = args, kwargs
+        for _, node, target, kwargs in drawn:
+            node.target, node.kwargs = target, kwargs
         for gm in changed.values():
             gm.recompile()

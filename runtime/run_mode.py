@@ -28,8 +28,9 @@ from torch import nn
 from passes import collectives, expert_parallel, tp_overlap
 from passes.lower import RankLowering
 from passes.recompute import recompute_note
-from passes.rng import SHARDED_SEED_OFFSET, dropout_nodes, seed_sharded_rng
+from passes.rng import SHARDED_SEED_OFFSET, dropout_nodes, random_nodes, seed_sharded_rng
 from planner.errors import InputError
+from planner.frontend.capture import user_line
 from planner.frontend.phases import cast_module, run_torch_dtype
 from planner.plan import DataParallel, Plan, Recompute, Schedule
 
@@ -66,13 +67,29 @@ def dropout_note(gm: fx.GraphModule) -> str:
     """What a training run says about dropout: how many ops draw a mask in the timed steps (how many
     from the per-rank sharded stream) and that the numerics check ran with dropout off."""
     nodes = dropout_nodes(gm)
+    drawn = random_nodes(gm)
+    others = (
+        f"; {len(drawn)} other random draw(s) ({', '.join(dict.fromkeys(_draw_label(n) for n in drawn))}) "
+        "run in the timed steps and at their expectation in the numerics check"
+        if drawn
+        else ""
+    )
     if not nodes:
-        return "train mode: no dropout in the graph; numerics checked as run"
+        return f"train mode: no dropout in the graph{others or '; numerics checked as run'}"
     sharded = sum(1 for n in nodes if n.target.__module__ == "passes.rng")
     return (
         f"train mode: {len(nodes)} dropout op(s) active in the timed steps ({sharded} on tensor-parallel "
-        "shards, drawing from a per-rank RNG stream); numerics checked with dropout off"
+        f"shards, drawing from a per-rank RNG stream); numerics checked with dropout off{others}"
     )
+
+
+def _draw_label(node: fx.Node) -> str:
+    """ "aten.uniform_ at model.py:12" for a random draw of the model."""
+    name = getattr(
+        getattr(node.target, "overloadpacket", None), "__name__", getattr(node.target, "__name__", "?")
+    )
+    line = user_line(node)
+    return f"aten.{name}" + (f" at {line.split(' ')[0]}" if line else "")
 
 
 def check_plan_runs(plan: Plan, workload: str) -> None:

@@ -449,3 +449,36 @@ def test_a_cp_run_whose_attention_all_ran_gathered_says_cp_split_no_attention() 
             plan, SimpleNamespace(context_parallel=ran, expert_parallel=None, recomputed=[]), training=True
         )
     )
+
+
+def test_random_draws_beside_dropout_run_at_their_expectation_in_the_check() -> None:
+    """tests/models/router_jitter.py draws router jitter (`uniform_(0.9, 1.1)`) and Gaussian noise
+    (`randn_like`) in training. Data-parallel or expert-parallel ranks draw other numbers than the
+    unsharded reference, so a checked run failed (exit 4, outputs off by 0.69) while the note said
+    "no dropout in the graph". Under `dropout_disabled` (the numerics check) each draw now gives its
+    expectation, 1 and 0, the same whatever the random state; the timed steps keep drawing (restored
+    afterwards), and the run's note names the draws."""
+    from runtime.run_mode import dropout_note  # noqa: PLC0415
+
+    module = load_model_file(Path(__file__).parent / "models" / "router_jitter.py").module
+    model = module.build_model().train()
+    (tokens,) = module.example_inputs()
+    gm = capture(model, (tokens,))
+    assert {str(n.target) for n in rng.random_nodes(gm)} == {
+        "aten.uniform_.default",
+        "aten.randn_like.default",
+    }
+    with rng.dropout_disabled(gm):
+        torch.manual_seed(1)
+        one = gm(tokens)
+        torch.manual_seed(2)
+        two = gm(tokens)
+    expected = model.eval()(tokens)  # no jitter, no noise: the draws at their expectation
+    assert torch.equal(one, two) and torch.allclose(one, expected, atol=1e-6)
+    torch.manual_seed(1)
+    drawn = gm(tokens)
+    assert (drawn - one).abs().max() > 1e-3  # restored: the timed steps draw
+    note = dropout_note(gm)
+    assert "2 other random draw(s) (aten.uniform_ at router_jitter.py:" in note and "expectation" in note, (
+        note
+    )
