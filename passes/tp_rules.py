@@ -290,8 +290,18 @@ def rule_sdpa(ctx: RuleContext, node: fx.Node) -> None:
     q, k, v = node.args[:3]
     places = [ctx.place.get(t, R) for t in (q, k, v)]
     pq = places[0]
-    if pq.is_shard and pq.dim == 1 and not pq.parts:
-        heads = ctx.gshape(q)[1]
+    heads = ctx.gshape(q)[1] if len(ctx.gshape(q)) > 1 else 0
+
+    def takes(t: fx.Node, p: Placement) -> bool:  # K / V as it is, or cut to the rank's heads below
+        if not p.is_replicate:
+            return p.is_shard and p.dim == 1 and not p.parts
+        kv = ctx.gshape(t)[1]
+        gqa = node.kwargs.get("enable_gqa") and heads % kv == 0 and (kv % ctx.tp == 0 or ctx.tp % kv == 0)
+        return kv == heads or bool(gqa)
+
+    # K / V are cut to the rank's heads only when all three go head-parallel: a piece cut for an
+    # attention that then runs replicated would be gathered again (and `tp_gather_pieces` has no backward)
+    if pq.is_shard and pq.dim == 1 and not pq.parts and all(takes(t, p) for t, p in zip((k, v), places[1:])):
         for t, p in zip((k, v), places[1:]):
             if not p.is_replicate:
                 continue

@@ -159,6 +159,25 @@ def test_a_block_called_at_two_depths_is_staged_and_priced_per_call(tmp_path):
     ), measured
 
 
+@pytest.mark.slow
+def test_multi_query_attention_behind_a_fused_qkv_trains_at_tp2(tmp_path):
+    """Phi-3 with one KV head (tests/models/hf_phi3_mqa.py) at TP 2 in training: the attention runs
+    replicated, but the SDPA rule had first cut K to the rank's piece of its one head and then gathered
+    it again with `tp_gather_pieces`, which has no backward: every rank raised (exit 4). K / V are cut
+    only when the attention goes head-parallel now; outputs and gradients match."""
+    report = tmp_path / "r.json"
+    r = planner(
+        "optimize", str(ROOT / "tests" / "models" / "hf_phi3_mqa.py"), "--cluster", str(ROOT / "tests" / "models" / "fastlink.yaml"),
+        "--nproc", "2", "--tp", "2", "--workload", "train", "--run", "--iters", "1", "--warmup", "0", "--min-time", "0",
+        "--json", str(report),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    n = json.loads(report.read_text())["numerics"]
+    assert (
+        n["max_abs_diff"] <= 1e-4 * n["output_scale"] and n["grad_max_abs_diff"] <= 1e-4 * n["grad_scale"]
+    ), n
+
+
 def _write(tmp_path: Path, name: str, text: str) -> str:
     path = tmp_path / name
     path.write_text(text)
