@@ -310,6 +310,10 @@ def test_a_request_needs_a_decode_step_and_a_cache_that_holds_it(tmp_path: Path)
     # attention reads, whatever its bytes per position: its 24 per position read as a K / V cache's made
     # "6 positions" of 32, and a cache that holds them was refused
     workflow.prepare(str(MODELS / "latent_cache_kv.py"), "decode", context=16, new_tokens=16, batch_size=2)
+    # keys cached transposed, (B, H, hd, L) (Bloom's): the length is read from V, (B, H, L, hd); it was
+    # read from the keys' (hd, L) as 16 positions, and every request longer than the head dim refused
+    prepared = workflow.prepare(str(MODELS / "transposed_key_cache.py"), "decode", context=40, new_tokens=16)
+    assert {layer.attention.kv_len for layer in prepared.structure.layers} == {40 + 16}  # built to fit
 
 
 @pytest.mark.slow

@@ -1559,7 +1559,9 @@ def _attention_block(
         attention.dropout_p = float(bound_arguments(core).get("dropout_p") or 0.0)
     buffers = cache_buffers(members)
     if buffers:
-        attention.kv_len = int(k.meta["val"].shape[-2])
+        # from V, (..., L, hd) in SDPA and in p @ v alike: a hand-written core's k operand may be
+        # K transposed, (..., hd, L) (Bloom's cache keeps its keys that way)
+        attention.kv_len = int(v.meta["val"].shape[-2])
         attention.cache_bytes = float(
             sum(b.meta["val"].numel() * b.meta["val"].element_size() for b in buffers)
         )
