@@ -149,3 +149,15 @@ def test_a_models_source_line_is_printed_as_written_with_its_brackets() -> None:
     out = io.StringIO()
     render_plan(Console(file=out, width=400), dataclasses.replace(plan, excluded=[quoted]))
     assert f"excluded: {quoted}" in out.getvalue()
+
+
+def test_small_sizes_read_in_kib_and_a_pipelines_memory_is_the_fullest_stages(capsys) -> None:
+    """A decode run's 48 KiB KV cache per rank printed as "0.0 MiB"; and with pipeline stages the
+    predicted peak per rank is the fullest stage's, which the line called "each"."""
+    from planner.cli.render import _per_rank_memory, fmt_bytes  # noqa: PLC0415
+
+    assert (fmt_bytes(48 * 2**10), fmt_bytes(5 * 2**20), fmt_bytes(0)) == ("48.0 KiB", "5.0 MiB", "0.0 MiB")
+    m = {"per_rank_peak_memory_bytes": [9 * 2**20, 6 * 2**20], "per_rank_startup_memory_bytes": [0, 0]}
+    for stages, words in ((1, "(predicted 9.0 MiB each)"), (2, "(predicted 9.0 MiB on the fullest stage)")):
+        _per_rank_memory(Console(width=200), m, 9 * 2**20, stages)
+        assert words in capsys.readouterr().out

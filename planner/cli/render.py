@@ -44,10 +44,12 @@ def fmt_rate(per_s: float) -> str:
 
 
 def fmt_bytes(nbytes: float | None) -> str:
-    """Bytes in GiB or MiB."""
+    """Bytes in GiB, MiB, or KiB under a tenth of a MiB (a small KV cache is not "0.0 MiB")."""
     if nbytes is None:
         return "-"
-    return f"{nbytes / _GIB:.2f} GiB" if nbytes >= _GIB / 10 else f"{nbytes / 2**20:.1f} MiB"
+    if nbytes >= _GIB / 10:
+        return f"{nbytes / _GIB:.2f} GiB"
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 / 10 or nbytes == 0 else f"{nbytes / 2**10:.1f} KiB"
 
 
 def _strategy_text(cost: LayerCost) -> str:
@@ -467,9 +469,9 @@ def _small_memory_note(console: Console, above_startup_bytes: float, predicted_b
         )
 
 
-def _per_rank_memory(console: Console, m: dict[str, Any], predicted_bytes: float) -> None:
+def _per_rank_memory(console: Console, m: dict[str, Any], predicted_bytes: float, stages: int = 1) -> None:
     """Each rank's measured peak above its start-up (and, training, the state it held) beside the
-    predicted peak per rank, when more than one rank ran."""
+    predicted peak per rank (with pipeline `stages`, the fullest stage's), when more than one rank ran."""
     peaks, starts = m.get("per_rank_peak_memory_bytes") or [], m.get("per_rank_startup_memory_bytes") or []
     if len(peaks) < 2 or len(starts) != len(peaks):
         return
@@ -483,7 +485,8 @@ def _per_rank_memory(console: Console, m: dict[str, Any], predicted_bytes: float
         else ""
     )
     console.print(
-        f"memory per rank, above start-up (predicted {fmt_bytes(predicted_bytes)} each): {above}{held}",
+        f"memory per rank, above start-up (predicted {fmt_bytes(predicted_bytes)} "
+        f"{'each' if stages == 1 else 'on the fullest stage'}): {above}{held}",
         highlight=False,
     )
 
@@ -531,7 +534,7 @@ def render_run(console: Console, report: dict[str, Any]) -> None:
             f"{m['state_bytes'] / m['predicted_state_bytes']:.2f}",
         )
     console.print(table)
-    _per_rank_memory(console, m, p["peak_memory_bytes"])
+    _per_rank_memory(console, m, p["peak_memory_bytes"], report.get("plan", {}).get("pp", 1))
     if at_run:
         console.print(
             f"latency at the run's machine speed: the probe between the timed steps read {_probe_text(at_run)}"
