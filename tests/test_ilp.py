@@ -668,3 +668,22 @@ def test_ladder_auto_leaves_out_the_layers_it_cannot_rewrite_and_upper_names_the
     assert any("ladder residual: layers [0, 1] have a mixture-of-experts block" in e for e in plan.excluded)
     with pytest.raises(InputError, match=r"upper:1'.*layers \[1\] have a mixture-of-experts block"):
         plan_model(structure, cluster, work, Constraints(tp=2, ladder=LadderPolicy.parse("upper:1")))
+
+
+@pytest.mark.parametrize("workload", ["forward", "decode"])
+def test_k_and_v_take_one_split(workload, tmp_path) -> None:
+    """tests/models/llama_mqa.py has one KV head behind separate k / v projections: at TP 2 their
+    options cost exactly the same, and the solver broke the tie apart ("colwise: q v; replicate: k"),
+    a layout no target writes (the DTensor export refused it). K and
+    V take one split now (`kv_*` constraints)."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from planner.cli.main import main  # noqa: PLC0415
+    from planner.plan import Plan  # noqa: PLC0415
+
+    models = Path(__file__).parent / "models"
+    out = tmp_path / "plan.yaml"
+    args = ["optimize", str(models / "llama_mqa.py"), "--cluster", str(models / "fastlink.yaml"), "--tp", "2"]
+    assert main([*args, "--workload", workload, "--out", str(out)]) == 0
+    layers = [c for c in Plan.from_yaml(out).predicted.per_layer if c.layer >= 0]
+    assert layers and all(c.strategy["k"] == c.strategy["v"] for c in layers), [c.strategy for c in layers]

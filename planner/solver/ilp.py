@@ -28,6 +28,8 @@ Constraints (each family is named by the prefix of its constraint names)
                     (pairs whose conversion is impossible, e.g. P into a nonlinearity, have no e)
     tied_*          tied embedding / LM head choose the same split            `_strategy_variables`
     tied_emb_*      embeddings of one weight (encoder, decoder) the same split `_strategy_variables`
+    kv_*            a layer's K and V projections the same split (exact ties at  `_strategy_variables`
+                    MQA were broken apart: K replicated, V cut into pieces)
     ladder_att_*, ladder_mlp_*   qa[g] >= comm_att[g] - eta * compute_mlp[g]  (eta = overlap_efficiency)
     ladder_auto_*   za[l] >= comm_att[g] - M lad[l],  za[l] >= qa[g]  (zm alike)   `_ladder_variables`
     ladder_upper_*  lad[l] <= lad[l+1]: laddered layers are contiguous with the top   `_ladder_variables`
@@ -231,6 +233,12 @@ class _Builder:
             for core, query in head_split_queries(graph):  # head-parallel core: its query column-parallel
                 colwise = self.x[(key, query)].get("colwise", 0)
                 self.m += self.x[(key, core)]["head"] <= colwise, _name("headq", self.gid[key], core, query)
+            names = {op.name for op in graph.ops}
+            for k, v in (("k", "v"), ("cross.k", "cross.v")):
+                if k in names and v in names:  # one split for K and V, as every target writes them
+                    xk, xv = self.x[(key, k)], self.x[(key, v)]
+                    for name in set(xk) | set(xv):
+                        self.m += xk.get(name, 0) == xv.get(name, 0), _name("kv", self.gid[key], k, name)
         s = self.ctx.structure
         if s.tied_lm_head and s.embeddings and s.lm_head is not None:
             emb, head = self.x[("ends", "embedding0")], self.x[("ends", "lm_head")]
