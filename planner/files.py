@@ -14,14 +14,17 @@ it), so `--emit .` in a folder of the user's files, or over a rank's module.py t
 them alone.
 
 A file the product writes says so near its start (`SIGNATURES`: a plan's header comment, a report's
-first key, an export's or a calibrated spec's header, the adapted weights' safetensors metadata); plans
-and reports written before that are recognised by their content. An existing non-empty file is
+first key, an export's or a calibrated spec's header, the adapted weights' safetensors metadata), and
+a plan, an export or a calibrated spec also carries the digest note on its first line (`with_digest`);
+a report is a JSON object whose first key names the planner command and which holds "plan" and
+"predicted" (`_is_report`). A file that merely mentions the planner (a launch script quoting an export
+header, notes that copy a report's first key) is the user's. An existing non-empty file is
 replaced only when it is the product's output of the same kind:
 `--out README.md`, `--json model.py` or `optimize --out` onto a calibrated spec are refused. The
 files users edit by hand (plans, exports, calibrated specs) end in a comment line holding the SHA-256
 of the rest, and their first line says so (`with_digest`): one whose text no longer matches it, or
 that lost the line, is the user's now and is refused too (`edited_since_written`), as is an emitted
-folder's file whose content changed; one written before digests is replaced as before.
+folder's file whose content changed.
 """
 
 from __future__ import annotations
@@ -113,33 +116,41 @@ def written_kind(path: str | os.PathLike[str]) -> str | None:
     except (OSError, ValueError, AttributeError):
         return None
     text = head.decode("utf-8", errors="replace")
+    first_line = text.split("\n", 1)[0]
     for kind, signature in SIGNATURES.items():
-        if signature in text:
-            return kind
-    return _unsigned_kind(path)
-
-
-_PLAN_KEYS = {"model", "mesh", "splits", "stages", "predicted"}  # every plan has these
-_UNSIGNED_MAX_BYTES = 1 << 24  # larger files are not parsed for `_unsigned_kind`
-
-
-def _unsigned_kind(path: str | os.PathLike[str]) -> str | None:
-    """A plan or report written before outputs were signed: a plan YAML (`_PLAN_KEYS` at its top
-    level) or a JSON report (its "plan" and "predicted" objects), parsed whole; None otherwise."""
-    import yaml  # noqa: PLC0415 - only for unsigned files
-
-    try:
-        if os.path.getsize(path) > _UNSIGNED_MAX_BYTES:
-            return None
-        text = Path(path).read_text(encoding="utf-8")
-        data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
-    except (OSError, ValueError, yaml.YAMLError):
-        return None
-    if not isinstance(data, dict):
-        return None
-    if isinstance(data.get("plan"), dict) and isinstance(data.get("predicted"), dict):
+        if kind in DIGEST_KINDS and signature in text and DIGEST_NOTE in first_line:
+            return kind  # the signature and, on the first line, the note `with_digest` writes
+    if text.lstrip().startswith("{") and REPORT_SIGNATURE in text and _is_report(path):
         return "report"
-    return "plan" if _PLAN_KEYS <= set(data) else None
+    return None
+
+
+_REPORT_MAX_BYTES = 1 << 26  # larger files are not parsed for `_is_report`
+
+
+def _is_report(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` is a JSON report of the product: its first key "written_by" is the command that
+    wrote it, exactly ("planner optimize --json", "planner run --json", "planner ladder-eval --json"),
+    and it holds the objects that command's report has ("plan" and "predicted"; "standard" and
+    "ladder"). A user's JSON that merely mentions the planner is not one."""
+    try:
+        if os.path.getsize(path) > _REPORT_MAX_BYTES:
+            return False
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if not isinstance(data, dict) or not data:
+        return False
+    first_key, first = next(iter(data.items()))
+    if first_key != "written_by" or not isinstance(first, str):
+        return False
+    if first == "planner ladder-eval --json":  # the held-out losses (`planner.cli.quality`)
+        return isinstance(data.get("standard"), dict) and isinstance(data.get("ladder"), dict)
+    return (
+        first in ("planner optimize --json", "planner run --json")
+        and isinstance(data.get("plan"), dict)
+        and isinstance(data.get("predicted"), dict)
+    )
 
 
 def _check_replaceable_file(target: Path, option: str, kind: str | None) -> None:

@@ -186,21 +186,41 @@ def test_out_and_json_never_replace_a_file_the_planner_did_not_write(tmp_path: P
 
 
 def test_written_kind_reads_each_output_signature(tmp_path: Path) -> None:
+    """Each output kind by what the planner writes at its start: a plan, an export or a calibrated
+    spec by its header and the digest note on its first line (`with_digest`), a report by its first
+    key and its objects. Files that merely mention the planner are the user's: a launch script whose
+    comment quotes an export header, notes whose first key copies a report's, a README quoting a plan's
+    header (each was replaced, exit 0); so is a plan or report written before outputs were signed."""
     from passes.checkpoint import save_checkpoint
-    from planner.files import PLAN_HEADER, WEIGHTS_KIND, written_kind
+    from planner.files import DIGEST_NOTE, PLAN_HEADER, WEIGHTS_KIND, with_digest, written_kind
 
+    report = {"written_by": "planner optimize --json", "model": "m.py", "plan": {}, "predicted": {}}
     cases = {
-        "plan.yaml": f"{PLAN_HEADER} for m.py on dgx-h100\nmodel: m.py\n",
-        "report.json": '{\n  "written_by": "planner optimize --json",\n  "model": "m.py"\n}',
-        "spec.yaml": "# Cluster spec written by `planner calibrate`: measured on this machine\nname: x\n",
-        "args.sh": "# Megatron-LM parallelism arguments for m.py, written by planner export --to megatron.\n",
+        "plan.yaml": with_digest(f"{PLAN_HEADER} for m.py on dgx-h100\nmodel: m.py\n"),
+        "report.json": json.dumps(report, indent=2),
+        "eval.json": json.dumps({"written_by": "planner ladder-eval --json", "standard": {}, "ladder": {}}),
+        "spec.yaml": with_digest(
+            "# Cluster spec written by `planner calibrate`: measured on this machine\nname: x\n"
+        ),
+        "args.sh": with_digest(
+            "# Megatron-LM parallelism arguments for m.py, written by planner export --to megatron.\n"
+        ),
         "mine.yaml": "name: my cluster\n",
+        "train_launch.sh": "#!/bin/bash\n# these flags were first written by planner export --to megatron, then tuned\n",
+        "notes.json": json.dumps({"written_by": "planner optimize --json -- copied by me", "notes": "mine"}),
+        "readme_notes.md": f"# Notes\nA plan starts with:\n    {PLAN_HEADER} for m.py\n",
+        "old_plan.yaml": "model: m.py\ncluster: x\nmesh: {tp: 1}\nsplits: {}\nstages: [[0]]\npredicted: {}\n",
+        "old_report.json": '{"model": "m.py", "plan": {}, "predicted": {}}',
     }
     for name, text in cases.items():
         (tmp_path / name).write_text(text)
     kinds = {name: written_kind(tmp_path / name) for name in cases}
-    assert kinds == {"plan.yaml": "plan", "report.json": "report", "spec.yaml": "cluster spec",
-                     "args.sh": "export", "mine.yaml": None}  # fmt: skip
+    assert kinds == {"plan.yaml": "plan", "report.json": "report", "eval.json": "report", "spec.yaml": "cluster spec",
+                     "args.sh": "export", **dict.fromkeys(list(cases)[5:])}  # fmt: skip
+    assert DIGEST_NOTE in (tmp_path / "args.sh").read_text().split("\n")[0]
+    for name, kind in (("train_launch.sh", "export"), ("notes.json", "report"), ("readme_notes.md", "plan")):
+        with pytest.raises(InputError, match="not written by the planner"):
+            check_output_path("--out", str(tmp_path / name), kind=kind)
     import torch
 
     save_checkpoint(
@@ -212,14 +232,8 @@ def test_written_kind_reads_each_output_signature(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="not written by the planner"):
         check_output_path("--out", str(tmp_path / "theirs.safetensors"), kind=WEIGHTS_KIND)
     check_output_path("--out", str(tmp_path / "ours.safetensors"), kind=WEIGHTS_KIND)
-    old_plan = tmp_path / "old_plan.yaml"  # written before plans were signed: recognised by its keys
-    old_plan.write_text("model: m.py\ncluster: x\nmesh: {tp: 1}\nsplits: {}\nstages: [[0]]\npredicted: {}\n")
-    old_report = tmp_path / "old_report.json"
-    old_report.write_text('{"model": "m.py", "plan": {}, "predicted": {}}')
-    assert (written_kind(old_plan), written_kind(old_report)) == ("plan", "report")
-    check_output_path("--out", str(old_plan), kind="plan")  # an older planner's: replaced as before
     with pytest.raises(InputError, match="holds the planner's report"):
-        check_output_path("--out", str(old_report), kind="plan")
+        check_output_path("--out", str(tmp_path / "report.json"), kind="plan")
     empty = tmp_path / "empty.yaml"
     empty.write_text("")
     check_output_path("--out", str(empty), kind="plan")  # nothing to lose
@@ -311,8 +325,8 @@ def test_an_unedited_copy_of_our_folder_is_ours_and_old_time_stamps_still_tell_e
 def test_a_plan_or_spec_the_user_edited_is_not_replaced(tmp_path: Path) -> None:
     """A saved plan ends in a digest of its text: `optimize --out` onto it replaces it while unedited
     and refuses once the user changed a line (a plan is meant to be edited by hand) or deleted the
-    digest line (the first line says there was one), leaving it as the user left it; a plan written
-    before digests (no note on its first line) is replaced as before."""
+    digest line (the first line says there was one), leaving it as the user left it; a file with the
+    plan's header but no digest note (a plan written before digests, or a user's copy) is not ours."""
     from planner.files import check_output_path, edited_since_written, with_digest  # noqa: PLC0415
 
     path = tmp_path / "plan.yaml"
@@ -332,8 +346,9 @@ def test_a_plan_or_spec_the_user_edited_is_not_replaced(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="changed since"):
         check_output_path("--out", str(path), kind="plan")
     assert path.read_text() == edited
-    path.write_text(text)  # an older planner's plan: no digest, no note on its first line
-    check_output_path("--out", str(path), kind="plan")
+    path.write_text(text)  # no digest, no note on its first line: anyone's file (an older planner's too)
+    with pytest.raises(InputError, match="was not written by the planner"):
+        check_output_path("--out", str(path), kind="plan")
 
 
 def test_a_dash_is_stdout_for_json_only_and_refused_as_a_file_name(tmp_path: Path) -> None:
