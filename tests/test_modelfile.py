@@ -424,3 +424,44 @@ def test_a_sequence_longer_than_the_position_table_is_refused_at_planning(model)
     ):
         workflow.prepare(path, "forward", 1, 256)
     assert workflow.prepare(path, "forward", 1, 128).structure.seq_len == 128
+
+
+def test_a_module_beside_the_model_named_like_a_planner_package_does_not_stand_in_for_it(tmp_path) -> None:
+    """The model's folder goes first on sys.path so that it can import its neighbours; a runtime.py,
+    passes.py or costmodels.py there then stood in for the planner's own package when the planner
+    imported one of its modules later: planning failed with a traceback ("'runtime' is not a
+    package", exit 1) and TP runs failed on every rank (exit 4). The planner's packages are loaded
+    first now; a model that imports such a module of its own is told why it gets the planner's."""
+    import shutil  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    root = Path(__file__).resolve().parent.parent
+    for name in ("mlp.py", "models.py"):
+        shutil.copy(root / "examples" / name, tmp_path / name)
+    for name in ("runtime.py", "passes.py", "costmodels.py"):
+        (tmp_path / name).write_text("def now():\n    return 0\n")
+
+    def planner(model: str) -> subprocess.CompletedProcess:
+        args = [
+            "optimize",
+            str(tmp_path / model),
+            "--cluster",
+            "local-cpu",
+            "--tp",
+            "2",
+            "--layout",
+            "megatron",
+        ]
+        return subprocess.run(
+            [sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, cwd=root
+        )
+
+    r = planner("mlp.py")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    (tmp_path / "uses_own.py").write_text("from runtime import now\n" + (tmp_path / "mlp.py").read_text())
+    r = planner("uses_own.py")
+    said = " ".join(r.stderr.split())
+    assert (
+        r.returncode == 2 and "runtime.py next to the model has the name of the planner's own package" in said
+    ), said

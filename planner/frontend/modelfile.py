@@ -253,6 +253,11 @@ def load_model_file(path: str | os.PathLike[str]) -> ModelFile:
     if not path.endswith(".py"):
         raise InputError(f"model file must be a Python file (*.py): {path}")
     directory = os.path.dirname(path)
+    # the planner's own top-level packages, imported before the model's folder goes first on sys.path:
+    # a runtime.py, passes.py or costmodels.py of the user's there would otherwise stand in for them
+    # when the planner imports one of their modules later ("'runtime' is not a package")
+    for package in _OWN_PACKAGES:
+        importlib.import_module(package)
     if directory not in sys.path:
         sys.path.insert(0, directory)
     stem = os.path.splitext(os.path.basename(path))[0]
@@ -266,7 +271,17 @@ def load_model_file(path: str | os.PathLike[str]) -> ModelFile:
         spec.loader.exec_module(module)
     except (Exception, SystemExit) as e:  # user code: report the line, keep the cause
         del sys.modules[module_name]
-        raise InputError(f"importing model file {path} raised {_describe(e, path)}") from e
+        clash = [n for n in _OWN_PACKAGES if os.path.exists(os.path.join(directory, f"{n}.py"))]
+        named = [n for n in clash if getattr(e, "name", None) == n or f"'{n}'" in str(e)] or clash
+        hint = (
+            f"; note: {' and '.join(f'{n}.py' for n in named)} next to the model "
+            f"{'has the name' if len(named) == 1 else 'have the names'} of the planner's own "
+            f"package{'s' if len(named) > 1 else ''}, which the planner loaded first, so an `import` of "
+            f"{'it' if len(named) == 1 else 'them'} gives the planner's: rename your module"
+            if clash and isinstance(e, (ImportError, AttributeError))
+            else ""
+        )
+        raise InputError(f"importing model file {path} raised {_describe(e, path)}{hint}") from e
     missing = [name for name in _REQUIRED if not callable(getattr(module, name, None))]
     if missing:
         raise InputError(
@@ -275,6 +290,10 @@ def load_model_file(path: str | os.PathLike[str]) -> ModelFile:
         )
     return ModelFile(path=path, module=module)
 
+
+# the planner's top-level packages (pyproject.toml's packages), whose names a user's module beside the
+# model could shadow
+_OWN_PACKAGES = ("planner", "passes", "runtime", "costmodels")
 
 # how the planner calls each function of a model file (docs/model-files.md)
 _SIGNATURES = {
