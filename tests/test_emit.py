@@ -376,3 +376,22 @@ def test_emitted_readme_is_followed_in_fresh_processes(tmp_path: Path, model: st
         want = reference if isinstance(reference, torch.Tensor) else reference[0]  # the logits first
         got = got if isinstance(got, torch.Tensor) else got[0]
         torch.testing.assert_close(got, want[d * per : (d + 1) * per], rtol=1e-4, atol=1e-5)
+
+
+def test_emit_keeps_the_search_to_one_chunk_per_rank_and_refuses_pinned_interleaving(tmp_path) -> None:
+    """--emit writes one module per rank, which an interleaved plan (several model chunks per pipeline
+    rank) cannot be. The search picked interleaved 1F1B by itself at PP 2, wrote --out, and only then
+    refused the emit (exit 2, a plan left behind). With --emit the search keeps one chunk per rank, and
+    a pinned interleaved schedule is refused before any work, nothing written."""
+    from planner.cli.main import main  # noqa: PLC0415
+    from planner.plan import Plan  # noqa: PLC0415
+
+    llama = str(Path(__file__).resolve().parent.parent / "examples" / "llama3.py")
+    base = ["optimize", llama, "--cluster", "local-cpu", "--nproc", "2", "--pp", "2", "--workload", "train",
+            "--batch-size", "4"]  # fmt: skip
+    plan, emitted = tmp_path / "p.yaml", tmp_path / "em"
+    assert main([*base, "--emit", str(emitted), "--out", str(plan)]) == 0
+    assert Plan.from_yaml(plan).virtual_stages == 1 and (emitted / "rank1" / "module.py").exists()
+    pinned, folder = tmp_path / "pinned.yaml", tmp_path / "em2"
+    rc = main([*base, "--schedule", "interleaved_1f1b", "--emit", str(folder), "--out", str(pinned)])
+    assert rc == 2 and not pinned.exists() and not folder.exists()

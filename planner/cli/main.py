@@ -677,6 +677,12 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         )
         if given
     ]
+    if args.emit and interleaving:  # before any work: `emit_plan` writes one module per rank
+        raise InputError(
+            f"{' '.join(interleaving)} with --emit: an emitted rank folder holds one module, and the interleaved "
+            "schedule gives each pipeline rank several model chunks; leave the pin out (with --emit the search "
+            "keeps one chunk per rank), or run the plan with --run instead of emitting it"
+        )
     if args.workload != "train" and interleaving:
         raise InputError(
             f"{' '.join(interleaving)}: the interleaved schedule orders training's forward and backward passes of model "
@@ -1597,7 +1603,10 @@ def _training_options(args: argparse.Namespace) -> dict:
 
     return {
         "schedule": None if args.schedule == "auto" else args.schedule,
-        "virtual_stages": args.virtual_stages,
+        # --emit writes one module per rank: one model chunk each (`emitting.emit_plan`)
+        "virtual_stages": 1
+        if getattr(args, "emit", None) and args.virtual_stages is None
+        else args.virtual_stages,
         "recompute": None if args.recompute == "auto" else args.recompute,
         "sequence_parallel": on_off(args.sequence_parallel),
         "distributed_optimizer": on_off(args.distributed_optimizer),
