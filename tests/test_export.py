@@ -1540,3 +1540,23 @@ def test_language_model_exports_say_when_the_model_is_no_decoder_only_language_m
         assert any("reads no token ids" in w for w in warnings), warnings
     for warnings in (_megatron_argv(llama_plan)[1], _titan03(llama_plan)[1]):
         assert not any("cross-attention" in w or "reads no token ids" in w for w in warnings), warnings
+
+
+def test_an_edited_mesh_larger_than_the_plans_cluster_is_refused_naming_it(tmp_path, capsys) -> None:
+    """A plan for local-cpu (2 devices) edited to tp 3: `planner export` priced it and crashed with a
+    traceback from the collective model (`Group(size=3, ...) does not fit cluster`, exit 1). It is
+    refused now (exit 2), naming the field and both device counts."""
+    from planner.cli.main import main  # noqa: PLC0415
+
+    plan = tmp_path / "plan.yaml"
+    mlp = str(EXAMPLES / "mlp.py")
+    assert (
+        main(["optimize", mlp, "--cluster", "local-cpu", "--tp", "2", "--nproc", "2", "--out", str(plan)])
+        == 0
+    )
+    edited = tmp_path / "tp3.yaml"
+    edited.write_text(plan.read_text().replace("mesh: {tp: 2,", "mesh: {tp: 3,"))
+    capsys.readouterr()
+    assert main(["export", str(edited), "--to", "megatron"]) == 2
+    said = " ".join(capsys.readouterr().err.split())
+    assert re.search("plan field 'mesh': tp=3 pp=1 dp=1 uses 3 devices.*local-cpu has 2", said), said

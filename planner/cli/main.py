@@ -1399,6 +1399,12 @@ def _check_edited_against_model(plan, plan_path: str) -> None:
     # each split against the options of the op it splits at the plan's degrees, as `planner run` prices
     # an edited plan again (`serving.plan_assignment`: colwise kept at tp 1, say, is refused)
     cluster, _ = workflow.plan_cluster(plan, None)
+    if plan.num_devices > cluster.num_devices:
+        raise InputError(
+            f"plan field 'mesh': {plan.mesh.label()} uses {plan.num_devices} devices, and the plan's cluster "
+            f"{cluster.name} has {cluster.num_devices}; give degrees whose product fits it, or plan again with "
+            "planner optimize --cluster for the cluster you will run on"
+        )
     workflow.plan_prediction(
         plan, prepared.structure, cluster, workflow.priced_workload(plan), plan.ladder_layers
     )
