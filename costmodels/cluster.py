@@ -1032,11 +1032,18 @@ def load_cluster(name_or_path: str, nproc: int | None = None) -> ClusterSpec:
     """
     presets = preset_names()
     looks_like_path = name_or_path.endswith((".yaml", ".yml")) or os.sep in name_or_path
-    if looks_like_path or (name_or_path not in presets and Path(name_or_path).exists()):
+    try:  # a name the system cannot take (ENAMETOOLONG) is refused, not raised from pathlib
+        is_path = looks_like_path or (name_or_path not in presets and Path(name_or_path).exists())
+        is_dir, is_file = (
+            (Path(name_or_path).is_dir(), Path(name_or_path).is_file()) if is_path else (False, False)
+        )
+    except OSError as e:
+        raise SpecError(name_or_path, "", f"cannot be read: {e.strerror or e}") from None
+    if is_path:
         path = Path(name_or_path)
-        if path.is_dir():
+        if is_dir:
             raise SpecError(str(path), "", "is a folder; give a cluster spec YAML file (or a preset name)")
-        if not path.is_file():
+        if not is_file:
             raise SpecError(str(path), "", f"file not found (presets are: {', '.join(presets)})")
         try:
             origin, text = str(path), path.read_text(encoding="utf-8")

@@ -198,7 +198,18 @@ def check_output_path(option: str, path: str, folder: bool = False, kind: str | 
     not writable (a probe file is created and removed), it exists as the wrong kind (a folder where
     a file goes, or the reverse), (folder) it is a non-empty folder the product did not write, or
     (file) it is a non-empty file that is not the product's own output of `kind` (`written_kind`;
-    None: any of the product's outputs)."""
+    None: any of the product's outputs); a path the system cannot take (a name too long, a link that
+    points to itself) is refused the same way."""
+    try:
+        _check_output_path(option, path, folder, kind)
+    except (OSError, RuntimeError) as e:  # ENAMETOOLONG, ELOOP, "Symlink loop" from Path.resolve
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise InputError(
+            f"{option} {path}: cannot be used as an output path: {why}; give another path"
+        ) from None
+
+
+def _check_output_path(option: str, path: str, folder: bool, kind: str | None) -> None:
     target = Path(path)
     parent = _parent(target)
     if not parent.is_dir():

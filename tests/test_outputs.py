@@ -425,3 +425,27 @@ def test_json_dash_keeps_stdout_for_the_report_when_the_model_file_prints(tmp_pa
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["written_by"].startswith("planner")
     assert "loading my model" in result.stderr
+
+
+def test_a_path_the_system_cannot_take_is_refused_not_raised(tmp_path: Path, capsys) -> None:
+    """A link that points to itself as --out / --json / --emit / --plot, a 300-character file name, or
+    a cluster spec of such a name raised from pathlib (RuntimeError "Symlink loop", OSError "File name
+    too long", exit 1). Each is refused with exit 2, naming the option."""
+    from planner.cli.main import main  # noqa: PLC0415
+
+    loop = tmp_path / "loop.yaml"
+    loop.symlink_to(loop)
+    long_name = str(tmp_path / ("a" * 300 + ".yaml"))
+    mlp = str(Path(__file__).resolve().parent.parent / "examples" / "mlp.py")
+    base = ["optimize", mlp, "--cluster", "local-cpu"]
+    for option, value in (
+        ("--out", loop),
+        ("--json", loop),
+        ("--emit", loop),
+        ("--plot", loop),
+        ("--out", long_name),
+    ):
+        assert main([*base, option, str(value)]) == 2, option
+        assert f"{option} " in capsys.readouterr().err
+    assert main(["optimize", mlp, "--cluster", long_name]) == 2
+    assert "File name too long" in " ".join(capsys.readouterr().err.split())

@@ -572,7 +572,6 @@ def _check_outputs(args: argparse.Namespace, out_kind: str | None = None) -> Non
     """Every output path may be written, and no two options write the same path (InputError, exit 2).
     An existing file is replaced only when it is the planner's own output of the same kind
     (`planner.files.written_kind`): ``out_kind`` for --out, a report for --json."""
-    _check_not_nested(args)
     given: dict[Path, str] = {}
     kinds = {"out": out_kind, "json": "report"}
     for option, folder in (("out", False), ("json", False), ("emit", True), ("plot", True)):
@@ -601,6 +600,7 @@ def _check_outputs(args: argparse.Namespace, out_kind: str | None = None) -> Non
                     "give them different paths"
                 )
             given[where] = option
+    _check_not_nested(args)  # after each path is checked (a link loop, a name too long: refused there)
 
 
 def _check_not_nested(args: argparse.Namespace) -> None:
