@@ -1357,6 +1357,32 @@ def test_compare_bad_files_exit_2(tmp_path, capsys):
     assert "is not a planner report" in capsys.readouterr().err
 
 
+def test_compare_refuses_hand_edited_fields_of_another_kind(tmp_path, llama_plan, capsys):
+    """Reports edited by hand: a latency of "fast", a measured section that is a string, a recompute
+    that is a number crashed compare (TypeError / AttributeError, exit 1), and a NaN or negative
+    latency was named the fastest. Each is refused now (exit 2), naming the file and the field."""
+    good = _report(llama_plan, 0.004, measured_s=0.005)
+    (tmp_path / "good.json").write_text(json.dumps(good))
+    edits = {
+        "latency_str": (("predicted", "latency_s"), "fast", "field 'predicted.latency_s' is 'fast'"),
+        "latency_nan": (("predicted", "latency_s"), float("nan"), "field 'predicted.latency_s' is nan"),
+        "latency_neg": (("predicted", "latency_s"), -1, "field 'predicted.latency_s' is -1"),
+        "measured_str": (("measured",), "fast", "field 'measured' is 'fast'"),
+        "memory_str": (("predicted", "peak_memory_bytes"), "lots", "'predicted.peak_memory_bytes' is 'lots'"),
+        "recompute_int": (("plan", "recompute"), 5, "a field has a value of another kind"),
+    }
+    for name, (keys, value, words) in edits.items():
+        report = json.loads(json.dumps(good))
+        holder = report
+        for key in keys[:-1]:
+            holder = holder[key]
+        holder[keys[-1]] = value
+        (tmp_path / f"{name}.json").write_text(json.dumps(report))
+        assert main(["compare", str(tmp_path / "good.json"), str(tmp_path / f"{name}.json")]) == 2, name
+        said = " ".join(capsys.readouterr().err.split())
+        assert f"{name}.json" in said and words in said, said
+
+
 def test_kv_heads_replicated_over_ranks_warn_except_in_vllm(llama_plan):
     splits = dict(llama_plan.splits)
     for i in range(4):

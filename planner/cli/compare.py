@@ -8,6 +8,7 @@ measured step time, peak memory per rank and tokens/s; then which report is fast
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,27 @@ def load_report(path: str) -> dict[str, Any]:
             f"{path} is not a planner report (no {', '.join(missing)}); reports are the JSON that "
             "planner optimize MODEL.py --json REPORT.json writes"
         )
+    for section in ("predicted", "measured"):
+        values = report.get(section)
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise InputError(
+                f"{path}: field '{section}' is {values!r}, not an object as planner --json writes it"
+            )
+        for key in ("latency_s", "peak_memory_bytes"):
+            value = values.get(key)
+            ok = value is None or (
+                isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+                and (value > 0 if key == "latency_s" else value >= 0)
+            )
+            if not ok:
+                raise InputError(
+                    f"{path}: field '{section}.{key}' is {value!r}; a report holds a finite "
+                    f"{'positive number of seconds' if key == 'latency_s' else 'number of bytes'} there"
+                )
     return report
 
 
@@ -167,7 +189,15 @@ def render_comparison(console: Console, paths: list[str]) -> None:
     table.add_column("")
     for name in column_names(paths):
         table.add_column(name, justify="right")
-    columns = [comparison_rows(r) for r in reports]
+    columns = []
+    for report, path in zip(reports, paths):
+        try:
+            columns.append(comparison_rows(report))
+        except (TypeError, AttributeError, ValueError, KeyError) as e:  # a hand-edited field of another type
+            raise InputError(
+                f"{path}: a field has a value of another kind than planner --json writes ({type(e).__name__}: {e}); "
+                "compare the reports as written, or fix the edited field"
+            ) from None
     for label in columns[0]:
         table.add_row(label, *(c[label] for c in columns))
     console.print(table)
