@@ -271,3 +271,13 @@ def test_calibrate_model_on_cpu_says_it_is_not_used(tmp_path: Path, capsys, monk
     printed = " ".join(capsys.readouterr().out.split())
     assert "--model: a model's own GEMM shapes are timed on CUDA only" in printed
     assert load_cluster(str(out)).num_devices == 1
+
+
+def test_calibrate_refuses_a_model_path_that_is_not_a_model_file(tmp_path, capsys) -> None:
+    """`planner calibrate --model /nonexist.py` measured and wrote the spec (exit 0): on a CPU machine
+    the model is not timed, so its path was never read. It is checked first now (exit 2), nothing written."""
+    from planner.cli.main import main  # noqa: PLC0415
+
+    out = tmp_path / "spec.yaml"
+    assert main(["calibrate", "--out", str(out), "--model", str(tmp_path / "nonexist.py")]) == 2
+    assert "model file not found" in capsys.readouterr().err and not out.exists()

@@ -1319,6 +1319,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             f"{args.nproc} processes timed at once would measure the scheduler[/yellow]"
         )
     gemm_shapes: tuple[tuple[int, int, int], ...] = ()
+    if args.model:  # a bad path is the user's mistake on a CPU machine too, where the model is not timed
+        from planner.frontend.modelfile import load_model_file  # noqa: PLC0415
+
+        load_model_file(args.model)
     if args.model and not _cuda_available():
         console.print(
             "[yellow]--model: a model's own GEMM shapes are timed on CUDA only; on this CPU machine the "

@@ -1473,7 +1473,8 @@ def _infeasible(search: _Search) -> InfeasibleError:
     return InfeasibleError(
         f"no plan fits memory: with {mesh.label()} (the mesh closest to fitting) "
         f"stage {worst} needs {need / _GIB:.1f} GiB, devices have {cap_gib:.1f} GiB "
-        f"({search.cap_bytes / _GIB:.1f} GiB usable at memory_fraction {search.constraints.memory_fraction}); "
+        f"({search.cap_bytes / _GIB:.1f} GiB usable: plans use {search.constraints.memory_fraction:.0%} of a device's "
+        "memory, docs/cluster-yaml.md); "
         f"would fit: {', or '.join(hints)}"
     )
 
