@@ -287,6 +287,13 @@ def _check_replaceable(folder: Path, option: str) -> None:
         files = (set(entries) & written) | set(inside)
     if files is not None:  # every file at any depth must be one we wrote (rank0/notes.py is not)
         foreign = sorted(rel for rel in under if rel not in files)
+        # and every folder must hold one: an empty folder of the user's (rank0/mylogs) is theirs too
+        holders = {parent for rel in files for parent in Path(rel).parents if str(parent) != "."}
+        foreign += sorted(
+            f"{p.relative_to(folder).as_posix()}/"
+            for p in folder.rglob("*")
+            if p.is_dir() and not p.is_symlink() and Path(p.relative_to(folder).as_posix()) not in holders
+        )
     elif subfolders:
         raise InputError(
             f"{option} {folder}: an earlier planner output whose record does not list the files in its "

@@ -86,6 +86,10 @@ def test_a_user_file_in_a_subfolder_of_our_output_is_never_replaced(tmp_path: Pa
         publish_folder(new_output_folder(out, "--emit"), out, "--emit")
     assert (out / "rank0" / "mine.py").read_text() == "user code"
     (out / "rank0" / "mine.py").unlink()
+    (out / "rank0" / "mylogs").mkdir()  # an empty folder of the user's was deleted with ours too
+    with pytest.raises(InputError, match="rank0/mylogs/"):
+        publish_folder(new_output_folder(out, "--emit"), out, "--emit")
+    (out / "rank0" / "mylogs").rmdir()
     marker = out / FOLDER_MARKER
     record = json.loads(marker.read_text())
     del record["files"]  # as an older version wrote it

@@ -572,6 +572,7 @@ def _check_outputs(args: argparse.Namespace, out_kind: str | None = None) -> Non
     """Every output path may be written, and no two options write the same path (InputError, exit 2).
     An existing file is replaced only when it is the planner's own output of the same kind
     (`planner.files.written_kind`): ``out_kind`` for --out, a report for --json."""
+    _check_not_nested(args)
     given: dict[Path, str] = {}
     kinds = {"out": out_kind, "json": "report"}
     for option, folder in (("out", False), ("json", False), ("emit", True), ("plot", True)):
@@ -600,18 +601,19 @@ def _check_outputs(args: argparse.Namespace, out_kind: str | None = None) -> Non
                     "give them different paths"
                 )
             given[where] = option
-    _check_not_nested(args)  # after each path is checked (a link loop, a name too long: refused there)
 
 
 def _check_not_nested(args: argparse.Namespace) -> None:
     """InputError (exit 2) when an output path lies inside an output folder (--emit, --plot): that
     folder holds only what its option wrote and is replaced whole, so the other output would make it
     the user's (refused on every later run) or be replaced with it."""
-    paths = {
-        option: Path(value).resolve()
-        for option in ("out", "json", "emit", "plot")
-        if (value := getattr(args, option, None)) and value.strip() and value != "-"
-    }
+    paths = {}
+    for option in ("out", "json", "emit", "plot"):
+        if (value := getattr(args, option, None)) and value.strip() and value != "-":
+            try:
+                paths[option] = Path(value).resolve()
+            except (OSError, RuntimeError):  # a link loop, a name too long: `check_output_path` refuses it
+                continue
     for option, where in paths.items():
         for holder in ("emit", "plot"):
             folder = paths.get(holder)
