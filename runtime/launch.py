@@ -45,9 +45,11 @@ so no orphan keeps running.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing as mp
 import multiprocessing.connection as mpc
+import multiprocessing.forkserver
 import os
 import pickle
 import select
@@ -57,7 +59,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -411,6 +413,9 @@ def _run_local(
     procs: list[Any] = []
     conns: list[Any] = []
     progress(f"starting {nproc} rank(s)", 0.0)
+    if context.get_start_method() == "forkserver":
+        with _sigint_ignored():  # the server inherits it while it imports `_PRELOAD`: Ctrl-C is ours
+            multiprocessing.forkserver.ensure_running()
     try:
         for rank in range(nproc):
             recv, send = context.Pipe(duplex=False)
@@ -431,6 +436,25 @@ def _run_local(
         _terminate(procs)
         for conn in conns:
             conn.close()
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored in this process while the fork server starts. An ignored signal stays ignored
+    through fork and exec (the signal mask does not: the server resets it), and Python then installs
+    no KeyboardInterrupt handler: the server, importing torch for `_PRELOAD` once started, never gets
+    the Ctrl-C a terminal sends the whole process group (it interrupted those imports with a traceback
+    from inside torch, printed beside "interrupted"). The window is the server's spawn only (its
+    imports run after it, while the ranks' start waits for them, with Ctrl-C this process's again). A
+    no-op off the main thread (`signal.signal` works there only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def _collect(

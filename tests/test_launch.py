@@ -378,3 +378,37 @@ def test_under_torchrun_runs_in_this_process(monkeypatch: pytest.MonkeyPatch) ->
     assert results[0]["payload"] == 3
     assert not dist.is_initialized()
     assert multiprocessing.active_children() == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a fork server and process groups")
+def test_ctrl_c_while_the_fork_server_imports_torch_prints_no_traceback(tmp_path: Path) -> None:
+    """A terminal's Ctrl-C goes to the whole process group. Sent while the ranks were starting, it
+    reached the fork server in the middle of its imports of torch (`_PRELOAD`): a traceback from inside
+    torch was printed beside "interrupted". The server now starts with SIGINT ignored: the launching
+    process alone takes it (KeyboardInterrupt, exit 130), and nothing else is printed."""
+    script = (
+        "import sys\n"
+        f"sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]\n"
+        "from test_launch import _sleep_forever\n"
+        "from runtime.launch import launch\n"
+        "print('launching', flush=True)\n"
+        "try:\n"
+        f"    launch(_sleep_forever, {str(tmp_path)!r}, 2, timeout_s=60)\n"
+        "except KeyboardInterrupt:\n"
+        "    sys.exit(130)\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert parent.stdout.readline().strip() == "launching"
+        time.sleep(0.3)  # the fork server is importing torch for seconds
+        os.killpg(parent.pid, signal.SIGINT)
+        _, err = parent.communicate(timeout=60)
+        assert parent.returncode == 130 and "Traceback" not in err, err[-3000:]
+    finally:
+        if parent.poll() is None:
+            os.killpg(parent.pid, signal.SIGKILL)
+            parent.wait()
