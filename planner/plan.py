@@ -613,7 +613,7 @@ class Plan:
     def ep_text(self) -> str:
         """Expert parallelism as a user reads it: "off", "8 over dp", "8 over tp", "8 over dp, experts split
         over tp 4", "off, experts split over tp 4" (`ep_text`)."""
-        return ep_text(self.ep, self.ep_fold, self.expert_tp)
+        return ep_text(self.ep, self.ep_fold, self.expert_tp, self.cp)
 
     @property
     def micro_batch_size(self) -> float:
@@ -1075,11 +1075,13 @@ class Plan:
             raise bad("ladder_layers", f"layers {unknown} are in no stage")
 
 
-def ep_text(ep: int, fold: str, expert_tp: int) -> str:
+def ep_text(ep: int, fold: str, expert_tp: int, cp: int = 1) -> str:
     """Expert parallelism as a user reads it: "off", "8 over dp", "8 over tp", "8 over dp, experts split
-    over tp 4", and without EP "off, experts split over tp 4" (each expert split over the TP ranks)."""
+    over tp 4", and without EP "off, experts split over tp 4" (each expert split over the TP ranks).
+    The "dp" fold is the dp x cp ranks: with context parallelism (``cp`` > 1) it reads "over dp x cp"."""
     split = f", experts split over tp {expert_tp}" if expert_tp > 1 else ""
-    return f"off{split}" if ep == 1 else f"{ep} over {fold}{split}"
+    over = "dp x cp" if fold == "dp" and cp > 1 else fold
+    return f"off{split}" if ep == 1 else f"{ep} over {over}{split}"
 
 
 def cp_text(cp: int, comm_type: str, load_balance: bool) -> str:

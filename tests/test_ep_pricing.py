@@ -786,3 +786,15 @@ def test_the_per_layer_table_names_where_a_moe_layers_experts_are(pins, words, t
     assert rc == 0
     rows = [_strategy_text(c) for c in Plan.from_yaml(out).predicted.per_layer if c.layer >= 0]
     assert len(rows) == 2 and all(words in row for row in rows), rows
+
+
+def test_expert_parallelism_folded_over_dp_and_cp_says_so() -> None:
+    """EP over the "dp" fold takes the dp x cp ranks: at DP 1 and CP 2 the Mesh line said "2 over dp",
+    as if the experts sat on data-parallel ranks the plan does not have."""
+    from planner.plan import ep_text  # noqa: PLC0415
+
+    assert ep_text(2, "dp", 1) == "2 over dp" and ep_text(2, "dp", 1, cp=2) == "2 over dp x cp"
+    assert (
+        ep_text(2, "tp", 1, cp=2) == "2 over tp"
+        and ep_text(1, "dp", 2, cp=2) == "off, experts split over tp 2"
+    )

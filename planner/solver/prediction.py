@@ -178,7 +178,8 @@ def _experts_text(num_experts: int, ctx: CostContext) -> str:
     split = f", split over tp {ctx.expert_tp}" if ctx.expert_tp > 1 else ""
     if ctx.ep == 1:
         return f"ep 1 ({num_experts} per rank{split})"
-    return f"ep {ctx.ep} over {ctx.ep_fold} ({num_experts // ctx.ep} of {num_experts} per rank{split})"
+    over = "dp x cp" if ctx.ep_fold == "dp" and ctx.mesh.cp > 1 else ctx.ep_fold
+    return f"ep {ctx.ep} over {over} ({num_experts // ctx.ep} of {num_experts} per rank{split})"
 
 
 def predict(tables: CostTables, assignment: Assignment) -> PricedAssignment:

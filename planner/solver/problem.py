@@ -214,7 +214,7 @@ class MeshConfig:
     def ep_label(self) -> str:
         """Expert parallelism as the layout table writes it: "off", "8 over dp", "2 over tp", "8 over dp,
         experts split over tp 4", "off, experts split over tp 4" (`planner.plan.ep_text`)."""
-        return ep_text(self.ep, self.ep_fold, self.expert_tp)
+        return ep_text(self.ep, self.ep_fold, self.expert_tp, self.mesh.cp)
 
     def overlap_flags(self) -> dict[str, bool]:
         """The communication-overlap choices by their Megatron-LM flag names (without dashes)."""
