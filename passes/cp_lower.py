@@ -452,6 +452,16 @@ def _attention(node: fx.Node, ctx: _Ctx, result: CpLowering, training: bool) -> 
 
 
 MAX_MASK_ELEMENTS = 1 << 26  # largest (queries x keys) mask evaluated to check it is causal (64 Mi elements)
+
+
+def _attr(gm: fx.GraphModule, target: str) -> Any:
+    """The object `gm` holds at the dotted `target` (a get_attr node's), None when there is none."""
+    held: Any = gm
+    for part in target.split("."):
+        held = getattr(held, part, None)
+    return held
+
+
 ALLOWS_ALL = "allows every key for every query"  # `_not_causal`: a mask that masks nothing
 
 
@@ -473,9 +483,21 @@ def _not_causal(gm: fx.GraphModule, mask: fx.Node, q_len: int, k_len: int) -> st
             continue
         seen.add(n)
         if n.op == "placeholder":
-            return f"depends on the model input {n.name!r} (a padding mask)"
+            return (
+                f"depends on the model input {n.name!r}, so its pattern is known only when the model runs (a "
+                "padding mask, or a causal mask passed in: build the causal mask inside the model from positions, "
+                "or call scaled_dot_product_attention with is_causal=True)"
+            )
         if n.op == "get_attr" and str(n.target) in params:
             return f"depends on the parameter {n.target!r}"
+        if n.op == "get_attr":
+            held = _attr(gm, str(n.target))
+            if isinstance(held, torch.Tensor) and held.is_meta:  # a buffer built in __init__, planned on meta
+                return (
+                    f"depends on the tensor {n.target!r} (a buffer, or a torch.tensor(...) made in forward: "
+                    "ALiBi's slopes, a mask table), whose values the planner does not have: the model is planned "
+                    "on the meta device"
+                )
         ancestors.append(n)
         stack.extend(n.all_input_nodes)
     order = {n: i for i, n in enumerate(mask.graph.nodes)}
@@ -487,7 +509,8 @@ def _not_causal(gm: fx.GraphModule, mask: fx.Node, q_len: int, k_len: int) -> st
     try:
         value = retarget_device(fx.GraphModule(gm, sub), "cpu")()
     except Exception as e:  # any failure means it cannot be checked: refused with the reason
-        return f"could not be evaluated ({type(e).__name__})"
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+        return f"could not be evaluated here to check its pattern ({type(e).__name__}{': ' + first if first else ''})"
     if not isinstance(value, torch.Tensor) or value.dim() < 2 or tuple(value.shape[-2:]) != (q_len, k_len):
         return "is not a (queries, keys) mask"
     if value.dtype == torch.bool:

@@ -335,6 +335,44 @@ def test_an_explicit_mask_runs_as_causal_only_when_it_is_the_causal_one(tmp_path
         assert sdpa.args[5] is True and len(done.attention) == 1
 
 
+@pytest.mark.parametrize(
+    ("mask", "said"),
+    [
+        ("mask_in", "depends on the model input 'mask_in', so its pattern is known only when the model runs"),
+        (
+            "alibi",
+            "depends on the tensor 'lifted_tensor_0' (a buffer, or a torch.tensor(...) made in forward",
+        ),
+    ],
+)
+def test_a_mask_whose_values_planning_cannot_see_is_refused_saying_why(tmp_path, mask, said) -> None:
+    """A causal mask passed in as an input was refused as "(a padding mask)"; an ALiBi bias from slopes
+    made with torch.tensor in forward as "could not be evaluated (RuntimeError)" (a meta tensor, as
+    planning builds the model). Each refusal now says what the mask depends on and why it is unknown."""
+    source = MASKED.replace("WINDOW", "4")
+    if mask == "mask_in":
+        source = source.replace("def forward(self, tokens):", "def forward(self, tokens, mask_in):")
+        source = source.replace("attn_mask=mask)", "attn_mask=mask_in)")
+        source = source.replace(
+            "return (torch.randint(0, 64, (batch_size, seq_len), generator=torch.Generator().manual_seed(0)),)",
+            "return (torch.randint(0, 64, (batch_size, seq_len), generator=torch.Generator().manual_seed(0)), "
+            "torch.ones(seq_len, seq_len, dtype=torch.bool).tril())",
+        )
+    else:
+        source = source.replace(
+            "        mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 4)",
+            "        slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], device=tokens.device)\n"
+            "        mask = slopes[:, None, None] * (i[None, :] - i[:, None]).clamp(max=0)",
+        )
+    path = tmp_path / "masked.py"
+    path.write_text(source)
+    model_file = load_model_file(path)
+    gm = capture(model_file.build("meta"), *model_file.inputs(2, 16))
+    with pytest.raises(InputError) as refused:
+        apply_context_parallel(gm, 2, 16, "allgather", True)
+    assert said in " ".join(str(refused.value).split()), refused.value
+
+
 @pytest.mark.parametrize("sp", [False, True])
 def test_tp_and_cp_together_gather_nothing(sp: bool) -> None:
     """After the TP pass, RoPE's chunk over the head dim (a tuple-valued op) keeps the sequence shard:
