@@ -178,6 +178,21 @@ def test_multi_query_attention_behind_a_fused_qkv_trains_at_tp2(tmp_path):
     ), n
 
 
+@pytest.mark.slow
+def test_scale_to_local_leaves_out_pins_this_machine_cannot_hold(tmp_path):
+    """`--cluster dgx-h100 --tp 8 --run --scale-to-local` on 2 CPU ranks: the re-plan for this machine
+    kept --tp 8 and failed (exit 3, "no mesh shape fits 2 devices with tp=8"), though the option exists
+    to run a GPU plan here. The pins are left out of the local re-plan, with a warning saying so."""
+    report = tmp_path / "r.json"
+    r = planner(
+        "optimize", str(ROOT / "examples" / "llama3.py"), "--cluster", "dgx-h100", "--tp", "8", "--run",
+        "--scale-to-local", "--iters", "1", "--warmup", "0", "--min-time", "0", "--json", str(report),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "--tp 8 left out of the re-plan for this machine" in " ".join(r.stderr.split())
+    assert json.loads(report.read_text())["plan"]["tp"] <= 2
+
+
 def _write(tmp_path: Path, name: str, text: str) -> str:
     path = tmp_path / name
     path.write_text(text)

@@ -1048,10 +1048,15 @@ def _run(args, plan, prepared, cluster):
         console.print(
             f"[yellow]re-planning for this machine (its measured spec, {nproc} ranks) to run it (--scale-to-local)[/yellow]"
         )
+        pins = {"tp": args.tp, "pp": args.pp, "dp": args.dp}
+        if math.prod(v for v in pins.values() if v) > nproc:  # the GPU plan's pins cannot hold on these ranks
+            dropped = " ".join(f"--{k} {v}" for k, v in pins.items() if v)
+            _warn([f"{dropped} left out of the re-plan for this machine: {nproc} rank(s) cannot hold them"])
+            pins = dict.fromkeys(pins)
         constraints = workflow.constraints_from(
-            args.tp,
-            args.pp,
-            args.dp,
+            pins["tp"],
+            pins["pp"],
+            pins["dp"],
             args.ladder,
             max_devices=nproc,
             layout=args.layout,
