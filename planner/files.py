@@ -29,6 +29,7 @@ folder's file whose content changed.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -342,6 +343,26 @@ def _files_under(folder: Path) -> list[str]:
     return sorted(
         p.relative_to(folder).as_posix() for p in folder.rglob("*") if not p.is_dir() or p.is_symlink()
     )
+
+
+_FULL_BYTES = 1 << 20  # a disk with less free space than this is full for the purpose of an error message
+
+
+def failed_write(option: str, path: str | os.PathLike[str], exc: BaseException) -> BaseException:
+    """What to raise when writing an output into `path` failed with `exc` (its temporary folder already
+    removed): InputError (exit 2) naming the option when the system refused the write (no space left,
+    a quota, a read-only disk) or the disk holding `path` is full, whatever the library said (PIL's
+    PNG writer and torch.save fail with their own errors on a full disk); `exc` itself otherwise."""
+    refused = isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+    try:
+        free = shutil.disk_usage(_parent(Path(path))).free
+    except OSError:
+        free = None
+    if refused or (free is not None and free < _FULL_BYTES and not isinstance(exc, KeyboardInterrupt)):
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "no space left on the device"
+        left = f" ({free} bytes free)" if free is not None else ""
+        return InputError(f"{option} {path}: cannot write it: {why}{left}; nothing was written")
+    return exc
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str, option: str = "", fsync: bool = False) -> None:

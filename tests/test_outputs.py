@@ -453,3 +453,36 @@ def test_a_path_the_system_cannot_take_is_refused_not_raised(tmp_path: Path, cap
         assert f"{option} " in capsys.readouterr().err
     assert main(["optimize", mlp, "--cluster", long_name]) == 2
     assert "File name too long" in " ".join(capsys.readouterr().err.split())
+
+
+def test_a_full_disk_under_plot_or_emit_is_one_line_and_leaves_nothing(tmp_path: Path, monkeypatch) -> None:
+    """On a full disk PIL's PNG writer raised AttributeError ('_idat' object has no attribute 'fileno')
+    and torch.save a RuntimeError from its zip writer: tracebacks (exit 1), and --plot left its
+    temporary folder behind. Both are now refused naming the option (exit 2), nothing left."""
+    import shutil  # noqa: PLC0415
+
+    from planner.files import failed_write  # noqa: PLC0415
+
+    full = shutil.disk_usage(tmp_path)._replace(free=4096)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: full)
+    said = failed_write(
+        "--plot", tmp_path / "figs", AttributeError("'_idat' object has no attribute 'fileno'")
+    )
+    assert isinstance(said, InputError) and "--plot" in str(said) and "4096 bytes free" in str(said)
+    assert isinstance(
+        failed_write("--emit", tmp_path / "em", OSError(28, "No space left on device")), InputError
+    )
+    monkeypatch.undo()
+    other = ValueError("a bug")
+    assert failed_write("--plot", tmp_path / "figs", other) is other  # a disk with room: the error itself
+
+    from planner.report import plots  # noqa: PLC0415
+    from tests.plans import fixed_plan, meta_structure  # noqa: PLC0415
+
+    mlp = str(Path(__file__).resolve().parent.parent / "examples" / "mlp.py")
+    plan = fixed_plan(meta_structure(mlp, None, None), mlp, 1)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: full)
+    monkeypatch.setattr(plots, "_timeline", lambda plan: (_ for _ in ()).throw(AttributeError("'_idat'")))
+    with pytest.raises(InputError, match="--plot .* cannot write it"):
+        plots.write_figures(plan, tmp_path / "figs")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no temporary folder left

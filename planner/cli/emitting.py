@@ -29,7 +29,7 @@ from passes.emit import emit_rank_module, write_readme
 from passes.fsdp import apply_fsdp
 from passes.lower import lower_for_rank
 from planner.errors import InputError
-from planner.files import new_output_folder, publish_folder
+from planner.files import failed_write, new_output_folder, publish_folder
 from planner.frontend.analysis import analyse
 from planner.frontend.capture import capture
 from planner.frontend.modelfile import load_model_file
@@ -199,7 +199,7 @@ def emit_plan(
                 ),
             },
         )
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        raise failed_write("--emit", out_dir, e) from None
     return publish_folder(tmp, out_dir, "--emit")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from typing import Any
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from planner.files import new_output_folder, publish_folder
+from planner.files import failed_write, new_output_folder, publish_folder
 from planner.plan import Plan, layer_ranges
 from planner.report.figures import (
     BACKWARD,
@@ -89,14 +90,18 @@ def write_figures(
     ]
     if plan.ladder_layers:
         drawers.append(("ladder.png", lambda: _ladder(plan)))
-    for name, draw in drawers:
-        try:
-            fig = draw()
-        except (NoStageCosts, ValueError) as e:
-            notes.append(f"{name} not drawn: {e}")
-            continue
-        fig.savefig(tmp / name, dpi=110, bbox_inches="tight")
-        names.append(name)
+    try:
+        for name, draw in drawers:
+            try:
+                fig = draw()
+            except (NoStageCosts, ValueError) as e:
+                notes.append(f"{name} not drawn: {e}")
+                continue
+            fig.savefig(tmp / name, dpi=110, bbox_inches="tight")
+            names.append(name)
+    except BaseException as e:  # a full disk, Ctrl-C: no temporary folder left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise failed_write(option, out_dir, e) from None
     folder = publish_folder(tmp, out_dir, option)
     return Figures(folder, [folder / n for n in names], notes)
 
