@@ -368,6 +368,12 @@ class Fallback:
     memory_bytes: float = 0.0  # added to the predicted peak memory per rank (`passes.verify`)
     compute_s: float = 0.0  # the op on the whole tensor instead of a 1/tp shard, added to the step time
 
+    @property
+    def context_parallel(self) -> bool:
+        """Whether the CP pass, not the TP pass, gathered here (the whole sequence: `passes.verify` names
+        it "(context parallelism: whole sequence gathered ...)")."""
+        return "(context parallelism:" in self.op
+
 
 def fallback_memory_bytes(fallbacks: list[Fallback], workload: Workload) -> float:
     """Bytes per rank `fallbacks` add to the peak: the sum in training, which keeps every gathered

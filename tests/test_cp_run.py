@@ -419,3 +419,23 @@ def test_planner_run_reads_the_model_path_from_the_plan(tmp_path) -> None:
     done = planner_in_process("run", str(tmp_path / "p.yaml"), "--nproc", "2", "--iters", "1")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "context parallelism applied" in done.stdout
+
+
+def test_cps_whole_sequence_gathers_are_not_taken_for_tp_head_split_failures() -> None:
+    """A hand-written attention core (tests/models/manual_attention.py: q @ k^T, masked softmax, p @ v)
+    at TP 2 x CP 2 with --layout megatron: the CP pass gathers the whole sequence at the core (no CP
+    kernel for it), and the planner read those gathers as the TP pass failing to split the core by
+    heads, refusing the layout (exit 3, "have no head-parallel rule"), though TP alone splits it. Only
+    the TP pass's own gathers decide that now: the plan keeps the core split by heads."""
+    from costmodels.cluster import load_cluster  # noqa: PLC0415
+    from planner.cli.workflow import constraints_from, make_plan, prepare  # noqa: PLC0415
+
+    path = str(MODELS / "manual_attention.py")
+    prepared = prepare(path, "train")
+    constraints = dataclasses.replace(
+        constraints_from(2, None, None, "none", max_devices=4, layout="megatron"), cp=2
+    )
+    plan = make_plan(prepared, load_cluster("local-cpu", nproc=4), constraints, path)
+    cores = {c.strategy.get("core") for c in plan.predicted.per_layer if c.layer >= 0}
+    assert plan.cp == 2 and cores == {"head"}, cores
+    assert any(f.context_parallel for f in plan.fallbacks)  # the CP gathers are there, priced

@@ -1184,7 +1184,9 @@ def _replan_around_unshardable_gaps(
     structure = prepared.structure
     best = plan
     for _ in range(len(structure.chain_gaps) + len(structure.layers)):
-        nodes = {f.node for f in plan.fallbacks}
+        # the TP pass's gathers only: the CP pass's whole-sequence ones are not about head or weight splits
+        tp_fallbacks = [f for f in plan.fallbacks if not f.context_parallel]
+        nodes = {f.node for f in tp_fallbacks}
         gaps = {i for i, gap in structure.chain_gaps.items() if nodes & gap}
         classes: set[str] = set()  # layer classes whose MLP activation the pass gathered in
         cores: set[str] = set()  # ... whose attention core it gathered in
@@ -1195,7 +1197,7 @@ def _replan_around_unshardable_gaps(
                 classes.add(layer_key(layer))
             if blocks & ATTENTION_BLOCKS:
                 cores.add(layer_key(layer))
-                for f in plan.fallbacks:
+                for f in tp_fallbacks:
                     if layer.node_blocks.get(f.node) in ATTENTION_BLOCKS:
                         gathered.setdefault(layer_key(layer), {})[f"{f.op} at {f.line or f.node}"] = None
         if (
