@@ -92,6 +92,14 @@ def _draw_label(node: fx.Node) -> str:
     return f"aten.{name}" + (f" at {line.split(' ')[0]}" if line else "")
 
 
+def _blocks_held(lowered: RankLowering, blocks: list[str]) -> list[str]:
+    """The MoE blocks (module paths) among `blocks` whose nodes are in this rank's model chunks: with
+    pipeline stages a rank holds its stages' blocks only (the EP pass rewrote them all before the split)."""
+    chunks = lowered.chunks or [lowered.module]
+    paths = {n.meta.get("module_path", "") for chunk in chunks for n in chunk.graph.nodes}
+    return [b for b in blocks if any(p == b or p.startswith(f"{b}.") for p in paths)]
+
+
 def check_plan_runs(plan: Plan, workload: str) -> None:
     """Raise InputError naming the plan field when the runtime cannot run `plan` as planned for
     `workload` ("forward" | "train"): 1F1B with fewer micro-batches than pipeline stages, interleaved
@@ -197,14 +205,15 @@ def lowering_notes(plan: Plan, lowered: RankLowering, training: bool) -> list[st
             + (f"; gathered for ops without a rule: {', '.join(cp.fallbacks)}" if cp.fallbacks else "")
         )
     ep = lowered.expert_parallel
+    held = _blocks_held(lowered, ep.blocks) if ep is not None else []  # on this rank's stage(s)
     if ep is not None and ep.ep == 1 and plan.expert_tp > 1:
         notes.append(
-            f"experts split over TP: {len(ep.blocks)} MoE block(s) with every routed expert's width split over the "
+            f"experts split over TP: {len(held)} MoE block(s) with every routed expert's width split over the "
             f"{plan.expert_tp} TP ranks, its outputs summed over TP (no expert parallelism: no token exchange)"
         )
     elif ep is not None and ep.ep > 1:
         notes.append(
-            f"expert parallelism applied: {len(ep.blocks)} MoE block(s) with their experts split over {ep.ep} "
+            f"expert parallelism applied: {len(held)} MoE block(s) with their experts split over {ep.ep} "
             f"ranks (this rank holds experts {ep.experts[0]}-{ep.experts[-1]}); "
             + (
                 "each TP rank ran its experts on every token routed to them (the TP ranks hold the same "

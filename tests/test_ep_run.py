@@ -384,3 +384,12 @@ def test_the_experts_read_the_tokens_not_a_routers_fp32_copy() -> None:
     apply_expert_parallel(gm, analyse(gm), 2, 0)
     calls = [n for n in gm.graph.nodes if n.target is expert_parallel.ep_moe]
     assert len(calls) == 2 and all(n.args[0].meta["val"].dtype == torch.bfloat16 for n in calls)
+
+
+@pytest.mark.slow
+def test_a_pipeline_ranks_ep_note_counts_the_moe_blocks_on_its_stage(four_rank: dict) -> None:
+    """At PP 2 each stage holds one of the two MoE layers, but every rank's note said "2 MoE block(s)":
+    the EP pass rewrites the whole graph before the pipeline split. Each rank now counts its own."""
+    _, run = four_rank["pp2_ep2_mixtral"]
+    said = [n for n in run["measured"]["notes"] if n.startswith("expert parallelism applied")]
+    assert said and all(n.startswith("expert parallelism applied: 1 MoE block(s)") for n in said), said
