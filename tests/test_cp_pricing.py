@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +21,7 @@ from costmodels.context_parallel import (
     load_balanced_work_fraction,
     ulysses_refusal,
 )
+from planner.cli import workflow
 from planner.cli.main import main
 from planner.cli.render import training_rows
 from planner.errors import InputError
@@ -180,9 +182,12 @@ def test_llama3_8b_at_131k_tokens_on_8_h100s_splits_the_sequence_and_at_8k_does_
 
 
 def test_alltoall_refused_in_why_with_the_head_counts() -> None:
+    """A model whose SDPA groups its one KV head itself (`enable_gqa`): at TP 2 x CP 2 all-to-all cannot
+    split that head over the cp ranks, and --why says so with the counts. (A model that repeats its KV
+    heads to the query heads before the op has those to split: examples/models.py's Llama at TP 8 x CP 2.)"""
+    mqa = workflow.prepare(str(Path(__file__).parent / "models" / "mqa_train.py"), "train").structure
     plan = plan_model(
-        analysed_llama("8b"), load_cluster("h100-ib-2node"), WorkloadSpec("train", 1, 131072, dtype="bf16"),
-        Constraints(tp=8, cp=2),  # one KV head per TP rank
+        mqa, load_cluster("local-cpu", nproc=4), WorkloadSpec("train", 2, 16), Constraints(tp=2, cp=2),
     )  # fmt: skip
     variants = {d.subject: d for d in plan.decisions}["context-parallel attention"]
     assert variants.options["alltoall"] == math.inf
@@ -206,10 +211,26 @@ def test_bad_cp_pins_are_refused_in_one_line_naming_both_numbers() -> None:
     assert "131076" in why and "8 chunks, nor 2 x cp = 16" in why and "use cp 4" in why
     why = refused(131076, cp=4, cp_load_balance=True)
     assert "8 chunks" in why and "turn load balancing off" in why
-    why = refused(131072, cp=16, cp_comm_type="alltoall")
-    assert (
-        "8 KV heads" in why and "cp=16" in why and "ring or allgather" in why and "cp=8 with alltoall" in why
+    # examples/models.py's Llama repeats its 8 KV heads to the 32 query heads before SDPA: all-to-all
+    # splits the 32 the op reads (it was refused on the 8), and prices moving them
+    plan_model(
+        structure,
+        cluster,
+        WorkloadSpec("train", 1, 131072, dtype="bf16"),
+        Constraints(cp=16, cp_comm_type="alltoall"),
     )
+    mqa = workflow.prepare(
+        str(Path(__file__).parent / "models" / "mqa_train.py"), "train"
+    ).structure  # SDPA groups 1 KV head
+    with pytest.raises(InputError) as e:
+        plan_model(
+            mqa,
+            load_cluster("local-cpu", nproc=4),
+            WorkloadSpec("train", 2, 16),
+            Constraints(cp=2, cp_comm_type="alltoall"),
+        )
+    why = str(e.value)
+    assert "1 KV heads" in why and "cp=2" in why and "ring or allgather" in why
     with pytest.raises(InputError, match="--cp 1 turns it off"):
         Constraints(cp=1, cp_comm_type="ring")
 

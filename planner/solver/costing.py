@@ -1021,7 +1021,7 @@ def attention_core_options(
     def cp_option(name: str, layout: Layout, shard: int, kv_shard: int) -> OpOption:
         """An option under context parallelism: the variant's kernels and traffic (`cp_core_cost`)."""
         if ctx.config.cp_comm_type == "alltoall":
-            refusal = ulysses_refusal(heads / shard, cp_kv_heads(attn, shard), cp)
+            refusal = ulysses_refusal(heads / shard, ulysses_kv_heads(attn, shard), cp)
             if refusal is not None:
                 refused[name] = refusal
                 return OpOption(name, layout, layout, INF, 0.0, 0.0)
@@ -1116,6 +1116,15 @@ def cp_kv_heads(attn: Attention, shard: int) -> float:
     return max(1.0, attn.num_kv_heads / shard) if shard > 1 else float(attn.num_kv_heads)
 
 
+def ulysses_kv_heads(attn: Attention, shard: int) -> float:
+    """KV heads per TP rank that all-to-all (Ulysses) splits over the cp ranks: those K has at the
+    attention op (`Attention.core_kv_heads`), which a model that repeats its KV heads to the query heads
+    before the op (GQA written out) has more of than its projections make (`cp_kv_heads`): 2 KV heads
+    repeated to 4 split over cp=4; its all-to-all then moves those repeated heads, and is priced so."""
+    kv = max(attn.num_kv_heads, attn.core_kv_heads or 0)
+    return max(1.0, kv / shard) if shard > 1 else float(kv)
+
+
 def cp_core_cost(attn: Attention, ctx: CostContext, shard: int = 1, cross: bool = False) -> CpAttentionCost:
     """`attn`'s core under `ctx`'s context parallelism (`costmodels.context_parallel.cp_attention_cost`
     with the config's variant and load balancing), its query heads split over `shard` TP ranks: per
@@ -1127,7 +1136,10 @@ def cp_core_cost(attn: Attention, ctx: CostContext, shard: int = 1, cross: bool 
     if ctx.train:
         backward = fit.backward_time_factor if fit is not None else TRAIN_COMPUTE_FACTOR - 1.0
     shape = CpAttentionShape(
-        ctx.sequences_per_micro_batch, attn.num_heads / shard, cp_kv_heads(attn, shard), attn.head_dim,
+        ctx.sequences_per_micro_batch, attn.num_heads / shard,
+        # all-to-all moves the K / V heads the op reads (repeated ones too); the other variants the model's
+        ulysses_kv_heads(attn, shard) if ctx.config.cp_comm_type == "alltoall" else cp_kv_heads(attn, shard),
+        attn.head_dim,
         ctx.workload.tokens_per_sequence, causal=not cross,
     )  # fmt: skip
     call = cp_attention_call(attn.num_heads / shard, ctx.workload.tokens_per_sequence, attn.head_dim, ctx.cp,
@@ -1168,7 +1180,7 @@ def cp_core_shard(attn: Attention, ctx: CostContext) -> int:
     (only the replicated core takes it, `attention_core_options`)."""
     shard = ctx.mesh.tp if attn.num_heads % ctx.mesh.tp == 0 else 1
     alltoall = ctx.config.cp_comm_type == "alltoall"
-    if alltoall and ulysses_refusal(attn.num_heads / shard, cp_kv_heads(attn, shard), ctx.cp):
+    if alltoall and ulysses_refusal(attn.num_heads / shard, ulysses_kv_heads(attn, shard), ctx.cp):
         return 1
     return shard
 

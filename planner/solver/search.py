@@ -91,7 +91,6 @@ from planner.solver.costing import (
     cp_attentions,
     cp_core_cost,
     cp_core_shard,
-    cp_kv_heads,
     expert_counts,
     experts_lowerable,
     experts_not_swiglu,
@@ -105,6 +104,7 @@ from planner.solver.costing import (
     p2p_stage_time_s,
     recompute_input_bytes,
     step_time_s,
+    ulysses_kv_heads,
 )
 from planner.solver.explain import (
     block_table,
@@ -868,7 +868,7 @@ def _ulysses_refusal(search: _Search, tp: int, cp: int) -> str:
         if attn is None:
             continue
         shard = tp if tp > 1 and attn.num_heads % tp == 0 else 1
-        heads, kv = attn.num_heads / shard, cp_kv_heads(attn, shard)
+        heads, kv = attn.num_heads / shard, ulysses_kv_heads(attn, shard)
         refusal = ulysses_refusal(heads, kv, cp)
         if refusal:
             fits = [d for d in (2, 4, 8, 16, 32) if d < cp and heads % d == 0 and kv % d == 0]
