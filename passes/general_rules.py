@@ -276,6 +276,14 @@ def general_rule(ctx: RuleContext, node: fx.Node) -> bool:
             swap[id(a)] = ctx.sharded(a, w.dim)  # a local slice; its backward gathers the gradient
         elif w.is_replicate and sharded_out:
             swap[id(a)] = ctx.copy_in(a)  # broadcast into a shard: its gradient is summed over ranks
+    _rewrite(ctx, node, leaves, tree, swap, outputs)
+    return True
+
+
+def _rewrite(
+    ctx: RuleContext, node: fx.Node, leaves: list[Any], tree: Any, swap: dict[int, fx.Node], outputs: Any
+) -> None:
+    """`node`'s arguments with the inputs in `swap` (by id) replaced, and its output placement(s)."""
     leaves = [swap.get(id(a), a) if isinstance(a, fx.Node) else a for a in leaves]
     node.args, node.kwargs = pytree.tree_unflatten(leaves, tree)
     node.args = tuple(node.args)
@@ -283,7 +291,6 @@ def general_rule(ctx: RuleContext, node: fx.Node) -> bool:
         ctx.set_tuple(node, outputs, "[" + ", ".join(map(str, outputs)) + "]")
     else:
         ctx.set_meta(node, outputs)
-    return True
 
 
 def _local_shapes_agree(
@@ -389,11 +396,5 @@ def strided_general_rule(ctx: RuleContext, node: fx.Node) -> bool:
     for a, w in zip(tensor_leaves, wanted):
         if plain[a].is_replicate:
             swap[id(a)] = ctx.sharded_strided(a, w.dim, outer) if w.is_shard else ctx.copy_in(a)
-    leaves = [swap.get(id(a), a) if isinstance(a, fx.Node) else a for a in leaves]
-    node.args, node.kwargs = pytree.tree_unflatten(leaves, tree)
-    node.args = tuple(node.args)
-    if isinstance(outputs, list):
-        ctx.set_tuple(node, strided_out, "[" + ", ".join(map(str, strided_out)) + "]")
-    else:
-        ctx.set_meta(node, strided_out[0])
+    _rewrite(ctx, node, leaves, tree, swap, strided_out if isinstance(outputs, list) else strided_out[0])
     return True

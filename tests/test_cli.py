@@ -106,6 +106,14 @@ def test_layout_megatron_plans_an_encoder_decoder_with_a_shared_embedding(tmp_pa
         assert bias == {"replicate"}, splits
 
 
+def _assert_trained_alike(report: dict) -> None:
+    """A training run's JSON report: outputs and gradients within 1e-4 of their scale (fp32)."""
+    n = report["numerics"]
+    assert (
+        n["max_abs_diff"] <= 1e-4 * n["output_scale"] and n["grad_max_abs_diff"] <= 1e-4 * n["grad_scale"]
+    ), n
+
+
 @pytest.mark.slow
 def test_t5_trains_with_full_recompute_over_interleaved_pipeline_stages(tmp_path):
     """T5 at PP 2 with interleaved 1F1B (one layer per virtual stage) and full recomputation, as the
@@ -121,10 +129,7 @@ def test_t5_trains_with_full_recompute_over_interleaved_pipeline_stages(tmp_path
         "--run", "--iters", "1", "--warmup", "0", "--min-time", "0", "--json", str(report),
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
-    n = json.loads(report.read_text())["numerics"]
-    assert (
-        n["max_abs_diff"] <= 1e-4 * n["output_scale"] and n["grad_max_abs_diff"] <= 1e-4 * n["grad_scale"]
-    ), n
+    _assert_trained_alike(json.loads(report.read_text()))
 
 
 @pytest.mark.slow
@@ -148,10 +153,7 @@ def test_a_block_called_at_two_depths_is_staged_and_priced_per_call(tmp_path):
         3,
     ]
     data = json.loads(report.read_text())
-    n = data["numerics"]
-    assert (
-        n["max_abs_diff"] <= 1e-4 * n["output_scale"] and n["grad_max_abs_diff"] <= 1e-4 * n["grad_scale"]
-    ), n
+    _assert_trained_alike(data)
     assert "4 layers" in r.stdout
     measured = data["measured"]
     assert (
@@ -172,10 +174,7 @@ def test_multi_query_attention_behind_a_fused_qkv_trains_at_tp2(tmp_path):
         "--json", str(report),
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
-    n = json.loads(report.read_text())["numerics"]
-    assert (
-        n["max_abs_diff"] <= 1e-4 * n["output_scale"] and n["grad_max_abs_diff"] <= 1e-4 * n["grad_scale"]
-    ), n
+    _assert_trained_alike(json.loads(report.read_text()))
 
 
 @pytest.mark.slow
