@@ -539,3 +539,29 @@ def test_a_reduction_over_the_batchs_flattened_tokens_keeps_the_batch_whole(
     )
     with pytest.raises(InputError, match="cannot be split"):
         plan_model(s, load_cluster(FASTLINK, nproc=2), WorkloadSpec(Workload.TRAIN, 2, 8), Constraints(dp=2))
+
+
+def test_a_dim_that_merely_measures_b_x_t_does_not_keep_the_batch_whole() -> None:
+    """The flattened-tokens rule reads sizes, so a size that happens to be B x T is no batch mixing: a
+    softmax over rows of a (C, C) parameter with C = B x T (no input reaches it), and a per-token softmax
+    over the experts of (E, N) logits with E = N = B x T (no telling which dim holds the tokens). Both
+    had forbidden data parallelism."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.mix = nn.Embedding(32, 16), nn.Parameter(torch.randn(16, 16))
+            self.router = nn.Linear(16, 16, bias=False)  # E = 16 experts = B x T
+            self.experts = nn.Parameter(torch.randn(16, 16))  # one (C,) output per expert
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            x = self.emb(ids).reshape(-1, 16)  # (B x T, C), B x T = 16 = C
+            x = x @ torch.softmax(self.mix, dim=0)
+            probs = torch.softmax(self.router.weight @ x.t(), dim=0)  # (E, N): over the experts, per token
+            return (x + probs.t() @ self.experts).view(ids.shape[0], ids.shape[1], 16)
+
+    tokens = torch.randint(0, 32, (2, 8))
+    model = Model()
+    with torch.no_grad():  # per-token only: halves of the batch compute what the whole does
+        assert torch.allclose(model(tokens), torch.cat([model(tokens[:1]), model(tokens[1:])]), atol=1e-5)
+    assert analyse(capture(model, (tokens,))).batch_mixing == []

@@ -547,8 +547,14 @@ def _batch_mixing(nodes: list[fx.Node], batch_size: int, seq_len: int = 1) -> li
     if batch_size <= 1:
         return []
     found: dict[str, None] = {}
+    # values computed from the model's inputs: a parameter's own softmax (a (C, C) mixing matrix whose
+    # C happens to equal B x T) mixes no samples
+    from_inputs: set[fx.Node] = set()
+    for node in nodes:
+        if node.op == "placeholder" or any(a in from_inputs for a in node.all_input_nodes):
+            from_inputs.add(node)
     for node, name, source in _calls_on_tensors(nodes, _BATCH_REDUCTIONS):
-        if not source.is_floating_point() or source.dim() < 2:
+        if not source.is_floating_point() or source.dim() < 2 or node.args[0] not in from_inputs:
             continue
         batch = {0} if source.shape[0] == batch_size else set()
         flat = _flat_token_dims(node.args[0], batch_size * seq_len) if seq_len > 1 else set()
@@ -575,10 +581,11 @@ def _batch_mixing(nodes: list[fx.Node], batch_size: int, seq_len: int = 1) -> li
 def _flat_token_dims(node: fx.Node, tokens: int) -> set[int]:
     """The dims of `node`'s value that hold every token of the batch flattened into one (`tokens` = B x
     T entries): dim 0 of a 2-D or larger value with that many rows (`x.view(-1, C)` and what is computed
-    row by row from it), or that dim moved by a transpose of such a value (`probs.t()`: (E, B * T))."""
+    row by row from it), or that dim moved by a transpose of such a value (`probs.t()`: (E, B * T)).
+    None where two dims have B x T entries: which one holds the tokens is not told by sizes."""
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    if not isinstance(val, torch.Tensor) or val.dim() < 2:
-        return set()
+    if not isinstance(val, torch.Tensor) or val.dim() < 2 or list(val.shape).count(tokens) > 1:
+        return set()  # two dims of B x T entries ((E, N) logits with E = B x T): no telling which is whose
     if val.shape[0] == tokens:
         return {0}
     if op_name(node.target) in ("aten.t", "aten.transpose", "aten.permute", "aten.numpy_T") and node.args:
