@@ -118,6 +118,12 @@ def written_kind(path: str | os.PathLike[str]) -> str | None:
         return None
     text = head.decode("utf-8", errors="replace")
     first_line = text.split("\n", 1)[0]
+    if "\n" not in text and len(head) == SIGNATURE_BYTES:  # a first line longer than that (a long model path)
+        try:
+            with open(path, "rb") as handle:
+                first_line = handle.readline(1 << 20).decode("utf-8", errors="replace")
+        except OSError:
+            return None
     for kind, signature in SIGNATURES.items():
         if kind in DIGEST_KINDS and signature in text and DIGEST_NOTE in first_line:
             return kind  # the signature and, on the first line, the note `with_digest` writes

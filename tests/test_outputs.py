@@ -486,3 +486,14 @@ def test_a_full_disk_under_plot_or_emit_is_one_line_and_leaves_nothing(tmp_path:
     with pytest.raises(InputError, match="--plot .* cannot write it"):
         plots.write_figures(plan, tmp_path / "figs")
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no temporary folder left
+
+
+def test_a_plan_whose_first_line_is_longer_than_the_signature_read_is_still_ours(tmp_path: Path) -> None:
+    """A model path of ~1000 characters makes the plan's first line longer than the 1 KiB read for its
+    signature: the digest note at its end went unseen and the next run refused to replace its own plan."""
+    from planner.files import PLAN_HEADER, with_digest, written_kind  # noqa: PLC0415
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(with_digest(f"{PLAN_HEADER} for {'d/' * 600}m.py on local-cpu\nmodel: m.py\n"))
+    assert written_kind(plan) == "plan"
+    check_output_path("--out", str(plan), kind="plan")
