@@ -1113,7 +1113,12 @@ def cp_kv_heads(attn: Attention, shard: int) -> float:
     """KV heads one rank's attention reads with its query heads split over `shard` TP ranks: a
     `shard`-th of them, at least one (fewer KV heads than ranks: each rank reads the one of its query
     heads, `gqa_kv_replicated`)."""
-    return max(1.0, attn.num_kv_heads / shard) if shard > 1 else float(attn.num_kv_heads)
+    return _kv_heads_per_rank(attn.num_kv_heads, shard)
+
+
+def _kv_heads_per_rank(kv_heads: int, shard: int) -> float:
+    """`kv_heads` split over `shard` TP ranks, at least one per rank (fewer than ranks: each reads one)."""
+    return max(1.0, kv_heads / shard) if shard > 1 else float(kv_heads)
 
 
 def ulysses_kv_heads(attn: Attention, shard: int) -> float:
@@ -1121,8 +1126,7 @@ def ulysses_kv_heads(attn: Attention, shard: int) -> float:
     attention op (`Attention.core_kv_heads`), which a model that repeats its KV heads to the query heads
     before the op (GQA written out) has more of than its projections make (`cp_kv_heads`): 2 KV heads
     repeated to 4 split over cp=4; its all-to-all then moves those repeated heads, and is priced so."""
-    kv = max(attn.num_kv_heads, attn.core_kv_heads or 0)
-    return max(1.0, kv / shard) if shard > 1 else float(kv)
+    return _kv_heads_per_rank(max(attn.num_kv_heads, attn.core_kv_heads or 0), shard)
 
 
 def cp_core_cost(attn: Attention, ctx: CostContext, shard: int = 1, cross: bool = False) -> CpAttentionCost:
