@@ -119,7 +119,7 @@ def check_capture(
     try:
         with torch.no_grad():
             eager = all_outputs(flatten_output(model(*args, **kwargs)))
-        torch.set_rng_state(state)
+        restore()  # a buffer the forward updates (a counter, running statistics) starts where it started
         with torch.no_grad():
             captured = all_outputs(gm(*flat_inputs(args, kwargs)))
     finally:
@@ -167,10 +167,14 @@ def _check_capture_gradients(
     """`check_capture`'s gradients: the eager model's and the captured graph's, parameter by parameter
     (one the captured graph lost, or does not reach, has a zero gradient there)."""
     state = torch.get_rng_state()
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
     try:
         with torch.enable_grad():
             eager = _gradients(model, all_outputs(flatten_output(model(*args, **kwargs))), target)
             torch.set_rng_state(state)
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
             captured = _gradients(gm, all_outputs(gm(*flat_inputs(args, kwargs))), target)
     except RuntimeError:  # torch.autograd.grad refused (reentrant checkpointing): the check is skipped
         return
@@ -209,6 +213,8 @@ def write_reference(job: RunJob, directory: str, made_on: str = "launching proce
     inputs = flat_inputs(args, kwargs)
     gm = capture(model, args, kwargs)
     check_capture(model, gm, args, kwargs, plan.dtype, training)
+    # the buffers as the ranks start from: the reference's runs below update any the forward writes
+    initial = {id(b): b.detach().clone() for m in (model, gm) for _, b in m.named_buffers()}
     structure = analyse(gm)
     adds = ladder_residual_adds(structure, plan.ladder_layers)
     deviation = None
@@ -296,6 +302,7 @@ def write_reference(job: RunJob, directory: str, made_on: str = "launching proce
     save_checkpoint(results, outputs_path)
     tensors = dict(_named_tensors(model))
     tensors.update(_named_tensors(gm))  # constants the capture lifted into the graph
+    tensors = {name: initial.get(id(t), t) for name, t in tensors.items()}
     if job.weights:
         files = checkpoint_files(job.weights)
         with SafetensorsCheckpoint(files) as source:
