@@ -211,6 +211,17 @@ def test_other_hf_architectures(arch, check):
     assert check(analyse(gm))
 
 
+@pytest.mark.parametrize("batch", [1, 2, 4])
+def test_heads_merged_after_the_batch_are_the_heads_at_every_batch_size(batch):
+    """tests/models/head_major_heads.py merges (H, B, T, hd) to (H * B, T, hd). The heads were read
+    as the merge's second factor, the batch: a plan made at batch 4 named layers "attn4" and a DP rank
+    at batch 2 found "attn2", and the run stopped on a layer class not in the model."""
+    model_file = load_model_file(Path(__file__).parent / "models" / "head_major_heads.py")
+    args, kwargs = model_file.inputs(batch, 16)
+    attention = analyse(capture(model_file.build("meta"), args, kwargs)).layers[0].attention
+    assert (attention.num_heads, attention.num_kv_heads, attention.head_dim) == (8, 8, 8)
+
+
 @pytest.mark.parametrize("name", ["llama3", "gpt2_tiny"])
 def test_node_blocks(structures, name):
     """Every layer node has a block: projections, the core, RoPE / GQA copies with attention (split

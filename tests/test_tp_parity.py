@@ -257,6 +257,9 @@ def test_tp2_forward_and_training_parity():
         _job("packed_bmm.py", 2),
         _job("packed_bmm.py", 2, "train"),
         _job("hf_bloom.py", 2, "train"),  # Bloom's alibi bias (B * H, 1, T) cut to the rank's rows
+        _job(
+            "head_major_heads.py", 2, "train"
+        ),  # heads merged the other way, (H * B, T, hd): contiguous rows
         # one KV head grouped by SDPA (enable_gqa): the K/V projections whole on each rank, the KV
         # head's gradient summed over the ranks' query heads
         _job("mqa_train.py", 2, "train", replicated=("wk.weight", "wv.weight")),
@@ -269,7 +272,7 @@ def test_tp2_forward_and_training_parity():
     per_job = list(zip(*results))
     for job, reports in zip(jobs, per_job):
         _assert_parity(reports, f"{Path(job.model_path).name} {job.workload}")
-    assert all(per_job[i][0].grad_max_abs_diff is not None for i in (2, 5, 6, 7, 8, 10))
+    assert all(per_job[i][0].grad_max_abs_diff is not None for i in (2, 5, 6, 7, 8, 10, 11))
     _check_ladder_against_reference(per_job[-1], first_laddered=2)
 
 

@@ -1629,8 +1629,27 @@ def _head_shape(x: fx.Node) -> tuple[int, ...]:
     if len(shape) == 3 and op_name(node.target) in ("aten.view", "aten.reshape", "aten._unsafe_view"):
         before = tuple(node.args[0].meta["val"].shape)
         if len(before) == 4 and before[0] * before[1] == shape[0]:
+            if _head_major(node.args[0]):  # (H, B, T, hd) merged: the heads are the outer factor
+                before = (before[1], before[0], *before[2:])
             return before[:2] + shape[1:] if node is x else before
     return shape
+
+
+def _head_major(x: fx.Node, limit: int = 4) -> bool:
+    """Whether a 4-D core operand about to be merged to (a*b, T, hd) holds its heads first, (H, B, T, hd):
+    a permute of the projection's (B, T, H, hd) view that puts its heads (dim 2) before its batch (dim 0),
+    through copies (clone, contiguous). Megatron-LM's core attention merges (B*H) (the batch first), as
+    Bloom's does; a port that permutes (2, 0, 1, 3) merges (H*B)."""
+    node = x
+    for _ in range(limit):
+        name = op_name(node.target) if node.op == "call_function" else ""
+        if name == "aten.permute" and len(node.args) > 1:
+            dims = [int(d) % 4 for d in node.args[1]]
+            return len(dims) == 4 and dims.index(2) < dims.index(0)
+        if name not in ("aten.clone", "aten.contiguous") or not isinstance(node.args[0], fx.Node):
+            return False
+        node = node.args[0]
+    return False
 
 
 def _einsum_head_shape(x: fx.Node) -> tuple[int, ...] | None:
