@@ -288,6 +288,14 @@ def rule_embedding(ctx: RuleContext, node: fx.Node) -> None:
 def rule_sdpa(ctx: RuleContext, node: fx.Node) -> None:
     """Q, K, V sharded on heads (dim 1; replicated K/V repeated to the query heads sliced locally): S(1) out."""
     q, k, v = node.args[:3]
+    for t in (k, v):
+        p = ctx.place.get(t, R)
+        if ctx.sequence_parallel and p.is_plain_shard and p.dim == len(ctx.gshape(t)) - 2:
+            # K / V of a row-parallel projection reduce-scattered along the sequence (sequence
+            # parallelism: MQA's key/value projection, whose one head is not cut): gathered back, the
+            # pair costing what the all-reduce the plan priced (P -> R) does
+            node.replace_input_with(t, ctx.replicated(t))
+    q, k, v = node.args[:3]
     places = [ctx.place.get(t, R) for t in (q, k, v)]
     pq = places[0]
     heads = ctx.gshape(q)[1] if len(ctx.gshape(q)) > 1 else 0

@@ -175,6 +175,29 @@ def test_multi_query_attention_behind_a_fused_qkv_trains_at_tp2(tmp_path):
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     _assert_trained_alike(json.loads(report.read_text()))
+    # the reason is the fused projection's one KV head (the rotary embedding's ops were blamed)
+    out = " ".join(r.stdout.split())
+    assert "qkv colwise: its K and V parts hold 1 KV head(s) of 16, fewer than tp=2" in out, out
+    assert "core head: its fused q/k/v projection is not split" in out and "apply_rotary" not in out, out
+
+
+@pytest.mark.slow
+def test_multi_query_key_value_projection_under_sequence_parallelism_splits_the_heads(tmp_path):
+    """tests/models/mqa_fused_kv.py at TP 2 in training with sequence parallelism: its fused K/V
+    projection (one KV head) runs row-parallel, its output reduce-scattered along the sequence, and the
+    SDPA rule took no sequence shard: the attention ran replicated. Now the core splits by heads and
+    outputs and gradients match."""
+    report = tmp_path / "r.json"
+    r = planner(
+        "optimize", str(ROOT / "tests" / "models" / "mqa_fused_kv.py"), "--cluster", str(ROOT / "tests" / "models" / "fastlink.yaml"),
+        "--nproc", "2", "--tp", "2", "--workload", "train", "--sequence-parallel", "on", "--run", "--iters", "1",
+        "--warmup", "0", "--min-time", "0", "--json", str(report),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(report.read_text())
+    _assert_trained_alike(data)
+    out = " ".join(r.stdout.split())
+    assert "head: core" in out and "head-parallel rule" not in out, out
 
 
 @pytest.mark.slow

@@ -1202,6 +1202,20 @@ def cp_buffer_bytes(ctx: CostContext) -> float:
     return max(sizes, default=0.0)
 
 
+def _fused_kv_heads_uncut(attn: Attention, qkv: Projection, tp: int) -> bool:
+    """Whether a fused q/k/v projection (parts: q, k, v widths) holds fewer KV heads than `tp`, so its
+    column-wise split would cut a KV head (Phi-3 or GPTBigCode with one KV head, Falcon-7B's
+    multi-query): the pass splits each part evenly over the ranks and does not keep K/V whole."""
+    parts = qkv.parts or ()
+    return (
+        tp > 1
+        and len(parts) == 3
+        and attn.head_dim > 0
+        and parts[1] == attn.num_kv_heads * attn.head_dim
+        and attn.num_kv_heads % tp != 0
+    )
+
+
 def gqa_kv_replicated(attn: Attention, tp: int) -> bool:
     """Whether head-parallel attention of `attn` at `tp` replicates K/V heads: fewer KV heads than ranks
     (tp a multiple of them). Inference: each rank holds one KV head (its K/V projection rows and cache),
@@ -2007,6 +2021,7 @@ def _attention_ops(
     by_role = {p.role: p for p in attn.projections}
     core_inputs = []
     query_splits = False  # a query projection split column-wise: the one way a head shard reaches the core
+    fused_reason = ""  # why a fused q/k/v projection is not split column-wise (`_fused_kv_heads_uncut`)
     for role in (Role.QKV, Role.Q, Role.K, Role.V):
         if role in by_role:
             grouped = role in (Role.K, Role.V) and gqa_kv_replicated(attn, ctx.mesh.tp)
@@ -2018,6 +2033,19 @@ def _attention_ops(
                     f"{attn.num_kv_heads} KV heads < tp={ctx.mesh.tp} in training: a KV head is not cut, so K/V "
                     "are whole on every rank (replicated, or row-parallel and all-reduced), each rank slicing "
                     "the KV heads of its query heads"
+                )
+            if role is Role.QKV and _fused_kv_heads_uncut(attn, by_role[role], ctx.mesh.tp):
+                op.options = [o for o in op.options if o.name != "colwise"]
+                fused_reason = op.excluded["colwise"] = (
+                    f"its K and V parts hold {attn.num_kv_heads} KV head(s) of {attn.head_dim}, fewer than "
+                    f"tp={ctx.mesh.tp}: cut column-wise a rank would hold part of a head. A fused q/k/v projection "
+                    "is not split with its K/V parts kept whole on every rank (as vLLM's QKVParallelLinear keeps "
+                    "them): write the query projection apart from the key/value one to split the queries, or "
+                    + (
+                        f"plan with --tp {attn.num_kv_heads}"
+                        if attn.num_kv_heads > 1
+                        else "plan without TP (--tp 1)"
+                    )
                 )
             ops.append(op)
             core_inputs.append(prefix + role.value)
@@ -2032,6 +2060,11 @@ def _attention_ops(
     if whole and any(o.name == "head" for o in core_options):  # no head shard reaches the core
         core_options = [o for o in core_options if o.name != "head"]
         core_excluded["head"] = f"its projections are {whole[0]}"
+    elif fused_reason and any(o.name == "head" for o in core_options):
+        core_options = [o for o in core_options if o.name != "head"]
+        core_excluded["head"] = (
+            f"its fused q/k/v projection is not split ({attn.num_kv_heads} KV head(s) < tp={ctx.mesh.tp}: see qkv)"
+        )
     elif not query_splits and any(o.name == "head" for o in core_options):
         core_options = [o for o in core_options if o.name != "head"]
         core_excluded["head"] = (
