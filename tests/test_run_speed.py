@@ -282,3 +282,15 @@ def test_advice_after_planner_run_does_not_name_an_option_run_lacks() -> None:
     assert "omit --cluster" in main._advice("local-cpu", "local-cpu", local)
     saved = main._advice("local-cpu", "local-cpu", local, saved=True)
     assert "re-plan it with planner optimize without --cluster" in saved and "omit --cluster" not in saved
+
+
+def test_a_backward_probe_that_read_nothing_is_no_reading(calibrated) -> None:
+    """On a loaded machine the speed probe's backward slope read 0: the backward ratio was 0 and the
+    speed line divided by it after a run that had passed (ZeroDivisionError, exit 1)."""
+    structure = analysed_llama("tiny")
+    plan = _plan(structure, calibrated, "train")
+    base_s = calibrated.device.node_overhead_s
+    at_run = machine.at_run_speed(plan, structure, calibrated, _run(1.0, 2 * base_s, backward_s=0.0))
+    assert at_run["backward_ratio"] is None
+    line = speed_line({**at_run, "backward_ratio": 0.0}, 1.0)
+    assert line is not None and "backward" not in line

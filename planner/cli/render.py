@@ -366,7 +366,7 @@ def _listed(parts: list[str]) -> str:
 
 
 def _off(ratio: float | None) -> bool:
-    return ratio is not None and not 1 / SPEED_NOTE_FACTOR <= ratio <= SPEED_NOTE_FACTOR
+    return bool(ratio) and not 1 / SPEED_NOTE_FACTOR <= ratio <= SPEED_NOTE_FACTOR
 
 
 def speed_line(at_run: dict[str, Any] | None, measured_s: float, busy: str | None = None) -> str | None:
@@ -385,7 +385,7 @@ def speed_line(at_run: dict[str, Any] | None, measured_s: float, busy: str | Non
         return None
     parts = []
     for what, ratio in kinds:
-        if ratio is not None:
+        if ratio:  # None, or 0 from a probe that read nothing
             parts.append(f"{what} {ratio:.2f}x slower" if ratio >= 1 else f"{what} {1 / ratio:.2f}x faster")
     verdict = agreement_line(
         at_run["latency_s"],

@@ -429,8 +429,8 @@ def at_run_speed(
     probe_backward_s = probe.get("backward_node_overhead_s")
     backward_reference = dev.probe_backward_node_overhead_s or dev.backward_node_overhead_s
     backward_ratio = None
-    if probe_backward_s is not None and backward_reference:
-        backward_ratio = probe_backward_s / backward_reference
+    if probe_backward_s is not None and probe_backward_s > 0 and backward_reference:
+        backward_ratio = probe_backward_s / backward_reference  # a slope of 0 (a loaded machine): no reading
     backward_s = None
     if dev.backward_node_overhead_s is not None:
         backward_s = dev.backward_node_overhead_s * (backward_ratio if backward_ratio is not None else ratio)
