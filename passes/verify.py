@@ -234,6 +234,20 @@ def _feeds(node: fx.Node, targets: set[str], depth: int = 4) -> bool:
     return False
 
 
+def _step_times(plan: Plan, count: int) -> tuple[float, int]:
+    """(how many times a fallback's per-micro-batch time adds to the step, the most places one stage
+    holds) for a fallback found in `count` places (the layers of one configuration, or one node). The
+    stages run side by side and the layers are spread over them, so a stage holds count / pp of the
+    places (one stage's time is what a pipeline's step repeats), and the step takes about
+    micro-batches + pp - 1 of a stage's per-micro-batch times (1F1B: the fill and the drain). Without
+    a pipeline the graph runs once on the rank's whole batch. Each place was once added over every
+    layer and micro-batch, as if the stages ran one after another: a context-parallel fallback in each
+    of Mixtral's 32 MoE blocks cost 8 s at pp 1, 16 s at pp 2 and 32 s at pp 4 for the same work."""
+    if plan.pp <= 1:
+        return float(count), count
+    return count * (plan.micro_batches + plan.pp - 1) / plan.pp, -(-count // plan.pp)
+
+
 def _price(
     fb: PassFallback,
     count: int,
@@ -249,22 +263,23 @@ def _price(
     nbytes = fb.elements * DTYPE_BYTES[plan.dtype] / plan.dp / per_step
     one = all_gather_time_s(nbytes, Group.packed(plan.tp, cluster), cluster)
     train = 2.0 if plan.workload is Workload.TRAIN else 1.0  # the backward reduce-scatters as much
+    times, on_stage = _step_times(plan, count)
     compute_s = 0.0
     if cost is not None and cost.kind != "none" and plan.tp > 1:
-        compute_s = _whole_op_s(cost, plan, cluster, captured_dtype) * (1 - 1 / plan.tp) * per_step * count
+        compute_s = _whole_op_s(cost, plan, cluster, captured_dtype) * (1 - 1 / plan.tp) * times
     # memory: the gathered tensor is whole on every rank where the plan priced a 1/tp shard. Training
     # keeps it for the backward of the op that reads it, per layer and per micro-batch in flight (1F1B:
     # up to pp on the first stage): at most (tp - 1) / tp of it more per place; without autograd it
     # lives while the op runs (`_with_fallbacks` adds the largest one).
     extra = nbytes * (plan.tp - 1) / plan.tp
     in_flight = min(plan.pp, per_step) if plan.pp > 1 else 1
-    memory = extra * count * in_flight if plan.workload is Workload.TRAIN else extra
+    memory = extra * on_stage * in_flight if plan.workload is Workload.TRAIN else extra
     return Fallback(
         op=fb.op,
         line=fb.line or f"graph node {fb.node}",
         node=fb.node,
         bytes_gathered=nbytes * count,
-        comm_s=one * per_step * train * count,
+        comm_s=one * train * times,
         places=count,
         memory_bytes=memory,
         compute_s=compute_s,
@@ -319,7 +334,8 @@ def _price_cp(
     train = plan.workload is Workload.TRAIN
     extra = nbytes * (plan.cp - 1) / plan.cp
     in_flight = min(plan.pp, per_step) if plan.pp > 1 else 1
-    memory = extra * count * in_flight if train else extra
+    times, on_stage = _step_times(plan, count)
+    memory = extra * on_stage * in_flight if train else extra
     region = set(fb.region)
     compute_s, exchange_s = 0.0, 0.0
     if region and plan.cp > 1:
@@ -360,10 +376,10 @@ def _price_cp(
         line=fb.line or f"graph node {fb.node}",
         node=fb.node,
         bytes_gathered=nbytes * count,
-        comm_s=(one * (2.0 if train else 1.0) + exchange_s) * per_step * count,
+        comm_s=(one * (2.0 if train else 1.0) + exchange_s) * times,
         places=count,
         memory_bytes=memory,
-        compute_s=compute_s * per_step * count,
+        compute_s=compute_s * times,
     )
 
 

@@ -383,3 +383,22 @@ def test_an_attention_core_no_split_query_projection_feeds_is_not_split_by_heads
     ), plan.excluded
     styles = {w: str(s.style) for w, s in plan.splits.items()}
     assert styles["blocks.0.w_in"] == "colwise" and styles["blocks.0.w_out"] == "rowwise", styles
+
+
+def test_a_fallback_in_every_layer_adds_one_stage_s_share_under_a_pipeline() -> None:
+    """A fallback found in each of 32 layers was added as 32 places x micro-batches at every pp, as if
+    the stages ran one after another: Mixtral's context-parallel fallback cost 8 s at pp 1, 16 s at
+    pp 2 and 32 s at pp 4 (dp halving each time). A stage holds 32 / pp of the layers and the step
+    repeats a stage's time micro-batches + pp - 1 times."""
+    from passes.verify import _step_times  # noqa: PLC0415
+    from planner.plan import MeshShape  # noqa: PLC0415
+
+    prepared, plan = _plan(CUMSUM)
+
+    def at(pp: int, m: int) -> Plan:
+        return dataclasses.replace(plan, mesh=MeshShape(plan.tp, pp, plan.dp), micro_batches=m)
+
+    assert _step_times(at(1, 1), 32) == (32.0, 32)
+    assert _step_times(at(2, 8), 32) == (16 * 9, 16)  # 16 layers per stage, 8 + 1 stage times
+    assert _step_times(at(4, 16), 32) == (8 * 19, 8)
+    assert _step_times(at(4, 16), 1) == (19 / 4, 1)  # one place, its stage's share of the step
