@@ -142,3 +142,24 @@ def test_keys_and_values_from_a_latent_store_the_latent_once() -> None:
     k carries the latent, v nothing, q the stream (a count by role would drop the latent)."""
     stored, _ = _stored_inputs("latent_kv.py")
     assert stored["q"] == 2 * 16 * 32 * 4 and stored["k"] == 2 * 16 * 16 * 4 and stored["v"] == 0.0
+
+
+def test_a_forward_holds_the_logits_it_returns() -> None:
+    """Llama-3-8B's forward at 32 x 8,192 tokens in bf16 returns 62.6 GiB of logits (vocabulary
+    128,256); the peak left them out (42.96 GiB on one H100, "fits"). The last stage now holds every
+    output it returns: at TP 2 they need about 115 GiB per rank and the plan is refused; at 4
+    sequences the peak holds their 7.8 GiB."""
+    from costmodels.cluster import load_cluster  # noqa: PLC0415
+    from planner.errors import InfeasibleError  # noqa: PLC0415
+    from planner.solver.problem import Constraints, WorkloadSpec  # noqa: PLC0415
+    from planner.solver.search import plan_model  # noqa: PLC0415
+    from tests.planner_fixtures import analysed_llama  # noqa: PLC0415
+
+    structure = analysed_llama("8b")
+    cluster = load_cluster("dgx-h100")
+    pins = Constraints(tp=2, pp=1, dp=1, max_devices=2)
+    with pytest.raises(InfeasibleError, match=r"stage 0 needs 1\d\d\.\d GiB"):
+        plan_model(structure, cluster, WorkloadSpec("forward", 32, 8192, dtype="bf16"), pins)
+    four = plan_model(structure, cluster, WorkloadSpec("forward", 4, 8192, dtype="bf16"), pins)
+    weights = 8.03e9 * 2 / 2  # bf16, split over two ranks
+    assert four.predicted.peak_memory_bytes > weights + 4 * 8192 * 128256 * 2

@@ -65,8 +65,12 @@ def test_tiny_run_on_cpu_writes_both_sides(tmp_path):
         assert set(row[side]) >= {"qkv", "o", "up", "down", "core", "layer", "rest", "head"}
         assert all(row[side][op] > 0 for op in ("qkv", "o", "up", "down", "core", "layer", "head"))
         for op in ("qkv", "o", "up", "down"):  # the forward GEMM alone, and the backward's two as the rest
-            assert 0 < row[side][f"{op}.fwd"] < row[side][op]
+            assert row[side][f"{op}.fwd"] > 0
             assert row[side][f"{op}.bwd"] == pytest.approx(row[side][op] - row[side][f"{op}.fwd"])
+            # priced, the forward is a part of forward + backward; timed on a shared CPU the two timings
+            # are separate runs, and a busy spell can make the forward alone read longer (it did: 8 ms
+            # against 0.1 ms), so the order is asserted on the prices only
+            assert side == "measured_s" or row[side][f"{op}.fwd"] < row[side][op]
     assert "measured / predicted" in r.stdout and "backward median" in r.stdout
 
 

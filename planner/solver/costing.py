@@ -2174,6 +2174,33 @@ def serving_host_time_s(ctx: CostContext) -> float:
     return host.time_s(ctx.sequences_per_micro_batch, ctx.mesh.tp * ctx.mesh.pp)
 
 
+def lm_head_row_share(s: ModelStructure) -> float:
+    """The share of the captured tokens the LM head computes logits for: 1, or less for a model that
+    keeps only some positions (a prefill's last token: Hugging Face's `logits_to_keep`), read from the
+    head's FLOPs at capture (`Projection.flops` = 2 x rows x in x out)."""
+    head, tokens = s.lm_head, s.batch_size * s.seq_len
+    if head is None or tokens <= 0 or head.in_features * head.out_features <= 0:
+        return 1.0
+    return min(1.0, head.flops / (2.0 * head.in_features * head.out_features) / tokens)
+
+
+def output_held_bytes(ctx: CostContext) -> float:
+    """Inference: the model's output the last stage holds at the end of a step, per rank: the logits of
+    every micro-batch of the rank's batch (tokens x vocabulary, of the positions the LM head computes:
+    `lm_head_row_share`), and, vocabulary-split, a micro-batch's shard beside the gathered whole while
+    it is gathered; a model without an LM head, its last hidden states. A forward of Llama-3-8B at
+    32 x 8,192 tokens returns 62.6 GiB of bf16 logits, which the peak left out (42.96 GiB, "fits"
+    on one 80 GB GPU). Training: 0 (the loss's logits are activations, priced with the LM head)."""
+    if ctx.train:
+        return 0.0
+    s, b, tp = ctx.structure, ctx.bytes_per_element, ctx.mesh.tp
+    micro = ctx.micro_batches if ctx.mesh.pp > 1 else 1
+    if s.lm_head is None:
+        return micro * ctx.tokens * s.hidden_size * b
+    logits = ctx.tokens * lm_head_row_share(s) * s.lm_head.out_features * b
+    return micro * logits + (logits / tp if tp > 1 else 0.0)
+
+
 def build_ends_graph(ctx: CostContext) -> LayerGraph:
     """Embedding (first stage) and final norm + LM head (last stage); tied weights share a choice."""
     s = ctx.structure

@@ -96,6 +96,7 @@ from planner.solver.costing import (
     in_flight_micro_batches,
     interleaved_chunks,
     optimizer_step_cost,
+    output_held_bytes,
     pipeline_buffer_bytes,
     recompute_input_bytes,
     stage_p2p_time_s,
@@ -730,6 +731,8 @@ class _Builder:
             for end, here in zip(ends, (s == 0, s == pp - 1)):
                 if here:
                     mem += end.static + f * end.activation
+            if s == pp - 1:
+                mem += output_held_bytes(ctx) / GIB  # inference: the outputs the step returns
             self.stage_memory.append(mem)
             if cap is not None:
                 self.m += mem <= cap / GIB, _name("memory", s)

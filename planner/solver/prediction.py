@@ -33,6 +33,7 @@ from planner.solver.costing import (
     grad_reaches_head,
     in_flight_micro_batches,
     optimizer_step_time_s,
+    output_held_bytes,
     pipeline_buffer_bytes,
     recompute_input_bytes,
     recompute_working_bytes,
@@ -262,6 +263,7 @@ def predict(tables: CostTables, assignment: Assignment) -> PricedAssignment:
     transient = transient_bytes(ctx)
     for s, (bd, working) in enumerate(zip(stages_bd, stage_working)):
         bd.memory_bytes += transient + working + pipeline_buffer_bytes(ctx, s)
+    stages_bd[-1].memory_bytes += output_held_bytes(ctx)  # inference: the outputs it returns
     times = [bd.time_s for bd in stages_bd]
     slowest = max(range(mesh.pp), key=lambda s: times[s])
     tails = dict.fromkeys(
