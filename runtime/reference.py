@@ -39,7 +39,7 @@ from passes.rng import dropout_disabled, dropout_nodes
 from passes.tensor_parallel import read_local_shards
 from planner.errors import InputError, RunError
 from planner.frontend.analysis import analyse
-from planner.frontend.capture import capture, flat_inputs, flatten_output
+from planner.frontend.capture import capture, flat_inputs, flatten_output, library_frame
 from planner.frontend.modelfile import ModelFile, load_model_file
 from planner.frontend.phases import cast_inputs
 from planner.plan import Plan
@@ -118,7 +118,7 @@ def check_capture(
 
     try:
         with torch.no_grad():
-            eager = all_outputs(flatten_output(model(*args, **kwargs)))
+            eager = all_outputs(flatten_output(_eager_forward(model, args, kwargs)))
         restore()  # a buffer the forward updates (a counter, running statistics) starts where it started
         with torch.no_grad():
             captured = all_outputs(gm(*flat_inputs(args, kwargs)))
@@ -140,6 +140,39 @@ def check_capture(
             _check_capture_gradients(model, gm, args, kwargs, dtype, training_target(eager[0]))
         finally:
             restore()
+
+
+def _eager_forward(model: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+    """The model's own forward on the run's inputs. Planning runs the model on meta tensors, where a
+    lookup past an embedding's rows does not fail; on real tensors it may. Raises InputError naming the
+    model's line and the inputs' shapes when the model itself raises (OPT's position table, offset by
+    2 past the positions it counts, gave an IndexError traceback at --seq-len 200)."""
+    try:
+        return model(*args, **kwargs)
+    except (InputError, RunError, KeyboardInterrupt):
+        raise
+    except Exception as e:  # noqa: BLE001 - the model's own code: any error it raises is reported
+        frame = library_frame(e)
+        where = (
+            f" at {frame.filename}:{frame.lineno}" + (f" `{frame.line.strip()}`" if frame.line else "")
+            if frame
+            else ""
+        )
+        shapes = ", ".join(
+            f"{tuple(t.shape)}" for t in flat_inputs(args, kwargs) if isinstance(t, torch.Tensor)
+        )
+        hint = ""
+        if isinstance(e, IndexError):
+            hint = (
+                " An index past a table's rows: a sequence longer than the model's positions (use a smaller "
+                "--seq-len, or give the model a larger table) or token ids past its vocabulary (make "
+                "example_inputs draw them below it)."
+            )
+        raise InputError(
+            f"the model raised {type(e).__name__}: {e}{where}, run on the example inputs of the plan (shapes "
+            f"{shapes}) with real weights; planning runs the model on meta tensors, which do not check "
+            f"indices or values.{hint}"
+        ) from None
 
 
 def _gradients(

@@ -355,6 +355,22 @@ def test_a_sharded_run_of_a_model_updating_its_buffers_starts_from_the_same_buff
     assert "numerics: max |sharded - unsharded|" in " ".join(r.stdout.split())
 
 
+def test_an_error_the_model_itself_raises_on_real_tensors_is_named_with_its_line(tmp_path) -> None:
+    """tests/models/offset_positions.py looks up positions from a cumsum, offset by 2 (OPT's table):
+    at --seq-len 40 the lookup runs past its 32 rows. Planning on meta tensors passes; the run's
+    reference raised IndexError, a traceback from inside torch (exit 1). Exit 2, the model's line named,
+    no plan file left."""
+    out = tmp_path / "plan.yaml"
+    r = planner(
+        "optimize", str(MODELS / "offset_positions.py"), "--cluster", "local-cpu", "--nproc", "1",
+        "--seq-len", "40", "--run", "--iters", "1", "--warmup", "0", "--min-time", "0", "--out", str(out),
+    )  # fmt: skip
+    message = " ".join(r.stderr.split())
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert "the model raised IndexError" in message and "offset_positions.py:23" in message, message
+    assert "use a smaller --seq-len" in message and not out.exists()
+
+
 @pytest.mark.parametrize("differentiable", [False, True], ids=["autograd_function", "detach_trick"])
 def test_a_backward_the_capture_cannot_hold_is_refused_for_training(differentiable: bool) -> None:
     """tests/models/aux_loss_function.py adds an auxiliary loss in a torch.autograd.Function's backward

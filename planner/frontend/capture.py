@@ -705,7 +705,7 @@ def _user_frame(model: nn.Module, exc: BaseException) -> traceback.FrameSummary 
     return outside[-1] if outside else None
 
 
-def _library_frame(exc: BaseException) -> traceback.FrameSummary | None:
+def library_frame(exc: BaseException) -> traceback.FrameSummary | None:
     """The innermost traceback frame outside torch and the standard library (a Hugging Face modeling
     file's line, where the model's own frame is only the call into it), or None."""
     own = (os.path.realpath(sysconfig.get_paths()["stdlib"]) + os.sep, os.path.realpath(_TORCH_DIR) + os.sep)
@@ -815,7 +815,7 @@ def _capture_error_message(model: nn.Module, exc: BaseException, partial_graph: 
         where = f"{frame.filename}:{frame.lineno}"
         if frame.line:
             where += f": {frame.line.strip()}"
-    inner = _library_frame(exc)
+    inner = library_frame(exc)
     if inner is not None and (
         frame is None or (inner.filename, inner.lineno) != (frame.filename, frame.lineno)
     ):
