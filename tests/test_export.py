@@ -1472,6 +1472,21 @@ def test_recompute_text_uniform_unrecorded_and_old_reports(llama_plan, capsys):
     assert comparison_rows(plain)["training layout"] == "-"
 
 
+def test_compare_names_context_and_expert_parallelism_and_the_sharded_dp_style(llama_plan):
+    """`planner compare` wrote "TP=1 × PP=1 × DP=2" for a plan at CP 4 (and "DP=1" for CP 8, as if one
+    GPU) and left out expert parallelism and HSDP / FSDP without resharding."""
+    from planner.cli.compare import comparison_rows  # noqa: PLC0415
+
+    report = _report(llama_plan, 0.004)
+    report["plan"].update(tp=1, cp=4, pp=1, dp=8, ep=4, ep_fold="dp", expert_tp=1)
+    report["plan"].update(
+        dp_style="fsdp", dp_shard=4, reshard_after_forward=False, distributed_optimizer=True
+    )
+    rows = comparison_rows(report)
+    assert rows["mesh"] == "TP=1 × CP=4 × PP=1 × DP=8; experts: EP 4 over dp x cp", rows["mesh"]
+    assert rows["training layout"].startswith("hsdp 4x2 (no reshard after forward)"), rows["training layout"]
+
+
 def test_position_embeddings_kept_replicated_raise_no_layout_warning() -> None:
     """Megatron-LM and torchtitan keep learned position embeddings whole too: no "will shard" warning."""
     from planner.export.common import _position_embedding  # noqa: PLC0415

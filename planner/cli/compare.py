@@ -15,9 +15,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from planner.cli.render import fmt_bytes, fmt_s
+from planner.cli.render import fmt_bytes, fmt_s, mesh_text
 from planner.errors import InputError
-from planner.plan import parse_layer_run, recompute_summary
+from planner.plan import ep_text, parse_layer_run, recompute_summary
 
 _REPORT_KEYS = ("plan", "predicted")  # present in every report_dict
 
@@ -121,11 +121,26 @@ def _batch_text(plan: dict[str, Any]) -> str:
     return f"{batch} × {seq}" if seq and seq > 1 else str(batch)
 
 
+def _dp_style_text(plan: dict[str, Any]) -> str:
+    """A training plan's data-parallel style: "ddp", "zero1", "zero2", "fsdp", "fsdp (no reshard after
+    forward)", "hsdp 4x2" (FSDP over 4 ranks, replicated twice)."""
+    style = str(plan.get("dp_style") or ("zero1" if plan.get("distributed_optimizer") else "ddp"))
+    dp, shard = int(plan.get("dp") or 1), int(plan.get("dp_shard") or plan.get("dp") or 1)
+    if style == "fsdp" and 1 < shard < dp:
+        style = f"hsdp {shard}x{dp // shard}"
+    if style.startswith(("fsdp", "hsdp")) and plan.get("reshard_after_forward") is False:
+        style += " (no reshard after forward)"
+    return style
+
+
 def comparison_rows(report: dict[str, Any]) -> dict[str, str]:
     """Row label -> cell text for one report (the column of the comparison table)."""
     plan, p = report["plan"], report["predicted"]
     m = report.get("measured") or {}
-    mesh = f"TP={plan.get('tp', '?')} × PP={plan.get('pp', '?')} × DP={plan.get('dp', '?')}"
+    mesh = mesh_text(plan.get("tp", "?"), plan.get("cp", 1), plan.get("pp", "?"), plan.get("dp", "?"))
+    ep, expert_tp = int(plan.get("ep") or 1), int(plan.get("expert_tp") or 1)
+    if ep > 1 or expert_tp > 1:
+        mesh += f"; experts: EP {ep_text(ep, str(plan.get('ep_fold') or 'dp'), expert_tp, int(plan.get('cp') or 1))}"
     pipeline = plan.get("schedule", "-") if (plan.get("pp") or 1) > 1 else "no pipeline"
     schedule = f"{pipeline}, {plan.get('micro_batches', '?')} micro-batch(es)"
     if (plan.get("virtual_stages") or 1) > 1:
@@ -135,9 +150,7 @@ def comparison_rows(report: dict[str, Any]) -> dict[str, str]:
     extras = [
         "sequence parallel" if plan.get("sequence_parallel") else "",
         # a training step's data parallelism is always named (ddp too), so that "-" means not training
-        (plan.get("dp_style") or ("zero1" if sharded else "ddp"))
-        if sharded or training and (plan.get("dp") or 1) > 1
-        else "",
+        _dp_style_text(plan) if sharded or training and (plan.get("dp") or 1) > 1 else "",
         _recompute_cell(plan.get("recompute") or {}) or ("no recompute" if training else ""),
     ]
     above = (m.get("peak_memory_bytes") or 0) - (m.get("startup_memory_bytes") or 0)
