@@ -469,7 +469,20 @@ def _exposed_share(priced: PricedAssignment, field: str) -> str:
         exposed = p.exposed_comm_s - p.grad_sync_s
     else:
         ctx = priced.tables.ctx
-        total = max((gradient_sync_time_s(s.grad_bytes, ctx) for s in priced.stages), default=0.0)
+        # the routed experts' gradients too, reduced over their own group (`prediction._tail_s`): the
+        # exposed time counts them, and a MoE's share read 420-1150% of the dense traffic alone
+        total = max(
+            (
+                gradient_sync_time_s(s.grad_bytes, ctx)
+                + (
+                    gradient_sync_time_s(s.expert_grad_bytes, ctx.experts_context())
+                    if s.expert_grad_bytes
+                    else 0.0
+                )
+                for s in priced.stages
+            ),
+            default=0.0,
+        )
         exposed = p.grad_sync_s
     if total <= 0:
         return "no such traffic"
