@@ -532,6 +532,10 @@ class Plan:
     # the routing weights scale the experts' inputs, not weigh their outputs (`MoE.input_scale`, Llama 4;
     # Megatron-Core's --moe-apply-probs-on-input); None: unknown, a plan written before this field
     moe_probs_on_input: bool | None = None
+    # which layers are mixtures of experts, one 1 (MoE) or 0 (dense MLP) per layer, when the model mixes
+    # them (DeepSeek-V3's 3 dense layers before 58 MoE ones: Megatron-LM's --moe-layer-freq); [] when every
+    # layer is one, for a dense model, and for plans written before this field
+    moe_layers: list[int] = field(default_factory=list)
     # parameters of the model the plan was made for (0: a plan written before this field): `planner run`
     # refuses a model file whose parameter count differs (it changed since planning)
     model_params: int = 0

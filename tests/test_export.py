@@ -824,7 +824,7 @@ def test_megatron_routes_a_top1_sigmoid_moe_as_planned(top1_sigmoid_plan):
     assert args["--moe-router-topk"] == "1" and args["--moe-router-score-function"] == "sigmoid"
     assert args["--moe-ffn-hidden-size"] == "48"
     assert "--moe-shared-expert-intermediate-size" not in args
-    assert not any("route" in w for w in warnings)
+    assert not any("does not record how the model's experts route" in w for w in warnings)
     again = Plan.from_dict(plan.to_dict())  # the routing round-trips through the plan file's data
     assert (again.moe_top_k, again.moe_score_function, again.moe_shared_intermediate_size) == (
         1,
@@ -846,7 +846,7 @@ def test_megatron_routes_a_top2_softmax_moe_with_its_shared_expert():
     assert args["--num-experts"] == "8" and args["--moe-router-topk"] == "2"
     assert args["--moe-router-score-function"] == "softmax" and args["--moe-ffn-hidden-size"] == "24"
     assert args["--moe-shared-expert-intermediate-size"] == "48"
-    assert not any("route" in w for w in warnings)
+    assert not any("does not record how the model's experts route" in w for w in warnings)
     assert plan.moe_shared_expert_gate is False and not any("shared_expert_gate" in w for w in warnings)
     # Qwen2-MoE's sigmoid gate on the shared expert: the export said nothing, and Megatron-LM would train it
     # ungated
@@ -855,6 +855,40 @@ def test_megatron_routes_a_top2_softmax_moe_with_its_shared_expert():
     plan = _moe_plan(gated, tiny_moe_modulelist.example_inputs(4, 16))
     assert plan.moe_shared_expert_gate and plan.moe_shared_intermediate_size == 48
     assert any("moe_shared_expert_gate" in w for w in _megatron_argv(plan)[1])
+
+
+def test_megatron_gets_the_dense_layers_before_the_moe_ones():
+    """DeepSeek-V3's first layers are dense (first_k_dense_replace): the export gave --num-experts and no
+    --moe-layer-freq, so Megatron-LM would build every layer a MoE. The plan records which layers are
+    (`Plan.moe_layers`) and the export writes Megatron's list expression of them; the routing it does
+    not read (the weights' scale, group-limited routing, the expert bias) is named in a warning."""
+    import sys  # noqa: PLC0415
+
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: PLC0415
+
+    from planner.export.megatron import moe_layer_freq  # noqa: PLC0415
+
+    assert (
+        moe_layer_freq([0, 0, 0, 1, 1]) == "([0]*3+[1]*2)"
+        and moe_layer_freq([1, 0, 1]) == "([1]*1+[0]*1+[1]*1)"
+    )
+    sys.path.insert(0, str(MODELS))
+    import hf_deepseek_v3  # noqa: PLC0415
+
+    config = {**hf_deepseek_v3.CONFIG, "num_hidden_layers": 3, "first_k_dense_replace": 1, "use_cache": False}
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(
+            DeepseekV3Config(**config, attn_implementation="sdpa", experts_implementation="batched_mm")
+        )
+    plan = _moe_plan(model, (torch.randint(0, 320, (4, 16)),))
+    assert plan.moe_layers == [0, 1, 1]
+    argv, warnings = _megatron_argv(plan)
+    args = dict(zip(argv, [*argv[1:], ""]))
+    assert args["--moe-layer-freq"] == "([0]*1+[1]*2)" and args["--num-layers"] == "3"
+    assert any(
+        "--moe-router-topk-scaling-factor" in w and "--moe-router-enable-expert-bias" in w for w in warnings
+    )
+    assert Plan.from_dict(plan.to_dict()).moe_layers == [0, 1, 1]
 
 
 def test_megatron_applies_llama4s_routing_weights_to_the_experts_inputs():

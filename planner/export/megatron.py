@@ -47,6 +47,7 @@ the dataclass fields it turns into options: `ModelParallelConfig`, `TransformerC
 | moe_shared_intermediate_size (> 0)     | --moe-shared-expert-intermediate-size (0, no shared expert: none)  |
 | moe_shared_expert_gate                 | a warning: set Megatron-Core's moe_shared_expert_gate              |
 | moe_probs_on_input (Llama 4)           | --moe-apply-probs-on-input (top-1 only in Megatron: else a warning)|
+| moe_layers (dense and MoE layers mixed)| --moe-layer-freq '([0]*3+[1]*58)' (DeepSeek-V3's first 3 dense)    |
 |   each unknown (0, "", None)           | none, a warning naming the option to set                           |
 | ep > 1                                 | --moe-token-dispatcher-type alltoall (dropless, as the runtime's)  |
 | moe_capacity_factor                    | --moe-expert-capacity-factor                                       |
@@ -256,6 +257,8 @@ def _expert_args(plan: Plan, warnings: list[str]) -> list[str]:
             "counts): add --num-experts yourself"
         )
     args += _routing_args(plan, warnings)
+    if plan.moe_layers:  # dense layers among the MoE ones (Megatron-LM's default: every layer a MoE)
+        args += ["--moe-layer-freq", moe_layer_freq(plan.moe_layers)]
     args += [
         "--expert-model-parallel-size",
         str(plan.ep),
@@ -299,6 +302,19 @@ def _expert_args(plan: Plan, warnings: list[str]) -> list[str]:
             "enabling sequence parallelism'): add --sequence-parallel, which the plan did not price"
         )
     return args
+
+
+def moe_layer_freq(pattern: list[int]) -> str:
+    """Megatron-LM's --moe-layer-freq list expression of a per-layer pattern (1: MoE, 0: dense), runs
+    written out: [0, 0, 0, 1, ..., 1] (3 + 58) -> "([0]*3+[1]*58)" (`megatron/training/arguments.py`
+    moe_freq_type evaluates it; its length must be --num-layers)."""
+    runs: list[list[int]] = []
+    for x in pattern:
+        if runs and runs[-1][0] == x:
+            runs[-1][1] += 1
+        else:
+            runs.append([x, 1])
+    return "(" + "+".join(f"[{x}]*{n}" for x, n in runs) + ")"
 
 
 def _routing_args(plan: Plan, warnings: list[str]) -> list[str]:
@@ -364,6 +380,12 @@ def _routing_args(plan: Plan, warnings: list[str]) -> list[str]:
             "moe_shared_expert_gate set (--moe-shared-expert-gate where your release's parser has it): without it "
             "Megatron-LM trains an ungated shared expert, another model"
         )
+    warnings.append(
+        "routing the plan does not read from the model is left at Megatron-LM's defaults: a scale on the routing "
+        "weights (--moe-router-topk-scaling-factor), group-limited routing (--moe-router-num-groups, "
+        "--moe-router-group-topk), a learned expert bias (--moe-router-enable-expert-bias) and the load-balancing "
+        "loss (--moe-router-load-balancing-type, --moe-aux-loss-coeff): add those your model uses"
+    )
     if missing:
         warnings.append(
             "the plan does not record how the model's experts route (planned before it did, MoE layers that "
@@ -465,20 +487,19 @@ def _main_grads_warning(plan: Plan) -> str:
     extra = 2.0 * (dense / (plan.tp * plan.pp) + plan.expert_params / (plan.ep * plan.expert_tp * plan.pp))
     peak = plan.predicted.peak_memory_bytes + extra
     cluster = plan.saved_cluster()
-    fits = ""
+    of_device = ""
     if cluster is not None:
-        fits = f" of the device's {cluster.device.memory_bytes / 2**30:.1f} GiB" + (
-            (
-                ": it does not fit; plan with more pipeline stages"
-                + ("" if plan.distributed_optimizer else " or the distributed optimizer")
-            )
-            if peak > cluster.device.memory_bytes
-            else ""
+        over = peak > cluster.device.memory_bytes
+        of_device = f" of the device's {cluster.device.memory_bytes / 2**30:.1f} GiB" + (
+            ", over it" if over else ""
         )
     return (
         f"Megatron-LM with --bf16 accumulates and reduces gradients in fp32 (main_grad): about "
-        f"{extra / 2**30:.1f} GiB more per rank than the plan's 16-bit gradients, a peak near {peak / 2**30:.1f} GiB{fits}, "
-        "and twice the gradient bytes to reduce; plan with --grad-reduce-dtype fp32 to price that"
+        f"{extra / 2**30:.1f} GiB more per rank than the plan's 16-bit gradients (a peak near {peak / 2**30:.1f} "
+        f"GiB{of_device}) and twice the gradient bytes to reduce. Plan again with --grad-reduce-dtype fp32 to "
+        "price both: the search then picks a layout that fits them (more pipeline stages"
+        + ("" if plan.distributed_optimizer else ", the distributed optimizer")
+        + ", ...)"
     )
 
 

@@ -353,6 +353,12 @@ def _common(plan: Plan, version: str) -> tuple[dict[str, object], str, dict[str,
     warnings = layout_warnings(plan, TOOL) + language_model_warnings(
         plan, TOOL, f"torchtitan {version}'s model modules (llama3, llama4, qwen3, deepseek_v3)"
     )
+    if _moe(plan):
+        warnings.append(
+            "a mixture-of-experts model: torchtitan's llama3 module has no experts, so run it with the MoE module of "
+            "its family (deepseek_v3, llama4, or qwen3 with its MoE configs) and that module's config in place of "
+            "YOUR_MOE_MODULE and YOUR_CONFIG; the expert-parallel degrees below apply to those modules"
+        )
     if plan.workload is not Workload.TRAIN:
         warnings.append(
             f"this is a {plan.workload} plan; torchtitan trains (plan with --workload train for its memory "
@@ -507,8 +513,21 @@ def _toml_value(value: object) -> str:
     raise TypeError(f"no TOML form for {type(value).__name__}")  # internal: sections hold only the above
 
 
+def _moe(plan: Plan) -> bool:
+    return bool(plan.num_experts) or plan.ep > 1 or plan.expert_params > 0
+
+
+def _module(plan: Plan) -> str:
+    """The torchtitan model module of the command line: llama3 for a dense model; for a mixture of
+    experts a placeholder (torchtitan's llama3 has no experts; its MoE modules are per family:
+    deepseek_v3, llama4, qwen3), with a warning (`_common`)."""
+    return "YOUR_MOE_MODULE" if _moe(plan) else "llama3"
+
+
 def _registry_config(plan: Plan) -> str:
     """The torchtitan llama3 config_registry function nearest the planned model, as a suggestion."""
+    if _moe(plan):
+        return "YOUR_CONFIG"
     name = plan.model.lower().replace("-", "_")
     for size in ("405b", "70b", "8b"):
         if size in name:
@@ -537,7 +556,7 @@ def _export_overrides(plan: Plan) -> Export:
         f"{plan.mesh.label()}), written by planner export --to torchtitan.",
         f"# Use: source this file, then on each of the {plan.num_devices} GPUs' nodes run, with these last",
         "# (the final activation-checkpoint:... is a subcommand: torchtitan reads only its options after it):",
-        "#   torchrun --nproc_per_node=GPUS_PER_NODE ... -m torchtitan.train --module llama3 "
+        f"#   torchrun --nproc_per_node=GPUS_PER_NODE ... -m torchtitan.train --module {_module(plan)} "
         f'--config {_registry_config(plan)} YOUR_OTHER_OVERRIDES "${{PLANNER_TORCHTITAN_ARGS[@]}}"',
         "# keep your model, tokenizer, data and optimizer settings (and drop your own copies of these).",
         "PLANNER_TORCHTITAN_ARGS=(",

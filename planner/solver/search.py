@@ -1647,6 +1647,7 @@ def _plan_of(search: _Search, priced: PricedAssignment, model_name: str, solver:
         moe_probs_on_input=agreed(
             (layer.moe.input_scale is not None for layer in s.layers if layer.moe), None
         ),
+        moe_layers=moe_layer_pattern(s),
         token_model=s.token_model,
         unpriced_ops=s.unknown_ops,
         model_params=int(s.num_params),
@@ -1654,6 +1655,13 @@ def _plan_of(search: _Search, priced: PricedAssignment, model_name: str, solver:
         adapters=adapter_weights(s),
         frozen_params=int(s.num_frozen_params),
     )
+
+
+def moe_layer_pattern(structure: ModelStructure) -> list[int]:
+    """`Plan.moe_layers`: 1 for each mixture-of-experts layer, 0 for each other, when the model has both;
+    [] otherwise."""
+    pattern = [int(layer.moe is not None) for layer in structure.layers]
+    return pattern if 0 < sum(pattern) < len(pattern) else []
 
 
 def adapter_weights(structure: ModelStructure) -> dict[str, str]:
