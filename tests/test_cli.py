@@ -181,6 +181,30 @@ def test_multi_query_attention_behind_a_fused_qkv_trains_at_tp2(tmp_path):
     assert "core head: its fused q/k/v projection is not split" in out and "apply_rotary" not in out, out
 
 
+@pytest.mark.parametrize(
+    "name, parts", [("hf_falcon_mqa.py", (64, 16, 16)), ("hf_gptbigcode_mqa.py", (64, 16, 16))]
+)
+def test_multi_query_behind_a_fused_projection_names_its_one_kv_head(name, parts):
+    """Falcon-7B's (B, T, H + 2, hd) split along its heads and GPT-BigCode's split after an unsqueeze:
+    the analysis read no parts, the TP pass refused the split ("not a fused projection's parts ...
+    Re-plan with a different --tp", exit 3 under --layout megatron), while the reason is one KV head."""
+    from planner.frontend.depth import capture_for_planning  # noqa: PLC0415
+    from planner.frontend.modelfile import load_model_file  # noqa: PLC0415
+
+    model_file = load_model_file(ROOT / "tests" / "models" / name)
+    _, structure = capture_for_planning(model_file.build("meta"), *model_file.inputs(2, 16))
+    attention = structure.layers[0].attention
+    assert attention.projections[0].parts == parts and attention.num_kv_heads == 1
+    r = planner(
+        "optimize", str(ROOT / "tests" / "models" / name), "--cluster", str(ROOT / "tests" / "models" / "fastlink.yaml"),
+        "--nproc", "2", "--tp", "2", "--layout", "megatron",
+    )  # fmt: skip
+    message = " ".join(r.stderr.split())
+    assert r.returncode == 3 and "its fused q/k/v projection is not split (1 KV head(s) < tp=2" in message, (
+        message
+    )
+
+
 @pytest.mark.slow
 def test_multi_query_key_value_projection_under_sequence_parallelism_splits_the_heads(tmp_path):
     """tests/models/mqa_fused_kv.py at TP 2 in training with sequence parallelism: its fused K/V

@@ -975,7 +975,8 @@ def _attach_adapters(projections: list[Projection], nodes: list[fx.Node]) -> lis
 def _parts(node: fx.Node) -> tuple[int, ...] | None:
     """Sizes of the parts of a fused projection's output, None when it is not split into parts.
 
-    Found through views that keep the last dim: a split / chunk on the last dim (GPT-2 `c_attn`),
+    Found through views (and unsqueezes) that keep the last dim: a split / chunk on the last dim (GPT-2
+    `c_attn`, GPT-BigCode's after an unsqueeze),
     slices that tile the last dim (Phi-3 `qkv_proj`), a view to (..., 3, H, hd) (q, k, v blocks), or a
     view to (..., 3, C) then taken apart along the 3.
     A per-head interleaved (..., H, 3 * hd) layout (GPT-NeoX) is not a part split: a contiguous
@@ -997,8 +998,13 @@ def _parts(node: fx.Node) -> tuple[int, ...] | None:
             if dim % val[0].dim() != val[0].dim() - 1:
                 return None
             return tuple(v.shape[-1] for v in val)
-        if name not in ("aten.view", "aten.reshape", "aten._unsafe_view", "aten.unflatten"):
+        if name not in ("aten.view", "aten.reshape", "aten._unsafe_view", "aten.unflatten", "aten.unsqueeze"):
             return None
+        if name == "aten.unsqueeze":  # GPT-BigCode: c_attn(x).unsqueeze(1).split((embed, kv, kv), dim=3)
+            if val.shape[-1] != out_features:
+                return None
+            node = user
+            continue
         if (
             val.dim() >= 3
             and val.shape[-3] == 3
@@ -1007,9 +1013,31 @@ def _parts(node: fx.Node) -> tuple[int, ...] | None:
             return (out_features // 3,) * 3
         if val.dim() >= 2 and val.shape[-2] == 3 and 3 * val.shape[-1] == out_features and _picks_parts(user):
             return (out_features // 3,) * 3  # (..., 3, C) taken apart into q, k, v
+        heads = _head_split(user, out_features)
+        if heads is not None:
+            return heads
         if val.shape[-1] != out_features:
             return None
         node = user
+
+
+def _head_split(view: fx.Node, out_features: int) -> tuple[int, ...] | None:
+    """The parts of a fused projection viewed as (..., G, hd) and split along its G heads into q, k and v
+    heads, (H, 1, 1) for Falcon-7B's multi-query `query_key_value` (`fused_qkv.split([num_heads, 1, 1],
+    dim=-2)`): each part's width, heads x hd; None for any other view."""
+    val = view.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() < 3 or val.shape[-2] * val.shape[-1] != out_features:
+        return None
+    if len(view.users) != 1:
+        return None
+    (user,) = view.users
+    if op_name(user.target) not in _SPLITS:
+        return None
+    dim = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
+    outs = user.meta.get("val")
+    if not isinstance(dim, int) or dim % val.dim() != val.dim() - 2 or not isinstance(outs, (list, tuple)):
+        return None
+    return tuple(int(o.shape[-2]) * int(val.shape[-1]) for o in outs)
 
 
 # layout ops `_picks_parts` follows a dim through
