@@ -410,3 +410,26 @@ def test_why_says_an_embedding_tied_to_the_lm_head_takes_its_split() -> None:
     assert "gradient sync" not in why.reason  # a forward plan has none
     position = next(d for d in plan.decisions if d.subject == "embedding1")  # its own weight
     assert "tied" not in position.reason
+
+
+def test_the_memory_hint_quotes_the_closest_plans_own_sharded_state() -> None:
+    """Llama-3-8B at 131,072 tokens, CP 2, FSDP pinned, on 8 H100s: nothing fits. The hint quoted the
+    unsharded 60 GiB of weights, gradients and Adam state and advised the distributed optimizer, which
+    the closest plan already had (FSDP: 15 GiB); its activations are what does not fit."""
+    from costmodels.cluster import load_cluster  # noqa: PLC0415
+    from planner.errors import InfeasibleError  # noqa: PLC0415
+    from planner.solver.problem import Constraints, WorkloadSpec  # noqa: PLC0415
+    from planner.solver.search import plan_model  # noqa: PLC0415
+    from tests.planner_fixtures import analysed_llama  # noqa: PLC0415
+
+    pins = Constraints(tp=1, cp=2, dp_style="fsdp", max_devices=8)
+    with pytest.raises(InfeasibleError) as refused:
+        plan_model(
+            analysed_llama("8b"),
+            load_cluster("dgx-h100"),
+            WorkloadSpec("train", 2, 131072, dtype="bf16"),
+            pins,
+        )
+    message = str(refused.value)
+    assert "--distributed-optimizer" not in message and "alone take" not in message, message
+    assert "less activation memory per device" in message and "GiB per device of it, fsdp" in message, message

@@ -44,7 +44,6 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from costmodels import memory
 from costmodels.cluster import ClusterSpec, cluster_for_ranks
 from costmodels.context_parallel import ulysses_refusal
 from planner.errors import InfeasibleError, InputError
@@ -314,7 +313,7 @@ def _tp_options(search: _Search, num_devices: int) -> list[int]:
         if c.tp is None and tp > cluster.devices_per_node and not c.tp_across_nodes:
             search.excluded.append(
                 f"tp={tp}: spans {math.ceil(tp / cluster.devices_per_node)} nodes "
-                f"(TP stays inside a node of {cluster.devices_per_node} unless tp_across_nodes)"
+                f"(the search keeps TP inside a node of {cluster.devices_per_node}; --tp {tp} pins it across nodes)"
             )
             continue
         if (
@@ -1454,18 +1453,32 @@ def _infeasible(search: _Search) -> InfeasibleError:
             f"{experts / _GIB:.1f} GiB per micro-batch (an expert matrix gathered per token and choice)",
         )
     if search.workload.kind is Workload.TRAIN:
-        # weights, gradients and Adam state (mixed precision) of one rank, before any activation
-        state = memory.training_state_bytes(
-            search.structure.num_params, search.workload.dtype or search.structure.dtype
-        ) / (mesh.tp * mesh.pp)
+        # weights, gradients and Adam state of one rank in the closest candidate's data-parallel style
+        # (sharded over its shard group under ZeRO / FSDP), before any activation: the hint quoted the
+        # unsharded figure and advised the distributed optimizer to a candidate already sharded
+        state = search.structure.num_params * ctx.bytes_per_element * ctx.state_factor() / (mesh.tp * mesh.pp)
+        sharded = ctx.dp_style is not DataParallel.DDP and ctx.state_shards > 1
         if state > 0.5 * search.cap_bytes:
-            zero = ", or the distributed optimizer (--distributed-optimizer on)" if mesh.dp > 1 else ""
+            zero = ""
+            if mesh.dp_cp > 1 and not sharded:
+                zero = ", or a sharded data-parallel style (--dp-style zero1 / fsdp)"
             hints.append(
                 f"more tensor / pipeline parallelism{zero}: weights, gradients and Adam state alone take "
-                f"{state / _GIB:.0f} GiB per device on {mesh.label()} (a smaller batch would not help)"
+                f"{state / _GIB:.0f} GiB per device on {mesh.label()} ({ctx.dp_style}; a smaller batch would "
+                "not help)"
             )
         else:
-            hints.append("more micro-batches or a smaller batch (less activation memory)")
+            longest = search.workload.seq_len >= MIN_CP_SEQ_LEN
+            hints.append(
+                "less activation memory per device: more micro-batches or a smaller batch"
+                + (", more context parallelism (--cp)" if longest else "")
+                + (
+                    ", more tensor / pipeline parallelism"
+                    if mesh.tp * mesh.pp < search.cluster.num_devices
+                    else ""
+                )
+                + f" (weights, gradients and Adam state take {state / _GIB:.0f} GiB per device of it, {ctx.dp_style})"
+            )
     elif search.workload.kind is Workload.DECODE:
         hints.append("a smaller batch or context (less KV cache)")
     else:
