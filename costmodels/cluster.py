@@ -761,9 +761,12 @@ def _parse_gemm(r: _Reader, raw: Any) -> GemmSpec:
             or len(tile) != 2
             or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in tile)
         ):
-            raise r.fail(
-                f"{path}.tiles[{i}]", f"expected [rows, columns], two integers > 0, got {_describe(tile)}"
+            shown = (
+                f"[{', '.join(repr(x) for x in tile)}]"
+                if isinstance(tile, list) and len(tile) <= 4
+                else _describe(tile)
             )
+            raise r.fail(f"{path}.tiles[{i}]", f"expected [rows, columns], two integers > 0, got {shown}")
         parsed.append((tile[0], tile[1]))
     sms = d["sms"]
     if not isinstance(sms, int) or isinstance(sms, bool) or sms < 1:
@@ -978,6 +981,10 @@ class _UniqueKeys:
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict[object, int] = {}
         for key_node, _ in node.value:
+            if (
+                key_node.tag == "tag:yaml.org,2002:merge"
+            ):  # `<<: *base`: its keys are merged, the explicit win
+                continue
             key = self.construct_object(key_node, deep=deep)  # type: ignore[attr-defined]
             line = key_node.start_mark.line + 1
             if key in seen:

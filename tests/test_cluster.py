@@ -583,6 +583,10 @@ def test_repeated_keys_are_refused_by_the_python_and_the_libyaml_parser(base: st
         yaml.load("a: 1\nb: 2\na: 3\n", Loader=loader)  # noqa: S506
     data = {"reason": "a long line " * 20, "n": [1, 2], "x": 0.5}
     assert yaml.load(cluster_module.safe_dump(data, width=110), Loader=loader) == data  # noqa: S506
+    # a YAML merge key (`<<: *anchor`) is plain YAML, not a repeated key: it was refused as "could not
+    # determine a constructor for the tag"; the explicit keys beside it win, as YAML says
+    merged = yaml.load("a: &x {p: 1, q: 2}\nb:\n  <<: *x\n  q: 3\n", Loader=loader)  # noqa: S506
+    assert merged == {"a": {"p": 1, "q": 2}, "b": {"p": 1, "q": 3}}
 
 
 def test_nvls_is_a_validated_intra_node_flag_that_round_trips() -> None:

@@ -176,6 +176,9 @@ def test_gemm_tiles_malformed_names_the_field() -> None:
     raw["device"]["gemm"]["tiles"] = [[128]]
     with pytest.raises(ValueError, match=r"device\.gemm\.tiles\[0\]"):
         parse_cluster(raw, "bad")
+    raw["device"]["gemm"]["tiles"] = [[0, 256]]  # the value is shown ("got a list" said nothing)
+    with pytest.raises(ValueError, match=r"device\.gemm\.tiles\[0\]: .*two integers > 0, got \[0, 256\]"):
+        parse_cluster(raw, "bad")
 
 
 # Held out of the fit: OpenXLA's measured sm_90 bf16 matmul table (375 products, b x (m, k) @ (k, n),
