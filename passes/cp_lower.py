@@ -160,7 +160,10 @@ def apply_context_parallel(
             slices[key] = insert_after(
                 node, cp_slice, (node, dim, AXIS, load_balance), local, Placement.shard(dim)
             )
-            ctx.global_val[slices[key]] = local  # already local: never cut again
+            # the slice's global value is the whole tensor, sharded along `dim` (as every other shard's):
+            # read as the local one, a view of it by its global sizes (OPT's `ids.view(-1, ids.shape[-1])`)
+            # had no answer and gathered the whole sequence
+            ctx.global_val[slices[key]] = val
             result.sliced.append(node.name)
         return slices[key]
 

@@ -170,6 +170,29 @@ def test_the_pass_cuts_tokens_and_rope_and_replaces_attention() -> None:
     assert sdpa[0].args[3:7] == ("cp", "ring", True, True)
 
 
+def test_a_view_of_the_tokens_by_their_global_sizes_keeps_them_cut() -> None:
+    """Hugging Face OPT views its token ids by their own sizes first (`input_ids.view(-1,
+    input_ids.shape[-1])`): the cut ids were read at their local size and that view had no answer, so
+    the CP pass gathered the whole sequence there and context parallelism split nothing ("had no
+    attention to split") while its ring was priced."""
+
+    import torch  # noqa: PLC0415
+
+    class Viewed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = load_model_file(MODELS / TOKENS).build("meta")
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.inner(tokens.view(-1, tokens.shape[-1]))
+
+    model_file = load_model_file(MODELS / TOKENS)
+    args, kwargs = model_file.inputs(2, SEQ)
+    gm = capture(Viewed(), args, kwargs)
+    done = apply_context_parallel(gm, 2, SEQ, "ring", True)
+    assert not done.fallbacks and len(done.attention) == 4, done.fallbacks
+
+
 @pytest.mark.parametrize(
     ("seq", "cp", "balance", "needle"),
     [(12, 4, True, "12 is not a multiple of 8"), (18, 4, False, "18 is not a multiple of 4")],
