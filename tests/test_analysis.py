@@ -184,6 +184,9 @@ HF_SMALL = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attenti
         ("falcon", lambda s: [p.role for p in s.layers[0].attention.projections] == ["qkv", "o"]
          and s.layers[0].attention.projections[0].weight_out_dim == 0),
         # ALiBi scores by baddbmm on batch and heads merged (B*H, T, hd): the heads before the merge
+        # multi-head latent attention whose kv_b_proj width (4 heads x (8 + 16) = 96) divides into "halves" of
+        # 3 query-width heads: read as 3 KV heads ("--tp 2 does not divide ... 3 KV heads"); its heads are 4
+        ("deepseek_v2", lambda s: (s.layers[0].attention.num_heads, s.layers[0].attention.num_kv_heads) == (4, 4)),
         ("bloom", lambda s: [p.role for p in s.layers[0].attention.projections] == ["qkv", "o"]
          and (s.layers[0].attention.num_heads, s.layers[0].attention.head_dim) == (4, 16)
          and s.layers[0].attention.flops == 4 * 2 * 4 * 8 * 8 * 16
@@ -200,6 +203,11 @@ def test_other_hf_architectures(arch, check):
                             rotary_dim=8),
         "opt": lambda: _hf(hf.OPTForCausalLM, hf.OPTConfig, **HF_SMALL, ffn_dim=128, word_embed_proj_dim=64),
         "falcon": lambda: _hf(hf.FalconForCausalLM, hf.FalconConfig, **HF_SMALL),
+        "deepseek_v2": lambda: _hf(hf.DeepseekV2ForCausalLM, hf.DeepseekV2Config, **HF_SMALL, intermediate_size=128,
+                                   moe_intermediate_size=32, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
+                                   num_experts_per_tok=2, first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=None,
+                                   qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, topk_method="greedy",
+                                   n_group=1, topk_group=1),
         "bloom": lambda: hf.BloomForCausalLM(hf.BloomConfig(vocab_size=256, hidden_size=64, n_layer=2, n_head=4,
                                                             attn_implementation="eager")).eval(),
     }[arch]  # fmt: skip

@@ -1616,8 +1616,10 @@ def _halves_of_heads(fused_kv: Projection, head_dim: int) -> bool:
     (`to_kv` chunked in two). DeepSeek's `kv_b_proj` is not: each head's no-RoPE key and value side by
     side, widths of their own (d_nope + d_v per head, the queries' d_nope + d_rope): its KV heads are the
     core's K heads."""
-    half = fused_kv.parts[0] if fused_kv.parts else fused_kv.out_features / 2
-    return half % head_dim == 0
+    # read from the parts the analysis found (a chunk or split of the output in two): a width that merely
+    # divides evenly (DeepSeek-V2's 4 x (8 + 16) = 96 = 2 x 3 heads of 16) is not a K / V pair of halves
+    parts = fused_kv.parts
+    return bool(parts) and len(parts) == 2 and parts[0] == parts[1] and parts[0] % head_dim == 0
 
 
 def _kv_heads_before_repeat(k: fx.Node, num_heads: int, head_dim: int, limit: int = 6) -> int:
