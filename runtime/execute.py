@@ -39,6 +39,7 @@ from passes.fsdp import apply_fsdp, fsdp_layout, load_fsdp_weights
 from passes.lower import RankLowering, lower_for_rank
 from passes.rng import dropout_disabled
 from passes.tensor_parallel import load_sharded_weights
+from planner.errors import RunError
 from planner.frontend.analysis import ModelStructure, analyse
 from planner.frontend.capture import capture, flat_inputs, retarget_device
 from planner.plan import Plan
@@ -139,9 +140,11 @@ def build_rank_module(
 def _run_sharded_rank(
     ctx: RankContext, job: RunJob, setup: RankSetup, reference: ReferenceFiles
 ) -> RankReport:
-    """pp == 1: steps 2-5 of the module docstring. Training with m > 1 micro-batches: the module is
-    captured at one micro-batch's shapes and the step accumulates over them (`_training_step`)."""
-    m = setup.plan.micro_batches if setup.training else 1
+    """pp == 1: steps 2-5 of the module docstring. With m > 1 micro-batches the module is captured at
+    one micro-batch's shapes; training accumulates over them (`_training_step`), a forward runs them
+    one after another and joins their outputs, as the plan priced it (a forward ran the whole batch at
+    once where m micro-batches were priced: measured 0.45 of a prediction twice the step it ran)."""
+    m = setup.plan.micro_batches
     micro = (
         [args_share(setup.args, setup.kwargs, m, i, setup.batch_dims) for i in range(m)] if m > 1 else None
     )
@@ -170,8 +173,22 @@ def _run_sharded_rank(
             units = [layer.module_path for layer in structure.layers]
             step = _training_step(gm, parts, setup, reference, want, report, units, (routers, replay))
         else:
+            parts = [flat_inputs(*call) for call in micro] if micro else [inputs]
             with torch.no_grad(), routing_by_token([gm], routers, replay):
-                outs = all_outputs(gm(*inputs))
+                kept = [all_outputs(gm(*part)) for part in parts]
+            outs = _joined(kept, want, setup.plan.dp * m) if micro else kept[0]
+            if outs is None:
+                raise RunError(
+                    f"plan field 'micro_batches' ({m}): the forward's outputs do not join along a batch dim "
+                    "into the batch's, so the micro-batches' outputs cannot be checked; plan with "
+                    "--micro-batches 1"
+                )
+            del kept
+            if micro:
+                report.notes.append(
+                    f"{m} micro-batches per forward, run one after another, their outputs joined"
+                )
+            inputs = parts[0]  # the per-layer profile runs one micro-batch, as the per-layer table prices
             record_routing(report, replay)
             compare_outputs(outs, want, reference, setup, report)
             report.notes += expert_load_notes_of(gm, ctx.rank)
@@ -181,7 +198,8 @@ def _run_sharded_rank(
 
             def step() -> None:
                 with torch.no_grad():
-                    gm(*inputs)
+                    for part in parts:
+                        gm(*part)
 
     time_steps(step, job, ctx.device, report)
     if job.profile_layers and not setup.training:
