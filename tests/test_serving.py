@@ -316,6 +316,31 @@ def test_a_request_needs_a_decode_step_and_a_cache_that_holds_it(tmp_path: Path)
     assert {layer.attention.kv_len for layer in prepared.structure.layers} == {40 + 16}  # built to fit
 
 
+def test_a_cached_model_whose_first_output_is_not_its_logits_is_refused(tmp_path: Path):
+    """Serving reads the first output as the logits: a model returning (hidden, logits) was served on
+    its hidden states (greedy "tokens" over hidden channels) and the check passed on them."""
+    wrapped = tmp_path / "hidden_first.py"
+    wrapped.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(ROOT / 'examples')!r})\n"
+        "import torch\n"
+        "import llama3_kv as base\n\n"
+        "class HiddenFirst(torch.nn.Module):\n"
+        "    def __init__(self, inner):\n"
+        "        super().__init__()\n"
+        "        self.inner = inner\n\n"
+        "    def forward(self, *args, **kwargs):\n"
+        "        logits = self.inner(*args, **kwargs)\n"
+        "        return logits[..., :8], logits\n\n"
+        "def build_model(max_batch_size=1, max_seq_len=64):\n"
+        "    return HiddenFirst(base.build_model(max_batch_size=max_batch_size, max_seq_len=max_seq_len))\n\n"
+        "step_inputs = base.step_inputs\n"
+        "example_inputs = base.example_inputs\n"
+    )
+    with pytest.raises(InputError, match=r"first output as its logits.*\(1, 1, 8\).*not the vocabulary"):
+        workflow.prepare(str(wrapped), "decode", context=16, new_tokens=4)
+
+
 @pytest.mark.slow
 def test_hand_edits_of_a_serving_plan_are_priced_per_layer_and_with_the_request_edited():
     """A saved serving plan edited by hand: each layer's own split is what prices it (an edit of one

@@ -418,6 +418,7 @@ def _prepare_serving(
     batch = batch_size or 1
     graph, structure = plan_structure(model_file, decode_phase(batch, prompt, request.cache_len))
     _check_cache_length(model_file, structure, batch, request)
+    _check_logits_first(model_file, graph, structure)
     _, prefill = plan_structure(model_file, prefill_phase(batch, prompt, request.cache_len))
     wl = WorkloadSpec(
         kind=Workload.DECODE, batch_size=batch, seq_len=1, context=prompt, micro_batches=None, dtype=dtype
@@ -426,6 +427,34 @@ def _prepare_serving(
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
     request = replace(request, trained_positions=trained_positions(model))
     return Prepared(model_file, structure, wl, shapes, graph=graph, request=request, prefill=prefill)
+
+
+def _check_logits_first(
+    model_file: ModelFile, graph: torch.fx.GraphModule, structure: ModelStructure
+) -> None:
+    """Serving reads a cached model's first output as its logits (`runtime.decode.last_position_logits`):
+    one whose last dim is not the vocabulary (a model returning (hidden, logits)) was served on its
+    hidden states, greedy "tokens" taken over hidden channels, and the check passed. Raises InputError
+    naming the output's shape and the vocabulary when the vocabulary is known and differs."""
+    vocab = structure.vocab_size
+    out = next((n for n in graph.graph.nodes if n.op == "output"), None)
+    if not vocab or out is None:
+        return
+    first = next(
+        (
+            x.meta.get("val")
+            for x in torch.utils._pytree.tree_leaves(out.args[0])
+            if isinstance(x, torch.fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)
+        ),
+        None,
+    )
+    widths = {vocab} | ({structure.lm_head.out_features} if structure.lm_head is not None else set())
+    if first is not None and first.dim() >= 2 and first.shape[-1] not in widths:
+        raise InputError(
+            f"{model_file.path}: serving reads the model's first output as its logits, but it has shape "
+            f"{tuple(first.shape)}, whose last dim is not the vocabulary ({vocab}): return the logits first "
+            "from forward (e.g. `return logits, hidden`)"
+        )
 
 
 def trained_positions(model: torch.nn.Module) -> int | None:
