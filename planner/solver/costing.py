@@ -620,8 +620,20 @@ class CostContext:
         (`DeviceSpec.decode_node_time_ratio`)."""
         elements = self.tokens * self.structure.hidden_size if self.structure.hidden_size else None
         dev = self.cluster.device
-        ratio = (dev.decode_node_time_ratio or 1.0) if self.workload.kind is Workload.DECODE else 1.0
+        ratio = (dev.decode_node_time_ratio or 1.0) if self.serving_step else 1.0
         return ratio * compute.node_overhead_s(dev, nodes, backward=self.train, elements=elements)
+
+    @property
+    def serving_step(self) -> bool:
+        """Whether the graph priced is a step of the serving loop: a decode step, or a cached model's
+        prefill (a forward whose attention writes a KV cache), which builds its step inputs, takes its
+        last logits and writes its caches as a decode step does: priced without that host work and
+        node time, a tiny model's time to first token read 3.4x its price on this CPU."""
+        if self.workload.kind is Workload.DECODE:
+            return True
+        return self.workload.kind is Workload.FORWARD and any(
+            layer.attention is not None and layer.attention.cache_bytes for layer in self.structure.layers
+        )
 
     def host_dispatch_time(self, nodes: float, backward: bool | None = None) -> float:
         """Host seconds to issue ``nodes`` fx nodes (with ``backward``, default: training, and their
@@ -2294,7 +2306,7 @@ def build_ends_graph(ctx: CostContext) -> LayerGraph:
                 opt.static_bytes = opt.grad_bytes = opt.frozen_bytes = 0.0
         ops.append(Op("lm_head", "head", options, [], logits_bytes, head.weight, head, excluded))
     host_work = 0.0
-    if ctx.workload.kind is Workload.DECODE and ctx.cluster.device.decode_host_s:
+    if ctx.serving_step and ctx.cluster.device.decode_host_s:
         host_work += ctx.cluster.device.decode_host_s  # the serving loop's host work around the graph
     host_work += serving_host_time_s(ctx)
     fixed += host_work
