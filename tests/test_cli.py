@@ -793,6 +793,7 @@ def test_a_batched_keyword_tensor_keeps_the_batch_whole(tmp_path, capsys) -> Non
     rc = main(["optimize", model, "--cluster", "local-cpu", "--nproc", "2", "--dp", "2"])
     err = " ".join(capsys.readouterr().err.split())
     assert rc == 2 and "keyword input 'keep' (4, 8)" in err and "example_inputs()" in err, err
+    assert "make it a positional argument of forward" in err and "would each see part of it" not in err, err
     out_plan = tmp_path / "plan.yaml"
     rc = main(["optimize", model, "--cluster", "local-cpu", "--nproc", "2", "--workload", "train", "--out",
                str(out_plan)])  # fmt: skip

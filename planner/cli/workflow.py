@@ -384,9 +384,10 @@ def _batched_keyword(model_file: ModelFile, batch_size: int, seq_len: int | None
             grows = i < len(other) and isinstance(other[i], torch.Tensor) and other[i].shape != t.shape
             if t.shape[0] == batch_size or grows:
                 return (
-                    f"keyword input {name!r} {tuple(t.shape)} of example_kwargs() has the batch as dim 0, and keyword "
-                    "tensors reach every data-parallel replica and micro-batch whole; return it from "
-                    "example_inputs() instead, which the runtime splits along the batch"
+                    f"keyword input {name!r} {tuple(t.shape)} of example_kwargs() has the batch as dim 0, and the "
+                    "runtime splits only example_inputs()' tensors along the batch (keyword tensors reach every "
+                    "data-parallel replica and micro-batch whole, beside its part of the others); make it a "
+                    "positional argument of forward, returned from example_inputs()"
                 )
     return None
 

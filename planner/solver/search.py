@@ -418,9 +418,9 @@ def _enumerate(search: _Search, progress: Progress = silent) -> None:
     if search.structure.batch_mixing:  # samples mix, or the batch is not dim 0
         why = search.structure.batch_mixing[0]
         whole_batch.append((
-            f"the batch of this model cannot be split: {why}; data-parallel replicas and micro-batches "
-            "would each see part of it and compute other outputs than the unsharded model; use --dp 1 and "
-            "one micro-batch",
+            f"the batch of this model cannot be split: {why}; split over data-parallel replicas or "
+            "micro-batches, it would compute other outputs than the unsharded model; use --dp 1 and one "
+            "micro-batch",
             f"dp>1, micro-batches>1: the batch cannot be split: {why}",
         ))  # fmt: skip
     if whole_batch:
