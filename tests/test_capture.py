@@ -175,6 +175,32 @@ def test_hf_cache_output_is_an_input_error(captured):
     assert "use_cache=False" in str(info.value)
 
 
+def test_an_output_type_export_cannot_flatten_names_the_models_forward(tmp_path):
+    """A forward returning a dataclass: torch.export's error leaves no frame of the model's code, so the
+    message said "line: unknown line" and cut torch's text mid-word; it names the model's forward and
+    cuts at a word."""
+    import dataclasses  # noqa: PLC0415
+
+    @dataclasses.dataclass
+    class Out:
+        y: torch.Tensor
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> Out:
+            return Out(self.lin(x))
+
+    with pytest.raises(InputError) as info:
+        capture(Model(), (torch.randn(2, 4),))
+    message = str(info.value)
+    assert f"forward at {__file__}:" in message, message
+    error_line = next(line for line in message.splitlines() if line.strip().startswith("error:"))
+    assert len(error_line) < 330 and (error_line.endswith(" ...") or "..." not in error_line), error_line
+
+
 def test_retarget_device(captured):
     gm = captured("gpt2_tiny").gm
     aranges = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.arange.start)

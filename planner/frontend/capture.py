@@ -805,12 +805,26 @@ def _hf_eager_experts(model: nn.Module, exc: BaseException) -> str | None:
     )
 
 
+def _clipped(text: str, limit: int) -> str:
+    """`text` up to `limit` characters, cut at a word boundary and marked with an ellipsis when longer."""
+    if len(text) <= limit:
+        return text
+    return text[:limit].rsplit(" ", 1)[0] + " ..."
+
+
 def _capture_error_message(model: nn.Module, exc: BaseException, partial_graph: str) -> str:
     eager_experts = _hf_eager_experts(model, exc)
     if eager_experts is not None:
         return eager_experts
     frame = _user_frame(model, exc)
     where = "unknown line (no frame of the model's code in the traceback)"
+    try:  # an output torch.export cannot flatten leaves no frame of the model's: name its forward
+        source = inspect.getsourcefile(type(model).forward) or ""
+        first_lineno = inspect.getsourcelines(type(model).forward)[1]
+        if source and not os.path.realpath(source).startswith(_LIBRARY_DIRS):
+            where = f"unknown line (no frame of the model's code in the traceback); forward at {source}:{first_lineno}"
+    except (TypeError, OSError):
+        pass
     if frame is not None:
         where = f"{frame.filename}:{frame.lineno}"
         if frame.line:
@@ -832,6 +846,6 @@ def _capture_error_message(model: nn.Module, exc: BaseException, partial_graph: 
         f"cannot capture {type(model).__name__} with torch.export (non-strict)\n"
         f"  op:    {_failing_op(exc, partial_graph)}\n"
         f"  line:  {where}\n"
-        f"  error: {type(exc).__name__}: {first_line[:300]}\n"
+        f"  error: {type(exc).__name__}: {_clipped(first_line, 300)}\n"
         f"{fixes}"
     )
