@@ -51,6 +51,7 @@ import os
 import re
 import sys
 import sysconfig
+import textwrap
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
@@ -805,13 +806,6 @@ def _hf_eager_experts(model: nn.Module, exc: BaseException) -> str | None:
     )
 
 
-def _clipped(text: str, limit: int) -> str:
-    """`text` up to `limit` characters, cut at a word boundary and marked with an ellipsis when longer."""
-    if len(text) <= limit:
-        return text
-    return text[:limit].rsplit(" ", 1)[0] + " ..."
-
-
 def _capture_error_message(model: nn.Module, exc: BaseException, partial_graph: str) -> str:
     eager_experts = _hf_eager_experts(model, exc)
     if eager_experts is not None:
@@ -846,6 +840,6 @@ def _capture_error_message(model: nn.Module, exc: BaseException, partial_graph: 
         f"cannot capture {type(model).__name__} with torch.export (non-strict)\n"
         f"  op:    {_failing_op(exc, partial_graph)}\n"
         f"  line:  {where}\n"
-        f"  error: {type(exc).__name__}: {_clipped(first_line, 300)}\n"
+        f"  error: {type(exc).__name__}: {textwrap.shorten(first_line, 300, placeholder=' ...')}\n"
         f"{fixes}"
     )
