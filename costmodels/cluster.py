@@ -981,9 +981,8 @@ class _UniqueKeys:
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict[object, int] = {}
         for key_node, _ in node.value:
-            if (
-                key_node.tag == "tag:yaml.org,2002:merge"
-            ):  # `<<: *base`: its keys are merged, the explicit win
+            # `<<: *base` merges the anchor's keys; the mapping's own keys win over them, as YAML says
+            if key_node.tag == "tag:yaml.org,2002:merge":
                 continue
             key = self.construct_object(key_node, deep=deep)  # type: ignore[attr-defined]
             line = key_node.start_mark.line + 1

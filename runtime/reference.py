@@ -149,7 +149,7 @@ def _eager_forward(model: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
     2 past the positions it counts, gave an IndexError traceback at --seq-len 200)."""
     try:
         return model(*args, **kwargs)
-    except (InputError, RunError, KeyboardInterrupt):
+    except (InputError, RunError):
         raise
     except Exception as e:  # noqa: BLE001 - the model's own code: any error it raises is reported
         frame = library_frame(e)

@@ -350,6 +350,11 @@ class ModelStructure:
         mean something for it; for others (images, feature vectors) samples/s does."""
         return self.vocab_size is not None
 
+    @property
+    def has_kv_cache(self) -> bool:
+        """Whether an attention layer writes a KV cache of the model's own (a serving phase's graph)."""
+        return any(layer.attention is not None and layer.attention.cache_bytes for layer in self.layers)
+
     def query_head_counts(self) -> list[int]:
         """Distinct numbers of query heads of the attention layers, ascending ([] without attention)."""
         return sorted({layer.attention.num_heads for layer in self.layers if layer.attention is not None})

@@ -123,9 +123,7 @@ def plan_structure(model_file: ModelFile, phase: Phase) -> tuple[fx.GraphModule,
     model = build_for(model_file, phase, "meta")
     args, kwargs = phase_inputs(model_file, phase)
     gm, structure = capture_for_planning(model, args, kwargs)
-    if structure.layers and not any(
-        layer.attention is not None and layer.attention.cache_bytes for layer in structure.layers
-    ):
+    if structure.layers and not structure.has_kv_cache:
         raise InputError(
             f"{model_file.path}: defines step_inputs but no attention writes a KV-cache buffer in forward "
             "(index_put_ / index_copy_ on a buffer that SDPA reads); see docs/model-files.md, models with a KV cache"

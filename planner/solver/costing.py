@@ -71,6 +71,7 @@ Megatron's f/g operators).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -623,7 +624,7 @@ class CostContext:
         ratio = (dev.decode_node_time_ratio or 1.0) if self.serving_step else 1.0
         return ratio * compute.node_overhead_s(dev, nodes, backward=self.train, elements=elements)
 
-    @property
+    @functools.cached_property
     def serving_step(self) -> bool:
         """Whether the graph priced is a step of the serving loop: a decode step, or a cached model's
         prefill (a forward whose attention writes a KV cache), which builds its step inputs, takes its
@@ -631,9 +632,7 @@ class CostContext:
         node time, a tiny model's time to first token read 3.4x its price on this CPU."""
         if self.workload.kind is Workload.DECODE:
             return True
-        return self.workload.kind is Workload.FORWARD and any(
-            layer.attention is not None and layer.attention.cache_bytes for layer in self.structure.layers
-        )
+        return self.workload.kind is Workload.FORWARD and self.structure.has_kv_cache
 
     def host_dispatch_time(self, nodes: float, backward: bool | None = None) -> float:
         """Host seconds to issue ``nodes`` fx nodes (with ``backward``, default: training, and their

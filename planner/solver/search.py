@@ -791,7 +791,7 @@ def _cp_unsupported(search: _Search) -> str:
         )
     if not attentions or not s.token_model:
         return "the model has no attention layers over token sequences to split"
-    if any(a.cache_bytes for a in attentions):
+    if s.has_kv_cache:
         return "the model writes its own KV cache, which context parallelism does not split"
     if any(t != w.seq_len for t in s.stream_tokens(w.seq_len)):
         first = next((m for m in s.batch_mixing if "sequence-first" in m), "")
