@@ -857,7 +857,9 @@ def rule_repeat_interleave(ctx: RuleContext, node: fx.Node) -> None:
 
 @register_rule(aten.cat, general=True)
 def rule_cat(ctx: RuleContext, node: fx.Node) -> None:
-    """Concatenation of equal shards along another dim keeps the shard; anything else is replicated."""
+    """Concatenation of equal shards (or broadcasts to their dim) along another dim keeps the shard."""
+    # a replicated operand expanded from size 1 to the shard's dim (`_broadcast_source`) is expanded
+    # to the rank's share instead; anything else runs replicated
     tensors, dim = node.args[0], (node.args[1] if len(node.args) > 1 else 0)
     places = [ctx.place.get(t, R) for t in tensors]
     dim = int(dim) % len(ctx.gshape(node))
@@ -865,8 +867,43 @@ def rule_cat(ctx: RuleContext, node: fx.Node) -> None:
     if all(p == first for p in places) and first.is_shard and first.dim != dim and not first.parts:
         ctx.set_meta(node, first)
         ctx.check(node)
-    else:
+        return
+    heads = [p for t, p in zip(tensors, places) if p.is_plain_shard and p.dim != dim]
+    shard = heads[0] if heads else None
+    broadcast = {t: _broadcast_source(ctx, t, shard) for t, p in zip(tensors, places) if p != shard}
+    if shard is None or any(b is None for b in broadcast.values()):
         ctx.run_replicated(node)
+        return
+    local = {}
+    for t, src in broadcast.items():  # each expanded to the rank's share of the dim
+        sizes = list(ctx.gshape(t))  # its own sizes may already be a sequence shard's (`rule_expand`)
+        sizes[shard.dim] = ctx.gshape(t)[shard.dim] // shard.divisor(ctx.tp)
+        # each rank's gradient covers its share of the dim: summed over the ranks (a sequence shard's
+        # gather reduce-scatters it back; a replicated value's `tp_copy` all-reduces it)
+        entered = ctx.sequence_gathered(src) if ctx.sequence_shard_dim(src) is not None else ctx.copy_in(src)
+        local[t] = ctx.insert(entered, aten.expand.default, (entered, sizes), shard, t)
+        ctx.check(local[t])
+    node.args = ([local.get(t, t) for t in tensors], *node.args[1:])
+    ctx.set_meta(node, shard)
+    ctx.check(node)
+
+
+def _broadcast_source(ctx: RuleContext, t: fx.Node, shard: Placement | None) -> fx.Node | None:
+    """The input of `t` when `t` is an `aten.expand` of a size-1 dim to `shard`'s dim whose input is
+    replicated or a sequence shard (DeepSeek's MLA key: its shared RoPE part, one head, expanded to
+    every head before the concatenation with the heads' own part): expanding that input (gathered, for
+    a sequence shard) to the rank's share of the dim gives `t`'s shard. None for any other operand."""
+    if shard is None or t.op != "call_function" or t.target is not aten.expand.default:
+        return None
+    src = t.args[0]
+    if not isinstance(src, fx.Node) or not (
+        ctx.place.get(src, R) == R or ctx.sequence_shard_dim(src) is not None
+    ):
+        return None
+    lead = len(t.args[1]) - len(ctx.gshape(src))
+    if shard.dim < lead or ctx.gshape(src)[shard.dim - lead] != 1:
+        return None
+    return src
 
 
 @register_rule(

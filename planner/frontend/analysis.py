@@ -212,6 +212,9 @@ class Layer:
     # scale a branch (Qwen2-MoE's `shared_expert_gate`); not an MLP projection, kept replicated (Megatron-
     # Core's shared-expert gate weight is), nodes "stream" in `node_blocks`
     token_gates: list[Projection] = field(default_factory=list)
+    # multi-head latent attention's down projections (`Role.LATENT`, `_latents`): linears whose output
+    # reaches only the attention's q / k / v projections and core; kept whole under TP, nodes "stream"
+    latents: list[Projection] = field(default_factory=list)
     # the layer's mixture-of-experts block (`planner.frontend.moe`): router, routed experts (not in
     # `mlp`; their nodes "experts" in `node_blocks`, replicated under TP), shared experts (`mlp`)
     moe: MoE | None = None
@@ -227,6 +230,12 @@ class Layer:
     # `x.float()` / `.to(torch.float32)` before the statistics): autograd keeps that fp32 copy of the
     # stream, not the 16-bit input. Seen only in a graph captured in a 16-bit dtype.
     norm_upcasts: int = 0
+
+    @property
+    def kept_whole(self) -> list[Projection]:
+        """The layer's projections that no split choice covers, replicated under TP: routers, per-token
+        gates and latent down projections."""
+        return self.routers + self.token_gates + self.latents
 
     @property
     def trainable(self) -> bool:
@@ -1199,7 +1208,8 @@ def _layer(
     experts = {p.node for p in found.expert_projections}
     mlp_projs = [p for p in projs if p not in attention_projs and p not in routers and p.node not in experts]
     gates = _token_gates(mlp_projs, node_of, member_names, projections)
-    mlp_projs = [p for p in mlp_projs if p not in gates]
+    latents = _latents(mlp_projs, attention_projs, node_of, member_names, projections)
+    mlp_projs = [p for p in mlp_projs if p not in gates and p not in latents]
     mlp = _mlp(mlp_projs, members, member_names, projections) if mlp_projs else None
     moe = found.moe
     if moe is not None:
@@ -1218,7 +1228,9 @@ def _layer(
     stream = _stream_input(attention, mlp, members, member_names, external, output, projections)
     weights = {n.target for n in members if n.op == "get_attr" and n.target in params}
     blocks = _node_blocks(members, member_names, projections, attention, mlp, cross)
-    blocks.update({p.node: "stream" for p in routers + gates})  # replicated, priced with the stream's ops
+    blocks.update(
+        {p.node: "stream" for p in routers + gates + latents}
+    )  # replicated, priced with the stream's ops
     # LoRA adapters' GEMMs: priced with their projection's options (`Projection.adapter`)
     blocks.update({n: "adapter" for p in projs if p.adapter is not None for n in p.adapter.nodes})
     if moe is not None:  # replicated under TP; priced apart (`planner.solver.costing.expert_gemm_time_s`)
@@ -1230,6 +1242,7 @@ def _layer(
         mlp=mlp,
         routers=routers,
         token_gates=gates,
+        latents=latents,
         experts_unrecognised=unrecognised,
         moe=moe,
         nodes=[n.name for n in members],
@@ -1819,6 +1832,46 @@ def _token_gates(
     for p in gates:
         p.role = Role.TOKEN_GATE
     return gates
+
+
+def _latents(
+    projs: list[Projection],
+    attention_projs: list[Projection],
+    node_of: dict[str, fx.Node],
+    member_names: set[str],
+    projections: dict[str, Projection],
+) -> list[Projection]:
+    """Multi-head latent attention's down projections among a layer's non-attention projections, their
+    role set to `Role.LATENT`: a linear whose output, followed forward through the layer's other ops
+    (a norm, RoPE, slices, the copies that build each head's key), reaches the attention's query, key or
+    value projections (DeepSeek-V2 / V3's `q_a_proj` -> `q_a_layernorm` -> `q_b_proj`;
+    `kv_a_proj_with_mqa` -> `kv_b_proj`, its shared RoPE key straight into the core) and nothing else:
+    no other projection, no value leaving the layer (the residual stream). Left in the MLP, they were
+    priced as a chain with the MLP's projections and split column-wise, and the latent's norm then ran
+    on gathered tensors. Kept whole, as Megatron-Core and DeepSeek's reference model keep them."""
+    qkv = {p.node for p in attention_projs if p.role is not Role.O}
+    if not qkv:
+        return []
+    latents = []
+    for p in projs:
+        queue, seen, found, leaves = deque([node_of[p.node]]), {p.node}, set(), False
+        while queue and not leaves:
+            for user in queue.popleft().users:
+                if user.name not in member_names:
+                    leaves = True
+                    break
+                if user.name in seen:
+                    continue
+                seen.add(user.name)
+                if user.name in projections:
+                    found.add(user.name)
+                elif op_name(user.target) not in _MATMULS | {"aten.bmm", "aten.scaled_dot_product_attention"}:
+                    queue.append(user)  # a core's matmul or SDPA ends the walk
+        if found and found <= qkv and not leaves:
+            latents.append(p)
+    for p in latents:
+        p.role = Role.LATENT
+    return latents
 
 
 def _mlp(

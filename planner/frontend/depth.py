@@ -178,6 +178,7 @@ def _renumber(layer: Layer, old: str, new: str) -> None:
             block.projections = [rename(p) for p in block.projections]
     layer.routers = [rename(p) for p in layer.routers]
     layer.token_gates = [rename(p) for p in layer.token_gates]
+    layer.latents = [rename(p) for p in layer.latents]
     moe = layer.moe
     if moe is None:
         return

@@ -35,6 +35,11 @@ class Role(str, enum.Enum):
     # a linear to one output per token that scales a branch (Qwen2-MoE's `shared_expert_gate`, a sigmoid
     # of it times the shared expert's output; Megatron-Core's `moe_shared_expert_gate`): kept whole
     TOKEN_GATE = "token_gate"
+    # a low-rank down projection whose output feeds only the attention's query / key / value
+    # projections and core (multi-head latent attention's `q_a_proj`, `kv_a_proj_with_mqa`: DeepSeek-V2
+    # and V3): kept whole under TP, as Megatron-Core's MLA (`linear_q_down_proj`, `linear_kv_down_proj`
+    # not split) and DeepSeek's reference model (`wq_a`, `wkv_a`, plain `Linear`) keep it
+    LATENT = "latent"
     # the routed experts' weights (`planner.frontend.moe.ExpertWeight`), each expert a SwiGLU or
     # 2-matmul MLP: the same three roles as a dense MLP's, for every one of the E experts
     EXPERT_GATE = "expert_gate"

@@ -370,7 +370,7 @@ def _model_flops(tables: CostTables) -> float:
         projections = [
             p for block in (layer.attention, layer.mlp) if block is not None for p in block.projections
         ]
-        projections += layer.routers + layer.token_gates
+        projections += layer.kept_whole
         flops += sum(
             compute.linear_flops(tokens, p.in_features, p.out_features) * factor(backward, p.weight)
             for p in projections

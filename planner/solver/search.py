@@ -1693,7 +1693,7 @@ def projection_roles(structure: ModelStructure) -> dict[str, str]:
     """Weight FQN -> `Role` value of every projection of the model (`Plan.roles`), routers and
     mixture-of-experts expert weights included ("expert_gate_up", ...)."""
     projections = [p for layer in structure.layers for p in layer_projection_ops(layer).values()]
-    projections += [p for layer in structure.layers for p in layer.routers + layer.token_gates]
+    projections += [p for layer in structure.layers for p in layer.kept_whole]
     projections += list(structure.mlp_chain)
     if structure.lm_head is not None:
         projections.append(structure.lm_head)
