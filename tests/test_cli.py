@@ -228,13 +228,17 @@ def test_multi_query_key_value_projection_under_sequence_parallelism_splits_the_
 def test_scale_to_local_leaves_out_pins_this_machine_cannot_hold(tmp_path):
     """`--cluster dgx-h100 --tp 8 --run --scale-to-local` on 2 CPU ranks: the re-plan for this machine
     kept --tp 8 and failed (exit 3, "no mesh shape fits 2 devices with tp=8"), though the option exists
-    to run a GPU plan here. The pins are left out of the local re-plan, with a warning saying so."""
+    to run a GPU plan here. The pins are left out of the local re-plan, with a warning saying so. With
+    --nproc 2 (the local ranks, as docs/optimize-and-run.md gives it) the GPU cluster was cut to 2
+    devices before planning and --tp 8 refused (exit 2): the GPU plan is made on its 8 devices."""
     report = tmp_path / "r.json"
     r = planner(
         "optimize", str(ROOT / "examples" / "llama3.py"), "--cluster", "dgx-h100", "--tp", "8", "--run",
-        "--scale-to-local", "--iters", "1", "--warmup", "0", "--min-time", "0", "--json", str(report),
+        "--scale-to-local", "--nproc", "2", "--iters", "1", "--warmup", "0", "--min-time", "0",
+        "--json", str(report),
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "Mesh: TP=8" in r.stdout, r.stdout
     assert "--tp 8 left out of the re-plan for this machine" in " ".join(r.stderr.split())
     assert json.loads(report.read_text())["plan"]["tp"] <= 2
 

@@ -707,9 +707,14 @@ def cmd_optimize(args: argparse.Namespace) -> int:
 
         def cluster_spec():
             bars("loading the cluster spec", None)
+            planned_nproc = nproc
+            if args.cluster and args.run and args.scale_to_local and nproc:
+                # --nproc counts the local ranks of the re-plan (`_run`), not the GPU cluster's devices
+                if workflow.resolve_cluster(args.cluster, None).backend == "nccl":
+                    planned_nproc = None
             return workflow.resolve_cluster(
                 args.cluster,
-                nproc,
+                planned_nproc,
                 progress=lambda step, frac: bars(f"calibrating: {step}", frac),
                 recalibrate=args.recalibrate,
                 notify=bars.note,
@@ -1019,8 +1024,8 @@ def _check_runs_here(args: argparse.Namespace, cluster) -> None:
     raise InputError(
         f"--run executes the plan on this machine, but --cluster {args.cluster} describes another one "
         f"({cluster.name}: {cluster.device.name} GPUs over nccl; the run asks for {want}) and this machine has {here}. "
-        f"To plan for this machine and run: --cluster local-cpu --nproc N; to re-plan for local-cpu "
-        f"automatically: add --scale-to-local; to run this plan on {cluster.name}: save it with --out and "
+        f"To plan for this machine and run: --cluster local-cpu --nproc N; to re-plan for this machine (its "
+        f"measured spec) automatically: add --scale-to-local; to run this plan on {cluster.name}: save it with --out and "
         "start planner run there under torchrun (docs/real-cluster.md)"
     )
 
