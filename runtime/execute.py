@@ -74,6 +74,7 @@ from runtime.run_mode import (
     dropout_note,
     expert_load_notes_of,
     lowering_notes,
+    random_draws_note,
     seed_dropout_rng,
     set_run_mode,
 )
@@ -174,8 +175,10 @@ def _run_sharded_rank(
             step = _training_step(gm, parts, setup, reference, want, report, units, (routers, replay))
         else:
             parts = [flat_inputs(*call) for call in micro] if micro else [inputs]
-            with torch.no_grad(), routing_by_token([gm], routers, replay):
+            # the model's own random draws at their expectation, as the reference computed them
+            with torch.no_grad(), routing_by_token([gm], routers, replay), dropout_disabled(gm):
                 kept = [all_outputs(gm(*part)) for part in parts]
+            report.notes += [note for note in [random_draws_note(gm)] if note]
             outs = _joined(kept, want, setup.plan.dp * m) if micro else kept[0]
             if outs is None:
                 raise RunError(

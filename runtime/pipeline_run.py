@@ -67,7 +67,7 @@ from runtime.reference import (
     update_snapshot,
 )
 from runtime.routing import routers_of, routing_by_token
-from runtime.run_mode import dropout_note, lowering_notes, seed_dropout_rng, set_run_mode
+from runtime.run_mode import dropout_note, lowering_notes, random_draws_note, seed_dropout_rng, set_run_mode
 
 
 def _loss_fn(layout: LossLayout, scaler: loss_scaling.LossScaler | None = None):
@@ -263,9 +263,13 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
                 scaler.update()
 
     else:
-        with routing_by_token(chunks, routers_of(structure), replay):
+        with contextlib.ExitStack() as off:  # the model's own random draws at their expectation, as
+            for chunk in chunks:  # the reference computed them
+                off.enter_context(dropout_disabled(chunk))
+            off.enter_context(routing_by_token(chunks, routers_of(structure), replay))
             out = runner.forward(stage_inputs)
         record_routing(report, replay)
+        report.notes += [note for chunk in chunks if (note := random_draws_note(chunk))]
         if last:  # every output against this replica's part of the whole-batch reference
             compare_outputs(all_outputs(out), want, reference, setup, report)
             if job.return_output:

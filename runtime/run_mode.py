@@ -83,6 +83,20 @@ def dropout_note(gm: fx.GraphModule) -> str:
     )
 
 
+def random_draws_note(gm: fx.GraphModule) -> str:
+    """What a forward (eval-mode) run says about the model's own random draws (`random_nodes`: noise,
+    router jitter): they run in the timed steps and at their expectation in the numerics check, as the
+    reference computes them ("" when the graph draws none)."""
+    drawn = random_nodes(gm)
+    if not drawn:
+        return ""
+    labels = ", ".join(dict.fromkeys(_draw_label(n) for n in drawn))
+    return (
+        f"the forward draws random numbers ({len(drawn)} op(s): {labels}): they run in the timed steps and "
+        "at their expectation in the numerics check, where the unsharded model computes them so too"
+    )
+
+
 def _draw_label(node: fx.Node) -> str:
     """ "aten.uniform_ at model.py:12" for a random draw of the model."""
     name = getattr(

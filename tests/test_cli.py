@@ -243,6 +243,25 @@ def test_scale_to_local_leaves_out_pins_this_machine_cannot_hold(tmp_path):
     assert json.loads(report.read_text())["plan"]["tp"] <= 2
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_forward_that_draws_noise_is_checked_at_the_draws_expectation(tmp_path, pp):
+    """tests/models/forward_noise.py adds `torch.randn_like(x)` in its forward: the reference ran the draw
+    at its expectation, the ranks drew it, and a forward run failed its check ("the sharded run does not
+    compute what the unsharded model computes", exit 4), blaming the rewrite for the model's own noise.
+    The ranks' checked forward runs it at its expectation too, and the report names the draw."""
+    report = tmp_path / "r.json"
+    pins = ["--tp", "2", "--layout", "megatron"] if pp == 1 else ["--pp", "2"]
+    r = planner(
+        "optimize", str(ROOT / "tests" / "models" / "forward_noise.py"), "--cluster", "local-cpu",
+        "--nproc", "2", *pins, "--run", "--iters", "1", "--warmup", "0", "--min-time", "0",
+        "--json", str(report),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    notes = " ".join(json.loads(report.read_text())["measured"]["notes"])
+    assert "aten.randn_like at forward_noise.py:15" in notes, notes
+
+
 def _write(tmp_path: Path, name: str, text: str) -> str:
     path = tmp_path / name
     path.write_text(text)
