@@ -744,10 +744,13 @@ def _pieces_along_shard(ctx: RuleContext, node: fx.Node, p: Placement, sizes: li
     cuts its local tensor into part / tp pieces. Raises TensorParallelError otherwise.
     """
     if not p.parts:
+        held = ctx.gshape(node.args[0])[p.dim] // p.divisor(ctx.tp)
         raise ctx.fail(
             node,
             f"cuts along the sharded dim {p.dim} into {sizes}, but that dim is not a fused projection's "
-            "parts; split the weight along its parts (a fused projection) or leave it replicated",
+            f"parts (each rank holds {held} of its {sum(sizes)}, not whole pieces of the cut): write the ops "
+            "on the pieces as one op over the whole dim (a per-head norm over a (..., heads, head_dim) view), "
+            "or keep the weights whole (--layout auto does so, priced)",
         )
     if list(p.parts) != sizes or any(s % ctx.tp for s in sizes):
         raise ctx.fail(

@@ -262,6 +262,28 @@ def test_a_forward_that_draws_noise_is_checked_at_the_draws_expectation(tmp_path
     assert "aten.randn_like at forward_noise.py:15" in notes, notes
 
 
+def test_a_layout_the_pass_cannot_split_says_so_and_what_runs_instead():
+    """StableLM-2's per-head q/k LayerNorm takes the heads apart one by one (`torch.split(x, 1, dim=1)`):
+    the TP pass cannot carry a head split through it. `--layout megatron` was refused with "split the
+    weight along its parts (a fused projection)" and "Re-plan with a different --tp" (neither applies:
+    every TP cuts a one-head piece); the default plan's note pointed to --layout megatron as running
+    anyway, and its baseline line gave the layout a speed. Now the refusal says what would run, the
+    note and the baseline line say the hand-written layout would not run."""
+    model = str(ROOT / "tests" / "models" / "hf_stablelm_qk_norm.py")
+    r = planner("optimize", model, "--cluster", str(ROOT / "tests" / "models" / "fastlink.yaml"),
+                "--nproc", "2", "--tp", "2", "--layout", "megatron")  # fmt: skip
+    said = " ".join(r.stderr.split())
+    assert r.returncode == 3, said
+    assert "aten.split at modeling_stablelm.py" in said and "each rank holds 2 of its 4" in said, said
+    assert "without it the planner keeps the weights the pass cannot split whole" in said, said
+    r = planner("optimize", model, "--cluster", "local-cpu", "--nproc", "2", "--tp", "2")
+    out = " ".join(r.stdout.split())
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Megatron-LM split layout at TP=2 would not run" in out, out
+    assert "runs the hand-written Megatron-LM split layout at TP=2 anyway" not in out, out
+    assert "- it would not run: the plan cannot be run as priced: aten.split" in out, out
+
+
 def _write(tmp_path: Path, name: str, text: str) -> str:
     path = tmp_path / name
     path.write_text(text)

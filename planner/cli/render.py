@@ -251,7 +251,12 @@ def render_plan(console: Console, plan: Plan) -> None:
         )
         # the decision's memory part (`explain.memory_fit_text`), wherever notes follow it
         unfit = next(
-            (part for part in (d.reason.split("; ") if d else []) if part.startswith("does not fit")), ""
+            (
+                part
+                for part in (d.reason.split("; ") if d else [])
+                if part.startswith(("does not fit", "it would not run"))
+            ),
+            "",
         )
         console.print(
             f"{name} ({escape(layout)}): {fmt_s(b.latency_s)}, {fmt_bytes(b.peak_memory_bytes)}/rank"
@@ -284,10 +289,14 @@ def render_plan(console: Console, plan: Plan) -> None:
             if splittable
             else f"no weight of this model divides by tp={plan.tp} (its widths or heads)"
         )
+        baseline = next((d for d in plan.decisions if d.subject == "megatron-baseline"), None)
+        unrunnable = baseline is not None and "it would not run" in baseline.reason
         run_split = (
             f"; --layout megatron plans, prices and runs the hand-written Megatron-LM split layout at TP={plan.tp} "
             "anyway"
-            if splittable
+            if splittable and not unrunnable
+            else f"; the hand-written Megatron-LM split layout at TP={plan.tp} would not run (see --why)"
+            if unrunnable
             else ""
         )
         console.print(

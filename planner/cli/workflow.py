@@ -1069,7 +1069,12 @@ def _lower_keeping_whole(
             return check_lowering(prepared, plan, cluster), prepared
         except InfeasibleError as e:
             refused = e.__cause__
-            if constraints.layout == "megatron" or not isinstance(refused, TensorParallelError):
+            if constraints.layout == "megatron" and isinstance(refused, TensorParallelError):
+                raise InfeasibleError(
+                    f"{e}; --layout megatron splits every layer as Megatron-LM does: without it the planner keeps "
+                    "the weights the pass cannot split whole and plans around them"
+                ) from refused
+            if not isinstance(refused, TensorParallelError):
                 raise
             structure = _whole_weights(prepared.structure, refused, plan)
             if structure is None:
