@@ -284,6 +284,18 @@ def test_a_layout_the_pass_cannot_split_says_so_and_what_runs_instead():
     assert "- it would not run: the plan cannot be run as priced: aten.split" in out, out
 
 
+def test_a_tp_plan_that_splits_only_the_experts_says_the_rest_stays_replicated():
+    """Llama 4 at a pinned --tp 2 on local-cpu: the experts go over the TP ranks (EP over tp) and every
+    other weight stays replicated. The note saying so and why was printed only when no weight at all
+    was split, so a user who pinned TP saw the attention replicated with no word of it."""
+    r = planner("optimize", str(ROOT / "tests" / "models" / "hf_llama4.py"), "--cluster", "local-cpu",
+                "--nproc", "2", "--tp", "2")  # fmt: skip
+    out = " ".join(r.stdout.split())
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "experts ep 2 over tp" in out and "replicate: q k v core o" in out, out
+    assert "note: TP=2, but every weight but the experts' stays replicated on local-cpu" in out, out
+
+
 def _write(tmp_path: Path, name: str, text: str) -> str:
     path = tmp_path / name
     path.write_text(text)

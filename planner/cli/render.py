@@ -273,11 +273,7 @@ def render_plan(console: Console, plan: Plan) -> None:
         )
     # the TP ranks split the experts (between them, or each expert's width)
     experts_over_tp = plan.ep > 1 and plan.ep_fold == "tp" or plan.expert_tp > 1
-    if (
-        plan.tp > 1
-        and not experts_over_tp
-        and all(s.style is SplitStyle.REPLICATE for s in plan.splits.values())
-    ):
+    if plan.tp > 1 and all(s.style is SplitStyle.REPLICATE for s in plan.splits.values()):
         # a decision between replicating and splitting, with a split that was possible (finite)
         splittable = any(
             "replicate" in d.options
@@ -299,8 +295,9 @@ def render_plan(console: Console, plan: Plan) -> None:
             if unrunnable
             else ""
         )
+        what = "every weight but the experts'" if experts_over_tp else "every weight"
         console.print(
-            f"[yellow]note: TP={plan.tp}, but every weight stays replicated on {plan.cluster}: {why} "
+            f"[yellow]note: TP={plan.tp}, but {what} stays replicated on {plan.cluster}: {why} "
             f"(see --why){run_split}[/yellow]"
         )
     if plan.workload is Workload.DECODE and plan.serving is None:
