@@ -1565,6 +1565,25 @@ def test_compare_shows_each_reports_dtype_and_says_when_they_differ(tmp_path, ll
     assert "the reports' dtypes differ (fp32, bf16)" in " ".join(out.split())
 
 
+def test_compare_marks_a_failed_run_and_reports_priced_on_other_clusters(tmp_path, llama_plan, capsys):
+    """A report of a run that failed its check (`"failed"`, exit 4) showed its measured step like any
+    other and could be the fastest measured; two reports priced on different clusters compared their
+    predicted steps without a word. The failed run's measurements are left out and named; the clusters
+    are said to differ."""
+    a, b = tmp_path / "failed.json", tmp_path / "ok.json"
+    failed = _report(llama_plan, 0.004, measured_s=0.001)
+    failed["failed"] = "the sharded run does not compute what the unsharded model computes on the same batch"
+    a.write_text(json.dumps(failed))
+    b.write_text(json.dumps({**_report(llama_plan, 0.004, measured_s=0.005), "cluster": "dgx-h100"}))
+    assert main(["compare", str(a), str(b)]) == 0
+    printed = capsys.readouterr().out
+    assert _compare_rows(printed)["measured step"] == ["run failed", "5.000 ms"]
+    out = " ".join(printed.split())
+    assert f"note: {a}'s run failed (the sharded run does not compute" in out, out
+    assert "fastest measured" not in out, out  # one run measured: the failed one was "fastest"
+    assert "priced on different clusters" in out, out
+
+
 def test_vllm_export_of_a_plan_priced_with_a_per_head_decode_kernel_says_vllm_splits_the_cache(llama_plan):
     """A serving plan made on dgx-a100 (decode attention of one block per sequence and head) exported to
     vLLM says vLLM's backends split the cache, so its steps are shorter than priced; a dgx-h100 plan

@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from textwrap import shorten
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from planner.cli.render import fmt_bytes, fmt_s, mesh_text
@@ -136,7 +138,8 @@ def _dp_style_text(plan: dict[str, Any]) -> str:
 def comparison_rows(report: dict[str, Any]) -> dict[str, str]:
     """Row label -> cell text for one report (the column of the comparison table)."""
     plan, p = report["plan"], report["predicted"]
-    m = report.get("measured") or {}
+    # a run that failed (its check, a rank: `"failed"`, exit 4) measured nothing to compare
+    m = {} if report.get("failed") else report.get("measured") or {}
     mesh = mesh_text(plan.get("tp", "?"), plan.get("cp", 1), plan.get("pp", "?"), plan.get("dp", "?"))
     ep, expert_tp = int(plan.get("ep") or 1), int(plan.get("expert_tp") or 1)
     if ep > 1 or expert_tp > 1:
@@ -154,7 +157,7 @@ def comparison_rows(report: dict[str, Any]) -> dict[str, str]:
         _recompute_cell(plan.get("recompute") or {}) or ("no recompute" if training else ""),
     ]
     above = (m.get("peak_memory_bytes") or 0) - (m.get("startup_memory_bytes") or 0)
-    measured_tps = _measured_tokens_per_s(report)
+    measured_tps = _measured_tokens_per_s({**report, "measured": m})
     predicted_tps = _predicted_tokens_per_s(report)
     ratio = m["latency_s"] / p["latency_s"] if m.get("latency_s") and p.get("latency_s") else None
     speedup = (report.get("baseline") or {}).get("speedup")
@@ -169,13 +172,13 @@ def comparison_rows(report: dict[str, Any]) -> dict[str, str]:
         "training layout": "; ".join(e for e in extras if e) or "-",
         "ladder layers": str(len(plan.get("ladder_layers") or [])),
         "predicted step": fmt_s(p.get("latency_s")),
-        "measured step": fmt_s(m.get("latency_s")),
+        "measured step": "run failed" if report.get("failed") else fmt_s(m.get("latency_s")),
         "measured / predicted": f"{ratio:.2f}" if ratio else "-",
         "predicted memory / rank": fmt_bytes(p.get("peak_memory_bytes")),
         "measured memory / rank": fmt_bytes(above) if m.get("peak_memory_bytes") else "-",
         "predicted tokens/s": f"{predicted_tps:,.0f}" if predicted_tps else "-",
         "measured tokens/s": f"{measured_tps:,.0f}" if measured_tps else "-",
-        "request tokens/s, predicted / measured": _request_cell(report),
+        "request tokens/s, predicted / measured": _request_cell({**report, "measured": m}),
         "vs Megatron baseline": f"{speedup:.2f}×" if speedup else "-",
     }
 
@@ -214,6 +217,20 @@ def render_comparison(console: Console, paths: list[str]) -> None:
     for label in columns[0]:
         table.add_row(label, *(c[label] for c in columns))
     console.print(table)
+    for report, path in zip(reports, paths):
+        if report.get("failed"):
+            console.print(
+                f"[yellow]note: {path}'s run failed ({escape(shorten(str(report['failed']), 160))}): its measurements "
+                "are not compared[/yellow]"
+            )
+    reports_measured = [{**r, "measured": None} if r.get("failed") else r for r in reports]
+    clusters = [str(r.get("cluster", "-")) for r in reports]
+    if len(set(clusters)) > 1:
+        console.print(
+            f"[yellow]note: the reports are priced on different clusters ({', '.join(dict.fromkeys(clusters))}): "
+            "their predicted steps compare the clusters' prices as well as the plans[/yellow]"
+        )
+    reports = reports_measured
     if len({(r.get("model"), r.get("workload")) for r in reports}) > 1:
         console.print(
             "[yellow]note: the reports plan different models or workloads; their steps are not the same work[/yellow]"
