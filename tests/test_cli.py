@@ -296,6 +296,16 @@ def test_a_tp_plan_that_splits_only_the_experts_says_the_rest_stays_replicated()
     assert "note: TP=2, but every weight but the experts' stays replicated on local-cpu" in out, out
 
 
+def test_sequence_parallel_pinned_on_a_replicated_plan_points_to_the_megatron_layout():
+    """`--tp 2 --sequence-parallel on` on local-cpu: the best TP=2 plan keeps every weight whole, so the
+    pin is refused; the refusal named auto and off only, not --layout megatron, which runs it."""
+    r = planner("optimize", str(ROOT / "examples" / "llama3.py"), "--cluster", "local-cpu", "--workload",
+                "train", "--nproc", "2", "--tp", "2", "--sequence-parallel", "on")  # fmt: skip
+    said = " ".join(r.stderr.split())
+    assert r.returncode == 2 and "splits no projection row-wise" in said, said
+    assert "or --layout megatron to split every layer as Megatron-LM does at TP=2" in said, said
+
+
 def _write(tmp_path: Path, name: str, text: str) -> str:
     path = tmp_path / name
     path.write_text(text)

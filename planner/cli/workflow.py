@@ -1015,6 +1015,11 @@ def _make_plan(
             f"--sequence-parallel on: the best plan on {cluster.name} (TP={plan.tp}) splits no projection row-wise "
             "(its weights are replicated or column-parallel), so there is no row-parallel block whose all-reduce "
             "sequence parallelism would split, and it would not run. Use --sequence-parallel auto or off"
+            + (
+                f", or --layout megatron to split every layer as Megatron-LM does at TP={plan.tp} (priced)"
+                if plan.tp > 1 and constraints.layout != "megatron"
+                else ""
+            )
         )
     request = prepared.request
     progress("lowering the plan on meta tensors for every rank", None)
