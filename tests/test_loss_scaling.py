@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from costmodels.cluster import load_cluster
+from planner.cli.render import training_rows
 from planner.errors import InputError
 from planner.frontend.modelfile import load_model_file
 from planner.plan import DYNAMIC_INIT_SCALE, MeshShape, Plan
@@ -185,6 +186,10 @@ def test_fp16_training_plans_dynamic_loss_scaling_and_prices_it(tmp_path) -> Non
     bf16 plans none and says the flag had no effect."""
     plan, text = _planned(tmp_path, "--dtype", "fp16")
     assert plan.loss_scale == "dynamic" and "dynamic (from 2^16)" in text
+    # the hand-written Megatron plan is priced with the same loss scaling (Megatron-LM's --fp16 scales
+    # dynamically by default): its column said "-"; torchtitan has none
+    rows = {what: cells for what, *cells in training_rows(plan)}
+    assert rows["loss scaling"] == ["dynamic (from 2^16)", "dynamic (from 2^16)", "none in torchtitan"], rows
     # the exports: Megatron-LM's loss-scaling flags; torchtitan (no fp16, no loss scaling) says so
     megatron = planner(
         "export", str(tmp_path / "plan.yaml"), "--to", "megatron", "--out", str(tmp_path / "m.sh")

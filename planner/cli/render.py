@@ -748,7 +748,11 @@ def training_rows(plan: Plan) -> list[tuple[str, str, str, str]]:
     layout, TFLOP/s per device, bubble and memory per rank ("-" where a baseline is unknown)."""
     rows = _training_rows(plan)
     titan = _training_rows(_as_baseline(plan, plan.torchtitan_baseline, plan.torchtitan_layout))
-    return [(*row, other[2]) for row, other in zip(rows, titan)]
+    # torchtitan trains in bf16 or fp32 only: it has no loss scaling (`planner export --to torchtitan` says so)
+    return [
+        (*row, "none in torchtitan" if row[0] == "loss scaling" and other[2] != "-" else other[2])
+        for row, other in zip(rows, titan)
+    ]
 
 
 def _as_baseline(plan: Plan, prediction, layout: dict[str, str]) -> Plan:
@@ -791,7 +795,8 @@ def _training_rows(plan: Plan) -> list[tuple[str, str, str]]:
         ("micro-batches × size", f"{plan.micro_batches} × {plan.micro_batch_size:g}",
          f"{bl['micro_batches']} × {bl['micro_batch_size']}" if bl else "-"),
         ("recompute", plan.recompute_text(), bl.get("recompute", "-") if bl else "-"),
-        *([("loss scaling", loss_scale_text(plan.loss_scale), "-")]
+        # the baseline is priced with the plan's loss scaling (Megatron-LM's --fp16 scales dynamically too)
+        *([("loss scaling", loss_scale_text(plan.loss_scale), loss_scale_text(plan.loss_scale) if b else "-")]
           if plan.workload == "train" and plan.dtype == "fp16" else []),
         ("sequence parallel", on[plan.sequence_parallel], on.get(bl.get("sequence_parallel"), "-") if bl else "-"),
         ("data parallel", (plan.dp_style_text() + (f" over dp × cp = {plan.mesh.dp_cp}" if plan.cp > 1 else "")
