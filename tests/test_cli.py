@@ -263,18 +263,20 @@ def test_a_forward_that_draws_noise_is_checked_at_the_draws_expectation(tmp_path
 
 
 def test_a_layout_the_pass_cannot_split_says_so_and_what_runs_instead():
-    """StableLM-2's per-head q/k LayerNorm takes the heads apart one by one (`torch.split(x, 1, dim=1)`):
-    the TP pass cannot carry a head split through it. `--layout megatron` was refused with "split the
-    weight along its parts (a fused projection)" and "Re-plan with a different --tp" (neither applies:
-    every TP cuts a one-head piece); the default plan's note pointed to --layout megatron as running
-    anyway, and its baseline line gave the layout a speed. Now the refusal says what would run, the
-    note and the baseline line say the hand-written layout would not run."""
-    model = str(ROOT / "tests" / "models" / "hf_stablelm_qk_norm.py")
+    """tests/models/per_head_linear.py takes its heads apart one by one (`torch.split(x, 1, dim=1)`),
+    each through a linear of its own: the TP pass cannot carry a head split through it. `--layout
+    megatron` was refused with "split the weight along its parts (a fused projection)" and "Re-plan
+    with a different --tp" (neither applies: every TP cuts a one-head piece); the default plan's note
+    pointed to --layout megatron as running anyway, and its baseline line gave the layout a speed
+    (StableLM-2's per-head LayerNorm showed it; it now splits, tests/corpus/hf_stablelm2.py). Now the
+    refusal says what would run, the note and the baseline line say the hand-written layout would not
+    run."""
+    model = str(ROOT / "tests" / "models" / "per_head_linear.py")
     r = planner("optimize", model, "--cluster", str(ROOT / "tests" / "models" / "fastlink.yaml"),
                 "--nproc", "2", "--tp", "2", "--layout", "megatron")  # fmt: skip
     said = " ".join(r.stderr.split())
     assert r.returncode == 3, said
-    assert "aten.split at modeling_stablelm.py" in said and "each rank holds 2 of its 4" in said, said
+    assert "aten.split at per_head_linear.py" in said and "each rank holds 2 of its 4" in said, said
     assert "without it the planner keeps the weights the pass cannot split whole" in said, said
     r = planner("optimize", model, "--cluster", "local-cpu", "--nproc", "2", "--tp", "2")
     out = " ".join(r.stdout.split())
@@ -282,6 +284,25 @@ def test_a_layout_the_pass_cannot_split_says_so_and_what_runs_instead():
     assert "Megatron-LM split layout at TP=2 would not run" in out, out
     assert "runs the hand-written Megatron-LM split layout at TP=2 anyway" not in out, out
     assert "- it would not run: the plan cannot be run as priced: aten.split" in out, out
+
+
+def test_per_head_norms_written_head_by_head_train_split_by_heads(tmp_path):
+    """tests/models/per_head_rmsnorm.py gives each head of q and k an `nn.RMSNorm` of its own, taken
+    apart by `torch.split(x, 1, dim=1)` (StableLM-2's pattern, with LayerNorm): merged into one norm over
+    the heads with the heads' stacked weights, the attention splits by heads, and its training step at
+    TP 2 with sequence parallelism matches the unsharded model's outputs and gradients (every head's
+    own norm weight included)."""
+    report = tmp_path / "r.json"
+    r = planner(
+        "optimize", str(ROOT / "tests" / "models" / "per_head_rmsnorm.py"), "--cluster",
+        str(ROOT / "tests" / "models" / "fastlink.yaml"), "--nproc", "2", "--tp", "2", "--workload", "train",
+        "--sequence-parallel", "on", "--run", "--iters", "1", "--warmup", "0", "--min-time", "0",
+        "--json", str(report),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = " ".join(r.stdout.split())
+    assert "head: core" in out and "unplanned all-gather" not in out, out
+    _assert_trained_alike(json.loads(report.read_text()))
 
 
 def test_a_tp_plan_that_splits_only_the_experts_says_the_rest_stays_replicated():

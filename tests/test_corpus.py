@@ -53,7 +53,11 @@ FORWARD = [n for n in NAMES if not _served(n)]
 # model files (tests/models/) run in the corpus launch at tp=2, with the ops the TP pass gathers their
 # attention at (a fallback priced and named; none: the split carried through): either way the run
 # computes what the unsharded model computes
-GATHERED = {"fused_qkv_three_heads": {"aten.reshape"}, "fused_qkv_permute_select": set()}
+GATHERED = {
+    "fused_qkv_three_heads": {"aten.reshape"},
+    "fused_qkv_permute_select": set(),
+    "per_head_rmsnorm": set(),
+}
 
 
 def _path(name: str) -> str:

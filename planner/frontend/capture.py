@@ -66,6 +66,7 @@ from planner.errors import InputError
 from planner.frontend import capture_cache
 from planner.frontend.fresh_writes import functionalize_fresh_writes
 from planner.frontend.modelfile import defined_at
+from planner.frontend.per_head_norms import merge_per_head_norms
 
 _ASSERT_TARGETS = {
     "aten._assert_tensor_metadata",
@@ -420,6 +421,7 @@ def _normalise(gm: fx.GraphModule, out_spec: pytree.TreeSpec, module_names: set[
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
     functionalize_fresh_writes(graph)
+    merge_per_head_norms(graph)  # StableLM-2's per-head q/k LayerNorms: one norm over the heads
     for node in graph.nodes:
         _as_linear(node)
         if node.op == "call_function" and node.target is torch.ops.aten.numpy_T.default:

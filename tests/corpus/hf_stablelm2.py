@@ -1,7 +1,12 @@
-"""Test model: a tiny Hugging Face StableLM (`StableLmForCausalLM` from a config, random weights) as
-StableLM-2-12B is configured: `qk_layernorm=True` (each head's queries and keys through a LayerNorm of
-its own: the heads taken apart by `torch.split(x, 1, dim=1)`, normed one by one, concatenated again)
-and `use_parallel_residual=True`; 4 heads, 2 KV heads, partial rotary 0.25. 2 layers, hidden 64."""
+"""Corpus: Hugging Face StableLM (`StableLmForCausalLM`), built from a StableLmConfig (random weights, no
+download), configured as StableLM-2-12B is.
+
+Imitates: StableLM-2-12B. Constructs: `qk_layernorm=True` (each head's queries and keys through a
+LayerNorm of its own, `StableLmLayerNormPerHead`: the heads taken apart by `torch.split(x, 1, dim=1)`,
+normed one by one, concatenated again), `use_parallel_residual=True` (attention and MLP read the
+same normed input), grouped-query attention (4 heads, 2 KV heads), partial rotary 0.25, LayerNorm,
+SwiGLU MLP, untied LM head, SDPA attention. 2 layers, hidden 64, MLP 128, vocab 256.
+"""
 
 import torch
 from transformers import StableLmConfig, StableLmForCausalLM
