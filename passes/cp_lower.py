@@ -526,9 +526,15 @@ def _not_causal(gm: fx.GraphModule, mask: fx.Node, q_len: int, k_len: int) -> st
     if bool(allowed.all()):
         return ALLOWS_ALL
     causal = torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
-    if not bool((allowed == causal).all()):
-        return "is not the causal mask"
-    return ""
+    if bool((allowed == causal).all()):
+        return ""
+    window = int(allowed.reshape(-1, q_len, k_len).sum(-1).max())
+    if 0 < window < k_len and bool((allowed == (causal & ~causal.tril(k_len - q_len - window))).all()):
+        return (
+            f"is a sliding-window causal mask (each query sees its last {window} keys: Mistral's, or the local "
+            "layers of Gemma 2 and 3), not the whole causal mask the context-parallel kernels compute"
+        )
+    return "is not the causal mask"
 
 
 def _gather_outputs(node: fx.Node, ctx: _Ctx, load_balance: bool, training: bool, shard_output: bool) -> int:
