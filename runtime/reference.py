@@ -214,6 +214,17 @@ def _check_capture_gradients(
     if not eager:
         return
     names = {id(p): name for name, p in reversed(list(model.named_parameters()))}
+    unfinite = [names.get(key, "?") for key, g in eager.items() if not bool(torch.isfinite(g).all())]
+    if unfinite:  # the model's own gradients: nothing a capture could match (max_abs skips NaN)
+        raise InputError(
+            f"the unsharded {type(model).__name__}'s own gradients are not finite (NaN or inf) with the weights it "
+            f"is run with: {', '.join(repr(n) for n in unfinite[:4])}"
+            + (f" and {len(unfinite) - 4} more" if len(unfinite) > 4 else "")
+            + ". "
+            "A parameter left uninitialised (made with torch.empty and not filled by build_model) holds "
+            "arbitrary values; initialise every parameter in build_model, pass trained weights (--weights), "
+            "or plan with --workload forward"
+        )
     scale = max(max_abs(g) for g in eager.values())
 
     def diff(key: int) -> float:

@@ -327,6 +327,34 @@ def test_sequence_parallel_pinned_on_a_replicated_plan_points_to_the_megatron_la
     assert "or --layout megatron to split every layer as Megatron-LM does at TP=2" in said, said
 
 
+NAN_GRADIENT = """
+import torch
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.w = torch.nn.Parameter(torch.zeros(8))  # sqrt at 0: a finite output, a NaN gradient
+    def forward(self, x):
+        return self.lin(x) + 0.0 * torch.sqrt(self.w)
+def build_model():
+    return M()
+def example_inputs(batch_size=2, seq_len=4):
+    return (torch.randn(batch_size, seq_len, 8),)
+"""
+
+
+def test_a_model_whose_own_gradients_are_not_finite_is_told_so(tmp_path):
+    """A model whose eager gradients are NaN (here sqrt at 0; in practice parameters left as torch.empty
+    garbage) was told its captured graph "gives other gradients than the model" and to rewrite a
+    custom autograd.Function it does not have. The check says the model's own gradients are not finite."""
+    path = _write(tmp_path, "nan_grad.py", NAN_GRADIENT)
+    r = planner("optimize", path, "--cluster", "local-cpu", "--nproc", "1", "--workload", "train", "--run")
+    said = " ".join(r.stderr.split())
+    assert r.returncode == 2, said
+    assert "own gradients are not finite (NaN or inf)" in said and "'w'" in said, said
+    assert "autograd.Function" not in said, said
+
+
 def _write(tmp_path: Path, name: str, text: str) -> str:
     path = tmp_path / name
     path.write_text(text)
