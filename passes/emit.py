@@ -382,6 +382,7 @@ def write_readme(out_dir: str | os.PathLike[str], info: dict) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tp, pp, dp = (int(info.get(k, 1)) for k in ("tp", "pp", "dp"))
+    cp = int(info.get("cp", 1) or 1)
     world = int(info.get("world_size", tp * pp * dp))
     backend = info.get("backend", "gloo")
     folder = str(info.get("folder", out_dir.resolve()))
@@ -403,7 +404,7 @@ def write_readme(out_dir: str | os.PathLike[str], info: dict) -> Path:
     )
     batch = info.get("batch_size")
     dp_text = (
-        f"With dp={dp}, DP replica `d = rank // {tp * pp}` computes its own slice of the batch: split the "
+        f"With dp={dp}, DP replica `d = (rank // {tp * cp}) % {dp}` computes its own slice of the batch: split the "
         f"{batch if batch else 'global'}-sequence batch into {dp} equal parts on its batch dim and pass part `d` "
         "(the shapes in `meta.json` are per rank). "
         if dp > 1
@@ -412,7 +413,8 @@ def write_readme(out_dir: str | os.PathLike[str], info: dict) -> Path:
     text = f"""# Sharded {info.get("model", "model")}: one generated module per rank
 
 Mesh: tp={tp}, pp={pp}, dp={dp} ({world} ranks: {where}). Rank r is laid out as
-`r = (dp_rank * pp + pp_rank) * tp + tp_rank` (tp fastest), so a TP group is `tp` consecutive ranks.
+`r = (pp_rank * dp + dp_rank) * tp + tp_rank` (tp fastest, the pipeline stage outermost), so a TP group
+is `tp` consecutive ranks.
 This folder holds one module for every rank that runs: {ranks}.
 
 Each `rank{{r}}/` holds:
@@ -473,7 +475,7 @@ layout (unit, parameters, shapes, offsets) is in `meta.json` "fsdp". The module 
 (`passes.fsdp.fsdp_gather`) right before it is used, over the process group registered for the
 "dp_shard" axis, and its backward reduce-scatters the unit's gradient into the shard's `.grad` (the
 mean over the shard group; with replicas, also all-reduced over the "dp_replicate" axis). Before the
-first call, with DP rank `d = rank // {tp * pp}` and S = the shard size in `meta.json`, every rank
+first call, with DP rank `d = (rank // {tp * cp}) % {dp}` and S = the shard size in `meta.json`, every rank
 makes every group: the shard groups are S consecutive DP ranks of the same (pp, tp) coordinate
 (`runtime.mesh.hsdp_ranks`), and `register_group("dp_shard", ...)` / `register_group("dp_replicate",
 ...)` bind this rank's. Step any optimizer over `module.parameters()` (the shards). Run this way it
@@ -488,7 +490,7 @@ gathers synchronously; `planner run` runs it with prefetch and reshard after for
 Context parallelism {info.get("cp_text", cp)}: each rank module takes the whole batch's inputs and
 keeps its own tokens of every sequence (`passes.context_parallel.cp_slice`), runs attention with the
 other CP ranks (`cp_sdpa`), and returns its outputs gathered whole. The CP ranks of a rank are the
-{cp} ranks with the same (dp, pp, tp) coordinate, tp apart (rank = ((dp_rank * pp + pp_rank) * {cp} +
+{cp} ranks with the same (dp, pp, tp) coordinate, tp apart (rank = ((pp_rank * dp + dp_rank) * {cp} +
 cp_rank) * tp + tp_rank): every rank makes every such group with `dist.new_group` and binds its own
 with `register_group("cp", group)` before the first call. Training: each rank's parameter gradients
 are partial sums over its tokens (scaled by {cp} at the output gather), so average them over the

@@ -133,8 +133,10 @@ MOE_SCORE_FUNCTIONS: tuple[str, ...] = ("softmax", "sigmoid")
 
 @dataclass(frozen=True)
 class MeshShape:
-    """The device mesh of a plan: tp x cp x pp x dp devices,
-    rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank.
+    """The device mesh of a plan: tp x cp x dp x pp devices,
+    rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank: Megatron-Core's order (tp-cp-dp-pp,
+    pipeline outermost) and torchtitan's (pp, dp, cp, tp), so the ranks of a data-parallel (and expert-
+    parallel) group share a node where a node holds several, and pipeline stages span nodes.
 
     tp: tensor-parallel degree (innermost, fastest-varying: TP ranks share a node); cp: context-parallel
     degree (each sequence's tokens split over cp ranks, next to the TP ranks as Megatron-Core's
@@ -164,7 +166,7 @@ class MeshShape:
         if not 0 <= rank < self.num_devices:
             raise ValueError(f"rank {rank} is outside a mesh of {self.num_devices} devices")
         inner = self.cp * self.tp
-        return rank // (self.pp * inner), (rank // inner) % self.pp, rank % self.tp
+        return (rank // inner) % self.dp, rank // (self.dp * inner), rank % self.tp
 
     def cp_rank(self, rank: int) -> int:
         """Context-parallel rank of global `rank` (0 .. cp - 1). Raises ValueError outside the mesh."""
@@ -173,7 +175,7 @@ class MeshShape:
 
     def rank_of(self, dp_rank: int, pp_rank: int, tp_rank: int, cp_rank: int = 0) -> int:
         """Global rank at mesh coordinates (dp_rank, pp_rank, cp_rank, tp_rank)."""
-        return ((dp_rank * self.pp + pp_rank) * self.cp + cp_rank) * self.tp + tp_rank
+        return ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank
 
     def label(self) -> str:
         cp = f" cp={self.cp}" if self.cp > 1 else ""

@@ -1,7 +1,7 @@
 """This rank's process groups on the TP x CP x PP x DP mesh of a plan.
 
 The layout is the plan's (`planner.plan.MeshShape`:
-`rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank`, tp fastest, then cp), so a TP group is `tp` consecutive ranks (on a node with `tp` or more GPUs it stays
+`rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank`, tp fastest, then cp), so a TP group is `tp` consecutive ranks (on a node with `tp` or more GPUs it stays
 inside the node, on NVLink), the ranks of one pipeline stage sit next to each other, and DP replicas
 are the outermost blocks. Example, tp=2, pp=2, dp=1: TP groups {0,1} {2,3}; PP groups {0,2} {1,3};
 stage 0 = ranks 0,1.

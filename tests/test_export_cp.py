@@ -205,17 +205,18 @@ def test_torchtitan_ddp_with_cp_and_mixed_precision(llama_plan):
 
 
 def test_dtensor_cp_mesh_follows_the_plans_rank_order(plan_405b):
-    """MESH_DIMS puts "cp" between pp and tp, so that init_mesh's coordinates of every rank are the
-    plan's (MeshShape.rank_of); the file compiles and names what context_parallel_step runs."""
+    """MESH_DIMS orders pp, the dp dims, cp, tp (torchtitan's order), so that init_mesh's coordinates of
+    every rank are the plan's (MeshShape.rank_of); the file compiles and names what
+    context_parallel_step runs."""
     module = _dtensor_module(plan_405b)
-    assert list(module.MESH_DIMS) == ["dp_replicate", "dp_shard", "pp", "cp", "tp"]
+    assert list(module.MESH_DIMS) == ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
     assert module.MESH_DIMS == {"dp_replicate": 1, "dp_shard": 8, "pp": 16, "cp": 16, "tp": 8}
     assert module.MESH == {"dp": 8, "pp": 16, "cp": 16, "tp": 8}
     assert (module.CP_DEGREE, module.CP_ROTATE_METHOD, module.CP_LOAD_BALANCE) == (16, "allgather", True)
     ranks = torch.arange(plan_405b.num_devices).reshape(tuple(module.MESH_DIMS.values()))
     mesh = plan_405b.mesh
     for dp, pp, cp, tp in ((0, 0, 0, 0), (3, 7, 5, 2), (7, 15, 15, 7)):
-        assert ranks[0, dp, pp, cp, tp].item() == mesh.rank_of(dp, pp, tp, cp)
+        assert ranks[pp, 0, dp, cp, tp].item() == mesh.rank_of(dp, pp, tp, cp)
     text = export_plan(plan_405b, "dtensor").text
     assert "from torch.distributed.tensor.experimental import context_parallel\n" in text
     assert text.startswith('"""Tensor-, context- and data-parallel plan for')

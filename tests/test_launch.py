@@ -210,9 +210,12 @@ def test_mesh_groups_tp2_pp2_on_four_ranks() -> None:
 
 
 def test_mesh_arithmetic_without_processes() -> None:
-    # tp=2, pp=2, dp=2: rank = (dp_rank * 2 + pp_rank) * 2 + tp_rank
+    # tp=2, pp=2, dp=2: rank = (pp_rank * 2 + dp_rank) * 2 + tp_rank, the pipeline outermost as in
+    # Megatron-Core and torchtitan: a DP group's ranks share a node (the cost model prices them so);
+    # dp outermost put every stage of a replica on a node and the DP and EP groups across nodes
     shape = MeshShape(tp=2, pp=2, dp=2)
     assert shape.coords(6) == (1, 1, 0)
+    assert shape.coords(2) == (1, 0, 0) and shape.coords(4) == (0, 1, 0)  # (dp_rank, pp_rank, tp_rank)
     assert all(shape.rank_of(*shape.coords(rank)) == rank for rank in range(8))
     with pytest.raises(ValueError, match="outside a mesh of 8 devices"):
         shape.coords(8)

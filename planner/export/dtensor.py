@@ -4,8 +4,8 @@ its data parallelism as `fully_shard` calls.
 The output is a self-contained Python file for `torch.distributed.tensor.parallel` and
 `torch.distributed.fsdp.fully_shard`: `PLAN` (module FQN -> `ColwiseParallel` / `RowwiseParallel`,
 `SequenceParallel` styles), `VOCAB` (modules split along the vocabulary), `init_mesh(device)` (the
-plan's mesh as torchtitan names its dims: `MESH_DIMS` dp_replicate x dp_shard x pp x tp, TP
-innermost, in the plan's rank order) and `apply(model, mesh)`, which shards the user's eager model
+plan's mesh as torchtitan names and orders its dims: `MESH_DIMS` pp x dp_replicate x dp_shard x tp,
+TP innermost, in the plan's rank order) and `apply(model, mesh)`, which shards the user's eager model
 on that mesh's "tp" dim, then applies the data parallelism on its dp dims (`apply_data_parallel`;
 with pipeline stages the user calls it per stage after the split), and returns it; given a 1-D
 `DeviceMesh` instead it shards the tensor-parallel axis alone. Module FQNs are the plan's weight FQNs
@@ -281,8 +281,8 @@ def _local_heads(model: nn.Module, tp: int) -> list[str]:
 
 
 def init_mesh(device: str = DEVICE) -> DeviceMesh:
-    """The plan's whole mesh, dims MESH_DIMS in order (dp_replicate, dp_shard, pp, tp: TP innermost,
-    rank = ((replica * dp_shard + shard) * pp + stage) * tp + tp_rank, the plan's rank layout), for
+    """The plan's whole mesh, dims MESH_DIMS in order (pp, dp_replicate, dp_shard, tp: TP innermost,
+    rank = ((stage * dp_replicate + replica) * dp_shard + shard) * tp + tp_rank, the plan's rank layout), for
     apply(). Call it on every rank after init_process_group."""
     return init_device_mesh(device, tuple(MESH_DIMS.values()), mesh_dim_names=tuple(MESH_DIMS))
 
@@ -693,11 +693,11 @@ def export_dtensor(plan: Plan) -> Export:
     device = _mesh_device(plan)
     sp = exported.first_layer is not None
     plan_lines = "\n".join(f"    {m!r}: {s}," for m, s in exported.styles.items())
-    dims = {
+    dims = {  # the plan's rank order (`MeshShape`), torchtitan's: the pipeline outermost, CP next to TP
+        "pp": plan.pp,
         "dp_replicate": exported.dp_replicate,
         "dp_shard": exported.dp_shard,
-        "pp": plan.pp,
-        **({"cp": plan.cp} if plan.cp > 1 else {}),  # the plan's rank order: CP next to TP
+        **({"cp": plan.cp} if plan.cp > 1 else {}),
         "tp": plan.tp,
     }
     cp = plan.cp > 1

@@ -9,9 +9,9 @@ ranks while it is open. The file gets, only with cp > 1 (a cp=1 file is as befor
 
 | plan                          | the file                                                            |
 |-------------------------------|---------------------------------------------------------------------|
-| mesh.cp                       | a "cp" dim in MESH_DIMS between pp and tp (the plan's rank order:   |
-|                               | rank = (((replica * dp_shard + shard) * pp + stage) * cp + c) * tp  |
-|                               | + t), CP_DEGREE, context_parallel_step(mesh, buffers, seq_dims)     |
+| mesh.cp                       | a "cp" dim in MESH_DIMS between dp_shard and tp (the rank order:    |
+|                               | rank = (((stage * dp_replicate + replica) * dp_shard + shard) * cp  |
+|                               | + c) * tp + t), CP_DEGREE, context_parallel_step(mesh, buffers, ...)|
 | cp_comm_type ring             | CP_ROTATE_METHOD "alltoall": set_rotate_method's ring rotation      |
 |                               | (each step passes the K/V shard to the next rank)                   |
 | cp_comm_type allgather        | CP_ROTATE_METHOD "allgather" (PyTorch's default)                    |
@@ -97,10 +97,10 @@ def context_parallel_step(mesh: DeviceMesh, buffers: list[torch.Tensor], seq_dim
 # the lines of dtensor.py's apply source that differ with context parallelism: (old, new), each once
 APPLY_EDITS: tuple[tuple[str, str], ...] = (
     (
-        """    \"\"\"The plan's whole mesh, dims MESH_DIMS in order (dp_replicate, dp_shard, pp, tp: TP innermost,
-    rank = ((replica * dp_shard + shard) * pp + stage) * tp + tp_rank, the plan's rank layout), for""",
-        """    \"\"\"The plan's whole mesh, dims MESH_DIMS in order (dp_replicate, dp_shard, pp, cp, tp: TP
-    innermost, then CP, rank = (((replica * dp_shard + shard) * pp + stage) * cp + cp_rank) * tp +
+        """    \"\"\"The plan's whole mesh, dims MESH_DIMS in order (pp, dp_replicate, dp_shard, tp: TP innermost,
+    rank = ((stage * dp_replicate + replica) * dp_shard + shard) * tp + tp_rank, the plan's rank layout), for""",
+        """    \"\"\"The plan's whole mesh, dims MESH_DIMS in order (pp, dp_replicate, dp_shard, cp, tp: TP
+    innermost, then CP, rank = (((stage * dp_replicate + replica) * dp_shard + shard) * cp + cp_rank) * tp +
     tp_rank, the plan's rank layout), for""",
     ),
     (
