@@ -798,3 +798,29 @@ def test_expert_parallelism_folded_over_dp_and_cp_says_so() -> None:
         ep_text(2, "tp", 1, cp=2) == "2 over tp"
         and ep_text(1, "dp", 2, cp=2) == "off, experts split over tp 2"
     )
+
+
+def test_sharded_dp_units_hold_a_ranks_own_experts_only() -> None:
+    """FSDP gathers, and ZeRO-2 reduces, one layer unit at a time: under EP a rank's unit holds its E / ep
+    experts, not all E. The unit was the whole layer over tp, every expert counted on every rank:
+    Mixtral at EP 8 priced ZeRO-2 above ZeRO-1 and FSDP above FSDP without resharding (an expert's
+    review of `--why`), and the sharded styles were refused for memory they do not need."""
+    from planner.plan import DataParallel  # noqa: PLC0415
+    from planner.solver.costing import fsdp_transient_bytes, rank_layer_unit_params, zero2_transient_bytes  # noqa: PLC0415
+
+    s = _mixtral()
+    layer = _moe_layer(s)
+    experts = layer.moe.expert_params
+    dense = layer.num_params - experts
+    for ep in (1, 8):
+        ctx = _ctx(s, MeshShape(1, 1, 64), ep=ep, cluster="h100-ib-128node", batch=64)
+        assert rank_layer_unit_params(ctx) == pytest.approx(dense + experts / ep)
+    assert experts > 30 * dense  # so the experts decide the unit's size
+
+    def with_style(ctx: CostContext, style: DataParallel) -> CostContext:
+        return dataclasses.replace(ctx, config=dataclasses.replace(ctx.config, dp_style=style))
+
+    ctx = _ctx(s, MeshShape(1, 1, 64), ep=8, cluster="h100-ib-128node", batch=64)
+    per_expert_unit = (dense + experts / 8) * 2  # bf16 bytes of the rank's unit
+    assert zero2_transient_bytes(with_style(ctx, DataParallel.ZERO2)) < 4 * per_expert_unit + 2e9
+    assert fsdp_transient_bytes(with_style(ctx, DataParallel.FSDP)) < 4 * per_expert_unit + 2e9

@@ -2633,29 +2633,48 @@ def unit_params(s: ModelStructure) -> tuple[float, float, float]:
     return layer, outside, held
 
 
+def rank_layer_unit_params(ctx: CostContext) -> float:
+    """The trainable parameters of the largest layer unit one rank holds unsharded while it is gathered
+    (FSDP) or its gradients are (ZeRO-2): the layer's dense parameters over the TP ranks, and of its
+    routed experts the rank's own, E / ep of them (1 / expert_tp of each when split over TP:
+    `expert_param_bytes`). `unit_params`' whole layer over tp counted every expert on every rank:
+    DeepSeek-V3's 256 experts at EP 8 gave ZeRO-2 more memory than ZeRO-1."""
+    best = 0.0
+    for layer in ctx.structure.layers:
+        experts = layer.moe.expert_params if layer.moe is not None else 0
+        dense = max(0, layer.num_params - layer.frozen_params - experts)
+        best = max(best, dense / ctx.mesh.tp + experts / (ctx.ep * ctx.expert_tp))
+    return best
+
+
 def fsdp_transient_bytes(ctx: CostContext) -> float:
     """FSDP: the unsharded units in flight (`memory.fsdp_unit_bytes`): the largest layer's trainable
-    parameters and those outside the layers (`unit_params`), split over the TP ranks; 0 for the other
-    styles."""
+    parameters a rank holds (`rank_layer_unit_params`) and those outside the layers (`unit_params`,
+    split over the TP ranks); 0 for the other styles."""
     if ctx.dp_style is not DataParallel.FSDP:
         return 0.0
-    layer, outside, _ = unit_params(ctx.structure)
+    _, outside, _ = unit_params(ctx.structure)
     tp = ctx.mesh.tp
     return memory.fsdp_unit_bytes(
-        layer / tp, outside / tp, ctx.dtype, ctx.reshard_after_forward, grad_dtype=ctx.grad_dtype
+        rank_layer_unit_params(ctx),
+        outside / tp,
+        ctx.dtype,
+        ctx.reshard_after_forward,
+        grad_dtype=ctx.grad_dtype,
     )
 
 
 def zero2_transient_bytes(ctx: CostContext) -> float:
     """ZeRO-2: the unsharded gradients and reduce-scatter buffers of the units (`memory.zero2_unit_bytes`
-    of `unit_params`, split over the TP ranks; the runtime keeps one reduce-scatter in flight under the
-    plan's overlap_grad_reduce, at dp 1 too); 0 for the other styles."""
+    of `rank_layer_unit_params` and `unit_params`' outside unit, split over the TP ranks; the runtime
+    keeps one reduce-scatter in flight under the plan's overlap_grad_reduce, at dp 1 too); 0 for the
+    other styles."""
     if ctx.dp_style is not DataParallel.ZERO2 or not ctx.train:
         return 0.0
-    layer, outside, held = unit_params(ctx.structure)
+    _, outside, held = unit_params(ctx.structure)
     tp, overlap = ctx.mesh.tp, ctx.config.overlap_grad_reduce
     return memory.zero2_unit_bytes(
-        layer / tp, outside / tp, held / tp, ctx.dtype, ctx.grad_dtype, overlap, ctx.dp_cp
+        rank_layer_unit_params(ctx), outside / tp, held / tp, ctx.dtype, ctx.grad_dtype, overlap, ctx.dp_cp
     )
 
 
