@@ -7,13 +7,12 @@ other 58 with 256 routed experts of width 2048 and 1 shared expert (width 2048),
 to the experts of its best 4 of 8 groups, the 8 weights renormalised and scaled by 2.5; hidden 7168,
 vocabulary 129280, RMSNorm, RoPE.
 
+Multi-head latent attention as published (section 2.1 of the V2 report, Table 1 of V3's): q through a
+low-rank pair (7168 -> 1536 -> 128 heads of 128 + 64 RoPE dims), k and v from one latent of 512 plus
+one RoPE key of 64 shared by the heads (up to 128 heads of 128 + 128), in its training form (no
+absorbed weights). 671B parameters, 37B active per token.
+
 Approximated (what the planner prices instead):
-- Multi-head latent attention (q compressed to rank 1536, k / v to rank 512, 128 heads of 128 + 64
-  RoPE dims for q and k, 128 for v) is plain multi-head attention with 128 heads of head dim 128:
-  q, k, v, o of 7168 x 16384. Its projections hold 470M parameters per layer where MLA's hold 187M,
-  so the model has 688B parameters (MLA: 671B) and 54B active per token (37B): the attention's
-  weights, gradients, optimizer state and GEMM FLOP are over-counted, its core's FLOP slightly under
-  (a head dim of 128 for q.k, not 192); its K/V cache is MHA's (training does not keep one).
 - The multi-token-prediction module (one more layer, section 2.2) is left out.
 - Expert weights are bf16 (DeepSeek-V3 trained its GEMMs in FP8).
 
@@ -39,7 +38,11 @@ CONFIG = MoEConfig(
     n_layers=61,
     n_heads=128,
     n_kv_heads=128,
-    head_dim=128,
+    head_dim=128,  # per head, q and k without RoPE (qk_nope_head_dim)
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
     num_experts=256,
     top_k=8,
     expert_dim=2048,

@@ -12,7 +12,7 @@ summed with the routed output. The first `dense_layers` layers may have a dense 
 (DeepSeek-V3's `first_k_dense_replace`).
 
 Attention is grouped-query attention with RoPE and its own head dimension (Qwen3's 128 with a
-2048-wide stream); `CachedMoETransformer` is the served form with a static KV cache per layer, as
+2048-wide stream), or DeepSeek's multi-head latent attention (`MLAttention`, training form); `CachedMoETransformer` is the served form with a static KV cache per layer, as
 `models_kv.CachedLlama` (the serving contract: `build_model(max_batch_size, max_seq_len)`,
 `example_inputs`, `step_inputs`).
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from models import LlamaAttention, RMSNorm, _init_weights, token_ids
+from models import LlamaAttention, RMSNorm, _init_weights, apply_rope, token_ids
 from models_kv import KVCache
 from torch import nn
 
@@ -54,6 +54,14 @@ class MoEConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 1e6
     max_seq_len: int = 4096  # length of the precomputed RoPE tables
+    # multi-head latent attention (DeepSeek-V2 / V3; `kv_lora_rank` 0: grouped-query attention instead):
+    # q through a low-rank pair (`q_lora_rank`), k and v from one compressed latent of `kv_lora_rank`
+    # plus a RoPE key of `qk_rope_head_dim` shared by the heads; per head, q and k hold `head_dim` dims
+    # without RoPE and `qk_rope_head_dim` with it, v holds `v_head_dim`
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
 
 def rope_tables(head_dim: int, theta: float, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,6 +162,42 @@ class MoEAttention(LlamaAttention):
         self.wo = nn.Linear(inner, config.dim, bias=False)
 
 
+class MLAttention(nn.Module):
+    """Multi-head latent attention (Liu et al. 2024, "DeepSeek-V2", section 2.1; DeepSeek-V3 Table 1),
+    as DeepSeek's reference `model.py` computes it without the absorbed-weight decode: q =
+    wq_b(norm(wq_a(x))) per head (`head_dim` without RoPE + `qk_rope_head_dim` with it); wkv_a(x) gives
+    the latent (`kv_lora_rank`) and one RoPE key shared by every head; k (without RoPE) and v per head
+    = wkv_b(norm(latent)); each head's key is its own part and the shared RoPE key concatenated."""
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.n_heads, self.nope, self.rope = config.n_heads, config.head_dim, config.qk_rope_head_dim
+        self.v_dim, self.kv_rank = config.v_head_dim, config.kv_lora_rank
+        self.wq_a = nn.Linear(config.dim, config.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(config.q_lora_rank, config.norm_eps)
+        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * (self.nope + self.rope), bias=False)
+        self.wkv_a = nn.Linear(config.dim, self.kv_rank + self.rope, bias=False)
+        self.kv_norm = RMSNorm(self.kv_rank, config.norm_eps)
+        self.wkv_b = nn.Linear(self.kv_rank, self.n_heads * (self.nope + self.v_dim), bias=False)
+        self.wo = nn.Linear(self.n_heads * self.v_dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x (B, T, C), cos / sin (1, T, 1, qk_rope_head_dim) -> (B, T, C)."""
+        B, T, _ = x.shape
+        q = self.wq_b(self.q_norm(self.wq_a(x))).view(B, T, self.n_heads, self.nope + self.rope)
+        q_nope, q_rope = torch.split(q, [self.nope, self.rope], dim=-1)
+        q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)  # (B, T, n, nope + rope)
+        latent, k_rope = torch.split(self.wkv_a(x), [self.kv_rank, self.rope], dim=-1)
+        k_rope = apply_rope(k_rope.view(B, T, 1, self.rope), cos, sin)  # one head, shared
+        kv = self.wkv_b(self.kv_norm(latent)).view(B, T, self.n_heads, self.nope + self.v_dim)
+        k_nope, v = torch.split(kv, [self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(B, T, self.n_heads, self.rope)], dim=-1)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * self.v_dim))
+
+
 class CachedMoEAttention(MoEAttention):
     """`MoEAttention` over a static KV cache (`models_kv.KVCache`), as `models_kv.CachedAttention`."""
 
@@ -187,12 +231,14 @@ class MoETransformer(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        attention = MLAttention if config.kv_lora_rank else MoEAttention
         self.layers = nn.ModuleList(
-            [MoEBlock(config, i < config.dense_layers, MoEAttention(config)) for i in range(config.n_layers)]
+            [MoEBlock(config, i < config.dense_layers, attention(config)) for i in range(config.n_layers)]
         )
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
-        cos, sin = rope_tables(config.head_dim, config.rope_theta, config.max_seq_len)
+        rotated = config.qk_rope_head_dim if config.kv_lora_rank else config.head_dim
+        cos, sin = rope_tables(rotated, config.rope_theta, config.max_seq_len)
         self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, hd)
         self.register_buffer("rope_sin", sin, persistent=False)  # (max_seq_len, hd)
         self.apply(_init_weights)
