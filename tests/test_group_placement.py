@@ -98,3 +98,18 @@ def test_the_megatron_baseline_keeps_the_replicas_a_batch_divides():
         first = configs[0].mesh
         replicas = 6 // first.tp
         assert first.pp == 1 and first.dp == max(d for d in range(1, replicas + 1) if batch % d == 0), first
+
+
+def test_the_megatron_baselines_context_parallel_ranks_come_from_every_tp_group():
+    """Llama-3-405B at 131,072 tokens, 128 sequences on 16,384 GPUs: TP 8 PP 4 trains 128 replicas (the
+    batch divides no more), and CP 16 taken from those left 12,288 GPUs idle (TP8 CP16 PP4 DP8), so the
+    plan read "5x its speed" against a quarter of the cluster. The CP ranks come from the 512 TP groups
+    of a stage: CP 16 x DP 32, every GPU."""
+    from planner.solver.baseline import megatron_cp_configs  # noqa: PLC0415
+
+    work = WorkloadSpec("train", 128, 131072)
+    config = MeshConfig(MeshShape(8, 4, 128), 128)
+    (cp,) = megatron_cp_configs([config], 126, work, (16,), devices=16384)
+    assert (cp.mesh.tp, cp.mesh.cp, cp.mesh.pp, cp.mesh.dp) == (8, 16, 4, 32) and cp.mesh.num_devices == 16384
+    (old,) = megatron_cp_configs([config], 126, work, (16,))
+    assert old.mesh.dp == 8  # without the device count: the replicas a batch left

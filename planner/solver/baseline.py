@@ -277,21 +277,31 @@ def megatron_cp_degree(seq_len: int) -> int:
 
 
 def megatron_cp_configs(
-    configs: list[MeshConfig], num_layers: int, workload: WorkloadSpec, degrees: tuple[int, ...]
+    configs: list[MeshConfig],
+    num_layers: int,
+    workload: WorkloadSpec,
+    degrees: tuple[int, ...],
+    devices: int | None = None,
 ) -> list[MeshConfig]:
     """`configs` (`megatron_configs`) again with each context-parallel degree of `degrees` that divides
     their DP degree and cuts the sequence into 2 x cp chunks, the CP ranks taken from the DP ones, ring
     attention with load balancing, in the order of `degrees` (the caller keeps the first that fits
-    memory). Empty for decode and models without layers."""
+    memory). With `devices`, the CP ranks come from every TP group of a stage the devices hold, not
+    from the replicas a batch-divisible DP left (those are fewer: at 128 sequences on 16,384 GPUs, TP 8
+    PP 4 trains 128 replicas, and CP 16 taken from them left 12,288 GPUs idle); DP is then what is
+    left, again dividing the batch. Empty for decode and models without layers."""
     if workload.kind is Workload.DECODE or not num_layers:
         return []
     out = []
     for cp in degrees:
         for config in configs:
             mesh = config.mesh
-            if cp < 2 or mesh.dp % cp or workload.seq_len % (2 * cp):
+            full = devices // (mesh.tp * mesh.pp) if devices else mesh.dp
+            if cp < 2 or full % cp or workload.seq_len % (2 * cp):
                 continue
-            dp = mesh.dp // cp
+            dp = full // cp
+            while dp > 1 and workload.batch_size % dp:  # as `megatron_configs`: the rest idle
+                dp -= 1
             if workload.batch_size % dp:
                 continue
             m = megatron_micro_batches(workload.batch_size // dp, mesh.pp, workload)

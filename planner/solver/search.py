@@ -1824,8 +1824,9 @@ def _baseline(search: _Search) -> PricedAssignment | None:
     # (`megatron_cp_degree`), then cp = 1, then any other degree if nothing fits
     expert_cp = megatron_cp_degree(search.workload.seq_len)
     others = tuple(cp for cp in MEGATRON_CP_DEGREES if cp != expert_cp)
-    order = megatron_cp_configs(configs, num_layers, search.workload, (expert_cp,)) + configs
-    order += megatron_cp_configs(configs, num_layers, search.workload, others)
+    devices = min(search.cluster.num_devices, search.constraints.max_devices or search.cluster.num_devices)
+    order = megatron_cp_configs(configs, num_layers, search.workload, (expert_cp,), devices) + configs
+    order += megatron_cp_configs(configs, num_layers, search.workload, others, devices)
     last_plain = None
     for config in _whole_batch_configs(search, order):
         variants = _whole_batch_configs(
