@@ -949,3 +949,16 @@ def test_a_bf16_moe_served_at_tp2_replays_the_references_expert_choices():
     assert n["dtype"] == "bf16" and n["ok"], n
     assert n["routing_calls"] == 2 * 16  # 2 MoE layers x (the prefill and 15 decode steps)
     assert 0 < n["routing_logit_diff"] <= n["routing_tolerance"]  # bf16 rounding, within tolerance
+
+
+def test_a_step_position_given_as_a_python_int_is_refused():
+    """tests/models/int_position_kv.py passes the cache write's start as `int(input_pos[0])`: the
+    captured decode graph kept the traced start, so every step wrote the cache and applied RoPE and the
+    mask at one position, the reference (the same captured graphs) alike, and the greedy tokens
+    "matched" while both were wrong (and its k and v read as MLP projections). Refused, naming the
+    input and what to write instead."""
+    with pytest.raises(
+        InputError, match=r"step_inputs returns a Python int that changes with the position"
+    ) as e:
+        workflow.prepare(str(MODELS / "int_position_kv.py"), "decode", context=16, new_tokens=4, batch_size=1)
+    assert "cache[:, :, input_pos] = k" in str(e.value)

@@ -416,6 +416,7 @@ def _prepare_serving(
         prompt = seq_len or DEFAULT_PROMPT
     request = ServingRequest(workload, prompt, new_tokens or DEFAULT_NEW_TOKENS)
     check_new_tokens(request.new_tokens)
+    model_file.check_step_positions()
     batch = batch_size or 1
     graph, structure = plan_structure(model_file, decode_phase(batch, prompt, request.cache_len))
     _check_cache_length(model_file, structure, batch, request)

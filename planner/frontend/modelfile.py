@@ -203,6 +203,24 @@ class ModelFile:
 
         return pytree.tree_map(move, (args, dict(kwargs)))
 
+    def check_step_positions(self) -> None:
+        """Refuse a `step_inputs` whose non-tensor leaves change with the position: torch.export freezes
+        a Python number into the captured graph (a slice assignment's `start` given as `int`), so every
+        step of the plan, and the reference it is checked against, would write the cache and apply
+        RoPE and the mask at the captured position, and agree with each other while both are wrong.
+        Raises InputError naming the leaf."""
+        tokens = torch.zeros(1, 1, dtype=torch.long)
+        leaves = [pytree.tree_flatten(self.step_inputs(tokens, torch.tensor([pos])))[0] for pos in (1, 2)]
+        for i, (a, b) in enumerate(zip(*leaves)):
+            if not isinstance(a, torch.Tensor) and a != b:
+                raise InputError(
+                    f"{self.path}: step_inputs returns a Python {type(a).__name__} that changes with the "
+                    f"position (input {i}: {a!r} at position 1, {b!r} at position 2); the captured graph "
+                    "keeps the value it was traced with, so every step would run at that one position. Pass "
+                    "the position as a tensor (input_pos) and write the cache indexed by it: cache[:, :, input_pos] = k "
+                    "or cache.index_copy_(2, input_pos, k) (docs/serving.md, the model file)"
+                )
+
     def _call(self, name: str, **kwargs: Any) -> Any:
         fn = getattr(self.module, name)
         try:
