@@ -355,6 +355,16 @@ def test_a_model_whose_own_gradients_are_not_finite_is_told_so(tmp_path):
     assert "autograd.Function" not in said, said
 
 
+def test_micro_batches_a_decode_plan_drops_are_said_to_have_no_effect():
+    """--micro-batches 2 on a TP-only decode plan: the plan runs one micro-batch, and said nothing of the
+    option (as --sequence-parallel on in decode says it had no effect)."""
+    r = planner("optimize", str(ROOT / "examples" / "llama3_kv.py"), "--workload", "decode", "--context", "32",
+                "--cluster", "local-cpu", "--nproc", "2", "--tp", "2", "--batch-size", "4", "--micro-batches", "2")  # fmt: skip
+    said = " ".join(r.stderr.split())
+    assert r.returncode == 0, said
+    assert "--micro-batches 2 had no effect: the plan runs one micro-batch" in said, said
+
+
 def _write(tmp_path: Path, name: str, text: str) -> str:
     path = tmp_path / name
     path.write_text(text)

@@ -1012,6 +1012,10 @@ def test_vllm_refuses_a_training_plan_and_names_the_placeholder(llama_plan):
     args, env, warnings = vllm_engine_args(_with(llama_plan, workload=Workload.FORWARD))
     assert args["max_model_len"] == llama_plan.seq_len and not env
     assert any("replace HF_MODEL_ID_OR_CHECKPOINT_DIR" in w for w in warnings)
+    # a forward plan priced no decode and leaves no room to generate: said (it was exported silently)
+    assert any("this is a forward plan" in w and "leaves no room to generate" in w for w in warnings), (
+        warnings
+    )
 
 
 # ---------------------------------------------------------------------------------------------

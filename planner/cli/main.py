@@ -553,6 +553,11 @@ def _unused_options(args: argparse.Namespace, plan) -> list[str]:
         out.append(
             f"{', '.join(cp_opts)} had no effect: the plan has no context parallelism (cp=1); pin --cp to use it"
         )
+    if getattr(args, "micro_batches", None) and args.micro_batches > 1 and plan.micro_batches == 1:
+        out.append(
+            f"--micro-batches {args.micro_batches} had no effect: the plan runs one micro-batch"
+            + (" (micro-batches pipeline the stages: pin --pp 2 or more)" if plan.pp == 1 else "")
+        )
     return out
 
 

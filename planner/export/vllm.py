@@ -80,6 +80,13 @@ def vllm_engine_args(
             f"{CP_REFUSAL}. Plan it with cp 1 to export it for vLLM"
         )
     warnings = layout_warnings(plan, TOOL, replicates_kv_heads=True)  # vLLM replicates KV heads as planned
+    if plan.workload is Workload.FORWARD:
+        warnings.append(
+            f"this is a forward plan ({plan.batch_size} x {plan.seq_len} tokens): it priced no decode step and "
+            f"no KV cache, and max_model_len {max_model_len(plan)} leaves no room to generate. Plan the request "
+            "vLLM serves (planner optimize MODEL.py --workload generate --seq-len PROMPT --new-tokens N, or "
+            "--workload decode --context C) and export that"
+        )
     trained = plan.serving.trained_positions if plan.serving is not None else None
     if trained and max_model_len(plan) > trained:
         warnings.append(
