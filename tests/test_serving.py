@@ -798,10 +798,10 @@ def test_a_request_past_the_models_trained_context_is_said_in_the_plan_and_the_v
 
     prepared, plan = _plan(ROOT / "examples" / "llama3_kv.py", tp=2, context=2040, new_tokens=16)
     assert prepared.request.trained_positions == 2048 and plan.serving.trained_positions == 2048
-    assert any("reaches position 2056" in w for w in workflow.plan_warnings(plan))
+    assert any("the request holds 2056 tokens" in w for w in workflow.plan_warnings(plan))
     assert any("VLLM_ALLOW_LONG_MAX_MODEL_LEN" in w for w in export_plan(plan, "vllm", model="m").warnings)
     _, short = _plan(ROOT / "examples" / "llama3_kv.py", tp=2, context=64, new_tokens=16)
-    assert not any("reaches position" in w for w in workflow.plan_warnings(short))
+    assert not any("the request holds" in w for w in workflow.plan_warnings(short))
     # --run serves within the context, as vLLM's --max-model-len: refused before any rank starts (GPT-2's
     # learned position table has no row past it: an IndexError traceback from the reference)
     path = str(ROOT / "examples" / "llama3_kv.py")
@@ -962,3 +962,12 @@ def test_a_step_position_given_as_a_python_int_is_refused():
     ) as e:
         workflow.prepare(str(MODELS / "int_position_kv.py"), "decode", context=16, new_tokens=4, batch_size=1)
     assert "cache[:, :, input_pos] = k" in str(e.value)
+
+
+def test_zero_new_tokens_is_refused_not_replaced_by_the_default():
+    """`new_tokens=0` read as "not given" (`new_tokens or DEFAULT_NEW_TOKENS`): a request of 16 new tokens
+    was planned without a word; and the command line refused 0 as "not a positive integer" and 1 as
+    "at least 2". Both say at least 2, and why."""
+    for n in (0, 1):
+        with pytest.raises(InputError, match=f"--new-tokens must be at least 2, got {n}"):
+            workflow.prepare(str(ROOT / "examples" / "llama3_kv.py"), "generate", new_tokens=n, batch_size=1)

@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     opt.add_argument(
         "--new-tokens",
-        type=_positive,
+        type=int,  # checked by `check_new_tokens` (at least 2, saying why)
         help="decode / generate of a model with a KV cache: tokens generated per sequence, at least 2 (default 16)",
     )
     opt.add_argument(

@@ -47,7 +47,7 @@ def plan_warnings(plan: Plan, quality_measured: bool = False) -> list[str]:
     sv = plan.serving
     if sv is not None and sv.trained_positions and sv.cache_len > sv.trained_positions:
         warnings.append(
-            f"the request reaches position {sv.cache_len} (prompt {sv.prompt_len} + {sv.new_tokens} new tokens), past "
+            f"the request holds {sv.cache_len} tokens (prompt {sv.prompt_len} + {sv.new_tokens} new tokens), past "
             f"the {sv.trained_positions} positions the model's config gives its context: the positions beyond are "
             "outside what it was trained on, and vLLM refuses a --max-model-len above it"
         )

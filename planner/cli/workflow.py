@@ -414,7 +414,7 @@ def _prepare_serving(
         if context:
             raise InputError("--context is the cache of --workload decode; generate's prompt is --seq-len")
         prompt = seq_len or DEFAULT_PROMPT
-    request = ServingRequest(workload, prompt, new_tokens or DEFAULT_NEW_TOKENS)
+    request = ServingRequest(workload, prompt, DEFAULT_NEW_TOKENS if new_tokens is None else new_tokens)
     check_new_tokens(request.new_tokens)
     model_file.check_step_positions()
     batch = batch_size or 1

@@ -891,7 +891,7 @@ def projection_options(
     parts = tuple(proj.parts) if proj.parts else (n_out,)
     if pieces is not None:
         options.append(option("colwise", R, S, n_in, n_out / pieces, pieces))
-        where = "every rank" if pieces == 1 else f"{tp // pieces} ranks each"
+        where = "every rank" if pieces == 1 else f"{tp // pieces} ranks"
         excluded["rowwise"] = (
             f"K/V heads ({pieces}) fewer than tp={tp}: a KV head is not cut, so each is computed whole on {where} "
             "(no row-parallel split)"
