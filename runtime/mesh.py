@@ -2,8 +2,8 @@
 
 The layout is the plan's (`planner.plan.MeshShape`:
 `rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank`, tp fastest, then cp), so a TP group is `tp` consecutive ranks (on a node with `tp` or more GPUs it stays
-inside the node, on NVLink), the ranks of one pipeline stage sit next to each other, and DP replicas
-are the outermost blocks. Example, tp=2, pp=2, dp=1: TP groups {0,1} {2,3}; PP groups {0,2} {1,3};
+inside the node, on NVLink), the data-parallel (and expert-parallel) ranks of a stage sit next to
+them, and pipeline stages are the outermost blocks (Megatron-Core's and torchtitan's order). Example, tp=2, pp=2, dp=1: TP groups {0,1} {2,3}; PP groups {0,2} {1,3};
 stage 0 = ranks 0,1.
 
 `build_rank_groups(shape, device_type)` creates the groups with
@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from planner.errors import InputError, RunError
 from planner.plan import MeshShape
 
-AXES = ("dp", "pp", "cp", "tp")  # mesh dims, outermost first
+AXES = ("pp", "dp", "cp", "tp")  # mesh dims, outermost first (`MeshShape`: the pipeline outermost)
 DP_AXES = ("dp_shard", "dp_replicate")  # HSDP's split of the dp axis (sharded data parallelism)
 _DEVICE_TYPES = ("cpu", "cuda")
 
@@ -159,7 +159,7 @@ def _ep_groups(
 def build_rank_groups(
     shape: MeshShape, device_type: str, dp_shard: int = 1, ep: int = 1, experts_over_tp: bool = False
 ) -> RankGroups:
-    """Create the (dp, pp, tp) device mesh and its process groups; collective, every rank must call it.
+    """Create the (pp, dp, cp, tp) device mesh and its process groups; collective, every rank must call it.
 
     `device_type` is "cpu" (gloo) or "cuda" (nccl). dp_shard: the ranks a sharded data-parallel state
     is split over (fsdp's `Plan.dp_shard`; 1 for the other styles): the shard and replicate groups
@@ -185,7 +185,7 @@ def build_rank_groups(
         )
     if dp_shard < 1 or shape.dp % dp_shard:
         raise InputError(f"dp_shard={dp_shard} does not divide dp={shape.dp}")
-    device_mesh = init_device_mesh(device_type, (shape.dp, shape.pp, shape.cp, shape.tp), mesh_dim_names=AXES)
+    device_mesh = init_device_mesh(device_type, (shape.pp, shape.dp, shape.cp, shape.tp), mesh_dim_names=AXES)
     rank = dist.get_rank()
     groups = RankGroups(shape, rank, device_mesh)
     for axis in AXES:  # the plan's layout and DeviceMesh's must agree
