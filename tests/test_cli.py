@@ -276,7 +276,7 @@ def test_a_layout_the_pass_cannot_split_says_so_and_what_runs_instead():
                 "--nproc", "2", "--tp", "2", "--layout", "megatron")  # fmt: skip
     said = " ".join(r.stderr.split())
     assert r.returncode == 3, said
-    assert "aten.split at per_head_linear.py" in said and "each rank holds 2 of its 4" in said, said
+    assert "aten.split at per_head_rmsnorm.py" in said and "each rank holds 2 of its 4" in said, said
     assert "without it the planner keeps the weights the pass cannot split whole" in said, said
     r = planner("optimize", model, "--cluster", "local-cpu", "--nproc", "2", "--tp", "2")
     out = " ".join(r.stdout.split())

@@ -1,65 +1,24 @@
-"""Test model: a decoder whose attention handles each head of q and k on its own, split apart with
-`torch.split(x, 1, dim=1)` and concatenated back, as StableLM-2's per-head LayerNorm does.
-PER_HEAD "linear": each head through an `nn.Linear(hd, hd)` of its own, which no rule splits:
-the pass keeps the attention whole. d 32, 4 heads of 8, 2 layers, vocabulary 64."""
+"""Test model: tests/models/per_head_rmsnorm.py's decoder with each head of q and k through an
+`nn.Linear(hd, hd)` of its own instead of a norm (split apart with `torch.split(x, 1, dim=1)`,
+concatenated back): no rule splits it, so the TP pass keeps the attention whole."""
+
+import sys
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-D, H, L, V = 32, 4, 2, 64
-HD = D // H
-PER_HEAD = "linear"
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # per_head_rmsnorm, loaded by path
+import per_head_rmsnorm as base  # noqa: E402
 
 
-class PerHead(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        make = (lambda: nn.RMSNorm(HD, eps=1e-6)) if PER_HEAD == "rmsnorm" else (lambda: nn.Linear(HD, HD))
-        self.ops = nn.ModuleList(make() for _ in range(H))
-        with torch.no_grad():  # each head's own weights differ: a head normed with another's would show
-            for i, op in enumerate(self.ops):
-                op.weight.mul_(1.0 + 0.1 * i)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([op(h) for op, h in zip(self.ops, torch.split(x, 1, dim=1))], dim=1)
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.n1, self.n2 = nn.LayerNorm(D), nn.LayerNorm(D)
-        self.wq, self.wk, self.wv, self.wo = (nn.Linear(D, D, bias=False) for _ in range(4))
-        self.q_norm, self.k_norm = PerHead(), PerHead()
-        self.up, self.down = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        h = self.n1(x)
-        q, k, v = (w(h).view(B, T, H, HD).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        a = F.scaled_dot_product_attention(self.q_norm(q), self.k_norm(k), v, is_causal=True)
-        x = x + self.wo(a.transpose(1, 2).reshape(B, T, D))
-        return x + self.down(F.gelu(self.up(self.n2(x))))
-
-
-class Model(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(V, D)
-        self.blocks = nn.ModuleList(Block() for _ in range(L))
-        self.head = nn.Linear(D, V, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.emb(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+def per_head_linear() -> nn.Module:
+    return nn.Linear(base.HD, base.HD)
 
 
 def build_model() -> nn.Module:
     torch.manual_seed(0)
-    return Model()
+    return base.Model(per_head_linear)
 
 
-def example_inputs(batch_size: int = 2, seq_len: int = 16) -> tuple:
-    return (torch.randint(0, V, (batch_size, seq_len), generator=torch.Generator().manual_seed(0)),)
+example_inputs = base.example_inputs

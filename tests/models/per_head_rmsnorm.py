@@ -1,7 +1,8 @@
 """Test model: a decoder whose attention handles each head of q and k on its own, split apart with
-`torch.split(x, 1, dim=1)` and concatenated back, as StableLM-2's per-head LayerNorm does.
-PER_HEAD "rmsnorm": each head through an `nn.RMSNorm` of its own, merged into one norm over
-the heads (`planner.frontend.per_head_norms`). d 32, 4 heads of 8, 2 layers, vocabulary 64."""
+`torch.split(x, 1, dim=1)` and concatenated back, as StableLM-2's per-head LayerNorm does: each head
+through an `nn.RMSNorm` of its own, merged into one norm over the heads
+(`planner.frontend.per_head_norms`); `Model(per_head)` takes another per-head module
+(tests/models/per_head_linear.py). d 32, 4 heads of 8, 2 layers, vocabulary 64."""
 
 import torch
 import torch.nn.functional as F
@@ -9,13 +10,15 @@ from torch import nn
 
 D, H, L, V = 32, 4, 2, 64
 HD = D // H
-PER_HEAD = "rmsnorm"
+
+
+def rms_norm() -> nn.Module:
+    return nn.RMSNorm(HD, eps=1e-6)
 
 
 class PerHead(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, make) -> None:  # noqa: ANN001 - a module factory
         super().__init__()
-        make = (lambda: nn.RMSNorm(HD, eps=1e-6)) if PER_HEAD == "rmsnorm" else (lambda: nn.Linear(HD, HD))
         self.ops = nn.ModuleList(make() for _ in range(H))
         with torch.no_grad():  # each head's own weights differ: a head normed with another's would show
             for i, op in enumerate(self.ops):
@@ -26,11 +29,11 @@ class PerHead(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, per_head) -> None:  # noqa: ANN001
         super().__init__()
         self.n1, self.n2 = nn.LayerNorm(D), nn.LayerNorm(D)
         self.wq, self.wk, self.wv, self.wo = (nn.Linear(D, D, bias=False) for _ in range(4))
-        self.q_norm, self.k_norm = PerHead(), PerHead()
+        self.q_norm, self.k_norm = PerHead(per_head), PerHead(per_head)
         self.up, self.down = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -43,10 +46,10 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, per_head=rms_norm) -> None:  # noqa: ANN001 - a module factory, one per head
         super().__init__()
         self.emb = nn.Embedding(V, D)
-        self.blocks = nn.ModuleList(Block() for _ in range(L))
+        self.blocks = nn.ModuleList(Block(per_head) for _ in range(L))
         self.head = nn.Linear(D, V, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
