@@ -37,7 +37,7 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-__all__ = ["functionalize_fresh_writes"]
+__all__ = ["add_call", "functionalize_fresh_writes"]
 
 aten = torch.ops.aten
 
@@ -196,7 +196,7 @@ def _as_cat(fresh: fx.Node, writes: list[_Write]) -> tuple[int, list[_Write]] | 
     return spans[0][0], [s[3] for s in spans]
 
 
-def _add(
+def add_call(
     graph: fx.Graph, target: Callable, args: tuple, like: fx.Node, kwargs: dict | None = None
 ) -> fx.Node:
     """A call of `target` with `like`'s metadata (source line, module) and its fake value computed."""
@@ -217,9 +217,9 @@ def _source_as(
         return src
     val = src.meta["val"]
     if tuple(val.shape) != tuple(shape):
-        src = _add(graph, aten.expand.default, (src, list(shape)), like)
+        src = add_call(graph, aten.expand.default, (src, list(shape)), like)
     if val.dtype != dtype:
-        src = _add(graph, aten._to_copy.default, (src,), like, {"dtype": dtype})
+        src = add_call(graph, aten._to_copy.default, (src,), like, {"dtype": dtype})
     return src
 
 
@@ -235,9 +235,9 @@ def _out_of_place(graph: fx.Graph, write: fx.Node, current: fx.Node) -> fx.Node:
     `rounding_mode=`), cast back to `current`'s dtype as the in-place op keeps its destination's (an
     fp32 operand added into a bf16 tensor, an int64 into an int8 counter)."""
     dtype = current.meta["val"].dtype
-    out = _add(graph, _functional_target(write), (current, *write.args[1:]), write, dict(write.kwargs))
+    out = add_call(graph, _functional_target(write), (current, *write.args[1:]), write, dict(write.kwargs))
     if out.meta["val"].dtype != dtype:
-        out = _add(graph, aten._to_copy.default, (out,), write, {"dtype": dtype})
+        out = add_call(graph, aten._to_copy.default, (out,), write, {"dtype": dtype})
     return out
 
 
@@ -258,7 +258,7 @@ def _rewrite(
                 _source_as(graph, w.node.args[1], w.chain[0].meta["val"].shape, val.dtype, w.node)
                 for w in ordered
             ]
-            versions = [(order[last], _add(graph, aten.cat.default, (parts, dim), last))]
+            versions = [(order[last], add_call(graph, aten.cat.default, (parts, dim), last))]
     else:
         versions = []
         current = fresh
@@ -268,7 +268,7 @@ def _rewrite(
                     # t.copy_(src): a new contiguous tensor holding src as t holds it (not src itself,
                     # which may be written later or be a transposed or broadcast view)
                     held = _source_as(graph, w.node.args[1], val.shape, val.dtype, w.node)
-                    current = _add(
+                    current = add_call(
                         graph, aten.clone.default, (held,), w.node, {"memory_format": torch.contiguous_format}
                     )
                 elif not w.chain:
@@ -276,7 +276,7 @@ def _rewrite(
                 else:  # a write into current[view_1][view_2]...: scattered back out, innermost first
                     bases = [current]
                     for view in w.chain:
-                        bases.append(_add(graph, view.target, (bases[-1], *view.args[1:]), w.node))
+                        bases.append(add_call(graph, view.target, (bases[-1], *view.args[1:]), w.node))
                     if op_name(w.node.target) == "aten.copy_":
                         inner = _source_as(
                             graph, w.node.args[1], bases[-1].meta["val"].shape, val.dtype, w.node
@@ -284,7 +284,7 @@ def _rewrite(
                     else:  # fill_, add_, ... of the view: the out-of-place op on its current value
                         inner = _out_of_place(graph, w.node, bases[-1])
                     for view, base in zip(reversed(w.chain), reversed(bases[:-1]), strict=True):
-                        inner = _add(
+                        inner = add_call(
                             graph, _SCATTER[op_name(view.target)], (base, inner, *view.args[1:]), w.node
                         )
                     current = inner

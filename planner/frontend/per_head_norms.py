@@ -21,27 +21,16 @@ bias or none alike), and those norms read by one `aten.cat` along the split dim 
 
 from __future__ import annotations
 
-import contextlib
 import operator
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
+
+from planner.frontend.fresh_writes import add_call
 
 __all__ = ["merge_per_head_norms"]
 
 aten = torch.ops.aten
-
-
-def _add(graph: fx.Graph, target, args: tuple, like: fx.Node) -> fx.Node:
-    """A call of `target` with `like`'s metadata (source line, module) and its fake value computed."""
-    node = graph.call_function(target, args, {})
-    node.meta.update({k: v for k, v in like.meta.items() if k not in ("val", "tensor_meta")})
-    mode = detect_fake_mode([a.meta.get("val") for a in node.all_input_nodes])
-    fake_args = fx.node.map_arg(args, lambda a: a.meta["val"])
-    with mode if mode is not None else contextlib.nullcontext():
-        node.meta["val"] = target(*fake_args)
-    return node
 
 
 def _pieces(split: fx.Node) -> tuple[fx.Node, int, list[fx.Node]] | None:
@@ -127,15 +116,21 @@ def merge_per_head_norms(graph: fx.Graph) -> int:
         with graph.inserting_before(cat):
             (eps_value,) = eps
             args = (x, [width], None, None) if b_at is not None else (x, [width], None)
-            out = _add(graph, target, args if eps_value is None else (*args, eps_value), norms[0])
-            weight = _add(graph, aten.stack.default, ([n.args[2] for n in norms],), norms[0])
-            out = _add(
-                graph, aten.mul.Tensor, (out, _add(graph, aten.view.default, (weight, view), norms[0])), cat
+            out = add_call(graph, target, args if eps_value is None else (*args, eps_value), norms[0])
+            weight = add_call(graph, aten.stack.default, ([n.args[2] for n in norms],), norms[0])
+            out = add_call(
+                graph,
+                aten.mul.Tensor,
+                (out, add_call(graph, aten.view.default, (weight, view), norms[0])),
+                cat,
             )
             if has_bias.pop():
-                bias = _add(graph, aten.stack.default, (biases,), norms[0])
-                out = _add(
-                    graph, aten.add.Tensor, (out, _add(graph, aten.view.default, (bias, view), norms[0])), cat
+                bias = add_call(graph, aten.stack.default, (biases,), norms[0])
+                out = add_call(
+                    graph,
+                    aten.add.Tensor,
+                    (out, add_call(graph, aten.view.default, (bias, view), norms[0])),
+                    cat,
                 )
         cat.replace_all_uses_with(out)
         for node in [cat, *norms, *items, split]:
