@@ -320,6 +320,8 @@ class SolverInfo:
 # the "megatron-baseline" decision's note when the hand-written layout splits other weights than the
 # plan, or splits them otherwise (`planner.cli.workflow._lower_baseline`; the report names it)
 BASELINE_OTHER_SPLITS = "its weight splits differ from this plan's"
+# the start of its note when the passes cannot lower the hand-written layout (followed by the refusal)
+BASELINE_WOULD_NOT_RUN = "it would not run"
 
 
 @dataclass

@@ -200,7 +200,10 @@ def column_names(paths: list[str]) -> list[str]:
 def render_comparison(console: Console, paths: list[str]) -> None:
     """Print the reports side by side and which is fastest (predicted, and measured where run).
     Raises InputError for a file that is not a readable report."""
+    # a run that failed (its check, a rank: `"failed"`, exit 4) measured nothing to compare
     reports = [load_report(path) for path in paths]
+    failed = [r.get("failed") for r in reports]
+    reports = [{**r, "measured": None} if why else r for r, why in zip(reports, failed)]
     table = Table(title="Plans side by side (per step; memory per rank)")
     table.add_column("")
     for name in column_names(paths):
@@ -217,20 +220,18 @@ def render_comparison(console: Console, paths: list[str]) -> None:
     for label in columns[0]:
         table.add_row(label, *(c[label] for c in columns))
     console.print(table)
-    for report, path in zip(reports, paths):
-        if report.get("failed"):
+    for why, path in zip(failed, paths):
+        if why:
             console.print(
-                f"[yellow]note: {path}'s run failed ({escape(shorten(str(report['failed']), 160))}): its measurements "
+                f"[yellow]note: {path}'s run failed ({escape(shorten(str(why), 160))}): its measurements "
                 "are not compared[/yellow]"
             )
-    reports_measured = [{**r, "measured": None} if r.get("failed") else r for r in reports]
     clusters = [str(r.get("cluster", "-")) for r in reports]
     if len(set(clusters)) > 1:
         console.print(
             f"[yellow]note: the reports are priced on different clusters ({', '.join(dict.fromkeys(clusters))}): "
             "their predicted steps compare the clusters' prices as well as the plans[/yellow]"
         )
-    reports = reports_measured
     if len({(r.get("model"), r.get("workload")) for r in reports}) > 1:
         console.print(
             "[yellow]note: the reports plan different models or workloads; their steps are not the same work[/yellow]"

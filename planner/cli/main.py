@@ -712,14 +712,14 @@ def cmd_optimize(args: argparse.Namespace) -> int:
 
         def cluster_spec():
             bars("loading the cluster spec", None)
-            planned_nproc = nproc
             if args.cluster and args.run and args.scale_to_local and nproc:
-                # --nproc counts the local ranks of the re-plan (`_run`), not the GPU cluster's devices
-                if workflow.resolve_cluster(args.cluster, None).backend == "nccl":
-                    planned_nproc = None
+                # --nproc counts the local ranks of the re-plan (`_run`), not a GPU cluster's devices
+                whole = workflow.resolve_cluster(args.cluster, None)
+                if whole.backend == "nccl":
+                    return whole
             return workflow.resolve_cluster(
                 args.cluster,
-                planned_nproc,
+                nproc,
                 progress=lambda step, frac: bars(f"calibrating: {step}", frac),
                 recalibrate=args.recalibrate,
                 notify=bars.note,

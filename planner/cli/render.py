@@ -11,6 +11,7 @@ from rich.table import Table
 
 from planner.plan import (
     BASELINE_OTHER_SPLITS,
+    BASELINE_WOULD_NOT_RUN,
     Decision,
     Fallback,
     LayerCost,
@@ -254,7 +255,7 @@ def render_plan(console: Console, plan: Plan) -> None:
             (
                 part
                 for part in (d.reason.split("; ") if d else [])
-                if part.startswith(("does not fit", "it would not run"))
+                if part.startswith(("does not fit", BASELINE_WOULD_NOT_RUN))
             ),
             "",
         )
@@ -286,7 +287,7 @@ def render_plan(console: Console, plan: Plan) -> None:
             else f"no weight of this model divides by tp={plan.tp} (its widths or heads)"
         )
         baseline = next((d for d in plan.decisions if d.subject == "megatron-baseline"), None)
-        unrunnable = baseline is not None and "it would not run" in baseline.reason
+        unrunnable = baseline is not None and BASELINE_WOULD_NOT_RUN in baseline.reason
         run_split = (
             f"; --layout megatron plans, prices and runs the hand-written Megatron-LM split layout at TP={plan.tp} "
             "anyway"

@@ -42,6 +42,7 @@ from planner.frontend.phases import build_for, cast_inputs, decode_phase, plan_s
 from planner.frontend.roles import Projection
 from planner.plan import (
     BASELINE_OTHER_SPLITS,
+    BASELINE_WOULD_NOT_RUN,
     WORKLOADS,
     DataParallel,
     Decision,
@@ -1314,7 +1315,7 @@ def _lower_baseline(
             replace(prepared, structure=structure), replace(expert, recompute={}), cluster
         )
     except InfeasibleError as e:
-        return replace(plan, decisions=_baseline_note(plan.decisions, None, f"it would not run: {e}"))
+        return replace(plan, decisions=_baseline_note(plan.decisions, None, f"{BASELINE_WOULD_NOT_RUN}: {e}"))
     note = ""
     if expert.fallbacks:
         ops = ", ".join(dict.fromkeys(f"{f.op} at {f.line or f.node}" for f in expert.fallbacks))
