@@ -409,12 +409,35 @@ def _thaw(frozen: _Frozen, model: nn.Module) -> fx.GraphModule:
         **dict(model.named_buffers(remove_duplicate=False)),
         **dict(model.named_parameters(remove_duplicate=False)),
     }
-    # GraphModule registers a Parameter of the dict as a parameter and any other tensor as a buffer
-    root = {target: tensors[target] for target in frozen.bound}
-    root.update({target: value.clone() for target, value in frozen.constants.items()})
-    gm = fx.GraphModule(root, graph, class_name="CapturedModel")
+    # registered in the order the graph first reads them, as a fresh capture (`capture._normalise`: a
+    # module root, copied node by node) registers them. A dict root would register them by depth
+    # (lm_head before model.embed_tokens): ranks flatten their gradients into one all-reduce buffer
+    # in named_parameters() order, so a rank whose graph came from the cache summed its gradients
+    # into another parameter's place than a rank that exported it (CP 2 DeepSeek-V3: 0.0226 off)
+    holder = nn.Module()
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            constant = frozen.constants.get(node.target)
+            _hold(holder, node.target, tensors[node.target] if constant is None else constant.clone())
+    gm = fx.GraphModule(holder, graph, class_name="CapturedModel")
     gm.train(frozen.training)
     return gm
+
+
+def _hold(root: nn.Module, target: str, value: torch.Tensor) -> None:
+    """Put `value` at the dotted `target` under `root` (plain modules made along the way): a Parameter
+    as a parameter, any other tensor as a buffer, as GraphModule copies a get_attr's tensor."""
+    *path, field = target.split(".")
+    for name in path:
+        child = getattr(root, name, None)
+        if child is None:
+            child = nn.Module()
+            root.add_module(name, child)
+        root = child
+    if isinstance(value, nn.Parameter):
+        root.register_parameter(field, value)
+    else:
+        root.register_buffer(field, value)
 
 
 class _Uncacheable(Exception):
