@@ -1,8 +1,9 @@
 """The hand-written Megatron-LM plan, costed with the same model as the planner's plans.
 
 Megatron's recipe (Shoeybi et al. 2019; Narayanan et al. 2021): TP = the devices of one node (the
-largest degree that divides the heads and the node), PP = the number of nodes, DP = 1 (training on
-several nodes: the fewest stages that fit memory, DP over the other nodes, `megatron_configs`); attention
+largest degree that divides the heads and the node), PP = the number of nodes, DP = 1 (training: TP
+from Megatron-LM's published model table by the model's width, up to the node's while it does not
+fit, then the fewest stages that fit memory, DP over the other devices, `megatron_configs`); attention
 head-parallel (Q/K/V column-wise, output row-wise), MLP column-then-row, embedding and LM head
 vocab-parallel, layers split evenly over stages, no ladder residual; a mixture of experts' routed
 experts split over the TP ranks without expert parallelism (`split_experts`: each tool's default). Where a split is not
@@ -54,6 +55,28 @@ def megatron_tp(cluster: ClusterSpec, num_heads: int | None, structure: ModelStr
         if structure is None or not structure.kv_heads_unsplit_by(tp):
             return tp
     return 1
+
+
+# Megatron-LM's published layouts by model width (Megatron-Core r0.8 README, weak-scaling model table,
+# H100, sequence 4,096: hidden 2,048 (1.7B) TP 1, 4,096 (7.1B) TP 2, 6,144 (16B) TP 4, 7,168 (32B) and
+# wider TP 8, pipeline stages only from 70B on, TP staying 8): (widest hidden size, TP) in order
+MEGATRON_TP_BY_HIDDEN = ((2048, 1), (4096, 2), (6144, 4))
+
+
+def megatron_training_tps(node_tp: int, structure: ModelStructure) -> list[int]:
+    """The TP degrees a Megatron-LM user tries for training without pipeline stages, in order: the model
+    table's degree for `structure`'s hidden size (`MEGATRON_TP_BY_HIDDEN`; `node_tp`, the largest the
+    node and the heads allow (`megatron_tp`), past the table's widths), then each larger degree dividing
+    `node_tp` up to it. A degree that leaves a KV head cut (`ModelStructure.kv_heads_unsplit_by`) is
+    skipped. Training a 2,048-wide model at TP 8 (the node) was the baseline before: its TP
+    all-reduces cost more than the 1.7B row's published layout spends, so plans read faster than the
+    expert's by that much."""
+    table = next((tp for hidden, tp in MEGATRON_TP_BY_HIDDEN if structure.hidden_size <= hidden), node_tp)
+    return [
+        d
+        for d in range(1, node_tp + 1)
+        if node_tp % d == 0 and d >= min(table, node_tp) and not structure.kv_heads_unsplit_by(d)
+    ]
 
 
 def megatron_choices(graphs: dict[str, LayerGraph], ends: LayerGraph) -> dict[tuple[str, str], str]:
@@ -199,7 +222,8 @@ def megatron_configs(
     """The meshes a Megatron-LM user would try, in order: TP = devices per node (dividing the heads),
     PP = nodes (at most the layers), DP = 1; for training, every divisor of the nodes as PP with DP
     over the rest of the TP groups (a node's devices beyond TP too), fewest stages first (the caller
-    keeps the first that fits memory).
+    keeps the first that fits memory), and without stages TP from the model table's degree for the
+    model's width up (`megatron_training_tps`).
     Training: sequence parallel (TP > 1, where every layer's sequence divides by TP, as Megatron-LM
     requires: not a ViT's 17 patch and class tokens at TP 2), interleaved 1F1B (`megatron_virtual_stages`), distributed
     optimizer (DP > 1), and the communication overlap Megatron-LM's published runs use (TP overlap
@@ -221,17 +245,18 @@ def megatron_configs(
             MeshConfig(MeshShape(tp, pp, 1), megatron_micro_batches(workload.batch_size, pp, workload))
         ]
     else:
-        # every TP group of the cluster trains: the devices a node holds beyond TP (heads that leave TP
-        # below a node's devices) go to DP, as Megatron-LM's --data-parallel-size is what is left (it
-        # was one replica per node, leaving the rest idle)
+        # every TP group of the cluster trains: the devices a node holds beyond TP go to DP, as
+        # Megatron-LM's --data-parallel-size is what is left. Without pipeline stages TP starts at the
+        # model table's degree for the model's width and doubles up to the node's while it does not fit;
+        # stages come after TP fills the node, as in the table
         nodes, configs = cluster.num_nodes, []
-        replicas = cluster.num_devices // tp
         for pp in (d for d in range(1, nodes + 1) if nodes % d == 0 and d <= num_layers):
-            dp = replicas // pp
-            while dp > 1 and workload.batch_size % dp:  # a batch the replicas do not divide: fewer of
-                dp -= 1  # them (the rest idle), as --data-parallel-size must divide the global batch
-            m = megatron_micro_batches(workload.batch_size // dp, pp, workload)
-            configs.append(MeshConfig(MeshShape(tp, pp, dp), m))
+            for degree in megatron_training_tps(tp, structure) if pp == 1 else (tp,):
+                dp = cluster.num_devices // degree // pp
+                while dp > 1 and workload.batch_size % dp:  # a batch the replicas do not divide: fewer of
+                    dp -= 1  # them (the rest idle), as --data-parallel-size must divide the global batch
+                m = megatron_micro_batches(workload.batch_size // dp, pp, workload)
+                configs.append(MeshConfig(MeshShape(degree, pp, dp), m))
     configs = [c for c in configs if workload.batch_size % (c.mesh.dp * c.micro_batches) == 0]
     tokens = structure.stream_tokens(workload.seq_len)
     return [
