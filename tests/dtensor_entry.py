@@ -43,7 +43,7 @@ def _train(exported, model_file, mesh) -> dict:
     sharded, loss = _loss(model, args, kwargs)
     loss.backward()
     expected = dict(unsharded.named_parameters())
-    grad_diff = 0.0
+    grad_diff = grad_scale = 0.0
     for key, p in model.named_parameters():
         grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         want = expected[key].grad
@@ -53,12 +53,15 @@ def _train(exported, model_file, mesh) -> dict:
         module = key.rpartition(".")[0]
         if module in exported.FUSED_PARTS:
             want = _fused_order(want, exported.FUSED_PARTS[module], exported.TP_DEGREE)
-        grad_diff = max(grad_diff, (grad - want).abs().max().item())
+        grad_diff = max(grad_diff, (grad.float() - want).abs().max().item())
+        grad_scale = max(grad_scale, want.abs().max().item())
     params = dict(model.named_parameters(remove_duplicate=False))
     return {
-        "max_abs_diff": (sharded - reference).abs().max().item(),
+        "max_abs_diff": (sharded.float() - reference).abs().max().item(),
         "scale": reference.abs().max().item(),
+        "dtype": str(sharded.dtype),
         "grad_max_abs_diff": grad_diff,
+        "grad_scale": grad_scale,
         "local_shapes": {k: tuple(p.to_local().shape) for k, p in params.items() if isinstance(p, DTensor)},
         "placements": {k: str(p.placements) for k, p in params.items() if isinstance(p, DTensor)},
         "tied": "transformer.wte.weight" in params

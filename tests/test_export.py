@@ -289,11 +289,15 @@ def test_dtensor_data_parallel_export_runs_equal_to_the_unsharded_model_on_four_
     included): FSDP x TP2, HSDP 2x2 without reshard after forward at TP1, DDP (a replicate dim over a
     shard dim of 1) x TP2 under sequence parallel, and GPT-2's ZeRO-1 (exported as FSDP, tied head)
     x TP2. Every rank feeds the same batch, so outputs and averaged gradients equal the unsharded
-    model's; the local shapes show the shards."""
+    model's; the local shapes show the shards. A bf16 plan's fully_shard computes in bf16 (its
+    MixedPrecisionPolicy: it was left out, and the file ran a bf16 plan in fp32), within bf16's
+    tolerance of the fp32 model."""
 
-    def plan(name: str, tp: int, dp: int, style: DataParallel, shard: int = 1, **changes) -> Plan:
+    def plan(
+        name: str, tp: int, dp: int, style: DataParallel, shard: int = 1, dtype: str = "fp32", **changes
+    ) -> Plan:
         base = fixed_plan(analyse(captured(name).gm), str(EXAMPLES / f"{name}.py"), tp, workload="train")
-        return _with(base, dtype="bf16", mesh=MeshShape(tp, 1, dp), dp_style=style, dp_shard=shard, **changes)
+        return _with(base, dtype=dtype, mesh=MeshShape(tp, 1, dp), dp_style=style, dp_shard=shard, **changes)
 
     def job(name: str, exported: Plan) -> tuple:
         return (str(EXAMPLES / f"{name}.py"), export_plan(exported, "dtensor").text, "whole")
@@ -305,12 +309,18 @@ def test_dtensor_data_parallel_export_runs_equal_to_the_unsharded_model_on_four_
         ),
         "hf_llama_sp_ddp": job("hf_llama", plan("hf_llama", 2, 2, DataParallel.DDP, sequence_parallel=True)),
         "gpt2_tiny_zero1": job("gpt2_tiny", plan("gpt2_tiny", 2, 2, DataParallel.ZERO1, 2)),
+        "llama3_fsdp_bf16": job("llama3", plan("llama3", 2, 2, DataParallel.FSDP, 2, dtype="bf16")),
     }
     assert "DP_STYLE = 'hsdp 2x2-noreshard'" in jobs["llama3_hsdp_noreshard"][1]
     assert "DP_STYLE = 'fsdp-noreshard'" in jobs["gpt2_tiny_zero1"][1]
     ranks = launch(apply_exported, jobs, 4, timeout_s=300)
     for rank in ranks:
+        bf16 = rank.pop("llama3_fsdp_bf16")
+        assert bf16["dtype"] == "torch.bfloat16", bf16["dtype"]
+        assert 0 < bf16["max_abs_diff"] <= 3e-2 * bf16["scale"], bf16
+        assert bf16["grad_max_abs_diff"] <= 5e-2 * bf16["grad_scale"], bf16
         for name, got in rank.items():
+            assert got["dtype"] == "torch.float32", (name, got["dtype"])
             assert got["max_abs_diff"] <= 1e-5 * got["scale"], (name, got["max_abs_diff"])
             assert got["grad_max_abs_diff"] <= 1e-6, (name, got["grad_max_abs_diff"])
         shapes = {name: got["local_shapes"] for name, got in rank.items()}
@@ -1250,11 +1260,32 @@ def test_dtensor_data_parallel_styles(llama_plan):
         fsdp.apply_data_parallel(model, types.SimpleNamespace(mesh_dim_names=("tp",)))
 
 
+def test_dtensor_writes_the_plans_mixed_precision(llama_plan):
+    """fully_shard's MixedPrecisionPolicy from the plan's dtype and gradient reduction (an fp32 plan casts
+    nothing); without fully_shard the docstring says to build the model in the plan's dtype; fp16
+    training's loss scaling, which the file does not do, is a warning."""
+    train = _with(llama_plan, workload=Workload.TRAIN)
+    bf16 = _dtensor_module(_dp(_with(train, dtype="bf16", grad_reduce_dtype="fp32"), DataParallel.FSDP, 4))
+    assert (bf16.PARAM_DTYPE, bf16.REDUCE_DTYPE) == (torch.bfloat16, torch.float32)
+    assert "reduces the gradients in REDUCE_DTYPE" in bf16.__doc__
+    plain = _dtensor_module(_with(train, dtype="bf16"))
+    assert (plain.PARAM_DTYPE, plain.REDUCE_DTYPE) == (torch.bfloat16, torch.bfloat16)
+    assert "build it in bf16" in " ".join(plain.__doc__.split())
+    fp32 = _dtensor_module(_with(train, dtype="fp32"))
+    assert (fp32.PARAM_DTYPE, fp32.REDUCE_DTYPE) == (None, None)
+    scaled = export_plan(_with(train, dtype="fp16", loss_scale="dynamic"), "dtensor")
+    assert any("GradScaler" in w for w in scaled.warnings), scaled.warnings
+
+
 def test_vllm_reads_no_data_parallel_style(llama_plan):
     """Serving plans replicate (dp_style ddp); the vLLM export carries dp as data_parallel_size only."""
     served = _served(_with(llama_plan, mesh=dataclasses.replace(llama_plan.mesh, dp=2), batch_size=8))
     args, _, _ = vllm_engine_args(served)
     assert args["data_parallel_size"] == 2 and not {k for k in args if "shard" in k or "fsdp" in k}
+    # offline, one LLM(...) is one replica: the file does not offer LLM(**ENGINE_ARGS) for dp 2
+    text = export_plan(served, "vllm").text
+    assert "LLM(**ENGINE_ARGS)" not in text and "start 2 processes" in text
+    assert "LLM(**ENGINE_ARGS)" in export_plan(_served(llama_plan), "vllm").text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1658,3 +1689,15 @@ def test_an_edited_mesh_larger_than_the_plans_cluster_is_refused_naming_it(tmp_p
     assert main(["export", str(edited), "--to", "megatron"]) == 2
     said = " ".join(capsys.readouterr().err.split())
     assert re.search("plan field 'mesh': tp=3 pp=1 dp=1 uses 3 devices.*local-cpu has 2", said), said
+
+
+def test_torchtitan_says_when_the_model_is_not_its_llama(captured, llama_plan):
+    """GPT-2 (fused c_attn, a GELU MLP) went out as `--module llama3` with no word that the module
+    does not build it; the Llama does not get the warning."""
+    gm = captured("gpt2_tiny").gm
+    gpt2 = fixed_plan(analyse(gm), str(EXAMPLES / "gpt2_tiny.py"), 2, workload="train")
+    (said,) = [w for w in export_plan(gpt2, "torchtitan").warnings if "is not torchtitan's llama3" in w]
+    assert "fused q/k/v" in said and "without a gate" in said, said
+    assert not [
+        w for w in export_plan(llama_plan, "torchtitan").warnings if "is not torchtitan's llama3" in w
+    ]

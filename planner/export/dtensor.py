@@ -84,7 +84,7 @@ from planner.export.common import (
     nearest_dp_form,
     num_layers,
 )
-from planner.plan import DataParallel, Plan, SplitStyle
+from planner.plan import DataParallel, Plan, SplitStyle, Workload, loss_scale_text
 
 TOOL = "DTensor (torch.distributed.tensor.parallel)"
 
@@ -301,7 +301,8 @@ def _layer_names(module: nn.Module) -> list[str]:
 
 def apply_data_parallel(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """Data parallelism as DP_STYLE says, on the data-parallel dims of `mesh` (init_mesh()'s):
-    fully_shard(layer, mesh=dp_mesh, reshard_after_forward=RESHARD_AFTER_FORWARD) for each layer,
+    fully_shard(layer, mesh=dp_mesh, reshard_after_forward=RESHARD_AFTER_FORWARD, mp_policy=...) for
+    each layer (parameters gathered in PARAM_DTYPE, gradients reduced in REDUCE_DTYPE),
     then for `module` itself (its parameters outside the layers: embeddings, final norm, LM head),
     dp_mesh = mesh["dp_replicate", "dp_shard"] with replicas (HSDP; DDP with a shard dim of 1), else
     mesh["dp_shard"]. After apply()'s tensor parallelism (fully_shard composes with its DTensors);
@@ -312,9 +313,12 @@ def apply_data_parallel(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
     if "dp_shard" not in names:
         raise ValueError(f"data parallelism needs init_mesh()'s mesh (dims {tuple(MESH_DIMS)}), got dims {names}")
     dp_mesh = mesh["dp_replicate", "dp_shard"] if MESH_DIMS["dp_replicate"] > 1 else mesh["dp_shard"]
+    policy = MixedPrecisionPolicy(param_dtype=PARAM_DTYPE, reduce_dtype=REDUCE_DTYPE)
     for name in _layer_names(module):
-        fully_shard(module.get_submodule(name), mesh=dp_mesh, reshard_after_forward=RESHARD_AFTER_FORWARD)
-    fully_shard(module, mesh=dp_mesh, reshard_after_forward=RESHARD_AFTER_FORWARD)
+        fully_shard(
+            module.get_submodule(name), mesh=dp_mesh, reshard_after_forward=RESHARD_AFTER_FORWARD, mp_policy=policy
+        )
+    fully_shard(module, mesh=dp_mesh, reshard_after_forward=RESHARD_AFTER_FORWARD, mp_policy=policy)
     return module
 
 
@@ -687,9 +691,48 @@ def _dp_note(plan: Plan, exported: DTensorPlan) -> str:
     return f"\n\n{head}\n\n{call}\n\n{tail[0].upper()}{tail[1:]}"
 
 
+def _torch_dtype(name: str | None) -> str:
+    return {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32"}.get(
+        name or "", "None"
+    )
+
+
+def _precision(plan: Plan) -> tuple[str | None, str | None, list[str]]:
+    """(fully_shard's param_dtype, its reduce_dtype, warnings) for `plan`'s dtype: the parameters gathered
+    and computed in a bf16 / fp16 plan's dtype, the gradients reduced as the plan priced it
+    (`Plan.grad_reduce_dtype`: fp32, or the parameters' dtype); an fp32 plan casts nothing. Without
+    fully_shard (dp = 1) nothing casts the model: the docstring says to build it in the plan's dtype."""
+    if plan.dtype == "fp32":
+        return None, None, []
+    reduce = "fp32" if plan.workload is Workload.TRAIN and plan.grad_reduce_dtype == "fp32" else plan.dtype
+    warnings = []
+    if plan.workload is Workload.TRAIN and plan.loss_scale is not None:
+        warnings.append(
+            f"the plan trains in {plan.dtype} with {loss_scale_text(plan.loss_scale)}; the exported file does not "
+            "scale the loss: step through torch.amp.GradScaler (it takes DTensor gradients) as the plan priced"
+        )
+    return plan.dtype, reduce, warnings
+
+
+def _dtype_note(plan: Plan) -> str:
+    """The docstring's paragraph on the plan's dtype: what fully_shard casts, what the user casts."""
+    if plan.dtype == "fp32":
+        return "The plan computes in fp32: build the model in fp32 (PARAM_DTYPE None: fully_shard casts nothing)."
+    dp = (
+        "fully_shard's MixedPrecisionPolicy gathers the parameters in PARAM_DTYPE and reduces the gradients in "
+        "REDUCE_DTYPE (apply_data_parallel), its sharded parameters staying as built (fp32 for an optimizer "
+        "step in fp32)"
+        if plan.dp > 1
+        else f"nothing here casts the model (no data parallelism, no fully_shard): build it in {plan.dtype} "
+        "(model.to(PARAM_DTYPE)) or run it under torch.autocast(dtype=PARAM_DTYPE)"
+    )
+    return textwrap.fill(f"The plan computes in {plan.dtype}: {dp}.", width=100, break_long_words=False)
+
+
 def export_dtensor(plan: Plan) -> Export:
     """The Python file (module docstring) with its warnings."""
     exported = dtensor_plan(plan)
+    param_dtype, reduce_dtype, precision_warnings = _precision(plan)
     device = _mesh_device(plan)
     sp = exported.first_layer is not None
     plan_lines = "\n".join(f"    {m!r}: {s}," for m, s in exported.styles.items())
@@ -718,6 +761,8 @@ or, for the tensor-parallel axis alone, a 1-D mesh of its ranks:
     mesh = init_device_mesh("{device}", ({plan.tp},))
     model = apply(model, mesh)
 
+{_dtype_note(plan)}
+
 apply() shards the modules of PLAN and VOCAB with parallelize_module. Before that it reorders the rows
 of each fused projection in FUSED_PARTS so that each rank's shard holds its piece of every part (a
 full_tensor() of such a weight is in that order), and divides the head counts and widths
@@ -734,7 +779,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -753,6 +798,9 @@ MESH_DIMS = {dims!r}
 DEVICE = {device!r}  # init_mesh()'s default device type: the plan's cluster's
 DP_STYLE = {exported.dp_style!r}  # what fully_shard runs: ddp, fsdp, fsdp-noreshard, hsdp SxR[-noreshard]
 RESHARD_AFTER_FORWARD = {exported.reshard_after_forward}  # fully_shard's reshard_after_forward, every unit
+# fully_shard's MixedPrecisionPolicy: the plan's {plan.dtype} compute and its gradient reduction (None: as stored)
+PARAM_DTYPE = {_torch_dtype(param_dtype)}
+REDUCE_DTYPE = {_torch_dtype(reduce_dtype)}
 NUM_LAYERS = {num_layers(plan)}
 DP_UNITS = {pprint.pformat(exported.dp_units, compact=True, width=100)}  # FSDP units, in order (None: found by apply)
 STAGES = {pprint.pformat([list(s) for s in plan.stages], compact=True, width=100)}  # layers per pipeline stage
@@ -769,4 +817,4 @@ FIRST_LAYER = {exported.first_layer!r}  # SEQUENCE_PARALLEL: the stream is cut a
 KV_CACHES = {exported.kv_caches}  # a served plan with attention heads split: apply() cuts the KV caches
 '''
     text = header + dtensor_cp.constants(plan) + dtensor_cp.apply_source(_APPLY_SOURCE, plan.cp)
-    return Export(text, exported.warnings + dtensor_cp.warnings(plan, device))
+    return Export(text, exported.warnings + precision_warnings + dtensor_cp.warnings(plan, device))

@@ -347,12 +347,35 @@ def _context_parallel(plan: Plan, version: str, warnings: list[str]) -> dict[str
     return fields
 
 
+def _not_llama_warnings(plan: Plan) -> list[str]:
+    """A warning when the plan's dense model is not built as torchtitan's llama3 module builds a layer
+    (separate q / k / v projections, a SwiGLU feed-forward of w1, w2, w3), read from the projections'
+    roles (`Plan.roles`): GPT-2's fused c_attn and GELU MLP went out as `--module llama3` without a word. The degrees still apply. Nothing for a
+    mixture of experts (its own warning) or a plan without roles (written before them)."""
+    roles = set(plan.roles.values())
+    if not roles or _moe(plan):
+        return []
+    differs = []
+    if "qkv" in roles:
+        differs.append("a fused q/k/v projection (llama3 has wq, wk, wv)")
+    if {"up", "down"} & roles and "gate" not in roles:
+        differs.append("an MLP without a gate (llama3's feed-forward is SwiGLU: w1, w3 and w2)")
+    if not differs:
+        return []
+    return [
+        f"the model is not torchtitan's llama3: it has {'; '.join(differs)}. --module llama3 and YOUR_CONFIG do not "
+        "describe it: port it as a torchtitan model (a TrainSpec of its own) to train it there; the parallelism "
+        "degrees below apply to it"
+    ]
+
+
 def _common(plan: Plan, version: str) -> tuple[dict[str, object], str, dict[str, object], list[str]]:
     """(parallelism fields, activation-checkpoint mode, training fields, warnings) shared by both
     versions' forms."""
     warnings = layout_warnings(plan, TOOL) + language_model_warnings(
         plan, TOOL, f"torchtitan {version}'s model modules (llama3, llama4, qwen3, deepseek_v3)"
     )
+    warnings += _not_llama_warnings(plan)
     if _moe(plan):
         warnings.append(
             "a mixture-of-experts model: torchtitan's llama3 module has no experts, so run it with the MoE module of "

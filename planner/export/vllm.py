@@ -174,6 +174,24 @@ def serve_argv(args: dict[str, object]) -> list[str]:
     return argv
 
 
+def _offline_note(plan: Plan) -> str:
+    """The docstring's offline (Python) use: `LLM(**ENGINE_ARGS)` runs one engine in its process, which
+    holds one data-parallel replica: with dp > 1 each replica is a process of its own (vLLM's
+    examples/offline_inference/data_parallel.py sets VLLM_DP_RANK, VLLM_DP_SIZE and the master address
+    in each), `vllm serve` runs them all."""
+    if plan.dp == 1:
+        return (
+            "or in Python (each environment variable set before vLLM starts):\n\n"
+            "    from vllm import LLM\n    llm = LLM(**ENGINE_ARGS)\n"
+        )
+    return (
+        f"or in Python: offline, one LLM(...) holds one data-parallel replica, so start {plan.dp} processes (one per\n"
+        "replica, each with VLLM_DP_RANK, VLLM_DP_RANK_LOCAL, VLLM_DP_SIZE, VLLM_DP_MASTER_IP and\n"
+        "VLLM_DP_MASTER_PORT set, as vLLM's examples/offline_inference/data_parallel.py does) and feed each its\n"
+        "share of the prompts; the command above runs them all.\n"
+    )
+
+
 def export_vllm(plan: Plan, model: str | None = None) -> Export:
     """The Python file (module docstring) with its warnings. Raises InputError for a training plan or
     one with context parallelism."""
@@ -184,8 +202,8 @@ def export_vllm(plan: Plan, model: str | None = None) -> Export:
     text = (
         f'"""vLLM engine arguments for {plan.model} on {plan.cluster} ({plan.workload}, tp={plan.tp} pp={plan.pp} '
         f"dp={plan.dp}),\nwritten by planner export --to vllm.\n\nServe from a shell:\n\n    {command}\n\n"
-        "or in Python (each environment variable set before vLLM starts):\n\n"
-        "    from vllm import LLM\n    llm = LLM(**ENGINE_ARGS)\n" + '"""\n\n'
+        + _offline_note(plan)
+        + '"""\n\n'
         f"ENGINE_ARGS = {{\n{body},\n}}\n"
         f"ENVIRONMENT = {env!r}\n"
         f"SERVE_COMMAND = {command!r}\n"
