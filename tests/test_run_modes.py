@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -482,3 +483,23 @@ def test_random_draws_beside_dropout_run_at_their_expectation_in_the_check() -> 
     assert "2 other random draw(s) (aten.uniform_ at router_jitter.py:" in note and "expectation" in note, (
         note
     )
+
+
+def test_a_run_whose_ranks_would_not_fit_this_machines_memory_is_refused() -> None:
+    """`planner run` of a plan whose ranks run on this machine's CPUs counts each rank's predicted peak
+    (data-parallel replicas each hold their weights, gradients and optimizer state), not the model's
+    shards once: a GPT-2 XL training plan of 4 replicas at 16.6 GiB each started on a 23 GiB machine.
+    On GPUs (ranks off the host) only the reference counts."""
+    from planner.cli.workflow import check_fits_this_machine  # noqa: PLC0415
+
+    plan = _plan("tiny_lm.py", dp=2, workload="train")
+    model_file = load_model_file(MODELS / "tiny_lm.py")
+    structure = analyse(capture(model_file.build("meta"), *model_file.inputs(4, 8)))
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    big = dataclasses.replace(
+        plan, predicted=dataclasses.replace(plan.predicted, peak_memory_bytes=total / 2)
+    )
+    with pytest.raises(InputError, match=r"2 rank\(s\) x .* GiB predicted per rank"):
+        check_fits_this_machine(big, structure, 2)
+    check_fits_this_machine(big, structure, 2, ranks_on_host=False)
+    check_fits_this_machine(plan, structure, 2)

@@ -240,6 +240,15 @@ def test_verdict_points_at_the_speed_line_only_when_the_speed_explains_the_gap(m
         plan, {**report, "measured": {**report["measured"], "latency_s": 0.0004}}, False, RECALIBRATE
     )
     assert "spread" not in out.getvalue()
+    # a GPU plan run on this CPU: the advice is to re-plan for this machine, whatever its load or spread
+    # (it said "the machine was busy ... run again on a quiet machine" of a 44x ratio across hardware)
+    monkeypatch.setattr(main, "busy_during_run", lambda ranks: busy)
+    out = io.StringIO()
+    monkeypatch.setattr(main, "console", Console(file=out, width=300))
+    other = "the plan was priced for dgx-h100, not this machine: re-plan without --cluster to compare"
+    main._print_verdict(plan, report, False, other, other_hardware=True)
+    text = out.getvalue()
+    assert "re-plan without --cluster" in text and "busy" not in text and "spread" not in text, text
 
 
 def test_advice_for_a_calibrated_spec_given_with_cluster_names_its_file(tmp_path) -> None:

@@ -899,7 +899,13 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             spec = workflow.plan_cluster(plan, plan.num_devices)[0]
         _plot(plan, args.plot, report, spec.device.memory_bytes)
     if run is not None:
-        _print_verdict(plan, report, layer_table, _advice(args.cluster, plan.cluster, run_cluster))
+        _print_verdict(
+            plan,
+            report,
+            layer_table,
+            _advice(args.cluster, plan.cluster, run_cluster),
+            other_hardware=_other_hardware(run_cluster),
+        )
     return 0
 
 
@@ -915,18 +921,23 @@ def _render_measured(plan, run: dict, report: dict) -> bool:
     return render_layer_comparison(console, plan, run["measured"].get("per_layer_s", {}))
 
 
-def _print_verdict(plan, report: dict, layer_table: bool, advice: str) -> None:
+def _print_verdict(plan, report: dict, layer_table: bool, advice: str, other_hardware: bool = False) -> None:
     """The run's last lines: measured / predicted and how far apart (`render.agreement_line`; a served
     request's is its time per output token); when the speed probe found the machine faster or slower
     than calibrated, also the ratio at the run's speed (`render.speed_line`), which the first line's
-    advice then points to; when the probe read the calibrated speed, the advice blames the cost model."""
+    advice then points to; when the probe read the calibrated speed, the advice blames the cost model.
+    `other_hardware`: the plan was priced for another kind of machine (a GPU cluster run on this CPU):
+    the advice is to re-plan for this machine, never a busy machine or the run's spread, which a ratio
+    across hardware says nothing about."""
     from planner.cli.render import RECALIBRATE, agreement_line, speed_line  # noqa: PLC0415
 
     measured_s = report["measured"]["latency_s"]
     at_run = report["measured"].get("at_run_speed")
-    busy = busy_during_run(plan.num_devices)
-    line = speed_line(at_run, measured_s, busy=busy)
-    if line and 0.8 <= (at_run.get("measured_over_predicted") or 0.0) <= 1.25:
+    busy = None if other_hardware else busy_during_run(plan.num_devices)
+    line = None if other_hardware else speed_line(at_run, measured_s, busy=busy)
+    if other_hardware:
+        pass
+    elif line and 0.8 <= (at_run.get("measured_over_predicted") or 0.0) <= 1.25:
         advice = "the machine ran at another speed than when calibrated: see the next line"
     elif busy:  # other processes shared the cores: neither the cost model nor calibration is to blame
         advice = busy
@@ -1079,6 +1090,7 @@ def _run(args, plan, prepared, cluster):
 
         render_plan(console, plan)
         nproc = plan.num_devices
+    workflow.check_fits_this_machine(plan, prepared.structure, nproc, ranks_on_host=torch_devices() < nproc)
     run = _run_plan(args, plan, nproc, speed_probe=workflow.probes_speed(cluster))
     return plan, run, cluster
 
@@ -1290,7 +1302,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         workflow.run_plan(
             plan, args.model, nproc, args.iters, args.warmup, args.timeout
         )  # raises the message
-    workflow.check_fits_this_machine(plan, prepared.structure, nproc)
+    workflow.check_fits_this_machine(plan, prepared.structure, nproc, ranks_on_host=torch_devices() < nproc)
     run = _run_plan(args, plan, nproc, speed_probe=workflow.probes_speed(cluster))
     if run is None:  # a rank other than 0 under torchrun: rank 0 reports
         return 0
@@ -1310,6 +1322,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         report,
         layer_table,
         _advice(plan.cluster_source or plan.cluster, plan.cluster, cluster, saved=True),
+        other_hardware=_other_hardware(cluster),
     )
     return 0
 

@@ -884,19 +884,35 @@ def check_split_sizes(name: str, split: WeightSplit, shape: tuple, tp: int) -> N
         )
 
 
-def check_fits_this_machine(plan: Plan, structure: ModelStructure, nproc: int) -> None:
-    """Running needs the model's weights in this machine's memory twice: the unsharded reference, run
-    once before the ranks start, and the ranks' shards together. Raises InputError with what would fit."""
+def check_fits_this_machine(
+    plan: Plan, structure: ModelStructure, nproc: int, ranks_on_host: bool = True
+) -> None:
+    """Running needs this machine's memory for the unsharded reference (the model's weights, run once
+    before the ranks start, its files kept while they run) and, where the ranks run on the host's CPUs
+    (`ranks_on_host`: gloo, no CUDA device), each of the `nproc` ranks' predicted peak (the plan's
+    `Prediction.peak_memory_bytes`: its shards, gradients, optimizer state and activations; data-parallel
+    replicas each hold their copy). The shards alone (about one model over all ranks) were counted before:
+    a 4-replica GPT-2 XL training plan of 16.6 GiB per rank started on a 23 GiB machine. Raises
+    InputError with what would fit."""
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         return
-    need = 2 * structure.param_bytes  # the reference once, then the shards of all ranks (about one model)
+    reference = structure.param_bytes
+    ranks = nproc * plan.predicted.peak_memory_bytes if ranks_on_host else 0.0
+    shards = max(structure.param_bytes, ranks)  # at least the model's weights over the ranks
+    need = reference + shards
     if need > 0.8 * total:
+        what = (
+            f"{nproc} rank(s) x {plan.predicted.peak_memory_bytes / 2**30:.1f} GiB predicted per rank"
+            if ranks >= structure.param_bytes
+            else f"its shards over {nproc} rank(s)"
+        )
         raise InputError(
-            f"running this plan here needs about {need / 2**30:.1f} GiB (the {structure.param_bytes / 2**30:.1f} GiB "
-            f"model once for the reference, then its shards over {nproc} ranks), this machine has {total / 2**30:.1f} GiB; "
-            "run it on its cluster (torchrun, see docs/real-cluster.md) or run a smaller configuration of the model"
+            f"running this plan here needs about {need / 2**30:.1f} GiB (the {reference / 2**30:.1f} GiB "
+            f"model once for the reference, then {what}), this machine has {total / 2**30:.1f} GiB; "
+            "run it on its cluster (torchrun, see docs/real-cluster.md) or run a smaller configuration of the "
+            "model (a smaller batch, sequence or model size)"
         )
 
 
