@@ -465,3 +465,33 @@ def test_a_module_beside_the_model_named_like_a_planner_package_does_not_stand_i
     assert (
         r.returncode == 2 and "runtime.py next to the model has the name of the planner's own package" in said
     ), said
+
+
+def test_an_elementwise_min_or_max_of_two_tensors_is_not_read_as_a_reduction():
+    """tests/models/elementwise_min.py (Apertus' xIELU: torch.min(h, eps), torch.max(...)): planning
+    crashed in the check for reductions over the batch, which took the second tensor for the dims; the
+    MLP now plans and splits as any other."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from planner.cli import workflow  # noqa: PLC0415
+
+    path = str(Path(__file__).parent / "models" / "elementwise_min.py")
+    prepared = workflow.prepare(path, "train")
+    assert not prepared.structure.batch_mixing
+    spec = workflow.resolve_cluster(str(Path(__file__).parent / "models" / "fastlink.yaml"), 2)
+    plan = workflow.make_plan(prepared, spec, workflow.constraints_from(2, None, None, "none"), path)
+    assert plan.splits["up.weight"].style.value == "colwise", plan.splits
+
+
+def test_a_data_dependent_split_is_refused_not_crashed_on():
+    """tests/models/hf_jetmoe.py: its experts split their tokens by data-dependent sizes; the per-head-
+    norm pass crashed on the unknown count (a traceback, exit 1) before the refusal of such shapes."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from planner.cli import workflow  # noqa: PLC0415
+
+    path = str(Path(__file__).parent / "models" / "hf_jetmoe.py")
+    with pytest.raises(
+        InputError, match=r"split_with_sizes at modeling_jetmoe.py:\d+ .* data-dependent shape"
+    ):
+        workflow.prepare(path, "forward")

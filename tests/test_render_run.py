@@ -166,3 +166,22 @@ def test_small_sizes_read_in_kib_and_a_pipelines_memory_is_the_fullest_stages(ca
     for stages, words in ((1, "(predicted 9.0 MiB each)"), (2, "(predicted 9.0 MiB on the fullest stage)")):
         _per_rank_memory(Console(width=200), m, 9 * 2**20, stages)
         assert words in capsys.readouterr().out
+
+
+def test_the_tail_names_a_stages_shared_weight_sync_at_dp_one() -> None:
+    """At dp = 1 the step's tail syncs only what two stages share (an embedding tied to the LM head
+    over pipeline stages): it read "DP gradient sync" with no data parallelism."""
+    import dataclasses  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from planner.cli.render import render_plan  # noqa: PLC0415
+    from planner.plan import MeshShape  # noqa: PLC0415
+    from tests.plans import fixed_plan, meta_structure  # noqa: PLC0415
+
+    model = str(Path(__file__).parent / "models" / "tiny_lm.py")
+    plan = fixed_plan(meta_structure(model, 4, 8), model, 1, pp=2, workload="train", micro_batches=2)
+    plan.predicted = dataclasses.replace(plan.predicted, grad_sync_s=0.002)
+    for dp, words in ((1, "incl. sync of weights the stages share 2.000 ms"), (2, "incl. DP gradient sync")):
+        out = io.StringIO()
+        render_plan(Console(file=out, width=400), dataclasses.replace(plan, mesh=MeshShape(1, 2, dp)))
+        assert words in out.getvalue(), out.getvalue()

@@ -240,6 +240,13 @@ def test_verdict_points_at_the_speed_line_only_when_the_speed_explains_the_gap(m
         plan, {**report, "measured": {**report["measured"], "latency_s": 0.0004}}, False, RECALIBRATE
     )
     assert "spread" not in out.getvalue()
+    # faster than predicted on a busy machine: other processes do not explain that
+    monkeypatch.setattr(main, "busy_during_run", lambda ranks: busy)
+    out = io.StringIO()
+    monkeypatch.setattr(main, "console", Console(file=out, width=300))
+    fast = {"measured": {"latency_s": 0.0001, "at_run_speed": {**calm, "latency_s": 0.001}}}
+    main._print_verdict(plan, fast, False, RECALIBRATE)
+    assert "busy" not in out.getvalue(), out.getvalue()
     # a GPU plan run on this CPU: the advice is to re-plan for this machine, whatever its load or spread
     # (it said "the machine was busy ... run again on a quiet machine" of a 44x ratio across hardware)
     monkeypatch.setattr(main, "busy_during_run", lambda ranks: busy)

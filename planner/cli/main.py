@@ -939,7 +939,9 @@ def _print_verdict(plan, report: dict, layer_table: bool, advice: str, other_har
         pass
     elif line and 0.8 <= (at_run.get("measured_over_predicted") or 0.0) <= 1.25:
         advice = "the machine ran at another speed than when calibrated: see the next line"
-    elif busy:  # other processes shared the cores: neither the cost model nor calibration is to blame
+    elif busy and measured_s > plan.predicted.latency_s:
+        # other processes shared the cores: neither the cost model nor calibration is to blame for a
+        # slow run (they do not make a run faster than predicted)
         advice = busy
     elif measured_s > plan.predicted.latency_s and (spread := _wide_spread(report["measured"])):
         # slow spells raise the median; they do not explain a run faster than predicted

@@ -200,7 +200,10 @@ def render_plan(console: Console, plan: Plan) -> None:
         if plan.workload is Workload.TRAIN and p.optimizer_s
         else ""
     )
-    sync = f" incl. DP gradient sync {fmt_s(p.grad_sync_s)}" if p.grad_sync_s else ""
+    # the tail's communication: the data-parallel reduction, and the sum of a weight two stages share
+    # (an embedding tied to the LM head), which alone is what a plan at dp = 1 syncs
+    synced = "DP gradient sync" if plan.dp * plan.cp > 1 else "sync of weights the stages share"
+    sync = f" incl. {synced} {fmt_s(p.grad_sync_s)}" if p.grad_sync_s else ""
     if p.serving_host_s:  # device.serving_host
         opt += f" incl. the serving engine's host work {fmt_s(p.serving_host_s)}"
     console.print(

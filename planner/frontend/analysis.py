@@ -580,6 +580,10 @@ def _batch_mixing(nodes: list[fx.Node], batch_size: int, seq_len: int = 1) -> li
             dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
         if isinstance(dims, int):
             dims = [dims]
+        if isinstance(
+            dims, fx.Node
+        ):  # min / max of two tensors (`aten.min.other`): elementwise, no reduction
+            continue
         if dims is None or (isinstance(dims, (list, tuple)) and not dims):  # a reduction over everything
             if name not in ("aten.softmax", "aten._softmax", "aten.log_softmax", "aten._log_softmax"):
                 found[f"{name} ({user_line(node) or node.name}) reduces over the batch dimension"] = None
