@@ -402,3 +402,16 @@ def test_a_fallback_in_every_layer_adds_one_stage_s_share_under_a_pipeline() -> 
     assert _step_times(at(2, 8), 32) == (16 * 9, 16)  # 16 layers per stage, 8 + 1 stage times
     assert _step_times(at(4, 16), 32) == (8 * 19, 8)
     assert _step_times(at(4, 16), 1) == (19 / 4, 1)  # one place, its stage's share of the step
+
+
+def test_a_refusal_in_a_long_chain_keeps_whole_only_the_projection_that_reaches_it() -> None:
+    """tests/models/hf_lfm2.py: its conv layer reads as one chain of five projections (in_proj, out_proj,
+    w1, w3, w2); the chunk of in_proj's output cannot carry a split. Only in_proj is kept whole (it kept
+    the whole chain whole, the SwiGLU feed-forward too), and the plan lowers."""
+    prepared, plan = _plan(str(MODELS / "hf_lfm2.py"))
+    styles = {w: str(s.style) for w, s in plan.splits.items()}
+    assert styles.get("model.layers.0.conv.in_proj.weight", "replicate") == "replicate", styles
+    assert styles["model.layers.0.feed_forward.w1.weight"] == "colwise", styles
+    (why,) = [e for e in plan.excluded if "aten.chunk at modeling_lfm2.py" in e and e.startswith("tp>1")]
+    assert "model.layers.0.conv.in_proj.weight" in why and "feed_forward" not in why, why
+    workflow.check_lowering(prepared, plan, load_cluster(FASTLINK, nproc=2))

@@ -1117,6 +1117,20 @@ def _layer_projections(layer: Layer) -> list[Projection]:
     return [p for block in blocks if block is not None for p in block.projections]
 
 
+def _chain_upstream(layer: Layer, node: str) -> list[Projection]:
+    """The MLP projections of `layer` to keep whole for a TP refusal at `node` in its MLP: all of them
+    for an MLP of up to three projections (gate, up, down), else, for a longer chain (LFM2's conv block
+    read with its feed-forward as one chain: in_proj, the chunk and conv, out_proj, w1, w3, w2), the last
+    projection before `node` in graph order, whose split reaches it: the whole chain was kept whole for
+    a chunk of in_proj's output, and the feed-forward with it. A next refusal keeps the next one whole."""
+    projections = layer.mlp.projections if layer.mlp is not None else []
+    if len(projections) <= 3 or node not in layer.nodes:
+        return projections
+    order = {name: i for i, name in enumerate(layer.nodes)}
+    before = [p for p in projections if order.get(p.node, len(order)) < order[node]]
+    return [max(before, key=lambda p: order[p.node])] if before else projections
+
+
 def _whole_weights(
     structure: ModelStructure, refused: TensorParallelError, plan: Plan
 ) -> ModelStructure | None:
@@ -1145,7 +1159,7 @@ def _whole_weights(
             elif block in ATTENTION_BLOCKS and layer.attention is not None:
                 projections = layer.attention.projections
             elif block == "mlp" and layer.mlp is not None:
-                projections = layer.mlp.projections
+                projections = _chain_upstream(layer, refused.node)
             else:
                 projections = _layer_projections(layer)
             weights = {p.weight for p in projections} & split
