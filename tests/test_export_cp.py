@@ -309,11 +309,12 @@ def test_dtensor_cp_file_runs_its_mesh_and_dp_x_cp_data_parallelism_on_four_gloo
     DDP over the CP ranks alone (dp=1) x TP2. Every rank feeds the same whole batch (the attention is
     not split: PyTorch's CP runs CUDA attention only), so outputs and the gradients averaged over the
     dp x cp ranks equal the unsharded model's; the local shapes show the shards over dp_shard x cp."""
-    tp1 = _with(llama_plan, mesh=dataclasses.replace(llama_plan.mesh, tp=1), splits={})
+    fp32 = _with(llama_plan, dtype="fp32")  # fully_shard casts nothing: equal to the fp32 model
+    tp1 = _with(fp32, mesh=dataclasses.replace(llama_plan.mesh, tp=1), splits={})
     jobs = {
         "ddp_dp2_cp2": _cp(tp1, 2, dp=2),
         "fsdp_dp2_cp2": _cp(tp1, 2, dp=2, dp_style=DataParallel.FSDP, dp_shard=2),
-        "ddp_cp2_tp2": _cp(llama_plan, 2),
+        "ddp_cp2_tp2": _cp(fp32, 2),
     }
     files = {
         name: (str(EXAMPLES / "llama3.py"), export_plan(plan, "dtensor").text, "whole")
