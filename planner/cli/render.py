@@ -289,8 +289,13 @@ def render_plan(console: Console, plan: Plan) -> None:
             if splittable
             else f"no weight of this model divides by tp={plan.tp} (its widths or heads)"
         )
+        # the split layout at this TP: the baseline's lowering where it is at this TP, else the check of
+        # the layout itself (`workflow._megatron_layout_note`)
         baseline = next((d for d in plan.decisions if d.subject == "megatron-baseline"), None)
-        unrunnable = baseline is not None and BASELINE_WOULD_NOT_RUN in baseline.reason
+        at_tp = plan.baseline_layout.get("tp") in (None, str(plan.tp))
+        unrunnable = any(
+            d.subject == "megatron-layout" and BASELINE_WOULD_NOT_RUN in d.reason for d in plan.decisions
+        ) or (at_tp and baseline is not None and BASELINE_WOULD_NOT_RUN in baseline.reason)
         run_split = (
             f"; --layout megatron plans, prices and runs the hand-written Megatron-LM split layout at TP={plan.tp} "
             "anyway"

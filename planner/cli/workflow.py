@@ -1304,6 +1304,36 @@ def _replan_around_unshardable_gaps(
     )
 
 
+def _megatron_layout_note(
+    prepared: Prepared,
+    structure: ModelStructure,
+    plan: Plan,
+    cluster: ClusterSpec,
+    constraints: Constraints,
+    model_path: str,
+    expert: Plan | None,
+) -> Plan:
+    """`plan` with a "megatron-layout" decision saying whether the hand-written split layout at the
+    plan's own TP would run (`BASELINE_WOULD_NOT_RUN` and why, else nothing added), for a plan at TP > 1
+    that keeps every weight replicated while its Megatron baseline is at another TP (the model table's
+    degree): the report's note on `--layout megatron` read the baseline's lowering, which said nothing
+    of the plan's TP, and offered a layout the passes refuse."""
+    if (
+        plan.tp == 1
+        or (expert is not None and expert.tp == plan.tp)
+        or any(s.style is not SplitStyle.REPLICATE for s in plan.splits.values())
+    ):
+        return plan
+    pinned = replace(constraints, layout="megatron", tp=plan.tp)
+    try:
+        layout = plan_model(structure, cluster, prepared.workload, pinned, model_name=str(model_path))
+        check_lowering(replace(prepared, structure=structure), replace(layout, recompute={}), cluster)
+    except (InfeasibleError, InputError) as e:
+        note = Decision("megatron-layout", f"tp={plan.tp}", {}, f"{BASELINE_WOULD_NOT_RUN}: {e}")
+        return replace(plan, decisions=[*plan.decisions, note])
+    return plan
+
+
 def _lower_baseline(
     prepared: Prepared,
     structure: ModelStructure,
@@ -1334,7 +1364,7 @@ def _lower_baseline(
         constraints,
     )
     if expert is None or expert.tp == 1:  # no TP pass, nothing to gather
-        return plan
+        return _megatron_layout_note(prepared, structure, plan, cluster, constraints, model_path, expert)
     lowered = ("mesh", "splits", "stages", "ladder_layers", "workload", "micro_batches")
     if not plan.fallbacks and all(getattr(expert, f) == getattr(plan, f) for f in lowered):
         return plan  # the layout `plan` lowered without a fallback: its baseline lowers the same way

@@ -19,7 +19,7 @@ than `FEATURE_MIN_SAVING` per feature than without (or needs it to fit): each ch
 must do.
 
 Context parallelism: the context-parallel degree is a mesh axis of its own (`_cp_options`: pinned by
---cp, else powers of two for sequences of `MIN_CP_SEQ_LEN` tokens or more); each candidate is solved
+--cp, else powers of two for sequences of `MIN_CP_SEQ_LEN` tokens or more, 2 from `MIN_CP2_SEQ_LEN`); each candidate is solved
 with the attention variant whose cores cost least (`_cp_variant`) and priced with every other variant
 and load balancing the constraints allow on its solution (`_price_cp_variants`); cp > 1 counts as a
 feature.
@@ -143,8 +143,11 @@ MAX_VIRTUAL_STAGES = 8  # interleaved 1F1B: model chunks per pipeline rank consi
 # CP degree multiplies the mesh candidates, and the plan time, for sequences data parallelism splits as
 # well), powers of two up to MAX_CP, each rank keeping at least MIN_CP_TOKENS_PER_RANK tokens of a
 # sequence (below that the GEMMs of the rank's rows lose efficiency and the K/V traffic grows against
-# the attention it overlaps)
+# the attention it overlaps); from MIN_CP2_SEQ_LEN tokens CP 2 alone (NeMo's Llama-3-8B recipe trains its
+# 8,192-token sequences at CP 2; the 405B at 8,192 tokens on 16,384 H100s plans 5.40 s at CP 2 against
+# 7.15 s without, where CP 2 was left to the hand-written plan's fallback)
 MIN_CP_SEQ_LEN = 16384
+MIN_CP2_SEQ_LEN = 8192
 MAX_CP = 32
 MIN_CP_TOKENS_PER_RANK = 2048
 
@@ -606,7 +609,8 @@ def _sequence_parallel_options(search: _Search, tp: int, cp: int = 1) -> list[bo
 
 def _cp_options(search: _Search, num_devices: int) -> list[int]:
     """Context-parallel degrees of the search: the pinned --cp (checked: `_check_pinned_cp`), else 1
-    and, for training and prefill of sequences of `MIN_CP_SEQ_LEN` tokens or more by a token model with
+    and, for training and prefill of sequences of `MIN_CP_SEQ_LEN` tokens or more (`MIN_CP2_SEQ_LEN`:
+    CP 2 alone) by a token model with
     attention whose layers all see the whole sequence, every power of two up to `MAX_CP` dividing the
     devices whose ranks keep at least `MIN_CP_TOKENS_PER_RANK` tokens and that cuts the sequence into
     equal chunks (2 x cp with load balancing, cp without: `check_cp_sequence`); the others are listed
@@ -615,7 +619,7 @@ def _cp_options(search: _Search, num_devices: int) -> list[int]:
     if c.cp is not None:
         _check_pinned_cp(search)
         return [c.cp]
-    if w.kind is Workload.DECODE or w.seq_len < MIN_CP_SEQ_LEN:
+    if w.kind is Workload.DECODE or w.seq_len < MIN_CP2_SEQ_LEN:
         return [1]  # not listed as excluded: every short-sequence plan would say it
     why = _cp_unsupported(search) or _cp_gathers_attention(search)
     if why:
@@ -624,7 +628,7 @@ def _cp_options(search: _Search, num_devices: int) -> list[int]:
         return [1]
     out, lbs = [1], [c.cp_load_balance] if c.cp_load_balance is not None else [True, False]
     for cp in (2**k for k in range(1, MAX_CP.bit_length())):
-        if cp > num_devices or num_devices % cp:
+        if cp > num_devices or num_devices % cp or (cp > 2 and w.seq_len < MIN_CP_SEQ_LEN):
             break
         if w.seq_len // cp < MIN_CP_TOKENS_PER_RANK:
             search.excluded.append(
@@ -755,7 +759,7 @@ def _check_pinned_ep(search: _Search) -> None:
             "exports are not limited)"
         )
     tp_fold_possible = c.ep_fold != "dp" and c.tp in (None, c.ep)
-    cp_fixed = c.cp is not None or search.workload.seq_len < MIN_CP_SEQ_LEN  # else the search may add cp
+    cp_fixed = c.cp is not None or search.workload.seq_len < MIN_CP2_SEQ_LEN  # else the search may add cp
     if c.dp is not None and cp_fixed and not tp_fold_possible and (c.dp * (c.cp or 1)) % c.ep:
         ranks = c.dp * (c.cp or 1)
         pins = f"--dp {c.dp}" + (f" --cp {c.cp}" if c.cp else "")
@@ -1809,8 +1813,8 @@ def _alternative_tables(search: _Search):
 
 def _baseline(search: _Search) -> PricedAssignment | None:
     """The plan a Megatron-LM user writes by hand (`megatron_configs`), priced: the first of its meshes
-    that fits memory (at micro-batch size 1, then with full activation recomputation, if needed:
-    `megatron_micro_batch_variants`); for a sequence longer than `MEGATRON_CP_TOKENS_PER_RANK` its
+    that fits memory (at micro-batch size 2, then 1, if needed: `megatron_micro_batch_variants`) with
+    selective recomputation, else the first with full recomputation; for a sequence longer than `MEGATRON_CP_TOKENS_PER_RANK` its
     meshes with context parallelism at the expert's degree first (`megatron_cp_degree`), and any other
     degree where no mesh fits (`megatron_cp_configs`); else the last cp = 1 one tried. It is the
     expert's layout whatever the user pinned (schedule, sequence parallelism, recompute): a pin that
@@ -1828,12 +1832,15 @@ def _baseline(search: _Search) -> PricedAssignment | None:
     order = megatron_cp_configs(configs, num_layers, search.workload, (expert_cp,), devices) + configs
     order += megatron_cp_configs(configs, num_layers, search.workload, others, devices)
     last_plain = None
-    for config in _whole_batch_configs(search, order):
-        variants = _whole_batch_configs(
-            search, megatron_micro_batch_variants(config, num_layers, search.workload)
-        )
-        for recompute in (Recompute.SELECTIVE, Recompute.FULL) if train else (Recompute.NONE,):
-            for variant in variants:  # smaller micro-batches before full recomputation
+    # every mesh (more stages, wider TP) and smaller micro-batches with selective recomputation before
+    # any with full: full recomputation costs a third more compute, which an expert spends last (the
+    # 405B was priced at TP8 PP4 with full recomputation where PP8 fits with selective)
+    for recompute in (Recompute.SELECTIVE, Recompute.FULL) if train else (Recompute.NONE,):
+        for config in _whole_batch_configs(search, order):
+            variants = _whole_batch_configs(
+                search, megatron_micro_batch_variants(config, num_layers, search.workload)
+            )
+            for variant in variants:  # smaller micro-batches before another mesh
                 chosen = baseline_plan(_price(search, variant).tables, recompute=recompute)
                 if chosen.prediction.peak_memory_bytes <= search.cap_bytes:
                     return chosen
