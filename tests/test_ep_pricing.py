@@ -510,17 +510,18 @@ def test_experts_split_over_tp_run_under_sequence_parallelism_and_fold_tp_does_n
 def test_the_hand_written_baselines_split_the_experts_over_tp() -> None:
     """The Megatron and torchtitan baselines of a MoE model run its experts split over their TP ranks
     (Megatron-Core's --expert-tensor-parallel-size defaults to TP; torchtitan and vLLM shard experts over
-    TP where EP is 1). They kept every expert whole on each TP rank: Mixtral training on two nodes priced
+    TP where EP is 1), Megatron's training also over the data-parallel ranks by EP (its Mixtral example:
+    TP2 PP4 EP8). They kept every expert whole on each TP rank: Mixtral training on two nodes priced
     339 GiB per rank (does not fit), and decoding at TP 8 each rank held every expert's weights."""
     cluster = load_cluster("h100-ib-2node")
     prepared = prepare(str(EXAMPLES / "mixtral_8x7b.py"), "train", batch_size=16, seq_len=4096, dtype="bf16")
     plan = plan_model(prepared.structure, cluster, prepared.workload, Constraints())
-    for name, layout, priced in (
-        ("megatron", plan.baseline_layout, plan.baseline),
-        ("torchtitan", plan.torchtitan_layout, plan.torchtitan_baseline),
+    for name, layout, priced, tp, experts in (
+        ("megatron", plan.baseline_layout, plan.baseline, "2", "8 over dp, experts split over tp 2"),
+        ("torchtitan", plan.torchtitan_layout, plan.torchtitan_baseline, "8", "off, experts split over tp 8"),
     ):
-        assert priced is not None and layout["tp"] == "8", (name, layout)
-        assert layout["expert_parallel"] == "off, experts split over tp 8", (name, layout)
+        assert priced is not None and layout["tp"] == tp, (name, layout)
+        assert layout["expert_parallel"] == experts, (name, layout)
         assert priced.peak_memory_bytes <= 71.6 * 2**30, (name, priced.peak_memory_bytes / 2**30)
     serving = prepare(str(EXAMPLES / "mixtral_8x7b.py"), "decode", batch_size=8, context=512, dtype="bf16")
     plan = plan_model(serving.structure, load_cluster("dgx-h100"), serving.workload, Constraints())

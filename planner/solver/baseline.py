@@ -314,6 +314,16 @@ def megatron_experts(config: MeshConfig, structure: ModelStructure, workload: Wo
     return dataclasses.replace(config, ep=ep, ep_fold="dp", expert_tp=config.mesh.tp)
 
 
+def ep_within(config: MeshConfig) -> MeshConfig:
+    """`config` without expert parallelism where its EP degree no longer divides the dp x cp ranks it
+    folds over (a layout cut to one replica for a model whose batch cannot be split, or CP taken from
+    the replicas): the experts stay split over TP as `megatron_experts` set them. A Llama 4 on 2 ranks
+    kept EP 2 at one replica and its pricing raised on an expert group of 0 ranks."""
+    if config.ep > 1 and config.ep_fold == "dp" and config.mesh.dp_cp % config.ep:
+        return dataclasses.replace(config, ep=1)
+    return config
+
+
 def split_experts(config: MeshConfig, structure: ModelStructure) -> MeshConfig:
     """`config` with a mixture-of-experts model's routed experts split over its TP ranks (`MeshConfig.expert_tp`
     = tp), as the hand-written layouts run them without expert parallelism: Megatron-LM's

@@ -73,6 +73,7 @@ from planner.progress import Progress, silent
 from planner.solver.baseline import (
     MEGATRON_CP_DEGREES,
     baseline_plan,
+    ep_within,
     megatron_assignment,
     megatron_choices,
     megatron_configs,
@@ -1840,7 +1841,7 @@ def _baseline(search: _Search) -> PricedAssignment | None:
             variants = _whole_batch_configs(
                 search, megatron_micro_batch_variants(config, num_layers, search.workload)
             )
-            for variant in variants:  # smaller micro-batches before another mesh
+            for variant in map(ep_within, variants):  # smaller micro-batches before another mesh
                 chosen = baseline_plan(_price(search, variant).tables, recompute=recompute)
                 if chosen.prediction.peak_memory_bytes <= search.cap_bytes:
                     return chosen
@@ -1858,7 +1859,8 @@ def _whole_batch_configs(search: _Search, configs: list[MeshConfig]) -> list[Mes
         return configs
     out: list[MeshConfig] = []
     for c in configs:
-        whole = dataclasses.replace(c, mesh=dataclasses.replace(c.mesh, dp=1), micro_batches=1)
+        # one replica: no data-parallel ranks for expert parallelism to fold over either
+        whole = ep_within(dataclasses.replace(c, mesh=dataclasses.replace(c.mesh, dp=1), micro_batches=1))
         if whole.mesh.dp == c.mesh.dp and c.micro_batches == 1:
             whole = c
         elif whole.mesh.pp > 1:  # one micro-batch through the stages: GPipe's order (1F1B needs m >= pp)
