@@ -128,14 +128,14 @@ def test_the_megatron_baseline_trains_at_the_model_tables_tp(model, tp):
     wider at TP 8: Llama-3-8B's hand-written layout on two H100 nodes was TP 8 (the node) x DP 2, 4.8 s
     a step against 1.7 s at TP 2 x DP 8, and the plan read "3.16x its speed". Without stages TP starts
     at the table's degree; wider degrees follow for memory, then stages at the node's TP."""
-    from planner.solver.baseline import megatron_configs, megatron_training_tps  # noqa: PLC0415
+    from planner.solver.baseline import megatron_configs, megatron_table_tps  # noqa: PLC0415
 
     path = str(Path(__file__).resolve().parents[1] / "examples" / model)
     structure = meta_structure(path, 64, 4096)
     configs = megatron_configs(load_cluster("h100-ib-2node"), WorkloadSpec("train", 64, 4096), structure)
     first = configs[0].mesh
     assert (first.tp, first.pp, first.dp) == (tp, 1, 16 // tp), first
-    assert megatron_training_tps(8, structure) == [d for d in (1, 2, 4, 8) if d >= tp]
+    assert megatron_table_tps(8, structure) == [d for d in (1, 2, 4, 8) if d >= tp]
     assert all(c.mesh.tp == 8 for c in configs if c.mesh.pp > 1)
 
 

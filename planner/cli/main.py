@@ -929,36 +929,47 @@ def _print_verdict(plan, report: dict, layer_table: bool, advice: str, other_har
     `other_hardware`: the plan was priced for another kind of machine (a GPU cluster run on this CPU):
     the advice is to re-plan for this machine, never a busy machine or the run's spread, which a ratio
     across hardware says nothing about."""
-    from planner.cli.render import RECALIBRATE, agreement_line, speed_line  # noqa: PLC0415
+    from planner.cli.render import agreement_line, speed_line  # noqa: PLC0415
 
     measured_s = report["measured"]["latency_s"]
     at_run = report["measured"].get("at_run_speed")
     busy = None if other_hardware else busy_during_run(plan.num_devices)
     line = None if other_hardware else speed_line(at_run, measured_s, busy=busy)
-    if other_hardware:
-        pass
-    elif line and 0.8 <= (at_run.get("measured_over_predicted") or 0.0) <= 1.25:
-        advice = "the machine ran at another speed than when calibrated: see the next line"
-    elif busy and measured_s > plan.predicted.latency_s:
-        # other processes shared the cores: neither the cost model nor calibration is to blame for a
-        # slow run (they do not make a run faster than predicted)
-        advice = busy
-    elif measured_s > plan.predicted.latency_s and (spread := _wide_spread(report["measured"])):
-        # slow spells raise the median; they do not explain a run faster than predicted
-        advice = spread
-    elif line:  # off at the run's speed too: re-measuring the machine would not help
-        advice = "off at the run's own speed too (next line)"
-    elif at_run and advice == RECALIBRATE:  # the probe read the calibrated speed: recalibrating won't help
-        advice = (
-            "the speed probe read this machine at its calibrated speed between the steps, so the cost model "
-            "is off for this plan, unless other processes took the cores during the steps, which the probe "
-            "can miss (run again on a quiet machine to tell)"
-        )
+    if not other_hardware:  # else `advice` as given: re-plan for this machine
+        advice = _run_advice(plan, report["measured"], advice, busy, line)
     verdict = agreement_line(plan.predicted.latency_s, measured_s, layer_table=layer_table, advice=advice)
     what = "time per output token: " if "serving" in report else ""
     console.print(f"[bold]{what}{verdict}[/bold]")
     if line:
         console.print(f"[bold]{line}[/bold]")
+
+
+def _run_advice(plan, measured: dict, advice: str, busy: str | None, line: str | None) -> str:
+    """What the verdict of a run on this machine's own kind of hardware blames (`_print_verdict`): the
+    run's speed against calibration, a busy machine or the steps' spread (for a run slower than
+    predicted), else the cost model; `advice` (recalibrating, or pricing for this machine) otherwise."""
+    from planner.cli.render import RECALIBRATE  # noqa: PLC0415
+
+    measured_s, at_run = measured["latency_s"], measured.get("at_run_speed")
+    slower = measured_s > plan.predicted.latency_s
+    if line and 0.8 <= (at_run.get("measured_over_predicted") or 0.0) <= 1.25:
+        return "the machine ran at another speed than when calibrated: see the next line"
+    if busy and slower:
+        # other processes shared the cores: neither the cost model nor calibration is to blame for a
+        # slow run (they do not make a run faster than predicted)
+        return busy
+    if slower and (spread := _wide_spread(measured)):
+        # slow spells raise the median; they do not explain a run faster than predicted
+        return spread
+    if line:  # off at the run's speed too: re-measuring the machine would not help
+        return "off at the run's own speed too (next line)"
+    if at_run and advice == RECALIBRATE:  # the probe read the calibrated speed: recalibrating won't help
+        return (
+            "the speed probe read this machine at its calibrated speed between the steps, so the cost model "
+            "is off for this plan, unless other processes took the cores during the steps, which the probe "
+            "can miss (run again on a quiet machine to tell)"
+        )
+    return advice
 
 
 # p90 / p10 of a run's step times beyond which its median says more about the machine's spells than about
@@ -1092,7 +1103,7 @@ def _run(args, plan, prepared, cluster):
 
         render_plan(console, plan)
         nproc = plan.num_devices
-    workflow.check_fits_this_machine(plan, prepared.structure, nproc, ranks_on_host=torch_devices() < nproc)
+    workflow.check_fits_this_machine(plan, prepared.structure, nproc)
     run = _run_plan(args, plan, nproc, speed_probe=workflow.probes_speed(cluster))
     return plan, run, cluster
 
@@ -1304,7 +1315,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         workflow.run_plan(
             plan, args.model, nproc, args.iters, args.warmup, args.timeout
         )  # raises the message
-    workflow.check_fits_this_machine(plan, prepared.structure, nproc, ranks_on_host=torch_devices() < nproc)
+    workflow.check_fits_this_machine(plan, prepared.structure, nproc)
     run = _run_plan(args, plan, nproc, speed_probe=workflow.probes_speed(cluster))
     if run is None:  # a rank other than 0 under torchrun: rank 0 reports
         return 0

@@ -885,11 +885,11 @@ def check_split_sizes(name: str, split: WeightSplit, shape: tuple, tp: int) -> N
 
 
 def check_fits_this_machine(
-    plan: Plan, structure: ModelStructure, nproc: int, ranks_on_host: bool = True
+    plan: Plan, structure: ModelStructure, nproc: int, ranks_on_host: bool | None = None
 ) -> None:
     """Running needs this machine's memory for the unsharded reference (the model's weights, run once
     before the ranks start, its files kept while they run) and, where the ranks run on the host's CPUs
-    (`ranks_on_host`: gloo, no CUDA device), each of the `nproc` ranks' predicted peak (the plan's
+    (`ranks_on_host`, default: fewer CUDA devices than ranks), each of the `nproc` ranks' predicted peak (the plan's
     `Prediction.peak_memory_bytes`: its shards, gradients, optimizer state and activations; data-parallel
     replicas each hold their copy). The shards alone (about one model over all ranks) were counted before:
     a 4-replica GPT-2 XL training plan of 16.6 GiB per rank started on a 23 GiB machine. Raises
@@ -898,6 +898,8 @@ def check_fits_this_machine(
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         return
+    if ranks_on_host is None:  # fewer CUDA devices than ranks: they run on gloo, in host memory
+        ranks_on_host = (torch.cuda.device_count() if torch.cuda.is_available() else 0) < nproc
     reference = structure.param_bytes
     ranks = nproc * plan.predicted.peak_memory_bytes if ranks_on_host else 0.0
     shards = max(structure.param_bytes, ranks)  # at least the model's weights over the ranks
@@ -1046,6 +1048,7 @@ def _make_plan(
         prepared, plan, cluster, constraints, model_path, progress
     )
     plan = _lower_baseline(prepared, replicated, plan, cluster, constraints, model_path)
+    plan = _megatron_layout_note(prepared, replicated, plan, cluster, constraints, model_path)
     _mark_fallback_gathers(plan, prepared.structure)
     _check_fallbacks_fit(plan, cluster, constraints)
     plan.cluster_source = cluster_source
@@ -1311,16 +1314,16 @@ def _megatron_layout_note(
     cluster: ClusterSpec,
     constraints: Constraints,
     model_path: str,
-    expert: Plan | None,
 ) -> Plan:
     """`plan` with a "megatron-layout" decision saying whether the hand-written split layout at the
     plan's own TP would run (`BASELINE_WOULD_NOT_RUN` and why, else nothing added), for a plan at TP > 1
     that keeps every weight replicated while its Megatron baseline is at another TP (the model table's
-    degree): the report's note on `--layout megatron` read the baseline's lowering, which said nothing
-    of the plan's TP, and offered a layout the passes refuse."""
+    degree; at the plan's TP `_lower_baseline` lowered that layout): the report's note on `--layout
+    megatron` read the baseline's lowering, which said nothing of the plan's TP, and offered a layout
+    the passes refuse."""
     if (
         plan.tp == 1
-        or (expert is not None and expert.tp == plan.tp)
+        or plan.baseline_layout.get("tp", str(plan.tp)) == str(plan.tp)
         or any(s.style is not SplitStyle.REPLICATE for s in plan.splits.values())
     ):
         return plan
@@ -1364,7 +1367,7 @@ def _lower_baseline(
         constraints,
     )
     if expert is None or expert.tp == 1:  # no TP pass, nothing to gather
-        return _megatron_layout_note(prepared, structure, plan, cluster, constraints, model_path, expert)
+        return plan
     lowered = ("mesh", "splits", "stages", "ladder_layers", "workload", "micro_batches")
     if not plan.fallbacks and all(getattr(expert, f) == getattr(plan, f) for f in lowered):
         return plan  # the layout `plan` lowered without a fallback: its baseline lowers the same way

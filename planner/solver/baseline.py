@@ -70,8 +70,9 @@ def megatron_tp(cluster: ClusterSpec, num_heads: int | None, structure: ModelStr
 MEGATRON_TP_BY_HIDDEN = ((2048, 1), (4096, 2), (6144, 4))
 
 
-def megatron_training_tps(node_tp: int, structure: ModelStructure) -> list[int]:
-    """The TP degrees a Megatron-LM user tries for training without pipeline stages, in order: the model
+def megatron_table_tps(node_tp: int, structure: ModelStructure) -> list[int]:
+    """The TP degrees a Megatron-LM user tries without pipeline stages (training, and a batch's forward in
+    one node), in order: the model
     table's degree for `structure`'s hidden size (`MEGATRON_TP_BY_HIDDEN`; `node_tp`, the largest the
     node and the heads allow (`megatron_tp`), past the table's widths), then each larger degree dividing
     `node_tp` up to it. A degree that leaves a KV head cut (`ModelStructure.kv_heads_unsplit_by`) is
@@ -84,6 +85,16 @@ def megatron_training_tps(node_tp: int, structure: ModelStructure) -> list[int]:
         for d in range(1, node_tp + 1)
         if node_tp % d == 0 and d >= min(table, node_tp) and not structure.kv_heads_unsplit_by(d)
     ]
+
+
+def _replicas(most: int, batch_size: int) -> int:
+    """The data-parallel degree a hand-written layout takes with `most` replicas' devices: the largest
+    at most `most` that divides the global batch (Megatron-LM's --data-parallel-size must; the other
+    devices idle), 1 at least."""
+    dp = max(1, most)
+    while dp > 1 and batch_size % dp:
+        dp -= 1
+    return dp
 
 
 def megatron_choices(graphs: dict[str, LayerGraph], ends: LayerGraph) -> dict[tuple[str, str], str]:
@@ -237,7 +248,7 @@ def megatron_configs(
     PP = nodes (at most the layers), DP = 1; for training, every divisor of the nodes as PP with DP
     over the rest of the TP groups (a node's devices beyond TP too), fewest stages first (the caller
     keeps the first that fits memory), and without stages TP from the model table's degree for the
-    model's width up (`megatron_training_tps`).
+    model's width up (`megatron_table_tps`).
     Training: sequence parallel (TP > 1, where every layer's sequence divides by TP, as Megatron-LM
     requires: not a ViT's 17 patch and class tokens at TP 2), interleaved 1F1B (`megatron_virtual_stages`), distributed
     optimizer (DP > 1), and the communication overlap Megatron-LM's published runs use (TP overlap
@@ -260,10 +271,8 @@ def megatron_configs(
         # TP 8 was priced against a plan free to split the batch: "17.9x its speed" for the tiny Llama on
         # 2 CPU ranks), the node's other devices as replicas of a share of the batch, wider TP for memory
         configs = []
-        for degree in megatron_training_tps(tp, structure):
-            dp = devices // degree
-            while dp > 1 and workload.batch_size % dp:
-                dp -= 1
+        for degree in megatron_table_tps(tp, structure):
+            dp = _replicas(devices // degree, workload.batch_size)
             configs.append(MeshConfig(MeshShape(degree, 1, dp), 1))
     elif not workload.train:
         pp = max(1, min(cluster.num_nodes, num_layers))
@@ -277,10 +286,8 @@ def megatron_configs(
         # stages come after TP fills the node, as in the table
         nodes, configs = cluster.num_nodes, []
         for pp in (d for d in range(1, nodes + 1) if nodes % d == 0 and d <= num_layers):
-            for degree in megatron_training_tps(tp, structure) if pp == 1 else (tp,):
-                dp = devices // degree // pp
-                while dp > 1 and workload.batch_size % dp:  # a batch the replicas do not divide: fewer of
-                    dp -= 1  # them (the rest idle), as --data-parallel-size must divide the global batch
+            for degree in megatron_table_tps(tp, structure) if pp == 1 else (tp,):
+                dp = _replicas(devices // degree // pp, workload.batch_size)
                 m = megatron_micro_batches(workload.batch_size // dp, pp, workload)
                 configs.append(MeshConfig(MeshShape(degree, pp, dp), m))
     configs = [c for c in configs if workload.batch_size % (c.mesh.dp * c.micro_batches) == 0]
@@ -381,9 +388,7 @@ def megatron_cp_configs(
             full = devices // (mesh.tp * mesh.pp) if devices else mesh.dp
             if cp < 2 or full % cp or workload.seq_len % (2 * cp):
                 continue
-            dp = full // cp
-            while dp > 1 and workload.batch_size % dp:  # as `megatron_configs`: the rest idle
-                dp -= 1
+            dp = _replicas(full // cp, workload.batch_size)
             if workload.batch_size % dp:
                 continue
             m = megatron_micro_batches(workload.batch_size // dp, mesh.pp, workload)
@@ -459,9 +464,7 @@ def torchtitan_configs(
     out = []
     pp = 1
     while pp <= num_layers and tp * pp <= devices:
-        dp = devices // (tp * pp)
-        while dp > 1 and workload.batch_size % dp:
-            dp -= 1
+        dp = _replicas(devices // (tp * pp), workload.batch_size)
         per_replica = workload.batch_size // dp
         style = DataParallel.FSDP if dp > 1 else DataParallel.DDP
         # without PP: the whole local batch, then gradient accumulation over one sequence at a time,
