@@ -103,12 +103,12 @@ class CachedCapture:
 @dataclass
 class _Frozen:
     """A capture as stored (picklable, no tensor of the model): the graph's nodes pickled with node
-    references and fake values as persistent ids (`_GraphPickler`); the `get_attr` targets bound to
-    the capturing model's own parameter or buffer of that name, and the other tensors (constants,
-    a meta model's only) with their values; what the capture printed and warned."""
+    references and fake values as persistent ids (`_GraphPickler`), whose `get_attr` nodes read the
+    capturing model's own parameter or buffer of that name (`_thaw` binds them in graph order) but for
+    the other tensors (constants, a meta model's only), kept with their values; what the capture
+    printed and warned."""
 
     nodes: bytes
-    bound: list[str]
     constants: dict[str, torch.Tensor]
     training: bool
     stdout: str
@@ -356,7 +356,7 @@ def _freeze(
         t.device.type == "meta" for t in tensors
     )  # none: its constants are real
     graph_buffers = {name for name, _ in gm.named_buffers()}
-    bound, constants = [], {}
+    constants = {}
     records = []
     for node in gm.graph.nodes:
         if node.op in ("call_module", "call_method"):
@@ -365,20 +365,20 @@ def _freeze(
             value = operator.attrgetter(node.target)(gm)
             if not isinstance(value, torch.Tensor):
                 raise _Uncacheable("a get_attr of something other than a tensor")
-            if params.get(id(value)) == node.target and isinstance(value, nn.Parameter):
-                bound.append(node.target)
-            elif buffers.get(id(value)) == node.target and node.target in graph_buffers:
-                bound.append(node.target)
-            elif meta_model and type(value) is torch.Tensor and node.target in graph_buffers:
+            # the model's own parameter or buffer (bound again on a hit), else a meta model's constant
+            own = (params.get(id(value)) == node.target and isinstance(value, nn.Parameter)) or (
+                buffers.get(id(value)) == node.target and node.target in graph_buffers
+            )
+            if not own and meta_model and type(value) is torch.Tensor and node.target in graph_buffers:
                 constants[node.target] = value.detach().clone()
-            else:
+            elif not own:
                 raise _Uncacheable(f"{node.target}: a tensor of the capture that is not the model's")
         meta = {k: v for k, v in node.meta.items() if k != "from_node"}
         records.append((node.name, node.op, node.target, node.args, node.kwargs, meta))
     data = io.BytesIO()
     _GraphPickler(data, protocol=pickle.HIGHEST_PROTOCOL).dump(records)
     kept = [(w.category, str(w.message), w.filename, w.lineno) for w in warned]
-    frozen = _Frozen(data.getvalue(), bound, constants, gm.training, stdout, stderr, kept)
+    frozen = _Frozen(data.getvalue(), constants, gm.training, stdout, stderr, kept)
     pickle.dumps(frozen.warned)  # what it warned must pickle too (for the folder)
     return frozen
 
