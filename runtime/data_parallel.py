@@ -34,6 +34,7 @@ or reduce-scatter and Adam's gradient are fp32; `grad_of` gives the main gradien
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -46,7 +47,7 @@ from torch import nn
 from costmodels.memory import DataParallel
 from passes import dp_overlap
 from passes.fsdp import Bucket, FsdpRuntime, fsdp_layout, make_buckets, unit_of
-from planner.errors import InputError
+from planner.errors import InputError, RunError
 
 BatchDims = Sequence[int | None]  # per tensor input (flat_inputs order): its batch dim, or None
 
@@ -886,6 +887,68 @@ def _state_numel(optimizer: torch.optim.Optimizer) -> int:
     )
 
 
+def check_same_parameters(named: Sequence[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None) -> None:
+    """Check that every rank of `group` (the ranks whose gradients are reduced together) registers the
+    same parameters, by name, shape and dtype, in the same order: the optimizers flatten gradients into
+    buckets in that order (`DistributedAdam`, `make_buckets`), so a rank that registered them in
+    another order would sum other parameters' gradients into each slot without an error. One
+    all-gather of an 8-byte digest per rank; on a mismatch the ranks gather their lists (every rank
+    sees it, so none waits alone) and all raise.
+
+    named: the rank's (fqn, parameter) pairs, in registration order. group None or of one rank: no
+    check.
+
+    Raises:
+        RunError: naming the first parameter where a rank's list differs from rank 0's (a defect of
+            the rewrite, which must register each rank's parameters alike).
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    entries = [(name, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for name, p in named]
+    digest = int.from_bytes(hashlib.sha256(repr(entries).encode()).digest()[:7], "little")  # < 2**56
+    device = named[0][1].device if named else torch.device("cpu")
+    if dist.get_backend(group) == "nccl" and device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    digests = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(digests, mine, group=group)
+    if all(int(d.item()) == digest for d in digests):
+        return
+    lists: list[Any] = [None] * len(digests)
+    dist.all_gather_object(lists, entries, group=group)
+    first = lists[0]
+    for index, other in enumerate(lists[1:], start=1):
+        if other == first:
+            continue
+        at = next((i for i, (a, b) in enumerate(zip(first, other)) if a != b), min(len(first), len(other)))
+
+        def entry(entries: list, i: int) -> str:
+            return f"{entries[i][0]} {list(entries[i][1])} {entries[i][2]}" if i < len(entries) else "nothing"
+
+        raise RunError(
+            f"the ranks that reduce their gradients together registered their parameters differently: "
+            f"parameter #{at} is {entry(first, at)} on the group's first rank and {entry(other, at)} on its "
+            f"rank {index} ({len(first)} and {len(other)} parameters); their flat gradient buffers would sum "
+            "different parameters' gradients. This is a defect of the rewrite (each rank's graph must register "
+            "its parameters alike): please report it with the model file"
+        )
+
+
+def check_replicas_alike(
+    plan: Any, named: Sequence[tuple[str, torch.Tensor]], groups: Any, expert_names: set[str] = frozenset()
+) -> None:
+    """`check_same_parameters` over the groups `plan` reduces gradients in: the dp x cp ranks for every
+    parameter but expert parallelism's (`expert_names`, whose ranks hold other experts under other
+    names), those over the ranks holding the same experts ("edp" when folded over dp x cp). named: the
+    rank's (fqn, parameter) pairs (a pipeline rank's chunks' together); groups: `runtime.mesh.RankGroups`."""
+    check_same_parameters([(n, p) for n, p in named if n not in expert_names], groups.group("dp_cp"))
+    if expert_names:
+        experts_group = (
+            groups.group("edp") if getattr(plan, "ep_fold", "dp") == "dp" else groups.group("dp_cp")
+        )
+        check_same_parameters([(n, p) for n, p in named if n in expert_names], experts_group)
+
+
 def build_optimizer(
     distributed: bool,
     params: Sequence[torch.Tensor],
@@ -1478,6 +1541,8 @@ def build_plan_optimizer(
     `runtime.mesh.RankGroups`. With context parallelism every style spans the dp x cp ranks ("dp_cp",
     `runtime.mesh`): the CP ranks' gradients are partial sums over their tokens, scaled by cp in the
     graph (`passes.cp_lower`), so the mean over dp x cp is the whole batch's gradient."""
+    experts = set(getattr(module, "meta", {}).get("ep_params", ())) if getattr(plan, "ep", 1) > 1 else set()
+    check_replicas_alike(plan, list(module.named_parameters()), groups, experts)
     style = DataParallel(plan.dp_style)
     if style is DataParallel.FSDP:
         return FsdpAdam(

@@ -687,3 +687,21 @@ def test_k_and_v_take_one_split(workload, tmp_path) -> None:
     assert main([*args, "--workload", workload, "--out", str(out)]) == 0
     layers = [c for c in Plan.from_yaml(out).predicted.per_layer if c.layer >= 0]
     assert layers and all(c.strategy["k"] == c.strategy["v"] for c in layers), [c.strategy for c in layers]
+
+
+def test_a_pinned_interleaved_schedule_the_batch_cannot_feed_is_named_in_the_refusal() -> None:
+    """Llama-3-8B training at batch 1 on one H100 node, TP pinned to 1: only a pipeline would hold its
+    weights and Adam state, and --schedule interleaved_1f1b needs pp micro-batches per replica, which
+    one sequence cannot give. The refusal advised "more tensor / pipeline parallelism" without saying
+    that the pin had ruled every pipeline out."""
+    from planner.errors import InfeasibleError  # noqa: PLC0415
+    from tests.planner_fixtures import analysed_llama  # noqa: PLC0415
+
+    pins = Constraints(tp=1, schedule=Schedule.INTERLEAVED_1F1B)
+    work = WorkloadSpec("train", 1, 4096, dtype="bf16")
+    with pytest.raises(InfeasibleError) as refused:
+        plan_model(analysed_llama("8b"), load_cluster("dgx-h100"), work, pins)
+    message = str(refused.value)
+    assert "excluded from the search: " in message
+    assert "pp=2, 4, 8: --schedule interleaved_1f1b runs the micro-batches in rounds of pp" in message
+    assert "batch 1 gives at most 1 per replica" in message and "or --schedule 1f1b" in message

@@ -492,6 +492,8 @@ def _enumerate(search: _Search, progress: Progress = silent) -> None:
                                         None,
                                     )
                                     search.candidates.append(_price(search, config, lazy=True))
+    if c.schedule is Schedule.INTERLEAVED_1F1B and w.train:
+        _exclude_short_interleaving(search, [pp for pp in pps if pp > 1], dps)
     if not search.candidates and (c.ep or 1) > 1:
         raise InputError(_ep_unplaceable(search, num_devices))
     if not search.candidates and (c.expert_tp or 1) > 1:
@@ -561,6 +563,29 @@ def _schedules_for(search: _Search, pp: int, micro_batches: int) -> list[tuple[S
         if reason not in search.excluded:
             search.excluded.append(reason)
     return out
+
+
+def _exclude_short_interleaving(search: _Search, pps: list[int], dps: list[int]) -> None:
+    """With the interleaved schedule pinned: list as excluded, in one line, the pipeline degrees of
+    `pps` that no micro-batch count of the batch allows (the schedule runs micro-batches in rounds of
+    pp, `_schedules_for`), naming the batch and the ways out; the error of a search left without them
+    otherwise advised the pipeline parallelism the pin had ruled out."""
+    have = {cand.mesh.pp for cand in search.candidates}
+    short: dict[int, int] = {}  # pp -> the most micro-batches per replica the batch gives
+    for pp in pps:
+        counts = {m for dp in dps for m in _micro_batch_options(search, pp, dp)}
+        if pp not in have and counts and not any(m % pp == 0 for m in counts):
+            short[pp] = max(counts)
+    if not short:
+        return
+    least = min(short)
+    reason = (
+        f"pp={', '.join(map(str, short))}: --schedule interleaved_1f1b runs the micro-batches in rounds of pp, "
+        f"and batch {search.workload.batch_size} gives at most {max(short.values())} per replica; use a batch of "
+        f"pp or more sequences per replica ({least} at pp={least}), or --schedule 1f1b"
+    )
+    if reason not in search.excluded:
+        search.excluded.append(reason)
 
 
 def _sequence_parallel_options(search: _Search, tp: int, cp: int = 1) -> list[bool]:
@@ -1494,6 +1519,7 @@ def _infeasible(search: _Search) -> InfeasibleError:
         f"({search.cap_bytes / _GIB:.1f} GiB usable: plans use {search.constraints.memory_fraction:.0%} of a device's "
         "memory, docs/cluster-yaml.md); "
         f"would fit: {', or '.join(hints)}"
+        + (f"; excluded from the search: {'; '.join(search.excluded)}" if search.excluded else "")
     )
 
 
