@@ -201,3 +201,40 @@ def test_the_megatron_baseline_adds_stages_or_cp_before_full_recomputation():
     (plan, layout), _ = baseline_layouts(structure, load_cluster("h100-ib-2048node"), work, Constraints())
     assert layout["recompute"] == "selective", layout
     assert (plan.tp, plan.cp, plan.pp) == (8, 2, 16), layout
+
+
+def test_the_torchtitan_recipe_turns_context_parallelism_on_for_a_long_sequence():
+    """Llama-3-8B at 131,072 tokens, 4 sequences on two H100 nodes: the torchtitan recipe tried FSDP,
+    then pipeline stages, never its context_parallel_degree, and every layout it tried needed 428 GiB
+    per rank ("torchtitan recipe ... does not fit"). A torchtitan user turns CP on for long sequences:
+    each pipeline depth is tried at cp 1, 2, 4, ... (all-gather K/V, head-tail load balancing, FSDP
+    over dp_shard x cp), and the first that fits is TP 1 CP 4 DP 4. Short sequences, and models whose
+    attention does not run context-parallel, keep cp 1."""
+    from planner.solver.baseline import torchtitan_configs  # noqa: PLC0415
+
+    structure = meta_structure(
+        str(Path(__file__).resolve().parents[1] / "examples" / "llama3_8b.py"), 64, 4096
+    )
+    cluster = load_cluster("h100-ib-2node")
+    configs = [
+        c for c, _ in torchtitan_configs(cluster, WorkloadSpec("train", 4, 131072), structure, None, True)
+    ]
+    meshes = list(dict.fromkeys((c.mesh.cp, c.mesh.pp) for c in configs))
+    assert meshes[:6] == [(1, 1), (2, 1), (4, 1), (8, 1), (16, 1), (1, 2)], meshes
+    assert all(c.cp_comm_type == "allgather" and c.cp_load_balance for c in configs if c.mesh.cp > 1)
+    assert all(c.dp_style is DataParallel.FSDP for c in configs if c.mesh.dp_cp > 1)
+    assert all(c.mesh.num_devices <= 16 for c in configs)
+    for work, context_parallel in (
+        (WorkloadSpec("train", 4, 8192), True),
+        (WorkloadSpec("train", 4, 131072), False),
+    ):
+        assert {
+            c.mesh.cp for c, _ in torchtitan_configs(cluster, work, structure, None, context_parallel)
+        } == {1}
+    plan = plan_model(structure, cluster, WorkloadSpec("train", 4, 131072, dtype="bf16"), Constraints())
+    (titan,) = [d for d in plan.decisions if d.subject == "torchtitan-baseline"]
+    assert (
+        titan.chosen == "tp=1 cp=4 pp=1 dp=4"
+        and "fits" in titan.reason
+        and "does not fit" not in titan.reason
+    )

@@ -434,6 +434,14 @@ def _expert_training(
 TORCHTITAN_TP_FROM_PARAMS = 30e9
 # and async TP (`compile.enable_async_tensor_parallel`) from this many: llama3_405b turns it on, llama3_70b not
 TORCHTITAN_ASYNC_TP_FROM_PARAMS = 300e9
+# context parallelism as torchtitan's users turn it on for long sequences (`context_parallel_degree`; the
+# README's "Context Parallel" post, "Breaking Barriers: Training Long Context LLMs with 1M Sequence Length
+# in PyTorch Using Context Parallel", discuss.pytorch.org/t/215082): from this many tokens, at the
+# smallest of these degrees that fits memory, before pipeline stages (a stage holds its layers'
+# activations at the whole sequence length; CP cuts them); PyTorch's default K/V rotation (all-gather)
+# and torchtitan's default head-tail load balancer, FSDP over dp_shard x cp (its `build_mesh`)
+TORCHTITAN_CP_FROM_TOKENS = 16384
+TORCHTITAN_CP_DEGREES = (2, 4, 8, 16, 32)
 
 
 def torchtitan_configs(
@@ -441,6 +449,7 @@ def torchtitan_configs(
     workload: WorkloadSpec,
     structure: ModelStructure,
     max_devices: int | None = None,
+    context_parallel: bool = False,
 ) -> list[tuple[MeshConfig, Recompute]]:
     """The layouts a torchtitan user writes for training, in the order they would try them (the caller
     keeps the first that fits memory): FSDP (``data_parallel_shard_degree = -1``, resharded after
@@ -448,8 +457,12 @@ def torchtitan_configs(
     activation checkpointing, above it TP = the node (dividing the heads, `megatron_tp`) with full
     checkpointing and sequence parallelism (torchtitan's TP plan always shards the norms'
     sequence); then PP 2, 4, ... stages (1F1B, one sequence per micro-batch) while it does not fit.
-    Empty for workloads other than training and models without layers. The devices used are the cluster's (or `max_devices`),
-    less any that would not divide the batch."""
+    With `context_parallel` (the model's attention runs context-parallel) and a sequence of
+    `TORCHTITAN_CP_FROM_TOKENS` or more, each pipeline depth is tried at every degree of
+    `TORCHTITAN_CP_DEGREES` after cp 1, the CP ranks taken from the data-parallel ones (the sequence a
+    multiple of 2 x cp x tp, as torchtitan asserts). Empty for workloads other than training and models
+    without layers. The devices used are the cluster's (or `max_devices`), less any that would not
+    divide the batch."""
     if not workload.train or not structure.layers:  # a recipe for transformer layers
         return []
     devices = min(cluster.num_devices, max_devices or cluster.num_devices)
@@ -459,23 +472,32 @@ def torchtitan_configs(
     recompute = Recompute.FULL if big else Recompute.SELECTIVE
     num_layers = max(1, len(structure.layers))
     tokens = structure.stream_tokens(workload.seq_len)
-    sp = tp > 1 and all(t % tp == 0 for t in tokens)
     async_tp = tp > 1 and structure.num_params >= TORCHTITAN_ASYNC_TP_FROM_PARAMS
+    cps = [1]
+    if context_parallel and workload.seq_len >= TORCHTITAN_CP_FROM_TOKENS:
+        cps += [cp for cp in TORCHTITAN_CP_DEGREES if workload.seq_len % (2 * cp * tp) == 0]
     out = []
     pp = 1
     while pp <= num_layers and tp * pp <= devices:
-        dp = _replicas(devices // (tp * pp), workload.batch_size)
-        per_replica = workload.batch_size // dp
-        style = DataParallel.FSDP if dp > 1 else DataParallel.DDP
-        # without PP: the whole local batch, then gradient accumulation over one sequence at a time,
-        # then full checkpointing; with PP: micro-batches of one sequence (pipeline_parallel_microbatch_size)
-        tries = [(1, recompute), (per_replica, recompute), (per_replica, Recompute.FULL)] if pp == 1 else []
-        tries += [(per_replica, recompute), (per_replica, Recompute.FULL)] if pp > 1 else []
-        for m, r in dict.fromkeys(tries):
-            schedule = Schedule.ONE_F_ONE_B if m >= pp else Schedule.GPIPE
-            # torchtitan's "default" reshard policy: reshard after forward unless pipelined (one gather
-            # per micro-batch would be too many)
-            config = MeshConfig(MeshShape(tp, pp, dp), m, schedule, 1, sp, style, None, pp == 1, async_tp)
-            out.append((split_experts(config, structure), r))
+        for cp in (cp for cp in cps if tp * cp * pp <= devices):
+            sp = tp > 1 and all((t // cp) % tp == 0 for t in tokens)
+            dp = _replicas(devices // (tp * cp * pp), workload.batch_size)
+            per_replica = workload.batch_size // dp
+            style = DataParallel.FSDP if dp * cp > 1 else DataParallel.DDP
+            # without PP: the whole local batch, then gradient accumulation over one sequence at a time,
+            # then full checkpointing; with PP: micro-batches of one sequence (pipeline_parallel_microbatch_size)
+            tries = (
+                [(1, recompute), (per_replica, recompute), (per_replica, Recompute.FULL)] if pp == 1 else []
+            )
+            tries += [(per_replica, recompute), (per_replica, Recompute.FULL)] if pp > 1 else []
+            for m, r in dict.fromkeys(tries):
+                schedule = Schedule.ONE_F_ONE_B if m >= pp else Schedule.GPIPE
+                # torchtitan's "default" reshard policy: reshard after forward unless pipelined (one gather
+                # per micro-batch would be too many)
+                config = MeshConfig(
+                    MeshShape(tp, pp, dp, cp), m, schedule, 1, sp, style, None, pp == 1, async_tp,
+                    cp_comm_type="allgather", cp_load_balance=True,
+                )  # fmt: skip
+                out.append((split_experts(config, structure), r))
         pp *= 2
     return out

@@ -1903,7 +1903,10 @@ def _torchtitan_baseline(search: _Search) -> PricedAssignment | None:
     training."""
     chosen = None
     c = search.constraints
-    recipes = torchtitan_configs(search.cluster, search.workload, search.structure, c.max_devices)
+    context_parallel = not (_cp_unsupported(search) or _cp_gathers_attention(search))
+    recipes = torchtitan_configs(
+        search.cluster, search.workload, search.structure, c.max_devices, context_parallel
+    )
     for config, recompute in ((_whole_batch_configs(search, [cfg])[0], r) for cfg, r in recipes):
         chosen = baseline_plan(_price(search, config).tables, recompute=recompute)
         if chosen.prediction.peak_memory_bytes <= search.cap_bytes:
