@@ -15,6 +15,7 @@ bytes are bytes read plus bytes written, times are seconds.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from costmodels.cluster import AttentionSpec, DeviceSpec, GemmSpec
@@ -89,7 +90,7 @@ def op_time_s(
         sms = device.gemm.sms if device.gemm is not None else None
         efficiency = attention_kernel_efficiency(seq[1], seq[2], device.attention, blocks, sms)
     if kind == "matmul" and rows and device.gemm is not None and shape is not None:
-        efficiency = gemm_efficiency(rows, shape[1], shape[0], device.gemm)
+        efficiency = gemm_efficiency(rows, shape[1], shape[0], gemm_for_dtype(device, dtype))
     if kind == "matmul" and rows and device.matmul_half_rows:
         efficiency *= rows / (rows + device.matmul_half_rows)
     compute_s = flops / (peak * efficiency)
@@ -111,6 +112,42 @@ def op_time_s(
         # activations on the dev VM: 2.5 ms bf16, 2.2 ms fp32, priced by bytes at half)
         ratio *= (device.memory_dtype_time_ratios or {}).get(dtype, 1.0)
     return roofline_s * ratio + overhead
+
+
+# Output tiles of CUDA-core (SIMT) fp32 GEMMs: CUTLASS's SGEMM kernels (NVIDIA/cutlass,
+# python/cutlass_library/generator.py, GenerateSM50_Simt: 128x128, 128x64, 64x128, 64x64, 128x32 and
+# 32x128 threadblocks), smaller than the tensor-core tiles a GPU preset's `GemmSpec` holds
+SIMT_GEMM_TILES: tuple[tuple[int, int], ...] = (
+    (128, 128),
+    (128, 64),
+    (64, 128),
+    (64, 64),
+    (128, 32),
+    (32, 128),
+)
+
+
+def gemm_for_dtype(device: DeviceSpec, dtype: str) -> GemmSpec | None:
+    """The GEMM shape model of ``device`` for ``dtype``: its ``gemm`` (fitted to tensor-core bf16 / fp16
+    GEMMs) for the dtypes that run on tensor cores; for one whose peak is below the 16-bit peak (fp32
+    without TF32, torch's default: CUDA cores) the same fit on SIMT tiles (`SIMT_GEMM_TILES`), with
+    the per-tile fixed cost (``half_k``) and the smallest split-K slice in K steps of that slower
+    math: a tile's prologue and epilogue take the same time, which is fewer K steps when each step
+    takes (16-bit peak / fp32 peak) times longer. Without the scaling a 32 x 64 x 128 fp32 product on
+    an H100 was priced at 29 us (one 64 x 256 tile, 5x its launch), more than the CPU it was planned
+    on takes. None where the device has no GEMM shape model."""
+    gemm = device.gemm
+    peaks = device.peak_flops_per_s
+    fast = max(peaks.get("bf16", 0.0), peaks.get("fp16", 0.0))
+    if gemm is None or dtype not in peaks or not fast or peaks[dtype] >= fast:
+        return gemm
+    ratio = peaks[dtype] / fast
+    return dataclasses.replace(
+        gemm,
+        tiles=SIMT_GEMM_TILES,
+        half_k=gemm.half_k * ratio,
+        min_split_k=max(8.0, gemm.min_split_k * ratio),
+    )
 
 
 def gemm_efficiency(m: float, n: float, k: float, gemm: GemmSpec) -> float:

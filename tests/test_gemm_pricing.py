@@ -196,3 +196,24 @@ def test_gemm_prices_hold_against_xla_s_measured_hopper_table() -> None:
     for selected in (rows, large):
         count, median, worst = bench.summary(selected)
         assert median <= 0.10, (count, median, worst)
+
+
+def test_fp32_products_run_on_simt_tiles_with_the_fixed_cost_of_their_slower_k_steps(h100) -> None:
+    """fp32 (torch's default, TF32 off) runs on the CUDA cores: a model built from a Hugging Face config
+    and planned without --dtype prices its GEMMs so. The tensor-core tile model priced a 32 x 64 x 128
+    fp32 product at 29 us (one 64 x 256 tile with the 16-bit per-tile cost, at 1/15 the rate): GPT-J at
+    hidden 64 on dgx-h100 chose TP 4 to split such products. Now the launch dominates it, and a large
+    fp32 product runs near the fit's efficiency of the fp32 peak; 16-bit prices are unchanged."""
+
+    def tflops(m: int, k: int, n: int, dtype: str, launch: bool = True) -> float:
+        t = op_time_s(matmul_flops(m, k, n), matmul_bytes(m, k, n, dtype), h100, dtype, "matmul", rows=m,
+                      shape=(k, n), launch=launch)  # fmt: skip
+        return matmul_flops(m, k, n) / t / 1e12
+
+    small_s = matmul_flops(32, 64, 128) / (tflops(32, 64, 128, "fp32") * 1e12)
+    assert small_s < 2 * h100.launch_overhead_s, small_s
+    fp32_peak = h100.peak_flops_per_s["fp32"] / 1e12
+    assert 0.75 * fp32_peak < tflops(8192, 8192, 8192, "fp32") <= h100.gemm.efficiency * fp32_peak
+    assert 0.7 * fp32_peak < tflops(2048, 4096, 4096, "fp32")
+    # the 16-bit fit as before (tilelang's 8192 x 8192 x 2048 at 705 TFLOP/s, within its 4%)
+    assert tflops(8192, 2048, 8192, "bf16", launch=False) == pytest.approx(705, rel=0.04)
