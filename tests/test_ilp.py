@@ -705,3 +705,24 @@ def test_a_pinned_interleaved_schedule_the_batch_cannot_feed_is_named_in_the_ref
     assert "excluded from the search: " in message
     assert "pp=2, 4, 8: --schedule interleaved_1f1b runs the micro-batches in rounds of pp" in message
     assert "batch 1 gives at most 1 per replica" in message and "or --schedule 1f1b" in message
+
+
+def test_a_mesh_on_fewer_devices_that_could_tie_the_best_is_solved_not_pruned() -> None:
+    """Zamba on dgx-h100: TP 4 x DP 2 (8 devices) was solved first (the lowest bound) and replicated
+    every weight, at the same latency as TP 1 x DP 2 on 2 devices, whose bound (that latency) was
+    within the solver gap, so it was pruned and the 8-device mesh chosen. A bound that could still tie
+    the best on fewer devices is solved (`_better` breaks ties by devices); others are pruned as before."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from planner.solver.search import _prunable  # noqa: PLC0415
+
+    best = SimpleNamespace(latency_s=1.0, mesh=MeshShape(4, 1, 2))
+    tie = SimpleNamespace(lower_bound_s=1.0, mesh=MeshShape(1, 1, 2))
+    assert not _prunable(tie, best, 0.01)
+    assert _prunable(
+        SimpleNamespace(lower_bound_s=1.0, mesh=MeshShape(2, 1, 4)), best, 0.01
+    )  # as many devices
+    assert _prunable(SimpleNamespace(lower_bound_s=1.001, mesh=MeshShape(1, 1, 2)), best, 0.01)  # cannot tie
+    assert not _prunable(
+        SimpleNamespace(lower_bound_s=0.9, mesh=MeshShape(2, 1, 4)), best, 0.01
+    )  # may be faster

@@ -1211,7 +1211,7 @@ def _solve_candidates(search: _Search, progress: Progress = silent) -> _Candidat
         if cand.memory_lower_bound_bytes > search.cap_bytes:
             cand.note = f"needs at least {cand.memory_lower_bound_bytes / _GIB:.1f} GiB per device"
             continue
-        if best is not None and cand.lower_bound_s > best.latency_s * (1 - search.constraints.mip_gap):
+        if best is not None and _prunable(cand, best, search.constraints.mip_gap):
             cand.note = (
                 f"pruned: lower bound {cand.lower_bound_s * 1e3:.3g} ms within the solver gap of the best"
             )
@@ -1414,6 +1414,18 @@ def _features(config: MeshConfig) -> int:
         + int(config.ep > 1)
         + int(config.expert_tp > 1)
     )
+
+
+def _prunable(cand: _Candidate, best: _Candidate, mip_gap: float) -> bool:
+    """Whether `cand` need not be solved: its lower bound is within the solver's gap of the best plan
+    so far or above it, and it could not win `_better`'s tie on fewer devices either (a bound at or
+    below the best's latency on fewer devices is solved: a TP mesh whose solution replicated every
+    weight, on 8 devices, kept TP 1 on 2 out of the search at the same latency, and was chosen)."""
+    assert best.latency_s is not None
+    if cand.lower_bound_s <= best.latency_s * (1 - mip_gap):
+        return False
+    fewer = cand.mesh.num_devices < best.mesh.num_devices
+    return not (fewer and cand.lower_bound_s <= best.latency_s * (1 + TIE_TOLERANCE))
 
 
 def _better(cand: _Candidate, best: _Candidate) -> bool:
