@@ -749,7 +749,7 @@ def _pieces_along_shard(ctx: RuleContext, node: fx.Node, p: Placement, sizes: li
             node,
             f"cuts along the sharded dim {p.dim} into {sizes}, but that dim is not a fused projection's "
             f"parts (each rank holds {held} of its {sum(sizes)}, not whole pieces of the cut): write the ops "
-            "on the pieces as one op over the whole dim (a per-head norm over a (..., heads, head_dim) view), "
+            "on the pieces as one op over the whole dim (e.g. a per-head norm over a (..., heads, head_dim) view), "
             "or keep the weights whole (--layout auto does so, priced)",
         )
     if list(p.parts) != sizes or any(s % ctx.tp for s in sizes):
