@@ -89,11 +89,11 @@ def op_time_s(
         blocks = seq[3] if len(seq) > 3 else None
         sms = device.gemm.sms if device.gemm is not None else None
         efficiency = attention_kernel_efficiency(seq[1], seq[2], device.attention, blocks, sms)
-    if kind == "matmul" and rows and device.gemm is not None and shape is not None:
-        efficiency = gemm_efficiency(rows, shape[1], shape[0], gemm_for_dtype(device, dtype))
     if kind == "matmul" and rows and device.matmul_half_rows:
         efficiency *= rows / (rows + device.matmul_half_rows)
     compute_s = flops / (peak * efficiency)
+    if kind == "matmul" and rows and device.gemm is not None and shape is not None:
+        compute_s = gemm_compute_s(flops, rows, shape[1], shape[0], device, dtype)
     bandwidth = device.memory_bandwidth_bytes_per_s * device.memory_efficiency
     if kind == "pool" and device.pooling_bandwidth_bytes_per_s is not None:
         bandwidth = device.pooling_bandwidth_bytes_per_s
@@ -129,25 +129,36 @@ SIMT_GEMM_TILES: tuple[tuple[int, int], ...] = (
 
 def gemm_for_dtype(device: DeviceSpec, dtype: str) -> GemmSpec | None:
     """The GEMM shape model of ``device`` for ``dtype``: its ``gemm`` (fitted to tensor-core bf16 / fp16
-    GEMMs) for the dtypes that run on tensor cores; for one whose peak is below the 16-bit peak (fp32
-    without TF32, torch's default: CUDA cores) the same fit on SIMT tiles (`SIMT_GEMM_TILES`), with
-    the per-tile fixed cost (``half_k``) and the smallest split-K slice in K steps of that slower
-    math: a tile's prologue and epilogue take the same time, which is fewer K steps when each step
-    takes (16-bit peak / fp32 peak) times longer. Without the scaling a 32 x 64 x 128 fp32 product on
-    an H100 was priced at 29 us (one 64 x 256 tile, 5x its launch), more than the CPU it was planned
-    on takes. None where the device has no GEMM shape model."""
+    GEMMs) for every dtype but fp32; for fp32 (torch's default, TF32 off: the spec's ``fp32`` peak must
+    be the CUDA cores' plain FP32 rate, not TF32's), when that peak is below the 16-bit one, the same
+    fit on SIMT tiles (`SIMT_GEMM_TILES`) with the per-tile fixed cost (``half_k``) in K steps of that
+    slower math: a tile's prologue and epilogue take the same time, which is fewer K steps when each
+    step takes (16-bit peak / fp32 peak) times longer. The split-K floor is kept (slicing K finer
+    would add partial sums the fit does not price). Without this a 32 x 64 x 128 fp32 product on an
+    H100 was priced at 29 us (one 64 x 256 tile, 5x its launch), more than the CPU it was planned on
+    takes. None where the device has no GEMM shape model."""
     gemm = device.gemm
     peaks = device.peak_flops_per_s
     fast = max(peaks.get("bf16", 0.0), peaks.get("fp16", 0.0))
-    if gemm is None or dtype not in peaks or not fast or peaks[dtype] >= fast:
+    if gemm is None or dtype != "fp32" or "fp32" not in peaks or not fast or peaks["fp32"] >= fast:
         return gemm
-    ratio = peaks[dtype] / fast
-    return dataclasses.replace(
-        gemm,
-        tiles=SIMT_GEMM_TILES,
-        half_k=gemm.half_k * ratio,
-        min_split_k=max(8.0, gemm.min_split_k * ratio),
+    return dataclasses.replace(gemm, tiles=SIMT_GEMM_TILES, half_k=gemm.half_k * peaks["fp32"] / fast)
+
+
+def gemm_compute_s(flops: float, m: float, n: float, k: float, device: DeviceSpec, dtype: str) -> float:
+    """Seconds of an (m, k) @ (k, n) GEMM's math in ``dtype`` on a device with a GEMM shape model
+    (``device.gemm``), by `gemm_efficiency` of `gemm_for_dtype`; an fp32 GEMM never below the same
+    shape's in the faster 16-bit dtype (it moves twice the bytes on slower units: the SIMT tiles'
+    smaller waves must not price it faster)."""
+    seconds = flops / (
+        device.peak_flops_per_s[dtype] * gemm_efficiency(m, n, k, gemm_for_dtype(device, dtype))
     )
+    if gemm_for_dtype(device, dtype) is not device.gemm:
+        half = max(("bf16", "fp16"), key=lambda d: device.peak_flops_per_s.get(d, 0.0))
+        seconds = max(
+            seconds, flops / (device.peak_flops_per_s[half] * gemm_efficiency(m, n, k, device.gemm))
+        )
+    return seconds
 
 
 def gemm_efficiency(m: float, n: float, k: float, gemm: GemmSpec) -> float:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -925,17 +926,21 @@ def check_same_parameters(named: Sequence[tuple[str, torch.Tensor]], group: dist
         def entry(entries: list, i: int) -> str:
             return f"{entries[i][0]} {list(entries[i][1])} {entries[i][2]}" if i < len(entries) else "nothing"
 
+        ranks = (dist.get_global_rank(group, 0), dist.get_global_rank(group, index))
         raise RunError(
             f"the ranks that reduce their gradients together registered their parameters differently: "
-            f"parameter #{at} is {entry(first, at)} on the group's first rank and {entry(other, at)} on its "
-            f"rank {index} ({len(first)} and {len(other)} parameters); their flat gradient buffers would sum "
+            f"parameter #{at} is {entry(first, at)} on rank {ranks[0]} and {entry(other, at)} on rank "
+            f"{ranks[1]} ({len(first)} and {len(other)} parameters); their flat gradient buffers would sum "
             "different parameters' gradients. This is a defect of the rewrite (each rank's graph must register "
             "its parameters alike): please report it with the model file"
         )
 
 
 def check_replicas_alike(
-    plan: Any, named: Sequence[tuple[str, torch.Tensor]], groups: Any, expert_names: set[str] = frozenset()
+    plan: Any,
+    named: Sequence[tuple[str, torch.Tensor]],
+    groups: Any,
+    expert_names: AbstractSet[str] = frozenset(),
 ) -> None:
     """`check_same_parameters` over the groups `plan` reduces gradients in: the dp x cp ranks for every
     parameter but expert parallelism's (`expert_names`, whose ranks hold other experts under other

@@ -217,3 +217,22 @@ def test_fp32_products_run_on_simt_tiles_with_the_fixed_cost_of_their_slower_k_s
     assert 0.7 * fp32_peak < tflops(2048, 4096, 4096, "fp32")
     # the 16-bit fit as before (tilelang's 8192 x 8192 x 2048 at 705 TFLOP/s, within its 4%)
     assert tflops(8192, 2048, 8192, "bf16", launch=False) == pytest.approx(705, rel=0.04)
+
+
+def test_fp32_is_never_priced_below_the_16_bit_product_and_only_fp32_leaves_the_tensor_core_fit(h100) -> None:
+    """Two holes in the first fp32 model: split-K over 17-element K slices (its floor scaled with the
+    per-tile cost) priced a router-like 128 x 1024 x 64 fp32 product up to 1.4x faster than in bf16;
+    and a spec whose fp16 peak sat a hair above bf16's (a calibration measures each) sent bf16 to the
+    CUDA-core tiles. fp32 is now at least the 16-bit time of its shape, and only fp32 changes model."""
+    shapes = [(m, k, n) for m in (1, 16, 128, 2048) for k in (64, 1024, 2048, 8192) for n in (16, 64, 4096)]
+    for m, k, n in shapes:
+        flops = matmul_flops(m, k, n)
+        fp32 = op_time_s(flops, matmul_bytes(m, k, n, "fp32"), h100, "fp32", "matmul", rows=m, shape=(k, n))
+        bf16 = op_time_s(flops, matmul_bytes(m, k, n, "bf16"), h100, "bf16", "matmul", rows=m, shape=(k, n))
+        assert fp32 >= bf16, (m, k, n, fp32, bf16)
+    hair = dataclasses.replace(h100, peak_flops_per_s={**h100.peak_flops_per_s, "fp16": 992e12})
+    for m, k, n in [(2048, 256, 16), (8192, 2048, 8192)]:
+        flops = matmul_flops(m, k, n)
+        before = op_time_s(flops, matmul_bytes(m, k, n, "bf16"), h100, "bf16", "matmul", rows=m, shape=(k, n))
+        after = op_time_s(flops, matmul_bytes(m, k, n, "bf16"), hair, "bf16", "matmul", rows=m, shape=(k, n))
+        assert after == pytest.approx(before)

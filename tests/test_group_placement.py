@@ -220,10 +220,15 @@ def test_the_torchtitan_recipe_turns_context_parallelism_on_for_a_long_sequence(
         c for c, _ in torchtitan_configs(cluster, WorkloadSpec("train", 4, 131072), structure, None, True)
     ]
     meshes = list(dict.fromkeys((c.mesh.cp, c.mesh.pp) for c in configs))
-    assert meshes[:6] == [(1, 1), (2, 1), (4, 1), (8, 1), (16, 1), (1, 2)], meshes
+    # CP 2 would leave half the GPUs idle (4 replicas x 2): the degrees that use all 16 are tried
+    assert meshes[:5] == [(1, 1), (4, 1), (8, 1), (16, 1), (1, 2)], meshes
     assert all(c.cp_comm_type == "allgather" and c.cp_load_balance for c in configs if c.mesh.cp > 1)
     assert all(c.dp_style is DataParallel.FSDP for c in configs if c.mesh.dp_cp > 1)
     assert all(c.mesh.num_devices <= 16 for c in configs)
+    # one sequence: no replicas to fill the cluster, so CP takes all 16 GPUs (torchtitan sizes dp_shard x
+    # cp x tp x pp to the world), not CP 8 on half of them
+    one = [c for c, _ in torchtitan_configs(cluster, WorkloadSpec("train", 1, 131072), structure, None, True)]
+    assert next(c.mesh for c in one if c.mesh.cp > 1) == MeshShape(1, 1, 1, 16)
     for work, context_parallel in (
         (WorkloadSpec("train", 4, 8192), True),
         (WorkloadSpec("train", 4, 131072), False),
@@ -238,3 +243,4 @@ def test_the_torchtitan_recipe_turns_context_parallelism_on_for_a_long_sequence(
         and "fits" in titan.reason
         and "does not fit" not in titan.reason
     )
+    assert "context parallel 4 (FSDP over its ranks)" in titan.reason

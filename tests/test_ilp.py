@@ -704,25 +704,53 @@ def test_a_pinned_interleaved_schedule_the_batch_cannot_feed_is_named_in_the_ref
     message = str(refused.value)
     assert "excluded from the search: " in message
     assert "pp=2, 4, 8: --schedule interleaved_1f1b runs the micro-batches in rounds of pp" in message
-    assert "batch 1 gives at most 1 per replica" in message and "or --schedule 1f1b" in message
+    assert "batch 1 allows 1 micro-batch(es) per replica, none a multiple of it" in message
+    assert "or --schedule 1f1b" in message
+    # TP pinned and every pipeline ruled out: the hint says so instead of advising them
+    assert "more tensor / pipeline parallelism than the pins allow" in message
+    # a batch of 6 has 3 or 6 micro-batches per replica: more than pp=4, none a multiple of it; and
+    # --virtual-stages pins the interleaved schedule too; a pinned --micro-batches is named as the cause
+    cases = [
+        (Constraints(pp=4, schedule=Schedule.INTERLEAVED_1F1B), WorkloadSpec("train", 6, 4096, dtype="bf16"),
+         "pp=4: --schedule interleaved_1f1b runs the micro-batches in rounds of pp, and batch 6 allows 3, 6"),
+        (Constraints(pp=4, virtual_stages=2), WorkloadSpec("train", 6, 4096, dtype="bf16"),
+         "pp=4: --virtual-stages 2 runs the micro-batches in rounds of pp"),
+        (Constraints(pp=4, schedule=Schedule.INTERLEAVED_1F1B), WorkloadSpec("train", 24, 4096, dtype="bf16", micro_batches=3),
+         "and --micro-batches 3, none a multiple of it; use --micro-batches a multiple of pp"),
+    ]  # fmt: skip
+    for pins, work, expected in cases:
+        with pytest.raises((InfeasibleError, InputError)) as refused:
+            plan_model(analysed_llama("8b"), load_cluster("dgx-h100"), work, pins)
+        assert expected in str(refused.value), str(refused.value)
 
 
 def test_a_mesh_on_fewer_devices_that_could_tie_the_best_is_solved_not_pruned() -> None:
     """Zamba on dgx-h100: TP 4 x DP 2 (8 devices) was solved first (the lowest bound) and replicated
     every weight, at the same latency as TP 1 x DP 2 on 2 devices, whose bound (that latency) was
-    within the solver gap, so it was pruned and the 8-device mesh chosen. A bound that could still tie
-    the best on fewer devices is solved (`_better` breaks ties by devices); others are pruned as before."""
+    within the solver gap, so it was pruned and the 8-device mesh chosen. A bound that could still win
+    `_better` is solved: a tie on fewer devices, or a candidate with fewer features (each must save
+    `FEATURE_MIN_SAVING`) up to that much slower; others are pruned as before."""
     from types import SimpleNamespace  # noqa: PLC0415
 
+    from planner.solver.problem import FEATURE_MIN_SAVING  # noqa: PLC0415
     from planner.solver.search import _prunable  # noqa: PLC0415
 
-    best = SimpleNamespace(latency_s=1.0, mesh=MeshShape(4, 1, 2))
-    tie = SimpleNamespace(lower_bound_s=1.0, mesh=MeshShape(1, 1, 2))
-    assert not _prunable(tie, best, 0.01)
-    assert _prunable(
-        SimpleNamespace(lower_bound_s=1.0, mesh=MeshShape(2, 1, 4)), best, 0.01
-    )  # as many devices
-    assert _prunable(SimpleNamespace(lower_bound_s=1.001, mesh=MeshShape(1, 1, 2)), best, 0.01)  # cannot tie
-    assert not _prunable(
-        SimpleNamespace(lower_bound_s=0.9, mesh=MeshShape(2, 1, 4)), best, 0.01
-    )  # may be faster
+    def cand(bound: float, tp: int, dp: int, sp: bool = False) -> SimpleNamespace:
+        mesh = MeshShape(tp, 1, dp)
+        return SimpleNamespace(
+            lower_bound_s=bound, mesh=mesh, config=MeshConfig(mesh, 1, sequence_parallel=sp)
+        )
+
+    best = cand(0.0, 4, 2)
+    best.latency_s = 1.0
+    assert not _prunable(cand(1.0, 1, 2), best, 0.01)
+    assert _prunable(cand(1.0, 2, 4), best, 0.01)  # as many devices
+    assert _prunable(cand(1.001, 1, 2), best, 0.01)  # cannot tie
+    assert not _prunable(cand(0.9, 2, 4), best, 0.01)  # may be faster
+    # the best uses sequence parallelism: the gap is taken from its score, which counts the feature, so
+    # a candidate without it whose bound is under that (less the gap) is solved; the raw latency alone
+    # pruned it
+    best_sp = cand(0.0, 4, 2, sp=True)
+    best_sp.latency_s = 1.0
+    assert not _prunable(cand(1.0 * (1 - 0.01) + FEATURE_MIN_SAVING / 2, 2, 4), best_sp, 0.01)
+    assert _prunable(cand(1.0 * (1 - 0.01) + FEATURE_MIN_SAVING / 2, 2, 4, sp=True), best_sp, 0.01)

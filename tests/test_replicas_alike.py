@@ -42,8 +42,8 @@ def test_ranks_that_register_parameters_alike_pass_and_others_are_named() -> Non
     assert same == ["alike", "alike"]
     # every rank raises (none is left waiting in a later collective), naming the first difference
     assert other[0] == other[1]
-    assert "parameter #0 is embed.weight [8, 4] float32 on the group's first rank" in other[0]
-    assert "head.weight [8, 4] float32 on its rank 1" in other[0]
+    assert "parameter #0 is embed.weight [8, 4] float32 on rank 0" in other[0]
+    assert "head.weight [8, 4] float32 on rank 1" in other[0]
 
 
 def test_one_rank_or_no_group_checks_nothing() -> None:

@@ -444,6 +444,17 @@ TORCHTITAN_CP_FROM_TOKENS = 16384
 TORCHTITAN_CP_DEGREES = (2, 4, 8, 16, 32)
 
 
+def _torchtitan_cps(cps: list[int], tp: int, pp: int, devices: int, batch: int) -> list[int]:
+    """The context-parallel degrees of `cps` a torchtitan user tries at (tp, pp): 1, then those above 1
+    that put the most devices to work (torchtitan sizes dp_shard x cp x tp x pp to the world: where the
+    batch leaves too few replicas, the CP ranks take the devices left). At 131k tokens, one sequence,
+    16 GPUs: CP 16, not CP 8 on half of them."""
+    above = [cp for cp in cps if cp > 1 and tp * cp * pp <= devices]
+    used = {cp: tp * cp * pp * _replicas(devices // (tp * cp * pp), batch) for cp in above}
+    most = max(used.values(), default=0)
+    return [cp for cp in cps if cp == 1 or used.get(cp) == most]
+
+
 def torchtitan_configs(
     cluster: ClusterSpec,
     workload: WorkloadSpec,
@@ -458,9 +469,9 @@ def torchtitan_configs(
     checkpointing and sequence parallelism (torchtitan's TP plan always shards the norms'
     sequence); then PP 2, 4, ... stages (1F1B, one sequence per micro-batch) while it does not fit.
     With `context_parallel` (the model's attention runs context-parallel) and a sequence of
-    `TORCHTITAN_CP_FROM_TOKENS` or more, each pipeline depth is tried at every degree of
-    `TORCHTITAN_CP_DEGREES` after cp 1, the CP ranks taken from the data-parallel ones (the sequence a
-    multiple of 2 x cp x tp, as torchtitan asserts). Empty for workloads other than training and models
+    `TORCHTITAN_CP_FROM_TOKENS` or more, each pipeline depth is tried at cp 1, then at the degrees of
+    `TORCHTITAN_CP_DEGREES` that put the most devices to work (`_torchtitan_cps`), the CP ranks taken
+    from the data-parallel ones (the sequence a multiple of 2 x cp x tp, as torchtitan asserts). Empty for workloads other than training and models
     without layers. The devices used are the cluster's (or `max_devices`), less any that would not
     divide the batch."""
     if not workload.train or not structure.layers:  # a recipe for transformer layers
@@ -479,7 +490,7 @@ def torchtitan_configs(
     out = []
     pp = 1
     while pp <= num_layers and tp * pp <= devices:
-        for cp in (cp for cp in cps if tp * cp * pp <= devices):
+        for cp in _torchtitan_cps(cps, tp, pp, devices, workload.batch_size):
             sp = tp > 1 and all((t // cp) % tp == 0 for t in tokens)
             dp = _replicas(devices // (tp * cp * pp), workload.batch_size)
             per_replica = workload.batch_size // dp

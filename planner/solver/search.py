@@ -492,8 +492,8 @@ def _enumerate(search: _Search, progress: Progress = silent) -> None:
                                         None,
                                     )
                                     search.candidates.append(_price(search, config, lazy=True))
-    if c.schedule is Schedule.INTERLEAVED_1F1B and w.train:
-        _exclude_short_interleaving(search, [pp for pp in pps if pp > 1], dps)
+    if (c.schedule is Schedule.INTERLEAVED_1F1B or (c.virtual_stages or 1) > 1) and w.train:
+        _exclude_short_interleaving(search, [pp for pp in pps if pp > 1], dps, [1] if whole_batch else None)
     if not search.candidates and (c.ep or 1) > 1:
         raise InputError(_ep_unplaceable(search, num_devices))
     if not search.candidates and (c.expert_tp or 1) > 1:
@@ -565,24 +565,48 @@ def _schedules_for(search: _Search, pp: int, micro_batches: int) -> list[tuple[S
     return out
 
 
-def _exclude_short_interleaving(search: _Search, pps: list[int], dps: list[int]) -> None:
-    """With the interleaved schedule pinned: list as excluded, in one line, the pipeline degrees of
-    `pps` that no micro-batch count of the batch allows (the schedule runs micro-batches in rounds of
-    pp, `_schedules_for`), naming the batch and the ways out; the error of a search left without them
-    otherwise advised the pipeline parallelism the pin had ruled out."""
+def _exclude_short_interleaving(
+    search: _Search, pps: list[int], dps: list[int], counts: list[int] | None = None
+) -> None:
+    """With the interleaved schedule pinned (--schedule interleaved_1f1b, or --virtual-stages above 1):
+    list as excluded, in one line, the pipeline degrees of `pps` for which no micro-batch count is a
+    multiple of pp (the schedule runs the micro-batches in rounds of pp, `_schedules_for`), naming the
+    counts the batch (or the pinned --micro-batches) allows and the ways out; the error of a search
+    left without them otherwise advised the pipeline parallelism the pin had ruled out. `counts`: the
+    micro-batch counts where the batch is kept whole (else `_micro_batch_options` per dp)."""
+    c, w = search.constraints, search.workload
     have = {cand.mesh.pp for cand in search.candidates}
-    short: dict[int, int] = {}  # pp -> the most micro-batches per replica the batch gives
+    short: dict[int, set[int]] = {}  # pp -> the micro-batch counts allowed, none a multiple of pp
     for pp in pps:
-        counts = {m for dp in dps for m in _micro_batch_options(search, pp, dp)}
-        if pp not in have and counts and not any(m % pp == 0 for m in counts):
-            short[pp] = max(counts)
+        allowed = (
+            set(counts)
+            if counts is not None
+            else {m for dp in dps for m in _micro_batch_options(search, pp, dp)}
+        )
+        if pp not in have and allowed and not any(m % pp == 0 for m in allowed):
+            short[pp] = allowed
     if not short:
         return
+    pin = (
+        "--schedule interleaved_1f1b"
+        if c.schedule is Schedule.INTERLEAVED_1F1B
+        else f"--virtual-stages {c.virtual_stages}"
+    )
+    allowed = sorted(set().union(*short.values()))
+    source = (
+        f"--micro-batches {w.micro_batches}"
+        if w.micro_batches is not None
+        else f"batch {w.batch_size} allows {', '.join(map(str, allowed))} micro-batch(es) per replica"
+    )
     least = min(short)
+    fix = (
+        f"--micro-batches a multiple of pp ({least} at pp={least})"
+        if w.micro_batches is not None
+        else f"a batch whose share per replica is a multiple of pp ({least} at pp={least})"
+    )
     reason = (
-        f"pp={', '.join(map(str, short))}: --schedule interleaved_1f1b runs the micro-batches in rounds of pp, "
-        f"and batch {search.workload.batch_size} gives at most {max(short.values())} per replica; use a batch of "
-        f"pp or more sequences per replica ({least} at pp={least}), or --schedule 1f1b"
+        f"pp={', '.join(map(str, short))}: {pin} runs the micro-batches in rounds of pp, and {source}, none a "
+        f"multiple of it; use {fix}, or --schedule 1f1b"
     )
     if reason not in search.excluded:
         search.excluded.append(reason)
@@ -1417,15 +1441,19 @@ def _features(config: MeshConfig) -> int:
 
 
 def _prunable(cand: _Candidate, best: _Candidate, mip_gap: float) -> bool:
-    """Whether `cand` need not be solved: its lower bound is within the solver's gap of the best plan
-    so far or above it, and it could not win `_better`'s tie on fewer devices either (a bound at or
-    below the best's latency on fewer devices is solved: a TP mesh whose solution replicated every
-    weight, on 8 devices, kept TP 1 on 2 out of the search at the same latency, and was chosen)."""
+    """Whether `cand` need not be solved: `_better`'s score of its lower bound (the bound, plus
+    `FEATURE_MIN_SAVING` per feature it uses) is within the solver's gap of the best plan's score so far
+    or above it, and could not tie that score on fewer devices either. A bound that could still win
+    is solved: a TP mesh whose solution replicated every weight, on 8 devices, kept TP 1 on 2 out of
+    the search at the same latency (Zamba), and a candidate with fewer features wins at up to 0.5% a
+    feature slower."""
     assert best.latency_s is not None
-    if cand.lower_bound_s <= best.latency_s * (1 - mip_gap):
+    bound = cand.lower_bound_s * (1 + FEATURE_MIN_SAVING * _features(cand.config))
+    best_score = best.latency_s * (1 + FEATURE_MIN_SAVING * _features(best.config))
+    if bound <= best_score * (1 - mip_gap):
         return False
     fewer = cand.mesh.num_devices < best.mesh.num_devices
-    return not (fewer and cand.lower_bound_s <= best.latency_s * (1 + TIE_TOLERANCE))
+    return not (fewer and bound <= best_score * (1 + TIE_TOLERANCE))
 
 
 def _better(cand: _Candidate, best: _Candidate) -> bool:
@@ -1505,7 +1533,7 @@ def _infeasible(search: _Search) -> InfeasibleError:
             if mesh.dp_cp > 1 and not sharded:
                 zero = ", or a sharded data-parallel style (--dp-style zero1 / fsdp)"
             hints.append(
-                f"more tensor / pipeline parallelism{zero}: weights, gradients and Adam state alone take "
+                f"{_model_parallel_text(search)}{zero}: weights, gradients and Adam state alone take "
                 f"{state / _GIB:.0f} GiB per device on {mesh.label()} ({ctx.dp_style}; a smaller batch would "
                 "not help)"
             )
@@ -1515,7 +1543,7 @@ def _infeasible(search: _Search) -> InfeasibleError:
                 "less activation memory per device: more micro-batches or a smaller batch"
                 + (", more context parallelism (--cp)" if longest else "")
                 + (
-                    ", more tensor / pipeline parallelism"
+                    f", {_model_parallel_text(search)}"
                     if mesh.tp * mesh.pp < search.cluster.num_devices
                     else ""
                 )
@@ -1533,6 +1561,19 @@ def _infeasible(search: _Search) -> InfeasibleError:
         f"would fit: {', or '.join(hints)}"
         + (f"; excluded from the search: {'; '.join(search.excluded)}" if search.excluded else "")
     )
+
+
+def _model_parallel_text(search: _Search) -> str:
+    """ "more tensor / pipeline parallelism", less what the pins rule out: tensor parallelism where --tp
+    is pinned, pipeline parallelism where --pp is or no candidate has stages (a pinned interleaved
+    schedule the batch cannot feed: `_exclude_short_interleaving`)."""
+    c = search.constraints
+    ways = ["tensor"] if c.tp is None else []
+    if c.pp is None and any(cand.mesh.pp > 1 for cand in search.candidates):
+        ways.append("pipeline")
+    if ways:
+        return f"more {' / '.join(ways)} parallelism"
+    return "more tensor / pipeline parallelism than the pins allow (see the exclusions below)"
 
 
 def _unit_does_not_fit(search: _Search) -> InfeasibleError | None:
@@ -1953,8 +1994,9 @@ def _torchtitan_decision(search: _Search, titan: PricedAssignment | None) -> lis
         return []
     t, ctx = titan.prediction, titan.tables.ctx
     recompute = "/".join(sorted({str(r) for r in titan.assignment.recompute.values()})) or "none"
+    cp = f"context parallel {ctx.mesh.cp} (FSDP over its ranks), " if ctx.mesh.cp > 1 else ""
     reason = (
-        f"torchtitan's Llama 3 recipe ({ctx.config.dp_label() if ctx.mesh.dp > 1 else 'no DP'}, "
+        f"torchtitan's Llama 3 recipe ({ctx.config.dp_label() if ctx.mesh.dp > 1 else 'no DP'}, {cp}"
         f"sequence parallel {'on' if ctx.sequence_parallel else 'off'}, activation checkpointing {recompute}, "
         f"{ctx.micro_batches} micro-batch(es)); "
         + memory_fit_text(t.peak_memory_bytes, search.cap_bytes, search.cluster.device.memory_bytes)
