@@ -416,3 +416,52 @@ def test_the_search_prices_cp_2_from_8k_tokens_and_more_degrees_from_16k() -> No
     assert options(4096) == [1]
     assert options(8192) == [1, 2]
     assert options(16384) == [1, 2, 4, 8]
+
+
+def test_a_cp_plan_whose_pass_gathers_the_whole_sequence_is_planned_again_without_cp(monkeypatch) -> None:
+    """Mixtral 8x7B at 8 x 32,768 tokens on h100-ib-2node: the search chose CP 2 at 4.3 s, and lowering
+    added the CP pass's whole-sequence gather at the MoE block's `x.view(-1, C)` (+8.0 s): 12.3 s, 0.55x
+    the torchtitan recipe. Such a plan is made again at cp 1 (TP 2 x DP 8, 4.6 s) and the faster kept,
+    the other named in `excluded`; a CP plan without the gather, a pinned --cp, or a slower cp 1 plan
+    leave the plan as it is."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from planner.cli import workflow  # noqa: PLC0415
+    from planner.plan import Fallback, MeshShape  # noqa: PLC0415
+
+    gather = Fallback(
+        "aten.view (context parallelism: whole sequence gathered)",
+        "moe.py:137 `x.view(-1, C)`",
+        "view",
+        1.0,
+        8.0,
+    )
+
+    def plan(cp: int, latency_s: float, fallbacks=()) -> SimpleNamespace:
+        mesh = MeshShape(2 if cp == 1 else 1, 1, 8, cp)
+        return SimpleNamespace(cp=cp, mesh=mesh, fallbacks=list(fallbacks), excluded=[],
+                               predicted=SimpleNamespace(latency_s=latency_s))  # fmt: skip
+
+    asked = []
+
+    def replan(latency_s: float):
+        def plan_model(structure, cluster, workload, constraints, **kwargs):
+            asked.append(constraints.cp)
+            return plan(1, latency_s)
+
+        monkeypatch.setattr(workflow, "plan_model", plan_model)
+        monkeypatch.setattr(workflow, "_lower_keeping_whole", lambda prepared, p, *a, **k: (p, prepared))
+
+    prepared = SimpleNamespace(structure=None, workload=None)
+    replan(4.6)
+    cp_plan = plan(2, 12.3, [gather])
+    kept = workflow._replan_without_cp_gathers(prepared, cp_plan, None, Constraints(), "m.py")
+    assert kept.cp == 1 and asked == [1]
+    assert "cp=2: the CP pass gathers the whole sequence at aten.view at moe.py:137" in kept.excluded[0]
+    assert "takes 12.300 s a step, this one 4.600 s" in kept.excluded[0]
+    replan(13.0)
+    assert workflow._replan_without_cp_gathers(prepared, cp_plan, None, Constraints(), "m.py") is cp_plan
+    asked.clear()
+    for unchanged, pins in ((plan(2, 4.3), Constraints()), (cp_plan, Constraints(cp=2))):
+        assert workflow._replan_without_cp_gathers(prepared, unchanged, None, pins, "m.py") is unchanged
+    assert asked == []
