@@ -150,10 +150,9 @@ def gemm_compute_s(flops: float, m: float, n: float, k: float, device: DeviceSpe
     (``device.gemm``), by `gemm_efficiency` of `gemm_for_dtype`; an fp32 GEMM never below the same
     shape's in the faster 16-bit dtype (it moves twice the bytes on slower units: the SIMT tiles'
     smaller waves must not price it faster)."""
-    seconds = flops / (
-        device.peak_flops_per_s[dtype] * gemm_efficiency(m, n, k, gemm_for_dtype(device, dtype))
-    )
-    if gemm_for_dtype(device, dtype) is not device.gemm:
+    gemm = gemm_for_dtype(device, dtype)
+    seconds = flops / (device.peak_flops_per_s[dtype] * gemm_efficiency(m, n, k, gemm))
+    if gemm is not device.gemm:
         half = max(("bf16", "fp16"), key=lambda d: device.peak_flops_per_s.get(d, 0.0))
         seconds = max(
             seconds, flops / (device.peak_flops_per_s[half] * gemm_efficiency(m, n, k, device.gemm))

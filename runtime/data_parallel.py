@@ -936,6 +936,12 @@ def check_same_parameters(named: Sequence[tuple[str, torch.Tensor]], group: dist
         )
 
 
+def expert_reduce_group(plan: Any, groups: Any) -> dist.ProcessGroup | None:
+    """The group expert parallelism's parameters reduce their gradients in: the ranks holding the same
+    experts ("edp") when EP is folded over dp x cp, else the dp x cp ranks. groups: `runtime.mesh.RankGroups`."""
+    return groups.group("edp") if getattr(plan, "ep_fold", "dp") == "dp" else groups.group("dp_cp")
+
+
 def check_replicas_alike(
     plan: Any,
     named: Sequence[tuple[str, torch.Tensor]],
@@ -944,14 +950,13 @@ def check_replicas_alike(
 ) -> None:
     """`check_same_parameters` over the groups `plan` reduces gradients in: the dp x cp ranks for every
     parameter but expert parallelism's (`expert_names`, whose ranks hold other experts under other
-    names), those over the ranks holding the same experts ("edp" when folded over dp x cp). named: the
-    rank's (fqn, parameter) pairs (a pipeline rank's chunks' together); groups: `runtime.mesh.RankGroups`."""
+    names), those over `expert_reduce_group`. named: the rank's (fqn, parameter) pairs (a pipeline
+    rank's chunks' together); groups: `runtime.mesh.RankGroups`."""
     check_same_parameters([(n, p) for n, p in named if n not in expert_names], groups.group("dp_cp"))
     if expert_names:
-        experts_group = (
-            groups.group("edp") if getattr(plan, "ep_fold", "dp") == "dp" else groups.group("dp_cp")
+        check_same_parameters(
+            [(n, p) for n, p in named if n in expert_names], expert_reduce_group(plan, groups)
         )
-        check_same_parameters([(n, p) for n, p in named if n in expert_names], experts_group)
 
 
 def build_optimizer(
@@ -1546,8 +1551,9 @@ def build_plan_optimizer(
     `runtime.mesh.RankGroups`. With context parallelism every style spans the dp x cp ranks ("dp_cp",
     `runtime.mesh`): the CP ranks' gradients are partial sums over their tokens, scaled by cp in the
     graph (`passes.cp_lower`), so the mean over dp x cp is the whole batch's gradient."""
+    named = list(module.named_parameters())
     experts = set(getattr(module, "meta", {}).get("ep_params", ())) if getattr(plan, "ep", 1) > 1 else set()
-    check_replicas_alike(plan, list(module.named_parameters()), groups, experts)
+    check_replicas_alike(plan, named, groups, experts)
     style = DataParallel(plan.dp_style)
     if style is DataParallel.FSDP:
         return FsdpAdam(
@@ -1570,20 +1576,16 @@ def build_plan_optimizer(
                 f"expert parallelism (ep={plan.ep}) runs with dp_style ddp; {style} keeps one shard of each "
                 "parameter per data-parallel rank, which the experts' own groups do not; set dp_style: ddp"
             )
-        names = set(getattr(module, "meta", {}).get("ep_params", ()))
-        named = list(module.named_parameters())
         optimizer = ReplicatedAdam(
             [p for _, p in named], groups.group("dp_cp"), plan.mesh.dp_cp, named=named, units=units,
             overlap_grad_reduce=plan.overlap_grad_reduce, micro_batches=plan.micro_batches,
-            expert=[p for n, p in named if n in names],
-            expert_group=groups.group("edp") if plan.ep_fold == "dp" else groups.group("dp_cp"),
+            expert=[p for n, p in named if n in experts], expert_group=expert_reduce_group(plan, groups),
             main_grads=main_grads(plan),
         )  # fmt: skip
     else:
         optimizer = build_optimizer(
             plan.distributed_optimizer, list(module.parameters()), groups.group("dp_cp"), plan.mesh.dp_cp,
-            groups.dp_cp_rank,
-            plan, list(module.named_parameters()), units,
+            groups.dp_cp_rank, plan, named, units,
         )  # fmt: skip
     prepare_param_waits(plan, [module], units, optimizer)
     return optimizer

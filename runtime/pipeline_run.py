@@ -47,6 +47,7 @@ from runtime.data_parallel import (
     build_optimizer,
     build_plan_optimizer,
     check_replicas_alike,
+    expert_reduce_group,
     prepare_param_waits,
     state_bytes,
     state_grad_dtype,
@@ -176,7 +177,7 @@ def run_pipeline_rank(ctx: RankContext, job: RunJob, setup: RankSetup) -> RankRe
             # expert parallelism (`passes.ep_lower`): each chunk's expert parameters, reduced over their group
             expert_names = {n for chunk in chunks for n in getattr(chunk, "meta", {}).get("ep_params", ())}
             expert = [p for n, p in named if n in expert_names] if plan.ep > 1 else []
-            expert_group = groups.group("edp") if plan.ep_fold == "dp" else groups.group("dp_cp")
+            expert_group = expert_reduce_group(plan, groups)
             check_replicas_alike(plan, named, groups, expert_names if plan.ep > 1 else set())
             optimizer = build_optimizer(
                 plan.distributed_optimizer, params, groups.group("dp_cp"), plan.mesh.dp_cp, groups.dp_cp_rank,

@@ -1327,14 +1327,17 @@ def _replan_without_cp_gathers(
     if plan.cp == 1 or constraints.cp is not None or not gathers:
         return plan
     progress("planning again without context parallelism (its pass gathers the whole sequence)", None)
+    without = replace(constraints, cp=1)
     try:
         again = plan_model(
-            prepared.structure, cluster, prepared.workload, replace(constraints, cp=1),
-            model_name=str(model_path), progress=progress,
-        )  # fmt: skip
-        again, _ = _lower_keeping_whole(
-            prepared, again, cluster, replace(constraints, cp=1), model_path, progress
+            prepared.structure,
+            cluster,
+            prepared.workload,
+            without,
+            model_name=str(model_path),
+            progress=progress,
         )
+        again, _ = _lower_keeping_whole(prepared, again, cluster, without, model_path, progress)
     except (InfeasibleError, InputError):
         return plan
     ops = ", ".join(dict.fromkeys(f"{f.op.split(' (')[0]} at {f.line or f.node}" for f in gathers))

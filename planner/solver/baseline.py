@@ -471,9 +471,9 @@ def torchtitan_configs(
     With `context_parallel` (the model's attention runs context-parallel) and a sequence of
     `TORCHTITAN_CP_FROM_TOKENS` or more, each pipeline depth is tried at cp 1, then at the degrees of
     `TORCHTITAN_CP_DEGREES` that put the most devices to work (`_torchtitan_cps`), the CP ranks taken
-    from the data-parallel ones (the sequence a multiple of 2 x cp x tp, as torchtitan asserts). Empty for workloads other than training and models
-    without layers. The devices used are the cluster's (or `max_devices`), less any that would not
-    divide the batch."""
+    from the data-parallel ones (the sequence a multiple of 2 x cp x tp, as torchtitan asserts). Empty
+    for workloads other than training and models without layers. The devices used are the cluster's
+    (or `max_devices`), less any that would not divide the batch."""
     if not workload.train or not structure.layers:  # a recipe for transformer layers
         return []
     devices = min(cluster.num_devices, max_devices or cluster.num_devices)

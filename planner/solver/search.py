@@ -671,7 +671,7 @@ def _cp_options(search: _Search, num_devices: int) -> list[int]:
         return [c.cp]
     if w.kind is Workload.DECODE or w.seq_len < MIN_CP2_SEQ_LEN:
         return [1]  # not listed as excluded: every short-sequence plan would say it
-    why = _cp_unsupported(search) or _cp_gathers_attention(search)
+    why = _cp_refusal(search)
     if why:
         if search.structure.layers and any(layer.attention for layer in search.structure.layers):
             search.excluded.append(f"cp>1: {why}")
@@ -828,6 +828,12 @@ def _ep_unplaceable(search: _Search, num_devices: int) -> str:
         f"--ep {c.ep}: no mesh of at most {num_devices} devices has {over} divisible by {c.ep} with the other "
         f"pins; the model has {experts[0]} experts; use a smaller --ep or more devices"
     )
+
+
+def _cp_refusal(search: _Search) -> str:
+    """Why the search prices no context parallelism for the model ("" when it does): `_cp_unsupported`,
+    else `_cp_gathers_attention`."""
+    return _cp_unsupported(search) or _cp_gathers_attention(search)
 
 
 def _cp_unsupported(search: _Search) -> str:
@@ -1956,7 +1962,7 @@ def _torchtitan_baseline(search: _Search) -> PricedAssignment | None:
     training."""
     chosen = None
     c = search.constraints
-    context_parallel = not (_cp_unsupported(search) or _cp_gathers_attention(search))
+    context_parallel = not _cp_refusal(search)
     recipes = torchtitan_configs(
         search.cluster, search.workload, search.structure, c.max_devices, context_parallel
     )
